@@ -1,0 +1,31 @@
+# The two set-up commands of the README: `make demo` and `make test`.
+# Each creates .venv on first use and reinstalls when pyproject.toml changes.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+TRACE  ?= ../shared/data/mooncake_synthetic_trace.jsonl
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kvctl demo --trace $(TRACE)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/kvctl bench store --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Manager dashboard (plotly-dash). Empty until the dashboard issue lands."""

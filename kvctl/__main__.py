@@ -1,0 +1,3 @@
+from kvctl.cli.main import main
+
+main()

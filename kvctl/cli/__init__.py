@@ -1,0 +1,1 @@
+"""The kvctl command line: thin typer commands over the library."""

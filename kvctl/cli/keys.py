@@ -1,0 +1,85 @@
+"""`kvctl keys`: chunk keys of a token sequence, as an engine or agent would compute them."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Annotated
+
+import typer
+
+from kvctl.cli.output import console, fail, print_json, user_errors
+
+
+def keys_command(
+    text: Annotated[str | None, typer.Option(help="Text to tokenize with --tokenizer.")] = None,
+    tokens: Annotated[
+        pathlib.Path | None, typer.Option(help="File of token ids (whitespace or commas).")
+    ] = None,
+    tokenizer: Annotated[str, typer.Option(help="simple (words) or bytes (UTF-8).")] = "simple",
+    model: Annotated[str, typer.Option(help="Model id folded into the key root.")] = "demo",
+    layers: Annotated[int, typer.Option(help="KV layout: layers.")] = 32,
+    kv_heads: Annotated[int, typer.Option(help="KV layout: KV heads.")] = 8,
+    head_dim: Annotated[int, typer.Option(help="KV layout: head dimension.")] = 128,
+    dtype: Annotated[str, typer.Option(help="KV layout: dtype.")] = "bfloat16",
+    salt: Annotated[str, typer.Option(help="Tenant cache salt (isolated tenants).")] = "",
+    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk.")] = 256,
+    partial: Annotated[bool, typer.Option(help="Also key a partial last chunk.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Show the prefix-chained chunk keys of a token sequence.
+
+    Each key is a 128-bit digest of its parent key and its chunk's tokens; the root folds in the
+    model id, the KV layout and the tenant salt, so keys only match for the same whole prefix.
+
+    Examples:
+
+      kvctl keys --text "You are a helpful assistant." --chunk-tokens 4
+
+      kvctl keys --tokens prompt.txt --model meta-llama/Llama-3.1-8B --json
+    """
+    from kvctl.store.keys import KVLayout, Namespace, keys_for
+    from kvctl.tokenize import read_token_file, tokenize
+
+    with user_errors(hint="see `kvctl keys --help`"):
+        if (text is None) == (tokens is None):
+            fail("give exactly one of --text and --tokens")
+        ids = tokenize(text, tokenizer) if text is not None else read_token_file(
+            tokens.read_text(encoding="utf-8")  # type: ignore[union-attr]
+        )
+        ns = Namespace(model, KVLayout(layers, kv_heads, head_dim, dtype), salt)
+        keys = keys_for(ids, ns, chunk_tokens, include_partial=partial)
+        bytes_per_chunk = ns.layout.bytes_per_token * chunk_tokens
+    rows = [
+        {
+            "index": i,
+            "key": k.hex(),
+            "first_token": i * chunk_tokens,
+            "tokens": min(chunk_tokens, len(ids) - i * chunk_tokens),
+        }
+        for i, k in enumerate(keys)
+    ]
+    if json_out:
+        print_json(
+            {
+                "tokens": len(ids),
+                "chunk_tokens": chunk_tokens,
+                "kv_bytes_per_token": ns.layout.bytes_per_token,
+                "namespace_root": ns.root.hex(),
+                "chunks": rows,
+            }
+        )
+        return
+    from rich.table import Table
+
+    table = Table(
+        title=f"{len(ids):,} tokens -> {len(keys)} chunk(s) of {chunk_tokens} tokens "
+        f"({bytes_per_chunk:,} KV bytes per full chunk)",
+        title_justify="left",
+    )
+    for col in ("#", "key", "first token", "tokens"):
+        table.add_column(col, justify="right" if col != "key" else "left")
+    for r in rows:
+        table.add_row(str(r["index"]), str(r["key"]), str(r["first_token"]), str(r["tokens"]))
+    console.print(table)
+    if not keys:
+        console.print(f"[yellow]fewer than {chunk_tokens} tokens: no full chunk to key[/]")

@@ -1,0 +1,41 @@
+"""Exceptions raised by the store. Every one leaves the store as it was before the call."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class for errors raised by kvctl.store."""
+
+
+class InvalidArgument(StoreError, ValueError):
+    """A caller passed a value the store cannot accept (bad size, bad key, bad tokens)."""
+
+
+class PayloadSizeError(InvalidArgument):
+    """A chunk payload does not have the size the store or the key's entry requires."""
+
+
+class KeyNotFound(StoreError, KeyError):
+    """The key is not cached in the store (or not in the tier that was asked for)."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else "key not found"
+
+
+class CapacityError(StoreError):
+    """The tier cannot make room: the chunk is larger than the tier or the rest is pinned."""
+
+
+class TierUnavailable(StoreError):
+    """A tier cannot be used: its directory is missing or not writable, or it was closed."""
+
+
+class DiskFullError(StoreError, OSError):
+    """The disk tier's filesystem ran out of space (or quota) while writing a chunk."""
+
+
+class CorruptChunk(KeyNotFound):
+    """A stored chunk failed its checksum or header check; it has been dropped.
+
+    A subclass of KeyNotFound because, to a reader, a corrupt chunk is a miss: it is never served.
+    """

@@ -1,0 +1,88 @@
+"""The store's index: one entry per cached chunk, and the result of a prefix lookup."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
+MAX_PRIORITY = 100
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """Everything the store knows about one cached chunk. Lives in exactly one tier."""
+
+    key: bytes
+    tier: str
+    size_bytes: int
+    tokens: int
+    tenant: str
+    parent: bytes | None
+    priority: int = DEFAULT_PRIORITY
+    isolated: bool = False
+    pinned: bool = False
+    created_s: float = 0.0
+    last_access_s: float = 0.0
+    #: logical clock of the last access: orders accesses exactly, unlike wall time
+    last_tick: int = 0
+    hit_count: int = 0
+    access_count: int = 1
+    #: cached children (chunks whose parent is this key), anywhere in the store
+    children: int = 0
+    #: priority falls back to DEFAULT_PRIORITY after this time (None: keeps it)
+    retention_until_s: float | None = None
+    #: depth in its prefix chain (0 = first chunk); known when the caller passes it
+    depth: int = 0
+    #: distinct tenants that hit this chunk, capped; a spread signal for policies
+    tenants: set[str] = field(default_factory=set)
+
+    def effective_priority(self, now_s: float) -> int:
+        if self.retention_until_s is not None and now_s >= self.retention_until_s:
+            return DEFAULT_PRIORITY
+        return self.priority
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "key": self.key.hex(),
+            "tier": self.tier,
+            "size_bytes": self.size_bytes,
+            "tokens": self.tokens,
+            "tenant": self.tenant,
+            "parent": self.parent.hex() if self.parent else None,
+            "priority": self.priority,
+            "retention_until_s": self.retention_until_s,
+            "isolated": self.isolated,
+            "pinned": self.pinned,
+            "created_s": self.created_s,
+            "last_access_s": self.last_access_s,
+            "hit_count": self.hit_count,
+            "children": self.children,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """Outcome of a longest-prefix lookup over a request's key chain."""
+
+    total_chunks: int
+    #: leading chunks that hit (usable as a prefix)
+    matched_chunks: int
+    #: tier of each key in the chain, None where it is not cached (also past the prefix)
+    locations: tuple[str | None, ...]
+    matched_tokens: int = 0
+
+    @property
+    def matched_tiers(self) -> tuple[str, ...]:
+        return tuple(t for t in self.locations[: self.matched_chunks] if t is not None)
+
+    @property
+    def hit_ratio(self) -> float:
+        return self.matched_chunks / self.total_chunks if self.total_chunks else 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "total_chunks": self.total_chunks,
+            "matched_chunks": self.matched_chunks,
+            "matched_tokens": self.matched_tokens,
+            "locations": list(self.locations),
+        }

@@ -1,0 +1,76 @@
+"""Store counters. Everything is a monotonic count; ratios are derived when read, never stored."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+EVICTION_REASONS = ("capacity", "resize", "flush", "explicit", "corrupt")
+
+
+@dataclass(slots=True)
+class TierStats:
+    hits: int = 0
+    hit_tokens: int = 0
+    reuse_hits: int = 0
+    sharing_hits: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    #: chunks that arrived in this tier from a lower (slower) tier
+    promotions: int = 0
+    #: chunks that arrived in this tier from an upper (faster) tier
+    demotions: int = 0
+    #: chunks that left this tier by eviction, by reason (a demoted chunk counts here too)
+    evictions: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "hits": self.hits,
+            "hit_tokens": self.hit_tokens,
+            "reuse_hits": self.reuse_hits,
+            "sharing_hits": self.sharing_hits,
+            "puts": self.puts,
+            "bytes_written": self.bytes_written,
+            "bytes_read": self.bytes_read,
+            "promotions": self.promotions,
+            "demotions": self.demotions,
+            "evictions": {r: self.evictions.get(r, 0) for r in EVICTION_REASONS},
+        }
+
+
+@dataclass(slots=True)
+class StoreStats:
+    #: lookup calls (one per request prefix lookup)
+    lookups: int = 0
+    lookup_chunks: int = 0
+    lookup_tokens: int = 0
+    hit_chunks: int = 0
+    hit_tokens: int = 0
+    reuse_hits: int = 0
+    sharing_hits: int = 0
+    #: chunks that left the store entirely (not demoted)
+    drops: int = 0
+    demotion_failures: int = 0
+    admission_refused: int = 0
+    bypassed_puts: int = 0
+    corrupt_dropped: int = 0
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "lookups": self.lookups,
+            "lookup_chunks": self.lookup_chunks,
+            "lookup_tokens": self.lookup_tokens,
+            "hit_chunks": self.hit_chunks,
+            "hit_tokens": self.hit_tokens,
+            "reuse_hits": self.reuse_hits,
+            "sharing_hits": self.sharing_hits,
+            "hit_ratio": self.hit_chunks / self.lookup_chunks if self.lookup_chunks else 0.0,
+            "drops": self.drops,
+            "demotion_failures": self.demotion_failures,
+            "admission_refused": self.admission_refused,
+            "bypassed_puts": self.bypassed_puts,
+            "corrupt_dropped": self.corrupt_dropped,
+            "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
+        }

@@ -1,0 +1,726 @@
+"""The tiered KV store: an index over ordered tiers (fastest first) with pluggable policies.
+
+A chunk lives in exactly one tier (exclusive caching), so occupancy and "which tier holds it" are
+unambiguous. Eviction from a tier demotes to the next tier when that tier's admission policy
+allows, and drops otherwise; a hit in a lower tier is promoted to the top tier. Every public
+method either completes or raises before changing anything it would have to undo, and a failure
+while demoting (disk full) degrades to a drop that is counted, never to lost or wrong bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvctl.store.errors import (
+    CapacityError,
+    CorruptChunk,
+    DiskFullError,
+    InvalidArgument,
+    KeyNotFound,
+    PayloadSizeError,
+    TierUnavailable,
+)
+from kvctl.store.index import DEFAULT_PRIORITY, MAX_PRIORITY, Entry, LookupResult
+from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KEY_BYTES
+from kvctl.store.policies import (
+    AdmissionPolicy,
+    EvictionPolicy,
+    make_admission_policy,
+    make_eviction_policy,
+)
+from kvctl.store.stats import StoreStats, TierStats
+from kvctl.store.tiers.base import Buffer, ChunkMeta, Tier
+
+_MAX_TENANTS_TRACKED = 8
+
+Event = dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class BulkResult:
+    """Outcome of a bulk operation (evict, pin, move, prefetch, flush)."""
+
+    done: int = 0
+    skipped_pinned: int = 0
+    missing: int = 0
+    failed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "done": self.done,
+            "skipped_pinned": self.skipped_pinned,
+            "missing": self.missing,
+            "failed": self.failed,
+        }
+
+
+class TieredStore:
+    """Chunks in ordered tiers, fastest first, e.g. ``[CpuTier(...), DiskTier(...)]``.
+
+    ``eviction`` names one policy for every tier or maps tier name -> policy name or instance.
+    ``admission`` maps tier name -> admission policy (default: admit everything).
+    ``chunk_bytes``, when set, is the only payload size accepted (a store serves one KV layout).
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        *,
+        eviction: str | Mapping[str, str | EvictionPolicy] = "lineage-lru",
+        admission: Mapping[str, str | AdmissionPolicy] | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        chunk_bytes: int | None = None,
+        promote_on_hit: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not tiers:
+            raise InvalidArgument("a store needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"tier names must be unique, got {names}")
+        if chunk_tokens <= 0:
+            raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if chunk_bytes is not None:
+            if chunk_bytes <= 0:
+                raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
+            for t in tiers:
+                if t.capacity_bytes < chunk_bytes:
+                    raise InvalidArgument(
+                        f"tier {t.name!r} capacity {t.capacity_bytes} bytes is smaller than one "
+                        f"chunk ({chunk_bytes} bytes)"
+                    )
+        self.chunk_tokens = chunk_tokens
+        self.chunk_bytes = chunk_bytes
+        self.promote_on_hit = promote_on_hit
+        self._clock = clock
+        self._tiers = list(tiers)
+        self._tier_index = {t.name: i for i, t in enumerate(self._tiers)}
+        self._policies = {t.name: self._policy_for(t.name, eviction) for t in self._tiers}
+        admission = admission or {}
+        unknown = set(admission) - set(names)
+        if unknown:
+            raise InvalidArgument(f"admission names unknown tiers: {sorted(unknown)}")
+        self._admission: dict[str, AdmissionPolicy] = {
+            name: _as_admission(admission.get(name, "all")) for name in names
+        }
+        self._index: dict[bytes, Entry] = {}
+        # cached-children counts of parents that are not cached themselves, so a parent that
+        # comes back knows its children at once
+        self._orphans: dict[bytes, int] = {}
+        self._pinned_bytes = dict.fromkeys(names, 0)
+        self._tick = 0
+        self._lock = threading.RLock()
+        self._listeners: list[Callable[[Event], None]] = []
+        self.stats = StoreStats(tiers={n: TierStats() for n in names})
+        self._recover()
+
+    # --- construction helpers -------------------------------------------------------------
+    def _policy_for(
+        self, tier: str, eviction: str | Mapping[str, str | EvictionPolicy]
+    ) -> EvictionPolicy:
+        spec: str | EvictionPolicy = (
+            eviction if isinstance(eviction, str) else eviction.get(tier, "lineage-lru")
+        )
+        return make_eviction_policy(spec) if isinstance(spec, str) else spec
+
+    def _recover(self) -> None:
+        """Index the chunks that durable tiers found on open."""
+        found: list[tuple[int, ChunkMeta]] = []
+        for i, tier in enumerate(self._tiers):
+            found.extend((i, m) for m in tier.recover())
+        found.sort(key=lambda im: im[1].created_s)
+        for i, meta in found:
+            tier = self._tiers[i]
+            if meta.key in self._index:  # a copy in two tiers (crash mid-move): keep the faster
+                tier.delete(meta.key)
+                continue
+            self._tick += 1
+            self._index[meta.key] = Entry(
+                key=meta.key, tier=tier.name, size_bytes=meta.size_bytes, tokens=meta.tokens,
+                tenant=meta.tenant, parent=meta.parent, priority=meta.priority,
+                isolated=meta.isolated, created_s=meta.created_s,
+                last_access_s=meta.created_s, last_tick=self._tick,
+            )  # fmt: skip
+        for e in self._index.values():
+            self._link_parent(e, +1, notify=False)
+        for e in self._index.values():
+            self._policies[e.tier].on_insert(e)
+        for tier in self._tiers:  # recovered more than a smaller configured capacity
+            self._shrink_to(tier, tier.capacity_bytes, reason="resize")
+
+    # --- public API -------------------------------------------------------------------------
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._tiers]
+
+    def tier(self, name: str) -> Tier:
+        return self._tiers[self._rank(name)]
+
+    def policy(self, tier: str) -> EvictionPolicy:
+        return self._policies[self.tier(tier).name]
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def subscribe(self, listener: Callable[[Event], None]) -> Callable[[], None]:
+        """Call ``listener`` with every store/evict/move event; returns an unsubscribe function."""
+        with self._lock:
+            self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def put(
+        self,
+        key: bytes,
+        data: Buffer | None,
+        *,
+        size_bytes: int | None = None,
+        tokens: int | None = None,
+        tenant: str = "",
+        parent: bytes | None = None,
+        depth: int = 0,
+        priority: int = DEFAULT_PRIORITY,
+        retention_seconds: float | None = None,
+        pinned: bool = False,
+        isolated: bool = False,
+        tier: str | None = None,
+    ) -> str | None:
+        """Store a chunk; returns the tier it landed in, or None if a policy declined it.
+
+        ``data`` is None only for size-only (simulation) tiers, with ``size_bytes`` given.
+        Storing a key that is already cached only refreshes it (KV for a key never changes).
+        """
+        _check_key(key)
+        size = _payload_size(data, size_bytes)
+        if self.chunk_bytes is not None and size != self.chunk_bytes:
+            raise PayloadSizeError(f"chunk is {size} bytes; this store holds {self.chunk_bytes}")
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise InvalidArgument(f"priority must be in 0..{MAX_PRIORITY}, got {priority}")
+        if retention_seconds is not None and retention_seconds < 0:
+            raise InvalidArgument(f"retention_seconds must not be negative: {retention_seconds}")
+        if parent is not None:
+            _check_key(parent, "parent")
+        with self._lock:
+            now = self._clock()
+            existing = self._index.get(key)
+            if existing is not None:
+                if not self._visible(existing, tenant):
+                    return None
+                if existing.size_bytes != size:
+                    raise PayloadSizeError(
+                        f"key {key.hex()} is cached with {existing.size_bytes} bytes, not {size}"
+                    )
+                self._access(existing, now)
+                if pinned:
+                    self._pin(existing)
+                return existing.tier
+            target = self._tiers[self._rank(tier) if tier else 0]
+            entry = Entry(
+                key=key, tier=target.name, size_bytes=size,
+                tokens=self.chunk_tokens if tokens is None else tokens, tenant=tenant,
+                parent=parent, priority=priority, isolated=isolated, created_s=now,
+                last_access_s=now, depth=depth,
+                retention_until_s=None if retention_seconds is None else now + retention_seconds,
+            )  # fmt: skip
+            entry.tenants.add(tenant)
+            self._check_room(target, size, pinning=pinned)
+            policy = self._policies[target.name]
+            if not pinned and target.free_bytes < size and not policy.admit(entry, now):
+                self.stats.bypassed_puts += 1
+                return None
+            self._make_room(target, size)
+            target.put(_meta(entry), data)
+            self._tick += 1
+            entry.last_tick = self._tick
+            self._index[key] = entry
+            self._link_parent(entry, +1)
+            if pinned:
+                entry.pinned = True
+                self._pinned_bytes[target.name] += size
+            else:
+                policy.on_insert(entry)
+            ts = self.stats.tiers[target.name]
+            ts.puts += 1
+            ts.bytes_written += size
+            self._emit("store", entry)
+            return target.name
+
+    def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
+        """Longest cached prefix of a key chain, and the tier of every key. Counts hits."""
+        with self._lock:
+            locations: list[str | None] = []
+            matched = 0
+            matched_tokens = 0
+            in_prefix = True
+            for key in keys:
+                e = self._index.get(key)
+                if e is None or not self._visible(e, tenant):
+                    locations.append(None)
+                    in_prefix = False
+                    continue
+                locations.append(e.tier)
+                if in_prefix:
+                    matched += 1
+                    matched_tokens += e.tokens
+                    self._count_hit(e, tenant)
+            st = self.stats
+            st.lookups += 1
+            st.lookup_chunks += len(keys)
+            st.lookup_tokens += matched_tokens + (len(keys) - matched) * self.chunk_tokens
+            st.hit_chunks += matched
+            st.hit_tokens += matched_tokens
+            return LookupResult(len(keys), matched, tuple(locations), matched_tokens)
+
+    def read_into(self, key: bytes, out: memoryview | bytearray, *, tenant: str = "") -> int:
+        """Copy a chunk into ``out``; returns its size. Promotes a lower-tier hit."""
+        with self._lock:
+            e = self._get_visible(key, tenant)
+            view = memoryview(out)
+            if view.nbytes < e.size_bytes:
+                raise InvalidArgument(
+                    f"buffer of {view.nbytes} bytes is smaller than the chunk ({e.size_bytes})"
+                )
+            self._read(e, view)
+            self._access(e, self._clock())
+            self._promote(e, view[: e.size_bytes])
+            return e.size_bytes
+
+    def get(self, key: bytes, *, tenant: str = "") -> bytearray:
+        """A chunk's bytes in a new buffer owned by the caller."""
+        with self._lock:
+            buf = bytearray(self._get_visible(key, tenant).size_bytes)
+            self.read_into(key, buf, tenant=tenant)
+            return buf
+
+    def touch(self, key: bytes, *, tenant: str = "") -> str:
+        """Access a chunk without reading it (size-only simulation); returns its tier after."""
+        with self._lock:
+            e = self._get_visible(key, tenant)
+            self._access(e, self._clock())
+            self._promote(e, None)
+            return e.tier
+
+    def entry(self, key: bytes) -> Entry:
+        with self._lock:
+            try:
+                return self._index[key]
+            except KeyError:
+                raise KeyNotFound(f"key {key.hex()} is not cached") from None
+
+    def entries(self, tier: str | None = None) -> list[Entry]:
+        with self._lock:
+            if tier is None:
+                return list(self._index.values())
+            name = self.tier(tier).name
+            return [e for e in self._index.values() if e.tier == name]
+
+    def pin(self, keys: Iterable[bytes], *, tier: str | None = None) -> BulkResult:
+        """Pin chunks (never evicted), moving them to ``tier`` first when given.
+
+        Raises CapacityError, before pinning anything, when the pins cannot fit the tier.
+        """
+        with self._lock:
+            found, missing = self._split_known(keys)
+            if tier is not None:
+                target = self.tier(tier)
+                extra = sum(e.size_bytes for e in found if not e.pinned or e.tier != target.name)
+                if self._pinned_bytes[target.name] + extra > target.capacity_bytes:
+                    raise CapacityError(
+                        f"pinning {extra} more bytes in tier {target.name!r} exceeds its "
+                        f"capacity ({target.capacity_bytes} bytes, "
+                        f"{self._pinned_bytes[target.name]} already pinned)"
+                    )
+                for e in found:
+                    if e.tier != target.name:
+                        self._move(e, target)
+            for e in found:
+                self._pin(e)
+            return BulkResult(done=len(found), missing=missing)
+
+    def unpin(self, keys: Iterable[bytes]) -> BulkResult:
+        with self._lock:
+            found, missing = self._split_known(keys)
+            for e in found:
+                if e.pinned:
+                    e.pinned = False
+                    self._pinned_bytes[e.tier] -= e.size_bytes
+                    self._policies[e.tier].on_insert(e)
+            return BulkResult(done=len(found), missing=missing)
+
+    def evict(self, keys: Iterable[bytes]) -> BulkResult:
+        """Drop chunks from the store. Pinned chunks are skipped, never evicted."""
+        with self._lock:
+            found, missing = self._split_known(keys)
+            done = pinned = 0
+            for e in found:
+                if e.pinned:
+                    pinned += 1
+                    continue
+                self._evict(e, "explicit", demote=False)
+                done += 1
+            return BulkResult(done=done, skipped_pinned=pinned, missing=missing)
+
+    def flush(self, tier: str, *, demote: bool = False) -> BulkResult:
+        """Empty a tier of unpinned chunks (dropped, or demoted when ``demote``)."""
+        with self._lock:
+            name = self.tier(tier).name
+            done = pinned = 0
+            for e in [e for e in self._index.values() if e.tier == name]:
+                if e.pinned:
+                    pinned += 1
+                    continue
+                self._evict(e, "flush", demote=demote)
+                done += 1
+            return BulkResult(done=done, skipped_pinned=pinned)
+
+    def move(self, keys: Iterable[bytes], tier: str) -> BulkResult:
+        """Move chunks to ``tier`` (up or down), making room there by policy."""
+        with self._lock:
+            target = self.tier(tier)
+            found, missing = self._split_known(keys)
+            done = failed = 0
+            for e in found:
+                if e.tier == target.name:
+                    continue
+                try:
+                    self._move(e, target)
+                    done += 1
+                except (CapacityError, DiskFullError, TierUnavailable):
+                    failed += 1
+            return BulkResult(done=done, missing=missing, failed=failed)
+
+    def prefetch(self, keys: Iterable[bytes], tier: str | None = None) -> BulkResult:
+        """Bring chunks up to ``tier`` (default: the top tier); chunks already there or higher,
+        and unknown keys, are left alone."""
+        with self._lock:
+            target = self._tiers[self._rank(tier) if tier else 0]
+            rank = self._rank(target.name)
+            found, missing = self._split_known(keys)
+            up = [e for e in found if self._rank(e.tier) > rank]
+            result = self.move([e.key for e in up], target.name)
+            return BulkResult(done=result.done, missing=missing, failed=result.failed)
+
+    def resize(self, tier: str, capacity_bytes: int) -> BulkResult:
+        """Change a tier's capacity live, evicting (demoting) down to the new size first."""
+        with self._lock:
+            t = self.tier(tier)
+            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+                raise InvalidArgument(f"capacity must be an integer, got {capacity_bytes!r}")
+            if capacity_bytes < 0:
+                raise InvalidArgument(f"capacity must not be negative, got {capacity_bytes}")
+            if self.chunk_bytes is not None and capacity_bytes < self.chunk_bytes:
+                raise InvalidArgument(
+                    f"capacity {capacity_bytes} bytes is smaller than one chunk "
+                    f"({self.chunk_bytes} bytes)"
+                )
+            if capacity_bytes < self._pinned_bytes[t.name]:
+                raise CapacityError(
+                    f"tier {t.name!r} has {self._pinned_bytes[t.name]} pinned bytes; unpin "
+                    f"before shrinking to {capacity_bytes}"
+                )
+            evicted = self._shrink_to(t, capacity_bytes, reason="resize")
+            t.resize(capacity_bytes)
+            return BulkResult(done=evicted)
+
+    def usage(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            counts = dict.fromkeys(self._tier_index, 0)
+            for e in self._index.values():
+                counts[e.tier] += 1
+            return {
+                t.name: {
+                    "capacity_bytes": t.capacity_bytes,
+                    "used_bytes": t.used_bytes,
+                    "pinned_bytes": self._pinned_bytes[t.name],
+                    "chunks": counts[t.name],
+                }
+                for t in self._tiers
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            for t in self._tiers:
+                t.close()
+
+    # --- internals --------------------------------------------------------------------------
+    def _rank(self, name: str) -> int:
+        try:
+            return self._tier_index[name]
+        except KeyError:
+            raise InvalidArgument(
+                f"unknown tier {name!r}; this store has {', '.join(self._tier_index)}"
+            ) from None
+
+    @staticmethod
+    def _visible(e: Entry, tenant: str) -> bool:
+        return not e.isolated or e.tenant == tenant
+
+    def _get_visible(self, key: bytes, tenant: str) -> Entry:
+        e = self._index.get(key)
+        if e is None or not self._visible(e, tenant):
+            # the same answer for "absent" and "another tenant's isolated chunk"
+            raise KeyNotFound(f"key {key.hex()} is not cached")
+        return e
+
+    def _split_known(self, keys: Iterable[bytes]) -> tuple[list[Entry], int]:
+        found: list[Entry] = []
+        missing = 0
+        for key in keys:
+            e = self._index.get(key)
+            if e is None:
+                missing += 1
+            else:
+                found.append(e)
+        return found, missing
+
+    def _count_hit(self, e: Entry, tenant: str) -> None:
+        e.hit_count += 1
+        if len(e.tenants) < _MAX_TENANTS_TRACKED:
+            e.tenants.add(tenant)
+        ts = self.stats.tiers[e.tier]
+        ts.hits += 1
+        ts.hit_tokens += e.tokens
+        if e.tenant == tenant:
+            ts.reuse_hits += 1
+            self.stats.reuse_hits += 1
+        else:
+            ts.sharing_hits += 1
+            self.stats.sharing_hits += 1
+
+    def _access(self, e: Entry, now: float) -> None:
+        self._tick += 1
+        e.last_tick = self._tick
+        e.last_access_s = now
+        e.access_count += 1
+        if not e.pinned:
+            self._policies[e.tier].on_access(e)
+
+    def _read(self, e: Entry, out: memoryview) -> None:
+        tier = self._tiers[self._tier_index[e.tier]]
+        try:
+            n = tier.read_into(e.key, out)
+        except CorruptChunk:
+            # the tier already deleted the bad copy; forget it and report a miss
+            self.stats.corrupt_dropped += 1
+            self.stats.tiers[e.tier].evictions["corrupt"] += 1
+            self._forget(e)
+            raise
+        self.stats.tiers[e.tier].bytes_read += n
+
+    def _check_room(self, tier: Tier, size: int, *, pinning: bool = False) -> None:
+        """Raise before any change when ``size`` can never fit (tier too small or pinned full)."""
+        room = tier.capacity_bytes - self._pinned_bytes[tier.name]
+        if size > room:
+            what = "pin" if pinning else "chunk"
+            raise CapacityError(
+                f"{what} of {size} bytes cannot fit tier {tier.name!r}: capacity "
+                f"{tier.capacity_bytes} bytes, {self._pinned_bytes[tier.name]} pinned"
+            )
+
+    def _make_room(self, tier: Tier, size: int) -> None:
+        policy = self._policies[tier.name]
+        while tier.free_bytes < size:
+            victim = policy.victim(self._clock())
+            if victim is None:
+                raise CapacityError(f"tier {tier.name!r}: nothing evictable to free {size} bytes")
+            self._evict(victim, "capacity", demote=True)
+
+    def _shrink_to(self, tier: Tier, capacity_bytes: int, *, reason: str) -> int:
+        policy = self._policies[tier.name]
+        evicted = 0
+        while tier.used_bytes > capacity_bytes:
+            victim = policy.victim(self._clock())
+            if victim is None:
+                raise CapacityError(f"tier {tier.name!r}: only pinned chunks left to evict")
+            self._evict(victim, reason, demote=True)
+            evicted += 1
+        return evicted
+
+    def _evict(self, e: Entry, reason: str, *, demote: bool) -> None:
+        """Take ``e`` out of its tier: demote it to the next tier if allowed, else drop it."""
+        src = self._tiers[self._tier_index[e.tier]]
+        self._policies[src.name].on_remove(e)
+        self.stats.tiers[src.name].evictions[reason] += 1
+        nxt = self._tier_index[src.name] + 1
+        if demote and nxt < len(self._tiers):
+            dst = self._tiers[nxt]
+            if not self._admission[dst.name].admit(e):
+                self.stats.admission_refused += 1
+            elif self._try_place(e, src, dst):
+                self.stats.tiers[dst.name].demotions += 1
+                self._emit("demote", e, src=src.name)
+                return
+        src.delete(e.key)
+        self._forget(e)
+
+    def _try_place(self, e: Entry, src: Tier, dst: Tier) -> bool:
+        """Copy ``e`` from ``src`` into ``dst`` (making room there), then delete it from ``src``.
+        On failure nothing has moved and the caller decides (drop or report)."""
+        if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
+            return False
+        now = self._clock()
+        if dst.free_bytes < e.size_bytes and not self._policies[dst.name].admit(e, now):
+            return False
+        data: Buffer | None = None
+        if src.holds_payload:
+            buf = bytearray(e.size_bytes)
+            try:
+                self._read(e, memoryview(buf))
+            except CorruptChunk:
+                return True  # already forgotten by _read; nothing left to move
+            data = buf
+        try:
+            self._make_room(dst, e.size_bytes)
+            dst.put(_meta(e), data)
+        except (CapacityError, DiskFullError, TierUnavailable):
+            self.stats.demotion_failures += 1
+            return False
+        src.delete(e.key)
+        e.tier = dst.name
+        self.stats.tiers[dst.name].bytes_written += e.size_bytes
+        if e.pinned:
+            self._pinned_bytes[src.name] -= e.size_bytes
+            self._pinned_bytes[dst.name] += e.size_bytes
+        else:
+            self._policies[dst.name].on_insert(e)
+        return True
+
+    def _promote(self, e: Entry, data: Buffer | None) -> None:
+        """Move a lower-tier hit to the top tier, if there is a top tier to go to."""
+        if not self.promote_on_hit or e.pinned or e.key not in self._index:
+            return
+        src = self._tiers[self._tier_index[e.tier]]
+        top = self._tiers[0]
+        if src is top:
+            return
+        src_policy = self._policies[src.name]
+        src_policy.on_remove(e)  # so making room above can never pick it while it moves
+        if data is not None:
+            moved = self._place_with_data(e, src, top, data)
+        else:
+            moved = self._try_place(e, src, top)
+        if moved:
+            if e.key in self._index:
+                self.stats.tiers[top.name].promotions += 1
+                self._emit("promote", e, src=src.name)
+        else:
+            src_policy.on_insert(e)
+
+    def _place_with_data(self, e: Entry, src: Tier, dst: Tier, data: Buffer) -> bool:
+        """``_try_place`` for a chunk whose bytes the caller already read."""
+        if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
+            return False
+        if dst.free_bytes < e.size_bytes and not self._policies[dst.name].admit(
+            e, self._clock()
+        ):
+            return False
+        try:
+            self._make_room(dst, e.size_bytes)
+            dst.put(_meta(e), data)
+        except (CapacityError, DiskFullError, TierUnavailable):
+            return False
+        src.delete(e.key)
+        e.tier = dst.name
+        self.stats.tiers[dst.name].bytes_written += e.size_bytes
+        self._policies[dst.name].on_insert(e)
+        return True
+
+    def _move(self, e: Entry, dst: Tier) -> None:
+        src = self._tiers[self._tier_index[e.tier]]
+        room = dst.capacity_bytes - self._pinned_bytes[dst.name]
+        if e.size_bytes > room:
+            raise CapacityError(
+                f"chunk of {e.size_bytes} bytes cannot fit tier {dst.name!r} ({room} unpinned)"
+            )
+        if not e.pinned:
+            self._policies[src.name].on_remove(e)
+        if not self._try_place(e, src, dst):
+            if not e.pinned and e.key in self._index:
+                self._policies[src.name].on_insert(e)
+            raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}")
+        if e.key in self._index:
+            self._emit("move", e, src=src.name)
+
+    def _pin(self, e: Entry) -> None:
+        if e.pinned:
+            return
+        e.pinned = True
+        self._pinned_bytes[e.tier] += e.size_bytes
+        self._policies[e.tier].on_remove(e)
+
+    def _forget(self, e: Entry) -> None:
+        """Remove ``e`` from the index (its tier copy is already gone)."""
+        if self._index.pop(e.key, None) is None:
+            return
+        if e.pinned:
+            self._pinned_bytes[e.tier] -= e.size_bytes
+        else:
+            self._policies[e.tier].on_remove(e)
+        self._link_parent(e, -1)
+        if e.children:
+            self._orphans[e.key] = e.children
+        self.stats.drops += 1
+        for adm in self._admission.values():
+            adm.on_drop(e)
+        self._emit("evict", e)
+
+    def _link_parent(self, e: Entry, delta: int, *, notify: bool = True) -> None:
+        if delta > 0:
+            e.children = self._orphans.pop(e.key, e.children)
+        if e.parent is None:
+            return
+        p = self._index.get(e.parent)
+        if p is None:
+            n = self._orphans.get(e.parent, 0) + delta
+            if n > 0:
+                self._orphans[e.parent] = n
+            else:
+                self._orphans.pop(e.parent, None)
+            return
+        p.children += delta
+        if notify and not p.pinned and (p.children == 0 or p.children == delta):
+            self._policies[p.tier].on_children_changed(p)
+
+    def _emit(self, kind: str, e: Entry, **extra: Any) -> None:
+        if not self._listeners:
+            return
+        event: Event = {"type": kind, "key": e.key.hex(), "tier": e.tier,
+                        "size_bytes": e.size_bytes, "tenant": e.tenant, **extra}  # fmt: skip
+        for listener in list(self._listeners):
+            listener(event)
+
+
+def _as_admission(spec: str | AdmissionPolicy) -> AdmissionPolicy:
+    return make_admission_policy(spec) if isinstance(spec, str) else spec
+
+
+def _check_key(key: object, what: str = "key") -> None:
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        raise InvalidArgument(f"{what} must be {KEY_BYTES} bytes, got {key!r:.60}")
+
+
+def _payload_size(data: Buffer | None, size_bytes: int | None) -> int:
+    if data is None:
+        if size_bytes is None:
+            raise InvalidArgument("give the payload bytes, or size_bytes for a size-only store")
+        size = size_bytes
+    else:
+        size = memoryview(data).nbytes
+        if size_bytes is not None and size_bytes != size:
+            raise PayloadSizeError(f"payload is {size} bytes but size_bytes says {size_bytes}")
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise PayloadSizeError(f"chunk size must be a positive number of bytes, got {size!r}")
+    return size
+
+
+def _meta(e: Entry) -> ChunkMeta:
+    return ChunkMeta(
+        key=e.key, size_bytes=e.size_bytes, tokens=e.tokens, tenant=e.tenant, parent=e.parent,
+        priority=e.priority, isolated=e.isolated, created_s=e.created_s,
+    )  # fmt: skip

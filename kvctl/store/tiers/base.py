@@ -1,0 +1,127 @@
+"""The tier interface every storage tier implements (cpu, disk now; gpu, remote, peer later).
+
+A tier stores bytes under keys and enforces its byte capacity. It makes no eviction decisions:
+the store picks victims with its policies and calls ``delete`` before ``put`` when room is short.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvctl.store.errors import CapacityError, InvalidArgument, PayloadSizeError
+
+Buffer = bytes | bytearray | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMeta:
+    """What a tier keeps beside the payload so the index can be rebuilt from a durable tier."""
+
+    key: bytes
+    size_bytes: int
+    tokens: int = 0
+    tenant: str = ""
+    parent: bytes | None = None
+    priority: int = 35
+    isolated: bool = False
+    created_s: float = 0.0
+
+
+class Tier(ABC):
+    """A byte store with a fixed capacity. Thread safety is the store's job (it holds a lock)."""
+
+    name: str
+    #: False for tiers that only account sizes (offline simulation): get/read_into are refused.
+    holds_payload: bool = True
+    #: True when chunks survive a restart and ``recover`` can list them.
+    durable: bool = False
+
+    @property
+    @abstractmethod
+    def capacity_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def used_bytes(self) -> int: ...
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity_bytes - self.used_bytes
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def keys(self) -> Iterator[bytes]: ...
+
+    @abstractmethod
+    def size_of(self, key: bytes) -> int:
+        """Payload size of ``key``; raises KeyNotFound."""
+
+    @abstractmethod
+    def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
+        """Store ``data`` (exactly ``meta.size_bytes`` long) under ``meta.key``.
+
+        Raises CapacityError when ``used + size > capacity`` (the caller makes room first),
+        InvalidArgument for a size mismatch or a duplicate key. On any error nothing changes.
+        ``data`` is None only for tiers that do not hold payloads.
+        """
+
+    @abstractmethod
+    def read_into(self, key: bytes, out: memoryview) -> int:
+        """Copy the payload into ``out`` (at least size_of(key) long); return bytes copied."""
+
+    def get(self, key: bytes) -> bytes:
+        buf = bytearray(self.size_of(key))
+        n = self.read_into(key, memoryview(buf))
+        return bytes(buf[:n])
+
+    @abstractmethod
+    def delete(self, key: bytes) -> int:
+        """Remove ``key``; return the payload bytes freed. Raises KeyNotFound."""
+
+    @abstractmethod
+    def resize(self, capacity_bytes: int) -> None:
+        """Change capacity live. Raises CapacityError if ``used_bytes`` exceeds the new size
+        (the store evicts down first)."""
+
+    def recover(self) -> list[ChunkMeta]:
+        """Chunks found at open (durable tiers); empty for volatile tiers."""
+        return []
+
+    def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
+        """Release resources. Further use raises TierUnavailable."""
+
+
+def check_capacity(capacity_bytes: int, what: str = "capacity") -> int:
+    """Validate a capacity value with a clear message."""
+    if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+        raise InvalidArgument(f"{what} must be an integer number of bytes, got {capacity_bytes!r}")
+    if capacity_bytes < 0:
+        raise InvalidArgument(f"{what} must not be negative, got {capacity_bytes}")
+    return capacity_bytes
+
+
+def check_put(tier: Tier, meta: ChunkMeta, data: Buffer | None) -> None:
+    """Checks every tier's put makes before touching state."""
+    if meta.size_bytes <= 0:
+        raise InvalidArgument(f"chunk size must be positive, got {meta.size_bytes}")
+    if tier.holds_payload:
+        if data is None:
+            raise InvalidArgument(f"tier {tier.name!r} needs payload bytes")
+        n = memoryview(data).nbytes
+        if n != meta.size_bytes:
+            raise PayloadSizeError(
+                f"payload is {n} bytes but the chunk declares {meta.size_bytes}"
+            )
+    if meta.key in tier:
+        raise InvalidArgument(f"key {meta.key.hex()} is already in tier {tier.name!r}")
+    if meta.size_bytes > tier.free_bytes:
+        raise CapacityError(
+            f"tier {tier.name!r} has {tier.free_bytes} free bytes, chunk needs {meta.size_bytes}"
+        )

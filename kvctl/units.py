@@ -1,0 +1,51 @@
+"""Parsing and formatting of byte sizes ("64GiB", "512MiB", "4096")."""
+
+from __future__ import annotations
+
+import re
+
+from kvctl.store.errors import InvalidArgument
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in ``text``: a plain integer or a number with a unit (KiB/MiB/GiB/TiB, KB/MB/GB/TB;
+    K/M/G/T are binary). Fractions are allowed when they give whole bytes."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        if text < 0:
+            raise InvalidArgument(f"a size must not be negative, got {text}")
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise InvalidArgument(f"not a size: {text!r} (examples: 4096, 256KiB, 64GiB)")
+    number, unit = m.groups()
+    try:
+        factor = _UNITS[unit.lower()]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown size unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
+        ) from None
+    value = float(number) * factor
+    if value != int(value):
+        raise InvalidArgument(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Binary units with three significant figures: 1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_rate(bytes_per_second: float) -> str:
+    return f"{format_bytes(bytes_per_second)}/s"

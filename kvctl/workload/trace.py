@@ -1,0 +1,192 @@
+"""Mooncake-format request traces: reading, validation and infinite-cache prefix statistics.
+
+One JSON object per line: ``{"timestamp": ms, "input_length": tokens, "output_length": tokens,
+"hash_ids": [int, ...]}``. ``hash_ids`` are prefix-block hashes (equal id at a position means the
+whole prefix up to that block is equal), one per ``block_tokens`` tokens, the last possibly partial.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvctl.store.errors import InvalidArgument
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+# ../shared/data beside the checkout: the data set must never be copied into the repository.
+DEFAULT_TRACE_PATH = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
+DEFAULT_BLOCK_TOKENS = 512
+_REQUIRED_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _blocks_for(input_tokens: int, block_tokens: int) -> int:
+    return -(-input_tokens // block_tokens)  # ceil without floats
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRequest:
+    """One inference request: arrival time, sizes and the prefix-block ids of its input."""
+
+    timestamp_ms: int
+    input_tokens: int
+    output_tokens: int
+    block_ids: tuple[int, ...]
+    tenant: str = ""
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        # Cheap guard so block_token_counts can trust the shape, whoever built the request.
+        if self.block_tokens <= 0:
+            raise InvalidArgument(f"block_tokens must be positive, got {self.block_tokens}")
+        expected = _blocks_for(self.input_tokens, self.block_tokens)
+        if len(self.block_ids) != expected:
+            raise InvalidArgument(
+                f"{self.input_tokens} input tokens need {expected} blocks of {self.block_tokens}"
+                f" tokens, got {len(self.block_ids)} block ids"
+            )
+
+    @property
+    def block_token_counts(self) -> tuple[int, ...]:
+        """Tokens in each block: full blocks, then the remainder in a partial last block."""
+        full, rest = divmod(self.input_tokens, self.block_tokens)
+        return (self.block_tokens,) * full + ((rest,) if rest else ())
+
+
+class TraceFormatError(InvalidArgument):
+    """A trace line is not a valid Mooncake record; the message names the file and line."""
+
+    def __init__(self, path: str | pathlib.Path, line_no: int, problem: str) -> None:
+        self.path = str(path)
+        self.line_no = line_no
+        self.problem = problem
+        super().__init__(f"{self.path}:{line_no}: {problem}")
+
+
+def _is_count(value: Any) -> bool:
+    # bool is an int subclass; true/false in a trace is a format error, not 1/0.
+    return type(value) is int and value >= 0
+
+
+def _parse_record(line: str, block_tokens: int) -> TraceRequest:
+    """Parse one non-blank line; raise ValueError with a description of the problem."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    missing = [key for key in _REQUIRED_KEYS if key not in record]
+    if missing:
+        raise ValueError(f"missing key(s): {', '.join(missing)}")
+    for key in ("timestamp", "input_length", "output_length"):
+        if not _is_count(record[key]):
+            raise ValueError(f"{key} must be a non-negative integer, got {record[key]!r}")
+    hash_ids = record["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise ValueError(f"hash_ids must be a list, got {type(hash_ids).__name__}")
+    expected = _blocks_for(record["input_length"], block_tokens)
+    if len(hash_ids) != expected:
+        raise ValueError(
+            f"hash_ids has {len(hash_ids)} ids but input_length {record['input_length']}"
+            f" needs ceil(/{block_tokens}) = {expected}"
+        )
+    if not all(_is_count(h) for h in hash_ids):
+        bad = next(h for h in hash_ids if not _is_count(h))
+        raise ValueError(f"hash_ids must be non-negative integers, got {bad!r}")
+    tenant = record.get("tenant")
+    return TraceRequest(
+        timestamp_ms=record["timestamp"],
+        input_tokens=record["input_length"],
+        output_tokens=record["output_length"],
+        block_ids=tuple(hash_ids),
+        tenant=tenant if isinstance(tenant, str) else "",
+        block_tokens=block_tokens,
+    )
+
+
+def read_mooncake_trace(
+    path: str | pathlib.Path,
+    *,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+    limit: int | None = None,
+) -> list[TraceRequest]:
+    """Read a Mooncake JSONL trace; blank lines are skipped, ``limit`` caps the requests read."""
+    if block_tokens <= 0:
+        raise InvalidArgument(f"block_tokens must be positive, got {block_tokens}")
+    if limit is not None and limit < 0:
+        raise InvalidArgument(f"limit must be non-negative, got {limit}")
+    requests: list[TraceRequest] = []
+    with open(path, encoding="utf-8") as lines:
+        for line_no, line in enumerate(lines, start=1):
+            if limit is not None and len(requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                requests.append(_parse_record(line, block_tokens))
+            except ValueError as exc:
+                raise TraceFormatError(path, line_no, str(exc)) from None
+    return requests
+
+
+def find_default_trace() -> pathlib.Path | None:
+    """The shared Mooncake trace when this machine has it, else None (callers skip)."""
+    return DEFAULT_TRACE_PATH if DEFAULT_TRACE_PATH.is_file() else None
+
+
+def prefix_hit_blocks(requests: Iterable[TraceRequest]) -> list[int]:
+    """Leading blocks of each request an unlimited cache already holds (in arrival order).
+
+    A block hits only if an earlier request had it and every earlier block of this request hit:
+    the KV cache is reused as a prefix, so after the first miss everything is recomputed.
+    """
+    seen: set[int] = set()
+    hits: list[int] = []
+    for request in requests:
+        n_hit = 0
+        for block_id in request.block_ids:
+            if block_id not in seen:
+                break
+            n_hit += 1
+        hits.append(n_hit)
+        seen.update(request.block_ids)
+    return hits
+
+
+def trace_summary(requests: Sequence[TraceRequest]) -> dict[str, float | int]:
+    """Sizes, duration and the infinite-cache prefix hit ratios (blocks and tokens)."""
+    if not requests:
+        return {
+            "requests": 0,
+            "duration_seconds": 0.0,
+            "mean_input_tokens": 0.0,
+            "mean_output_tokens": 0.0,
+            "max_input_tokens": 0,
+            "total_blocks": 0,
+            "unique_blocks": 0,
+            "block_hit_ratio": 0.0,
+            "token_hit_ratio": 0.0,
+        }
+    total_blocks = sum(len(r.block_ids) for r in requests)
+    total_tokens = sum(r.input_tokens for r in requests)
+    hit_blocks = 0
+    hit_tokens = 0
+    for request, n_hit in zip(requests, prefix_hit_blocks(requests), strict=True):
+        hit_blocks += n_hit
+        # Only the last block can be partial, so hit tokens are whole blocks unless all hit.
+        hit_tokens += min(n_hit * request.block_tokens, request.input_tokens)
+    timestamps = [r.timestamp_ms for r in requests]
+    return {
+        "requests": len(requests),
+        "duration_seconds": (max(timestamps) - min(timestamps)) / 1000,
+        "mean_input_tokens": total_tokens / len(requests),
+        "mean_output_tokens": sum(r.output_tokens for r in requests) / len(requests),
+        "max_input_tokens": max(r.input_tokens for r in requests),
+        "total_blocks": total_blocks,
+        "unique_blocks": len({b for r in requests for b in r.block_ids}),
+        "block_hit_ratio": hit_blocks / total_blocks if total_blocks else 0.0,
+        "token_hit_ratio": hit_tokens / total_tokens if total_tokens else 0.0,
+    }

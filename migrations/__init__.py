@@ -1,0 +1,1 @@
+"""Alembic migrations for the metrics database. Empty until the collectors issue lands."""

@@ -1,0 +1,124 @@
+"""The CLI as users run it: typer's CliRunner for speed, a real subprocess for the entry point."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvctl import __version__
+from kvctl.cli.main import app
+
+runner = CliRunner()
+COMMANDS = ("demo", "simulate", "keys", "bench")
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def write_trace(path: Path, n: int = 60) -> Path:
+    lines = []
+    for i in range(n):
+        shared = [0, 1, 2] if i % 2 == 0 else [10, 11]
+        ids = [*shared, 100 + i]
+        lines.append(json.dumps({"timestamp": i * 10, "input_length": 512 * len(ids) - 100,
+                                 "output_length": 5, "hash_ids": ids}))  # fmt: skip
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_help_lists_every_command_with_a_one_line_help() -> None:
+    code, out = run("--help")
+    assert code == 0
+    for name in COMMANDS:
+        line = next(line for line in out.splitlines() if f" {name} " in line)
+        assert len(line.split(name, 1)[1].strip()) > 10, line
+
+
+@pytest.mark.parametrize("args", [["demo"], ["simulate"], ["keys"], ["bench", "store"]])
+def test_each_command_help_has_examples(args: list[str]) -> None:
+    code, out = run(*args, "--help")
+    assert code == 0 and "Examples" in out and "kvctl " in out
+
+
+def test_version_from_the_installed_entry_point() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvctl", "--version"], capture_output=True,
+                         text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == f"kvctl {__version__}"
+
+
+def test_simulate_json_schema(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    code, out = run("simulate", "--trace", str(trace), "--capacity-blocks", "4", "--json")
+    assert code == 0, out
+    data = json.loads(out)
+    assert data["trace"] == str(trace)
+    assert data["unique_blocks"] == 5 + 60 and data["capacity_blocks"] == 4
+    policies = [r["policy"] for r in data["results"]]
+    assert {"lru", "lineage-lru", "priority", "lineage-gdsf", "belady"} <= set(policies)
+    for r in data["results"]:
+        assert 0 <= r["token_hit_ratio"] <= 1 and 0 <= r["hit_ratio"] <= 1
+
+
+def test_simulate_several_capacities_and_tiers(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl")
+    code, out = run("simulate", "--trace", str(trace), "--capacity-fraction", "0.05",
+                    "--capacity-fraction", "0.5", "--policy", "lru", "--json")  # fmt: skip
+    assert code == 0, out
+    runs = json.loads(out)
+    assert [r["capacity_blocks"] for r in runs] == [3, 32]
+    code, out = run("simulate", "--trace", str(trace), "--tier", "cpu=2", "--tier", "disk=8")
+    assert code == 0 and "disk" in out and "Belady" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["simulate", "--trace", "missing.jsonl"], "no such file"),
+        (["simulate", "--tier", "cpu"], "NAME=BLOCKS"),
+        (["simulate", "--policy", "fifo", "--limit", "5"], "unknown policy"),
+        (["simulate", "--capacity-fraction", "2", "--limit", "5"], "fraction"),
+        (["simulate", "--capacity-blocks", "3", "--tier", "cpu=3"], "only one of"),
+        (["keys"], "exactly one of"),
+        (["keys", "--text", "a", "--tokenizer", "bpe"], "unknown tokenizer"),
+    ],
+)
+def test_bad_input_gets_one_clear_error_line(args: list[str], message: str) -> None:
+    code, out = run(*args)
+    assert code == 2
+    assert message in out and "Traceback" not in out
+
+
+def test_malformed_trace_names_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+                   "{not json}\n")  # fmt: skip
+    code, out = run("simulate", "--trace", str(bad))
+    assert code == 2 and ":2:" in out
+
+
+def test_keys_json_matches_the_library() -> None:
+    from kvctl.store.keys import KVLayout, Namespace, keys_for
+    from kvctl.tokenize import tokenize
+
+    code, out = run("keys", "--text", "a b c d e f g h i", "--chunk-tokens", "4", "--json")
+    assert code == 0
+    data = json.loads(out)
+    expected = keys_for(tokenize("a b c d e f g h i"), Namespace("demo", KVLayout(32, 8, 128)), 4)
+    assert [c["key"] for c in data["chunks"]] == [k.hex() for k in expected]
+    assert data["kv_bytes_per_token"] == 131_072
+
+
+def test_demo_runs_end_to_end_on_a_small_trace(tmp_path: Path) -> None:
+    trace = write_trace(tmp_path / "t.jsonl", n=200)
+    out = subprocess.run([sys.executable, "-m", "kvctl", "demo", "--trace", str(trace), "--json"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    runs = json.loads(out.stdout)
+    assert len(runs) == 4
+    assert all(r["trace"] == str(trace) for r in runs)

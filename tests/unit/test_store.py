@@ -1,0 +1,343 @@
+"""The tiered store: lookup, movement between tiers, pins, resize, bad input, recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvctl.store.errors import (
+    CapacityError,
+    InvalidArgument,
+    KeyNotFound,
+    PayloadSizeError,
+)
+from kvctl.store.keys import Namespace
+from kvctl.store.policies import FrequencyAdmission
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.disk import DiskTier
+from tests.conftest import chain, put_chain
+
+
+def two_tier(tmp_path: Path, cpu: int = 300, disk: int = 1000, **kw) -> TieredStore:  # type: ignore[no-untyped-def]
+    return TieredStore([CpuTier(cpu), DiskTier(tmp_path / "disk", disk)], **kw)
+
+
+def payload(key: bytes, size: int = 100) -> bytes:
+    return bytes([key[0]]) * size
+
+
+# --- lookup -------------------------------------------------------------------------------------
+
+
+def test_lookup_reports_longest_prefix_and_tier_of_each_chunk(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    keys = chain(ns, 5)
+    put_chain(store, keys[:3])
+    store.put(keys[4], payload(keys[4]), parent=keys[3])  # cached, but past a missing chunk
+    res = store.lookup(keys, tenant="a")
+    assert res.matched_chunks == 3
+    assert res.locations == ("cpu", "cpu", "cpu", None, "cpu")
+    assert res.matched_tiers == ("cpu", "cpu", "cpu")
+    assert store.stats.hit_chunks == 3 and store.stats.lookup_chunks == 5
+
+
+def test_hits_split_into_reuse_and_sharing(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    keys = chain(ns, 2)
+    put_chain(store, keys, tenant="a")
+    store.lookup(keys, tenant="a")
+    store.lookup(keys, tenant="b")
+    store.lookup(keys[:1], tenant="b")
+    s = store.stats
+    assert (s.reuse_hits, s.sharing_hits) == (2, 3)
+    assert (s.tiers["cpu"].reuse_hits, s.tiers["cpu"].sharing_hits) == (2, 3)
+    assert store.entry(keys[0]).hit_count == 3
+
+
+def test_isolated_chunks_are_invisible_to_other_tenants(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    keys = chain(ns, 2)
+    put_chain(store, keys, tenant="a", isolated=True)
+    assert store.lookup(keys, tenant="b").matched_chunks == 0
+    with pytest.raises(KeyNotFound):
+        store.get(keys[0], tenant="b")
+    assert store.put(keys[0], payload(keys[0]), tenant="b") is None  # cannot refresh it either
+    assert store.lookup(keys, tenant="a").matched_chunks == 2
+
+
+# --- movement between tiers -------------------------------------------------------------------
+
+
+def test_cpu_eviction_demotes_to_disk_and_disk_hit_promotes(tmp_path: Path, ns: Namespace) -> None:
+    store = two_tier(tmp_path, eviction="lru")
+    keys = chain(ns, 4)
+    put_chain(store, keys)  # cpu holds 3 chunks of 100 bytes; the oldest goes to disk
+    assert store.entry(keys[0]).tier == "disk"
+    assert [store.entry(k).tier for k in keys[1:]] == ["cpu"] * 3
+    assert store.stats.tiers["disk"].demotions == 1
+    assert store.stats.tiers["cpu"].evictions["capacity"] == 1
+    data = store.get(keys[0])
+    assert data == payload(keys[0])
+    assert store.entry(keys[0]).tier == "cpu"  # promoted...
+    assert store.stats.tiers["cpu"].promotions == 1
+    assert store.entry(keys[1]).tier == "disk"  # ...which demoted the LRU chunk
+    assert store.tier("cpu").used_bytes == 300 and store.tier("disk").used_bytes == 100
+
+
+def test_frequency_admission_keeps_one_hit_chunks_off_disk(tmp_path: Path, ns: Namespace) -> None:
+    gate = FrequencyAdmission(min_accesses=2)
+    store = two_tier(tmp_path, eviction="lru", admission={"disk": gate})
+    hot, cold = chain(ns, 1, seed=1)[0], chain(ns, 1, seed=2)[0]
+    store.put(hot, payload(hot))
+    store.get(hot)  # second access
+    store.put(cold, payload(cold))
+    for i in range(3, 6):  # push both out of cpu
+        k = chain(ns, 1, seed=i)[0]
+        store.put(k, payload(k))
+    assert store.entry(hot).tier == "disk"
+    assert cold not in store
+    assert gate.refused >= 1 and store.stats.admission_refused >= 1
+    # a dropped chunk that returns is remembered: its second life counts as a second access
+    store.put(cold, payload(cold))
+    for i in range(6, 9):
+        k = chain(ns, 1, seed=i)[0]
+        store.put(k, payload(k))
+    assert store.entry(cold).tier == "disk"
+
+
+def test_move_prefetch_flush(tmp_path: Path, ns: Namespace) -> None:
+    store = two_tier(tmp_path)
+    keys = chain(ns, 3)
+    put_chain(store, keys)
+    assert store.move(keys[:2], "disk").done == 2
+    assert [store.entry(k).tier for k in keys] == ["disk", "disk", "cpu"]
+    r = store.prefetch([*keys, b"\0" * 16], "cpu")
+    assert (r.done, r.missing) == (2, 1)
+    assert store.get(keys[1]) == payload(keys[1])
+    store.pin([keys[0]])
+    r = store.flush("cpu")
+    assert (r.done, r.skipped_pinned) == (2, 1)
+    assert list(store.entries("cpu")) == [store.entry(keys[0])]
+    assert store.stats.tiers["cpu"].evictions["flush"] == 2
+
+
+def test_flush_with_demote_keeps_chunks_on_disk(tmp_path: Path, ns: Namespace) -> None:
+    store = two_tier(tmp_path)
+    keys = chain(ns, 2)
+    put_chain(store, keys)
+    store.flush("cpu", demote=True)
+    assert [store.entry(k).tier for k in keys] == ["disk", "disk"]
+
+
+# --- pins and resize --------------------------------------------------------------------------
+
+
+def test_pinned_chunks_survive_pressure_and_explicit_evict(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(300)], eviction="lru")
+    keys = chain(ns, 8)
+    store.put(keys[0], payload(keys[0]), pinned=True)
+    put_chain(store, keys[1:])
+    assert keys[0] in store and store.entry(keys[0]).pinned
+    r = store.evict([keys[0]])
+    assert (r.done, r.skipped_pinned) == (0, 1)
+    store.unpin([keys[0]])
+    assert store.evict([keys[0]]).done == 1
+
+
+def test_pin_that_cannot_fit_fails_and_pins_nothing(tmp_path: Path, ns: Namespace) -> None:
+    store = two_tier(tmp_path, cpu=200, disk=1000)
+    keys = chain(ns, 3)
+    put_chain(store, keys, tier="disk")
+    with pytest.raises(CapacityError, match="pinning 300 more bytes"):
+        store.pin(keys, tier="cpu")
+    assert not any(store.entry(k).pinned for k in keys)
+    assert all(store.entry(k).tier == "disk" for k in keys)
+    assert store.pin(keys[:2], tier="cpu").done == 2
+    assert all(store.entry(k).tier == "cpu" for k in keys[:2])
+    # the cpu tier is now all pinned: a new chunk cannot go there
+    new = chain(ns, 1, seed=5)[0]
+    with pytest.raises(CapacityError, match="pinned"):
+        store.put(new, payload(new), tier="cpu", pinned=True)
+    assert new not in store
+
+
+def test_put_into_a_fully_pinned_tier_is_refused_without_change(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(200)])
+    keys = chain(ns, 3)
+    for k in keys[:2]:
+        store.put(k, payload(k), pinned=True)
+    before = store.usage()
+    with pytest.raises(CapacityError):
+        store.put(keys[2], payload(keys[2]))
+    assert store.usage() == before and keys[2] not in store
+
+
+def test_resize_evicts_down_live_and_respects_pins(tmp_path: Path, ns: Namespace) -> None:
+    store = two_tier(tmp_path, cpu=500, disk=1000, eviction="lru")
+    keys = chain(ns, 5)
+    put_chain(store, keys)
+    store.pin([keys[4]])
+    r = store.resize("cpu", 200)
+    assert r.done == 3
+    assert store.tier("cpu").capacity_bytes == 200
+    assert [store.entry(k).tier for k in keys] == ["disk", "disk", "disk", "cpu", "cpu"]
+    assert store.stats.tiers["cpu"].evictions["resize"] == 3
+    with pytest.raises(CapacityError, match="pinned"):
+        store.resize("cpu", 50)
+    assert store.tier("cpu").capacity_bytes == 200
+    store.resize("cpu", 1000)
+    for k in keys[:3]:
+        assert store.get(k) == payload(k)  # promoted back, bytes intact
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_input_is_refused_with_clear_errors_and_no_change(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(1000)], chunk_bytes=100)
+    k = chain(ns, 1)[0]
+    store.put(k, payload(k))
+    before = (store.usage(), len(store))
+    with pytest.raises(PayloadSizeError, match="holds 100"):
+        store.put(chain(ns, 1, seed=9)[0], b"x" * 99)
+    with pytest.raises(InvalidArgument, match="16 bytes"):
+        store.put(b"short", b"x" * 100)
+    with pytest.raises(InvalidArgument, match="priority"):
+        store.put(chain(ns, 1, seed=8)[0], b"x" * 100, priority=101)
+    with pytest.raises(InvalidArgument, match="retention"):
+        store.put(chain(ns, 1, seed=8)[0], b"x" * 100, retention_seconds=-1)
+    with pytest.raises(InvalidArgument, match="smaller than one chunk"):
+        store.resize("cpu", 99)
+    with pytest.raises(InvalidArgument, match="negative"):
+        store.resize("cpu", -5)
+    with pytest.raises(InvalidArgument, match="unknown tier"):
+        store.resize("gpu", 1000)
+    with pytest.raises(KeyNotFound):
+        store.get(chain(ns, 1, seed=7)[0])
+    with pytest.raises(KeyNotFound):
+        store.entry(b"\1" * 16)
+    assert (store.usage(), len(store)) == before
+    assert store.get(k) == payload(k)
+
+
+def test_capacity_smaller_than_one_chunk_is_refused() -> None:
+    with pytest.raises(InvalidArgument, match="smaller than one chunk"):
+        TieredStore([CpuTier(99)], chunk_bytes=100)
+
+
+def test_chunk_larger_than_tier_is_refused(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(50)])
+    k = chain(ns, 1)[0]
+    with pytest.raises(CapacityError, match="cannot fit"):
+        store.put(k, b"x" * 51)
+    assert len(store) == 0
+
+
+def test_refreshing_a_key_with_other_bytes_count_is_refused(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(1000)])
+    k = chain(ns, 1)[0]
+    store.put(k, b"x" * 100)
+    with pytest.raises(PayloadSizeError, match="cached with 100"):
+        store.put(k, b"x" * 101)
+    assert store.put(k, b"y" * 100) == "cpu"  # same size: a refresh, bytes unchanged
+    assert store.get(k) == b"x" * 100
+
+
+# --- durability -------------------------------------------------------------------------------
+
+
+def test_restart_rebuilds_index_and_drops_a_planted_torn_chunk(
+    tmp_path: Path, ns: Namespace
+) -> None:
+    store = two_tier(tmp_path, cpu=1000, disk=10_000)
+    keys = chain(ns, 6)
+    put_chain(store, keys, tier="disk", tenant="t1")
+    store.close()
+    files = sorted((tmp_path / "disk").rglob("*.kv"))
+    assert len(files) == 6
+    torn = next(f for f in files if f.name.startswith(keys[5].hex()))
+    with open(torn, "r+b") as f:
+        f.truncate(os.path.getsize(torn) - 10)
+    reopened = two_tier(tmp_path, cpu=1000, disk=10_000)
+    assert keys[5] not in reopened
+    assert reopened.lookup(keys, tenant="t1").matched_chunks == 5
+    for k in keys[:5]:
+        e = reopened.entry(k)
+        assert (e.tier, e.tenant, e.size_bytes) == ("disk", "t1", 100)
+        assert reopened.get(k, tenant="t1") == payload(k)
+    assert reopened.entry(keys[0]).children == 1  # lineage rebuilt from parent links
+    assert reopened.entry(keys[4]).children == 0  # its child was the torn one
+
+
+def test_restart_with_smaller_disk_evicts_down(tmp_path: Path, ns: Namespace) -> None:
+    store = two_tier(tmp_path, disk=1000)
+    put_chain(store, chain(ns, 8), tier="disk")
+    store.close()
+    reopened = two_tier(tmp_path, disk=500)
+    assert reopened.tier("disk").used_bytes <= 500 and len(reopened) == 5
+
+
+def test_disk_full_while_demoting_degrades_to_a_counted_drop(tmp_path: Path) -> None:
+    """A real EFBIG (file size limit) while demoting: the victim is dropped and counted, nothing
+    else is lost, and the store keeps working."""
+    script = textwrap.dedent(
+        f"""
+        import json, resource, signal
+        from kvctl.store.store import TieredStore
+        from kvctl.store.tiers.cpu import CpuTier
+        from kvctl.store.tiers.disk import DiskTier
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        store = TieredStore([CpuTier(2 << 20), DiskTier({str(tmp_path / "d")!r}, 64 << 20)],
+                            eviction="lru")
+        resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, 512 << 10))
+        keys = [bytes([i]) * 16 for i in range(1, 6)]
+        for k in keys:
+            store.put(k, bytes([k[0]]) * (1 << 20))
+        ok = all(store.get(k) == bytes([k[0]]) * (1 << 20) for k in keys if k in store)
+        print(json.dumps({{"cached": sum(k in store for k in keys), "ok": ok,
+                          "failures": store.stats.demotion_failures,
+                          "drops": store.stats.drops,
+                          "disk_used": store.tier("disk").used_bytes}}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True,
+        cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    result = json.loads(out.stdout)
+    assert result == {"cached": 2, "ok": True, "failures": 3, "drops": 3, "disk_used": 0}
+    assert not list((tmp_path / "d").rglob("*.tmp*"))
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+def test_events_describe_stores_demotions_promotions_and_evictions(
+    tmp_path: Path, ns: Namespace
+) -> None:
+    store = two_tier(tmp_path, cpu=100, eviction="lru")
+    events: list[dict[str, object]] = []
+    unsubscribe = store.subscribe(events.append)
+    a, b = chain(ns, 1, seed=1)[0], chain(ns, 1, seed=2)[0]
+    store.put(a, payload(a))
+    store.put(b, payload(b))
+    store.get(a)
+    store.evict([b])
+    unsubscribe()
+    store.put(chain(ns, 1, seed=3)[0], payload(a))
+    kinds = [(e["type"], e["key"]) for e in events]
+    assert kinds == [
+        ("store", a.hex()),
+        ("demote", a.hex()),
+        ("store", b.hex()),
+        ("demote", b.hex()),
+        ("promote", a.hex()),
+        ("evict", b.hex()),
+    ]

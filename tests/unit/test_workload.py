@@ -1,0 +1,154 @@
+"""Mooncake trace reading/validation, prefix-hit statistics and the built-in workload."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import pathlib
+
+import pytest
+
+from kvctl.store.errors import InvalidArgument
+from kvctl.workload.builtin import builtin_workload
+from kvctl.workload.trace import (
+    TraceFormatError,
+    TraceRequest,
+    find_default_trace,
+    prefix_hit_blocks,
+    read_mooncake_trace,
+    trace_summary,
+)
+
+
+def _record(timestamp: int, input_length: int, hash_ids: list[int], **extra: object) -> str:
+    fields = {"timestamp": timestamp, "input_length": input_length, "output_length": 7}
+    return json.dumps({**fields, "hash_ids": hash_ids, **extra})
+
+
+def _write(tmp_path: pathlib.Path, lines: list[str]) -> pathlib.Path:
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_reads_small_trace(tmp_path: pathlib.Path) -> None:
+    path = _write(
+        tmp_path,
+        [_record(0, 1000, [0, 1]), _record(250, 512, [0], tenant="acme"), _record(300, 0, [])],
+    )
+    requests = read_mooncake_trace(path)
+    assert requests[0] == TraceRequest(0, 1000, 7, (0, 1))
+    assert requests[0].block_token_counts == (512, 488)
+    assert requests[1].tenant == "acme"
+    assert requests[1].block_token_counts == (512,)
+    assert requests[2].block_token_counts == ()
+    assert read_mooncake_trace(path, limit=2) == requests[:2]
+
+
+def test_block_tokens_changes_expected_id_count(tmp_path: pathlib.Path) -> None:
+    path = _write(tmp_path, [_record(0, 300, [4, 5, 6])])
+    (request,) = read_mooncake_trace(path, block_tokens=128)
+    assert request.block_token_counts == (128, 128, 44)
+    with pytest.raises(TraceFormatError, match="needs"):
+        read_mooncake_trace(path)
+
+
+def test_blank_lines_are_skipped(tmp_path: pathlib.Path) -> None:
+    path = _write(tmp_path, ["", _record(0, 10, [0]), "   ", "", _record(5, 10, [0])])
+    assert [r.timestamp_ms for r in read_mooncake_trace(path)] == [0, 5]
+
+
+@pytest.mark.parametrize(
+    ("bad_line", "problem"),
+    [
+        ('{"timestamp": 1, "input_length": ', "invalid JSON"),
+        (
+            json.dumps({"timestamp": 1, "input_length": 10, "output_length": 1}),
+            "missing key.*hash_ids",
+        ),
+        (_record(1, 1100, [0, 1]), "needs"),
+        (_record(-1, 10, [0]), "timestamp must be a non-negative integer"),
+        (_record(1, 10, [-3]), "hash_ids must be non-negative integers"),
+        (_record(1, 10, [True]), "hash_ids must be non-negative integers"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_malformed_line_names_file_and_line(
+    tmp_path: pathlib.Path, bad_line: str, problem: str
+) -> None:
+    # Line 4 is the bad one: a blank line still counts toward the line number.
+    path = _write(tmp_path, [_record(0, 10, [0]), "", _record(1, 10, [0]), bad_line])
+    with pytest.raises(TraceFormatError, match=problem) as excinfo:
+        read_mooncake_trace(path)
+    assert excinfo.value.line_no == 4
+    assert f"{path}:4:" in str(excinfo.value)
+    assert isinstance(excinfo.value, InvalidArgument)
+
+
+def test_prefix_hits_on_hand_built_example() -> None:
+    requests = [
+        TraceRequest(0, 1300, 1, (0, 1, 2)),  # 512+512+276 tokens, all new
+        TraceRequest(10, 1100, 1, (0, 1, 3)),  # 512+512+76: blocks 0, 1 hit (1024 tokens)
+        # 0 hits; 4 misses; 2 was seen but follows a miss, so it misses too (512 tokens hit).
+        TraceRequest(2010, 1536, 1, (0, 4, 2)),
+    ]
+    assert prefix_hit_blocks(requests) == [0, 2, 1]
+    summary = trace_summary(requests)
+    assert summary["requests"] == 3
+    assert summary["duration_seconds"] == pytest.approx(2.01)
+    assert summary["total_blocks"] == 9
+    assert summary["unique_blocks"] == 5
+    assert summary["max_input_tokens"] == 1536
+    assert summary["mean_input_tokens"] == pytest.approx(3936 / 3)
+    assert summary["block_hit_ratio"] == pytest.approx(3 / 9)
+    assert summary["token_hit_ratio"] == pytest.approx((1024 + 512) / 3936)
+
+
+def test_summary_of_empty_trace() -> None:
+    assert trace_summary([])["block_hit_ratio"] == 0.0
+
+
+def test_request_rejects_inconsistent_block_count() -> None:
+    with pytest.raises(InvalidArgument):
+        TraceRequest(0, 1025, 1, (0, 1))
+
+
+def test_shared_mooncake_trace_matches_readme() -> None:
+    path = find_default_trace()
+    if path is None:
+        pytest.skip("shared Mooncake trace ../shared/data/mooncake_synthetic_trace.jsonl absent")
+    summary = trace_summary(read_mooncake_trace(path))
+    assert summary["requests"] == 3993
+    assert summary["max_input_tokens"] == 191_378
+    assert round(summary["mean_input_tokens"]) == 15_325
+    assert round(summary["block_hit_ratio"], 3) == 0.640
+    assert round(summary["token_hit_ratio"], 3) == 0.651
+
+
+def test_builtin_workload_is_deterministic_per_seed() -> None:
+    assert builtin_workload(3, requests=300) == builtin_workload(3, requests=300)
+    assert builtin_workload(3, requests=300) != builtin_workload(4, requests=300)
+
+
+def test_builtin_workload_shape() -> None:
+    requests = builtin_workload(requests=500, block_tokens=256)
+    assert len(requests) == 500
+    timestamps = [r.timestamp_ms for r in requests]
+    assert all(a < b for a, b in itertools.pairwise(timestamps))
+    assert len({r.tenant for r in requests}) > 1
+    assert all(r.block_tokens == 256 for r in requests)
+
+
+def test_builtin_block_ids_are_prefix_hashes() -> None:
+    # Same id at a position only with the same whole prefix: one prefix (and position) per id.
+    prefix_of: dict[int, tuple[int, ...]] = {}
+    for request in builtin_workload(requests=2000):
+        for i, block_id in enumerate(request.block_ids):
+            prefix = request.block_ids[: i + 1]
+            assert prefix_of.setdefault(block_id, prefix) == prefix
+
+
+def test_builtin_infinite_cache_hit_ratio_is_partial() -> None:
+    summary = trace_summary(builtin_workload())
+    assert 0.0 < summary["block_hit_ratio"] < 1.0
+    assert 0.0 < summary["token_hit_ratio"] < 1.0
