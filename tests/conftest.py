@@ -1,4 +1,4 @@
-"""Shared fixtures. Unit tests live in tests/unit, functional (CLI, subprocess) in tests/functional."""
+"""Shared fixtures. Unit tests: tests/unit; functional (CLI, subprocess): tests/functional."""
 
 from __future__ import annotations
 

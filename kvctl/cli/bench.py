@@ -15,7 +15,9 @@ bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print JSON."
 DEFAULT_SIZES = "256KiB,4MiB,32MiB"
 
 
-@bench_app.command("store", short_help="Put/get bandwidth of the cpu and disk tiers vs memcpy/file.")
+@bench_app.command(
+    "store", short_help="Put/get bandwidth of the cpu and disk tiers vs memcpy/file."
+)
 def bench_store_command(
     sizes: Annotated[str, typer.Option(help="Chunk sizes, comma separated.")] = DEFAULT_SIZES,
     bytes_per_size: Annotated[
@@ -43,9 +45,11 @@ def bench_store_command(
     with user_errors(hint="see `kvctl bench store --help`"):
         size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
         result = run_store_bench(
-            size_list, bytes_per_size=parse_size(bytes_per_size), directory=directory,
+            size_list,
+            bytes_per_size=parse_size(bytes_per_size),
+            directory=directory,
             repeats=repeats,
-        )  # fmt: skip
+        )
     if json_out:
         print_json(result)
         return

@@ -58,9 +58,12 @@ def demo_command(
             for fraction in DEMO_FRACTIONS:
                 tiers = {"cpu": capacity_from_fraction(unique, fraction)}
                 report = simulate(
-                    workload.requests, tiers=tiers, policies=list(EVICTION_POLICIES),
-                    trace_name=workload.name, progress=update,
-                )  # fmt: skip
+                    workload.requests,
+                    tiers=tiers,
+                    policies=list(EVICTION_POLICIES),
+                    trace_name=workload.name,
+                    progress=update,
+                )
                 reports.append(report)
                 if not json_out:
                     render_report(report)

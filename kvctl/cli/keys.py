@@ -43,8 +43,12 @@ def keys_command(
     with user_errors(hint="see `kvctl keys --help`"):
         if (text is None) == (tokens is None):
             fail("give exactly one of --text and --tokens")
-        ids = tokenize(text, tokenizer) if text is not None else read_token_file(
-            tokens.read_text(encoding="utf-8")  # type: ignore[union-attr]
+        ids = (
+            tokenize(text, tokenizer)
+            if text is not None
+            else read_token_file(
+                tokens.read_text(encoding="utf-8")  # type: ignore[union-attr]
+            )
         )
         ns = Namespace(model, KVLayout(layers, kv_heads, head_dim, dtype), salt)
         keys = keys_for(ids, ns, chunk_tokens, include_partial=partial)

@@ -80,9 +80,13 @@ def simulate_command(
             for tiers in runs:
                 reports.append(
                     simulate(
-                        workload.requests, tiers=tiers, policies=policies,
-                        admission=admission, trace_name=workload.name, progress=update,
-                    )  # fmt: skip
+                        workload.requests,
+                        tiers=tiers,
+                        policies=policies,
+                        admission=admission,
+                        trace_name=workload.name,
+                        progress=update,
+                    )
                 )
     if json_out:
         payload = [r.as_dict() for r in reports]
@@ -155,10 +159,14 @@ class _progress:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
         self._bar = Progress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/"
-            "{task.total:,} requests"), TimeElapsedColumn(), console=err_console,
-            transient=True, disable=disable or not err_console.is_terminal,
-        )  # fmt: skip
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed:,}/{task.total:,} requests"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+            disable=disable or not err_console.is_terminal,
+        )
         self._tasks: dict[str, int] = {}
 
     def __enter__(self):  # type: ignore[no-untyped-def]

@@ -35,7 +35,8 @@ class DiskFullError(StoreError, OSError):
 
 
 class CorruptChunk(KeyNotFound):
-    """A stored chunk failed its checksum or header check; it has been dropped.
+    """A stored chunk could not be read back intact (checksum or header mismatch, file gone, I/O
+    error); it has been dropped.
 
     A subclass of KeyNotFound because, to a reader, a corrupt chunk is a miss: it is never served.
     """

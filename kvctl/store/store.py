@@ -140,11 +140,18 @@ class TieredStore:
                 continue
             self._tick += 1
             self._index[meta.key] = Entry(
-                key=meta.key, tier=tier.name, size_bytes=meta.size_bytes, tokens=meta.tokens,
-                tenant=meta.tenant, parent=meta.parent, priority=meta.priority,
-                isolated=meta.isolated, created_s=meta.created_s,
-                last_access_s=meta.created_s, last_tick=self._tick,
-            )  # fmt: skip
+                key=meta.key,
+                tier=tier.name,
+                size_bytes=meta.size_bytes,
+                tokens=meta.tokens,
+                tenant=meta.tenant,
+                parent=meta.parent,
+                priority=meta.priority,
+                isolated=meta.isolated,
+                created_s=meta.created_s,
+                last_access_s=meta.created_s,
+                last_tick=self._tick,
+            )
         for e in self._index.values():
             self._link_parent(e, +1, notify=False)
         for e in self._index.values():
@@ -222,12 +229,19 @@ class TieredStore:
                 return existing.tier
             target = self._tiers[self._rank(tier) if tier else 0]
             entry = Entry(
-                key=key, tier=target.name, size_bytes=size,
-                tokens=self.chunk_tokens if tokens is None else tokens, tenant=tenant,
-                parent=parent, priority=priority, isolated=isolated, created_s=now,
-                last_access_s=now, depth=depth,
+                key=key,
+                tier=target.name,
+                size_bytes=size,
+                tokens=self.chunk_tokens if tokens is None else tokens,
+                tenant=tenant,
+                parent=parent,
+                priority=priority,
+                isolated=isolated,
+                created_s=now,
+                last_access_s=now,
+                depth=depth,
                 retention_until_s=None if retention_seconds is None else now + retention_seconds,
-            )  # fmt: skip
+            )
             entry.tenants.add(tenant)
             self._check_room(target, size, pinning=pinned)
             policy = self._policies[target.name]
@@ -559,16 +573,15 @@ class TieredStore:
         src.delete(e.key)
         self._forget(e)
 
-    def _try_place(self, e: Entry, src: Tier, dst: Tier) -> bool:
+    def _try_place(self, e: Entry, src: Tier, dst: Tier, data: Buffer | None = None) -> bool:
         """Copy ``e`` from ``src`` into ``dst`` (making room there), then delete it from ``src``.
-        On failure nothing has moved and the caller decides (drop or report)."""
+        ``data`` is the chunk's bytes when the caller already read them. On failure nothing has
+        moved and the caller decides (drop, keep, or report)."""
         if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
             return False
-        now = self._clock()
-        if dst.free_bytes < e.size_bytes and not self._policies[dst.name].admit(e, now):
+        if dst.free_bytes < e.size_bytes and not self._policies[dst.name].admit(e, self._clock()):
             return False
-        data: Buffer | None = None
-        if src.holds_payload:
+        if data is None and src.holds_payload:
             buf = bytearray(e.size_bytes)
             try:
                 self._read(e, memoryview(buf))
@@ -579,7 +592,8 @@ class TieredStore:
             self._make_room(dst, e.size_bytes)
             dst.put(_meta(e), data)
         except (CapacityError, DiskFullError, TierUnavailable):
-            self.stats.demotion_failures += 1
+            if self._tier_index[dst.name] > self._tier_index[src.name]:
+                self.stats.demotion_failures += 1
             return False
         src.delete(e.key)
         e.tier = dst.name
@@ -601,35 +615,12 @@ class TieredStore:
             return
         src_policy = self._policies[src.name]
         src_policy.on_remove(e)  # so making room above can never pick it while it moves
-        if data is not None:
-            moved = self._place_with_data(e, src, top, data)
-        else:
-            moved = self._try_place(e, src, top)
-        if moved:
+        if self._try_place(e, src, top, data):
             if e.key in self._index:
                 self.stats.tiers[top.name].promotions += 1
                 self._emit("promote", e, src=src.name)
         else:
             src_policy.on_insert(e)
-
-    def _place_with_data(self, e: Entry, src: Tier, dst: Tier, data: Buffer) -> bool:
-        """``_try_place`` for a chunk whose bytes the caller already read."""
-        if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
-            return False
-        if dst.free_bytes < e.size_bytes and not self._policies[dst.name].admit(
-            e, self._clock()
-        ):
-            return False
-        try:
-            self._make_room(dst, e.size_bytes)
-            dst.put(_meta(e), data)
-        except (CapacityError, DiskFullError, TierUnavailable):
-            return False
-        src.delete(e.key)
-        e.tier = dst.name
-        self.stats.tiers[dst.name].bytes_written += e.size_bytes
-        self._policies[dst.name].on_insert(e)
-        return True
 
     def _move(self, e: Entry, dst: Tier) -> None:
         src = self._tiers[self._tier_index[e.tier]]
@@ -690,8 +681,14 @@ class TieredStore:
     def _emit(self, kind: str, e: Entry, **extra: Any) -> None:
         if not self._listeners:
             return
-        event: Event = {"type": kind, "key": e.key.hex(), "tier": e.tier,
-                        "size_bytes": e.size_bytes, "tenant": e.tenant, **extra}  # fmt: skip
+        event: Event = {
+            "type": kind,
+            "key": e.key.hex(),
+            "tier": e.tier,
+            "size_bytes": e.size_bytes,
+            "tenant": e.tenant,
+            **extra,
+        }
         for listener in list(self._listeners):
             listener(event)
 
@@ -721,6 +718,12 @@ def _payload_size(data: Buffer | None, size_bytes: int | None) -> int:
 
 def _meta(e: Entry) -> ChunkMeta:
     return ChunkMeta(
-        key=e.key, size_bytes=e.size_bytes, tokens=e.tokens, tenant=e.tenant, parent=e.parent,
-        priority=e.priority, isolated=e.isolated, created_s=e.created_s,
-    )  # fmt: skip
+        key=e.key,
+        size_bytes=e.size_bytes,
+        tokens=e.tokens,
+        tenant=e.tenant,
+        parent=e.parent,
+        priority=e.priority,
+        isolated=e.isolated,
+        created_s=e.created_s,
+    )

@@ -153,10 +153,14 @@ def simulate(
         raise InvalidArgument(f"unknown admission {admission!r}; choose all or frequency")
     chains = _Chains(requests)
     report = SimulationReport(
-        trace=trace_name, requests=len(requests), total_blocks=chains.total_blocks,
-        total_tokens=chains.total_tokens, unique_blocks=chains.unique_blocks,
-        tiers=dict(tiers), admission=admission,
-    )  # fmt: skip
+        trace=trace_name,
+        requests=len(requests),
+        total_blocks=chains.total_blocks,
+        total_tokens=chains.total_tokens,
+        unique_blocks=chains.unique_blocks,
+        tiers=dict(tiers),
+        admission=admission,
+    )
     for policy in policies_with_references(policies):
         report.results.append(_run_one(chains, requests, tiers, policy, admission, progress))
     return report
@@ -205,8 +209,9 @@ def _run_one(
             if k in store:
                 store.touch(k, tenant=r.tenant)
             else:
-                store.put(k, None, size_bytes=1, tokens=t, tenant=r.tenant, parent=parent,
-                          depth=depth)  # fmt: skip
+                store.put(
+                    k, None, size_bytes=1, tokens=t, tenant=r.tenant, parent=parent, depth=depth
+                )
             parent = k
         if progress is not None and (i % step == 0 or i == total - 1):
             progress(policy, i + 1, total)

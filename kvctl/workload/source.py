@@ -21,7 +21,9 @@ def load_workload(
     if trace is None:
         from kvctl.workload.builtin import builtin_workload
 
-        requests = builtin_workload(seed) if limit is None else builtin_workload(seed, requests=limit)
+        requests = (
+            builtin_workload(seed) if limit is None else builtin_workload(seed, requests=limit)
+        )
         return Workload(f"builtin:seed={seed}", requests)
     path = pathlib.Path(trace)
     if not path.is_file():

@@ -27,8 +27,16 @@ def write_trace(path: Path, n: int = 60) -> Path:
     for i in range(n):
         shared = [0, 1, 2] if i % 2 == 0 else [10, 11]
         ids = [*shared, 100 + i]
-        lines.append(json.dumps({"timestamp": i * 10, "input_length": 512 * len(ids) - 100,
-                                 "output_length": 5, "hash_ids": ids}))  # fmt: skip
+        lines.append(
+            json.dumps(
+                {
+                    "timestamp": i * 10,
+                    "input_length": 512 * len(ids) - 100,
+                    "output_length": 5,
+                    "hash_ids": ids,
+                }
+            )
+        )
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -48,8 +56,9 @@ def test_each_command_help_has_examples(args: list[str]) -> None:
 
 
 def test_version_from_the_installed_entry_point() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvctl", "--version"], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "--version"], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip() == f"kvctl {__version__}"
 
 
@@ -68,8 +77,18 @@ def test_simulate_json_schema(tmp_path: Path) -> None:
 
 def test_simulate_several_capacities_and_tiers(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl")
-    code, out = run("simulate", "--trace", str(trace), "--capacity-fraction", "0.05",
-                    "--capacity-fraction", "0.5", "--policy", "lru", "--json")  # fmt: skip
+    code, out = run(
+        "simulate",
+        "--trace",
+        str(trace),
+        "--capacity-fraction",
+        "0.05",
+        "--capacity-fraction",
+        "0.5",
+        "--policy",
+        "lru",
+        "--json",
+    )
     assert code == 0, out
     runs = json.loads(out)
     assert [r["capacity_blocks"] for r in runs] == [3, 32]
@@ -97,8 +116,9 @@ def test_bad_input_gets_one_clear_error_line(args: list[str], message: str) -> N
 
 def test_malformed_trace_names_the_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
-                   "{not json}\n")  # fmt: skip
+    bad.write_text(
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n{not json}\n'
+    )
     code, out = run("simulate", "--trace", str(bad))
     assert code == 2 and ":2:" in out
 
@@ -117,8 +137,12 @@ def test_keys_json_matches_the_library() -> None:
 
 def test_demo_runs_end_to_end_on_a_small_trace(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl", n=200)
-    out = subprocess.run([sys.executable, "-m", "kvctl", "demo", "--trace", str(trace), "--json"],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "demo", "--trace", str(trace), "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     runs = json.loads(out.stdout)
     assert len(runs) == 4
     assert all(r["trace"] == str(trace) for r in runs)

@@ -13,16 +13,21 @@ UI = ("rich", "typer", "textual", "dash", "plotly", "click")
 
 def imported_by(module: str) -> set[str]:
     code = f"import sys, {module}; print(' '.join(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     return set(out.stdout.split())
 
 
 def test_store_and_workload_never_import_ui() -> None:
     for module in (
-        "kvctl.store.store", "kvctl.store.tiers.disk", "kvctl.workload.simulate",
-        "kvctl.bench.store", "collectors", "dashboard",
-    ):  # fmt: skip
+        "kvctl.store.store",
+        "kvctl.store.tiers.disk",
+        "kvctl.workload.simulate",
+        "kvctl.bench.store",
+        "collectors",
+        "dashboard",
+    ):
         loaded = imported_by(module)
         assert not {m.split(".")[0] for m in loaded} & set(UI), module
 
@@ -32,7 +37,8 @@ def test_cli_help_does_not_import_the_store_engine() -> None:
         "import sys; from kvctl.cli.main import app; "
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('kvctl'))))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, cwd=ROOT)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
     loaded = set(out.stdout.split())
     assert "kvctl.store.store" not in loaded and "kvctl.workload.simulate" not in loaded

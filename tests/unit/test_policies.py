@@ -81,8 +81,10 @@ def test_frequency_admission_counts_ghosts() -> None:
 
 def test_belady_keeps_the_chunk_used_soonest() -> None:
     seq = [1, 2, 3, 1, 2, 4, 1, 2, 3, 4]
-    next_pos = [next((j for j in range(i + 1, len(seq)) if seq[j] == x), math.inf)
-                for i, x in enumerate(seq)]  # fmt: skip
+    next_pos = [
+        next((j for j in range(i + 1, len(seq)) if seq[j] == x), math.inf)
+        for i, x in enumerate(seq)
+    ]
     oracle: dict[bytes, float] = {}
     store = TieredStore([MeteredTier("cpu", 2)], eviction={"cpu": BeladyPolicy(oracle)})
     hits = 0

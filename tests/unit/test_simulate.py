@@ -37,16 +37,18 @@ def test_unlimited_capacity_equals_the_infinite_cache_prefix_ratio() -> None:
 def test_references_always_run_and_belady_leads_lru() -> None:
     trace = builtin_workload(seed=0, requests=500)
     unique = len({b for r in trace for b in r.block_ids})
-    report = simulate(trace, tiers={"cpu": capacity_from_fraction(unique, 0.05)},
-                      policies=["lineage-lru"])  # fmt: skip
+    report = simulate(
+        trace, tiers={"cpu": capacity_from_fraction(unique, 0.05)}, policies=["lineage-lru"]
+    )
     assert [r.policy for r in report.results] == ["lineage-lru", "lru", "belady"]
     assert report.result("belady").hit_ratio > report.result("lru").hit_ratio
 
 
 def test_multi_tier_reports_hits_per_tier() -> None:
     trace = builtin_workload(seed=1, requests=300)
-    report = simulate(trace, tiers={"cpu": 100, "disk": 1000}, policies=["lru"],
-                      admission="frequency")  # fmt: skip
+    report = simulate(
+        trace, tiers={"cpu": 100, "disk": 1000}, policies=["lru"], admission="frequency"
+    )
     for r in report.results:
         assert sum(r.hits_by_tier.values()) == r.hit_blocks
         assert r.hits_by_tier["disk"] > 0
@@ -71,8 +73,9 @@ def test_bad_arguments() -> None:
 def test_shared_trace_replay(shared_trace) -> None:  # type: ignore[no-untyped-def]
     trace = read_mooncake_trace(shared_trace, limit=800)
     unique = len({b for r in trace for b in r.block_ids})
-    report = simulate(trace, tiers={"cpu": capacity_from_fraction(unique, 0.1)},
-                      policies=["lineage-lru"])  # fmt: skip
+    report = simulate(
+        trace, tiers={"cpu": capacity_from_fraction(unique, 0.1)}, policies=["lineage-lru"]
+    )
     belady = report.result("belady").hit_ratio
     assert 0 < report.result("lru").hit_ratio < belady
     assert 0 < report.result("lineage-lru").hit_ratio <= belady

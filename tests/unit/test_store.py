@@ -308,9 +308,12 @@ def test_disk_full_while_demoting_degrades_to_a_counted_drop(tmp_path: Path) -> 
         """
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
         cwd=Path(__file__).parents[2],
-    )  # fmt: skip
+    )
     result = json.loads(out.stdout)
     assert result == {"cached": 2, "ok": True, "failures": 3, "drops": 3, "disk_used": 0}
     assert not list((tmp_path / "d").rglob("*.tmp*"))

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvctl.store.errors import CapacityError, InvalidArgument, PayloadSizeError
+from kvctl.store.keys import KEY_BYTES
 
 Buffer = bytes | bytearray | memoryview
 
@@ -56,6 +57,9 @@ class Tier(ABC):
     @abstractmethod
     def __len__(self) -> int: ...
 
+    def __bool__(self) -> bool:  # an empty tier is still a tier: `if tier:` is not "has data"
+        return True
+
     @abstractmethod
     def keys(self) -> Iterator[bytes]: ...
 
@@ -74,7 +78,8 @@ class Tier(ABC):
 
     @abstractmethod
     def read_into(self, key: bytes, out: memoryview) -> int:
-        """Copy the payload into ``out`` (at least size_of(key) long); return bytes copied."""
+        """Copy the payload into ``out``; return bytes copied. InvalidArgument if ``out`` is
+        shorter than the chunk; CorruptChunk (after dropping it) if the copy cannot be trusted."""
 
     def get(self, key: bytes) -> bytes:
         buf = bytearray(self.size_of(key))
@@ -109,6 +114,8 @@ def check_capacity(capacity_bytes: int, what: str = "capacity") -> int:
 
 def check_put(tier: Tier, meta: ChunkMeta, data: Buffer | None) -> None:
     """Checks every tier's put makes before touching state."""
+    if not isinstance(meta.key, bytes) or len(meta.key) != KEY_BYTES:
+        raise InvalidArgument(f"a key is {KEY_BYTES} bytes, got {meta.key!r:.60}")
     if meta.size_bytes <= 0:
         raise InvalidArgument(f"chunk size must be positive, got {meta.size_bytes}")
     if tier.holds_payload:
@@ -116,9 +123,7 @@ def check_put(tier: Tier, meta: ChunkMeta, data: Buffer | None) -> None:
             raise InvalidArgument(f"tier {tier.name!r} needs payload bytes")
         n = memoryview(data).nbytes
         if n != meta.size_bytes:
-            raise PayloadSizeError(
-                f"payload is {n} bytes but the chunk declares {meta.size_bytes}"
-            )
+            raise PayloadSizeError(f"payload is {n} bytes but the chunk declares {meta.size_bytes}")
     if meta.key in tier:
         raise InvalidArgument(f"key {meta.key.hex()} is already in tier {tier.name!r}")
     if meta.size_bytes > tier.free_bytes:
