@@ -119,7 +119,8 @@ class HeapPolicy(EvictionPolicy):
 
     def _rebuild(self) -> None:
         self._heap = [
-            (self._ranks[k], i, k) for i, (k, e) in enumerate(self._entries.items())
+            (self._ranks[k], i, k)
+            for i, (k, e) in enumerate(self._entries.items())
             if self.eligible(e)
         ]
         heapq.heapify(self._heap)
