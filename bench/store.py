@@ -1,0 +1,32 @@
+"""Run the store benchmark with its defaults and print the JSON result.
+
+    python bench/store.py > bench/results/store.json
+
+The same as ``kvctl bench store --json``; needs the kvctl package importable (``pip install -e .``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from kvctl.bench.store import (
+    DEFAULT_BYTES_PER_SIZE,
+    DEFAULT_REPEATS,
+    DEFAULT_SIZES_BYTES,
+    run_store_bench,
+)
+
+
+def main() -> None:
+    result = run_store_bench(
+        list(DEFAULT_SIZES_BYTES),
+        bytes_per_size=DEFAULT_BYTES_PER_SIZE,
+        directory=None,
+        repeats=DEFAULT_REPEATS,
+    )
+    sys.stdout.write(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
