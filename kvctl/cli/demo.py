@@ -8,11 +8,14 @@ cache sizes of 1%, 5%, 10% and 25% of the workload's unique blocks.
 from __future__ import annotations
 
 import pathlib
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from kvctl.cli.output import console, user_errors
+
+if TYPE_CHECKING:
+    from kvctl.workload.simulate import SimulationReport
 
 DEMO_FRACTIONS = (0.01, 0.05, 0.10, 0.25)
 
@@ -51,7 +54,8 @@ def demo_command(
             console.print(
                 f"[bold]kvctl demo[/]: offline replay of [cyan]{workload.name}[/] "
                 f"({len(workload.requests):,} requests, {unique:,} unique blocks) through the "
-                "store's eviction policies, with LRU and Belady's optimum as references."
+                "store's eviction policies, with LRU and Belady's optimum as references. "
+                "Traces carry no retention priorities, so `priority` behaves as LRU here."
             )
         reports = []
         with _progress(disable=json_out) as update:
@@ -69,3 +73,19 @@ def demo_command(
                     render_report(report)
     if json_out:
         print_json([r.as_dict() for r in reports])
+        return
+    console.print(_summary(reports))
+
+
+def _summary(reports: list[SimulationReport]) -> str:
+    """One line per policy: its share of Belady's hit ratio at each cache size."""
+    lines = ["[bold]Share of Belady's hit ratio by cache size[/] (1%, 5%, 10%, 25% of unique):"]
+    for policy in (r.policy for r in reports[0].results if r.policy != "belady"):
+        shares = []
+        for report in reports:
+            best = report.result("belady").hit_ratio
+            shares.append(
+                f"{report.result(policy).hit_ratio / best * 100:5.1f}" if best else "  n/a"
+            )
+        lines.append(f"  {policy:<14} " + "  ".join(shares))
+    return "\n".join(lines)

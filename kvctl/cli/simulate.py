@@ -107,9 +107,10 @@ def render_report(report: object) -> None:
     assert isinstance(report, SimulationReport)
     belady = report.result("belady").hit_ratio
     tiers = ", ".join(f"{n}={c:,}" for n, c in report.tiers.items())
+    share = report.capacity_blocks / report.unique_blocks if report.unique_blocks else 0.0
     table = Table(
         title=f"{report.trace}: {report.requests:,} requests, {report.unique_blocks:,} unique "
-        f"blocks, capacity {tiers} blocks"
+        f"blocks, capacity {tiers} blocks ({pct(share)} of unique)"
         + (f", admission {report.admission}" if len(report.tiers) > 1 else ""),
         title_justify="left",
         caption="* reference, measured in the same replay",
