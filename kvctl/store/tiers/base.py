@@ -112,6 +112,16 @@ def check_capacity(capacity_bytes: int, what: str = "capacity") -> int:
     return capacity_bytes
 
 
+def check_resize(tier: Tier, capacity_bytes: int) -> None:
+    """Checks every tier's resize makes: a valid size that still holds what is stored."""
+    check_capacity(capacity_bytes, f"{tier.name} capacity")
+    if tier.used_bytes > capacity_bytes:
+        raise CapacityError(
+            f"tier {tier.name!r} holds {tier.used_bytes} bytes; evict before shrinking to "
+            f"{capacity_bytes}"
+        )
+
+
 def check_put(tier: Tier, meta: ChunkMeta, data: Buffer | None) -> None:
     """Checks every tier's put makes before touching state."""
     if not isinstance(meta.key, bytes) or len(meta.key) != KEY_BYTES:

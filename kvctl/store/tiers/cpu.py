@@ -16,7 +16,14 @@ import mmap
 from collections.abc import Iterator
 
 from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound, TierUnavailable
-from kvctl.store.tiers.base import Buffer, ChunkMeta, Tier, check_capacity, check_put
+from kvctl.store.tiers.base import (
+    Buffer,
+    ChunkMeta,
+    Tier,
+    check_capacity,
+    check_put,
+    check_resize,
+)
 
 
 class ArenaAllocator:
@@ -146,12 +153,7 @@ class CpuTier(Tier):
 
     def resize(self, capacity_bytes: int) -> None:
         self._check_open()
-        check_capacity(capacity_bytes, f"{self.name} capacity")
-        if self._used_bytes > capacity_bytes:
-            raise CapacityError(
-                f"tier {self.name!r} holds {self._used_bytes} bytes; evict before shrinking to "
-                f"{capacity_bytes}"
-            )
+        check_resize(self, capacity_bytes)
         self._compact(capacity_bytes)
 
     def close(self) -> None:

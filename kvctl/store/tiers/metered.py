@@ -5,8 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound
-from kvctl.store.tiers.base import Buffer, ChunkMeta, Tier, check_capacity, check_put
+from kvctl.store.errors import InvalidArgument, KeyNotFound
+from kvctl.store.tiers.base import (
+    Buffer,
+    ChunkMeta,
+    Tier,
+    check_capacity,
+    check_put,
+    check_resize,
+)
 
 
 class MeteredTier(Tier):
@@ -57,7 +64,5 @@ class MeteredTier(Tier):
         return n
 
     def resize(self, capacity_bytes: int) -> None:
-        check_capacity(capacity_bytes, f"{self.name} capacity")
-        if self._used_bytes > capacity_bytes:
-            raise CapacityError(f"tier {self.name!r} holds {self._used_bytes} bytes")
+        check_resize(self, capacity_bytes)
         self._capacity_bytes = capacity_bytes
