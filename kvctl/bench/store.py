@@ -548,8 +548,8 @@ def _notes(repeats: int, filesystem: dict[str, str] | None) -> list[str]:
         "cpu.put runs a fresh store over a freshly mapped arena, so it includes first-touch page "
         "faults, as does its reference memcpy_first_touch; put_prefaulted, get and tier_* use an "
         "arena written before timing and are compared with memcpy into a touched buffer",
-        "disk tier figures include CRC-32 of the payload (put and get), a header and, for puts, "
-        "a temp file plus rename; the plain-file references have none of these",
+        "disk tier figures include an xxh3-64 checksum of the payload (put and get), a header "
+        "and, for puts, a temp file plus rename; the plain-file references have none of these",
         "disk.put and file_write go to the page cache; writing it back to the device is not timed",
         f"put_fsync / file_write_fsync use at most {FSYNC_MAX_CHUNKS} chunks or "
         f"{FSYNC_MAX_BYTES >> 20} MiB per sample (see their 'chunks'); the tier also fsyncs the "

@@ -9,15 +9,18 @@ import os
 import random
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import textwrap
 import time
+import zlib
 from array import array
 from pathlib import Path
 
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -291,6 +294,130 @@ def test_flipped_payload_byte_is_dropped_by_verify_on_open(tmp_path: Path) -> No
     assert not chunk_path(tmp_path, key(1)).exists()
 
 
+# --- checksum kinds ----------------------------------------------------------------------------
+# The on-disk header, spelled out here rather than taken from disk.py, so these tests pin the
+# format that files already on disk were written in.
+HEADER_FIXED = struct.Struct("<4sHHIB3x16sQQQqd16sH")
+KIND_OFFSET = 12  # magic 4 + version 2 + flags 2 + header_len 4
+CHECKSUM_OFFSET = 12 + 1 + 3 + 16 + 8  # ... + kind 1 + reserved 3 + key 16 + payload_size 8
+
+
+def write_chunk_file(
+    directory: Path, m: ChunkMeta, data: bytes, checksum_kind: int, checksum: int
+) -> Path:
+    """A chunk file as any build writing format version 1 would have, with the given checksum."""
+    tenant = m.tenant.encode()
+    flags = (0x1 if m.isolated else 0) | (0x2 if m.parent is not None else 0)
+    header_len = HEADER_FIXED.size + len(tenant) + 4
+    body = HEADER_FIXED.pack(
+        b"KVCD",
+        1,
+        flags,
+        header_len,
+        checksum_kind,
+        m.key,
+        m.size_bytes,
+        checksum,
+        m.tokens,
+        m.priority,
+        m.created_s,
+        m.parent or bytes(16),
+        len(tenant),
+    )
+    body += tenant
+    path = chunk_path(directory, m.key)
+    path.parent.mkdir(exist_ok=True)
+    path.write_bytes(body + struct.pack("<I", zlib.crc32(body)) + data)
+    return path
+
+
+def stored_checksum(path: Path) -> tuple[int, int]:
+    raw = path.read_bytes()
+    return raw[KIND_OFFSET], int.from_bytes(raw[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 8], "little")
+
+
+def flip_byte(path: Path, offset_from_end: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_new_writes_use_xxh3_64(tmp_path: Path) -> None:
+    with DiskTier(tmp_path, MIB) as tier:
+        data = put(tier, 1, 10 * KIB)
+    assert stored_checksum(chunk_path(tmp_path, key(1))) == (2, xxhash.xxh3_64_intdigest(data))
+
+
+def test_flipped_payload_byte_is_detected_with_xxh3(tmp_path: Path) -> None:
+    with DiskTier(tmp_path, 64 * MIB) as tier:
+        put(tier, 1, 10 * KIB)
+        put(tier, 2, 9 * MIB)  # streamed through the verify buffer in pieces
+        kept = put(tier, 3, 10 * KIB)
+        put(tier, 4, 10 * KIB)
+    for i in (1, 2, 4):
+        assert stored_checksum(chunk_path(tmp_path, key(i)))[0] == 2
+    flip_byte(chunk_path(tmp_path, key(1)), 5 * KIB)  # mid-payload
+    flip_byte(chunk_path(tmp_path, key(2)), 1)  # in the last verify piece
+    with DiskTier(tmp_path, 64 * MIB, verify_on_open=True) as tier:
+        assert tier.dropped_on_open == 2
+        assert all("payload checksum" in why for why in tier.dropped_reasons)
+        assert set(tier.keys()) == {key(3), key(4)}
+        assert tier.get(key(3)) == kept
+        flip_byte(chunk_path(tmp_path, key(4)), 1)
+        with pytest.raises(CorruptChunk, match="checksum"):
+            tier.get(key(4))
+        assert set(tier.keys()) == {key(3)}
+
+
+def test_crc32_chunks_from_older_builds_stay_readable(tmp_path: Path) -> None:
+    old = {
+        1: ChunkMeta(key(1), 10 * KIB, tokens=16, tenant="old-ü", parent=key(0), created_s=1.0),
+        2: ChunkMeta(key(2), 9 * MIB, tokens=99, priority=-3, isolated=True, created_s=2.0),
+        3: ChunkMeta(key(3), 3000, created_s=3.0),
+    }
+    data = {i: payload(i, m.size_bytes) for i, m in old.items()}
+    for i, m in old.items():
+        write_chunk_file(tmp_path, m, data[i], 1, zlib.crc32(data[i]))
+    for verify in (False, True):
+        with DiskTier(tmp_path, 64 * MIB, verify_on_open=verify) as tier:
+            assert tier.dropped_reasons == []
+            assert tier.recover() == list(old.values())
+            for i, m in old.items():
+                assert tier.meta_of(m.key) == m
+                assert tier.get(m.key) == data[i]
+            if verify:  # new puts next to the old chunks are xxh3; both kinds read back
+                new = put(tier, 4, 5000)
+    assert stored_checksum(chunk_path(tmp_path, key(4)))[0] == 2
+    assert stored_checksum(chunk_path(tmp_path, key(1)))[0] == 1  # never rewritten
+    with DiskTier(tmp_path, 64 * MIB, verify_on_open=True) as tier:
+        assert tier.dropped_on_open == 0
+        assert tier.get(key(4)) == new
+        assert tier.get(key(1)) == data[1]
+        # a flipped byte in an old chunk is still caught by its CRC-32
+        flip_byte(chunk_path(tmp_path, key(3)), 100)
+        with pytest.raises(CorruptChunk, match="checksum"):
+            tier.get(key(3))
+    flip_byte(chunk_path(tmp_path, key(2)), 1)
+    with DiskTier(tmp_path, 64 * MIB, verify_on_open=True) as tier:
+        assert tier.dropped_on_open == 1
+        assert "payload checksum" in tier.dropped_reasons[0]
+        assert set(tier.keys()) == {key(1), key(4)}
+
+
+def test_unknown_checksum_kind_is_dropped_at_open(tmp_path: Path) -> None:
+    with DiskTier(tmp_path, MIB) as tier:
+        put(tier, 2, 100)
+    # a valid header (its own CRC matches) naming a payload checksum this build does not know
+    path = write_chunk_file(tmp_path, ChunkMeta(key(1), 1000), payload(1, 1000), 7, 0)
+    with DiskTier(tmp_path, MIB) as tier:
+        assert tier.dropped_on_open == 1
+        assert "unknown checksum kind 7" in tier.dropped_reasons[0]
+        assert list(tier.keys()) == [key(2)]
+    assert not path.exists()
+
+
 # --- capacity and argument checks --------------------------------------------------------------
 def test_capacity_is_enforced_to_the_byte(tmp_path: Path) -> None:
     with DiskTier(tmp_path, 1000) as tier:
@@ -526,9 +653,14 @@ def test_disk_full_enospc_on_tiny_tmpfs(tmp_path: Path) -> None:
 # --- crash safety ------------------------------------------------------------------------------
 _WRITER_CHILD = textwrap.dedent(
     """
-    import hashlib, sys
+    import hashlib, os, sys
     from kvctl.store.tiers.base import ChunkMeta
     from kvctl.store.tiers.disk import DiskTier
+
+    def say(op, i):
+        # one write(2) per line, so a kill never cuts one (print makes several when the
+        # environment has PYTHONUNBUFFERED set)
+        os.write(1, f"{op} {i}\\n".encode())
 
     directory, start = sys.argv[1], int(sys.argv[2])
     sizes = [1000, 64 * 1024, 700 * 1024, 2 * 1024 * 1024 + 5]
@@ -541,13 +673,13 @@ _WRITER_CHILD = textwrap.dedent(
         # cheap to build, so the child spends its time writing and most kills land mid-put
         data = (hashlib.blake2b(str(i).encode()).digest() * (size // 64 + 1))[:size]
         tier.put(ChunkMeta(k, size, tokens=i), data)
-        print("put", i, flush=True)
+        say("put", i)
         written.append(i)
         if i % 4 == 3:  # delete an older chunk now and then, so deletes get killed too
             j = written.pop(0)
-            print("deleting", j, flush=True)
+            say("deleting", j)
             tier.delete(hashlib.blake2b(f"chunk-{j}".encode(), digest_size=16).digest())
-            print("deleted", j, flush=True)
+            say("deleted", j)
         i += 1
     """
 )

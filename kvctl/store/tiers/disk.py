@@ -17,11 +17,18 @@ File format (little-endian), version 1::
     tenant (utf-8, tenant_len bytes) | header_crc32 u32 (over every header byte before it)
     payload (payload_size bytes)
 
-The payload checksum is CRC-32 (zlib): we need torn/corrupt detection, not cryptographic strength,
-and on the development machine it ran at ~4.8 GB/s against ~1.7 GB/s for SHA-1 and ~0.8 GB/s for
-BLAKE2b, so a wider digest would have cost more than half the read bandwidth. The field is 64
-bits wide and ``checksum_kind`` names the algorithm, so a 64-bit checksum (xxh3, crc64) can
-replace CRC-32 later without a new file version.
+``checksum_kind`` names the payload checksum algorithm; ``payload_checksum`` holds its value,
+zero-extended to 64 bits::
+
+    1  CRC-32 (zlib), 32 bits. Written by older builds; still read and verified.
+    2  XXH3-64 (``xxhash.xxh3_64``, seed 0), the full 64 bits. Written by this build.
+
+We need torn/corrupt detection, not cryptographic strength. The payload is checked after every
+read, so the checksum's speed bounds warm (page-cache) read bandwidth: on one core CRC-32 ran at
+~4.1-4.5 GB/s and XXH3-64 at ~22-27 GB/s on 4 and 32 MiB buffers, and a 64-bit digest lets fewer
+random corruptions through than 32 bits. Any other kind is dropped at open as corrupt (its payload
+cannot be verified). The header is always guarded by ``header_crc32`` (CRC-32): it is small, so its
+check costs nothing worth trading for a format change.
 
 Writes go to a temp file in the chunk's own subdirectory and are renamed into place, so a process
 killed at any instant leaves either no chunk or the complete one. Whatever a crashed kernel or a
@@ -37,24 +44,35 @@ import os
 import re
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Protocol
+
+import xxhash
 
 from kvctl.store.errors import (
-    CapacityError,
     CorruptChunk,
     DiskFullError,
     InvalidArgument,
     KeyNotFound,
     TierUnavailable,
 )
-from kvctl.store.tiers.base import Buffer, ChunkMeta, Tier, check_capacity, check_put
+from kvctl.store.tiers.base import (
+    Buffer,
+    ChunkMeta,
+    Tier,
+    check_capacity,
+    check_put,
+    check_resize,
+)
 
 KEY_BYTES = 16
 MAGIC = b"KVCD"
 FORMAT_VERSION = 1
+# Payload checksum kinds (header ``checksum_kind``); see the module docstring.
 CHECKSUM_CRC32 = 1
+CHECKSUM_XXH3_64 = 2
+CHECKSUM_KIND = CHECKSUM_XXH3_64  # what new writes use
 
 _FLAG_ISOLATED = 0x1
 _FLAG_HAS_PARENT = 0x2
@@ -64,6 +82,33 @@ _KNOWN_FLAGS = _FLAG_ISOLATED | _FLAG_HAS_PARENT
 _FIXED = struct.Struct("<4sHHIB3x16sQQQqd16sH")
 _CRC = struct.Struct("<I")
 MAX_TENANT_BYTES = 0xFFFF
+
+
+class _Hasher(Protocol):
+    def update(self, data: Buffer, /) -> None: ...
+    def intdigest(self) -> int: ...
+
+
+class _Crc32Hasher:
+    """zlib.crc32 behind the update/intdigest interface of xxhash's hashers."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, data: Buffer, /) -> None:
+        self._value = zlib.crc32(data, self._value)
+
+    def intdigest(self) -> int:
+        return self._value
+
+
+# kind -> (one-shot checksum of a whole buffer, factory of a streaming hasher giving the same value)
+_CHECKSUMS: dict[int, tuple[Callable[[Buffer], int], Callable[[], _Hasher]]] = {
+    CHECKSUM_CRC32: (zlib.crc32, _Crc32Hasher),
+    CHECKSUM_XXH3_64: (xxhash.xxh3_64_intdigest, xxhash.xxh3_64),
+}
 
 # Errors that mean "the filesystem is out of room for this write", not "the tier is broken".
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
@@ -92,6 +137,7 @@ _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
 class _Entry:
     meta: ChunkMeta
     header_bytes: int
+    checksum_kind: int
     checksum: int
 
 
@@ -188,8 +234,8 @@ class DiskTier(Tier):
         key = meta.key
         if len(key) != KEY_BYTES:
             raise InvalidArgument(f"disk tier keys are {KEY_BYTES} bytes, got {len(key)}")
-        checksum = zlib.crc32(payload)
-        header = _encode_header(meta, checksum)
+        checksum = _CHECKSUMS[CHECKSUM_KIND][0](payload)
+        header = _encode_header(meta, CHECKSUM_KIND, checksum)
 
         key_hex = key.hex()
         subdir = key_hex[:2]
@@ -233,7 +279,7 @@ class DiskTier(Tier):
                     f"disk tier {self.name!r} cannot write {exc.filename or tmp}: {exc.strerror}"
                 ) from exc
             raise
-        self._index[key] = _Entry(meta, len(header), checksum)
+        self._index[key] = _Entry(meta, len(header), CHECKSUM_KIND, checksum)
         self._used_bytes += meta.size_bytes
 
     def read_into(self, key: bytes, out: memoryview) -> int:
@@ -272,7 +318,7 @@ class DiskTier(Tier):
             os.close(fd)
         if got != n:
             self._drop_corrupt(key, path, f"its file is short ({got} of {n} payload bytes)")
-        if zlib.crc32(dest) != entry.checksum:
+        if _CHECKSUMS[entry.checksum_kind][0](dest) != entry.checksum:
             self._drop_corrupt(key, path, "its payload failed the checksum")
         return n
 
@@ -294,12 +340,7 @@ class DiskTier(Tier):
 
     def resize(self, capacity_bytes: int) -> None:
         self._check_open()
-        check_capacity(capacity_bytes, f"{self.name} capacity")
-        if self._used_bytes > capacity_bytes:
-            raise CapacityError(
-                f"tier {self.name!r} holds {self._used_bytes} bytes; evict before shrinking to "
-                f"{capacity_bytes}"
-            )
+        check_resize(self, capacity_bytes)
         self._capacity_bytes = capacity_bytes
 
     def recover(self) -> list[ChunkMeta]:
@@ -494,7 +535,7 @@ class DiskTier(Tier):
 
 
 # --- file format ----------------------------------------------------------------------------
-def _encode_header(meta: ChunkMeta, checksum: int) -> bytes:
+def _encode_header(meta: ChunkMeta, checksum_kind: int, checksum: int) -> bytes:
     tenant = meta.tenant.encode("utf-8")
     if len(tenant) > MAX_TENANT_BYTES:
         raise InvalidArgument(
@@ -516,7 +557,7 @@ def _encode_header(meta: ChunkMeta, checksum: int) -> bytes:
             FORMAT_VERSION,
             flags,
             header_len,
-            CHECKSUM_CRC32,
+            checksum_kind,
             meta.key,
             meta.size_bytes,
             checksum,
@@ -576,7 +617,7 @@ def _load_chunk(path: str, key: bytes, verify_buf: bytearray | None) -> _Entry |
         if zlib.crc32(memoryview(head)[: header_len - _CRC.size]) != header_crc:
             return "header checksum mismatch"
         # Only a header that passed its checksum is trusted past this point.
-        if checksum_kind != CHECKSUM_CRC32:
+        if checksum_kind not in _CHECKSUMS:
             return f"unknown checksum kind {checksum_kind}"
         if flags & ~_KNOWN_FLAGS:
             return f"unknown flags {flags:#x}"
@@ -591,7 +632,7 @@ def _load_chunk(path: str, key: bytes, verify_buf: bytearray | None) -> _Entry |
         except UnicodeDecodeError:
             return "tenant is not utf-8"
         if verify_buf is not None and not _payload_matches(
-            fd, header_len, payload_bytes, checksum, verify_buf
+            fd, header_len, payload_bytes, checksum_kind, checksum, verify_buf
         ):
             return "payload checksum mismatch"
     finally:
@@ -606,24 +647,24 @@ def _load_chunk(path: str, key: bytes, verify_buf: bytearray | None) -> _Entry |
         isolated=bool(flags & _FLAG_ISOLATED),
         created_s=created_s,
     )
-    return _Entry(meta, header_len, checksum)
+    return _Entry(meta, header_len, checksum_kind, checksum)
 
 
 def _payload_matches(
-    fd: int, offset: int, payload_bytes: int, checksum: int, buf: bytearray
+    fd: int, offset: int, payload_bytes: int, checksum_kind: int, checksum: int, buf: bytearray
 ) -> bool:
     view = memoryview(buf)
-    crc = 0
+    hasher = _CHECKSUMS[checksum_kind][1]()
     remaining = payload_bytes
     while remaining:
         want = min(remaining, len(buf))
         got = os.preadv(fd, [view[:want]], offset)
         if got <= 0:
             return False
-        crc = zlib.crc32(view[:got], crc)
+        hasher.update(view[:got])
         offset += got
         remaining -= got
-    return crc == checksum
+    return hasher.intdigest() == checksum
 
 
 # --- low-level I/O ----------------------------------------------------------------------------
