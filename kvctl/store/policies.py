@@ -33,10 +33,12 @@ import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.index import DEFAULT_PRIORITY, Entry
+
+T = TypeVar("T")
 
 
 class EvictionPolicy(ABC):
@@ -385,22 +387,21 @@ ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
 }
 
 
-def make_eviction_policy(name: str) -> EvictionPolicy:
+def _make(registry: Mapping[str, type[T]], kind: str, name: str) -> T:
     try:
-        return EVICTION_POLICIES[name]()
+        return registry[name]()
     except KeyError:
         raise InvalidArgument(
-            f"unknown eviction policy {name!r}; choose from {', '.join(EVICTION_POLICIES)}"
+            f"unknown {kind} policy {name!r}; choose from {', '.join(registry)}"
         ) from None
+
+
+def make_eviction_policy(name: str) -> EvictionPolicy:
+    return _make(EVICTION_POLICIES, "eviction", name)
 
 
 def make_admission_policy(name: str) -> AdmissionPolicy:
-    try:
-        return ADMISSION_POLICIES[name]()
-    except KeyError:
-        raise InvalidArgument(
-            f"unknown admission policy {name!r}; choose from {', '.join(ADMISSION_POLICIES)}"
-        ) from None
+    return _make(ADMISSION_POLICIES, "admission", name)
 
 
 __all__ = [

@@ -343,6 +343,14 @@ class DiskTier(Tier):
         check_resize(self, capacity_bytes)
         self._capacity_bytes = capacity_bytes
 
+    def _list_dir(self, path: str) -> list[os.DirEntry[str]]:
+        try:
+            return list(os.scandir(path))
+        except OSError as exc:
+            raise TierUnavailable(
+                f"disk tier {self.name!r} cannot list {path}: {exc.strerror}"
+            ) from exc
+
     def recover(self) -> list[ChunkMeta]:
         """Every valid chunk found at open, oldest first (``created_s``), minus those deleted
         or dropped since.
@@ -486,25 +494,13 @@ class DiskTier(Tier):
         """
         recovered: list[ChunkMeta] = []
         verify_buf = bytearray(_VERIFY_BUFFER_BYTES) if self.verify_on_open else None
-        try:
-            top = list(os.scandir(self.directory))
-        except OSError as exc:
-            raise TierUnavailable(
-                f"disk tier {self.name!r} cannot list {self.directory}: {exc.strerror}"
-            ) from exc
-        for entry in top:
+        for entry in self._list_dir(str(self.directory)):
             if entry.name.endswith(_TMP_SUFFIX) and entry.is_file(follow_symlinks=False):
                 self._remove(entry.path, entry.name, "leftover temp file")
                 continue
             if not (_FANOUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
                 continue  # the lock file, or something an operator put here: not ours to judge
-            try:
-                files = list(os.scandir(entry.path))
-            except OSError as exc:
-                raise TierUnavailable(
-                    f"disk tier {self.name!r} cannot list {entry.path}: {exc.strerror}"
-                ) from exc
-            for f in files:
+            for f in self._list_dir(entry.path):
                 rel = f"{entry.name}/{f.name}"
                 if not f.is_file(follow_symlinks=False):
                     continue
