@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn, TypeVar
 
@@ -42,12 +42,6 @@ def user_errors(hint: str | None = None) -> Iterator[None]:
         fail(f"no such file: {exc.filename}", hint=hint)
     except PermissionError as exc:
         fail(f"permission denied: {exc.filename}", hint=hint)
-
-
-def call(fn: Callable[[], T], hint: str | None = None) -> T:
-    with user_errors(hint):
-        return fn()
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def pct(ratio: float) -> str:

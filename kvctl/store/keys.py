@@ -128,10 +128,6 @@ def position_independent_key(chunk_tokens: Sequence[int], namespace: Namespace) 
     return h.digest()
 
 
-def key_hex(key: bytes) -> str:
-    return key.hex()
-
-
 def parse_key(text: str) -> ChunkKey:
     """Parse 32 hex characters into a key, with a clear error otherwise."""
     try:

@@ -167,9 +167,6 @@ class TieredStore:
     def tier(self, name: str) -> Tier:
         return self._tiers[self._rank(name)]
 
-    def policy(self, tier: str) -> EvictionPolicy:
-        return self._policies[self.tier(tier).name]
-
     def __len__(self) -> int:
         return len(self._index)
 

@@ -166,12 +166,6 @@ class CpuTier(Tier):
         self._used_bytes = 0
 
     # --- internals --------------------------------------------------------------------------
-    @property
-    def fragmentation_ratio(self) -> float:
-        """1 - largest hole / free bytes: 0 when all free space is one hole."""
-        free = self._alloc.free_bytes
-        return 0.0 if free == 0 else 1.0 - self._alloc.largest_hole_bytes / free
-
     def _slot(self, key: bytes) -> tuple[int, int]:
         self._check_open()
         try:
