@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 
 from kvctl import __version__
+from kvctl.cli.agent import agent_app
 from kvctl.cli.bench import bench_app
 from kvctl.cli.demo import demo_command
 from kvctl.cli.keys import keys_command
@@ -46,6 +47,9 @@ app.command("simulate", short_help="Replay a trace offline and compare eviction 
 )
 app.command("keys", short_help="Show the chunk keys of a token sequence or a text.")(keys_command)
 app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.")
+app.add_typer(
+    agent_app, name="agent", help="Run and inspect the tiered KV-cache agent on this node."
+)
 
 
 def main() -> None:

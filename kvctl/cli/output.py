@@ -23,9 +23,12 @@ def print_json(data: Any) -> None:
 
 
 def fail(message: str, *, hint: str | None = None, code: int = 2) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False)
+    from rich.markup import escape
+
+    # escaped: messages quote user input and TOML such as "[agent]", which is not markup
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
     if hint:
-        err_console.print(f"[dim]hint:[/] {hint}", highlight=False)
+        err_console.print(f"[dim]hint:[/] {escape(hint)}", highlight=False)
     raise typer.Exit(code)
 
 

@@ -25,6 +25,7 @@ class Entry:
     last_access_s: float = 0.0
     #: logical clock of the last access: orders accesses exactly, unlike wall time
     last_tick: int = 0
+    #: reads that served this chunk (get, lease, touch); lookups are counted per tier instead
     hit_count: int = 0
     access_count: int = 1
     #: cached children (chunks whose parent is this key), anywhere in the store

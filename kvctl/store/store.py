@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any
 
 from kvctl.store.errors import (
@@ -34,8 +35,12 @@ from kvctl.store.policies import (
 )
 from kvctl.store.stats import StoreStats, TierStats
 from kvctl.store.tiers.base import Buffer, ChunkMeta, Tier
+from kvctl.store.tiers.cpu import CpuTier, Lease
 
 _MAX_TENANTS_TRACKED = 8
+_TIER_OF = attrgetter("tier")
+_TOKENS_OF = attrgetter("tokens")
+_TENANT_OF = attrgetter("tenant")
 
 Event = dict[str, Any]
 
@@ -108,6 +113,8 @@ class TieredStore:
             name: _as_admission(admission.get(name, "all")) for name in names
         }
         self._index: dict[bytes, Entry] = {}
+        #: owner tenant of each isolated chunk; lookups check visibility only when it is non-empty
+        self._isolated_owner: dict[bytes, str] = {}
         # cached-children counts of parents that are not cached themselves, so a parent that
         # comes back knows its children at once
         self._orphans: dict[bytes, int] = {}
@@ -154,6 +161,8 @@ class TieredStore:
             )
         for e in self._index.values():
             self._link_parent(e, +1, notify=False)
+            if e.isolated:
+                self._isolated_owner[e.key] = e.tenant
         for e in self._index.values():
             self._policies[e.tier].on_insert(e)
         for tier in self._tiers:  # recovered more than a smaller configured capacity
@@ -250,6 +259,8 @@ class TieredStore:
             self._tick += 1
             entry.last_tick = self._tick
             self._index[key] = entry
+            if isolated:
+                self._isolated_owner[key] = tenant
             self._link_parent(entry, +1)
             if pinned:
                 entry.pinned = True
@@ -263,30 +274,54 @@ class TieredStore:
             return target.name
 
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
-        """Longest cached prefix of a key chain, and the tier of every key. Counts hits."""
+        """Longest cached prefix of a key chain, and the tier of every key. Counts hits.
+
+        Engines call this for every request with chains of hundreds of keys, so the work per key
+        runs in C (``map``, ``list.count``, ``Counter``); a Python-level loop over the chain only
+        runs in the rare mixed cases (isolated chunks of another tenant, a prefix over tiers
+        with uneven token counts).
+        """
         with self._lock:
-            locations: list[str | None] = []
-            matched = 0
-            matched_tokens = 0
-            in_prefix = True
-            for key in keys:
-                e = self._index.get(key)
-                if e is None or not self._visible(e, tenant):
-                    locations.append(None)
-                    in_prefix = False
-                    continue
-                locations.append(e.tier)
-                if in_prefix:
-                    matched += 1
-                    matched_tokens += e.tokens
-                    self._count_hit(e, tenant)
+            n = len(keys)
+            entries: list[Entry | None] = list(map(self._index.get, keys))
+            if self._isolated_owner:
+                owners = list(map(self._isolated_owner.get, keys))
+                if owners.count(None) + owners.count(tenant) != n:
+                    for i, owner in enumerate(owners):
+                        if owner is not None and owner != tenant:
+                            entries[i] = None  # same answer as "not cached"
+            try:
+                m = entries.index(None)
+            except ValueError:
+                m = n
+            prefix: list[Entry] = entries[:m]  # type: ignore[assignment]
+            tiers: list[str] = list(map(_TIER_OF, prefix))
+            tokens: list[int] = list(map(_TOKENS_OF, prefix))
+            matched_tokens = sum(tokens)
+            if m:
+                self._count_hits(prefix, tiers, tokens, tenant)
             st = self.stats
             st.lookups += 1
-            st.lookup_chunks += len(keys)
-            st.lookup_tokens += matched_tokens + (len(keys) - matched) * self.chunk_tokens
-            st.hit_chunks += matched
+            st.lookup_chunks += n
+            st.lookup_tokens += matched_tokens + (n - m) * self.chunk_tokens
+            st.hit_chunks += m
             st.hit_tokens += matched_tokens
-            return LookupResult(len(keys), matched, tuple(locations), matched_tokens)
+            if entries.count(None) == n - m:
+                locations = (*tiers, *([None] * (n - m)))
+            else:
+                locations = (*tiers, *(None if e is None else e.tier for e in entries[m:]))
+            return LookupResult(n, m, locations, matched_tokens)
+
+    def locate(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
+        """The tier of each key (None: not cached, or not visible to ``tenant``). Unlike
+        ``lookup`` this counts nothing: it answers "is it there?" for tools and engines."""
+        with self._lock:
+            out = [None if e is None else e.tier for e in map(self._index.get, keys)]
+            if self._isolated_owner:
+                for i, owner in enumerate(map(self._isolated_owner.get, keys)):
+                    if owner is not None and owner != tenant:
+                        out[i] = None
+            return out
 
     def read_into(self, key: bytes, out: memoryview | bytearray, *, tenant: str = "") -> int:
         """Copy a chunk into ``out``; returns its size. Promotes a lower-tier hit."""
@@ -299,6 +334,7 @@ class TieredStore:
                 )
             self._read(e, view)
             self._access(e, self._clock())
+            self._served(e, tenant)
             self._promote(e, view[: e.size_bytes])
             return e.size_bytes
 
@@ -314,8 +350,64 @@ class TieredStore:
         with self._lock:
             e = self._get_visible(key, tenant)
             self._access(e, self._clock())
+            self._served(e, tenant)
             self._promote(e, None)
             return e.tier
+
+    def lease(self, key: bytes, ttl_s: float, *, tenant: str = "") -> Lease | None:
+        """Hold a chunk's bytes in place in the top (cpu) tier, promoting it there first, so a
+        reader can copy or send them without the store's lock. None when the chunk cannot be
+        held there (pinned in a lower tier, or no room): read it with ``read_into`` instead.
+        Raises KeyNotFound like ``get``."""
+        with self._lock:
+            top = self._tiers[0]
+            if not isinstance(top, CpuTier):
+                raise TierUnavailable(f"the top tier {top.name!r} does not support leases")
+            e = self._get_visible(key, tenant)
+            self._access(e, self._clock())
+            self._served(e, tenant)
+            if e.tier != top.name:
+                self._promote(e, None)
+                if e.tier != top.name or e.key not in self._index:
+                    return None
+            lease = top.lease(key, ttl_s)
+            self.stats.tiers[top.name].bytes_read += e.size_bytes
+            return lease
+
+    def leased_view(self, lease: Lease) -> memoryview:
+        """The bytes a lease holds, read-only and in place (valid while the lease holds)."""
+        with self._lock:
+            top = self._tiers[0]
+            if not isinstance(top, CpuTier):
+                raise TierUnavailable(f"the top tier {top.name!r} does not support leases")
+            return top.view(lease)
+
+    def release(self, lease_ids: Iterable[int]) -> int:
+        """End leases; returns how many were still held (expired ones are not)."""
+        with self._lock:
+            top = self._tiers[0]
+            if not isinstance(top, CpuTier):
+                return 0
+            return sum(top.release(i) for i in lease_ids)
+
+    def expire_leases(self) -> int:
+        with self._lock:
+            top = self._tiers[0]
+            return top.expire_leases() if isinstance(top, CpuTier) else 0
+
+    def locked(self) -> threading.RLock:
+        """The store's lock, for a caller that must read a tier's state consistently."""
+        return self._lock
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters, usage and live leases read together, for metrics and the stats API."""
+        with self._lock:
+            top = self._tiers[0]
+            return {
+                "stats": self.stats.as_dict(),
+                "usage": self.usage(),
+                "leases": top.lease_count if isinstance(top, CpuTier) else 0,
+            }
 
     def entry(self, key: bytes) -> Entry:
         with self._lock:
@@ -490,19 +582,34 @@ class TieredStore:
                 found.append(e)
         return found, missing
 
-    def _count_hit(self, e: Entry, tenant: str) -> None:
+    def _count_hits(
+        self, prefix: list[Entry], tiers: list[str], tokens: list[int], tenant: str
+    ) -> None:
+        reuse = list(map(_TENANT_OF, prefix)).count(tenant)
+        m = len(prefix)
+        self.stats.reuse_hits += reuse
+        self.stats.sharing_hits += m - reuse
+        if tiers.count(tiers[0]) == m:  # the common case: the whole prefix in one tier
+            ts = self.stats.tiers[tiers[0]]
+            ts.hits += m
+            ts.hit_tokens += sum(tokens)
+            ts.reuse_hits += reuse
+            ts.sharing_hits += m - reuse
+            return
+        for e, tier, tok in zip(prefix, tiers, tokens, strict=True):
+            ts = self.stats.tiers[tier]
+            ts.hits += 1
+            ts.hit_tokens += tok
+            if e.tenant == tenant:
+                ts.reuse_hits += 1
+            else:
+                ts.sharing_hits += 1
+
+    def _served(self, e: Entry, tenant: str) -> None:
+        """A read that served a chunk: the per-chunk hit count and the spread of tenants."""
         e.hit_count += 1
         if len(e.tenants) < _MAX_TENANTS_TRACKED:
             e.tenants.add(tenant)
-        ts = self.stats.tiers[e.tier]
-        ts.hits += 1
-        ts.hit_tokens += e.tokens
-        if e.tenant == tenant:
-            ts.reuse_hits += 1
-            self.stats.reuse_hits += 1
-        else:
-            ts.sharing_hits += 1
-            self.stats.sharing_hits += 1
 
     def _access(self, e: Entry, now: float) -> None:
         self._tick += 1
@@ -535,22 +642,34 @@ class TieredStore:
             )
 
     def _make_room(self, tier: Tier, size: int) -> None:
-        policy = self._policies[tier.name]
-        while tier.free_bytes < size:
-            victim = policy.victim(self._clock())
-            if victim is None:
-                raise CapacityError(f"tier {tier.name!r}: nothing evictable to free {size} bytes")
-            self._evict(victim, "capacity", demote=True)
+        self._evict_while(tier, lambda: tier.free_bytes < size, reason="capacity")
 
     def _shrink_to(self, tier: Tier, capacity_bytes: int, *, reason: str) -> int:
+        return self._evict_while(tier, lambda: tier.resident_bytes > capacity_bytes, reason=reason)
+
+    def _evict_while(self, tier: Tier, short: Callable[[], bool], *, reason: str) -> int:
+        """Evict the policy's victims from ``tier`` while ``short()``. A victim whose bytes are
+        leased would free nothing, so it is passed over (and keeps its place afterwards)."""
         policy = self._policies[tier.name]
+        passed: list[Entry] = []
         evicted = 0
-        while tier.used_bytes > capacity_bytes:
-            victim = policy.victim(self._clock())
-            if victim is None:
-                raise CapacityError(f"tier {tier.name!r}: only pinned chunks left to evict")
-            self._evict(victim, reason, demote=True)
-            evicted += 1
+        try:
+            while short():
+                victim = policy.victim(self._clock())
+                if victim is None:
+                    leased = f", {len(passed)} leased" if passed else ""
+                    raise CapacityError(
+                        f"tier {tier.name!r}: nothing evictable left (pinned{leased})"
+                    )
+                if not tier.evictable(victim.key):
+                    policy.on_remove(victim)
+                    passed.append(victim)
+                    continue
+                self._evict(victim, reason, demote=True)
+                evicted += 1
+        finally:
+            for e in passed:
+                policy.on_insert(e)
         return evicted
 
     def _evict(self, e: Entry, reason: str, *, demote: bool) -> None:
@@ -646,6 +765,7 @@ class TieredStore:
         """Remove ``e`` from the index (its tier copy is already gone)."""
         if self._index.pop(e.key, None) is None:
             return
+        self._isolated_owner.pop(e.key, None)
         if e.pinned:
             self._pinned_bytes[e.tier] -= e.size_bytes
         else:

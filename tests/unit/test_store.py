@@ -58,7 +58,25 @@ def test_hits_split_into_reuse_and_sharing(ns: Namespace) -> None:
     s = store.stats
     assert (s.reuse_hits, s.sharing_hits) == (2, 3)
     assert (s.tiers["cpu"].reuse_hits, s.tiers["cpu"].sharing_hits) == (2, 3)
-    assert store.entry(keys[0]).hit_count == 3
+    # a chunk's own hit count counts reads that served it, not lookups
+    assert store.entry(keys[0]).hit_count == 0
+    store.get(keys[0], tenant="b")
+    assert store.entry(keys[0]).hit_count == 1
+    assert store.entry(keys[0]).tenants == {"a", "b"}
+
+
+def test_lookup_counts_hits_per_tier_when_the_prefix_spans_tiers(
+    ns: Namespace, tmp_path: Path
+) -> None:
+    store = TieredStore([CpuTier(3 * 100), DiskTier(tmp_path, 10_000)], chunk_tokens=256)
+    keys = chain(ns, 5)
+    put_chain(store, keys, tenant="a", size=100)
+    res = store.lookup(keys, tenant="b")
+    assert res.matched_chunks == 5
+    per_tier = {name: t.hits for name, t in store.stats.tiers.items()}
+    assert per_tier == {"cpu": res.locations.count("cpu"), "disk": res.locations.count("disk")}
+    assert per_tier["disk"] >= 1 and per_tier["cpu"] >= 1
+    assert store.stats.tiers["disk"].sharing_hits == per_tier["disk"]
 
 
 def test_isolated_chunks_are_invisible_to_other_tenants(ns: Namespace) -> None:

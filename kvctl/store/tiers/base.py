@@ -51,6 +51,16 @@ class Tier(ABC):
     def free_bytes(self) -> int:
         return self.capacity_bytes - self.used_bytes
 
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the chunks the tier holds: what a resize must keep room for. Differs from
+        ``used_bytes`` where deleted chunks still take space for a while (leased cpu regions)."""
+        return self.used_bytes
+
+    def evictable(self, key: bytes) -> bool:
+        """False when evicting ``key`` would free nothing now (its bytes are leased)."""
+        return True
+
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...
 
@@ -115,9 +125,9 @@ def check_capacity(capacity_bytes: int, what: str = "capacity") -> int:
 def check_resize(tier: Tier, capacity_bytes: int) -> None:
     """Checks every tier's resize makes: a valid size that still holds what is stored."""
     check_capacity(capacity_bytes, f"{tier.name} capacity")
-    if tier.used_bytes > capacity_bytes:
+    if tier.resident_bytes > capacity_bytes:
         raise CapacityError(
-            f"tier {tier.name!r} holds {tier.used_bytes} bytes; evict before shrinking to "
+            f"tier {tier.name!r} holds {tier.resident_bytes} bytes; evict before shrinking to "
             f"{capacity_bytes}"
         )
 

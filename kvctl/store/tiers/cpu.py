@@ -1,8 +1,15 @@
 """Host-DRAM tier: one preallocated arena with its own allocator.
 
-The arena is an anonymous memory map sized to the tier's capacity, so the capacity is enforced to
-the byte and the memory is committed once rather than per chunk. The agent will back it with a
-shared-memory segment so a local engine can read chunks without a socket copy.
+The arena is a memory map sized to the tier's capacity, so the capacity is enforced to the byte
+and the memory is committed once rather than per chunk. With ``shared=True`` the arena is a
+memfd (Linux): it has no name anywhere, so nothing leaks when the agent is killed, and a local
+client gets it only as a read-only file descriptor passed over the agent's Unix socket.
+
+Leases let a reader use a chunk's bytes in place (a local client through its own mapping, or the
+agent sending from the arena to a socket) without holding the store's lock. A leased region never
+moves and is never reused until the lease ends: deleting a leased chunk leaves its bytes in place
+(a "zombie" region) until the last lease is released or expires. Resizing replaces the arena
+(a new generation); readers keep their mapping of the old one, so their leased bytes stay intact.
 
 Allocation is first-fit over a free list kept sorted by offset, with neighbours coalesced on free.
 When the free bytes suffice but no hole is large enough, the arena is compacted (live chunks slide
@@ -12,8 +19,12 @@ down with memmove) instead of evicting more than the capacity requires.
 from __future__ import annotations
 
 import bisect
+import errno
 import mmap
+import os
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound, TierUnavailable
 from kvctl.store.tiers.base import (
@@ -67,13 +78,18 @@ class ArenaAllocator:
             self._sizes.insert(i, n)
         self.free_bytes += n
 
-    def reset(self, size_bytes: int, used_prefix_bytes: int) -> None:
-        """State after compaction: ``[0, used_prefix_bytes)`` in use, the rest one hole."""
+    def rebuild(self, size_bytes: int, used: list[tuple[int, int]]) -> None:
+        """State after compaction: the (offset, size) regions in ``used`` (sorted) are taken,
+        every gap between them is a hole."""
         self.size_bytes = size_bytes
-        rest = size_bytes - used_prefix_bytes
-        self._offsets = [used_prefix_bytes] if rest else []
-        self._sizes = [rest] if rest else []
-        self.free_bytes = rest
+        self._offsets, self._sizes = [], []
+        cursor = 0
+        for off, n in [*used, (size_bytes, 0)]:
+            if off > cursor:
+                self._offsets.append(cursor)
+                self._sizes.append(off - cursor)
+            cursor = max(cursor, off + n)
+        self.free_bytes = sum(self._sizes)
 
     @property
     def holes(self) -> int:
@@ -84,19 +100,41 @@ class ArenaAllocator:
         return max(self._sizes, default=0)
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A reader's hold on a chunk's bytes in the arena, valid until ``deadline_s``
+    (``time.monotonic()``, which is one clock for every process on a Linux host)."""
+
+    lease_id: int
+    generation: int
+    offset: int
+    size_bytes: int
+    deadline_s: float
+
+
 class CpuTier(Tier):
     """Chunks in one host-memory arena. ``capacity_bytes`` is the arena size."""
 
-    def __init__(self, capacity_bytes: int, *, name: str = "cpu") -> None:
+    def __init__(self, capacity_bytes: int, *, name: str = "cpu", shared: bool = False) -> None:
         check_capacity(capacity_bytes, f"{name} capacity")
+        if shared and not hasattr(os, "memfd_create"):
+            raise TierUnavailable("a shared-memory cpu tier needs Linux (memfd_create)")
         self.name = name
+        self.shared = shared
         self._capacity_bytes = capacity_bytes
-        self._arena = _new_arena(capacity_bytes)
+        self._fd = -1
+        self._arena, self._fd = _new_arena(capacity_bytes, shared=shared, name=name)
         self._view = memoryview(self._arena)
         self._alloc = ArenaAllocator(capacity_bytes)
         self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (offset, size)
         self._used_bytes = 0
         self.compactions = 0
+        #: bumped whenever the arena is replaced (resize); leases name the generation they hold
+        self.generation = 0
+        self._leases: dict[int, tuple[int, int, float]] = {}  # id -> (generation, offset, deadline)
+        self._region_leases: dict[int, int] = {}  # offset -> live leases (current generation)
+        self._zombies: dict[int, int] = {}  # offset -> size of deleted-but-leased regions
+        self._next_lease_id = 1
         self._closed = False
 
     # --- Tier interface -------------------------------------------------------------------
@@ -106,7 +144,20 @@ class CpuTier(Tier):
 
     @property
     def used_bytes(self) -> int:
+        """Bytes taken in the arena, including regions of deleted chunks still under lease."""
         return self._used_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self._used_bytes - sum(self._zombies.values())
+
+    def evictable(self, key: bytes) -> bool:
+        slot = self._slots.get(key)
+        return slot is None or slot[0] not in self._region_leases
+
+    @property
+    def lease_count(self) -> int:
+        return len(self._leases)
 
     def __contains__(self, key: object) -> bool:
         return key in self._slots
@@ -128,8 +179,10 @@ class CpuTier(Tier):
         if off is None:  # enough free bytes (check_put), but fragmented
             self._compact(self._capacity_bytes)
             off = self._alloc.alloc(n)
-            if off is None:  # pragma: no cover - compaction leaves one hole of free_bytes
-                raise CapacityError(f"tier {self.name!r}: no room for {n} bytes after compaction")
+            if off is None:  # leased regions that cannot move split the free space
+                raise CapacityError(
+                    f"tier {self.name!r}: no hole of {n} bytes while chunks are leased"
+                )
         assert data is not None  # check_put guarantees it for payload tiers
         self._view[off : off + n] = data
         self._slots[meta.key] = (off, n)
@@ -147,8 +200,11 @@ class CpuTier(Tier):
         self._check_open()
         off, n = self._slot(key)
         del self._slots[key]
-        self._alloc.free(off, n)
-        self._used_bytes -= n
+        if off in self._region_leases:
+            self._zombies[off] = n  # a reader still uses these bytes; free them when it is done
+        else:
+            self._alloc.free(off, n)
+            self._used_bytes -= n
         return n
 
     def resize(self, capacity_bytes: int) -> None:
@@ -160,12 +216,65 @@ class CpuTier(Tier):
         if self._closed:
             return
         self._closed = True
-        self._view.release()
-        self._arena.close()
         self._slots.clear()
+        self._leases.clear()
         self._used_bytes = 0
+        self._release_arena()
+
+    # --- leases -----------------------------------------------------------------------------
+    def lease(self, key: bytes, ttl_s: float, *, now_s: float | None = None) -> Lease:
+        """Hold ``key``'s bytes in place for ``ttl_s`` seconds (``math.inf``: until released)."""
+        off, n = self._slot(key)
+        now = time.monotonic() if now_s is None else now_s
+        lease = Lease(self._next_lease_id, self.generation, off, n, now + ttl_s)
+        self._next_lease_id += 1
+        self._leases[lease.lease_id] = (lease.generation, off, lease.deadline_s)
+        self._region_leases[off] = self._region_leases.get(off, 0) + 1
+        return lease
+
+    def release(self, lease_id: int) -> bool:
+        """End a lease; False if it was unknown or had already expired."""
+        held = self._leases.pop(lease_id, None)
+        if held is None:
+            return False
+        generation, off, _ = held
+        if generation == self.generation:
+            self._unhold(off)
+        return True
+
+    def expire_leases(self, now_s: float | None = None) -> int:
+        """End every lease past its deadline (a crashed client's), so its memory comes back."""
+        now = time.monotonic() if now_s is None else now_s
+        expired = [i for i, (_, _, deadline) in self._leases.items() if deadline <= now]
+        for lease_id in expired:
+            self.release(lease_id)
+        return len(expired)
+
+    def view(self, lease: Lease) -> memoryview:
+        """The leased bytes, read in place (valid while the lease holds)."""
+        if lease.generation != self.generation or lease.lease_id not in self._leases:
+            raise TierUnavailable(f"lease {lease.lease_id} no longer holds its chunk")
+        return self._view[lease.offset : lease.offset + lease.size_bytes].toreadonly()
+
+    def reader_fd(self) -> int:
+        """A new read-only descriptor of the shared arena, for a local client; the caller closes
+        it. Read-only so a client can map the arena but never write into it."""
+        if not self.shared or self._fd < 0:
+            raise TierUnavailable(f"tier {self.name!r} is not in shared memory")
+        return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     # --- internals --------------------------------------------------------------------------
+    def _unhold(self, off: int) -> None:
+        left = self._region_leases[off] - 1
+        if left:
+            self._region_leases[off] = left
+            return
+        del self._region_leases[off]
+        size = self._zombies.pop(off, None)
+        if size is not None:
+            self._alloc.free(off, size)
+            self._used_bytes -= size
+
     def _slot(self, key: bytes) -> tuple[int, int]:
         self._check_open()
         try:
@@ -178,34 +287,81 @@ class CpuTier(Tier):
             raise TierUnavailable(f"tier {self.name!r} is closed")
 
     def _compact(self, capacity_bytes: int) -> None:
-        """Pack live chunks at the start of an arena of ``capacity_bytes`` (new if resized)."""
+        """Pack chunks toward the start of an arena of ``capacity_bytes`` (new if resized).
+        In place, leased regions stay where they are and the others slide down around them."""
         order = sorted(self._slots.items(), key=lambda kv: kv[1][0])
         if capacity_bytes == self._capacity_bytes:
+            regions: list[tuple[int, int, bytes | None]] = [(off, n, k) for k, (off, n) in order]
+            regions += [(off, n, None) for off, n in self._zombies.items()]
+            regions.sort(key=lambda r: r[0])
+            used: list[tuple[int, int]] = []
             cursor = 0
-            for key, (off, n) in order:
+            for off, n, key in regions:
+                if key is None or off in self._region_leases:  # leased: stays put
+                    used.append((off, n))
+                    cursor = max(cursor, off + n)
+                    continue
+                # cursor <= off and every leased region below off is behind cursor, so the
+                # chunk's new place overlaps nothing but its own old place
                 if off != cursor:
                     self._arena.move(cursor, off, n)  # memmove: regions may overlap
                     self._slots[key] = (cursor, n)
+                used.append((cursor, n))
                 cursor += n
         else:
-            arena = _new_arena(capacity_bytes)
+            arena, fd = _new_arena(capacity_bytes, shared=self.shared, name=self.name)
             view = memoryview(arena)
             cursor = 0
             for key, (off, n) in order:
                 view[cursor : cursor + n] = self._view[off : off + n]
                 self._slots[key] = (cursor, n)
                 cursor += n
-            self._view.release()
-            self._arena.close()
-            self._arena, self._view = arena, view
+            self._release_arena()
+            self._arena, self._view, self._fd = arena, view, fd
             self._capacity_bytes = capacity_bytes
-        self._alloc.reset(capacity_bytes, cursor)
+            # leases of the old generation keep their readers' mappings; they no longer hold
+            # anything here, and the zombies' bytes went with the old arena
+            self.generation += 1
+            self._used_bytes -= sum(self._zombies.values())
+            self._zombies.clear()
+            self._region_leases.clear()
+            used = [(0, cursor)] if cursor else []
+        self._alloc.rebuild(capacity_bytes, used)
         self.compactions += 1
 
+    def _release_arena(self) -> None:
+        # A sender may still hold a slice of the old arena: then closing raises BufferError, and
+        # the map is freed when the last slice goes instead.
+        try:
+            self._view.release()
+            self._arena.close()
+        except BufferError:
+            pass
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
-def _new_arena(capacity_bytes: int) -> mmap.mmap:
+
+def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mmap, int]:
     # mmap refuses length 0; a one-byte map stands in for an empty tier and is never used
-    return mmap.mmap(-1, max(capacity_bytes, 1))
+    size = max(capacity_bytes, 1)
+    if not shared:
+        return mmap.mmap(-1, size), -1
+    fd = os.memfd_create(f"kvctl-{name}", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        # commit the pages now: a short shm/RAM budget is a clear error at start, not SIGBUS
+        # on some later write
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size), fd
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+            raise CapacityError(
+                f"cannot reserve {capacity_bytes} bytes of shared memory for tier {name!r}: "
+                f"{exc.strerror}; lower its size or free memory"
+            ) from exc
+        raise
 
 
 def _hex(key: object) -> str:

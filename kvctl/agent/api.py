@@ -1,0 +1,526 @@
+"""The agent's control API: HTTP/JSON under ``/v1``, Prometheus text on ``/metrics``.
+
+Bulk KV bytes never travel here (that is the data plane); this API looks chunks up, moves, pins
+and evicts them, resizes tiers, pages through the index and follows store events.
+
+Store calls take the store's lock and may touch disk, so those endpoints are plain ``def``
+(FastAPI runs them in its threadpool); only the event stream is async.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from heapq import nsmallest
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from fastapi import FastAPI, Header, Query, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field, model_validator
+from starlette.routing import Match
+
+from kvctl import __version__
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.store.errors import (
+    CapacityError,
+    DiskFullError,
+    InvalidArgument,
+    KeyNotFound,
+    StoreError,
+    TierUnavailable,
+)
+from kvctl.store.keys import KEY_BYTES, keys_for
+from kvctl.units import parse_size
+
+MAX_KEYS_PER_REQUEST = 100_000
+MAX_PAGE = 10_000
+#: a comment line at least this often keeps proxies and idle timeouts from closing the stream
+KEEPALIVE_SECONDS = 15.0
+#: how long one blocking read of the event hub waits; bounds how late a disconnect is noticed
+_EVENT_WAIT_SECONDS = 1.0
+_EVENT_BATCH = 500
+#: threads that wait on the event hub; separate from the endpoint threadpool so followers
+#: cannot starve store calls (and vice versa)
+_EVENT_THREADS = 64
+
+_AUTH_DETAIL = b'{"detail":"missing or wrong bearer token"}'
+
+# Starlette picks the handler by walking the exception's MRO, so subclasses map with their base
+_ERROR_STATUS: dict[type[StoreError], int] = {
+    InvalidArgument: 400,  # includes PayloadSizeError
+    KeyNotFound: 404,  # includes CorruptChunk: to a reader a corrupt chunk is a miss
+    CapacityError: 409,
+    TierUnavailable: 503,
+    DiskFullError: 507,
+    StoreError: 500,
+}
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+# --- request and response models ------------------------------------------------------------
+
+_KEYS_DESC = f"chunk keys, {KEY_BYTES * 2} hex characters each (at most {MAX_KEYS_PER_REQUEST:,})"
+
+
+class Health(BaseModel):
+    status: str = Field(description='always "ok" when the agent answers')
+    name: str = Field(description="agent (node) name")
+    dc: str = Field(description="data center the agent reports in")
+    uptime_seconds: float = Field(description="seconds since the agent started")
+
+
+class LookupRequest(BaseModel):
+    tenant: str = Field("", description="tenant asking; isolated tenants see only their chunks")
+    model: str | None = Field(
+        None, description="model id for lookup by tokens (default: the agent's first model)"
+    )
+    tokens: list[int] | None = Field(
+        None, description="prompt token ids; keys are computed over full chunks only"
+    )
+    keys: list[str] | None = Field(None, description=f"a prefix chain of {_KEYS_DESC}")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> LookupRequest:
+        if (self.tokens is None) == (self.keys is None):
+            raise ValueError("give exactly one of tokens or keys")
+        return self
+
+
+class ChunkLocation(BaseModel):
+    key: str = Field(description="chunk key (hex)")
+    tier: str | None = Field(description="tier holding the chunk, or null when not cached")
+
+
+class LookupResponse(BaseModel):
+    total_chunks: int = Field(description="chunks in the request's key chain")
+    matched_chunks: int = Field(description="leading chunks that are cached (usable prefix)")
+    matched_tokens: int = Field(description="tokens covered by the matched prefix")
+    chunks: list[ChunkLocation] = Field(description="every chunk of the chain, in order")
+
+
+class KeysRequest(BaseModel):
+    keys: list[str] = Field(description=_KEYS_DESC)
+
+
+class KeysTierRequest(BaseModel):
+    keys: list[str] = Field(description=_KEYS_DESC)
+    tier: str | None = Field(None, description="tier to act in (default depends on the call)")
+
+
+class MoveRequest(BaseModel):
+    keys: list[str] = Field(description=_KEYS_DESC)
+    tier: str = Field(description="destination tier")
+
+
+class FlushRequest(BaseModel):
+    tier: str = Field(description="tier to empty of unpinned chunks")
+    demote: bool = Field(False, description="demote to the next tier instead of dropping")
+
+
+class ResizeRequest(BaseModel):
+    tier: str = Field(description="tier to resize")
+    capacity: int | str = Field(
+        description='new capacity: bytes, or size text such as "512MiB", "64GiB", "8KiB"'
+    )
+
+
+class BulkResponse(BaseModel):
+    done: int = Field(description="chunks the operation acted on")
+    skipped_pinned: int = Field(0, description="chunks left alone because they are pinned")
+    missing: int = Field(0, description="keys that are not cached")
+    failed: int = Field(0, description="chunks that could not be moved (no room)")
+
+
+class TierUsage(BaseModel):
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    chunks: int
+
+
+class ResizeResponse(BulkResponse):
+    usage: TierUsage = Field(description="the tier's usage after the resize")
+
+
+class KeyItem(BaseModel):
+    key: str = Field(description="chunk key (hex)")
+    tier: str
+    size_bytes: int
+    tokens: int
+    tenant: str = Field(description="tenant that stored the chunk")
+    pinned: bool
+    priority: int = Field(description="retention priority, 0..100")
+    hit_count: int = Field(description="lookup hits on this chunk")
+    last_access_s: float = Field(description="unix time of the last access")
+    isolated: bool = Field(description="visible only to its own tenant")
+
+
+class KeysPage(BaseModel):
+    items: list[KeyItem] = Field(description="chunks in ascending key order")
+    next: str | None = Field(description="cursor for the next page (pass as after), null at end")
+
+
+class EventsResponse(BaseModel):
+    events: list[dict[str, Any]] = Field(description="events oldest first, each with a seq")
+    last_seq: int = Field(description="pass as after to continue")
+    dropped: int = Field(description="events lost to the buffer before this read")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _parse_keys(texts: list[str]) -> list[bytes]:
+    if len(texts) > MAX_KEYS_PER_REQUEST:
+        raise InvalidArgument(
+            f"{len(texts):,} keys in one request; the limit is {MAX_KEYS_PER_REQUEST:,}"
+        )
+    return [_parse_key(t, f"keys[{i}]") for i, t in enumerate(texts)]
+
+
+def _parse_key(text: str, what: str) -> bytes:
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        key = b""
+    if len(key) != KEY_BYTES:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise InvalidArgument(f"bad {what} {shown!r}: keys are {KEY_BYTES * 2} hex characters")
+    return key
+
+
+def _hit_ratio(stats: dict[str, Any]) -> float:
+    chunks = stats.get("lookup_chunks") or 0
+    return (stats.get("hit_chunks") or 0) / chunks if chunks else 0.0
+
+
+def _sse(event: str, data: Any, seq: int | None = None) -> bytes:
+    head = f"id: {seq}\n" if seq is not None else ""
+    return f"{head}event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+# --- middleware ------------------------------------------------------------------------------
+
+
+class _BearerAuth:
+    """Rejects every request (any path, docs and unknown paths included) without the token.
+
+    Pure ASGI and outside routing, so nothing is reachable unauthenticated; reads the token per
+    request so a runtime whose settings are replaced picks up the new one.
+    """
+
+    def __init__(self, app: ASGIApp, runtime: AgentRuntime) -> None:
+        self.app = app
+        self.runtime = runtime
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = self.runtime.settings.token
+        if not token or scope["type"] not in ("http", "websocket") or self._ok(scope, token):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(_AUTH_DETAIL)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": _AUTH_DETAIL})
+
+    @staticmethod
+    def _ok(scope: Scope, token: str) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                # compare bytes: compare_digest refuses non-ASCII str
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    given.strip(), token.encode()
+                )
+        return False
+
+
+class _HttpMetrics:
+    """Times each request and reports (method, route template, status, seconds).
+
+    Outermost, so 401s and 500s are counted too. The label is the route's template, never the
+    raw path, so unknown paths cannot blow up label cardinality ("other").
+    """
+
+    def __init__(self, app: ASGIApp, runtime: AgentRuntime, api: FastAPI) -> None:
+        self.app = app
+        self.runtime = runtime
+        self.api = api
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        observe = getattr(self.runtime.metrics, "observe_http", None)
+        if scope["type"] != "http" or observe is None:
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            observe(scope["method"], self._route(scope), status, time.perf_counter() - start)
+
+    def _route(self, scope: Scope) -> str:
+        route = scope.get("route")
+        if route is None:  # routing never ran (e.g. auth refused): match it ourselves
+            for r in self.api.router.routes:
+                if r.matches(scope)[0] != Match.NONE:
+                    route = r
+                    break
+        return getattr(route, "path", None) or "other"
+
+
+# --- the app ---------------------------------------------------------------------------------
+
+
+def create_app(runtime: AgentRuntime) -> FastAPI:
+    app = FastAPI(
+        title="kvctl agent",
+        version=__version__,
+        description="Control API of a kvctl agent: look up, move, pin and evict KV chunks, "
+        "resize tiers, page through the index and follow store events. Send "
+        "`Authorization: Bearer <token>` when the agent has a token.",
+    )
+    store = runtime.store
+    event_threads = anyio.CapacityLimiter(_EVENT_THREADS)
+
+    def _error(status: int) -> Callable[[Request, Exception], Response]:
+        def handler(_request: Request, exc: Exception) -> Response:
+            return JSONResponse({"detail": str(exc)}, status_code=status)
+
+        return handler
+
+    for exc_type, status in _ERROR_STATUS.items():
+        app.add_exception_handler(exc_type, _error(status))
+
+    # added last = outermost: metrics see the auth middleware's 401s
+    app.add_middleware(_BearerAuth, runtime=runtime)
+    app.add_middleware(_HttpMetrics, runtime=runtime, api=app)
+
+    @app.get("/v1/health", response_model=Health, tags=["agent"])
+    async def health() -> Health:
+        """Liveness: answers without touching the store (so a busy store never fails it)."""
+        s = runtime.settings
+        return Health(
+            status="ok", name=s.name, dc=s.dc, uptime_seconds=time.time() - runtime.started_s
+        )
+
+    @app.get("/v1/info", tags=["agent"])
+    def info() -> dict[str, Any]:
+        """Name, version, tiers, models, data-plane addresses and whether auth is on."""
+        return runtime.info()
+
+    @app.get("/v1/stats", tags=["agent"])
+    def stats() -> dict[str, Any]:
+        """Store counters and tier usage, with the chunk hit ratio derived (hits / looked up)."""
+        snapshot = getattr(store, "snapshot", None)
+        if snapshot is not None:
+            snap = snapshot()
+            out = dict(snap.as_dict() if hasattr(snap, "as_dict") else snap)
+        else:
+            out = {"stats": store.stats.as_dict(), "usage": store.usage()}
+        counters = out.get("stats")
+        out["hit_ratio"] = _hit_ratio(counters if isinstance(counters, dict) else out)
+        return out
+
+    @app.post("/v1/lookup", response_model=LookupResponse, tags=["chunks"])
+    def lookup(body: LookupRequest) -> LookupResponse:
+        """Longest cached prefix of a request, by prompt tokens or by a key chain.
+
+        Counts as a lookup in the store's hit statistics, like an engine's lookup.
+        """
+        if body.tokens is not None:
+            chunk = runtime.settings.chunk_tokens
+            if len(body.tokens) // chunk > MAX_KEYS_PER_REQUEST:
+                raise InvalidArgument(
+                    f"{len(body.tokens):,} tokens make more than {MAX_KEYS_PER_REQUEST:,} chunks"
+                )
+            ns = runtime.namespace(body.model, body.tenant)
+            keys = keys_for(body.tokens, ns, chunk, include_partial=False)
+        else:
+            keys = _parse_keys(body.keys or [])
+        res = store.lookup(keys, tenant=body.tenant)
+        return LookupResponse(
+            total_chunks=res.total_chunks,
+            matched_chunks=res.matched_chunks,
+            matched_tokens=res.matched_tokens,
+            chunks=[
+                ChunkLocation(key=k.hex(), tier=t) for k, t in zip(keys, res.locations, strict=True)
+            ],
+        )
+
+    @app.post("/v1/pin", response_model=BulkResponse, tags=["chunks"])
+    def pin(body: KeysTierRequest) -> dict[str, int]:
+        """Pin chunks so they are never evicted, moving them to `tier` first when given.
+
+        409 when the pins cannot fit the tier (nothing is pinned then).
+        """
+        return store.pin(_parse_keys(body.keys), tier=body.tier).as_dict()
+
+    @app.post("/v1/unpin", response_model=BulkResponse, tags=["chunks"])
+    def unpin(body: KeysRequest) -> dict[str, int]:
+        """Make pinned chunks evictable again."""
+        return store.unpin(_parse_keys(body.keys)).as_dict()
+
+    @app.post("/v1/evict", response_model=BulkResponse, tags=["chunks"])
+    def evict(body: KeysRequest) -> dict[str, int]:
+        """Drop chunks from the store; pinned chunks are skipped."""
+        return store.evict(_parse_keys(body.keys)).as_dict()
+
+    @app.post("/v1/flush", response_model=BulkResponse, tags=["tiers"])
+    def flush(body: FlushRequest) -> dict[str, int]:
+        """Empty a tier of unpinned chunks (dropped, or demoted with `demote`)."""
+        return store.flush(body.tier, demote=body.demote).as_dict()
+
+    @app.post("/v1/prefetch", response_model=BulkResponse, tags=["chunks"])
+    def prefetch(body: KeysTierRequest) -> dict[str, int]:
+        """Bring chunks up to `tier` (default: the top tier); chunks already there stay."""
+        return store.prefetch(_parse_keys(body.keys), body.tier).as_dict()
+
+    @app.post("/v1/move", response_model=BulkResponse, tags=["chunks"])
+    def move(body: MoveRequest) -> dict[str, int]:
+        """Move chunks to `tier`, up or down, making room there by policy."""
+        return store.move(_parse_keys(body.keys), body.tier).as_dict()
+
+    @app.post("/v1/resize", response_model=ResizeResponse, tags=["tiers"])
+    def resize(body: ResizeRequest) -> dict[str, Any]:
+        """Change a tier's capacity live, demoting (or dropping) chunks down to the new size.
+
+        409 when pinned chunks exceed the new size.
+        """
+        result = store.resize(body.tier, parse_size(body.capacity)).as_dict()
+        return {**result, "usage": store.usage()[store.tier(body.tier).name]}
+
+    @app.get("/v1/keys", response_model=KeysPage, tags=["chunks"])
+    def list_keys(
+        tier: str | None = Query(None, description="only chunks in this tier"),
+        limit: int = Query(100, ge=1, le=MAX_PAGE, description="page size"),
+        after: str | None = Query(None, description="cursor: the previous page's next"),
+    ) -> KeysPage:
+        """Cached chunks in ascending key order, one page at a time."""
+        cursor = _parse_key(after, "after").hex() if after else ""
+        hexed = ((e.key.hex(), e) for e in store.entries(tier or None))
+        # O(n log limit), not a full sort of the index per page
+        page = nsmallest(limit + 1, (p for p in hexed if p[0] > cursor), key=lambda p: p[0])
+        items = [
+            KeyItem(
+                key=k,
+                tier=e.tier,
+                size_bytes=e.size_bytes,
+                tokens=e.tokens,
+                tenant=e.tenant,
+                pinned=e.pinned,
+                priority=e.priority,
+                hit_count=e.hit_count,
+                last_access_s=e.last_access_s,
+                isolated=e.isolated,
+            )
+            for k, e in page[:limit]
+        ]
+        return KeysPage(items=items, next=items[-1].key if len(page) > limit else None)
+
+    @app.get("/v1/events/recent", response_model=EventsResponse, tags=["events"])
+    def recent_events(
+        after: int = Query(0, ge=0, description="return events with a larger seq"),
+        limit: int = Query(1000, ge=1, le=MAX_PAGE, description="most events to return"),
+    ) -> EventsResponse:
+        """Buffered store events, without waiting (for polling clients)."""
+        batch = runtime.events.read(after, limit=limit)
+        return EventsResponse(events=batch.events, last_seq=batch.last_seq, dropped=batch.dropped)
+
+    @app.get(
+        "/v1/events",
+        tags=["events"],
+        response_class=StreamingResponse,
+        responses={200: {"content": {"text/event-stream": {}}}},
+    )
+    async def events(
+        request: Request,
+        after: int | None = Query(
+            None, ge=-1, description="resume after this seq; -1 or absent: from now"
+        ),
+        last_event_id: str | None = Header(
+            None, description="standard SSE resume cursor; wins over `after`"
+        ),
+    ) -> StreamingResponse:
+        """Server-Sent Events: store, demote, promote, move and evict events as they happen.
+
+        Each message has `id: <seq>`; an `event: dropped` message says how many events a slow
+        follower missed. A `: keep-alive` comment comes at least every 15 seconds.
+        """
+        cursor = after if after is not None else -1
+        if last_event_id is not None:
+            try:
+                cursor = int(last_event_id)
+            except ValueError:
+                raise InvalidArgument(
+                    f"Last-Event-ID must be an event seq, got {last_event_id[:40]!r}"
+                ) from None
+        if cursor < 0:
+            cursor = runtime.events.last_seq
+        return StreamingResponse(
+            _follow(request, cursor),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+
+    async def _follow(request: Request, cursor: int) -> AsyncIterator[bytes]:
+        hub = runtime.events
+        last_write = time.monotonic()
+        yield b": connected\n\n"  # headers and a first byte out at once, so clients see 200
+        while not await request.is_disconnected():
+            # the hub blocks on a threading.Condition: wait in a worker thread, never the loop
+            batch = await anyio.to_thread.run_sync(
+                lambda c=cursor: hub.read(c, limit=_EVENT_BATCH, timeout_s=_EVENT_WAIT_SECONDS),
+                # a cancelled stream need not wait out the hub's wait; the thread ends by itself
+                abandon_on_cancel=True,
+                limiter=event_threads,
+            )
+            out: list[bytes] = []
+            if batch.dropped:
+                out.append(_sse("dropped", {"dropped": batch.dropped}))
+            out.extend(_sse(str(e.get("type", "event")), e, e.get("seq")) for e in batch.events)
+            cursor = batch.last_seq
+            # one hub wait may pass before the next check: start early enough to stay within 15 s
+            if not out and time.monotonic() - last_write >= KEEPALIVE_SECONDS - _EVENT_WAIT_SECONDS:
+                out.append(b": keep-alive\n\n")
+            if out:
+                last_write = time.monotonic()
+                yield b"".join(out)
+
+    @app.get("/metrics", tags=["agent"], response_class=Response)
+    def metrics(request: Request) -> Response:
+        """Prometheus text exposition of the agent's `kvctl_*` metrics (OpenMetrics when the
+        `Accept` header asks for it)."""
+        body, content_type = runtime.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    # bound the route label to our own templates: probes of random paths all count as "other"
+    allow_routes = getattr(runtime.metrics, "allow_routes", None)
+    if allow_routes is not None:
+        allow_routes([*(getattr(r, "path", "") for r in app.router.routes), "other"])
+    return app

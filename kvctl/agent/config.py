@@ -1,0 +1,677 @@
+"""The agent's layered configuration: defaults < TOML file < ``KVCTL_*`` environment < flags.
+
+The file is ``$KVCTL_CONFIG``, else ``$XDG_CONFIG_HOME/kvctl/agent.toml``, else
+``~/.config/kvctl/agent.toml``; its settings live in an ``[agent]`` table::
+
+    [agent]
+    listen = "0.0.0.0:7070"
+    token = "..."            # required off loopback
+    cpu = "64GiB"
+    disk = "1TiB"            # 0 disables the disk tier
+
+    [[agent.models]]
+    id = "llama-3.1-8b"
+    layers = 32
+    kv_heads = 8
+    head_dim = 128
+
+Every value is checked where it is read, so an error names the setting, the source it came from,
+what is wrong and a value that would work. Unknown keys are refused: a misspelt setting would
+otherwise be silently replaced by its default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import tomllib
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+from kvctl.agent.settings import (
+    DEFAULT_CONTROL_PORT,
+    DEFAULT_DATA_PORT,
+    AgentSettings,
+    ModelSpec,
+    is_loopback,
+    split_host_port,
+)
+from kvctl.store.errors import InvalidArgument
+from kvctl.store.keys import KVLayout
+from kvctl.store.policies import ADMISSION_POLICIES, EVICTION_POLICIES, make_admission_policy
+from kvctl.units import parse_size
+
+#: ``sun_path`` on Linux holds 108 bytes including the terminating NUL
+UNIX_SOCKET_PATH_MAX = 108
+LOG_LEVELS = ("debug", "info", "warning", "error")
+CONFIG_ENV = "KVCTL_CONFIG"
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+_MODEL_KEYS = ("id", "layers", "kv_heads", "head_dim", "dtype")
+_MODEL_EXAMPLE = (
+    '[[agent.models]] with id = "llama-3.1-8b", layers = 32, kv_heads = 8, head_dim = 128, '
+    'dtype = "bfloat16"'
+)
+
+
+class ConfigError(InvalidArgument):
+    """A setting could not be loaded. The message says which setting, from which source, what is
+    wrong and gives an example of a good value; ``setting`` and ``source`` repeat the first two
+    for callers that want them apart (either may be None for errors about the file itself)."""
+
+    def __init__(
+        self, message: str, *, setting: str | None = None, source: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.source = source
+
+
+@dataclass(frozen=True)
+class LoadedSettings:
+    settings: AgentSettings
+    #: field name -> "default" | "file:/path/agent.toml" | "env:KVCTL_CPU" | "flag:--cpu"
+    sources: dict[str, str]
+    #: the file that was read, if any
+    config_file: Path | None
+
+
+# --- parsing of single values -----------------------------------------------------------------
+
+
+class _Invalid(Exception):
+    """What is wrong with a value, before it is tied to a setting and a source."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Ctx:
+    kind: str  # "file" | "env" | "flag": env and flag values may be text for any type
+    env: Mapping[str, str]
+
+
+def _wrong_type(expected: str, value: object) -> _Invalid:
+    return _Invalid(f"expected {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _text(value: object, ctx: _Ctx) -> str:
+    if isinstance(value, PurePath) and ctx.kind == "flag":
+        value = str(value)
+    if not isinstance(value, str):
+        raise _wrong_type("a string", value)
+    return value.strip()
+
+
+def _expand_home(path: str, env: Mapping[str, str]) -> str:
+    # TOML does not expand "~"; without this, data_dir = "~/kv" creates a directory named "~"
+    if path == "~" or path.startswith("~/"):
+        home = env.get("HOME") or str(Path.home())
+        return home + path[1:]
+    return path
+
+
+def _name(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx)
+    # the name is a directory under the state dir, so it must be one plain path component
+    if not text or text in (".", "..") or "/" in text or "\0" in text:
+        raise _Invalid(f"must be a non-empty name without '/', got {text!r}")
+    return text
+
+
+def _non_empty(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx)
+    if not text:
+        raise _Invalid("must not be empty")
+    return text
+
+
+def _address(default_port: int, *, may_be_off: bool) -> Callable[[object, _Ctx], str]:
+    def parse(value: object, ctx: _Ctx) -> str:
+        text = _text(value, ctx)
+        if text.lower() == "off":
+            if may_be_off:
+                return "off"
+            # split_host_port would take "off" for a host name
+            raise _Invalid("the control API cannot be turned off; give HOST:PORT")
+        try:
+            split_host_port(text, default_port)
+        except ValueError as exc:
+            raise _Invalid(str(exc)) from None
+        return text
+
+    return parse
+
+
+def _socket(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx)
+    if text.lower() == "off":
+        return "off"
+    return _expand_home(text, ctx.env)
+
+
+def _path(value: object, ctx: _Ctx) -> str:
+    return _expand_home(_text(value, ctx), ctx.env)
+
+
+def _size(minimum: int) -> Callable[[object, _Ctx], int]:
+    def parse(value: object, ctx: _Ctx) -> int:
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise _wrong_type('a size such as "64GiB" or a number of bytes', value)
+        try:
+            n = parse_size(value)
+        except InvalidArgument as exc:
+            raise _Invalid(str(exc)) from None
+        if n < minimum:
+            raise _Invalid(f"must be at least {minimum} byte(s), got {value!r}")
+        return n
+
+    return parse
+
+
+def _positive_int(value: object, ctx: _Ctx) -> int:
+    if isinstance(value, str) and ctx.kind != "file":
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise _Invalid(f"expected a whole number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _wrong_type("a whole number", value)
+    if value <= 0:
+        raise _Invalid(f"must be greater than 0, got {value}")
+    return value
+
+
+def _positive_float(value: object, ctx: _Ctx) -> float:
+    if isinstance(value, str) and ctx.kind != "file":
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise _Invalid(f"expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _wrong_type("a number", value)
+    if not math.isfinite(value) or value <= 0:
+        raise _Invalid(f"must be a finite number greater than 0, got {value}")
+    return float(value)
+
+
+def _bool(value: object, ctx: _Ctx) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and ctx.kind != "file":
+        word = value.strip().lower()
+        if word in _TRUE:
+            return True
+        if word in _FALSE:
+            return False
+        raise _Invalid(f"expected one of 1/0, true/false, yes/no, on/off, got {value!r}")
+    raise _wrong_type("true or false", value)
+
+
+def _choice(what: str, choices: Iterable[str]) -> Callable[[object, _Ctx], str]:
+    options = tuple(choices)
+
+    def parse(value: object, ctx: _Ctx) -> str:
+        text = _text(value, ctx).lower()
+        if text not in options:
+            raise _Invalid(f"unknown {what} {text!r}; choose from {', '.join(options)}")
+        return text
+
+    return parse
+
+
+def _admission(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx).lower()
+    try:
+        make_admission_policy(text)
+    except InvalidArgument:
+        raise _Invalid(
+            f"unknown disk admission policy {text!r}; choose from {', '.join(ADMISSION_POLICIES)}"
+        ) from None
+    return text
+
+
+def _token(value: object, ctx: _Ctx) -> str:
+    # never put the value in a message: it is a secret, and messages end up in logs
+    if not isinstance(value, str):
+        raise _Invalid(f"expected a string, got {type(value).__name__}")
+    if any(c.isspace() or not c.isprintable() for c in value):
+        # it is sent in an HTTP header, where whitespace is trimmed and control characters break
+        raise _Invalid("must not contain whitespace or control characters (value not shown)")
+    return value
+
+
+def _tenants(value: object, ctx: _Ctx) -> tuple[str, ...]:
+    if isinstance(value, str) and ctx.kind != "file":
+        items = [part.strip() for part in value.split(",") if part.strip()]
+    elif isinstance(value, list | tuple):
+        items = []
+        for i, item in enumerate(value):
+            if not isinstance(item, str) or not item.strip():
+                raise _Invalid(f"item {i} must be a non-empty string, got {item!r}")
+            items.append(item.strip())
+    else:
+        raise _wrong_type("a list of tenant names", value)
+    return tuple(dict.fromkeys(items))  # drop repeats, keep order
+
+
+def _model(i: int, raw: object) -> ModelSpec:
+    where = f"models[{i}]"
+    if isinstance(raw, ModelSpec):
+        raw = dataclasses.asdict(raw)
+    if not isinstance(raw, Mapping):
+        raise _wrong_type(f"a table for {where}", raw)
+    unknown = sorted(set(raw) - set(_MODEL_KEYS))
+    if unknown:
+        raise _Invalid(
+            f"{where}: unknown key {unknown[0]!r}; valid keys are {', '.join(_MODEL_KEYS)}"
+        )
+    missing = [k for k in _MODEL_KEYS[:4] if k not in raw]
+    if missing:
+        raise _Invalid(f"{where}: missing {', '.join(missing)}")
+    model_id = raw["id"]
+    if not isinstance(model_id, str) or not model_id.strip():
+        raise _Invalid(f"{where}.id must be a non-empty string, got {model_id!r}")
+    dims: dict[str, int] = {}
+    for key in ("layers", "kv_heads", "head_dim"):
+        n = raw[key]
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise _Invalid(f"{where}.{key} must be a whole number greater than 0, got {n!r}")
+        dims[key] = n
+    dtype = raw.get("dtype", "bfloat16")
+    if not isinstance(dtype, str):
+        raise _Invalid(f"{where}.dtype must be a string, got {dtype!r}")
+    try:
+        KVLayout(dims["layers"], dims["kv_heads"], dims["head_dim"], dtype).dtype_bytes  # noqa: B018
+    except InvalidArgument as exc:
+        raise _Invalid(f"{where}.dtype: {exc}") from None
+    return ModelSpec(model_id.strip(), dims["layers"], dims["kv_heads"], dims["head_dim"], dtype)
+
+
+def _models(value: object, ctx: _Ctx) -> tuple[ModelSpec, ...]:
+    if not isinstance(value, list | tuple):
+        raise _wrong_type("a list of [[agent.models]] tables", value)
+    models = tuple(_model(i, raw) for i, raw in enumerate(value))
+    seen: set[str] = set()
+    for model in models:
+        if model.id in seen:
+            raise _Invalid(f"model id {model.id!r} appears twice; ids must be unique")
+        seen.add(model.id)
+    return models
+
+
+# --- the settings table -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Setting:
+    field: str  # AgentSettings field
+    key: str  # spelling in the file and in flags
+    parse: Callable[[object, _Ctx], object]
+    example: object
+    env: str | None = None
+
+
+_SETTINGS: tuple[_Setting, ...] = (
+    _Setting("name", "name", _name, "gpu-node-17", "KVCTL_NAME"),
+    _Setting("dc", "dc", _non_empty, "us-east-1a", "KVCTL_DC"),
+    _Setting(
+        "listen",
+        "listen",
+        _address(DEFAULT_CONTROL_PORT, may_be_off=False),
+        f"127.0.0.1:{DEFAULT_CONTROL_PORT}",
+        "KVCTL_LISTEN",
+    ),
+    _Setting(
+        "data_listen",
+        "data_listen",
+        _address(DEFAULT_DATA_PORT, may_be_off=True),
+        f"127.0.0.1:{DEFAULT_DATA_PORT}",
+        "KVCTL_DATA_LISTEN",
+    ),
+    _Setting("socket", "socket", _socket, "/run/kvctl/agent.sock", "KVCTL_SOCKET"),
+    _Setting("data_dir", "data_dir", _path, "/var/lib/kvctl", "KVCTL_DATA_DIR"),
+    _Setting("cpu_bytes", "cpu", _size(1), "64GiB", "KVCTL_CPU"),
+    _Setting("disk_bytes", "disk", _size(0), "1TiB", "KVCTL_DISK"),
+    _Setting("chunk_tokens", "chunk_tokens", _positive_int, 256, "KVCTL_CHUNK_TOKENS"),
+    _Setting("max_chunk_bytes", "max_chunk", _size(1), "256MiB", "KVCTL_MAX_CHUNK"),
+    _Setting(
+        "eviction",
+        "eviction",
+        _choice("eviction policy", EVICTION_POLICIES),
+        "lineage-lru2",
+        "KVCTL_EVICTION",
+    ),
+    _Setting("disk_admission", "disk_admission", _admission, "frequency", "KVCTL_DISK_ADMISSION"),
+    _Setting("fsync", "fsync", _bool, True, "KVCTL_FSYNC"),
+    _Setting("token", "token", _token, "<output of: openssl rand -hex 32>", "KVCTL_TOKEN"),
+    _Setting("shm", "shm", _bool, False, "KVCTL_SHM"),
+    _Setting("lease_seconds", "lease_seconds", _positive_float, 10.0, "KVCTL_LEASE_SECONDS"),
+    _Setting(
+        "isolated_tenants",
+        "isolated_tenants",
+        _tenants,
+        ("acme", "globex"),
+        "KVCTL_ISOLATED_TENANTS",
+    ),
+    _Setting("models", "models", _models, None),
+    _Setting("log_level", "log_level", _choice("log level", LOG_LEVELS), "info", "KVCTL_LOG_LEVEL"),
+)
+_BY_FIELD = {s.field: s for s in _SETTINGS}
+# file and flag spellings: the short one ("cpu") and the field name ("cpu_bytes")
+_BY_KEY = {**_BY_FIELD, **{s.key: s for s in _SETTINGS}}
+assert set(_BY_FIELD) == {f.name for f in dataclasses.fields(AgentSettings)}
+
+
+def _toml_literal(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, tuple):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    return str(value)
+
+
+def _plain(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def _example(setting: _Setting, kind: str, key: str) -> str:
+    if setting.field == "models":
+        return _MODEL_EXAMPLE
+    value = setting.example
+    if kind == "env" and setting.env:
+        return f"{setting.env}={_plain(value)}"
+    if kind == "flag":
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            return flag if value else f"--no-{key.replace('_', '-')}"
+        return f"{flag} {_plain(value)}"
+    return f"{key} = {_toml_literal(value)} in [agent]"
+
+
+def _parse(setting: _Setting, key: str, value: object, ctx: _Ctx, source: str) -> object:
+    try:
+        return setting.parse(value, ctx)
+    except _Invalid as exc:
+        raise ConfigError(
+            f"{key} from {source}: {exc}; for example: {_example(setting, ctx.kind, key)}",
+            setting=setting.field,
+            source=source,
+        ) from None
+
+
+Layer = dict[str, tuple[object, str]]  # field -> (value, source)
+
+
+def _put(layer: Layer, setting: _Setting, kind: str, value: object, source: str) -> None:
+    if setting.field in layer:
+        raise ConfigError(
+            f"{setting.field} is given twice in {kind} settings "
+            f"(as {setting.key} and {setting.field}); keep one, e.g. "
+            f"{_example(setting, kind, setting.key)}",
+            setting=setting.field,
+            source=source,
+        )
+    layer[setting.field] = (value, source)
+
+
+def _unknown_key(key: str, where: str, source: str) -> ConfigError:
+    valid = sorted(_BY_KEY)
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(
+        f"unknown setting {key!r} in {where}{hint}; valid settings are {', '.join(valid)}",
+        setting=key,
+        source=source,
+    )
+
+
+# --- the sources ------------------------------------------------------------------------------
+
+
+def default_config_path(env: Mapping[str, str] = os.environ) -> Path:
+    """``$KVCTL_CONFIG``, else ``$XDG_CONFIG_HOME/kvctl/agent.toml``, else
+    ``~/.config/kvctl/agent.toml`` (home taken from ``env``'s HOME when set)."""
+    chosen = env.get(CONFIG_ENV, "").strip()
+    if chosen:
+        return Path(_expand_home(chosen, env))
+    xdg = env.get("XDG_CONFIG_HOME", "").strip()
+    # the XDG spec says to ignore relative paths here
+    if xdg and Path(xdg).is_absolute():
+        return Path(xdg) / "kvctl" / "agent.toml"
+    home = env.get("HOME") or str(Path.home())
+    return Path(home) / ".config" / "kvctl" / "agent.toml"
+
+
+def _read_file(path: Path, chosen_by: str) -> dict[str, object]:
+    if not path.exists():
+        raise ConfigError(
+            f"config file {path}{chosen_by} does not exist; create it with an [agent] table, "
+            'e.g. [agent] cpu = "64GiB"',
+            setting="config",
+            source=f"file:{path}",
+        )
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        problem = f"is not valid TOML: {exc}"
+    except UnicodeDecodeError as exc:
+        problem = f"is not UTF-8 text: {exc}"
+    except OSError as exc:
+        problem = f"cannot be read: {exc.strerror or exc}"
+    raise ConfigError(
+        f"config file {path}{chosen_by} {problem}", setting="config", source=f"file:{path}"
+    )
+
+
+def _file_layer(document: Mapping[str, object], path: Path, env: Mapping[str, str]) -> Layer:
+    source = f"file:{path}"
+    # a setting outside [agent] (forgotten header, "[agnet]") would otherwise be ignored
+    extra = sorted(set(document) - {"agent"})
+    if extra:
+        raise ConfigError(
+            f"unexpected top-level key {extra[0]!r} in {path}: agent settings belong in an "
+            '[agent] table, e.g. [agent] cpu = "64GiB"',
+            setting=extra[0],
+            source=source,
+        )
+    table = document.get("agent", {})
+    if not isinstance(table, dict):
+        raise ConfigError(
+            f"agent in {path} must be a table ([agent]), got {type(table).__name__}",
+            setting="agent",
+            source=source,
+        )
+    ctx = _Ctx("file", env)
+    layer: Layer = {}
+    for key, raw in table.items():
+        setting = _BY_KEY.get(key)
+        if setting is None:
+            raise _unknown_key(key, f"[agent] of {path}", source)
+        _put(layer, setting, ctx.kind, _parse(setting, key, raw, ctx, source), source)
+    return layer
+
+
+def _env_layer(env: Mapping[str, str]) -> Layer:
+    ctx = _Ctx("env", env)
+    layer: Layer = {}
+    for setting in _SETTINGS:
+        if setting.env is None:
+            continue
+        raw = env.get(setting.env)
+        if raw is None or not raw.strip():
+            continue  # an empty variable is how shells and compose files say "unset"
+        source = f"env:{setting.env}"
+        layer[setting.field] = (_parse(setting, setting.key, raw, ctx, source), source)
+    return layer
+
+
+def _flag_layer(flags: Mapping[str, object], env: Mapping[str, str]) -> Layer:
+    ctx = _Ctx("flag", env)
+    layer: Layer = {}
+    for name, raw in flags.items():
+        if raw is None:
+            continue
+        key = name.removeprefix("--").replace("-", "_")
+        source = "flag:--" + key.replace("_", "-")
+        setting = _BY_KEY.get(key)
+        if setting is None:
+            raise _unknown_key(key, "flags", source)
+        if setting.field in ("isolated_tenants", "models") and raw in ((), []):
+            continue  # CLIs report a repeatable option that was not given as an empty list
+        _put(layer, setting, ctx.kind, _parse(setting, key, raw, ctx, source), source)
+    return layer
+
+
+def _choose_file(config_file: Path | None, env: Mapping[str, str]) -> tuple[Path, bool, str]:
+    """(path, must exist, how it was chosen for messages)."""
+    if config_file is not None:
+        return Path(config_file).absolute(), True, ""
+    path = default_config_path(env).absolute()
+    if env.get(CONFIG_ENV, "").strip():
+        # naming a file explicitly and having it silently ignored would be a trap
+        return path, True, f" (from {CONFIG_ENV})"
+    return path, False, ""
+
+
+# --- checks that need several settings --------------------------------------------------------
+
+
+def _check_exposure(settings: AgentSettings, sources: Mapping[str, str]) -> None:
+    if settings.token:
+        return
+    for field, host_port in (
+        ("listen", settings.control_host_port),
+        ("data_listen", settings.data_host_port),
+    ):
+        if host_port is None or is_loopback(host_port[0]):
+            continue
+        host = host_port[0]
+        raise ConfigError(
+            f"binding to {host} needs a bearer token: set KVCTL_TOKEN or token in [agent] of the "
+            f'config file (e.g. token = "<output of: openssl rand -hex 32>"), or bind to '
+            f"127.0.0.1 ({field} = {getattr(settings, field)!r} from {sources[field]})",
+            setting=field,
+            source=sources[field],
+        )
+
+
+def _check_socket(settings: AgentSettings, sources: Mapping[str, str]) -> None:
+    path = settings.socket_path
+    if path is None:
+        return
+    size = len(os.fsencode(path))
+    if size < UNIX_SOCKET_PATH_MAX:
+        return
+    if settings.socket:
+        setting, origin = "socket", f"socket from {sources['socket']}"
+    else:
+        setting = "data_dir"
+        origin = f"<data_dir>/agent.sock, data_dir from {sources['data_dir']}"
+    raise ConfigError(
+        f"socket path {path} ({origin}) is {size} bytes; Unix socket paths must be shorter than "
+        f"{UNIX_SOCKET_PATH_MAX} bytes: set socket to a shorter path "
+        '(e.g. socket = "/run/kvctl/agent.sock" in [agent] or KVCTL_SOCKET=/run/kvctl/agent.sock)'
+        ' or to "off"',
+        setting=setting,
+        source=sources[setting],
+    )
+
+
+# --- entry points -----------------------------------------------------------------------------
+
+
+def load_settings(
+    *,
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, object] | None = None,
+) -> LoadedSettings:
+    """Defaults < ``config_file`` (or the default path, if it exists) < ``env`` < ``flags``.
+
+    ``env`` defaults to ``os.environ``; ``flags`` maps file spellings ("cpu", "data_dir") to
+    values, None meaning "not given". Raises ConfigError for anything it cannot accept.
+    """
+    env = os.environ if env is None else env
+    path, must_exist, chosen_by = _choose_file(config_file, env)
+    read: Path | None = None
+    layers: list[Layer] = []
+    if must_exist or path.exists():
+        layers.append(_file_layer(_read_file(path, chosen_by), path, env))
+        read = path
+    layers.append(_env_layer(env))
+    layers.append(_flag_layer(flags or {}, env))
+
+    values: dict[str, object] = {}
+    sources = {f.name: "default" for f in dataclasses.fields(AgentSettings)}
+    for layer in layers:
+        for field, (value, source) in layer.items():
+            values[field] = value
+            sources[field] = source
+    settings = AgentSettings(**values)  # type: ignore[arg-type]  # each value parsed per field
+    _check_exposure(settings, sources)
+    _check_socket(settings, sources)
+    return LoadedSettings(settings, sources, read)
+
+
+def _format_size(n: int) -> str:
+    # exact, and readable back by parse_size
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+def _format(field: str, settings: AgentSettings) -> str:
+    value = getattr(settings, field)
+    if field == "token":
+        return "***" if value else ""
+    if field == "data_dir" and not value:
+        return str(settings.data_path)
+    if field == "socket" and not value:
+        return str(settings.socket_path)
+    if field.endswith("_bytes"):
+        return _format_size(value)
+    if field == "models":
+        return "; ".join(
+            f"{m.id} (layers={m.layers}, kv_heads={m.kv_heads}, head_dim={m.head_dim}, "
+            f"dtype={m.dtype})"
+            for m in value
+        )
+    if isinstance(value, float):
+        return f"{value:g}"
+    return _plain(value)
+
+
+def describe(loaded: LoadedSettings) -> list[dict[str, str]]:
+    """One row per setting, in field order: {"setting", "value", "source"}. The token shows as
+    "***" ("" when unset); data_dir and socket left to default show the path they resolve to."""
+    return [
+        {
+            "setting": f.name,
+            "value": _format(f.name, loaded.settings),
+            "source": loaded.sources.get(f.name, "default"),
+        }
+        for f in dataclasses.fields(AgentSettings)
+    ]
+
+
+__all__ = [
+    "CONFIG_ENV",
+    "LOG_LEVELS",
+    "UNIX_SOCKET_PATH_MAX",
+    "ConfigError",
+    "LoadedSettings",
+    "default_config_path",
+    "describe",
+    "load_settings",
+]

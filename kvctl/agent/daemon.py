@@ -1,0 +1,280 @@
+"""Running an agent: bind its sockets, serve until SIGTERM/SIGINT, shut down cleanly.
+
+The agent records where it listens in ``<data_dir>/agent.json`` (written atomically once every
+socket is bound, removed on a clean exit), which ``kvctl agent stop/status`` and tests read. A
+file left by a killed agent is recognised by its dead pid and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvctl import __version__
+from kvctl.agent.settings import AgentSettings, connect_host
+
+log = logging.getLogger("kvctl.agent")
+
+STATE_FILE = "agent.json"
+LOG_FILE = "agent.log"
+
+
+class AgentRunning(RuntimeError):
+    """Another live agent already uses this data directory."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentState:
+    pid: int
+    name: str
+    dc: str
+    control_url: str
+    data_tcp: str | None
+    data_unix: str | None
+    started_s: float
+    version: str
+
+    @classmethod
+    def read(cls, data_dir: Path) -> AgentState | None:
+        try:
+            raw = json.loads((data_dir / STATE_FILE).read_text())
+            return cls(**{k: raw.get(k) for k in cls.__slots__})  # type: ignore[attr-defined]
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def write(self, data_dir: Path) -> None:
+        tmp = data_dir / f".{STATE_FILE}.{os.getpid()}"
+        tmp.write_text(json.dumps({k: getattr(self, k) for k in self.__slots__}, indent=2))
+        os.replace(tmp, data_dir / STATE_FILE)
+
+    @property
+    def alive(self) -> bool:
+        return pid_alive(self.pid)
+
+
+def pid_alive(pid: int) -> bool:
+    """True when ``pid`` runs and is a kvctl process (a recycled pid is not our agent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc: trust the signal check
+    if b"kvctl" not in cmdline:
+        return False
+    try:  # a killed child not yet reaped by its parent is gone for our purposes
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def running_agent(data_dir: Path) -> AgentState | None:
+    state = AgentState.read(data_dir)
+    return state if state is not None and state.alive else None
+
+
+def serve(settings: AgentSettings) -> int:
+    """Run the agent in this process until SIGTERM or SIGINT; returns the exit code."""
+    import uvicorn
+
+    from kvctl.agent.api import create_app
+    from kvctl.agent.dataplane import DataPlaneServer
+    from kvctl.agent.runtime import AgentRuntime
+
+    data_dir = settings.data_path
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    other = running_agent(data_dir)
+    if other is not None and other.pid != os.getpid():
+        raise AgentRunning(
+            f"an agent (pid {other.pid}) already serves {data_dir}; stop it with "
+            f"`kvctl agent stop --data-dir {data_dir}` or choose another --data-dir"
+        )
+    host, port = settings.control_host_port
+    control = _bind_tcp(host, port)
+    runtime = AgentRuntime.open(settings)
+    dataplane = DataPlaneServer(runtime)
+    try:
+        tcp = settings.data_host_port
+        if tcp is not None:
+            dataplane.listen_tcp(*tcp)
+        if settings.socket_path is not None:
+            dataplane.listen_unix(settings.socket_path)
+        dataplane.start()
+        bound = control.getsockname()
+        state = AgentState(
+            pid=os.getpid(),
+            name=settings.name,
+            dc=settings.dc,
+            control_url=_url(bound[0], bound[1]),
+            data_tcp=None if dataplane.tcp_address is None else _hostport(*dataplane.tcp_address),
+            data_unix=None if dataplane.unix_path is None else str(dataplane.unix_path),
+            started_s=runtime.started_s,
+            version=__version__,
+        )
+        runtime.bound = {"tcp": state.data_tcp, "unix": state.data_unix}
+        state.write(data_dir)
+        log.info(
+            "agent %s (dc %s) serving: control %s, data tcp %s, unix %s; tiers %s",
+            settings.name,
+            settings.dc,
+            state.control_url,
+            state.data_tcp,
+            state.data_unix,
+            ", ".join(f"{n}={u['capacity_bytes']}B" for n, u in runtime.store.usage().items()),
+        )
+        config = uvicorn.Config(
+            create_app(runtime),
+            log_level=settings.log_level,
+            log_config=None,  # keep the process's logging set-up (kvctl's format, one stream)
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=10,
+        )
+        server = uvicorn.Server(config)
+        # uvicorn handles SIGTERM/SIGINT while it runs (stops accepting, lets in-flight HTTP
+        # requests finish, returns here), then re-raises the signal to the handler it found:
+        # make that one a no-op, so the drain below runs and the exit code is 0
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _already_stopping)
+        server.run(sockets=[control])
+    finally:
+        log.info("agent %s stopping: draining the data plane", settings.name)
+        dataplane.stop()
+        runtime.close()
+        control.close()
+        state_now = AgentState.read(data_dir)
+        if state_now is not None and state_now.pid == os.getpid():
+            with contextlib.suppress(FileNotFoundError):
+                (data_dir / STATE_FILE).unlink()
+    log.info("agent %s stopped cleanly", settings.name)
+    return 0
+
+
+def _already_stopping(signum: int, _frame: object) -> None:
+    log.info("signal %d: already shutting down", signum)
+
+
+def spawn_agent(
+    argv: list[str],
+    data_dir: Path,
+    *,
+    timeout_s: float = 30.0,
+    env: dict[str, str] | None = None,
+    detach: bool = True,
+) -> tuple[subprocess.Popen[bytes], AgentState]:
+    """Start ``kvctl agent start ARGV`` (in the foreground of a child process) with its output
+    in ``<data_dir>/agent.log``, and wait until it serves. ``detach`` puts it in its own
+    session, so a closed terminal (SIGHUP) does not take it down. Raises RuntimeError with the
+    end of its log when it does not come up."""
+    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    log_path = data_dir / LOG_FILE
+    with open(log_path, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", "agent", "start", "--data-dir", str(data_dir), *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=detach,
+            env=env,
+        )
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        state = AgentState.read(data_dir)
+        if state is not None and state.pid == proc.pid and _answers(state.control_url):
+            return proc, state
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    else:
+        proc.kill()
+        proc.wait()
+    raise RuntimeError(
+        f"the agent did not start (exit code {proc.poll()}); the end of {log_path}:\n"
+        + _tail(log_path)
+    )
+
+
+def stop_agent(
+    data_dir: Path, *, timeout_s: float = 30.0, force: bool = False
+) -> AgentState | None:
+    """SIGTERM the agent of ``data_dir`` and wait for it to exit; None if none was running.
+    Raises TimeoutError if it is still running after ``timeout_s`` (unless ``force``: then
+    SIGKILL, which the disk tier survives by design)."""
+    state = running_agent(data_dir)
+    if state is None:
+        return None
+    os.kill(state.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not pid_alive(state.pid):
+            return state
+        time.sleep(0.05)
+    if not force:
+        raise TimeoutError(
+            f"agent pid {state.pid} still running after {timeout_s:g}s; "
+            "retry with --force to kill it (chunks on disk stay intact)"
+        )
+    os.kill(state.pid, signal.SIGKILL)
+    return state
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            exc.errno, f"cannot listen on {host}:{port} for the control API: {exc.strerror}"
+        ) from exc
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _url(host: str, port: int) -> str:
+    host = connect_host(host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _hostport(host: str, port: int) -> str:
+    host = connect_host(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        # 401 also proves the agent serves (the token is the caller's business)
+        return httpx.get(f"{url}/v1/health", timeout=1.0).status_code in (200, 401)
+    except httpx.HTTPError:
+        return False
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def state_summary(state: AgentState) -> dict[str, Any]:
+    return {k: getattr(state, k) for k in AgentState.__slots__}  # type: ignore[attr-defined]

@@ -1,0 +1,591 @@
+"""The agent's data plane server: the binary protocol over TCP and a Unix socket, plus the
+shared-memory path (arena mapping, read leases, staged puts) on the Unix socket.
+
+One thread per connection: a request holds the store's lock only while it touches the index or
+copies bytes into the arena; sending a chunk to a socket happens outside the lock, from the arena
+itself, under a lease that keeps the bytes in place. See ``protocol`` for the wire format.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+import math
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kvctl import __version__
+from kvctl.agent.protocol import (
+    FLAG_HAS_PARENT,
+    FLAG_PINNED,
+    GET_ITEM,
+    HEADER_BYTES,
+    ITEM,
+    LEASE_ITEM,
+    MAX_BATCH,
+    NO_TIER,
+    REPLY_BIT,
+    STAGED_ITEM,
+    ErrorCode,
+    FrameError,
+    MetaReader,
+    MetaWriter,
+    Op,
+    PeerClosed,
+    Status,
+    check_header,
+    error_meta,
+    pack_header,
+    recv_exactly,
+    recv_with_fds,
+    send_all,
+)
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.store.errors import (
+    CapacityError,
+    InvalidArgument,
+    KeyNotFound,
+    PayloadSizeError,
+    StoreError,
+    TierUnavailable,
+)
+from kvctl.store.tiers.cpu import CpuTier
+
+log = logging.getLogger("kvctl.agent.dataplane")
+
+#: a request that has started must keep sending; a stalled one is cut off after this
+FRAME_TIMEOUT_SECONDS = 30.0
+_OP_NAMES = {op.value: op.name.lower() for op in Op}
+
+
+class DataPlaneServer:
+    def __init__(self, runtime: AgentRuntime, *, frame_timeout_s: float = FRAME_TIMEOUT_SECONDS):
+        self.runtime = runtime
+        self.store = runtime.store
+        self.max_chunk_bytes = runtime.settings.max_chunk_bytes
+        self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
+        self.frame_timeout_s = frame_timeout_s
+        self.token = runtime.settings.token.encode()
+        self.tier_codes: dict[str | None, int] = {
+            name: i for i, name in enumerate(self.store.tier_names)
+        }
+        self.tier_codes[None] = NO_TIER
+        top = self.store.tier(self.store.tier_names[0])
+        self.shm_tier = top if isinstance(top, CpuTier) and top.shared else None
+        self.stopping = False
+        self._listeners: list[tuple[socket.socket, str]] = []
+        self._threads: list[threading.Thread] = []
+        self._conns: set[Connection] = set()
+        self._lock = threading.Lock()
+        self.tcp_address: tuple[str, int] | None = None
+        self.unix_path: Path | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------
+    def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        self.tcp_address = sock.getsockname()[:2]
+        self._listeners.append((sock, "tcp"))
+        return self.tcp_address
+
+    def listen_unix(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()  # a stale socket of a killed agent; the pid file guards a live one
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)  # owner-only from the start, not chmod after the fact
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        sock.listen(128)
+        self.unix_path = path
+        self._listeners.append((sock, "unix"))
+        return path
+
+    def start(self) -> None:
+        for sock, transport in self._listeners:
+            self._spawn(self._accept_loop, sock, transport, name=f"kvctl-accept-{transport}")
+        self._spawn(self._reaper, name="kvctl-lease-reaper")
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop accepting, let in-flight requests finish, close idle connections."""
+        self.stopping = True
+        for sock, _ in self._listeners:
+            with contextlib.suppress(OSError):
+                sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            c.close_if_idle()
+        deadline = time.monotonic() + timeout_s
+        for c in conns:
+            c.thread.join(max(0.0, deadline - time.monotonic()))
+            c.close_if_idle(force=True)
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self.unix_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.unix_path.unlink()
+
+    def _spawn(self, target: Callable[..., None], *args: object, name: str) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept_loop(self, sock: socket.socket, transport: str) -> None:
+        sock.settimeout(0.25)  # wake up to notice ``stopping``
+        while not self.stopping:
+            try:
+                conn_sock, _ = sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self.stopping:
+                    return
+                log.exception("accept failed on %s", transport)
+                time.sleep(0.1)
+                continue
+            conn_sock.settimeout(None)
+            if transport == "tcp":
+                conn_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Connection(self, conn_sock, transport)
+            with self._lock:
+                self._conns.add(conn)
+            conn.thread.start()
+
+    def _reaper(self) -> None:
+        while not self.stopping:
+            time.sleep(0.5)
+            try:
+                n = self.store.expire_leases()
+            except StoreError:
+                return  # store closed
+            if n:
+                log.info("expired %d shared-memory leases", n)
+
+    def forget(self, conn: Connection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+
+    def hello_info(self) -> dict[str, object]:
+        s = self.runtime.settings
+        return {
+            "agent": s.name,
+            "dc": s.dc,
+            "version": __version__,
+            "tiers": self.store.tier_names,
+            "chunk_tokens": s.chunk_tokens,
+            "max_chunk_bytes": self.max_chunk_bytes,
+            "lease_seconds": s.lease_seconds,
+            "shm": self.shm_tier is not None,
+        }
+
+
+class Connection:
+    """One client connection, served by its own thread until either side closes it."""
+
+    def __init__(self, server: DataPlaneServer, sock: socket.socket, transport: str) -> None:
+        self.server = server
+        self.store = server.store
+        self.sock = sock
+        self.transport = transport
+        self.authed = not server.token
+        self.busy = False
+        self._state_lock = threading.Lock()
+        self._closed = False
+        self._leases: set[int] = set()
+        self._fds: list[int] = []
+        self._staging: mmap.mmap | None = None
+        self._buf = bytearray()
+        self._release_after_send: list[int] = []
+        self._send_fd = -1
+        self.thread = threading.Thread(target=self._run, name="kvctl-conn", daemon=True)
+        self._handlers: dict[int, Callable[[MetaReader, int], tuple[list, int]]] = {
+            Op.HELLO: self._hello,
+            Op.PING: lambda meta, _n: ([b""], 0),
+            Op.PUT: self._put,
+            Op.PUT_STAGED: self._put_staged,
+            Op.GET: self._get,
+            Op.EXISTS: self._exists,
+            Op.LOOKUP: self._lookup,
+            Op.LEASE: self._lease,
+            Op.RELEASE: self._release,
+            Op.MAP: self._map,
+            Op.ATTACH: self._attach,
+        }
+
+    # --- connection loop --------------------------------------------------------------------
+    def _run(self) -> None:
+        metrics = self.server.runtime.metrics
+        metrics.connection_opened(self.transport)
+        header = bytearray(HEADER_BYTES)
+        try:
+            while not self.server.stopping:
+                if not self._read_header(memoryview(header)):
+                    break
+                if not self._serve_one(header):
+                    break
+        except (PeerClosed, ConnectionError, TimeoutError):
+            pass  # the client went away or stalled mid-frame; nothing half-done was stored
+        except OSError as exc:
+            if not self._closed:
+                log.warning("data plane connection error: %s", exc)
+        finally:
+            self._cleanup()
+            metrics.connection_closed(self.transport)
+
+    def _read_header(self, view: memoryview) -> bool:
+        """Wait (without a timeout: idle connections are fine) for the next frame."""
+        with self._state_lock:
+            self.busy = False
+            if self._closed or self.server.stopping:
+                return False
+        self.sock.settimeout(None)
+        first = (
+            self.sock.recv_into(view, HEADER_BYTES)
+            if self.transport == "tcp"
+            else self._recv_unix(view[:1])
+        )
+        if first == 0:
+            return False
+        with self._state_lock:
+            self.busy = True
+        self.sock.settimeout(self.server.frame_timeout_s)
+        if first < HEADER_BYTES:
+            self._recv(view[first:])
+        return True
+
+    def _recv_unix(self, view: memoryview) -> int:
+        return 1 if recv_with_fds(self.sock, view, self._fds) else 0
+
+    def _recv(self, view: memoryview) -> None:
+        if self.transport == "unix":
+            if not recv_with_fds(self.sock, view, self._fds):
+                raise PeerClosed("connection closed mid-frame")
+        else:
+            recv_exactly(self.sock, view)
+
+    def _serve_one(self, header: bytearray) -> bool:
+        """Serve one frame; False when the connection must close."""
+        started = time.perf_counter()
+        op = header[3]
+        bytes_in = HEADER_BYTES
+        sent = 0
+        ok = False
+        try:
+            op, rid, meta_len, payload_len = check_header(
+                header, max_payload_bytes=self.server.max_payload_bytes
+            )
+        except FrameError as exc:
+            self._send_error(0, exc)
+            return False
+        bytes_in += meta_len + payload_len
+        meta = bytearray(meta_len)
+        self._recv(memoryview(meta))
+        try:
+            handler = self._handlers.get(op)
+            if handler is None:
+                self._discard(payload_len)
+                raise FrameError(ErrorCode.UNSUPPORTED, f"unknown op {op}")
+            if not self.authed and op != Op.HELLO:
+                raise FrameError(
+                    ErrorCode.UNAUTHORIZED, "this agent needs a token: send HELLO first", fatal=True
+                )
+            if payload_len and op != Op.PUT:
+                raise FrameError(
+                    ErrorCode.BAD_FRAME, f"{Op(op).name} carries no payload", fatal=True
+                )
+            parts, bytes_out = handler(MetaReader(meta), payload_len)
+            if op != Op.RELEASE:  # releases are one-way so a reader never waits on them
+                head = pack_header(op | REPLY_BIT, rid, len(parts[0]), bytes_out)
+                fd, self._send_fd = self._send_fd, -1
+                try:
+                    sent = send_all(self.sock, [head, *parts], fd)
+                finally:
+                    if fd >= 0:
+                        os.close(fd)
+            ok = True
+            return True
+        except FrameError as exc:
+            self._send_error(rid, exc)
+            return not exc.fatal
+        except (PeerClosed, ConnectionError, TimeoutError):
+            raise
+        except StoreError as exc:
+            self._send_error(rid, _store_error(exc))
+            return True
+        except Exception as exc:  # a bug: report it, and close since the stream may be off
+            log.exception("data plane request failed")
+            self._send_error(
+                rid, FrameError(ErrorCode.INTERNAL, f"internal error: {exc}", fatal=True)
+            )
+            return False
+        finally:
+            self.server.runtime.metrics.observe_dataplane(
+                _OP_NAMES.get(op, "other"),
+                self.transport,
+                time.perf_counter() - started,
+                ok=ok,
+                bytes_in=bytes_in,
+                bytes_out=sent,
+            )
+            if self._release_after_send:
+                self.store.release(self._release_after_send)
+                self._release_after_send = []
+            for fd in self._fds:  # descriptors only count with the frame that expects them
+                os.close(fd)
+            self._fds.clear()
+
+    def _send_error(self, rid: int, exc: FrameError) -> None:
+        meta = error_meta(exc.code, exc.message)
+        with contextlib.suppress(OSError):
+            send_all(self.sock, [pack_header(Op.ERROR, rid, len(meta)), meta])
+
+    def _discard(self, n: int) -> None:
+        chunk = memoryview(self._buffer(min(n, 1 << 20)))
+        while n:
+            k = min(n, chunk.nbytes)
+            self._recv(chunk[:k])
+            n -= k
+
+    def _buffer(self, n: int) -> bytearray:
+        if len(self._buf) < n:
+            self._buf = bytearray(n)
+        return self._buf
+
+    # --- handlers: each returns (reply parts: meta first, payload bytes) ---------------------
+    def _hello(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        token = meta.text().encode()
+        meta.text()  # client name, for logs
+        if self.server.token and not hmac.compare_digest(token, self.server.token):
+            raise FrameError(ErrorCode.UNAUTHORIZED, "wrong or missing token", fatal=True)
+        self.authed = True
+        return [json.dumps(self.server.hello_info()).encode()], 0
+
+    def _put(self, meta: MetaReader, payload_len: int) -> tuple[list, int]:
+        try:
+            tenant = meta.text()
+            items = meta.structs(ITEM, meta.count())
+            meta.done()
+            sizes = [it[1] for it in items]
+            if sum(sizes) != payload_len:
+                raise FrameError(
+                    ErrorCode.BAD_REQUEST,
+                    f"items declare {sum(sizes)} bytes but the payload is {payload_len}",
+                )
+        except FrameError:
+            self._discard(payload_len)
+            raise
+        out = bytearray()
+        for i, item in enumerate(items):
+            size = item[1]
+            if size > self.server.max_chunk_bytes:
+                self._discard(size)
+                out += bytes((Status.TOO_LARGE, NO_TIER))
+                continue
+            buf = memoryview(self._buffer(size))[:size]
+            self._recv(buf)  # straight from the socket into a reused buffer
+            try:
+                out += self._store_item(tenant, item, buf)
+            except BaseException:
+                self._discard(sum(sizes[i + 1 :]))
+                raise
+        return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
+
+    def _put_staged(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        if self._staging is None:
+            raise FrameError(ErrorCode.BAD_REQUEST, "PUT_STAGED before ATTACH")
+        tenant = meta.text()
+        items = meta.structs(STAGED_ITEM, meta.count())
+        meta.done()
+        staging = memoryview(self._staging)
+        out = bytearray()
+        for item in items:
+            size, offset = item[1], item[7]
+            if offset + size > staging.nbytes:
+                out += bytes((Status.BAD, NO_TIER))
+            elif size > self.server.max_chunk_bytes:
+                out += bytes((Status.TOO_LARGE, NO_TIER))
+            else:
+                out += self._store_item(tenant, item[:7], staging[offset : offset + size])
+        staging.release()
+        return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
+
+    def _store_item(self, tenant: str, item: tuple, data: memoryview) -> bytes:  # type: ignore[type-arg]
+        key, _size, tokens, priority, flags, parent, depth = item
+        try:
+            tier = self.store.put(
+                key,
+                data,
+                tokens=tokens or None,
+                tenant=tenant,
+                parent=parent if flags & FLAG_HAS_PARENT else None,
+                depth=depth,
+                priority=priority,
+                pinned=bool(flags & FLAG_PINNED),
+                isolated=self.server.runtime.is_isolated(tenant),
+            )
+        except CapacityError:
+            return bytes((Status.NO_ROOM, NO_TIER))
+        except (InvalidArgument, PayloadSizeError):
+            return bytes((Status.BAD, NO_TIER))
+        if tier is None:
+            return bytes((Status.DECLINED, NO_TIER))
+        return bytes((Status.OK, self.server.tier_codes[tier]))
+
+    def _get(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        tenant = meta.text()
+        keys = meta.keys()
+        meta.done()
+        items = bytearray()
+        payload: list[memoryview | bytearray] = []
+        total = 0
+        for key in keys:
+            try:
+                # an endless lease: this thread releases it after the send, whatever happens
+                lease = self.store.lease(key, math.inf, tenant=tenant)
+                if lease is not None:
+                    self._release_after_send.append(lease.lease_id)
+                    data: memoryview | bytearray = self.store.leased_view(lease)
+                else:
+                    data = self.store.get(key, tenant=tenant)
+            except KeyNotFound:
+                items += GET_ITEM.pack(Status.MISSING, 0)
+                continue
+            n = memoryview(data).nbytes
+            items += GET_ITEM.pack(Status.OK, n)
+            payload.append(data)
+            total += n
+        return [MetaWriter().u32(len(keys)).raw(bytes(items)).build(), *payload], total
+
+    def _exists(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        tenant = meta.text()
+        keys = meta.keys()
+        meta.done()
+        codes = self.server.tier_codes
+        tiers = self.store.locate(keys, tenant=tenant)
+        return [MetaWriter().u32(len(keys)).raw(bytes(map(codes.__getitem__, tiers))).build()], 0
+
+    def _lookup(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        tenant = meta.text()
+        keys = meta.keys()
+        meta.done()
+        res = self.store.lookup(keys, tenant=tenant)
+        codes = self.server.tier_codes
+        w = MetaWriter().u32(res.matched_chunks).u64(res.matched_tokens).u32(len(keys))
+        return [w.raw(bytes(map(codes.__getitem__, res.locations))).build()], 0
+
+    def _require_shm(self) -> CpuTier:
+        if self.transport != "unix":
+            raise FrameError(ErrorCode.UNSUPPORTED, "shared memory is served on the Unix socket")
+        if self.server.shm_tier is None:
+            raise FrameError(ErrorCode.UNSUPPORTED, "this agent's cpu tier is not shared (shm off)")
+        return self.server.shm_tier
+
+    def _map(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        meta.done()
+        tier = self._require_shm()
+        with self.store.locked():
+            fd = tier.reader_fd()
+            generation, size = tier.generation, max(tier.capacity_bytes, 1)
+        self._send_fd = fd
+        return [MetaWriter().u64(generation).u64(size).build()], 0
+
+    def _lease(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        self._require_shm()
+        tenant = meta.text()
+        ttl = min(max(meta.f64(), 0.001), self.server.runtime.settings.lease_seconds)
+        keys = meta.keys()
+        meta.done()
+        out = bytearray()
+        for key in keys:
+            try:
+                lease = self.store.lease(key, ttl, tenant=tenant)
+            except KeyNotFound:
+                out += LEASE_ITEM.pack(Status.MISSING, 0, 0, 0, 0, 0.0)
+                continue
+            if lease is None:
+                out += LEASE_ITEM.pack(Status.FALLBACK, 0, 0, 0, 0, 0.0)
+                continue
+            self._leases.add(lease.lease_id)
+            out += LEASE_ITEM.pack(
+                Status.OK,
+                lease.generation,
+                lease.lease_id,
+                lease.offset,
+                lease.size_bytes,
+                lease.deadline_s,
+            )
+        return [MetaWriter().u32(len(keys)).raw(bytes(out)).build()], 0
+
+    def _release(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        n = meta.count()
+        ids = [meta.u64() for _ in range(n)]
+        meta.done()
+        mine = [i for i in ids if i in self._leases]  # never another client's leases
+        self._leases.difference_update(mine)
+        self.store.release(mine)
+        return [b""], 0
+
+    def _attach(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        if self.transport != "unix":
+            raise FrameError(ErrorCode.UNSUPPORTED, "staging segments attach on the Unix socket")
+        size = meta.u64()
+        meta.done()
+        if len(self._fds) != 1:
+            raise FrameError(ErrorCode.BAD_REQUEST, "ATTACH needs exactly one file descriptor")
+        fd = self._fds[0]
+        if size <= 0 or os.fstat(fd).st_size < size:
+            raise FrameError(ErrorCode.BAD_REQUEST, f"staging segment is smaller than {size}")
+        staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        if self._staging is not None:
+            self._staging.close()
+        self._staging = staging
+        return [b""], 0
+
+    # --- teardown ---------------------------------------------------------------------------
+    def close_if_idle(self, *, force: bool = False) -> None:
+        with self._state_lock:
+            if self._closed or (self.busy and not force):
+                return
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def _cleanup(self) -> None:
+        with self._state_lock:
+            self._closed = True
+        # a crashed or departed client's leases end with its connection, not at their deadline
+        with contextlib.suppress(StoreError):
+            self.store.release(list(self._leases))
+        self._leases.clear()
+        if self._staging is not None:
+            with contextlib.suppress(BufferError):
+                self._staging.close()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.server.forget(self)
+
+
+def _store_error(exc: StoreError) -> FrameError:
+    if isinstance(exc, KeyNotFound):
+        return FrameError(ErrorCode.NOT_FOUND, str(exc))
+    if isinstance(exc, CapacityError):
+        return FrameError(ErrorCode.NO_ROOM, str(exc))
+    if isinstance(exc, TierUnavailable):
+        return FrameError(ErrorCode.UNAVAILABLE, str(exc))
+    return FrameError(ErrorCode.BAD_REQUEST, str(exc))

@@ -1,0 +1,404 @@
+"""The agent's Prometheus metrics: store counters and gauges, data plane and HTTP instruments.
+
+Conventions (design.md section 4): every name starts with ``kvctl_``, values are in base units
+(bytes, seconds), counters end in ``_total``, and no label carries a key, request or tenant. Hit
+ratios are not exported; a dashboard derives them from the hit and lookup counters. DC and host
+are target labels added by the scraper, not metric labels.
+
+Each ``AgentMetrics`` owns its registry (never the process-global ``REGISTRY``), so tests and
+several agents in one process do not collide.
+
+Store figures are not mirrored into instruments (that would double-book every count and need a
+hook in each store path); a custom collector reads one consistent snapshot per scrape instead.
+"""
+
+from __future__ import annotations
+
+import platform
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from kvctl import __version__
+from kvctl.store.stats import EVICTION_REASONS
+
+# 10 µs (a shared-memory lease or a small lookup) .. 10 s (a large chunk over a slow link)
+LATENCY_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5,
+    1e-4, 2.5e-4, 5e-4,
+    1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+OTHER = "other"
+
+# Label cardinality is bounded for every caller-supplied value. Method is a fixed set. Op,
+# transport and route are whatever the data plane / HTTP layer pass in, and their exact spelling
+# is theirs to choose, so by default the first N distinct values are kept and later ones become
+# "other" (a cap, not a guess at names we do not own). When the callers know their full set they
+# pass it (``ops=``, ``transports=``, ``routes=`` or ``allow_routes()``) and anything outside it
+# becomes "other" from the first request, so a scanner probing random paths can never crowd real
+# routes out of the cap.
+MAX_OPS = 32
+MAX_TRANSPORTS = 8
+MAX_ROUTES = 64
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class _SnapshotSource(Protocol):
+    """What the collector needs from the store (``TieredStore`` or a test double)."""
+
+    stats: Any
+
+    def usage(self) -> dict[str, dict[str, int]]: ...
+
+
+class BoundedLabel:
+    """Maps caller-supplied label values onto a bounded set (see the comment above)."""
+
+    def __init__(self, cap: int, allowed: Iterable[str] | None = None) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._allowed: frozenset[str] | None = None
+        self._seen: set[str] = set()
+        if allowed is not None:
+            self.restrict(allowed)
+
+    def restrict(self, allowed: Iterable[str]) -> None:
+        """From now on accept only ``allowed`` (values seen before stay exported)."""
+        with self._lock:
+            self._allowed = frozenset(allowed)
+
+    def __call__(self, value: str) -> str:
+        allowed = self._allowed
+        if allowed is not None:
+            return value if value in allowed else OTHER
+        if value in self._seen:
+            return value
+        if not isinstance(value, str) or not value:
+            return OTHER
+        with self._lock:
+            if value in self._seen:
+                return value
+            if len(self._seen) < self.cap:
+                self._seen.add(value)
+                return value
+        return OTHER
+
+
+def _read_snapshot(store: _SnapshotSource) -> dict[str, Any]:
+    """One consistent view of the store: ``store.snapshot()`` when it has one."""
+    snapshot = getattr(store, "snapshot", None)
+    if snapshot is not None:
+        return snapshot()  # type: ignore[no-any-return]
+    # older stores: two reads under two lock holds, close enough between scrapes
+    return {"stats": store.stats.as_dict(), "usage": store.usage(), "leases": 0}
+
+
+class StoreCollector(Collector):
+    """Exports the store's counters and occupancy from one snapshot per scrape."""
+
+    def __init__(self, store: _SnapshotSource) -> None:
+        self._store = store
+
+    def describe(self) -> Iterator[Metric]:
+        # names only, so registering checks clashes without touching the store
+        yield from self._families({"stats": {"tiers": {}}, "usage": {}, "leases": 0})
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(_read_snapshot(self._store))
+
+    @staticmethod
+    def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
+        stats: Mapping[str, Any] = snap["stats"]
+        tiers: Mapping[str, Mapping[str, Any]] = stats["tiers"]
+        usage: Mapping[str, Mapping[str, int]] = snap["usage"]
+
+        def store_counter(name: str, doc: str, field: str) -> CounterMetricFamily:
+            # CounterMetricFamily names go without "_total": the exposition adds it
+            return CounterMetricFamily(name, doc, value=stats.get(field, 0))
+
+        yield store_counter("kvctl_lookups", "Prefix lookups served.", "lookups")
+        yield store_counter(
+            "kvctl_lookup_chunks", "Chunks asked for by lookups (hits and misses).", "lookup_chunks"
+        )
+        yield store_counter(
+            "kvctl_lookup_tokens", "Tokens covered by the chunks asked for.", "lookup_tokens"
+        )
+
+        hits = CounterMetricFamily(
+            "kvctl_hits",
+            "Chunk hits (in the matched prefix) by tier; kind=reuse: the chunk's own tenant, "
+            "kind=sharing: another tenant's chunk.",
+            labels=("tier", "kind"),
+        )
+        per_tier: dict[str, CounterMetricFamily] = {
+            "hit_tokens": CounterMetricFamily(
+                "kvctl_hit_tokens", "Tokens of the chunk hits, by tier.", labels=("tier",)
+            ),
+            "puts": CounterMetricFamily(
+                "kvctl_puts", "New chunks stored, by tier they landed in.", labels=("tier",)
+            ),
+            "bytes_written": CounterMetricFamily(
+                "kvctl_tier_written_bytes",
+                "Bytes written into a tier (puts, promotions and demotions).",
+                labels=("tier",),
+            ),
+            "bytes_read": CounterMetricFamily(
+                "kvctl_tier_read_bytes", "Payload bytes read from a tier.", labels=("tier",)
+            ),
+            "promotions": CounterMetricFamily(
+                "kvctl_promotions",
+                "Chunks that arrived in this tier from a slower tier.",
+                labels=("tier",),
+            ),
+            "demotions": CounterMetricFamily(
+                "kvctl_demotions",
+                "Chunks that arrived in this tier from a faster tier.",
+                labels=("tier",),
+            ),
+        }
+        evictions = CounterMetricFamily(
+            "kvctl_evictions",
+            "Chunks that left a tier by eviction (demoted or dropped), by reason.",
+            labels=("tier", "reason"),
+        )
+        for tier, ts in tiers.items():
+            hits.add_metric((tier, "reuse"), ts.get("reuse_hits", 0))
+            hits.add_metric((tier, "sharing"), ts.get("sharing_hits", 0))
+            for field, family in per_tier.items():
+                family.add_metric((tier,), ts.get(field, 0))
+            by_reason: Mapping[str, int] = ts.get("evictions", {})
+            # every known reason is always present so rate() works from the first scrape
+            for reason in (*EVICTION_REASONS, *(r for r in by_reason if r not in EVICTION_REASONS)):
+                evictions.add_metric((tier, reason), by_reason.get(reason, 0))
+        yield hits
+        yield from per_tier.values()
+        yield evictions
+
+        yield store_counter(
+            "kvctl_drops", "Chunks that left the store entirely (not demoted).", "drops"
+        )
+        yield store_counter(
+            "kvctl_demotion_failures",
+            "Demotions that failed (lower tier full or unavailable) and dropped instead.",
+            "demotion_failures",
+        )
+        yield store_counter(
+            "kvctl_admission_refused",
+            "Demotions refused by the lower tier's admission policy.",
+            "admission_refused",
+        )
+        yield store_counter(
+            "kvctl_bypassed_puts",
+            "Puts declined by the eviction policy's admission check.",
+            "bypassed_puts",
+        )
+        yield store_counter(
+            "kvctl_corrupt_chunks",
+            "Chunks found corrupt on read and dropped.",
+            "corrupt_dropped",
+        )
+
+        gauges = {
+            "capacity_bytes": GaugeMetricFamily(
+                "kvctl_tier_capacity_bytes", "Configured tier capacity.", labels=("tier",)
+            ),
+            "used_bytes": GaugeMetricFamily(
+                "kvctl_tier_used_bytes", "Bytes held by a tier.", labels=("tier",)
+            ),
+            "pinned_bytes": GaugeMetricFamily(
+                "kvctl_tier_pinned_bytes", "Bytes of pinned chunks in a tier.", labels=("tier",)
+            ),
+            "chunks": GaugeMetricFamily(
+                "kvctl_tier_items", "Chunks held by a tier.", labels=("tier",)
+            ),
+        }
+        for tier, u in usage.items():
+            for field, family in gauges.items():
+                family.add_metric((tier,), u.get(field, 0))
+        yield from gauges.values()
+        yield GaugeMetricFamily(
+            "kvctl_shm_leases",
+            "Shared-memory chunk leases held by local readers.",
+            value=snap.get("leases", 0),
+        )
+
+
+class AgentMetrics:
+    """All metrics of one agent, on a registry of its own."""
+
+    def __init__(
+        self,
+        store: _SnapshotSource,
+        *,
+        ops: Iterable[str] | None = None,
+        transports: Iterable[str] | None = None,
+        routes: Iterable[str] | None = None,
+        started_s: float | None = None,
+    ) -> None:
+        self.registry = CollectorRegistry()
+        self.store_collector = StoreCollector(store)
+        self.registry.register(self.store_collector)
+        r = self.registry
+
+        self._op = BoundedLabel(MAX_OPS, ops)
+        self._transport = BoundedLabel(MAX_TRANSPORTS, transports)
+        self._route = BoundedLabel(MAX_ROUTES, routes)
+
+        build = Gauge(
+            "kvctl_build_info",
+            "Build of this agent; the value is always 1.",
+            ("version", "python"),
+            registry=r,
+        )
+        build.labels(__version__, platform.python_version()).set(1)
+        start = Gauge(
+            "kvctl_start_time_seconds", "Agent start time, Unix epoch seconds.", registry=r
+        )
+        start.set(time.time() if started_s is None else started_s)
+
+        # Counter names go without "_total": prometheus_client appends it
+        self._dp_requests = Counter(
+            "kvctl_dataplane_requests",
+            "Data plane requests by op, transport and outcome.",
+            ("op", "transport", "outcome"),
+            registry=r,
+        )
+        self._dp_bytes = Counter(
+            "kvctl_dataplane_bytes",
+            "Data plane payload bytes by transport; in = received by the agent.",
+            ("transport", "direction"),
+            registry=r,
+        )
+        self._dp_duration = Histogram(
+            "kvctl_dataplane_request_duration_seconds",
+            "Data plane request service time.",
+            ("op", "transport"),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._dp_connections = Gauge(
+            "kvctl_dataplane_connections",
+            "Open data plane connections.",
+            ("transport",),
+            registry=r,
+        )
+        self._http_requests = Counter(
+            "kvctl_http_requests",
+            "Control API requests by method, route template and status.",
+            ("method", "route", "status"),
+            registry=r,
+        )
+        self._http_duration = Histogram(
+            "kvctl_http_request_duration_seconds",
+            "Control API request duration.",
+            ("method", "route"),
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+        # Label children resolved once per distinct (raw) label tuple: the hot path is then one
+        # dict lookup plus the increments. Only tuples that normalise to themselves are cached,
+        # so the caches are as bounded as the labels.
+        self._dp_children: dict[tuple[str, str, bool], tuple[Any, Any, Any, Any]] = {}
+        self._conn_children: dict[str, Any] = {}
+        self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    # --- label bounds ------------------------------------------------------------------------
+    def allow_routes(self, routes: Iterable[str]) -> None:
+        """Accept only these route templates from now on (e.g. the app's route paths)."""
+        self._route.restrict(routes)
+        self._http_children.clear()  # cached children may hold routes no longer allowed
+
+    # --- data plane --------------------------------------------------------------------------
+    def observe_dataplane(
+        self,
+        op: str,
+        transport: str,
+        seconds: float,
+        *,
+        ok: bool,
+        bytes_in: int = 0,
+        bytes_out: int = 0,
+    ) -> None:
+        """Count one finished data plane request (called per request: keep it cheap)."""
+        key = (op, transport, ok)
+        children = self._dp_children.get(key)
+        if children is None:
+            children = self._dataplane_children(op, transport, bool(ok))
+        requests, duration, b_in, b_out = children
+        requests.inc()
+        duration.observe(seconds if seconds > 0 else 0.0)
+        # a negative count is a caller bug; never let metrics fail the request it describes
+        if bytes_in > 0:
+            b_in.inc(bytes_in)
+        if bytes_out > 0:
+            b_out.inc(bytes_out)
+
+    def _dataplane_children(self, op: str, transport: str, ok: bool) -> tuple[Any, Any, Any, Any]:
+        nop, ntr = self._op(op), self._transport(transport)
+        children = (
+            self._dp_requests.labels(nop, ntr, "ok" if ok else "error"),
+            self._dp_duration.labels(nop, ntr),
+            self._dp_bytes.labels(ntr, "in"),
+            self._dp_bytes.labels(ntr, "out"),
+        )
+        if (nop, ntr) == (op, transport):
+            self._dp_children[(op, transport, ok)] = children
+        return children
+
+    def connection_opened(self, transport: str) -> None:
+        self._connections(transport).inc()
+
+    def connection_closed(self, transport: str) -> None:
+        self._connections(transport).dec()
+
+    def _connections(self, transport: str) -> Any:
+        child = self._conn_children.get(transport)
+        if child is None:
+            ntr = self._transport(transport)
+            child = self._dp_connections.labels(ntr)
+            if ntr == transport:
+                self._conn_children[transport] = child
+        return child
+
+    # --- control API -------------------------------------------------------------------------
+    def observe_http(self, method: str, route: str, status: int, seconds: float) -> None:
+        """Count one control API request; ``route`` is the route template, not the raw path."""
+        key = (method, route, status)
+        children = self._http_children.get(key)
+        if children is None:
+            children = self._http_children_for(method, route, status)
+        count, duration = children
+        count.inc()
+        duration.observe(seconds if seconds > 0 else 0.0)
+
+    def _http_children_for(self, method: str, route: str, status: int) -> tuple[Any, Any]:
+        m = method.upper() if isinstance(method, str) else ""
+        nmethod = m if m in HTTP_METHODS else OTHER
+        nroute = self._route(route)
+        nstatus = str(status) if isinstance(status, int) and 100 <= status <= 599 else OTHER
+        children = (
+            self._http_requests.labels(nmethod, nroute, nstatus),
+            self._http_duration.labels(nmethod, nroute),
+        )
+        if nmethod != OTHER and nroute == route and nstatus != OTHER:
+            self._http_children[(method, route, status)] = children
+        return children
+
+    # --- exposition --------------------------------------------------------------------------
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The exposition body and its content type: Prometheus text 0.0.4 by default, or what
+        an ``Accept`` header asks for (OpenMetrics) when given."""
+        encoder, content_type = choose_encoder(accept or "")
+        return encoder(self.registry), content_type

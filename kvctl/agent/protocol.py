@@ -1,0 +1,326 @@
+"""The data plane's wire format: binary, framed, versioned. Shared by the agent and the SDK.
+
+Every frame is a 20-byte header, then ``meta_len`` bytes of metadata, then ``payload_len``
+bytes of payload (chunk bytes, only in PUT requests and GET replies)::
+
+    magic "KV" | version u8 | op u8 | request_id u32 | meta_len u32 | payload_len u64
+
+A reply carries the request's op with the high bit set (or ``ERROR``) and the same request id.
+Metadata is packed little-endian binary: keys are 16 raw bytes, strings are u16-length-prefixed
+UTF-8. Bulk bytes are never re-encoded: they travel as the payload, read with ``recv_into``
+straight into preallocated buffers and sent with ``sendmsg`` from memoryviews.
+
+A frame the agent cannot trust (bad magic or version, oversized, truncated metadata) gets an
+``ERROR`` frame and the connection is closed, because the byte stream can no longer be framed.
+A well-framed but invalid request gets an ``ERROR`` frame and the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import array
+import socket
+import struct
+from collections.abc import Sequence
+from enum import IntEnum
+
+from kvctl.store.keys import KEY_BYTES
+
+MAGIC = b"KV"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIIQ")
+HEADER_BYTES = HEADER.size
+REPLY_BIT = 0x80
+MAX_META_BYTES = 8 << 20
+MAX_BATCH = 65536
+NO_TIER = 255
+
+#: one put item: key, size, tokens, priority, flags, parent, depth
+ITEM = struct.Struct("<16sQIBB16sI")
+#: a put item whose bytes wait in the client's staging segment at this offset
+STAGED_ITEM = struct.Struct("<16sQIBB16sIQ")
+#: one lease in a LEASE reply: status, generation, lease id, offset, size, deadline
+LEASE_ITEM = struct.Struct("<BQQQQd")
+#: one GET reply item: status, size
+GET_ITEM = struct.Struct("<BQ")
+
+FLAG_PINNED = 1
+FLAG_HAS_PARENT = 4
+_NO_PARENT = bytes(KEY_BYTES)
+
+
+class Op(IntEnum):
+    HELLO = 1
+    PING = 2
+    PUT = 3
+    GET = 4
+    EXISTS = 5
+    LOOKUP = 6
+    MAP = 7
+    LEASE = 8
+    RELEASE = 9
+    ATTACH = 10
+    PUT_STAGED = 11
+    ERROR = 0x7F
+
+
+class ErrorCode(IntEnum):
+    BAD_FRAME = 1
+    BAD_VERSION = 2
+    TOO_LARGE = 3
+    UNAUTHORIZED = 4
+    BAD_REQUEST = 5
+    NOT_FOUND = 6
+    NO_ROOM = 7
+    UNAVAILABLE = 8
+    INTERNAL = 9
+    UNSUPPORTED = 10
+
+
+class Status(IntEnum):
+    """Per-item outcome in batch replies."""
+
+    OK = 0
+    MISSING = 1
+    DECLINED = 2
+    TOO_LARGE = 3
+    NO_ROOM = 4
+    BAD = 5
+    #: the chunk exists but cannot be leased in shared memory; fetch it over the socket
+    FALLBACK = 6
+
+
+class FrameError(Exception):
+    """A frame that breaks the protocol. ``fatal``: the connection cannot continue."""
+
+    def __init__(self, code: ErrorCode, message: str, *, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.fatal = fatal
+
+
+class PeerClosed(Exception):
+    """The other side closed the connection (cleanly between frames, or mid-frame)."""
+
+
+def pack_header(op: int, request_id: int, meta_len: int, payload_len: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, op, request_id, meta_len, payload_len)
+
+
+def check_header(
+    raw: bytes | bytearray | memoryview, *, max_payload_bytes: int
+) -> tuple[int, int, int, int]:
+    """(op, request_id, meta_len, payload_len) of a header, or FrameError (fatal)."""
+    magic, version, op, request_id, meta_len, payload_len = HEADER.unpack(raw)
+    if magic != MAGIC:
+        raise FrameError(ErrorCode.BAD_FRAME, f"bad magic {bytes(magic)!r}", fatal=True)
+    if version != VERSION:
+        raise FrameError(
+            ErrorCode.BAD_VERSION,
+            f"protocol version {version} is not supported (this side speaks {VERSION})",
+            fatal=True,
+        )
+    if meta_len > MAX_META_BYTES:
+        raise FrameError(
+            ErrorCode.TOO_LARGE, f"metadata of {meta_len} bytes > {MAX_META_BYTES}", fatal=True
+        )
+    if payload_len > max_payload_bytes:
+        raise FrameError(
+            ErrorCode.TOO_LARGE,
+            f"payload of {payload_len} bytes exceeds this agent's limit of {max_payload_bytes}",
+            fatal=True,
+        )
+    return op, request_id, meta_len, payload_len
+
+
+# --- metadata ---------------------------------------------------------------------------------
+class MetaWriter:
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+
+    def u8(self, v: int) -> MetaWriter:
+        self._parts.append(struct.pack("<B", v))
+        return self
+
+    def u32(self, v: int) -> MetaWriter:
+        self._parts.append(struct.pack("<I", v))
+        return self
+
+    def u64(self, v: int) -> MetaWriter:
+        self._parts.append(struct.pack("<Q", v))
+        return self
+
+    def f64(self, v: float) -> MetaWriter:
+        self._parts.append(struct.pack("<d", v))
+        return self
+
+    def text(self, s: str) -> MetaWriter:
+        raw = s.encode()
+        if len(raw) > 0xFFFF:
+            raise ValueError("a string in a frame is at most 65535 bytes")
+        self._parts.append(struct.pack("<H", len(raw)) + raw)
+        return self
+
+    def raw(self, b: bytes) -> MetaWriter:
+        self._parts.append(b)
+        return self
+
+    def keys(self, keys: Sequence[bytes]) -> MetaWriter:
+        if len(keys) > MAX_BATCH:
+            raise ValueError(f"at most {MAX_BATCH} keys per frame, got {len(keys)}")
+        for k in keys:
+            if not isinstance(k, bytes) or len(k) != KEY_BYTES:
+                raise ValueError(f"a key is {KEY_BYTES} bytes, got {k!r:.60}")
+        self._parts.append(struct.pack("<I", len(keys)) + b"".join(keys))
+        return self
+
+    def build(self) -> bytes:
+        return b"".join(self._parts)
+
+
+class MetaReader:
+    """Reads packed metadata; anything short or malformed is a (non-fatal) FrameError, since
+    the frame's length was already known and the stream stays in sync."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._b = bytes(data)
+        self._pos = 0
+
+    def _take(self, n: int) -> bytes:
+        end = self._pos + n
+        if end > len(self._b):
+            raise FrameError(ErrorCode.BAD_REQUEST, "metadata is truncated")
+        out = self._b[self._pos : end]
+        self._pos = end
+        return out
+
+    def u8(self) -> int:
+        return self._take(1)[0]
+
+    def u32(self) -> int:
+        return int(struct.unpack("<I", self._take(4))[0])
+
+    def u64(self) -> int:
+        return int(struct.unpack("<Q", self._take(8))[0])
+
+    def f64(self) -> float:
+        return float(struct.unpack("<d", self._take(8))[0])
+
+    def text(self) -> str:
+        n = int(struct.unpack("<H", self._take(2))[0])
+        try:
+            return self._take(n).decode()
+        except UnicodeDecodeError:
+            raise FrameError(ErrorCode.BAD_REQUEST, "a string is not valid UTF-8") from None
+
+    def count(self, limit: int = MAX_BATCH) -> int:
+        n = self.u32()
+        if n > limit:
+            raise FrameError(ErrorCode.BAD_REQUEST, f"batch of {n} items > limit {limit}")
+        return n
+
+    def keys(self) -> list[bytes]:
+        n = self.count()
+        raw = self._take(n * KEY_BYTES)
+        return [raw[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)]
+
+    def structs(self, st: struct.Struct, n: int) -> list[tuple]:  # type: ignore[type-arg]
+        raw = self._take(n * st.size)
+        return list(st.iter_unpack(raw))
+
+    def rest(self) -> bytes:
+        out = self._b[self._pos :]
+        self._pos = len(self._b)
+        return out
+
+    def done(self) -> None:
+        if self._pos != len(self._b):
+            raise FrameError(
+                ErrorCode.BAD_REQUEST, f"{len(self._b) - self._pos} unexpected metadata bytes"
+            )
+
+
+def put_item(
+    key: bytes,
+    size_bytes: int,
+    *,
+    tokens: int = 0,
+    priority: int = 35,
+    pinned: bool = False,
+    parent: bytes | None = None,
+    depth: int = 0,
+    staging_offset: int | None = None,
+) -> bytes:
+    flags = (FLAG_PINNED if pinned else 0) | (FLAG_HAS_PARENT if parent is not None else 0)
+    fields = (key, size_bytes, tokens, priority, flags, parent or _NO_PARENT, depth)
+    if staging_offset is None:
+        return ITEM.pack(*fields)
+    return STAGED_ITEM.pack(*fields, staging_offset)
+
+
+def error_meta(code: ErrorCode, message: str) -> bytes:
+    return struct.pack("<H", code) + message.encode()[:4096]
+
+
+def parse_error(meta: bytes) -> tuple[int, str]:
+    if len(meta) < 2:
+        return ErrorCode.BAD_FRAME, "malformed error frame"
+    return struct.unpack("<H", meta[:2])[0], meta[2:].decode(errors="replace")
+
+
+# --- socket I/O -------------------------------------------------------------------------------
+def recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the socket (``recv_into``, no intermediate copies)."""
+    got = 0
+    n = view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise PeerClosed(f"connection closed after {got} of {n} bytes")
+        got += k
+
+
+def recv_with_fds(sock: socket.socket, view: memoryview, fds: list[int]) -> bool:
+    """Like ``recv_exactly`` on a Unix socket, also collecting passed file descriptors.
+    Returns False on a clean close before the first byte."""
+    got = 0
+    n = view.nbytes
+    cmsg_space = socket.CMSG_SPACE(4 * 4)
+    while got < n:
+        k, anc, _flags, _addr = sock.recvmsg_into([view[got:]], cmsg_space)
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                a = array.array("i")
+                a.frombytes(data[: len(data) - len(data) % a.itemsize])
+                fds.extend(a)
+        if k == 0:
+            if got == 0:
+                return False
+            raise PeerClosed(f"connection closed after {got} of {n} bytes")
+        got += k
+    return True
+
+
+def send_all(
+    sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview], fd: int = -1
+) -> int:
+    """Send ``parts`` with as few syscalls as the kernel allows (``sendmsg`` gathers them),
+    passing ``fd`` along with the first byte when given. Returns bytes sent."""
+    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    total = sum(v.nbytes for v in views)
+    anc = []
+    if fd >= 0:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+    while views:
+        # the kernel caps one sendmsg at IOV_MAX buffers
+        sent = sock.sendmsg(views[:512], anc)
+        anc = []
+        while sent:
+            head = views[0]
+            if sent >= head.nbytes:
+                sent -= head.nbytes
+                views.pop(0)
+            else:
+                views[0] = head[sent:]
+                sent = 0
+    return total

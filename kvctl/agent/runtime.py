@@ -1,0 +1,117 @@
+"""What one running agent holds: its settings, store, event hub and metrics.
+
+The control API, the data plane and the tests all take an ``AgentRuntime``; only ``daemon``
+starts servers around it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from kvctl import __version__
+from kvctl.agent.events import EventHub
+from kvctl.agent.metrics import AgentMetrics
+from kvctl.agent.settings import AgentSettings, ModelSpec
+from kvctl.store.errors import InvalidArgument
+from kvctl.store.keys import Namespace
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.base import Tier
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.disk import DiskTier
+
+
+class AgentRuntime:
+    def __init__(self, settings: AgentSettings, store: TieredStore) -> None:
+        self.settings = settings
+        self.store = store
+        self.events = EventHub()
+        self._unsubscribe = store.subscribe(self.events.publish)
+        self.metrics = AgentMetrics(store)
+        self.started_s = time.time()
+        self._models = {m.id: m for m in settings.models}
+        #: addresses the servers actually bound (port 0 in the settings becomes a real port)
+        self.bound: dict[str, str | None] = {}
+
+    @classmethod
+    def open(cls, settings: AgentSettings) -> AgentRuntime:
+        """Build the tiers the settings ask for: cpu (shared memory when enabled), then disk."""
+        data = settings.data_path
+        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tiers: list[Tier] = [CpuTier(settings.cpu_bytes, shared=settings.shm)]
+        if settings.disk_bytes > 0:
+            tiers.append(DiskTier(data / "disk", settings.disk_bytes, fsync=settings.fsync))
+        try:
+            store = TieredStore(
+                tiers,
+                eviction=settings.eviction,
+                admission={"disk": settings.disk_admission} if settings.disk_bytes > 0 else None,
+                chunk_tokens=settings.chunk_tokens,
+            )
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
+        return cls(settings, store)
+
+    def model(self, model_id: str | None) -> ModelSpec:
+        """The named model, or the first configured one when ``model_id`` is None."""
+        if model_id is None:
+            return self.settings.models[0]
+        try:
+            return self._models[model_id]
+        except KeyError:
+            raise InvalidArgument(
+                f"unknown model {model_id!r}; this agent knows {', '.join(self._models)}"
+            ) from None
+
+    def namespace(self, model_id: str | None, tenant: str) -> Namespace:
+        """Key namespace of a request: isolated tenants get their own salt, others share."""
+        spec = self.model(model_id)
+        salt = tenant if tenant in self.settings.isolated_tenants else ""
+        return Namespace(spec.id, spec.layout, salt)
+
+    def is_isolated(self, tenant: str) -> bool:
+        return tenant in self.settings.isolated_tenants
+
+    def info(self) -> dict[str, Any]:
+        s = self.settings
+        usage = self.store.usage()
+        tcp = s.data_host_port
+        return {
+            "name": s.name,
+            "dc": s.dc,
+            "version": __version__,
+            "pid": os.getpid(),
+            "started_s": self.started_s,
+            "chunk_tokens": s.chunk_tokens,
+            "max_chunk_bytes": s.max_chunk_bytes,
+            "eviction": s.eviction,
+            "tiers": [{"name": name, **u} for name, u in usage.items()],
+            "models": [
+                {
+                    "id": m.id,
+                    "layers": m.layers,
+                    "kv_heads": m.kv_heads,
+                    "head_dim": m.head_dim,
+                    "dtype": m.dtype,
+                    "bytes_per_token": m.layout.bytes_per_token,
+                    "chunk_bytes": m.layout.bytes_per_token * s.chunk_tokens,
+                }
+                for m in s.models
+            ],
+            "isolated_tenants": list(s.isolated_tenants),
+            "dataplane": {
+                "tcp": self.bound.get("tcp", None if tcp is None else f"{tcp[0]}:{tcp[1]}"),
+                "unix": self.bound.get(
+                    "unix", None if s.socket_path is None else str(s.socket_path)
+                ),
+                "shm": s.shm and s.socket_path is not None,
+            },
+            "auth": bool(s.token),
+        }
+
+    def close(self) -> None:
+        self._unsubscribe()
+        self.store.close()

@@ -1,0 +1,131 @@
+"""The agent's settings: one typed record, filled by ``kvctl.agent.config`` from defaults, a TOML
+file, ``KVCTL_*`` environment variables and command-line flags (later sources win)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KVLayout
+
+DEFAULT_CONTROL_PORT = 7070
+DEFAULT_DATA_PORT = 7071
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model namespace the agent computes keys for (lookup by tokens)."""
+
+    id: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype)
+
+
+# Llama-3.1-8B's KV layout: 131,072 bytes per token, 32 MiB per 256-token chunk
+DEFAULT_MODELS = (ModelSpec("llama-3.1-8b", 32, 8, 128, "bfloat16"),)
+
+
+def default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/kvctl`` or ``~/.local/state/kvctl``: per user, survives reboots."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvctl"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSettings:
+    name: str = field(default_factory=socket.gethostname)
+    dc: str = "local"
+    #: control API (HTTP/JSON)
+    listen: str = f"127.0.0.1:{DEFAULT_CONTROL_PORT}"
+    #: binary data plane over TCP; "off" disables it
+    data_listen: str = f"127.0.0.1:{DEFAULT_DATA_PORT}"
+    #: binary data plane over a Unix socket; "" means ``<data_dir>/agent.sock``, "off" disables
+    socket: str = ""
+    #: "" means ``<state dir>/<name>``
+    data_dir: str = ""
+    cpu_bytes: int = 1 << 30
+    #: 0 disables the disk tier
+    disk_bytes: int = 8 << 30
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    #: largest chunk a client may send; bigger frames are refused before they are read
+    max_chunk_bytes: int = 256 << 20
+    eviction: str = "lineage-lru2"
+    disk_admission: str = "all"
+    #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds
+    #: without it because chunks are written to a temp file and renamed)
+    fsync: bool = False
+    #: bearer token for the control API and the data plane; required off loopback
+    token: str = ""
+    #: serve the cpu tier from a shared-memory segment that local clients read directly
+    shm: bool = True
+    #: how long a shared-memory read lease holds a chunk in place
+    lease_seconds: float = 10.0
+    #: tenants whose chunks are salted into their own namespace (never shared)
+    isolated_tenants: tuple[str, ...] = ()
+    models: tuple[ModelSpec, ...] = DEFAULT_MODELS
+    log_level: str = "info"
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir) if self.data_dir else default_state_dir() / self.name
+
+    @property
+    def socket_path(self) -> Path | None:
+        if self.socket == "off":
+            return None
+        return Path(self.socket) if self.socket else self.data_path / "agent.sock"
+
+    @property
+    def control_host_port(self) -> tuple[str, int]:
+        return split_host_port(self.listen, DEFAULT_CONTROL_PORT)
+
+    @property
+    def data_host_port(self) -> tuple[str, int] | None:
+        if self.data_listen == "off":
+            return None
+        return split_host_port(self.data_listen, DEFAULT_DATA_PORT)
+
+    @property
+    def control_url(self) -> str:
+        host, port = self.control_host_port
+        return f"http://{_url_host(connect_host(host))}:{port}"
+
+
+def split_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """``"host:port"``, ``"[::1]:port"``, ``"host"`` or ``":port"`` -> (host, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    host = host or "127.0.0.1"
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"bad port in {text!r}: expected HOST:PORT with PORT in 0..65535")
+    return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def connect_host(host: str) -> str:
+    """Where a local client connects for a bind address (a wildcard bind is reached on loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,301 @@
+"""`kvctl agent ...`: start, stop and inspect the KV-cache agent of this node."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvctl.cli.output import console, err_console, fail, print_json
+
+if TYPE_CHECKING:
+    from kvctl.agent.config import LoadedSettings
+
+agent_app = typer.Typer(
+    no_args_is_help=True, help="Run and inspect the tiered KV-cache agent on this node."
+)
+
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        help="TOML file with an [agent] table (default: $KVCTL_CONFIG or "
+        "~/.config/kvctl/agent.toml when it exists).",
+    ),
+]
+NameOpt = Annotated[str | None, typer.Option(help="Agent name (default: the host name).")]
+DataDirOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--data-dir", help="State and disk-tier directory (default: ~/.local/state/kvctl/NAME)."
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _load(config: Path | None, **flags: object) -> LoadedSettings:
+    from kvctl.agent.config import ConfigError, load_settings
+
+    try:
+        return load_settings(config_file=config, flags=flags)
+    except ConfigError as exc:
+        fail(str(exc), hint="`kvctl agent config --show` prints every setting and its source")
+
+
+@agent_app.command("start")
+def start_command(
+    config: ConfigOpt = None,
+    name: NameOpt = None,
+    dc: Annotated[str | None, typer.Option(help="Datacenter this node is in.")] = None,
+    listen: Annotated[
+        str | None, typer.Option(help="Control API HOST:PORT (default 127.0.0.1:7070).")
+    ] = None,
+    data_listen: Annotated[
+        str | None,
+        typer.Option(
+            "--data-listen", help="Data plane TCP HOST:PORT, or 'off' (default 127.0.0.1:7071)."
+        ),
+    ] = None,
+    socket_path: Annotated[
+        str | None,
+        typer.Option(
+            "--socket", help="Data plane Unix socket path, or 'off' (default DATA_DIR/agent.sock)."
+        ),
+    ] = None,
+    data_dir: DataDirOpt = None,
+    cpu: Annotated[str | None, typer.Option(help="Host-memory tier size, e.g. 64GiB.")] = None,
+    disk: Annotated[
+        str | None, typer.Option(help="Disk tier size, e.g. 512GiB; 0 turns it off.")
+    ] = None,
+    eviction: Annotated[str | None, typer.Option(help="Eviction policy.")] = None,
+    log_level: Annotated[str | None, typer.Option("--log-level")] = None,
+    detach: Annotated[
+        bool, typer.Option("--detach", "-d", help="Run in the background and return when ready.")
+    ] = False,
+) -> None:
+    """Start the agent: the control API, the data plane (TCP, Unix socket, shared memory)
+    and /metrics. Runs in the foreground until SIGTERM or Ctrl-C unless --detach.
+
+    Settings come from defaults, then the config file, then KVCTL_* variables, then flags.
+    Binding anywhere but loopback needs a token (KVCTL_TOKEN or `token` in the file).
+
+    Examples:
+
+      kvctl agent start --cpu 8GiB --disk 100GiB
+
+      kvctl agent start --name gpu-07 --dc fra-1 --detach
+
+      KVCTL_TOKEN=$(cat /etc/kvctl/token) kvctl agent start --listen 0.0.0.0:7070
+    """
+    flags: dict[str, object] = {
+        "name": name,
+        "dc": dc,
+        "listen": listen,
+        "data_listen": data_listen,
+        "socket": socket_path,
+        "data_dir": data_dir,
+        "cpu": cpu,
+        "disk": disk,
+        "eviction": eviction,
+        "log_level": log_level,
+    }
+    loaded = _load(config, **flags)
+    settings = loaded.settings
+    from kvctl.agent.daemon import AgentRunning, running_agent
+
+    other = running_agent(settings.data_path)
+    if other is not None:
+        fail(
+            f"an agent (pid {other.pid}) already serves {settings.data_path} at "
+            f"{other.control_url}",
+            hint="`kvctl agent stop` first, or give another --data-dir and ports",
+            code=1,
+        )
+    if detach:
+        from kvctl.agent.daemon import spawn_agent
+
+        argv = [] if config is None else ["--config", str(config)]
+        for key, value in flags.items():
+            if value is not None and key != "data_dir":  # spawn_agent passes the resolved one
+                argv += [f"--{key.replace('_', '-')}", str(value)]
+        try:
+            _, state = spawn_agent(argv, settings.data_path)
+        except RuntimeError as exc:
+            fail(str(exc), code=1)
+        console.print(
+            f"agent [bold]{state.name}[/] started (pid {state.pid}): control {state.control_url}"
+            f", data tcp {state.data_tcp or 'off'}, unix {state.data_unix or 'off'}\n"
+            f"[dim]logs: {settings.data_path / 'agent.log'}; stop: kvctl agent stop "
+            f"--data-dir {settings.data_path}[/]",
+            highlight=False,
+        )
+        return
+    import logging
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from kvctl.agent.daemon import serve
+    from kvctl.store.errors import StoreError
+
+    try:
+        code = serve(settings)
+    except AgentRunning as exc:
+        fail(str(exc), code=1)
+    except (OSError, StoreError) as exc:
+        fail(str(exc), hint="check the sizes, ports and --data-dir", code=1)
+    raise typer.Exit(code)
+
+
+@agent_app.command("stop")
+def stop_command(
+    config: ConfigOpt = None,
+    name: NameOpt = None,
+    data_dir: DataDirOpt = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean exit.")] = 30.0,
+    force: Annotated[
+        bool, typer.Option("--force", help="SIGKILL if it has not exited by then.")
+    ] = False,
+) -> None:
+    """Stop the agent of this data dir: SIGTERM, wait for in-flight requests to finish.
+
+    Examples:
+
+      kvctl agent stop
+
+      kvctl agent stop --data-dir /var/lib/kvctl/gpu-07 --timeout 60 --force
+    """
+    from kvctl.agent.daemon import stop_agent
+
+    settings = _load(config, name=name, data_dir=data_dir).settings
+    try:
+        state = stop_agent(settings.data_path, timeout_s=timeout, force=force)
+    except TimeoutError as exc:
+        fail(str(exc), code=1)
+    if state is None:
+        console.print(f"no agent is running for {settings.data_path}", highlight=False)
+        return
+    console.print(f"agent {state.name} (pid {state.pid}) stopped", highlight=False)
+
+
+@agent_app.command("status")
+def status_command(
+    config: ConfigOpt = None,
+    name: NameOpt = None,
+    data_dir: DataDirOpt = None,
+    url: Annotated[
+        str | None, typer.Option(help="Control URL of an agent elsewhere (http://host:7070).")
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Is the agent up, where does it listen, how full are its tiers, what is its hit ratio.
+    Exits 1 when the agent is down.
+
+    Examples:
+
+      kvctl agent status
+
+      kvctl agent status --url http://10.0.3.7:7070 --json
+    """
+    from kvctl.agent.daemon import AgentState
+    from kvctl.client import AgentClient, AgentError
+
+    settings = _load(config, name=name, data_dir=data_dir).settings
+    state = None if url else AgentState.read(settings.data_path)
+    target = url or (state.control_url if state else settings.control_url)
+    report: dict[str, Any] = {"up": False, "control_url": target}
+    try:
+        with AgentClient(target, token=settings.token or None) as client:
+            report["info"] = client.info()
+            report["stats"] = client.stats()
+            report["up"] = True
+    except AgentError as exc:
+        report["error"] = str(exc)
+    if json_out:
+        print_json(report)
+    else:
+        _render_status(report)
+    if not report["up"]:
+        raise typer.Exit(1)
+
+
+def _render_status(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from kvctl.cli.output import pct
+    from kvctl.units import format_bytes
+
+    if not report["up"]:
+        err_console.print(
+            f"[bold red]down[/]: {report.get('error')}\n"
+            "[dim]hint: start it with `kvctl agent start --detach`[/]",
+            highlight=False,
+        )
+        return
+    info, snap = report["info"], report["stats"]
+    stats = snap["stats"]
+    uptime = time.time() - info["started_s"]
+    dp = info["dataplane"]
+    console.print(
+        f"[bold green]up[/] agent [bold]{info['name']}[/] dc {info['dc']} pid {info['pid']} "
+        f"version {info['version']} uptime {uptime:.0f}s\n"
+        f"control {report['control_url']}  data tcp {dp['tcp'] or 'off'}  "
+        f"unix {dp['unix'] or 'off'}  shm {'on' if dp['shm'] else 'off'}",
+        highlight=False,
+    )
+    table = Table("tier", "used", "capacity", "use", "chunks", "pinned", "hits", title=None)
+    for tier in info["tiers"]:
+        cap = tier["capacity_bytes"]
+        table.add_row(
+            tier["name"],
+            format_bytes(tier["used_bytes"]),
+            format_bytes(cap),
+            pct(tier["used_bytes"] / cap if cap else 0.0),
+            str(tier["chunks"]),
+            format_bytes(tier["pinned_bytes"]),
+            str(stats["tiers"][tier["name"]]["hits"]),
+        )
+    console.print(table)
+    reuse, sharing = stats["reuse_hits"], stats["sharing_hits"]
+    hits = reuse + sharing
+    console.print(
+        f"lookups {stats['lookups']}  chunk hit ratio {pct(stats['hit_ratio'])}  "
+        f"reuse {pct(reuse / hits if hits else 0)} / sharing {pct(sharing / hits if hits else 0)}",
+        highlight=False,
+    )
+
+
+@agent_app.command("config")
+def config_command(
+    config: ConfigOpt = None,
+    name: NameOpt = None,
+    data_dir: DataDirOpt = None,
+    show: Annotated[bool, typer.Option("--show", help="Print every setting (the default).")] = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """Print the effective value of every agent setting and where it came from (default,
+    file, KVCTL_* variable or flag). The token is never printed.
+
+    Examples:
+
+      kvctl agent config --show
+
+      KVCTL_CPU=16GiB kvctl agent config --show --json
+    """
+    from kvctl.agent.config import describe
+
+    loaded = _load(config, name=name, data_dir=data_dir)
+    rows = describe(loaded)
+    if json_out:
+        print_json({"config_file": loaded.config_file, "settings": rows})
+        return
+    from rich.table import Table
+
+    table = Table("setting", "value", "source")
+    for row in rows:
+        table.add_row(row["setting"], row["value"], row["source"])
+    console.print(table)
+    console.print(f"[dim]config file: {loaded.config_file or 'none'}[/]", highlight=False)

@@ -1,0 +1,687 @@
+"""Python SDK for kvctl agents.
+
+``DataClient`` speaks the binary data plane (bulk KV bytes) over TCP or the agent's Unix socket;
+on the Unix socket it reads chunks straight from the agent's shared-memory arena under a read
+lease, and puts through a staging segment it shares with the agent. ``AgentClient`` speaks the
+JSON control API. Both raise the typed errors below, never bare socket or HTTP errors.
+
+    with DataClient.connect("unix:///run/kvctl/agent.sock") as dc:
+        dc.put(key, payload, tenant="acme")
+        data = dc.get(key, tenant="acme")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import mmap
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvctl.agent.protocol import (
+    GET_ITEM,
+    HEADER,
+    HEADER_BYTES,
+    LEASE_ITEM,
+    NO_TIER,
+    REPLY_BIT,
+    ErrorCode,
+    MetaReader,
+    MetaWriter,
+    Op,
+    PeerClosed,
+    Status,
+    pack_header,
+    parse_error,
+    put_item,
+    recv_exactly,
+    recv_with_fds,
+    send_all,
+)
+from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
+
+Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
+
+
+# --- errors -------------------------------------------------------------------------------
+class AgentError(Exception):
+    """Base of every error the SDK raises."""
+
+
+class AgentUnreachable(AgentError, ConnectionError):
+    """No agent answers at the address (not running, wrong address, or it went away)."""
+
+
+class AuthError(AgentError):
+    """The agent refused the token (or needs one and none was given)."""
+
+
+class RequestError(AgentError):
+    """The agent understood the request and refused it; ``code`` says why."""
+
+    def __init__(self, message: str, code: int = 0) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ChunkNotFound(AgentError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else "chunk not found"
+
+
+class NoRoom(RequestError):
+    """The chunk cannot fit (tier full of pinned or leased chunks, or larger than a tier)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PutOutcome:
+    #: "stored" (or already cached), "declined" (a policy bypassed it), "too_large", "no_room",
+    #: "bad" (size or key refused)
+    status: str
+    tier: str | None
+
+
+_STATUS_NAMES = {
+    Status.OK: "stored",
+    Status.DECLINED: "declined",
+    Status.TOO_LARGE: "too_large",
+    Status.NO_ROOM: "no_room",
+    Status.BAD: "bad",
+    Status.MISSING: "missing",
+}
+
+
+def parse_address(address: str | Path) -> tuple[str, Any]:
+    """("unix", path) or ("tcp", (host, port)) from ``unix:///p``, a path, or ``[tcp://]h:p``."""
+    text = str(address)
+    if text.startswith("unix://"):
+        return "unix", text.removeprefix("unix://")
+    if text.startswith("unix:"):
+        return "unix", text.removeprefix("unix:")
+    if text.startswith("/") or text.startswith("."):
+        return "unix", text
+    text = text.removeprefix("tcp://")
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"not a data plane address: {address!r} (use HOST:PORT or a socket path)")
+    return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
+
+
+def _as_bytes_view(data: Payload) -> memoryview:
+    view = memoryview(data)
+    if not view.c_contiguous:
+        raise ValueError("a payload must be C-contiguous (use numpy.ascontiguousarray)")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+class DataClient:
+    """One connection to an agent's data plane. Thread-safe (requests are serialized); use one
+    client per thread for parallelism."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        transport: str,
+        *,
+        token: str = "",
+        use_shm: bool = True,
+        client_name: str = "kvctl-sdk",
+    ) -> None:
+        self._sock = sock
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._rid = 0
+        self._fds: list[int] = []
+        self._arena: mmap.mmap | None = None
+        self._arena_gen = -1
+        self._staging: mmap.mmap | None = None
+        self._staging_fd = -1
+        self.closed = False
+        self.info: dict[str, Any] = self._hello(token, client_name)
+        self.tiers: list[str] = list(self.info["tiers"])
+        self.shm = bool(use_shm and transport == "unix" and self.info.get("shm"))
+
+    @classmethod
+    def connect(
+        cls,
+        address: str | Path,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        use_shm: bool = True,
+    ) -> DataClient:
+        transport, target = parse_address(address)
+        family = socket.AF_UNIX if transport == "unix" else socket.AF_INET
+        if transport == "tcp" and ":" in target[0]:
+            family = socket.AF_INET6
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(target)
+        except OSError as exc:
+            sock.close()
+            raise AgentUnreachable(
+                f"no kvctl agent data plane at {address}: {exc.strerror or exc}; is the agent "
+                "running (kvctl agent status)?"
+            ) from exc
+        if transport == "tcp":
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
+        try:
+            return cls(sock, transport, token=token, use_shm=use_shm)
+        except BaseException:
+            sock.close()
+            raise
+
+    # --- public API -------------------------------------------------------------------------
+    def ping(self) -> float:
+        """Round-trip time in seconds."""
+        t = time.perf_counter()
+        self._call(Op.PING, b"")
+        return time.perf_counter() - t
+
+    def put(
+        self,
+        key: bytes,
+        data: Payload,
+        *,
+        tenant: str = "",
+        parent: bytes | None = None,
+        tokens: int = 0,
+        priority: int = DEFAULT_PRIORITY,
+        pinned: bool = False,
+        depth: int = 0,
+    ) -> str | None:
+        """Store one chunk; returns its tier, or None when a policy declined it."""
+        out = self.put_many(
+            [(key, data)],
+            tenant=tenant,
+            parents=[parent],
+            tokens=tokens,
+            priority=priority,
+            pinned=pinned,
+            depths=[depth],
+        )[0]
+        if out.status == "no_room":
+            raise NoRoom(f"no room for chunk {key.hex()}", ErrorCode.NO_ROOM)
+        if out.status in ("too_large", "bad"):
+            raise RequestError(f"agent refused chunk {key.hex()}: {out.status}")
+        return out.tier
+
+    def put_many(
+        self,
+        items: Sequence[tuple[bytes, Payload]],
+        *,
+        tenant: str = "",
+        parents: Sequence[bytes | None] | None = None,
+        tokens: int = 0,
+        priority: int = DEFAULT_PRIORITY,
+        pinned: bool = False,
+        depths: Sequence[int] | None = None,
+    ) -> list[PutOutcome]:
+        """Store chunks in one request. ``parents[i]`` links chunk i into its prefix chain."""
+        views = [_as_bytes_view(d) for _, d in items]
+        parents = parents or [None] * len(items)
+        depths = depths or [0] * len(items)
+        if self.shm:
+            return self._put_staged(items, views, tenant, parents, tokens, priority, pinned, depths)
+        w = MetaWriter().text(tenant).u32(len(items))
+        for (key, _), v, parent, depth in zip(items, views, parents, depths, strict=True):
+            w.raw(
+                put_item(
+                    key,
+                    v.nbytes,
+                    tokens=tokens,
+                    priority=priority,
+                    pinned=pinned,
+                    parent=parent,
+                    depth=depth,
+                )
+            )
+        meta, _ = self._call(Op.PUT, w.build(), views)
+        return self._outcomes(meta)
+
+    def get(self, key: bytes, *, tenant: str = "") -> bytearray:
+        """A chunk's bytes; raises ChunkNotFound."""
+        out = self.get_many([key], tenant=tenant)[0]
+        if out is None:
+            raise ChunkNotFound(f"chunk {key.hex()} is not cached (for tenant {tenant!r})")
+        return out
+
+    def get_many(self, keys: Sequence[bytes], *, tenant: str = "") -> list[bytearray | None]:
+        """Chunks' bytes in new buffers (None where not cached)."""
+        if self.shm:
+            return self._get_leased(keys, tenant)
+        return self._get_socket(keys, tenant, None)
+
+    def get_into(
+        self, keys: Sequence[bytes], buffers: Sequence[Payload], *, tenant: str = ""
+    ) -> list[int]:
+        """Read chunks into the caller's buffers (e.g. preallocated numpy arrays, or pinned
+        host memory). Returns each chunk's size, or -1 where it is not cached."""
+        outs = [_as_bytes_view(b) for b in buffers]
+        if len(outs) != len(keys):
+            raise ValueError("give one buffer per key")
+        if self.shm:
+            got = self._get_leased(keys, tenant, outs)
+            return [-1 if g is None else len(g) if isinstance(g, bytearray) else g for g in got]  # type: ignore[misc]
+        return [-1 if g is None else g for g in self._get_socket(keys, tenant, outs)]  # type: ignore[misc]
+
+    def exists(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
+        """Tier of each key, without counting a lookup."""
+        meta, _ = self._call(Op.EXISTS, MetaWriter().text(tenant).keys(keys).build())
+        r = MetaReader(meta)
+        n = r.count()
+        return [self._tier(c) for c in r.rest()[:n]]
+
+    def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
+        """Longest cached prefix of a key chain and the tier of each key (counts hits)."""
+        meta, _ = self._call(Op.LOOKUP, MetaWriter().text(tenant).keys(keys).build())
+        r = MetaReader(meta)
+        matched, matched_tokens, n = r.u32(), r.u64(), r.count()
+        locations = tuple(self._tier(c) for c in r.rest()[:n])
+        return LookupResult(n, matched, locations, matched_tokens)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for m in (self._arena, self._staging):
+            if m is not None:
+                with contextlib.suppress(BufferError):
+                    m.close()
+        if self._staging_fd >= 0:
+            os.close(self._staging_fd)
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def __enter__(self) -> DataClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- requests ---------------------------------------------------------------------------
+    def _hello(self, token: str, client_name: str) -> dict[str, Any]:
+        meta, _ = self._call(Op.HELLO, MetaWriter().text(token).text(client_name).build())
+        return dict(json.loads(meta))
+
+    def _call(
+        self,
+        op: Op,
+        meta: bytes,
+        payload: Sequence[memoryview] = (),
+        *,
+        into: Callable[[int, int], memoryview] | None = None,
+    ) -> tuple[bytes, int]:
+        """Send a request, read the reply's metadata; with ``into``, also read its payload."""
+        with self._lock:
+            return self._call_locked(op, meta, payload, into)
+
+    def _call_locked(
+        self,
+        op: Op,
+        meta: bytes,
+        payload: Sequence[memoryview],
+        into: Callable[[int, int], memoryview] | None,
+        fd: int = -1,
+    ) -> tuple[bytes, int]:
+        if self.closed:
+            raise AgentError("this client is closed")
+        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        total = sum(v.nbytes for v in payload)
+        try:
+            send_all(self._sock, [pack_header(op, self._rid, len(meta), total), meta, *payload], fd)
+            if op == Op.RELEASE:
+                return b"", 0
+            head = bytearray(HEADER_BYTES)
+            self._recv(memoryview(head))
+            _magic, _v, rop, rid, meta_len, payload_len = HEADER.unpack(head)
+            reply = bytearray(meta_len)
+            self._recv(memoryview(reply))
+            if rop == (op | REPLY_BIT) and rid == self._rid and into is not None:
+                self._read_payload(bytes(reply), payload_len, into)
+                payload_len = 0
+        except (PeerClosed, OSError) as exc:
+            self.close()
+            raise AgentUnreachable(f"lost the connection to the agent: {exc}") from exc
+        if rop == Op.ERROR:
+            code, message = parse_error(bytes(reply))
+            if code in (
+                ErrorCode.BAD_FRAME,
+                ErrorCode.BAD_VERSION,
+                ErrorCode.TOO_LARGE,
+                ErrorCode.UNAUTHORIZED,
+                ErrorCode.INTERNAL,
+            ):
+                self.close()  # the agent closes the connection after these
+            if code == ErrorCode.UNAUTHORIZED:
+                raise AuthError(f"the agent refused this client: {message}")
+            if code == ErrorCode.NO_ROOM:
+                raise NoRoom(message, code)
+            if code == ErrorCode.NOT_FOUND:
+                raise ChunkNotFound(message)
+            raise RequestError(message, code)
+        if rop != (op | REPLY_BIT) or rid != self._rid:
+            self.close()
+            raise AgentError(f"reply out of step (op {rop}, request {rid}); connection closed")
+        if payload_len:
+            self.close()
+            raise AgentError("unexpected payload in a reply; connection closed")
+        return bytes(reply), payload_len
+
+    def _recv(self, view: memoryview) -> None:
+        if self.transport == "unix":
+            if not recv_with_fds(self._sock, view, self._fds):
+                raise PeerClosed("the agent closed the connection")
+        else:
+            recv_exactly(self._sock, view)
+
+    def _read_payload(
+        self, meta: bytes, payload_len: int, into: Callable[[int, int], memoryview]
+    ) -> None:
+        """Read a GET reply's chunks straight into the buffers ``into(i, size)`` gives. Sizes
+        come first in the metadata, so every buffer is known before any byte is read."""
+        r = MetaReader(meta)
+        items = r.structs(GET_ITEM, r.count())
+        try:
+            targets = [into(i, size) for i, (st, size) in enumerate(items) if st == Status.OK]
+        except BaseException:
+            self._discard(payload_len)  # stay in step with the stream, then report
+            raise
+        for view in targets:
+            self._recv(view)
+
+    def _discard(self, n: int) -> None:
+        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+        while n:
+            k = min(n, scratch.nbytes)
+            self._recv(scratch[:k])
+            n -= k
+
+    def _outcomes(self, meta: bytes) -> list[PutOutcome]:
+        r = MetaReader(meta)
+        n = r.count()
+        raw = r.rest()
+        return [
+            PutOutcome(_STATUS_NAMES.get(Status(raw[2 * i]), "bad"), self._tier(raw[2 * i + 1]))
+            for i in range(n)
+        ]
+
+    def _tier(self, code: int) -> str | None:
+        return None if code == NO_TIER else self.tiers[code]
+
+    # --- socket path --------------------------------------------------------------------------
+    def _get_socket(
+        self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview] | None
+    ) -> list[bytearray | int | None]:
+        results: list[bytearray | int | None] = [None] * len(keys)
+
+        def target(i: int, size: int) -> memoryview:
+            if outs is None:
+                buf = bytearray(size)
+                results[i] = buf
+                return memoryview(buf)
+            if outs[i].nbytes < size:
+                raise ValueError(f"buffer {i} holds {outs[i].nbytes} bytes; the chunk is {size}")
+            results[i] = size
+            return outs[i][:size]
+
+        self._call(Op.GET, MetaWriter().text(tenant).keys(keys).build(), into=target)
+        return results
+
+    # --- shared-memory path -------------------------------------------------------------------
+    def _map_arena(self) -> None:
+        meta, _ = self._call_locked(Op.MAP, b"", (), None)
+        r = MetaReader(meta)
+        generation, size = r.u64(), r.u64()
+        if len(self._fds) != 1:
+            for fd in self._fds:
+                os.close(fd)
+            self._fds.clear()
+            raise AgentError("the agent did not pass its arena descriptor")
+        fd = self._fds.pop()
+        try:
+            arena = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if self._arena is not None:
+            with contextlib.suppress(BufferError):
+                self._arena.close()
+        self._arena, self._arena_gen = arena, generation
+
+    def _get_leased(
+        self,
+        keys: Sequence[bytes],
+        tenant: str,
+        outs: Sequence[memoryview] | None = None,
+    ) -> list[Any]:
+        ttl = float(self.info.get("lease_seconds", 10.0))
+        results: list[Any] = [None] * len(keys)
+        retry: list[int] = []
+        with self._lock:
+            meta, _ = self._call_locked(
+                Op.LEASE, MetaWriter().text(tenant).f64(ttl).keys(keys).build(), (), None
+            )
+            r = MetaReader(meta)
+            leases = r.structs(LEASE_ITEM, r.count())
+            held: list[int] = []
+            for i, (status, gen, lease_id, off, size, deadline) in enumerate(leases):
+                if status == Status.MISSING:
+                    continue
+                if status != Status.OK:
+                    retry.append(i)
+                    continue
+                held.append(lease_id)
+                if gen != self._arena_gen:
+                    self._map_arena()
+                    if gen != self._arena_gen:  # resized again meanwhile
+                        retry.append(i)
+                        continue
+                src = memoryview(self._arena)[off : off + size]  # type: ignore[index]
+                if outs is None:
+                    dst = bytearray(size)
+                    memoryview(dst)[:] = src
+                    results[i] = dst
+                else:
+                    if outs[i].nbytes < size:
+                        raise ValueError(f"buffer {i} holds {outs[i].nbytes} bytes; need {size}")
+                    outs[i][:size] = src
+                    results[i] = size
+                src.release()
+                # the agent may reuse the bytes after the deadline: a copy that ended later
+                # cannot be trusted, so it is fetched again
+                if time.monotonic() >= deadline:
+                    results[i] = None
+                    retry.append(i)
+            if held:
+                w = MetaWriter().u32(len(held))
+                for lease_id in held:
+                    w.u64(lease_id)
+                self._call_locked(Op.RELEASE, w.build(), (), None)
+        if retry:
+            again = self._get_socket(
+                [keys[i] for i in retry], tenant, None if outs is None else [outs[i] for i in retry]
+            )
+            for i, got in zip(retry, again, strict=True):
+                results[i] = got
+        return results
+
+    def _ensure_staging(self, size: int) -> mmap.mmap:
+        if self._staging is not None and len(self._staging) >= size:
+            return self._staging
+        size = max(size, 64 << 20, 2 * len(self._staging) if self._staging else 0)
+        fd = os.memfd_create("kvctl-staging", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            staging = mmap.mmap(fd, size)
+            self._call_locked(Op.ATTACH, MetaWriter().u64(size).build(), (), None, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._staging is not None:
+            self._staging.close()
+            os.close(self._staging_fd)
+        self._staging, self._staging_fd = staging, fd
+        return staging
+
+    def _put_staged(
+        self,
+        items: Sequence[tuple[bytes, Payload]],
+        views: list[memoryview],
+        tenant: str,
+        parents: Sequence[bytes | None],
+        tokens: int,
+        priority: int,
+        pinned: bool,
+        depths: Sequence[int],
+    ) -> list[PutOutcome]:
+        total = sum(v.nbytes for v in views)
+        with self._lock:
+            staging = memoryview(self._ensure_staging(total))
+            w = MetaWriter().text(tenant).u32(len(items))
+            off = 0
+            for (key, _), v, parent, depth in zip(items, views, parents, depths, strict=True):
+                staging[off : off + v.nbytes] = v
+                w.raw(
+                    put_item(
+                        key,
+                        v.nbytes,
+                        tokens=tokens,
+                        priority=priority,
+                        pinned=pinned,
+                        parent=parent,
+                        depth=depth,
+                        staging_offset=off,
+                    )
+                )
+                off += v.nbytes
+            staging.release()
+            meta, _ = self._call_locked(Op.PUT_STAGED, w.build(), (), None)
+        return self._outcomes(meta)
+
+
+# --- control API ------------------------------------------------------------------------------
+class AgentClient:
+    """The agent's JSON control API (``/v1``). Methods return the decoded JSON."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 5.0) -> None:
+        import httpx  # the data plane SDK does not need it
+
+        self.url = url.rstrip("/")
+        token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._httpx = httpx
+
+    def _request(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            resp = self._http.request(method, path, **kw)
+        except self._httpx.TransportError as exc:
+            raise AgentUnreachable(
+                f"cannot reach the agent at {self.url}: {exc}; is it running (kvctl agent status)?"
+            ) from exc
+        if resp.status_code == 401:
+            raise AuthError(
+                f"the agent at {self.url} refused the token; set KVCTL_TOKEN to the agent's token"
+            )
+        if resp.status_code >= 400:
+            try:
+                detail = resp.json().get("detail", resp.text)
+            except ValueError:
+                detail = resp.text
+            if resp.status_code == 404:
+                raise ChunkNotFound(str(detail))
+            if resp.status_code == 409:
+                raise NoRoom(str(detail), resp.status_code)
+            raise RequestError(f"{resp.status_code}: {detail}", resp.status_code)
+        if resp.headers.get("content-type", "").startswith("application/json"):
+            return resp.json()
+        return resp.text
+
+    def health(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/v1/health"))
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/v1/info"))
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._request("GET", "/v1/stats"))
+
+    def lookup(
+        self,
+        *,
+        tokens: Sequence[int] | None = None,
+        keys: Sequence[bytes | str] | None = None,
+        tenant: str = "",
+        model: str | None = None,
+    ) -> dict[str, Any]:
+        body: dict[str, Any] = {"tenant": tenant, "model": model}
+        if tokens is not None:
+            body["tokens"] = list(tokens)
+        if keys is not None:
+            body["keys"] = [_hex(k) for k in keys]
+        return dict(self._request("POST", "/v1/lookup", json=body))
+
+    def pin(self, keys: Sequence[bytes | str], tier: str | None = None) -> dict[str, Any]:
+        return dict(self._request("POST", "/v1/pin", json={"keys": _hexes(keys), "tier": tier}))
+
+    def unpin(self, keys: Sequence[bytes | str]) -> dict[str, Any]:
+        return dict(self._request("POST", "/v1/unpin", json={"keys": _hexes(keys)}))
+
+    def evict(self, keys: Sequence[bytes | str]) -> dict[str, Any]:
+        return dict(self._request("POST", "/v1/evict", json={"keys": _hexes(keys)}))
+
+    def flush(self, tier: str, *, demote: bool = False) -> dict[str, Any]:
+        return dict(self._request("POST", "/v1/flush", json={"tier": tier, "demote": demote}))
+
+    def prefetch(self, keys: Sequence[bytes | str], tier: str | None = None) -> dict[str, Any]:
+        body = {"keys": _hexes(keys), "tier": tier}
+        return dict(self._request("POST", "/v1/prefetch", json=body))
+
+    def move(self, keys: Sequence[bytes | str], tier: str) -> dict[str, Any]:
+        return dict(self._request("POST", "/v1/move", json={"keys": _hexes(keys), "tier": tier}))
+
+    def resize(self, tier: str, capacity: int | str) -> dict[str, Any]:
+        body = {"tier": tier, "capacity": capacity}
+        return dict(self._request("POST", "/v1/resize", json=body))
+
+    def keys(
+        self, *, tier: str | None = None, limit: int = 100, after: str | None = None
+    ) -> dict[str, Any]:
+        params: dict[str, Any] = {"limit": limit}
+        if tier:
+            params["tier"] = tier
+        if after:
+            params["after"] = after
+        return dict(self._request("GET", "/v1/keys", params=params))
+
+    def events(self, *, after: int = 0, limit: int = 1000) -> dict[str, Any]:
+        params = {"after": after, "limit": limit}
+        return dict(self._request("GET", "/v1/events/recent", params=params))
+
+    def metrics_text(self) -> str:
+        return str(self._request("GET", "/metrics"))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> AgentClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _hex(k: bytes | str) -> str:
+    return k.hex() if isinstance(k, bytes | bytearray) else str(k)
+
+
+def _hexes(keys: Sequence[bytes | str]) -> list[str]:
+    return [_hex(k) for k in keys]

@@ -1,0 +1,77 @@
+"""Real agent processes for functional tests: started with `kvctl agent start` on loopback with
+ephemeral ports, stopped with SIGTERM (and the exit code checked)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvctl.agent.daemon import AgentState, spawn_agent
+from kvctl.client import AgentClient, DataClient
+
+EPHEMERAL = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0"]
+
+
+@dataclass
+class Agent:
+    data_dir: Path
+    proc: subprocess.Popen[bytes]
+    state: AgentState
+    token: str = ""
+    args: list[str] = field(default_factory=list)
+
+    def data(self, transport: str = "tcp", **kw: object) -> DataClient:
+        address = self.state.data_tcp if transport == "tcp" else self.state.data_unix
+        assert address is not None
+        return DataClient.connect(address, token=self.token, **kw)  # type: ignore[arg-type]
+
+    def control(self, token: str | None = None) -> AgentClient:
+        return AgentClient(self.state.control_url, token=self.token if token is None else token)
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout_s)
+
+    def kill9(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def log(self) -> str:
+        return (self.data_dir / "agent.log").read_text(errors="replace")
+
+
+def start_agent(data_dir: Path, *args: str, token: str = "") -> Agent:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(data_dir / "xdg")  # no user config file leaks in
+    if token:
+        env["KVCTL_TOKEN"] = token
+    proc, state = spawn_agent([*EPHEMERAL, *args], data_dir, env=env, detach=False)
+    return Agent(data_dir, proc, state, token, list(args))
+
+
+@contextlib.contextmanager
+def running_agent(data_dir: Path, *args: str, token: str = "") -> Iterator[Agent]:
+    agent = start_agent(data_dir, *args, token=token)
+    try:
+        yield agent
+    finally:
+        if agent.proc.poll() is None:
+            code = agent.stop()
+            assert code == 0, f"agent exited {code} on SIGTERM:\n{agent.log()[-3000:]}"
+
+
+def payload(key: bytes, size: int) -> bytes:
+    """Deterministic bytes for a key, so any chunk served can be checked without a copy."""
+    block = hashlib.blake2b(key, digest_size=64).digest()
+    return (block * (size // 64 + 1))[:size]
+
+
+def key(i: int, space: int = 0) -> bytes:
+    return hashlib.blake2b(f"{space}:{i}".encode(), digest_size=16).digest()
