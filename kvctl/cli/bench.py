@@ -56,3 +56,43 @@ def bench_store_command(
     from kvctl.bench.store import render_store_bench
 
     console.print(render_store_bench(result))
+
+
+@bench_app.command("agent", short_help="Data plane of a real agent: shm/TCP vs memcpy/raw socket.")
+def bench_agent_command(
+    sizes: Annotated[str, typer.Option(help="Chunk sizes, comma separated.")] = "4MiB,32MiB",
+    bytes_per_size: Annotated[
+        str, typer.Option(help="Bytes moved per sample (per size, per figure).")
+    ] = "256MiB",
+    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    lookup_seconds: Annotated[float, typer.Option(help="Seconds spent timing lookups.")] = 2.0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Start an agent, drive it from this process through the SDK, and measure shared-memory
+    and TCP get/put bandwidth next to memcpy and a raw loopback socket measured in the same
+    run, and lookups of a 512-chunk chain per second.
+
+    Examples:
+
+      kvctl bench agent --json > bench/results/agent.json
+
+      kvctl bench agent --sizes 32MiB --bytes-per-size 1GiB --repeats 5
+    """
+    from kvctl.bench.agent import run_agent_bench
+    from kvctl.units import parse_size
+
+    with user_errors(hint="see `kvctl bench agent --help`"):
+        size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
+        result = run_agent_bench(
+            size_list,
+            bytes_per_size=parse_size(bytes_per_size),
+            repeats=repeats,
+            lookup_seconds=lookup_seconds,
+            progress=None if json_out else lambda msg: console.print(f"[dim]{msg}[/]"),
+        )
+    if json_out:
+        print_json(result)
+        return
+    from kvctl.bench.agent import render_agent_bench
+
+    console.print(render_agent_bench(result))
