@@ -231,23 +231,33 @@ class DataClient:
         views = [_as_bytes_view(d) for _, d in items]
         parents = parents or [None] * len(items)
         depths = depths or [0] * len(items)
-        if self.shm:
-            return self._put_staged(items, views, tenant, parents, tokens, priority, pinned, depths)
-        w = MetaWriter().text(tenant).u32(len(items))
-        for (key, _), v, parent, depth in zip(items, views, parents, depths, strict=True):
-            w.raw(
-                put_item(
-                    key,
-                    v.nbytes,
-                    tokens=tokens,
-                    priority=priority,
-                    pinned=pinned,
-                    parent=parent,
-                    depth=depth,
-                )
-            )
-        meta, _ = self._call(Op.PUT, w.build(), views)
-        return self._outcomes(meta)
+
+        def meta(offsets: Sequence[int | None]) -> bytes:
+            w = MetaWriter().text(tenant).u32(len(items))
+            for (key, _), v, parent, depth, off in zip(
+                items, views, parents, depths, offsets, strict=True
+            ):
+                w.raw(
+                    put_item(key, v.nbytes, tokens=tokens, priority=priority, pinned=pinned,
+                             parent=parent, depth=depth, staging_offset=off)
+                )  # fmt: skip
+            return w.build()
+
+        if not self.shm:
+            reply, _ = self._call(Op.PUT, meta([None] * len(items)), views)
+            return self._outcomes(reply)
+        # same host: the bytes go through the staging segment the agent maps, not the socket
+        with self._lock:
+            staging = memoryview(self._ensure_staging(sum(v.nbytes for v in views)))
+            offsets = []
+            off = 0
+            for v in views:
+                staging[off : off + v.nbytes] = v
+                offsets.append(off)
+                off += v.nbytes
+            staging.release()
+            reply, _ = self._call_locked(Op.PUT_STAGED, meta(offsets), (), None)
+        return self._outcomes(reply)
 
     def get(self, key: bytes, *, tenant: str = "") -> bytearray:
         """A chunk's bytes; raises ChunkNotFound."""
@@ -544,41 +554,6 @@ class DataClient:
             os.close(self._staging_fd)
         self._staging, self._staging_fd = staging, fd
         return staging
-
-    def _put_staged(
-        self,
-        items: Sequence[tuple[bytes, Payload]],
-        views: list[memoryview],
-        tenant: str,
-        parents: Sequence[bytes | None],
-        tokens: int,
-        priority: int,
-        pinned: bool,
-        depths: Sequence[int],
-    ) -> list[PutOutcome]:
-        total = sum(v.nbytes for v in views)
-        with self._lock:
-            staging = memoryview(self._ensure_staging(total))
-            w = MetaWriter().text(tenant).u32(len(items))
-            off = 0
-            for (key, _), v, parent, depth in zip(items, views, parents, depths, strict=True):
-                staging[off : off + v.nbytes] = v
-                w.raw(
-                    put_item(
-                        key,
-                        v.nbytes,
-                        tokens=tokens,
-                        priority=priority,
-                        pinned=pinned,
-                        parent=parent,
-                        depth=depth,
-                        staging_offset=off,
-                    )
-                )
-                off += v.nbytes
-            staging.release()
-            meta, _ = self._call_locked(Op.PUT_STAGED, w.build(), (), None)
-        return self._outcomes(meta)
 
 
 # --- control API ------------------------------------------------------------------------------
