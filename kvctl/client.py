@@ -29,7 +29,6 @@ from kvctl.agent.protocol import (
     HEADER,
     HEADER_BYTES,
     LEASE_ITEM,
-    NO_TIER,
     REPLY_BIT,
     ErrorCode,
     MetaReader,
@@ -280,10 +279,9 @@ class DataClient:
         outs = [_as_bytes_view(b) for b in buffers]
         if len(outs) != len(keys):
             raise ValueError("give one buffer per key")
-        if self.shm:
-            got = self._get_leased(keys, tenant, outs)
-            return [-1 if g is None else len(g) if isinstance(g, bytearray) else g for g in got]  # type: ignore[misc]
-        return [-1 if g is None else g for g in self._get_socket(keys, tenant, outs)]  # type: ignore[misc]
+        # with caller buffers both paths give each chunk's size (an int) or None
+        got = (self._get_leased if self.shm else self._get_socket)(keys, tenant, outs)
+        return [-1 if g is None else g for g in got]  # type: ignore[misc]
 
     def exists(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
         """Tier of each key, without counting a lookup."""
@@ -434,12 +432,11 @@ class DataClient:
         n = r.count()
         raw = r.rest()
         return [
-            PutOutcome(_STATUS_NAMES.get(Status(raw[2 * i]), "bad"), self._tier(raw[2 * i + 1]))
+            PutOutcome(
+                _STATUS_NAMES.get(Status(raw[2 * i]), "bad"), self._tier_table[raw[2 * i + 1]]
+            )
             for i in range(n)
         ]
-
-    def _tier(self, code: int) -> str | None:
-        return None if code == NO_TIER else self.tiers[code]
 
     # --- socket path --------------------------------------------------------------------------
     def _get_socket(

@@ -18,7 +18,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from kvctl import __version__
 from kvctl.agent.settings import AgentSettings, connect_host
@@ -274,7 +273,3 @@ def _tail(path: Path, lines: int = 20) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def state_summary(state: AgentState) -> dict[str, Any]:
-    return {k: getattr(state, k) for k in AgentState.__slots__}  # type: ignore[attr-defined]

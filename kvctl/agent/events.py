@@ -49,7 +49,7 @@ class EventHub:
             if self._seq <= after and timeout_s > 0:
                 self._cond.wait_for(lambda: self._seq > after, timeout=timeout_s)
             if not self._buf or self._seq <= after:
-                return EventBatch([], min(max(after, 0), self._seq), 0)
+                return EventBatch([], max(after, 0), 0)
             first = self._buf[0]["seq"]
             dropped = max(0, first - after - 1)
             start = max(after + 1, first) - first

@@ -28,8 +28,8 @@ class AgentRuntime:
         self.store = store
         self.events = EventHub()
         self._unsubscribe = store.subscribe(self.events.publish)
-        self.metrics = AgentMetrics(store)
         self.started_s = time.time()
+        self.metrics = AgentMetrics(store, started_s=self.started_s)
         self._models = {m.id: m for m in settings.models}
         #: addresses the servers actually bound (port 0 in the settings becomes a real port)
         self.bound: dict[str, str | None] = {}
