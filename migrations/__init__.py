@@ -1,1 +1,1 @@
-"""Alembic migrations for the metrics database. Empty until the collectors issue lands."""
+"""Alembic migrations for the metrics database (SQLite and PostgreSQL); see ``kvctl.db.migrate``."""

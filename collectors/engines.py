@@ -1,0 +1,300 @@
+"""Read an inference engine's ``/metrics`` text into one typed KV-cache reading.
+
+vLLM, SGLang and LMCache each expose their own Prometheus names; this module maps the few that
+matter for KV-cache operations (prompt, cached and generated tokens, finished requests, cache
+usage, time to first token, LMCache hits) onto ``EngineReading``. Names follow the engines'
+sources: vLLM ``vllm/v1/metrics/loggers.py``, SGLang ``sglang/srt/metrics/collector.py``,
+LMCache ``lmcache/observability.py``.
+
+Counters arrive with or without ``_total`` (prometheus_client adds it, multiprocess mode and
+other exporters may not, some proxies re-export them as gauges or untyped), so lookups go by
+sample name, never by family name or type. A metric is summed over its label sets (model_name,
+engine index, worker), except ratio gauges, which are averaged: vLLM's own logger averages
+KV-cache usage across engines, and a sum of two 0.6 usages would read as 1.2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from itertools import pairwise
+
+from prometheus_client.parser import text_string_to_metric_families
+
+KNOWN_ENGINES: tuple[str, ...] = ("vllm", "sglang", "lmcache")
+
+# vLLM PromptTokenStats.ALL_SOURCES is (local_compute, local_cache_hit, external_kv_transfer);
+# the last two are the tokens whose KV was not computed by this prefill.
+_CACHED = frozenset({"local_cache_hit", "external_kv_transfer"})
+
+_Labels = Mapping[str, str]
+_Samples = list[tuple[_Labels, float]]
+
+
+class UnknownEngine(ValueError):
+    """The text is valid exposition but carries no vLLM, SGLang or LMCache metric."""
+
+
+@dataclass(frozen=True, slots=True)
+class Histogram:
+    """A cumulative Prometheus histogram summed over its label sets."""
+
+    buckets: tuple[tuple[float, float], ...]  # (upper bound `le`, cumulative count), ascending
+    sum: float
+    count: float
+
+    def __post_init__(self) -> None:
+        if not self.buckets:
+            raise ValueError("histogram has no buckets")
+        bounds = [le for le, _ in self.buckets]
+        # `not a < b` also catches NaN bounds
+        if any(not a < b for a, b in pairwise(bounds)):
+            raise ValueError(f"histogram bounds must be strictly ascending, got {bounds}")
+        if bounds[-1] != math.inf:
+            raise ValueError("histogram's last bucket must be le=+Inf")
+        values = [c for _, c in self.buckets] + [self.sum, self.count]
+        if not all(math.isfinite(v) for v in values):
+            raise ValueError("histogram counts and sum must be finite")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineReading:
+    """One scrape of one engine. Counters are cumulative; None means not exposed."""
+
+    engine: str  # "vllm" | "sglang" | "lmcache" (only LMCache metrics present)
+    prompt_tokens: float | None
+    cached_prompt_tokens: float | None
+    generation_tokens: float | None
+    requests: float | None  # finished requests
+    kv_usage_ratio: float | None  # GPU KV cache usage, 0..1
+    ttft: Histogram | None  # time to first token, seconds
+    lmcache_hit_tokens: float | None
+    lmcache_requested_tokens: float | None
+    lmcache_local_cache_usage_bytes: float | None
+
+
+def parse_engine_metrics(text: str) -> EngineReading:
+    """Parse Prometheus text exposition from an engine's ``/metrics``.
+
+    Raises ``UnknownEngine`` when no ``vllm:``, ``sglang:`` or ``lmcache:`` metric is present
+    and ``ValueError`` when the text is not valid exposition.
+    """
+    series = _samples_by_name(text)
+    prefixes = {name.split(":", 1)[0] for name in series if ":" in name}
+    has_vllm, has_sglang = "vllm" in prefixes, "sglang" in prefixes
+    if has_vllm and has_sglang:
+        # One reading describes one engine; a merged endpoint would mix two token accountings.
+        raise ValueError("both vllm: and sglang: metrics present; scrape one engine at a time")
+
+    lmcache = _LMCacheFields(
+        hit_tokens=_counter(series, "lmcache:num_hit_tokens"),
+        requested_tokens=_counter(series, "lmcache:num_requested_tokens"),
+        local_cache_usage_bytes=_gauge_sum(series, "lmcache:local_cache_usage"),
+    )
+    if has_vllm:
+        return _vllm_reading(series, lmcache)
+    if has_sglang:
+        return _sglang_reading(series, lmcache)
+    if "lmcache" in prefixes:
+        return _reading("lmcache", lmcache)
+    raise UnknownEngine(f"no metric of a known engine ({', '.join(KNOWN_ENGINES)}) in the text")
+
+
+def histogram_delta(current: Histogram, previous: Histogram | None) -> Histogram:
+    """Observations between two scrapes of one histogram.
+
+    A fall in the count or in any bucket, or a changed bucket layout, means the engine restarted
+    between the scrapes, so everything in ``current`` is new and it is returned as is.
+    """
+    if previous is None or current.count < previous.count:
+        return current
+    before = dict(previous.buckets)
+    if set(before) != {le for le, _ in current.buckets}:
+        return current
+    buckets = tuple((le, c - before[le]) for le, c in current.buckets)
+    if any(c < 0 for _, c in buckets):
+        return current
+    return Histogram(
+        buckets=buckets, sum=current.sum - previous.sum, count=current.count - previous.count
+    )
+
+
+def histogram_quantile(h: Histogram, q: float) -> float | None:
+    """The q-quantile by linear interpolation within a bucket, as PromQL's histogram_quantile.
+
+    The lowest bucket starts at 0 unless its bound is not positive. A quantile in the +Inf bucket
+    is the highest finite bound. None when there are no observations or no finite bound.
+    """
+    if not 0.0 <= q <= 1.0:  # also rejects NaN
+        raise ValueError(f"quantile must be within [0, 1], got {q}")
+    bounds = [le for le, _ in h.buckets]
+    cumulative: list[float] = []
+    for _, c in h.buckets:  # cumulative counts can dip when processes race; PromQL clamps too
+        cumulative.append(max(c, cumulative[-1]) if cumulative else c)
+    total = cumulative[-1]
+    if h.count == 0 or total <= 0 or len(bounds) < 2:
+        return None
+    rank = q * total
+    # First bucket holding the rank; requiring c > 0 keeps q=0 off an empty leading bucket.
+    b = next(i for i, c in enumerate(cumulative) if c >= rank and c > 0)
+    if b == len(bounds) - 1:
+        return bounds[-2]
+    if b == 0 and bounds[0] <= 0:
+        return bounds[0]
+    start = bounds[b - 1] if b > 0 else 0.0
+    below = cumulative[b - 1] if b > 0 else 0.0
+    return start + (bounds[b] - start) * (rank - below) / (cumulative[b] - below)
+
+
+def _samples_by_name(text: str) -> dict[str, _Samples]:
+    """Every sample in the text keyed by sample name (family names and types are ignored)."""
+    series: dict[str, _Samples] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                series.setdefault(sample.name, []).append((sample.labels, float(sample.value)))
+    except (ValueError, IndexError, KeyError) as exc:
+        raise ValueError(f"malformed Prometheus exposition: {exc}") from exc
+    return series
+
+
+def _finite_sum(samples: _Samples, where: Callable[[_Labels], bool] | None = None) -> float | None:
+    picked = [v for labels, v in samples if where is None or where(labels)]
+    # A NaN or infinite series makes the total unknown; a partial sum would look like a reset.
+    if not all(math.isfinite(v) for v in picked):
+        return None
+    return float(sum(picked))
+
+
+def _counter(
+    series: Mapping[str, _Samples], name: str, where: Callable[[_Labels], bool] | None = None
+) -> float | None:
+    """Sum of a counter exposed as ``name_total`` or, failing that, ``name``."""
+    samples = series.get(f"{name}_total") or series.get(name)
+    return None if samples is None else _finite_sum(samples, where)
+
+
+def _gauge_sum(series: Mapping[str, _Samples], name: str) -> float | None:
+    samples = series.get(name)
+    return None if samples is None else _finite_sum(samples)
+
+
+def _gauge_mean(series: Mapping[str, _Samples], name: str) -> float | None:
+    samples = series.get(name)
+    if not samples:
+        return None
+    total = _finite_sum(samples)
+    return None if total is None else total / len(samples)
+
+
+def _histogram(series: Mapping[str, _Samples], name: str) -> Histogram | None:
+    """A histogram's buckets, sum and count, each summed over the label sets."""
+    bucket_samples = series.get(f"{name}_bucket")
+    if bucket_samples is None:
+        return None
+    groups: dict[frozenset[tuple[str, str]], dict[float, float]] = {}
+    for labels, value in bucket_samples:
+        try:
+            le = float(labels["le"])
+        except (KeyError, ValueError):
+            raise ValueError(f"{name}_bucket sample without a numeric le label") from None
+        if math.isnan(le):
+            raise ValueError(f"{name}_bucket has le=NaN")
+        key = frozenset((k, v) for k, v in labels.items() if k != "le")
+        groups.setdefault(key, {})[le] = value
+    if any(math.inf not in group for group in groups.values()):
+        raise ValueError(f"{name} has a label set without an le=+Inf bucket")
+    # Only bounds every series shares keep the summed counts cumulative.
+    shared = set.intersection(*(set(g) for g in groups.values()))
+    counts = [sum(g[le] for g in groups.values()) for le in sorted(shared)]
+    sums = series.get(f"{name}_sum")
+    if sums is None:
+        raise ValueError(f"{name} has buckets but no {name}_sum")
+    total = _finite_sum(sums)
+    count_samples = series.get(f"{name}_count")
+    count = counts[-1] if count_samples is None else _finite_sum(count_samples)
+    if total is None or count is None or not all(math.isfinite(c) for c in counts):
+        return None
+    return Histogram(
+        buckets=tuple(zip(sorted(shared), counts, strict=True)), sum=total, count=count
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _LMCacheFields:
+    hit_tokens: float | None
+    requested_tokens: float | None
+    local_cache_usage_bytes: float | None
+
+
+def _reading(
+    engine: str,
+    lmcache: _LMCacheFields,
+    *,
+    prompt_tokens: float | None = None,
+    cached_prompt_tokens: float | None = None,
+    generation_tokens: float | None = None,
+    requests: float | None = None,
+    kv_usage_ratio: float | None = None,
+    ttft: Histogram | None = None,
+) -> EngineReading:
+    return EngineReading(
+        engine=engine,
+        prompt_tokens=prompt_tokens,
+        cached_prompt_tokens=cached_prompt_tokens,
+        generation_tokens=generation_tokens,
+        requests=requests,
+        kv_usage_ratio=kv_usage_ratio,
+        ttft=ttft,
+        lmcache_hit_tokens=lmcache.hit_tokens,
+        lmcache_requested_tokens=lmcache.requested_tokens,
+        lmcache_local_cache_usage_bytes=lmcache.local_cache_usage_bytes,
+    )
+
+
+def _vllm_reading(series: Mapping[str, _Samples], lmcache: _LMCacheFields) -> EngineReading:
+    by_source = "vllm:prompt_tokens_by_source"
+    prompt = _counter(series, "vllm:prompt_tokens")
+    if prompt is None:
+        # vLLM's invariant: the sources sum to the prompt tokens plus the recomputed ones (the
+        # last token of a fully cached prompt is computed again and also counted as a hit).
+        prompt = _counter(series, by_source)
+        recomputed = _counter(series, "vllm:prompt_tokens_recomputed")
+        if prompt is not None and recomputed is not None:
+            prompt -= recomputed
+    if f"{by_source}_total" in series or by_source in series:
+        # Counted once per prefill; prefix_cache_hits is recorded at scheduling and can count a
+        # request again each time the scheduler retries it.
+        cached = _counter(series, by_source, lambda labels: labels.get("source") in _CACHED)
+    else:
+        # gpu_prefix_cache_hits is the older name; before vLLM PR #18003 it counted blocks.
+        cached = _counter(series, "vllm:prefix_cache_hits")
+        if cached is None:
+            cached = _counter(series, "vllm:gpu_prefix_cache_hits")
+    usage = _gauge_mean(series, "vllm:kv_cache_usage_perc")
+    if usage is None:
+        usage = _gauge_mean(series, "vllm:gpu_cache_usage_perc")
+    return _reading(
+        "vllm",
+        lmcache,
+        prompt_tokens=prompt,
+        cached_prompt_tokens=cached,
+        generation_tokens=_counter(series, "vllm:generation_tokens"),
+        requests=_counter(series, "vllm:request_success"),
+        kv_usage_ratio=usage,  # a 0..1 fraction despite the _perc suffix
+        ttft=_histogram(series, "vllm:time_to_first_token_seconds"),
+    )
+
+
+def _sglang_reading(series: Mapping[str, _Samples], lmcache: _LMCacheFields) -> EngineReading:
+    return _reading(
+        "sglang",
+        lmcache,
+        prompt_tokens=_counter(series, "sglang:prompt_tokens"),
+        cached_prompt_tokens=_counter(series, "sglang:cached_tokens"),
+        generation_tokens=_counter(series, "sglang:generation_tokens"),
+        requests=_counter(series, "sglang:num_requests"),
+        kv_usage_ratio=_gauge_mean(series, "sglang:token_usage"),
+        ttft=_histogram(series, "sglang:time_to_first_token_seconds"),
+    )

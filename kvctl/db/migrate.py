@@ -1,0 +1,93 @@
+"""Schema migrations, run in-process with alembic (scripts in the top-level ``migrations``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Engine
+
+import migrations
+
+
+def alembic_config(engine: Engine | None = None) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    if engine is not None:
+        cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+    return cfg
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def revisions() -> list[str]:
+    """Every revision from the first to the head, in order."""
+    script = ScriptDirectory.from_config(alembic_config())
+    return [r.revision for r in reversed(list(script.walk_revisions()))]
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def _run(engine: Engine, fn: str, target: str) -> None:
+    cfg = alembic_config(engine)
+    with engine.begin() as conn:
+        cfg.attributes["connection"] = conn
+        getattr(command, fn)(cfg, target)
+
+
+def upgrade(engine: Engine, target: str = "head") -> None:
+    _run(engine, "upgrade", target)
+
+
+def downgrade(engine: Engine, target: str) -> None:
+    _run(engine, "downgrade", target)
+
+
+def open_db(url: str | None = None, *, auto_upgrade: bool | None = None) -> Engine:
+    """An engine on a database at the current schema.
+
+    SQLite upgrades itself (it is local and single-owner); PostgreSQL is shared by several
+    collectors and the dashboard, so its schema changes only on `kvctl db upgrade` unless
+    ``auto_upgrade`` says otherwise.
+    """
+    from sqlalchemy.exc import OperationalError
+
+    from kvctl.db.engine import DatabaseError, create_db_engine, display_url, resolve_url
+
+    engine = create_db_engine(resolve_url(url))
+    try:
+        current = current_revision(engine)
+    except OperationalError as exc:
+        engine.dispose()
+        raise DatabaseError(
+            f"cannot connect to {display_url(str(engine.url))}: {str(exc.orig).strip()}"
+        ) from None
+    head = head_revision()
+    if current == head:
+        return engine
+    if current is not None and current not in revisions():
+        engine.dispose()
+        raise DatabaseError(
+            f"the database is at revision {current}, which this kvctl does not know: it was "
+            "migrated by a newer kvctl; upgrade kvctl"
+        )
+    if auto_upgrade is None:
+        auto_upgrade = engine.dialect.name == "sqlite"
+    if not auto_upgrade:
+        engine.dispose()
+        raise DatabaseError(
+            f"the database schema is at {current or 'empty'}, kvctl needs {head}: run "
+            "`kvctl db upgrade`"
+        )
+    upgrade(engine)
+    return engine

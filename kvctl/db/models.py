@@ -1,0 +1,361 @@
+"""The metrics database: fleet inventory, audit trail, time-series samples and their rollups.
+
+Conventions that keep queries exact and portable between SQLite and PostgreSQL:
+- Times are integer epoch milliseconds (``ts_ms``, ``bucket_ms``), so bucketing is integer
+  arithmetic on every backend and BRIN/time indexes stay cheap.
+- Counter columns hold the *increase* since the previous sample of the same series, computed
+  by the collector with counter resets handled (see ``collectors.counters``). The sum over any
+  window is then the exact count in that window, across agent restarts, and rollups are sums.
+- Gauges hold the reading at sample time; rollups keep their sum, max and count of readings.
+- A reading that could not be taken is NULL, never a made-up zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints: alembic's batch mode on SQLite can only alter what has a name.
+NAMING_CONVENTION: Final = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+# --- inventory -----------------------------------------------------------------------------
+class DataCenter(Base):
+    __tablename__ = "dc"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    region: Mapped[str] = mapped_column(String(64), default="")
+    location: Mapped[str] = mapped_column(String(128), default="")
+    #: grid carbon intensity, gCO2 per kWh; NULL when unknown (carbon figures then show N/A)
+    carbon_g_per_kwh: Mapped[float | None] = mapped_column(Float)
+    #: power usage effectiveness (facility energy / IT energy), >= 1
+    pue: Mapped[float | None] = mapped_column(Float)
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (
+        CheckConstraint("pue IS NULL OR pue >= 1", name="pue_at_least_one"),
+        CheckConstraint("carbon_g_per_kwh IS NULL OR carbon_g_per_kwh >= 0", name="carbon"),
+    )
+
+
+class Node(Base):
+    __tablename__ = "node"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    dc_id: Mapped[int] = mapped_column(ForeignKey("dc.id", ondelete="RESTRICT"), index=True)
+    agent_url: Mapped[str] = mapped_column(String(255))
+    gpu_model: Mapped[str] = mapped_column(String(64), default="")
+    #: Prometheus endpoint of the inference engine on this node (vLLM, SGLang, LMCache)
+    engine_url: Mapped[str | None] = mapped_column(String(255))
+    created_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class Link(Base):
+    """A fiber path between two DCs; stored once per pair with ``dc_a_id < dc_b_id``."""
+
+    __tablename__ = "link"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    dc_a_id: Mapped[int] = mapped_column(ForeignKey("dc.id", ondelete="CASCADE"))
+    dc_b_id: Mapped[int] = mapped_column(ForeignKey("dc.id", ondelete="CASCADE"))
+    distance_km: Mapped[float] = mapped_column(Float)
+
+    __table_args__ = (
+        UniqueConstraint("dc_a_id", "dc_b_id"),
+        CheckConstraint("dc_a_id < dc_b_id", name="ordered"),
+        CheckConstraint("distance_km >= 0", name="distance"),
+    )
+
+
+class Audit(Base):
+    """Every action an operator's CLI took: who, when, what, on which target, and the outcome."""
+
+    __tablename__ = "audit"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(255))
+    #: the action's arguments as JSON (never tokens)
+    args: Mapped[str] = mapped_column(Text, default="{}")
+    ok: Mapped[bool] = mapped_column(Boolean)
+    result: Mapped[str] = mapped_column(Text, default="")
+
+
+# --- raw samples ---------------------------------------------------------------------------
+class NodeSample(Base):
+    """One scrape of one agent: whether it answered, how fast, and its start time."""
+
+    __tablename__ = "node_sample"
+
+    node_id: Mapped[int] = mapped_column(Integer)
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    up: Mapped[bool] = mapped_column(Boolean)
+    scrape_seconds: Mapped[float | None] = mapped_column(Float)
+    #: the agent's own start time: a change means its counters restarted from zero
+    agent_started_s: Mapped[float | None] = mapped_column(Float)
+    #: whether the agent could read NVML; NULL when the agent did not say
+    nvml_available: Mapped[bool | None] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (PrimaryKeyConstraint("node_id", "ts_ms"),)
+
+
+class CacheSample(Base):
+    """Store counters of one node, per tier; ``tier='all'`` is the node as a whole.
+
+    On the ``all`` row: lookups/hits count chunks looked up and found, evictions count chunks
+    that left the store (not demoted). Tier rows have lookups and lookup_tokens 0: a lookup is
+    made against the node, a hit is served by one tier.
+    """
+
+    __tablename__ = "cache_sample"
+
+    node_id: Mapped[int] = mapped_column(Integer)
+    tier: Mapped[str] = mapped_column(String(16))
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    lookups: Mapped[int] = mapped_column(BigInteger, default=0)
+    lookup_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    hit_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    reuse_hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    sharing_hits: Mapped[int] = mapped_column(BigInteger, default=0)
+    evictions: Mapped[int] = mapped_column(BigInteger, default=0)
+    promotions: Mapped[int] = mapped_column(BigInteger, default=0)
+    demotions: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_read: Mapped[int] = mapped_column(BigInteger, default=0)
+    bytes_written: Mapped[int] = mapped_column(BigInteger, default=0)
+    used_bytes: Mapped[int] = mapped_column(BigInteger)
+    capacity_bytes: Mapped[int] = mapped_column(BigInteger)
+    pinned_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    items: Mapped[int] = mapped_column(BigInteger)
+
+    __table_args__ = (PrimaryKeyConstraint("node_id", "tier", "ts_ms"),)
+
+
+class PowerSample(Base):
+    """One NVML reading of one GPU. ``energy_j`` is the energy used since the last sample."""
+
+    __tablename__ = "power_sample"
+
+    node_id: Mapped[int] = mapped_column(Integer)
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    power_w: Mapped[float | None] = mapped_column(Float)
+    energy_j: Mapped[float | None] = mapped_column(Float)
+    utilization_ratio: Mapped[float | None] = mapped_column(Float)
+    memory_used_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    memory_total_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (PrimaryKeyConstraint("node_id", "gpu_index", "ts_ms"),)
+
+
+class LinkSample(Base):
+    """A probe from one agent's node to another's through the data plane."""
+
+    __tablename__ = "link_sample"
+
+    src_node_id: Mapped[int] = mapped_column(Integer)
+    dst_node_id: Mapped[int] = mapped_column(Integer)
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    rtt_s: Mapped[float | None] = mapped_column(Float)
+    bandwidth_bytes_per_s: Mapped[float | None] = mapped_column(Float)
+    loss_ratio: Mapped[float | None] = mapped_column(Float)
+    probe_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (PrimaryKeyConstraint("src_node_id", "dst_node_id", "ts_ms"),)
+
+
+class EngineSample(Base):
+    """Inference-engine metrics of one node (vLLM, SGLang or LMCache). Counters are increases
+    since the last sample; TTFT quantiles are over the requests of that interval."""
+
+    __tablename__ = "engine_sample"
+
+    node_id: Mapped[int] = mapped_column(Integer)
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    engine: Mapped[str] = mapped_column(String(16))
+    prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    cached_prompt_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    generation_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    requests: Mapped[int | None] = mapped_column(BigInteger)
+    ttft_count: Mapped[int | None] = mapped_column(BigInteger)
+    ttft_sum_s: Mapped[float | None] = mapped_column(Float)
+    ttft_p50_s: Mapped[float | None] = mapped_column(Float)
+    ttft_p90_s: Mapped[float | None] = mapped_column(Float)
+    ttft_p99_s: Mapped[float | None] = mapped_column(Float)
+    kv_usage_ratio: Mapped[float | None] = mapped_column(Float)
+    lmcache_hit_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    lmcache_requested_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    lmcache_local_cache_usage_bytes: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (PrimaryKeyConstraint("node_id", "ts_ms"),)
+
+
+class CounterState(Base):
+    """The last raw counter values of each series, so a restarted collector (or a second one
+    taking over a DC) computes the next increase exactly instead of losing an interval."""
+
+    __tablename__ = "counter_state"
+
+    series: Mapped[str] = mapped_column(String(255), primary_key=True)
+    #: JSON: {"epoch": agent start time or null, "values": {counter: raw value}}
+    state: Mapped[str] = mapped_column(Text)
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+class RollupState(Base):
+    """How far each rollup has been computed: buckets before ``done_until_ms`` are final."""
+
+    __tablename__ = "rollup_state"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    done_until_ms: Mapped[int] = mapped_column(BigInteger)
+
+
+# --- rollups -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Series:
+    """How a raw sample table rolls up: keys to group by, counters to sum, gauges to summarise."""
+
+    table: str
+    keys: tuple[str, ...]
+    sums: tuple[str, ...]
+    gauges: tuple[str, ...]
+
+
+SERIES: Final = (
+    Series("node_sample", ("node_id",), ("up",), ("scrape_seconds",)),
+    Series(
+        "cache_sample",
+        ("node_id", "tier"),
+        (
+            "lookups",
+            "lookup_tokens",
+            "hits",
+            "hit_tokens",
+            "reuse_hits",
+            "sharing_hits",
+            "evictions",
+            "promotions",
+            "demotions",
+            "bytes_read",
+            "bytes_written",
+        ),
+        ("used_bytes", "capacity_bytes", "pinned_bytes", "items"),
+    ),
+    Series(
+        "power_sample",
+        ("node_id", "gpu_index"),
+        ("energy_j",),
+        ("power_w", "utilization_ratio", "memory_used_bytes"),
+    ),
+    Series(
+        "link_sample",
+        ("src_node_id", "dst_node_id"),
+        ("ok",),
+        ("rtt_s", "bandwidth_bytes_per_s", "loss_ratio"),
+    ),
+    Series(
+        "engine_sample",
+        ("node_id", "engine"),
+        (
+            "prompt_tokens",
+            "cached_prompt_tokens",
+            "generation_tokens",
+            "requests",
+            "ttft_count",
+            "ttft_sum_s",
+            "lmcache_hit_tokens",
+            "lmcache_requested_tokens",
+        ),
+        ("ttft_p99_s", "kv_usage_ratio", "lmcache_local_cache_usage_bytes"),
+    ),
+)
+
+#: rollup resolutions: name suffix -> bucket width in milliseconds
+RESOLUTIONS: Final = {"1m": 60_000, "1h": 3_600_000}
+
+
+def rollup_columns(series: Series, raw: Table) -> list[Column[object]]:
+    """Columns of a rollup table: bucket, keys, sample count, sums, and per gauge sum/max/n."""
+    cols: list[Column[object]] = [Column("bucket_ms", BigInteger, nullable=False)]
+    for k in series.keys:
+        cols.append(Column(k, raw.c[k].type, nullable=False))
+    cols.append(Column("samples", Integer, nullable=False))
+    for s in series.sums:
+        is_float = isinstance(raw.c[s].type, Float)
+        cols.append(Column(s, Float if is_float else BigInteger))
+    for g in series.gauges:
+        cols += [
+            Column(f"{g}_sum", Float),
+            Column(f"{g}_max", Float),
+            Column(f"{g}_n", Integer, nullable=False),
+        ]
+    return cols
+
+
+def _define_rollups() -> dict[tuple[str, str], Table]:
+    tables: dict[tuple[str, str], Table] = {}
+    for series in SERIES:
+        raw = Base.metadata.tables[series.table]
+        stem = series.table.removesuffix("_sample")
+        for res in RESOLUTIONS:
+            name = f"{stem}_{res}"
+            tables[series.table, res] = Table(
+                name,
+                Base.metadata,
+                *rollup_columns(series, raw),
+                PrimaryKeyConstraint(*series.keys, "bucket_ms"),
+            )
+    return tables
+
+
+#: (raw table name, resolution) -> rollup table
+ROLLUPS: Final = _define_rollups()
+
+# Time indexes for retention deletes and fleet-wide windows. On PostgreSQL they are BRIN:
+# samples arrive in time order, and BRIN is orders of magnitude smaller than a B-tree there.
+for _series in SERIES:
+    _raw = Base.metadata.tables[_series.table]
+    Index(f"ix_{_series.table}_ts_ms", _raw.c.ts_ms, postgresql_using="brin")
+    for _res in RESOLUTIONS:
+        _t = ROLLUPS[_series.table, _res]
+        Index(f"ix_{_t.name}_bucket_ms", _t.c.bucket_ms, postgresql_using="brin")
+
+
+def raw_table(name: str) -> Table:
+    return Base.metadata.tables[name]

@@ -1,0 +1,248 @@
+"""Rollups, retention, and exact window sums that stitch raw samples and rollups together.
+
+Raw samples roll up into 1-minute buckets and those into 1-hour buckets. A bucket is final once
+``now - grace`` has passed its end; ``rollup_state`` keeps the watermark per rollup, and retention
+never deletes rows that have not been rolled up yet, so history is never silently lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from sqlalchemy import (
+    Boolean,
+    Integer,
+    Select,
+    Table,
+    cast,
+    delete,
+    func,
+    literal_column,
+    select,
+    union_all,
+)
+from sqlalchemy.engine import Connection
+from sqlalchemy.sql import ColumnElement
+
+from kvctl.db.models import RESOLUTIONS, ROLLUPS, SERIES, RollupState, Series, raw_table
+
+MINUTE_MS: Final = RESOLUTIONS["1m"]
+HOUR_MS: Final = RESOLUTIONS["1h"]
+DAY_MS: Final = 86_400_000
+#: samples may arrive this late (scrape interval plus slow nodes) and still be rolled up
+DEFAULT_GRACE_MS: Final = 2 * MINUTE_MS
+# any constant: serialises rollup runs of several collectors on one PostgreSQL
+_PG_LOCK_ID: Final = 0x6B76_6374
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    raw_ms: int = 2 * DAY_MS
+    minute_ms: int = 30 * DAY_MS
+    hour_ms: int = 365 * DAY_MS
+
+
+def series(name: str) -> Series:
+    for s in SERIES:
+        if s.table == name:
+            return s
+    raise KeyError(name)
+
+
+def _watermark_name(table: str, res: str) -> str:
+    return f"{table}:{res}"
+
+
+def watermark(conn: Connection, table: str, res: str) -> int | None:
+    return conn.execute(
+        select(RollupState.done_until_ms).where(RollupState.name == _watermark_name(table, res))
+    ).scalar_one_or_none()
+
+
+def _set_watermark(conn: Connection, table: str, res: str, until_ms: int) -> None:
+    name = _watermark_name(table, res)
+    updated = conn.execute(
+        RollupState.__table__.update()
+        .where(RollupState.name == name)
+        .values(done_until_ms=until_ms)
+    ).rowcount
+    if not updated:
+        conn.execute(RollupState.__table__.insert().values(name=name, done_until_ms=until_ms))
+
+
+def _sum_expr(col: ColumnElement[Any]) -> ColumnElement[Any]:
+    # booleans (up, ok) are summed as 0/1: PostgreSQL has no SUM(boolean)
+    if isinstance(col.type, Boolean):
+        return func.sum(cast(col, Integer))
+    return func.sum(col)
+
+
+def piece(s: Series, source: str, start_ms: int, end_ms: int, width_ms: int | None) -> Select[Any]:
+    """Aggregates of ``s`` over [start, end) read from ``source`` ("raw", "1m" or "1h"),
+    grouped by the series keys and, when ``width_ms`` is given, by bucket of that width.
+
+    Every piece has the same columns (bucket_ms, keys, samples, sums, gauge sum/max/n), so
+    pieces from different resolutions can be combined with UNION ALL and summed again."""
+    if source == "raw":
+        t = raw_table(s.table)
+        time = t.c.ts_ms
+        cols: list[ColumnElement[Any]] = [func.count().label("samples")]
+        cols += [_sum_expr(t.c[c]).label(c) for c in s.sums]
+        for g in s.gauges:
+            cols += [
+                func.sum(t.c[g]).label(f"{g}_sum"),
+                func.max(t.c[g]).label(f"{g}_max"),
+                func.count(t.c[g]).label(f"{g}_n"),
+            ]
+    else:
+        t = ROLLUPS[s.table, source]
+        time = t.c.bucket_ms
+        cols = [func.sum(t.c.samples).label("samples")]
+        cols += [func.sum(t.c[c]).label(c) for c in s.sums]
+        for g in s.gauges:
+            cols += [
+                func.sum(t.c[f"{g}_sum"]).label(f"{g}_sum"),
+                func.max(t.c[f"{g}_max"]).label(f"{g}_max"),
+                func.sum(t.c[f"{g}_n"]).label(f"{g}_n"),
+            ]
+    keys = [t.c[k] for k in s.keys]
+    if width_ms is not None:
+        bucket = (time - time % width_ms).label("bucket_ms")
+        group: list[ColumnElement[Any]] = [bucket, *keys]
+    else:
+        bucket = literal_column(str(start_ms)).label("bucket_ms")
+        group = list(keys)
+    return select(bucket, *keys, *cols).where(time >= start_ms, time < end_ms).group_by(*group)
+
+
+def _lock(conn: Connection) -> None:
+    if conn.dialect.name == "postgresql":
+        conn.execute(select(func.pg_advisory_xact_lock(_PG_LOCK_ID)))
+
+
+def _first_time(conn: Connection, s: Series, source: str) -> int | None:
+    if source == "raw":
+        t = raw_table(s.table)
+        return conn.execute(select(func.min(t.c.ts_ms))).scalar()
+    t = ROLLUPS[s.table, source]
+    return conn.execute(select(func.min(t.c.bucket_ms))).scalar()
+
+
+def rollup(
+    conn: Connection, now_ms: int, *, grace_ms: int = DEFAULT_GRACE_MS, max_span_ms: int = DAY_MS
+) -> dict[str, int]:
+    """Roll up every series whose buckets are final by ``now_ms``; returns rows written per
+    rollup table. At most ``max_span_ms`` of history is processed per table and call, so a first
+    run over a long history is split into bounded transactions by the caller's loop."""
+    _lock(conn)
+    written: dict[str, int] = {}
+    for s in SERIES:
+        for res, source in (("1m", "raw"), ("1h", "1m")):
+            width = RESOLUTIONS[res]
+            target: Table = ROLLUPS[s.table, res]
+            end = (now_ms - grace_ms) // width * width
+            if source == "1m":
+                # an hour is final only when all of its minutes are
+                done_1m = watermark(conn, s.table, "1m")
+                if done_1m is None:
+                    continue
+                end = min(end, done_1m // width * width)
+            start = watermark(conn, s.table, res)
+            if start is None:
+                first = _first_time(conn, s, source)
+                if first is None:
+                    continue
+                start = first // width * width
+            end = min(end, start + max(max_span_ms // width, 1) * width)
+            if end <= start:
+                continue
+            conn.execute(
+                delete(target).where(target.c.bucket_ms >= start, target.c.bucket_ms < end)
+            )
+            sel = piece(s, source, start, end, width)
+            conn.execute(target.insert().from_select([c.name for c in sel.selected_columns], sel))
+            # counted, not rowcount: psycopg reports -1 for INSERT ... SELECT
+            written[target.name] = conn.execute(
+                select(func.count()).where(target.c.bucket_ms >= start, target.c.bucket_ms < end)
+            ).scalar_one()
+            _set_watermark(conn, s.table, res, end)
+    return written
+
+
+def rollup_all(conn_factory: Any, now_ms: int, **kw: Any) -> dict[str, int]:
+    """Run :func:`rollup` in transactions of bounded span until everything final is done."""
+    total: dict[str, int] = {}
+    while True:
+        with conn_factory() as conn:
+            written = rollup(conn, now_ms, **kw)
+        if not written:
+            return total
+        for k, v in written.items():
+            total[k] = total.get(k, 0) + v
+
+
+def prune(conn: Connection, now_ms: int, retention: Retention = Retention()) -> dict[str, int]:
+    """Delete what is past its retention, but never rows not yet rolled up to the next level."""
+    _lock(conn)
+    deleted: dict[str, int] = {}
+    for s in SERIES:
+        raw = raw_table(s.table)
+        done_1m = watermark(conn, s.table, "1m") or 0
+        done_1h = watermark(conn, s.table, "1h") or 0
+        steps: list[tuple[Table, Any, int]] = [
+            (raw, raw.c.ts_ms, min(now_ms - retention.raw_ms, done_1m)),
+            (
+                ROLLUPS[s.table, "1m"],
+                ROLLUPS[s.table, "1m"].c.bucket_ms,
+                min(now_ms - retention.minute_ms, done_1h),
+            ),
+            (
+                ROLLUPS[s.table, "1h"],
+                ROLLUPS[s.table, "1h"].c.bucket_ms,
+                now_ms - retention.hour_ms,
+            ),
+        ]
+        for table, time, before in steps:
+            n = conn.execute(delete(table).where(time < before)).rowcount
+            deleted[table.name] = max(n or 0, 0)
+    return deleted
+
+
+def window(conn: Connection, s: Series, start_ms: int, end_ms: int) -> Select[Any]:
+    """A select of exact aggregates over [start, end) per series key, stitched from 1-hour
+    rollups where whole final hours fit, 1-minute rollups where whole final minutes fit, and raw
+    samples for the rest. Columns as in :func:`piece`."""
+    done_1m = watermark(conn, s.table, "1m") or 0
+    done_1h = watermark(conn, s.table, "1h") or 0
+    parts: list[Select[Any]] = []
+    levels = (("1h", HOUR_MS, done_1h), ("1m", MINUTE_MS, done_1m))
+
+    def cover(lo: int, hi: int, level: int) -> None:
+        if lo >= hi:
+            return
+        for i in range(level, len(levels)):
+            source, width, done = levels[i]
+            a = -(-lo // width) * width  # first whole bucket at or after lo
+            b = min(hi, done) // width * width
+            if a < b:
+                cover(lo, a, i + 1)
+                parts.append(piece(s, source, a, b, None))
+                cover(b, hi, i + 1)
+                return
+        parts.append(piece(s, "raw", lo, hi, None))
+
+    cover(start_ms, end_ms, 0)
+    if len(parts) == 1:
+        return parts[0]
+    u = union_all(*parts).subquery()
+    cols: list[ColumnElement[Any]] = [func.sum(u.c.samples).label("samples")]
+    cols += [func.sum(u.c[c]).label(c) for c in s.sums]
+    for g in s.gauges:
+        cols += [
+            func.sum(u.c[f"{g}_sum"]).label(f"{g}_sum"),
+            func.max(u.c[f"{g}_max"]).label(f"{g}_max"),
+            func.sum(u.c[f"{g}_n"]).label(f"{g}_n"),
+        ]
+    keys = [u.c[k] for k in s.keys]
+    return select(*keys, *cols).group_by(*keys)

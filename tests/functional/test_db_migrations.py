@@ -1,0 +1,143 @@
+"""Migrations on a real SQLite and a real PostgreSQL: from empty, from every earlier revision
+with data in it, down and up again, and the models agree with what the migrations build."""
+
+from __future__ import annotations
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import BigInteger, Boolean, Float, Integer, String, Text, inspect, select
+from sqlalchemy.engine import Connection, Engine
+
+from kvctl.db import migrate
+from kvctl.db.engine import DatabaseError, create_db_engine, resolve_url
+from kvctl.db.models import Base
+
+
+def _engine(url: str) -> Engine:
+    return create_db_engine(resolve_url(url))
+
+
+def _value(col_type: object, i: int) -> object:
+    if isinstance(col_type, Boolean):
+        return i % 2 == 0
+    if isinstance(col_type, Integer | BigInteger):
+        return i + 1
+    if isinstance(col_type, Float):
+        return i + 1.5
+    if isinstance(col_type, String | Text):
+        return f"v{i}"
+    raise AssertionError(f"no test value for {col_type!r}")
+
+
+def _fill(conn: Connection) -> dict[str, list[dict[str, object]]]:
+    """One or two rows in every table the database has now, respecting foreign keys."""
+    from sqlalchemy import MetaData
+
+    meta = MetaData()
+    meta.reflect(conn)
+    written: dict[str, list[dict[str, object]]] = {}
+    for table in meta.sorted_tables:
+        if table.name == "alembic_version":
+            continue
+        rows = []
+        for i in range(2 if table.name != "link" else 1):
+            row = {c.name: _value(c.type, i) for c in table.columns}
+            if table.name == "dc":
+                row["pue"] = 1.2
+            if table.name == "link":
+                row.update(dc_a_id=1, dc_b_id=2)
+            if table.name == "node":
+                row["dc_id"] = 1
+            rows.append(row)
+        conn.execute(table.insert(), rows)
+        written[table.name] = rows
+    return written
+
+
+def test_upgrade_from_empty_builds_what_the_models_describe(empty_db_url: str) -> None:
+    engine = _engine(empty_db_url)
+    assert migrate.current_revision(engine) is None
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True})
+        assert compare_metadata(ctx, Base.metadata) == []
+        assert set(Base.metadata.tables) <= set(inspect(conn).get_table_names())
+    engine.dispose()
+
+
+@pytest.mark.parametrize("start", migrate.revisions()[:-1])
+def test_upgrade_from_each_revision_keeps_its_data(empty_db_url: str, start: str) -> None:
+    engine = _engine(empty_db_url)
+    migrate.upgrade(engine, start)
+    with engine.begin() as conn:
+        written = _fill(conn)
+    assert written, "the earlier revision has tables to fill"
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    with engine.connect() as conn:
+        for name, rows in written.items():
+            table = Base.metadata.tables[name]
+            got = [dict(r._mapping) for r in conn.execute(select(table))]
+            key = sorted(table.primary_key.columns.keys())
+            assert sorted(got, key=lambda r: [r[k] for k in key]) == sorted(
+                ({k: v for k, v in row.items() if k in table.c} for row in rows),
+                key=lambda r: [r[k] for k in key],
+            ), name
+    engine.dispose()
+
+
+def test_downgrade_to_base_and_up_again(empty_db_url: str) -> None:
+    engine = _engine(empty_db_url)
+    migrate.upgrade(engine)
+    migrate.downgrade(engine, "base")
+    with engine.connect() as conn:
+        assert set(inspect(conn).get_table_names()) <= {"alembic_version"}
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    engine.dispose()
+
+
+def test_sqlite_upgrades_itself_on_first_use(sqlite_url: str) -> None:
+    engine = migrate.open_db(sqlite_url)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    engine.dispose()
+
+
+def test_postgresql_behind_schema_asks_for_an_upgrade(pg_url: str) -> None:
+    with pytest.raises(DatabaseError, match="kvctl db upgrade"):
+        migrate.open_db(pg_url)
+    engine = migrate.open_db(pg_url, auto_upgrade=True)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    engine.dispose()
+    migrate.open_db(pg_url).dispose()  # current now: no error
+
+
+def test_unknown_revision_means_a_newer_kvctl(sqlite_url: str) -> None:
+    engine = migrate.open_db(sqlite_url)
+    with engine.begin() as conn:
+        conn.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
+    engine.dispose()
+    with pytest.raises(DatabaseError, match="newer kvctl"):
+        migrate.open_db(sqlite_url)
+
+
+def test_unreachable_postgresql_is_one_clear_error() -> None:
+    with pytest.raises(DatabaseError, match="cannot connect to postgresql"):
+        migrate.open_db("postgresql://nobody@127.0.0.1:1/none")
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [("mysql://x@h/db", "supports SQLite and PostgreSQL"), ("::nonsense", "not a database URL")],
+)
+def test_bad_urls_are_refused(url: str, message: str) -> None:
+    with pytest.raises(DatabaseError, match=message):
+        resolve_url(url)
+
+
+def test_postgres_urls_use_psycopg_3() -> None:
+    assert resolve_url("postgresql://u:p@h:5432/d").startswith("postgresql+psycopg://u:p@h")
