@@ -26,26 +26,34 @@ from typing import Any
 
 from kvctl.agent.protocol import (
     GET_ITEM,
-    HEADER,
     HEADER_BYTES,
     LEASE_ITEM,
+    MAX_PROBE_BYTES,
+    PROBE_PIECE_BYTES,
     REPLY_BIT,
     ErrorCode,
+    FrameError,
     MetaReader,
     MetaWriter,
     Op,
     PeerClosed,
     Status,
+    check_header,
     pack_header,
     parse_error,
+    probe_meta,
     put_item,
     recv_exactly,
     recv_with_fds,
     send_all,
+    zero_pieces,
 )
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
+#: replies' payloads are read into buffers the caller sized (or drained), never allocated whole,
+#: so only the metadata length needs the protocol's bound
+_ANY_PAYLOAD = 1 << 64
 
 
 # --- errors -------------------------------------------------------------------------------
@@ -141,6 +149,9 @@ class DataClient:
         self._arena_gen = -1
         self._staging: mmap.mmap | None = None
         self._staging_fd = -1
+        #: PROBE filler to send and a scratch buffer to drain replies into (made on first probe)
+        self._probe_zeros: bytes | None = None
+        self._probe_scratch: memoryview | None = None
         self.closed = False
         self.info: dict[str, Any] = self._hello(token, client_name)
         self.tiers: list[str] = list(self.info["tiers"])
@@ -186,6 +197,29 @@ class DataClient:
         t = time.perf_counter()
         self._call(Op.PING, b"")
         return time.perf_counter() - t
+
+    def probe(self, upload_bytes: int = 0, download_bytes: int = 0) -> float:
+        """Seconds for one PROBE round trip that uploads ``upload_bytes`` (the agent reads and
+        drops them) and downloads ``download_bytes`` zero bytes (read here and dropped). Each
+        is at most ``MAX_PROBE_BYTES``; beyond it this raises ValueError and sends nothing."""
+        for what, n in (("upload_bytes", upload_bytes), ("download_bytes", download_bytes)):
+            if not 0 <= n <= MAX_PROBE_BYTES:
+                raise ValueError(f"{what} must be 0..{MAX_PROBE_BYTES}, got {n}")
+        meta = probe_meta(download_bytes)
+        with self._lock:
+            if self._probe_zeros is None or self._probe_scratch is None:
+                self._probe_zeros = bytes(PROBE_PIECE_BYTES)
+                self._probe_scratch = memoryview(bytearray(PROBE_PIECE_BYTES))
+            pieces = zero_pieces(self._probe_zeros, upload_bytes)
+            started = time.perf_counter()
+            reply, _ = self._call_locked(
+                Op.PROBE, meta, pieces, None, sink=self._probe_scratch, sink_bytes=download_bytes
+            )
+            elapsed_s = time.perf_counter() - started
+        received = MetaReader(reply).u64()
+        if received != upload_bytes:
+            raise AgentError(f"the agent received {received} of {upload_bytes} probe bytes")
+        return elapsed_s
 
     def put(
         self,
@@ -353,7 +387,13 @@ class DataClient:
         payload: Sequence[memoryview],
         into: Callable[[int, int], memoryview] | None,
         fd: int = -1,
+        *,
+        sink: memoryview | None = None,
+        sink_bytes: int = 0,
     ) -> tuple[bytes, int]:
+        """``into``: where a GET reply's chunks go. ``sink``: a scratch buffer that a reply's
+        payload of exactly ``sink_bytes`` is read into, piece by piece, and dropped (PROBE
+        downloads; any other length is refused, so a rogue peer cannot stream without end)."""
         if self.closed:
             raise AgentError("this client is closed")
         self._rid = (self._rid + 1) & 0xFFFFFFFF
@@ -364,15 +404,26 @@ class DataClient:
                 return b"", 0
             head = bytearray(HEADER_BYTES)
             self._recv(memoryview(head))
-            _magic, _v, rop, rid, meta_len, payload_len = HEADER.unpack(head)
+            # checked before allocating: a peer that is not an agent (a probe can name any
+            # address) must not make this side allocate up to 4 GiB of "metadata"
+            rop, rid, meta_len, payload_len = check_header(head, max_payload_bytes=_ANY_PAYLOAD)
             reply = bytearray(meta_len)
             self._recv(memoryview(reply))
-            if rop == (op | REPLY_BIT) and rid == self._rid and into is not None:
-                self._read_payload(bytes(reply), payload_len, into)
-                payload_len = 0
+            if rop == (op | REPLY_BIT) and rid == self._rid:
+                if into is not None:
+                    self._read_payload(bytes(reply), payload_len, into)
+                    payload_len = 0
+                elif sink is not None and payload_len == sink_bytes:
+                    self._drain(payload_len, sink)
+                    payload_len = 0
         except (PeerClosed, OSError) as exc:
             self.close()
             raise AgentUnreachable(f"lost the connection to the agent: {exc}") from exc
+        except FrameError as exc:
+            self.close()
+            raise AgentError(
+                f"the peer does not speak the kvctl data plane ({exc.message}); connection closed"
+            ) from None
         if rop == Op.ERROR:
             code, message = parse_error(bytes(reply))
             if code in (
@@ -421,7 +472,10 @@ class DataClient:
             self._recv(view)
 
     def _discard(self, n: int) -> None:
-        scratch = memoryview(bytearray(min(n, 1 << 20) or 1))
+        self._drain(n, memoryview(bytearray(min(n, 1 << 20) or 1)))
+
+    def _drain(self, n: int, scratch: memoryview) -> None:
+        """Read ``n`` bytes of the stream into ``scratch`` (reused) and drop them."""
         while n:
             k = min(n, scratch.nbytes)
             self._recv(scratch[:k])
@@ -651,6 +705,35 @@ class AgentClient:
     def events(self, *, after: int = 0, limit: int = 1000) -> dict[str, Any]:
         params = {"after": after, "limit": limit}
         return dict(self._request("GET", "/v1/events/recent", params=params))
+
+    def probe(
+        self,
+        target: str,
+        *,
+        token: str | None = None,
+        pings: int = 5,
+        size_bytes: int = 1 << 20,
+        timeout_s: float = 2.0,
+    ) -> dict[str, Any]:
+        """Have this agent probe the link to another agent's data plane (``target``,
+        HOST:PORT): ping RTT and loss, then upload and download bandwidth of ``size_bytes``.
+        ``token`` is the target's data-plane token. The HTTP timeout grows with the probe's
+        worst case, since the agent answers only when the probe is done."""
+        body: dict[str, Any] = {
+            "target": target,
+            "pings": pings,
+            "bytes": size_bytes,
+            "timeout_s": timeout_s,
+        }
+        if token is not None:
+            body["token"] = token
+        # connect + pings (with reconnects) + two transfers, each bounded by timeout_s
+        worst_s = timeout_s * (2 * pings + 4) + 5.0
+        return dict(self._request("POST", "/v1/probe", json=body, timeout=worst_s))
+
+    def gpus(self) -> dict[str, Any]:
+        """NVML status and one reading per GPU of the agent's host."""
+        return dict(self._request("GET", "/v1/gpus"))
 
     def metrics_text(self) -> str:
         return str(self._request("GET", "/metrics"))

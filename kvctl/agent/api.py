@@ -9,8 +9,11 @@ Store calls take the store's lock and may touch disk, so those endpoints are pla
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
+import logging
+import statistics
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from heapq import nsmallest
@@ -19,12 +22,16 @@ from typing import Any
 import anyio
 import anyio.to_thread
 from fastapi import FastAPI, Header, Query, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.routing import Match
 
 from kvctl import __version__
+from kvctl.agent.protocol import MAX_PROBE_BYTES
 from kvctl.agent.runtime import AgentRuntime
+from kvctl.client import AgentError, AgentUnreachable, AuthError, DataClient, parse_address
 from kvctl.store.errors import (
     CapacityError,
     DiskFullError,
@@ -48,6 +55,16 @@ _EVENT_BATCH = 500
 _EVENT_THREADS = 64
 
 _AUTH_DETAIL = b'{"detail":"missing or wrong bearer token"}'
+#: a probe stops pinging after this many lost in a row: the link is down, and more tries would
+#: only hold the request (and a threadpool thread) for another timeout each
+_PROBE_MAX_LOST_IN_A_ROW = 3
+#: what a probe's target can make the SDK raise (it may be anything listening on a port, so
+#: malformed HELLO replies too): reported in the probe's error, never a 500
+_TARGET_ERRORS = (AgentError, OSError, ValueError, KeyError, TypeError)
+#: request fields whose values never appear in a response (422 details echo inputs)
+_SECRET_FIELDS = frozenset({"token"})
+
+log = logging.getLogger("kvctl.agent.api")
 
 # Starlette picks the handler by walking the exception's MRO, so subclasses map with their base
 _ERROR_STATUS: dict[type[StoreError], int] = {
@@ -168,6 +185,50 @@ class KeysPage(BaseModel):
     next: str | None = Field(description="cursor for the next page (pass as after), null at end")
 
 
+class ProbeRequest(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    target: str = Field(description="data-plane TCP address of the agent to probe, HOST:PORT")
+    token: str | None = Field(
+        None, description="the target's data-plane token (never logged, never echoed)"
+    )
+    pings: int = Field(5, ge=1, le=100, description="PING round trips to time")
+    size_bytes: int = Field(
+        1 << 20,
+        alias="bytes",
+        ge=0,
+        le=MAX_PROBE_BYTES,
+        description=f"bytes to upload, then to download (0..{MAX_PROBE_BYTES}; 0: no bandwidth)",
+    )
+    timeout_s: float = Field(
+        2.0, gt=0, le=30, description="limit on each step: connect, each ping, each transfer"
+    )
+
+    @field_validator("target")
+    @classmethod
+    def _tcp_address(cls, v: str) -> str:
+        try:
+            transport, where = parse_address(v)
+        except ValueError:
+            transport, where = "", None
+        if transport != "tcp" or not 1 <= where[1] <= 65535:
+            raise ValueError(f"target must be a data-plane TCP address HOST:PORT, got {v[:80]!r}")
+        return v
+
+
+class ProbeResponse(BaseModel):
+    target: str
+    ok: bool = Field(description="the target answered and every step of the probe completed")
+    rtt_s: float | None = Field(description="median PING round trip, null when none answered")
+    rtt_min_s: float | None = Field(description="fastest PING round trip")
+    loss_ratio: float = Field(description="lost pings / pings (an error or a timeout is a loss)")
+    upload_bytes_per_s: float | None
+    download_bytes_per_s: float | None
+    bandwidth_bytes_per_s: float | None = Field(description="the lower of upload and download")
+    probe_bytes: int = Field(description="bytes sent each way (the request's bytes)")
+    error: str | None = Field(description="why ok is false")
+
+
 class EventsResponse(BaseModel):
     events: list[dict[str, Any]] = Field(description="events oldest first, each with a seq")
     last_seq: int = Field(description="pass as after to continue")
@@ -199,6 +260,112 @@ def _parse_key(text: str, what: str) -> bytes:
 def _hit_ratio(stats: dict[str, Any]) -> float:
     chunks = stats.get("lookup_chunks") or 0
     return (stats.get("hit_chunks") or 0) / chunks if chunks else 0.0
+
+
+def _redact(value: Any) -> Any:
+    """An input echoed in a validation error, with secret fields' values blanked out."""
+    if isinstance(value, dict):
+        return {k: "***" if k in _SECRET_FIELDS else _redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    return value
+
+
+def _connect_error(target: str, exc: Exception) -> str:
+    if isinstance(exc, AuthError):
+        return f"auth failed at {target}: {exc} (give the target's token)"
+    cause = exc.__cause__
+    if isinstance(exc, AgentUnreachable) and isinstance(cause, OSError):
+        return f"cannot reach {target}: {cause.strerror or cause}"
+    return f"cannot reach {target}: {exc}"
+
+
+def _bytes_per_s(size_bytes: int, elapsed_s: float, rtt_min_s: float | None) -> float:
+    """Bandwidth of a transfer timed as one round trip: the fastest ping's RTT is taken off,
+    so that on a long link a small probe does not measure mostly latency."""
+    transfer_s = elapsed_s
+    if rtt_min_s is not None and elapsed_s > rtt_min_s:
+        transfer_s = elapsed_s - rtt_min_s
+    return size_bytes / max(transfer_s, 1e-9)
+
+
+def probe_link(
+    target: str, *, token: str, pings: int, size_bytes: int, timeout_s: float
+) -> dict[str, Any]:
+    """Ping ``target``'s data plane ``pings`` times, then time one upload and one download of
+    ``size_bytes``. Never raises for the target's sake: failures go in ``error``. Worst case
+    about (2 * pings + 4) * timeout_s, though a dead link ends the pings early."""
+    result: dict[str, Any] = {
+        "target": target,
+        "ok": False,
+        "rtt_s": None,
+        "rtt_min_s": None,
+        "loss_ratio": 1.0,
+        "upload_bytes_per_s": None,
+        "download_bytes_per_s": None,
+        "bandwidth_bytes_per_s": None,
+        "probe_bytes": size_bytes,
+        "error": None,
+    }
+    client: DataClient | None = None
+
+    def connected() -> DataClient:
+        nonlocal client
+        if client is None or client.closed:
+            # token "" rather than None: None would fall back to KVCTL_TOKEN, i.e. send this
+            # agent's own token to whatever host the caller named
+            client = DataClient.connect(target, token=token, timeout_s=timeout_s, use_shm=False)
+        return client
+
+    rtts_s: list[float] = []
+    lost = 0
+    try:
+        try:
+            connected()
+        except _TARGET_ERRORS as exc:
+            result["error"] = _connect_error(target, exc)
+            return result
+        last_error = ""
+        lost_in_a_row = 0
+        for i in range(pings):
+            try:
+                rtts_s.append(connected().ping())
+                lost_in_a_row = 0
+            except _TARGET_ERRORS as exc:
+                # a timed-out ping leaves the stream out of step, so the client has closed;
+                # the next ping reconnects
+                lost += 1
+                lost_in_a_row += 1
+                last_error = f"ping {i + 1}: {_connect_error(target, exc)}"
+                if isinstance(exc, AuthError) or lost_in_a_row >= _PROBE_MAX_LOST_IN_A_ROW:
+                    lost += pings - i - 1  # the rest would be lost too: count, don't wait
+                    break
+        result["loss_ratio"] = lost / pings
+        if not rtts_s:
+            result["error"] = f"all {pings} pings to {target} were lost ({last_error})"
+            return result
+        result["rtt_s"] = statistics.median(rtts_s)
+        result["rtt_min_s"] = min(rtts_s)
+        if size_bytes:
+            rtt_min_s = result["rtt_min_s"]
+            try:
+                up_s = connected().probe(upload_bytes=size_bytes)
+                down_s = connected().probe(download_bytes=size_bytes)
+            except _TARGET_ERRORS as exc:
+                result["error"] = f"bandwidth probe of {target} failed: {exc}"
+                return result
+            up = _bytes_per_s(size_bytes, up_s, rtt_min_s)
+            down = _bytes_per_s(size_bytes, down_s, rtt_min_s)
+            result.update(
+                upload_bytes_per_s=up,
+                download_bytes_per_s=down,
+                bandwidth_bytes_per_s=min(up, down),
+            )
+        result["ok"] = True
+        return result
+    finally:
+        if client is not None:
+            client.close()
 
 
 def _sse(event: str, data: Any, seq: int | None = None) -> bytes:
@@ -317,6 +484,22 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
     for exc_type, status in _ERROR_STATUS.items():
         app.add_exception_handler(exc_type, _error(status))
 
+    async def _validation_error(_request: Request, exc: Exception) -> Response:
+        """FastAPI's own 422, except that echoed inputs never carry a token's value."""
+        assert isinstance(exc, RequestValidationError)
+        errors = []
+        for err in exc.errors():
+            err = dict(err)
+            loc = err.get("loc") or ()
+            if loc and loc[-1] in _SECRET_FIELDS:
+                err["input"] = "***"
+            elif "input" in err:
+                err["input"] = _redact(err["input"])
+            errors.append(err)
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+    app.add_exception_handler(RequestValidationError, _validation_error)
+
     # added last = outermost: metrics see the auth middleware's 401s
     app.add_middleware(_BearerAuth, runtime=runtime)
     app.add_middleware(_HttpMetrics, runtime=runtime, api=app)
@@ -345,6 +528,43 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             out = {"stats": store.stats.as_dict(), "usage": store.usage()}
         counters = out.get("stats")
         out["hit_ratio"] = _hit_ratio(counters if isinstance(counters, dict) else out)
+        # counters restart at zero with the agent: collectors spot a restart by this changing
+        out["started_s"] = runtime.started_s
+        return out
+
+    @app.get("/v1/gpus", tags=["agent"])
+    def gpus() -> dict[str, Any]:
+        """NVML status (with the error and a hint when unavailable) and one reading per GPU."""
+        status, readings = runtime.gpus()
+        return {
+            "nvml": dataclasses.asdict(status),
+            "gpus": [dataclasses.asdict(r) for r in readings],
+        }
+
+    @app.post("/v1/probe", response_model=ProbeResponse, tags=["agent"])
+    def probe(body: ProbeRequest) -> dict[str, Any]:
+        """Probe the link from this agent to another agent's data plane: PING round trips
+        (median, min, loss), then one upload and one download of `bytes` for bandwidth.
+
+        200 whenever the request is valid, also when the target is down (`ok` false, `error`
+        says why). Blocks for up to about (2 * pings + 4) * timeout_s.
+        """
+        out = probe_link(
+            body.target,
+            token=body.token or "",
+            pings=body.pings,
+            size_bytes=body.size_bytes,
+            timeout_s=body.timeout_s,
+        )
+        log.info(
+            "probe of %s: ok=%s rtt_s=%s loss=%.2f bandwidth_bytes_per_s=%s error=%s",
+            body.target,
+            out["ok"],
+            out["rtt_s"],
+            out["loss_ratio"],
+            out["bandwidth_bytes_per_s"],
+            out["error"],
+        )
         return out
 
     @app.post("/v1/lookup", response_model=LookupResponse, tags=["chunks"])

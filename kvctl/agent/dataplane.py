@@ -31,6 +31,7 @@ from kvctl.agent.protocol import (
     LEASE_ITEM,
     MAX_BATCH,
     NO_TIER,
+    PROBE_PIECE_BYTES,
     REPLY_BIT,
     STAGED_ITEM,
     ErrorCode,
@@ -43,10 +44,12 @@ from kvctl.agent.protocol import (
     check_header,
     error_meta,
     pack_header,
+    parse_probe,
     recv_exactly,
     recv_some_with_fds,
     recv_with_fds,
     send_all,
+    zero_pieces,
 )
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.store.errors import (
@@ -64,6 +67,10 @@ log = logging.getLogger("kvctl.agent.dataplane")
 #: a request that has started must keep sending; a stalled one is cut off after this
 FRAME_TIMEOUT_SECONDS = 30.0
 _OP_NAMES = {op.value: op.name.lower() for op in Op}
+#: PROBE replies are views of this one immutable buffer, shared by every connection
+_PROBE_ZEROS = bytes(PROBE_PIECE_BYTES)
+#: ops whose requests carry a payload; any other op with one is a broken frame
+_PAYLOAD_OPS = frozenset({Op.PUT, Op.PROBE})
 
 
 class DataPlaneServer:
@@ -236,6 +243,7 @@ class Connection:
             Op.RELEASE: self._release,
             Op.MAP: self._map,
             Op.ATTACH: self._attach,
+            Op.PROBE: self._probe,
         }
 
     # --- connection loop --------------------------------------------------------------------
@@ -310,7 +318,7 @@ class Connection:
                 raise FrameError(
                     ErrorCode.UNAUTHORIZED, "this agent needs a token: send HELLO first", fatal=True
                 )
-            if payload_len and op != Op.PUT:
+            if payload_len and op not in _PAYLOAD_OPS:
                 raise FrameError(
                     ErrorCode.BAD_FRAME, f"{Op(op).name} carries no payload", fatal=True
                 )
@@ -410,6 +418,17 @@ class Connection:
                 self._discard(sum(sizes[i + 1 :]))
                 raise
         return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
+
+    def _probe(self, meta: MetaReader, payload_len: int) -> tuple[list, int]:
+        try:
+            want_bytes = parse_probe(meta, payload_len)
+        except FrameError as exc:
+            if not exc.fatal:  # stay in step with the stream (a fatal one closes it anyway)
+                self._discard(payload_len)
+            raise
+        self._discard(payload_len)  # the upload half of the measurement: read, then dropped
+        reply = MetaWriter().u64(payload_len).build()
+        return [reply, *zero_pieces(_PROBE_ZEROS, want_bytes)], want_bytes
 
     def _put_staged(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
         if self._staging is None:

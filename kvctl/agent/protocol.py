@@ -1,7 +1,8 @@
 """The data plane's wire format: binary, framed, versioned. Shared by the agent and the SDK.
 
 Every frame is a 20-byte header, then ``meta_len`` bytes of metadata, then ``payload_len``
-bytes of payload (chunk bytes, only in PUT requests and GET replies)::
+bytes of payload (chunk bytes in PUT requests and GET replies; filler bytes in PROBE requests
+and replies)::
 
     magic "KV" | version u8 | op u8 | request_id u32 | meta_len u32 | payload_len u64
 
@@ -34,6 +35,11 @@ HEADER_BYTES = HEADER.size
 REPLY_BIT = 0x80
 MAX_META_BYTES = 8 << 20
 MAX_BATCH = 65536
+#: most bytes one PROBE may upload or ask for: enough to time a link, small enough that a probe
+#: cannot be used to make an agent stream gigabytes
+MAX_PROBE_BYTES = 64 << 20
+#: PROBE filler is sent in pieces of this size, all views of one shared zero buffer
+PROBE_PIECE_BYTES = 1 << 20
 NO_TIER = 255
 _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
@@ -65,6 +71,9 @@ class Op(IntEnum):
     PUT_STAGED = 11
     #: many chains in one frame: amortizes the round trip for batch schedulers
     LOOKUP_MANY = 12
+    #: link probe: the payload (upload) is read and dropped, the reply carries ``want_bytes``
+    #: zero bytes (download); meta u64 want_bytes, reply meta u64 bytes received
+    PROBE = 13
     ERROR = 0x7F
 
 
@@ -267,6 +276,43 @@ def put_item(
     if staging_offset is None:
         return ITEM.pack(*fields)
     return STAGED_ITEM.pack(*fields, staging_offset)
+
+
+def probe_meta(want_bytes: int) -> bytes:
+    """A PROBE request's metadata: how many zero bytes the reply should carry."""
+    if not 0 <= want_bytes <= MAX_PROBE_BYTES:
+        raise ValueError(f"a probe downloads 0..{MAX_PROBE_BYTES} bytes, not {want_bytes}")
+    return MetaWriter().u64(want_bytes).build()
+
+
+def parse_probe(meta: MetaReader, upload_bytes: int) -> int:
+    """``want_bytes`` of a PROBE request whose payload is ``upload_bytes``. An oversized upload
+    is fatal (like any oversized frame: its bytes are never read, so the stream is lost); an
+    oversized download is TOO_LARGE as well, fatal too, because clients close on TOO_LARGE."""
+    if upload_bytes > MAX_PROBE_BYTES:
+        raise FrameError(
+            ErrorCode.TOO_LARGE,
+            f"probe upload of {upload_bytes} bytes > {MAX_PROBE_BYTES}",
+            fatal=True,
+        )
+    want_bytes = meta.u64()
+    meta.done()
+    if want_bytes > MAX_PROBE_BYTES:
+        raise FrameError(
+            ErrorCode.TOO_LARGE,
+            f"probe download of {want_bytes} bytes > {MAX_PROBE_BYTES}",
+            fatal=True,
+        )
+    return want_bytes
+
+
+def zero_pieces(zeros: bytes | bytearray | memoryview, n_bytes: int) -> list[memoryview]:
+    """``n_bytes`` of filler as views of ``zeros`` (reused, so nothing of size n is allocated)."""
+    view = memoryview(zeros).cast("B")
+    if view.nbytes == 0 and n_bytes:
+        raise ValueError("an empty zero buffer cannot fill a probe")
+    full, rest = divmod(n_bytes, view.nbytes or 1)
+    return [view] * full + ([view[:rest]] if rest else [])
 
 
 def error_meta(code: ErrorCode, message: str) -> bytes:

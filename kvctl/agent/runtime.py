@@ -7,8 +7,9 @@ starts servers around it.
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvctl import __version__
 from kvctl.agent.events import EventHub
@@ -20,6 +21,9 @@ from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import Tier
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
+
+if TYPE_CHECKING:
+    from collectors.nvml import GpuReading, NvmlReader, NvmlStatus
 
 
 class AgentRuntime:
@@ -33,6 +37,9 @@ class AgentRuntime:
         self._models = {m.id: m for m in settings.models}
         #: addresses the servers actually bound (port 0 in the settings becomes a real port)
         self.bound: dict[str, str | None] = {}
+        #: opened on first use: most agents are never asked, and NVML init costs a driver call
+        self._nvml: NvmlReader | None = None
+        self._nvml_lock = threading.Lock()
 
     @classmethod
     def open(cls, settings: AgentSettings) -> AgentRuntime:
@@ -112,6 +119,21 @@ class AgentRuntime:
             "auth": bool(s.token),
         }
 
+    def gpus(self) -> tuple[NvmlStatus, list[GpuReading]]:
+        """NVML's status and one reading per GPU ([] when NVML is unavailable). A failed open
+        is retried on the next call, so a driver loaded after the agent started is picked up."""
+        from collectors.nvml import NvmlReader  # pynvml only when GPUs are asked about
+
+        with self._nvml_lock:
+            if self._nvml is None:
+                self._nvml = NvmlReader()
+            status = self._nvml.open()  # no-op once open; never raises
+            return status, self._nvml.read()
+
     def close(self) -> None:
         self._unsubscribe()
+        with self._nvml_lock:
+            if self._nvml is not None:
+                self._nvml.close()
+                self._nvml = None
         self.store.close()

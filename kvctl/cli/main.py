@@ -10,6 +10,8 @@ import typer
 from kvctl import __version__
 from kvctl.cli.agent import agent_app
 from kvctl.cli.bench import bench_app
+from kvctl.cli.collect import collect_command
+from kvctl.cli.db import db_app
 from kvctl.cli.demo import demo_command
 from kvctl.cli.keys import keys_command
 from kvctl.cli.simulate import simulate_command
@@ -50,6 +52,8 @@ app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.")
 app.add_typer(
     agent_app, name="agent", help="Run and inspect the tiered KV-cache agent on this node."
 )
+app.command("collect", short_help="Record the fleet's metrics in the database.")(collect_command)
+app.add_typer(db_app, name="db", help="Schema and upkeep of the metrics database.")
 
 
 def main() -> None:

@@ -9,11 +9,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import psycopg
 from psycopg.errors import UniqueViolation
 from sqlalchemy import Table
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError
 
 
 def insert_rows(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]]) -> int:
@@ -28,6 +29,10 @@ def insert_rows(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]
         except (IntegrityError, UniqueViolation):
             # COPY is all-or-nothing: fall back to row-wise conflict handling for this batch
             conn.execute(pg_insert(table).on_conflict_do_nothing(), list(rows))
+        except psycopg.Error as exc:
+            # raw driver errors from COPY, wrapped like every other statement's (lock timeouts,
+            # lost connections), so callers handle one family of exceptions
+            raise DBAPIError.instance(f"COPY {table.name}", None, exc, psycopg.Error) from exc
         return len(rows)
     _sqlite_executemany(conn, table, rows)
     return len(rows)

@@ -26,6 +26,9 @@ def test_store_and_workload_never_import_ui() -> None:
         "kvctl.workload.simulate",
         "kvctl.bench.store",
         "collectors",
+        "collectors.rows",
+        "kvctl.db.migrate",
+        "kvctl.db.queries",
         "dashboard",
     ):
         loaded = imported_by(module)
@@ -42,3 +45,24 @@ def test_cli_help_does_not_import_the_store_engine() -> None:
     )
     loaded = set(out.stdout.split())
     assert "kvctl.store.store" not in loaded and "kvctl.workload.simulate" not in loaded
+
+
+def _imports(path: Path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+def test_core_sources_never_import_ui() -> None:
+    """Static check for modules whose HTTP client (httpx) drags in click and rich for its own
+    command line: our code itself must still never import a UI library, even lazily."""
+    for folder in ("kvctl/store", "kvctl/db", "kvctl/agent", "collectors", "migrations"):
+        for path in (ROOT / folder).rglob("*.py"):
+            assert not _imports(path) & set(UI), path

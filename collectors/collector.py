@@ -1,0 +1,408 @@
+"""The collector loop: scrape every node concurrently, probe links, write, roll up, prune.
+
+One slow or dead node never holds up the others: scrapes run in a thread pool with a deadline
+inside the interval, a node that misses it is recorded as down, and a node whose previous scrape
+is still hanging is skipped rather than piled up. Row building and counter tracking happen on
+the loop's thread, so the tracker needs no lock. A batch the database refuses is kept and
+retried next cycle (bounded), so a database restart loses no increases.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
+
+from collectors.counters import CounterTracker
+from collectors.engines import EngineReading, Histogram, UnknownEngine, parse_engine_metrics
+from collectors.metrics import CollectorMetrics
+from collectors.rows import cache_rows, engine_row, power_rows
+from kvctl.client import AgentClient, AgentError, RequestError
+from kvctl.db.ingest import insert_rows
+from kvctl.db.inventory import NodeInfo, list_nodes
+from kvctl.db.models import raw_table
+from kvctl.db.rollup import Retention, prune, rollup_all
+
+log = logging.getLogger("kvctl.collect")
+
+#: rows kept for retry while the database refuses writes (about a day of a 100-node fleet)
+MAX_PENDING_ROWS = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorConfig:
+    interval_s: float = 10.0
+    link_interval_s: float = 60.0
+    maintenance_interval_s: float = 60.0
+    #: per-request timeout; default: 80% of the interval, at most 5 s
+    timeout_s: float | None = None
+    dc: str | None = None
+    #: bearer token for the agents (and, in link probes, for the probed agent)
+    token: str | None = None
+    probe_bytes: int = 1 << 20
+    pings: int = 5
+    retention: Retention = field(default_factory=Retention)
+    max_workers: int = 32
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self.timeout_s if self.timeout_s is not None else min(5.0, self.interval_s * 0.8)
+
+
+@dataclass(slots=True)
+class Scrape:
+    """What one node answered (raw), before rows are built on the loop's thread."""
+
+    node: NodeInfo
+    up: bool
+    seconds: float
+    error: str | None = None
+    stats: dict[str, Any] | None = None
+    gpus: dict[str, Any] | None = None
+    engine: EngineReading | None = None
+    engine_error: str | None = None
+
+
+@dataclass(slots=True)
+class CycleReport:
+    ts_ms: int
+    seconds: float = 0.0
+    up: list[str] = field(default_factory=list)
+    down: dict[str, str] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    written: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ts_ms": self.ts_ms,
+            "seconds": round(self.seconds, 4),
+            "up": self.up,
+            "down": self.down,
+            "rows": self.rows,
+            "warnings": self.warnings,
+            "written": self.written,
+        }
+
+
+class Collector:
+    def __init__(
+        self,
+        engine: Engine,
+        config: CollectorConfig | None = None,
+        *,
+        metrics: CollectorMetrics | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.config = config or CollectorConfig()
+        self.metrics = metrics or CollectorMetrics()
+        self._clock = clock
+        self._tracker = CounterTracker()
+        self._tracker_loaded = False
+        self._ttft_prev: dict[int, Histogram] = {}
+        self._clients: dict[int, AgentClient] = {}
+        self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="kvctl-scrape")
+        self._in_flight: dict[int, Future[Scrape]] = {}
+        self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self._warned_engines: set[int] = set()
+        self._link_round = 0
+        self._http = httpx.Client(timeout=self.config.request_timeout_s)
+
+    # --- inventory ---------------------------------------------------------------------------
+    def nodes(self) -> list[NodeInfo]:
+        with self.engine.connect() as conn:
+            return list_nodes(conn, dc=self.config.dc)
+
+    def _client(self, node: NodeInfo) -> AgentClient:
+        client = self._clients.get(node.id)
+        if client is None or client.url != node.agent_url.rstrip("/"):
+            client = AgentClient(
+                node.agent_url, token=self.config.token, timeout_s=self.config.request_timeout_s
+            )
+            self._clients[node.id] = client
+        return client
+
+    # --- one cycle ---------------------------------------------------------------------------
+    def _scrape(self, node: NodeInfo) -> Scrape:
+        t0 = time.perf_counter()
+        client = self._client(node)
+        try:
+            stats = client.stats()
+        except AgentError as exc:
+            self.metrics.errors.labels("agent").inc()
+            return Scrape(node, False, time.perf_counter() - t0, error=str(exc))
+        seconds = time.perf_counter() - t0
+        self.metrics.scrape_seconds.labels("agent").observe(seconds)
+        out = Scrape(node, True, seconds, stats=stats)
+        try:
+            out.gpus = client.gpus()
+        except RequestError as exc:
+            if exc.code != 404:  # an agent older than /v1/gpus: no power readings
+                out.engine_error = f"gpus: {exc}"
+        except AgentError as exc:
+            self.metrics.errors.labels("gpus").inc()
+            out.engine_error = f"gpus: {exc}"
+        if node.engine_url:
+            out.engine, out.engine_error = self._scrape_engine(node)
+        return out
+
+    def _scrape_engine(self, node: NodeInfo) -> tuple[EngineReading | None, str | None]:
+        assert node.engine_url
+        t0 = time.perf_counter()
+        try:
+            resp = self._http.get(node.engine_url)
+            resp.raise_for_status()
+            reading = parse_engine_metrics(resp.text)
+        except UnknownEngine:
+            self.metrics.errors.labels("engine").inc()
+            return None, f"no vLLM, SGLang or LMCache metrics at {node.engine_url}: skipped"
+        except (httpx.HTTPError, ValueError) as exc:
+            self.metrics.errors.labels("engine").inc()
+            return None, f"engine at {node.engine_url}: {exc}"
+        self.metrics.scrape_seconds.labels("engine").observe(time.perf_counter() - t0)
+        return reading, None
+
+    def collect_once(self) -> CycleReport:
+        """Scrape every node once and write the samples; never raises for a node's failure."""
+        t0 = time.perf_counter()
+        ts_ms = int(self._clock() * 1000)
+        report = CycleReport(ts_ms)
+        nodes = self.nodes()
+        deadline_s = self.config.interval_s * 0.9
+        futures: dict[int, Future[Scrape]] = {}
+        scrapes: list[Scrape] = []
+        for node in nodes:
+            hanging = self._in_flight.get(node.id)
+            if hanging is not None and not hanging.done():
+                scrapes.append(Scrape(node, False, 0.0, error="previous scrape still running"))
+                continue
+            futures[node.id] = self._in_flight[node.id] = self._pool.submit(self._scrape, node)
+        wait(futures.values(), timeout=deadline_s)
+        by_id = {n.id: n for n in nodes}
+        for node_id, fut in futures.items():
+            if fut.done():
+                scrapes.append(fut.result())
+                del self._in_flight[node_id]
+            else:
+                self.metrics.errors.labels("agent").inc()
+                scrapes.append(
+                    Scrape(by_id[node_id], False, deadline_s, error=f"no answer in {deadline_s}s")
+                )
+        rows = self._rows(scrapes, ts_ms, report)
+        self._write(rows, report)
+        report.seconds = time.perf_counter() - t0
+        self.metrics.cycle_seconds.observe(report.seconds)
+        self.metrics.nodes.labels("up").set(len(report.up))
+        self.metrics.nodes.labels("down").set(len(report.down))
+        return report
+
+    def _rows(
+        self, scrapes: list[Scrape], ts_ms: int, report: CycleReport
+    ) -> dict[str, list[dict[str, Any]]]:
+        self._load_tracker()
+        rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for s in scrapes:
+            node = s.node
+            nvml = None if s.gpus is None else bool(s.gpus.get("nvml", {}).get("available"))
+            rows["node_sample"].append(
+                {
+                    "node_id": node.id,
+                    "ts_ms": ts_ms,
+                    "up": s.up,
+                    "scrape_seconds": s.seconds if s.up else None,
+                    "agent_started_s": None if s.stats is None else s.stats.get("started_s"),
+                    "nvml_available": nvml,
+                    "error": s.error,
+                }
+            )
+            if not s.up or s.stats is None:
+                report.down[node.name] = s.error or "down"
+                continue
+            report.up.append(node.name)
+            rows["cache_sample"] += cache_rows(self._tracker, node.id, ts_ms, s.stats)
+            if s.gpus is not None:
+                rows["power_sample"] += power_rows(self._tracker, node.id, ts_ms, s.gpus)
+            if s.engine is not None:
+                prev = self._ttft_prev.get(node.id)
+                rows["engine_sample"].append(
+                    engine_row(self._tracker, node.id, ts_ms, s.engine, prev)
+                )
+                if s.engine.ttft is not None:
+                    self._ttft_prev[node.id] = s.engine.ttft
+            if s.engine_error:
+                report.warnings.append(f"{node.name}: {s.engine_error}")
+                if node.id not in self._warned_engines:
+                    self._warned_engines.add(node.id)
+                    log.warning("%s: %s", node.name, s.engine_error)
+        return rows
+
+    def _load_tracker(self) -> None:
+        if self._tracker_loaded:
+            return
+        with self.engine.connect() as conn:
+            self._tracker.load(conn, ())
+        self._tracker_loaded = True
+
+    def _write(self, rows: dict[str, list[dict[str, Any]]], report: CycleReport) -> None:
+        for table, batch in rows.items():
+            self._pending[table] += batch
+        try:
+            with self.engine.begin() as conn:
+                for table, batch in self._pending.items():
+                    insert_rows(conn, raw_table(table), batch)
+                self._tracker.save(conn)
+        except SQLAlchemyError as exc:
+            self.metrics.db_errors.inc()
+            report.written = False
+            report.warnings.append(
+                f"database refused the batch, will retry: {exc.__cause__ or exc}"
+            )
+            log.error("database write failed, keeping %d rows for retry: %s", self._count(), exc)
+            self._trim_pending()
+            return
+        for table, batch in self._pending.items():
+            report.rows[table] = len(batch)
+            self.metrics.rows.labels(table).inc(len(batch))
+        self._pending.clear()
+
+    def _count(self) -> int:
+        return sum(len(b) for b in self._pending.values())
+
+    def _trim_pending(self) -> None:
+        over = self._count() - MAX_PENDING_ROWS
+        for batch in self._pending.values():
+            if over <= 0:
+                break
+            cut = min(over, len(batch))
+            del batch[:cut]
+            over -= cut
+
+    # --- links -------------------------------------------------------------------------------
+    def probe_links_once(self) -> CycleReport:
+        """Probe one node pair per ordered pair of DCs, rotating through the nodes each round."""
+        t0 = time.perf_counter()
+        report = CycleReport(int(self._clock() * 1000))
+        by_dc: dict[str, list[NodeInfo]] = defaultdict(list)
+        for node in self.nodes():
+            by_dc[node.dc].append(node)
+        pairs = [
+            (src[self._link_round % len(src)], dst[self._link_round % len(dst)])
+            for a, src in by_dc.items()
+            for b, dst in by_dc.items()
+            if a != b
+        ]
+        self._link_round += 1
+        futures = [self._pool.submit(self._probe, src, dst, report.ts_ms) for src, dst in pairs]
+        wait(futures)
+        rows = [f.result() for f in futures]
+        for row, (src, dst) in zip(rows, pairs, strict=True):
+            name = f"{src.name}->{dst.name}"
+            if row["ok"]:
+                report.up.append(name)
+            else:
+                report.down[name] = row["error"] or "failed"
+        self._write({"link_sample": rows}, report)
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    def _probe(self, src: NodeInfo, dst: NodeInfo, ts_ms: int) -> dict[str, Any]:
+        row: dict[str, Any] = {
+            "src_node_id": src.id,
+            "dst_node_id": dst.id,
+            "ts_ms": ts_ms,
+            "rtt_s": None,
+            "bandwidth_bytes_per_s": None,
+            "loss_ratio": None,
+            "probe_bytes": self.config.probe_bytes,
+            "ok": False,
+            "error": None,
+        }
+        t0 = time.perf_counter()
+        try:
+            target = self._client(dst).info().get("dataplane", {}).get("tcp")
+            if not target:
+                row["error"] = f"{dst.name} has no TCP data plane to probe"
+                return row
+            result = self._client(src).probe(
+                target,
+                token=self.config.token,
+                pings=self.config.pings,
+                size_bytes=self.config.probe_bytes,
+            )
+        except AgentError as exc:
+            self.metrics.errors.labels("link").inc()
+            row["error"] = str(exc)
+            return row
+        self.metrics.scrape_seconds.labels("link").observe(time.perf_counter() - t0)
+        row.update(
+            rtt_s=result.get("rtt_s"),
+            bandwidth_bytes_per_s=result.get("bandwidth_bytes_per_s"),
+            loss_ratio=result.get("loss_ratio"),
+            ok=bool(result.get("ok")),
+            error=result.get("error"),
+        )
+        if not row["ok"]:
+            self.metrics.errors.labels("link").inc()
+        return row
+
+    # --- maintenance -------------------------------------------------------------------------
+    @contextmanager
+    def _begin(self) -> Iterator[Connection]:
+        with self.engine.begin() as conn:
+            yield conn
+
+    def maintain(self) -> dict[str, dict[str, int]]:
+        """Roll up what is final and prune what is past retention."""
+        now_ms = int(self._clock() * 1000)
+        written = rollup_all(self._begin, now_ms)
+        with self.engine.begin() as conn:
+            deleted = prune(conn, now_ms, self.config.retention)
+        return {"rolled_up": written, "deleted": {k: v for k, v in deleted.items() if v}}
+
+    # --- loop --------------------------------------------------------------------------------
+    def run(
+        self,
+        stop: threading.Event,
+        *,
+        on_cycle: Callable[[str, CycleReport | dict[str, Any]], None] | None = None,
+    ) -> None:
+        """Collect every interval until ``stop`` is set; links and maintenance on their own
+        schedules. Database and node failures are reported, never end the loop."""
+        next_links = next_maint = time.monotonic()
+        while not stop.is_set():
+            started = time.monotonic()
+            report = self.collect_once()
+            if on_cycle:
+                on_cycle("scrape", report)
+            if started >= next_links:
+                next_links = started + self.config.link_interval_s
+                links = self.probe_links_once()
+                if on_cycle:
+                    on_cycle("links", links)
+            if started >= next_maint:
+                next_maint = started + self.config.maintenance_interval_s
+                try:
+                    maint = self.maintain()
+                except SQLAlchemyError as exc:
+                    log.error("rollup/retention failed, will retry: %s", exc)
+                    maint = {"error": str(exc)}
+                if on_cycle:
+                    on_cycle("maintenance", maint)
+            stop.wait(max(0.0, started + self.config.interval_s - time.monotonic()))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for c in self._clients.values():
+            c.close()
+        self._http.close()

@@ -1,0 +1,103 @@
+"""Cumulative counters in, exact increases out, across agent and engine restarts.
+
+Agents and engines export counters that only grow until the process restarts. The database
+stores the increase since the previous sample, so the sum over any window is exact. A restart
+is seen either as a new epoch (the agent's start time) or as a counter going down; the increase
+is then the new value itself (counted from zero). The first sample of a series that kvctl has
+never seen only sets the baseline: its counts happened at unknown times and are not attributed.
+The last raw values live in ``counter_state`` so a restarted collector loses nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
+
+from kvctl.db.models import CounterState
+
+
+@dataclass(slots=True)
+class _Last:
+    epoch: float | None
+    values: dict[str, float]
+    ts_ms: int
+
+
+@dataclass(slots=True)
+class CounterTracker:
+    _last: dict[str, _Last] = field(default_factory=dict)
+    _dirty: set[str] = field(default_factory=set)
+
+    def increase(
+        self,
+        series: str,
+        values: Mapping[str, float | None],
+        *,
+        epoch: float | None,
+        ts_ms: int,
+    ) -> dict[str, float | None]:
+        """Increase of each counter since the previous sample of ``series``; None where the
+        counter is absent now (a reading that could not be taken)."""
+        prev = self._last.get(series)
+        restarted = prev is not None and epoch is not None and prev.epoch not in (None, epoch)
+        out: dict[str, float | None] = {}
+        for name, value in values.items():
+            if value is None:
+                out[name] = None
+                continue
+            before = None if prev is None else prev.values.get(name)
+            if prev is None:
+                out[name] = 0.0
+            elif restarted or before is None or value < before:
+                out[name] = value
+            else:
+                out[name] = value - before
+        kept = {} if prev is None or restarted else dict(prev.values)
+        kept.update({k: v for k, v in values.items() if v is not None})
+        self._last[series] = _Last(epoch, kept, ts_ms)
+        self._dirty.add(series)
+        return out
+
+    def load(self, conn: Connection, prefixes: Iterable[str]) -> int:
+        """Read saved state for series starting with any of ``prefixes``; returns rows read."""
+        wanted = tuple(prefixes)
+        n = 0
+        for series, state, ts_ms in conn.execute(
+            select(CounterState.series, CounterState.state, CounterState.ts_ms)
+        ):
+            if wanted and not series.startswith(wanted):
+                continue
+            data = json.loads(state)
+            self._last[series] = _Last(data.get("epoch"), dict(data.get("values", {})), ts_ms)
+            n += 1
+        return n
+
+    def save(self, conn: Connection) -> int:
+        """Upsert the state of series changed since the last save; returns rows written."""
+        if not self._dirty:
+            return 0
+        rows: list[dict[str, Any]] = [
+            {
+                "series": s,
+                "state": json.dumps({"epoch": self._last[s].epoch, "values": self._last[s].values}),
+                "ts_ms": self._last[s].ts_ms,
+            }
+            for s in sorted(self._dirty)
+        ]
+        insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        stmt = insert(CounterState).values(rows)
+        conn.execute(
+            stmt.on_conflict_do_update(
+                index_elements=["series"],
+                set_={"state": stmt.excluded.state, "ts_ms": stmt.excluded.ts_ms},
+            )
+        )
+        self._dirty.clear()
+        return len(rows)

@@ -1,0 +1,176 @@
+"""Agent and engine readings to database rows, counters turned into increases on the way.
+
+Pure functions of what was scraped plus the counter tracker, so they are tested without a
+network and the collector loop only schedules, scrapes and writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from collectors.counters import CounterTracker
+from collectors.engines import EngineReading, Histogram, histogram_delta, histogram_quantile
+
+CACHE_COUNTERS = (
+    "lookups",
+    "lookup_tokens",
+    "hits",
+    "hit_tokens",
+    "reuse_hits",
+    "sharing_hits",
+    "evictions",
+    "promotions",
+    "demotions",
+    "bytes_read",
+    "bytes_written",
+)
+ENGINE_COUNTERS = (
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "generation_tokens",
+    "requests",
+    "ttft_count",
+    "ttft_sum_s",
+    "lmcache_hit_tokens",
+    "lmcache_requested_tokens",
+)
+
+
+def _int(v: float | None) -> int | None:
+    return None if v is None else round(v)
+
+
+def cache_counters(stats: Mapping[str, Any]) -> dict[str, dict[str, float]]:
+    """Raw cumulative counters per tier, and ``all`` for the node, from ``/v1/stats``."""
+    counters = stats["stats"]
+    tiers: Mapping[str, Mapping[str, Any]] = counters.get("tiers", {})
+    out: dict[str, dict[str, float]] = {}
+    for name, t in tiers.items():
+        out[name] = {
+            "lookups": 0,
+            "lookup_tokens": 0,
+            "hits": t["hits"],
+            "hit_tokens": t["hit_tokens"],
+            "reuse_hits": t["reuse_hits"],
+            "sharing_hits": t["sharing_hits"],
+            "evictions": sum(t.get("evictions", {}).values()),
+            "promotions": t["promotions"],
+            "demotions": t["demotions"],
+            "bytes_read": t["bytes_read"],
+            "bytes_written": t["bytes_written"],
+        }
+    out["all"] = {
+        "lookups": counters["lookup_chunks"],
+        "lookup_tokens": counters["lookup_tokens"],
+        "hits": counters["hit_chunks"],
+        "hit_tokens": counters["hit_tokens"],
+        "reuse_hits": counters["reuse_hits"],
+        "sharing_hits": counters["sharing_hits"],
+        # chunks that left the node; a demotion moves a chunk within it
+        "evictions": counters["drops"],
+        "promotions": sum(t["promotions"] for t in tiers.values()),
+        "demotions": sum(t["demotions"] for t in tiers.values()),
+        "bytes_read": sum(t["bytes_read"] for t in tiers.values()),
+        "bytes_written": sum(t["bytes_written"] for t in tiers.values()),
+    }
+    return out
+
+
+def cache_rows(
+    tracker: CounterTracker, node_id: int, ts_ms: int, stats: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """``cache_sample`` rows of one scrape of ``/v1/stats``."""
+    usage: Mapping[str, Mapping[str, int]] = stats["usage"]
+    epoch = stats.get("started_s")
+    rows = []
+    for tier, raw in cache_counters(stats).items():
+        inc = tracker.increase(f"cache:{node_id}:{tier}", raw, epoch=epoch, ts_ms=ts_ms)
+        if tier == "all":
+            gauges = {
+                k: sum(u[k] for u in usage.values())
+                for k in ("used_bytes", "capacity_bytes", "pinned_bytes", "chunks")
+            }
+        else:
+            gauges = dict(usage.get(tier, {}))
+        rows.append(
+            {
+                "node_id": node_id,
+                "tier": tier,
+                "ts_ms": ts_ms,
+                **{c: _int(inc[c]) or 0 for c in CACHE_COUNTERS},
+                "used_bytes": gauges.get("used_bytes", 0),
+                "capacity_bytes": gauges.get("capacity_bytes", 0),
+                "pinned_bytes": gauges.get("pinned_bytes", 0),
+                "items": gauges.get("chunks", 0),
+            }
+        )
+    return rows
+
+
+def power_rows(
+    tracker: CounterTracker, node_id: int, ts_ms: int, gpus: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """``power_sample`` rows from ``/v1/gpus``; none when NVML is unavailable on the node."""
+    rows = []
+    for g in gpus.get("gpus", []):
+        index = int(g["index"])
+        inc = tracker.increase(
+            f"power:{node_id}:{index}", {"energy_j": g.get("energy_j")}, epoch=None, ts_ms=ts_ms
+        )
+        rows.append(
+            {
+                "node_id": node_id,
+                "gpu_index": index,
+                "ts_ms": ts_ms,
+                "power_w": g.get("power_w"),
+                "energy_j": inc["energy_j"],
+                "utilization_ratio": g.get("utilization_ratio"),
+                "memory_used_bytes": g.get("memory_used_bytes"),
+                "memory_total_bytes": g.get("memory_total_bytes"),
+            }
+        )
+    return rows
+
+
+def engine_row(
+    tracker: CounterTracker,
+    node_id: int,
+    ts_ms: int,
+    reading: EngineReading,
+    previous_ttft: Histogram | None,
+    *,
+    epoch: float | None = None,
+) -> dict[str, Any]:
+    """One ``engine_sample`` row. TTFT quantiles cover the requests since ``previous_ttft``
+    (None on the first scrape: the quantiles are then unknown rather than all-time)."""
+    ttft = reading.ttft
+    raw = {
+        "prompt_tokens": reading.prompt_tokens,
+        "cached_prompt_tokens": reading.cached_prompt_tokens,
+        "generation_tokens": reading.generation_tokens,
+        "requests": reading.requests,
+        "ttft_count": None if ttft is None else ttft.count,
+        "ttft_sum_s": None if ttft is None else ttft.sum,
+        "lmcache_hit_tokens": reading.lmcache_hit_tokens,
+        "lmcache_requested_tokens": reading.lmcache_requested_tokens,
+    }
+    inc = tracker.increase(f"engine:{node_id}", raw, epoch=epoch, ts_ms=ts_ms)
+    quantiles: dict[str, float | None] = {
+        "ttft_p50_s": None,
+        "ttft_p90_s": None,
+        "ttft_p99_s": None,
+    }
+    if ttft is not None and previous_ttft is not None:
+        window = histogram_delta(ttft, previous_ttft)
+        for q, col in ((0.5, "ttft_p50_s"), (0.9, "ttft_p90_s"), (0.99, "ttft_p99_s")):
+            quantiles[col] = histogram_quantile(window, q)
+    return {
+        "node_id": node_id,
+        "ts_ms": ts_ms,
+        "engine": reading.engine,
+        **{c: inc[c] if c == "ttft_sum_s" else _int(inc[c]) for c in ENGINE_COUNTERS},
+        **quantiles,
+        "kv_usage_ratio": reading.kv_usage_ratio,
+        "lmcache_local_cache_usage_bytes": reading.lmcache_local_cache_usage_bytes,
+    }

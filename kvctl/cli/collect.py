@@ -1,0 +1,154 @@
+"""`kvctl collect`: record the fleet's cache, power, link and engine metrics in the database."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.cli.db import DbOpt, db_errors, open_engine
+from kvctl.cli.output import console, err_console, fail, print_json
+
+
+def collect_command(
+    once: Annotated[bool, typer.Option("--once", help="One cycle, then exit.")] = False,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between cache scrapes.", min=0.1)
+    ] = 10.0,
+    dc: Annotated[str | None, typer.Option(help="Only nodes in this DC.")] = None,
+    db: DbOpt = None,
+    links: Annotated[
+        bool, typer.Option("--links/--no-links", help="Probe links between DCs.")
+    ] = True,
+    link_interval: Annotated[
+        float, typer.Option("--link-interval", help="Seconds between link probes.", min=1)
+    ] = 60.0,
+    probe_size: Annotated[
+        str, typer.Option("--probe-size", help="Bytes sent each way per link probe (max 64MiB).")
+    ] = "1MiB",
+    metrics_listen: Annotated[
+        str,
+        typer.Option(
+            "--metrics-listen", help="Serve the collector's own /metrics on HOST:PORT, or 'off'."
+        ),
+    ] = "127.0.0.1:9470",
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON lines for scripts.")] = False,
+) -> None:
+    """Scrape every agent in the fleet inventory into the metrics database.
+
+    Each interval: cache counters per node and tier, GPU power from the node's NVML (through
+    its agent), and the node's inference-engine metrics when it has an engine URL. Link probes
+    (RTT, loss, bandwidth through the agents' data plane) run on their own, slower schedule;
+    rollups and retention every minute. Unreachable nodes are recorded as down; the loop goes
+    on. Several collectors (say one per DC with --dc) can write to one PostgreSQL.
+
+    The agents' token is read from KVCTL_TOKEN.
+
+    Examples:
+
+      kvctl collect --once
+
+      kvctl collect --interval 5 --dc fra-1
+
+      KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 0.0.0.0:9470
+    """
+    from collectors.collector import Collector, CollectorConfig, CycleReport
+    from kvctl.agent.settings import split_host_port
+    from kvctl.units import parse_size
+
+    try:
+        probe_bytes = parse_size(probe_size)
+    except ValueError as exc:
+        fail(str(exc))
+    if probe_bytes > 64 << 20:
+        fail(f"--probe-size is at most 64MiB, got {probe_size}")
+    engine = open_engine(db)
+    config = CollectorConfig(
+        interval_s=interval,
+        link_interval_s=link_interval if links else float("inf"),
+        dc=dc,
+        probe_bytes=probe_bytes,
+    )
+    collector = Collector(engine, config)
+    try:
+        with db_errors():
+            nodes = collector.nodes()
+        if not nodes:
+            fail(
+                "the fleet inventory has no nodes" + (f" in DC {dc!r}" if dc else ""),
+                hint="add them with `kvctl fleet add-node` (or `kvctl fleet import FILE`)",
+            )
+        if once:
+            _once(collector, links, json_out)
+            return
+        server = None
+        if metrics_listen != "off":
+            try:
+                host, port = split_host_port(metrics_listen)
+                server, bound = collector.metrics.serve(host, port)
+            except (OSError, ValueError) as exc:
+                fail(f"cannot serve /metrics on {metrics_listen}: {exc}")
+            err_console.print(f"collector metrics on http://{host}:{bound}/metrics")
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+
+        def show(kind: str, report: CycleReport | dict[str, Any]) -> None:
+            if json_out:
+                data = report.as_dict() if isinstance(report, CycleReport) else report
+                print_json({"kind": kind, **data})
+            elif isinstance(report, CycleReport):
+                _line(kind, report)
+
+        err_console.print(f"collecting from {len(nodes)} nodes every {interval:g}s (Ctrl-C stops)")
+        collector.run(stop, on_cycle=show)
+        if server is not None:
+            server.shutdown()
+    finally:
+        collector.close()
+        engine.dispose()
+
+
+def _line(kind: str, r: Any) -> None:
+    down = f", [red]{len(r.down)} down[/]: {', '.join(sorted(r.down))}" if r.down else ""
+    saved = "" if r.written else " [yellow](database unavailable, kept for retry)[/]"
+    console.print(
+        f"{kind:<6} {len(r.up)} up{down} · {sum(r.rows.values())} rows · {r.seconds:.2f}s{saved}",
+        highlight=False,
+    )
+
+
+def _once(collector: Any, links: bool, json_out: bool) -> None:
+    from rich.table import Table
+
+    report = collector.collect_once()
+    link_report = collector.probe_links_once() if links else None
+    maint = collector.maintain()
+    if json_out:
+        print_json(
+            {
+                "scrape": report.as_dict(),
+                "links": None if link_report is None else link_report.as_dict(),
+                "maintenance": maint,
+            }
+        )
+    else:
+        table = Table("target", "state", "detail", title="kvctl collect --once")
+        for name in report.up:
+            table.add_row(name, "[green]up[/]", "")
+        for name, err in sorted(report.down.items()):
+            table.add_row(name, "[red]down[/]", err)
+        if link_report is not None:
+            for name in link_report.up:
+                table.add_row(name, "[green]link ok[/]", "")
+            for name, err in sorted(link_report.down.items()):
+                table.add_row(name, "[red]link failed[/]", err)
+        console.print(table)
+        for w in report.warnings:
+            err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
+        rows = sum(report.rows.values()) + (sum(link_report.rows.values()) if link_report else 0)
+        console.print(f"{rows} rows written")
+    if report.down or not report.written:
+        raise typer.Exit(1)

@@ -1,0 +1,170 @@
+"""`kvctl db ...`: the metrics database's schema and upkeep."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any
+
+import typer
+
+from kvctl.cli.output import console, fail, print_json
+
+db_app = typer.Typer(no_args_is_help=True, help="Schema and upkeep of the metrics database.")
+
+DbOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--db",
+        help="Database URL (default: $KVCTL_DB_URL, else a SQLite file in ~/.local/state/kvctl).",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+DB_HINT = "set KVCTL_DB_URL or --db; `kvctl db current` shows which database is used"
+
+
+@contextmanager
+def db_errors() -> Iterator[None]:
+    """The database's failures as one line with a hint, never a traceback."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvctl.db.engine import DatabaseError
+
+    try:
+        yield
+    except DatabaseError as exc:
+        fail(str(exc), hint=DB_HINT)
+    except SQLAlchemyError as exc:
+        fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=DB_HINT)
+
+
+def open_engine(db: str | None) -> Any:
+    """The CLI's way into the database: SQLite upgrades itself, PostgreSQL must be current."""
+    from kvctl.db.migrate import open_db
+
+    with db_errors():
+        return open_db(db)
+
+
+@db_app.command("upgrade")
+def upgrade_command(
+    db: DbOpt = None,
+    revision: Annotated[str, typer.Option(help="Target revision.")] = "head",
+    json_out: JsonOpt = False,
+) -> None:
+    """Migrate the database schema to the latest revision (or to --revision).
+
+    Safe to run again: it does nothing when the schema is current. PostgreSQL databases shared
+    by several collectors are only migrated by this command.
+
+    Examples:
+
+      kvctl db upgrade
+
+      KVCTL_DB_URL=postgresql://kvctl@db.internal/kvctl kvctl db upgrade
+    """
+    from kvctl.db import migrate
+    from kvctl.db.engine import create_db_engine, display_url, resolve_url
+
+    with db_errors():
+        engine = create_db_engine(resolve_url(db))
+        try:
+            before = migrate.current_revision(engine)
+            migrate.upgrade(engine, revision)
+            after = migrate.current_revision(engine)
+        finally:
+            engine.dispose()
+    out = {"database": display_url(str(engine.url)), "from": before, "to": after}
+    if json_out:
+        print_json(out)
+    elif before == after:
+        console.print(f"{out['database']}: already at {after}")
+    else:
+        console.print(f"{out['database']}: upgraded {before or 'empty'} -> {after}")
+
+
+@db_app.command("current")
+def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
+    """Show which database kvctl uses, its schema revision, and whether it is current.
+
+    Exits 1 when the schema is behind (run `kvctl db upgrade`).
+
+    Examples:
+
+      kvctl db current
+
+      kvctl db current --db sqlite:////var/lib/kvctl/metrics.db --json
+    """
+    from kvctl.db import migrate
+    from kvctl.db.engine import create_db_engine, display_url, resolve_url
+
+    with db_errors():
+        engine = create_db_engine(resolve_url(db))
+        try:
+            current = migrate.current_revision(engine)
+        finally:
+            engine.dispose()
+    head = migrate.head_revision()
+    out = {
+        "database": display_url(str(engine.url)),
+        "backend": engine.dialect.name,
+        "current": current,
+        "head": head,
+        "up_to_date": current == head,
+    }
+    if json_out:
+        print_json(out)
+    else:
+        state = "[green]up to date[/]" if current == head else "[yellow]behind[/]"
+        console.print(f"database  {out['database']}")
+        console.print(f"backend   {out['backend']}")
+        console.print(f"revision  {current or 'empty'} (head {head}, {state})")
+    if current != head:
+        raise typer.Exit(1)
+
+
+@db_app.command("maintain")
+def maintain_command(
+    db: DbOpt = None,
+    raw_days: Annotated[float, typer.Option(help="Keep raw samples this many days.")] = 2,
+    minute_days: Annotated[float, typer.Option(help="Keep 1-minute rollups this long.")] = 30,
+    hour_days: Annotated[float, typer.Option(help="Keep 1-hour rollups this long.")] = 365,
+    json_out: JsonOpt = False,
+) -> None:
+    """Roll up final buckets (1 minute, 1 hour) and delete what is past retention.
+
+    `kvctl collect` does this every minute; run it by hand after a bulk import or to apply a
+    new retention. Rows are never deleted before they are rolled up.
+
+    Examples:
+
+      kvctl db maintain
+
+      kvctl db maintain --raw-days 1 --json
+    """
+    import time
+
+    from kvctl.db.rollup import DAY_MS, Retention, prune, rollup_all
+
+    if min(raw_days, minute_days, hour_days) <= 0:
+        fail("retention periods must be positive")
+    retention = Retention(
+        raw_ms=int(raw_days * DAY_MS),
+        minute_ms=int(minute_days * DAY_MS),
+        hour_ms=int(hour_days * DAY_MS),
+    )
+    engine = open_engine(db)
+    now_ms = int(time.time() * 1000)
+    with db_errors():
+        written = rollup_all(engine.begin, now_ms)
+        with engine.begin() as conn:
+            deleted = prune(conn, now_ms, retention)
+    engine.dispose()
+    out = {"rolled_up": written, "deleted": {k: v for k, v in deleted.items() if v}}
+    if json_out:
+        print_json(out)
+        return
+    console.print(
+        f"rolled up {sum(written.values())} rows, deleted {sum(deleted.values())} past retention"
+    )

@@ -1,0 +1,179 @@
+"""Read-side queries shared by the CLI, the live view and the dashboard."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import Float, cast, func, select
+from sqlalchemy.engine import Connection
+
+from kvctl.db.models import DataCenter, Node
+from kvctl.db.rollup import series, window
+
+
+@dataclass(slots=True)
+class DcSummary:
+    """Measured figures of one DC (or the fleet) over a window; None where nothing was read."""
+
+    dc: str
+    nodes: int = 0
+    up_ratio: float | None = None
+    lookups: int = 0
+    hits: int = 0
+    hit_tokens: int = 0
+    reuse_hits: int = 0
+    sharing_hits: int = 0
+    used_bytes: float | None = None
+    capacity_bytes: float | None = None
+    energy_j: float | None = None
+    power_w: float | None = None
+    prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+    @property
+    def sharing_ratio(self) -> float | None:
+        """Share of hits served from chunks another tenant stored."""
+        return self.sharing_hits / self.hits if self.hits else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_ratio": self.hit_ratio, "sharing_ratio": self.sharing_ratio}
+
+
+@dataclass(slots=True)
+class FleetSummary:
+    start_ms: int
+    end_ms: int
+    dcs: list[DcSummary] = field(default_factory=list)
+    total: DcSummary = field(default_factory=lambda: DcSummary("fleet"))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "start_ms": self.start_ms,
+            "end_ms": self.end_ms,
+            "dcs": [d.as_dict() for d in self.dcs],
+            "total": self.total.as_dict(),
+        }
+
+
+def _per_dc(
+    conn: Connection, table: str, start_ms: int, end_ms: int, cols: dict[str, Any]
+) -> dict[str, Any]:
+    w = window(conn, series(table), start_ms, end_ms).subquery()
+    q = (
+        select(DataCenter.name, *(fn(w).label(name) for name, fn in cols.items()))
+        .select_from(w)
+        .join(Node, Node.id == w.c.node_id)
+        .join(DataCenter, DataCenter.id == Node.dc_id)
+        .group_by(DataCenter.name)
+    )
+    if table == "cache_sample":
+        q = q.where(w.c.tier == "all")
+    return {row[0]: row._mapping for row in conn.execute(q)}
+
+
+def _mean(w: Any, gauge: str) -> Any:
+    """A gauge's mean per series over the window; NULL (not a division error) with no reading."""
+    return cast(w.c[f"{gauge}_sum"], Float) / func.nullif(w.c[f"{gauge}_n"], 0)
+
+
+def _ratio(num: Any, den: Any) -> float | None:
+    return float(num) / float(den) if num is not None and den else None
+
+
+def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
+    """Per-DC and fleet totals over [start, end): exact, read through rollups where possible."""
+    out = FleetSummary(start_ms, end_ms)
+    names = conn.execute(select(DataCenter.name).order_by(DataCenter.name)).scalars().all()
+    counts = dict(
+        conn.execute(
+            select(DataCenter.name, func.count(Node.id))
+            .join(Node, Node.dc_id == DataCenter.id, isouter=True)
+            .group_by(DataCenter.name)
+        ).all()
+    )
+    cache = _per_dc(
+        conn,
+        "cache_sample",
+        start_ms,
+        end_ms,
+        {
+            "lookups": lambda w: func.sum(w.c.lookups),
+            "hits": lambda w: func.sum(w.c.hits),
+            "hit_tokens": lambda w: func.sum(w.c.hit_tokens),
+            "reuse_hits": lambda w: func.sum(w.c.reuse_hits),
+            "sharing_hits": lambda w: func.sum(w.c.sharing_hits),
+            # the DC's bytes = the sum over its nodes of each node's mean over the window
+            "used_bytes": lambda w: func.sum(_mean(w, "used_bytes")),
+            "capacity_bytes": lambda w: func.sum(_mean(w, "capacity_bytes")),
+        },
+    )
+    up = _per_dc(
+        conn,
+        "node_sample",
+        start_ms,
+        end_ms,
+        {"up": lambda w: func.sum(w.c.up), "samples": lambda w: func.sum(w.c.samples)},
+    )
+    power = _per_dc(
+        conn,
+        "power_sample",
+        start_ms,
+        end_ms,
+        {
+            "energy_j": lambda w: func.sum(w.c.energy_j),
+            "power_w": lambda w: func.sum(_mean(w, "power_w")),
+        },
+    )
+    engine = _per_dc(
+        conn,
+        "engine_sample",
+        start_ms,
+        end_ms,
+        {
+            "prompt_tokens": lambda w: func.sum(w.c.prompt_tokens),
+            "cached_prompt_tokens": lambda w: func.sum(w.c.cached_prompt_tokens),
+        },
+    )
+    total = out.total
+    up_sum = samples_sum = 0
+    for name in names:
+        d = DcSummary(name, nodes=int(counts.get(name, 0)))
+        if (c := cache.get(name)) is not None:
+            d.lookups = int(c["lookups"] or 0)
+            d.hits = int(c["hits"] or 0)
+            d.hit_tokens = int(c["hit_tokens"] or 0)
+            d.reuse_hits = int(c["reuse_hits"] or 0)
+            d.sharing_hits = int(c["sharing_hits"] or 0)
+            d.used_bytes = None if c["used_bytes"] is None else float(c["used_bytes"])
+            d.capacity_bytes = None if c["capacity_bytes"] is None else float(c["capacity_bytes"])
+        if (u := up.get(name)) is not None:
+            d.up_ratio = _ratio(u["up"], u["samples"])
+            up_sum += int(u["up"] or 0)
+            samples_sum += int(u["samples"] or 0)
+        if (p := power.get(name)) is not None:
+            d.energy_j = None if p["energy_j"] is None else float(p["energy_j"])
+            d.power_w = None if p["power_w"] is None else float(p["power_w"])
+        if (e := engine.get(name)) is not None:
+            d.prompt_tokens = None if e["prompt_tokens"] is None else int(e["prompt_tokens"])
+            cached = e["cached_prompt_tokens"]
+            d.cached_prompt_tokens = None if cached is None else int(cached)
+        out.dcs.append(d)
+        total.nodes += d.nodes
+        total.lookups += d.lookups
+        total.hits += d.hits
+        total.hit_tokens += d.hit_tokens
+        total.reuse_hits += d.reuse_hits
+        total.sharing_hits += d.sharing_hits
+        for attr in ("used_bytes", "capacity_bytes", "energy_j", "power_w"):
+            if (v := getattr(d, attr)) is not None:
+                setattr(total, attr, (getattr(total, attr) or 0.0) + v)
+        for attr in ("prompt_tokens", "cached_prompt_tokens"):
+            if (v := getattr(d, attr)) is not None:
+                setattr(total, attr, (getattr(total, attr) or 0) + v)
+    total.up_ratio = _ratio(up_sum, samples_sum)
+    return out

@@ -1,0 +1,429 @@
+"""Link probes between two real agents (POST /v1/probe, the PROBE op), GET /v1/gpus and the
+started_s that collectors use to notice agent restarts."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from collectors.nvml import NvmlReader
+from kvctl.agent.protocol import (
+    HEADER,
+    HEADER_BYTES,
+    MAX_PROBE_BYTES,
+    REPLY_BIT,
+    ErrorCode,
+    MetaReader,
+    MetaWriter,
+    Op,
+    pack_header,
+    parse_error,
+    probe_meta,
+)
+from kvctl.client import DataClient, RequestError
+
+from .agents import Agent, running_agent
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the agent's shm path is Linux")
+
+SMALL = ("--cpu", "4MiB", "--disk", "0")
+TOKEN_B = "b-probe-s3cret-7f3a"
+SIZE = (2 << 20) + 12345  # not a multiple of the 1 MiB filler piece
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Agent, Agent]]:
+    with running_agent(tmp_path / "a", *SMALL) as a, running_agent(tmp_path / "b", *SMALL) as b:
+        yield a, b
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens once the socket is closed
+
+
+def _requests(agent: Agent, op: str) -> float:
+    """kvctl_dataplane_requests_total for ``op`` (ok outcome) from the agent's /metrics."""
+    text = agent.control().metrics_text()
+    pattern = rf'kvctl_dataplane_requests_total{{[^}}]*op="{op}"[^}}]*outcome="ok"[^}}]*}} (\S+)'
+    return sum(float(v) for v in re.findall(pattern, text))
+
+
+# --- POST /v1/probe ----------------------------------------------------------------------------
+def test_probe_from_one_agent_to_another(pair: tuple[Agent, Agent]) -> None:
+    a, b = pair
+    target = b.state.data_tcp
+    assert target is not None
+    with a.control() as ctl:
+        out = ctl.probe(target, pings=7, size_bytes=SIZE)
+    assert out["target"] == target
+    assert out["ok"] is True, out["error"]
+    assert out["error"] is None
+    assert out["loss_ratio"] == 0.0
+    assert 0 < out["rtt_min_s"] <= out["rtt_s"] < 1.0
+    assert out["upload_bytes_per_s"] > 0 and out["download_bytes_per_s"] > 0
+    assert out["bandwidth_bytes_per_s"] == min(
+        out["upload_bytes_per_s"], out["download_bytes_per_s"]
+    )
+    assert out["probe_bytes"] == SIZE
+    # the pings and both transfers really reached B: one PROBE up, one down
+    assert _requests(b, "ping") == 7
+    assert _requests(b, "probe") == 2
+
+
+def test_probe_with_zero_bytes_measures_latency_only(pair: tuple[Agent, Agent]) -> None:
+    a, b = pair
+    r = httpx.post(a.state.control_url + "/v1/probe", json={"target": b.state.data_tcp, "bytes": 0})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["ok"] is True and out["rtt_s"] > 0 and out["loss_ratio"] == 0.0
+    assert out["probe_bytes"] == 0
+    assert out["bandwidth_bytes_per_s"] is None and out["upload_bytes_per_s"] is None
+    assert _requests(b, "ping") == 5  # the default
+    assert _requests(b, "probe") == 0
+
+
+def test_probe_of_a_closed_port_is_ok_false_naming_the_address(pair: tuple[Agent, Agent]) -> None:
+    a, _ = pair
+    target = f"127.0.0.1:{_closed_port()}"
+    started = time.monotonic()
+    r = httpx.post(a.state.control_url + "/v1/probe", json={"target": target, "pings": 3})
+    assert r.status_code == 200
+    out = r.json()
+    assert out["ok"] is False
+    assert out["loss_ratio"] == 1.0
+    assert target in out["error"]
+    assert out["rtt_s"] is None and out["rtt_min_s"] is None
+    assert out["bandwidth_bytes_per_s"] is None
+    assert time.monotonic() - started < 10  # a refused connect does not wait out timeouts
+
+
+def test_probe_with_and_without_the_targets_token(tmp_path: Path) -> None:
+    # A has a token of its own, the same as B's: A must not send it unless the caller does
+    with (
+        running_agent(tmp_path / "a", *SMALL, token=TOKEN_B) as a,
+        running_agent(tmp_path / "b", *SMALL, token=TOKEN_B) as b,
+    ):
+        target = b.state.data_tcp
+        assert target is not None
+        with a.control() as ctl:
+            refused = ctl.probe(target, pings=2, size_bytes=1000)
+            assert refused["ok"] is False
+            assert "auth" in refused["error"].lower()
+            assert target in refused["error"]
+            assert refused["loss_ratio"] == 1.0
+
+            wrong = ctl.probe(target, token="wrong-token", pings=2, size_bytes=1000)
+            assert wrong["ok"] is False and "auth" in wrong["error"].lower()
+
+            good = ctl.probe(target, token=TOKEN_B, pings=2, size_bytes=1000)
+            assert good["ok"] is True, good["error"]
+            assert good["loss_ratio"] == 0.0 and good["bandwidth_bytes_per_s"] > 0
+
+            # a 422 echoes the body it refused: never with the token in it
+            r = httpx.post(
+                a.state.control_url + "/v1/probe",
+                json={"token": TOKEN_B, "pings": 0},
+                headers={"Authorization": f"Bearer {TOKEN_B}"},
+            )
+            assert r.status_code == 422
+            assert {tuple(e["loc"]) for e in r.json()["detail"]} >= {
+                ("body", "target"),
+                ("body", "pings"),
+            }
+            assert TOKEN_B not in r.text
+            r = httpx.post(
+                a.state.control_url + "/v1/probe",
+                json={"target": target, "token": 12345678},
+                headers={"Authorization": f"Bearer {TOKEN_B}"},
+            )
+            assert r.status_code == 422 and "12345678" not in r.text
+        for out in (refused, wrong, good):
+            assert TOKEN_B not in str(out)
+        assert "wrong-token" not in str(wrong)
+        assert _requests(b, "probe") == 2  # only the authenticated probe got through
+        assert "probe of " + target in a.log()  # the probes were logged...
+        assert TOKEN_B not in a.log() and "wrong-token" not in a.log()  # ...without tokens
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"bytes": MAX_PROBE_BYTES + 1}, "bytes", str(MAX_PROBE_BYTES)),
+        ({"bytes": -1}, "bytes", "greater than or equal to 0"),
+        ({"pings": 0}, "pings", "greater than or equal to 1"),
+        ({"pings": 101}, "pings", "less than or equal to 100"),
+        ({"timeout_s": 0}, "timeout_s", "greater than 0"),
+        ({"target": "no-port-here"}, "target", "HOST:PORT"),
+        ({"target": "/run/kvctl/agent.sock"}, "target", "TCP address"),
+        ({"target": "127.0.0.1:99999"}, "target", "HOST:PORT"),
+    ],
+)
+def test_bad_probe_requests_are_422_naming_the_field(
+    pair: tuple[Agent, Agent], body: dict[str, object], field: str, words: str
+) -> None:
+    a, b = pair
+    req = {"target": b.state.data_tcp, **body}
+    r = httpx.post(a.state.control_url + "/v1/probe", json=req)
+    assert r.status_code == 422
+    detail = r.json()["detail"]
+    assert [e["loc"] for e in detail] == [["body", field]]
+    assert words in detail[0]["msg"]
+    assert _requests(b, "ping") == 0  # refused before anything was sent
+
+
+# --- targets that misbehave -------------------------------------------------------------------
+@contextlib.contextmanager
+def _fake_target(serve: Callable[[socket.socket, int], None]) -> Iterator[str]:
+    """A TCP listener that runs ``serve(conn, conn_number)`` for each connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    stop = threading.Event()
+
+    def accept() -> None:
+        n = 0
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            n += 1
+            threading.Thread(target=_serve_quietly, args=(serve, conn, n), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def _serve_quietly(
+    serve: Callable[[socket.socket, int], None], conn: socket.socket, n: int
+) -> None:
+    with conn, contextlib.suppress(OSError):
+        serve(conn, n)
+
+
+def _agent_that_answers_pings(
+    answer: Callable[[int], bool],
+) -> Callable[[socket.socket, int], None]:
+    """Answers HELLO, and the i-th PING of a connection only when ``answer(i)``; a PING it does
+    not answer stalls the connection until the client gives up and closes it."""
+
+    def serve(conn: socket.socket, _n: int) -> None:
+        pings = 0
+        while True:
+            _, _, op, rid, meta_len, _ = HEADER.unpack(_recv(conn, HEADER_BYTES))
+            _recv(conn, meta_len)
+            if op == Op.HELLO:
+                meta = json.dumps({"tiers": ["cpu"]}).encode()
+            else:
+                pings += 1
+                if not answer(pings):
+                    while conn.recv(1 << 16):  # stall: wait for the client to hang up
+                        pass
+                    return
+                meta = b""
+            conn.sendall(pack_header(op | REPLY_BIT, rid, len(meta)) + meta)
+
+    return serve
+
+
+def test_a_lost_ping_counts_and_the_next_one_reconnects(pair: tuple[Agent, Agent]) -> None:
+    a, _ = pair
+    # every connection answers its first PING and stalls on its second
+    with _fake_target(_agent_that_answers_pings(lambda i: i == 1)) as target:
+        r = httpx.post(
+            a.state.control_url + "/v1/probe",
+            json={"target": target, "pings": 6, "bytes": 0, "timeout_s": 0.3},
+            timeout=30,
+        )
+    out = r.json()
+    assert r.status_code == 200
+    assert out["loss_ratio"] == 0.5  # answered, lost, answered (new connection), lost, ...
+    assert out["ok"] is True and out["rtt_s"] > 0
+
+
+def test_a_dead_link_ends_the_pings_early(pair: tuple[Agent, Agent]) -> None:
+    a, _ = pair
+    with _fake_target(_agent_that_answers_pings(lambda _i: False)) as target:
+        started = time.monotonic()
+        out = a.control().probe(target, pings=50, size_bytes=0, timeout_s=0.3)
+        took_s = time.monotonic() - started
+    assert out["ok"] is False and out["loss_ratio"] == 1.0
+    assert "50 pings" in out["error"] and target in out["error"]
+    assert took_s < 5  # three timeouts in a row, not fifty
+
+
+@pytest.mark.parametrize(
+    ("reply", "words"),
+    [
+        (b"HTTP/1.1 400 Bad Request\r\n\r\n", "bad magic"),
+        # a kvctl-looking header announcing 4 GiB of metadata: refused, never allocated
+        (pack_header(Op.HELLO | REPLY_BIT, 1, 0xFFFF_FFF0), "metadata of"),
+    ],
+    ids=["http-server", "huge-metadata"],
+)
+def test_a_peer_that_is_not_an_agent(pair: tuple[Agent, Agent], reply: bytes, words: str) -> None:
+    a, _ = pair
+
+    def serve(conn: socket.socket, _n: int) -> None:
+        conn.sendall(reply)
+        while conn.recv(1 << 16):
+            pass
+
+    with _fake_target(serve) as target:
+        out = a.control().probe(target, pings=2, size_bytes=0, timeout_s=1.0)
+    assert out["ok"] is False and out["loss_ratio"] == 1.0
+    assert target in out["error"]
+    assert "does not speak the kvctl data plane" in out["error"] and words in out["error"]
+    assert a.control().health()["status"] == "ok"
+
+
+# --- the PROBE op ------------------------------------------------------------------------------
+def test_dataclient_probe_sizes_and_limits(pair: tuple[Agent, Agent]) -> None:
+    _, b = pair
+    with b.data("tcp") as c:
+        for up, down in [(0, 0), (SIZE, 0), (0, SIZE), (1, 3), (MAX_PROBE_BYTES, MAX_PROBE_BYTES)]:
+            assert c.probe(upload_bytes=up, download_bytes=down) > 0
+        # refused by the SDK before anything is sent: the connection goes on
+        with pytest.raises(ValueError, match="upload_bytes"):
+            c.probe(upload_bytes=MAX_PROBE_BYTES + 1)
+        with pytest.raises(ValueError, match="download_bytes"):
+            c.probe(download_bytes=-1)
+        assert c.ping() > 0 and not c.closed
+        # an oversized probe that reaches the agent is TOO_LARGE, and (like every TOO_LARGE)
+        # ends the connection
+        with pytest.raises(RequestError) as exc:
+            c._call(Op.PROBE, MetaWriter().u64(MAX_PROBE_BYTES + 1).build())
+        assert exc.value.code == ErrorCode.TOO_LARGE
+        assert c.closed
+    with b.data("unix", use_shm=False) as c:  # the Unix socket serves probes too
+        assert c.probe(upload_bytes=SIZE, download_bytes=SIZE) > 0
+    # every uploaded byte was read by the agent, every asked-for byte sent
+    metrics = b.control().metrics_text()
+    moved = {
+        d: float(v)
+        for d, v in re.findall(
+            r'kvctl_dataplane_bytes_total{direction="(in|out)",transport="tcp"} (\S+)', metrics
+        )
+    }
+    assert moved["in"] >= SIZE + 1 + MAX_PROBE_BYTES
+    assert moved["out"] >= SIZE + 3 + MAX_PROBE_BYTES
+
+
+def _tcp(agent: Agent) -> socket.socket:
+    assert agent.state.data_tcp is not None
+    host, port = agent.state.data_tcp.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        part = s.recv(n - len(buf))
+        if not part:
+            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
+        buf += part
+    return buf
+
+
+def _reply(s: socket.socket) -> tuple[int, int, bytes, int]:
+    _, _, op, rid, meta_len, payload_len = HEADER.unpack(_recv(s, HEADER_BYTES))
+    return op, rid, _recv(s, meta_len), payload_len
+
+
+def _closed(s: socket.socket) -> bool:
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_probe_frames_on_the_wire(pair: tuple[Agent, Agent]) -> None:
+    _, b = pair
+    with _tcp(b) as s:
+        # upload 7 bytes, ask for 5: the reply says 7 arrived and carries 5 zero bytes
+        meta = probe_meta(5)
+        s.sendall(pack_header(Op.PROBE, 1, len(meta), 7) + meta + b"garbage")
+        op, rid, reply, n = _reply(s)
+        assert (op, rid, n) == (Op.PROBE | REPLY_BIT, 1, 5)
+        assert MetaReader(reply).u64() == 7
+        assert _recv(s, 5) == bytes(5)
+        # malformed metadata with a payload: BAD_REQUEST, the payload skipped, still in step
+        s.sendall(pack_header(Op.PROBE, 2, 3, 100) + b"\x01\x02\x03" + bytes(100))
+        op, rid, reply, _ = _reply(s)
+        assert (op, rid, parse_error(reply)[0]) == (Op.ERROR, 2, ErrorCode.BAD_REQUEST)
+        s.sendall(pack_header(Op.PING, 3, 0))
+        assert _reply(s)[:2] == (Op.PING | REPLY_BIT, 3)
+    # an oversized upload: TOO_LARGE at once (its bytes are never read), connection closed
+    with _tcp(b) as s:
+        meta = probe_meta(0)
+        s.sendall(pack_header(Op.PROBE, 4, len(meta), MAX_PROBE_BYTES + 1) + meta)
+        op, rid, reply, _ = _reply(s)
+        code, message = parse_error(reply)
+        assert (op, code) == (Op.ERROR, ErrorCode.TOO_LARGE)
+        assert str(MAX_PROBE_BYTES) in message
+        assert _closed(s)
+    with DataClient.connect(b.state.data_tcp) as c:  # type: ignore[arg-type]
+        assert c.probe(1, 1) > 0  # the agent is unharmed
+
+
+def test_probe_needs_hello_when_the_agent_has_a_token(tmp_path: Path) -> None:
+    with running_agent(tmp_path / "b", *SMALL, token=TOKEN_B) as b, _tcp(b) as s:
+        meta = probe_meta(10)
+        s.sendall(pack_header(Op.PROBE, 1, len(meta)) + meta)
+        op, _, reply, n = _reply(s)
+        assert (op, parse_error(reply)[0], n) == (Op.ERROR, ErrorCode.UNAUTHORIZED, 0)
+        assert _closed(s)
+
+
+# --- GET /v1/gpus and started_s ---------------------------------------------------------------
+def test_gpus_reports_nvml_as_this_host_sees_it(pair: tuple[Agent, Agent]) -> None:
+    a, _ = pair
+    with NvmlReader() as reader:
+        here = reader.status()
+    with a.control() as ctl:
+        out = ctl.gpus()
+        again = ctl.gpus()  # the reader is opened once (or its failed open retried), not broken
+    nvml = out["nvml"]
+    assert set(nvml) == {
+        "available",
+        "driver_version",
+        "nvml_version",
+        "device_count",
+        "error",
+        "hint",
+    }
+    assert nvml["available"] is here.available
+    assert nvml["device_count"] == here.device_count == len(out["gpus"])
+    assert again["nvml"] == nvml
+    if not here.available:  # this CI machine: no GPU, no driver
+        assert nvml["error"] and nvml["hint"]
+        assert out["gpus"] == []
+    else:
+        assert [g["index"] for g in out["gpus"]] == list(range(here.device_count))
+
+
+def test_stats_carry_the_agents_start_time(pair: tuple[Agent, Agent]) -> None:
+    a, b = pair
+    with a.control() as ctl:
+        stats, info = ctl.stats(), ctl.info()
+    assert stats["started_s"] == info["started_s"]
+    assert 0 < time.time() - stats["started_s"] < 600
+    with b.control() as ctl:
+        assert ctl.stats()["started_s"] == ctl.info()["started_s"] != stats["started_s"]

@@ -1,0 +1,427 @@
+"""Collectors against real agents on loopback and a real database: nodes up and down, counter
+increases that match the agents' own counters, an agent killed and restarted mid-run, link
+probes through the data plane, engine metrics, the collector's own /metrics, several collectors
+on one PostgreSQL, and `kvctl collect` itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import select, update
+from sqlalchemy.engine import Engine
+from typer.testing import CliRunner
+
+from collectors.collector import Collector, CollectorConfig
+from kvctl.cli.main import app
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.migrate import open_db
+from kvctl.db.models import CacheSample, EngineSample, LinkSample, Node, NodeSample, PowerSample
+from tests.functional.agents import Agent, key, payload, running_agent, start_agent
+
+pytestmark = pytest.mark.slow
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _register(db: Engine, nodes: dict[str, tuple[str, str]], **extra: Any) -> None:
+    """nodes: name -> (dc, agent url)."""
+    with db.begin() as conn:
+        for dc in sorted({dc for dc, _ in nodes.values()}):
+            add_dc(conn, dc, region="eu", carbon_g_per_kwh=300, pue=1.3)
+        for name, (dc, url) in nodes.items():
+            add_node(conn, name, dc=dc, agent_url=url, **extra.get(name, {}))
+
+
+def _rows(db: Engine, model: Any, **where: Any) -> list[Any]:
+    q = select(model)
+    for k, v in where.items():
+        q = q.where(getattr(model, k) == v)
+    with db.connect() as conn:
+        return [r._mapping for r in conn.execute(q.order_by(model.ts_ms))]
+
+
+def _node_id(db: Engine, name: str) -> int:
+    with db.connect() as conn:
+        return conn.execute(select(Node.id).where(Node.name == name)).scalar_one()
+
+
+def _traffic(agent: Agent, n: int, space: int) -> None:
+    """Store ``n`` chunks and look them up (plus one miss), so counters move."""
+    keys = [key(i, space) for i in range(n)]
+    with agent.data() as dc:
+        for k in keys:
+            dc.put(k, payload(k, 4096), tenant="t1")
+        dc.lookup([*keys, key(10_000, space)], tenant="t2")
+
+
+@pytest.fixture
+def two_agents(tmp_path: Path) -> Iterator[tuple[Agent, Agent]]:
+    with (
+        running_agent(tmp_path / "a1", "--name", "n1", "--dc", "fra") as a1,
+        running_agent(tmp_path / "a2", "--name", "n2", "--dc", "ams") as a2,
+    ):
+        yield a1, a2
+
+
+@pytest.fixture
+def sqlite_db(sqlite_url: str) -> Iterator[Engine]:
+    engine = open_db(sqlite_url)
+    yield engine
+    engine.dispose()
+
+
+def test_scrapes_record_up_down_and_exact_increases(
+    sqlite_db: Engine, two_agents: tuple[Agent, Agent]
+) -> None:
+    a1, a2 = two_agents
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    _register(
+        sqlite_db,
+        {
+            "n1": ("fra", a1.state.control_url),
+            "n2": ("ams", a2.state.control_url),
+            "n3": ("fra", dead),
+        },
+    )
+    collector = Collector(sqlite_db, CollectorConfig(interval_s=2.0))
+    try:
+        first = collector.collect_once()
+        assert sorted(first.up) == ["n1", "n2"]
+        assert "n3" in first.down and "127.0.0.1" in first.down["n3"]
+        before = a1.control().stats()["stats"]
+        _traffic(a1, 5, space=1)
+        after = a1.control().stats()["stats"]
+        collector.collect_once()
+    finally:
+        collector.close()
+
+    n1, n3 = _node_id(sqlite_db, "n1"), _node_id(sqlite_db, "n3")
+    down = _rows(sqlite_db, NodeSample, node_id=n3)
+    assert [r["up"] for r in down] == [False, False] and down[0]["error"]
+    up = _rows(sqlite_db, NodeSample, node_id=n1)
+    assert all(r["up"] for r in up) and up[0]["agent_started_s"] > 0
+    # no GPU here: NVML is recorded as unavailable and no power figure is invented
+    assert up[0]["nvml_available"] is False
+    assert _rows(sqlite_db, PowerSample) == []
+
+    totals = _rows(sqlite_db, CacheSample, node_id=n1, tier="all")
+    assert len(totals) == 2
+    assert totals[0]["lookups"] == 0  # the first scrape is the baseline
+    second = totals[1]
+    assert second["lookups"] == after["lookup_chunks"] - before["lookup_chunks"] == 6
+    assert second["hits"] == after["hit_chunks"] - before["hit_chunks"] == 5
+    assert second["sharing_hits"] == 5 and second["reuse_hits"] == 0  # stored by t1, read by t2
+    assert second["items"] == 5 and second["used_bytes"] == 5 * 4096
+    tiers = {r["tier"] for r in _rows(sqlite_db, CacheSample, node_id=n1)}
+    assert {"all", "cpu"} <= tiers
+
+
+def test_agent_killed_and_restarted_mid_run(tmp_path: Path, sqlite_db: Engine) -> None:
+    a1 = start_agent(tmp_path / "a1", "--name", "n1")
+    a2 = start_agent(tmp_path / "a2", "--name", "n2")
+    try:
+        _register(
+            sqlite_db, {"n1": ("fra", a1.state.control_url), "n2": ("fra", a2.state.control_url)}
+        )
+        collector = Collector(
+            sqlite_db,
+            CollectorConfig(interval_s=0.3, link_interval_s=3600, maintenance_interval_s=3600),
+        )
+        stop = threading.Event()
+        cycles: list[Any] = []
+        loop = threading.Thread(
+            target=collector.run, args=(stop,), kwargs={"on_cycle": lambda k, r: cycles.append(r)}
+        )
+        loop.start()
+        _wait(lambda: len(cycles) >= 3)
+        _traffic(a2, 3, space=2)
+        _wait(lambda: len(cycles) >= 5)
+        a2.kill9()
+        _wait(lambda: any("n2" in getattr(c, "down", {}) for c in cycles[5:]))
+        n_after_kill = len(cycles)
+        # restart on new ports: counters start again from zero, under a new epoch
+        a2 = start_agent(tmp_path / "a2b", "--name", "n2")
+        with sqlite_db.begin() as conn:
+            conn.execute(
+                update(Node).where(Node.name == "n2").values(agent_url=a2.state.control_url)
+            )
+        _traffic(a2, 4, space=3)
+        _wait(lambda: any("n2" in getattr(c, "up", []) for c in cycles[n_after_kill:]))
+        _wait(lambda: len(cycles) >= n_after_kill + 3)
+        stop.set()
+        loop.join(10)
+        assert not loop.is_alive()
+        collector.close()
+    finally:
+        for a in (a1, a2):
+            if a.proc.poll() is None:
+                a.stop()
+
+    n1, n2 = _node_id(sqlite_db, "n1"), _node_id(sqlite_db, "n2")
+    states = [r["up"] for r in _rows(sqlite_db, NodeSample, node_id=n2)]
+    assert True in states and False in states
+    assert states.index(False) < len(states) - 1 - states[::-1].index(True)  # down, then up
+    # the loop never stopped: n1 was scraped in every cycle
+    assert len(_rows(sqlite_db, NodeSample, node_id=n1)) == len(states)
+    epochs = {r["agent_started_s"] for r in _rows(sqlite_db, NodeSample, node_id=n2) if r["up"]}
+    assert len(epochs) == 2
+    # exact totals across the restart: 3 stores + lookups before, 4 after (increase from zero)
+    all_rows = _rows(sqlite_db, CacheSample, node_id=n2, tier="all")
+    assert sum(r["lookups"] for r in all_rows) == (3 + 1) + (4 + 1)
+    assert sum(r["hits"] for r in all_rows) == 3 + 4
+
+
+def _wait(cond: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_link_probes_between_dcs(sqlite_db: Engine, two_agents: tuple[Agent, Agent]) -> None:
+    a1, a2 = two_agents
+    _register(sqlite_db, {"n1": ("fra", a1.state.control_url), "n2": ("ams", a2.state.control_url)})
+    collector = Collector(sqlite_db, CollectorConfig(probe_bytes=256 << 10, pings=3))
+    try:
+        report = collector.probe_links_once()
+    finally:
+        collector.close()
+    assert sorted(report.up) == ["n1->n2", "n2->n1"], report.down
+    rows = _rows(sqlite_db, LinkSample)
+    assert len(rows) == 2
+    for r in rows:
+        assert r["ok"] and r["rtt_s"] > 0 and r["loss_ratio"] == 0
+        assert r["bandwidth_bytes_per_s"] > 0 and r["probe_bytes"] == 256 << 10
+
+
+def test_link_probe_to_a_dead_node_is_recorded_as_failed(sqlite_db: Engine, tmp_path: Path) -> None:
+    with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+        dead = f"http://127.0.0.1:{_closed_port()}"
+        _register(sqlite_db, {"n1": ("fra", a1.state.control_url), "n9": ("ams", dead)})
+        collector = Collector(sqlite_db, CollectorConfig(pings=2))
+        try:
+            report = collector.probe_links_once()
+        finally:
+            collector.close()
+    assert set(report.down) == {"n1->n9", "n9->n1"}
+    assert all(not r["ok"] and r["error"] for r in _rows(sqlite_db, LinkSample))
+
+
+VLLM_TEXT = """# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{model_name="m"}} {prompt}
+# HELP vllm:prefix_cache_queries_total Prefix cache queries, in tokens.
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{{model_name="m"}} {prompt}
+# HELP vllm:prefix_cache_hits_total Prefix cache hits, in tokens.
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{{model_name="m"}} {hits}
+# HELP vllm:generation_tokens_total Number of generation tokens processed.
+# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{model_name="m"}} {gen}
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{model_name="m"}} 0.25
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{le="0.1",model_name="m"}} {fast}
+vllm:time_to_first_token_seconds_bucket{{le="1.0",model_name="m"}} {count}
+vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {count}
+vllm:time_to_first_token_seconds_count{{model_name="m"}} {count}
+vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}
+"""
+
+
+class _Exposition:
+    """An HTTP endpoint serving Prometheus text: stands in for an inference engine, which
+    needs a GPU this machine lacks; the text follows the engine's documented metrics."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = outer.text.encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/metrics"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_engine_metrics_become_interval_samples(sqlite_db: Engine, tmp_path: Path) -> None:
+    engine = _Exposition()
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            _register(
+                sqlite_db,
+                {"n1": ("fra", a1.state.control_url)},
+                n1={"engine_url": engine.url},
+            )
+            collector = Collector(sqlite_db, CollectorConfig())
+            try:
+                values = {"prompt": 1000, "hits": 400, "gen": 50, "fast": 8, "count": 10}
+                engine.text = VLLM_TEXT.format(**values, ttft_sum=1.5)
+                collector.collect_once()
+                values = {"prompt": 1600, "hits": 700, "gen": 90, "fast": 9, "count": 20}
+                engine.text = VLLM_TEXT.format(**values, ttft_sum=6.0)
+                collector.collect_once()
+                engine.text = "# only process metrics\nprocess_cpu_seconds_total 1.0\n"
+                unknown = collector.collect_once()
+            finally:
+                collector.close()
+    finally:
+        engine.close()
+    rows = _rows(sqlite_db, EngineSample)
+    assert len(rows) == 2  # the unknown exposition is skipped, not stored
+    assert any("no vLLM, SGLang or LMCache metrics" in w for w in unknown.warnings)
+    base, r = rows
+    assert base["engine"] == "vllm" and base["prompt_tokens"] == 0 and base["ttft_p50_s"] is None
+    assert r["prompt_tokens"] == 600 and r["cached_prompt_tokens"] == 300
+    assert r["generation_tokens"] == 40 and r["ttft_count"] == 10
+    assert r["ttft_sum_s"] == pytest.approx(4.5)
+    # of the interval's 10 requests, 1 was under 0.1 s: the median lies in (0.1, 1.0]
+    assert 0.1 < r["ttft_p50_s"] <= 1.0
+    assert r["kv_usage_ratio"] == 0.25
+
+
+def test_collector_serves_its_own_metrics(sqlite_db: Engine, tmp_path: Path) -> None:
+    with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+        _register(sqlite_db, {"n1": ("fra", a1.state.control_url)})
+        collector = Collector(sqlite_db, CollectorConfig())
+        server, port = collector.metrics.serve("127.0.0.1", 0)
+        try:
+            collector.collect_once()
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        finally:
+            server.shutdown()
+            collector.close()
+    assert 'kvctl_collector_rows_written_total{table="cache_sample"}' in text
+    assert "kvctl_collector_scrape_duration_seconds_bucket" in text
+    assert 'kvctl_collector_nodes{state="up"} 1.0' in text
+
+
+def test_several_collectors_write_one_postgresql(
+    pg_url: str, two_agents: tuple[Agent, Agent]
+) -> None:
+    a1, a2 = two_agents
+    db = open_db(pg_url, auto_upgrade=True)
+    try:
+        _register(db, {"n1": ("fra", a1.state.control_url), "n2": ("ams", a2.state.control_url)})
+        collectors = [Collector(db, CollectorConfig(dc=dc)) for dc in ("fra", "ams")]
+        errors: list[BaseException] = []
+
+        def work(c: Collector) -> None:
+            try:
+                for _ in range(5):
+                    assert c.collect_once().written
+                    c.maintain()
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(c,)) for c in collectors]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for c in collectors:
+            c.close()
+        assert errors == []
+        for name in ("n1", "n2"):
+            samples = _rows(db, NodeSample, node_id=_node_id(db, name))
+            assert len(samples) == 5 and all(s["up"] for s in samples)
+    finally:
+        db.dispose()
+
+
+def test_collect_once_cli(sqlite_url: str, tmp_path: Path) -> None:
+    db = open_db(sqlite_url)
+    with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+        dead = f"http://127.0.0.1:{_closed_port()}"
+        _register(db, {"n1": ("fra", a1.state.control_url), "n2": ("ams", dead)})
+        db.dispose()
+        result = CliRunner().invoke(app, ["collect", "--once", "--json", "--db", sqlite_url])
+        assert result.exit_code == 1, result.output  # a node is down
+        out = json.loads(result.stdout)
+        assert out["scrape"]["up"] == ["n1"] and "n2" in out["scrape"]["down"]
+        assert out["scrape"]["rows"]["node_sample"] == 2
+        assert out["links"]["down"]  # n1 <-> n2 cannot be probed while n2 is down
+
+        env = {**os.environ, "KVCTL_DB_URL": sqlite_url}
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvctl", "collect", "--once", "--no-links"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+    assert proc.returncode == 1, proc.stderr
+    assert "n1" in proc.stdout and "down" in proc.stdout and "rows written" in proc.stdout
+
+
+def test_collect_with_an_empty_inventory_says_what_to_do(sqlite_url: str) -> None:
+    result = CliRunner().invoke(app, ["collect", "--once", "--db", sqlite_url])
+    assert result.exit_code == 2
+    assert "no nodes" in result.output and "kvctl fleet add-node" in result.output
+
+
+def test_a_refused_batch_is_kept_and_written_later(pg_url: str, tmp_path: Path) -> None:
+    """The database refuses writes for a while (a table lock held elsewhere, with a short lock
+    timeout for the collector): nothing is lost, the rows land on the next cycle."""
+    from sqlalchemy import create_engine, text
+
+    from kvctl.db.engine import resolve_url
+
+    open_db(pg_url, auto_upgrade=True).dispose()
+    db = create_engine(resolve_url(pg_url), connect_args={"options": "-c lock_timeout=300"})
+    blocker = create_engine(resolve_url(pg_url))
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            _register(db, {"n1": ("fra", a1.state.control_url)})
+            collector = Collector(db, CollectorConfig())
+            try:
+                collector.collect_once()
+                with blocker.connect() as lock_conn:
+                    lock_conn.execute(text("LOCK TABLE cache_sample IN ACCESS EXCLUSIVE MODE"))
+                    _traffic(a1, 2, space=5)
+                    refused = collector.collect_once()
+                    lock_conn.rollback()
+                assert not refused.written and any("retry" in w for w in refused.warnings)
+                ok = collector.collect_once()
+            finally:
+                collector.close()
+        assert ok.written and ok.rows["node_sample"] == 2  # the refused cycle's and its own
+        n1 = _node_id(db, "n1")
+        assert len(_rows(db, NodeSample, node_id=n1)) == 3
+        assert sum(r["hits"] for r in _rows(db, CacheSample, node_id=n1, tier="all")) == 2
+    finally:
+        db.dispose()
+        blocker.dispose()
