@@ -36,9 +36,7 @@ def test_current_upgrade_current(empty_db_url: str) -> None:
 def test_passwords_are_masked(pg_url: str) -> None:
     from sqlalchemy.engine import make_url
 
-    with_password = make_url(pg_url).set(password="s3cret-pw").render_as_string(
-        hide_password=False
-    )
+    with_password = make_url(pg_url).set(password="s3cret-pw").render_as_string(hide_password=False)
     # trust auth ignores the password; the point is that it is never printed
     result = runner.invoke(app, ["db", "current", "--json", "--db", with_password])
     assert "s3cret-pw" not in result.output
