@@ -236,7 +236,14 @@ class Collector:
             if s.engine is not None:
                 prev = self._ttft_prev.get(node.id)
                 rows["engine_sample"].append(
-                    engine_row(self._tracker, node.id, ts_ms, s.engine, prev)
+                    engine_row(
+                        self._tracker,
+                        node.id,
+                        ts_ms,
+                        s.engine,
+                        prev,
+                        epoch=s.engine.process_start_s,
+                    )
                 )
                 if s.engine.ttft is not None:
                     self._ttft_prev[node.id] = s.engine.ttft

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -72,6 +72,9 @@ class EngineReading:
     lmcache_hit_tokens: float | None
     lmcache_requested_tokens: float | None
     lmcache_local_cache_usage_bytes: float | None
+    #: the engine process's start time (``process_start_time_seconds``): a change means its
+    #: counters restarted, even when they have already grown past their old values
+    process_start_s: float | None = None
 
 
 def parse_engine_metrics(text: str) -> EngineReading:
@@ -93,12 +96,17 @@ def parse_engine_metrics(text: str) -> EngineReading:
         local_cache_usage_bytes=_gauge_sum(series, "lmcache:local_cache_usage"),
     )
     if has_vllm:
-        return _vllm_reading(series, lmcache)
-    if has_sglang:
-        return _sglang_reading(series, lmcache)
-    if "lmcache" in prefixes:
-        return _reading("lmcache", lmcache)
-    raise UnknownEngine(f"no metric of a known engine ({', '.join(KNOWN_ENGINES)}) in the text")
+        reading = _vllm_reading(series, lmcache)
+    elif has_sglang:
+        reading = _sglang_reading(series, lmcache)
+    elif "lmcache" in prefixes:
+        reading = _reading("lmcache", lmcache)
+    else:
+        raise UnknownEngine(f"no metric of a known engine ({', '.join(KNOWN_ENGINES)}) in the text")
+    starts = [v for _labels, v in series.get("process_start_time_seconds", [])]
+    # several processes (API server, engine cores) behind one endpoint: any restart shows up
+    # as a change of the latest start time
+    return replace(reading, process_start_s=max(starts) if starts else None)
 
 
 def histogram_delta(current: Histogram, previous: Histogram | None) -> Histogram:

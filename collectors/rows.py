@@ -162,7 +162,10 @@ def engine_row(
         "ttft_p99_s": None,
     }
     if ttft is not None and previous_ttft is not None:
-        window = histogram_delta(ttft, previous_ttft)
+        # counted from zero (a restart under a new epoch): the whole histogram is this
+        # interval's; otherwise subtract the previous scrape's buckets
+        from_zero = inc["ttft_count"] == ttft.count
+        window = ttft if from_zero else histogram_delta(ttft, previous_ttft)
         for q, col in ((0.5, "ttft_p50_s"), (0.9, "ttft_p90_s"), (0.99, "ttft_p99_s")):
             quantiles[col] = histogram_quantile(window, q)
     return {

@@ -1,0 +1,55 @@
+"""Scraped readings to rows: the mapping of agent counters, and engine restarts."""
+
+from __future__ import annotations
+
+from collectors.counters import CounterTracker
+from collectors.engines import parse_engine_metrics
+from collectors.rows import cache_rows, engine_row
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+from tests.conftest import chain, put_chain
+
+
+def test_cache_rows_follow_the_store_counters(ns) -> None:  # type: ignore[no-untyped-def]
+    store = TieredStore([CpuTier(1 << 20)])
+    keys = chain(ns, 4)
+    tracker = CounterTracker()
+    stats = {**store.snapshot(), "started_s": 1.0}
+    cache_rows(tracker, 7, 0, stats)  # baseline
+    put_chain(store, keys, tenant="a")
+    store.lookup(keys, tenant="b")
+    rows = {
+        r["tier"]: r for r in cache_rows(tracker, 7, 10, {**store.snapshot(), "started_s": 1.0})
+    }
+    assert set(rows) == {"cpu", "all"}
+    assert rows["all"]["lookups"] == 4 and rows["all"]["hits"] == 4
+    assert rows["all"]["sharing_hits"] == 4 and rows["all"]["reuse_hits"] == 0
+    assert rows["cpu"]["hits"] == 4 and rows["cpu"]["lookups"] == 0
+    assert rows["all"]["items"] == rows["cpu"]["items"] == 4
+    assert rows["all"]["used_bytes"] == 400 and rows["all"]["capacity_bytes"] == 1 << 20
+
+
+TEXT = """# TYPE process_start_time_seconds gauge
+process_start_time_seconds {start}
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{{model_name="m"}} {prompt}
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{le="0.5",model_name="m"}} {fast}
+vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {count}
+vllm:time_to_first_token_seconds_count{{model_name="m"}} {count}
+vllm:time_to_first_token_seconds_sum{{model_name="m"}} {count}
+"""
+
+
+def test_engine_restart_counts_from_zero_even_when_counters_grew_past() -> None:
+    tracker = CounterTracker()
+    first = parse_engine_metrics(TEXT.format(start=100, prompt=500, fast=0, count=4))
+    assert first.process_start_s == 100
+    engine_row(tracker, 1, 0, first, None, epoch=first.process_start_s)
+    # restarted, and already past the old values: only the start time shows it
+    second = parse_engine_metrics(TEXT.format(start=200, prompt=900, fast=6, count=6))
+    row = engine_row(tracker, 1, 10, second, first.ttft, epoch=second.process_start_s)
+    assert row["prompt_tokens"] == 900 and row["ttft_count"] == 6
+    # all 6 requests of the new process were fast: the median is in the first bucket, not
+    # skewed by subtracting the old process's 4 slow ones
+    assert row["ttft_p50_s"] is not None and row["ttft_p50_s"] <= 0.5
