@@ -11,30 +11,10 @@ from typing import Any
 
 from collectors.counters import CounterTracker
 from collectors.engines import EngineReading, Histogram, histogram_delta, histogram_quantile
+from kvctl.db.models import SERIES_BY_TABLE
 
-CACHE_COUNTERS = (
-    "lookups",
-    "lookup_tokens",
-    "hits",
-    "hit_tokens",
-    "reuse_hits",
-    "sharing_hits",
-    "evictions",
-    "promotions",
-    "demotions",
-    "bytes_read",
-    "bytes_written",
-)
-ENGINE_COUNTERS = (
-    "prompt_tokens",
-    "cached_prompt_tokens",
-    "generation_tokens",
-    "requests",
-    "ttft_count",
-    "ttft_sum_s",
-    "lmcache_hit_tokens",
-    "lmcache_requested_tokens",
-)
+CACHE_COUNTERS = SERIES_BY_TABLE["cache_sample"].sums
+ENGINE_COUNTERS = SERIES_BY_TABLE["engine_sample"].sums
 
 
 def _int(v: float | None) -> int | None:

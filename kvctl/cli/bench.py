@@ -96,3 +96,69 @@ def bench_agent_command(
     from kvctl.bench.agent import render_agent_bench
 
     console.print(render_agent_bench(result))
+
+
+@bench_app.command(
+    "db", short_help="Sample ingest rows/s and fleet-summary time, SQLite and PostgreSQL."
+)
+def bench_db_command(
+    rows: Annotated[int, typer.Option(help="Cache samples written per ingest sample.")] = 500_000,
+    batch: Annotated[int, typer.Option(help="Rows per batch (one transaction each).")] = 10_000,
+    nodes: Annotated[int, typer.Option(help="Nodes in the generated history.")] = 1000,
+    dcs: Annotated[int, typer.Option(help="DCs the nodes are spread over.")] = 8,
+    days: Annotated[int, typer.Option(help="Days of history at 10 s resolution.")] = 7,
+    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    pg_url: Annotated[
+        str | None,
+        typer.Option(
+            help="PostgreSQL URL allowed to create databases (default: KVCTL_TEST_PG_URL, else "
+            "postgres on 127.0.0.1:5432); given, an unreachable server is an error."
+        ),
+    ] = None,
+    no_pg: Annotated[bool, typer.Option("--no-pg", help="SQLite only.")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Measure batched sample ingest (rows per second) into SQLite and PostgreSQL next to the
+    driver's plain bulk path, and the dashboard's fleet summary over a generated history of
+    NODES x DAYS at 10 s next to a full scan, all in the same run. PostgreSQL runs in a
+    throwaway database, dropped at the end; it is skipped when no server is reachable.
+    Progress goes to stderr.
+
+    Examples:
+
+      kvctl bench db --json > bench/results/db.json
+
+      kvctl bench db --no-pg --nodes 200 --days 2
+
+      kvctl bench db --pg-url postgresql://postgres@db.example:5432/postgres --repeats 5
+    """
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvctl.bench.db import run_db_bench
+    from kvctl.cli.output import err_console, fail
+    from kvctl.db.engine import DatabaseError
+
+    hint = "see `kvctl bench db --help`"
+    with user_errors(hint=hint):
+        try:
+            result = run_db_bench(
+                rows=rows,
+                batch_rows=batch,
+                nodes=nodes,
+                dcs=dcs,
+                days=days,
+                repeats=repeats,
+                pg=not no_pg,
+                pg_admin_url=pg_url,
+                progress=lambda msg: err_console.print(msg, style="dim", markup=False),
+            )
+        except DatabaseError as exc:
+            fail(str(exc), hint=hint)
+        except SQLAlchemyError as exc:
+            fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=hint)
+    if json_out:
+        print_json(result)
+        return
+    from kvctl.bench.db import render_db_bench
+
+    console.print(render_db_bench(result))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
@@ -30,6 +31,17 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _insert(conn: Connection, model: Any, duplicate: str, **values: Any) -> int:
+    """Insert one inventory row and return its id; a unique-key clash becomes ``duplicate``."""
+    try:
+        with conn.begin_nested():
+            return conn.execute(
+                model.__table__.insert().values(**values).returning(model.id)
+            ).scalar_one()
+    except IntegrityError:
+        raise InventoryError(duplicate) from None
+
+
 def dc_id(conn: Connection, name: str) -> int:
     found = conn.execute(select(DataCenter.id).where(DataCenter.name == name)).scalar()
     if found is None:
@@ -54,22 +66,17 @@ def add_dc(
         raise InventoryError(f"PUE must be at least 1, got {pue}")
     if carbon_g_per_kwh is not None and carbon_g_per_kwh < 0:
         raise InventoryError(f"carbon intensity must not be negative, got {carbon_g_per_kwh}")
-    try:
-        with conn.begin_nested():
-            return conn.execute(
-                DataCenter.__table__.insert()
-                .values(
-                    name=name,
-                    region=region,
-                    location=location,
-                    carbon_g_per_kwh=carbon_g_per_kwh,
-                    pue=pue,
-                    created_ms=_now_ms(),
-                )
-                .returning(DataCenter.id)
-            ).scalar_one()
-    except IntegrityError:
-        raise InventoryError(f"a DC named {name!r} already exists") from None
+    return _insert(
+        conn,
+        DataCenter,
+        f"a DC named {name!r} already exists",
+        name=name,
+        region=region,
+        location=location,
+        carbon_g_per_kwh=carbon_g_per_kwh,
+        pue=pue,
+        created_ms=_now_ms(),
+    )
 
 
 def add_node(
@@ -82,22 +89,17 @@ def add_node(
     engine_url: str | None = None,
 ) -> int:
     dc_key = dc_id(conn, dc)
-    try:
-        with conn.begin_nested():
-            return conn.execute(
-                Node.__table__.insert()
-                .values(
-                    name=name,
-                    dc_id=dc_key,
-                    agent_url=agent_url,
-                    gpu_model=gpu_model,
-                    engine_url=engine_url,
-                    created_ms=_now_ms(),
-                )
-                .returning(Node.id)
-            ).scalar_one()
-    except IntegrityError:
-        raise InventoryError(f"a node named {name!r} already exists") from None
+    return _insert(
+        conn,
+        Node,
+        f"a node named {name!r} already exists",
+        name=name,
+        dc_id=dc_key,
+        agent_url=agent_url,
+        gpu_model=gpu_model,
+        engine_url=engine_url,
+        created_ms=_now_ms(),
+    )
 
 
 def add_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -> int:
@@ -106,15 +108,14 @@ def add_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -> i
     if distance_km < 0:
         raise InventoryError(f"distance must not be negative, got {distance_km}")
     a, b = sorted((dc_id(conn, dc_a), dc_id(conn, dc_b)))
-    try:
-        with conn.begin_nested():
-            return conn.execute(
-                Link.__table__.insert()
-                .values(dc_a_id=a, dc_b_id=b, distance_km=distance_km)
-                .returning(Link.id)
-            ).scalar_one()
-    except IntegrityError:
-        raise InventoryError(f"a link between {dc_a!r} and {dc_b!r} already exists") from None
+    return _insert(
+        conn,
+        Link,
+        f"a link between {dc_a!r} and {dc_b!r} already exists",
+        dc_a_id=a,
+        dc_b_id=b,
+        distance_km=distance_km,
+    )
 
 
 def list_nodes(conn: Connection, *, dc: str | None = None) -> list[NodeInfo]:

@@ -306,6 +306,8 @@ SERIES: Final = (
     ),
 )
 
+SERIES_BY_TABLE: Final = {s.table: s for s in SERIES}
+
 #: rollup resolutions: name suffix -> bucket width in milliseconds
 RESOLUTIONS: Final = {"1m": 60_000, "1h": 3_600_000}
 

@@ -63,7 +63,9 @@ class FleetSummary:
 def _per_dc(
     conn: Connection, table: str, start_ms: int, end_ms: int, cols: dict[str, Any]
 ) -> dict[str, Any]:
-    w = window(conn, series(table), start_ms, end_ms).subquery()
+    # each figure is named for the counter or gauge it reads: aggregate only those
+    where = {"tier": "all"} if table == "cache_sample" else None
+    w = window(conn, series(table), start_ms, end_ms, where=where, columns=list(cols)).subquery()
     q = (
         select(DataCenter.name, *(fn(w).label(name) for name, fn in cols.items()))
         .select_from(w)
@@ -71,8 +73,6 @@ def _per_dc(
         .join(DataCenter, DataCenter.id == Node.dc_id)
         .group_by(DataCenter.name)
     )
-    if table == "cache_sample":
-        q = q.where(w.c.tier == "all")
     return {row[0]: row._mapping for row in conn.execute(q)}
 
 

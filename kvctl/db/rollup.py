@@ -7,7 +7,8 @@ never deletes rows that have not been rolled up yet, so history is never silentl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from sqlalchemy import (
@@ -25,7 +26,15 @@ from sqlalchemy import (
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql import ColumnElement
 
-from kvctl.db.models import RESOLUTIONS, ROLLUPS, SERIES, RollupState, Series, raw_table
+from kvctl.db.models import (
+    RESOLUTIONS,
+    ROLLUPS,
+    SERIES,
+    SERIES_BY_TABLE,
+    RollupState,
+    Series,
+    raw_table,
+)
 
 MINUTE_MS: Final = RESOLUTIONS["1m"]
 HOUR_MS: Final = RESOLUTIONS["1h"]
@@ -44,10 +53,7 @@ class Retention:
 
 
 def series(name: str) -> Series:
-    for s in SERIES:
-        if s.table == name:
-            return s
-    raise KeyError(name)
+    return SERIES_BY_TABLE[name]
 
 
 def _watermark_name(table: str, res: str) -> str:
@@ -60,7 +66,7 @@ def watermark(conn: Connection, table: str, res: str) -> int | None:
     ).scalar_one_or_none()
 
 
-def _set_watermark(conn: Connection, table: str, res: str, until_ms: int) -> None:
+def set_watermark(conn: Connection, table: str, res: str, until_ms: int) -> None:
     name = _watermark_name(table, res)
     updated = conn.execute(
         RollupState.__table__.update()
@@ -78,7 +84,27 @@ def _sum_expr(col: ColumnElement[Any]) -> ColumnElement[Any]:
     return func.sum(col)
 
 
-def piece(s: Series, source: str, start_ms: int, end_ms: int, width_ms: int | None) -> Select[Any]:
+def _reaggregate(s: Series, c: Any) -> list[ColumnElement[Any]]:
+    """Aggregates of already aggregated rows (a rollup table, or pieces of a window)."""
+    cols: list[ColumnElement[Any]] = [func.sum(c.samples).label("samples")]
+    cols += [func.sum(c[name]).label(name) for name in s.sums]
+    for g in s.gauges:
+        cols += [
+            func.sum(c[f"{g}_sum"]).label(f"{g}_sum"),
+            func.max(c[f"{g}_max"]).label(f"{g}_max"),
+            func.sum(c[f"{g}_n"]).label(f"{g}_n"),
+        ]
+    return cols
+
+
+def piece(
+    s: Series,
+    source: str,
+    start_ms: int,
+    end_ms: int,
+    width_ms: int | None,
+    where: Mapping[str, Any] | None = None,
+) -> Select[Any]:
     """Aggregates of ``s`` over [start, end) read from ``source`` ("raw", "1m" or "1h"),
     grouped by the series keys and, when ``width_ms`` is given, by bucket of that width.
 
@@ -98,22 +124,20 @@ def piece(s: Series, source: str, start_ms: int, end_ms: int, width_ms: int | No
     else:
         t = ROLLUPS[s.table, source]
         time = t.c.bucket_ms
-        cols = [func.sum(t.c.samples).label("samples")]
-        cols += [func.sum(t.c[c]).label(c) for c in s.sums]
-        for g in s.gauges:
-            cols += [
-                func.sum(t.c[f"{g}_sum"]).label(f"{g}_sum"),
-                func.max(t.c[f"{g}_max"]).label(f"{g}_max"),
-                func.sum(t.c[f"{g}_n"]).label(f"{g}_n"),
-            ]
+        cols = _reaggregate(s, t.c)
     keys = [t.c[k] for k in s.keys]
+    filters = [t.c[k] == v for k, v in (where or {}).items()]
     if width_ms is not None:
         bucket = (time - time % width_ms).label("bucket_ms")
         group: list[ColumnElement[Any]] = [bucket, *keys]
     else:
         bucket = literal_column(str(start_ms)).label("bucket_ms")
         group = list(keys)
-    return select(bucket, *keys, *cols).where(time >= start_ms, time < end_ms).group_by(*group)
+    return (
+        select(bucket, *keys, *cols)
+        .where(time >= start_ms, time < end_ms, *filters)
+        .group_by(*group)
+    )
 
 
 def _lock(conn: Connection) -> None:
@@ -166,7 +190,7 @@ def rollup(
             written[target.name] = conn.execute(
                 select(func.count()).where(target.c.bucket_ms >= start, target.c.bucket_ms < end)
             ).scalar_one()
-            _set_watermark(conn, s.table, res, end)
+            set_watermark(conn, s.table, res, end)
     return written
 
 
@@ -209,10 +233,29 @@ def prune(conn: Connection, now_ms: int, retention: Retention = Retention()) -> 
     return deleted
 
 
-def window(conn: Connection, s: Series, start_ms: int, end_ms: int) -> Select[Any]:
+def window(
+    conn: Connection,
+    s: Series,
+    start_ms: int,
+    end_ms: int,
+    *,
+    where: Mapping[str, Any] | None = None,
+    columns: Sequence[str] | None = None,
+) -> Select[Any]:
     """A select of exact aggregates over [start, end) per series key, stitched from 1-hour
     rollups where whole final hours fit, 1-minute rollups where whole final minutes fit, and raw
-    samples for the rest. Columns as in :func:`piece`."""
+    samples for the rest. Columns as in :func:`piece`.
+
+    ``where`` keeps only rows whose keys have the given values; ``columns`` limits the counters
+    and gauges aggregated to those named (a dashboard query needs a few, and on SQLite each
+    aggregated column costs about as much as reading the rows)."""
+    if columns is not None:
+        wanted = set(columns)
+        s = replace(
+            s,
+            sums=tuple(c for c in s.sums if c in wanted),
+            gauges=tuple(g for g in s.gauges if g in wanted),
+        )
     done_1m = watermark(conn, s.table, "1m") or 0
     done_1h = watermark(conn, s.table, "1h") or 0
     parts: list[Select[Any]] = []
@@ -227,22 +270,14 @@ def window(conn: Connection, s: Series, start_ms: int, end_ms: int) -> Select[An
             b = min(hi, done) // width * width
             if a < b:
                 cover(lo, a, i + 1)
-                parts.append(piece(s, source, a, b, None))
+                parts.append(piece(s, source, a, b, None, where))
                 cover(b, hi, i + 1)
                 return
-        parts.append(piece(s, "raw", lo, hi, None))
+        parts.append(piece(s, "raw", lo, hi, None, where))
 
     cover(start_ms, end_ms, 0)
     if len(parts) == 1:
         return parts[0]
     u = union_all(*parts).subquery()
-    cols: list[ColumnElement[Any]] = [func.sum(u.c.samples).label("samples")]
-    cols += [func.sum(u.c[c]).label(c) for c in s.sums]
-    for g in s.gauges:
-        cols += [
-            func.sum(u.c[f"{g}_sum"]).label(f"{g}_sum"),
-            func.max(u.c[f"{g}_max"]).label(f"{g}_max"),
-            func.sum(u.c[f"{g}_n"]).label(f"{g}_n"),
-        ]
     keys = [u.c[k] for k in s.keys]
-    return select(*keys, *cols).group_by(*keys)
+    return select(*keys, *_reaggregate(s, u.c)).group_by(*keys)
