@@ -31,7 +31,9 @@ def collect_command(
     metrics_listen: Annotated[
         str,
         typer.Option(
-            "--metrics-listen", help="Serve the collector's own /metrics on HOST:PORT, or 'off'."
+            "--metrics-listen",
+            help="Serve the collector's own /metrics on HOST:PORT, or 'off'. It has no auth: "
+            "keep it on loopback and let a local Prometheus or a proxy reach it.",
         ),
     ] = "127.0.0.1:9470",
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON lines for scripts.")] = False,
@@ -52,7 +54,7 @@ def collect_command(
 
       kvctl collect --interval 5 --dc fra-1
 
-      KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 0.0.0.0:9470
+      KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 127.0.0.1:9471
     """
     from collectors.collector import Collector, CollectorConfig, CycleReport
     from kvctl.agent.settings import split_host_port

@@ -120,6 +120,8 @@ def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
         console.print(f"database  {out['database']}")
         console.print(f"backend   {out['backend']}")
         console.print(f"revision  {current or 'empty'} (head {head}, {state})")
+        if current != head and out["backend"] == "sqlite":
+            console.print("[dim]SQLite upgrades itself on first use, or run `kvctl db upgrade`[/]")
     if current != head:
         raise typer.Exit(1)
 
