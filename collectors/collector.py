@@ -13,14 +13,13 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from collectors.counters import CounterTracker
@@ -31,7 +30,7 @@ from kvctl.client import AgentClient, AgentError, RequestError
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
-from kvctl.db.rollup import Retention, prune, rollup_all
+from kvctl.db.rollup import Retention, maintain
 
 log = logging.getLogger("kvctl.collect")
 
@@ -70,7 +69,8 @@ class Scrape:
     stats: dict[str, Any] | None = None
     gpus: dict[str, Any] | None = None
     engine: EngineReading | None = None
-    engine_error: str | None = None
+    #: what could not be read although the node answered (its GPUs, its engine)
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -115,7 +115,7 @@ class Collector:
         self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="kvctl-scrape")
         self._in_flight: dict[int, Future[Scrape]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        self._warned_engines: set[int] = set()
+        self._warned_nodes: set[int] = set()
         self._link_round = 0
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
 
@@ -149,12 +149,14 @@ class Collector:
             out.gpus = client.gpus()
         except RequestError as exc:
             if exc.code != 404:  # an agent older than /v1/gpus: no power readings
-                out.engine_error = f"gpus: {exc}"
+                out.warnings.append(f"gpus: {exc}")
         except AgentError as exc:
             self.metrics.errors.labels("gpus").inc()
-            out.engine_error = f"gpus: {exc}"
+            out.warnings.append(f"gpus: {exc}")
         if node.engine_url:
-            out.engine, out.engine_error = self._scrape_engine(node)
+            out.engine, problem = self._scrape_engine(node)
+            if problem:
+                out.warnings.append(problem)
         return out
 
     def _scrape_engine(self, node: NodeInfo) -> tuple[EngineReading | None, str | None]:
@@ -247,11 +249,11 @@ class Collector:
                 )
                 if s.engine.ttft is not None:
                     self._ttft_prev[node.id] = s.engine.ttft
-            if s.engine_error:
-                report.warnings.append(f"{node.name}: {s.engine_error}")
-                if node.id not in self._warned_engines:
-                    self._warned_engines.add(node.id)
-                    log.warning("%s: %s", node.name, s.engine_error)
+            for warning in s.warnings:
+                report.warnings.append(f"{node.name}: {warning}")
+                if node.id not in self._warned_nodes:
+                    self._warned_nodes.add(node.id)
+                    log.warning("%s: %s", node.name, warning)
         return rows
 
     def _load_tracker(self) -> None:
@@ -310,7 +312,15 @@ class Collector:
             if a != b
         ]
         self._link_round += 1
-        futures = [self._pool.submit(self._probe, src, dst, report.ts_ms) for src, dst in pairs]
+        # each target's data-plane address, asked once per round however many DCs probe it
+        dsts = {dst.id: dst for _src, dst in pairs}
+        lookups = {i: self._pool.submit(self._data_address, n) for i, n in dsts.items()}
+        wait(lookups.values())
+        targets = {i: f.result() for i, f in lookups.items()}
+        futures = [
+            self._pool.submit(self._probe, src, dst, targets[dst.id], report.ts_ms)
+            for src, dst in pairs
+        ]
         wait(futures)
         rows = [f.result() for f in futures]
         for row, (src, dst) in zip(rows, pairs, strict=True):
@@ -323,7 +333,17 @@ class Collector:
         report.seconds = time.perf_counter() - t0
         return report
 
-    def _probe(self, src: NodeInfo, dst: NodeInfo, ts_ms: int) -> dict[str, Any]:
+    def _data_address(self, node: NodeInfo) -> str | AgentError:
+        """The node's data-plane TCP address, or why it cannot be probed."""
+        try:
+            address = self._client(node).info().get("dataplane", {}).get("tcp")
+        except AgentError as exc:
+            return exc
+        return address or AgentError(f"{node.name} has no TCP data plane to probe")
+
+    def _probe(
+        self, src: NodeInfo, dst: NodeInfo, target: str | AgentError, ts_ms: int
+    ) -> dict[str, Any]:
         row: dict[str, Any] = {
             "src_node_id": src.id,
             "dst_node_id": dst.id,
@@ -337,10 +357,8 @@ class Collector:
         }
         t0 = time.perf_counter()
         try:
-            target = self._client(dst).info().get("dataplane", {}).get("tcp")
-            if not target:
-                row["error"] = f"{dst.name} has no TCP data plane to probe"
-                return row
+            if isinstance(target, AgentError):
+                raise target
             result = self._client(src).probe(
                 target,
                 token=self.config.token,
@@ -364,18 +382,9 @@ class Collector:
         return row
 
     # --- maintenance -------------------------------------------------------------------------
-    @contextmanager
-    def _begin(self) -> Iterator[Connection]:
-        with self.engine.begin() as conn:
-            yield conn
-
-    def maintain(self) -> dict[str, dict[str, int]]:
+    def maintain(self) -> dict[str, Any]:
         """Roll up what is final and prune what is past retention."""
-        now_ms = int(self._clock() * 1000)
-        written = rollup_all(self._begin, now_ms)
-        with self.engine.begin() as conn:
-            deleted = prune(conn, now_ms, self.config.retention)
-        return {"rolled_up": written, "deleted": {k: v for k, v in deleted.items() if v}}
+        return maintain(self.engine, int(self._clock() * 1000), self.config.retention)
 
     # --- loop --------------------------------------------------------------------------------
     def run(

@@ -147,7 +147,7 @@ def maintain_command(
     """
     import time
 
-    from kvctl.db.rollup import DAY_MS, Retention, prune, rollup_all
+    from kvctl.db.rollup import DAY_MS, Retention, maintain
 
     if min(raw_days, minute_days, hour_days) <= 0:
         fail("retention periods must be positive")
@@ -157,16 +157,11 @@ def maintain_command(
         hour_ms=int(hour_days * DAY_MS),
     )
     engine = open_engine(db)
-    now_ms = int(time.time() * 1000)
     with db_errors():
-        written = rollup_all(engine.begin, now_ms)
-        with engine.begin() as conn:
-            deleted = prune(conn, now_ms, retention)
+        out = maintain(engine, int(time.time() * 1000), retention)
     engine.dispose()
-    out = {"rolled_up": written, "deleted": {k: v for k, v in deleted.items() if v}}
     if json_out:
         print_json(out)
         return
-    console.print(
-        f"rolled up {sum(written.values())} rows, deleted {sum(deleted.values())} past retention"
-    )
+    rolled, deleted = sum(out["rolled_up"].values()), sum(out["deleted"].values())
+    console.print(f"rolled up {rolled} rows, deleted {deleted} past retention")

@@ -38,13 +38,20 @@ def insert_rows(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]
     return len(rows)
 
 
+def _columns(table: Table, rows: Sequence[Mapping[str, Any]]) -> tuple[list[str], str]:
+    """The batch's column names, checked against ``table`` (an unknown one fails here with its
+    name, not deep inside the driver), and their quoted list for raw SQL."""
+    columns = list(rows[0])
+    unknown = [c for c in columns if c not in table.c]
+    if unknown:
+        raise ValueError(f"{table.name} has no column {', '.join(unknown)}")
+    return columns, ", ".join(f'"{c}"' for c in columns)
+
+
 def _sqlite_executemany(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
     """One prepared INSERT OR IGNORE over plain tuples: about twice SQLAlchemy's executemany,
     which builds a parameter dict per row."""
-    columns = list(rows[0])
-    for name in columns:
-        table.c[name]
-    quoted = ", ".join(f'"{c}"' for c in columns)
+    columns, quoted = _columns(table, rows)
     marks = ", ".join("?" * len(columns))
     sql = f'INSERT OR IGNORE INTO "{table.name}" ({quoted}) VALUES ({marks})'
     conn.exec_driver_sql(sql, [tuple(row[c] for c in columns) for row in rows])
@@ -52,12 +59,9 @@ def _sqlite_executemany(conn: Connection, table: Table, rows: Sequence[Mapping[s
 
 def _copy(conn: Connection, table: Table, rows: Sequence[Mapping[str, Any]]) -> None:
     """COPY FROM STDIN through psycopg 3: several times faster than multi-row INSERTs."""
-    columns = list(rows[0])
-    for name in columns:
-        table.c[name]
+    columns, quoted = _columns(table, rows)
     driver = conn.connection.driver_connection
     assert driver is not None
-    quoted = ", ".join(f'"{c}"' for c in columns)
     with driver.cursor() as cur, cur.copy(f'COPY "{table.name}" ({quoted}) FROM STDIN') as copy:
         for row in rows:
             copy.write_row([row[c] for c in columns])

@@ -23,7 +23,7 @@ from sqlalchemy import (
     select,
     union_all,
 )
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.sql import ColumnElement
 
 from kvctl.db.models import (
@@ -231,6 +231,15 @@ def prune(conn: Connection, now_ms: int, retention: Retention = Retention()) -> 
             n = conn.execute(delete(table).where(time < before)).rowcount
             deleted[table.name] = max(n or 0, 0)
     return deleted
+
+
+def maintain(engine: Engine, now_ms: int, retention: Retention = Retention()) -> dict[str, Any]:
+    """Roll up everything final, then prune what is past retention: the upkeep the collector
+    runs every minute and `kvctl db maintain` runs on demand."""
+    written = rollup_all(engine.begin, now_ms)
+    with engine.begin() as conn:
+        deleted = prune(conn, now_ms, retention)
+    return {"rolled_up": written, "deleted": {k: v for k, v in deleted.items() if v}}
 
 
 def window(
