@@ -15,7 +15,8 @@ For each backend (SQLite in a temporary directory always; PostgreSQL in a throwa
   (60 million samples per series for 1,000 nodes and 7 days) would take longer than the figure it
   serves, so the older history is written as the rollup rows that rolling up the model's 10 s
   samples gives, exactly (:func:`generate_rollups`; the unit tests check it against the real
-  rollup): 1-hour rows over the whole span before the raw tail, 1-minute rows over the last
+  rollup): daily rows over the whole UTC days before the raw tail, 1-hour rows over the whole
+  span before the raw tail, 1-minute rows over the last
   ``minute_hours`` before it, and the ``rollup_state`` watermarks set to where they end. The last
   ``raw_hours`` are written as real 10 s samples (:func:`generate_samples`) and rolled up by the
   real :func:`kvctl.db.rollup.rollup_all`, timed (``rollup``; reference: a full scan,
@@ -24,9 +25,10 @@ For each backend (SQLite in a temporary directory always; PostgreSQL in a throwa
   1 hour up to the end of the history, on one open connection, warmed by one untimed run.
   Reference: ``SELECT count(*), sum(lookups) FROM cache_1h``, a full scan of the largest table
   the summary reads (the sum makes it read the rows: SQLite counts from the smaller time index).
-  With the collector's 2-minute grace, a window reads 1-hour rollups up to an hour before the
-  end, 1-minute rollups up to 2 minutes before it and raw samples after. The summary's lookup
-  and hit totals are compared with the model's (``check``): a wrong history would show there.
+  With the collector's 2-minute grace, a window reads daily rollups up to the last UTC midnight
+  before the last hour, 1-hour rollups up to an hour before the end, 1-minute rollups up to 2
+  minutes before it and raw samples after. The summary's lookup and hit totals are compared
+  with the model's (``check``): a wrong history would show there.
 
 Every figure is the median of ``repeats`` samples (rollup: one run, it cannot be repeated). The
 result (JSON-safe)::
@@ -287,12 +289,16 @@ def generate_samples(
 def generate_rollups(
     model: FleetModel, table: str, res: str, start_ms: int, end_ms: int
 ) -> dict[str, np.ndarray]:
-    """The rows of rollup ``res`` ("1m" or "1h") of ``table`` for [start, end) (hour
-    boundaries): exactly what :func:`kvctl.db.rollup.rollup` writes from
-    :func:`generate_samples`' samples, computed from the model without making them."""
+    """The rows of rollup ``res`` ("1m", "1h" or "1d") of ``table`` for [start, end) (hour
+    boundaries; day boundaries for "1d"): exactly what :func:`kvctl.db.rollup.rollup` writes
+    from :func:`generate_samples`' samples, computed from the model without making them."""
     _check_table(table)
-    if res not in ("1m", "1h"):
-        raise InvalidArgument(f"no rollup {res!r}: 1m or 1h")
+    if res not in ("1m", "1h", "1d"):
+        raise InvalidArgument(f"no rollup {res!r}: 1m, 1h or 1d")
+    if res == "1d":
+        if start_ms % DAY_MS or end_ms % DAY_MS:
+            raise InvalidArgument("daily rollups start and end on UTC day boundaries")
+        return _daily(table, generate_rollups(model, table, "1h", start_ms, end_ms))
     width = SAMPLES_PER_MINUTE if res == "1m" else SAMPLES_PER_HOUR
     buckets = SAMPLES_PER_HOUR // width
     ids = np.asarray(model.node_ids, dtype=np.int64)
@@ -334,6 +340,41 @@ def generate_rollups(
             keep = np.ones(count.shape, dtype=bool) if table == "node_sample" else count > 0
             pieces.append({c: np.broadcast_to(a, count.shape)[keep] for c, a in cols.items()})
     return _concat(pieces)
+
+
+def _daily(table: str, hourly: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Hourly rollup rows summed into UTC days per series key, as SQL's SUM/MAX would (NULLs
+    skipped; NULL where a day has no reading)."""
+    if not hourly:
+        return {}
+    s = series(table)
+    day = hourly["bucket_ms"] // DAY_MS * DAY_MS
+    code = np.zeros(len(day), dtype=np.int64)
+    for col in (day, *(hourly[k] for k in s.keys)):
+        values, inverse = np.unique(col, return_inverse=True)
+        code = code * len(values) + inverse
+    _, first, group = np.unique(code, return_index=True, return_inverse=True)
+    groups = len(first)
+    out: dict[str, np.ndarray] = {"bucket_ms": day[first]}
+    out.update({k: hourly[k][first] for k in s.keys})
+    for col, arr in hourly.items():
+        if col in out:
+            continue
+        if col.endswith("_max"):
+            acc = np.full(groups, -np.inf)
+            np.fmax.at(acc, group, arr)
+            out[col] = np.where(np.isneginf(acc), np.nan, acc)
+        elif arr.dtype.kind == "f":
+            acc = np.zeros(groups)
+            seen = np.zeros(groups, dtype=bool)
+            np.add.at(acc, group, np.nan_to_num(arr))
+            np.logical_or.at(seen, group, ~np.isnan(arr))
+            out[col] = np.where(seen, acc, np.nan)
+        else:
+            acc_int = np.zeros(groups, dtype=np.int64)
+            np.add.at(acc_int, group, arr)
+            out[col] = acc_int
+    return out
 
 
 def _concat(pieces: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
@@ -836,26 +877,35 @@ def _load_history(
     t0 = time.perf_counter()
     model = FleetModel(_add_inventory(engine, nodes, dcs), seed=seed)
     expected = _Expected(start_ms, np.zeros(days * 24, np.int64), np.zeros(days * 24, np.int64))
-    written: dict[str, dict[str, int]] = {"1h": {}, "1m": {}, "raw": {}}
+    # days are rolled up once all their hours are: the last whole day before the raw samples
+    day_end_ms = raw_start_ms // DAY_MS * DAY_MS
+    written: dict[str, dict[str, int]] = {"1d": {}, "1h": {}, "1m": {}, "raw": {}}
     say(
-        f"{backend.name}: history of {nodes:,} nodes x {days} days: 1-hour rollups, "
+        f"{backend.name}: history of {nodes:,} nodes x {days} days: daily and 1-hour rollups, "
         f"1-minute rollups of the last {minute_hours} h, raw samples of the last {raw_hours} h"
     )
+
+    def write(res: str, table: str, cols: dict[str, np.ndarray]) -> None:
+        target = ROLLUPS[table, res]
+        with engine.begin() as conn:
+            n = _write(conn, target, cols)
+        written[res][target.name] = written[res].get(target.name, 0) + n
+
     for table in GENERATED_TABLES:
         for res, lo in (("1h", start_ms), ("1m", minute_start_ms)):
-            target = ROLLUPS[table, res]
             step_ms = DAY_MS if res == "1h" else HOUR_MS  # bounded memory per transaction
             for a in range(lo, raw_start_ms, step_ms):
                 cols = generate_rollups(model, table, res, a, min(a + step_ms, raw_start_ms))
                 if table == "cache_sample" and res == "1h":
                     expected.add(cols)
-                with engine.begin() as conn:
-                    n = _write(conn, target, cols)
-                written[res][target.name] = written[res].get(target.name, 0) + n
+                write(res, table, cols)
+                if res == "1h" and a + DAY_MS <= day_end_ms:
+                    write("1d", table, _daily(table, cols))
         with engine.begin() as conn:
             # what rollup_all would have recorded after rolling those up
             for res in ("1m", "1h"):
                 set_watermark(conn, table, res, raw_start_ms)
+            set_watermark(conn, table, "1d", day_end_ms)
         for a in range(raw_start_ms, end_ms, HOUR_MS):
             with engine.begin() as conn:
                 n = _write(conn, raw_table(table), generate_samples(model, table, a, a + HOUR_MS))
@@ -869,7 +919,9 @@ def _load_history(
     rolled = rollup_all(engine.begin, end_ms)
     rollup_s = time.perf_counter() - t0
     with engine.connect() as conn:
-        marks = {f"{t}:{r}": watermark(conn, t, r) for t in GENERATED_TABLES for r in ("1m", "1h")}
+        marks = {
+            f"{t}:{r}": watermark(conn, t, r) for t in GENERATED_TABLES for r in ("1m", "1h", "1d")
+        }
         # reference: a full scan of the raw tables the rollup read, right after it; sum(ts_ms),
         # not count(*), which SQLite answers from b-tree pages without reading the rows
         t0 = time.perf_counter()
@@ -901,6 +953,7 @@ def _load_history(
             "power_sample": "one GPU per node",
         },
         "generated_as_rollups": {
+            "1d": {"from_ms": start_ms, "to_ms": day_end_ms, "rows": written["1d"]},
             "1h": {"from_ms": start_ms, "to_ms": raw_start_ms, "rows": written["1h"]},
             "1m": {"from_ms": minute_start_ms, "to_ms": raw_start_ms, "rows": written["1m"]},
         },

@@ -308,8 +308,8 @@ SERIES: Final = (
 
 SERIES_BY_TABLE: Final = {s.table: s for s in SERIES}
 
-#: rollup resolutions: name suffix -> bucket width in milliseconds
-RESOLUTIONS: Final = {"1m": 60_000, "1h": 3_600_000}
+#: rollup resolutions, finest first: name suffix -> bucket width in milliseconds (days are UTC)
+RESOLUTIONS: Final = {"1m": 60_000, "1h": 3_600_000, "1d": 86_400_000}
 
 
 def rollup_columns(series: Series, raw: Table) -> list[Column[object]]:

@@ -1,6 +1,7 @@
 """Rollups, retention, and exact window sums that stitch raw samples and rollups together.
 
-Raw samples roll up into 1-minute buckets and those into 1-hour buckets. A bucket is final once
+Raw samples roll up into 1-minute buckets, those into 1-hour buckets, and those into UTC days
+(so a week's window reads about a hundred rows per series, not thousands). A bucket is final once
 ``now - grace`` has passed its end; ``rollup_state`` keeps the watermark per rollup, and retention
 never deletes rows that have not been rolled up yet, so history is never silently lost.
 """
@@ -38,7 +39,9 @@ from kvctl.db.models import (
 
 MINUTE_MS: Final = RESOLUTIONS["1m"]
 HOUR_MS: Final = RESOLUTIONS["1h"]
-DAY_MS: Final = 86_400_000
+DAY_MS: Final = RESOLUTIONS["1d"]
+#: each rollup level and the level it is built from, finest first
+LEVELS: Final = (("1m", "raw"), ("1h", "1m"), ("1d", "1h"))
 #: samples may arrive this late (scrape interval plus slow nodes) and still be rolled up
 DEFAULT_GRACE_MS: Final = 2 * MINUTE_MS
 # any constant: serialises rollup runs of several collectors on one PostgreSQL
@@ -50,6 +53,13 @@ class Retention:
     raw_ms: int = 2 * DAY_MS
     minute_ms: int = 30 * DAY_MS
     hour_ms: int = 365 * DAY_MS
+    day_ms: int = 5 * 365 * DAY_MS
+
+    def of(self, res: str) -> int:
+        """How long rows of ``res`` ("raw" or a rollup) are kept."""
+        return {"raw": self.raw_ms, "1m": self.minute_ms, "1h": self.hour_ms, "1d": self.day_ms}[
+            res
+        ]
 
 
 def series(name: str) -> Series:
@@ -105,7 +115,7 @@ def piece(
     width_ms: int | None,
     where: Mapping[str, Any] | None = None,
 ) -> Select[Any]:
-    """Aggregates of ``s`` over [start, end) read from ``source`` ("raw", "1m" or "1h"),
+    """Aggregates of ``s`` over [start, end) read from ``source`` ("raw" or a rollup),
     grouped by the series keys and, when ``width_ms`` is given, by bucket of that width.
 
     Every piece has the same columns (bucket_ms, keys, samples, sums, gauge sum/max/n), so
@@ -162,16 +172,16 @@ def rollup(
     _lock(conn)
     written: dict[str, int] = {}
     for s in SERIES:
-        for res, source in (("1m", "raw"), ("1h", "1m")):
+        for res, source in LEVELS:
             width = RESOLUTIONS[res]
             target: Table = ROLLUPS[s.table, res]
             end = (now_ms - grace_ms) // width * width
-            if source == "1m":
-                # an hour is final only when all of its minutes are
-                done_1m = watermark(conn, s.table, "1m")
-                if done_1m is None:
+            if source != "raw":
+                # an hour is final only when all of its minutes are, a day when all its hours are
+                done_source = watermark(conn, s.table, source)
+                if done_source is None:
                     continue
-                end = min(end, done_1m // width * width)
+                end = min(end, done_source // width * width)
             start = watermark(conn, s.table, res)
             if start is None:
                 first = _first_time(conn, s, source)
@@ -211,23 +221,17 @@ def prune(conn: Connection, now_ms: int, retention: Retention = Retention()) -> 
     _lock(conn)
     deleted: dict[str, int] = {}
     for s in SERIES:
-        raw = raw_table(s.table)
-        done_1m = watermark(conn, s.table, "1m") or 0
-        done_1h = watermark(conn, s.table, "1h") or 0
-        steps: list[tuple[Table, Any, int]] = [
-            (raw, raw.c.ts_ms, min(now_ms - retention.raw_ms, done_1m)),
-            (
-                ROLLUPS[s.table, "1m"],
-                ROLLUPS[s.table, "1m"].c.bucket_ms,
-                min(now_ms - retention.minute_ms, done_1h),
-            ),
-            (
-                ROLLUPS[s.table, "1h"],
-                ROLLUPS[s.table, "1h"].c.bucket_ms,
-                now_ms - retention.hour_ms,
-            ),
-        ]
-        for table, time, before in steps:
+        sources = [source for _res, source in LEVELS]
+        coarser = {source: res for res, source in LEVELS}
+        for source in [*sources, LEVELS[-1][0]]:
+            before = now_ms - retention.of(source)
+            if source in coarser:
+                before = min(before, watermark(conn, s.table, coarser[source]) or 0)
+            if source == "raw":
+                table, time = raw_table(s.table), raw_table(s.table).c.ts_ms
+            else:
+                table = ROLLUPS[s.table, source]
+                time = table.c.bucket_ms
             n = conn.execute(delete(table).where(time < before)).rowcount
             deleted[table.name] = max(n or 0, 0)
     return deleted
@@ -251,13 +255,18 @@ def window(
     where: Mapping[str, Any] | None = None,
     columns: Sequence[str] | None = None,
 ) -> Select[Any]:
-    """A select of exact aggregates over [start, end) per series key, stitched from 1-hour
-    rollups where whole final hours fit, 1-minute rollups where whole final minutes fit, and raw
+    """A select of exact aggregates over [start, end) per series key, stitched from daily
+    rollups where whole final days fit, then 1-hour, then 1-minute rollups likewise, and raw
     samples for the rest. Columns as in :func:`piece`.
 
     ``where`` keeps only rows whose keys have the given values; ``columns`` limits the counters
     and gauges aggregated to those named (a dashboard query needs a few, and on SQLite each
-    aggregated column costs about as much as reading the rows)."""
+    aggregated column costs about as much as reading the rows).
+
+    Exact within the retention of the finest level: where a window's edge falls in a period
+    whose finer rows are past retention (a window starting mid-hour two months ago, with
+    1-minute rows kept 30 days), that partial bucket has nothing left to read and counts as
+    empty."""
     if columns is not None:
         wanted = set(columns)
         s = replace(
@@ -265,10 +274,10 @@ def window(
             sums=tuple(c for c in s.sums if c in wanted),
             gauges=tuple(g for g in s.gauges if g in wanted),
         )
-    done_1m = watermark(conn, s.table, "1m") or 0
-    done_1h = watermark(conn, s.table, "1h") or 0
     parts: list[Select[Any]] = []
-    levels = (("1h", HOUR_MS, done_1h), ("1m", MINUTE_MS, done_1m))
+    levels = [
+        (res, RESOLUTIONS[res], watermark(conn, s.table, res) or 0) for res, _ in reversed(LEVELS)
+    ]
 
     def cover(lo: int, hi: int, level: int) -> None:
         if lo >= hi:

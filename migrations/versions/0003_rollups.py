@@ -71,26 +71,37 @@ ROLLUPS: dict[str, tuple[list[tuple[str, object]], list[tuple[str, object]], lis
 RESOLUTIONS = ("1m", "1h")
 
 
+def create_rollup(stem: str, res: str) -> None:
+    """Create rollup table ``{stem}_{res}`` in this revision's layout (0004 reuses it)."""
+    keys, sums, gauges = ROLLUPS[stem]
+    name = f"{stem}_{res}"
+    cols: list[sa.Column[object]] = [sa.Column("bucket_ms", B(), nullable=False)]
+    cols += [sa.Column(k, t, nullable=False) for k, t in keys]  # type: ignore[arg-type]
+    cols.append(sa.Column("samples", Int(), nullable=False))
+    cols += [sa.Column(s, t, nullable=True) for s, t in sums]  # type: ignore[arg-type]
+    for g in gauges:
+        cols += [
+            sa.Column(f"{g}_sum", F(), nullable=True),
+            sa.Column(f"{g}_max", F(), nullable=True),
+            sa.Column(f"{g}_n", Int(), nullable=False),
+        ]
+    op.create_table(
+        name,
+        *cols,
+        sa.PrimaryKeyConstraint(*(k for k, _ in keys), "bucket_ms", name=f"pk_{name}"),
+    )
+    op.create_index(f"ix_{name}_bucket_ms", name, ["bucket_ms"], postgresql_using="brin")
+
+
+def drop_rollup(stem: str, res: str) -> None:
+    op.drop_index(f"ix_{stem}_{res}_bucket_ms", table_name=f"{stem}_{res}")
+    op.drop_table(f"{stem}_{res}")
+
+
 def upgrade() -> None:
-    for stem, (keys, sums, gauges) in ROLLUPS.items():
+    for stem in ROLLUPS:
         for res in RESOLUTIONS:
-            name = f"{stem}_{res}"
-            cols: list[sa.Column[object]] = [sa.Column("bucket_ms", B(), nullable=False)]
-            cols += [sa.Column(k, t, nullable=False) for k, t in keys]  # type: ignore[arg-type]
-            cols.append(sa.Column("samples", Int(), nullable=False))
-            cols += [sa.Column(s, t, nullable=True) for s, t in sums]  # type: ignore[arg-type]
-            for g in gauges:
-                cols += [
-                    sa.Column(f"{g}_sum", F(), nullable=True),
-                    sa.Column(f"{g}_max", F(), nullable=True),
-                    sa.Column(f"{g}_n", Int(), nullable=False),
-                ]
-            op.create_table(
-                name,
-                *cols,
-                sa.PrimaryKeyConstraint(*(k for k, _ in keys), "bucket_ms", name=f"pk_{name}"),
-            )
-            op.create_index(f"ix_{name}_bucket_ms", name, ["bucket_ms"], postgresql_using="brin")
+            create_rollup(stem, res)
     op.create_table(
         "rollup_state",
         sa.Column("name", sa.String(64), nullable=False),
@@ -103,5 +114,4 @@ def downgrade() -> None:
     op.drop_table("rollup_state")
     for stem in ROLLUPS:
         for res in RESOLUTIONS:
-            op.drop_index(f"ix_{stem}_{res}_bucket_ms", table_name=f"{stem}_{res}")
-            op.drop_table(f"{stem}_{res}")
+            drop_rollup(stem, res)

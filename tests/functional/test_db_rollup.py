@@ -21,6 +21,7 @@ from kvctl.db.rollup import (
     rollup,
     rollup_all,
     series,
+    set_watermark,
     watermark,
 )
 
@@ -28,13 +29,15 @@ T0 = 1_700_000_000_000 // HOUR_MS * HOUR_MS  # an hour boundary
 SPAN_MS = 3 * HOUR_MS + 17 * MINUTE_MS
 
 
-def _cache_rows(seed: int = 7) -> list[dict[str, Any]]:
+def _cache_rows(
+    seed: int = 7, start_ms: int = T0, span_ms: int = SPAN_MS, step_ms: int = 10_000
+) -> list[dict[str, Any]]:
     rnd = random.Random(seed)
     rows = []
     for node in (1, 2, 3):
         for tier in ("all", "cpu"):
-            ts = T0 + rnd.randrange(10_000)
-            while ts < T0 + SPAN_MS:
+            ts = start_ms + rnd.randrange(step_ms)
+            while ts < start_ms + span_ms:
                 rows.append(
                     {
                         "node_id": node,
@@ -47,7 +50,7 @@ def _cache_rows(seed: int = 7) -> list[dict[str, Any]]:
                         "items": rnd.randrange(500),
                     }
                 )
-                ts += rnd.randrange(5_000, 15_000)
+                ts += rnd.randrange(step_ms // 2, step_ms * 3 // 2)
     return rows
 
 
@@ -197,3 +200,70 @@ def test_rollup_processes_bounded_spans(filled: Engine) -> None:
         written = rollup(conn, T0 + SPAN_MS + HOUR_MS, max_span_ms=HOUR_MS)
         assert watermark(conn, "cache_sample", "1m") == T0 + HOUR_MS
     assert written["cache_1m"] > 0
+
+
+# --- daily rollups: a sparse history across two UTC day boundaries ---------------------------
+D0 = T0 // DAY_MS * DAY_MS + DAY_MS  # a UTC midnight
+DAYS_START_MS = D0 - 5 * HOUR_MS
+DAYS_SPAN_MS = 2 * DAY_MS + 8 * HOUR_MS + 7 * MINUTE_MS
+
+
+@pytest.fixture
+def filled_days(db: Engine) -> Engine:
+    rows = _cache_rows(5, DAYS_START_MS, DAYS_SPAN_MS, step_ms=10 * MINUTE_MS)
+    with db.begin() as conn:
+        insert_rows(conn, raw_table("cache_sample"), rows)
+    return db
+
+
+def test_daily_rollups_equal_raw_sums_and_stitch_exactly(filled_days: Engine) -> None:
+    now = DAYS_START_MS + DAYS_SPAN_MS + 5 * MINUTE_MS
+    total = rollup_all(filled_days.begin, now)
+    # the day before D0 (its last 5 hours hold samples) and two whole days, x 3 nodes x 2 tiers
+    assert total["cache_1d"] == 3 * 3 * 2
+    t = raw_table("cache_sample")
+    daily = ROLLUPS["cache_sample", "1d"]
+    with filled_days.connect() as conn:
+        assert watermark(conn, "cache_sample", "1d") == D0 + 2 * DAY_MS
+        for c in series("cache_sample").sums:
+            rolled = conn.execute(select(func.sum(daily.c[c]))).scalar()
+            raw = conn.execute(select(func.sum(t.c[c])).where(t.c.ts_ms < D0 + 2 * DAY_MS)).scalar()
+            assert int(rolled) == int(raw), c
+        rnd = random.Random(3)
+        windows = [(DAYS_START_MS, DAYS_START_MS + DAYS_SPAN_MS), (D0, D0 + 2 * DAY_MS)]
+        windows += [
+            tuple(sorted(DAYS_START_MS + rnd.randrange(DAYS_SPAN_MS) for _ in range(2)))
+            for _ in range(10)
+        ]
+        for start, end in windows:
+            assert _window_totals(conn, "cache_sample", start, end) == _raw_totals(
+                conn, "cache_sample", start, end
+            ), (start - D0, end - D0)
+
+
+def test_hourly_rows_outlive_retention_until_rolled_into_days(filled_days: Engine) -> None:
+    with filled_days.connect() as conn:
+        full_days = _raw_totals(conn, "cache_sample", D0, D0 + 2 * DAY_MS)
+    now = DAYS_START_MS + DAYS_SPAN_MS + 5 * MINUTE_MS
+    short = Retention(raw_ms=HOUR_MS, minute_ms=HOUR_MS, hour_ms=HOUR_MS, day_ms=30 * DAY_MS)
+    hourly = ROLLUPS["cache_sample", "1h"]
+    rollup_all(filled_days.begin, now)
+    with filled_days.begin() as conn:
+        # pretend the last day has not been rolled up: its hours must stay
+        conn.execute(
+            ROLLUPS["cache_sample", "1d"]
+            .delete()
+            .where(ROLLUPS["cache_sample", "1d"].c.bucket_ms >= D0 + DAY_MS)
+        )
+        set_watermark(conn, "cache_sample", "1d", D0 + DAY_MS)
+        prune(conn, now, short)
+        oldest_hour = conn.execute(select(func.min(hourly.c.bucket_ms))).scalar()
+        assert oldest_hour == D0 + DAY_MS
+    rollup_all(filled_days.begin, now)
+    with filled_days.begin() as conn:
+        prune(conn, now, short)
+        assert conn.execute(select(func.min(hourly.c.bucket_ms))).scalar() == D0 + 2 * DAY_MS
+    with filled_days.connect() as conn:
+        # the raw rows are mostly gone; whole days are still exact, read from daily rollups
+        assert _raw_totals(conn, "cache_sample", D0, D0 + 2 * DAY_MS) != full_days
+        assert _window_totals(conn, "cache_sample", D0, D0 + 2 * DAY_MS) == full_days

@@ -89,9 +89,11 @@ def _check_backend(result: dict[str, Any]) -> None:
     assert hist["generated_as_rollups"]["1m"]["rows"]["node_1m"] == nodes * minute_hours // 60_000
     assert hist["raw_samples"]["rows"]["node_sample"] == nodes * raw_hours * 360
     # the real rollup finished what the watermarks left: up to 2 minutes (1 m) and 1 hour
-    # (1 h) before the end
+    # (1 h) before the end; the last day is not whole before then
     assert hist["watermarks_ms"]["cache_sample:1m"] == hist["end_ms"] - 120_000
     assert hist["watermarks_ms"]["cache_sample:1h"] == hist["end_ms"] - HOUR_MS
+    assert hist["watermarks_ms"]["cache_sample:1d"] == hist["end_ms"] - DAY_MS
+    assert hist["generated_as_rollups"]["1d"]["rows"].get("node_1d", 0) == nodes * (days - 1)
 
     rollup = result["rollup"]
     assert rollup["raw_rows"] == sum(hist["raw_samples"]["rows"].values())
@@ -180,15 +182,15 @@ def test_generated_rollups_equal_the_real_rollup_of_the_samples(
 ) -> None:
     # many down node-hours, so the paths for missed scrapes (NULL gauges, no rows) are covered
     monkeypatch.setattr(bench_db, "DOWN_PROBABILITY", 0.3)
-    model = FleetModel(tuple(range(1, 9)), seed=5)
+    model = FleetModel(tuple(range(1, 5)), seed=5)
     end_ms = HISTORY_END_MS
-    start_ms = end_ms - 2 * HOUR_MS
+    start_ms = end_ms - DAY_MS  # one UTC day, so the daily rollup is covered too
     with db.begin() as conn:
         for table in GENERATED_TABLES:
             _write(conn, raw_table(table), generate_samples(model, table, start_ms, end_ms))
     rollup_all(db.begin, end_ms + HOUR_MS)  # everything final
     for table in GENERATED_TABLES:
-        for res in ("1m", "1h"):
+        for res in ("1m", "1h", "1d"):
             target = ROLLUPS[table, res]
             names = [c.name for c in target.c]
             with db.connect() as conn:
