@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.cli.options import JsonOpt
 from kvctl.cli.output import console, err_console, fail, print_json
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ ConfigOpt = Annotated[
     Path | None,
     typer.Option(
         "--config",
-        help="TOML file with an [agent] table (default: $KVCTL_CONFIG or "
+        help="TOML file with an \\[agent] table (default: $KVCTL_CONFIG or "
         "~/.config/kvctl/agent.toml when it exists).",
     ),
 ]
@@ -32,7 +33,6 @@ DataDirOpt = Annotated[
         "--data-dir", help="State and disk-tier directory (default: ~/.local/state/kvctl/NAME)."
     ),
 ]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 
 
 def _load(config: Path | None, **flags: object) -> LoadedSettings:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import typer
 
-from kvctl.cli.db import DbOpt, db_errors, open_engine
+from kvctl.cli.options import DbOpt, db_errors, open_engine
 from kvctl.cli.output import console, err_console, fail, print_json
 
 

@@ -2,49 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
+from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
 from kvctl.cli.output import console, fail, print_json
 
 db_app = typer.Typer(no_args_is_help=True, help="Schema and upkeep of the metrics database.")
-
-DbOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--db",
-        help="Database URL (default: $KVCTL_DB_URL, else a SQLite file in ~/.local/state/kvctl).",
-        show_default=False,
-    ),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
-DB_HINT = "set KVCTL_DB_URL or --db; `kvctl db current` shows which database is used"
-
-
-@contextmanager
-def db_errors() -> Iterator[None]:
-    """The database's failures as one line with a hint, never a traceback."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from kvctl.db.engine import DatabaseError
-
-    try:
-        yield
-    except DatabaseError as exc:
-        fail(str(exc), hint=DB_HINT)
-    except SQLAlchemyError as exc:
-        fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=DB_HINT)
-
-
-def open_engine(db: str | None) -> Any:
-    """The CLI's way into the database: SQLite upgrades itself, PostgreSQL must be current."""
-    from kvctl.db.migrate import open_db
-
-    with db_errors():
-        return open_db(db)
 
 
 @db_app.command("upgrade")
@@ -79,9 +44,9 @@ def upgrade_command(
     if json_out:
         print_json(out)
     elif before == after:
-        console.print(f"{out['database']}: already at {after}")
+        console.print(f"{out['database']}: already at {after}", soft_wrap=True)
     else:
-        console.print(f"{out['database']}: upgraded {before or 'empty'} -> {after}")
+        console.print(f"{out['database']}: upgraded {before or 'empty'} -> {after}", soft_wrap=True)
 
 
 @db_app.command("current")
@@ -132,9 +97,10 @@ def maintain_command(
     raw_days: Annotated[float, typer.Option(help="Keep raw samples this many days.")] = 2,
     minute_days: Annotated[float, typer.Option(help="Keep 1-minute rollups this long.")] = 30,
     hour_days: Annotated[float, typer.Option(help="Keep 1-hour rollups this long.")] = 365,
+    day_days: Annotated[float, typer.Option(help="Keep daily rollups this long.")] = 5 * 365,
     json_out: JsonOpt = False,
 ) -> None:
-    """Roll up final buckets (1 minute, 1 hour) and delete what is past retention.
+    """Roll up final buckets (1 minute, 1 hour, 1 UTC day) and delete what is past retention.
 
     `kvctl collect` does this every minute; run it by hand after a bulk import or to apply a
     new retention. Rows are never deleted before they are rolled up.
@@ -149,12 +115,13 @@ def maintain_command(
 
     from kvctl.db.rollup import DAY_MS, Retention, maintain
 
-    if min(raw_days, minute_days, hour_days) <= 0:
+    if min(raw_days, minute_days, hour_days, day_days) <= 0:
         fail("retention periods must be positive")
     retention = Retention(
         raw_ms=int(raw_days * DAY_MS),
         minute_ms=int(minute_days * DAY_MS),
         hour_ms=int(hour_days * DAY_MS),
+        day_ms=int(day_days * DAY_MS),
     )
     engine = open_engine(db)
     with db_errors():
