@@ -661,8 +661,10 @@ class AgentClient:
         keys: Sequence[bytes | str] | None = None,
         tenant: str = "",
         model: str | None = None,
+        count: bool = True,
     ) -> dict[str, Any]:
-        body: dict[str, Any] = {"tenant": tenant, "model": model}
+        """Longest cached prefix; ``count=False`` leaves the agent's hit statistics alone."""
+        body: dict[str, Any] = {"tenant": tenant, "model": model, "count": count}
         if tokens is not None:
             body["tokens"] = list(tokens)
         if keys is not None:

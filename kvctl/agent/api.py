@@ -86,6 +86,7 @@ class Health(BaseModel):
     name: str = Field(description="agent (node) name")
     dc: str = Field(description="data center the agent reports in")
     uptime_seconds: float = Field(description="seconds since the agent started")
+    time_s: float = Field(description="the agent's clock, unix seconds (for clock-skew checks)")
 
 
 class LookupRequest(BaseModel):
@@ -97,6 +98,11 @@ class LookupRequest(BaseModel):
         None, description="prompt token ids; keys are computed over full chunks only"
     )
     keys: list[str] | None = Field(None, description=f"a prefix chain of {_KEYS_DESC}")
+    count: bool = Field(
+        True,
+        description="count in the hit statistics like an engine's lookup; false for operators' "
+        "tools, which must not move the hit ratio they inspect",
+    )
 
     @model_validator(mode="after")
     def _exactly_one(self) -> LookupRequest:
@@ -406,7 +412,11 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         """Liveness: answers without touching the store (so a busy store never fails it)."""
         s = runtime.settings
         return Health(
-            status="ok", name=s.name, dc=s.dc, uptime_seconds=time.time() - runtime.started_s
+            status="ok",
+            name=s.name,
+            dc=s.dc,
+            uptime_seconds=time.time() - runtime.started_s,
+            time_s=time.time(),
         )
 
     @app.get("/v1/info", tags=["agent"])
@@ -468,7 +478,8 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
     def lookup(body: LookupRequest) -> LookupResponse:
         """Longest cached prefix of a request, by prompt tokens or by a key chain.
 
-        Counts as a lookup in the store's hit statistics, like an engine's lookup.
+        Counts as a lookup in the store's hit statistics, like an engine's lookup, unless
+        `count` is false.
         """
         if body.tokens is not None:
             chunk = runtime.settings.chunk_tokens
@@ -480,7 +491,10 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             keys = keys_for(body.tokens, ns, chunk, include_partial=False)
         else:
             keys = _parse_keys(body.keys or [])
-        res = store.lookup(keys, tenant=body.tenant)
+        if body.count:
+            res = store.lookup(keys, tenant=body.tenant)
+        else:
+            res = store.peek(keys, tenant=body.tenant)
         return LookupResponse(
             total_chunks=res.total_chunks,
             matched_chunks=res.matched_chunks,

@@ -7,8 +7,10 @@ starts servers around it.
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvctl import __version__
@@ -117,6 +119,7 @@ class AgentRuntime:
                 "shm": s.shm and s.socket_path is not None,
             },
             "auth": bool(s.token),
+            "data_dir": _disk(s.data_path),
         }
 
     def gpus(self) -> tuple[NvmlStatus, list[GpuReading]]:
@@ -137,3 +140,13 @@ class AgentRuntime:
                 self._nvml.close()
                 self._nvml = None
         self.store.close()
+
+
+def _disk(path: Path) -> dict[str, Any]:
+    """Free and total bytes of the filesystem holding ``path`` (None when unreadable), for
+    `kvctl doctor`."""
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return {"path": str(path), "free_bytes": None, "total_bytes": None}
+    return {"path": str(path), "free_bytes": usage.free, "total_bytes": usage.total}

@@ -323,6 +323,15 @@ class TieredStore:
                         out[i] = None
             return out
 
+    def peek(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
+        """What :meth:`lookup` would answer, counting nothing and touching no recency: for
+        operators' tools, which must not move the hit ratio they inspect."""
+        with self._lock:
+            tiers = self.locate(keys, tenant=tenant)
+            m = tiers.index(None) if None in tiers else len(tiers)
+            matched_tokens = sum(self._index[k].tokens for k in keys[:m])
+            return LookupResult(len(keys), m, tuple(tiers), matched_tokens)
+
     def read_into(self, key: bytes, out: memoryview | bytearray, *, tenant: str = "") -> int:
         """Copy a chunk into ``out``; returns its size. Promotes a lower-tier hit."""
         with self._lock:

@@ -150,6 +150,29 @@ def test_lookup_partial_match_stops_at_the_first_gap(
     assert [c["tier"] for c in body["chunks"]] == ["cpu", None, "cpu"]
 
 
+def test_lookup_with_count_false_leaves_the_hit_statistics_alone(
+    client: TestClient, runtime: AgentRuntime
+) -> None:
+    toks = tokens(3)
+    put_prompt(runtime, toks[: 2 * CT])
+    before = client.get("/v1/stats").json()["stats"]
+    quiet = client.post("/v1/lookup", json={"tenant": "a", "tokens": toks, "count": False})
+    assert client.get("/v1/stats").json()["stats"] == before
+    counted = client.post("/v1/lookup", json={"tenant": "a", "tokens": toks})
+    assert quiet.json() == counted.json()
+    assert client.get("/v1/stats").json()["stats"]["hit_chunks"] == before["hit_chunks"] + 2
+
+
+def test_health_and_info_carry_clock_and_disk_for_doctor(client: TestClient) -> None:
+    import time
+
+    t0 = time.time()
+    health = client.get("/v1/health").json()
+    assert t0 - 1 <= health["time_s"] <= time.time() + 1
+    disk = client.get("/v1/info").json()["data_dir"]
+    assert disk["total_bytes"] > 0 and 0 <= disk["free_bytes"] <= disk["total_bytes"]
+
+
 @pytest.mark.parametrize(
     "body",
     [{"tenant": "a"}, {"tokens": [1, 2, 3, 4], "keys": ["00" * 16]}],
@@ -549,3 +572,17 @@ def test_metrics_render_and_count_route_templates(
     )
     assert re.search(r'kvctl_http_requests_total\{[^}]*route="other"[^}]*status="404"', text)
     assert "/no/such/path" not in text
+
+
+def test_control_listener_is_tcp_so_accepted_sockets_get_nodelay() -> None:
+    import socket
+
+    from kvctl.agent.daemon import _bind_tcp
+
+    # asyncio sets TCP_NODELAY on accepted sockets only when proto says TCP; without it every
+    # keep-alive request after the first waits on a delayed ACK (~40 ms)
+    sock = _bind_tcp("127.0.0.1", 0)
+    try:
+        assert sock.proto == socket.IPPROTO_TCP
+    finally:
+        sock.close()

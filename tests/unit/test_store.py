@@ -48,6 +48,21 @@ def test_lookup_reports_longest_prefix_and_tier_of_each_chunk(ns: Namespace) -> 
     assert store.stats.hit_chunks == 3 and store.stats.lookup_chunks == 5
 
 
+def test_peek_answers_like_lookup_and_counts_nothing(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    keys = chain(ns, 5)
+    put_chain(store, keys[:3], tenant="a", tokens=4)
+    store.put(keys[4], payload(keys[4]), parent=keys[3], tenant="a", tokens=4)
+    cached = [k for k in keys if k != keys[3]]
+    touched = [store.entry(k).last_access_s for k in cached]
+    before = store.stats.as_dict()
+    peeked = store.peek(keys, tenant="a")
+    assert store.stats.as_dict() == before
+    assert [store.entry(k).last_access_s for k in cached] == touched
+    assert peeked == store.lookup(keys, tenant="a")
+    assert peeked.matched_tokens == 12 and store.stats.hit_chunks == 3
+
+
 def test_hits_split_into_reuse_and_sharing(ns: Namespace) -> None:
     store = TieredStore([CpuTier(10_000)])
     keys = chain(ns, 2)
