@@ -9,12 +9,18 @@ import typer
 
 from kvctl import __version__
 from kvctl.cli.agent import agent_app
+from kvctl.cli.audit import audit_command
 from kvctl.cli.bench import bench_app
 from kvctl.cli.collect import collect_command
+from kvctl.cli.control import COMMANDS as CONTROL_COMMANDS
 from kvctl.cli.db import db_app
 from kvctl.cli.demo import demo_command
+from kvctl.cli.doctor import doctor_command
+from kvctl.cli.fleet import fleet_app
 from kvctl.cli.keys import keys_command
+from kvctl.cli.lookup import lookup_command
 from kvctl.cli.simulate import simulate_command
+from kvctl.cli.status import status_command
 
 app = typer.Typer(
     name="kvctl",
@@ -41,19 +47,47 @@ def _root(
     """Operate fleets of LLM inference nodes that share tiered KV caches."""
 
 
-app.command("demo", short_help="Run the demo: replay a workload through every policy (main job).")(
-    demo_command
-)
-app.command("simulate", short_help="Replay a trace offline and compare eviction policies.")(
-    simulate_command
-)
-app.command("keys", short_help="Show the chunk keys of a token sequence or a text.")(keys_command)
-app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.")
+# `kvctl --help` groups commands by what the operator is doing
+FLEET, CONTROL, METRICS, NODE, OFFLINE = "Fleet", "Control", "Metrics", "This node", "Offline"
+
 app.add_typer(
-    agent_app, name="agent", help="Run and inspect the tiered KV-cache agent on this node."
+    fleet_app,
+    name="fleet",
+    help="The fleet inventory: DCs, nodes, links; import and export.",
+    rich_help_panel=FLEET,
 )
-app.command("collect", short_help="Record the fleet's metrics in the database.")(collect_command)
-app.add_typer(db_app, name="db", help="Schema and upkeep of the metrics database.")
+for _name, _fn, _help, _panel in (
+    ("status", status_command, "Every node: up/down, hit ratio, occupancy; totals per DC.", FLEET),
+    ("lookup", lookup_command, "Which chunks of a prompt are cached, where.", FLEET),
+    ("doctor", doctor_command, "Check the database, agents, NVML, disks and clocks.", FLEET),
+    ("audit", audit_command, "What operators' kvctl did: who, when, what, result.", FLEET),
+    *((name, fn, short, CONTROL) for name, (fn, short) in CONTROL_COMMANDS.items()),
+    ("collect", collect_command, "Record the fleet's metrics in the database.", METRICS),
+    (
+        "demo",
+        demo_command,
+        "Run the demo: replay a workload through every policy (main job).",
+        OFFLINE,
+    ),
+    (
+        "simulate",
+        simulate_command,
+        "Replay a trace offline and compare eviction policies.",
+        OFFLINE,
+    ),
+    ("keys", keys_command, "Show the chunk keys of a token sequence or a text.", OFFLINE),
+):
+    app.command(_name, short_help=_help, rich_help_panel=_panel)(_fn)
+app.add_typer(
+    db_app, name="db", help="Schema and upkeep of the metrics database.", rich_help_panel=METRICS
+)
+app.add_typer(
+    agent_app,
+    name="agent",
+    help="Run and inspect the tiered KV-cache agent on this node.",
+    rich_help_panel=NODE,
+)
+app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.", rich_help_panel=OFFLINE)
 
 
 def main() -> None:

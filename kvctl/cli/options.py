@@ -51,11 +51,19 @@ def open_engine(db: str | None) -> Any:
 # --- targets: which nodes a fleet command acts on ---------------------------------------------
 NodeOpt = Annotated[
     list[str] | None,
-    typer.Option("--node", "-n", help="A node by name (repeat for several).", show_default=False),
+    typer.Option(
+        "--node",
+        "-n",
+        help="A node by name (repeat for several).",
+        metavar="NODE",
+        show_default=False,
+    ),
 ]
 DcOpt = Annotated[
     list[str] | None,
-    typer.Option("--dc", help="Every node of a DC (repeat for several).", show_default=False),
+    typer.Option(
+        "--dc", help="Every node of a DC (repeat for several).", metavar="DC", show_default=False
+    ),
 ]
 AllOpt = Annotated[bool, typer.Option("--all", help="Every node of the fleet.")]
 TimeoutOpt = Annotated[

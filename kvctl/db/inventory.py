@@ -1,16 +1,42 @@
-"""The fleet inventory: DCs, the nodes in them (one agent each), and the links between DCs."""
+"""The fleet inventory: DCs, the nodes in them (one agent each), and the links between DCs.
+
+Every function works inside the caller's connection/transaction, so a CLI command can make
+several changes and write its audit row all or nothing. Bad input raises ``InventoryError``
+with a message fit to show an operator as is; the ``*_problem`` checks are shared with the
+fleet file's validation (``kvctl.db.fleetfile``) so both reject the same things the same way.
+"""
 
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any, Final
+from urllib.parse import urlsplit
 
-from sqlalchemy import select
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from kvctl.db.models import DataCenter, Link, Node
+
+#: column widths of the schema; checked here because PostgreSQL refuses longer text with a
+#: database error, while SQLite silently stores it
+DC_NAME_MAX: Final = 64
+NODE_NAME_MAX: Final = 128
+REGION_MAX: Final = 64
+LOCATION_MAX: Final = 128
+GPU_MODEL_MAX: Final = 64
+URL_MAX: Final = 255
+
+#: fields ``update_dc`` / ``update_node`` may change (the name is the identity, never updated)
+DC_FIELDS: Final = ("region", "location", "carbon_g_per_kwh", "pue")
+NODE_FIELDS: Final = ("dc", "agent_url", "gpu_model", "engine_url")
+
+#: good examples quoted in URL errors
+AGENT_URL_EXAMPLE: Final = "http://10.0.0.7:7070"
+ENGINE_URL_EXAMPLE: Final = "http://10.0.0.7:8000/metrics"
 
 
 class InventoryError(ValueError):
@@ -26,9 +52,165 @@ class NodeInfo:
     gpu_model: str
     engine_url: str | None
 
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
+
+@dataclass(frozen=True, slots=True)
+class DcInfo:
+    id: int
+    name: str
+    region: str
+    location: str
+    carbon_g_per_kwh: float | None
+    pue: float | None
+    #: how many nodes the DC holds
+    nodes: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkInfo:
+    """A link by its DCs' names, ``a < b`` by name (so listings do not depend on row ids)."""
+
+    id: int
+    a: str
+    b: str
+    distance_km: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedDc:
+    """What ``remove_dc`` took away: the DC, its nodes and the links that touched it."""
+
+    name: str
+    nodes: tuple[str, ...]
+    links: tuple[LinkInfo, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "nodes": list(self.nodes),
+            "links": [[link.a, link.b] for link in self.links],
+        }
+
+
+# --- checks shared with the fleet file --------------------------------------------------------
+def name_problem(name: Any, kind: str) -> str | None:
+    """Why ``name`` cannot name a ``kind`` ("DC" or "node"), or None when it can."""
+    limit = DC_NAME_MAX if kind == "DC" else NODE_NAME_MAX
+    if not isinstance(name, str):
+        return f"a {kind} name must be text, got {type(name).__name__}"
+    if not name.strip():
+        return f"a {kind} name must not be empty"
+    if name != name.strip() or not name.isprintable():
+        return f"a {kind} name must not have leading/trailing spaces or control characters"
+    if len(name) > limit:
+        return f"{kind} name {name[:20]!r}... is longer than {limit} characters"
+    return None
+
+
+def text_problem(value: Any, what: str, limit: int) -> str | None:
+    if not isinstance(value, str):
+        return f"{what} must be text, got {type(value).__name__}"
+    if len(value) > limit:
+        return f"{what} is longer than {limit} characters"
+    return None
+
+
+def url_problem(url: Any, what: str = "agent URL") -> str | None:
+    """Why ``url`` is not an http(s) URL with a host and a usable port, or None when it is."""
+    example = ENGINE_URL_EXAMPLE if what.startswith("engine") else AGENT_URL_EXAMPLE
+    bad = f"{what} must be http:// or https:// with a host (e.g. {example}), got {url!r}"
+    if not isinstance(url, str):
+        return f"{what} must be text (e.g. {example}), got {type(url).__name__}"
+    if len(url) > URL_MAX:
+        return f"{what} is longer than {URL_MAX} characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port  # raises ValueError when not a number or out of range
+    except ValueError:
+        return f"{what} has a bad port (e.g. {example}), got {url!r}"
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
+        return bad
+    if port == 0:
+        return f"{what} has a bad port (e.g. {example}), got {url!r}"
+    return None
+
+
+def _number_problem(value: Any, what: str) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return f"{what} must be a number, got {type(value).__name__}"
+    if not math.isfinite(value):
+        return f"{what} must be a finite number, got {value}"
+    return None
+
+
+def pue_problem(pue: Any) -> str | None:
+    if pue is None:
+        return None
+    if problem := _number_problem(pue, "PUE"):
+        return problem
+    return f"PUE must be at least 1, got {pue}" if pue < 1 else None
+
+
+def carbon_problem(carbon: Any) -> str | None:
+    if carbon is None:
+        return None
+    if problem := _number_problem(carbon, "carbon intensity"):
+        return problem
+    return f"carbon intensity must not be negative, got {carbon}" if carbon < 0 else None
+
+
+def distance_problem(distance_km: Any) -> str | None:
+    if problem := _number_problem(distance_km, "distance"):
+        return problem
+    return f"distance must not be negative, got {distance_km}" if distance_km < 0 else None
+
+
+def _check(*problems: str | None) -> None:
+    for problem in problems:
+        if problem:
+            raise InventoryError(problem)
+
+
+def _dc_field_problems(fields: dict[str, Any]) -> list[str | None]:
+    checks = {
+        "region": lambda v: text_problem(v, "region", REGION_MAX),
+        "location": lambda v: text_problem(v, "location", LOCATION_MAX),
+        "carbon_g_per_kwh": carbon_problem,
+        "pue": pue_problem,
+    }
+    return [checks[k](v) for k, v in fields.items()]
+
+
+def _node_field_problems(fields: dict[str, Any]) -> list[str | None]:
+    checks = {
+        "dc": lambda v: name_problem(v, "DC"),
+        "agent_url": lambda v: url_problem(v, "agent URL"),
+        "gpu_model": lambda v: text_problem(v, "GPU model", GPU_MODEL_MAX),
+        "engine_url": lambda v: None if v is None else url_problem(v, "engine URL"),
+    }
+    return [checks[k](v) for k, v in fields.items()]
+
+
+# --- lookups ----------------------------------------------------------------------------------
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _known(names: Iterable[str], limit: int = 20) -> str:
+    """``a, b, c`` for an error message; long lists are cut so the message stays one line."""
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    if len(names) > limit:
+        shown += f" and {len(names) - limit} more"
+    return shown or "none"
 
 
 def _insert(conn: Connection, model: Any, duplicate: str, **values: Any) -> int:
@@ -47,12 +229,82 @@ def dc_id(conn: Connection, name: str) -> int:
     if found is None:
         known = conn.execute(select(DataCenter.name).order_by(DataCenter.name)).scalars().all()
         raise InventoryError(
-            f"no DC named {name!r} (known: {', '.join(known) or 'none'}); add it with "
-            "`kvctl fleet add-dc`"
+            f"no DC named {name!r} (known: {_known(known)}); add it with `kvctl fleet add-dc`"
         )
     return found
 
 
+def _node_query() -> Any:
+    return select(
+        Node.id, Node.name, DataCenter.name, Node.agent_url, Node.gpu_model, Node.engine_url
+    ).join(DataCenter, Node.dc_id == DataCenter.id)
+
+
+def node_by_name(conn: Connection, name: str) -> NodeInfo:
+    row = conn.execute(_node_query().where(Node.name == name)).first()
+    if row is None:
+        known = conn.execute(select(Node.name).order_by(Node.name)).scalars().all()
+        raise InventoryError(
+            f"no node named {name!r} (known: {_known(known)}); add it with `kvctl fleet add-node`"
+        )
+    return NodeInfo(*row)
+
+
+def list_nodes(conn: Connection, *, dc: str | None = None) -> list[NodeInfo]:
+    q = _node_query().order_by(DataCenter.name, Node.name)
+    if dc is not None:
+        dc_id(conn, dc)
+        q = q.where(DataCenter.name == dc)
+    return [NodeInfo(*row) for row in conn.execute(q)]
+
+
+def list_dcs(conn: Connection) -> list[DcInfo]:
+    """Every DC by name, with how many nodes it holds."""
+    counts = select(Node.dc_id, func.count().label("n")).group_by(Node.dc_id).subquery("counts")
+    q = (
+        select(
+            DataCenter.id,
+            DataCenter.name,
+            DataCenter.region,
+            DataCenter.location,
+            DataCenter.carbon_g_per_kwh,
+            DataCenter.pue,
+            func.coalesce(counts.c.n, 0),
+        )
+        .outerjoin(counts, counts.c.dc_id == DataCenter.id)
+        .order_by(DataCenter.name)
+    )
+    return [DcInfo(*row) for row in conn.execute(q)]
+
+
+def list_links(conn: Connection) -> list[LinkInfo]:
+    """Every link by its DCs' names (``a < b``), sorted by those names."""
+    a, b = DataCenter.__table__.alias("a"), DataCenter.__table__.alias("b")
+    q = (
+        select(Link.id, a.c.name, b.c.name, Link.distance_km)
+        .join(a, Link.dc_a_id == a.c.id)
+        .join(b, Link.dc_b_id == b.c.id)
+    )
+    links = [LinkInfo(i, *sorted((x, y)), d) for i, x, y, d in conn.execute(q)]
+    return sorted(links, key=lambda link: (link.a, link.b))
+
+
+def _link_where(conn: Connection, dc_a: str, dc_b: str) -> Any:
+    if dc_a == dc_b:
+        raise InventoryError("a link joins two different DCs")
+    a, b = sorted((dc_id(conn, dc_a), dc_id(conn, dc_b)))
+    return (Link.dc_a_id == a) & (Link.dc_b_id == b)
+
+
+def _unknown_link(conn: Connection, dc_a: str, dc_b: str) -> InventoryError:
+    known = [f"{link.a} <-> {link.b}" for link in list_links(conn)]
+    return InventoryError(
+        f"no link between {dc_a!r} and {dc_b!r} (known: {_known(known)}); add it with "
+        "`kvctl fleet add-link`"
+    )
+
+
+# --- changes ----------------------------------------------------------------------------------
 def add_dc(
     conn: Connection,
     name: str,
@@ -62,10 +314,8 @@ def add_dc(
     carbon_g_per_kwh: float | None = None,
     pue: float | None = None,
 ) -> int:
-    if pue is not None and pue < 1:
-        raise InventoryError(f"PUE must be at least 1, got {pue}")
-    if carbon_g_per_kwh is not None and carbon_g_per_kwh < 0:
-        raise InventoryError(f"carbon intensity must not be negative, got {carbon_g_per_kwh}")
+    fields = {"region": region, "location": location, "carbon_g_per_kwh": carbon_g_per_kwh}
+    _check(name_problem(name, "DC"), pue_problem(pue), *_dc_field_problems(fields))
     return _insert(
         conn,
         DataCenter,
@@ -88,6 +338,8 @@ def add_node(
     gpu_model: str = "",
     engine_url: str | None = None,
 ) -> int:
+    fields = {"agent_url": agent_url, "gpu_model": gpu_model, "engine_url": engine_url}
+    _check(name_problem(name, "node"), *_node_field_problems(fields))
     dc_key = dc_id(conn, dc)
     return _insert(
         conn,
@@ -105,8 +357,7 @@ def add_node(
 def add_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -> int:
     if dc_a == dc_b:
         raise InventoryError("a link joins two different DCs")
-    if distance_km < 0:
-        raise InventoryError(f"distance must not be negative, got {distance_km}")
+    _check(distance_problem(distance_km))
     a, b = sorted((dc_id(conn, dc_a), dc_id(conn, dc_b)))
     return _insert(
         conn,
@@ -118,13 +369,72 @@ def add_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -> i
     )
 
 
-def list_nodes(conn: Connection, *, dc: str | None = None) -> list[NodeInfo]:
-    q = (
-        select(Node.id, Node.name, DataCenter.name, Node.agent_url, Node.gpu_model, Node.engine_url)
-        .join(DataCenter, Node.dc_id == DataCenter.id)
-        .order_by(DataCenter.name, Node.name)
+def update_dc(conn: Connection, name: str, **fields: Any) -> None:
+    """Change some of a DC's ``DC_FIELDS``; the name stays (it is how everything refers to it)."""
+    if unknown := sorted(set(fields) - set(DC_FIELDS)):
+        raise InventoryError(f"cannot update {', '.join(unknown)} of a DC (fields: {DC_FIELDS})")
+    _check(*_dc_field_problems(fields))
+    key = dc_id(conn, name)
+    if fields:
+        conn.execute(update(DataCenter).where(DataCenter.id == key).values(**fields))
+
+
+def update_node(conn: Connection, name: str, **fields: Any) -> None:
+    """Change some of a node's ``NODE_FIELDS``; ``dc`` (a DC name) moves it to another DC."""
+    if unknown := sorted(set(fields) - set(NODE_FIELDS)):
+        raise InventoryError(
+            f"cannot update {', '.join(unknown)} of a node (fields: {NODE_FIELDS})"
+        )
+    _check(*_node_field_problems(fields))
+    node = node_by_name(conn, name)
+    values = dict(fields)
+    if "dc" in values:
+        values["dc_id"] = dc_id(conn, values.pop("dc"))
+    if values:
+        conn.execute(update(Node).where(Node.id == node.id).values(**values))
+
+
+def update_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -> None:
+    _check(distance_problem(distance_km))
+    done = conn.execute(
+        update(Link).where(_link_where(conn, dc_a, dc_b)).values(distance_km=distance_km)
     )
-    if dc is not None:
-        dc_id(conn, dc)
-        q = q.where(DataCenter.name == dc)
-    return [NodeInfo(*row) for row in conn.execute(q)]
+    if done.rowcount == 0:
+        raise _unknown_link(conn, dc_a, dc_b)
+
+
+def remove_node(conn: Connection, name: str) -> NodeInfo:
+    """Remove a node from the inventory (its recorded samples stay, as history)."""
+    node = node_by_name(conn, name)
+    conn.execute(delete(Node).where(Node.id == node.id))
+    return node
+
+
+def remove_link(conn: Connection, dc_a: str, dc_b: str) -> LinkInfo:
+    where = _link_where(conn, dc_a, dc_b)
+    row = conn.execute(select(Link.id, Link.distance_km).where(where)).first()
+    if row is None:
+        raise _unknown_link(conn, dc_a, dc_b)
+    conn.execute(delete(Link).where(Link.id == row.id))
+    a, b = sorted((dc_a, dc_b))
+    return LinkInfo(row.id, a, b, row.distance_km)
+
+
+def remove_dc(conn: Connection, name: str, *, with_nodes: bool = False) -> RemovedDc:
+    """Remove a DC and its links; refuses while it has nodes unless ``with_nodes``."""
+    key = dc_id(conn, name)
+    nodes = tuple(
+        conn.execute(select(Node.name).where(Node.dc_id == key).order_by(Node.name)).scalars()
+    )
+    if nodes and not with_nodes:
+        raise InventoryError(
+            f"DC {name!r} still has {len(nodes)} node(s): {_known(nodes)}; remove them first "
+            "(`kvctl fleet rm node NAME`) or remove them with it (`--with-nodes`)"
+        )
+    links = tuple(link for link in list_links(conn) if name in (link.a, link.b))
+    # explicit deletes rather than relying on ON DELETE CASCADE, which SQLite only honours
+    # when its foreign_keys pragma is on for this connection
+    conn.execute(delete(Link).where(or_(Link.dc_a_id == key, Link.dc_b_id == key)))
+    conn.execute(delete(Node).where(Node.dc_id == key))
+    conn.execute(delete(DataCenter).where(DataCenter.id == key))
+    return RemovedDc(name, nodes, links)

@@ -63,6 +63,13 @@ def _imports(path: Path) -> set[str]:
 def test_core_sources_never_import_ui() -> None:
     """Static check for modules whose HTTP client (httpx) drags in click and rich for its own
     command line: our code itself must still never import a UI library, even lazily."""
-    for folder in ("kvctl/store", "kvctl/db", "kvctl/agent", "collectors", "migrations"):
+    for folder in (
+        "kvctl/store",
+        "kvctl/db",
+        "kvctl/agent",
+        "kvctl/fleet",
+        "collectors",
+        "migrations",
+    ):
         for path in (ROOT / folder).rglob("*.py"):
             assert not _imports(path) & set(UI), path

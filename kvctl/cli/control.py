@@ -1,0 +1,412 @@
+"""`kvctl pin|unpin|evict|flush|prefetch|move|resize`: act on one node, a DC, or the fleet.
+
+Thin: options become a :class:`kvctl.fleet.actions.ActionRequest`, the library fans it out and
+audits it, and this module asks for confirmation, shows progress and renders the outcome."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvctl.cli.options import (
+    AllOpt,
+    DbOpt,
+    DcOpt,
+    JsonOpt,
+    NodeOpt,
+    TextOpt,
+    TimeoutOpt,
+    TokenizerOpt,
+    TokensOpt,
+    YesOpt,
+    db_errors,
+    open_engine,
+    prompt_tokens,
+)
+from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+
+if TYPE_CHECKING:
+    from kvctl.fleet.actions import ActionReport, ActionRequest, ChunkSelection
+
+KeyOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--key",
+        "-k",
+        help="A chunk key, 32 hex characters (repeat for several).",
+        metavar="KEY",
+        show_default=False,
+    ),
+]
+KeysFileOpt = Annotated[
+    Path | None,
+    typer.Option("--keys-file", help="File of chunk keys, one per line (- for stdin)."),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help="Model whose keys --text/--tokens make (default: the agent's)."),
+]
+TenantOpt = Annotated[str, typer.Option("--tenant", help="Tenant the prompt belongs to.")]
+TierOpt = Annotated[str | None, typer.Option("--tier", "-t", help="Tier name (gpu, cpu, disk...).")]
+
+
+def _keys(key: list[str] | None, keys_file: Path | None) -> list[str]:
+    from kvctl.store.keys import KEY_BYTES
+
+    texts = list(key or [])
+    if keys_file is not None:
+        raw = sys.stdin.read() if str(keys_file) == "-" else keys_file.read_text(encoding="utf-8")
+        texts += [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.startswith("#")]
+    for i, k in enumerate(texts):
+        try:
+            ok = len(bytes.fromhex(k)) == KEY_BYTES
+        except ValueError:
+            ok = False
+        if not ok:
+            shown = k if len(k) <= 40 else k[:40] + "..."
+            fail(
+                f"bad key #{i + 1} {shown!r}: keys are {KEY_BYTES * 2} hex characters",
+                hint="`kvctl keys --text ...` or `kvctl lookup` shows a prompt's keys",
+            )
+    return texts
+
+
+def _chunks(
+    key: list[str] | None,
+    keys_file: Path | None,
+    text: str | None,
+    tokens: Path | None,
+    tokenizer: str,
+    model: str | None,
+    tenant: str,
+) -> ChunkSelection:
+    from kvctl.fleet.actions import ChunkSelection
+
+    with user_errors(hint="see --help"):
+        keys = _keys(key, keys_file)
+        ids = prompt_tokens(text, tokens, tokenizer)
+        if bool(keys) == (ids is not None):
+            fail(
+                "name the chunks one way: --key/--keys-file, or a prompt (--text/--tokens)",
+                hint="a prompt's keys are computed by each agent for its own model",
+            )
+        if ids is not None:
+            return ChunkSelection(tokens=tuple(ids), model=model, tenant=tenant)
+        return ChunkSelection(keys=tuple(keys))
+
+
+def _act(
+    request: ActionRequest,
+    node: list[str] | None,
+    dc: list[str] | None,
+    all_nodes: bool,
+    yes: bool,
+    db: str | None,
+    json_out: bool,
+    timeout_s: float,
+) -> None:
+    from kvctl.fleet.actions import run_action
+    from kvctl.fleet.targets import resolve_targets
+
+    engine = open_engine(db)
+    with (
+        db_errors(),
+        user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
+        engine.connect() as conn,
+    ):
+        nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=all_nodes)
+    if all_nodes and not yes:
+        dcs = len({n.dc for n in nodes})
+        if not _confirm(f"{request.action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"):
+            err_console.print("nothing done")
+            raise typer.Exit(1)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    with (
+        db_errors(),
+        Progress(
+            TextColumn(f"{request.action}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[last]}"),
+            console=err_console,
+            transient=True,
+        ) as progress,
+    ):
+        task = progress.add_task(request.action, total=len(nodes), last="")
+        report = run_action(
+            engine,
+            nodes,
+            request,
+            timeout_s=timeout_s,
+            on_result=lambda r: progress.update(task, advance=1, last=r.node.name),
+        )
+    engine.dispose()
+    _render(report, json_out)
+    if not report.ok:
+        names = ", ".join(r.node.name for r in report.failed)
+        err_console.print(
+            f"[bold red]failed on {len(report.failed)} of {len(report.results)} node(s):[/] "
+            f"{names}",
+            highlight=False,
+        )
+        raise typer.Exit(1)
+
+
+def _confirm(question: str) -> bool:
+    import click
+
+    try:
+        return typer.confirm(question, default=False, err=True)
+    except click.exceptions.Abort:  # no answer (stdin closed): treat as no
+        return False
+
+
+def _render(report: ActionReport, json_out: bool) -> None:
+    if json_out:
+        print_json(report.as_dict())
+        return
+    from rich.table import Table
+
+    table = Table(title=f"{report.request.action}", title_justify="left")
+    for col in ("node", "dc", "result", "done", "pinned", "missing", "no room", "time"):
+        table.add_column(col, justify="left" if col in ("node", "dc", "result") else "right")
+    for r in report.results:
+        v: dict[str, Any] = r.value or {}
+        cells = [str(v.get(c, "")) for c in ("done", "skipped_pinned", "missing", "failed")]
+        status = "[green]ok[/]" if r.ok else f"[red]failed[/] {r.error}"
+        table.add_row(r.node.name, r.node.dc, status, *cells, f"{r.elapsed_s * 1000:.0f} ms")
+    console.print(table)
+
+
+# --- the commands --------------------------------------------------------------------------
+def pin_command(
+    key: KeyOpt = None,
+    keys_file: KeysFileOpt = None,
+    text: TextOpt = None,
+    tokens: TokensOpt = None,
+    tokenizer: TokenizerOpt = "simple",
+    model: ModelOpt = None,
+    tenant: TenantOpt = "",
+    tier: TierOpt = None,
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    yes: YesOpt = False,
+    timeout: TimeoutOpt = 10.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Pin chunks so they are never evicted (moved to --tier first when given).
+
+    Examples:
+
+      kvctl pin --node gpu-a1 --text "You are a helpful assistant." --tier cpu
+
+      kvctl pin --dc fra --keys-file system-prompt.keys
+
+      kvctl pin --all --yes --key 3f2a9c0d1e4b5a697887766554433221
+    """
+    from kvctl.fleet.actions import ActionRequest
+
+    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
+    with user_errors():
+        req = ActionRequest("pin", chunks=chunks, tier=tier)
+    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+
+
+def unpin_command(
+    key: KeyOpt = None,
+    keys_file: KeysFileOpt = None,
+    text: TextOpt = None,
+    tokens: TokensOpt = None,
+    tokenizer: TokenizerOpt = "simple",
+    model: ModelOpt = None,
+    tenant: TenantOpt = "",
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    yes: YesOpt = False,
+    timeout: TimeoutOpt = 10.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Make pinned chunks evictable again.
+
+    Examples:
+
+      kvctl unpin --node gpu-a1 --text "You are a helpful assistant."
+
+      kvctl unpin --dc fra --keys-file system-prompt.keys --json
+    """
+    from kvctl.fleet.actions import ActionRequest
+
+    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
+    _act(ActionRequest("unpin", chunks=chunks), node, dc, all_nodes, yes, db, json_out, timeout)
+
+
+def evict_command(
+    key: KeyOpt = None,
+    keys_file: KeysFileOpt = None,
+    text: TextOpt = None,
+    tokens: TokensOpt = None,
+    tokenizer: TokenizerOpt = "simple",
+    model: ModelOpt = None,
+    tenant: TenantOpt = "",
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    yes: YesOpt = False,
+    timeout: TimeoutOpt = 10.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Drop chunks from every tier of the nodes; pinned chunks are skipped and counted.
+
+    Examples:
+
+      kvctl evict --node gpu-a1 --key 3f2a9c0d1e4b5a697887766554433221
+
+      kvctl evict --all --yes --keys-file leaked-prompt.keys
+    """
+    from kvctl.fleet.actions import ActionRequest
+
+    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
+    _act(ActionRequest("evict", chunks=chunks), node, dc, all_nodes, yes, db, json_out, timeout)
+
+
+def flush_command(
+    tier: Annotated[str, typer.Option("--tier", "-t", help="Tier to empty of unpinned chunks.")],
+    demote: Annotated[
+        bool, typer.Option(help="Demote to the next tier down instead of dropping.")
+    ] = False,
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    yes: YesOpt = False,
+    timeout: TimeoutOpt = 30.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Empty a tier of its unpinned chunks (dropped, or demoted with --demote).
+
+    Examples:
+
+      kvctl flush --tier cpu --node gpu-a1 --demote
+
+      kvctl flush --tier disk --dc fra --json
+
+      kvctl flush --tier cpu --all --yes
+    """
+    from kvctl.fleet.actions import ActionRequest
+
+    req = ActionRequest("flush", tier=tier, demote=demote)
+    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+
+
+def prefetch_command(
+    to: Annotated[
+        str | None, typer.Option("--to", help="Tier to bring the chunks up to (default: top).")
+    ] = None,
+    key: KeyOpt = None,
+    keys_file: KeysFileOpt = None,
+    text: TextOpt = None,
+    tokens: TokensOpt = None,
+    tokenizer: TokenizerOpt = "simple",
+    model: ModelOpt = None,
+    tenant: TenantOpt = "",
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    yes: YesOpt = False,
+    timeout: TimeoutOpt = 30.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Bring chunks up to a faster tier ahead of the requests that will need them.
+
+    Examples:
+
+      kvctl prefetch --to cpu --node gpu-a1 --text "You are a helpful assistant."
+
+      kvctl prefetch --dc fra --keys-file tomorrow-9am.keys
+    """
+    from kvctl.fleet.actions import ActionRequest
+
+    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
+    req = ActionRequest("prefetch", chunks=chunks, tier=to)
+    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+
+
+def move_command(
+    to: Annotated[str, typer.Option("--to", help="Destination tier, up or down.")],
+    key: KeyOpt = None,
+    keys_file: KeysFileOpt = None,
+    text: TextOpt = None,
+    tokens: TokensOpt = None,
+    tokenizer: TokenizerOpt = "simple",
+    model: ModelOpt = None,
+    tenant: TenantOpt = "",
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    yes: YesOpt = False,
+    timeout: TimeoutOpt = 30.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Move chunks to a tier, up or down, making room there by the eviction policy.
+
+    Examples:
+
+      kvctl move --to disk --node gpu-a1 --keys-file cold.keys
+
+      kvctl move --to cpu --dc fra --text "You are a helpful assistant." --json
+    """
+    from kvctl.fleet.actions import ActionRequest
+
+    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
+    req = ActionRequest("move", chunks=chunks, tier=to)
+    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+
+
+def resize_command(
+    tier: Annotated[str, typer.Option("--tier", "-t", help="Tier to resize.")],
+    size: Annotated[str, typer.Option("--size", help="New capacity: 4096, 512MiB, 64GiB...")],
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    yes: YesOpt = False,
+    timeout: TimeoutOpt = 60.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Change a tier's capacity live; shrinking demotes (or drops) chunks to fit.
+
+    Refused on a node (the others go on) when its pinned chunks exceed the new size.
+
+    Examples:
+
+      kvctl resize --tier cpu --size 64GiB --node gpu-a1
+
+      kvctl resize --tier disk --size 2TiB --dc fra --json
+    """
+    from kvctl.fleet.actions import ActionRequest
+
+    with user_errors(hint="sizes look like 4096, 512MiB or 64GiB"):
+        req = ActionRequest("resize", tier=tier, size=size)
+    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+
+
+COMMANDS = {
+    "pin": (pin_command, "Pin chunks so they are never evicted."),
+    "unpin": (unpin_command, "Make pinned chunks evictable again."),
+    "evict": (evict_command, "Drop chunks (pinned ones are skipped)."),
+    "flush": (flush_command, "Empty a tier of unpinned chunks."),
+    "prefetch": (prefetch_command, "Bring chunks up to a faster tier."),
+    "move": (move_command, "Move chunks to a tier, up or down."),
+    "resize": (resize_command, "Change a tier's capacity live."),
+}

@@ -1,0 +1,107 @@
+"""`kvctl lookup`: which chunks of a prompt are cached, in which tier, on which node."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from kvctl.cli.options import (
+    AllOpt,
+    DbOpt,
+    DcOpt,
+    JsonOpt,
+    NodeOpt,
+    TextOpt,
+    TimeoutOpt,
+    TokenizerOpt,
+    TokensOpt,
+    db_errors,
+    open_engine,
+    prompt_tokens,
+)
+from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+
+
+def lookup_command(
+    text: TextOpt = None,
+    tokens: TokensOpt = None,
+    tokenizer: TokenizerOpt = "simple",
+    model: Annotated[
+        str | None, typer.Option("--model", help="Model id (default: each agent's first model).")
+    ] = None,
+    tenant: Annotated[str, typer.Option("--tenant", help="Tenant asking.")] = "",
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    timeout: TimeoutOpt = 5.0,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show which chunks of a prompt hit, in which tier, on which node.
+
+    Each agent computes the prompt's chunk keys for its model; only full chunks are keyed.
+    Read-only: the agents' hit statistics do not count these lookups.
+
+    Examples:
+
+      kvctl lookup --node gpu-a1 --text "You are a helpful assistant. Answer briefly."
+
+      kvctl lookup --dc fra --tokens prompt.txt --tenant acme
+
+      kvctl lookup --all --tokens - --json < prompt-ids.txt
+    """
+    from kvctl.fleet.lookup import lookup_prompt
+    from kvctl.fleet.targets import resolve_targets
+
+    with user_errors(hint="see `kvctl lookup --help`"):
+        ids = prompt_tokens(text, tokens, tokenizer)
+    if ids is None:
+        fail("give the prompt: --text TEXT or --tokens FILE")
+    engine = open_engine(db)
+    with (
+        db_errors(),
+        user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
+        engine.connect() as conn,
+    ):
+        nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=all_nodes)
+    engine.dispose()
+    found = lookup_prompt(nodes, ids, model=model, tenant=tenant, timeout_s=timeout)
+    if json_out:
+        print_json({"tokens": len(ids), "nodes": [f.as_dict() for f in found]})
+    else:
+        from rich.table import Table
+
+        summary = Table(title=f"{len(ids):,} tokens", title_justify="left")
+        for col in ("node", "dc", "prefix hit", "tokens", "cached anywhere", "error"):
+            summary.add_column(col, justify="right" if col in ("tokens",) else "left")
+        for f in found:
+            summary.add_row(
+                f.node,
+                f.dc,
+                f"{f.matched_chunks}/{f.total_chunks}" if f.ok else "N/A",
+                f"{f.matched_tokens:,}" if f.ok else "N/A",
+                str(f.cached_chunks) if f.ok else "N/A",
+                f"[red]{f.error}[/]" if f.error else "",
+            )
+        console.print(summary)
+        answered = [f for f in found if f.ok]
+        longest = max((f.total_chunks for f in answered), default=0)
+        if longest:
+            chunks = Table(title="tier of each chunk ('-': not cached)", title_justify="left")
+            chunks.add_column("#", justify="right")
+            chunks.add_column("key (first node)")
+            for f in answered:
+                chunks.add_column(f.node)
+            first = answered[0]
+            for i in range(longest):
+                key = first.chunks[i][0] if i < len(first.chunks) else ""
+                cells = [f.chunks[i][1] or "-" if i < len(f.chunks) else "" for f in answered]
+                chunks.add_row(str(i), key, *cells)
+            console.print(chunks)
+        elif answered:
+            console.print("[yellow]the prompt has no full chunk: nothing to look up[/]")
+    down = [f.node for f in found if not f.ok]
+    if down:
+        err_console.print(f"[red]no answer from {len(down)} node(s):[/] {', '.join(down)}")
+        raise typer.Exit(1)

@@ -1,0 +1,159 @@
+"""Control actions on chunks and tiers (pin, unpin, evict, flush, prefetch, move, resize), run
+on many agents at once, each node's outcome written to the audit trail as it arrives."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from sqlalchemy.engine import Engine
+
+from kvctl.client import AgentClient
+from kvctl.db.inventory import NodeInfo
+from kvctl.fleet.audit import record
+from kvctl.fleet.fanout import NodeResult, fan_out
+from kvctl.store.errors import InvalidArgument
+from kvctl.units import parse_size
+
+#: actions that name chunks; the others name a tier
+KEYED: Final = frozenset({"pin", "unpin", "evict", "prefetch", "move"})
+ACTIONS: Final = ("pin", "unpin", "evict", "flush", "prefetch", "move", "resize")
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkSelection:
+    """The chunks an action names: explicit keys, or a prompt's tokens whose keys each agent
+    computes for its own model namespace (a node's keys depend on its model and KV layout)."""
+
+    keys: tuple[str, ...] = ()
+    tokens: tuple[int, ...] | None = None
+    model: str | None = None
+    tenant: str = ""
+
+    def __post_init__(self) -> None:
+        if (not self.keys) == (self.tokens is None):
+            raise InvalidArgument("name the chunks: keys, or tokens (a text or a token file)")
+
+    def resolve(self, client: AgentClient) -> list[str]:
+        if self.tokens is None:
+            return list(self.keys)
+        # count=False: looking keys up for an operator must not move the node's hit ratio
+        found = client.lookup(tokens=self.tokens, model=self.model, tenant=self.tenant, count=False)
+        return [c["key"] for c in found["chunks"]]
+
+    def describe(self) -> dict[str, Any]:
+        if self.tokens is None:
+            return {"keys": len(self.keys)}
+        return {"prompt_tokens": len(self.tokens), "model": self.model, "tenant": self.tenant}
+
+
+@dataclass(frozen=True, slots=True)
+class ActionRequest:
+    action: str
+    chunks: ChunkSelection | None = None
+    tier: str | None = None
+    size: str | None = None
+    demote: bool = False
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise InvalidArgument(f"unknown action {self.action!r}; one of {', '.join(ACTIONS)}")
+        if (self.action in KEYED) != (self.chunks is not None):
+            raise InvalidArgument(
+                f"{self.action} {'names chunks' if self.action in KEYED else 'names a tier'}"
+            )
+        if self.action in ("flush", "move", "resize") and not self.tier:
+            raise InvalidArgument(f"{self.action} needs a tier")
+        if self.action == "resize":
+            if self.size is None:
+                raise InvalidArgument("resize needs a size")
+            parse_size(self.size)  # a bad size fails here, before any agent is asked
+
+    def call(self, client: AgentClient) -> dict[str, Any]:
+        a = self.action
+        if a == "flush":
+            return client.flush(self.tier or "", demote=self.demote)
+        if a == "resize":
+            return client.resize(self.tier or "", self.size or "")
+        assert self.chunks is not None
+        keys = self.chunks.resolve(client)
+        if not keys:
+            return {"done": 0, "skipped_pinned": 0, "missing": 0, "failed": 0, "keys": 0}
+        if a == "pin":
+            out = client.pin(keys, self.tier)
+        elif a == "unpin":
+            out = client.unpin(keys)
+        elif a == "evict":
+            out = client.evict(keys)
+        elif a == "prefetch":
+            out = client.prefetch(keys, self.tier)
+        else:
+            out = client.move(keys, self.tier or "")
+        return {**out, "keys": len(keys)}
+
+    def audit_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {"tier": self.tier}
+        if self.chunks is not None:
+            args.update(self.chunks.describe())
+        if self.action == "resize":
+            args["size"] = self.size
+        if self.action == "flush":
+            args["demote"] = self.demote
+        return {k: v for k, v in args.items() if v is not None}
+
+
+@dataclass(slots=True)
+class ActionReport:
+    request: ActionRequest
+    results: list[NodeResult[dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def failed(self) -> list[NodeResult[dict[str, Any]]]:
+        return [r for r in self.results if not r.ok]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "action": self.request.action,
+            "args": self.request.audit_args(),
+            "ok": self.ok,
+            "nodes": [r.as_dict() for r in self.results],
+            "failed": [r.node.name for r in self.failed],
+        }
+
+
+def run_action(
+    engine: Engine,
+    nodes: Sequence[NodeInfo],
+    request: ActionRequest,
+    *,
+    token: str | None = None,
+    timeout_s: float = 10.0,
+    on_result: Callable[[NodeResult[dict[str, Any]]], None] | None = None,
+    actor: str | None = None,
+) -> ActionReport:
+    """Run ``request`` on every node concurrently. Each node's outcome is committed to the
+    audit trail as soon as it arrives, so a CLI killed halfway leaves the finished nodes
+    recorded."""
+    args = request.audit_args()
+
+    def audited(res: NodeResult[dict[str, Any]]) -> None:
+        with engine.begin() as conn:
+            record(
+                conn,
+                action=request.action,
+                target=res.node.name,
+                args=args,
+                ok=res.ok,
+                result=res.value if res.ok else res.error or "",
+                actor=actor,
+            )
+        if on_result is not None:
+            on_result(res)
+
+    results = fan_out(nodes, request.call, token=token, timeout_s=timeout_s, on_result=audited)
+    return ActionReport(request, results)

@@ -1,0 +1,112 @@
+"""The audit trail: one row per action an operator's kvctl took (who, when, what, on which
+target, with which arguments, and how it ended)."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+
+from kvctl.db.models import Audit
+
+#: argument names whose values never reach the audit table: ``token``, ``agent_token``,
+#: ``db_password``... (not ``tokens``, a prompt's token count)
+_SECRET_NAME = re.compile(r"(^|_)(token|password|passwd|secret|api_key|credentials?)$", re.I)
+#: results longer than this are cut (a fan-out over hundreds of nodes stays one row per node)
+MAX_RESULT_CHARS = 4000
+
+
+@dataclass(frozen=True, slots=True)
+class AuditEntry:
+    id: int
+    ts_ms: int
+    actor: str
+    action: str
+    target: str
+    args: dict[str, Any]
+    ok: bool
+    result: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def current_actor() -> str:
+    """``$KVCTL_ACTOR`` when set (a bastion's wrapper names the person), else user@host."""
+    if actor := os.environ.get("KVCTL_ACTOR"):
+        return actor[:128]
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (containers)
+        user = f"uid{os.getuid()}"
+    return f"{user}@{socket.gethostname()}"[:128]
+
+
+def redact(args: dict[str, Any]) -> dict[str, Any]:
+    """``args`` with the values of secret-looking names replaced."""
+    return {
+        k: "<redacted>" if _SECRET_NAME.search(k) else v
+        for k, v in args.items()
+    }
+
+
+def record(
+    conn: Connection,
+    *,
+    action: str,
+    target: str,
+    args: dict[str, Any],
+    ok: bool,
+    result: Any = "",
+    actor: str | None = None,
+    ts_ms: int | None = None,
+) -> int:
+    """Write one audit row; ``result`` may be text or anything JSON can hold."""
+    text = result if isinstance(result, str) else json.dumps(result, default=str, sort_keys=True)
+    if len(text) > MAX_RESULT_CHARS:
+        text = text[: MAX_RESULT_CHARS - 3] + "..."
+    return conn.execute(
+        Audit.__table__.insert()
+        .values(
+            ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms,
+            actor=actor or current_actor(),
+            action=action[:64],
+            target=target[:255],
+            args=json.dumps(redact(args), default=str, sort_keys=True),
+            ok=ok,
+            result=text,
+        )
+        .returning(Audit.id)
+    ).scalar_one()
+
+
+def recent(
+    conn: Connection,
+    *,
+    limit: int = 50,
+    action: str | None = None,
+    target: str | None = None,
+    since_ms: int | None = None,
+) -> list[AuditEntry]:
+    """The newest rows first, optionally only one action (``pin``, or a prefix: ``fleet.``),
+    one target, or since a time."""
+    a = Audit.__table__.c
+    q = select(a).order_by(a.ts_ms.desc(), a.id.desc()).limit(limit)
+    if action is not None:
+        q = q.where(a.action.startswith(action) if action.endswith(".") else a.action == action)
+    if target is not None:
+        q = q.where(a.target == target)
+    if since_ms is not None:
+        q = q.where(a.ts_ms >= since_ms)
+    return [
+        AuditEntry(r.id, r.ts_ms, r.actor, r.action, r.target, json.loads(r.args), r.ok, r.result)
+        for r in conn.execute(q)
+    ]

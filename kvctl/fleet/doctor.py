@@ -1,0 +1,735 @@
+"""`kvctl doctor`'s checks as a library: the database, each agent, NVML, disk space and clocks.
+
+Every check becomes a :class:`Check` row (ok, warn, fail or skip) with a one-line detail and,
+where something is wrong, a one-line fix. Nothing here raises for a broken fleet: a database
+that will not open, an agent that is down or answers nonsense, a reading that is missing, all
+become rows, because a doctor that crashes on the very fault it should diagnose is useless. The
+checks only read: a SQLite database that is behind is reported, never upgraded.
+
+The classification functions (``classify_*``) are pure so the thresholds can be tested without
+GPUs, full disks or skewed clocks; :func:`run_checks` gathers the readings and calls them.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvctl import __version__
+
+if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
+    from collectors.nvml import NvmlStatus
+    from kvctl.client import AgentClient
+    from kvctl.db.inventory import NodeInfo
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+STATUSES = (OK, WARN, FAIL, SKIP)
+#: below this free ratio a disk fails whatever the warning threshold: writes are about to fail
+DISK_FAIL_RATIO = 0.02
+
+DB_FIX = "set KVCTL_DB_URL or --db to the fleet's database (`kvctl db current` shows which is used)"
+NTP_FIX = (
+    "enable NTP on {node}: `timedatectl set-ntp true` or `systemctl enable --now chronyd`, "
+    "then check `chronyc tracking`"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One row of the doctor's report. ``values`` carries the raw numbers for ``--json``."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str | None = None
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}")
+        # one line each: error texts from drivers and servers often carry newlines
+        object.__setattr__(self, "detail", _one_line(self.detail))
+        if self.fix is not None:
+            object.__setattr__(self, "fix", _one_line(self.fix))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "status": self.status,
+            "detail": self.detail,
+            "fix": self.fix,
+            "values": dict(self.values),
+        }
+
+
+def summarize(checks: Iterable[Check]) -> dict[str, int]:
+    out = dict.fromkeys(STATUSES, 0)
+    for check in checks:
+        out[check.status] += 1
+    return out
+
+
+def exit_code(checks: Iterable[Check]) -> int:
+    """1 when any check failed; warnings alone do not fail the doctor."""
+    return 1 if any(c.status == FAIL for c in checks) else 0
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _is_number(value: object) -> bool:
+    """A reading from JSON that can be computed with (not None, a string or a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _size(n: float) -> str:
+    for unit, factor in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= factor:
+            return f"{n / factor:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# --- pure classification ----------------------------------------------------------------------
+
+
+def skew_of(agent_time_s: float, sent_s: float, received_s: float) -> tuple[float, float]:
+    """(skew, round trip): the agent's clock minus the midpoint of the local send and receive
+    times. The agent read its clock somewhere in that window, so the round trip bounds the
+    error."""
+    return agent_time_s - (sent_s + received_s) / 2, received_s - sent_s
+
+
+def classify_skew(
+    node: str,
+    skew_s: float | None,
+    rtt_s: float | None,
+    *,
+    warn_s: float = 1.0,
+    fail_s: float = 30.0,
+) -> Check:
+    name = f"clock {node}"
+    if skew_s is None or not math.isfinite(skew_s):
+        return Check(name, SKIP, "clock skew N/A: the agent does not report its clock (time_s)")
+    rtt = rtt_s if rtt_s is not None and math.isfinite(rtt_s) else None
+    direction = "ahead of" if skew_s >= 0 else "behind"
+    uncertainty = "N/A" if rtt is None else f"{rtt:.3f} s"
+    detail = f"{abs(skew_s):.3f} s {direction} this machine (± {uncertainty} round trip)"
+    size = abs(skew_s)
+    status = FAIL if size >= fail_s else WARN if size >= warn_s else OK
+    fix = None if status == OK else NTP_FIX.format(node=node)
+    return Check(name, status, detail, fix, {"skew_s": skew_s, "rtt_s": rtt})
+
+
+def classify_disk(
+    name: str,
+    path: str | Path | None,
+    free_bytes: int | None,
+    total_bytes: int | None,
+    *,
+    warn_ratio: float = 0.10,
+    fail_ratio: float = DISK_FAIL_RATIO,
+    fix: str | None = None,
+) -> Check:
+    """``fix`` replaces the generic advice (e.g. naming the node the path is on)."""
+    where = str(path) if path else "N/A"
+    values: dict[str, Any] = {"path": where, "free_bytes": free_bytes, "total_bytes": total_bytes}
+    free = free_bytes if _is_number(free_bytes) else None
+    total = total_bytes if _is_number(total_bytes) else None
+    if free is None or total is None or total <= 0:
+        return Check(name, SKIP, f"free space N/A at {where}", None, values)
+    ratio = free / total
+    values["free_ratio"] = ratio
+    detail = f"{_size(free)} free of {_size(total)} ({ratio:.1%}) at {where}"
+    status = FAIL if ratio < fail_ratio else WARN if ratio < warn_ratio else OK
+    if status == OK:
+        return Check(name, OK, detail, None, values)
+    advice = fix or f"free space under {where}: delete old files or grow the volume"
+    return Check(name, status, detail, advice, values)
+
+
+def disk_usage_check(name: str, path: Path, *, warn_ratio: float, fix: str | None = None) -> Check:
+    """A disk check for a local path; a path not created yet is judged by the nearest existing
+    directory above it (where it will be created)."""
+    probe = path
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        usage = shutil.disk_usage(probe)
+    except OSError:
+        return classify_disk(name, path, None, None, warn_ratio=warn_ratio)
+    return classify_disk(name, path, usage.free, usage.total, warn_ratio=warn_ratio, fix=fix)
+
+
+def nvml_status_from_dict(raw: Mapping[str, Any]) -> NvmlStatus:
+    """An agent's ``/v1/gpus`` "nvml" object as an NvmlStatus; missing fields read as N/A."""
+    from collectors.nvml import NvmlStatus
+
+    try:
+        count = int(raw.get("device_count") or 0)
+    except (TypeError, ValueError):
+        count = 0
+    return NvmlStatus(
+        available=bool(raw.get("available")),
+        driver_version=raw.get("driver_version"),
+        nvml_version=raw.get("nvml_version"),
+        device_count=count,
+        error=raw.get("error"),
+        hint=raw.get("hint"),
+    )
+
+
+def classify_nvml(name: str, status: NvmlStatus, *, where: str = "this machine") -> Check:
+    """Unavailable NVML is a warning, not a failure: CPU-only hosts are normal in a fleet."""
+    values = {
+        "available": status.available,
+        "driver_version": status.driver_version,
+        "device_count": status.device_count,
+        "error": status.error,
+    }
+    driver = status.driver_version or "N/A"
+    if status.available and status.device_count > 0:
+        detail = f"{status.device_count} GPU(s), driver {driver}"
+        return Check(name, OK, detail, None, values)
+    if status.available:
+        return Check(
+            name,
+            WARN,
+            f"NVML works (driver {driver}) but sees no GPU",
+            f"on {where}: check `nvidia-smi`; in a container, expose the GPUs (--gpus all)",
+            values,
+        )
+    error = status.error or "not opened"
+    hint = status.hint or "check that the NVIDIA driver is installed and `nvidia-smi` works"
+    return Check(name, WARN, f"NVML unavailable: {error}", f"on {where}: {hint}", values)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentProbe:
+    """What one agent answered. ``failure`` is None, "unreachable", "auth" or "error" (it
+    answered, but not like a kvctl agent); the later calls' errors leave their reading N/A."""
+
+    failure: str | None = None
+    error: str | None = None
+    health: Mapping[str, Any] | None = None
+    sent_s: float | None = None
+    received_s: float | None = None
+    info: Mapping[str, Any] | None = None
+    info_error: str | None = None
+    gpus: Mapping[str, Any] | None = None
+    gpus_error: str | None = None
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _attempt(call: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any] | None, str | None]:
+    try:
+        return call(), None
+    except Exception as exc:  # a missing reading is N/A, whatever went wrong getting it
+        return None, _describe(exc)
+
+
+#: health calls per agent; the clock reading with the shortest round trip is kept
+CLOCK_SAMPLES = 2
+
+
+def probe_agent(
+    client: AgentClient, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES
+) -> AgentProbe:
+    """Ask one agent for everything the doctor needs; never raises."""
+    from kvctl.client import AgentUnreachable, AuthError
+
+    sent_s = clock()
+    try:
+        health = dict(client.health())
+    except AuthError as exc:
+        return AgentProbe(failure="auth", error=_describe(exc))
+    except AgentUnreachable as exc:
+        return AgentProbe(failure="unreachable", error=_describe(exc))
+    except Exception as exc:  # e.g. a web server that is not an agent: a 404 or an HTML page
+        return AgentProbe(failure="error", error=_describe(exc))
+    received_s = clock()
+    # NTP's trick: the agent read its clock somewhere inside each window, so the shortest
+    # round trip gives the tightest bound (the first includes the TCP handshake, later ones
+    # can wait on delayed ACKs: neither is reliably the shorter)
+    for _ in range(samples - 1):
+        t0 = clock()
+        again, _error = _attempt(client.health)
+        t1 = clock()
+        if again is not None and t1 - t0 < received_s - sent_s:
+            health, sent_s, received_s = again, t0, t1
+    info, info_error = _attempt(client.info)
+    gpus, gpus_error = _attempt(client.gpus)
+    return AgentProbe(None, None, health, sent_s, received_s, info, info_error, gpus, gpus_error)
+
+
+def _as_float(value: Any) -> float | None:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        return None
+    return out if math.isfinite(out) else None
+
+
+def classify_agent(
+    node: NodeInfo,
+    probe: AgentProbe,
+    *,
+    local_version: str = __version__,
+    skew_warn_s: float = 1.0,
+    skew_fail_s: float = 30.0,
+    disk_warn_ratio: float = 0.10,
+) -> list[Check]:
+    """The agent, clock, NVML and disk rows of one node. A node whose agent did not answer gets
+    only its agent row: the others could not be measured and would repeat the same cause."""
+    name, url = node.name, node.agent_url
+    row = f"agent {name}"
+    if probe.failure == "auth":
+        return [
+            Check(
+                row,
+                FAIL,
+                f"{url} refused the token: {probe.error}",
+                f"set KVCTL_TOKEN to the token of {name}'s agent (its KVCTL_TOKEN, or token in "
+                "[agent] of its agent.toml)",
+            )
+        ]
+    if probe.failure == "unreachable":
+        return [
+            Check(
+                row,
+                FAIL,
+                f"unreachable: {probe.error}",
+                f"start the agent on {name} (`kvctl agent start`), or check its URL with "
+                "`kvctl fleet ls`",
+            )
+        ]
+    if probe.failure is not None or probe.health is None:
+        return [
+            Check(
+                row,
+                FAIL,
+                f"{url} did not answer like a kvctl agent: {probe.error or 'no health reading'}",
+                f"check {name}'s URL with `kvctl fleet ls`: it must be the agent's control URL "
+                "(e.g. http://HOST:7070)",
+            )
+        ]
+
+    health, info = probe.health, probe.info or {}
+    version = info.get("version")
+    reported = health.get("name")
+    problems: list[str] = []
+    fixes: list[str] = []
+    if version is None:
+        problems.append(f"version N/A ({probe.info_error or 'not reported'})")
+    elif version != local_version:
+        problems.append(f"version {version} differs from kvctl {local_version} here")
+        fixes.append(f"run the same kvctl version on {name} and here")
+    if reported is not None and reported != name:
+        problems.append(f"it calls itself {reported!r}")
+        fixes.append(
+            f"check {name}'s URL with `kvctl fleet ls`, or restart its agent with --name {name}"
+        )
+    detail = f"up at {url}, version {version or 'N/A'}"
+    if problems:
+        detail += "; " + "; ".join(problems)
+    values = {"url": url, "version": version, "name": reported}
+    # a version we cannot read is N/A, not a fault; a differing one or a wrong name is
+    status = WARN if fixes else OK
+    checks = [Check(row, status, detail, "; ".join(fixes) or None, values)]
+
+    agent_time = _as_float(health.get("time_s"))
+    if agent_time is None or probe.sent_s is None or probe.received_s is None:
+        checks.append(classify_skew(name, None, None))
+    else:
+        skew, rtt = skew_of(agent_time, probe.sent_s, probe.received_s)
+        checks.append(classify_skew(name, skew, rtt, warn_s=skew_warn_s, fail_s=skew_fail_s))
+
+    nvml = (probe.gpus or {}).get("nvml")
+    if isinstance(nvml, Mapping):
+        checks.append(classify_nvml(f"nvml {name}", nvml_status_from_dict(nvml), where=name))
+    else:
+        why = probe.gpus_error or "the agent does not report NVML"
+        checks.append(Check(f"nvml {name}", SKIP, f"NVML status N/A: {why}"))
+
+    data_dir = info.get("data_dir")
+    if isinstance(data_dir, Mapping):
+        path = data_dir.get("path")
+        checks.append(
+            classify_disk(
+                f"disk {name}",
+                path,
+                data_dir.get("free_bytes"),
+                data_dir.get("total_bytes"),
+                warn_ratio=disk_warn_ratio,
+                fix=f"free space under {path or 'the data dir'} on {name}: delete other files, "
+                "grow the volume, or give the agent a smaller disk tier (--disk)",
+            )
+        )
+    else:
+        why = probe.info_error or "the agent does not report its data dir"
+        checks.append(Check(f"disk {name}", SKIP, f"free space N/A: {why}"))
+    return checks
+
+
+# --- gathering --------------------------------------------------------------------------------
+
+
+def check_local_nvml(reader_factory: Callable[[], Any] | None = None) -> Check:
+    """NVML on this machine. ``reader_factory`` makes an object with ``open() -> NvmlStatus``
+    and ``close()`` (the real NvmlReader by default)."""
+    from collectors.nvml import NvmlStatus
+
+    if reader_factory is None:
+        from collectors.nvml import NvmlReader
+
+        reader_factory = NvmlReader
+    try:
+        reader = reader_factory()
+        try:
+            status = reader.open()
+        finally:
+            reader.close()
+    except Exception as exc:  # NvmlReader never raises; a broken stand-in must not crash us
+        status = NvmlStatus(False, None, None, 0, _describe(exc), None)
+    return classify_nvml("nvml (local)", status)
+
+
+def check_local_agent_config(warn_ratio: float = 0.10) -> list[Check]:
+    """When this machine has an agent config file (or KVCTL_CONFIG names one): whether it loads,
+    and the free space where its data dir is. Nothing when there is no file."""
+    import os
+
+    from kvctl.agent.config import CONFIG_ENV, ConfigError, default_config_path, load_settings
+
+    path = default_config_path()
+    if not (os.environ.get(CONFIG_ENV, "").strip() or path.exists()):
+        return []
+    try:
+        loaded = load_settings()
+    except ConfigError as exc:
+        where = (exc.source or f"file:{path}").removeprefix("file:").replace("env:", "$")
+        fix = f"correct {exc.setting or 'the setting'} in {where} (the detail gives an example)"
+        return [Check("config (local agent)", FAIL, str(exc), fix)]
+    except Exception as exc:
+        return [Check("config (local agent)", FAIL, f"{path}: {_describe(exc)}", f"fix {path}")]
+    data_path = loaded.settings.data_path
+    return [
+        Check("config (local agent)", OK, f"{loaded.config_file or path} loads"),
+        disk_usage_check(
+            "disk (local agent)",
+            data_path,
+            warn_ratio=warn_ratio,
+            fix=f"free space under {data_path}: delete other files, grow the volume, or set a "
+            "smaller disk tier (disk in [agent])",
+        ),
+    ]
+
+
+def _skip_agents(reason: str) -> Check:
+    return Check("agents", SKIP, f"agents not checked: {reason}")
+
+
+def _with_connect_timeout(url: str, timeout_s: float) -> str:
+    """A PostgreSQL URL that gives up connecting after about ``timeout_s`` (an unroutable host
+    would otherwise hang the doctor for minutes)."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "postgresql" or "connect_timeout" in parsed.query:
+        return url
+    seconds = str(max(1, math.ceil(timeout_s)))
+    return parsed.update_query_dict({"connect_timeout": seconds}).render_as_string(
+        hide_password=False
+    )
+
+
+def database_checks(
+    db_url: str | None,
+    *,
+    nodes: Sequence[str] = (),
+    dcs: Sequence[str] = (),
+    timeout_s: float = 3.0,
+    disk_warn_ratio: float = 0.10,
+) -> tuple[list[Check], list[NodeInfo] | Check]:
+    """The database's rows, and either the nodes whose agents to check or the one "agents" row
+    that says why they cannot be (no database, no schema, no nodes, an unknown --node...)."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvctl.db.engine import DatabaseError, display_url, resolve_url
+
+    try:
+        url = resolve_url(db_url)
+    except DatabaseError as exc:
+        return [Check("database", FAIL, str(exc), DB_FIX)], _skip_agents("no usable database")
+    parsed = make_url(url)
+    backend = parsed.get_backend_name()
+    shown = display_url(url)
+    local_disk: list[Check] = []
+    if backend == "sqlite" and parsed.database and parsed.database != ":memory:":
+        path = Path(parsed.database).expanduser()
+        local_disk.append(
+            disk_usage_check("disk (local db)", path.parent, warn_ratio=disk_warn_ratio)
+        )
+        if not path.exists():
+            # connecting would create an empty file; the doctor only looks
+            missing = Check(
+                "database",
+                WARN,
+                f"no database yet at {path}",
+                "add the fleet with `kvctl fleet add-node ...` or `kvctl fleet import FILE` "
+                f"(creates it), or {DB_FIX}",
+            )
+            return [missing, *local_disk], _skip_agents("no database yet, so no inventory")
+    try:
+        checks, targets = _open_and_inspect(
+            _with_connect_timeout(url, timeout_s), shown, backend, nodes, dcs
+        )
+    except (DatabaseError, SQLAlchemyError, OSError) as exc:
+        reason = getattr(exc, "orig", None) or exc
+        if backend == "postgresql":
+            host, port = parsed.host or "localhost", parsed.port or 5432
+            fix = (
+                f"start PostgreSQL at {host}:{port} and check it accepts this user "
+                f"(`pg_isready -h {host} -p {port}`), or {DB_FIX}"
+            )
+        else:
+            fix = f"check that {parsed.database} is a readable SQLite file, or {DB_FIX}"
+        checks = [Check("database", FAIL, f"cannot use {shown}: {_describe(reason)}", fix)]
+        targets = _skip_agents("the database is unusable")
+    return [*checks, *local_disk], targets
+
+
+def _open_and_inspect(
+    url: str, shown: str, backend: str, nodes: Sequence[str], dcs: Sequence[str]
+) -> tuple[list[Check], list[NodeInfo] | Check]:
+    from kvctl.db.engine import create_db_engine
+
+    engine = create_db_engine(url)
+    try:
+        return _inspect(engine, shown, backend, nodes, dcs)
+    finally:
+        engine.dispose()
+
+
+def _schema_check(current: str | None, backend: str) -> Check:
+    from kvctl.db import migrate
+
+    head = migrate.head_revision()
+    values = {"current": current, "head": head}
+    where = f"at {current}" if current else "empty"
+    if current == head:
+        return Check("database schema", OK, f"at head ({head})", None, values)
+    if current is not None and current not in migrate.revisions():
+        return Check(
+            "database schema",
+            FAIL,
+            f"at {current}, which kvctl {__version__} does not know (a newer kvctl migrated it)",
+            "upgrade kvctl on this machine to the version the fleet runs",
+            values,
+        )
+    if backend == "sqlite":
+        return Check(
+            "database schema",
+            WARN,
+            f"{where}, kvctl needs {head}; SQLite upgrades itself on first use",
+            "`kvctl db upgrade` (or run any kvctl command that opens the database)",
+            values,
+        )
+    # shared PostgreSQL is never migrated behind its users' backs: commands refuse it until then
+    return Check(
+        "database schema",
+        FAIL,
+        f"{where}, kvctl needs {head}; PostgreSQL is only migrated by hand",
+        "`kvctl db upgrade` (with the same --db / KVCTL_DB_URL)",
+        values,
+    )
+
+
+def _inspect(
+    engine: Engine, shown: str, backend: str, nodes: Sequence[str], dcs: Sequence[str]
+) -> tuple[list[Check], list[NodeInfo] | Check]:
+    from sqlalchemy import func, select
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvctl.db import migrate
+    from kvctl.db.inventory import InventoryError, list_nodes
+    from kvctl.db.models import DataCenter, Node
+    from kvctl.fleet.targets import resolve_targets
+
+    current = migrate.current_revision(engine)  # the first connection: errors mean unusable
+    checks = [
+        Check("database", OK, f"{backend} at {shown}", None, {"url": shown}),
+        _schema_check(current, backend),
+    ]
+    if current is None:
+        return checks, _skip_agents("the database has no schema yet, so no inventory")
+
+    # the inventory tables date from the first revision, so a database behind head still
+    # lists its nodes
+    try:
+        with engine.connect() as conn:
+            n_dcs = conn.execute(select(func.count()).select_from(DataCenter)).scalar_one()
+            n_nodes = conn.execute(select(func.count()).select_from(Node)).scalar_one()
+            targets: list[NodeInfo] = []
+            if n_nodes and (nodes or dcs):
+                targets = resolve_targets(conn, nodes=nodes, dcs=dcs)
+            elif n_nodes:
+                targets = list_nodes(conn)
+    except InventoryError as exc:
+        fix = "`kvctl fleet ls` lists the fleet's DCs and nodes"
+        return checks, Check("agents", FAIL, str(exc), fix)
+    except SQLAlchemyError as exc:
+        reason = _describe(getattr(exc, "orig", None) or exc)
+        return checks, _skip_agents(f"cannot read the inventory: {reason}")
+
+    counts = {"dcs": n_dcs, "nodes": n_nodes}
+    if not n_nodes:
+        checks.append(
+            Check(
+                "fleet inventory",
+                WARN,
+                f"{n_dcs} DC(s), no nodes",
+                "add nodes with `kvctl fleet add-node ...` or `kvctl fleet import FILE`",
+                counts,
+            )
+        )
+        return checks, _skip_agents("no nodes in the inventory")
+    checks.append(Check("fleet inventory", OK, f"{n_dcs} DC(s), {n_nodes} node(s)", None, counts))
+    return checks, targets
+
+
+def _valid_url(url: str) -> bool:
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except Exception:
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.host)
+
+
+def agent_checks(
+    nodes: Sequence[NodeInfo],
+    *,
+    token: str | None = None,
+    timeout_s: float = 3.0,
+    clock: Callable[[], float] = time.time,
+    local_version: str = __version__,
+    skew_warn_s: float = 1.0,
+    skew_fail_s: float = 30.0,
+    disk_warn_ratio: float = 0.10,
+) -> list[Check]:
+    """Every node's agent, asked concurrently; rows in the order of ``nodes``."""
+    from kvctl.fleet.fanout import fan_out
+
+    probes: dict[int, AgentProbe] = {}
+    askable: list[NodeInfo] = []
+    for n in nodes:
+        if _valid_url(n.agent_url):
+            askable.append(n)
+        else:
+            # AgentClient would raise outside fan_out's net on a URL httpx cannot parse
+            probes[n.id] = AgentProbe(failure="error", error=f"not an http(s) URL: {n.agent_url}")
+    try:
+        results = fan_out(
+            askable, lambda c: probe_agent(c, clock), token=token, timeout_s=timeout_s
+        )
+    except Exception as exc:  # fan_out lets unexpected errors through; report, never crash
+        results = []
+        for n in askable:
+            probes[n.id] = AgentProbe(failure="error", error=f"could not ask: {_describe(exc)}")
+    for res in results:
+        if res.ok and res.value is not None:
+            probes[res.node.id] = res.value
+        else:  # fan_out caught it (e.g. the client could not be made)
+            probes[res.node.id] = AgentProbe(failure="error", error=res.error)
+
+    checks: list[Check] = []
+    for n in nodes:
+        checks.extend(
+            classify_agent(
+                n,
+                probes[n.id],
+                local_version=local_version,
+                skew_warn_s=skew_warn_s,
+                skew_fail_s=skew_fail_s,
+                disk_warn_ratio=disk_warn_ratio,
+            )
+        )
+    return checks
+
+
+def run_checks(
+    db_url: str | None = None,
+    *,
+    nodes: Sequence[str] = (),
+    dcs: Sequence[str] = (),
+    token: str | None = None,
+    timeout_s: float = 3.0,
+    skew_warn_s: float = 1.0,
+    skew_fail_s: float = 30.0,
+    disk_warn_ratio: float = 0.10,
+    nvml_reader_factory: Callable[[], Any] | None = None,
+    clock: Callable[[], float] = time.time,
+    local_version: str = __version__,
+    local_config: bool = True,
+) -> list[Check]:
+    """Every check, in report order: database, this machine, then each agent (all nodes, or
+    those named by ``nodes``/``dcs``). ``token`` defaults to KVCTL_TOKEN; ``local_config``
+    False leaves out this machine's agent config file."""
+    checks, targets = database_checks(
+        db_url, nodes=nodes, dcs=dcs, timeout_s=timeout_s, disk_warn_ratio=disk_warn_ratio
+    )
+    checks.append(check_local_nvml(nvml_reader_factory))
+    if local_config:
+        checks.extend(check_local_agent_config(disk_warn_ratio))
+    if isinstance(targets, Check):
+        checks.append(targets)
+        return checks
+    checks.extend(
+        agent_checks(
+            targets,
+            token=token,
+            timeout_s=timeout_s,
+            clock=clock,
+            local_version=local_version,
+            skew_warn_s=skew_warn_s,
+            skew_fail_s=skew_fail_s,
+            disk_warn_ratio=disk_warn_ratio,
+        )
+    )
+    return checks
+
+
+__all__ = [
+    "FAIL",
+    "OK",
+    "SKIP",
+    "STATUSES",
+    "WARN",
+    "AgentProbe",
+    "Check",
+    "agent_checks",
+    "check_local_nvml",
+    "classify_agent",
+    "classify_disk",
+    "classify_nvml",
+    "classify_skew",
+    "database_checks",
+    "exit_code",
+    "probe_agent",
+    "run_checks",
+    "skew_of",
+    "summarize",
+]

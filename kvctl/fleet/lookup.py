@@ -1,0 +1,79 @@
+"""Where a prompt's chunks are cached: each node's agent computes the prompt's keys for its own
+model and says which tier holds each one, counting nothing in its hit statistics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvctl.db.inventory import NodeInfo
+from kvctl.fleet.fanout import NodeResult, fan_out
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLookup:
+    node: str
+    dc: str
+    ok: bool
+    error: str | None
+    total_chunks: int
+    matched_chunks: int
+    matched_tokens: int
+    #: (key, tier or None) for every chunk of the prompt, in order
+    chunks: tuple[tuple[str, str | None], ...]
+
+    @property
+    def cached_chunks(self) -> int:
+        """Chunks held anywhere, also past the usable prefix."""
+        return sum(tier is not None for _key, tier in self.chunks)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "dc": self.dc,
+            "ok": self.ok,
+            "error": self.error,
+            "total_chunks": self.total_chunks,
+            "matched_chunks": self.matched_chunks,
+            "matched_tokens": self.matched_tokens,
+            "cached_chunks": self.cached_chunks,
+            "chunks": [{"index": i, "key": k, "tier": t} for i, (k, t) in enumerate(self.chunks)],
+        }
+
+
+def lookup_prompt(
+    nodes: Sequence[NodeInfo],
+    tokens: Sequence[int],
+    *,
+    model: str | None = None,
+    tenant: str = "",
+    token: str | None = None,
+    timeout_s: float = 5.0,
+    on_result: Callable[[NodeResult[dict[str, Any]]], None] | None = None,
+) -> list[NodeLookup]:
+    """Ask every node at once; a node that does not answer is reported with its error."""
+    ids = list(tokens)
+    results = fan_out(
+        nodes,
+        lambda c: c.lookup(tokens=ids, model=model, tenant=tenant, count=False),
+        token=token,
+        timeout_s=timeout_s,
+        on_result=on_result,
+    )
+    out = []
+    for r in results:
+        v = r.value or {}
+        out.append(
+            NodeLookup(
+                r.node.name,
+                r.node.dc,
+                r.ok,
+                r.error,
+                int(v.get("total_chunks", 0)),
+                int(v.get("matched_chunks", 0)),
+                int(v.get("matched_tokens", 0)),
+                tuple((c["key"], c["tier"]) for c in v.get("chunks", [])),
+            )
+        )
+    return out

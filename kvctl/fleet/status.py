@@ -1,0 +1,214 @@
+"""The fleet at a glance: each node's agent asked live (up, hit ratio since its start, reuse vs
+sharing, tier occupancy), last-seen from the collectors' history for nodes that are down, and
+totals per DC."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+
+from kvctl.db.inventory import NodeInfo
+from kvctl.db.models import NodeSample
+from kvctl.fleet.fanout import NodeResult, fan_out
+
+
+@dataclass(slots=True)
+class TierUse:
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+
+    @property
+    def occupancy_ratio(self) -> float | None:
+        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else None
+
+    def add(self, other: TierUse) -> None:
+        self.used_bytes += other.used_bytes
+        self.capacity_bytes += other.capacity_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "occupancy_ratio": self.occupancy_ratio}
+
+
+@dataclass(slots=True)
+class Counts:
+    """Chunk lookups and hits, and the hits split by who stored the chunk."""
+
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    reuse_hits: int = 0
+    sharing_hits: int = 0
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.hit_chunks / self.lookup_chunks if self.lookup_chunks else None
+
+    @property
+    def reuse_share_ratio(self) -> float | None:
+        """Share of hits on chunks the same tenant stored."""
+        both = self.reuse_hits + self.sharing_hits
+        return self.reuse_hits / both if both else None
+
+    @property
+    def sharing_share_ratio(self) -> float | None:
+        """Share of hits on chunks another tenant stored."""
+        both = self.reuse_hits + self.sharing_hits
+        return self.sharing_hits / both if both else None
+
+    def add(self, other: Counts) -> None:
+        self.lookup_chunks += other.lookup_chunks
+        self.hit_chunks += other.hit_chunks
+        self.reuse_hits += other.reuse_hits
+        self.sharing_hits += other.sharing_hits
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "hit_ratio": self.hit_ratio,
+            "reuse_share_ratio": self.reuse_share_ratio,
+            "sharing_share_ratio": self.sharing_share_ratio,
+        }
+
+
+@dataclass(slots=True)
+class NodeStatus:
+    node: str
+    dc: str
+    agent_url: str
+    up: bool
+    error: str | None = None
+    counts: Counts = field(default_factory=Counts)
+    tiers: dict[str, TierUse] = field(default_factory=dict)
+    uptime_s: float | None = None
+    #: when the node last answered: now when up, else the collectors' last successful scrape
+    last_seen_ms: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.node,
+            "dc": self.dc,
+            "agent_url": self.agent_url,
+            "up": self.up,
+            "error": self.error,
+            **self.counts.as_dict(),
+            "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
+            "uptime_s": self.uptime_s,
+            "last_seen_ms": self.last_seen_ms,
+        }
+
+
+@dataclass(slots=True)
+class DcStatus:
+    dc: str
+    nodes: int = 0
+    up: int = 0
+    counts: Counts = field(default_factory=Counts)
+    tiers: dict[str, TierUse] = field(default_factory=dict)
+
+    def add(self, n: NodeStatus) -> None:
+        self.nodes += 1
+        if not n.up:
+            return
+        self.up += 1
+        self.counts.add(n.counts)
+        for name, t in n.tiers.items():
+            self.tiers.setdefault(name, TierUse()).add(t)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dc": self.dc,
+            "nodes": self.nodes,
+            "up": self.up,
+            **self.counts.as_dict(),
+            "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
+        }
+
+
+@dataclass(slots=True)
+class FleetStatus:
+    ts_ms: int
+    nodes: list[NodeStatus]
+    dcs: list[DcStatus]
+    total: DcStatus
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ts_ms": self.ts_ms,
+            "nodes": [n.as_dict() for n in self.nodes],
+            "dcs": [d.as_dict() for d in self.dcs],
+            "total": self.total.as_dict(),
+        }
+
+
+def node_status(node: NodeInfo, stats: dict[str, Any], now_ms: int) -> NodeStatus:
+    """A node's status from its agent's ``/v1/stats``."""
+    c = stats.get("stats", {})
+    tiers = {
+        name: TierUse(int(u.get("used_bytes", 0)), int(u.get("capacity_bytes", 0)))
+        for name, u in stats.get("usage", {}).items()
+    }
+    started_s = stats.get("started_s")
+    return NodeStatus(
+        node.name,
+        node.dc,
+        node.agent_url,
+        True,
+        counts=Counts(
+            int(c.get("lookup_chunks", 0)),
+            int(c.get("hit_chunks", 0)),
+            int(c.get("reuse_hits", 0)),
+            int(c.get("sharing_hits", 0)),
+        ),
+        tiers=tiers,
+        uptime_s=None if started_s is None else max(now_ms / 1000 - started_s, 0.0),
+        last_seen_ms=now_ms,
+    )
+
+
+def last_seen(conn: Connection, node_ids: Sequence[int]) -> dict[int, int]:
+    """The collectors' last successful scrape of each node, where there is one."""
+    if not node_ids:
+        return {}
+    q = (
+        select(NodeSample.node_id, func.max(NodeSample.ts_ms))
+        .where(NodeSample.node_id.in_(list(node_ids)), NodeSample.up.is_(True))
+        .group_by(NodeSample.node_id)
+    )
+    return {node_id: ts for node_id, ts in conn.execute(q)}
+
+
+def fleet_status(
+    conn: Connection,
+    nodes: Sequence[NodeInfo],
+    *,
+    token: str | None = None,
+    timeout_s: float = 3.0,
+    on_result: Callable[[NodeResult[dict[str, Any]]], None] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> FleetStatus:
+    """Ask every node's agent at once; a node that does not answer is down, never an error."""
+    results = fan_out(
+        nodes, lambda c: c.stats(), token=token, timeout_s=timeout_s, on_result=on_result
+    )
+    now_ms = int(clock() * 1000)
+    down = [r.node.id for r in results if not r.ok]
+    seen = last_seen(conn, down)
+    statuses: list[NodeStatus] = []
+    for r in results:
+        if r.ok and r.value is not None:
+            statuses.append(node_status(r.node, r.value, now_ms))
+        else:
+            n = r.node
+            statuses.append(
+                NodeStatus(n.name, n.dc, n.agent_url, False, r.error, last_seen_ms=seen.get(n.id))
+            )
+    by_dc: dict[str, DcStatus] = {}
+    total = DcStatus("fleet")
+    for s in statuses:
+        by_dc.setdefault(s.dc, DcStatus(s.dc)).add(s)
+        total.add(s)
+    return FleetStatus(now_ms, statuses, [by_dc[k] for k in sorted(by_dc)], total)

@@ -1,0 +1,299 @@
+"""`kvctl status`, `lookup`, the control actions and `audit` against real agents on loopback and
+a real SQLite and PostgreSQL inventory: tables and --json, confirmation, partial failure with a
+node down, and the audit rows every action writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.engine import Engine
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+from kvctl.db.ingest import insert_rows
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.models import Audit, raw_table
+from kvctl.fleet.audit import recent
+from kvctl.tokenize import tokenize
+from tests.functional.agents import Agent, running_agent
+
+runner = CliRunner()
+CHUNK_BYTES = 4096
+# 600 words: two full 256-token chunks under the simple tokenizer
+PROMPT = " ".join(f"word{i}" for i in range(600))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agent]]:
+    root = tmp_path_factory.mktemp("fleet")
+    args = ("--cpu", "8MiB", "--disk", "32MiB")
+    with (
+        running_agent(root / "a", "--name", "gpu-a", "--dc", "fra", *args) as a,
+        running_agent(root / "b", "--name", "gpu-b", "--dc", "fra", *args) as b,
+    ):
+        yield a, b
+
+
+@pytest.fixture
+def fleet(db: Engine, empty_db_url: str, agents: tuple[Agent, Agent]) -> str:
+    """Two live nodes in fra, one in ams whose agent is not running; returns the DB URL."""
+    a, b = agents
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_dc(conn, "ams")
+        add_node(conn, "gpu-a", dc="fra", agent_url=a.state.control_url)
+        add_node(conn, "gpu-b", dc="fra", agent_url=b.state.control_url)
+        add_node(conn, "gpu-down", dc="ams", agent_url=f"http://127.0.0.1:{_closed_port()}")
+    return empty_db_url
+
+
+def _prompt_keys(agent: Agent, text: str) -> list[bytes]:
+    found = agent.control().lookup(tokens=tokenize(text), count=False)
+    return [bytes.fromhex(c["key"]) for c in found["chunks"]]
+
+
+def _store(agent: Agent, text: str, tenant: str = "") -> list[bytes]:
+    keys = _prompt_keys(agent, text)
+    with agent.data() as c:
+        parent = None
+        for k in keys:
+            c.put(k, b"x" * CHUNK_BYTES, tenant=tenant, parent=parent, tokens=256)
+            parent = k
+    return keys
+
+
+def _run(*args: str, input: str | None = None) -> Any:
+    return runner.invoke(app, list(args), input=input, env={"KVCTL_ACTOR": "alice@bastion"})
+
+
+def _audit(db: Engine) -> list[Any]:
+    with db.connect() as conn:
+        return recent(conn, limit=1000)
+
+
+def test_status_shows_up_and_down_nodes_with_totals(fleet: str, db: Engine, agents: Any) -> None:
+    a, _ = agents
+    _store(a, PROMPT + " status")
+    a.control().lookup(tokens=tokenize(PROMPT + " status"))  # one counted lookup: 2 hits
+    with db.begin() as conn:  # the collectors once reached the down node
+        down_id = conn.execute(select(func.max(raw_table("node").c.id))).scalar()
+        insert_rows(
+            conn,
+            raw_table("node_sample"),
+            [{"node_id": down_id, "ts_ms": 1_700_000_000_000, "up": True}],
+        )
+    table = _run("status", "--db", fleet)
+    assert table.exit_code == 0, table.output
+    for text in ("gpu-a", "gpu-b", "gpu-down", "down", "fra", "ams", "fleet", "cpu"):
+        assert text in table.output
+    out = _run("status", "--db", fleet, "--json")
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    nodes = {n["node"]: n for n in doc["nodes"]}
+    assert nodes["gpu-a"]["up"] and nodes["gpu-a"]["hit_chunks"] >= 2
+    assert nodes["gpu-a"]["hit_ratio"] is not None and 0 < nodes["gpu-a"]["hit_ratio"] <= 1
+    assert nodes["gpu-a"]["reuse_share_ratio"] == 1.0  # stored and read by the same tenant
+    assert nodes["gpu-a"]["tiers"]["cpu"]["capacity_bytes"] == 8 << 20
+    assert not nodes["gpu-down"]["up"] and "cannot reach" in nodes["gpu-down"]["error"]
+    assert nodes["gpu-down"]["last_seen_ms"] == 1_700_000_000_000
+    dcs = {d["dc"]: d for d in doc["dcs"]}
+    assert (dcs["fra"]["up"], dcs["fra"]["nodes"]) == (2, 2)
+    assert (dcs["ams"]["up"], dcs["ams"]["nodes"]) == (0, 1)
+    assert doc["total"]["nodes"] == 3 and doc["total"]["up"] == 2
+    only = json.loads(_run("status", "--db", fleet, "--dc", "ams", "--json").stdout)
+    assert [n["node"] for n in only["nodes"]] == ["gpu-down"]
+
+
+def test_lookup_shows_tiers_per_node_and_counts_nothing(fleet: str, agents: Any) -> None:
+    a, _ = agents
+    text = PROMPT + " lookup"
+    keys = _store(a, text)
+    a.control().move([keys[1]], "disk")
+    before = a.control().stats()["stats"]["lookup_chunks"]
+    out = _run("lookup", "--db", fleet, "-n", "gpu-a", "-n", "gpu-b", "--text", text, "--json")
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["tokens"] == 601
+    by_node = {n["node"]: n for n in doc["nodes"]}
+    assert [c["tier"] for c in by_node["gpu-a"]["chunks"]] == ["cpu", "disk"]
+    assert by_node["gpu-a"]["matched_chunks"] == 2 and by_node["gpu-a"]["matched_tokens"] == 512
+    assert by_node["gpu-b"]["matched_chunks"] == 0 and by_node["gpu-b"]["total_chunks"] == 2
+    assert [c["key"] for c in by_node["gpu-a"]["chunks"]] == [k.hex() for k in keys]
+    # an operator's lookup must not move the hit ratio it inspects
+    assert a.control().stats()["stats"]["lookup_chunks"] == before
+    table = _run("lookup", "--db", fleet, "--node", "gpu-a", "--text", text)
+    assert table.exit_code == 0, table.output
+    assert "2/2" in table.output and "disk" in table.output and keys[0].hex() in table.output
+    # a node that does not answer: reported, exit 1
+    down = _run("lookup", "--db", fleet, "--dc", "ams", "--text", text)
+    assert down.exit_code == 1 and "gpu-down" in down.output
+
+
+def test_pin_evict_unpin_by_key_on_a_dc_with_audit_rows(
+    fleet: str, db: Engine, agents: Any
+) -> None:
+    a, b = agents
+    text = PROMPT + " pin"
+    keys = _store(a, text)
+    _store(b, text)
+    key_args = [arg for k in keys for arg in ("--key", k.hex())]
+    pin = _run("pin", "--db", fleet, "--dc", "fra", *key_args, "--json")
+    assert pin.exit_code == 0, pin.output
+    doc = json.loads(pin.stdout)
+    assert doc["ok"] and doc["failed"] == []
+    assert {n["node"]: n["result"]["done"] for n in doc["nodes"]} == {"gpu-a": 2, "gpu-b": 2}
+    evict = _run("evict", "--db", fleet, "--node", "gpu-a", *key_args)
+    assert evict.exit_code == 0, evict.output
+    assert "gpu-a" in evict.output and "ok" in evict.output
+    assert a.control().lookup(keys=keys, count=False)["matched_chunks"] == 2  # pinned: kept
+    unpin = _run("unpin", "--db", fleet, "--node", "gpu-a", "--text", text, "--json")
+    assert json.loads(unpin.stdout)["nodes"][0]["result"]["done"] == 2
+    evict = _run("evict", "--db", fleet, "--node", "gpu-a", *key_args, "--json")
+    assert json.loads(evict.stdout)["nodes"][0]["result"]["done"] == 2
+    assert a.control().lookup(keys=keys, count=False)["matched_chunks"] == 0
+    rows = _audit(db)
+    assert sorted((r.action, r.target) for r in rows) == [
+        ("evict", "gpu-a"),
+        ("evict", "gpu-a"),
+        ("pin", "gpu-a"),
+        ("pin", "gpu-b"),
+        ("unpin", "gpu-a"),
+    ]
+    assert all(r.ok and r.actor == "alice@bastion" for r in rows)
+    pins = [r for r in rows if r.action == "pin"]
+    assert {r.target for r in pins} == {"gpu-a", "gpu-b"}
+    assert pins[0].args == {"keys": 2} and json.loads(pins[0].result)["done"] == 2
+    unpins = [r for r in rows if r.action == "unpin"]
+    assert unpins[0].args["prompt_tokens"] == 601
+
+
+def test_all_asks_first_and_partial_failure_names_the_down_node(
+    fleet: str, db: Engine, agents: Any
+) -> None:
+    a, _ = agents
+    keys = _store(a, PROMPT + " all")
+    declined = _run("evict", "--db", fleet, "--all", "--key", keys[0].hex(), input="n\n")
+    assert declined.exit_code == 1 and "nothing done" in declined.output
+    assert "ALL 3 node(s) in 2 DC(s)" in declined.output
+    assert _audit(db) == []
+    assert a.control().lookup(keys=keys, count=False)["matched_chunks"] == 2
+
+    out = _run("evict", "--db", fleet, "--all", "--key", keys[0].hex(), "--json", input="y\n")
+    assert out.exit_code == 1
+    assert "failed on 1 of 3 node(s)" in out.stderr and "gpu-down" in out.stderr
+    # CliRunner echoes the typed answer onto stdout; a terminal would not
+    doc = json.loads(out.stdout[out.stdout.index("{") :])
+    assert doc["failed"] == ["gpu-down"] and not doc["ok"]
+    assert a.control().lookup(keys=keys, count=False)["matched_chunks"] == 0
+    rows = {r.target: r for r in _audit(db)}
+    assert set(rows) == {"gpu-a", "gpu-b", "gpu-down"}
+    assert rows["gpu-a"].ok and rows["gpu-b"].ok  # gpu-b: the key was missing, not an error
+    assert not rows["gpu-down"].ok and "cannot reach" in rows["gpu-down"].result
+
+    table = _run("flush", "--db", fleet, "--all", "--yes", "--tier", "disk")
+    assert table.exit_code == 1
+    assert "failed" in table.output and "gpu-down" in table.output
+
+
+def test_tier_actions_move_prefetch_flush_resize(fleet: str, db: Engine, agents: Any) -> None:
+    a, _ = agents
+    text = PROMPT + " tiers"
+    keys = _store(a, text)
+    ctl = a.control()
+
+    def tiers() -> list[str | None]:
+        return [c["tier"] for c in ctl.lookup(keys=keys, count=False)["chunks"]]
+
+    moved = _run("move", "--db", fleet, "-n", "gpu-a", "--to", "disk", "--text", text)
+    assert moved.exit_code == 0, moved.output
+    assert tiers() == ["disk", "disk"]
+    up = _run("prefetch", "--db", fleet, "-n", "gpu-a", "--to", "cpu", "--text", text, "--json")
+    assert json.loads(up.stdout)["nodes"][0]["result"]["done"] == 2
+    assert tiers() == ["cpu", "cpu"]
+    flush = _run("flush", "--db", fleet, "-n", "gpu-a", "--tier", "cpu", "--demote", "--json")
+    assert flush.exit_code == 0, flush.output
+    assert tiers() == ["disk", "disk"]
+    resize = _run("resize", "--db", fleet, "-n", "gpu-a", "--tier", "cpu", "--size", "4MiB")
+    assert resize.exit_code == 0, resize.output
+    assert next(t for t in ctl.info()["tiers"] if t["name"] == "cpu")["capacity_bytes"] == 4 << 20
+    back = _run("resize", "--db", fleet, "-n", "gpu-a", "--tier", "cpu", "--size", "8MiB")
+    assert back.exit_code == 0, back.output
+    actions = [r.action for r in _audit(db)][::-1]
+    assert actions == ["move", "prefetch", "flush", "resize", "resize"]
+    # refused by the agent: an unknown tier is that node's failure, recorded
+    bad_tier = _run("flush", "--db", fleet, "-n", "gpu-a", "--tier", "tape")
+    assert bad_tier.exit_code == 1 and "tape" in bad_tier.output
+    assert not _audit(db)[0].ok
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["resize", "-n", "gpu-a", "--tier", "cpu", "--size", "lots"], "not a size"),
+        (["pin", "-n", "gpu-a", "--key", "beef"], "32 hex characters"),
+        (["pin", "-n", "gpu-a"], "name the chunks"),
+        (["evict", "--key", "00" * 16], "name the targets"),
+        (["evict", "-n", "nope", "--key", "00" * 16], "no node named 'nope'"),
+        (["evict", "--dc", "nowhere", "--key", "00" * 16], "no DC named 'nowhere'"),
+        (["lookup", "-n", "gpu-a"], "give the prompt"),
+    ],
+)
+def test_bad_input_is_refused_before_any_agent_is_asked(
+    fleet: str, db: Engine, args: list[str], message: str
+) -> None:
+    out = _run(*args, "--db", fleet)
+    assert out.exit_code == 2, out.output
+    assert message in out.output and "Traceback" not in out.output
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Audit)).scalar() == 0
+
+
+def test_status_and_audit_in_a_real_subprocess(
+    sqlite_url: str, agents: tuple[Agent, Agent]
+) -> None:
+    from kvctl.db.migrate import open_db
+
+    a, _ = agents
+    engine = open_db(sqlite_url)
+    with engine.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "gpu-a", dc="fra", agent_url=a.state.control_url)
+    engine.dispose()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env |= {"KVCTL_DB_URL": sqlite_url, "KVCTL_ACTOR": "bob@laptop"}
+
+    def kvctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvctl", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    status = kvctl("status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["nodes"][0]["up"] is True
+    flush = kvctl("flush", "--tier", "disk", "--all", "--yes")
+    assert flush.returncode == 0, flush.stderr
+    audit = kvctl("audit", "--json")
+    rows = json.loads(audit.stdout)
+    assert [(r["actor"], r["action"], r["target"], r["ok"]) for r in rows] == [
+        ("bob@laptop", "flush", "gpu-a", True)
+    ]
+    table = kvctl("audit", "--action", "flush")
+    assert "bob@laptop" in table.stdout and "tier=disk" in table.stdout
