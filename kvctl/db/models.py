@@ -79,6 +79,9 @@ class Node(Base):
     engine_url: Mapped[str | None] = mapped_column(String(255))
     created_ms: Mapped[int] = mapped_column(BigInteger)
 
+    # samples outlive a removed node: SQLite must never hand its id to a new one
+    __table_args__ = {"sqlite_autoincrement": True}
+
 
 class Link(Base):
     """A fiber path between two DCs; stored once per pair with ``dc_a_id < dc_b_id``."""

@@ -52,10 +52,7 @@ def current_actor() -> str:
 
 def redact(args: dict[str, Any]) -> dict[str, Any]:
     """``args`` with the values of secret-looking names replaced."""
-    return {
-        k: "<redacted>" if _SECRET_NAME.search(k) else v
-        for k, v in args.items()
-    }
+    return {k: "<redacted>" if _SECRET_NAME.search(k) else v for k, v in args.items()}
 
 
 def record(

@@ -48,3 +48,15 @@ def test_errors_are_clear_and_change_nothing(db: Engine) -> None:
         assert conn.execute(select(func.count()).select_from(Link)).scalar() == 1
         with pytest.raises(InventoryError, match="no DC named"):
             list_nodes(conn, dc="nope")
+
+
+def test_a_removed_nodes_id_is_never_given_to_a_new_node(db: Engine) -> None:
+    from kvctl.db.inventory import remove_node
+
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        first = add_node(conn, "n1", dc="fra", agent_url="http://10.0.0.1:7070")
+        remove_node(conn, "n1")
+        # its samples and counter baselines stay keyed by its id: a newcomer must not inherit them
+        second = add_node(conn, "n2", dc="fra", agent_url="http://10.0.0.2:7070")
+    assert second > first
