@@ -41,9 +41,12 @@ TOKEN_B = "b-probe-s3cret-7f3a"
 SIZE = (2 << 20) + 12345  # not a multiple of the 1 MiB filler piece
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[tuple[Agent, Agent]]:
-    with running_agent(tmp_path / "a", *SMALL) as a, running_agent(tmp_path / "b", *SMALL) as b:
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agent]]:
+    # shared by the module's tests (agents take a second each to start and stop): tests count
+    # requests as differences, never from zero
+    tmp = tmp_path_factory.mktemp("pair")
+    with running_agent(tmp / "a", *SMALL) as a, running_agent(tmp / "b", *SMALL) as b:
         yield a, b
 
 
@@ -65,6 +68,7 @@ def test_probe_from_one_agent_to_another(pair: tuple[Agent, Agent]) -> None:
     a, b = pair
     target = b.state.data_tcp
     assert target is not None
+    pings, probes = _requests(b, "ping"), _requests(b, "probe")
     with a.control() as ctl:
         out = ctl.probe(target, pings=7, size_bytes=SIZE)
     assert out["target"] == target
@@ -78,20 +82,21 @@ def test_probe_from_one_agent_to_another(pair: tuple[Agent, Agent]) -> None:
     )
     assert out["probe_bytes"] == SIZE
     # the pings and both transfers really reached B: one PROBE up, one down
-    assert _requests(b, "ping") == 7
-    assert _requests(b, "probe") == 2
+    assert _requests(b, "ping") - pings == 7
+    assert _requests(b, "probe") - probes == 2
 
 
 def test_probe_with_zero_bytes_measures_latency_only(pair: tuple[Agent, Agent]) -> None:
     a, b = pair
+    pings, probes = _requests(b, "ping"), _requests(b, "probe")
     r = httpx.post(a.state.control_url + "/v1/probe", json={"target": b.state.data_tcp, "bytes": 0})
     assert r.status_code == 200
     out = r.json()
     assert out["ok"] is True and out["rtt_s"] > 0 and out["loss_ratio"] == 0.0
     assert out["probe_bytes"] == 0
     assert out["bandwidth_bytes_per_s"] is None and out["upload_bytes_per_s"] is None
-    assert _requests(b, "ping") == 5  # the default
-    assert _requests(b, "probe") == 0
+    assert _requests(b, "ping") - pings == 5  # the default
+    assert _requests(b, "probe") - probes == 0
 
 
 def test_probe_of_a_closed_port_is_ok_false_naming_the_address(pair: tuple[Agent, Agent]) -> None:
@@ -175,12 +180,13 @@ def test_bad_probe_requests_are_422_naming_the_field(
 ) -> None:
     a, b = pair
     req = {"target": b.state.data_tcp, **body}
+    pings = _requests(b, "ping")
     r = httpx.post(a.state.control_url + "/v1/probe", json=req)
     assert r.status_code == 422
     detail = r.json()["detail"]
     assert [e["loc"] for e in detail] == [["body", field]]
     assert words in detail[0]["msg"]
-    assert _requests(b, "ping") == 0  # refused before anything was sent
+    assert _requests(b, "ping") == pings  # refused before anything was sent
 
 
 # --- targets that misbehave -------------------------------------------------------------------
