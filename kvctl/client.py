@@ -625,7 +625,8 @@ class AgentClient:
             resp = self._http.request(method, path, **kw)
         except self._httpx.TransportError as exc:
             raise AgentUnreachable(
-                f"cannot reach the agent at {self.url}: {exc}; is it running (kvctl agent status)?"
+                f"cannot reach the agent at {self.url}: {exc}; is it running? "
+                "(`kvctl agent status` on that node)"
             ) from exc
         if resp.status_code == 401:
             raise AuthError(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -53,13 +53,52 @@ def audit_command(
     from rich.table import Table
 
     table = Table(title="audit trail, newest first", title_justify="left")
-    for col in ("when (UTC)", "actor", "action", "target", "ok", "args", "result"):
-        table.add_column(col, overflow="fold")
-    for r in rows:
-        when = dt.datetime.fromtimestamp(r.ts_ms / 1000, dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-        args = " ".join(f"{k}={v}" for k, v in r.args.items())
-        ok = "[green]yes[/]" if r.ok else "[red]no[/]"
-        table.add_row(when, r.actor, r.action, r.target, ok, args, r.result[:120])
+    cells = [
+        [
+            dt.datetime.fromtimestamp(r.ts_ms / 1000, dt.UTC).strftime("%m-%d %H:%M:%S"),
+            r.actor,
+            r.action,
+            r.target,
+            "yes" if r.ok else "no",
+            _pairs(r.args),
+            _brief(r.result),
+        ]
+        for r in rows
+    ]
+    # one line per row: the facts whole, args and result cut to what width is left (ellipsis;
+    # the full text is in --json)
+    used = 1  # the table's left border; each column adds its padding and right border
+    for i, col in enumerate(("when (UTC)", "actor", "action", "target", "ok")):
+        width = max([len(col), *(len(c[i]) for c in cells)])
+        table.add_column(col, no_wrap=True, width=width)
+        used += width + 3
+    # rich would squeeze every column to fit: args and result share exactly what is left
+    left = max(console.width - used - 6, 10)
+    args_width = min(max([4, *(len(c[5]) for c in cells)]), left * 2 // 5)
+    table.add_column("args", no_wrap=True, overflow="ellipsis", width=args_width)
+    table.add_column("result", no_wrap=True, overflow="ellipsis", width=left - args_width)
+    for c in cells:
+        c[4] = "[green]yes[/]" if c[4] == "yes" else "[red]no[/]"
+        table.add_row(*c)
     console.print(table)
     if not rows:
         console.print("[dim]nothing recorded yet[/]")
+
+
+def _pairs(values: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _brief(result: str) -> str:
+    """A JSON result as k=v pairs (``done=2 missing=0``); text as it is."""
+    import json
+
+    try:
+        value = json.loads(result)
+    except ValueError:
+        return result
+    if isinstance(value, dict):
+        return _pairs({k: v for k, v in value.items() if not isinstance(v, (dict, list))}) or (
+            json.dumps(value, separators=(",", ":"))
+        )
+    return result

@@ -177,9 +177,12 @@ def _render(report: ActionReport, json_out: bool) -> None:
     for r in report.results:
         v: dict[str, Any] = r.value or {}
         cells = [str(v.get(c, "")) for c in ("done", "skipped_pinned", "missing", "failed")]
-        status = "[green]ok[/]" if r.ok else f"[red]failed[/] {r.error}"
+        status = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
         table.add_row(r.node.name, r.node.dc, status, *cells, f"{r.elapsed_s * 1000:.0f} ms")
     console.print(table)
+    # errors below the table, one line each: inside a cell they wrap into a column of words
+    for r in report.failed:
+        console.print(f"[red]{r.node.name}:[/] {r.error}", highlight=False, soft_wrap=True)
 
 
 # --- the commands --------------------------------------------------------------------------

@@ -80,7 +80,7 @@ class Node(Base):
     created_ms: Mapped[int] = mapped_column(BigInteger)
 
     # samples outlive a removed node: SQLite must never hand its id to a new one
-    __table_args__ = {"sqlite_autoincrement": True}
+    __table_args__ = ({"sqlite_autoincrement": True},)
 
 
 class Link(Base):

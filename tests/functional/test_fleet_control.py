@@ -295,5 +295,6 @@ def test_status_and_audit_in_a_real_subprocess(
     assert [(r["actor"], r["action"], r["target"], r["ok"]) for r in rows] == [
         ("bob@laptop", "flush", "gpu-a", True)
     ]
+    env["COLUMNS"] = "200"  # wide enough that no cell is cut short
     table = kvctl("audit", "--action", "flush")
     assert "bob@laptop" in table.stdout and "tier=disk" in table.stdout
