@@ -42,11 +42,8 @@ def audit_command(
 
     engine = open_engine(db)
     with db_errors(), engine.connect() as conn:
-        # --failed filters after the query: ask for more so --limit still fills
-        rows = recent(conn, limit=limit * 20 if failed else limit, action=action, target=target)
+        rows = recent(conn, limit=limit, action=action, target=target, ok=False if failed else None)
     engine.dispose()
-    if failed:
-        rows = [r for r in rows if not r.ok][:limit]
     if json_out:
         print_json([r.as_dict() for r in rows])
         return

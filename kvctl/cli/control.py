@@ -26,7 +26,7 @@ from kvctl.cli.options import (
     open_engine,
     prompt_tokens,
 )
-from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+from kvctl.cli.output import confirm, console, err_console, fail, print_json, user_errors
 
 if TYPE_CHECKING:
     from kvctl.fleet.actions import ActionReport, ActionRequest, ChunkSelection
@@ -120,7 +120,7 @@ def _act(
         nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=all_nodes)
     if all_nodes and not yes:
         dcs = len({n.dc for n in nodes})
-        if not _confirm(f"{request.action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"):
+        if not confirm(f"{request.action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"):
             err_console.print("nothing done")
             raise typer.Exit(1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -154,15 +154,6 @@ def _act(
             highlight=False,
         )
         raise typer.Exit(1)
-
-
-def _confirm(question: str) -> bool:
-    import click
-
-    try:
-        return typer.confirm(question, default=False, err=True)
-    except click.exceptions.Abort:  # no answer (stdin closed): treat as no
-        return False
 
 
 def _render(report: ActionReport, json_out: bool) -> None:
@@ -248,7 +239,9 @@ def unpin_command(
     from kvctl.fleet.actions import ActionRequest
 
     chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
-    _act(ActionRequest("unpin", chunks=chunks), node, dc, all_nodes, yes, db, json_out, timeout)
+    with user_errors():
+        req = ActionRequest("unpin", chunks=chunks)
+    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
 
 
 def evict_command(
@@ -278,7 +271,9 @@ def evict_command(
     from kvctl.fleet.actions import ActionRequest
 
     chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
-    _act(ActionRequest("evict", chunks=chunks), node, dc, all_nodes, yes, db, json_out, timeout)
+    with user_errors():
+        req = ActionRequest("evict", chunks=chunks)
+    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
 
 
 def flush_command(
@@ -306,7 +301,8 @@ def flush_command(
     """
     from kvctl.fleet.actions import ActionRequest
 
-    req = ActionRequest("flush", tier=tier, demote=demote)
+    with user_errors():
+        req = ActionRequest("flush", tier=tier, demote=demote)
     _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
 
 
@@ -340,7 +336,8 @@ def prefetch_command(
     from kvctl.fleet.actions import ActionRequest
 
     chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
-    req = ActionRequest("prefetch", chunks=chunks, tier=to)
+    with user_errors():
+        req = ActionRequest("prefetch", chunks=chunks, tier=to)
     _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
 
 
@@ -372,7 +369,8 @@ def move_command(
     from kvctl.fleet.actions import ActionRequest
 
     chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
-    req = ActionRequest("move", chunks=chunks, tier=to)
+    with user_errors():
+        req = ActionRequest("move", chunks=chunks, tier=to)
     _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
 
 

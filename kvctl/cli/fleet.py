@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 import typer
 
 from kvctl.cli.options import DbOpt, JsonOpt, YesOpt, db_errors, open_engine
-from kvctl.cli.output import console, err_console, fail, print_json
+from kvctl.cli.output import confirm, console, err_console, fail, print_json
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Connection
@@ -41,16 +41,6 @@ class Kind(StrEnum):
 class ExportFormat(StrEnum):
     toml = "toml"
     yaml = "yaml"
-
-
-def _confirm(question: str) -> bool:
-    import click
-
-    try:
-        # on stderr, so `--json` output stays parseable
-        return typer.confirm(question, default=False, err=True)
-    except click.exceptions.Abort:  # no answer (stdin closed): treat as no
-        return False
 
 
 def _change(
@@ -396,7 +386,7 @@ def _confirm_dc_removal(db: str | None, name: str) -> None:
     if not nodes:
         return
     shown = ", ".join(nodes[:10]) + (f" and {len(nodes) - 10} more" if len(nodes) > 10 else "")
-    if not _confirm(f"Remove DC {name!r} and its {len(nodes)} node(s): {shown}?"):
+    if not confirm(f"Remove DC {name!r} and its {len(nodes)} node(s): {shown}?"):
         err_console.print("nothing removed")
         raise typer.Exit(1)
 
@@ -471,7 +461,7 @@ def import_command(
                     _show_plan(file, plan, json_out=False, note="")
                 counts = plan.counts()
                 what = ", ".join(f"{n['remove']} {k}(s)" for k, n in counts.items() if n["remove"])
-                if not _confirm(f"Remove {what} that {file.name} does not name?"):
+                if not confirm(f"Remove {what} that {file.name} does not name?"):
                     err_console.print("nothing imported")
                     raise typer.Exit(1)
             try:

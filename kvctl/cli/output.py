@@ -32,6 +32,14 @@ def fail(message: str, *, hint: str | None = None, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def confirm(question: str) -> bool:
+    """Ask on stderr (so --json output stays parseable); no answer (stdin closed) is a no."""
+    try:
+        return typer.confirm(question, default=False, err=True)
+    except typer.Abort:
+        return False
+
+
 @contextmanager
 def user_errors(hint: str | None = None) -> Iterator[None]:
     """Turn the library's errors into one clear line and exit code 2, never a traceback."""

@@ -140,6 +140,9 @@ def url_problem(url: Any, what: str = "agent URL") -> str | None:
         return bad
     if port == 0:
         return f"{what} has a bad port (e.g. {example}), got {url!r}"
+    if parts.username is not None or parts.password is not None:
+        # the inventory, the audit trail and error messages all show URLs: no secrets in them
+        return f"{what} must not carry a user or password; agents take $KVCTL_TOKEN instead"
     return None
 
 

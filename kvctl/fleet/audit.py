@@ -92,9 +92,10 @@ def recent(
     action: str | None = None,
     target: str | None = None,
     since_ms: int | None = None,
+    ok: bool | None = None,
 ) -> list[AuditEntry]:
     """The newest rows first, optionally only one action (``pin``, or a prefix: ``fleet.``),
-    one target, or since a time."""
+    one target, since a time, or only those that succeeded (``ok=True``) or failed."""
     a = Audit.__table__.c
     q = select(a).order_by(a.ts_ms.desc(), a.id.desc()).limit(limit)
     if action is not None:
@@ -103,6 +104,8 @@ def recent(
         q = q.where(a.target == target)
     if since_ms is not None:
         q = q.where(a.ts_ms >= since_ms)
+    if ok is not None:
+        q = q.where(a.ok.is_(ok))
     return [
         AuditEntry(r.id, r.ts_ms, r.actor, r.action, r.target, json.loads(r.args), r.ok, r.result)
         for r in conn.execute(q)

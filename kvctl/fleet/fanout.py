@@ -53,11 +53,14 @@ def fan_out(
 
     def one(node: NodeInfo) -> NodeResult[T]:
         t0 = time.perf_counter()
-        client = AgentClient(node.agent_url, token=token, timeout_s=timeout_s)
+        try:
+            client = AgentClient(node.agent_url, token=token, timeout_s=timeout_s)
+        except Exception as exc:  # a bad URL in the inventory: this node's failure, no other's
+            return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0)
         try:
             value = call(client)
-        except (AgentError, StoreError, OSError) as exc:
-            return NodeResult(node, False, None, str(exc), time.perf_counter() - t0)
+        except Exception as exc:  # down, refused, or not an agent at all (HTML, bad JSON)
+            return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0)
         finally:
             client.close()
         return NodeResult(node, True, value, None, time.perf_counter() - t0)
@@ -65,11 +68,25 @@ def fan_out(
     results: dict[int, NodeResult[T]] = {}
     if not nodes:
         return []
-    with ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(nodes)))) as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(nodes))))
+    try:
         futures = {pool.submit(one, node): i for i, node in enumerate(nodes)}
         for fut in as_completed(futures):
             res = fut.result()
             results[futures[fut]] = res
             if on_result is not None:
                 on_result(res)
+    except BaseException:
+        # on_result failed (the audit trail cannot be written) or Ctrl-C: nodes not yet asked
+        # must not be acted on unrecorded
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
     return [results[i] for i in range(len(nodes))]
+
+
+def _reason(exc: Exception) -> str:
+    """Agent errors carry their own sentence; anything else is named by its type."""
+    if isinstance(exc, AgentError | StoreError | OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -141,3 +141,38 @@ def test_bad_urls_are_refused(url: str, message: str) -> None:
 
 def test_postgres_urls_use_psycopg_3() -> None:
     assert resolve_url("postgresql://u:p@h:5432/d").startswith("postgresql+psycopg://u:p@h")
+
+
+def test_node_ids_of_nodes_removed_before_0005_are_not_reused(sqlite_url: str) -> None:
+    from sqlalchemy import text
+
+    from kvctl.db.engine import create_db_engine
+
+    engine = create_db_engine(sqlite_url)
+    migrate.upgrade(engine, "0004")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO dc (id, name, region, location, created_ms) "
+                "VALUES (1, 'fra', '', '', 0)"
+            )
+        )
+        conn.execute(
+            text(
+                "INSERT INTO node (id, name, dc_id, agent_url, gpu_model, created_ms) "
+                "VALUES (1, 'n1', 1, 'http://a:1', '', 0)"
+            )
+        )
+        # node 7 was removed before the upgrade; its samples remain
+        conn.execute(text("INSERT INTO node_sample (node_id, ts_ms, up) VALUES (7, 1, 1)"))
+    migrate.upgrade(engine, "head")
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO node (name, dc_id, agent_url, gpu_model, created_ms) "
+                "VALUES ('n2', 1, 'http://b:1', '', 0)"
+            )
+        )
+        new_id = conn.execute(text("SELECT id FROM node WHERE name = 'n2'")).scalar()
+    engine.dispose()
+    assert new_id == 8

@@ -189,6 +189,9 @@ def test_all_asks_first_and_partial_failure_names_the_down_node(
     declined = _run("evict", "--db", fleet, "--all", "--key", keys[0].hex(), input="n\n")
     assert declined.exit_code == 1 and "nothing done" in declined.output
     assert "ALL 3 node(s) in 2 DC(s)" in declined.output
+    # no answer at all (stdin closed, as in a script without --yes): also a no
+    silent = _run("evict", "--db", fleet, "--all", "--key", keys[0].hex(), input="")
+    assert silent.exit_code == 1 and "nothing done" in silent.output
     assert _audit(db) == []
     assert a.control().lookup(keys=keys, count=False)["matched_chunks"] == 2
 
@@ -203,6 +206,9 @@ def test_all_asks_first_and_partial_failure_names_the_down_node(
     assert set(rows) == {"gpu-a", "gpu-b", "gpu-down"}
     assert rows["gpu-a"].ok and rows["gpu-b"].ok  # gpu-b: the key was missing, not an error
     assert not rows["gpu-down"].ok and "cannot reach" in rows["gpu-down"].result
+
+    failed = json.loads(_run("audit", "--db", fleet, "--failed", "--json").stdout)
+    assert [(r["target"], r["ok"]) for r in failed] == [("gpu-down", False)]
 
     table = _run("flush", "--db", fleet, "--all", "--yes", "--tier", "disk")
     assert table.exit_code == 1
@@ -298,3 +304,42 @@ def test_status_and_audit_in_a_real_subprocess(
     env["COLUMNS"] = "200"  # wide enough that no cell is cut short
     table = kvctl("audit", "--action", "flush")
     assert "bob@laptop" in table.stdout and "tier=disk" in table.stdout
+
+
+def test_a_node_that_is_not_an_agent_is_that_nodes_failure(
+    fleet: str, db: Engine, agents: Any
+) -> None:
+    import http.server
+    import threading
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def _html(self) -> None:
+            body = b"<html>not an agent</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _html
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with db.begin() as conn:
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+            add_node(conn, "web", dc="ams", agent_url=url)
+        status = _run("status", "--db", fleet, "--json")
+        assert status.exit_code == 0, status.output
+        web = next(n for n in json.loads(status.stdout)["nodes"] if n["node"] == "web")
+        assert not web["up"] and web["error"]
+        out = _run("flush", "--db", fleet, "-n", "web", "-n", "gpu-a", "--tier", "cpu", "--json")
+        assert out.exit_code == 1 and "Traceback" not in out.output
+        doc = json.loads(out.stdout)
+        assert doc["failed"] == ["web"]
+        assert {r.target: r.ok for r in _audit(db)} == {"web": False, "gpu-a": True}
+    finally:
+        server.shutdown()

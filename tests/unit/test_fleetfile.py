@@ -196,3 +196,11 @@ def test_every_problem_is_listed_at_once() -> None:
     assert len(problems) == 7, problems
     error = FleetFileError(problems)
     assert error.problems == problems and str(error).startswith("7 problems in the fleet file")
+
+
+def test_urls_with_credentials_are_refused() -> None:
+    from kvctl.db.inventory import url_problem
+
+    problem = url_problem("http://ops:hunter2@10.0.0.7:7070")
+    assert problem is not None and "password" in problem and "hunter2" not in problem
+    assert url_problem("http://10.0.0.7:7070") is None

@@ -1,0 +1,48 @@
+"""Fan-out: one result per node whatever the node does, and no node acted on unrecorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.client import AgentClient, AgentUnreachable
+from kvctl.db.inventory import NodeInfo
+from kvctl.fleet.fanout import fan_out
+
+NODES = [NodeInfo(i, f"n{i}", "fra", f"http://127.0.0.1:{9000 + i}", "", None) for i in range(10)]
+
+
+def test_every_kind_of_failure_is_a_result_in_node_order() -> None:
+    def call(client: AgentClient) -> int:
+        port = int(client.url.rsplit(":", 1)[1]) - 9000
+        if port % 3 == 0:
+            raise AgentUnreachable(f"cannot reach {client.url}")
+        if port % 3 == 1:
+            raise ValueError("dictionary update sequence element #0 has length 1")  # HTML reply
+        return port
+
+    results = fan_out(NODES, call, concurrency=4)
+    assert [r.node.name for r in results] == [n.name for n in NODES]
+    assert [r.value for r in results if r.ok] == [2, 5, 8]
+    assert results[0].error == "cannot reach http://127.0.0.1:9000"
+    assert results[1].error is not None and results[1].error.startswith("ValueError: ")
+
+
+def test_a_bad_url_fails_only_its_node() -> None:
+    # an inventory row from before URLs were checked: the client cannot even be built
+    bad = NodeInfo(99, "bad", "fra", "http://[::1", "", None)
+    results = fan_out([bad, NODES[2]], lambda c: "ok")
+    assert [r.ok for r in results] == [False, True] and results[0].error
+
+
+def test_a_failing_callback_stops_the_nodes_not_yet_asked() -> None:
+    asked: list[str] = []
+
+    def call(client: AgentClient) -> None:
+        asked.append(client.url)
+
+    def audit_down(_result: object) -> None:
+        raise RuntimeError("audit trail cannot be written")
+
+    with pytest.raises(RuntimeError, match="audit trail"):
+        fan_out(NODES, call, concurrency=1, on_result=audit_down)
+    assert len(asked) < len(NODES)
