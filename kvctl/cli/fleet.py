@@ -468,6 +468,14 @@ def import_command(
                 # planned again inside the writing transaction: what is applied is what is
                 # there now, even if someone changed the inventory while we asked
                 with engine.begin() as conn:
+                    if plan.removals and not yes:
+                        # remove only what the operator was shown and agreed to
+                        now = ff.import_fleet(conn, doc, prune=prune, dry_run=True)
+                        if _removal_set(now) != _removal_set(plan):
+                            raise InventoryError(
+                                "the inventory changed while you were asked (other removals "
+                                "now); run the import again to see the new plan"
+                            )
                     plan = ff.import_fleet(conn, doc, prune=prune)
                     record(
                         conn,
@@ -493,6 +501,10 @@ def import_command(
     finally:
         engine.dispose()
     _show_plan(file, plan, json_out, shown=bool(plan.removals and not yes))
+
+
+def _removal_set(plan: ImportPlan) -> set[tuple[str, str]]:
+    return {(c.kind, c.name) for c in plan.removals}
 
 
 def _show_plan(

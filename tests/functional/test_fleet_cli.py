@@ -405,3 +405,23 @@ def test_as_a_real_process(tmp_path: Path) -> None:
     duplicate = kvctl("add-dc", "fra", code=2)
     assert duplicate.stdout == "" and "a DC named 'fra' already exists" in duplicate.stderr
     assert '[[dcs]]\nname = "fra"\npue = 1.3\n' in kvctl("export").stdout
+
+
+def test_prune_removes_only_what_the_operator_agreed_to(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvctl.cli.fleet as fleet_cli
+
+    fleet(url, "add-dc", "fra")
+    fleet(url, "add-node", "old", "--dc", "fra", "--agent-url", "http://10.0.0.1:7070")
+    wanted = tmp_path / "fleet.toml"
+    wanted.write_text('[[dcs]]\nname = "fra"\n', encoding="utf-8")
+
+    def someone_adds_a_node_meanwhile(question: str) -> bool:
+        fleet(url, "add-node", "new", "--dc", "fra", "--agent-url", "http://10.0.0.2:7070")
+        return True  # the operator agreed to remove "old" only
+
+    monkeypatch.setattr(fleet_cli, "confirm", someone_adds_a_node_meanwhile)
+    out = fleet(url, "import", str(wanted), "--prune", code=2)
+    assert "changed while you were asked" in flat(out.output)
+    assert sorted(n["name"] for n in inventory(url)["nodes"]) == ["new", "old"]
