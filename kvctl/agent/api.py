@@ -410,13 +410,13 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
     @app.get("/v1/health", response_model=Health, tags=["agent"])
     async def health() -> Health:
         """Liveness: answers without touching the store (so a busy store never fails it)."""
-        s = runtime.settings
+        s, now_s = runtime.settings, time.time()
         return Health(
             status="ok",
             name=s.name,
             dc=s.dc,
-            uptime_seconds=time.time() - runtime.started_s,
-            time_s=time.time(),
+            uptime_seconds=now_s - runtime.started_s,
+            time_s=now_s,
         )
 
     @app.get("/v1/info", tags=["agent"])

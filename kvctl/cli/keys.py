@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kvctl.cli.options import prompt_tokens
 from kvctl.cli.output import console, fail, print_json, user_errors
 
 
@@ -38,18 +39,11 @@ def keys_command(
       kvctl keys --tokens prompt.txt --model meta-llama/Llama-3.1-8B --json
     """
     from kvctl.store.keys import KVLayout, Namespace, keys_for
-    from kvctl.tokenize import read_token_file, tokenize
 
     with user_errors(hint="see `kvctl keys --help`"):
         if (text is None) == (tokens is None):
             fail("give exactly one of --text and --tokens")
-        ids = (
-            tokenize(text, tokenizer)
-            if text is not None
-            else read_token_file(
-                tokens.read_text(encoding="utf-8")  # type: ignore[union-attr]
-            )
-        )
+        ids = prompt_tokens(text, tokens, tokenizer) or []
         ns = Namespace(model, KVLayout(layers, kv_heads, head_dim, dtype), salt)
         keys = keys_for(ids, ns, chunk_tokens, include_partial=partial)
         bytes_per_chunk = ns.layout.bytes_per_token * chunk_tokens

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, TimeoutOpt, db_errors, open_engine
-from kvctl.cli.output import console, print_json, user_errors
+from kvctl.cli.output import console, pct, print_json, user_errors
 
 if TYPE_CHECKING:
     from kvctl.fleet.status import Counts, FleetStatus, TierUse
@@ -53,7 +53,7 @@ def status_command(
 
 
 def _ratio(r: float | None) -> str:
-    return "N/A" if r is None else f"{r * 100:.1f}%"
+    return "N/A" if r is None else pct(r)
 
 
 def _ago(ts_ms: int | None, now_ms: int) -> str:

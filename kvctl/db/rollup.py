@@ -216,17 +216,20 @@ def rollup_all(conn_factory: Any, now_ms: int, **kw: Any) -> dict[str, int]:
             total[k] = total.get(k, 0) + v
 
 
+#: every level, finest first, and the level each one rolls up into (the coarsest: none)
+_PRUNED: Final = (*(source for _res, source in LEVELS), LEVELS[-1][0])
+_ROLLED_INTO: Final = {source: res for res, source in LEVELS}
+
+
 def prune(conn: Connection, now_ms: int, retention: Retention = Retention()) -> dict[str, int]:
     """Delete what is past its retention, but never rows not yet rolled up to the next level."""
     _lock(conn)
     deleted: dict[str, int] = {}
     for s in SERIES:
-        sources = [source for _res, source in LEVELS]
-        coarser = {source: res for res, source in LEVELS}
-        for source in [*sources, LEVELS[-1][0]]:
+        for source in _PRUNED:
             before = now_ms - retention.of(source)
-            if source in coarser:
-                before = min(before, watermark(conn, s.table, coarser[source]) or 0)
+            if source in _ROLLED_INTO:
+                before = min(before, watermark(conn, s.table, _ROLLED_INTO[source]) or 0)
             if source == "raw":
                 table, time = raw_table(s.table), raw_table(s.table).c.ts_ms
             else:

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -65,6 +66,13 @@ def running_agent(data_dir: Path, *args: str, token: str = "") -> Iterator[Agent
         if agent.proc.poll() is None:
             code = agent.stop()
             assert code == 0, f"agent exited {code} on SIGTERM:\n{agent.log()[-3000:]}"
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then closed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def payload(key: bytes, size: int) -> bytes:

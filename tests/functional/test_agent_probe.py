@@ -32,7 +32,7 @@ from kvctl.agent.protocol import (
 )
 from kvctl.client import DataClient, RequestError
 
-from .agents import Agent, running_agent
+from .agents import Agent, closed_port, running_agent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the agent's shm path is Linux")
 
@@ -48,12 +48,6 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agen
     tmp = tmp_path_factory.mktemp("pair")
     with running_agent(tmp / "a", *SMALL) as a, running_agent(tmp / "b", *SMALL) as b:
         yield a, b
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens once the socket is closed
 
 
 def _requests(agent: Agent, op: str) -> float:
@@ -101,7 +95,7 @@ def test_probe_with_zero_bytes_measures_latency_only(pair: tuple[Agent, Agent]) 
 
 def test_probe_of_a_closed_port_is_ok_false_naming_the_address(pair: tuple[Agent, Agent]) -> None:
     a, _ = pair
-    target = f"127.0.0.1:{_closed_port()}"
+    target = f"127.0.0.1:{closed_port()}"
     started = time.monotonic()
     r = httpx.post(a.state.control_url + "/v1/probe", json={"target": target, "pings": 3})
     assert r.status_code == 200

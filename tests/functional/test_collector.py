@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -28,15 +27,9 @@ from kvctl.cli.main import app
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, EngineSample, LinkSample, Node, NodeSample, PowerSample
-from tests.functional.agents import Agent, key, payload, running_agent, start_agent
+from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
 
 pytestmark = pytest.mark.slow
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _register(db: Engine, nodes: dict[str, tuple[str, str]], **extra: Any) -> None:
@@ -90,7 +83,7 @@ def test_scrapes_record_up_down_and_exact_increases(
     sqlite_db: Engine, two_agents: tuple[Agent, Agent]
 ) -> None:
     a1, a2 = two_agents
-    dead = f"http://127.0.0.1:{_closed_port()}"
+    dead = f"http://127.0.0.1:{closed_port()}"
     _register(
         sqlite_db,
         {
@@ -212,7 +205,7 @@ def test_link_probes_between_dcs(sqlite_db: Engine, two_agents: tuple[Agent, Age
 
 def test_link_probe_to_a_dead_node_is_recorded_as_failed(sqlite_db: Engine, tmp_path: Path) -> None:
     with running_agent(tmp_path / "a1", "--name", "n1") as a1:
-        dead = f"http://127.0.0.1:{_closed_port()}"
+        dead = f"http://127.0.0.1:{closed_port()}"
         _register(sqlite_db, {"n1": ("fra", a1.state.control_url), "n9": ("ams", dead)})
         collector = Collector(sqlite_db, CollectorConfig(pings=2))
         try:
@@ -365,7 +358,7 @@ def test_several_collectors_write_one_postgresql(
 def test_collect_once_cli(sqlite_url: str, tmp_path: Path) -> None:
     db = open_db(sqlite_url)
     with running_agent(tmp_path / "a1", "--name", "n1") as a1:
-        dead = f"http://127.0.0.1:{_closed_port()}"
+        dead = f"http://127.0.0.1:{closed_port()}"
         _register(db, {"n1": ("fra", a1.state.control_url), "n2": ("ams", dead)})
         db.dispose()
         result = CliRunner().invoke(app, ["collect", "--once", "--json", "--db", sqlite_url])

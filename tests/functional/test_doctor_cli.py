@@ -4,7 +4,6 @@ whose agent is down, real SQLite and PostgreSQL databases (current, behind, unre
 from __future__ import annotations
 
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,15 +17,9 @@ from kvctl.cli.main import app
 from kvctl.db import migrate
 from kvctl.db.engine import create_db_engine, resolve_url
 from kvctl.db.inventory import add_dc, add_node
-from tests.functional.agents import Agent, running_agent
+from tests.functional.agents import Agent, closed_port, running_agent
 
 TOKEN = "doctor-test-token"
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +75,7 @@ def _rows(out: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_down_agent_fails_with_a_fix(db: Engine, healthy: Agent) -> None:
-    down = f"http://127.0.0.1:{_closed_port()}"
+    down = f"http://127.0.0.1:{closed_port()}"
     _register(db, {"node-a": healthy.state.control_url, "node-b": down})
 
     result = _doctor("--db", _url(db))
@@ -136,7 +129,7 @@ def test_healthy_fleet_exits_0_and_selection_narrows_it(db: Engine, healthy: Age
     assert "agent node-a" in result.stdout and "0 fail" in result.stdout
 
     with db.begin() as conn:
-        add_node(conn, "node-b", dc="ams", agent_url=f"http://127.0.0.1:{_closed_port()}")
+        add_node(conn, "node-b", dc="ams", agent_url=f"http://127.0.0.1:{closed_port()}")
     code, out = _json("--db", _url(db), "--node", "node-a")
     assert code == 0 and "agent node-a" in _rows(out) and "agent node-b" not in _rows(out)
     code, out = _json("--db", _url(db), "--dc", "ams")

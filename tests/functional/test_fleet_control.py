@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,18 +22,12 @@ from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.models import Audit, raw_table
 from kvctl.fleet.audit import recent
 from kvctl.tokenize import tokenize
-from tests.functional.agents import Agent, running_agent
+from tests.functional.agents import Agent, closed_port, running_agent
 
 runner = CliRunner()
 CHUNK_BYTES = 4096
 # 600 words: two full 256-token chunks under the simple tokenizer
 PROMPT = " ".join(f"word{i}" for i in range(600))
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +50,7 @@ def fleet(db: Engine, empty_db_url: str, agents: tuple[Agent, Agent]) -> str:
         add_dc(conn, "ams")
         add_node(conn, "gpu-a", dc="fra", agent_url=a.state.control_url)
         add_node(conn, "gpu-b", dc="fra", agent_url=b.state.control_url)
-        add_node(conn, "gpu-down", dc="ams", agent_url=f"http://127.0.0.1:{_closed_port()}")
+        add_node(conn, "gpu-down", dc="ams", agent_url=f"http://127.0.0.1:{closed_port()}")
     return empty_db_url
 
 

@@ -4,7 +4,6 @@ summary, and the library never raising on a database or agent that is not there.
 from __future__ import annotations
 
 import math
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,15 +38,10 @@ from kvctl.fleet.doctor import (
     skew_of,
     summarize,
 )
+from tests.functional.agents import closed_port
 
 GiB = 1 << 30
 ROOT = Path(__file__).parents[2]
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- clock skew -------------------------------------------------------------------------------
@@ -349,7 +343,7 @@ def test_agent_skew_and_disk_use_the_thresholds() -> None:
 
 
 def test_probe_of_a_closed_port_is_unreachable() -> None:
-    with AgentClient(f"http://127.0.0.1:{_closed_port()}", token="", timeout_s=2.0) as client:
+    with AgentClient(f"http://127.0.0.1:{closed_port()}", token="", timeout_s=2.0) as client:
         probe = probe_agent(client)
     assert probe.failure == "unreachable" and probe.error
 
@@ -357,7 +351,7 @@ def test_probe_of_a_closed_port_is_unreachable() -> None:
 def test_agent_checks_with_a_bad_url_and_a_closed_port_do_not_raise() -> None:
     nodes = [
         NodeInfo(1, "bad", "fra", "ftp://x", "", None),
-        NodeInfo(2, "down", "fra", f"http://127.0.0.1:{_closed_port()}", "", None),
+        NodeInfo(2, "down", "fra", f"http://127.0.0.1:{closed_port()}", "", None),
     ]
     checks = agent_checks(nodes, token="", timeout_s=2.0)
     assert [(c.name, c.status) for c in checks] == [("agent bad", FAIL), ("agent down", FAIL)]
