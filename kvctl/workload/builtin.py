@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 
 from kvctl.store.errors import InvalidArgument
+from kvctl.workload.segments import PrefixIds, Segment
 from kvctl.workload.trace import DEFAULT_BLOCK_TOKENS, TraceRequest
 
 TENANTS = tuple(f"tenant-{i}" for i in range(8))
@@ -32,40 +33,6 @@ RAG_PROMPTS = 2
 RAG_DOCUMENTS = 40
 DOCUMENT_TOKENS = (500, 4_000)
 PATTERN_WEIGHTS = {"system": 0.40, "chat": 0.35, "rag": 0.25}
-
-Segment = tuple[int, int]
-"""(content id, tokens): a run of tokens; equal content ids mean equal tokens."""
-
-
-class _PrefixIds:
-    """Assign block ids so that equal prefixes share ids and different prefixes never do."""
-
-    def __init__(self) -> None:
-        # (parent block id, block content) -> id; the parent chains in the whole prefix.
-        self._ids: dict[tuple[int, tuple[tuple[int, int, int], ...]], int] = {}
-
-    def block_ids(self, segments: list[Segment], block_tokens: int) -> tuple[int, ...]:
-        ids: list[int] = []
-        parent = -1
-        pieces: list[tuple[int, int, int]] = []  # (content id, start, end) inside the block
-        filled = 0
-        for content_id, tokens in segments:
-            start = 0
-            while start < tokens:
-                take = min(tokens - start, block_tokens - filled)
-                pieces.append((content_id, start, start + take))
-                start += take
-                filled += take
-                if filled == block_tokens:
-                    parent = self._id(parent, pieces)
-                    ids.append(parent)
-                    pieces, filled = [], 0
-        if pieces:  # partial last block: its own content key, so a longer prefix gets a new id
-            ids.append(self._id(parent, pieces))
-        return tuple(ids)
-
-    def _id(self, parent: int, pieces: list[tuple[int, int, int]]) -> int:
-        return self._ids.setdefault((parent, tuple(pieces)), len(self._ids))
 
 
 @dataclass
@@ -92,7 +59,7 @@ def builtin_workload(
     rag_prompts = [(next(content_ids), rng.randint(300, 1_500)) for _ in range(RAG_PROMPTS)]
     documents = [(next(content_ids), rng.randint(*DOCUMENT_TOKENS)) for _ in range(RAG_DOCUMENTS)]
     document_weights = [1.0 / (rank + 1) for rank in range(RAG_DOCUMENTS)]  # Zipf-like reuse
-    prefix_ids = _PrefixIds()
+    prefix_ids = PrefixIds()
     chats: list[_Chat] = []
     out: list[TraceRequest] = []
     clock_s = 0.0
@@ -138,6 +105,7 @@ def builtin_workload(
                 block_ids=prefix_ids.block_ids(segments, block_tokens),
                 tenant=tenant,
                 block_tokens=block_tokens,
+                segments=tuple(segments),
             )
         )
     return out

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvctl.store.errors import InvalidArgument
+from kvctl.workload.segments import Segment
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # ../shared/data beside the checkout: the data set must never be copied into the repository.
@@ -36,6 +37,9 @@ class TraceRequest:
     block_ids: tuple[int, ...]
     tenant: str = ""
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    #: the input as content runs (generated workloads); empty for a trace, where each block id
+    #: stands for its own content (see ``content``)
+    segments: tuple[Segment, ...] = ()
 
     def __post_init__(self) -> None:
         # Cheap guard so block_token_counts can trust the shape, whoever built the request.
@@ -53,6 +57,14 @@ class TraceRequest:
         """Tokens in each block: full blocks, then the remainder in a partial last block."""
         full, rest = divmod(self.input_tokens, self.block_tokens)
         return (self.block_tokens,) * full + ((rest,) if rest else ())
+
+    @property
+    def content(self) -> tuple[Segment, ...]:
+        """The input as segments. A trace's block id already names its whole prefix, so each
+        block is one segment of its own content: equal ids give equal tokens at any chunk size."""
+        if self.segments:
+            return self.segments
+        return tuple(zip(self.block_ids, self.block_token_counts, strict=True))
 
 
 class TraceFormatError(InvalidArgument):
