@@ -92,8 +92,14 @@ def _pack_tokens(tokens: Sequence[int]) -> bytes:
 
 def chain_key(parent: bytes, chunk_tokens: Sequence[int]) -> ChunkKey:
     """One link of the chain: ``H(parent || tokens)``."""
+    return chain_key_packed(parent, _pack_tokens(chunk_tokens))
+
+
+def chain_key_packed(parent: bytes, packed_tokens: bytes) -> ChunkKey:
+    """``chain_key`` of tokens already packed as little-endian uint32 (e.g. a numpy array's
+    ``astype("<u4").tobytes()``), for callers that hold tokens in arrays."""
     h = hashlib.blake2b(parent, digest_size=KEY_BYTES, person=b"kvctl-chain")
-    h.update(_pack_tokens(chunk_tokens))
+    h.update(packed_tokens)
     return h.digest()
 
 

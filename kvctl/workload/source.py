@@ -1,4 +1,4 @@
-"""Pick a workload: a Mooncake trace file, or the seeded built-in mix when there is none."""
+"""Pick a workload: a Mooncake trace file, or a seeded generated workload when there is none."""
 
 from __future__ import annotations
 
@@ -15,16 +15,24 @@ class Workload:
 
 
 def load_workload(
-    trace: str | pathlib.Path | None, *, seed: int = 0, limit: int | None = None
+    trace: str | pathlib.Path | None,
+    *,
+    seed: int = 0,
+    limit: int | None = None,
+    workload: str = "builtin",
 ) -> Workload:
-    """``trace`` None means the built-in workload (``builtin:seed=N``)."""
-    if trace is None:
-        from kvctl.workload.builtin import builtin_workload
+    """Read ``trace``, or when it is None generate the workload named ``workload`` (a name in
+    ``kvctl.workload.generators.GENERATORS``, e.g. "builtin", "system-prompt", "chat", "rag")
+    with ``seed``; its name is then ``"<workload>:seed=N"``.
 
-        requests = (
-            builtin_workload(seed) if limit is None else builtin_workload(seed, requests=limit)
-        )
-        return Workload(f"builtin:seed={seed}", requests)
+    ``limit`` caps the requests read from a trace; for a generated workload it is the number of
+    requests generated (see ``kvctl.workload.generators.generate``). An unknown ``workload``
+    raises ``InvalidArgument`` listing the names.
+    """
+    if trace is None:
+        from kvctl.workload.generators import generate
+
+        return Workload(f"{workload}:seed={seed}", generate(workload, seed, requests=limit))
     path = pathlib.Path(trace)
     if not path.is_file():
         raise FileNotFoundError(2, "no such trace file", str(path))

@@ -202,3 +202,37 @@ def trace_summary(requests: Sequence[TraceRequest]) -> dict[str, float | int]:
         "block_hit_ratio": hit_blocks / total_blocks if total_blocks else 0.0,
         "token_hit_ratio": hit_tokens / total_tokens if total_tokens else 0.0,
     }
+
+
+def assign_tenants(
+    requests: Sequence[TraceRequest], tenants: int = 8, *, seed: int = 0
+) -> list[TraceRequest]:
+    """Give tenant-less requests (a Mooncake trace has none) a tenant, so that replays count
+    reuse and sharing: a request that contains an earlier request's whole input (a later turn
+    of the same conversation) gets that request's tenant, any other a seeded random one of
+    ``tenant-0..tenant-{tenants-1}``. Requests that have a tenant keep it."""
+    import dataclasses
+    import random
+
+    if tenants < 1:
+        raise InvalidArgument(f"tenants must be at least 1, got {tenants}")
+    rng = random.Random(seed)
+    # a request's last full block id names its whole input up to there (ids are prefix hashes)
+    tenant_of_end: dict[int, str] = {}
+    out: list[TraceRequest] = []
+    for r in requests:
+        full = r.input_tokens // r.block_tokens
+        tenant = r.tenant
+        if not tenant:
+            tenant = (
+                next(
+                    (tenant_of_end[b] for b in reversed(r.block_ids[:full]) if b in tenant_of_end),
+                    "",
+                )
+                or f"tenant-{rng.randrange(tenants)}"
+            )
+            r = dataclasses.replace(r, tenant=tenant)
+        if full:
+            tenant_of_end[r.block_ids[full - 1]] = tenant
+        out.append(r)
+    return out

@@ -1,0 +1,622 @@
+"""Replay a workload against real agents through the data plane, with real payload bytes.
+
+For each request, in order (one thread, so the bookkeeping below is exact):
+
+1. compute its chunk keys as an engine would (``KeyChainer``);
+2. route it to a node of its home DC: round-robin, or prefix-aware (the node that already holds
+   the longest prefix, asked with ``exists``, which counts nothing);
+3. ``lookup`` the chain there (counted by the agent), ``get`` the hit chunks and check each one's
+   bytes;
+4. with peer fetch on, ask the other nodes for the rest of the chain, ``lookup`` and ``get`` it
+   from the one holding the most and store it on the home node. Across DCs the transfer waits an
+   *emulated* link delay: round trip over fiber (5 us per km each way) plus bytes over the link;
+5. ``put`` the chunks that were computed (missing everywhere), with their parent links.
+
+The replay keeps its own tally per node: lookups, hits per tier, reuse (chunk stored by the same
+tenant) vs sharing, bytes. Reuse vs sharing comes from its own ledger of which tenant stored each
+chunk on each node, not from the agent. At the end it reads every agent's counters again and
+reports, per field, whether the agents counted exactly what the replay expects.
+
+Payloads are ``chunk_tokens x kv_bytes_per_token x kv_scale`` bytes: the model profile's KV size,
+shrunk by ``kv_scale`` on small machines. Each payload repeats its own key, so a chunk served
+for the wrong key or cut short is caught.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvctl.client import AgentClient, DataClient
+from kvctl.store.errors import InvalidArgument
+from kvctl.store.keys import ChunkKey, Namespace
+from kvctl.workload.profiles import ModeledInputs
+from kvctl.workload.tokens import KeyChainer
+from kvctl.workload.trace import TraceRequest
+
+ROUTINGS = ("prefix", "round-robin")
+#: light in fiber: about 5 microseconds per km, one way
+FIBER_SECONDS_PER_KM = 5e-6
+#: emulated link bandwidth between DCs (100 Gb/s)
+DEFAULT_LINK_BYTES_PER_SECOND = 12.5e9
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayNode:
+    name: str
+    dc: str
+    control_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEmulation:
+    """An emulated DC-to-DC link: the replay sleeps this long for each transfer over it."""
+
+    distance_km: float
+    bytes_per_second: float = DEFAULT_LINK_BYTES_PER_SECOND
+
+    @property
+    def rtt_seconds(self) -> float:
+        return 2 * self.distance_km * FIBER_SECONDS_PER_KM
+
+    def transfer_seconds(self, nbytes: int) -> float:
+        return self.rtt_seconds + nbytes / self.bytes_per_second
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "basis": "emulated",
+            "distance_km": self.distance_km,
+            "rtt_seconds": self.rtt_seconds,
+            "bytes_per_second": self.bytes_per_second,
+        }
+
+
+@dataclass
+class NodeTally:
+    """What the replay did on one node, in the agent's own counters' terms."""
+
+    lookups: int = 0
+    lookup_chunks: int = 0
+    hit_chunks: int = 0
+    hit_tokens: int = 0
+    reuse_hits: int = 0
+    sharing_hits: int = 0
+    hits_by_tier: Counter[str] = field(default_factory=Counter)
+    bytes_fetched: int = 0
+    bytes_stored: int = 0
+    #: put outcomes: stored, declined (admission), no_room, ...
+    puts: Counter[str] = field(default_factory=Counter)
+    #: chunks that a lookup reported but were gone when fetched
+    lost_chunks: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "lookups": self.lookups,
+            "lookup_chunks": self.lookup_chunks,
+            "hit_chunks": self.hit_chunks,
+            "hit_tokens": self.hit_tokens,
+            "hit_ratio": self.hit_chunks / self.lookup_chunks if self.lookup_chunks else 0.0,
+            "reuse_hits": self.reuse_hits,
+            "sharing_hits": self.sharing_hits,
+            "hits_by_tier": dict(self.hits_by_tier),
+            "bytes_fetched": self.bytes_fetched,
+            "bytes_stored": self.bytes_stored,
+            "puts": dict(self.puts),
+            "lost_chunks": self.lost_chunks,
+        }
+
+
+@dataclass
+class RequestTally:
+    """What the requests got, whichever node served it: the engine's view."""
+
+    requests: int = 0
+    chunks: int = 0
+    #: all input tokens, partial tail chunks included (what prefill would compute without cache)
+    input_tokens: int = 0
+    #: chunks served by the home node, by tier
+    local_hits: Counter[str] = field(default_factory=Counter)
+    #: chunks fetched from another node in the same DC / in another DC
+    peer_hits: int = 0
+    cross_dc_hits: int = 0
+    hit_tokens: int = 0
+    reuse_hits: int = 0
+    sharing_hits: int = 0
+    computed_chunks: int = 0
+    emulated_delay_seconds: float = 0.0
+    bytes_by_link: Counter[str] = field(default_factory=Counter)
+
+    @property
+    def hit_chunks(self) -> int:
+        return sum(self.local_hits.values()) + self.peer_hits + self.cross_dc_hits
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "chunks": self.chunks,
+            "input_tokens": self.input_tokens,
+            "hit_chunks": self.hit_chunks,
+            "hit_ratio": self.hit_chunks / self.chunks if self.chunks else 0.0,
+            "hit_tokens": self.hit_tokens,
+            "token_hit_ratio": self.hit_tokens / self.input_tokens if self.input_tokens else 0.0,
+            "hits_by_tier": {
+                **self.local_hits,
+                "peer (same DC)": self.peer_hits,
+                "peer (other DC)": self.cross_dc_hits,
+            },
+            "reuse_hits": self.reuse_hits,
+            "sharing_hits": self.sharing_hits,
+            "computed_chunks": self.computed_chunks,
+            "emulated_link_delay_seconds": self.emulated_delay_seconds,
+            "bytes_by_link": dict(self.bytes_by_link),
+        }
+
+
+#: agent counters the replay predicts exactly (agent field -> NodeTally field)
+CHECKED_COUNTERS = {
+    "lookups": "lookups",
+    "lookup_chunks": "lookup_chunks",
+    "hit_chunks": "hit_chunks",
+    "hit_tokens": "hit_tokens",
+    "reuse_hits": "reuse_hits",
+    "sharing_hits": "sharing_hits",
+}
+
+
+@dataclass
+class ReplayReport:
+    workload: str
+    routing: str
+    chunk_tokens: int
+    chunk_bytes: int
+    kv_scale: float
+    speed: float | None
+    peer_fetch: bool
+    inputs: ModeledInputs
+    requests_total: int
+    requests: RequestTally
+    nodes: dict[str, NodeTally]
+    node_dc: dict[str, str]
+    links: dict[str, LinkEmulation]
+    wall_seconds: float = 0.0
+    #: the most a request started behind its (sped-up) timestamp
+    max_lag_seconds: float = 0.0
+    stopped_early: bool = False
+    #: per node and counter: (replay's count, agent's increase); None when not read
+    agent_counters: dict[str, dict[str, tuple[int, int]]] | None = None
+
+    @property
+    def agents_agree(self) -> bool | None:
+        if self.agent_counters is None:
+            return None
+        return all(a == b for fields in self.agent_counters.values() for a, b in fields.values())
+
+    def modeled(self) -> dict[str, Any]:
+        """Prefill time and energy the hits saved. Modeled: see ``inputs``."""
+        hit = self.requests.hit_tokens
+        total = self.requests.input_tokens
+        return {
+            "basis": "modeled",
+            "inputs": self.inputs.as_dict(),
+            "prefill_seconds_without_cache": self.inputs.prefill_seconds(total),
+            "prefill_seconds_saved": self.inputs.prefill_seconds(hit),
+            "prefill_joules_saved": self.inputs.prefill_joules(hit),
+            "saved_ratio": hit / total if total else 0.0,
+        }
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "routing": self.routing,
+            "chunk_tokens": self.chunk_tokens,
+            "chunk_bytes": self.chunk_bytes,
+            "kv_scale": self.kv_scale,
+            "model": self.inputs.model.name,
+            "speed": self.speed,
+            "peer_fetch": self.peer_fetch,
+            "requests_total": self.requests_total,
+            "stopped_early": self.stopped_early,
+            "wall_seconds": self.wall_seconds,
+            "max_lag_seconds": self.max_lag_seconds,
+            "requests": self.requests.as_dict(),
+            "nodes": {
+                name: {"dc": self.node_dc[name], **t.as_dict()} for name, t in self.nodes.items()
+            },
+            "links_emulated": {k: v.as_dict() for k, v in self.links.items()},
+            "agents_agree": self.agents_agree,
+            "agent_counters": None
+            if self.agent_counters is None
+            else {
+                n: {k: {"replay": a, "agent": b} for k, (a, b) in f.items()}
+                for n, f in self.agent_counters.items()
+            },
+            "modeled": self.modeled(),
+        }
+
+
+def payload_for(key: ChunkKey, size_bytes: int) -> bytes:
+    """A chunk's bytes: its key repeated, so a wrong or truncated chunk is caught on read."""
+    reps, rest = divmod(size_bytes, len(key))
+    return key * reps + key[:rest]
+
+
+def _intact(data: bytes | bytearray | None, key: ChunkKey, size_bytes: int) -> bool:
+    if data is None or len(data) != size_bytes:
+        return False
+    n = len(key)
+    tail = size_bytes - size_bytes % n
+    return bytes(data[:n]) == key[: min(n, size_bytes)] and (
+        tail < n or bytes(data[tail - n : tail]) == key
+    )
+
+
+class ReplayError(RuntimeError):
+    """The replay cannot go on (an agent went away, a chunk came back corrupt)."""
+
+
+def _link_name(a: str, b: str) -> str:
+    return "<->".join(sorted((a, b)))
+
+
+class _Node:
+    def __init__(self, node: ReplayNode, token: str | None, connect_timeout_s: float) -> None:
+        self.node = node
+        self.control = AgentClient(node.control_url, token=token, timeout_s=connect_timeout_s)
+        self.info = self.control.info()
+        plane = self.info.get("dataplane") or {}
+        address = plane.get("unix") or plane.get("tcp")
+        if not address:
+            raise ReplayError(f"{node.name} has no data plane listening (see its --data-listen)")
+        try:
+            self.data = DataClient.connect(address, token=token, timeout_s=connect_timeout_s)
+        except Exception:
+            if not plane.get("tcp") or address == plane.get("tcp"):
+                raise
+            # the socket path is on another host: go over TCP
+            self.data = DataClient.connect(plane["tcp"], token=token, timeout_s=connect_timeout_s)
+        #: chunk -> tenant that stored it, as far as this replay knows
+        self.owner: dict[ChunkKey, str] = {}
+        self.tally = NodeTally()
+
+    def counters(self) -> dict[str, int]:
+        stats = self.control.stats()["stats"]
+        out = {k: int(stats[k]) for k in CHECKED_COUNTERS if k != "lookups"}
+        out["lookups"] = int(stats["lookups"])
+        for tier, t in stats.get("tiers", {}).items():
+            out[f"hits[{tier}]"] = int(t["hits"])
+        return out
+
+    def close(self) -> None:
+        self.data.close()
+        self.control.close()
+
+
+def assign_home_dcs(tenants: Iterable[str], dcs: Sequence[str]) -> dict[str, str]:
+    """Each tenant's home DC: tenants in sorted order dealt round-robin over the DCs."""
+    return {t: dcs[i % len(dcs)] for i, t in enumerate(sorted(set(tenants)))}
+
+
+def replay(
+    requests: Sequence[TraceRequest],
+    nodes: Sequence[ReplayNode],
+    inputs: ModeledInputs,
+    *,
+    workload_name: str = "",
+    kv_scale: float = 1.0,
+    routing: str = "prefix",
+    speed: float | None = None,
+    peer_fetch: bool = True,
+    links_km: Mapping[tuple[str, str], float] | None = None,
+    link_bytes_per_second: float = DEFAULT_LINK_BYTES_PER_SECOND,
+    token: str | None = None,
+    progress: Progress | None = None,
+    stop: threading.Event | None = None,
+    connect_timeout_s: float = 10.0,
+) -> ReplayReport:
+    """Drive ``nodes`` with ``requests``; see the module docstring. ``speed`` None runs as fast
+    as possible, else timestamps are honoured, ``speed`` times faster. ``links_km`` gives the
+    distance between DC pairs (missing pairs across DCs count as 0 km)."""
+    if not nodes:
+        raise InvalidArgument("give at least one node to replay against")
+    if routing not in ROUTINGS:
+        raise InvalidArgument(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    if not 0 < kv_scale <= 1:
+        raise InvalidArgument(f"--kv-scale must be in (0, 1], got {kv_scale}")
+    if speed is not None and speed <= 0:
+        raise InvalidArgument(f"--speed must be positive, got {speed}")
+    if len({n.name for n in nodes}) != len(nodes):
+        raise InvalidArgument("a node is named twice")
+    live: list[_Node] = []
+    try:
+        for n in nodes:
+            live.append(_Node(n, token, connect_timeout_s))
+        return _run(
+            requests, live, inputs, workload_name, kv_scale, routing, speed, peer_fetch,
+            dict(links_km or {}), link_bytes_per_second, progress, stop,
+        )  # fmt: skip
+    finally:
+        for n in live:
+            n.close()
+
+
+def _run(
+    requests: Sequence[TraceRequest],
+    live: list[_Node],
+    inputs: ModeledInputs,
+    workload_name: str,
+    kv_scale: float,
+    routing: str,
+    speed: float | None,
+    peer_fetch: bool,
+    links_km: dict[tuple[str, str], float],
+    link_bytes_per_second: float,
+    progress: Progress | None,
+    stop: threading.Event | None,
+) -> ReplayReport:
+    chunk_sizes = {n.info["chunk_tokens"] for n in live}
+    if len(chunk_sizes) != 1:
+        detail = ", ".join(f"{n.node.name}={n.info['chunk_tokens']}" for n in live)
+        raise ReplayError(f"the agents disagree on chunk_tokens ({detail}); replay needs one")
+    chunk_tokens = chunk_sizes.pop()
+    chunk_bytes = max(1, round(inputs.model.kv_bytes_per_token * kv_scale)) * chunk_tokens
+    too_big = [n.node.name for n in live if chunk_bytes > n.info.get("max_chunk_bytes", 1 << 62)]
+    if too_big:
+        raise InvalidArgument(
+            f"chunks of {chunk_bytes:,} bytes exceed max_chunk_bytes on {', '.join(too_big)}; "
+            "lower --kv-scale"
+        )
+    isolated = {t for n in live for t in n.info.get("isolated_tenants", [])}
+    model = inputs.model
+
+    def namespace_of(tenant: str) -> Namespace:
+        return Namespace(model.name, model.layout, tenant if tenant in isolated else "")
+
+    chainer = KeyChainer(namespace_of, chunk_tokens)
+    dcs = sorted({n.node.dc for n in live})
+    by_dc = {dc: [n for n in live if n.node.dc == dc] for dc in dcs}
+    home = assign_home_dcs((r.tenant for r in requests), dcs)
+    rr = {dc: itertools.cycle(by_dc[dc]) for dc in dcs}
+    links = {
+        _link_name(a, b): LinkEmulation(links_km.get((a, b), links_km.get((b, a), 0.0)),
+                                        link_bytes_per_second)
+        for a, b in itertools.combinations(dcs, 2)
+    }  # fmt: skip
+    report = ReplayReport(
+        workload=workload_name,
+        routing=routing,
+        chunk_tokens=chunk_tokens,
+        chunk_bytes=chunk_bytes,
+        kv_scale=kv_scale,
+        speed=speed,
+        peer_fetch=peer_fetch,
+        inputs=inputs,
+        requests_total=len(requests),
+        requests=RequestTally(),
+        nodes={n.node.name: n.tally for n in live},
+        node_dc={n.node.name: n.node.dc for n in live},
+        links=links,
+    )
+    before = {n.node.name: n.counters() for n in live}
+    started = time.monotonic()
+    t0_ms = requests[0].timestamp_ms if requests else 0
+    for i, request in enumerate(requests):
+        if stop is not None and stop.is_set():
+            report.stopped_early = True
+            break
+        if speed is not None:
+            due = started + (request.timestamp_ms - t0_ms) / 1000 / speed
+            ahead = due - time.monotonic()
+            if ahead > 0:
+                if stop is not None:
+                    if stop.wait(ahead):
+                        report.stopped_early = True
+                        break
+                else:
+                    time.sleep(ahead)
+            else:
+                report.max_lag_seconds = max(report.max_lag_seconds, -ahead)
+        keys = chainer.keys(request)
+        dc = home[request.tenant]
+        target = _route(by_dc[dc], rr[dc], keys, request.tenant, routing)
+        _serve(request, keys, target, live, chunk_bytes, chunk_tokens, peer_fetch, links, report)
+        if progress is not None:
+            progress(i + 1, len(requests))
+    report.wall_seconds = time.monotonic() - started
+    report.agent_counters = {}
+    for n in live:
+        after = n.counters()
+        expected = {f: getattr(n.tally, attr) for f, attr in CHECKED_COUNTERS.items()}
+        for tier in sorted({*n.tally.hits_by_tier, *(k[5:-1] for k in after if k[:5] == "hits[")}):
+            expected[f"hits[{tier}]"] = n.tally.hits_by_tier.get(tier, 0)
+        start = before[n.node.name]
+        report.agent_counters[n.node.name] = {
+            f: (v, after.get(f, 0) - start.get(f, 0)) for f, v in expected.items()
+        }
+    return report
+
+
+def _prefix_len(tiers: Sequence[str | None]) -> int:
+    return tiers.index(None) if None in tiers else len(tiers)
+
+
+def _route(
+    candidates: list[_Node],
+    cycle: Iterable[_Node],
+    keys: list[ChunkKey],
+    tenant: str,
+    routing: str,
+) -> _Node:
+    turn = next(iter(cycle))
+    if routing == "round-robin" or len(candidates) == 1 or not keys:
+        return turn
+    # prefix-aware: the longest cached prefix wins; ties go to the round-robin turn (spread load)
+    best, best_len = turn, _prefix_len(turn.data.exists(keys, tenant=tenant))
+    for node in candidates:
+        if node is turn:
+            continue
+        n = _prefix_len(node.data.exists(keys, tenant=tenant))
+        if n > best_len:
+            best, best_len = node, n
+    return best
+
+
+def _fetch(node: _Node, keys: Sequence[ChunkKey], tenant: str, chunk_bytes: int) -> int:
+    """``get`` chunks from ``node``, checking each; returns how many leading ones arrived."""
+    if not keys:
+        return 0
+    got = node.data.get_many(list(keys), tenant=tenant)
+    for n, (key, data) in enumerate(zip(keys, got, strict=True)):
+        if data is None:
+            node.tally.lost_chunks += len(keys) - n
+            return n
+        if not _intact(data, key, chunk_bytes):
+            raise ReplayError(
+                f"{node.node.name} served chunk {key.hex()} with wrong bytes "
+                f"({len(data)} bytes, expected {chunk_bytes} beginning with the key)"
+            )
+        node.tally.bytes_fetched += chunk_bytes
+    return len(keys)
+
+
+@dataclass(frozen=True, slots=True)
+class _Looked:
+    matched: int
+    #: tier of every key (None: absent on that node)
+    tiers: tuple[str | None, ...]
+    #: per matched chunk: did the asking tenant store it (reuse) or another (sharing)
+    reuse: tuple[bool, ...]
+
+
+def _lookup(node: _Node, keys: list[ChunkKey], tenant: str) -> _Looked:
+    """A counted lookup, tallied as the agent counts it."""
+    res = node.data.lookup(keys, tenant=tenant)
+    t = node.tally
+    t.lookups += 1
+    t.lookup_chunks += len(keys)
+    m = res.matched_chunks
+    t.hit_chunks += m
+    t.hit_tokens += res.matched_tokens
+    reuse = tuple(node.owner.get(key) == tenant for key in keys[:m])
+    for tier in res.locations[:m]:
+        t.hits_by_tier[tier] += 1  # type: ignore[index]
+    t.reuse_hits += sum(reuse)
+    t.sharing_hits += m - sum(reuse)
+    for key, tier in zip(keys[m:], res.locations[m:], strict=True):
+        if tier is None:
+            node.owner.pop(key, None)  # evicted since the replay stored it
+    return _Looked(m, tuple(res.locations), reuse)
+
+
+def _store(
+    node: _Node, keys: list[ChunkKey], idx: list[int], tenant: str, chunk_bytes: int,
+    chunk_tokens: int,
+) -> None:  # fmt: skip
+    """Put ``keys[i]`` for ``i`` in ``idx`` on ``node``, linked to their parents. Only absent
+    chunks are put: a put of a cached chunk keeps its first owner, and so must the ledger."""
+    if not idx:
+        return
+    outcomes = node.data.put_many(
+        [(keys[i], payload_for(keys[i], chunk_bytes)) for i in idx],
+        tenant=tenant,
+        parents=[keys[i - 1] if i else None for i in idx],
+        tokens=chunk_tokens,
+        depths=idx,
+    )
+    for i, out in zip(idx, outcomes, strict=True):
+        node.tally.puts[out.status] += 1
+        if out.status == "stored":
+            node.owner[keys[i]] = tenant
+            node.tally.bytes_stored += chunk_bytes
+
+
+def _credit(rq: RequestTally, looked: _Looked, got: int, chunk_tokens: int) -> None:
+    """Count the ``got`` chunks a request received (lost ones are recomputed, not hits)."""
+    rq.hit_tokens += got * chunk_tokens
+    rq.reuse_hits += sum(looked.reuse[:got])
+    rq.sharing_hits += got - sum(looked.reuse[:got])
+
+
+def _serve(
+    request: TraceRequest,
+    keys: list[ChunkKey],
+    home: _Node,
+    live: list[_Node],
+    chunk_bytes: int,
+    chunk_tokens: int,
+    peer_fetch: bool,
+    links: dict[str, LinkEmulation],
+    report: ReplayReport,
+) -> None:
+    tenant = request.tenant
+    rq = report.requests
+    rq.requests += 1
+    rq.chunks += len(keys)
+    rq.input_tokens += request.input_tokens
+    if not keys:
+        return
+    looked = _lookup(home, keys, tenant)
+    got = _fetch(home, keys[: looked.matched], tenant, chunk_bytes)
+    for tier in looked.tiers[:got]:
+        rq.local_hits[tier] += 1  # type: ignore[index]
+    _credit(rq, looked, got, chunk_tokens)
+    start = got
+    if peer_fetch and start < len(keys):
+        start = _from_peers(request, keys, start, home, live, chunk_bytes, chunk_tokens, links, rq)
+    # what no node had is computed by the engine; everything the home node lacks is stored there
+    rq.computed_chunks += len(keys) - start
+    absent = [i for i in range(got, len(keys)) if looked.tiers[i] is None or i < looked.matched]
+    _store(home, keys, absent, tenant, chunk_bytes, chunk_tokens)
+
+
+def _from_peers(
+    request: TraceRequest,
+    keys: list[ChunkKey],
+    start: int,
+    home: _Node,
+    live: list[_Node],
+    chunk_bytes: int,
+    chunk_tokens: int,
+    links: dict[str, LinkEmulation],
+    rq: RequestTally,
+) -> int:
+    """Fetch ``keys[start:]`` from the peer holding the longest run of it; returns the new
+    start (the first chunk still missing)."""
+    tenant = request.tenant
+    rest = keys[start:]
+    best: _Node | None = None
+    best_len = 0
+    for node in live:
+        if node is home:
+            continue
+        n = _prefix_len(node.data.exists(rest, tenant=tenant))
+        # on a tie a peer in the home DC wins: no link to cross
+        if n > best_len or (
+            n == best_len and n and best is not None
+            and best.node.dc != home.node.dc and node.node.dc == home.node.dc
+        ):  # fmt: skip
+            best, best_len = node, n
+    if best is None:
+        return start
+    looked = _lookup(best, rest, tenant)
+    got = _fetch(best, rest[: looked.matched], tenant, chunk_bytes)
+    _credit(rq, looked, got, chunk_tokens)
+    if not got:
+        return start
+    if best.node.dc == home.node.dc:
+        rq.peer_hits += got
+    else:
+        link = _link_name(best.node.dc, home.node.dc)
+        nbytes = got * chunk_bytes
+        delay = links[link].transfer_seconds(nbytes)
+        time.sleep(delay)  # emulated: the link's round trip and transfer time
+        rq.emulated_delay_seconds += delay
+        rq.cross_dc_hits += got
+        rq.bytes_by_link[link] += nbytes
+    return start + got
