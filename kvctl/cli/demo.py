@@ -1,23 +1,23 @@
-"""`kvctl demo`: the main job on one machine.
-
-Until the demo fleet exists (agents serving a replayed workload), the demo is the offline
-simulator: the shared Mooncake trace when this machine has it, else the built-in workload, at
-cache sizes of 1%, 5%, 10% and 25% of the workload's unique blocks.
-"""
+"""`kvctl demo`: the main job on one machine: a real fleet serving a real workload."""
 
 from __future__ import annotations
 
 import pathlib
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvctl.cli.output import console, user_errors
+from kvctl.cli.options import JsonOpt
+from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+from kvctl.cli.replay import LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt
 
 if TYPE_CHECKING:
-    from kvctl.workload.simulate import SimulationReport
-
-DEMO_FRACTIONS = (0.01, 0.05, 0.10, 0.25)
+    from kvctl.fleet.demo import DemoFleet
+    from kvctl.workload.replay import ReplayReport
+    from kvctl.workload.trace import TraceRequest
 
 
 def demo_command(
@@ -25,67 +25,202 @@ def demo_command(
         pathlib.Path | None,
         typer.Option(help="Trace to replay; when the file is absent the built-in workload runs."),
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    workload: WorkloadOpt = "builtin",
+    seed: SeedOpt = 0,
+    limit: LimitOpt = None,
+    tenants: TenantsOpt = 8,
+    workdir: Annotated[
+        pathlib.Path | None,
+        typer.Option(
+            "--workdir", help="Workspace (default: ~/.local/state/kvctl/demo).", show_default=False
+        ),
+    ] = None,
+    duration: Annotated[
+        float | None,
+        typer.Option(
+            "--duration", help="Stop after this many seconds (default: at Ctrl-C).", min=1
+        ),
+    ] = None,
+    speed: Annotated[
+        float,
+        typer.Option(
+            "--speed", help="Replay this many times faster than the trace; 0: flat out.", min=0
+        ),
+    ] = 10.0,
+    nodes_per_dc: Annotated[
+        int, typer.Option("--nodes-per-dc", help="Agents in each of the two DCs.", min=1, max=8)
+    ] = 2,
+    dashboard: Annotated[
+        bool, typer.Option("--dashboard/--no-dashboard", help="Serve the dashboard.")
+    ] = True,
+    browser: Annotated[
+        bool, typer.Option("--browser/--no-browser", help="Open the dashboard in a browser.")
+    ] = True,
+    json_out: JsonOpt = False,
 ) -> None:
-    """Run the demo: replay a workload through every eviction policy at four cache sizes.
+    """Run the demo fleet: two DCs of agents, a collector and a replayed workload.
+
+    Starts 2 x --nodes-per-dc agents as separate processes on loopback, registers them with a
+    link between the DCs in a SQLite database in the workspace, starts the collector, and
+    replays the workload (the built-in one, or --trace) through the agents' data plane.
+    Transfers between the DCs wait an emulated link delay (5 us per km each way). Stops at
+    --duration or Ctrl-C, stopping everything it started; the workspace (database, logs,
+    replay.json) stays for `kvctl status`/`kvctl db` and the next run.
 
     Examples:
 
       kvctl demo
 
-      kvctl demo --trace ../shared/data/mooncake_synthetic_trace.jsonl
-    """
-    from kvctl.cli.output import print_json
-    from kvctl.cli.simulate import _progress, render_report
-    from kvctl.store.policies import EVICTION_POLICIES
-    from kvctl.workload.simulate import capacity_from_fraction, simulate
-    from kvctl.workload.source import load_workload
-    from kvctl.workload.trace import find_default_trace
+      kvctl demo --trace ../shared/data/mooncake_synthetic_trace.jsonl --speed 20
 
-    with user_errors():
+      kvctl demo --duration 60 --no-browser --workload rag --workdir /tmp/kvctl-demo
+    """
+    from kvctl.fleet.demo import DemoConfig, default_workdir, start, stop_signals
+
+    say = (lambda _: None) if json_out else (lambda m: console.print(f"  {m}", highlight=False))
+    with user_errors(hint="see `kvctl demo --help`"):
         if trace is not None and not trace.is_file():
-            console.print(f"[yellow]{trace} not found; using the built-in workload instead[/]")
+            err_console.print(f"[yellow]{trace} not found; using the built-in workload instead[/]")
             trace = None
-        elif trace is None:
-            trace = find_default_trace()
-        workload = load_workload(trace)
-        unique = len({b for r in workload.requests for b in r.block_ids})
+        config = DemoConfig(
+            (workdir or default_workdir()).resolve(),
+            nodes_per_dc=nodes_per_dc,
+            speed=speed or None,
+        )
+        requests, name = _workload(trace, workload, seed, limit, tenants)
         if not json_out:
             console.print(
-                f"[bold]kvctl demo[/]: offline replay of [cyan]{workload.name}[/] "
-                f"({len(workload.requests):,} requests, {unique:,} unique blocks) through the "
-                "store's eviction policies, with LRU and Belady's optimum as references. "
-                "Traces carry no retention priorities, so `priority` behaves as LRU here."
+                f"[bold]kvctl demo[/]: {name} ({len(requests):,} requests) on a fleet of "
+                f"{2 * nodes_per_dc} agents in 2 DCs; workspace {config.workdir}",
+                highlight=False,
             )
-        reports = []
-        with _progress(disable=json_out) as update:
-            for fraction in DEMO_FRACTIONS:
-                tiers = {"cpu": capacity_from_fraction(unique, fraction)}
-                report = simulate(
-                    workload.requests,
-                    tiers=tiers,
-                    policies=list(EVICTION_POLICIES),
-                    trace_name=workload.name,
-                    progress=update,
-                )
-                reports.append(report)
-                if not json_out:
-                    render_report(report)
+        stop = threading.Event()
+        with stop_signals(stop):
+            try:
+                fleet = start(config, on_step=say)
+            except RuntimeError as exc:  # an agent or the collector did not come up
+                fail(str(exc), hint=f"logs are in {config.workdir}")
+            try:
+                report = _run(fleet, requests, name, stop, duration, dashboard, browser, say)
+            finally:
+                say("stopping ...")
+                killed = fleet.stop()
+                if killed:
+                    err_console.print(f"[yellow]had to kill:[/] {', '.join(killed)}")
+    from kvctl.fleet.demo import REPORT_FILE
+
+    (config.workdir / REPORT_FILE).write_text(_json(report.as_dict()), encoding="utf-8")
+    db_check = _db_check(fleet, report)
     if json_out:
-        print_json([r.as_dict() for r in reports])
+        print_json({**report.as_dict(), "workdir": str(config.workdir), "database": db_check})
         return
-    console.print(_summary(reports))
+    from kvctl.cli.replay import render_replay
+
+    render_replay(report)
+    _print_db_check(db_check)
+    console.print(
+        f"workspace kept in {config.workdir}: kvctl.db (history), replay.json, logs; "
+        f"`kvctl db current --db {fleet.db_url}` reads it"
+    )
 
 
-def _summary(reports: list[SimulationReport]) -> str:
-    """One line per policy: its share of Belady's hit ratio at each cache size."""
-    lines = ["[bold]Share of Belady's hit ratio by cache size[/] (1%, 5%, 10%, 25% of unique):"]
-    for policy in (r.policy for r in reports[0].results if r.policy != "belady"):
-        shares = []
-        for report in reports:
-            best = report.result("belady").hit_ratio
-            shares.append(
-                f"{report.result(policy).hit_ratio / best * 100:5.1f}" if best else "  n/a"
+def _json(data: object) -> str:
+    import json
+
+    return json.dumps(data, indent=2, default=str) + "\n"
+
+
+def _workload(
+    trace: pathlib.Path | None, workload: str, seed: int, limit: int | None, tenants: int
+) -> tuple[list[TraceRequest], str]:
+    from kvctl.workload.source import load_workload
+    from kvctl.workload.trace import assign_tenants
+
+    loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
+    if not loaded.requests:
+        fail(f"{loaded.name} holds no requests")
+    return assign_tenants(loaded.requests, tenants, seed=seed), loaded.name
+
+
+def _run(
+    fleet: DemoFleet,
+    requests: list[TraceRequest],
+    name: str,
+    stop: threading.Event,
+    duration: float | None,
+    dashboard: bool,
+    browser: bool,
+    say: Callable[[str], None],
+) -> ReplayReport:
+    from kvctl.fleet.demo import DEMO_DCS, final_collect
+    from kvctl.fleet.targets import replay_targets
+    from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
+    from kvctl.workload.replay import replay
+
+    config = fleet.config
+    deadline = None if duration is None else time.monotonic() + duration
+    from kvctl.db.migrate import open_db
+
+    engine = open_db(fleet.db_url)
+    with engine.connect() as conn:
+        nodes, links = replay_targets(conn, all_nodes=True)
+    engine.dispose()
+    if dashboard:
+        say("dashboard: not part of this build yet (it arrives with `kvctl dashboard`)")
+    del browser
+    say(f"watch it: kvctl status --db {fleet.db_url}")
+    dcs = " <-> ".join(d.name for d in DEMO_DCS)
+    say(f"link {dcs}: {config.link_km:g} km, emulated delay on cross-DC transfers")
+    say("Ctrl-C stops the demo" + (f", or it stops after {duration:g} s" if duration else ""))
+    result: dict[str, ReplayReport | BaseException] = {}
+    inputs = ModeledInputs(model_profile(config.model), gpu_profile("h100"))
+
+    def work() -> None:
+        try:
+            result["report"] = replay(
+                requests,
+                nodes,
+                inputs,
+                workload_name=name,
+                kv_scale=config.kv_scale,
+                speed=config.speed,
+                links_km=links,
+                token="",
+                stop=stop,
             )
-        lines.append(f"  {policy:<14} " + "  ".join(shares))
-    return "\n".join(lines)
+        except BaseException as exc:  # reported by the main thread
+            result["error"] = exc
+
+    worker = threading.Thread(target=work, name="replay", daemon=True)
+    worker.start()
+    announced = False
+    while not stop.is_set():
+        if deadline is not None and time.monotonic() >= deadline:
+            break
+        worker.join(0.2)
+        if not worker.is_alive() and not announced:
+            announced = True
+            if "error" in result:
+                break
+            say("replay finished; the fleet keeps serving" + ("" if duration else " until Ctrl-C"))
+    stop.set()
+    worker.join()
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    final_collect(fleet)
+    report = result["report"]
+    assert not isinstance(report, BaseException)
+    return report
+
+
+def _db_check(fleet: DemoFleet, report: ReplayReport) -> dict[str, object]:
+    from kvctl.fleet.demo import database_counters
+
+    return database_counters(fleet, report)
+
+
+def _print_db_check(check: dict[str, object]) -> None:
+    if check.get("agree"):
+        console.print("database: the collected counters equal the replay's, node by node ✓")
+    else:
+        err_console.print(f"[yellow]database:[/] {check.get('detail', 'differs from the replay')}")

@@ -19,6 +19,7 @@ from kvctl.cli.doctor import doctor_command
 from kvctl.cli.fleet import fleet_app
 from kvctl.cli.keys import keys_command
 from kvctl.cli.lookup import lookup_command
+from kvctl.cli.replay import replay_command
 from kvctl.cli.simulate import simulate_command
 from kvctl.cli.status import status_command
 
@@ -48,7 +49,8 @@ def _root(
 
 
 # `kvctl --help` groups commands by what the operator is doing
-FLEET, CONTROL, METRICS, NODE, OFFLINE = "Fleet", "Control", "Metrics", "This node", "Offline"
+FLEET, CONTROL, METRICS, NODE = "Fleet", "Control", "Metrics", "This node"
+WORKLOADS, OFFLINE = "Workloads", "Offline"
 
 app.add_typer(
     fleet_app,
@@ -67,8 +69,9 @@ for _name, _fn, _help, _panel in (
         "demo",
         demo_command,
         "Run the demo: replay a workload through every policy (main job).",
-        OFFLINE,
+        WORKLOADS,
     ),
+    ("replay", replay_command, "Drive the agents with a workload or trace, for real.", WORKLOADS),
     (
         "simulate",
         simulate_command,

@@ -177,3 +177,25 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
                 setattr(total, attr, (getattr(total, attr) or 0) + v)
     total.up_ratio = _ratio(up_sum, samples_sum)
     return out
+
+
+CACHE_COUNTERS = ("lookups", "hits", "hit_tokens", "reuse_hits", "sharing_hits")
+
+
+def node_cache_counters(
+    conn: Connection, start_ms: int, end_ms: int, *, counters: tuple[str, ...] = CACHE_COUNTERS
+) -> dict[str, dict[str, dict[str, int]]]:
+    """Exact sums of cache counters over [start, end) per node name and tier (``all`` is the
+    node as a whole); nodes without samples are left out."""
+    w = window(conn, series("cache_sample"), start_ms, end_ms, columns=list(counters)).subquery()
+    q = (
+        select(Node.name, w.c.tier, *(func.sum(getattr(w.c, c)).label(c) for c in counters))
+        .select_from(w)
+        .join(Node, Node.id == w.c.node_id)
+        .group_by(Node.name, w.c.tier)
+    )
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for row in conn.execute(q):
+        m = row._mapping
+        out.setdefault(m["name"], {})[m["tier"]] = {c: int(m[c] or 0) for c in counters}
+    return out

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from sqlalchemy.engine import Connection
 
 from kvctl.db.inventory import InventoryError, NodeInfo, list_nodes
+
+if TYPE_CHECKING:
+    from kvctl.workload.replay import ReplayNode
 
 
 def resolve_targets(
@@ -50,3 +54,21 @@ def describe(nodes: Sequence[str] = (), dcs: Sequence[str] = (), all_nodes: bool
     if all_nodes:
         return "all"
     return ",".join([*(f"dc:{d}" for d in dcs), *(f"node:{n}" for n in nodes)])
+
+
+def replay_targets(
+    conn: Connection,
+    *,
+    nodes: Sequence[str] = (),
+    dcs: Sequence[str] = (),
+    all_nodes: bool = False,
+) -> tuple[list[ReplayNode], dict[tuple[str, str], float]]:
+    """Nodes to replay against (the whole fleet when nothing is named) and the length in km of
+    every inventory link, for the replay's emulated link delays."""
+    from kvctl.db.inventory import list_links
+    from kvctl.workload.replay import ReplayNode
+
+    everyone = not (nodes or dcs or all_nodes)
+    chosen = resolve_targets(conn, nodes=nodes, dcs=dcs, all_nodes=all_nodes or everyone)
+    links = {(link.a, link.b): link.distance_km for link in list_links(conn)}
+    return [ReplayNode(n.name, n.dc, n.agent_url) for n in chosen], links

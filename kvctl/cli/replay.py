@@ -1,0 +1,292 @@
+"""`kvctl replay`: drive real agents with a workload or trace through the data plane."""
+
+from __future__ import annotations
+
+import pathlib
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from kvctl.cli.options import AllOpt, DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
+from kvctl.cli.output import console, err_console, fail, pct, print_json, user_errors
+
+if TYPE_CHECKING:
+    from kvctl.workload.replay import ReplayReport
+
+TraceOpt = Annotated[
+    pathlib.Path | None,
+    typer.Option("--trace", help="Mooncake-format JSONL trace (default: --workload)."),
+]
+WorkloadOpt = Annotated[
+    str,
+    typer.Option(
+        "--workload", "-w", help="Generated workload: builtin, system-prompt, chat or rag."
+    ),
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the generated workload.")]
+LimitOpt = Annotated[int | None, typer.Option("--limit", help="Only the first N requests.", min=1)]
+TenantsOpt = Annotated[
+    int,
+    typer.Option(
+        "--tenants",
+        help="Tenants to assign to a trace's requests when it has none (continuing "
+        "conversations keep theirs).",
+        min=1,
+    ),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--model", help="Model profile (default: the agents' model when known, else llama-3.1-8b)."
+    ),
+]
+GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU profile for modeled figures.")]
+MfuOpt = Annotated[float, typer.Option("--mfu", help="Prefill MFU for modeled figures.")]
+
+
+def parse_fraction(text: str) -> float:
+    """``0.25`` or ``1/4``."""
+    from kvctl.store.errors import InvalidArgument
+
+    num, sep, den = text.partition("/")
+    try:
+        value = float(num) / float(den) if sep else float(num)
+    except (ValueError, ZeroDivisionError):
+        raise InvalidArgument(f"not a fraction: {text!r} (examples: 0.25, 1/64)") from None
+    return value
+
+
+def replay_command(
+    trace: TraceOpt = None,
+    workload: WorkloadOpt = "builtin",
+    seed: SeedOpt = 0,
+    limit: LimitOpt = None,
+    tenants: TenantsOpt = 8,
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    all_nodes: AllOpt = False,
+    model: ModelOpt = None,
+    kv_scale: Annotated[
+        str,
+        typer.Option(
+            "--kv-scale",
+            help="Shrink KV bytes per token by this fraction on small machines (e.g. 1/64).",
+        ),
+    ] = "1",
+    route: Annotated[
+        str,
+        typer.Option("--route", help="prefix (node holding the longest prefix) or round-robin."),
+    ] = "prefix",
+    speed: Annotated[
+        float | None,
+        typer.Option(
+            "--speed",
+            help="Honour the timestamps, this many times faster (default: as fast as possible).",
+            min=0.001,
+        ),
+    ] = None,
+    peer_fetch: Annotated[
+        bool,
+        typer.Option(
+            "--peer-fetch/--no-peer-fetch",
+            help="Fetch what the home node lacks from other nodes (cross-DC over emulated links).",
+        ),
+    ] = True,
+    gpu: GpuOpt = "h100",
+    mfu: MfuOpt = 0.5,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay a workload or trace against the fleet's agents through the real data plane.
+
+    Each request goes to a node of its tenant's home DC (the node with the longest cached
+    prefix, or round-robin); hits are fetched and checked byte for byte, misses are stored with
+    payloads of the model's KV size (times --kv-scale). Afterwards every agent's counters are
+    compared with what the replay expects. Prefill time and energy saved are modeled from the
+    model and GPU profiles, and say so.
+
+    Examples:
+
+      kvctl replay --workload system-prompt --kv-scale 1/64
+
+      kvctl replay --trace ../shared/data/mooncake_synthetic_trace.jsonl --limit 500 --speed 10
+
+      kvctl replay --dc fra --route round-robin --no-peer-fetch --json
+    """
+    from kvctl.client import AgentClient, AgentError
+    from kvctl.fleet.targets import replay_targets
+    from kvctl.workload.profiles import MODELS, ModeledInputs, gpu_profile, model_profile
+    from kvctl.workload.replay import ReplayError, replay
+    from kvctl.workload.source import load_workload
+    from kvctl.workload.trace import assign_tenants
+
+    engine = open_engine(db)
+    with (
+        db_errors(),
+        user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
+        engine.connect() as conn,
+    ):
+        nodes, links = replay_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=all_nodes)
+    engine.dispose()
+    with user_errors(hint="see `kvctl replay --help`"):
+        scale = parse_fraction(kv_scale)
+        loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
+        requests = assign_tenants(loaded.requests, tenants, seed=seed)
+        if not requests:
+            fail(f"{loaded.name} holds no requests")
+        if model is None:
+            try:
+                with AgentClient(nodes[0].control_url, timeout_s=5.0) as first:
+                    served = [m["id"] for m in first.info().get("models", [])]
+            except AgentError:
+                served = []
+            model = next((m for m in served if m in MODELS), "llama-3.1-8b")
+        inputs = ModeledInputs(model_profile(model), gpu_profile(gpu), mfu)
+        if not json_out:
+            console.print(
+                f"[bold]replay[/] {loaded.name}: {len(requests):,} requests on "
+                f"{len(nodes)} node(s), model {inputs.model.name}"
+                + (f", KV bytes scaled by {scale:g}" if scale != 1 else "")
+                + f", routing {route}"
+                + (f", {speed:g}x the trace's pace" if speed else ", as fast as possible"),
+                highlight=False,
+            )
+        try:
+            with _Bar(len(requests), disable=json_out) as bar:
+                report = replay(
+                    requests,
+                    nodes,
+                    inputs,
+                    workload_name=loaded.name,
+                    kv_scale=scale,
+                    routing=route,
+                    speed=speed,
+                    peer_fetch=peer_fetch,
+                    links_km=links,
+                    progress=bar.update,
+                )
+        except (AgentError, ReplayError) as exc:
+            fail(str(exc), hint="`kvctl status` shows which agents answer")
+    if json_out:
+        print_json(report.as_dict())
+    else:
+        render_replay(report)
+    if report.agents_agree is False:
+        raise typer.Exit(1)
+
+
+class _Bar:
+    """Progress on stderr with the running request count; silent when not a terminal."""
+
+    def __init__(self, total: int, *, disable: bool) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self._bar = Progress(
+            "replaying",
+            BarColumn(),
+            MofNCompleteColumn(),
+            "requests",
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+            disable=disable or not err_console.is_terminal,
+        )
+        self._task = self._bar.add_task("replay", total=total)
+
+    def __enter__(self) -> _Bar:
+        self._bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.__exit__(None, None, None)
+
+    def update(self, done: int, total: int) -> None:
+        self._bar.update(self._task, completed=done, total=total)
+
+
+def render_replay(report: ReplayReport) -> None:
+    from rich.table import Table
+
+    from kvctl.units import format_bytes
+
+    rq = report.requests
+    d = rq.as_dict()
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="dim")
+    head.add_column()
+    done = f"{rq.requests:,}" + (
+        f" of {report.requests_total:,} (stopped early)" if report.stopped_early else ""
+    )
+    head.add_row("requests", done)
+    head.add_row(
+        "chunks",
+        f"{rq.chunks:,} of {report.chunk_tokens} tokens, {format_bytes(report.chunk_bytes)} each"
+        + (f" (KV bytes x {report.kv_scale:g})" if report.kv_scale != 1 else ""),
+    )
+    head.add_row(
+        "hit ratio", f"{pct(d['hit_ratio'])} of chunks, {pct(d['token_hit_ratio'])} of tokens"
+    )
+    by_tier = ", ".join(f"{t} {n:,}" for t, n in d["hits_by_tier"].items() if n) or "none"
+    head.add_row("hits by tier", by_tier)
+    hits = rq.reuse_hits + rq.sharing_hits
+    if hits:
+        head.add_row(
+            "reuse / sharing",
+            f"{pct(rq.reuse_hits / hits)} / {pct(rq.sharing_hits / hits)} of hits",
+        )
+    moved = sum(t.bytes_fetched for t in report.nodes.values())
+    stored = sum(t.bytes_stored for t in report.nodes.values())
+    head.add_row("bytes moved", f"{format_bytes(moved)} fetched, {format_bytes(stored)} stored")
+    for link, nbytes in rq.bytes_by_link.items():
+        emu = report.links[link]
+        head.add_row(
+            f"link {link}",
+            f"{format_bytes(nbytes)} over {emu.distance_km:g} km "
+            f"(emulated RTT {emu.rtt_seconds * 1e3:.2f} ms)",
+        )
+    if rq.emulated_delay_seconds:
+        head.add_row("emulated link delay", f"{rq.emulated_delay_seconds:.3f} s in total")
+    lag = f", at most {report.max_lag_seconds:.2f} s behind the trace" if report.speed else ""
+    head.add_row("wall time", f"{report.wall_seconds:.1f} s{lag}")
+    console.print(head)
+
+    nodes = Table(
+        title="per node: the replay's counts; ✓ = the agent's counters say the same",
+        title_justify="left",
+    )
+    nodes.add_column("node (dc)", no_wrap=True)
+    for col in ("lookups", "hit ratio", "reuse/sharing", "fetched", "stored"):
+        nodes.add_column(col, justify="right", no_wrap=True)
+    nodes.add_column("agent")
+    checks = report.agent_counters or {}
+    for name, t in report.nodes.items():
+        fields = checks.get(name, {})
+        wrong = [f for f, (a, b) in fields.items() if a != b]
+        verdict = "N/A" if not fields else ("✓" if not wrong else "✗ " + ", ".join(wrong))
+        hits = t.reuse_hits + t.sharing_hits
+        nodes.add_row(
+            f"{name} ({report.node_dc[name]})",
+            f"{t.lookups:,}",
+            pct(t.hit_chunks / t.lookup_chunks) if t.lookup_chunks else "N/A",
+            f"{t.reuse_hits * 100 // hits}/{100 - t.reuse_hits * 100 // hits}%" if hits else "N/A",
+            format_bytes(t.bytes_fetched),
+            format_bytes(t.bytes_stored),
+            verdict,
+        )
+    console.print(nodes)
+    m = report.modeled()
+    inputs = report.inputs
+    console.print(
+        f"[bold]modeled[/] prefill saved: {m['prefill_seconds_saved']:.1f} GPU-s of "
+        f"{m['prefill_seconds_without_cache']:.1f} ({pct(m['saved_ratio'])}), "
+        f"{m['prefill_joules_saved'] / 1000:.1f} kJ\n"
+        f"[dim]modeled from {inputs.model.name} ({inputs.model.prefill_flops_per_token:.3g} "
+        f"FLOPs/token) on {inputs.gpu.name} ({inputs.gpu.peak_bf16_tflops:g} TFLOP/s bf16, "
+        f"{inputs.gpu.board_power_watts:g} W) at MFU {inputs.mfu:g}; not measured[/]",
+        highlight=False,
+    )
+    if report.agents_agree is False:
+        err_console.print(
+            "[yellow]warning:[/] the agents counted something else than the replay expected "
+            "(another client using them at the same time?); see --json agent_counters"
+        )
