@@ -12,12 +12,12 @@ import typer
 
 from kvctl.cli.options import JsonOpt
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
-from kvctl.cli.replay import LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt
+from kvctl.cli.replay import LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt, load_for_replay
 
 if TYPE_CHECKING:
     from kvctl.fleet.demo import DemoFleet
     from kvctl.workload.replay import ReplayReport
-    from kvctl.workload.trace import TraceRequest
+    from kvctl.workload.source import Workload
 
 
 def demo_command(
@@ -87,10 +87,11 @@ def demo_command(
             nodes_per_dc=nodes_per_dc,
             speed=speed or None,
         )
-        requests, name = _workload(trace, workload, seed, limit, tenants)
+        loaded = load_for_replay(trace, workload, seed, limit, tenants)
         if not json_out:
             console.print(
-                f"[bold]kvctl demo[/]: {name} ({len(requests):,} requests) on a fleet of "
+                f"[bold]kvctl demo[/]: {loaded.name} ({len(loaded.requests):,} requests) on a "
+                f"fleet of "
                 f"{2 * nodes_per_dc} agents in 2 DCs; workspace {config.workdir}",
                 highlight=False,
             )
@@ -101,7 +102,7 @@ def demo_command(
             except RuntimeError as exc:  # an agent or the collector did not come up
                 fail(str(exc), hint=f"logs are in {config.workdir}")
             try:
-                report = _run(fleet, requests, name, stop, duration, dashboard, browser, say)
+                report = _run(fleet, loaded, stop, duration, dashboard, browser, say)
             finally:
                 say("stopping ...")
                 killed = fleet.stop()
@@ -130,22 +131,9 @@ def _json(data: object) -> str:
     return json.dumps(data, indent=2, default=str) + "\n"
 
 
-def _workload(
-    trace: pathlib.Path | None, workload: str, seed: int, limit: int | None, tenants: int
-) -> tuple[list[TraceRequest], str]:
-    from kvctl.workload.source import load_workload
-    from kvctl.workload.trace import assign_tenants
-
-    loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
-    if not loaded.requests:
-        fail(f"{loaded.name} holds no requests")
-    return assign_tenants(loaded.requests, tenants, seed=seed), loaded.name
-
-
 def _run(
     fleet: DemoFleet,
-    requests: list[TraceRequest],
-    name: str,
+    loaded: Workload,
     stop: threading.Event,
     duration: float | None,
     dashboard: bool,
@@ -178,10 +166,11 @@ def _run(
     def work() -> None:
         try:
             result["report"] = replay(
-                requests,
+                loaded.requests,
                 nodes,
                 inputs,
-                workload_name=name,
+                workload_name=loaded.name,
+                salt=loaded.salt,
                 kv_scale=config.kv_scale,
                 speed=config.speed,
                 links_km=links,

@@ -12,6 +12,7 @@ from kvctl.cli.output import console, err_console, fail, pct, print_json, user_e
 
 if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayReport
+    from kvctl.workload.source import Workload
 
 TraceOpt = Annotated[
     pathlib.Path | None,
@@ -54,6 +55,21 @@ def parse_fraction(text: str) -> float:
     except (ValueError, ZeroDivisionError):
         raise InvalidArgument(f"not a fraction: {text!r} (examples: 0.25, 1/64)") from None
     return value
+
+
+def load_for_replay(
+    trace: pathlib.Path | None, workload: str, seed: int, limit: int | None, tenants: int
+) -> Workload:
+    """The workload to replay, every request with a tenant (see ``assign_tenants``)."""
+    import dataclasses
+
+    from kvctl.workload.source import load_workload
+    from kvctl.workload.trace import assign_tenants
+
+    loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
+    if not loaded.requests:
+        fail(f"{loaded.name} holds no requests")
+    return dataclasses.replace(loaded, requests=assign_tenants(loaded.requests, tenants, seed=seed))
 
 
 def replay_command(
@@ -117,8 +133,6 @@ def replay_command(
     from kvctl.fleet.targets import replay_targets
     from kvctl.workload.profiles import MODELS, ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.replay import ReplayError, replay
-    from kvctl.workload.source import load_workload
-    from kvctl.workload.trace import assign_tenants
 
     engine = open_engine(db)
     with (
@@ -130,10 +144,8 @@ def replay_command(
     engine.dispose()
     with user_errors(hint="see `kvctl replay --help`"):
         scale = parse_fraction(kv_scale)
-        loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
-        requests = assign_tenants(loaded.requests, tenants, seed=seed)
-        if not requests:
-            fail(f"{loaded.name} holds no requests")
+        loaded = load_for_replay(trace, workload, seed, limit, tenants)
+        requests = loaded.requests
         if model is None:
             try:
                 with AgentClient(nodes[0].control_url, timeout_s=5.0) as first:
@@ -164,6 +176,7 @@ def replay_command(
                     peer_fetch=peer_fetch,
                     links_km=links,
                     progress=bar.update,
+                    salt=loaded.salt,
                 )
         except (AgentError, ReplayError) as exc:
             fail(str(exc), hint="`kvctl status` shows which agents answer")
@@ -255,9 +268,9 @@ def render_replay(report: ReplayReport) -> None:
         title_justify="left",
     )
     nodes.add_column("node (dc)", no_wrap=True)
-    for col in ("lookups", "hit ratio", "reuse/sharing", "fetched", "stored"):
+    for col in ("lookups", "hit ratio", "reuse/share", "fetched", "stored"):
         nodes.add_column(col, justify="right", no_wrap=True)
-    nodes.add_column("agent")
+    nodes.add_column("agent", min_width=5)
     checks = report.agent_counters or {}
     for name, t in report.nodes.items():
         fields = checks.get(name, {})

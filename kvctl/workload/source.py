@@ -12,6 +12,15 @@ from kvctl.workload.trace import TraceRequest, read_mooncake_trace
 class Workload:
     name: str
     requests: list[TraceRequest]
+    #: what names its content for token expansion: a trace's file name (wherever it is read
+    #: from), or the generator and seed
+    content_name: str = ""
+
+    @property
+    def salt(self) -> int:
+        from kvctl.workload.tokens import content_salt
+
+        return content_salt(self.content_name or self.name)
 
 
 def load_workload(
@@ -36,4 +45,4 @@ def load_workload(
     path = pathlib.Path(trace)
     if not path.is_file():
         raise FileNotFoundError(2, "no such trace file", str(path))
-    return Workload(str(path), read_mooncake_trace(path, limit=limit))
+    return Workload(str(path), read_mooncake_trace(path, limit=limit), path.name)

@@ -13,6 +13,7 @@ only the first time it sees that prefix.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 import numpy as np
@@ -24,7 +25,9 @@ from kvctl.workload.trace import TraceRequest
 
 #: Llama-2's vocabulary size; any size works, the keys only need distinct, stable ids
 DEFAULT_VOCAB = 32_000
-_MAX_CONTENT_ID = 2**32 - 1
+_MAX_CONTENT_ID = 2**64 - 1
+# an odd constant: salts spread over the whole id space
+_SALT_STEP = 0x9E3779B97F4A7C15
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -37,20 +40,33 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-def content_tokens(content_id: int, start: int, end: int, vocab: int = DEFAULT_VOCAB) -> np.ndarray:
-    """Tokens ``start..end`` of content ``content_id`` as uint32 ids below ``vocab``."""
+def content_tokens(
+    content_id: int, start: int, end: int, vocab: int = DEFAULT_VOCAB, *, salt: int = 0
+) -> np.ndarray:
+    """Tokens ``start..end`` of content ``content_id`` as uint32 ids below ``vocab``. ``salt``
+    keeps workloads apart: two workloads both number their contents from 0."""
     if not 0 <= content_id <= _MAX_CONTENT_ID:
         raise InvalidArgument(f"content ids must be in 0..{_MAX_CONTENT_ID}, got {content_id}")
     if not 0 <= start <= end:
         raise InvalidArgument(f"bad token range {start}..{end}")
-    positions = np.arange(start, end, dtype=np.uint64)
-    mixed = _mix((np.uint64(content_id) << np.uint64(32)) | positions)
+    salted = content_id ^ ((salt * _SALT_STEP) & _MAX_CONTENT_ID)
+    base = _mix(np.array([salted], dtype=np.uint64))
+    with np.errstate(over="ignore"):
+        mixed = _mix(base + np.arange(start, end, dtype=np.uint64))
     return (mixed % np.uint64(vocab)).astype(np.uint32)
 
 
-def request_tokens(request: TraceRequest, vocab: int = DEFAULT_VOCAB) -> np.ndarray:
+def content_salt(name: str) -> int:
+    """A workload's salt from its name (a trace's file name, or ``generator:seed=N``), so
+    replaying the same workload again hits what the last replay stored, and another does not."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def request_tokens(
+    request: TraceRequest, vocab: int = DEFAULT_VOCAB, *, salt: int = 0
+) -> np.ndarray:
     """The whole input of ``request`` as token ids (tests and engines; the replay uses keys)."""
-    parts = [content_tokens(c, 0, n, vocab) for c, n in request.content]
+    parts = [content_tokens(c, 0, n, vocab, salt=salt) for c, n in request.content]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
@@ -82,11 +98,13 @@ class KeyChainer:
         chunk_tokens: int,
         *,
         vocab: int = DEFAULT_VOCAB,
+        salt: int = 0,
     ) -> None:
         if chunk_tokens <= 0:
             raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
         self.chunk_tokens = chunk_tokens
         self.vocab = vocab
+        self.salt = salt
         self._namespace_of = namespace_of
         self._roots: dict[str, bytes] = {}
         self._memo: dict[tuple[bytes, tuple[Piece, ...]], ChunkKey] = {}
@@ -103,7 +121,9 @@ class KeyChainer:
             memo_key = (parent, pieces)
             key = self._memo.get(memo_key)
             if key is None:
-                tokens = np.concatenate([content_tokens(c, a, b, self.vocab) for c, a, b in pieces])
+                tokens = np.concatenate(
+                    [content_tokens(c, a, b, self.vocab, salt=self.salt) for c, a, b in pieces]
+                )
                 key = chain_key_packed(parent, tokens.astype("<u4").tobytes())
                 self._memo[memo_key] = key
                 self.hashed += 1

@@ -1,0 +1,255 @@
+"""`kvctl replay` against real agents: the replay's own bookkeeping equals what the agents count
+and what the collector writes to the database (SQLite and PostgreSQL), and with one unlimited
+node it equals the workload's prefix hits computed offline."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import Engine
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+from kvctl.db.inventory import add_dc, add_link, add_node
+from kvctl.db.queries import node_cache_counters
+from kvctl.workload.generators import generate
+from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
+from kvctl.workload.replay import ReplayNode, ReplayReport, replay
+from kvctl.workload.tokens import KeyChainer
+from kvctl.workload.trace import assign_tenants, prefix_hit_blocks, read_mooncake_trace
+from tests.functional.agents import Agent, closed_port, running_agent
+
+runner = CliRunner()
+INPUTS = ModeledInputs(model_profile("qwen2.5-0.5b"), gpu_profile("h100"))
+SCALE = 1 / 256  # 48 bytes per token: 12 KiB chunks of 256 tokens
+
+
+def _config(path: Path, chunk_tokens: int) -> str:
+    path.write_text(f"[agent]\nchunk_tokens = {chunk_tokens}\n", encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def two_dcs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agent, Agent]]:
+    """Three small agents (evictions happen): two in fra, one in ams."""
+    root = tmp_path_factory.mktemp("replay")
+    small = ("--cpu", "1MiB", "--disk", "3MiB")
+    with (
+        running_agent(root / "a", "--name", "fra-a", "--dc", "fra", *small) as a,
+        running_agent(root / "b", "--name", "fra-b", "--dc", "fra", *small) as b,
+        running_agent(root / "c", "--name", "ams-a", "--dc", "ams", *small) as c,
+    ):
+        yield a, b, c
+
+
+def _nodes(agents: tuple[Agent, ...]) -> list[ReplayNode]:
+    return [ReplayNode(a.state.name, a.state.dc, a.state.control_url) for a in agents]
+
+
+def _check_agents(report: ReplayReport) -> None:
+    assert report.agent_counters
+    for node, fields in report.agent_counters.items():
+        for name, (ours, theirs) in fields.items():
+            assert ours == theirs, f"{node}.{name}: replay {ours}, agent {theirs}"
+    assert report.agents_agree is True
+
+
+def test_one_unlimited_node_hits_exactly_the_offline_prefix_hits(tmp_path: Path) -> None:
+    requests = generate("builtin", 5, requests=150)
+    config = _config(tmp_path / "agent.toml", 512)
+    with running_agent(
+        tmp_path / "a", "--name", "a", "--config", config, "--cpu", "512MiB", "--disk", "0"
+    ) as a:
+        report = replay(requests, _nodes((a,)), INPUTS, kv_scale=SCALE)
+    _check_agents(report)
+    # offline: the workload's own block ids at 512 tokens, full blocks only
+    expected = sum(
+        min(h, r.input_tokens // 512)
+        for r, h in zip(requests, prefix_hit_blocks(requests), strict=True)
+    )
+    assert report.requests.hit_chunks == report.nodes["a"].hit_chunks == expected > 0
+    assert report.requests.chunks == sum(r.input_tokens // 512 for r in requests)
+    t = report.nodes["a"]
+    assert t.puts == {"stored": report.requests.computed_chunks}
+    assert t.bytes_fetched == expected * report.chunk_bytes
+    assert report.chunk_bytes == 512 * round(INPUTS.model.kv_bytes_per_token * SCALE)
+    assert t.reuse_hits + t.sharing_hits == expected
+    assert t.reuse_hits > 0 and t.sharing_hits > 0
+    assert t.lost_chunks == 0
+
+
+def test_shared_trace_on_one_unlimited_node(tmp_path: Path, shared_trace: Path) -> None:
+    requests = assign_tenants(read_mooncake_trace(shared_trace, limit=120), 8)
+    config = _config(tmp_path / "agent.toml", 512)
+    with running_agent(
+        tmp_path / "a", "--name", "a", "--config", config, "--cpu", "1GiB", "--disk", "0"
+    ) as a:
+        report = replay(requests, _nodes((a,)), INPUTS, kv_scale=SCALE)
+    _check_agents(report)
+    expected = sum(
+        min(h, r.input_tokens // 512)
+        for r, h in zip(requests, prefix_hit_blocks(requests), strict=True)
+    )
+    assert report.requests.hit_chunks == expected > 0
+
+
+def test_evicting_fleet_with_peers_agrees_with_agents_and_database(
+    two_dcs: tuple[Agent, Agent, Agent], db: Engine
+) -> None:
+    from collectors.collector import Collector, CollectorConfig
+
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_dc(conn, "ams")
+        add_link(conn, "fra", "ams", distance_km=100)
+        for a in two_dcs:
+            add_node(conn, a.state.name, dc=a.state.dc, agent_url=a.state.control_url)
+    collector = Collector(db, CollectorConfig())
+    try:
+        collector.collect_once()  # the baseline: a node's first sample counts nothing
+        requests = generate("rag", 2, requests=200)
+        report = replay(
+            requests, _nodes(two_dcs), INPUTS, kv_scale=SCALE, links_km={("fra", "ams"): 100}
+        )
+        collector.collect_once()
+    finally:
+        collector.close()
+    _check_agents(report)
+    rq = report.requests
+    assert rq.cross_dc_hits > 0 and rq.bytes_by_link["ams<->fra"] == rq.cross_dc_hits * (
+        report.chunk_bytes
+    )
+    # the emulated delay: one 1 ms round trip (100 km) per cross-DC fetch at least
+    assert rq.emulated_delay_seconds >= 0.001
+    evicted = sum(t.puts.get("stored", 0) for t in report.nodes.values()) * report.chunk_bytes
+    assert evicted > 3 * 4 * 2**20  # more was stored than the three nodes hold
+    with db.connect() as conn:
+        sums = node_cache_counters(conn, 0, 2**62)
+    for name, t in report.nodes.items():
+        whole = sums[name]["all"]
+        assert whole["lookups"] == t.lookup_chunks
+        assert whole["hits"] == t.hit_chunks
+        assert whole["hit_tokens"] == t.hit_tokens
+        assert whole["reuse_hits"] == t.reuse_hits
+        assert whole["sharing_hits"] == t.sharing_hits
+        for tier, hits in t.hits_by_tier.items():
+            assert sums[name][tier]["hits"] == hits
+    # request view = what the nodes served: home hits + peer fetches
+    assert rq.hit_chunks == sum(t.hit_chunks - t.lost_chunks for t in report.nodes.values())
+
+
+def test_round_robin_spreads_requests(two_dcs: tuple[Agent, Agent, Agent]) -> None:
+    requests = [
+        r.__class__(**{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "tenant": "t"})
+        for r in generate("chat", 1, requests=40)
+    ]
+    fra = two_dcs[:2]
+    report = replay(requests, _nodes(fra), INPUTS, kv_scale=SCALE, routing="round-robin",
+                    peer_fetch=False)  # fmt: skip
+    assert [report.nodes[a.state.name].lookups for a in fra] == [20, 20]
+    _check_agents(report)
+
+
+def test_prefix_routing_beats_round_robin(tmp_path: Path) -> None:
+    requests = generate("chat", 4, requests=120)
+    ratios = {}
+    for routing in ("round-robin", "prefix"):
+        with (
+            running_agent(tmp_path / routing / "a", "--name", "a", "--cpu", "64MiB") as a,
+            running_agent(tmp_path / routing / "b", "--name", "b", "--cpu", "64MiB") as b,
+        ):
+            report = replay(requests, _nodes((a, b)), INPUTS, kv_scale=SCALE, routing=routing,
+                            peer_fetch=False)  # fmt: skip
+        _check_agents(report)
+        ratios[routing] = report.requests.hit_chunks / report.requests.chunks
+    assert ratios["prefix"] > ratios["round-robin"]
+
+
+def test_a_corrupt_chunk_is_caught(two_dcs: tuple[Agent, Agent, Agent]) -> None:
+    from kvctl.store.keys import Namespace
+    from kvctl.workload.replay import ReplayError
+
+    a = two_dcs[0]
+    requests = generate("system-prompt", 7, requests=3)
+    model = INPUTS.model
+    chainer = KeyChainer(lambda _: Namespace(model.name, model.layout), 256, salt=99)
+    key = chainer.keys(requests[0])[0]
+    with a.data() as dc:
+        # the right size, the wrong bytes: what a buggy tier or a mixed-up key would serve
+        dc.put(key, b"x" * (256 * 48), tenant=requests[0].tenant)
+    with pytest.raises(ReplayError, match="wrong bytes"):
+        replay(requests[:1], _nodes((a,)), INPUTS, kv_scale=SCALE, salt=99)
+
+
+# --- the command --------------------------------------------------------------------------
+@pytest.fixture
+def inventory(db: Engine, empty_db_url: str, two_dcs: tuple[Agent, Agent, Agent]) -> str:
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_dc(conn, "ams")
+        add_link(conn, "fra", "ams", distance_km=50)
+        for a in two_dcs:
+            add_node(conn, a.state.name, dc=a.state.dc, agent_url=a.state.control_url)
+    return empty_db_url
+
+
+def test_replay_command_json(inventory: str) -> None:
+    result = runner.invoke(
+        app,
+        ["replay", "--db", inventory, "--workload", "chat", "--limit", "60",
+         "--model", "qwen2.5-0.5b", "--kv-scale", "1/256", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["requests"]["requests"] == 60
+    assert out["agents_agree"] is True
+    assert set(out["nodes"]) == {"fra-a", "fra-b", "ams-a"}
+    assert out["links_emulated"]["ams<->fra"]["distance_km"] == 50
+    assert out["links_emulated"]["ams<->fra"]["basis"] == "emulated"
+    assert out["modeled"]["basis"] == "modeled"
+    assert out["modeled"]["inputs"]["model"]["name"] == "qwen2.5-0.5b"
+    assert out["kv_scale"] == pytest.approx(1 / 256)
+
+
+def test_replay_command_table(inventory: str) -> None:
+    result = runner.invoke(
+        app,
+        ["replay", "--db", inventory, "--dc", "fra", "--workload", "system-prompt",
+         "--limit", "30", "--kv-scale", "0.001", "--route", "round-robin"],
+        env={"COLUMNS": "120"},
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    for text in ("hit ratio", "reuse / sharing", "fra-a (fra)", "modeled", "not measured", "✓"):
+        assert text in result.output
+    assert "ams-a" not in result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kv-scale", "0"], "--kv-scale"),
+        (["--kv-scale", "abc"], "not a fraction"),
+        (["--route", "random"], "unknown routing"),
+        (["--workload", "nope"], "nope"),
+        (["--model", "gpt-9"], "unknown model"),
+        (["--trace", "/nonexistent/trace.jsonl"], "no such"),
+        (["--node", "nobody"], "no node named"),
+    ],
+)
+def test_replay_command_bad_input(inventory: str, args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["replay", "--db", inventory, "--limit", "5", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+def test_replay_command_unreachable_node(db: Engine, empty_db_url: str) -> None:
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "gone", dc="fra", agent_url=f"http://127.0.0.1:{closed_port()}")
+    result = runner.invoke(app, ["replay", "--db", empty_db_url, "--limit", "5"])
+    assert result.exit_code == 2
+    assert "gone" in result.output or "127.0.0.1" in result.output
+    assert "Traceback" not in result.output
