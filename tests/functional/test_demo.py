@@ -1,0 +1,152 @@
+"""`kvctl demo` as a user runs it: a real subprocess that starts agents and a collector, replays,
+stops at --duration or a signal, leaves no process behind and a readable workspace, and cleans up
+after a demo that was killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    env["COLUMNS"] = "120"
+    return env
+
+
+def _demo(workdir: Path, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "kvctl", "demo", "--workdir", str(workdir),
+        "--no-browser", "--no-dashboard", *args,
+    ]  # fmt: skip
+
+
+def _ours(workdir: Path) -> list[str]:
+    """Command lines of live processes that belong to this workspace (but not zombies)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            state = (proc / "stat").read_text().split(") ", 1)[1][0]
+        except OSError:
+            continue
+        if str(workdir) in cmdline and state != "Z":
+            found.append(cmdline)
+    return found
+
+
+def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    done = subprocess.run(
+        _demo(workdir, "--duration", "12", "--workload", "chat", "--json"),
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["requests"]["requests"] > 0
+    assert out["agents_agree"] is True
+    assert out["database"]["agree"] is True, out["database"]
+    assert set(out["nodes"]) == {"fra-1-a", "fra-1-b", "ams-1-a", "ams-1-b"}
+    assert out["links_emulated"]["ams-1<->fra-1"]["basis"] == "emulated"
+    assert _ours(workdir) == []
+    state = json.loads((workdir / "demo.json").read_text())
+    assert state["status"] == "stopped"
+    assert json.loads((workdir / "replay.json").read_text())["requests"] == out["requests"]
+    assert (workdir / "kvctl.db").is_file() and (workdir / "collector.log").is_file()
+
+    # a second run in the same workspace starts over the leftovers (disk tiers, history)
+    again = subprocess.run(
+        _demo(workdir, "--duration", "6", "--workload", "chat"),
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=240,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "database: the collected counters equal the replay's" in again.stdout
+    assert "fra-1-a (fra-1)" in again.stdout and "modeled" in again.stdout
+    assert _ours(workdir) == []
+
+
+def _wait_running(workdir: Path, proc: subprocess.Popen[str], timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if json.loads((workdir / "demo.json").read_text())["status"] == "running":
+                return
+        except (OSError, ValueError, KeyError):
+            pass
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    raise AssertionError("the demo did not come up")
+
+
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(
+        _demo(workdir),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+    )
+    _wait_running(workdir, proc)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped early" in out
+    assert _ours(workdir) == []
+
+
+def test_a_killed_demo_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    proc = subprocess.Popen(
+        _demo(workdir),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
+    )
+    _wait_running(workdir, proc)
+    proc.kill()  # no chance to clean up: its agents and collector run on
+    proc.wait(30)
+    assert len(_ours(workdir)) == 5  # four agents and the collector
+    done = subprocess.run(
+        _demo(workdir, "--duration", "4", "--nodes-per-dc", "1"),
+        capture_output=True,
+        text=True,
+        env=_env(tmp_path),
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "left running by an earlier demo" in done.stdout
+    assert _ours(workdir) == []
+    # the inventory follows the new, smaller fleet
+    assert "fra-1-b" not in done.stdout.split("stopping")[-1]
+
+
+def test_demo_help_and_bad_input(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app
+
+    result = CliRunner().invoke(app, ["demo", "--workload", "nope", "--workdir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "nope" in result.output
+    assert not (tmp_path / "demo.json").exists()
