@@ -5,6 +5,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TRACE  ?= ../shared/data/mooncake_synthetic_trace.jsonl
+# e.g. DEMO_ARGS="--duration 60 --no-browser" for a headless run
+DEMO_ARGS ?=
 
 .PHONY: demo test lint bench clean
 
@@ -15,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/kvctl demo --trace $(TRACE)
+	$(BIN)/kvctl demo --trace $(TRACE) $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

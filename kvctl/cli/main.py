@@ -22,6 +22,7 @@ from kvctl.cli.lookup import lookup_command
 from kvctl.cli.replay import replay_command
 from kvctl.cli.simulate import simulate_command
 from kvctl.cli.status import status_command
+from kvctl.cli.whatif import plan_command
 
 app = typer.Typer(
     name="kvctl",
@@ -72,6 +73,12 @@ for _name, _fn, _help, _panel in (
         WORKLOADS,
     ),
     ("replay", replay_command, "Drive the agents with a workload or trace, for real.", WORKLOADS),
+    (
+        "plan",
+        plan_command,
+        "What-if: tier sizes and pool distance vs hit ratio and TTFT.",
+        WORKLOADS,
+    ),
     (
         "simulate",
         simulate_command,

@@ -103,6 +103,9 @@ class HeapPolicy(EvictionPolicy):
         self._entries: dict[bytes, Entry] = {}
         self._ranks: dict[bytes, tuple[float, ...]] = {}
         self._heap: list[tuple[tuple[float, ...], int, bytes]] = []
+        # every entry, eligible or not: the fallback when none is eligible, without an O(n)
+        # scan per eviction (a lineage tier whose chunks all have children in a lower tier)
+        self._all: list[tuple[tuple[float, ...], int, bytes]] = []
         self._seq = 0
 
     @abstractmethod
@@ -116,15 +119,14 @@ class HeapPolicy(EvictionPolicy):
         self._ranks[entry.key] = r
         self._seq += 1
         heapq.heappush(self._heap, (r, self._seq, entry.key))
-        if len(self._heap) > 4 * len(self._entries) + 64:
+        heapq.heappush(self._all, (r, self._seq, entry.key))
+        if len(self._all) > 4 * len(self._entries) + 64:
             self._rebuild()
 
     def _rebuild(self) -> None:
-        self._heap = [
-            (self._ranks[k], i, k)
-            for i, (k, e) in enumerate(self._entries.items())
-            if self.eligible(e)
-        ]
+        self._all = [(self._ranks[k], i, k) for i, k in enumerate(self._entries)]
+        heapq.heapify(self._all)
+        self._heap = [rec for rec in self._all if self.eligible(self._entries[rec[2]])]
         heapq.heapify(self._heap)
 
     def on_insert(self, entry: Entry) -> None:
@@ -150,13 +152,16 @@ class HeapPolicy(EvictionPolicy):
             if e is not None and self._ranks.get(key) == r and self.eligible(e):
                 return e
             heapq.heappop(heap)
-        if not self._entries:
-            return None
         # No eligible entry (lineage: every chunk here has children cached in another tier).
-        # Take the lowest rank anyway so the tier can always make room; then re-seed the heap.
-        e = min(self._entries.values(), key=lambda x: self._ranks[x.key])
-        self._rebuild()
-        return e
+        # Take the lowest rank anyway so the tier can always make room.
+        everyone = self._all
+        while everyone:
+            r, _, key = everyone[0]
+            e = self._entries.get(key)
+            if e is not None and self._ranks.get(key) == r:
+                return e
+            heapq.heappop(everyone)
+        return None
 
     def __len__(self) -> int:
         return len(self._entries)
