@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -96,13 +97,11 @@ def demo_command(
                 highlight=False,
             )
         stop = threading.Event()
-        with stop_signals(stop):
-            try:
-                fleet = start(config, on_step=say)
-            except RuntimeError as exc:  # an agent or the collector did not come up
-                fail(str(exc), hint=f"logs are in {config.workdir}")
+        with stop_signals(stop), _demo_errors(config.workdir):
+            fleet = start(config, on_step=say)
             try:
                 report = _run(fleet, loaded, stop, duration, dashboard, browser, say)
+                db_check = _final_check(fleet, report)
             finally:
                 say("stopping ...")
                 killed = fleet.stop()
@@ -111,18 +110,51 @@ def demo_command(
     from kvctl.fleet.demo import REPORT_FILE
 
     (config.workdir / REPORT_FILE).write_text(_json(report.as_dict()), encoding="utf-8")
-    db_check = _db_check(fleet, report)
     if json_out:
         print_json({**report.as_dict(), "workdir": str(config.workdir), "database": db_check})
-        return
-    from kvctl.cli.replay import render_replay
+    else:
+        from kvctl.cli.replay import render_replay
 
-    render_replay(report)
-    _print_db_check(db_check)
-    console.print(
-        f"workspace kept in {config.workdir}: kvctl.db (history), replay.json, logs; "
-        f"`kvctl db current --db {fleet.db_url}` reads it"
-    )
+        render_replay(report)
+        _print_db_check(db_check)
+        console.print(
+            f"workspace kept in {config.workdir}: kvctl.db (history), replay.json, logs; "
+            f"`kvctl db current --db {fleet.db_url}` reads it"
+        )
+    if report.agents_agree is False or db_check.get("agree") is False:
+        raise typer.Exit(1)
+
+
+@contextlib.contextmanager
+def _demo_errors(workdir: pathlib.Path) -> Iterator[None]:
+    """A process that did not come up, an agent that died, a database that failed: one line
+    and where the logs are, never a traceback."""
+    import subprocess
+
+    from kvctl.client import AgentError
+    from kvctl.db.engine import DatabaseError
+    from kvctl.workload.replay import ReplayError
+
+    try:
+        yield
+    except (RuntimeError, AgentError, ReplayError, DatabaseError) as exc:
+        fail(str(exc), hint=f"logs are in {workdir}")
+    except subprocess.TimeoutExpired as exc:
+        fail(f"{' '.join(map(str, exc.cmd))} took over {exc.timeout:g} s", hint=f"see {workdir}")
+
+
+def _final_check(fleet: DemoFleet, report: ReplayReport) -> dict[str, object]:
+    """The last collector sample, then the database's counters against the replay's; the
+    replay's report stands even when the database cannot be read."""
+    import subprocess
+
+    from kvctl.fleet.demo import database_counters, final_collect
+
+    try:
+        final_collect(fleet)
+        return database_counters(fleet, report)
+    except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
+        return {"agree": None, "detail": f"not checked: {exc}"}
 
 
 def _json(data: object) -> str:
@@ -140,7 +172,7 @@ def _run(
     browser: bool,
     say: Callable[[str], None],
 ) -> ReplayReport:
-    from kvctl.fleet.demo import DEMO_DCS, final_collect
+    from kvctl.fleet.demo import DEMO_DCS
     from kvctl.fleet.targets import replay_targets
     from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.replay import replay
@@ -196,20 +228,15 @@ def _run(
     worker.join()
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
-    final_collect(fleet)
     report = result["report"]
     assert not isinstance(report, BaseException)
     return report
 
 
-def _db_check(fleet: DemoFleet, report: ReplayReport) -> dict[str, object]:
-    from kvctl.fleet.demo import database_counters
-
-    return database_counters(fleet, report)
-
-
 def _print_db_check(check: dict[str, object]) -> None:
     if check.get("agree"):
         console.print("database: the collected counters equal the replay's, node by node ✓")
+    elif check.get("agree") is None:
+        err_console.print(f"[yellow]database:[/] {check.get('detail')}")
     else:
         err_console.print(f"[yellow]database:[/] {check.get('detail', 'differs from the replay')}")

@@ -19,10 +19,10 @@ from kvctl.cli.doctor import doctor_command
 from kvctl.cli.fleet import fleet_app
 from kvctl.cli.keys import keys_command
 from kvctl.cli.lookup import lookup_command
+from kvctl.cli.plan import plan_command
 from kvctl.cli.replay import replay_command
 from kvctl.cli.simulate import simulate_command
 from kvctl.cli.status import status_command
-from kvctl.cli.whatif import plan_command
 
 app = typer.Typer(
     name="kvctl",
@@ -69,7 +69,7 @@ for _name, _fn, _help, _panel in (
     (
         "demo",
         demo_command,
-        "Run the demo: replay a workload through every policy (main job).",
+        "The main job: a fleet of agents in two DCs serving a replayed workload.",
         WORKLOADS,
     ),
     ("replay", replay_command, "Drive the agents with a workload or trace, for real.", WORKLOADS),

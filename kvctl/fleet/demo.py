@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayReport
 
 STATE_FILE = "demo.json"
+LOCK_FILE = "demo.lock"
 REPORT_FILE = "replay.json"
 DB_FILE = "kvctl.db"
 
@@ -88,6 +89,8 @@ class DemoFleet:
     started_ms: int = 0
     processes: list[DemoProcess] = field(default_factory=list)
     _popen: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    #: the workspace lock, held while this demo runs
+    _lock_fd: int | None = None
 
     @property
     def agents(self) -> list[DemoProcess]:
@@ -114,6 +117,9 @@ class DemoFleet:
         killed: list[str] = []
         order = sorted(self.processes, key=lambda p: p.role == "agent")
         for p in order:
+            proc = self._popen.get(p.pid)
+            if proc is not None and proc.poll() is not None:
+                continue  # already reaped: its pid may belong to someone else by now
             _signal(p.pid, signal.SIGTERM)
             if p.role != "agent" and not self._wait(p, timeout_s):
                 killed.append(f"{p.role} {p.name}")
@@ -122,6 +128,9 @@ class DemoFleet:
             if not self._wait(p, max(deadline - time.monotonic(), 0.1)):
                 killed.append(f"{p.role} {p.name}")
         self.write_state("stopped")
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing drops the flock
+            self._lock_fd = None
         return killed
 
     def _wait(self, p: DemoProcess, timeout_s: float) -> bool:
@@ -163,12 +172,42 @@ def _alive(pid: int) -> bool:
 
 
 def _ours(pid: int, workdir: Path) -> bool:
-    """A leftover pid is ours only if it still runs kvctl on this workspace (pids recycle)."""
+    """A leftover pid is ours only if it still runs kvctl on this very workspace (pids recycle,
+    and ``/x/demo`` must not match ``/x/demo2``)."""
     try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return False
-    return b"kvctl" in cmdline and str(workdir).encode() in cmdline
+    agents = f"{workdir / 'agents'}/"
+    return "kvctl" in args and (_db_url(workdir) in args or any(a.startswith(agents) for a in args))
+
+
+def _db_url(workdir: Path) -> str:
+    return f"sqlite:///{(workdir / DB_FILE).resolve()}"
+
+
+class DemoBusy(ValueError):
+    """Another demo runs in this workspace."""
+
+
+def _lock(workdir: Path) -> int:
+    """Hold ``demo.lock`` for this demo's life: a second demo here must not take the first
+    one's processes for leftovers."""
+    import fcntl
+
+    fd = os.open(workdir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise DemoBusy(
+            f"another kvctl demo (pid {holder}) runs in {workdir}; stop it, or pick another "
+            "--workdir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 def clean_leftovers(workdir: Path) -> list[str]:
@@ -190,7 +229,8 @@ def clean_leftovers(workdir: Path) -> list[str]:
             deadline = time.monotonic() + 10
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            _signal(pid, signal.SIGKILL)
+            if _alive(pid) and _ours(pid, workdir):
+                _signal(pid, signal.SIGKILL)
             stopped.append(f"{p.get('role')} {p.get('name')}")
     return stopped
 
@@ -229,10 +269,15 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
     workdir = config.workdir
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
     (workdir / "xdg").mkdir(exist_ok=True)
-    for what in clean_leftovers(workdir):
-        on_step(f"stopped {what} left running by an earlier demo")
-    db_url = f"sqlite:///{(workdir / DB_FILE).resolve()}"
-    fleet = DemoFleet(config, db_url)
+    lock_fd = _lock(workdir)
+    try:
+        for what in clean_leftovers(workdir):
+            on_step(f"stopped {what} left running by an earlier demo")
+    except BaseException:
+        os.close(lock_fd)
+        raise
+    fleet = DemoFleet(config, _db_url(workdir), _lock_fd=lock_fd)
+    db_url = fleet.db_url
     env = _child_env(workdir)
     config_file = workdir / "agent.toml"
     _agent_config(config_file, config.model)
@@ -304,7 +349,8 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
 def stop_signals(stop: threading.Event) -> Iterator[None]:
     """SIGTERM and SIGINT set ``stop`` instead of killing the demo half way through."""
     previous = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP too: a closed terminal must not leave the fleet running on its own
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         previous[sig] = signal.signal(sig, lambda *_: stop.set())
     try:
         yield
@@ -323,6 +369,7 @@ def collect_once(fleet: DemoFleet) -> None:
     with open(log, "ab") as out:
         done = subprocess.run(
             argv,
+            start_new_session=True,  # a Ctrl-C for the demo must not kill it half way
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -364,9 +411,11 @@ def database_counters(fleet: DemoFleet, report: ReplayReport) -> dict[str, Any]:
             "lookup_chunks": (t.lookup_chunks, whole.get("lookups", 0)),
             "hit_chunks": (t.hit_chunks, whole.get("hits", 0)),
             "hit_tokens": (t.hit_tokens, whole.get("hit_tokens", 0)),
-            "reuse_hits": (t.reuse_hits, whole.get("reuse_hits", 0)),
-            "sharing_hits": (t.sharing_hits, whole.get("sharing_hits", 0)),
         }
+        # the split is only known where the replay could learn every cached chunk's owner
+        if "reuse_hits" in (report.agent_counters or {}).get(name, {"reuse_hits": 0}):
+            checks["reuse_hits"] = (t.reuse_hits, whole.get("reuse_hits", 0))
+            checks["sharing_hits"] = (t.sharing_hits, whole.get("sharing_hits", 0))
         for tier in sorted({*t.hits_by_tier, *(k for k in db if k != "all")}):
             checks[f"hits[{tier}]"] = (
                 t.hits_by_tier.get(tier, 0),

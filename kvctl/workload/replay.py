@@ -275,6 +275,14 @@ class _Node:
     def __init__(self, node: ReplayNode, token: str | None, connect_timeout_s: float) -> None:
         self.node = node
         self.control = AgentClient(node.control_url, token=token, timeout_s=connect_timeout_s)
+        try:
+            self._open(token, connect_timeout_s)
+        except BaseException:
+            self.control.close()
+            raise
+
+    def _open(self, token: str | None, connect_timeout_s: float) -> None:
+        node = self.node
         self.info = self.control.info()
         plane = self.info.get("dataplane") or {}
         address = plane.get("unix") or plane.get("tcp")
@@ -290,7 +298,11 @@ class _Node:
         #: chunk -> tenant that stored it: what the node held at the start, then what the
         #: replay stored
         self.owner: dict[ChunkKey, str] = {}
-        self.owners_known = self._seed_owners()
+        try:
+            self.owners_known = self._seed_owners()
+        except BaseException:
+            self.data.close()
+            raise
         self.tally = NodeTally()
 
     def _seed_owners(self) -> bool:
@@ -503,7 +515,7 @@ def _fetch(node: _Node, keys: Sequence[ChunkKey], tenant: str, chunk_bytes: int)
     got = node.data.get_many(list(keys), tenant=tenant)
     for n, (key, data) in enumerate(zip(keys, got, strict=True)):
         if data is None:
-            node.tally.lost_chunks += len(keys) - n
+            node.tally.lost_chunks += got[n:].count(None)
             return n
         if not _intact(data, key, chunk_bytes):
             raise ReplayError(
@@ -600,7 +612,13 @@ def _serve(
         start = _from_peers(request, keys, start, home, live, chunk_bytes, chunk_tokens, links, rq)
     # what no node had is computed by the engine; everything the home node lacks is stored there
     rq.computed_chunks += len(keys) - start
-    absent = [i for i in range(got, len(keys)) if looked.tiers[i] is None or i < looked.matched]
+    absent = [i for i in range(looked.matched, len(keys)) if looked.tiers[i] is None]
+    if got < looked.matched:
+        # chunks lost between lookup and get: put back only those really gone, since a put of
+        # a cached chunk keeps its first owner (and the ledger must too)
+        lost = list(range(got, looked.matched))
+        tiers = home.data.exists([keys[i] for i in lost], tenant=tenant)
+        absent = [i for i, t in zip(lost, tiers, strict=True) if t is None] + absent
     _store(home, keys, absent, tenant, chunk_bytes, chunk_tokens)
 
 

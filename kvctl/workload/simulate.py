@@ -30,6 +30,7 @@ REFERENCE_POLICIES = ("lru", "belady")
 SIMULATION_POLICIES = (*EVICTION_POLICIES, "belady")
 
 Progress = Callable[[str, int, int], None]
+RequestHook = Callable[[int, Sequence[str]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +42,8 @@ class PolicyResult:
     hit_blocks: int
     hit_tokens: int
     seconds: float
+    #: prefix-hit tokens served by each tier (``hits_by_tier`` counts blocks)
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -48,6 +51,7 @@ class PolicyResult:
             "hit_ratio": self.hit_ratio,
             "token_hit_ratio": self.token_hit_ratio,
             "hits_by_tier": self.hits_by_tier,
+            "hit_tokens_by_tier": self.hit_tokens_by_tier,
             "hit_blocks": self.hit_blocks,
             "hit_tokens": self.hit_tokens,
             "seconds": self.seconds,
@@ -166,6 +170,27 @@ def simulate(
     return report
 
 
+def simulate_policy(
+    requests: Sequence[TraceRequest],
+    *,
+    tiers: Mapping[str, int],
+    policy: str,
+    admission: str = "all",
+    on_request: RequestHook | None = None,
+    progress: Progress | None = None,
+) -> PolicyResult:
+    """One policy's replay (no LRU/Belady references): for callers that need each request's
+    outcome (``on_request(index, tier of each hit block)``) or many capacities quickly."""
+    if policy not in SIMULATION_POLICIES:
+        raise InvalidArgument(
+            f"unknown policy {policy!r}; choose from {', '.join(SIMULATION_POLICIES)}"
+        )
+    for name, cap in tiers.items():
+        if cap < 1:
+            raise InvalidArgument(f"tier {name!r} needs a capacity of at least one block")
+    return _run_one(_Chains(requests), requests, tiers, policy, admission, progress, on_request)
+
+
 def _run_one(
     chains: _Chains,
     requests: Sequence[TraceRequest],
@@ -173,6 +198,7 @@ def _run_one(
     policy: str,
     admission: str,
     progress: Progress | None,
+    on_request: RequestHook | None = None,
 ) -> PolicyResult:
     started = time.perf_counter()
     next_use: dict[bytes, float] = {}
@@ -189,6 +215,7 @@ def _run_one(
     )
     hit_blocks = hit_tokens = 0
     hits_by_tier = dict.fromkeys(names, 0)
+    hit_tokens_by_tier = dict.fromkeys(names, 0)
     nxt = chains.next_use
     pos = 0
     total = len(requests)
@@ -200,8 +227,11 @@ def _run_one(
         m = res.matched_chunks
         hit_blocks += m
         hit_tokens += sum(toks[:m])
-        for loc in res.locations[:m]:
+        for loc, t in zip(res.locations[:m], toks, strict=False):
             hits_by_tier[loc] += 1  # type: ignore[index]
+            hit_tokens_by_tier[loc] += t  # type: ignore[index]
+        if on_request is not None:
+            on_request(i, res.locations[:m])  # type: ignore[arg-type]
         parent = None
         for depth, (k, t) in enumerate(zip(keys, toks, strict=True)):
             next_use[k] = nxt[pos]
@@ -223,4 +253,5 @@ def _run_one(
         hit_blocks=hit_blocks,
         hit_tokens=hit_tokens,
         seconds=time.perf_counter() - started,
+        hit_tokens_by_tier=hit_tokens_by_tier,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -135,14 +136,19 @@ def test_keys_json_matches_the_library() -> None:
     assert data["kv_bytes_per_token"] == 131_072
 
 
-def test_demo_runs_end_to_end_on_a_small_trace(tmp_path: Path) -> None:
+def test_demo_replays_the_given_trace(tmp_path: Path) -> None:
     trace = write_trace(tmp_path / "t.jsonl", n=200)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
     out = subprocess.run(
-        [sys.executable, "-m", "kvctl", "demo", "--trace", str(trace), "--json"],
+        [sys.executable, "-m", "kvctl", "demo", "--trace", str(trace), "--json", "--duration",
+         "5", "--speed", "0", "--no-browser", "--workdir", str(tmp_path / "demo")],
         capture_output=True,
         text=True,
         check=True,
-    )
-    runs = json.loads(out.stdout)
-    assert len(runs) == 4
-    assert all(r["trace"] == str(trace) for r in runs)
+        timeout=180,
+        env=env,
+    )  # fmt: skip
+    report = json.loads(out.stdout)
+    assert report["workload"] == str(trace)
+    assert report["requests"]["requests"] > 0
+    assert report["agents_agree"] is True and report["database"]["agree"] is True

@@ -106,7 +106,14 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
         env=_env(tmp_path),
     )
     _wait_running(workdir, proc)
-    time.sleep(2)
+    # a second demo in the same workspace must not take the running one's fleet for leftovers
+    second = subprocess.run(
+        _demo(workdir, "--duration", "3"), capture_output=True, text=True, env=_env(tmp_path),
+        timeout=60,
+    )  # fmt: skip
+    assert second.returncode == 2
+    assert "another kvctl demo" in second.stderr and str(proc.pid) in second.stderr
+    assert len(_ours(workdir)) == 6  # the first demo, its four agents and its collector
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]

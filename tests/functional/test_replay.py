@@ -253,3 +253,25 @@ def test_replay_command_unreachable_node(db: Engine, empty_db_url: str) -> None:
     assert result.exit_code == 2
     assert "gone" in result.output or "127.0.0.1" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_chunk_lost_between_lookup_and_get_keeps_the_ledger_exact(tmp_path: Path) -> None:
+    """Tiers of two chunks each and a chain of four: fetching promotes, promotion evicts,
+    and a chunk the lookup saw is gone by the time it is read. Only what is really gone is
+    stored again, so the owners (reuse vs sharing) stay the agent's."""
+    from kvctl.workload.trace import TraceRequest
+
+    size = f"{2 * 256 * 48}B"
+    chain = (1, 2, 3, 4)
+    requests = [
+        TraceRequest(i, 1024, 1, chain, tenant=t, block_tokens=256)
+        for i, t in enumerate(("A", "B", "A", "B", "A"))
+    ]
+    with running_agent(
+        tmp_path / "a", "--name", "a", "--cpu", size, "--disk", size, "--eviction", "lru"
+    ) as a:
+        report = replay(requests, _nodes((a,)), INPUTS, kv_scale=SCALE)
+    _check_agents(report)
+    t = report.nodes["a"]
+    assert t.lost_chunks > 0  # the scenario happened
+    assert t.hit_chunks > 0 and t.reuse_hits > 0 and t.sharing_hits > 0
