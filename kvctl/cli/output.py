@@ -57,3 +57,35 @@ def user_errors(hint: str | None = None) -> Iterator[None]:
 
 def pct(ratio: float) -> str:
     return f"{ratio * 100:.1f}%"
+
+
+class TaskProgress:
+    """A transient progress bar on stderr, one task per run (a policy, a capacity), counting
+    requests; silent when not a terminal. Entering gives ``update(name, done, total)``."""
+
+    def __init__(self, *, disable: bool, prefix: str = "") -> None:
+        self._prefix = prefix
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed:,}/{task.total:,} requests"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+            disable=disable or not err_console.is_terminal,
+        )
+        self._tasks: dict[str, int] = {}
+
+    def __enter__(self):  # type: ignore[no-untyped-def]
+        self._bar.__enter__()
+        return self.update
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.__exit__(None, None, None)
+
+    def update(self, name: str, done: int, total: int) -> None:
+        if name not in self._tasks or self._bar.tasks[self._tasks[name]].finished:
+            self._tasks[name] = self._bar.add_task(f"{self._prefix}{name}", total=total)
+        self._bar.update(self._tasks[name], completed=done)

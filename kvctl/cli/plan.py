@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvctl.cli.options import JsonOpt
-from kvctl.cli.output import console, err_console, fail, pct, print_json, user_errors
+from kvctl.cli.output import TaskProgress, console, fail, pct, print_json, user_errors
 
 if TYPE_CHECKING:
     from kvctl.workload.plan import PlanReport
@@ -109,7 +109,7 @@ def plan_command(
         workload_data = load_workload(trace, seed=seed, limit=limit, workload=workload)
         if not workload_data.requests:
             fail(f"{workload_data.name} holds no requests")
-        with _progress(disable=json_out) as update:
+        with TaskProgress(disable=json_out) as update:
             report = plan(
                 workload_data.requests,
                 tiers_bytes=tiers_bytes,
@@ -288,33 +288,3 @@ def render_curve(report: PlanReport) -> None:
         row.append("█" * round(p.lru_hit_ratio * width) or "▏")
         table.add_row(*row)
     console.print(table)
-
-
-class _progress:
-    """A transient progress bar on stderr, one task per replay; silent when not a TTY."""
-
-    def __init__(self, *, disable: bool) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed:,}/{task.total:,} requests"),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-            disable=disable or not err_console.is_terminal,
-        )
-        self._tasks: dict[str, int] = {}
-
-    def __enter__(self):  # type: ignore[no-untyped-def]
-        self._bar.__enter__()
-        return self.update
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.__exit__(None, None, None)
-
-    def update(self, name: str, done: int, total: int) -> None:
-        if name not in self._tasks or self._bar.tasks[self._tasks[name]].finished:
-            self._tasks[name] = self._bar.add_task(name, total=total)
-        self._bar.update(self._tasks[name], completed=done)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.output import console, err_console, fail, pct, print_json, user_errors
+from kvctl.cli.output import TaskProgress, console, fail, pct, print_json, user_errors
 
 EXAMPLES = """
 Examples:
@@ -76,7 +76,7 @@ def simulate_command(
             runs = [{"cpu": capacity_from_fraction(unique, f)} for f in fractions]
         policies = policy or list(EVICTION_POLICIES)
         reports = []
-        with _progress(disable=json_out) as update:
+        with TaskProgress(disable=json_out, prefix="simulating ") as update:
             for tiers in runs:
                 reports.append(
                     simulate(
@@ -151,33 +151,3 @@ def _parse_tiers(specs: list[str]) -> dict[str, int]:
             raise InvalidArgument(f"tier {name!r} given twice")
         tiers[name] = int(value)
     return tiers
-
-
-class _progress:
-    """A transient progress bar on stderr, one task per policy run; silent when not a TTY."""
-
-    def __init__(self, *, disable: bool) -> None:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._bar = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            TextColumn("{task.completed:,}/{task.total:,} requests"),
-            TimeElapsedColumn(),
-            console=err_console,
-            transient=True,
-            disable=disable or not err_console.is_terminal,
-        )
-        self._tasks: dict[str, int] = {}
-
-    def __enter__(self):  # type: ignore[no-untyped-def]
-        self._bar.__enter__()
-        return self.update
-
-    def __exit__(self, *exc: object) -> None:
-        self._bar.__exit__(None, None, None)
-
-    def update(self, name: str, done: int, total: int) -> None:
-        if name not in self._tasks or self._bar.tasks[self._tasks[name]].finished:
-            self._tasks[name] = self._bar.add_task(f"simulating {name}", total=total)
-        self._bar.update(self._tasks[name], completed=done)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvctl.agent.daemon import spawn_agent, stop_agent
+from kvctl.agent.daemon import pid_alive, spawn_agent, stop_agent
 from kvctl.agent.settings import default_state_dir
 from kvctl.workload.profiles import DEMO_MODEL, model_profile
 
@@ -144,9 +144,9 @@ class DemoFleet:
                 proc.wait()
                 return False
         deadline = time.monotonic() + timeout_s
-        while _alive(p.pid) and time.monotonic() < deadline:
+        while pid_alive(p.pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-        if _alive(p.pid):
+        if pid_alive(p.pid):
             _signal(p.pid, signal.SIGKILL)
             return False
         return True
@@ -155,20 +155,6 @@ class DemoFleet:
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # a zombie child still answers kill(0); it has exited for our purposes
-    with contextlib.suppress(ChildProcessError):
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        return done == 0
-    return True
 
 
 def _ours(pid: int, workdir: Path) -> bool:
@@ -227,9 +213,9 @@ def clean_leftovers(workdir: Path) -> list[str]:
         if p.get("role") != "agent" and isinstance(pid, int) and _ours(pid, workdir):
             _signal(pid, signal.SIGTERM)
             deadline = time.monotonic() + 10
-            while _alive(pid) and time.monotonic() < deadline:
+            while pid_alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-            if _alive(pid) and _ours(pid, workdir):
+            if pid_alive(pid) and _ours(pid, workdir):
                 _signal(pid, signal.SIGKILL)
             stopped.append(f"{p.get('role')} {p.get('name')}")
     return stopped

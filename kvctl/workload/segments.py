@@ -9,6 +9,8 @@ counts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 Segment = tuple[int, int]
 """(content id, tokens): a run of tokens; equal content ids mean equal tokens."""
 
@@ -28,24 +30,36 @@ class PrefixIds:
         self._ids: dict[tuple[int, tuple[Piece, ...]], int] = {}
 
     def block_ids(self, segments: list[Segment], block_tokens: int) -> tuple[int, ...]:
+        full, tail = split_pieces(segments, block_tokens)
         ids: list[int] = []
         parent = -1
-        pieces: list[Piece] = []
-        filled = 0
-        for content_id, tokens in segments:
-            start = 0
-            while start < tokens:
-                take = min(tokens - start, block_tokens - filled)
-                pieces.append((content_id, start, start + take))
-                start += take
-                filled += take
-                if filled == block_tokens:
-                    parent = self._id(parent, pieces)
-                    ids.append(parent)
-                    pieces, filled = [], 0
-        if pieces:  # partial last block: its own content key, so a longer prefix gets a new id
-            ids.append(self._id(parent, pieces))
+        for pieces in full:
+            parent = self._id(parent, pieces)
+            ids.append(parent)
+        if tail:  # partial last block: its own content key, so a longer prefix gets a new id
+            ids.append(self._id(parent, tail))
         return tuple(ids)
 
-    def _id(self, parent: int, pieces: list[Piece]) -> int:
-        return self._ids.setdefault((parent, tuple(pieces)), len(self._ids))
+    def _id(self, parent: int, pieces: tuple[Piece, ...]) -> int:
+        return self._ids.setdefault((parent, pieces), len(self._ids))
+
+
+def split_pieces(
+    segments: Iterable[Segment], size: int
+) -> tuple[list[tuple[Piece, ...]], tuple[Piece, ...]]:
+    """Cut the concatenated segments into blocks of ``size`` tokens: the content pieces of each
+    full block, and of the partial tail (empty when the tokens divide evenly)."""
+    blocks: list[tuple[Piece, ...]] = []
+    pieces: list[Piece] = []
+    filled = 0
+    for content_id, tokens in segments:
+        start = 0
+        while start < tokens:
+            take = min(tokens - start, size - filled)
+            pieces.append((content_id, start, start + take))
+            start += take
+            filled += take
+            if filled == size:
+                blocks.append(tuple(pieces))
+                pieces, filled = [], 0
+    return blocks, tuple(pieces)

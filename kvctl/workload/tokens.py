@@ -20,7 +20,7 @@ import numpy as np
 
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import ChunkKey, Namespace, chain_key_packed
-from kvctl.workload.segments import Piece, Segment
+from kvctl.workload.segments import Piece, split_pieces
 from kvctl.workload.trace import TraceRequest
 
 #: Llama-2's vocabulary size; any size works, the keys only need distinct, stable ids
@@ -70,24 +70,6 @@ def request_tokens(
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
 
-def _chunk_pieces(content: tuple[Segment, ...], chunk_tokens: int) -> list[tuple[Piece, ...]]:
-    """The content of each full chunk as (content id, start, end) pieces."""
-    chunks: list[tuple[Piece, ...]] = []
-    pieces: list[Piece] = []
-    filled = 0
-    for content_id, tokens in content:
-        start = 0
-        while start < tokens:
-            take = min(tokens - start, chunk_tokens - filled)
-            pieces.append((content_id, start, start + take))
-            start += take
-            filled += take
-            if filled == chunk_tokens:
-                chunks.append(tuple(pieces))
-                pieces, filled = [], 0
-    return chunks  # a partial tail is never a key (see kvctl.store.keys.keys_for)
-
-
 class KeyChainer:
     """Chunk keys of requests for one model; ``namespace_of(tenant)`` gives each tenant's
     namespace (a salted one for isolated tenants)."""
@@ -117,7 +99,8 @@ class KeyChainer:
             root = self._roots[request.tenant] = self._namespace_of(request.tenant).root
         out: list[ChunkKey] = []
         parent = root
-        for pieces in _chunk_pieces(request.content, self.chunk_tokens):
+        # a partial tail is never a key (see kvctl.store.keys.keys_for)
+        for pieces in split_pieces(request.content, self.chunk_tokens)[0]:
             memo_key = (parent, pieces)
             key = self._memo.get(memo_key)
             if key is None:
