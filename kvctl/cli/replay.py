@@ -263,12 +263,15 @@ def render_replay(report: ReplayReport) -> None:
     head.add_row("wall time", f"{report.wall_seconds:.1f} s{lag}")
     console.print(head)
 
+    from rich import box
+
     nodes = Table(
         title="per node: the replay's counts; ✓ = the agent's counters say the same",
         title_justify="left",
+        box=box.SIMPLE_HEAD,
     )
     nodes.add_column("node (dc)", no_wrap=True)
-    for col in ("lookups", "hit ratio", "reuse/share", "fetched", "stored"):
+    for col in ("lookups", "hit ratio", "reuse", "fetched", "stored"):
         nodes.add_column(col, justify="right", no_wrap=True)
     nodes.add_column("agent", min_width=5)
     checks = report.agent_counters or {}
@@ -281,7 +284,7 @@ def render_replay(report: ReplayReport) -> None:
             f"{name} ({report.node_dc[name]})",
             f"{t.lookups:,}",
             pct(t.hit_chunks / t.lookup_chunks) if t.lookup_chunks else "N/A",
-            f"{t.reuse_hits * 100 // hits}/{100 - t.reuse_hits * 100 // hits}%" if hits else "N/A",
+            pct(t.reuse_hits / hits) if hits else "N/A",
             format_bytes(t.bytes_fetched),
             format_bytes(t.bytes_stored),
             verdict,
