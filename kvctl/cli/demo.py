@@ -100,7 +100,9 @@ def demo_command(
         with stop_signals(stop), _demo_errors(config.workdir):
             fleet = start(config, on_step=say)
             try:
-                report = _run(fleet, loaded, stop, duration, dashboard, browser, say)
+                if dashboard:  # the browser follows it, once there is one to open
+                    say("dashboard: not part of this build yet (it arrives with issue 7)")
+                report = _run(fleet, loaded, stop, duration, say)
                 db_check = _final_check(fleet, report)
             finally:
                 say("stopping ...")
@@ -168,26 +170,15 @@ def _run(
     loaded: Workload,
     stop: threading.Event,
     duration: float | None,
-    dashboard: bool,
-    browser: bool,
     say: Callable[[str], None],
 ) -> ReplayReport:
     from kvctl.fleet.demo import DEMO_DCS
-    from kvctl.fleet.targets import replay_targets
     from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.replay import replay
 
     config = fleet.config
     deadline = None if duration is None else time.monotonic() + duration
-    from kvctl.db.migrate import open_db
-
-    engine = open_db(fleet.db_url)
-    with engine.connect() as conn:
-        nodes, links = replay_targets(conn, all_nodes=True)
-    engine.dispose()
-    if dashboard:
-        say("dashboard: not part of this build yet (it arrives with `kvctl dashboard`)")
-    del browser
+    nodes, links = fleet.replay_targets()
     say(f"watch it: kvctl status --db {fleet.db_url}")
     dcs = " <-> ".join(d.name for d in DEMO_DCS)
     say(f"link {dcs}: {config.link_km:g} km, emulated delay on cross-DC transfers")

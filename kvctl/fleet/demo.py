@@ -27,7 +27,7 @@ from kvctl.agent.settings import default_state_dir
 from kvctl.workload.profiles import DEMO_MODEL, model_profile
 
 if TYPE_CHECKING:
-    from kvctl.workload.replay import ReplayReport
+    from kvctl.workload.replay import ReplayNode, ReplayReport
 
 STATE_FILE = "demo.json"
 LOCK_FILE = "demo.lock"
@@ -95,6 +95,14 @@ class DemoFleet:
     @property
     def agents(self) -> list[DemoProcess]:
         return [p for p in self.processes if p.role == "agent"]
+
+    def replay_targets(self) -> tuple[list[ReplayNode], dict[tuple[str, str], float]]:
+        """The running agents and the link between the DCs, as ``replay`` takes them."""
+        from kvctl.workload.replay import ReplayNode
+
+        dcs = dict(node_names(self.config))
+        nodes = [ReplayNode(p.name, dcs[p.name], p.url) for p in self.agents]
+        return nodes, {(DEMO_DCS[0].name, DEMO_DCS[1].name): self.config.link_km}
 
     def write_state(self, status: str) -> None:
         doc = {
@@ -393,21 +401,21 @@ def database_counters(fleet: DemoFleet, report: ReplayReport) -> dict[str, Any]:
     for name, t in report.nodes.items():
         db = sums.get(name, {})
         whole = db.get("all", {})
-        checks = {
-            "lookup_chunks": (t.lookup_chunks, whole.get("lookups", 0)),
-            "hit_chunks": (t.hit_chunks, whole.get("hits", 0)),
-            "hit_tokens": (t.hit_tokens, whole.get("hit_tokens", 0)),
+        # the database's names for the agent's counters; it keeps no count of lookup calls
+        recorded = {
+            "lookup_chunks": whole.get("lookups", 0),
+            "hit_chunks": whole.get("hits", 0),
+            "hit_tokens": whole.get("hit_tokens", 0),
+            "reuse_hits": whole.get("reuse_hits", 0),
+            "sharing_hits": whole.get("sharing_hits", 0),
+            **{f"hits[{tier}]": c.get("hits", 0) for tier, c in db.items() if tier != "all"},
         }
-        # the split is only known where the replay could learn every cached chunk's owner
-        if "reuse_hits" in (report.agent_counters or {}).get(name, {"reuse_hits": 0}):
-            checks["reuse_hits"] = (t.reuse_hits, whole.get("reuse_hits", 0))
-            checks["sharing_hits"] = (t.sharing_hits, whole.get("sharing_hits", 0))
-        for tier in sorted({*t.hits_by_tier, *(k for k in db if k != "all")}):
-            checks[f"hits[{tier}]"] = (
-                t.hits_by_tier.get(tier, 0),
-                db.get(tier, {}).get("hits", 0),
-            )
-        nodes[name] = {k: {"replay": a, "database": b} for k, (a, b) in checks.items()}
+        expected = {k: 0 for k in recorded if k.startswith("hits[")}
+        expected |= t.expected(report.owners_known[name])
+        del expected["lookups"]
+        nodes[name] = {
+            k: {"replay": v, "database": recorded.get(k, 0)} for k, v in expected.items()
+        }
     agree = all(v["replay"] == v["database"] for f in nodes.values() for v in f.values())
     wrong = [
         f"{n}.{k}: replay {v['replay']}, database {v['database']}"

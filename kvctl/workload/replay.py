@@ -102,6 +102,15 @@ class NodeTally:
     #: chunks that a lookup reported but were gone when fetched
     lost_chunks: int = 0
 
+    def expected(self, owners_known: bool = True) -> dict[str, int]:
+        """What the node's counters should have grown by, in ``CHECKED_COUNTERS`` terms; the
+        reuse/sharing split only where the replay knew every cached chunk's owner."""
+        out = {f: int(getattr(self, f)) for f in CHECKED_COUNTERS}
+        if not owners_known:
+            del out["reuse_hits"], out["sharing_hits"]
+        out.update({f"hits[{tier}]": n for tier, n in self.hits_by_tier.items()})
+        return out
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "lookups": self.lookups,
@@ -165,15 +174,10 @@ class RequestTally:
         }
 
 
-#: agent counters the replay predicts exactly (agent field -> NodeTally field)
-CHECKED_COUNTERS = {
-    "lookups": "lookups",
-    "lookup_chunks": "lookup_chunks",
-    "hit_chunks": "hit_chunks",
-    "hit_tokens": "hit_tokens",
-    "reuse_hits": "reuse_hits",
-    "sharing_hits": "sharing_hits",
-}
+#: agent counters (``/v1/stats``) the replay predicts exactly, named as the agent names them;
+#: hits per tier come as ``hits[TIER]``
+CHECKED_COUNTERS = ("lookups", "lookup_chunks", "hit_chunks", "hit_tokens", "reuse_hits",
+                    "sharing_hits")  # fmt: skip
 
 
 @dataclass
@@ -190,6 +194,8 @@ class ReplayReport:
     requests: RequestTally
     nodes: dict[str, NodeTally]
     node_dc: dict[str, str]
+    #: per node: whether the replay learnt the owner of every chunk cached before it started
+    owners_known: dict[str, bool]
     links: dict[str, LinkEmulation]
     wall_seconds: float = 0.0
     #: the most a request started behind its (sped-up) timestamp
@@ -323,8 +329,7 @@ class _Node:
 
     def counters(self) -> dict[str, int]:
         stats = self.control.stats()["stats"]
-        out = {k: int(stats[k]) for k in CHECKED_COUNTERS if k != "lookups"}
-        out["lookups"] = int(stats["lookups"])
+        out = {k: int(stats[k]) for k in CHECKED_COUNTERS}
         for tier, t in stats.get("tiers", {}).items():
             out[f"hits[{tier}]"] = int(t["hits"])
         return out
@@ -377,7 +382,8 @@ def replay(
             live.append(_Node(n, token, connect_timeout_s))
         return _run(
             requests, live, inputs, workload_name, kv_scale, routing, speed, peer_fetch,
-            dict(links_km or {}), link_bytes_per_second, progress, stop, salt,
+            dict(links_km or {}), link_bytes_per_second, progress, stop or threading.Event(),
+            salt,
         )  # fmt: skip
     finally:
         for n in live:
@@ -396,7 +402,7 @@ def _run(
     links_km: dict[tuple[str, str], float],
     link_bytes_per_second: float,
     progress: Progress | None,
-    stop: threading.Event | None,
+    stop: threading.Event,
     salt: int,
 ) -> ReplayReport:
     chunk_sizes = {n.info["chunk_tokens"] for n in live}
@@ -440,25 +446,23 @@ def _run(
         requests=RequestTally(),
         nodes={n.node.name: n.tally for n in live},
         node_dc={n.node.name: n.node.dc for n in live},
+        owners_known={n.node.name: n.owners_known for n in live},
         links=links,
     )
     before = {n.node.name: n.counters() for n in live}
     started = time.monotonic()
     t0_ms = requests[0].timestamp_ms if requests else 0
     for i, request in enumerate(requests):
-        if stop is not None and stop.is_set():
+        if stop.is_set():
             report.stopped_early = True
             break
         if speed is not None:
             due = started + (request.timestamp_ms - t0_ms) / 1000 / speed
             ahead = due - time.monotonic()
             if ahead > 0:
-                if stop is not None:
-                    if stop.wait(ahead):
-                        report.stopped_early = True
-                        break
-                else:
-                    time.sleep(ahead)
+                if stop.wait(ahead):
+                    report.stopped_early = True
+                    break
             else:
                 report.max_lag_seconds = max(report.max_lag_seconds, -ahead)
         keys = chainer.keys(request)
@@ -471,11 +475,9 @@ def _run(
     report.agent_counters = {}
     for n in live:
         after = n.counters()
-        expected = {f: getattr(n.tally, attr) for f, attr in CHECKED_COUNTERS.items()}
-        if not n.owners_known:
-            del expected["reuse_hits"], expected["sharing_hits"]
-        for tier in sorted({*n.tally.hits_by_tier, *(k[5:-1] for k in after if k[:5] == "hits[")}):
-            expected[f"hits[{tier}]"] = n.tally.hits_by_tier.get(tier, 0)
+        # a tier the replay saw no hit in must have counted none either
+        tiers = {k: 0 for k in after if k.startswith("hits[")}
+        expected = tiers | n.tally.expected(n.owners_known)
         start = before[n.node.name]
         report.agent_counters[n.node.name] = {
             f: (v, after.get(f, 0) - start.get(f, 0)) for f, v in expected.items()

@@ -7,8 +7,10 @@ whole prefix up to that block is equal), one per ``block_tokens`` tokens, the la
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -211,9 +213,6 @@ def assign_tenants(
     reuse and sharing: a request that contains an earlier request's whole input (a later turn
     of the same conversation) gets that request's tenant, any other a seeded random one of
     ``tenant-0..tenant-{tenants-1}``. Requests that have a tenant keep it."""
-    import dataclasses
-    import random
-
     if tenants < 1:
         raise InvalidArgument(f"tenants must be at least 1, got {tenants}")
     rng = random.Random(seed)

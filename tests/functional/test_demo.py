@@ -31,6 +31,20 @@ def _demo(workdir: Path, *args: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _run_demo(tmp_path: Path, workdir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        _demo(workdir, *args), capture_output=True, text=True, env=_env(tmp_path), timeout=240
+    )
+
+
+def _start_demo(tmp_path: Path, workdir: Path, stdout: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        _demo(workdir), stdout=stdout, stderr=subprocess.PIPE, text=True, env=_env(tmp_path)
+    )
+    _wait_running(workdir, proc)
+    return proc
+
+
 def _ours(workdir: Path) -> list[str]:
     """Command lines of live processes that belong to this workspace (but not zombies)."""
     found = []
@@ -49,13 +63,7 @@ def _ours(workdir: Path) -> list[str]:
 
 def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    done = subprocess.run(
-        _demo(workdir, "--duration", "12", "--workload", "chat", "--json"),
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path),
-        timeout=240,
-    )
+    done = _run_demo(tmp_path, workdir, "--duration", "12", "--workload", "chat", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     assert out["requests"]["requests"] > 0
@@ -70,13 +78,7 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert (workdir / "kvctl.db").is_file() and (workdir / "collector.log").is_file()
 
     # a second run in the same workspace starts over the leftovers (disk tiers, history)
-    again = subprocess.run(
-        _demo(workdir, "--duration", "6", "--workload", "chat"),
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path),
-        timeout=240,
-    )
+    again = _run_demo(tmp_path, workdir, "--duration", "6", "--workload", "chat")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "database: the collected counters equal the replay's" in again.stdout
     assert "fra-1-a (fra-1)" in again.stdout and "modeled" in again.stdout
@@ -98,19 +100,9 @@ def _wait_running(workdir: Path, proc: subprocess.Popen[str], timeout_s: float =
 
 def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    proc = subprocess.Popen(
-        _demo(workdir),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(tmp_path),
-    )
-    _wait_running(workdir, proc)
+    proc = _start_demo(tmp_path, workdir, subprocess.PIPE)
     # a second demo in the same workspace must not take the running one's fleet for leftovers
-    second = subprocess.run(
-        _demo(workdir, "--duration", "3"), capture_output=True, text=True, env=_env(tmp_path),
-        timeout=60,
-    )  # fmt: skip
+    second = _run_demo(tmp_path, workdir, "--duration", "3")
     assert second.returncode == 2
     assert "another kvctl demo" in second.stderr and str(proc.pid) in second.stderr
     assert len(_ours(workdir)) == 6  # the first demo, its four agents and its collector
@@ -123,24 +115,11 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
 def test_a_killed_demo_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    proc = subprocess.Popen(
-        _demo(workdir),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(tmp_path),
-    )
-    _wait_running(workdir, proc)
+    proc = _start_demo(tmp_path, workdir, subprocess.DEVNULL)
     proc.kill()  # no chance to clean up: its agents and collector run on
     proc.wait(30)
     assert len(_ours(workdir)) == 5  # four agents and the collector
-    done = subprocess.run(
-        _demo(workdir, "--duration", "4", "--nodes-per-dc", "1"),
-        capture_output=True,
-        text=True,
-        env=_env(tmp_path),
-        timeout=240,
-    )
+    done = _run_demo(tmp_path, workdir, "--duration", "4", "--nodes-per-dc", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left running by an earlier demo" in done.stdout
     assert _ours(workdir) == []

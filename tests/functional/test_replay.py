@@ -19,7 +19,12 @@ from kvctl.workload.generators import generate
 from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
 from kvctl.workload.replay import ReplayNode, ReplayReport, replay
 from kvctl.workload.tokens import KeyChainer
-from kvctl.workload.trace import assign_tenants, prefix_hit_blocks, read_mooncake_trace
+from kvctl.workload.trace import (
+    TraceRequest,
+    assign_tenants,
+    prefix_hit_blocks,
+    read_mooncake_trace,
+)
 from tests.functional.agents import Agent, closed_port, running_agent
 
 runner = CliRunner()
@@ -57,6 +62,15 @@ def _check_agents(report: ReplayReport) -> None:
     assert report.agents_agree is True
 
 
+def _offline_full_block_hits(requests: list[TraceRequest]) -> int:
+    """Prefix hits from the workload's own 512-token block ids, full blocks only (a partial
+    tail is never a key): what one unlimited node must hit."""
+    return sum(
+        min(h, r.input_tokens // 512)
+        for r, h in zip(requests, prefix_hit_blocks(requests), strict=True)
+    )
+
+
 def test_one_unlimited_node_hits_exactly_the_offline_prefix_hits(tmp_path: Path) -> None:
     requests = generate("builtin", 5, requests=150)
     config = _config(tmp_path / "agent.toml", 512)
@@ -65,11 +79,7 @@ def test_one_unlimited_node_hits_exactly_the_offline_prefix_hits(tmp_path: Path)
     ) as a:
         report = replay(requests, _nodes((a,)), INPUTS, kv_scale=SCALE)
     _check_agents(report)
-    # offline: the workload's own block ids at 512 tokens, full blocks only
-    expected = sum(
-        min(h, r.input_tokens // 512)
-        for r, h in zip(requests, prefix_hit_blocks(requests), strict=True)
-    )
+    expected = _offline_full_block_hits(requests)
     assert report.requests.hit_chunks == report.nodes["a"].hit_chunks == expected > 0
     assert report.requests.chunks == sum(r.input_tokens // 512 for r in requests)
     t = report.nodes["a"]
@@ -89,10 +99,7 @@ def test_shared_trace_on_one_unlimited_node(tmp_path: Path, shared_trace: Path) 
     ) as a:
         report = replay(requests, _nodes((a,)), INPUTS, kv_scale=SCALE)
     _check_agents(report)
-    expected = sum(
-        min(h, r.input_tokens // 512)
-        for r, h in zip(requests, prefix_hit_blocks(requests), strict=True)
-    )
+    expected = _offline_full_block_hits(requests)
     assert report.requests.hit_chunks == expected > 0
 
 
@@ -259,8 +266,6 @@ def test_a_chunk_lost_between_lookup_and_get_keeps_the_ledger_exact(tmp_path: Pa
     """Tiers of two chunks each and a chain of four: fetching promotes, promotion evicts,
     and a chunk the lookup saw is gone by the time it is read. Only what is really gone is
     stored again, so the owners (reuse vs sharing) stay the agent's."""
-    from kvctl.workload.trace import TraceRequest
-
     size = f"{2 * 256 * 48}B"
     chain = (1, 2, 3, 4)
     requests = [
