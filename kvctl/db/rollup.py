@@ -107,6 +107,13 @@ def _reaggregate(s: Series, c: Any) -> list[ColumnElement[Any]]:
     return cols
 
 
+def _matches(col: ColumnElement[Any], value: Any) -> ColumnElement[bool]:
+    """``where`` values: one value, or a list/tuple/set of values (an IN filter)."""
+    if isinstance(value, list | tuple | set | frozenset):
+        return col.in_(list(value))
+    return col == value
+
+
 def piece(
     s: Series,
     source: str,
@@ -136,7 +143,7 @@ def piece(
         time = t.c.bucket_ms
         cols = _reaggregate(s, t.c)
     keys = [t.c[k] for k in s.keys]
-    filters = [t.c[k] == v for k, v in (where or {}).items()]
+    filters = [_matches(t.c[k], v) for k, v in (where or {}).items()]
     if width_ms is not None:
         bucket = (time - time % width_ms).label("bucket_ms")
         group: list[ColumnElement[Any]] = [bucket, *keys]
@@ -249,6 +256,52 @@ def maintain(engine: Engine, now_ms: int, retention: Retention = Retention()) ->
     return {"rolled_up": written, "deleted": {k: v for k, v in deleted.items() if v}}
 
 
+def _only(s: Series, columns: Sequence[str] | None) -> Series:
+    if columns is None:
+        return s
+    wanted = set(columns)
+    return replace(
+        s,
+        sums=tuple(c for c in s.sums if c in wanted),
+        gauges=tuple(g for g in s.gauges if g in wanted),
+    )
+
+
+def _pieces(
+    conn: Connection,
+    s: Series,
+    start_ms: int,
+    end_ms: int,
+    width_ms: int | None,
+    where: Mapping[str, Any] | None,
+) -> list[Select[Any]]:
+    """Pieces covering [start, end): the coarsest final rollup rows that fit (only levels whose
+    width divides ``width_ms`` when bucketing), finer levels at the edges, raw samples last."""
+    levels = [
+        (res, RESOLUTIONS[res], watermark(conn, s.table, res) or 0)
+        for res, _ in reversed(LEVELS)
+        if width_ms is None or width_ms % RESOLUTIONS[res] == 0
+    ]
+    parts: list[Select[Any]] = []
+
+    def cover(lo: int, hi: int, level: int) -> None:
+        if lo >= hi:
+            return
+        for i in range(level, len(levels)):
+            source, width, done = levels[i]
+            a = -(-lo // width) * width  # first whole bucket at or after lo
+            b = min(hi, done) // width * width
+            if a < b:
+                cover(lo, a, i + 1)
+                parts.append(piece(s, source, a, b, width_ms, where))
+                cover(b, hi, i + 1)
+                return
+        parts.append(piece(s, "raw", lo, hi, width_ms, where))
+
+    cover(start_ms, end_ms, 0)
+    return parts
+
+
 def window(
     conn: Connection,
     s: Series,
@@ -262,43 +315,43 @@ def window(
     rollups where whole final days fit, then 1-hour, then 1-minute rollups likewise, and raw
     samples for the rest. Columns as in :func:`piece`.
 
-    ``where`` keeps only rows whose keys have the given values; ``columns`` limits the counters
-    and gauges aggregated to those named (a dashboard query needs a few, and on SQLite each
-    aggregated column costs about as much as reading the rows).
+    ``where`` keeps only rows whose keys have the given values (a collection: any of them);
+    ``columns`` limits the counters and gauges aggregated to those named (a dashboard query
+    needs a few, and on SQLite each aggregated column costs about as much as reading the rows).
 
     Exact within the retention of the finest level: where a window's edge falls in a period
     whose finer rows are past retention (a window starting mid-hour two months ago, with
     1-minute rows kept 30 days), that partial bucket has nothing left to read and counts as
     empty."""
-    if columns is not None:
-        wanted = set(columns)
-        s = replace(
-            s,
-            sums=tuple(c for c in s.sums if c in wanted),
-            gauges=tuple(g for g in s.gauges if g in wanted),
-        )
-    parts: list[Select[Any]] = []
-    levels = [
-        (res, RESOLUTIONS[res], watermark(conn, s.table, res) or 0) for res, _ in reversed(LEVELS)
-    ]
-
-    def cover(lo: int, hi: int, level: int) -> None:
-        if lo >= hi:
-            return
-        for i in range(level, len(levels)):
-            source, width, done = levels[i]
-            a = -(-lo // width) * width  # first whole bucket at or after lo
-            b = min(hi, done) // width * width
-            if a < b:
-                cover(lo, a, i + 1)
-                parts.append(piece(s, source, a, b, None, where))
-                cover(b, hi, i + 1)
-                return
-        parts.append(piece(s, "raw", lo, hi, None, where))
-
-    cover(start_ms, end_ms, 0)
+    s = _only(s, columns)
+    parts = _pieces(conn, s, start_ms, end_ms, None, where)
     if len(parts) == 1:
         return parts[0]
     u = union_all(*parts).subquery()
     keys = [u.c[k] for k in s.keys]
     return select(*keys, *_reaggregate(s, u.c)).group_by(*keys)
+
+
+def buckets(
+    conn: Connection,
+    s: Series,
+    start_ms: int,
+    end_ms: int,
+    width_ms: int,
+    *,
+    where: Mapping[str, Any] | None = None,
+    columns: Sequence[str] | None = None,
+) -> Select[Any]:
+    """A time series: exact aggregates per ``width_ms`` bucket (aligned to the epoch) and
+    series key over [start, end); each row's ``bucket_ms`` is its bucket's start. A week in
+    hourly buckets reads hourly rollups, not samples. Edge buckets hold only their part inside
+    the window. Arguments as in :func:`window`."""
+    if width_ms <= 0:
+        raise ValueError("bucket width must be positive")
+    s = _only(s, columns)
+    parts = _pieces(conn, s, start_ms, end_ms, width_ms, where)
+    if len(parts) == 1:
+        return parts[0]
+    u = union_all(*parts).subquery()
+    keys = [u.c[k] for k in s.keys]
+    return select(u.c.bucket_ms, *keys, *_reaggregate(s, u.c)).group_by(u.c.bucket_ms, *keys)

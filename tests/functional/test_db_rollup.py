@@ -267,3 +267,53 @@ def test_hourly_rows_outlive_retention_until_rolled_into_days(filled_days: Engin
         # the raw rows are mostly gone; whole days are still exact, read from daily rollups
         assert _raw_totals(conn, "cache_sample", D0, D0 + 2 * DAY_MS) != full_days
         assert _window_totals(conn, "cache_sample", D0, D0 + 2 * DAY_MS) == full_days
+
+
+def _raw_buckets(conn: Any, start: int, end: int, width: int, nodes: list[int]) -> dict[Any, Any]:
+    t = raw_table("cache_sample")
+    out: dict[Any, Any] = {}
+    q = select(t.c.ts_ms, t.c.node_id, t.c.tier, t.c.hits, t.c.used_bytes).where(
+        t.c.ts_ms >= start, t.c.ts_ms < end, t.c.node_id.in_(nodes)
+    )
+    for ts, node, tier, hits, used in conn.execute(q):
+        row = out.setdefault((ts - ts % width, node, tier), [0, 0, 0.0, 0])
+        row[0] += 1
+        row[1] += hits
+        row[2] += used
+        row[3] = max(row[3], used)
+    return {k: [v[0], v[1], round(v[2], 3), float(v[3])] for k, v in out.items()}
+
+
+@pytest.mark.parametrize("width", [MINUTE_MS, 15 * MINUTE_MS, HOUR_MS, DAY_MS])
+def test_buckets_equal_raw_buckets_across_levels(filled_days: Engine, width: int) -> None:
+    from kvctl.db.rollup import buckets
+
+    now = DAYS_START_MS + DAYS_SPAN_MS + 5 * MINUTE_MS
+    rollup_all(filled_days.begin, now - 3 * HOUR_MS)  # the last hours stay raw
+    rnd = random.Random(width)
+    windows = [(DAYS_START_MS, now), (D0 - 7 * MINUTE_MS - 3, D0 + DAY_MS + 31 * MINUTE_MS)]
+    windows += [
+        tuple(sorted(DAYS_START_MS + rnd.randrange(DAYS_SPAN_MS) for _ in range(2)))
+        for _ in range(4)
+    ]
+    with filled_days.connect() as conn:
+        for start, end in windows:
+            q = buckets(
+                conn,
+                series("cache_sample"),
+                start,
+                end,
+                width,
+                where={"node_id": [1, 3]},
+                columns=["hits", "used_bytes"],
+            )
+            got = {
+                (m["bucket_ms"], m["node_id"], m["tier"]): [
+                    int(m["samples"]),
+                    int(m["hits"]),
+                    round(float(m["used_bytes_sum"]), 3),
+                    float(m["used_bytes_max"]),
+                ]
+                for m in (r._mapping for r in conn.execute(q))
+            }
+            assert got == _raw_buckets(conn, start, end, width, [1, 3]), (start, end)
