@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from kvctl.cli.options import JsonOpt
+from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
 from kvctl.cli.output import TaskProgress, console, fail, pct, print_json, user_errors
 
 if TYPE_CHECKING:
@@ -23,6 +23,8 @@ Examples:
   kvctl plan --workload rag --model llama-3.1-70b --gpu a100 --mfu 0.4 --json
 
   kvctl plan --workload chat --policy lru --curve-points 12 --no-policy-curve
+
+  kvctl plan --trace trace.jsonl --cpu 512GiB --save --dc fra-1   # for the dashboard
 """
 
 
@@ -77,6 +79,17 @@ def plan_command(
             help="Add --policy to the curve (one replay per point) besides LRU (one pass).",
         ),
     ] = True,
+    save: Annotated[
+        bool,
+        typer.Option(
+            "--save", help="Store the report in the database for the dashboard's capacity page."
+        ),
+    ] = False,
+    dc: Annotated[
+        str | None,
+        typer.Option("--dc", help="With --save: the DC the plan is for (default: the fleet)."),
+    ] = None,
+    db: DbOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """What if the KV cache had these tiers, or the remote pool were that far away?
@@ -96,6 +109,8 @@ def plan_command(
     from kvctl.workload.profiles import DEFAULT_MFU, ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.source import load_workload
 
+    if dc is not None and not save:
+        fail("--dc names the DC a saved plan is for: add --save")
     with user_errors(hint="see `kvctl plan --help`"):
         inputs = ModeledInputs(
             model_profile(model), gpu_profile(gpu), DEFAULT_MFU if mfu is None else mfu
@@ -121,10 +136,39 @@ def plan_command(
                 workload_name=workload_data.name,
                 progress=update,
             )
+    out = report.as_dict()
+    if save:
+        out["saved"] = save_report(out, dc=dc, db=db)
     if json_out:
-        print_json(report.as_dict())
+        print_json(out)
         return
     render_plan(report)
+    if save:
+        where = f"DC {dc}" if dc else "the fleet"
+        console.print(f"saved as plan {out['saved']['id']} for {where}", soft_wrap=True)
+
+
+def save_report(report: dict[str, object], *, dc: str | None, db: str | None) -> dict[str, object]:
+    """Store ``report`` for the dashboard; a --dc that is not in the inventory is refused."""
+    import time
+
+    from sqlalchemy import select
+
+    from kvctl.db.models import DataCenter
+    from kvctl.db.plans import save_plan
+
+    engine = open_engine(db)
+    try:
+        with db_errors(), engine.begin() as conn:
+            if (
+                dc is not None
+                and conn.execute(select(DataCenter.id).where(DataCenter.name == dc)).first() is None
+            ):
+                fail(f"no DC named {dc!r} in the inventory", hint="`kvctl fleet ls` lists them")
+            plan_id = save_plan(conn, report, dc=dc, now_ms=int(time.time() * 1000))
+    finally:
+        engine.dispose()
+    return {"id": plan_id, "dc": dc}
 
 
 plan_command.__doc__ = (plan_command.__doc__ or "") + EXAMPLES

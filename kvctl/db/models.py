@@ -116,6 +116,20 @@ class Audit(Base):
     result: Mapped[str] = mapped_column(Text, default="")
 
 
+class PlanRecord(Base):
+    """A saved `kvctl plan` report: the dashboard's capacity page reads the latest per DC."""
+
+    __tablename__ = "plan_report"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    created_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+    #: the DC the plan was made for (a name, so it outlives an inventory change); NULL: the fleet
+    dc: Mapped[str | None] = mapped_column(String(64))
+    workload: Mapped[str] = mapped_column(String(255))
+    #: the report as `kvctl plan --json` prints it
+    report: Mapped[str] = mapped_column(Text)
+
+
 # --- raw samples ---------------------------------------------------------------------------
 class NodeSample(Base):
     """One scrape of one agent: whether it answered, how fast, and its start time."""

@@ -1,0 +1,64 @@
+"""Efficiency accounting (design.md §5): what the cache's measured hits are worth.
+
+Measured: tokens the cache served (agent counters), energy (NVML), TTFT (engine metrics).
+Modeled: what serving those tokens by prefill would have cost, from a model profile and each
+node's GPU profile: GPU-seconds = tokens / prefill rate; IT energy = GPU-seconds x board power;
+facility energy = IT energy x the DC's PUE; carbon = facility kWh x the DC's grid intensity.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Final
+
+from kvctl.workload.profiles import GPUS, ModeledInputs
+
+JOULES_PER_KWH: Final = 3.6e6
+# most specific first: "H200" must not read as "H20", nor "L40S" as "L4"
+_GPU_PATTERNS: Final = tuple(
+    (name, re.compile(rf"(?<![a-z0-9]){name}(?![a-z0-9])", re.IGNORECASE)) for name in GPUS
+)
+
+
+def gpu_key(gpu_model: str) -> str | None:
+    """The GPU profile a node's reported GPU model names (``"NVIDIA H100 80GB HBM3"`` is
+    ``h100``); None when no profile matches."""
+    for name, pattern in _GPU_PATTERNS:
+        if pattern.search(gpu_model or ""):
+            return name
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Savings:
+    """Modeled savings of serving ``tokens`` from cache instead of prefill on one GPU kind."""
+
+    tokens: int
+    gpu_seconds: float
+    it_joules: float
+    #: IT energy x PUE; equals IT energy when the DC's PUE is unknown (``pue_known`` False)
+    facility_joules: float
+    #: None when the DC's grid carbon intensity is unknown
+    carbon_g: float | None
+    pue_known: bool
+
+    @property
+    def facility_kwh(self) -> float:
+        return self.facility_joules / JOULES_PER_KWH
+
+
+def savings(
+    tokens: int, inputs: ModeledInputs, *, pue: float | None, carbon_g_per_kwh: float | None
+) -> Savings:
+    it_joules = inputs.prefill_joules(tokens)
+    facility = it_joules * (pue if pue is not None else 1.0)
+    carbon = None if carbon_g_per_kwh is None else facility / JOULES_PER_KWH * carbon_g_per_kwh
+    return Savings(
+        tokens=tokens,
+        gpu_seconds=inputs.prefill_seconds(tokens),
+        it_joules=it_joules,
+        facility_joules=facility,
+        carbon_g=carbon,
+        pue_known=pue is not None,
+    )

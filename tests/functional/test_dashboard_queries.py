@@ -1,0 +1,246 @@
+"""The dashboard's figures on a real SQLite and PostgreSQL with a known history: every hit
+ratio, energy and carbon figure equals the one worked out by hand here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from dashboard.queries import (
+    Assumptions,
+    break_even,
+    overview,
+    time_series,
+    window_for,
+)
+from kvctl.db.ingest import insert_rows
+from kvctl.db.inventory import add_dc, add_link, add_node
+from kvctl.db.models import raw_table
+from kvctl.db.rollup import HOUR_MS, MINUTE_MS, rollup_all
+from kvctl.workload.profiles import MODELS
+
+NOW = 1_700_000_000_000 // HOUR_MS * HOUR_MS + 37 * MINUTE_MS
+T = NOW - 40 * MINUTE_MS  # inside the 1-hour window
+OLD = NOW - 3 * HOUR_MS  # outside it
+
+# prefill rates (tokens/s) of llama-3.1-8b at MFU 0.5, worked out from the profiles' figures
+H100_RATE = 989e12 * 0.5 / (2 * 8.03e9)
+A100_RATE = 312e12 * 0.5 / (2 * 8.03e9)
+L4_RATE = 121e12 * 0.5 / (2 * 8.03e9)
+ASSUME = Assumptions(MODELS["llama-3.1-8b"], default_gpu="a100", mfu=0.5)
+
+
+def _cache(node: int, tier: str, ts: int, **counters: int) -> dict[str, Any]:
+    row = {
+        "node_id": node,
+        "tier": tier,
+        "ts_ms": ts,
+        "lookups": 0,
+        "lookup_tokens": 0,
+        "hits": 0,
+        "hit_tokens": 0,
+        "reuse_hits": 0,
+        "sharing_hits": 0,
+        "evictions": 0,
+        "promotions": 0,
+        "demotions": 0,
+        "bytes_read": 0,
+        "bytes_written": 0,
+        "used_bytes": 0,
+        "capacity_bytes": 1000,
+        "pinned_bytes": 0,
+        "items": 0,
+    }
+    row.update(counters)
+    return row
+
+
+@pytest.fixture
+def history(db: Engine) -> dict[str, int]:
+    with db.begin() as conn:
+        add_dc(conn, "fra", carbon_g_per_kwh=400.0, pue=1.5, location="Frankfurt")
+        add_dc(conn, "ams")  # no grid intensity, no PUE
+        ids = {
+            "fra-a": add_node(
+                conn, "fra-a", dc="fra", agent_url="http://127.0.0.1:1", gpu_model="NVIDIA H100"
+            ),
+            "fra-b": add_node(conn, "fra-b", dc="fra", agent_url="http://127.0.0.1:2"),
+            "ams-a": add_node(
+                conn, "ams-a", dc="ams", agent_url="http://127.0.0.1:3", gpu_model="L4"
+            ),
+        }
+        add_link(conn, "fra", "ams", distance_km=100.0)
+        a, b, c = ids["fra-a"], ids["fra-b"], ids["ams-a"]
+        cache = [
+            # fra-a: two samples in the window, one before it (must not count)
+            _cache(a, "all", OLD, lookups=999, hits=999, hit_tokens=999),
+            _cache(a, "all", T, lookups=60, lookup_tokens=15360, hits=40, hit_tokens=10240,
+                   reuse_hits=30, sharing_hits=10, evictions=5),
+            _cache(a, "all", T + 10 * MINUTE_MS, lookups=40, lookup_tokens=10240, hits=20,
+                   hit_tokens=5120, reuse_hits=10, sharing_hits=10, evictions=2),
+            _cache(a, "cpu", T, hits=30, hit_tokens=7680, reuse_hits=25, sharing_hits=5,
+                   used_bytes=400),
+            _cache(a, "cpu", T + 10 * MINUTE_MS, hits=15, hit_tokens=3840, reuse_hits=10,
+                   sharing_hits=5, used_bytes=600),
+            _cache(a, "disk", T, hits=10, hit_tokens=2560, reuse_hits=5, sharing_hits=5,
+                   used_bytes=100, capacity_bytes=4000),
+            _cache(a, "disk", T + 10 * MINUTE_MS, hits=5, hit_tokens=1280, used_bytes=300,
+                   capacity_bytes=4000),
+            _cache(b, "all", T, lookups=50, lookup_tokens=12800, hits=10, hit_tokens=2560,
+                   reuse_hits=10),
+            _cache(b, "cpu", T, hits=10, hit_tokens=2560, reuse_hits=10, used_bytes=900),
+            _cache(c, "all", T + 5 * MINUTE_MS, lookups=40, lookup_tokens=10240, hits=30,
+                   hit_tokens=7680, sharing_hits=30, evictions=1),
+            _cache(c, "cpu", T + 5 * MINUTE_MS, hits=30, hit_tokens=7680, sharing_hits=30,
+                   used_bytes=250),
+        ]  # fmt: skip
+        insert_rows(conn, raw_table("cache_sample"), cache)
+        node = [
+            {"node_id": n, "ts_ms": ts, "up": up, "scrape_seconds": 0.01,
+             "agent_started_s": started, "nvml_available": False, "error": err}
+            for n, ts, up, started, err in (
+                (a, T, True, 100.0, None),
+                (a, T + 10 * MINUTE_MS, True, 100.0, None),
+                (a, T + 20 * MINUTE_MS, False, None, "connection refused"),
+                (a, T + 30 * MINUTE_MS, True, 200.0, None),
+                (b, T, True, 50.0, None),
+                (c, T + 5 * MINUTE_MS, True, 70.0, None),
+            )
+        ]  # fmt: skip
+        insert_rows(conn, raw_table("node_sample"), node)
+        power = [
+            {"node_id": a, "gpu_index": 0, "ts_ms": T, "power_w": 500.0, "energy_j": 1.8e6},
+            {"node_id": a, "gpu_index": 0, "ts_ms": T + 10 * MINUTE_MS, "power_w": 700.0,
+             "energy_j": 1.8e6},
+            {"node_id": a, "gpu_index": 0, "ts_ms": OLD, "power_w": 1.0, "energy_j": 9e9},
+        ]  # fmt: skip
+        insert_rows(conn, raw_table("power_sample"), power)
+        engine = [
+            {"node_id": a, "ts_ms": T, "engine": "vllm", "prompt_tokens": 10_000,
+             "cached_prompt_tokens": 4_000, "generation_tokens": 2_000, "requests": 10,
+             "ttft_count": 10, "ttft_sum_s": 2.0},
+        ]  # fmt: skip
+        insert_rows(conn, raw_table("engine_sample"), engine)
+        link = [
+            {"src_node_id": a, "dst_node_id": c, "ts_ms": T, "rtt_s": 0.002,
+             "bandwidth_bytes_per_s": 1e9, "loss_ratio": 0.0, "probe_bytes": 1, "ok": True},
+            {"src_node_id": c, "dst_node_id": a, "ts_ms": T + MINUTE_MS, "rtt_s": 0.004,
+             "bandwidth_bytes_per_s": 3e9, "loss_ratio": 0.0, "probe_bytes": 1, "ok": True},
+            {"src_node_id": a, "dst_node_id": c, "ts_ms": T + 2 * MINUTE_MS, "rtt_s": None,
+             "bandwidth_bytes_per_s": None, "loss_ratio": None, "probe_bytes": 0, "ok": False,
+             "error": "timed out"},
+        ]  # fmt: skip
+        insert_rows(conn, raw_table("link_sample"), link)
+    return ids
+
+
+@pytest.mark.parametrize("rolled_up", [False, True], ids=["raw", "rolled-up"])
+def test_fleet_overview_figures_are_exact(
+    db: Engine, history: dict[str, int], rolled_up: bool
+) -> None:
+    if rolled_up:  # the same figures whether read from raw samples or from rollups
+        rollup_all(db.begin, NOW)
+    with db.connect() as conn:
+        ov = overview(conn, window_for("1h", NOW), ASSUME)
+    fra, ams, fleet = ov.dcs["fra"], ov.dcs["ams"], ov.fleet
+
+    assert (fra.lookups, fra.hits, fra.reuse_hits, fra.sharing_hits) == (150, 70, 50, 20)
+    assert fra.hit_ratio == pytest.approx(70 / 150)
+    assert fra.reuse_ratio == pytest.approx(50 / 150)
+    assert fra.sharing_ratio == pytest.approx(20 / 150)
+    assert fleet.hit_ratio == pytest.approx(100 / 190)
+    assert fleet.sharing_ratio == pytest.approx(50 / 190)
+    assert fleet.token_hit_ratio == pytest.approx(25600 / 48640)
+    assert fra.tier_hits == {"cpu": 55, "disk": 15}
+    assert fra.tier_hit_ratio("cpu") == pytest.approx(55 / 150)
+    assert fleet.tier_hit_ratio("cpu") == pytest.approx(85 / 190)
+    assert fleet.tiers == ["cpu", "disk"]
+    assert fra.evictions == 7 and fleet.evictions == 8
+    # occupancy: each node's mean over the window, summed over the DC's nodes
+    assert fra.used_bytes["cpu"] == pytest.approx(500 + 900)
+    assert fra.used_bytes["disk"] == pytest.approx(200)
+    assert fra.capacity_bytes == {"cpu": pytest.approx(2000), "disk": pytest.approx(4000)}
+    assert fra.up_ratio == pytest.approx(4 / 5)
+
+    # modeled savings: fra-a runs H100s, fra-b names no GPU (the default a100), ams-a L4s
+    fra_a_s = 15360 / H100_RATE
+    fra_b_s = 2560 / A100_RATE
+    ams_s = 7680 / L4_RATE
+    assert fra.gpu_seconds_saved == pytest.approx(fra_a_s + fra_b_s)
+    assert fra.it_joules_saved == pytest.approx(fra_a_s * 700 + fra_b_s * 400)
+    assert fra.facility_joules_saved == pytest.approx((fra_a_s * 700 + fra_b_s * 400) * 1.5)
+    fra_kwh = (fra_a_s * 700 + fra_b_s * 400) * 1.5 / 3.6e6
+    assert fra.facility_kwh_saved == pytest.approx(fra_kwh)
+    assert fra.carbon_g_saved == pytest.approx(fra_kwh * 400)
+    assert fra.default_gpu_nodes == 1
+    # ams: no PUE (IT energy only), no grid intensity (no carbon)
+    assert ams.facility_joules_saved == pytest.approx(ams_s * 72)
+    assert ams.carbon_g_saved == 0 and ams.carbon_unknown_nodes == 1
+    assert ams.pue_unknown_nodes == 1
+    assert fleet.carbon_g_saved == pytest.approx(fra_kwh * 400)
+    assert fleet.gpu_seconds_saved == pytest.approx(fra_a_s + fra_b_s + ams_s)
+
+    # measured energy (only fra-a has NVML), tokens per joule, TTFT
+    assert fleet.energy_j == pytest.approx(3.6e6) and fleet.energy_kwh == pytest.approx(1.0)
+    assert fleet.energy_nodes == 1
+    assert fra.power_w == pytest.approx(600.0)
+    assert fleet.tokens_per_joule == pytest.approx(12_000 / 3.6e6)
+    assert fleet.ttft_mean_s == pytest.approx(0.2)
+    assert fleet.ttft_without_cache_mean_s == pytest.approx((2.0 + 4000 / H100_RATE) / 10)
+    assert ams.ttft_mean_s is None and ams.tokens_per_joule is None
+    assert ov.nvml_nodes is None  # energy was measured: no need to explain its absence
+
+    (link,) = ov.links
+    assert (link.dc_a, link.dc_b, link.distance_km) == ("ams", "fra", 100.0)
+    assert (link.probes, link.ok_probes) == (3, 2)
+    assert link.rtt_mean_s == pytest.approx(0.003) and link.rtt_max_s == pytest.approx(0.004)
+    assert link.bandwidth_bytes_per_s == pytest.approx(2e9)
+    assert link.fiber_rtt_s == pytest.approx(1e-3)
+
+
+def test_break_even_uses_measured_rtt_and_bandwidth(db: Engine, history: dict[str, int]) -> None:
+    with db.connect() as conn:
+        ov = overview(conn, window_for("1h", NOW), ASSUME)
+    inputs = ASSUME.inputs_for("h100")
+    (be,) = break_even(ov.links, inputs, chunk_tokens=256)
+    chunk_bytes = 256 * 131_072
+    assert be.chunk_bytes == chunk_bytes
+    assert be.recompute_s == pytest.approx(256 / H100_RATE)
+    assert be.fetch_s == pytest.approx(0.003 + chunk_bytes / 2e9)
+    assert be.worth_fetching is (0.003 + chunk_bytes / 2e9 < 256 / H100_RATE)
+    assert be.max_rtt_s == pytest.approx(max(0.0, 256 / H100_RATE - chunk_bytes / 2e9))
+
+
+def test_empty_window_has_no_made_up_figures(db: Engine, history: dict[str, int]) -> None:
+    with db.connect() as conn:
+        ov = overview(conn, window_for("15m", NOW - 2 * HOUR_MS - 30 * MINUTE_MS), ASSUME)
+    assert ov.fleet.lookups == 0
+    assert ov.fleet.hit_ratio is None and ov.fleet.tokens_per_joule is None
+    assert ov.fleet.energy_kwh is None and ov.fleet.ttft_mean_s is None
+    assert ov.links[0].rtt_mean_s is None and ov.links[0].probes == 0
+
+
+def test_nvml_absence_is_explained(db: Engine, history: dict[str, int]) -> None:
+    with db.begin() as conn:
+        conn.execute(raw_table("power_sample").delete())
+    with db.connect() as conn:
+        ov = overview(conn, window_for("1h", NOW), ASSUME)
+    assert ov.fleet.energy_nodes == 0 and ov.nvml_nodes == 0
+
+
+def test_dc_time_series_buckets(db: Engine, history: dict[str, int]) -> None:
+    win = window_for("1h", NOW)
+    with db.connect() as conn:
+        s = time_series(conn, win, [history["fra-a"], history["fra-b"]])
+    assert len(s.bucket_ms) == 60 and s.bucket_ms[0] == win.start_ms
+    i, j = s.bucket_ms.index(T), s.bucket_ms.index(T + 10 * MINUTE_MS)
+    assert (s.lookups[i], s.hits[i], s.lookups[j], s.hits[j]) == (110, 50, 40, 20)
+    assert s.hit_ratio()[i] == pytest.approx(50 / 110)
+    assert s.sharing_ratio()[j] == pytest.approx(10 / 40)
+    assert s.used_bytes["cpu"][i] == pytest.approx(400 + 900)
+    assert s.used_bytes["cpu"][j] == pytest.approx(600)
+    assert s.used_bytes["cpu"][i + 1] is None  # no sample: no reading, not zero
+    assert s.evictions[i] == 5 and sum(s.evictions) == 7
+    assert s.power_w[i] == pytest.approx(500.0) and s.energy_j[j] == pytest.approx(1.8e6)
