@@ -119,8 +119,7 @@ def inventory(conn: Connection) -> Inventory:
         for r in conn.execute(select(Node).order_by(Node.name))
     ]
     links = {
-        pair(names[r.dc_a_id], names[r.dc_b_id]): r.distance_km
-        for r in conn.execute(select(Link))
+        pair(names[r.dc_a_id], names[r.dc_b_id]): r.distance_km for r in conn.execute(select(Link))
     }
     return Inventory(dcs, nodes, links)
 

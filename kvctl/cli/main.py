@@ -13,6 +13,7 @@ from kvctl.cli.audit import audit_command
 from kvctl.cli.bench import bench_app
 from kvctl.cli.collect import collect_command
 from kvctl.cli.control import COMMANDS as CONTROL_COMMANDS
+from kvctl.cli.dashboard import dashboard_command
 from kvctl.cli.db import db_app
 from kvctl.cli.demo import demo_command
 from kvctl.cli.doctor import doctor_command
@@ -66,6 +67,12 @@ for _name, _fn, _help, _panel in (
     ("audit", audit_command, "What operators' kvctl did: who, when, what, result.", FLEET),
     *((name, fn, short, CONTROL) for name, (fn, short) in CONTROL_COMMANDS.items()),
     ("collect", collect_command, "Record the fleet's metrics in the database.", METRICS),
+    (
+        "dashboard",
+        dashboard_command,
+        "Serve the managers' dashboard: efficiency across DCs, links, capacity.",
+        METRICS,
+    ),
     (
         "demo",
         demo_command,

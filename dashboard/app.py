@@ -1,0 +1,297 @@
+"""The dashboard's one factory, used by `kvctl dashboard`, the demo and the tests.
+
+Read-only by construction: SQLite connections run with ``query_only``, PostgreSQL sessions
+are read-only transactions, and no page writes. Optional HTTP basic auth guards every route;
+a URL prefix lets it sit behind a reverse proxy that passes the path through unchanged.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+from urllib.parse import parse_qs
+
+import dash
+from dash import Input, Output, State, dcc, html
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+from dashboard.components import empty
+from dashboard.pages import PAGES, PageContext
+from dashboard.queries import DEFAULT_WINDOW, WINDOWS, Assumptions, window_for
+from kvctl.workload.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
+
+DEFAULT_REFRESH_SECONDS: Final = 30
+CSS: Final = """
+body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 0; color: #1b2733;
+       background: #f5f7fa; }
+header { background: #1f3b57; color: #fff; padding: 10px 20px; display: flex; gap: 24px;
+         align-items: center; flex-wrap: wrap; }
+header a { color: #cfe3f5; margin-right: 14px; text-decoration: none; }
+header a:hover { color: #fff; }
+header h1 { font-size: 18px; margin: 0; }
+.controls { display: flex; gap: 16px; align-items: center; padding: 10px 20px;
+            background: #fff; border-bottom: 1px solid #dde3ea; flex-wrap: wrap; }
+.controls label { font-size: 12px; color: #556; margin-right: 4px; }
+main { padding: 10px 20px 40px; }
+.cards { display: grid; grid-template-columns: repeat(auto-fill, minmax(210px, 1fr)); gap: 12px; }
+.card { background: #fff; border: 1px solid #dde3ea; border-radius: 6px; padding: 10px 12px; }
+.card-title { font-size: 13px; color: #556; margin-right: 6px; }
+.card-value { font-size: 24px; font-weight: 600; margin: 4px 0; }
+.card-note, .section-note, .window, .inputs-note { font-size: 12px; color: #667; }
+.window { margin-right: 12px; }
+.basis { font-size: 11px; padding: 1px 6px; border-radius: 8px; margin-right: 8px; }
+.basis-measured { background: #dff0d8; color: #2d6a2d; }
+.basis-modeled { background: #fcefd8; color: #8a5a00; }
+.section { background: #fff; border: 1px solid #dde3ea; border-radius: 6px; padding: 10px 14px;
+           margin-top: 14px; }
+.section h3 { margin: 0 0 4px; font-size: 15px; }
+.empty { padding: 16px; background: #fffbe8; border: 1px dashed #e0c872; border-radius: 6px;
+         margin-top: 12px; }
+.empty-hint { font-size: 13px; color: #665; margin-top: 4px; font-family: ui-monospace, monospace; }
+.pickers { display: flex; gap: 16px; }
+.picker { min-width: 220px; }
+.error { color: #a00; }
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class DashboardConfig:
+    engine: Engine
+    assume: Assumptions
+    refresh_seconds: float
+    now_ms: Callable[[], int]
+
+
+def read_only(engine: Engine) -> Engine:
+    """Make every connection of ``engine`` refuse writes: the dashboard only reads."""
+
+    @event.listens_for(engine, "connect")
+    def _read_only(dbapi_conn: Any, _record: Any) -> None:
+        cur = dbapi_conn.cursor()
+        if engine.dialect.name == "sqlite":
+            cur.execute("PRAGMA query_only = ON")
+        else:
+            cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            dbapi_conn.commit()
+        cur.close()
+
+    return engine
+
+
+def _wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def create_app(
+    db_url: str,
+    *,
+    url_prefix: str = "/",
+    refresh_seconds: float = DEFAULT_REFRESH_SECONDS,
+    model: str = DEFAULT_MODEL,
+    default_gpu: str = DEFAULT_GPU,
+    mfu: float = DEFAULT_MFU,
+    basic_auth: tuple[str, str] | None = None,
+    now_ms: Callable[[], int] = _wall_ms,
+) -> dash.Dash:
+    """The dashboard on the database at ``db_url``, through an engine of its own whose
+    connections refuse writes. ``url_prefix`` must start and end with ``/``; ``basic_auth`` is
+    (user, password); ``now_ms`` is the clock windows end at."""
+    from kvctl.db.engine import create_db_engine, resolve_url
+
+    if not (url_prefix.startswith("/") and url_prefix.endswith("/")):
+        raise ValueError(f"the URL prefix must start and end with '/': {url_prefix!r}")
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+    if default_gpu not in GPUS:
+        raise ValueError(f"unknown GPU {default_gpu!r}; choose from {', '.join(GPUS)}")
+    config = DashboardConfig(
+        engine=read_only(create_db_engine(resolve_url(db_url))),
+        assume=Assumptions(MODELS[model], default_gpu, mfu),
+        refresh_seconds=refresh_seconds,
+        now_ms=now_ms,
+    )
+    app = dash.Dash(
+        __name__,
+        title="kvctl dashboard",
+        requests_pathname_prefix=url_prefix,
+        routes_pathname_prefix=url_prefix,
+        suppress_callback_exceptions=True,
+        update_title=None,
+    )
+    app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + CSS + "</style>")
+    app.server.extensions["kvctl"] = config
+    if basic_auth is not None:
+        _require_basic_auth(app, *basic_auth)
+    app.layout = _layout(app, config)
+    _register(app, config)
+    return app
+
+
+def _require_basic_auth(app: dash.Dash, user: str, password: str) -> None:
+    from flask import Response, request
+
+    expected = base64.b64encode(f"{user}:{password}".encode()).decode()
+
+    @app.server.before_request
+    def _check() -> Response | None:
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() == "basic" and hmac.compare_digest(given.strip(), expected):
+            return None
+        return Response(
+            "authentication required\n",
+            401,
+            {"WWW-Authenticate": 'Basic realm="kvctl dashboard", charset="UTF-8"'},
+        )
+
+
+def _layout(app: dash.Dash, config: DashboardConfig) -> html.Div:
+    nav = [dcc.Link(title, href=app.get_relative_path(path)) for path, (title, _) in PAGES.items()]
+    return html.Div(
+        [
+            dcc.Location(id="url"),
+            html.Header([html.H1("kvctl · KV-cache efficiency"), html.Nav(nav)]),
+            html.Div(
+                [
+                    html.Div(
+                        [
+                            html.Label("Window"),
+                            dcc.RadioItems(list(WINDOWS), DEFAULT_WINDOW, id="window", inline=True),
+                        ]
+                    ),
+                    html.Div(
+                        [
+                            html.Label("DCs"),
+                            dcc.Dropdown(
+                                id="dc-filter",
+                                multi=True,
+                                placeholder="every DC",
+                                style={"minWidth": "220px"},
+                            ),
+                        ]
+                    ),
+                    html.Div(
+                        [
+                            html.Label("Model profile"),
+                            dcc.Dropdown(
+                                list(MODELS),
+                                config.assume.model.name,
+                                id="model",
+                                clearable=False,
+                                style={"minWidth": "180px"},
+                            ),
+                        ]
+                    ),
+                    html.Span(id="updated", className="window"),
+                    dcc.Interval(id="refresh", interval=int(config.refresh_seconds * 1000)),
+                ],
+                className="controls",
+            ),
+            html.Main(id="page"),
+        ]
+    )
+
+
+def render(
+    app: dash.Dash,
+    pathname: str | None,
+    search: str | None,
+    window: str | None,
+    dcs: list[str] | None,
+    model: str | None,
+) -> tuple[list[Any], str]:
+    """The page at ``pathname`` for these controls, and the "updated" line: the callback
+    behind every page, callable directly (the tests do)."""
+    config: DashboardConfig = app.server.extensions["kvctl"]
+    path = "/" + (app.strip_relative_path(pathname or "/") or "")
+    page = PAGES.get(path.rstrip("/") or "/")
+    if page is None:
+        return [empty(f"No page at {path}.", hint="Pick a page from the header.")], ""
+    query = parse_qs((search or "").lstrip("?"))
+    assume = config.assume
+    if model and model != assume.model.name and model in MODELS:
+        assume = Assumptions(MODELS[model], assume.default_gpu, assume.mfu)
+    now = config.now_ms()
+    ctx_window = window_for(window if window in WINDOWS else DEFAULT_WINDOW, now)
+    try:
+        with config.engine.connect() as conn:
+            ctx = PageContext(
+                conn=conn,
+                window=ctx_window,
+                assume=assume,
+                dcs=tuple(dcs or ()),
+                href=app.get_relative_path,
+                dc=(query.get("dc") or [None])[0],
+                node=(query.get("node") or [None])[0],
+            )
+            body = page[1](ctx)
+    except Exception as exc:
+        from sqlalchemy.exc import SQLAlchemyError
+
+        if not isinstance(exc, SQLAlchemyError):
+            raise
+        msg = str(getattr(exc, "orig", None) or exc).splitlines()[0]
+        return [
+            empty(
+                f"The database cannot be read: {msg}",
+                hint="`kvctl db current` shows which database is used and whether it is current.",
+            )
+        ], ""
+    stamp = time.strftime("%H:%M:%S", time.gmtime(now / 1000))
+    return body, f"updated {stamp} UTC, every {config.refresh_seconds:g} s"
+
+
+def dc_names(app: dash.Dash) -> list[str]:
+    from sqlalchemy import select
+
+    from kvctl.db.models import DataCenter
+
+    config: DashboardConfig = app.server.extensions["kvctl"]
+    with config.engine.connect() as conn:
+        return list(conn.execute(select(DataCenter.name).order_by(DataCenter.name)).scalars())
+
+
+def _register(app: dash.Dash, config: DashboardConfig) -> None:
+    @app.callback(
+        Output("page", "children"),
+        Output("updated", "children"),
+        Input("url", "pathname"),
+        Input("url", "search"),
+        Input("window", "value"),
+        Input("dc-filter", "value"),
+        Input("model", "value"),
+        Input("refresh", "n_intervals"),
+    )
+    def _page(
+        pathname: str | None,
+        search: str | None,
+        window: str | None,
+        dcs: list[str] | None,
+        model: str | None,
+        _n: int | None,
+    ) -> tuple[list[Any], str]:
+        return render(app, pathname, search, window, dcs, model)
+
+    @app.callback(Output("dc-filter", "options"), Input("refresh", "n_intervals"))
+    def _dc_options(_n: int | None) -> list[str]:
+        return dc_names(app)
+
+    @app.callback(
+        Output("url", "search"),
+        Input("detail-dc", "value"),
+        Input("detail-node", "value"),
+        State("url", "search"),
+        prevent_initial_call=True,
+    )
+    def _detail_pick(dc: str | None, node: str | None, search: str | None) -> str:
+        query = parse_qs((search or "").lstrip("?"))
+        if dc and (query.get("dc") or [None])[0] != dc:
+            return f"?dc={dc}"  # another DC: its nodes differ, drop the node
+        if dc and node:
+            return f"?dc={dc}&node={node}"
+        return f"?dc={dc}" if dc else ""

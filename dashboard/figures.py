@@ -1,0 +1,275 @@
+"""Plotly figures of the pages, built from the query dataclasses (no database access here)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import plotly.graph_objects as go
+
+from dashboard.queries import BreakEven, Counts, Inventory, LinkFigures, Series
+
+TIER_COLOURS = {
+    "gpu": "#6a3d9a",
+    "cpu": "#1f78b4",
+    "disk": "#33a02c",
+    "remote": "#ff7f00",
+    "peer": "#e31a1c",
+}
+REUSE, SHARING = "#1f78b4", "#ff7f00"
+
+
+def _layout(fig: go.Figure, *, y_title: str = "", percent: bool = False) -> go.Figure:
+    fig.update_layout(
+        margin={"l": 50, "r": 20, "t": 30, "b": 40},
+        height=320,
+        legend={"orientation": "h", "y": -0.2},
+        template="plotly_white",
+    )
+    if y_title:
+        fig.update_yaxes(title_text=y_title)
+    if percent:
+        fig.update_yaxes(tickformat=".0%", rangemode="tozero")
+    return fig
+
+
+def _times(bucket_ms: Sequence[int]) -> list[datetime]:
+    return [datetime.fromtimestamp(b / 1000, UTC) for b in bucket_ms]
+
+
+def hit_ratio_by_tier(dcs: Mapping[str, Counts], fleet: Counts) -> go.Figure:
+    """Hits per lookup, stacked by the tier that served them, per DC and for the fleet."""
+    names = [*dcs, "fleet"]
+    counts = [*dcs.values(), fleet]
+    fig = go.Figure()
+    for tier in fleet.tiers:
+        fig.add_bar(
+            name=tier,
+            x=names,
+            y=[c.tier_hit_ratio(tier) for c in counts],
+            marker_color=TIER_COLOURS.get(tier),
+        )
+    fig.update_layout(barmode="stack")
+    return _layout(fig, y_title="hits per lookup", percent=True)
+
+
+def reuse_vs_sharing(dcs: Mapping[str, Counts], fleet: Counts) -> go.Figure:
+    """Hits per lookup split into reuse (same tenant) and sharing (another tenant's chunks)."""
+    names = [*dcs, "fleet"]
+    counts = [*dcs.values(), fleet]
+    fig = go.Figure()
+    fig.add_bar(name="reuse", x=names, y=[c.reuse_ratio for c in counts], marker_color=REUSE)
+    fig.add_bar(name="sharing", x=names, y=[c.sharing_ratio for c in counts], marker_color=SHARING)
+    fig.update_layout(barmode="stack")
+    return _layout(fig, y_title="hits per lookup", percent=True)
+
+
+def dc_schematic(inv: Inventory, links: Sequence[LinkFigures], dcs: Sequence[str]) -> go.Figure:
+    """DCs on a circle (a schematic, not a map: the inventory has place names, not
+    coordinates), links coloured by measured mean RTT; unprobed links dashed grey."""
+    shown = [d.name for d in inv.dcs if d.name in dcs]
+    n = max(len(shown), 1)
+    # first DC on the left, the rest clockwise around the circle
+    pos = {
+        name: (math.cos(math.pi - 2 * math.pi * i / n), math.sin(math.pi - 2 * math.pi * i / n))
+        for i, name in enumerate(shown)
+    }
+    fig = go.Figure()
+    measured = [lk.rtt_mean_s for lk in links if lk.rtt_mean_s is not None]
+    hi = max(measured, default=0.0) or 1.0
+    for lk in links:
+        if lk.dc_a not in pos or lk.dc_b not in pos or lk.dc_a == lk.dc_b:
+            continue
+        (xa, ya), (xb, yb) = pos[lk.dc_a], pos[lk.dc_b]
+        km = "?" if lk.distance_km is None else f"{lk.distance_km:g} km"
+        if lk.rtt_mean_s is None:
+            line = {"color": "#aaaaaa", "dash": "dash", "width": 2}
+            label = f"{lk.dc_a}↔{lk.dc_b}: {km}, not probed in this window"
+        else:
+            share = lk.rtt_mean_s / hi
+            line = {
+                "color": f"rgb({int(60 + 190 * share)},{int(170 - 120 * share)},80)",
+                "width": 4,
+            }
+            label = f"{lk.dc_a}↔{lk.dc_b}: {km}, RTT {lk.rtt_mean_s * 1e3:.2f} ms (measured)"
+        fig.add_scatter(
+            x=[xa, (xa + xb) / 2, xb],
+            y=[ya, (ya + yb) / 2, yb],
+            mode="lines+text",
+            line=line,
+            text=["", label, ""],
+            textposition="top center",
+            hoverinfo="text",
+            hovertext=label,
+            showlegend=False,
+        )
+    fig.add_scatter(
+        x=[pos[d][0] for d in shown],
+        y=[pos[d][1] for d in shown],
+        mode="markers+text",
+        marker={"size": 28, "color": "#1f3b57"},
+        text=shown,
+        textposition="bottom center",
+        hoverinfo="text",
+        showlegend=False,
+    )
+    fig.update_xaxes(visible=False, range=[-1.6, 1.6])
+    fig.update_yaxes(visible=False, range=[-1.5, 1.5])
+    return _layout(fig)
+
+
+def occupancy(s: Series) -> go.Figure:
+    """Used bytes per tier, stacked, with total capacity as a line."""
+    t = _times(s.bucket_ms)
+    fig = go.Figure()
+    for tier, values in s.used_bytes.items():
+        fig.add_scatter(
+            x=t,
+            y=values,
+            name=f"{tier} used",
+            stackgroup="used",
+            line={"color": TIER_COLOURS.get(tier)},
+        )
+    caps = [
+        sum(v for v in vals if v is not None) if any(v is not None for v in vals) else None
+        for vals in zip(*s.capacity_bytes.values(), strict=True)
+    ]
+    if caps:
+        fig.add_scatter(x=t, y=caps, name="capacity", line={"color": "#333", "dash": "dot"})
+    return _layout(fig, y_title="bytes")
+
+
+def hit_ratio_over_time(s: Series) -> go.Figure:
+    t = _times(s.bucket_ms)
+    fig = go.Figure()
+    fig.add_scatter(x=t, y=s.hit_ratio(), name="hit ratio", line={"color": "#222"})
+    fig.add_scatter(x=t, y=s.reuse_ratio(), name="reuse", line={"color": REUSE})
+    fig.add_scatter(x=t, y=s.sharing_ratio(), name="sharing", line={"color": SHARING})
+    return _layout(fig, y_title="hits per lookup", percent=True)
+
+
+def evictions(s: Series) -> go.Figure:
+    fig = go.Figure()
+    fig.add_bar(x=_times(s.bucket_ms), y=s.evictions, name="evictions", marker_color="#b15928")
+    return _layout(fig, y_title="chunks evicted")
+
+
+def power(s: Series) -> go.Figure:
+    t = _times(s.bucket_ms)
+    fig = go.Figure()
+    fig.add_scatter(x=t, y=s.power_w, name="power (W)", line={"color": "#e31a1c"})
+    kwh = [None if e is None else e / 3.6e6 for e in s.energy_j]
+    fig.add_bar(x=t, y=kwh, name="energy (kWh)", yaxis="y2", marker_color="#fb9a99", opacity=0.6)
+    fig.update_layout(yaxis2={"overlaying": "y", "side": "right", "title": "kWh"})
+    return _layout(fig, y_title="W")
+
+
+def link_matrix(links: Sequence[LinkFigures], dcs: Sequence[str], what: str) -> go.Figure:
+    """A DC x DC heatmap of mean RTT (ms) or bandwidth (Gb/s)."""
+    index = {d: i for i, d in enumerate(dcs)}
+    z: list[list[float | None]] = [[None] * len(dcs) for _ in dcs]
+    for lk in links:
+        if lk.dc_a not in index or lk.dc_b not in index:
+            continue
+        if what == "rtt":
+            v = None if lk.rtt_mean_s is None else lk.rtt_mean_s * 1e3
+        else:
+            bw = lk.bandwidth_bytes_per_s
+            v = None if bw is None else bw * 8 / 1e9
+        i, j = index[lk.dc_a], index[lk.dc_b]
+        z[i][j] = z[j][i] = v
+    title = "RTT (ms)" if what == "rtt" else "bandwidth (Gb/s)"
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            x=list(dcs),
+            y=list(dcs),
+            colorscale="RdYlGn_r" if what == "rtt" else "RdYlGn",
+            colorbar={"title": title},
+            texttemplate="%{z:.3g}",
+            hoverongaps=False,
+        )
+    )
+    return _layout(fig)
+
+
+def rtt_over_time(
+    bucket_ms: Sequence[int], rtt_s: Mapping[tuple[str, str], Sequence[Any]]
+) -> go.Figure:
+    t = _times(bucket_ms)
+    fig = go.Figure()
+    for (a, b), values in rtt_s.items():
+        ms = [None if v is None else v * 1e3 for v in values]
+        fig.add_scatter(x=t, y=ms, name=a if a == b else f"{a}↔{b}", mode="lines+markers")
+    return _layout(fig, y_title="RTT (ms)")
+
+
+def fetch_vs_recompute(rows: Sequence[BreakEven]) -> go.Figure:
+    names = [
+        f"{r.link.dc_a}↔{r.link.dc_b}" if r.link.dc_a != r.link.dc_b else r.link.dc_a for r in rows
+    ]
+    fig = go.Figure()
+    fig.add_bar(
+        name="fetch (measured RTT + bytes / measured bandwidth)",
+        x=names,
+        y=[None if r.fetch_s is None else r.fetch_s * 1e3 for r in rows],
+        marker_color="#1f78b4",
+    )
+    fig.add_bar(
+        name="recompute (modeled prefill)",
+        x=names,
+        y=[r.recompute_s * 1e3 for r in rows],
+        marker_color="#e31a1c",
+    )
+    fig.update_layout(barmode="group")
+    return _layout(fig, y_title="ms per chunk")
+
+
+def miss_ratio_curve(report: Mapping[str, Any], current_bytes: float | None) -> go.Figure:
+    points = report["miss_ratio_curve"]["points"]
+    x = [p["capacity_bytes"] / 2**30 for p in points]
+    fig = go.Figure()
+    fig.add_scatter(x=x, y=[p["lru_hit_ratio"] for p in points], name="LRU", mode="lines+markers")
+    if points and "policy_hit_ratio" in points[0]:
+        fig.add_scatter(
+            x=x,
+            y=[p["policy_hit_ratio"] for p in points],
+            name=str(report.get("policy", "policy")),
+            mode="lines+markers",
+        )
+    if current_bytes:
+        fig.add_vline(
+            x=current_bytes / 2**30,
+            line_dash="dot",
+            annotation_text="cpu tier per node now (measured)",
+        )
+    fig.update_xaxes(title_text="cache size (GiB)", type="log")
+    return _layout(fig, y_title="hit ratio (simulated)", percent=True)
+
+
+def candidates(report: Mapping[str, Any]) -> go.Figure:
+    """Simulated hit ratio per tier configuration, stacked by tier, and the modeled TTFT saved."""
+    cands = report["candidates"]
+    names = [c["name"] for c in cands]
+    tiers: list[str] = []
+    for c in cands:
+        tiers += [t for t in c["simulated"]["hit_ratio_by_tier"] if t not in tiers]
+    fig = go.Figure()
+    for tier in tiers:
+        fig.add_bar(
+            name=f"{tier} hits (simulated)",
+            x=names,
+            y=[c["simulated"]["hit_ratio_by_tier"].get(tier, 0.0) for c in cands],
+            marker_color=TIER_COLOURS.get(tier),
+        )
+    fig.add_scatter(
+        name="mean TTFT saved (modeled)",
+        x=names,
+        y=[c["modeled"]["mean_ttft_saved_ratio"] for c in cands],
+        mode="markers",
+        marker={"size": 12, "symbol": "diamond", "color": "#222"},
+    )
+    fig.update_layout(barmode="stack")
+    return _layout(fig, y_title="share", percent=True)

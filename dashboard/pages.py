@@ -1,0 +1,554 @@
+"""The four pages, each a function of the page context returning Dash components."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from dash import dcc, html
+from sqlalchemy.engine import Connection
+
+from dashboard import figures
+from dashboard.components import (
+    ENERGY,
+    GPU_TIME,
+    MASS,
+    card,
+    empty,
+    fmt_num,
+    fmt_ratio,
+    fmt_scaled,
+    fmt_seconds,
+    fmt_time,
+    graph,
+    section,
+    table,
+)
+from dashboard.queries import (
+    MEASURED,
+    MODELED,
+    Assumptions,
+    Overview,
+    Window,
+    break_even,
+    capacity,
+    link_series,
+    node_events,
+    overview,
+    time_series,
+)
+
+COLLECT_HINT = "Run `kvctl collect` (or `kvctl demo`) so the collector records samples."
+
+
+@dataclass(frozen=True, slots=True)
+class PageContext:
+    conn: Connection
+    window: Window
+    assume: Assumptions
+    #: the DC filter; empty: every DC
+    dcs: tuple[str, ...]
+    #: an app-relative href, so links work under a URL prefix
+    href: Callable[[str], str]
+    #: the DC and node the detail page shows (from the URL's query)
+    dc: str | None = None
+    node: str | None = None
+
+
+def _filtered(ov: Overview, dcs: tuple[str, ...]) -> list[str]:
+    names = list(ov.dcs)
+    return [d for d in names if d in dcs] if dcs else names
+
+
+def _inputs_note(assume: Assumptions) -> str:
+    return (
+        f"modeled inputs: model {assume.model.name} "
+        f"({assume.model.kv_bytes_per_token:,} KV bytes/token, prefill 2 x "
+        f"{assume.model.params / 1e9:.2f} B params FLOPs/token), each node's own GPU profile "
+        f"(default {assume.default_gpu} where its GPU model is unknown), MFU {assume.mfu:g}; "
+        "energy = GPU-seconds x board power x DC PUE; carbon = that x DC grid intensity"
+    )
+
+
+# --- fleet overview ----------------------------------------------------------------------------
+def fleet_page(ctx: PageContext) -> list[Any]:
+    ov = overview(ctx.conn, ctx.window, ctx.assume)
+    if not ov.inventory.dcs:
+        return [
+            empty(
+                "The fleet inventory is empty.",
+                hint="Add DCs and nodes: `kvctl fleet import fleet.yaml`, or run `kvctl demo`.",
+            )
+        ]
+    names = _filtered(ov, ctx.dcs)
+    shown = {n: ov.dcs[n] for n in names}
+    total = ov.fleet
+    if ctx.dcs:
+        from dashboard.queries import Counts
+
+        total = Counts()
+        for c in shown.values():
+            total.add(c)
+    win = ctx.window
+    out: list[Any] = [html.H2("Fleet overview" + (f": {', '.join(names)}" if ctx.dcs else ""))]
+    if not total.lookups:
+        out.append(
+            empty(
+                f"No cache lookups recorded between {fmt_time(win.start_ms)} and "
+                f"{fmt_time(win.end_ms)}.",
+                hint=COLLECT_HINT + " Or pick a longer window.",
+            )
+        )
+    out.append(html.Div(_headline_cards(total, ov), className="cards", id="fleet-cards"))
+    if total.lookups:
+        out.append(
+            section(
+                "Hit ratio by tier",
+                MEASURED,
+                win,
+                graph(figures.hit_ratio_by_tier(shown, total), "fig-hit-tier"),
+                note="hits per lookup, by the tier that served them (agent counters)",
+            )
+        )
+        out.append(
+            section(
+                "Reuse vs sharing",
+                MEASURED,
+                win,
+                graph(figures.reuse_vs_sharing(shown, total), "fig-reuse-sharing"),
+                note="reuse: a tenant's own chunks; sharing: chunks another tenant stored",
+            )
+        )
+    out.append(
+        section(
+            "DCs and links",
+            MEASURED,
+            win,
+            graph(figures.dc_schematic(ov.inventory, ov.links, names), "fig-schematic"),
+            note="a schematic; links coloured by measured mean RTT, dashed when not probed",
+        )
+    )
+    rows = [_dc_row(name, c, ov) for name, c in shown.items()]
+    rows.append(_dc_row("fleet" if not ctx.dcs else "selected", total, ov))
+    out.append(
+        section(
+            "Per DC",
+            MEASURED,
+            win,
+            table("table-dcs", rows, list(rows[0])),
+            note="modeled columns say so in their name",
+        )
+    )
+    out.append(html.P(_inputs_note(ctx.assume), className="inputs-note"))
+    return out
+
+
+def _headline_cards(c: Any, ov: Overview) -> list[Any]:
+    tokens_note = "tokens the cache served instead of prefill"
+    if not c.energy_nodes:
+        if ov.nvml_nodes == 0:
+            energy_note = "no power samples: NVML unavailable on these nodes"
+        else:
+            energy_note = "no power samples in this window (NVML readings come from the agents)"
+    else:
+        energy_note = f"NVML, {c.energy_nodes} node(s)"
+    if c.engine_nodes:
+        ttft = f"{fmt_seconds(c.ttft_mean_s)} vs {fmt_seconds(c.ttft_without_cache_mean_s)}"
+        ttft_note = "measured with cache vs modeled without (+ prefill of cached tokens)"
+    else:
+        ttft = "N/A"
+        ttft_note = "no engine metrics: set nodes' engine_url so the collector scrapes them"
+    carbon_note = "facility kWh x DC grid intensity"
+    if c.carbon_unknown_nodes:
+        carbon_note += f"; {c.carbon_unknown_nodes} node(s) in DCs without intensity left out"
+    energy_saved_note = "GPU-s x board power x PUE"
+    if c.pue_unknown_nodes:
+        energy_saved_note += f"; PUE unknown for {c.pue_unknown_nodes} node(s): IT energy"
+    return [
+        card(
+            "Hit ratio",
+            fmt_ratio(c.hit_ratio),
+            MEASURED,
+            f"{c.hits:,} of {c.lookups:,} chunk lookups",
+            card_id="card-hit-ratio",
+        ),
+        card(
+            "Sharing",
+            fmt_ratio(c.sharing_ratio),
+            MEASURED,
+            f"reuse {fmt_ratio(c.reuse_ratio)} + sharing = hit ratio",
+            card_id="card-sharing",
+        ),
+        card(
+            "Prefill tokens saved",
+            fmt_num(c.hit_tokens),
+            MEASURED,
+            tokens_note,
+            card_id="card-tokens",
+        ),
+        card(
+            "GPU time saved",
+            fmt_scaled(c.gpu_seconds_saved, GPU_TIME),
+            MODELED,
+            "tokens / modeled prefill rate",
+            card_id="card-gpu-hours",
+        ),
+        card(
+            "Energy saved",
+            fmt_scaled(c.facility_joules_saved, ENERGY),
+            MODELED,
+            energy_saved_note,
+            card_id="card-energy",
+        ),
+        card(
+            "Carbon saved",
+            fmt_scaled(c.carbon_g_saved, MASS) + " CO2",
+            MODELED,
+            carbon_note,
+            card_id="card-carbon",
+        ),
+        card(
+            "Energy used",
+            fmt_scaled(None if c.energy_kwh is None else c.energy_j, ENERGY),
+            MEASURED,
+            energy_note,
+            card_id="card-energy-used",
+        ),
+        card(
+            "Tokens per joule",
+            fmt_num(c.tokens_per_joule),
+            MEASURED,
+            "engine tokens / NVML energy"
+            if c.both_nodes
+            else "needs engine metrics and NVML on the same nodes",
+            card_id="card-tokens-per-joule",
+        ),
+        card("TTFT with vs without cache", ttft, MEASURED, ttft_note, card_id="card-ttft"),
+    ]
+
+
+def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
+    info = next((d for d in ov.inventory.dcs if d.name == name), None)
+    return {
+        "DC": name,
+        "nodes": c.nodes,
+        "up": fmt_ratio(c.up_ratio),
+        "lookups": c.lookups,
+        "hit ratio": fmt_ratio(c.hit_ratio),
+        "reuse": fmt_ratio(c.reuse_ratio),
+        "sharing": fmt_ratio(c.sharing_ratio),
+        "tokens saved": c.hit_tokens,
+        "GPU-h saved (modeled)": round(c.gpu_seconds_saved / 3600, 4),
+        "kWh saved (modeled)": round(c.facility_kwh_saved, 4),
+        "kg CO2 saved (modeled)": round(c.carbon_g_saved / 1000, 4),
+        "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+        "PUE": "" if info is None or info.pue is None else info.pue,
+        "gCO2/kWh": "" if info is None or info.carbon_g_per_kwh is None else info.carbon_g_per_kwh,
+    }
+
+
+# --- DC and node detail ------------------------------------------------------------------------
+def dc_page(ctx: PageContext) -> list[Any]:
+    from dashboard.queries import inventory
+
+    inv = inventory(ctx.conn)
+    if not inv.dcs:
+        return [
+            empty("The fleet inventory is empty.", hint="`kvctl fleet import` or `kvctl demo`.")
+        ]
+    names = [d.name for d in inv.dcs if not ctx.dcs or d.name in ctx.dcs] or [inv.dcs[0].name]
+    dc = ctx.dc if ctx.dc in names else names[0]
+    nodes = inv.nodes_of(dc)
+    node = next((n for n in nodes if n.name == ctx.node), None)
+    ids = [node.id] if node else [n.id for n in nodes]
+    subject = f"node {node.name}" if node else f"DC {dc}"
+    out: list[Any] = [
+        html.H2(f"Detail: {subject}"),
+        html.Div(
+            [
+                html.Div(
+                    [html.Label("DC"), dcc.Dropdown(names, dc, id="detail-dc", clearable=False)],
+                    className="picker",
+                ),
+                html.Div(
+                    [
+                        html.Label("Node"),
+                        dcc.Dropdown(
+                            [n.name for n in nodes],
+                            node.name if node else None,
+                            id="detail-node",
+                            placeholder="every node of the DC",
+                        ),
+                    ],
+                    className="picker",
+                ),
+            ],
+            className="pickers",
+        ),
+    ]
+    if not nodes:
+        return [*out, empty(f"DC {dc} has no nodes.", hint="`kvctl fleet add-node`")]
+    s = time_series(ctx.conn, ctx.window, ids)
+    win = ctx.window
+    if not any(s.lookups) and not s.used_bytes:
+        out.append(empty(f"No cache samples for {subject} in this window.", hint=COLLECT_HINT))
+    else:
+        out += [
+            section(
+                "Tier occupancy",
+                MEASURED,
+                win,
+                graph(figures.occupancy(s), "fig-occupancy"),
+                note="stacked used bytes per tier; dotted: capacity",
+            ),
+            section(
+                "Hit ratio over time",
+                MEASURED,
+                win,
+                graph(figures.hit_ratio_over_time(s), "fig-hit-time"),
+            ),
+            section(
+                "Evictions",
+                MEASURED,
+                win,
+                graph(figures.evictions(s), "fig-evictions"),
+                note="chunks that left the node (not demotions)",
+            ),
+        ]
+    if any(v is not None for v in s.power_w):
+        out.append(
+            section(
+                "Power and energy", MEASURED, win, graph(figures.power(s), "fig-power"), note="NVML"
+            )
+        )
+    else:
+        out.append(
+            section(
+                "Power and energy",
+                MEASURED,
+                win,
+                empty(
+                    f"No power samples for {subject}: NVML unavailable on these nodes, or "
+                    "the collector has not read them yet.",
+                    hint="`kvctl doctor` checks NVML on each node.",
+                ),
+            )
+        )
+    if node:
+        events = node_events(ctx.conn, win, node.id)
+        rows = [{"time": fmt_time(e.ts_ms), "event": e.kind, "detail": e.detail} for e in events]
+        body = (
+            table("table-events", rows, ["time", "event", "detail"])
+            if rows
+            else empty("No notable events: no restarts, unreachable spells or evictions.")
+        )
+        out.append(
+            section("Top events", MEASURED, win, body, note="from raw samples (kept 2 days)")
+        )
+    else:
+        per = _node_rows(ctx, nodes, win)
+        out.append(section("Nodes", MEASURED, win, table("table-nodes", per, list(per[0]))))
+    return out
+
+
+def _node_rows(ctx: PageContext, nodes: list[Any], win: Window) -> list[dict[str, Any]]:
+    from dashboard.queries import inventory, node_counts
+
+    inv = inventory(ctx.conn)
+    dcs = {d.name: d for d in inv.dcs}
+    counts = node_counts(ctx.conn, win.start_ms, win.end_ms, nodes, dcs, ctx.assume)
+    rows = []
+    for n in nodes:
+        c = counts[n.id]
+        used = sum(c.used_bytes.values()) if c.used_bytes else None
+        cap = sum(c.capacity_bytes.values()) if c.capacity_bytes else None
+        rows.append(
+            {
+                "node": n.name,
+                "GPU": n.gpu_model or "unknown",
+                "up": fmt_ratio(c.up_ratio),
+                "lookups": c.lookups,
+                "hit ratio": fmt_ratio(c.hit_ratio),
+                "sharing": fmt_ratio(c.sharing_ratio),
+                "evictions": c.evictions,
+                "used / capacity": fmt_ratio(None if not cap or used is None else used / cap),
+                "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+            }
+        )
+    return rows
+
+
+# --- links -------------------------------------------------------------------------------------
+def links_page(ctx: PageContext) -> list[Any]:
+    ov = overview(ctx.conn, ctx.window, ctx.assume)
+    win = ctx.window
+    names = _filtered(ov, ctx.dcs)
+    links = [lk for lk in ov.links if lk.dc_a in names or lk.dc_b in names]
+    out: list[Any] = [html.H2("Links between DCs")]
+    if not links:
+        return [
+            *out,
+            empty(
+                "No links in the inventory and no probes recorded.",
+                hint="`kvctl fleet add-link A B --distance-km N`; the collector probes links "
+                "every --link-interval.",
+            ),
+        ]
+    probed = [lk for lk in links if lk.probes]
+    if not probed:
+        out.append(
+            empty(
+                "No link probes in this window.",
+                hint="The collector probes links between nodes; see `kvctl collect --help`.",
+            )
+        )
+    else:
+        out += [
+            section(
+                "RTT matrix",
+                MEASURED,
+                win,
+                graph(figures.link_matrix(links, names, "rtt"), "fig-rtt-matrix"),
+                note="mean of successful probes; diagonal: within a DC",
+            ),
+            section(
+                "Bandwidth matrix",
+                MEASURED,
+                win,
+                graph(figures.link_matrix(links, names, "bandwidth"), "fig-bw-matrix"),
+            ),
+        ]
+        ls = link_series(ctx.conn, win, ov.inventory)
+        rtt = {k: v for k, v in ls.rtt_s.items() if k[0] in names or k[1] in names}
+        out.append(
+            section(
+                "RTT over time",
+                MEASURED,
+                win,
+                graph(figures.rtt_over_time(ls.bucket_ms, rtt), "fig-rtt-time"),
+            )
+        )
+    inputs = ctx.assume.inputs_for(ctx.assume.default_gpu)
+    rows = break_even(links, inputs)
+    out.append(
+        section(
+            "Fetch or recompute, per link",
+            MODELED,
+            win,
+            graph(figures.fetch_vs_recompute(rows), "fig-break-even"),
+            table(
+                "table-links",
+                [_link_row(r) for r in rows],
+                list(_link_row(rows[0])),
+            ),
+            note=(
+                f"a {rows[0].chunk_tokens}-token chunk of {ctx.assume.model.name} "
+                f"({rows[0].chunk_bytes / 2**20:.1f} MiB) on {ctx.assume.default_gpu}: fetch "
+                "when measured RTT + bytes / measured bandwidth < modeled prefill time"
+            ),
+        )
+    )
+    return out
+
+
+def _link_row(r: Any) -> dict[str, Any]:
+    lk = r.link
+    worth = {None: "not measured", True: "fetch", False: "recompute"}[r.worth_fetching]
+    return {
+        "link": lk.dc_a if lk.dc_a == lk.dc_b else f"{lk.dc_a}↔{lk.dc_b}",
+        "km": lk.distance_km,
+        "probes": lk.probes,
+        "ok": fmt_ratio(lk.ok_ratio),
+        "RTT mean": fmt_seconds(lk.rtt_mean_s),
+        "RTT max": fmt_seconds(lk.rtt_max_s),
+        "fiber RTT (modeled)": fmt_seconds(lk.fiber_rtt_s),
+        "Gb/s": None
+        if lk.bandwidth_bytes_per_s is None
+        else round(lk.bandwidth_bytes_per_s * 8 / 1e9, 3),
+        "fetch / chunk": fmt_seconds(r.fetch_s),
+        "recompute / chunk (modeled)": fmt_seconds(r.recompute_s),
+        "break-even RTT": fmt_seconds(r.max_rtt_s),
+        "verdict": worth,
+    }
+
+
+# --- capacity planning -------------------------------------------------------------------------
+def capacity_page(ctx: PageContext) -> list[Any]:
+    ov = overview(ctx.conn, ctx.window, ctx.assume)
+    view = capacity(ctx.conn, ov)
+    out: list[Any] = [html.H2("Capacity planning")]
+    if not view.plans:
+        return [
+            *out,
+            empty(
+                "No capacity plan saved.",
+                hint="Run `kvctl plan --trace TRACE --save --dc DC` (or without --dc for the "
+                "fleet); the demo saves one.",
+            ),
+        ]
+    keys = [k for k in view.plans if k is None or not ctx.dcs or k in ctx.dcs]
+    for key in sorted(keys, key=lambda k: (k is not None, k or "")):
+        saved = view.plans[key]
+        r = saved.report
+        scope = f"DC {key}" if key else "the fleet"
+        cap = view.cpu_capacity_bytes_per_node.get(key) if key else _fleet_cpu_per_node(view)
+        inputs = r.get("modeled_inputs", {})
+        note = (
+            f"workload {saved.workload}, saved {fmt_time(saved.created_ms)}; model "
+            f"{inputs.get('model', {}).get('name', '?')}, GPU "
+            f"{inputs.get('gpu', {}).get('name', '?')}, MFU {inputs.get('mfu', '?')}"
+        )
+        out.append(html.H3(f"Plan for {scope}"))
+        out.append(
+            section(
+                "Miss-ratio curve",
+                MODELED,
+                None,
+                graph(figures.miss_ratio_curve(r, cap), f"fig-mrc-{key or 'fleet'}"),
+                note="hit ratio simulated by the store's own policies; " + note,
+            )
+        )
+        out.append(
+            section(
+                "More DRAM, SSD or a remote pool",
+                MODELED,
+                None,
+                graph(figures.candidates(r), f"fig-candidates-{key or 'fleet'}"),
+                table(
+                    f"table-plan-{key or 'fleet'}",
+                    [_candidate_row(c) for c in r["candidates"]],
+                    list(_candidate_row(r["candidates"][0])),
+                ),
+                note="hit ratios simulated; TTFT and energy modeled (fetch-or-recompute per block)",
+            )
+        )
+    return out
+
+
+def _fleet_cpu_per_node(view: Any) -> float | None:
+    values = [v for v in view.cpu_capacity_bytes_per_node.values() if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _candidate_row(c: dict[str, Any]) -> dict[str, Any]:
+    sim, mod = c["simulated"], c["modeled"]
+    return {
+        "configuration": c["name"],
+        "tiers": ", ".join(f"{t} {b / 2**30:,.0f} GiB" for t, b in c["tiers_bytes"].items()),
+        "km": c["distance_km"],
+        "hit ratio (simulated)": fmt_ratio(sim["hit_ratio"]),
+        "mean TTFT (modeled)": fmt_seconds(mod["mean_ttft_seconds"]),
+        "p99 TTFT (modeled)": fmt_seconds(mod["p99_ttft_seconds"]),
+        "TTFT saved (modeled)": fmt_ratio(mod["mean_ttft_saved_ratio"]),
+        "energy saved (modeled)": fmt_ratio(mod["prefill_joules_saved_ratio"]),
+        "not worth fetching": ", ".join(mod["not_worth_fetching"]) or "-",
+    }
+
+
+PAGES: dict[str, tuple[str, Callable[[PageContext], list[Any]]]] = {
+    "/": ("Fleet", fleet_page),
+    "/detail": ("DCs and nodes", dc_page),
+    "/links": ("Links", links_page),
+    "/capacity": ("Capacity", capacity_page),
+}

@@ -1,0 +1,122 @@
+"""`kvctl dashboard`: serve the managers' dashboard (plotly-dash) on the metrics database."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from typing import Annotated
+
+import typer
+
+from kvctl.cli.options import DbOpt, open_engine
+from kvctl.cli.output import console, fail
+
+PASSWORD_ENV = "KVCTL_DASHBOARD_PASSWORD"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def dashboard_command(
+    db: DbOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[
+        int, typer.Option("--port", help="Port to listen on.", min=1, max=65535)
+    ] = 8050,
+    url_prefix: Annotated[
+        str,
+        typer.Option(
+            "--url-prefix",
+            help="Path the dashboard is served under, e.g. /kvctl/ behind a reverse proxy "
+            "that passes the path through.",
+        ),
+    ] = "/",
+    refresh: Annotated[
+        float, typer.Option("--refresh", help="Seconds between live refreshes.", min=1.0)
+    ] = 30.0,
+    model: Annotated[
+        str, typer.Option("--model", help="Model profile of modeled figures (changeable there).")
+    ] = "llama-3.1-8b",
+    gpu: Annotated[
+        str, typer.Option("--gpu", help="GPU profile of nodes whose GPU model is unknown.")
+    ] = "h100",
+    mfu: Annotated[
+        float, typer.Option("--mfu", help="Prefill MFU of modeled figures.", min=0.01, max=1.0)
+    ] = 0.5,
+    auth_user: Annotated[
+        str | None,
+        typer.Option(
+            "--auth-user",
+            help=f"Require HTTP basic auth as this user (password: ${PASSWORD_ENV}).",
+        ),
+    ] = None,
+    threads: Annotated[int, typer.Option("--threads", help="Worker threads.", min=1)] = 8,
+) -> None:
+    """Serve the dashboard: fleet efficiency across DCs, DC and node detail, links, capacity.
+
+    Read-only: it never writes to the database. It listens on loopback by default; any other
+    address needs --auth-user (with the password in $KVCTL_DASHBOARD_PASSWORD, never on the
+    command line). Every figure says whether it is measured or modeled.
+
+    Examples:
+
+      kvctl dashboard
+
+      kvctl dashboard --db postgresql://kvctl@db.internal/kvctl --port 8080
+
+      kvctl dashboard --host 0.0.0.0 --auth-user ops --url-prefix /kvctl/
+    """
+    if not url_prefix.startswith("/"):
+        url_prefix = "/" + url_prefix
+    if not url_prefix.endswith("/"):
+        url_prefix += "/"
+    basic_auth = None
+    if auth_user is not None:
+        password = os.environ.get(PASSWORD_ENV)
+        if not password:
+            fail(f"--auth-user needs a password in ${PASSWORD_ENV}")
+        basic_auth = (auth_user, password)
+    elif not is_loopback(host):
+        fail(
+            f"refusing to serve the dashboard on {host} without authentication",
+            hint=f"add --auth-user USER with ${PASSWORD_ENV} set, or listen on 127.0.0.1 "
+            "behind an authenticating proxy",
+        )
+    from waitress import create_server
+
+    from dashboard.app import create_app
+
+    checked = open_engine(db)  # the schema must be current (SQLite upgrades itself)
+    url = checked.url.render_as_string(hide_password=False)
+    checked.dispose()
+    try:
+        app = create_app(
+            url,
+            url_prefix=url_prefix,
+            refresh_seconds=refresh,
+            model=model,
+            default_gpu=gpu,
+            mfu=mfu,
+            basic_auth=basic_auth,
+        )
+    except ValueError as exc:
+        fail(str(exc), hint="see `kvctl dashboard --help`")
+    try:
+        server = create_server(app.server, host=host, port=port, threads=threads)
+    except OSError as exc:
+        fail(f"cannot listen on {host}:{port}: {exc.strerror}", hint="pick another --port")
+    shown_host = f"[{host}]" if ":" in host else host
+    console.print(f"dashboard: http://{shown_host}:{port}{url_prefix}  (Ctrl-C stops it)")
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.close()
+        app.server.extensions["kvctl"].engine.dispose()
