@@ -19,6 +19,7 @@ import dash
 from dash import Input, Output, State, dcc, html
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from dashboard.components import empty
 from dashboard.pages import PAGES, PageContext

@@ -21,7 +21,9 @@ For each backend (SQLite in a temporary directory always; PostgreSQL in a throwa
   ``raw_hours`` are written as real 10 s samples (:func:`generate_samples`) and rolled up by the
   real :func:`kvctl.db.rollup.rollup_all`, timed (``rollup``; reference: a full scan,
   ``count(*), sum(ts_ms)``, of the same raw tables right after).
-* ``fleet_summary``: :func:`kvctl.db.queries.fleet_summary` over the last ``days``, 24 hours and
+* ``fleet_summary`` and ``dashboard_overview`` (the dashboard's fleet page:
+  :func:`dashboard.queries.overview`, per-node counts, modeled savings and links), each timed
+  like this: :func:`kvctl.db.queries.fleet_summary` over the last ``days``, 24 hours and
   1 hour up to the end of the history, on one open connection, warmed by one untimed run.
   Reference: ``SELECT count(*), sum(lookups) FROM cache_1h``, a full scan of the largest table
   the summary reads (the sum makes it read the rows: SQLite counts from the smaller time index).
@@ -45,7 +47,8 @@ result (JSON-safe)::
          "fleet_summary": {"last_<days>d" | "last_24h" | "last_1h":
                                {"window_ms", "median_s", "samples_s", "ratio_to_reference"},
                            "reference": {"what", "rows", "median_s", "samples_s"},
-                           "check": {...}}}
+                           "check": {...}},
+         "dashboard_overview": {the same keys as fleet_summary}}
          | {"skipped": str},
      "targets": {"ingest_rows_per_s": 100000, "fleet_summary_s": 0.5},
      "meets_targets": {"sqlite": {"ingest_rows_per_s": bool, "fleet_summary_s": bool},
@@ -494,7 +497,8 @@ def run_db_bench(
 def _meets(backend: dict[str, Any]) -> dict[str, bool]:
     slowest_s = max(
         fig["median_s"]
-        for name, fig in backend["fleet_summary"].items()
+        for query in SUMMARY_QUERIES
+        for name, fig in backend[query].items()
         if name.startswith("last_")
     )
     return {
@@ -724,7 +728,8 @@ def _bench_backend(
         )
         out["history"] = history
         out["rollup"] = rollup
-        out["fleet_summary"] = _bench_summary(backend, days, repeats, expected, say)
+        for query in SUMMARY_QUERIES:
+            out[query] = _bench_summary(backend, days, repeats, expected, say, query)
         return out
 
 
@@ -981,18 +986,43 @@ def _load_history(
 
 
 # --- fleet summary --------------------------------------------------------------------------
+def _fleet_summary_total(conn: Any, start_ms: int, end_ms: int) -> Any:
+    from kvctl.db.queries import fleet_summary
+
+    return fleet_summary(conn, start_ms, end_ms).total
+
+
+def _dashboard_overview_total(conn: Any, start_ms: int, end_ms: int) -> Any:
+    from dashboard.queries import Assumptions, Window, overview
+    from kvctl.workload.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, MODELS
+
+    assume = Assumptions(MODELS[DEFAULT_MODEL], DEFAULT_GPU, DEFAULT_MFU)
+    return overview(conn, Window("bench", start_ms, end_ms, HOUR_MS), assume).fleet
+
+
+#: the queries timed over the history: each returns totals with ``lookups`` and ``hits``
+SUMMARY_QUERIES: Final = {
+    "fleet_summary": _fleet_summary_total,
+    "dashboard_overview": _dashboard_overview_total,
+}
+
+
 def _bench_summary(
-    backend: _Backend, days: int, repeats: int, expected: _Expected, say: Progress
+    backend: _Backend,
+    days: int,
+    repeats: int,
+    expected: _Expected,
+    say: Progress,
+    query: str = "fleet_summary",
 ) -> dict[str, Any]:
     from sqlalchemy import text
 
-    from kvctl.db.queries import fleet_summary
-
+    fleet_summary = SUMMARY_QUERIES[query]
     end_ms = HISTORY_END_MS
     windows = {f"last_{days}d": days * DAY_MS, "last_24h": DAY_MS, "last_1h": HOUR_MS}
     if days == 1:
         del windows["last_24h"]  # the same window twice
-    say(f"{backend.name}: fleet summary over {', '.join(windows)}, {repeats} repeats")
+    say(f"{backend.name}: {query} over {', '.join(windows)}, {repeats} repeats")
     samples: dict[str, list[float]] = {name: [] for name in windows}
     ref_s: list[float] = []
     # sum(lookups) makes SQLite read the table; count(*) alone walks the bucket_ms index
@@ -1001,7 +1031,7 @@ def _bench_summary(
     with backend.engine.connect() as conn:
         ref_rows = conn.execute(text(scan)).one()[0]  # warms the reference too
         for name, width_ms in windows.items():
-            total = fleet_summary(conn, end_ms - width_ms, end_ms).total
+            total = fleet_summary(conn, end_ms - width_ms, end_ms)
             want_lookups, want_hits = expected.window(end_ms - width_ms, end_ms)
             check[name] = {
                 "lookups": total.lookups,
@@ -1045,7 +1075,7 @@ def _bench_summary(
     )
     out["check"] = {"exact": exact, "windows": check}
     if not exact:
-        raise RuntimeError(f"{backend.name}: the fleet summary disagrees with the model: {check}")
+        raise RuntimeError(f"{backend.name}: {query} disagrees with the model: {check}")
     return out
 
 
@@ -1094,19 +1124,23 @@ def render_db_bench(result: dict[str, Any]) -> Table:
             f"{ru['ratio_to_reference']:.2f}",
             "",
         )
-        fs = b["fleet_summary"]
-        ref = fs["reference"]
-        for window, fig in fs.items():
-            if not window.startswith("last_"):
-                continue
-            table.add_row(
-                name,
-                f"fleet summary, {window.replace('_', ' ')}",
-                f"{fig['median_s'] * 1000:,.1f} ms",
-                f"scan of cache_1h ({ref['rows']:,} rows)",
-                f"{ref['median_s'] * 1000:,.1f} ms",
-                f"{fig['ratio_to_reference']:.2f}",
-                "met" if fig["median_s"] < TARGETS["fleet_summary_s"] else "MISSED",
-            )
+        for query in SUMMARY_QUERIES:
+            _summary_rows(table, name, query, b[query])
         table.add_section()
     return table
+
+
+def _summary_rows(table: Table, name: str, query: str, fs: dict[str, Any]) -> None:
+    ref = fs["reference"]
+    for window, fig in fs.items():
+        if not window.startswith("last_"):
+            continue
+        table.add_row(
+            name,
+            f"{query.replace('_', ' ')}, {window.replace('_', ' ')}",
+            f"{fig['median_s'] * 1000:,.1f} ms",
+            f"scan of cache_1h ({ref['rows']:,} rows)",
+            f"{ref['median_s'] * 1000:,.1f} ms",
+            f"{fig['ratio_to_reference']:.2f}",
+            "met" if fig["median_s"] < TARGETS["fleet_summary_s"] else "MISSED",
+        )

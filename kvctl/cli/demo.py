@@ -63,7 +63,9 @@ def demo_command(
 
     Starts 2 x --nodes-per-dc agents as separate processes on loopback, registers them with a
     link between the DCs in a SQLite database in the workspace, starts the collector, and
-    replays the workload (the built-in one, or --trace) through the agents' data plane.
+    replays the workload (the built-in one, or --trace) through the agents' data plane, and
+    serves the dashboard on the database (port 8050, or a free one; --browser opens it) with a
+    capacity plan of the workload saved for its capacity page.
     Transfers between the DCs wait an emulated link delay (5 us per km each way). Stops at
     --duration or Ctrl-C, stopping everything it started; the workspace (database, logs,
     replay.json) stays for `kvctl status`/`kvctl db` and the next run.
@@ -76,7 +78,13 @@ def demo_command(
 
       kvctl demo --duration 60 --no-browser --workload rag --workdir /tmp/kvctl-demo
     """
-    from kvctl.fleet.demo import DemoConfig, default_workdir, start, stop_signals
+    from kvctl.fleet.demo import (
+        DemoConfig,
+        default_workdir,
+        start,
+        start_dashboard,
+        stop_signals,
+    )
 
     say = (lambda _: None) if json_out else (lambda m: console.print(f"  {m}", highlight=False))
     with user_errors(hint="see `kvctl demo --help`"):
@@ -100,8 +108,14 @@ def demo_command(
         with stop_signals(stop), _demo_errors(config.workdir):
             fleet = start(config, on_step=say)
             try:
-                if dashboard:  # the browser follows it, once there is one to open
-                    say("dashboard: not part of this build yet (it arrives with issue 7)")
+                if dashboard:
+                    url = start_dashboard(fleet)
+                    say(f"dashboard: {url} (log: {config.workdir / 'dashboard.log'})")
+                    _plan_in_background(fleet, loaded, say)
+                    if browser:
+                        import webbrowser
+
+                        webbrowser.open(url)
                 report = _run(fleet, loaded, stop, duration, say)
                 db_check = _final_check(fleet, report)
             finally:
@@ -125,6 +139,21 @@ def demo_command(
         )
     if report.agents_agree is False or db_check.get("agree") is False:
         raise typer.Exit(1)
+
+
+def _plan_in_background(fleet: DemoFleet, loaded: Workload, say: Callable[[str], None]) -> None:
+    """The capacity page's plan, computed beside the replay so the replay starts at once."""
+    from kvctl.fleet.demo import save_demo_plan
+
+    def work() -> None:
+        try:
+            save_demo_plan(fleet, loaded.requests, loaded.name)
+        except Exception as exc:  # the demo goes on without a capacity plan
+            say(f"capacity plan not saved: {exc}")
+        else:
+            say("capacity plan of the workload saved for the dashboard's capacity page")
+
+    threading.Thread(target=work, name="plan", daemon=True).start()
 
 
 @contextlib.contextmanager

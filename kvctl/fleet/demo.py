@@ -64,6 +64,8 @@ class DemoConfig:
     collect_interval_seconds: float = 2.0
     link_interval_seconds: float = 10.0
     link_km: float = DEMO_LINK_KM
+    #: where the dashboard listens (loopback); 0: any free port
+    dashboard_port: int = 8050
 
 
 def default_workdir() -> Path:
@@ -337,6 +339,96 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
         fleet.stop()
         raise
     return fleet
+
+
+def _free_port(preferred: int) -> int:
+    """``preferred`` when nothing listens there on loopback, else a port the kernel picks."""
+    import socket
+
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise OSError("no free port on 127.0.0.1")
+
+
+def start_dashboard(fleet: DemoFleet, *, timeout_s: float = 30.0) -> str:
+    """Serve the dashboard on the demo's database (loopback); returns its URL once it answers.
+    It is one of the fleet's processes, so stopping the demo (or cleaning up after a killed
+    one) stops it too."""
+    import httpx
+
+    config = fleet.config
+    port = _free_port(config.dashboard_port)
+    log = config.workdir / "dashboard.log"
+    argv = [
+        sys.executable, "-m", "kvctl", "dashboard", "--db", fleet.db_url,
+        "--host", "127.0.0.1", "--port", str(port), "--model", config.model, "--refresh", "5",
+    ]  # fmt: skip
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=_child_env(config.workdir),
+            cwd=config.workdir,
+        )
+    fleet._popen[proc.pid] = proc
+    fleet.processes.append(DemoProcess("dashboard", "dashboard", proc.pid, log))
+    fleet.write_state("running")
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the dashboard exited at start (exit {proc.returncode}); see {log}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(url, timeout=1.0).status_code == 200:
+                return url
+        time.sleep(0.2)
+    raise RuntimeError(f"the dashboard did not answer on {url} within {timeout_s:g} s; see {log}")
+
+
+def save_demo_plan(fleet: DemoFleet, requests: list[Any], workload_name: str) -> dict[str, Any]:
+    """What-if plan of the demo's workload for the dashboard's capacity page: tier sizes as
+    the demo's per node, in the model's real KV bytes (the demo's payloads are scaled by
+    ``kv_scale``), saved for each DC (both DCs run the same nodes)."""
+    from kvctl.db.migrate import open_db
+    from kvctl.db.plans import save_plan
+    from kvctl.units import parse_size
+    from kvctl.workload.plan import plan
+    from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
+
+    config = fleet.config
+    unscale = 1 / config.kv_scale
+    tiers = {
+        "cpu": int(parse_size(config.cpu) * unscale),
+        "disk": int(parse_size(config.disk) * unscale),
+        # a pool as large as a DC's node caches together
+        "remote": int((parse_size(config.cpu) + parse_size(config.disk)) * unscale)
+        * config.nodes_per_dc,
+    }
+    report = plan(
+        requests,
+        tiers_bytes=tiers,
+        inputs=ModeledInputs(model_profile(config.model), gpu_profile("h100")),
+        distances_km=(config.link_km,),
+        curve_points=8,
+        workload_name=workload_name,
+    ).as_dict()
+    engine = open_db(fleet.db_url)
+    try:
+        with engine.begin() as conn:
+            now = int(time.time() * 1000)
+            for dc in DEMO_DCS:
+                save_plan(conn, report, dc=dc.name, now_ms=now)
+    finally:
+        engine.dispose()
+    return report
 
 
 @contextlib.contextmanager

@@ -100,6 +100,9 @@ def _check_backend(result: dict[str, Any]) -> None:
     assert rollup["rows_written"]["node_1h"] == nodes
     assert _positive(rollup["raw_rows_per_s"]) and _positive(rollup["reference"]["raw_rows_per_s"])
 
+    ov = result["dashboard_overview"]  # the dashboard's fleet page, checked the same way
+    assert set(ov) == {*WINDOWS, "reference", "check"} and ov["check"]["exact"] is True
+    assert ov["check"]["windows"] == result["fleet_summary"]["check"]["windows"]
     fs = result["fleet_summary"]
     assert set(fs) == {*WINDOWS, "reference", "check"}
     for name in WINDOWS:
@@ -131,8 +134,8 @@ def test_sqlite_result_structure_and_exact_history(sqlite_run: dict[str, Any]) -
 
 def test_render_has_a_row_per_figure(sqlite_run: dict[str, Any]) -> None:
     table = render_db_bench(sqlite_run)
-    # sqlite: ingest, rollup, two windows; postgresql: one "skipped" row
-    assert table.row_count == 5
+    # sqlite: ingest, rollup, two windows of each of two queries; postgresql: one "skipped" row
+    assert table.row_count == 7
 
 
 def test_postgresql_run_drops_its_database(pg_admin: Engine) -> None:
