@@ -13,13 +13,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlencode
 
 import dash
 from dash import Input, Output, State, dcc, html
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import SQLAlchemyError
 
 from dashboard.components import empty
 from dashboard.pages import PAGES, PageContext
@@ -142,7 +141,8 @@ def _require_basic_auth(app: dash.Dash, user: str, password: str) -> None:
     def _check() -> Response | None:
         header = request.headers.get("Authorization", "")
         scheme, _, given = header.partition(" ")
-        if scheme.lower() == "basic" and hmac.compare_digest(given.strip(), expected):
+        given_bytes = given.strip().encode("utf-8", "replace")
+        if scheme.lower() == "basic" and hmac.compare_digest(given_bytes, expected.encode()):
             return None
         return Response(
             "authentication required\n",
@@ -291,8 +291,8 @@ def _register(app: dash.Dash, config: DashboardConfig) -> None:
     )
     def _detail_pick(dc: str | None, node: str | None, search: str | None) -> str:
         query = parse_qs((search or "").lstrip("?"))
-        if dc and (query.get("dc") or [None])[0] != dc:
-            return f"?dc={dc}"  # another DC: its nodes differ, drop the node
-        if dc and node:
-            return f"?dc={dc}&node={node}"
-        return f"?dc={dc}" if dc else ""
+        if not dc:
+            return ""
+        if (query.get("dc") or [None])[0] != dc or not node:
+            return "?" + urlencode({"dc": dc})  # another DC: its nodes differ, drop the node
+        return "?" + urlencode({"dc": dc, "node": node})

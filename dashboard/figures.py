@@ -232,7 +232,7 @@ def miss_ratio_curve(report: Mapping[str, Any], current_bytes: float | None) -> 
     x = [p["capacity_bytes"] / 2**30 for p in points]
     fig = go.Figure()
     fig.add_scatter(x=x, y=[p["lru_hit_ratio"] for p in points], name="LRU", mode="lines+markers")
-    if points and "policy_hit_ratio" in points[0]:
+    if points and points[0].get("policy_hit_ratio") is not None:
         fig.add_scatter(
             x=x,
             y=[p["policy_hit_ratio"] for p in points],

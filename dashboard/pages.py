@@ -203,7 +203,7 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
         ),
         card(
             "Carbon saved",
-            fmt_scaled(c.carbon_g_saved, MASS) + " CO2",
+            fmt_scaled(c.carbon_saved_g, MASS) + " CO2" if c.carbon_saved_g is not None else "N/A",
             MODELED,
             carbon_note,
             card_id="card-carbon",
@@ -241,7 +241,9 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "tokens saved": c.hit_tokens,
         "GPU-h saved (modeled)": round(c.gpu_seconds_saved / 3600, 4),
         "kWh saved (modeled)": round(c.facility_kwh_saved, 4),
-        "kg CO2 saved (modeled)": round(c.carbon_g_saved / 1000, 4),
+        "kg CO2 saved (modeled)": None
+        if c.carbon_saved_g is None
+        else round(c.carbon_saved_g / 1000, 4),
         "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
         "PUE": "" if info is None or info.pue is None else info.pue,
         "gCO2/kWh": "" if info is None or info.carbon_g_per_kwh is None else info.carbon_g_per_kwh,
@@ -492,7 +494,7 @@ def capacity_page(ctx: PageContext) -> list[Any]:
         saved = view.plans[key]
         r = saved.report
         scope = f"DC {key}" if key else "the fleet"
-        cap = view.cpu_capacity_bytes_per_node.get(key) if key else _fleet_cpu_per_node(view)
+        cap = view.cpu_capacity_bytes_per_node.get(key)
         inputs = r.get("modeled_inputs", {})
         note = (
             f"workload {saved.workload}, saved {fmt_time(saved.created_ms)}; model "
@@ -500,6 +502,9 @@ def capacity_page(ctx: PageContext) -> list[Any]:
             f"{inputs.get('gpu', {}).get('name', '?')}, MFU {inputs.get('mfu', '?')}"
         )
         out.append(html.H3(f"Plan for {scope}"))
+        if not r.get("candidates"):
+            out.append(empty(f"The plan saved for {scope} holds no configuration."))
+            continue
         out.append(
             section(
                 "Miss-ratio curve",
@@ -524,11 +529,6 @@ def capacity_page(ctx: PageContext) -> list[Any]:
             )
         )
     return out
-
-
-def _fleet_cpu_per_node(view: Any) -> float | None:
-    values = [v for v in view.cpu_capacity_bytes_per_node.values() if v is not None]
-    return sum(values) / len(values) if values else None
 
 
 def _candidate_row(c: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from typing import Any, Final
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
-from kvctl.db.models import DataCenter, Link, Node, raw_table
+from kvctl.db.inventory import DcInfo, NodeInfo, list_dcs, list_links, list_nodes
+from kvctl.db.models import raw_table
 from kvctl.db.plans import SavedPlan, latest_plans
 from kvctl.db.rollup import DAY_MS, HOUR_MS, MINUTE_MS, buckets, series, window
 from kvctl.fleet.efficiency import JOULES_PER_KWH, gpu_key, savings
@@ -69,25 +70,6 @@ def window_for(name: str, now_ms: int) -> Window:
 
 # --- inventory ---------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class DcInfo:
-    id: int
-    name: str
-    region: str
-    location: str
-    carbon_g_per_kwh: float | None
-    pue: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class NodeInfo:
-    id: int
-    name: str
-    dc: str
-    gpu_model: str
-    engine_url: str | None
-
-
-@dataclass(frozen=True, slots=True)
 class Inventory:
     dcs: list[DcInfo]
     nodes: list[NodeInfo]
@@ -109,19 +91,9 @@ def pair(a: str, b: str) -> tuple[str, str]:
 
 
 def inventory(conn: Connection) -> Inventory:
-    dcs = [
-        DcInfo(r.id, r.name, r.region, r.location, r.carbon_g_per_kwh, r.pue)
-        for r in conn.execute(select(DataCenter).order_by(DataCenter.name))
-    ]
-    names = {d.id: d.name for d in dcs}
-    nodes = [
-        NodeInfo(r.id, r.name, names[r.dc_id], r.gpu_model, r.engine_url)
-        for r in conn.execute(select(Node).order_by(Node.name))
-    ]
-    links = {
-        pair(names[r.dc_a_id], names[r.dc_b_id]): r.distance_km for r in conn.execute(select(Link))
-    }
-    return Inventory(dcs, nodes, links)
+    """DCs and nodes sorted by name, links keyed by their DCs' names."""
+    links = {(lk.a, lk.b): lk.distance_km for lk in list_links(conn)}
+    return Inventory(list_dcs(conn), list_nodes(conn), links)
 
 
 # --- modeled inputs per node -------------------------------------------------------------------
@@ -172,6 +144,8 @@ class Counts:
     #: per tier: the sum over nodes of each node's mean over the window
     used_bytes: dict[str, float] = field(default_factory=dict)
     capacity_bytes: dict[str, float] = field(default_factory=dict)
+    #: per tier: nodes with a capacity reading in the window
+    capacity_nodes: dict[str, int] = field(default_factory=dict)
     # NVML
     energy_nodes: int = 0
     energy_j: float = 0.0
@@ -195,6 +169,8 @@ class Counts:
     it_joules_saved: float = 0.0
     facility_joules_saved: float = 0.0
     carbon_g_saved: float = 0.0
+    #: nodes with hits whose DC has a grid intensity (carbon covers only these)
+    carbon_known_nodes: int = 0
     #: nodes with hits whose DC has no grid intensity (left out of carbon) or no PUE (IT only)
     carbon_unknown_nodes: int = 0
     pue_unknown_nodes: int = 0
@@ -260,6 +236,14 @@ class Counts:
         return self.energy_j / JOULES_PER_KWH if self.energy_nodes else None
 
     @property
+    def carbon_saved_g(self) -> float | None:
+        """Modeled carbon saved on the nodes whose DC has a grid intensity; None when hits
+        were made but no such DC had one (unknown, not zero)."""
+        if self.carbon_unknown_nodes and not self.carbon_known_nodes:
+            return None
+        return self.carbon_g_saved
+
+    @property
     def facility_kwh_saved(self) -> float:
         return self.facility_joules_saved / JOULES_PER_KWH
 
@@ -276,6 +260,7 @@ class Counts:
             "ttft_without_cache_mean_s",
             "energy_kwh",
             "facility_kwh_saved",
+            "carbon_saved_g",
         ):
             out[prop] = getattr(self, prop)
         out["tier_hit_ratio"] = {t: self.tier_hit_ratio(t) for t in self.tiers}
@@ -364,6 +349,7 @@ def node_counts(
             c.used_bytes[tier] = used
         if (cap := _mean(m, "capacity_bytes")) is not None:
             c.capacity_bytes[tier] = cap
+            c.capacity_nodes[tier] = 1
     energy: dict[int, float] = defaultdict(float)
     for m in rows("power_sample", ("energy_j", "power_w")):
         c = out[m["node_id"]]
@@ -387,12 +373,13 @@ def node_counts(
         dc = dcs[node.dc]
         inputs = assume.inputs_for(node.gpu_model)
         c.default_gpu_nodes = int(gpu_key(node.gpu_model) is None)
-        if c.engine_nodes:
+        # each ratio's numerator and denominator come from the same nodes
+        if c.ttft_count:
             c.cached_prefill_s = inputs.prefill_seconds(c.cached_prompt_tokens)
-            if c.energy_nodes:
-                c.both_nodes = 1
-                c.both_tokens = c.prompt_tokens + c.generation_tokens
-                c.both_energy_j = c.energy_j
+        if c.energy_nodes and c.prompt_tokens + c.generation_tokens:
+            c.both_nodes = 1
+            c.both_tokens = c.prompt_tokens + c.generation_tokens
+            c.both_energy_j = c.energy_j
         if c.hit_tokens:
             s = savings(c.hit_tokens, inputs, pue=dc.pue, carbon_g_per_kwh=dc.carbon_g_per_kwh)
             c.gpu_seconds_saved = s.gpu_seconds
@@ -400,6 +387,7 @@ def node_counts(
             c.facility_joules_saved = s.facility_joules
             c.carbon_g_saved = s.carbon_g or 0.0
             c.carbon_unknown_nodes = int(s.carbon_g is None)
+            c.carbon_known_nodes = int(s.carbon_g is not None)
             c.pue_unknown_nodes = int(not s.pue_known)
     return out
 
@@ -777,14 +765,14 @@ def break_even(
 @dataclass(frozen=True, slots=True)
 class CapacityView:
     plans: dict[str | None, SavedPlan]
-    #: per DC: mean cpu-tier capacity per node over the window (measured), for the curve
-    cpu_capacity_bytes_per_node: dict[str, float | None]
+    #: per DC (None: the fleet): mean cpu-tier capacity per node with readings over the
+    #: window (measured), for the curve
+    cpu_capacity_bytes_per_node: dict[str | None, float | None]
 
 
 def capacity(conn: Connection, ov: Overview) -> CapacityView:
-    per_node: dict[str, float | None] = {}
-    for name, c in ov.dcs.items():
-        cap = c.capacity_bytes.get("cpu")
-        nodes = len(ov.inventory.nodes_of(name))
+    per_node: dict[str | None, float | None] = {}
+    for name, c in [*ov.dcs.items(), (None, ov.fleet)]:
+        cap, nodes = c.capacity_bytes.get("cpu"), c.capacity_nodes.get("cpu", 0)
         per_node[name] = cap / nodes if cap is not None and nodes else None
     return CapacityView(latest_plans(conn), per_node)

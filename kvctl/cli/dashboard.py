@@ -60,9 +60,11 @@ def dashboard_command(
 ) -> None:
     """Serve the dashboard: fleet efficiency across DCs, DC and node detail, links, capacity.
 
-    Read-only: it never writes to the database. It listens on loopback by default; any other
-    address needs --auth-user (with the password in $KVCTL_DASHBOARD_PASSWORD, never on the
-    command line). Every figure says whether it is measured or modeled.
+    Read-only: its connections refuse writes (a SQLite file whose schema is behind is upgraded
+    once before serving, as every kvctl command does; PostgreSQL must be current). It listens
+    on loopback by default; any other address needs --auth-user (with the password in
+    $KVCTL_DASHBOARD_PASSWORD, never on the command line). Every figure says whether it is
+    measured or modeled.
 
     Examples:
 

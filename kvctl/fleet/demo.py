@@ -121,6 +121,24 @@ class DemoFleet:
         tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
         tmp.replace(path)
 
+    def spawn(self, role: str, name: str, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        """Start a process of the fleet in its own session (Ctrl-C reaches the demo only, and
+        the demo stops it in order), logging to ``log``, and record it for stop and cleanup."""
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=_child_env(self.config.workdir),
+                cwd=self.config.workdir,
+            )
+        self._popen[proc.pid] = proc
+        self.processes.append(DemoProcess(role, name, proc.pid, log))
+        self.write_state("running")
+        return proc
+
     def stop(self, timeout_s: float = 20.0) -> list[str]:
         """SIGTERM every process (collector first, so it writes its last scrape while the
         agents still answer), wait, SIGKILL what is left. Returns what had to be killed."""
@@ -321,19 +339,7 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
             "--link-interval", f"{config.link_interval_seconds:g}",
             "--probe-size", "256KiB", "--metrics-listen", "off",
         ]  # fmt: skip
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                env=env,
-                cwd=workdir,
-            )
-        fleet._popen[proc.pid] = proc
-        fleet.processes.append(DemoProcess("collector", "collect", proc.pid, log))
-        fleet.write_state("running")
+        fleet.spawn("collector", "collect", argv, log)
         on_step(f"collector every {config.collect_interval_seconds:g} s (log: {log})")
     except BaseException:
         fleet.stop()
@@ -368,19 +374,7 @@ def start_dashboard(fleet: DemoFleet, *, timeout_s: float = 30.0) -> str:
         sys.executable, "-m", "kvctl", "dashboard", "--db", fleet.db_url,
         "--host", "127.0.0.1", "--port", str(port), "--model", config.model, "--refresh", "5",
     ]  # fmt: skip
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env=_child_env(config.workdir),
-            cwd=config.workdir,
-        )
-    fleet._popen[proc.pid] = proc
-    fleet.processes.append(DemoProcess("dashboard", "dashboard", proc.pid, log))
-    fleet.write_state("running")
+    proc = fleet.spawn("dashboard", "dashboard", argv, log)
     url = f"http://127.0.0.1:{port}/"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

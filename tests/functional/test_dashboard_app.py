@@ -60,7 +60,9 @@ def card_value(page: Any, card_id: str) -> str:
 @pytest.fixture
 def app(db: Engine):  # type: ignore[no-untyped-def]
     fill_history(db)
-    return create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
+    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
+    yield app
+    app.server.extensions["kvctl"].engine.dispose()
 
 
 def test_fleet_page_shows_the_hand_worked_headlines(app: Any) -> None:
@@ -94,6 +96,7 @@ def test_dc_filter_narrows_the_headlines(app: Any) -> None:
     assert card_value(page, "card-ttft") == "N/A"
     assert "no engine metrics" in text_of(by_id(page, "card-ttft"))
     assert "without intensity left out" in text_of(by_id(page, "card-carbon"))
+    assert card_value(page, "card-carbon") == "N/A"  # unknown, not zero
 
 
 def test_model_profile_changes_modeled_figures_only(app: Any) -> None:
@@ -167,10 +170,17 @@ def test_empty_window_and_unknown_page(app: Any) -> None:
     assert "No page at /nope" in text_of(page)
 
 
-def test_the_server_is_read_only(app: Any) -> None:
+def test_the_server_is_read_only(app: Any, db: Engine) -> None:
     engine = app.server.extensions["kvctl"].engine
-    with pytest.raises(DBAPIError), engine.begin() as conn:
-        conn.execute(text("DELETE FROM dc"))
+    before = _count(db, "cache_sample")
+    with pytest.raises(DBAPIError, match=r"(?i)read.?only"), engine.begin() as conn:
+        conn.execute(text("DELETE FROM cache_sample"))  # no constraint stands in the way
+    assert _count(db, "cache_sample") == before > 0
+
+
+def _count(db: Engine, table: str) -> int:
+    with db.connect() as conn:
+        return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
 
 
 def test_url_prefix_and_basic_auth(db: Engine) -> None:
@@ -188,3 +198,6 @@ def test_url_prefix_and_basic_auth(db: Engine) -> None:
     assert client.get("/_dash-layout", headers=good).status_code == 404
     page, _ = render(app, "/kvctl/links", "", "1h", None, None)
     by_id(page, "table-links")
+    bad = {"Authorization": "Basic é"}  # not ASCII: refused, not an error
+    assert client.get("/kvctl/", headers=bad).status_code == 401
+    app.server.extensions["kvctl"].engine.dispose()

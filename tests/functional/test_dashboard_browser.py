@@ -79,6 +79,7 @@ def served(demo_db: tuple[str, dict[str, Any]]) -> Iterator[str]:
     thread.start()
     yield f"http://127.0.0.1:{server.effective_port}/kvctl/"
     server.close()
+    app.server.extensions["kvctl"].engine.dispose()
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,10 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 def _demo(workdir: Path, *args: str) -> list[str]:
+    dashboard = () if "--dashboard" in args else ("--no-dashboard",)
     return [
         sys.executable, "-m", "kvctl", "demo", "--workdir", str(workdir),
-        "--no-browser", "--no-dashboard", *args,
+        "--no-browser", *dashboard, *args,
     ]  # fmt: skip
 
 
@@ -37,11 +38,17 @@ def _run_demo(tmp_path: Path, workdir: Path, *args: str) -> subprocess.Completed
     )
 
 
-def _start_demo(tmp_path: Path, workdir: Path, stdout: int) -> subprocess.Popen[str]:
+def _start_demo(
+    tmp_path: Path, workdir: Path, stdout: int, *args: str, role: str = "collector"
+) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        _demo(workdir), stdout=stdout, stderr=subprocess.PIPE, text=True, env=_env(tmp_path)
+        _demo(workdir, *args),
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
     )
-    _wait_running(workdir, proc)
+    _wait_running(workdir, proc, role)
     return proc
 
 
@@ -85,11 +92,15 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert _ours(workdir) == []
 
 
-def _wait_running(workdir: Path, proc: subprocess.Popen[str], timeout_s: float = 90) -> None:
+def _wait_running(
+    workdir: Path, proc: subprocess.Popen[str], role: str, timeout_s: float = 90
+) -> None:
+    """Until the demo runs, with a process of ``role`` started."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if json.loads((workdir / "demo.json").read_text())["status"] == "running":
+            state = json.loads((workdir / "demo.json").read_text())
+            if state["status"] == "running" and role in {p["role"] for p in state["processes"]}:
                 return
         except (OSError, ValueError, KeyError):
             pass
@@ -115,10 +126,13 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
 
 def test_a_killed_demo_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    proc = _start_demo(tmp_path, workdir, subprocess.DEVNULL)
-    proc.kill()  # no chance to clean up: its agents and collector run on
+    proc = _start_demo(tmp_path, workdir, subprocess.DEVNULL, "--dashboard", role="dashboard")
+    state = json.loads((workdir / "demo.json").read_text())
+    (dash,) = [p for p in state["processes"] if p["role"] == "dashboard"]
+    proc.kill()  # no chance to clean up: its agents, collector and dashboard run on
     proc.wait(30)
-    assert len(_ours(workdir)) == 5  # four agents and the collector
+    assert len(_ours(workdir)) == 6  # four agents, the collector and the dashboard
+    assert Path(f"/proc/{dash['pid']}").exists()
     done = _run_demo(tmp_path, workdir, "--duration", "4", "--nodes-per-dc", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left running by an earlier demo" in done.stdout

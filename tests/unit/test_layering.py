@@ -30,6 +30,9 @@ def test_store_and_workload_never_import_ui() -> None:
         "kvctl.db.migrate",
         "kvctl.db.queries",
         "dashboard",
+        "dashboard.queries",
+        "kvctl.fleet.efficiency",
+        "kvctl.db.plans",
     ):
         loaded = imported_by(module)
         assert not {m.split(".")[0] for m in loaded} & set(UI), module
