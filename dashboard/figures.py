@@ -9,7 +9,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from dashboard.queries import BreakEven, Counts, Inventory, LinkFigures, Series
+from dashboard.queries import BreakEven, Counts, Inventory, LinkFigures, TimeSeries
 
 TIER_COLOURS = {
     "gpu": "#6a3d9a",
@@ -120,7 +120,7 @@ def dc_schematic(inv: Inventory, links: Sequence[LinkFigures], dcs: Sequence[str
     return _layout(fig)
 
 
-def occupancy(s: Series) -> go.Figure:
+def occupancy(s: TimeSeries) -> go.Figure:
     """Used bytes per tier, stacked, with total capacity as a line."""
     t = _times(s.bucket_ms)
     fig = go.Figure()
@@ -141,7 +141,7 @@ def occupancy(s: Series) -> go.Figure:
     return _layout(fig, y_title="bytes")
 
 
-def hit_ratio_over_time(s: Series) -> go.Figure:
+def hit_ratio_over_time(s: TimeSeries) -> go.Figure:
     t = _times(s.bucket_ms)
     fig = go.Figure()
     fig.add_scatter(x=t, y=s.hit_ratio(), name="hit ratio", line={"color": "#222"})
@@ -150,13 +150,13 @@ def hit_ratio_over_time(s: Series) -> go.Figure:
     return _layout(fig, y_title="hits per lookup", percent=True)
 
 
-def evictions(s: Series) -> go.Figure:
+def evictions(s: TimeSeries) -> go.Figure:
     fig = go.Figure()
     fig.add_bar(x=_times(s.bucket_ms), y=s.evictions, name="evictions", marker_color="#b15928")
     return _layout(fig, y_title="chunks evicted")
 
 
-def power(s: Series) -> go.Figure:
+def power(s: TimeSeries) -> go.Figure:
     t = _times(s.bucket_ms)
     fig = go.Figure()
     fig.add_scatter(x=t, y=s.power_w, name="power (W)", line={"color": "#e31a1c"})

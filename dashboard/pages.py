@@ -29,15 +29,20 @@ from dashboard.queries import (
     MEASURED,
     MODELED,
     Assumptions,
+    Inventory,
     Overview,
     Window,
     break_even,
     capacity,
+    inventory,
+    link_figures,
     link_series,
+    node_counts,
     node_events,
     overview,
     time_series,
 )
+from dashboard.queries import total as total_of
 
 COLLECT_HINT = "Run `kvctl collect` (or `kvctl demo`) so the collector records samples."
 
@@ -56,8 +61,7 @@ class PageContext:
     node: str | None = None
 
 
-def _filtered(ov: Overview, dcs: tuple[str, ...]) -> list[str]:
-    names = list(ov.dcs)
+def _filtered(names: list[str], dcs: tuple[str, ...]) -> list[str]:
     return [d for d in names if d in dcs] if dcs else names
 
 
@@ -81,15 +85,11 @@ def fleet_page(ctx: PageContext) -> list[Any]:
                 hint="Add DCs and nodes: `kvctl fleet import fleet.yaml`, or run `kvctl demo`.",
             )
         ]
-    names = _filtered(ov, ctx.dcs)
+    names = _filtered(list(ov.dcs), ctx.dcs)
     shown = {n: ov.dcs[n] for n in names}
     total = ov.fleet
     if ctx.dcs:
-        from dashboard.queries import Counts
-
-        total = Counts()
-        for c in shown.values():
-            total.add(c)
+        total = total_of(shown.values())
     win = ctx.window
     out: list[Any] = [html.H2("Fleet overview" + (f": {', '.join(names)}" if ctx.dcs else ""))]
     if not total.lookups:
@@ -252,8 +252,6 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
 
 # --- DC and node detail ------------------------------------------------------------------------
 def dc_page(ctx: PageContext) -> list[Any]:
-    from dashboard.queries import inventory
-
     inv = inventory(ctx.conn)
     if not inv.dcs:
         return [
@@ -349,15 +347,14 @@ def dc_page(ctx: PageContext) -> list[Any]:
             section("Top events", MEASURED, win, body, note="from raw samples (kept 2 days)")
         )
     else:
-        per = _node_rows(ctx, nodes, win)
+        per = _node_rows(ctx, inv, nodes, win)
         out.append(section("Nodes", MEASURED, win, table("table-nodes", per, list(per[0]))))
     return out
 
 
-def _node_rows(ctx: PageContext, nodes: list[Any], win: Window) -> list[dict[str, Any]]:
-    from dashboard.queries import inventory, node_counts
-
-    inv = inventory(ctx.conn)
+def _node_rows(
+    ctx: PageContext, inv: Inventory, nodes: list[Any], win: Window
+) -> list[dict[str, Any]]:
     dcs = {d.name: d for d in inv.dcs}
     counts = node_counts(ctx.conn, win.start_ms, win.end_ms, nodes, dcs, ctx.assume)
     rows = []
@@ -383,10 +380,15 @@ def _node_rows(ctx: PageContext, nodes: list[Any], win: Window) -> list[dict[str
 
 # --- links -------------------------------------------------------------------------------------
 def links_page(ctx: PageContext) -> list[Any]:
-    ov = overview(ctx.conn, ctx.window, ctx.assume)
+    # links and inventory only: the page needs none of the overview's per-node counts
+    inv = inventory(ctx.conn)
     win = ctx.window
-    names = _filtered(ov, ctx.dcs)
-    links = [lk for lk in ov.links if lk.dc_a in names or lk.dc_b in names]
+    names = _filtered([d.name for d in inv.dcs], ctx.dcs)
+    links = [
+        lk
+        for lk in link_figures(ctx.conn, win.start_ms, win.end_ms, inv)
+        if lk.dc_a in names or lk.dc_b in names
+    ]
     out: list[Any] = [html.H2("Links between DCs")]
     if not links:
         return [
@@ -421,7 +423,7 @@ def links_page(ctx: PageContext) -> list[Any]:
                 graph(figures.link_matrix(links, names, "bandwidth"), "fig-bw-matrix"),
             ),
         ]
-        ls = link_series(ctx.conn, win, ov.inventory)
+        ls = link_series(ctx.conn, win, inv)
         rtt = {k: v for k, v in ls.rtt_s.items() if k[0] in names or k[1] in names}
         out.append(
             section(

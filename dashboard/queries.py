@@ -504,12 +504,12 @@ class Overview:
         }
 
 
-def fold(per_node: Mapping[int, Counts], node_ids: Iterable[int]) -> Counts:
-    total = Counts()
-    for i in node_ids:
-        if i in per_node:
-            total.add(per_node[i])
-    return total
+def total(counts: Iterable[Counts]) -> Counts:
+    """The sum of ``counts`` (nodes into a DC, DCs into the fleet)."""
+    out = Counts()
+    for c in counts:
+        out.add(c)
+    return out
 
 
 def nvml_nodes(conn: Connection, start_ms: int, end_ms: int) -> int | None:
@@ -531,10 +531,8 @@ def overview(conn: Connection, win: Window, assume: Assumptions) -> Overview:
     inv = inventory(conn)
     dcs = {d.name: d for d in inv.dcs}
     per_node = node_counts(conn, win.start_ms, win.end_ms, inv.nodes, dcs, assume)
-    by_dc = {d.name: fold(per_node, (n.id for n in inv.nodes_of(d.name))) for d in inv.dcs}
-    fleet = Counts()
-    for c in by_dc.values():
-        fleet.add(c)
+    by_dc = {d.name: total(per_node[n.id] for n in inv.nodes_of(d.name)) for d in inv.dcs}
+    fleet = total(by_dc.values())
     return Overview(
         window=win,
         assume=assume,
@@ -547,8 +545,13 @@ def overview(conn: Connection, win: Window, assume: Assumptions) -> Overview:
 
 
 # --- DC and node detail: time series -----------------------------------------------------------
+def bucket_starts(win: Window) -> list[int]:
+    """Start of every time-series bucket of the window, the first one holding its start."""
+    return list(range(win.start_ms - win.start_ms % win.step_ms, win.end_ms, win.step_ms))
+
+
 @dataclass(slots=True)
-class Series:
+class TimeSeries:
     """Time series of a DC or node: one entry per bucket start (ms), ascending."""
 
     bucket_ms: list[int] = field(default_factory=list)
@@ -574,12 +577,12 @@ class Series:
         return [_div(h, n) for h, n in zip(self.sharing_hits, self.lookups, strict=True)]
 
 
-def time_series(conn: Connection, win: Window, node_ids: list[int]) -> Series:
+def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSeries:
     """Bucketed series over the window for the given nodes (a DC's or one node's)."""
-    starts = list(range(win.start_ms - win.start_ms % win.step_ms, win.end_ms, win.step_ms))
+    starts = bucket_starts(win)
     pos = {b: i for i, b in enumerate(starts)}
     n = len(starts)
-    out = Series(bucket_ms=starts)
+    out = TimeSeries(bucket_ms=starts)
     out.lookups, out.hits, out.reuse_hits = [0] * n, [0] * n, [0] * n
     out.sharing_hits, out.evictions = [0] * n, [0] * n
     out.power_w, out.energy_j = [None] * n, [None] * n
@@ -706,7 +709,7 @@ class LinkSeries:
 
 def link_series(conn: Connection, win: Window, inv: Inventory) -> LinkSeries:
     dc_of = {n.id: n.dc for n in inv.nodes}
-    starts = list(range(win.start_ms - win.start_ms % win.step_ms, win.end_ms, win.step_ms))
+    starts = bucket_starts(win)
     pos = {b: i for i, b in enumerate(starts)}
     sums: dict[tuple[str, str], list[list[float]]] = {}
     q = buckets(

@@ -1017,7 +1017,7 @@ def _bench_summary(
 ) -> dict[str, Any]:
     from sqlalchemy import text
 
-    fleet_summary = SUMMARY_QUERIES[query]
+    run_query = SUMMARY_QUERIES[query]
     end_ms = HISTORY_END_MS
     windows = {f"last_{days}d": days * DAY_MS, "last_24h": DAY_MS, "last_1h": HOUR_MS}
     if days == 1:
@@ -1031,7 +1031,7 @@ def _bench_summary(
     with backend.engine.connect() as conn:
         ref_rows = conn.execute(text(scan)).one()[0]  # warms the reference too
         for name, width_ms in windows.items():
-            total = fleet_summary(conn, end_ms - width_ms, end_ms)
+            total = run_query(conn, end_ms - width_ms, end_ms)
             want_lookups, want_hits = expected.window(end_ms - width_ms, end_ms)
             check[name] = {
                 "lookups": total.lookups,
@@ -1049,7 +1049,7 @@ def _bench_summary(
         def measured() -> None:
             for name, width_ms in windows.items():
                 t0 = time.perf_counter()
-                fleet_summary(conn, end_ms - width_ms, end_ms)
+                run_query(conn, end_ms - width_ms, end_ms)
                 samples[name].append(time.perf_counter() - t0)
 
         alternating(repeats, reference, measured)

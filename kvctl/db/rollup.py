@@ -324,12 +324,7 @@ def window(
     1-minute rows kept 30 days), that partial bucket has nothing left to read and counts as
     empty."""
     s = _only(s, columns)
-    parts = _pieces(conn, s, start_ms, end_ms, None, where)
-    if len(parts) == 1:
-        return parts[0]
-    u = union_all(*parts).subquery()
-    keys = [u.c[k] for k in s.keys]
-    return select(*keys, *_reaggregate(s, u.c)).group_by(*keys)
+    return _combine(s, _pieces(conn, s, start_ms, end_ms, None, where), by_bucket=False)
 
 
 def buckets(
@@ -349,9 +344,15 @@ def buckets(
     if width_ms <= 0:
         raise ValueError("bucket width must be positive")
     s = _only(s, columns)
-    parts = _pieces(conn, s, start_ms, end_ms, width_ms, where)
+    return _combine(s, _pieces(conn, s, start_ms, end_ms, width_ms, where), by_bucket=True)
+
+
+def _combine(s: Series, parts: list[Select[Any]], *, by_bucket: bool) -> Select[Any]:
+    """One select of the pieces' aggregates per series key (and bucket)."""
     if len(parts) == 1:
         return parts[0]
     u = union_all(*parts).subquery()
-    keys = [u.c[k] for k in s.keys]
-    return select(u.c.bucket_ms, *keys, *_reaggregate(s, u.c)).group_by(u.c.bucket_ms, *keys)
+    group = [u.c[k] for k in s.keys]
+    if by_bucket:
+        group.insert(0, u.c.bucket_ms)
+    return select(*group, *_reaggregate(s, u.c)).group_by(*group)
