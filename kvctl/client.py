@@ -705,6 +705,12 @@ class AgentClient:
             params["after"] = after
         return dict(self._request("GET", "/v1/keys", params=params))
 
+    def top_keys(self, *, limit: int = 20, pinned: bool = False) -> dict[str, Any]:
+        """The agent's most-hit chunks (``items``, most first), each with the cached prefix it
+        ends; ``pinned`` keeps to pinned chunks. Counts nothing on the agent."""
+        params = {"limit": limit, "pinned": "true" if pinned else "false"}
+        return dict(self._request("GET", "/v1/keys/top", params=params))
+
     def events(self, *, after: int = 0, limit: int = 1000) -> dict[str, Any]:
         params = {"after": after, "limit": limit}
         return dict(self._request("GET", "/v1/events/recent", params=params))

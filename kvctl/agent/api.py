@@ -45,6 +45,8 @@ from kvctl.units import parse_size
 
 MAX_KEYS_PER_REQUEST = 100_000
 MAX_PAGE = 10_000
+#: most chunks one /v1/keys/top answers (each walks its prefix chain under the store's lock)
+MAX_TOP = 1000
 #: a comment line at least this often keeps proxies and idle timeouts from closing the stream
 KEEPALIVE_SECONDS = 15.0
 #: how long one blocking read of the event hub waits; bounds how late a disconnect is noticed
@@ -175,7 +177,9 @@ class KeyItem(BaseModel):
     tenant: str = Field(description="tenant that stored the chunk")
     pinned: bool
     priority: int = Field(description="retention priority, 0..100")
-    hit_count: int = Field(description="lookup hits on this chunk")
+    hit_count: int = Field(
+        description="reads that served this chunk (get, lease, touch); lookups are not counted"
+    )
     last_access_s: float = Field(description="unix time of the last access")
     isolated: bool = Field(description="visible only to its own tenant")
 
@@ -183,6 +187,23 @@ class KeyItem(BaseModel):
 class KeysPage(BaseModel):
     items: list[KeyItem] = Field(description="chunks in ascending key order")
     next: str | None = Field(description="cursor for the next page (pass as after), null at end")
+
+
+class HotKeyItem(KeyItem):
+    prefix_chunks: int = Field(
+        description="cached chunks in the prefix chain ending at this chunk, itself included"
+    )
+    prefix_tokens: int = Field(description="tokens of those chunks")
+    prefix_complete: bool = Field(
+        description="the chain reaches a first chunk; false when an ancestor is not cached, so "
+        "the prefix is only partly known"
+    )
+
+
+class HotKeys(BaseModel):
+    items: list[HotKeyItem] = Field(
+        description="chunks by hits, most first; ties: the most recently accessed first"
+    )
 
 
 class ProbeRequest(BaseModel):
@@ -545,6 +566,19 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         """
         result = store.resize(body.tier, parse_size(body.capacity)).as_dict()
         return {**result, "usage": store.usage()[store.tier(body.tier).name]}
+
+    # before any /v1/keys/{...} route could be added: Starlette matches in order
+    @app.get("/v1/keys/top", response_model=HotKeys, tags=["chunks"])
+    def top_keys(
+        limit: int = Query(20, ge=1, le=MAX_TOP, description="most chunks to return"),
+        pinned: bool = Query(False, description="only pinned chunks"),
+    ) -> HotKeys:
+        """The most-hit chunks, each with the cached prefix it ends (for a live operator view).
+
+        Sees every tenant's chunks and counts nothing, so it never moves the hit statistics.
+        """
+        hot = store.hottest(limit, pinned_only=pinned)
+        return HotKeys(items=[HotKeyItem.model_validate(h.as_dict()) for h in hot])
 
     @app.get("/v1/keys", response_model=KeysPage, tags=["chunks"])
     def list_keys(

@@ -62,6 +62,47 @@ class Entry:
 
 
 @dataclass(frozen=True, slots=True)
+class HotChunk:
+    """One of a store's most-hit chunks, with what is known of the prefix it ends: a snapshot
+    for operators, detached from the live Entry so it can leave the store's lock."""
+
+    key: bytes
+    tier: str
+    size_bytes: int
+    tokens: int
+    tenant: str
+    pinned: bool
+    priority: int
+    hit_count: int
+    last_access_s: float
+    isolated: bool
+    #: cached chunks in the prefix chain ending here, this one included
+    prefix_chunks: int
+    #: tokens of those chunks
+    prefix_tokens: int
+    #: the chain reaches a first chunk (parent None); False when an ancestor is not cached
+    #: (or the walk stopped early), so the prefix is only partly known
+    prefix_complete: bool
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "key": self.key.hex(),
+            "tier": self.tier,
+            "size_bytes": self.size_bytes,
+            "tokens": self.tokens,
+            "tenant": self.tenant,
+            "pinned": self.pinned,
+            "priority": self.priority,
+            "hit_count": self.hit_count,
+            "last_access_s": self.last_access_s,
+            "isolated": self.isolated,
+            "prefix_chunks": self.prefix_chunks,
+            "prefix_tokens": self.prefix_tokens,
+            "prefix_complete": self.prefix_complete,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class LookupResult:
     """Outcome of a longest-prefix lookup over a request's key chain."""
 

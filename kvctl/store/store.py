@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from heapq import nlargest
 from operator import attrgetter
 from typing import Any
 
@@ -25,7 +26,7 @@ from kvctl.store.errors import (
     PayloadSizeError,
     TierUnavailable,
 )
-from kvctl.store.index import DEFAULT_PRIORITY, MAX_PRIORITY, Entry, LookupResult
+from kvctl.store.index import DEFAULT_PRIORITY, MAX_PRIORITY, Entry, HotChunk, LookupResult
 from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KEY_BYTES
 from kvctl.store.policies import (
     AdmissionPolicy,
@@ -41,6 +42,10 @@ _MAX_TENANTS_TRACKED = 8
 _TIER_OF = attrgetter("tier")
 _TOKENS_OF = attrgetter("tokens")
 _TENANT_OF = attrgetter("tenant")
+#: "hottest" order: most hits, then the most recent access (ticks order accesses exactly)
+_HEAT = attrgetter("hit_count", "last_tick")
+#: most chunks one prefix walk visits under the lock (real chains are hundreds deep)
+_MAX_PREFIX_WALK = 100_000
 
 Event = dict[str, Any]
 
@@ -432,6 +437,24 @@ class TieredStore:
             name = self.tier(tier).name
             return [e for e in self._index.values() if e.tier == name]
 
+    def hottest(self, limit: int, *, pinned_only: bool = False) -> list[HotChunk]:
+        """Up to ``limit`` chunks with the most hits, ties to the most recently accessed, each
+        with the cached prefix chain it ends. For operators' views: counts and touches nothing.
+
+        Like ``entries`` it sees every tenant's chunks (isolated ones say so). ``pinned_only``
+        keeps to pinned chunks.
+        """
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise InvalidArgument(f"limit must be a non-negative integer, got {limit!r}")
+        with self._lock:
+            pool: Iterable[Entry] = self._index.values()
+            if pinned_only:
+                pool = (e for e in pool if e.pinned)
+            # O(n log limit), not a full sort of the index
+            top = nlargest(limit, pool, key=_HEAT)
+            memo: dict[bytes, tuple[int, int, bool]] = {}
+            return [_hot(e, *self._prefix_of(e, memo)) for e in top]
+
     def pin(self, keys: Iterable[bytes], *, tier: str | None = None) -> BulkResult:
         """Pin chunks (never evicted), moving them to ``tier`` first when given.
 
@@ -613,6 +636,40 @@ class TieredStore:
                 ts.reuse_hits += 1
             else:
                 ts.sharing_hits += 1
+
+    def _prefix_of(
+        self, e: Entry, memo: dict[bytes, tuple[int, int, bool]]
+    ) -> tuple[int, int, bool]:
+        """(chunks, tokens, complete) of the cached chain ending at ``e``, by ``parent`` links.
+
+        ``memo`` carries answers between the walks of one ``hottest``, so chains that share a
+        prefix walk it once and no entry is visited twice. A walk stops, answering incomplete,
+        at an uncached parent, after _MAX_PREFIX_WALK chunks, or on a cycle (only hand-made
+        parents can make one).
+        """
+        walked: list[Entry] = []
+        on_walk: set[bytes] = set()
+        base = (0, 0, False)  # what lies above the walk: nothing known unless it ends well
+        cur: Entry | None = e
+        while cur is not None:
+            known = memo.get(cur.key)
+            if known is not None:
+                base = known
+                break
+            if cur.key in on_walk or len(walked) >= _MAX_PREFIX_WALK:
+                break
+            walked.append(cur)
+            on_walk.add(cur.key)
+            if cur.parent is None:
+                base = (0, 0, True)
+                break
+            cur = self._index.get(cur.parent)
+        chunks, tokens, complete = base
+        for w in reversed(walked):  # from the top of the walk down to e
+            chunks += 1
+            tokens += w.tokens
+            memo[w.key] = (chunks, tokens, complete)
+        return memo[e.key]
 
     def _served(self, e: Entry, tenant: str) -> None:
         """A read that served a chunk: the per-chunk hit count and the spread of tenants."""
@@ -840,6 +897,24 @@ def _payload_size(data: Buffer | None, size_bytes: int | None) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
         raise PayloadSizeError(f"chunk size must be a positive number of bytes, got {size!r}")
     return size
+
+
+def _hot(e: Entry, prefix_chunks: int, prefix_tokens: int, prefix_complete: bool) -> HotChunk:
+    return HotChunk(
+        key=e.key,
+        tier=e.tier,
+        size_bytes=e.size_bytes,
+        tokens=e.tokens,
+        tenant=e.tenant,
+        pinned=e.pinned,
+        priority=e.priority,
+        hit_count=e.hit_count,
+        last_access_s=e.last_access_s,
+        isolated=e.isolated,
+        prefix_chunks=prefix_chunks,
+        prefix_tokens=prefix_tokens,
+        prefix_complete=prefix_complete,
+    )
 
 
 def _meta(e: Entry) -> ChunkMeta:

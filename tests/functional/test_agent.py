@@ -28,7 +28,7 @@ from kvctl.agent.protocol import (
     parse_error,
     put_item,
 )
-from kvctl.client import AgentUnreachable, AuthError, ChunkNotFound, DataClient
+from kvctl.client import AgentUnreachable, AuthError, ChunkNotFound, DataClient, RequestError
 
 from .agents import key, payload, running_agent, start_agent
 
@@ -92,6 +92,30 @@ def test_lookup_and_exists_over_the_data_plane(agent) -> None:  # type: ignore[n
         assert c.exists(keys[4:6]) == ["cpu", None]
     stats = agent.control().stats()["stats"]
     assert stats["lookups"] == 1 and stats["sharing_hits"] == 5 and stats["reuse_hits"] == 0
+
+
+def test_top_keys_over_the_control_api(agent) -> None:  # type: ignore[no-untyped-def]
+    keys = [key(i, 3) for i in range(3)]  # one prefix chain: root, middle, leaf
+    with agent.data("tcp") as c:
+        c.put_many(
+            [(k, payload(k, 1024)) for k in keys], tenant="a", tokens=256, parents=[None, *keys[:2]]
+        )
+        for k in (keys[2], keys[2], keys[1]):
+            c.get(k, tenant="a")
+    control = agent.control()
+    control.pin([keys[0]])
+    items = control.top_keys()["items"]
+    assert [i["key"] for i in items] == [k.hex() for k in (keys[2], keys[1], keys[0])]
+    assert [i["hit_count"] for i in items] == [2, 1, 0]
+    leaf = items[0]
+    assert (leaf["prefix_chunks"], leaf["prefix_tokens"], leaf["prefix_complete"]) == (3, 768, True)
+    assert (leaf["tier"], leaf["size_bytes"], leaf["tenant"]) == ("cpu", 1024, "a")
+    assert [i["key"] for i in control.top_keys(limit=1)["items"]] == [keys[2].hex()]
+    pinned = control.top_keys(pinned=True)["items"]
+    assert [(i["key"], i["pinned"]) for i in pinned] == [(keys[0].hex(), True)]
+    with pytest.raises(RequestError) as err:
+        control.top_keys(limit=0)
+    assert err.value.code == 422
 
 
 # --- durability ----------------------------------------------------------------------------

@@ -373,6 +373,74 @@ def test_keys_rejects_bad_limit_and_cursor(client: TestClient) -> None:
     assert "32 hex characters" in r.json()["detail"]
 
 
+def test_top_keys_by_hits_with_their_prefixes(client: TestClient, runtime: AgentRuntime) -> None:
+    assert client.get("/v1/keys/top").json() == {"items": []}
+    keys = put_prompt(runtime, tokens(3))  # root, middle, leaf: all in cpu
+    for k in (keys[2], keys[2], keys[0]):
+        runtime.store.touch(k, tenant="a")
+    before = client.get("/v1/stats").json()["stats"]
+
+    r = client.get("/v1/keys/top")
+    assert r.status_code == 200
+    items = r.json()["items"]
+    assert [i["key"] for i in items] == hexes([keys[2], keys[0], keys[1]])
+    leaf = items[0]
+    entry = runtime.store.entry(keys[2])
+    assert leaf == {
+        "key": keys[2].hex(),
+        "tier": "cpu",
+        "size_bytes": CHUNK,
+        "tokens": CT,
+        "tenant": "a",
+        "pinned": False,
+        "priority": entry.priority,
+        "hit_count": 2,
+        "last_access_s": entry.last_access_s,
+        "isolated": False,
+        "prefix_chunks": 3,
+        "prefix_tokens": 3 * CT,
+        "prefix_complete": True,
+    }
+    assert [(i["prefix_chunks"], i["prefix_complete"]) for i in items[1:]] == [(1, True), (2, True)]
+    assert client.get("/v1/stats").json()["stats"] == before  # reading it counts nothing
+
+    assert [i["key"] for i in client.get("/v1/keys/top", params={"limit": 1}).json()["items"]] == [
+        keys[2].hex()
+    ]
+    runtime.store.pin([keys[1]])
+    pinned = client.get("/v1/keys/top", params={"pinned": "true"}).json()["items"]
+    assert [(i["key"], i["pinned"]) for i in pinned] == [(keys[1].hex(), True)]
+
+    assert client.post("/v1/evict", json={"keys": [keys[0].hex()]}).json()["done"] == 1
+    items = client.get("/v1/keys/top").json()["items"]
+    assert [(i["prefix_chunks"], i["prefix_tokens"], i["prefix_complete"]) for i in items] == [
+        (2, 2 * CT, False),  # the leaf: its root is gone, so the prefix is only partly known
+        (1, CT, False),
+    ]
+
+
+def test_top_keys_rejects_bad_limit_and_flag(client: TestClient) -> None:
+    for limit in (0, api.MAX_TOP + 1, "many"):
+        r = client.get("/v1/keys/top", params={"limit": limit})
+        assert r.status_code == 422, limit
+        assert r.json()["detail"][0]["loc"] == ["query", "limit"]
+    assert client.get("/v1/keys/top", params={"limit": api.MAX_TOP}).status_code == 200
+    assert client.get("/v1/keys/top", params={"pinned": "maybe"}).status_code == 422
+
+
+def test_top_keys_route_is_not_shadowed_and_is_its_own_metric_label(
+    client: TestClient, runtime: AgentRuntime
+) -> None:
+    paths = [getattr(r, "path", "") for r in client.app.routes]  # type: ignore[attr-defined]
+    assert paths.index("/v1/keys/top") < paths.index("/v1/keys")
+    assert client.get("/v1/keys/top").status_code == 200
+    text = client.get("/metrics").text
+    assert re.search(
+        r'kvctl_http_requests_total\{[^}]*method="GET"[^}]*route="/v1/keys/top"[^}]*status="200"',
+        text,
+    )
+
+
 # --- events ----------------------------------------------------------------------------------
 
 
@@ -547,6 +615,7 @@ def test_openapi_lists_every_v1_path(client: TestClient) -> None:
         "/v1/move",
         "/v1/resize",
         "/v1/keys",
+        "/v1/keys/top",
         "/v1/events",
         "/v1/events/recent",
     }

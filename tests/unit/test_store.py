@@ -377,3 +377,123 @@ def test_events_describe_stores_demotions_promotions_and_evictions(
         ("promote", a.hex()),
         ("evict", b.hex()),
     ]
+
+
+# --- hottest ------------------------------------------------------------------------------------
+
+
+def test_hottest_orders_by_hits_then_recency_and_counts_nothing(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    a, b, c, d = (chain(ns, 1, seed=i)[0] for i in range(4))
+    for k in (a, b, c, d):
+        store.put(k, payload(k))
+    for k in (a, a, a, b, c):  # b and c tie on one hit; c was read last
+        store.touch(k)
+    before = store.stats.as_dict()
+    touched = [store.entry(k).last_access_s for k in (a, b, c, d)]
+    hot = store.hottest(10)
+    assert [h.key for h in hot] == [a, c, b, d]
+    assert [h.hit_count for h in hot] == [3, 1, 1, 0]
+    assert [h.key for h in store.hottest(2)] == [a, c]
+    assert store.hottest(0) == []
+    assert store.stats.as_dict() == before
+    assert [store.entry(k).last_access_s for k in (a, b, c, d)] == touched
+    store.touch(b)  # now b leads c
+    assert [h.key for h in store.hottest(3)] == [a, b, c]
+
+
+def test_hottest_pinned_only(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    a, b, c = (chain(ns, 1, seed=i)[0] for i in range(3))
+    for k in (a, b, c):
+        store.put(k, payload(k))
+    store.touch(a)
+    store.touch(b)
+    store.pin([b, c])
+    hot = store.hottest(10, pinned_only=True)
+    assert [(h.key, h.pinned) for h in hot] == [(b, True), (c, True)]
+    assert [h.key for h in store.hottest(1, pinned_only=True)] == [b]
+    store.unpin([b, c])
+    assert store.hottest(10, pinned_only=True) == []
+
+
+def test_hottest_reports_the_cached_prefix_of_each_chunk(ns: Namespace) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    root, mid, leaf = chain(ns, 3)
+    store.put(root, payload(root), tokens=4, tenant="a")
+    store.put(mid, payload(mid), tokens=5, tenant="a", parent=root)
+    store.put(leaf, payload(leaf), tokens=6, tenant="a", parent=mid, priority=70)
+    branch = chain(ns, 1, seed=9)[0]  # a second child of mid: the shared prefix walks once
+    store.put(branch, payload(branch), tokens=7, parent=mid)
+    for k in (leaf, leaf, leaf, branch, branch, mid):
+        store.touch(k)
+    hot = {h.key: h for h in store.hottest(10)}
+    prefixes = {k: (h.prefix_chunks, h.prefix_tokens, h.prefix_complete) for k, h in hot.items()}
+    assert prefixes == {
+        leaf: (3, 15, True),
+        branch: (3, 16, True),
+        mid: (2, 9, True),
+        root: (1, 4, True),
+    }
+    h = hot[leaf]
+    assert (h.tier, h.size_bytes, h.tokens, h.tenant, h.priority, h.hit_count) == (
+        "cpu",
+        100,
+        6,
+        "a",
+        70,
+        3,
+    )
+    assert (h.pinned, h.isolated, h.last_access_s) == (
+        False,
+        False,
+        store.entry(leaf).last_access_s,
+    )
+    assert h.as_dict()["key"] == leaf.hex()
+
+    store.evict([root])  # the prefix is now only partly known
+    hot = {h.key: h for h in store.hottest(10)}
+    assert (hot[leaf].prefix_chunks, hot[leaf].prefix_tokens, hot[leaf].prefix_complete) == (
+        2,
+        11,
+        False,
+    )
+    assert (hot[mid].prefix_chunks, hot[mid].prefix_complete) == (1, False)
+
+
+def test_hottest_on_an_empty_store_and_bad_limit() -> None:
+    store = TieredStore([CpuTier(10_000)])
+    assert store.hottest(10) == []
+    assert store.hottest(10, pinned_only=True) == []
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidArgument, match="limit"):
+            store.hottest(bad)  # type: ignore[arg-type]
+
+
+def test_hottest_prefix_walk_survives_cycles_and_stops_at_its_bound(
+    ns: Namespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = TieredStore([CpuTier(10_000)])
+    a, b, solo = (chain(ns, 1, seed=i)[0] for i in range(3))
+    store.put(a, payload(a), tokens=4, parent=b)  # hand-made parents: a -> b -> a
+    store.put(b, payload(b), tokens=4, parent=a)
+    store.put(solo, payload(solo), tokens=4, parent=solo)
+    hot = {h.key: h for h in store.hottest(5)}  # returns at all: no endless walk
+    assert set(hot) == {a, b, solo}
+    assert not any(h.prefix_complete for h in hot.values())
+    # each chunk counted once at most: a cycle's answer is a partial prefix, never a loop's sum
+    assert all(1 <= h.prefix_chunks <= 2 for h in (hot[a], hot[b]))
+    assert (hot[solo].prefix_chunks, hot[solo].prefix_tokens) == (1, 4)
+
+    monkeypatch.setattr("kvctl.store.store._MAX_PREFIX_WALK", 2)
+    deep = TieredStore([CpuTier(10_000)])
+    keys = chain(ns, 3, seed=5)
+    put_chain(deep, keys, tokens=4)
+    deep.touch(keys[2])
+    top = deep.hottest(1)[0]
+    assert (top.key, top.prefix_chunks, top.prefix_tokens, top.prefix_complete) == (
+        keys[2],
+        2,
+        8,
+        False,
+    )
