@@ -24,6 +24,7 @@ from kvctl.cli.plan import plan_command
 from kvctl.cli.replay import replay_command
 from kvctl.cli.simulate import simulate_command
 from kvctl.cli.status import status_command
+from kvctl.cli.top import top_command
 
 app = typer.Typer(
     name="kvctl",
@@ -62,6 +63,7 @@ app.add_typer(
 )
 for _name, _fn, _help, _panel in (
     ("status", status_command, "Every node: up/down, hit ratio, occupancy; totals per DC.", FLEET),
+    ("top", top_command, "Live view: sort, filter, drill into a node, act from it.", FLEET),
     ("lookup", lookup_command, "Which chunks of a prompt are cached, where.", FLEET),
     ("doctor", doctor_command, "Check the database, agents, NVML, disks and clocks.", FLEET),
     ("audit", audit_command, "What operators' kvctl did: who, when, what, result.", FLEET),

@@ -1,0 +1,112 @@
+"""`kvctl top`: the live view of the fleet (or of agents by URL) in the terminal."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
+from kvctl.cli.output import fail, print_json, user_errors
+
+if TYPE_CHECKING:
+    from kvctl.tui.sources import Source
+
+AgentOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--agent",
+        "-a",
+        help="Watch this agent's control URL directly, no database (repeat for several).",
+        metavar="URL",
+        show_default=False,
+    ),
+]
+
+
+def top_command(
+    agent: AgentOpt = None,
+    node: NodeOpt = None,
+    dc: DcOpt = None,
+    interval: Annotated[
+        float, typer.Option("--interval", "-i", help="Seconds between polls.", min=0.2)
+    ] = 2.0,
+    readonly: Annotated[
+        bool, typer.Option("--readonly", help="Refuse every action (watch only).")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Seconds to wait for each agent.", min=0.1)
+    ] = 2.0,
+    theme: Annotated[
+        str | None,
+        typer.Option("--theme", help="Textual theme, e.g. textual-light or textual-dark."),
+    ] = None,
+    db: DbOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Watch the fleet live: per node up/down, hit ratio and its trend, reuse vs sharing,
+    occupancy per tier, evictions/s, I/O, link RTT and GPU power; drill into a node for its
+    tier history, live events, hottest prefixes and pinned chunks.
+
+    Sort (s, or click a header), filter (/), group by DC (g); pin, unpin, evict, flush and
+    resize from the view, each confirmed first and written to the audit trail like the CLI's.
+    Press ? in the view for every key. Nodes that stop answering stay on screen as down.
+
+    With --json, polls twice --interval apart and prints the figures once (for scripts).
+
+    Examples:
+
+      kvctl top
+
+      kvctl top --dc fra --interval 1
+
+      kvctl top --agent http://127.0.0.1:7070 --readonly
+
+      kvctl top --json --interval 1
+    """
+    from kvctl.tui.sources import AgentSource, FleetSource
+
+    if agent and (node or dc):
+        fail("--agent watches agents by URL; --node/--dc pick from the inventory: use one way")
+    token = None  # the SDK reads KVCTL_TOKEN
+    audit_engine = None
+    source: Source
+    with user_errors(hint="an agent URL looks like http://127.0.0.1:7070"):
+        if agent:
+            source = AgentSource(agent, token=token, timeout_s=timeout)
+            if not readonly and not json_out:
+                audit_engine = open_engine(db)  # actions are audited in the local database
+        else:
+            engine = open_engine(db)
+            source = FleetSource(
+                engine, dcs=dc or [], nodes=node or [], token=token, timeout_s=timeout
+            )
+            with db_errors(), user_errors(hint="`kvctl fleet ls` lists DCs and nodes"):
+                source.targets()  # an unknown DC or node, or an empty fleet, fails here
+            audit_engine = None if readonly else engine
+    if json_out:
+        _print_once(source, interval)
+        return
+    from kvctl.tui.app import create_app
+
+    with user_errors():
+        app = create_app(
+            source, interval_s=interval, readonly=readonly, audit_engine=audit_engine, theme=theme
+        )
+    app.run()
+    if audit_engine is not None and audit_engine is not getattr(source, "engine", None):
+        audit_engine.dispose()
+
+
+def _print_once(source: Source, interval_s: float) -> None:
+    """Two polls ``interval_s`` apart, so rates are real rates; then the figures as JSON."""
+    from kvctl.tui.model import Sampler
+
+    sampler = Sampler()
+    with db_errors():
+        sampler.update(source.poll())
+        time.sleep(interval_s)
+        view = sampler.update(source.poll())
+    source.close()
+    print_json(view.as_dict())

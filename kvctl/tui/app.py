@@ -1,0 +1,251 @@
+"""The `kvctl top` Textual app: one factory (:func:`create_app`) for the CLI and the tests.
+
+Polls run in a thread worker, one at a time: a tick that finds the previous poll still running
+is counted as late and skipped, so a slow fleet never queues work or freezes the keyboard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from sqlalchemy.engine import Engine
+from textual import work
+from textual.app import App
+from textual.binding import Binding, BindingType
+
+from kvctl.db.inventory import NodeInfo
+from kvctl.fleet.actions import ActionReport, ActionRequest
+from kvctl.tui.cells import Cells, Palette
+from kvctl.tui.model import FleetView, Sampler, Thresholds
+from kvctl.tui.sources import Source
+
+
+class TopApp(App[None]):
+    TITLE = "kvctl top"
+    CSS_PATH = "top.tcss"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("q", "quit", "Quit"),
+        Binding("question_mark", "help", "Help", key_display="?"),
+    ]
+
+    def __init__(
+        self,
+        source: Source,
+        *,
+        interval_s: float = 2.0,
+        readonly: bool = False,
+        audit_engine: Engine | None = None,
+        actor: str | None = None,
+        thresholds: Thresholds | None = None,
+        auto_poll: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.interval_s = interval_s
+        self.readonly = readonly
+        self.audit_engine = audit_engine
+        self.actor = actor
+        self.thresholds = thresholds or Thresholds()
+        self.auto_poll = auto_poll
+        self.clock = clock
+        self.sampler = Sampler()
+        self.view: FleetView | None = None
+        #: polls applied to the screen, ticks skipped because a poll was still running
+        self.refreshes = 0
+        self.late_ticks = 0
+        self.paused = False
+        self.poll_error: str | None = None
+        self._polling = False
+        self.actions_done: list[ActionReport] = []
+
+    # --- theme-aware cells ---------------------------------------------------------------------
+    def cells(self) -> Cells:
+        return Cells(Palette.from_variables(self.get_css_variables()), self.thresholds)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def on_mount(self) -> None:
+        from kvctl.tui.fleet_screen import FleetScreen
+
+        self.push_screen(FleetScreen())
+        if self.auto_poll:
+            self.set_interval(self.interval_s, self.tick)
+            self.tick()
+
+    def on_unmount(self) -> None:
+        self.source.close()
+
+    def tick(self) -> None:
+        """Start a poll unless one is running (then this tick is late) or the view is paused."""
+        if self.paused:
+            return
+        if self._polling:
+            self.late_ticks += 1
+            return
+        self._polling = True
+        self._poll()
+
+    @work(thread=True, group="poll", exit_on_error=False)
+    def _poll(self) -> None:
+        try:
+            view = self.sampler.update(self.source.poll())
+        except Exception as exc:  # the database went away: say so, keep the last view
+            self.from_thread(self._poll_failed, f"{type(exc).__name__}: {exc}")
+            return
+        self.from_thread(self._apply, view)
+
+    def from_thread(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        """Run ``fn`` on the app's loop from a worker thread; nothing once the app closed."""
+        with contextlib.suppress(RuntimeError):
+            self.call_from_thread(fn, *args, **kwargs)
+
+    def _apply(self, view: FleetView) -> None:
+        self._polling = False
+        self.poll_error = None
+        self.view = view
+        self.refreshes += 1
+        self._show(view)
+
+    def _show(self, view: FleetView) -> None:
+        for screen in self.screen_stack:
+            show = getattr(screen, "show_view", None)
+            if show is not None:
+                show(view)
+
+    def _poll_failed(self, error: str) -> None:
+        self._polling = False
+        self.poll_error = error
+        self.notify(error, title="poll failed", severity="error", timeout=5)
+        if self.view is not None:
+            self._show(self.view)
+
+    # --- actions -------------------------------------------------------------------------------
+    def action_help(self) -> None:
+        from kvctl.tui.dialogs import HelpScreen
+
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def refuse_readonly(self, what: str) -> bool:
+        """True (and a notice) when actions are off: --readonly, or no audit trail at hand."""
+        if self.readonly:
+            self.notify(
+                f"{what}: read-only view (started with --readonly)",
+                title="action refused",
+                severity="warning",
+            )
+            return True
+        if self.audit_engine is None:
+            self.notify(
+                f"{what}: no database to audit it in (--db)",
+                title="action refused",
+                severity="error",
+            )
+            return True
+        return False
+
+    def request_action(self, node: NodeInfo, request: ActionRequest, detail: str) -> None:
+        """Ask for confirmation, then run ``request`` on ``node`` through the same library
+        code as the CLI (which writes the audit row)."""
+        from kvctl.tui.dialogs import ConfirmScreen
+
+        if self.refuse_readonly(request.action):
+            return
+
+        def confirmed(yes: bool | None) -> None:
+            if yes:
+                self._run_action(node, request)
+            else:
+                self.notify(f"{request.action} cancelled: nothing done", timeout=3)
+
+        self.push_screen(ConfirmScreen(node, request, detail, self.actor or ""), confirmed)
+
+    def tier_action(self, node: NodeInfo, action: str, tier: str | None = None) -> None:
+        """Flush or resize: choose the tier (and size), then confirm, then run."""
+        from kvctl.tui.dialogs import TierDialog
+
+        if self.refuse_readonly(action):
+            return
+        row = None if self.view is None else self.view.row(node.name)
+        tiers = list(row.tiers) if row is not None and row.up else []
+        if not tiers:
+            self.notify(f"{node.name} reports no tiers (is it down?)", severity="warning")
+            return
+        self.push_screen(
+            TierDialog(node, action, tiers, tier),
+            lambda req: None if req is None else self.request_action(node, req, ""),
+        )
+
+    @work(thread=True, group="action", exit_on_error=False)
+    def _run_action(self, node: NodeInfo, request: ActionRequest) -> None:
+        from kvctl.fleet.actions import run_action
+
+        assert self.audit_engine is not None
+        try:
+            report = run_action(
+                self.audit_engine, [node], request, token=self.source.token, actor=self.actor
+            )
+        except Exception as exc:  # the audit trail could not be written: nothing was done
+            self.from_thread(
+                self.notify,
+                f"{request.action} on {node.name} not run: {exc}",
+                severity="error",
+            )
+            return
+        self.from_thread(self._action_done, report)
+
+    def _action_done(self, report: ActionReport) -> None:
+        self.actions_done.append(report)
+        res = report.results[0]
+        what = f"{report.request.action} on {res.node.name}"
+        if res.ok:
+            figures = ", ".join(f"{k} {v}" for k, v in (res.value or {}).items() if k != "usage")
+            self.notify(f"{what}: {figures}", title="done (audited)", timeout=5)
+        else:
+            self.notify(f"{what} failed: {res.error}", title="failed (audited)", severity="error")
+        for screen in self.screen_stack:
+            after = getattr(screen, "after_action", None)
+            if after is not None:
+                after()
+        self.tick()
+
+
+def create_app(
+    source: Source,
+    *,
+    interval_s: float = 2.0,
+    readonly: bool = False,
+    audit_engine: Engine | None = None,
+    actor: str | None = None,
+    thresholds: Thresholds | None = None,
+    auto_poll: bool = True,
+    clock: Callable[[], float] = time.time,
+    theme: str | None = None,
+) -> TopApp:
+    """The live view on ``source``. Actions need ``audit_engine`` (their audit trail) and are
+    refused with ``readonly``; ``auto_poll=False`` leaves polling to the caller (tests)."""
+    if interval_s <= 0:
+        raise ValueError(f"the refresh interval must be positive, got {interval_s}")
+    if actor is None:
+        from kvctl.fleet.audit import current_actor
+
+        actor = current_actor()
+    app = TopApp(
+        source,
+        interval_s=interval_s,
+        readonly=readonly,
+        audit_engine=audit_engine,
+        actor=actor,
+        thresholds=thresholds,
+        auto_poll=auto_poll,
+        clock=clock,
+    )
+    if theme is not None:
+        if theme not in app.available_themes:
+            known = ", ".join(sorted(app.available_themes))
+            raise ValueError(f"unknown theme {theme!r}; one of {known}")
+        app.theme = theme
+    return app

@@ -1,0 +1,233 @@
+"""Table cells for `kvctl top`: figures as Rich text, styled by threshold level.
+
+Styles come from the running theme's own colours (``$success``, ``$warning``, ``$error``), so
+light and dark themes both read well, and every warning also shows without colour: bold for a
+warning, reversed for a critical value, dim for N/A.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from rich.style import Style
+from rich.text import Text
+
+from kvctl.tui.model import (
+    DcRow,
+    Level,
+    NodeRow,
+    Thresholds,
+    WindowCounts,
+    bar,
+    sparkline,
+)
+
+TREND_CELLS = 10
+BAR_CELLS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Palette:
+    """The theme's colours for each level (hex strings, as Textual's CSS variables give)."""
+
+    good: str = "#4EBF71"
+    warn: str = "#ffa62b"
+    crit: str = "#ba3c5b"
+
+    @classmethod
+    def from_variables(cls, variables: Mapping[str, str]) -> Palette:
+        return cls(
+            variables.get("success", cls.good),
+            variables.get("warning", cls.warn),
+            variables.get("error", cls.crit),
+        )
+
+    def style(self, level: Level) -> Style:
+        if level is Level.GOOD:
+            return Style(color=self.good)
+        if level is Level.WARN:
+            return Style(color=self.warn, bold=True)
+        if level is Level.CRIT:
+            return Style(color=self.crit, bold=True, reverse=True)
+        return Style()
+
+
+NA = Text("N/A", style="dim")
+
+
+def pct_text(ratio: float | None) -> str:
+    return "N/A" if ratio is None else f"{ratio * 100:.0f}%"
+
+
+def compact_bytes(n: float) -> str:
+    """Four characters or so: ``980B``, ``1.2K``, ``34M``, ``5.6G`` (binary units)."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or abs(n) >= 10 else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def rate_text(per_s: float | None) -> str:
+    if per_s is None:
+        return "N/A"
+    if per_s == 0:
+        return "0"
+    return f"{per_s:.1f}" if per_s < 100 else f"{per_s:,.0f}"
+
+
+def seconds_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "N/A"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f}µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f}ms"
+    return f"{seconds:.1f}s"
+
+
+def duration_text(seconds: float | None) -> str:
+    if seconds is None:
+        return "N/A"
+    s = int(seconds)
+    for unit, width in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= width:
+            return f"{s // width}{unit}"
+    return f"{s}s"
+
+
+class Cells:
+    """Every column's text for one node or DC row, in the palette of the running theme."""
+
+    def __init__(self, palette: Palette, thresholds: Thresholds) -> None:
+        self.palette = palette
+        self.t = thresholds
+
+    def _styled(self, text: str, level: Level) -> Text:
+        if text == "N/A":
+            return NA.copy()
+        return Text(text, style=self.palette.style(level))
+
+    def state(self, row: NodeRow) -> Text:
+        if row.up:
+            return Text("up", style=self.palette.style(Level.GOOD))
+        return Text(f"DOWN {duration_text(row.down_for_s)}", style=self.palette.style(Level.CRIT))
+
+    def hit(self, recent: WindowCounts) -> Text:
+        if recent.seconds and recent.hit_ratio is None:
+            return Text("idle", style="dim")
+        return self._styled(pct_text(recent.hit_ratio), self.t.hit(recent.hit_ratio))
+
+    def trend(self, row: NodeRow) -> Text:
+        return Text(sparkline(row.hit_history, TREND_CELLS))
+
+    def split(self, recent: WindowCounts) -> Text:
+        if recent.reuse_share_ratio is None:
+            return NA.copy()
+        reuse = round(recent.reuse_share_ratio * 100)
+        return Text(f"{reuse}/{100 - reuse}")
+
+    def occupancy(self, ratio: float | None) -> Text:
+        if ratio is None:
+            return NA.copy()
+        level = self.t.occupancy(ratio)
+        return Text.assemble(
+            (bar(ratio, BAR_CELLS), self.palette.style(level) if level is not Level.NONE else ""),
+            f"{ratio * 100:4.0f}%",
+        )
+
+    def rate(self, per_s: float | None) -> Text:
+        return self._styled(rate_text(per_s), Level.NONE)
+
+    def io(self, per_s: float | None) -> Text:
+        return NA.copy() if per_s is None else Text(f"{compact_bytes(per_s)}/s")
+
+    def rtt(self, row: NodeRow, has_links: bool) -> Text:
+        worst = None
+        for dc, v in row.rtt_s.items():
+            if v is not None and (worst is None or v > worst[1]):
+                worst = (dc, v)
+        if worst is None:
+            return Text("no probes" if has_links else "N/A", style="dim")
+        return Text.assemble(
+            f"{worst[0]} ", (seconds_text(worst[1]), self.palette.style(self.t.rtt(worst[1])))
+        )
+
+    def power(self, watts: float | None) -> Text:
+        return NA.copy() if watts is None else Text(f"{watts:.0f}W")
+
+
+@dataclass(frozen=True, slots=True)
+class Column:
+    key: str
+    title: str
+    node: Callable[[Cells, NodeRow, bool], Text]
+    dc: Callable[[Cells, DcRow], Text]
+
+
+def _blank(_c: Cells, _d: DcRow) -> Text:
+    return Text("")
+
+
+def _tier_column(tier: str) -> Column:
+    def node(c: Cells, r: NodeRow, _links: bool) -> Text:
+        t = r.tiers.get(tier)
+        return c.occupancy(None if t is None or not r.up else t.occupancy_ratio)
+
+    def dc(c: Cells, d: DcRow) -> Text:
+        t = d.tiers.get(tier)
+        return c.occupancy(None if t is None else t.occupancy_ratio)
+
+    return Column(f"tier:{tier}", tier.upper(), node, dc)
+
+
+def _up(fn: Callable[[Cells, NodeRow], Text]) -> Callable[[Cells, NodeRow, bool], Text]:
+    """A live figure: N/A while the node is down (its last figures would be stale)."""
+
+    def cell(c: Cells, r: NodeRow, _links: bool) -> Text:
+        return fn(c, r) if r.up else NA.copy()
+
+    return cell
+
+
+def columns(tiers: list[str]) -> list[Column]:
+    """The fleet table's columns: the key ones first so an 80-column terminal shows them."""
+    return [
+        Column("dc", "DC", lambda c, r, _: Text(r.dc), lambda c, d: Text(d.dc, style="bold")),
+        Column(
+            "node",
+            "NODE",
+            lambda c, r, _: Text(r.name),
+            lambda c, d: Text(f"{d.up}/{d.nodes} up", style="bold"),
+        ),
+        Column("state", "STATE", lambda c, r, _: c.state(r), _blank),
+        Column("hit", "HIT", _up(lambda c, r: c.hit(r.recent)), lambda c, d: c.hit(d.recent)),
+        Column("trend", "TREND", lambda c, r, _: c.trend(r), _blank),
+        Column(
+            "split",
+            "REUSE/SHR",
+            _up(lambda c, r: c.split(r.recent)),
+            lambda c, d: c.split(d.recent),
+        ),
+        *(_tier_column(t) for t in tiers),
+        Column(
+            "evictions",
+            "EVICT/s",
+            _up(lambda c, r: c.rate(r.recent.evictions_per_s)),
+            lambda c, d: c.rate(d.recent.evictions_per_s),
+        ),
+        Column(
+            "io",
+            "I/O",
+            _up(lambda c, r: c.io(r.recent.io_bytes_per_s)),
+            lambda c, d: c.io(d.recent.io_bytes_per_s),
+        ),
+        Column("rtt", "RTT", lambda c, r, links: c.rtt(r, links), _blank),
+        Column(
+            "power",
+            "POWER",
+            lambda c, r, _: c.power(None if r.gpu is None else r.gpu.power_w),
+            lambda c, d: c.power(d.power_w),
+        ),
+    ]

@@ -1,0 +1,597 @@
+"""What `kvctl top` shows, as plain data: agents' cumulative counters turned into recent rates
+and ratios per node and per DC, history for sparklines, sorting, filtering and grouping.
+
+No Textual here (a layering test checks it): the view model is what `kvctl top --json` prints,
+and what the tests check figure by figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from collectors.counters import CounterTracker
+from collectors.rows import cache_counters
+from kvctl.db.inventory import NodeInfo
+
+#: polls kept per node: the sparklines' width and the occupancy history's length
+HISTORY_POLLS = 60
+#: hit ratios and rates are over this many polls (30 s at the default 2 s interval)
+WINDOW_POLLS = 15
+
+
+# --- what a poll brings back -------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GpuPower:
+    """A node's GPUs at one poll: total board power, or why there is none."""
+
+    power_w: float | None
+    gpus: int
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One node's answer to one poll (``stats`` is the agent's ``/v1/stats``)."""
+
+    node: NodeInfo
+    stats: Mapping[str, Any] | None
+    error: str | None = None
+    elapsed_s: float = 0.0
+    #: None when GPUs were not asked this poll (they are asked less often than stats)
+    gpu: GpuPower | None = None
+
+    @property
+    def up(self) -> bool:
+        return self.stats is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Poll:
+    ts_s: float
+    readings: list[Reading]
+    #: RTT (s) per DC pair, both orders; None when the source has no link probes (direct agents)
+    rtt_s: Mapping[tuple[str, str], float | None] | None = None
+    elapsed_s: float = 0.0
+
+
+# --- thresholds --------------------------------------------------------------------------------
+class Level(Enum):
+    NONE = "none"
+    GOOD = "good"
+    WARN = "warn"
+    CRIT = "crit"
+
+
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    occupancy_warn_ratio: float = 0.85
+    occupancy_crit_ratio: float = 0.95
+    #: hit ratios at or above this are good; below the low mark they warn
+    hit_good_ratio: float = 0.5
+    hit_low_ratio: float = 0.1
+    rtt_warn_s: float = 0.002
+    rtt_crit_s: float = 0.005
+
+    def occupancy(self, ratio: float | None) -> Level:
+        if ratio is None:
+            return Level.NONE
+        if ratio >= self.occupancy_crit_ratio:
+            return Level.CRIT
+        return Level.WARN if ratio >= self.occupancy_warn_ratio else Level.NONE
+
+    def hit(self, ratio: float | None) -> Level:
+        if ratio is None:
+            return Level.NONE
+        if ratio >= self.hit_good_ratio:
+            return Level.GOOD
+        return Level.WARN if ratio < self.hit_low_ratio else Level.NONE
+
+    def rtt(self, rtt_s: float | None) -> Level:
+        if rtt_s is None:
+            return Level.NONE
+        if rtt_s >= self.rtt_crit_s:
+            return Level.CRIT
+        return Level.WARN if rtt_s >= self.rtt_warn_s else Level.GOOD
+
+
+# --- the view ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class TierGauge:
+    used_bytes: int = 0
+    capacity_bytes: int = 0
+    pinned_bytes: int = 0
+    chunks: int = 0
+    evictions_per_s: float | None = None
+
+    @property
+    def occupancy_ratio(self) -> float | None:
+        return self.used_bytes / self.capacity_bytes if self.capacity_bytes else None
+
+    def add(self, other: TierGauge) -> None:
+        self.used_bytes += other.used_bytes
+        self.capacity_bytes += other.capacity_bytes
+        self.pinned_bytes += other.pinned_bytes
+        self.chunks += other.chunks
+        if other.evictions_per_s is not None:
+            self.evictions_per_s = (self.evictions_per_s or 0.0) + other.evictions_per_s
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "chunks": self.chunks,
+            "occupancy_ratio": self.occupancy_ratio,
+            "evictions_per_s": self.evictions_per_s,
+        }
+
+
+@dataclass(slots=True)
+class WindowCounts:
+    """Counter increases over the recent window and the seconds it spans."""
+
+    seconds: float = 0.0
+    lookups: float = 0.0
+    hits: float = 0.0
+    reuse_hits: float = 0.0
+    sharing_hits: float = 0.0
+    evictions: float = 0.0
+    io_bytes: float = 0.0
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+    @property
+    def sharing_share_ratio(self) -> float | None:
+        both = self.reuse_hits + self.sharing_hits
+        return self.sharing_hits / both if both else None
+
+    @property
+    def reuse_share_ratio(self) -> float | None:
+        both = self.reuse_hits + self.sharing_hits
+        return self.reuse_hits / both if both else None
+
+    def rate(self, value: float) -> float | None:
+        return value / self.seconds if self.seconds > 0 else None
+
+    @property
+    def evictions_per_s(self) -> float | None:
+        return self.rate(self.evictions)
+
+    @property
+    def io_bytes_per_s(self) -> float | None:
+        return self.rate(self.io_bytes)
+
+    @property
+    def lookups_per_s(self) -> float | None:
+        return self.rate(self.lookups)
+
+    def add(self, other: WindowCounts) -> None:
+        self.lookups += other.lookups
+        self.hits += other.hits
+        self.reuse_hits += other.reuse_hits
+        self.sharing_hits += other.sharing_hits
+        self.evictions += other.evictions
+        self.io_bytes += other.io_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "window_seconds": self.seconds,
+            "lookups": self.lookups,
+            "hits": self.hits,
+            "hit_ratio": self.hit_ratio,
+            "reuse_share_ratio": self.reuse_share_ratio,
+            "sharing_share_ratio": self.sharing_share_ratio,
+            "lookups_per_s": self.lookups_per_s,
+            "evictions_per_s": self.evictions_per_s,
+            "io_bytes_per_s": self.io_bytes_per_s,
+        }
+
+
+@dataclass(slots=True)
+class NodeRow:
+    node: NodeInfo
+    up: bool
+    error: str | None = None
+    #: seconds the node has been down in this view (None while up)
+    down_for_s: float | None = None
+    recent: WindowCounts = field(default_factory=WindowCounts)
+    #: hit ratio since the agent started (its own counters)
+    lifetime_hit_ratio: float | None = None
+    uptime_s: float | None = None
+    tiers: dict[str, TierGauge] = field(default_factory=dict)
+    #: hit ratio of each poll, oldest first (None: no lookups in that poll)
+    hit_history: list[float | None] = field(default_factory=list)
+    #: per tier: occupancy ratio at each poll, oldest first
+    occupancy_history: dict[str, list[float | None]] = field(default_factory=dict)
+    #: RTT to each other DC (collectors' probes over the last 15 minutes)
+    rtt_s: dict[str, float | None] = field(default_factory=dict)
+    gpu: GpuPower | None = None
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    @property
+    def dc(self) -> str:
+        return self.node.dc
+
+    @property
+    def max_rtt_s(self) -> float | None:
+        known = [v for v in self.rtt_s.values() if v is not None]
+        return max(known) if known else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "node": self.name,
+            "dc": self.dc,
+            "agent_url": self.node.agent_url,
+            "up": self.up,
+            "error": self.error,
+            "down_for_s": self.down_for_s,
+            **self.recent.as_dict(),
+            "lifetime_hit_ratio": self.lifetime_hit_ratio,
+            "uptime_s": self.uptime_s,
+            "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
+            "rtt_s": self.rtt_s,
+            "gpu_power_w": None if self.gpu is None else self.gpu.power_w,
+            "gpu_note": None if self.gpu is None else self.gpu.note,
+        }
+
+
+@dataclass(slots=True)
+class DcRow:
+    dc: str
+    nodes: int = 0
+    up: int = 0
+    recent: WindowCounts = field(default_factory=WindowCounts)
+    tiers: dict[str, TierGauge] = field(default_factory=dict)
+    power_w: float | None = None
+
+    def add(self, row: NodeRow) -> None:
+        self.nodes += 1
+        if not row.up:
+            return
+        self.up += 1
+        self.recent.seconds = max(self.recent.seconds, row.recent.seconds)
+        self.recent.add(row.recent)
+        for name, t in row.tiers.items():
+            self.tiers.setdefault(name, TierGauge()).add(t)
+        if row.gpu is not None and row.gpu.power_w is not None:
+            self.power_w = (self.power_w or 0.0) + row.gpu.power_w
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dc": self.dc,
+            "nodes": self.nodes,
+            "up": self.up,
+            **self.recent.as_dict(),
+            "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
+            "gpu_power_w": self.power_w,
+        }
+
+
+@dataclass(slots=True)
+class FleetView:
+    ts_s: float
+    rows: list[NodeRow]
+    dcs: list[DcRow]
+    total: DcRow
+    #: tiers any node has, in the store's order (fastest first)
+    tiers: list[str]
+    poll_s: float
+    polls: int
+    #: whether link RTTs are known at all (the database's probes)
+    has_links: bool
+
+    def row(self, name: str) -> NodeRow | None:
+        return next((r for r in self.rows if r.name == name), None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "ts_s": self.ts_s,
+            "poll_seconds": self.poll_s,
+            "polls": self.polls,
+            "nodes": [r.as_dict() for r in self.rows],
+            "dcs": [d.as_dict() for d in self.dcs],
+            "total": self.total.as_dict(),
+        }
+
+
+TIER_ORDER = ("gpu", "cpu", "disk", "remote", "peer")
+
+
+def tier_order(names: Iterable[str]) -> list[str]:
+    rank = {n: i for i, n in enumerate(TIER_ORDER)}
+    return sorted(set(names), key=lambda n: (rank.get(n, len(rank)), n))
+
+
+# --- counters in, view out ---------------------------------------------------------------------
+@dataclass(slots=True)
+class _Step:
+    """One poll's increases for one node."""
+
+    seconds: float
+    counts: WindowCounts
+    tier_evictions: dict[str, float]
+
+
+@dataclass(slots=True)
+class _NodeState:
+    steps: deque[_Step] = field(default_factory=lambda: deque(maxlen=WINDOW_POLLS))
+    hit_history: deque[float | None] = field(default_factory=lambda: deque(maxlen=HISTORY_POLLS))
+    occupancy: dict[str, deque[float | None]] = field(default_factory=dict)
+    last_ts_s: float | None = None
+    down_since_s: float | None = None
+    gpu: GpuPower | None = None
+
+
+class Sampler:
+    """Turns successive polls into a :class:`FleetView`. Counters become increases with the
+    collectors' own tracker, so an agent restart starts its counts from zero instead of showing
+    a negative rate. One poll at a time: the app feeds it from a single worker."""
+
+    def __init__(self, *, window_polls: int = WINDOW_POLLS) -> None:
+        self._tracker = CounterTracker()
+        self._state: dict[str, _NodeState] = {}
+        self._window_polls = window_polls
+        self.polls = 0
+
+    def update(self, poll: Poll) -> FleetView:
+        self.polls += 1
+        rows = [self._row(r, poll) for r in poll.readings]
+        seen = {r.node.name for r in poll.readings}
+        for gone in set(self._state) - seen:  # removed from the inventory
+            del self._state[gone]
+        by_dc: dict[str, DcRow] = {}
+        total = DcRow("fleet")
+        for row in rows:
+            by_dc.setdefault(row.dc, DcRow(row.dc)).add(row)
+            total.add(row)
+        tiers = tier_order(t for r in rows for t in r.tiers)
+        return FleetView(
+            ts_s=poll.ts_s,
+            rows=rows,
+            dcs=[by_dc[k] for k in sorted(by_dc)],
+            total=total,
+            tiers=tiers,
+            poll_s=poll.elapsed_s,
+            polls=self.polls,
+            has_links=poll.rtt_s is not None,
+        )
+
+    def _row(self, reading: Reading, poll: Poll) -> NodeRow:
+        node = reading.node
+        state = self._state.setdefault(
+            node.name, _NodeState(steps=deque(maxlen=self._window_polls))
+        )
+        if reading.gpu is not None:
+            state.gpu = reading.gpu
+        rtt = _rtt_from(node.dc, poll.rtt_s)
+        if reading.stats is None:
+            if state.down_since_s is None:
+                state.down_since_s = poll.ts_s
+            state.hit_history.append(None)
+            for hist in state.occupancy.values():
+                hist.append(None)
+            return NodeRow(
+                node,
+                False,
+                reading.error,
+                down_for_s=poll.ts_s - state.down_since_s,
+                hit_history=list(state.hit_history),
+                occupancy_history={k: list(v) for k, v in state.occupancy.items()},
+                rtt_s=rtt,
+                gpu=state.gpu,
+            )
+        state.down_since_s = None
+        stats = reading.stats
+        step = self._step(node.name, stats, poll.ts_s, state)
+        if step is not None:
+            state.steps.append(step)
+        state.hit_history.append(None if step is None else step.counts.hit_ratio)
+        recent = WindowCounts()
+        tier_ev: dict[str, float] = {}
+        for s in state.steps:
+            recent.seconds += s.seconds
+            recent.add(s.counts)
+            for t, v in s.tier_evictions.items():
+                tier_ev[t] = tier_ev.get(t, 0.0) + v
+        tiers: dict[str, TierGauge] = {}
+        for name, u in stats.get("usage", {}).items():
+            g = TierGauge(
+                int(u.get("used_bytes", 0)),
+                int(u.get("capacity_bytes", 0)),
+                int(u.get("pinned_bytes", 0)),
+                int(u.get("chunks", 0)),
+            )
+            g.evictions_per_s = recent.rate(tier_ev[name]) if name in tier_ev else None
+            tiers[name] = g
+            state.occupancy.setdefault(name, deque(maxlen=HISTORY_POLLS)).append(g.occupancy_ratio)
+        counters = stats.get("stats", {})
+        lookups = counters.get("lookup_chunks", 0)
+        started_s = stats.get("started_s")
+        return NodeRow(
+            node,
+            True,
+            recent=recent,
+            lifetime_hit_ratio=counters.get("hit_chunks", 0) / lookups if lookups else None,
+            uptime_s=None if started_s is None else max(poll.ts_s - float(started_s), 0.0),
+            tiers={k: tiers[k] for k in tier_order(tiers)},
+            hit_history=list(state.hit_history),
+            occupancy_history={k: list(v) for k, v in state.occupancy.items()},
+            rtt_s=rtt,
+            gpu=state.gpu,
+        )
+
+    def _step(
+        self, name: str, stats: Mapping[str, Any], ts_s: float, state: _NodeState
+    ) -> _Step | None:
+        """This poll's increases; None on the first poll of a node (a baseline only)."""
+        epoch = stats.get("started_s")
+        ts_ms = int(ts_s * 1000)
+        last_ts_s, state.last_ts_s = state.last_ts_s, ts_s
+        first = last_ts_s is None
+        seconds = 0.0 if last_ts_s is None else ts_s - last_ts_s
+        inc: dict[str, dict[str, float | None]] = {
+            tier: self._tracker.increase(f"{name}:{tier}", raw, epoch=epoch, ts_ms=ts_ms)
+            for tier, raw in cache_counters(stats).items()
+        }
+        if first or seconds <= 0:
+            return None
+        a = inc["all"]
+        counts = WindowCounts(
+            seconds=seconds,
+            lookups=a["lookups"] or 0.0,
+            hits=a["hits"] or 0.0,
+            reuse_hits=a["reuse_hits"] or 0.0,
+            sharing_hits=a["sharing_hits"] or 0.0,
+            evictions=a["evictions"] or 0.0,
+            io_bytes=(a["bytes_read"] or 0.0) + (a["bytes_written"] or 0.0),
+        )
+        tier_ev = {t: v["evictions"] or 0.0 for t, v in inc.items() if t != "all"}
+        return _Step(seconds, counts, tier_ev)
+
+
+def _rtt_from(
+    dc: str, rtt_s: Mapping[tuple[str, str], float | None] | None
+) -> dict[str, float | None]:
+    if not rtt_s:
+        return {}
+    return {b: v for (a, b), v in sorted(rtt_s.items()) if a == dc and b != dc}
+
+
+# --- sorting, filtering, grouping ---------------------------------------------------------------
+def _occupancy_key(tier: str) -> Callable[[NodeRow], float | None]:
+    def key(r: NodeRow) -> float | None:
+        t = r.tiers.get(tier)
+        return None if t is None else t.occupancy_ratio
+
+    return key
+
+
+_SORT_KEYS: dict[str, Callable[[NodeRow], Any]] = {
+    "dc": lambda r: (r.dc, r.name),
+    "node": lambda r: r.name,
+    "state": lambda r: (r.up, r.name),
+    "hit": lambda r: r.recent.hit_ratio,
+    "trend": lambda r: r.recent.hit_ratio,
+    "split": lambda r: r.recent.sharing_share_ratio,
+    "evictions": lambda r: r.recent.evictions_per_s,
+    "io": lambda r: r.recent.io_bytes_per_s,
+    "rtt": lambda r: r.max_rtt_s,
+    "power": lambda r: None if r.gpu is None else r.gpu.power_w,
+}
+
+
+def sort_key(column: str) -> Callable[[NodeRow], Any]:
+    if column.startswith("tier:"):
+        return _occupancy_key(column.removeprefix("tier:"))
+    try:
+        return _SORT_KEYS[column]
+    except KeyError:
+        raise ValueError(f"cannot sort by {column!r}") from None
+
+
+def sort_rows(rows: Sequence[NodeRow], column: str, *, reverse: bool = False) -> list[NodeRow]:
+    """Rows ordered by ``column``; rows without a value (down, idle, N/A) always come last,
+    whichever the direction, so the interesting ones stay on screen."""
+    key = sort_key(column)
+    known = [r for r in rows if key(r) is not None and not _is_nan(key(r))]
+    unknown = [r for r in rows if r not in known]
+    known.sort(key=lambda r: (key(r), r.name), reverse=reverse)
+    unknown.sort(key=lambda r: r.name)
+    return known + unknown
+
+
+def _is_nan(v: Any) -> bool:
+    return isinstance(v, float) and math.isnan(v)
+
+
+def matches(row: NodeRow, query: str) -> bool:
+    """Every word of ``query`` is in the node's name, DC or state (``up``/``down``), case
+    aside; ``dc:NAME`` and ``node:NAME`` match one field exactly, ``!word`` excludes."""
+    state = "up" if row.up else "down"
+    haystack = f"{row.name} {row.dc} {state}".lower()
+    for word in query.lower().split():
+        negate = word.startswith("!")
+        word = word.removeprefix("!")
+        if not word:
+            continue
+        if word.startswith("dc:"):
+            hit = row.dc.lower() == word[3:]
+        elif word.startswith("node:"):
+            hit = row.name.lower() == word[5:]
+        elif word in ("up", "down"):
+            hit = state == word
+        else:
+            hit = word in haystack
+        if hit == negate:
+            return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """One line of the fleet table: a node, or a DC's header when grouped."""
+
+    row: NodeRow | None = None
+    dc: DcRow | None = None
+
+
+def arrange(
+    view: FleetView,
+    *,
+    sort: str = "dc",
+    reverse: bool = False,
+    query: str = "",
+    group: bool = False,
+) -> list[Line]:
+    """The table's lines: filtered, sorted, and under a header per DC when grouped (the
+    header's totals cover the DC's nodes that pass the filter)."""
+    rows = [r for r in view.rows if matches(r, query)] if query.strip() else list(view.rows)
+    rows = sort_rows(rows, sort, reverse=reverse)
+    if not group:
+        return [Line(row=r) for r in rows]
+    out: list[Line] = []
+    for dc in sorted({r.dc for r in rows}):
+        members = [r for r in rows if r.dc == dc]
+        head = DcRow(dc)
+        for r in members:
+            head.add(r)
+        out.append(Line(dc=head))
+        out.extend(Line(row=r) for r in members)
+    return out
+
+
+# --- small renderings shared by the table and --json-less text -----------------------------------
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Sequence[float | None], width: int, *, top: float = 1.0) -> str:
+    """The last ``width`` values as block characters (0..top); a gap where a value is missing."""
+    tail = list(values)[-width:]
+    out = []
+    for v in tail:
+        if v is None:
+            out.append(" ")
+        else:
+            idx = round(min(max(v / top, 0.0), 1.0) * (len(SPARK) - 1))
+            out.append(SPARK[idx])
+    return "".join(out).rjust(width)
+
+
+def bar(ratio: float | None, width: int) -> str:
+    """A horizontal gauge in eighths over a light track: ``████▌░░░`` for 0.56 over 8 cells."""
+    if ratio is None:
+        return " " * width
+    eighths = round(min(max(ratio, 0.0), 1.0) * width * 8)
+    full, part = divmod(eighths, 8)
+    partial = " ▏▎▍▌▋▊▉"[part] if part else ""
+    return ("█" * full + partial).ljust(width, "░")

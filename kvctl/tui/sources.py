@@ -1,0 +1,266 @@
+"""Where `kvctl top` reads from: the fleet's inventory in the database (every node's agent asked
+live, link RTTs from the collectors' probes), or agents named by URL. Each poll asks every agent
+at once and never raises for a node that does not answer: that node is down."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from sqlalchemy.engine import Engine
+
+from kvctl.client import AgentClient
+from kvctl.db.inventory import NodeInfo
+from kvctl.fleet.fanout import fan_out
+from kvctl.tui.model import GpuPower, Poll, Reading
+
+#: GPUs are read this often (seconds): NVML power moves slowly and costs a request per node
+GPU_EVERY_S = 10.0
+#: link RTTs are the collectors' probes over this window
+LINK_WINDOW_S = 15 * 60.0
+
+
+#: events read when a node's page opens (the most recent ones), and hot/pinned chunks listed
+RECENT_EVENTS = 300
+TOP_CHUNKS = 50
+PINNED_CHUNKS = 200
+#: beyond any real sequence number: the agent answers with its last one (see EventHub.read)
+_RESYNC_CURSOR = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Details:
+    """A node's own detail: new events since ``cursor``, hottest and pinned chunks."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    #: pass back as ``cursor`` next time
+    cursor: int | None = None
+    dropped: int = 0
+    #: the agent's sequence went back: it restarted since the last read
+    restarted: bool = False
+    top: list[dict[str, Any]] | None = None
+    pinned: list[dict[str, Any]] | None = None
+    error: str | None = None
+
+
+def fetch_details(
+    node: NodeInfo, cursor: int | None, *, token: str | None, timeout_s: float
+) -> Details:
+    """Ask ``node``'s agent for its detail; a failure is a :class:`Details` with ``error``."""
+    from kvctl.client import ChunkNotFound
+
+    try:
+        with AgentClient(node.agent_url, token=token, timeout_s=timeout_s) as c:
+            after = cursor
+            if after is None:  # first read: only the most recent events
+                last = int(c.events(after=_RESYNC_CURSOR, limit=1)["last_seq"])
+                after = max(last - RECENT_EVENTS, 0)
+            ev = c.events(after=after, limit=1000)
+            restarted = cursor is not None and int(ev["last_seq"]) < cursor
+            try:
+                top = c.top_keys(limit=TOP_CHUNKS)["items"]
+                pinned = c.top_keys(limit=PINNED_CHUNKS, pinned=True)["items"]
+                error = None
+            except ChunkNotFound:  # an agent from before /v1/keys/top
+                top = pinned = None
+                error = "this agent does not list hot chunks (upgrade it)"
+    except Exception as exc:
+        return Details(cursor=cursor, error=str(exc))
+    return Details(
+        ev["events"], int(ev["last_seq"]), int(ev.get("dropped", 0)), restarted, top, pinned, error
+    )
+
+
+class Source(Protocol):
+    #: what the header says is being watched
+    label: str
+    #: the agents' bearer token (None: the SDK reads KVCTL_TOKEN)
+    token: str | None
+
+    def poll(self) -> Poll: ...
+
+    def details(self, node: NodeInfo, cursor: int | None) -> Details: ...
+
+    def close(self) -> None: ...
+
+
+def gpu_power(answer: dict[str, Any]) -> GpuPower:
+    """A node's ``/v1/gpus`` as total power, or N/A with NVML's own reason."""
+    nvml = answer.get("nvml", {})
+    gpus = answer.get("gpus", [])
+    if not nvml.get("available"):
+        return GpuPower(None, 0, f"NVML unavailable: {nvml.get('error') or 'unknown'}")
+    watts = [g["power_w"] for g in gpus if g.get("power_w") is not None]
+    if not watts:
+        return GpuPower(None, len(gpus), "no power reading")
+    return GpuPower(float(sum(watts)), len(gpus))
+
+
+@dataclass(slots=True)
+class Asker:
+    """Asks agents for stats each poll and for GPUs every :data:`GPU_EVERY_S`."""
+
+    token: str | None
+    timeout_s: float
+    clock: Callable[[], float] = time.time
+    _gpus_at: dict[str, float] = field(default_factory=dict)
+
+    def ask(self, nodes: Sequence[NodeInfo]) -> list[Reading]:
+        now = self.clock()
+        due = {
+            n.agent_url.rstrip("/")
+            for n in nodes
+            if now - self._gpus_at.get(n.name, -GPU_EVERY_S) >= GPU_EVERY_S
+        }
+
+        def call(client: AgentClient) -> dict[str, Any]:
+            out: dict[str, Any] = {"stats": client.stats()}
+            if client.url in due:
+                try:
+                    out["gpus"] = gpu_power(client.gpus())
+                except Exception as exc:  # an agent without /v1/gpus still has stats
+                    out["gpus"] = GpuPower(None, 0, f"GPUs unreadable: {exc}")
+            return out
+
+        results = fan_out(nodes, call, token=self.token, timeout_s=self.timeout_s)
+        readings = []
+        for r in results:
+            if not r.ok or r.value is None:
+                readings.append(Reading(r.node, None, r.error, r.elapsed_s))
+                continue
+            gpu = r.value.get("gpus")
+            if gpu is not None:
+                self._gpus_at[r.node.name] = now
+            readings.append(Reading(r.node, r.value["stats"], None, r.elapsed_s, gpu))
+        return readings
+
+
+class FleetSource:
+    """The inventory's nodes (optionally some DCs or nodes), re-read every poll so nodes added
+    while the view is open appear; RTT between DCs from the collectors' link probes."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        dcs: Sequence[str] = (),
+        nodes: Sequence[str] = (),
+        token: str | None = None,
+        timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.dcs, self.nodes = list(dcs), list(nodes)
+        self.token = token
+        self.clock = clock
+        self._asker = Asker(token, timeout_s, clock)
+        url = engine.url
+        self.label = f"fleet · {url.get_backend_name()}:{url.database or ''}"
+        if self.dcs or self.nodes:
+            self.label += " · " + ",".join([*self.dcs, *self.nodes])
+
+    def targets(self) -> list[NodeInfo]:
+        from kvctl.fleet.targets import resolve_targets
+
+        everyone = not (self.dcs or self.nodes)
+        with self.engine.connect() as conn:
+            return resolve_targets(conn, nodes=self.nodes, dcs=self.dcs, all_nodes=everyone)
+
+    def rtt(self) -> dict[tuple[str, str], float | None]:
+        from dashboard.queries import inventory, link_figures
+
+        end_ms = int(self.clock() * 1000)
+        with self.engine.connect() as conn:
+            figures = link_figures(
+                conn, end_ms - int(LINK_WINDOW_S * 1000), end_ms, inventory(conn)
+            )
+        out: dict[tuple[str, str], float | None] = {}
+        for f in figures:
+            out[(f.dc_a, f.dc_b)] = out[(f.dc_b, f.dc_a)] = f.rtt_mean_s
+        return out
+
+    def poll(self) -> Poll:
+        t0 = time.perf_counter()
+        ts_s = self.clock()
+        readings = self._asker.ask(self.targets())
+        return Poll(ts_s, readings, self.rtt(), time.perf_counter() - t0)
+
+    def details(self, node: NodeInfo, cursor: int | None) -> Details:
+        return fetch_details(node, cursor, token=self.token, timeout_s=self._asker.timeout_s)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def agent_node(url: str, index: int) -> NodeInfo:
+    """A node for an agent named by URL, before it has said its own name and DC."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an agent URL: {url!r} (use http://HOST:PORT)")
+    return NodeInfo(-(index + 1), parts.netloc, "?", parts.geturl().rstrip("/"), "", None)
+
+
+class AgentSource:
+    """Agents named by URL, without a database: each is named by its own ``/v1/info`` once it
+    answers; no link RTTs (those come from the collectors' probes)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        token: str | None = None,
+        timeout_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not urls:
+            raise ValueError("name at least one agent URL")
+        self._nodes = [agent_node(u, i) for i, u in enumerate(urls)]
+        self._named: set[int] = set()
+        self.token = token
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._asker = Asker(token, timeout_s, clock)
+        self.label = (
+            f"agents · {len(urls)}" if len(urls) > 1 else f"agent · {self._nodes[0].agent_url}"
+        )
+
+    def targets(self) -> list[NodeInfo]:
+        return list(self._nodes)
+
+    def _name_new(self, readings: list[Reading]) -> None:
+        """Ask each agent that just answered for the first time its name and DC."""
+        fresh = [r.node for r in readings if r.up and r.node.id not in self._named]
+        if not fresh:
+            return
+        infos = fan_out(fresh, lambda c: c.info(), token=self.token, timeout_s=self.timeout_s)
+        for res in infos:
+            if not res.ok or res.value is None:
+                continue
+            i = -res.node.id - 1
+            n = self._nodes[i]
+            name = str(res.value.get("name") or n.name)
+            if any(o.name == name for o in self._nodes if o.id != n.id):
+                name = f"{name}@{n.name}"  # two agents with one host name: keep both apart
+            dc = str(res.value.get("dc") or "?")
+            self._nodes[i] = NodeInfo(n.id, name, dc, n.agent_url, n.gpu_model, n.engine_url)
+            self._named.add(n.id)
+
+    def poll(self) -> Poll:
+        t0 = time.perf_counter()
+        ts_s = self.clock()
+        readings = self._asker.ask(self._nodes)
+        self._name_new(readings)
+        by_id = {n.id: n for n in self._nodes}
+        readings = [
+            Reading(by_id[r.node.id], r.stats, r.error, r.elapsed_s, r.gpu) for r in readings
+        ]
+        return Poll(ts_s, readings, None, time.perf_counter() - t0)
+
+    def details(self, node: NodeInfo, cursor: int | None) -> Details:
+        return fetch_details(node, cursor, token=self.token, timeout_s=self.timeout_s)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,491 @@
+"""`kvctl top` driven by Textual's pilot against real agents on loopback and a real inventory:
+sorting, filtering, grouping, drill-down, actions with confirmation and their audit rows,
+--readonly, an agent dying mid-view, agents by URL, 50 agents, and the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+from textual.pilot import Pilot
+from textual.widgets import DataTable, RichLog, Static
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app as cli
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.migrate import open_db
+from kvctl.fleet.audit import recent
+from kvctl.tui.app import TopApp, create_app
+from kvctl.tui.dialogs import ConfirmScreen, HelpScreen, TierDialog
+from kvctl.tui.fleet_screen import FleetScreen
+from kvctl.tui.node_screen import NodeScreen
+from kvctl.tui.sources import AgentSource, FleetSource
+from tests.functional.agents import Agent, closed_port, running_agent, start_agent
+
+CHUNK_BYTES = 64 << 10
+TOKENS = 256
+ARGS = ("--cpu", "4MiB", "--disk", "8MiB")
+
+
+def put_chain(agent: Agent, n: int, *, seed: int, tenant: str = "acme") -> list[bytes]:
+    """``n`` chained chunks of a prompt whose keys the agent computes."""
+    tokens = [seed * 100_000 + i for i in range(n * TOKENS)]
+    found = agent.control().lookup(tokens=tokens, count=False)
+    keys = [bytes.fromhex(c["key"]) for c in found["chunks"]]
+    with agent.data() as c:
+        parent = None
+        for k in keys:
+            c.put(k, bytes([k[0]]) * CHUNK_BYTES, tenant=tenant, parent=parent, tokens=TOKENS)
+            parent = k
+    return keys
+
+
+def read(agent: Agent, key: bytes, times: int, tenant: str = "acme") -> None:
+    with agent.data() as c:
+        for _ in range(times):
+            c.get(key, tenant=tenant)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[tuple[Engine, dict[str, Agent]]]:
+    """gpu-a and gpu-b in fra, gpu-c in ams (all live), gpu-down in ams (nothing listens)."""
+    layout = {"gpu-a": "fra", "gpu-b": "fra", "gpu-c": "ams"}
+    agents = {
+        name: start_agent(tmp_path / name, "--name", name, "--dc", dc, *ARGS)
+        for name, dc in layout.items()
+    }
+    engine = open_db(f"sqlite:///{tmp_path / 'metrics.db'}", auto_upgrade=True)
+    try:
+        with engine.begin() as conn:
+            add_dc(conn, "fra")
+            add_dc(conn, "ams")
+            for name, dc in layout.items():
+                add_node(conn, name, dc=dc, agent_url=agents[name].state.control_url)
+            add_node(conn, "gpu-down", dc="ams", agent_url=f"http://127.0.0.1:{closed_port()}")
+        yield engine, agents
+    finally:
+        engine.dispose()
+        for a in agents.values():
+            if a.proc.poll() is None:
+                a.stop()
+
+
+def drive(app: TopApp, script: Callable[[Pilot[None]], Awaitable[None]], size=(160, 50)) -> None:  # type: ignore[no-untyped-def]
+    async def main() -> None:
+        async with app.run_test(size=size) as pilot:
+            await script(pilot)
+
+    asyncio.run(main())
+
+
+async def until(pilot: Pilot[None], cond: Callable[[], bool], what: str, timeout_s=15.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.05)
+
+
+async def poll(pilot: Pilot[None], app: TopApp) -> None:
+    """One poll applied to the screen."""
+    before = app.refreshes
+    app.tick()
+    await until(pilot, lambda: app.refreshes > before, "a poll")
+    await pilot.pause()
+
+
+def row_keys(app: TopApp) -> list[str]:
+    table = app.screen.query_one("#fleet", DataTable)
+    return [str(r.key.value) for r in table.ordered_rows]
+
+
+def cell(app: TopApp, row_key: str, column: str) -> str:
+    table = app.screen.query_one("#fleet", DataTable)
+    return str(table.get_cell(row_key, column))
+
+
+def select_row(app: TopApp, table_id: str, key: str) -> None:
+    table = app.screen.query_one(table_id, DataTable)
+    table.move_cursor(row=table.get_row_index(key), animate=False)
+
+
+# --- the fleet table ---------------------------------------------------------------------------
+def test_fleet_table_sorts_filters_and_groups(fleet: tuple[Engine, dict[str, Agent]]) -> None:
+    engine, agents = fleet
+    a_keys = put_chain(agents["gpu-a"], 3, seed=1)
+    put_chain(agents["gpu-b"], 1, seed=2)
+    app = create_app(FleetSource(engine, timeout_s=2), audit_engine=engine, auto_poll=False)
+
+    async def script(pilot: Pilot[None]) -> None:
+        await poll(pilot, app)
+        # between two polls: gpu-a 2 of 3 chunks hit per lookup, gpu-b misses, gpu-c idle
+        tokens_a = [1 * 100_000 + i for i in range(3 * TOKENS)]
+        for _ in range(4):
+            agents["gpu-a"].control().lookup(tokens=tokens_a[: 2 * TOKENS], tenant="acme")
+            agents["gpu-b"].control().lookup(tokens=[7] * TOKENS)
+        await poll(pilot, app)
+        assert isinstance(app.screen, FleetScreen)
+        # default: by DC then node
+        assert row_keys(app) == ["node:gpu-c", "node:gpu-down", "node:gpu-a", "node:gpu-b"]
+        assert cell(app, "node:gpu-a", "hit") == "100%"
+        assert cell(app, "node:gpu-b", "hit") == "0%"
+        assert cell(app, "node:gpu-c", "hit") == "idle"
+        assert cell(app, "node:gpu-down", "state").startswith("DOWN")
+        assert cell(app, "node:gpu-down", "hit") == "N/A"
+        assert cell(app, "node:gpu-a", "split") == "100/0"  # read by the tenant that stored
+        assert cell(app, "node:gpu-a", "tier:cpu").endswith("%")
+        assert cell(app, "node:gpu-a", "power") == "N/A"  # no NVML on this machine
+        summary = str(app.screen.query_one("#summary", Static).render())
+        assert "3/4 up" in summary and "hit 67%" in summary  # 8 of 12 chunks fleet-wide
+
+        # sort by hit ratio (a header click), then reverse with S; missing values stay last
+        await pilot.click("#fleet", offset=(0, 0))  # focus only
+        screen = app.screen
+        assert isinstance(screen, FleetScreen)
+        table = screen.query_one("#fleet", DataTable)
+        table.post_message(
+            DataTable.HeaderSelected(table, table.columns["hit"].key, 3, table.columns["hit"].label)
+        )
+        await pilot.pause()
+        assert screen.sort == "hit" and not screen.reverse
+        assert row_keys(app) == ["node:gpu-b", "node:gpu-a", "node:gpu-c", "node:gpu-down"]
+        assert "HIT ▲" in str(table.columns["hit"].label)
+        await pilot.press("S")
+        assert row_keys(app) == ["node:gpu-a", "node:gpu-b", "node:gpu-c", "node:gpu-down"]
+        await pilot.press("s")  # the next column
+        assert screen.sort == "trend"
+
+        # filter: only fra; then only the down node; Escape clears
+        await pilot.press("slash")
+        await pilot.press(*"dc:fra")
+        assert row_keys(app) == ["node:gpu-a", "node:gpu-b"]
+        await pilot.press("enter")
+        assert "filter 'dc:fra': 2 shown" in str(screen.query_one("#summary", Static).render())
+        await pilot.press("slash")
+        screen.query_one("#filter").value = "down"  # type: ignore[attr-defined]
+        await pilot.pause()
+        assert row_keys(app) == ["node:gpu-down"]
+        await pilot.press("escape")
+        assert len(row_keys(app)) == 4
+
+        # grouped by DC: a header with the DC's totals before its nodes
+        await pilot.press("g")
+        assert row_keys(app)[0] == "dc:ams" and "dc:fra" in row_keys(app)
+        assert cell(app, "dc:ams", "node") == "1/2 up"
+        assert cell(app, "dc:fra", "hit") == "67%"  # 8 hits of 12 chunks looked up in fra
+        # a DC header is not a node: actions ask for a node
+        select_row(app, "#fleet", "dc:ams")
+        await pilot.press("f")
+        assert not isinstance(app.screen, TierDialog)
+
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert isinstance(app.screen, FleetScreen)
+
+    drive(app, script)
+    assert a_keys  # the chain was stored
+
+
+# --- drill-down -------------------------------------------------------------------------------
+def test_node_view_shows_tiers_events_hot_prefixes_and_pinned(
+    fleet: tuple[Engine, dict[str, Agent]],
+) -> None:
+    engine, agents = fleet
+    a = agents["gpu-a"]
+    keys = put_chain(a, 3, seed=3)
+    read(a, keys[0], 5)
+    read(a, keys[1], 2)
+    a.control().pin([keys[2]])
+    a.control().move([keys[1]], "disk")
+    app = create_app(FleetSource(engine, timeout_s=2), audit_engine=engine, auto_poll=False)
+
+    async def script(pilot: Pilot[None]) -> None:
+        await poll(pilot, app)
+        select_row(app, "#fleet", "node:gpu-a")
+        await pilot.press("enter")
+        assert isinstance(app.screen, NodeScreen)
+        screen = app.screen
+        top = screen.query_one("#top", DataTable)
+        await until(pilot, lambda: top.row_count == 3, "the hot chunks")
+        # hottest first, each with its cached prefix length in tokens
+        assert [str(r.key.value) for r in top.ordered_rows] == [k.hex() for k in keys]
+        assert str(top.get_cell(keys[0].hex(), top.ordered_columns[2].key)) == "5"
+        assert str(top.get_cell(keys[2].hex(), top.ordered_columns[3].key)) == f"{3 * TOKENS} tok"
+        assert str(top.get_cell(keys[1].hex(), top.ordered_columns[1].key)) == "disk"
+        pinned = screen.query_one("#pinned", DataTable)
+        assert [str(r.key.value) for r in pinned.ordered_rows] == [keys[2].hex()]
+        log = screen.query_one("#events", RichLog)
+        text = "\n".join(str(line.text) for line in log.lines)
+        assert text.count(" store ") == 3 and " move " in text and "from cpu" in text
+        tiers = screen.query_one("#tiers", DataTable)
+        assert [str(r.key.value) for r in tiers.ordered_rows] == ["cpu", "disk"]
+        summary = str(screen.query_one("#node-summary", Static).render())
+        assert summary.startswith("up ") and "power N/A" in summary
+
+        # new events arrive on the next fetch
+        put_chain(a, 1, seed=4)
+        screen.fetch_details()
+        await until(
+            pilot,
+            lambda: "\n".join(str(ln.text) for ln in log.lines).count(" store ") == 4,
+            "the new store event",
+        )
+        await pilot.press("escape")
+        assert isinstance(app.screen, FleetScreen)
+
+    drive(app, script)
+
+
+# --- actions ------------------------------------------------------------------------------------
+def test_pin_from_the_node_view_asks_first_and_is_audited(
+    fleet: tuple[Engine, dict[str, Agent]],
+) -> None:
+    engine, agents = fleet
+    a = agents["gpu-a"]
+    keys = put_chain(a, 2, seed=5)
+    read(a, keys[0], 3)
+    app = create_app(
+        FleetSource(engine, timeout_s=2), audit_engine=engine, auto_poll=False, actor="op@test"
+    )
+
+    async def script(pilot: Pilot[None]) -> None:
+        await poll(pilot, app)
+        select_row(app, "#fleet", "node:gpu-a")
+        await pilot.press("enter")
+        top = app.screen.query_one("#top", DataTable)
+        await until(pilot, lambda: top.row_count == 2, "the hot chunks")
+        # on the events tab no chunk is selected
+        await pilot.press("p")
+        assert not isinstance(app.screen, ConfirmScreen)
+        await pilot.press("2")
+        await pilot.press("p")
+        assert isinstance(app.screen, ConfirmScreen)
+        confirm = app.screen
+        assert confirm.request.action == "pin" and confirm.node.name == "gpu-a"
+        assert confirm.request.chunks is not None
+        assert confirm.request.chunks.keys == (keys[0].hex(),)  # the hottest: first row
+        await pilot.press("n")  # cancelled: nothing done, nothing audited
+        assert isinstance(app.screen, NodeScreen)
+        await pilot.press("p")
+        await pilot.press("y")
+        await until(pilot, lambda: len(app.actions_done) == 1, "the pin")
+        pinned = app.screen.query_one("#pinned", DataTable)
+        await until(pilot, lambda: pinned.row_count == 1, "the pinned list")
+
+    drive(app, script)
+    items = {i["key"]: i for i in a.control().keys(limit=10)["items"]}
+    assert items[keys[0].hex()]["pinned"] and not items[keys[1].hex()]["pinned"]
+    with engine.connect() as conn:
+        rows = recent(conn, limit=10)
+    assert [(r.action, r.target, r.ok, r.actor) for r in rows] == [
+        ("pin", "gpu-a", True, "op@test")
+    ]
+    assert rows[0].args == {"keys": 1}
+
+
+def test_flush_and_resize_from_the_fleet_view(fleet: tuple[Engine, dict[str, Agent]]) -> None:
+    engine, agents = fleet
+    b = agents["gpu-b"]
+    put_chain(b, 3, seed=6)
+    app = create_app(FleetSource(engine, timeout_s=2), audit_engine=engine, auto_poll=False)
+
+    async def script(pilot: Pilot[None]) -> None:
+        await poll(pilot, app)
+        select_row(app, "#fleet", "node:gpu-b")
+        await pilot.press("f")
+        assert isinstance(app.screen, TierDialog)
+        await pilot.click("#ok")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await until(pilot, lambda: len(app.actions_done) == 1, "the flush")
+        assert app.actions_done[0].ok
+
+        # resize: a bad size is refused in the dialog, before anything is asked
+        await pilot.press("z")
+        assert isinstance(app.screen, TierDialog)
+        await pilot.press(*"12 parsecs", "enter")
+        assert isinstance(app.screen, TierDialog)
+        assert "unknown size unit" in str(app.screen.query_one("#error", Static).render())
+        app.screen.query_one("#size").value = "2MiB"  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("y")
+        await until(pilot, lambda: len(app.actions_done) == 2, "the resize")
+        await until(pilot, lambda: app.refreshes >= 3, "the poll after the action")
+        row = app.view.row("gpu-b")  # type: ignore[union-attr]
+        assert row is not None and row.tiers["cpu"].capacity_bytes == 2 << 20
+
+    drive(app, script)
+    usage = b.control().stats()["usage"]["cpu"]
+    assert usage["used_bytes"] == 0 and usage["capacity_bytes"] == 2 << 20
+    with engine.connect() as conn:
+        rows = recent(conn, limit=10)
+    assert [(r.action, r.target, r.ok) for r in rows] == [
+        ("resize", "gpu-b", True),
+        ("flush", "gpu-b", True),
+    ]
+    assert rows[0].args == {"tier": "cpu", "size": "2MiB"}
+    assert rows[1].args == {"tier": "cpu", "demote": False}
+
+
+def test_readonly_refuses_every_action(fleet: tuple[Engine, dict[str, Agent]]) -> None:
+    engine, agents = fleet
+    a = agents["gpu-a"]
+    keys = put_chain(a, 1, seed=7)
+    app = create_app(FleetSource(engine, timeout_s=2), readonly=True, auto_poll=False)
+
+    async def script(pilot: Pilot[None]) -> None:
+        await poll(pilot, app)
+        assert "READ-ONLY" in app.screen.sub_title
+        select_row(app, "#fleet", "node:gpu-a")
+        for key in ("f", "z"):
+            await pilot.press(key)
+            assert isinstance(app.screen, FleetScreen)
+        await pilot.press("enter")
+        top = app.screen.query_one("#top", DataTable)
+        await until(pilot, lambda: top.row_count == 1, "the hot chunks")
+        await pilot.press("2")
+        for key in ("p", "u", "e", "f", "z"):
+            await pilot.press(key)
+            assert isinstance(app.screen, NodeScreen), key
+        refusals = [n for n in app._notifications if "read-only" in n.message]
+        assert len(refusals) == 7
+
+    drive(app, script)
+    assert app.actions_done == []
+    with engine.connect() as conn:
+        assert recent(conn, limit=10) == []
+    assert a.control().keys(limit=5)["items"][0]["key"] == keys[0].hex()  # still there
+
+
+# --- liveness -----------------------------------------------------------------------------------
+def test_an_agent_dying_mid_view_stays_on_screen_as_down(
+    fleet: tuple[Engine, dict[str, Agent]],
+) -> None:
+    engine, agents = fleet
+    app = create_app(FleetSource(engine, timeout_s=1), readonly=True, interval_s=0.3)
+
+    async def script(pilot: Pilot[None]) -> None:
+        await until(pilot, lambda: app.refreshes >= 2, "two polls")
+        assert cell(app, "node:gpu-c", "state") == "up"
+        agents["gpu-c"].kill9()
+        seen = app.refreshes
+        await until(
+            pilot, lambda: cell(app, "node:gpu-c", "state").startswith("DOWN"), "gpu-c down"
+        )
+        # the view goes on refreshing, the others stay up
+        await until(pilot, lambda: app.refreshes >= seen + 3, "more polls")
+        assert cell(app, "node:gpu-a", "state") == "up"
+        assert cell(app, "node:gpu-c", "hit") == "N/A"
+        assert len(row_keys(app)) == 4
+        row = app.view.row("gpu-c")  # type: ignore[union-attr]
+        assert row is not None and "cannot reach" in (row.error or "")
+        # its page says so too
+        select_row(app, "#fleet", "node:gpu-c")
+        await pilot.press("enter")
+        summary = app.screen.query_one("#node-summary", Static)
+        await until(pilot, lambda: "DOWN for" in str(summary.render()), "the node page")
+
+    drive(app, script)
+
+
+def test_agents_by_url_without_a_database(tmp_path: Path) -> None:
+    with running_agent(tmp_path / "x", "--name", "solo", "--dc", "lab", *ARGS) as x:
+        down = f"http://127.0.0.1:{closed_port()}"
+        source = AgentSource([x.state.control_url, down], timeout_s=1)
+        app = create_app(source, auto_poll=False)  # no database: actions refused
+
+        async def script(pilot: Pilot[None]) -> None:
+            await poll(pilot, app)
+            assert row_keys(app) == ["node:127.0.0.1:" + down.rsplit(":", 1)[1], "node:solo"]
+            assert cell(app, "node:solo", "dc") == "lab"
+            assert cell(app, "node:solo", "rtt") == "N/A"  # no link probes without the db
+            select_row(app, "#fleet", "node:solo")
+            await pilot.press("f")
+            assert isinstance(app.screen, FleetScreen)
+            assert any("no database" in n.message for n in app._notifications)
+
+        drive(app, script)
+    with pytest.raises(ValueError, match="not an agent URL"):
+        AgentSource(["ftp://x"])
+
+
+@pytest.mark.slow
+def test_fifty_agents_keep_the_view_refreshing(tmp_path: Path) -> None:
+    """Functional only: every row up and polls completing; `kvctl bench top` times them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = [f"n{i:02d}" for i in range(50)]
+    with ThreadPoolExecutor(16) as pool:
+        started = list(
+            pool.map(
+                lambda n: start_agent(tmp_path / n, "--name", n, "--cpu", "4MiB", "--disk", "0"),
+                names,
+            )
+        )
+    engine = open_db(f"sqlite:///{tmp_path / 'metrics.db'}", auto_upgrade=True)
+    try:
+        with engine.begin() as conn:
+            for dc in ("d0", "d1", "d2", "d3", "d4"):
+                add_dc(conn, dc)
+            for i, (name, agent) in enumerate(zip(names, started, strict=True)):
+                add_node(conn, name, dc=f"d{i % 5}", agent_url=agent.state.control_url)
+        app = create_app(FleetSource(engine, timeout_s=2), readonly=True, interval_s=1.0)
+
+        async def script(pilot: Pilot[None]) -> None:
+            await until(pilot, lambda: app.refreshes >= 4, "four polls", timeout_s=60)
+            assert app.view is not None and app.view.total.up == 50
+            assert len(row_keys(app)) == 50
+            await pilot.press("g")
+            assert len(row_keys(app)) == 55
+
+        drive(app, script, size=(200, 70))
+    finally:
+        engine.dispose()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda a: a.stop(), started))
+
+
+# --- the command ------------------------------------------------------------------------------
+runner = CliRunner()
+
+
+def test_top_json_prints_two_polls_worth(fleet: tuple[Engine, dict[str, Agent]]) -> None:
+    engine, agents = fleet
+    url = str(engine.url)
+    out = runner.invoke(cli, ["top", "--db", url, "--json", "--interval", "0.3"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    nodes = {n["node"]: n for n in doc["nodes"]}
+    assert set(nodes) == {"gpu-a", "gpu-b", "gpu-c", "gpu-down"}
+    assert nodes["gpu-a"]["up"] and not nodes["gpu-down"]["up"]
+    assert nodes["gpu-a"]["window_seconds"] == pytest.approx(0.3, abs=0.25)
+    assert doc["polls"] == 2 and doc["total"]["up"] == 3
+    only = json.loads(runner.invoke(cli, ["top", "--db", url, "--json", "--dc", "ams"]).stdout)
+    assert {n["node"] for n in only["nodes"]} == {"gpu-c", "gpu-down"}
+    solo = runner.invoke(
+        cli, ["top", "--agent", agents["gpu-a"].state.control_url, "--json", "--interval", "0.2"]
+    )
+    assert solo.exit_code == 0, solo.output
+    assert [n["node"] for n in json.loads(solo.stdout)["nodes"]] == ["gpu-a"]
+
+
+def test_top_refuses_bad_input_clearly(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'm.db'}"
+    cases = [
+        (["top", "--db", url, "--dc", "nowhere"], "no DC named"),
+        (["top", "--db", url], "no nodes"),
+        (["top", "--agent", "ftp://x"], "not an agent URL"),
+        (["top", "--agent", "http://127.0.0.1:1", "--dc", "fra"], "use one way"),
+    ]
+    for args, message in cases:
+        out = runner.invoke(cli, args)
+        assert out.exit_code == 2, (args, out.output)
+        assert message in " ".join(out.output.split()), (args, out.output)

@@ -1,0 +1,305 @@
+"""`kvctl top`'s view model: counters to recent rates and ratios, restarts, down nodes, DC
+totals, sorting with missing values last, the filter language, grouping, and the gauges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvctl.db.inventory import NodeInfo
+from kvctl.tui.model import (
+    GpuPower,
+    Level,
+    Poll,
+    Reading,
+    Sampler,
+    Thresholds,
+    arrange,
+    bar,
+    matches,
+    sort_rows,
+    sparkline,
+)
+from kvctl.tui.sources import gpu_power
+
+
+def node(name: str, dc: str = "fra", i: int = 1) -> NodeInfo:
+    return NodeInfo(i, name, dc, f"http://127.0.0.1:{7000 + i}", "", None)
+
+
+def stats(
+    *,
+    lookups: int = 0,
+    hits: int = 0,
+    reuse: int = 0,
+    sharing: int = 0,
+    drops: int = 0,
+    read: int = 0,
+    written: int = 0,
+    cpu_evictions: int = 0,
+    used: int = 0,
+    capacity: int = 1000,
+    started_s: float = 100.0,
+) -> dict[str, Any]:
+    """The shape of an agent's ``/v1/stats`` with one cpu tier."""
+    tier = {
+        "hits": hits,
+        "hit_tokens": 0,
+        "reuse_hits": reuse,
+        "sharing_hits": sharing,
+        "puts": 0,
+        "bytes_written": written,
+        "bytes_read": read,
+        "promotions": 0,
+        "demotions": 0,
+        "evictions": {"capacity": cpu_evictions, "resize": 0, "flush": 0},
+    }
+    return {
+        "stats": {
+            "lookup_chunks": lookups,
+            "lookup_tokens": 0,
+            "hit_chunks": hits,
+            "hit_tokens": 0,
+            "reuse_hits": reuse,
+            "sharing_hits": sharing,
+            "drops": drops,
+            "tiers": {"cpu": tier},
+        },
+        "usage": {
+            "cpu": {"used_bytes": used, "capacity_bytes": capacity, "pinned_bytes": 0, "chunks": 3}
+        },
+        "started_s": started_s,
+    }
+
+
+def poll(ts_s: float, *readings: Reading, rtt: Any = None) -> Poll:
+    return Poll(ts_s, list(readings), rtt, 0.01)
+
+
+def test_rates_and_ratios_over_the_window() -> None:
+    a = node("a")
+    s = Sampler(window_polls=2)
+    first = s.update(poll(1000.0, Reading(a, stats(lookups=50, hits=10, used=500))))
+    row = first.rows[0]
+    # the first poll is a baseline: counts that happened before it are not attributed
+    assert row.up and row.recent.seconds == 0 and row.recent.hit_ratio is None
+    assert row.lifetime_hit_ratio == pytest.approx(0.2)
+    assert row.tiers["cpu"].occupancy_ratio == pytest.approx(0.5)
+    assert row.uptime_s == pytest.approx(900.0)
+
+    s.update(
+        poll(
+            1002.0,
+            Reading(
+                a,
+                stats(lookups=150, hits=70, reuse=40, sharing=20, drops=4, read=3000, written=1000),
+            ),
+        )
+    )
+    view = s.update(
+        poll(
+            1004.0,
+            Reading(
+                a,
+                stats(
+                    lookups=250,
+                    hits=90,
+                    reuse=50,
+                    sharing=30,
+                    drops=10,
+                    read=5000,
+                    written=3000,
+                    cpu_evictions=6,
+                ),
+            ),
+        )
+    )
+    r = view.rows[0].recent
+    # two polls of 2 s: 200 lookups, 80 hits, 10 drops, 5000 read + 3000 written
+    assert r.seconds == pytest.approx(4.0)
+    assert r.hit_ratio == pytest.approx(80 / 200)
+    assert r.reuse_share_ratio == pytest.approx(50 / 80)
+    assert r.sharing_share_ratio == pytest.approx(30 / 80)
+    assert r.evictions_per_s == pytest.approx(10 / 4)
+    assert r.io_bytes_per_s == pytest.approx(8000 / 4)
+    assert r.lookups_per_s == pytest.approx(50.0)
+    assert view.rows[0].tiers["cpu"].evictions_per_s == pytest.approx(6 / 4)
+    # per-poll hit ratios: none for the baseline, then 60/100 and 20/100
+    assert view.rows[0].hit_history == [None, pytest.approx(0.6), pytest.approx(0.2)]
+
+    # the window slides: a third step drops the first
+    view = s.update(poll(1006.0, Reading(a, stats(lookups=250, hits=90, started_s=100.0))))
+    assert view.rows[0].recent.lookups == 100 and view.rows[0].recent.hits == 20
+    assert view.rows[0].hit_history[-1] is None  # no lookups in the last poll
+
+
+def test_an_agent_restart_counts_from_zero_not_negative() -> None:
+    a = node("a")
+    s = Sampler()
+    s.update(poll(10.0, Reading(a, stats(lookups=1000, hits=900, started_s=1.0))))
+    view = s.update(poll(12.0, Reading(a, stats(lookups=40, hits=10, started_s=11.0))))
+    r = view.rows[0].recent
+    assert r.lookups == 40 and r.hits == 10
+    assert r.hit_ratio == pytest.approx(0.25)
+
+
+def test_a_down_node_stays_with_its_error_and_how_long() -> None:
+    a, b = node("a", i=1), node("b", i=2)
+    s = Sampler()
+    s.update(poll(10.0, Reading(a, stats()), Reading(b, stats())))
+    s.update(poll(12.0, Reading(a, stats()), Reading(b, None, "connection refused")))
+    view = s.update(poll(15.0, Reading(a, stats()), Reading(b, None, "connection refused")))
+    down = view.row("b")
+    assert down is not None and not down.up
+    assert down.error == "connection refused" and down.down_for_s == pytest.approx(3.0)
+    assert view.total.nodes == 2 and view.total.up == 1
+    # back up: the down clock resets
+    view = s.update(poll(17.0, Reading(a, stats()), Reading(b, stats())))
+    assert view.row("b").up and view.row("b").down_for_s is None  # type: ignore[union-attr]
+
+
+def test_dc_totals_fold_only_nodes_that_answered() -> None:
+    s = Sampler()
+    a, b, c = node("a", "fra", 1), node("b", "fra", 2), node("c", "ams", 3)
+    gpu = GpuPower(300.0, 1)
+    s.update(
+        poll(
+            0.0,
+            Reading(a, stats(used=100), gpu=gpu),
+            Reading(b, stats(used=300)),
+            Reading(c, None, "down"),
+        )
+    )
+    view = s.update(
+        poll(
+            2.0,
+            Reading(a, stats(lookups=10, hits=5, used=100)),
+            Reading(b, stats(lookups=30, hits=5, used=300)),
+            Reading(c, None, "down"),
+        )
+    )
+    fra = next(d for d in view.dcs if d.dc == "fra")
+    ams = next(d for d in view.dcs if d.dc == "ams")
+    assert (fra.nodes, fra.up, ams.nodes, ams.up) == (2, 2, 1, 0)
+    assert fra.recent.hit_ratio == pytest.approx(10 / 40)
+    assert fra.tiers["cpu"].occupancy_ratio == pytest.approx(400 / 2000)
+    # a's GPU reading is kept between the polls that ask for GPUs
+    assert fra.power_w == pytest.approx(300.0) and ams.power_w is None
+    assert view.total.recent.lookups == 40
+
+
+def test_rtt_is_per_other_dc_from_the_nodes_dc() -> None:
+    rtt = {
+        ("fra", "ams"): 0.003,
+        ("ams", "fra"): 0.003,
+        ("fra", "fra"): 0.0001,
+        ("fra", "lon"): None,
+    }
+    view = Sampler().update(poll(0.0, Reading(node("a", "fra"), stats()), rtt=rtt))
+    row = view.rows[0]
+    assert row.rtt_s == {"ams": 0.003, "lon": None} and row.max_rtt_s == 0.003
+    assert view.has_links
+    assert not Sampler().update(poll(0.0, Reading(node("a"), stats()))).has_links
+
+
+def _view(*rows: tuple[str, str, float | None, bool]):  # type: ignore[no-untyped-def]
+    """A view whose nodes have the given (name, dc, hit ratio, up)."""
+    s = Sampler()
+    readings0, readings1 = [], []
+    for i, (name, dc, hit, up) in enumerate(rows):
+        n = node(name, dc, i + 1)
+        readings0.append(Reading(n, stats()) if up else Reading(n, None, "down"))
+        lookups = 0 if hit is None else 100
+        st = stats(lookups=lookups, hits=round((hit or 0) * lookups))
+        readings1.append(Reading(n, st) if up else Reading(n, None, "down"))
+    s.update(poll(0.0, *readings0))
+    return s.update(poll(2.0, *readings1))
+
+
+def test_sorting_puts_missing_values_last_in_both_directions() -> None:
+    view = _view(
+        ("a", "fra", 0.5, True),
+        ("b", "ams", None, True),
+        ("c", "fra", 0.9, True),
+        ("d", "ams", 0.1, False),
+        ("e", "lon", 0.1, True),
+    )
+    up = [r.name for r in sort_rows(view.rows, "hit")]
+    down = [r.name for r in sort_rows(view.rows, "hit", reverse=True)]
+    assert up == ["e", "a", "c", "b", "d"]
+    assert down == ["c", "a", "e", "b", "d"]
+    assert [r.name for r in sort_rows(view.rows, "dc")] == ["b", "d", "a", "c", "e"]
+    assert [r.name for r in sort_rows(view.rows, "state")][:1] == ["d"]
+    assert [r.name for r in sort_rows(view.rows, "tier:cpu")][-1] == "d"
+    with pytest.raises(ValueError, match="cannot sort"):
+        sort_rows(view.rows, "nope")
+
+
+def test_filter_words_fields_states_and_negation() -> None:
+    view = _view(("gpu-a1", "fra", 0.5, True), ("gpu-b1", "ams", 0.5, False))
+    a, b = view.rows
+    assert matches(a, "fra") and not matches(b, "fra")
+    assert matches(a, "gpu a1") and matches(a, "GPU-A1") and not matches(a, "gpu b1")
+    assert matches(b, "down") and not matches(a, "down") and matches(a, "up")
+    assert matches(a, "dc:fra") and not matches(a, "dc:fr")
+    assert matches(a, "node:gpu-a1") and not matches(b, "node:gpu-a1")
+    assert matches(a, "!ams") and not matches(b, "!ams")
+    assert matches(a, "") and matches(a, "!")
+
+
+def test_arrange_filters_sorts_and_groups_with_dc_headers() -> None:
+    view = _view(
+        ("a", "fra", 0.5, True),
+        ("b", "ams", 0.2, True),
+        ("c", "fra", 0.9, True),
+        ("d", "ams", 0.1, False),
+    )
+    flat = arrange(view, sort="hit", reverse=True)
+    assert [ln.row.name for ln in flat if ln.row] == ["c", "a", "b", "d"]
+    grouped = arrange(view, sort="hit", reverse=True, group=True)
+    shape = [(ln.dc.dc, ln.dc.up, ln.dc.nodes) if ln.dc else ln.row.name for ln in grouped]  # type: ignore[union-attr]
+    assert shape == [("ams", 1, 2), "b", "d", ("fra", 2, 2), "c", "a"]
+    filtered = arrange(view, query="fra", group=True)
+    assert [(ln.dc.dc, ln.dc.nodes) if ln.dc else ln.row.name for ln in filtered] == [  # type: ignore[union-attr]
+        ("fra", 2),
+        "a",
+        "c",
+    ]
+    assert arrange(view, query="nothing-matches") == []
+
+
+def test_thresholds_levels() -> None:
+    t = Thresholds()
+    assert t.occupancy(None) is Level.NONE and t.occupancy(0.5) is Level.NONE
+    assert t.occupancy(0.85) is Level.WARN and t.occupancy(0.95) is Level.CRIT
+    assert t.hit(0.05) is Level.WARN and t.hit(0.3) is Level.NONE and t.hit(0.5) is Level.GOOD
+    assert t.rtt(0.0005) is Level.GOOD and t.rtt(0.003) is Level.WARN
+    assert t.rtt(0.01) is Level.CRIT and t.rtt(None) is Level.NONE
+
+
+def test_gauges() -> None:
+    assert bar(0.56, 8) == "████▌░░░"
+    assert bar(0.0, 4) == "░░░░" and bar(1.0, 4) == "████" and bar(None, 3) == "   "
+    assert bar(1.7, 2) == "██"  # clamped
+    assert sparkline([0.0, 0.5, 1.0, None], 6) == "  ▁▅█ "
+    assert sparkline([1.0] * 20, 5) == "█████"
+
+
+def test_gpu_power_sums_gpus_or_says_why_not() -> None:
+    off = gpu_power({"nvml": {"available": False, "error": "NVML Shared Library Not Found"}})
+    assert off.power_w is None and "NVML Shared Library Not Found" in (off.note or "")
+    two = gpu_power({"nvml": {"available": True}, "gpus": [{"power_w": 300.5}, {"power_w": 120.0}]})
+    assert two == GpuPower(420.5, 2)
+    unread = gpu_power({"nvml": {"available": True}, "gpus": [{"power_w": None}]})
+    assert unread.power_w is None and unread.gpus == 1 and unread.note == "no power reading"
+
+
+def test_view_as_dict_is_json_ready() -> None:
+    import json
+
+    view = _view(("a", "fra", 0.5, True), ("b", "ams", None, False))
+    data = json.loads(json.dumps(view.as_dict()))
+    assert [n["node"] for n in data["nodes"]] == ["a", "b"]
+    assert data["nodes"][0]["hit_ratio"] == pytest.approx(0.5)
+    assert data["nodes"][1]["up"] is False and data["total"]["up"] == 1
