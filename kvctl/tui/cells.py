@@ -132,9 +132,10 @@ class Cells:
         if ratio is None:
             return NA.copy()
         level = self.t.occupancy(ratio)
+        # the gauge takes the level's colour only: reversed block glyphs would vanish
+        gauge = Style(color=self.palette.style(level).color) if level is not Level.NONE else ""
         return Text.assemble(
-            (bar(ratio, BAR_CELLS), self.palette.style(level) if level is not Level.NONE else ""),
-            f"{ratio * 100:4.0f}%",
+            (bar(ratio, BAR_CELLS), gauge), (f"{ratio * 100:4.0f}%", self.palette.style(level))
         )
 
     def rate(self, per_s: float | None) -> Text:

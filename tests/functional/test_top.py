@@ -9,7 +9,6 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy.engine import Engine
