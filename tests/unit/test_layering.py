@@ -33,6 +33,7 @@ def test_store_and_workload_never_import_ui() -> None:
         "dashboard.queries",
         "kvctl.fleet.efficiency",
         "kvctl.db.plans",
+        "kvctl.tui.model",
     ):
         loaded = imported_by(module)
         assert not {m.split(".")[0] for m in loaded} & set(UI), module
@@ -76,3 +77,9 @@ def test_core_sources_never_import_ui() -> None:
     ):
         for path in (ROOT / folder).rglob("*.py"):
             assert not _imports(path) & set(UI), path
+
+
+def test_top_model_and_sources_never_import_ui() -> None:
+    """`kvctl top --json` and the figures' tests use them without Textual."""
+    for name in ("model.py", "sources.py", "__init__.py"):
+        assert not _imports(ROOT / "kvctl" / "tui" / name) & set(UI), name
