@@ -97,6 +97,8 @@ def top_command(
     app.run()
     if audit_engine is not None and audit_engine is not getattr(source, "engine", None):
         audit_engine.dispose()
+    if app.return_code:
+        raise typer.Exit(app.return_code)
 
 
 def _print_once(source: Source, interval_s: float) -> None:

@@ -3,6 +3,7 @@ whether it answered or not."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -46,15 +47,20 @@ def fan_out(
     timeout_s: float = 5.0,
     concurrency: int = DEFAULT_CONCURRENCY,
     on_result: Callable[[NodeResult[T]], None] | None = None,
+    clients: ClientPool | None = None,
 ) -> list[NodeResult[T]]:
     """Run ``call`` against each node's agent concurrently; results come back in the order of
     ``nodes``. ``on_result`` sees each as it finishes (a progress bar). Agent errors (down,
-    refused token, 4xx/5xx) are results, not exceptions."""
+    refused token, 4xx/5xx) are results, not exceptions. With ``clients``, connections are
+    kept open between calls (a live view polling every few seconds)."""
 
     def one(node: NodeInfo) -> NodeResult[T]:
         t0 = time.perf_counter()
         try:
-            client = AgentClient(node.agent_url, token=token, timeout_s=timeout_s)
+            if clients is not None:
+                client = clients.get(node.agent_url)
+            else:
+                client = AgentClient(node.agent_url, token=token, timeout_s=timeout_s)
         except Exception as exc:  # a bad URL in the inventory: this node's failure, no other's
             return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0)
         try:
@@ -62,7 +68,8 @@ def fan_out(
         except Exception as exc:  # down, refused, or not an agent at all (HTML, bad JSON)
             return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0)
         finally:
-            client.close()
+            if clients is None:
+                client.close()
         return NodeResult(node, True, value, None, time.perf_counter() - t0)
 
     results: dict[int, NodeResult[T]] = {}
@@ -83,6 +90,29 @@ def fan_out(
         raise
     pool.shutdown(wait=True)
     return [results[i] for i in range(len(nodes))]
+
+
+class ClientPool:
+    """One open :class:`AgentClient` per agent URL, reused across fan-outs; thread-safe."""
+
+    def __init__(self, *, token: str | None = None, timeout_s: float = 5.0) -> None:
+        self.token, self.timeout_s = token, timeout_s
+        self._clients: dict[str, AgentClient] = {}
+        self._lock = threading.Lock()
+
+    def get(self, url: str) -> AgentClient:
+        with self._lock:
+            client = self._clients.get(url)
+            if client is None:
+                client = AgentClient(url, token=self.token, timeout_s=self.timeout_s)
+                self._clients[url] = client
+            return client
+
+    def close(self) -> None:
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+        for c in clients:
+            c.close()
 
 
 def _reason(exc: Exception) -> str:

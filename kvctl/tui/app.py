@@ -7,7 +7,6 @@ is counted as late and skipped, so a slow fleet never queues work or freezes the
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -41,7 +40,6 @@ class TopApp(App[None]):
         actor: str | None = None,
         thresholds: Thresholds | None = None,
         auto_poll: bool = True,
-        clock: Callable[[], float] = time.time,
     ) -> None:
         super().__init__()
         self.source = source
@@ -51,8 +49,7 @@ class TopApp(App[None]):
         self.actor = actor
         self.thresholds = thresholds or Thresholds()
         self.auto_poll = auto_poll
-        self.clock = clock
-        self.sampler = Sampler()
+        self.sampler = Sampler(max_gap_s=3 * interval_s)
         self.view: FleetView | None = None
         #: polls applied to the screen, ticks skipped because a poll was still running
         self.refreshes = 0
@@ -107,7 +104,11 @@ class TopApp(App[None]):
         self.poll_error = None
         self.view = view
         self.refreshes += 1
-        self._show(view)
+        try:
+            self._show(view)
+        except Exception as exc:  # a drawing bug must not stop the polls
+            msg = f"{type(exc).__name__}: {exc}"
+            self.notify(msg, title="cannot draw", severity="error", markup=False)
 
     def _show(self, view: FleetView) -> None:
         for screen in self.screen_stack:
@@ -118,7 +119,7 @@ class TopApp(App[None]):
     def _poll_failed(self, error: str) -> None:
         self._polling = False
         self.poll_error = error
-        self.notify(error, title="poll failed", severity="error", timeout=5)
+        self.notify(error, title="poll failed", severity="error", timeout=5, markup=False)
         if self.view is not None:
             self._show(self.view)
 
@@ -188,11 +189,16 @@ class TopApp(App[None]):
             report = run_action(
                 self.audit_engine, [node], request, token=self.source.token, actor=self.actor
             )
-        except Exception as exc:  # the audit trail could not be written: nothing was done
+        except Exception as exc:
+            # the audit row is written after the agent answers: the action may have run
             self.from_thread(
                 self.notify,
-                f"{request.action} on {node.name} not run: {exc}",
+                f"{request.action} on {node.name} may have run, but its audit row could not be "
+                f"written: {exc}",
+                title="NOT AUDITED",
                 severity="error",
+                timeout=30,
+                markup=False,
             )
             return
         self.from_thread(self._action_done, report)
@@ -203,9 +209,14 @@ class TopApp(App[None]):
         what = f"{report.request.action} on {res.node.name}"
         if res.ok:
             figures = ", ".join(f"{k} {v}" for k, v in (res.value or {}).items() if k != "usage")
-            self.notify(f"{what}: {figures}", title="done (audited)", timeout=5)
+            self.notify(f"{what}: {figures}", title="done (audited)", timeout=5, markup=False)
         else:
-            self.notify(f"{what} failed: {res.error}", title="failed (audited)", severity="error")
+            self.notify(
+                f"{what} failed: {res.error}",
+                title="failed (audited)",
+                severity="error",
+                markup=False,
+            )
         for screen in self.screen_stack:
             after = getattr(screen, "after_action", None)
             if after is not None:
@@ -222,7 +233,6 @@ def create_app(
     actor: str | None = None,
     thresholds: Thresholds | None = None,
     auto_poll: bool = True,
-    clock: Callable[[], float] = time.time,
     theme: str | None = None,
 ) -> TopApp:
     """The live view on ``source``. Actions need ``audit_engine`` (their audit trail) and are
@@ -241,7 +251,6 @@ def create_app(
         actor=actor,
         thresholds=thresholds,
         auto_poll=auto_poll,
-        clock=clock,
     )
     if theme is not None:
         if theme not in app.available_themes:

@@ -216,19 +216,19 @@ def columns(tiers: list[str]) -> list[Column]:
             "evictions",
             "EVICT/s",
             _up(lambda c, r: c.rate(r.recent.evictions_per_s)),
-            lambda c, d: c.rate(d.recent.evictions_per_s),
+            lambda c, d: c.rate(d.evictions_per_s),
         ),
         Column(
             "io",
             "I/O",
             _up(lambda c, r: c.io(r.recent.io_bytes_per_s)),
-            lambda c, d: c.io(d.recent.io_bytes_per_s),
+            lambda c, d: c.io(d.io_bytes_per_s),
         ),
         Column("rtt", "RTT", lambda c, r, links: c.rtt(r, links), _blank),
         Column(
             "power",
             "POWER",
-            lambda c, r, _: c.power(None if r.gpu is None else r.gpu.power_w),
+            _up(lambda c, r: c.power(None if r.gpu is None else r.gpu.power_w)),
             lambda c, d: c.power(d.power_w),
         ),
     ]

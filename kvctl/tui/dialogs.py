@@ -115,8 +115,8 @@ class TierDialog(ModalScreen[ActionRequest | None]):
 
 
 HELP = """\
-[b]kvctl top[/b]: the fleet live. Figures are over the last polls (about 30 s); the agents'
-counters since start show on a node's page.
+[b]kvctl top[/b]: the fleet live. Figures are over the last 15 polls (30 s at the default 2 s
+interval); the agents' counters since start show on a node's page.
 
 [b]Fleet[/b]
   ↑ ↓ PgUp PgDn  move            Enter   open the node

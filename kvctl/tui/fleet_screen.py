@@ -49,7 +49,7 @@ class FleetScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="")
-        yield Static("waiting for the first poll…", id="summary")
+        yield Static("waiting for the first poll…", id="summary", markup=False)
         table: DataTable[object] = DataTable(id="fleet", cursor_type="row", zebra_stripes=True)
         yield table
         yield Input(placeholder="filter: words, dc:NAME, node:NAME, up, down, !word", id="filter")
@@ -67,13 +67,15 @@ class FleetScreen(Screen[None]):
         cols = columns(view.tiers)
         if self.sort not in {c.key for c in cols}:
             self.sort = "dc"
+        # before any clearing: the operator's selection and scroll survive every redraw
+        selected = self._selected_key(table)
+        scroll = (table.scroll_x, table.scroll_y)
         titles = [(c.key, self._title(c)) for c in cols]
         if titles != self._titles:  # new tiers, or the sort arrow moved
             table.clear(columns=True)
             for key, title in titles:
                 table.add_column(title, key=key)
             self._columns, self._titles = cols, titles
-        selected = self._selected_key(table)
         self._lines = arrange(
             view, sort=self.sort, reverse=self.reverse, query=self.query_text, group=self.group
         )
@@ -90,7 +92,8 @@ class FleetScreen(Screen[None]):
         if selected is not None:
             # filtered out: the cursor stays where it is
             with contextlib.suppress(RowDoesNotExist):
-                table.move_cursor(row=table.get_row_index(selected), animate=False)
+                table.move_cursor(row=table.get_row_index(selected), animate=False, scroll=False)
+        table.scroll_to(*scroll, animate=False, immediate=True)
         self._summary(view)
 
     def _title(self, c: Column) -> str:

@@ -250,7 +250,11 @@ class DcRow:
     dc: str
     nodes: int = 0
     up: int = 0
+    #: counts summed over nodes, for ratios; rates are the nodes' rates summed (their windows
+    #: differ: a node back from down has a shorter one)
     recent: WindowCounts = field(default_factory=WindowCounts)
+    evictions_per_s: float | None = None
+    io_bytes_per_s: float | None = None
     tiers: dict[str, TierGauge] = field(default_factory=dict)
     power_w: float | None = None
 
@@ -261,6 +265,8 @@ class DcRow:
         self.up += 1
         self.recent.seconds = max(self.recent.seconds, row.recent.seconds)
         self.recent.add(row.recent)
+        self.evictions_per_s = _plus(self.evictions_per_s, row.recent.evictions_per_s)
+        self.io_bytes_per_s = _plus(self.io_bytes_per_s, row.recent.io_bytes_per_s)
         for name, t in row.tiers.items():
             self.tiers.setdefault(name, TierGauge()).add(t)
         if row.gpu is not None and row.gpu.power_w is not None:
@@ -272,9 +278,18 @@ class DcRow:
             "nodes": self.nodes,
             "up": self.up,
             **self.recent.as_dict(),
+            "lookups_per_s": None,
+            "evictions_per_s": self.evictions_per_s,
+            "io_bytes_per_s": self.io_bytes_per_s,
             "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
             "gpu_power_w": self.power_w,
         }
+
+
+def _plus(a: float | None, b: float | None) -> float | None:
+    if b is None:
+        return a
+    return b if a is None else a + b
 
 
 @dataclass(slots=True)
@@ -337,15 +352,18 @@ class Sampler:
     collectors' own tracker, so an agent restart starts its counts from zero instead of showing
     a negative rate. One poll at a time: the app feeds it from a single worker."""
 
-    def __init__(self, *, window_polls: int = WINDOW_POLLS) -> None:
+    def __init__(self, *, window_polls: int = WINDOW_POLLS, max_gap_s: float | None = None) -> None:
         self._tracker = CounterTracker()
         self._state: dict[str, _NodeState] = {}
         self._window_polls = window_polls
+        #: a step longer than this (a node back from down, a paused view) restarts the window,
+        #: so "recent" never averages over a gap
+        self._max_gap_s = max_gap_s
         self.polls = 0
 
     def update(self, poll: Poll) -> FleetView:
         self.polls += 1
-        rows = [self._row(r, poll) for r in poll.readings]
+        rows = [self._safe_row(r, poll) for r in poll.readings]
         seen = {r.node.name for r in poll.readings}
         for gone in set(self._state) - seen:  # removed from the inventory
             del self._state[gone]
@@ -365,6 +383,14 @@ class Sampler:
             polls=self.polls,
             has_links=poll.rtt_s is not None,
         )
+
+    def _safe_row(self, reading: Reading, poll: Poll) -> NodeRow:
+        """One node's row; an answer that is not an agent's stats marks that node down."""
+        try:
+            return self._row(reading, poll)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            why = f"not an agent's stats ({type(exc).__name__}: {exc})"
+            return self._row(Reading(reading.node, None, why), poll)
 
     def _row(self, reading: Reading, poll: Poll) -> NodeRow:
         node = reading.node
@@ -393,6 +419,9 @@ class Sampler:
         state.down_since_s = None
         stats = reading.stats
         step = self._step(node.name, stats, poll.ts_s, state)
+        if step is not None and self._max_gap_s is not None and step.seconds > self._max_gap_s:
+            state.steps.clear()
+            step = None
         if step is not None:
             state.steps.append(step)
         state.hit_history.append(None if step is None else step.counts.hit_ratio)
@@ -503,11 +532,17 @@ def sort_rows(rows: Sequence[NodeRow], column: str, *, reverse: bool = False) ->
     """Rows ordered by ``column``; rows without a value (down, idle, N/A) always come last,
     whichever the direction, so the interesting ones stay on screen."""
     key = sort_key(column)
-    known = [r for r in rows if key(r) is not None and not _is_nan(key(r))]
-    unknown = [r for r in rows if r not in known]
-    known.sort(key=lambda r: (key(r), r.name), reverse=reverse)
+    known: list[tuple[Any, NodeRow]] = []
+    unknown: list[NodeRow] = []
+    for r in rows:
+        v = key(r)
+        if v is None or _is_nan(v):
+            unknown.append(r)
+        else:
+            known.append((v, r))
+    known.sort(key=lambda p: (p[0], p[1].name), reverse=reverse)
     unknown.sort(key=lambda r: r.name)
-    return known + unknown
+    return [r for _, r in known] + unknown
 
 
 def _is_nan(v: Any) -> bool:

@@ -68,7 +68,7 @@ class NodeScreen(Screen[None]):
 
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="")
-        yield Static("", id="node-summary")
+        yield Static("", id="node-summary", markup=False)
         yield DataTable(id="tiers", cursor_type="row")
         with TabbedContent(id="tabs"):
             with TabPane("Events", id="tab-events"):
@@ -181,7 +181,11 @@ class NodeScreen(Screen[None]):
 
     def _fill(self, table_id: str, items: list[dict[str, Any]]) -> None:
         table = self.query_one(table_id, DataTable)
-        selected = table.cursor_row
+        # the list re-sorts by hits each fetch: keep the cursor on the same chunk, not the row
+        selected = None
+        if table.row_count:
+            selected = table.coordinate_to_cell_key(table.cursor_coordinate).row_key.value
+        scroll = (table.scroll_x, table.scroll_y)
         table.clear()
         for it in items:
             prefix = f"{it['prefix_tokens']:,} tok" + ("" if it["prefix_complete"] else "+")
@@ -195,8 +199,10 @@ class NodeScreen(Screen[None]):
                 "yes" if it["pinned"] else "",
                 key=it["key"],
             )
-        if table.row_count:
-            table.move_cursor(row=min(selected, table.row_count - 1), animate=False)
+        keys = [str(it["key"]) for it in items]
+        if selected in keys:
+            table.move_cursor(row=keys.index(selected), animate=False, scroll=False)
+        table.scroll_to(*scroll, animate=False, immediate=True)
 
     # --- actions -------------------------------------------------------------------------------
     def after_action(self) -> None:

@@ -14,7 +14,7 @@ from sqlalchemy.engine import Engine
 
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
-from kvctl.fleet.fanout import fan_out
+from kvctl.fleet.fanout import ClientPool, fan_out
 from kvctl.tui.model import GpuPower, Poll, Reading
 
 #: GPUs are read this often (seconds): NVML power moves slowly and costs a request per node
@@ -107,6 +107,17 @@ class Asker:
     timeout_s: float
     clock: Callable[[], float] = time.time
     _gpus_at: dict[str, float] = field(default_factory=dict)
+    _pool: ClientPool | None = None
+
+    @property
+    def pool(self) -> ClientPool:
+        if self._pool is None:
+            self._pool = ClientPool(token=self.token, timeout_s=self.timeout_s)
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close()
 
     def ask(self, nodes: Sequence[NodeInfo]) -> list[Reading]:
         now = self.clock()
@@ -125,7 +136,9 @@ class Asker:
                     out["gpus"] = GpuPower(None, 0, f"GPUs unreadable: {exc}")
             return out
 
-        results = fan_out(nodes, call, token=self.token, timeout_s=self.timeout_s)
+        results = fan_out(
+            nodes, call, token=self.token, timeout_s=self.timeout_s, clients=self.pool
+        )
         readings = []
         for r in results:
             if not r.ok or r.value is None:
@@ -192,6 +205,7 @@ class FleetSource:
         return fetch_details(node, cursor, token=self.token, timeout_s=self._asker.timeout_s)
 
     def close(self) -> None:
+        self._asker.close()
         self.engine.dispose()
 
 
@@ -217,14 +231,19 @@ class AgentSource:
     ) -> None:
         if not urls:
             raise ValueError("name at least one agent URL")
-        self._nodes = [agent_node(u, i) for i, u in enumerate(urls)]
+        # one row per agent: the same URL named twice is watched once
+        nodes = [agent_node(u, i) for i, u in enumerate(urls)]
+        unique = list(dict.fromkeys(n.agent_url for n in nodes))
+        self._nodes = [agent_node(u, i) for i, u in enumerate(unique)]
         self._named: set[int] = set()
         self.token = token
         self.timeout_s = timeout_s
         self.clock = clock
         self._asker = Asker(token, timeout_s, clock)
         self.label = (
-            f"agents · {len(urls)}" if len(urls) > 1 else f"agent · {self._nodes[0].agent_url}"
+            f"agents · {len(self._nodes)}"
+            if len(self._nodes) > 1
+            else f"agent · {self._nodes[0].agent_url}"
         )
 
     def targets(self) -> list[NodeInfo]:
@@ -235,7 +254,13 @@ class AgentSource:
         fresh = [r.node for r in readings if r.up and r.node.id not in self._named]
         if not fresh:
             return
-        infos = fan_out(fresh, lambda c: c.info(), token=self.token, timeout_s=self.timeout_s)
+        infos = fan_out(
+            fresh,
+            lambda c: c.info(),
+            token=self.token,
+            timeout_s=self.timeout_s,
+            clients=self._asker.pool,
+        )
         for res in infos:
             if not res.ok or res.value is None:
                 continue
@@ -263,4 +288,4 @@ class AgentSource:
         return fetch_details(node, cursor, token=self.token, timeout_s=self.timeout_s)
 
     def close(self) -> None:
-        pass
+        self._asker.close()

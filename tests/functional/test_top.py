@@ -130,6 +130,7 @@ def test_fleet_table_sorts_filters_and_groups(fleet: tuple[Engine, dict[str, Age
             agents["gpu-b"].control().lookup(tokens=[7] * TOKENS)
         await poll(pilot, app)
         assert isinstance(app.screen, FleetScreen)
+        select_row(app, "#fleet", "node:gpu-b")
         # default: by DC then node
         assert row_keys(app) == ["node:gpu-c", "node:gpu-down", "node:gpu-a", "node:gpu-b"]
         assert cell(app, "node:gpu-a", "hit") == "100%"
@@ -144,7 +145,6 @@ def test_fleet_table_sorts_filters_and_groups(fleet: tuple[Engine, dict[str, Age
         assert "3/4 up" in summary and "hit 67%" in summary  # 8 of 12 chunks fleet-wide
 
         # sort by hit ratio (a header click), then reverse with S; missing values stay last
-        await pilot.click("#fleet", offset=(0, 0))  # focus only
         screen = app.screen
         assert isinstance(screen, FleetScreen)
         table = screen.query_one("#fleet", DataTable)
@@ -155,6 +155,9 @@ def test_fleet_table_sorts_filters_and_groups(fleet: tuple[Engine, dict[str, Age
         assert screen.sort == "hit" and not screen.reverse
         assert row_keys(app) == ["node:gpu-b", "node:gpu-a", "node:gpu-c", "node:gpu-down"]
         assert "HIT ▲" in str(table.columns["hit"].label)
+        assert screen.selected_node().name == "gpu-b"  # type: ignore[union-attr]  # kept
+        await poll(pilot, app)
+        assert screen.selected_node().name == "gpu-b"  # type: ignore[union-attr]
         await pilot.press("S")
         assert row_keys(app) == ["node:gpu-a", "node:gpu-b", "node:gpu-c", "node:gpu-down"]
         await pilot.press("s")  # the next column
@@ -162,6 +165,10 @@ def test_fleet_table_sorts_filters_and_groups(fleet: tuple[Engine, dict[str, Age
 
         # filter: only fra; then only the down node; Escape clears
         await pilot.press("slash")
+        screen.query_one("#filter").value = "[/]"  # type: ignore[attr-defined]  # not markup
+        await pilot.pause()
+        assert row_keys(app) == [] and "[/]" in str(screen.query_one("#summary", Static).render())
+        screen.query_one("#filter").value = ""  # type: ignore[attr-defined]
         await pilot.press(*"dc:fra")
         assert row_keys(app) == ["node:gpu-a", "node:gpu-b"]
         await pilot.press("enter")

@@ -167,8 +167,20 @@ async def polled(pilot: Pilot[None], times: int = 3) -> None:
     for _ in range(times):
         before = app.refreshes
         app.tick()
+        deadline = time.monotonic() + 10
         while app.refreshes == before:
+            assert time.monotonic() < deadline, "the scripted poll never arrived"
             await pilot.pause(0.02)
+    await pilot.pause()
+
+
+async def details_shown(pilot: Pilot[None]) -> None:
+    from textual.widgets import DataTable
+
+    deadline = time.monotonic() + 10
+    while pilot.app.screen.query_one("#top", DataTable).row_count == 0:
+        assert time.monotonic() < deadline, "the node's details never arrived"
+        await pilot.pause(0.02)
     await pilot.pause()
 
 
@@ -196,7 +208,7 @@ def test_node_page(snap_compare: Any) -> None:
     async def run(pilot: Pilot[None]) -> None:
         await polled(pilot, times=4)
         await pilot.press("enter")  # the first row: gpu-b1 (ams sorts first)
-        await pilot.pause(0.2)
+        await details_shown(pilot)
         await pilot.press("2")
         await pilot.pause()
 
@@ -207,7 +219,7 @@ def test_node_page_events(snap_compare: Any) -> None:
     async def run(pilot: Pilot[None]) -> None:
         await polled(pilot, times=2)
         await pilot.press("enter")
-        await pilot.pause(0.2)
+        await details_shown(pilot)
 
     assert snap_compare(make_app(), terminal_size=(80, 24), run_before=run)
 

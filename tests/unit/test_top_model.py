@@ -144,6 +144,31 @@ def test_an_agent_restart_counts_from_zero_not_negative() -> None:
     assert r.hit_ratio == pytest.approx(0.25)
 
 
+def test_a_gap_restarts_the_window_and_dc_rates_are_summed_node_rates() -> None:
+    a, b = node("a", i=1), node("b", i=2)
+    s = Sampler(max_gap_s=3.0)
+    s.update(poll(0.0, Reading(a, stats()), Reading(b, stats())))
+    s.update(poll(2.0, Reading(a, stats(drops=20)), Reading(b, stats(drops=4))))
+    s.update(poll(4.0, Reading(a, stats(drops=40)), Reading(b, None, "timed out")))
+    # b is back: its 4 s step across the gap restarts its window instead of being averaged in
+    view = s.update(poll(6.0, Reading(a, stats(drops=60)), Reading(b, stats(drops=100))))
+    assert view.row("a").recent.seconds == 6.0  # type: ignore[union-attr]
+    assert view.row("b").recent.seconds == 0.0  # type: ignore[union-attr]
+    view = s.update(poll(8.0, Reading(a, stats(drops=70)), Reading(b, stats(drops=106))))
+    ra, rb = view.row("a").recent, view.row("b").recent  # type: ignore[union-attr]
+    assert ra.evictions_per_s == pytest.approx(70 / 8)
+    assert rb.evictions_per_s == pytest.approx(6 / 2)
+    # the DC's rate is the sum of its nodes' rates, not its counts over the longest window
+    assert view.total.evictions_per_s == pytest.approx(70 / 8 + 6 / 2)
+
+
+def test_an_answer_that_is_not_stats_marks_only_that_node_down() -> None:
+    a, b = node("a", i=1), node("b", i=2)
+    view = Sampler().update(poll(0.0, Reading(a, {"hello": "html"}), Reading(b, stats())))
+    assert not view.row("a").up and "not an agent's stats" in (view.row("a").error or "")  # type: ignore[union-attr]
+    assert view.row("b").up  # type: ignore[union-attr]
+
+
 def test_a_down_node_stays_with_its_error_and_how_long() -> None:
     a, b = node("a", i=1), node("b", i=2)
     s = Sampler()
