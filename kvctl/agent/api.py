@@ -591,21 +591,7 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         hexed = ((e.key.hex(), e) for e in store.entries(tier or None))
         # O(n log limit), not a full sort of the index per page
         page = nsmallest(limit + 1, (p for p in hexed if p[0] > cursor), key=lambda p: p[0])
-        items = [
-            KeyItem(
-                key=k,
-                tier=e.tier,
-                size_bytes=e.size_bytes,
-                tokens=e.tokens,
-                tenant=e.tenant,
-                pinned=e.pinned,
-                priority=e.priority,
-                hit_count=e.hit_count,
-                last_access_s=e.last_access_s,
-                isolated=e.isolated,
-            )
-            for k, e in page[:limit]
-        ]
+        items = [KeyItem(key=k, **e.listing()) for k, e in page[:limit]]
         return KeysPage(items=items, next=items[-1].key if len(page) > limit else None)
 
     @app.get("/v1/events/recent", response_model=EventsResponse, tags=["events"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 MAX_PRIORITY = 100
@@ -41,6 +42,20 @@ class Entry:
         if self.retention_until_s is not None and now_s >= self.retention_until_s:
             return DEFAULT_PRIORITY
         return self.priority
+
+    def listing(self) -> dict[str, Any]:
+        """What an operator's listing shows of a chunk (the key left to the caller's format)."""
+        return {
+            "tier": self.tier,
+            "size_bytes": self.size_bytes,
+            "tokens": self.tokens,
+            "tenant": self.tenant,
+            "pinned": self.pinned,
+            "priority": self.priority,
+            "hit_count": self.hit_count,
+            "last_access_s": self.last_access_s,
+            "isolated": self.isolated,
+        }
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -83,6 +98,20 @@ class HotChunk:
     #: the chain reaches a first chunk (parent None); False when an ancestor is not cached
     #: (or the walk stopped early), so the prefix is only partly known
     prefix_complete: bool
+
+    def listing(self) -> dict[str, Any]:
+        """What an operator's listing shows of a chunk (the key left to the caller's format)."""
+        return {
+            "tier": self.tier,
+            "size_bytes": self.size_bytes,
+            "tokens": self.tokens,
+            "tenant": self.tenant,
+            "pinned": self.pinned,
+            "priority": self.priority,
+            "hit_count": self.hit_count,
+            "last_access_s": self.last_access_s,
+            "isolated": self.isolated,
+        }
 
     def as_dict(self) -> dict[str, object]:
         return {

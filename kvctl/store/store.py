@@ -902,15 +902,7 @@ def _payload_size(data: Buffer | None, size_bytes: int | None) -> int:
 def _hot(e: Entry, prefix_chunks: int, prefix_tokens: int, prefix_complete: bool) -> HotChunk:
     return HotChunk(
         key=e.key,
-        tier=e.tier,
-        size_bytes=e.size_bytes,
-        tokens=e.tokens,
-        tenant=e.tenant,
-        pinned=e.pinned,
-        priority=e.priority,
-        hit_count=e.hit_count,
-        last_access_s=e.last_access_s,
-        isolated=e.isolated,
+        **e.listing(),
         prefix_chunks=prefix_chunks,
         prefix_tokens=prefix_tokens,
         prefix_complete=prefix_complete,
