@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
@@ -99,36 +99,8 @@ class HotChunk:
     #: (or the walk stopped early), so the prefix is only partly known
     prefix_complete: bool
 
-    def listing(self) -> dict[str, Any]:
-        """What an operator's listing shows of a chunk (the key left to the caller's format)."""
-        return {
-            "tier": self.tier,
-            "size_bytes": self.size_bytes,
-            "tokens": self.tokens,
-            "tenant": self.tenant,
-            "pinned": self.pinned,
-            "priority": self.priority,
-            "hit_count": self.hit_count,
-            "last_access_s": self.last_access_s,
-            "isolated": self.isolated,
-        }
-
     def as_dict(self) -> dict[str, object]:
-        return {
-            "key": self.key.hex(),
-            "tier": self.tier,
-            "size_bytes": self.size_bytes,
-            "tokens": self.tokens,
-            "tenant": self.tenant,
-            "pinned": self.pinned,
-            "priority": self.priority,
-            "hit_count": self.hit_count,
-            "last_access_s": self.last_access_s,
-            "isolated": self.isolated,
-            "prefix_chunks": self.prefix_chunks,
-            "prefix_tokens": self.prefix_tokens,
-            "prefix_complete": self.prefix_complete,
-        }
+        return {**asdict(self), "key": self.key.hex()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,10 +145,7 @@ class Cells:
         return NA.copy() if per_s is None else Text(f"{compact_bytes(per_s)}/s")
 
     def rtt(self, row: NodeRow, has_links: bool) -> Text:
-        worst = None
-        for dc, v in row.rtt_s.items():
-            if v is not None and (worst is None or v > worst[1]):
-                worst = (dc, v)
+        worst = row.worst_link
         if worst is None:
             return Text("no probes" if has_links else "N/A", style="dim")
         return Text.assemble(

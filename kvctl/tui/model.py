@@ -223,9 +223,15 @@ class NodeRow:
         return self.node.dc
 
     @property
+    def worst_link(self) -> tuple[str, float] | None:
+        """The other DC with the slowest measured RTT, and that RTT."""
+        known = [(dc, v) for dc, v in self.rtt_s.items() if v is not None]
+        return max(known, key=lambda p: p[1]) if known else None
+
+    @property
     def max_rtt_s(self) -> float | None:
-        known = [v for v in self.rtt_s.values() if v is not None]
-        return max(known) if known else None
+        worst = self.worst_link
+        return None if worst is None else worst[1]
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -46,27 +46,26 @@ class Details:
     error: str | None = None
 
 
-def fetch_details(
-    node: NodeInfo, cursor: int | None, *, token: str | None, timeout_s: float
-) -> Details:
-    """Ask ``node``'s agent for its detail; a failure is a :class:`Details` with ``error``."""
+def fetch_details(pool: ClientPool, node: NodeInfo, cursor: int | None) -> Details:
+    """Ask ``node``'s agent for its detail over the pool's kept-open client; a failure is a
+    :class:`Details` with ``error``."""
     from kvctl.client import ChunkNotFound
 
     try:
-        with AgentClient(node.agent_url, token=token, timeout_s=timeout_s) as c:
-            after = cursor
-            if after is None:  # first read: only the most recent events
-                last = int(c.events(after=_RESYNC_CURSOR, limit=1)["last_seq"])
-                after = max(last - RECENT_EVENTS, 0)
-            ev = c.events(after=after, limit=1000)
-            restarted = cursor is not None and int(ev["last_seq"]) < cursor
-            try:
-                top = c.top_keys(limit=TOP_CHUNKS)["items"]
-                pinned = c.top_keys(limit=PINNED_CHUNKS, pinned=True)["items"]
-                error = None
-            except ChunkNotFound:  # an agent from before /v1/keys/top
-                top = pinned = None
-                error = "this agent does not list hot chunks (upgrade it)"
+        c = pool.get(node.agent_url)
+        after = cursor
+        if after is None:  # first read: only the most recent events
+            last = int(c.events(after=_RESYNC_CURSOR, limit=1)["last_seq"])
+            after = max(last - RECENT_EVENTS, 0)
+        ev = c.events(after=after, limit=1000)
+        restarted = cursor is not None and int(ev["last_seq"]) < cursor
+        try:
+            top = c.top_keys(limit=TOP_CHUNKS)["items"]
+            pinned = c.top_keys(limit=PINNED_CHUNKS, pinned=True)["items"]
+            error = None
+        except ChunkNotFound:  # an agent from before /v1/keys/top
+            top = pinned = None
+            error = "this agent does not list hot chunks (upgrade it)"
     except Exception as exc:
         return Details(cursor=cursor, error=str(exc))
     return Details(
@@ -202,7 +201,7 @@ class FleetSource:
         return Poll(ts_s, readings, self.rtt(), time.perf_counter() - t0)
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details:
-        return fetch_details(node, cursor, token=self.token, timeout_s=self._asker.timeout_s)
+        return fetch_details(self._asker.pool, node, cursor)
 
     def close(self) -> None:
         self._asker.close()
@@ -285,7 +284,7 @@ class AgentSource:
         return Poll(ts_s, readings, None, time.perf_counter() - t0)
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details:
-        return fetch_details(node, cursor, token=self.token, timeout_s=self.timeout_s)
+        return fetch_details(self._asker.pool, node, cursor)
 
     def close(self) -> None:
         self._asker.close()
