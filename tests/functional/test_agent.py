@@ -35,6 +35,8 @@ from .agents import key, payload, running_agent, start_agent
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the agent's shm path is Linux")
 
 CHUNK = 256 << 10
+#: the kill -9 test's writer stops here (1.5 GiB), below its 2 GiB disk tier
+KILL_WRITER_CHUNKS = (3 << 29) // CHUNK
 
 
 @pytest.fixture
@@ -121,7 +123,9 @@ def test_top_keys_over_the_control_api(agent) -> None:  # type: ignore[no-untype
 # --- durability ----------------------------------------------------------------------------
 def test_kill_9_keeps_every_committed_chunk_and_serves_nothing_torn(tmp_path: Path) -> None:
     data_dir = tmp_path / "k"
-    agent = start_agent(data_dir, "--cpu", "1MiB", "--disk", "256MiB")
+    # the disk has room for everything the writer below can send, so no committed chunk is
+    # ever evicted for capacity: a missing one can only mean the kill lost it
+    agent = start_agent(data_dir, "--cpu", "1MiB", "--disk", "2GiB")
     committed = [key(i, 3) for i in range(40)]
     with agent.data("tcp") as c:
         for k in committed:
@@ -138,7 +142,7 @@ def test_kill_9_keeps_every_committed_chunk_and_serves_nothing_torn(tmp_path: Pa
         try:
             with agent.data("tcp") as w:
                 i = 0
-                while not stop.is_set():
+                while not stop.is_set() and i < KILL_WRITER_CHUNKS:
                     k = key(i, 4)
                     w.put(k, payload(k, CHUNK))
                     written.append(k)
@@ -155,7 +159,7 @@ def test_kill_9_keeps_every_committed_chunk_and_serves_nothing_torn(tmp_path: Pa
     assert written, "the writer never got going"
 
     with (
-        running_agent(data_dir, "--cpu", "1MiB", "--disk", "256MiB") as again,
+        running_agent(data_dir, "--cpu", "1MiB", "--disk", "2GiB") as again,
         again.data("unix") as c,
     ):
         got = c.get_many(committed)
