@@ -25,6 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.agent.protocol import (
+    FETCH_ITEM,
+    FLAG_HAS_PARENT,
+    FLAG_ISOLATED,
     GET_ITEM,
     HEADER_BYTES,
     LEASE_ITEM,
@@ -49,6 +52,7 @@ from kvctl.agent.protocol import (
     zero_pieces,
 )
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
+from kvctl.store.tiers.base import ChunkMeta
 
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
 #: replies' payloads are read into buffers the caller sized (or drained), never allocated whole,
@@ -255,24 +259,29 @@ class DataClient:
         *,
         tenant: str = "",
         parents: Sequence[bytes | None] | None = None,
-        tokens: int = 0,
+        tokens: int | Sequence[int] = 0,
         priority: int = DEFAULT_PRIORITY,
         pinned: bool = False,
         depths: Sequence[int] | None = None,
+        isolated: bool = False,
     ) -> list[PutOutcome]:
-        """Store chunks in one request. ``parents[i]`` links chunk i into its prefix chain."""
+        """Store chunks in one request. ``parents[i]`` links chunk i into its prefix chain;
+        ``tokens`` is one count for all or one per chunk. ``isolated`` marks the chunks as the
+        tenant's own (agents passing chunks on say so; engines leave it to the agent's
+        settings)."""
         views = [_as_bytes_view(d) for _, d in items]
         parents = parents or [None] * len(items)
         depths = depths or [0] * len(items)
+        counts = [tokens] * len(items) if isinstance(tokens, int) else list(tokens)
 
         def meta(offsets: Sequence[int | None]) -> bytes:
             w = MetaWriter().text(tenant).u32(len(items))
-            for (key, _), v, parent, depth, off in zip(
-                items, views, parents, depths, offsets, strict=True
+            for (key, _), v, parent, depth, off, n in zip(
+                items, views, parents, depths, offsets, counts, strict=True
             ):
                 w.raw(
-                    put_item(key, v.nbytes, tokens=tokens, priority=priority, pinned=pinned,
-                             parent=parent, depth=depth, staging_offset=off)
+                    put_item(key, v.nbytes, tokens=n, priority=priority, pinned=pinned,
+                             parent=parent, depth=depth, staging_offset=off, isolated=isolated)
                 )  # fmt: skip
             return w.build()
 
@@ -322,6 +331,60 @@ class DataClient:
         meta, _ = self._call(Op.EXISTS, MetaWriter().text(tenant).keys(keys).build())
         r = MetaReader(meta)
         return list(map(self._tier_table.__getitem__, r.take(r.count())))
+
+    def fetch(
+        self,
+        keys: Sequence[bytes],
+        *,
+        tenant: str = "",
+        payload: bool = True,
+        arrived: Callable[[int, ChunkMeta, bytearray], None] | None = None,
+    ) -> list[tuple[ChunkMeta, bytearray | None] | None]:
+        """Chunks with their metadata (owner tenant, parent, tokens, isolation), for agents
+        pulling from a pool agent or a peer; None where missing or not visible to ``tenant``.
+        ``payload=False`` asks for the metadata only (moves no bytes, counts nothing).
+        ``arrived(i, meta, data)`` runs as each chunk lands, before the rest have arrived."""
+        metas: list[ChunkMeta | None] = []
+        bufs: dict[int, bytearray] = {}
+
+        def sizes_of(reply: bytes) -> list[tuple[int, int]]:
+            r = MetaReader(reply)
+            for key in keys[: r.count()]:
+                status, size, tokens, priority, flags, parent, created_s = r.structs(FETCH_ITEM, 1)[
+                    0
+                ]
+                owner = r.text()
+                metas.append(
+                    None
+                    if status != Status.OK
+                    else ChunkMeta(
+                        key=key,
+                        size_bytes=size,
+                        tokens=tokens,
+                        tenant=owner,
+                        parent=parent if flags & FLAG_HAS_PARENT else None,
+                        priority=priority,
+                        isolated=bool(flags & FLAG_ISOLATED),
+                        created_s=created_s,
+                    )
+                )
+            if len(metas) != len(keys):
+                raise AgentError(f"FETCH reply has {len(metas)} items for {len(keys)} keys")
+            if not payload:
+                return []
+            return [(i, m.size_bytes) for i, m in enumerate(metas) if m is not None]
+
+        def into(i: int, size: int) -> memoryview:
+            bufs[i] = bytearray(size)
+            return memoryview(bufs[i])
+
+        def landed(i: int) -> None:
+            if arrived is not None:
+                arrived(i, metas[i], bufs[i])  # type: ignore[arg-type]
+
+        w = MetaWriter().text(tenant).u8(1 if payload else 0).keys(keys)
+        self._call(Op.FETCH, w.build(), into=into, sizes_of=sizes_of, arrived=landed)
+        return [None if m is None else (m, bufs.get(i)) for i, m in enumerate(metas)]
 
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
         """Longest cached prefix of a key chain and the tier of each key (counts hits)."""
@@ -375,10 +438,12 @@ class DataClient:
         payload: Sequence[memoryview] = (),
         *,
         into: Callable[[int, int], memoryview] | None = None,
+        sizes_of: Callable[[bytes], list[tuple[int, int]]] | None = None,
+        arrived: Callable[[int], None] | None = None,
     ) -> tuple[bytes, int]:
         """Send a request, read the reply's metadata; with ``into``, also read its payload."""
         with self._lock:
-            return self._call_locked(op, meta, payload, into)
+            return self._call_locked(op, meta, payload, into, sizes_of=sizes_of, arrived=arrived)
 
     def _call_locked(
         self,
@@ -390,6 +455,8 @@ class DataClient:
         *,
         sink: memoryview | None = None,
         sink_bytes: int = 0,
+        sizes_of: Callable[[bytes], list[tuple[int, int]]] | None = None,
+        arrived: Callable[[int], None] | None = None,
     ) -> tuple[bytes, int]:
         """``into``: where a GET reply's chunks go. ``sink``: a scratch buffer that a reply's
         payload of exactly ``sink_bytes`` is read into, piece by piece, and dropped (PROBE
@@ -411,7 +478,9 @@ class DataClient:
             self._recv(memoryview(reply))
             if rop == (op | REPLY_BIT) and rid == self._rid:
                 if into is not None:
-                    self._read_payload(bytes(reply), payload_len, into)
+                    self._read_payload(
+                        bytes(reply), payload_len, into, sizes_of or _get_sizes, arrived
+                    )
                     payload_len = 0
                 elif sink is not None and payload_len == sink_bytes:
                     self._drain(payload_len, sink)
@@ -457,19 +526,32 @@ class DataClient:
             recv_exactly(self._sock, view)
 
     def _read_payload(
-        self, meta: bytes, payload_len: int, into: Callable[[int, int], memoryview]
+        self,
+        meta: bytes,
+        payload_len: int,
+        into: Callable[[int, int], memoryview],
+        sizes_of: Callable[[bytes], list[tuple[int, int]]],
+        arrived: Callable[[int], None] | None,
     ) -> None:
-        """Read a GET reply's chunks straight into the buffers ``into(i, size)`` gives. Sizes
-        come first in the metadata, so every buffer is known before any byte is read."""
-        r = MetaReader(meta)
-        items = r.structs(GET_ITEM, r.count())
+        """Read a reply's chunks straight into the buffers ``into(i, size)`` gives, calling
+        ``arrived(i)`` as each one lands (a puller starts on the first before the last
+        arrives). Sizes come first in the metadata, so every buffer is known before any byte
+        is read; a failing callback is reported after the stream has been read to its end."""
         try:
-            targets = [into(i, size) for i, (st, size) in enumerate(items) if st == Status.OK]
+            targets = [(i, into(i, size)) for i, size in sizes_of(meta)]
         except BaseException:
             self._discard(payload_len)  # stay in step with the stream, then report
             raise
-        for view in targets:
+        failure: BaseException | None = None
+        for i, view in targets:
             self._recv(view)
+            if arrived is not None and failure is None:
+                try:
+                    arrived(i)
+                except Exception as exc:
+                    failure = exc
+        if failure is not None:
+            raise failure
 
     def _discard(self, n: int) -> None:
         self._drain(n, memoryview(bytearray(min(n, 1 << 20) or 1)))
@@ -760,6 +842,13 @@ class AgentClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _get_sizes(reply: bytes) -> list[tuple[int, int]]:
+    """(index, size) of the chunks a GET reply carries, in payload order."""
+    r = MetaReader(reply)
+    items = r.structs(GET_ITEM, r.count())
+    return [(i, size) for i, (st, size) in enumerate(items) if st == Status.OK]
 
 
 def _hex(k: bytes | str) -> str:

@@ -458,7 +458,17 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         out["hit_ratio"] = _hit_ratio(counters if isinstance(counters, dict) else out)
         # counters restart at zero with the agent: collectors spot a restart by this changing
         out["started_s"] = runtime.started_s
+        if runtime.remote is not None:
+            out["remote"] = runtime.remote.status()
         return out
+
+    @app.get("/v1/remote", tags=["agent"])
+    def remote() -> dict[str, Any]:
+        """The shared pool and peers: reachability, errors, link figures (measured, configured
+        or emulated), pool usage, fetch-or-recompute decisions and the pool writer's counts."""
+        if runtime.remote is None:
+            return {"configured": False, "role": runtime.settings.role}
+        return {"configured": True, "role": runtime.settings.role, **runtime.remote.status()}
 
     @app.get("/v1/gpus", tags=["agent"])
     def gpus() -> dict[str, Any]:
@@ -513,9 +523,13 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         else:
             keys = _parse_keys(body.keys or [])
         if body.count:
-            res = store.lookup(keys, tenant=body.tenant)
+            res = runtime.lookup(keys, tenant=body.tenant)
         else:
             res = store.peek(keys, tenant=body.tenant)
+            if runtime.remote is not None:  # where the rest are, counting nothing
+                res = dataclasses.replace(
+                    res, locations=tuple(runtime.locate(keys, tenant=body.tenant))
+                )
         return LookupResponse(
             total_chunks=res.total_chunks,
             matched_chunks=res.matched_chunks,

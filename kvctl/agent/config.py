@@ -35,6 +35,7 @@ from kvctl.agent.settings import (
     DEFAULT_CONTROL_PORT,
     DEFAULT_DATA_PORT,
     AgentSettings,
+    LinkSpec,
     ModelSpec,
     is_loopback,
     split_host_port,
@@ -43,10 +44,16 @@ from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import KVLayout
 from kvctl.store.policies import ADMISSION_POLICIES, EVICTION_POLICIES, make_admission_policy
 from kvctl.units import parse_size
+from kvctl.workload.profiles import GPUS
 
 #: ``sun_path`` on Linux holds 108 bytes including the terminating NUL
 UNIX_SOCKET_PATH_MAX = 108
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ROLES = ("node", "pool")
+POOL_WRITES = ("through", "off")
+POOL_SCHEMES = ("redis", "rediss", "valkey", "valkeys", "redis+cluster", "kvctl")
+LINK_OVERRIDES = ("auto", "fetch", "recompute")
+_LINK_KEYS = ("override", "rtt_ms", "bandwidth", "delay_ms")
 CONFIG_ENV = "KVCTL_CONFIG"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -257,6 +264,149 @@ def _tenants(value: object, ctx: _Ctx) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))  # drop repeats, keep order
 
 
+def _non_negative_float(value: object, ctx: _Ctx) -> float:
+    if isinstance(value, str) and ctx.kind != "file":
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise _Invalid(f"expected a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _wrong_type("a number", value)
+    if not math.isfinite(value) or value < 0:
+        raise _Invalid(f"must be a finite number, 0 or more, got {value}")
+    return float(value)
+
+
+def _pool_url(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx)
+    if not text or text.lower() == "off":
+        return ""
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() not in POOL_SCHEMES or not rest.strip("/"):
+        # never echo the URL: it may carry a password
+        raise _Invalid(
+            f"expected a URL whose scheme is one of {', '.join(POOL_SCHEMES)} (URL not shown)"
+        )
+    if scheme.lower() == "kvctl":
+        try:
+            split_host_port(rest.rstrip("/"), DEFAULT_DATA_PORT)
+        except ValueError as exc:
+            raise _Invalid(str(exc)) from None
+    return text
+
+
+def _prefix(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx)
+    if not text or any(c in text for c in "{}*?[] ") or not text.isprintable():
+        raise _Invalid(f"must be a plain non-empty word (no spaces, braces or globs), got {text!r}")
+    return text
+
+
+def _peers(value: object, ctx: _Ctx) -> tuple[tuple[str, str], ...]:
+    if isinstance(value, Mapping):
+        pairs = [(str(k), v) for k, v in value.items()]
+    else:
+        if isinstance(value, str) and ctx.kind != "file":
+            value = [p for p in value.split(",") if p.strip()]
+        if not isinstance(value, list | tuple):
+            raise _wrong_type('a list of "NAME=HOST:PORT"', value)
+        pairs = []
+        for i, item in enumerate(value):
+            if isinstance(item, tuple) and len(item) == 2:
+                pairs.append((str(item[0]), item[1]))
+                continue
+            if not isinstance(item, str) or "=" not in item:
+                raise _Invalid(f'item {i} must look like "NAME=HOST:PORT", got {item!r}')
+            name, _, addr = item.partition("=")
+            pairs.append((name, addr))
+    out: dict[str, str] = {}
+    for name, addr in pairs:
+        name = name.strip()
+        if not name or any(c.isspace() for c in name) or name == "pool":
+            raise _Invalid(f"peer name {name!r} must be a non-empty word other than 'pool'")
+        if not isinstance(addr, str):
+            raise _Invalid(f"peer {name}: address must be a string HOST:PORT, got {addr!r}")
+        try:
+            split_host_port(addr.strip(), DEFAULT_DATA_PORT)
+        except ValueError as exc:
+            raise _Invalid(f"peer {name}: {exc}") from None
+        if name in out:
+            raise _Invalid(f"peer {name!r} appears twice")
+        out[name] = addr.strip()
+    return tuple(out.items())
+
+
+def _link(name: str, fields: Mapping[str, object]) -> LinkSpec:
+    unknown = sorted(set(fields) - set(_LINK_KEYS))
+    if unknown:
+        raise _Invalid(f"link {name}: unknown key {unknown[0]!r}; valid: {', '.join(_LINK_KEYS)}")
+    override = str(fields.get("override", "auto")).strip().lower()
+    if override not in LINK_OVERRIDES:
+        raise _Invalid(f"link {name}: override must be one of {', '.join(LINK_OVERRIDES)}")
+
+    def number(key: str) -> float | None:
+        raw = fields.get(key)
+        if raw is None:
+            return None
+        try:
+            v = float(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise _Invalid(f"link {name}: {key} must be a number, got {raw!r}") from None
+        if not math.isfinite(v) or v < 0:
+            raise _Invalid(f"link {name}: {key} must be 0 or more, got {raw!r}")
+        return v
+
+    rtt_ms, delay_ms = number("rtt_ms"), number("delay_ms")
+    bandwidth: float | None = None
+    if fields.get("bandwidth") is not None:
+        try:
+            bandwidth = float(parse_size(fields["bandwidth"]))  # type: ignore[arg-type]
+        except InvalidArgument as exc:
+            raise _Invalid(f"link {name}: bandwidth (bytes per second): {exc}") from None
+        if bandwidth <= 0:
+            raise _Invalid(f"link {name}: bandwidth must be positive")
+    return LinkSpec(
+        name=name,
+        override=override,
+        rtt_seconds=None if rtt_ms is None else rtt_ms / 1000,
+        bandwidth_bytes_per_second=bandwidth,
+        delay_seconds=(delay_ms or 0.0) / 1000,
+    )
+
+
+def _links(value: object, ctx: _Ctx) -> tuple[LinkSpec, ...]:
+    """File: ``[agent.links.NAME]`` tables; env and flags: "NAME:key=value,key=value"."""
+    specs: list[LinkSpec] = []
+    if isinstance(value, Mapping):
+        for name, fields in value.items():
+            if not isinstance(fields, Mapping):
+                raise _Invalid(f"links.{name} must be a table, got {fields!r}")
+            specs.append(_link(str(name), fields))
+    else:
+        if isinstance(value, str) and ctx.kind != "file":
+            value = [p for p in value.split(";") if p.strip()]
+        if not isinstance(value, list | tuple):
+            raise _wrong_type('"NAME:override=fetch,rtt_ms=2,bandwidth=10GB,delay_ms=1"', value)
+        for item in value:
+            if isinstance(item, LinkSpec):
+                specs.append(item)
+                continue
+            if not isinstance(item, str) or ":" not in item:
+                raise _Invalid(f'a link looks like "NAME:key=value,...", got {item!r}')
+            name, _, rest = item.partition(":")
+            fields: dict[str, object] = {}
+            for part in filter(None, (p.strip() for p in rest.split(","))):
+                key, eq, val = part.partition("=")
+                if not eq:
+                    raise _Invalid(f"link {name}: {part!r} is not key=value")
+                fields[key.strip()] = val.strip()
+            specs.append(_link(name.strip(), fields))
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names) or not all(names):
+        raise _Invalid(f"link names must be unique and non-empty, got {names}")
+    return tuple(specs)
+
+
 def _model(i: int, raw: object) -> ModelSpec:
     where = f"models[{i}]"
     if isinstance(raw, ModelSpec):
@@ -358,6 +508,32 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting("models", "models", _models, None),
     _Setting("log_level", "log_level", _choice("log level", LOG_LEVELS), "info", "KVCTL_LOG_LEVEL"),
+    _Setting("role", "role", _choice("role", ROLES), "pool", "KVCTL_ROLE"),
+    _Setting("pool", "pool", _pool_url, "redis://10.0.0.5:6379/0", "KVCTL_POOL"),
+    _Setting("pool_prefix", "pool_prefix", _prefix, "kvctl-prod", "KVCTL_POOL_PREFIX"),
+    _Setting("pool_capacity_bytes", "pool_capacity", _size(0), "512GiB", "KVCTL_POOL_CAPACITY"),
+    _Setting(
+        "pool_tenant_quota_bytes",
+        "pool_tenant_quota",
+        _size(0),
+        "64GiB",
+        "KVCTL_POOL_TENANT_QUOTA",
+    ),
+    _Setting(
+        "pool_ttl_seconds", "pool_ttl_seconds", _non_negative_float, 3600, "KVCTL_POOL_TTL_SECONDS"
+    ),
+    _Setting("pool_write", "pool_write", _choice("pool write mode", POOL_WRITES), "through"),
+    _Setting("peers", "peers", _peers, ("fra-2=10.1.0.7:7071",), "KVCTL_PEERS"),
+    _Setting("links", "links", _links, ("pool:override=fetch,rtt_ms=2",), "KVCTL_LINKS"),
+    _Setting(
+        "prefill_tokens_per_second",
+        "prefill_tokens_per_second",
+        _non_negative_float,
+        20000,
+        "KVCTL_PREFILL_TOKENS_PER_SECOND",
+    ),
+    _Setting("gpu", "gpu", _choice("GPU profile", GPUS), "h100", "KVCTL_GPU"),
+    _Setting("remote_token", "remote_token", _token, "<the pool's token>", "KVCTL_REMOTE_TOKEN"),
 )
 _BY_FIELD = {s.field: s for s in _SETTINGS}
 # file and flag spellings: the short one ("cpu") and the field name ("cpu_bytes")
@@ -526,7 +702,7 @@ def _flag_layer(flags: Mapping[str, object], env: Mapping[str, str]) -> Layer:
         setting = _BY_KEY.get(key)
         if setting is None:
             raise _unknown_key(key, "flags", source)
-        if setting.field in ("isolated_tenants", "models") and raw in ((), []):
+        if setting.field in ("isolated_tenants", "models", "peers", "links") and raw in ((), []):
             continue  # CLIs report a repeatable option that was not given as an empty list
         _put(layer, setting, ctx.kind, _parse(setting, key, raw, ctx, source), source)
     return layer
@@ -587,6 +763,25 @@ def _check_socket(settings: AgentSettings, sources: Mapping[str, str]) -> None:
     )
 
 
+def _check_remote(settings: AgentSettings, sources: Mapping[str, str]) -> None:
+    if settings.role == "pool" and settings.pool:
+        raise ConfigError(
+            f'a pool agent (role = "pool" from {sources["role"]}) serves as the remote tier '
+            f"itself and cannot use another pool (pool from {sources['pool']}); unset one",
+            setting="pool",
+            source=sources["pool"],
+        )
+    known = {"pool", *(name for name, _ in settings.peers)}
+    for spec in settings.links:
+        if spec.name not in known:
+            raise ConfigError(
+                f"links from {sources['links']}: {spec.name!r} is neither 'pool' nor a peer "
+                f'({", ".join(sorted(known))}); e.g. links = ["pool:override=fetch"]',
+                setting="links",
+                source=sources["links"],
+            )
+
+
 # --- entry points -----------------------------------------------------------------------------
 
 
@@ -620,6 +815,7 @@ def load_settings(
     settings = AgentSettings(**values)  # type: ignore[arg-type]  # each value parsed per field
     _check_exposure(settings, sources)
     _check_socket(settings, sources)
+    _check_remote(settings, sources)
     return LoadedSettings(settings, sources, read)
 
 
@@ -633,8 +829,24 @@ def _format_size(n: int) -> str:
 
 def _format(field: str, settings: AgentSettings) -> str:
     value = getattr(settings, field)
-    if field == "token":
+    if field in ("token", "remote_token"):
         return "***" if value else ""
+    if field == "pool":
+        return _redact_url(value)
+    if field == "peers":
+        return ",".join(f"{n}={a}" for n, a in value)
+    if field == "links":
+        return "; ".join(
+            f"{s.name}:override={s.override}"
+            + ("" if s.rtt_seconds is None else f",rtt_ms={s.rtt_seconds * 1000:g}")
+            + (
+                ""
+                if s.bandwidth_bytes_per_second is None
+                else f",bandwidth={s.bandwidth_bytes_per_second:.0f}"
+            )
+            + (f",delay_ms={s.delay_seconds * 1000:g}" if s.delay_seconds else "")
+            for s in value
+        )
     if field == "data_dir" and not value:
         return str(settings.data_path)
     if field == "socket" and not value:
@@ -650,6 +862,16 @@ def _format(field: str, settings: AgentSettings) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return _plain(value)
+
+
+def _redact_url(url: str) -> str:
+    """A URL with any password replaced by ***, for messages and listings."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    auth, _, host = rest.rpartition("@")
+    user = auth.partition(":")[0]
+    return f"{scheme}://{user + ':' if user else ':'}***@{host}" if ":" in auth else url
 
 
 def describe(loaded: LoadedSettings) -> list[dict[str, str]]:

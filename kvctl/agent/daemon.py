@@ -114,6 +114,8 @@ def serve(settings: AgentSettings) -> int:
         if settings.socket_path is not None:
             dataplane.listen_unix(settings.socket_path)
         dataplane.start()
+        if runtime.remote is not None:
+            runtime.remote.start()
         bound = control.getsockname()
         state = AgentState(
             pid=os.getpid(),

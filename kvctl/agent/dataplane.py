@@ -23,7 +23,9 @@ from pathlib import Path
 
 from kvctl import __version__
 from kvctl.agent.protocol import (
+    FETCH_ITEM,
     FLAG_HAS_PARENT,
+    FLAG_ISOLATED,
     FLAG_PINNED,
     GET_ITEM,
     HEADER_BYTES,
@@ -81,9 +83,9 @@ class DataPlaneServer:
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
         self.frame_timeout_s = frame_timeout_s
         self.token = runtime.settings.token.encode()
-        self.tier_codes: dict[str | None, int] = {
-            name: i for i, name in enumerate(self.store.tier_names)
-        }
+        # local tiers, then the remote ones lookups can report (the pool, peers)
+        self.tier_names = [*self.store.tier_names, *self.store.external_tier_names]
+        self.tier_codes: dict[str | None, int] = {name: i for i, name in enumerate(self.tier_names)}
         self.tier_codes[None] = NO_TIER
         top = self.store.tier(self.store.tier_names[0])
         self.shm_tier = top if isinstance(top, CpuTier) and top.shared else None
@@ -201,8 +203,11 @@ class DataPlaneServer:
         return {
             "agent": s.name,
             "dc": s.dc,
+            "role": s.role,
             "version": __version__,
-            "tiers": self.store.tier_names,
+            "tiers": self.tier_names,
+            #: local tiers only: what a pool agent's clients report as the pool's size
+            "usage": {n: self.store.usage()[n] for n in self.store.tier_names},
             "chunk_tokens": s.chunk_tokens,
             "max_chunk_bytes": self.max_chunk_bytes,
             "lease_seconds": s.lease_seconds,
@@ -244,6 +249,7 @@ class Connection:
             Op.MAP: self._map,
             Op.ATTACH: self._attach,
             Op.PROBE: self._probe,
+            Op.FETCH: self._fetch,
         }
 
     # --- connection loop --------------------------------------------------------------------
@@ -461,7 +467,7 @@ class Connection:
                 depth=depth,
                 priority=priority,
                 pinned=bool(flags & FLAG_PINNED),
-                isolated=self.server.runtime.is_isolated(tenant),
+                isolated=bool(flags & FLAG_ISOLATED) or self.server.runtime.is_isolated(tenant),
             )
         except CapacityError:
             return bytes((Status.NO_ROOM, NO_TIER))
@@ -478,6 +484,7 @@ class Connection:
         items = bytearray()
         payload: list[memoryview | bytearray] = []
         total = 0
+        self.server.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
         for key in keys:
             try:
                 # an endless lease: this thread releases it after the send, whatever happens
@@ -496,12 +503,59 @@ class Connection:
             total += n
         return [MetaWriter().u32(len(keys)).raw(bytes(items)).build(), *payload], total
 
+    def _fetch(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        """Chunks and their metadata for another agent; with want_payload 0 only the metadata
+        (a probe: counts nothing, moves no bytes)."""
+        tenant = meta.text()
+        want_payload = meta.u8()
+        keys = meta.keys()
+        meta.done()
+        store = self.store
+        w = MetaWriter().u32(len(keys))
+        payload: list[memoryview | bytearray] = []
+        total = 0
+        for key in keys:
+            data: memoryview | bytearray | None = None
+            with store.locked():  # the entry and the bytes read together
+                try:
+                    if want_payload:
+                        lease = store.lease(key, math.inf, tenant=tenant)
+                        if lease is not None:
+                            self._release_after_send.append(lease.lease_id)
+                            data = store.leased_view(lease)
+                        else:
+                            data = store.get(key, tenant=tenant)
+                    elif store.locate([key], tenant=tenant)[0] is None:
+                        raise KeyNotFound(key.hex())
+                    e = store.entry(key)
+                except KeyNotFound:
+                    w.raw(FETCH_ITEM.pack(Status.MISSING, 0, 0, 0, 0, bytes(16), 0.0)).text("")
+                    continue
+            flags = (FLAG_HAS_PARENT if e.parent is not None else 0) | (
+                FLAG_ISOLATED if e.isolated else 0
+            )
+            w.raw(
+                FETCH_ITEM.pack(
+                    Status.OK,
+                    e.size_bytes,
+                    e.tokens,
+                    e.priority,
+                    flags,
+                    e.parent or bytes(16),
+                    e.created_s,
+                )
+            ).text(e.tenant)
+            if data is not None:
+                payload.append(data)
+                total += memoryview(data).nbytes
+        return [w.build(), *payload], total
+
     def _exists(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
         tenant = meta.text()
         keys = meta.keys()
         meta.done()
         codes = self.server.tier_codes
-        tiers = self.store.locate(keys, tenant=tenant)
+        tiers = self.server.runtime.locate(keys, tenant=tenant)
         return [MetaWriter().u32(len(keys)).raw(bytes(map(codes.__getitem__, tiers))).build()], 0
 
     def _lookup(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
@@ -520,7 +574,7 @@ class Connection:
         return [w.build()], 0
 
     def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> MetaWriter:
-        res = self.store.lookup(keys, tenant=tenant)
+        res = self.server.runtime.lookup(keys, tenant=tenant)
         codes = self.server.tier_codes
         w.u32(res.matched_chunks).u64(res.matched_tokens).u32(len(keys))
         return w.raw(bytes(map(codes.__getitem__, res.locations)))

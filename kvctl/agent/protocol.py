@@ -53,7 +53,12 @@ LEASE_ITEM = struct.Struct("<BQQQQd")
 GET_ITEM = struct.Struct("<BQ")
 
 FLAG_PINNED = 1
+#: the chunk belongs to an isolated tenant: never served to another (set by agents that pass
+#: chunks on, e.g. to a pool agent, whose own settings do not know the tenant)
+FLAG_ISOLATED = 2
 FLAG_HAS_PARENT = 4
+#: one FETCH reply item: status, size, tokens, priority, flags, parent, created_s
+FETCH_ITEM = struct.Struct("<BQIBB16sd")
 _NO_PARENT = bytes(KEY_BYTES)
 
 
@@ -74,6 +79,10 @@ class Op(IntEnum):
     #: link probe: the payload (upload) is read and dropped, the reply carries ``want_bytes``
     #: zero bytes (download); meta u64 want_bytes, reply meta u64 bytes received
     PROBE = 13
+    #: chunks with their metadata, for other agents (a pool agent's clients, peers): meta
+    #: tenant, u8 want_payload, keys; reply u32 n, then per item FETCH_ITEM + owner tenant text;
+    #: the payload (when wanted) is the found chunks in order
+    FETCH = 14
     ERROR = 0x7F
 
 
@@ -270,8 +279,13 @@ def put_item(
     parent: bytes | None = None,
     depth: int = 0,
     staging_offset: int | None = None,
+    isolated: bool = False,
 ) -> bytes:
-    flags = (FLAG_PINNED if pinned else 0) | (FLAG_HAS_PARENT if parent is not None else 0)
+    flags = (
+        (FLAG_PINNED if pinned else 0)
+        | (FLAG_HAS_PARENT if parent is not None else 0)
+        | (FLAG_ISOLATED if isolated else 0)
+    )
     fields = (key, size_bytes, tokens, priority, flags, parent or _NO_PARENT, depth)
     if staging_offset is None:
         return ITEM.pack(*fields)

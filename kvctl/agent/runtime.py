@@ -25,7 +25,11 @@ from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from collectors.nvml import GpuReading, NvmlReader, NvmlStatus
+    from kvctl.remote.federation import RemoteTiers
+    from kvctl.store.index import LookupResult
 
 
 class AgentRuntime:
@@ -42,6 +46,8 @@ class AgentRuntime:
         #: opened on first use: most agents are never asked, and NVML init costs a driver call
         self._nvml: NvmlReader | None = None
         self._nvml_lock = threading.Lock()
+        #: the pool and peers, when configured (``open`` builds them; tests may pass none)
+        self.remote: RemoteTiers | None = None
 
     @classmethod
     def open(cls, settings: AgentSettings) -> AgentRuntime:
@@ -62,7 +68,31 @@ class AgentRuntime:
             for t in tiers:
                 t.close()
             raise
-        return cls(settings, store)
+        runtime = cls(settings, store)
+        if settings.pool or settings.peers:
+            from kvctl.agent.remote import open_remote  # redis only when a pool is configured
+
+            try:
+                runtime.remote = open_remote(settings, store, emit=runtime.events.publish)
+            except BaseException:
+                runtime.close()
+                raise
+        return runtime
+
+    # --- reads that reach past this node when a pool or peers are configured -----------------
+    def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
+        if self.remote is None:
+            return self.store.lookup(keys, tenant=tenant)
+        return self.remote.lookup(keys, tenant=tenant)
+
+    def locate(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
+        if self.remote is None:
+            return self.store.locate(keys, tenant=tenant)
+        return self.remote.locate(keys, tenant=tenant)
+
+    def fill(self, keys: Sequence[bytes], *, tenant: str = "") -> int:
+        """Bring chunks that are not local from the pool or peers (0 without them)."""
+        return 0 if self.remote is None else self.remote.fill(keys, tenant=tenant)
 
     def model(self, model_id: str | None) -> ModelSpec:
         """The named model, or the first configured one when ``model_id`` is None."""
@@ -111,6 +141,8 @@ class AgentRuntime:
                 for m in s.models
             ],
             "isolated_tenants": list(s.isolated_tenants),
+            "role": s.role,
+            "remote": None if self.remote is None else self.remote.describe(),
             "dataplane": {
                 "tcp": self.bound.get("tcp", None if tcp is None else f"{tcp[0]}:{tcp[1]}"),
                 "unix": self.bound.get(
@@ -134,6 +166,8 @@ class AgentRuntime:
             return status, self._nvml.read()
 
     def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
         self._unsubscribe()
         with self._nvml_lock:
             if self._nvml is not None:

@@ -30,6 +30,18 @@ class ModelSpec:
         return KVLayout(self.layers, self.kv_heads, self.head_dim, self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class LinkSpec:
+    """An operator's override for one remote link: figures to use instead of measured ones, a
+    forced decision, and an emulated delay (tests and demos without real distance)."""
+
+    name: str
+    override: str = "auto"
+    rtt_seconds: float | None = None
+    bandwidth_bytes_per_second: float | None = None
+    delay_seconds: float = 0.0
+
+
 # Llama-3.1-8B's KV layout: 131,072 bytes per token, 32 MiB per 256-token chunk
 DEFAULT_MODELS = (ModelSpec("llama-3.1-8b", 32, 8, 128, "bfloat16"),)
 
@@ -73,6 +85,32 @@ class AgentSettings:
     isolated_tenants: tuple[str, ...] = ()
     models: tuple[ModelSpec, ...] = DEFAULT_MODELS
     log_level: str = "info"
+    #: "node" serves engines; "pool" serves other agents as their shared remote tier
+    role: str = "node"
+    #: the shared remote tier: "" (none), redis://, rediss://, valkey://, redis+cluster:// or
+    #: kvctl://HOST:PORT (a pool agent's data plane)
+    pool: str = ""
+    #: key prefix in a Redis pool: agents that share it share chunks
+    pool_prefix: str = "kvctl"
+    #: the pool's byte capacity; 0 keeps what the pool already has (it is shared)
+    pool_capacity_bytes: int = 0
+    #: each tenant's share of a Redis pool; 0 means no quota
+    pool_tenant_quota_bytes: int = 0
+    #: records expire after this long in a Redis pool; 0 means never
+    pool_ttl_seconds: float = 0.0
+    #: "through": every chunk stored here is copied to the pool in the background, so other
+    #: nodes can hit it; "off": the pool is only read
+    pool_write: str = "through"
+    #: agents in other nodes or DCs to pull chunks from: (name, "HOST:PORT" of their data plane)
+    peers: tuple[tuple[str, str], ...] = ()
+    #: per-link operator overrides, by link name ("pool" or a peer's name)
+    links: tuple[LinkSpec, ...] = ()
+    #: prefill speed the fetch-or-recompute decision compares fetches with; 0 means modeled
+    #: from the model's profile on ``gpu`` at the default MFU
+    prefill_tokens_per_second: float = 0.0
+    gpu: str = "h100"
+    #: token this agent presents to pool agents and peers ("" means its own token)
+    remote_token: str = ""
 
     @property
     def data_path(self) -> Path:

@@ -70,6 +70,32 @@ def start_command(
         str | None, typer.Option(help="Disk tier size, e.g. 512GiB; 0 turns it off.")
     ] = None,
     eviction: Annotated[str | None, typer.Option(help="Eviction policy.")] = None,
+    role: Annotated[
+        str | None,
+        typer.Option(help="'node' (serves engines) or 'pool' (the shared tier for other agents)."),
+    ] = None,
+    pool: Annotated[
+        str | None,
+        typer.Option(
+            help="Shared remote tier: redis://HOST:6379/0, redis+cluster://HOST:PORT, "
+            "valkey://..., or kvctl://HOST:PORT (a --role pool agent)."
+        ),
+    ] = None,
+    peer: Annotated[
+        list[str] | None,
+        typer.Option(help="A peer agent to pull chunks from: NAME=HOST:PORT (repeatable)."),
+    ] = None,
+    link: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Link override: NAME:override=auto|fetch|recompute,rtt_ms=N,bandwidth=SIZE,"
+            "delay_ms=N (NAME is 'pool' or a peer; delay_ms emulates distance). Repeatable."
+        ),
+    ] = None,
+    pool_write: Annotated[
+        str | None,
+        typer.Option(help="'through' (copy every stored chunk to the pool) or 'off'."),
+    ] = None,
     log_level: Annotated[str | None, typer.Option("--log-level")] = None,
     detach: Annotated[
         bool, typer.Option("--detach", "-d", help="Run in the background and return when ready.")
@@ -88,6 +114,10 @@ def start_command(
       kvctl agent start --name gpu-07 --dc fra-1 --detach
 
       KVCTL_TOKEN=$(cat /etc/kvctl/token) kvctl agent start --listen 0.0.0.0:7070
+
+      kvctl agent start --pool redis://10.0.0.5:6379/0 --peer fra-2=10.1.0.7:7071
+
+      kvctl agent start --role pool --name pool-1 --cpu 64GiB --data-listen 127.0.0.1:7171
     """
     flags: dict[str, object] = {
         "name": name,
@@ -99,6 +129,11 @@ def start_command(
         "cpu": cpu,
         "disk": disk,
         "eviction": eviction,
+        "role": role,
+        "pool": pool,
+        "peers": peer or None,
+        "links": link or None,
+        "pool_write": pool_write,
         "log_level": log_level,
     }
     loaded = _load(config, **flags)
@@ -117,8 +152,14 @@ def start_command(
         from kvctl.agent.daemon import spawn_agent
 
         argv = [] if config is None else ["--config", str(config)]
+        repeated = {"peers": "--peer", "links": "--link"}
         for key, value in flags.items():
-            if value is not None and key != "data_dir":  # spawn_agent passes the resolved one
+            if value is None or key == "data_dir":  # spawn_agent passes the resolved one
+                continue
+            if key in repeated:
+                for item in value:  # type: ignore[attr-defined]
+                    argv += [repeated[key], str(item)]
+            else:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         try:
             _, state = spawn_agent(argv, settings.data_path)

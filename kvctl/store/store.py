@@ -128,6 +128,9 @@ class TieredStore:
         self._lock = threading.RLock()
         self._listeners: list[Callable[[Event], None]] = []
         self.stats = StoreStats(tiers={n: TierStats() for n in names})
+        #: tiers beyond this node (the remote pool, peers): counted and reported here, stored
+        #: elsewhere; name -> a cheap (cached) usage reader
+        self._external: dict[str, Callable[[], dict[str, int]]] = {}
         self._recover()
 
     # --- construction helpers -------------------------------------------------------------
@@ -177,6 +180,10 @@ class TieredStore:
     @property
     def tier_names(self) -> list[str]:
         return [t.name for t in self._tiers]
+
+    @property
+    def external_tier_names(self) -> list[str]:
+        return list(self._external)
 
     def tier(self, name: str) -> Tier:
         return self._tiers[self._rank(name)]
@@ -576,7 +583,60 @@ class TieredStore:
                     "chunks": counts[t.name],
                 }
                 for t in self._tiers
-            }
+            } | {name: read() for name, read in self._external.items()}
+
+    def add_external_tier(self, name: str, usage: Callable[[], dict[str, int]]) -> TierStats:
+        """Count and report a tier this store does not hold (the remote pool, peers): its hits
+        join the store's counters and ``usage()`` shows ``usage()``'s (cached) figures."""
+        with self._lock:
+            if name in self._tier_index or name in self._external:
+                raise InvalidArgument(f"tier {name!r} already exists")
+            self._external[name] = usage
+            return self.stats.tiers.setdefault(name, TierStats())
+
+    def count_external_hits(
+        self, tier: str, owners: Sequence[str], tokens: Sequence[int], *, tenant: str
+    ) -> None:
+        """Hits a lookup found beyond this node (extending the local prefix ``lookup`` counted):
+        counted like local hits, as reuse when ``owners[i]`` is the asking tenant."""
+        with self._lock:
+            ts = self.stats.tiers[tier]
+            reuse = list(owners).count(tenant)
+            n, hit_tokens = len(owners), sum(tokens)
+            for st in (self.stats, ts):
+                st.reuse_hits += reuse
+                st.sharing_hits += n - reuse
+            ts.hits += n
+            ts.hit_tokens += hit_tokens
+            self.stats.hit_chunks += n
+            self.stats.hit_tokens += hit_tokens
+            # lookup() counted these chunks' tokens as chunk_tokens each, not knowing them
+            self.stats.lookup_tokens += hit_tokens - n * self.chunk_tokens
+
+    def count_external_read(self, tier: str, nbytes: int, *, landed: str | None) -> None:
+        """A chunk read from a tier beyond this node and kept here, in tier ``landed``."""
+        with self._lock:
+            self.stats.tiers[tier].bytes_read += nbytes
+            if landed is not None and landed in self._tier_index:
+                self.stats.tiers[landed].promotions += 1
+
+    def export(self, key: bytes) -> tuple[ChunkMeta, bytearray] | None:
+        """A copy of a chunk and its metadata for another store (the pool's write-behind),
+        counting no hit and touching no recency; None when it is gone."""
+        with self._lock:
+            e = self._index.get(key)
+            if e is None:
+                return None
+            buf = bytearray(e.size_bytes)
+            tier = self._tiers[self._tier_index[e.tier]]
+            try:
+                tier.read_into(key, memoryview(buf))
+            except CorruptChunk:
+                self.stats.corrupt_dropped += 1
+                self.stats.tiers[e.tier].evictions["corrupt"] += 1
+                self._forget(e)
+                return None
+            return _meta(e), buf
 
     def close(self) -> None:
         with self._lock:

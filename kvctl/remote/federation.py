@@ -1,0 +1,574 @@
+"""One node's cache beyond itself: the local store, the shared pool and peer agents, joined.
+
+- ``lookup``: the local prefix first (the store counts it); past it, the pool and the peers are
+  asked which of the next chunks they hold (metadata only, in parallel), and the
+  fetch-or-recompute planner picks how many of them are worth fetching, from where. Those count
+  as hits of the ``remote`` (pool) or ``peer`` tier; the plan and its inputs are published as a
+  ``fetch_plan`` event and summed in ``status()``.
+- ``fill``: chunks a reader asks for that are not local are pulled (pool first, then peers,
+  each chunk put into the local store as it lands) and then served like local ones.
+- write-through: every chunk stored here is copied to the pool by a background writer, so other
+  nodes can hit it; a slow or dead pool delays nothing and loses nothing local.
+
+Every remote failure is a miss and a counted error, never a failed request: a source that fails
+is left alone for a backoff (0.5 s doubling to 30 s), then tried again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.fetchplan import Candidate, FetchPlan, PrefillRate, plan_fetch
+from kvctl.remote.links import EmulatedDelay, LinkEstimator
+from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool
+from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
+from kvctl.store.index import LookupResult
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.base import ChunkMeta
+
+log = logging.getLogger("kvctl.remote")
+
+T = TypeVar("T")
+POOL_TIER = "remote"
+PEER_TIER = "peer"
+_BACKOFF_FIRST_S = 0.5
+_BACKOFF_MAX_S = 30.0
+#: where the last lookups found chunks, so a fill asks the right source first
+_HINTS_MAX = 65536
+_WRITE_QUEUE_MAX = 4096
+_WRITE_BATCH_CHUNKS = 32
+_WRITE_BATCH_BYTES = 256 << 20
+#: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
+PROBE_TRANSFER_BYTES = 4 << 20
+
+
+@dataclass
+class SourceCounters:
+    calls: int = 0
+    errors: int = 0
+    #: calls not made because the source was in backoff after an error
+    skipped: int = 0
+    chunks_in: int = 0
+    bytes_in: int = 0
+    chunks_out: int = 0
+    bytes_out: int = 0
+
+
+@dataclass
+class Source:
+    """The pool or one peer, with its link figures, emulated delay and failure backoff."""
+
+    name: str
+    tier: str
+    backend: RemotePool
+    link: LinkEstimator
+    delay: EmulatedDelay = field(default_factory=lambda: EmulatedDelay(0.0))
+    clock: Callable[[], float] = time.monotonic
+    counters: SourceCounters = field(default_factory=SourceCounters)
+    last_error: str = ""
+    down_until_s: float = 0.0
+    _backoff_s: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def up(self) -> bool:
+        return self.clock() >= self.down_until_s
+
+    def call(self, what: str, fn: Callable[[], T], *, moved_bytes: Callable[[T], int]) -> T | None:
+        """``fn()`` over the link, timed into the link's figures; None (and a counted error,
+        then a backoff) when the source fails or is backing off."""
+        if not self.up:
+            with self._lock:
+                self.counters.skipped += 1
+            return None
+        t0 = time.perf_counter()
+        try:
+            self.delay.wait()  # emulated distance: one round trip's worth, inside the timing
+            out = fn()
+        except (TierUnavailable, OSError) as exc:
+            with self._lock:
+                self.counters.calls += 1
+                self.counters.errors += 1
+                self.last_error = f"{what}: {exc}"
+                self._backoff_s = min(_BACKOFF_MAX_S, self._backoff_s * 2 or _BACKOFF_FIRST_S)
+                self.down_until_s = self.clock() + self._backoff_s
+            log.warning(
+                "%s %s failed (%s); retrying in %.1f s", self.name, what, exc, self._backoff_s
+            )
+            return None
+        elapsed_s = time.perf_counter() - t0
+        nbytes = moved_bytes(out)
+        with self._lock:
+            self.counters.calls += 1
+            self._backoff_s = 0.0
+        if nbytes:
+            self.link.observe_transfer(nbytes, elapsed_s)
+        else:
+            self.link.observe_rtt(elapsed_s)
+        return out
+
+    def status(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "name": self.name,
+            "tier": self.tier,
+            "address": self.backend.address,
+            "up": self.up,
+            "last_error": self.last_error,
+            "calls": c.calls,
+            "errors": c.errors,
+            "skipped": c.skipped,
+            "corrupt": self.backend.corrupt,
+            "chunks_in": c.chunks_in,
+            "bytes_in": c.bytes_in,
+            "chunks_out": c.chunks_out,
+            "bytes_out": c.bytes_out,
+            "link": self.link.link().as_dict(),
+        }
+
+
+def _no_bytes(_: object) -> int:
+    return 0
+
+
+def _chunk_bytes(chunks: Sequence[PoolChunk | None] | None) -> int:
+    return sum(c.data.nbytes for c in chunks or () if c is not None)
+
+
+@dataclass
+class PlanCounters:
+    lookups: int = 0
+    fetch_chunks: int = 0
+    recompute_chunks: int = 0
+    saved_s: float = 0.0
+    reasons: Counter[str] = field(default_factory=Counter)
+
+
+class RemoteTiers:
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        pool: Source | None,
+        peers: Sequence[Source] = (),
+        prefill: PrefillRate,
+        write_through: bool = True,
+        emit: Callable[[dict[str, Any]], None] | None = None,
+        usage_every_s: float = 5.0,
+        measure_every_s: float = 30.0,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.peers = list(peers)
+        self.sources = [s for s in (pool, *self.peers) if s is not None]
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise InvalidArgument(f"remote source names must be unique, got {names}")
+        self._by_name = {s.name: s for s in self.sources}
+        self.prefill = prefill
+        self.write_through = write_through and pool is not None
+        self._emit = emit
+        self._usage_every_s = usage_every_s
+        self._measure_every_s = measure_every_s
+        self._pool_usage: PoolUsage | None = None
+        self._hints: OrderedDict[bytes, str] = OrderedDict()
+        self._lock = threading.Lock()
+        self.plans = PlanCounters()
+        self.last_plan: dict[str, Any] | None = None
+        self._local = threading.local()
+        self._queue: queue.Queue[bytes] = queue.Queue(_WRITE_QUEUE_MAX)
+        self.write = Counter[str]()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._probe_pool = (
+            ThreadPoolExecutor(max_workers=len(self.sources), thread_name_prefix="kvctl-remote")
+            if self.sources
+            else None
+        )
+        if pool is not None:
+            store.add_external_tier(POOL_TIER, self._pool_usage_row)
+        if self.peers:
+            store.add_external_tier(PEER_TIER, self._peer_usage_row)
+        self._unsubscribe = store.subscribe(self._on_event) if self.write_through else None
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Background work: the pool writer, and link measurement and pool usage refresh."""
+        if self.write_through:
+            self._spawn(self._writer, "kvctl-pool-writer")
+        if self.sources:
+            self._spawn(self._monitor, "kvctl-link-monitor")
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        for t in self._threads:
+            t.join(timeout=5)
+        if self._probe_pool is not None:
+            self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        for s in self.sources:
+            s.backend.close()
+
+    # --- lookups ------------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
+        """The store's lookup, extended past the local prefix by the plan's fetchable chunks."""
+        res = self.store.lookup(keys, tenant=tenant)
+        m, n = res.matched_chunks, len(keys)
+        if m == n or not self.sources:
+            return res
+        found = self._probe(keys[m:], tenant)
+        plan = self._plan(found, m)
+        fetched = dict(plan.fetch)
+        by_tier: dict[str, tuple[list[str], list[int]]] = {}
+        locations = list(res.locations)
+        matched_tokens = res.matched_tokens
+        for j, options in enumerate(found):
+            if not options:
+                continue
+            i = m + j
+            src_name = fetched.get(i) or options[0][0]
+            src = self._by_name[src_name]
+            locations[i] = src.tier
+            if i in fetched:
+                meta = dict(options)[src_name]
+                owners, tokens = by_tier.setdefault(src.tier, ([], []))
+                owners.append(meta.tenant)
+                tokens.append(meta.tokens)
+                matched_tokens += meta.tokens
+                self._hint(keys[i], src_name)
+        for tier, (owners, tokens) in by_tier.items():
+            self.store.count_external_hits(tier, owners, tokens, tenant=tenant)
+        self._record(plan, tenant, local=m, chunks=n)
+        return LookupResult(n, m + len(fetched), tuple(locations), matched_tokens)
+
+    def locate(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
+        """Best location of each key: a local tier, else ``remote`` or ``peer`` (counts
+        nothing)."""
+        where = self.store.locate(keys, tenant=tenant)
+        missing = [i for i, t in enumerate(where) if t is None]
+        if missing and self.sources:
+            found = self._probe([keys[i] for i in missing], tenant)
+            for i, options in zip(missing, found, strict=True):
+                if options:
+                    where[i] = self._by_name[options[0][0]].tier
+        return where
+
+    def _probe(self, keys: Sequence[bytes], tenant: str) -> list[list[tuple[str, ChunkMeta]]]:
+        """Per key, the sources holding it with their metadata, cheapest link first."""
+        assert self._probe_pool is not None
+        live = [s for s in self.sources if s.up]
+        futures = [
+            (
+                s,
+                self._probe_pool.submit(
+                    s.call,
+                    "probe",
+                    lambda s=s: s.backend.probe_many(keys, tenant=tenant),
+                    moved_bytes=_no_bytes,
+                ),
+            )
+            for s in live
+        ]
+        for s in self.sources:
+            if s not in live:
+                s.call("probe", list, moved_bytes=_no_bytes)  # counts the skip
+        found: list[list[tuple[str, ChunkMeta]]] = [[] for _ in keys]
+        for s, fut in futures:
+            metas = fut.result()
+            if metas is None:
+                continue
+            for j, meta in enumerate(metas):
+                # the source checked visibility; a size it disagrees on is not trusted either
+                if meta is not None and meta.key == keys[j] and _visible(meta, tenant):
+                    found[j].append((s.name, meta))
+        for options in found:
+            options.sort(key=lambda o: self._cost_key(o[0]))
+        return found
+
+    def _cost_key(self, name: str) -> tuple[float, float]:
+        link = self._by_name[name].link.link()
+        bw = link.bandwidth_bytes_per_s or 0.0
+        return (1.0 / bw if bw else float("inf"), link.rtt_s or float("inf"))
+
+    def _plan(self, found: list[list[tuple[str, ChunkMeta]]], m: int) -> FetchPlan:
+        candidates = []
+        for j, options in enumerate(found):
+            if not options:
+                break
+            meta = options[0][1]
+            candidates.append(
+                Candidate(
+                    index=m + j,
+                    size_bytes=meta.size_bytes,
+                    tokens=meta.tokens or self.store.chunk_tokens,
+                    sources=tuple(name for name, _ in options),
+                )
+            )
+        links = {s.name: s.link.link() for s in self.sources}
+        return plan_fetch(candidates, links, self.prefill)
+
+    def _record(self, plan: FetchPlan, tenant: str, *, local: int, chunks: int) -> None:
+        fetch = len(plan.fetch)
+        recompute = chunks - local - fetch
+        with self._lock:
+            p = self.plans
+            p.lookups += 1
+            p.fetch_chunks += fetch
+            p.recompute_chunks += recompute
+            p.saved_s += plan.saved_s
+            p.reasons[plan.reason] += 1
+        if self._emit is None:
+            return
+        event = {
+            "type": "fetch_plan",
+            "tenant": tenant,
+            "chunks": chunks,
+            "local": local,
+            "fetch": fetch,
+            "recompute": recompute,
+            **{k: v for k, v in plan.as_dict().items() if k not in ("fetch",)},
+        }
+        self.last_plan = event
+        self._emit(event)
+
+    def _hint(self, key: bytes, source: str) -> None:
+        with self._lock:
+            self._hints[key] = source
+            self._hints.move_to_end(key)
+            if len(self._hints) > _HINTS_MAX:
+                self._hints.popitem(last=False)
+
+    # --- reads --------------------------------------------------------------------------------
+    def fill(self, keys: Sequence[bytes], *, tenant: str = "") -> int:
+        """Pull the keys that are not local from the pool and peers into the local store, in
+        order; returns how many arrived. Failures leave the rest missing (a miss)."""
+        where = self.store.locate(keys, tenant=tenant)
+        missing = [k for k, t in zip(keys, where, strict=True) if t is None]
+        if not missing or not self.sources:
+            return 0
+        with self._lock:
+            hinted = {k: self._hints.get(k) for k in missing}
+        arrived = 0
+        order = sorted(self.sources, key=lambda s: s is not self.pool)  # the pool first
+        for src in order:
+            if not missing:
+                break
+            # keys hinted to another source are asked of it first
+            ask = [k for k in missing if hinted[k] in (None, src.name)] or missing
+            got = src.call(
+                "fetch",
+                lambda src=src, ask=ask: self._get(src, ask, tenant),
+                moved_bytes=_chunk_bytes,
+            )
+            if got is None:
+                continue
+            done = {c.meta.key for c in got if c is not None}
+            arrived += len(done)
+            missing = [k for k in missing if k not in done]
+        return arrived
+
+    def _get(self, src: Source, keys: Sequence[bytes], tenant: str) -> list[PoolChunk | None]:
+        """Fetch from one source, putting each chunk in the store as it lands (a stream from a
+        peer: the first chunks are usable before the last arrive)."""
+        landed: list[PoolChunk | None] = [None] * len(keys)
+
+        def arrived(i: int, chunk: PoolChunk) -> None:
+            if self._admit(src, keys[i], chunk, tenant):
+                landed[i] = chunk
+
+        backend = src.backend
+        if isinstance(backend, AgentSource):  # streams: each chunk is kept as it lands
+            backend.get_many(keys, tenant=tenant, arrived=arrived)
+        else:
+            for i, chunk in enumerate(backend.get_many(keys, tenant=tenant)):
+                if chunk is not None:
+                    arrived(i, chunk)
+        return landed
+
+    def _admit(self, src: Source, key: bytes, chunk: PoolChunk, tenant: str) -> bool:
+        meta = chunk.meta
+        if meta.key != key or not _visible(meta, tenant) or chunk.data.nbytes != meta.size_bytes:
+            return False  # the source broke its contract: never store what was not asked for
+        self._local.filling = True  # not an echo for the pool writer
+        try:
+            tier = self.store.put(
+                key,
+                chunk.data,
+                tokens=meta.tokens or None,
+                tenant=meta.tenant,
+                parent=meta.parent,
+                priority=meta.priority,
+                isolated=meta.isolated,
+            )
+        except (CapacityError, StoreError) as exc:
+            log.debug("could not keep %s from %s: %s", key.hex(), src.name, exc)
+            return False
+        finally:
+            self._local.filling = False
+        self.store.count_external_read(src.tier, chunk.data.nbytes, landed=tier)
+        with src._lock:
+            src.counters.chunks_in += 1
+            src.counters.bytes_in += chunk.data.nbytes
+        return True
+
+    # --- write-through ------------------------------------------------------------------------
+    def _on_event(self, event: dict[str, Any]) -> None:
+        # called under the store's lock: only enqueue
+        if event["type"] != "store" or getattr(self._local, "filling", False):
+            return
+        try:
+            self._queue.put_nowait(bytes.fromhex(event["key"]))
+        except queue.Full:
+            self.write["dropped"] += 1
+
+    def _writer(self) -> None:
+        assert self.pool is not None
+        pool = self.pool
+        while not self._stop.is_set():
+            try:
+                first = self._queue.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            batch: list[tuple[ChunkMeta, bytearray]] = []
+            size = 0
+            key: bytes | None = first
+            while key is not None:
+                got = self.store.export(key)
+                if got is None:
+                    self.write["gone"] += 1  # evicted before its turn
+                else:
+                    batch.append(got)
+                    size += got[0].size_bytes
+                if len(batch) >= _WRITE_BATCH_CHUNKS or size >= _WRITE_BATCH_BYTES:
+                    break
+                try:
+                    key = self._queue.get_nowait()
+                except queue.Empty:
+                    key = None
+            if not batch:
+                continue
+            stored = pool.call(
+                "write",
+                lambda batch=batch: pool.backend.put_many(batch),
+                moved_bytes=_no_bytes,
+            )
+            if stored is None:
+                self.write["failed"] += len(batch)
+                continue
+            for (meta, _), ok in zip(batch, stored, strict=True):
+                if ok:
+                    self.write["written"] += 1
+                    with pool._lock:
+                        pool.counters.chunks_out += 1
+                        pool.counters.bytes_out += meta.size_bytes
+                else:
+                    self.write["refused"] += 1
+
+    def flush_writes(self, timeout_s: float = 10.0) -> bool:
+        """Wait until the writer has taken every queued chunk (tests, clean shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._queue.empty():
+                time.sleep(0.05)  # the batch it took is being written
+                if self._queue.empty():
+                    return True
+            time.sleep(0.01)
+        return False
+
+    # --- links and usage ----------------------------------------------------------------------
+    def _monitor(self) -> None:
+        next_measure = next_usage = 0.0
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now >= next_measure:
+                for s in self.sources:
+                    self.measure(s)
+                next_measure = now + self._measure_every_s
+            if now >= next_usage and self.pool is not None:
+                pool = self.pool
+                usage = pool.call("usage", pool.backend.usage, moved_bytes=_no_bytes)
+                if usage is not None:
+                    self._pool_usage = usage
+                next_usage = now + self._usage_every_s
+            self._stop.wait(0.5)
+
+    def measure(self, src: Source) -> None:
+        """One RTT sample (a ping) and one bandwidth sample (a download of filler)."""
+        ping = getattr(src.backend, "ping", None)
+        if ping is not None:
+            src.call("ping", ping, moved_bytes=_no_bytes)
+        sample = getattr(src.backend, "probe_transfer", None)
+        if sample is not None and src.up:
+            src.call(
+                "bandwidth probe",
+                lambda: sample(PROBE_TRANSFER_BYTES),
+                moved_bytes=lambda _: PROBE_TRANSFER_BYTES,
+            )
+
+    def _pool_usage_row(self) -> dict[str, int]:
+        u = self._pool_usage
+        if u is None:
+            return {"capacity_bytes": 0, "used_bytes": 0, "pinned_bytes": 0, "chunks": 0}
+        return {
+            "capacity_bytes": u.capacity_bytes,
+            "used_bytes": u.used_bytes,
+            "pinned_bytes": 0,
+            "chunks": u.chunks,
+        }
+
+    @staticmethod
+    def _peer_usage_row() -> dict[str, int]:
+        # peers' caches are theirs: this node only pulls from them
+        return {"capacity_bytes": 0, "used_bytes": 0, "pinned_bytes": 0, "chunks": 0}
+
+    def describe(self) -> dict[str, Any]:
+        """Where this node reaches, for ``/v1/info`` (no round trip)."""
+        return {
+            "pool": None if self.pool is None else self.pool.backend.address,
+            "peers": [{"name": s.name, "address": s.backend.address} for s in self.peers],
+            "write": "through" if self.write_through else "off",
+        }
+
+    def status(self) -> dict[str, Any]:
+        p = self.plans
+        return {
+            "pool": None if self.pool is None else self.pool.status(),
+            "pool_usage": None if self._pool_usage is None else self._pool_usage.as_dict(),
+            "peers": [s.status() for s in self.peers],
+            "prefill": {"tokens_per_s": self.prefill.tokens_per_s, "basis": self.prefill.basis},
+            "plans": {
+                "lookups": p.lookups,
+                "fetch_chunks": p.fetch_chunks,
+                "recompute_chunks": p.recompute_chunks,
+                "saved_s": p.saved_s,
+                "reasons": dict(p.reasons),
+            },
+            "last_plan": self.last_plan,
+            "write": {
+                "mode": "through" if self.write_through else "off",
+                "queued": self._queue.qsize(),
+                **{
+                    k: self.write.get(k, 0)
+                    for k in ("written", "refused", "failed", "dropped", "gone")
+                },
+            },
+        }
+
+
+def _visible(meta: ChunkMeta, tenant: str) -> bool:
+    return not meta.isolated or meta.tenant == tenant

@@ -1,0 +1,75 @@
+"""The interface every shared pool implements: Redis/Valkey (``redis_pool``) or a pool agent
+(``agent_pool``).
+
+A pool is shared by many agents, so it keeps each chunk's metadata (tenant, isolation, parent,
+tokens) beside its bytes, and it answers per tenant: a chunk stored by an isolated tenant is never
+returned to, nor reported to, another tenant. It enforces its own capacity (and per-tenant
+quotas where the backend supports them), because no single agent's index knows what it holds.
+
+Every failure of the backend (server down, timeout, a reply cut short) raises
+``TierUnavailable``; a record that fails its checks is a miss (counted in ``corrupt``), never
+bytes handed to a caller. Callers degrade both to a miss.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+from kvctl.store.tiers.base import Buffer, ChunkMeta
+
+
+@dataclass(frozen=True, slots=True)
+class PoolChunk:
+    """A chunk read from a pool: its metadata and its verified bytes."""
+
+    meta: ChunkMeta
+    data: memoryview
+
+
+@dataclass(slots=True)
+class PoolUsage:
+    capacity_bytes: int
+    used_bytes: int
+    chunks: int
+    #: bytes per tenant, where the backend accounts them
+    tenant_bytes: dict[str, int] = field(default_factory=dict)
+    #: per-tenant quota in bytes (0: none), where the backend enforces them
+    tenant_quota_bytes: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class RemotePool(ABC):
+    """A shared chunk pool. Thread-safe: the agent calls it from many connections at once."""
+
+    #: where it is, for status and logs, never with a password in it
+    address: str
+    #: records that failed their checks on read since the pool was opened
+    corrupt: int = 0
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[bool]:
+        """Store chunks; per item True when stored or already present, False when refused
+        (over the pool's capacity with nothing evictable, over the tenant's quota, too large).
+        Raises TierUnavailable when the backend cannot be reached."""
+
+    @abstractmethod
+    def get_many(self, keys: Sequence[bytes], *, tenant: str) -> list[PoolChunk | None]:
+        """Chunks in the order asked; None for missing, not visible to ``tenant``, or corrupt."""
+
+    @abstractmethod
+    def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
+        """Metadata of the chunks the pool holds and ``tenant`` may see (no payload moved)."""
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Remove chunks; returns how many were there."""
+
+    @abstractmethod
+    def usage(self) -> PoolUsage: ...
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections."""
