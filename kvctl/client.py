@@ -827,6 +827,10 @@ class AgentClient:
         worst_s = timeout_s * (2 * pings + 4) + 5.0
         return dict(self._request("POST", "/v1/probe", json=body, timeout=worst_s))
 
+    def remote(self) -> dict[str, Any]:
+        """The pool and peers: reachability, link figures, fetch plans, the pool writer."""
+        return self._request("GET", "/v1/remote")
+
     def gpus(self) -> dict[str, Any]:
         """NVML status and one reading per GPU of the agent's host."""
         return dict(self._request("GET", "/v1/gpus"))

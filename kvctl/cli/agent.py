@@ -81,6 +81,10 @@ def start_command(
             "valkey://..., or kvctl://HOST:PORT (a --role pool agent)."
         ),
     ] = None,
+    pool_capacity: Annotated[
+        str | None,
+        typer.Option(help="The pool's capacity, e.g. 512GiB (shared: every agent sees it)."),
+    ] = None,
     peer: Annotated[
         list[str] | None,
         typer.Option(help="A peer agent to pull chunks from: NAME=HOST:PORT (repeatable)."),
@@ -131,6 +135,7 @@ def start_command(
         "eviction": eviction,
         "role": role,
         "pool": pool,
+        "pool_capacity": pool_capacity,
         "peers": peer or None,
         "links": link or None,
         "pool_write": pool_write,
@@ -261,6 +266,104 @@ def status_command(
         _render_status(report)
     if not report["up"]:
         raise typer.Exit(1)
+
+
+@agent_app.command("remote")
+def remote_command(
+    config: ConfigOpt = None,
+    name: NameOpt = None,
+    data_dir: DataDirOpt = None,
+    url: Annotated[
+        str | None, typer.Option(help="Control URL of an agent elsewhere (http://host:7070).")
+    ] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The agent's shared pool and peers: up or down (with the last error), link RTT and
+    bandwidth (measured, configured or emulated), pool usage, how many chunks lookups chose to
+    fetch or recompute and why, and the pool writer's counts. Exits 1 when the agent is down.
+
+    Examples:
+
+      kvctl agent remote
+
+      kvctl agent remote --url http://10.0.3.7:7070 --json
+    """
+    from kvctl.agent.daemon import AgentState
+    from kvctl.client import AgentClient, AgentError
+
+    settings = _load(config, name=name, data_dir=data_dir).settings
+    state = None if url else AgentState.read(settings.data_path)
+    target = url or (state.control_url if state else settings.control_url)
+    try:
+        with AgentClient(target, token=settings.token or None) as client:
+            report = client.remote()
+    except AgentError as exc:
+        fail(str(exc), hint="start it with `kvctl agent start --detach`", code=1)
+    if json_out:
+        print_json(report)
+    else:
+        _render_remote(report)
+
+
+def _link_cells(link: dict[str, Any]) -> tuple[str, str, str]:
+    from kvctl.units import format_rate
+
+    rtt = "N/A" if link["rtt_s"] is None else f"{link['rtt_s'] * 1000:.2f} ms"
+    bw = (
+        "N/A"
+        if link["bandwidth_bytes_per_s"] is None
+        else format_rate(link["bandwidth_bytes_per_s"])
+    )
+    return f"{rtt} ({link['rtt_basis']})", bw, link["override"]
+
+
+def _render_remote(report: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from kvctl.units import format_bytes
+
+    if not report["configured"]:
+        console.print(
+            f"role {report['role']}: no pool and no peers configured\n"
+            "[dim]hint: kvctl agent start --pool redis://HOST:6379/0 --peer NAME=HOST:PORT[/]",
+            highlight=False,
+        )
+        return
+    table = Table("source", "state", "RTT", "bandwidth", "override", "in/out", "errors")
+    down: list[str] = []
+    for src in [report["pool"], *report["peers"]]:
+        if src is None:
+            continue
+        if not src["up"]:
+            down.append(f"{src['name']}: {src['last_error']}")
+        table.add_row(
+            f"{src['name']} ({src['tier']})\n[dim]{src['address']}[/]",
+            "[green]up[/]" if src["up"] else "[bold red]backing off[/]",
+            *_link_cells(src["link"]),
+            f"{src['chunks_in']:,}/{src['chunks_out']:,}",
+            str(src["errors"]),
+        )
+    console.print(table)
+    for line in down:
+        console.print(f"[red]last error[/] {line}", highlight=False)
+    usage = report.get("pool_usage")
+    if usage:
+        console.print(
+            f"pool: {format_bytes(usage['used_bytes'])} of {format_bytes(usage['capacity_bytes'])}"
+            f", {usage['chunks']:,} chunks",
+            highlight=False,
+        )
+    plans, write = report["plans"], report["write"]
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(plans["reasons"].items())) or "none yet"
+    console.print(
+        f"lookups past the local prefix: {plans['lookups']:,}; chunks fetched "
+        f"{plans['fetch_chunks']:,}, recomputed {plans['recompute_chunks']:,} ({reasons}); "
+        f"prefill time saved {plans['saved_s']:.3f} s [dim](modeled: "
+        f"{report['prefill']['basis']}, {report['prefill']['tokens_per_s']:,.0f} tokens/s)[/]\n"
+        f"pool writer ({write['mode']}): written {write['written']:,}, queued {write['queued']:,}"
+        f", failed {write['failed']:,}, dropped {write['dropped']:,}",
+        highlight=False,
+    )
 
 
 def _render_status(report: dict[str, Any]) -> None:

@@ -3,14 +3,17 @@ fetch-or-recompute on configured link figures, a pool dying mid-run, tenant isol
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from typer.testing import CliRunner
 
 from kvctl.agent.settings import DEFAULT_MODELS
+from kvctl.cli.main import app
 from kvctl.store.keys import Namespace, keys_for, parents_of
 from tests.functional.agents import Agent, payload, running_agent
 
@@ -95,6 +98,15 @@ def test_a_chunk_stored_on_one_node_hits_on_another_through_the_pool(
         assert r["pool"]["chunks_in"] == len(keys)
         a_write = remote(a)["write"]
         assert a_write["written"] == len(keys) and a_write["failed"] == 0
+        # the operator's view of it
+        out = CliRunner().invoke(app, ["agent", "remote", "--url", b.state.control_url, "--json"])
+        assert out.exit_code == 0, out.output
+        assert json.loads(out.output)["plans"]["fetch_chunks"] == len(keys)
+        out = CliRunner().invoke(
+            app, ["agent", "remote", "--url", b.state.control_url], env={"COLUMNS": "160"}
+        )
+        assert out.exit_code == 0, out.output
+        assert "pool" in out.output and "measured" in out.output and "up" in out.output
         # the decision and its inputs are in the event stream
         events = b.control().events(after=0)["events"]
         plans = [e for e in events if e["type"] == "fetch_plan"]
@@ -255,3 +267,11 @@ def test_an_isolated_tenants_chunks_never_reach_another_tenant_through_the_pool(
             assert [bytes(g) for g in got] == [payload(k, CHUNK_BYTES) for k in keys]  # type: ignore[arg-type]
             # kept isolated on b too
             assert d.get_many(keys, tenant="globex") == [None] * len(keys)
+
+
+def test_agent_remote_without_remote_tiers_and_when_down(tmp_path: Path) -> None:
+    with running_agent(tmp_path / "a", "--name", "a", *SMALL) as a:
+        out = CliRunner().invoke(app, ["agent", "remote", "--url", a.state.control_url])
+        assert out.exit_code == 0 and "no pool and no peers" in out.output
+    out = CliRunner().invoke(app, ["agent", "remote", "--url", "http://127.0.0.1:1"])
+    assert out.exit_code == 1 and "Traceback" not in out.output
