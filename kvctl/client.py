@@ -533,24 +533,29 @@ class DataClient:
         sizes_of: Callable[[bytes], list[tuple[int, int]]],
         arrived: Callable[[int], None] | None,
     ) -> None:
-        """Read a reply's chunks straight into the buffers ``into(i, size)`` gives, calling
-        ``arrived(i)`` as each one lands (a puller starts on the first before the last
-        arrives). Sizes come first in the metadata, so every buffer is known before any byte
-        is read; a failing callback is reported after the stream has been read to its end."""
-        try:
-            targets = [(i, into(i, size)) for i, size in sizes_of(meta)]
-        except BaseException:
-            self._discard(payload_len)  # stay in step with the stream, then report
-            raise
+        """Read a reply's chunks straight into the buffers ``into(i, size)`` gives, each asked
+        for just before its bytes are read, calling ``arrived(i)`` as each one lands: a puller
+        starts on the first chunk before the last arrives (and before buffers for the rest
+        exist). A failing ``into`` or callback is reported after the stream is read to its
+        end, so the connection stays in step."""
         failure: BaseException | None = None
-        for i, view in targets:
+        left = payload_len
+        for i, size in sizes_of(meta):
+            try:
+                view = into(i, size)
+            except BaseException as exc:
+                failure = exc
+                break
             self._recv(view)
-            if arrived is not None and failure is None:
+            left -= size
+            if arrived is not None:
                 try:
                     arrived(i)
                 except Exception as exc:
                     failure = exc
+                    break
         if failure is not None:
+            self._discard(left)
             raise failure
 
     def _discard(self, n: int) -> None:

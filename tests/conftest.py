@@ -96,3 +96,185 @@ def db(empty_db_url):  # type: ignore[no-untyped-def]
     engine = open_db(empty_db_url, auto_upgrade=True)
     yield engine
     engine.dispose()
+
+
+# --- Redis / Valkey (the shared remote pool) ------------------------------------------------
+# Tests use the Redis on this machine (shared: never flush it; each test gets its own key prefix,
+# deleted after it), and throwaway redis-server processes for kill/restart and Cluster tests.
+# Outside CI an unreachable server or a missing binary skips those tests; with CI=true it fails.
+REDIS_URL = os.environ.get("KVCTL_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _redis_unavailable(why: str) -> None:
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def _redis_binary(name: str) -> str:
+    import shutil
+
+    path = shutil.which(name)
+    if path is None:
+        _redis_unavailable(f"{name} not found on PATH")
+    return path  # type: ignore[return-value]
+
+
+def _free_port(*, bus: bool = False) -> int:
+    """A TCP port free on 127.0.0.1 now (and port + 10000 too, for a Cluster node's bus)."""
+    import random
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+            return True
+
+    for _ in range(200):
+        port = random.randint(20000, 55000 if bus else 60000)
+        if free(port) and (not bus or free(port + 10000)):
+            return port
+    raise RuntimeError("no free TCP port found")
+
+
+def _wait_redis(port: int, proc, *, timeout_s: float = 10.0, cluster_ok: bool = False) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"redis-server on port {port} exited with {proc.returncode}")
+            try:
+                if client.ping() and (
+                    not cluster_ok or client.cluster("INFO").get("cluster_state") == "ok"
+                ):
+                    return
+            except redis.RedisError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server on port {port} not ready in {timeout_s} s")
+            time.sleep(0.05)
+    finally:
+        client.close()
+
+
+class RedisServer:
+    """A throwaway redis-server: ``kill()`` (SIGKILL) and ``start()`` again on the same port."""
+
+    def __init__(self, binary: str, directory, port: int, *extra: str) -> None:  # type: ignore[no-untyped-def]
+        self.binary = binary
+        self.directory = directory
+        self.port = port
+        self.extra = extra
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc = None
+
+    def start(self) -> None:
+        import subprocess
+
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
+        args += ["--save", "", "--appendonly", "no", "--dir", str(self.directory), *self.extra]
+        log = open(os.path.join(self.directory, "redis.log"), "ab")  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        finally:
+            log.close()
+        _wait_redis(self.port, self.proc)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url():  # type: ignore[no-untyped-def]
+    """URL of the machine's Redis (KVCTL_TEST_REDIS_URL overrides); pinged once."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        _redis_unavailable(f"Redis not reachable at {REDIS_URL}: {exc}")
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix(redis_url):  # type: ignore[no-untyped-def]
+    """A key prefix of this test alone; every key of it is deleted afterwards."""
+    import redis
+
+    prefix = f"kvctl-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield prefix
+    client = redis.Redis.from_url(redis_url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        for pattern in (f"{prefix}:*", "{" + prefix + "}:*"):
+            names = list(client.scan_iter(match=pattern, count=1000))
+            for i in range(0, len(names), 1000):
+                client.delete(*names[i : i + 1000])
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path):  # type: ignore[no-untyped-def]
+    """A redis-server of this test alone (free port, no persistence), killed afterwards."""
+    server = RedisServer(_redis_binary("redis-server"), tmp_path, _free_port())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A 3-primary Redis Cluster on free ports; yields "redis+cluster://127.0.0.1:<port>"."""
+    import subprocess
+
+    server_bin = _redis_binary("redis-server")
+    cli_bin = _redis_binary("redis-cli")
+    base = tmp_path_factory.mktemp("redis-cluster")
+    nodes: list[RedisServer] = []
+    try:
+        for _ in range(3):
+            port = _free_port(bus=True)
+            directory = base / str(port)
+            directory.mkdir()
+            node = RedisServer(
+                server_bin,
+                directory,
+                port,
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(directory / "nodes.conf"),
+                "--cluster-node-timeout",
+                "5000",
+            )
+            nodes.append(node)
+            node.start()
+        create = [cli_bin, "--cluster", "create"]
+        create += [f"127.0.0.1:{n.port}" for n in nodes]
+        create += ["--cluster-replicas", "0", "--cluster-yes"]
+        done = subprocess.run(create, capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"redis-cli --cluster create failed: {done.stdout}{done.stderr}")
+        for n in nodes:
+            _wait_redis(n.port, n.proc, timeout_s=30, cluster_ok=True)
+        yield f"redis+cluster://127.0.0.1:{nodes[0].port}"
+    finally:
+        for n in nodes:
+            n.kill()

@@ -81,6 +81,10 @@ def start_command(
             "valkey://..., or kvctl://HOST:PORT (a --role pool agent)."
         ),
     ] = None,
+    pool_prefix: Annotated[
+        str | None,
+        typer.Option(help="Key prefix in a Redis pool: agents that share it share chunks."),
+    ] = None,
     pool_capacity: Annotated[
         str | None,
         typer.Option(help="The pool's capacity, e.g. 512GiB (shared: every agent sees it)."),
@@ -99,6 +103,10 @@ def start_command(
     pool_write: Annotated[
         str | None,
         typer.Option(help="'through' (copy every stored chunk to the pool) or 'off'."),
+    ] = None,
+    gpu: Annotated[
+        str | None,
+        typer.Option(help="GPU profile the fetch-or-recompute decision models prefill on."),
     ] = None,
     log_level: Annotated[str | None, typer.Option("--log-level")] = None,
     detach: Annotated[
@@ -135,10 +143,12 @@ def start_command(
         "eviction": eviction,
         "role": role,
         "pool": pool,
+        "pool_prefix": pool_prefix,
         "pool_capacity": pool_capacity,
         "peers": peer or None,
         "links": link or None,
         "pool_write": pool_write,
+        "gpu": gpu,
         "log_level": log_level,
     }
     loaded = _load(config, **flags)

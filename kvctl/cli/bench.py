@@ -207,3 +207,78 @@ def bench_top_command(
     from kvctl.bench.top import render_top_bench
 
     console.print(render_top_bench(result))
+
+
+@bench_app.command(
+    "remote", short_help="Pool tier on Redis vs a plain pipeline; a peer pull vs its lower bound."
+)
+def bench_remote_command(
+    sizes: Annotated[str, typer.Option(help="Pool chunk sizes, comma separated.")] = "4MiB,32MiB",
+    bytes_per_size: Annotated[
+        str, typer.Option(help="Bytes moved per pool sample (per size, per figure).")
+    ] = "256MiB",
+    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    batch: Annotated[
+        int, typer.Option(help="Chunks per put_many/get_many call and per reference pipeline.")
+    ] = 8,
+    redis_url: Annotated[
+        str, typer.Option(help="The Redis (or Valkey) server the pool tier is measured on.")
+    ] = "redis://127.0.0.1:6379/0",
+    prefix: Annotated[
+        str | None,
+        typer.Option(
+            help="Key prefix of the run (default: kvctl-bench-<pid>-<random>); every key under "
+            "it is deleted at the end."
+        ),
+    ] = None,
+    pull_chunks: Annotated[
+        int, typer.Option(help="Chunks stored in the peer and pulled in one request.")
+    ] = 64,
+    pull_chunk_size: Annotated[str, typer.Option(help="Size of each pulled chunk.")] = "4MiB",
+    rtts_ms: Annotated[
+        str,
+        typer.Option(help="Emulated RTTs of the peer pull, milliseconds, comma separated."),
+    ] = "0,1,5",
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Measure the remote tiers, each figure next to a reference from the same run: put/get
+    bytes per second of the pool tier (RedisPool: records with header and checksum, the
+    accounting script) next to a plain redis-py pipeline of SET/GET on the same server, every
+    byte read back checked; then start one peer agent on loopback, store PULL_CHUNKS chained
+    chunks in it and pull them all in one request at each emulated RTT (an in-process wait per
+    request, as an agent applies a configured link delay): time to first chunk and to last byte
+    next to the lower bound ping RTT + emulated RTT + bytes / the PROBE bandwidth. Every Redis
+    key of the run is deleted and the agent stopped at the end, also on errors and Ctrl-C.
+    Progress goes to stderr.
+
+    Examples:
+
+      kvctl bench remote --json > bench/results/remote.json
+
+      kvctl bench remote --redis-url redis://:secret@cache.example:6379/0 --sizes 32MiB
+
+      kvctl bench remote --pull-chunks 256 --pull-chunk-size 2MiB --rtts-ms 0,2,10,50
+    """
+    from kvctl.bench.remote import parse_rtts_ms, run_remote_bench
+    from kvctl.cli.output import err_console
+    from kvctl.units import parse_size
+
+    with user_errors(hint="see `kvctl bench remote --help`"):
+        result = run_remote_bench(
+            [parse_size(s) for s in sizes.split(",") if s.strip()],
+            bytes_per_size=parse_size(bytes_per_size),
+            repeats=repeats,
+            batch_chunks=batch,
+            redis_url=redis_url,
+            prefix=prefix,
+            pull_chunks=pull_chunks,
+            pull_chunk_bytes=parse_size(pull_chunk_size),
+            rtts_s=parse_rtts_ms(rtts_ms),
+            progress=lambda msg: err_console.print(msg, style="dim", markup=False),
+        )
+    if json_out:
+        print_json(result)
+        return
+    from kvctl.bench.remote import render_remote_bench
+
+    console.print(render_remote_bench(result))

@@ -513,6 +513,12 @@ class RemoteTiers:
         if ping is not None:
             src.call("ping", ping, moved_bytes=_no_bytes)
         sample = getattr(src.backend, "probe_transfer", None)
+        prepare = getattr(src.backend, "prepare_probe", None)
+        if prepare is not None and src.up:
+            try:  # outside the timed call: an upload is not the download being measured
+                prepare(PROBE_TRANSFER_BYTES)
+            except TierUnavailable:
+                return
         if sample is not None and src.up:
             src.call(
                 "bandwidth probe",

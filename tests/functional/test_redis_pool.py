@@ -1,0 +1,661 @@
+"""RedisPool against real servers: the machine's Redis (own key prefix per test), throwaway
+redis-server processes (kill/restart), and a 3-node Redis Cluster. No mocks."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvctl.remote import record
+from kvctl.remote.redis_pool import DEFAULT_CAPACITY_BYTES, RedisPool
+from kvctl.store.errors import InvalidArgument, TierUnavailable
+from kvctl.store.tiers.base import ChunkMeta
+
+
+def key(i: int, salt: str = "") -> bytes:
+    return hashlib.blake2b(f"{salt}/{i}".encode(), digest_size=16).digest()
+
+
+def payload_of(k: bytes, size: int, tag: int = 0) -> bytes:
+    """Bytes that differ per key, size and tag, so a mix-up cannot go unnoticed."""
+    seed = hashlib.blake2b(k + size.to_bytes(8, "little") + bytes([tag]), digest_size=32).digest()
+    return (seed * (size // 32 + 1))[:size]
+
+
+def chunk(
+    i: int, size: int = 300, *, tenant: str = "a", isolated: bool = False, salt: str = ""
+) -> tuple[ChunkMeta, bytes]:
+    k = key(i, salt)
+    meta = ChunkMeta(
+        key=k,
+        size_bytes=size,
+        tokens=16,
+        tenant=tenant,
+        parent=key(i - 1, salt) if i else None,
+        priority=40,
+        isolated=isolated,
+        created_s=1.7e9 + i,
+    )
+    return meta, payload_of(k, size)
+
+
+def present(pool: RedisPool, items: list[tuple[ChunkMeta, bytes]]) -> list[bool]:
+    """Which chunks the pool still holds (as seen by their own tenant), without touching them."""
+    return [pool.probe_many([m.key], tenant=m.tenant)[0] is not None for m, _ in items]
+
+
+@pytest.fixture
+def make_pool(redis_url: str, redis_prefix: str) -> Iterator:  # type: ignore[type-arg]
+    pools: list[RedisPool] = []
+
+    def make(**kw) -> RedisPool:  # type: ignore[no-untyped-def]
+        kw.setdefault("prefix", redis_prefix)
+        pool = RedisPool(kw.pop("url", redis_url), **kw)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+@pytest.fixture
+def raw(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+# --- basics ---------------------------------------------------------------------------------
+def test_round_trip_many_chunks(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=64 << 20)
+    items = [chunk(i, size=100 + 997 * i) for i in range(150)]
+    items.append(chunk(150, size=4 << 20, tenant="租户 ü"))  # a big one, a unicode tenant
+    assert pool.put_many(items) == [True] * len(items)
+
+    got = pool.get_many([m.key for m, _ in items], tenant="a")
+    for (meta, data), c in zip(items, got, strict=True):
+        assert c is not None
+        assert c.meta == meta
+        assert c.data == data
+        assert isinstance(c.data, memoryview)
+    usage = pool.usage()
+    assert usage.used_bytes == sum(m.size_bytes for m, _ in items)
+    assert usage.chunks == len(items)
+    assert usage.capacity_bytes == 64 << 20
+    assert usage.tenant_bytes == {"a": usage.used_bytes - (4 << 20), "租户 ü": 4 << 20}
+    assert pool.get_many([], tenant="a") == []
+    assert pool.put_many([]) == []
+
+
+def test_get_and_probe_of_missing_keys(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    meta, data = chunk(1)
+    pool.put_many([(meta, data)])
+    got = pool.get_many([key(99), meta.key, key(98)], tenant="a")
+    assert got[0] is None and got[2] is None
+    assert got[1] is not None and got[1].data == data
+    assert pool.probe_many([key(99), meta.key], tenant="a") == [None, meta]
+    assert pool.corrupt == 0
+
+
+def test_probe_reads_the_header_only(private_redis) -> None:  # type: ignore[no-untyped-def]
+    pool = RedisPool(private_redis.url, prefix="p")
+    big = chunk(1, size=8 << 20)
+    long_tenant = chunk(2, size=1000, tenant="t" * 3000)  # header longer than one probe read
+    assert pool.put_many([big, long_tenant]) == [True, True]
+    server = redis.Redis(port=private_redis.port)
+
+    def sent_bytes() -> int:
+        return int(server.info("stats")["total_net_output_bytes"])
+
+    before = sent_bytes()
+    metas = pool.probe_many([big[0].key, long_tenant[0].key, key(5)], tenant="t" * 3000)
+    assert metas == [big[0], long_tenant[0], None]
+    assert sent_bytes() - before < 64 << 10  # the 8 MiB payload did not move
+    pool.close()
+    server.close()
+
+
+def test_url_schemes_and_masked_address(make_pool, redis_url: str) -> None:  # type: ignore[no-untyped-def]
+    for bad in (
+        "http://127.0.0.1:6379",
+        "127.0.0.1:6379",
+        "redis://",
+        "redis://h:notaport/0",
+        "redis://h:6379/x",
+        "redis+cluster://h:7000/3",
+        "memcached://h",
+    ):
+        with pytest.raises(InvalidArgument, match="pool URL"):
+            RedisPool(bad)
+    with pytest.raises(InvalidArgument, match="prefix"):
+        RedisPool(redis_url, prefix="a{b}")
+    with pytest.raises(InvalidArgument):
+        RedisPool(redis_url, capacity_bytes=-1)
+
+    masked = RedisPool("redis://user:s3cret@127.0.0.1:1/0")
+    assert masked.address == "redis://user:***@127.0.0.1:1/0"
+    assert "s3cret" not in repr(masked)
+    assert RedisPool("rediss://:pw@h:6380").address == "rediss://:***@h:6380"
+    with pytest.raises(TierUnavailable) as err:
+        masked.usage()  # nothing listens on port 1
+    assert "s3cret" not in str(err.value) and "redis://user:***@127.0.0.1:1/0" in str(err.value)
+
+    pool = make_pool(url=redis_url.replace("redis://", "valkey://", 1))
+    meta, data = chunk(1)
+    assert pool.put_many([(meta, data)]) == [True]
+    assert pool.get_many([meta.key], tenant="a")[0].data == data  # type: ignore[union-attr]
+
+
+def test_sizes_must_match_the_meta(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    meta, data = chunk(1, size=300)
+    with pytest.raises(InvalidArgument):
+        pool.put_many([(meta, data[:-1])])
+    with pytest.raises(InvalidArgument):
+        pool.get_many([b"short"], tenant="a")
+    assert pool.usage().chunks == 0
+
+
+# --- tenants ----------------------------------------------------------------------------------
+def test_isolated_chunks_exist_only_for_their_tenant(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    secret = chunk(1, tenant="a", isolated=True)
+    shared = chunk(2, tenant="a")
+    assert pool.put_many([secret, shared]) == [True, True]
+    keys = [secret[0].key, shared[0].key]
+
+    b_got = pool.get_many(keys, tenant="b")
+    assert b_got[0] is None
+    assert b_got[1] is not None and b_got[1].data == shared[1]
+    assert pool.probe_many(keys, tenant="b") == [None, shared[0]]
+
+    a_got = pool.get_many(keys, tenant="a")
+    assert [c.data for c in a_got] == [secret[1], shared[1]]  # type: ignore[union-attr]
+    assert pool.probe_many(keys, tenant="a") == [secret[0], shared[0]]
+
+    # another tenant's put of the same key does not replace or reveal it
+    assert pool.put_many([(ChunkMeta(key=secret[0].key, size_bytes=300, tenant="b"), b"x" * 300)])
+    assert pool.get_many([secret[0].key], tenant="b") == [None]
+    assert pool.get_many([secret[0].key], tenant="a")[0].data == secret[1]  # type: ignore[union-attr]
+    assert pool.usage().chunks == 2
+
+
+# --- capacity, quotas, eviction -----------------------------------------------------------------
+def test_capacity_eviction_is_lru_by_access(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=1000)
+    a, b, c, d = (chunk(i) for i in range(4))
+    assert pool.put_many([a, b, c]) == [True] * 3
+    assert pool.get_many([a[0].key], tenant="a")[0] is not None  # a is now the newest
+    assert pool.put_many([d]) == [True]
+    assert present(pool, [a, b, c, d]) == [True, False, True, True]
+    assert pool.get_many([b[0].key], tenant="a") == [None]
+    usage = pool.usage()
+    assert (usage.used_bytes, usage.chunks) == (900, 3)
+
+    # a read by a tenant that may not see a chunk does not keep it alive
+    e = chunk(4, tenant="z", isolated=True)
+    assert pool.put_many([e]) == [True]  # evicts c, the oldest
+    pool.get_many([e[0].key], tenant="a")  # invisible to a: no refresh
+    pool.get_many([a[0].key, d[0].key], tenant="a")
+    assert pool.put_many([chunk(5)]) == [True]
+    assert present(pool, [a, c, d, e]) == [True, False, True, False]
+
+
+def test_batch_larger_than_the_pool_keeps_its_newest(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=1000)
+    items = [chunk(i) for i in range(5)]
+    assert pool.put_many(items) == [True] * 5  # stored, the first two evicted by the last two
+    assert present(pool, items) == [False, False, True, True, True]
+    assert (pool.usage().used_bytes, pool.usage().chunks) == (900, 3)
+
+
+def test_large_batch_is_written_in_groups(make_pool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from kvctl.remote import redis_pool
+
+    monkeypatch.setattr(redis_pool, "_WRITE_GROUP_BYTES", 1000)  # ~2 records per group
+    pool = make_pool(capacity_bytes=1500)
+    old = [chunk(i, salt="old") for i in range(4)]
+    assert pool.put_many(old) == [True] * 4
+    items = [chunk(i) for i in range(7)]
+    assert pool.put_many(items) == [True] * 7  # evicts the 4 old ones and the first 2 new
+    assert present(pool, old) == [False] * 4
+    assert present(pool, items) == [False, False] + [True] * 5
+    got = pool.get_many([m.key for m, _ in items[2:]], tenant="a")
+    assert [c.data for c in got] == [d for _, d in items[2:]]  # type: ignore[union-attr]
+    assert (pool.usage().used_bytes, pool.usage().chunks) == (1500, 5)
+
+
+def test_tenant_quota_evicts_the_tenants_own_oldest(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=10_000, tenant_quotas={"a": 600}, tenant_quota_bytes=5000)
+    b1 = chunk(0, tenant="b")  # the oldest chunk of the pool
+    a1, a2, a3 = (chunk(i, tenant="a") for i in (1, 2, 3))
+    assert pool.put_many([b1, a1, a2]) == [True] * 3
+    assert pool.put_many([a3]) == [True]
+    assert present(pool, [b1, a1, a2, a3]) == [True, False, True, True]
+    usage = pool.usage()
+    assert usage.tenant_bytes == {"a": 600, "b": 300}
+    assert usage.tenant_quota_bytes == {"a": 600, "b": 5000}
+
+    # over the quota on its own: refused, nothing evicted
+    assert pool.put_many([chunk(4, size=601, tenant="a")]) == [False]
+    assert present(pool, [b1, a2, a3]) == [True, True, True]
+
+    # the pool-wide LRU still applies across tenants when the pool is full
+    pool.resize(900)
+    assert pool.put_many([chunk(5, tenant="c")]) == [True]
+    assert present(pool, [b1, a2, a3]) == [False, True, True]
+
+
+def test_oversize_is_refused(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=1000)
+    small = chunk(1)
+    assert pool.put_many([small, chunk(2, size=1001), chunk(3)]) == [True, False, True]
+    assert present(pool, [small]) == [True]
+    assert pool.get_many([key(2)], tenant="a") == [None]
+    assert pool.usage().used_bytes == 600
+
+
+def test_reput_is_a_touch_not_a_second_accounting(make_pool, raw) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=1000)
+    a, b, c = (chunk(i) for i in range(3))
+    assert pool.put_many([a, b, a]) == [True, True, True]
+    assert pool.put_many([a]) == [True]
+    usage = pool.usage()
+    assert (usage.used_bytes, usage.chunks) == (600, 2)
+    # the re-put refreshed a: b is now the LRU victim
+    assert pool.put_many([c]) == [True]
+    assert pool.put_many([chunk(3)]) == [True]
+    assert present(pool, [a, b, c]) == [True, False, True]
+
+    # a re-put of a chunk whose record vanished writes it again
+    raw.delete(f"{pool.prefix}:c:{c[0].key.hex()}")
+    assert pool.put_many([c]) == [True]
+    assert pool.get_many([c[0].key], tenant="a")[0].data == c[1]  # type: ignore[union-attr]
+    assert pool.usage().chunks == 3
+
+
+def test_ttl_expiry_frees_the_accounting_on_read(make_pool, raw) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(ttl_s=0.3)
+    meta, data = chunk(1)
+    assert pool.put_many([(meta, data)]) == [True]
+    assert 0 < raw.pttl(f"{pool.prefix}:c:{meta.key.hex()}") <= 300
+    time.sleep(0.7)
+    assert pool.usage().chunks == 1  # expired, not read yet: still accounted
+    assert pool.get_many([meta.key], tenant="a") == [None]
+    usage = pool.usage()
+    assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (0, 0, {})
+    assert pool.put_many([(meta, data)]) == [True]  # and it can be stored again
+    assert pool.get_many([meta.key], tenant="a")[0].data == data  # type: ignore[union-attr]
+
+
+def test_missing_record_of_a_fresh_put_keeps_its_accounting(make_pool, raw) -> None:  # type: ignore[no-untyped-def]
+    """Without a TTL a vanished record is only forgotten after the write grace (a write of
+    another agent may still be on its way)."""
+    pool = make_pool()
+    meta, data = chunk(1)
+    pool.put_many([(meta, data)])
+    raw.delete(f"{pool.prefix}:c:{meta.key.hex()}")
+    assert pool.get_many([meta.key], tenant="a") == [None]
+    assert pool.usage().chunks == 1
+
+
+def test_resize_down_evicts_lru(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=2000)
+    items = [chunk(i) for i in range(5)]
+    pool.put_many(items)
+    pool.get_many([items[0][0].key], tenant="a")
+    pool.resize(600)
+    assert present(pool, items) == [True, False, False, False, True]
+    usage = pool.usage()
+    assert (usage.capacity_bytes, usage.used_bytes, usage.chunks) == (600, 600, 2)
+    with pytest.raises(InvalidArgument):
+        pool.resize(-5)
+
+
+def test_capacity_is_shared_and_defaults(make_pool) -> None:  # type: ignore[no-untyped-def]
+    first = make_pool()
+    assert first.usage().capacity_bytes == DEFAULT_CAPACITY_BYTES
+    make_pool(capacity_bytes=5000).usage()  # a later agent sets it: last one wins
+    assert first.usage().capacity_bytes == 5000
+    first.clear()
+    assert first.usage().capacity_bytes == DEFAULT_CAPACITY_BYTES  # first never set one
+
+
+def test_two_agents_share_chunks_and_accounting(make_pool) -> None:  # type: ignore[no-untyped-def]
+    one = make_pool(capacity_bytes=1200)
+    two = make_pool()
+    a, b, c = chunk(1), chunk(2, tenant="b"), chunk(3, tenant="b", isolated=True)
+    assert one.put_many([a]) == [True]
+    assert two.put_many([b, c]) == [True, True]
+    assert two.get_many([a[0].key], tenant="b")[0].data == a[1]  # type: ignore[union-attr]
+    assert one.get_many([c[0].key], tenant="b")[0].data == c[1]  # type: ignore[union-attr]
+    assert one.get_many([c[0].key], tenant="a") == [None]
+    assert one.usage() == two.usage()
+    assert two.usage().used_bytes == 900 and two.usage().capacity_bytes == 1200
+    # b is the LRU chunk (a and c were read since): two agents' puts evict pool-wide
+    assert one.put_many([chunk(4), chunk(5)]) == [True, True]
+    assert present(two, [a, b, c]) == [True, False, True]
+    assert one.delete_many([a[0].key, key(99)]) == 1
+    assert two.get_many([a[0].key], tenant="a") == [None]
+    assert two.usage().chunks == 3
+
+
+def test_delete_many(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    items = [chunk(i, tenant="t" + str(i % 2)) for i in range(4)]
+    pool.put_many(items)
+    assert pool.delete_many([items[0][0].key, items[0][0].key, items[3][0].key]) == 2
+    assert present(pool, items) == [False, True, True, False]
+    usage = pool.usage()
+    assert (usage.chunks, usage.tenant_bytes) == (2, {"t0": 300, "t1": 300})
+    assert pool.delete_many([]) == 0
+
+
+# --- corruption -------------------------------------------------------------------------------
+def test_corrupt_records_are_misses_counted_and_removed(make_pool, raw) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    items = [chunk(i) for i in range(4)]
+    pool.put_many(items)
+    names = [f"{pool.prefix}:c:{m.key.hex()}" for m, _ in items]
+    hb = len(record.encode_header(items[0][0], items[0][1]))
+    raw.setrange(names[0], hb + 10, b"\xff")  # payload byte
+    raw.setrange(names[1], 20, b"\xff")  # header byte
+    raw.set(names[2], raw.get(names[2])[:-5])  # cut short
+
+    got = pool.get_many([m.key for m, _ in items], tenant="a")
+    assert got[:3] == [None, None, None]
+    assert got[3] is not None and got[3].data == items[3][1]
+    assert pool.corrupt == 3
+    assert raw.exists(*names[:3]) == 0
+    usage = pool.usage()
+    assert (usage.chunks, usage.used_bytes) == (1, 300)
+
+    # probe checks the header and the record's length
+    raw.set(names[3], raw.get(names[3])[:-1])
+    assert pool.probe_many([items[3][0].key], tenant="a") == [None]
+    assert pool.corrupt == 4
+    assert raw.exists(names[3]) == 0
+    assert pool.usage().chunks == 0
+
+
+def test_unaccounted_record_is_accounted_when_read(make_pool, raw) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool()
+    meta, data = chunk(1)
+    pool.put_many([(meta, data)])
+    name = f"{pool.prefix}:c:{meta.key.hex()}"
+    value = raw.get(name)
+    pool.delete_many([meta.key])
+    raw.set(name, value)  # an orphan: a record without accounting
+    assert pool.usage().chunks == 0
+    assert pool.get_many([meta.key], tenant="a")[0].data == data  # type: ignore[union-attr]
+    assert (pool.usage().chunks, pool.usage().used_bytes) == (1, 300)
+
+
+# --- server failures --------------------------------------------------------------------------
+def test_dead_server_raises_tier_unavailable_and_recovers(private_redis) -> None:  # type: ignore[no-untyped-def]
+    pool = RedisPool(private_redis.url, prefix="p", capacity_bytes=1 << 20, timeout_s=1.0)
+    items = [chunk(i, size=4000) for i in range(20)]
+    assert pool.put_many(items) == [True] * 20
+    expected = {m.key: d for m, d in items}
+
+    wrong: list[str] = []
+    stop = threading.Event()
+
+    def reader() -> None:  # reads through the kill: an error or verified bytes, nothing else
+        while not stop.is_set():
+            try:
+                for c in pool.get_many(list(expected), tenant="a"):
+                    if c is not None and c.data != expected[c.meta.key]:
+                        wrong.append(c.meta.key.hex())
+            except TierUnavailable:
+                time.sleep(0.01)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        private_redis.kill()
+        calls = {
+            "put_many": lambda: pool.put_many([chunk(100)]),
+            "get_many": lambda: pool.get_many([key(1)], tenant="a"),
+            "probe_many": lambda: pool.probe_many([key(1)], tenant="a"),
+            "delete_many": lambda: pool.delete_many([key(1)]),
+            "usage": pool.usage,
+            "resize": lambda: pool.resize(1 << 20),
+            "clear": pool.clear,
+        }
+        for name, call in calls.items():
+            start = time.monotonic()
+            with pytest.raises(TierUnavailable, match=f"pool {private_redis.url}"):
+                call()
+            assert time.monotonic() - start < 10, name
+
+        private_redis.start()  # an empty server on the same port
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        thread.join(timeout=30)
+    assert not wrong
+    # the next calls reconnect
+    assert pool.get_many([m.key for m, _ in items], tenant="a") == [None] * 20
+    assert pool.put_many(items[:3]) == [True] * 3
+    assert (
+        [c.data for c in pool.get_many([m.key for m, _ in items[:3]], tenant="a")]
+        == [  # type: ignore[union-attr]
+            d for _, d in items[:3]
+        ]
+    )
+    assert pool.usage().chunks == 3
+    pool.close()
+    with pytest.raises(TierUnavailable, match="closed"):
+        pool.usage()
+
+
+def test_hung_server_times_out(private_redis) -> None:  # type: ignore[no-untyped-def]
+    import os
+    import signal
+
+    pool = RedisPool(private_redis.url, prefix="p", timeout_s=0.5)
+    pool.put_many([chunk(1)])
+    os.kill(private_redis.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(TierUnavailable):
+            pool.get_many([key(1)], tenant="a")
+        assert time.monotonic() - start < 5
+    finally:
+        os.kill(private_redis.proc.pid, signal.SIGCONT)
+    assert pool.get_many([key(1)], tenant="a")[0] is not None
+    pool.close()
+
+
+def test_server_refusing_writes_is_a_put_failure(private_redis) -> None:  # type: ignore[no-untyped-def]
+    server = redis.Redis(port=private_redis.port)
+    pool = RedisPool(private_redis.url, prefix="p", capacity_bytes=64 << 20)
+    small = chunk(1)
+    assert pool.put_many([small]) == [True]
+    server.config_set("maxmemory-policy", "noeviction")
+    server.config_set("maxmemory", int(server.info("memory")["used_memory"]) + (1 << 20))
+    big = [chunk(i, size=3 << 20) for i in (2, 3)]
+    assert pool.put_many(big) == [False, False]
+    usage = pool.usage()
+    assert (usage.chunks, usage.used_bytes) == (1, 300)
+    assert pool.get_many([m.key for m, _ in big], tenant="a") == [None, None]
+    assert pool.corrupt == 0
+    pool.close()
+    server.close()
+
+
+def test_concurrent_threads_share_one_pool(make_pool) -> None:  # type: ignore[no-untyped-def]
+    pool = make_pool(capacity_bytes=1 << 20)
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            items = [chunk(i, size=1000, salt=str(t)) for i in range(50)]
+            for i in range(0, 50, 10):
+                assert pool.put_many(items[i : i + 10]) == [True] * 10
+                got = pool.get_many([m.key for m, _ in items[i : i + 10]], tenant="a")
+                assert [c.data for c in got] == [d for _, d in items[i : i + 10]]  # type: ignore[union-attr]
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    assert pool.usage().chunks == 400
+
+
+# --- Cluster ----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_cluster_round_trip_eviction_and_tenants(redis_cluster: str) -> None:
+    prefix = f"kvctl-test-{uuid.uuid4().hex[:8]}"
+    pool = RedisPool(redis_cluster, prefix=prefix, capacity_bytes=30_000)
+    try:
+        assert pool.cluster
+        items = [chunk(i, size=1000 + i) for i in range(20)]
+        assert pool.put_many(items) == [True] * 20
+        got = pool.get_many([m.key for m, _ in items], tenant="a")
+        assert [(c.meta, c.data) for c in got] == items  # type: ignore[union-attr]
+
+        # the records spread over the nodes; the accounting keys share one slot
+        client = pool._client()
+        assert isinstance(client, redis.RedisCluster)
+        nodes = {client.get_node_from_key(pool._rec(m.key.hex())).name for m, _ in items}
+        assert len(nodes) > 1
+        assert len({client.keyslot(k) for k in pool._acct_keys}) == 1
+
+        # eviction: LRU by access
+        pool.get_many([items[0][0].key], tenant="a")
+        more = [chunk(i, size=1000, salt="more") for i in range(10)]
+        assert pool.put_many(more) == [True] * 10
+        assert pool.usage().used_bytes <= 30_000
+        alive = present(pool, items)
+        assert alive[0] and not alive[1]
+
+        # tenants
+        secret = chunk(50, tenant="x", isolated=True)
+        assert pool.put_many([secret]) == [True]
+        assert pool.get_many([secret[0].key], tenant="y") == [None]
+        assert pool.probe_many([secret[0].key], tenant="y") == [None]
+        assert pool.get_many([secret[0].key], tenant="x")[0].data == secret[1]  # type: ignore[union-attr]
+        assert pool.delete_many([secret[0].key]) == 1
+
+        pool.resize(5000)
+        assert pool.usage().used_bytes <= 5000
+        pool.clear()
+        assert not [
+            k
+            for node in client.get_primaries()
+            for k in client.scan_iter(match=f"*{prefix}*", target_nodes=node)
+        ]
+    finally:
+        pool.clear()
+        pool.close()
+
+
+def test_cluster_url_unreachable() -> None:
+    pool = RedisPool("redis+cluster://127.0.0.1:1", timeout_s=0.5)
+    with pytest.raises(TierUnavailable, match=r"redis\+cluster://127\.0\.0\.1:1"):
+        pool.usage()
+
+
+# --- property ---------------------------------------------------------------------------------
+TENANTS = ("a", "b", "c")
+ops = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("put"),
+            st.lists(
+                st.tuples(
+                    st.integers(0, 7),  # key
+                    st.sampled_from(TENANTS),
+                    st.booleans(),  # isolated
+                    st.integers(1, 700),  # size
+                    st.integers(0, 3),  # content tag
+                ),
+                min_size=1,
+                max_size=4,
+            ),
+        ),
+        st.tuples(
+            st.sampled_from(["get", "probe"]),
+            st.lists(st.integers(0, 7), min_size=1, max_size=5),
+            st.sampled_from(TENANTS),
+        ),
+        st.tuples(st.just("delete"), st.lists(st.integers(0, 7), max_size=3)),
+    ),
+    max_size=25,
+)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(script=ops)
+def test_property_tenants_never_see_others_isolated_chunks(redis_url: str, script) -> None:  # type: ignore[no-untyped-def]
+    pool = RedisPool(
+        redis_url,
+        prefix=f"kvctl-test-prop-{uuid.uuid4().hex[:8]}",
+        capacity_bytes=2000,
+        tenant_quotas={"b": 900},
+    )
+    # everything ever put under a key: (tenant, isolated, bytes)
+    stored: dict[bytes, set[tuple[str, bool, bytes]]] = {}
+    try:
+        for op in script:
+            if op[0] == "put":
+                batch = []
+                for i, tenant, isolated, size, tag in op[1]:
+                    k = key(i)
+                    data = payload_of(k, size, tag)
+                    meta = ChunkMeta(key=k, size_bytes=size, tenant=tenant, isolated=isolated)
+                    batch.append((meta, data))
+                    stored.setdefault(k, set()).add((tenant, isolated, data))
+                results = pool.put_many(batch)
+                for (meta, _), ok in zip(batch, results, strict=True):
+                    assert ok == (meta.tenant != "b" or meta.size_bytes <= 900)
+            elif op[0] == "delete":
+                pool.delete_many([key(i) for i in op[1]])
+            else:
+                name, idx, reader = op
+                keys = [key(i) for i in idx]
+                if name == "get":
+                    for k, c in zip(keys, pool.get_many(keys, tenant=reader), strict=True):
+                        if c is not None:
+                            m = c.meta
+                            assert m.key == k
+                            assert not m.isolated or m.tenant == reader
+                            assert (m.tenant, m.isolated, bytes(c.data)) in stored[k]
+                else:
+                    for k, m in zip(keys, pool.probe_many(keys, tenant=reader), strict=True):
+                        if m is not None:
+                            assert m.key == k
+                            assert not m.isolated or m.tenant == reader
+                            assert any(
+                                (t, iso, len(d)) == (m.tenant, m.isolated, m.size_bytes)
+                                for t, iso, d in stored[k]
+                            )
+            usage = pool.usage()
+            assert usage.used_bytes <= 2000
+            assert usage.tenant_bytes.get("b", 0) <= 900
+            assert sum(usage.tenant_bytes.values()) == usage.used_bytes
+        assert pool.corrupt == 0
+    finally:
+        pool.clear()
+        pool.close()
