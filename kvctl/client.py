@@ -272,7 +272,7 @@ class DataClient:
         views = [_as_bytes_view(d) for _, d in items]
         parents = parents or [None] * len(items)
         depths = depths or [0] * len(items)
-        counts = [tokens] * len(items) if isinstance(tokens, int) else list(tokens)
+        counts = list(tokens) if isinstance(tokens, Sequence) else [int(tokens)] * len(items)
 
         def meta(offsets: Sequence[int | None]) -> bytes:
             w = MetaWriter().text(tenant).u32(len(items))
@@ -557,6 +557,9 @@ class DataClient:
         if failure is not None:
             self._discard(left)
             raise failure
+        if left:
+            self._discard(left)  # back in step, then refuse a reply that broke its own items
+            raise AgentError(f"reply payload has {left} bytes its items do not account for")
 
     def _discard(self, n: int) -> None:
         self._drain(n, memoryview(bytearray(min(n, 1 << 20) or 1)))

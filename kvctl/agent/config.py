@@ -832,7 +832,9 @@ def _format(field: str, settings: AgentSettings) -> str:
     if field in ("token", "remote_token"):
         return "***" if value else ""
     if field == "pool":
-        return _redact_url(value)
+        from kvctl.remote.pool import redact_url
+
+        return redact_url(value)
     if field == "peers":
         return ",".join(f"{n}={a}" for n, a in value)
     if field == "links":
@@ -862,16 +864,6 @@ def _format(field: str, settings: AgentSettings) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return _plain(value)
-
-
-def _redact_url(url: str) -> str:
-    """A URL with any password replaced by ***, for messages and listings."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    auth, _, host = rest.rpartition("@")
-    user = auth.partition(":")[0]
-    return f"{scheme}://{user + ':' if user else ':'}***@{host}" if ":" in auth else url
 
 
 def describe(loaded: LoadedSettings) -> list[dict[str, str]]:

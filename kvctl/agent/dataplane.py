@@ -206,8 +206,8 @@ class DataPlaneServer:
             "role": s.role,
             "version": __version__,
             "tiers": self.tier_names,
-            #: local tiers only: what a pool agent's clients report as the pool's size
-            "usage": {n: self.store.usage()[n] for n in self.store.tier_names},
+            #: what a pool agent's clients report as the pool's size
+            "usage": self.store.usage(),
             "chunk_tokens": s.chunk_tokens,
             "max_chunk_bytes": self.max_chunk_bytes,
             "lease_seconds": s.lease_seconds,
@@ -601,6 +601,7 @@ class Connection:
         ttl = min(max(meta.f64(), 0.001), self.server.runtime.settings.lease_seconds)
         keys = meta.keys()
         meta.done()
+        self.server.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
         out = bytearray()
         for key in keys:
             try:

@@ -168,8 +168,14 @@ def start_command(
 
         argv = [] if config is None else ["--config", str(config)]
         repeated = {"peers": "--peer", "links": "--link"}
+        import os
+
+        env = dict(os.environ)
         for key, value in flags.items():
             if value is None or key == "data_dir":  # spawn_agent passes the resolved one
+                continue
+            if key == "pool":  # may hold a password: not in the daemon's command line
+                env["KVCTL_POOL"] = str(value)
                 continue
             if key in repeated:
                 for item in value:  # type: ignore[attr-defined]
@@ -177,7 +183,7 @@ def start_command(
             else:
                 argv += [f"--{key.replace('_', '-')}", str(value)]
         try:
-            _, state = spawn_agent(argv, settings.data_path)
+            _, state = spawn_agent(argv, settings.data_path, env=env)
         except RuntimeError as exc:
             fail(str(exc), code=1)
         console.print(

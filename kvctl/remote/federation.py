@@ -23,6 +23,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -47,6 +48,9 @@ _HINTS_MAX = 65536
 _WRITE_QUEUE_MAX = 4096
 _WRITE_BATCH_CHUNKS = 32
 _WRITE_BATCH_BYTES = 256 << 20
+_PROBE_WORKERS_PER_SOURCE = 4
+#: a lookup waits this long for a source's answer, then goes on without it
+PROBE_DEADLINE_S = 1.0
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
 
@@ -57,6 +61,8 @@ class SourceCounters:
     errors: int = 0
     #: calls not made because the source was in backoff after an error
     skipped: int = 0
+    #: probes a lookup stopped waiting for (past PROBE_DEADLINE_S)
+    late: int = 0
     chunks_in: int = 0
     bytes_in: int = 0
     chunks_out: int = 0
@@ -94,7 +100,7 @@ class Source:
         try:
             self.delay.wait()  # emulated distance: one round trip's worth, inside the timing
             out = fn()
-        except (TierUnavailable, OSError) as exc:
+        except Exception as exc:  # any failure of a remote call is a miss, never a failed request
             with self._lock:
                 self.counters.calls += 1
                 self.counters.errors += 1
@@ -127,6 +133,7 @@ class Source:
             "calls": c.calls,
             "errors": c.errors,
             "skipped": c.skipped,
+            "late": c.late,
             "corrupt": self.backend.corrupt,
             "chunks_in": c.chunks_in,
             "bytes_in": c.bytes_in,
@@ -190,14 +197,18 @@ class RemoteTiers:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._probe_pool = (
-            ThreadPoolExecutor(max_workers=len(self.sources), thread_name_prefix="kvctl-remote")
+            # several per source: concurrent lookups must not queue behind one slow probe
+            ThreadPoolExecutor(
+                max_workers=_PROBE_WORKERS_PER_SOURCE * len(self.sources),
+                thread_name_prefix="kvctl-remote",
+            )
             if self.sources
             else None
         )
         if pool is not None:
-            store.add_external_tier(POOL_TIER, self._pool_usage_row)
+            store.add_external_tier(POOL_TIER)
         if self.peers:
-            store.add_external_tier(PEER_TIER, self._peer_usage_row)
+            store.add_external_tier(PEER_TIER)
         self._unsubscribe = store.subscribe(self._on_event) if self.write_through else None
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -286,10 +297,17 @@ class RemoteTiers:
         ]
         for s in self.sources:
             if s not in live:
-                s.call("probe", list, moved_bytes=_no_bytes)  # counts the skip
+                with s._lock:
+                    s.counters.skipped += 1
         found: list[list[tuple[str, ChunkMeta]]] = [[] for _ in keys]
+        deadline = time.monotonic() + PROBE_DEADLINE_S
         for s, fut in futures:
-            metas = fut.result()
+            try:
+                metas = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+            except FutureTimeout:
+                with s._lock:
+                    s.counters.late += 1  # the lookup went on without this source's answer
+                continue
             if metas is None:
                 continue
             for j, meta in enumerate(metas):
@@ -437,47 +455,54 @@ class RemoteTiers:
             self.write["dropped"] += 1
 
     def _writer(self) -> None:
-        assert self.pool is not None
-        pool = self.pool
         while not self._stop.is_set():
             try:
                 first = self._queue.get(timeout=0.2)
             except queue.Empty:
                 continue
-            batch: list[tuple[ChunkMeta, bytearray]] = []
-            size = 0
-            key: bytes | None = first
-            while key is not None:
-                got = self.store.export(key)
-                if got is None:
-                    self.write["gone"] += 1  # evicted before its turn
-                else:
-                    batch.append(got)
-                    size += got[0].size_bytes
-                if len(batch) >= _WRITE_BATCH_CHUNKS or size >= _WRITE_BATCH_BYTES:
-                    break
-                try:
-                    key = self._queue.get_nowait()
-                except queue.Empty:
-                    key = None
-            if not batch:
-                continue
-            stored = pool.call(
-                "write",
-                lambda batch=batch: pool.backend.put_many(batch),
-                moved_bytes=_no_bytes,
-            )
-            if stored is None:
-                self.write["failed"] += len(batch)
-                continue
-            for (meta, _), ok in zip(batch, stored, strict=True):
-                if ok:
-                    self.write["written"] += 1
-                    with pool._lock:
-                        pool.counters.chunks_out += 1
-                        pool.counters.bytes_out += meta.size_bytes
-                else:
-                    self.write["refused"] += 1
+            try:
+                self._write_batch(first)
+            except Exception:  # the writer must outlive any one bad chunk or store error
+                log.exception("pool writer: a batch failed")
+                self.write["failed"] += 1
+
+    def _write_batch(self, first: bytes) -> None:
+        assert self.pool is not None
+        pool = self.pool
+        batch: list[tuple[ChunkMeta, bytearray]] = []
+        size = 0
+        key: bytes | None = first
+        while key is not None:
+            got = self.store.export(key)
+            if got is None:
+                self.write["gone"] += 1  # evicted before its turn
+            else:
+                batch.append(got)
+                size += got[0].size_bytes
+            if len(batch) >= _WRITE_BATCH_CHUNKS or size >= _WRITE_BATCH_BYTES:
+                break
+            try:
+                key = self._queue.get_nowait()
+            except queue.Empty:
+                key = None
+        if not batch:
+            return
+        stored = pool.call(
+            "write",
+            lambda batch=batch: pool.backend.put_many(batch),
+            moved_bytes=_no_bytes,
+        )
+        if stored is None:
+            self.write["failed"] += len(batch)
+            return
+        for (meta, _), ok in zip(batch, stored, strict=True):
+            if ok:
+                self.write["written"] += 1
+                with pool._lock:
+                    pool.counters.chunks_out += 1
+                    pool.counters.bytes_out += meta.size_bytes
+            else:
+                self.write["refused"] += 1
 
     def flush_writes(self, timeout_s: float = 10.0) -> bool:
         """Wait until the writer has taken every queued chunk (tests, clean shutdown)."""
@@ -525,22 +550,6 @@ class RemoteTiers:
                 lambda: sample(PROBE_TRANSFER_BYTES),
                 moved_bytes=lambda _: PROBE_TRANSFER_BYTES,
             )
-
-    def _pool_usage_row(self) -> dict[str, int]:
-        u = self._pool_usage
-        if u is None:
-            return {"capacity_bytes": 0, "used_bytes": 0, "pinned_bytes": 0, "chunks": 0}
-        return {
-            "capacity_bytes": u.capacity_bytes,
-            "used_bytes": u.used_bytes,
-            "pinned_bytes": 0,
-            "chunks": u.chunks,
-        }
-
-    @staticmethod
-    def _peer_usage_row() -> dict[str, int]:
-        # peers' caches are theirs: this node only pulls from them
-        return {"capacity_bytes": 0, "used_bytes": 0, "pinned_bytes": 0, "chunks": 0}
 
     def describe(self) -> dict[str, Any]:
         """Where this node reaches, for ``/v1/info`` (no round trip)."""

@@ -13,11 +13,31 @@ bytes handed to a caller. Callers degrade both to a miss.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 from kvctl.store.tiers.base import Buffer, ChunkMeta
+
+_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|pass|token)=)[^&#]*")
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (``user:PASSWORD@`` or a ``password=`` query) as ``***``, for
+    status lines, listings and logs."""
+    url = _QUERY_SECRET.sub(r"\1***", url)
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, path = rest.partition("/")
+    if "@" not in netloc:
+        return url
+    auth, _, host = netloc.rpartition("@")
+    if ":" not in auth:
+        return url
+    user = auth.partition(":")[0]
+    return f"{scheme}://{user}:***@{host}{slash}{path}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,7 +73,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
 from kvctl.remote import record
-from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool
+from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, redact_url
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
 from kvctl.store.keys import KEY_BYTES
 from kvctl.store.tiers.base import Buffer, ChunkMeta, check_capacity
@@ -852,16 +852,7 @@ def _delete_keys(client: redis.Redis | RedisCluster, names: list[bytes]) -> int:
 
 
 def _mask_password(url: str) -> str:
-    """``url`` with any password replaced by ``***`` (for status lines and logs)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable URL>"
-    if parts.password is None:
-        return url
-    userinfo, _, hostport = parts.netloc.rpartition("@")
-    user = userinfo.partition(":")[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))
+    return redact_url(url)
 
 
 def _parse_url(url: str, masked: str) -> tuple[str, bool]:

@@ -128,9 +128,9 @@ class TieredStore:
         self._lock = threading.RLock()
         self._listeners: list[Callable[[Event], None]] = []
         self.stats = StoreStats(tiers={n: TierStats() for n in names})
-        #: tiers beyond this node (the remote pool, peers): counted and reported here, stored
-        #: elsewhere; name -> a cheap (cached) usage reader
-        self._external: dict[str, Callable[[], dict[str, int]]] = {}
+        #: tiers beyond this node (the remote pool, peers): their hits are counted here, their
+        #: bytes live elsewhere (so ``usage()``, which nodes and DCs sum, leaves them out)
+        self._external: list[str] = []
         self._recover()
 
     # --- construction helpers -------------------------------------------------------------
@@ -583,15 +583,15 @@ class TieredStore:
                     "chunks": counts[t.name],
                 }
                 for t in self._tiers
-            } | {name: read() for name, read in self._external.items()}
+            }
 
-    def add_external_tier(self, name: str, usage: Callable[[], dict[str, int]]) -> TierStats:
-        """Count and report a tier this store does not hold (the remote pool, peers): its hits
-        join the store's counters and ``usage()`` shows ``usage()``'s (cached) figures."""
+    def add_external_tier(self, name: str) -> TierStats:
+        """Count a tier this store does not hold (the remote pool, peers): its hits and reads
+        join the store's counters, per tier like local ones."""
         with self._lock:
             if name in self._tier_index or name in self._external:
                 raise InvalidArgument(f"tier {name!r} already exists")
-            self._external[name] = usage
+            self._external.append(name)
             return self.stats.tiers.setdefault(name, TierStats())
 
     def count_external_hits(
