@@ -191,17 +191,25 @@ def _positive_int(value: object, ctx: _Ctx) -> int:
     return value
 
 
-def _positive_float(value: object, ctx: _Ctx) -> float:
-    if isinstance(value, str) and ctx.kind != "file":
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise _Invalid(f"expected a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _wrong_type("a number", value)
-    if not math.isfinite(value) or value <= 0:
-        raise _Invalid(f"must be a finite number greater than 0, got {value}")
-    return float(value)
+def _float(*, allow_zero: bool) -> Callable[[object, _Ctx], float]:
+    def parse(value: object, ctx: _Ctx) -> float:
+        if isinstance(value, str) and ctx.kind != "file":
+            try:
+                value = float(value.strip())
+            except ValueError:
+                raise _Invalid(f"expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _wrong_type("a number", value)
+        if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+            bound = "0 or more" if allow_zero else "greater than 0"
+            raise _Invalid(f"must be a finite number {bound}, got {value}")
+        return float(value)
+
+    return parse
+
+
+_positive_float = _float(allow_zero=False)
+_non_negative_float = _float(allow_zero=True)
 
 
 def _bool(value: object, ctx: _Ctx) -> bool:
@@ -262,19 +270,6 @@ def _tenants(value: object, ctx: _Ctx) -> tuple[str, ...]:
     else:
         raise _wrong_type("a list of tenant names", value)
     return tuple(dict.fromkeys(items))  # drop repeats, keep order
-
-
-def _non_negative_float(value: object, ctx: _Ctx) -> float:
-    if isinstance(value, str) and ctx.kind != "file":
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise _Invalid(f"expected a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _wrong_type("a number", value)
-    if not math.isfinite(value) or value < 0:
-        raise _Invalid(f"must be a finite number, 0 or more, got {value}")
-    return float(value)
 
 
 def _pool_url(value: object, ctx: _Ctx) -> str:

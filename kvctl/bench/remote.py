@@ -64,6 +64,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from kvctl.agent.protocol import PeerClosed, recv_exactly
 from kvctl.bench.common import host_info
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import ChunkMeta
@@ -660,12 +661,10 @@ def _raw_tcp_bytes_per_s(nbytes: int, repeats: int) -> float:
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < view.nbytes:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("the raw socket peer closed the connection")
-        got += k
+    try:
+        recv_exactly(sock, view)
+    except PeerClosed:
+        raise ConnectionError("the raw socket peer closed the connection") from None
 
 
 # --- notes and the table ----------------------------------------------------------------------
