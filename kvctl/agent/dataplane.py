@@ -487,13 +487,7 @@ class Connection:
         self.server.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
         for key in keys:
             try:
-                # an endless lease: this thread releases it after the send, whatever happens
-                lease = self.store.lease(key, math.inf, tenant=tenant)
-                if lease is not None:
-                    self._release_after_send.append(lease.lease_id)
-                    data: memoryview | bytearray = self.store.leased_view(lease)
-                else:
-                    data = self.store.get(key, tenant=tenant)
+                data = self._send_view(key, tenant)
             except KeyNotFound:
                 items += GET_ITEM.pack(Status.MISSING, 0)
                 continue
@@ -502,6 +496,15 @@ class Connection:
             payload.append(data)
             total += n
         return [MetaWriter().u32(len(keys)).raw(bytes(items)).build(), *payload], total
+
+    def _send_view(self, key: bytes, tenant: str) -> memoryview | bytearray:
+        """A chunk's bytes to send: in place under an endless lease (this thread releases it
+        after the send, whatever happens), or a copy when it cannot be leased."""
+        lease = self.store.lease(key, math.inf, tenant=tenant)
+        if lease is None:
+            return self.store.get(key, tenant=tenant)
+        self._release_after_send.append(lease.lease_id)
+        return self.store.leased_view(lease)
 
     def _fetch(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
         """Chunks and their metadata for another agent; with want_payload 0 only the metadata
@@ -519,12 +522,7 @@ class Connection:
             with store.locked():  # the entry and the bytes read together
                 try:
                     if want_payload:
-                        lease = store.lease(key, math.inf, tenant=tenant)
-                        if lease is not None:
-                            self._release_after_send.append(lease.lease_id)
-                            data = store.leased_view(lease)
-                        else:
-                            data = store.get(key, tenant=tenant)
+                        data = self._send_view(key, tenant)
                     elif store.locate([key], tenant=tenant)[0] is None:
                         raise KeyNotFound(key.hex())
                     e = store.entry(key)

@@ -13,6 +13,7 @@ from kvctl.cli.output import console, err_console, fail, print_json
 
 if TYPE_CHECKING:
     from kvctl.agent.config import LoadedSettings
+    from kvctl.agent.settings import AgentSettings
 
 agent_app = typer.Typer(
     no_args_is_help=True, help="Run and inspect the tiered KV-cache agent on this node."
@@ -243,6 +244,18 @@ def stop_command(
     console.print(f"agent {state.name} (pid {state.pid}) stopped", highlight=False)
 
 
+def _target(
+    config: Path | None, name: str | None, data_dir: str | None, url: str | None
+) -> tuple[AgentSettings, str]:
+    """This node's settings and the control URL to ask: ``url``, else the running agent's
+    (from its state file), else the configured one."""
+    from kvctl.agent.daemon import AgentState
+
+    settings = _load(config, name=name, data_dir=data_dir).settings
+    state = None if url else AgentState.read(settings.data_path)
+    return settings, url or (state.control_url if state else settings.control_url)
+
+
 @agent_app.command("status")
 def status_command(
     config: ConfigOpt = None,
@@ -262,12 +275,9 @@ def status_command(
 
       kvctl agent status --url http://10.0.3.7:7070 --json
     """
-    from kvctl.agent.daemon import AgentState
     from kvctl.client import AgentClient, AgentError
 
-    settings = _load(config, name=name, data_dir=data_dir).settings
-    state = None if url else AgentState.read(settings.data_path)
-    target = url or (state.control_url if state else settings.control_url)
+    settings, target = _target(config, name, data_dir, url)
     report: dict[str, Any] = {"up": False, "control_url": target}
     try:
         with AgentClient(target, token=settings.token or None) as client:
@@ -304,12 +314,9 @@ def remote_command(
 
       kvctl agent remote --url http://10.0.3.7:7070 --json
     """
-    from kvctl.agent.daemon import AgentState
     from kvctl.client import AgentClient, AgentError
 
-    settings = _load(config, name=name, data_dir=data_dir).settings
-    state = None if url else AgentState.read(settings.data_path)
-    target = url or (state.control_url if state else settings.control_url)
+    settings, target = _target(config, name, data_dir, url)
     try:
         with AgentClient(target, token=settings.token or None) as client:
             report = client.remote()

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.fetchplan import Candidate, FetchPlan, PrefillRate, plan_fetch
 from kvctl.remote.links import EmulatedDelay, LinkEstimator
-from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool
+from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
 from kvctl.store.index import LookupResult
 from kvctl.store.store import TieredStore
@@ -312,7 +312,7 @@ class RemoteTiers:
                 continue
             for j, meta in enumerate(metas):
                 # the source checked visibility; a size it disagrees on is not trusted either
-                if meta is not None and meta.key == keys[j] and _visible(meta, tenant):
+                if meta is not None and meta.key == keys[j] and visible_to(meta, tenant):
                     found[j].append((s.name, meta))
         for options in found:
             options.sort(key=lambda o: self._cost_key(o[0]))
@@ -420,7 +420,7 @@ class RemoteTiers:
 
     def _admit(self, src: Source, key: bytes, chunk: PoolChunk, tenant: str) -> bool:
         meta = chunk.meta
-        if meta.key != key or not _visible(meta, tenant) or chunk.data.nbytes != meta.size_bytes:
+        if meta.key != key or not visible_to(meta, tenant) or chunk.data.nbytes != meta.size_bytes:
             return False  # the source broke its contract: never store what was not asked for
         self._local.filling = True  # not an echo for the pool writer
         try:
@@ -583,7 +583,3 @@ class RemoteTiers:
                 },
             },
         }
-
-
-def _visible(meta: ChunkMeta, tenant: str) -> bool:
-    return not meta.isolated or meta.tenant == tenant

@@ -40,6 +40,11 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{user}:***@{host}{slash}{path}"
 
 
+def visible_to(meta: ChunkMeta, tenant: str) -> bool:
+    """An isolated tenant's chunk is seen by that tenant only; any other by everyone."""
+    return not meta.isolated or meta.tenant == tenant
+
+
 @dataclass(frozen=True, slots=True)
 class PoolChunk:
     """A chunk read from a pool: its metadata and its verified bytes."""

@@ -73,7 +73,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
 from kvctl.remote import record
-from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, redact_url
+from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, redact_url, visible_to
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
 from kvctl.store.keys import KEY_BYTES
 from kvctl.store.tiers.base import Buffer, ChunkMeta, check_capacity
@@ -525,7 +525,7 @@ class RedisPool(RemotePool):
                 continue
             if not acc:
                 heal.append((h, meta))
-            out.append(PoolChunk(meta, data) if _visible(meta, tenant) else None)
+            out.append(PoolChunk(meta, data) if visible_to(meta, tenant) else None)
         if stale or bad or heal:
             self._repair(stale=stale, drop=bad, heal=heal)
         return out
@@ -561,7 +561,7 @@ class RedisPool(RemotePool):
                 bad.append(h)
                 out.append(None)
                 continue
-            out.append(header.meta if _visible(header.meta, tenant) else None)
+            out.append(header.meta if visible_to(header.meta, tenant) else None)
         if bad:
             self._repair(drop=bad)
         return out
@@ -822,11 +822,6 @@ def _raise_errors(replies: Sequence[Any]) -> None:
 
 def _is_oom(exc: ResponseError) -> bool:
     return str(exc).startswith("OOM") or "used memory > 'maxmemory'" in str(exc)
-
-
-def _visible(meta: ChunkMeta, tenant: str) -> bool:
-    """An isolated chunk exists only for its own tenant."""
-    return not meta.isolated or meta.tenant == tenant
 
 
 def _check_key(key: object) -> None:
