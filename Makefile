@@ -5,6 +5,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 TRACE  ?= ../shared/data/mooncake_synthetic_trace.jsonl
+# torch is installed first and pinned, so pip takes a local wheel (e.g. a CPU build offered by
+# find-links) instead of resolving the newest CUDA build (several GB); TORCH=... to change it
+TORCH ?= torch==2.13.0
 # e.g. DEMO_ARGS="--duration 60 --no-browser" for a headless run
 DEMO_ARGS ?=
 
@@ -13,7 +16,8 @@ DEMO_ARGS ?=
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev,engine]"
 	touch $(STAMP)
 
 demo: $(STAMP)

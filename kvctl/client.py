@@ -52,6 +52,7 @@ from kvctl.agent.protocol import (
     zero_pieces,
 )
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
+from kvctl.store.keys import KVLayout, Namespace
 from kvctl.store.tiers.base import ChunkMeta
 
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
@@ -325,6 +326,16 @@ class DataClient:
         # with caller buffers both paths give each chunk's size (an int) or None
         got = (self._get_leased if self.shm else self._get_socket)(keys, tenant, outs)
         return [-1 if g is None else g for g in got]  # type: ignore[misc]
+
+    def is_isolated(self, tenant: str) -> bool:
+        """Whether the agent keeps ``tenant``'s chunks to itself (salted keys, never shared)."""
+        meta, _ = self._call(Op.TENANT, MetaWriter().text(tenant).build())
+        return meta[:1] == b"\x01"
+
+    def namespace(self, model_id: str, layout: KVLayout, tenant: str) -> Namespace:
+        """The key namespace the agent uses for ``tenant``'s requests to this model: isolated
+        tenants get their own salt, shared ones the common namespace."""
+        return Namespace(model_id, layout, tenant if self.is_isolated(tenant) else "")
 
     def exists(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
         """Tier of each key, without counting a lookup."""

@@ -250,6 +250,7 @@ class Connection:
             Op.ATTACH: self._attach,
             Op.PROBE: self._probe,
             Op.FETCH: self._fetch,
+            Op.TENANT: self._tenant,
         }
 
     # --- connection loop --------------------------------------------------------------------
@@ -555,6 +556,11 @@ class Connection:
         codes = self.server.tier_codes
         tiers = self.server.runtime.locate(keys, tenant=tenant)
         return [MetaWriter().u32(len(keys)).raw(bytes(map(codes.__getitem__, tiers))).build()], 0
+
+    def _tenant(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        tenant = meta.text()
+        meta.done()
+        return [bytes((int(self.server.runtime.is_isolated(tenant)),))], 0
 
     def _lookup(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
         tenant = meta.text()

@@ -83,6 +83,9 @@ class Op(IntEnum):
     #: tenant, u8 want_payload, keys; reply u32 n, then per item FETCH_ITEM + owner tenant text;
     #: the payload (when wanted) is the found chunks in order
     FETCH = 14
+    #: a tenant's sharing policy, so an engine salts its keys as the agent does: meta tenant;
+    #: reply u8 isolated
+    TENANT = 15
     ERROR = 0x7F
 
 

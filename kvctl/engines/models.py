@@ -1,0 +1,88 @@
+"""Llama-architecture models built from a config with seeded random weights (nothing downloads).
+
+The weights are random, so outputs are meaningless as text, but every tensor shape, KV size and
+FLOP is the real model's: enough to prove that reused KV gives the same output as a full
+prefill, and to time prefill on real shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvctl.store.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    max_positions: int
+    rope_theta: float = 10000.0
+    llama3_rope: bool = False
+
+
+SHAPES: dict[str, ModelShape] = {
+    # small enough that a 16k-token prefill takes seconds on 2 CPU cores, GQA like the real ones
+    "tiny-llama": ModelShape("tiny-llama", 256, 4, 4, 2, 688, 32000, 131072),
+    # Llama-3.1-8B's published config (random weights): real KV sizes and prefill FLOPs on a GPU
+    "llama-3.1-8b": ModelShape(
+        "llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 131072, 500000.0, llama3_rope=True
+    ),
+}
+
+
+def llama_config(shape: str | ModelShape, *, seed: int = 0) -> LlamaConfig:
+    """The config of a named shape; its ``name_or_path`` carries the seed, because two models
+    with the same shape but different weights must never share KV (the model id is in every
+    chunk key's root)."""
+    s = SHAPES.get(shape) if isinstance(shape, str) else shape
+    if s is None:
+        raise InvalidArgument(f"unknown model shape {shape!r}; choose from {', '.join(SHAPES)}")
+    rope_scaling = (
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        }
+        if s.llama3_rope
+        else None
+    )
+    cfg = LlamaConfig(
+        vocab_size=s.vocab,
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        max_position_embeddings=s.max_positions,
+        rope_theta=s.rope_theta,
+        rope_scaling=rope_scaling,
+        attn_implementation="sdpa",
+    )
+    cfg.name_or_path = f"kvctl/{s.name}-random-seed{seed}"
+    return cfg
+
+
+def build_model(
+    shape: str | ModelShape | LlamaConfig,
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LlamaForCausalLM:
+    """A model with weights drawn from ``seed``: the same seed gives bit-identical weights."""
+    cfg = shape if isinstance(shape, LlamaConfig) else llama_config(shape, seed=seed)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype=dtype).eval()

@@ -1,0 +1,187 @@
+"""Reused KV is right: a transformers Llama prefilled with chunks from a real agent gives the same
+logits and greedy tokens as a full prefill, and the agent counts exactly the chunks reused.
+
+Tolerances: chunk-aligned (chunked) prefill is compared bit for bit (fp32 and bf16). A one-pass
+prefill is compared with ``FP32_ATOL`` / ``BF16_ATOL``: there a chunk's KV differs from a longer
+prefill's in the last bits (sums over masked rows group differently), seen at <= 8e-7 (fp32) and
+one bf16 step (7.8e-3) on these models.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvctl.engines.hf import CachedLM  # noqa: E402
+from kvctl.engines.models import build_model  # noqa: E402
+from kvctl.store.errors import InvalidArgument  # noqa: E402
+from tests.functional.agents import Agent, running_agent  # noqa: E402
+
+CHUNK = 64
+FP32_ATOL = 1e-5
+BF16_ATOL = 3e-2
+VOCAB = 32000
+
+
+def _config(tmp_path: Path, isolated: tuple[str, ...] = ()) -> Path:
+    path = tmp_path / "agent.toml"
+    tenants = ", ".join(f'"{t}"' for t in isolated)
+    path.write_text(f"[agent]\nchunk_tokens = {CHUNK}\nisolated_tenants = [{tenants}]\n")
+    return path
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, VOCAB, (n,), generator=g)]
+
+
+def _prompts() -> list[tuple[str, list[int]]]:
+    """Prompts sharing prefixes (a system prompt, then documents) across two tenants."""
+    system = _tokens(200, 1)
+    doc = _tokens(150, 2)
+    return [
+        ("alice", system + _tokens(40, 3)),
+        ("bob", system + _tokens(90, 4)),  # shares alice's first 3 chunks
+        ("bob", system + doc + _tokens(30, 5)),
+        ("alice", system + doc + _tokens(70, 6)),  # shares bob's 5 chunks
+        ("alice", system + doc + _tokens(70, 6)),  # the same prompt again: its own chunks
+        ("bob", _tokens(CHUNK * 2, 7)),  # exactly two chunks: the last token is computed
+        ("bob", [*_tokens(CHUNK * 2, 7), 5]),
+        ("alice", [9]),  # shorter than a chunk
+    ]
+
+
+def _expected(owners: dict[tuple[int, ...], str], tenant: str, ids: list[int]) -> tuple[int, int]:
+    """Reuse and sharing hits the agent must count: the leading stored chunks, by owner."""
+    reuse = sharing = 0
+    for j in range((len(ids) - 1) // CHUNK):
+        owner = owners.get(tuple(ids[: (j + 1) * CHUNK]))
+        if owner is None:
+            break
+        reuse += owner == tenant
+        sharing += owner != tenant
+    for j in range(len(ids) // CHUNK):
+        owners.setdefault(tuple(ids[: (j + 1) * CHUNK]), tenant)
+    return reuse, sharing
+
+
+def _hits(agent: Agent) -> tuple[int, int]:
+    stats = agent.control().stats()["stats"]
+    return int(stats["reuse_hits"]), int(stats["sharing_hits"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cache_assisted_prefill_equals_full_prefill_bit_for_bit(tmp_path: Path, dtype: str) -> None:
+    model = build_model("tiny-llama", dtype=getattr(torch, dtype))
+    baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+    owners: dict[tuple[int, ...], str] = {}
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        lm = CachedLM(model, client, chunked_prefill=True)
+        assert lm.chunk_tokens == CHUNK  # taken from the agent
+        reused_total = 0
+        for tenant, ids in _prompts():
+            before = _hits(agent)
+            got = lm.prefill(ids, tenant=tenant)
+            want = baseline.prefill(ids)
+            reuse, sharing = _expected(owners, tenant, ids)
+            assert got.reused_chunks == reuse + sharing
+            assert got.reused_tokens == got.reused_chunks * CHUNK < len(ids)
+            after = _hits(agent)
+            assert (after[0] - before[0], after[1] - before[1]) == (reuse, sharing)
+            assert torch.equal(got.logits, want.logits), (tenant, len(ids))
+            assert got.next_token == want.next_token
+            # the whole cache after the prompt is the full prefill's, bit for bit
+            for mine, ref in zip(got.cache.layers, want.cache.layers, strict=True):
+                assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+            reused_total += got.reused_chunks
+        # the scenario really exercises both kinds of hit
+        assert _hits(agent)[0] > 0 and _hits(agent)[1] > 0 and reused_total >= 15
+        # greedy decoding continues identically from the reused cache
+        tenant, ids = _prompts()[3]
+        assert lm.generate(ids, 4, tenant="carol") == baseline.generate(ids, 4)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [("float32", FP32_ATOL), ("bfloat16", BF16_ATOL)])
+def test_one_pass_prefill_matches_within_the_stated_tolerance(
+    tmp_path: Path, dtype: str, atol: float
+) -> None:
+    model = build_model("tiny-llama", dtype=getattr(torch, dtype), seed=3)
+    baseline = CachedLM(model, None, chunk_tokens=CHUNK)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("tcp") as client,
+    ):
+        lm = CachedLM(model, client)
+        reused = 0
+        for tenant, ids in _prompts():
+            got = lm.prefill(ids, tenant=tenant)
+            want = baseline.prefill(ids)
+            assert torch.allclose(got.logits, want.logits, rtol=0, atol=atol)
+            assert got.next_token == want.next_token
+            reused += got.reused_chunks
+        assert reused >= 15
+        _, ids = _prompts()[2]
+        assert lm.generate(ids, 4, tenant="alice") == baseline.generate(ids, 4)
+
+
+def test_isolated_tenants_reuse_nothing_across_each_other(tmp_path: Path) -> None:
+    model = build_model("tiny-llama", seed=5)
+    baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+    config = _config(tmp_path, isolated=("acme", "globex"))
+    ids = _tokens(CHUNK * 4 + 10, 11)
+    with (
+        running_agent(tmp_path, "--config", str(config)) as agent,
+        agent.data("unix") as client,
+    ):
+        lm = CachedLM(model, client, chunked_prefill=True)
+        assert lm.namespace("acme").root != lm.namespace("globex").root
+        assert lm.namespace("acme").root != lm.namespace("shared-tenant").root
+        first = lm.prefill(ids, tenant="acme")
+        assert (first.reused_chunks, first.stored_chunks) == (0, 4)
+        # globex sends the very same prompt: nothing of acme's is reused
+        other = lm.prefill(ids, tenant="globex")
+        assert other.reused_chunks == 0 and other.stored_chunks == 4
+        # a shared tenant gets nothing of either
+        assert lm.prefill(ids, tenant="initech").reused_chunks == 0
+        # each isolated tenant reuses its own chunks, and those are right
+        for tenant in ("acme", "globex"):
+            again = lm.prefill(ids, tenant=tenant)
+            assert again.reused_chunks == 4
+            assert torch.equal(again.logits, baseline.prefill(ids).logits)
+        assert _hits(agent) == (8, 0)
+
+
+def test_an_agent_that_dies_costs_reuse_not_the_answer(tmp_path: Path) -> None:
+    model = build_model("tiny-llama", seed=7)
+    baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+    ids = _tokens(CHUNK * 3 + 5, 13)
+    with running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent:
+        client = agent.data("tcp")
+        lm = CachedLM(model, client, chunked_prefill=True)
+        assert lm.prefill(ids).stored_chunks == 3
+        agent.kill9()
+        got = lm.prefill(ids)
+        assert (got.reused_chunks, got.stored_chunks) == (0, 0)
+        assert torch.equal(got.logits, baseline.prefill(ids).logits)
+        client.close()
+
+
+def test_bad_prompts_and_oversized_chunks_are_refused_clearly(tmp_path: Path) -> None:
+    model = build_model("tiny-llama")
+    with pytest.raises(InvalidArgument, match="at least one token"):
+        CachedLM(model, None).prefill([])
+    path = tmp_path / "agent.toml"
+    path.write_text("[agent]\nmax_chunk_bytes = 65536\n")
+    with (
+        running_agent(tmp_path, "--config", str(path)) as agent,
+        agent.data("tcp") as client,
+        pytest.raises(InvalidArgument, match="max_chunk_bytes"),
+    ):
+        CachedLM(model, client)
