@@ -8,6 +8,7 @@ The file is ``$KVCTL_CONFIG``, else ``$XDG_CONFIG_HOME/kvctl/agent.toml``, else
     token = "..."            # required off loopback
     cpu = "64GiB"
     disk = "1TiB"            # 0 disables the disk tier
+    gpu_capacity = "8GiB"    # CUDA memory above cpu; 0 (the default) disables the gpu tier
 
     [[agent.models]]
     id = "llama-3.1-8b"
@@ -43,6 +44,7 @@ from kvctl.agent.settings import (
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import KVLayout
 from kvctl.store.policies import ADMISSION_POLICIES, EVICTION_POLICIES, make_admission_policy
+from kvctl.store.tiers.gpu import parse_device  # no torch: that is imported only to use a GPU
 from kvctl.units import parse_size
 from kvctl.workload.profiles import GPUS
 
@@ -176,6 +178,15 @@ def _size(minimum: int) -> Callable[[object, _Ctx], int]:
         return n
 
     return parse
+
+
+def _cuda_device(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx).lower()
+    try:
+        index = parse_device(text)
+    except InvalidArgument as exc:
+        raise _Invalid(str(exc)) from None
+    return f"cuda:{index}"  # one spelling, so logs and /v1/info agree
 
 
 def _positive_int(value: object, ctx: _Ctx) -> int:
@@ -480,6 +491,8 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("data_dir", "data_dir", _path, "/var/lib/kvctl", "KVCTL_DATA_DIR"),
     _Setting("cpu_bytes", "cpu", _size(1), "64GiB", "KVCTL_CPU"),
     _Setting("disk_bytes", "disk", _size(0), "1TiB", "KVCTL_DISK"),
+    _Setting("gpu_capacity_bytes", "gpu_capacity", _size(0), "8GiB", "KVCTL_GPU_CAPACITY"),
+    _Setting("gpu_device", "gpu_device", _cuda_device, "cuda:0", "KVCTL_GPU_DEVICE"),
     _Setting("chunk_tokens", "chunk_tokens", _positive_int, 256, "KVCTL_CHUNK_TOKENS"),
     _Setting("max_chunk_bytes", "max_chunk", _size(1), "256MiB", "KVCTL_MAX_CHUNK"),
     _Setting(

@@ -87,8 +87,8 @@ class DataPlaneServer:
         self.tier_names = [*self.store.tier_names, *self.store.external_tier_names]
         self.tier_codes: dict[str | None, int] = {name: i for i, name in enumerate(self.tier_names)}
         self.tier_codes[None] = NO_TIER
-        top = self.store.tier(self.store.tier_names[0])
-        self.shm_tier = top if isinstance(top, CpuTier) and top.shared else None
+        lease_tier = self.store.lease_tier  # the first cpu tier: under a gpu tier, not the top one
+        self.shm_tier = lease_tier if lease_tier is not None and lease_tier.shared else None
         self.stopping = False
         self._listeners: list[tuple[socket.socket, str]] = []
         self._threads: list[threading.Thread] = []

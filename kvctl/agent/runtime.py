@@ -6,6 +6,7 @@ starts servers around it.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import threading
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from kvctl.remote.federation import RemoteTiers
     from kvctl.store.index import LookupResult
 
+log = logging.getLogger("kvctl.agent")
+
 
 class AgentRuntime:
     def __init__(self, settings: AgentSettings, store: TieredStore) -> None:
@@ -48,15 +51,39 @@ class AgentRuntime:
         self._nvml_lock = threading.Lock()
         #: the pool and peers, when configured (``open`` builds them; tests may pass none)
         self.remote: RemoteTiers | None = None
+        #: tiers the settings ask for that this machine cannot have (a gpu tier without CUDA),
+        #: each {"name", "capacity_bytes", "device", "reason"}; listed in ``info``
+        self.unavailable_tiers: list[dict[str, Any]] = []
 
     @classmethod
     def open(cls, settings: AgentSettings) -> AgentRuntime:
-        """Build the tiers the settings ask for: cpu (shared memory when enabled), then disk."""
+        """Build the tiers the settings ask for: gpu (when asked for and CUDA is here), cpu
+        (shared memory when enabled), then disk."""
         data = settings.data_path
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tiers: list[Tier] = [CpuTier(settings.cpu_bytes, shared=settings.shm)]
-        if settings.disk_bytes > 0:
-            tiers.append(DiskTier(data / "disk", settings.disk_bytes, fsync=settings.fsync))
+        tiers: list[Tier] = []
+        unavailable: list[dict[str, Any]] = []
+        try:
+            if settings.gpu_capacity_bytes > 0:
+                gpu = _open_gpu_tier(settings)
+                if isinstance(gpu, str):
+                    unavailable.append(
+                        {
+                            "name": "gpu",
+                            "capacity_bytes": settings.gpu_capacity_bytes,
+                            "device": settings.gpu_device,
+                            "reason": gpu,
+                        }
+                    )
+                else:
+                    tiers.append(gpu)
+            tiers.append(CpuTier(settings.cpu_bytes, shared=settings.shm))
+            if settings.disk_bytes > 0:
+                tiers.append(DiskTier(data / "disk", settings.disk_bytes, fsync=settings.fsync))
+        except BaseException:
+            for t in tiers:
+                t.close()
+            raise
         try:
             store = TieredStore(
                 tiers,
@@ -69,6 +96,7 @@ class AgentRuntime:
                 t.close()
             raise
         runtime = cls(settings, store)
+        runtime.unavailable_tiers = unavailable
         if settings.pool or settings.peers:
             from kvctl.agent.remote import open_remote  # redis only when a pool is configured
 
@@ -128,6 +156,7 @@ class AgentRuntime:
             "max_chunk_bytes": s.max_chunk_bytes,
             "eviction": s.eviction,
             "tiers": [{"name": name, **u} for name, u in usage.items()],
+            "unavailable_tiers": list(self.unavailable_tiers),
             "models": [
                 {
                     "id": m.id,
@@ -174,6 +203,26 @@ class AgentRuntime:
                 self._nvml.close()
                 self._nvml = None
         self.store.close()
+
+
+def _open_gpu_tier(settings: AgentSettings) -> Tier | str:
+    """The gpu tier, or why this machine cannot have one (logged once, here). A device that is
+    present but too small for the capacity raises CapacityError: that is a wrong size, not a
+    missing GPU."""
+    from kvctl.store.tiers.gpu import GpuTier, gpu_available  # torch only when a gpu is asked for
+
+    ok, detail = gpu_available(settings.gpu_device)
+    if not ok:
+        log.warning(
+            "gpu tier unavailable, starting without it: %s (asked for %d bytes on %s)",
+            detail,
+            settings.gpu_capacity_bytes,
+            settings.gpu_device,
+        )
+        return detail
+    tier = GpuTier(settings.gpu_capacity_bytes, settings.gpu_device)
+    log.info("gpu tier: %d bytes on %s", settings.gpu_capacity_bytes, detail)
+    return tier
 
 
 def _disk(path: Path) -> dict[str, Any]:

@@ -67,6 +67,11 @@ class AgentSettings:
     cpu_bytes: int = 1 << 30
     #: 0 disables the disk tier
     disk_bytes: int = 8 << 30
+    #: CUDA memory for the gpu tier (above cpu); 0 disables it, and where CUDA is unavailable
+    #: the agent runs without it and says why
+    gpu_capacity_bytes: int = 0
+    #: the CUDA device the gpu tier lives on: "cuda" or "cuda:N"
+    gpu_device: str = "cuda:0"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     #: largest chunk a client may send; bigger frames are refused before they are read
     max_chunk_bytes: int = 256 << 20
@@ -108,6 +113,7 @@ class AgentSettings:
     #: prefill speed the fetch-or-recompute decision compares fetches with; 0 means modeled
     #: from the model's profile on ``gpu`` at the default MFU
     prefill_tokens_per_second: float = 0.0
+    #: GPU profile (a name, not a device) prefill is modeled on; the gpu tier is gpu_capacity_bytes
     gpu: str = "h100"
     #: token this agent presents to pool agents and peers ("" means its own token)
     remote_token: str = ""

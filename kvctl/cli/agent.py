@@ -70,6 +70,18 @@ def start_command(
     disk: Annotated[
         str | None, typer.Option(help="Disk tier size, e.g. 512GiB; 0 turns it off.")
     ] = None,
+    gpu_capacity: Annotated[
+        str | None,
+        typer.Option(
+            "--gpu-capacity",
+            help="CUDA-memory tier size above cpu, e.g. 8GiB (default 0: off). Without CUDA "
+            "the agent starts without it and says why.",
+        ),
+    ] = None,
+    gpu_device: Annotated[
+        str | None,
+        typer.Option("--gpu-device", help="CUDA device of the gpu tier: cuda or cuda:N."),
+    ] = None,
     eviction: Annotated[str | None, typer.Option(help="Eviction policy.")] = None,
     role: Annotated[
         str | None,
@@ -107,7 +119,10 @@ def start_command(
     ] = None,
     gpu: Annotated[
         str | None,
-        typer.Option(help="GPU profile the fetch-or-recompute decision models prefill on."),
+        typer.Option(
+            help="GPU profile (e.g. h100) the fetch-or-recompute decision models prefill on; "
+            "not the gpu tier (--gpu-capacity)."
+        ),
     ] = None,
     log_level: Annotated[str | None, typer.Option("--log-level")] = None,
     detach: Annotated[
@@ -123,6 +138,8 @@ def start_command(
     Examples:
 
       kvctl agent start --cpu 8GiB --disk 100GiB
+
+      kvctl agent start --gpu-capacity 8GiB --gpu-device cuda:1 --cpu 32GiB
 
       kvctl agent start --name gpu-07 --dc fra-1 --detach
 
@@ -141,6 +158,8 @@ def start_command(
         "data_dir": data_dir,
         "cpu": cpu,
         "disk": disk,
+        "gpu_capacity": gpu_capacity,
+        "gpu_device": gpu_device,
         "eviction": eviction,
         "role": role,
         "pool": pool,
@@ -390,6 +409,7 @@ def _render_remote(report: dict[str, Any]) -> None:
 
 
 def _render_status(report: dict[str, Any]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from kvctl.cli.output import pct
@@ -426,6 +446,13 @@ def _render_status(report: dict[str, Any]) -> None:
             str(stats["tiers"][tier["name"]]["hits"]),
         )
     console.print(table)
+    for tier in info.get("unavailable_tiers", []):
+        console.print(
+            f"[yellow]{tier['name']} tier unavailable[/] (asked for "
+            f"{format_bytes(tier['capacity_bytes'])} on {tier['device']}): "
+            f"{escape(tier['reason'])}",
+            highlight=False,
+        )
     reuse, sharing = stats["reuse_hits"], stats["sharing_hits"]
     hits = reuse + sharing
     console.print(

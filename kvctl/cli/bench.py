@@ -282,3 +282,55 @@ def bench_remote_command(
     from kvctl.bench.remote import render_remote_bench
 
     console.print(render_remote_bench(result))
+
+
+@bench_app.command(
+    "gpu", short_help="Put/get of the gpu tier vs bare pinned-host<->device copy_ (CUDA only)."
+)
+def bench_gpu_command(
+    sizes: Annotated[str, typer.Option(help="Chunk sizes, comma separated.")] = "4MiB,32MiB",
+    bytes_per_size: Annotated[
+        str, typer.Option(help="Bytes moved per sample (per size, per figure).")
+    ] = "256MiB",
+    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    device: Annotated[str, typer.Option(help="CUDA device: cuda or cuda:N.")] = "cuda:0",
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+) -> None:
+    """Measure put/get bytes per second of the gpu tier (a CUDA-memory arena, copies staged
+    through pinned host memory) at each chunk size, next to a bare torch copy_ between pinned
+    host memory and the device and a host memcpy, all measured in the same run. Needs torch
+    built with CUDA and a visible GPU: without them it measures nothing and exits 2 (with
+    --json, after printing {"skipped": reason}).
+
+    Examples:
+
+      kvctl bench gpu --json > bench/results/gpu.json
+
+      kvctl bench gpu --sizes 4MiB,32MiB,128MiB --bytes-per-size 1GiB --device cuda:1
+    """
+    from kvctl.bench.gpu import run_gpu_bench
+    from kvctl.cli.output import fail
+    from kvctl.units import parse_size
+
+    hint = "see `kvctl bench gpu --help`"
+    with user_errors(hint=hint):
+        result = run_gpu_bench(
+            [parse_size(s) for s in sizes.split(",") if s.strip()],
+            bytes_per_size=parse_size(bytes_per_size),
+            repeats=repeats,
+            device=device,
+        )
+    if "skipped" in result:
+        if json_out:
+            print_json(result)
+        fail(
+            f"gpu benchmark skipped: {result['skipped']}",
+            hint="it needs torch built with CUDA and a visible GPU (`nvidia-smi` lists them)",
+        )
+    if json_out:
+        print_json(result)
+        return
+    from kvctl.bench.gpu import render_gpu_bench
+
+    console.print(render_gpu_bench(result))
+

@@ -2,7 +2,9 @@
 
 A chunk lives in exactly one tier (exclusive caching), so occupancy and "which tier holds it" are
 unambiguous. Eviction from a tier demotes to the next tier when that tier's admission policy
-allows, and drops otherwise; a hit in a lower tier is promoted to the top tier. Every public
+allows, and drops otherwise; a hit in a lower tier is promoted to the top tier. Read leases hold
+bytes in place in the first cpu tier (the lease tier), which need not be the top one: under a gpu
+tier, a leased chunk is moved into the cpu tier, down from gpu or up from disk. Every public
 method either completes or raises before changing anything it would have to undo, and a failure
 while demoting (disk full) degrades to a drop that is counted, never to lost or wrong bytes.
 """
@@ -69,7 +71,8 @@ class BulkResult:
 
 
 class TieredStore:
-    """Chunks in ordered tiers, fastest first, e.g. ``[CpuTier(...), DiskTier(...)]``.
+    """Chunks in ordered tiers, fastest first, e.g. ``[CpuTier(...), DiskTier(...)]`` or
+    ``[GpuTier(...), CpuTier(...), DiskTier(...)]``.
 
     ``eviction`` names one policy for every tier or maps tier name -> policy name or instance.
     ``admission`` maps tier name -> admission policy (default: admit everything).
@@ -109,6 +112,10 @@ class TieredStore:
         self._clock = clock
         self._tiers = list(tiers)
         self._tier_index = {t.name: i for i, t in enumerate(self._tiers)}
+        #: where leases hold bytes in place: the first cpu tier, wherever it sits
+        self._lease_tier: CpuTier | None = next(
+            (t for t in self._tiers if isinstance(t, CpuTier)), None
+        )
         self._policies = {t.name: self._policy_for(t.name, eviction) for t in self._tiers}
         admission = admission or {}
         unknown = set(admission) - set(names)
@@ -184,6 +191,12 @@ class TieredStore:
     @property
     def external_tier_names(self) -> list[str]:
         return list(self._external)
+
+    @property
+    def lease_tier(self) -> CpuTier | None:
+        """The tier read leases hold bytes in (the first cpu tier; under a gpu tier it is not
+        the top one), or None when the store has no cpu tier."""
+        return self._lease_tier
 
     def tier(self, name: str) -> Tier:
         return self._tiers[self._rank(name)]
@@ -376,45 +389,41 @@ class TieredStore:
             return e.tier
 
     def lease(self, key: bytes, ttl_s: float, *, tenant: str = "") -> Lease | None:
-        """Hold a chunk's bytes in place in the top (cpu) tier, promoting it there first, so a
-        reader can copy or send them without the store's lock. None when the chunk cannot be
-        held there (pinned in a lower tier, or no room): read it with ``read_into`` instead.
-        Raises KeyNotFound like ``get``."""
+        """Hold a chunk's bytes in place in the lease tier (the first cpu tier), moving it there
+        first (up from disk, or down from a gpu tier above), so a reader can copy or send them
+        without the store's lock. None when the chunk cannot be held there (pinned in another
+        tier, no room, or ``promote_on_hit`` off): read it with ``read_into`` instead. Raises
+        KeyNotFound like ``get``, TierUnavailable when the store has no cpu tier."""
         with self._lock:
-            top = self._tiers[0]
-            if not isinstance(top, CpuTier):
-                raise TierUnavailable(f"the top tier {top.name!r} does not support leases")
+            home = self._require_lease_tier()
             e = self._get_visible(key, tenant)
             self._access(e, self._clock())
             self._served(e, tenant)
-            if e.tier != top.name:
-                self._promote(e, None)
-                if e.tier != top.name or e.key not in self._index:
+            if e.tier != home.name:
+                self._promote(e, None, home)
+                if e.tier != home.name or e.key not in self._index:
                     return None
-            lease = top.lease(key, ttl_s)
-            self.stats.tiers[top.name].bytes_read += e.size_bytes
+            lease = home.lease(key, ttl_s)
+            self.stats.tiers[home.name].bytes_read += e.size_bytes
             return lease
 
     def leased_view(self, lease: Lease) -> memoryview:
         """The bytes a lease holds, read-only and in place (valid while the lease holds)."""
         with self._lock:
-            top = self._tiers[0]
-            if not isinstance(top, CpuTier):
-                raise TierUnavailable(f"the top tier {top.name!r} does not support leases")
-            return top.view(lease)
+            return self._require_lease_tier().view(lease)
 
     def release(self, lease_ids: Iterable[int]) -> int:
         """End leases; returns how many were still held (expired ones are not)."""
         with self._lock:
-            top = self._tiers[0]
-            if not isinstance(top, CpuTier):
+            home = self._lease_tier
+            if home is None:
                 return 0
-            return sum(top.release(i) for i in lease_ids)
+            return sum(home.release(i) for i in lease_ids)
 
     def expire_leases(self) -> int:
         with self._lock:
-            top = self._tiers[0]
-            return top.expire_leases() if isinstance(top, CpuTier) else 0
+            home = self._lease_tier
+            return 0 if home is None else home.expire_leases()
 
     def locked(self) -> threading.RLock:
         """The store's lock, for a caller that must read a tier's state consistently."""
@@ -423,11 +432,11 @@ class TieredStore:
     def snapshot(self) -> dict[str, Any]:
         """Counters, usage and live leases read together, for metrics and the stats API."""
         with self._lock:
-            top = self._tiers[0]
+            home = self._lease_tier
             return {
                 "stats": self.stats.as_dict(),
                 "usage": self.usage(),
-                "leases": top.lease_count if isinstance(top, CpuTier) else 0,
+                "leases": 0 if home is None else home.lease_count,
             }
 
     def entry(self, key: bytes) -> Entry:
@@ -644,6 +653,14 @@ class TieredStore:
                 t.close()
 
     # --- internals --------------------------------------------------------------------------
+    def _require_lease_tier(self) -> CpuTier:
+        if self._lease_tier is None:
+            raise TierUnavailable(
+                f"no tier of this store supports leases (a cpu tier does; it has "
+                f"{', '.join(self._tier_index)})"
+            )
+        return self._lease_tier
+
     def _rank(self, name: str) -> int:
         try:
             return self._tier_index[name]
@@ -847,20 +864,25 @@ class TieredStore:
             self._policies[dst.name].on_insert(e)
         return True
 
-    def _promote(self, e: Entry, data: Buffer | None) -> None:
-        """Move a lower-tier hit to the top tier, if there is a top tier to go to."""
+    def _promote(self, e: Entry, data: Buffer | None, dst: Tier | None = None) -> None:
+        """Move a hit to ``dst``: the top tier by default; the lease tier for a lease, which may
+        lie below the chunk's tier (a gpu hit leased from the cpu tier: counted as a demotion)."""
         if not self.promote_on_hit or e.pinned or e.key not in self._index:
             return
         src = self._tiers[self._tier_index[e.tier]]
-        top = self._tiers[0]
-        if src is top:
+        dst = self._tiers[0] if dst is None else dst
+        if src is dst:
             return
+        up = self._tier_index[dst.name] < self._tier_index[src.name]
         src_policy = self._policies[src.name]
-        src_policy.on_remove(e)  # so making room above can never pick it while it moves
-        if self._try_place(e, src, top, data):
+        src_policy.on_remove(e)  # so making room in dst can never pick it while it moves
+        if self._try_place(e, src, dst, data):
             if e.key in self._index:
-                self.stats.tiers[top.name].promotions += 1
-                self._emit("promote", e, src=src.name)
+                if up:
+                    self.stats.tiers[dst.name].promotions += 1
+                else:
+                    self.stats.tiers[dst.name].demotions += 1
+                self._emit("promote" if up else "demote", e, src=src.name)
         else:
             src_policy.on_insert(e)
 

@@ -39,6 +39,19 @@ def test_store_and_workload_never_import_ui() -> None:
         assert not {m.split(".")[0] for m in loaded} & set(UI), module
 
 
+def test_store_never_imports_torch() -> None:
+    """torch is optional and slow to import: only building a gpu tier (or its benchmark's run)
+    loads it, never importing the store, its tiers, the agent's config or the benchmark."""
+    for module in (
+        "kvctl.store.store",
+        "kvctl.store.tiers.gpu",
+        "kvctl.agent.config",
+        "kvctl.agent.runtime",
+        "kvctl.bench.gpu",
+    ):
+        assert "torch" not in imported_by(module), module
+
+
 def test_cli_help_does_not_import_the_store_engine() -> None:
     code = (
         "import sys; from kvctl.cli.main import app; "

@@ -1,4 +1,4 @@
-"""The tier interface every storage tier implements (cpu, disk now; gpu, remote, peer later).
+"""The tier interface every storage tier implements (cpu, disk, gpu now; remote, peer later).
 
 A tier stores bytes under keys and enforces its byte capacity. It makes no eviction decisions:
 the store picks victims with its policies and calls ``delete`` before ``put`` when room is short.

@@ -1,0 +1,306 @@
+"""Put/get bandwidth of the gpu tier beside bare pinned-host <-> device copies from the same run.
+
+Runs only where CUDA is available (torch built with CUDA, a visible device); elsewhere
+``run_gpu_bench`` measures nothing and returns the reason under "skipped".
+
+For every chunk size the benchmark moves ``chunks = max(2, bytes_per_size // chunk_bytes)``
+chunks of random bytes (generated once per size, never timed) and times, with
+``time.perf_counter``:
+
+* ``gpu.put``: ``GpuTier.put`` of each chunk from ordinary (pageable) host memory: a memcpy into
+  a pinned staging slot and a copy to the device, piece by piece over two slots, returning once
+  the chunk is on the device. Reference ``h2d_pinned``: a bare torch
+  ``device[off:off+n].copy_(pinned[off:off+n], non_blocking=True)`` and a stream synchronize per
+  chunk, from pinned host memory that already holds the bytes (the bus alone).
+* ``gpu.get``: ``GpuTier.read_into`` of each chunk into a pageable host buffer. Reference
+  ``d2h_pinned``: the bare copy the other way, device to pinned host memory, synchronized per
+  chunk.
+* reference ``memcpy``: the same chunks copied between two pageable host buffers (memoryview
+  slice assignment): the host half of the tier's work, which the bare copies do not do.
+
+Every figure is the median of ``repeats`` samples; each repeat runs the references and the tier,
+swapping which goes first. One untimed round of each warms the CUDA context and the copies up.
+The result (JSON-safe)::
+
+    {"benchmark": "gpu", "kvctl_version": str, "python": str, "platform": str,
+     "cpu_count": int | None, "device": str,
+     # where CUDA is unavailable, only this besides the above:
+     "skipped": str,
+     # otherwise:
+     "device_name": str, "torch": str, "cuda": str | None, "staging_slot_bytes": int,
+     "bytes_per_size": int, "repeats": int, "elapsed_seconds": float,
+     "results": [{"chunk_bytes": int, "chunks": int,
+                  "gpu": {"put" | "get": TIER_FIGURE},
+                  "reference": {"h2d_pinned" | "d2h_pinned" | "memcpy": FIGURE}}, ...],
+     "notes": [str, ...]}
+
+FIGURE and TIER_FIGURE are as in ``kvctl.bench.store``. Peak memory: three times
+``bytes_per_size`` of host memory (payload, read buffer, memcpy target), two times pinned, and two
+times on the device (the tier's arena and the reference buffer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvctl.bench.common import alternating, figure, host_info
+from kvctl.store.errors import InvalidArgument
+from kvctl.store.tiers.base import ChunkMeta
+from kvctl.store.tiers.gpu import (
+    STAGING_SLOT_BYTES,
+    GpuTier,
+    gpu_available,
+    host_view,
+    parse_device,
+)
+from kvctl.units import format_bytes, format_rate
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+DEFAULT_SIZES_BYTES: tuple[int, ...] = (4 << 20, 32 << 20)
+DEFAULT_BYTES_PER_SIZE = 256 << 20
+DEFAULT_REPEATS = 3
+DEFAULT_DEVICE = "cuda:0"
+#: figure name -> the reference it is divided by
+GPU_FIGURES: dict[str, str] = {"put": "h2d_pinned", "get": "d2h_pinned"}
+REFERENCES = ("h2d_pinned", "d2h_pinned", "memcpy")
+#: above this (max - min) / median, a figure is called out in the notes as noisy
+NOISY_SPREAD = 0.25
+_KEY_BYTES = 16
+_LABELS = {
+    "gpu.put": "gpu put (tier, pageable source)",
+    "gpu.get": "gpu get (tier, pageable target)",
+    "h2d_pinned": "copy_ pinned -> device",
+    "d2h_pinned": "copy_ device -> pinned",
+    "memcpy": "host memcpy",
+}
+_Record = Callable[[str, float], None]
+
+
+def run_gpu_bench(
+    sizes_bytes: Sequence[int],
+    *,
+    bytes_per_size: int = DEFAULT_BYTES_PER_SIZE,
+    repeats: int = DEFAULT_REPEATS,
+    device: str = DEFAULT_DEVICE,
+) -> dict[str, Any]:
+    """Measure the gpu tier at each chunk size (see the module docstring for the result), or
+    return {"skipped": why, ...} where CUDA is unavailable. InvalidArgument for bad arguments."""
+    sizes = _check_args(sizes_bytes, bytes_per_size, repeats)
+    device = f"cuda:{parse_device(device)}"
+    base = {"benchmark": "gpu", **host_info(), "device": device}
+    ok, detail = gpu_available(device)
+    if not ok:
+        return {**base, "skipped": detail}
+    import torch
+
+    started_s = time.perf_counter()
+    results = [
+        _bench_size(torch, device, size, max(2, bytes_per_size // size), repeats) for size in sizes
+    ]
+    return {
+        **base,
+        "device_name": detail,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "staging_slot_bytes": STAGING_SLOT_BYTES,
+        "bytes_per_size": bytes_per_size,
+        "repeats": repeats,
+        "elapsed_seconds": time.perf_counter() - started_s,
+        "results": results,
+        "notes": _notes(repeats) + _noise_notes(results),
+    }
+
+
+def render_gpu_bench(result: dict[str, Any]) -> Table:
+    """A table for people: one row per figure, beside its reference and the ratio."""
+    from rich.table import Table
+
+    table = Table(
+        title=f"kvctl gpu tier bandwidth on {result['device_name']} "
+        f"(median of {result['repeats']} repeats)",
+        caption="ratio = figure / reference; spread = (max - min) / median of the samples",
+    )
+    for name, justify in (
+        ("chunk", "right"),
+        ("figure", "left"),
+        ("bandwidth", "right"),
+        ("spread", "right"),
+        ("reference", "left"),
+        ("ref. bandwidth", "right"),
+        ("ratio", "right"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for row in result["results"]:
+        for name, fig in row["gpu"].items():
+            ref = row["reference"][fig["reference"]]
+            table.add_row(
+                f"{format_bytes(row['chunk_bytes'])} x {fig['chunks']}",
+                _LABELS[f"gpu.{name}"],
+                format_rate(fig["bytes_per_second"]),
+                f"{_spread(fig):.0%}",
+                _LABELS[fig["reference"]],
+                format_rate(ref["bytes_per_second"]),
+                f"{fig['ratio_to_reference']:.2f}",
+            )
+        memcpy = row["reference"]["memcpy"]
+        table.add_row(
+            "", _LABELS["memcpy"], format_rate(memcpy["bytes_per_second"]), "", "", "", ""
+        )
+        table.add_section()
+    return table
+
+
+# --- one chunk size ---------------------------------------------------------------------------
+def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dict[str, Any]:
+    total = size * n
+    payload = os.urandom(total)
+    keys = [os.urandom(_KEY_BYTES) for _ in range(n)]
+    metas = [ChunkMeta(key=key, size_bytes=size) for key in keys]
+    offsets = [i * size for i in range(n)]
+    seconds: dict[str, list[float]] = {}
+
+    def add(name: str, elapsed_seconds: float) -> None:
+        seconds.setdefault(name, []).append(elapsed_seconds)
+
+    with contextlib.ExitStack() as stack:
+        src = stack.enter_context(memoryview(payload))
+        chunks = [src[off : off + size] for off in offsets]
+        stack.callback(_release, chunks)
+        out = bytearray(total)  # written before timing: its pages are in
+        out_view = stack.enter_context(memoryview(out))
+        out_view[:] = src
+        outs = [out_view[off : off + size] for off in offsets]
+        stack.callback(_release, outs)
+        sink = bytearray(total)
+        sink_view = stack.enter_context(memoryview(sink))
+        sink_view[:] = src
+
+        pinned_src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).pin_memory()
+        pinned_dst = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+        on_device = torch.empty(total, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+        tier = GpuTier(total, device)
+        stack.callback(tier.close)
+
+        def copies(dst: Any, src_t: Any) -> float:
+            with torch.cuda.stream(stream):
+                t0 = time.perf_counter()
+                for off in offsets:
+                    dst[off : off + size].copy_(src_t[off : off + size], non_blocking=True)
+                    stream.synchronize()  # per chunk, as a tier put or get returns per chunk
+                return time.perf_counter() - t0
+
+        def references(record: _Record) -> None:
+            record("reference.h2d_pinned", copies(on_device, pinned_src))
+            record("reference.d2h_pinned", copies(pinned_dst, on_device))
+            t0 = time.perf_counter()
+            for off, chunk in zip(offsets, chunks, strict=True):
+                sink_view[off : off + size] = chunk
+            record("reference.memcpy", time.perf_counter() - t0)
+
+        def measured(record: _Record) -> None:
+            t0 = time.perf_counter()
+            for meta, chunk in zip(metas, chunks, strict=True):
+                tier.put(meta, chunk)
+            record("gpu.put", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for key, o in zip(keys, outs, strict=True):
+                tier.read_into(key, o)
+            record("gpu.get", time.perf_counter() - t0)
+            _spot_check(outs, chunks)
+            for key in keys:
+                tier.delete(key)
+
+        def ignore(_name: str, _elapsed_seconds: float) -> None:
+            pass
+
+        references(ignore)  # warm-up: CUDA context, copy kernels, pinned pages
+        measured(ignore)
+        if host_view(pinned_dst)[:size] != chunks[0]:
+            raise RuntimeError("the reference copy read back different bytes")
+        alternating(repeats, lambda: references(add), lambda: measured(add))
+
+    reference = {name: figure(seconds[f"reference.{name}"], n, size) for name in REFERENCES}
+    result: dict[str, Any] = {"chunk_bytes": size, "chunks": n, "gpu": {}}
+    for name, ref_name in GPU_FIGURES.items():
+        fig = figure(seconds[f"gpu.{name}"], n, size)
+        fig["reference"] = ref_name
+        fig["ratio_to_reference"] = (
+            fig["bytes_per_second"] / reference[ref_name]["bytes_per_second"]
+        )
+        result["gpu"][name] = fig
+    result["reference"] = reference
+    return result
+
+
+def _release(views: list[memoryview]) -> None:
+    for view in views:
+        view.release()
+
+
+def _spot_check(outs: list[memoryview], chunks: list[memoryview]) -> None:
+    """First and last chunk read back must be the bytes written (cheap; not a full compare)."""
+    for i in (0, len(chunks) - 1):
+        if outs[i].tobytes() != chunks[i].tobytes():
+            raise RuntimeError(f"benchmark chunk {i} read back different bytes")
+
+
+# --- results ----------------------------------------------------------------------------------
+def _spread(fig: dict[str, Any]) -> float:
+    samples = fig["samples_bytes_per_second"]
+    return (max(samples) - min(samples)) / statistics.median(samples)
+
+
+def _noise_notes(results: list[dict[str, Any]]) -> list[str]:
+    noisy = [
+        f"{format_bytes(row['chunk_bytes'])} {section}.{name}"
+        for row in results
+        for section in ("gpu", "reference")
+        for name, fig in row[section].items()
+        if _spread(fig) > NOISY_SPREAD
+    ]
+    if not noisy:
+        return []
+    return [
+        f"samples of {len(noisy)} figures spread by more than {NOISY_SPREAD:.0%} of their median "
+        f"({', '.join(noisy)}): the machine or its bus was busy; rerun with more repeats"
+    ]
+
+
+def _notes(repeats: int) -> list[str]:
+    return [
+        f"each figure is the median of {repeats} samples; ratio_to_reference = figure / reference",
+        "gpu.put and gpu.get also copy every byte on the host (pageable memory <-> a pinned "
+        f"staging slot of {STAGING_SLOT_BYTES >> 20} MiB, two slots so the host copy of one "
+        "piece overlaps the device copy of the other); the bare copy_ references start from "
+        "memory that is already pinned, so a ratio below 1 is the price of staging, and "
+        "reference memcpy shows what the host half alone costs",
+        "tier and references synchronize after every chunk, as a put or get returns only when "
+        "its bytes have arrived",
+    ]
+
+
+# --- arguments --------------------------------------------------------------------------------
+def _check_args(sizes_bytes: Sequence[int], bytes_per_size: int, repeats: int) -> list[int]:
+    sizes = list(sizes_bytes)
+    if not sizes:
+        raise InvalidArgument("give at least one chunk size")
+    for size in sizes:
+        if not _is_int(size) or size <= 0:
+            raise InvalidArgument(f"chunk sizes must be positive numbers of bytes, got {size!r}")
+    if not _is_int(bytes_per_size) or bytes_per_size <= 0:
+        raise InvalidArgument(f"bytes_per_size must be a positive integer, got {bytes_per_size!r}")
+    if not _is_int(repeats) or repeats < 1:
+        raise InvalidArgument(f"repeats must be an integer of at least 1, got {repeats!r}")
+    return sizes
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,517 @@
+"""The gpu tier (CUDA memory through torch), its settings and how the agent and the store treat
+it. Tests of the tier itself need CUDA and skip without it; the rest run everywhere: why a GPU
+is unavailable, settings validation, an agent runtime asked for a gpu tier it cannot have, and
+leases of chunks that sit in a tier above the cpu tier."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvctl.agent.config import ConfigError, describe, load_settings
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import AgentSettings
+from kvctl.store.errors import (
+    CapacityError,
+    InvalidArgument,
+    KeyNotFound,
+    PayloadSizeError,
+    TierUnavailable,
+)
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.base import ChunkMeta
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.disk import DiskTier
+from kvctl.store.tiers.gpu import GpuTier, gpu_available, parse_device
+
+try:
+    import torch
+
+    CUDA = torch.cuda.is_available()
+except ImportError:  # torch is an optional dependency
+    torch = None  # type: ignore[assignment]
+    CUDA = False
+
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs torch with CUDA and a visible GPU")
+without_cuda = pytest.mark.skipif(CUDA, reason="checks behaviour on a machine without CUDA")
+#: small staging slots, so chunks of a few KiB already cross the bus in several pieces
+SLOT = 4096
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def rand(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def expected_reason() -> str:
+    """Why this machine has no gpu tier, found out independently of gpu_available."""
+    if torch is None:
+        return "torch is not installed"
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        return "is a build without CUDA"
+    return "no CUDA device is visible"
+
+
+# --- everywhere: availability, device names, settings -----------------------------------------
+
+
+def test_gpu_available_says_why_not_here_or_names_the_device() -> None:
+    ok, detail = gpu_available()
+    assert ok is CUDA
+    if CUDA:
+        assert "(cuda:0)" in detail and "GiB" in detail
+    else:
+        assert expected_reason() in detail
+
+
+def test_gpu_available_refuses_bad_devices_with_a_reason() -> None:
+    ok, detail = gpu_available("gpu0")
+    assert not ok and '"cuda:N"' in detail
+    ok, detail = gpu_available("cuda:999")
+    assert not ok
+    assert ("out of range" in detail) if CUDA else (expected_reason() in detail)
+
+
+@pytest.mark.parametrize(("text", "index"), [("cuda", 0), ("cuda:0", 0), (" cuda:3 ", 3)])
+def test_parse_device(text: str, index: int) -> None:
+    assert parse_device(text) == index
+
+
+@pytest.mark.parametrize("text", ["", "gpu", "cuda:", "cuda:-1", "cuda:1:2", "cpu", "cuda:a"])
+def test_parse_device_refuses(text: str) -> None:
+    with pytest.raises(InvalidArgument, match='"cuda" or "cuda:N"'):
+        parse_device(text)
+
+
+@without_cuda
+def test_a_gpu_tier_cannot_be_made_without_cuda() -> None:
+    with pytest.raises(TierUnavailable, match=expected_reason()):
+        GpuTier(1 << 20)
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    monkeypatch.setenv("XDG_STATE_HOME", "/tmp/kvctl-test-state")  # short derived socket path
+    return {"HOME": str(tmp_path / "home"), "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+
+
+def test_gpu_settings_default_off_and_come_from_file_env_and_flags(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    s = load_settings(env=env).settings
+    assert (s.gpu_capacity_bytes, s.gpu_device, s.gpu) == (0, "cuda:0", "h100")
+
+    path = tmp_path / "agent.toml"
+    path.write_text('[agent]\ngpu_capacity = "8GiB"\ngpu_device = "cuda:1"\ngpu = "a100"\n')
+    loaded = load_settings(config_file=path, env=env)
+    s = loaded.settings
+    assert (s.gpu_capacity_bytes, s.gpu_device, s.gpu) == (8 << 30, "cuda:1", "a100")
+    assert loaded.sources["gpu_capacity_bytes"] == f"file:{path}"
+
+    loaded = load_settings(
+        config_file=path,
+        env={**env, "KVCTL_GPU_CAPACITY": "2GiB", "KVCTL_GPU_DEVICE": "CUDA"},
+        flags={"gpu_capacity": "512MiB"},
+    )
+    s = loaded.settings
+    assert (s.gpu_capacity_bytes, s.gpu_device) == (512 << 20, "cuda:0")  # one spelling
+    assert loaded.sources["gpu_capacity_bytes"] == "flag:--gpu-capacity"
+    assert loaded.sources["gpu_device"] == "env:KVCTL_GPU_DEVICE"
+    rows = {r["setting"]: r["value"] for r in describe(loaded)}
+    assert rows["gpu_capacity_bytes"] == "512MiB" and rows["gpu_device"] == "cuda:0"
+    # the full field name is accepted as well, in files and flags
+    flagged = load_settings(env=env, flags={"gpu_capacity_bytes": 4096}).settings
+    assert flagged.gpu_capacity_bytes == 4096
+
+
+@pytest.mark.parametrize(
+    ("source", "value", "problem", "example"),
+    [
+        ("env", "8 gigs", "unknown size unit", "KVCTL_GPU_CAPACITY=8GiB"),
+        ("env", "-1GiB", "not a size", "KVCTL_GPU_CAPACITY=8GiB"),
+        ("flag", "lots", "not a size", "--gpu-capacity 8GiB"),
+        ("file", True, "expected a size", 'gpu_capacity = "8GiB" in [agent]'),
+    ],
+)
+def test_bad_gpu_capacity_is_refused_with_an_example(
+    tmp_path: Path, env: dict[str, str], source: str, value: object, problem: str, example: str
+) -> None:
+    with pytest.raises(ConfigError) as err:
+        if source == "env":
+            load_settings(env={**env, "KVCTL_GPU_CAPACITY": str(value)})
+        elif source == "flag":
+            load_settings(env=env, flags={"gpu_capacity": value})
+        else:
+            path = tmp_path / "agent.toml"
+            path.write_text(f"[agent]\ngpu_capacity = {str(value).lower()}\n")
+            load_settings(config_file=path, env=env)
+    assert err.value.setting == "gpu_capacity_bytes"
+    assert problem in str(err.value) and example in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["gpu0", "cuda:", "cuda:x", "0", "h100"])
+def test_bad_gpu_device_is_refused_with_an_example(env: dict[str, str], value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(env=env, flags={"gpu_device": value})
+    message = str(err.value)
+    assert err.value.setting == "gpu_device" and err.value.source == "flag:--gpu-device"
+    assert '"cuda" or "cuda:N"' in message and "--gpu-device cuda:0" in message
+
+
+# --- everywhere: the agent runtime asked for a gpu tier -----------------------------------------
+
+
+def test_runtime_without_cuda_runs_on_cpu_and_says_why(tmp_path: Path) -> None:
+    if CUDA:
+        pytest.skip("this machine has CUDA: the gpu tier is built (see the CUDA tests)")
+    settings = AgentSettings(
+        name="g1", data_dir=str(tmp_path), cpu_bytes=1 << 20, disk_bytes=4 << 20,
+        gpu_capacity_bytes=64 << 20, gpu_device="cuda:0", shm=False,
+    )  # fmt: skip
+    runtime = AgentRuntime.open(settings)
+    try:
+        assert runtime.store.tier_names == ["cpu", "disk"]
+        info = runtime.info()
+        assert [t["name"] for t in info["tiers"]] == ["cpu", "disk"]
+        (gone,) = info["unavailable_tiers"]
+        assert gone["name"] == "gpu" and gone["capacity_bytes"] == 64 << 20
+        assert gone["device"] == "cuda:0" and expected_reason() in gone["reason"]
+        # and it serves: a put lands in cpu, and leases work from there
+        assert runtime.store.put(k(1), b"x" * 4096) == "cpu"
+        lease = runtime.store.lease(k(1), 10.0)
+        assert lease is not None and bytes(runtime.store.leased_view(lease)) == b"x" * 4096
+        runtime.store.release([lease.lease_id])
+    finally:
+        runtime.close()
+
+
+def test_runtime_without_a_gpu_setting_lists_nothing_unavailable(tmp_path: Path) -> None:
+    settings = AgentSettings(name="g2", data_dir=str(tmp_path), cpu_bytes=1 << 20, disk_bytes=0)
+    runtime = AgentRuntime.open(settings)
+    try:
+        assert runtime.store.tier_names == ["cpu"]
+        assert runtime.info()["unavailable_tiers"] == []
+    finally:
+        runtime.close()
+
+
+# --- everywhere: leases of chunks in a tier above the cpu tier ---------------------------------
+# Leases hold bytes in place in the first cpu tier, which under a gpu tier is not the top one.
+# A disk tier stands in above cpu here (a real tier of another kind, as gpu is); the CUDA tests
+# below repeat the main case with a real GpuTier.
+
+
+def two_kinds(tmp_path: Path, **kw: object) -> TieredStore:
+    """[disk named "fast", cpu (300 bytes), disk]: a non-cpu tier above the cpu tier."""
+    return TieredStore(
+        [
+            DiskTier(tmp_path / "upper", 10_000, name="fast"),
+            CpuTier(300),
+            DiskTier(tmp_path / "lower", 10_000),
+        ],
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_lease_tier_is_the_first_cpu_tier(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    assert store.tier_names == ["fast", "cpu", "disk"]
+    assert store.lease_tier is store.tier("cpu")
+    first = CpuTier(100, name="cpu0")
+    assert TieredStore([first, CpuTier(100)]).lease_tier is first
+    assert TieredStore([DiskTier(tmp_path / "only", 1000)]).lease_tier is None
+
+
+def test_lease_moves_a_chunk_down_from_a_tier_above_cpu(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    events: list[dict[str, object]] = []
+    store.subscribe(events.append)
+    data = rand(100, 1)
+    assert store.put(k(1), data) == "fast"  # puts land in the top tier
+    lease = store.lease(k(1), 30.0)
+    assert lease is not None
+    assert store.entry(k(1)).tier == "cpu" and store.locate([k(1)]) == ["cpu"]
+    assert bytes(store.leased_view(lease)) == data
+    assert store.tier("fast").used_bytes == 0
+    cpu = store.stats.tiers["cpu"]
+    assert (cpu.demotions, cpu.promotions) == (1, 0)  # it arrived from a tier above
+    assert events[-1]["type"] == "demote" and events[-1]["src"] == "fast"
+    assert store.snapshot()["leases"] == 1
+    assert store.release([lease.lease_id]) == 1 and store.snapshot()["leases"] == 0
+    # an ordinary read promotes it back to the top tier, bytes intact
+    assert store.get(k(1)) == data and store.entry(k(1)).tier == "fast"
+
+
+def test_lease_from_below_still_promotes_into_cpu_not_the_top(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    data = rand(100, 2)
+    assert store.put(k(2), data, tier="disk") == "disk"
+    lease = store.lease(k(2), 30.0)
+    assert lease is not None and store.entry(k(2)).tier == "cpu"
+    assert store.stats.tiers["cpu"].promotions == 1
+    assert bytes(store.leased_view(lease)) == data
+
+
+def test_lease_of_a_chunk_pinned_above_cpu_is_none_and_it_stays(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    data = rand(100, 3)
+    store.put(k(3), data, pinned=True)
+    assert store.lease(k(3), 30.0) is None
+    assert store.entry(k(3)).tier == "fast" and store.get(k(3)) == data
+    plain = two_kinds(tmp_path / "b", promote_on_hit=False)
+    plain.put(k(4), data)
+    assert plain.lease(k(4), 30.0) is None and plain.entry(k(4)).tier == "fast"
+
+
+def test_lease_moving_down_makes_room_in_cpu_by_demoting(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    for i in range(3):  # cpu (300 bytes) full
+        store.put(k(10 + i), rand(100, 10 + i), tier="cpu")
+    store.put(k(20), rand(100, 20))
+    lease = store.lease(k(20), math.inf)
+    assert lease is not None and store.entry(k(20)).tier == "cpu"
+    assert [store.entry(k(10 + i)).tier for i in range(3)].count("disk") == 1
+    for i in range(3):
+        assert store.get(k(10 + i)) == rand(100, 10 + i)
+    store.release([lease.lease_id])
+
+
+def test_a_store_without_a_cpu_tier_has_no_leases(tmp_path: Path) -> None:
+    store = TieredStore([DiskTier(tmp_path / "only", 1000)])
+    store.put(k(1), b"z" * 10)
+    with pytest.raises(TierUnavailable, match="supports leases"):
+        store.lease(k(1), 1.0)
+    assert store.release([1]) == 0 and store.expire_leases() == 0
+    assert store.snapshot()["leases"] == 0
+
+
+# --- CUDA only: the tier ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpu() -> Iterator[GpuTier]:
+    t = GpuTier(1 << 20, staging_slot_bytes=SLOT)
+    yield t
+    t.close()
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    "size", [1, 7, SLOT - 1, SLOT, SLOT + 1, 2 * SLOT, 3 * SLOT + 5, 64 * SLOT + 17]
+)
+def test_round_trip_of_random_payloads(gpu: GpuTier, size: int) -> None:
+    data = rand(size, size)
+    gpu.put(ChunkMeta(k(1), size), data)
+    assert gpu.size_of(k(1)) == size and k(1) in gpu and len(gpu) == 1
+    assert gpu.used_bytes == size
+    assert gpu.get(k(1)) == data
+    out = bytearray(size + 10)
+    assert gpu.read_into(k(1), memoryview(out)) == size
+    assert bytes(out[:size]) == data and bytes(out[size:]) == bytes(10)
+
+
+@needs_cuda
+def test_many_chunks_and_sources_of_every_buffer_kind(gpu: GpuTier) -> None:
+    import numpy as np
+
+    chunks = {i: rand(1000 + 997 * i, i) for i in range(40)}
+    for i, data in chunks.items():
+        src: object = data if i % 3 == 0 else bytearray(data) if i % 3 == 1 else memoryview(data)
+        gpu.put(ChunkMeta(k(i), len(data)), src)  # type: ignore[arg-type]
+    arr = np.frombuffer(rand(4096, 99), dtype=np.float32)  # a non-byte format
+    gpu.put(ChunkMeta(k(99), 4096), memoryview(arr))
+    for i, data in chunks.items():
+        assert gpu.get(k(i)) == data
+    assert gpu.get(k(99)) == arr.tobytes()
+    assert gpu.used_bytes == sum(map(len, chunks.values())) + 4096
+
+
+@needs_cuda
+def test_capacity_to_the_byte_and_refused_puts_change_nothing() -> None:
+    t = GpuTier(1000, staging_slot_bytes=SLOT)
+    try:
+        a, b = rand(600, 1), rand(400, 2)
+        t.put(ChunkMeta(k(1), 600), a)
+        t.put(ChunkMeta(k(2), 400), b)  # exactly full
+        assert t.free_bytes == 0
+        with pytest.raises(CapacityError):
+            t.put(ChunkMeta(k(3), 1), b"x")
+        with pytest.raises(InvalidArgument, match="already"):
+            t.put(ChunkMeta(k(1), 600), a)
+        t.delete(k(2))
+        with pytest.raises(PayloadSizeError):
+            t.put(ChunkMeta(k(4), 10), b"x" * 9)
+        with pytest.raises(InvalidArgument, match="positive"):
+            t.put(ChunkMeta(k(5), 0), b"")
+        assert t.used_bytes == 600 and len(t) == 1 and t.get(k(1)) == a
+    finally:
+        t.close()
+
+
+@needs_cuda
+def test_delete_and_reads_of_missing_keys(gpu: GpuTier) -> None:
+    gpu.put(ChunkMeta(k(1), 100), rand(100, 1))
+    assert gpu.delete(k(1)) == 100 and gpu.used_bytes == 0 and k(1) not in gpu
+    for call in (lambda: gpu.delete(k(1)), lambda: gpu.get(k(1)), lambda: gpu.size_of(k(1))):
+        with pytest.raises(KeyNotFound):
+            call()
+    gpu.put(ChunkMeta(k(2), 100), rand(100, 2))
+    with pytest.raises(InvalidArgument, match="smaller"):
+        gpu.read_into(k(2), memoryview(bytearray(99)))
+
+
+@needs_cuda
+def test_fragmentation_is_compacted_including_overlapping_moves() -> None:
+    # small and big chunks alternate; with the small ones gone, each big one slides down by less
+    # than its own size (an overlapping move, made through a staging slot)
+    small, big = SLOT // 2 + 3, 3 * SLOT + 11
+    t = GpuTier(5 * (small + big), staging_slot_bytes=SLOT)
+    try:
+        bigs = {}
+        for i in range(5):
+            t.put(ChunkMeta(k(2 * i), small), rand(small, 2 * i))
+            bigs[2 * i + 1] = rand(big, 2 * i + 1)
+            t.put(ChunkMeta(k(2 * i + 1), big), bigs[2 * i + 1])
+        for i in range(5):
+            t.delete(k(2 * i))
+        whole = rand(5 * small, 77)
+        t.put(ChunkMeta(k(50), 5 * small), whole)  # fits the free bytes, but no single hole
+        assert t.compactions == 1 and t.free_bytes == 0
+        assert t.get(k(50)) == whole
+        for i, data in bigs.items():
+            assert t.get(k(i)) == data
+    finally:
+        t.close()
+
+
+@needs_cuda
+def test_resize_grows_and_shrinks_keeping_bytes(gpu: GpuTier) -> None:
+    data = {i: rand(10_000 + i, i) for i in range(5)}
+    for i, d in data.items():
+        gpu.put(ChunkMeta(k(i), len(d)), d)
+    gpu.delete(k(1))
+    used = gpu.used_bytes
+    gpu.resize(4 << 20)
+    assert gpu.capacity_bytes == 4 << 20 and gpu.used_bytes == used
+    gpu.resize(used)  # exactly what it holds
+    assert gpu.free_bytes == 0
+    with pytest.raises(CapacityError):
+        gpu.resize(used - 1)
+    assert gpu.capacity_bytes == used
+    for i in (0, 2, 3, 4):
+        assert gpu.get(k(i)) == data[i]
+    with pytest.raises(CapacityError):
+        gpu.put(ChunkMeta(k(9), 1), b"x")
+
+
+@needs_cuda
+def test_a_capacity_larger_than_the_device_is_a_capacity_error() -> None:
+    assert torch is not None
+    _free, total = torch.cuda.mem_get_info(0)
+    with pytest.raises(CapacityError, match="GPU memory"):
+        GpuTier(2 * total)
+
+
+@needs_cuda
+def test_closed_tier_refuses_use() -> None:
+    t = GpuTier(4096)
+    t.put(ChunkMeta(k(1), 10), b"0123456789")
+    t.close()
+    t.close()  # twice is fine
+    with pytest.raises(TierUnavailable):
+        t.get(k(1))
+    with pytest.raises(TierUnavailable):
+        t.put(ChunkMeta(k(2), 1), b"x")
+
+
+@needs_cuda
+def test_random_operations_match_a_model() -> None:
+    rng = random.Random(5)
+    t = GpuTier(64 * SLOT, staging_slot_bytes=SLOT)
+    model: dict[bytes, bytes] = {}
+    try:
+        for step in range(400):
+            op = rng.random()
+            if op < 0.55:
+                key, size = k(rng.randrange(60)), rng.randrange(1, 6 * SLOT)
+                data = rng.randbytes(size)
+                if key in model:
+                    with pytest.raises(InvalidArgument):
+                        t.put(ChunkMeta(key, size), data)
+                elif size > t.free_bytes:
+                    with pytest.raises(CapacityError):
+                        t.put(ChunkMeta(key, size), data)
+                else:
+                    t.put(ChunkMeta(key, size), data)
+                    model[key] = data
+            elif op < 0.85 and model:
+                key = rng.choice(list(model))
+                assert t.delete(key) == len(model.pop(key))
+            elif model:
+                key = rng.choice(list(model))
+                assert t.get(key) == model[key], step
+            assert t.used_bytes == sum(map(len, model.values()))
+            assert set(t.keys()) == set(model)
+    finally:
+        t.close()
+
+
+# --- CUDA only: a store over [gpu, cpu] ------------------------------------------------------
+
+
+@needs_cuda
+def test_store_over_gpu_and_cpu_demotes_promotes_and_leases(tmp_path: Path) -> None:
+    store = TieredStore([GpuTier(300, staging_slot_bytes=SLOT), CpuTier(1000)])
+    try:
+        assert store.lease_tier is store.tier("cpu")
+        data = {i: rand(100, i) for i in range(5)}
+        for i in range(3):
+            assert store.put(k(i), data[i]) == "gpu"
+        store.put(k(3), data[3])  # gpu full: the LRU chunk is demoted to cpu
+        assert store.entry(k(0)).tier == "cpu" and store.stats.tiers["cpu"].demotions == 1
+        assert store.get(k(0)) == data[0]  # a cpu hit is promoted to the top (gpu) tier
+        assert store.entry(k(0)).tier == "gpu" and store.stats.tiers["gpu"].promotions == 1
+        lease = store.lease(k(3), 30.0)  # a gpu chunk is moved into cpu to be leased
+        assert lease is not None and store.entry(k(3)).tier == "cpu"
+        assert bytes(store.leased_view(lease)) == data[3]
+        store.release([lease.lease_id])
+        for i in range(4):
+            assert store.get(k(i)) == data[i]
+        usage = store.usage()
+        assert usage["gpu"]["used_bytes"] + usage["cpu"]["used_bytes"] == 400
+        store.move([k(1)], "cpu")
+        assert store.entry(k(1)).tier == "cpu"
+        store.resize("gpu", 100)  # the rest is demoted to cpu
+        assert store.tier("gpu").capacity_bytes == 100 and store.usage()["gpu"]["chunks"] <= 1
+        for i in range(4):
+            assert store.get(k(i)) == data[i]
+    finally:
+        store.close()
+
+
+@needs_cuda
+def test_runtime_with_cuda_puts_the_gpu_tier_on_top(tmp_path: Path) -> None:
+    settings = dataclasses.replace(
+        AgentSettings(name="g3", data_dir=str(tmp_path), shm=False),
+        cpu_bytes=1 << 20,
+        disk_bytes=0,
+        gpu_capacity_bytes=1 << 20,
+    )
+    runtime = AgentRuntime.open(settings)
+    try:
+        assert runtime.store.tier_names == ["gpu", "cpu"]
+        assert runtime.info()["unavailable_tiers"] == []
+        payload = os.urandom(4096)
+        assert runtime.store.put(k(1), payload) == "gpu"
+        assert runtime.store.get(k(1)) == payload
+    finally:
+        runtime.close()
