@@ -1,0 +1,858 @@
+"""The engine-independent half of the vLLM connector: what to load and save, and the copies
+between vLLM's paged KV blocks and kvctl chunks.
+
+Nothing here imports vLLM, so all of it runs (and is tested) on a CPU-only machine; the connector
+in ``kvctl.engines.vllm_connector`` only translates vLLM's objects into these calls.
+
+Scheduler side (``SchedulerPlan``): from a request's prompt and the tokens vLLM already holds
+locally, compute the prompt's chunk keys, ask the agent for the longest cached prefix and offer
+vLLM the whole chunks beyond its local prefix (never the last prompt token: vLLM must compute at
+least one); then, each step, turn the request's blocks into a ``LoadSpec`` (chunks to read into
+freshly allocated blocks) and ``SaveSpec`` s (full prompt chunks whose KV exists after the step).
+
+Worker side (``PagedKV``, ``WorkerPlan``): gather a request's paged blocks of every layer into
+chunk bytes, and scatter chunk bytes into blocks. Chunk bytes use the shared layout of
+``kvctl.engines.kvformat`` (``[layers, 2, kv_heads, T, head_dim]``, C order), so a chunk stored
+by the transformers adapter is read here for the same model and vice versa.
+
+Agent failures never raise out of this module: a failed lookup offers nothing, a failed read
+reports the blocks it could not fill (vLLM recomputes them), a failed save is dropped. Each is
+logged, and the agent is retried after ``retry_seconds``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvctl.client import AgentError, AuthError, DataClient, parse_address
+from kvctl.engines.kvformat import ChunkFormat, dtype_name
+from kvctl.store.errors import InvalidArgument
+from kvctl.store.keys import KVLayout, Namespace, keys_for
+
+log = logging.getLogger("kvctl.engines.vllm")
+
+DEFAULT_AGENT = "127.0.0.1:7071"  # the agent's default data-plane address
+
+
+# --- settings -----------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """The connector's ``kv_connector_extra_config``."""
+
+    #: the agent's data plane: ``unix:///path/agent.sock`` (same host, shared memory) or HOST:PORT
+    agent: str = DEFAULT_AGENT
+    tenant: str = "default"
+    #: data-plane token; None reads KVCTL_TOKEN
+    token: str | None = None
+    #: the id keys are made under; None uses vLLM's model name (the transformers adapter uses
+    #: the same name, so both share chunks of the same weights)
+    model_id: str | None = None
+    #: None takes the agent's chunk size
+    chunk_tokens: int | None = None
+    #: how long an unreachable agent is left alone before the next connection attempt
+    retry_seconds: float = 10.0
+    #: socket timeout of each agent call
+    timeout_seconds: float = 5.0
+    max_pending_save_bytes: int = 1 << 30
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, object] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise InvalidArgument(
+                f"unknown kvctl connector setting(s) {unknown} in kv_connector_extra_config; "
+                f"known: {sorted(known)}"
+            )
+        try:
+            out = cls(**extra)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise InvalidArgument(f"bad kv_connector_extra_config: {exc}") from None
+        for name in ("agent", "tenant"):
+            if not isinstance(getattr(out, name), str) or not getattr(out, name):
+                raise InvalidArgument(
+                    f"kv_connector_extra_config {name!r} must be a non-empty string"
+                )
+        try:
+            parse_address(out.agent)
+        except ValueError as exc:
+            raise InvalidArgument(f"kv_connector_extra_config 'agent': {exc}") from None
+        if out.chunk_tokens is not None and (
+            not isinstance(out.chunk_tokens, int)
+            or isinstance(out.chunk_tokens, bool)
+            or out.chunk_tokens <= 0
+        ):
+            raise InvalidArgument(
+                f"chunk_tokens must be a positive integer, got {out.chunk_tokens!r}"
+            )
+        for name in ("retry_seconds", "timeout_seconds", "max_pending_save_bytes"):
+            value = getattr(out, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise InvalidArgument(f"{name} must be a positive number, got {value!r}")
+        return out
+
+
+# --- geometry -----------------------------------------------------------------------------
+def check_geometry(chunk_tokens: int, block_size: int) -> None:
+    """A chunk must be whole vLLM blocks: loads fill whole blocks and saves read whole ones."""
+    if block_size <= 0:
+        raise InvalidArgument(f"vLLM's block_size must be positive, got {block_size}")
+    if chunk_tokens <= 0 or chunk_tokens % block_size:
+        raise InvalidArgument(
+            f"the agent's chunk_tokens ({chunk_tokens}) must be a positive multiple of vLLM's "
+            f"block_size ({block_size}): set the agent's chunk_tokens (or the connector's "
+            "'chunk_tokens') to a multiple, or start vLLM with another --block-size"
+        )
+
+
+def loadable_chunks(prompt_tokens: int, chunk_tokens: int) -> int:
+    """Whole chunks a request may load: the last prompt token is always left to compute (its
+    logits are the next token), so a prompt of exactly k chunks may load k - 1."""
+    return max(prompt_tokens - 1, 0) // chunk_tokens
+
+
+#: vLLM ``--kv-cache-dtype`` values the chunk format can hold, by their kvctl names
+_CACHE_DTYPES = {"half": "float16", "float16": "float16", "bfloat16": "bfloat16",
+                 "float": "float32", "float32": "float32"}  # fmt: skip
+
+
+def kv_layout(
+    layers: int, kv_heads: int, head_dim: int, cache_dtype: str, model_dtype: torch.dtype
+) -> KVLayout:
+    """The chunk layout of a model as vLLM caches it; ``cache_dtype`` is vLLM's
+    ``--kv-cache-dtype`` ("auto" means the model's dtype). Quantized (fp8) caches are refused:
+    the shared chunk format has no scales."""
+    if cache_dtype == "auto":
+        dtype = dtype_name(model_dtype)
+    elif cache_dtype in _CACHE_DTYPES:
+        dtype = _CACHE_DTYPES[cache_dtype]
+    else:
+        raise InvalidArgument(
+            f"KV cache dtype {cache_dtype!r} is not supported by the kvctl connector (fp8 caches "
+            "carry scales the shared chunk format lacks); use --kv-cache-dtype auto"
+        )
+    return KVLayout(layers, kv_heads, head_dim, dtype)
+
+
+def order_layers(names: Sequence[str]) -> list[str]:
+    """Attention layer names in model order (by the one layer number in each name, as in
+    ``model.layers.7.self_attn.attn``): chunks hold layers in model order, dicts need not."""
+    indexed: list[tuple[int, str]] = []
+    for name in names:
+        numbers = re.findall(r"\d+", name)
+        if len(numbers) != 1:
+            raise InvalidArgument(
+                f"cannot tell the layer number of KV cache {name!r}: expected one number in it"
+            )
+        indexed.append((int(numbers[0]), name))
+    indexed.sort()
+    order = [i for i, _ in indexed]
+    if order != list(range(len(order))):
+        raise InvalidArgument(f"KV cache layers are not numbered 0..{len(order) - 1}: {order}")
+    return [name for _, name in indexed]
+
+
+# --- paged caches -------------------------------------------------------------------------
+class CacheLayout(enum.Enum):
+    """Per-layer paged KV layouts of vLLM's attention backends (logical shapes; the physical
+    stride order may differ, which indexing does not see)."""
+
+    #: ``[2, num_blocks, block_size, kv_heads, head_dim]``: FlashAttention (and most backends)
+    #: before vLLM's 2026 KV-layout refactor
+    KV_FIRST = "2BNHD"
+    #: ``[num_blocks, 2, block_size, kv_heads, head_dim]``: FlashInfer before the refactor
+    BLOCKS_FIRST = "B2NHD"
+    #: ``[num_blocks, kv_heads, block_size, 2 * head_dim]``, K then V in the last dimension:
+    #: the standardized layout after the refactor (vLLM PRs 44455 and 51718)
+    PACKED = "BHNC"
+
+
+def detect_layout(shape: Sequence[int], kv_heads: int, head_dim: int) -> tuple[CacheLayout, int]:
+    """The layout of one layer's paged cache and its (kernel) block size, from its shape."""
+    s = tuple(int(x) for x in shape)
+    found: list[tuple[CacheLayout, int]] = []
+    if len(s) == 5 and s[3] == kv_heads and s[4] == head_dim:
+        if s[0] == 2:
+            found.append((CacheLayout.KV_FIRST, s[2]))
+        if s[1] == 2:
+            found.append((CacheLayout.BLOCKS_FIRST, s[2]))
+    elif len(s) == 4 and s[1] == kv_heads and s[3] == 2 * head_dim:
+        found.append((CacheLayout.PACKED, s[2]))
+    if len(found) == 1:
+        return found[0]
+    if len(found) > 1:
+        raise InvalidArgument(f"KV cache shape {list(s)} fits both {found[0][0].value} and "
+                              f"{found[1][0].value}; cannot tell which")  # fmt: skip
+    if len(s) == 3 or (len(s) == 4 and s[1] == 1 and s[3] != 2 * head_dim):
+        raise InvalidArgument(
+            f"KV cache shape {list(s)} looks like MLA (one latent vector per token, no K/V "
+            "heads): the kvctl chunk format holds K and V per head, so MLA models are not supported"
+        )
+    raise InvalidArgument(
+        f"unsupported KV cache shape {list(s)} for {kv_heads} kv heads of {head_dim}: expected "
+        f"[2, blocks, block_size, {kv_heads}, {head_dim}], [blocks, 2, block_size, {kv_heads}, "
+        f"{head_dim}] or [blocks, {kv_heads}, block_size, {2 * head_dim}]"
+    )
+
+
+def token_slots(
+    block_ids: Sequence[int], start: int, end: int, block_size: int, kernel_block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block index, offset in block) of tokens ``start..end`` of a request whose KV lives in
+    ``block_ids`` (vLLM's blocks, ``block_size`` tokens each). When the attention kernel pages
+    smaller blocks than the scheduler (``kernel_block_size``), scheduler block b is kernel
+    blocks ``b*r .. b*r + r-1``."""
+    if not 0 <= start <= end:
+        raise InvalidArgument(f"bad token range {start}..{end}")
+    if end > len(block_ids) * block_size:
+        raise InvalidArgument(
+            f"tokens up to {end} need {-(-end // block_size)} blocks of {block_size}; "
+            f"the request has {len(block_ids)}"
+        )
+    if kernel_block_size <= 0 or block_size % kernel_block_size:
+        raise InvalidArgument(
+            f"the cache's block size {kernel_block_size} does not divide vLLM's {block_size}"
+        )
+    t = torch.arange(start, end, dtype=torch.long)
+    blocks = torch.as_tensor(list(block_ids), dtype=torch.long)[t // block_size]
+    within = t % block_size
+    ratio = block_size // kernel_block_size
+    return blocks * ratio + within // kernel_block_size, within % kernel_block_size
+
+
+class PagedKV:
+    """Every attention layer's paged cache of one worker, in model order, read and written in
+    the shared chunk layout."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], layout: KVLayout, block_size: int) -> None:
+        if len(layers) != layout.layers:
+            raise InvalidArgument(
+                f"the model has {layout.layers} layers but {len(layers)} KV caches were registered "
+                "(hybrid or cross-layer-shared caches are not supported)"
+            )
+        self.layers = list(layers)
+        self.layout = layout
+        self.block_size = block_size
+        self.cache_layout, self.kernel_block_size = detect_layout(
+            self.layers[0].shape, layout.kv_heads, layout.head_dim
+        )
+        self.dtype = ChunkFormat(layout, 1).dtype
+        for i, t in enumerate(self.layers):
+            if t.shape != self.layers[0].shape or t.dtype != self.dtype:
+                raise InvalidArgument(
+                    f"layer {i}'s cache is {list(t.shape)} {t.dtype}; layer 0's is "
+                    f"{list(self.layers[0].shape)} and the layout says {self.dtype}"
+                )
+        # a wrong block id would fault on the device; refuse it on the host instead
+        blocks = self.layers[0].shape[1 if self.cache_layout is CacheLayout.KV_FIRST else 0]
+        self.num_blocks = int(blocks) * self.kernel_block_size // block_size
+        self.device = self.layers[0].device
+        token_slots((), 0, 0, block_size, self.kernel_block_size)  # validates the block sizes
+
+    def _slots(
+        self, block_ids: Sequence[int], start: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = list(block_ids)[: -(-end // self.block_size)]
+        if ids and not 0 <= min(ids) <= max(ids) < self.num_blocks:
+            raise InvalidArgument(f"block ids must be in 0..{self.num_blocks - 1}")
+        blk, off = token_slots(ids, start, end, self.block_size, self.kernel_block_size)
+        return blk.to(self.device), off.to(self.device)
+
+    def gather(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+        """KV of tokens ``start..end`` as ``[layers, 2, kv_heads, end-start, head_dim]``."""
+        blk, off = self._slots(block_ids, start, end)
+        return torch.stack([self._gather_layer(t, blk, off) for t in self.layers])
+
+    def scatter(self, block_ids: Sequence[int], start: int, kv: torch.Tensor) -> None:
+        """Write ``kv`` (``[layers, 2, kv_heads, T, head_dim]``) as tokens ``start..start+T``."""
+        lay = self.layout
+        expected = (lay.layers, 2, lay.kv_heads, lay.head_dim)
+        if kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != expected:
+            raise InvalidArgument(
+                f"expected KV shaped [{lay.layers}, 2, {lay.kv_heads}, tokens, {lay.head_dim}], "
+                f"got {list(kv.shape)}"
+            )
+        blk, off = self._slots(block_ids, start, start + kv.shape[3])
+        kv = kv.to(device=self.device, dtype=self.dtype)
+        for t, layer_kv in zip(self.layers, kv, strict=True):
+            self._scatter_layer(t, blk, off, layer_kv)
+
+    def gather_chunks(
+        self, block_ids: Sequence[int], first_chunk: int, chunks: int, chunk_tokens: int
+    ) -> torch.Tensor:
+        """Chunks ``first_chunk ..`` as ``[chunks, chunk_bytes]`` uint8 on the cache's device,
+        each row the chunk's bytes in the shared layout (``ChunkFormat``)."""
+        lay = self.layout
+        kv = self.gather(
+            block_ids, first_chunk * chunk_tokens, (first_chunk + chunks) * chunk_tokens
+        )
+        # [L, 2, H, n*T, D] -> [n, L, 2, H, T, D]: one copy, each chunk contiguous
+        split = kv.reshape(lay.layers, 2, lay.kv_heads, chunks, chunk_tokens, lay.head_dim)
+        rows = split.permute(3, 0, 1, 2, 4, 5).contiguous()
+        return rows.view(torch.uint8).reshape(chunks, -1)
+
+    def scatter_chunks(
+        self,
+        block_ids: Sequence[int],
+        data: torch.Tensor,
+        fmt: ChunkFormat,
+        first_chunk: int,
+        start: int,
+        end: int,
+    ) -> None:
+        """Write tokens ``start..end`` from ``data``: consecutive chunks from ``first_chunk``,
+        back to back in a flat uint8 tensor (tokens outside the range are not written, so
+        blocks vLLM already holds stay untouched)."""
+        chunks = data.numel() // max(fmt.chunk_bytes, 1)
+        base = first_chunk * fmt.chunk_tokens
+        if not base <= start <= end <= base + chunks * fmt.chunk_tokens:
+            raise InvalidArgument(
+                f"tokens {start}..{end} are not within chunks {first_chunk}..{first_chunk + chunks}"
+            )
+        per_layer = fmt.unpack(data.to(self.device), chunks)
+        lo, hi = start - base, end - base
+        kv = torch.stack([torch.stack((k[0, :, lo:hi], v[0, :, lo:hi])) for k, v in per_layer])
+        self.scatter(block_ids, start, kv)
+
+    def _gather_layer(self, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
+        if self.cache_layout is CacheLayout.KV_FIRST:
+            return t[:, blk, off].permute(0, 2, 1, 3)  # [2, T, H, D] -> [2, H, T, D]
+        if self.cache_layout is CacheLayout.BLOCKS_FIRST:
+            return t[blk, :, off].permute(1, 2, 0, 3)  # [T, 2, H, D] -> [2, H, T, D]
+        tokens = t[blk, :, off]  # [T, H, 2D], K then V
+        return tokens.reshape(tokens.shape[0], tokens.shape[1], 2, -1).permute(2, 1, 0, 3)
+
+    def _scatter_layer(
+        self, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, kv: torch.Tensor
+    ) -> None:
+        if self.cache_layout is CacheLayout.KV_FIRST:
+            t[:, blk, off] = kv.permute(0, 2, 1, 3)
+        elif self.cache_layout is CacheLayout.BLOCKS_FIRST:
+            t[blk, :, off] = kv.permute(2, 0, 1, 3)
+        else:
+            tokens = kv.permute(2, 1, 0, 3)  # [T, H, 2, D]
+            t[blk, :, off] = tokens.reshape(tokens.shape[0], tokens.shape[1], -1)
+
+
+# --- the agent ----------------------------------------------------------------------------
+class AgentLink:
+    """A lazily (re)connected data-plane client and the tenant's key namespace. ``get()`` is
+    None while the agent is unreachable; a failure closes the client and waits
+    ``retry_seconds`` before the next attempt, so a down agent costs one warning, not one per
+    request."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        tenant: str,
+        model_id: str,
+        layout: KVLayout,
+        token: str | None = None,
+        chunk_tokens: int | None = None,
+        block_size: int | None = None,
+        retry_seconds: float = 10.0,
+        timeout_seconds: float = 5.0,
+    ) -> None:
+        self.address = address
+        self.tenant = tenant
+        self.model_id = model_id
+        self.layout = layout
+        self.token = token
+        self.block_size = block_size
+        self.retry_seconds = retry_seconds
+        self.timeout_seconds = timeout_seconds
+        #: fixed by the caller, or the agent's on first connect
+        self.chunk_tokens = chunk_tokens
+        if chunk_tokens is not None and block_size is not None:
+            check_geometry(chunk_tokens, block_size)
+        self.namespace: Namespace | None = None
+        #: set when the agent's settings cannot work with this engine (logged once)
+        self.disabled: str | None = None
+        self._client: DataClient | None = None
+        self._retry_at = 0.0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(
+        cls, settings: ConnectorSettings, *, model_id: str, layout: KVLayout, block_size: int
+    ) -> AgentLink:
+        return cls(
+            settings.agent,
+            tenant=settings.tenant,
+            model_id=settings.model_id or model_id,
+            layout=layout,
+            token=settings.token,
+            chunk_tokens=settings.chunk_tokens,
+            block_size=block_size,
+            retry_seconds=settings.retry_seconds,
+            timeout_seconds=settings.timeout_seconds,
+        )
+
+    def get(self) -> DataClient | None:
+        with self._lock:
+            if self._client is not None and not self._client.closed:
+                return self._client
+            if self.disabled is not None or time.monotonic() < self._retry_at:
+                return None
+            try:
+                client = DataClient.connect(
+                    self.address, token=self.token, timeout_s=self.timeout_seconds
+                )
+            except AuthError as exc:  # a wrong token is a setting to fix, not an outage
+                self.disabled = f"the kvctl agent at {self.address} refused the token: {exc}"
+                log.error("kvctl connector disabled: %s", self.disabled)
+                return None
+            except (AgentError, OSError) as exc:
+                self._retry_at = time.monotonic() + self.retry_seconds
+                log.warning("kvctl agent at %s unreachable (%s); KV reuse is off for now",
+                            self.address, exc)  # fmt: skip
+                return None
+            try:
+                self._adopt(client)
+            except InvalidArgument as exc:
+                client.close()
+                self.disabled = str(exc)
+                log.error("kvctl connector disabled: %s", exc)
+                return None
+            except (AgentError, OSError) as exc:
+                client.close()
+                self._retry_at = time.monotonic() + self.retry_seconds
+                log.warning("kvctl agent at %s failed (%s); retrying later", self.address, exc)
+                return None
+            self._client = client
+            return client
+
+    def _adopt(self, client: DataClient) -> None:
+        agent_chunk = int(client.info["chunk_tokens"])
+        chunk_tokens = self.chunk_tokens or agent_chunk
+        if self.block_size is not None:
+            check_geometry(chunk_tokens, self.block_size)
+        fmt = ChunkFormat(self.layout, chunk_tokens)
+        limit = int(client.info.get("max_chunk_bytes", fmt.chunk_bytes))
+        if fmt.chunk_bytes > limit:
+            raise InvalidArgument(
+                f"a chunk of {chunk_tokens} tokens is {fmt.chunk_bytes} bytes for this model; the "
+                f"agent takes at most {limit}: lower chunk_tokens or raise the agent's max_chunk"
+            )
+        namespace = client.namespace(self.model_id, self.layout, self.tenant)
+        self.chunk_tokens, self.namespace = chunk_tokens, namespace
+
+    def failed(self, what: str, exc: BaseException) -> None:
+        """Report a failed call: the client is dropped and retried later."""
+        log.warning("kvctl %s failed (%s); continuing without the agent", what, exc)
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+            self._retry_at = time.monotonic() + self.retry_seconds
+
+    def close(self) -> None:
+        with self._lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+
+# --- scheduler side -----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """Read chunks into a request's new blocks: tokens ``start_token..end_token`` (the ones
+    beyond vLLM's local prefix) from the chunks ``keys`` (chunk ``first_chunk`` onward)."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    first_chunk: int
+    start_token: int
+    end_token: int
+    #: the request's blocks from its first token, enough to hold ``end_token`` tokens
+    block_ids: tuple[int, ...]
+    chunk_tokens: int
+
+    def blocks_of(self, start: int, end: int, block_size: int) -> set[int]:
+        """The request's blocks holding tokens ``start..end``."""
+        if end <= start:
+            return set()
+        return set(self.block_ids[start // block_size : -(-end // block_size)])
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    """Store a request's full chunks ``first_chunk ..`` (keys ``keys``) from its blocks."""
+
+    req_id: str
+    keys: tuple[bytes, ...]
+    first_chunk: int
+    #: key of chunk ``first_chunk - 1`` (the prefix-chain link), None for the first chunk
+    parent: bytes | None
+    block_ids: tuple[int, ...]
+    chunk_tokens: int
+
+    @property
+    def parents(self) -> list[bytes | None]:
+        return [self.parent, *self.keys[:-1]]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.keys) * self.chunk_tokens
+
+
+@dataclass(slots=True)
+class _Match:
+    keys: list[bytes]
+    #: leading chunks of the prompt the agent holds (the last may not be loadable)
+    cached_chunks: int
+    local_tokens: int
+
+
+@dataclass(slots=True)
+class _Tracked:
+    prompt_tokens: int
+    keys: list[bytes]
+    block_ids: list[int]
+    #: leading chunks already in the agent or handed to a worker to save
+    stored_chunks: int
+    pending_load: tuple[int, int] | None = None
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What one scheduler step asks the workers to do."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+
+class SchedulerPlan:
+    """Per-request bookkeeping of the scheduler-side connector."""
+
+    def __init__(self, link: AgentLink, block_size: int, *, load: bool = True, save: bool = True):
+        self.link = link
+        self.block_size = block_size
+        self.load = load
+        self.save = save
+        self._matches: dict[str, _Match] = {}
+        self._asked: set[str] = set()
+        self._requests: dict[str, _Tracked] = {}
+        #: loads of requests not yet scheduled: (first token, end token)
+        self._pending_new: dict[str, tuple[int, int]] = {}
+
+    # vLLM asks this (maybe more than once per request; it must not change what is cached)
+    def match(self, req_id: str, prompt: Sequence[int], local_tokens: int) -> int:
+        """Tokens beyond ``local_tokens`` (vLLM's local prefix) that can be loaded."""
+        client = self.link.get()
+        namespace, chunk_tokens = self.link.namespace, self.link.chunk_tokens
+        if client is None or namespace is None or chunk_tokens is None:
+            self._matches.pop(req_id, None)
+            return 0
+        keys = keys_for(prompt, namespace, chunk_tokens)
+        usable = loadable_chunks(len(prompt), chunk_tokens)
+        held = 0  # leading chunks of the prompt the agent holds
+        try:
+            rest = keys
+            # the first question counts a hit (or miss) on the agent, over the chunks a load
+            # may use; repeats, and the last chunk (kept to know what not to save), do not
+            if self.load and usable and req_id not in self._asked:
+                held = client.lookup(keys[:usable], tenant=self.link.tenant).matched_chunks
+                rest = keys[usable:] if held == usable else []
+            if rest:
+                tiers = client.exists(rest, tenant=self.link.tenant)
+                held += next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+            self._asked.add(req_id)
+        except AgentError as exc:
+            self.link.failed("lookup", exc)
+            held = 0
+        self._matches[req_id] = _Match(keys, held, local_tokens)
+        if not self.load:
+            return 0
+        return max(min(held, usable) * chunk_tokens - local_tokens, 0)
+
+    def allocated(self, req_id: str, external_tokens: int) -> None:
+        """vLLM allocated blocks and will count ``external_tokens`` after the local prefix as
+        computed: they must be loaded before the request's next forward pass."""
+        m = self._matches.get(req_id)
+        if m is None or external_tokens <= 0:
+            return
+        start = m.local_tokens
+        tracked = self._requests.get(req_id)
+        if tracked is not None:  # resumed after preemption: known already
+            tracked.pending_load = (start, start + external_tokens)
+        else:
+            self._pending_new[req_id] = (start, start + external_tokens)
+
+    def scheduled_new(
+        self,
+        req_id: str,
+        prompt: Sequence[int],
+        block_ids: Sequence[int],
+        computed_tokens: int,
+        scheduled_tokens: int,
+        plan: StepPlan,
+    ) -> None:
+        """A request's first step: its blocks, and the tokens computed before and during it."""
+        m = self._matches.pop(req_id, None)
+        keys = m.keys if m is not None else self._keys(prompt)
+        tracked = _Tracked(len(prompt), keys, list(block_ids), m.cached_chunks if m else 0)
+        tracked.pending_load = self._pending_new.pop(req_id, None)
+        self._requests[req_id] = tracked
+        self._step(req_id, tracked, computed_tokens + scheduled_tokens, plan)
+
+    def scheduled_again(
+        self,
+        req_id: str,
+        new_block_ids: Sequence[int] | None,
+        resumed: bool,
+        computed_tokens: int,
+        scheduled_tokens: int,
+        plan: StepPlan,
+    ) -> None:
+        """A running (or resumed) request's step; ``new_block_ids`` are appended, or replace
+        its blocks when it resumes after preemption."""
+        tracked = self._requests.get(req_id)
+        if tracked is None:
+            return
+        if resumed:
+            tracked.block_ids = list(new_block_ids or ())
+            m = self._matches.pop(req_id, None)
+            if m is not None:
+                tracked.stored_chunks = max(tracked.stored_chunks, m.cached_chunks)
+        elif new_block_ids:
+            tracked.block_ids.extend(new_block_ids)
+        self._step(req_id, tracked, computed_tokens + scheduled_tokens, plan)
+
+    def finished(self, req_id: str) -> None:
+        self._matches.pop(req_id, None)
+        self._pending_new.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        self._asked.discard(req_id)
+
+    @property
+    def tracked_requests(self) -> int:
+        return len(self._requests)
+
+    def _keys(self, prompt: Sequence[int]) -> list[bytes]:
+        ns, chunk_tokens = self.link.namespace, self.link.chunk_tokens
+        return [] if ns is None or chunk_tokens is None else keys_for(prompt, ns, chunk_tokens)
+
+    def _step(self, req_id: str, t: _Tracked, computed_after: int, plan: StepPlan) -> None:
+        chunk_tokens = self.link.chunk_tokens
+        if chunk_tokens is None:
+            return
+        bs = self.block_size
+        if t.pending_load is not None:
+            start, end = t.pending_load
+            t.pending_load = None
+            first = start // chunk_tokens
+            last = min(-(-end // chunk_tokens), len(t.keys))
+            plan.loads.append(
+                LoadSpec(req_id, tuple(t.keys[first:last]), first, start, end,
+                         tuple(t.block_ids[: -(-end // bs)]), chunk_tokens)
+            )  # fmt: skip
+        if not self.save:
+            return
+        # full prompt chunks whose KV exists once this step's forward pass is done
+        ready = min(computed_after, t.prompt_tokens, len(t.block_ids) * bs) // chunk_tokens
+        ready = min(ready, len(t.keys))
+        if ready <= t.stored_chunks:
+            return
+        first = t.stored_chunks
+        parent = t.keys[first - 1] if first else None
+        blocks = tuple(t.block_ids[: -(-ready * chunk_tokens // bs)])
+        plan.saves.append(
+            SaveSpec(req_id, tuple(t.keys[first:ready]), first, parent, blocks, chunk_tokens)
+        )
+        t.stored_chunks = ready
+
+
+# --- worker side --------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    req_id: str
+    #: tokens written into the request's blocks
+    loaded_tokens: int
+    #: blocks that should have been filled and were not (vLLM recomputes them)
+    failed_block_ids: frozenset[int]
+    fetched_bytes: int
+
+
+class WorkerPlan:
+    """The worker-side connector's copies: chunks from the agent into paged blocks, and paged
+    blocks into chunks for the agent."""
+
+    def __init__(self, link: AgentLink, block_size: int) -> None:
+        self.link = link
+        self.block_size = block_size
+        self.paged: PagedKV | None = None
+        self._formats: dict[int, ChunkFormat] = {}
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> PagedKV:
+        names = order_layers(list(kv_caches))
+        self.paged = PagedKV([kv_caches[n] for n in names], self.link.layout, self.block_size)
+        return self.paged
+
+    def format(self, chunk_tokens: int) -> ChunkFormat:
+        fmt = self._formats.get(chunk_tokens)
+        if fmt is None:
+            fmt = self._formats[chunk_tokens] = ChunkFormat(self.link.layout, chunk_tokens)
+        return fmt
+
+    def load(self, spec: LoadSpec) -> LoadOutcome:
+        """Fill the request's blocks from the agent. The leading chunks that arrive whole are
+        written; the blocks of the rest are reported failed, never left half-trusted."""
+        paged = self._paged()
+        fmt = self.format(spec.chunk_tokens)
+        size = fmt.chunk_bytes
+        usable = 0
+        host = torch.empty(0, dtype=torch.uint8)
+        client = self.link.get()
+        if client is not None and spec.keys:
+            host = _host_buffer(len(spec.keys) * size, paged.device)
+            flat = host.numpy()
+            try:
+                got = client.get_into(
+                    list(spec.keys),
+                    [flat[i * size : (i + 1) * size] for i in range(len(spec.keys))],
+                    tenant=self.link.tenant,
+                )
+            except AgentError as exc:
+                self.link.failed("read", exc)
+                got = []
+            for n in got:
+                if n != size:
+                    if n >= 0:
+                        log.warning(
+                            "kvctl chunk of %d bytes where %d expected; not loaded", n, size
+                        )
+                    break
+                usable += 1
+        base = spec.first_chunk * spec.chunk_tokens
+        loaded_end = min(spec.end_token, base + usable * spec.chunk_tokens)
+        if loaded_end > spec.start_token:
+            paged.scatter_chunks(
+                spec.block_ids, host[: usable * size], fmt, spec.first_chunk,
+                spec.start_token, loaded_end,
+            )  # fmt: skip
+        loaded_end = max(loaded_end, spec.start_token)
+        # a block partly written (the range need not start on a block) is not trusted either
+        failed = spec.blocks_of(loaded_end, spec.end_token, self.block_size)
+        if failed:
+            log.warning("kvctl loaded %d of %d tokens for request %s; %d blocks recomputed",
+                        loaded_end - spec.start_token, spec.end_token - spec.start_token,
+                        spec.req_id, len(failed))  # fmt: skip
+        return LoadOutcome(
+            spec.req_id, loaded_end - spec.start_token, frozenset(failed), usable * size
+        )
+
+    def gather(self, spec: SaveSpec) -> torch.Tensor:
+        """The spec's chunks copied to host memory, ``[chunks, chunk_bytes]`` uint8: the bytes
+        to send, safe from vLLM reusing the blocks."""
+        paged = self._paged()
+        rows = paged.gather_chunks(
+            spec.block_ids, spec.first_chunk, len(spec.keys), spec.chunk_tokens
+        )
+        host = _host_buffer(rows.numel(), paged.device).view(rows.shape)
+        host.copy_(rows)  # synchronous: the bytes are the step's, whatever happens next
+        return host
+
+    def put(self, spec: SaveSpec, host: torch.Tensor, link: AgentLink | None = None) -> int:
+        """Store gathered chunks; returns how many the agent stored (0 when it failed).
+        ``link``: another connection to send through (the saver thread's own)."""
+        link = link or self.link
+        client = link.get()
+        if client is None:
+            return 0
+        rows = host.numpy()
+        try:
+            outcomes = client.put_many(
+                [(key, rows[i]) for i, key in enumerate(spec.keys)],
+                tenant=link.tenant,
+                parents=spec.parents,
+                tokens=spec.chunk_tokens,
+                depths=list(range(spec.first_chunk, spec.first_chunk + len(spec.keys))),
+            )
+        except AgentError as exc:
+            link.failed("save", exc)
+            return 0
+        return sum(o.status == "stored" for o in outcomes)
+
+    def save(self, spec: SaveSpec) -> int:
+        return self.put(spec, self.gather(spec))
+
+    def _paged(self) -> PagedKV:
+        if self.paged is None:
+            raise InvalidArgument("no KV caches registered with the kvctl connector")
+        return self.paged
+
+
+def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    # page-locked when the cache is on a GPU: copies to and from it skip a staging copy
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+class BackgroundSaver:
+    """Sends gathered chunks to the agent off vLLM's step, through its own connection (so a
+    load never queues behind a save). Bounded: beyond ``max_pending_bytes`` waiting, a save is
+    dropped (a future miss, never a stall)."""
+
+    def __init__(
+        self, worker: WorkerPlan, link: AgentLink | None = None, max_pending_bytes: int = 1 << 30
+    ) -> None:
+        self.worker = worker
+        self.link = link or worker.link
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_bytes = 0
+        self.stored_chunks = 0
+        self.dropped_chunks = 0
+        self._queue: queue.Queue[tuple[SaveSpec, torch.Tensor] | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="kvctl-saver", daemon=True)
+        self._thread.start()
+
+    def submit(self, spec: SaveSpec, host: torch.Tensor) -> bool:
+        with self._lock:
+            if self.pending_bytes + host.numel() > self.max_pending_bytes:
+                self.dropped_chunks += len(spec.keys)
+                log.warning("kvctl save queue full (%d bytes); dropped %d chunks of request %s",
+                            self.pending_bytes, len(spec.keys), spec.req_id)  # fmt: skip
+                return False
+            self.pending_bytes += host.numel()
+        self._queue.put((spec, host))
+        return True
+
+    def drain(self) -> None:
+        """Wait until every submitted save has been sent (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+        if self.link is not self.worker.link:
+            self.link.close()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                spec, host = item
+                try:
+                    stored = self.worker.put(spec, host, self.link)
+                except Exception:  # a save must never take the engine down
+                    log.exception("kvctl save of request %s failed", spec.req_id)
+                    stored = 0
+                with self._lock:
+                    self.pending_bytes -= host.numel()
+                    self.stored_chunks += stored
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,416 @@
+"""The vLLM connector's plan against a real agent: one "engine" saves a prompt's chunks from its
+paged blocks, another finds them through the scheduler-side lookup and its worker scatters
+exactly those bytes into fresh blocks. vLLM is not involved (it needs a GPU machine); what the
+connector adds on top of this is the translation of vLLM's objects."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvctl.engines import vllm_connector
+from kvctl.engines.kvformat import ChunkFormat
+from kvctl.engines.vllm_plan import (
+    AgentLink,
+    CacheLayout,
+    PagedKV,
+    SchedulerPlan,
+    StepPlan,
+    WorkerPlan,
+)
+from kvctl.store.keys import KVLayout, keys_for, parents_of
+from tests.functional.agents import Agent, closed_port, running_agent
+
+CHUNK = 32
+BLOCK = 16
+LAYOUT_DIMS = (3, 2, 8)  # layers, kv heads (GQA), head dim
+MODEL = "test/llama-tiny"
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    root = tmp_path_factory.mktemp("vllm-agent")
+    config = root / "agent.toml"
+    config.write_text(f'[agent]\nchunk_tokens = {CHUNK}\nisolated_tenants = ["acme"]\n')
+    with running_agent(root / "a", "--config", str(config), "--cpu", "64MiB", "--disk", "0") as a:
+        yield a
+
+
+def address(agent: Agent, transport: str) -> str:
+    found = agent.state.data_tcp if transport == "tcp" else agent.state.data_unix
+    assert found is not None
+    return found if transport == "tcp" else f"unix://{found}"
+
+
+class Engine:
+    """The connector's two halves for one engine: a scheduler plan and a worker with paged
+    caches (FlashAttention layout unless told otherwise), as vLLM would hold them."""
+
+    def __init__(
+        self,
+        agent_address: str,
+        *,
+        tenant: str = "default",
+        dtype: str = "bfloat16",
+        blocks: int = 32,
+        cache_layout: CacheLayout = CacheLayout.KV_FIRST,
+    ) -> None:
+        self.layout = KVLayout(*LAYOUT_DIMS, dtype)
+
+        def link() -> AgentLink:
+            return AgentLink(
+                agent_address,
+                tenant=tenant,
+                model_id=MODEL,
+                layout=self.layout,
+                block_size=BLOCK,
+                retry_seconds=60.0,
+                timeout_seconds=5.0,
+            )
+
+        # two links, as vLLM runs the halves in two processes
+        self.scheduler = SchedulerPlan(link(), BLOCK)
+        self.worker = WorkerPlan(link(), BLOCK)
+        fmt = ChunkFormat(self.layout, 1)
+        h, d = self.layout.kv_heads, self.layout.head_dim
+        shape = {
+            CacheLayout.KV_FIRST: (2, blocks, BLOCK, h, d),
+            CacheLayout.BLOCKS_FIRST: (blocks, 2, BLOCK, h, d),
+            CacheLayout.PACKED: (blocks, h, BLOCK, 2 * d),
+        }[cache_layout]
+        caches = {
+            f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=fmt.dtype)
+            for i in reversed(range(self.layout.layers))  # dict order is not model order
+        }
+        self.paged: PagedKV = self.worker.register(caches)
+
+    def close(self) -> None:
+        self.scheduler.link.close()
+        self.worker.link.close()
+
+
+def true_kv(engine: Engine, tokens: int, seed: int) -> torch.Tensor:
+    """What the model would compute for the prompt: ``[layers, 2, heads, tokens, dim]``."""
+    g = torch.Generator().manual_seed(seed)
+    lay = engine.layout
+    kv = torch.randn(lay.layers, 2, lay.kv_heads, tokens, lay.head_dim, generator=g)
+    return kv.to(engine.paged.dtype)
+
+
+def prefill_and_save(
+    engine: Engine, req_id: str, prompt: list[int], blocks: list[int], kv: torch.Tensor
+) -> int:
+    """A full prefill in two chunked-prefill steps; returns the chunks the agent stored."""
+    assert engine.scheduler.match(req_id, prompt, 0) == 0  # a prompt the agent has not seen
+    stored = 0
+    split = 40
+    step = StepPlan()
+    engine.scheduler.scheduled_new(req_id, prompt, blocks, 0, split, step)
+    engine.paged.scatter(blocks, 0, kv[:, :, :, :split])  # the forward pass writes its KV
+    stored += sum(engine.worker.save(s) for s in step.saves)
+    step = StepPlan()
+    engine.scheduler.scheduled_again(req_id, [], False, split, len(prompt) - split, step)
+    engine.paged.scatter(blocks, split, kv[:, :, :, split : len(prompt)])
+    stored += sum(engine.worker.save(s) for s in step.saves)
+    engine.scheduler.finished(req_id)
+    return stored
+
+
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_chunks_saved_by_one_engine_are_loaded_into_anothers_blocks(
+    agent: Agent, transport: str
+) -> None:
+    a, b = Engine(address(agent, transport)), Engine(address(agent, transport))
+    try:
+        base = 5000 if transport == "tcp" else 6000  # the agent is shared: distinct prompts
+        prompt = list(range(base, base + 100))
+        kv = true_kv(a, 100, seed=1)
+        # 100 tokens: 3 full chunks stored, the partial 4th never
+        assert prefill_and_save(a, "a1", prompt, list(range(7)), kv) == 3
+
+        # the bytes in the agent are ChunkFormat's: what the transformers adapter reads
+        fmt = ChunkFormat(a.layout, CHUNK)
+        ks = [kv[i, 0].unsqueeze(0) for i in range(a.layout.layers)]
+        vs = [kv[i, 1].unsqueeze(0) for i in range(a.layout.layers)]
+        with agent.data(transport) as dc:
+            keys = keys_for(prompt, dc.namespace(MODEL, a.layout, "default"), CHUNK)
+            assert len(keys) == 3  # full chunks only
+            stored = dc.get_many(keys)
+        for i in range(3):
+            got = stored[i]
+            assert got is not None and bytes(got) == fmt.pack(ks, vs, i).numpy().tobytes()
+
+        # engine B: same first 96 tokens, another ending; nothing local
+        prompt_b = [*prompt[:96], *range(9000, 9030)]
+        assert b.scheduler.match("b1", prompt_b, 0) == 96
+        b.scheduler.allocated("b1", 96)
+        step = StepPlan()
+        blocks_b = [31, 3, 17, 8, 22, 11, 0, 5]  # fresh, scattered
+        b.scheduler.scheduled_new("b1", prompt_b, blocks_b, 96, len(prompt_b) - 96, step)
+        (load,) = step.loads
+        assert (load.start_token, load.end_token, load.first_chunk) == (0, 96, 0)
+        assert load.keys == tuple(keys) and load.block_ids == tuple(blocks_b[:6])
+        assert step.saves == []  # chunks 0..2 are in the agent; the 4th is not full yet
+        outcome = b.worker.load(load)
+        assert outcome.failed_block_ids == frozenset() and outcome.loaded_tokens == 96
+        assert outcome.fetched_bytes == 3 * fmt.chunk_bytes
+        assert torch.equal(b.paged.gather(blocks_b, 0, 96), kv[:, :, :, :96])
+        untouched = b.paged.gather(blocks_b[6:], 0, 2 * BLOCK)
+        assert torch.equal(untouched, torch.full_like(untouched, -7.0))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_last_token_and_the_local_prefix_limit_what_is_loaded(agent: Agent) -> None:
+    a, b = Engine(address(agent, "tcp")), Engine(address(agent, "tcp"))
+    try:
+        prompt = list(range(7000, 7096))  # exactly 3 chunks
+        kv = true_kv(a, 96, seed=2)
+        assert prefill_and_save(a, "a2", prompt, list(range(6)), kv) == 3
+        # the same 96-token prompt: its last token must be computed, so 2 chunks, not 3
+        assert b.scheduler.match("b2", prompt, 0) == 64
+        # vLLM already holds 48 tokens locally (3 blocks): 16 more up to chunk 2's end
+        assert b.scheduler.match("b3", prompt, 48) == 16
+        b.scheduler.allocated("b3", 16)
+        blocks = [4, 9, 1, 12, 13, 14]
+        local = true_kv(b, 48, seed=99)
+        b.paged.scatter(blocks, 0, local)  # the local prefix (vLLM's own cache)
+        step = StepPlan()
+        b.scheduler.scheduled_new("b3", prompt, blocks, 64, 32, step)
+        (load,) = step.loads
+        assert (load.start_token, load.end_token, load.first_chunk) == (48, 64, 1)
+        assert b.worker.load(load).loaded_tokens == 16
+        assert torch.equal(b.paged.gather(blocks, 48, 64), kv[:, :, :, 48:64])
+        assert torch.equal(b.paged.gather(blocks, 0, 48), local)  # local blocks untouched
+        # all 3 chunks were already in the agent (the lookup saw them), none saved again
+        assert step.saves == []
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_chunk_evicted_after_the_lookup_fails_only_its_blocks(agent: Agent) -> None:
+    a, b = Engine(address(agent, "unix")), Engine(address(agent, "unix"))
+    try:
+        prompt = list(range(11000, 11100))
+        kv = true_kv(a, 100, seed=3)
+        assert prefill_and_save(a, "a4", prompt, list(range(7)), kv) == 3
+        assert b.scheduler.match("b4", prompt, 0) == 96
+        b.scheduler.allocated("b4", 96)
+        step = StepPlan()
+        blocks = [20, 21, 22, 23, 24, 25, 26]
+        b.scheduler.scheduled_new("b4", prompt, blocks, 96, 4, step)
+        (load,) = step.loads
+        with agent.control() as ctl:
+            assert ctl.evict([load.keys[2]])["done"] == 1
+        outcome = b.worker.load(load)
+        assert outcome.loaded_tokens == 64
+        assert outcome.failed_block_ids == {24, 25}  # tokens 64..96: vLLM recomputes them
+        assert torch.equal(b.paged.gather(blocks, 0, 64), kv[:, :, :, :64])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_chunks_stored_by_the_transformers_adapter_layout_are_loaded(agent: Agent) -> None:
+    """The other direction: chunks packed by ``ChunkFormat`` from contiguous caches (what the
+    transformers adapter stores) and put under the same namespace are found and scattered."""
+    b = Engine(address(agent, "tcp"), dtype="float16", cache_layout=CacheLayout.PACKED)
+    try:
+        lay = b.layout
+        fmt = ChunkFormat(lay, CHUNK)
+        prompt = list(range(20000, 20070))  # 2 full chunks + 6
+        kv = true_kv(b, 64, seed=4)
+        ks = [kv[i, 0].unsqueeze(0) for i in range(lay.layers)]
+        vs = [kv[i, 1].unsqueeze(0) for i in range(lay.layers)]
+        with agent.data("tcp") as dc:
+            keys = keys_for(prompt, dc.namespace(MODEL, lay, "default"), CHUNK)
+            outcomes = dc.put_many(
+                [(k, fmt.pack(ks, vs, i).numpy()) for i, k in enumerate(keys)],
+                tenant="default",
+                parents=parents_of(keys),
+                tokens=CHUNK,
+            )
+        assert [o.status for o in outcomes] == ["stored", "stored"]
+        assert b.scheduler.match("b5", prompt, 0) == 64
+        b.scheduler.allocated("b5", 64)
+        step = StepPlan()
+        blocks = [2, 30, 6, 9, 1]
+        b.scheduler.scheduled_new("b5", prompt, blocks, 64, 6, step)
+        assert b.worker.load(step.loads[0]).failed_block_ids == frozenset()
+        assert torch.equal(b.paged.gather(blocks, 0, 64), kv)
+    finally:
+        b.close()
+
+
+def test_an_isolated_tenants_chunks_are_found_by_that_tenant_only(agent: Agent) -> None:
+    acme = Engine(address(agent, "tcp"), tenant="acme")
+    other = Engine(address(agent, "tcp"))
+    acme_again = Engine(address(agent, "tcp"), tenant="acme")
+    try:
+        prompt = list(range(30000, 30065))
+        assert prefill_and_save(acme, "x", prompt, list(range(5)), true_kv(acme, 65, 5)) == 2
+        assert other.scheduler.match("y", prompt, 0) == 0  # salted keys: not even visible
+        assert acme_again.scheduler.match("z", prompt, 0) == 64
+    finally:
+        for e in (acme, other, acme_again):
+            e.close()
+
+
+def test_a_down_agent_means_no_reuse_and_no_errors(caplog: pytest.LogCaptureFixture) -> None:
+    engine = Engine(f"127.0.0.1:{closed_port()}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvctl.engines.vllm"):
+            assert engine.scheduler.match("r", list(range(500)), 0) == 0
+            step = StepPlan()
+            engine.scheduler.scheduled_new("r", list(range(500)), list(range(32)), 0, 500, step)
+        # without the agent's chunk size nothing is planned: no loads, no saves to fail
+        assert step.loads == [] and step.saves == []
+        assert any("unreachable" in r.message for r in caplog.records)
+    finally:
+        engine.close()
+
+
+def test_the_agents_chunk_size_must_be_whole_blocks(agent: Agent) -> None:
+    link = AgentLink(
+        address(agent, "tcp"), tenant="default", model_id=MODEL,
+        layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), block_size=64,
+    )  # fmt: skip
+    assert link.get() is None
+    assert link.disabled is not None and "multiple of vLLM's block_size (64)" in link.disabled
+
+
+# --- the connector class itself, driven the way vLLM drives it ---------------------------------
+def vllm_config(agent_address: str, tenant: str) -> SimpleNamespace:
+    """The attributes of vLLM's VllmConfig the connector reads (names as in vLLM's sources)."""
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(
+            kv_connector_extra_config={"agent": agent_address, "tenant": tenant},
+            is_kv_producer=True,
+            is_kv_consumer=True,
+        ),
+        model_config=SimpleNamespace(
+            model=MODEL,
+            use_mla=False,
+            dtype=torch.bfloat16,
+            get_num_layers=lambda parallel: LAYOUT_DIMS[0],
+            get_num_kv_heads=lambda parallel: LAYOUT_DIMS[1],
+            get_head_size=lambda: LAYOUT_DIMS[2],
+        ),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto"),
+    )
+
+
+def request(req_id: str, prompt: list[int], **extra: object) -> SimpleNamespace:
+    fields = {"mm_features": [], "lora_request": None, "cache_salt": None, "prompt_embeds": None}
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, **{**fields, **extra})
+
+
+def scheduler_output(
+    new: list[tuple[SimpleNamespace, list[int], int]], scheduled: dict[str, int]
+) -> SimpleNamespace:
+    """vLLM's SchedulerOutput (0.11.2+ shape) with new requests (request, blocks, computed)."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(
+                req_id=r.request_id,
+                prompt_token_ids=r.prompt_token_ids,
+                block_ids=(blocks,),
+                num_computed_tokens=computed,
+                mm_features=r.mm_features,
+                lora_request=r.lora_request,
+                prompt_embeds=r.prompt_embeds,
+            )
+            for r, blocks, computed in new
+        ],
+        scheduled_cached_reqs=SimpleNamespace(
+            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+        ),
+        num_scheduled_tokens=scheduled,
+        finished_req_ids=set(),
+    )
+
+
+def test_the_connector_class_saves_and_loads_through_the_agent(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(vllm_connector, "_VLLM_MISSING", None)  # vLLM's part: its objects below
+    Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
+    cfg = vllm_config(address(agent, "unix"), "glue")
+    dtype = torch.bfloat16
+    layout = KVLayout(*LAYOUT_DIMS, "bfloat16")
+    shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
+
+    def caches() -> dict[str, torch.Tensor]:
+        return {f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=dtype)
+                for i in range(LAYOUT_DIMS[0])}  # fmt: skip
+
+    prompt = list(range(40000, 40100))
+    g = torch.Generator().manual_seed(6)
+    kv = torch.randn(LAYOUT_DIMS[0], 2, LAYOUT_DIMS[1], 100, LAYOUT_DIMS[2], generator=g).to(dtype)
+
+    # engine A computes the prompt and saves its 3 full chunks
+    sched, worker = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
+    caches_a = caches()
+    worker.register_kv_caches(caches_a)
+    a = request("A", prompt)
+    assert sched.get_num_new_matched_tokens(a, 0) == (0, False)
+    sched.update_state_after_alloc(a, None, 0)
+    image = request("I", prompt, mm_features=["image"])  # same tokens, other KV: left alone
+    assert sched.get_num_new_matched_tokens(image, 0) == (0, False)
+    blocks_a = [3, 4, 5, 6, 7, 8, 9]
+    meta = sched.build_connector_meta(
+        scheduler_output([(a, blocks_a, 0), (image, [10, 11], 0)], {"A": 100, "I": 100})
+    )
+    meta = pickle.loads(pickle.dumps(meta))  # as it travels to the worker process
+    assert meta.loads == [] and [s.req_id for s in meta.saves] == ["A"]
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    PagedKV(list(caches_a.values()), layout, BLOCK).scatter(blocks_a, 0, kv)  # the forward pass
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+    assert sched.request_finished(a, blocks_a) == (False, None)
+    worker.shutdown()  # drains the background saver
+
+    # engine B: the same first 96 tokens, another ending, nothing local: 3 chunks offered
+    sched_b, worker_b = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
+    caches_b = caches()
+    worker_b.register_kv_caches(caches_b)
+    b = request("B", [*prompt[:96], *range(1, 30)])
+    assert sched_b.get_num_new_matched_tokens(b, 0) == (96, False)
+    sched_b.update_state_after_alloc(b, None, 96)
+    blocks_b = [15, 1, 12, 0, 2, 13, 14, 10]
+    meta = sched_b.build_connector_meta(scheduler_output([(b, blocks_b, 96)], {"B": 29}))
+    worker_b.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+    worker_b.start_load_kv(None)
+    assert worker_b.get_block_ids_with_load_errors() == set()
+    got = PagedKV(list(caches_b.values()), layout, BLOCK).gather(blocks_b, 0, 96)
+    assert torch.equal(got, kv[:, :, :, :96])
+    for c in (sched, sched_b, worker_b):
+        c.shutdown()
+
+
+def test_a_wrong_token_stops_start_up_instead_of_passing_for_an_outage(tmp_path: Path) -> None:
+    with running_agent(tmp_path / "t", "--cpu", "8MiB", "--disk", "0", token="right") as a:
+        link = AgentLink(
+            address(a, "tcp"), tenant="default", model_id=MODEL,
+            layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), token="wrong",
+        )  # fmt: skip
+        assert link.get() is None
+        assert link.disabled is not None and "refused the token" in link.disabled
+        good = AgentLink(
+            address(a, "tcp"), tenant="default", model_id=MODEL,
+            layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), token="right",
+        )  # fmt: skip
+        try:
+            assert good.get() is not None and good.chunk_tokens == 256
+        finally:
+            good.close()
