@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
+import signal
 import statistics
-from collections.abc import Callable
-from typing import Any
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import kvctl
+
+if TYPE_CHECKING:
+    from kvctl.agent.daemon import AgentState
+
+#: how long a bench agent gets to stop on SIGTERM before it is killed
+AGENT_STOP_GRACE_S = 30.0
 
 
 def alternating(repeats: int, reference: Callable[[], None], measured: Callable[[], None]) -> None:
@@ -40,3 +50,26 @@ def host_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
     }
+
+
+@contextlib.contextmanager
+def spawned_agent(data_dir: Path, *argv: str) -> Iterator[AgentState]:
+    """An agent on loopback (ephemeral ports, no user config file, no KVCTL_* settings from the
+    environment), stopped on the way out whatever happened: SIGTERM, then SIGKILL after a grace
+    period."""
+    from kvctl.agent.daemon import spawn_agent
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(data_dir / "xdg")
+    loopback = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0"]
+    proc, state = spawn_agent([*loopback, *argv], data_dir, env=env, detach=False)
+    try:
+        yield state
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(AGENT_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,119 @@
+"""`kvctl bench ttft` for real, small: a tiny Llama, three real agents, one short context. The
+JSON's internal consistency, every source reusing what it should (the bench itself refuses a
+sample that reused the wrong tier or answered differently), no agent left behind, the command
+line and bad input. No assertion on speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvctl.bench.ttft import parse_contexts, render_ttft_bench, run_ttft_bench
+from kvctl.store.errors import InvalidArgument
+
+CHUNK, CONTEXT, SUFFIX = 64, 512, 16
+
+
+@pytest.fixture(scope="module")
+def result() -> dict[str, Any]:
+    return run_ttft_bench(
+        contexts=[CONTEXT], suffix_tokens=SUFFIX, chunk_tokens=CHUNK, repeats=2, device="cpu"
+    )
+
+
+def _agents_of_the_bench() -> list[str]:
+    out = subprocess.run(["pgrep", "-af", "kvctl-bench-ttft-"], capture_output=True, text=True)
+    return [line for line in out.stdout.splitlines() if "agent start" in line]
+
+
+def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
+    (row,) = result["rows"]
+    model = result["model"]
+    assert model["shape"] == "tiny-llama" and model["dtype"] == "float32"
+    assert model["chunk_bytes"] == CHUNK * model["kv_bytes_per_token"]
+    assert (row["context_tokens"], row["prompt_tokens"]) == (CONTEXT, CONTEXT + SUFFIX)
+    full_s = row["full_prefill"]["ttft_seconds"]
+    assert full_s > 0 and len(row["full_prefill"]["samples_seconds"]) == 2
+    assert row["miss"]["reused_tokens"] == 0 and row["miss"]["bytes_moved"] == 0
+    assert set(row["sources"]) == {"cpu", "disk", "pool"}
+    for s in row["sources"].values():
+        assert s["reused_tokens"] == CONTEXT and s["computed_tokens"] == SUFFIX
+        assert s["bytes_moved"] == CONTEXT // CHUNK * model["chunk_bytes"]
+        assert s["speedup"] == pytest.approx(full_s / s["ttft_seconds"])
+        parts = s["lookup_seconds"] + s["fetch_seconds"] + s["compute_seconds"]
+        assert len(s["samples_seconds"]) == 2 and parts > 0
+    assert row["memcpy_seconds"] > 0
+
+
+def test_no_agent_is_left_running(result: dict[str, Any]) -> None:
+    assert result["rows"] and _agents_of_the_bench() == []
+
+
+def test_the_table_for_people(result: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render_ttft_bench(result))
+    text = console.export_text()
+    for word in ("TTFT", "tiny-llama", "512", "miss", "cpu", "disk", "pool", "speedup"):
+        assert word in text
+
+
+def test_the_command_prints_json() -> None:
+    args = ["--contexts", "256", "--suffix", "8", "--chunk-tokens", "64", "--repeats", "1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "bench", "ttft", *args, "--sources", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert list(data["rows"][0]["sources"]) == ["cpu"]
+    assert data["rows"][0]["sources"]["cpu"]["reused_tokens"] == 256
+    assert "full prefill" in out.stderr  # progress goes to stderr, JSON alone to stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--contexts", "lots"], "bad context length"),
+        (["--contexts", "0"], "must be positive"),
+        (["--sources", "tape"], "unknown source"),
+        (["--model", "gpt-5"], "unknown model"),
+        (["--dtype", "int4"], "unknown dtype"),
+        (["--repeats", "0"], "must be positive"),
+    ],
+)
+def test_bad_input_is_one_clear_line(args: list[str], message: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "bench", "ttft", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+
+
+def test_cuda_asked_for_where_there_is_none() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(InvalidArgument, match="no CUDA device"):
+        run_ttft_bench(device="cuda")
+
+
+def test_parse_contexts() -> None:
+    assert parse_contexts("1k, 4k,16k") == [1024, 4096, 16384]
+    assert parse_contexts("100k,2048") == [102400, 2048]
+    assert parse_contexts("0.5k") == [512]
+    with pytest.raises(InvalidArgument, match="at least one"):
+        parse_contexts(" , ")
