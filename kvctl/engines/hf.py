@@ -51,7 +51,8 @@ class Prefill:
     #: logits of the last prompt position, float32 on the CPU
     logits: torch.Tensor
     next_token: int
-    cache: DynamicCache
+    #: the model's cache after the prompt (None once a caller dropped it to free memory)
+    cache: DynamicCache | None
     prompt_tokens: int
     #: tokens whose KV came from the agent
     reused_tokens: int
@@ -73,7 +74,9 @@ class Prefill:
 
     @property
     def ttft_seconds(self) -> float:
-        """Lookup + fetch + prefill of the rest, up to the next token (storing comes after)."""
+        """Lookup + fetch + prefill of the rest, up to the next token's logits. Storing the new
+        chunks is not in it: an engine sends the token first. (``prefill`` itself returns after
+        storing; ``store_seconds`` says how long that took.)"""
         return self.lookup_seconds + self.fetch_seconds + self.compute_seconds
 
     def as_dict(self) -> dict[str, Any]:
@@ -121,7 +124,7 @@ class CachedLM:
     ) -> None:
         self.model = model
         self.chunked_prefill = chunked_prefill
-        self.client = client
+        self._client = client
         self.tenant = tenant
         self.store = store
         param = next(model.parameters())
@@ -138,6 +141,19 @@ class CachedLM:
                 "chunk_tokens or raise the agent's max_chunk_bytes"
             )
         self._namespaces: dict[str, Namespace] = {}
+        #: host buffer chunks are read into, kept between requests (pinned for a GPU: pinning
+        #: is slow, and a fresh buffer's first touch would be timed as fetch)
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def client(self) -> DataClient | None:
+        return self._client
+
+    @client.setter
+    def client(self, client: DataClient | None) -> None:
+        """A new connection (say, after the agent restarted); tenants' policies are asked anew."""
+        self._client = client
+        self._namespaces.clear()
 
     def namespace(self, tenant: str | None = None) -> Namespace:
         """Model id + KV layout + the tenant's salt (asked of the agent once per tenant)."""
@@ -165,12 +181,17 @@ class CachedLM:
         if not ids:
             raise InvalidArgument("a prompt needs at least one token")
         tenant = self.tenant if tenant is None else tenant
-        keys = self.chunk_keys(ids, tenant) if self.client is not None else []
+        try:
+            keys = self.chunk_keys(ids, tenant) if self.client is not None else []
+        except AgentError as exc:  # the tenant's policy is asked of the agent on first use
+            log.warning("kvctl agent unavailable, prefilling in full: %s", exc)
+            keys = []
         # the last prompt token is always computed: its logits are the answer
         reusable = keys[: (len(ids) - 1) // self.chunk_tokens]
 
         t0 = time.perf_counter()
-        matched, tiers = self._lookup(reusable, tenant)
+        matched, locations = self._lookup(reusable, tenant)
+        tiers = [t for t in locations[:matched] if t is not None]
         t1 = time.perf_counter()
         cache, reused = self._fetch(reusable[:matched], tenant)
         tiers = tiers[:reused]
@@ -186,7 +207,7 @@ class CachedLM:
             cache = out.past_key_values
         logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
         t3 = time.perf_counter()
-        stored, stored_bytes = self._store(out.past_key_values, keys, reused, tenant)
+        stored, stored_bytes = self._store(out.past_key_values, keys, reused, locations, tenant)
         t4 = time.perf_counter()
         return Prefill(
             logits=logits,
@@ -221,7 +242,8 @@ class CachedLM:
         return new
 
     # --- steps ------------------------------------------------------------------------------
-    def _lookup(self, keys: list[bytes], tenant: str) -> tuple[int, list[str]]:
+    def _lookup(self, keys: list[bytes], tenant: str) -> tuple[int, list[str | None]]:
+        """Leading chunks cached, and the tier of every key looked up (None: not cached)."""
         if not keys or self.client is None:
             return 0, []
         try:
@@ -229,7 +251,7 @@ class CachedLM:
         except AgentError as exc:
             log.warning("kvctl lookup failed, prefilling in full: %s", exc)
             return 0, []
-        return found.matched_chunks, list(found.matched_tiers)
+        return found.matched_chunks, list(found.locations)
 
     def _fetch(self, keys: list[bytes], tenant: str) -> tuple[DynamicCache, int]:
         """The cache object holding the chunks' KV, and how many leading chunks it holds."""
@@ -238,7 +260,10 @@ class CachedLM:
             return cache, 0
         size = self.format.chunk_bytes
         pinned = self.device.type == "cuda"
-        host = torch.empty(len(keys) * size, dtype=torch.uint8, pin_memory=pinned)
+        host = self._staging
+        if host is None or host.numel() < len(keys) * size:
+            host = torch.empty(len(keys) * size, dtype=torch.uint8, pin_memory=pinned)
+            self._staging = host
         flat = host.numpy()
         try:
             got = self.client.get_into(
@@ -257,26 +282,40 @@ class CachedLM:
             usable += 1
         if usable:
             data = host[: usable * size].to(self.device, non_blocking=pinned)
+            staging = host.untyped_storage().data_ptr()
             for layer, (k, v) in enumerate(self.format.unpack(data, usable)):
+                # the cache must own its tensors: the staging buffer serves the next request
+                if k.untyped_storage().data_ptr() == staging:
+                    k, v = k.clone(), v.clone()
                 cache.update(k.contiguous(), v.contiguous(), layer)
         return cache, usable
 
     def _store(
-        self, cache: DynamicCache, keys: list[bytes], reused: int, tenant: str
+        self,
+        cache: DynamicCache,
+        keys: list[bytes],
+        reused: int,
+        locations: list[str | None],
+        tenant: str,
     ) -> tuple[int, int]:
-        if not self.store or self.client is None or len(keys) <= reused:
+        """Store the prompt's full chunks the agent does not hold yet."""
+        client = self.client
+        if not self.store or client is None or len(keys) <= reused:
             return 0, 0
-        layers = cache.layers
-        ks = [layer.keys for layer in layers]
-        vs = [layer.values for layer in layers]
-        parents = parents_of(keys)
-        items = [
-            (keys[i], self.format.pack(ks, vs, i).cpu().numpy()) for i in range(reused, len(keys))
-        ]
         try:
-            outcomes = self.client.put_many(
-                items, tenant=tenant, parents=parents[reused:], tokens=self.chunk_tokens,
-                depths=list(range(reused, len(keys))),
+            # the last chunk of a prompt that ends on a chunk boundary was not looked up
+            rest = keys[len(locations) :]
+            held = [*locations, *(client.exists(rest, tenant=tenant) if rest else [])]
+            todo = [i for i in range(reused, len(keys)) if held[i] is None]
+            if not todo:
+                return 0, 0
+            ks = [layer.keys for layer in cache.layers]
+            vs = [layer.values for layer in cache.layers]
+            parents = parents_of(keys)
+            items = [(keys[i], self.format.pack(ks, vs, i).cpu().numpy()) for i in todo]
+            outcomes = client.put_many(
+                items, tenant=tenant, parents=[parents[i] for i in todo], tokens=self.chunk_tokens,
+                depths=todo,
             )  # fmt: skip
         except AgentError as exc:
             log.warning("kvctl store failed; the next request will prefill again: %s", exc)

@@ -80,8 +80,15 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
 ) -> LlamaForCausalLM:
-    """A model with weights drawn from ``seed``: the same seed gives bit-identical weights."""
+    """A model with weights drawn from ``seed`` on ``device``.
+
+    The same seed gives the same weights only on the same kind of device with the same torch
+    (CPU and CUDA draw different streams), so a config built here gets a model id naming all
+    three: two builds that could differ never share KV."""
     cfg = shape if isinstance(shape, LlamaConfig) else llama_config(shape, seed=seed)
+    kind = torch.device(device).type
+    if not isinstance(shape, LlamaConfig):
+        cfg.name_or_path = f"{cfg.name_or_path}-{kind}-torch{torch.__version__}"
     torch.manual_seed(seed)
     with torch.device(device):
         model = LlamaForCausalLM(cfg)

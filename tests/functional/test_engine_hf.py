@@ -162,15 +162,43 @@ def test_an_agent_that_dies_costs_reuse_not_the_answer(tmp_path: Path) -> None:
     model = build_model("tiny-llama", seed=7)
     baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
     ids = _tokens(CHUNK * 3 + 5, 13)
-    with running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent:
+    want = baseline.prefill(ids).logits
+    with running_agent(tmp_path / "a", "--config", str(_config(tmp_path))) as agent:
         client = agent.data("tcp")
         lm = CachedLM(model, client, chunked_prefill=True)
         assert lm.prefill(ids).stored_chunks == 3
         agent.kill9()
         got = lm.prefill(ids)
         assert (got.reused_chunks, got.stored_chunks) == (0, 0)
-        assert torch.equal(got.logits, baseline.prefill(ids).logits)
+        assert torch.equal(got.logits, want)
+        # a tenant never seen before needs the agent for its policy: still an answer
+        assert torch.equal(lm.prefill(ids, tenant="newcomer").logits, want)
         client.close()
+    # the agent is back (empty): a new connection, and reuse resumes
+    with (
+        running_agent(tmp_path / "b", "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        lm.client = client
+        assert lm.prefill(ids).stored_chunks == 3
+        again = lm.prefill(ids)
+        assert again.reused_chunks == 3 and torch.equal(again.logits, want)
+
+
+def test_chunks_the_agent_holds_are_not_stored_again(tmp_path: Path) -> None:
+    model = build_model("tiny-llama", seed=9)
+    ids = _tokens(CHUNK * 3, 17)  # ends on a chunk boundary: the last chunk is never reused
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("tcp") as client,
+    ):
+        lm = CachedLM(model, client)
+        first = lm.prefill(ids)
+        assert (first.reused_chunks, first.stored_chunks) == (0, 3)
+        second = lm.prefill(ids)
+        assert (second.reused_chunks, second.stored_chunks, second.stored_bytes) == (2, 0, 0)
+        puts = agent.control().stats()["stats"]["tiers"]["cpu"]["puts"]
+        assert puts == 3
 
 
 def test_bad_prompts_and_oversized_chunks_are_refused_clearly(tmp_path: Path) -> None:
