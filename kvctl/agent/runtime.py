@@ -156,7 +156,14 @@ class AgentRuntime:
             "max_chunk_bytes": s.max_chunk_bytes,
             "eviction": s.eviction,
             "tiers": [{"name": name, **u} for name, u in usage.items()],
-            "unavailable_tiers": list(self.unavailable_tiers),
+            # tiers never opened, then tiers that failed in service (puts go to the next one)
+            "unavailable_tiers": [
+                *self.unavailable_tiers,
+                *(
+                    {"name": name, "reason": reason, "offline": True}
+                    for name, reason in self.store.offline_tiers.items()
+                ),
+            ],
             "models": [
                 {
                     "id": m.id,

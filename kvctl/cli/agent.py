@@ -447,10 +447,13 @@ def _render_status(report: dict[str, Any]) -> None:
         )
     console.print(table)
     for tier in info.get("unavailable_tiers", []):
+        where = (
+            "failed in service, puts go to the next tier"
+            if tier.get("offline")
+            else f"asked for {format_bytes(tier['capacity_bytes'])} on {tier['device']}"
+        )
         console.print(
-            f"[yellow]{tier['name']} tier unavailable[/] (asked for "
-            f"{format_bytes(tier['capacity_bytes'])} on {tier['device']}): "
-            f"{escape(tier['reason'])}",
+            f"[yellow]{tier['name']} tier unavailable[/] ({where}): {escape(tier['reason'])}",
             highlight=False,
         )
     reuse, sharing = stats["reuse_hits"], stats["sharing_hits"]

@@ -17,7 +17,8 @@ class TierStats:
     puts: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
-    #: chunks that arrived in this tier from a lower (slower) tier
+    #: chunks that arrived in this tier on a read: up from a slower tier, or into the lease
+    #: (cpu) tier from a gpu tier above it
     promotions: int = 0
     #: chunks that arrived in this tier from an upper (faster) tier
     demotions: int = 0

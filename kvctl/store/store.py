@@ -1,12 +1,22 @@
 """The tiered KV store: an index over ordered tiers (fastest first) with pluggable policies.
 
 A chunk lives in exactly one tier (exclusive caching), so occupancy and "which tier holds it" are
-unambiguous. Eviction from a tier demotes to the next tier when that tier's admission policy
-allows, and drops otherwise; a hit in a lower tier is promoted to the top tier. Read leases hold
-bytes in place in the first cpu tier (the lease tier), which need not be the top one: under a gpu
-tier, a leased chunk is moved into the cpu tier, down from gpu or up from disk. Every public
-method either completes or raises before changing anything it would have to undo, and a failure
-while demoting (disk full) degrades to a drop that is counted, never to lost or wrong bytes.
+unambiguous. New chunks land in the top tier; eviction from a tier demotes to the next tier when
+that tier's admission policy allows, and drops otherwise.
+
+Reads are served from the first cpu tier (the lease tier), which need not be the top one: under a
+gpu tier, a reader in another process gets a cpu chunk with one copy fewer than a gpu one. So a
+hit below the lease tier is promoted into it (the top tier where the store has no cpu tier), never
+further up, and a hit above it stays where it is; a lease moves its chunk into the lease tier, up
+from disk or down from gpu, counted as a promotion there either way. A gpu tier thus holds newly
+written chunks and overflows into cpu.
+
+A tier whose put raises TierUnavailable (a failed device) is taken offline: chunks that would go
+there go to the next tier down (counted in ``rerouted_puts``) until ``offline_retry_s`` has
+passed, when the next put tries it again; ``offline_tiers`` says which and why. Chunks already in
+it are still read from it. Every public method either completes or raises before changing
+anything it would have to undo, and a failure while demoting (disk full) degrades to a drop that
+is counted, never to lost or wrong bytes.
 """
 
 from __future__ import annotations
@@ -88,6 +98,7 @@ class TieredStore:
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         chunk_bytes: int | None = None,
         promote_on_hit: bool = True,
+        offline_retry_s: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not tiers:
@@ -97,6 +108,8 @@ class TieredStore:
             raise InvalidArgument(f"tier names must be unique, got {names}")
         if chunk_tokens <= 0:
             raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
+        if not offline_retry_s >= 0:  # NaN too
+            raise InvalidArgument(f"offline_retry_s must not be negative, got {offline_retry_s}")
         if chunk_bytes is not None:
             if chunk_bytes <= 0:
                 raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -109,6 +122,7 @@ class TieredStore:
         self.chunk_tokens = chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.promote_on_hit = promote_on_hit
+        self.offline_retry_s = offline_retry_s
         self._clock = clock
         self._tiers = list(tiers)
         self._tier_index = {t.name: i for i, t in enumerate(self._tiers)}
@@ -116,6 +130,12 @@ class TieredStore:
         self._lease_tier: CpuTier | None = next(
             (t for t in self._tiers if isinstance(t, CpuTier)), None
         )
+        #: where hits are promoted to: the lease tier, else the top tier
+        self._hit_tier: Tier = self._tiers[0] if self._lease_tier is None else self._lease_tier
+        #: tiers taken offline by a failed put: name -> (why, when to try it again)
+        self._offline: dict[str, tuple[str, float]] = {}
+        #: puts that landed below their tier because it was offline (or failed on that put)
+        self.rerouted_puts = 0
         self._policies = {t.name: self._policy_for(t.name, eviction) for t in self._tiers}
         admission = admission or {}
         unknown = set(admission) - set(names)
@@ -198,6 +218,14 @@ class TieredStore:
         the top one), or None when the store has no cpu tier."""
         return self._lease_tier
 
+    @property
+    def offline_tiers(self) -> dict[str, str]:
+        """Tiers taken offline by a put that raised TierUnavailable: name -> the error. A tier
+        stays listed until a put into it succeeds (one is tried ``offline_retry_s`` after each
+        failure)."""
+        with self._lock:
+            return {name: why for name, (why, _retry_at) in self._offline.items()}
+
     def tier(self, name: str) -> Tier:
         return self._tiers[self._rank(name)]
 
@@ -258,10 +286,10 @@ class TieredStore:
                 if pinned:
                     self._pin(existing)
                 return existing.tier
-            target = self._tiers[self._rank(tier) if tier else 0]
+            start = self._rank(tier) if tier else 0
             entry = Entry(
                 key=key,
-                tier=target.name,
+                tier=self._tiers[start].name,
                 size_bytes=size,
                 tokens=self.chunk_tokens if tokens is None else tokens,
                 tenant=tenant,
@@ -274,13 +302,30 @@ class TieredStore:
                 retention_until_s=None if retention_seconds is None else now + retention_seconds,
             )
             entry.tenants.add(tenant)
-            self._check_room(target, size, pinning=pinned)
-            policy = self._policies[target.name]
-            if not pinned and target.free_bytes < size and not policy.admit(entry, now):
-                self.stats.bypassed_puts += 1
-                return None
-            self._make_room(target, size)
-            target.put(_meta(entry), data)
+            rerouted = False
+            for target in self._tiers[start:]:
+                if not self._usable(target):
+                    rerouted = True  # checked before evicting anything from it
+                    continue
+                entry.tier = target.name
+                self._check_room(target, size, pinning=pinned)
+                policy = self._policies[target.name]
+                if not pinned and target.free_bytes < size and not policy.admit(entry, now):
+                    self.stats.bypassed_puts += 1
+                    return None
+                self._make_room(target, size)
+                try:
+                    target.put(_meta(entry), data)
+                except TierUnavailable as exc:
+                    self._take_offline(target, exc)
+                    rerouted = True
+                    continue
+                break
+            else:
+                raise TierUnavailable(self._offline_message(self._tiers[start:]))
+            self._offline.pop(target.name, None)
+            if rerouted:
+                self.rerouted_puts += 1
             self._tick += 1
             entry.last_tick = self._tick
             self._index[key] = entry
@@ -358,7 +403,8 @@ class TieredStore:
             return LookupResult(len(keys), m, tuple(tiers), matched_tokens)
 
     def read_into(self, key: bytes, out: memoryview | bytearray, *, tenant: str = "") -> int:
-        """Copy a chunk into ``out``; returns its size. Promotes a lower-tier hit."""
+        """Copy a chunk into ``out``; returns its size. Promotes a hit below the lease tier
+        into it (never into a gpu tier above it)."""
         with self._lock:
             e = self._get_visible(key, tenant)
             view = memoryview(out)
@@ -390,10 +436,11 @@ class TieredStore:
 
     def lease(self, key: bytes, ttl_s: float, *, tenant: str = "") -> Lease | None:
         """Hold a chunk's bytes in place in the lease tier (the first cpu tier), moving it there
-        first (up from disk, or down from a gpu tier above), so a reader can copy or send them
-        without the store's lock. None when the chunk cannot be held there (pinned in another
-        tier, no room, or ``promote_on_hit`` off): read it with ``read_into`` instead. Raises
-        KeyNotFound like ``get``, TierUnavailable when the store has no cpu tier."""
+        first (up from disk, or down from a gpu tier above: a promotion either way), so a reader
+        can copy or send them without the store's lock. None when the chunk cannot be held
+        there (pinned in another tier, no room, or ``promote_on_hit`` off): read it with
+        ``read_into`` instead. Raises KeyNotFound like ``get``, TierUnavailable when the store
+        has no cpu tier."""
         with self._lock:
             home = self._require_lease_tier()
             e = self._get_visible(key, tenant)
@@ -547,10 +594,11 @@ class TieredStore:
             return BulkResult(done=done, missing=missing, failed=failed)
 
     def prefetch(self, keys: Iterable[bytes], tier: str | None = None) -> BulkResult:
-        """Bring chunks up to ``tier`` (default: the top tier); chunks already there or higher,
+        """Bring chunks up to ``tier`` (default: the tier hits are promoted to, the lease tier,
+        which is the top tier unless a gpu tier sits above cpu); chunks already there or higher,
         and unknown keys, are left alone."""
         with self._lock:
-            target = self._tiers[self._rank(tier) if tier else 0]
+            target = self.tier(tier) if tier else self._hit_tier
             rank = self._rank(target.name)
             found, missing = self._split_known(keys)
             up = [e for e in found if self._rank(e.tier) > rank]
@@ -660,6 +708,18 @@ class TieredStore:
                 f"{', '.join(self._tier_index)})"
             )
         return self._lease_tier
+
+    def _usable(self, tier: Tier) -> bool:
+        """False while ``tier`` is offline and its retry is not yet due."""
+        off = self._offline.get(tier.name)
+        return off is None or self._clock() >= off[1]
+
+    def _take_offline(self, tier: Tier, exc: TierUnavailable) -> None:
+        self._offline[tier.name] = (str(exc), self._clock() + self.offline_retry_s)
+
+    def _offline_message(self, tiers: Sequence[Tier]) -> str:
+        why = "; ".join(f"{t.name}: {self._offline[t.name][0]}" for t in tiers)
+        return f"no tier can take the chunk, all are offline ({why})"
 
     def _rank(self, name: str) -> int:
         try:
@@ -832,10 +892,29 @@ class TieredStore:
         src.delete(e.key)
         self._forget(e)
 
-    def _try_place(self, e: Entry, src: Tier, dst: Tier, data: Buffer | None = None) -> bool:
+    def _try_place(
+        self,
+        e: Entry,
+        src: Tier,
+        dst: Tier,
+        data: Buffer | None = None,
+        *,
+        demotion: bool | None = None,
+    ) -> bool:
         """Copy ``e`` from ``src`` into ``dst`` (making room there), then delete it from ``src``.
         ``data`` is the chunk's bytes when the caller already read them. On failure nothing has
-        moved and the caller decides (drop, keep, or report)."""
+        moved and the caller decides (drop, keep, or report); a failed demotion (by default:
+        any move down) is counted. A put into ``dst`` that raises TierUnavailable takes it
+        offline."""
+        down = (
+            self._tier_index[dst.name] > self._tier_index[src.name]
+            if demotion is None
+            else demotion
+        )
+        if not self._usable(dst):
+            if down:
+                self.stats.demotion_failures += 1
+            return False
         if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
             return False
         if dst.free_bytes < e.size_bytes and not self._policies[dst.name].admit(e, self._clock()):
@@ -849,11 +928,16 @@ class TieredStore:
             data = buf
         try:
             self._make_room(dst, e.size_bytes)
-            dst.put(_meta(e), data)
+            try:
+                dst.put(_meta(e), data)
+            except TierUnavailable as exc:
+                self._take_offline(dst, exc)
+                raise
         except (CapacityError, DiskFullError, TierUnavailable):
-            if self._tier_index[dst.name] > self._tier_index[src.name]:
+            if down:
                 self.stats.demotion_failures += 1
             return False
+        self._offline.pop(dst.name, None)
         src.delete(e.key)
         e.tier = dst.name
         self.stats.tiers[dst.name].bytes_written += e.size_bytes
@@ -864,25 +948,29 @@ class TieredStore:
             self._policies[dst.name].on_insert(e)
         return True
 
-    def _promote(self, e: Entry, data: Buffer | None, dst: Tier | None = None) -> None:
-        """Move a hit to ``dst``: the top tier by default; the lease tier for a lease, which may
-        lie below the chunk's tier (a gpu hit leased from the cpu tier: counted as a demotion)."""
+    def _promote(self, e: Entry, data: Buffer | None, lease_to: Tier | None = None) -> None:
+        """Move a read's chunk to where reads are served from. Without ``lease_to``: up into
+        the hit tier (the lease tier, else the top tier) from below it; a chunk at or above it
+        stays (a gpu tier above cpu is never promoted into). With ``lease_to`` (a lease): into
+        that tier from wherever it is, down from a gpu tier too. Either way it is counted as a
+        promotion into the tier it lands in, never as a demotion (no pressure made it move)."""
         if not self.promote_on_hit or e.pinned or e.key not in self._index:
             return
         src = self._tiers[self._tier_index[e.tier]]
-        dst = self._tiers[0] if dst is None else dst
+        if lease_to is not None:
+            dst = lease_to
+        else:
+            dst = self._hit_tier
+            if self._tier_index[dst.name] >= self._tier_index[src.name]:
+                return
         if src is dst:
             return
-        up = self._tier_index[dst.name] < self._tier_index[src.name]
         src_policy = self._policies[src.name]
         src_policy.on_remove(e)  # so making room in dst can never pick it while it moves
-        if self._try_place(e, src, dst, data):
+        if self._try_place(e, src, dst, data, demotion=False):
             if e.key in self._index:
-                if up:
-                    self.stats.tiers[dst.name].promotions += 1
-                else:
-                    self.stats.tiers[dst.name].demotions += 1
-                self._emit("promote" if up else "demote", e, src=src.name)
+                self.stats.tiers[dst.name].promotions += 1
+                self._emit("promote", e, src=src.name)
         else:
             src_policy.on_insert(e)
 
@@ -893,6 +981,8 @@ class TieredStore:
             raise CapacityError(
                 f"chunk of {e.size_bytes} bytes cannot fit tier {dst.name!r} ({room} unpinned)"
             )
+        if not self._usable(dst):
+            raise TierUnavailable(f"tier {dst.name!r} is offline: {self._offline[dst.name][0]}")
         if not e.pinned:
             self._policies[src.name].on_remove(e)
         if not self._try_place(e, src, dst):

@@ -5,12 +5,15 @@ leases of chunks that sit in a tier above the cpu tier."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import math
 import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,6 +22,7 @@ from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
 from kvctl.store.errors import (
     CapacityError,
+    CorruptChunk,
     InvalidArgument,
     KeyNotFound,
     PayloadSizeError,
@@ -26,9 +30,9 @@ from kvctl.store.errors import (
 )
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
-from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.cpu import ArenaAllocator, CpuTier
 from kvctl.store.tiers.disk import DiskTier
-from kvctl.store.tiers.gpu import GpuTier, gpu_available, parse_device
+from kvctl.store.tiers.gpu import GpuTier, gpu_available, host_view, parse_device
 
 try:
     import torch
@@ -39,6 +43,7 @@ except ImportError:  # torch is an optional dependency
     CUDA = False
 
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs torch with CUDA and a visible GPU")
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (pip install 'kvctl[engine]')")
 without_cuda = pytest.mark.skipif(CUDA, reason="checks behaviour on a machine without CUDA")
 #: small staging slots, so chunks of a few KiB already cross the bus in several pieces
 SLOT = 4096
@@ -243,12 +248,15 @@ def test_lease_moves_a_chunk_down_from_a_tier_above_cpu(tmp_path: Path) -> None:
     assert bytes(store.leased_view(lease)) == data
     assert store.tier("fast").used_bytes == 0
     cpu = store.stats.tiers["cpu"]
-    assert (cpu.demotions, cpu.promotions) == (1, 0)  # it arrived from a tier above
-    assert events[-1]["type"] == "demote" and events[-1]["src"] == "fast"
+    # moved for a read, not pushed out by pressure: a promotion into cpu, not a demotion
+    assert (cpu.demotions, cpu.promotions) == (0, 1)
+    assert store.stats.tiers["fast"].evictions.total() == 0
+    assert events[-1]["type"] == "promote" and events[-1]["src"] == "fast"
     assert store.snapshot()["leases"] == 1
     assert store.release([lease.lease_id]) == 1 and store.snapshot()["leases"] == 0
-    # an ordinary read promotes it back to the top tier, bytes intact
-    assert store.get(k(1)) == data and store.entry(k(1)).tier == "fast"
+    # an ordinary read leaves it in cpu, where reads are served from: no trip back up
+    assert store.get(k(1)) == data and store.entry(k(1)).tier == "cpu"
+    assert cpu.promotions == 1 and store.stats.tiers["fast"].promotions == 0
 
 
 def test_lease_from_below_still_promotes_into_cpu_not_the_top(tmp_path: Path) -> None:
@@ -285,6 +293,71 @@ def test_lease_moving_down_makes_room_in_cpu_by_demoting(tmp_path: Path) -> None
     store.release([lease.lease_id])
 
 
+def test_reads_never_promote_into_the_tier_above_cpu(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    events: list[dict[str, object]] = []
+    store.subscribe(events.append)
+    top, low = rand(100, 30), rand(100, 31)
+    assert store.put(k(30), top) == "fast"
+    assert store.put(k(31), low, tier="disk") == "disk"
+    for _ in range(3):  # a hit above cpu stays where it is, however often it is read
+        assert store.get(k(30)) == top
+        out = bytearray(100)
+        assert store.read_into(k(30), out) == 100 and bytes(out) == top
+        assert store.entry(k(30)).tier == "fast"
+    assert store.get(k(31)) == low  # a disk hit goes to cpu, where reads are served from
+    assert store.entry(k(31)).tier == "cpu"
+    assert store.get(k(31)) == low and store.entry(k(31)).tier == "cpu"  # and no further
+    assert [(e["type"], e["src"], e["tier"]) for e in events if e["type"] != "store"] == [
+        ("promote", "disk", "cpu")
+    ]
+    st = store.stats.tiers
+    assert (st["fast"].promotions, st["cpu"].promotions, st["cpu"].demotions) == (0, 1, 0)
+
+
+def test_touch_and_default_prefetch_go_to_cpu_and_an_explicit_one_above(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    for i in (40, 41, 42):
+        store.put(k(i), rand(100, i), tier="disk")
+    assert store.touch(k(40)) == "cpu"
+    assert store.prefetch([k(41)]).done == 1 and store.entry(k(41)).tier == "cpu"
+    assert store.prefetch([k(40), k(41)]).done == 0  # already where the default goes
+    assert store.prefetch([k(42)], "fast").done == 1 and store.entry(k(42)).tier == "fast"
+    assert store.get(k(42)) == rand(100, 42) and store.entry(k(42)).tier == "fast"
+
+
+def test_leases_and_reads_do_not_ping_pong_a_chunk(tmp_path: Path) -> None:
+    store = two_kinds(tmp_path)
+    data = rand(100, 50)
+    store.put(k(50), data)
+    moves: list[dict[str, object]] = []
+    store.subscribe(lambda e: moves.append(e) if e["type"] != "store" else None)
+    for _ in range(5):  # shared-memory reads (leases) and socket reads, alternating
+        lease = store.lease(k(50), 30.0)
+        assert lease is not None and bytes(store.leased_view(lease)) == data
+        store.release([lease.lease_id])
+        assert store.get(k(50)) == data
+    assert store.entry(k(50)).tier == "cpu"
+    assert [(e["type"], e["src"]) for e in moves] == [("promote", "fast")]  # moved once
+    st = store.stats.tiers
+    assert sum(t.demotions for t in st.values()) == 0
+    assert st["cpu"].promotions == 1 and st["cpu"].bytes_written == 100
+
+
+def test_the_tier_above_cpu_holds_new_chunks_and_overflows_into_cpu(tmp_path: Path) -> None:
+    store = TieredStore(
+        [DiskTier(tmp_path / "upper", 300, name="fast"), CpuTier(1000)], eviction="lru"
+    )
+    for i in range(5):
+        assert store.put(k(60 + i), rand(100, 60 + i)) == "fast"
+    assert [store.entry(k(60 + i)).tier for i in range(5)] == ["cpu"] * 2 + ["fast"] * 3
+    assert store.stats.tiers["cpu"].demotions == 2  # pushed out by pressure: demotions
+    for i in range(5):  # reads move nothing back up
+        assert store.get(k(60 + i)) == rand(100, 60 + i)
+    assert [store.entry(k(60 + i)).tier for i in range(5)] == ["cpu"] * 2 + ["fast"] * 3
+    assert store.stats.tiers["fast"].promotions == 0
+
+
 def test_a_store_without_a_cpu_tier_has_no_leases(tmp_path: Path) -> None:
     store = TieredStore([DiskTier(tmp_path / "only", 1000)])
     store.put(k(1), b"z" * 10)
@@ -292,6 +365,141 @@ def test_a_store_without_a_cpu_tier_has_no_leases(tmp_path: Path) -> None:
         store.lease(k(1), 1.0)
     assert store.release([1]) == 0 and store.expire_leases() == 0
     assert store.snapshot()["leases"] == 0
+
+
+# --- with torch, CUDA or not: the tier's bookkeeping and copy code over host memory ------------
+# The arena and staging slots are host tensors and the stream and events do nothing (host copies
+# are synchronous), so put, read, delete and compaction run the tier's own code where there is no
+# GPU: above all what a failed compaction leaves behind, which a real device cannot be made to do.
+
+
+class _Synchronous:
+    def synchronize(self) -> None:
+        pass
+
+    def record(self, stream: object = None) -> None:
+        pass
+
+
+def host_backed(capacity: int, slot: int = SLOT) -> GpuTier:
+    """A GpuTier built around host memory instead of through __init__ (which needs CUDA)."""
+    assert torch is not None
+    t = GpuTier.__new__(GpuTier)
+    t.name, t.device, t.device_description = "gpu", "cuda:0", "host memory stand-in"
+    t._torch = SimpleNamespace(  # type: ignore[assignment]
+        cuda=SimpleNamespace(stream=lambda _s: contextlib.nullcontext(), empty_cache=lambda: None)
+    )
+    t._dev = torch.device("cpu")
+    t._capacity_bytes = capacity
+    t._stream = _Synchronous()  # type: ignore[assignment]
+    t._arena = torch.zeros(capacity, dtype=torch.uint8)
+    t._slot_bytes = slot
+    t._slots = [torch.zeros(slot, dtype=torch.uint8) for _ in range(2)]
+    t._slot_views = [host_view(x) for x in t._slots]
+    t._events = [_Synchronous(), _Synchronous()]  # type: ignore[list-item]
+    t._alloc = ArenaAllocator(capacity)
+    t._chunks, t._lost, t._used_bytes = {}, {}, 0
+    t.compactions, t._closed = 0, False
+    return t
+
+
+SMALL, BIG = 100, 3 * SLOT + 11  # a big chunk slides down by less than its size: overlapping
+
+
+def fragmented(t: GpuTier) -> dict[int, bytes]:
+    """[k0 small | hole | k2 big | hole | k4 big]: 2 * SMALL free bytes, no hole that large."""
+    sizes = [SMALL, SMALL, BIG, SMALL, BIG]
+    for i, n in enumerate(sizes):
+        t.put(ChunkMeta(k(i), n), rand(n, i))
+    t.delete(k(1))
+    t.delete(k(3))
+    return {i: rand(n, i) for i, n in enumerate(sizes) if i not in (1, 3)}
+
+
+def fail_on_move(t: GpuTier, monkeypatch: pytest.MonkeyPatch, nth: int) -> None:
+    """The ``nth`` move of a compaction raises what torch raises for a CUDA error; the moves
+    before it complete."""
+    real, calls = t._move_down, [0]
+
+    def move(dst: int, src: int, n: int) -> None:
+        calls[0] += 1
+        if calls[0] == nth:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        real(dst, src, n)
+
+    monkeypatch.setattr(t, "_move_down", move)
+
+
+@needs_torch
+def test_host_backed_compaction_packs_chunks_and_keeps_their_bytes() -> None:
+    t = host_backed(3 * SMALL + 2 * BIG)
+    chunks = fragmented(t)
+    whole = rand(2 * SMALL, 77)
+    t.put(ChunkMeta(k(9), 2 * SMALL), whole)  # fits the free bytes, but no single hole
+    assert t.compactions == 1 and t.free_bytes == 0 and t._alloc.free_bytes == 0
+    assert t.get(k(9)) == whole
+    for i, data in chunks.items():
+        assert t.get(k(i)) == data
+    offsets = sorted(t._chunks.values())
+    assert offsets[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in itertools.pairwise(offsets))
+
+
+@needs_torch
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_failed_compaction_loses_only_the_moving_chunks_and_stays_consistent(
+    monkeypatch: pytest.MonkeyPatch, nth: int
+) -> None:
+    capacity = 3 * SMALL + 2 * BIG
+    t = host_backed(capacity)
+    chunks = fragmented(t)
+    fail_on_move(t, monkeypatch, nth)
+    with pytest.raises(TierUnavailable, match="illegal memory access"):
+        t.put(ChunkMeta(k(9), 2 * SMALL), rand(2 * SMALL, 9))
+    assert t.compactions == 0 and k(9) not in t
+    # k0 never moved and is intact; k2 and k4 were moving: still listed, their bytes untrusted
+    assert t.get(k(0)) == chunks[0]
+    assert t.used_bytes == SMALL and len(t) == 3 and set(t.keys()) == {k(0), k(2), k(4)}
+    assert t.size_of(k(2)) == BIG
+    with pytest.raises(CorruptChunk, match="compaction failed"):
+        t.get(k(2))
+    assert k(2) not in t and len(t) == 2
+    assert t.delete(k(4)) == BIG and k(4) not in t and len(t) == 1
+    # the allocator matches the map: everything but k0 is one hole, handed out without overlap
+    assert t._alloc.free_bytes == t.free_bytes == capacity - SMALL and t._alloc.holes == 1
+    monkeypatch.undo()
+    rest = {i: rand(SMALL, 100 + i) for i in range(10, 10 + (capacity - SMALL) // SMALL)}
+    for i, data in rest.items():
+        t.put(ChunkMeta(k(i), SMALL), data)
+    assert t.get(k(0)) == chunks[0]
+    for i, data in rest.items():
+        assert t.get(k(i)) == data
+
+
+@needs_torch
+def test_a_store_over_a_failing_gpu_tier_puts_into_cpu_and_forgets_lost_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpu = host_backed(3 * SMALL + 2 * BIG)
+    store = TieredStore([gpu, CpuTier(1 << 20)])
+    chunks = {}
+    for i, n in enumerate([SMALL, SMALL, BIG, SMALL, BIG]):
+        chunks[i] = rand(n, i)
+        assert store.put(k(i), chunks[i]) == "gpu"
+    store.evict([k(1), k(3)])
+    fail_on_move(gpu, monkeypatch, 2)
+    assert store.put(k(9), rand(2 * SMALL, 9)) == "cpu"  # the compaction failed: one tier down
+    assert "illegal memory access" in store.offline_tiers["gpu"] and store.rerouted_puts == 1
+    assert store.put(k(10), rand(SMALL, 10)) == "cpu"
+    assert store.get(k(0)) == chunks[0] and store.get(k(9)) == rand(2 * SMALL, 9)
+    for i in (2, 4):  # torn by the failed compaction: a miss, and forgotten
+        with pytest.raises(CorruptChunk):
+            store.get(k(i))
+        assert k(i) not in store
+    assert store.stats.corrupt_dropped == 2
+    assert store.usage()["gpu"] == {
+        "capacity_bytes": gpu.capacity_bytes, "used_bytes": SMALL, "pinned_bytes": 0, "chunks": 1
+    }  # fmt: skip
 
 
 # --- CUDA only: the tier ---------------------------------------------------------------------
@@ -478,10 +686,13 @@ def test_store_over_gpu_and_cpu_demotes_promotes_and_leases(tmp_path: Path) -> N
             assert store.put(k(i), data[i]) == "gpu"
         store.put(k(3), data[3])  # gpu full: the LRU chunk is demoted to cpu
         assert store.entry(k(0)).tier == "cpu" and store.stats.tiers["cpu"].demotions == 1
-        assert store.get(k(0)) == data[0]  # a cpu hit is promoted to the top (gpu) tier
-        assert store.entry(k(0)).tier == "gpu" and store.stats.tiers["gpu"].promotions == 1
+        assert store.get(k(0)) == data[0]  # a cpu hit stays in cpu: reads never go up to gpu
+        assert store.entry(k(0)).tier == "cpu" and store.stats.tiers["gpu"].promotions == 0
+        assert store.get(k(1)) == data[1] and store.entry(k(1)).tier == "gpu"  # a gpu hit stays
         lease = store.lease(k(3), 30.0)  # a gpu chunk is moved into cpu to be leased
         assert lease is not None and store.entry(k(3)).tier == "cpu"
+        assert store.stats.tiers["cpu"].promotions == 1  # counted as a promotion into cpu
+        assert store.stats.tiers["cpu"].demotions == 1  # still only the one pushed out
         assert bytes(store.leased_view(lease)) == data[3]
         store.release([lease.lease_id])
         for i in range(4):

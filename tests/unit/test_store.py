@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,12 @@ from kvctl.store.errors import (
     InvalidArgument,
     KeyNotFound,
     PayloadSizeError,
+    TierUnavailable,
 )
 from kvctl.store.keys import Namespace
 from kvctl.store.policies import FrequencyAdmission
 from kvctl.store.store import TieredStore
+from kvctl.store.tiers.base import Buffer, ChunkMeta, Tier, check_put, check_resize
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from tests.conftest import chain, put_chain
@@ -350,6 +353,183 @@ def test_disk_full_while_demoting_degrades_to_a_counted_drop(tmp_path: Path) -> 
     result = json.loads(out.stdout)
     assert result == {"cached": 2, "ok": True, "failures": 3, "drops": 3, "disk_used": 0}
     assert not list((tmp_path / "d").rglob("*.tmp*"))
+
+
+# --- a tier that fails (a device gone bad) ---------------------------------------------------
+
+
+class FailingTier(Tier):
+    """An in-memory tier whose puts raise TierUnavailable while ``failure`` is set, as a gpu
+    tier's do after a CUDA error; reads of what it already holds keep working."""
+
+    def __init__(self, capacity_bytes: int, name: str = "dev") -> None:
+        self.name = name
+        self._capacity = capacity_bytes
+        self._data: dict[bytes, bytes] = {}
+        self.failure: str | None = None
+        self.put_calls = 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(map(len, self._data.values()))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def keys(self) -> Iterator[bytes]:
+        return iter(list(self._data))
+
+    def size_of(self, key: bytes) -> int:
+        return len(self._lookup(key))
+
+    def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
+        self.put_calls += 1
+        check_put(self, meta, data)
+        if self.failure is not None:
+            raise TierUnavailable(f"tier {self.name!r}: {self.failure}")
+        assert data is not None
+        self._data[meta.key] = bytes(data)
+
+    def read_into(self, key: bytes, out: memoryview) -> int:
+        data = self._lookup(key)
+        out[: len(data)] = data
+        return len(data)
+
+    def delete(self, key: bytes) -> int:
+        return len(self._data.pop(self._known(key)))
+
+    def resize(self, capacity_bytes: int) -> None:
+        check_resize(self, capacity_bytes)
+        self._capacity = capacity_bytes
+
+    def _known(self, key: bytes) -> bytes:
+        if key not in self._data:
+            raise KeyNotFound(f"{key.hex()} is not in {self.name!r}")
+        return key
+
+    def _lookup(self, key: bytes) -> bytes:
+        return self._data[self._known(key)]
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def data_of(i: int, size: int = 100) -> bytes:
+    return bytes([i % 251]) * size
+
+
+def over_failing(tmp_path: Path, dev: int = 300, **kw) -> tuple[TieredStore, FailingTier]:  # type: ignore[no-untyped-def]
+    """[FailingTier "dev" (3 chunks), cpu (5 chunks), disk]: dev stands where a gpu tier does."""
+    top = FailingTier(dev)
+    tiers = [top, CpuTier(500), DiskTier(tmp_path / "disk", 10_000)]
+    return TieredStore(tiers, eviction="lru", **kw), top
+
+
+def test_a_tier_whose_put_fails_goes_offline_and_puts_land_below(tmp_path: Path) -> None:
+    store, dev = over_failing(tmp_path)
+    assert store.offline_tiers == {}
+    assert store.put(key(1), data_of(1)) == "dev"
+    assert store.put(key(2), data_of(2), tier="disk") == "disk"
+    dev.failure = "CUDA error: an illegal memory access was encountered"
+    assert store.put(key(3), data_of(3)) == "cpu"  # the failed put lands in the next tier down
+    assert store.offline_tiers == {"dev": f"tier 'dev': {dev.failure}"}
+    assert store.rerouted_puts == 1 and dev.put_calls == 2
+    for i in range(4, 8):  # while offline, dev is not tried at all
+        assert store.put(key(i), data_of(i)) == "cpu"
+    assert store.put(key(8), data_of(8), tier="dev") == "cpu"  # asked for by name too
+    assert dev.put_calls == 2 and store.rerouted_puts == 6
+    # cpu (5 chunks) overflowed into disk by the usual demotions; nothing was lost
+    assert store.stats.tiers["disk"].demotions == 1 and store.stats.drops == 0
+    assert store.stats.tiers["cpu"].puts == 6 and store.stats.tiers["dev"].puts == 1
+    for i in range(1, 9):
+        assert store.get(key(i)) == data_of(i)
+    assert store.entry(key(1)).tier == "dev"  # read where it is: dev only refuses new chunks
+    assert len(store) == 8 and store.usage()["dev"]["chunks"] == 1
+
+
+def test_an_offline_tier_is_not_emptied_to_make_room(tmp_path: Path) -> None:
+    store, dev = over_failing(tmp_path)
+    for i in range(3):
+        assert store.put(key(i), data_of(i)) == "dev"  # dev is full
+    dev.failure = "device lost"
+    # the failing put made room first (one chunk demoted to cpu, kept), then failed
+    assert store.put(key(3), data_of(3)) == "cpu"
+    assert len(dev) == 2 and store.stats.tiers["cpu"].demotions == 1
+    for i in range(4, 9):  # offline: checked before any eviction, so dev keeps the rest
+        store.put(key(i), data_of(i))
+    assert len(dev) == 2 and store.stats.tiers["dev"].evictions["capacity"] == 1
+    assert store.stats.drops == 0
+    for i in range(9):
+        assert store.get(key(i)) == data_of(i)
+
+
+def test_an_offline_tier_is_tried_again_after_the_retry_interval(tmp_path: Path) -> None:
+    now = [1000.0]
+    store, dev = over_failing(tmp_path, offline_retry_s=30.0, clock=lambda: now[0])
+    dev.failure = "transient"
+    assert store.put(key(1), data_of(1)) == "cpu" and "dev" in store.offline_tiers
+    now[0] += 29.0
+    assert store.put(key(2), data_of(2)) == "cpu" and dev.put_calls == 1
+    now[0] += 1.0  # due: the next put tries dev again; it fails again, so another 30 s
+    assert store.put(key(3), data_of(3)) == "cpu" and dev.put_calls == 2
+    assert store.put(key(4), data_of(4)) == "cpu" and dev.put_calls == 2
+    dev.failure = None
+    now[0] += 30.0
+    assert store.put(key(5), data_of(5)) == "dev"  # it recovered: back online
+    assert store.offline_tiers == {} and store.put(key(6), data_of(6)) == "dev"
+    assert store.rerouted_puts == 4
+    for i in range(1, 7):
+        assert store.get(key(i)) == data_of(i)
+
+
+def test_moves_into_an_offline_tier_are_refused_and_demotions_into_one_drop(
+    tmp_path: Path,
+) -> None:
+    store, dev = over_failing(tmp_path)
+    dev.failure = "gone"
+    assert store.put(key(1), data_of(1)) == "cpu"
+    assert store.move([key(1)], "dev").failed == 1 and store.entry(key(1)).tier == "cpu"
+    with pytest.raises(TierUnavailable, match="offline: tier 'dev': gone"):
+        store.pin([key(1)], tier="dev")
+    assert not store.entry(key(1)).pinned and dev.put_calls == 1
+    assert store.prefetch([key(1)], "dev").failed == 1
+    # an offline tier below: demotions into it fail (counted) and the victims are dropped
+    low = FailingTier(1000, name="low")
+    store2 = TieredStore([CpuTier(200), low], eviction="lru")
+    low.failure = "gone"
+    for i in range(4):
+        assert store2.put(key(i), data_of(i)) == "cpu"
+    assert store2.offline_tiers == {"low": "tier 'low': gone"}
+    assert low.put_calls == 1  # the first demotion tried it; the next one did not
+    assert store2.stats.demotion_failures == 2 and store2.stats.drops == 2
+    assert [key(i) in store2 for i in range(4)] == [False, False, True, True]
+
+
+def test_a_store_whose_only_tier_is_offline_refuses_puts_and_still_reads(tmp_path: Path) -> None:
+    only = FailingTier(1000)
+    store = TieredStore([only])
+    store.put(key(1), data_of(1))
+    only.failure = "device lost"
+    with pytest.raises(TierUnavailable, match=r"all are offline \(dev: tier 'dev': device lost\)"):
+        store.put(key(2), data_of(2))
+    with pytest.raises(TierUnavailable):
+        store.put(key(3), data_of(3))
+    assert only.put_calls == 2 and len(store) == 1 and store.get(key(1)) == data_of(1)
+    assert key(2) not in store and store.stats.tiers["dev"].puts == 1
+
+
+def test_offline_retry_must_not_be_negative() -> None:
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(InvalidArgument, match="offline_retry_s"):
+            TieredStore([CpuTier(100)], offline_retry_s=bad)
 
 
 # --- events -------------------------------------------------------------------------------------

@@ -15,9 +15,13 @@ fills (or drains) the other. A put returns once its bytes are on the device, so 
 surfaces in the put that hit it; a read returns once the bytes are in the caller's buffer.
 
 Nothing outside this tier reads its memory in place (there are no leases), so compaction and
-resize are free to move chunks. ``import torch`` happens only inside functions: importing this
-module, or ``kvctl.store``, never loads torch. ``gpu_available`` says why a tier cannot be made
-here (torch missing, a build without CUDA, no device, an index out of range).
+resize are free to move chunks. A compaction whose copies fail leaves the chunks it was moving
+torn: they are dropped (a read of one reports CorruptChunk, as the tier contract says for a copy
+that cannot be trusted) and the allocator is rebuilt from the chunks that stayed in place.
+
+``import torch`` happens only inside functions: importing this module, or ``kvctl.store``, never
+loads torch. ``gpu_available`` says why a tier cannot be made here (torch missing, a build
+without CUDA, no device, an index out of range).
 """
 
 from __future__ import annotations
@@ -152,6 +156,9 @@ class GpuTier(Tier):
         self._events = [torch.cuda.Event() for _ in range(_SLOTS)]
         self._alloc = ArenaAllocator(capacity_bytes)
         self._chunks: dict[bytes, tuple[int, int]] = {}  # key -> (offset, size)
+        #: key -> size of chunks a failed compaction tore: still listed (the store indexes them)
+        #: until read (CorruptChunk) or deleted, their bytes already free in the allocator
+        self._lost: dict[bytes, int] = {}
         self._used_bytes = 0
         self.compactions = 0
         self._closed = False
@@ -166,18 +173,24 @@ class GpuTier(Tier):
         return self._used_bytes
 
     def __contains__(self, key: object) -> bool:
-        return key in self._chunks
+        return key in self._chunks or key in self._lost
 
     def __len__(self) -> int:
-        return len(self._chunks)
+        return len(self._chunks) + len(self._lost)
 
     def keys(self) -> Iterator[bytes]:
-        return iter(list(self._chunks))
+        return iter([*self._chunks, *self._lost])
 
     def size_of(self, key: bytes) -> int:
+        self._check_open()
+        if key in self._lost:
+            return self._lost[key]
         return self._slot(key)[1]
 
     def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
+        """As the Tier contract says, with one exception: when the compaction a fragmented
+        arena needs fails (TierUnavailable), the chunks it was moving are lost (see
+        ``_compact``), though nothing of this put's chunk is stored."""
         self._check_open()
         check_put(self, meta, data)
         assert data is not None  # check_put guarantees it for payload tiers
@@ -198,6 +211,11 @@ class GpuTier(Tier):
 
     def read_into(self, key: bytes, out: memoryview) -> int:
         self._check_open()
+        if key in self._lost:
+            del self._lost[key]
+            raise CorruptChunk(
+                f"key {key.hex()} in tier {self.name!r} was lost when a compaction failed"
+            )
         off, n = self._slot(key)
         if out.nbytes < n:
             raise InvalidArgument(f"buffer of {out.nbytes} bytes is smaller than the chunk ({n})")
@@ -211,6 +229,8 @@ class GpuTier(Tier):
 
     def delete(self, key: bytes) -> int:
         self._check_open()
+        if key in self._lost:  # its bytes were freed when it was lost
+            return self._lost.pop(key)
         off, n = self._slot(key)
         del self._chunks[key]
         self._alloc.free(off, n)
@@ -253,6 +273,7 @@ class GpuTier(Tier):
         with contextlib.suppress(RuntimeError):  # a failed device has nothing left to wait for
             self._stream.synchronize()
         self._chunks.clear()
+        self._lost.clear()
         self._used_bytes = 0
         for view in self._slot_views:
             view.release()
@@ -300,17 +321,49 @@ class GpuTier(Tier):
                     issue(i + _SLOTS)
 
     def _compact(self) -> None:
-        """Slide every chunk down to the start of the arena, in offset order."""
+        """Slide every chunk down to the start of the arena, in offset order. The map and the
+        allocator change together, once every copy has finished.
+
+        When a copy fails, which of the queued copies ran is unknown, so every chunk that was
+        moving may be torn: its new bytes incomplete, its old ones partly overwritten by its
+        own move or a later chunk's. Those are dropped (kept in ``_lost``, so a read reports
+        CorruptChunk and the store forgets them) and the allocator is rebuilt from the chunks
+        that did not move: all of them lie below the first move's destination, which no copy
+        writes. Then the error propagates.
+        """
+        packed: dict[bytes, tuple[int, int]] = {}
+        moves: list[tuple[int, int, int]] = []  # (destination, source, size)
         cursor = 0
-        with self._torch.cuda.stream(self._stream):
-            for key, (off, n) in sorted(self._chunks.items(), key=lambda kv: kv[1][0]):
-                if off != cursor:
-                    self._move_down(cursor, off, n)
-                    self._chunks[key] = (cursor, n)
-                cursor += n
-        self._stream.synchronize()
+        for key, (off, n) in sorted(self._chunks.items(), key=lambda kv: kv[1][0]):
+            if off != cursor:
+                moves.append((cursor, off, n))
+            packed[key] = (cursor, n)
+            cursor += n
+        try:
+            with self._torch.cuda.stream(self._stream):
+                for dst, src, n in moves:
+                    self._move_down(dst, src, n)
+            self._stream.synchronize()
+        except BaseException:
+            self._drop_moving(packed)
+            raise
+        self._chunks = packed
         self._alloc.rebuild(self._capacity_bytes, [(0, cursor)] if cursor else [])
         self.compactions += 1
+
+    def _drop_moving(self, packed: dict[bytes, tuple[int, int]]) -> None:
+        """After a failed compaction: keep the chunks that stayed in place, lose the rest."""
+        # copies queued before the failure may still run; later ones on this stream (uploads
+        # into the freed regions) queue behind them, but wait anyway where the device still can
+        with contextlib.suppress(RuntimeError):
+            self._stream.synchronize()
+        kept = {key: slot for key, slot in self._chunks.items() if packed[key] == slot}
+        for key, (_off, n) in self._chunks.items():
+            if key not in kept:
+                self._lost[key] = n
+                self._used_bytes -= n
+        self._chunks = kept
+        self._alloc.rebuild(self._capacity_bytes, sorted(kept.values()))
 
     def _move_down(self, dst: int, src: int, n: int) -> None:
         arena = self._arena
