@@ -41,7 +41,8 @@ saves are gathered to host memory in ``wait_for_save`` and sent by a background 
 unreachable agent means "nothing cached" and skipped saves (logged, retried every
 ``retry_seconds``), never an engine error. Blocks whose chunks vanished between the lookup and
 the read are reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them (on a
-release that does not call it, such blocks would be used unfilled).
+release that does not call it, such blocks would be used unfilled); the chunks computed on top
+of them in that step are not saved, and are saved once vLLM has recomputed them.
 """
 
 from __future__ import annotations
@@ -298,6 +299,13 @@ class KvctlConnector(KVConnectorBase_V1):
             )
         return KvctlConnectorMetadata(step.loads, step.saves)
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' report of the last step: blocks their loads could not fill mean the
+        chunks from there on are not stored (the workers dropped those saves); they are saved
+        when vLLM has recomputed them."""
+        if self._scheduler is not None:
+            self._scheduler.load_failed(getattr(connector_output, "invalid_block_ids", None) or ())
+
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         self._scheduler.finished(request.request_id)
@@ -316,6 +324,8 @@ class KvctlConnector(KVConnectorBase_V1):
         meta = self._metadata()
         if meta is None or self._worker is None:
             return
+        failures = self._worker.failures
+        failures.begin_step()
         for spec in meta.loads:
             try:
                 outcome = self._worker.load(spec)
@@ -324,6 +334,9 @@ class KvctlConnector(KVConnectorBase_V1):
                 log.exception("kvctl load of request %s failed", spec.req_id)
                 failed = spec.blocks_of(spec.start_token, spec.end_token, self.block_size)
             self._failed_blocks |= failed
+            # this step's forward pass computes on the unfilled blocks: its saves of the
+            # request from there on are dropped (wait_for_save)
+            failures.failed(spec, failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv has written every layer before the forward pass
@@ -337,7 +350,7 @@ class KvctlConnector(KVConnectorBase_V1):
         meta = self._metadata()
         if meta is None or self._worker is None or self._saver is None:
             return
-        for spec in meta.saves:
+        for spec in self._worker.failures.sound(meta.saves):
             try:
                 self._saver.submit(spec, self._worker.gather(spec))
             except Exception:
@@ -346,6 +359,13 @@ class KvctlConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
+
+    def get_finished(
+        self, finished_req_ids: set[str], *args: Any, **kwargs: Any
+    ) -> tuple[set[str] | None, set[str] | None]:
+        if self._worker is not None:
+            self._worker.failures.finished(finished_req_ids or ())
+        return None, None  # loads are synchronous and saves never hold blocks
 
     def shutdown(self) -> None:
         if self._saver is not None:

@@ -16,8 +16,9 @@ chunk bytes, and scatter chunk bytes into blocks. Chunk bytes use the shared lay
 by the transformers adapter is read here for the same model and vice versa.
 
 Agent failures never raise out of this module: a failed lookup offers nothing, a failed read
-reports the blocks it could not fill (vLLM recomputes them), a failed save is dropped. Each is
-logged, and the agent is retried after ``retry_seconds``.
+reports the blocks it could not fill (vLLM recomputes them, and what the step computed on top
+of them is not saved: ``LoadFailures``), a failed save is dropped. Each is logged, and the agent
+is retried after ``retry_seconds``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -506,6 +507,18 @@ class SaveSpec:
     def tokens(self) -> int:
         return len(self.keys) * self.chunk_tokens
 
+    def before(self, token: int) -> SaveSpec | None:
+        """This save cut to its chunks that end by ``token``; None when none does."""
+        keep = token // self.chunk_tokens - self.first_chunk
+        if keep <= 0:
+            return None
+        if keep >= len(self.keys):
+            return self
+        return SaveSpec(
+            self.req_id, self.keys[:keep], self.first_chunk, self.parent,
+            self.block_ids, self.chunk_tokens,
+        )  # fmt: skip
+
 
 @dataclass(slots=True)
 class _Match:
@@ -523,6 +536,8 @@ class _Tracked:
     #: leading chunks already in the agent or handed to a worker to save
     stored_chunks: int
     pending_load: tuple[int, int] | None = None
+    #: tokens vLLM counts computed once the last planned step is done
+    computed: int = 0
 
 
 @dataclass(slots=True)
@@ -557,25 +572,36 @@ class SchedulerPlan:
             return 0
         keys = keys_for(prompt, namespace, chunk_tokens)
         usable = loadable_chunks(len(prompt), chunk_tokens)
-        held = 0  # leading chunks of the prompt the agent holds
+        # chunks vLLM holds in its own prefix cache: never loaded (one it holds in part is)
+        local = min(local_tokens // chunk_tokens, usable)
+        present = [False] * len(keys)
+        ask = range(len(keys))  # the chunks whose presence ``exists`` is asked
         try:
-            rest = keys
-            # the first question counts a hit (or miss) on the agent, over the chunks a load
-            # may use; repeats, and the last chunk (kept to know what not to save), do not
-            if self.load and usable and req_id not in self._asked:
-                held = client.lookup(keys[:usable], tenant=self.link.tenant).matched_chunks
-                rest = keys[usable:] if held == usable else []
-            if rest:
-                tiers = client.exists(rest, tenant=self.link.tenant)
-                held += next((i for i, t in enumerate(tiers) if t is None), len(tiers))
-            self._asked.add(req_id)
+            # the first question counts a hit (or miss) on the agent over the chunks a load
+            # would bring in: not those vLLM holds already, nor the last one (kept to know
+            # what not to save); repeats count nothing
+            if self.load and local < usable and req_id not in self._asked:
+                found = client.lookup(keys[local:usable], tenant=self.link.tenant).matched_chunks
+                present[local : local + found] = [True] * found
+                self._asked.add(req_id)
+                ask = [
+                    *range(local),
+                    *(range(usable, len(keys)) if local + found == usable else ()),
+                ]
+            if ask:
+                tiers = client.exists([keys[i] for i in ask], tenant=self.link.tenant)
+                for i, tier in zip(ask, tiers, strict=True):
+                    present[i] = tier is not None
         except AgentError as exc:
             self.link.failed("lookup", exc)
-            held = 0
+            present = [False] * len(keys)
+        held = present.index(False) if False in present else len(present)
         self._matches[req_id] = _Match(keys, held, local_tokens)
         if not self.load:
             return 0
-        return max(min(held, usable) * chunk_tokens - local_tokens, 0)
+        # the agent's chunks from the local prefix on, up to the last loadable one
+        reach = local + [*present[local:usable], False].index(False)
+        return max(reach * chunk_tokens - local_tokens, 0)
 
     def allocated(self, req_id: str, external_tokens: int) -> None:
         """vLLM allocated blocks and will count ``external_tokens`` after the local prefix as
@@ -626,9 +652,33 @@ class SchedulerPlan:
             m = self._matches.pop(req_id, None)
             if m is not None:
                 tracked.stored_chunks = max(tracked.stored_chunks, m.cached_chunks)
-        elif new_block_ids:
-            tracked.block_ids.extend(new_block_ids)
+        else:
+            if computed_tokens < tracked.computed:
+                # vLLM took back tokens it had counted computed: after a failed load it
+                # recomputes from the first unfilled block, and the chunks from there on, whose
+                # saves the worker dropped, are saved again once recomputed
+                self._forget_from(tracked, computed_tokens)
+            if new_block_ids:
+                tracked.block_ids.extend(new_block_ids)
         self._step(req_id, tracked, computed_tokens + scheduled_tokens, plan)
+
+    def load_failed(self, block_ids: Iterable[int]) -> None:
+        """The workers could not fill ``block_ids`` (vLLM's ``invalid_block_ids``): the
+        chunks from the first such block on were computed on garbage, and their saves were
+        dropped by the worker, so they are not stored; they are saved once vLLM recomputes
+        them."""
+        bad = set(block_ids)
+        if not bad:
+            return
+        for t in self._requests.values():
+            first = next((i for i, b in enumerate(t.block_ids) if b in bad), None)
+            if first is not None:
+                self._forget_from(t, first * self.block_size)
+
+    def _forget_from(self, t: _Tracked, token: int) -> None:
+        chunk_tokens = self.link.chunk_tokens
+        if chunk_tokens is not None:
+            t.stored_chunks = min(t.stored_chunks, token // chunk_tokens)
 
     def finished(self, req_id: str) -> None:
         self._matches.pop(req_id, None)
@@ -646,6 +696,7 @@ class SchedulerPlan:
 
     def _step(self, req_id: str, t: _Tracked, computed_after: int, plan: StepPlan) -> None:
         chunk_tokens = self.link.chunk_tokens
+        t.computed = computed_after
         if chunk_tokens is None:
             return
         bs = self.block_size
@@ -685,6 +736,83 @@ class LoadOutcome:
     fetched_bytes: int
 
 
+class LoadFailures:
+    """Keeps KV computed on top of blocks that a failed load left unfilled out of the agent.
+
+    A chunk evicted between the scheduler's lookup and the worker's read leaves its blocks
+    unfilled, and vLLM hears of it only after the step (``get_block_ids_with_load_errors``):
+    the step's forward pass has computed the request's next tokens attending to garbage. Saved,
+    those chunks would sit in the agent under correct keys and be served to every later request
+    (of any tenant) sharing the prefix. So every chunk that ends past the first unfilled block
+    of a request is dropped, in that step and later ones, until the scheduler plans a save of
+    the request from that chunk or before it again: it does once vLLM has rolled the request
+    back to recompute from there (``SchedulerPlan.load_failed``). A request whose blocks merely
+    include an unfilled one (vLLM's prefix cache shares blocks within a step) is treated alike.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        #: chunks not saved for being computed on unfilled blocks
+        self.dropped_chunks = 0
+        #: request -> its first token that may have been computed on garbage
+        self._poisoned: dict[str, int] = {}
+        self._step: dict[str, int] = {}
+        self._step_blocks: set[int] = set()
+
+    def begin_step(self) -> None:
+        self._step, self._step_blocks = {}, set()
+
+    def failed(self, spec: LoadSpec, blocks: Set[int]) -> None:
+        """This step's load ``spec`` left ``blocks`` unfilled."""
+        first = next((i for i, b in enumerate(spec.block_ids) if b in blocks), None)
+        if first is None:
+            return
+        self._step_blocks |= blocks
+        token = first * self.block_size
+        self._step[spec.req_id] = min(self._step.get(spec.req_id, token), token)
+
+    def sound(self, saves: Iterable[SaveSpec]) -> list[SaveSpec]:
+        """The step's saves, less every chunk that may have been computed on an unfilled block;
+        ends the step."""
+        out: list[SaveSpec] = []
+        for spec in saves:
+            bad = self._step.get(spec.req_id)
+            if self._step_blocks:
+                i = next((i for i, b in enumerate(spec.block_ids) if b in self._step_blocks), None)
+                if i is not None:
+                    token = i * self.block_size
+                    bad = token if bad is None else min(bad, token)
+                    self._step[spec.req_id] = bad
+            earlier = self._poisoned.get(spec.req_id)
+            if earlier is not None and spec.first_chunk * spec.chunk_tokens <= earlier:
+                del self._poisoned[spec.req_id]  # re-planned from before it: recomputed since
+            elif earlier is not None:
+                bad = earlier if bad is None else min(bad, earlier)
+            if bad is None:
+                out.append(spec)
+                continue
+            kept = spec.before(bad)
+            dropped = len(spec.keys) - (len(kept.keys) if kept is not None else 0)
+            if dropped:
+                self.dropped_chunks += dropped
+                log.warning("kvctl does not save %d chunks of request %s: computed after a "
+                            "failed load (vLLM recomputes them)", dropped, spec.req_id)  # fmt: skip
+            if kept is not None:
+                out.append(kept)
+        for req_id, token in self._step.items():
+            self._poisoned[req_id] = min(self._poisoned.get(req_id, token), token)
+        self.begin_step()
+        return out
+
+    def finished(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._poisoned.pop(req_id, None)
+
+    @property
+    def poisoned_requests(self) -> int:
+        return len(self._poisoned)
+
+
 class WorkerPlan:
     """The worker-side connector's copies: chunks from the agent into paged blocks, and paged
     blocks into chunks for the agent."""
@@ -693,6 +821,7 @@ class WorkerPlan:
         self.link = link
         self.block_size = block_size
         self.paged: PagedKV | None = None
+        self.failures = LoadFailures(block_size)
         self._formats: dict[int, ChunkFormat] = {}
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> PagedKV:

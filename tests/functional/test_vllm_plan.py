@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -219,6 +219,51 @@ def test_a_chunk_evicted_after_the_lookup_fails_only_its_blocks(agent: Agent) ->
         b.close()
 
 
+def test_hits_count_only_the_chunks_a_load_brings_in(agent: Agent) -> None:
+    """The agent's reuse/sharing hits are the chunks vLLM loads: not those it holds in its own
+    prefix cache, nor repeats of the same question."""
+    a, b = Engine(address(agent, "tcp")), Engine(address(agent, "tcp"))
+    ctl = agent.control()  # closed with the engines
+
+    def hits() -> int:
+        st = ctl.stats()["stats"]
+        return int(st["reuse_hits"] + st["sharing_hits"])
+
+    try:
+        prompt = list(range(60000, 60100))  # 3 full chunks + 4
+        kv = true_kv(a, 100, seed=7)
+        assert prefill_and_save(a, "a7", prompt, list(range(7)), kv) == 3
+        before = hits()
+        # vLLM holds 48 tokens: chunk 0 whole (not loaded), chunk 1 in part (loaded from 48)
+        assert b.scheduler.match("b7", prompt, 48) == 48
+        assert b.scheduler.match("b7", prompt, 48) == 48  # asked again while waiting
+        counted = hits() - before
+        b.scheduler.allocated("b7", 48)
+        step = StepPlan()
+        blocks = [3, 9, 1, 12, 13, 14, 15]
+        b.scheduler.scheduled_new("b7", prompt, blocks, 96, 4, step)
+        (load,) = step.loads
+        outcome = b.worker.load(load)
+        assert outcome.loaded_tokens == 48 and outcome.failed_block_ids == frozenset()
+        loaded = outcome.fetched_bytes // ChunkFormat(b.layout, CHUNK).chunk_bytes
+        assert counted == loaded == 2  # chunks 1 and 2; was 3 (chunk 0 counted too)
+        # every loadable chunk held locally: nothing asked that counts
+        before = hits()
+        assert b.scheduler.match("b8", prompt, 96) == 0
+        assert hits() == before
+        # the agent lost chunk 0, which vLLM holds: chunks 1 and 2 are still offered
+        with agent.data("tcp") as dc:
+            keys = keys_for(prompt, dc.namespace(MODEL, a.layout, "default"), CHUNK)
+        assert ctl.evict([keys[0]])["done"] == 1
+        before = hits()
+        assert b.scheduler.match("b9", prompt, 32) == 64
+        assert hits() - before == 2
+    finally:
+        a.close()
+        b.close()
+        ctl.close()
+
+
 def test_chunks_stored_by_the_transformers_adapter_layout_are_loaded(agent: Agent) -> None:
     """The other direction: chunks packed by ``ChunkFormat`` from contiguous caches (what the
     transformers adapter stores) and put under the same namespace are found and scattered."""
@@ -315,9 +360,12 @@ def request(req_id: str, prompt: list[int], **extra: object) -> SimpleNamespace:
 
 
 def scheduler_output(
-    new: list[tuple[SimpleNamespace, list[int], int]], scheduled: dict[str, int]
+    new: list[tuple[SimpleNamespace, list[int], int]],
+    scheduled: dict[str, int],
+    cached: Sequence[tuple[str, list[int] | None, int]] = (),
 ) -> SimpleNamespace:
-    """vLLM's SchedulerOutput (0.11.2+ shape) with new requests (request, blocks, computed)."""
+    """vLLM's SchedulerOutput (0.11.2+ shape) with new requests (request, blocks, computed) and
+    running ones (request id, new blocks, computed)."""
     return SimpleNamespace(
         scheduled_new_reqs=[
             SimpleNamespace(
@@ -332,7 +380,10 @@ def scheduler_output(
             for r, blocks, computed in new
         ],
         scheduled_cached_reqs=SimpleNamespace(
-            req_ids=[], resumed_req_ids=set(), new_block_ids=[], num_computed_tokens=[]
+            req_ids=[r for r, _, _ in cached],
+            resumed_req_ids=set(),
+            new_block_ids=[None if b is None else (b,) for _, b, _ in cached],
+            num_computed_tokens=[c for _, _, c in cached],
         ),
         num_scheduled_tokens=scheduled,
         finished_req_ids=set(),
@@ -414,3 +465,81 @@ def test_a_wrong_token_stops_start_up_instead_of_passing_for_an_outage(tmp_path:
             assert good.get() is not None and good.chunk_tokens == 256
         finally:
             good.close()
+
+
+def test_nothing_computed_after_a_failed_load_is_saved_until_vllm_recomputes_it(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk evicted between the lookup and the read leaves blocks unfilled; the step's
+    forward pass computes the prompt's next chunks on them. Those must not reach the agent
+    (under correct keys, for every later request sharing the prefix); once vLLM has recomputed
+    from the first unfilled block (it reports them through get_block_ids_with_load_errors), the
+    correct chunks are saved."""
+    monkeypatch.setattr(vllm_connector, "_VLLM_MISSING", None)
+    Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
+    cfg = vllm_config(address(agent, "unix"), "default")
+    dtype, layout = torch.bfloat16, KVLayout(*LAYOUT_DIMS, "bfloat16")
+    fmt = ChunkFormat(layout, CHUNK)
+    prompt = list(range(50000, 50160))  # 5 full chunks
+    a = Engine(address(agent, "unix"))
+    kv = true_kv(a, 160, seed=8)
+    try:  # chunks 0..2 in the agent (a 100-token prompt sharing the first 100 tokens)
+        assert prefill_and_save(a, "a8", prompt[:100], list(range(7)), kv[:, :, :, :100]) == 3
+    finally:
+        a.close()
+    with agent.data("unix") as dc:
+        keys = keys_for(prompt, dc.namespace(MODEL, layout, "default"), CHUNK)
+
+    def chunk_bytes(i: int) -> bytes:
+        ks = [kv[j, 0].unsqueeze(0) for j in range(layout.layers)]
+        vs = [kv[j, 1].unsqueeze(0) for j in range(layout.layers)]
+        return bytes(fmt.pack(ks, vs, i).numpy().tobytes())
+
+    def stored() -> list[bytes | None]:
+        with agent.data("unix") as dc:
+            return [None if c is None else bytes(c) for c in dc.get_many(keys)]
+
+    sched, worker = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
+    shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
+    caches = {f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=dtype)
+              for i in range(LAYOUT_DIMS[0])}  # fmt: skip
+    worker.register_kv_caches(caches)
+    paged = PagedKV(list(caches.values()), layout, BLOCK)
+    try:
+        b = request("B", prompt)
+        assert sched.get_num_new_matched_tokens(b, 0) == (96, False)
+        sched.update_state_after_alloc(b, None, 96)
+        blocks = [15, 1, 12, 0, 2, 13, 14, 10, 3, 4]
+        # one step: load chunks 0..2, compute tokens 96..160 (chunks 3 and 4 become full)
+        meta = sched.build_connector_meta(scheduler_output([(b, blocks, 96)], {"B": 64}))
+        assert [s.first_chunk for s in meta.saves] == [3]
+        with agent.control() as ctl:
+            assert ctl.evict([keys[1]])["done"] == 1  # between the lookup and the read
+        worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+        worker.start_load_kv(None)
+        # the forward pass: chunks 3 and 4 attend to unfilled blocks 2..5, so are wrong
+        paged.scatter(blocks, 96, torch.randn(*kv[:, :, :, 96:].shape).to(dtype))
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        failed = worker.get_block_ids_with_load_errors()
+        assert failed == set(blocks[2:6])  # tokens 32..96: chunk 0 arrived, chunk 1 did not
+        worker._saver.drain()  # type: ignore[union-attr]
+        after = stored()
+        assert after[1] is None and after[3] is None and after[4] is None  # nothing poisoned
+        assert after[0] == chunk_bytes(0) and after[2] == chunk_bytes(2)
+
+        # vLLM: the blocks are reported, the request recomputes from the first one (token 32)
+        sched.update_connector_output(SimpleNamespace(invalid_block_ids=failed))
+        meta = sched.build_connector_meta(scheduler_output([], {"B": 128}, [("B", None, 32)]))
+        assert meta.loads == [] and [(s.first_chunk, len(s.keys)) for s in meta.saves] == [(1, 4)]
+        worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+        worker.start_load_kv(None)
+        paged.scatter(blocks, 32, kv[:, :, :, 32:])  # recomputed, right this time
+        worker.wait_for_save()
+        worker.clear_connector_metadata()
+        assert worker.get_block_ids_with_load_errors() == set()
+        worker._saver.drain()  # type: ignore[union-attr]
+        assert stored() == [chunk_bytes(i) for i in range(5)]
+    finally:
+        for c in (sched, worker):
+            c.shutdown()

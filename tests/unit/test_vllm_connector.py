@@ -26,6 +26,7 @@ from kvctl.engines.vllm_plan import (
     BackgroundSaver,
     CacheLayout,
     ConnectorSettings,
+    LoadFailures,
     LoadSpec,
     PagedKV,
     SaveSpec,
@@ -314,6 +315,78 @@ def test_producer_off_means_no_saves_and_consumer_off_means_no_loads() -> None:
     assert step.saves == [] and step.loads == []
     consumer_off = SchedulerPlan(down_link(lay), BLOCK, load=False)
     assert consumer_off.match("r", list(range(640)), 0) == 0
+
+
+def test_chunks_are_saved_again_once_vllm_recomputes_after_a_failed_load() -> None:
+    lay = KVLayout(2, 2, 8, "bfloat16")
+    link = down_link(lay)
+    plan = SchedulerPlan(link, BLOCK)
+    prompt = list(range(2000, 2160))  # 5 full chunks
+    blocks = list(range(10, 20))
+    step = StepPlan()
+    plan.scheduled_new("r", prompt, blocks, 0, 160, step)
+    assert [(s.first_chunk, len(s.keys)) for s in step.saves] == [(0, 5)]
+    # the worker reports block 13 (tokens 48..64, chunk 1) unfilled; another request's
+    # blocks are not touched, nor is anything by blocks no request holds
+    step = StepPlan()
+    plan.scheduled_new("other", prompt, list(range(20, 30)), 0, 160, step)
+    plan.load_failed({13})
+    plan.load_failed({99})
+    plan.load_failed(())
+    # vLLM recomputes from the unfilled block: chunks 1..4 are saved again
+    step = StepPlan()
+    plan.scheduled_again("r", None, False, 48, 112, step)
+    assert [(s.first_chunk, len(s.keys), s.parent) for s in step.saves] == [
+        (1, 4, keys_for(prompt, link.namespace, 32)[0])  # type: ignore[arg-type]
+    ]
+    step = StepPlan()
+    plan.scheduled_again("other", None, False, 160, 1, step)
+    assert step.saves == []
+
+    # a release that does not report to the scheduler side: vLLM taking tokens back is enough
+    step = StepPlan()
+    plan.scheduled_new("q", prompt, blocks, 0, 160, step)
+    step = StepPlan()
+    plan.scheduled_again("q", None, False, 64, 96, step)
+    assert [s.first_chunk for s in step.saves] == [2]
+    # tokens taken back past the prompt (rejected speculative tokens) re-save nothing
+    step = StepPlan()
+    plan.scheduled_again("q", [30], False, 160, 4, step)
+    plan.scheduled_again("q", None, False, 162, 1, step)
+    assert step.saves == []
+
+
+def test_saves_computed_on_unfilled_blocks_are_dropped_until_replanned() -> None:
+    keys = [bytes([i]) * 16 for i in range(8)]
+    blocks = tuple(range(1, 17))
+    failures = LoadFailures(BLOCK)
+    failures.begin_step()
+    # request a: chunk 0 arrived, chunks 1..2 (blocks 3..6) did not
+    failures.failed(LoadSpec("a", tuple(keys[:3]), 0, 0, 96, blocks[:6], 32), {3, 4, 5, 6})
+    failures.failed(LoadSpec("c", (keys[0],), 0, 0, 32, (40, 41), 32), set())
+    save_a = SaveSpec("a", tuple(keys[3:5]), 3, keys[2], blocks[:10], 32)
+    # b shares block 3 (vLLM's prefix cache, same step) as its 3rd block: chunk 0 is sound
+    save_b = SaveSpec("b", tuple(keys[:3]), 0, None, (30, 31, 3, 4, 32, 33), 32)
+    save_c = SaveSpec("c", tuple(keys[:1]), 0, None, (40, 41), 32)
+    assert failures.sound([save_a, save_b, save_c]) == [
+        SaveSpec("b", (keys[0],), 0, None, save_b.block_ids, 32),
+        save_c,
+    ]
+    assert failures.dropped_chunks == 4 and failures.poisoned_requests == 2
+    # the next step was planned before the failure was known (async scheduling): dropped
+    failures.begin_step()
+    assert failures.sound([SaveSpec("a", (keys[5],), 5, keys[4], blocks[:12], 32)]) == []
+    # re-planned from the failed chunk (vLLM has recomputed it): saved, and a is clear
+    failures.begin_step()
+    again = SaveSpec("a", tuple(keys[1:6]), 1, keys[0], blocks[:12], 32)
+    assert failures.sound([again]) == [again]
+    later = SaveSpec("a", (keys[6],), 6, keys[5], blocks[:14], 32)
+    assert failures.sound([later]) == [later]
+    assert failures.poisoned_requests == 1
+    failures.finished({"b", "unknown"})
+    assert failures.poisoned_requests == 0
+    # a cut that keeps everything keeps the spec itself
+    assert save_a.before(5 * 32) is save_a and save_a.before(3 * 32 + 31) is None
 
 
 def test_load_spec_blocks() -> None:
