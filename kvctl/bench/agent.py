@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import socket
 import statistics
 import struct
@@ -35,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from kvctl.bench.common import alternating, figure, host_info
+from kvctl.bench.common import alternating, figure, host_info, spawned_agent
 from kvctl.store.errors import InvalidArgument
 
 DEFAULT_SIZES_BYTES = (4 << 20, 32 << 20)
@@ -110,24 +109,9 @@ def run_agent_bench(
 # --- pieces -----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _agent(tmp: Path, cpu_bytes: int) -> Iterator[tuple[Any, str]]:
-    from kvctl.agent.daemon import spawn_agent
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-    env["XDG_CONFIG_HOME"] = str(tmp / "xdg")
-    argv = [
-        "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
-        "--cpu", str(cpu_bytes), "--disk", "0", "--log-level", "warning",
-    ]  # fmt: skip
-    proc, state = spawn_agent(argv, tmp / "agent", env=env, detach=False)
-    try:
+    argv = ["--cpu", str(cpu_bytes), "--disk", "0", "--log-level", "warning"]
+    with spawned_agent(tmp / "agent", *argv) as state:
         yield state, ""
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def raw_peer() -> None:

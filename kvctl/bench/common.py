@@ -73,3 +73,21 @@ def spawned_agent(data_dir: Path, *argv: str) -> Iterator[AgentState]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def release_views(views: list[memoryview]) -> None:
+    for view in views:
+        view.release()
+
+
+def spot_check(outs: list[memoryview], chunks: list[memoryview]) -> None:
+    """First and last chunk read back must be the bytes written (cheap; not a full compare)."""
+    for i in (0, len(chunks) - 1):
+        if outs[i].tobytes() != chunks[i].tobytes():
+            raise RuntimeError(f"benchmark chunk {i} read back different bytes")
+
+
+def spread(fig: dict[str, Any]) -> float:
+    """(max - min) / median of a figure's samples: 0 for a single sample."""
+    samples = fig["samples_bytes_per_second"]
+    return (max(samples) - min(samples)) / statistics.median(samples)

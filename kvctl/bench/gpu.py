@@ -43,12 +43,18 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvctl.bench.common import alternating, figure, host_info
+from kvctl.bench.common import (
+    alternating,
+    figure,
+    host_info,
+    release_views,
+    spot_check,
+    spread,
+)
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.gpu import (
@@ -144,7 +150,7 @@ def render_gpu_bench(result: dict[str, Any]) -> Table:
                 f"{format_bytes(row['chunk_bytes'])} x {fig['chunks']}",
                 _LABELS[f"gpu.{name}"],
                 format_rate(fig["bytes_per_second"]),
-                f"{_spread(fig):.0%}",
+                f"{spread(fig):.0%}",
                 _LABELS[fig["reference"]],
                 format_rate(ref["bytes_per_second"]),
                 f"{fig['ratio_to_reference']:.2f}",
@@ -172,12 +178,12 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
     with contextlib.ExitStack() as stack:
         src = stack.enter_context(memoryview(payload))
         chunks = [src[off : off + size] for off in offsets]
-        stack.callback(_release, chunks)
+        stack.callback(release_views, chunks)
         out = bytearray(total)  # written before timing: its pages are in
         out_view = stack.enter_context(memoryview(out))
         out_view[:] = src
         outs = [out_view[off : off + size] for off in offsets]
-        stack.callback(_release, outs)
+        stack.callback(release_views, outs)
         sink = bytearray(total)
         sink_view = stack.enter_context(memoryview(sink))
         sink_view[:] = src
@@ -214,7 +220,7 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
             for key, o in zip(keys, outs, strict=True):
                 tier.read_into(key, o)
             record("gpu.get", time.perf_counter() - t0)
-            _spot_check(outs, chunks)
+            spot_check(outs, chunks)
             for key in keys:
                 tier.delete(key)
 
@@ -240,22 +246,7 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
     return result
 
 
-def _release(views: list[memoryview]) -> None:
-    for view in views:
-        view.release()
-
-
-def _spot_check(outs: list[memoryview], chunks: list[memoryview]) -> None:
-    """First and last chunk read back must be the bytes written (cheap; not a full compare)."""
-    for i in (0, len(chunks) - 1):
-        if outs[i].tobytes() != chunks[i].tobytes():
-            raise RuntimeError(f"benchmark chunk {i} read back different bytes")
-
-
 # --- results ----------------------------------------------------------------------------------
-def _spread(fig: dict[str, Any]) -> float:
-    samples = fig["samples_bytes_per_second"]
-    return (max(samples) - min(samples)) / statistics.median(samples)
 
 
 def _noise_notes(results: list[dict[str, Any]]) -> list[str]:
@@ -264,7 +255,7 @@ def _noise_notes(results: list[dict[str, Any]]) -> list[str]:
         for row in results
         for section in ("gpu", "reference")
         for name, fig in row[section].items()
-        if _spread(fig) > NOISY_SPREAD
+        if spread(fig) > NOISY_SPREAD
     ]
     if not noisy:
         return []

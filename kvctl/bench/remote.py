@@ -48,7 +48,6 @@ import importlib.util
 import math
 import os
 import secrets
-import signal
 import socket
 import statistics
 import struct
@@ -65,7 +64,7 @@ from urllib.parse import urlsplit, urlunsplit
 import numpy as np
 
 from kvctl.agent.protocol import PeerClosed, recv_exactly
-from kvctl.bench.common import host_info
+from kvctl.bench.common import host_info, spawned_agent
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import ChunkMeta
 
@@ -100,7 +99,6 @@ PROBE_SAMPLES = 5
 PING_SAMPLES = 50
 PEER_CPU_MIN_BYTES = 256 << 20
 PEER_TIMEOUT_S = 30.0
-PEER_STOP_GRACE_S = 30.0
 #: chunks per request while storing the pull set in the peer (not timed)
 PEER_PUT_BATCH = 8
 _RAW_REQUEST = struct.Struct("<BQ")  # kvctl.bench.agent.raw_peer's request: op (1 get), bytes
@@ -433,28 +431,20 @@ class _Peer:
 def _peer_agent(tmp: Path, cpu_bytes: int) -> Iterator[_Peer]:
     """One agent on loopback (ephemeral ports, no disk tier), stopped on the way out whatever
     happened: SIGTERM, then SIGKILL after a grace period."""
-    from kvctl.agent.daemon import spawn_agent
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-    env["XDG_CONFIG_HOME"] = str(tmp / "xdg")  # no user config file leaks in
     argv = [
-        "--name", "bench-peer",
-        "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
-        "--cpu", str(cpu_bytes), "--disk", "0", "--log-level", "warning",
-    ]  # fmt: skip
-    proc, state = spawn_agent(argv, tmp / "peer", env=env, detach=False)
-    try:
+        "--name",
+        "bench-peer",
+        "--cpu",
+        str(cpu_bytes),
+        "--disk",
+        "0",
+        "--log-level",
+        "warning",
+    ]
+    with spawned_agent(tmp / "peer", *argv) as state:
         if state.data_tcp is None:
             raise RuntimeError("the peer agent serves no TCP data plane")
-        yield _Peer(proc.pid, state.data_tcp)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(PEER_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        yield _Peer(state.pid, state.data_tcp)
 
 
 def _bench_peer(

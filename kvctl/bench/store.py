@@ -71,7 +71,14 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvctl.bench.common import alternating, figure, host_info
+from kvctl.bench.common import (
+    alternating,
+    figure,
+    host_info,
+    release_views,
+    spot_check,
+    spread,
+)
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
@@ -185,7 +192,7 @@ def render_store_bench(result: dict[str, Any]) -> Table:
                     f"{chunk} x {fig['chunks']}",
                     _LABELS.get(f"{section}.{name}", f"{section} {name}"),
                     format_rate(fig["bytes_per_second"]),
-                    f"{_spread(fig):.0%}" if len(fig["samples_bytes_per_second"]) > 1 else "-",
+                    f"{spread(fig):.0%}" if len(fig["samples_bytes_per_second"]) > 1 else "-",
                     _LABELS.get(fig["reference"], fig["reference"]),
                     format_rate(ref["bytes_per_second"]),
                     f"{fig['ratio_to_reference']:.2f}",
@@ -229,12 +236,12 @@ def _bench_size(size: int, n: int, repeats: int, workdir: pathlib.Path) -> dict[
     with contextlib.ExitStack() as stack:
         src = stack.enter_context(memoryview(payload))
         chunks = [src[off : off + size] for off in offsets]
-        stack.callback(_release, chunks)
+        stack.callback(release_views, chunks)
         sink = stack.enter_context(_mapped(total))
         sink_view = stack.enter_context(memoryview(sink))
         sink_view[:] = src  # fault the read buffer in before anything is timed
         outs = [sink_view[off : off + size] for off in offsets]
-        stack.callback(_release, outs)
+        stack.callback(release_views, outs)
 
         _bench_cpu(add, keys, chunks, outs, sink, offsets, repeats)
         _bench_disk(add, keys, chunks, outs, fsync_n, repeats, workdir)
@@ -297,7 +304,7 @@ def _bench_cpu(
             for key, out in zip(keys, outs, strict=True):
                 cpu_tier.read_into(key, out)
             add("cpu.tier_get", time.perf_counter() - t0)
-            _spot_check(outs, chunks)
+            spot_check(outs, chunks)
         finally:
             cpu_tier.close()
 
@@ -323,7 +330,7 @@ def _bench_disk(
         _drop_cache(paths)
         add("reference.file_read_cold", _read_files(paths, outs))
         add("reference.file_read_warm", _read_files(paths, outs))
-        _spot_check(outs, chunks)
+        spot_check(outs, chunks)
         _remove_files(paths, files_dir)
         add(
             "reference.file_write_fsync",
@@ -386,7 +393,7 @@ def _store_gets(
     for key, out in zip(keys, outs, strict=True):
         store.read_into(key, out)
     elapsed_seconds = time.perf_counter() - t0
-    _spot_check(outs, chunks)
+    spot_check(outs, chunks)
     return elapsed_seconds
 
 
@@ -480,23 +487,7 @@ def _mapped(size_bytes: int) -> Iterator[mmap.mmap]:
             m.close()
 
 
-def _release(views: list[memoryview]) -> None:
-    for view in views:
-        view.release()
-
-
-def _spot_check(outs: list[memoryview], chunks: list[memoryview]) -> None:
-    """First and last chunk read back must be the bytes written (cheap; not a full compare)."""
-    for i in (0, len(chunks) - 1):
-        if outs[i].tobytes() != chunks[i].tobytes():
-            raise RuntimeError(f"benchmark chunk {i} read back different bytes")
-
-
 # --- results ----------------------------------------------------------------------------------
-def _spread(fig: dict[str, Any]) -> float:
-    """(max - min) / median of a figure's samples: 0 for a single sample."""
-    samples = fig["samples_bytes_per_second"]
-    return (max(samples) - min(samples)) / fig["bytes_per_second"]
 
 
 def _noise_notes(results: list[dict[str, Any]]) -> list[str]:
@@ -505,7 +496,7 @@ def _noise_notes(results: list[dict[str, Any]]) -> list[str]:
         for row in results
         for section in ("cpu", "disk", "reference")
         for name, fig in row[section].items()
-        if _spread(fig) > NOISY_SPREAD
+        if spread(fig) > NOISY_SPREAD
     ]
     if not noisy:
         return []
