@@ -161,12 +161,10 @@ class CachedLM:
         ns = self._namespaces.get(tenant)
         if ns is None:
             client = self.client
-            salt_of = client.namespace if client is not None else None
-            ns = (
-                salt_of(self.model_id, self.layout, tenant)
-                if salt_of is not None
-                else Namespace(self.model_id, self.layout)
-            )
+            if client is None:
+                ns = Namespace(self.model_id, self.layout)
+            else:
+                ns = client.namespace(self.model_id, self.layout, tenant)
             self._namespaces[tenant] = ns
         return ns
 
