@@ -19,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,41 @@ _STATUS_NAMES = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class LeasedChunk:
+    """Where a leased chunk's bytes lie in the agent's arena, and until when they may be read."""
+
+    offset: int
+    size_bytes: int
+    #: ``time.monotonic()`` on this host after which the agent may reuse the bytes
+    deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ArenaLeases:
+    """Chunks held in place in the agent's shared-memory arena for the length of a
+    ``DataClient.leased()`` block: read them straight from ``arena`` (no copy through the socket
+    or a staging buffer). ``chunks[i]`` is None where key i is not cached (``missing``) or could
+    not be held in the arena (read it with ``get_into``)."""
+
+    arena: mmap.mmap
+    generation: int
+    chunks: list[LeasedChunk | None]
+    missing: frozenset[int]
+
+    def view(self, i: int) -> memoryview:
+        c = self.chunks[i]
+        if c is None:
+            raise KeyError(f"chunk {i} is not leased")
+        return memoryview(self.arena)[c.offset : c.offset + c.size_bytes]
+
+    def valid(self, i: int) -> bool:
+        """Whether chunk i's lease still holds now: a copy that ended after its deadline may
+        hold bytes the agent reused, so check this after the copy is complete."""
+        c = self.chunks[i]
+        return c is not None and time.monotonic() < c.deadline_s
+
+
 def parse_address(address: str | Path) -> tuple[str, Any]:
     """("unix", path) or ("tcp", (host, port)) from ``unix:///p``, a path, or ``[tcp://]h:p``."""
     text = str(address)
@@ -157,6 +192,7 @@ class DataClient:
         #: PROBE filler to send and a scratch buffer to drain replies into (made on first probe)
         self._probe_zeros: bytes | None = None
         self._probe_scratch: memoryview | None = None
+        self._reconnect_args: tuple[str | Path, str, float, bool] | None = None
         self.closed = False
         self.info: dict[str, Any] = self._hello(token, client_name)
         self.tiers: list[str] = list(self.info["tiers"])
@@ -191,10 +227,20 @@ class DataClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
         try:
-            return cls(sock, transport, token=token, use_shm=use_shm)
+            client = cls(sock, transport, token=token, use_shm=use_shm)
         except BaseException:
             sock.close()
             raise
+        client._reconnect_args = (address, token, timeout_s, use_shm)
+        return client
+
+    def reconnect(self) -> DataClient:
+        """A new, independent connection to the same agent with the same settings (e.g. for a
+        background writer, so its puts never hold up this connection's reads)."""
+        if self._reconnect_args is None:
+            raise AgentError("this client was not made by DataClient.connect; connect anew")
+        address, token, timeout_s, use_shm = self._reconnect_args
+        return DataClient.connect(address, token=token, timeout_s=timeout_s, use_shm=use_shm)
 
     # --- public API -------------------------------------------------------------------------
     def ping(self) -> float:
@@ -326,6 +372,30 @@ class DataClient:
         # with caller buffers both paths give each chunk's size (an int) or None
         got = (self._get_leased if self.shm else self._get_socket)(keys, tenant, outs)
         return [-1 if g is None else g for g in got]  # type: ignore[misc]
+
+    @contextlib.contextmanager
+    def leased(
+        self, keys: Sequence[bytes], *, tenant: str = "", ttl_s: float | None = None
+    ) -> Iterator[ArenaLeases]:
+        """Hold chunks in place in the agent's shared arena while the block runs, so a same-host
+        engine copies them straight to where they go (its KV cache, a device) with no copy in
+        between; released on exit. Needs the Unix socket with shared memory (``self.shm``).
+        The client's other calls wait until the block ends."""
+        if not self.shm:
+            raise AgentError("leases need the agent's Unix socket with shared memory (shm on)")
+        ttl = float(self.info.get("lease_seconds", 10.0)) if ttl_s is None else ttl_s
+        with self._lock:
+            leases, held = self._lease_locked(keys, tenant, ttl)
+            try:
+                assert self._arena is not None or not held
+                yield ArenaLeases(
+                    arena=self._arena,  # type: ignore[arg-type]
+                    generation=self._arena_gen,
+                    chunks=[c for c, _ in leases],
+                    missing=frozenset(i for i, (_, st) in enumerate(leases) if st == "missing"),
+                )
+            finally:
+                self._release_locked(held)
 
     def is_isolated(self, tenant: str) -> bool:
         """Whether the agent keeps ``tenant``'s chunks to itself (salted keys, never shared)."""
@@ -632,6 +702,42 @@ class DataClient:
                 self._arena.close()
         self._arena, self._arena_gen = arena, generation
 
+    def _lease_locked(
+        self, keys: Sequence[bytes], tenant: str, ttl_s: float
+    ) -> tuple[list[tuple[LeasedChunk | None, str]], list[int]]:
+        """LEASE the keys: each one's place in the arena (or None) with its status ("ok",
+        "missing", "fallback": cached but not leasable here), and the lease ids to release.
+        Maps the arena anew when the agent resized it."""
+        meta, _ = self._call_locked(
+            Op.LEASE, MetaWriter().text(tenant).f64(ttl_s).keys(keys).build(), (), None
+        )
+        r = MetaReader(meta)
+        out: list[tuple[LeasedChunk | None, str]] = []
+        held: list[int] = []
+        for status, gen, lease_id, off, size, deadline in r.structs(LEASE_ITEM, r.count()):
+            if status == Status.MISSING:
+                out.append((None, "missing"))
+                continue
+            if status != Status.OK:
+                out.append((None, "fallback"))
+                continue
+            held.append(lease_id)
+            if gen != self._arena_gen:
+                self._map_arena()
+                if gen != self._arena_gen:  # resized again meanwhile
+                    out.append((None, "fallback"))
+                    continue
+            out.append((LeasedChunk(off, size, deadline), "ok"))
+        return out, held
+
+    def _release_locked(self, lease_ids: Sequence[int]) -> None:
+        if not lease_ids or self.closed:
+            return
+        w = MetaWriter().u32(len(lease_ids))
+        for lease_id in lease_ids:
+            w.u64(lease_id)
+        self._call_locked(Op.RELEASE, w.build(), (), None)
+
     def _get_leased(
         self,
         keys: Sequence[bytes],
@@ -642,45 +748,37 @@ class DataClient:
         results: list[Any] = [None] * len(keys)
         retry: list[int] = []
         with self._lock:
-            meta, _ = self._call_locked(
-                Op.LEASE, MetaWriter().text(tenant).f64(ttl).keys(keys).build(), (), None
-            )
-            r = MetaReader(meta)
-            leases = r.structs(LEASE_ITEM, r.count())
-            held: list[int] = []
-            for i, (status, gen, lease_id, off, size, deadline) in enumerate(leases):
-                if status == Status.MISSING:
-                    continue
-                if status != Status.OK:
-                    retry.append(i)
-                    continue
-                held.append(lease_id)
-                if gen != self._arena_gen:
-                    self._map_arena()
-                    if gen != self._arena_gen:  # resized again meanwhile
-                        retry.append(i)
+            leases, held = self._lease_locked(keys, tenant, ttl)
+            try:
+                arena = memoryview(self._arena) if held else None  # type: ignore[arg-type]
+                for i, (chunk, status) in enumerate(leases):
+                    if chunk is None:
+                        if status == "fallback":
+                            retry.append(i)
                         continue
-                src = memoryview(self._arena)[off : off + size]  # type: ignore[index]
-                if outs is None:
-                    dst = bytearray(size)
-                    memoryview(dst)[:] = src
-                    results[i] = dst
-                else:
-                    if outs[i].nbytes < size:
-                        raise ValueError(f"buffer {i} holds {outs[i].nbytes} bytes; need {size}")
-                    outs[i][:size] = src
-                    results[i] = size
-                src.release()
-                # the agent may reuse the bytes after the deadline: a copy that ended later
-                # cannot be trusted, so it is fetched again
-                if time.monotonic() >= deadline:
-                    results[i] = None
-                    retry.append(i)
-            if held:
-                w = MetaWriter().u32(len(held))
-                for lease_id in held:
-                    w.u64(lease_id)
-                self._call_locked(Op.RELEASE, w.build(), (), None)
+                    src = arena[chunk.offset : chunk.offset + chunk.size_bytes]  # type: ignore[index]
+                    size = chunk.size_bytes
+                    if outs is None:
+                        dst = bytearray(size)
+                        memoryview(dst)[:] = src
+                        results[i] = dst
+                    else:
+                        if outs[i].nbytes < size:
+                            raise ValueError(
+                                f"buffer {i} holds {outs[i].nbytes} bytes; need {size}"
+                            )
+                        outs[i][:size] = src
+                        results[i] = size
+                    src.release()
+                    # the agent may reuse the bytes after the deadline: a copy that ended later
+                    # cannot be trusted, so it is fetched again
+                    if time.monotonic() >= chunk.deadline_s:
+                        results[i] = None
+                        retry.append(i)
+                if arena is not None:
+                    arena.release()
+            finally:
+                self._release_locked(held)
         if retry:
             again = self._get_socket(
                 [keys[i] for i in retry], tenant, None if outs is None else [outs[i] for i in retry]

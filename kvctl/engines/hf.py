@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from kvctl.client import AgentError, DataClient
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
+from kvctl.engines.kvload import KVLoader
+from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
 
@@ -59,14 +62,29 @@ class Prefill:
     reused_chunks: int
     #: tier of each reused chunk, as the agent's lookup reported it
     reused_tiers: list[str]
-    stored_chunks: int
     fetched_bytes: int
-    stored_bytes: int
     lookup_seconds: float
     fetch_seconds: float
     compute_seconds: float
-    store_seconds: float
+    #: the new chunks' write, behind the request (resolved when the agent has them)
+    stored: Future[Stored] = field(default_factory=Future)
+    #: how the reused chunks travelled: "lease" (straight from the shared arena), "socket"
+    fetch_path: str = ""
     timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def stored_chunks(self) -> int:
+        """Chunks the agent stored for this request (waits for the write behind it)."""
+        return self.stored.result().chunks
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.stored.result().bytes
+
+    @property
+    def store_seconds(self) -> float:
+        """From hand-over to the last put (off the request path; waits for the write)."""
+        return self.stored.result().seconds
 
     @property
     def computed_tokens(self) -> int:
@@ -75,8 +93,8 @@ class Prefill:
     @property
     def ttft_seconds(self) -> float:
         """Lookup + fetch + prefill of the rest, up to the next token's logits. Storing the new
-        chunks is not in it: an engine sends the token first. (``prefill`` itself returns after
-        storing; ``store_seconds`` says how long that took.)"""
+        chunks is not in it: ``prefill`` hands them to a writer and returns (``stored`` says
+        when they landed)."""
         return self.lookup_seconds + self.fetch_seconds + self.compute_seconds
 
     def as_dict(self) -> dict[str, Any]:
@@ -89,6 +107,7 @@ class Prefill:
             "stored_chunks": self.stored_chunks,
             "fetched_bytes": self.fetched_bytes,
             "stored_bytes": self.stored_bytes,
+            "fetch_path": self.fetch_path,
             "lookup_seconds": self.lookup_seconds,
             "fetch_seconds": self.fetch_seconds,
             "compute_seconds": self.compute_seconds,
@@ -103,6 +122,11 @@ class CachedLM:
 
     ``client`` is a data-plane connection (``DataClient.connect``); ``None`` runs plain full
     prefills (the baseline). Batch size 1: one request per call.
+
+    New chunks are stored behind the request (``write_behind``, on by default): ``prefill``
+    returns once the answer is ready, a writer thread on its own connection sends them, and
+    ``flush()`` waits for it. Reused chunks come straight from the agent's shared arena under a
+    lease when the connection has shared memory (same host), else over the socket.
 
     ``chunked_prefill`` computes the prompt one chunk at a time. In floating point a chunk's KV
     depends, in its last bits, on how many tokens the prefill that produced it covered (the
@@ -121,8 +145,10 @@ class CachedLM:
         chunk_tokens: int | None = None,
         store: bool = True,
         chunked_prefill: bool = False,
+        write_behind: bool = True,
     ) -> None:
         self.model = model
+        self.write_behind = write_behind
         self.chunked_prefill = chunked_prefill
         self._client = client
         self.tenant = tenant
@@ -141,9 +167,11 @@ class CachedLM:
                 "chunk_tokens or raise the agent's max_chunk_bytes"
             )
         self._namespaces: dict[str, Namespace] = {}
-        #: host buffer chunks are read into, kept between requests (pinned for a GPU: pinning
-        #: is slow, and a fresh buffer's first touch would be timed as fetch)
+        self.loader = KVLoader(self.format, self.device)
+        #: host buffer for chunks read over a socket, kept between requests (pinned for a GPU:
+        #: pinning is slow, and a fresh buffer's first touch would be timed as fetch)
         self._staging: torch.Tensor | None = None
+        self._writer: WriteBehind | None = None
 
     @property
     def client(self) -> DataClient | None:
@@ -152,8 +180,22 @@ class CachedLM:
     @client.setter
     def client(self, client: DataClient | None) -> None:
         """A new connection (say, after the agent restarted); tenants' policies are asked anew."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
         self._client = client
         self._namespaces.clear()
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every chunk handed to the writer has been sent; False on timeout."""
+        return True if self._writer is None else self._writer.flush(timeout_s)
+
+    def close(self) -> None:
+        """Finish pending writes and stop the writer (the client stays the caller's)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self.loader.close()
 
     def namespace(self, tenant: str | None = None) -> Namespace:
         """Model id + KV layout + the tenant's salt (asked of the agent once per tenant)."""
@@ -191,7 +233,7 @@ class CachedLM:
         matched, locations = self._lookup(reusable, tenant)
         tiers = [t for t in locations[:matched] if t is not None]
         t1 = time.perf_counter()
-        cache, reused = self._fetch(reusable[:matched], tenant)
+        cache, reused, path = self._fetch(reusable[:matched], tenant)
         tiers = tiers[:reused]
         self._sync()
         t2 = time.perf_counter()
@@ -205,8 +247,7 @@ class CachedLM:
             cache = out.past_key_values
         logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
         t3 = time.perf_counter()
-        stored, stored_bytes = self._store(out.past_key_values, keys, reused, locations, tenant)
-        t4 = time.perf_counter()
+        stored = self._store(out.past_key_values, keys, reused, locations, tenant)
         return Prefill(
             logits=logits,
             next_token=int(logits.argmax()),
@@ -215,13 +256,12 @@ class CachedLM:
             reused_tokens=start,
             reused_chunks=reused,
             reused_tiers=list(tiers),
-            stored_chunks=stored,
             fetched_bytes=reused * self.format.chunk_bytes,
-            stored_bytes=stored_bytes,
             lookup_seconds=t1 - t0,
             fetch_seconds=t2 - t1,
             compute_seconds=t3 - t2,
-            store_seconds=t4 - t3,
+            stored=stored,
+            fetch_path=path if reused else "",
         )
 
     @torch.inference_mode()
@@ -251,11 +291,58 @@ class CachedLM:
             return 0, []
         return found.matched_chunks, list(found.locations)
 
-    def _fetch(self, keys: list[bytes], tenant: str) -> tuple[DynamicCache, int]:
-        """The cache object holding the chunks' KV, and how many leading chunks it holds."""
+    def _fetch(self, keys: list[bytes], tenant: str) -> tuple[DynamicCache, int, str]:
+        """The cache object holding the chunks' KV, how many leading chunks it holds, and the
+        path they took ("lease" or "socket")."""
         cache = DynamicCache()
-        if not keys or self.client is None:
-            return cache, 0
+        client = self.client
+        if not keys or client is None:
+            return cache, 0, ""
+        kv = self.loader.alloc(len(keys))
+        try:
+            if client.shm:
+                usable, path = self._fetch_leased(client, keys, tenant, kv), "lease"
+            else:
+                usable, path = self._fetch_socket(client, keys, tenant, kv, 0), "socket"
+        except AgentError as exc:
+            log.warning("kvctl fetch failed, prefilling in full: %s", exc)
+            return cache, 0, ""
+        if usable:
+            tokens = usable * self.chunk_tokens
+            for layer in range(self.layout.layers):
+                k, v = kv[layer, 0, :, :, :tokens], kv[layer, 1, :, :, :tokens]
+                # the cache takes the loaded tensors as they are (its update would copy them)
+                cache.update(k[:, :, :0], v[:, :, :0], layer)
+                cache.layers[layer].keys, cache.layers[layer].values = k, v
+        return cache, usable, path
+
+    def _fetch_leased(
+        self, client: DataClient, keys: list[bytes], tenant: str, kv: torch.Tensor
+    ) -> int:
+        """Chunks straight from the agent's shared arena into ``kv``; the leading run that
+        arrived whole (a chunk evicted since the lookup, or whose lease ran out before its copy
+        finished, ends it). Chunks the agent could not hold in its arena come over the socket."""
+        size = self.format.chunk_bytes
+        with client.leased(keys, tenant=tenant) as leases:
+            n = next((i for i, c in enumerate(leases.chunks) if c is None), len(keys))
+            if n and leases.chunks[0] is not None:
+                wrong = [i for i in range(n) if leases.chunks[i].size_bytes != size]  # type: ignore[union-attr]
+                if wrong:
+                    log.warning("chunk of unexpected size in the arena; reused up to it")
+                    n = wrong[0]
+                arena = self.loader.arena_tensor(leases.arena)
+                self.loader.load(arena, [leases.chunks[i].offset for i in range(n)], kv)  # type: ignore[union-attr]
+                self.loader.wait()  # the copies read the arena: done before the leases end
+                n = next((i for i in range(n) if not leases.valid(i)), n)
+            blocked = n < len(keys) and n not in leases.missing
+        if blocked:  # held elsewhere (pinned in another tier, arena full): over the socket
+            n += self._fetch_socket(client, keys[n:], tenant, kv, n)
+        return n
+
+    def _fetch_socket(
+        self, client: DataClient, keys: list[bytes], tenant: str, kv: torch.Tensor, at: int
+    ) -> int:
+        """Chunks over the socket into a reused host buffer, then into ``kv`` from chunk ``at``."""
         size = self.format.chunk_bytes
         pinned = self.device.type == "cuda"
         host = self._staging
@@ -263,14 +350,9 @@ class CachedLM:
             host = torch.empty(len(keys) * size, dtype=torch.uint8, pin_memory=pinned)
             self._staging = host
         flat = host.numpy()
-        try:
-            got = self.client.get_into(
-                keys, [flat[i * size : (i + 1) * size] for i in range(len(keys))], tenant=tenant
-            )
-        except AgentError as exc:
-            log.warning("kvctl fetch failed, prefilling in full: %s", exc)
-            return cache, 0
-        # use the leading run of whole chunks: a gap (evicted since the lookup) ends the prefix
+        got = client.get_into(
+            keys, [flat[i * size : (i + 1) * size] for i in range(len(keys))], tenant=tenant
+        )
         usable = 0
         for n in got:
             if n != size:
@@ -279,14 +361,9 @@ class CachedLM:
                 break
             usable += 1
         if usable:
-            data = host[: usable * size].to(self.device, non_blocking=pinned)
-            staging = host.untyped_storage().data_ptr()
-            for layer, (k, v) in enumerate(self.format.unpack(data, usable)):
-                # the cache must own its tensors: the staging buffer serves the next request
-                if k.untyped_storage().data_ptr() == staging:
-                    k, v = k.clone(), v.clone()
-                cache.update(k.contiguous(), v.contiguous(), layer)
-        return cache, usable
+            self.loader.load(host, [i * size for i in range(usable)], kv, at)
+            self.loader.wait()  # the staging buffer serves the next request
+        return usable
 
     def _store(
         self,
@@ -295,31 +372,45 @@ class CachedLM:
         reused: int,
         locations: list[str | None],
         tenant: str,
-    ) -> tuple[int, int]:
-        """Store the prompt's full chunks the agent does not hold yet."""
+    ) -> Future[Stored]:
+        """Hand the prompt's full chunks the agent may not hold to the writer (or write them
+        now, with ``write_behind`` off); the future says what was stored."""
         client = self.client
+        done: Future[Stored] = Future()
         if not self.store or client is None or len(keys) <= reused:
-            return 0, 0
-        try:
-            # the last chunk of a prompt that ends on a chunk boundary was not looked up
-            rest = keys[len(locations) :]
-            held = [*locations, *(client.exists(rest, tenant=tenant) if rest else [])]
-            todo = [i for i in range(reused, len(keys)) if held[i] is None]
-            if not todo:
-                return 0, 0
-            ks = [layer.keys for layer in cache.layers]
-            vs = [layer.values for layer in cache.layers]
-            parents = parents_of(keys)
-            items = [(keys[i], self.format.pack(ks, vs, i).cpu().numpy()) for i in todo]
-            outcomes = client.put_many(
-                items, tenant=tenant, parents=[parents[i] for i in todo], tokens=self.chunk_tokens,
-                depths=todo,
-            )  # fmt: skip
-        except AgentError as exc:
-            log.warning("kvctl store failed; the next request will prefill again: %s", exc)
-            return 0, 0
-        stored = sum(o.status == "stored" for o in outcomes)
-        return stored, stored * self.format.chunk_bytes
+            done.set_result(Stored(0, 0, 0.0))
+            return done
+        # chunks the lookup saw cached are skipped; those past it are asked about by the writer
+        todo = [i for i in range(reused, len(keys)) if i >= len(locations) or locations[i] is None]
+        # the cache's tensors are replaced, not written, as it grows: holding them is enough
+        ks = [layer.keys for layer in cache.layers]
+        vs = [layer.values for layer in cache.layers]
+        job = StoreJob(
+            tenant=tenant,
+            keys=keys,
+            indices=todo,
+            parents=parents_of(keys),
+            chunk_tokens=self.chunk_tokens,
+            chunk_bytes=self.format.chunk_bytes,
+            pack=lambda i: self.format.pack(ks, vs, i).cpu().numpy(),
+        )
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            stream = torch.cuda.Stream(self.device)
+
+            def on_device(i: int) -> Any:
+                with torch.cuda.stream(stream):
+                    return self.format.pack(ks, vs, i).cpu().numpy()
+
+            job.prepare = lambda: stream.wait_event(ready)
+            job.pack = on_device
+        if self._writer is None:
+            self._writer = WriteBehind(client)
+        stored = self._writer.submit(job)
+        if not self.write_behind:
+            stored.result()
+        return stored
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

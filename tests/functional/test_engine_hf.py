@@ -89,6 +89,8 @@ def test_cache_assisted_prefill_equals_full_prefill_bit_for_bit(tmp_path: Path, 
         for tenant, ids in _prompts():
             before = _hits(agent)
             got = lm.prefill(ids, tenant=tenant)
+            assert got.fetch_path in ("", "lease")  # same host: straight from the arena
+            lm.flush()  # the next prompt expects this one's chunks stored
             want = baseline.prefill(ids)
             reuse, sharing = _expected(owners, tenant, ids)
             assert got.reused_chunks == reuse + sharing
@@ -122,6 +124,8 @@ def test_one_pass_prefill_matches_within_the_stated_tolerance(
         reused = 0
         for tenant, ids in _prompts():
             got = lm.prefill(ids, tenant=tenant)
+            assert got.fetch_path in ("", "socket")
+            lm.flush()
             want = baseline.prefill(ids)
             assert torch.allclose(got.logits, want.logits, rtol=0, atol=atol)
             assert got.next_token == want.next_token

@@ -1,0 +1,163 @@
+"""Moving chunk bytes into a model's KV cache at the speed of the memory or link in between.
+
+A reused prefix of ``n`` chunks becomes one tensor ``[layers, 2, 1, kv_heads, n*T, head_dim]``
+on the engine's device: ``kv[l, 0]`` and ``kv[l, 1]`` are layer ``l``'s K and V, each contiguous,
+so a cache takes them as they are. Chunks come straight from where they lie:
+
+- from the agent's shared arena under a lease (same host): on the CPU one strided copy per run of
+  adjacent chunks, from the arena into the cache; on CUDA the arena mapping is registered with
+  the driver once (``cudaHostRegister``) and each run crosses the link as one asynchronous copy
+  on a side stream, then is laid out on the device. No host staging copy either way.
+- from host buffers (chunks read over a socket): the same copies from those buffers.
+
+On the CPU, torch spreads a large copy over its intra-op threads, so a fetch runs near a
+multi-threaded memcpy of the same bytes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvctl.engines.kvformat import ChunkFormat
+
+log = logging.getLogger(__name__)
+
+#: at most this many bytes cross the link per copy (bounds the device scratch of a long run)
+MAX_RUN_BYTES = 256 << 20
+
+
+def host_tensor(buffer: Any) -> torch.Tensor:
+    """A flat uint8 CPU tensor over ``buffer``'s memory, without copying (read-only buffers too:
+    torch warns that it cannot protect them; nothing here writes through it)."""
+    array = np.frombuffer(buffer, dtype=np.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+def runs(offsets: Sequence[int], size_bytes: int, max_run_bytes: int) -> list[tuple[int, int]]:
+    """Split chunks ``0..len(offsets)`` into ``(first, count)`` runs whose bytes lie back to back
+    (chunk ``i+1`` right after chunk ``i``), each at most ``max_run_bytes`` (and at least one
+    chunk), so each run is one copy."""
+    out: list[tuple[int, int]] = []
+    per_run = max(1, max_run_bytes // max(size_bytes, 1))
+    first = 0
+    for i in range(1, len(offsets) + 1):
+        if i == len(offsets) or offsets[i] != offsets[i - 1] + size_bytes or i - first >= per_run:
+            out.append((first, i - first))
+            first = i
+    return out
+
+
+class KVLoader:
+    """Copies chunks into ``[layers, 2, 1, kv_heads, n*T, head_dim]`` tensors on ``device``."""
+
+    def __init__(self, fmt: ChunkFormat, device: torch.device) -> None:
+        self.format = fmt
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._stream: Any = torch.cuda.Stream(device) if self.cuda else None
+        #: registered host mappings: id(buffer) -> (buffer, its tensor, unregister callback)
+        self._registered: dict[int, tuple[Any, torch.Tensor, Callable[[], None] | None]] = {}
+        self._lock = threading.Lock()
+        self.register_failures = 0
+
+    # --- allocation ----------------------------------------------------------------------------
+    def alloc(self, chunks: int) -> torch.Tensor:
+        lay = self.format.layout
+        return torch.empty(
+            (lay.layers, 2, 1, lay.kv_heads, chunks * self.format.chunk_tokens, lay.head_dim),
+            dtype=self.format.dtype,
+            device=self.device,
+        )
+
+    # --- host memory ---------------------------------------------------------------------------
+    def arena_tensor(self, arena: Any) -> torch.Tensor:
+        """The whole arena mapping as a uint8 CPU tensor, registered with CUDA for a GPU engine
+        (once per mapping: the agent maps a new one when it resizes its arena)."""
+        with self._lock:
+            known = self._registered.get(id(arena))
+            if known is not None and known[0] is arena:
+                return known[1]
+            for stale in [k for k, (buf, _, _) in self._registered.items() if buf is not arena]:
+                self._forget(stale)
+            tensor = host_tensor(arena)
+            unregister = self._register(tensor) if self.cuda else None
+            self._registered[id(arena)] = (arena, tensor, unregister)
+            return tensor
+
+    def _register(self, tensor: torch.Tensor) -> Callable[[], None] | None:
+        """Page-lock the mapping for the driver so copies from it run asynchronously at link
+        speed; None (plain pageable copies, slower) when the driver refuses."""
+        from kvctl.store.tiers.hostreg import register_host  # CUDA only; imported on first use
+
+        try:
+            reg = register_host(tensor.numpy(), read_only=True)
+        except Exception as exc:  # any refusal leaves a working, slower path
+            self.register_failures += 1
+            log.warning("could not register the agent's arena with CUDA (copies slower): %s", exc)
+            return None
+        return reg.close
+
+    def _forget(self, key: int) -> None:
+        _, _, unregister = self._registered.pop(key)
+        if unregister is not None:
+            if self._stream is not None:
+                self._stream.synchronize()
+            unregister()
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self._registered):
+                self._forget(key)
+
+    # --- copies --------------------------------------------------------------------------------
+    def load(
+        self,
+        src: torch.Tensor,
+        offsets: Sequence[int],
+        dst: torch.Tensor,
+        first_chunk: int = 0,
+    ) -> None:
+        """Copy chunks lying at ``offsets`` (bytes) in the flat uint8 CPU tensor ``src`` into
+        ``dst`` at chunk positions ``first_chunk, first_chunk+1, ...``. On CUDA the copies are
+        queued on a side stream: call ``wait()`` before reading ``dst`` or reusing ``src``."""
+        size = self.format.chunk_bytes
+        item = self.format.dtype.itemsize
+        if self._stream is not None:
+            # dst may reuse memory the caller's stream still reads: copy after that work
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for first, count in runs(offsets, size, MAX_RUN_BYTES):
+            start = offsets[first]
+            flat = src[start : start + count * size]
+            if start % item:  # a view as the KV dtype needs aligned bytes
+                flat = flat.clone()
+            self._copy_run(flat, dst, first_chunk + first, count)
+
+    def _copy_run(self, flat: torch.Tensor, dst: torch.Tensor, at: int, count: int) -> None:
+        fmt = self.format
+        t = fmt.chunk_tokens
+        # [count, layers, 2, heads, T, dim] -> [layers, 2, heads, count, T, dim]
+        shape = (count, *fmt.chunk_shape)
+        target = dst[:, :, 0, :, at * t : (at + count) * t, :].unflatten(3, (count, t))
+        if not self.cuda:
+            target.copy_(flat.view(fmt.dtype).view(shape).permute(1, 2, 3, 0, 4, 5))
+            return
+        with torch.cuda.stream(self._stream):
+            # one transfer of the run's bytes over the link, then the layout on the device
+            landed = torch.empty(flat.numel(), dtype=torch.uint8, device=self.device)
+            landed.copy_(flat, non_blocking=True)
+            target.copy_(landed.view(fmt.dtype).view(shape).permute(1, 2, 3, 0, 4, 5))
+
+    def wait(self) -> None:
+        """Block until queued copies are done (then ``dst`` is complete and the source bytes
+        may be released); the caller's stream may use ``dst`` right after."""
+        if self._stream is not None:
+            self._stream.synchronize()

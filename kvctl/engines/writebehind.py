@@ -1,0 +1,172 @@
+"""Storing new chunks behind the request: an engine hands them over and answers at once.
+
+A miss computes KV the agent does not hold; sending it used to sit between one request and the
+next. ``WriteBehind`` takes a job (which chunks, and how to pack each to host bytes), answers a
+``Future`` at once, and a background thread on its own connection to the agent asks which
+chunks are still missing, packs them in batches and puts them. A full queue drops the new job
+(counted) rather than make the engine wait or hold unbounded KV. Nothing here is torch-specific:
+the job's ``pack`` does the device work on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvctl.client import AgentError, DataClient
+
+log = logging.getLogger(__name__)
+
+#: bytes packed per put request: large enough to amortize a round trip, small enough that a
+#: batch's host copy stays modest
+BATCH_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """What one job stored: chunks and bytes, and seconds from hand-over to the last put."""
+
+    chunks: int
+    bytes: int
+    seconds: float
+    #: why nothing was stored, if so ("queue full", the agent's error, ...)
+    skipped: str = ""
+
+
+@dataclass(slots=True)
+class StoreJob:
+    tenant: str
+    keys: Sequence[bytes]
+    #: indices into ``keys`` of the chunks to store unless the agent holds them already
+    indices: Sequence[int]
+    parents: Sequence[bytes | None]
+    chunk_tokens: int
+    chunk_bytes: int
+    #: chunk index -> its bytes on the host (anything with the buffer protocol)
+    pack: Callable[[int], Any]
+    #: runs on the writer thread before the first pack (e.g. wait for the device's work)
+    prepare: Callable[[], None] | None = None
+    #: runs on the writer thread after the last put, whatever happened (release device memory)
+    finish: Callable[[], None] | None = None
+    queued_s: float = field(default_factory=time.perf_counter)
+    future: Future[Stored] = field(default_factory=Future)
+
+
+class WriteBehind:
+    """One writer thread and connection per engine; jobs are written in the order given."""
+
+    def __init__(self, client: DataClient, *, max_pending_jobs: int = 4) -> None:
+        self._source = client
+        self._client: DataClient | None = None
+        self._jobs: queue.Queue[StoreJob | None] = queue.Queue(maxsize=max_pending_jobs)
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.dropped_jobs = 0
+        self.failed_jobs = 0
+
+    def submit(self, job: StoreJob) -> Future[Stored]:
+        """Queue ``job``; its future resolves when it is written (or skipped, never raises)."""
+        self._start()
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            self.dropped_jobs += 1
+            self._done(job, Stored(0, 0, 0.0, skipped="write-behind queue full"))
+        return job.future
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every job queued so far is written; False on timeout."""
+        marker = StoreJob("", (), (), (), 0, 0, pack=lambda i: b"")
+        self._start()
+        self._jobs.put(marker)  # waits while the queue is full: flushing is waiting
+        try:
+            marker.future.result(timeout=timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._jobs.put(None)
+            thread.join(timeout_s)
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # --- the writer thread -------------------------------------------------------------------
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvctl-write-behind", daemon=True
+                )
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._done(job, self._write(job))
+            except Exception as exc:  # never lose the thread: the next job may succeed
+                self.failed_jobs += 1
+                log.warning("kvctl store failed; the next request will prefill again: %s", exc)
+                self._done(job, Stored(0, 0, time.perf_counter() - job.queued_s, skipped=str(exc)))
+            finally:
+                if job.finish is not None:
+                    job.finish()
+
+    def _connection(self) -> DataClient:
+        if self._client is None or self._client.closed:
+            self._client = self._source.reconnect()
+        return self._client
+
+    def _write(self, job: StoreJob) -> Stored:
+        if not job.indices:
+            return Stored(0, 0, time.perf_counter() - job.queued_s)
+        try:
+            client = self._connection()
+            held = client.exists([job.keys[i] for i in job.indices], tenant=job.tenant)
+        except AgentError as exc:
+            self._drop_connection()
+            raise exc
+        todo = [i for i, h in zip(job.indices, held, strict=True) if h is None]
+        if job.prepare is not None:
+            job.prepare()
+        stored = 0
+        per_batch = max(1, BATCH_BYTES // max(job.chunk_bytes, 1))
+        for at in range(0, len(todo), per_batch):
+            batch = todo[at : at + per_batch]
+            items = [(job.keys[i], job.pack(i)) for i in batch]
+            try:
+                outcomes = client.put_many(
+                    items,
+                    tenant=job.tenant,
+                    parents=[job.parents[i] for i in batch],
+                    tokens=job.chunk_tokens,
+                    depths=batch,
+                )
+            except AgentError:
+                self._drop_connection()
+                raise
+            stored += sum(o.status == "stored" for o in outcomes)
+        return Stored(stored, stored * job.chunk_bytes, time.perf_counter() - job.queued_s)
+
+    def _drop_connection(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    @staticmethod
+    def _done(job: StoreJob, result: Stored) -> None:
+        if not job.future.done():
+            job.future.set_result(result)
