@@ -8,9 +8,17 @@ they are divided by:
   a put copies into the client's staging segment and the agent copies it into its arena.
   Reference ``memcpy``: the same copies between two buffers of this process.
 * ``tcp_get`` / ``tcp_put``: the binary protocol over loopback TCP; the agent sends a chunk
-  straight from its arena, the client reads it into a preallocated buffer. Reference ``socket``:
-  a raw request/response loopback socket between this process and a second one that sends (or
-  receives into) a preallocated buffer, with no protocol, store or lock.
+  straight from its arena, the client reads it into a preallocated buffer. Reference ``socket``
+  / ``socket_put``: the agent's own send/recv loop without the protocol and the store, so an
+  upper bound for it: a second process (``raw_peer``) serving each connection from a thread, a
+  get answered with one ``send_all`` (sendmsg) of a reply header and the chunk from a memfd
+  arena holding as many distinct chunks as the agent's working set, a put read with
+  ``recv_exactly`` into one reused buffer; this side uses the same calls on a socket set up as
+  ``DataClient.connect`` sets up its own. Same chunk sizes, same bytes per sample. ``iperf3``
+  (when installed): one C stream over loopback, the host's ceiling for a single connection.
+* ``miss_store``: what an engine pays on a miss after prefilling: an EXISTS of the prompt's
+  chunks, then one ``put_many`` of all of them (parents chained, fresh keys), over shared
+  memory and over TCP. Reference: one memcpy of the same bytes.
 * ``lookup``: longest-prefix lookups of a fully cached 512-chunk chain over the data plane, each
   a round trip (Unix socket and TCP), and batched, 32 chains a frame (``lookup_many``).
   Reference ``raw_round_trips``: a bare 20-byte ping-pong between two Python processes over a
@@ -20,13 +28,17 @@ they are divided by:
 from __future__ import annotations
 
 import contextlib
+import json
+import mmap
 import os
+import shutil
 import socket
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from kvctl.agent.protocol import HEADER_BYTES, PeerClosed, recv_exactly, send_all
 from kvctl.bench.common import alternating, figure, host_info, spawned_agent
 from kvctl.store.errors import InvalidArgument
 
@@ -47,7 +60,14 @@ TARGETS = {
     "tcp_get_vs_socket_ratio": 0.7,
     "lookup_per_second": 20_000,
 }
-_RAW_REQUEST = struct.Struct("<BQ")  # op (1 get, 2 put), bytes
+#: a raw-reference request: op, offset in the peer's arena (gets), bytes
+_RAW_REQUEST = struct.Struct("<BQQ")
+_RAW_GET, _RAW_PUT = 1, 2
+#: the raw reference's client socket timeout: DataClient.connect's default, so both poll alike
+RAW_TIMEOUT_S = 30.0
+IPERF3_MAX_BLOCK_BYTES = 1 << 20
+#: chunks of a miss-path store carry this many tokens, as an engine's default chunk does
+MISS_CHUNK_TOKENS = 256
 
 
 def run_agent_bench(
@@ -70,7 +90,11 @@ def run_agent_bench(
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvctl-bench-agent-") as tmp:
         say(f"starting an agent with a {cpu_bytes >> 20} MiB cpu tier")
-        with _agent(Path(tmp), cpu_bytes) as (state, token), _raw_peer() as peer:
+        raw_arena_bytes = max(n * s for s, n in per_size.items())
+        with (
+            _agent(Path(tmp), cpu_bytes) as (state, token),
+            raw_reference(raw_arena_bytes) as raw,
+        ):
             from kvctl.client import AgentClient, DataClient
 
             assert state.data_unix is not None and state.data_tcp is not None
@@ -83,9 +107,12 @@ def run_agent_bench(
                     raise RuntimeError("the agent did not offer shared memory")
                 for size in sizes_bytes:
                     say(f"{size >> 20} MiB chunks: {per_size[size]} per sample")
-                    results.append(_bench_size(size, per_size[size], repeats, shm, tcp, ctl, peer))
+                    results.append(_bench_size(size, per_size[size], repeats, shm, tcp, ctl, raw))
                 say("lookups of a 512-chunk chain")
                 lookups = _bench_lookups(shm, tcp, lookup_seconds)
+        largest = max(sizes_bytes)
+        say("iperf3 over loopback (when installed)")
+        iperf3 = iperf3_loopback(per_size[largest] * largest, largest)
     return {
         "benchmark": "agent",
         **host_info(),
@@ -94,12 +121,21 @@ def run_agent_bench(
         "elapsed_seconds": time.perf_counter() - started_s,
         "results": results,
         **lookups,
+        "iperf3": iperf3,
         "targets": TARGETS,
         "notes": [
             f"each bytes-per-second figure is the median of {repeats} samples, each moving "
             "bytes_per_size; figures and references alternate, so drift hits both alike",
             "gets read into preallocated buffers (get_into), as an engine filling its own "
             "buffers does; puts send from preallocated buffers",
+            "socket / socket_put (the raw reference) run the agent's own send/recv loop with no "
+            "protocol and no store: a second process serving each connection from a thread, "
+            "sending a reply header and the chunk with one sendmsg from a memfd arena holding as "
+            "many distinct chunks as the agent's working set, the client reading into the same "
+            "preallocated buffers with recv_exactly on a socket set up as DataClient's",
+            "miss_store_*: what an engine pays to store a prompt it just prefilled: one EXISTS of "
+            "the chunks, then one put_many of all of them (parents chained, fresh keys), next "
+            "to one memcpy of the same bytes",
             "the agent and this process share the host's cores: on a 2-core VM they compete "
             "with each other and with anything else running",
         ],
@@ -114,59 +150,169 @@ def _agent(tmp: Path, cpu_bytes: int) -> Iterator[tuple[Any, str]]:
         yield state, ""
 
 
-def raw_peer() -> None:
-    """The raw-socket reference's second process: serve get/put requests from one buffer."""
+def raw_peer(arena_bytes: int) -> None:
+    """The raw-socket reference's server process, laid out as the agent is: ``arena_bytes`` of
+    written memory in a memfd mapping (as the cpu tier's arena), a listener on loopback and one
+    thread per connection. A get sends a reply header and the asked arena bytes with one
+    ``send_all`` (sendmsg of both, as the agent sends header, metadata and chunk from its arena);
+    a put's bytes are read with ``recv_exactly`` into one reused buffer, as the agent reads them
+    before its store copies them. No protocol, no store, no lock. It exits when its stdin closes
+    (the benchmark went away)."""
+    arena = _memfd_arena(arena_bytes)
     srv = socket.create_server(("127.0.0.1", 0))
     sys.stdout.write(f"{srv.getsockname()[1]}\n")
     sys.stdout.flush()
-    conn, _ = srv.accept()
-    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(bytearray(1))
-    head = bytearray(_RAW_REQUEST.size)
+    threading.Thread(target=_exit_at_stdin_eof, daemon=True).start()
     while True:
-        if not _recv_into(conn, memoryview(head)):
-            return
-        op, n = _RAW_REQUEST.unpack(head)
-        if buf.nbytes < n:
-            buf = memoryview(bytearray(b"\x01" * n))  # written: real pages, as an arena has
-        if op == 1:
-            conn.sendall(buf[:n])
-        else:
-            _recv_into(conn, buf[:n])
-            conn.sendall(b"k")
+        conn, _ = srv.accept()
+        conn.setblocking(True)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        threading.Thread(target=_raw_serve, args=(conn, arena), daemon=True).start()
+
+
+def _exit_at_stdin_eof() -> None:
+    sys.stdin.read()
+    os._exit(0)
+
+
+def _memfd_arena(size_bytes: int) -> mmap.mmap:
+    """Committed, written shared memory, made as the cpu tier makes its arena."""
+    fd = os.memfd_create("kvctl-bench-raw", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size_bytes)
+        os.posix_fallocate(fd, 0, size_bytes)
+        arena = mmap.mmap(fd, size_bytes)
+    finally:
+        os.close(fd)
+    np.frombuffer(arena, dtype=np.uint8)[:] = 1  # real pages, as chunks put into an arena
+    return arena
+
+
+def _raw_serve(conn: socket.socket, arena: mmap.mmap) -> None:
+    view = memoryview(arena)
+    head = memoryview(bytearray(_RAW_REQUEST.size))
+    reply = bytes(HEADER_BYTES)  # a reply is one frame header, as the agent's is at least
+    buf = bytearray()
+    try:
+        while True:
+            first = conn.recv_into(head, _RAW_REQUEST.size)  # idle wait, as the agent's
+            if first == 0:
+                return
+            recv_exactly(conn, head[first:])
+            op, offset, nbytes = _RAW_REQUEST.unpack(head)
+            if op == _RAW_GET:
+                send_all(conn, [reply, view[offset : offset + nbytes]])
+                continue
+            if len(buf) < nbytes:
+                buf = bytearray(nbytes)
+            recv_exactly(conn, memoryview(buf)[:nbytes])
+            send_all(conn, [reply])
+    except (PeerClosed, OSError):
+        return
+    finally:
+        conn.close()
+
+
+class RawClient:
+    """This process's end of the raw-socket reference: a socket set up as ``DataClient.connect``
+    sets up its own (timeout, TCP_NODELAY), the same ``send_all`` / ``recv_exactly`` calls."""
+
+    def __init__(self, port: int, *, timeout_s: float = RAW_TIMEOUT_S) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout_s)
+        self.sock.connect(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._head = memoryview(bytearray(HEADER_BYTES))
+
+    def get_into(self, offset: int, out: memoryview) -> None:
+        """The peer's arena bytes at ``offset``, ``out.nbytes`` of them, read into ``out``."""
+        send_all(self.sock, [_RAW_REQUEST.pack(_RAW_GET, offset, out.nbytes)])
+        recv_exactly(self.sock, self._head)
+        recv_exactly(self.sock, out)
+
+    def put(self, data: memoryview) -> None:
+        send_all(self.sock, [_RAW_REQUEST.pack(_RAW_PUT, 0, data.nbytes), data])
+        recv_exactly(self.sock, self._head)
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 @contextlib.contextmanager
-def _raw_peer() -> Iterator[socket.socket]:
+def raw_reference(arena_bytes: int) -> Iterator[RawClient]:
+    """A raw peer process (``raw_peer``) with an arena of ``arena_bytes``, and a client to it;
+    the process is killed on the way out."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from kvctl.bench.agent import raw_peer; raw_peer()"],
+        [sys.executable, "-c", f"from kvctl.bench.agent import raw_peer; raw_peer({arena_bytes})"],
+        stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
     )
     try:
         assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with sock:
-            yield sock
+        line = proc.stdout.readline()
+        if not line.strip():
+            raise RuntimeError("the raw-socket reference process did not start")
+        client = RawClient(int(line))
+        try:
+            yield client
+        finally:
+            client.close()
     finally:
         proc.kill()
         proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> bool:
-    got = 0
-    while got < view.nbytes:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            return False
-        got += k
-    return True
+def iperf3_loopback(nbytes: int, block_bytes: int, *, timeout_s: float = 60.0) -> dict[str, Any]:
+    """One iperf3 TCP stream over loopback moving ``nbytes`` in writes of ``block_bytes`` (at
+    most 1 MiB, iperf3's limit): C on both ends, the ceiling of one stream on this host. Skipped
+    (with the reason) when iperf3 is not installed or does not run."""
+    exe = shutil.which("iperf3")
+    if exe is None:
+        return {"skipped": "iperf3 is not installed"}
+    block_bytes = max(1, min(block_bytes, IPERF3_MAX_BLOCK_BYTES))
+    with socket.socket() as s:  # a free port (a race with another process is possible)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    argv = [exe, "-c", "127.0.0.1", "-p", str(port), "-n", str(nbytes), "-l", str(block_bytes)]
+    try:
+        deadline = time.monotonic() + 5.0
+        while True:  # the server needs a moment to listen; a refused connection is retried
+            try:
+                done = subprocess.run(
+                    [*argv, "-J"], capture_output=True, text=True, timeout=timeout_s, check=False
+                )
+                out = json.loads(done.stdout or "{}")
+            except (subprocess.TimeoutExpired, ValueError) as exc:
+                return {"skipped": f"iperf3 failed: {exc}"}
+            error = out.get("error") or ("" if done.returncode == 0 else done.stderr.strip())
+            if not error:
+                break
+            if time.monotonic() > deadline or server.poll() is not None:
+                return {"skipped": f"iperf3 failed: {error}"}
+            time.sleep(0.1)
+    finally:
+        server.kill()
+        server.wait()
+    got = out["end"]["sum_received"]
+    return {
+        "bytes_per_second": float(got["bytes"]) / max(float(got["seconds"]), 1e-9),
+        "bytes": int(got["bytes"]),
+        "block_bytes": block_bytes,
+        "streams": 1,
+    }
 
 
 def _bench_size(
-    size: int, n: int, repeats: int, shm: Any, tcp: Any, ctl: Any, peer: socket.socket
+    size: int, n: int, repeats: int, shm: Any, tcp: Any, ctl: Any, raw: RawClient
 ) -> dict[str, Any]:
     # n distinct buffers, so memcpy reads as much distinct memory as the agent's arena holds
     # (a few reused buffers would stay in the CPU cache and flatter the reference)
@@ -191,17 +337,16 @@ def _bench_size(
         for i, src in enumerate(sources):
             sinks[i % 2][:] = src
 
+    sink_views = [memoryview(s) for s in sinks]
+    source_views = [memoryview(s) for s in sources]
+
     def raw_get() -> None:
-        for i in range(n):
-            peer.sendall(_RAW_REQUEST.pack(1, size))
-            _recv_into(peer, memoryview(sinks[i % 2]))
+        for i in range(n):  # chunk i from its own place in the peer's arena, as from the agent's
+            raw.get_into(i * size, sink_views[i % 2])
 
     def raw_put() -> None:
-        ack = memoryview(bytearray(1))
-        for src in sources:
-            peer.sendall(_RAW_REQUEST.pack(2, size))
-            peer.sendall(memoryview(src))
-            _recv_into(peer, ack)
+        for view in source_views:
+            raw.put(view)
 
     put_keys: dict[str, list[bytes]] = {}
 
@@ -221,6 +366,34 @@ def _bench_size(
                     raise RuntimeError(f"chunk {k.hex()} missing from the agent")
 
         return run
+
+    def miss_store_with(client: Any, name: str) -> Callable[[], None]:
+        def run() -> None:  # what an engine does after prefilling a prompt nothing held
+            keys = put_keys[name]
+            held = client.exists(keys)
+            todo = [i for i, tier in enumerate(held) if tier is None]
+            parents = [None, *keys[:-1]]
+            outcomes = client.put_many(
+                [(keys[i], sources[i]) for i in todo],
+                parents=[parents[i] for i in todo],
+                tokens=MISS_CHUNK_TOKENS,
+                depths=todo,
+            )
+            if len(todo) != n or any(o.status != "stored" for o in outcomes):
+                raise RuntimeError(f"{name}: the agent did not store every chunk")
+
+        return run
+
+    for name, client in (("miss_store_shm", shm), ("miss_store_tcp", tcp)):
+        put_keys[name] = fresh_keys(name)  # untimed first pass: staging segment, socket buffers
+        miss_store_with(client, name)()
+        ctl.evict(put_keys[name])
+        for r in range(repeats):
+            put_keys[name] = fresh_keys(name)
+            pair = [timed("miss_store_memcpy", memcpy), timed(name, miss_store_with(client, name))]
+            for step in pair if r % 2 == 0 else reversed(pair):
+                step()
+            ctl.evict(put_keys[name])
 
     put_cases = (("shm_put", shm, "memcpy_put", memcpy), ("tcp_put", tcp, "socket_put", raw_put))
     for name, client, ref_name, ref in put_cases:
@@ -267,6 +440,17 @@ def _bench_size(
     row["tcp_put_vs_socket_ratio"] = (
         row["tcp_put_bytes_per_second"] / row["socket_put_bytes_per_second"]
     )
+    for transport in ("shm", "tcp"):
+        store_s = statistics.median(samples[f"miss_store_{transport}"])
+        row[f"miss_store_{transport}_seconds"] = store_s
+        row[f"miss_store_{transport}_bytes_per_second"] = rate(f"miss_store_{transport}")
+    row["miss_store_memcpy_seconds"] = statistics.median(samples["miss_store_memcpy"])
+    row["miss_store_memcpy_bytes_per_second"] = rate("miss_store_memcpy")
+    for transport in ("shm", "tcp"):
+        row[f"miss_store_{transport}_vs_memcpy_ratio"] = (
+            row[f"miss_store_{transport}_bytes_per_second"]
+            / row["miss_store_memcpy_bytes_per_second"]
+        )
     row["samples_seconds"] = samples
     return row
 
@@ -379,6 +563,28 @@ def render_agent_bench(result: dict[str, Any]) -> Any:
                 format_rate(ref_rate),
                 f"{rate / ref_rate:.2f}",
             )
+    for row in result["results"]:
+        for transport in ("shm", "tcp"):
+            store_s = row[f"miss_store_{transport}_seconds"]
+            memcpy_s = row["miss_store_memcpy_seconds"]
+            table.add_row(
+                f"{row['chunks_per_sample']} x {format_bytes(row['chunk_bytes'])}",
+                f"miss store ({transport})",
+                f"{store_s * 1e3:.1f} ms",
+                "memcpy",
+                f"{memcpy_s * 1e3:.1f} ms",
+                f"{memcpy_s / store_s:.2f}",
+            )
+    iperf3 = result.get("iperf3", {})
+    if "bytes_per_second" in iperf3:
+        table.add_row(
+            format_bytes(iperf3["block_bytes"]),
+            "iperf3 (1 stream, C)",
+            format_rate(iperf3["bytes_per_second"]),
+            "",
+            "",
+            "",
+        )
     table.add_row(
         "512 keys",
         "lookup (1 round trip)",

@@ -48,11 +48,7 @@ import importlib.util
 import math
 import os
 import secrets
-import socket
 import statistics
-import struct
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -63,7 +59,6 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from kvctl.agent.protocol import PeerClosed, recv_exactly
 from kvctl.bench.common import host_info, spawned_agent
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import ChunkMeta
@@ -101,7 +96,6 @@ PEER_CPU_MIN_BYTES = 256 << 20
 PEER_TIMEOUT_S = 30.0
 #: chunks per request while storing the pull set in the peer (not timed)
 PEER_PUT_BATCH = 8
-_RAW_REQUEST = struct.Struct("<BQ")  # kvctl.bench.agent.raw_peer's request: op (1 get), bytes
 _GLOB_SPECIALS = "*?[]\\"
 
 
@@ -622,39 +616,23 @@ def _alloc_seconds(n: int, size: int, repeats: int) -> float:
 
 def _raw_tcp_bytes_per_s(nbytes: int, repeats: int) -> float:
     """``nbytes`` in one request from a second Python process over a raw loopback socket
-    (kvctl.bench.agent.raw_peer: no protocol, no store), into a preallocated, touched buffer;
-    median of ``repeats`` after one untimed pass."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from kvctl.bench.agent import raw_peer; raw_peer()"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    (``kvctl.bench.agent.raw_reference``: the data plane's send/recv calls, no protocol, no
+    store), into a preallocated, touched buffer; median of ``repeats`` after one untimed pass."""
+    from kvctl.bench.agent import raw_reference
+
+    sink = memoryview(bytearray(b"\x01" * nbytes))  # written: real pages
+    rates = []
     try:
-        assert proc.stdout is not None
-        port = int(proc.stdout.readline())
-        with socket.create_connection(("127.0.0.1", port)) as sock:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sink = memoryview(bytearray(b"\x01" * nbytes))  # written: real pages
-            rates = []
+        with raw_reference(nbytes) as raw:
             for r in range(repeats + 1):
                 t = time.perf_counter()
-                sock.sendall(_RAW_REQUEST.pack(1, nbytes))
-                _recv_into(sock, sink)
+                raw.get_into(0, sink)
                 elapsed_s = time.perf_counter() - t
                 if r:
                     rates.append(nbytes / max(elapsed_s, 1e-9))
-            sink.release()
-        return statistics.median(rates)
     finally:
-        proc.kill()
-        proc.wait()
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
-    try:
-        recv_exactly(sock, view)
-    except PeerClosed:
-        raise ConnectionError("the raw socket peer closed the connection") from None
+        sink.release()
+    return statistics.median(rates)
 
 
 # --- notes and the table ----------------------------------------------------------------------
