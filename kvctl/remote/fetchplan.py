@@ -1,6 +1,7 @@
-"""Fetch or recompute: which of a request's chunks beyond the local prefix to fetch, and from where.
+"""Fetch or recompute: which prefix of a request's cached chunks to use, and from where.
 
-The candidates are the chain's chunks right after the locally cached prefix, in chain order. KV is
+The candidates are the chain's chunks that some source holds, in chain order: the agent's own
+tiers (gpu, cpu, disk) first, then the shared pool and peer agents past the local prefix. KV is
 reusable only for an exact prefix, so chunk i helps only if every chunk before it is used too: a
 plan fetches the first k candidates (each from one source) and recomputes the rest.
 
@@ -10,9 +11,18 @@ plan fetches the first k candidates (each from one source) and recomputes the re
 - Per chunk, the source with the smallest transfer time (bytes / bandwidth) wins; ties go to the
   smaller RTT, then the name. A forced uncosted link is chosen only where no costed one serves
   the chunk, since its cost cannot be compared.
-- Links are fetched in parallel, one batched request each, so
-  ``fetch_s(k) = max over links used in the first k of (rtt + bytes_from_link / bandwidth)`` and
-  ``recompute_s(k) = tokens of the first k / prefill tokens per second``.
+- Links in one *stage* run in parallel, one batched request each; stages run one after another
+  (an engine fills from the pool and peers, then reads the local tiers), and every byte that is
+  not already in device memory then crosses the ``device`` link (host -> GPU)::
+
+      fetch_s(k) = sum over stages of max over the stage's links used in the first k
+                   of (rtt + bytes_from_link / bandwidth)
+                   + device rtt + bytes crossing it / device bandwidth
+
+  Without ``stages`` every link is in one stage (parallel), as for the remote tiers alone.
+- ``recompute_s(k)`` is the prefill model's time for the first k candidates' tokens, which
+  follow ``start_tokens`` already in place: with attention the same tokens cost more deep in a
+  context than at its start (``PrefillModel``).
 - k maximises ``saved_s(k) = recompute_s(k) - fetch_s(k)``; ties go to the larger k, and k = 0
   unless some k saves time (> 0). Operator override: the leading chunks whose chosen source is
   overridden ``fetch`` are always fetched (all K when every chunk's is), and k grows past them
@@ -22,14 +32,25 @@ For a single chunk this is the design's rule (design.md section 3, ``kvctl.workl
 fetch when ``rtt + chunk_bytes / bandwidth < chunk_tokens / prefill_tokens_per_second``. Over a
 batch the RTT is paid once per link, so several chunks can be worth fetching where one is not.
 
-O(K + total sources): the sums are incremental and, since a link's time only grows as chunks
-are added, the max over links is kept incrementally too.
+O(K x stages + total sources): the sums are incremental and, since a link's time only grows as
+chunks are added, each stage's max over links is kept incrementally too.
+
+Prefill model: ``seconds(a, b)`` to compute tokens [a, b) after a cached prefix of a tokens is
+``(b - a) * (alpha + beta * (a + b) / 2)``: a per-token cost (the weights' matmuls) plus one
+that grows with the context (attention reads every earlier token). It is the sum of the
+per-token costs ``alpha + beta * i``, so it is additive over adjacent ranges: the prefill a
+chunk saves depends only on where in the context it sits. Fitted by least squares on the
+engine's measured samples (``PrefillSamples``), else the configured tokens/s (beta = 0), else
+the modeled figure of the model and GPU profiles (beta = 0: the profiles leave attention out, so
+long prompts are under-costed and fetching deep chunks is under-valued, never over-valued).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import threading
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -48,10 +69,32 @@ Reason = Literal[
     "unknown-link",  # the first candidate's links cannot be costed yet
 ]
 
+#: the engine's own device memory (a gpu tier chunk): no host -> device copy
+DEVICE_TIERS: frozenset[str] = frozenset({"gpu"})
+#: a fitted per-token cost below this (1e12 tokens/s) is noise, not a rate
+MIN_ALPHA_S_PER_TOKEN = 1e-12
+#: one prefill sample covers at most this many tokens (a context far beyond any model's)
+MAX_SAMPLE_TOKENS = 1 << 24
+#: one prefill sample lasts at most this long (an hour: anything longer is a unit error)
+MAX_SAMPLE_SECONDS = 3600.0
+#: a host -> device bandwidth above this (10 TB/s) is a unit error, not a measurement
+MAX_DEVICE_BYTES_PER_S = 1e13
+#: engine-reported samples the fit uses: the most recent ones, so the figure follows the node
+DEFAULT_SAMPLE_WINDOW = 512
+#: the fit is used (basis "measured") from this many samples on
+MIN_PREFILL_SAMPLES = 3
+
+
+def _number(value: object, what: str) -> float:
+    # bool is an int: reject it so a stray flag is not taken for 1
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{what} must be a number, got {value!r}")
+    return float(value)
+
 
 @dataclass(frozen=True)
 class Candidate:
-    """A chunk of the request's chain beyond the local prefix, and where it can be fetched."""
+    """A chunk of the request's chain that some source holds, and which sources hold it."""
 
     #: position in the request's chain
     index: int
@@ -75,7 +118,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class PrefillRate:
-    """How fast this node recomputes: prefill tokens per second, and where the figure came from."""
+    """How fast this node recomputes: prefill tokens per second, and where the figure came from.
+
+    A context-independent rate; ``PrefillModel`` adds the attention term. Either can be passed to
+    ``plan_fetch``."""
 
     tokens_per_s: float
     #: e.g. "modeled: llama-3.1-8b on h100 at MFU 0.5", "measured", "configured"
@@ -95,8 +141,291 @@ class PrefillRate:
             f"modeled: {inputs.model.name} on {inputs.gpu.name} at MFU {inputs.mfu:g}",
         )
 
+    def seconds(self, start_tokens: float, end_tokens: float) -> float:
+        return (end_tokens - start_tokens) / self.tokens_per_s
+
+    def as_model(self) -> PrefillModel:
+        return PrefillModel(
+            1.0 / self.tokens_per_s, 0.0, self.basis, {"tokens_per_s": self.tokens_per_s}
+        )
+
     def as_dict(self) -> dict[str, object]:
         return {"tokens_per_s": self.tokens_per_s, "basis": self.basis}
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Seconds to prefill tokens [a, b) after a cached prefix of a tokens:
+    ``(b - a) * (alpha + beta * (a + b) / 2)`` (see the module).
+
+    ``basis`` starts with "measured", "configured" or "modeled" (as ``PrefillRate``'s does);
+    ``inputs`` says what the figure was built from (samples and fit, the setting, the
+    profiles)."""
+
+    #: seconds per token at an empty context (the weights' matmuls)
+    alpha_s_per_token: float
+    #: seconds per token per token of context before it (attention)
+    beta_s_per_token2: float
+    basis: str
+    inputs: Mapping[str, object] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        alpha = _number(self.alpha_s_per_token, "prefill alpha_s_per_token")
+        beta = _number(self.beta_s_per_token2, "prefill beta_s_per_token2")
+        if not math.isfinite(alpha) or alpha <= 0:
+            raise InvalidArgument(f"prefill alpha_s_per_token must be finite and > 0, got {alpha}")
+        if not math.isfinite(beta) or beta < 0:
+            raise InvalidArgument(f"prefill beta_s_per_token2 must be finite and >= 0, got {beta}")
+
+    @property
+    def kind(self) -> str:
+        """measured | configured | modeled"""
+        return self.basis.split(":", 1)[0].strip()
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The rate at an empty context (attention slows it as the context grows)."""
+        return 1.0 / self.alpha_s_per_token
+
+    def seconds(self, start_tokens: float, end_tokens: float) -> float:
+        n = end_tokens - start_tokens
+        return n * (
+            self.alpha_s_per_token + self.beta_s_per_token2 * (start_tokens + end_tokens) / 2
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "alpha_s_per_token": self.alpha_s_per_token,
+            "beta_s_per_token2": self.beta_s_per_token2,
+            "basis": self.basis,
+            "kind": self.kind,
+            "inputs": dict(self.inputs),
+        }
+
+
+def as_prefill_model(prefill: PrefillRate | PrefillModel) -> PrefillModel:
+    return prefill if isinstance(prefill, PrefillModel) else prefill.as_model()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    """One prefill an engine timed: ``computed_tokens`` after ``cached_tokens`` already in
+    place, in ``seconds``."""
+
+    computed_tokens: int
+    cached_tokens: int
+    seconds: float
+
+    def __post_init__(self) -> None:
+        for what, value, low in (
+            ("computed_tokens", self.computed_tokens, 1),
+            ("cached_tokens", self.cached_tokens, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgument(f"prefill sample {what} must be an int, got {value!r}")
+            if not low <= value <= MAX_SAMPLE_TOKENS:
+                raise InvalidArgument(
+                    f"prefill sample {what} must be in {low}..{MAX_SAMPLE_TOKENS}, got {value}"
+                )
+        seconds = _number(self.seconds, "prefill sample seconds")
+        if not math.isfinite(seconds) or not 0 < seconds <= MAX_SAMPLE_SECONDS:
+            raise InvalidArgument(
+                f"prefill sample seconds must be in (0, {MAX_SAMPLE_SECONDS:g}], got {seconds!r}"
+            )
+
+
+def fit_prefill(samples: Sequence[PrefillSample]) -> tuple[float, float, float] | None:
+    """(alpha, beta, rms residual seconds) of ``t = n * (alpha + beta * (2a + n) / 2)`` by least
+    squares over the samples, with alpha, beta >= 0 (a negative coefficient is noise: the other
+    is fitted alone); None without samples."""
+    if not samples:
+        return None
+    s11 = s12 = s22 = b1 = b2 = 0.0
+    for s in samples:
+        n, a = float(s.computed_tokens), float(s.cached_tokens)
+        x1, x2 = n, n * (2 * a + n) / 2
+        s11 += x1 * x1
+        s12 += x1 * x2
+        s22 += x2 * x2
+        b1 += x1 * s.seconds
+        b2 += x2 * s.seconds
+    det = s11 * s22 - s12 * s12
+    alpha = beta = -1.0
+    if det > 1e-9 * s11 * s22:  # the samples span more than one context: both terms are known
+        alpha = (b1 * s22 - b2 * s12) / det
+        beta = (s11 * b2 - s12 * b1) / det
+    if beta < 0 or alpha < 0:
+        alpha_only = b1 / s11
+        beta_only = b2 / s22
+        if alpha < 0 and beta > 0:  # attention dominates every sample
+            alpha, beta = 0.0, beta_only
+        else:
+            alpha, beta = alpha_only, 0.0
+    alpha = max(alpha, MIN_ALPHA_S_PER_TOKEN)
+    rss = 0.0
+    for s in samples:
+        n, a = s.computed_tokens, s.cached_tokens
+        rss += (n * (alpha + beta * (2 * a + n) / 2) - s.seconds) ** 2
+    return alpha, beta, math.sqrt(rss / len(samples))
+
+
+class EngineRates:
+    """What the engines on this node measured and reported (data-plane ``RATES``): prefill
+    samples, fitted over a bounded recent window, and the host -> device bandwidth (an EWMA).
+    Thread-safe; the fit is redone on each report, so lookups only read it.
+
+    Kept per agent, not per model: a lookup names no model (its keys are already namespaced),
+    and one agent serves one GPU node. The reporting models are listed with the figures."""
+
+    def __init__(
+        self,
+        *,
+        window: int = DEFAULT_SAMPLE_WINDOW,
+        min_samples: int = MIN_PREFILL_SAMPLES,
+        alpha: float = 0.3,
+    ) -> None:
+        if window < 1 or min_samples < 1:
+            raise InvalidArgument("the sample window and minimum must be >= 1")
+        self._lock = threading.Lock()
+        self._samples: deque[PrefillSample] = deque(maxlen=window)
+        self._min_samples = min_samples
+        self._alpha = alpha
+        self._fit: PrefillModel | None = None
+        self._device_bytes_per_s: float | None = None
+        self.reports = 0
+        self.samples_total = 0
+        self.models: dict[str, int] = {}
+
+    def report(
+        self,
+        samples: Sequence[PrefillSample],
+        *,
+        host_to_device_bytes_per_s: float | None = None,
+        model: str = "",
+    ) -> None:
+        """Take one engine report (validated before anything is kept)."""
+        if host_to_device_bytes_per_s is not None:
+            bw = _number(host_to_device_bytes_per_s, "host_to_device_bytes_per_s")
+            if not math.isfinite(bw) or not 0 < bw <= MAX_DEVICE_BYTES_PER_S:
+                raise InvalidArgument(
+                    f"host_to_device_bytes_per_s must be in (0, {MAX_DEVICE_BYTES_PER_S:g}], "
+                    f"got {host_to_device_bytes_per_s!r}"
+                )
+        for s in samples:
+            if not isinstance(s, PrefillSample):
+                raise InvalidArgument(f"not a prefill sample: {s!r}")
+        with self._lock:
+            self.reports += 1
+            if model and (model in self.models or len(self.models) < 16):  # bounded listing
+                self.models[model] = self.models.get(model, 0) + 1
+            if host_to_device_bytes_per_s is not None:
+                bw = float(host_to_device_bytes_per_s)
+                cur = self._device_bytes_per_s
+                self._device_bytes_per_s = (
+                    bw if cur is None else self._alpha * bw + (1 - self._alpha) * cur
+                )
+            if samples:
+                self._samples.extend(samples)
+                self.samples_total += len(samples)
+                self._fit = self._refit_locked()
+
+    def _refit_locked(self) -> PrefillModel | None:
+        window = list(self._samples)
+        if len(window) < self._min_samples:
+            return None
+        fitted = fit_prefill(window)
+        if fitted is None:
+            return None
+        alpha, beta, rms_s = fitted
+        return PrefillModel(
+            alpha,
+            beta,
+            "measured: least squares over the engines' recent prefills",
+            {
+                "samples": len(window),
+                "window": self._samples.maxlen,
+                "rms_residual_s": rms_s,
+                "max_context_tokens": max(s.cached_tokens + s.computed_tokens for s in window),
+            },
+        )
+
+    def prefill(self, fallback: PrefillModel) -> PrefillModel:
+        """The measured model once there are enough samples, else ``fallback``."""
+        with self._lock:
+            return self._fit or fallback
+
+    @property
+    def host_to_device_bytes_per_s(self) -> float | None:
+        with self._lock:
+            return self._device_bytes_per_s
+
+    def as_dict(self) -> dict[str, object]:
+        with self._lock:
+            return {
+                "reports": self.reports,
+                "prefill_samples": self.samples_total,
+                "prefill_samples_in_window": len(self._samples),
+                "prefill_fit": None if self._fit is None else self._fit.as_dict(),
+                "host_to_device_bytes_per_s": self._device_bytes_per_s,
+                "models": dict(self.models),
+            }
+
+
+@dataclass(frozen=True, slots=True)
+class LocalLink:
+    """A source inside this node: a local tier, or the host -> device copy.
+
+    Costs ``rtt_s + nbytes / bandwidth``; a bandwidth of None means free (a read from host
+    memory whose cost is the device copy, a chunk already in device memory, or a host ->
+    device copy on an engine that reported no bandwidth: a CPU engine has none)."""
+
+    name: str
+    #: latency before the first byte (a disk read's), seconds
+    rtt_s: float = 0.0
+    bandwidth_bytes_per_s: float | None = None
+    #: where the figure came from: "measured" | "configured" | "default" | "engine" | "free"
+    source: str = "free"
+    override: Literal["auto", "fetch", "recompute"] = "auto"
+
+    def __post_init__(self) -> None:
+        rtt = _number(self.rtt_s, f"{self.name} latency")
+        if not math.isfinite(rtt) or rtt < 0:
+            raise InvalidArgument(f"{self.name} latency must be finite and >= 0, got {rtt}")
+        if self.bandwidth_bytes_per_s is not None:
+            bw = _number(self.bandwidth_bytes_per_s, f"{self.name} bandwidth")
+            if not math.isfinite(bw) or bw <= 0:
+                raise InvalidArgument(f"{self.name} bandwidth must be finite and > 0, got {bw}")
+
+    @property
+    def costed(self) -> bool:
+        return True
+
+    @property
+    def emulated(self) -> bool:
+        return False
+
+    def transfer_s(self, nbytes: float) -> float:
+        bw = self.bandwidth_bytes_per_s
+        return 0.0 if bw is None else nbytes / bw
+
+    def fetch_s(self, nbytes: float) -> float:
+        return self.rtt_s + self.transfer_s(nbytes)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "rtt_s": self.rtt_s,
+            "rtt_basis": self.source,
+            "bandwidth_bytes_per_s": self.bandwidth_bytes_per_s,
+            "source": self.source,
+            "override": self.override,
+            "emulated_delay_s": 0.0,
+            "costed": True,
+        }
+
+
+AnyLink = Link | LocalLink
 
 
 @dataclass(frozen=True)
@@ -107,18 +436,19 @@ class FetchPlan:
     fetch: tuple[tuple[int, str], ...]
     #: candidates not fetched (recomputed)
     recompute: int
-    #: modeled time to fetch the chosen chunks (parallel links, one batch each)
+    #: modeled time to fetch the chosen chunks (stages in turn, parallel links in each, then
+    #: the device copy)
     fetch_s: float
     #: modeled time recomputing the chosen chunks would have taken
     recompute_s: float
     saved_s: float
     reason: Reason
-    #: Link.as_dict() of each link the candidates named
+    #: as_dict() of each link the candidates named
     links: dict[str, dict[str, object]]
-    #: tokens_per_s and basis
+    #: the prefill model's as_dict(): tokens_per_s, alpha, beta, basis, inputs
     prefill: dict[str, object]
     per_link_bytes: dict[str, int]
-    #: modeled time of each link's batch in the plan (the fetch is their max)
+    #: modeled time of each link's batch in the plan
     per_link_s: dict[str, float] = field(default_factory=dict)
     #: candidates that had a usable source (K): the plan could fetch at most this many
     usable: int = 0
@@ -127,6 +457,13 @@ class FetchPlan:
     stopped_by: Reason | None = None
     #: links in the plan whose figures are unknown (forced by override; they count 0 s)
     uncosted_links: tuple[str, ...] = ()
+    #: the chosen source of each usable candidate (the first ``usable``), fetched or not
+    usable_sources: tuple[str, ...] = ()
+    #: tokens already in place before the first candidate
+    start_tokens: int = 0
+    #: the host -> device copy of the chosen chunks (None: not modeled)
+    device: dict[str, object] | None = None
+    device_s: float = 0.0
 
     @property
     def fetched_indices(self) -> tuple[int, ...]:
@@ -137,6 +474,9 @@ class FetchPlan:
         return dict(self.fetch)
 
     def as_dict(self) -> dict[str, object]:
+        per_link_chunks: dict[str, int] = {}
+        for _, name in self.fetch:
+            per_link_chunks[name] = per_link_chunks.get(name, 0) + 1
         return {
             "fetch": [{"index": index, "link": name} for index, name in self.fetch],
             "recompute": self.recompute,
@@ -149,18 +489,22 @@ class FetchPlan:
             "uncosted_links": list(self.uncosted_links),
             "links": {name: dict(d) for name, d in self.links.items()},
             "prefill": dict(self.prefill),
+            "start_tokens": self.start_tokens,
+            "per_link_chunks": per_link_chunks,
             "per_link_bytes": dict(self.per_link_bytes),
             "per_link_s": dict(self.per_link_s),
+            "device": None if self.device is None else dict(self.device),
+            "device_s": self.device_s,
         }
 
 
-def _usable(link: Link) -> bool:
+def _usable(link: AnyLink) -> bool:
     if link.override == "recompute":
         return False
     return link.costed or link.override == "fetch"
 
 
-def _choose(candidate: Candidate, links: Mapping[str, Link]) -> str | None:
+def _choose(candidate: Candidate, links: Mapping[str, AnyLink]) -> str | None:
     """The chunk's cheapest usable source, or None when it has none."""
     best: tuple[int, float, float, str] | None = None
     for name in candidate.sources:
@@ -177,7 +521,7 @@ def _choose(candidate: Candidate, links: Mapping[str, Link]) -> str | None:
     return None if best is None else best[3]
 
 
-def _blocked_by(candidate: Candidate, links: Mapping[str, Link]) -> Reason:
+def _blocked_by(candidate: Candidate, links: Mapping[str, AnyLink]) -> Reason:
     """Why a chunk has no usable source. An override is the operator's deliberate choice, so it
     is named before an unknown link."""
     known = [links[name] for name in candidate.sources if name in links]
@@ -189,9 +533,19 @@ def _blocked_by(candidate: Candidate, links: Mapping[str, Link]) -> Reason:
 
 
 def plan_fetch(
-    candidates: Sequence[Candidate], links: Mapping[str, Link], prefill: PrefillRate
+    candidates: Sequence[Candidate],
+    links: Mapping[str, AnyLink],
+    prefill: PrefillRate | PrefillModel,
+    *,
+    start_tokens: int = 0,
+    stages: Mapping[str, int] | None = None,
+    device: LocalLink | None = None,
+    on_device: Collection[str] = (),
 ) -> FetchPlan:
-    """Decide which prefix of ``candidates`` to fetch and from which links (see the module)."""
+    """Decide which prefix of ``candidates`` to fetch and from which links (see the module).
+
+    ``stages``: link name -> stage (absent: 0); ``device``: the copy every fetched byte makes
+    unless its link is in ``on_device``."""
     previous: int | None = None
     for candidate in candidates:
         # a gap would make a later chunk look usable without the one before it
@@ -204,19 +558,24 @@ def plan_fetch(
     for name, link in links.items():
         if link.name != name:
             raise InvalidArgument(f"link {link.name!r} is filed under {name!r}")
+    if isinstance(start_tokens, bool) or not isinstance(start_tokens, int) or start_tokens < 0:
+        raise InvalidArgument(f"start_tokens must be an int >= 0, got {start_tokens!r}")
+    model = as_prefill_model(prefill)
+    stage_of = stages or {}
 
     named = {name for candidate in candidates for name in candidate.sources if name in links}
     link_dicts = {name: links[name].as_dict() for name in sorted(named)}
-    prefill_dict = prefill.as_dict()
 
-    # One pass over the usable range: chosen sources, per-link bytes and times, the running max.
+    # One pass over the usable range: chosen sources, per-link bytes and times, the stage maxes.
     chosen: list[str] = []
     link_bytes: dict[str, int] = {}
-    fetch_s = 0.0
+    stage_s: dict[int, float] = {}
+    device_bytes = 0
     tokens = 0
     forced_floor = 0  # leading chunks whose chosen link is overridden "fetch"
     floor_saved_s = 0.0
     best_k, best_saved_s, best_fetch_s, best_recompute_s = 0, 0.0, 0.0, 0.0
+    best_device_s = 0.0
     stopped_by: Reason | None = None
     for k, candidate in enumerate(candidates, start=1):
         name = _choose(candidate, links)
@@ -228,16 +587,22 @@ def plan_fetch(
         link_bytes[name] = link_bytes.get(name, 0) + candidate.size_bytes
         link_s = link.fetch_s(link_bytes[name])
         if link_s is not None:  # an uncosted (forced) link counts 0 s: flagged in the plan
-            fetch_s = max(fetch_s, link_s)
+            stage = stage_of.get(name, 0)
+            stage_s[stage] = max(stage_s.get(stage, 0.0), link_s)
+        if name not in on_device:
+            device_bytes += candidate.size_bytes
+        device_s = device.fetch_s(device_bytes) if device is not None and device_bytes else 0.0
+        fetch_s = sum(stage_s.values()) + device_s
         tokens += candidate.tokens
-        recompute_s = tokens / prefill.tokens_per_s
+        recompute_s = model.seconds(start_tokens, start_tokens + tokens)
         saved_s = recompute_s - fetch_s
         if forced_floor == k - 1 and link.override == "fetch":
             forced_floor = k
             floor_saved_s = saved_s
-            best_k, best_saved_s, best_fetch_s, best_recompute_s = k, saved_s, fetch_s, recompute_s
-        elif saved_s > floor_saved_s and saved_s >= best_saved_s:
-            best_k, best_saved_s, best_fetch_s, best_recompute_s = k, saved_s, fetch_s, recompute_s
+        elif not (saved_s > floor_saved_s and saved_s >= best_saved_s):
+            continue
+        best_k, best_saved_s, best_fetch_s, best_recompute_s = k, saved_s, fetch_s, recompute_s
+        best_device_s = device_s
     usable = len(chosen)
 
     fetch = tuple((candidates[i].index, chosen[i]) for i in range(best_k))
@@ -270,10 +635,14 @@ def plan_fetch(
         saved_s=best_saved_s,
         reason=reason,
         links=link_dicts,
-        prefill=prefill_dict,
+        prefill=model.as_dict(),
         per_link_bytes=per_link_bytes,
         per_link_s=per_link_s,
         usable=usable,
         stopped_by=stopped_by,
         uncosted_links=uncosted,
+        usable_sources=tuple(chosen),
+        start_tokens=start_tokens,
+        device=None if device is None else device.as_dict(),
+        device_s=best_device_s,
     )

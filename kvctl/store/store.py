@@ -700,6 +700,27 @@ class TieredStore:
             for t in self._tiers:
                 t.close()
 
+    def count_lookup(self, keys: Sequence[bytes], *, limit: int, tenant: str = "") -> LookupResult:
+        """:meth:`lookup` whose hits stop after ``limit`` chunks of the cached prefix: the
+        fetch-or-recompute plan (``peek`` first) took only those, so the rest are recomputed and
+        count as misses. The answer's ``matched_chunks`` is the truncated prefix; ``locations``
+        still say where every chunk is."""
+        with self._lock:
+            seen = self.peek(keys, tenant=tenant)
+            n, m = len(keys), min(seen.matched_chunks, max(limit, 0))
+            prefix = [self._index[k] for k in keys[:m]]
+            tiers, tokens = [e.tier for e in prefix], [e.tokens for e in prefix]
+            if m:
+                self._count_hits(prefix, tiers, tokens, tenant)
+            st = self.stats
+            st.lookups += 1
+            st.lookup_chunks += n
+            # what was asked for does not depend on the plan
+            st.lookup_tokens += seen.matched_tokens + (n - seen.matched_chunks) * self.chunk_tokens
+            st.hit_chunks += m
+            st.hit_tokens += sum(tokens)
+            return LookupResult(n, m, seen.locations, sum(tokens))
+
     # --- internals --------------------------------------------------------------------------
     def _require_lease_tier(self) -> CpuTier:
         if self._lease_tier is None:

@@ -177,7 +177,9 @@ def test_as_dict_is_json_ready_and_shows_the_inputs() -> None:
     shown = json.loads(json.dumps(plan.as_dict()))
     assert shown["fetch"] == [{"index": i, "link": "peer:dc2/n1"} for i in range(3)]
     assert shown["links"]["peer:dc2/n1"]["rtt_basis"] == "emulated"
-    assert shown["prefill"] == {"tokens_per_s": 1000.0, "basis": "configured"}
+    prefill = shown["prefill"]
+    assert prefill["tokens_per_s"] == 1000.0 and prefill["basis"] == "configured"
+    assert prefill["beta_s_per_token2"] == 0.0 and prefill["kind"] == "configured"
     assert shown["reason"] == "fetch" and shown["per_link_bytes"] == {"peer:dc2/n1": 3000}
 
 
