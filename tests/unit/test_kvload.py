@@ -1,0 +1,129 @@
+"""KVLoader puts chunk bytes into the KV cache layout exactly as ``ChunkFormat.unpack`` would,
+whatever the chunks' places in the source (adjacent runs, gaps, any order, misaligned)."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvctl.engines.kvformat import ChunkFormat  # noqa: E402
+from kvctl.engines.kvload import KVLoader, host_tensor, runs  # noqa: E402
+from kvctl.store.keys import KVLayout  # noqa: E402
+
+FMT = ChunkFormat(KVLayout(3, 2, 8, "float32"), 4)
+SIZE = FMT.chunk_bytes
+
+
+def _chunks(n: int, seed: int = 0, fmt: ChunkFormat = FMT) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(fmt.chunk_shape, generator=g).to(fmt.dtype).reshape(-1).view(torch.uint8)
+        for _ in range(n)
+    ]
+
+
+def _reference(chunks: list[torch.Tensor], fmt: ChunkFormat = FMT) -> list[torch.Tensor]:
+    per_layer = fmt.unpack(torch.cat(chunks), len(chunks))
+    return [torch.stack((k, v)) for k, v in per_layer]  # [2, 1, heads, n*T, dim] per layer
+
+
+def test_runs_join_adjacent_chunks_and_cap_their_size() -> None:
+    assert runs([0, 10, 20, 50, 60, 5], 10, 1 << 20) == [(0, 3), (3, 2), (5, 1)]
+    assert runs([0, 10, 20, 30], 10, 20) == [(0, 2), (2, 2)]
+    assert runs([0, 10], 10, 1) == [(0, 1), (1, 1)]  # at least one chunk per run
+    assert runs([], 10, 100) == []
+
+
+@pytest.mark.parametrize("order", ["adjacent", "shuffled", "gaps"])
+def test_load_lays_chunks_out_as_unpack_does(order: str) -> None:
+    n = 7
+    chunks = _chunks(n, seed=1)
+    slots = {
+        "adjacent": list(range(n)),
+        "shuffled": [5, 6, 0, 1, 2, 9, 3],  # some runs of adjacent chunks, some jumps back
+        "gaps": [0, 2, 4, 5, 6, 8, 10],
+    }[order]
+    arena = torch.zeros((max(slots) + 1) * SIZE, dtype=torch.uint8)
+    for chunk, slot in zip(chunks, slots, strict=True):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk
+    loader = KVLoader(FMT, torch.device("cpu"))
+    kv = loader.alloc(n)
+    loader.load(arena, [s * SIZE for s in slots], kv)
+    loader.wait()
+    for layer, want in enumerate(_reference(chunks)):
+        assert torch.equal(kv[layer], want)
+
+
+def test_load_at_an_offset_fills_only_those_chunk_positions() -> None:
+    chunks = _chunks(4, seed=2)
+    loader = KVLoader(FMT, torch.device("cpu"))
+    kv = loader.alloc(4)
+    kv.fill_(float("nan"))
+    loader.load(torch.cat(chunks[:2]), [0, SIZE], kv)
+    loader.load(torch.cat(chunks[2:]), [0, SIZE], kv, first_chunk=2)
+    for layer, want in enumerate(_reference(chunks)):
+        assert torch.equal(kv[layer], want)
+
+
+def test_misaligned_bytes_are_copied_right() -> None:
+    fmt = ChunkFormat(KVLayout(2, 1, 4, "bfloat16"), 2)
+    chunks = _chunks(2, seed=3, fmt=fmt)
+    src = torch.zeros(1 + 2 * fmt.chunk_bytes, dtype=torch.uint8)  # odd offset for bf16
+    src[1:] = torch.cat(chunks)
+    loader = KVLoader(fmt, torch.device("cpu"))
+    kv = loader.alloc(2)
+    loader.load(src, [1, 1 + fmt.chunk_bytes], kv)
+    for layer, want in enumerate(_reference(chunks, fmt)):
+        assert torch.equal(kv[layer], want)
+
+
+def test_host_tensor_aliases_a_read_only_mapping() -> None:
+    fd = os.memfd_create("kvload-test")
+    try:
+        os.ftruncate(fd, 4096)
+        writable = mmap.mmap(fd, 4096)
+        readonly = mmap.mmap(fd, 4096, prot=mmap.PROT_READ)
+        view = host_tensor(readonly)
+        writable[100:104] = b"\x01\x02\x03\x04"
+        # the tensor sees the write: no copy was made
+        assert view[100:104].tolist() == [1, 2, 3, 4]
+        del view
+        readonly.close()
+        writable.close()
+    finally:
+        os.close(fd)
+
+
+def test_the_arena_tensor_is_made_once_per_mapping() -> None:
+    loader = KVLoader(FMT, torch.device("cpu"))
+    first = mmap.mmap(-1, 4096)
+    second = mmap.mmap(-1, 8192)
+    a = loader.arena_tensor(first)
+    assert loader.arena_tensor(first) is a
+    b = loader.arena_tensor(second)  # a resized arena: a new mapping, the old one forgotten
+    assert b.numel() == 8192 and len(loader._registered) == 1
+    loader.close()
+    assert not loader._registered
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_load_from_a_registered_mapping_is_bit_exact() -> None:
+    n = 5
+    chunks = _chunks(n, seed=4)
+    arena = mmap.mmap(-1, (n + 2) * SIZE)
+    slots = [0, 1, 2, 4, 5]
+    for chunk, slot in zip(chunks, slots, strict=True):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk.numpy().tobytes()
+    loader = KVLoader(FMT, torch.device("cuda"))
+    src = loader.arena_tensor(arena)
+    assert loader.register_failures == 0
+    kv = loader.alloc(n)
+    loader.load(src, [s * SIZE for s in slots], kv)
+    loader.wait()
+    for layer, want in enumerate(_reference(chunks)):
+        assert torch.equal(kv[layer].cpu(), want)
+    loader.close()
