@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvctl.store.errors import CapacityError, InvalidArgument, PayloadSizeError
+from kvctl.store.errors import CapacityError, CorruptChunk, InvalidArgument, PayloadSizeError
 from kvctl.store.keys import KEY_BYTES
 
 Buffer = bytes | bytearray | memoryview
@@ -30,6 +30,17 @@ class ChunkMeta:
     created_s: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """What a detached read of one chunk needs, taken under the store's lock (see
+    ``Tier.plan_read``). ``source`` is the tier's own record of the copy being read: the read is
+    still about that copy while ``Tier.plan_is_current`` says so."""
+
+    key: bytes
+    size_bytes: int
+    source: object
+
+
 class Tier(ABC):
     """A byte store with a fixed capacity. Thread safety is the store's job (it holds a lock)."""
 
@@ -38,6 +49,9 @@ class Tier(ABC):
     holds_payload: bool = True
     #: True when chunks survive a restart and ``recover`` can list them.
     durable: bool = False
+    #: True when ``plan_read``/``read_planned`` let the store read a chunk without its lock
+    #: (slow tiers: a disk read must not stall every other reader of the store).
+    detached_reads: bool = False
 
     @property
     @abstractmethod
@@ -90,6 +104,28 @@ class Tier(ABC):
     def read_into(self, key: bytes, out: memoryview) -> int:
         """Copy the payload into ``out``; return bytes copied. InvalidArgument if ``out`` is
         shorter than the chunk; CorruptChunk (after dropping it) if the copy cannot be trusted."""
+
+    def plan_read(self, key: bytes) -> ReadPlan:
+        """Under the store's lock: what ``read_planned`` needs to read ``key`` later. Raises
+        KeyNotFound. Only for tiers with ``detached_reads``."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached reads")
+
+    def read_planned(self, plan: ReadPlan, out: memoryview) -> str | None:
+        """Without the store's lock, maybe in several threads at once: copy the planned chunk
+        into ``out`` (exactly ``plan.size_bytes``, writable) and verify it. Returns None when
+        ``out`` holds the chunk, else why the copy cannot be trusted (``out`` then holds garbage).
+        Changes nothing in the tier: the store decides under its lock what a failure means."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached reads")
+
+    def plan_is_current(self, plan: ReadPlan) -> bool:
+        """Under the store's lock: whether ``plan`` still names the copy the tier holds (not
+        deleted, nor replaced by a later put of the same key)."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached reads")
+
+    def drop_unreadable(self, key: bytes, why: str) -> CorruptChunk:
+        """Under the store's lock: delete a copy a detached read found untrustworthy; returns
+        the CorruptChunk to raise (the caller raises it, keeping its own traceback)."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached reads")
 
     def get(self, key: bytes) -> bytes:
         buf = bytearray(self.size_of(key))

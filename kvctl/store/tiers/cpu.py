@@ -14,6 +14,10 @@ moves and is never reused until the lease ends: deleting a leased chunk leaves i
 Allocation is first-fit over a free list kept sorted by offset, with neighbours coalesced on free.
 When the free bytes suffice but no hole is large enough, the arena is compacted (live chunks slide
 down with memmove) instead of evicting more than the capacity requires.
+
+Reservations hold arena space for a chunk the store reads in from a slower tier without its lock
+(straight into the arena, no copy): a reserved region is taken (counted in ``used_bytes``), stays
+put when the arena is compacted, and is no chunk (not read, leased or listed) until ``commit``.
 """
 
 from __future__ import annotations
@@ -112,6 +116,19 @@ class Lease:
     deadline_s: float
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Arena space held for ``key`` while its bytes are written in (``reserved_view``); it
+    becomes the chunk on ``commit`` or is freed by ``abort``. A resize to another size replaces
+    the arena: the reservation then belongs to the old one, whose bytes stay valid for whoever
+    holds its view, and ``commit`` answers False."""
+
+    key: bytes
+    generation: int
+    offset: int
+    size_bytes: int
+
+
 class CpuTier(Tier):
     """Chunks in one host-memory arena. ``capacity_bytes`` is the arena size."""
 
@@ -134,6 +151,8 @@ class CpuTier(Tier):
         self._leases: dict[int, tuple[int, int, float]] = {}  # id -> (generation, offset, deadline)
         self._region_leases: dict[int, int] = {}  # offset -> live leases (current generation)
         self._zombies: dict[int, int] = {}  # offset -> size of deleted-but-leased regions
+        self._reserved: dict[int, tuple[bytes, int]] = {}  # offset -> (key, size), uncommitted
+        self._reserved_bytes = 0
         self._next_lease_id = 1
         self._closed = False
 
@@ -149,7 +168,13 @@ class CpuTier(Tier):
 
     @property
     def resident_bytes(self) -> int:
-        return self._used_bytes - sum(self._zombies.values())
+        # reservations are not kept by a resize (they stay with the old arena), so not counted
+        return self._used_bytes - sum(self._zombies.values()) - self._reserved_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes held by reservations not yet committed or aborted."""
+        return self._reserved_bytes
 
     def evictable(self, key: bytes) -> bool:
         slot = self._slots.get(key)
@@ -175,14 +200,7 @@ class CpuTier(Tier):
         self._check_open()
         check_put(self, meta, data)
         n = meta.size_bytes
-        off = self._alloc.alloc(n)
-        if off is None:  # enough free bytes (check_put), but fragmented
-            self._compact(self._capacity_bytes)
-            off = self._alloc.alloc(n)
-            if off is None:  # leased regions that cannot move split the free space
-                raise CapacityError(
-                    f"tier {self.name!r}: no hole of {n} bytes while chunks are leased"
-                )
+        off = self._alloc_region(n)
         assert data is not None  # check_put guarantees it for payload tiers
         self._view[off : off + n] = data
         self._slots[meta.key] = (off, n)
@@ -218,8 +236,65 @@ class CpuTier(Tier):
         self._closed = True
         self._slots.clear()
         self._leases.clear()
+        self._reserved.clear()
+        self._reserved_bytes = 0
         self._used_bytes = 0
         self._release_arena()
+
+    # --- reservations -----------------------------------------------------------------------
+    def reserve(self, meta: ChunkMeta) -> Reservation:
+        """Hold ``meta.size_bytes`` of arena for ``meta.key``. Raises CapacityError like ``put``
+        (the caller makes room first), InvalidArgument when the key is already here."""
+        self._check_open()
+        n = meta.size_bytes
+        if n <= 0:
+            raise InvalidArgument(f"chunk size must be positive, got {n}")
+        if meta.key in self._slots:
+            raise InvalidArgument(f"key {_hex(meta.key)} is already in tier {self.name!r}")
+        if n > self.free_bytes:
+            raise CapacityError(f"tier {self.name!r} has {self.free_bytes} free bytes, need {n}")
+        off = self._alloc_region(n)
+        self._reserved[off] = (meta.key, n)
+        self._reserved_bytes += n
+        self._used_bytes += n
+        return Reservation(meta.key, self.generation, off, n)
+
+    def reserved_view(self, reservation: Reservation) -> memoryview:
+        """The reserved bytes, writable, for the reader filling them. The view stays valid
+        after a resize (it keeps the old arena mapped); only ``commit`` says whether it counts."""
+        if not self._holds(reservation):
+            raise TierUnavailable(f"tier {self.name!r} no longer holds this reservation")
+        off = reservation.offset
+        return self._view[off : off + reservation.size_bytes]
+
+    def commit(self, reservation: Reservation) -> bool:
+        """Make the reserved region the chunk of its key; False (nothing changes) when the
+        reservation went with an older arena or the tier was closed."""
+        if not self._holds(reservation):
+            return False
+        if reservation.key in self._slots:
+            raise InvalidArgument(f"key {_hex(reservation.key)} is already in tier {self.name!r}")
+        del self._reserved[reservation.offset]
+        self._reserved_bytes -= reservation.size_bytes
+        self._slots[reservation.key] = (reservation.offset, reservation.size_bytes)
+        return True
+
+    def abort(self, reservation: Reservation) -> None:
+        """Give the reserved space back (nothing to do for a reservation that went stale)."""
+        if not self._holds(reservation):
+            return
+        off, n = reservation.offset, reservation.size_bytes
+        del self._reserved[off]
+        self._reserved_bytes -= n
+        self._alloc.free(off, n)
+        self._used_bytes -= n
+
+    def _holds(self, reservation: Reservation) -> bool:
+        return (
+            not self._closed
+            and reservation.generation == self.generation
+            and self._reserved.get(reservation.offset) == (reservation.key, reservation.size_bytes)
+        )
 
     # --- leases -----------------------------------------------------------------------------
     def lease(self, key: bytes, ttl_s: float, *, now_s: float | None = None) -> Lease:
@@ -264,6 +339,20 @@ class CpuTier(Tier):
         return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
 
     # --- internals --------------------------------------------------------------------------
+    def _alloc_region(self, n: int) -> int:
+        """Offset of ``n`` free bytes (the caller checked they exist in all), compacting once
+        when no single hole is large enough."""
+        off = self._alloc.alloc(n)
+        if off is None:  # enough free bytes, but fragmented
+            self._compact(self._capacity_bytes)
+            off = self._alloc.alloc(n)
+            if off is None:  # leased or reserved regions that cannot move split the free space
+                raise CapacityError(
+                    f"tier {self.name!r}: no hole of {n} bytes while chunks are leased or "
+                    f"being read in"
+                )
+        return off
+
     def _unhold(self, off: int) -> None:
         left = self._region_leases[off] - 1
         if left:
@@ -293,6 +382,8 @@ class CpuTier(Tier):
         if capacity_bytes == self._capacity_bytes:
             regions: list[tuple[int, int, bytes | None]] = [(off, n, k) for k, (off, n) in order]
             regions += [(off, n, None) for off, n in self._zombies.items()]
+            # a reader is writing into a reserved region without the store's lock: it stays put
+            regions += [(off, n, None) for off, (_, n) in self._reserved.items()]
             regions.sort(key=lambda r: r[0])
             used: list[tuple[int, int]] = []
             cursor = 0
@@ -322,8 +413,12 @@ class CpuTier(Tier):
             # leases of the old generation keep their readers' mappings; they no longer hold
             # anything here, and the zombies' bytes went with the old arena
             self.generation += 1
-            self._used_bytes -= sum(self._zombies.values())
+            self._used_bytes -= sum(self._zombies.values()) + self._reserved_bytes
             self._zombies.clear()
+            # likewise reservations: their readers still write into the old arena, and their
+            # commits will answer False
+            self._reserved.clear()
+            self._reserved_bytes = 0
             self._region_leases.clear()
             used = [(0, cursor)] if cursor else []
         self._alloc.rebuild(capacity_bytes, used)
@@ -340,6 +435,12 @@ class CpuTier(Tier):
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+    def arena_mapping(self) -> tuple[mmap.mmap, int]:
+        """The arena's mapping and its generation (a resize replaces both), for registering it
+        with CUDA so a gpu tier copies to and from it directly (kvctl.store.tiers.hostreg)."""
+        self._check_open()
+        return self._arena, self.generation
 
 
 def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mmap, int]:

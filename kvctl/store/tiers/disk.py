@@ -46,7 +46,7 @@ import struct
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NoReturn, Protocol
+from typing import Protocol
 
 import xxhash
 
@@ -60,6 +60,7 @@ from kvctl.store.errors import (
 from kvctl.store.tiers.base import (
     Buffer,
     ChunkMeta,
+    ReadPlan,
     Tier,
     check_capacity,
     check_put,
@@ -129,6 +130,7 @@ _MAX_REASONS = 50
 _MAX_IO_BYTES = 0x7FFFF000
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_FADV_SEQUENTIAL: int | None = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
 # O_EXCL: a temp name is never reused, so finding one means a bug, not a file to overwrite.
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
 
@@ -158,6 +160,7 @@ class DiskTier(Tier):
     name = "disk"
     holds_payload = True
     durable = True
+    detached_reads = True
 
     def __init__(
         self,
@@ -288,39 +291,73 @@ class DiskTier(Tier):
         On CorruptChunk the chunk is gone from disk and from the tier, and ``out`` holds
         garbage up to the chunk size.
         """
-        self._check_open()
-        entry = self._entry(key)
-        n = entry.meta.size_bytes
+        plan = self.plan_read(key)
+        n = plan.size_bytes
         dest = _byte_view(out)
         if dest.readonly:
             raise InvalidArgument("read_into needs a writable buffer")
         if dest.nbytes < n:
             raise InvalidArgument(f"buffer of {dest.nbytes} bytes is smaller than the chunk ({n})")
-        dest = dest[:n]
-        path = self._path(key)
+        why = self.read_planned(plan, dest[:n])
+        if why is not None:
+            raise self.drop_unreadable(key, why)
+        return n
+
+    # --- detached reads: planned under the store's lock, read without it ----------------------
+    def plan_read(self, key: bytes) -> ReadPlan:
+        self._check_open()
+        entry = self._entry(key)
+        return ReadPlan(key, entry.meta.size_bytes, entry)
+
+    def read_planned(self, plan: ReadPlan, out: memoryview) -> str | None:
+        """Read and verify one chunk; touches nothing of the tier's state, so any number of
+        threads may read at once while the store goes on (a file deleted or replaced meanwhile
+        is a failed or a correct read, never wrong bytes: the checksum is the one planned)."""
+        entry = plan.source
+        assert isinstance(entry, _Entry)
+        dest = _byte_view(out)
+        n = plan.size_bytes
+        if dest.readonly or dest.nbytes != n:
+            raise InvalidArgument(f"a planned read needs a writable buffer of exactly {n} bytes")
+        path = self._path(plan.key)
         try:
             fd = os.open(path, os.O_RDONLY | _O_CLOEXEC)
         except FileNotFoundError:
-            self._drop_corrupt(key, path, "its file is missing")
+            return "its file is missing"
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name!r} cannot open {path}: {exc.strerror}"
             ) from exc
         try:
+            if _FADV_SEQUENTIAL is not None:  # a larger readahead window for the one pass
+                os.posix_fadvise(fd, 0, 0, _FADV_SEQUENTIAL)
             got = _read_exact(fd, dest, entry.header_bytes)
         except OSError as exc:
             if exc.errno == errno.EIO:  # a bad sector: this chunk is lost, the tier is not
-                self._drop_corrupt(key, path, "an I/O error while reading it")
+                return "an I/O error while reading it"
             raise TierUnavailable(
                 f"disk tier {self.name!r} cannot read {path}: {exc.strerror}"
             ) from exc
         finally:
             os.close(fd)
         if got != n:
-            self._drop_corrupt(key, path, f"its file is short ({got} of {n} payload bytes)")
+            return f"its file is short ({got} of {n} payload bytes)"
         if _CHECKSUMS[entry.checksum_kind][0](dest) != entry.checksum:
-            self._drop_corrupt(key, path, "its payload failed the checksum")
-        return n
+            return "its payload failed the checksum"
+        return None
+
+    def plan_is_current(self, plan: ReadPlan) -> bool:
+        return not self._closed and self._index.get(plan.key) is plan.source
+
+    def drop_unreadable(self, key: bytes, why: str) -> CorruptChunk:
+        path = self._path(key)
+        _unlink_quietly(path)
+        entry = self._index.pop(key, None)
+        if entry is not None:
+            self._used_bytes -= entry.meta.size_bytes
+        return CorruptChunk(
+            f"chunk {key.hex()} in disk tier {self.name!r} was dropped: {why} ({path})"
+        )
 
     def delete(self, key: bytes) -> int:
         self._check_open()
@@ -401,16 +438,6 @@ class DiskTier(Tier):
     def _path(self, key: bytes) -> str:
         key_hex = key.hex()
         return f"{self.directory}/{key_hex[:2]}/{key_hex}{_CHUNK_SUFFIX}"
-
-    def _drop_corrupt(self, key: bytes, path: str, why: str) -> NoReturn:
-        """Forget ``key`` and its file, then raise CorruptChunk (always raises)."""
-        _unlink_quietly(path)
-        entry = self._index.pop(key, None)
-        if entry is not None:
-            self._used_bytes -= entry.meta.size_bytes
-        raise CorruptChunk(
-            f"chunk {key.hex()} in disk tier {self.name!r} was dropped: {why} ({path})"
-        )
 
     def _open_directory(self) -> None:
         d = self.directory
