@@ -17,6 +17,15 @@ passed, when the next put tries it again; ``offline_tiers`` says which and why. 
 it are still read from it. Every public method either completes or raises before changing
 anything it would have to undo, and a failure while demoting (disk full) degrades to a drop that
 is counted, never to lost or wrong bytes.
+
+Reads from a slow tier (disk: ``Tier.detached_reads``) run without the store's lock, so one disk
+read never stalls every other reader. Under the lock the store marks the entry in flight
+(withdrawn from its tier's eviction policy, like a pinned one) and, for a lease, reserves its
+place in the lease tier's arena; the bytes are read (a batch's chunks in parallel, in a small
+thread pool, straight into the arena) and checksummed outside it; back under the lock the read
+is committed. Anything that happened meanwhile (the chunk evicted, moved, pinned, the arena
+resized, the file replaced) is noticed at that point: the read is then retried, handed back as a
+miss or a fallback, never served as wrong bytes, and its reserved space is given back.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from heapq import nlargest
 from operator import attrgetter
@@ -47,8 +57,8 @@ from kvctl.store.policies import (
     make_eviction_policy,
 )
 from kvctl.store.stats import StoreStats, TierStats
-from kvctl.store.tiers.base import Buffer, ChunkMeta, Tier
-from kvctl.store.tiers.cpu import CpuTier, Lease
+from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier
+from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 
 _MAX_TENANTS_TRACKED = 8
 _TIER_OF = attrgetter("tier")
@@ -58,8 +68,17 @@ _TENANT_OF = attrgetter("tenant")
 _HEAT = attrgetter("hit_count", "last_tick")
 #: most chunks one prefix walk visits under the lock (real chains are hundreds deep)
 _MAX_PREFIX_WALK = 100_000
+#: threads reading one batch's disk chunks at once (an SSD needs a queue depth above one)
+DEFAULT_READ_THREADS = 8
+#: reads smaller than this say more about per-call overheads than about a tier's bandwidth
+MIN_BANDWIDTH_SAMPLE_BYTES = 256 << 10
+#: weight of the newest sample in a tier's read bandwidth (an exponential moving average)
+_BANDWIDTH_EWMA_WEIGHT = 0.25
 
 Event = dict[str, Any]
+#: one key's answer from ``lease_many``: a lease, None (cannot be held in the lease tier: read it
+#: with ``read_into``), or the KeyNotFound (CorruptChunk for a dropped copy) ``lease`` would raise
+LeaseResult = Lease | None | KeyNotFound
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +99,22 @@ class BulkResult:
         }
 
 
+@dataclass(slots=True, eq=False)
+class _Flight:
+    """One chunk of a lease batch on its way from a detached-read tier into the lease tier."""
+
+    index: int  # its place in the batch
+    entry: Entry
+    src: Tier
+    plan: ReadPlan
+    reservation: Reservation
+    view: memoryview  # the reserved arena bytes the read fills
+    why: str | None = None  # the read failed: why the copy cannot be trusted
+    error: BaseException | None = None  # the read raised (the tier is unusable)
+    started_s: float = 0.0
+    ended_s: float = 0.0  # 0.0 while the read has not finished
+
+
 class TieredStore:
     """Chunks in ordered tiers, fastest first, e.g. ``[CpuTier(...), DiskTier(...)]`` or
     ``[GpuTier(...), CpuTier(...), DiskTier(...)]``.
@@ -87,6 +122,7 @@ class TieredStore:
     ``eviction`` names one policy for every tier or maps tier name -> policy name or instance.
     ``admission`` maps tier name -> admission policy (default: admit everything).
     ``chunk_bytes``, when set, is the only payload size accepted (a store serves one KV layout).
+    ``read_threads`` bounds how many chunks of one lease batch are read from disk at once.
     """
 
     def __init__(
@@ -99,6 +135,7 @@ class TieredStore:
         chunk_bytes: int | None = None,
         promote_on_hit: bool = True,
         offline_retry_s: float = 60.0,
+        read_threads: int = DEFAULT_READ_THREADS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         if not tiers:
@@ -110,6 +147,8 @@ class TieredStore:
             raise InvalidArgument(f"chunk_tokens must be positive, got {chunk_tokens}")
         if not offline_retry_s >= 0:  # NaN too
             raise InvalidArgument(f"offline_retry_s must not be negative, got {offline_retry_s}")
+        if isinstance(read_threads, bool) or not isinstance(read_threads, int) or read_threads < 1:
+            raise InvalidArgument(f"read_threads must be a positive integer, got {read_threads!r}")
         if chunk_bytes is not None:
             if chunk_bytes <= 0:
                 raise InvalidArgument(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -153,6 +192,16 @@ class TieredStore:
         self._pinned_bytes = dict.fromkeys(names, 0)
         self._tick = 0
         self._lock = threading.RLock()
+        #: entries being read without the lock -> how many such reads; meanwhile they are out of
+        #: their tier's eviction policy (like pinned ones), so pressure never picks them
+        self._reading: dict[Entry, int] = {}
+        #: keys a lease batch is moving into the lease tier; another batch waits for them
+        self._promoting: set[bytes] = set()
+        self._promoted = threading.Condition(self._lock)
+        self._read_threads = read_threads
+        self._read_pool: ThreadPoolExecutor | None = None
+        #: measured read bandwidth per tier, bytes/s (an EWMA; None until a large read)
+        self._read_bandwidth: dict[str, float | None] = dict.fromkeys(names)
         self._listeners: list[Callable[[Event], None]] = []
         self.stats = StoreStats(tiers={n: TierStats() for n in names})
         #: tiers beyond this node (the remote pool, peers): their hits are counted here, their
@@ -404,26 +453,15 @@ class TieredStore:
 
     def read_into(self, key: bytes, out: memoryview | bytearray, *, tenant: str = "") -> int:
         """Copy a chunk into ``out``; returns its size. Promotes a hit below the lease tier
-        into it (never into a gpu tier above it)."""
-        with self._lock:
-            e = self._get_visible(key, tenant)
-            view = memoryview(out)
-            if view.nbytes < e.size_bytes:
-                raise InvalidArgument(
-                    f"buffer of {view.nbytes} bytes is smaller than the chunk ({e.size_bytes})"
-                )
-            self._read(e, view)
-            self._access(e, self._clock())
-            self._served(e, tenant)
-            self._promote(e, view[: e.size_bytes])
-            return e.size_bytes
+        into it (never into a gpu tier above it). A disk chunk is read without the store's
+        lock (see the module docstring)."""
+        return self._read_chunk(key, tenant, _byte_view(out))[0]
 
     def get(self, key: bytes, *, tenant: str = "") -> bytearray:
         """A chunk's bytes in a new buffer owned by the caller."""
-        with self._lock:
-            buf = bytearray(self._get_visible(key, tenant).size_bytes)
-            self.read_into(key, buf, tenant=tenant)
-            return buf
+        buf = self._read_chunk(key, tenant, None)[1]
+        assert isinstance(buf, bytearray)  # _read_chunk's own buffer when given none
+        return buf
 
     def touch(self, key: bytes, *, tenant: str = "") -> str:
         """Access a chunk without reading it (size-only simulation); returns its tier after."""
@@ -439,20 +477,52 @@ class TieredStore:
         first (up from disk, or down from a gpu tier above: a promotion either way), so a reader
         can copy or send them without the store's lock. None when the chunk cannot be held
         there (pinned in another tier, no room, or ``promote_on_hit`` off): read it with
-        ``read_into`` instead. Raises KeyNotFound like ``get``, TierUnavailable when the store
-        has no cpu tier."""
-        with self._lock:
-            home = self._require_lease_tier()
-            e = self._get_visible(key, tenant)
-            self._access(e, self._clock())
-            self._served(e, tenant)
-            if e.tier != home.name:
-                self._promote(e, None, home)
-                if e.tier != home.name or e.key not in self._index:
-                    return None
-            lease = home.lease(key, ttl_s)
-            self.stats.tiers[home.name].bytes_read += e.size_bytes
-            return lease
+        ``read_into`` instead. Raises KeyNotFound like ``get`` (CorruptChunk when the disk copy
+        failed its checksum and was dropped), TierUnavailable when the store has no cpu tier."""
+        (result,) = self.lease_many([key], ttl_s, tenant=tenant)
+        if isinstance(result, KeyNotFound):
+            raise result
+        return result
+
+    def lease_many(
+        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str = ""
+    ) -> list[LeaseResult]:
+        """``lease`` for each key, in order, with the disk chunks among them read in parallel
+        and without the store's lock. Each answer is a Lease, None (cannot be held in the lease
+        tier: read it with ``read_into``), or the KeyNotFound that ``lease`` would raise (a
+        CorruptChunk: the disk copy was bad and is gone), returned rather than raised so one
+        miss does not cost the rest of the batch. Raises TierUnavailable when the store has no
+        cpu tier (or a tier fails), holding no lease of the batch then.
+
+        Every key counts as served up front, like ``lease`` does. A key another batch is moving
+        into the lease tier is waited for rather than read twice, so do not call this with the
+        store's lock held (``locked()``): waiting gives the lock up."""
+        results: list[LeaseResult] = [None] * len(keys)
+        try:
+            with self._lock:
+                home = self._require_lease_tier()
+                now = self._clock()
+                pending: list[tuple[int, bytes]] = []
+                for i, key in enumerate(keys):
+                    try:
+                        e = self._get_visible(key, tenant)
+                    except KeyNotFound as exc:
+                        results[i] = exc
+                        continue
+                    self._access(e, now)
+                    self._served(e, tenant)
+                    if e.tier == home.name:  # leased now, so making room for the rest skips it
+                        results[i] = self._grant(home, e, ttl_s)
+                    else:
+                        pending.append((i, key))
+            while pending:
+                pending = self._lease_round(home, pending, ttl_s, tenant, results)
+        except BaseException:
+            granted = [r.lease_id for r in results if isinstance(r, Lease)]
+            if granted:
+                self.release(granted)
+            raise
+        return results
 
     def leased_view(self, lease: Lease) -> memoryview:
         """The bytes a lease holds, read-only and in place (valid while the lease holds)."""
@@ -477,14 +547,25 @@ class TieredStore:
         return self._lock
 
     def snapshot(self) -> dict[str, Any]:
-        """Counters, usage and live leases read together, for metrics and the stats API."""
+        """Counters, usage, live leases and measured read bandwidth read together, for metrics
+        and the stats API."""
         with self._lock:
             home = self._lease_tier
             return {
                 "stats": self.stats.as_dict(),
                 "usage": self.usage(),
                 "leases": 0 if home is None else home.lease_count,
+                "read_bandwidth_bytes_per_second": self.read_bandwidth(),
             }
+
+    def read_bandwidth(self) -> dict[str, float | None]:
+        """Measured read bandwidth of each tier of this store, bytes/s: a moving average over
+        the reads the store made from it (a lease batch's disk reads as one sample: bytes over
+        wall seconds), counting only samples of at least MIN_BANDWIDTH_SAMPLE_BYTES. None for a
+        tier not measured yet. For fetch-or-recompute: fetch when latency + bytes / bandwidth
+        beats recomputing."""
+        with self._lock:
+            return dict(self._read_bandwidth)
 
     def entry(self, key: bytes) -> Entry:
         with self._lock:
@@ -548,7 +629,8 @@ class TieredStore:
                 if e.pinned:
                     e.pinned = False
                     self._pinned_bytes[e.tier] -= e.size_bytes
-                    self._policies[e.tier].on_insert(e)
+                    if e not in self._reading:  # a read in flight puts it back when done
+                        self._policies[e.tier].on_insert(e)
             return BulkResult(done=len(found), missing=missing)
 
     def evict(self, keys: Iterable[bytes]) -> BulkResult:
@@ -697,6 +779,9 @@ class TieredStore:
 
     def close(self) -> None:
         with self._lock:
+            pool, self._read_pool = self._read_pool, None
+            if pool is not None:  # its reads finish on their own; their commits find tiers closed
+                pool.shutdown(wait=False)
             for t in self._tiers:
                 t.close()
 
@@ -840,20 +925,290 @@ class TieredStore:
         e.last_tick = self._tick
         e.last_access_s = now
         e.access_count += 1
-        if not e.pinned:
+        if not e.pinned and e not in self._reading:
             self._policies[e.tier].on_access(e)
 
     def _read(self, e: Entry, out: memoryview) -> None:
         tier = self._tiers[self._tier_index[e.tier]]
+        started_s = time.perf_counter()
         try:
             n = tier.read_into(e.key, out)
         except CorruptChunk:
             # the tier already deleted the bad copy; forget it and report a miss
-            self.stats.corrupt_dropped += 1
-            self.stats.tiers[e.tier].evictions["corrupt"] += 1
+            self._count_corrupt(e)
             self._forget(e)
             raise
         self.stats.tiers[e.tier].bytes_read += n
+        self._note_bandwidth(tier.name, n, time.perf_counter() - started_s)
+
+    def _count_corrupt(self, e: Entry) -> None:
+        self.stats.corrupt_dropped += 1
+        self.stats.tiers[e.tier].evictions["corrupt"] += 1
+
+    def _note_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes < MIN_BANDWIDTH_SAMPLE_BYTES or seconds <= 0:
+            return
+        sample = nbytes / seconds
+        old = self._read_bandwidth.get(tier)
+        self._read_bandwidth[tier] = (
+            sample if old is None else old + _BANDWIDTH_EWMA_WEIGHT * (sample - old)
+        )
+
+    # --- reads without the lock -------------------------------------------------------------
+    def _begin_read(self, e: Entry) -> None:
+        """Under the lock: ``e`` is about to be read without it; keep pressure off it."""
+        n = self._reading.get(e, 0)
+        if n == 0 and not e.pinned:
+            self._policies[e.tier].on_remove(e)
+        self._reading[e] = n + 1
+
+    def _end_read(self, e: Entry, src: str) -> None:
+        """Under the lock: a read that began in tier ``src`` is over; if ``e`` is still cached
+        there (not moved, evicted or pinned meanwhile), its policy tracks it again."""
+        n = self._reading[e] - 1
+        if n:
+            self._reading[e] = n
+            return
+        del self._reading[e]
+        if not e.pinned and e.tier == src and self._index.get(e.key) is e:
+            self._policies[src].on_insert(e)
+
+    def _is_current(self, e: Entry, src: Tier, plan: ReadPlan) -> bool:
+        """Whether a read planned from ``src`` read the copy the store still holds for ``e``."""
+        return self._index.get(e.key) is e and e.tier == src.name and src.plan_is_current(plan)
+
+    def _drop_unreadable(self, e: Entry, src: Tier, why: str) -> CorruptChunk:
+        """A detached read found ``e``'s copy untrustworthy: drop it like ``_read`` does."""
+        exc = src.drop_unreadable(e.key, why)
+        self._count_corrupt(e)
+        self._forget(e)
+        return exc
+
+    def _read_chunk(
+        self, key: bytes, tenant: str, out: memoryview | None
+    ) -> tuple[int, memoryview | bytearray]:
+        """``read_into`` (into ``out``) and ``get`` (``out`` None: into a new bytearray, which
+        is returned). Reads from a detached-read tier happen outside the lock."""
+        while True:
+            with self._lock:
+                e = self._get_visible(key, tenant)
+                size = e.size_bytes
+                buf: memoryview | bytearray
+                if out is None:
+                    buf = bytearray(size)
+                    view = memoryview(buf)
+                else:
+                    if out.nbytes < size:
+                        raise InvalidArgument(
+                            f"buffer of {out.nbytes} bytes is smaller than the chunk ({size})"
+                        )
+                    buf = view = out[:size]
+                src = self._tiers[self._tier_index[e.tier]]
+                if not src.detached_reads:
+                    self._read(e, view)
+                    self._access(e, self._clock())
+                    self._served(e, tenant)
+                    self._promote(e, view)
+                    return size, buf
+                plan = src.plan_read(key)
+                self._begin_read(e)
+            try:
+                started_s = time.perf_counter()
+                why = src.read_planned(plan, view)
+                seconds = time.perf_counter() - started_s
+            except BaseException:
+                with self._lock:
+                    self._end_read(e, src.name)
+                raise
+            with self._lock:
+                current = self._is_current(e, src, plan)
+                self._end_read(e, src.name)
+                if why is not None:
+                    if current:
+                        raise self._drop_unreadable(e, src, why)
+                    continue  # it moved or went while we read: look again
+                self.stats.tiers[src.name].bytes_read += size
+                self._note_bandwidth(src.name, size, seconds)
+                # the bytes passed the checksum: they are the chunk's even if it went meanwhile
+                if self._index.get(key) is e:
+                    self._access(e, self._clock())
+                    self._served(e, tenant)
+                    if e.tier == src.name:
+                        self._promote(e, view)
+                return size, buf
+
+    def _grant(self, home: CpuTier, e: Entry, ttl_s: float) -> Lease:
+        lease = home.lease(e.key, ttl_s)
+        self.stats.tiers[home.name].bytes_read += e.size_bytes
+        return lease
+
+    def _lease_round(
+        self,
+        home: CpuTier,
+        pending: list[tuple[int, bytes]],
+        ttl_s: float,
+        tenant: str,
+        results: list[LeaseResult],
+    ) -> list[tuple[int, bytes]]:
+        """One pass of ``lease_many`` over the keys not yet in the lease tier (their hits
+        already counted): plan under the lock, read outside it, commit under it. Returns the
+        keys to resolve again (moved or evicted mid-read, or waited for)."""
+        flights: list[_Flight] = []
+        waiting: list[tuple[int, bytes]] = []
+        with self._lock:
+            for i, key in pending:
+                try:
+                    e = self._get_visible(key, tenant)
+                except KeyNotFound as exc:
+                    results[i] = exc
+                    continue
+                if e.tier == home.name:
+                    results[i] = self._grant(home, e, ttl_s)
+                    continue
+                if key in self._promoting:  # another batch (or this one) is bringing it up
+                    waiting.append((i, key))
+                    continue
+                src = self._tiers[self._tier_index[e.tier]]
+                if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
+                    self._promote(e, None, home)
+                    landed = e.tier == home.name and self._index.get(key) is e
+                    results[i] = self._grant(home, e, ttl_s) if landed else None
+                    continue
+                flight = self._plan_flight(i, e, src, home)
+                if flight is None:
+                    results[i] = None
+                else:
+                    flights.append(flight)
+        again: list[tuple[int, bytes]] = []
+        try:
+            if flights:
+                self._fly(flights)
+        finally:
+            with self._lock:
+                try:
+                    again += self._land(flights, home, ttl_s, results)
+                finally:
+                    if flights:
+                        self._promoted.notify_all()
+        with self._lock:
+            for i, key in waiting:
+                while key in self._promoting:
+                    self._promoted.wait()
+                again.append((i, key))
+        return again
+
+    def _plan_flight(self, i: int, e: Entry, src: Tier, home: CpuTier) -> _Flight | None:
+        """Under the lock: reserve ``e``'s place in the lease tier and mark it in flight, or
+        None when it cannot be held there (the checks ``_try_place`` makes for a promotion)."""
+        if not self.promote_on_hit or e.pinned or not self._usable(home):
+            return None
+        size = e.size_bytes
+        if size > home.capacity_bytes - self._pinned_bytes[home.name]:
+            return None
+        if home.free_bytes < size and not self._policies[home.name].admit(e, self._clock()):
+            return None
+        self._begin_read(e)  # first, so demotions made to make room can never pick it
+        try:
+            self._make_room(home, size)
+            reservation = home.reserve(_meta(e))
+            plan = src.plan_read(e.key)
+        except CapacityError:
+            self._end_read(e, src.name)
+            return None
+        except BaseException:
+            self._end_read(e, src.name)
+            raise
+        self._promoting.add(e.key)
+        return _Flight(i, e, src, plan, reservation, home.reserved_view(reservation))
+
+    def _fly(self, flights: list[_Flight]) -> None:
+        """Without the lock: read every flight's chunk into its reserved bytes, in parallel."""
+        if len(flights) == 1:
+            _read_flight(flights[0])
+        else:
+            with self._lock:
+                pool = self._read_pool
+                if pool is None:
+                    pool = self._read_pool = ThreadPoolExecutor(
+                        self._read_threads, thread_name_prefix="kvctl-store-read"
+                    )
+            for _ in pool.map(_read_flight, flights):
+                pass
+        by_tier: dict[str, list[_Flight]] = {}
+        for f in flights:
+            if f.why is None and f.error is None:
+                by_tier.setdefault(f.src.name, []).append(f)
+        with self._lock:
+            for tier, done in by_tier.items():
+                nbytes = sum(f.reservation.size_bytes for f in done)
+                wall_s = max(f.ended_s for f in done) - min(f.started_s for f in done)
+                self._note_bandwidth(tier, nbytes, wall_s)
+
+    def _land(
+        self, flights: list[_Flight], home: CpuTier, ttl_s: float, results: list[LeaseResult]
+    ) -> list[tuple[int, bytes]]:
+        """Under the lock: commit every flight (or undo it), then raise the first error a read
+        or a commit met. Returns the keys to resolve again."""
+        again: list[tuple[int, bytes]] = []
+        first_error: BaseException | None = None
+        for f in flights:
+            try:
+                if self._land_one(f, home, ttl_s, results):
+                    again.append((f.index, f.entry.key))
+            except Exception as exc:  # the rest still land, so nothing stays reserved
+                first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
+        return again
+
+    def _land_one(
+        self, f: _Flight, home: CpuTier, ttl_s: float, results: list[LeaseResult]
+    ) -> bool:
+        """Commit one flight; True when its key must be resolved again."""
+        e, src, r = f.entry, f.src, f.reservation
+        self._promoting.discard(e.key)
+        if not f.ended_s:
+            # still being read (an interrupt cut this thread's wait short): the reader may
+            # write into the reserved bytes yet, so they stay reserved, never handed out
+            self._end_read(e, src.name)
+            return False
+        current = self._is_current(e, src, f.plan)
+        if f.error is not None or f.why is not None or not current or e.pinned:
+            home.abort(r)
+            self._end_read(e, src.name)
+            if f.error is not None:
+                raise f.error
+            if not current:  # evicted, moved or rewritten meanwhile: look again
+                return True
+            if f.why is not None:
+                results[f.index] = self._drop_unreadable(e, src, f.why)
+            # else pinned meanwhile: it stays where it is pinned
+            return False
+        if not home.commit(r):
+            # the arena was replaced (resize) mid-read: the bytes, read and checked, are in
+            # the old one; place them like any promotion
+            self._end_read(e, src.name)
+            self.stats.tiers[src.name].bytes_read += e.size_bytes
+            self._promote(e, f.view, home)
+            landed = e.tier == home.name and self._index.get(e.key) is e
+            results[f.index] = self._grant(home, e, ttl_s) if landed else None
+            return False
+        try:
+            src.delete(e.key)
+        except BaseException:
+            home.delete(e.key)  # still one copy, in src
+            self._end_read(e, src.name)
+            raise
+        e.tier = home.name  # before _end_read, which must not put it back in src's policy
+        self._end_read(e, src.name)
+        self._offline.pop(home.name, None)
+        self.stats.tiers[src.name].bytes_read += e.size_bytes
+        self.stats.tiers[home.name].bytes_written += e.size_bytes
+        self.stats.tiers[home.name].promotions += 1
+        self._policies[home.name].on_insert(e)
+        self._emit("promote", e, src=src.name)
+        results[f.index] = self._grant(home, e, ttl_s)
+        return False
 
     def _check_room(self, tier: Tier, size: int, *, pinning: bool = False) -> None:
         """Raise before any change when ``size`` can never fit (tier too small or pinned full)."""
@@ -1067,6 +1422,28 @@ class TieredStore:
         }
         for listener in list(self._listeners):
             listener(event)
+
+
+def _read_flight(f: _Flight) -> None:
+    """A pool thread's part of a lease batch: read and verify one chunk, touching no state but
+    the flight's own (the store's lock is not held)."""
+    f.started_s = time.perf_counter()
+    try:
+        f.why = f.src.read_planned(f.plan, f.view)
+    except Exception as exc:
+        f.error = exc
+    f.ended_s = time.perf_counter()
+
+
+def _byte_view(out: Buffer) -> memoryview:
+    """``out`` as flat bytes (a typed array's memory read byte for byte)."""
+    view = memoryview(out)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    try:
+        return view.cast("B")
+    except TypeError as exc:
+        raise InvalidArgument(f"read buffers must be C-contiguous: {exc}") from None
 
 
 def _as_admission(spec: str | AdmissionPolicy) -> AdmissionPolicy:
