@@ -47,6 +47,8 @@ from kvctl.agent.protocol import (
     error_meta,
     pack_header,
     parse_probe,
+    parse_rates,
+    rates_reply,
     recv_exactly,
     recv_some_with_fds,
     recv_with_fds,
@@ -54,6 +56,7 @@ from kvctl.agent.protocol import (
     zero_pieces,
 )
 from kvctl.agent.runtime import AgentRuntime
+from kvctl.remote.fetchplan import PrefillSample
 from kvctl.store.errors import (
     CapacityError,
     InvalidArgument,
@@ -62,7 +65,7 @@ from kvctl.store.errors import (
     StoreError,
     TierUnavailable,
 )
-from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.cpu import CpuTier, Lease
 
 log = logging.getLogger("kvctl.agent.dataplane")
 
@@ -251,6 +254,7 @@ class Connection:
             Op.PROBE: self._probe,
             Op.FETCH: self._fetch,
             Op.TENANT: self._tenant,
+            Op.RATES: self._rates,
         }
 
     # --- connection loop --------------------------------------------------------------------
@@ -486,10 +490,8 @@ class Connection:
         payload: list[memoryview | bytearray] = []
         total = 0
         self.server.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
-        for key in keys:
-            try:
-                data = self._send_view(key, tenant)
-            except KeyNotFound:
+        for data in self._send_views(keys, tenant):
+            if data is None:
                 items += GET_ITEM.pack(Status.MISSING, 0)
                 continue
             n = memoryview(data).nbytes
@@ -498,14 +500,25 @@ class Connection:
             total += n
         return [MetaWriter().u32(len(keys)).raw(bytes(items)).build(), *payload], total
 
-    def _send_view(self, key: bytes, tenant: str) -> memoryview | bytearray:
-        """A chunk's bytes to send: in place under an endless lease (this thread releases it
-        after the send, whatever happens), or a copy when it cannot be leased."""
-        lease = self.store.lease(key, math.inf, tenant=tenant)
-        if lease is None:
-            return self.store.get(key, tenant=tenant)
-        self._release_after_send.append(lease.lease_id)
-        return self.store.leased_view(lease)
+    def _send_views(self, keys: list[bytes], tenant: str) -> list[memoryview | bytearray | None]:
+        """The chunks' bytes to send (None: missing): in place under endless leases (this
+        thread releases them after the send, whatever happens), or a copy where one cannot be
+        leased. One batch lease, so the disk chunks among them are read in parallel."""
+        leases = self.store.lease_many(keys, math.inf, tenant=tenant)
+        # every lease is released after the send, even when making a view below fails
+        self._release_after_send += [r.lease_id for r in leases if isinstance(r, Lease)]
+        out: list[memoryview | bytearray | None] = []
+        for key, lease in zip(keys, leases, strict=True):
+            if isinstance(lease, KeyNotFound):
+                out.append(None)
+            elif lease is None:
+                try:
+                    out.append(self.store.get(key, tenant=tenant))
+                except KeyNotFound:
+                    out.append(None)
+            else:
+                out.append(self.store.leased_view(lease))
+        return out
 
     def _fetch(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
         """Chunks and their metadata for another agent; with want_payload 0 only the metadata
@@ -518,18 +531,19 @@ class Connection:
         w = MetaWriter().u32(len(keys))
         payload: list[memoryview | bytearray] = []
         total = 0
-        for key in keys:
-            data: memoryview | bytearray | None = None
-            with store.locked():  # the entry and the bytes read together
-                try:
-                    if want_payload:
-                        data = self._send_view(key, tenant)
-                    elif store.locate([key], tenant=tenant)[0] is None:
-                        raise KeyNotFound(key.hex())
-                    e = store.entry(key)
-                except KeyNotFound:
-                    w.raw(FETCH_ITEM.pack(Status.MISSING, 0, 0, 0, 0, bytes(16), 0.0)).text("")
-                    continue
+        # the bytes first (without the store's lock: disk reads run in parallel), then each
+        # entry's metadata; a chunk evicted in between is reported missing
+        views = self._send_views(keys, tenant) if want_payload else [None] * len(keys)
+        with store.locked():
+            tiers = store.locate(keys, tenant=tenant)
+            entries = [
+                None if tier is None or (want_payload and data is None) else store.entry(key)
+                for key, tier, data in zip(keys, tiers, views, strict=True)
+            ]
+        for e, data in zip(entries, views, strict=True):
+            if e is None:
+                w.raw(FETCH_ITEM.pack(Status.MISSING, 0, 0, 0, 0, bytes(16), 0.0)).text("")
+                continue
             flags = (FLAG_HAS_PARENT if e.parent is not None else 0) | (
                 FLAG_ISOLATED if e.isolated else 0
             )
@@ -561,6 +575,23 @@ class Connection:
         tenant = meta.text()
         meta.done()
         return [bytes((int(self.server.runtime.is_isolated(tenant)),))], 0
+
+    def _rates(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+        """An engine's measured prefill samples and host -> device bandwidth: all of the frame
+        is checked before any of it is kept, and a bad figure names itself (BAD_REQUEST)."""
+        raw, bandwidth, model = parse_rates(meta)
+        try:
+            samples = [PrefillSample(n, a, t) for n, a, t in raw]
+            self.server.runtime.report_rates(
+                samples, host_to_device_bytes_per_s=bandwidth, model=model
+            )
+        except InvalidArgument as exc:
+            raise FrameError(ErrorCode.BAD_REQUEST, f"RATES refused: {exc}") from None
+        prefill = self.server.runtime.planner.prefill()
+        reply = rates_reply(
+            len(samples), prefill.tokens_per_s, prefill.beta_s_per_token2, prefill.basis
+        )
+        return [reply], 0
 
     def _lookup(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
         tenant = meta.text()
@@ -607,10 +638,9 @@ class Connection:
         meta.done()
         self.server.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
         out = bytearray()
-        for key in keys:
-            try:
-                lease = self.store.lease(key, ttl, tenant=tenant)
-            except KeyNotFound:
+        # one batch, so the disk chunks among them are read in parallel
+        for lease in self.store.lease_many(keys, ttl, tenant=tenant):
+            if isinstance(lease, KeyNotFound):
                 out += LEASE_ITEM.pack(Status.MISSING, 0, 0, 0, 0, 0.0)
                 continue
             if lease is None:
