@@ -98,8 +98,9 @@ class KVLoader:
         speed; None (plain pageable copies, slower) when the driver refuses."""
         from kvctl.store.tiers.hostreg import register_host  # CUDA only; imported on first use
 
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         try:
-            reg = register_host(tensor.numpy(), read_only=True)
+            reg = register_host(tensor.numpy(), read_only=True, device=f"cuda:{index}")
         except Exception as exc:  # any refusal leaves a working, slower path
             self.register_failures += 1
             log.warning("could not register the agent's arena with CUDA (copies slower): %s", exc)
