@@ -31,11 +31,16 @@ if TYPE_CHECKING:
     from collectors.nvml import GpuReading, NvmlReader, NvmlStatus
     from kvctl.remote.federation import RemoteTiers
     from kvctl.store.index import LookupResult
+    from kvctl.store.tiers.base import Buffer
+    from kvctl.store.tiers.gpu import GpuTier
 
 log = logging.getLogger("kvctl.agent")
 
 
 class AgentRuntime:
+    #: the gpu tier when there is one (``open`` sets it): host regions are registered with it
+    gpu_tier: GpuTier | None = None
+
     def __init__(self, settings: AgentSettings, store: TieredStore) -> None:
         self.settings = settings
         self.store = store
@@ -63,6 +68,7 @@ class AgentRuntime:
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         tiers: list[Tier] = []
         unavailable: list[dict[str, Any]] = []
+        gpu_tier: GpuTier | None = None
         try:
             if settings.gpu_capacity_bytes > 0:
                 gpu = _open_gpu_tier(settings)
@@ -77,6 +83,7 @@ class AgentRuntime:
                     )
                 else:
                     tiers.append(gpu)
+                    gpu_tier = gpu
             tiers.append(CpuTier(settings.cpu_bytes, shared=settings.shm))
             if settings.disk_bytes > 0:
                 tiers.append(DiskTier(data / "disk", settings.disk_bytes, fsync=settings.fsync))
@@ -97,6 +104,9 @@ class AgentRuntime:
             raise
         runtime = cls(settings, store)
         runtime.unavailable_tiers = unavailable
+        if gpu_tier is not None:
+            runtime.gpu_tier = gpu_tier
+            _register_cpu_arena(gpu_tier, store)
         if settings.pool or settings.peers:
             from kvctl.agent.remote import open_remote  # redis only when a pool is configured
 
@@ -209,10 +219,39 @@ class AgentRuntime:
             if self._nvml is not None:
                 self._nvml.close()
                 self._nvml = None
-        self.store.close()
+        self.store.close()  # the gpu tier unregisters its host regions as it closes
+
+    def register_host_region(self, owner: object, buffer: Buffer, *, read_only: bool) -> bool:
+        """Let the gpu tier copy straight from (unless ``read_only``, also into) ``buffer``, a
+        mapping such as a client's staging segment, until ``owner`` is collected or
+        ``unregister_host_region(owner)``; re-registering an owner replaces its region. False
+        without a gpu tier or when CUDA refuses (logged; copies are then staged). Never raises
+        for CUDA's sake. While registered the mapping stays in place (``close`` raises
+        BufferError), so unregister before closing it."""
+        gpu = self.gpu_tier
+        return gpu is not None and gpu.register_host_region(owner, buffer, read_only=read_only)
+
+    def unregister_host_region(self, owner: object) -> bool:
+        gpu = self.gpu_tier
+        return gpu is not None and gpu.unregister_host_region(owner)
 
 
-def _open_gpu_tier(settings: AgentSettings) -> Tier | str:
+def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> None:
+    """Register the cpu tier's arena with the gpu tier, which follows it across resizes: chunks
+    moving between the two (demotions, lease moves) then cross the bus in one copy."""
+    cpu = store.lease_tier
+    if not isinstance(cpu, CpuTier):
+        return
+    started_s = time.perf_counter()
+    if gpu.follow_host_region("cpu-arena", cpu.arena_mapping, read_only=False):
+        log.info(
+            "cpu arena (%d bytes) registered with CUDA for the gpu tier in %.3f s",
+            cpu.capacity_bytes,
+            time.perf_counter() - started_s,
+        )
+
+
+def _open_gpu_tier(settings: AgentSettings) -> GpuTier | str:
     """The gpu tier, or why this machine cannot have one (logged once, here). A device that is
     present but too small for the capacity raises CapacityError: that is a wrong size, not a
     missing GPU."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import itertools
 import math
 import os
@@ -33,6 +34,8 @@ from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import ArenaAllocator, CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from kvctl.store.tiers.gpu import GpuTier, gpu_available, host_view, parse_device
+from kvctl.store.tiers.hostreg import HostRegistry, register_host
+from tests.unit.hostreg_fakes import PAGE, FakeRegistrar, shared_maps
 
 try:
     import torch
@@ -381,8 +384,9 @@ class _Synchronous:
         pass
 
 
-def host_backed(capacity: int, slot: int = SLOT) -> GpuTier:
-    """A GpuTier built around host memory instead of through __init__ (which needs CUDA)."""
+def host_backed(capacity: int, slot: int = SLOT, registrar: FakeRegistrar | None = None) -> GpuTier:
+    """A GpuTier built around host memory instead of through __init__ (which needs CUDA); its
+    host regions are registered with ``registrar``, a stand-in for CUDA's books."""
     assert torch is not None
     t = GpuTier.__new__(GpuTier)
     t.name, t.device, t.device_description = "gpu", "cuda:0", "host memory stand-in"
@@ -399,6 +403,8 @@ def host_backed(capacity: int, slot: int = SLOT) -> GpuTier:
     t._events = [_Synchronous(), _Synchronous()]  # type: ignore[list-item]
     t._alloc = ArenaAllocator(capacity)
     t._chunks, t._lost, t._used_bytes = {}, {}, 0
+    t._host = HostRegistry(registrar=registrar or FakeRegistrar())
+    t.copied_bytes = {"direct": 0, "staged": 0}
     t.compactions, t._closed = 0, False
     return t
 
@@ -500,6 +506,127 @@ def test_a_store_over_a_failing_gpu_tier_puts_into_cpu_and_forgets_lost_chunks(
     assert store.usage()["gpu"] == {
         "capacity_bytes": gpu.capacity_bytes, "used_bytes": SMALL, "pinned_bytes": 0, "chunks": 1
     }  # fmt: skip
+
+
+# --- with torch, CUDA or not: copies through registered host regions ---------------------------
+# The registry's CUDA calls go to a stand-in that keeps CUDA's books; the copies are real (host
+# tensors here), so which path a copy takes, and that both paths keep the bytes, is tested here.
+
+
+class Owner:
+    """A connection stand-in: an owner object the registry must not keep alive."""
+
+
+@needs_torch
+@pytest.mark.parametrize("size", [1, SLOT - 1, SLOT + 1, 5 * SLOT + 3])
+def test_host_backed_registered_regions_are_copied_directly_and_the_rest_staged(
+    size: int,
+) -> None:
+    fake = FakeRegistrar()
+    t = host_backed(1 << 20, registrar=fake)
+    data, other = rand(size, size), rand(size, size + 1)
+    with shared_maps(16 * SLOT) as (arena, _), shared_maps(16 * SLOT) as (client_rw, staging):
+        assert t.register_host_region("arena", arena, read_only=False)
+        assert t.register_host_region("staging", staging, read_only=True)
+        client_rw[100 : 100 + size] = data  # the client fills its segment; the agent reads it
+        t.put(ChunkMeta(k(1), size), memoryview(staging)[100 : 100 + size])
+        assert t.copied_bytes == {"direct": size, "staged": 0}
+        out = memoryview(arena)[PAGE : PAGE + size + 50]  # larger than the chunk
+        assert t.read_into(k(1), out) == size
+        assert arena[PAGE : PAGE + size] == data and arena[PAGE + size : PAGE + size + 50] == bytes(
+            50
+        )
+        assert t.copied_bytes == {"direct": 2 * size, "staged": 0}
+        # a socket's receive buffer and a fresh bytearray are not registered: staged
+        t.put(ChunkMeta(k(2), size), bytearray(other))
+        assert t.get(k(2)) == other and t.get(k(1)) == data
+        assert t.copied_bytes == {"direct": 2 * size, "staged": 3 * size}
+        # a registered region that is only read-only is never a copy target
+        before = dict(t.copied_bytes)
+        assert t.read_into(k(2), memoryview(arena)[:size]) == size and arena[:size] == other
+        assert t.copied_bytes["direct"] == before["direct"] + size
+        del out
+        t.close()
+        assert fake.live == {}  # closing the tier unregistered both
+
+
+@needs_torch
+def test_host_backed_a_refused_registration_is_false_and_copies_are_staged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    fake = FakeRegistrar()
+    fake.refuse = "cudaHostRegister failed: operation not supported (cudaError 801)"
+    t = host_backed(1 << 20, registrar=fake)
+    with shared_maps(4 * SLOT) as (rw, ro):
+        assert t.register_host_region("staging", ro, read_only=True) is False
+        assert "operation not supported" in caplog.text and t.host_regions() == []
+        rw[:SLOT] = rand(SLOT, 7)
+        t.put(ChunkMeta(k(1), SLOT), memoryview(ro)[:SLOT])
+        assert t.copied_bytes == {"direct": 0, "staged": SLOT}
+        assert t.get(k(1)) == rand(SLOT, 7)
+        # a read-only buffer is never registered for writing
+        assert t.register_host_region("bad", ro, read_only=False) is False
+        t.close()
+
+
+@needs_torch
+def test_host_backed_a_collected_owner_takes_its_region_with_it() -> None:
+    fake = FakeRegistrar()
+    t = host_backed(1 << 20, registrar=fake)
+    with shared_maps(4 * SLOT) as (rw, ro):
+        conn = Owner()
+        assert t.register_host_region(conn, ro, read_only=True)
+        rw[:100] = rand(100, 1)
+        t.put(ChunkMeta(k(1), 100), memoryview(ro)[:100])
+        assert t.copied_bytes["direct"] == 100
+        del conn
+        gc.collect()
+        t.put(ChunkMeta(k(2), 100), memoryview(ro)[:100])
+        assert t.copied_bytes == {"direct": 100, "staged": 100} and fake.live == {}
+        assert t.unregister_host_region("nobody") is False
+        t.close()
+
+
+@needs_torch
+def test_host_backed_the_cpu_arena_is_followed_across_resizes() -> None:
+    fake = FakeRegistrar()
+    gpu = host_backed(1 << 20, registrar=fake)
+    cpu = CpuTier(4 * PAGE, shared=True)
+    store = TieredStore([gpu, cpu])
+    try:
+        assert gpu.follow_host_region("cpu-arena", cpu.arena_mapping, read_only=False)
+        data = rand(3 * SLOT, 1)
+        assert store.put(k(1), data) == "gpu"  # from a bytes object: staged
+        arena, _ = cpu.arena_mapping()
+        assert gpu.read_into(k(1), memoryview(arena)[: 3 * SLOT]) == 3 * SLOT  # into the arena
+        assert arena[: 3 * SLOT] == data and gpu.copied_bytes["direct"] == 3 * SLOT
+        del arena
+        store.resize("cpu", 8 * PAGE)  # a new arena (generation 1)
+        arena, generation = cpu.arena_mapping()
+        assert generation == 1
+        assert gpu.read_into(k(1), memoryview(arena)[PAGE : PAGE + 3 * SLOT]) == 3 * SLOT
+        assert arena[PAGE : PAGE + 3 * SLOT] == data
+        assert gpu.copied_bytes["direct"] == 6 * SLOT  # the new arena was registered first
+        (region,) = gpu.host_regions()
+        assert (region["owner"], region["generation"], region["size_bytes"]) == (
+            "cpu-arena", 1, 8 * PAGE
+        )  # fmt: skip
+        assert list(fake.live) == [gpu._host.find(arena)[0].address]  # type: ignore[index]
+        del arena
+    finally:
+        store.close()
+    assert fake.live == {}
+
+
+def test_runtime_without_a_gpu_tier_registers_no_host_regions(tmp_path: Path) -> None:
+    settings = AgentSettings(name="g4", data_dir=str(tmp_path), cpu_bytes=1 << 20, disk_bytes=0)
+    runtime = AgentRuntime.open(settings)
+    try:
+        assert runtime.gpu_tier is None
+        assert runtime.register_host_region(Owner(), bytearray(PAGE), read_only=True) is False
+        assert runtime.unregister_host_region("anyone") is False
+    finally:
+        runtime.close()
 
 
 # --- CUDA only: the tier ---------------------------------------------------------------------
@@ -724,5 +851,77 @@ def test_runtime_with_cuda_puts_the_gpu_tier_on_top(tmp_path: Path) -> None:
         payload = os.urandom(4096)
         assert runtime.store.put(k(1), payload) == "gpu"
         assert runtime.store.get(k(1)) == payload
+    finally:
+        runtime.close()
+
+
+# --- CUDA only: copies through registered host regions -------------------------------------------
+
+
+@needs_cuda
+@pytest.mark.parametrize("size", [1, SLOT + 1, 64 * SLOT + 17, (3 << 20) + 5])
+def test_registered_and_staged_copies_both_round_trip(size: int) -> None:
+    t = GpuTier(8 << 20, staging_slot_bytes=SLOT)
+    data, other = rand(size, size), rand(size, size + 1)
+    try:
+        with shared_maps(4 << 20) as (arena, _), shared_maps(4 << 20) as (client, staging):
+            assert t.register_host_region("arena", arena, read_only=False)
+            assert t.register_host_region("staging", staging, read_only=True)
+            client[7 : 7 + size] = data
+            t.put(ChunkMeta(k(1), size), memoryview(staging)[7 : 7 + size])  # one copy
+            assert t.copied_bytes == {"direct": size, "staged": 0}
+            assert t.read_into(k(1), memoryview(arena)[PAGE : PAGE + size]) == size
+            assert arena[PAGE : PAGE + size] == data
+            assert t.copied_bytes == {"direct": 2 * size, "staged": 0}
+            t.put(ChunkMeta(k(2), size), other)  # not registered: through the slots
+            assert t.get(k(2)) == other and t.get(k(1)) == data
+            assert t.copied_bytes == {"direct": 2 * size, "staged": 3 * size}
+            assert t.read_into(k(2), memoryview(arena)[:size]) == size and arena[:size] == other
+            t.close()  # unregisters, so the maps can close
+    finally:
+        t.close()
+
+
+@needs_cuda
+def test_closing_the_tier_unregisters_its_host_regions() -> None:
+    t = GpuTier(1 << 20)
+    with shared_maps(4 * PAGE) as (rw, _ro):
+        assert t.register_host_region("arena", rw, read_only=False)
+        with pytest.raises(BufferError):  # registered: the mapping stays in place
+            rw.close()
+        t.close()
+        # CUDA refuses a range registered twice: this works only because close unregistered it
+        register_host(rw, read_only=False).close()
+        rw.close()  # and nothing holds the mapping any more
+
+
+@needs_cuda
+def test_runtime_with_cuda_registers_the_cpu_arena_and_staging_regions(tmp_path: Path) -> None:
+    settings = dataclasses.replace(
+        AgentSettings(name="g5", data_dir=str(tmp_path), shm=True),
+        cpu_bytes=1 << 20,
+        disk_bytes=0,
+        gpu_capacity_bytes=1 << 20,
+    )
+    runtime = AgentRuntime.open(settings)
+    try:
+        gpu = runtime.gpu_tier
+        assert gpu is not None and gpu is runtime.store.tier("gpu")
+        (region,) = gpu.host_regions()
+        assert region["owner"] == "cpu-arena" and region["size_bytes"] == 1 << 20
+        assert region["followed"] and not region["read_only"] and region["generation"] == 0
+        with shared_maps(1 << 20) as (client, staging):
+            conn = Owner()
+            assert runtime.register_host_region(conn, staging, read_only=True)
+            payload = rand(64 << 10, 3)
+            client[: 64 << 10] = payload
+            assert runtime.store.put(k(1), memoryview(staging)[: 64 << 10]) == "gpu"
+            assert gpu.copied_bytes["direct"] == 64 << 10
+            assert runtime.unregister_host_region(conn) is True
+        assert runtime.store.get(k(1)) == payload
+        runtime.store.resize("cpu", 2 << 20)  # a new arena: registered again before the next copy
+        assert runtime.store.get(k(1)) == payload
+        (region,) = gpu.host_regions()
+        assert region["generation"] == 1 and region["size_bytes"] == 2 << 20
     finally:
         runtime.close()

@@ -9,10 +9,17 @@ One arena rather than a tensor per chunk, because:
   ones cached, so per-chunk tensors would use more than the tier accounts for;
 * the cpu tier's allocator (first fit, coalescing, compaction when fragmented) is reused as is.
 
-Host <-> device copies go through two reused pinned host buffers ("slots"). A chunk moves in
-slot-sized pieces on a stream of the tier's own, so while the device copies one piece the host
-fills (or drains) the other. A put returns once its bytes are on the device, so a CUDA error
-surfaces in the put that hit it; a read returns once the bytes are in the caller's buffer.
+Host <-> device copies take one of two paths, on a stream of the tier's own:
+
+* direct: host bytes in a region registered with CUDA (``register_host_region``: the agent
+  registers the cpu tier's arena and clients' staging segments) cross the bus as one
+  ``cudaMemcpyAsync`` at link speed (see ``kvctl.store.tiers.hostreg``);
+* staged: any other buffer (a socket's receive buffer, a bytearray) goes through two reused
+  pinned host buffers ("slots") in slot-sized pieces, so while the device copies one piece the
+  host fills (or drains) the other. Measured on an H100, 12-14% of a bare pinned copy.
+
+A put returns once its bytes are on the device, so a CUDA error surfaces in the put that hit it;
+a read returns once the bytes are in the caller's buffer.
 
 Nothing outside this tier reads its memory in place (there are no leases), so compaction and
 resize are free to move chunks. A compaction whose copies fail leaves the chunks it was moving
@@ -28,9 +35,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import re
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvctl.store.errors import (
     CapacityError,
@@ -48,9 +56,12 @@ from kvctl.store.tiers.base import (
     check_resize,
 )
 from kvctl.store.tiers.cpu import ArenaAllocator
+from kvctl.store.tiers.hostreg import HostRegistrationError, HostRegistry
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("kvctl.store")
 
 #: bytes of one pinned staging slot; a chunk crosses the bus in pieces this size. Two slots let
 #: the host copy of one piece overlap the device copy of the other; larger pieces would leave
@@ -154,6 +165,10 @@ class GpuTier(Tier):
         self._slot_views = [host_view(t) for t in self._slots]
         # each slot's last device copy: the host waits on it before touching the slot again
         self._events = [torch.cuda.Event() for _ in range(_SLOTS)]
+        #: host regions registered with CUDA: copies from and to them skip the slots
+        self._host = HostRegistry(device=self.device)
+        #: bytes moved each way: "direct" (registered host memory) or "staged" (through slots)
+        self.copied_bytes = {"direct": 0, "staged": 0}
         self._alloc = ArenaAllocator(capacity_bytes)
         self._chunks: dict[bytes, tuple[int, int]] = {}  # key -> (offset, size)
         #: key -> size of chunks a failed compaction tore: still listed (the store indexes them)
@@ -202,7 +217,7 @@ class GpuTier(Tier):
             if off is None:  # cannot happen: compaction leaves all free bytes in one hole
                 raise CapacityError(f"tier {self.name!r}: no hole of {n} bytes after compaction")
         try:
-            self._device_call(self._upload, _byte_view(data), off)
+            self._device_call(self._upload, _byte_view(data)[:n], off)
         except TierUnavailable:
             self._alloc.free(off, n)
             raise
@@ -220,7 +235,7 @@ class GpuTier(Tier):
         if out.nbytes < n:
             raise InvalidArgument(f"buffer of {out.nbytes} bytes is smaller than the chunk ({n})")
         try:
-            self._device_call(self._download, off, n, _byte_view(out))
+            self._device_call(self._download, off, n, _byte_view(out)[:n])
         except TierUnavailable as exc:
             # the copy cannot be trusted: drop the chunk, and report a miss as the contract says
             self.delete(key)
@@ -275,6 +290,7 @@ class GpuTier(Tier):
         self._chunks.clear()
         self._lost.clear()
         self._used_bytes = 0
+        self._host.close()
         for view in self._slot_views:
             view.release()
         self._slot_views = []
@@ -282,8 +298,71 @@ class GpuTier(Tier):
         del self._arena
         self._return_cached_memory()
 
+    # --- host regions ------------------------------------------------------------------------
+    def register_host_region(
+        self, owner: object, buffer: Buffer, *, read_only: bool, generation: int = 0
+    ) -> bool:
+        """Copy straight from (and, unless ``read_only``, into) ``buffer``'s memory: register it
+        with CUDA as ``owner``'s region, replacing that owner's earlier one. An object owner is
+        not kept alive: its region goes when it is collected (or ``unregister_host_region``).
+        The region stays mapped while registered (closing its mmap raises BufferError).
+        False, logged, when CUDA refuses: copies of its bytes are then staged. Thread-safe."""
+        try:
+            self._host.register(owner, buffer, read_only=read_only, generation=generation)
+        except (HostRegistrationError, InvalidArgument) as exc:
+            log.warning("tier %r: host region not registered, copies staged: %s", self.name, exc)
+            return False
+        return True
+
+    def follow_host_region(
+        self, owner: object, source: Callable[[], tuple[Buffer, Any]], *, read_only: bool
+    ) -> bool:
+        """``register_host_region`` of the (buffer, generation) ``source()`` names, registered
+        again whenever the generation changes (checked before every copy): the cpu tier's
+        arena, replaced on resize. ``source`` raising (a closed tier) drops the region."""
+        try:
+            self._host.follow(owner, source, read_only=read_only)
+        except (HostRegistrationError, InvalidArgument, TierUnavailable) as exc:
+            log.warning("tier %r: host region not registered, copies staged: %s", self.name, exc)
+            return False
+        return True
+
+    def unregister_host_region(self, owner: object) -> bool:
+        """Drop ``owner``'s region (False when it had none). Waits for a copy using it."""
+        return self._host.unregister(owner)
+
+    def host_regions(self) -> list[dict[str, Any]]:
+        """The registered host regions: owner, size_bytes, read_only, generation, followed."""
+        return self._host.regions()
+
     # --- copies -----------------------------------------------------------------------------
     def _upload(self, src: memoryview, off: int) -> None:
+        """Host bytes -> device: one copy from a registered region, else staged."""
+        self._host.refresh()
+        with self._host.borrow(src) as host:
+            if host is not None:
+                with self._torch.cuda.stream(self._stream):
+                    self._arena[off : off + src.nbytes].copy_(host, non_blocking=True)
+                self._stream.synchronize()  # before the region may be unregistered or reused
+                self.copied_bytes["direct"] += src.nbytes
+                return
+        self._upload_staged(src, off)
+        self.copied_bytes["staged"] += src.nbytes
+
+    def _download(self, off: int, n: int, out: memoryview) -> None:
+        """Device -> host bytes: one copy into a registered (writable) region, else staged."""
+        self._host.refresh()
+        with self._host.borrow(out, writable=True) as host:
+            if host is not None:
+                with self._torch.cuda.stream(self._stream):
+                    host.copy_(self._arena[off : off + n], non_blocking=True)
+                self._stream.synchronize()
+                self.copied_bytes["direct"] += n
+                return
+        self._download_staged(off, n, out)
+        self.copied_bytes["staged"] += n
+
+    def _upload_staged(self, src: memoryview, off: int) -> None:
         """Host bytes -> pinned slot -> device, piece by piece, alternating slots."""
         torch, step = self._torch, self._slot_bytes
         with torch.cuda.stream(self._stream):
@@ -297,7 +376,7 @@ class GpuTier(Tier):
                 self._events[s].record(self._stream)
         self._stream.synchronize()
 
-    def _download(self, off: int, n: int, out: memoryview) -> None:
+    def _download_staged(self, off: int, n: int, out: memoryview) -> None:
         """Device -> pinned slot -> the caller's buffer; the next pieces are already on their
         way while the host drains a slot."""
         torch, step = self._torch, self._slot_bytes
