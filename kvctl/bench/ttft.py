@@ -9,18 +9,24 @@ sockets with shared memory, as an engine on the same host would.
 Per context length: a prompt of ``context`` tokens plus ``suffix`` new ones; the full prefill is
 the reference; each source's TTFT is lookup + fetch + prefill of the tokens not reused. Every
 cache-assisted answer is checked against the full prefill (next token equal, logits within the
-stated tolerance) and every reuse against the tier it must come from. Bytes moved are next to a
-host memcpy of the same bytes measured in the same run.
+stated tolerance) and every reuse against the tier it must come from. The agents may decide to
+recompute rather than fetch (fetch-or-recompute): the sample then reuses fewer chunks, and the
+row says so. Each source's fetch rate stands next to the bound for its path measured in the
+same run: the cpu tier next to a host->device copy from page-locked memory on CUDA (a
+multi-threaded memcpy on a CPU), the disk tier next to a raw parallel read of the same chunk
+files from the device, the pool next to a raw download over the same loopback socket.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +45,18 @@ SOURCES = ("cpu", "disk", "pool")
 _TIER_OF = {"cpu": "cpu", "disk": "disk", "pool": "remote"}
 CPU_CONTEXTS = "1k,4k,16k"
 GPU_CONTEXTS = "1k,4k,16k,32k,64k,100k"
-#: logits of a cache-assisted one-pass prefill vs a full one (see kvctl.engines.hf.CachedLM)
+#: logits of a cache-assisted one-pass prefill vs a full one (see kvctl.engines.hf.CachedLM):
+#: the larger of an absolute bound and a share of the largest |logit|. One-pass KV differs from a
+#: longer prefill's in the last bits, which a low-precision dtype carries into the logits in
+#: proportion to their size (bf16 on the Llama-3.1-8B shape: ~0.23 with |logits| up to ~12,
+#: next token equal)
 ATOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+RTOL = {"float32": 1e-5, "bfloat16": 4e-2, "float16": 1e-2}
 POOL_WAIT_S = 120.0
+#: control calls that move a whole context (GiB) between tiers take more than a health check
+CONTROL_TIMEOUT_S = 600.0
+#: threads reading chunk files in the raw disk bound (as the store's own reader)
+RAW_READ_THREADS = 8
 
 
 def parse_contexts(text: str) -> list[int]:
@@ -139,9 +154,11 @@ def run_ttft_bench(
             miss = _light(engines["node"].prefill(prompt))
             stored = engines["node"].chunk_keys(prompt)
             keys = stored[: (len(prompt) - 1) // chunk_tokens]  # the reusable ones
+            engines["node"].flush()  # stored behind the request: wait before sampling
             if "pool" in sources:
                 _wait_for_pool(fleet.data["pool"], keys)
-            memcpy = _memcpy_seconds(torch, len(keys) * chunk_bytes, repeats)
+            nbytes = len(keys) * chunk_bytes
+            memcpy = _memcpy_seconds(torch, nbytes, repeats)
             row: dict[str, Any] = {
                 "context_tokens": context,
                 "prompt_tokens": len(prompt),
@@ -151,17 +168,29 @@ def run_ttft_bench(
                 },
                 "miss": _summary([miss], full_s),
                 "memcpy_seconds": memcpy,
+                "memcpy_threads": torch.get_num_threads(),
                 "sources": {},
             }
             for source in sources:
                 say(f"{context} tokens: prefix from {source}")
                 runs = []
+                bounds: list[tuple[str, float]] = []
                 for _ in range(repeats):
                     fleet.prepare(source, keys)
+                    bounds.append(_bound(torch, fleet, source, device, nbytes, memcpy))
+                    if source == "disk":
+                        _drop_page_cache(fleet.disk)  # the bound read them: from the device again
                     got = _light(engines["reader" if source == "pool" else "node"].prefill(prompt))
-                    _check(got, reference, source, len(keys), dtype)
-                    runs.append(got)
-                row["sources"][source] = _summary(runs, full_s)
+                    runs.append(_check(got, reference, source, len(keys), dtype))
+                summary = _summary(runs, full_s)
+                bound_rate = statistics.median(b for _, b in bounds)
+                achieved = summary["fetch_bytes_per_second"]
+                summary["bound"] = {
+                    "what": bounds[0][0],
+                    "bytes_per_second": bound_rate,
+                    "fetch_share_of_bound": achieved / bound_rate if achieved else None,
+                }
+                row["sources"][source] = summary
             rows.append(row)
             fleet.forget(stored)
             del base, miss, runs
@@ -188,14 +217,24 @@ def run_ttft_bench(
         "suffix_tokens": suffix_tokens,
         "repeats": repeats,
         "logits_atol": ATOL[dtype],
+        "logits_rtol": RTOL[dtype],
         "rows": rows,
         "host": host_info(),
         "notes": [
             "ttft = lookup + fetch + prefill of the tokens not reused, up to the next token's "
             "logits; storing new chunks comes after and is reported as store_seconds",
             "every cache-assisted answer was checked: same next token as the full prefill, "
-            "logits within logits_atol",
-            "engine <-> agent over a Unix socket with shared memory (same host)",
+            "max |logit diff| within max(logits_atol, logits_rtol x max |logit|)",
+            "engine <-> agent over a Unix socket with shared memory (same host): reused chunks "
+            "are copied from the agent's arena under a lease straight into the KV cache",
+            "new chunks are stored behind the request (write-behind): store_seconds is from "
+            "hand-over to the agent's acknowledgement, off the request path",
+            "bound: the cpu tier's is a copy of the same bytes from page-locked host memory to "
+            "the device (CUDA) or a multi-threaded memcpy (CPU); the disk tier's a raw parallel "
+            "read of the chunk files after dropping the page cache; the pool's a PROBE download "
+            "of the same bytes from the pool agent over the same loopback TCP socket",
+            "reused_chunks below the context's chunks means the agent's plan chose to recompute "
+            "(see planner_recomputed_chunks)",
             "disk: files fsynced and dropped from the page cache (posix_fadvise DONTNEED) "
             "before each sample, so reads come from the device",
             "pool: an embedded pool agent on loopback; the reader node has nothing local and "
@@ -257,7 +296,7 @@ def _fleet(tmp: Path, cap: int, chunk_tokens: int, sources: tuple[str, ...]) -> 
         for name, state in agents.items():
             address = state.data_unix if name != "pool" else state.data_tcp
             data[name] = stack.enter_context(DataClient.connect(address))  # type: ignore[arg-type]
-            control[name] = AgentClient(state.control_url)
+            control[name] = AgentClient(state.control_url, timeout_s=CONTROL_TIMEOUT_S)
             stack.callback(control[name].close)
         yield _Fleet(data, control, tmp / "node" / "disk")
 
@@ -283,27 +322,123 @@ def _drop_page_cache(directory: Path) -> None:
                 os.close(fd)
 
 
+# --- bounds -----------------------------------------------------------------------------------
+def _bound(
+    torch: Any, fleet: _Fleet, source: str, device: str, nbytes: int, memcpy_s: float | None
+) -> tuple[str, float]:
+    """(what, bytes/s) of the path ``source``'s bytes take, with nothing of kvctl in it."""
+    if source == "cpu":
+        if device.startswith("cuda"):
+            return "page-locked host -> device copy", nbytes / _h2d_seconds(torch, device, nbytes)
+        return "multi-threaded memcpy", nbytes / memcpy_s if memcpy_s else 0.0
+    if source == "disk":
+        read_bytes, seconds = _raw_read(fleet.disk)
+        return f"raw parallel read ({RAW_READ_THREADS} threads)", read_bytes / seconds
+    seconds = _probe_download(fleet.data["pool"], nbytes)
+    return "PROBE download over the same TCP loopback", nbytes / seconds
+
+
+def _h2d_seconds(torch: Any, device: str, nbytes: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst.copy_(src, non_blocking=True)  # first touch of both, out of the timing
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _raw_read(directory: Path) -> tuple[int, float]:
+    """Every file under ``directory`` read whole by a pool of threads (O_DIRECT where the file
+    system takes it), as bytes and seconds."""
+    files = [p for p in directory.rglob("*") if p.is_file()]
+    sizes = [p.stat().st_size for p in files]
+    page = mmap.PAGESIZE
+
+    # one page-aligned, touched buffer per file, made before the clock starts (as the store's
+    # arena is): the figure is the read alone
+    bufs = [_aligned(size + page, page) for size in sizes]
+    for buf in bufs:
+        buf.write(bytes(len(buf)))
+
+    def read(i: int) -> int:
+        size, view = sizes[i], memoryview(bufs[i])
+        fd = _open_direct(files[i])
+        try:
+            got = 0
+            while got < size:
+                want = (size - got + page - 1) // page * page  # O_DIRECT reads whole pages
+                n = os.preadv(fd, [view[got : got + want]], got)
+                if n <= 0:
+                    break
+                got += n
+            return got
+        finally:
+            view.release()
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(RAW_READ_THREADS) as pool:
+        total = sum(pool.map(read, range(len(files))))
+    seconds = time.perf_counter() - t0
+    for buf in bufs:
+        buf.close()
+    return total, max(seconds, 1e-9)
+
+
+def _aligned(size: int, align: int) -> Any:
+    """A page-aligned writable buffer (an anonymous mapping), as O_DIRECT wants."""
+    return mmap.mmap(-1, (size + align - 1) // align * align)
+
+
+def _open_direct(path: Path) -> int:
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        return os.open(path, flags)
+    except OSError:  # tmpfs and some others refuse O_DIRECT: the page cache was dropped anyway
+        return os.open(path, os.O_RDONLY)
+
+
+def _probe_download(client: DataClient, nbytes: int) -> float:
+    from kvctl.agent.protocol import MAX_PROBE_BYTES
+
+    left, seconds = nbytes, 0.0
+    while left > 0:
+        n = min(left, MAX_PROBE_BYTES)
+        seconds += client.probe(download_bytes=n)
+        left -= n
+    return max(seconds, 1e-9)
+
+
 # --- figures ----------------------------------------------------------------------------------
-def _check(got: Prefill, reference: Prefill, source: str, chunks: int, dtype: str) -> None:
-    """A sample counts only if it reused what it should and answered as the full prefill."""
+def _check(got: Prefill, reference: Prefill, source: str, chunks: int, dtype: str) -> Prefill:
+    """A sample counts only if what it reused came from the right tier (all of it, unless the
+    agents chose to recompute some) and it answered as the full prefill."""
     import torch
 
     tier = _TIER_OF[source]
-    if got.reused_chunks != chunks or any(t != tier for t in got.reused_tiers):
+    if got.reused_chunks > chunks or any(t != tier for t in got.reused_tiers):
         raise RuntimeError(
-            f"{source}: expected {chunks} chunks from the {tier} tier, reused "
+            f"{source}: expected up to {chunks} chunks from the {tier} tier, reused "
             f"{got.reused_chunks} from {sorted(set(got.reused_tiers))}"
         )
     diff = float((got.logits - reference.logits).abs().max())
+    scale = float(reference.logits.abs().max())
+    tolerance = max(ATOL[dtype], RTOL[dtype] * scale)
     if (
         got.next_token != reference.next_token
         or not torch.isfinite(got.logits).all()
-        or diff > ATOL[dtype]
+        or diff > tolerance
     ):
         raise RuntimeError(
             f"{source}: the cache-assisted answer differs from the full prefill (max |logit "
-            f"diff| {diff:.3g}, next token {got.next_token} vs {reference.next_token})"
+            f"diff| {diff:.3g} > {tolerance:.3g}, next token {got.next_token} vs "
+            f"{reference.next_token})"
         )
+    got.timings["max_logit_diff"] = diff
+    got.timings["planned_recompute_chunks"] = chunks - got.reused_chunks
+    return got
 
 
 def _light(p: Prefill) -> Prefill:
@@ -325,6 +460,10 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
         "store_seconds": statistics.median(p.store_seconds for p in runs),
         "reused_tokens": last.reused_tokens,
         "computed_tokens": last.computed_tokens,
+        "reused_chunks": last.reused_chunks,
+        "planner_recomputed_chunks": int(last.timings.get("planned_recompute_chunks", 0)),
+        "fetch_path": last.fetch_path,
+        "max_logit_diff": max(p.timings.get("max_logit_diff", 0.0) for p in runs),
         "bytes_moved": last.fetched_bytes,
         "fetch_bytes_per_second": last.fetched_bytes / fetch
         if last.fetched_bytes and fetch
@@ -334,16 +473,24 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
 
 
 def _memcpy_seconds(torch: Any, nbytes: int, repeats: int) -> float | None:
-    """One host copy of the same bytes: the floor under any fetch from this host."""
+    """One host copy of the same bytes on all of torch's threads (the intra-op pool splits a
+    large copy; numpy copies on as many Python threads as a cross-check, the faster counts):
+    the floor under any fetch from this host."""
     if nbytes == 0:
         return None
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.zeros_like(src)  # touched: page faults are not a copy's cost
+    threads = max(1, torch.get_num_threads())
+    parts = [(i * nbytes // threads, (i + 1) * nbytes // threads) for i in range(threads)]
+    a, b = src.numpy(), dst.numpy()
     samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        samples.append(time.perf_counter() - t0)
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t1 = time.perf_counter()
+            list(pool.map(lambda p: b.__setitem__(slice(*p), a[slice(*p)]), parts))
+            samples.append(min(t1 - t0, time.perf_counter() - t1))
     return statistics.median(samples)
 
 
@@ -375,6 +522,8 @@ def render_ttft_bench(result: dict[str, Any]) -> Group:
         "reused",
         "moved",
         "fetch",
+        "fetch rate",
+        "bound",
         "memcpy",
     ):
         table.add_column(col, justify="left" if col == "source" else "right")
@@ -390,7 +539,13 @@ def render_ttft_bench(result: dict[str, Any]) -> Group:
                 f"{s['reused_tokens']:,}",
                 format_bytes(s["bytes_moved"]) if s["bytes_moved"] else "-",
                 f"{s['fetch_seconds'] * 1e3:,.1f} ms",
+                _rate(s["fetch_bytes_per_second"]),
+                _rate(s["bound"]["bytes_per_second"]) if "bound" in s else "",
                 f"{row['memcpy_seconds'] * 1e3:,.2f} ms" if first and row["memcpy_seconds"] else "",
             )
             first = False
     return Group(table, *[f"- {n}" for n in result["notes"]])
+
+
+def _rate(bytes_per_second: float | None) -> str:
+    return f"{bytes_per_second / 1e9:,.2f} GB/s" if bytes_per_second else "-"

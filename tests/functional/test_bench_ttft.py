@@ -49,7 +49,19 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
         assert s["speedup"] == pytest.approx(full_s / s["ttft_seconds"])
         parts = s["lookup_seconds"] + s["fetch_seconds"] + s["compute_seconds"]
         assert len(s["samples_seconds"]) == 2 and parts > 0
-    assert row["memcpy_seconds"] > 0
+        # each fetch rate stands next to its path's bound, measured in the same run
+        bound = s["bound"]
+        assert bound["what"] and bound["bytes_per_second"] > 0
+        assert bound["fetch_share_of_bound"] == pytest.approx(
+            s["fetch_bytes_per_second"] / bound["bytes_per_second"]
+        )
+        assert s["reused_chunks"] == CONTEXT // CHUNK and s["planner_recomputed_chunks"] == 0
+        assert 0 <= s["max_logit_diff"] <= result["logits_atol"]
+        assert s["fetch_path"] == "lease"  # same host: straight from the shared arena
+    assert "memcpy" in row["sources"]["cpu"]["bound"]["what"]
+    assert "read" in row["sources"]["disk"]["bound"]["what"]
+    assert "PROBE" in row["sources"]["pool"]["bound"]["what"]
+    assert row["memcpy_seconds"] > 0 and row["memcpy_threads"] >= 1
 
 
 def test_no_agent_is_left_running(result: dict[str, Any]) -> None:
