@@ -483,6 +483,23 @@ class DataClient:
         r = MetaReader(meta)
         return [self._lookup_result(r) for _ in range(r.count())]
 
+    def report_rates(
+        self,
+        prefill: Sequence[tuple[int, int, float]] = (),
+        *,
+        host_to_device_bytes_per_s: float | None = None,
+        model: str = "",
+    ) -> dict[str, object]:
+        """Tell the agent what this engine measured, for its fetch-or-recompute decision:
+        ``prefill`` samples ``(computed_tokens, cached_prefix_tokens, seconds)`` and the host ->
+        device copy rate (None: not measured, e.g. a CPU engine). Returns the agent's prefill
+        figure after the report: ``kept``, ``tokens_per_s``, ``beta_s_per_token2``, ``basis``.
+        A bad figure (NaN, negative, absurd) raises RequestError and keeps nothing."""
+        from kvctl.agent.protocol import parse_rates_reply, rates_meta  # beside the RATES op
+
+        meta, _ = self._call(Op.RATES, rates_meta(prefill, host_to_device_bytes_per_s, model))
+        return parse_rates_reply(meta)
+
     def _lookup_result(self, r: MetaReader) -> LookupResult:
         matched, matched_tokens, n = r.u32(), r.u64(), r.count()
         locations = tuple(map(self._tier_table.__getitem__, r.take(n)))

@@ -458,6 +458,8 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         out["hit_ratio"] = _hit_ratio(counters if isinstance(counters, dict) else out)
         # counters restart at zero with the agent: collectors spot a restart by this changing
         out["started_s"] = runtime.started_s
+        # fetch or recompute: chunks taken and recomputed by tier, the rates behind them
+        out["fetch_plans"] = runtime.planner.status()
         if runtime.remote is not None:
             out["remote"] = runtime.remote.status()
         return out
@@ -466,8 +468,8 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
     def remote() -> dict[str, Any]:
         """The shared pool and peers: reachability, errors, link figures (measured, configured
         or emulated), pool usage, fetch-or-recompute decisions and the pool writer's counts."""
-        if runtime.remote is None:
-            return {"configured": False, "role": runtime.settings.role}
+        if runtime.remote is None:  # the local tiers' plans and rates all the same
+            return {"configured": False, "role": runtime.settings.role, **runtime.planner.status()}
         return {"configured": True, "role": runtime.settings.role, **runtime.remote.status()}
 
     @app.get("/v1/gpus", tags=["agent"])

@@ -540,6 +540,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         20000,
         "KVCTL_PREFILL_TOKENS_PER_SECOND",
     ),
+    _Setting(
+        "disk_read_bytes_per_second",
+        "disk_read_bytes_per_second",
+        _non_negative_float,
+        2e9,
+        "KVCTL_DISK_READ_BYTES_PER_SECOND",
+    ),
     _Setting("gpu", "gpu", _choice("GPU profile", GPUS), "h100", "KVCTL_GPU"),
     _Setting("remote_token", "remote_token", _token, "<the pool's token>", "KVCTL_REMOTE_TOKEN"),
 )

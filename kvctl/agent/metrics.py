@@ -17,7 +17,7 @@ from __future__ import annotations
 import platform
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -234,6 +234,66 @@ class StoreCollector(Collector):
         )
 
 
+class PlanCollector(Collector):
+    """Exports the fetch-or-recompute counters (``FetchPlanner.counters``) per scrape: chunks
+    taken by tier, chunks held but recomputed by tier and reason, and the modeled prefill time
+    the taken chunks saved (their recompute time minus their fetch time)."""
+
+    def __init__(self, counters: Callable[[], Any]) -> None:
+        self._counters = counters
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._counters())
+
+    @staticmethod
+    def _families(p: Any) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "kvctl_plan_lookups",
+            "Lookups planned by fetch or recompute.",
+            value=0 if p is None else p.lookups,
+        )
+        fetched = CounterMetricFamily(
+            "kvctl_plan_fetched_chunks",
+            "Chunks a lookup's plan took (fetched rather than recomputed), by tier.",
+            labels=("tier",),
+        )
+        recomputed = CounterMetricFamily(
+            "kvctl_plan_recomputed_chunks",
+            "Chunks a tier held that a lookup's plan left to recompute (fetching them was "
+            "slower, overridden or uncosted), by tier and reason.",
+            labels=("tier", "reason"),
+        )
+        if p is not None:
+            for tier, n in sorted(p.fetched.items()):
+                fetched.add_metric((tier,), n)
+            for (tier, reason), n in sorted(p.recomputed.items()):
+                recomputed.add_metric((tier, reason), n)
+        yield fetched
+        yield recomputed
+        for name, doc, field in (
+            (
+                "kvctl_plan_prefill_seconds",
+                "Modeled prefill time of the chunks the plans took (what recomputing them costs).",
+                "recompute_s",
+            ),
+            (
+                "kvctl_plan_fetch_seconds",
+                "Modeled time fetching the chunks the plans took.",
+                "fetch_s",
+            ),
+            (
+                "kvctl_plan_saved_seconds",
+                "Modeled prefill time saved: the taken chunks' prefill time minus their fetch "
+                "time.",
+                "saved_s",
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=0.0 if p is None else getattr(p, field))
+
+
 class AgentMetrics:
     """All metrics of one agent, on a registry of its own."""
 
@@ -313,6 +373,10 @@ class AgentMetrics:
         self._dp_children: dict[tuple[str, str, bool], tuple[Any, Any, Any, Any]] = {}
         self._conn_children: dict[str, Any] = {}
         self._http_children: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+
+    def add_plan_source(self, counters: Callable[[], Any]) -> None:
+        """Export the fetch-or-recompute counters that ``counters()`` returns per scrape."""
+        self.registry.register(PlanCollector(counters))
 
     # --- label bounds ------------------------------------------------------------------------
     def allow_routes(self, routes: Iterable[str]) -> None:

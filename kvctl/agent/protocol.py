@@ -86,6 +86,10 @@ class Op(IntEnum):
     #: a tenant's sharing policy, so an engine salts its keys as the agent does: meta tenant;
     #: reply u8 isolated
     TENANT = 15
+    #: an engine's measured rates for fetch-or-recompute: meta model text, f64 host -> device
+    #: bytes/s (0: not measured), u32 n, n x RATE_SAMPLE (computed tokens, cached prefix
+    #: tokens, seconds); reply u32 samples kept, f64 tokens/s, f64 attention term, basis text
+    RATES = 16
     ERROR = 0x7F
 
 
@@ -330,6 +334,56 @@ def zero_pieces(zeros: bytes | bytearray | memoryview, n_bytes: int) -> list[mem
         raise ValueError("an empty zero buffer cannot fill a probe")
     full, rest = divmod(n_bytes, view.nbytes or 1)
     return [view] * full + ([view[:rest]] if rest else [])
+
+
+#: one prefill sample in a RATES request: computed tokens, cached prefix tokens, seconds
+RATE_SAMPLE = struct.Struct("<QQd")
+#: samples one RATES frame may carry
+MAX_RATE_SAMPLES = 4096
+
+
+def rates_meta(
+    samples: Sequence[tuple[int, int, float]],
+    host_to_device_bytes_per_s: float | None = None,
+    model: str = "",
+) -> bytes:
+    """A RATES request's metadata. Values are checked by the agent, not here, so that every
+    engine gets the same answer for a bad figure."""
+    if len(samples) > MAX_RATE_SAMPLES:
+        raise ValueError(f"at most {MAX_RATE_SAMPLES} samples per RATES frame, got {len(samples)}")
+    packed = []
+    for n, a, t in samples:
+        if not (0 <= int(n) < 1 << 64 and 0 <= int(a) < 1 << 64):  # u64 on the wire
+            raise ValueError(f"token counts are unsigned 64-bit integers, got {n!r}, {a!r}")
+        packed.append(RATE_SAMPLE.pack(int(n), int(a), float(t)))
+    w = MetaWriter().text(model).f64(host_to_device_bytes_per_s or 0.0).u32(len(samples))
+    return w.raw(b"".join(packed)).build()
+
+
+def parse_rates(meta: MetaReader) -> tuple[list[tuple[int, int, float]], float | None, str]:
+    """(samples, host -> device bytes/s or None, model) of a RATES request; structure only."""
+    model = meta.text()
+    bandwidth = meta.f64()
+    n = meta.count(MAX_RATE_SAMPLES)
+    samples = [(int(c), int(a), float(t)) for c, a, t in meta.structs(RATE_SAMPLE, n)]
+    meta.done()
+    return samples, (None if bandwidth == 0.0 else bandwidth), model
+
+
+def rates_reply(kept: int, tokens_per_s: float, beta_s_per_token2: float, basis: str) -> bytes:
+    return MetaWriter().u32(kept).f64(tokens_per_s).f64(beta_s_per_token2).text(basis).build()
+
+
+def parse_rates_reply(meta: bytes) -> dict[str, object]:
+    r = MetaReader(meta)
+    out: dict[str, object] = {
+        "kept": r.u32(),
+        "tokens_per_s": r.f64(),
+        "beta_s_per_token2": r.f64(),
+        "basis": r.text(),
+    }
+    r.done()
+    return out
 
 
 def error_meta(code: ErrorCode, message: str) -> bytes:

@@ -18,6 +18,8 @@ from kvctl import __version__
 from kvctl.agent.events import EventHub
 from kvctl.agent.metrics import AgentMetrics
 from kvctl.agent.settings import AgentSettings, ModelSpec
+from kvctl.remote.federation import FetchPlanner
+from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import Namespace
 from kvctl.store.store import TieredStore
@@ -48,6 +50,16 @@ class AgentRuntime:
         self._unsubscribe = store.subscribe(self.events.publish)
         self.started_s = time.time()
         self.metrics = AgentMetrics(store, started_s=self.started_s)
+        #: fetch or recompute for every lookup, local tiers included; engines feed it their
+        #: measured rates (data-plane RATES), the pool and peers share it (``open``)
+        self.planner = FetchPlanner(
+            store,
+            prefill=_fallback_prefill(settings),
+            rates=EngineRates(),
+            disk_read_bytes_per_s=settings.disk_read_bytes_per_second or None,
+            emit=self.events.publish,
+        )
+        self.metrics.add_plan_source(self.planner.counters)
         self._models = {m.id: m for m in settings.models}
         #: addresses the servers actually bound (port 0 in the settings becomes a real port)
         self.bound: dict[str, str | None] = {}
@@ -115,13 +127,28 @@ class AgentRuntime:
             except BaseException:
                 runtime.close()
                 raise
+            runtime.remote.planner = runtime.planner  # one set of rates and counters per node
         return runtime
 
     # --- reads that reach past this node when a pool or peers are configured -----------------
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
+        """The prefix worth fetching rather than recomputing (``FetchPlanner``): an engine that
+        follows the answer recomputes the rest. Counts hits for that prefix only."""
         if self.remote is None:
-            return self.store.lookup(keys, tenant=tenant)
+            return self.planner.lookup(keys, tenant=tenant)
         return self.remote.lookup(keys, tenant=tenant)
+
+    def report_rates(
+        self,
+        samples: Sequence[PrefillSample],
+        *,
+        host_to_device_bytes_per_s: float | None = None,
+        model: str = "",
+    ) -> None:
+        """An engine's measured prefill timings and host -> device bandwidth (``RATES``)."""
+        self.planner.rates.report(
+            samples, host_to_device_bytes_per_s=host_to_device_bytes_per_s, model=model
+        )
 
     def locate(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
         if self.remote is None:
@@ -249,6 +276,20 @@ def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> None:
             cpu.capacity_bytes,
             time.perf_counter() - started_s,
         )
+
+
+def _fallback_prefill(settings: AgentSettings) -> PrefillModel:
+    """The configured prefill rate, else the modeled one (``prefill_rate``), as a model with
+    its inputs; both leave attention out (beta = 0) until engines report measured samples."""
+    from kvctl.agent.remote import prefill_rate
+
+    rate = prefill_rate(settings)
+    inputs: dict[str, object] = {"tokens_per_s": rate.tokens_per_s}
+    if settings.prefill_tokens_per_second > 0:
+        inputs["setting"] = "prefill_tokens_per_second"
+    else:
+        inputs.update(model=settings.models[0].id, gpu=settings.gpu)
+    return PrefillModel(1.0 / rate.tokens_per_s, 0.0, rate.basis, inputs)
 
 
 def _open_gpu_tier(settings: AgentSettings) -> GpuTier | str:

@@ -113,6 +113,9 @@ class AgentSettings:
     #: prefill speed the fetch-or-recompute decision compares fetches with; 0 means modeled
     #: from the model's profile on ``gpu`` at the default MFU
     prefill_tokens_per_second: float = 0.0
+    #: read bandwidth of the disk tier the fetch-or-recompute decision uses (bytes/s); 0 means
+    #: measured by the store's reads (until the first read, disk hits are taken so it measures)
+    disk_read_bytes_per_second: float = 0.0
     #: GPU profile (a name, not a device) prefill is modeled on; the gpu tier is gpu_capacity_bytes
     gpu: str = "h100"
     #: token this agent presents to pool agents and peers ("" means its own token)

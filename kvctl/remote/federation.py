@@ -1,9 +1,10 @@
 """One node's cache beyond itself: the local store, the shared pool and peer agents, joined.
 
-- ``lookup``: the local prefix first (the store counts it); past it, the pool and the peers are
-  asked which of the next chunks they hold (metadata only, in parallel), and the
-  fetch-or-recompute planner picks how many of them are worth fetching, from where. Those count
-  as hits of the ``remote`` (pool) or ``peer`` tier; the plan and its inputs are published as a
+- ``lookup``: fetch or recompute over the whole chain (``FetchPlanner``): the local prefix is
+  peeked (counting nothing), the pool and the peers are asked which of the next chunks they hold
+  (metadata only, in parallel), and the planner picks the prefix worth fetching, from where:
+  local disk chunks are weighed like remote ones. Hits are counted for the chunks it takes only
+  (``remote`` or ``peer`` tier past the local prefix); the plan and its inputs are published as a
   ``fetch_plan`` event and summed in ``status()``.
 - ``fill``: chunks a reader asks for that are not local are pulled (pool first, then peers,
   each chunk put into the local store as it lands) and then served like local ones.
@@ -28,7 +29,18 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvctl.remote.agent_source import AgentSource
-from kvctl.remote.fetchplan import Candidate, FetchPlan, PrefillRate, plan_fetch
+from kvctl.remote.fetchplan import (
+    DEVICE_TIERS,
+    AnyLink,
+    Candidate,
+    EngineRates,
+    FetchPlan,
+    LocalLink,
+    PrefillModel,
+    PrefillRate,
+    as_prefill_model,
+    plan_fetch,
+)
 from kvctl.remote.links import EmulatedDelay, LinkEstimator
 from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
@@ -153,11 +165,260 @@ def _chunk_bytes(chunks: Sequence[PoolChunk | None] | None) -> int:
 
 @dataclass
 class PlanCounters:
+    #: lookups planned
     lookups: int = 0
+    #: chunks the plans took (fetched from a tier below the engine), by tier
     fetch_chunks: int = 0
+    fetched: Counter[str] = field(default_factory=Counter)
+    #: chunks some tier held that the plans left to recompute, by (tier, reason)
     recompute_chunks: int = 0
+    recomputed: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: modeled prefill time of the chunks taken, their fetch time, and the difference
+    recompute_s: float = 0.0
+    fetch_s: float = 0.0
     saved_s: float = 0.0
     reasons: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        recomputed: dict[str, dict[str, int]] = {}
+        for (tier, reason), n in sorted(self.recomputed.items()):
+            recomputed.setdefault(tier, {})[reason] = n
+        return {
+            "lookups": self.lookups,
+            "fetch_chunks": self.fetch_chunks,
+            "fetched_by_tier": dict(sorted(self.fetched.items())),
+            "recompute_chunks": self.recompute_chunks,
+            "recomputed_by_tier": recomputed,
+            "recompute_s": self.recompute_s,
+            "fetch_s": self.fetch_s,
+            "saved_s": self.saved_s,
+            "reasons": dict(self.reasons),
+        }
+
+
+#: a disk read's latency before its first byte (NVMe order); paid once per lookup's batch
+DISK_READ_LATENCY_S = 1e-4
+#: why a held chunk was recomputed (``kvctl_plan_recomputed_chunks_total`` reasons)
+RECOMPUTE_REASONS = ("slower-than-recompute", "override", "unknown-link", "no-source")
+#: stage order of a lookup's fetch: fills from the pool and peers, then local reads
+_REMOTE_STAGE = 0
+
+
+class FetchPlanner:
+    """Fetch or recompute for every lookup of this node, over the whole matched chain.
+
+    Sources: the gpu tier (already in device memory: free), the cpu tier (its cost is the host
+    -> device copy: bytes / the engine-reported bandwidth, free when none was reported), the
+    disk tier (``DISK_READ_LATENCY_S`` + bytes / its read bandwidth: configured, else measured
+    by the store, else free until the first reads measure it) plus the device copy, and the pool
+    and peers (their link figures) plus the device copy. The prefill model is the engines'
+    measured one, else the configured or modeled ``fallback`` (``EngineRates``).
+
+    The answer's matched prefix is the plan's, so an engine that follows the lookup recomputes
+    the rest; hits are counted for the chunks taken only (``TieredStore.count_lookup``)."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        *,
+        prefill: PrefillRate | PrefillModel,
+        rates: EngineRates | None = None,
+        disk_read_bytes_per_s: float | None = None,
+        emit: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.fallback = as_prefill_model(prefill)
+        self.rates = rates or EngineRates()
+        self.disk_read_bytes_per_s = disk_read_bytes_per_s or None
+        self._emit = emit
+        self._lock = threading.Lock()
+        self.plans = PlanCounters()
+        self.last_plan: dict[str, Any] | None = None
+
+    # --- inputs -------------------------------------------------------------------------------
+    def prefill(self) -> PrefillModel:
+        return self.rates.prefill(self.fallback)
+
+    def device_link(self) -> LocalLink:
+        bw = self.rates.host_to_device_bytes_per_s
+        return LocalLink("device", 0.0, bw, "engine" if bw is not None else "unreported")
+
+    def local_links(self) -> dict[str, LocalLink]:
+        """Each local tier as a source (see the class)."""
+        read_bandwidth = getattr(self.store, "read_bandwidth", None)  # added with disk I/O work
+        measured: dict[str, float | None] = read_bandwidth() if read_bandwidth else {}
+        links: dict[str, LocalLink] = {}
+        for tier in self.store.tier_names:
+            if tier in DEVICE_TIERS:
+                links[tier] = LocalLink(tier, 0.0, None, "device memory")
+            elif tier == "cpu":  # read in place (shared memory): the device copy is its cost
+                links[tier] = LocalLink(tier, 0.0, None, "host memory")
+            elif self.disk_read_bytes_per_s is not None:
+                links[tier] = LocalLink(
+                    tier, DISK_READ_LATENCY_S, self.disk_read_bytes_per_s, "configured"
+                )
+            elif measured.get(tier):
+                links[tier] = LocalLink(tier, DISK_READ_LATENCY_S, measured[tier], "measured")
+            else:  # never refused before a read has measured it, or it never would be
+                links[tier] = LocalLink(tier, DISK_READ_LATENCY_S, None, "unmeasured")
+        return links
+
+    # --- the lookup ---------------------------------------------------------------------------
+    def lookup(
+        self, keys: Sequence[bytes], *, tenant: str = "", remote: RemoteTiers | None = None
+    ) -> LookupResult:
+        """The longest prefix worth fetching (see the class); counts its hits and the plan."""
+        store, n = self.store, len(keys)
+        local = self.local_links()
+        device = self.device_link()
+        prefill = self.prefill()
+        probing = remote is not None and bool(remote.sources)
+        with store.locked():  # one consistent view of the local prefix
+            seen = store.peek(keys, tenant=tenant)
+            m = seen.matched_chunks
+            tiers = seen.locations[:m]
+            free = device.bandwidth_bytes_per_s is None and all(
+                local[t].bandwidth_bytes_per_s is None for t in set(tiers)
+            )
+            entries = [] if free and not probing else list(map(store.entry, keys[:m]))
+        if free and (not probing or m == n):
+            # nothing local costs anything: the whole local prefix, no event (the common case)
+            res = store.count_lookup(keys, limit=m, tenant=tenant)
+            self._count_free(res, prefill)
+            return res
+        found = remote._probe(keys[m:], tenant) if remote is not None and probing and m < n else []
+        candidates = [
+            Candidate(i, e.size_bytes, e.tokens, (e.tier,)) for i, e in enumerate(entries)
+        ]
+        links: dict[str, AnyLink] = dict(local)
+        stages = {t: 1 + i for i, t in enumerate(store.tier_names)}
+        if remote is not None and found:
+            for s in remote.sources:
+                links[s.name] = s.link.link()
+                stages[s.name] = _REMOTE_STAGE
+            for j, options in enumerate(found):
+                if not options:
+                    break
+                meta = options[0][1]
+                candidates.append(
+                    Candidate(
+                        index=m + j,
+                        size_bytes=meta.size_bytes,
+                        tokens=meta.tokens or store.chunk_tokens,
+                        sources=tuple(name for name, _ in options),
+                    )
+                )
+        plan = plan_fetch(
+            candidates, links, prefill, stages=stages, device=device, on_device=DEVICE_TIERS
+        )
+        k = len(plan.fetch)
+        res = store.count_lookup(keys, limit=min(k, m), tenant=tenant)
+        if remote is not None and found:
+            # past the local prefix only when all of it was taken and is still there
+            extend = k > m and res.matched_chunks == m
+            res = remote._take(keys, found, res, plan if extend else None, tenant)
+        self._record(plan, candidates, res, tenant, chunks=n, local=m)
+        return res
+
+    def _count_free(self, res: LookupResult, prefill: PrefillModel) -> None:
+        m = res.matched_chunks
+        recompute_s = prefill.seconds(0, res.matched_tokens) if m else 0.0
+        with self._lock:
+            p = self.plans
+            p.lookups += 1
+            p.reasons["fetch" if m else "no-candidates"] += 1
+            if m:
+                p.fetch_chunks += m
+                p.fetched.update(res.locations[:m])
+                p.recompute_s += recompute_s
+                p.saved_s += recompute_s
+
+    def _record(
+        self,
+        plan: FetchPlan,
+        candidates: Sequence[Candidate],
+        res: LookupResult,
+        tenant: str,
+        *,
+        chunks: int,
+        local: int,
+    ) -> None:
+        k = res.matched_chunks  # the plan's, unless the store changed under it
+        taken = [res.locations[i] or "" for i in range(k)]
+        recomputed: Counter[tuple[str, str]] = Counter()
+        for i in range(k, len(candidates)):
+            c = candidates[i]
+            if i < plan.usable:
+                why = "override" if plan.reason == "override" else "slower-than-recompute"
+                source = plan.usable_sources[i]
+            else:
+                why = plan.stopped_by or "no-source"
+                source = c.sources[0] if c.sources else ""
+            recomputed[(self._tier_of(source, res.locations[c.index]), why)] += 1
+        # the plan's figures hold for the chunks it took; a store that changed under it is rare
+        scale = 1.0 if k == len(plan.fetch) else 0.0
+        with self._lock:
+            p = self.plans
+            p.lookups += 1
+            p.fetch_chunks += k
+            p.fetched.update(taken)
+            p.recompute_chunks += sum(recomputed.values())
+            p.recomputed.update(recomputed)
+            p.recompute_s += plan.recompute_s * scale
+            p.fetch_s += plan.fetch_s * scale
+            p.saved_s += plan.saved_s * scale
+            p.reasons[plan.reason] += 1
+        event = {
+            "type": "fetch_plan",
+            "tenant": tenant,
+            **{key: v for key, v in plan.as_dict().items() if key != "fetch"},
+            "chunks": chunks,
+            # chunks taken: from the local tiers, and from the pool or peers past them
+            "fetch": k,
+            "local": min(k, local),
+            "remote": max(0, k - local),
+            # chunks some tier held that are recomputed, and chunks no tier held
+            "recompute": len(candidates) - k,
+            "missed": chunks - len(candidates),
+            "held_local": local,
+            "recomputed_by_tier": {f"{t}/{r}": v for (t, r), v in sorted(recomputed.items())},
+        }
+        self.last_plan = event
+        if self._emit is not None:
+            self._emit(event)
+
+    def _tier_of(self, source: str, location: str | None) -> str:
+        if source in self.store.tier_names:
+            return source
+        return location or source or "none"
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            plans = self.plans.as_dict()
+        return {
+            "prefill": self.prefill().as_dict(),
+            "device": self.device_link().as_dict(),
+            "local_links": {name: link.as_dict() for name, link in self.local_links().items()},
+            "engine_rates": self.rates.as_dict(),
+            "plans": plans,
+            "last_plan": self.last_plan,
+        }
+
+    def counters(self) -> PlanCounters:
+        """A copy of the counters (for metrics)."""
+        with self._lock:
+            p = self.plans
+            return PlanCounters(
+                p.lookups,
+                p.fetch_chunks,
+                Counter(p.fetched),
+                p.recompute_chunks,
+                Counter(p.recomputed),
+                p.recompute_s,
+                p.fetch_s,
+                p.saved_s,
+                Counter(p.reasons),
+            )
 
 
 class RemoteTiers:
@@ -167,7 +428,8 @@ class RemoteTiers:
         *,
         pool: Source | None,
         peers: Sequence[Source] = (),
-        prefill: PrefillRate,
+        prefill: PrefillRate | PrefillModel,
+        planner: FetchPlanner | None = None,
         write_through: bool = True,
         emit: Callable[[dict[str, Any]], None] | None = None,
         usage_every_s: float = 5.0,
@@ -181,7 +443,9 @@ class RemoteTiers:
         if len(set(names)) != len(names):
             raise InvalidArgument(f"remote source names must be unique, got {names}")
         self._by_name = {s.name: s for s in self.sources}
-        self.prefill = prefill
+        #: the node's planner; the agent hands its own (``AgentRuntime``) so local and remote
+        #: lookups share one set of rates and counters
+        self.planner = planner or FetchPlanner(store, prefill=prefill, emit=emit)
         self.write_through = write_through and pool is not None
         self._emit = emit
         self._usage_every_s = usage_every_s
@@ -189,8 +453,6 @@ class RemoteTiers:
         self._pool_usage: PoolUsage | None = None
         self._hints: OrderedDict[bytes, str] = OrderedDict()
         self._lock = threading.Lock()
-        self.plans = PlanCounters()
-        self.last_plan: dict[str, Any] | None = None
         self._local = threading.local()
         self._queue: queue.Queue[bytes] = queue.Queue(_WRITE_QUEUE_MAX)
         self.write = Counter[str]()
@@ -237,14 +499,21 @@ class RemoteTiers:
 
     # --- lookups ------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
-        """The store's lookup, extended past the local prefix by the plan's fetchable chunks."""
-        res = self.store.lookup(keys, tenant=tenant)
-        m, n = res.matched_chunks, len(keys)
-        if m == n or not self.sources:
-            return res
-        found = self._probe(keys[m:], tenant)
-        plan = self._plan(found, m)
-        fetched = dict(plan.fetch)
+        """Fetch or recompute over the local tiers, the pool and the peers (``FetchPlanner``)."""
+        return self.planner.lookup(keys, tenant=tenant, remote=self)
+
+    def _take(
+        self,
+        keys: Sequence[bytes],
+        found: list[list[tuple[str, ChunkMeta]]],
+        res: LookupResult,
+        plan: FetchPlan | None,
+        tenant: str,
+    ) -> LookupResult:
+        """``res`` (the local prefix, counted) extended by the plan's chunks past it, counted as
+        ``remote`` or ``peer`` hits; every found chunk's location is shown either way."""
+        m = len(keys) - len(found)
+        fetched = {} if plan is None else {i: n for i, n in plan.fetch if i >= m}
         by_tier: dict[str, tuple[list[str], list[int]]] = {}
         locations = list(res.locations)
         matched_tokens = res.matched_tokens
@@ -264,8 +533,8 @@ class RemoteTiers:
                 self._hint(keys[i], src_name)
         for tier, (owners, tokens) in by_tier.items():
             self.store.count_external_hits(tier, owners, tokens, tenant=tenant)
-        self._record(plan, tenant, local=m, chunks=n)
-        return LookupResult(n, m + len(fetched), tuple(locations), matched_tokens)
+        matched = res.matched_chunks + len(fetched)
+        return LookupResult(len(keys), matched, tuple(locations), matched_tokens)
 
     def locate(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
         """Best location of each key: a local tier, else ``remote`` or ``peer`` (counts
@@ -322,47 +591,6 @@ class RemoteTiers:
         link = self._by_name[name].link.link()
         bw = link.bandwidth_bytes_per_s or 0.0
         return (1.0 / bw if bw else float("inf"), link.rtt_s or float("inf"))
-
-    def _plan(self, found: list[list[tuple[str, ChunkMeta]]], m: int) -> FetchPlan:
-        candidates = []
-        for j, options in enumerate(found):
-            if not options:
-                break
-            meta = options[0][1]
-            candidates.append(
-                Candidate(
-                    index=m + j,
-                    size_bytes=meta.size_bytes,
-                    tokens=meta.tokens or self.store.chunk_tokens,
-                    sources=tuple(name for name, _ in options),
-                )
-            )
-        links = {s.name: s.link.link() for s in self.sources}
-        return plan_fetch(candidates, links, self.prefill)
-
-    def _record(self, plan: FetchPlan, tenant: str, *, local: int, chunks: int) -> None:
-        fetch = len(plan.fetch)
-        recompute = chunks - local - fetch
-        with self._lock:
-            p = self.plans
-            p.lookups += 1
-            p.fetch_chunks += fetch
-            p.recompute_chunks += recompute
-            p.saved_s += plan.saved_s
-            p.reasons[plan.reason] += 1
-        if self._emit is None:
-            return
-        event = {
-            "type": "fetch_plan",
-            "tenant": tenant,
-            "chunks": chunks,
-            "local": local,
-            "fetch": fetch,
-            "recompute": recompute,
-            **{k: v for k, v in plan.as_dict().items() if k not in ("fetch",)},
-        }
-        self.last_plan = event
-        self._emit(event)
 
     def _hint(self, key: bytes, source: str) -> None:
         with self._lock:
@@ -560,20 +788,12 @@ class RemoteTiers:
         }
 
     def status(self) -> dict[str, Any]:
-        p = self.plans
         return {
             "pool": None if self.pool is None else self.pool.status(),
             "pool_usage": None if self._pool_usage is None else self._pool_usage.as_dict(),
             "peers": [s.status() for s in self.peers],
-            "prefill": {"tokens_per_s": self.prefill.tokens_per_s, "basis": self.prefill.basis},
-            "plans": {
-                "lookups": p.lookups,
-                "fetch_chunks": p.fetch_chunks,
-                "recompute_chunks": p.recompute_chunks,
-                "saved_s": p.saved_s,
-                "reasons": dict(p.reasons),
-            },
-            "last_plan": self.last_plan,
+            # prefill, device, local_links, engine_rates, plans, last_plan
+            **self.planner.status(),
             "write": {
                 "mode": "through" if self.write_through else "off",
                 "queued": self._queue.qsize(),

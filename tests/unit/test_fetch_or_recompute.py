@@ -1,0 +1,356 @@
+"""Fetch or recompute over the whole chain: the context-dependent prefill model and its fit, local
+tiers weighed like remote ones (a slow disk is recomputed, a cpu prefix still taken), hits counted
+only for the chunks taken, and a property: the plan never fetches a prefix slower than recomputing
+it, and no other prefix saves more."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvctl.remote.federation import FetchPlanner
+from kvctl.remote.fetchplan import (
+    AnyLink,
+    Candidate,
+    EngineRates,
+    LocalLink,
+    PrefillModel,
+    PrefillRate,
+    PrefillSample,
+    fit_prefill,
+    plan_fetch,
+)
+from kvctl.remote.links import Link
+from kvctl.store.errors import InvalidArgument
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.disk import DiskTier
+from tests.conftest import chain, put_chain
+
+CHUNK_BYTES = 1000
+CHUNK_TOKENS = 4  # the conftest chains' chunk size
+#: 1,000 tokens/s at an empty context: a 4-token chunk takes 4 ms to recompute
+RATE = PrefillRate(1000.0, "configured")
+
+
+# --- the prefill model ------------------------------------------------------------------------
+def test_the_model_is_linear_plus_attention_and_additive_over_ranges() -> None:
+    model = PrefillModel(1e-3, 1e-6, "configured")
+    assert model.seconds(0, 1000) == pytest.approx(1000 * (1e-3 + 1e-6 * 500))
+    # the prefill a range saves depends only on where it sits: [0, b) = [0, a) + [a, b)
+    assert model.seconds(0, 300) + model.seconds(300, 1000) == pytest.approx(model.seconds(0, 1000))
+    # the same tokens cost more deep in a context
+    assert model.seconds(10_000, 10_256) > model.seconds(0, 256)
+    assert model.kind == "configured" and model.tokens_per_s == pytest.approx(1000)
+    assert RATE.as_model().seconds(0, 500) == pytest.approx(0.5)
+    for alpha, beta in ((0.0, 0.0), (math.nan, 0.0), (1e-3, -1.0), (1e-3, math.inf)):
+        with pytest.raises(InvalidArgument):
+            PrefillModel(alpha, beta, "configured")
+
+
+def test_least_squares_recovers_both_terms_from_samples_at_several_contexts() -> None:
+    alpha, beta = 2e-5, 3e-9
+    samples = [
+        PrefillSample(n, a, n * (alpha + beta * (2 * a + n) / 2))
+        for n, a in ((256, 0), (1024, 0), (512, 4096), (2048, 16_384), (256, 60_000))
+    ]
+    fitted = fit_prefill(samples)
+    assert fitted is not None
+    assert fitted[0] == pytest.approx(alpha, rel=1e-6)
+    assert fitted[1] == pytest.approx(beta, rel=1e-6)
+    assert fitted[2] == pytest.approx(0.0, abs=1e-9)
+    # one context only: the attention term cannot be told apart, so it is left out (never < 0)
+    flat = fit_prefill([PrefillSample(256, 0, 0.01), PrefillSample(256, 0, 0.012)])
+    assert flat is not None and flat[1] == 0.0 and flat[0] == pytest.approx(0.011 / 256)
+    assert fit_prefill([]) is None
+
+
+def test_engine_reports_make_the_basis_measured_over_a_bounded_window() -> None:
+    rates = EngineRates(window=4, min_samples=3)
+    fallback = RATE.as_model()
+    assert rates.prefill(fallback) is fallback
+    rates.report([PrefillSample(256, 0, 0.5)], model="m")
+    assert rates.prefill(fallback) is fallback  # one sample is not a figure yet
+    rates.report([PrefillSample(256, 256 * i, 0.25) for i in range(1, 3)], model="m")
+    measured = rates.prefill(fallback)
+    assert measured.kind == "measured" and measured.inputs["samples"] == 3
+    # the window keeps the most recent samples only: the node got faster
+    rates.report([PrefillSample(256, 256 * i, 0.025) for i in range(4)])
+    assert rates.prefill(fallback).seconds(0, 256) == pytest.approx(0.025, rel=0.2)
+    shown = rates.as_dict()
+    assert shown["prefill_samples"] == 7 and shown["prefill_samples_in_window"] == 4
+    assert shown["models"] == {"m": 2}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        lambda: PrefillSample(0, 0, 1.0),  # nothing computed
+        lambda: PrefillSample(-1, 0, 1.0),
+        lambda: PrefillSample(10, -5, 1.0),
+        lambda: PrefillSample(1 << 40, 0, 1.0),  # beyond any context
+        lambda: PrefillSample(10, 0, math.nan),
+        lambda: PrefillSample(10, 0, math.inf),
+        lambda: PrefillSample(10, 0, 0.0),
+        lambda: PrefillSample(10, 0, -1.0),
+        lambda: PrefillSample(10, 0, 1e6),  # longer than an hour: a unit error
+        lambda: EngineRates().report([], host_to_device_bytes_per_s=math.nan),
+        lambda: EngineRates().report([], host_to_device_bytes_per_s=-1.0),
+        lambda: EngineRates().report([], host_to_device_bytes_per_s=1e20),
+    ],
+)
+def test_bad_figures_are_refused(bad: Any) -> None:
+    with pytest.raises(InvalidArgument):
+        bad()
+
+
+def test_a_refused_report_keeps_nothing() -> None:
+    rates = EngineRates(min_samples=1)
+    with pytest.raises(InvalidArgument):
+        rates.report([PrefillSample(10, 0, 0.1)], host_to_device_bytes_per_s=math.nan)
+    assert rates.as_dict()["prefill_samples"] == 0 and rates.host_to_device_bytes_per_s is None
+
+
+# --- the planner, over local and remote sources -----------------------------------------------
+def test_a_slow_disk_is_recomputed_while_the_cpu_prefix_is_taken() -> None:
+    # 1,000-byte chunks: at 1 kB/s a disk read takes 1 s against 4 ms of prefill
+    links: dict[str, AnyLink] = {
+        "cpu": LocalLink("cpu"),
+        "disk": LocalLink("disk", 1e-4, 1000.0, "configured"),
+    }
+    candidates = [
+        Candidate(i, CHUNK_BYTES, CHUNK_TOKENS, ("cpu" if i < 3 else "disk",)) for i in range(6)
+    ]
+    plan = plan_fetch(candidates, links, RATE, stages={"cpu": 1, "disk": 2})
+    assert plan.fetched_indices == (0, 1, 2) and plan.reason == "fetch"
+    assert plan.fetch_s == 0.0 and plan.saved_s == pytest.approx(0.012)
+    assert plan.usable_sources == ("cpu",) * 3 + ("disk",) * 3
+
+
+def test_long_contexts_flip_the_disk_to_fetch() -> None:
+    # disk: 10 ms per chunk; linear prefill: 4 ms per chunk, so shallow disk chunks lose...
+    links: dict[str, AnyLink] = {"disk": LocalLink("disk", 0.0, 1e5, "measured")}
+    model = PrefillModel(1e-3, 1e-6, "measured")
+    shallow = plan_fetch([Candidate(0, CHUNK_BYTES, CHUNK_TOKENS, ("disk",))], links, model)
+    assert shallow.reason == "slower-than-recompute"
+    # ... but 8k tokens into a context attention makes the same chunk cost 4 + 33 ms
+    deep = plan_fetch(
+        [Candidate(0, CHUNK_BYTES, CHUNK_TOKENS, ("disk",))], links, model, start_tokens=8192
+    )
+    assert deep.reason == "fetch" and deep.saved_s > 0
+    # and over a whole chain, the deep chunks pay for the shallow ones
+    chain_plan = plan_fetch(
+        [Candidate(i, CHUNK_BYTES, 256, ("disk",)) for i in range(64)],
+        {"disk": LocalLink("disk", 0.0, 8e3, "measured")},  # 125 ms a chunk, 8 s in all
+        PrefillModel(1e-4, 1e-7, "measured"),  # 29 ms for the first 256 tokens, 15 s in all
+    )
+    assert chain_plan.reason == "fetch" and len(chain_plan.fetch) == 64
+    first = plan_fetch(
+        [Candidate(0, CHUNK_BYTES, 256, ("disk",))],
+        {"disk": LocalLink("disk", 0.0, 8e3, "measured")},
+        PrefillModel(1e-4, 1e-7, "measured"),
+    )
+    assert first.reason == "slower-than-recompute"  # the first chunk alone is not worth it
+
+
+def test_the_device_copy_is_paid_by_every_byte_not_already_on_the_device() -> None:
+    links: dict[str, AnyLink] = {"gpu": LocalLink("gpu"), "cpu": LocalLink("cpu")}
+    device = LocalLink("device", 0.0, 1e5, "engine")  # 10 ms per chunk: slower than prefill
+    candidates = [Candidate(i, CHUNK_BYTES, CHUNK_TOKENS, ("gpu",)) for i in range(2)] + [
+        Candidate(2 + i, CHUNK_BYTES, CHUNK_TOKENS, ("cpu",)) for i in range(2)
+    ]
+    plan = plan_fetch(candidates, links, RATE, device=device, on_device={"gpu"})
+    assert plan.fetched_indices == (0, 1) and plan.device_s == 0.0
+    assert plan.as_dict()["device"]["source"] == "engine"  # type: ignore[index]
+
+
+def brute_force(
+    candidates: Sequence[Candidate],
+    links: Mapping[str, AnyLink],
+    model: PrefillModel,
+    stages: Mapping[str, int],
+    device: LocalLink | None,
+    start_tokens: int,
+) -> tuple[list[str], list[float], list[float]]:
+    """Each usable chunk's source, and fetch_s and recompute_s of every prefix, written plainly."""
+    chosen: list[str] = []
+    for c in candidates:
+        usable = [links[n] for n in c.sources if n in links]
+        if not usable:
+            break
+        chosen.append(
+            min(usable, key=lambda lk: (lk.transfer_s(c.size_bytes), lk.rtt_s, lk.name)).name
+        )  # type: ignore[arg-type,return-value]
+    fetch, recompute = [0.0], [0.0]
+    for k in range(1, len(chosen) + 1):
+        per_link: dict[str, int] = {}
+        for c, name in zip(candidates[:k], chosen[:k], strict=True):
+            per_link[name] = per_link.get(name, 0) + c.size_bytes
+        per_stage: dict[int, float] = {}
+        for name, nbytes in per_link.items():
+            s = stages.get(name, 0)
+            per_stage[s] = max(per_stage.get(s, 0.0), links[name].fetch_s(nbytes) or 0.0)
+        total = sum(per_link.values())
+        fetch.append(sum(per_stage.values()) + (device.fetch_s(total) if device else 0.0))
+        tokens = sum(c.tokens for c in candidates[:k])
+        recompute.append(model.seconds(start_tokens, start_tokens + tokens))
+    return chosen, fetch, recompute
+
+
+NAMES = ("cpu", "disk", "pool", "peer")
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    links: dict[str, AnyLink] = {}
+    for name in draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=4, unique=True)):
+        rtt = draw(st.floats(0.0, 0.05))
+        bandwidth = draw(st.one_of(st.none(), st.floats(1e5, 1e11)))
+        if name in ("pool", "peer"):
+            links[name] = Link(name, rtt, bandwidth or 1e9, "measured")
+        else:
+            links[name] = LocalLink(name, rtt, bandwidth, "measured")
+    candidates = [
+        Candidate(
+            i,
+            draw(st.integers(0, 4_000_000)),
+            draw(st.integers(0, 4096)),
+            tuple(draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=2, unique=True))),
+        )
+        for i in range(draw(st.integers(0, 10)))
+    ]
+    model = PrefillModel(
+        1.0 / draw(st.floats(100.0, 1e5)), draw(st.sampled_from([0.0, 1e-9, 1e-7])), "measured"
+    )
+    stages = {"pool": 0, "peer": 0, "cpu": 1, "disk": 2}
+    if draw(st.booleans()):
+        stages = {}  # everything in parallel
+    device_bw = draw(st.one_of(st.none(), st.floats(1e6, 1e11)))
+    device = LocalLink("device", 0.0, device_bw, "engine") if draw(st.booleans()) else None
+    return {
+        "candidates": candidates,
+        "links": links,
+        "model": model,
+        "stages": stages,
+        "device": device,
+        "start_tokens": draw(st.integers(0, 100_000)),
+    }
+
+
+@settings(max_examples=300, deadline=None)
+@given(scenarios())
+def test_the_plan_is_never_slower_than_recompute_and_is_the_best_prefix(s: dict[str, Any]) -> None:
+    plan = plan_fetch(
+        s["candidates"],
+        s["links"],
+        s["model"],
+        stages=s["stages"],
+        device=s["device"],
+        start_tokens=s["start_tokens"],
+    )
+    chosen, fetch, recompute = brute_force(
+        s["candidates"], s["links"], s["model"], s["stages"], s["device"], s["start_tokens"]
+    )
+    k = len(plan.fetch)
+    saved = [r - f for r, f in zip(recompute, fetch, strict=True)]
+    tolerance = 1e-9 * (1 + max(abs(x) for x in [*recompute, *fetch]))
+    assert plan.fetch == tuple((i, chosen[i]) for i in range(k))
+    # never a source slower than recomputing: the taken prefix's fetch <= its recompute
+    assert plan.fetch_s <= plan.recompute_s + tolerance
+    assert plan.fetch_s == pytest.approx(fetch[k], abs=tolerance)
+    assert plan.recompute_s == pytest.approx(recompute[k], abs=tolerance)
+    # the best prefix: no other saves more, and nothing is taken unless it saves time
+    assert all(plan.saved_s >= other - tolerance for other in saved)
+    assert k == 0 or plan.saved_s > 0
+
+
+# --- the planner over a real store ------------------------------------------------------------
+@pytest.fixture
+def store(tmp_path: Path) -> TieredStore:
+    s = TieredStore(
+        [CpuTier(64 * CHUNK_BYTES), DiskTier(tmp_path / "disk", 64 * CHUNK_BYTES)],
+        chunk_tokens=CHUNK_TOKENS,
+    )
+    yield s  # type: ignore[misc]
+    s.close()
+
+
+def _cpu_then_disk(
+    store: TieredStore, ns: Any, n_cpu: int, n_disk: int, seed: int = 0
+) -> list[bytes]:
+    keys = chain(ns, n_cpu + n_disk, seed=seed)
+    put_chain(store, keys, size=CHUNK_BYTES, tokens=CHUNK_TOKENS)
+    store.move(keys[n_cpu:], "disk")
+    assert store.locate(keys, tenant="a") == ["cpu"] * n_cpu + ["disk"] * n_disk
+    return keys
+
+
+def test_a_lookup_takes_the_cpu_prefix_and_recomputes_slow_disk_chunks(
+    store: TieredStore, ns: Any
+) -> None:
+    keys = _cpu_then_disk(store, ns, 3, 4)
+    events: list[dict[str, Any]] = []
+    planner = FetchPlanner(store, prefill=RATE, disk_read_bytes_per_s=1000.0, emit=events.append)
+    res = planner.lookup([*keys, bytes(16)], tenant="a")
+    assert res.matched_chunks == 3 and res.matched_tokens == 3 * CHUNK_TOKENS
+    assert res.locations == ("cpu",) * 3 + ("disk",) * 4 + (None,)  # where they are, all the same
+    # hits for the chunks taken only: the disk chunks are misses
+    st_ = store.stats
+    assert st_.hit_chunks == 3 and st_.lookup_chunks == 8
+    assert st_.tiers["cpu"].hits == 3 and st_.tiers["disk"].hits == 0
+    p = planner.plans.as_dict()
+    assert p["fetched_by_tier"] == {"cpu": 3}
+    assert p["recomputed_by_tier"] == {"disk": {"slower-than-recompute": 4}}
+    assert p["recompute_chunks"] == 4 and p["saved_s"] == pytest.approx(0.012)
+    (event,) = events
+    assert event["type"] == "fetch_plan" and event["fetch"] == 3 and event["recompute"] == 4
+    assert event["missed"] == 1 and event["local"] == 3 and event["remote"] == 0
+    assert event["links"]["disk"]["source"] == "configured"
+    assert event["links"]["disk"]["bandwidth_bytes_per_s"] == 1000.0
+    assert event["prefill"]["basis"] == "configured" and event["device"]["source"] == "unreported"
+    assert event["recomputed_by_tier"] == {"disk/slower-than-recompute": 4}
+
+
+def test_a_fast_or_unmeasured_disk_is_taken(store: TieredStore, ns: Any) -> None:
+    keys = _cpu_then_disk(store, ns, 2, 3, seed=1)
+    fast = FetchPlanner(store, prefill=RATE, disk_read_bytes_per_s=1e9)
+    assert fast.lookup(keys, tenant="a").matched_chunks == 5
+    # no figure yet: taken, so the reads measure it (never refused for want of a figure)
+    unmeasured = FetchPlanner(store, prefill=RATE)
+    if getattr(store, "read_bandwidth", None) is None or not store.read_bandwidth().get("disk"):  # type: ignore[attr-defined]
+        assert unmeasured.local_links()["disk"].source == "unmeasured"
+    assert unmeasured.lookup(keys, tenant="a").matched_chunks == 5
+    assert store.stats.tiers["disk"].hits == 6
+
+
+def test_an_engine_reported_device_copy_can_make_even_cpu_chunks_not_worth_it(
+    store: TieredStore, ns: Any
+) -> None:
+    keys = chain(ns, 4, seed=2)
+    put_chain(store, keys, size=CHUNK_BYTES, tokens=CHUNK_TOKENS)
+    planner = FetchPlanner(store, prefill=RATE)
+    assert planner.lookup(keys, tenant="a").matched_chunks == 4
+    # a (made-up) 100 kB/s device link: 10 ms per chunk against 4 ms of prefill
+    planner.rates.report([], host_to_device_bytes_per_s=1e5)
+    assert planner.lookup(keys, tenant="a").matched_chunks == 0
+    assert planner.plans.as_dict()["recomputed_by_tier"] == {"cpu": {"slower-than-recompute": 4}}
+    assert store.stats.tiers["cpu"].hits == 4  # the first lookup's only
+
+
+def test_count_lookup_counts_hits_for_the_first_chunks_only(store: TieredStore, ns: Any) -> None:
+    keys = chain(ns, 5, seed=3)
+    put_chain(store, keys, size=CHUNK_BYTES, tokens=CHUNK_TOKENS)
+    res = store.count_lookup(keys, limit=2, tenant="a")
+    assert (res.matched_chunks, res.matched_tokens) == (2, 2 * CHUNK_TOKENS)
+    assert res.locations == ("cpu",) * 5
+    assert store.stats.hit_chunks == 2 and store.stats.lookups == 1
+    assert store.stats.lookup_tokens == 5 * CHUNK_TOKENS
+    assert store.count_lookup(keys, limit=99, tenant="a").matched_chunks == 5
+    assert store.count_lookup(keys, limit=0, tenant="a").matched_chunks == 0
+    assert store.stats.hit_chunks == 7
