@@ -1,4 +1,4 @@
-"""Put/get bandwidth of the gpu tier beside bare pinned-host <-> device copies from the same run.
+"""Put/get bandwidth of the gpu tier beside bare host <-> device copies from the same run.
 
 Runs only where CUDA is available (torch built with CUDA, a visible device); elsewhere
 ``run_gpu_bench`` measures nothing and returns the reason under "skipped".
@@ -15,8 +15,14 @@ chunks of random bytes (generated once per size, never timed) and times, with
 * ``gpu.get``: ``GpuTier.read_into`` of each chunk into a pageable host buffer. Reference
   ``d2h_pinned``: the bare copy the other way, device to pinned host memory, synchronized per
   chunk.
+* ``gpu.put_registered`` / ``gpu.get_registered``: the same, from and into a shared host
+  mapping (a memfd, as the agent's cpu arena and clients' staging segments are) registered with
+  the tier (``GpuTier.register_host_region``): one copy per chunk, no staging. References
+  ``h2d_registered`` / ``d2h_registered``: the bare ``copy_`` from and to that registered
+  mapping; each figure also has ``ratio_to_pinned`` (to the bare pinned copy). Left out, with a
+  note, when CUDA refuses to register the mapping.
 * reference ``memcpy``: the same chunks copied between two pageable host buffers (memoryview
-  slice assignment): the host half of the tier's work, which the bare copies do not do.
+  slice assignment): the host half of the staged path's work, which the bare copies do not do.
 
 Every figure is the median of ``repeats`` samples; each repeat runs the references and the tier,
 swapping which goes first. One untimed round of each warms the CUDA context and the copies up.
@@ -30,18 +36,23 @@ The result (JSON-safe)::
      "device_name": str, "torch": str, "cuda": str | None, "staging_slot_bytes": int,
      "bytes_per_size": int, "repeats": int, "elapsed_seconds": float,
      "results": [{"chunk_bytes": int, "chunks": int,
-                  "gpu": {"put" | "get": TIER_FIGURE},
-                  "reference": {"h2d_pinned" | "d2h_pinned" | "memcpy": FIGURE}}, ...],
+                  "registered": bool, "registered_is_pinned": bool | None,
+                  "gpu": {"put" | "get" | "put_registered" | "get_registered": TIER_FIGURE},
+                  "reference": {"h2d_pinned" | "d2h_pinned" | "h2d_registered"
+                                | "d2h_registered" | "memcpy": FIGURE}}, ...],
      "notes": [str, ...]}
 
-FIGURE and TIER_FIGURE are as in ``kvctl.bench.store``. Peak memory: three times
-``bytes_per_size`` of host memory (payload, read buffer, memcpy target), two times pinned, and two
-times on the device (the tier's arena and the reference buffer).
+FIGURE and TIER_FIGURE are as in ``kvctl.bench.store``; a registered TIER_FIGURE also has
+``ratio_to_pinned``. ``registered_is_pinned`` is what torch's ``is_pinned()`` says of registered
+memory (nothing relies on it). Peak memory: five times ``bytes_per_size`` of host memory
+(payload, read buffer, memcpy target, two registered mappings), two times pinned, and two times
+on the device (the tier's arena and the reference buffer).
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -74,16 +85,28 @@ DEFAULT_BYTES_PER_SIZE = 256 << 20
 DEFAULT_REPEATS = 3
 DEFAULT_DEVICE = "cuda:0"
 #: figure name -> the reference it is divided by
-GPU_FIGURES: dict[str, str] = {"put": "h2d_pinned", "get": "d2h_pinned"}
-REFERENCES = ("h2d_pinned", "d2h_pinned", "memcpy")
+GPU_FIGURES: dict[str, str] = {
+    "put": "h2d_pinned",
+    "get": "d2h_pinned",
+    "put_registered": "h2d_registered",
+    "get_registered": "d2h_registered",
+}
+#: registered figure -> the bare pinned copy it is also compared with
+PINNED_OF: dict[str, str] = {"put_registered": "h2d_pinned", "get_registered": "d2h_pinned"}
+REFERENCES = ("h2d_pinned", "d2h_pinned", "h2d_registered", "d2h_registered", "memcpy")
+_REGISTERED_REFERENCES = ("h2d_registered", "d2h_registered")
 #: above this (max - min) / median, a figure is called out in the notes as noisy
 NOISY_SPREAD = 0.25
 _KEY_BYTES = 16
 _LABELS = {
     "gpu.put": "gpu put (tier, pageable source)",
     "gpu.get": "gpu get (tier, pageable target)",
+    "gpu.put_registered": "gpu put (tier, registered source)",
+    "gpu.get_registered": "gpu get (tier, registered target)",
     "h2d_pinned": "copy_ pinned -> device",
     "d2h_pinned": "copy_ device -> pinned",
+    "h2d_registered": "copy_ registered -> device",
+    "d2h_registered": "copy_ device -> registered",
     "memcpy": "host memcpy",
 }
 _Record = Callable[[str, float], None]
@@ -120,7 +143,7 @@ def run_gpu_bench(
         "repeats": repeats,
         "elapsed_seconds": time.perf_counter() - started_s,
         "results": results,
-        "notes": _notes(repeats) + _noise_notes(results),
+        "notes": _notes(repeats) + _registration_notes(results) + _noise_notes(results),
     }
 
 
@@ -131,7 +154,8 @@ def render_gpu_bench(result: dict[str, Any]) -> Table:
     table = Table(
         title=f"kvctl gpu tier bandwidth on {result['device_name']} "
         f"(median of {result['repeats']} repeats)",
-        caption="ratio = figure / reference; spread = (max - min) / median of the samples",
+        caption="ratio = figure / reference (and / the bare pinned copy for registered "
+        "memory); spread = (max - min) / median of the samples",
     )
     for name, justify in (
         ("chunk", "right"),
@@ -153,7 +177,7 @@ def render_gpu_bench(result: dict[str, Any]) -> Table:
                 f"{spread(fig):.0%}",
                 _LABELS[fig["reference"]],
                 format_rate(ref["bytes_per_second"]),
-                f"{fig['ratio_to_reference']:.2f}",
+                _ratio(fig),
             )
         memcpy = row["reference"]["memcpy"]
         table.add_row(
@@ -161,6 +185,13 @@ def render_gpu_bench(result: dict[str, Any]) -> Table:
         )
         table.add_section()
     return table
+
+
+def _ratio(fig: dict[str, Any]) -> str:
+    text = f"{fig['ratio_to_reference']:.2f}"
+    if "ratio_to_pinned" in fig:
+        text += f" ({fig['ratio_to_pinned']:.2f} of pinned)"
+    return text
 
 
 # --- one chunk size ---------------------------------------------------------------------------
@@ -175,7 +206,14 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
     def add(name: str, elapsed_seconds: float) -> None:
         seconds.setdefault(name, []).append(elapsed_seconds)
 
+    registered_is_pinned: bool | None = None
     with contextlib.ExitStack() as stack:
+        # the registered mappings close last, after the tier (which unregisters them) is closed
+        src_map, dst_map = _shared_map(total), _shared_map(total)
+        stack.callback(_close_map, dst_map)
+        stack.callback(_close_map, src_map)
+        src_map[:] = payload
+        dst_map[:] = payload  # pages in before timing
         src = stack.enter_context(memoryview(payload))
         chunks = [src[off : off + size] for off in offsets]
         stack.callback(release_views, chunks)
@@ -194,6 +232,18 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
         stream = torch.cuda.Stream(device)
         tier = GpuTier(total, device)
         stack.callback(tier.close)
+        registered = tier.register_host_region(
+            "bench-source", src_map, read_only=False
+        ) and tier.register_host_region("bench-target", dst_map, read_only=False)
+        reg_src = reg_dst = None
+        if registered:
+            reg_src = tier.host_registry.tensor_for(src_map)
+            reg_dst = tier.host_registry.tensor_for(dst_map, writable=True)
+            registered_is_pinned = bool(reg_src is not None and reg_src.is_pinned())
+        src_whole, dst_whole = memoryview(src_map), memoryview(dst_map)
+        reg_chunks = [src_whole[off : off + size] for off in offsets]
+        reg_outs = [dst_whole[off : off + size] for off in offsets]
+        stack.callback(release_views, [*reg_chunks, *reg_outs, src_whole, dst_whole])
 
         def copies(dst: Any, src_t: Any) -> float:
             with torch.cuda.stream(stream):
@@ -206,6 +256,9 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
         def references(record: _Record) -> None:
             record("reference.h2d_pinned", copies(on_device, pinned_src))
             record("reference.d2h_pinned", copies(pinned_dst, on_device))
+            if reg_src is not None and reg_dst is not None:
+                record("reference.h2d_registered", copies(on_device, reg_src))
+                record("reference.d2h_registered", copies(reg_dst, on_device))
             t0 = time.perf_counter()
             for off, chunk in zip(offsets, chunks, strict=True):
                 sink_view[off : off + size] = chunk
@@ -223,6 +276,22 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
             spot_check(outs, chunks)
             for key in keys:
                 tier.delete(key)
+            if not registered:
+                return
+            direct_bytes = tier.copied_bytes["direct"]
+            t0 = time.perf_counter()
+            for meta, chunk in zip(metas, reg_chunks, strict=True):
+                tier.put(meta, chunk)
+            record("gpu.put_registered", time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for key, o in zip(keys, reg_outs, strict=True):
+                tier.read_into(key, o)
+            record("gpu.get_registered", time.perf_counter() - t0)
+            spot_check(reg_outs, chunks)
+            for key in keys:
+                tier.delete(key)
+            if tier.copied_bytes["direct"] - direct_bytes != 2 * total:
+                raise RuntimeError("copies from registered memory took the staged path")
 
         def ignore(_name: str, _elapsed_seconds: float) -> None:
             pass
@@ -232,18 +301,51 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
         if host_view(pinned_dst)[:size] != chunks[0]:
             raise RuntimeError("the reference copy read back different bytes")
         alternating(repeats, lambda: references(add), lambda: measured(add))
+        reg_src = reg_dst = None  # the tensors hold the mappings open
 
-    reference = {name: figure(seconds[f"reference.{name}"], n, size) for name in REFERENCES}
-    result: dict[str, Any] = {"chunk_bytes": size, "chunks": n, "gpu": {}}
+    reference = {
+        name: figure(seconds[f"reference.{name}"], n, size)
+        for name in REFERENCES
+        if f"reference.{name}" in seconds
+    }
+    result: dict[str, Any] = {
+        "chunk_bytes": size,
+        "chunks": n,
+        "registered": registered,
+        "registered_is_pinned": registered_is_pinned,
+        "gpu": {},
+    }
     for name, ref_name in GPU_FIGURES.items():
+        if f"gpu.{name}" not in seconds:
+            continue
         fig = figure(seconds[f"gpu.{name}"], n, size)
         fig["reference"] = ref_name
         fig["ratio_to_reference"] = (
             fig["bytes_per_second"] / reference[ref_name]["bytes_per_second"]
         )
+        if name in PINNED_OF:
+            pinned = reference[PINNED_OF[name]]["bytes_per_second"]
+            fig["ratio_to_pinned"] = fig["bytes_per_second"] / pinned
         result["gpu"][name] = fig
     result["reference"] = reference
     return result
+
+
+def _shared_map(size_bytes: int) -> mmap.mmap:
+    """A shared mapping of a memfd, as the agent's cpu arena and staging segments are."""
+    if not hasattr(os, "memfd_create"):
+        return mmap.mmap(-1, size_bytes)
+    fd = os.memfd_create("kvctl-bench-gpu", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size_bytes)
+        return mmap.mmap(fd, size_bytes)
+    finally:
+        os.close(fd)
+
+
+def _close_map(m: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):  # a tensor of a failed run still holds it
+        m.close()
 
 
 # --- results ----------------------------------------------------------------------------------
@@ -262,6 +364,20 @@ def _noise_notes(results: list[dict[str, Any]]) -> list[str]:
     return [
         f"samples of {len(noisy)} figures spread by more than {NOISY_SPREAD:.0%} of their median "
         f"({', '.join(noisy)}): the machine or its bus was busy; rerun with more repeats"
+    ]
+
+
+def _registration_notes(results: list[dict[str, Any]]) -> list[str]:
+    if all(row["registered"] for row in results):
+        return [
+            "gpu.put_registered and gpu.get_registered copy each chunk in one cudaMemcpyAsync "
+            "from or to a shared mapping registered with CUDA (cudaHostRegister), as the agent "
+            "registers its cpu arena and clients' staging segments; ratio_to_pinned compares "
+            "them with the bare copy_ from torch's own pinned memory"
+        ]
+    return [
+        "CUDA refused to register the benchmark's host mappings (see the log): the registered "
+        "figures are left out, and the agent's copies of such memory would be staged too"
     ]
 
 

@@ -80,15 +80,28 @@ def test_a_small_run_measures_every_figure_beside_its_reference() -> None:
     assert [r["chunk_bytes"] for r in result["results"]] == [64 << 10, 3 << 20]
     for row in result["results"]:
         assert row["chunks"] == max(2, (8 << 20) // row["chunk_bytes"])
-        assert set(row["reference"]) == {"h2d_pinned", "d2h_pinned", "memcpy"}
-        for name, ref in (("put", "h2d_pinned"), ("get", "d2h_pinned")):
+        assert row["registered"] is True  # the shared mappings registered with CUDA
+        assert isinstance(row["registered_is_pinned"], bool)
+        assert set(row["reference"]) == {
+            "h2d_pinned", "d2h_pinned", "h2d_registered", "d2h_registered", "memcpy"
+        }  # fmt: skip
+        for name, ref in (
+            ("put", "h2d_pinned"),
+            ("get", "d2h_pinned"),
+            ("put_registered", "h2d_registered"),
+            ("get_registered", "d2h_registered"),
+        ):
             fig = row["gpu"][name]
             assert fig["reference"] == ref and len(fig["samples_bytes_per_second"]) == 2
             assert fig["bytes_per_second"] > 0
             expected = fig["bytes_per_second"] / row["reference"][ref]["bytes_per_second"]
             assert fig["ratio_to_reference"] == pytest.approx(expected)
+        pinned = row["reference"]["h2d_pinned"]["bytes_per_second"]
+        put = row["gpu"]["put_registered"]
+        assert put["ratio_to_pinned"] == pytest.approx(put["bytes_per_second"] / pinned)
+        assert "ratio_to_pinned" not in row["gpu"]["put"]
     json.dumps(result)  # JSON-safe
-    assert render_gpu_bench(result).row_count == 2 * 3
+    assert render_gpu_bench(result).row_count == 2 * 5  # four tier figures and memcpy, per size
 
 
 @needs_cuda

@@ -331,6 +331,11 @@ class GpuTier(Tier):
         """Drop ``owner``'s region (False when it had none). Waits for a copy using it."""
         return self._host.unregister(owner)
 
+    @property
+    def host_registry(self) -> HostRegistry:
+        """The registry behind ``register_host_region``: ``tensor_for`` a registered view."""
+        return self._host
+
     def host_regions(self) -> list[dict[str, Any]]:
         """The registered host regions: owner, size_bytes, read_only, generation, followed."""
         return self._host.regions()
