@@ -21,7 +21,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from kvctl.client import AgentError, DataClient
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
-from kvctl.engines.kvload import KVLoader
+from kvctl.engines.kvload import KVLoader, read_chunks
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
@@ -168,9 +168,6 @@ class CachedLM:
             )
         self._namespaces: dict[str, Namespace] = {}
         self.loader = KVLoader(self.format, self.device)
-        #: host buffer for chunks read over a socket, kept between requests (pinned for a GPU:
-        #: pinning is slow, and a fresh buffer's first touch would be timed as fetch)
-        self._staging: torch.Tensor | None = None
         self._writer: WriteBehind | None = None
 
     @property
@@ -300,10 +297,7 @@ class CachedLM:
             return cache, 0, ""
         kv = self.loader.alloc(len(keys))
         try:
-            if client.shm:
-                usable, path = self._fetch_leased(client, keys, tenant, kv), "lease"
-            else:
-                usable, path = self._fetch_socket(client, keys, tenant, kv, 0), "socket"
+            usable, path = read_chunks(client, keys, tenant, self.loader, kv)
         except AgentError as exc:
             log.warning("kvctl fetch failed, prefilling in full: %s", exc)
             return cache, 0, ""
@@ -315,55 +309,6 @@ class CachedLM:
                 cache.update(k[:, :, :0], v[:, :, :0], layer)
                 cache.layers[layer].keys, cache.layers[layer].values = k, v
         return cache, usable, path
-
-    def _fetch_leased(
-        self, client: DataClient, keys: list[bytes], tenant: str, kv: torch.Tensor
-    ) -> int:
-        """Chunks straight from the agent's shared arena into ``kv``; the leading run that
-        arrived whole (a chunk evicted since the lookup, or whose lease ran out before its copy
-        finished, ends it). Chunks the agent could not hold in its arena come over the socket."""
-        size = self.format.chunk_bytes
-        with client.leased(keys, tenant=tenant) as leases:
-            n = next((i for i, c in enumerate(leases.chunks) if c is None), len(keys))
-            if n and leases.chunks[0] is not None:
-                wrong = [i for i in range(n) if leases.chunks[i].size_bytes != size]  # type: ignore[union-attr]
-                if wrong:
-                    log.warning("chunk of unexpected size in the arena; reused up to it")
-                    n = wrong[0]
-                arena = self.loader.arena_tensor(leases.arena)
-                self.loader.load(arena, [leases.chunks[i].offset for i in range(n)], kv)  # type: ignore[union-attr]
-                self.loader.wait()  # the copies read the arena: done before the leases end
-                n = next((i for i in range(n) if not leases.valid(i)), n)
-            blocked = n < len(keys) and n not in leases.missing
-        if blocked:  # held elsewhere (pinned in another tier, arena full): over the socket
-            n += self._fetch_socket(client, keys[n:], tenant, kv, n)
-        return n
-
-    def _fetch_socket(
-        self, client: DataClient, keys: list[bytes], tenant: str, kv: torch.Tensor, at: int
-    ) -> int:
-        """Chunks over the socket into a reused host buffer, then into ``kv`` from chunk ``at``."""
-        size = self.format.chunk_bytes
-        pinned = self.device.type == "cuda"
-        host = self._staging
-        if host is None or host.numel() < len(keys) * size:
-            host = torch.empty(len(keys) * size, dtype=torch.uint8, pin_memory=pinned)
-            self._staging = host
-        flat = host.numpy()
-        got = client.get_into(
-            keys, [flat[i * size : (i + 1) * size] for i in range(len(keys))], tenant=tenant
-        )
-        usable = 0
-        for n in got:
-            if n != size:
-                if n >= 0:
-                    log.warning("chunk of %d bytes where %d expected; not reused", n, size)
-                break
-            usable += 1
-        if usable:
-            self.loader.load(host, [i * size for i in range(usable)], kv, at)
-            self.loader.wait()  # the staging buffer serves the next request
-        return usable
 
     def _store(
         self,

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvctl.client import DataClient
 from kvctl.engines.kvformat import ChunkFormat
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,16 @@ class KVLoader:
         self._registered: dict[int, tuple[Any, torch.Tensor, Callable[[], None] | None]] = {}
         self._lock = threading.Lock()
         self.register_failures = 0
+        #: host buffer for chunks read over a socket, kept between requests (page-locked for a
+        #: GPU: pinning is slow, and a fresh buffer's first touch would be timed as fetch)
+        self._staging: torch.Tensor | None = None
+
+    def staging(self, nbytes: int) -> torch.Tensor:
+        host = self._staging
+        if host is None or host.numel() < nbytes:
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.cuda)
+            self._staging = host
+        return host[:nbytes]
 
     # --- allocation ----------------------------------------------------------------------------
     def alloc(self, chunks: int) -> torch.Tensor:
@@ -162,3 +173,55 @@ class KVLoader:
         may be released); the caller's stream may use ``dst`` right after."""
         if self._stream is not None:
             self._stream.synchronize()
+
+
+def read_chunks(
+    client: DataClient, keys: Sequence[bytes], tenant: str, loader: KVLoader, kv: torch.Tensor
+) -> tuple[int, str]:
+    """Chunks ``keys`` from the agent into ``kv`` (``loader.alloc(len(keys))``): how many
+    leading ones arrived whole, and the path ("lease": straight from the shared arena on the
+    same host; "socket"). A chunk evicted since the lookup, of the wrong size, or whose lease
+    ran out before its copy finished ends the run. Raises AgentError."""
+    if not client.shm:
+        return _read_socket(client, keys, tenant, loader, kv, 0), "socket"
+    size = loader.format.chunk_bytes
+    with client.leased(keys, tenant=tenant) as leases:
+        chunks = leases.chunks
+        n = next((i for i, c in enumerate(chunks) if c is None or c.size_bytes != size), len(keys))
+        if n:
+            arena = loader.arena_tensor(leases.arena)
+            loader.load(arena, [c.offset for c in chunks[:n]], kv)  # type: ignore[union-attr]
+            loader.wait()  # the copies read the arena: done before the leases end
+            n = next((i for i in range(n) if not leases.valid(i)), n)
+        # held elsewhere (pinned in another tier, arena full, lease ran out): over the socket
+        blocked = n < len(keys) and n not in leases.missing
+    if blocked:
+        n += _read_socket(client, keys[n:], tenant, loader, kv, n)
+    return n, "lease"
+
+
+def _read_socket(
+    client: DataClient,
+    keys: Sequence[bytes],
+    tenant: str,
+    loader: KVLoader,
+    kv: torch.Tensor,
+    at: int,
+) -> int:
+    size = loader.format.chunk_bytes
+    host = loader.staging(len(keys) * size)
+    flat = host.numpy()
+    got = client.get_into(
+        keys, [flat[i * size : (i + 1) * size] for i in range(len(keys))], tenant=tenant
+    )
+    usable = 0
+    for n in got:
+        if n != size:
+            if n >= 0:
+                log.warning("chunk of %d bytes where %d expected; not reused", n, size)
+            break
+        usable += 1
+    if usable:
+        loader.load(host, [i * size for i in range(usable)], kv, at)
+        loader.wait()  # the staging buffer serves the next request
+    return usable

@@ -36,6 +36,7 @@ import torch
 
 from kvctl.client import AgentError, AuthError, DataClient, parse_address
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
+from kvctl.engines.kvload import KVLoader, read_chunks
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 
@@ -302,28 +303,20 @@ class PagedKV:
         rows = split.permute(3, 0, 1, 2, 4, 5).contiguous()
         return rows.view(torch.uint8).reshape(chunks, -1)
 
-    def scatter_chunks(
-        self,
-        block_ids: Sequence[int],
-        data: torch.Tensor,
-        fmt: ChunkFormat,
-        first_chunk: int,
-        start: int,
-        end: int,
-    ) -> None:
-        """Write tokens ``start..end`` from ``data``: consecutive chunks from ``first_chunk``,
-        back to back in a flat uint8 tensor (tokens outside the range are not written, so
-        blocks vLLM already holds stay untouched)."""
-        chunks = data.numel() // max(fmt.chunk_bytes, 1)
-        base = first_chunk * fmt.chunk_tokens
-        if not base <= start <= end <= base + chunks * fmt.chunk_tokens:
+    def scatter_loaded(
+        self, block_ids: Sequence[int], kv: torch.Tensor, chunk_tokens: int, first_chunk: int,
+        start: int, end: int,
+    ) -> None:  # fmt: skip
+        """Write tokens ``start..end`` from ``kv``, consecutive chunks from ``first_chunk`` as a
+        ``KVLoader`` lays them out (``[layers, 2, 1, heads, chunks*T, dim]``). Tokens outside the
+        range are not written, so blocks vLLM already holds stay untouched."""
+        base = first_chunk * chunk_tokens
+        if not base <= start <= end <= base + kv.shape[4]:
             raise InvalidArgument(
-                f"tokens {start}..{end} are not within chunks {first_chunk}..{first_chunk + chunks}"
+                f"tokens {start}..{end} are not within chunks {first_chunk}.."
+                f"{first_chunk + kv.shape[4] // chunk_tokens}"
             )
-        per_layer = fmt.unpack(data.to(self.device), chunks)
-        lo, hi = start - base, end - base
-        kv = torch.stack([torch.stack((k[0, :, lo:hi], v[0, :, lo:hi])) for k, v in per_layer])
-        self.scatter(block_ids, start, kv)
+        self.scatter(block_ids, start, kv[:, :, 0, :, start - base : end - base])
 
     def _gather_layer(self, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         if self.cache_layout is CacheLayout.KV_FIRST:
@@ -823,6 +816,14 @@ class WorkerPlan:
         self.paged: PagedKV | None = None
         self.failures = LoadFailures(block_size)
         self._formats: dict[int, ChunkFormat] = {}
+        self._loaders: dict[int, KVLoader] = {}
+
+    def loader(self, fmt: ChunkFormat) -> KVLoader:
+        """One loader per chunk size: it keeps the arena's registration and a staging buffer."""
+        got = self._loaders.get(fmt.chunk_tokens)
+        if got is None:
+            got = self._loaders[fmt.chunk_tokens] = KVLoader(fmt, self._paged().device)
+        return got
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> PagedKV:
         names = order_layers(list(kv_caches))
@@ -842,34 +843,21 @@ class WorkerPlan:
         fmt = self.format(spec.chunk_tokens)
         size = fmt.chunk_bytes
         usable = 0
-        host = torch.empty(0, dtype=torch.uint8)
         client = self.link.get()
+        kv: torch.Tensor | None = None
         if client is not None and spec.keys:
-            host = _host_buffer(len(spec.keys) * size, paged.device)
-            flat = host.numpy()
+            loader = self.loader(fmt)
+            kv = loader.alloc(len(spec.keys))
             try:
-                got = client.get_into(
-                    list(spec.keys),
-                    [flat[i * size : (i + 1) * size] for i in range(len(spec.keys))],
-                    tenant=self.link.tenant,
-                )
+                usable, _path = read_chunks(client, list(spec.keys), self.link.tenant, loader, kv)
             except AgentError as exc:
                 self.link.failed("read", exc)
-                got = []
-            for n in got:
-                if n != size:
-                    if n >= 0:
-                        log.warning(
-                            "kvctl chunk of %d bytes where %d expected; not loaded", n, size
-                        )
-                    break
-                usable += 1
         base = spec.first_chunk * spec.chunk_tokens
         loaded_end = min(spec.end_token, base + usable * spec.chunk_tokens)
-        if loaded_end > spec.start_token:
-            paged.scatter_chunks(
-                spec.block_ids, host[: usable * size], fmt, spec.first_chunk,
-                spec.start_token, loaded_end,
+        if loaded_end > spec.start_token and kv is not None:
+            paged.scatter_loaded(
+                spec.block_ids, kv, spec.chunk_tokens, spec.first_chunk, spec.start_token,
+                loaded_end,
             )  # fmt: skip
         loaded_end = max(loaded_end, spec.start_token)
         # a block partly written (the range need not start on a block) is not trusted either

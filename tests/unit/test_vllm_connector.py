@@ -15,6 +15,7 @@ import torch
 
 from kvctl.engines import vllm_connector
 from kvctl.engines.kvformat import ChunkFormat
+from kvctl.engines.kvload import KVLoader
 from kvctl.engines.vllm_connector import (
     KvctlConnectorMetadata,
     cached_requests,
@@ -198,15 +199,18 @@ def test_chunk_bytes_scatter_into_fresh_blocks_only_in_range(cache_layout: Cache
     ks = [kv[i, 0].unsqueeze(0) for i in range(3)]
     vs = [kv[i, 1].unsqueeze(0) for i in range(3)]
     data = torch.cat([fmt.pack(ks, vs, c) for c in (1, 2)])  # chunks 1 and 2, back to back
+    loader = KVLoader(fmt, torch.device("cpu"))
+    loaded = loader.alloc(2)
+    loader.load(data, [0, fmt.chunk_bytes], loaded)
     paged = PagedKV(make_caches(cache_layout, lay, blocks=8), lay, BLOCK)
     block_ids = [7, 0, 3, 5, 6, 1]
     # vLLM holds tokens 0..48 locally: write 48..96 only
-    paged.scatter_chunks(block_ids, data, fmt, 1, 48, 96)
+    paged.scatter_loaded(block_ids, loaded, 32, 1, 48, 96)
     assert torch.equal(paged.gather(block_ids, 48, 96), kv[:, :, :, 48:96])
     untouched = paged.gather(block_ids, 0, 48)
     assert torch.equal(untouched, torch.full_like(untouched, -7.0))
     with pytest.raises(InvalidArgument, match="not within chunks"):
-        paged.scatter_chunks(block_ids, data, fmt, 1, 16, 96)
+        paged.scatter_loaded(block_ids, loaded, 32, 1, 16, 96)
 
 
 def test_strided_hnd_storage_and_kernel_block_splitting() -> None:
