@@ -5,35 +5,79 @@ The FETCH op brings each chunk with its metadata (owner tenant, isolation, paren
 a chunk pulled from elsewhere keeps its owner here: isolation holds and hits still count as reuse
 or sharing correctly. Connections are kept open (a few, for concurrent requests) and a broken
 one is dropped; every failure surfaces as ``TierUnavailable``.
+
+A large pull is split into contiguous groups of its keys, one FETCH per group, each on its own
+connection, in parallel (up to ``streams``; one stream per ``min_stream_bytes`` of the pull,
+sized by the chunks this source served or described last): one Python connection tops out well
+below what the host's loopback or NIC moves, since each side copies through one thread. Each
+chunk is handed to ``arrived`` as it lands, in order within its stream; streams interleave, so
+callbacks come from several threads at once. ``get_many`` returns only after every stream has
+ended (no callback runs after it), and raises ``TierUnavailable`` if any stream failed, after
+the chunks that landed on the others were handed over.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from contextlib import contextmanager
 from itertools import groupby
 
 from kvctl.client import AgentError, DataClient
-from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool
-from kvctl.store.errors import TierUnavailable
+from kvctl.remote.pool import (
+    DEFAULT_MIN_STREAM_BYTES,
+    DEFAULT_STREAMS,
+    PoolChunk,
+    PoolUsage,
+    RemotePool,
+    stream_groups,
+    visible_to,
+)
+from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
 
-#: connections kept open per source; more concurrent requests than this open short-lived ones
+log = logging.getLogger("kvctl.remote.agent_source")
+
+#: connections kept open per source (at least ``streams``); more concurrent requests than this
+#: open short-lived ones
 _KEEP_CONNECTIONS = 4
 
 Arrived = Callable[[int, PoolChunk], None]
 
 
 class AgentSource(RemotePool):
-    def __init__(self, address: str, *, token: str = "", timeout_s: float = 5.0) -> None:
+    """``streams``: connections one pull may be split over (1: one FETCH per pull);
+    ``min_stream_bytes``: the least a stream should carry for the split to pay."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str = "",
+        timeout_s: float = 5.0,
+        streams: int = DEFAULT_STREAMS,
+        min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
+    ) -> None:
+        if streams < 1:
+            raise InvalidArgument(f"streams must be at least 1, got {streams}")
+        if min_stream_bytes < 1:
+            raise InvalidArgument(f"min_stream_bytes must be positive, got {min_stream_bytes}")
         self.address = f"kvctl://{address.removeprefix('kvctl://').rstrip('/')}"
         self._target = self.address.removeprefix("kvctl://")
         self._token = token
         self._timeout_s = timeout_s
+        self.streams = streams
+        self.min_stream_bytes = min_stream_bytes
+        self._keep = max(_KEEP_CONNECTIONS, streams)
         self._idle: list[DataClient] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._workers: ThreadPoolExecutor | None = None
+        #: mean size of the chunks this source served or described last (0: none yet)
+        self._chunk_bytes_seen = 0
         self.corrupt = 0
 
     @contextmanager
@@ -55,7 +99,7 @@ class AgentSource(RemotePool):
             raise TierUnavailable(f"{self.address}: {exc}") from exc
         else:
             with self._lock:
-                if not self._closed and len(self._idle) < _KEEP_CONNECTIONS:
+                if not self._closed and len(self._idle) < self._keep:
                     self._idle.append(client)
                     return
             client.close()
@@ -90,20 +134,101 @@ class AgentSource(RemotePool):
     def get_many(
         self, keys: Sequence[bytes], *, tenant: str, arrived: Arrived | None = None
     ) -> list[PoolChunk | None]:
+        keys = list(keys)
+        if not keys:
+            return []
+        out: list[PoolChunk | None] = [None] * len(keys)
+        bounds = stream_groups(
+            len(keys),
+            streams=self.streams,
+            chunk_bytes_seen=self._chunk_bytes_seen,
+            min_stream_bytes=self.min_stream_bytes,
+        )
+        if len(bounds) == 1:
+            self._pull(keys, 0, len(keys), tenant, out, arrived)
+        else:
+            # the first group on this thread, the rest on workers; every stream is waited for
+            workers = self._executor()
+            futures = [
+                workers.submit(self._pull, keys, lo, hi, tenant, out, arrived)
+                for lo, hi in bounds[1:]
+            ]
+            first: BaseException | None = None
+            try:
+                self._pull(keys, *bounds[0], tenant, out, arrived)
+            except BaseException as exc:
+                first = exc
+            wait_all(futures)
+            failures = [first, *(f.exception() for f in futures)]
+            failure = next((f for f in failures if f is not None), None)
+            if failure is not None:
+                raise failure
+        sizes = [c.meta.size_bytes for c in out if c is not None]
+        if sizes:
+            self._chunk_bytes_seen = sum(sizes) // len(sizes)
+        return out
+
+    def _pull(
+        self,
+        keys: list[bytes],
+        lo: int,
+        hi: int,
+        tenant: str,
+        out: list[PoolChunk | None],
+        arrived: Arrived | None,
+    ) -> None:
+        """One stream: FETCH keys[lo:hi] on one connection, each chunk checked and handed over
+        as it lands."""
+
         def landed(i: int, meta: ChunkMeta, data: bytearray) -> None:
+            chunk = self._checked(keys[lo + i], meta, data, tenant)
+            if chunk is None:
+                return
+            out[lo + i] = chunk
             if arrived is not None:
-                arrived(i, PoolChunk(meta, memoryview(data)))
+                arrived(lo + i, chunk)
 
         with self._client() as c:
-            got = c.fetch(keys, tenant=tenant, arrived=landed)
-        return [
-            None if g is None or g[1] is None else PoolChunk(g[0], memoryview(g[1])) for g in got
-        ]
+            c.fetch(keys[lo:hi], tenant=tenant, arrived=landed)
+
+    def _checked(
+        self, key: bytes, meta: ChunkMeta, data: bytearray, tenant: str
+    ) -> PoolChunk | None:
+        """The chunk, or None (a counted miss) when it is not what was asked for: another key,
+        a length that is not its declared size, or another tenant's isolated chunk."""
+        why = ""
+        if meta.key != key:
+            why = f"holds key {meta.key.hex()}"
+        elif len(data) != meta.size_bytes:
+            why = f"is {len(data)} bytes, declared {meta.size_bytes}"
+        elif not visible_to(meta, tenant):
+            why = f"is isolated to another tenant than {tenant!r}"
+        if not why:
+            return PoolChunk(meta, memoryview(data))
+        with self._lock:
+            self.corrupt += 1
+        log.warning("%s: dropping chunk %s: it %s", self.address, key.hex(), why)
+        return None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise TierUnavailable(f"source {self.address} is closed")
+            if self._workers is None:
+                # enough for a few pulls at once; more queue behind them (still correct)
+                self._workers = ThreadPoolExecutor(
+                    max_workers=2 * self._keep, thread_name_prefix="kvctl-pull"
+                )
+            return self._workers
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
         with self._client() as c:
             got = c.fetch(keys, tenant=tenant, payload=False)
-        return [None if g is None else g[0] for g in got]
+        metas = [None if g is None else g[0] for g in got]
+        sizes = [m.size_bytes for m in metas if m is not None]
+        if sizes:  # a lookup probes before the fill: the pull that follows is sized by it
+            self._chunk_bytes_seen = sum(sizes) // len(sizes)
+        return metas
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         raise TierUnavailable(f"{self.address}: evict through its control API (kvctl evict)")
@@ -127,5 +252,8 @@ class AgentSource(RemotePool):
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            workers, self._workers = self._workers, None
         for c in idle:
             c.close()
+        if workers is not None:
+            workers.shutdown(wait=False)

@@ -33,10 +33,14 @@ has no transactions across slots; and with hiredis installed redis-py copies arg
 Records are sent in groups of at most 64 MiB to bound the copies held at once.
 
 A get is one round trip: the GETs and a script that refreshes the LRU score of the accounted
-keys (only for chunks the reader may see). A second, best-effort round trip happens only when
-something needs repair: a corrupt record (deleted, accounting dropped), a record that is gone
-but still accounted, or a record present but not accounted (re-accounted, without eviction; the
-next put evicts down to capacity).
+keys (only for chunks the reader may see). A large get is split into contiguous groups of its
+keys (``kvctl.remote.pool.stream_groups``), one pipeline each on its own pooled connection, in
+parallel, each group's records checked on its thread; the first group's pipeline carries the one
+LRU script for every key, in the order asked. (The pure-Python reply parser, without hiredis,
+holds one connection to a few hundred MB/s; the server answers several connections faster.)
+A second, best-effort round trip happens only when something needs repair: a corrupt record
+(deleted, accounting dropped), a record that is gone but still accounted, or a record present
+but not accounted (re-accounted, without eviction; the next put evicts down to capacity).
 
 TTL (``ttl_s``): records are written with PX; the accounting has no TTL of its own. A get that
 finds a record missing but still accounted drops its accounting, so expired chunks do not hold
@@ -62,6 +66,8 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
@@ -73,7 +79,16 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
 from kvctl.remote import record
-from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, redact_url, visible_to
+from kvctl.remote.pool import (
+    DEFAULT_MIN_STREAM_BYTES,
+    DEFAULT_STREAMS,
+    PoolChunk,
+    PoolUsage,
+    RemotePool,
+    redact_url,
+    stream_groups,
+    visible_to,
+)
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
 from kvctl.store.keys import KEY_BYTES
 from kvctl.store.tiers.base import Buffer, ChunkMeta, check_capacity
@@ -346,6 +361,8 @@ class RedisPool(RemotePool):
     (the last agent to set it wins); when None the pool's setting is used, 1 GiB if none.
     ``tenant_quotas[tenant]``, else ``tenant_quota_bytes`` (0: none), caps the bytes a tenant
     holds; quotas are this agent's configuration, applied to the puts it makes.
+    ``streams``: pipelines one get may be split over, on as many pooled connections (1: one);
+    ``min_stream_bytes``: the least a pipeline should carry for the split to pay.
     """
 
     def __init__(
@@ -358,6 +375,8 @@ class RedisPool(RemotePool):
         tenant_quota_bytes: int = 0,
         tenant_quotas: Mapping[str, int] | None = None,
         timeout_s: float = 2.0,
+        streams: int = DEFAULT_STREAMS,
+        min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
     ) -> None:
         if not isinstance(url, str):
             raise InvalidArgument(f"pool URL must be a string, got {url!r:.60}")
@@ -377,6 +396,11 @@ class RedisPool(RemotePool):
             raise InvalidArgument(f"pool ttl_s must be positive, got {ttl_s!r}")
         if not timeout_s > 0:
             raise InvalidArgument(f"pool timeout_s must be positive, got {timeout_s!r}")
+        if streams < 1 or min_stream_bytes < 1:
+            raise InvalidArgument(
+                f"pool streams and min_stream_bytes must be positive, got {streams}, "
+                f"{min_stream_bytes}"
+            )
 
         self.prefix = prefix
         self.ttl_s = ttl_s
@@ -384,6 +408,11 @@ class RedisPool(RemotePool):
         self.tenant_quota_bytes = tenant_quota_bytes
         self.tenant_quotas = quotas
         self.corrupt = 0
+        self.streams = streams
+        self.min_stream_bytes = min_stream_bytes
+        #: mean size of the chunks read last (0: none yet): sizes the split of the next get
+        self._chunk_bytes_seen = 0
+        self._workers: ThreadPoolExecutor | None = None
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         # a generous bound on how long after its accounting a put's write can still land
         write_grace_s = (_RETRIES + 1) * (2 * timeout_s + _BACKOFF_CAP_S) + 1.0
@@ -493,15 +522,30 @@ class RedisPool(RemotePool):
         if not keys:
             return []
         hexes = [k.hex() for k in keys]
+        bounds = stream_groups(
+            len(keys),
+            streams=self.streams,
+            chunk_bytes_seen=self._chunk_bytes_seen,
+            min_stream_bytes=self.min_stream_bytes,
+        )
         with self._guard():
             client = self._client()
-            pipe = client.pipeline(transaction=False)
-            for h in hexes:
-                pipe.get(self._rec(h))
-            _eval(pipe, _TOUCH_LUA, self._acct_keys, [self._tenant_lru_prefix, tenant, *hexes])
-            replies = pipe.execute(raise_on_error=False)
-            _raise_errors(replies[:-1])
-        accounted = replies[-1]
+        touch_args = [self._tenant_lru_prefix, tenant, *hexes]
+        if len(bounds) == 1:
+            values, accounted = self._read(client, keys, hexes, touch_args)
+        else:
+            workers = self._executor()
+            futures = [
+                workers.submit(self._read, client, keys[lo:hi], hexes[lo:hi], None)
+                for lo, hi in bounds[1:]
+            ]
+            lo, hi = bounds[0]
+            try:  # the first group on this thread, with the LRU script; every group waited for
+                values, accounted = self._read(client, keys[lo:hi], hexes[lo:hi], touch_args)
+            finally:
+                wait_all(futures)
+            for f in futures:
+                values += f.result()[0]  # raises the group's TierUnavailable, if it failed
         if isinstance(accounted, Exception):
             # the LRU touch is best effort: the reads themselves succeeded
             log.info("pool %s: LRU touch failed: %s", self.address, accounted)
@@ -510,25 +554,68 @@ class RedisPool(RemotePool):
         stale: list[str] = []
         bad: list[str] = []
         heal: list[tuple[str, ChunkMeta]] = []
-        for key, h, value, acc in zip(keys, hexes, replies[:-1], accounted, strict=True):
+        for h, value, acc in zip(hexes, values, accounted, strict=True):
             if value is None:
                 if acc:
                     stale.append(h)
                 out.append(None)
                 continue
-            try:
-                meta, data = record.decode(value, key=key)
-            except CorruptChunk as exc:
-                self._count_corrupt(h, exc)
+            if isinstance(value, CorruptChunk):
+                self._count_corrupt(h, value)
                 bad.append(h)
                 out.append(None)
                 continue
+            meta, data = value
             if not acc:
                 heal.append((h, meta))
             out.append(PoolChunk(meta, data) if visible_to(meta, tenant) else None)
         if stale or bad or heal:
             self._repair(stale=stale, drop=bad, heal=heal)
+        sizes = [c.meta.size_bytes for c in out if c is not None]
+        if sizes:
+            self._chunk_bytes_seen = sum(sizes) // len(sizes)
         return out
+
+    def _read(
+        self,
+        client: redis.Redis | RedisCluster,
+        keys: Sequence[bytes],
+        hexes: Sequence[str],
+        touch_args: Sequence[Any] | None,
+    ) -> tuple[list[tuple[ChunkMeta, memoryview] | CorruptChunk | None], Any]:
+        """One pipeline: the GETs of ``keys`` (and the LRU script when ``touch_args``), each
+        record decoded and checked here (on this stream's thread): per key the chunk, the
+        CorruptChunk it failed with, or None when absent; and the script's reply (None when not
+        run, or the error it failed with)."""
+        with self._guard():
+            pipe = client.pipeline(transaction=False)
+            for h in hexes:
+                pipe.get(self._rec(h))
+            if touch_args is not None:
+                _eval(pipe, _TOUCH_LUA, self._acct_keys, touch_args)
+            replies = pipe.execute(raise_on_error=False)
+            _raise_errors(replies[: len(hexes)])
+        out: list[tuple[ChunkMeta, memoryview] | CorruptChunk | None] = []
+        for key, value in zip(keys, replies[: len(hexes)], strict=True):
+            if value is None:
+                out.append(None)
+                continue
+            try:
+                out.append(record.decode(value, key=key))
+            except CorruptChunk as exc:
+                out.append(exc)
+        return out, replies[-1] if touch_args is not None else None
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise TierUnavailable(f"pool {self.address}: closed")
+            if self._workers is None:
+                # enough for a few gets at once; more queue behind them (still correct)
+                self._workers = ThreadPoolExecutor(
+                    max_workers=2 * self.streams, thread_name_prefix="kvctl-pool-get"
+                )
+            return self._workers
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
         """Headers only (GETRANGE), checked by their CRC and against the record's length."""
@@ -645,7 +732,10 @@ class RedisPool(RemotePool):
     def close(self) -> None:
         with self._lock:
             client, self._client_obj = self._client_obj, None
+            workers, self._workers = self._workers, None
             self._closed = True
+        if workers is not None:
+            workers.shutdown(wait=False)
         if client is not None:
             with contextlib.suppress(RedisError, RedisClusterException, OSError):
                 client.close()

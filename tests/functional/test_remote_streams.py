@@ -1,0 +1,311 @@
+"""Remote pulls split over several connections, against real sources: a real agent (FETCH over
+its data plane) and the machine's Redis (or a throwaway redis-server for kills and hangs). Every
+chunk's bytes and metadata exact, callbacks once per chunk in order within each stream, a source
+killed or hung mid-pull ending as TierUnavailable (a miss in the federation) without hanging
+past the timeout, and a corrupt chunk among many a counted miss. No mocks, no speed asserted."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.federation import PEER_TIER, Source
+from kvctl.remote.links import LinkEstimator
+from kvctl.remote.pool import PoolChunk, stream_groups
+from kvctl.remote.redis_pool import RedisPool
+from kvctl.store.errors import TierUnavailable
+from kvctl.store.tiers.base import ChunkMeta
+from tests.functional.agents import Agent, payload, running_agent
+
+SMALL = ["--disk", "64MiB", "--cpu", "256MiB"]
+#: a hung or dead source must end the pull within its timeout and this much more (a bound on a
+#: hang, not a speed: the pull itself takes milliseconds)
+HANG_SLACK_S = 10.0
+
+
+def key(i: int, space: str = "") -> bytes:
+    return hashlib.blake2b(f"{space}/{i}".encode(), digest_size=16).digest()
+
+
+def chain_metas(n: int, size: int, space: str, tenant: str = "t1") -> list[ChunkMeta]:
+    keys = [key(i, space) for i in range(n)]
+    return [
+        ChunkMeta(k, size, tokens=256, tenant=tenant, parent=keys[i - 1] if i else None)
+        for i, k in enumerate(keys)
+    ]
+
+
+def store_in(agent: Agent, metas: list[ChunkMeta]) -> None:
+    src = AgentSource(agent.state.data_tcp or "", streams=1)
+    try:
+        for lo in range(0, len(metas), 8):
+            batch = metas[lo : lo + 8]
+            assert all(src.put_many([(m, payload(m.key, m.size_bytes)) for m in batch]))
+    finally:
+        src.close()
+
+
+class Arrivals:
+    """What ``arrived`` saw: (index, thread) per call, and each chunk checked as it landed."""
+
+    def __init__(self, metas: dict[bytes, ChunkMeta], on_first: object = None) -> None:
+        self.metas = metas
+        self.calls: list[tuple[int, int]] = []
+        self.wrong: list[int] = []
+        self.on_first = on_first
+        self._lock = threading.Lock()
+
+    def __call__(self, i: int, chunk: PoolChunk) -> None:
+        with self._lock:
+            self.calls.append((i, threading.get_ident()))
+            first = len(self.calls) == 1
+        want = self.metas.get(chunk.meta.key)
+        if want is None or bytes(chunk.data) != payload(want.key, want.size_bytes):
+            self.wrong.append(i)
+        if first and callable(self.on_first):
+            self.on_first()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    with running_agent(tmp_path / "src", "--name", "src", *SMALL) as a:
+        yield a
+
+
+def test_a_split_pull_returns_every_chunk_with_its_metadata(agent: Agent) -> None:
+    metas = chain_metas(24, 256 << 10, "split")
+    store_in(agent, metas)
+    # two keys the source lacks, amid the others
+    keys = [m.key for m in metas[:10]] + [key(0, "absent"), key(1, "absent")]
+    keys += [m.key for m in metas[10:]]
+    by_key = {m.key: m for m in metas}
+    results = {}
+    for streams in (1, 4):
+        src = AgentSource(agent.state.data_tcp or "", streams=streams, min_stream_bytes=1 << 20)
+        try:
+            seen = Arrivals(by_key)
+            got = src.get_many(keys, tenant="t1", arrived=seen)
+        finally:
+            src.close()
+        assert not seen.wrong
+        found = [i for i, k in enumerate(keys) if k in by_key]
+        assert sorted(i for i, _ in seen.calls) == found  # once per chunk that came
+        threads: dict[int, list[int]] = {}
+        for i, t in seen.calls:
+            threads.setdefault(t, []).append(i)
+        assert len(threads) == streams
+        spans = sorted((min(ix), max(ix)) for ix in threads.values())
+        for ix in threads.values():
+            assert ix == sorted(ix)  # in order within a stream
+        for (_, hi), (lo, _) in itertools.pairwise(spans):
+            assert hi < lo  # contiguous groups: no two streams interleave their keys
+        for k, g in zip(keys, got, strict=True):
+            want = by_key.get(k)
+            if want is None:
+                assert g is None
+                continue
+            assert g is not None and bytes(g.data) == payload(k, want.size_bytes)
+            m = g.meta
+            assert (m.key, m.size_bytes, m.tokens, m.tenant, m.parent, m.isolated) == (
+                want.key, want.size_bytes, 256, "t1", want.parent, False,
+            )  # fmt: skip
+        results[streams] = [None if g is None else (g.meta, bytes(g.data)) for g in got]
+        assert src.corrupt == 0
+    assert results[1] == results[4]
+
+
+def test_small_pulls_stay_on_one_connection(agent: Agent) -> None:
+    metas = chain_metas(6, 64 << 10, "small")
+    store_in(agent, metas)
+    src = AgentSource(agent.state.data_tcp or "", streams=4)  # 8 MiB per stream at least
+    try:
+        src.probe_many([m.key for m in metas], tenant="t1")  # the chunk size is known now
+        seen = Arrivals({m.key: m for m in metas})
+        src.get_many([m.key for m in metas], tenant="t1", arrived=seen)
+    finally:
+        src.close()
+    assert [i for i, _ in seen.calls] == list(range(6))
+    assert len({t for _, t in seen.calls}) == 1
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_source_failing_mid_pull_is_a_miss_within_the_timeout(tmp_path: Path, how: str) -> None:
+    metas = chain_metas(64, 1 << 20, how)
+    timeout_s = 1.0
+    with running_agent(tmp_path / how, "--name", how, *SMALL) as a:
+        store_in(a, metas)
+        backend = AgentSource(
+            a.state.data_tcp or "", timeout_s=timeout_s, streams=4, min_stream_bytes=1 << 20
+        )
+        source = Source("peer", PEER_TIER, backend, LinkEstimator("peer"))
+
+        def fail() -> None:  # once the first chunk is in: the rest is still on its way
+            if how == "killed":
+                a.kill9()
+            else:
+                os.kill(a.proc.pid, signal.SIGSTOP)
+
+        seen = Arrivals({m.key: m for m in metas}, on_first=fail)
+        keys = [m.key for m in metas]
+        try:
+            start = time.monotonic()
+            with pytest.raises(TierUnavailable, match=backend.address):
+                backend.get_many(keys, tenant="t1", arrived=seen)
+            assert time.monotonic() - start < timeout_s + HANG_SLACK_S
+            n_calls = len(seen.calls)
+            assert 1 <= n_calls < len(keys) and not seen.wrong  # what came, came whole
+            # in the federation the same failure is a miss and a counted error, not an exception
+            start = time.monotonic()
+            got = source.call(
+                "fetch", lambda: backend.get_many(keys, tenant="t1"), moved_bytes=lambda _: 0
+            )
+            assert got is None and source.counters.errors == 1
+            assert time.monotonic() - start < timeout_s + HANG_SLACK_S
+            assert len(seen.calls) == n_calls  # no callback after get_many returned
+        finally:
+            backend.close()
+            if how == "hung":
+                os.kill(a.proc.pid, signal.SIGCONT)
+
+
+def test_a_corrupt_chunk_among_many_is_a_miss(agent: Agent) -> None:
+    metas = chain_metas(16, 256 << 10, "corrupt")
+    store_in(agent, metas)
+    bad = metas[9]
+    with agent.control() as ctl:
+        ctl.move([bad.key], "disk")
+    path = agent.data_dir / "disk" / bad.key.hex()[:2] / f"{bad.key.hex()}.kv"
+    with open(path, "r+b") as f:  # a payload byte flipped on the disk
+        f.seek(-1000, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1000, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    src = AgentSource(agent.state.data_tcp or "", streams=4, min_stream_bytes=1 << 20)
+    try:
+        seen = Arrivals({m.key: m for m in metas})
+        got = src.get_many([m.key for m in metas], tenant="t1", arrived=seen)
+    finally:
+        src.close()
+    assert got[9] is None and 9 not in {i for i, _ in seen.calls}
+    assert not seen.wrong and len(seen.calls) == 15
+    for m, g in zip(metas, got, strict=True):
+        if m is not bad:
+            assert g is not None and bytes(g.data) == payload(m.key, m.size_bytes)
+    with agent.control() as ctl:  # the source counted it and dropped it
+        assert ctl.stats()["stats"]["corrupt_dropped"] == 1
+
+
+# --- the pool on Redis --------------------------------------------------------------------------
+@pytest.fixture
+def pool(redis_url: str, redis_prefix: str) -> Iterator[RedisPool]:
+    p = RedisPool(redis_url, prefix=redis_prefix, streams=4, min_stream_bytes=256 << 10)
+    yield p
+    p.close()
+
+
+def pool_chunks(n: int, size: int, space: str) -> list[tuple[ChunkMeta, bytes]]:
+    out = []
+    for i, m in enumerate(chain_metas(n, size, space)):
+        iso = ChunkMeta(
+            m.key, m.size_bytes, tokens=m.tokens, tenant=f"t{i % 3}", parent=m.parent,
+            priority=30 + i, isolated=i % 5 == 0, created_s=1.7e9 + i,
+        )  # fmt: skip
+        out.append((iso, payload(m.key, size)))
+    return out
+
+
+def test_a_split_pool_get_returns_every_chunk_and_touches_all_in_order(
+    pool: RedisPool, redis_url: str, redis_prefix: str
+) -> None:
+    items = pool_chunks(24, 128 << 10, "pool")
+    assert all(pool.put_many(items))
+    keys = [m.key for m, _ in items]
+    for tenant in ("t0", "t1"):
+        got = pool.get_many(keys, tenant=tenant)
+        for (m, data), g in zip(items, got, strict=True):
+            if m.isolated and m.tenant != tenant:
+                assert g is None  # another tenant's isolated chunk stays hidden
+                continue
+            assert g is not None and g.meta == m and bytes(g.data) == data
+        # one LRU script for the whole get: the keys it may see touched in the order asked
+        client = redis.Redis.from_url(redis_url)
+        try:
+            scores = dict(client.zrange("{" + redis_prefix + "}:lru", 0, -1, withscores=True))
+        finally:
+            client.close()
+        visible = [m.key.hex().encode() for m, _ in items if not m.isolated or m.tenant == tenant]
+        touched = [scores[h] for h in visible]
+        assert touched == sorted(touched) and len(set(touched)) == len(touched)
+    assert pool.corrupt == 0
+
+
+def test_a_corrupt_record_among_many_is_a_counted_miss(
+    pool: RedisPool, redis_url: str, redis_prefix: str
+) -> None:
+    items = pool_chunks(20, 128 << 10, "pool-corrupt")
+    assert all(pool.put_many(items))
+    bad = items[13][0]
+    name = f"{redis_prefix}:c:{bad.key.hex()}"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        client.setrange(name, client.strlen(name) - 500, b"\xff\x00")
+        got = pool.get_many([m.key for m, _ in items], tenant=bad.tenant)
+        assert got[13] is None and pool.corrupt == 1
+        assert client.exists(name) == 0  # dropped, accounting too
+    finally:
+        client.close()
+    for i, ((m, data), g) in enumerate(zip(items, got, strict=True)):
+        if i != 13 and (not m.isolated or m.tenant == bad.tenant):
+            assert g is not None and bytes(g.data) == data
+    assert pool.usage().chunks == len(items) - 1
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_pool_server_failing_under_a_split_get_raises_tier_unavailable(
+    private_redis, how: str
+) -> None:  # type: ignore[no-untyped-def]
+    timeout_s = 0.5
+    p = RedisPool(
+        private_redis.url, prefix="p", timeout_s=timeout_s, streams=4, min_stream_bytes=64 << 10
+    )
+    try:
+        items = pool_chunks(16, 128 << 10, how)
+        assert all(p.put_many(items))
+        if how == "killed":
+            private_redis.kill()
+        else:
+            os.kill(private_redis.proc.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(TierUnavailable, match=f"pool {private_redis.url}"):
+            p.get_many([m.key for m, _ in items], tenant="t0")
+        # a hung server: every stream times out at once, not one after another (and retries of
+        # a refused connection back off well under a second each)
+        assert time.monotonic() - start < 4 * timeout_s + HANG_SLACK_S
+    finally:
+        if how == "hung":
+            os.kill(private_redis.proc.pid, signal.SIGCONT)
+        p.close()
+
+
+def test_stream_groups() -> None:
+    assert stream_groups(0, streams=4, chunk_bytes_seen=0, min_stream_bytes=1) == []
+    assert stream_groups(1, streams=4, chunk_bytes_seen=0, min_stream_bytes=1) == [(0, 1)]
+    # unknown chunk size: at least two keys per stream
+    assert stream_groups(5, streams=4, chunk_bytes_seen=0, min_stream_bytes=1) == [(0, 2), (2, 5)]
+    # known size: one stream per min_stream_bytes, at most `streams`, sizes within one
+    groups = stream_groups(10, streams=4, chunk_bytes_seen=4 << 20, min_stream_bytes=8 << 20)
+    assert groups == [(0, 2), (2, 5), (5, 7), (7, 10)]
+    assert stream_groups(3, streams=4, chunk_bytes_seen=1 << 20, min_stream_bytes=8 << 20) == [
+        (0, 3)
+    ]
+    assert stream_groups(64, streams=1, chunk_bytes_seen=0, min_stream_bytes=1) == [(0, 64)]
