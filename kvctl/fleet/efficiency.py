@@ -4,6 +4,11 @@ Measured: tokens the cache served (agent counters), energy (NVML), TTFT (engine 
 Modeled: what serving those tokens by prefill would have cost, from a model profile and each
 node's GPU profile: GPU-seconds = tokens / prefill rate; IT energy = GPU-seconds x board power;
 facility energy = IT energy x the DC's PUE; carbon = facility kWh x the DC's grid intensity.
+
+Where the agents report their fetch-or-recompute figures (``kvctl_plan_saved_seconds_total``,
+``/v1/stats`` ``fetch_plans.plans.saved_s``), GPU-seconds saved are those instead: each chunk
+taken's prefill time minus the time fetching it took, from the same measured or configured
+rates the agent decided with (a hit that was not worth fetching is neither taken nor counted).
 """
 
 from __future__ import annotations
@@ -42,6 +47,9 @@ class Savings:
     #: None when the DC's grid carbon intensity is unknown
     carbon_g: float | None
     pue_known: bool
+    #: "plan": the agents' prefill time minus fetch time of the chunks taken; "modeled": tokens
+    #: / the profile's prefill rate (fetch time not deducted)
+    basis: str = "modeled"
 
     @property
     def facility_kwh(self) -> float:
@@ -49,16 +57,29 @@ class Savings:
 
 
 def savings(
-    tokens: int, inputs: ModeledInputs, *, pue: float | None, carbon_g_per_kwh: float | None
+    tokens: int,
+    inputs: ModeledInputs,
+    *,
+    pue: float | None,
+    carbon_g_per_kwh: float | None,
+    plan_saved_s: float | None = None,
 ) -> Savings:
-    it_joules = inputs.prefill_joules(tokens)
+    """What serving ``tokens`` from cache saved. ``plan_saved_s``: the agents' own figure
+    (prefill minus fetch time of the chunks their plans took), used instead of the modeled
+    prefill time when given; never negative, since a plan takes nothing that loses time."""
+    if plan_saved_s is None:
+        gpu_seconds, basis = inputs.prefill_seconds(tokens), "modeled"
+    else:
+        gpu_seconds, basis = max(float(plan_saved_s), 0.0), "plan"
+    it_joules = gpu_seconds * inputs.gpu.board_power_watts
     facility = it_joules * (pue if pue is not None else 1.0)
     carbon = None if carbon_g_per_kwh is None else facility / JOULES_PER_KWH * carbon_g_per_kwh
     return Savings(
         tokens=tokens,
-        gpu_seconds=inputs.prefill_seconds(tokens),
+        gpu_seconds=gpu_seconds,
         it_joules=it_joules,
         facility_joules=facility,
         carbon_g=carbon,
         pue_known=pue is not None,
+        basis=basis,
     )

@@ -354,3 +354,20 @@ def test_count_lookup_counts_hits_for_the_first_chunks_only(store: TieredStore, 
     assert store.count_lookup(keys, limit=99, tenant="a").matched_chunks == 5
     assert store.count_lookup(keys, limit=0, tenant="a").matched_chunks == 0
     assert store.stats.hit_chunks == 7
+
+
+# --- efficiency: the agents' saving, not the prefill time alone -------------------------------
+def test_savings_use_the_plans_net_figure_when_the_agents_report_one() -> None:
+    from kvctl.fleet.efficiency import savings
+    from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
+
+    inputs = ModeledInputs(model_profile("llama-3.1-8b"), gpu_profile("h100"))
+    modeled = savings(30_000, inputs, pue=1.2, carbon_g_per_kwh=400.0)
+    assert modeled.basis == "modeled"
+    assert modeled.gpu_seconds == pytest.approx(inputs.prefill_seconds(30_000))
+    # the plans saved less than the prefill time: their fetches took some of it
+    planned = savings(30_000, inputs, pue=1.2, carbon_g_per_kwh=400.0, plan_saved_s=0.4)
+    assert planned.basis == "plan" and planned.gpu_seconds == 0.4
+    assert planned.it_joules == pytest.approx(0.4 * 700.0)
+    assert planned.facility_joules == pytest.approx(0.4 * 700.0 * 1.2)
+    assert savings(10, inputs, pue=None, carbon_g_per_kwh=None, plan_saved_s=-1.0).gpu_seconds == 0
