@@ -7,7 +7,6 @@ past the timeout, and a corrupt chunk among many a counted miss. No mocks, no sp
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import signal
 import threading
@@ -100,15 +99,17 @@ def test_a_split_pull_returns_every_chunk_with_its_metadata(agent: Agent) -> Non
         assert not seen.wrong
         found = [i for i, k in enumerate(keys) if k in by_key]
         assert sorted(i for i, _ in seen.calls) == found  # once per chunk that came
-        threads: dict[int, list[int]] = {}
-        for i, t in seen.calls:
-            threads.setdefault(t, []).append(i)
-        assert len(threads) == streams
-        spans = sorted((min(ix), max(ix)) for ix in threads.values())
-        for ix in threads.values():
-            assert ix == sorted(ix)  # in order within a stream
-        for (_, hi), (lo, _) in itertools.pairwise(spans):
-            assert hi < lo  # contiguous groups: no two streams interleave their keys
+        # the first pull knows no chunk size: two keys per stream at least, so 4 groups here
+        groups = stream_groups(
+            len(keys), streams=streams, chunk_bytes_seen=0, min_stream_bytes=1 << 20
+        )
+        assert len(groups) == streams
+        for lo, hi in groups:  # each contiguous group on one thread, in order
+            calls = [(i, t) for i, t in seen.calls if lo <= i < hi]
+            assert [i for i, _ in calls] == [i for i in found if lo <= i < hi]
+            assert len({t for _, t in calls}) == 1
+        if streams > 1:  # (a worker may serve two groups one after the other)
+            assert len({t for _, t in seen.calls}) > 1
         for k, g in zip(keys, got, strict=True):
             want = by_key.get(k)
             if want is None:
