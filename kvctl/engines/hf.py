@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
-from kvctl.client import AgentError, DataClient
+from kvctl.client import AgentError, DataClient, RequestError
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
 from kvctl.engines.kvload import KVLoader, read_chunks
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
@@ -27,6 +27,11 @@ from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
 
 log = logging.getLogger(__name__)
+
+#: prefill samples sent per report (the agent keeps a bounded window of its own)
+REPORT_SAMPLES = 16
+#: fetches smaller than this say more about a round trip than about the link
+MIN_RATE_BYTES = 4 << 20
 
 
 def layout_of(config: PretrainedConfig, dtype: torch.dtype) -> KVLayout:
@@ -168,6 +173,10 @@ class CachedLM:
             )
         self._namespaces: dict[str, Namespace] = {}
         self.loader = KVLoader(self.format, self.device)
+        #: send measured prefill rates to the agent (it plans fetch-or-recompute with them)
+        self.report_rates = True
+        self._samples: list[tuple[int, int, float]] = []
+        self._h2d_bytes_per_s: float | None = None
         self._writer: WriteBehind | None = None
 
     @property
@@ -244,6 +253,7 @@ class CachedLM:
             cache = out.past_key_values
         logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
         t3 = time.perf_counter()
+        self._measured(len(ids) - start, start, t3 - t2, reused * self.format.chunk_bytes, t2 - t1)
         stored = self._store(out.past_key_values, keys, reused, locations, tenant)
         return Prefill(
             logits=logits,
@@ -322,11 +332,14 @@ class CachedLM:
         now, with ``write_behind`` off); the future says what was stored."""
         client = self.client
         done: Future[Stored] = Future()
-        if not self.store or client is None or len(keys) <= reused:
+        report = self._take_report()
+        if client is None or (report is None and (not self.store or len(keys) <= reused)):
             done.set_result(Stored(0, 0, 0.0))
             return done
         # chunks the lookup saw cached are skipped; those past it are asked about by the writer
         todo = [i for i in range(reused, len(keys)) if i >= len(locations) or locations[i] is None]
+        if not self.store:
+            todo = []
         # the cache's tensors are replaced, not written, as it grows: holding them is enough
         ks = [layer.keys for layer in cache.layers]
         vs = [layer.values for layer in cache.layers]
@@ -338,6 +351,7 @@ class CachedLM:
             chunk_tokens=self.chunk_tokens,
             chunk_bytes=self.format.chunk_bytes,
             pack=lambda i: self.format.pack(ks, vs, i).cpu().numpy(),
+            report=report,
         )
         if self.device.type == "cuda":
             ready = torch.cuda.Event()
@@ -356,6 +370,37 @@ class CachedLM:
         if not self.write_behind:
             stored.result()
         return stored
+
+    # --- what this engine measured, for the agent's fetch-or-recompute plan ---------------------
+    def _measured(
+        self, computed: int, cached: int, compute_s: float, fetched_bytes: int, fetch_s: float
+    ) -> None:
+        """Keep a prefill sample (and, on a GPU, the rate chunks crossed the link): the writer
+        sends them with its next job, off the request path."""
+        if self.client is None or not self.report_rates:
+            return
+        if computed > 0 and compute_s > 0:
+            self._samples.append((computed, cached, compute_s))
+            del self._samples[:-REPORT_SAMPLES]
+        if self.device.type == "cuda" and fetched_bytes >= MIN_RATE_BYTES and fetch_s > 0:
+            # a lower bound on the host->device rate: the lease round trip is in it
+            self._h2d_bytes_per_s = fetched_bytes / fetch_s
+
+    def _take_report(self) -> Callable[[DataClient], None] | None:
+        samples, self._samples = self._samples, []
+        h2d, self._h2d_bytes_per_s = self._h2d_bytes_per_s, None
+        if not samples and h2d is None:
+            return None
+        model = self.model_id
+
+        def send(client: DataClient) -> None:
+            try:
+                client.report_rates(samples, host_to_device_bytes_per_s=h2d, model=model)
+            except RequestError as exc:  # an agent without the op: stop asking
+                self.report_rates = False
+                log.info("the agent takes no engine rates (%s); not reporting them", exc)
+
+        return send
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -54,6 +54,8 @@ class StoreJob:
     prepare: Callable[[], None] | None = None
     #: runs on the writer thread after the last put, whatever happened (release device memory)
     finish: Callable[[], None] | None = None
+    #: sends what the engine measured, on the writer's connection before the job's puts
+    report: Callable[[DataClient], None] | None = None
     queued_s: float = field(default_factory=time.perf_counter)
     future: Future[Stored] = field(default_factory=Future)
 
@@ -131,6 +133,12 @@ class WriteBehind:
         return self._client
 
     def _write(self, job: StoreJob) -> Stored:
+        if job.report is not None:
+            try:
+                job.report(self._connection())
+            except AgentError as exc:  # a report is advice: its loss costs nothing stored
+                self._drop_connection()
+                log.debug("could not report engine rates: %s", exc)
         if not job.indices:
             return Stored(0, 0, time.perf_counter() - job.queued_s)
         try:

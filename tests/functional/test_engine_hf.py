@@ -217,3 +217,23 @@ def test_bad_prompts_and_oversized_chunks_are_refused_clearly(tmp_path: Path) ->
         pytest.raises(InvalidArgument, match="max_chunk_bytes"),
     ):
         CachedLM(model, client)
+
+
+def test_the_engine_reports_its_measured_prefill_rate_to_the_agent(tmp_path: Path) -> None:
+    """The agent's fetch-or-recompute plan uses what this engine measured (sent by the writer,
+    off the request path), not a model of it."""
+    model = build_model("tiny-llama", seed=11)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        before = agent.control().stats()["fetch_plans"]["prefill"]
+        assert not before["basis"].startswith("measured")
+        lm = CachedLM(model, client)
+        for seed in range(3):
+            lm.prefill(_tokens(CHUNK * 3 + 7, 20 + seed))
+        lm.prefill(_tokens(CHUNK * 3 + 7, 20))  # a reuse: a sample over a cached prefix
+        assert lm.flush(30)
+        after = agent.control().stats()["fetch_plans"]["prefill"]
+        assert after["basis"].startswith("measured"), after
+        lm.close()
