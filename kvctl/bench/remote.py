@@ -8,10 +8,12 @@ chunks per ``put_many`` / ``get_many`` call, and, as the reference, through a pl
 pipeline (``transaction=False``) of as many ``SET`` / ``GET`` on the same server, same batches:
 
 * ``put``: fresh keys each sample (a re-put of a present chunk stores nothing). kvctl: the
-  accounting script and an EXISTS per chunk, then a MULTI/EXEC of ``SET header`` + ``APPEND
-  payload`` per chunk (two round trips per batch); reference: one round trip of ``SET``.
-* ``get``: kvctl: the GETs and the LRU-touch script in one round trip, then the record's header
-  CRC and XXH3-64 payload check; reference: the plain ``GET`` s.
+  accounting script and an EXISTS per chunk, then one ``SET`` of header + payload per chunk
+  (two round trips per batch); reference: one round trip of ``SET``.
+* ``get``: kvctl: the GETs and the LRU-touch script, then the record's header CRC and XXH3-64
+  payload check; a batch of 8 MiB or more split into pipelines on up to ``streams`` pooled
+  connections in parallel, and the same pool with ``streams=1`` beside it
+  (``kvctl_one_stream_bytes_per_s``); reference: the plain ``GET`` s in one pipeline.
 
 A sample is the sum of the timed calls (``time.perf_counter``); the bytes read back are compared
 with what was written between calls, untimed, on every sample of both paths, and every chunk
@@ -34,7 +36,10 @@ bandwidth_bytes_per_s``, where ``ping_rtt_s`` is the median of data-plane PINGs 
 comes from the agent's PROBE op (filler bytes down the same socket path; median of samples, the
 ping RTT taken out as the link estimator does). ``ratio`` is time to last byte over the lower
 bound. A raw loopback socket to a second Python process sending the same bytes from one buffer
-(``raw_tcp_bytes_per_s``) shows what the PROBE path itself costs. The agent is stopped at the
+(``raw_tcp_bytes_per_s``) shows what the PROBE path itself costs. The RTT runs pull over one
+connection; ``streams`` then times the same pull (no emulated RTT) over one connection and split
+over ``AgentSource``'s default streams, each beside its bound (``streams_lower_bound_s``: as many
+PROBEs at once, one per connection). The agent is stopped at the
 end (SIGTERM, then SIGKILL), also on errors and Ctrl-C.
 
 Nothing here asserts a speed. The result is JSON-safe.
@@ -197,6 +202,8 @@ def _bench_pool(
     capacity_bytes = max(s * n for s, n in chunks_of.items()) + POOL_CAPACITY_HEADROOM_BYTES
     # the constructor checks the URL and the prefix and does no I/O
     pool = RedisPool(url, prefix=prefix, capacity_bytes=capacity_bytes, timeout_s=REDIS_TIMEOUT_S)
+    # the same pool read over one connection: what the split over streams gains
+    pool_one = RedisPool(url, prefix=prefix, timeout_s=REDIS_TIMEOUT_S, streams=1)
     masked = pool.address
     client = _reference_client(url, masked)
     try:
@@ -212,11 +219,14 @@ def _bench_pool(
                 for size in sizes:
                     n = chunks_of[size]
                     say(f"pool: {n} chunks of {format_bytes(size)} per sample")
-                    rows.append(_pool_size(pool, client, prefix, size, n, repeats, batch_chunks))
+                    rows.append(
+                        _pool_size(pool, pool_one, client, prefix, size, n, repeats, batch_chunks)
+                    )
             except RedisError as exc:
                 raise TierUnavailable(f"Redis {masked}: {exc}") from exc
     finally:
         pool.close()
+        pool_one.close()
         client.close()
     return {
         "redis_url": masked,
@@ -226,6 +236,8 @@ def _bench_pool(
         "capacity_bytes": capacity_bytes,
         "bytes_per_size": bytes_per_size,
         "batch_chunks": batch_chunks,
+        "streams": pool.streams,
+        "min_stream_bytes": pool.min_stream_bytes,
         "sizes": rows,
     }
 
@@ -271,6 +283,7 @@ def _cleanup(pool: RedisPool, client: redis.Redis, prefix: str) -> Iterator[None
 
 def _pool_size(
     pool: RedisPool,
+    pool_one: RedisPool,
     client: redis.Redis,
     prefix: str,
     size: int,
@@ -318,11 +331,11 @@ def _pool_size(
             elapsed_s += time.perf_counter() - t
         return elapsed_s
 
-    def kvctl_get(keys: list[bytes]) -> float:
+    def kvctl_get(keys: list[bytes], reader: RedisPool = pool) -> float:
         elapsed_s = 0.0
         for b in batches:
             t = time.perf_counter()
-            got = pool.get_many([keys[i] for i in b], tenant=TENANT)
+            got = reader.get_many([keys[i] for i in b], tenant=TENANT)
             elapsed_s += time.perf_counter() - t
             # checked between calls, untimed; freed here too (not at the next call's assignment,
             # inside its timed span)
@@ -361,9 +374,15 @@ def _pool_size(
         # the last put sample's chunks are the get set; one untimed pass of each path first
         # (and a first check of the bytes, also counted)
         kvctl_get(keys)
+        kvctl_get(keys, pool_one)
         reference_get(names)
         for r in range(repeats):
-            alternate(r, ("reference_get", reference_get, names), ("kvctl_get", kvctl_get, keys))
+            alternate(
+                r,
+                ("reference_get", reference_get, names),
+                ("kvctl_get", kvctl_get, keys),
+                ("kvctl_get_one_stream", lambda ks: kvctl_get(ks, pool_one), keys),
+            )
         pool.delete_many(keys)
         client.delete(*names)
     finally:
@@ -393,7 +412,14 @@ def _pool_size(
         "chunks": n,
         "bytes": nbytes,
         "put": pair("put"),
-        "get": pair("get"),
+        "get": {
+            **pair("get"),
+            "streams": pool.streams,
+            "kvctl_one_stream_bytes_per_s": statistics.median(rates("kvctl_get_one_stream")),
+            "kvctl_one_stream_samples_bytes_per_s": rates("kvctl_get_one_stream"),
+            "streams_speedup": statistics.median(rates("kvctl_get"))
+            / statistics.median(rates("kvctl_get_one_stream")),
+        },
         "mismatches": mismatches[0],
     }
 
@@ -453,7 +479,9 @@ def _bench_peer(
     with tempfile.TemporaryDirectory(prefix="kvctl-bench-remote-") as tmp:
         say(f"peer pull: starting an agent with a {cpu_bytes >> 20} MiB cpu tier")
         with _peer_agent(Path(tmp), cpu_bytes) as peer:
-            backend = AgentSource(peer.data_tcp, timeout_s=PEER_TIMEOUT_S)
+            # the RTT runs pull in ONE FETCH on one connection; the streams block splits it
+            backend = AgentSource(peer.data_tcp, timeout_s=PEER_TIMEOUT_S, streams=1)
+            backend_n = AgentSource(peer.data_tcp, timeout_s=PEER_TIMEOUT_S)
             try:
                 say(f"peer pull: storing {n} chunks of {size} bytes, parents chained")
                 _store_chain(backend, keys, payload, size)
@@ -477,8 +505,13 @@ def _bench_peer(
                     say(f"peer pull: {n} chunks at an emulated RTT of {rtt_s * 1000:g} ms")
                     samples = [_pull(backend, keys, payload, size, rtt_s) for _ in range(repeats)]
                     runs.append(_run_row(samples, rtt_s, ping_rtt_s, bandwidth, total, size))
+                say(f"peer pull: one stream vs {backend_n.streams}")
+                streams = _streams_row(
+                    backend, backend_n, keys, payload, size, repeats, ping_rtt_s, bandwidth
+                )
             finally:
                 backend.close()
+                backend_n.close()
             say("peer pull: stopping the agent")
     return {
         "chunks": n,
@@ -499,6 +532,7 @@ def _bench_peer(
         "client_buffers_alloc_s": alloc_s,
         "rtt_basis": "emulated",
         "runs": runs,
+        "streams": streams,
     }
 
 
@@ -574,6 +608,63 @@ def _pull(
             w.release()
         view.release()
     return _PullSample(first[0] - t0, t_end - t0, bad)
+
+
+def _streams_row(
+    one: AgentSource,
+    many: AgentSource,
+    keys: list[bytes],
+    payload: bytes,
+    size: int,
+    repeats: int,
+    ping_rtt_s: float,
+    bandwidth: float,
+) -> dict[str, Any]:
+    """The same pull (no emulated RTT) over one connection and split over ``many.streams``,
+    alternating, beside both lower bounds: one connection's PROBE bandwidth and that of as many
+    PROBEs at once, one per connection, moving the same bytes in all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = many.streams
+    total = len(keys) * size
+    each_bytes = max(1, PROBE_BYTES // n)
+    with ThreadPoolExecutor(n) as workers:
+
+        def parallel_probe() -> float:
+            t = time.perf_counter()
+            list(workers.map(lambda _: many.probe_transfer(each_bytes), range(n)))
+            return time.perf_counter() - t
+
+        parallel_probe()  # untimed: connections open, socket buffers grow
+        probe_s = statistics.median(parallel_probe() for _ in range(PROBE_SAMPLES))
+    bandwidth_n = each_bytes * n / max(probe_s - ping_rtt_s, 1e-9)
+    _pull(many, keys, payload, size, 0.0)  # untimed warm-up of the other connections
+    samples: dict[str, list[_PullSample]] = {"one": [], "many": []}
+    for r in range(repeats):
+        order = [("one", one), ("many", many)]
+        for name, backend in order if r % 2 == 0 else reversed(order):
+            samples[name].append(_pull(backend, keys, payload, size, 0.0))
+    one_s = statistics.median(s.last_byte_s for s in samples["one"])
+    many_s = statistics.median(s.last_byte_s for s in samples["many"])
+    lower_bound_s = ping_rtt_s + total / bandwidth
+    streams_lower_bound_s = ping_rtt_s + total / bandwidth_n
+    return {
+        "streams": n,
+        "min_stream_bytes": many.min_stream_bytes,
+        "one_stream_time_to_last_byte_s": one_s,
+        "streams_time_to_last_byte_s": many_s,
+        "one_stream_bytes_per_s": total / one_s,
+        "streams_bytes_per_s": total / many_s,
+        "speedup": one_s / many_s,
+        "lower_bound_s": lower_bound_s,
+        "one_stream_ratio": one_s / lower_bound_s,
+        "parallel_probe_bandwidth_bytes_per_s": bandwidth_n,
+        "streams_lower_bound_s": streams_lower_bound_s,
+        "streams_ratio": many_s / streams_lower_bound_s,
+        "mismatches": sum(s.mismatches for v in samples.values() for s in v),
+        "samples_one_stream_time_to_last_byte_s": [s.last_byte_s for s in samples["one"]],
+        "samples_streams_time_to_last_byte_s": [s.last_byte_s for s in samples["many"]],
+    }
 
 
 def _run_row(
@@ -653,6 +744,13 @@ def _notes(repeats: int, pool: dict[str, Any], peer: dict[str, Any]) -> list[str
         "peer lower bound: median data-plane ping + the emulated RTT + bytes / the PROBE "
         "bandwidth (filler bytes down the same socket, read into one reused scratch buffer; a "
         "FETCH also sends each chunk's metadata first and lands each chunk in a new buffer)",
+        "peer streams: the same pull (no emulated RTT) over one connection and split into "
+        f"{peer['streams']['streams']} contiguous groups of keys, one FETCH per connection in "
+        "parallel (AgentSource's default for large pulls); streams_lower_bound_s uses as many "
+        "PROBEs at once, one per connection, moving the same bytes as the one-connection PROBE",
+        "pool get: kvctl splits a batch of 8 MiB or more into pipelines on up to "
+        f"{pool['streams']} pooled connections in parallel; kvctl_one_stream_bytes_per_s is "
+        "the same pool over one (streams=1)",
         "time_to_first_chunk_s includes the client making a zeroed buffer for every chunk of "
         "the request before it reads the first payload byte (DataClient.fetch); "
         "client_buffers_alloc_s is that allocation alone, timed in this process",
@@ -665,6 +763,7 @@ def _notes(repeats: int, pool: dict[str, Any], peer: dict[str, Any]) -> list[str
             "reference alike; memoryview payloads are sent without a copy"
         )
     bad = sum(r["mismatches"] for r in pool["sizes"]) + sum(r["mismatches"] for r in peer["runs"])
+    bad += peer["streams"]["mismatches"]
     if bad:
         notes.append(f"{bad} chunks read back differed or were missing: the figures are void")
     return notes
@@ -689,6 +788,7 @@ def render_remote_bench(result: dict[str, Any]) -> Group:
         ("chunk", "right"),
         ("op", "left"),
         ("kvctl", "right"),
+        ("kvctl, 1 stream", "right"),
         ("redis pipeline", "right"),
         ("ratio", "right"),
         ("mismatches", "right"),
@@ -701,6 +801,7 @@ def render_remote_bench(result: dict[str, Any]) -> Group:
                 f"{format_bytes(row['chunk_bytes'])} x {row['chunks']}",
                 op,
                 format_rate(fig["kvctl_bytes_per_s"]),
+                format_rate(fig["kvctl_one_stream_bytes_per_s"]) if op == "get" else "",
                 format_rate(fig["redis_pipeline_bytes_per_s"]),
                 f"{fig['ratio']:.2f}",
                 str(row["mismatches"]),
@@ -729,5 +830,22 @@ def render_remote_bench(result: dict[str, Any]) -> Group:
             f"{run['lower_bound_s'] * 1e3:.2f} ms",
             f"{run['ratio']:.2f}",
             str(run["mismatches"]),
+        )
+    st = peer["streams"]
+    for label, last_s, bound_s in (
+        ("1 stream", st["one_stream_time_to_last_byte_s"], st["lower_bound_s"]),
+        (
+            f"{st['streams']} streams",
+            st["streams_time_to_last_byte_s"],
+            st["streams_lower_bound_s"],
+        ),
+    ):
+        t2.add_row(
+            f"0 ms, {label}",
+            "",
+            f"{last_s * 1e3:.2f} ms",
+            f"{bound_s * 1e3:.2f} ms",
+            f"{last_s / bound_s:.2f}",
+            str(st["mismatches"]),
         )
     return Group(t1, t2)

@@ -103,6 +103,13 @@ def test_pool_figures_beside_the_plain_pipeline(run: tuple[dict[str, Any], str, 
         )
         assert fig["kvctl_samples_bytes_per_s"] == [fig["kvctl_bytes_per_s"]]
         assert fig["redis_pipeline_samples_bytes_per_s"] == [fig["redis_pipeline_bytes_per_s"]]
+    # the same pool read over one connection, beside the split one
+    get = row["get"]
+    assert pool["streams"] == get["streams"] >= 1 and pool["min_stream_bytes"] > 0
+    assert get["kvctl_one_stream_samples_bytes_per_s"] == [get["kvctl_one_stream_bytes_per_s"]]
+    assert math.isclose(
+        get["streams_speedup"], get["kvctl_bytes_per_s"] / get["kvctl_one_stream_bytes_per_s"]
+    )
     assert r["notes"] and all(isinstance(n, str) for n in r["notes"])
     json.dumps({k: v for k, v in r.items() if k != "_progress"}, allow_nan=False)
 
@@ -137,6 +144,22 @@ def test_peer_pull_beside_its_lower_bound(run: tuple[dict[str, Any], str, str]) 
         assert run_["time_to_first_chunk_s"] >= rtt_s
         assert run_["time_to_last_byte_s"] >= rtt_s
     assert p["runs"][1]["time_to_last_byte_s"] >= 0.002
+    st = p["streams"]
+    assert st["streams"] > 1 and st["mismatches"] == 0
+    one_s, many_s = st["one_stream_time_to_last_byte_s"], st["streams_time_to_last_byte_s"]
+    assert st["samples_one_stream_time_to_last_byte_s"] == [one_s]
+    assert st["samples_streams_time_to_last_byte_s"] == [many_s]
+    assert math.isclose(st["one_stream_bytes_per_s"], p["bytes"] / one_s)
+    assert math.isclose(st["streams_bytes_per_s"], p["bytes"] / many_s)
+    assert math.isclose(st["speedup"], one_s / many_s)
+    # the one-connection bound is the runs' bound at 0 ms; the split one uses parallel PROBEs
+    assert math.isclose(st["lower_bound_s"], p["runs"][0]["lower_bound_s"])
+    assert math.isclose(
+        st["streams_lower_bound_s"],
+        p["ping_rtt_s"] + p["bytes"] / st["parallel_probe_bandwidth_bytes_per_s"],
+    )
+    assert math.isclose(st["one_stream_ratio"], one_s / st["lower_bound_s"])
+    assert math.isclose(st["streams_ratio"], many_s / st["streams_lower_bound_s"])
 
 
 def test_nothing_is_left_behind(run: tuple[dict[str, Any], str, str]) -> None:
