@@ -677,6 +677,9 @@ class Connection:
         if size <= 0 or os.fstat(fd).st_size < size:
             raise FrameError(ErrorCode.BAD_REQUEST, f"staging segment is smaller than {size}")
         staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        # a gpu tier copies puts from the segment in one transfer once it is registered; this
+        # replaces the connection's old registration first, so the old mapping can close
+        self.server.runtime.register_host_region(self, staging, read_only=True)
         if self._staging is not None:
             self._staging.close()
         self._staging = staging
@@ -698,6 +701,7 @@ class Connection:
         with contextlib.suppress(StoreError):
             self.store.release(list(self._leases))
         self._leases.clear()
+        self.server.runtime.unregister_host_region(self)
         if self._staging is not None:
             with contextlib.suppress(BufferError):
                 self._staging.close()
