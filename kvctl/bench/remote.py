@@ -732,7 +732,7 @@ def _notes(repeats: int, pool: dict[str, Any], peer: dict[str, Any]) -> list[str
         f"each figure is the median of {repeats} samples; kvctl and its reference alternate "
         "which goes first, so drift hits both alike",
         "pool put: kvctl makes two round trips per batch (the accounting script + EXISTS, then "
-        "MULTI/EXEC of SET header + APPEND payload per chunk); the reference one (SETs). pool "
+        "one SET of header + payload per chunk); the reference one (SETs). pool "
         "get: kvctl's GETs + the LRU-touch script in one round trip, then a header CRC and an "
         "XXH3-64 check of every payload; the reference plain GETs",
         "a pool sample is the sum of its put_many/get_many (or pipeline) calls; the bytes read "
