@@ -287,8 +287,10 @@ class FetchPlanner:
             self._count_free(res, prefill)
             return res
         found = remote._probe(keys[m:], tenant) if remote is not None and probing and m < n else []
+        sources = {t: (t,) for t in local}
         candidates = [
-            Candidate(i, e.size_bytes, e.tokens, (e.tier,)) for i, e in enumerate(entries)
+            Candidate.trusted(i, e.size_bytes, e.tokens, sources[e.tier])
+            for i, e in enumerate(entries)
         ]
         links: dict[str, AnyLink] = dict(local)
         stages = {t: 1 + i for i, t in enumerate(store.tier_names)}
@@ -371,7 +373,7 @@ class FetchPlanner:
         event = {
             "type": "fetch_plan",
             "tenant": tenant,
-            **{key: v for key, v in plan.as_dict().items() if key != "fetch"},
+            **{key: v for key, v in plan.as_dict(chunks=False).items() if key != "fetch"},
             "chunks": chunks,
             # chunks taken: from the local tiers, and from the pool or peers past them
             "fetch": k,

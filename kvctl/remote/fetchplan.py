@@ -115,6 +115,19 @@ class Candidate:
             raise InvalidArgument(f"candidate sources must be a tuple of names: {self.sources!r}")
         object.__setattr__(self, "sources", tuple(self.sources))
 
+    @classmethod
+    def trusted(
+        cls, index: int, size_bytes: int, tokens: int, sources: tuple[str, ...]
+    ) -> Candidate:
+        """A candidate from figures already checked (the store's own entries), built without
+        the checks: a lookup builds one per chunk of its chain."""
+        c = object.__new__(cls)
+        object.__setattr__(c, "index", index)
+        object.__setattr__(c, "size_bytes", size_bytes)
+        object.__setattr__(c, "tokens", tokens)
+        object.__setattr__(c, "sources", sources)
+        return c
+
 
 @dataclass(frozen=True)
 class PrefillRate:
@@ -473,12 +486,15 @@ class FetchPlan:
     def source_by_index(self) -> dict[int, str]:
         return dict(self.fetch)
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self, *, chunks: bool = True) -> dict[str, object]:
+        """The plan for events and reports; ``chunks=False`` leaves out the per-chunk list."""
         per_link_chunks: dict[str, int] = {}
         for _, name in self.fetch:
             per_link_chunks[name] = per_link_chunks.get(name, 0) + 1
         return {
-            "fetch": [{"index": index, "link": name} for index, name in self.fetch],
+            "fetch": (
+                [{"index": index, "link": name} for index, name in self.fetch] if chunks else []
+            ),
             "recompute": self.recompute,
             "fetch_s": self.fetch_s,
             "recompute_s": self.recompute_s,
@@ -566,11 +582,19 @@ def plan_fetch(
     named = {name for candidate in candidates for name in candidate.sources if name in links}
     link_dicts = {name: links[name].as_dict() for name in sorted(named)}
 
-    # One pass over the usable range: chosen sources, per-link bytes and times, the stage maxes.
+    # One pass over the usable range: chosen sources, per-link bytes and times, the stage maxes
+    # (and their running sum). Engines look up chains of hundreds of chunks per request, so the
+    # loop inlines the device copy and the prefill model, and remembers each (sources, size)'s
+    # choice: a chain's chunks mostly share both.
     chosen: list[str] = []
     link_bytes: dict[str, int] = {}
     stage_s: dict[int, float] = {}
+    stages_total_s = 0.0
+    choices: dict[tuple[tuple[str, ...], int], str | None] = {}
     device_bytes = 0
+    device_rtt_s = 0.0 if device is None else device.rtt_s
+    device_bw = None if device is None else device.bandwidth_bytes_per_s
+    alpha, beta = model.alpha_s_per_token, model.beta_s_per_token2
     tokens = 0
     forced_floor = 0  # leading chunks whose chosen link is overridden "fetch"
     floor_saved_s = 0.0
@@ -578,23 +602,34 @@ def plan_fetch(
     best_device_s = 0.0
     stopped_by: Reason | None = None
     for k, candidate in enumerate(candidates, start=1):
-        name = _choose(candidate, links)
+        size = candidate.size_bytes
+        choice_key = (candidate.sources, size)
+        if choice_key in choices:
+            name = choices[choice_key]
+        else:
+            name = choices[choice_key] = _choose(candidate, links)
         if name is None:
             stopped_by = _blocked_by(candidate, links)
             break
         link = links[name]
         chosen.append(name)
-        link_bytes[name] = link_bytes.get(name, 0) + candidate.size_bytes
-        link_s = link.fetch_s(link_bytes[name])
+        nbytes = link_bytes[name] = link_bytes.get(name, 0) + size
+        link_s = link.fetch_s(nbytes)
         if link_s is not None:  # an uncosted (forced) link counts 0 s: flagged in the plan
             stage = stage_of.get(name, 0)
-            stage_s[stage] = max(stage_s.get(stage, 0.0), link_s)
+            grown_s = link_s - stage_s.get(stage, 0.0)
+            if grown_s > 0:
+                stage_s[stage] = link_s
+                stages_total_s += grown_s
         if name not in on_device:
-            device_bytes += candidate.size_bytes
-        device_s = device.fetch_s(device_bytes) if device is not None and device_bytes else 0.0
-        fetch_s = sum(stage_s.values()) + device_s
+            device_bytes += size
+        device_s = 0.0
+        if device_bytes and device is not None:
+            device_s = device_rtt_s + (device_bytes / device_bw if device_bw else 0.0)
+        fetch_s = stages_total_s + device_s
         tokens += candidate.tokens
-        recompute_s = model.seconds(start_tokens, start_tokens + tokens)
+        # model.seconds(start_tokens, start_tokens + tokens), inlined
+        recompute_s = tokens * (alpha + beta * (2 * start_tokens + tokens) / 2)
         saved_s = recompute_s - fetch_s
         if forced_floor == k - 1 and link.override == "fetch":
             forced_floor = k
