@@ -1056,29 +1056,18 @@ class TieredStore:
         flights: list[_Flight] = []
         waiting: list[tuple[int, bytes]] = []
         with self._lock:
-            for i, key in pending:
-                try:
-                    e = self._get_visible(key, tenant)
-                except KeyNotFound as exc:
-                    results[i] = exc
-                    continue
-                if e.tier == home.name:
-                    results[i] = self._grant(home, e, ttl_s)
-                    continue
-                if key in self._promoting:  # another batch (or this one) is bringing it up
-                    waiting.append((i, key))
-                    continue
-                src = self._tiers[self._tier_index[e.tier]]
-                if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
-                    self._promote(e, None, home)
-                    landed = e.tier == home.name and self._index.get(key) is e
-                    results[i] = self._grant(home, e, ttl_s) if landed else None
-                    continue
-                flight = self._plan_flight(i, e, src, home)
-                if flight is None:
-                    results[i] = None
-                else:
-                    flights.append(flight)
+            try:
+                for i, key in pending:
+                    flight = self._resolve(i, key, home, ttl_s, tenant, results, waiting)
+                    if flight is not None:
+                        flights.append(flight)
+            except BaseException:
+                for f in flights:  # none has started reading: undo them all
+                    self._promoting.discard(f.entry.key)
+                    home.abort(f.reservation)
+                    self._end_read(f.entry, f.src.name)
+                self._promoted.notify_all()
+                raise
         again: list[tuple[int, bytes]] = []
         try:
             if flights:
@@ -1097,6 +1086,37 @@ class TieredStore:
                 again.append((i, key))
         return again
 
+    def _resolve(
+        self,
+        i: int,
+        key: bytes,
+        home: CpuTier,
+        ttl_s: float,
+        tenant: str,
+        results: list[LeaseResult],
+        waiting: list[tuple[int, bytes]],
+    ) -> _Flight | None:
+        """Under the lock: answer one key of a lease batch now (a lease, None, a miss), queue
+        it in ``waiting`` (another flight is bringing it up), or return its flight."""
+        try:
+            e = self._get_visible(key, tenant)
+        except KeyNotFound as exc:
+            results[i] = exc
+            return None
+        if e.tier == home.name:
+            results[i] = self._grant(home, e, ttl_s)
+            return None
+        if key in self._promoting:  # another batch (or this one) is bringing it up
+            waiting.append((i, key))
+            return None
+        src = self._tiers[self._tier_index[e.tier]]
+        if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
+            self._promote(e, None, home)
+            landed = e.tier == home.name and self._index.get(key) is e
+            results[i] = self._grant(home, e, ttl_s) if landed else None
+            return None
+        return self._plan_flight(i, e, src, home)
+
     def _plan_flight(self, i: int, e: Entry, src: Tier, home: CpuTier) -> _Flight | None:
         """Under the lock: reserve ``e``'s place in the lease tier and mark it in flight, or
         None when it cannot be held there (the checks ``_try_place`` makes for a promotion)."""
@@ -1107,19 +1127,20 @@ class TieredStore:
             return None
         if home.free_bytes < size and not self._policies[home.name].admit(e, self._clock()):
             return None
+        plan = src.plan_read(e.key)
         self._begin_read(e)  # first, so demotions made to make room can never pick it
         try:
             self._make_room(home, size)
             reservation = home.reserve(_meta(e))
-            plan = src.plan_read(e.key)
         except CapacityError:
             self._end_read(e, src.name)
             return None
         except BaseException:
             self._end_read(e, src.name)
             raise
+        view = home.reserved_view(reservation)
         self._promoting.add(e.key)
-        return _Flight(i, e, src, plan, reservation, home.reserved_view(reservation))
+        return _Flight(i, e, src, plan, reservation, view)
 
     def _fly(self, flights: list[_Flight]) -> None:
         """Without the lock: read every flight's chunk into its reserved bytes, in parallel."""
