@@ -298,6 +298,74 @@ def test_resize_refuses_below_live_bytes_and_changes_nothing() -> None:
     assert t.generation == 0 and t.capacity_bytes == 1000 and t.get(k(1)) == d
 
 
+# --- reservations (a chunk being read in without the store's lock) ------------------------------
+
+
+def test_a_reservation_takes_space_but_is_no_chunk_until_committed() -> None:
+    t = CpuTier(1000)
+    put(t, 1, 300)
+    r = t.reserve(ChunkMeta(k(2), 200))
+    assert (t.used_bytes, t.free_bytes, t.reserved_bytes) == (500, 500, 200)
+    assert t.resident_bytes == 300  # a resize would not keep it
+    assert k(2) not in t and len(t) == 1 and list(t.keys()) == [k(1)]
+    with pytest.raises(KeyNotFound):
+        t.lease(k(2), 1.0)
+    data = content(2, 200)
+    t.reserved_view(r)[:] = data  # the reader fills it in place
+    assert t.commit(r) is True
+    assert t.reserved_bytes == 0 and t.used_bytes == 500 and t.get(k(2)) == data
+    assert bytes(t.view(t.lease(k(2), 1.0))) == data
+    assert t.commit(r) is False  # once
+    with pytest.raises(InvalidArgument):
+        t.reserve(ChunkMeta(k(2), 10))  # already a chunk here
+
+
+def test_an_aborted_reservation_gives_its_space_back() -> None:
+    t = CpuTier(1000)
+    r = t.reserve(ChunkMeta(k(1), 1000))
+    with pytest.raises(CapacityError):
+        put(t, 2, 1)
+    with pytest.raises(CapacityError):
+        t.reserve(ChunkMeta(k(3), 1))
+    t.abort(r)
+    t.abort(r)  # twice is harmless
+    assert t.used_bytes == 0 and t.reserved_bytes == 0
+    put(t, 2, 1000)
+    assert t.commit(r) is False
+
+
+def test_compaction_never_moves_a_reserved_region() -> None:
+    t = CpuTier(1000)
+    for i in range(5):
+        put(t, i, 200)
+    t.delete(k(0))
+    r = t.reserve(ChunkMeta(k(9), 200))  # the first hole: offset 0
+    assert r.offset == 0
+    t.delete(k(2))
+    t.delete(k(4))  # 400 free, but in two holes of 200
+    filler = content(99, 200)
+    t.reserved_view(r)[:] = filler
+    d5 = put(t, 5, 400)  # compacts: the reserved region stays put
+    assert t.compactions == 1
+    assert t.commit(r) is True and t.get(k(9)) == filler  # the reader's bytes, untouched
+    assert t.get(k(5)) == d5 and t.get(k(1)) == content(1, 200)
+
+
+def test_a_resize_leaves_reservations_with_the_old_arena() -> None:
+    t = CpuTier(1000)
+    put(t, 1, 300)
+    r = t.reserve(ChunkMeta(k(2), 300))
+    view = t.reserved_view(r)
+    t.resize(2000)
+    assert t.generation == 1 and t.reserved_bytes == 0 and t.used_bytes == 300
+    view[:] = content(2, 300)  # the reader's view still works (the old map stays alive)
+    assert t.commit(r) is False and k(2) not in t
+    with pytest.raises(TierUnavailable):
+        t.reserved_view(r)
+    t.abort(r)  # nothing to give back
+    assert t.used_bytes == 300
+
+
 # --- shared memory --------------------------------------------------------------------------
 
 

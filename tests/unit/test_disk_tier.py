@@ -810,3 +810,43 @@ def test_random_operations_match_a_dict_model(ops: list[tuple[str, int, int]]) -
                 assert tier.get(k) == data
         finally:
             tier.close()
+
+
+# --- detached reads (planned under the store's lock, read without it) ---------------------------
+
+
+def test_a_planned_read_changes_nothing_and_reports_failures(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = put(tier, 1, 5000)
+    plan = tier.plan_read(key(1))
+    assert plan.size_bytes == 5000 and tier.plan_is_current(plan)
+    out = bytearray(5000)
+    assert tier.read_planned(plan, memoryview(out)) is None and out == data
+
+    raw = bytearray(chunk_path(tmp_path, key(1)).read_bytes())
+    raw[-1] ^= 1
+    chunk_path(tmp_path, key(1)).write_bytes(raw)
+    assert tier.read_planned(plan, memoryview(out)) == "its payload failed the checksum"
+    assert key(1) in tier and tier.used_bytes == 5000  # the failure is the caller's to judge
+    exc = tier.drop_unreadable(key(1), "its payload failed the checksum")
+    assert isinstance(exc, CorruptChunk) and "checksum" in str(exc)
+    assert key(1) not in tier and tier.used_bytes == 0
+    assert not chunk_path(tmp_path, key(1)).exists()
+    assert not tier.plan_is_current(plan)
+    assert tier.read_planned(plan, memoryview(out)) == "its file is missing"
+    with pytest.raises(InvalidArgument):
+        tier.read_planned(plan, memoryview(bytearray(10)))
+
+
+def test_a_plan_is_stale_once_its_chunk_is_rewritten(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = put(tier, 1, 3000)
+    plan = tier.plan_read(key(1))
+    tier.delete(key(1))
+    tier.put(meta(1, 3000, tenant="someone-else"), data)  # same bytes, a longer header
+    assert not tier.plan_is_current(plan)
+    out = bytearray(3000)
+    # the stale plan's header length no longer fits the file: caught, never wrong bytes
+    assert tier.read_planned(plan, memoryview(out)) is not None
+    fresh = tier.plan_read(key(1))
+    assert tier.read_planned(fresh, memoryview(out)) is None and out == data
