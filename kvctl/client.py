@@ -44,8 +44,10 @@ from kvctl.agent.protocol import (
     check_header,
     pack_header,
     parse_error,
+    parse_rates_reply,
     probe_meta,
     put_item,
+    rates_meta,
     recv_exactly,
     recv_with_fds,
     send_all,
@@ -495,8 +497,6 @@ class DataClient:
         device copy rate (None: not measured, e.g. a CPU engine). Returns the agent's prefill
         figure after the report: ``kept``, ``tokens_per_s``, ``beta_s_per_token2``, ``basis``.
         A bad figure (NaN, negative, absurd) raises RequestError and keeps nothing."""
-        from kvctl.agent.protocol import parse_rates_reply, rates_meta  # beside the RATES op
-
         meta, _ = self._call(Op.RATES, rates_meta(prefill, host_to_device_bytes_per_s, model))
         return parse_rates_reply(meta)
 
