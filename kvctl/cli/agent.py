@@ -398,9 +398,9 @@ def _render_remote(report: dict[str, Any]) -> None:
     plans, write = report["plans"], report["write"]
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(plans["reasons"].items())) or "none yet"
     console.print(
-        f"lookups past the local prefix: {plans['lookups']:,}; chunks fetched "
+        f"lookups planned: {plans['lookups']:,}; chunks fetched "
         f"{plans['fetch_chunks']:,}, recomputed {plans['recompute_chunks']:,} ({reasons}); "
-        f"prefill time saved {plans['saved_s']:.3f} s [dim](modeled: "
+        f"prefill time saved net of fetching {plans['saved_s']:.3f} s [dim](prefill: "
         f"{report['prefill']['basis']}, {report['prefill']['tokens_per_s']:,.0f} tokens/s)[/]\n"
         f"pool writer ({write['mode']}): written {write['written']:,}, queued {write['queued']:,}"
         f", failed {write['failed']:,}, dropped {write['dropped']:,}",
