@@ -1142,18 +1142,31 @@ class TieredStore:
         self._promoting.add(e.key)
         return _Flight(i, e, src, plan, reservation, view)
 
+    def _pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            pool = self._read_pool
+            if pool is None:
+                pool = self._read_pool = ThreadPoolExecutor(
+                    self._read_threads, thread_name_prefix="kvctl-store-read"
+                )
+            return pool
+
+    def _delete_copy(self, tier: Tier, key: bytes) -> None:
+        """Under the lock: delete the copy a promotion left behind, its slow part (unlinking
+        a large file) in the read pool, not under the lock nor in the reader's time."""
+        cleanup = tier.delete_later(key)
+        if cleanup is not None:
+            try:
+                self._pool().submit(cleanup)
+            except RuntimeError:  # the pool was shut down (store closed): do it here
+                cleanup()
+
     def _fly(self, flights: list[_Flight]) -> None:
         """Without the lock: read every flight's chunk into its reserved bytes, in parallel."""
         if len(flights) == 1:
             _read_flight(flights[0])
         else:
-            with self._lock:
-                pool = self._read_pool
-                if pool is None:
-                    pool = self._read_pool = ThreadPoolExecutor(
-                        self._read_threads, thread_name_prefix="kvctl-store-read"
-                    )
-            for _ in pool.map(_read_flight, flights):
+            for _ in self._pool().map(_read_flight, flights):
                 pass
         by_tier: dict[str, list[_Flight]] = {}
         for f in flights:
@@ -1215,7 +1228,7 @@ class TieredStore:
             results[f.index] = self._grant(home, e, ttl_s) if landed else None
             return False
         try:
-            src.delete(e.key)
+            self._delete_copy(src, e.key)
         except BaseException:
             home.delete(e.key)  # still one copy, in src
             self._end_read(e, src.name)
@@ -1297,12 +1310,14 @@ class TieredStore:
         data: Buffer | None = None,
         *,
         demotion: bool | None = None,
+        delete_later: bool = False,
     ) -> bool:
         """Copy ``e`` from ``src`` into ``dst`` (making room there), then delete it from ``src``.
         ``data`` is the chunk's bytes when the caller already read them. On failure nothing has
         moved and the caller decides (drop, keep, or report); a failed demotion (by default:
         any move down) is counted. A put into ``dst`` that raises TierUnavailable takes it
-        offline."""
+        offline. ``delete_later``: ``src``'s slow clean-up runs in the background (not when its
+        freed space must be there at once, as when making room)."""
         down = (
             self._tier_index[dst.name] > self._tier_index[src.name]
             if demotion is None
@@ -1335,7 +1350,10 @@ class TieredStore:
                 self.stats.demotion_failures += 1
             return False
         self._offline.pop(dst.name, None)
-        src.delete(e.key)
+        if delete_later:
+            self._delete_copy(src, e.key)
+        else:
+            src.delete(e.key)
         e.tier = dst.name
         self.stats.tiers[dst.name].bytes_written += e.size_bytes
         if e.pinned:
@@ -1364,7 +1382,7 @@ class TieredStore:
             return
         src_policy = self._policies[src.name]
         src_policy.on_remove(e)  # so making room in dst can never pick it while it moves
-        if self._try_place(e, src, dst, data, demotion=False):
+        if self._try_place(e, src, dst, data, demotion=False, delete_later=True):
             if e.key in self._index:
                 self.stats.tiers[dst.name].promotions += 1
                 self._emit("promote", e, src=src.name)

@@ -850,3 +850,27 @@ def test_a_plan_is_stale_once_its_chunk_is_rewritten(tmp_path: Path) -> None:
     assert tier.read_planned(plan, memoryview(out)) is not None
     fresh = tier.plan_read(key(1))
     assert tier.read_planned(fresh, memoryview(out)) is None and out == data
+
+
+def test_delete_later_forgets_at_once_and_leaves_the_unlink_to_its_call(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    data = put(tier, 1, 5000)
+    put(tier, 2, 100)
+    cleanup = tier.delete_later(key(1))
+    assert cleanup is not None
+    assert key(1) not in tier and tier.used_bytes == 100
+    assert not chunk_path(tmp_path, key(1)).exists()  # out of the way at once
+    (trash,) = [p for p in files_under(tmp_path) if p.endswith(".tmp")]
+    put(tier, 1, 5000)  # the same key again while the old file waits for its unlink
+    cleanup()
+    assert not any(p.endswith(".tmp") for p in files_under(tmp_path)), trash
+    assert tier.get(key(1)) == data  # the new copy was not touched
+
+    leftover = tier.delete_later(key(2))  # a crash before the call: removed at the next open
+    assert leftover is not None
+    tier.close()
+    again = DiskTier(tmp_path, 1 << 20)
+    assert not any(p.endswith(".tmp") for p in files_under(tmp_path))
+    assert list(again.keys()) == [key(1)]
+    chunk_path(tmp_path, key(1)).unlink()
+    assert again.delete_later(key(1)) is None and key(1) not in again  # file already gone

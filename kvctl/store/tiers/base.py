@@ -7,7 +7,7 @@ the store picks victims with its policies and calls ``delete`` before ``put`` wh
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvctl.store.errors import CapacityError, CorruptChunk, InvalidArgument, PayloadSizeError
@@ -135,6 +135,13 @@ class Tier(ABC):
     @abstractmethod
     def delete(self, key: bytes) -> int:
         """Remove ``key``; return the payload bytes freed. Raises KeyNotFound."""
+
+    def delete_later(self, key: bytes) -> Callable[[], None] | None:
+        """Under the store's lock: remove ``key`` as ``delete`` does, leaving any slow clean-up
+        (freeing a large file's blocks) to the returned call, which the store makes later and
+        without its lock; None when nothing is left to do. Raises KeyNotFound."""
+        self.delete(key)
+        return None
 
     @abstractmethod
     def resize(self, capacity_bytes: int) -> None:

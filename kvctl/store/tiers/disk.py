@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import os
 import re
 import struct
@@ -374,6 +375,30 @@ class DiskTier(Tier):
         del self._index[key]
         self._used_bytes -= entry.meta.size_bytes
         return entry.meta.size_bytes
+
+    def delete_later(self, key: bytes) -> Callable[[], None] | None:
+        """Forget ``key`` now and rename its file out of the way (a metadata change); the
+        unlink, which frees the file's blocks (milliseconds for a large chunk), is the returned
+        call's. The new name is a temp file's, so one left by a crash is removed at the next
+        open. Not for making room: the blocks are only free once the call has run."""
+        self._check_open()
+        entry = self._entry(key)
+        key_hex = key.hex()
+        path = self._path(key)
+        self._tmp_seq += 1
+        trash = f"{self.directory}/{key_hex[:2]}/.{key_hex}.{os.getpid()}.{self._tmp_seq}"
+        trash += _TMP_SUFFIX
+        try:
+            os.rename(path, trash)
+        except FileNotFoundError:
+            trash = ""  # already gone; the map is what matters
+        except OSError as exc:
+            raise TierUnavailable(
+                f"disk tier {self.name!r} cannot delete {path}: {exc.strerror}"
+            ) from exc
+        del self._index[key]
+        self._used_bytes -= entry.meta.size_bytes
+        return functools.partial(_unlink_quietly, trash) if trash else None
 
     def resize(self, capacity_bytes: int) -> None:
         self._check_open()
