@@ -28,6 +28,13 @@ of random bytes (generated once per size, never timed) and times, with ``time.pe
     cache (``posix_fadvise(POSIX_FADV_DONTNEED)``); reference ``file_read_cold``: ``readinto`` of
     the plain files, dropped the same way.
   - ``get_warm``: the same reads again, now from the page cache; reference ``file_read_warm``.
+  - ``lease_batch_cold``: ``TieredStore([CpuTier, DiskTier]).lease_many`` of every chunk, on disk
+    and dropped from the page cache: the data plane's path for a request's disk chunks (read in
+    parallel by the store's read threads, outside its lock, straight into the cpu arena,
+    checksummed, committed, the disk files deleted); reference ``pread_parallel_cold``: raw
+    ``os.preadv`` of the payloads of the same chunk files by as many threads, no checksum.
+  - ``lease_batch_warm``: the same after the chunks were demoted back to disk (so their files are
+    in the page cache); reference ``pread_parallel_warm``: the same preads repeated.
 
   The tier's fan-out subdirectories are created before timing, as in a tier that has run a while.
 
@@ -43,9 +50,11 @@ neighbours) hits both alike. The result (JSON-safe)::
      "results": [
        {"chunk_bytes": int, "chunks": int,
         "cpu": {"put" | "put_prefaulted" | "get" | "tier_put" | "tier_get": TIER_FIGURE},
-        "disk": {"put" | "put_fsync" | "get_cold" | "get_warm": TIER_FIGURE},
+        "disk": {"put" | "put_fsync" | "get_cold" | "get_warm" | "lease_batch_cold"
+                 | "lease_batch_warm": TIER_FIGURE},
         "reference": {"memcpy" | "memcpy_first_touch" | "file_write" | "file_write_fsync"
-                      | "file_read_cold" | "file_read_warm": FIGURE}}, ...],
+                      | "file_read_cold" | "file_read_warm" | "pread_parallel_cold"
+                      | "pread_parallel_warm": FIGURE}}, ...],
      "notes": [str, ...]}
 
     FIGURE = {"bytes_per_second": float (median), "chunks": int, "bytes": int (per sample),
@@ -53,14 +62,16 @@ neighbours) hits both alike. The result (JSON-safe)::
     TIER_FIGURE = FIGURE + {"reference": str (a key of "reference"),
                             "ratio_to_reference": float (bytes_per_second / the reference's)}
 
-Peak memory is about three times ``bytes_per_size`` (the payload, one arena or copy target, one
-read buffer); the disk files live under a temporary directory that is removed before returning.
+Peak memory is about four times ``bytes_per_size`` (the payload, up to two arenas or copy
+targets, one read buffer); the disk files live under a temporary directory that is removed
+before returning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
+import math
 import mmap
 import os
 import pathlib
@@ -69,6 +80,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvctl.bench.common import (
@@ -80,9 +92,9 @@ from kvctl.bench.common import (
     spread,
 )
 from kvctl.store.errors import InvalidArgument
-from kvctl.store.store import TieredStore
+from kvctl.store.store import DEFAULT_READ_THREADS, TieredStore
 from kvctl.store.tiers.base import ChunkMeta
-from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.store.tiers.disk import DiskTier
 from kvctl.units import format_bytes, format_rate
 
@@ -113,6 +125,8 @@ DISK_FIGURES: dict[str, str] = {
     "put_fsync": "file_write_fsync",
     "get_cold": "file_read_cold",
     "get_warm": "file_read_warm",
+    "lease_batch_cold": "pread_parallel_cold",
+    "lease_batch_warm": "pread_parallel_warm",
 }
 REFERENCES = (
     "memcpy",
@@ -121,6 +135,8 @@ REFERENCES = (
     "file_write_fsync",
     "file_read_cold",
     "file_read_warm",
+    "pread_parallel_cold",
+    "pread_parallel_warm",
 )
 # Records one sample: (figure name such as "cpu.put", elapsed seconds).
 _Record = Callable[[str, float], None]
@@ -211,12 +227,16 @@ _LABELS = {
     "disk.put_fsync": "disk put (fsync)",
     "disk.get_cold": "disk get (cold)",
     "disk.get_warm": "disk get (warm)",
+    "disk.lease_batch_cold": "disk->cpu lease batch (cold)",
+    "disk.lease_batch_warm": "disk->cpu lease batch (warm)",
     "memcpy": "memcpy",
     "memcpy_first_touch": "memcpy (fresh buffer)",
     "file_write": "file write",
     "file_write_fsync": "file write + fsync",
     "file_read_cold": "file read (cold)",
     "file_read_warm": "file read (warm)",
+    "pread_parallel_cold": f"parallel pread x{DEFAULT_READ_THREADS} (cold)",
+    "pread_parallel_warm": f"parallel pread x{DEFAULT_READ_THREADS} (warm)",
 }
 
 
@@ -245,6 +265,7 @@ def _bench_size(size: int, n: int, repeats: int, workdir: pathlib.Path) -> dict[
 
         _bench_cpu(add, keys, chunks, outs, sink, offsets, repeats)
         _bench_disk(add, keys, chunks, outs, fsync_n, repeats, workdir)
+        _bench_lease_batch(add, keys, chunks, repeats, workdir)
 
     figure_chunks = {"put_fsync": fsync_n, "file_write_fsync": fsync_n}
     reference = {
@@ -367,7 +388,92 @@ def _bench_disk(
         shutil.rmtree(files_dir, ignore_errors=True)
 
 
+def _bench_lease_batch(
+    add: _Record,
+    keys: list[bytes],
+    chunks: list[memoryview],
+    repeats: int,
+    workdir: pathlib.Path,
+) -> None:
+    """Disk -> cpu through ``lease_many`` against raw parallel preads of the same chunk files.
+    Between halves the chunks are back on disk (demoted), so each half finds the same state."""
+    size = chunks[0].nbytes
+    total = size * len(chunks)
+    tier_dir = workdir / "lease"
+    _make_fanout(tier_dir, keys)
+    store = TieredStore([CpuTier(total), DiskTier(tier_dir, total)])
+    pool = ThreadPoolExecutor(DEFAULT_READ_THREADS, thread_name_prefix="kvctl-bench-pread")
+    try:
+        # into the cpu tier first, then demoted: the arena's pages are faulted in before timing
+        _store_puts(store, keys, chunks)
+        store.flush("cpu", demote=True)
+
+        def reference() -> None:
+            paths = _files_under(tier_dir)
+            _drop_cache(paths)
+            add("reference.pread_parallel_cold", _pread_parallel(pool, paths, size))
+            add("reference.pread_parallel_warm", _pread_parallel(pool, paths, size))
+
+        def tier() -> None:
+            _drop_cache(_files_under(tier_dir))
+            add("disk.lease_batch_cold", _lease_batch(store, keys, chunks))
+            store.flush("cpu", demote=True)  # back to disk: new files, in the page cache
+            add("disk.lease_batch_warm", _lease_batch(store, keys, chunks))
+            store.flush("cpu", demote=True)
+            if store.locate(keys) != ["disk"] * len(keys):
+                raise RuntimeError("the benchmark chunks did not all go back to disk")
+
+        alternating(repeats, reference, tier)
+    finally:
+        pool.shutdown()
+        store.close()
+        shutil.rmtree(tier_dir, ignore_errors=True)
+
+
 # --- timed loops ------------------------------------------------------------------------------
+def _lease_batch(store: TieredStore, keys: list[bytes], chunks: list[memoryview]) -> float:
+    t0 = time.perf_counter()
+    leases = store.lease_many(keys, math.inf)
+    elapsed_seconds = time.perf_counter() - t0
+    held = [lease for lease in leases if isinstance(lease, Lease)]
+    try:
+        if len(held) != len(keys):
+            raise RuntimeError(f"the store leased {len(held)} of {len(keys)} benchmark chunks")
+        views = [store.leased_view(lease) for lease in held]
+        try:
+            spot_check(views, chunks)
+        finally:
+            release_views(views)
+    finally:
+        store.release(lease.lease_id for lease in held)
+    return elapsed_seconds
+
+
+def _pread_parallel(pool: ThreadPoolExecutor, paths: list[str], size: int) -> float:
+    """Each file's last ``size`` bytes (a chunk file's payload) read by the pool's threads into
+    buffers of their own, like a store read into its arena; no checksum."""
+    bufs = [bytearray(size) for _ in paths]  # allocated and touched before timing
+
+    def read(i: int) -> None:
+        fd = os.open(paths[i], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            offset = os.fstat(fd).st_size - size
+            view = memoryview(bufs[i])
+            got = 0
+            while got < size:
+                step = os.preadv(fd, [view[got : got + _MAX_IO_BYTES]], offset + got)
+                if step <= 0:
+                    raise RuntimeError(f"{paths[i]} is shorter than a chunk")
+                got += step
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    for _ in pool.map(read, range(len(paths))):
+        pass
+    return time.perf_counter() - t0
+
+
 def _copy_into(dest: mmap.mmap, offsets: list[int], chunks: list[memoryview]) -> float:
     with memoryview(dest) as view:
         t0 = time.perf_counter()
