@@ -131,7 +131,6 @@ _MAX_REASONS = 50
 _MAX_IO_BYTES = 0x7FFFF000
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_FADV_SEQUENTIAL: int | None = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
 # O_EXCL: a temp name is never reused, so finding one means a bug, not a file to overwrite.
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
 
@@ -329,9 +328,9 @@ class DiskTier(Tier):
             raise TierUnavailable(
                 f"disk tier {self.name!r} cannot open {path}: {exc.strerror}"
             ) from exc
+        # No posix_fadvise(SEQUENTIAL): on a virtio ext4 disk it made cold 32 MiB batches ~15%
+        # slower (2.1 vs 2.4 GB/s); the default readahead with parallel readers does better.
         try:
-            if _FADV_SEQUENTIAL is not None:  # a larger readahead window for the one pass
-                os.posix_fadvise(fd, 0, 0, _FADV_SEQUENTIAL)
             got = _read_exact(fd, dest, entry.header_bytes)
         except OSError as exc:
             if exc.errno == errno.EIO:  # a bad sector: this chunk is lost, the tier is not
