@@ -25,7 +25,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from collectors.counters import CounterTracker
 from collectors.engines import EngineReading, Histogram, UnknownEngine, parse_engine_metrics
 from collectors.metrics import CollectorMetrics
-from collectors.rows import cache_rows, engine_row, power_rows
+from collectors.rows import cache_rows, engine_row, plan_rows, power_rows
 from kvctl.client import AgentClient, AgentError, RequestError
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
@@ -233,6 +233,7 @@ class Collector:
                 continue
             report.up.append(node.name)
             rows["cache_sample"] += cache_rows(self._tracker, node.id, ts_ms, s.stats)
+            rows["plan_sample"] += plan_rows(self._tracker, node.id, ts_ms, s.stats)
             if s.gpus is not None:
                 rows["power_sample"] += power_rows(self._tracker, node.id, ts_ms, s.gpus)
             if s.engine is not None:

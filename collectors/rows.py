@@ -88,6 +88,42 @@ def cache_rows(
     return rows
 
 
+#: prefill bases an agent may report; anything else is recorded as "unknown", never measured
+PREFILL_BASES = ("measured", "configured", "modeled")
+
+
+def plan_rows(
+    tracker: CounterTracker, node_id: int, ts_ms: int, stats: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The ``plan_sample`` row of one scrape of ``/v1/stats``; none from an agent that does not
+    plan fetch-or-recompute (no ``fetch_plans``)."""
+    plans = stats.get("fetch_plans")
+    if not isinstance(plans, Mapping) or not isinstance(plans.get("plans"), Mapping):
+        return []
+    p: Mapping[str, Any] = plans["plans"]
+    prefill = plans.get("prefill") or {}
+    kind = prefill.get("kind") or str(prefill.get("basis", "")).split(":", 1)[0].strip()
+    raw = {c: p.get(c) for c in ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")}
+    inc = tracker.increase(f"plan:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
+    recompute_s, fetch_s = inc["recompute_s"], inc["fetch_s"]
+    # saved_s is recompute_s - fetch_s on the agent, but not monotonic (a link overridden to
+    # "fetch" takes chunks slower than recompute), so the tracker would read a decrease as a
+    # restart: its increase is taken from the two counters that only grow
+    saved_s = None if recompute_s is None or fetch_s is None else recompute_s - fetch_s
+    return [
+        {
+            "node_id": node_id,
+            "ts_ms": ts_ms,
+            "prefill_basis": kind if kind in PREFILL_BASES else "unknown",
+            "saved_s": saved_s,
+            "recompute_s": recompute_s,
+            "fetch_s": fetch_s,
+            "fetch_chunks": _int(inc["fetch_chunks"]),
+            "recompute_chunks": _int(inc["recompute_chunks"]),
+        }
+    ]
+
+
 def power_rows(
     tracker: CounterTracker, node_id: int, ts_ms: int, gpus: Mapping[str, Any]
 ) -> list[dict[str, Any]]:

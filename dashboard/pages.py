@@ -71,7 +71,9 @@ def _inputs_note(assume: Assumptions) -> str:
         f"({assume.model.kv_bytes_per_token:,} KV bytes/token, prefill 2 x "
         f"{assume.model.params / 1e9:.2f} B params FLOPs/token), each node's own GPU profile "
         f"(default {assume.default_gpu} where its GPU model is unknown), MFU {assume.mfu:g}; "
-        "energy = GPU-seconds x board power x DC PUE; carbon = that x DC grid intensity"
+        "energy = GPU-seconds x board power x DC PUE; carbon = that x DC grid intensity; GPU "
+        "time saved is the agents' fetch-or-recompute figure where they report one (their own "
+        "prefill rate, measured or not, minus fetch time), else tokens at the modeled rate"
     )
 
 
@@ -137,7 +139,7 @@ def fleet_page(ctx: PageContext) -> list[Any]:
             MEASURED,
             win,
             table("table-dcs", rows, list(rows[0])),
-            note="modeled columns say so in their name",
+            note="modeled columns say so in their name or basis column",
         )
     )
     out.append(html.P(_inputs_note(ctx.assume), className="inputs-note"))
@@ -190,8 +192,8 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
         card(
             "GPU time saved",
             fmt_scaled(c.gpu_seconds_saved, GPU_TIME),
-            MODELED,
-            "tokens / modeled prefill rate",
+            c.gpu_time_basis,
+            gpu_time_note(c),
             card_id="card-gpu-hours",
         ),
         card(
@@ -228,6 +230,36 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
     ]
 
 
+TOKENS_NOTE = "tokens / modeled prefill rate (fetch time not deducted)"
+
+
+def gpu_time_note(c: Any) -> str:
+    """What "GPU time saved" is made of: the agents' plans (prefill - fetch time of the chunks
+    taken, on the prefill rate's basis) and/or hit tokens at the modeled rate."""
+    if not c.plan_nodes:
+        return TOKENS_NOTE
+    bases = c.plan_bases
+    if bases == [MEASURED]:
+        rate = "measured prefill rate"
+    else:  # configured or modeled rates make the plans' saving a model, whatever was measured
+        rate = f"{' + '.join(bases) or 'unknown'} prefill rate: modeled from plan"
+    note = (
+        f"agents' plans: prefill {fmt_seconds(c.plan_recompute_s)} - fetch "
+        f"{fmt_seconds(c.plan_fetch_s)} of {c.plan_fetch_chunks:,} chunks taken ({rate})"
+    )
+    if c.token_model_nodes:
+        note += f"; {c.token_model_nodes} node(s) without plans: {TOKENS_NOTE}"
+    return note
+
+
+def gpu_time_basis_label(c: Any) -> str:
+    """The DC table's short form of :func:`gpu_time_note`."""
+    if not c.plan_nodes:
+        return "modeled (tokens)"
+    label = f"{c.gpu_time_basis} (plan)"
+    return label + " + modeled (tokens)" if c.token_model_nodes else label
+
+
 def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
     info = next((d for d in ov.inventory.dcs if d.name == name), None)
     return {
@@ -239,7 +271,8 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "reuse": fmt_ratio(c.reuse_ratio),
         "sharing": fmt_ratio(c.sharing_ratio),
         "tokens saved": c.hit_tokens,
-        "GPU-h saved (modeled)": round(c.gpu_seconds_saved / 3600, 4),
+        "GPU-h saved": round(c.gpu_seconds_saved / 3600, 4),
+        "GPU-h basis": gpu_time_basis_label(c),
         "kWh saved (modeled)": round(c.facility_kwh_saved, 4),
         "kg CO2 saved (modeled)": None
         if c.carbon_saved_g is None

@@ -5,7 +5,10 @@ figures without a browser and the pages only lay them out. Nothing here imports 
 
 Measured figures come from samples (agent counters, NVML, engine metrics, link probes);
 modeled ones (GPU-seconds, energy and carbon saved, TTFT without cache, fetch-or-recompute)
-carry the :class:`~kvctl.workload.profiles.ModeledInputs` they assumed. Windows read rollups
+carry the :class:`~kvctl.workload.profiles.ModeledInputs` they assumed. GPU time saved is the
+agents' own fetch-or-recompute figure where a node reported one in the window (prefill minus
+fetch time of the chunks its plans took; measured only when its prefill rate was), else hit
+tokens / the modeled prefill rate. Windows read rollups
 through :func:`kvctl.db.rollup.window` and :func:`kvctl.db.rollup.buckets`, so a 30-day
 window reads daily and hourly rows, not samples.
 """
@@ -164,7 +167,19 @@ class Counts:
     both_nodes: int = 0
     both_tokens: int = 0
     both_energy_j: float = 0.0
-    # modeled savings of the hits
+    # the agents' fetch-or-recompute plans (nodes that reported them in the window)
+    #: nodes whose GPU time saved is their plans' figure
+    plan_nodes: int = 0
+    #: per prefill basis (measured, configured, modeled): prefill - fetch seconds of the chunks
+    #: the plans took
+    plan_saved_s: dict[str, float] = field(default_factory=dict)
+    plan_recompute_s: float = 0.0
+    plan_fetch_s: float = 0.0
+    plan_fetch_chunks: int = 0
+    plan_recompute_chunks: int = 0
+    #: nodes with hits but no plan figures (older agents): GPU time is tokens / modeled rate
+    token_model_nodes: int = 0
+    # savings of the hits
     gpu_seconds_saved: float = 0.0
     it_joules_saved: float = 0.0
     facility_joules_saved: float = 0.0
@@ -247,6 +262,19 @@ class Counts:
     def facility_kwh_saved(self) -> float:
         return self.facility_joules_saved / JOULES_PER_KWH
 
+    @property
+    def plan_bases(self) -> list[str]:
+        """Prefill bases behind the plans' seconds saved (those with any, else all seen)."""
+        kinds = [k for k, v in self.plan_saved_s.items() if v] or list(self.plan_saved_s)
+        return sorted(kinds)
+
+    @property
+    def gpu_time_basis(self) -> str:
+        """Measured only when every second counted comes from plans on a measured prefill rate:
+        a configured or modeled rate, or hits without plans, make the whole figure modeled."""
+        measured = self.plan_nodes and not self.token_model_nodes
+        return MEASURED if measured and self.plan_bases == [MEASURED] else MODELED
+
     def as_dict(self) -> dict[str, Any]:
         out = {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
         for prop in (
@@ -261,6 +289,8 @@ class Counts:
             "energy_kwh",
             "facility_kwh_saved",
             "carbon_saved_g",
+            "plan_bases",
+            "gpu_time_basis",
         ):
             out[prop] = getattr(self, prop)
         out["tier_hit_ratio"] = {t: self.tier_hit_ratio(t) for t in self.tiers}
@@ -295,6 +325,7 @@ CACHE_COLUMNS: Final = (
     "used_bytes",
     "capacity_bytes",
 )
+PLAN_COLUMNS: Final = ("saved_s", "recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
 ENGINE_COLUMNS: Final = (
     "prompt_tokens",
     "cached_prompt_tokens",
@@ -313,8 +344,13 @@ def node_counts(
     dcs: Mapping[str, DcInfo],
     assume: Assumptions,
 ) -> dict[int, Counts]:
-    """Measured counts and modeled savings per node id over [start, end); four queries,
-    whatever the number of nodes."""
+    """Measured counts and savings per node id over [start, end); five queries, whatever the
+    number of nodes.
+
+    A node with plan samples in the window is credited its plans' seconds saved (prefill minus
+    fetch of the chunks taken, from the rates its agent decided with), and nothing for hits
+    made before its agent reported plans (an upgrade inside the window): a saving is never
+    claimed on a figure that ignored fetch time. Other nodes: hit tokens / modeled rate."""
     by_id = {n.id: n for n in nodes}
     out = {i: Counts(nodes=1) for i in by_id}
 
@@ -359,6 +395,14 @@ def node_counts(
     for node_id, joules in energy.items():
         out[node_id].energy_nodes = 1
         out[node_id].energy_j = joules
+    for m in rows("plan_sample", PLAN_COLUMNS):
+        c, basis = out[m["node_id"]], m["prefill_basis"]
+        c.plan_nodes = 1
+        c.plan_saved_s[basis] = c.plan_saved_s.get(basis, 0.0) + _f(m["saved_s"])
+        c.plan_recompute_s += _f(m["recompute_s"])
+        c.plan_fetch_s += _f(m["fetch_s"])
+        c.plan_fetch_chunks += _i(m["fetch_chunks"])
+        c.plan_recompute_chunks += _i(m["recompute_chunks"])
     for m in rows("engine_sample", ENGINE_COLUMNS):
         c = out[m["node_id"]]
         c.engine_nodes = 1
@@ -380,8 +424,16 @@ def node_counts(
             c.both_nodes = 1
             c.both_tokens = c.prompt_tokens + c.generation_tokens
             c.both_energy_j = c.energy_j
-        if c.hit_tokens:
-            s = savings(c.hit_tokens, inputs, pue=dc.pue, carbon_g_per_kwh=dc.carbon_g_per_kwh)
+        plan_saved_s = sum(c.plan_saved_s.values()) if c.plan_nodes else None
+        c.token_model_nodes = int(plan_saved_s is None and c.hit_tokens > 0)
+        if c.hit_tokens or plan_saved_s:
+            s = savings(
+                c.hit_tokens,
+                inputs,
+                pue=dc.pue,
+                carbon_g_per_kwh=dc.carbon_g_per_kwh,
+                plan_saved_s=plan_saved_s,
+            )
             c.gpu_seconds_saved = s.gpu_seconds
             c.it_joules_saved = s.it_joules
             c.facility_joules_saved = s.facility_joules

@@ -242,6 +242,28 @@ class EngineSample(Base):
     __table_args__ = (PrimaryKeyConstraint("node_id", "ts_ms"),)
 
 
+class PlanSample(Base):
+    """Fetch-or-recompute figures of one node's planned lookups (``/v1/stats``
+    ``fetch_plans.plans``), as increases since the last sample. ``saved_s`` is ``recompute_s -
+    fetch_s`` of the chunks the plans took: the GPU time the cache saved net of fetching."""
+
+    __tablename__ = "plan_sample"
+
+    node_id: Mapped[int] = mapped_column(Integer)
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    #: where the agent's prefill rate came from: measured | configured | modeled (a series key,
+    #: so rollups keep seconds of each basis apart and a saving is never called measured
+    #: because part of it was)
+    prefill_basis: Mapped[str] = mapped_column(String(16))
+    saved_s: Mapped[float | None] = mapped_column(Float)
+    recompute_s: Mapped[float | None] = mapped_column(Float)
+    fetch_s: Mapped[float | None] = mapped_column(Float)
+    fetch_chunks: Mapped[int | None] = mapped_column(BigInteger)
+    recompute_chunks: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (PrimaryKeyConstraint("node_id", "ts_ms"),)
+
+
 class CounterState(Base):
     """The last raw counter values of each series, so a restarted collector (or a second one
     taking over a DC) computes the next increase exactly instead of losing an interval."""
@@ -320,6 +342,12 @@ SERIES: Final = (
             "lmcache_requested_tokens",
         ),
         ("ttft_p99_s", "kv_usage_ratio", "lmcache_local_cache_usage_bytes"),
+    ),
+    Series(
+        "plan_sample",
+        ("node_id", "prefill_basis"),
+        ("saved_s", "recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks"),
+        (),
     ),
 )
 

@@ -47,8 +47,10 @@ class Savings:
     #: None when the DC's grid carbon intensity is unknown
     carbon_g: float | None
     pue_known: bool
-    #: "plan": the agents' prefill time minus fetch time of the chunks taken; "modeled": tokens
-    #: / the profile's prefill rate (fetch time not deducted)
+    #: "plan": the agents' prefill time minus fetch time of the chunks taken (a measurement
+    #: only where the agents' prefill rate was measured, not configured or modeled: see
+    #: ``plan_sample.prefill_basis``); "modeled": tokens / the profile's prefill rate (fetch
+    #: time not deducted)
     basis: str = "modeled"
 
     @property

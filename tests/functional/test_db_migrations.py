@@ -176,3 +176,50 @@ def test_node_ids_of_nodes_removed_before_0005_are_not_reused(sqlite_url: str) -
         new_id = conn.execute(text("SELECT id FROM node WHERE name = 'n2'")).scalar()
     engine.dispose()
     assert new_id == 8
+
+
+def test_plan_samples_upgrade_roll_up_and_downgrade(empty_db_url: str) -> None:
+    """0007 on both backends: plan samples and their rollups come with it, and go with it
+    (their rollup watermarks too: a later upgrade must roll them up again), leaving 0006's
+    tables and data as they were."""
+    from kvctl.db.ingest import insert_rows
+    from kvctl.db.models import ROLLUPS, raw_table
+    from kvctl.db.rollup import HOUR_MS, rollup_all, watermark
+
+    engine = _engine(empty_db_url)
+    migrate.upgrade(engine, "0006")
+    t0 = 1_700_000_000_000 // HOUR_MS * HOUR_MS
+    with engine.begin() as conn:
+        conn.execute(raw_table("node_sample").insert().values(node_id=1, ts_ms=t0, up=True))
+    migrate.upgrade(engine, "0007")
+    rows = [
+        {
+            "node_id": 1,
+            "ts_ms": t0 + i * 10_000,
+            "prefill_basis": "measured" if i % 2 else "modeled",
+            "saved_s": 0.25,
+            "recompute_s": 0.5,
+            "fetch_s": 0.25,
+            "fetch_chunks": 2,
+            "recompute_chunks": 1,
+        }
+        for i in range(12)
+    ]
+    with engine.begin() as conn:
+        insert_rows(conn, raw_table("plan_sample"), rows)
+    rollup_all(engine.begin, t0 + 2 * HOUR_MS)
+    with engine.connect() as conn:
+        hourly = ROLLUPS["plan_sample", "1h"]
+        got = {r.prefill_basis: r for r in conn.execute(select(hourly))}
+        assert watermark(conn, "plan_sample", "1h") == t0 + HOUR_MS
+    assert got["measured"].saved_s == 6 * 0.25 and got["modeled"].fetch_chunks == 12
+    migrate.downgrade(engine, "0006")
+    with engine.connect() as conn:
+        tables = set(inspect(conn).get_table_names())
+        assert not tables & {"plan_sample", "plan_1m", "plan_1h", "plan_1d"}
+        assert watermark(conn, "plan_sample", "1h") is None
+        assert watermark(conn, "node_sample", "1h") is not None
+        assert conn.execute(select(raw_table("node_sample").c.ts_ms)).scalars().all() == [t0]
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    engine.dispose()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collectors.counters import CounterTracker
 from collectors.engines import parse_engine_metrics
-from collectors.rows import cache_rows, engine_row
+from collectors.rows import cache_rows, engine_row, plan_rows
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from tests.conftest import chain, put_chain
@@ -53,3 +53,49 @@ def test_engine_restart_counts_from_zero_even_when_counters_grew_past() -> None:
     # all 6 requests of the new process were fast: the median is in the first bucket, not
     # skewed by subtracting the old process's 4 slow ones
     assert row["ttft_p50_s"] is not None and row["ttft_p50_s"] <= 0.5
+
+
+def _plan_stats(
+    recompute_s: float,
+    fetch_s: float,
+    chunks: int,
+    *,
+    started_s: float = 1.0,
+    kind: str = "modeled",
+) -> dict[str, object]:
+    """``/v1/stats`` as an agent that plans fetch-or-recompute reports it (its documented shape)."""
+    return {
+        "started_s": started_s,
+        "fetch_plans": {
+            "prefill": {"basis": f"{kind}: x", "kind": kind},
+            "plans": {
+                "recompute_s": recompute_s,
+                "fetch_s": fetch_s,
+                "saved_s": recompute_s - fetch_s,
+                "fetch_chunks": chunks,
+                "recompute_chunks": 1,
+            },
+        },
+    }
+
+
+def test_plan_rows_are_increases_even_when_saved_seconds_go_down() -> None:
+    tracker = CounterTracker()
+    (base,) = plan_rows(tracker, 3, 0, _plan_stats(2.0, 0.5, 10))
+    assert base["saved_s"] == 0 and base["fetch_chunks"] == 0 and base["prefill_basis"] == "modeled"
+    # a link overridden to "fetch" took chunks slower than recompute: saved_s fell 1.5 -> 1.0,
+    # which is not a restart
+    (row,) = plan_rows(tracker, 3, 10, _plan_stats(2.5, 1.5, 12, kind="measured"))
+    assert row["recompute_s"] == 0.5 and row["fetch_s"] == 1.0 and row["saved_s"] == -0.5
+    assert row["fetch_chunks"] == 2 and row["recompute_chunks"] == 0
+    assert row["prefill_basis"] == "measured"
+    # a restart (new epoch) counts the new process's figures from zero
+    (row,) = plan_rows(tracker, 3, 20, _plan_stats(0.25, 0.05, 1, started_s=9.0))
+    assert row["saved_s"] == 0.2 and row["fetch_chunks"] == 1
+
+
+def test_plan_rows_need_fetch_plans_and_never_invent_a_basis() -> None:
+    tracker = CounterTracker()
+    assert plan_rows(tracker, 3, 0, {"started_s": 1.0}) == []  # an agent that does not plan
+    odd = _plan_stats(1.0, 0.0, 1, kind="guessed")
+    assert plan_rows(tracker, 3, 0, odd)[0]["prefill_basis"] == "unknown"

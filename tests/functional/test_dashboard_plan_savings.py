@@ -1,0 +1,152 @@
+"""GPU time saved from the agents' fetch-or-recompute plans (SQLite and PostgreSQL): a node whose
+agent reported plans is credited prefill minus fetch time of the chunks taken, a node without
+keeps hit tokens / the modeled rate, and the figure is called measured only when every second
+of it came from a measured prefill rate."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from dashboard.app import create_app, render
+from dashboard.queries import MEASURED, MODELED, node_counts, overview, window_for
+from kvctl.db.ingest import insert_rows
+from kvctl.db.models import raw_table
+from kvctl.db.rollup import MINUTE_MS, rollup_all
+from tests.functional.dashboard_history import (
+    A100_RATE,
+    ASSUME,
+    H100_RATE,
+    NOW,
+    OLD,
+    T,
+    fill_history,
+)
+from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of, walk
+
+
+def _plan(
+    node: int, ts: int, basis: str, recompute_s: float, fetch_s: float, chunks: int
+) -> dict[str, Any]:
+    return {
+        "node_id": node,
+        "ts_ms": ts,
+        "prefill_basis": basis,
+        "saved_s": recompute_s - fetch_s,
+        "recompute_s": recompute_s,
+        "fetch_s": fetch_s,
+        "fetch_chunks": chunks,
+        "recompute_chunks": 3,
+    }
+
+
+@pytest.fixture
+def history(db: Engine) -> dict[str, int]:
+    """The dashboard history, plus plans: fra-a's agent plans on a configured prefill rate,
+    ams-a's on a measured one (after a first scrape on a modeled one that saved nothing);
+    fra-b's agent reports none."""
+    ids = fill_history(db)
+    a, c = ids["fra-a"], ids["ams-a"]
+    with db.begin() as conn:
+        insert_rows(
+            conn,
+            raw_table("plan_sample"),
+            [
+                _plan(a, OLD, "configured", 100.0, 1.0, 500),  # before the window
+                _plan(a, T, "configured", 3.0, 1.0, 40),
+                _plan(a, T + 10 * MINUTE_MS, "configured", 1.0, 0.5, 20),
+                _plan(c, T, "modeled", 0.0, 0.0, 0),
+                _plan(c, T + 5 * MINUTE_MS, "measured", 0.5, 0.25, 30),
+            ],
+        )
+    return ids
+
+
+@pytest.mark.parametrize("rolled_up", [False, True], ids=["raw", "rolled-up"])
+def test_gpu_time_saved_is_the_plans_figure_where_there_is_one(
+    db: Engine, history: dict[str, int], rolled_up: bool
+) -> None:
+    if rolled_up:  # the prefill basis survives rollups as a series key
+        rollup_all(db.begin, NOW)
+    with db.connect() as conn:
+        ov = overview(conn, window_for("1h", NOW), ASSUME)
+        inv = ov.inventory
+        nodes = node_counts(
+            conn, T - MINUTE_MS, NOW, inv.nodes, {d.name: d for d in inv.dcs}, ASSUME
+        )
+    fra_a, fra_b, ams_a = (nodes[history[n]] for n in ("fra-a", "fra-b", "ams-a"))
+
+    # fra-a: 2.5 s of plans, not its 15,360 hit tokens at the H100 rate, which ignored fetching
+    assert fra_a.gpu_seconds_saved == pytest.approx(2.5)
+    assert fra_a.gpu_seconds_saved != pytest.approx(15360 / H100_RATE)
+    assert fra_a.it_joules_saved == pytest.approx(2.5 * 700)
+    assert fra_a.facility_joules_saved == pytest.approx(2.5 * 700 * 1.5)
+    assert (fra_a.plan_recompute_s, fra_a.plan_fetch_s) == (pytest.approx(4.0), pytest.approx(1.5))
+    assert fra_a.plan_fetch_chunks == 60 and fra_a.plan_recompute_chunks == 6
+    assert fra_a.plan_saved_s == {"configured": pytest.approx(2.5)}
+    assert fra_a.gpu_time_basis == MODELED  # a configured rate is not a measurement
+    # fra-b reported no plans: today's figure, and labelled so
+    assert fra_b.gpu_seconds_saved == pytest.approx(2560 / A100_RATE)
+    assert (fra_b.plan_nodes, fra_b.token_model_nodes) == (0, 1)
+    assert fra_b.gpu_time_basis == MODELED
+    # ams-a: measured prefill rate; its earlier modeled-rate scrape saved nothing
+    assert ams_a.gpu_seconds_saved == pytest.approx(0.25)
+    assert ams_a.plan_bases == ["measured"] and ams_a.gpu_time_basis == MEASURED
+    assert ams_a.it_joules_saved == pytest.approx(0.25 * 72)  # L4 board power, no PUE
+
+    fra, ams, fleet = ov.dcs["fra"], ov.dcs["ams"], ov.fleet
+    assert fra.gpu_seconds_saved == pytest.approx(2.5 + 2560 / A100_RATE)
+    assert (fra.plan_nodes, fra.token_model_nodes) == (1, 1) and fra.gpu_time_basis == MODELED
+    assert ams.gpu_time_basis == MEASURED
+    assert fleet.gpu_seconds_saved == pytest.approx(2.5 + 2560 / A100_RATE + 0.25)
+    assert fleet.plan_bases == ["configured", "measured"] and fleet.gpu_time_basis == MODELED
+    assert fleet.carbon_g_saved == pytest.approx(
+        (2.5 * 700 + 2560 / A100_RATE * 400) * 1.5 / 3.6e6 * 400
+    )
+    # hit counts are untouched: plans change what a hit is worth, not how many there were
+    assert fleet.hit_tokens == 25600
+
+
+def test_negative_plan_seconds_save_nothing(db: Engine) -> None:
+    """A link overridden to "fetch" can take chunks slower than recompute: that is no saving,
+    and not a negative one either."""
+    ids = fill_history(db)
+    with db.begin() as conn:
+        insert_rows(
+            conn, raw_table("plan_sample"), [_plan(ids["fra-b"], T, "measured", 1.0, 3.0, 10)]
+        )
+    with db.connect() as conn:
+        ov = overview(conn, window_for("1h", NOW), ASSUME)
+    # fra-b: its 2,560 hit tokens are not counted at the modeled rate either
+    assert ov.dcs["fra"].gpu_seconds_saved == pytest.approx(15360 / H100_RATE)  # fra-a's only
+    assert ov.dcs["fra"].plan_saved_s == {"measured": pytest.approx(-2.0)}
+
+
+@pytest.fixture
+def app(db: Engine, history: dict[str, int]):  # type: ignore[no-untyped-def]
+    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
+    yield app
+    app.server.extensions["kvctl"].engine.dispose()
+
+
+def test_the_card_says_which_basis_the_saving_has(app: Any) -> None:
+    page, _ = render(app, "/", "", "1h", ["ams"], "llama-3.1-8b")
+    card = text_of(by_id(page, "card-gpu-hours"))
+    assert card_value(page, "card-gpu-hours") == "0.25 GPU-s"
+    assert "measured" in card and "modeled" not in card
+    assert "measured prefill rate" in card and "fetch" in card
+    (row,) = [r for r in by_id(page, "table-dcs").data if r["DC"] == "ams"]
+    assert row["GPU-h basis"] == "measured (plan)"
+
+    page, _ = render(app, "/", "", "1h", ["fra"], "llama-3.1-8b")
+    card = text_of(by_id(page, "card-gpu-hours"))
+    found = walk(by_id(page, "card-gpu-hours"))
+    badges = [c.children for c in found if getattr(c, "className", "").startswith("basis")]
+    assert badges == [MODELED]
+    assert "configured prefill rate: modeled from plan" in card
+    assert "1 node(s) without plans: tokens / modeled prefill rate" in card
+    (row,) = [r for r in by_id(page, "table-dcs").data if r["DC"] == "fra"]
+    assert row["GPU-h basis"] == "modeled (plan) + modeled (tokens)"
+    assert row["GPU-h saved"] == round((2.5 + 2560 / A100_RATE) / 3600, 4)
