@@ -184,7 +184,8 @@ class DataClient:
     ) -> None:
         self._sock = sock
         self.transport = transport
-        self._lock = threading.Lock()
+        # reentrant: a thread inside a ``leased()`` block may make other calls on its client
+        self._lock = threading.RLock()
         self._rid = 0
         self._fds: list[int] = []
         self._arena: mmap.mmap | None = None
@@ -729,22 +730,26 @@ class DataClient:
             Op.LEASE, MetaWriter().text(tenant).f64(ttl_s).keys(keys).build(), (), None
         )
         r = MetaReader(meta)
+        items = r.structs(LEASE_ITEM, r.count())
+        held = [lease_id for status, _, lease_id, *_ in items if status == Status.OK]
+        try:
+            # one reply can hold leases of two arena generations (the agent resized its arena
+            # while it read part of the batch from disk): map the newest, and a lease in any
+            # other generation is read over the socket, never at its offset in the new mapping
+            newest = max((gen for status, gen, *_ in items if status == Status.OK), default=None)
+            if newest is not None and newest != self._arena_gen:
+                self._map_arena()
+        except BaseException:
+            self._release_locked(held)
+            raise
         out: list[tuple[LeasedChunk | None, str]] = []
-        held: list[int] = []
-        for status, gen, lease_id, off, size, deadline in r.structs(LEASE_ITEM, r.count()):
+        for status, gen, _lease_id, off, size, deadline in items:
             if status == Status.MISSING:
                 out.append((None, "missing"))
-                continue
-            if status != Status.OK:
+            elif status != Status.OK or gen != self._arena_gen:
                 out.append((None, "fallback"))
-                continue
-            held.append(lease_id)
-            if gen != self._arena_gen:
-                self._map_arena()
-                if gen != self._arena_gen:  # resized again meanwhile
-                    out.append((None, "fallback"))
-                    continue
-            out.append((LeasedChunk(off, size, deadline), "ok"))
+            else:
+                out.append((LeasedChunk(off, size, deadline), "ok"))
         return out, held
 
     def _release_locked(self, lease_ids: Sequence[int]) -> None:
