@@ -9,6 +9,7 @@ logits come from it.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -126,7 +127,8 @@ class CachedLM:
     """A causal LM whose prefill reads and writes KV chunks through a kvctl agent.
 
     ``client`` is a data-plane connection (``DataClient.connect``); ``None`` runs plain full
-    prefills (the baseline). Batch size 1: one request per call.
+    prefills (the baseline). Batch size 1: one request per call, one call at a time (buffers
+    are reused between requests).
 
     New chunks are stored behind the request (``write_behind``, on by default): ``prefill``
     returns once the answer is ready, a writer thread on its own connection sends them, and
@@ -173,6 +175,8 @@ class CachedLM:
             )
         self._namespaces: dict[str, Namespace] = {}
         self.loader = KVLoader(self.format, self.device)
+        params = inspect.signature(model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
         #: send measured prefill rates to the agent (it plans fetch-or-recompute with them)
         self.report_rates = True
         self._samples: list[tuple[int, int, float]] = []
@@ -247,18 +251,19 @@ class CachedLM:
         step = self.chunk_tokens if self.chunked_prefill else len(ids)
         for at in range(start, len(ids), step):
             part = torch.tensor([ids[at : at + step]], device=self.device)
-            out = self.model(
-                input_ids=part, past_key_values=cache, use_cache=True, logits_to_keep=1
-            )
-            cache = out.past_key_values
+            out = self.model(input_ids=part, use_cache=True, logits_to_keep=1, **self._kv(cache))
+            cache = _cache_of(out)
         logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
+        for layer in cache.layers:  # a cache that kept the loader's buffer must own a copy
+            if self.loader.owns(layer.keys):
+                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
         t3 = time.perf_counter()
-        self._measured(len(ids) - start, start, t3 - t2, reused * self.format.chunk_bytes, t2 - t1)
-        stored = self._store(out.past_key_values, keys, reused, locations, tenant)
+        self._measured(len(ids) - start, start, t3 - t2)
+        stored = self._store(cache, keys, reused, locations, tenant)
         return Prefill(
             logits=logits,
             next_token=int(logits.argmax()),
-            cache=out.past_key_values,
+            cache=cache,
             prompt_tokens=len(ids),
             reused_tokens=start,
             reused_chunks=reused,
@@ -281,8 +286,8 @@ class CachedLM:
         cache = first.cache
         for _ in range(max_new_tokens - 1):
             step = torch.tensor([[new[-1]]], device=self.device)
-            out = self.model(input_ids=step, past_key_values=cache, use_cache=True)
-            cache = out.past_key_values
+            out = self.model(input_ids=step, use_cache=True, **self._kv(cache))
+            cache = _cache_of(out)
             new.append(int(out.logits[0, -1].argmax()))
         return new
 
@@ -305,7 +310,9 @@ class CachedLM:
         client = self.client
         if not keys or client is None:
             return cache, 0, ""
-        kv = self.loader.alloc(len(keys))
+        # reused between requests: the cache's first step concatenates onto new tensors, so
+        # nothing refers to this buffer once prefill returns (checked after the forward pass)
+        kv = self.loader.alloc(len(keys), reuse=True)
         try:
             usable, path = read_chunks(client, keys, tenant, self.loader, kv)
         except AgentError as exc:
@@ -372,19 +379,17 @@ class CachedLM:
         return stored
 
     # --- what this engine measured, for the agent's fetch-or-recompute plan ---------------------
-    def _measured(
-        self, computed: int, cached: int, compute_s: float, fetched_bytes: int, fetch_s: float
-    ) -> None:
-        """Keep a prefill sample (and, on a GPU, the rate chunks crossed the link): the writer
-        sends them with its next job, off the request path."""
+    def _measured(self, computed: int, cached: int, compute_s: float) -> None:
+        """Keep a prefill sample (and, on a GPU, the rate the last copy from the arena crossed
+        the link): the writer sends them with its next job, off the request path."""
         if self.client is None or not self.report_rates:
             return
         if computed > 0 and compute_s > 0:
             self._samples.append((computed, cached, compute_s))
             del self._samples[:-REPORT_SAMPLES]
-        if self.device.type == "cuda" and fetched_bytes >= MIN_RATE_BYTES and fetch_s > 0:
-            # a lower bound on the host->device rate: the lease round trip is in it
-            self._h2d_bytes_per_s = fetched_bytes / fetch_s
+        copied, self.loader.last_copy = self.loader.last_copy, None
+        if self.device.type == "cuda" and copied and copied[0] >= MIN_RATE_BYTES and copied[1] > 0:
+            self._h2d_bytes_per_s = copied[0] / copied[1]
 
     def _take_report(self) -> Callable[[DataClient], None] | None:
         samples, self._samples = self._samples, []
@@ -402,6 +407,16 @@ class CachedLM:
 
         return send
 
+    def _kv(self, cache: DynamicCache) -> dict[str, DynamicCache]:
+        """The cache argument under the name this transformers release takes (``cache`` from
+        5.x; ``past_key_values`` before, deprecated after)."""
+        return {self._cache_arg: cache}
+
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _cache_of(out: Any) -> DynamicCache:
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
