@@ -264,32 +264,26 @@ def _bench_size(torch: Any, device: str, size: int, n: int, repeats: int) -> dic
                 sink_view[off : off + size] = chunk
             record("reference.memcpy", time.perf_counter() - t0)
 
-        def measured(record: _Record) -> None:
+        def round_trip(record: _Record, suffix: str, sources: list[Any], sinks: list[Any]) -> None:
+            """Every chunk put from ``sources`` and read back into ``sinks``, each way timed."""
             t0 = time.perf_counter()
-            for meta, chunk in zip(metas, chunks, strict=True):
+            for meta, chunk in zip(metas, sources, strict=True):
                 tier.put(meta, chunk)
-            record("gpu.put", time.perf_counter() - t0)
+            record(f"gpu.put{suffix}", time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for key, o in zip(keys, outs, strict=True):
+            for key, o in zip(keys, sinks, strict=True):
                 tier.read_into(key, o)
-            record("gpu.get", time.perf_counter() - t0)
-            spot_check(outs, chunks)
+            record(f"gpu.get{suffix}", time.perf_counter() - t0)
+            spot_check(sinks, chunks)
             for key in keys:
                 tier.delete(key)
+
+        def measured(record: _Record) -> None:
+            round_trip(record, "", chunks, outs)
             if not registered:
                 return
             direct_bytes = tier.copied_bytes["direct"]
-            t0 = time.perf_counter()
-            for meta, chunk in zip(metas, reg_chunks, strict=True):
-                tier.put(meta, chunk)
-            record("gpu.put_registered", time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for key, o in zip(keys, reg_outs, strict=True):
-                tier.read_into(key, o)
-            record("gpu.get_registered", time.perf_counter() - t0)
-            spot_check(reg_outs, chunks)
-            for key in keys:
-                tier.delete(key)
+            round_trip(record, "_registered", reg_chunks, reg_outs)
             if tier.copied_bytes["direct"] - direct_bytes != 2 * total:
                 raise RuntimeError("copies from registered memory took the staged path")
 
