@@ -6,6 +6,7 @@ starts servers around it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -28,7 +29,7 @@ from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from collectors.nvml import GpuReading, NvmlReader, NvmlStatus
     from kvctl.remote.federation import RemoteTiers
@@ -37,11 +38,15 @@ if TYPE_CHECKING:
     from kvctl.store.tiers.gpu import GpuTier
 
 log = logging.getLogger("kvctl.agent")
+#: the gpu tier's owner key for the cpu tier's arena
+_CPU_ARENA = "cpu-arena"
 
 
 class AgentRuntime:
     #: the gpu tier when there is one (``open`` sets it): host regions are registered with it
     gpu_tier: GpuTier | None = None
+    #: stops the gpu tier following the cpu arena (``_register_cpu_arena``); ``close`` calls it
+    _unfollow_cpu_arena: Callable[[], None] | None = None
 
     def __init__(self, settings: AgentSettings, store: TieredStore) -> None:
         self.settings = settings
@@ -118,7 +123,7 @@ class AgentRuntime:
         runtime.unavailable_tiers = unavailable
         if gpu_tier is not None:
             runtime.gpu_tier = gpu_tier
-            _register_cpu_arena(gpu_tier, store)
+            runtime._unfollow_cpu_arena = _register_cpu_arena(gpu_tier, store)
         if settings.pool or settings.peers:
             from kvctl.agent.remote import open_remote  # redis only when a pool is configured
 
@@ -246,7 +251,10 @@ class AgentRuntime:
             if self._nvml is not None:
                 self._nvml.close()
                 self._nvml = None
-        self.store.close()  # the gpu tier unregisters its host regions as it closes
+        unfollow, self._unfollow_cpu_arena = self._unfollow_cpu_arena, None
+        if unfollow is not None:  # first, so the cpu tier can close its arena whatever the order
+            unfollow()
+        self.store.close()  # the gpu tier unregisters its other host regions as it closes
 
     def register_host_region(self, owner: object, buffer: Buffer, *, read_only: bool) -> bool:
         """Let the gpu tier copy straight from (unless ``read_only``, also into) ``buffer``, a
@@ -263,19 +271,51 @@ class AgentRuntime:
         return gpu is not None and gpu.unregister_host_region(owner)
 
 
-def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> None:
+def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> Callable[[], None] | None:
     """Register the cpu tier's arena with the gpu tier, which follows it across resizes: chunks
-    moving between the two (demotions, lease moves) then cross the bus in one copy."""
+    moving between the two (demotions, lease moves) then cross the bus in one copy. Returns what
+    undoes it (None when nothing was registered).
+
+    A resize replaces the arena, and the cpu tier cannot close the old mapping while the
+    registration holds it: registered again only before the gpu tier's next copy, an idle gpu
+    tier would keep the old arena pinned and mapped beside the new one. So the cpu tier's
+    ``resize`` (however it is reached: the store calls it under its lock) is wrapped here to
+    register the new arena at once, unregister the old one, then close the old mapping (which a
+    sender still holding a slice keeps until it lets go, as the cpu tier does)."""
     cpu = store.lease_tier
     if not isinstance(cpu, CpuTier):
-        return
+        return None
     started_s = time.perf_counter()
-    if gpu.follow_host_region("cpu-arena", cpu.arena_mapping, read_only=False):
-        log.info(
-            "cpu arena (%d bytes) registered with CUDA for the gpu tier in %.3f s",
-            cpu.capacity_bytes,
-            time.perf_counter() - started_s,
-        )
+    if not gpu.follow_host_region(_CPU_ARENA, cpu.arena_mapping, read_only=False):
+        return None
+    log.info(
+        "cpu arena (%d bytes) registered with CUDA for the gpu tier in %.3f s",
+        cpu.capacity_bytes,
+        time.perf_counter() - started_s,
+    )
+    resize = cpu.resize
+
+    def resize_and_follow(capacity_bytes: int) -> None:
+        old, generation = cpu.arena_mapping()  # raises TierUnavailable, as resize would
+        try:
+            resize(capacity_bytes)
+        finally:
+            if cpu.generation != generation:  # replaced (not when resized in place or failed)
+                gpu.host_registry.refresh()
+                with contextlib.suppress(BufferError):
+                    old.close()
+                if not any(r["owner"] == _CPU_ARENA for r in gpu.host_regions()):
+                    log.warning("resized cpu arena not registered with CUDA: copies are staged")
+            del old
+
+    cpu.resize = resize_and_follow  # type: ignore[method-assign]
+
+    def undo() -> None:
+        if cpu.__dict__.get("resize") is resize_and_follow:
+            del cpu.resize
+        gpu.unregister_host_region(_CPU_ARENA)
+
+    return undo
 
 
 def _fallback_prefill(settings: AgentSettings) -> PrefillModel:

@@ -21,6 +21,9 @@ class FakeRegistrar:
         self.calls: list[tuple[object, ...]] = []
         #: set to make the next register (or unregister) fail as the driver would
         self.refuse: str | None = None
+        #: addresses of ranges that were no longer (wholly) mapped when unregistered: pages CUDA
+        #: keeps locked that belong to no mapping any more. Must stay empty.
+        self.unmapped_at_unregister: list[int] = []
 
     def register(self, address: int, size_bytes: int, flags: int) -> None:
         self.calls.append(("register", address, size_bytes, flags))
@@ -39,14 +42,36 @@ class FakeRegistrar:
         self.calls.append(("unregister", address))
         if self.refuse is not None:
             raise HostRegistrationError(self.refuse)
-        if self.live.pop(address, None) is None:
+        entry = self.live.pop(address, None)
+        if entry is None:
             raise HostRegistrationError(
                 "cudaHostUnregister failed: pointer does not correspond to a registered memory "
                 "region (cudaError 713)"
             )
+        if not mapped(address, entry[0]):
+            self.unmapped_at_unregister.append(address)
 
     def count(self, what: str) -> int:
         return sum(1 for c in self.calls if c[0] == what)
+
+
+def mapped(address: int, size_bytes: int) -> bool:
+    """Whether every page of [address, address + size_bytes) is mapped in this process now (by
+    /proc/self/maps, whose adjacent entries may split or merge a mapping)."""
+    first, end = address // PAGE * PAGE, address + size_bytes
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(maxsplit=1)[0].split("-"))
+            if lo < end and first < hi:
+                spans.append((lo, hi))
+    for lo, hi in sorted(spans):
+        if lo > first:
+            return False
+        first = max(first, hi)
+        if first >= end:
+            return True
+    return False
 
 
 @contextlib.contextmanager

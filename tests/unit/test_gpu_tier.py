@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import kvctl.agent.runtime as runtime_module
+import kvctl.store.tiers.cpu as cpu_module
 from kvctl.agent.config import ConfigError, describe, load_settings
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
@@ -34,8 +36,8 @@ from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import ArenaAllocator, CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from kvctl.store.tiers.gpu import GpuTier, gpu_available, host_view, parse_device
-from kvctl.store.tiers.hostreg import HostRegistry, register_host
-from tests.unit.hostreg_fakes import PAGE, FakeRegistrar, shared_maps
+from kvctl.store.tiers.hostreg import HostRegistry, buffer_address, register_host
+from tests.unit.hostreg_fakes import PAGE, FakeRegistrar, mapped, shared_maps
 
 try:
     import torch
@@ -615,6 +617,93 @@ def test_host_backed_the_cpu_arena_is_followed_across_resizes() -> None:
         del arena
     finally:
         store.close()
+    assert fake.live == {}
+
+
+def host_backed_runtime(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake: FakeRegistrar, cpu_bytes: int
+) -> tuple[AgentRuntime, GpuTier, CpuTier]:
+    """An agent runtime whose gpu tier is ``host_backed`` (its registrations go to ``fake``)."""
+    gpu = host_backed(1 << 20, registrar=fake)
+    monkeypatch.setattr(runtime_module, "_open_gpu_tier", lambda _settings: gpu)
+    settings = dataclasses.replace(
+        AgentSettings(name="g6", data_dir=str(tmp_path), shm=True),
+        cpu_bytes=cpu_bytes,
+        disk_bytes=0,
+        gpu_capacity_bytes=1 << 20,
+    )
+    runtime = AgentRuntime.open(settings)
+    cpu = runtime.store.lease_tier
+    assert runtime.gpu_tier is gpu and isinstance(cpu, CpuTier)
+    return runtime, gpu, cpu
+
+
+@needs_torch
+def test_runtime_registers_a_resized_cpu_arena_at_once_and_frees_the_old_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An idle gpu tier (no put or get after the resize) must not keep the old arena pinned and
+    mapped beside the new one."""
+    fake = FakeRegistrar()
+    runtime, gpu, cpu = host_backed_runtime(tmp_path, monkeypatch, fake, 4 * PAGE)
+    try:
+        data = rand(3 * SLOT, 1)
+        assert runtime.store.put(k(1), data) == "gpu"
+        old, _ = cpu.arena_mapping()
+        old_address = buffer_address(old)
+        assert list(fake.live) == [old_address]
+        runtime.store.resize("cpu", 8 * PAGE)
+        new, generation = cpu.arena_mapping()
+        assert generation == 1 and list(fake.live) == [buffer_address(new)]
+        assert fake.count("register") == 2 and fake.count("unregister") == 1
+        assert fake.unmapped_at_unregister == []  # unregistered while still mapped
+        assert old.closed  # then unmapped: nothing holds it any more
+        (region,) = gpu.host_regions()
+        assert (region["owner"], region["generation"], region["size_bytes"]) == (
+            "cpu-arena", 1, 8 * PAGE
+        )  # fmt: skip
+        # the same size again compacts in place: the arena and its registration stay
+        runtime.store.resize("cpu", 8 * PAGE)
+        assert cpu.arena_mapping()[1] == 1 and fake.count("register") == 2 and not new.closed
+        # a sender still holding a slice of the arena: unregistered all the same, and the
+        # mapping goes when the slice does
+        held = memoryview(new)[:10]
+        runtime.store.resize("cpu", 6 * PAGE)
+        newer, generation = cpu.arena_mapping()
+        assert generation == 2 and list(fake.live) == [buffer_address(newer)]
+        assert not new.closed and fake.unmapped_at_unregister == []
+        held.release()
+        new.close()
+        assert runtime.store.get(k(1)) == data
+        del old, new, newer
+    finally:
+        runtime.close()
+    assert fake.live == {} and fake.unmapped_at_unregister == []
+    assert "resize" not in vars(cpu) and cpu._arena.closed  # the cpu tier could close its arena
+
+
+@needs_torch
+def test_runtime_a_failed_cpu_resize_keeps_the_arena_registered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeRegistrar()
+    runtime, gpu, cpu = host_backed_runtime(tmp_path, monkeypatch, fake, 4 * PAGE)
+    try:
+        arena, _ = cpu.arena_mapping()
+
+        def no_memory(*_args: object, **_kw: object) -> None:
+            raise CapacityError("not enough shared memory for the cpu arena")
+
+        monkeypatch.setattr(cpu_module, "_new_arena", no_memory)
+        with pytest.raises(CapacityError, match="shared memory"):
+            runtime.store.resize("cpu", 8 * PAGE)
+        assert cpu.arena_mapping() == (arena, 0) and not arena.closed
+        assert list(fake.live) == [buffer_address(arena)] and fake.count("register") == 1
+        assert mapped(buffer_address(arena), 4 * PAGE)
+        assert [r["generation"] for r in gpu.host_regions()] == [0]
+        del arena
+    finally:
+        runtime.close()
     assert fake.live == {}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import mmap
 import os
 import re
 import threading
@@ -32,7 +33,7 @@ from kvctl.store.tiers.hostreg import (
     register_host,
     registration_available,
 )
-from tests.unit.hostreg_fakes import PAGE, FakeRegistrar, shared_maps
+from tests.unit.hostreg_fakes import PAGE, FakeRegistrar, mapped, shared_maps
 
 try:
     import torch
@@ -118,6 +119,39 @@ def test_a_registration_registers_once_holds_the_mapping_and_unregisters_once() 
             assert ro_reg.read_only
         with pytest.raises(HostRegistrationError, match="closed"):
             ro_reg.tensor_view(0, 1)
+
+
+@pytest.mark.parametrize("refuse", [False, True])
+def test_close_unregisters_before_it_lets_go_of_the_mapping(refuse: bool) -> None:
+    """The registration's export may be the mapping's last reference: dropping it first would
+    unmap the range while CUDA still has it registered (locked pages of no mapping)."""
+    fake = FakeRegistrar()
+    reg = register_host(mmap.mmap(-1, 2 * PAGE), read_only=False, registrar=fake)  # only ref
+    address = reg.address
+    assert mapped(address, 2 * PAGE)
+    if refuse:
+        fake.refuse = "cudaHostUnregister failed: unknown error (cudaError 999)"
+        with pytest.raises(HostRegistrationError, match="unknown error"):
+            reg.close()
+    else:
+        reg.close()
+    assert fake.calls[-1] == ("unregister", address) and reg.closed
+    assert fake.unmapped_at_unregister == []  # still mapped when it was unregistered
+    # and let go of after, even when unregistering failed: the mapping went with its export
+    assert not mapped(address, 2 * PAGE)
+
+
+def test_a_registry_unregisters_a_region_before_it_lets_go_of_the_mapping() -> None:
+    fake = FakeRegistrar()
+    registry = HostRegistry(registrar=fake)
+    reg = registry.register("staging", mmap.mmap(-1, PAGE), read_only=True)
+    address = reg.address
+    del reg
+    assert registry.unregister("staging") and fake.live == {}
+    assert fake.unmapped_at_unregister == [] and not mapped(address, PAGE)
+    registry.register("arena", mmap.mmap(-1, PAGE), read_only=False)
+    registry.close()
+    assert fake.live == {} and fake.unmapped_at_unregister == []
 
 
 def test_bad_buffers_are_refused_before_cuda_is_asked() -> None:
@@ -274,6 +308,7 @@ def test_a_followed_region_follows_the_cpu_arena_across_resizes() -> None:
         assert region["generation"] == generation == 1 and region["followed"]
         assert region["size_bytes"] == 8 * PAGE
         assert list(fake.live) == [buffer_address(arena)] and reg.closed
+        assert fake.unmapped_at_unregister == []
         assert registry.find(memoryview(arena)[:PAGE], writable=True) is not None
         del arena
     finally:

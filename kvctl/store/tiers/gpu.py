@@ -319,7 +319,9 @@ class GpuTier(Tier):
     ) -> bool:
         """``register_host_region`` of the (buffer, generation) ``source()`` names, registered
         again whenever the generation changes (checked before every copy): the cpu tier's
-        arena, replaced on resize. ``source`` raising (a closed tier) drops the region."""
+        arena, replaced on resize. ``source`` raising (a closed tier) drops the region. The
+        replaced buffer stays registered and mapped until then, so whoever replaces it calls
+        ``host_registry.refresh()`` right after (the agent does, on a cpu resize)."""
         try:
             self._host.follow(owner, source, read_only=read_only)
         except (HostRegistrationError, InvalidArgument, TierUnavailable) as exc:

@@ -200,9 +200,13 @@ class HostRegistration:
         registrar, self._registrar = self._registrar, None
         if registrar is None:
             return
-        # drop, never release(), the export: a tensor made from it keeps the memory mapped
-        self._view = self._tensor = None
-        registrar.unregister(self.address)
+        try:
+            registrar.unregister(self.address)
+        finally:
+            # only now drop (never release(): a tensor made from it keeps the memory mapped) the
+            # export: it may be the mapping's last reference, and the range must not be unmapped
+            # while it is still registered
+            self._view = self._tensor = None
 
     def __enter__(self) -> HostRegistration:
         return self
@@ -298,7 +302,9 @@ class HostRegistry:
         self, owner: object, source: Callable[[], tuple[Buffer, int]], *, read_only: bool
     ) -> HostRegistration:
         """Register the region ``source()`` names as (buffer, generation) now, and again on
-        each ``refresh`` that finds another generation. ``source`` raising drops the region."""
+        each ``refresh`` that finds another generation. ``source`` raising drops the region.
+        Until that ``refresh`` the replaced buffer stays registered, pinned and mapped (its
+        owner cannot close it): whoever replaces it should ``refresh`` right after."""
         buffer, generation = source()
         registration = self.register(owner, buffer, read_only=read_only, generation=generation)
         key, _ = self._key(owner)
