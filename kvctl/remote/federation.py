@@ -618,22 +618,31 @@ class RemoteTiers:
                 break
             # keys hinted to another source are asked of it first
             ask = [k for k in missing if hinted[k] in (None, src.name)] or missing
-            got = src.call(
+            # filled as chunks are stored, kept when the call then fails: a split pull whose
+            # other stream failed has stored these, so they count and are asked of no one else
+            landed: list[PoolChunk | None] = [None] * len(ask)
+            src.call(
                 "fetch",
-                lambda src=src, ask=ask: self._get(src, ask, tenant),
+                lambda src=src, ask=ask, landed=landed: self._get(src, ask, tenant, landed),
                 moved_bytes=_chunk_bytes,
             )
-            if got is None:
-                continue
-            done = {c.meta.key for c in got if c is not None}
+            done = {c.meta.key for c in landed if c is not None}
             arrived += len(done)
             missing = [k for k in missing if k not in done]
         return arrived
 
-    def _get(self, src: Source, keys: Sequence[bytes], tenant: str) -> list[PoolChunk | None]:
+    def _get(
+        self,
+        src: Source,
+        keys: Sequence[bytes],
+        tenant: str,
+        landed: list[PoolChunk | None],
+    ) -> list[PoolChunk | None]:
         """Fetch from one source, putting each chunk in the store as it lands (a stream from a
-        peer: the first chunks are usable before the last arrive)."""
-        landed: list[PoolChunk | None] = [None] * len(keys)
+        peer: the first chunks are usable before the last arrive) and into ``landed`` (at its
+        index in ``keys``), which holds what was stored even when the pull then raises. The
+        backend returns only after its last callback (``AgentSource.get_many``), so ``landed``
+        is complete when this returns or raises."""
 
         def arrived(i: int, chunk: PoolChunk) -> None:
             if self._admit(src, keys[i], chunk, tenant):

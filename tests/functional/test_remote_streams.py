@@ -6,6 +6,7 @@ past the timeout, and a corrupt chunk among many a counted miss. No mocks, no sp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -18,12 +19,15 @@ import pytest
 import redis
 
 from kvctl.remote.agent_source import AgentSource
-from kvctl.remote.federation import PEER_TIER, Source
+from kvctl.remote.federation import PEER_TIER, POOL_TIER, RemoteTiers, Source
+from kvctl.remote.fetchplan import PrefillRate
 from kvctl.remote.links import LinkEstimator
 from kvctl.remote.pool import PoolChunk, stream_groups
 from kvctl.remote.redis_pool import RedisPool
 from kvctl.store.errors import TierUnavailable
+from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
+from kvctl.store.tiers.cpu import CpuTier
 from tests.functional.agents import Agent, payload, running_agent
 
 SMALL = ["--disk", "64MiB", "--cpu", "256MiB"]
@@ -177,6 +181,73 @@ def test_a_source_failing_mid_pull_is_a_miss_within_the_timeout(tmp_path: Path, 
             backend.close()
             if how == "hung":
                 os.kill(a.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("how", ["killed-with-a-peer", "hung-alone"])
+def test_chunks_that_landed_before_a_stream_failed_count_once_and_are_not_pulled_again(
+    tmp_path: Path, how: str
+) -> None:
+    """A split pull from the pool whose server dies (or hangs) mid-pull: the streams hand some
+    chunks over and then fail. Those chunks are stored, so they are counted as arrived, read once
+    (bytes, source counters) and not asked of the next source; the rest come from the peer."""
+    n, size = 64, 1 << 20
+    metas = chain_metas(n, size, how)
+    keys = [m.key for m in metas]
+    with contextlib.ExitStack() as stack:
+        dying = stack.enter_context(running_agent(tmp_path / "pool", "--name", "pool", *SMALL))
+        store_in(dying, metas)
+        peers = []
+        if how == "killed-with-a-peer":
+            healthy = stack.enter_context(
+                running_agent(tmp_path / "peer", "--name", "peer", "--cpu", "128MiB")
+            )
+            store_in(healthy, metas)
+            peer_backend = AgentSource(healthy.state.data_tcp or "", streams=1)
+            peers.append(Source("peer", PEER_TIER, peer_backend, LinkEstimator("peer")))
+        backend = AgentSource(
+            dying.state.data_tcp or "", timeout_s=1.0, streams=4, min_stream_bytes=1 << 20
+        )
+        pool = Source("pool", POOL_TIER, backend, LinkEstimator("pool"))
+        store = TieredStore([CpuTier(2 * n * size)], chunk_tokens=256)
+        stack.callback(store.close)
+        remote = RemoteTiers(
+            store, pool=pool, peers=peers, prefill=PrefillRate(1e4, "configured"),
+            write_through=False,
+        )  # fmt: skip
+        stack.callback(remote.close)
+        stored: list[str] = []
+
+        def on_event(event: dict) -> None:  # the first chunk is in: fail the pool under the rest
+            if event["type"] != "store":
+                return
+            stored.append(event["key"])
+            if len(stored) == 1:
+                if how.startswith("killed"):
+                    dying.kill9()
+                else:
+                    os.kill(dying.proc.pid, signal.SIGSTOP)
+                    stack.callback(os.kill, dying.proc.pid, signal.SIGCONT)
+
+        store.subscribe(on_event)
+        arrived = remote.fill(keys, tenant="t1")
+        from_pool = pool.counters.chunks_in
+        assert pool.counters.errors == 1 and 1 <= from_pool < n  # the failure came mid-pull
+        local = [k for k, t in zip(keys, store.locate(keys, tenant="t1"), strict=True) if t]
+        assert len(stored) == len(set(stored)) == len(local)  # each chunk stored once
+        tiers = store.stats.tiers
+        reads = {t: tiers[t].bytes_read for t in (POOL_TIER, PEER_TIER) if t in tiers}
+        if peers:
+            # the peer was asked for the rest only: every chunk crossed a link once
+            assert peers[0].counters.chunks_in == n - from_pool
+            assert len(local) == arrived == n
+            assert reads == {POOL_TIER: from_pool * size, PEER_TIER: (n - from_pool) * size}
+        else:
+            assert arrived == len(local) == from_pool  # what landed is what fill reports
+            assert reads == {POOL_TIER: from_pool * size}
+        for k in local:
+            data = bytearray(size)
+            store.read_into(k, memoryview(data))
+            assert data == payload(k, size)
 
 
 def test_a_corrupt_chunk_among_many_is_a_miss(agent: Agent) -> None:
