@@ -196,7 +196,8 @@ class PlanCounters:
         }
 
 
-#: a disk read's latency before its first byte (NVMe order); paid once per lookup's batch
+#: a disk read's latency before its first byte (NVMe order); paid once per lookup's batch, on
+#: top of a configured read rate only (a measured rate already includes it)
 DISK_READ_LATENCY_S = 1e-4
 #: why a held chunk was recomputed (``kvctl_plan_recomputed_chunks_total`` reasons)
 RECOMPUTE_REASONS = ("slower-than-recompute", "override", "unknown-link", "no-source")
@@ -209,8 +210,9 @@ class FetchPlanner:
 
     Sources: the gpu tier (already in device memory: free), the cpu tier (its cost is the host
     -> device copy: bytes / the engine-reported bandwidth, free when none was reported), the
-    disk tier (``DISK_READ_LATENCY_S`` + bytes / its read bandwidth: configured, else measured
-    by the store, else free until the first reads measure it) plus the device copy, and the pool
+    disk tier (``DISK_READ_LATENCY_S`` + bytes / the configured read bandwidth, else bytes / the
+    store's measured one, whose wall-time samples include the latency, else free, latency
+    included, until the first reads measure it) plus the device copy, and the pool
     and peers (their link figures) plus the device copy. The prefill model is the engines'
     measured one, else the configured or modeled ``fallback`` (``EngineRates``).
 
@@ -258,9 +260,12 @@ class FetchPlanner:
                     tier, DISK_READ_LATENCY_S, self.disk_read_bytes_per_s, "configured"
                 )
             elif measured.get(tier):
-                links[tier] = LocalLink(tier, DISK_READ_LATENCY_S, measured[tier], "measured")
-            else:  # never refused before a read has measured it, or it never would be
-                links[tier] = LocalLink(tier, DISK_READ_LATENCY_S, None, "unmeasured")
+                # bytes over the wall time of real read batches: their latency is in the figure
+                links[tier] = LocalLink(tier, 0.0, measured[tier], "measured")
+            else:
+                # free, latency included, until a read measures it: never refused for want of a
+                # figure (or it never would be), and the same as the all-free fast path
+                links[tier] = LocalLink(tier, 0.0, None, "unmeasured")
         return links
 
     # --- the lookup ---------------------------------------------------------------------------

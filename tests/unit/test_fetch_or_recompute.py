@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvctl.remote.federation import FetchPlanner
+from kvctl.remote.federation import DISK_READ_LATENCY_S, FetchPlanner
 from kvctl.remote.fetchplan import (
     AnyLink,
     Candidate,
@@ -327,6 +327,49 @@ def test_a_fast_or_unmeasured_disk_is_taken(store: TieredStore, ns: Any) -> None
         assert unmeasured.local_links()["disk"].source == "unmeasured"
     assert unmeasured.lookup(keys, tenant="a").matched_chunks == 5
     assert store.stats.tiers["disk"].hits == 6
+
+
+def test_a_measured_disk_is_costed_by_its_measured_rate_alone(tmp_path: Path, ns: Any) -> None:
+    # the store's figure is bytes over the wall time of real reads: their latency is in it, so
+    # none is added on top (a configured figure is a rate, and keeps DISK_READ_LATENCY_S)
+    store = TieredStore(
+        [CpuTier(64 * CHUNK_BYTES), DiskTier(tmp_path / "disk", 4 << 20)],
+        chunk_tokens=CHUNK_TOKENS,
+    )
+    try:
+        (big,) = chain(ns, 1, seed=90)
+        store.put(big, bytes(512 << 10), tenant="a", tier="disk")
+        store.read_into(big, bytearray(512 << 10), tenant="a")
+        measured = store.read_bandwidth()["disk"]
+        assert measured
+        keys = _cpu_then_disk(store, ns, 0, 3, seed=91)
+        events: list[dict[str, Any]] = []
+        planner = FetchPlanner(store, prefill=RATE, emit=events.append)
+        disk = planner.local_links()["disk"]
+        assert (disk.source, disk.rtt_s, disk.bandwidth_bytes_per_s) == ("measured", 0.0, measured)
+        planner.lookup(keys, tenant="a")
+        (event,) = events
+        assert event["per_link_s"]["disk"] == pytest.approx(3 * CHUNK_BYTES / measured, rel=1e-9)
+        configured = FetchPlanner(store, prefill=RATE, disk_read_bytes_per_s=1e6).local_links()
+        assert configured["disk"].rtt_s == DISK_READ_LATENCY_S
+    finally:
+        store.close()
+
+
+def test_an_unmeasured_disk_is_free_on_both_paths(store: TieredStore, ns: Any) -> None:
+    # no figure yet: free, latency included, whether the lookup takes the all-free fast path or
+    # (with a device copy to weigh) the planner: the two agree
+    keys = _cpu_then_disk(store, ns, 0, 3, seed=92)
+    events: list[dict[str, Any]] = []
+    planner = FetchPlanner(store, prefill=RATE, emit=events.append)
+    disk = planner.local_links()["disk"]
+    assert (disk.source, disk.rtt_s, disk.bandwidth_bytes_per_s) == ("unmeasured", 0.0, None)
+    assert planner.lookup(keys, tenant="a").matched_chunks == 3 and not events  # fast path
+    planner.rates.report([], host_to_device_bytes_per_s=1e9)
+    assert planner.lookup(keys, tenant="a").matched_chunks == 3
+    (event,) = events
+    assert event["per_link_s"] == {"disk": 0.0}
+    assert event["fetch_s"] == pytest.approx(3 * CHUNK_BYTES / 1e9, rel=1e-9)  # the copy alone
 
 
 def test_an_engine_reported_device_copy_can_make_even_cpu_chunks_not_worth_it(
