@@ -238,8 +238,9 @@ class FetchPlanner:
         self.last_plan: dict[str, Any] | None = None
 
     # --- inputs -------------------------------------------------------------------------------
-    def prefill(self) -> PrefillModel:
-        return self.rates.prefill(self.fallback)
+    def prefill(self, model: str | None = None) -> PrefillModel:
+        """``model``'s measured prefill, else (None) the one lookups use (``EngineRates``)."""
+        return self.rates.prefill(self.fallback, model=model)
 
     def device_link(self) -> LocalLink:
         bw = self.rates.host_to_device_bytes_per_s

@@ -40,9 +40,10 @@ Prefill model: ``seconds(a, b)`` to compute tokens [a, b) after a cached prefix 
 that grows with the context (attention reads every earlier token). It is the sum of the
 per-token costs ``alpha + beta * i``, so it is additive over adjacent ranges: the prefill a
 chunk saves depends only on where in the context it sits. Fitted by least squares on the
-engine's measured samples (``PrefillSamples``), else the configured tokens/s (beta = 0), else
-the modeled figure of the model and GPU profiles (beta = 0: the profiles leave attention out, so
-long prompts are under-costed and fetching deep chunks is under-valued, never over-valued).
+engines' measured samples, per model, outliers rejected (``EngineRates``), else the configured
+tokens/s (beta = 0), else the modeled figure of the model and GPU profiles (beta = 0: the
+profiles leave attention out, so long prompts are under-costed and fetching deep chunks is
+under-valued, never over-valued).
 """
 
 from __future__ import annotations
@@ -83,6 +84,12 @@ MAX_DEVICE_BYTES_PER_S = 1e13
 DEFAULT_SAMPLE_WINDOW = 512
 #: the fit is used (basis "measured") from this many samples on
 MIN_PREFILL_SAMPLES = 3
+#: a prefill sample this many times off its model's fit (either way) is rejected (EngineRates)
+OUTLIER_FACTOR = 10.0
+#: reports in a row with every sample rejected after which the fit is rebuilt from them
+REBASE_AFTER_REPORTS = 8
+#: models whose prefill rates one agent keeps at once
+MAX_RATE_MODELS = 16
 
 
 def _number(value: object, what: str) -> float:
@@ -283,13 +290,60 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> tuple[float, float, float] 
     return alpha, beta, math.sqrt(rss / len(samples))
 
 
+@dataclass
+class _ModelRates:
+    """One model's samples, fit and counts (``EngineRates``)."""
+
+    samples: deque[PrefillSample]
+    #: the samples of the current run of wholly rejected reports (a rebase candidate)
+    run: deque[PrefillSample]
+    fit: PrefillModel | None = None
+    reports: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    #: reports in a row whose every sample was rejected
+    rejected_reports_in_a_row: int = 0
+    #: times the fit was rebuilt from such a run (the engine's speed really changed)
+    rebased: int = 0
+    #: ``EngineRates`` report number of this model's last report
+    last_report: int = 0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "reports": self.reports,
+            "prefill_samples": self.accepted,
+            "prefill_samples_rejected": self.rejected,
+            "prefill_samples_in_window": len(self.samples),
+            "rebased": self.rebased,
+            "prefill_fit": None if self.fit is None else self.fit.as_dict(),
+        }
+
+
 class EngineRates:
     """What the engines on this node measured and reported (data-plane ``RATES``): prefill
-    samples, fitted over a bounded recent window, and the host -> device bandwidth (an EWMA).
-    Thread-safe; the fit is redone on each report, so lookups only read it.
+    samples per model, each model's fitted over a bounded recent window, and the host -> device
+    bandwidth (an EWMA, one per node: it is the node's bus, whatever the model). Thread-safe;
+    a fit is redone on each report, so lookups only read it.
 
-    Kept per agent, not per model: a lookup names no model (its keys are already namespaced),
-    and one agent serves one GPU node. The reporting models are listed with the figures."""
+    Per model: a small model on the same agent must not set the figure a large one's chunks are
+    weighed with. A lookup names no model (its keys are hashes of the model's namespace and
+    tokens, which cannot be told apart without the tokens), so it gets the fit of the model
+    that reported last, among those with a fit (``prefill(model=...)`` names one; ``as_dict``
+    says which is used and why). Reports from more than ``MAX_RATE_MODELS`` models replace the
+    one that reported least recently.
+
+    Outliers: once a model has a fit, a sample more than ``OUTLIER_FACTOR`` times faster than
+    the fit predicts is rejected (counted, not kept), and so is one that many times slower
+    within twice the context the fit has seen (beyond it, attention may honestly make a prefill
+    that much slower than a fit from short prompts says). An engine whose speed really changed
+    that much is followed after ``REBASE_AFTER_REPORTS`` reports in a row had every sample
+    rejected: the fit is rebuilt from those samples alone (counted as ``rebased``).
+
+    No floor below which a measured prefill is refused as implausibly fast: the one physical
+    bound (peak FLOPs / (2 x parameters) per token) needs the reporting model's size and the
+    node's accelerator, and the agent knows neither for a reported model id (the modeled
+    fallback is the first configured model's profile, or another model's when it has none, on
+    the operator's ``gpu`` setting). ``MIN_ALPHA_S_PER_TOKEN`` only keeps the fit finite."""
 
     def __init__(
         self,
@@ -297,18 +351,32 @@ class EngineRates:
         window: int = DEFAULT_SAMPLE_WINDOW,
         min_samples: int = MIN_PREFILL_SAMPLES,
         alpha: float = 0.3,
+        outlier_factor: float = OUTLIER_FACTOR,
+        rebase_after_reports: int = REBASE_AFTER_REPORTS,
     ) -> None:
         if window < 1 or min_samples < 1:
             raise InvalidArgument("the sample window and minimum must be >= 1")
+        if not outlier_factor > 1 or rebase_after_reports < 1:
+            raise InvalidArgument("the outlier factor must be > 1 and the rebase count >= 1")
         self._lock = threading.Lock()
-        self._samples: deque[PrefillSample] = deque(maxlen=window)
+        self._window = window
         self._min_samples = min_samples
         self._alpha = alpha
-        self._fit: PrefillModel | None = None
+        self._outlier_factor = float(outlier_factor)
+        self._rebase_after = rebase_after_reports
+        self._by_model: dict[str, _ModelRates] = {}
+        #: the model whose fit a lookup that names none gets (None: no model has a fit yet)
+        self._selected: str | None = None
         self._device_bytes_per_s: float | None = None
         self.reports = 0
         self.samples_total = 0
-        self.models: dict[str, int] = {}
+        self.rejected_total = 0
+
+    @property
+    def models(self) -> dict[str, int]:
+        """Reports per named model (the models kept)."""
+        with self._lock:
+            return {m: r.reports for m, r in self._by_model.items() if m}
 
     def report(
         self,
@@ -316,8 +384,9 @@ class EngineRates:
         *,
         host_to_device_bytes_per_s: float | None = None,
         model: str = "",
-    ) -> None:
-        """Take one engine report (validated before anything is kept)."""
+    ) -> int:
+        """Take one engine report (validated before anything is kept); returns how many of its
+        samples were kept (the rest were outliers)."""
         if host_to_device_bytes_per_s is not None:
             bw = _number(host_to_device_bytes_per_s, "host_to_device_bytes_per_s")
             if not math.isfinite(bw) or not 0 < bw <= MAX_DEVICE_BYTES_PER_S:
@@ -328,23 +397,82 @@ class EngineRates:
         for s in samples:
             if not isinstance(s, PrefillSample):
                 raise InvalidArgument(f"not a prefill sample: {s!r}")
+        if not isinstance(model, str):
+            raise InvalidArgument(f"model must be a string, got {model!r}")
         with self._lock:
             self.reports += 1
-            if model and (model in self.models or len(self.models) < 16):  # bounded listing
-                self.models[model] = self.models.get(model, 0) + 1
             if host_to_device_bytes_per_s is not None:
                 bw = float(host_to_device_bytes_per_s)
                 cur = self._device_bytes_per_s
                 self._device_bytes_per_s = (
                     bw if cur is None else self._alpha * bw + (1 - self._alpha) * cur
                 )
-            if samples:
-                self._samples.extend(samples)
-                self.samples_total += len(samples)
-                self._fit = self._refit_locked()
+            rates = self._model_locked(model)
+            rates.reports += 1
+            rates.last_report = self.reports
+            kept = self._take_locked(model, rates, samples) if samples else 0
+            if rates.fit is not None:
+                self._selected = model
+            return kept
 
-    def _refit_locked(self) -> PrefillModel | None:
-        window = list(self._samples)
+    def _model_locked(self, model: str) -> _ModelRates:
+        rates = self._by_model.pop(model, None)  # re-inserted last: the dict is in report order
+        if rates is None:
+            if len(self._by_model) >= MAX_RATE_MODELS:
+                gone = next(iter(self._by_model))  # the least recent reporter
+                del self._by_model[gone]
+                if gone == self._selected:  # the next most recent model with a fit, if any
+                    fitted = [(r.last_report, m) for m, r in self._by_model.items() if r.fit]
+                    self._selected = max(fitted)[1] if fitted else None
+            rates = _ModelRates(deque(maxlen=self._window), deque(maxlen=self._window))
+        self._by_model[model] = rates
+        return rates
+
+    def _take_locked(self, model: str, rates: _ModelRates, samples: Sequence[PrefillSample]) -> int:
+        kept = [s for s in samples if not self._outlier(rates.fit, s)]
+        rejected = len(samples) - len(kept)
+        rates.rejected += rejected
+        self.rejected_total += rejected
+        if kept:
+            rates.rejected_reports_in_a_row = 0
+            rates.run.clear()
+            rates.samples.extend(kept)
+        else:  # every sample disagreed with the fit: the engine may really have changed
+            rates.rejected_reports_in_a_row += 1
+            rates.run.extend(samples)
+            if (
+                rates.rejected_reports_in_a_row >= self._rebase_after
+                and len(rates.run) >= self._min_samples
+            ):
+                rates.samples.clear()
+                rates.samples.extend(rates.run)
+                rates.run.clear()
+                rates.rejected_reports_in_a_row = 0
+                rates.rebased += 1
+                rates.rejected -= len(rates.samples)  # kept after all, this report's included
+                self.rejected_total -= len(rates.samples)
+                rates.accepted += len(rates.samples)
+                self.samples_total += len(rates.samples)
+                rates.fit = self._refit_locked(model, rates.samples)
+                return min(len(samples), len(rates.samples))
+            return 0
+        rates.accepted += len(kept)
+        self.samples_total += len(kept)
+        rates.fit = self._refit_locked(model, rates.samples)
+        return len(kept)
+
+    def _outlier(self, fit: PrefillModel | None, s: PrefillSample) -> bool:
+        if fit is None:
+            return False
+        start, end = s.cached_tokens, s.cached_tokens + s.computed_tokens
+        ratio = s.seconds / fit.seconds(start, end)
+        if ratio < 1 / self._outlier_factor:
+            return True  # faster than the fit by far, at any context
+        seen = fit.inputs.get("max_context_tokens", 0)
+        return ratio > self._outlier_factor and end <= 2 * seen  # type: ignore[operator]
+
+    def _refit_locked(self, model: str, samples: deque[PrefillSample]) -> PrefillModel | None:
+        window = list(samples)
         if len(window) < self._min_samples:
             return None
         fitted = fit_prefill(window)
@@ -354,19 +482,25 @@ class EngineRates:
         return PrefillModel(
             alpha,
             beta,
-            "measured: least squares over the engines' recent prefills",
+            "measured: least squares over the engines' recent prefills"
+            + (f" of {model}" if model else ""),
             {
+                "model": model,
                 "samples": len(window),
-                "window": self._samples.maxlen,
+                "window": samples.maxlen,
                 "rms_residual_s": rms_s,
                 "max_context_tokens": max(s.cached_tokens + s.computed_tokens for s in window),
             },
         )
 
-    def prefill(self, fallback: PrefillModel) -> PrefillModel:
-        """The measured model once there are enough samples, else ``fallback``."""
+    def prefill(self, fallback: PrefillModel, *, model: str | None = None) -> PrefillModel:
+        """``model``'s measured fit, or (None) that of the model that reported samples last;
+        ``fallback`` while there is none."""
         with self._lock:
-            return self._fit or fallback
+            name = self._selected if model is None else model
+            rates = None if name is None else self._by_model.get(name)
+            fit = None if rates is None else rates.fit
+            return fit or fallback
 
     @property
     def host_to_device_bytes_per_s(self) -> float | None:
@@ -375,13 +509,26 @@ class EngineRates:
 
     def as_dict(self) -> dict[str, object]:
         with self._lock:
+            name = self._selected
+            selected = None if name is None else self._by_model.get(name)
+            fit = None if selected is None else selected.fit
             return {
                 "reports": self.reports,
                 "prefill_samples": self.samples_total,
-                "prefill_samples_in_window": len(self._samples),
-                "prefill_fit": None if self._fit is None else self._fit.as_dict(),
+                "prefill_samples_rejected": self.rejected_total,
+                "outlier_factor": self._outlier_factor,
+                # the selected model's (the figures lookups use)
+                "prefill_samples_in_window": 0 if selected is None else len(selected.samples),
+                "prefill_fit": None if fit is None else fit.as_dict(),
+                "prefill_model": None if fit is None else self._selected,
+                "prefill_model_chosen_as": (
+                    "the model that reported last, of those with a fit (a lookup names none)"
+                    if fit is not None
+                    else "none: no model has enough samples (the fallback is used)"
+                ),
                 "host_to_device_bytes_per_s": self._device_bytes_per_s,
-                "models": dict(self.models),
+                "models": {m: r.reports for m, r in self._by_model.items() if m},
+                "by_model": {m: r.as_dict() for m, r in self._by_model.items()},
             }
 
 

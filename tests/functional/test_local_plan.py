@@ -133,6 +133,34 @@ def test_measured_prefill_with_attention_makes_a_long_chains_disk_chunks_worth_r
     assert rates["prefill_samples"] == 5 and rates["models"] == {NS.model_id: 1}
 
 
+def test_a_buggy_engine_or_a_small_model_does_not_set_the_big_models_prefill(
+    agent: Agent,
+) -> None:
+    keys = put_cpu_then_disk(agent, 0, 16, seed=4)
+    alpha, beta = 3e-5, 1e-7  # as above: 16 disk chunks are worth reading at this prefill
+    shapes = ((256, 0), (1024, 0), (512, 2048), (256, 8192), (2048, 4096))
+
+    def timed(scale: float) -> list[tuple[int, int, float]]:
+        return [(n, a, scale * n * (alpha + beta * (2 * a + n) / 2)) for n, a in shapes]
+
+    with agent.data() as d:
+        d.report_rates(timed(1.0), model=NS.model_id)
+        assert d.lookup(keys, tenant="t").matched_chunks == 16
+        # an engine of the same model with a unit bug: every sample ~1e-9 s, rejected
+        d.report_rates([(n, a, 1e-9) for n, a in shapes], model=NS.model_id)
+        assert d.lookup(keys, tenant="t").matched_chunks == 16
+        # a small model on the same agent, 1,000x faster: its own fit, not this model's
+        d.report_rates(timed(1e-3), model="tiny-model")
+        d.report_rates([], host_to_device_bytes_per_s=5e10, model=NS.model_id)
+        assert d.lookup(keys, tenant="t").matched_chunks == 16
+    rates = agent.control().stats()["fetch_plans"]["engine_rates"]
+    assert rates["prefill_samples_rejected"] == 5 and rates["prefill_model"] == NS.model_id
+    assert rates["prefill_samples_in_window"] == 5
+    assert rates["prefill_fit"]["alpha_s_per_token"] == pytest.approx(alpha, rel=1e-3)
+    tiny = rates["by_model"]["tiny-model"]["prefill_fit"]
+    assert tiny["alpha_s_per_token"] == pytest.approx(alpha * 1e-3, rel=1e-3)
+
+
 def test_an_engine_reported_host_to_device_copy_is_weighed(agent: Agent) -> None:
     keys = put_cpu_then_disk(agent, 4, 0, seed=3)
     with agent.data() as d:

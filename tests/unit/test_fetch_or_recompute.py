@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 
 from kvctl.remote.federation import DISK_READ_LATENCY_S, FetchPlanner
 from kvctl.remote.fetchplan import (
+    MAX_RATE_MODELS,
+    OUTLIER_FACTOR,
     AnyLink,
     Candidate,
     EngineRates,
@@ -80,12 +82,90 @@ def test_engine_reports_make_the_basis_measured_over_a_bounded_window() -> None:
     rates.report([PrefillSample(256, 256 * i, 0.25) for i in range(1, 3)], model="m")
     measured = rates.prefill(fallback)
     assert measured.kind == "measured" and measured.inputs["samples"] == 3
-    # the window keeps the most recent samples only: the node got faster
-    rates.report([PrefillSample(256, 256 * i, 0.025) for i in range(4)])
-    assert rates.prefill(fallback).seconds(0, 256) == pytest.approx(0.025, rel=0.2)
+    # the window keeps the most recent samples only: the node got faster (within the outlier
+    # factor of the fit)
+    assert rates.report([PrefillSample(256, 256 * i, 0.05) for i in range(4)], model="m") == 4
+    assert rates.prefill(fallback).seconds(0, 256) == pytest.approx(0.05, rel=0.2)
     shown = rates.as_dict()
     assert shown["prefill_samples"] == 7 and shown["prefill_samples_in_window"] == 4
-    assert shown["models"] == {"m": 2}
+    assert shown["models"] == {"m": 3} and shown["prefill_model"] == "m"
+    assert shown["prefill_samples_rejected"] == 0
+
+
+def _samples(alpha: float, n: int = 4) -> list[PrefillSample]:
+    return [PrefillSample(256, 256 * i, 256 * alpha) for i in range(n)]
+
+
+def test_each_model_has_its_own_fit_and_lookups_use_the_last_reporters() -> None:
+    rates = EngineRates()
+    fallback = RATE.as_model()
+    rates.report(_samples(1e-4), model="big")
+    # a small model on the same agent, 1,000x faster: its own window, not the big one's
+    rates.report(_samples(1e-7), model="small")
+    assert rates.prefill(fallback, model="big").alpha_s_per_token == pytest.approx(1e-4)
+    assert rates.prefill(fallback, model="small").alpha_s_per_token == pytest.approx(1e-7)
+    assert rates.prefill(fallback, model="other") is fallback  # never another model's figure
+    # a lookup names no model: the one that reported last, with a fit, and status says so
+    assert rates.prefill(fallback).inputs["model"] == "small"
+    rates.report([], host_to_device_bytes_per_s=1e10, model="big")
+    assert rates.prefill(fallback).inputs["model"] == "big"
+    shown = rates.as_dict()
+    assert shown["prefill_model"] == "big" and "reported last" in str(
+        shown["prefill_model_chosen_as"]
+    )
+    assert shown["prefill_fit"]["alpha_s_per_token"] == pytest.approx(1e-4)  # type: ignore[index]
+    assert set(shown["by_model"]) == {"big", "small"}  # type: ignore[arg-type]
+    assert shown["prefill_samples_rejected"] == 0
+    rates.report(_samples(2e-3, 2), model="new")  # too few samples for a fit: not chosen
+    assert rates.prefill(fallback).inputs["model"] == "big"
+
+
+def test_the_models_kept_are_bounded_and_the_least_recent_goes() -> None:
+    rates = EngineRates()
+    for i in range(MAX_RATE_MODELS + 3):
+        rates.report(_samples(1e-4 * (i + 1)), model=f"m{i}")
+    shown = rates.as_dict()
+    assert len(shown["by_model"]) == MAX_RATE_MODELS  # type: ignore[arg-type]
+    assert "m0" not in shown["by_model"]  # type: ignore[operator]
+    assert shown["prefill_model"] == f"m{MAX_RATE_MODELS + 2}"
+
+
+def test_a_sample_far_off_the_fit_is_rejected_and_counted() -> None:
+    rates = EngineRates()
+    fallback = RATE.as_model()
+    rates.report(_samples(1e-4), model="m")
+    # an engine with a unit bug: nanoseconds where seconds were meant
+    bad = [PrefillSample(256, 256 * i, 1e-9) for i in range(3)]
+    assert rates.report(bad, model="m") == 0
+    assert rates.prefill(fallback).alpha_s_per_token == pytest.approx(1e-4)
+    # within the factor either way: kept; 20x slower within the contexts seen: rejected
+    mixed = [
+        PrefillSample(256, 0, 256 * 1e-4 * 9),
+        PrefillSample(256, 0, 256 * 1e-4 / 9),
+        PrefillSample(256, 256, 256 * 1e-4 * 20),
+    ]
+    assert rates.report(mixed, model="m") == 2
+    # far deeper than any sample so far: attention may honestly make it that much slower
+    deep = PrefillSample(256, 100_000, 256 * 1e-4 * 20)
+    assert rates.report([deep], model="m") == 1
+    shown = rates.as_dict()
+    assert shown["prefill_samples_rejected"] == 4 and shown["prefill_samples"] == 7
+    assert shown["by_model"]["m"]["prefill_samples_rejected"] == 4  # type: ignore[index]
+    assert shown["outlier_factor"] == OUTLIER_FACTOR
+
+
+def test_a_real_change_of_speed_is_followed_after_a_run_of_rejected_reports() -> None:
+    rates = EngineRates(rebase_after_reports=3)
+    fallback = RATE.as_model()
+    rates.report(_samples(1e-4), model="m")
+    for _ in range(2):  # the engine is now 50x faster (another GPU): rejected for a while
+        assert rates.report(_samples(2e-6, 2), model="m") == 0
+    assert rates.prefill(fallback).alpha_s_per_token == pytest.approx(1e-4)
+    assert rates.report(_samples(2e-6, 2), model="m") == 2  # the third in a row: rebased on them
+    assert rates.prefill(fallback).alpha_s_per_token == pytest.approx(2e-6)
+    shown = rates.as_dict()["by_model"]["m"]  # type: ignore[index]
+    assert shown["rebased"] == 1 and shown["prefill_samples_in_window"] == 6
+    assert shown["prefill_samples_rejected"] == 0 and shown["prefill_samples"] == 10
 
 
 @pytest.mark.parametrize(
