@@ -582,15 +582,13 @@ class Connection:
         raw, bandwidth, model = parse_rates(meta)
         try:
             samples = [PrefillSample(n, a, t) for n, a, t in raw]
-            self.server.runtime.report_rates(
+            kept = self.server.runtime.report_rates(
                 samples, host_to_device_bytes_per_s=bandwidth, model=model
             )
         except InvalidArgument as exc:
             raise FrameError(ErrorCode.BAD_REQUEST, f"RATES refused: {exc}") from None
-        prefill = self.server.runtime.planner.prefill()
-        reply = rates_reply(
-            len(samples), prefill.tokens_per_s, prefill.beta_s_per_token2, prefill.basis
-        )
+        prefill = self.server.runtime.planner.prefill(model or None)
+        reply = rates_reply(kept, prefill.tokens_per_s, prefill.beta_s_per_token2, prefill.basis)
         return [reply], 0
 
     def _lookup(self, meta: MetaReader, _payload: int) -> tuple[list, int]:

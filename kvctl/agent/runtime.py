@@ -149,9 +149,10 @@ class AgentRuntime:
         *,
         host_to_device_bytes_per_s: float | None = None,
         model: str = "",
-    ) -> None:
-        """An engine's measured prefill timings and host -> device bandwidth (``RATES``)."""
-        self.planner.rates.report(
+    ) -> int:
+        """An engine's measured prefill timings and host -> device bandwidth (``RATES``); how
+        many samples were kept (outliers against the model's fit are not)."""
+        return self.planner.rates.report(
             samples, host_to_device_bytes_per_s=host_to_device_bytes_per_s, model=model
         )
 
