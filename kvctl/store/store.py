@@ -25,15 +25,21 @@ place in the lease tier's arena; the bytes are read (a batch's chunks in paralle
 thread pool, straight into the arena) and checksummed outside it; back under the lock the read
 is committed. Anything that happened meanwhile (the chunk evicted, moved, pinned, the arena
 resized, the file replaced) is noticed at that point: the read is then retried, handed back as a
-miss or a fallback, never served as wrong bytes, and its reserved space is given back.
+miss or a fallback, never served as wrong bytes, and its reserved space is given back. A batch
+cut short while its reads are still running (an interrupt) gives up on them: each such read
+gives its reserved space back itself when it ends. The slow part of deleting a promoted disk
+chunk (the unlink) runs in a second, smaller pool, so it never queues ahead of reads. A closed
+store starts no thread: a batch reaching its reads after ``close`` is refused (TierUnavailable).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from heapq import nlargest
 from operator import attrgetter
@@ -70,6 +76,8 @@ _HEAT = attrgetter("hit_count", "last_tick")
 _MAX_PREFIX_WALK = 100_000
 #: threads reading one batch's disk chunks at once (an SSD needs a queue depth above one)
 DEFAULT_READ_THREADS = 8
+#: threads unlinking the files of disk chunks promoted out (apart from the readers' threads)
+UNLINK_THREADS = 2
 #: reads smaller than this say more about per-call overheads than about a tier's bandwidth
 MIN_BANDWIDTH_SAMPLE_BYTES = 256 << 10
 #: weight of the newest sample in a tier's read bandwidth (an exponential moving average)
@@ -99,6 +107,16 @@ class BulkResult:
         }
 
 
+# A flight's state (``_Flight.state``), changed only under the store's ``_flight_lock``:
+_PLANNED = "planned"  # its read has not begun (queued in the pool, or never handed to it)
+_READING = "reading"  # a thread is reading into the reserved bytes
+_READ = "read"  # the read is over: ``why``/``error`` say how it went
+_DROPPED = "dropped"  # no read will write into the reserved bytes (given up before it began, or
+#                      cut short by an interrupt); whoever lands it gives the space back
+_ABANDONED = "abandoned"  # landed (given up) while still reading: the reader gives the reserved
+#                          space back when it is done
+
+
 @dataclass(slots=True, eq=False)
 class _Flight:
     """One chunk of a lease batch on its way from a detached-read tier into the lease tier."""
@@ -107,12 +125,14 @@ class _Flight:
     entry: Entry
     src: Tier
     plan: ReadPlan
+    home: CpuTier
     reservation: Reservation
     view: memoryview  # the reserved arena bytes the read fills
+    state: str = _PLANNED
     why: str | None = None  # the read failed: why the copy cannot be trusted
     error: BaseException | None = None  # the read raised (the tier is unusable)
-    started_s: float = 0.0
-    ended_s: float = 0.0  # 0.0 while the read has not finished
+    started_s: float = 0.0  # when its own read began (perf_counter), not when it was queued
+    ended_s: float = 0.0
 
 
 class TieredStore:
@@ -200,6 +220,11 @@ class TieredStore:
         self._promoted = threading.Condition(self._lock)
         self._read_threads = read_threads
         self._read_pool: ThreadPoolExecutor | None = None
+        self._unlink_pool: ThreadPoolExecutor | None = None
+        #: set by ``close``: no pool is started (again) after it
+        self._closed = False
+        #: guards every flight's ``state`` (a reader thread and the lander both change it)
+        self._flight_lock = threading.Lock()
         #: measured read bandwidth per tier, bytes/s (an EWMA; None until a large read)
         self._read_bandwidth: dict[str, float | None] = dict.fromkeys(names)
         self._listeners: list[Callable[[Event], None]] = []
@@ -560,9 +585,13 @@ class TieredStore:
 
     def read_bandwidth(self) -> dict[str, float | None]:
         """Measured read bandwidth of each tier of this store, bytes/s: a moving average over
-        the reads the store made from it (a lease batch's disk reads as one sample: bytes over
-        wall seconds), counting only samples of at least MIN_BANDWIDTH_SAMPLE_BYTES. None for a
-        tier not measured yet. For fetch-or-recompute: fetch when latency + bytes / bandwidth
+        the reads the store made from it, counting only samples of at least
+        MIN_BANDWIDTH_SAMPLE_BYTES. A lease batch's disk reads are one sample: their bytes over
+        the time at least one of them was being read (the union of the reads' own intervals,
+        each timed from its own start), so time the batch's reads spent queued in the pool,
+        behind other batches' reads, with none of them running is not counted, while reads of
+        the batch that ran at once count once (the parallel throughput the batch got). None for
+        a tier not measured yet. For fetch-or-recompute: fetch when latency + bytes / bandwidth
         beats recomputing."""
         with self._lock:
             return dict(self._read_bandwidth)
@@ -778,10 +807,15 @@ class TieredStore:
             return _meta(e), buf
 
     def close(self) -> None:
+        """Close every tier. Reads under way finish on their own (their commits find the tiers
+        closed), queued unlinks still run; no thread is started after this."""
         with self._lock:
-            pool, self._read_pool = self._read_pool, None
-            if pool is not None:  # its reads finish on their own; their commits find tiers closed
-                pool.shutdown(wait=False)
+            self._closed = True
+            pools = (self._read_pool, self._unlink_pool)
+            self._read_pool = self._unlink_pool = None
+            for pool in pools:
+                if pool is not None:
+                    pool.shutdown(wait=False)
             for t in self._tiers:
                 t.close()
 
@@ -1132,7 +1166,9 @@ class TieredStore:
         try:
             self._make_room(home, size)
             reservation = home.reserve(_meta(e))
-        except CapacityError:
+        except (CapacityError, InvalidArgument):
+            # InvalidArgument: the lease tier already has the key (a copy the index does not
+            # place there): this key cannot be held there now, the batch goes on without it
             self._end_read(e, src.name)
             return None
         except BaseException:
@@ -1140,10 +1176,13 @@ class TieredStore:
             raise
         view = home.reserved_view(reservation)
         self._promoting.add(e.key)
-        return _Flight(i, e, src, plan, reservation, view)
+        return _Flight(i, e, src, plan, home, reservation, view)
 
     def _pool(self) -> ThreadPoolExecutor:
+        """The readers' pool, started on first use; TierUnavailable once the store is closed."""
         with self._lock:
+            if self._closed:
+                raise TierUnavailable("the store is closed")
             pool = self._read_pool
             if pool is None:
                 pool = self._read_pool = ThreadPoolExecutor(
@@ -1153,30 +1192,78 @@ class TieredStore:
 
     def _delete_copy(self, tier: Tier, key: bytes) -> None:
         """Under the lock: delete the copy a promotion left behind, its slow part (unlinking
-        a large file) in the read pool, not under the lock nor in the reader's time."""
+        a large file) in the unlink pool: not under the lock, not in the reader's time, and
+        never queued ahead of reads. Once the store is closed it is done here instead."""
         cleanup = tier.delete_later(key)
-        if cleanup is not None:
-            try:
-                self._pool().submit(cleanup)
-            except RuntimeError:  # the pool was shut down (store closed): do it here
-                cleanup()
+        if cleanup is None:
+            return
+        if self._closed:
+            cleanup()
+            return
+        pool = self._unlink_pool
+        if pool is None:
+            pool = self._unlink_pool = ThreadPoolExecutor(
+                UNLINK_THREADS, thread_name_prefix="kvctl-store-unlink"
+            )
+        try:
+            pool.submit(cleanup)
+        except RuntimeError:  # the interpreter is shutting down: do it here
+            cleanup()
 
     def _fly(self, flights: list[_Flight]) -> None:
-        """Without the lock: read every flight's chunk into its reserved bytes, in parallel."""
+        """Without the lock: read every flight's chunk into its reserved bytes, in parallel.
+        Raises TierUnavailable (reading nothing) once the store is closed. Flights it leaves
+        unread (an error, an interrupt) are sorted out by ``_land_one``."""
         if len(flights) == 1:
-            _read_flight(flights[0])
+            if self._closed:
+                raise TierUnavailable("the store is closed")
+            self._read_one(flights[0])
         else:
-            for _ in self._pool().map(_read_flight, flights):
-                pass
+            pool = self._pool()
+            futures = []
+            try:
+                for f in flights:
+                    futures.append(pool.submit(self._read_one, f))
+            except RuntimeError:  # shut down by close() since _pool() answered
+                raise TierUnavailable("the store is closed") from None
+            wait_all(futures)
+            for future in futures:
+                future.result()  # a reader's BaseException (errors are in f.error)
         by_tier: dict[str, list[_Flight]] = {}
         for f in flights:
-            if f.why is None and f.error is None:
+            if f.state is _READ and f.why is None and f.error is None:
                 by_tier.setdefault(f.src.name, []).append(f)
         with self._lock:
             for tier, done in by_tier.items():
                 nbytes = sum(f.reservation.size_bytes for f in done)
-                wall_s = max(f.ended_s for f in done) - min(f.started_s for f in done)
-                self._note_bandwidth(tier, nbytes, wall_s)
+                busy_s = _busy_seconds([(f.started_s, f.ended_s) for f in done])
+                self._note_bandwidth(tier, nbytes, busy_s)
+
+    def _read_one(self, f: _Flight) -> None:
+        """A reader's part of a lease batch (a pool thread's, or the caller's for a batch of
+        one): read and verify one chunk, touching no state but the flight's own (the store's
+        lock is not held), unless the batch gave up on it: before the read begins, nothing is
+        read; after, the reader gives the reserved space back."""
+        with self._flight_lock:
+            if f.state is not _PLANNED:  # the batch gave up on it before it began
+                return
+            f.state = _READING
+        outcome = _DROPPED  # until the read is over: cut short, the bytes are not the chunk's
+        f.started_s = time.perf_counter()
+        try:
+            f.why = f.src.read_planned(f.plan, f.view)
+            outcome = _READ
+        except Exception as exc:
+            f.error = exc
+            outcome = _READ
+        finally:
+            f.ended_s = time.perf_counter()
+            with self._flight_lock:
+                abandoned = f.state is _ABANDONED
+                f.state = outcome
+            if abandoned:  # nobody else will: give the reserved bytes back
+                with self._lock:
+                    f.home.abort(f.reservation)
 
     def _land(
         self, flights: list[_Flight], home: CpuTier, ttl_s: float, results: list[LeaseResult]
@@ -1201,9 +1288,18 @@ class TieredStore:
         """Commit one flight; True when its key must be resolved again."""
         e, src, r = f.entry, f.src, f.reservation
         self._promoting.discard(e.key)
-        if not f.ended_s:
-            # still being read (an interrupt cut this thread's wait short): the reader may
-            # write into the reserved bytes yet, so they stay reserved, never handed out
+        with self._flight_lock:
+            state = f.state
+            if state is _READING:
+                f.state = _ABANDONED
+            elif state is _PLANNED:  # never begun (cut short, or the pool was shut down)
+                f.state = state = _DROPPED
+        if state is not _READ:
+            # given up on (an interrupt cut this thread's wait short, or the store closed): a
+            # read still going may write into the reserved bytes yet, so they stay reserved,
+            # never handed out, until that reader gives them back (``_read_one``)
+            if state is _DROPPED:
+                home.abort(r)
             self._end_read(e, src.name)
             return False
         current = self._is_current(e, src, f.plan)
@@ -1229,10 +1325,15 @@ class TieredStore:
             return False
         try:
             self._delete_copy(src, e.key)
-        except BaseException:
+        except BaseException as exc:
             home.delete(e.key)  # still one copy, in src
             self._end_read(e, src.name)
-            raise
+            if not isinstance(exc, TierUnavailable):
+                raise
+            # the disk copy cannot be removed (its disk went read-only, say): the chunk stays
+            # there, and this key is a fallback (read it with read_into), not a failed batch
+            self.stats.tiers[src.name].bytes_read += e.size_bytes
+            return False
         e.tier = home.name  # before _end_read, which must not put it back in src's policy
         self._end_read(e, src.name)
         self._offline.pop(home.name, None)
@@ -1345,15 +1446,26 @@ class TieredStore:
             except TierUnavailable as exc:
                 self._take_offline(dst, exc)
                 raise
-        except (CapacityError, DiskFullError, TierUnavailable):
+        except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument):
+            # InvalidArgument: dst refused the put (it already has the key): nothing moved
             if down:
                 self.stats.demotion_failures += 1
             return False
         self._offline.pop(dst.name, None)
-        if delete_later:
-            self._delete_copy(src, e.key)
-        else:
-            src.delete(e.key)
+        try:
+            if delete_later:
+                self._delete_copy(src, e.key)
+            else:
+                src.delete(e.key)
+        except BaseException as exc:
+            # src's copy could not be deleted (a rename or unlink failing with EIO or EROFS):
+            # take dst's back, so the chunk stays in one tier, src, as the index says
+            dst.delete(e.key)
+            if not isinstance(exc, TierUnavailable):
+                raise
+            if down:
+                self.stats.demotion_failures += 1
+            return False
         e.tier = dst.name
         self.stats.tiers[dst.name].bytes_written += e.size_bytes
         if e.pinned:
@@ -1463,15 +1575,15 @@ class TieredStore:
             listener(event)
 
 
-def _read_flight(f: _Flight) -> None:
-    """A pool thread's part of a lease batch: read and verify one chunk, touching no state but
-    the flight's own (the store's lock is not held)."""
-    f.started_s = time.perf_counter()
-    try:
-        f.why = f.src.read_planned(f.plan, f.view)
-    except Exception as exc:
-        f.error = exc
-    f.ended_s = time.perf_counter()
+def _busy_seconds(spans: Iterable[tuple[float, float]]) -> float:
+    """Length of the union of the ``(start, end)`` intervals: the time at least one ran."""
+    total = 0.0
+    covered_to = -math.inf
+    for start, end in sorted(spans):
+        if end > covered_to:
+            total += end - max(start, covered_to)
+            covered_to = end
+    return total
 
 
 def _byte_view(out: Buffer) -> memoryview:

@@ -874,3 +874,30 @@ def test_delete_later_forgets_at_once_and_leaves_the_unlink_to_its_call(tmp_path
     assert list(again.keys()) == [key(1)]
     chunk_path(tmp_path, key(1)).unlink()
     assert again.delete_later(key(1)) is None and key(1) not in again  # file already gone
+
+
+def test_a_put_near_capacity_unlinks_the_files_still_waiting_for_their_unlink(
+    tmp_path: Path,
+) -> None:
+    # a renamed-away file keeps its blocks until its unlink: near a full disk a put writing
+    # before that could hit ENOSPC, so the put unlinks it first
+    tier = DiskTier(tmp_path, 10_000)
+    put(tier, 1, 5000)
+    put(tier, 2, 5000)
+    cleanup = tier.delete_later(key(1))
+    assert cleanup is not None
+    assert tier.used_bytes == 5000 and tier.pending_unlink_bytes == 5000
+    assert len(temp_files(tmp_path)) == 1
+    put(tier, 3, 5000)
+    assert temp_files(tmp_path) == [] and tier.pending_unlink_bytes == 0
+    cleanup()  # nothing left to do
+    assert tier.get(key(3)) == payload(3, 5000) and tier.get(key(2)) == payload(2, 5000)
+
+    # with room to spare a put leaves the unlink to its call (off the store's lock)
+    tier.resize(20_000)
+    later = tier.delete_later(key(2))
+    assert later is not None
+    put(tier, 4, 5000)
+    assert len(temp_files(tmp_path)) == 1 and tier.pending_unlink_bytes == 5000
+    later()
+    assert temp_files(tmp_path) == [] and tier.pending_unlink_bytes == 0

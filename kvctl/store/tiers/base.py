@@ -138,8 +138,9 @@ class Tier(ABC):
 
     def delete_later(self, key: bytes) -> Callable[[], None] | None:
         """Under the store's lock: remove ``key`` as ``delete`` does, leaving any slow clean-up
-        (freeing a large file's blocks) to the returned call, which the store makes later and
-        without its lock; None when nothing is left to do. Raises KeyNotFound."""
+        (freeing a large file's blocks) to the returned call, which the store makes later,
+        without its lock and in another thread (so the call must be safe there); None when
+        nothing is left to do. Raises KeyNotFound."""
         self.delete(key)
         return None
 

@@ -44,6 +44,7 @@ import functools
 import os
 import re
 import struct
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -129,6 +130,9 @@ _VERIFY_BUFFER_BYTES = 8 << 20
 _MAX_REASONS = 50
 # Linux caps a single read/write at this many bytes; larger requests come back short.
 _MAX_IO_BYTES = 0x7FFFF000
+# Longest a put waits for a clean-up thread to finish unlinking a file delete_later renamed away
+# (milliseconds normally); after it the put goes ahead, and a full disk is a DiskFullError.
+_TRASH_WAIT_S = 5.0
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # O_EXCL: a temp name is never reused, so finding one means a bug, not a file to overwrite.
@@ -182,6 +186,12 @@ class DiskTier(Tier):
         self._recovered: list[ChunkMeta] = []
         self._dir_fds: dict[str, int] = {}  # only used with fsync=True
         self._tmp_seq = 0
+        # Files delete_later renamed away whose unlink has not finished: their blocks are still
+        # taken, so a put near capacity unlinks them first (``_free_trash``). The clean-up
+        # calls run without the store's lock, hence a lock of their own.
+        self._trash: dict[str, int] = {}  # path -> payload bytes, unlink not yet begun
+        self._trash_bytes = 0  # payload bytes of every such file until its unlink has finished
+        self._trash_cv = threading.Condition(threading.Lock())
         self._lock_fd = -1
         self._closed = True  # until the directory is locked
         self.dropped_on_open = 0
@@ -203,9 +213,17 @@ class DiskTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        """Payload bytes stored; file headers and filesystem block rounding are extra."""
+        """Payload bytes stored; file headers and filesystem block rounding are extra, and so
+        are files ``delete_later`` renamed away until they are unlinked (``pending_unlink_bytes``;
+        a put that needs their room unlinks them first)."""
         self._check_open()
         return self._used_bytes
+
+    @property
+    def pending_unlink_bytes(self) -> int:
+        """Payload bytes of deleted chunks whose files still wait for their unlink."""
+        with self._trash_cv:
+            return self._trash_bytes
 
     def __contains__(self, key: object) -> bool:
         self._check_open()
@@ -237,6 +255,7 @@ class DiskTier(Tier):
         key = meta.key
         if len(key) != KEY_BYTES:
             raise InvalidArgument(f"disk tier keys are {KEY_BYTES} bytes, got {len(key)}")
+        self._free_trash(meta.size_bytes)
         checksum = _CHECKSUMS[CHECKSUM_KIND][0](payload)
         header = _encode_header(meta, CHECKSUM_KIND, checksum)
 
@@ -379,7 +398,9 @@ class DiskTier(Tier):
         """Forget ``key`` now and rename its file out of the way (a metadata change); the
         unlink, which frees the file's blocks (milliseconds for a large chunk), is the returned
         call's. The new name is a temp file's, so one left by a crash is removed at the next
-        open. Not for making room: the blocks are only free once the call has run."""
+        open. Not for making room: the blocks are only free once the call has run. Until then
+        the file's bytes still count against the capacity for puts: a put they would take over
+        it unlinks the file itself first (the call then has nothing left to do)."""
         self._check_open()
         entry = self._entry(key)
         key_hex = key.hex()
@@ -397,7 +418,12 @@ class DiskTier(Tier):
             ) from exc
         del self._index[key]
         self._used_bytes -= entry.meta.size_bytes
-        return functools.partial(_unlink_quietly, trash) if trash else None
+        if not trash:
+            return None
+        with self._trash_cv:
+            self._trash[trash] = entry.meta.size_bytes
+            self._trash_bytes += entry.meta.size_bytes
+        return functools.partial(self._unlink_trash, trash)
 
     def resize(self, capacity_bytes: int) -> None:
         self._check_open()
@@ -449,6 +475,49 @@ class DiskTier(Tier):
             self.close()
 
     # --- internals --------------------------------------------------------------------------
+    def _unlink_trash(self, path: str) -> None:
+        """The clean-up ``delete_later`` returns (any thread, no store lock): unlink ``path``
+        unless a put already did."""
+        with self._trash_cv:
+            n = self._trash.pop(path, None)
+        if n is None:
+            return
+        try:
+            _unlink_quietly(path)
+        finally:
+            with self._trash_cv:
+                self._trash_bytes -= n
+                self._trash_cv.notify_all()
+
+    def _free_trash(self, need: int) -> None:
+        """Before a put of ``need`` bytes: when the chunks plus the files waiting for their
+        unlink leave less than that of the capacity, unlink those files here (and wait, bounded,
+        for any a clean-up thread is unlinking), so their blocks are free before the write:
+        near a full disk it would hit ENOSPC otherwise."""
+        cv = self._trash_cv
+
+        def fits() -> bool:
+            return self._capacity_bytes - self._used_bytes - self._trash_bytes >= need
+
+        with cv:
+            if fits():
+                return
+            mine: list[tuple[str, int]] = []
+            room = self._capacity_bytes - self._used_bytes - self._trash_bytes
+            while self._trash and room < need:
+                path, n = next(iter(self._trash.items()))
+                del self._trash[path]
+                mine.append((path, n))
+                room += n
+        try:
+            for path, _ in mine:
+                _unlink_quietly(path)
+        finally:
+            with cv:
+                self._trash_bytes -= sum(n for _, n in mine)
+                cv.notify_all()
+                cv.wait_for(fits, _TRASH_WAIT_S)
+
     def _check_open(self) -> None:
         if self._closed:
             raise TierUnavailable(f"disk tier {self.name!r} ({self.directory}) is closed")
