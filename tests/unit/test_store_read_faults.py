@@ -305,8 +305,10 @@ def test_a_slow_unlink_does_not_lower_a_batchs_measured_bandwidth(tmp_path: Path
     finally:
         disk.unlink_gate.set()
     bw = store.read_bandwidth()["disk"]
-    # two reads of 0.3 s at once: ~2 * size / 0.3 s (one after the other, it would be half)
-    assert bw is not None and bw > 1.5 * size / 0.3, bw
+    # two reads of 0.3 s at once: ~2 * size / 0.3 s; timed from the batch's start behind the
+    # held unlink it was ~1 * size / 0.3 s (a wide margin: the two reads start together, give
+    # or take a busy machine's scheduling)
+    assert bw is not None and bw > 1.2 * size / 0.3, bw
     assert bw < 2 * size / 0.3
 
 
