@@ -6,7 +6,6 @@ starts servers around it.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -279,10 +278,10 @@ def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> Callable[[], None] 
 
     A resize replaces the arena, and the cpu tier cannot close the old mapping while the
     registration holds it: registered again only before the gpu tier's next copy, an idle gpu
-    tier would keep the old arena pinned and mapped beside the new one. So the cpu tier's
-    ``resize`` (however it is reached: the store calls it under its lock) is wrapped here to
-    register the new arena at once, unregister the old one, then close the old mapping (which a
-    sender still holding a slice keeps until it lets go, as the cpu tier does)."""
+    tier would keep the old arena pinned and mapped beside the new one. So the registration
+    follows the arena at once: the cpu tier calls back with the new arena in place and the old
+    one still mapped, the registry registers the new and lets go of the old, and the cpu tier
+    then releases it (a sender still holding a slice keeps it mapped until it lets go)."""
     cpu = store.lease_tier
     if not isinstance(cpu, CpuTier):
         return None
@@ -294,26 +293,16 @@ def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> Callable[[], None] 
         cpu.capacity_bytes,
         time.perf_counter() - started_s,
     )
-    resize = cpu.resize
 
-    def resize_and_follow(capacity_bytes: int) -> None:
-        old, generation = cpu.arena_mapping()  # raises TierUnavailable, as resize would
-        try:
-            resize(capacity_bytes)
-        finally:
-            if cpu.generation != generation:  # replaced (not when resized in place or failed)
-                gpu.host_registry.refresh()
-                with contextlib.suppress(BufferError):
-                    old.close()
-                if not any(r["owner"] == _CPU_ARENA for r in gpu.host_regions()):
-                    log.warning("resized cpu arena not registered with CUDA: copies are staged")
-            del old
+    def follow() -> None:
+        gpu.host_registry.refresh()
+        if not any(r["owner"] == _CPU_ARENA for r in gpu.host_regions()):
+            log.warning("resized cpu arena not registered with CUDA: copies are staged")
 
-    cpu.resize = resize_and_follow  # type: ignore[method-assign]
+    remove_hook = cpu.on_arena_replaced(follow)
 
     def undo() -> None:
-        if cpu.__dict__.get("resize") is resize_and_follow:
-            del cpu.resize
+        remove_hook()
         gpu.unregister_host_region(_CPU_ARENA)
 
     return undo

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import bisect
 import errno
+import logging
 import mmap
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound, TierUnavailable
@@ -39,6 +40,8 @@ from kvctl.store.tiers.base import (
     check_put,
     check_resize,
 )
+
+log = logging.getLogger(__name__)
 
 
 class ArenaAllocator:
@@ -139,6 +142,7 @@ class CpuTier(Tier):
         self.name = name
         self.shared = shared
         self._capacity_bytes = capacity_bytes
+        self._replaced_hooks: list[Callable[[], None]] = []
         self._fd = -1
         self._arena, self._fd = _new_arena(capacity_bytes, shared=shared, name=name)
         self._view = memoryview(self._arena)
@@ -407,7 +411,7 @@ class CpuTier(Tier):
                 view[cursor : cursor + n] = self._view[off : off + n]
                 self._slots[key] = (cursor, n)
                 cursor += n
-            self._release_arena()
+            old = (self._arena, self._view, self._fd)
             self._arena, self._view, self._fd = arena, view, fd
             self._capacity_bytes = capacity_bytes
             # leases of the old generation keep their readers' mappings; they no longer hold
@@ -421,20 +425,26 @@ class CpuTier(Tier):
             self._reserved_bytes = 0
             self._region_leases.clear()
             used = [(0, cursor)] if cursor else []
+            # while the old arena is still mapped: whoever holds it (a registration with CUDA)
+            # lets go of it, then it is released
+            for hook in list(self._replaced_hooks):
+                try:
+                    hook()
+                except Exception:  # a listener's failure must not fail the resize
+                    log.exception("a listener of the %s arena's replacement failed", self.name)
+            _release(*old)
         self._alloc.rebuild(capacity_bytes, used)
         self.compactions += 1
 
     def _release_arena(self) -> None:
-        # A sender may still hold a slice of the old arena: then closing raises BufferError, and
-        # the map is freed when the last slice goes instead.
-        try:
-            self._view.release()
-            self._arena.close()
-        except BufferError:
-            pass
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        _release(self._arena, self._view, self._fd)
+        self._fd = -1
+
+    def on_arena_replaced(self, hook: Callable[[], None]) -> Callable[[], None]:
+        """Call ``hook`` each time a resize replaces the arena, with the new one in place
+        (``arena_mapping``) and the old one still mapped; returns what removes the hook."""
+        self._replaced_hooks.append(hook)
+        return lambda: self._replaced_hooks.remove(hook) if hook in self._replaced_hooks else None
 
     def arena_mapping(self) -> tuple[mmap.mmap, int]:
         """The arena's mapping and its generation (a resize replaces both), for registering it
@@ -467,3 +477,15 @@ def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mm
 
 def _hex(key: object) -> str:
     return key.hex() if isinstance(key, bytes | bytearray) else repr(key)
+
+
+def _release(arena: mmap.mmap, view: memoryview, fd: int) -> None:
+    # A sender may still hold a slice of the arena: then closing raises BufferError, and the map
+    # is freed when the last slice goes instead.
+    try:
+        view.release()
+        arena.close()
+    except BufferError:
+        pass
+    if fd >= 0:
+        os.close(fd)
