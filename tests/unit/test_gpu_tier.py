@@ -37,19 +37,9 @@ from kvctl.store.tiers.cpu import ArenaAllocator, CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from kvctl.store.tiers.gpu import GpuTier, gpu_available, host_view, parse_device
 from kvctl.store.tiers.hostreg import HostRegistry, buffer_address, register_host
+from tests.unit.cuda_marks import CUDA, needs_cuda, needs_torch, torch, without_cuda
 from tests.unit.hostreg_fakes import PAGE, FakeRegistrar, mapped, shared_maps
 
-try:
-    import torch
-
-    CUDA = torch.cuda.is_available()
-except ImportError:  # torch is an optional dependency
-    torch = None  # type: ignore[assignment]
-    CUDA = False
-
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs torch with CUDA and a visible GPU")
-needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (pip install 'kvctl[engine]')")
-without_cuda = pytest.mark.skipif(CUDA, reason="checks behaviour on a machine without CUDA")
 #: small staging slots, so chunks of a few KiB already cross the bus in several pieces
 SLOT = 4096
 

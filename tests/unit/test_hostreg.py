@@ -33,20 +33,8 @@ from kvctl.store.tiers.hostreg import (
     register_host,
     registration_available,
 )
+from tests.unit.cuda_marks import needs_cuda, needs_torch, torch, without_cuda
 from tests.unit.hostreg_fakes import PAGE, FakeRegistrar, mapped, shared_maps
-
-try:
-    import torch
-
-    CUDA = torch.cuda.is_available()
-except ImportError:  # torch is an optional dependency
-    torch = None  # type: ignore[assignment]
-    CUDA = False
-
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs torch with CUDA and a visible GPU")
-needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (pip install 'kvctl[engine]')")
-without_cuda = pytest.mark.skipif(CUDA, reason="checks behaviour on a machine without CUDA")
-
 
 # --- everywhere: addresses and aliasing --------------------------------------------------------
 
