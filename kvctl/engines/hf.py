@@ -182,6 +182,8 @@ class CachedLM:
         self._samples: list[tuple[int, int, float]] = []
         self._h2d_bytes_per_s: float | None = None
         self._writer: WriteBehind | None = None
+        #: the CUDA stream the writer packs new chunks on (made on first store)
+        self._pack_stream: Any = None
 
     @property
     def client(self) -> DataClient | None:
@@ -338,15 +340,15 @@ class CachedLM:
         """Hand the prompt's full chunks the agent may not hold to the writer (or write them
         now, with ``write_behind`` off); the future says what was stored."""
         client = self.client
-        done: Future[Stored] = Future()
         report = self._take_report()
-        if client is None or (report is None and (not self.store or len(keys) <= reused)):
-            done.set_result(Stored(0, 0, 0.0))
-            return done
         # chunks the lookup saw cached are skipped; those past it are asked about by the writer
         todo = [i for i in range(reused, len(keys)) if i >= len(locations) or locations[i] is None]
         if not self.store:
             todo = []
+        if client is None or (not todo and report is None):
+            done: Future[Stored] = Future()
+            done.set_result(Stored(0, 0, 0.0))
+            return done
         # the cache's tensors are replaced, not written, as it grows: holding them is enough
         ks = [layer.keys for layer in cache.layers]
         vs = [layer.values for layer in cache.layers]
@@ -361,16 +363,20 @@ class CachedLM:
             report=report,
         )
         if self.device.type == "cuda":
+            # packed on the writer's own stream once the forward pass that wrote them is done
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-            stream = torch.cuda.Stream(self.device)
+            if self._pack_stream is None:
+                self._pack_stream = torch.cuda.Stream(self.device)
+            stream = self._pack_stream
+            pack = job.pack
 
-            def on_device(i: int) -> Any:
+            def on_stream(i: int) -> Any:
                 with torch.cuda.stream(stream):
-                    return self.format.pack(ks, vs, i).cpu().numpy()
+                    return pack(i)
 
             job.prepare = lambda: stream.wait_event(ready)
-            job.pack = on_device
+            job.pack = on_stream
         if self._writer is None:
             self._writer = WriteBehind(client)
         stored = self._writer.submit(job)
