@@ -6,6 +6,7 @@ first chunk came back with another chunk's bytes and nothing noticed."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from kvctl.client import DataClient
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
-from tests.functional.agents import key, payload
+from tests.functional.agents import key, payload, running_agent
 
 CHUNK = 64 << 10
 
@@ -74,3 +75,22 @@ def test_a_reply_across_an_arena_resize_serves_the_right_bytes(tmp_path: Path, r
     finally:
         server.stop()
         runtime.close()
+
+
+def test_calls_inside_a_leased_block_do_not_deadlock(tmp_path: Path) -> None:
+    """The client's lock is held across a ``leased()`` block; the same thread may still use the
+    client inside it (a plain lock hung here for ever, found in review)."""
+    with running_agent(tmp_path) as agent, agent.data("unix") as client:
+        a = key(1)
+        client.put(a, payload(a, CHUNK), tenant="t")
+        done = threading.Event()
+
+        def inside() -> None:
+            with client.leased([a], tenant="t") as leases:
+                assert client.exists([a], tenant="t") == ["cpu"]
+                assert bytes(leases.view(0)) == payload(a, CHUNK)
+            done.set()
+
+        worker = threading.Thread(target=inside, daemon=True)
+        worker.start()
+        assert done.wait(30), "a call inside leased() blocked on the client's own lock"
