@@ -20,8 +20,10 @@ branch_labels = None
 depends_on = None
 
 Int, B, F, S = sa.Integer, sa.BigInteger, sa.Float, sa.String
-# stem: (keys with types, sums with types, gauges)
-ROLLUPS: dict[str, tuple[list[tuple[str, object]], list[tuple[str, object]], list[str]]] = {
+#: (keys with types, sums with types, gauges)
+Layout = tuple[list[tuple[str, object]], list[tuple[str, object]], list[str]]
+# stem: layout
+ROLLUPS: dict[str, Layout] = {
     "node": ([("node_id", Int())], [("up", B())], ["scrape_seconds"]),
     "cache": (
         [("node_id", Int()), ("tier", S(16))],
@@ -71,9 +73,10 @@ ROLLUPS: dict[str, tuple[list[tuple[str, object]], list[tuple[str, object]], lis
 RESOLUTIONS = ("1m", "1h")
 
 
-def create_rollup(stem: str, res: str) -> None:
-    """Create rollup table ``{stem}_{res}`` in this revision's layout (0004 reuses it)."""
-    keys, sums, gauges = ROLLUPS[stem]
+def create_rollup(stem: str, res: str, layout: Layout | None = None) -> None:
+    """Create rollup table ``{stem}_{res}`` in this revision's layout (0004 reuses it), of
+    ``layout`` where given (a later revision's series), else of :data:`ROLLUPS`' ``stem``."""
+    keys, sums, gauges = ROLLUPS[stem] if layout is None else layout
     name = f"{stem}_{res}"
     cols: list[sa.Column[object]] = [sa.Column("bucket_ms", B(), nullable=False)]
     cols += [sa.Column(k, t, nullable=False) for k, t in keys]  # type: ignore[arg-type]

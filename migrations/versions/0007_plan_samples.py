@@ -10,6 +10,8 @@ Create Date: 2026-11-22
 
 from __future__ import annotations
 
+import importlib
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -25,6 +27,15 @@ FLOAT_SUMS = ("saved_s", "recompute_s", "fetch_s")
 INT_SUMS = ("fetch_chunks", "recompute_chunks")
 DAY_MS = 86_400_000
 
+# the module name starts with a digit, so no plain import statement can name it
+_rollups = importlib.import_module("migrations.versions.0003_rollups")
+#: the rollups' layout in 0003's form: keys, sums, no gauges
+ROLLUP = (
+    [("node_id", sa.Integer()), ("prefill_basis", sa.String(16))],
+    [*((c, sa.Float()) for c in FLOAT_SUMS), *((c, sa.BigInteger()) for c in INT_SUMS)],
+    [],
+)
+
 
 def _timescale_installed() -> bool:
     """Whether 0002 made the sample tables hypertables (this one then becomes one too)."""
@@ -33,13 +44,6 @@ def _timescale_installed() -> bool:
         return False
     found = bind.execute(sa.text("SELECT 1 FROM pg_extension WHERE extname = 'timescaledb'"))
     return found.first() is not None
-
-
-def _keys() -> list[sa.Column[object]]:
-    return [
-        sa.Column("node_id", sa.Integer(), nullable=False),
-        sa.Column("prefill_basis", sa.String(16), nullable=False),
-    ]
 
 
 def upgrade() -> None:
@@ -59,24 +63,12 @@ def upgrade() -> None:
             "if_not_exists => TRUE, create_default_indexes => FALSE)"
         )
     for res in RESOLUTIONS:
-        name = f"{ROLLUP_STEM}_{res}"
-        op.create_table(
-            name,
-            sa.Column("bucket_ms", sa.BigInteger(), nullable=False),
-            *_keys(),
-            sa.Column("samples", sa.Integer(), nullable=False),
-            *(sa.Column(c, sa.Float(), nullable=True) for c in FLOAT_SUMS),
-            *(sa.Column(c, sa.BigInteger(), nullable=True) for c in INT_SUMS),
-            sa.PrimaryKeyConstraint("node_id", "prefill_basis", "bucket_ms", name=f"pk_{name}"),
-        )
-        op.create_index(f"ix_{name}_bucket_ms", name, ["bucket_ms"], postgresql_using="brin")
+        _rollups.create_rollup(ROLLUP_STEM, res, ROLLUP)
 
 
 def downgrade() -> None:
     for res in reversed(RESOLUTIONS):
-        name = f"{ROLLUP_STEM}_{res}"
-        op.drop_index(f"ix_{name}_bucket_ms", table_name=name)
-        op.drop_table(name)
+        _rollups.drop_rollup(ROLLUP_STEM, res)
     op.drop_index(f"ix_{TABLE}_ts_ms", table_name=TABLE)
     op.drop_table(TABLE)
     # the rollup watermarks of the dropped tables would claim work done on a later upgrade
