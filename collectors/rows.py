@@ -101,8 +101,8 @@ def plan_rows(
     if not isinstance(plans, Mapping) or not isinstance(plans.get("plans"), Mapping):
         return []
     p: Mapping[str, Any] = plans["plans"]
-    prefill = plans.get("prefill") or {}
-    kind = prefill.get("kind") or str(prefill.get("basis", "")).split(":", 1)[0].strip()
+    # the agent's PrefillModel reports its basis's kind alongside the basis text
+    kind = (plans.get("prefill") or {}).get("kind")
     raw = {c: p.get(c) for c in ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")}
     inc = tracker.increase(f"plan:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
     recompute_s, fetch_s = inc["recompute_s"], inc["fetch_s"]

@@ -242,7 +242,7 @@ def gpu_time_note(c: Any) -> str:
     if bases == [MEASURED]:
         rate = "measured prefill rate"
     else:  # configured or modeled rates make the plans' saving a model, whatever was measured
-        rate = f"{' + '.join(bases) or 'unknown'} prefill rate: modeled from plan"
+        rate = f"{' + '.join(bases)} prefill rate: modeled from plan"
     note = (
         f"agents' plans: prefill {fmt_seconds(c.plan_recompute_s)} - fetch "
         f"{fmt_seconds(c.plan_fetch_s)} of {c.plan_fetch_chunks:,} chunks taken ({rate})"
