@@ -157,6 +157,17 @@ class Tier(ABC):
         """Release resources. Further use raises TierUnavailable."""
 
 
+def byte_view(data: Buffer) -> memoryview:
+    """``data`` as flat bytes (a typed array's memory read byte for byte), no copy."""
+    view = memoryview(data)
+    if view.format == "B" and view.ndim == 1:
+        return view
+    try:
+        return view.cast("B")
+    except TypeError as exc:  # non-contiguous arrays cannot be written or read in one piece
+        raise InvalidArgument(f"chunk buffers must be C-contiguous: {exc}") from None
+
+
 def check_capacity(capacity_bytes: int, what: str = "capacity") -> int:
     """Validate a capacity value with a clear message."""
     if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
@@ -188,6 +199,12 @@ def check_put(tier: Tier, meta: ChunkMeta, data: Buffer | None) -> None:
         n = memoryview(data).nbytes
         if n != meta.size_bytes:
             raise PayloadSizeError(f"payload is {n} bytes but the chunk declares {meta.size_bytes}")
+    check_room(tier, meta)
+
+
+def check_room(tier: Tier, meta: ChunkMeta) -> None:
+    """``check_put``'s last checks, for any new chunk (a put, a reservation): its key is not
+    in ``tier`` yet and its size fits the free bytes."""
     if meta.key in tier:
         raise InvalidArgument(f"key {meta.key.hex()} is already in tier {tier.name!r}")
     if meta.size_bytes > tier.free_bytes:

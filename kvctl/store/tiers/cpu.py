@@ -39,6 +39,7 @@ from kvctl.store.tiers.base import (
     check_capacity,
     check_put,
     check_resize,
+    check_room,
 )
 
 log = logging.getLogger(__name__)
@@ -253,10 +254,7 @@ class CpuTier(Tier):
         n = meta.size_bytes
         if n <= 0:
             raise InvalidArgument(f"chunk size must be positive, got {n}")
-        if meta.key in self._slots:
-            raise InvalidArgument(f"key {_hex(meta.key)} is already in tier {self.name!r}")
-        if n > self.free_bytes:
-            raise CapacityError(f"tier {self.name!r} has {self.free_bytes} free bytes, need {n}")
+        check_room(self, meta)
         off = self._alloc_region(n)
         self._reserved[off] = (meta.key, n)
         self._reserved_bytes += n

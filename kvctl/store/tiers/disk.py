@@ -64,6 +64,7 @@ from kvctl.store.tiers.base import (
     ChunkMeta,
     ReadPlan,
     Tier,
+    byte_view,
     check_capacity,
     check_put,
     check_resize,
@@ -251,7 +252,7 @@ class DiskTier(Tier):
         self._check_open()
         check_put(self, meta, data)
         assert data is not None  # check_put guarantees it for payload tiers
-        payload = _byte_view(data)
+        payload = byte_view(data)
         key = meta.key
         if len(key) != KEY_BYTES:
             raise InvalidArgument(f"disk tier keys are {KEY_BYTES} bytes, got {len(key)}")
@@ -262,9 +263,7 @@ class DiskTier(Tier):
         key_hex = key.hex()
         subdir = key_hex[:2]
         path = f"{self.directory}/{subdir}/{key_hex}{_CHUNK_SUFFIX}"
-        self._tmp_seq += 1
-        # pid in the name only tells an operator whose write it was; the lock makes it unique
-        tmp = f"{self.directory}/{subdir}/.{key_hex}.{os.getpid()}.{self._tmp_seq}{_TMP_SUFFIX}"
+        tmp = self._temp_path(key_hex)
         fd = -1
         renamed = False
         try:
@@ -312,7 +311,7 @@ class DiskTier(Tier):
         """
         plan = self.plan_read(key)
         n = plan.size_bytes
-        dest = _byte_view(out)
+        dest = byte_view(out)
         if dest.readonly:
             raise InvalidArgument("read_into needs a writable buffer")
         if dest.nbytes < n:
@@ -334,7 +333,7 @@ class DiskTier(Tier):
         is a failed or a correct read, never wrong bytes: the checksum is the one planned)."""
         entry = plan.source
         assert isinstance(entry, _Entry)
-        dest = _byte_view(out)
+        dest = byte_view(out)
         n = plan.size_bytes
         if dest.readonly or dest.nbytes != n:
             raise InvalidArgument(f"a planned read needs a writable buffer of exactly {n} bytes")
@@ -379,20 +378,7 @@ class DiskTier(Tier):
         )
 
     def delete(self, key: bytes) -> int:
-        self._check_open()
-        entry = self._entry(key)
-        path = self._path(key)
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass  # already gone (someone cleaned the directory); the map is what matters
-        except OSError as exc:
-            raise TierUnavailable(
-                f"disk tier {self.name!r} cannot delete {path}: {exc.strerror}"
-            ) from exc
-        del self._index[key]
-        self._used_bytes -= entry.meta.size_bytes
-        return entry.meta.size_bytes
+        return self._forget_file(key, os.unlink)[0]
 
     def delete_later(self, key: bytes) -> Callable[[], None] | None:
         """Forget ``key`` now and rename its file out of the way (a metadata change); the
@@ -401,28 +387,13 @@ class DiskTier(Tier):
         open. Not for making room: the blocks are only free once the call has run. Until then
         the file's bytes still count against the capacity for puts: a put they would take over
         it unlinks the file itself first (the call then has nothing left to do)."""
-        self._check_open()
-        entry = self._entry(key)
-        key_hex = key.hex()
-        path = self._path(key)
-        self._tmp_seq += 1
-        trash = f"{self.directory}/{key_hex[:2]}/.{key_hex}.{os.getpid()}.{self._tmp_seq}"
-        trash += _TMP_SUFFIX
-        try:
-            os.rename(path, trash)
-        except FileNotFoundError:
-            trash = ""  # already gone; the map is what matters
-        except OSError as exc:
-            raise TierUnavailable(
-                f"disk tier {self.name!r} cannot delete {path}: {exc.strerror}"
-            ) from exc
-        del self._index[key]
-        self._used_bytes -= entry.meta.size_bytes
-        if not trash:
+        trash = self._temp_path(key.hex())
+        n, found = self._forget_file(key, lambda path: os.rename(path, trash))
+        if not found:
             return None
         with self._trash_cv:
-            self._trash[trash] = entry.meta.size_bytes
-            self._trash_bytes += entry.meta.size_bytes
+            self._trash[trash] = n
+            self._trash_bytes += n
         return functools.partial(self._unlink_trash, trash)
 
     def resize(self, capacity_bytes: int) -> None:
@@ -475,6 +446,34 @@ class DiskTier(Tier):
             self.close()
 
     # --- internals --------------------------------------------------------------------------
+    def _forget_file(self, key: bytes, remove: Callable[[str], object]) -> tuple[int, bool]:
+        """``delete``'s and ``delete_later``'s common part: forget ``key`` once ``remove`` (an
+        unlink, a rename) took its file's path away. Returns the payload bytes freed and whether
+        the file was there (one already gone, someone cleaned the directory: the map is what
+        matters)."""
+        self._check_open()
+        entry = self._entry(key)
+        path = self._path(key)
+        found = True
+        try:
+            remove(path)
+        except FileNotFoundError:
+            found = False
+        except OSError as exc:
+            raise TierUnavailable(
+                f"disk tier {self.name!r} cannot delete {path}: {exc.strerror}"
+            ) from exc
+        del self._index[key]
+        self._used_bytes -= entry.meta.size_bytes
+        return entry.meta.size_bytes, found
+
+    def _temp_path(self, key_hex: str) -> str:
+        """A new temp file's name beside the chunk's (a crash's leftovers go at the next open).
+        The pid only tells an operator whose file it was; the directory lock makes it unique."""
+        self._tmp_seq += 1
+        name = f".{key_hex}.{os.getpid()}.{self._tmp_seq}{_TMP_SUFFIX}"
+        return f"{self.directory}/{key_hex[:2]}/{name}"
+
     def _unlink_trash(self, path: str) -> None:
         """The clean-up ``delete_later`` returns (any thread, no store lock): unlink ``path``
         unless a put already did."""
@@ -500,10 +499,10 @@ class DiskTier(Tier):
             return self._capacity_bytes - self._used_bytes - self._trash_bytes >= need
 
         with cv:
-            if fits():
+            room = self._capacity_bytes - self._used_bytes - self._trash_bytes
+            if room >= need:
                 return
             mine: list[tuple[str, int]] = []
-            room = self._capacity_bytes - self._used_bytes - self._trash_bytes
             while self._trash and room < need:
                 path, n = next(iter(self._trash.items()))
                 del self._trash[path]
@@ -784,16 +783,6 @@ def _payload_matches(
 
 
 # --- low-level I/O ----------------------------------------------------------------------------
-def _byte_view(data: Buffer) -> memoryview:
-    view = memoryview(data)
-    if view.format == "B" and view.ndim == 1:
-        return view
-    try:
-        return view.cast("B")
-    except TypeError as exc:  # non-contiguous arrays cannot be written or read in one piece
-        raise InvalidArgument(f"chunk buffers must be C-contiguous: {exc}") from None
-
-
 def _write_all(fd: int, header: bytes, payload: memoryview) -> None:
     """Header and payload in one writev; loops only when the kernel writes short."""
     total = len(header) + payload.nbytes
