@@ -63,7 +63,7 @@ from kvctl.store.policies import (
     make_eviction_policy,
 )
 from kvctl.store.stats import StoreStats, TierStats
-from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier
+from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, byte_view
 from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 
 _MAX_TENANTS_TRACKED = 8
@@ -444,12 +444,7 @@ class TieredStore:
             matched_tokens = sum(tokens)
             if m:
                 self._count_hits(prefix, tiers, tokens, tenant)
-            st = self.stats
-            st.lookups += 1
-            st.lookup_chunks += n
-            st.lookup_tokens += matched_tokens + (n - m) * self.chunk_tokens
-            st.hit_chunks += m
-            st.hit_tokens += matched_tokens
+            self._count_lookup(n, m, matched_tokens, m, matched_tokens)
             if entries.count(None) == n - m:
                 locations = (*tiers, *([None] * (n - m)))
             else:
@@ -480,7 +475,7 @@ class TieredStore:
         """Copy a chunk into ``out``; returns its size. Promotes a hit below the lease tier
         into it (never into a gpu tier above it). A disk chunk is read without the store's
         lock (see the module docstring)."""
-        return self._read_chunk(key, tenant, _byte_view(out))[0]
+        return self._read_chunk(key, tenant, byte_view(out))[0]
 
     def get(self, key: bytes, *, tenant: str = "") -> bytearray:
         """A chunk's bytes in a new buffer owned by the caller."""
@@ -800,9 +795,7 @@ class TieredStore:
             try:
                 tier.read_into(key, memoryview(buf))
             except CorruptChunk:
-                self.stats.corrupt_dropped += 1
-                self.stats.tiers[e.tier].evictions["corrupt"] += 1
-                self._forget(e)
+                self._drop_corrupt(e)
                 return None
             return _meta(e), buf
 
@@ -831,14 +824,10 @@ class TieredStore:
             tiers, tokens = [e.tier for e in prefix], [e.tokens for e in prefix]
             if m:
                 self._count_hits(prefix, tiers, tokens, tenant)
-            st = self.stats
-            st.lookups += 1
-            st.lookup_chunks += n
-            # what was asked for does not depend on the plan
-            st.lookup_tokens += seen.matched_tokens + (n - seen.matched_chunks) * self.chunk_tokens
-            st.hit_chunks += m
-            st.hit_tokens += sum(tokens)
-            return LookupResult(n, m, seen.locations, sum(tokens))
+            hit_tokens = sum(tokens)
+            # what was asked for does not depend on the plan: the whole cached prefix
+            self._count_lookup(n, seen.matched_chunks, seen.matched_tokens, m, hit_tokens)
+            return LookupResult(n, m, seen.locations, hit_tokens)
 
     # --- internals --------------------------------------------------------------------------
     def _require_lease_tier(self) -> CpuTier:
@@ -890,6 +879,18 @@ class TieredStore:
             else:
                 found.append(e)
         return found, missing
+
+    def _count_lookup(
+        self, n: int, cached: int, cached_tokens: int, hits: int, hit_tokens: int
+    ) -> None:
+        """One lookup of ``n`` chunks whose cached prefix is ``cached`` chunks of
+        ``cached_tokens`` tokens (the rest count chunk_tokens each), ``hits`` of them hits."""
+        st = self.stats
+        st.lookups += 1
+        st.lookup_chunks += n
+        st.lookup_tokens += cached_tokens + (n - cached) * self.chunk_tokens
+        st.hit_chunks += hits
+        st.hit_tokens += hit_tokens
 
     def _count_hits(
         self, prefix: list[Entry], tiers: list[str], tokens: list[int], tenant: str
@@ -968,16 +969,16 @@ class TieredStore:
         try:
             n = tier.read_into(e.key, out)
         except CorruptChunk:
-            # the tier already deleted the bad copy; forget it and report a miss
-            self._count_corrupt(e)
-            self._forget(e)
+            self._drop_corrupt(e)  # and report a miss
             raise
         self.stats.tiers[e.tier].bytes_read += n
         self._note_bandwidth(tier.name, n, time.perf_counter() - started_s)
 
-    def _count_corrupt(self, e: Entry) -> None:
+    def _drop_corrupt(self, e: Entry) -> None:
+        """``e``'s tier dropped its copy as untrustworthy: count it, and forget ``e``."""
         self.stats.corrupt_dropped += 1
         self.stats.tiers[e.tier].evictions["corrupt"] += 1
+        self._forget(e)
 
     def _note_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes < MIN_BANDWIDTH_SAMPLE_BYTES or seconds <= 0:
@@ -1014,8 +1015,7 @@ class TieredStore:
     def _drop_unreadable(self, e: Entry, src: Tier, why: str) -> CorruptChunk:
         """A detached read found ``e``'s copy untrustworthy: drop it like ``_read`` does."""
         exc = src.drop_unreadable(e.key, why)
-        self._count_corrupt(e)
-        self._forget(e)
+        self._drop_corrupt(e)
         return exc
 
     def _read_chunk(
@@ -1076,6 +1076,16 @@ class TieredStore:
         self.stats.tiers[home.name].bytes_read += e.size_bytes
         return lease
 
+    def _promote_and_grant(
+        self, home: CpuTier, e: Entry, data: Buffer | None, ttl_s: float
+    ) -> Lease | None:
+        """Promote ``e`` into the lease tier under the lock and lease it there; None when it
+        did not land there."""
+        self._promote(e, data, home)
+        if e.tier == home.name and self._index.get(e.key) is e:
+            return self._grant(home, e, ttl_s)
+        return None
+
     def _lease_round(
         self,
         home: CpuTier,
@@ -1089,24 +1099,17 @@ class TieredStore:
         keys to resolve again (moved or evicted mid-read, or waited for)."""
         flights: list[_Flight] = []
         waiting: list[tuple[int, bytes]] = []
-        with self._lock:
-            try:
+        again: list[tuple[int, bytes]] = []
+        try:
+            with self._lock:
                 for i, key in pending:
                     flight = self._resolve(i, key, home, ttl_s, tenant, results, waiting)
                     if flight is not None:
                         flights.append(flight)
-            except BaseException:
-                for f in flights:  # none has started reading: undo them all
-                    self._promoting.discard(f.entry.key)
-                    home.abort(f.reservation)
-                    self._end_read(f.entry, f.src.name)
-                self._promoted.notify_all()
-                raise
-        again: list[tuple[int, bytes]] = []
-        try:
             if flights:
                 self._fly(flights)
         finally:
+            # every flight planned lands, read or not (a failed plan's are undone, unread)
             with self._lock:
                 try:
                     again += self._land(flights, home, ttl_s, results)
@@ -1145,9 +1148,7 @@ class TieredStore:
             return None
         src = self._tiers[self._tier_index[e.tier]]
         if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
-            self._promote(e, None, home)
-            landed = e.tier == home.name and self._index.get(key) is e
-            results[i] = self._grant(home, e, ttl_s) if landed else None
+            results[i] = self._promote_and_grant(home, e, None, ttl_s)
             return None
         return self._plan_flight(i, e, src, home)
 
@@ -1156,15 +1157,12 @@ class TieredStore:
         None when it cannot be held there (the checks ``_try_place`` makes for a promotion)."""
         if not self.promote_on_hit or e.pinned or not self._usable(home):
             return None
-        size = e.size_bytes
-        if size > home.capacity_bytes - self._pinned_bytes[home.name]:
-            return None
-        if home.free_bytes < size and not self._policies[home.name].admit(e, self._clock()):
+        if not self._may_place(e, home):
             return None
         plan = src.plan_read(e.key)
         self._begin_read(e)  # first, so demotions made to make room can never pick it
         try:
-            self._make_room(home, size)
+            self._make_room(home, e.size_bytes)
             reservation = home.reserve(_meta(e))
         except (CapacityError, InvalidArgument):
             # InvalidArgument: the lease tier already has the key (a copy the index does not
@@ -1319,9 +1317,7 @@ class TieredStore:
             # the old one; place them like any promotion
             self._end_read(e, src.name)
             self.stats.tiers[src.name].bytes_read += e.size_bytes
-            self._promote(e, f.view, home)
-            landed = e.tier == home.name and self._index.get(e.key) is e
-            results[f.index] = self._grant(home, e, ttl_s) if landed else None
+            results[f.index] = self._promote_and_grant(home, e, f.view, ttl_s)
             return False
         try:
             self._delete_copy(src, e.key)
@@ -1428,9 +1424,7 @@ class TieredStore:
             if down:
                 self.stats.demotion_failures += 1
             return False
-        if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
-            return False
-        if dst.free_bytes < e.size_bytes and not self._policies[dst.name].admit(e, self._clock()):
+        if not self._may_place(e, dst):
             return False
         if data is None and src.holds_payload:
             buf = bytearray(e.size_bytes)
@@ -1474,6 +1468,13 @@ class TieredStore:
         else:
             self._policies[dst.name].on_insert(e)
         return True
+
+    def _may_place(self, e: Entry, dst: Tier) -> bool:
+        """Whether ``e`` may go into ``dst``: it fits beside the pinned chunks there, and when
+        room must be made for it, ``dst``'s policy admits it."""
+        if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
+            return False
+        return dst.free_bytes >= e.size_bytes or self._policies[dst.name].admit(e, self._clock())
 
     def _promote(self, e: Entry, data: Buffer | None, lease_to: Tier | None = None) -> None:
         """Move a read's chunk to where reads are served from. Without ``lease_to``: up into
@@ -1584,17 +1585,6 @@ def _busy_seconds(spans: Iterable[tuple[float, float]]) -> float:
             total += end - max(start, covered_to)
             covered_to = end
     return total
-
-
-def _byte_view(out: Buffer) -> memoryview:
-    """``out`` as flat bytes (a typed array's memory read byte for byte)."""
-    view = memoryview(out)
-    if view.format == "B" and view.ndim == 1:
-        return view
-    try:
-        return view.cast("B")
-    except TypeError as exc:
-        raise InvalidArgument(f"read buffers must be C-contiguous: {exc}") from None
 
 
 def _as_admission(spec: str | AdmissionPolicy) -> AdmissionPolicy:
