@@ -314,12 +314,9 @@ def _fallback_prefill(settings: AgentSettings) -> PrefillModel:
     from kvctl.agent.remote import prefill_rate
 
     rate = prefill_rate(settings)
-    inputs: dict[str, object] = {"tokens_per_s": rate.tokens_per_s}
     if settings.prefill_tokens_per_second > 0:
-        inputs["setting"] = "prefill_tokens_per_second"
-    else:
-        inputs.update(model=settings.models[0].id, gpu=settings.gpu)
-    return PrefillModel(1.0 / rate.tokens_per_s, 0.0, rate.basis, inputs)
+        return rate.as_model(setting="prefill_tokens_per_second")
+    return rate.as_model(model=settings.models[0].id, gpu=settings.gpu)
 
 
 def _open_gpu_tier(settings: AgentSettings) -> GpuTier | str:

@@ -236,6 +236,18 @@ class FetchPlanner:
         self._lock = threading.Lock()
         self.plans = PlanCounters()
         self.last_plan: dict[str, Any] | None = None
+        self._tiers = tuple(store.tier_names)
+        #: each tier's chunks' sources in a candidate, and its stage (after the remote fills)
+        self._sources = {t: (t,) for t in self._tiers}
+        self._stages = {t: 1 + i for i, t in enumerate(self._tiers)}
+        read_bandwidth = getattr(store, "read_bandwidth", None)  # added with disk I/O work
+        #: the store's measured read rates, when a disk link is costed by them
+        self._measured = read_bandwidth if self.disk_read_bytes_per_s is None else None
+        # the links as last built, with the figures they were built from: a lookup rebuilds
+        # them only when a figure changed (a store read measured a tier, an engine reported)
+        self._local: tuple[tuple[float | None, ...], dict[str, LocalLink], frozenset[str]] | None
+        self._local = None
+        self._device: LocalLink | None = None
 
     # --- inputs -------------------------------------------------------------------------------
     def prefill(self, model: str | None = None) -> PrefillModel:
@@ -244,14 +256,25 @@ class FetchPlanner:
 
     def device_link(self) -> LocalLink:
         bw = self.rates.host_to_device_bytes_per_s
-        return LocalLink("device", 0.0, bw, "engine" if bw is not None else "unreported")
+        link = self._device
+        if link is None or link.bandwidth_bytes_per_s != bw:
+            source = "engine" if bw is not None else "unreported"
+            link = self._device = LocalLink("device", 0.0, bw, source)
+        return link
 
     def local_links(self) -> dict[str, LocalLink]:
         """Each local tier as a source (see the class)."""
-        read_bandwidth = getattr(self.store, "read_bandwidth", None)  # added with disk I/O work
-        measured: dict[str, float | None] = read_bandwidth() if read_bandwidth else {}
+        return dict(self._local_links()[0])
+
+    def _local_links(self) -> tuple[dict[str, LocalLink], frozenset[str]]:
+        """The local links (shared: not to be changed) and the tiers among them that are free."""
+        measured: dict[str, float | None] = self._measured() if self._measured else {}
+        figures = tuple(measured.get(t) for t in self._tiers)
+        cached = self._local
+        if cached is not None and cached[0] == figures:
+            return cached[1], cached[2]
         links: dict[str, LocalLink] = {}
-        for tier in self.store.tier_names:
+        for tier, figure in zip(self._tiers, figures, strict=True):
             if tier in DEVICE_TIERS:
                 links[tier] = LocalLink(tier, 0.0, None, "device memory")
             elif tier == "cpu":  # read in place (shared memory): the device copy is its cost
@@ -260,14 +283,16 @@ class FetchPlanner:
                 links[tier] = LocalLink(
                     tier, DISK_READ_LATENCY_S, self.disk_read_bytes_per_s, "configured"
                 )
-            elif measured.get(tier):
+            elif figure:
                 # bytes over the wall time of real read batches: their latency is in the figure
-                links[tier] = LocalLink(tier, 0.0, measured[tier], "measured")
+                links[tier] = LocalLink(tier, 0.0, figure, "measured")
             else:
                 # free, latency included, until a read measures it: never refused for want of a
                 # figure (or it never would be), and the same as the all-free fast path
                 links[tier] = LocalLink(tier, 0.0, None, "unmeasured")
-        return links
+        free = frozenset(t for t, link in links.items() if link.bandwidth_bytes_per_s is None)
+        self._local = (figures, links, free)
+        return links, free
 
     # --- the lookup ---------------------------------------------------------------------------
     def lookup(
@@ -275,7 +300,7 @@ class FetchPlanner:
     ) -> LookupResult:
         """The longest prefix worth fetching (see the class); counts its hits and the plan."""
         store, n = self.store, len(keys)
-        local = self.local_links()
+        local, free_tiers = self._local_links()
         device = self.device_link()
         prefill = self.prefill()
         probing = remote is not None and bool(remote.sources)
@@ -283,9 +308,7 @@ class FetchPlanner:
             seen = store.peek(keys, tenant=tenant)
             m = seen.matched_chunks
             tiers = seen.locations[:m]
-            free = device.bandwidth_bytes_per_s is None and all(
-                local[t].bandwidth_bytes_per_s is None for t in set(tiers)
-            )
+            free = device.bandwidth_bytes_per_s is None and free_tiers.issuperset(tiers)
             entries = [] if free and not probing else list(map(store.entry, keys[:m]))
         if free and (not probing or m == n):
             # nothing local costs anything: the whole local prefix, no event (the common case)
@@ -293,13 +316,13 @@ class FetchPlanner:
             self._count_free(res, prefill)
             return res
         found = remote._probe(keys[m:], tenant) if remote is not None and probing and m < n else []
-        sources = {t: (t,) for t in local}
+        sources = self._sources
         candidates = [
             Candidate.trusted(i, e.size_bytes, e.tokens, sources[e.tier])
             for i, e in enumerate(entries)
         ]
         links: dict[str, AnyLink] = dict(local)
-        stages = {t: 1 + i for i, t in enumerate(store.tier_names)}
+        stages = dict(self._stages)
         if remote is not None and found:
             for s in remote.sources:
                 links[s.name] = s.link.link()
@@ -396,7 +419,7 @@ class FetchPlanner:
             self._emit(event)
 
     def _tier_of(self, source: str, location: str | None) -> str:
-        if source in self.store.tier_names:
+        if source in self._sources:
             return source
         return location or source or "none"
 

@@ -129,10 +129,7 @@ class Candidate:
         """A candidate from figures already checked (the store's own entries), built without
         the checks: a lookup builds one per chunk of its chain."""
         c = object.__new__(cls)
-        object.__setattr__(c, "index", index)
-        object.__setattr__(c, "size_bytes", size_bytes)
-        object.__setattr__(c, "tokens", tokens)
-        object.__setattr__(c, "sources", sources)
+        c.__dict__.update(index=index, size_bytes=size_bytes, tokens=tokens, sources=sources)
         return c
 
 
@@ -140,7 +137,8 @@ class Candidate:
 class PrefillRate:
     """How fast this node recomputes: prefill tokens per second, and where the figure came from.
 
-    A context-independent rate; ``PrefillModel`` adds the attention term. Either can be passed to
+    A context-independent rate, as configured or modeled; the planner uses it as a
+    ``PrefillModel`` (``as_model``), which adds the attention term. Either can be passed to
     ``plan_fetch``."""
 
     tokens_per_s: float
@@ -161,16 +159,11 @@ class PrefillRate:
             f"modeled: {inputs.model.name} on {inputs.gpu.name} at MFU {inputs.mfu:g}",
         )
 
-    def seconds(self, start_tokens: float, end_tokens: float) -> float:
-        return (end_tokens - start_tokens) / self.tokens_per_s
-
-    def as_model(self) -> PrefillModel:
+    def as_model(self, **inputs: object) -> PrefillModel:
+        """This rate as the model (beta = 0), its ``inputs`` the rate and ``inputs``."""
         return PrefillModel(
-            1.0 / self.tokens_per_s, 0.0, self.basis, {"tokens_per_s": self.tokens_per_s}
+            1.0 / self.tokens_per_s, 0.0, self.basis, {"tokens_per_s": self.tokens_per_s, **inputs}
         )
-
-    def as_dict(self) -> dict[str, object]:
-        return {"tokens_per_s": self.tokens_per_s, "basis": self.basis}
 
 
 @dataclass(frozen=True)
