@@ -21,8 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from contextlib import contextmanager
 from itertools import groupby
 
@@ -33,7 +31,7 @@ from kvctl.remote.pool import (
     PoolChunk,
     PoolUsage,
     RemotePool,
-    stream_groups,
+    SplitReads,
     visible_to,
 )
 from kvctl.store.errors import InvalidArgument, TierUnavailable
@@ -69,16 +67,28 @@ class AgentSource(RemotePool):
         self._target = self.address.removeprefix("kvctl://")
         self._token = token
         self._timeout_s = timeout_s
-        self.streams = streams
-        self.min_stream_bytes = min_stream_bytes
         self._keep = max(_KEEP_CONNECTIONS, streams)
         self._idle: list[DataClient] = []
         self._lock = threading.Lock()
         self._closed = False
-        self._workers: ThreadPoolExecutor | None = None
-        #: mean size of the chunks this source served or described last (0: none yet)
-        self._chunk_bytes_seen = 0
+        #: sized by the chunks this source served or described last; workers enough for a few
+        #: pulls at once
+        self._split = SplitReads(
+            f"source {self.address}",
+            streams=streams,
+            min_stream_bytes=min_stream_bytes,
+            workers=2 * self._keep,
+            thread_name="kvctl-pull",
+        )
         self.corrupt = 0
+
+    @property
+    def streams(self) -> int:
+        return self._split.streams
+
+    @property
+    def min_stream_bytes(self) -> int:
+        return self._split.min_stream_bytes
 
     @contextmanager
     def _client(self) -> Iterator[DataClient]:
@@ -138,34 +148,12 @@ class AgentSource(RemotePool):
         if not keys:
             return []
         out: list[PoolChunk | None] = [None] * len(keys)
-        bounds = stream_groups(
-            len(keys),
-            streams=self.streams,
-            chunk_bytes_seen=self._chunk_bytes_seen,
-            min_stream_bytes=self.min_stream_bytes,
+        # every stream is waited for; the first failure is raised after the others handed over
+        self._split.run(
+            self._split.groups(len(keys)),
+            lambda lo, hi: self._pull(keys, lo, hi, tenant, out, arrived),
         )
-        if len(bounds) == 1:
-            self._pull(keys, 0, len(keys), tenant, out, arrived)
-        else:
-            # the first group on this thread, the rest on workers; every stream is waited for
-            workers = self._executor()
-            futures = [
-                workers.submit(self._pull, keys, lo, hi, tenant, out, arrived)
-                for lo, hi in bounds[1:]
-            ]
-            first: BaseException | None = None
-            try:
-                self._pull(keys, *bounds[0], tenant, out, arrived)
-            except BaseException as exc:
-                first = exc
-            wait_all(futures)
-            failures = [first, *(f.exception() for f in futures)]
-            failure = next((f for f in failures if f is not None), None)
-            if failure is not None:
-                raise failure
-        sizes = [c.meta.size_bytes for c in out if c is not None]
-        if sizes:
-            self._chunk_bytes_seen = sum(sizes) // len(sizes)
+        self._split.saw([c.meta.size_bytes for c in out if c is not None])
         return out
 
     def _pull(
@@ -210,24 +198,12 @@ class AgentSource(RemotePool):
         log.warning("%s: dropping chunk %s: it %s", self.address, key.hex(), why)
         return None
 
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise TierUnavailable(f"source {self.address} is closed")
-            if self._workers is None:
-                # enough for a few pulls at once; more queue behind them (still correct)
-                self._workers = ThreadPoolExecutor(
-                    max_workers=2 * self._keep, thread_name_prefix="kvctl-pull"
-                )
-            return self._workers
-
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
         with self._client() as c:
             got = c.fetch(keys, tenant=tenant, payload=False)
         metas = [None if g is None else g[0] for g in got]
-        sizes = [m.size_bytes for m in metas if m is not None]
-        if sizes:  # a lookup probes before the fill: the pull that follows is sized by it
-            self._chunk_bytes_seen = sum(sizes) // len(sizes)
+        # a lookup probes before the fill: the pull that follows is sized by it
+        self._split.saw([m.size_bytes for m in metas if m is not None])
         return metas
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -252,8 +228,6 @@ class AgentSource(RemotePool):
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
-            workers, self._workers = self._workers, None
         for c in idle:
             c.close()
-        if workers is not None:
-            workers.shutdown(wait=False)
+        self._split.close()

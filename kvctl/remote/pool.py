@@ -11,18 +11,25 @@ Every failure of the backend (server down, timeout, a reply cut short) raises
 bytes handed to a caller. Callers degrade both to a miss.
 
 A large read is split into contiguous groups of its keys read in parallel over several
-connections (``stream_groups``): one connection driven from Python moves well below what the
-link and the server can.
+connections (``stream_groups``, run by ``SplitReads``): one connection driven from Python moves
+well below what the link and the server can.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import asdict, dataclass, field
+from typing import TypeVar
 
+from kvctl.store.errors import TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
+
+T = TypeVar("T")
 
 _QUERY_SECRET = re.compile(r"(?i)([?&](?:password|pass|token)=)[^&#]*")
 
@@ -76,6 +83,70 @@ def stream_groups(
         )
         k = max(1, min(k, worth))
     return [(n_keys * g // k, n_keys * (g + 1) // k) for g in range(k)]
+
+
+class SplitReads:
+    """A backend's split reads: the groups of each read (``stream_groups``, sized by the chunks
+    the backend saw last: ``saw``), and where they run (``run``): the first on the caller's
+    thread, the others on worker threads made on first need, until ``close``."""
+
+    def __init__(
+        self, name: str, *, streams: int, min_stream_bytes: int, workers: int, thread_name: str
+    ) -> None:
+        self.name = name
+        self.streams = streams
+        self.min_stream_bytes = min_stream_bytes
+        #: mean size of the chunks seen last (0: none yet)
+        self.chunk_bytes_seen = 0
+        self._max_workers = workers
+        self._thread_name = thread_name
+        self._lock = threading.Lock()
+        self._workers: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def groups(self, n_keys: int) -> list[tuple[int, int]]:
+        return stream_groups(
+            n_keys,
+            streams=self.streams,
+            chunk_bytes_seen=self.chunk_bytes_seen,
+            min_stream_bytes=self.min_stream_bytes,
+        )
+
+    def saw(self, sizes: Sequence[int]) -> None:
+        """The sizes of the chunks a read brought or a probe described (none: nothing learnt)."""
+        if sizes:
+            self.chunk_bytes_seen = sum(sizes) // len(sizes)
+
+    def run(self, bounds: Sequence[tuple[int, int]], read: Callable[[int, int], T]) -> list[T]:
+        """``read(lo, hi)`` of each group, their results in order. Returns only after every
+        group has ended, and raises the first failure in group order if any failed."""
+        if len(bounds) == 1:
+            return [read(*bounds[0])]
+        workers = self._executor()
+        futures = [workers.submit(read, lo, hi) for lo, hi in bounds[1:]]
+        try:
+            first = read(*bounds[0])
+        finally:
+            wait_all(futures)
+        return [first, *(f.result() for f in futures)]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._closed:
+                raise TierUnavailable(f"{self.name}: closed")
+            if self._workers is None:
+                # enough for a few reads at once; more queue behind them (still correct)
+                self._workers = ThreadPoolExecutor(
+                    max_workers=self._max_workers, thread_name_prefix=self._thread_name
+                )
+            return self._workers
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            workers, self._workers = self._workers, None
+        if workers is not None:
+            workers.shutdown(wait=False)
 
 
 @dataclass(frozen=True, slots=True)

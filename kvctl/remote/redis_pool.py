@@ -66,8 +66,6 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
@@ -85,8 +83,8 @@ from kvctl.remote.pool import (
     PoolChunk,
     PoolUsage,
     RemotePool,
+    SplitReads,
     redact_url,
-    stream_groups,
     visible_to,
 )
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
@@ -408,11 +406,14 @@ class RedisPool(RemotePool):
         self.tenant_quota_bytes = tenant_quota_bytes
         self.tenant_quotas = quotas
         self.corrupt = 0
-        self.streams = streams
-        self.min_stream_bytes = min_stream_bytes
-        #: mean size of the chunks read last (0: none yet): sizes the split of the next get
-        self._chunk_bytes_seen = 0
-        self._workers: ThreadPoolExecutor | None = None
+        #: sized by the chunks read last; workers enough for a few gets at once
+        self._split = SplitReads(
+            f"pool {self.address}",
+            streams=streams,
+            min_stream_bytes=min_stream_bytes,
+            workers=2 * streams,
+            thread_name="kvctl-pool-get",
+        )
         self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
         # a generous bound on how long after its accounting a put's write can still land
         write_grace_s = (_RETRIES + 1) * (2 * timeout_s + _BACKOFF_CAP_S) + 1.0
@@ -450,6 +451,14 @@ class RedisPool(RemotePool):
 
     def __repr__(self) -> str:
         return f"RedisPool({self.address!r}, prefix={self.prefix!r})"
+
+    @property
+    def streams(self) -> int:
+        return self._split.streams
+
+    @property
+    def min_stream_bytes(self) -> int:
+        return self._split.min_stream_bytes
 
     # --- RemotePool -----------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[bool]:
@@ -522,30 +531,19 @@ class RedisPool(RemotePool):
         if not keys:
             return []
         hexes = [k.hex() for k in keys]
-        bounds = stream_groups(
-            len(keys),
-            streams=self.streams,
-            chunk_bytes_seen=self._chunk_bytes_seen,
-            min_stream_bytes=self.min_stream_bytes,
-        )
         with self._guard():
             client = self._client()
         touch_args = [self._tenant_lru_prefix, tenant, *hexes]
-        if len(bounds) == 1:
-            values, accounted = self._read(client, keys, hexes, touch_args)
-        else:
-            workers = self._executor()
-            futures = [
-                workers.submit(self._read, client, keys[lo:hi], hexes[lo:hi], None)
-                for lo, hi in bounds[1:]
-            ]
-            lo, hi = bounds[0]
-            try:  # the first group on this thread, with the LRU script; every group waited for
-                values, accounted = self._read(client, keys[lo:hi], hexes[lo:hi], touch_args)
-            finally:
-                wait_all(futures)
-            for f in futures:
-                values += f.result()[0]  # raises the group's TierUnavailable, if it failed
+        # the first group (on this thread) carries the LRU script; every group is waited for,
+        # and the first that failed raises its TierUnavailable
+        groups = self._split.run(
+            self._split.groups(len(keys)),
+            lambda lo, hi: self._read(
+                client, keys[lo:hi], hexes[lo:hi], touch_args if lo == 0 else None
+            ),
+        )
+        accounted = groups[0][1]
+        values = [value for group, _ in groups for value in group]
         if isinstance(accounted, Exception):
             # the LRU touch is best effort: the reads themselves succeeded
             log.info("pool %s: LRU touch failed: %s", self.address, accounted)
@@ -571,9 +569,7 @@ class RedisPool(RemotePool):
             out.append(PoolChunk(meta, data) if visible_to(meta, tenant) else None)
         if stale or bad or heal:
             self._repair(stale=stale, drop=bad, heal=heal)
-        sizes = [c.meta.size_bytes for c in out if c is not None]
-        if sizes:
-            self._chunk_bytes_seen = sum(sizes) // len(sizes)
+        self._split.saw([c.meta.size_bytes for c in out if c is not None])
         return out
 
     def _read(
@@ -605,17 +601,6 @@ class RedisPool(RemotePool):
             except CorruptChunk as exc:
                 out.append(exc)
         return out, replies[-1] if touch_args is not None else None
-
-    def _executor(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._closed:
-                raise TierUnavailable(f"pool {self.address}: closed")
-            if self._workers is None:
-                # enough for a few gets at once; more queue behind them (still correct)
-                self._workers = ThreadPoolExecutor(
-                    max_workers=2 * self.streams, thread_name_prefix="kvctl-pool-get"
-                )
-            return self._workers
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
         """Headers only (GETRANGE), checked by their CRC and against the record's length."""
@@ -732,10 +717,8 @@ class RedisPool(RemotePool):
     def close(self) -> None:
         with self._lock:
             client, self._client_obj = self._client_obj, None
-            workers, self._workers = self._workers, None
             self._closed = True
-        if workers is not None:
-            workers.shutdown(wait=False)
+        self._split.close()
         if client is not None:
             with contextlib.suppress(RedisError, RedisClusterException, OSError):
                 client.close()
