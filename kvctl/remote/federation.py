@@ -304,6 +304,15 @@ class FetchPlanner:
         device = self.device_link()
         prefill = self.prefill()
         probing = remote is not None and bool(remote.sources)
+        if (
+            not probing
+            and device.bandwidth_bytes_per_s is None
+            and free_tiers.issuperset(self._tiers)
+        ):
+            # nothing anywhere costs anything (the common case): a plain lookup, one pass
+            res = store.lookup(keys, tenant=tenant)
+            self._count_free(res, prefill)
+            return res
         with store.locked():  # one consistent view of the local prefix
             seen = store.peek(keys, tenant=tenant)
             m = seen.matched_chunks
