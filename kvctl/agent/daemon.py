@@ -13,11 +13,13 @@ import logging
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from kvctl import __version__
 from kvctl.agent.settings import AgentSettings, connect_host
@@ -26,6 +28,12 @@ log = logging.getLogger("kvctl.agent")
 
 STATE_FILE = "agent.json"
 LOG_FILE = "agent.log"
+#: every file the agent writes is its owner's alone, whatever the umask and the directory's mode:
+#: the log names tenants and keys, chunks hold prompts' KV
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_DIR_MODE = 0o700
+#: group's and others' permission bits
+SHARED_BITS = 0o077
 
 
 class AgentRunning(RuntimeError):
@@ -53,7 +61,12 @@ class AgentState:
 
     def write(self, data_dir: Path) -> None:
         tmp = data_dir / f".{STATE_FILE}.{os.getpid()}"
-        tmp.write_text(json.dumps({k: getattr(self, k) for k in self.__slots__}, indent=2))
+        text = json.dumps({k: getattr(self, k) for k in self.__slots__}, indent=2)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()  # a killed agent's leftover would keep its old mode
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
         os.replace(tmp, data_dir / STATE_FILE)
 
     @property
@@ -96,7 +109,8 @@ def serve(settings: AgentSettings) -> int:
     from kvctl.agent.runtime import AgentRuntime
 
     data_dir = settings.data_path
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    warn_if_shared(data_dir)
     other = running_agent(data_dir)
     if other is not None and other.pid != os.getpid():
         raise AgentRunning(
@@ -166,6 +180,43 @@ def serve(settings: AgentSettings) -> int:
     return 0
 
 
+def open_private_log(path: Path) -> IO[bytes]:
+    """``path`` opened for appending, created 0600; one an older build made readable by others
+    is tightened (its lines are the agent's, so its owner is this user)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    try:
+        if os.fstat(fd).st_mode & SHARED_BITS:
+            os.fchmod(fd, PRIVATE_FILE_MODE)
+    except OSError:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "ab")
+
+
+def shared_mode(path: Path) -> int | None:
+    """``path``'s permission bits when group or others have any (None when it is private or
+    cannot be read)."""
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
+    return mode if mode & SHARED_BITS else None
+
+
+def warn_if_shared(data_dir: Path) -> None:
+    """Log a warning when other users can reach the data directory: the agent's own files are
+    0600, but files an operator or an older build left there, and the chunks' names, are not
+    protected by that."""
+    mode = shared_mode(data_dir)
+    if mode is not None:
+        log.warning(
+            "data directory %s has mode %s: group/others can read it; `chmod 700 %s`",
+            data_dir,
+            f"{mode:04o}",
+            data_dir,
+        )
+
+
 def _already_stopping(signum: int, _frame: object) -> None:
     log.info("signal %d: already shutting down", signum)
 
@@ -182,9 +233,9 @@ def spawn_agent(
     in ``<data_dir>/agent.log``, and wait until it serves. ``detach`` puts it in its own
     session, so a closed terminal (SIGHUP) does not take it down. Raises RuntimeError with the
     end of its log when it does not come up."""
-    data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     log_path = data_dir / LOG_FILE
-    with open(log_path, "ab") as out:
+    with open_private_log(log_path) as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvctl", "agent", "start", "--data-dir", str(data_dir), *argv],
             stdin=subprocess.DEVNULL,

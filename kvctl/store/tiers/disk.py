@@ -7,7 +7,9 @@ Layout under the tier directory::
     ab/.abcdef....<pid>.<n>.tmp  a write in progress (removed at the next open if left behind)
 
 Chunks fan out into 256 subdirectories by the first key byte, so each directory holds 1/256 of
-the chunks and name lookups, creates and the scan at open stay fast.
+the chunks and name lookups, creates and the scan at open stay fast. Files are created 0600 and
+directories 0700 whatever the umask (chunks hold prompts' KV); ones an older build made readable
+by others are tightened at open.
 
 File format (little-endian), version 1::
 
@@ -138,6 +140,12 @@ _TRASH_WAIT_S = 5.0
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # O_EXCL: a temp name is never reused, so finding one means a bug, not a file to overwrite.
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
+# Chunks hold prompts' KV: owner-only whatever the umask (it can only take bits away) and
+# whatever the mode of the directory they are in (one others can list still cannot read them).
+FILE_MODE = 0o600
+DIR_MODE = 0o700
+# Group and others' bits: a file or fan-out directory with any of them is tightened at open.
+_SHARED_BITS = 0o077
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,12 +276,12 @@ class DiskTier(Tier):
         renamed = False
         try:
             try:
-                fd = os.open(tmp, _TMP_FLAGS, 0o644)
+                fd = os.open(tmp, _TMP_FLAGS, FILE_MODE)
             except FileNotFoundError:
                 # First chunk under this prefix, or the subdirectory was removed behind our back;
                 # trying the open first saves a mkdir syscall on every other put.
                 self._make_subdir(subdir)
-                fd = os.open(tmp, _TMP_FLAGS, 0o644)
+                fd = os.open(tmp, _TMP_FLAGS, FILE_MODE)
             _write_all(fd, header, payload)
             if self.fsync:
                 os.fsync(fd)
@@ -535,7 +543,7 @@ class DiskTier(Tier):
         d = self.directory
         try:
             with contextlib.suppress(FileExistsError):
-                os.makedirs(d)
+                os.makedirs(d, mode=DIR_MODE)
             if not os.path.isdir(d):  # a file in the way; makedirs only said "exists"
                 raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), d)
         except OSError as exc:
@@ -544,11 +552,12 @@ class DiskTier(Tier):
             ) from exc
         lock_path = f"{d}/{_LOCK_NAME}"
         try:
-            self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, 0o644)
+            self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | _O_CLOEXEC, FILE_MODE)
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name!r} cannot create lock file {lock_path}: {exc.strerror}"
             ) from exc
+        _tighten(self._lock_fd, FILE_MODE)  # one an older build made 0644
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -567,7 +576,7 @@ class DiskTier(Tier):
         # puts report DiskFullError until then.
         probe = f"{d}/.probe.{os.getpid()}{_TMP_SUFFIX}"
         try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644))
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, FILE_MODE))
             os.unlink(probe)
         except OSError as exc:
             _unlink_quietly(probe)
@@ -584,7 +593,7 @@ class DiskTier(Tier):
         if stale_fd is not None:
             _close_quietly(stale_fd)
         try:
-            os.mkdir(f"{self.directory}/{subdir}", 0o755)
+            os.mkdir(f"{self.directory}/{subdir}", DIR_MODE)
         except FileExistsError:
             return
         if self.fsync:  # the new directory entry must survive for its chunks to
@@ -619,6 +628,9 @@ class DiskTier(Tier):
                 continue
             if not (_FANOUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
                 continue  # the lock file, or something an operator put here: not ours to judge
+            with contextlib.suppress(OSError):  # older builds made them 0755
+                if entry.stat(follow_symlinks=False).st_mode & _SHARED_BITS:
+                    os.chmod(entry.path, DIR_MODE)
             for f in self._list_dir(entry.path):
                 rel = f"{entry.name}/{f.name}"
                 if not f.is_file(follow_symlinks=False):
@@ -699,7 +711,11 @@ def _load_chunk(path: str, key: bytes, verify_buf: bytearray | None) -> _Entry |
     except FileNotFoundError:
         return "vanished during the scan"
     try:
-        file_bytes = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        file_bytes = st.st_size
+        if st.st_mode & _SHARED_BITS:  # written 0644 by an older build
+            with contextlib.suppress(OSError):
+                os.fchmod(fd, FILE_MODE)
         head = os.pread(fd, _HEADER_PROBE_BYTES, 0)
         if len(head) < _FIXED.size + _CRC.size:
             return f"too short for a header ({len(head)} bytes)"
@@ -816,6 +832,14 @@ def _fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _tighten(fd: int, mode: int) -> None:
+    """Take group's and others' bits off an open file; quietly, since a read-only filesystem
+    or another owner's file still serves reads (the agent and doctor warn about the directory)."""
+    with contextlib.suppress(OSError):
+        if os.fstat(fd).st_mode & _SHARED_BITS:
+            os.fchmod(fd, mode)
 
 
 def _close_quietly(fd: int) -> None:
