@@ -1,4 +1,5 @@
-"""`kvctl doctor`'s checks as a library: the database, each agent, NVML, disk space and clocks.
+"""`kvctl doctor`'s checks as a library: the database, each agent, NVML, disk space, clocks and
+who can read an agent's data directory.
 
 Every check becomes a :class:`Check` row (ok, warn, fail or skip) with a one-line detail and,
 where something is wrong, a one-line fix. Nothing here raises for a broken fleet: a database
@@ -13,7 +14,9 @@ GPUs, full disks or skewed clocks; :func:`run_checks` gathers the readings and c
 from __future__ import annotations
 
 import math
+import os
 import shutil
+import stat
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -166,6 +169,57 @@ def disk_usage_check(name: str, path: Path, *, warn_ratio: float, fix: str | Non
     except OSError:
         return classify_disk(name, path, None, None, warn_ratio=warn_ratio)
     return classify_disk(name, path, usage.free, usage.total, warn_ratio=warn_ratio, fix=fix)
+
+
+#: group's and others' permission bits: any of them on an agent's data directory lets other
+#: users list it, and read whatever in it is not 0600 (KV chunks hold prompts)
+SHARED_MODE_BITS = 0o077
+
+
+def classify_data_dir_mode(
+    name: str, path: str | Path | None, mode: int | None, *, where: str | None = None
+) -> Check:
+    """An agent data directory's permission bits: a warning with the ``chmod 700`` that fixes
+    it when group or others have any. ``where`` names the node the directory is on."""
+    shown = str(path) if path else "N/A"
+    if mode is None or not path:
+        return Check(name, SKIP, f"permissions N/A for {shown}", None, {"path": shown})
+    mode &= 0o7777
+    values = {"path": shown, "mode": f"{mode:04o}"}
+    if not mode & SHARED_MODE_BITS:
+        return Check(name, OK, f"{shown} is the owner's alone (mode {mode:04o})", None, values)
+    fix = f"chmod 700 {shown}" + (f" on {where}" if where else "")
+    detail = (
+        f"{shown} has mode {mode:04o}: group/others can list it and read any file in it that "
+        "is not 0600 (the agent writes its own 0600)"
+    )
+    return Check(name, WARN, detail, fix, values)
+
+
+def _local_mode(path: str | Path) -> int | None:
+    """The permission bits of a local directory; None when it is missing or unreadable."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return stat.S_IMODE(st.st_mode) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _is_loopback(url: str) -> bool:
+    """True when ``url`` names this machine, so its agent's paths are paths here."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def nvml_status_from_dict(raw: Mapping[str, Any]) -> NvmlStatus:
@@ -378,7 +432,28 @@ def classify_agent(
     else:
         why = probe.info_error or "the agent does not report its data dir"
         checks.append(Check(f"disk {name}", SKIP, f"free space N/A: {why}"))
+    mode_row = _agent_data_dir_mode(name, url, data_dir)
+    if mode_row is not None:
+        checks.append(mode_row)
     return checks
+
+
+def _agent_data_dir_mode(name: str, url: str, data_dir: object) -> Check | None:
+    """The data dir's permissions of an agent that reports them (``mode`` in its info) or runs
+    on this machine (a loopback URL: the directory is read here); None when neither."""
+    if not isinstance(data_dir, Mapping):
+        return None
+    path = data_dir.get("path")
+    if not isinstance(path, str) or not path:
+        return None
+    mode = data_dir.get("mode")
+    if isinstance(mode, int) and not isinstance(mode, bool):
+        return classify_data_dir_mode(f"data dir {name}", path, mode, where=name)
+    if _is_loopback(url):
+        local = _local_mode(path)
+        if local is not None:
+            return classify_data_dir_mode(f"data dir {name}", path, local, where=name)
+    return None
 
 
 # --- gathering --------------------------------------------------------------------------------
@@ -407,8 +482,6 @@ def check_local_nvml(reader_factory: Callable[[], Any] | None = None) -> Check:
 def check_local_agent_config(warn_ratio: float = 0.10) -> list[Check]:
     """When this machine has an agent config file (or KVCTL_CONFIG names one): whether it loads,
     and the free space where its data dir is. Nothing when there is no file."""
-    import os
-
     from kvctl.agent.config import CONFIG_ENV, ConfigError, default_config_path, load_settings
 
     path = default_config_path()
@@ -433,6 +506,22 @@ def check_local_agent_config(warn_ratio: float = 0.10) -> list[Check]:
             "smaller disk tier (disk in [agent])",
         ),
     ]
+
+
+def check_local_data_dir() -> list[Check]:
+    """The permissions of this machine's agent data directory (from its config file, or the
+    default one), when it exists; nothing when it does not (the agent creates it 0700) or the
+    settings do not load (``check_local_agent_config`` reports that)."""
+    from kvctl.agent.config import load_settings
+
+    try:
+        path = load_settings().settings.data_path
+    except Exception:  # a broken config is check_local_agent_config's row, never a crash
+        return []
+    mode = _local_mode(path)
+    if mode is None:
+        return []
+    return [classify_data_dir_mode("data dir (local agent)", path, mode)]
 
 
 def _skip_agents(reason: str) -> Check:
@@ -694,6 +783,7 @@ def run_checks(
     checks.append(check_local_nvml(nvml_reader_factory))
     if local_config:
         checks.extend(check_local_agent_config(disk_warn_ratio))
+        checks.extend(check_local_data_dir())
     if isinstance(targets, Check):
         checks.append(targets)
         return checks
@@ -721,8 +811,10 @@ __all__ = [
     "AgentProbe",
     "Check",
     "agent_checks",
+    "check_local_data_dir",
     "check_local_nvml",
     "classify_agent",
+    "classify_data_dir_mode",
     "classify_disk",
     "classify_nvml",
     "classify_skew",
