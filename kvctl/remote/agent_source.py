@@ -19,6 +19,7 @@ the chunks that landed on the others were handed over.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -39,16 +40,23 @@ from kvctl.store.tiers.base import Buffer, ChunkMeta
 
 log = logging.getLogger("kvctl.remote.agent_source")
 
-#: connections kept open per source (at least ``streams``); more concurrent requests than this
-#: open short-lived ones
+#: connections kept open per source and kind (reads, writes; at least ``streams``); more
+#: concurrent requests than this open short-lived ones
 _KEEP_CONNECTIONS = 4
+#: a read gives up when the source sends nothing for this long (connect and HELLO included):
+#: well under a request's budget, far above a healthy agent's answer. It bounds silence, not a
+#: transfer: a pull that keeps streaming is not cut.
+DEFAULT_READ_TIMEOUT_S = 0.5
 
 Arrived = Callable[[int, PoolChunk], None]
 
 
 class AgentSource(RemotePool):
     """``streams``: connections one pull may be split over (1: one FETCH per pull);
-    ``min_stream_bytes``: the least a stream should carry for the split to pay."""
+    ``min_stream_bytes``: the least a stream should carry for the split to pay.
+    ``read_timeout_s`` (default ``min(DEFAULT_READ_TIMEOUT_S, timeout_s)``) bounds the reads
+    (fetch, probe, usage, ping) and ``timeout_s`` the writes (put), each on its own kept
+    connections: a write is behind the request that made it and may wait longer."""
 
     def __init__(
         self,
@@ -56,9 +64,16 @@ class AgentSource(RemotePool):
         *,
         token: str = "",
         timeout_s: float = 5.0,
+        read_timeout_s: float | None = None,
         streams: int = DEFAULT_STREAMS,
         min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
     ) -> None:
+        if not _finite_positive(timeout_s):
+            raise InvalidArgument(f"source timeout_s must be positive, got {timeout_s!r}")
+        if read_timeout_s is None:
+            read_timeout_s = min(DEFAULT_READ_TIMEOUT_S, timeout_s)
+        elif not _finite_positive(read_timeout_s):
+            raise InvalidArgument(f"source read_timeout_s must be positive, got {read_timeout_s!r}")
         if streams < 1:
             raise InvalidArgument(f"streams must be at least 1, got {streams}")
         if min_stream_bytes < 1:
@@ -67,8 +82,10 @@ class AgentSource(RemotePool):
         self._target = self.address.removeprefix("kvctl://")
         self._token = token
         self._timeout_s = timeout_s
+        self.read_timeout_s = read_timeout_s
         self._keep = max(_KEEP_CONNECTIONS, streams)
-        self._idle: list[DataClient] = []
+        #: kept connections by ``write``: their socket timeouts differ
+        self._idle: dict[bool, list[DataClient]] = {True: [], False: []}
         self._lock = threading.Lock()
         self._closed = False
         #: sized by the chunks this source served or described last; workers enough for a few
@@ -91,17 +108,16 @@ class AgentSource(RemotePool):
         return self._split.min_stream_bytes
 
     @contextmanager
-    def _client(self) -> Iterator[DataClient]:
+    def _client(self, *, write: bool = False) -> Iterator[DataClient]:
+        """A kept (or new) connection with the write or the read deadline."""
         with self._lock:
             if self._closed:
                 raise TierUnavailable(f"source {self.address} is closed")
-            client = self._idle.pop() if self._idle else None
+            idle = self._idle[write]
+            client = idle.pop() if idle else None
         try:
             if client is None:
-                # no shared memory: the peer is another host as far as this code knows
-                client = DataClient.connect(
-                    self._target, token=self._token, timeout_s=self._timeout_s, use_shm=False
-                )
+                client = self._connect(self._timeout_s if write else self.read_timeout_s)
             yield client
         except (AgentError, OSError) as exc:
             if client is not None:
@@ -109,10 +125,17 @@ class AgentSource(RemotePool):
             raise TierUnavailable(f"{self.address}: {exc}") from exc
         else:
             with self._lock:
-                if not self._closed and len(self._idle) < self._keep:
-                    self._idle.append(client)
+                idle = self._idle[write]
+                if not self._closed and len(idle) < self._keep:
+                    idle.append(client)
                     return
             client.close()
+
+    def _connect(self, timeout_s: float) -> DataClient:
+        # no shared memory: the peer is another host as far as this code knows
+        return DataClient.connect(
+            self._target, token=self._token, timeout_s=timeout_s, use_shm=False
+        )
 
     def ping(self) -> float:
         with self._client() as c:
@@ -130,7 +153,7 @@ class AgentSource(RemotePool):
             items, key=lambda it: (it[0].tenant, it[0].isolated)
         ):
             batch = list(group)
-            with self._client() as c:
+            with self._client(write=True) as c:
                 outcomes = c.put_many(
                     [(m.key, data) for m, data in batch],
                     tenant=tenant,
@@ -212,9 +235,7 @@ class AgentSource(RemotePool):
     def usage(self) -> PoolUsage:
         # a new connection: its HELLO carries the agent's usage now, a kept one's is stale
         try:
-            with DataClient.connect(
-                self._target, token=self._token, timeout_s=self._timeout_s, use_shm=False
-            ) as c:
+            with self._connect(self.read_timeout_s) as c:
                 tiers = c.info.get("usage", {})
         except (AgentError, OSError) as exc:
             raise TierUnavailable(f"{self.address}: {exc}") from exc
@@ -227,7 +248,17 @@ class AgentSource(RemotePool):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
-        for c in idle:
-            c.close()
+            idle, self._idle = self._idle, {True: [], False: []}
+        for kept in idle.values():
+            for c in kept:
+                c.close()
         self._split.close()
+
+
+def _finite_positive(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )

@@ -11,8 +11,13 @@
 - write-through: every chunk stored here is copied to the pool by a background writer, so other
   nodes can hit it; a slow or dead pool delays nothing and loses nothing local.
 
-Every remote failure is a miss and a counted error, never a failed request: a source that fails
-is left alone for a backoff (0.5 s doubling to 30 s), then tried again.
+Every remote failure is a miss and a counted error, never a failed request. Each source has a
+circuit breaker (``kvctl.remote.breaker``): a failure opens it, and the source is left alone for
+a backoff (0.25 s, doubling per failed probe, at most 5 s); then one probe call is let through
+(a read, a write, or the link monitor's ping, whichever comes first), whose success closes it.
+A burst of concurrent calls failing together counts as one failure. Reads of a source give up
+after its short read deadline (the backends' ``read_timeout_s``, 0.5 s by default), so a stalled
+pool costs a request a fraction of a second once, then nothing until a probe finds it back.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.breaker import Breaker
 from kvctl.remote.fetchplan import (
     DEVICE_TIERS,
     AnyLink,
@@ -53,16 +59,17 @@ log = logging.getLogger("kvctl.remote")
 T = TypeVar("T")
 POOL_TIER = "remote"
 PEER_TIER = "peer"
-_BACKOFF_FIRST_S = 0.5
-_BACKOFF_MAX_S = 30.0
 #: where the last lookups found chunks, so a fill asks the right source first
 _HINTS_MAX = 65536
 _WRITE_QUEUE_MAX = 4096
 _WRITE_BATCH_CHUNKS = 32
 _WRITE_BATCH_BYTES = 256 << 20
 _PROBE_WORKERS_PER_SOURCE = 4
-#: a lookup waits this long for a source's answer, then goes on without it
-PROBE_DEADLINE_S = 1.0
+#: how often the link monitor looks for work (a source due for its probe, a measurement)
+_MONITOR_TICK_S = 0.25
+#: a lookup waits this long for a source's answer, then goes on without it (the backends' read
+#: deadline is the same by default: a late probe is about to fail anyway)
+PROBE_DEADLINE_S = 0.5
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
 
@@ -83,7 +90,7 @@ class SourceCounters:
 
 @dataclass
 class Source:
-    """The pool or one peer, with its link figures, emulated delay and failure backoff."""
+    """The pool or one peer, with its link figures, emulated delay and circuit breaker."""
 
     name: str
     tier: str
@@ -93,18 +100,29 @@ class Source:
     clock: Callable[[], float] = time.monotonic
     counters: SourceCounters = field(default_factory=SourceCounters)
     last_error: str = ""
-    down_until_s: float = 0.0
-    _backoff_s: float = 0.0
+    #: made on the source's clock when not given
+    breaker: Breaker = None  # type: ignore[assignment]
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        if self.breaker is None:
+            self.breaker = Breaker(clock=self.clock)
 
     @property
     def up(self) -> bool:
-        return self.clock() >= self.down_until_s
+        """Not backing off: closed, or due for its probe."""
+        return self.breaker.state != "open"
+
+    @property
+    def down_until_s(self) -> float:
+        """The clock's reading from which the source is tried again (0 when closed)."""
+        return self.breaker.retry_at_s
 
     def call(self, what: str, fn: Callable[[], T], *, moved_bytes: Callable[[T], int]) -> T | None:
-        """``fn()`` over the link, timed into the link's figures; None (and a counted error,
-        then a backoff) when the source fails or is backing off."""
-        if not self.up:
+        """``fn()`` over the link, timed into the link's figures; None (and a counted error)
+        when the source fails, or (a counted skip) when its breaker turns the call away."""
+        ticket = self.breaker.admit()
+        if ticket is None:
             with self._lock:
                 self.counters.skipped += 1
             return None
@@ -117,17 +135,27 @@ class Source:
                 self.counters.calls += 1
                 self.counters.errors += 1
                 self.last_error = f"{what}: {exc}"
-                self._backoff_s = min(_BACKOFF_MAX_S, self._backoff_s * 2 or _BACKOFF_FIRST_S)
-                self.down_until_s = self.clock() + self._backoff_s
-            log.warning(
-                "%s %s failed (%s); retrying in %.1f s", self.name, what, exc, self._backoff_s
-            )
+            if self.breaker.failed(ticket):
+                log.warning(
+                    "%s %s failed (%s); leaving it alone for %.2f s",
+                    self.name,
+                    what,
+                    exc,
+                    self.breaker.backoff_s,
+                )
+            else:  # one of a burst already counted: the log says it once
+                log.debug("%s %s failed too (%s)", self.name, what, exc)
             return None
+        except BaseException:  # interrupted: says nothing about the source
+            self.breaker.abandoned(ticket)
+            raise
         elapsed_s = time.perf_counter() - t0
+        self.breaker.succeeded(ticket)
+        if ticket.probe:
+            log.info("%s answered its probe (%s): using it again", self.name, what)
         nbytes = moved_bytes(out)
         with self._lock:
             self.counters.calls += 1
-            self._backoff_s = 0.0
         if nbytes:
             self.link.observe_transfer(nbytes, elapsed_s)
         else:
@@ -141,6 +169,8 @@ class Source:
             "tier": self.tier,
             "address": self.backend.address,
             "up": self.up,
+            # closed / open / half_open, the backoff and when the next probe may go
+            "breaker": self.breaker.as_dict(),
             "last_error": self.last_error,
             "calls": c.calls,
             "errors": c.errors,
@@ -591,7 +621,7 @@ class RemoteTiers:
     def _probe(self, keys: Sequence[bytes], tenant: str) -> list[list[tuple[str, ChunkMeta]]]:
         """Per key, the sources holding it with their metadata, cheapest link first."""
         assert self._probe_pool is not None
-        live = [s for s in self.sources if s.up]
+        live = [s for s in self.sources if s.breaker.may_call()]
         futures = [
             (
                 s,
@@ -796,6 +826,12 @@ class RemoteTiers:
     def _monitor(self) -> None:
         next_measure = next_usage = 0.0
         while not self._stop.is_set():
+            # a source whose backoff ran out is probed now (one ping), not when the next read
+            # happens by: a node with no traffic to it still finds it back within the backoff
+            for s in self.sources:
+                ping = getattr(s.backend, "ping", None)
+                if ping is not None and s.breaker.state == "half_open" and s.breaker.may_call():
+                    s.call("probe ping", ping, moved_bytes=_no_bytes)
             now = time.monotonic()
             if now >= next_measure:
                 for s in self.sources:
@@ -807,7 +843,7 @@ class RemoteTiers:
                 if usage is not None:
                     self._pool_usage = usage
                 next_usage = now + self._usage_every_s
-            self._stop.wait(0.5)
+            self._stop.wait(_MONITOR_TICK_S)
 
     def measure(self, src: Source) -> None:
         """One RTT sample (a ping) and one bandwidth sample (a download of filler)."""
@@ -816,12 +852,12 @@ class RemoteTiers:
             src.call("ping", ping, moved_bytes=_no_bytes)
         sample = getattr(src.backend, "probe_transfer", None)
         prepare = getattr(src.backend, "prepare_probe", None)
-        if prepare is not None and src.up:
+        if prepare is not None and src.breaker.may_call():
             try:  # outside the timed call: an upload is not the download being measured
                 prepare(PROBE_TRANSFER_BYTES)
             except TierUnavailable:
                 return
-        if sample is not None and src.up:
+        if sample is not None and src.breaker.may_call():
             src.call(
                 "bandwidth probe",
                 lambda: sample(PROBE_TRANSFER_BYTES),

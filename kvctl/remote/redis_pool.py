@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import threading
 import time
@@ -71,7 +72,7 @@ from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
@@ -94,11 +95,18 @@ from kvctl.store.tiers.base import Buffer, ChunkMeta, check_capacity
 log = logging.getLogger("kvctl.remote.redis_pool")
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
-# Reconnects back off 100, 200, 400 ms (cap 500 ms): a restarted server is found again quickly,
-# and a dead one fails a call in well under a second plus the connect timeouts.
+# Writes reconnect backing off 100, 200, 400 ms (cap 500 ms): a restarted server is found again
+# quickly, and a dead one fails a write in well under a second plus the connect timeouts.
 _RETRIES = 3
 _BACKOFF_BASE_S = 0.05
 _BACKOFF_CAP_S = 0.5
+# Reads reconnect once, at once (a kept connection the server dropped, e.g. after a restart):
+# a read is on a request's path and a dead pool must cost it a miss, not a second of retries.
+_READ_RETRIES = 1
+#: a read gives up when the server sends nothing for this long (connect included): well under a
+#: request's budget, far above a healthy pool's answer (sub-millisecond on a LAN). It bounds
+#: silence, not a transfer: a large get that keeps streaming is not cut.
+DEFAULT_READ_TIMEOUT_S = 0.5
 # A put's records are sent in groups of at most this many bytes (each group one round trip):
 # bounds the copies of payloads held at once (a batch of 1 GiB holds 64 MiB of them, not 1 GiB).
 _WRITE_GROUP_BYTES = 64 << 20
@@ -361,6 +369,9 @@ class RedisPool(RemotePool):
     holds; quotas are this agent's configuration, applied to the puts it makes.
     ``streams``: pipelines one get may be split over, on as many pooled connections (1: one);
     ``min_stream_bytes``: the least a pipeline should carry for the split to pay.
+    ``read_timeout_s`` (default ``min(DEFAULT_READ_TIMEOUT_S, timeout_s)``) bounds the reads
+    (get, probe, usage, ping) and ``timeout_s`` the writes (put, delete, resize, clear), each on
+    its own connections: a write is behind the request that made it and may wait longer.
     """
 
     def __init__(
@@ -373,6 +384,7 @@ class RedisPool(RemotePool):
         tenant_quota_bytes: int = 0,
         tenant_quotas: Mapping[str, int] | None = None,
         timeout_s: float = 2.0,
+        read_timeout_s: float | None = None,
         streams: int = DEFAULT_STREAMS,
         min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
     ) -> None:
@@ -392,8 +404,12 @@ class RedisPool(RemotePool):
             check_capacity(quota, f"quota of tenant {tenant!r}")
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"pool ttl_s must be positive, got {ttl_s!r}")
-        if not timeout_s > 0:
+        if not _finite_positive(timeout_s):
             raise InvalidArgument(f"pool timeout_s must be positive, got {timeout_s!r}")
+        if read_timeout_s is None:
+            read_timeout_s = min(DEFAULT_READ_TIMEOUT_S, timeout_s)
+        elif not _finite_positive(read_timeout_s):
+            raise InvalidArgument(f"pool read_timeout_s must be positive, got {read_timeout_s!r}")
         if streams < 1 or min_stream_bytes < 1:
             raise InvalidArgument(
                 f"pool streams and min_stream_bytes must be positive, got {streams}, "
@@ -403,6 +419,7 @@ class RedisPool(RemotePool):
         self.prefix = prefix
         self.ttl_s = ttl_s
         self.timeout_s = timeout_s
+        self.read_timeout_s = read_timeout_s
         self.tenant_quota_bytes = tenant_quota_bytes
         self.tenant_quotas = quotas
         self.corrupt = 0
@@ -430,22 +447,35 @@ class RedisPool(RemotePool):
         self._capacity_set_bytes = capacity_bytes  # the last capacity this agent set
         self._closed = False
         self._client_url, self.cluster = _parse_url(url, self.address)
-        self._client_kwargs: dict[str, Any] = {
-            "socket_timeout": timeout_s,
-            "socket_connect_timeout": timeout_s,
-            # timeouts are not retried (a hung server fails a call in one timeout_s); connection
-            # errors are, with backoff, so a restarted server is reconnected to transparently
-            "retry": Retry(
-                ExponentialBackoff(cap=_BACKOFF_CAP_S, base=_BACKOFF_BASE_S),
-                _RETRIES,
-                supported_errors=(redis.exceptions.ConnectionError,),
-            ),
+        # reads and writes on separate clients (and connections): each its own deadline
+        self._client_kwargs: dict[bool, dict[str, Any]] = {
+            True: {
+                "socket_timeout": timeout_s,
+                "socket_connect_timeout": timeout_s,
+                # timeouts are not retried (a hung server fails a call in one timeout_s);
+                # connection errors are, with backoff, so a restarted server is reconnected to
+                # transparently
+                "retry": Retry(
+                    ExponentialBackoff(cap=_BACKOFF_CAP_S, base=_BACKOFF_BASE_S),
+                    _RETRIES,
+                    supported_errors=(redis.exceptions.ConnectionError,),
+                ),
+            },
+            False: {
+                "socket_timeout": read_timeout_s,
+                "socket_connect_timeout": read_timeout_s,
+                "retry": Retry(
+                    NoBackoff(), _READ_RETRIES, supported_errors=(redis.exceptions.ConnectionError,)
+                ),
+            },
         }
-        self._client_obj: redis.Redis | RedisCluster | None = None
+        #: by ``write``: the write client and the read client
+        self._clients: dict[bool, redis.Redis | RedisCluster | None] = {True: None, False: None}
         if not self.cluster:
             # no I/O here: connections open on first use
             try:
-                self._client_obj = redis.Redis.from_url(self._client_url, **self._client_kwargs)
+                for write, kwargs in self._client_kwargs.items():
+                    self._clients[write] = redis.Redis.from_url(self._client_url, **kwargs)
             except (ValueError, RedisError) as exc:
                 raise InvalidArgument(f"pool URL {self.address}: {exc}") from None
 
@@ -484,7 +514,7 @@ class RedisPool(RemotePool):
             m = it.meta
             args += [it.keyhex, m.size_bytes, int(m.isolated), m.tenant, self._quota(m.tenant)]
         with self._guard():
-            client = self._client()
+            client = self._client(write=True)
             pipe = client.pipeline(transaction=False)
             _eval(pipe, _PUT_LUA, self._acct_keys, args)
             for it in batch:
@@ -646,7 +676,7 @@ class RedisPool(RemotePool):
             return 0
         hexes = list(dict.fromkeys(k.hex() for k in keys))
         with self._guard():
-            pipe = self._client().pipeline(transaction=False)
+            pipe = self._client(write=True).pipeline(transaction=False)
             for h in hexes:
                 pipe.delete(self._rec(h))
             self._queue_repair(pipe, drop=hexes)
@@ -680,7 +710,7 @@ class RedisPool(RemotePool):
             self._pending_capacity_bytes = None  # superseded
             self._capacity_set_bytes = capacity_bytes
         with self._guard():
-            client = self._client()
+            client = self._client(write=True)
             victims = client.eval(
                 _RESIZE_LUA,
                 len(self._acct_keys),
@@ -701,7 +731,7 @@ class RedisPool(RemotePool):
         patterns = (f"{_glob_escape(self.prefix)}:c:*", "{" + _glob_escape(self.prefix) + "}:*")
         deleted = 0
         with self._guard():
-            client = self._client()
+            client = self._client(write=True)
             for pattern in patterns:
                 batch: list[bytes] = []
                 for name in client.scan_iter(match=pattern, count=_SCAN_COUNT):
@@ -716,10 +746,11 @@ class RedisPool(RemotePool):
 
     def close(self) -> None:
         with self._lock:
-            client, self._client_obj = self._client_obj, None
+            clients = [c for c in self._clients.values() if c is not None]
+            self._clients = {True: None, False: None}
             self._closed = True
         self._split.close()
-        if client is not None:
+        for client in clients:
             with contextlib.suppress(RedisError, RedisClusterException, OSError):
                 client.close()
 
@@ -736,7 +767,7 @@ class RedisPool(RemotePool):
         """Leave ``nbytes`` of filler under this agent's probe key (expires in 10 min), so
         ``probe_transfer`` times a download only."""
         with self._guard():
-            self._client().set(self._probe_key(), bytes(nbytes), px=600_000)
+            self._client(write=True).set(self._probe_key(), bytes(nbytes), px=600_000)
 
     def probe_transfer(self, nbytes: int) -> float:
         """Seconds to download the probe filler (a bandwidth sample for the link)."""
@@ -753,16 +784,17 @@ class RedisPool(RemotePool):
         return f"{self.prefix}:probe:{os.getpid()}:{id(self):x}"
 
     # --- internals ------------------------------------------------------------------------
-    def _client(self) -> redis.Redis | RedisCluster:
-        """The client, made on first use for a Cluster (RedisCluster connects to discover the
-        slots); writes a capacity given at construction before the first call."""
+    def _client(self, *, write: bool = False) -> redis.Redis | RedisCluster:
+        """The write client or the read client (their deadlines differ), made on first use for
+        a Cluster (RedisCluster connects to discover the slots); writes a capacity given at
+        construction before the first call."""
         with self._lock:
             if self._closed:
                 raise TierUnavailable(f"pool {self.address}: closed")
-            client = self._client_obj
+            client = self._clients[write]
             if client is None:
-                client = self._client_obj = RedisCluster.from_url(
-                    self._client_url, **self._client_kwargs
+                client = self._clients[write] = RedisCluster.from_url(
+                    self._client_url, **self._client_kwargs[write]
                 )
             pending = self._pending_capacity_bytes
         if pending is not None:
@@ -895,6 +927,15 @@ def _raise_errors(replies: Sequence[Any]) -> None:
 
 def _is_oom(exc: ResponseError) -> bool:
     return str(exc).startswith("OOM") or "used memory > 'maxmemory'" in str(exc)
+
+
+def _finite_positive(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 def _check_key(key: object) -> None:

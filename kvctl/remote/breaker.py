@@ -1,0 +1,195 @@
+"""A circuit breaker for one remote source (the pool or a peer): when to leave it alone, and
+when to try it again.
+
+- **closed**: every call goes through. ``failures_to_open`` failures in a row open it.
+- **open**: no call goes through until its backoff has run out. The first backoff is
+  ``first_backoff_s``; each failed probe multiplies it by ``factor``, up to ``max_backoff_s``.
+- **half_open** (the backoff ran out): exactly one call is let through, the probe; the others
+  are turned away while it is out. Its success closes the breaker (and forgets the backoff);
+  its failure opens it again with the grown backoff.
+
+Calls are counted per *attempt window*: every change of state starts a new window, and a call
+reports into the window it was admitted in. So a burst of concurrent calls that all meet the same
+outage opens the breaker once, with the first backoff, however many of them fail (the old rule,
+one doubling per failure, turned one stall into a 30 s silence); and a slow call admitted before
+an outage that answers after the breaker opened changes nothing (only the probe decides).
+
+Thread-safe. The clock is injected, so the whole cycle is testable without sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvctl.store.errors import InvalidArgument
+
+BreakerState = Literal["closed", "open", "half_open"]
+STATES: tuple[BreakerState, ...] = ("closed", "open", "half_open")
+
+#: first wait after an outage is seen: short, since most outages are blips and a miss costs a
+#: recompute, while a probe of a dead source costs one short read deadline
+DEFAULT_FIRST_BACKOFF_S = 0.25
+#: the longest wait between probes: a pool that comes back is used again within this
+DEFAULT_MAX_BACKOFF_S = 5.0
+DEFAULT_FACTOR = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class Ticket:
+    """A call's admission: the attempt window it was admitted in, and whether it is the probe."""
+
+    window: int
+    probe: bool
+
+
+class Breaker:
+    def __init__(
+        self,
+        *,
+        first_backoff_s: float = DEFAULT_FIRST_BACKOFF_S,
+        max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
+        factor: float = DEFAULT_FACTOR,
+        failures_to_open: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        first_backoff_s = _positive_seconds(first_backoff_s, "first_backoff_s")
+        max_backoff_s = _positive_seconds(max_backoff_s, "max_backoff_s")
+        if max_backoff_s < first_backoff_s:
+            raise InvalidArgument(
+                f"max_backoff_s ({max_backoff_s}) must be at least first_backoff_s "
+                f"({first_backoff_s})"
+            )
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise InvalidArgument(f"backoff factor must be a number, got {factor!r}")
+        if not (math.isfinite(factor) and factor >= 1):
+            raise InvalidArgument(f"backoff factor must be finite and >= 1, got {factor!r}")
+        if isinstance(failures_to_open, bool) or not isinstance(failures_to_open, int):
+            raise InvalidArgument(f"failures_to_open must be an int, got {failures_to_open!r}")
+        if failures_to_open < 1:
+            raise InvalidArgument(f"failures_to_open must be >= 1, got {failures_to_open}")
+        self.first_backoff_s = first_backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.factor = float(factor)
+        self.failures_to_open = failures_to_open
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._open = False
+        self._window = 0
+        self._backoff_s = 0.0
+        self._retry_at_s = 0.0
+        self._probing = False
+        #: failures in a row while closed (in the current window)
+        self._failures = 0
+        #: times it went from closed to open, probes let through, probes that failed
+        self.opens = 0
+        self.probes = 0
+        self.probe_failures = 0
+
+    # --- the state ----------------------------------------------------------------------------
+    def _state_locked(self, now_s: float) -> BreakerState:
+        if not self._open:
+            return "closed"
+        return "open" if now_s < self._retry_at_s else "half_open"
+
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            return self._state_locked(self.clock())
+
+    @property
+    def retry_at_s(self) -> float:
+        """The clock's reading from which a probe may go (0 when closed)."""
+        with self._lock:
+            return self._retry_at_s if self._open else 0.0
+
+    def may_call(self) -> bool:
+        """Whether a call made now would be let through (no state changes: a hint only)."""
+        with self._lock:
+            state = self._state_locked(self.clock())
+            return state == "closed" or (state == "half_open" and not self._probing)
+
+    # --- a call's life ------------------------------------------------------------------------
+    def admit(self) -> Ticket | None:
+        """A ticket for a call to make now, or None: the source is to be left alone."""
+        with self._lock:
+            state = self._state_locked(self.clock())
+            if state == "closed":
+                return Ticket(self._window, probe=False)
+            if state == "open" or self._probing:
+                return None
+            self._probing = True
+            self.probes += 1
+            return Ticket(self._window, probe=True)
+
+    def succeeded(self, ticket: Ticket) -> None:
+        with self._lock:
+            if ticket.window != self._window:
+                return  # admitted before the last change of state: says nothing about now
+            if ticket.probe:
+                self._open = self._probing = False
+                self._backoff_s = self._retry_at_s = 0.0
+                self._window += 1
+            self._failures = 0
+
+    def failed(self, ticket: Ticket) -> bool:
+        """Records a failure; True when it opened (or reopened) the breaker, False when it was
+        one of a burst already counted, or not yet enough to open."""
+        with self._lock:
+            if ticket.window != self._window:
+                return False
+            now_s = self.clock()
+            if ticket.probe:
+                self._probing = False
+                self.probe_failures += 1
+                self._backoff_s = min(self.max_backoff_s, self._backoff_s * self.factor)
+            else:
+                self._failures += 1
+                if self._failures < self.failures_to_open:
+                    return False
+                self._open = True
+                self.opens += 1
+                self._backoff_s = self.first_backoff_s
+            self._failures = 0
+            self._retry_at_s = now_s + self._backoff_s
+            self._window += 1
+            return True
+
+    def abandoned(self, ticket: Ticket) -> None:
+        """A call that ended with neither outcome (interrupted): frees the probe slot."""
+        with self._lock:
+            if ticket.probe and ticket.window == self._window:
+                self._probing = False
+
+    # --- reporting ----------------------------------------------------------------------------
+    @property
+    def backoff_s(self) -> float:
+        with self._lock:
+            return self._backoff_s
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            now_s = self.clock()
+            return {
+                "state": self._state_locked(now_s),
+                "backoff_s": self._backoff_s,
+                "retry_in_s": max(0.0, self._retry_at_s - now_s) if self._open else 0.0,
+                "probing": self._probing,
+                "opens": self.opens,
+                "probes": self.probes,
+                "probe_failures": self.probe_failures,
+                "first_backoff_s": self.first_backoff_s,
+                "max_backoff_s": self.max_backoff_s,
+            }
+
+
+def _positive_seconds(value: float, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{what} must be a number, got {value!r}")
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidArgument(f"{what} must be finite and > 0, got {value!r}")
+    return float(value)
