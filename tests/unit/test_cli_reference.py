@@ -41,7 +41,7 @@ def test_the_tree_is_what_the_issue_asks_for() -> None:
     for wanted in (
         "fleet add-dc", "fleet add-node", "fleet add-link", "fleet ls", "fleet rm",
         "fleet import", "fleet export", "status", "lookup", "pin", "unpin", "evict", "flush",
-        "prefetch", "move", "resize", "doctor", "audit",
+        "prefetch", "move", "resize", "doctor", "audit", "bench crash",
     ):  # fmt: skip
         assert wanted in names
 

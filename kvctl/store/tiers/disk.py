@@ -661,6 +661,63 @@ class DiskTier(Tier):
         self._recovered = recovered
 
 
+@dataclass(frozen=True, slots=True)
+class DirectoryAudit:
+    """What a DiskTier opening ``directory`` would find, seen without opening one (so without
+    its lock, and without deleting or changing anything): for checking a directory a killed
+    writer left behind before anything repairs it."""
+
+    #: keys of the files that are whole chunks (header and length; payloads too when verified)
+    chunk_keys: frozenset[bytes]
+    #: payload bytes of those chunks
+    chunk_bytes: int
+    #: relative paths of temp files: writes that never finished (an open drops them)
+    temp_files: tuple[str, ...]
+    #: "relative path: reason" of chunk files an open would drop (torn, corrupt, misnamed)
+    invalid_files: tuple[str, ...]
+
+
+def audit_directory(directory: str | os.PathLike[str], *, verify: bool = True) -> DirectoryAudit:
+    """Judge every file of a disk tier directory as DiskTier's open does (``verify``: payload
+    checksums too, as ``verify_on_open``), changing nothing. Raises OSError when the directory
+    cannot be listed or a file cannot be read (an unhealthy disk is not a verdict on chunks)."""
+    root = os.path.abspath(os.fspath(directory))
+    keys: set[bytes] = set()
+    chunk_bytes = 0
+    temps: list[str] = []
+    invalid: list[str] = []
+    verify_buf = bytearray(_VERIFY_BUFFER_BYTES) if verify else None
+    with os.scandir(root) as top:
+        entries = sorted(top, key=lambda e: e.name)
+    for entry in entries:
+        if entry.name.endswith(_TMP_SUFFIX) and entry.is_file(follow_symlinks=False):
+            temps.append(entry.name)
+            continue
+        if not (_FANOUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
+            continue
+        with os.scandir(entry.path) as sub:
+            files = sorted(sub, key=lambda f: f.name)
+        for f in files:
+            rel = f"{entry.name}/{f.name}"
+            if not f.is_file(follow_symlinks=False):
+                continue
+            if f.name.endswith(_TMP_SUFFIX):
+                temps.append(rel)
+            elif not _CHUNK_NAME.fullmatch(f.name):
+                invalid.append(f"{rel}: not a chunk file name")
+            elif not f.name.startswith(entry.name):
+                invalid.append(f"{rel}: in the wrong fan-out directory")
+            else:
+                key = bytes.fromhex(f.name[: 2 * KEY_BYTES])
+                loaded = _load_chunk(f.path, key, verify_buf, tighten=False)
+                if isinstance(loaded, str):
+                    invalid.append(f"{rel}: {loaded}")
+                else:
+                    keys.add(key)
+                    chunk_bytes += loaded.meta.size_bytes
+    return DirectoryAudit(frozenset(keys), chunk_bytes, tuple(temps), tuple(invalid))
+
+
 # --- file format ----------------------------------------------------------------------------
 def _encode_header(meta: ChunkMeta, checksum_kind: int, checksum: int) -> bytes:
     tenant = meta.tenant.encode("utf-8")
@@ -700,8 +757,11 @@ def _encode_header(meta: ChunkMeta, checksum_kind: int, checksum: int) -> bytes:
     return body + _CRC.pack(zlib.crc32(body))
 
 
-def _load_chunk(path: str, key: bytes, verify_buf: bytearray | None) -> _Entry | str:
-    """The chunk's index entry, or the reason the file is not a valid chunk.
+def _load_chunk(
+    path: str, key: bytes, verify_buf: bytearray | None, *, tighten: bool = True
+) -> _Entry | str:
+    """The chunk's index entry, or the reason the file is not a valid chunk. ``tighten`` takes
+    group's and others' bits off the file.
 
     OSErrors other than the file vanishing propagate: they say the disk is unhealthy, which
     is not a reason to delete chunks.
@@ -713,7 +773,7 @@ def _load_chunk(path: str, key: bytes, verify_buf: bytearray | None) -> _Entry |
     try:
         st = os.fstat(fd)
         file_bytes = st.st_size
-        if st.st_mode & _SHARED_BITS:  # written 0644 by an older build
+        if tighten and st.st_mode & _SHARED_BITS:  # written 0644 by an older build
             with contextlib.suppress(OSError):
                 os.fchmod(fd, FILE_MODE)
         head = os.pread(fd, _HEADER_PROBE_BYTES, 0)
