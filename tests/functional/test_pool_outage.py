@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -34,6 +35,7 @@ from kvctl.remote.redis_pool import RedisPool
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier
+from tests.functional.agents import running_agent
 
 TENANT = "t1"
 CHUNK_BYTES = 4 << 10
@@ -43,6 +45,7 @@ READ_BOUND_S = 1.5
 RECOVERY_BOUND_S = 10.0
 #: concurrent reads that meet the outage first: one burst
 BURST = 8
+AGENT_SMALL = ["--disk", "0", "--cpu", "64MiB"]
 
 
 class TcpProxy:
@@ -278,6 +281,58 @@ def test_reads_miss_fast_while_the_pool_is_away_and_hit_again_soon_after(
     assert got["breaker_during"]["state"] in ("open", "half_open")
     assert got["breaker_after"]["state"] == "closed"
     assert got["errors"] >= 1 and got["skipped"] >= 1
+
+
+def test_an_agent_answers_through_a_pool_outage_and_shows_its_breaker(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """The same through a real agent: its data plane answers lookups and gets during a stalled
+    pool within the bound (the agent's own defaults: no timeout configured), ``/v1/remote``
+    shows the pool's breaker open, then closed once the pool is back and reads hit again."""
+    keys = [key(i, f"{redis_prefix}/agent") for i in range(600)]
+    fill_pool(redis_url, redis_prefix, keys)
+    fresh = iter(keys)
+    proxy = TcpProxy(("127.0.0.1", int(redis_url.rsplit(":", 1)[1].split("/")[0])))
+    args = ["--pool", proxy.url, "--pool-prefix", redis_prefix, "--link", "pool:override=fetch"]
+    try:
+        with (
+            running_agent(tmp_path / "b", "--name", "b", *args, *AGENT_SMALL) as b,
+            b.data() as d,
+            b.control() as ctl,
+        ):
+
+            def agent_read(k: bytes) -> tuple[bool, float]:
+                t0 = time.perf_counter()
+                matched = d.lookup([k], tenant=TENANT).matched_chunks
+                got = d.get_many([k], tenant=TENANT)[0]
+                hit = matched == 1 and got is not None
+                if hit:
+                    assert bytes(got) == bytes([k[0]]) * CHUNK_BYTES  # type: ignore[arg-type]
+                return hit, time.perf_counter() - t0
+
+            assert agent_read(next(fresh))[0]
+            proxy.stall()
+            during = [agent_read(next(fresh)) for _ in range(3)]
+            shown = ctl.remote()["pool"]
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                during.append(agent_read(next(fresh)))
+                time.sleep(0.05)
+            assert not any(hit for hit, _ in during)
+            slowest = max(s for _, s in during)
+            assert slowest < READ_BOUND_S, f"a request blocked {slowest:.2f} s"
+            assert shown["breaker"]["state"] in ("open", "half_open") and shown["up"] is False
+            assert "Timeout" in shown["last_error"]
+            proxy.restore()
+            back = time.monotonic()
+            while not agent_read(next(fresh))[0]:
+                assert time.monotonic() - back < RECOVERY_BOUND_S, ctl.remote()["pool"]
+                time.sleep(0.05)
+            after = ctl.remote()["pool"]
+            assert after["breaker"]["state"] == "closed" and after["up"] is True
+            assert after["breaker"]["opens"] >= 1
+    finally:
+        proxy.close()
 
 
 if __name__ == "__main__":  # figures: python -m tests.functional.test_pool_outage [REDIS_URL]
