@@ -10,13 +10,16 @@ Store calls take the store's lock and may touch disk, so those endpoints are pla
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from decimal import Decimal
 from heapq import nsmallest
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
 import anyio.to_thread
@@ -24,10 +27,18 @@ from fastapi import FastAPI, Header, Query, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 from starlette.routing import Match
 
 from kvctl import __version__
+from kvctl.agent.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, clip_echo, safe_text
 from kvctl.agent.probe import probe_link
 from kvctl.agent.protocol import MAX_PROBE_BYTES
 from kvctl.agent.runtime import AgentRuntime
@@ -45,6 +56,14 @@ from kvctl.units import parse_size
 
 MAX_KEYS_PER_REQUEST = 100_000
 MAX_PAGE = 10_000
+#: the largest capacity a resize takes (a signed 64-bit byte count, as tiers and metrics keep it)
+MAX_CAPACITY_BYTES = 2**63 - 1
+#: event seqs and cursors are signed 64-bit like every other counter the agent exports
+MAX_SEQ = 2**63 - 1
+#: token ids are hashed as uint32 (kvctl.store.keys)
+MAX_TOKEN = 2**32 - 1
+#: most errors one 422 lists; the rest are counted in a last entry
+MAX_ERRORS = 20
 #: most chunks one /v1/keys/top answers (each walks its prefix chain under the store's lock)
 MAX_TOP = 1000
 #: a comment line at least this often keeps proxies and idle timeouts from closing the stream
@@ -72,6 +91,18 @@ _ERROR_STATUS: dict[type[StoreError], int] = {
     StoreError: 500,
 }
 
+#: what each error status means here, for the schema (every error body is ErrorDetail)
+_ERROR_TEXT: dict[int, str] = {
+    400: "bad input the schema cannot express: a malformed key, an unknown tier or model, too "
+    "many keys, a size that is not a whole byte count, a body that is not JSON",
+    401: "missing or wrong bearer token (when the agent has a token)",
+    404: "a chunk could not be read back (corrupt or gone): to a reader it is a miss",
+    409: "no room: pinned chunks exceed the size asked for, or the tier cannot hold it",
+    413: "request body over the agent's limit",
+    503: "a tier is unavailable (its directory is missing or not writable, or it was closed)",
+    507: "the disk tier's filesystem is full",
+}
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -80,7 +111,57 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # --- request and response models ------------------------------------------------------------
 
-_KEYS_DESC = f"chunk keys, {KEY_BYTES * 2} hex characters each (at most {MAX_KEYS_PER_REQUEST:,})"
+_KEY_CHARS = KEY_BYTES * 2
+_KEY_TEXT = re.compile(f"[0-9a-fA-F]{{{_KEY_CHARS}}}")
+_KEYS_DESC = f"chunk keys, {_KEY_CHARS} hex characters each (at most {MAX_KEYS_PER_REQUEST:,})"
+# Keys, tier and model names are checked by the handlers, which answer 400 naming the bad value;
+# the schema still states them. Tier and model names differ per agent: the schema says
+# x-kvctl-names and create_app's openapi() replaces it with the agent's names as an enum.
+_NAMES_MARK = "x-kvctl-names"
+KeyText = Annotated[
+    str,
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": f"^[0-9a-fA-F]{{{_KEY_CHARS}}}$",
+            "minLength": _KEY_CHARS,
+            "maxLength": _KEY_CHARS,
+        }
+    ),
+]
+TierName = Annotated[str, WithJsonSchema({"type": "string", _NAMES_MARK: "tiers"})]
+ModelId = Annotated[str, WithJsonSchema({"type": "string", _NAMES_MARK: "models"})]
+# fail_fast: a list of 2M wrongly typed items gives one error, not 2M (gigabytes of them)
+KeyList = Annotated[list[KeyText], Field(fail_fast=True)]
+TokenList = Annotated[list[Annotated[int, Field(ge=0, le=MAX_TOKEN)]], Field(fail_fast=True)]
+#: size text: ASCII digits, an optional fraction, an optional unit (B, K/KB/KiB ... T/TB/TiB)
+_SIZE_TEXT = r"([0-9]{1,20}(?:\.[0-9]{1,20})?) ?((?:[bB]|[kKmMgGtT](?:[iI]?[bB])?)?)"
+_SIZE_RE = re.compile(_SIZE_TEXT)
+SizeText = Annotated[
+    str, WithJsonSchema({"type": "string", "pattern": f"^{_SIZE_TEXT}$", "maxLength": 48})
+]
+CapacityBytes = Annotated[int, Field(ge=0, le=MAX_CAPACITY_BYTES)]
+_LAST_EVENT_ID = re.compile(r"-?[0-9]{1,19}")
+
+
+class _Request(BaseModel):
+    """Request bodies take JSON's own types: no "5" for 5, no 1 or "yes" for true, no true
+    for 1 (the schema's types are the API's)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class ErrorDetail(BaseModel):
+    detail: str = Field(description="what was wrong, naming the bad value")
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """Schema entries for the error statuses an operation can answer; 401 and 413 can come
+    from every one (the auth and body-limit middleware)."""
+    return {
+        code: {"model": ErrorDetail, "description": _ERROR_TEXT[code]}
+        for code in sorted({401, 413, *codes})
+    }
 
 
 class Health(BaseModel):
@@ -91,15 +172,31 @@ class Health(BaseModel):
     time_s: float = Field(description="the agent's clock, unix seconds (for clock-skew checks)")
 
 
-class LookupRequest(BaseModel):
+class LookupRequest(_Request):
+    model_config = ConfigDict(
+        strict=True,
+        # exactly one of tokens or keys (the validator below), in the schema's words
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["tokens"], "properties": {"tokens": {"type": "array"}}},
+                {"required": ["keys"], "properties": {"keys": {"type": "array"}}},
+            ]
+        },
+    )
+
     tenant: str = Field("", description="tenant asking; isolated tenants see only their chunks")
-    model: str | None = Field(
+    model: ModelId | None = Field(
         None, description="model id for lookup by tokens (default: the agent's first model)"
     )
-    tokens: list[int] | None = Field(
-        None, description="prompt token ids; keys are computed over full chunks only"
+    tokens: TokenList | None = Field(
+        None,
+        description=f"prompt token ids (0..{MAX_TOKEN}); keys are computed over full chunks only",
     )
-    keys: list[str] | None = Field(None, description=f"a prefix chain of {_KEYS_DESC}")
+    keys: KeyList | None = Field(
+        None,
+        description=f"a prefix chain of {_KEYS_DESC}",
+        json_schema_extra={"maxItems": MAX_KEYS_PER_REQUEST},
+    )
     count: bool = Field(
         True,
         description="count in the hit statistics like an engine's lookup; false for operators' "
@@ -125,29 +222,34 @@ class LookupResponse(BaseModel):
     chunks: list[ChunkLocation] = Field(description="every chunk of the chain, in order")
 
 
-class KeysRequest(BaseModel):
-    keys: list[str] = Field(description=_KEYS_DESC)
+def _keys_field() -> Any:
+    return Field(description=_KEYS_DESC, json_schema_extra={"maxItems": MAX_KEYS_PER_REQUEST})
 
 
-class KeysTierRequest(BaseModel):
-    keys: list[str] = Field(description=_KEYS_DESC)
-    tier: str | None = Field(None, description="tier to act in (default depends on the call)")
+class KeysRequest(_Request):
+    keys: KeyList = _keys_field()
 
 
-class MoveRequest(BaseModel):
-    keys: list[str] = Field(description=_KEYS_DESC)
-    tier: str = Field(description="destination tier")
+class KeysTierRequest(_Request):
+    keys: KeyList = _keys_field()
+    tier: TierName | None = Field(None, description="tier to act in (default depends on the call)")
 
 
-class FlushRequest(BaseModel):
-    tier: str = Field(description="tier to empty of unpinned chunks")
+class MoveRequest(_Request):
+    keys: KeyList = _keys_field()
+    tier: TierName = Field(description="destination tier")
+
+
+class FlushRequest(_Request):
+    tier: TierName = Field(description="tier to empty of unpinned chunks")
     demote: bool = Field(False, description="demote to the next tier instead of dropping")
 
 
-class ResizeRequest(BaseModel):
-    tier: str = Field(description="tier to resize")
-    capacity: int | str = Field(
-        description='new capacity: bytes, or size text such as "512MiB", "64GiB", "8KiB"'
+class ResizeRequest(_Request):
+    tier: TierName = Field(description="tier to resize")
+    capacity: CapacityBytes | SizeText = Field(
+        description=f"new capacity: bytes (0..{MAX_CAPACITY_BYTES}), or size text such as "
+        '"512MiB", "64GiB", "8KiB", "1.5GiB" (a whole number of bytes)'
     )
 
 
@@ -206,8 +308,8 @@ class HotKeys(BaseModel):
     )
 
 
-class ProbeRequest(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
+class ProbeRequest(_Request):
+    model_config = ConfigDict(populate_by_name=True, strict=True)
 
     target: str = Field(description="data-plane TCP address of the agent to probe, HOST:PORT")
     token: str | None = Field(
@@ -268,14 +370,42 @@ def _parse_keys(texts: list[str]) -> list[bytes]:
 
 
 def _parse_key(text: str, what: str) -> bytes:
-    try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        key = b""
-    if len(key) != KEY_BYTES:
+    # exactly the hex digits: bytes.fromhex alone would take spaces between and around them
+    if not _KEY_TEXT.fullmatch(text):
         shown = text if len(text) <= 40 else text[:40] + "..."
-        raise InvalidArgument(f"bad {what} {shown!r}: keys are {KEY_BYTES * 2} hex characters")
-    return key
+        raise InvalidArgument(f"bad {what} {shown!r}: keys are {_KEY_CHARS} hex characters")
+    return bytes.fromhex(text)
+
+
+def _capacity_bytes(capacity: int | str) -> int:
+    """A resize's capacity in bytes; size text is parsed exactly (no float rounding)."""
+    if isinstance(capacity, int):
+        return capacity  # bounds checked by the model
+    shown = capacity if len(capacity) <= 40 else capacity[:40] + "..."
+    m = _SIZE_RE.fullmatch(capacity)
+    if m is None:
+        raise InvalidArgument(f"not a size: {shown!r} (examples: 4096, 256KiB, 64GiB)")
+    number, unit = m.groups()
+    value = Decimal(number) * parse_size(f"1{unit}")  # parse_size knows the units
+    if value != value.to_integral_value():
+        raise InvalidArgument(f"{shown!r} is not a whole number of bytes")
+    if value > MAX_CAPACITY_BYTES:
+        raise InvalidArgument(
+            f"{shown!r} is {value:,.0f} bytes, over the largest capacity, {MAX_CAPACITY_BYTES}"
+        )
+    return int(value)
+
+
+def _cannot_hold(exc: BaseException) -> bool:
+    """Whether a tier's resize failed for want of memory or address space to map the new size
+    (an arena is allocated whole): the request asked for too much, not a fault of the agent."""
+    if isinstance(exc, (OverflowError, MemoryError)):
+        return True
+    return (
+        isinstance(exc, OSError)
+        and not isinstance(exc, StoreError)
+        and exc.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC, errno.EOVERFLOW)
+    )
 
 
 def _hit_ratio(stats: dict[str, Any]) -> float:
@@ -290,6 +420,56 @@ def _redact(value: Any) -> Any:
     if isinstance(value, list):
         return [_redact(v) for v in value]
     return value
+
+
+def _fill_names(node: Any, names: dict[str, list[str]]) -> None:
+    """Replace each ``x-kvctl-names`` mark in a schema with an enum of those names."""
+    if isinstance(node, dict):
+        kind = node.pop(_NAMES_MARK, None)
+        if kind is not None:
+            node["enum"] = list(names[kind])
+        for v in node.values():
+            _fill_names(v, names)
+    elif isinstance(node, list):
+        for v in node:
+            _fill_names(v, names)
+
+
+#: integer bounds the API declares; FastAPI's schema model holds bounds as floats, and 2**63-1
+#: does not survive that (it rounds to 2**63)
+_EXACT_BOUNDS = {
+    float(b): b
+    for b in (MAX_CAPACITY_BYTES, MAX_SEQ, MAX_TOKEN, MAX_PROBE_BYTES, MAX_KEYS_PER_REQUEST)
+}
+
+
+def _int_bounds(node: Any) -> None:
+    """Give integer schemas their bounds back as exact integers."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                v = node.get(k)
+                if isinstance(v, float) and v.is_integer():
+                    node[k] = _EXACT_BOUNDS.get(v, int(v))
+        for v in node.values():
+            _int_bounds(v)
+    elif isinstance(node, list):
+        for v in node:
+            _int_bounds(v)
+
+
+def _no_null_params(schema: dict[str, Any]) -> None:
+    """An optional query or header parameter is absent or a value, never null: drop pydantic's
+    null branch (a client generating from the schema would send the text "null")."""
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            for param in op.get("parameters", ()):
+                s = param.get("schema", {})
+                branches = [b for b in s.get("anyOf", ()) if b.get("type") != "null"]
+                if "anyOf" in s and len(branches) == 1:
+                    del s["anyOf"]
+                    s.pop("default", None)
+                    s.update(branches[0])
 
 
 def _sse(event: str, data: Any, seq: int | None = None) -> bytes:
@@ -388,7 +568,8 @@ class _HttpMetrics:
 # --- the app ---------------------------------------------------------------------------------
 
 
-def create_app(runtime: AgentRuntime) -> FastAPI:
+def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The control API over ``runtime``; request bodies over ``max_body_bytes`` get a 413."""
     app = FastAPI(
         title="kvctl agent",
         version=__version__,
@@ -401,7 +582,7 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
 
     def _error(status: int) -> Callable[[Request, Exception], Response]:
         def handler(_request: Request, exc: Exception) -> Response:
-            return JSONResponse({"detail": str(exc)}, status_code=status)
+            return JSONResponse({"detail": safe_text(str(exc))}, status_code=status)
 
         return handler
 
@@ -409,26 +590,42 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         app.add_exception_handler(exc_type, _error(status))
 
     async def _validation_error(_request: Request, exc: Exception) -> Response:
-        """FastAPI's own 422, except that echoed inputs never carry a token's value."""
+        """FastAPI's own 422, except that echoed inputs never carry a token's value, are clipped
+        (a model-level error echoes the whole body) and are valid JSON (no NaN), and at most
+        MAX_ERRORS errors are listed."""
         assert isinstance(exc, RequestValidationError)
+        all_errors = exc.errors()
         errors = []
-        for err in exc.errors():
+        for err in all_errors[:MAX_ERRORS]:
             err = dict(err)
             loc = err.get("loc") or ()
             if loc and loc[-1] in _SECRET_FIELDS:
                 err["input"] = "***"
             elif "input" in err:
-                err["input"] = _redact(err["input"])
+                err["input"] = _redact(clip_echo(err["input"]))
+            if "ctx" in err:  # limits, and for a validator's error the exception itself
+                err["ctx"] = clip_echo(err["ctx"])
+            err["msg"] = safe_text(str(err.get("msg", "")))
             errors.append(err)
+        if len(all_errors) > MAX_ERRORS:
+            errors.append(
+                {
+                    "type": "too_many_errors",
+                    "loc": ["body"],
+                    "msg": f"{len(all_errors) - MAX_ERRORS:,} more errors not listed",
+                }
+            )
         return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
 
     app.add_exception_handler(RequestValidationError, _validation_error)
 
-    # added last = outermost: metrics see the auth middleware's 401s
+    # added last = outermost: metrics see the auth middleware's 401s; the body limit runs
+    # after auth, so a client without the token learns nothing but the 401
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     app.add_middleware(_BearerAuth, runtime=runtime)
     app.add_middleware(_HttpMetrics, runtime=runtime, api=app)
 
-    @app.get("/v1/health", response_model=Health, tags=["agent"])
+    @app.get("/v1/health", response_model=Health, tags=["agent"], responses=_errors())
     async def health() -> Health:
         """Liveness: answers without touching the store (so a busy store never fails it)."""
         s, now_s = runtime.settings, time.time()
@@ -440,12 +637,12 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             time_s=now_s,
         )
 
-    @app.get("/v1/info", tags=["agent"])
+    @app.get("/v1/info", tags=["agent"], responses=_errors())
     def info() -> dict[str, Any]:
         """Name, version, tiers, models, data-plane addresses and whether auth is on."""
         return runtime.info()
 
-    @app.get("/v1/stats", tags=["agent"])
+    @app.get("/v1/stats", tags=["agent"], responses=_errors())
     def stats() -> dict[str, Any]:
         """Store counters and tier usage, with the chunk hit ratio derived (hits / looked up)."""
         snapshot = getattr(store, "snapshot", None)
@@ -464,7 +661,7 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             out["remote"] = runtime.remote.status()
         return out
 
-    @app.get("/v1/remote", tags=["agent"])
+    @app.get("/v1/remote", tags=["agent"], responses=_errors())
     def remote() -> dict[str, Any]:
         """The shared pool and peers: reachability, errors, link figures (measured, configured
         or emulated), pool usage, fetch-or-recompute decisions and the pool writer's counts."""
@@ -472,7 +669,7 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             return {"configured": False, "role": runtime.settings.role, **runtime.planner.status()}
         return {"configured": True, "role": runtime.settings.role, **runtime.remote.status()}
 
-    @app.get("/v1/gpus", tags=["agent"])
+    @app.get("/v1/gpus", tags=["agent"], responses=_errors())
     def gpus() -> dict[str, Any]:
         """NVML status (with the error and a hint when unavailable) and one reading per GPU."""
         status, readings = runtime.gpus()
@@ -481,7 +678,7 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             "gpus": [dataclasses.asdict(r) for r in readings],
         }
 
-    @app.post("/v1/probe", response_model=ProbeResponse, tags=["agent"])
+    @app.post("/v1/probe", response_model=ProbeResponse, tags=["agent"], responses=_errors(400))
     def probe(body: ProbeRequest) -> dict[str, Any]:
         """Probe the link from this agent to another agent's data plane: PING round trips
         (median, min, loss), then one upload and one download of `bytes` for bandwidth.
@@ -507,7 +704,9 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         )
         return out
 
-    @app.post("/v1/lookup", response_model=LookupResponse, tags=["chunks"])
+    @app.post(
+        "/v1/lookup", response_model=LookupResponse, tags=["chunks"], responses=_errors(400, 503)
+    )
     def lookup(body: LookupRequest) -> LookupResponse:
         """Longest cached prefix of a request, by prompt tokens or by a key chain.
 
@@ -541,50 +740,80 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
             ],
         )
 
-    @app.post("/v1/pin", response_model=BulkResponse, tags=["chunks"])
+    def _tier(name: str) -> str:
+        """``name`` if the store has such a tier, else 400 (the store would take "" as its
+        default tier in some calls and as no filter in others)."""
+        return store.tier(name).name
+
+    # moving or promoting a chunk writes it into another tier and reads it out of its own
+    moving = (400, 404, 503, 507)
+
+    @app.post(
+        "/v1/pin", response_model=BulkResponse, tags=["chunks"], responses=_errors(409, *moving)
+    )
     def pin(body: KeysTierRequest) -> dict[str, int]:
         """Pin chunks so they are never evicted, moving them to `tier` first when given.
 
         409 when the pins cannot fit the tier (nothing is pinned then).
         """
-        return store.pin(_parse_keys(body.keys), tier=body.tier).as_dict()
+        tier = None if body.tier is None else _tier(body.tier)
+        return store.pin(_parse_keys(body.keys), tier=tier).as_dict()
 
-    @app.post("/v1/unpin", response_model=BulkResponse, tags=["chunks"])
+    @app.post("/v1/unpin", response_model=BulkResponse, tags=["chunks"], responses=_errors(400))
     def unpin(body: KeysRequest) -> dict[str, int]:
         """Make pinned chunks evictable again."""
         return store.unpin(_parse_keys(body.keys)).as_dict()
 
-    @app.post("/v1/evict", response_model=BulkResponse, tags=["chunks"])
+    @app.post(
+        "/v1/evict", response_model=BulkResponse, tags=["chunks"], responses=_errors(400, 503)
+    )
     def evict(body: KeysRequest) -> dict[str, int]:
         """Drop chunks from the store; pinned chunks are skipped."""
         return store.evict(_parse_keys(body.keys)).as_dict()
 
-    @app.post("/v1/flush", response_model=BulkResponse, tags=["tiers"])
+    @app.post("/v1/flush", response_model=BulkResponse, tags=["tiers"], responses=_errors(*moving))
     def flush(body: FlushRequest) -> dict[str, int]:
         """Empty a tier of unpinned chunks (dropped, or demoted with `demote`)."""
-        return store.flush(body.tier, demote=body.demote).as_dict()
+        return store.flush(_tier(body.tier), demote=body.demote).as_dict()
 
-    @app.post("/v1/prefetch", response_model=BulkResponse, tags=["chunks"])
+    @app.post(
+        "/v1/prefetch", response_model=BulkResponse, tags=["chunks"], responses=_errors(*moving)
+    )
     def prefetch(body: KeysTierRequest) -> dict[str, int]:
         """Bring chunks up to `tier` (default: the top tier); chunks already there stay."""
-        return store.prefetch(_parse_keys(body.keys), body.tier).as_dict()
+        tier = None if body.tier is None else _tier(body.tier)
+        return store.prefetch(_parse_keys(body.keys), tier).as_dict()
 
-    @app.post("/v1/move", response_model=BulkResponse, tags=["chunks"])
+    @app.post("/v1/move", response_model=BulkResponse, tags=["chunks"], responses=_errors(*moving))
     def move(body: MoveRequest) -> dict[str, int]:
         """Move chunks to `tier`, up or down, making room there by policy."""
-        return store.move(_parse_keys(body.keys), body.tier).as_dict()
+        return store.move(_parse_keys(body.keys), _tier(body.tier)).as_dict()
 
-    @app.post("/v1/resize", response_model=ResizeResponse, tags=["tiers"])
+    @app.post(
+        "/v1/resize", response_model=ResizeResponse, tags=["tiers"], responses=_errors(409, *moving)
+    )
     def resize(body: ResizeRequest) -> dict[str, Any]:
         """Change a tier's capacity live, demoting (or dropping) chunks down to the new size.
 
-        409 when pinned chunks exceed the new size.
+        409 when pinned chunks exceed the new size, or when the tier cannot hold it (a cpu
+        tier's arena is mapped whole: more than the host can map); the tier keeps its capacity.
         """
-        result = store.resize(body.tier, parse_size(body.capacity)).as_dict()
-        return {**result, "usage": store.usage()[store.tier(body.tier).name]}
+        name = _tier(body.tier)
+        capacity_bytes = _capacity_bytes(body.capacity)
+        try:
+            result = store.resize(name, capacity_bytes).as_dict()
+        except Exception as exc:
+            if not _cannot_hold(exc):
+                raise
+            kept = store.usage()[name]["capacity_bytes"]
+            raise CapacityError(
+                f"tier {name!r} cannot be resized to {capacity_bytes} bytes: {exc}; it keeps "
+                f"its capacity of {kept} bytes"
+            ) from exc
+        return {**result, "usage": store.usage()[name]}
 
     # before any /v1/keys/{...} route could be added: Starlette matches in order
-    @app.get("/v1/keys/top", response_model=HotKeys, tags=["chunks"])
+    @app.get("/v1/keys/top", response_model=HotKeys, tags=["chunks"], responses=_errors())
     def top_keys(
         limit: int = Query(20, ge=1, le=MAX_TOP, description="most chunks to return"),
         pinned: bool = Query(False, description="only pinned chunks"),
@@ -596,23 +825,25 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         hot = store.hottest(limit, pinned_only=pinned)
         return HotKeys(items=[HotKeyItem.model_validate(h.as_dict()) for h in hot])
 
-    @app.get("/v1/keys", response_model=KeysPage, tags=["chunks"])
+    @app.get("/v1/keys", response_model=KeysPage, tags=["chunks"], responses=_errors(400))
     def list_keys(
-        tier: str | None = Query(None, description="only chunks in this tier"),
+        tier: TierName | None = Query(None, description="only chunks in this tier"),
         limit: int = Query(100, ge=1, le=MAX_PAGE, description="page size"),
-        after: str | None = Query(None, description="cursor: the previous page's next"),
+        after: KeyText | None = Query(None, description="cursor: the previous page's next"),
     ) -> KeysPage:
         """Cached chunks in ascending key order, one page at a time."""
-        cursor = _parse_key(after, "after").hex() if after else ""
-        hexed = ((e.key.hex(), e) for e in store.entries(tier or None))
+        cursor = "" if after is None else _parse_key(after, "after").hex()
+        hexed = ((e.key.hex(), e) for e in store.entries(None if tier is None else _tier(tier)))
         # O(n log limit), not a full sort of the index per page
         page = nsmallest(limit + 1, (p for p in hexed if p[0] > cursor), key=lambda p: p[0])
         items = [KeyItem(key=k, **e.listing()) for k, e in page[:limit]]
         return KeysPage(items=items, next=items[-1].key if len(page) > limit else None)
 
-    @app.get("/v1/events/recent", response_model=EventsResponse, tags=["events"])
+    @app.get(
+        "/v1/events/recent", response_model=EventsResponse, tags=["events"], responses=_errors()
+    )
     def recent_events(
-        after: int = Query(0, ge=0, description="return events with a larger seq"),
+        after: int = Query(0, ge=0, le=MAX_SEQ, description="return events with a larger seq"),
         limit: int = Query(1000, ge=1, le=MAX_PAGE, description="most events to return"),
     ) -> EventsResponse:
         """Buffered store events, without waiting (for polling clients)."""
@@ -623,15 +854,20 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         "/v1/events",
         tags=["events"],
         response_class=StreamingResponse,
-        responses={200: {"content": {"text/event-stream": {}}}},
+        responses={
+            200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+            **_errors(400),
+        },
     )
     async def events(
         request: Request,
         after: int | None = Query(
-            None, ge=-1, description="resume after this seq; -1 or absent: from now"
+            None, ge=-1, le=MAX_SEQ, description="resume after this seq; -1 or absent: from now"
         ),
         last_event_id: str | None = Header(
-            None, description="standard SSE resume cursor; wins over `after`"
+            None,
+            description="standard SSE resume cursor; wins over `after`",
+            json_schema_extra={"pattern": f"^{_LAST_EVENT_ID.pattern}$"},
         ),
     ) -> StreamingResponse:
         """Server-Sent Events: store, demote, promote, move and evict events as they happen.
@@ -641,12 +877,12 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
         """
         cursor = after if after is not None else -1
         if last_event_id is not None:
-            try:
-                cursor = int(last_event_id)
-            except ValueError:
+            # ASCII digits only: int() would take " 5", "1_0" and other scripts' digits
+            if not _LAST_EVENT_ID.fullmatch(last_event_id):
                 raise InvalidArgument(
                     f"Last-Event-ID must be an event seq, got {last_event_id[:40]!r}"
-                ) from None
+                )
+            cursor = int(last_event_id)
         if cursor < 0:
             cursor = runtime.events.last_seq
         return StreamingResponse(
@@ -679,12 +915,53 @@ def create_app(runtime: AgentRuntime) -> FastAPI:
                 last_write = time.monotonic()
                 yield b"".join(out)
 
-    @app.get("/metrics", tags=["agent"], response_class=Response)
+    @app.get(
+        "/metrics",
+        tags=["agent"],
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text, or OpenMetrics when `Accept` asks for it",
+                "content": {
+                    "text/plain": {"schema": {"type": "string"}},
+                    "application/openmetrics-text": {"schema": {"type": "string"}},
+                },
+            },
+            **_errors(),
+        },
+    )
     def metrics(request: Request) -> Response:
         """Prometheus text exposition of the agent's `kvctl_*` metrics (OpenMetrics when the
         `Accept` header asks for it)."""
         body, content_type = runtime.metrics.render(request.headers.get("accept"))
         return Response(body, media_type=content_type)
+
+    schemas: dict[bool, dict[str, Any]] = {}
+
+    def openapi() -> dict[str, Any]:
+        """FastAPI's schema, made to say what the handlers check: this agent's tier and model
+        names as enums, optional query parameters as absent rather than null, and bearer auth
+        when the agent has a token (read per request, so one schema per setting is kept)."""
+        authed = bool(runtime.settings.token)
+        if authed not in schemas:
+            app.openapi_schema = None  # FastAPI caches one; build afresh
+            schema = FastAPI.openapi(app)
+            app.openapi_schema = None
+            names = {
+                "tiers": list(store.tier_names),
+                "models": [m.id for m in runtime.settings.models],
+            }
+            _fill_names(schema, names)
+            _int_bounds(schema)
+            _no_null_params(schema)
+            if authed:
+                components = schema.setdefault("components", {})
+                components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+                schema["security"] = [{"bearer": []}]
+            schemas[authed] = schema
+        return schemas[authed]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     # bound the route label to our own templates: probes of random paths all count as "other"
     allow_routes = getattr(runtime.metrics, "allow_routes", None)
