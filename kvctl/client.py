@@ -192,6 +192,9 @@ class DataClient:
         self._arena_gen = -1
         self._staging: mmap.mmap | None = None
         self._staging_fd = -1
+        #: puts go through a staging segment (False where this system cannot seal one, or the
+        #: agent refused it: then they go over the socket)
+        self._staged_puts = True
         #: PROBE filler to send and a scratch buffer to drain replies into (made on first probe)
         self._probe_zeros: bytes | None = None
         self._probe_scratch: memoryview | None = None
@@ -335,20 +338,22 @@ class DataClient:
                 )  # fmt: skip
             return w.build()
 
-        if not self.shm:
-            reply, _ = self._call(Op.PUT, meta([None] * len(items)), views)
-            return self._outcomes(reply)
-        # same host: the bytes go through the staging segment the agent maps, not the socket
-        with self._lock:
-            staging = memoryview(self._ensure_staging(sum(v.nbytes for v in views)))
-            offsets = []
-            off = 0
-            for v in views:
-                staging[off : off + v.nbytes] = v
-                offsets.append(off)
-                off += v.nbytes
-            staging.release()
-            reply, _ = self._call_locked(Op.PUT_STAGED, meta(offsets), (), None)
+        if self.shm and self._staged_puts:
+            # same host: the bytes go through the staging segment the agent maps, not the socket
+            with self._lock:
+                segment = self._ensure_staging(sum(v.nbytes for v in views))
+                if segment is not None:
+                    staging = memoryview(segment)
+                    offsets = []
+                    off = 0
+                    for v in views:
+                        staging[off : off + v.nbytes] = v
+                        offsets.append(off)
+                        off += v.nbytes
+                    staging.release()
+                    reply, _ = self._call_locked(Op.PUT_STAGED, meta(offsets), (), None)
+                    return self._outcomes(reply)
+        reply, _ = self._call(Op.PUT, meta([None] * len(items)), views)
         return self._outcomes(reply)
 
     def get(self, key: bytes, *, tenant: str = "") -> bytearray:
@@ -600,6 +605,8 @@ class DataClient:
                 ErrorCode.TOO_LARGE,
                 ErrorCode.UNAUTHORIZED,
                 ErrorCode.INTERNAL,
+                ErrorCode.TIMEOUT,
+                ErrorCode.BUSY,
             ):
                 self.close()  # the agent closes the connection after these
             if code == ErrorCode.UNAUTHORIZED:
@@ -809,15 +816,28 @@ class DataClient:
                 results[i] = got
         return results
 
-    def _ensure_staging(self, size: int) -> mmap.mmap:
+    def _ensure_staging(self, size: int) -> mmap.mmap | None:
+        """The staging segment, at least ``size`` bytes, attached to the agent; None (and puts
+        over the socket from now on) where this system cannot seal one or the agent refuses
+        it. The agent maps only segments sealed against shrinking: a file that could shrink
+        under its mapping would crash it."""
         if self._staging is not None and len(self._staging) >= size:
             return self._staging
         size = max(size, 64 << 20, 2 * len(self._staging) if self._staging else 0)
-        fd = os.memfd_create("kvctl-staging", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, size)
+            fd = _sealed_memfd(size)
+        except OSError:
+            self._staged_puts = False
+            return None
+        try:
             staging = mmap.mmap(fd, size)
             self._call_locked(Op.ATTACH, MetaWriter().u64(size).build(), (), None, fd)
+        except RequestError as exc:  # an agent that maps no segment of this kind
+            os.close(fd)
+            if exc.code not in (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED):
+                raise
+            self._staged_puts = False
+            return None
         except BaseException:
             os.close(fd)
             raise
@@ -826,6 +846,25 @@ class DataClient:
             os.close(self._staging_fd)
         self._staging, self._staging_fd = staging, fd
         return staging
+
+
+def _sealed_memfd(size_bytes: int) -> int:
+    """A new memfd of ``size_bytes`` sealed against shrinking and growing (what an agent needs
+    to map it safely). OSError where the system has no memfd or seals (not Linux)."""
+    import fcntl  # POSIX only; the data plane's shared-memory path is Linux only
+
+    add_seals = getattr(fcntl, "F_ADD_SEALS", None)
+    if not hasattr(os, "memfd_create") or add_seals is None:
+        raise OSError("this system cannot seal a memfd")
+    fd = os.memfd_create("kvctl-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size_bytes)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, add_seals, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # --- control API ------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ itself, under a lease that keeps the bytes in place. See ``protocol`` for the wi
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hmac
 import json
 import logging
@@ -18,7 +19,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvctl import __version__
@@ -32,6 +33,7 @@ from kvctl.agent.protocol import (
     ITEM,
     LEASE_ITEM,
     MAX_BATCH,
+    MAX_META_BYTES,
     NO_TIER,
     PROBE_PIECE_BYTES,
     REPLY_BIT,
@@ -69,8 +71,23 @@ from kvctl.store.tiers.cpu import CpuTier, Lease
 
 log = logging.getLogger("kvctl.agent.dataplane")
 
-#: a request that has started must keep sending; a stalled one is cut off after this
+#: a request that has started must keep moving: a frame is cut off (an error frame, then the
+#: connection closes) once it has run this long plus 1 s per MIN_FRAME_BYTES_PER_SECOND bytes it
+#: has moved, so a sender that stops, or trickles a byte every few seconds, is cut off after
+#: about this long, while a large transfer at a steady rate is never cut off
 FRAME_TIMEOUT_SECONDS = 30.0
+#: the slowest average rate (bytes in or out of one frame, after the grace above) still served
+MIN_FRAME_BYTES_PER_SECOND = 1 << 20
+#: bytes all connections together may hold of puts (and large metadata) still arriving; a frame
+#: waits for its share at most until its stall deadline, then gets BUSY and is closed. Raised to
+#: one largest chunk plus the largest metadata where that is more, so any valid frame can fit.
+PUT_BUDGET_BYTES = 1 << 30
+#: the receive buffer a connection keeps between frames: chunks and metadata up to this size
+#: reuse it (outside the budget); larger ones get a buffer of their own, anonymous memory whose
+#: pages exist only once bytes arrive, unmapped as soon as the chunk is stored
+KEPT_BUFFER_BYTES = 1 << 20
+#: receives are counted (for the stall deadline) in slices of this size
+RECV_SLICE_BYTES = 1 << 20
 _OP_NAMES = {op.value: op.name.lower() for op in Op}
 #: PROBE replies are views of this one immutable buffer, shared by every connection
 _PROBE_ZEROS = bytes(PROBE_PIECE_BYTES)
@@ -78,13 +95,56 @@ _PROBE_ZEROS = bytes(PROBE_PIECE_BYTES)
 _PAYLOAD_OPS = frozenset({Op.PUT, Op.PROBE})
 
 
+class ByteBudget:
+    """Bytes that frames may hold while they arrive, shared by every connection: a frame takes
+    its share before it receives, and gives it back when its bytes are stored or dropped."""
+
+    def __init__(self, total_bytes: int) -> None:
+        self.total_bytes = total_bytes
+        self.free_bytes = total_bytes
+        self._cond = threading.Condition()
+
+    def acquire(self, n_bytes: int, deadline_s: float, cancelled: Callable[[], bool]) -> bool:
+        """Take ``n_bytes``, waiting until ``deadline_s`` (monotonic) at most; False when the
+        wait ran out or ``cancelled()`` turned true."""
+        if n_bytes > self.total_bytes:
+            return False
+        with self._cond:
+            while self.free_bytes < n_bytes:
+                left_s = deadline_s - time.monotonic()
+                if left_s <= 0 or cancelled():
+                    return False
+                self._cond.wait(min(left_s, 0.25))  # wakes to notice a closing connection
+            self.free_bytes -= n_bytes
+            return True
+
+    def release(self, n_bytes: int) -> None:
+        with self._cond:
+            self.free_bytes += n_bytes
+            self._cond.notify_all()
+
+
 class DataPlaneServer:
-    def __init__(self, runtime: AgentRuntime, *, frame_timeout_s: float = FRAME_TIMEOUT_SECONDS):
+    def __init__(
+        self,
+        runtime: AgentRuntime,
+        *,
+        frame_timeout_s: float | None = None,
+        min_frame_bytes_per_s: float | None = None,
+        put_budget_bytes: int | None = None,
+    ):
+        """Limits left as None take the module's constants as they are when the server is made
+        (so a launcher can set them before the agent starts)."""
         self.runtime = runtime
         self.store = runtime.store
         self.max_chunk_bytes = runtime.settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
-        self.frame_timeout_s = frame_timeout_s
+        self.frame_timeout_s = FRAME_TIMEOUT_SECONDS if frame_timeout_s is None else frame_timeout_s
+        self.min_frame_bytes_per_s = (
+            MIN_FRAME_BYTES_PER_SECOND if min_frame_bytes_per_s is None else min_frame_bytes_per_s
+        )
+        budget = PUT_BUDGET_BYTES if put_budget_bytes is None else put_budget_bytes
+        self.budget = ByteBudget(max(budget, self.max_chunk_bytes + MAX_META_BYTES))
         self.token = runtime.settings.token.encode()
         # local tiers, then the remote ones lookups can report (the pool, peers)
         self.tier_names = [*self.store.tier_names, *self.store.external_tier_names]
@@ -192,10 +252,7 @@ class DataPlaneServer:
             with self._lock:
                 conns = list(self._conns)
             for c in conns:
-                started = c.busy_since
-                if started is not None and now - started > self.frame_timeout_s:
-                    log.warning("closing a %s connection stalled mid-frame", c.transport)
-                    c.close_if_idle(force=True)
+                c.cut_if_stalled(now)
 
     def forget(self, conn: Connection) -> None:
         with self._lock:
@@ -229,6 +286,14 @@ class Connection:
         self.authed = not server.token
         #: when the frame being served started (None: idle between frames)
         self.busy_since: float | None = None
+        #: bytes the frame has moved so far (in and out): each buys time before a stall cut-off
+        self._moved_bytes = 0
+        #: the frame's request id once its header is read (for the error a cut-off sends)
+        self._frame_rid: int | None = None
+        #: waiting for budget: the frame keeps its own deadline, the reaper leaves it alone
+        self._waiting_budget = False
+        #: the reaper found the frame stalled and shut the connection's reading side
+        self._stalled = False
         self._state_lock = threading.Lock()
         self._closed = False
         self._leases: set[int] = set()
@@ -269,13 +334,52 @@ class Connection:
                 if not self._serve_one(header):
                     break
         except (PeerClosed, ConnectionError, TimeoutError):
-            pass  # the client went away or stalled mid-frame; nothing half-done was stored
+            # the client went away or stalled mid-frame; nothing half-done was stored
+            if self._stalled and self._frame_rid is not None:
+                self._send_error(self._frame_rid, self._stall_error())
         except OSError as exc:
             if not self._closed:
                 log.warning("data plane connection error: %s", exc)
         finally:
             self._cleanup()
             metrics.connection_closed(self.transport)
+
+    def _deadline_s(self) -> float:
+        """When the frame in flight is cut off unless it moves more bytes (monotonic)."""
+        started = self.busy_since
+        if started is None:
+            return math.inf
+        credit_s = self._moved_bytes / self.server.min_frame_bytes_per_s
+        return started + self.server.frame_timeout_s + credit_s
+
+    def _stall_error(self) -> FrameError:
+        return FrameError(
+            ErrorCode.TIMEOUT,
+            f"request stalled: it moved {self._moved_bytes} bytes, less than "
+            f"{self.server.min_frame_bytes_per_s:.0f} bytes/s after a "
+            f"{self.server.frame_timeout_s:g} s grace; connection closed",
+            fatal=True,
+        )
+
+    def cut_if_stalled(self, now_s: float) -> None:
+        """The reaper's check: shut the reading side of a connection whose frame is past its
+        deadline (its thread then answers with an error frame and closes); one still busy a
+        tick later (blocked sending to a reader that stopped reading) is shut down entirely."""
+        if self._waiting_budget or now_s <= self._deadline_s():
+            return
+        with self._state_lock:
+            if self._closed or self.busy_since is None:
+                return
+            again = self._stalled
+            self._stalled = True
+        if not again:
+            log.warning(
+                "cutting off a %s connection stalled mid-frame (%d bytes moved)",
+                self.transport,
+                self._moved_bytes,
+            )
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR if again else socket.SHUT_RD)
 
     def _read_header(self, view: memoryview) -> bool:
         """Wait (without a timeout: idle connections are fine) for the next frame."""
@@ -290,6 +394,8 @@ class Connection:
         )
         if first == 0:
             return False
+        self._moved_bytes = first
+        self._frame_rid = None
         with self._state_lock:
             self.busy_since = time.monotonic()
         if first < HEADER_BYTES:
@@ -302,6 +408,62 @@ class Connection:
                 raise PeerClosed("connection closed mid-frame")
         else:
             recv_exactly(self.sock, view)
+
+    def _recv_counted(self, view: memoryview) -> None:
+        """Fill ``view`` slice by slice, counting each slice toward the stall deadline."""
+        n = view.nbytes
+        done = 0
+        while done < n:
+            k = min(n - done, RECV_SLICE_BYTES)
+            self._recv(view[done : done + k])
+            done += k
+            self._moved_bytes += k
+
+    def _take_budget(self, n_bytes: int) -> None:
+        """Reserve ``n_bytes`` of the server's budget before receiving them; waits at most
+        until this frame's stall deadline, then BUSY (fatal: the bytes are never read)."""
+        self._waiting_budget = True
+        try:
+            ok = self.server.budget.acquire(
+                n_bytes, self._deadline_s(), lambda: self._closed or self.server.stopping
+            )
+        finally:
+            self._waiting_budget = False
+        if not ok:
+            raise FrameError(
+                ErrorCode.BUSY,
+                f"no room to receive {n_bytes} more bytes: the agent's budget of "
+                f"{self.server.budget.total_bytes} bytes for requests in flight stayed full; "
+                "retry later",
+                fatal=True,
+            )
+
+    @contextlib.contextmanager
+    def _received(self, n_bytes: int) -> Iterator[memoryview]:
+        """The next ``n_bytes`` of the stream, valid inside the block. Up to KEPT_BUFFER_BYTES
+        land in the connection's reused buffer; more take their share of the budget and land in
+        anonymous memory of their own (pages exist only as bytes arrive), unmapped on exit."""
+        if n_bytes <= KEPT_BUFFER_BYTES:
+            view = memoryview(self._buffer(n_bytes))[:n_bytes]
+            try:
+                self._recv_counted(view)
+                yield view
+            finally:
+                view.release()
+            return
+        self._take_budget(n_bytes)
+        try:
+            region = mmap.mmap(-1, n_bytes)
+            view = memoryview(region)
+            try:
+                self._recv_counted(view)
+                yield view
+            finally:
+                with contextlib.suppress(BufferError):  # a view still held elsewhere: GC frees it
+                    view.release()
+                    region.close()
+        finally:
+            self.server.budget.release(n_bytes)
 
     def _serve_one(self, header: bytearray) -> bool:
         """Serve one frame; False when the connection must close."""
@@ -317,9 +479,14 @@ class Connection:
         except FrameError as exc:
             self._send_error(0, exc)
             return False
+        self._frame_rid = rid
         bytes_in += meta_len + payload_len
-        meta = bytearray(meta_len)
-        self._recv(memoryview(meta))
+        try:
+            with self._received(meta_len) as view:
+                meta = MetaReader(view)  # a copy: the buffer is free for the payload
+        except FrameError as exc:  # no budget for large metadata
+            self._send_error(rid, exc)
+            return False
         try:
             handler = self._handlers.get(op)
             if handler is None:
@@ -333,9 +500,10 @@ class Connection:
                 raise FrameError(
                     ErrorCode.BAD_FRAME, f"{Op(op).name} carries no payload", fatal=True
                 )
-            parts, bytes_out = handler(MetaReader(meta), payload_len)
+            parts, bytes_out = handler(meta, payload_len)
             if op != Op.RELEASE:  # releases are one-way so a reader never waits on them
                 head = pack_header(op | REPLY_BIT, rid, len(parts[0]), bytes_out)
+                self._moved_bytes += len(parts[0]) + bytes_out  # a large reply earns its time
                 fd, self._send_fd = self._send_fd, -1
                 try:
                     sent = send_all(self.sock, [head, *parts], fd)
@@ -348,6 +516,10 @@ class Connection:
             self._send_error(rid, exc)
             return not exc.fatal
         except (PeerClosed, ConnectionError, TimeoutError):
+            raise
+        except OSError:
+            if self._stalled:  # the reaper shut the socket while the handler ran
+                raise PeerClosed("cut off mid-frame") from None
             raise
         except StoreError as exc:
             self._send_error(rid, _store_error(exc))
@@ -380,13 +552,15 @@ class Connection:
             send_all(self.sock, [pack_header(Op.ERROR, rid, len(meta)), meta])
 
     def _discard(self, n: int) -> None:
-        chunk = memoryview(self._buffer(min(n, 1 << 20)))
+        chunk = memoryview(self._buffer(min(n, KEPT_BUFFER_BYTES)))
         while n:
             k = min(n, chunk.nbytes)
             self._recv(chunk[:k])
+            self._moved_bytes += k
             n -= k
 
     def _buffer(self, n: int) -> bytearray:
+        """The connection's reused receive buffer, at least ``n`` (<= KEPT_BUFFER_BYTES) long."""
         if len(self._buf) < n:
             self._buf = bytearray(n)
         return self._buf
@@ -421,13 +595,13 @@ class Connection:
                 self._discard(size)
                 out += bytes((Status.TOO_LARGE, NO_TIER))
                 continue
-            buf = memoryview(self._buffer(size))[:size]
-            self._recv(buf)  # straight from the socket into a reused buffer
-            try:
-                out += self._store_item(tenant, item, buf)
-            except BaseException:
-                self._discard(sum(sizes[i + 1 :]))
-                raise
+            # straight from the socket into the buffer (a failed receive closes the connection)
+            with self._received(size) as buf:
+                try:
+                    out += self._store_item(tenant, item, buf)
+                except BaseException:
+                    self._discard(sum(sizes[i + 1 :]))  # in step with the stream for the error
+                    raise
         return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
 
     def _probe(self, meta: MetaReader, payload_len: int) -> tuple[list, int]:
@@ -672,8 +846,7 @@ class Connection:
         if len(self._fds) != 1:
             raise FrameError(ErrorCode.BAD_REQUEST, "ATTACH needs exactly one file descriptor")
         fd = self._fds[0]
-        if size <= 0 or os.fstat(fd).st_size < size:
-            raise FrameError(ErrorCode.BAD_REQUEST, f"staging segment is smaller than {size}")
+        _check_segment(fd, size)
         staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         # a gpu tier copies puts from the segment in one transfer once it is registered; this
         # replaces the connection's old registration first, so the old mapping can close
@@ -709,6 +882,30 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.close()
         self.server.forget(self)
+
+
+def _check_segment(fd: int, size: int) -> None:
+    """Refuse (BAD_REQUEST) a staging segment the agent cannot map safely. The client keeps
+    write access to it: were it able to shrink the file, the agent's reads through the mapping
+    past the new end would raise SIGBUS and kill the agent. So only a memfd sealed against
+    shrinking (F_SEAL_SHRINK) that already holds ``size`` bytes is mapped, and not on hugetlbfs,
+    where a hole punched in the file faults with SIGBUS once no huge page is free."""
+    if size <= 0:
+        raise FrameError(ErrorCode.BAD_REQUEST, f"a staging segment needs a size, got {size}")
+    need = "a staging segment must be a memfd sealed against shrinking (F_SEAL_SHRINK)"
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except (OSError, AttributeError):  # not a memfd (a plain file, a pipe), or not Linux
+        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; this one takes no seals") from None
+    if not seals & fcntl.F_SEAL_SHRINK:
+        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; this one is not sealed") from None
+    st = os.fstat(fd)
+    if st.st_size < size:
+        raise FrameError(
+            ErrorCode.BAD_REQUEST, f"staging segment holds {st.st_size} bytes, not {size}"
+        )
+    if st.st_blksize > mmap.PAGESIZE:
+        raise FrameError(ErrorCode.BAD_REQUEST, "huge-page staging segments are not accepted")
 
 
 def _store_error(exc: StoreError) -> FrameError:

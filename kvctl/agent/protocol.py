@@ -104,6 +104,11 @@ class ErrorCode(IntEnum):
     UNAVAILABLE = 8
     INTERNAL = 9
     UNSUPPORTED = 10
+    #: the request stopped moving bytes (or crawled) mid-frame; the agent closes the connection
+    TIMEOUT = 11
+    #: the agent's budget for bytes in flight stayed full; the agent closes the connection
+    #: (the payload was never read); retry later
+    BUSY = 12
 
 
 class Status(IntEnum):
