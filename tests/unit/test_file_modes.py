@@ -79,3 +79,12 @@ def test_state_file_is_0600_under_umask_0(tmp_path: Path, open_umask: None) -> N
     state.write(tmp_path)
     assert oct(_mode(tmp_path / "agent.json")) == oct(0o600)
     assert AgentState.read(tmp_path) == state
+
+
+def test_tightening_at_open_keeps_the_owners_bits(tmp_path: Path) -> None:
+    with DiskTier(tmp_path / "disk", 1 << 20) as tier:
+        chunk = _put(tier, 3)
+    os.chmod(chunk, 0o444)  # an operator's read-only chunk stays read-only, and private
+    with DiskTier(tmp_path / "disk", 1 << 20) as tier:
+        assert _key(3) in tier
+        assert oct(_mode(chunk)) == oct(0o400)

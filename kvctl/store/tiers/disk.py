@@ -45,6 +45,7 @@ import fcntl
 import functools
 import os
 import re
+import stat
 import struct
 import threading
 import zlib
@@ -557,7 +558,7 @@ class DiskTier(Tier):
             raise TierUnavailable(
                 f"disk tier {self.name!r} cannot create lock file {lock_path}: {exc.strerror}"
             ) from exc
-        _tighten(self._lock_fd, FILE_MODE)  # one an older build made 0644
+        _tighten(self._lock_fd)  # one an older build made 0644
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -629,8 +630,9 @@ class DiskTier(Tier):
             if not (_FANOUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
                 continue  # the lock file, or something an operator put here: not ours to judge
             with contextlib.suppress(OSError):  # older builds made them 0755
-                if entry.stat(follow_symlinks=False).st_mode & _SHARED_BITS:
-                    os.chmod(entry.path, DIR_MODE)
+                mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+                if mode & _SHARED_BITS:  # the owner's bits stay (a read-only one stays so)
+                    os.chmod(entry.path, mode & ~_SHARED_BITS)
             for f in self._list_dir(entry.path):
                 rel = f"{entry.name}/{f.name}"
                 if not f.is_file(follow_symlinks=False):
@@ -775,7 +777,7 @@ def _load_chunk(
         file_bytes = st.st_size
         if tighten and st.st_mode & _SHARED_BITS:  # written 0644 by an older build
             with contextlib.suppress(OSError):
-                os.fchmod(fd, FILE_MODE)
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~_SHARED_BITS)
         head = os.pread(fd, _HEADER_PROBE_BYTES, 0)
         if len(head) < _FIXED.size + _CRC.size:
             return f"too short for a header ({len(head)} bytes)"
@@ -894,12 +896,14 @@ def _fsync_path(path: str) -> None:
         os.close(fd)
 
 
-def _tighten(fd: int, mode: int) -> None:
-    """Take group's and others' bits off an open file; quietly, since a read-only filesystem
-    or another owner's file still serves reads (the agent and doctor warn about the directory)."""
+def _tighten(fd: int) -> None:
+    """Take group's and others' bits off an open file, keeping the owner's; quietly, since a
+    read-only filesystem or another owner's file still serves (the agent and doctor warn about
+    the directory)."""
     with contextlib.suppress(OSError):
-        if os.fstat(fd).st_mode & _SHARED_BITS:
-            os.fchmod(fd, mode)
+        mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        if mode & _SHARED_BITS:
+            os.fchmod(fd, mode & ~_SHARED_BITS)
 
 
 def _close_quietly(fd: int) -> None:
