@@ -805,9 +805,12 @@ class Connection:
     def _lease(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
         self._require_shm()
         tenant = meta.text()
-        ttl = min(max(meta.f64(), 0.001), self.server.runtime.settings.lease_seconds)
+        ttl = meta.f64()
         keys = meta.keys()
         meta.done()
+        if math.isnan(ttl):  # passes any clamp, and no expiry would ever end such a lease
+            raise FrameError(ErrorCode.BAD_REQUEST, "a lease's ttl must be a number, got NaN")
+        ttl = min(max(ttl, 0.001), self.server.runtime.settings.lease_seconds)
         self.server.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
         out = bytearray()
         # one batch, so the disk chunks among them are read in parallel

@@ -283,7 +283,7 @@ def test_a_stalled_sender_gets_an_error_and_is_cut_off(tmp_path: Path, where: st
             if t.is_alive():
                 t.join(5)
         if where != "header":  # mid-header nothing can be framed back, the socket just closes
-            assert [c for c, _ in got] == [ErrorCode.UNAVAILABLE], got
+            assert [c for c, _ in got] == [ErrorCode.TIMEOUT], got
             assert "stalled" in got[0][1]
         _assert_serves(a, 50)
 
@@ -323,7 +323,7 @@ def test_a_put_that_cannot_get_budget_waits_then_is_refused(tmp_path: Path) -> N
                 k = key(9)
                 assert c.put(k, payload(k, 8 << 20), tenant="t") == "cpu"
             code, message = error_of(waiter.read_frame())
-            assert code == ErrorCode.UNAVAILABLE and "budget" in message, message
+            assert code == ErrorCode.BUSY and "budget" in message, message
             waiter.close()
         finally:
             stop.set()
@@ -331,3 +331,20 @@ def test_a_put_that_cannot_get_budget_waits_then_is_refused(tmp_path: Path) -> N
             t.join(5)
         _assert_serves(a, 60)
         assert rss_bytes(a.proc.pid) <= base + (64 << 20)
+
+
+def test_a_lease_with_a_nan_ttl_is_refused(agent) -> None:  # type: ignore[no-untyped-def]
+    """A NaN ttl slipped past the clamp to lease_seconds: the lease's deadline was NaN, which no
+    expiry ever passes, so the chunk stayed held for as long as the connection lived."""
+    k = key(11)
+    with agent.data("unix") as c:
+        assert c.put(k, payload(k, 4096), tenant="t") == "cpu"
+    conn = RawConn(agent)
+    try:
+        lease = MetaWriter().text("t").f64(float("nan")).keys([k]).build()
+        reply = conn.call(Op.LEASE, lease)
+        code, message = error_of(reply)
+        assert code == ErrorCode.BAD_REQUEST and "ttl" in message, message
+    finally:
+        conn.close()
+    _assert_serves(agent, 70)
