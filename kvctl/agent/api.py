@@ -713,6 +713,8 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         Counts as a lookup in the store's hit statistics, like an engine's lookup, unless
         `count` is false.
         """
+        if body.model is not None:  # checked for key chains too: a wrong model is an error
+            runtime.model(body.model)
         if body.tokens is not None:
             chunk = runtime.settings.chunk_tokens
             if len(body.tokens) // chunk > MAX_KEYS_PER_REQUEST:

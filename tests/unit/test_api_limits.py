@@ -275,3 +275,11 @@ def test_malformed_bodies_are_4xx(client: TestClient) -> None:
         r = _post_raw(client, "/v1/evict", body)
         assert r.status_code in (400, 422), (body[:10], r.status_code, r.text[:200])
         assert "detail" in r.json()
+
+
+def test_lookup_by_keys_checks_the_model_too(client: TestClient) -> None:
+    # found by schemathesis: the model was only looked at for token lookups
+    r = client.post("/v1/lookup", json={"keys": ["00" * 16], "model": "gpt-nope"})
+    _assert_error(r, 400, "unknown model 'gpt-nope'")
+    ok = client.post("/v1/lookup", json={"keys": ["00" * 16], "model": "llama-3.1-8b"})
+    assert ok.status_code == 200, ok.text
