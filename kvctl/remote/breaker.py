@@ -34,8 +34,10 @@ STATES: tuple[BreakerState, ...] = ("closed", "open", "half_open")
 #: first wait after an outage is seen: short, since most outages are blips and a miss costs a
 #: recompute, while a probe of a dead source costs one short read deadline
 DEFAULT_FIRST_BACKOFF_S = 0.25
-#: the longest wait between probes: a pool that comes back is used again within this
-DEFAULT_MAX_BACKOFF_S = 5.0
+#: the longest wait between probes: a pool that comes back is used again within about this.
+#: A probe costs one ping (the link monitor's) or one read that gives up after its short read
+#: deadline, so probing a dead pool this often is cheap; waiting longer only delays recovery.
+DEFAULT_MAX_BACKOFF_S = 2.0
 DEFAULT_FACTOR = 2.0
 
 

@@ -13,7 +13,7 @@
 
 Every remote failure is a miss and a counted error, never a failed request. Each source has a
 circuit breaker (``kvctl.remote.breaker``): a failure opens it, and the source is left alone for
-a backoff (0.25 s, doubling per failed probe, at most 5 s); then one probe call is let through
+a backoff (0.25 s, doubling per failed probe, at most 2 s); then one probe call is let through
 (a read, a write, or the link monitor's ping, whichever comes first), whose success closes it.
 A burst of concurrent calls failing together counts as one failure. Reads of a source give up
 after its short read deadline (the backends' ``read_timeout_s``, 0.5 s by default), so a stalled
@@ -110,8 +110,8 @@ class Source:
 
     @property
     def up(self) -> bool:
-        """Not backing off: closed, or due for its probe."""
-        return self.breaker.state != "open"
+        """In use: its breaker is closed (not backing off, nor waiting on a probe)."""
+        return self.breaker.state == "closed"
 
     @property
     def down_until_s(self) -> float:

@@ -8,7 +8,9 @@ quotas where the backend supports them), because no single agent's index knows w
 
 Every failure of the backend (server down, timeout, a reply cut short) raises
 ``TierUnavailable``; a record that fails its checks is a miss (counted in ``corrupt``), never
-bytes handed to a caller. Callers degrade both to a miss.
+bytes handed to a caller. Callers degrade both to a miss. Reads (get, probe, usage, ping) are on
+a request's path and give up after a short silence (``read_timeout_s``, 0.5 s by default);
+writes are behind it and keep a longer deadline (``timeout_s``).
 
 A large read is split into contiguous groups of its keys read in parallel over several
 connections (``stream_groups``, run by ``SplitReads``): one connection driven from Python moves

@@ -28,10 +28,12 @@ from typing import Any
 
 import pytest
 
+from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.federation import POOL_TIER, RemoteTiers, Source
 from kvctl.remote.fetchplan import PrefillRate
 from kvctl.remote.links import LinkEstimator
 from kvctl.remote.redis_pool import RedisPool
+from kvctl.store.errors import TierUnavailable
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier
@@ -118,12 +120,17 @@ class TcpProxy:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                # stalled while this was read: it waits too (a stall holds every byte after it)
+                while not self._forwarding.wait(0.05):
+                    if self._stop.is_set():
+                        return
                 dst.sendall(data)
         except (OSError, ValueError):
             pass
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.close()
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.close()
 
     def stall(self) -> None:
         self._forwarding.clear()
@@ -333,6 +340,37 @@ def test_an_agent_answers_through_a_pool_outage_and_shows_its_breaker(
             assert after["breaker"]["opens"] >= 1
     finally:
         proxy.close()
+
+
+def test_reads_of_a_stalled_agent_pool_give_up_within_the_read_deadline(tmp_path: Path) -> None:
+    """A pool agent (``kvctl://``) that stops answering: probes, gets and pings fail as
+    ``TierUnavailable`` after the read deadline (default settings), not the 5 s socket timeout;
+    the same source reads again once it answers."""
+    with running_agent(tmp_path / "pool", "--role", "pool", "--name", "pool", *AGENT_SMALL) as p:
+        host, port = (p.state.data_tcp or "").rsplit(":", 1)
+        proxy = TcpProxy((host, int(port)))
+        src = AgentSource(f"127.0.0.1:{proxy.port}")
+        meta = ChunkMeta(key(0, "agent-pool"), CHUNK_BYTES, tokens=256, tenant=TENANT)
+        try:
+            assert src.put_many([(meta, b"x" * CHUNK_BYTES)]) == [True]
+            proxy.stall()
+            reads: list[Callable[[], object]] = [
+                lambda: src.probe_many([meta.key], tenant=TENANT),
+                lambda: src.get_many([meta.key], tenant=TENANT),
+                src.ping,
+            ]
+            for read_once in reads:
+                t0 = time.perf_counter()
+                with pytest.raises(TierUnavailable):
+                    read_once()
+                blocked_s = time.perf_counter() - t0
+                assert blocked_s < READ_BOUND_S, f"a read blocked {blocked_s:.2f} s"
+            proxy.restore()
+            got = src.get_many([meta.key], tenant=TENANT)[0]
+            assert got is not None and bytes(got.data) == b"x" * CHUNK_BYTES
+        finally:
+            src.close()
+            proxy.close()
 
 
 if __name__ == "__main__":  # figures: python -m tests.functional.test_pool_outage [REDIS_URL]

@@ -111,7 +111,8 @@ def test_the_first_step_of_a_burst_is_the_configured_first_backoff() -> None:
     clock.advance(first / 2)
     assert call(src, ok) is None and src.counters.skipped == 1  # still backing off
     clock.advance(first / 2)
-    assert src.status()["breaker"]["state"] == "half_open" and src.up is True
+    assert src.status()["breaker"]["state"] == "half_open" and src.breaker.may_call()
+    assert src.up is False  # not in use until its probe answers
 
 
 def test_the_wait_between_retries_is_capped_well_under_30_s() -> None:

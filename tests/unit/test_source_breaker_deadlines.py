@@ -1,0 +1,64 @@
+"""The read deadline of the pool backends (no I/O: the constructors only): reads default to a
+short deadline, never longer than the write deadline, and a bad figure is refused clearly.
+That the deadline holds against a real stalled pool is tests/functional/test_pool_outage.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.remote import agent_source, redis_pool
+from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.redis_pool import RedisPool
+from kvctl.store.errors import InvalidArgument
+
+BACKENDS = {
+    "redis": lambda **kw: RedisPool("redis://127.0.0.1:1/0", **kw),
+    "agent": lambda **kw: AgentSource("127.0.0.1:1", **kw),
+}
+DEFAULTS = {
+    "redis": redis_pool.DEFAULT_READ_TIMEOUT_S,
+    "agent": agent_source.DEFAULT_READ_TIMEOUT_S,
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BACKENDS))
+def test_reads_get_a_short_deadline_and_writes_keep_theirs(kind: str) -> None:
+    backend = BACKENDS[kind]()
+    try:
+        assert backend.read_timeout_s == DEFAULTS[kind] <= 0.5
+    finally:
+        backend.close()
+    slow_writes = BACKENDS[kind](timeout_s=30.0)
+    try:  # a long write deadline does not lengthen the reads
+        assert slow_writes.read_timeout_s == DEFAULTS[kind]
+    finally:
+        slow_writes.close()
+    quick = BACKENDS[kind](timeout_s=0.2)
+    try:  # nor is a read allowed longer than a write
+        assert quick.read_timeout_s == 0.2
+    finally:
+        quick.close()
+    chosen = BACKENDS[kind](read_timeout_s=1.5)
+    try:
+        assert chosen.read_timeout_s == 1.5
+    finally:
+        chosen.close()
+
+
+@pytest.mark.parametrize("kind", sorted(BACKENDS))
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"read_timeout_s": 0},
+        {"read_timeout_s": -1.0},
+        {"read_timeout_s": float("nan")},
+        {"read_timeout_s": float("inf")},
+        {"read_timeout_s": True},
+        {"read_timeout_s": "0.5"},
+        {"timeout_s": 0},
+        {"timeout_s": float("nan")},
+    ],
+)
+def test_bad_deadlines_are_refused(kind: str, kw: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument, match="timeout_s must be positive"):
+        BACKENDS[kind](**kw)
