@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import ClassVar, TypeVar
 
 from kvctl.store.errors import InvalidArgument
@@ -62,6 +62,28 @@ class EvictionPolicy(ABC):
     def victim(self, now_s: float) -> Entry | None:
         """The entry to evict next (not removed: the store calls ``on_remove``), or None."""
 
+    def victims(self, now_s: float) -> Iterator[Entry]:
+        """Every tracked entry, in the order ``victim`` would name them, changing nothing: the
+        store reads as far as it needs to decide, before evicting anything, whether (and with
+        which victims) room can be made. Nothing may change the policy while this is read.
+
+        This generic version takes the victims out and puts them back, which keeps the order
+        only for policies whose ``on_insert`` restores an entry's rank; the built-in policies
+        walk their own order instead."""
+        taken: list[Entry] = []
+        try:
+            while (e := self.victim(now_s)) is not None:
+                self.on_remove(e)
+                taken.append(e)
+        finally:
+            for e in taken:
+                self.on_insert(e)
+        return iter(taken)
+
+    def on_victim(self, entry: Entry) -> None:  # noqa: B027 - only aging policies care
+        """The store evicts ``entry`` to make room, having chosen it from ``victims`` (not
+        through ``victim``): a policy that ages on each victim does it here."""
+
     def admit(self, entry: Entry, now_s: float) -> bool:
         """Whether a newcomer should displace anything at all on a full tier (bypass)."""
         return True
@@ -87,6 +109,9 @@ class LRUPolicy(EvictionPolicy):
 
     def victim(self, now_s: float) -> Entry | None:
         return next(iter(self._order.values()), None)
+
+    def victims(self, now_s: float) -> Iterator[Entry]:
+        return iter(self._order.values())
 
     def __len__(self) -> int:
         return len(self._order)
@@ -163,8 +188,49 @@ class HeapPolicy(EvictionPolicy):
             heapq.heappop(everyone)
         return None
 
+    def victims(self, now_s: float) -> Iterator[Entry]:
+        """Eligible entries by rank, then the others by rank (``victim``'s fallback), each
+        once. Walks the heaps in order without popping: O(log n) per entry read, no copy."""
+        # drop the dead records on top first, as ``victim`` does (the walk cannot pop them,
+        # and a put that needs one victim would otherwise step over them every time)
+        for heap, check in ((self._heap, True), (self._all, False)):
+            while heap:
+                r, _, key = heap[0]
+                e = self._entries.get(key)
+                if e is not None and self._ranks.get(key) == r and (not check or self.eligible(e)):
+                    break
+                heapq.heappop(heap)
+        seen: set[bytes] = set()
+        for heap, check in ((self._heap, True), (self._all, False)):
+            for r, _, key in _heap_in_order(heap):
+                e = self._entries.get(key)
+                if e is None or key in seen or self._ranks.get(key) != r:
+                    continue
+                if check and not self.eligible(e):
+                    continue
+                seen.add(key)
+                yield e
+
     def __len__(self) -> int:
         return len(self._entries)
+
+
+_HeapRecord = tuple[tuple[float, ...], int, bytes]
+
+
+def _heap_in_order(heap: list[_HeapRecord]) -> Iterator[_HeapRecord]:
+    """The items of a binary heap, smallest first, without changing it: a second, small heap
+    holds the frontier of the walk (the children of what was yielded)."""
+    if not heap:
+        return
+    n = len(heap)
+    frontier: list[tuple[_HeapRecord, int]] = [(heap[0], 0)]
+    while frontier:
+        item, i = heapq.heappop(frontier)
+        yield item
+        for child in (2 * i + 1, 2 * i + 2):
+            if child < n:
+                heapq.heappush(frontier, (heap[child], child))
 
 
 class LineageLRUPolicy(HeapPolicy):
@@ -203,14 +269,21 @@ class PriorityPolicy(HeapPolicy):
         self._track_deadline(entry)
         super().on_access(entry)
 
-    def victim(self, now_s: float) -> Entry | None:
+    def _expire(self, now_s: float) -> None:
         self._now_s = max(self._now_s, now_s)
         while self._deadlines and self._deadlines[0][0] <= self._now_s:
             until, key = heapq.heappop(self._deadlines)
             e = self._entries.get(key)
             if e is not None and e.retention_until_s == until:
                 self._push(e)  # its priority just fell back to the default
+
+    def victim(self, now_s: float) -> Entry | None:
+        self._expire(now_s)
         return super().victim(now_s)
+
+    def victims(self, now_s: float) -> Iterator[Entry]:
+        self._expire(now_s)  # before the walk: it pushes onto the heap being walked
+        return super().victims(now_s)
 
 
 class LineageGDSFPolicy(HeapPolicy):
@@ -242,8 +315,13 @@ class LineageGDSFPolicy(HeapPolicy):
     def victim(self, now_s: float) -> Entry | None:
         e = super().victim(now_s)
         if e is not None:
-            self._inflation = max(self._inflation, self._ranks[e.key][0])
+            self.on_victim(e)
         return e
+
+    def on_victim(self, entry: Entry) -> None:
+        rank = self._ranks.get(entry.key)
+        if rank is not None:
+            self._inflation = max(self._inflation, rank[0])
 
 
 class LineageLRU2Policy(HeapPolicy):

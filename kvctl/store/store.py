@@ -195,6 +195,9 @@ class TieredStore:
         self._offline: dict[str, tuple[str, float]] = {}
         #: puts that landed below their tier because it was offline (or failed on that put)
         self.rerouted_puts = 0
+        #: puts that landed below their tier because no room could be made there (pinned
+        #: chunks, or leased regions splitting the cpu arena's free space)
+        self.spilled_puts = 0
         self._policies = {t.name: self._policy_for(t.name, eviction) for t in self._tiers}
         admission = admission or {}
         unknown = set(admission) - set(names)
@@ -376,27 +379,38 @@ class TieredStore:
                 retention_until_s=None if retention_seconds is None else now + retention_seconds,
             )
             entry.tenants.add(tenant)
-            rerouted = False
-            for target in self._tiers[start:]:
-                if not self._usable(target):
-                    rerouted = True  # checked before evicting anything from it
-                    continue
-                entry.tier = target.name
-                self._check_room(target, size, pinning=pinned)
-                policy = self._policies[target.name]
-                if not pinned and target.free_bytes < size and not policy.admit(entry, now):
+            # Where it goes is decided before anything is evicted: a tier that cannot take it
+            # (too many pins, or leased regions splitting its free space) is passed over
+            # untouched, and when no tier can, the put raises with the store as it was.
+            skip: set[str] = set()  # tiers that failed this put after all (device, disk full)
+            while True:
+                plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=skip)
+                if plan is None:
                     self.stats.bypassed_puts += 1
                     return None
-                self._make_room(target, size)
+                target, victims = plan
+                entry.tier = target.name
+                self._evict_for(target, victims)
                 try:
                     target.put(_meta(entry), data)
                 except TierUnavailable as exc:
                     self._take_offline(target, exc)
-                    rerouted = True
+                    skip.add(target.name)
+                    continue
+                except (CapacityError, DiskFullError):
+                    # the filesystem under a disk tier filled up: the next tier down may take it
+                    skip.add(target.name)
                     continue
                 break
-            else:
-                raise TierUnavailable(self._offline_message(self._tiers[start:]))
+            policy = self._policies[target.name]
+            rank = self._tier_index[target.name]
+            rerouted = False
+            if rank > start:  # offline (or failed) above, else no room could be made there
+                rerouted = any(
+                    t.name in skip or not self._usable(t) for t in self._tiers[start:rank]
+                )
+                if not rerouted:
+                    self.spilled_puts += 1
             self._offline.pop(target.name, None)
             if rerouted:
                 self.rerouted_puts += 1
@@ -1162,7 +1176,8 @@ class TieredStore:
         plan = src.plan_read(e.key)
         self._begin_read(e)  # first, so demotions made to make room can never pick it
         try:
-            self._make_room(home, e.size_bytes)
+            if not self._make_room(home, e.size_bytes):
+                raise CapacityError(f"no room for {e.size_bytes} bytes in tier {home.name!r}")
             reservation = home.reserve(_meta(e))
         except (CapacityError, InvalidArgument):
             # InvalidArgument: the lease tier already has the key (a copy the index does not
@@ -1341,18 +1356,69 @@ class TieredStore:
         results[f.index] = self._grant(home, e, ttl_s)
         return False
 
-    def _check_room(self, tier: Tier, size: int, *, pinning: bool = False) -> None:
-        """Raise before any change when ``size`` can never fit (tier too small or pinned full)."""
-        room = tier.capacity_bytes - self._pinned_bytes[tier.name]
-        if size > room:
-            what = "pin" if pinning else "chunk"
-            raise CapacityError(
-                f"{what} of {size} bytes cannot fit tier {tier.name!r}: capacity "
-                f"{tier.capacity_bytes} bytes, {self._pinned_bytes[tier.name]} pinned"
-            )
+    def _plan_put(
+        self, entry: Entry, start: int, *, pinned: bool, now: float, skip: set[str]
+    ) -> tuple[Tier, list[Entry]] | None:
+        """Changing nothing: the first tier from ``start`` down that can take the new chunk
+        ``entry`` and the victims to evict there first, or None when that tier's policy
+        declines it (bypass). A pinned chunk is pinned in the first usable tier or nowhere.
+        Raises CapacityError (why, per tier) when no tier can take it, TierUnavailable when
+        every tier is offline."""
+        size = entry.size_bytes
+        what = "pin" if pinned else "chunk"
+        why: list[str] = []
+        for target in self._tiers[start:]:
+            if target.name in skip or not self._usable(target):
+                continue
+            pinned_bytes = self._pinned_bytes[target.name]
+            if size > target.capacity_bytes - pinned_bytes:
+                why.append(
+                    f"{what} of {size} bytes cannot fit tier {target.name!r}: capacity "
+                    f"{target.capacity_bytes} bytes, {pinned_bytes} pinned"
+                )
+            else:
+                entry.tier = target.name
+                policy = self._policies[target.name]
+                if not pinned and target.free_bytes < size and not policy.admit(entry, now):
+                    return None
+                if target.free_bytes >= size and target.plan_room(size, ()) == []:
+                    return target, []  # fits as is: no policy walk
+                victims = target.plan_room(size, policy.victims(now))
+                if victims is not None:
+                    return target, victims
+                why.append(
+                    f"{what} of {size} bytes cannot fit tier {target.name!r}: no run of {size} "
+                    f"bytes can be freed between its leased or reserved regions"
+                )
+            if pinned:
+                break
+        if not why:
+            offline = [t for t in self._tiers[start:] if t.name in self._offline]
+            if offline:
+                raise TierUnavailable(self._offline_message(offline))
+            raise CapacityError(f"no tier could take a {what} of {size} bytes")
+        raise CapacityError("; ".join(why))
 
-    def _make_room(self, tier: Tier, size: int) -> None:
-        self._evict_while(tier, lambda: tier.free_bytes < size, reason="capacity")
+    def _evict_for(self, tier: Tier, victims: Sequence[Entry]) -> None:
+        """Evict (demote) the victims ``Tier.plan_room`` chose to make room in ``tier``."""
+        policy = self._policies[tier.name]
+        for v in victims:
+            # planned under this lock a moment ago; evicting one never takes out another
+            if self._index.get(v.key) is not v or v.tier != tier.name or v.pinned:
+                continue
+            policy.on_victim(v)
+            self._evict(v, "capacity", demote=True)
+
+    def _make_room(self, tier: Tier, size: int) -> bool:
+        """Make room for ``size`` bytes in ``tier``, or answer False having evicted nothing
+        when it cannot be made there."""
+        if size > tier.capacity_bytes - self._pinned_bytes[tier.name]:
+            return False
+        victims = tier.plan_room(size, self._policies[tier.name].victims(self._clock()))
+        if victims is None:
+            return False
+        self._evict_for(tier, victims)
+        return True
 
     def _shrink_to(self, tier: Tier, capacity_bytes: int, *, reason: str) -> int:
         return self._evict_while(tier, lambda: tier.resident_bytes > capacity_bytes, reason=reason)
@@ -1434,7 +1500,8 @@ class TieredStore:
                 return True  # already forgotten by _read; nothing left to move
             data = buf
         try:
-            self._make_room(dst, e.size_bytes)
+            if not self._make_room(dst, e.size_bytes):
+                raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
             try:
                 dst.put(_meta(e), data)
             except TierUnavailable as exc:

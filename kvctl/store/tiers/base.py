@@ -7,13 +7,27 @@ the store picks victims with its policies and calls ``delete`` before ``put`` wh
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from kvctl.store.errors import CapacityError, CorruptChunk, InvalidArgument, PayloadSizeError
 from kvctl.store.keys import KEY_BYTES
 
 Buffer = bytes | bytearray | memoryview
+
+
+class Sized(Protocol):
+    """What room planning needs of a chunk the store could evict (an index entry)."""
+
+    @property
+    def key(self) -> bytes: ...
+
+    @property
+    def size_bytes(self) -> int: ...
+
+
+V = TypeVar("V", bound=Sized)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +88,28 @@ class Tier(ABC):
     def evictable(self, key: bytes) -> bool:
         """False when evicting ``key`` would free nothing now (its bytes are leased)."""
         return True
+
+    def plan_room(self, size_bytes: int, candidates: Iterable[V]) -> list[V] | None:
+        """Which of ``candidates`` (chunks of this tier, in the order the store would evict
+        them) to evict so that a new chunk of ``size_bytes`` can be put: [] when it fits now,
+        None when evicting every candidate would still not make it fit. Changes nothing, and
+        reads ``candidates`` only as far as it needs.
+
+        Here: free bytes are room (a tier that can always pack its free space into one piece).
+        Tiers whose free space can be split for good (the cpu tier's leased regions) decide
+        by where the candidates lie."""
+        short = size_bytes - self.free_bytes
+        if short <= 0:
+            return []
+        chosen: list[V] = []
+        for c in candidates:
+            if not self.evictable(c.key):
+                continue
+            chosen.append(c)
+            short -= c.size_bytes
+            if short <= 0:
+                return chosen
+        return None
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...

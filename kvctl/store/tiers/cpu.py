@@ -28,7 +28,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound, TierUnavailable
@@ -36,6 +36,7 @@ from kvctl.store.tiers.base import (
     Buffer,
     ChunkMeta,
     Tier,
+    V,
     check_capacity,
     check_put,
     check_resize,
@@ -184,6 +185,59 @@ class CpuTier(Tier):
     def evictable(self, key: bytes) -> bool:
         slot = self._slots.get(key)
         return slot is None or slot[0] not in self._region_leases
+
+    def plan_room(self, size_bytes: int, candidates: Iterable[V]) -> list[V] | None:
+        """``Tier.plan_room`` for an arena that leased and reserved regions split: those never
+        move, so they cut the arena into runs, and compaction packs each run's chunks at its
+        start, leaving the run's free bytes as one hole. A chunk fits once one run's free bytes
+        reach its size: victims are taken in the store's order, but only those in the first
+        run to get there, so nothing is evicted on the other side of a leased region."""
+        fixed = self._fixed_regions()
+        if not fixed:  # compaction gathers all free bytes into one hole
+            return super().plan_room(size_bytes, candidates)
+        starts: list[int] = []
+        ends: list[int] = []
+        cursor = 0
+        for off, n in fixed:
+            if off > cursor:
+                starts.append(cursor)
+                ends.append(off)
+            cursor = max(cursor, off + n)
+        if self._capacity_bytes > cursor:
+            starts.append(cursor)
+            ends.append(self._capacity_bytes)
+        free = [end - start for start, end in zip(starts, ends, strict=True)]
+        for off, n in self._slots.values():
+            if off not in self._region_leases:
+                free[bisect.bisect_right(starts, off) - 1] -= n
+        if max(free, default=0) >= size_bytes:
+            return []
+        if not any(end - start >= size_bytes for start, end in zip(starts, ends, strict=True)):
+            return None  # no run is long enough, whatever is evicted
+        chosen: dict[int, list[V]] = {}
+        for c in candidates:
+            slot = self._slots.get(c.key)
+            if slot is None or slot[0] in self._region_leases:
+                continue  # leased: evicting it frees nothing now
+            run = bisect.bisect_right(starts, slot[0]) - 1
+            if ends[run] - starts[run] < size_bytes:
+                continue
+            free[run] += slot[1]
+            chosen.setdefault(run, []).append(c)
+            if free[run] >= size_bytes:
+                return chosen[run]
+        return None
+
+    def _fixed_regions(self) -> list[tuple[int, int]]:
+        """(offset, size) of the regions compaction cannot move (leased, zombie, reserved),
+        sorted by offset."""
+        if not self._region_leases and not self._reserved:
+            return []
+        live = {off: n for off, n in self._slots.values() if off in self._region_leases}
+        fixed = [(off, live.get(off) or self._zombies[off]) for off in self._region_leases]
+        fixed += [(off, n) for off, (_, n) in self._reserved.items()]
+        fixed.sort()
+        return fixed
 
     @property
     def lease_count(self) -> int:
