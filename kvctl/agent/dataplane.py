@@ -88,6 +88,12 @@ PUT_BUDGET_BYTES = 1 << 30
 KEPT_BUFFER_BYTES = 1 << 20
 #: receives are counted (for the stall deadline) in slices of this size
 RECV_SLICE_BYTES = 1 << 20
+#: when the agent ends a connection the client may still be sending: closing with its bytes
+#: unread makes the kernel reset the connection and drop the replies not yet delivered (the
+#: error frame saying why among them), so the agent first reads and drops what still comes,
+#: for this long and this many bytes at most
+LINGER_SECONDS = 1.0
+LINGER_BYTES = 16 << 20
 _OP_NAMES = {op.value: op.name.lower() for op in Op}
 #: PROBE replies are views of this one immutable buffer, shared by every connection
 _PROBE_ZEROS = bytes(PROBE_PIECE_BYTES)
@@ -882,9 +888,29 @@ class Connection:
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
+        self._linger()
         with contextlib.suppress(OSError):
             self.sock.close()
         self.server.forget(self)
+
+    def _linger(self) -> None:
+        """Send FIN after the replies, then drop what the client still sends until it closes
+        (see LINGER_SECONDS). A client that closed first costs two syscalls."""
+        deadline = time.monotonic() + LINGER_SECONDS
+        left = LINGER_BYTES
+        scratch = memoryview(self._buffer(64 << 10))
+        try:
+            self.sock.shutdown(socket.SHUT_WR)
+            while left > 0:
+                self.sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                k = self.sock.recv_into(scratch, min(left, scratch.nbytes))
+                if k == 0:
+                    return
+                left -= k
+        except OSError:  # a timeout, a reset, a socket already shut: nothing more to save
+            return
+        finally:
+            scratch.release()
 
 
 def _check_segment(fd: int, size: int) -> None:

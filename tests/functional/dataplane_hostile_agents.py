@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+
 from kvctl.agent.daemon import AgentState
 from kvctl.agent.protocol import HEADER, HEADER_BYTES, MetaWriter, Op, pack_header, parse_error
 
@@ -58,7 +60,8 @@ def start_hostile_agent(
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         state = AgentState.read(data_dir)
-        if state is not None and state.pid == proc.pid and state.data_unix and state.data_tcp:
+        if state is not None and state.pid == proc.pid and _answers(state.control_url):
+            # serving HTTP: its SIGTERM handling is in place (the state file comes before)
             return Agent(data_dir, proc, state, "", list(args))
         if proc.poll() is not None:
             break
@@ -80,6 +83,13 @@ def hostile_agent(data_dir: Path, *args: str, **kw: float) -> Iterator[Agent]:
             agent.proc.send_signal(signal.SIGTERM)
             code = agent.proc.wait(30)
             assert code == 0, f"agent exited {code} on SIGTERM:\n{agent.log()[-3000:]}"
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v1/health", timeout=1.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def rss_bytes(pid: int) -> int:

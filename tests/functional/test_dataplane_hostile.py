@@ -348,3 +348,24 @@ def test_a_lease_with_a_nan_ttl_is_refused(agent) -> None:  # type: ignore[no-un
     finally:
         conn.close()
     _assert_serves(agent, 70)
+
+
+def test_replies_and_the_error_reach_a_client_still_sending_when_the_agent_closes(
+    agent,
+) -> None:  # type: ignore[no-untyped-def]
+    """A fatal frame arrives while the client still has bytes in flight: the agent used to close
+    with them unread, so the kernel reset the connection and dropped the replies not yet
+    delivered, the error frame among them (found by the fuzz test, seed 22)."""
+    conn = RawConn(agent, "tcp")
+    try:
+        # a reply, then garbage (fatal), then bytes the agent never reads
+        want = 4 << 20
+        probe = pack_header(Op.PROBE, 1, 8, 0) + MetaWriter().u64(want).build()
+        conn.sock.sendall(probe + b"garbage!" * 8 + bytes(256 << 10))
+        op, _rid, _meta, body = conn.read_frame()
+        assert op == Op.PROBE | REPLY and len(body) == want
+        code, _message = error_of(conn.read_frame())
+        assert code == ErrorCode.BAD_FRAME
+    finally:
+        conn.close()
+    _assert_serves(agent, 80)
