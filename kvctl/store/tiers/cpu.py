@@ -3,7 +3,9 @@
 The arena is a memory map sized to the tier's capacity, so the capacity is enforced to the byte
 and the memory is committed once rather than per chunk. With ``shared=True`` the arena is a
 memfd (Linux): it has no name anywhere, so nothing leaks when the agent is killed, and a local
-client gets it only as a read-only file descriptor passed over the agent's Unix socket.
+client gets it only as a read-only file descriptor passed over the agent's Unix socket. The memfd
+is sealed once the agent has mapped it (no new write access, no resize: ``ARENA_SEALS``), so a
+client that reopens the descriptor read-write still cannot write or truncate it.
 
 Leases let a reader use a chunk's bytes in place (a local client through its own mapping, or the
 agent sending from the arena to a socket) without holding the store's lock. A leased region never
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -389,7 +392,8 @@ class CpuTier(Tier):
 
     def reader_fd(self) -> int:
         """A new read-only descriptor of the shared arena, for a local client; the caller closes
-        it. Read-only so a client can map the arena but never write into it."""
+        it. The arena is sealed (``ARENA_SEALS``), so even reopened read-write (through
+        /proc/self/fd) it can be neither written, nor mapped writable, nor resized."""
         if not self.shared or self._fd < 0:
             raise TierUnavailable(f"tier {self.name!r} is not in shared memory")
         return os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY | os.O_CLOEXEC)
@@ -505,18 +509,48 @@ class CpuTier(Tier):
         return self._arena, self.generation
 
 
+#: fcntl's F_SEAL_FUTURE_WRITE (Linux 5.1; Python's fcntl module does not name it): no new
+#: write access of any kind, while mappings made before stay writable
+F_SEAL_FUTURE_WRITE = 0x10
+#: the seals of a shared arena: nobody but the agent's own mapping (made before sealing) can
+#: write it, and nobody can resize it (shrinking it would crash the agent with SIGBUS)
+ARENA_SEALS = (
+    F_SEAL_FUTURE_WRITE
+    | getattr(fcntl, "F_SEAL_SHRINK", 0x2)
+    | getattr(fcntl, "F_SEAL_GROW", 0x4)
+    | getattr(fcntl, "F_SEAL_SEAL", 0x1)
+)
+#: fcntl's F_ADD_SEALS (Linux's value where Python does not name it)
+_F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+
+
 def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mmap, int]:
     # mmap refuses length 0; a one-byte map stands in for an empty tier and is never used
     size = max(capacity_bytes, 1)
     if not shared:
         return mmap.mmap(-1, size), -1
-    fd = os.memfd_create(f"kvctl-{name}", os.MFD_CLOEXEC)
+    # A client gets the arena as a read-only descriptor, but it can reopen it read-write
+    # through /proc/self/fd: only seals stop it writing into other tenants' chunks or resizing
+    # it under the agent. A resize makes a new sealed memfd (``_compact``), never resizes one.
+    fd = os.memfd_create(f"kvctl-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
         # commit the pages now: a short shm/RAM budget is a clear error at start, not SIGBUS
         # on some later write
         os.posix_fallocate(fd, 0, size)
-        return mmap.mmap(fd, size), fd
+        arena = mmap.mmap(fd, size)  # the agent's writable mapping, made before the seals
+        try:
+            fcntl.fcntl(fd, _F_ADD_SEALS, ARENA_SEALS)
+        except OSError as exc:
+            arena.close()
+            if exc.errno == errno.EINVAL:  # a kernel without F_SEAL_FUTURE_WRITE (< 5.1)
+                raise TierUnavailable(
+                    f"tier {name!r}: this kernel cannot seal shared memory against clients' "
+                    f"writes (F_SEAL_FUTURE_WRITE needs Linux 5.1 or later); turn shared "
+                    f"memory off (shm = false, KVCTL_SHM=0) to serve chunks over the socket"
+                ) from exc
+            raise
+        return arena, fd
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
@@ -524,6 +558,9 @@ def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mm
                 f"cannot reserve {capacity_bytes} bytes of shared memory for tier {name!r}: "
                 f"{exc.strerror}; lower its size or free memory"
             ) from exc
+        raise
+    except BaseException:
+        os.close(fd)
         raise
 
 
