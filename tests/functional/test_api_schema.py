@@ -16,13 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-schemathesis = pytest.importorskip("schemathesis")
-
-from hypothesis import HealthCheck, settings  # noqa: E402
-from schemathesis import GenerationMode  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
-from schemathesis.specs.openapi.checks import (  # noqa: E402
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     negative_data_rejection,
     response_headers_conformance,
@@ -30,9 +28,9 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from kvctl.agent.api import ProbeRequest, create_app  # noqa: E402
-from tests.functional.agents import closed_port  # noqa: E402
-from tests.unit.test_agent_api import _runtime, _settings, put_prompt, tokens  # noqa: E402
+from kvctl.agent.api import ProbeRequest, create_app
+from tests.functional.agents import closed_port
+from tests.unit.test_agent_api import _runtime, _settings, put_prompt, tokens
 
 TOKEN = "schema-token"
 #: examples per operation; ~20 operations run in well under a minute. KVCTL_SCHEMA_EXAMPLES
