@@ -107,6 +107,24 @@ def test_resize_size_text_is_ascii_digits_and_a_unit(
     assert runtime.store.usage() == before
 
 
+def test_resize_size_text_of_400_digits_is_400_not_500(
+    client: TestClient, runtime: AgentRuntime
+) -> None:
+    before = runtime.store.usage()
+    r = client.post("/v1/resize", json={"tier": "disk", "capacity": "9" * 400})
+    _assert_error(r, 400, "not a size")
+    assert runtime.store.usage() == before
+
+
+def test_resize_size_text_is_exact_beyond_float_precision(client: TestClient) -> None:
+    # 2**53 + 1: a float parse gives 2**53
+    r = client.post("/v1/resize", json={"tier": "disk", "capacity": "9007199254740993"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["capacity_bytes"] == 9007199254740993
+    r = client.post("/v1/resize", json={"tier": "disk", "capacity": "8796093022209KiB"})
+    assert r.json()["usage"]["capacity_bytes"] == 8796093022209 * 1024
+
+
 def test_resize_accepts_the_documented_forms(client: TestClient, runtime: AgentRuntime) -> None:
     for capacity, want in [(8192, 8192), ("16KiB", 16384), ("1.5KiB", 1536), ("32k", 32768)]:
         r = client.post("/v1/resize", json={"tier": "disk", "capacity": capacity})
