@@ -48,8 +48,8 @@ class AgentRuntime:
     _unfollow_cpu_arena: Callable[[], None] | None = None
 
     def __init__(self, settings: AgentSettings, store: TieredStore) -> None:
-        self.settings = settings
         self.store = store
+        self.settings = settings  # before anything reads it: tells the store who is isolated
         self.events = EventHub()
         self._unsubscribe = store.subscribe(self.events.publish)
         self.started_s = time.time()
@@ -75,6 +75,17 @@ class AgentRuntime:
         #: tiers the settings ask for that this machine cannot have (a gpu tier without CUDA),
         #: each {"name", "capacity_bytes", "device", "reason"}; listed in ``info``
         self.unavailable_tiers: list[dict[str, Any]] = []
+
+    @property
+    def settings(self) -> AgentSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: AgentSettings) -> None:
+        """Replacing the settings (a configuration reload) keeps the store's isolated tenants
+        in step: an isolated tenant must never see another tenant's chunk, even for a moment."""
+        self.store.set_isolated_tenants(settings.isolated_tenants)
+        self._settings = settings
 
     @classmethod
     def open(cls, settings: AgentSettings) -> AgentRuntime:
@@ -113,6 +124,7 @@ class AgentRuntime:
                 eviction=settings.eviction,
                 admission={"disk": settings.disk_admission} if settings.disk_bytes > 0 else None,
                 chunk_tokens=settings.chunk_tokens,
+                isolated_tenants=settings.isolated_tenants,
             )
         except BaseException:
             for t in tiers:

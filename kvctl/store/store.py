@@ -143,6 +143,8 @@ class TieredStore:
     ``admission`` maps tier name -> admission policy (default: admit everything).
     ``chunk_bytes``, when set, is the only payload size accepted (a store serves one KV layout).
     ``read_threads`` bounds how many chunks of one lease batch are read from disk at once.
+    ``isolated_tenants`` names the tenants that only ever see chunks they stored themselves
+    (``set_isolated_tenants``).
     """
 
     def __init__(
@@ -157,6 +159,7 @@ class TieredStore:
         offline_retry_s: float = 60.0,
         read_threads: int = DEFAULT_READ_THREADS,
         clock: Callable[[], float] = time.time,
+        isolated_tenants: Iterable[str] = (),
     ) -> None:
         if not tiers:
             raise InvalidArgument("a store needs at least one tier")
@@ -209,12 +212,15 @@ class TieredStore:
         self._index: dict[bytes, Entry] = {}
         #: owner tenant of each isolated chunk; lookups check visibility only when it is non-empty
         self._isolated_owner: dict[bytes, str] = {}
+        #: tenants that see only chunks they stored themselves (``set_isolated_tenants``)
+        self._isolated_tenants: frozenset[str] = frozenset()
         # cached-children counts of parents that are not cached themselves, so a parent that
         # comes back knows its children at once
         self._orphans: dict[bytes, int] = {}
         self._pinned_bytes = dict.fromkeys(names, 0)
         self._tick = 0
         self._lock = threading.RLock()
+        self.set_isolated_tenants(isolated_tenants)
         #: entries being read without the lock -> how many such reads; meanwhile they are out of
         #: their tier's eviction policy (like pinned ones), so pressure never picks them
         self._reading: dict[Entry, int] = {}
@@ -286,6 +292,24 @@ class TieredStore:
         return [t.name for t in self._tiers]
 
     @property
+    def isolated_tenants(self) -> frozenset[str]:
+        return self._isolated_tenants
+
+    def set_isolated_tenants(self, tenants: Iterable[str]) -> None:
+        """The tenants whose chunks are never shared (the agent's ``isolated_tenants``, kept in
+        sync when its settings change). Such a tenant's chunks are stored isolated, and it sees
+        only chunks it stored itself: lookups, reads and leases treat any other chunk under its
+        keys as absent (its keys are predictable, so another tenant could store there first),
+        and its put replaces such a chunk with its own (see ``put``)."""
+        if isinstance(tenants, str):
+            raise InvalidArgument("isolated tenants are a collection of names, not one string")
+        names = frozenset(tenants)
+        if not all(isinstance(t, str) for t in names):
+            raise InvalidArgument(f"tenant names must be strings, got {sorted(map(repr, names))}")
+        with self._lock:
+            self._isolated_tenants = names
+
+    @property
     def external_tier_names(self) -> list[str]:
         return list(self._external)
 
@@ -338,6 +362,16 @@ class TieredStore:
 
         ``data`` is None only for size-only (simulation) tiers, with ``size_bytes`` given.
         Storing a key that is already cached only refreshes it (KV for a key never changes).
+        A put lands in the first tier (from ``tier``, default the top one) that can take it,
+        evicting there only what makes room; an unpinned chunk goes on to the next tier when
+        room cannot be made (pins, or leased regions splitting the cpu arena), a pinned one is
+        pinned in the first usable tier or nowhere. Raises CapacityError, with the store
+        unchanged, when no tier can take it.
+
+        Isolation: a put by an isolated tenant (``isolated_tenants``) is isolated, and replaces
+        a chunk another tenant stored under the key; a put by anyone else over an isolated
+        tenant's chunk stores nothing and answers what storing a new chunk would (the tier it
+        would land in, or the same error), so it cannot tell the chunk exists.
         """
         _check_key(key)
         size = _payload_size(data, size_bytes)
@@ -351,10 +385,21 @@ class TieredStore:
             _check_key(parent, "parent")
         with self._lock:
             now = self._clock()
+            isolated = isolated or tenant in self._isolated_tenants
             existing = self._index.get(key)
-            if existing is not None:
-                if not self._visible(existing, tenant):
-                    return None
+            decoy = False  # another tenant's isolated chunk is here: answer, store nothing
+            if (
+                existing is not None
+                and existing.tenant != tenant
+                and not self._visible(existing, tenant)
+            ):
+                if tenant in self._isolated_tenants:
+                    # another tenant stored first under this isolated tenant's key (which it
+                    # can predict): drop that chunk, so the owner's own bytes are stored
+                    self._evict(existing, "replaced", demote=False)
+                else:
+                    decoy = True
+            elif existing is not None:
                 if existing.size_bytes != size:
                     raise PayloadSizeError(
                         f"key {key.hex()} is cached with {existing.size_bytes} bytes, not {size}"
@@ -379,6 +424,15 @@ class TieredStore:
                 retention_until_s=None if retention_seconds is None else now + retention_seconds,
             )
             entry.tenants.add(tenant)
+            if decoy:
+                # What a put of a new chunk would answer, found the way it would be (the tier
+                # it would land in, a bypass, or the same CapacityError), storing and evicting
+                # nothing. Residual channels, not closed here: this answer comes without the
+                # eviction and copy a real put makes, so it is faster (timing), and the putter's
+                # own later lookup of the key misses where a stored chunk would hit. Closing
+                # those needs a key space per isolated tenant (its keys unforgeable by others).
+                plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=set())
+                return None if plan is None else plan[0].name
             # Where it goes is decided before anything is evicted: a tier that cannot take it
             # (too many pins, or leased regions splitting its free space) is passed over
             # untouched, and when no tier can, the put raises with the store as it was.
@@ -442,7 +496,9 @@ class TieredStore:
         with self._lock:
             n = len(keys)
             entries: list[Entry | None] = list(map(self._index.get, keys))
-            if self._isolated_owner:
+            if tenant in self._isolated_tenants:  # its own chunks only
+                entries = [e if e is not None and e.tenant == tenant else None for e in entries]
+            elif self._isolated_owner:
                 owners = list(map(self._isolated_owner.get, keys))
                 if owners.count(None) + owners.count(tenant) != n:
                     for i, owner in enumerate(owners):
@@ -469,6 +525,11 @@ class TieredStore:
         """The tier of each key (None: not cached, or not visible to ``tenant``). Unlike
         ``lookup`` this counts nothing: it answers "is it there?" for tools and engines."""
         with self._lock:
+            if tenant in self._isolated_tenants:  # its own chunks only
+                return [
+                    e.tier if e is not None and e.tenant == tenant else None
+                    for e in map(self._index.get, keys)
+                ]
             out = [None if e is None else e.tier for e in map(self._index.get, keys)]
             if self._isolated_owner:
                 for i, owner in enumerate(map(self._isolated_owner.get, keys)):
@@ -872,9 +933,11 @@ class TieredStore:
                 f"unknown tier {name!r}; this store has {', '.join(self._tier_index)}"
             ) from None
 
-    @staticmethod
-    def _visible(e: Entry, tenant: str) -> bool:
-        return not e.isolated or e.tenant == tenant
+    def _visible(self, e: Entry, tenant: str) -> bool:
+        """An isolated chunk is its owner's only; an isolated tenant sees only its own."""
+        if e.isolated or tenant in self._isolated_tenants:
+            return e.tenant == tenant
+        return True
 
     def _get_visible(self, key: bytes, tenant: str) -> Entry:
         e = self._index.get(key)

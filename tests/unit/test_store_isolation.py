@@ -1,0 +1,143 @@
+"""Isolated tenants' integrity (issue 22, item 4): an isolated tenant only ever reads chunks it
+stored itself, and another tenant's put answers the same whether or not the key exists for the
+isolated tenant."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import AgentSettings
+from kvctl.store.errors import KeyNotFound
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+
+T = "victim"  # the isolated tenant
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def owned(tenant: str, key: bytes, size: int = 64) -> bytes:
+    """Bytes only ``tenant`` ever stores under ``key``: whoever reads them knows who wrote."""
+    return (tenant.encode() + b":" + key).ljust(size, b".")[:size]
+
+
+def store_with_isolated(*tenants: str, capacity: int = 1 << 20) -> TieredStore:
+    store = TieredStore([CpuTier(capacity)], isolated_tenants=tenants)
+    return store
+
+
+def test_another_tenants_put_over_an_isolated_key_answers_like_a_fresh_put() -> None:
+    store = store_with_isolated(T)
+    assert store.put(k(1), owned(T, k(1)), tenant=T, isolated=True) == "cpu"
+    fresh = store.put(k(2), owned("other", k(2)), tenant="other")  # a key nobody has
+    assert store.put(k(1), owned("other", k(1)), tenant="other") == fresh == "cpu"
+    # nothing of the other tenant's was stored over the isolated chunk
+    assert store.get(k(1), tenant=T) == owned(T, k(1))
+    assert store.entry(k(1)).tenant == T
+
+
+def test_an_isolated_tenant_never_reads_what_another_tenant_stored_first() -> None:
+    store = store_with_isolated(T)
+    planted = owned("attacker", k(1))
+    assert store.put(k(1), planted, tenant="attacker") == "cpu"  # T's predictable key
+    # every read path answers "not cached" to the isolated tenant
+    assert store.lookup([k(1)], tenant=T).matched_chunks == 0
+    assert store.locate([k(1)], tenant=T) == [None]
+    assert store.peek([k(1)], tenant=T).matched_chunks == 0
+    with pytest.raises(KeyNotFound):
+        store.get(k(1), tenant=T)
+    with pytest.raises(KeyNotFound):
+        store.lease(k(1), math.inf, tenant=T)
+    with pytest.raises(KeyNotFound):
+        store.touch(k(1), tenant=T)
+    # its own put stores its own bytes, which it then reads
+    assert store.put(k(1), owned(T, k(1)), tenant=T, isolated=True) == "cpu"
+    assert store.get(k(1), tenant=T) == owned(T, k(1))
+    lease = store.lease(k(1), math.inf, tenant=T)
+    assert lease is not None and bytes(store.leased_view(lease)) == owned(T, k(1))
+    assert store.entry(k(1)).tenant == T and store.entry(k(1)).isolated
+    assert store.stats.tiers["cpu"].evictions["replaced"] == 1
+
+
+def test_the_runtime_keeps_the_stores_isolated_tenants_in_sync(tmp_path: Path) -> None:
+    settings = AgentSettings(data_dir=str(tmp_path), isolated_tenants=(T,))
+    runtime = AgentRuntime(settings, TieredStore([CpuTier(1 << 20)]))
+    try:
+        assert runtime.store.isolated_tenants == frozenset({T})
+        runtime.settings = dataclasses.replace(settings, isolated_tenants=("other",))
+        assert runtime.store.isolated_tenants == frozenset({"other"})
+    finally:
+        runtime.close()
+
+
+# --- property: try to break isolation -----------------------------------------------------------
+
+_TENANTS = [T, "u", "v"]
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(_TENANTS),
+        st.sampled_from(["put", "get", "lookup", "lease", "locate"]),
+        st.integers(0, 5),  # few keys, so tenants collide on them
+    ),
+    min_size=1,
+    max_size=50,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS)
+def test_isolation_holds_under_any_sequence_of_colliding_operations(
+    ops: list[tuple[str, str, int]],
+) -> None:
+    # ``with_t`` sees every operation; ``without_t`` the same minus the isolated tenant's, so
+    # the other tenants' put answers must match between them
+    with_t, without_t = store_with_isolated(T), store_with_isolated(T)
+    try:
+        for tenant, op, i in ops:
+            key = k(i)
+            stores = [with_t] if tenant == T else [with_t, without_t]
+            answers = []
+            for store in stores:
+                if op == "put":
+                    answers.append(store.put(key, owned(tenant, key), tenant=tenant))
+                elif op == "get":
+                    try:
+                        got = bytes(store.get(key, tenant=tenant))
+                    except KeyNotFound:
+                        got = None
+                    if tenant == T:
+                        assert got in (None, owned(T, key)), got
+                elif op == "lease":
+                    try:
+                        lease = store.lease(key, math.inf, tenant=tenant)
+                    except KeyNotFound:
+                        continue
+                    assert lease is not None
+                    view = bytes(store.leased_view(lease))
+                    store.release([lease.lease_id])
+                    if tenant == T:
+                        assert view == owned(T, key), view
+                elif op == "lookup":
+                    hit = store.lookup([key], tenant=tenant).matched_chunks == 1
+                    if tenant == T and hit:
+                        assert store.entry(key).tenant == T
+                else:
+                    (where,) = store.locate([key], tenant=tenant)
+                    if tenant == T and where is not None:
+                        assert store.entry(key).tenant == T
+            if op == "put":
+                assert None not in answers
+                if tenant != T:
+                    assert answers[0] == answers[1], (tenant, i)
+    finally:
+        with_t.close()
+        without_t.close()
