@@ -294,6 +294,56 @@ class PlanCollector(Collector):
             yield CounterMetricFamily(name, doc, value=0.0 if p is None else getattr(p, field))
 
 
+#: the states a remote source's circuit breaker can be in (kvctl/remote/breaker.py)
+BREAKER_STATES = ("closed", "open", "half_open")
+
+
+class SourceCollector:
+    """The pool's and each peer's circuit breaker and call counters, read per scrape. Sources
+    are named in the agent's settings, so the ``source`` label is bounded by configuration."""
+
+    def __init__(self, statuses: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        self._statuses = statuses
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(())
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(list(self._statuses()))
+
+    @staticmethod
+    def _families(statuses: Iterable[Mapping[str, Any]]) -> Iterator[Metric]:
+        labels = ("source", "tier")
+        state = GaugeMetricFamily(
+            "kvctl_remote_source_breaker_state",
+            "1 for the state a source's circuit breaker is in (closed, open, half_open), else 0.",
+            labels=(*labels, "state"),
+        )
+        counters = {
+            field: CounterMetricFamily(f"kvctl_remote_source_{name}", doc, labels=labels)
+            for field, name, doc in (
+                ("calls", "calls", "Calls made to a remote source."),
+                ("errors", "errors", "Calls to a remote source that failed."),
+                ("skipped", "skipped", "Calls not made because the source's breaker was open."),
+                ("opens", "breaker_opens", "Times a source's circuit breaker opened."),
+                ("probes", "breaker_probes", "Half-open probes let through to a source."),
+                ("probe_failures", "breaker_probe_failures", "Half-open probes that failed."),
+            )
+        }
+        for src in statuses:
+            key = (str(src["name"]), str(src["tier"]))
+            breaker = src.get("breaker") or {}
+            current = breaker.get("state", "closed" if src.get("up") else "open")
+            for name in BREAKER_STATES:
+                state.add_metric((*key, name), 1.0 if name == current else 0.0)
+            for field, family in counters.items():
+                value = src.get(field, breaker.get(field))
+                if value is not None:
+                    family.add_metric(key, value)
+        yield state
+        yield from counters.values()
+
+
 class AgentMetrics:
     """All metrics of one agent, on a registry of its own."""
 
@@ -377,6 +427,10 @@ class AgentMetrics:
     def add_plan_source(self, counters: Callable[[], Any]) -> None:
         """Export the fetch-or-recompute counters that ``counters()`` returns per scrape."""
         self.registry.register(PlanCollector(counters))
+
+    def add_remote_sources(self, statuses: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
+        """Export the remote sources' breakers and counters (``statuses()`` per scrape)."""
+        self.registry.register(SourceCollector(statuses))
 
     # --- label bounds ------------------------------------------------------------------------
     def allow_routes(self, routes: Iterable[str]) -> None:

@@ -201,9 +201,17 @@ def _bench_pool(
     # one sample's chunks are in the pool at a time (the previous sample's are deleted first)
     capacity_bytes = max(s * n for s, n in chunks_of.items()) + POOL_CAPACITY_HEADROOM_BYTES
     # the constructor checks the URL and the prefix and does no I/O
-    pool = RedisPool(url, prefix=prefix, capacity_bytes=capacity_bytes, timeout_s=REDIS_TIMEOUT_S)
+    pool = RedisPool(
+        url,
+        prefix=prefix,
+        capacity_bytes=capacity_bytes,
+        timeout_s=REDIS_TIMEOUT_S,
+        read_timeout_s=REDIS_TIMEOUT_S,
+    )
     # the same pool read over one connection: what the split over streams gains
-    pool_one = RedisPool(url, prefix=prefix, timeout_s=REDIS_TIMEOUT_S, streams=1)
+    pool_one = RedisPool(
+        url, prefix=prefix, timeout_s=REDIS_TIMEOUT_S, read_timeout_s=REDIS_TIMEOUT_S, streams=1
+    )
     masked = pool.address
     client = _reference_client(url, masked)
     try:
@@ -480,8 +488,12 @@ def _bench_peer(
         say(f"peer pull: starting an agent with a {cpu_bytes >> 20} MiB cpu tier")
         with _peer_agent(Path(tmp), cpu_bytes) as peer:
             # the RTT runs pull in ONE FETCH on one connection; the streams block splits it
-            backend = AgentSource(peer.data_tcp, timeout_s=PEER_TIMEOUT_S, streams=1)
-            backend_n = AgentSource(peer.data_tcp, timeout_s=PEER_TIMEOUT_S)
+            backend = AgentSource(
+                peer.data_tcp, timeout_s=PEER_TIMEOUT_S, read_timeout_s=PEER_TIMEOUT_S, streams=1
+            )
+            backend_n = AgentSource(
+                peer.data_tcp, timeout_s=PEER_TIMEOUT_S, read_timeout_s=PEER_TIMEOUT_S
+            )
             try:
                 say(f"peer pull: storing {n} chunks of {size} bytes, parents chained")
                 _store_chain(backend, keys, payload, size)

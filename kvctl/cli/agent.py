@@ -359,6 +359,18 @@ def _link_cells(link: dict[str, Any]) -> tuple[str, str, str]:
     return f"{rtt} ({link['rtt_basis']})", bw, link["override"]
 
 
+def _breaker_cell(src: dict[str, Any]) -> str:
+    """A source's circuit breaker: up, probing after an outage, or open until its next retry."""
+    breaker = src.get("breaker") or {}
+    state = breaker.get("state", "closed" if src["up"] else "open")
+    if state == "closed":
+        return "[green]up[/]"
+    if state == "half_open":
+        return "[yellow]probing[/]"
+    retry_s = breaker.get("retry_in_s")
+    return "[bold red]open[/]" + (f", retry in {retry_s:.1f} s" if retry_s is not None else "")
+
+
 def _render_remote(report: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -380,7 +392,7 @@ def _render_remote(report: dict[str, Any]) -> None:
             down.append(f"{src['name']}: {src['last_error']}")
         table.add_row(
             f"{src['name']} ({src['tier']})\n[dim]{src['address']}[/]",
-            "[green]up[/]" if src["up"] else "[bold red]backing off[/]",
+            _breaker_cell(src),
             *_link_cells(src["link"]),
             f"{src['chunks_in']:,}/{src['chunks_out']:,}",
             str(src["errors"]),
