@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from kvctl.store.errors import InvalidArgument
 
@@ -22,15 +23,19 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$", re.ASCII)
+
+
+#: the largest size anything here takes: a signed 64-bit byte count
+MAX_SIZE_BYTES = 2**63 - 1
 
 
 def parse_size(text: str | int) -> int:
     """Bytes in ``text``: a plain integer or a number with a unit (KiB/MiB/GiB/TiB, KB/MB/GB/TB;
     K/M/G/T are binary). Fractions are allowed when they give whole bytes."""
     if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise InvalidArgument(f"a size must not be negative, got {text}")
+        if not 0 <= text <= MAX_SIZE_BYTES:
+            raise InvalidArgument(f"a size must be in 0..2**63 - 1, got {text}")
         return text
     m = _SIZE.match(str(text))
     if not m:
@@ -42,9 +47,12 @@ def parse_size(text: str | int) -> int:
         raise InvalidArgument(
             f"unknown size unit {unit!r} in {text!r}; use B, KiB, MiB, GiB, TiB, KB, MB, GB or TB"
         ) from None
-    value = float(number) * factor
-    if value != int(value):
+    # exact: a float would round sizes past 2**53 and overflow on long digit strings
+    value = Fraction(number) * factor
+    if value.denominator != 1:
         raise InvalidArgument(f"{text!r} is not a whole number of bytes")
+    if value > MAX_SIZE_BYTES:
+        raise InvalidArgument(f"a size must be at most 2**63 - 1 bytes, got {str(text)[:40]!r}...")
     return int(value)
 
 

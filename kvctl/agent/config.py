@@ -495,6 +495,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("gpu_device", "gpu_device", _cuda_device, "cuda:0", "KVCTL_GPU_DEVICE"),
     _Setting("chunk_tokens", "chunk_tokens", _positive_int, 256, "KVCTL_CHUNK_TOKENS"),
     _Setting("max_chunk_bytes", "max_chunk", _size(1), "256MiB", "KVCTL_MAX_CHUNK"),
+    _Setting("max_body_bytes", "max_body", _size(1), "4MiB", "KVCTL_MAX_BODY"),
     _Setting(
         "eviction",
         "eviction",

@@ -153,7 +153,7 @@ def serve(settings: AgentSettings) -> int:
             ", ".join(f"{n}={u['capacity_bytes']}B" for n, u in runtime.store.usage().items()),
         )
         config = uvicorn.Config(
-            create_app(runtime),
+            create_app(runtime, max_body_bytes=settings.max_body_bytes),
             log_level=settings.log_level,
             log_config=None,  # keep the process's logging set-up (kvctl's format, one stream)
             access_log=False,

@@ -75,6 +75,9 @@ class AgentSettings:
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     #: largest chunk a client may send; bigger frames are refused before they are read
     max_chunk_bytes: int = 256 << 20
+    #: largest control-API request body; a bigger one is a 413 before it is read (the default
+    #: fits the largest valid request, 100,000 keys)
+    max_body_bytes: int = 4 << 20
     eviction: str = "lineage-lru2"
     disk_admission: str = "all"
     #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds

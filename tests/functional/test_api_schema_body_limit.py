@@ -101,3 +101,18 @@ def test_streamed_oversize_body_is_cut_off(agent: Agent) -> None:
     assert sent_bytes > DEFAULT_MAX_BODY_BYTES
     assert agent.control().health()["status"] == "ok"
     assert _rss_bytes(agent.state.pid) - rss_before < BODY_BYTES // 4
+
+
+def test_the_body_cap_is_a_setting(tmp_path: Path) -> None:
+    """``max_body_bytes`` in the config file (or KVCTL_MAX_BODY) sets the cap: a 64 KiB body,
+    well under the default, is a 413 under a 16 KiB cap."""
+    config = tmp_path / "agent.toml"
+    config.write_text('[agent]\nmax_body_bytes = "16KiB"\n')
+    with running_agent(
+        tmp_path / "a", "--config", str(config), "--cpu", "4MiB", "--disk", "0"
+    ) as a:
+        body = b'{"keys": [' + b" " * (64 << 10) + b"]}"
+        with _connect(a) as s:
+            s.sendall(_head(a, f"Content-Length: {len(body)}\r\n") + body)
+            answer = _read_answer(s)
+    assert answer.startswith(b"HTTP/1.1 413 "), answer[:200]
