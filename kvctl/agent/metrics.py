@@ -204,6 +204,17 @@ class StoreCollector(Collector):
             "bypassed_puts",
         )
         yield store_counter(
+            "kvctl_spilled_puts",
+            "Puts that landed in a lower tier because no room could be made in a higher one "
+            "(e.g. free space split by leased chunks).",
+            "spilled_puts",
+        )
+        yield store_counter(
+            "kvctl_rerouted_puts",
+            "Puts sent past a tier that was offline (e.g. after a CUDA error).",
+            "rerouted_puts",
+        )
+        yield store_counter(
             "kvctl_corrupt_chunks",
             "Chunks found corrupt on read and dropped.",
             "corrupt_dropped",

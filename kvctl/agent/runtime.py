@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -144,6 +145,8 @@ class AgentRuntime:
                 runtime.close()
                 raise
             runtime.remote.planner = runtime.planner  # one set of rates and counters per node
+            sources = runtime.remote.sources
+            runtime.metrics.add_remote_sources(lambda: [s.status() for s in sources])
         return runtime
 
     # --- reads that reach past this node when a pool or peers are configured -----------------
@@ -352,10 +355,14 @@ def _open_gpu_tier(settings: AgentSettings) -> GpuTier | str:
 
 
 def _disk(path: Path) -> dict[str, Any]:
-    """Free and total bytes of the filesystem holding ``path`` (None when unreadable), for
-    `kvctl doctor`."""
+    """Free and total bytes of the filesystem holding ``path`` and the directory's permission
+    bits (None when unreadable), for `kvctl doctor` (it warns when others can read them)."""
+    try:
+        mode: int | None = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        mode = None
     try:
         usage = shutil.disk_usage(path)
     except OSError:
-        return {"path": str(path), "free_bytes": None, "total_bytes": None}
-    return {"path": str(path), "free_bytes": usage.free, "total_bytes": usage.total}
+        return {"path": str(path), "free_bytes": None, "total_bytes": None, "mode": mode}
+    return {"path": str(path), "free_bytes": usage.free, "total_bytes": usage.total, "mode": mode}

@@ -639,6 +639,7 @@ class RemoteTiers:
                 with s._lock:
                     s.counters.skipped += 1
         found: list[list[tuple[str, ChunkMeta]]] = [[] for _ in keys]
+        mine = {"tenant_isolated": tenant in self.store.isolated_tenants}
         deadline = time.monotonic() + PROBE_DEADLINE_S
         for s, fut in futures:
             try:
@@ -651,7 +652,7 @@ class RemoteTiers:
                 continue
             for j, meta in enumerate(metas):
                 # the source checked visibility; a size it disagrees on is not trusted either
-                if meta is not None and meta.key == keys[j] and visible_to(meta, tenant):
+                if meta is not None and meta.key == keys[j] and visible_to(meta, tenant, **mine):
                     found[j].append((s.name, meta))
         for options in found:
             options.sort(key=lambda o: self._cost_key(o[0]))
@@ -727,7 +728,12 @@ class RemoteTiers:
 
     def _admit(self, src: Source, key: bytes, chunk: PoolChunk, tenant: str) -> bool:
         meta = chunk.meta
-        if meta.key != key or not visible_to(meta, tenant) or chunk.data.nbytes != meta.size_bytes:
+        isolated = tenant in self.store.isolated_tenants
+        if (
+            meta.key != key
+            or not visible_to(meta, tenant, tenant_isolated=isolated)
+            or chunk.data.nbytes != meta.size_bytes
+        ):
             return False  # the source broke its contract: never store what was not asked for
         self._local.filling = True  # not an echo for the pool writer
         try:

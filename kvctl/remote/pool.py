@@ -53,9 +53,13 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{user}:***@{host}{slash}{path}"
 
 
-def visible_to(meta: ChunkMeta, tenant: str) -> bool:
-    """An isolated tenant's chunk is seen by that tenant only; any other by everyone."""
-    return not meta.isolated or meta.tenant == tenant
+def visible_to(meta: ChunkMeta, tenant: str, *, tenant_isolated: bool = False) -> bool:
+    """An isolated tenant's chunk is seen by that tenant only; any other by everyone, except
+    by an isolated tenant (``tenant_isolated``, known where the asking node's settings are),
+    which sees only chunks it stored itself: another tenant may have stored under its key."""
+    if meta.isolated or tenant_isolated:
+        return meta.tenant == tenant
+    return True
 
 
 #: connections one read is split over at most

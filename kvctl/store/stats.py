@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-EVICTION_REASONS = ("capacity", "resize", "flush", "explicit", "corrupt")
+#: "replaced": an isolated tenant's put took its key back from a chunk another tenant stored
+EVICTION_REASONS = ("capacity", "resize", "flush", "explicit", "corrupt", "replaced")
 
 
 @dataclass(slots=True)

@@ -647,7 +647,11 @@ class TieredStore:
         with self._lock:
             home = self._lease_tier
             return {
-                "stats": self.stats.as_dict(),
+                "stats": {
+                    **self.stats.as_dict(),
+                    "rerouted_puts": self.rerouted_puts,
+                    "spilled_puts": self.spilled_puts,
+                },
                 "usage": self.usage(),
                 "leases": 0 if home is None else home.lease_count,
                 "read_bandwidth_bytes_per_second": self.read_bandwidth(),

@@ -338,6 +338,15 @@ def test_an_agent_answers_through_a_pool_outage_and_shows_its_breaker(
             after = ctl.remote()["pool"]
             assert after["breaker"]["state"] == "closed" and after["up"] is True
             assert after["breaker"]["opens"] >= 1
+            # and on /metrics: the state now, and the opening counted
+            text = ctl.metrics_text()
+            assert 'kvctl_remote_source_breaker_state{source="pool",state="closed",' in text
+            opens = [
+                ln
+                for ln in text.splitlines()
+                if ln.startswith("kvctl_remote_source_breaker_opens_total{")
+            ]
+            assert opens and float(opens[0].rsplit(" ", 1)[1]) >= 1
     finally:
         proxy.close()
 

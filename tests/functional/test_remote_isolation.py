@@ -113,3 +113,24 @@ def test_no_tenant_ever_reads_an_isolated_tenants_chunk(
         for k, t in zip(keys, where, strict=True):
             if owner.get(k, ("", False))[1]:
                 assert t is None
+
+
+def test_an_isolated_tenant_takes_nothing_from_the_pool_that_another_stored_under_its_key(
+    nodes: list[RemoteTiers],
+) -> None:
+    """globex stores (not isolated) under keys acme's isolated namespace will use; acme's
+    lookup on another node must not count them, fill them, or read them."""
+    victim, planter = nodes
+    victim.store.set_isolated_tenants({"acme"})
+    keys = [_key(uuid.uuid4().int % 10**9, i) for i in range(3)]
+    for parent, k in zip([None, *keys], keys, strict=False):
+        planter.store.put(k, b"\xee" * CHUNK_BYTES, tenant="globex", parent=parent)
+    assert planter.flush_writes()
+    assert victim.lookup(keys, tenant="acme").matched_chunks == 0
+    assert victim.locate(keys, tenant="acme") == [None] * len(keys)
+    victim.fill(keys, tenant="acme")
+    for k in keys:
+        with pytest.raises(KeyNotFound):
+            victim.store.get(k, tenant="acme")
+    # a tenant that shares still gets them: isolation takes nothing from others
+    assert victim.lookup(keys, tenant="initech").matched_chunks == len(keys)

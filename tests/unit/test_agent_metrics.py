@@ -40,6 +40,8 @@ STORE_COUNTERS = {
     "kvctl_demotion_failures",
     "kvctl_admission_refused",
     "kvctl_bypassed_puts",
+    "kvctl_spilled_puts",
+    "kvctl_rerouted_puts",
     "kvctl_corrupt_chunks",
 }
 STORE_GAUGES = {
@@ -127,6 +129,8 @@ def test_store_counters_match_store_stats(store: TieredStore, busy: dict[str, An
     assert m.value("kvctl_demotion_failures_total") == st.demotion_failures
     assert m.value("kvctl_admission_refused_total") == st.admission_refused
     assert m.value("kvctl_bypassed_puts_total") == st.bypassed_puts
+    assert m.value("kvctl_spilled_puts_total") == store.spilled_puts
+    assert m.value("kvctl_rerouted_puts_total") == store.rerouted_puts
     assert m.value("kvctl_corrupt_chunks_total") == st.corrupt_dropped
     for tier, ts in st.tiers.items():
         assert m.value("kvctl_hits_total", tier=tier, kind="reuse") == ts.reuse_hits

@@ -113,3 +113,13 @@ def test_random_puts_and_deletes_match_a_dict(ops: list[tuple[bool, int, int]]) 
     assert t.used_bytes == sum(map(len, model.values()))
     for key, data in model.items():
         assert t.get(key) == data
+
+
+def test_resize_beyond_what_can_be_mapped_is_a_capacity_error_and_keeps_the_tier() -> None:
+    tier = CpuTier(1024)
+    tier.put(ChunkMeta(b"k" * 16, 100), b"x" * 100)
+    with pytest.raises(CapacityError, match="cannot map"):
+        tier.resize(2**62)  # more address space than a process gets: mmap fails first
+    assert tier.capacity_bytes == 1024
+    out = bytearray(100)
+    assert tier.read_into(b"k" * 16, memoryview(out)) == 100 and out == b"x" * 100

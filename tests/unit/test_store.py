@@ -104,7 +104,10 @@ def test_isolated_chunks_are_invisible_to_other_tenants(ns: Namespace) -> None:
     assert store.lookup(keys, tenant="b").matched_chunks == 0
     with pytest.raises(KeyNotFound):
         store.get(keys[0], tenant="b")
-    assert store.put(keys[0], payload(keys[0]), tenant="b") is None  # cannot refresh it either
+    # answers like a new chunk's put (never "declined", which would say the key exists) and
+    # stores nothing: the owner still reads its own bytes
+    assert store.put(keys[0], payload(keys[0]), tenant="b") == "cpu"
+    assert store.get(keys[0], tenant="a") == payload(keys[0])
     assert store.lookup(keys, tenant="a").matched_chunks == 2
 
 

@@ -34,7 +34,13 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound, TierUnavailable
+from kvctl.store.errors import (
+    CapacityError,
+    InvalidArgument,
+    KeyNotFound,
+    StoreError,
+    TierUnavailable,
+)
 from kvctl.store.tiers.base import (
     Buffer,
     ChunkMeta,
@@ -290,7 +296,16 @@ class CpuTier(Tier):
     def resize(self, capacity_bytes: int) -> None:
         self._check_open()
         check_resize(self, capacity_bytes)
-        self._compact(capacity_bytes)
+        try:
+            self._compact(capacity_bytes)
+        except (OverflowError, MemoryError, OSError) as exc:
+            if isinstance(exc, StoreError):
+                raise
+            # the new arena is mapped whole before anything moves: the tier is as it was
+            raise CapacityError(
+                f"tier {self.name!r} cannot map {capacity_bytes} bytes ({exc}); it keeps its "
+                f"capacity of {self.capacity_bytes} bytes"
+            ) from exc
 
     def close(self) -> None:
         if self._closed:
