@@ -368,10 +368,9 @@ class TieredStore:
         pinned in the first usable tier or nowhere. Raises CapacityError, with the store
         unchanged, when no tier can take it.
 
-        Isolation: a put by an isolated tenant (``isolated_tenants``) is isolated, and replaces
-        a chunk another tenant stored under the key; a put by anyone else over an isolated
-        tenant's chunk stores nothing and answers what storing a new chunk would (the tier it
-        would land in, or the same error), so it cannot tell the chunk exists.
+        Isolation: a put by an isolated tenant (``isolated_tenants``) is isolated. A put over a
+        chunk the putter may not see (another tenant's, where either is isolated) replaces it,
+        so the put and the putter's later reads behave as for a new chunk.
         """
         _check_key(key)
         size = _payload_size(data, size_bytes)
@@ -387,18 +386,20 @@ class TieredStore:
             now = self._clock()
             isolated = isolated or tenant in self._isolated_tenants
             existing = self._index.get(key)
-            decoy = False  # another tenant's isolated chunk is here: answer, store nothing
             if (
                 existing is not None
                 and existing.tenant != tenant
                 and not self._visible(existing, tenant)
             ):
-                if tenant in self._isolated_tenants:
-                    # another tenant stored first under this isolated tenant's key (which it
-                    # can predict): drop that chunk, so the owner's own bytes are stored
-                    self._evict(existing, "replaced", demote=False)
-                else:
-                    decoy = True
+                # The chunk under this key is one the putter may not see (an isolated tenant's,
+                # or another tenant's under an isolated tenant's predictable key). It is
+                # replaced: the putter's answer and its own later lookups are then exactly those
+                # of a new chunk, so nothing about the other tenant's chunk shows, and an
+                # isolated tenant only ever reads bytes it stored. The cost is the other
+                # tenant's cached copy (a miss for it, never wrong bytes); a tenant able to
+                # compute another's keys could evict those as it could by filling the cache.
+                self._evict(existing, "replaced", demote=False)
+                existing = None
             elif existing is not None:
                 if existing.size_bytes != size:
                     raise PayloadSizeError(
@@ -424,15 +425,6 @@ class TieredStore:
                 retention_until_s=None if retention_seconds is None else now + retention_seconds,
             )
             entry.tenants.add(tenant)
-            if decoy:
-                # What a put of a new chunk would answer, found the way it would be (the tier
-                # it would land in, a bypass, or the same CapacityError), storing and evicting
-                # nothing. Residual channels, not closed here: this answer comes without the
-                # eviction and copy a real put makes, so it is faster (timing), and the putter's
-                # own later lookup of the key misses where a stored chunk would hit. Closing
-                # those needs a key space per isolated tenant (its keys unforgeable by others).
-                plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=set())
-                return None if plan is None else plan[0].name
             # Where it goes is decided before anything is evicted: a tier that cannot take it
             # (too many pins, or leased regions splitting its free space) is passed over
             # untouched, and when no tier can, the put raises with the store as it was.

@@ -40,9 +40,16 @@ def test_another_tenants_put_over_an_isolated_key_answers_like_a_fresh_put() -> 
     assert store.put(k(1), owned(T, k(1)), tenant=T, isolated=True) == "cpu"
     fresh = store.put(k(2), owned("other", k(2)), tenant="other")  # a key nobody has
     assert store.put(k(1), owned("other", k(1)), tenant="other") == fresh == "cpu"
-    # nothing of the other tenant's was stored over the isolated chunk
+    # and what follows is a new chunk's too: the putter reads back its own bytes (a lookup that
+    # missed here would tell it the key was taken), and the isolated tenant never reads them
+    assert store.lookup([k(1)], tenant="other").matched_chunks == 1
+    assert store.get(k(1), tenant="other") == owned("other", k(1))
+    with pytest.raises(KeyNotFound):
+        store.get(k(1), tenant=T)
+    assert store.stats.tiers["cpu"].evictions["replaced"] == 1
+    # the owner's next put takes its key back
+    assert store.put(k(1), owned(T, k(1)), tenant=T) == "cpu"
     assert store.get(k(1), tenant=T) == owned(T, k(1))
-    assert store.entry(k(1)).tenant == T
 
 
 def test_an_isolated_tenant_never_reads_what_another_tenant_stored_first() -> None:
