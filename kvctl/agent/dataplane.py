@@ -459,7 +459,8 @@ class Connection:
             return
         self._take_budget(n_bytes)
         try:
-            region = mmap.mmap(-1, n_bytes)
+            # private: anonymous memory of this process only (MAP_SHARED would be shmem)
+            region = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE)
             view = memoryview(region)
             try:
                 self._recv_counted(view)
@@ -523,14 +524,12 @@ class Connection:
             return not exc.fatal
         except (PeerClosed, ConnectionError, TimeoutError):
             raise
-        except OSError:
-            if self._stalled:  # the reaper shut the socket while the handler ran
-                raise PeerClosed("cut off mid-frame") from None
-            raise
         except StoreError as exc:
             self._send_error(rid, _store_error(exc))
             return True
         except Exception as exc:  # a bug: report it, and close since the stream may be off
+            if self._stalled and isinstance(exc, OSError):  # the reaper shut the socket
+                raise PeerClosed("cut off mid-frame") from None
             log.exception("data plane request failed")
             self._send_error(
                 rid, FrameError(ErrorCode.INTERNAL, f"internal error: {exc}", fatal=True)

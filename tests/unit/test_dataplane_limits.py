@@ -1,0 +1,96 @@
+"""The data plane's limits as plain parts: the in-flight byte budget and the staging-segment
+check (the agent-level behaviour is in tests/functional/test_dataplane_hostile.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from kvctl.agent.dataplane import ByteBudget, _check_segment
+from kvctl.agent.protocol import ErrorCode, FrameError
+
+linux_only = pytest.mark.skipif(sys.platform != "linux", reason="memfd seals are Linux")
+
+
+def test_the_budget_grants_what_is_free_and_takes_it_back() -> None:
+    budget = ByteBudget(100)
+    never = time.monotonic() + 60
+    assert budget.acquire(60, never, lambda: False)
+    assert budget.acquire(40, never, lambda: False)
+    assert budget.free_bytes == 0
+    budget.release(60)
+    assert budget.free_bytes == 60
+
+
+def test_a_wait_for_budget_ends_at_its_deadline_with_nothing_taken() -> None:
+    budget = ByteBudget(100)
+    assert budget.acquire(100, time.monotonic() + 60, lambda: False)
+    assert not budget.acquire(1, time.monotonic() + 0.05, lambda: False)
+    assert budget.free_bytes == 0  # a failed wait takes nothing
+
+
+def test_a_wait_for_budget_ends_when_cancelled_and_never_for_more_than_all() -> None:
+    budget = ByteBudget(100)
+    assert not budget.acquire(101, time.monotonic() + 60, lambda: False)  # can never fit
+    assert budget.acquire(100, time.monotonic() + 60, lambda: False)
+    assert not budget.acquire(1, time.monotonic() + 60, lambda: True)
+
+
+def test_a_release_wakes_a_waiter() -> None:
+    budget = ByteBudget(100)
+    assert budget.acquire(100, time.monotonic() + 60, lambda: False)
+    got: list[bool] = []
+    t = threading.Thread(
+        target=lambda: got.append(budget.acquire(70, time.monotonic() + 60, lambda: False))
+    )
+    t.start()
+    budget.release(100)
+    t.join(30)
+    assert got == [True] and budget.free_bytes == 30
+
+
+def _memfd(size: int, seals: int | None) -> int:
+    fd = os.memfd_create("t", os.MFD_CLOEXEC | (0 if seals is None else os.MFD_ALLOW_SEALING))
+    os.ftruncate(fd, size)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+@linux_only
+def test_a_memfd_sealed_against_shrinking_is_accepted() -> None:
+    for seals in (fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+        fd = _memfd(1 << 16, seals)
+        try:
+            _check_segment(fd, 1 << 16)
+            _check_segment(fd, 100)  # mapping less than the file holds is fine
+        finally:
+            os.close(fd)
+
+
+@linux_only
+@pytest.mark.parametrize(
+    ("make", "declared", "why"),
+    [
+        (lambda tmp: _memfd(1 << 16, None), 1 << 16, "not sealed"),
+        (lambda tmp: _memfd(1 << 16, fcntl.F_SEAL_GROW), 1 << 16, "not sealed"),
+        (lambda tmp: _memfd(1 << 16, fcntl.F_SEAL_SHRINK), 1 << 17, "holds 65536 bytes"),
+        (lambda tmp: _memfd(1 << 16, fcntl.F_SEAL_SHRINK), 0, "needs a size"),
+        (lambda tmp: os.open(tmp, os.O_RDWR | os.O_CREAT), 1, "takes no seals"),
+    ],
+)
+def test_an_unsafe_segment_is_refused(tmp_path: Path, make, declared: int, why: str) -> None:  # type: ignore[no-untyped-def]
+    fd = make(tmp_path / "file")
+    try:
+        with pytest.raises(FrameError) as err:
+            _check_segment(fd, declared)
+    finally:
+        os.close(fd)
+    assert err.value.code == ErrorCode.BAD_REQUEST and not err.value.fatal
+    assert why in err.value.message
