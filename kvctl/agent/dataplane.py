@@ -461,6 +461,8 @@ class Connection:
         try:
             # private: anonymous memory of this process only (MAP_SHARED would be shmem)
             region = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB faults: fresh memory as fast as reused
+                region.madvise(mmap.MADV_HUGEPAGE)
             view = memoryview(region)
             try:
                 self._recv_counted(view)
