@@ -829,18 +829,22 @@ class DataClient:
         except OSError:
             self._staged_puts = False
             return None
+        staging = None
         try:
             staging = mmap.mmap(fd, size)
             self._call_locked(Op.ATTACH, MetaWriter().u64(size).build(), (), None, fd)
-        except RequestError as exc:  # an agent that maps no segment of this kind
+        except BaseException as exc:
+            if staging is not None:
+                staging.close()
             os.close(fd)
-            if exc.code not in (ErrorCode.BAD_REQUEST, ErrorCode.UNSUPPORTED):
+            refused = isinstance(exc, RequestError) and exc.code in (
+                ErrorCode.BAD_REQUEST,
+                ErrorCode.UNSUPPORTED,
+            )
+            if not refused:
                 raise
-            self._staged_puts = False
+            self._staged_puts = False  # an agent that maps no segment of this kind
             return None
-        except BaseException:
-            os.close(fd)
-            raise
         if self._staging is not None:
             self._staging.close()
             os.close(self._staging_fd)

@@ -369,3 +369,22 @@ def test_replies_and_the_error_reach_a_client_still_sending_when_the_agent_close
     finally:
         conn.close()
     _assert_serves(agent, 80)
+
+
+def test_the_sdk_puts_over_the_socket_when_the_agent_refuses_its_segment(
+    agent, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    import kvctl.client as client_module
+
+    def unsealed(size: int) -> int:  # what an older SDK sent: the agent refuses it now
+        fd = os.memfd_create("old-sdk-staging", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        return fd
+
+    monkeypatch.setattr(client_module, "_sealed_memfd", unsealed)
+    with agent.data("unix") as c:
+        keys = [key(i, 12) for i in range(3)]
+        out = c.put_many([(k, payload(k, 8192)) for k in keys], tenant="t")
+        assert [o.status for o in out] == ["stored"] * 3
+        assert c._staging is None and not c._staged_puts
+        assert [bytes(g) for g in c.get_many(keys, tenant="t")] == [payload(k, 8192) for k in keys]
