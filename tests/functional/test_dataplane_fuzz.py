@@ -307,10 +307,13 @@ def exchange(address: str | tuple[str, int], pieces: list[Piece]) -> bytes:
     try:
         queue = [(memoryview(p.data), list(p.fds), p.then) for p in pieces if p.data]
         writing = True
-        #: (reply frames to wait for, then what) once a piece with ``then`` is sent
-        waiting: tuple[int, Callable[[], None]] | None = None
+        #: (reply frames to wait for, then what, until when) once a piece with ``then`` is sent;
+        #: an earlier mutated frame may have the agent waiting for bytes instead of answering
+        waiting: tuple[int, Callable[[], None], float] | None = None
         while True:
-            if waiting is not None and (_frames_in(got) >= waiting[0] or not writing):
+            if waiting is not None and (
+                _frames_in(got) >= waiting[0] or not writing or time.monotonic() > waiting[2]
+            ):
                 waiting[1]()
                 waiting = None
             if time.monotonic() > deadline:
@@ -318,7 +321,7 @@ def exchange(address: str | tuple[str, int], pieces: list[Piece]) -> bytes:
                     f"the agent neither answered nor closed in {EXCHANGE_TIMEOUT_S} s"
                 )
             want_write = [sock] if writing and waiting is None else []
-            readable, writable, _ = select.select([sock], want_write, [], 1.0)
+            readable, writable, _ = select.select([sock], want_write, [], 0.1)
             if readable:
                 try:
                     data = sock.recv(1 << 20)
@@ -356,7 +359,7 @@ def exchange(address: str | tuple[str, int], pieces: list[Piece]) -> bytes:
                 if n == view.nbytes:
                     queue.pop(0)
                     if then is not None:
-                        waiting = (_frames_in(got) + 1, then)
+                        waiting = (_frames_in(got) + 1, then, time.monotonic() + 0.5)
                 else:
                     queue[0] = (view[n:], fds, then)
     finally:
