@@ -497,6 +497,14 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("max_chunk_bytes", "max_chunk", _size(1), "256MiB", "KVCTL_MAX_CHUNK"),
     _Setting("max_body_bytes", "max_body", _size(1), "4MiB", "KVCTL_MAX_BODY"),
     _Setting(
+        "data_frame_timeout_seconds",
+        "data_frame_timeout_seconds",
+        _positive_float,
+        30.0,
+        "KVCTL_DATA_FRAME_TIMEOUT_SECONDS",
+    ),
+    _Setting("data_put_budget_bytes", "data_put_budget", _size(1), "1GiB", "KVCTL_DATA_PUT_BUDGET"),
+    _Setting(
         "eviction",
         "eviction",
         _choice("eviction policy", EVICTION_POLICIES),

@@ -120,7 +120,11 @@ def serve(settings: AgentSettings) -> int:
     host, port = settings.control_host_port
     control = _bind_tcp(host, port)
     runtime = AgentRuntime.open(settings)
-    dataplane = DataPlaneServer(runtime)
+    dataplane = DataPlaneServer(
+        runtime,
+        frame_timeout_s=settings.data_frame_timeout_seconds,
+        put_budget_bytes=settings.data_put_budget_bytes,
+    )
     try:
         tcp = settings.data_host_port
         if tcp is not None:

@@ -78,6 +78,12 @@ class AgentSettings:
     #: largest control-API request body; a bigger one is a 413 before it is read (the default
     #: fits the largest valid request, 100,000 keys)
     max_body_bytes: int = 4 << 20
+    #: a data-plane frame still unfinished after this (plus 1 s per MiB it moved) is cut off
+    #: with a TIMEOUT error frame: stalled or trickling senders hold nothing for long
+    data_frame_timeout_seconds: float = 30.0
+    #: bytes of large puts (over 1 MiB) all connections may hold in flight at once; a put that
+    #: cannot get its share within the frame timeout gets BUSY
+    data_put_budget_bytes: int = 1 << 30
     eviction: str = "lineage-lru2"
     disk_admission: str = "all"
     #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds

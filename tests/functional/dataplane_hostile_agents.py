@@ -1,7 +1,8 @@
 """Agents for the hostile-client and fuzz tests of the data plane: a real ``kvctl agent start``
 process whose data-plane limits (stall timeout, in-flight put budget) are set small, so a test
-sees a stalled sender cut off in seconds rather than the production 30 s. The limits are module
-constants of ``kvctl.agent.dataplane`` (no agent setting yet), set in the child before it starts.
+sees a stalled sender cut off in seconds rather than the production 30 s. The limits are the
+agent's settings ``data_frame_timeout_seconds`` and ``data_put_budget_bytes``, given through
+their environment variables.
 """
 
 from __future__ import annotations
@@ -26,11 +27,7 @@ from .agents import EPHEMERAL, Agent
 
 _LAUNCH = """
 import sys
-import kvctl.agent.dataplane as dp
-dp.FRAME_TIMEOUT_SECONDS = float(sys.argv[1])
-if int(sys.argv[2]):
-    dp.PUT_BUDGET_BYTES = int(sys.argv[2])
-sys.argv = ["kvctl", *sys.argv[3:]]
+sys.argv = ["kvctl", *sys.argv[1:]]
 from kvctl.cli.main import main
 main()
 """
@@ -48,10 +45,13 @@ def start_hostile_agent(
     data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
     env["XDG_CONFIG_HOME"] = str(data_dir / "xdg")
+    env["KVCTL_DATA_FRAME_TIMEOUT_SECONDS"] = str(frame_timeout_s)
+    if put_budget_bytes:
+        env["KVCTL_DATA_PUT_BUDGET"] = str(put_budget_bytes)
     argv = ["agent", "start", "--data-dir", str(data_dir), *EPHEMERAL, *args]
     with open(data_dir / "agent.log", "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _LAUNCH, str(frame_timeout_s), str(put_budget_bytes), *argv],
+            [sys.executable, "-c", _LAUNCH, *argv],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
