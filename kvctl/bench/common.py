@@ -8,7 +8,7 @@ import platform
 import signal
 import statistics
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,14 +57,24 @@ def spawned_agent(data_dir: Path, *argv: str) -> Iterator[AgentState]:
     """An agent on loopback (ephemeral ports, no user config file, no KVCTL_* settings from the
     environment), stopped on the way out whatever happened: SIGTERM, then SIGKILL after a grace
     period."""
+    with spawned_agent_process(data_dir, *argv) as (_proc, state):
+        yield state
+
+
+@contextlib.contextmanager
+def spawned_agent_process(
+    data_dir: Path, *argv: str, env: Mapping[str, str] | None = None
+) -> Iterator[tuple[subprocess.Popen[bytes], AgentState]]:
+    """``spawned_agent`` with its process (to kill it) and ``env``: KVCTL_* settings for it."""
     from kvctl.agent.daemon import spawn_agent
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-    env["XDG_CONFIG_HOME"] = str(data_dir / "xdg")
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    child_env["XDG_CONFIG_HOME"] = str(data_dir / "xdg")  # no user config file leaks in
+    child_env.update(env or {})
     loopback = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0"]
-    proc, state = spawn_agent([*loopback, *argv], data_dir, env=env, detach=False)
+    proc, state = spawn_agent([*loopback, *argv], data_dir, env=child_env, detach=False)
     try:
-        yield state
+        yield proc, state
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)

@@ -47,14 +47,14 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from kvctl.bench.common import AGENT_STOP_GRACE_S, host_info
+from kvctl.bench.common import host_info, spawned_agent_process
 from kvctl.store.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def _trial(
 
     data_dir.mkdir(parents=True, mode=0o700)
     argv = ["--cpu", str(cpu_bytes), "--disk", str(disk_bytes), "--name", f"crash-{index}"]
-    env = _env(data_dir, fsync)
+    env = _env(fsync)
     ledger = _Ledger()
     killing = threading.Event()  # set just before the kill: a put failing after it is its
     stop = threading.Event()  # set after it
@@ -355,34 +355,17 @@ def _read_back(client: Any, keys: list[bytes], chunk_bytes: int) -> tuple[set[by
 
 
 # --- agents -----------------------------------------------------------------------------------
-def _env(data_dir: Path, fsync: bool) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-    env["XDG_CONFIG_HOME"] = str(data_dir / "xdg")  # no user config file leaks in
-    env["KVCTL_DISK_ADMISSION"] = "all"  # every demotion reaches the disk
-    env["KVCTL_FSYNC"] = "true" if fsync else "false"
-    return env
+def _env(fsync: bool) -> dict[str, str]:
+    return {
+        "KVCTL_DISK_ADMISSION": "all",  # every demotion reaches the disk
+        "KVCTL_FSYNC": "true" if fsync else "false",
+    }
 
 
-@contextlib.contextmanager
 def _agent(
     data_dir: Path, argv: list[str], env: dict[str, str]
-) -> Iterator[tuple[subprocess.Popen[bytes], AgentState]]:
-    """An agent on loopback; stopped on the way out if still running (SIGTERM, then SIGKILL
-    after a grace period)."""
-    from kvctl.agent.daemon import spawn_agent
-
-    loopback = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--socket", "off"]
-    proc, state = spawn_agent([*loopback, *argv], data_dir, env=env, detach=False)
-    try:
-        yield proc, state
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(AGENT_STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+) -> contextlib.AbstractContextManager[tuple[subprocess.Popen[bytes], AgentState]]:
+    return spawned_agent_process(data_dir, *argv, "--socket", "off", env=env)
 
 
 def _remove_tree(path: Path) -> None:
