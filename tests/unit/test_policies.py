@@ -168,7 +168,8 @@ def test_isolated_chunks_never_reach_another_tenant(
     requests: list[tuple[str, list[int], bool]], policy: str
 ) -> None:
     """Tries to read another tenant's isolated chunk through every path: lookup, get, touch and
-    a refreshing put, with shared keys (no salt) so only the store's check stands in the way."""
+    a put over it (which replaces it), with shared keys (no salt) so only the store's check
+    stands in the way."""
     ns = Namespace("m", KVLayout(1, 1, 1))
     store = TieredStore([CpuTier(4096)], eviction=policy)
     owner: dict[bytes, tuple[str, bool]] = {}
@@ -188,7 +189,11 @@ def test_isolated_chunks_never_reach_another_tenant(
                         store.get(key, tenant=tenant)
                     with pytest.raises(KeyNotFound):
                         store.touch(key, tenant=tenant)
-                    assert store.put(key, tenant.encode() * 8, tenant=tenant) is None
+                    # a put over it answers as for a new chunk and replaces it: the owner
+                    # loses its copy (a miss), and never did anyone read the other's bytes
+                    if store.put(key, tenant.encode() * 8, tenant=tenant, parent=parent):
+                        owner[key] = (tenant, False)
+                        assert store.get(key, tenant=tenant) == tenant.encode() * 8
                     continue
                 assert store.get(key, tenant=tenant) == o_tenant.encode() * 8
             elif key not in store:
