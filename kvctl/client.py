@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.agent.protocol import (
+    CLOSING_ERROR_CODES,
     FETCH_ITEM,
     FLAG_HAS_PARENT,
     FLAG_ISOLATED,
@@ -599,15 +600,7 @@ class DataClient:
             ) from None
         if rop == Op.ERROR:
             code, message = parse_error(bytes(reply))
-            if code in (
-                ErrorCode.BAD_FRAME,
-                ErrorCode.BAD_VERSION,
-                ErrorCode.TOO_LARGE,
-                ErrorCode.UNAUTHORIZED,
-                ErrorCode.INTERNAL,
-                ErrorCode.TIMEOUT,
-                ErrorCode.BUSY,
-            ):
+            if code in CLOSING_ERROR_CODES:
                 self.close()  # the agent closes the connection after these
             if code == ErrorCode.UNAUTHORIZED:
                 raise AuthError(f"the agent refused this client: {message}")

@@ -10,7 +10,6 @@ Store calls take the store's lock and may touch disk, so those endpoints are pla
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hmac
 import json
 import logging
@@ -394,18 +393,6 @@ def _capacity_bytes(capacity: int | str) -> int:
             f"{shown!r} is {value:,.0f} bytes, over the largest capacity, {MAX_CAPACITY_BYTES}"
         )
     return int(value)
-
-
-def _cannot_hold(exc: BaseException) -> bool:
-    """Whether a tier's resize failed for want of memory or address space to map the new size
-    (an arena is allocated whole): the request asked for too much, not a fault of the agent."""
-    if isinstance(exc, (OverflowError, MemoryError)):
-        return True
-    return (
-        isinstance(exc, OSError)
-        and not isinstance(exc, StoreError)
-        and exc.errno in (errno.ENOMEM, errno.EFBIG, errno.ENOSPC, errno.EOVERFLOW)
-    )
 
 
 def _hit_ratio(stats: dict[str, Any]) -> float:
@@ -802,16 +789,8 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         """
         name = _tier(body.tier)
         capacity_bytes = _capacity_bytes(body.capacity)
-        try:
-            result = store.resize(name, capacity_bytes).as_dict()
-        except Exception as exc:
-            if not _cannot_hold(exc):
-                raise
-            kept = store.usage()[name]["capacity_bytes"]
-            raise CapacityError(
-                f"tier {name!r} cannot be resized to {capacity_bytes} bytes: {exc}; it keeps "
-                f"its capacity of {kept} bytes"
-            ) from exc
+        # a tier that cannot map the new size raises CapacityError itself (409), unchanged
+        result = store.resize(name, capacity_bytes).as_dict()
         return {**result, "usage": store.usage()[name]}
 
     # before any /v1/keys/{...} route could be added: Starlette matches in order

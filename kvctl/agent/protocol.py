@@ -111,6 +111,20 @@ class ErrorCode(IntEnum):
     BUSY = 12
 
 
+#: error codes after which the agent closes the connection (clients close their end too)
+CLOSING_ERROR_CODES = frozenset(
+    {
+        ErrorCode.BAD_FRAME,
+        ErrorCode.BAD_VERSION,
+        ErrorCode.TOO_LARGE,
+        ErrorCode.UNAUTHORIZED,
+        ErrorCode.INTERNAL,
+        ErrorCode.TIMEOUT,
+        ErrorCode.BUSY,
+    }
+)
+
+
 class Status(IntEnum):
     """Per-item outcome in batch replies."""
 

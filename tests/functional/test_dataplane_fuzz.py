@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from kvctl.agent.protocol import (
+    CLOSING_ERROR_CODES,
     HEADER,
     HEADER_BYTES,
     MAGIC,
@@ -54,15 +55,7 @@ BATCH_FRAMES = 250
 #: one connection's exchange must end within this (the agent answers or closes; a hang fails)
 EXCHANGE_TIMEOUT_S = 60.0
 #: errors after which the agent closes the connection
-FATAL_CODES = {
-    ErrorCode.BAD_FRAME,
-    ErrorCode.BAD_VERSION,
-    ErrorCode.TOO_LARGE,
-    ErrorCode.UNAUTHORIZED,
-    ErrorCode.INTERNAL,
-    ErrorCode.TIMEOUT,
-    ErrorCode.BUSY,
-}
+FATAL_CODES = CLOSING_ERROR_CODES
 REQUEST_OPS = [op for op in Op if op != Op.ERROR]
 #: a small key space, so fuzzed GETs, LEASEs and FETCHes hit what fuzzed PUTs stored
 FUZZ_KEYS = [key(i, 9000) for i in range(24)]

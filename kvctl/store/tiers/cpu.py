@@ -109,6 +109,10 @@ class ArenaAllocator:
             cursor = max(cursor, off + n)
         self.free_bytes = sum(self._sizes)
 
+    def fits(self, n: int) -> bool:
+        """Whether one hole already holds ``n`` bytes (``alloc`` would succeed)."""
+        return any(hole >= n for hole in self._sizes)
+
     @property
     def holes(self) -> int:
         return len(self._offsets)
@@ -201,6 +205,8 @@ class CpuTier(Tier):
         start, leaving the run's free bytes as one hole. A chunk fits once one run's free bytes
         reach its size: victims are taken in the store's order, but only those in the first
         run to get there, so nothing is evicted on the other side of a leased region."""
+        if self._alloc.fits(size_bytes):
+            return []  # a hole holds it now: no need to map the runs (a put's common case)
         fixed = self._fixed_regions()
         if not fixed:  # compaction gathers all free bytes into one hole
             return super().plan_room(size_bytes, candidates)
