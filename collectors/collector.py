@@ -22,11 +22,11 @@ import httpx
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from collectors.counters import CounterTracker
 from collectors.engines import EngineReading, Histogram, UnknownEngine, parse_engine_metrics
 from collectors.metrics import CollectorMetrics
 from collectors.rows import cache_rows, engine_row, plan_rows, power_rows
 from kvctl.client import AgentClient, AgentError, RequestError
+from kvctl.counters import CounterTracker
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table

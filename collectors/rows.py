@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from collectors.counters import CounterTracker
 from collectors.engines import EngineReading, Histogram, histogram_delta, histogram_quantile
+from kvctl.counters import CounterTracker
 from kvctl.db.models import SERIES_BY_TABLE
+from kvctl.wire.stats import cache_counters
 
 CACHE_COUNTERS = SERIES_BY_TABLE["cache_sample"].sums
 ENGINE_COUNTERS = SERIES_BY_TABLE["engine_sample"].sums
@@ -19,42 +20,6 @@ ENGINE_COUNTERS = SERIES_BY_TABLE["engine_sample"].sums
 
 def _int(v: float | None) -> int | None:
     return None if v is None else round(v)
-
-
-def cache_counters(stats: Mapping[str, Any]) -> dict[str, dict[str, float]]:
-    """Raw cumulative counters per tier, and ``all`` for the node, from ``/v1/stats``."""
-    counters = stats["stats"]
-    tiers: Mapping[str, Mapping[str, Any]] = counters.get("tiers", {})
-    out: dict[str, dict[str, float]] = {}
-    for name, t in tiers.items():
-        out[name] = {
-            "lookups": 0,
-            "lookup_tokens": 0,
-            "hits": t["hits"],
-            "hit_tokens": t["hit_tokens"],
-            "reuse_hits": t["reuse_hits"],
-            "sharing_hits": t["sharing_hits"],
-            "evictions": sum(t.get("evictions", {}).values()),
-            "promotions": t["promotions"],
-            "demotions": t["demotions"],
-            "bytes_read": t["bytes_read"],
-            "bytes_written": t["bytes_written"],
-        }
-    out["all"] = {
-        "lookups": counters["lookup_chunks"],
-        "lookup_tokens": counters["lookup_tokens"],
-        "hits": counters["hit_chunks"],
-        "hit_tokens": counters["hit_tokens"],
-        "reuse_hits": counters["reuse_hits"],
-        "sharing_hits": counters["sharing_hits"],
-        # chunks that left the node; a demotion moves a chunk within it
-        "evictions": counters["drops"],
-        "promotions": sum(t["promotions"] for t in tiers.values()),
-        "demotions": sum(t["demotions"] for t in tiers.values()),
-        "bytes_read": sum(t["bytes_read"] for t in tiers.values()),
-        "bytes_written": sum(t["bytes_written"] for t in tiers.values()),
-    }
-    return out
 
 
 def cache_rows(

@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvctl.agent.protocol import (
+from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
+from kvctl.store.keys import KVLayout, Namespace
+from kvctl.store.tiers.base import ChunkMeta
+from kvctl.wire.protocol import (
     CLOSING_ERROR_CODES,
     FETCH_ITEM,
     FLAG_HAS_PARENT,
@@ -54,9 +57,6 @@ from kvctl.agent.protocol import (
     send_all,
     zero_pieces,
 )
-from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
-from kvctl.store.keys import KVLayout, Namespace
-from kvctl.store.tiers.base import ChunkMeta
 
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
 #: replies' payloads are read into buffers the caller sized (or drained), never allocated whole,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 TOKENIZERS = ("simple", "bytes")
 

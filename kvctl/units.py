@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 _UNITS = {
     "": 1,

@@ -39,19 +39,18 @@ from starlette.routing import Match
 from kvctl import __version__
 from kvctl.agent.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, clip_echo, safe_text
 from kvctl.agent.probe import probe_link
-from kvctl.agent.protocol import MAX_PROBE_BYTES
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.client import parse_address
+from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.store.errors import (
     CapacityError,
     DiskFullError,
-    InvalidArgument,
     KeyNotFound,
-    StoreError,
     TierUnavailable,
 )
 from kvctl.store.keys import KEY_BYTES, keys_for
 from kvctl.units import parse_size
+from kvctl.wire.protocol import MAX_PROBE_BYTES
 
 MAX_KEYS_PER_REQUEST = 100_000
 MAX_PAGE = 10_000
@@ -81,13 +80,13 @@ _SECRET_FIELDS = frozenset({"token"})
 log = logging.getLogger("kvctl.agent.api")
 
 # Starlette picks the handler by walking the exception's MRO, so subclasses map with their base
-_ERROR_STATUS: dict[type[StoreError], int] = {
+_ERROR_STATUS: dict[type[KvctlError], int] = {
     InvalidArgument: 400,  # includes PayloadSizeError
     KeyNotFound: 404,  # includes CorruptChunk: to a reader a corrupt chunk is a miss
     CapacityError: 409,
     TierUnavailable: 503,
     DiskFullError: 507,
-    StoreError: 500,
+    KvctlError: 500,  # includes every StoreError not named above
 }
 
 #: what each error status means here, for the schema (every error body is ErrorDetail)

@@ -23,7 +23,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvctl import __version__
-from kvctl.agent.protocol import (
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.remote.fetchplan import PrefillSample
+from kvctl.store.errors import (
+    CapacityError,
+    KeyNotFound,
+    PayloadSizeError,
+    TierUnavailable,
+)
+from kvctl.store.tiers.cpu import CpuTier, Lease
+from kvctl.wire.protocol import (
     FETCH_ITEM,
     FLAG_HAS_PARENT,
     FLAG_ISOLATED,
@@ -57,17 +67,6 @@ from kvctl.agent.protocol import (
     send_all,
     zero_pieces,
 )
-from kvctl.agent.runtime import AgentRuntime
-from kvctl.remote.fetchplan import PrefillSample
-from kvctl.store.errors import (
-    CapacityError,
-    InvalidArgument,
-    KeyNotFound,
-    PayloadSizeError,
-    StoreError,
-    TierUnavailable,
-)
-from kvctl.store.tiers.cpu import CpuTier, Lease
 
 log = logging.getLogger("kvctl.agent.dataplane")
 
@@ -250,7 +249,7 @@ class DataPlaneServer:
             time.sleep(0.5)
             try:
                 n = self.store.expire_leases()
-            except StoreError:
+            except KvctlError:
                 return  # store closed
             if n:
                 log.info("expired %d shared-memory leases", n)
@@ -526,7 +525,7 @@ class Connection:
             return not exc.fatal
         except (PeerClosed, ConnectionError, TimeoutError):
             raise
-        except StoreError as exc:
+        except KvctlError as exc:
             self._send_error(rid, _store_error(exc))
             return True
         except Exception as exc:  # a bug: report it, and close since the stream may be off
@@ -879,7 +878,7 @@ class Connection:
         with self._state_lock:
             self._closed = True
         # a crashed or departed client's leases end with its connection, not at their deadline
-        with contextlib.suppress(StoreError):
+        with contextlib.suppress(KvctlError):
             self.store.release(list(self._leases))
         self._leases.clear()
         self.server.runtime.unregister_host_region(self)
@@ -938,7 +937,7 @@ def _check_segment(fd: int, size: int) -> None:
         raise FrameError(ErrorCode.BAD_REQUEST, "huge-page staging segments are not accepted")
 
 
-def _store_error(exc: StoreError) -> FrameError:
+def _store_error(exc: KvctlError) -> FrameError:
     if isinstance(exc, KeyNotFound):
         return FrameError(ErrorCode.NOT_FOUND, str(exc))
     if isinstance(exc, CapacityError):

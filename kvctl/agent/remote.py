@@ -6,13 +6,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvctl.agent.settings import AgentSettings, LinkSpec
+from kvctl.profiles import DEFAULT_MODEL, MODELS, ModeledInputs, gpu_profile
 from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.federation import PEER_TIER, POOL_TIER, RemoteTiers, Source
 from kvctl.remote.fetchplan import PrefillRate
 from kvctl.remote.links import EmulatedDelay, LinkEstimator
 from kvctl.remote.pool import RemotePool
 from kvctl.store.store import TieredStore
-from kvctl.workload.profiles import DEFAULT_MODEL, MODELS, ModeledInputs, gpu_profile
 
 
 def prefill_rate(settings: AgentSettings) -> PrefillRate:

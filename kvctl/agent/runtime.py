@@ -19,9 +19,9 @@ from kvctl import __version__
 from kvctl.agent.events import EventHub
 from kvctl.agent.metrics import AgentMetrics
 from kvctl.agent.settings import AgentSettings, ModelSpec
+from kvctl.errors import InvalidArgument
 from kvctl.remote.federation import FetchPlanner
 from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
-from kvctl.store.errors import InvalidArgument
 from kvctl.store.keys import Namespace
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import Tier
@@ -31,7 +31,7 @@ from kvctl.store.tiers.disk import DiskTier
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from collectors.nvml import GpuReading, NvmlReader, NvmlStatus
+    from kvctl.nvml import GpuReading, NvmlReader, NvmlStatus
     from kvctl.remote.federation import RemoteTiers
     from kvctl.store.index import LookupResult
     from kvctl.store.tiers.base import Buffer
@@ -250,7 +250,7 @@ class AgentRuntime:
     def gpus(self) -> tuple[NvmlStatus, list[GpuReading]]:
         """NVML's status and one reading per GPU ([] when NVML is unavailable). A failed open
         is retried on the next call, so a driver loaded after the agent started is picked up."""
-        from collectors.nvml import NvmlReader  # pynvml only when GPUs are asked about
+        from kvctl.nvml import NvmlReader  # pynvml only when GPUs are asked about
 
         with self._nvml_lock:
             if self._nvml is None:

@@ -3,11 +3,11 @@ file, ``KVCTL_*`` environment variables and command-line flags (later sources wi
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvctl.paths import default_state_dir
 from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KVLayout
 
 DEFAULT_CONTROL_PORT = 7070
@@ -44,12 +44,6 @@ class LinkSpec:
 
 # Llama-3.1-8B's KV layout: 131,072 bytes per token, 32 MiB per 256-token chunk
 DEFAULT_MODELS = (ModelSpec("llama-3.1-8b", 32, 8, 128, "bfloat16"),)
-
-
-def default_state_dir() -> Path:
-    """``$XDG_STATE_HOME/kvctl`` or ``~/.local/state/kvctl``: per user, survives reboots."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "kvctl"
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
-from kvctl.agent.protocol import HEADER_BYTES, PeerClosed, recv_exactly, send_all
 from kvctl.bench.common import alternating, figure, host_info, spawned_agent
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
+from kvctl.wire.protocol import HEADER_BYTES, PeerClosed, recv_exactly, send_all
 
 DEFAULT_SIZES_BYTES = (4 << 20, 32 << 20)
 DEFAULT_BYTES_PER_SIZE = 256 << 20

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvctl.bench.common import host_info, spawned_agent_process
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from kvctl.agent.daemon import AgentState

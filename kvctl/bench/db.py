@@ -74,7 +74,7 @@ import numpy as np
 from kvctl.bench.common import alternating, host_info
 from kvctl.db.models import ROLLUPS, raw_table
 from kvctl.db.rollup import DAY_MS, DEFAULT_GRACE_MS, HOUR_MS, MINUTE_MS, series
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -994,7 +994,7 @@ def _fleet_summary_total(conn: Any, start_ms: int, end_ms: int) -> Any:
 
 def _dashboard_overview_total(conn: Any, start_ms: int, end_ms: int) -> Any:
     from dashboard.queries import Assumptions, Window, overview
-    from kvctl.workload.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, MODELS
+    from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, MODELS
 
     assume = Assumptions(MODELS[DEFAULT_MODEL], DEFAULT_GPU, DEFAULT_MFU)
     return overview(conn, Window("bench", start_ms, end_ms, HOUR_MS), assume).fleet

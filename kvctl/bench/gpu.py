@@ -66,7 +66,7 @@ from kvctl.bench.common import (
     spot_check,
     spread,
 )
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.gpu import (
     STAGING_SLOT_BYTES,

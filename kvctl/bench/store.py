@@ -91,7 +91,7 @@ from kvctl.bench.common import (
     spot_check,
     spread,
 )
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.store import DEFAULT_READ_THREADS, TieredStore
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier, Lease

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from kvctl.bench.common import host_info
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 DEFAULT_AGENTS = 50
 DEFAULT_INTERVAL_S = 1.0

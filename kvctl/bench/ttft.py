@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvctl.bench.common import host_info, spawned_agent
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -401,7 +401,7 @@ def _open_direct(path: Path) -> int:
 
 
 def _probe_download(client: DataClient, nbytes: int) -> float:
-    from kvctl.agent.protocol import MAX_PROBE_BYTES
+    from kvctl.wire.protocol import MAX_PROBE_BYTES
 
     left, seconds = nbytes, 0.0
     while left > 0:

@@ -221,13 +221,13 @@ def start_command(
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     from kvctl.agent.daemon import serve
-    from kvctl.store.errors import StoreError
+    from kvctl.errors import KvctlError
 
     try:
         code = serve(settings)
     except AgentRunning as exc:
         fail(str(exc), code=1)
-    except (OSError, StoreError) as exc:
+    except (OSError, KvctlError) as exc:
         fail(str(exc), hint="check the sizes, ports and --data-dir", code=1)
     raise typer.Exit(code)
 

@@ -202,7 +202,7 @@ def _run(
     say: Callable[[str], None],
 ) -> ReplayReport:
     from kvctl.fleet.demo import DEMO_DCS
-    from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
+    from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.replay import replay
 
     config = fleet.config

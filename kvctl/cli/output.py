@@ -43,11 +43,11 @@ def confirm(question: str) -> bool:
 @contextmanager
 def user_errors(hint: str | None = None) -> Iterator[None]:
     """Turn the library's errors into one clear line and exit code 2, never a traceback."""
-    from kvctl.store.errors import StoreError
+    from kvctl.errors import KvctlError
 
     try:
         yield
-    except (StoreError, ValueError) as exc:
+    except (KvctlError, ValueError) as exc:
         fail(str(exc), hint=hint)
     except FileNotFoundError as exc:
         fail(f"no such file: {exc.filename}", hint=hint)

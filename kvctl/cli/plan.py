@@ -103,10 +103,10 @@ def plan_command(
     MFU, each tier's bandwidth and latency. Below them, the miss-ratio curve: the hit ratio of a
     single tier from 1% to 100% of the workload's unique blocks.
     """
-    from kvctl.store.errors import InvalidArgument
+    from kvctl.errors import InvalidArgument
+    from kvctl.profiles import DEFAULT_MFU, ModeledInputs, gpu_profile, model_profile
     from kvctl.units import parse_size
     from kvctl.workload.plan import DEFAULT_DISTANCES_KM, plan
-    from kvctl.workload.profiles import DEFAULT_MFU, ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.source import load_workload
 
     if dc is not None and not save:

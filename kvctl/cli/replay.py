@@ -47,7 +47,7 @@ MfuOpt = Annotated[float, typer.Option("--mfu", help="Prefill MFU for modeled fi
 
 def parse_fraction(text: str) -> float:
     """``0.25`` or ``1/4``."""
-    from kvctl.store.errors import InvalidArgument
+    from kvctl.errors import InvalidArgument
 
     num, sep, den = text.partition("/")
     try:
@@ -131,7 +131,7 @@ def replay_command(
     """
     from kvctl.client import AgentClient, AgentError
     from kvctl.fleet.targets import replay_targets
-    from kvctl.workload.profiles import MODELS, ModeledInputs, gpu_profile, model_profile
+    from kvctl.profiles import MODELS, ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.replay import ReplayError, replay
 
     engine = open_engine(db)

@@ -140,7 +140,7 @@ def render_report(report: object) -> None:
 
 
 def _parse_tiers(specs: list[str]) -> dict[str, int]:
-    from kvctl.store.errors import InvalidArgument
+    from kvctl.errors import InvalidArgument
 
     tiers: dict[str, int] = {}
     for spec in specs:

@@ -11,7 +11,7 @@ from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
-from kvctl.agent.settings import default_state_dir
+from kvctl.paths import default_state_dir
 
 
 class DatabaseError(Exception):

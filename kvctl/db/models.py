@@ -4,7 +4,7 @@ Conventions that keep queries exact and portable between SQLite and PostgreSQL:
 - Times are integer epoch milliseconds (``ts_ms``, ``bucket_ms``), so bucketing is integer
   arithmetic on every backend and BRIN/time indexes stay cheap.
 - Counter columns hold the *increase* since the previous sample of the same series, computed
-  by the collector with counter resets handled (see ``collectors.counters``). The sum over any
+  by the collector with counter resets handled (see ``kvctl.counters``). The sum over any
   window is then the exact count in that window, across agent restarts, and rollups are sums.
 - Gauges hold the reading at sample time; rollups keep their sum, max and count of readings.
 - A reading that could not be taken is NULL, never a made-up zero.

@@ -24,7 +24,7 @@ from kvctl.client import AgentError, DataClient, RequestError
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
 from kvctl.engines.kvload import KVLoader, read_chunks
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 
 @dataclass(frozen=True, slots=True)

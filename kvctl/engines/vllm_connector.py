@@ -65,7 +65,7 @@ from kvctl.engines.vllm_plan import (
     WorkerPlan,
     kv_layout,
 )
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout
 
 log = logging.getLogger("kvctl.engines.vllm")

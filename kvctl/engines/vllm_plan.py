@@ -37,7 +37,7 @@ import torch
 from kvctl.client import AgentError, AuthError, DataClient, parse_address
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
 from kvctl.engines.kvload import KVLoader, read_chunks
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 
 log = logging.getLogger("kvctl.engines.vllm")

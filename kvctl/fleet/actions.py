@@ -11,9 +11,9 @@ from sqlalchemy.engine import Engine
 
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
+from kvctl.errors import InvalidArgument
 from kvctl.fleet.audit import record
 from kvctl.fleet.fanout import NodeResult, fan_out
-from kvctl.store.errors import InvalidArgument
 from kvctl.units import parse_size
 
 #: actions that name chunks; the others name a tier

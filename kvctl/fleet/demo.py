@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvctl.agent.daemon import pid_alive, spawn_agent, stop_agent
-from kvctl.agent.settings import default_state_dir
-from kvctl.workload.profiles import DEMO_MODEL, model_profile
+from kvctl.paths import default_state_dir
+from kvctl.profiles import DEMO_MODEL, model_profile
 
 if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayNode, ReplayReport
@@ -393,9 +393,9 @@ def save_demo_plan(fleet: DemoFleet, requests: list[Any], workload_name: str) ->
     ``kv_scale``), saved for each DC (both DCs run the same nodes)."""
     from kvctl.db.migrate import open_db
     from kvctl.db.plans import save_plan
+    from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.units import parse_size
     from kvctl.workload.plan import plan
-    from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
 
     config = fleet.config
     unscale = 1 / config.kv_scale

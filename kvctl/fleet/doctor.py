@@ -28,9 +28,9 @@ from kvctl import __version__
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
-    from collectors.nvml import NvmlStatus
     from kvctl.client import AgentClient
     from kvctl.db.inventory import NodeInfo
+    from kvctl.nvml import NvmlStatus
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 STATUSES = (OK, WARN, FAIL, SKIP)
@@ -224,7 +224,7 @@ def _is_loopback(url: str) -> bool:
 
 def nvml_status_from_dict(raw: Mapping[str, Any]) -> NvmlStatus:
     """An agent's ``/v1/gpus`` "nvml" object as an NvmlStatus; missing fields read as N/A."""
-    from collectors.nvml import NvmlStatus
+    from kvctl.nvml import NvmlStatus
 
     try:
         count = int(raw.get("device_count") or 0)
@@ -462,10 +462,10 @@ def _agent_data_dir_mode(name: str, url: str, data_dir: object) -> Check | None:
 def check_local_nvml(reader_factory: Callable[[], Any] | None = None) -> Check:
     """NVML on this machine. ``reader_factory`` makes an object with ``open() -> NvmlStatus``
     and ``close()`` (the real NvmlReader by default)."""
-    from collectors.nvml import NvmlStatus
+    from kvctl.nvml import NvmlStatus
 
     if reader_factory is None:
-        from collectors.nvml import NvmlReader
+        from kvctl.nvml import NvmlReader
 
         reader_factory = NvmlReader
     try:

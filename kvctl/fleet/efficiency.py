@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from kvctl.workload.profiles import GPUS, ModeledInputs
+from kvctl.profiles import GPUS, ModeledInputs
 
 JOULES_PER_KWH: Final = 3.6e6
 # most specific first: "H200" must not read as "H20", nor "L40S" as "L4"

@@ -12,7 +12,7 @@ from typing import Any, Generic, TypeVar
 
 from kvctl.client import AgentClient, AgentError
 from kvctl.db.inventory import NodeInfo
-from kvctl.store.errors import StoreError
+from kvctl.errors import KvctlError
 
 T = TypeVar("T")
 
@@ -117,6 +117,6 @@ class ClientPool:
 
 def _reason(exc: Exception) -> str:
     """Agent errors carry their own sentence; anything else is named by its type."""
-    if isinstance(exc, AgentError | StoreError | OSError):
+    if isinstance(exc, AgentError | KvctlError | OSError):
         return str(exc)
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 BreakerState = Literal["closed", "open", "half_open"]
 STATES: tuple[BreakerState, ...] = ("closed", "open", "half_open")

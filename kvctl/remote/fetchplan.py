@@ -55,11 +55,11 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from kvctl.errors import InvalidArgument
 from kvctl.remote.links import Link
-from kvctl.store.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from kvctl.workload.profiles import ModeledInputs
+    from kvctl.profiles import ModeledInputs
 
 Reason = Literal[
     "fetch",  # the chosen k saves time

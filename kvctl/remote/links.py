@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 Override = Literal["auto", "fetch", "recompute"]
 LinkSource = Literal["measured", "configured", "default"]

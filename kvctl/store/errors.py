@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from kvctl import errors as _kvctl
 
-class StoreError(Exception):
+
+class StoreError(_kvctl.KvctlError):
     """Base class for errors raised by kvctl.store."""
 
 
-class InvalidArgument(StoreError, ValueError):
+class InvalidArgument(StoreError, _kvctl.InvalidArgument):
     """A caller passed a value the store cannot accept (bad size, bad key, bad tokens)."""
 
 

@@ -11,8 +11,8 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Select, Static
 
 from kvctl.db.inventory import NodeInfo
+from kvctl.errors import KvctlError
 from kvctl.fleet.actions import ActionRequest
-from kvctl.store.errors import StoreError
 
 
 def describe(node: NodeInfo, request: ActionRequest) -> str:
@@ -92,7 +92,7 @@ class TierDialog(ModalScreen[ActionRequest | None]):
                 return ActionRequest("resize", tier=tier, size=size or None)
             demote = self.query_one("#demote", Checkbox).value
             return ActionRequest("flush", tier=tier, demote=demote)
-        except StoreError as exc:
+        except KvctlError as exc:
             self.query_one("#error", Static).update(str(exc))
             return None
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from collectors.counters import CounterTracker
-from collectors.rows import cache_counters
+from kvctl.counters import CounterTracker
 from kvctl.db.inventory import NodeInfo
+from kvctl.wire.stats import cache_counters
 
 #: polls kept per node: the sparklines' width and the occupancy history's length
 HISTORY_POLLS = 60

@@ -21,7 +21,7 @@ import itertools
 import random
 from dataclasses import dataclass
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.workload.segments import PrefixIds, Segment
 from kvctl.workload.trace import DEFAULT_BLOCK_TOKENS, TraceRequest
 

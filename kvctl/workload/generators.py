@@ -63,7 +63,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.segments import PrefixIds, Segment
 from kvctl.workload.trace import DEFAULT_BLOCK_TOKENS, TraceRequest

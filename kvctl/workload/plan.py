@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
+from kvctl.profiles import ModeledInputs
 from kvctl.store.policies import EVICTION_POLICIES
-from kvctl.workload.profiles import ModeledInputs
 from kvctl.workload.simulate import simulate_policy
 from kvctl.workload.trace import TraceRequest
 

@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.client import AgentClient, DataClient
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
+from kvctl.profiles import ModeledInputs
 from kvctl.store.keys import ChunkKey, Namespace
-from kvctl.workload.profiles import ModeledInputs
 from kvctl.workload.tokens import KeyChainer
 from kvctl.workload.trace import TraceRequest
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import ChunkKey, Namespace, chain_key_packed
 from kvctl.workload.segments import Piece, split_pieces
 from kvctl.workload.trace import TraceRequest

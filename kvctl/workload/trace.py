@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.workload.segments import Segment
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]

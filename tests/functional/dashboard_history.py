@@ -12,7 +12,7 @@ from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import add_dc, add_link, add_node
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import HOUR_MS, MINUTE_MS
-from kvctl.workload.profiles import MODELS
+from kvctl.profiles import MODELS
 
 NOW = 1_700_000_000_000 // HOUR_MS * HOUR_MS + 37 * MINUTE_MS
 T = NOW - 40 * MINUTE_MS  # inside the 1-hour window

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 
 from kvctl.agent.daemon import AgentState
-from kvctl.agent.protocol import HEADER, HEADER_BYTES, MetaWriter, Op, pack_header, parse_error
+from kvctl.wire.protocol import HEADER, HEADER_BYTES, MetaWriter, Op, pack_header, parse_error
 
 from .agents import EPHEMERAL, Agent
 

@@ -18,7 +18,8 @@ import httpx
 import numpy as np
 import pytest
 
-from kvctl.agent.protocol import (
+from kvctl.client import AgentUnreachable, AuthError, ChunkNotFound, DataClient, RequestError
+from kvctl.wire.protocol import (
     HEADER,
     HEADER_BYTES,
     ErrorCode,
@@ -28,7 +29,6 @@ from kvctl.agent.protocol import (
     parse_error,
     put_item,
 )
-from kvctl.client import AgentUnreachable, AuthError, ChunkNotFound, DataClient, RequestError
 
 from .agents import key, payload, running_agent, start_agent
 
@@ -414,7 +414,7 @@ def test_capacity_is_never_exceeded_under_concurrent_puts(tmp_path: Path) -> Non
 LEASE_HOLDER = """
 import sys, time
 from kvctl.client import DataClient
-from kvctl.agent.protocol import MetaWriter, Op
+from kvctl.wire.protocol import MetaWriter, Op
 c = DataClient.connect(sys.argv[1])
 meta = MetaWriter().text("").f64(60.0).keys([bytes.fromhex(sys.argv[2])]).build()
 with c._lock:

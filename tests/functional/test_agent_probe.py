@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from collectors.nvml import NvmlReader
-from kvctl.agent.protocol import (
+from kvctl.client import DataClient, RequestError
+from kvctl.nvml import NvmlReader
+from kvctl.wire.protocol import (
     HEADER,
     HEADER_BYTES,
     MAX_PROBE_BYTES,
@@ -30,7 +31,6 @@ from kvctl.agent.protocol import (
     parse_error,
     probe_meta,
 )
-from kvctl.client import DataClient, RequestError
 
 from .agents import Agent, closed_port, running_agent
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.agent.protocol import MetaReader, Op
 from kvctl.client import DataClient
+from kvctl.wire.protocol import MetaReader, Op
 from tests.functional.agents import key, payload, running_agent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="memfd seals are Linux")

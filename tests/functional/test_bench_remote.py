@@ -21,7 +21,7 @@ import redis
 from kvctl.agent.daemon import pid_alive
 from kvctl.bench import remote as bench_remote
 from kvctl.bench.remote import parse_rtts_ms, render_remote_bench, run_remote_bench
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from tests.functional.agents import closed_port
 
 SIZE, BYTES, PULL_CHUNKS, PULL_SIZE = 1 << 20, 8 << 20, 8, 1 << 20

@@ -16,7 +16,7 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from kvctl.bench.ttft import parse_contexts, render_ttft_bench, run_ttft_bench
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 CHUNK, CONTEXT, SUFFIX = 64, 512, 16
 

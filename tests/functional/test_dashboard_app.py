@@ -137,8 +137,8 @@ def test_links_page(app: Any) -> None:
 def test_capacity_page_empty_then_with_a_saved_plan(app: Any, db: Engine) -> None:
     page, _ = render(app, "/capacity", "", "1h", None, None)
     assert "No capacity plan saved" in text_of(page)
+    from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.plan import plan
-    from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.source import load_workload
 
     w = load_workload(None, seed=0, limit=60, workload="chat")

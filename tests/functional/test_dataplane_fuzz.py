@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.agent.protocol import (
+from kvctl.wire.protocol import (
     CLOSING_ERROR_CODES,
     HEADER,
     HEADER_BYTES,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.agent.protocol import ErrorCode, MetaWriter, Op, Status, pack_header, put_item
+from kvctl.wire.protocol import ErrorCode, MetaWriter, Op, Status, pack_header, put_item
 
 from .agents import key, payload
 from .dataplane_hostile_agents import (

@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 
 from kvctl.engines.hf import CachedLM  # noqa: E402
 from kvctl.engines.models import build_model  # noqa: E402
-from kvctl.store.errors import InvalidArgument  # noqa: E402
+from kvctl.errors import InvalidArgument  # noqa: E402
 from tests.functional.agents import Agent, running_agent  # noqa: E402
 
 CHUNK = 64

@@ -13,7 +13,10 @@ from typing import Any
 
 import pytest
 
-from kvctl.agent.protocol import (
+from kvctl.agent.settings import DEFAULT_MODELS
+from kvctl.client import DataClient, RequestError
+from kvctl.store.keys import Namespace, keys_for, parents_of
+from kvctl.wire.protocol import (
     HEADER,
     HEADER_BYTES,
     MAX_RATE_SAMPLES,
@@ -23,9 +26,6 @@ from kvctl.agent.protocol import (
     pack_header,
     parse_error,
 )
-from kvctl.agent.settings import DEFAULT_MODELS
-from kvctl.client import DataClient, RequestError
-from kvctl.store.keys import Namespace, keys_for, parents_of
 from tests.functional.agents import Agent, payload, running_agent
 
 NS = Namespace(DEFAULT_MODELS[0].id, DEFAULT_MODELS[0].layout)

@@ -14,9 +14,10 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvctl.errors import InvalidArgument
 from kvctl.remote import record
 from kvctl.remote.redis_pool import DEFAULT_CAPACITY_BYTES, RedisPool
-from kvctl.store.errors import InvalidArgument, TierUnavailable
+from kvctl.store.errors import TierUnavailable
 from kvctl.store.tiers.base import ChunkMeta
 
 

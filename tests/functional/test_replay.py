@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from kvctl.cli.main import app
 from kvctl.db.inventory import add_dc, add_link, add_node
 from kvctl.db.queries import node_cache_counters
+from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
 from kvctl.workload.generators import generate
-from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
 from kvctl.workload.replay import ReplayNode, ReplayReport, replay
 from kvctl.workload.tokens import KeyChainer
 from kvctl.workload.trace import (

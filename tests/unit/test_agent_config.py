@@ -16,7 +16,7 @@ from kvctl.agent.config import (
     load_settings,
 )
 from kvctl.agent.settings import AgentSettings, ModelSpec
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 
 @pytest.fixture(autouse=True)

@@ -30,7 +30,7 @@ from kvctl.cli.main import app
 from kvctl.db.engine import DatabaseError
 from kvctl.db.models import ROLLUPS, raw_table
 from kvctl.db.rollup import DAY_MS, HOUR_MS, rollup_all
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 TINY: dict[str, Any] = {
     "rows": 2000,

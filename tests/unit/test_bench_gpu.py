@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvctl.bench.gpu import render_gpu_bench, run_gpu_bench
 from kvctl.cli.main import app
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.tiers.gpu import gpu_available
 
 GPU_OK, GPU_DETAIL = gpu_available()

@@ -19,7 +19,7 @@ from kvctl.bench.store import (
     render_store_bench,
     run_store_bench,
 )
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 CHUNK_BYTES = 64 * 1024
 BYTES_PER_SIZE = 1 << 20

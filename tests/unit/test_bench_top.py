@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from kvctl.bench.top import run_top_bench, spread
 from kvctl.cli.main import app
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 
 
 def test_spread_is_min_median_nearest_rank_p95_max_and_keeps_the_samples() -> None:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collectors.counters import CounterTracker
 from collectors.engines import parse_engine_metrics
 from collectors.rows import cache_rows, engine_row, plan_rows
+from kvctl.counters import CounterTracker
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from tests.conftest import chain, put_chain

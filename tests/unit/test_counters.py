@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from collectors.counters import CounterTracker
+from kvctl.counters import CounterTracker
 
 
 def test_first_sample_is_a_baseline() -> None:

@@ -15,7 +15,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound, TierUnavailable
+from kvctl.errors import InvalidArgument
+from kvctl.store.errors import CapacityError, KeyNotFound, TierUnavailable
 from kvctl.store.keys import Namespace, parents_of
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta

@@ -6,7 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvctl.store.errors import CapacityError, InvalidArgument, KeyNotFound, PayloadSizeError
+from kvctl.errors import InvalidArgument
+from kvctl.store.errors import CapacityError, KeyNotFound, PayloadSizeError
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import ArenaAllocator, CpuTier
 

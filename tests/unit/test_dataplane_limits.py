@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvctl.agent.dataplane import ByteBudget, _check_segment
-from kvctl.agent.protocol import ErrorCode, FrameError
+from kvctl.wire.protocol import ErrorCode, FrameError
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="memfd seals are Linux")
 

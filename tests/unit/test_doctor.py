@@ -12,7 +12,6 @@ from typing import Any
 import pynvml
 import pytest
 
-from collectors.nvml import NvmlReader, NvmlStatus
 from kvctl import __version__
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
@@ -38,6 +37,7 @@ from kvctl.fleet.doctor import (
     skew_of,
     summarize,
 )
+from kvctl.nvml import NvmlReader, NvmlStatus
 from tests.functional.agents import closed_port
 
 GiB = 1 << 30

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvctl.errors import InvalidArgument
 from kvctl.remote.federation import DISK_READ_LATENCY_S, FetchPlanner
 from kvctl.remote.fetchplan import (
     MAX_RATE_MODELS,
@@ -29,7 +30,6 @@ from kvctl.remote.fetchplan import (
     plan_fetch,
 )
 from kvctl.remote.links import Link
-from kvctl.store.errors import InvalidArgument
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
@@ -482,7 +482,7 @@ def test_count_lookup_counts_hits_for_the_first_chunks_only(store: TieredStore, 
 # --- efficiency: the agents' saving, not the prefill time alone -------------------------------
 def test_savings_use_the_plans_net_figure_when_the_agents_report_one() -> None:
     from kvctl.fleet.efficiency import savings
-    from kvctl.workload.profiles import ModeledInputs, gpu_profile, model_profile
+    from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
 
     inputs = ModeledInputs(model_profile("llama-3.1-8b"), gpu_profile("h100"))
     modeled = savings(30_000, inputs, pue=1.2, carbon_g_per_kwh=400.0)

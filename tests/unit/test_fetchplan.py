@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvctl.errors import InvalidArgument
+from kvctl.profiles import GPUProfile, ModeledInputs, ModelProfile
 from kvctl.remote.fetchplan import Candidate, FetchPlan, PrefillRate, plan_fetch
 from kvctl.remote.links import Link
-from kvctl.store.errors import InvalidArgument
-from kvctl.workload.profiles import GPUProfile, ModeledInputs, ModelProfile
 
 # 1,000 prefill tokens/s: a 100-token chunk takes 0.1 s to recompute
 PREFILL = PrefillRate(1000.0, "configured")

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.generators import (
     DEFAULT_PROMPT_TOKENS,

@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvctl.store.errors import InvalidArgument, TierUnavailable
+from kvctl.errors import InvalidArgument
+from kvctl.store.errors import TierUnavailable
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.gpu import gpu_available
 from kvctl.store.tiers.hostreg import (

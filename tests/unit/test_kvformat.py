@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from kvctl.engines.kvformat import ChunkFormat, dtype_name, torch_dtype  # noqa: E402
-from kvctl.store.errors import InvalidArgument  # noqa: E402
+from kvctl.errors import InvalidArgument  # noqa: E402
 from kvctl.store.keys import KVLayout  # noqa: E402
 
 

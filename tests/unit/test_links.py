@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from kvctl.errors import InvalidArgument
 from kvctl.remote.links import EmulatedDelay, Link, LinkEstimator, parse_override
-from kvctl.store.errors import InvalidArgument
 
 MIB = 1024 * 1024
 

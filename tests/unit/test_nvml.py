@@ -11,7 +11,7 @@ from typing import Any
 import pynvml
 import pytest
 
-from collectors.nvml import GpuReading, NvmlReader, NvmlStatus, nvml_hint
+from kvctl.nvml import GpuReading, NvmlReader, NvmlStatus, nvml_hint
 
 ROOT = Path(__file__).parents[2]
 
@@ -58,7 +58,7 @@ def test_real_nvml_context_manager_never_raises() -> None:
 
 
 def test_collectors_nvml_imports_no_ui_library() -> None:
-    code = "import sys, collectors.nvml; print(' '.join(sorted(sys.modules)))"
+    code = "import sys, kvctl.nvml; print(' '.join(sorted(sys.modules)))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
     )

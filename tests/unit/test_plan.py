@@ -7,7 +7,14 @@ import json
 
 import pytest
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
+from kvctl.profiles import (
+    GPUProfile,
+    ModeledInputs,
+    ModelProfile,
+    gpu_profile,
+    model_profile,
+)
 from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.plan import (
     DEFAULT_TRANSFERS,
@@ -17,13 +24,6 @@ from kvctl.workload.plan import (
     curve_capacities,
     lru_hits_by_capacity,
     plan,
-)
-from kvctl.workload.profiles import (
-    GPUProfile,
-    ModeledInputs,
-    ModelProfile,
-    gpu_profile,
-    model_profile,
 )
 from kvctl.workload.simulate import simulate, simulate_policy
 from kvctl.workload.trace import TraceRequest

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvctl.agent.protocol import (
+from kvctl.wire.protocol import (
     HEADER_BYTES,
     MAX_PROBE_BYTES,
     PROBE_PIECE_BYTES,

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvctl.agent.protocol import (
+from kvctl.store.keys import KEY_BYTES
+from kvctl.wire.protocol import (
     FLAG_HAS_PARENT,
     FLAG_PINNED,
     HEADER_BYTES,
@@ -40,7 +41,6 @@ from kvctl.agent.protocol import (
     recv_with_fds,
     send_all,
 )
-from kvctl.store.keys import KEY_BYTES
 
 LIMIT = 64 << 20
 

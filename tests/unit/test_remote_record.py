@@ -8,8 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvctl.errors import InvalidArgument
 from kvctl.remote import record
-from kvctl.store.errors import CorruptChunk, InvalidArgument, PayloadSizeError
+from kvctl.store.errors import CorruptChunk, PayloadSizeError
 from kvctl.store.tiers.base import ChunkMeta
 
 KEY = bytes(range(16))

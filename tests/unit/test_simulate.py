@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.simulate import capacity_from_fraction, policies_with_references, simulate
 from kvctl.workload.trace import TraceRequest, read_mooncake_trace, trace_summary

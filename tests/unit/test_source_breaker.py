@@ -10,10 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from kvctl.errors import InvalidArgument
 from kvctl.remote.federation import POOL_TIER, Source
 from kvctl.remote.links import LinkEstimator
 from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool
-from kvctl.store.errors import InvalidArgument, TierUnavailable
+from kvctl.store.errors import TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
 
 #: the old code's first backoff step: every test below waits at least this long for a retry,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvctl.errors import InvalidArgument
 from kvctl.remote import agent_source, redis_pool
 from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.redis_pool import RedisPool
-from kvctl.store.errors import InvalidArgument
 
 BACKENDS = {
     "redis": lambda **kw: RedisPool("redis://127.0.0.1:1/0", **kw),

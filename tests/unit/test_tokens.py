@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 from kvctl.workload.generators import generate
 from kvctl.workload.tokens import KeyChainer, content_tokens, request_tokens

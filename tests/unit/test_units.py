@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.units import MAX_SIZE_BYTES, parse_size
 
 

@@ -41,7 +41,7 @@ from kvctl.engines.vllm_plan import (
     order_layers,
     token_slots,
 )
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 
 BLOCK = 16

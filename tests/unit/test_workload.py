@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.trace import (
     TraceFormatError,

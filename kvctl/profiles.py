@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvctl.store.errors import InvalidArgument
+from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout
 
 #: the fraction of peak FLOP/s prefill reaches (model FLOPs utilisation); 0.5 is typical of
