@@ -26,9 +26,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# style, the layer contracts of pyproject.toml (ARCHITECTURE.md) and strict typing of the core
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/kvctl bench store --json

@@ -1,4 +1,2 @@
-"""Collectors that scrape agents, NVML and link probes into the metrics database.
-
-Empty until the collectors issue lands; kept as a package so the distribution's layout is fixed.
-"""
+"""Collectors: scrape agents, engines, NVML and link probes on an interval and write the counters'
+increases into the metrics database. Headless: no UI library, never the dashboard."""
