@@ -27,6 +27,7 @@ from typing import Any
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 from kvctl.store.keys import KVLayout, Namespace
 from kvctl.store.tiers.base import ChunkMeta
+from kvctl.wire.address import UnixAddress, parse_address
 from kvctl.wire.protocol import (
     CLOSING_ERROR_CODES,
     FETCH_ITEM,
@@ -147,22 +148,6 @@ class ArenaLeases:
         return c is not None and time.monotonic() < c.deadline_s
 
 
-def parse_address(address: str | Path) -> tuple[str, Any]:
-    """("unix", path) or ("tcp", (host, port)) from ``unix:///p``, a path, or ``[tcp://]h:p``."""
-    text = str(address)
-    if text.startswith("unix://"):
-        return "unix", text.removeprefix("unix://")
-    if text.startswith("unix:"):
-        return "unix", text.removeprefix("unix:")
-    if text.startswith("/") or text.startswith("."):
-        return "unix", text
-    text = text.removeprefix("tcp://")
-    host, sep, port = text.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"not a data plane address: {address!r} (use HOST:PORT or a socket path)")
-    return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
-
-
 def _as_bytes_view(data: Payload) -> memoryview:
     view = memoryview(data)
     if not view.c_contiguous:
@@ -216,10 +201,13 @@ class DataClient:
         timeout_s: float = 30.0,
         use_shm: bool = True,
     ) -> DataClient:
-        transport, target = parse_address(address)
-        family = socket.AF_UNIX if transport == "unix" else socket.AF_INET
-        if transport == "tcp" and ":" in target[0]:
-            family = socket.AF_INET6
+        where = parse_address(address)
+        target: str | tuple[str, int]
+        if isinstance(where, UnixAddress):
+            transport, family, target = "unix", socket.AF_UNIX, where.path
+        else:
+            family = socket.AF_INET6 if ":" in where.host else socket.AF_INET
+            transport, target = "tcp", (where.host, where.port)
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)
         try:

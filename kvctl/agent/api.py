@@ -40,7 +40,6 @@ from kvctl import __version__
 from kvctl.agent.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, clip_echo, safe_text
 from kvctl.agent.probe import probe_link
 from kvctl.agent.runtime import AgentRuntime
-from kvctl.client import parse_address
 from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.store.errors import (
     CapacityError,
@@ -50,6 +49,7 @@ from kvctl.store.errors import (
 )
 from kvctl.store.keys import KEY_BYTES, keys_for
 from kvctl.units import parse_size
+from kvctl.wire.address import TcpAddress, parse_address
 from kvctl.wire.protocol import MAX_PROBE_BYTES
 
 MAX_KEYS_PER_REQUEST = 100_000
@@ -329,10 +329,10 @@ class ProbeRequest(_Request):
     @classmethod
     def _tcp_address(cls, v: str) -> str:
         try:
-            transport, where = parse_address(v)
+            where = parse_address(v)
         except ValueError:
-            transport, where = "", None
-        if transport != "tcp" or not 1 <= where[1] <= 65535:
+            where = None
+        if not isinstance(where, TcpAddress) or where.port == 0:
             raise ValueError(f"target must be a data-plane TCP address HOST:PORT, got {v[:80]!r}")
         return v
 

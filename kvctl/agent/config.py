@@ -38,8 +38,6 @@ from kvctl.agent.settings import (
     AgentSettings,
     LinkSpec,
     ModelSpec,
-    is_loopback,
-    split_host_port,
 )
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import GPUS
@@ -47,6 +45,7 @@ from kvctl.store.keys import KVLayout
 from kvctl.store.policies import ADMISSION_POLICIES, EVICTION_POLICIES, make_admission_policy
 from kvctl.store.tiers.gpu import parse_device  # no torch: that is imported only to use a GPU
 from kvctl.units import parse_size
+from kvctl.wire.address import is_loopback, split_host_port
 
 #: ``sun_path`` on Linux holds 108 bytes including the terminating NUL
 UNIX_SOCKET_PATH_MAX = 108

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import IO
 
 from kvctl import __version__
-from kvctl.agent.settings import AgentSettings, connect_host
+from kvctl.agent.settings import AgentSettings
+from kvctl.wire.address import connect_host
 
 log = logging.getLogger("kvctl.agent")
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from kvctl.paths import default_state_dir
 from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KVLayout
+from kvctl.wire.address import connect_host, split_host_port, url_host
 
 DEFAULT_CONTROL_PORT = 7070
 DEFAULT_DATA_PORT = 7071
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,35 +147,4 @@ class AgentSettings:
     @property
     def control_url(self) -> str:
         host, port = self.control_host_port
-        return f"http://{_url_host(connect_host(host))}:{port}"
-
-
-def split_host_port(text: str, default_port: int) -> tuple[str, int]:
-    """``"host:port"``, ``"[::1]:port"``, ``"host"`` or ``":port"`` -> (host, port)."""
-    text = text.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest.removeprefix(":")
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-    else:
-        host, port_text = text, ""
-    host = host or "127.0.0.1"
-    if not port_text:
-        return host, default_port
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"bad port in {text!r}: expected HOST:PORT with PORT in 0..65535")
-    return host, int(port_text)
-
-
-def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
-
-
-def connect_host(host: str) -> str:
-    """Where a local client connects for a bind address (a wildcard bind is reached on loopback)."""
-    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+        return f"http://{url_host(connect_host(host))}:{port}"

@@ -57,8 +57,8 @@ def collect_command(
       KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 127.0.0.1:9471
     """
     from collectors.collector import Collector, CollectorConfig, CycleReport
-    from kvctl.agent.settings import split_host_port
     from kvctl.units import parse_size
+    from kvctl.wire.address import split_host_port
 
     try:
         probe_bytes = parse_size(probe_size)

@@ -34,11 +34,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvctl.client import AgentError, AuthError, DataClient, parse_address
+from kvctl.client import AgentError, AuthError, DataClient
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
 from kvctl.engines.kvload import KVLoader, read_chunks
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for
+from kvctl.wire.address import parse_address
 
 log = logging.getLogger("kvctl.engines.vllm")
 

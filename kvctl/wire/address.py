@@ -1,0 +1,82 @@
+"""Agent addresses: the one parser of what settings, the SDK, engines and the control API take.
+
+Two kinds of text are read here. A bind address (``listen``, ``data_listen``, a peer's or a
+``kvctl://`` pool's data plane) is ``host:port``, ``[v6]:port``, ``host`` or ``:port``, with a
+default port. A data-plane address a client connects to is a Unix socket (``unix:///path``,
+``unix:path``, or a path starting with ``/`` or ``.``) or TCP (``[tcp://]host:port``, the
+port required).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+_DEFAULT_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True)
+class UnixAddress:
+    path: str
+
+
+@dataclass(frozen=True, slots=True)
+class TcpAddress:
+    host: str
+    port: int
+
+
+DataAddress = UnixAddress | TcpAddress
+
+
+def split_host_port(text: str, default_port: int) -> tuple[str, int]:
+    """``"host:port"``, ``"[::1]:port"``, ``"host"`` or ``":port"`` -> (host, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host or _DEFAULT_HOST, default_port
+    return host or _DEFAULT_HOST, _port(port_text, text)
+
+
+def parse_address(address: str | os.PathLike[str]) -> DataAddress:
+    """A data-plane address: ``unix:///p``, ``unix:p``, a path, or ``[tcp://]host:port``."""
+    text = str(address)
+    if text.startswith("unix://"):
+        return UnixAddress(text.removeprefix("unix://"))
+    if text.startswith("unix:"):
+        return UnixAddress(text.removeprefix("unix:"))
+    if text.startswith("/") or text.startswith("."):
+        return UnixAddress(text)
+    text = text.removeprefix("tcp://")
+    # the last colon: an unbracketed IPv6 host ("::1:7071") keeps its own colons
+    host, sep, port_text = text.rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise ValueError(f"not a data plane address: {address!r} (use HOST:PORT or a socket path)")
+    return TcpAddress(host.strip("[]") or _DEFAULT_HOST, _port(port_text, text))
+
+
+def _port(port_text: str, text: str) -> int:
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"bad port in {text!r}: expected HOST:PORT with PORT in 0..65535")
+    return int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def connect_host(host: str) -> str:
+    """Where a local client connects for a bind address (a wildcard bind is reached on loopback)."""
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": _DEFAULT_HOST}.get(host, host)
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
