@@ -29,7 +29,6 @@ from typing import Any, Literal
 from kvctl.errors import InvalidArgument
 
 BreakerState = Literal["closed", "open", "half_open"]
-STATES: tuple[BreakerState, ...] = ("closed", "open", "half_open")
 
 #: first wait after an outage is seen: short, since most outages are blips and a miss costs a
 #: recompute, while a probe of a dead source costs one short read deadline
@@ -102,12 +101,6 @@ class Breaker:
     def state(self) -> BreakerState:
         with self._lock:
             return self._state_locked(self.clock())
-
-    @property
-    def retry_at_s(self) -> float:
-        """The clock's reading from which a probe may go (0 when closed)."""
-        with self._lock:
-            return self._retry_at_s if self._open else 0.0
 
     def may_call(self) -> bool:
         """Whether a call made now would be let through (no state changes: a hint only)."""

@@ -113,11 +113,6 @@ class Source:
         """In use: its breaker is closed (not backing off, nor waiting on a probe)."""
         return self.breaker.state == "closed"
 
-    @property
-    def down_until_s(self) -> float:
-        """The clock's reading from which the source is tried again (0 when closed)."""
-        return self.breaker.retry_at_s
-
     def call(self, what: str, fn: Callable[[], T], *, moved_bytes: Callable[[T], int]) -> T | None:
         """``fn()`` over the link, timed into the link's figures; None (and a counted error)
         when the source fails, or (a counted skip) when its breaker turns the call away."""
@@ -229,8 +224,6 @@ class PlanCounters:
 #: a disk read's latency before its first byte (NVMe order); paid once per lookup's batch, on
 #: top of a configured read rate only (a measured rate already includes it)
 DISK_READ_LATENCY_S = 1e-4
-#: why a held chunk was recomputed (``kvctl_plan_recomputed_chunks_total`` reasons)
-RECOMPUTE_REASONS = ("slower-than-recompute", "override", "unknown-link", "no-source")
 #: stage order of a lookup's fetch: fills from the pool and peers, then local reads
 _REMOTE_STAGE = 0
 

@@ -622,10 +622,6 @@ class FetchPlan:
     def fetched_indices(self) -> tuple[int, ...]:
         return tuple(index for index, _ in self.fetch)
 
-    @property
-    def source_by_index(self) -> dict[int, str]:
-        return dict(self.fetch)
-
     def as_dict(self, *, chunks: bool = True) -> dict[str, object]:
         """The plan for events and reports; ``chunks=False`` leaves out the per-chunk list."""
         per_link_chunks: dict[str, int] = {}

@@ -51,11 +51,6 @@ MAX_TOKENS = 0xFFFFFFFF
 HEADER_PROBE_BYTES = 512
 
 
-def header_bytes_max() -> int:
-    """The longest header a record can have (a tenant name of MAX_TENANT_BYTES)."""
-    return MIN_HEADER_BYTES + MAX_TENANT_BYTES
-
-
 @dataclass(frozen=True, slots=True)
 class RecordHeader:
     """A verified header: the chunk's metadata, the header's length, the payload checksum."""

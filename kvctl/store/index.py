@@ -115,10 +115,6 @@ class LookupResult:
     matched_tokens: int = 0
 
     @property
-    def matched_tiers(self) -> tuple[str, ...]:
-        return tuple(t for t in self.locations[: self.matched_chunks] if t is not None)
-
-    @property
     def hit_ratio(self) -> float:
         return self.matched_chunks / self.total_chunks if self.total_chunks else 0.0
 

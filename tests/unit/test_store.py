@@ -47,7 +47,6 @@ def test_lookup_reports_longest_prefix_and_tier_of_each_chunk(ns: Namespace) -> 
     res = store.lookup(keys, tenant="a")
     assert res.matched_chunks == 3
     assert res.locations == ("cpu", "cpu", "cpu", None, "cpu")
-    assert res.matched_tiers == ("cpu", "cpu", "cpu")
     assert store.stats.hit_chunks == 3 and store.stats.lookup_chunks == 5
 
 
