@@ -4,63 +4,17 @@ and empty states that say what to run."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any
 
 from dash import dash_table, dcc, html
 
-from dashboard.queries import MEASURED, MODELED, Window
-
-
-def fmt_ratio(v: float | None) -> str:
-    return "N/A" if v is None else f"{v * 100:.1f}%"
-
-
-def fmt_num(v: float | None, unit: str = "", digits: int = 3) -> str:
-    if v is None:
-        return "N/A"
-    if abs(v) >= 1000:
-        text = f"{v:,.0f}"
-    elif v == 0:
-        text = "0"
-    else:
-        text = f"{v:.{digits}g}"
-    return f"{text} {unit}".rstrip()
-
-
-def fmt_scaled(v: float | None, units: tuple[tuple[float, str], ...]) -> str:
-    """``v`` in the largest of ``units`` (factor, name; largest first) it reaches, else the
-    smallest: 0.003 GPU-hours reads 12.3 GPU-s."""
-    if v is None:
-        return "N/A"
-    for factor, name in units:
-        if abs(v) >= factor:
-            return fmt_num(v / factor, name)
-    factor, name = units[-1]
-    return fmt_num(v / factor, name)
-
-
-GPU_TIME: Final = ((3600.0, "GPU-h"), (1.0, "GPU-s"))
-ENERGY: Final = ((3.6e9, "MWh"), (3.6e6, "kWh"), (3.6e3, "Wh"), (1.0, "J"))
-MASS: Final = ((1e6, "t"), (1e3, "kg"), (1.0, "g"))
-
-
-def fmt_seconds(v: float | None) -> str:
-    if v is None:
-        return "N/A"
-    if v < 1e-3:
-        return f"{v * 1e6:.0f} µs"
-    if v < 1:
-        return f"{v * 1e3:.1f} ms"
-    return f"{v:.2f} s"
-
-
-def fmt_time(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC")
+from kvctl.db.analytics.counts import MEASURED, MODELED
+from kvctl.db.analytics.windows import Window
+from kvctl.format import format_utc_minute
 
 
 def window_text(win: Window) -> str:
-    return f"{fmt_time(win.start_ms)} to {fmt_time(win.end_ms)} (last {win.name})"
+    return f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)} (last {win.name})"
 
 
 def basis_badge(basis: str) -> html.Span:

@@ -10,39 +10,22 @@ from dash import dcc, html
 from sqlalchemy.engine import Connection
 
 from dashboard import figures
-from dashboard.components import (
-    ENERGY,
-    GPU_TIME,
-    MASS,
-    card,
-    empty,
-    fmt_num,
-    fmt_ratio,
-    fmt_scaled,
-    fmt_seconds,
-    fmt_time,
-    graph,
-    section,
-    table,
-)
-from dashboard.queries import (
-    MEASURED,
-    MODELED,
-    Assumptions,
-    Inventory,
-    Overview,
-    Window,
-    break_even,
-    capacity,
-    inventory,
-    link_figures,
-    link_series,
-    node_counts,
-    node_events,
-    overview,
-    time_series,
-)
-from dashboard.queries import total as total_of
+from dashboard.components import card, empty, graph, section, table
+from kvctl.db.analytics.counts import MEASURED, MODELED, Assumptions, node_counts
+from kvctl.db.analytics.counts import total as total_of
+from kvctl.db.analytics.inventory import Inventory, inventory
+from kvctl.db.analytics.links import break_even, link_figures, link_series
+from kvctl.db.analytics.overview import Overview, capacity, overview
+from kvctl.db.analytics.series import node_events, time_series
+from kvctl.db.analytics.windows import Window
+from kvctl.format import ENERGY_UNITS as ENERGY
+from kvctl.format import GPU_TIME_UNITS as GPU_TIME
+from kvctl.format import MASS_UNITS as MASS
+from kvctl.format import format_number as fmt_num
+from kvctl.format import format_scaled as fmt_scaled
+from kvctl.format import format_seconds as fmt_seconds
+from kvctl.format import format_utc_minute as fmt_time
+from kvctl.format import percent as fmt_ratio
 
 COLLECT_HINT = "Run `kvctl collect` (or `kvctl demo`) so the collector records samples."
 
@@ -177,9 +160,10 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
         ),
         card(
             "Sharing",
-            fmt_ratio(c.sharing_ratio),
+            fmt_ratio(c.sharing_hit_ratio),
             MEASURED,
-            f"reuse {fmt_ratio(c.reuse_ratio)} + sharing = hit ratio",
+            f"reuse {fmt_ratio(c.reuse_hit_ratio)} + sharing = hit ratio; sharing is "
+            f"{fmt_ratio(c.sharing_share_of_hits)} of hits",
             card_id="card-sharing",
         ),
         card(
@@ -268,8 +252,8 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "up": fmt_ratio(c.up_ratio),
         "lookups": c.lookups,
         "hit ratio": fmt_ratio(c.hit_ratio),
-        "reuse": fmt_ratio(c.reuse_ratio),
-        "sharing": fmt_ratio(c.sharing_ratio),
+        "reuse": fmt_ratio(c.reuse_hit_ratio),
+        "sharing": fmt_ratio(c.sharing_hit_ratio),
         "tokens saved": c.hit_tokens,
         "GPU-h saved": round(c.gpu_seconds_saved / 3600, 4),
         "GPU-h basis": gpu_time_basis_label(c),
@@ -402,7 +386,7 @@ def _node_rows(
                 "up": fmt_ratio(c.up_ratio),
                 "lookups": c.lookups,
                 "hit ratio": fmt_ratio(c.hit_ratio),
-                "sharing": fmt_ratio(c.sharing_ratio),
+                "sharing": fmt_ratio(c.sharing_hit_ratio),
                 "evictions": c.evictions,
                 "used / capacity": fmt_ratio(None if not cap or used is None else used / cap),
                 "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),

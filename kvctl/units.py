@@ -1,4 +1,4 @@
-"""Parsing and formatting of byte sizes ("64GiB", "512MiB", "4096")."""
+"""Parsing byte sizes ("64GiB", "512MiB", "4096"); ``kvctl.format`` writes them for people."""
 
 from __future__ import annotations
 
@@ -54,16 +54,3 @@ def parse_size(text: str | int) -> int:
     if value > MAX_SIZE_BYTES:
         raise InvalidArgument(f"a size must be at most 2**63 - 1 bytes, got {str(text)[:40]!r}...")
     return int(value)
-
-
-def format_bytes(n: float) -> str:
-    """Binary units with three significant figures: 1536 -> '1.50 KiB'."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def format_rate(bytes_per_second: float) -> str:
-    return f"{format_bytes(bytes_per_second)}/s"

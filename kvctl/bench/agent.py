@@ -542,7 +542,7 @@ def render_agent_bench(result: dict[str, Any]) -> Any:
     """A rich table of the figures and their references (the CLI's non-JSON output)."""
     from rich.table import Table
 
-    from kvctl.units import format_bytes, format_rate
+    from kvctl.format import format_bytes, format_rate
 
     table = Table("chunk", "figure", "rate", "reference", "ref rate", "ratio", title="kvctl agent")
     pairs = (

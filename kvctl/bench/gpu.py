@@ -67,6 +67,7 @@ from kvctl.bench.common import (
     spread,
 )
 from kvctl.errors import InvalidArgument
+from kvctl.format import format_bytes, format_rate
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.gpu import (
     STAGING_SLOT_BYTES,
@@ -75,7 +76,6 @@ from kvctl.store.tiers.gpu import (
     host_view,
     parse_device,
 )
-from kvctl.units import format_bytes, format_rate
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -194,8 +194,8 @@ def _bench_pool(
 ) -> dict[str, Any]:
     from redis.exceptions import RedisError
 
+    from kvctl.format import format_bytes
     from kvctl.remote.redis_pool import RedisPool
-    from kvctl.units import format_bytes
 
     chunks_of = {s: max(2, bytes_per_size // s) for s in sizes}
     # one sample's chunks are in the pool at a time (the previous sample's are deleted first)
@@ -786,7 +786,7 @@ def render_remote_bench(result: dict[str, Any]) -> Group:
     from rich.console import Group
     from rich.table import Table
 
-    from kvctl.units import format_bytes, format_rate
+    from kvctl.format import format_bytes, format_rate
 
     pool = result["pool"]
     t1 = Table(

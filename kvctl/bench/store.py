@@ -92,11 +92,11 @@ from kvctl.bench.common import (
     spread,
 )
 from kvctl.errors import InvalidArgument
+from kvctl.format import format_bytes, format_rate
 from kvctl.store.store import DEFAULT_READ_THREADS, TieredStore
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.store.tiers.disk import DiskTier
-from kvctl.units import format_bytes, format_rate
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -505,7 +505,7 @@ def render_ttft_bench(result: dict[str, Any]) -> Group:
     from rich.console import Group
     from rich.table import Table
 
-    from kvctl.units import format_bytes
+    from kvctl.format import format_bytes
 
     m = result["model"]
     title = (

@@ -348,7 +348,7 @@ def remote_command(
 
 
 def _link_cells(link: dict[str, Any]) -> tuple[str, str, str]:
-    from kvctl.units import format_rate
+    from kvctl.format import format_rate
 
     rtt = "N/A" if link["rtt_s"] is None else f"{link['rtt_s'] * 1000:.2f} ms"
     bw = (
@@ -374,7 +374,7 @@ def _breaker_cell(src: dict[str, Any]) -> str:
 def _render_remote(report: dict[str, Any]) -> None:
     from rich.table import Table
 
-    from kvctl.units import format_bytes
+    from kvctl.format import format_bytes
 
     if not report["configured"]:
         console.print(
@@ -424,8 +424,7 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvctl.cli.output import pct
-    from kvctl.units import format_bytes
+    from kvctl.format import format_bytes, percent
 
     if not report["up"]:
         err_console.print(
@@ -452,7 +451,7 @@ def _render_status(report: dict[str, Any]) -> None:
             tier["name"],
             format_bytes(tier["used_bytes"]),
             format_bytes(cap),
-            pct(tier["used_bytes"] / cap if cap else 0.0),
+            percent(tier["used_bytes"] / cap if cap else 0.0),
             str(tier["chunks"]),
             format_bytes(tier["pinned_bytes"]),
             str(stats["tiers"][tier["name"]]["hits"]),
@@ -471,8 +470,9 @@ def _render_status(report: dict[str, Any]) -> None:
     reuse, sharing = stats["reuse_hits"], stats["sharing_hits"]
     hits = reuse + sharing
     console.print(
-        f"lookups {stats['lookups']}  chunk hit ratio {pct(stats['hit_ratio'])}  "
-        f"reuse {pct(reuse / hits if hits else 0)} / sharing {pct(sharing / hits if hits else 0)}",
+        f"lookups {stats['lookups']}  chunk hit ratio {percent(stats['hit_ratio'])}  "
+        f"reuse {percent(reuse / hits if hits else 0)} / "
+        f"sharing {percent(sharing / hits if hits else 0)}",
         highlight=False,
     )
 

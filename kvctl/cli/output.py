@@ -55,10 +55,6 @@ def user_errors(hint: str | None = None) -> Iterator[None]:
         fail(f"permission denied: {exc.filename}", hint=hint)
 
 
-def pct(ratio: float) -> str:
-    return f"{ratio * 100:.1f}%"
-
-
 class TaskProgress:
     """A transient progress bar on stderr, one task per run (a policy, a capacity), counting
     requests; silent when not a terminal. Entering gives ``update(name, done, total)``."""

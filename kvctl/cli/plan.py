@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
-from kvctl.cli.output import TaskProgress, console, fail, pct, print_json, user_errors
+from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
+from kvctl.format import percent
 
 if TYPE_CHECKING:
     from kvctl.workload.plan import PlanReport
@@ -185,7 +186,7 @@ def _kj(joules: float) -> str:
 def render_plan(report: PlanReport) -> None:
     from rich.table import Table
 
-    from kvctl.units import format_bytes
+    from kvctl.format import format_bytes
 
     inputs = report.inputs
     tiers = list(report.tiers_bytes)
@@ -213,8 +214,8 @@ def render_plan(report: PlanReport) -> None:
                 by_tier.append("")
                 continue
             mark = "*" if t in c.not_worth_fetching else ""
-            by_tier.append(pct(c.hit_ratio_by_tier[t]) + mark)
-        hits.add_row(c.candidate.name, pct(c.hit_ratio), pct(c.token_hit_ratio), *by_tier)
+            by_tier.append(percent(c.hit_ratio_by_tier[t]) + mark)
+        hits.add_row(c.candidate.name, percent(c.hit_ratio), percent(c.token_hit_ratio), *by_tier)
     console.print(hits)
 
     modeled = Table(
@@ -239,9 +240,9 @@ def render_plan(report: PlanReport) -> None:
             _ms(c.ttft.mean_ttft_seconds),
             _ms(c.ttft.p50_ttft_seconds),
             _ms(c.ttft.p99_ttft_seconds),
-            pct(c.mean_ttft_saved_ratio),
+            percent(c.mean_ttft_saved_ratio),
             _kj(c.ttft.prefill_joules),
-            pct(c.prefill_joules_saved_ratio),
+            percent(c.prefill_joules_saved_ratio),
         )
     console.print(modeled)
     render_tiers(report)
@@ -264,7 +265,7 @@ def render_plan(report: PlanReport) -> None:
 def render_tiers(report: PlanReport) -> None:
     from rich.table import Table
 
-    from kvctl.units import format_bytes
+    from kvctl.format import format_bytes
 
     sizes = ", ".join(f"{t} {format_bytes(n)}" for t, n in report.tiers_bytes.items())
     table = Table(
@@ -306,7 +307,7 @@ def render_tiers(report: PlanReport) -> None:
 def render_curve(report: PlanReport) -> None:
     from rich.table import Table
 
-    from kvctl.units import format_bytes
+    from kvctl.format import format_bytes
 
     table = Table(
         title="miss-ratio curve: hit ratio of one tier by capacity (simulated)",
@@ -324,11 +325,11 @@ def render_curve(report: PlanReport) -> None:
         row = [
             f"{p.capacity_blocks:,}",
             format_bytes(p.capacity_bytes),
-            pct(p.unique_fraction),
-            pct(p.lru_hit_ratio),
+            percent(p.unique_fraction),
+            percent(p.lru_hit_ratio),
         ]
         if report.policy_curve:
-            row.append(pct(p.policy_hit_ratio or 0.0))
+            row.append(percent(p.policy_hit_ratio or 0.0))
         row.append("█" * round(p.lru_hit_ratio * width) or "▏")
         table.add_row(*row)
     console.print(table)

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvctl.cli.options import AllOpt, DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
-from kvctl.cli.output import console, err_console, fail, pct, print_json, user_errors
+from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+from kvctl.format import percent
 
 if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayReport
@@ -220,7 +221,7 @@ class _Bar:
 def render_replay(report: ReplayReport) -> None:
     from rich.table import Table
 
-    from kvctl.units import format_bytes
+    from kvctl.format import format_bytes
 
     rq = report.requests
     d = rq.as_dict()
@@ -237,7 +238,8 @@ def render_replay(report: ReplayReport) -> None:
         + (f" (KV bytes x {report.kv_scale:g})" if report.kv_scale != 1 else ""),
     )
     head.add_row(
-        "hit ratio", f"{pct(d['hit_ratio'])} of chunks, {pct(d['token_hit_ratio'])} of tokens"
+        "hit ratio",
+        f"{percent(d['hit_ratio'])} of chunks, {percent(d['token_hit_ratio'])} of tokens",
     )
     by_tier = ", ".join(f"{t} {n:,}" for t, n in d["hits_by_tier"].items() if n) or "none"
     head.add_row("hits by tier", by_tier)
@@ -245,7 +247,7 @@ def render_replay(report: ReplayReport) -> None:
     if hits:
         head.add_row(
             "reuse / sharing",
-            f"{pct(rq.reuse_hits / hits)} / {pct(rq.sharing_hits / hits)} of hits",
+            f"{percent(rq.reuse_hits / hits)} / {percent(rq.sharing_hits / hits)} of hits",
         )
     moved = sum(t.bytes_fetched for t in report.nodes.values())
     stored = sum(t.bytes_stored for t in report.nodes.values())
@@ -283,8 +285,8 @@ def render_replay(report: ReplayReport) -> None:
         nodes.add_row(
             f"{name} ({report.node_dc[name]})",
             f"{t.lookups:,}",
-            pct(t.hit_chunks / t.lookup_chunks) if t.lookup_chunks else "N/A",
-            pct(t.reuse_hits / hits) if hits else "N/A",
+            percent(t.hit_chunks / t.lookup_chunks) if t.lookup_chunks else "N/A",
+            percent(t.reuse_hits / hits) if hits else "N/A",
             format_bytes(t.bytes_fetched),
             format_bytes(t.bytes_stored),
             verdict,
@@ -294,7 +296,7 @@ def render_replay(report: ReplayReport) -> None:
     inputs = report.inputs
     console.print(
         f"[bold]modeled[/] prefill saved: {m['prefill_seconds_saved']:.1f} GPU-s of "
-        f"{m['prefill_seconds_without_cache']:.1f} ({pct(m['saved_ratio'])}), "
+        f"{m['prefill_seconds_without_cache']:.1f} ({percent(m['saved_ratio'])}), "
         f"{m['prefill_joules_saved'] / 1000:.1f} kJ\n"
         f"[dim]modeled from {inputs.model.name} ({inputs.model.prefill_flops_per_token:.3g} "
         f"FLOPs/token) on {inputs.gpu.name} ({inputs.gpu.peak_bf16_tflops:g} TFLOP/s bf16, "

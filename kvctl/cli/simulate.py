@@ -7,7 +7,8 @@ from typing import Annotated
 
 import typer
 
-from kvctl.cli.output import TaskProgress, console, fail, pct, print_json, user_errors
+from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
+from kvctl.format import percent
 
 EXAMPLES = """
 Examples:
@@ -110,7 +111,7 @@ def render_report(report: object) -> None:
     share = report.capacity_blocks / report.unique_blocks if report.unique_blocks else 0.0
     table = Table(
         title=f"{report.trace}: {report.requests:,} requests, {report.unique_blocks:,} unique "
-        f"blocks, capacity {tiers} blocks ({pct(share)} of unique)"
+        f"blocks, capacity {tiers} blocks ({percent(share)} of unique)"
         + (f", admission {report.admission}" if len(report.tiers) > 1 else ""),
         title_justify="left",
         caption="* reference, measured in the same replay",
@@ -128,8 +129,8 @@ def render_report(report: object) -> None:
     for r in report.results:
         row = [
             r.policy + ("*" if r.policy in REFERENCE_POLICIES else ""),
-            pct(r.hit_ratio),
-            pct(r.token_hit_ratio),
+            percent(r.hit_ratio),
+            percent(r.token_hit_ratio),
             f"{r.hit_ratio / belady * 100:.1f}" if belady else "n/a",
         ]
         if multi:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, TimeoutOpt, db_errors, open_engine
-from kvctl.cli.output import console, pct, print_json, user_errors
+from kvctl.cli.output import console, print_json, user_errors
+from kvctl.format import percent as pct
 
 if TYPE_CHECKING:
     from kvctl.fleet.status import Counts, FleetStatus, TierUse

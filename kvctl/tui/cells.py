@@ -13,6 +13,13 @@ from dataclasses import dataclass
 from rich.style import Style
 from rich.text import Text
 
+from kvctl.format import (
+    compact_bytes,
+    compact_duration,
+    compact_per_second,
+    compact_seconds,
+    percent,
+)
 from kvctl.tui.model import (
     DcRow,
     Level,
@@ -56,47 +63,6 @@ class Palette:
 NA = Text("N/A", style="dim")
 
 
-def pct_text(ratio: float | None) -> str:
-    return "N/A" if ratio is None else f"{ratio * 100:.0f}%"
-
-
-def compact_bytes(n: float) -> str:
-    """Four characters or so: ``980B``, ``1.2K``, ``34M``, ``5.6G`` (binary units)."""
-    for unit in ("B", "K", "M", "G", "T"):
-        if abs(n) < 1000 or unit == "T":
-            return f"{n:.0f}{unit}" if unit == "B" or abs(n) >= 10 else f"{n:.1f}{unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def rate_text(per_s: float | None) -> str:
-    if per_s is None:
-        return "N/A"
-    if per_s == 0:
-        return "0"
-    return f"{per_s:.1f}" if per_s < 100 else f"{per_s:,.0f}"
-
-
-def seconds_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "N/A"
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f}µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.1f}ms"
-    return f"{seconds:.1f}s"
-
-
-def duration_text(seconds: float | None) -> str:
-    if seconds is None:
-        return "N/A"
-    s = int(seconds)
-    for unit, width in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= width:
-            return f"{s // width}{unit}"
-    return f"{s}s"
-
-
 class Cells:
     """Every column's text for one node or DC row, in the palette of the running theme."""
 
@@ -112,12 +78,14 @@ class Cells:
     def state(self, row: NodeRow) -> Text:
         if row.up:
             return Text("up", style=self.palette.style(Level.GOOD))
-        return Text(f"DOWN {duration_text(row.down_for_s)}", style=self.palette.style(Level.CRIT))
+        return Text(
+            f"DOWN {compact_duration(row.down_for_s)}", style=self.palette.style(Level.CRIT)
+        )
 
     def hit(self, recent: WindowCounts) -> Text:
         if recent.seconds and recent.hit_ratio is None:
             return Text("idle", style="dim")
-        return self._styled(pct_text(recent.hit_ratio), self.t.hit(recent.hit_ratio))
+        return self._styled(percent(recent.hit_ratio, digits=0), self.t.hit(recent.hit_ratio))
 
     def trend(self, row: NodeRow) -> Text:
         return Text(sparkline(row.hit_history, TREND_CELLS))
@@ -139,7 +107,7 @@ class Cells:
         )
 
     def rate(self, per_s: float | None) -> Text:
-        return self._styled(rate_text(per_s), Level.NONE)
+        return self._styled(compact_per_second(per_s), Level.NONE)
 
     def io(self, per_s: float | None) -> Text:
         return NA.copy() if per_s is None else Text(f"{compact_bytes(per_s)}/s")
@@ -149,7 +117,7 @@ class Cells:
         if worst is None:
             return Text("no probes" if has_links else "N/A", style="dim")
         return Text.assemble(
-            f"{worst[0]} ", (seconds_text(worst[1]), self.palette.style(self.t.rtt(worst[1])))
+            f"{worst[0]} ", (compact_seconds(worst[1]), self.palette.style(self.t.rtt(worst[1])))
         )
 
     def power(self, watts: float | None) -> Text:

@@ -11,7 +11,8 @@ from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Header, Input, Static
 from textual.widgets.data_table import RowDoesNotExist
 
-from kvctl.tui.cells import Column, columns, pct_text, seconds_text
+from kvctl.format import compact_seconds, percent
+from kvctl.tui.cells import Column, columns
 from kvctl.tui.model import FleetView, Line, arrange
 
 if TYPE_CHECKING:
@@ -106,8 +107,8 @@ class FleetScreen(Screen[None]):
         t = view.total
         parts = [
             f"{t.up}/{t.nodes} up",
-            f"hit {pct_text(t.recent.hit_ratio)}",
-            f"poll {seconds_text(view.poll_s)} every {app.interval_s:g}s",
+            f"hit {percent(t.recent.hit_ratio, digits=0)}",
+            f"poll {compact_seconds(view.poll_s)} every {app.interval_s:g}s",
         ]
         if app.late_ticks:
             parts.append(f"{app.late_ticks} late")

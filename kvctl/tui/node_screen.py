@@ -14,15 +14,15 @@ from textual.widgets import DataTable, Footer, Header, RichLog, Static, TabbedCo
 
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.actions import ActionRequest, ChunkSelection
-from kvctl.tui.cells import (
+from kvctl.format import (
     compact_bytes,
-    duration_text,
-    pct_text,
-    rate_text,
+    compact_duration,
+    compact_per_second,
+    format_bytes,
+    percent,
 )
 from kvctl.tui.model import FleetView, NodeRow, sparkline
 from kvctl.tui.sources import Details
-from kvctl.units import format_bytes
 
 if TYPE_CHECKING:
     from kvctl.tui.app import TopApp
@@ -121,7 +121,7 @@ class NodeScreen(Screen[None]):
                 cells.occupancy(t.occupancy_ratio if row.up else None),
                 format_bytes(t.pinned_bytes),
                 f"{t.chunks:,}",
-                rate_text(t.evictions_per_s) if row.up else "N/A",
+                compact_per_second(t.evictions_per_s) if row.up else "N/A",
                 sparkline(history, HISTORY_CELLS),
                 key=name,
             )
@@ -131,12 +131,13 @@ class NodeScreen(Screen[None]):
     def _summary(self, row: NodeRow) -> str:
         r = row.recent
         if not row.up:
-            head = f"DOWN for {duration_text(row.down_for_s)}: {row.error}"
+            head = f"DOWN for {compact_duration(row.down_for_s)}: {row.error}"
         else:
             head = (
-                f"up {duration_text(row.uptime_s)} · hit {pct_text(r.hit_ratio)} recent, "
-                f"{pct_text(row.lifetime_hit_ratio)} since start · "
-                f"lookups {rate_text(r.lookups_per_s)}/s · "
+                f"up {compact_duration(row.uptime_s)} · "
+                f"hit {percent(r.hit_ratio, digits=0)} recent, "
+                f"{percent(row.lifetime_hit_ratio, digits=0)} since start · "
+                f"lookups {compact_per_second(r.lookups_per_s)}/s · "
                 f"I/O {'N/A' if r.io_bytes_per_s is None else compact_bytes(r.io_bytes_per_s)}/s"
             )
         gpu = row.gpu

@@ -14,8 +14,8 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DBAPIError
 
 from dashboard.app import create_app, render
-from dashboard.components import fmt_num
 from kvctl.db.plans import save_plan
+from kvctl.format import format_number
 from tests.functional.dashboard_history import NOW, fill_history
 
 
@@ -72,7 +72,7 @@ def test_fleet_page_shows_the_hand_worked_headlines(app: Any) -> None:
     assert card_value(page, "card-tokens") == "25,600"
     assert card_value(page, "card-energy-used") == "1 kWh"
     assert card_value(page, "card-carbon").endswith(" g CO2")  # well under a kg
-    assert card_value(page, "card-tokens-per-joule") == fmt_num(12_000 / 3.6e6)
+    assert card_value(page, "card-tokens-per-joule") == format_number(12_000 / 3.6e6)
     assert card_value(page, "card-ttft").startswith("200.0 ms vs ")
     assert "measured" in text_of(by_id(page, "card-hit-ratio"))
     assert "modeled" in text_of(by_id(page, "card-carbon"))

@@ -1,0 +1,121 @@
+"""Figures for people, as plain strings: the CLI's tables, the live view's cells and the
+dashboard's cards all format through here, so one figure reads the same everywhere.
+
+Two forms where they differ on purpose: the long form (``1.50 KiB``, ``12.3 ms``) for tables and
+cards, and the compact form (``1.5K``, ``12.3ms``) for the live view's narrow columns. Every
+function that takes ``None`` answers ``N/A`` for it. Parsing sizes is ``kvctl.units``' job.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Final
+
+NA: Final = "N/A"
+
+#: (factor, unit) tables for :func:`format_scaled`, largest first
+GPU_TIME_UNITS: Final = ((3600.0, "GPU-h"), (1.0, "GPU-s"))
+ENERGY_UNITS: Final = ((3.6e9, "MWh"), (3.6e6, "kWh"), (3.6e3, "Wh"), (1.0, "J"))
+MASS_UNITS: Final = ((1e6, "t"), (1e3, "kg"), (1.0, "g"))
+
+
+def percent(ratio: float | None, digits: int = 1) -> str:
+    """0.1234 -> '12.3%' (``digits=0``: '12%')."""
+    return NA if ratio is None else f"{ratio * 100:.{digits}f}%"
+
+
+# --- bytes ------------------------------------------------------------------------------------
+def format_bytes(n: float) -> str:
+    """Binary units, three significant figures at most: 1536 -> '1.5 KiB', 1600 -> '1.56 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_rate(bytes_per_second: float) -> str:
+    return f"{format_bytes(bytes_per_second)}/s"
+
+
+def compact_bytes(n: float) -> str:
+    """Four characters or so: ``980B``, ``1.2K``, ``34M``, ``5.6G`` (binary units)."""
+    for unit in ("B", "K", "M", "G", "T"):
+        if abs(n) < 1000 or unit == "T":
+            return f"{n:.0f}{unit}" if unit == "B" or abs(n) >= 10 else f"{n:.1f}{unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# --- counts -----------------------------------------------------------------------------------
+def format_number(v: float | None, unit: str = "", digits: int = 3) -> str:
+    """Thousands separated from 1000 up, else ``digits`` significant figures: '12,345 J'."""
+    if v is None:
+        return NA
+    if abs(v) >= 1000:
+        text = f"{v:,.0f}"
+    elif v == 0:
+        text = "0"
+    else:
+        text = f"{v:.{digits}g}"
+    return f"{text} {unit}".rstrip()
+
+
+def format_scaled(v: float | None, units: tuple[tuple[float, str], ...]) -> str:
+    """``v`` in the largest of ``units`` (factor, name; largest first) it reaches, else the
+    smallest: 0.003 GPU-hours reads 12.3 GPU-s."""
+    if v is None:
+        return NA
+    for factor, name in units:
+        if abs(v) >= factor:
+            return format_number(v / factor, name)
+    factor, name = units[-1]
+    return format_number(v / factor, name)
+
+
+def compact_per_second(per_s: float | None) -> str:
+    """Events per second, unit left to the column: '0', '2.5', '1,234'."""
+    if per_s is None:
+        return NA
+    if per_s == 0:
+        return "0"
+    return f"{per_s:.1f}" if per_s < 100 else f"{per_s:,.0f}"
+
+
+# --- time -------------------------------------------------------------------------------------
+def format_seconds(seconds: float | None) -> str:
+    """'12 µs', '3.4 ms', '1.25 s'."""
+    if seconds is None:
+        return NA
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def compact_seconds(seconds: float | None) -> str:
+    """'12µs', '3.4ms', '1.2s'."""
+    if seconds is None:
+        return NA
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f}µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f}ms"
+    return f"{seconds:.1f}s"
+
+
+def compact_duration(seconds: float | None) -> str:
+    """The largest whole unit: '3d', '5h', '12m', '40s'."""
+    if seconds is None:
+        return NA
+    s = int(seconds)
+    for unit, width in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= width:
+            return f"{s // width}{unit}"
+    return f"{s}s"
+
+
+def format_utc_minute(epoch_ms: int) -> str:
+    """'2024-05-01 13:45 UTC'."""
+    return datetime.fromtimestamp(epoch_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC")

@@ -1,0 +1,85 @@
+"""kvctl.format: one formatter per figure, long and compact forms, N/A for what is unknown."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvctl.format import (
+    ENERGY_UNITS,
+    GPU_TIME_UNITS,
+    compact_bytes,
+    compact_duration,
+    compact_per_second,
+    compact_seconds,
+    format_bytes,
+    format_number,
+    format_rate,
+    format_scaled,
+    format_seconds,
+    format_utc_minute,
+    percent,
+)
+
+
+def test_percent_long_and_compact() -> None:
+    assert percent(0.1234) == "12.3%"
+    assert percent(0.1234, digits=0) == "12%"
+    assert percent(None) == "N/A"
+
+
+@pytest.mark.parametrize(
+    ("n", "long", "compact"),
+    [
+        (980, "980 B", "980B"),
+        (1536, "1.5 KiB", "1.5K"),
+        (34 << 20, "34 MiB", "34M"),
+        (5.6 * (1 << 30), "5.6 GiB", "5.6G"),
+        (3 << 50, "3.07e+03 TiB", "3072T"),
+    ],
+)
+def test_bytes(n: float, long: str, compact: str) -> None:
+    assert format_bytes(n) == long
+    assert compact_bytes(n) == compact
+
+
+def test_rates() -> None:
+    assert format_rate(1536) == "1.5 KiB/s"
+    assert compact_per_second(None) == "N/A"
+    assert compact_per_second(0) == "0"
+    assert compact_per_second(2.54) == "2.5"
+    assert compact_per_second(1234.4) == "1,234"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "long", "compact"),
+    [(12e-6, "12 µs", "12µs"), (3.4e-3, "3.4 ms", "3.4ms"), (1.25, "1.25 s", "1.2s")],
+)
+def test_seconds(seconds: float, long: str, compact: str) -> None:
+    assert format_seconds(seconds) == long
+    assert compact_seconds(seconds) == compact
+    assert format_seconds(None) == compact_seconds(None) == "N/A"
+
+
+def test_duration_takes_the_largest_whole_unit() -> None:
+    assert [compact_duration(s) for s in (40, 720, 5 * 3600, 3 * 86400 + 5)] == [
+        "40s",
+        "12m",
+        "5h",
+        "3d",
+    ]
+    assert compact_duration(None) == "N/A"
+
+
+def test_numbers_and_scaled_units() -> None:
+    assert format_number(12_345.6, "J") == "12,346 J"
+    assert format_number(0) == "0"
+    assert format_number(0.012345, digits=2) == "0.012"
+    assert format_number(None) == "N/A"
+    assert format_scaled(0.5, GPU_TIME_UNITS) == "0.5 GPU-s"
+    assert format_scaled(7200, GPU_TIME_UNITS) == "2 GPU-h"
+    assert format_scaled(7.2e6, ENERGY_UNITS) == "2 kWh"
+    assert format_scaled(None, ENERGY_UNITS) == "N/A"
+
+
+def test_utc_minute() -> None:
+    assert format_utc_minute(1_714_571_100_000) == "2024-05-01 13:45 UTC"
