@@ -60,6 +60,7 @@ from kvctl.store.tiers.hostreg import HostRegistrationError, HostRegistry
 
 if TYPE_CHECKING:
     import torch
+    from torch import Tensor
 
 log = logging.getLogger("kvctl.store")
 
@@ -154,7 +155,8 @@ class GpuTier(Tier):
         self._dev = torch.device("cuda", index)
         self._capacity_bytes = capacity_bytes
         # copies on a stream of our own neither wait for nor hold up work on the default stream
-        self._stream = torch.cuda.Stream(self._dev)
+        # (torch leaves Stream's and Event's constructors unannotated)
+        self._stream = torch.cuda.Stream(self._dev)  # type: ignore[no-untyped-call]
         self._arena = self._new_arena(capacity_bytes)
         self._slot_bytes = staging_slot_bytes
         self._slots = [
@@ -164,7 +166,7 @@ class GpuTier(Tier):
         # the host side of a slot as a memoryview: filling it is a plain C memcpy
         self._slot_views = [host_view(t) for t in self._slots]
         # each slot's last device copy: the host waits on it before touching the slot again
-        self._events = [torch.cuda.Event() for _ in range(_SLOTS)]
+        self._events = [torch.cuda.Event() for _ in range(_SLOTS)]  # type: ignore[no-untyped-call]
         #: host regions registered with CUDA: copies from and to them skip the slots
         self._host = HostRegistry(device=self.device)
         #: bytes moved each way: "direct" (registered host memory) or "staged" (through slots)
@@ -470,7 +472,9 @@ class GpuTier(Tier):
         torch = self._torch
         try:
             with torch.cuda.stream(self._stream):  # the block belongs to the stream that uses it
-                return torch.empty(capacity_bytes, dtype=torch.uint8, device=self._dev)
+                # self._torch is typed as a bare module (tests put a stand-in there)
+                arena: Tensor = torch.empty(capacity_bytes, dtype=torch.uint8, device=self._dev)
+                return arena
         except torch.cuda.OutOfMemoryError as exc:
             free_bytes, total_bytes = torch.cuda.mem_get_info(self._dev)
             raise CapacityError(

@@ -94,7 +94,8 @@ class CudaRegistrar:
         self._torch = torch
         self._index = index
         try:
-            self._cudart = torch.cuda.cudart()
+            # torch leaves cudart() unannotated
+            self._cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         except (AssertionError, RuntimeError) as exc:  # a build without the cudart bindings
             raise HostRegistrationError(f"torch exposes no CUDA runtime bindings: {exc}") from exc
 
@@ -146,7 +147,12 @@ class HostRegistration:
     registered; tensors from ``tensor_view`` keep the memory mapped (not registered) after."""
 
     def __init__(
-        self, buffer: Buffer, *, read_only: bool, registrar: Registrar, generation: int = 0
+        self,
+        buffer: mmap.mmap | Buffer,
+        *,
+        read_only: bool,
+        registrar: Registrar,
+        generation: int = 0,
     ) -> None:
         view = memoryview(buffer)
         try:  # a refused registration must not hold the mapping open (nor must its traceback)
@@ -232,7 +238,7 @@ class HostRegistration:
 
 
 def register_host(
-    buffer: mmap.mmap | memoryview | Buffer,
+    buffer: mmap.mmap | Buffer,
     *,
     read_only: bool,
     device: str = "cuda:0",
