@@ -22,8 +22,9 @@ from sqlalchemy.engine import Engine
 
 from dashboard.components import empty
 from dashboard.pages import PAGES, PageContext
-from dashboard.queries import DEFAULT_WINDOW, WINDOWS, Assumptions, window_for
-from kvctl.workload.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
+from kvctl.db.analytics.counts import Assumptions
+from kvctl.db.analytics.windows import DEFAULT_WINDOW, WINDOWS, window_for
+from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
 DEFAULT_REFRESH_SECONDS: Final = 30
 CSS: Final = """

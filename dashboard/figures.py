@@ -9,7 +9,10 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from dashboard.queries import BreakEven, Counts, Inventory, LinkFigures, TimeSeries
+from kvctl.db.analytics.counts import Counts
+from kvctl.db.analytics.inventory import Inventory
+from kvctl.db.analytics.links import BreakEven, LinkFigures
+from kvctl.db.analytics.series import TimeSeries
 
 TIER_COLOURS = {
     "gpu": "#6a3d9a",
@@ -60,8 +63,10 @@ def reuse_vs_sharing(dcs: Mapping[str, Counts], fleet: Counts) -> go.Figure:
     names = [*dcs, "fleet"]
     counts = [*dcs.values(), fleet]
     fig = go.Figure()
-    fig.add_bar(name="reuse", x=names, y=[c.reuse_ratio for c in counts], marker_color=REUSE)
-    fig.add_bar(name="sharing", x=names, y=[c.sharing_ratio for c in counts], marker_color=SHARING)
+    reuse = [c.reuse_hit_ratio for c in counts]
+    sharing = [c.sharing_hit_ratio for c in counts]
+    fig.add_bar(name="reuse", x=names, y=reuse, marker_color=REUSE)
+    fig.add_bar(name="sharing", x=names, y=sharing, marker_color=SHARING)
     fig.update_layout(barmode="stack")
     return _layout(fig, y_title="hits per lookup", percent=True)
 
@@ -143,10 +148,15 @@ def occupancy(s: TimeSeries) -> go.Figure:
 
 def hit_ratio_over_time(s: TimeSeries) -> go.Figure:
     t = _times(s.bucket_ms)
+    buckets = s.hit_counts()
     fig = go.Figure()
-    fig.add_scatter(x=t, y=s.hit_ratio(), name="hit ratio", line={"color": "#222"})
-    fig.add_scatter(x=t, y=s.reuse_ratio(), name="reuse", line={"color": REUSE})
-    fig.add_scatter(x=t, y=s.sharing_ratio(), name="sharing", line={"color": SHARING})
+    fig.add_scatter(x=t, y=[c.hit_ratio for c in buckets], name="hit ratio", line={"color": "#222"})
+    fig.add_scatter(
+        x=t, y=[c.reuse_hit_ratio for c in buckets], name="reuse", line={"color": REUSE}
+    )
+    fig.add_scatter(
+        x=t, y=[c.sharing_hit_ratio for c in buckets], name="sharing", line={"color": SHARING}
+    )
     return _layout(fig, y_title="hits per lookup", percent=True)
 
 

@@ -22,9 +22,10 @@ For each backend (SQLite in a temporary directory always; PostgreSQL in a throwa
   real :func:`kvctl.db.rollup.rollup_all`, timed (``rollup``; reference: a full scan,
   ``count(*), sum(ts_ms)``, of the same raw tables right after).
 * ``fleet_summary`` and ``dashboard_overview`` (the dashboard's fleet page:
-  :func:`dashboard.queries.overview`, per-node counts, modeled savings and links), each timed
-  like this: :func:`kvctl.db.queries.fleet_summary` over the last ``days``, 24 hours and
-  1 hour up to the end of the history, on one open connection, warmed by one untimed run.
+  :func:`kvctl.db.analytics.overview.overview`, per-node counts, modeled savings and links),
+  each timed like this: :func:`kvctl.db.analytics.summary.fleet_summary` over the last
+  ``days``, 24 hours and 1 hour up to the end of the history, on one open connection, warmed
+  by one untimed run.
   Reference: ``SELECT count(*), sum(lookups) FROM cache_1h``, a full scan of the largest table
   the summary reads (the sum makes it read the rows: SQLite counts from the smaller time index).
   With the collector's 2-minute grace, a window reads daily rollups up to the last UTC midnight
@@ -987,13 +988,15 @@ def _load_history(
 
 # --- fleet summary --------------------------------------------------------------------------
 def _fleet_summary_total(conn: Any, start_ms: int, end_ms: int) -> Any:
-    from kvctl.db.queries import fleet_summary
+    from kvctl.db.analytics.summary import fleet_summary
 
     return fleet_summary(conn, start_ms, end_ms).total
 
 
 def _dashboard_overview_total(conn: Any, start_ms: int, end_ms: int) -> Any:
-    from dashboard.queries import Assumptions, Window, overview
+    from kvctl.db.analytics.counts import Assumptions
+    from kvctl.db.analytics.overview import overview
+    from kvctl.db.analytics.windows import Window
     from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, MODELS
 
     assume = Assumptions(MODELS[DEFAULT_MODEL], DEFAULT_GPU, DEFAULT_MFU)

@@ -474,8 +474,8 @@ def final_collect(fleet: DemoFleet) -> None:
 
 def database_counters(fleet: DemoFleet, report: ReplayReport) -> dict[str, Any]:
     """The run's counters as the database has them next to the replay's, node by node."""
+    from kvctl.db.analytics.summary import node_cache_counters
     from kvctl.db.migrate import open_db
-    from kvctl.db.queries import node_cache_counters
 
     engine = open_db(fleet.db_url)
     try:

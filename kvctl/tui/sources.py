@@ -182,7 +182,8 @@ class FleetSource:
             return resolve_targets(conn, nodes=self.nodes, dcs=self.dcs, all_nodes=everyone)
 
     def rtt(self) -> dict[tuple[str, str], float | None]:
-        from dashboard.queries import inventory, link_figures
+        from kvctl.db.analytics.inventory import inventory
+        from kvctl.db.analytics.links import link_figures
 
         end_ms = int(self.clock() * 1000)
         with self.engine.connect() as conn:

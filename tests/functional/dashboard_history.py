@@ -7,7 +7,7 @@ from typing import Any
 
 from sqlalchemy.engine import Engine
 
-from dashboard.queries import Assumptions
+from kvctl.db.analytics.counts import Assumptions
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import add_dc, add_link, add_node
 from kvctl.db.models import raw_table

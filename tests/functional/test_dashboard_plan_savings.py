@@ -11,7 +11,9 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from dashboard.app import create_app, render
-from dashboard.queries import MEASURED, MODELED, node_counts, overview, window_for
+from kvctl.db.analytics.counts import MEASURED, MODELED, node_counts
+from kvctl.db.analytics.overview import overview
+from kvctl.db.analytics.windows import window_for
 from kvctl.db.ingest import insert_rows
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import MINUTE_MS, rollup_all

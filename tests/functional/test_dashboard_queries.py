@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.engine import Engine
 
-from dashboard.queries import (
-    break_even,
-    overview,
-    time_series,
-    window_for,
-)
+from kvctl.db.analytics.links import break_even
+from kvctl.db.analytics.overview import overview
+from kvctl.db.analytics.series import time_series
+from kvctl.db.analytics.windows import window_for
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import HOUR_MS, MINUTE_MS, rollup_all
 from tests.functional.dashboard_history import (
@@ -42,10 +40,10 @@ def test_fleet_overview_figures_are_exact(
 
     assert (fra.lookups, fra.hits, fra.reuse_hits, fra.sharing_hits) == (150, 70, 50, 20)
     assert fra.hit_ratio == pytest.approx(70 / 150)
-    assert fra.reuse_ratio == pytest.approx(50 / 150)
-    assert fra.sharing_ratio == pytest.approx(20 / 150)
+    assert fra.reuse_hit_ratio == pytest.approx(50 / 150)
+    assert fra.sharing_hit_ratio == pytest.approx(20 / 150)
     assert fleet.hit_ratio == pytest.approx(100 / 190)
-    assert fleet.sharing_ratio == pytest.approx(50 / 190)
+    assert fleet.sharing_hit_ratio == pytest.approx(50 / 190)
     assert fleet.token_hit_ratio == pytest.approx(25600 / 48640)
     assert fra.tier_hits == {"cpu": 55, "disk": 15}
     assert fra.tier_hit_ratio("cpu") == pytest.approx(55 / 150)
@@ -131,8 +129,8 @@ def test_dc_time_series_buckets(db: Engine, history: dict[str, int]) -> None:
     assert len(s.bucket_ms) == 60 and s.bucket_ms[0] == win.start_ms
     i, j = s.bucket_ms.index(T), s.bucket_ms.index(T + 10 * MINUTE_MS)
     assert (s.lookups[i], s.hits[i], s.lookups[j], s.hits[j]) == (110, 50, 40, 20)
-    assert s.hit_ratio()[i] == pytest.approx(50 / 110)
-    assert s.sharing_ratio()[j] == pytest.approx(10 / 40)
+    assert s.hit_counts()[i].hit_ratio == pytest.approx(50 / 110)
+    assert s.hit_counts()[j].sharing_hit_ratio == pytest.approx(10 / 40)
     assert s.used_bytes["cpu"][i] == pytest.approx(400 + 900)
     assert s.used_bytes["cpu"][j] == pytest.approx(600)
     assert s.used_bytes["cpu"][i + 1] is None  # no sample: no reading, not zero

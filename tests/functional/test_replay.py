@@ -13,8 +13,8 @@ from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app
+from kvctl.db.analytics.summary import node_cache_counters
 from kvctl.db.inventory import add_dc, add_link, add_node
-from kvctl.db.queries import node_cache_counters
 from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
 from kvctl.workload.generators import generate
 from kvctl.workload.replay import ReplayNode, ReplayReport, replay

@@ -481,7 +481,7 @@ def test_count_lookup_counts_hits_for_the_first_chunks_only(store: TieredStore, 
 
 # --- efficiency: the agents' saving, not the prefill time alone -------------------------------
 def test_savings_use_the_plans_net_figure_when_the_agents_report_one() -> None:
-    from kvctl.fleet.efficiency import savings
+    from kvctl.db.analytics.savings import savings
     from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
 
     inputs = ModeledInputs(model_profile("llama-3.1-8b"), gpu_profile("h100"))

@@ -53,10 +53,6 @@ class Savings:
     #: time not deducted)
     basis: str = "modeled"
 
-    @property
-    def facility_kwh(self) -> float:
-        return self.facility_joules / JOULES_PER_KWH
-
 
 def savings(
     tokens: int,

@@ -1,4 +1,5 @@
-"""Read-side queries shared by the CLI, the live view and the dashboard."""
+"""Per-DC totals summed in SQL, for fleets too large to count node by node (the benches'
+fleet summary), and exact cache counter sums per node and tier (the demo's cross-check)."""
 
 from __future__ import annotations
 
@@ -10,20 +11,17 @@ from sqlalchemy.engine import Connection
 
 from kvctl.db.models import DataCenter, Node
 from kvctl.db.rollup import series, window
+from kvctl.ratios import HitCounts, ratio
 
 
-@dataclass(slots=True)
-class DcSummary:
+@dataclass(slots=True, kw_only=True)
+class DcSummary(HitCounts):
     """Measured figures of one DC (or the fleet) over a window; None where nothing was read."""
 
     dc: str
     nodes: int = 0
     up_ratio: float | None = None
-    lookups: int = 0
-    hits: int = 0
     hit_tokens: int = 0
-    reuse_hits: int = 0
-    sharing_hits: int = 0
     used_bytes: float | None = None
     capacity_bytes: float | None = None
     energy_j: float | None = None
@@ -31,17 +29,8 @@ class DcSummary:
     prompt_tokens: int | None = None
     cached_prompt_tokens: int | None = None
 
-    @property
-    def hit_ratio(self) -> float | None:
-        return self.hits / self.lookups if self.lookups else None
-
-    @property
-    def sharing_ratio(self) -> float | None:
-        """Share of hits served from chunks another tenant stored."""
-        return self.sharing_hits / self.hits if self.hits else None
-
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_ratio": self.hit_ratio, "sharing_ratio": self.sharing_ratio}
+        return asdict(self) | self.hit_figures()
 
 
 @dataclass(slots=True)
@@ -49,7 +38,7 @@ class FleetSummary:
     start_ms: int
     end_ms: int
     dcs: list[DcSummary] = field(default_factory=list)
-    total: DcSummary = field(default_factory=lambda: DcSummary("fleet"))
+    total: DcSummary = field(default_factory=lambda: DcSummary(dc="fleet"))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -79,10 +68,6 @@ def _per_dc(
 def _mean(w: Any, gauge: str) -> Any:
     """A gauge's mean per series over the window; NULL (not a division error) with no reading."""
     return cast(w.c[f"{gauge}_sum"], Float) / func.nullif(w.c[f"{gauge}_n"], 0)
-
-
-def _ratio(num: Any, den: Any) -> float | None:
-    return float(num) / float(den) if num is not None and den else None
 
 
 def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
@@ -142,7 +127,7 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
     total = out.total
     up_sum = samples_sum = 0
     for name in names:
-        d = DcSummary(name, nodes=int(counts.get(name, 0)))
+        d = DcSummary(dc=name, nodes=int(counts.get(name, 0)))
         if (c := cache.get(name)) is not None:
             d.lookups = int(c["lookups"] or 0)
             d.hits = int(c["hits"] or 0)
@@ -152,7 +137,7 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
             d.used_bytes = None if c["used_bytes"] is None else float(c["used_bytes"])
             d.capacity_bytes = None if c["capacity_bytes"] is None else float(c["capacity_bytes"])
         if (u := up.get(name)) is not None:
-            d.up_ratio = _ratio(u["up"], u["samples"])
+            d.up_ratio = None if u["up"] is None else ratio(int(u["up"]), int(u["samples"] or 0))
             up_sum += int(u["up"] or 0)
             samples_sum += int(u["samples"] or 0)
         if (p := power.get(name)) is not None:
@@ -164,18 +149,15 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
             d.cached_prompt_tokens = None if cached is None else int(cached)
         out.dcs.append(d)
         total.nodes += d.nodes
-        total.lookups += d.lookups
-        total.hits += d.hits
+        total.add_hits(d)
         total.hit_tokens += d.hit_tokens
-        total.reuse_hits += d.reuse_hits
-        total.sharing_hits += d.sharing_hits
         for attr in ("used_bytes", "capacity_bytes", "energy_j", "power_w"):
             if (v := getattr(d, attr)) is not None:
                 setattr(total, attr, (getattr(total, attr) or 0.0) + v)
         for attr in ("prompt_tokens", "cached_prompt_tokens"):
             if (v := getattr(d, attr)) is not None:
                 setattr(total, attr, (getattr(total, attr) or 0) + v)
-    total.up_ratio = _ratio(up_sum, samples_sum)
+    total.up_ratio = ratio(up_sum, samples_sum)
     return out
 
 

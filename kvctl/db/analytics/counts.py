@@ -1,0 +1,356 @@
+"""Measured counts of a node, a DC or the fleet over a window, summable from node to DC to
+fleet, and the modeled savings of their hits.
+
+Measured figures come from samples (agent counters, NVML, engine metrics, fetch-or-recompute
+plans); modeled ones (GPU-seconds, energy and carbon saved, TTFT without cache) carry the
+:class:`~kvctl.profiles.ModeledInputs` they assumed. GPU time saved is the agents' own
+fetch-or-recompute figure where a node reported one in the window (prefill minus fetch time of
+the chunks its plans took; measured only when its prefill rate was), else hit tokens / the
+modeled prefill rate. Hit ratios are :class:`~kvctl.ratios.HitCounts`' own.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Final
+
+from sqlalchemy.engine import Connection
+
+from kvctl.db.analytics.savings import JOULES_PER_KWH, gpu_key, savings
+from kvctl.db.analytics.values import as_float, as_int, gauge_mean
+from kvctl.db.inventory import DcInfo, NodeInfo
+from kvctl.db.rollup import series, window
+from kvctl.profiles import GPUS, ModeledInputs, ModelProfile
+from kvctl.ratios import HitCounts, ratio
+
+MEASURED: Final = "measured"
+MODELED: Final = "modeled"
+TIER_ORDER: Final = ("gpu", "cpu", "disk", "remote", "peer")
+
+
+@dataclass(frozen=True, slots=True)
+class Assumptions:
+    """What modeled figures assume: the served model, the GPU of nodes whose GPU model names
+    no profile, and the MFU. Each node otherwise uses the profile of its own GPU."""
+
+    model: ModelProfile
+    default_gpu: str
+    mfu: float
+
+    def inputs_for(self, gpu_model: str) -> ModeledInputs:
+        return ModeledInputs(self.model, GPUS[gpu_key(gpu_model) or self.default_gpu], self.mfu)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.name,
+            "default_gpu": self.default_gpu,
+            "mfu": self.mfu,
+            "basis": MODELED,
+        }
+
+
+@dataclass(slots=True)
+class Counts(HitCounts):
+    """Measured counters of one node, a DC or the fleet over a window (lookups and hits are
+    :class:`HitCounts`'), and the modeled savings of its hits. Every ``*_nodes`` field counts
+    the nodes a figure covers."""
+
+    nodes: int = 0
+    samples: int = 0
+    up_samples: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    evictions: int = 0
+    tier_hits: dict[str, int] = field(default_factory=dict)
+    tier_hit_tokens: dict[str, int] = field(default_factory=dict)
+    tier_reuse_hits: dict[str, int] = field(default_factory=dict)
+    tier_sharing_hits: dict[str, int] = field(default_factory=dict)
+    #: per tier: the sum over nodes of each node's mean over the window
+    used_bytes: dict[str, float] = field(default_factory=dict)
+    capacity_bytes: dict[str, float] = field(default_factory=dict)
+    #: per tier: nodes with a capacity reading in the window
+    capacity_nodes: dict[str, int] = field(default_factory=dict)
+    # NVML
+    energy_nodes: int = 0
+    energy_j: float = 0.0
+    power_w: float = 0.0
+    # engine metrics
+    engine_nodes: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    generation_tokens: int = 0
+    requests: int = 0
+    ttft_count: int = 0
+    ttft_sum_s: float = 0.0
+    #: modeled prefill seconds of the cached prompt tokens (nodes with engine metrics)
+    cached_prefill_s: float = 0.0
+    #: engine tokens and NVML energy of the nodes that have both (tokens per joule)
+    both_nodes: int = 0
+    both_tokens: int = 0
+    both_energy_j: float = 0.0
+    # the agents' fetch-or-recompute plans (nodes that reported them in the window)
+    #: nodes whose GPU time saved is their plans' figure
+    plan_nodes: int = 0
+    #: per prefill basis (measured, configured, modeled): prefill - fetch seconds of the chunks
+    #: the plans took
+    plan_saved_s: dict[str, float] = field(default_factory=dict)
+    plan_recompute_s: float = 0.0
+    plan_fetch_s: float = 0.0
+    plan_fetch_chunks: int = 0
+    plan_recompute_chunks: int = 0
+    #: nodes with hits but no plan figures (older agents): GPU time is tokens / modeled rate
+    token_model_nodes: int = 0
+    # savings of the hits
+    gpu_seconds_saved: float = 0.0
+    it_joules_saved: float = 0.0
+    facility_joules_saved: float = 0.0
+    carbon_g_saved: float = 0.0
+    #: nodes with hits whose DC has a grid intensity (carbon covers only these)
+    carbon_known_nodes: int = 0
+    #: nodes with hits whose DC has no grid intensity (left out of carbon) or no PUE (IT only)
+    carbon_unknown_nodes: int = 0
+    pue_unknown_nodes: int = 0
+    #: nodes whose GPU model names no profile (modeled with the default GPU)
+    default_gpu_nodes: int = 0
+
+    def add(self, other: Counts) -> None:
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(mine, dict):
+                for k, v in theirs.items():
+                    mine[k] = mine.get(k, 0) + v
+            else:
+                setattr(self, f.name, mine + theirs)
+
+    # measured ratios; None where the denominator is zero
+    @property
+    def up_ratio(self) -> float | None:
+        return ratio(self.up_samples, self.samples)
+
+    @property
+    def token_hit_ratio(self) -> float | None:
+        return ratio(self.hit_tokens, self.lookup_tokens)
+
+    def tier_hit_ratio(self, tier: str) -> float | None:
+        return ratio(self.tier_hits.get(tier, 0), self.lookups)
+
+    def occupancy_ratio(self, tier: str) -> float | None:
+        """Mean used over mean capacity of the tier, over the nodes with readings."""
+        used, cap = self.used_bytes.get(tier), self.capacity_bytes.get(tier)
+        return None if used is None or cap is None else ratio(used, cap)
+
+    @property
+    def tiers(self) -> list[str]:
+        seen = set(self.tier_hits) | set(self.capacity_bytes)
+        return [t for t in TIER_ORDER if t in seen] + sorted(seen - set(TIER_ORDER))
+
+    @property
+    def tokens_per_joule(self) -> float | None:
+        """Engine tokens (prompt + generated) per NVML joule, over nodes that report both."""
+        return ratio(self.both_tokens, self.both_energy_j)
+
+    @property
+    def ttft_mean_s(self) -> float | None:
+        return ratio(self.ttft_sum_s, self.ttft_count)
+
+    @property
+    def ttft_without_cache_mean_s(self) -> float | None:
+        """Modeled: measured TTFT plus the prefill its cached prompt tokens would have taken."""
+        return ratio(self.ttft_sum_s + self.cached_prefill_s, self.ttft_count)
+
+    @property
+    def energy_kwh(self) -> float | None:
+        return self.energy_j / JOULES_PER_KWH if self.energy_nodes else None
+
+    @property
+    def carbon_saved_g(self) -> float | None:
+        """Modeled carbon saved on the nodes whose DC has a grid intensity; None when hits
+        were made but no such DC had one (unknown, not zero)."""
+        if self.carbon_unknown_nodes and not self.carbon_known_nodes:
+            return None
+        return self.carbon_g_saved
+
+    @property
+    def facility_kwh_saved(self) -> float:
+        return self.facility_joules_saved / JOULES_PER_KWH
+
+    @property
+    def plan_bases(self) -> list[str]:
+        """Prefill bases behind the plans' seconds saved (those with any, else all seen)."""
+        kinds = [k for k, v in self.plan_saved_s.items() if v] or list(self.plan_saved_s)
+        return sorted(kinds)
+
+    @property
+    def gpu_time_basis(self) -> str:
+        """Measured only when every second counted comes from plans on a measured prefill rate:
+        a configured or modeled rate, or hits without plans, make the whole figure modeled."""
+        measured = self.plan_nodes and not self.token_model_nodes
+        return MEASURED if measured and self.plan_bases == [MEASURED] else MODELED
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)} | self.hit_figures()
+        for prop in (
+            "up_ratio",
+            "token_hit_ratio",
+            "tokens_per_joule",
+            "ttft_mean_s",
+            "ttft_without_cache_mean_s",
+            "energy_kwh",
+            "facility_kwh_saved",
+            "carbon_saved_g",
+            "plan_bases",
+            "gpu_time_basis",
+        ):
+            out[prop] = getattr(self, prop)
+        out["tier_hit_ratio"] = {t: self.tier_hit_ratio(t) for t in self.tiers}
+        return out
+
+
+CACHE_COLUMNS: Final = (
+    "lookups",
+    "lookup_tokens",
+    "hits",
+    "hit_tokens",
+    "reuse_hits",
+    "sharing_hits",
+    "evictions",
+    "used_bytes",
+    "capacity_bytes",
+)
+PLAN_COLUMNS: Final = ("saved_s", "recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
+ENGINE_COLUMNS: Final = (
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "generation_tokens",
+    "requests",
+    "ttft_count",
+    "ttft_sum_s",
+)
+
+
+def total(counts: Iterable[Counts]) -> Counts:
+    """The sum of ``counts`` (nodes into a DC, DCs into the fleet)."""
+    out = Counts()
+    for c in counts:
+        out.add(c)
+    return out
+
+
+def measured_counts(
+    conn: Connection, start_ms: int, end_ms: int, nodes: Iterable[NodeInfo]
+) -> dict[int, Counts]:
+    """Measured counts per node id over [start, end); five queries, whatever the number of
+    nodes. Nothing modeled: :func:`node_counts` adds the savings."""
+    out = {n.id: Counts(nodes=1) for n in nodes}
+
+    def rows(table: str, columns: Iterable[str]) -> Iterable[Mapping[Any, Any]]:
+        # every node's rows: a filter of 1,000 ids costs more than the rows it skips
+        q = window(conn, series(table), start_ms, end_ms, columns=list(columns))
+        for r in conn.execute(q):
+            m = r._mapping
+            if m["node_id"] in out:
+                yield m
+
+    for m in rows("node_sample", ("up",)):
+        c = out[m["node_id"]]
+        c.samples += as_int(m["samples"])
+        c.up_samples += as_int(m["up"])
+    for m in rows("cache_sample", CACHE_COLUMNS):
+        c, tier = out[m["node_id"]], m["tier"]
+        if tier == "all":
+            c.lookups = as_int(m["lookups"])
+            c.lookup_tokens = as_int(m["lookup_tokens"])
+            c.hits = as_int(m["hits"])
+            c.hit_tokens = as_int(m["hit_tokens"])
+            c.reuse_hits = as_int(m["reuse_hits"])
+            c.sharing_hits = as_int(m["sharing_hits"])
+            c.evictions = as_int(m["evictions"])
+            continue
+        c.tier_hits[tier] = as_int(m["hits"])
+        c.tier_hit_tokens[tier] = as_int(m["hit_tokens"])
+        c.tier_reuse_hits[tier] = as_int(m["reuse_hits"])
+        c.tier_sharing_hits[tier] = as_int(m["sharing_hits"])
+        if (used := gauge_mean(m, "used_bytes")) is not None:
+            c.used_bytes[tier] = used
+        if (cap := gauge_mean(m, "capacity_bytes")) is not None:
+            c.capacity_bytes[tier] = cap
+            c.capacity_nodes[tier] = 1
+    energy: dict[int, float] = defaultdict(float)
+    for m in rows("power_sample", ("energy_j", "power_w")):
+        c = out[m["node_id"]]
+        if m["energy_j"] is not None:
+            energy[m["node_id"]] += float(m["energy_j"])
+        c.power_w += gauge_mean(m, "power_w") or 0.0
+    for node_id, joules in energy.items():
+        out[node_id].energy_nodes = 1
+        out[node_id].energy_j = joules
+    for m in rows("plan_sample", PLAN_COLUMNS):
+        c, basis = out[m["node_id"]], m["prefill_basis"]
+        c.plan_nodes = 1
+        c.plan_saved_s[basis] = c.plan_saved_s.get(basis, 0.0) + as_float(m["saved_s"])
+        c.plan_recompute_s += as_float(m["recompute_s"])
+        c.plan_fetch_s += as_float(m["fetch_s"])
+        c.plan_fetch_chunks += as_int(m["fetch_chunks"])
+        c.plan_recompute_chunks += as_int(m["recompute_chunks"])
+    for m in rows("engine_sample", ENGINE_COLUMNS):
+        c = out[m["node_id"]]
+        c.engine_nodes = 1
+        c.prompt_tokens += as_int(m["prompt_tokens"])
+        c.cached_prompt_tokens += as_int(m["cached_prompt_tokens"])
+        c.generation_tokens += as_int(m["generation_tokens"])
+        c.requests += as_int(m["requests"])
+        c.ttft_count += as_int(m["ttft_count"])
+        c.ttft_sum_s += as_float(m["ttft_sum_s"])
+    for c in out.values():
+        # tokens per joule: numerator and denominator from the same nodes
+        if c.energy_nodes and c.prompt_tokens + c.generation_tokens:
+            c.both_nodes = 1
+            c.both_tokens = c.prompt_tokens + c.generation_tokens
+            c.both_energy_j = c.energy_j
+    return out
+
+
+def node_counts(
+    conn: Connection,
+    start_ms: int,
+    end_ms: int,
+    nodes: Iterable[NodeInfo],
+    dcs: Mapping[str, DcInfo],
+    assume: Assumptions,
+) -> dict[int, Counts]:
+    """:func:`measured_counts` and the modeled savings of each node's hits.
+
+    A node with plan samples in the window is credited its plans' seconds saved (prefill minus
+    fetch of the chunks taken, from the rates its agent decided with), and nothing for hits
+    made before its agent reported plans (an upgrade inside the window): a saving is never
+    claimed on a figure that ignored fetch time. Other nodes: hit tokens / modeled rate."""
+    by_id = {n.id: n for n in nodes}
+    out = measured_counts(conn, start_ms, end_ms, by_id.values())
+    for node_id, c in out.items():
+        node = by_id[node_id]
+        dc = dcs[node.dc]
+        inputs = assume.inputs_for(node.gpu_model)
+        c.default_gpu_nodes = int(gpu_key(node.gpu_model) is None)
+        # TTFT without cache: numerator and denominator from the same nodes
+        if c.ttft_count:
+            c.cached_prefill_s = inputs.prefill_seconds(c.cached_prompt_tokens)
+        plan_saved_s = sum(c.plan_saved_s.values()) if c.plan_nodes else None
+        c.token_model_nodes = int(plan_saved_s is None and c.hit_tokens > 0)
+        if c.hit_tokens or plan_saved_s:
+            s = savings(
+                c.hit_tokens,
+                inputs,
+                pue=dc.pue,
+                carbon_g_per_kwh=dc.carbon_g_per_kwh,
+                plan_saved_s=plan_saved_s,
+            )
+            c.gpu_seconds_saved = s.gpu_seconds
+            c.it_joules_saved = s.it_joules
+            c.facility_joules_saved = s.facility_joules
+            c.carbon_g_saved = s.carbon_g or 0.0
+            c.carbon_unknown_nodes = int(s.carbon_g is None)
+            c.carbon_known_nodes = int(s.carbon_g is not None)
+            c.pue_unknown_nodes = int(not s.pue_known)
+    return out

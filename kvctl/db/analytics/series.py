@@ -1,0 +1,162 @@
+"""A DC's or a node's figures over a window bucket by bucket, and a node's notable events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+
+from kvctl.db.analytics.values import as_int, gauge_mean
+from kvctl.db.analytics.windows import Window, bucket_starts
+from kvctl.db.models import raw_table
+from kvctl.db.rollup import buckets, series
+from kvctl.ratios import HitCounts
+
+
+@dataclass(slots=True)
+class TimeSeries:
+    """Time series of a DC or node: one entry per bucket start (ms), ascending."""
+
+    bucket_ms: list[int] = field(default_factory=list)
+    #: per tier: sum over nodes of each node's mean used bytes in the bucket
+    used_bytes: dict[str, list[float | None]] = field(default_factory=dict)
+    capacity_bytes: dict[str, list[float | None]] = field(default_factory=dict)
+    lookups: list[int] = field(default_factory=list)
+    hits: list[int] = field(default_factory=list)
+    reuse_hits: list[int] = field(default_factory=list)
+    sharing_hits: list[int] = field(default_factory=list)
+    evictions: list[int] = field(default_factory=list)
+    #: sum over GPUs of each GPU's mean power in the bucket; None without readings
+    power_w: list[float | None] = field(default_factory=list)
+    energy_j: list[float | None] = field(default_factory=list)
+
+    def hit_counts(self) -> list[HitCounts]:
+        """Each bucket's counts, for its ratios."""
+        return [
+            HitCounts(*c)
+            for c in zip(self.lookups, self.hits, self.reuse_hits, self.sharing_hits, strict=True)
+        ]
+
+
+def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSeries:
+    """Bucketed series over the window for the given nodes (a DC's or one node's)."""
+    starts = bucket_starts(win)
+    pos = {b: i for i, b in enumerate(starts)}
+    n = len(starts)
+    out = TimeSeries(bucket_ms=starts)
+    out.lookups, out.hits, out.reuse_hits = [0] * n, [0] * n, [0] * n
+    out.sharing_hits, out.evictions = [0] * n, [0] * n
+    out.power_w, out.energy_j = [None] * n, [None] * n
+    if not node_ids:
+        return out
+    where = {"node_id": node_ids}
+    q = buckets(
+        conn,
+        series("cache_sample"),
+        win.start_ms,
+        win.end_ms,
+        win.step_ms,
+        where=where,
+        columns=[
+            "lookups",
+            "hits",
+            "reuse_hits",
+            "sharing_hits",
+            "evictions",
+            "used_bytes",
+            "capacity_bytes",
+        ],
+    )
+    for r in conn.execute(q):
+        m = r._mapping
+        i = pos.get(int(m["bucket_ms"]))
+        if i is None:
+            continue
+        if m["tier"] == "all":
+            out.lookups[i] += as_int(m["lookups"])
+            out.hits[i] += as_int(m["hits"])
+            out.reuse_hits[i] += as_int(m["reuse_hits"])
+            out.sharing_hits[i] += as_int(m["sharing_hits"])
+            out.evictions[i] += as_int(m["evictions"])
+            continue
+        for gauge, target in (
+            ("used_bytes", out.used_bytes),
+            ("capacity_bytes", out.capacity_bytes),
+        ):
+            values = target.setdefault(m["tier"], [None] * n)
+            if (mean := gauge_mean(m, gauge)) is not None:
+                values[i] = (values[i] or 0.0) + mean
+    q = buckets(
+        conn,
+        series("power_sample"),
+        win.start_ms,
+        win.end_ms,
+        win.step_ms,
+        where=where,
+        columns=["energy_j", "power_w"],
+    )
+    for r in conn.execute(q):
+        m = r._mapping
+        i = pos.get(int(m["bucket_ms"]))
+        if i is None:
+            continue
+        if (mean := gauge_mean(m, "power_w")) is not None:
+            out.power_w[i] = (out.power_w[i] or 0.0) + mean
+        if m["energy_j"] is not None:
+            out.energy_j[i] = (out.energy_j[i] or 0.0) + float(m["energy_j"])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEvent:
+    ts_ms: int
+    kind: str
+    detail: str
+
+
+def node_events(conn: Connection, win: Window, node_id: int, *, limit: int = 10) -> list[NodeEvent]:
+    """A node's notable events in the window, newest first, read from raw samples (kept two
+    days by default): agent restarts, unreachable spells with their error, and the buckets
+    with the most evictions."""
+    t = raw_table("node_sample")
+    q = (
+        select(t.c.ts_ms, t.c.up, t.c.agent_started_s, t.c.error)
+        .where(t.c.node_id == node_id, t.c.ts_ms >= win.start_ms, t.c.ts_ms < win.end_ms)
+        .order_by(t.c.ts_ms)
+    )
+    events: list[NodeEvent] = []
+    started: float | None = None
+    down_since: int | None = None
+    down_error = ""
+    down_count = 0
+    for ts, up, agent_started, error in conn.execute(q):
+        if up:
+            if down_since is not None:
+                events.append(_down_event(down_since, down_count, down_error))
+                down_since = None
+            if agent_started is not None:
+                if started is not None and agent_started != started:
+                    events.append(NodeEvent(ts, "restart", "agent restarted: counters reset"))
+                started = agent_started
+        else:
+            if down_since is None:
+                down_since, down_count = ts, 0
+            down_count += 1
+            down_error = error or down_error
+    if down_since is not None:
+        events.append(_down_event(down_since, down_count, down_error, ongoing=True))
+    s = time_series(conn, win, [node_id])
+    peaks = sorted(
+        ((e, b) for b, e in zip(s.bucket_ms, s.evictions, strict=True) if e),
+        reverse=True,
+    )[:3]
+    events += [NodeEvent(b, "evictions", f"{e:,} chunks evicted in this bucket") for e, b in peaks]
+    events.sort(key=lambda e: e.ts_ms, reverse=True)
+    return events[:limit]
+
+
+def _down_event(since_ms: int, count: int, error: str, *, ongoing: bool = False) -> NodeEvent:
+    tail = " (still down)" if ongoing else ""
+    text = f"unreachable for {count} scrape{'s' * (count != 1)}{tail}: {error or 'no answer'}"
+    return NodeEvent(since_ms, "down", text)
