@@ -8,11 +8,12 @@ import platform
 import signal
 import statistics
 import subprocess
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import kvctl
+from kvctl.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from kvctl.agent.daemon import AgentState
@@ -101,3 +102,23 @@ def spread(fig: dict[str, Any]) -> float:
     """(max - min) / median of a figure's samples: 0 for a single sample."""
     samples = fig["samples_bytes_per_second"]
     return (max(samples) - min(samples)) / statistics.median(samples)
+
+
+def check_sizes(sizes_bytes: Sequence[int], bytes_per_size: int, repeats: int) -> list[int]:
+    """The chunk sizes, bytes per size and repeats every size-sweeping benchmark takes, checked
+    before anything is allocated (bools are not counts)."""
+    sizes = list(sizes_bytes)
+    if not sizes:
+        raise InvalidArgument("give at least one chunk size")
+    for size in sizes:
+        if not _is_int(size) or size <= 0:
+            raise InvalidArgument(f"chunk sizes must be positive numbers of bytes, got {size!r}")
+    if not _is_int(bytes_per_size) or bytes_per_size <= 0:
+        raise InvalidArgument(f"bytes_per_size must be a positive integer, got {bytes_per_size!r}")
+    if not _is_int(repeats) or repeats < 1:
+        raise InvalidArgument(f"repeats must be an integer of at least 1, got {repeats!r}")
+    return sizes
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -60,13 +60,13 @@ from typing import TYPE_CHECKING, Any
 
 from kvctl.bench.common import (
     alternating,
+    check_sizes,
     figure,
     host_info,
     release_views,
     spot_check,
     spread,
 )
-from kvctl.errors import InvalidArgument
 from kvctl.format import format_bytes, format_rate
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.gpu import (
@@ -121,7 +121,7 @@ def run_gpu_bench(
 ) -> dict[str, Any]:
     """Measure the gpu tier at each chunk size (see the module docstring for the result), or
     return {"skipped": why, ...} where CUDA is unavailable. InvalidArgument for bad arguments."""
-    sizes = _check_args(sizes_bytes, bytes_per_size, repeats)
+    sizes = check_sizes(sizes_bytes, bytes_per_size, repeats)
     device = f"cuda:{parse_device(device)}"
     base = {"benchmark": "gpu", **host_info(), "device": device}
     ok, detail = gpu_available(device)
@@ -389,19 +389,3 @@ def _notes(repeats: int) -> list[str]:
 
 
 # --- arguments --------------------------------------------------------------------------------
-def _check_args(sizes_bytes: Sequence[int], bytes_per_size: int, repeats: int) -> list[int]:
-    sizes = list(sizes_bytes)
-    if not sizes:
-        raise InvalidArgument("give at least one chunk size")
-    for size in sizes:
-        if not _is_int(size) or size <= 0:
-            raise InvalidArgument(f"chunk sizes must be positive numbers of bytes, got {size!r}")
-    if not _is_int(bytes_per_size) or bytes_per_size <= 0:
-        raise InvalidArgument(f"bytes_per_size must be a positive integer, got {bytes_per_size!r}")
-    if not _is_int(repeats) or repeats < 1:
-        raise InvalidArgument(f"repeats must be an integer of at least 1, got {repeats!r}")
-    return sizes
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvctl.bench.common import (
     alternating,
+    check_sizes,
     figure,
     host_info,
     release_views,
@@ -646,16 +647,7 @@ def _notes(repeats: int, filesystem: dict[str, str] | None) -> list[str]:
 def _check_args(
     sizes_bytes: Sequence[int], bytes_per_size: int, directory: pathlib.Path | None, repeats: int
 ) -> list[int]:
-    sizes = list(sizes_bytes)
-    if not sizes:
-        raise InvalidArgument("give at least one chunk size")
-    for size in sizes:
-        if not _is_int(size) or size <= 0:
-            raise InvalidArgument(f"chunk sizes must be positive numbers of bytes, got {size!r}")
-    if not _is_int(bytes_per_size) or bytes_per_size <= 0:
-        raise InvalidArgument(f"bytes_per_size must be a positive integer, got {bytes_per_size!r}")
-    if not _is_int(repeats) or repeats < 1:
-        raise InvalidArgument(f"repeats must be an integer of at least 1, got {repeats!r}")
+    sizes = check_sizes(sizes_bytes, bytes_per_size, repeats)
     if directory is not None:
         path = pathlib.Path(directory)
         if not path.is_dir():
@@ -663,10 +655,6 @@ def _check_args(
         if not os.access(path, os.W_OK | os.X_OK):
             raise InvalidArgument(f"benchmark directory {path} is not writable")
     return sizes
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _filesystem_of(path: str) -> dict[str, str] | None:
