@@ -23,6 +23,8 @@ from kvctl.store.keys import KVLayout
 #: the fraction of peak FLOP/s prefill reaches (model FLOPs utilisation); 0.5 is typical of
 #: long-prompt prefill in vLLM and SGLang on H100, and an input the user can change
 DEFAULT_MFU = 0.5
+#: light in fiber: about 5 microseconds per km, one way (the floor under any link's RTT)
+FIBER_SECONDS_PER_KM = 5e-6
 
 
 @dataclass(frozen=True, slots=True)

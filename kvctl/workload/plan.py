@@ -38,15 +38,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvctl.errors import InvalidArgument
-from kvctl.profiles import ModeledInputs
+from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
 from kvctl.store.policies import EVICTION_POLICIES
 from kvctl.workload.simulate import simulate_policy
 from kvctl.workload.trace import TraceRequest
 
 #: label of every modeled figure
 MODELED = "modeled"
-#: light in fiber: about 5 us per km, one way (design.md section 3)
-FIBER_SECONDS_PER_KM = 5e-6
 
 #: host DRAM -> GPU over PCIe Gen5 x16 (64 GB/s raw): ~25 GB/s effective for copies of scattered
 #: pinned KV blocks, ~10 us to set up a copy

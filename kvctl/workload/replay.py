@@ -35,14 +35,12 @@ from typing import Any
 
 from kvctl.client import AgentClient, DataClient
 from kvctl.errors import InvalidArgument
-from kvctl.profiles import ModeledInputs
+from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
 from kvctl.store.keys import ChunkKey, Namespace
 from kvctl.workload.tokens import KeyChainer
 from kvctl.workload.trace import TraceRequest
 
 ROUTINGS = ("prefix", "round-robin")
-#: light in fiber: about 5 microseconds per km, one way
-FIBER_SECONDS_PER_KM = 5e-6
 #: emulated link bandwidth between DCs (100 Gb/s)
 DEFAULT_LINK_BYTES_PER_SECOND = 12.5e9
 

@@ -9,6 +9,7 @@ import pytest
 
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import (
+    FIBER_SECONDS_PER_KM,
     GPUProfile,
     ModeledInputs,
     ModelProfile,
@@ -18,7 +19,6 @@ from kvctl.profiles import (
 from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.plan import (
     DEFAULT_TRANSFERS,
-    FIBER_SECONDS_PER_KM,
     TierCost,
     TransferModel,
     curve_capacities,

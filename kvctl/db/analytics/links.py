@@ -13,9 +13,8 @@ from kvctl.db.analytics.inventory import Inventory, pair
 from kvctl.db.analytics.values import as_float, as_int
 from kvctl.db.analytics.windows import Window, bucket_starts
 from kvctl.db.rollup import buckets, series, window
-from kvctl.profiles import ModeledInputs
+from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
 from kvctl.ratios import ratio
-from kvctl.workload.plan import FIBER_SECONDS_PER_KM
 
 DEFAULT_CHUNK_TOKENS: Final = 256
 
