@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 from kvctl.store.keys import KVLayout, Namespace
@@ -58,6 +58,7 @@ from kvctl.wire.protocol import (
     send_all,
     zero_pieces,
 )
+from kvctl.wire.reports import AgentInfo, AgentStats, LinkProbe
 
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
 #: replies' payloads are read into buffers the caller sized (or drained), never allocated whole,
@@ -128,16 +129,17 @@ class ArenaLeases:
     """Chunks held in place in the agent's shared-memory arena for the length of a
     ``DataClient.leased()`` block: read them straight from ``arena`` (no copy through the socket
     or a staging buffer). ``chunks[i]`` is None where key i is not cached (``missing``) or could
-    not be held in the arena (read it with ``get_into``)."""
+    not be held in the arena (read it with ``get_into``); ``arena`` is None only when no chunk
+    is held and the arena was never mapped."""
 
-    arena: mmap.mmap
+    arena: mmap.mmap | None
     generation: int
     chunks: list[LeasedChunk | None]
     missing: frozenset[int]
 
     def view(self, i: int) -> memoryview:
         c = self.chunks[i]
-        if c is None:
+        if c is None or self.arena is None:
             raise KeyError(f"chunk {i} is not leased")
         return memoryview(self.arena)[c.offset : c.offset + c.size_bytes]
 
@@ -366,9 +368,13 @@ class DataClient:
         outs = [_as_bytes_view(b) for b in buffers]
         if len(outs) != len(keys):
             raise ValueError("give one buffer per key")
-        # with caller buffers both paths give each chunk's size (an int) or None
-        got = (self._get_leased if self.shm else self._get_socket)(keys, tenant, outs)
-        return [-1 if g is None else g for g in got]  # type: ignore[misc]
+        # with caller buffers both paths give each chunk's size or None
+        got = (
+            self._get_leased(keys, tenant, outs)
+            if self.shm
+            else self._get_socket(keys, tenant, outs)
+        )
+        return [-1 if g is None else g for g in got]
 
     @contextlib.contextmanager
     def leased(
@@ -384,9 +390,8 @@ class DataClient:
         with self._lock:
             leases, held = self._lease_locked(keys, tenant, ttl)
             try:
-                assert self._arena is not None or not held
                 yield ArenaLeases(
-                    arena=self._arena,  # type: ignore[arg-type]
+                    arena=self._arena,
                     generation=self._arena_gen,
                     chunks=[c for c, _ in leases],
                     missing=frozenset(i for i, (_, st) in enumerate(leases) if st == "missing"),
@@ -457,8 +462,9 @@ class DataClient:
             return memoryview(bufs[i])
 
         def landed(i: int) -> None:
-            if arrived is not None:
-                arrived(i, metas[i], bufs[i])  # type: ignore[arg-type]
+            meta = metas[i]  # only chunks with metadata carry bytes
+            if arrived is not None and meta is not None:
+                arrived(i, meta, bufs[i])
 
         w = MetaWriter().text(tenant).u8(1 if payload else 0).keys(keys)
         self._call(Op.FETCH, w.build(), into=into, sizes_of=sizes_of, arrived=landed)
@@ -670,10 +676,24 @@ class DataClient:
         ]
 
     # --- socket path --------------------------------------------------------------------------
+    @overload
+    def _get_socket(
+        self, keys: Sequence[bytes], tenant: str, outs: None
+    ) -> list[bytearray | None]: ...
+    @overload
+    def _get_socket(
+        self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview]
+    ) -> list[int | None]: ...
+    @overload
     def _get_socket(
         self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview] | None
-    ) -> list[bytearray | int | None]:
-        results: list[bytearray | int | None] = [None] * len(keys)
+    ) -> list[bytearray | None] | list[int | None]: ...
+    def _get_socket(
+        self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview] | None
+    ) -> list[bytearray | None] | list[int | None]:
+        """The chunks in new buffers (``outs`` None), else read into ``outs`` (their sizes);
+        None where not cached."""
+        results: list[Any] = [None] * len(keys)  # the overloads say which, by ``outs``
 
         def target(i: int, size: int) -> memoryview:
             if outs is None:
@@ -748,25 +768,35 @@ class DataClient:
             w.u64(lease_id)
         self._call_locked(Op.RELEASE, w.build(), (), None)
 
+    @overload
+    def _get_leased(
+        self, keys: Sequence[bytes], tenant: str, outs: None = None
+    ) -> list[bytearray | None]: ...
+    @overload
+    def _get_leased(
+        self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview]
+    ) -> list[int | None]: ...
     def _get_leased(
         self,
         keys: Sequence[bytes],
         tenant: str,
         outs: Sequence[memoryview] | None = None,
-    ) -> list[Any]:
+    ) -> list[bytearray | None] | list[int | None]:
+        """``_get_socket`` through leases on the shared arena; chunks that cannot be leased,
+        or whose lease ran out during the copy, go over the socket."""
         ttl = float(self.info.get("lease_seconds", 10.0))
         results: list[Any] = [None] * len(keys)
         retry: list[int] = []
         with self._lock:
             leases, held = self._lease_locked(keys, tenant, ttl)
             try:
-                arena = memoryview(self._arena) if held else None  # type: ignore[arg-type]
+                arena = memoryview(self._arena) if held and self._arena is not None else None
                 for i, (chunk, status) in enumerate(leases):
-                    if chunk is None:
+                    if chunk is None or arena is None:  # a held chunk means a mapped arena
                         if status == "fallback":
                             retry.append(i)
                         continue
-                    src = arena[chunk.offset : chunk.offset + chunk.size_bytes]  # type: ignore[index]
+                    src = arena[chunk.offset : chunk.offset + chunk.size_bytes]
                     size = chunk.size_bytes
                     if outs is None:
                         dst = bytearray(size)
@@ -899,11 +929,13 @@ class AgentClient:
     def health(self) -> dict[str, Any]:
         return dict(self._request("GET", "/v1/health"))
 
-    def info(self) -> dict[str, Any]:
-        return dict(self._request("GET", "/v1/info"))
+    def info(self) -> AgentInfo:
+        info: AgentInfo = self._request("GET", "/v1/info")
+        return info
 
-    def stats(self) -> dict[str, Any]:
-        return dict(self._request("GET", "/v1/stats"))
+    def stats(self) -> AgentStats:
+        stats: AgentStats = self._request("GET", "/v1/stats")
+        return stats
 
     def lookup(
         self,
@@ -973,7 +1005,7 @@ class AgentClient:
         pings: int = 5,
         size_bytes: int = 1 << 20,
         timeout_s: float = 2.0,
-    ) -> dict[str, Any]:
+    ) -> LinkProbe:
         """Have this agent probe the link to another agent's data plane (``target``,
         HOST:PORT): ping RTT and loss, then upload and download bandwidth of ``size_bytes``.
         ``token`` is the target's data-plane token. The HTTP timeout grows with the probe's
@@ -988,11 +1020,12 @@ class AgentClient:
             body["token"] = token
         # connect + pings (with reconnects) + two transfers, each bounded by timeout_s
         worst_s = timeout_s * (2 * pings + 4) + 5.0
-        return dict(self._request("POST", "/v1/probe", json=body, timeout=worst_s))
+        probe: LinkProbe = self._request("POST", "/v1/probe", json=body, timeout=worst_s)
+        return probe
 
     def remote(self) -> dict[str, Any]:
         """The pool and peers: reachability, link figures, fetch plans, the pool writer."""
-        return self._request("GET", "/v1/remote")
+        return dict(self._request("GET", "/v1/remote"))
 
     def gpus(self) -> dict[str, Any]:
         """NVML status and one reading per GPU of the agent's host."""

@@ -10,6 +10,7 @@ Store calls take the store's lock and may touch disk, so those endpoints are pla
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -38,9 +39,9 @@ from starlette.routing import Match
 
 from kvctl import __version__
 from kvctl.agent.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, clip_echo, safe_text
-from kvctl.agent.probe import probe_link
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.remote.probe import probe_link
 from kvctl.store.errors import (
     CapacityError,
     DiskFullError,
@@ -51,6 +52,7 @@ from kvctl.store.keys import KEY_BYTES, keys_for
 from kvctl.units import parse_size
 from kvctl.wire.address import TcpAddress, parse_address
 from kvctl.wire.protocol import MAX_PROBE_BYTES
+from kvctl.wire.reports import LinkProbe
 
 MAX_KEYS_PER_REQUEST = 100_000
 MAX_PAGE = 10_000
@@ -394,11 +396,6 @@ def _capacity_bytes(capacity: int | str) -> int:
     return int(value)
 
 
-def _hit_ratio(stats: dict[str, Any]) -> float:
-    chunks = stats.get("lookup_chunks") or 0
-    return (stats.get("hit_chunks") or 0) / chunks if chunks else 0.0
-
-
 def _redact(value: Any) -> Any:
     """An input echoed in a validation error, with secret fields' values blanked out."""
     if isinstance(value, dict):
@@ -626,26 +623,12 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
     @app.get("/v1/info", tags=["agent"], responses=_errors())
     def info() -> dict[str, Any]:
         """Name, version, tiers, models, data-plane addresses and whether auth is on."""
-        return runtime.info()
+        return dict(runtime.info())  # as a TypedDict, FastAPI would validate and filter it
 
     @app.get("/v1/stats", tags=["agent"], responses=_errors())
     def stats() -> dict[str, Any]:
         """Store counters and tier usage, with the chunk hit ratio derived (hits / looked up)."""
-        snapshot = getattr(store, "snapshot", None)
-        if snapshot is not None:
-            snap = snapshot()
-            out = dict(snap.as_dict() if hasattr(snap, "as_dict") else snap)
-        else:
-            out = {"stats": store.stats.as_dict(), "usage": store.usage()}
-        counters = out.get("stats")
-        out["hit_ratio"] = _hit_ratio(counters if isinstance(counters, dict) else out)
-        # counters restart at zero with the agent: collectors spot a restart by this changing
-        out["started_s"] = runtime.started_s
-        # fetch or recompute: chunks taken and recomputed by tier, the rates behind them
-        out["fetch_plans"] = runtime.planner.status()
-        if runtime.remote is not None:
-            out["remote"] = runtime.remote.status()
-        return out
+        return dict(runtime.stats())
 
     @app.get("/v1/remote", tags=["agent"], responses=_errors())
     def remote() -> dict[str, Any]:
@@ -665,7 +648,7 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         }
 
     @app.post("/v1/probe", response_model=ProbeResponse, tags=["agent"], responses=_errors(400))
-    def probe(body: ProbeRequest) -> dict[str, Any]:
+    def probe(body: ProbeRequest) -> LinkProbe:
         """Probe the link from this agent to another agent's data plane: PING round trips
         (median, min, loss), then one upload and one download of `bytes` for bandwidth.
 
@@ -878,7 +861,9 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         while not await request.is_disconnected():
             # the hub blocks on a threading.Condition: wait in a worker thread, never the loop
             batch = await anyio.to_thread.run_sync(
-                lambda c=cursor: hub.read(c, limit=_EVENT_BATCH, timeout_s=_EVENT_WAIT_SECONDS),
+                functools.partial(
+                    hub.read, cursor, limit=_EVENT_BATCH, timeout_s=_EVENT_WAIT_SECONDS
+                ),
                 # a cancelled stream need not wait out the hub's wait; the thread ends by itself
                 abandon_on_cancel=True,
                 limiter=event_threads,
@@ -941,6 +926,7 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
             schemas[authed] = schema
         return schemas[authed]
 
+    # FastAPI's documented way to customize the schema; its stub declares openapi a method
     app.openapi = openapi  # type: ignore[method-assign]
 
     # bound the route label to our own templates: probes of random paths all count as "other"

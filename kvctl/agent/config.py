@@ -31,6 +31,7 @@ import tomllib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePath
+from typing import Any
 
 from kvctl.agent.settings import (
     DEFAULT_CONTROL_PORT,
@@ -354,7 +355,9 @@ def _link(name: str, fields: Mapping[str, object]) -> LinkSpec:
         if raw is None:
             return None
         try:
-            v = float(raw)  # type: ignore[arg-type]
+            if not isinstance(raw, str | int | float):
+                raise TypeError
+            v = float(raw)
         except (TypeError, ValueError):
             raise _Invalid(f"link {name}: {key} must be a number, got {raw!r}") from None
         if not math.isfinite(v) or v < 0:
@@ -363,9 +366,11 @@ def _link(name: str, fields: Mapping[str, object]) -> LinkSpec:
 
     rtt_ms, delay_ms = number("rtt_ms"), number("delay_ms")
     bandwidth: float | None = None
-    if fields.get("bandwidth") is not None:
+    raw_bandwidth = fields.get("bandwidth")
+    if raw_bandwidth is not None:
         try:
-            bandwidth = float(parse_size(fields["bandwidth"]))  # type: ignore[arg-type]
+            text = raw_bandwidth if isinstance(raw_bandwidth, int) else str(raw_bandwidth)
+            bandwidth = float(parse_size(text))
         except InvalidArgument as exc:
             raise _Invalid(f"link {name}: bandwidth (bytes per second): {exc}") from None
         if bandwidth <= 0:
@@ -399,13 +404,13 @@ def _links(value: object, ctx: _Ctx) -> tuple[LinkSpec, ...]:
             if not isinstance(item, str) or ":" not in item:
                 raise _Invalid(f'a link looks like "NAME:key=value,...", got {item!r}')
             name, _, rest = item.partition(":")
-            fields: dict[str, object] = {}
+            given: dict[str, object] = {}
             for part in filter(None, (p.strip() for p in rest.split(","))):
                 key, eq, val = part.partition("=")
                 if not eq:
                     raise _Invalid(f"link {name}: {part!r} is not key=value")
-                fields[key.strip()] = val.strip()
-            specs.append(_link(name.strip(), fields))
+                given[key.strip()] = val.strip()
+            specs.append(_link(name.strip(), given))
     names = [s.name for s in specs]
     if len(set(names)) != len(names) or not all(names):
         raise _Invalid(f"link names must be unique and non-empty, got {names}")
@@ -829,13 +834,13 @@ def load_settings(
     layers.append(_env_layer(env))
     layers.append(_flag_layer(flags or {}, env))
 
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}  # each value was parsed for its field (_SETTINGS)
     sources = {f.name: "default" for f in dataclasses.fields(AgentSettings)}
     for layer in layers:
         for field, (value, source) in layer.items():
             values[field] = value
             sources[field] = source
-    settings = AgentSettings(**values)  # type: ignore[arg-type]  # each value parsed per field
+    settings = AgentSettings(**values)
     _check_exposure(settings, sources)
     _check_socket(settings, sources)
     _check_remote(settings, sources)

@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
@@ -98,6 +99,9 @@ _OP_NAMES = {op.value: op.name.lower() for op in Op}
 _PROBE_ZEROS = bytes(PROBE_PIECE_BYTES)
 #: ops whose requests carry a payload; any other op with one is a broken frame
 _PAYLOAD_OPS = frozenset({Op.PUT, Op.PROBE})
+#: what a handler answers: the reply's parts (its metadata first, then payload pieces) and the
+#: payload's length in bytes
+Reply = tuple[list[bytes | bytearray | memoryview], int]
 
 
 class ByteBudget:
@@ -141,7 +145,6 @@ class DataPlaneServer:
         """Limits left as None take the module's constants as they are when the server is made
         (so a launcher can set them before the agent starts)."""
         self.runtime = runtime
-        self.store = runtime.store
         self.max_chunk_bytes = runtime.settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
         self.frame_timeout_s = FRAME_TIMEOUT_SECONDS if frame_timeout_s is None else frame_timeout_s
@@ -151,12 +154,10 @@ class DataPlaneServer:
         budget = PUT_BUDGET_BYTES if put_budget_bytes is None else put_budget_bytes
         self.budget = ByteBudget(max(budget, self.max_chunk_bytes + MAX_META_BYTES))
         self.token = runtime.settings.token.encode()
-        # local tiers, then the remote ones lookups can report (the pool, peers)
-        self.tier_names = [*self.store.tier_names, *self.store.external_tier_names]
+        self.tier_names = runtime.served_tier_names
         self.tier_codes: dict[str | None, int] = {name: i for i, name in enumerate(self.tier_names)}
         self.tier_codes[None] = NO_TIER
-        lease_tier = self.store.lease_tier  # the first cpu tier: under a gpu tier, not the top one
-        self.shm_tier = lease_tier if lease_tier is not None and lease_tier.shared else None
+        self.shm_tier = runtime.shm_tier
         self.stopping = False
         self._listeners: list[tuple[socket.socket, str]] = []
         self._threads: list[threading.Thread] = []
@@ -248,7 +249,7 @@ class DataPlaneServer:
         while not self.stopping:
             time.sleep(0.5)
             try:
-                n = self.store.expire_leases()
+                n = self.runtime.expire_leases()
             except KvctlError:
                 return  # store closed
             if n:
@@ -272,7 +273,7 @@ class DataPlaneServer:
             "version": __version__,
             "tiers": self.tier_names,
             #: what a pool agent's clients report as the pool's size
-            "usage": self.store.usage(),
+            "usage": self.runtime.usage(),
             "chunk_tokens": s.chunk_tokens,
             "max_chunk_bytes": self.max_chunk_bytes,
             "lease_seconds": s.lease_seconds,
@@ -285,7 +286,7 @@ class Connection:
 
     def __init__(self, server: DataPlaneServer, sock: socket.socket, transport: str) -> None:
         self.server = server
-        self.store = server.store
+        self.runtime = server.runtime
         self.sock = sock
         self.transport = transport
         self.authed = not server.token
@@ -308,7 +309,7 @@ class Connection:
         self._release_after_send: list[int] = []
         self._send_fd = -1
         self.thread = threading.Thread(target=self._run, name="kvctl-conn", daemon=True)
-        self._handlers: dict[int, Callable[[MetaReader, int], tuple[list, int]]] = {
+        self._handlers: dict[int, Callable[[MetaReader, int], Reply]] = {
             Op.HELLO: self._hello,
             Op.PING: lambda meta, _n: ([b""], 0),
             Op.PUT: self._put,
@@ -329,7 +330,7 @@ class Connection:
 
     # --- connection loop --------------------------------------------------------------------
     def _run(self) -> None:
-        metrics = self.server.runtime.metrics
+        metrics = self.runtime.metrics
         metrics.connection_opened(self.transport)
         header = bytearray(HEADER_BYTES)
         try:
@@ -537,7 +538,7 @@ class Connection:
             )
             return False
         finally:
-            self.server.runtime.metrics.observe_dataplane(
+            self.runtime.metrics.observe_dataplane(
                 _OP_NAMES.get(op, "other"),
                 self.transport,
                 time.perf_counter() - started,
@@ -546,7 +547,7 @@ class Connection:
                 bytes_out=sent,
             )
             if self._release_after_send:
-                self.store.release(self._release_after_send)
+                self.runtime.release(self._release_after_send)
                 self._release_after_send = []
             for fd in self._fds:  # descriptors only count with the frame that expects them
                 os.close(fd)
@@ -572,7 +573,7 @@ class Connection:
         return self._buf
 
     # --- handlers: each returns (reply parts: meta first, payload bytes) ---------------------
-    def _hello(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _hello(self, meta: MetaReader, _payload: int) -> Reply:
         token = meta.text().encode()
         meta.text()  # client name, for logs
         if self.server.token and not hmac.compare_digest(token, self.server.token):
@@ -580,7 +581,7 @@ class Connection:
         self.authed = True
         return [json.dumps(self.server.hello_info()).encode()], 0
 
-    def _put(self, meta: MetaReader, payload_len: int) -> tuple[list, int]:
+    def _put(self, meta: MetaReader, payload_len: int) -> Reply:
         try:
             tenant = meta.text()
             items = meta.structs(ITEM, meta.count())
@@ -610,7 +611,7 @@ class Connection:
                     raise
         return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
 
-    def _probe(self, meta: MetaReader, payload_len: int) -> tuple[list, int]:
+    def _probe(self, meta: MetaReader, payload_len: int) -> Reply:
         try:
             want_bytes = parse_probe(meta, payload_len)
         except FrameError as exc:
@@ -621,7 +622,7 @@ class Connection:
         reply = MetaWriter().u64(payload_len).build()
         return [reply, *zero_pieces(_PROBE_ZEROS, want_bytes)], want_bytes
 
-    def _put_staged(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _put_staged(self, meta: MetaReader, _payload: int) -> Reply:
         if self._staging is None:
             raise FrameError(ErrorCode.BAD_REQUEST, "PUT_STAGED before ATTACH")
         tenant = meta.text()
@@ -640,10 +641,10 @@ class Connection:
         staging.release()
         return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
 
-    def _store_item(self, tenant: str, item: tuple, data: memoryview) -> bytes:  # type: ignore[type-arg]
+    def _store_item(self, tenant: str, item: tuple[Any, ...], data: memoryview) -> bytes:
         key, _size, tokens, priority, flags, parent, depth = item
         try:
-            tier = self.store.put(
+            tier = self.runtime.put(
                 key,
                 data,
                 tokens=tokens or None,
@@ -652,7 +653,7 @@ class Connection:
                 depth=depth,
                 priority=priority,
                 pinned=bool(flags & FLAG_PINNED),
-                isolated=bool(flags & FLAG_ISOLATED) or self.server.runtime.is_isolated(tenant),
+                isolated=bool(flags & FLAG_ISOLATED),
             )
         except CapacityError:
             return bytes((Status.NO_ROOM, NO_TIER))
@@ -662,14 +663,14 @@ class Connection:
             return bytes((Status.DECLINED, NO_TIER))
         return bytes((Status.OK, self.server.tier_codes[tier]))
 
-    def _get(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _get(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.text()
         keys = meta.keys()
         meta.done()
         items = bytearray()
         payload: list[memoryview | bytearray] = []
         total = 0
-        self.server.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
+        self.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
         for data in self._send_views(keys, tenant):
             if data is None:
                 items += GET_ITEM.pack(Status.MISSING, 0)
@@ -684,7 +685,7 @@ class Connection:
         """The chunks' bytes to send (None: missing): in place under endless leases (this
         thread releases them after the send, whatever happens), or a copy where one cannot be
         leased. One batch lease, so the disk chunks among them are read in parallel."""
-        leases = self.store.lease_many(keys, math.inf, tenant=tenant)
+        leases = self.runtime.lease_many(keys, math.inf, tenant=tenant)
         # every lease is released after the send, even when making a view below fails
         self._release_after_send += [r.lease_id for r in leases if isinstance(r, Lease)]
         out: list[memoryview | bytearray | None] = []
@@ -693,33 +694,30 @@ class Connection:
                 out.append(None)
             elif lease is None:
                 try:
-                    out.append(self.store.get(key, tenant=tenant))
+                    out.append(self.runtime.get(key, tenant=tenant))
                 except KeyNotFound:
                     out.append(None)
             else:
-                out.append(self.store.leased_view(lease))
+                out.append(self.runtime.leased_view(lease))
         return out
 
-    def _fetch(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _fetch(self, meta: MetaReader, _payload: int) -> Reply:
         """Chunks and their metadata for another agent; with want_payload 0 only the metadata
         (a probe: counts nothing, moves no bytes)."""
         tenant = meta.text()
         want_payload = meta.u8()
         keys = meta.keys()
         meta.done()
-        store = self.store
         w = MetaWriter().u32(len(keys))
         payload: list[memoryview | bytearray] = []
         total = 0
         # the bytes first (without the store's lock: disk reads run in parallel), then each
         # entry's metadata; a chunk evicted in between is reported missing
         views = self._send_views(keys, tenant) if want_payload else [None] * len(keys)
-        with store.locked():
-            tiers = store.locate(keys, tenant=tenant)
-            entries = [
-                None if tier is None or (want_payload and data is None) else store.entry(key)
-                for key, tier, data in zip(keys, tiers, views, strict=True)
-            ]
+        entries = [
+            None if want_payload and data is None else e
+            for e, data in zip(self.runtime.cached_entries(keys, tenant=tenant), views, strict=True)
+        ]
         for e, data in zip(entries, views, strict=True):
             if e is None:
                 w.raw(FETCH_ITEM.pack(Status.MISSING, 0, 0, 0, 0, bytes(16), 0.0)).text("")
@@ -743,41 +741,41 @@ class Connection:
                 total += memoryview(data).nbytes
         return [w.build(), *payload], total
 
-    def _exists(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _exists(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.text()
         keys = meta.keys()
         meta.done()
         codes = self.server.tier_codes
-        tiers = self.server.runtime.locate(keys, tenant=tenant)
+        tiers = self.runtime.locate(keys, tenant=tenant)
         return [MetaWriter().u32(len(keys)).raw(bytes(map(codes.__getitem__, tiers))).build()], 0
 
-    def _tenant(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _tenant(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.text()
         meta.done()
-        return [bytes((int(self.server.runtime.is_isolated(tenant)),))], 0
+        return [bytes((int(self.runtime.is_isolated(tenant)),))], 0
 
-    def _rates(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _rates(self, meta: MetaReader, _payload: int) -> Reply:
         """An engine's measured prefill samples and host -> device bandwidth: all of the frame
         is checked before any of it is kept, and a bad figure names itself (BAD_REQUEST)."""
         raw, bandwidth, model = parse_rates(meta)
         try:
             samples = [PrefillSample(n, a, t) for n, a, t in raw]
-            kept = self.server.runtime.report_rates(
+            kept = self.runtime.report_rates(
                 samples, host_to_device_bytes_per_s=bandwidth, model=model
             )
         except InvalidArgument as exc:
             raise FrameError(ErrorCode.BAD_REQUEST, f"RATES refused: {exc}") from None
-        prefill = self.server.runtime.planner.prefill(model or None)
+        prefill = self.runtime.planner.prefill(model or None)
         reply = rates_reply(kept, prefill.tokens_per_s, prefill.beta_s_per_token2, prefill.basis)
         return [reply], 0
 
-    def _lookup(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _lookup(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.text()
         keys = meta.keys()
         meta.done()
         return [self._lookup_reply(MetaWriter(), keys, tenant).build()], 0
 
-    def _lookup_many(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _lookup_many(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.text()
         chains = [meta.keys() for _ in range(meta.count())]
         meta.done()
@@ -787,7 +785,7 @@ class Connection:
         return [w.build()], 0
 
     def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> MetaWriter:
-        res = self.server.runtime.lookup(keys, tenant=tenant)
+        res = self.runtime.lookup(keys, tenant=tenant)
         codes = self.server.tier_codes
         w.u32(res.matched_chunks).u64(res.matched_tokens).u32(len(keys))
         return w.raw(bytes(map(codes.__getitem__, res.locations)))
@@ -799,16 +797,14 @@ class Connection:
             raise FrameError(ErrorCode.UNSUPPORTED, "this agent's cpu tier is not shared (shm off)")
         return self.server.shm_tier
 
-    def _map(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _map(self, meta: MetaReader, _payload: int) -> Reply:
         meta.done()
         tier = self._require_shm()
-        with self.store.locked():
-            fd = tier.reader_fd()
-            generation, size = tier.generation, max(tier.capacity_bytes, 1)
+        fd, generation, size = self.runtime.map_shm_arena(tier)
         self._send_fd = fd
         return [MetaWriter().u64(generation).u64(size).build()], 0
 
-    def _lease(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _lease(self, meta: MetaReader, _payload: int) -> Reply:
         self._require_shm()
         tenant = meta.text()
         ttl = meta.f64()
@@ -816,11 +812,11 @@ class Connection:
         meta.done()
         if math.isnan(ttl):  # passes any clamp, and no expiry would ever end such a lease
             raise FrameError(ErrorCode.BAD_REQUEST, "a lease's ttl must be a number, got NaN")
-        ttl = min(max(ttl, 0.001), self.server.runtime.settings.lease_seconds)
-        self.server.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
+        ttl = min(max(ttl, 0.001), self.runtime.settings.lease_seconds)
+        self.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
         out = bytearray()
         # one batch, so the disk chunks among them are read in parallel
-        for lease in self.store.lease_many(keys, ttl, tenant=tenant):
+        for lease in self.runtime.lease_many(keys, ttl, tenant=tenant):
             if isinstance(lease, KeyNotFound):
                 out += LEASE_ITEM.pack(Status.MISSING, 0, 0, 0, 0, 0.0)
                 continue
@@ -838,16 +834,16 @@ class Connection:
             )
         return [MetaWriter().u32(len(keys)).raw(bytes(out)).build()], 0
 
-    def _release(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _release(self, meta: MetaReader, _payload: int) -> Reply:
         n = meta.count()
         ids = [meta.u64() for _ in range(n)]
         meta.done()
         mine = [i for i in ids if i in self._leases]  # never another client's leases
         self._leases.difference_update(mine)
-        self.store.release(mine)
+        self.runtime.release(mine)
         return [b""], 0
 
-    def _attach(self, meta: MetaReader, _payload: int) -> tuple[list, int]:
+    def _attach(self, meta: MetaReader, _payload: int) -> Reply:
         if self.transport != "unix":
             raise FrameError(ErrorCode.UNSUPPORTED, "staging segments attach on the Unix socket")
         size = meta.u64()
@@ -859,7 +855,7 @@ class Connection:
         staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         # a gpu tier copies puts from the segment in one transfer once it is registered; this
         # replaces the connection's old registration first, so the old mapping can close
-        self.server.runtime.register_host_region(self, staging, read_only=True)
+        self.runtime.register_host_region(self, staging, read_only=True)
         if self._staging is not None:
             self._staging.close()
         self._staging = staging
@@ -879,9 +875,9 @@ class Connection:
             self._closed = True
         # a crashed or departed client's leases end with its connection, not at their deadline
         with contextlib.suppress(KvctlError):
-            self.store.release(list(self._leases))
+            self.runtime.release(list(self._leases))
         self._leases.clear()
-        self.server.runtime.unregister_host_region(self)
+        self.runtime.unregister_host_region(self)
         if self._staging is not None:
             with contextlib.suppress(BufferError):
                 self._staging.close()

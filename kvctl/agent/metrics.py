@@ -55,11 +55,9 @@ HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTI
 
 
 class _SnapshotSource(Protocol):
-    """What the collector needs from the store (``TieredStore`` or a test double)."""
+    """What the collector needs from the store: one consistent snapshot per scrape."""
 
-    stats: Any
-
-    def usage(self) -> dict[str, dict[str, int]]: ...
+    def snapshot(self) -> dict[str, Any]: ...
 
 
 class BoundedLabel:
@@ -95,15 +93,6 @@ class BoundedLabel:
         return OTHER
 
 
-def _read_snapshot(store: _SnapshotSource) -> dict[str, Any]:
-    """One consistent view of the store: ``store.snapshot()`` when it has one."""
-    snapshot = getattr(store, "snapshot", None)
-    if snapshot is not None:
-        return snapshot()  # type: ignore[no-any-return]
-    # older stores: two reads under two lock holds, close enough between scrapes
-    return {"stats": store.stats.as_dict(), "usage": store.usage(), "leases": 0}
-
-
 class StoreCollector(Collector):
     """Exports the store's counters and occupancy from one snapshot per scrape."""
 
@@ -115,7 +104,7 @@ class StoreCollector(Collector):
         yield from self._families({"stats": {"tiers": {}}, "usage": {}, "leases": 0})
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families(_read_snapshot(self._store))
+        yield from self._families(self._store.snapshot())
 
     @staticmethod
     def _families(snap: Mapping[str, Any]) -> Iterator[Metric]:
@@ -235,8 +224,8 @@ class StoreCollector(Collector):
             ),
         }
         for tier, u in usage.items():
-            for field, family in gauges.items():
-                family.add_metric((tier,), u.get(field, 0))
+            for field, gauge in gauges.items():
+                gauge.add_metric((tier,), u.get(field, 0))
         yield from gauges.values()
         yield GaugeMetricFamily(
             "kvctl_shm_leases",

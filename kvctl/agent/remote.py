@@ -54,7 +54,7 @@ def _source(name: str, tier: str, backend: RemotePool, spec: LinkSpec | None) ->
         name,
         rtt_s=spec.rtt_seconds,
         bandwidth_bytes_per_s=spec.bandwidth_bytes_per_second,
-        override=spec.override,  # type: ignore[arg-type]
+        override=spec.override,
         emulated_delay_s=spec.delay_seconds,
     )
     return Source(name, tier, backend, link, EmulatedDelay(spec.delay_seconds))

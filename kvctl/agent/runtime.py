@@ -1,7 +1,9 @@
 """What one running agent holds: its settings, store, event hub and metrics.
 
 The control API, the data plane and the tests all take an ``AgentRuntime``; only ``daemon``
-starts servers around it.
+starts servers around it. The data plane reaches the store only through the runtime's methods
+(reads that may go past this node to the pool or peers, puts, leases), so every path into the
+store from the network is written here once.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 from kvctl import __version__
 from kvctl.agent.events import EventHub
@@ -27,14 +29,23 @@ from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import Tier
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
+from kvctl.wire.reports import (
+    AgentInfo,
+    AgentStats,
+    DataDir,
+    TierUsage,
+    UnavailableTier,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from kvctl.nvml import GpuReading, NvmlReader, NvmlStatus
     from kvctl.remote.federation import RemoteTiers
-    from kvctl.store.index import LookupResult
+    from kvctl.store.index import Entry, LookupResult
+    from kvctl.store.store import LeaseResult
     from kvctl.store.tiers.base import Buffer
+    from kvctl.store.tiers.cpu import Lease
     from kvctl.store.tiers.gpu import GpuTier
 
 log = logging.getLogger("kvctl.agent")
@@ -73,9 +84,9 @@ class AgentRuntime:
         self._nvml_lock = threading.Lock()
         #: the pool and peers, when configured (``open`` builds them; tests may pass none)
         self.remote: RemoteTiers | None = None
-        #: tiers the settings ask for that this machine cannot have (a gpu tier without CUDA),
-        #: each {"name", "capacity_bytes", "device", "reason"}; listed in ``info``
-        self.unavailable_tiers: list[dict[str, Any]] = []
+        #: tiers the settings ask for that this machine cannot have (a gpu tier without CUDA);
+        #: listed in ``info``
+        self.unavailable_tiers: list[UnavailableTier] = []
 
     @property
     def settings(self) -> AgentSettings:
@@ -95,7 +106,7 @@ class AgentRuntime:
         data = settings.data_path
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         tiers: list[Tier] = []
-        unavailable: list[dict[str, Any]] = []
+        unavailable: list[UnavailableTier] = []
         gpu_tier: GpuTier | None = None
         try:
             if settings.gpu_capacity_bytes > 0:
@@ -199,10 +210,109 @@ class AgentRuntime:
     def is_isolated(self, tenant: str) -> bool:
         return tenant in self.settings.isolated_tenants
 
-    def info(self) -> dict[str, Any]:
+    # --- writes and leases: the data plane's way into the store -----------------------------
+    def put(
+        self,
+        key: bytes,
+        data: Buffer,
+        *,
+        tokens: int | None,
+        tenant: str,
+        parent: bytes | None,
+        depth: int,
+        priority: int,
+        pinned: bool,
+        isolated: bool,
+    ) -> str | None:
+        """Store a client's chunk; the tier it landed in, or None when a policy declined it.
+        An isolated tenant's chunks are isolated whatever the client's flag says."""
+        return self.store.put(
+            key,
+            data,
+            tokens=tokens,
+            tenant=tenant,
+            parent=parent,
+            depth=depth,
+            priority=priority,
+            pinned=pinned,
+            isolated=isolated or self.is_isolated(tenant),
+        )
+
+    def get(self, key: bytes, *, tenant: str) -> bytearray:
+        """A copy of a local chunk (raises KeyNotFound)."""
+        return self.store.get(key, tenant=tenant)
+
+    def lease_many(self, keys: Sequence[bytes], ttl_s: float, *, tenant: str) -> list[LeaseResult]:
+        """Hold local chunks in place in the shared (cpu) tier; see ``TieredStore.lease_many``."""
+        return self.store.lease_many(keys, ttl_s, tenant=tenant)
+
+    def leased_view(self, lease: Lease) -> memoryview:
+        return self.store.leased_view(lease)
+
+    def release(self, lease_ids: Sequence[int]) -> int:
+        return self.store.release(lease_ids)
+
+    def expire_leases(self) -> int:
+        return self.store.expire_leases()
+
+    def cached_entries(self, keys: Sequence[bytes], *, tenant: str) -> list[Entry | None]:
+        """Each key's index entry where it is cached here and visible to ``tenant`` (None
+        elsewhere), read under one hold of the store's lock."""
+        store = self.store
+        with store.locked():
+            tiers = store.locate(keys, tenant=tenant)
+            return [
+                None if tier is None else store.entry(key)
+                for key, tier in zip(keys, tiers, strict=True)
+            ]
+
+    @property
+    def served_tier_names(self) -> list[str]:
+        """Local tiers, then the remote ones lookups can report (the pool, peers)."""
+        return [*self.store.tier_names, *self.store.external_tier_names]
+
+    @property
+    def shm_tier(self) -> CpuTier | None:
+        """The cpu tier local clients read from in place, when it is shared (under a gpu tier,
+        not the top one)."""
+        tier = self.store.lease_tier
+        return tier if tier is not None and tier.shared else None
+
+    def map_shm_arena(self, tier: CpuTier) -> tuple[int, int, int]:
+        """(a read-only descriptor, generation, size in bytes) of the shared arena, read
+        together under the store's lock; the caller closes the descriptor."""
+        with self.store.locked():
+            return tier.reader_fd(), tier.generation, max(tier.capacity_bytes, 1)
+
+    # --- what the control API and HELLO report -------------------------------------------------
+    def usage(self) -> dict[str, TierUsage]:
+        # the store builds these entries; tests/unit/test_reports.py holds them to the wire shape
+        return cast("dict[str, TierUsage]", self.store.usage())
+
+    def stats(self) -> AgentStats:
+        """Counters and usage from one snapshot of the store, with the fetch-or-recompute
+        decisions (and the pool and peers, when configured)."""
+        snap = self.store.snapshot()
+        out: AgentStats = {
+            "stats": snap["stats"],
+            "usage": snap["usage"],
+            "leases": snap["leases"],
+            "read_bandwidth_bytes_per_second": snap["read_bandwidth_bytes_per_second"],
+            "hit_ratio": snap["stats"]["hit_ratio"],
+            "started_s": self.started_s,
+            "fetch_plans": self.planner.status(),
+        }
+        if self.remote is not None:
+            out["remote"] = self.remote.status()
+        return out
+
+    def info(self) -> AgentInfo:
         s = self.settings
-        usage = self.store.usage()
         tcp = s.data_host_port
+        offline: list[UnavailableTier] = [
+            {"name": name, "reason": reason, "offline": True}
+            for name, reason in self.store.offline_tiers.items()
+        ]
         return {
             "name": s.name,
             "dc": s.dc,
@@ -212,15 +322,9 @@ class AgentRuntime:
             "chunk_tokens": s.chunk_tokens,
             "max_chunk_bytes": s.max_chunk_bytes,
             "eviction": s.eviction,
-            "tiers": [{"name": name, **u} for name, u in usage.items()],
+            "tiers": [{"name": name, **u} for name, u in self.usage().items()],
             # tiers never opened, then tiers that failed in service (puts go to the next one)
-            "unavailable_tiers": [
-                *self.unavailable_tiers,
-                *(
-                    {"name": name, "reason": reason, "offline": True}
-                    for name, reason in self.store.offline_tiers.items()
-                ),
-            ],
+            "unavailable_tiers": [*self.unavailable_tiers, *offline],
             "models": [
                 {
                     "id": m.id,
@@ -354,7 +458,7 @@ def _open_gpu_tier(settings: AgentSettings) -> GpuTier | str:
     return tier
 
 
-def _disk(path: Path) -> dict[str, Any]:
+def _disk(path: Path) -> DataDir:
     """Free and total bytes of the filesystem holding ``path`` and the directory's permission
     bits (None when unreadable), for `kvctl doctor` (it warns when others can read them)."""
     try:

@@ -23,6 +23,7 @@ import socket
 import struct
 from collections.abc import Sequence
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 
@@ -279,7 +280,7 @@ class MetaReader:
         # numpy splits the run of keys into bytes objects in C, 8x faster than slicing
         return list(np.frombuffer(raw, dtype=_KEY_DTYPE).tolist()) if n else []
 
-    def structs(self, st: struct.Struct, n: int) -> list[tuple]:  # type: ignore[type-arg]
+    def structs(self, st: struct.Struct, n: int) -> list[tuple[Any, ...]]:
         raw = self._take(n * st.size)
         return list(st.iter_unpack(raw))
 

@@ -1,12 +1,13 @@
-"""Link probes between agents: RTT and loss by PING, bandwidth by a bounded PROBE upload and
-download through the target's data plane. Used by the control API's ``POST /v1/probe``."""
+"""Link probes to another agent: RTT and loss by PING, bandwidth by a bounded PROBE upload and
+download through the target's data plane (through the SDK, like every other talk to a peer).
+The agent's control API serves them as ``POST /v1/probe``."""
 
 from __future__ import annotations
 
 import statistics
-from typing import Any
 
 from kvctl.client import AgentError, AgentUnreachable, AuthError, DataClient
+from kvctl.wire.reports import LinkProbe
 
 #: a probe stops pinging after this many lost in a row: the link is down, and more tries would
 #: only hold the request (and a threadpool thread) for another timeout each
@@ -25,22 +26,22 @@ def _connect_error(target: str, exc: Exception) -> str:
     return f"cannot reach {target}: {exc}"
 
 
-def _bytes_per_s(size_bytes: int, elapsed_s: float, rtt_min_s: float | None) -> float:
+def _bytes_per_s(size_bytes: int, elapsed_s: float, rtt_min_s: float) -> float:
     """Bandwidth of a transfer timed as one round trip: the fastest ping's RTT is taken off,
     so that on a long link a small probe does not measure mostly latency."""
     transfer_s = elapsed_s
-    if rtt_min_s is not None and elapsed_s > rtt_min_s:
+    if elapsed_s > rtt_min_s:
         transfer_s = elapsed_s - rtt_min_s
     return size_bytes / max(transfer_s, 1e-9)
 
 
 def probe_link(
     target: str, *, token: str, pings: int, size_bytes: int, timeout_s: float
-) -> dict[str, Any]:
+) -> LinkProbe:
     """Ping ``target``'s data plane ``pings`` times, then time one upload and one download of
     ``size_bytes``. Never raises for the target's sake: failures go in ``error``. Worst case
     about (2 * pings + 4) * timeout_s, though a dead link ends the pings early."""
-    result: dict[str, Any] = {
+    result: LinkProbe = {
         "target": target,
         "ok": False,
         "rtt_s": None,
@@ -89,10 +90,10 @@ def probe_link(
         if not rtts_s:
             result["error"] = f"all {pings} pings to {target} were lost ({last_error})"
             return result
+        rtt_min_s = min(rtts_s)
         result["rtt_s"] = statistics.median(rtts_s)
-        result["rtt_min_s"] = min(rtts_s)
+        result["rtt_min_s"] = rtt_min_s
         if size_bytes:
-            rtt_min_s = result["rtt_min_s"]
             try:
                 up_s = connected().probe(upload_bytes=size_bytes)
                 down_s = connected().probe(download_bytes=size_bytes)
@@ -101,11 +102,9 @@ def probe_link(
                 return result
             up = _bytes_per_s(size_bytes, up_s, rtt_min_s)
             down = _bytes_per_s(size_bytes, down_s, rtt_min_s)
-            result.update(
-                upload_bytes_per_s=up,
-                download_bytes_per_s=down,
-                bandwidth_bytes_per_s=min(up, down),
-            )
+            result["upload_bytes_per_s"] = up
+            result["download_bytes_per_s"] = down
+            result["bandwidth_bytes_per_s"] = min(up, down)
         result["ok"] = True
         return result
     finally:

@@ -1,0 +1,171 @@
+"""The shape of what an agent reports on its control API: ``/v1/info``, ``/v1/stats`` and
+``/v1/probe``. The agent builds these and the SDK returns them; both are typed by these
+definitions, so a field is added, renamed or removed here and nowhere else.
+
+Counters are cumulative since the agent started (``started_s``); ratios are derived.
+"""
+
+# no ``from __future__ import annotations``: TypedDict reads NotRequired from evaluated
+# annotations only, and tests check reports against __required_keys__
+from typing import Any, NotRequired, TypedDict
+
+
+class TierUsage(TypedDict):
+    """One tier's occupancy."""
+
+    capacity_bytes: int
+    used_bytes: int
+    pinned_bytes: int
+    chunks: int
+
+
+class TierEntry(TierUsage):
+    """A tier as ``/v1/info`` lists it (fastest first)."""
+
+    name: str
+
+
+class UnavailableTier(TypedDict):
+    """A tier the settings ask for that the agent does not serve: never opened (no CUDA:
+    ``capacity_bytes`` and ``device`` say what was asked for) or failed in service
+    (``offline``)."""
+
+    name: str
+    reason: str
+    capacity_bytes: NotRequired[int]
+    device: NotRequired[str]
+    offline: NotRequired[bool]
+
+
+class ModelEntry(TypedDict):
+    id: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    bytes_per_token: int
+    chunk_bytes: int
+
+
+class DataPlaneAddresses(TypedDict):
+    #: "HOST:PORT" the TCP listener bound, None when off
+    tcp: str | None
+    #: the Unix socket's path, None when off
+    unix: str | None
+    #: whether local clients may read chunks from the shared-memory arena
+    shm: bool
+
+
+class DataDir(TypedDict):
+    """The state directory: its filesystem's free and total bytes and its permission bits (None
+    where unreadable)."""
+
+    path: str
+    free_bytes: int | None
+    total_bytes: int | None
+    mode: int | None
+
+
+class AgentInfo(TypedDict):
+    """``/v1/info``."""
+
+    name: str
+    dc: str
+    version: str
+    pid: int
+    started_s: float
+    chunk_tokens: int
+    max_chunk_bytes: int
+    eviction: str
+    tiers: list[TierEntry]
+    unavailable_tiers: list[UnavailableTier]
+    models: list[ModelEntry]
+    isolated_tenants: list[str]
+    #: "node" or "pool"
+    role: str
+    #: the pool and peers (``kvctl.remote``'s description), None without them
+    remote: dict[str, Any] | None
+    dataplane: DataPlaneAddresses
+    auth: bool
+    data_dir: DataDir
+
+
+class TierCounters(TypedDict):
+    """One tier's counters in ``/v1/stats``."""
+
+    hits: int
+    hit_tokens: int
+    #: hits on a chunk the same tenant stored
+    reuse_hits: int
+    #: hits on a chunk another tenant stored
+    sharing_hits: int
+    puts: int
+    bytes_written: int
+    bytes_read: int
+    #: chunks that arrived here on a read (from a slower tier, or into the lease tier)
+    promotions: int
+    #: chunks that arrived here from a faster tier
+    demotions: int
+    #: chunks that left this tier, by reason
+    evictions: dict[str, int]
+
+
+class StoreCounters(TypedDict):
+    """The node's counters in ``/v1/stats``: chunk lookups and hits, and what left the node."""
+
+    #: lookup calls (one per request's prefix)
+    lookups: int
+    lookup_chunks: int
+    lookup_tokens: int
+    hit_chunks: int
+    hit_tokens: int
+    reuse_hits: int
+    sharing_hits: int
+    #: hit_chunks / lookup_chunks (0 before any lookup)
+    hit_ratio: float
+    #: chunks that left the node (a demotion keeps a chunk on it)
+    drops: int
+    demotion_failures: int
+    admission_refused: int
+    bypassed_puts: int
+    corrupt_dropped: int
+    rerouted_puts: int
+    spilled_puts: int
+    tiers: dict[str, TierCounters]
+
+
+class AgentStats(TypedDict):
+    """``/v1/stats``."""
+
+    stats: StoreCounters
+    usage: dict[str, TierUsage]
+    #: live shared-memory read leases
+    leases: int
+    #: measured read bandwidth per tier, None until measured
+    read_bandwidth_bytes_per_second: dict[str, float | None]
+    #: stats.hit_ratio, repeated at the top
+    hit_ratio: float
+    #: counters restart at zero with the agent: a collector spots a restart by this changing
+    started_s: float
+    #: fetch-or-recompute decisions and the rates behind them (``kvctl.remote``'s status)
+    fetch_plans: dict[str, Any]
+    #: the pool and peers (``kvctl.remote``'s status), only when configured
+    remote: NotRequired[dict[str, Any]]
+
+
+class LinkProbe(TypedDict):
+    """``/v1/probe``: one agent's measurement of the link to another agent's data plane."""
+
+    target: str
+    #: the target answered and every step completed; ``error`` says why not
+    ok: bool
+    rtt_s: float | None
+    rtt_min_s: float | None
+    #: lost pings / pings
+    loss_ratio: float
+    upload_bytes_per_s: float | None
+    download_bytes_per_s: float | None
+    #: the lower of upload and download
+    bandwidth_bytes_per_s: float | None
+    probe_bytes: int
+    error: str | None
