@@ -3,6 +3,8 @@ and `--version` stay fast."""
 
 from __future__ import annotations
 
+import inspect
+import re
 from typing import Annotated
 
 import typer
@@ -33,6 +35,28 @@ app = typer.Typer(
     rich_markup_mode="rich",
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def prose_help(doc: str) -> str:
+    """A docstring as help text: each prose paragraph on one line, so the terminal wraps it
+    instead of the source's line breaks; indented paragraphs (the examples) keep their lines."""
+    paragraphs = re.split(r"\n[ \t]*\n", inspect.cleandoc(doc))
+    return "\n\n".join(
+        p if p[:1].isspace() else " ".join(line.strip() for line in p.splitlines())
+        for p in paragraphs
+        if p.strip()
+    )
+
+
+def _prose_help_everywhere(typer_app: typer.Typer) -> None:
+    """Every command's docstring through :func:`prose_help`, subcommands' too."""
+    for info in typer_app.registered_commands:
+        doc = info.help or (info.callback.__doc__ if info.callback else None)
+        if doc:
+            info.help = prose_help(doc)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _prose_help_everywhere(group.typer_instance)
 
 
 def _version(value: bool) -> None:
@@ -107,6 +131,7 @@ app.add_typer(
     rich_help_panel=NODE,
 )
 app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.", rich_help_panel=OFFLINE)
+_prose_help_everywhere(app)
 
 
 def main() -> None:

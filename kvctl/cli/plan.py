@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 from typing import TYPE_CHECKING, Annotated
 
@@ -172,7 +173,8 @@ def save_report(report: dict[str, object], *, dc: str | None, db: str | None) ->
     return {"id": plan_id, "dc": dc}
 
 
-plan_command.__doc__ = (plan_command.__doc__ or "") + EXAMPLES
+# dedented apart: EXAMPLES is not indented like the docstring
+plan_command.__doc__ = inspect.cleandoc(plan_command.__doc__ or "") + "\n" + EXAMPLES
 
 
 def _ms(seconds: float) -> str:

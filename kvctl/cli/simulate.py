@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import pathlib
 from typing import Annotated
 
@@ -97,7 +98,8 @@ def simulate_command(
         render_report(report)
 
 
-simulate_command.__doc__ = (simulate_command.__doc__ or "") + EXAMPLES
+# dedented apart: EXAMPLES is not indented like the docstring
+simulate_command.__doc__ = inspect.cleandoc(simulate_command.__doc__ or "") + "\n" + EXAMPLES
 
 
 def render_report(report: object) -> None:

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 import typer.main
+import typer.rich_utils
+from typer.testing import CliRunner
 
-from kvctl.cli.main import app
+from kvctl.cli.main import app, prose_help
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -84,3 +86,51 @@ def test_shell_completion_completes_commands_and_options() -> None:
     assert complete("kvctl fle", 1) == ["fleet"]
     assert "--node" in complete("kvctl pin --n", 2)
     assert set(complete("kvctl fleet ", 2)) >= {"add-dc", "add-node", "ls", "import", "export"}
+
+
+def test_prose_help_flows_paragraphs_and_keeps_example_lines() -> None:
+    doc = """Do a thing.
+
+    First sentence runs over
+    two lines. Second one.
+
+    Examples:
+
+      kvctl thing --a 1
+      kvctl thing --b 2
+    """
+    assert prose_help(doc) == (
+        "Do a thing.\n\nFirst sentence runs over two lines. Second one.\n\nExamples:\n\n"
+        "  kvctl thing --a 1\n  kvctl thing --b 2"
+    )
+
+
+@pytest.mark.parametrize("path", [" ".join(p) for p, _ in COMMANDS])
+def test_help_paragraphs_hold_no_line_break_of_the_source(path: str) -> None:
+    cmd = dict((" ".join(p), c) for p, c in COMMANDS)[path]
+    for paragraph in cmd.help.split("\n\n"):
+        if not paragraph[:1].isspace():  # indented: examples, one per line on purpose
+            assert "\n" not in paragraph, f"kvctl {path}: {paragraph!r}"
+
+
+@pytest.mark.parametrize(
+    ("args", "source_line_break"),
+    [
+        (["simulate"], "all blocks before it in the request are cached"),
+        (["status"], "A node that does not answer is shown down with the last time"),
+        (["agent", "start"], "the data plane (TCP, Unix socket, shared memory) and /metrics"),
+        (["bench", "db"], "next to the driver's plain bulk path"),
+    ],
+)
+def test_rendered_help_reads_as_prose(
+    args: list[str], source_line_break: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # wide enough that only a line break left in the text could split the sentence
+    monkeypatch.setattr(typer.rich_utils, "MAX_WIDTH", 1000)
+    result = CliRunner().invoke(app, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    assert source_line_break in result.output
+    shown = {line.strip() for line in result.output.splitlines()}
+    cmd = dict(COMMANDS)[tuple(args)]
+    examples = [line.strip() for line in cmd.help.split("Examples:")[1].splitlines()]
+    assert set(filter(None, examples)) <= shown  # still one per line
