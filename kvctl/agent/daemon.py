@@ -3,13 +3,19 @@
 The agent records where it listens in ``<data_dir>/agent.json`` (written atomically once every
 socket is bound, removed on a clean exit), which ``kvctl agent stop/status`` and tests read. A
 file left by a killed agent is recognised by its dead pid and replaced.
+
+A detached agent gets its settings in ``<data_dir>/agent-settings.toml`` (0600, removed once it
+serves), not on its command line: ``ps`` shows every process's argv to every user, and the
+settings may hold a token or a pool password.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -19,16 +25,18 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from kvctl import __version__
-from kvctl.agent.settings import AgentSettings
+from kvctl.agent.settings import AgentSettings, LinkSpec
 from kvctl.wire.address import connect_host
 
 log = logging.getLogger("kvctl.agent")
 
 STATE_FILE = "agent.json"
 LOG_FILE = "agent.log"
+#: the settings a detached agent starts with, in the ``[agent]`` table ``load_settings`` reads
+SETTINGS_FILE = "agent-settings.toml"
 #: every file the agent writes is its owner's alone, whatever the umask and the directory's mode:
 #: the log names tenants and keys, chunks hold prompts' KV
 PRIVATE_FILE_MODE = 0o600
@@ -56,19 +64,13 @@ class AgentState:
     def read(cls, data_dir: Path) -> AgentState | None:
         try:
             raw = json.loads((data_dir / STATE_FILE).read_text())
-            return cls(**{k: raw.get(k) for k in cls.__slots__})  # type: ignore[attr-defined]
+            return cls(**{k: raw.get(k) for k in cls.__slots__})
         except (OSError, ValueError, TypeError):
             return None
 
     def write(self, data_dir: Path) -> None:
-        tmp = data_dir / f".{STATE_FILE}.{os.getpid()}"
         text = json.dumps({k: getattr(self, k) for k in self.__slots__}, indent=2)
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()  # a killed agent's leftover would keep its old mode
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, data_dir / STATE_FILE)
+        write_private(data_dir / STATE_FILE, text)
 
     @property
     def alive(self) -> bool:
@@ -185,6 +187,17 @@ def serve(settings: AgentSettings) -> int:
     return 0
 
 
+def write_private(path: Path, text: str) -> None:
+    """``text`` in ``path``, created 0600 whatever the umask, replaced atomically."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # a killed process's leftover would keep its old mode
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def open_private_log(path: Path) -> IO[bytes]:
     """``path`` opened for appending, created 0600; one an older build made readable by others
     is tightened (its lines are the agent's, so its owner is this user)."""
@@ -238,11 +251,98 @@ def spawn_agent(
     in ``<data_dir>/agent.log``, and wait until it serves. ``detach`` puts it in its own
     session, so a closed terminal (SIGHUP) does not take it down. Raises RuntimeError with the
     end of its log when it does not come up."""
+    return _spawn(["--data-dir", str(data_dir), *argv], data_dir, timeout_s, env, detach)
+
+
+def spawn_with_settings(
+    settings: AgentSettings,
+    *,
+    timeout_s: float = 30.0,
+    env: dict[str, str] | None = None,
+    detach: bool = True,
+) -> tuple[subprocess.Popen[bytes], AgentState]:
+    """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
+    in :data:`SETTINGS_FILE` (0600), which the child reads with ``load_settings`` and nothing
+    else (no config file, no ``KVCTL_*`` variable), and which is removed once it serves or
+    fails."""
+    data_dir = settings.data_path
+    data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    path = data_dir / SETTINGS_FILE
+    write_private(path, settings_toml(settings))
+    try:
+        return _spawn(["--settings-file", str(path)], data_dir, timeout_s, env, detach)
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def settings_toml(settings: AgentSettings) -> str:
+    """``settings`` as an ``[agent]`` table that ``load_settings`` reads back to equal settings
+    (``data_dir`` resolved, so the child does not resolve it again in another environment)."""
+    lines = ["[agent]"]
+    for f in dataclasses.fields(settings):
+        value = getattr(settings, f.name)
+        if f.name == "data_dir":
+            value = str(settings.data_path)
+        elif f.name == "peers":
+            value = dict(value)
+        elif f.name == "links":
+            value = {spec.name: _link_table(spec) for spec in value}
+        elif f.name == "models":
+            value = [dataclasses.asdict(m) for m in value]
+        lines.append(f"{f.name} = {_toml(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _link_table(spec: LinkSpec) -> dict[str, object]:
+    # the file's spelling: milliseconds, bytes per second
+    table: dict[str, object] = {"override": spec.override, "delay_ms": spec.delay_seconds * 1000}
+    if spec.rtt_seconds is not None:
+        table["rtt_ms"] = spec.rtt_seconds * 1000
+    if spec.bandwidth_bytes_per_second is not None:
+        table["bandwidth"] = round(spec.bandwidth_bytes_per_second)
+    return table
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        assert math.isfinite(value), value  # the loader admits finite numbers only
+        return repr(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return (
+            "{" + ", ".join(f"{_toml_string(str(k))} = {_toml(v)}" for k, v in value.items()) + "}"
+        )
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: quote, backslash and control characters escaped, the rest as is."""
+    return '"' + "".join(_toml_char(c) for c in text) + '"'
+
+
+def _toml_char(c: str) -> str:
+    return f"\\u{ord(c):04x}" if c in '"\\' or ord(c) < 0x20 or ord(c) == 0x7F else c
+
+
+def _spawn(
+    args: list[str],
+    data_dir: Path,
+    timeout_s: float,
+    env: dict[str, str] | None,
+    detach: bool,
+) -> tuple[subprocess.Popen[bytes], AgentState]:
     data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     log_path = data_dir / LOG_FILE
     with open_private_log(log_path) as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvctl", "agent", "start", "--data-dir", str(data_dir), *argv],
+            [sys.executable, "-m", "kvctl", "agent", "start", *args],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -45,6 +45,17 @@ def _load(config: Path | None, **flags: object) -> LoadedSettings:
         fail(str(exc), hint="`kvctl agent config --show` prints every setting and its source")
 
 
+def _handed_over(path: Path) -> AgentSettings:
+    """The settings a detaching `kvctl agent start` wrote for this process, as they are: no
+    config file and no KVCTL_* variable applies on top."""
+    from kvctl.agent.config import ConfigError, load_settings
+
+    try:
+        return load_settings(config_file=path, env={}).settings
+    except ConfigError as exc:
+        fail(str(exc), code=1)
+
+
 @agent_app.command("start")
 def start_command(
     config: ConfigOpt = None,
@@ -128,6 +139,11 @@ def start_command(
     detach: Annotated[
         bool, typer.Option("--detach", "-d", help="Run in the background and return when ready.")
     ] = False,
+    settings_file: Annotated[
+        Path | None,
+        # how --detach hands the child its settings (file 0600, never argv): not for people
+        typer.Option("--settings-file", hidden=True),
+    ] = None,
 ) -> None:
     """Start the agent: the control API, the data plane (TCP, Unix socket, shared memory)
     and /metrics. Runs in the foreground until SIGTERM or Ctrl-C unless --detach.
@@ -171,8 +187,7 @@ def start_command(
         "gpu": gpu,
         "log_level": log_level,
     }
-    loaded = _load(config, **flags)
-    settings = loaded.settings
+    settings = _handed_over(settings_file) if settings_file else _load(config, **flags).settings
     from kvctl.agent.daemon import AgentRunning, running_agent
 
     other = running_agent(settings.data_path)
@@ -184,26 +199,10 @@ def start_command(
             code=1,
         )
     if detach:
-        from kvctl.agent.daemon import spawn_agent
+        from kvctl.agent.daemon import spawn_with_settings
 
-        argv = [] if config is None else ["--config", str(config)]
-        repeated = {"peers": "--peer", "links": "--link"}
-        import os
-
-        env = dict(os.environ)
-        for key, value in flags.items():
-            if value is None or key == "data_dir":  # spawn_agent passes the resolved one
-                continue
-            if key == "pool":  # may hold a password: not in the daemon's command line
-                env["KVCTL_POOL"] = str(value)
-                continue
-            if key in repeated:
-                for item in value:  # type: ignore[attr-defined]
-                    argv += [repeated[key], str(item)]
-            else:
-                argv += [f"--{key.replace('_', '-')}", str(value)]
         try:
-            _, state = spawn_agent(argv, settings.data_path, env=env)
+            _, state = spawn_with_settings(settings)
         except RuntimeError as exc:
             fail(str(exc), code=1)
         console.print(

@@ -1,0 +1,58 @@
+"""`kvctl agent start --detach`: the child gets its settings in a private file, never on its
+command line (which `ps` shows every user), and runs with exactly the parent's settings."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvctl.agent.daemon import SETTINGS_FILE, AgentState, stop_agent
+from kvctl.client import AgentClient
+from tests.functional.agents import closed_port
+
+TOKEN = "detach-s3cret-token"
+POOL_PASSWORD = "p00l-passw0rd"
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / "agent"
+    yield path
+    stop_agent(path, timeout_s=20, force=True)
+
+
+def test_detached_agent_gets_its_settings_in_a_file_not_argv(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")  # no user config file leaks in
+    env["KVCTL_TOKEN"] = TOKEN
+    env["KVCTL_CPU"] = "16MiB"  # the --cpu flag below must still win in the child
+    pool = f"kvctl://:{POOL_PASSWORD}@127.0.0.1:{closed_port()}"
+    args = [
+        "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
+        "--cpu", "8MiB", "--disk", "0", "--pool", pool, "--name", "detached-1",
+    ]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "agent", "start", "--detach", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    state = AgentState.read(data_dir)
+    assert state is not None and state.alive
+    argv = Path(f"/proc/{state.pid}/cmdline").read_bytes().split(b"\0")
+    assert b"--settings-file" in argv
+    assert not any(TOKEN.encode() in a or POOL_PASSWORD.encode() in a for a in argv), argv
+    assert not (data_dir / SETTINGS_FILE).exists()  # read at start, removed once it serves
+    with AgentClient(state.control_url, token=TOKEN) as client:
+        info = client.info()
+    assert info["name"] == "detached-1"
+    assert {t["name"]: t["capacity_bytes"] for t in info["tiers"]} == {"cpu": 8 << 20}

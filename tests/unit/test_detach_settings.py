@@ -1,0 +1,42 @@
+"""The settings file a detaching `kvctl agent start` hands its child: read back by the agent's
+own loader, it gives the same settings, secrets and odd characters included."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+
+from kvctl.agent.config import load_settings
+from kvctl.agent.daemon import SETTINGS_FILE, settings_toml, write_private
+
+
+def test_settings_round_trip_through_the_file(tmp_path: Path) -> None:
+    flags: dict[str, object] = {
+        "name": "gpu-07",
+        "dc": 'fra "1"\\x',
+        "data_dir": str(tmp_path / "d"),
+        "listen": "127.0.0.1:0",
+        "cpu": "3GiB",
+        "disk": 0,
+        "token": "s3cret-tok\u00e9n",
+        "pool": "redis://:p%40ss@10.0.0.5:6379/0",
+        "pool_ttl_seconds": 0.25,
+        "peers": ["fra-2=10.1.0.7:7071", "ams=[::1]:7171"],
+        "links": ["fra-2:override=fetch,rtt_ms=2.5,bandwidth=10GB,delay_ms=1", "pool:rtt_ms=0.1"],
+        "isolated_tenants": "acme,globex",
+        "models": [{"id": "m", "layers": 2, "kv_heads": 1, "head_dim": 8, "dtype": "float16"}],
+        "fsync": True,
+        "shm": False,
+    }
+    original = load_settings(flags=flags, env={}).settings
+    path = tmp_path / SETTINGS_FILE
+    write_private(path, settings_toml(original))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_settings(config_file=path, env={}).settings == original
+
+
+def test_defaults_round_trip(tmp_path: Path) -> None:
+    original = load_settings(flags={"data_dir": str(tmp_path)}, env={}).settings
+    path = tmp_path / SETTINGS_FILE
+    path.write_text(settings_toml(original))
+    assert load_settings(config_file=path, env={}).settings == original
