@@ -3,7 +3,8 @@ shared-memory path (arena mapping, read leases, staged puts) on the Unix socket.
 
 One thread per connection: a request holds the store's lock only while it touches the index or
 copies bytes into the arena; sending a chunk to a socket happens outside the lock, from the arena
-itself, under a lease that keeps the bytes in place. See ``protocol`` for the wire format.
+itself, under a lease that keeps the bytes in place. See ``kvctl.wire.protocol`` for the wire
+format.
 """
 
 from __future__ import annotations
@@ -71,17 +72,11 @@ from kvctl.wire.protocol import (
 
 log = logging.getLogger("kvctl.agent.dataplane")
 
-#: a request that has started must keep moving: a frame is cut off (an error frame, then the
-#: connection closes) once it has run this long plus 1 s per MIN_FRAME_BYTES_PER_SECOND bytes it
-#: has moved, so a sender that stops, or trickles a byte every few seconds, is cut off after
-#: about this long, while a large transfer at a steady rate is never cut off
-FRAME_TIMEOUT_SECONDS = 30.0
-#: the slowest average rate (bytes in or out of one frame, after the grace above) still served
+#: a frame is cut off (an error frame, then the connection closes) once it has run the
+#: settings' ``data_frame_timeout_seconds`` plus 1 s per this many bytes it has moved: a sender
+#: that stops, or trickles a byte every few seconds, is cut off, while a large transfer at a
+#: steady rate never is
 MIN_FRAME_BYTES_PER_SECOND = 1 << 20
-#: bytes all connections together may hold of puts (and large metadata) still arriving; a frame
-#: waits for its share at most until its stall deadline, then gets BUSY and is closed. Raised to
-#: one largest chunk plus the largest metadata where that is more, so any valid frame can fit.
-PUT_BUDGET_BYTES = 1 << 30
 #: the receive buffer a connection keeps between frames: chunks and metadata up to this size
 #: reuse it (outside the budget); larger ones get a buffer of their own, anonymous memory whose
 #: pages exist only once bytes arrive, unmapped as soon as the chunk is stored
@@ -139,21 +134,23 @@ class DataPlaneServer:
         runtime: AgentRuntime,
         *,
         frame_timeout_s: float | None = None,
-        min_frame_bytes_per_s: float | None = None,
         put_budget_bytes: int | None = None,
-    ):
-        """Limits left as None take the module's constants as they are when the server is made
-        (so a launcher can set them before the agent starts)."""
+    ) -> None:
+        """Limits left as None are the settings' (``data_frame_timeout_seconds``,
+        ``data_put_budget_bytes``)."""
         self.runtime = runtime
-        self.max_chunk_bytes = runtime.settings.max_chunk_bytes
+        settings = runtime.settings
+        self.max_chunk_bytes = settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
-        self.frame_timeout_s = FRAME_TIMEOUT_SECONDS if frame_timeout_s is None else frame_timeout_s
-        self.min_frame_bytes_per_s = (
-            MIN_FRAME_BYTES_PER_SECOND if min_frame_bytes_per_s is None else min_frame_bytes_per_s
+        self.frame_timeout_s = (
+            settings.data_frame_timeout_seconds if frame_timeout_s is None else frame_timeout_s
         )
-        budget = PUT_BUDGET_BYTES if put_budget_bytes is None else put_budget_bytes
+        self.min_frame_bytes_per_s = MIN_FRAME_BYTES_PER_SECOND
+        budget = settings.data_put_budget_bytes if put_budget_bytes is None else put_budget_bytes
+        # a frame waits for its share at most until its stall deadline, then gets BUSY; raised
+        # to one largest chunk plus the largest metadata, so any valid frame can fit
         self.budget = ByteBudget(max(budget, self.max_chunk_bytes + MAX_META_BYTES))
-        self.token = runtime.settings.token.encode()
+        self.token = settings.token.encode()
         self.tier_names = runtime.served_tier_names
         self.tier_codes: dict[str | None, int] = {name: i for i, name in enumerate(self.tier_names)}
         self.tier_codes[None] = NO_TIER

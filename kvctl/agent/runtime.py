@@ -42,8 +42,8 @@ if TYPE_CHECKING:
 
     from kvctl.nvml import GpuReading, NvmlReader, NvmlStatus
     from kvctl.remote.federation import RemoteTiers
+    from kvctl.store.errors import KeyNotFound
     from kvctl.store.index import Entry, LookupResult
-    from kvctl.store.store import LeaseResult
     from kvctl.store.tiers.base import Buffer
     from kvctl.store.tiers.cpu import Lease
     from kvctl.store.tiers.gpu import GpuTier
@@ -242,7 +242,9 @@ class AgentRuntime:
         """A copy of a local chunk (raises KeyNotFound)."""
         return self.store.get(key, tenant=tenant)
 
-    def lease_many(self, keys: Sequence[bytes], ttl_s: float, *, tenant: str) -> list[LeaseResult]:
+    def lease_many(
+        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str
+    ) -> list[Lease | KeyNotFound | None]:
         """Hold local chunks in place in the shared (cpu) tier; see ``TieredStore.lease_many``."""
         return self.store.lease_many(keys, ttl_s, tenant=tenant)
 
