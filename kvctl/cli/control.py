@@ -5,120 +5,41 @@ audits it, and this module asks for confirmation, shows progress and renders the
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from kvctl.cli.options import (
-    AllOpt,
+    ChunkOptions,
     DbOpt,
-    DcOpt,
     JsonOpt,
-    NodeOpt,
-    TextOpt,
+    Targets,
+    TierOpt,
     TimeoutOpt,
-    TokenizerOpt,
-    TokensOpt,
     YesOpt,
+    bundled,
     db_errors,
     open_engine,
-    prompt_tokens,
 )
-from kvctl.cli.output import confirm, console, err_console, fail, print_json, user_errors
+from kvctl.cli.output import confirm, console, err_console, print_json, user_errors
 
 if TYPE_CHECKING:
-    from kvctl.fleet.actions import ActionReport, ActionRequest, ChunkSelection
-
-KeyOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--key",
-        "-k",
-        help="A chunk key, 32 hex characters (repeat for several).",
-        metavar="KEY",
-        show_default=False,
-    ),
-]
-KeysFileOpt = Annotated[
-    Path | None,
-    typer.Option("--keys-file", help="File of chunk keys, one per line (- for stdin)."),
-]
-ModelOpt = Annotated[
-    str | None,
-    typer.Option("--model", help="Model whose keys --text/--tokens make (default: the agent's)."),
-]
-TenantOpt = Annotated[str, typer.Option("--tenant", help="Tenant the prompt belongs to.")]
-TierOpt = Annotated[str | None, typer.Option("--tier", "-t", help="Tier name (gpu, cpu, disk...).")]
-
-
-def _keys(key: list[str] | None, keys_file: Path | None) -> list[str]:
-    from kvctl.store.keys import KEY_BYTES
-
-    texts = list(key or [])
-    if keys_file is not None:
-        raw = sys.stdin.read() if str(keys_file) == "-" else keys_file.read_text(encoding="utf-8")
-        texts += [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.startswith("#")]
-    for i, k in enumerate(texts):
-        try:
-            ok = len(bytes.fromhex(k)) == KEY_BYTES
-        except ValueError:
-            ok = False
-        if not ok:
-            shown = k if len(k) <= 40 else k[:40] + "..."
-            fail(
-                f"bad key #{i + 1} {shown!r}: keys are {KEY_BYTES * 2} hex characters",
-                hint="`kvctl keys --text ...` or `kvctl lookup` shows a prompt's keys",
-            )
-    return texts
-
-
-def _chunks(
-    key: list[str] | None,
-    keys_file: Path | None,
-    text: str | None,
-    tokens: Path | None,
-    tokenizer: str,
-    model: str | None,
-    tenant: str,
-) -> ChunkSelection:
-    from kvctl.fleet.actions import ChunkSelection
-
-    with user_errors(hint="see --help"):
-        keys = _keys(key, keys_file)
-        ids = prompt_tokens(text, tokens, tokenizer)
-        if bool(keys) == (ids is not None):
-            fail(
-                "name the chunks one way: --key/--keys-file, or a prompt (--text/--tokens)",
-                hint="a prompt's keys are computed by each agent for its own model",
-            )
-        if ids is not None:
-            return ChunkSelection(tokens=tuple(ids), model=model, tenant=tenant)
-        return ChunkSelection(keys=tuple(keys))
+    from kvctl.fleet.actions import ActionReport, ActionRequest
 
 
 def _act(
     request: ActionRequest,
-    node: list[str] | None,
-    dc: list[str] | None,
-    all_nodes: bool,
+    targets: Targets,
     yes: bool,
     db: str | None,
     json_out: bool,
     timeout_s: float,
 ) -> None:
     from kvctl.fleet.actions import run_action
-    from kvctl.fleet.targets import resolve_targets
 
     engine = open_engine(db)
-    with (
-        db_errors(),
-        user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
-        engine.connect() as conn,
-    ):
-        nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=all_nodes)
-    if all_nodes and not yes:
+    nodes = targets.resolve(engine)
+    if targets.all_nodes and not yes:
         dcs = len({n.dc for n in nodes})
         if not confirm(f"{request.action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"):
             err_console.print("nothing done")
@@ -176,19 +97,13 @@ def _render(report: ActionReport, json_out: bool) -> None:
         console.print(f"[red]{r.node.name}:[/] {r.error}", highlight=False, soft_wrap=True)
 
 
-# --- the commands --------------------------------------------------------------------------
+# --- the commands -----------------------------------------------------------------------------
+@bundled
 def pin_command(
-    key: KeyOpt = None,
-    keys_file: KeysFileOpt = None,
-    text: TextOpt = None,
-    tokens: TokensOpt = None,
-    tokenizer: TokenizerOpt = "simple",
-    model: ModelOpt = None,
-    tenant: TenantOpt = "",
+    *,
+    chunks: ChunkOptions,
     tier: TierOpt = None,
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    targets: Targets,
     yes: YesOpt = False,
     timeout: TimeoutOpt = 10.0,
     db: DbOpt = None,
@@ -206,23 +121,16 @@ def pin_command(
     """
     from kvctl.fleet.actions import ActionRequest
 
-    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
     with user_errors():
-        req = ActionRequest("pin", chunks=chunks, tier=tier)
-    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+        req = ActionRequest("pin", chunks=chunks.selection(), tier=tier)
+    _act(req, targets, yes, db, json_out, timeout)
 
 
+@bundled
 def unpin_command(
-    key: KeyOpt = None,
-    keys_file: KeysFileOpt = None,
-    text: TextOpt = None,
-    tokens: TokensOpt = None,
-    tokenizer: TokenizerOpt = "simple",
-    model: ModelOpt = None,
-    tenant: TenantOpt = "",
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    *,
+    chunks: ChunkOptions,
+    targets: Targets,
     yes: YesOpt = False,
     timeout: TimeoutOpt = 10.0,
     db: DbOpt = None,
@@ -238,23 +146,16 @@ def unpin_command(
     """
     from kvctl.fleet.actions import ActionRequest
 
-    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
     with user_errors():
-        req = ActionRequest("unpin", chunks=chunks)
-    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+        req = ActionRequest("unpin", chunks=chunks.selection())
+    _act(req, targets, yes, db, json_out, timeout)
 
 
+@bundled
 def evict_command(
-    key: KeyOpt = None,
-    keys_file: KeysFileOpt = None,
-    text: TextOpt = None,
-    tokens: TokensOpt = None,
-    tokenizer: TokenizerOpt = "simple",
-    model: ModelOpt = None,
-    tenant: TenantOpt = "",
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    *,
+    chunks: ChunkOptions,
+    targets: Targets,
     yes: YesOpt = False,
     timeout: TimeoutOpt = 10.0,
     db: DbOpt = None,
@@ -270,20 +171,19 @@ def evict_command(
     """
     from kvctl.fleet.actions import ActionRequest
 
-    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
     with user_errors():
-        req = ActionRequest("evict", chunks=chunks)
-    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+        req = ActionRequest("evict", chunks=chunks.selection())
+    _act(req, targets, yes, db, json_out, timeout)
 
 
+@bundled
 def flush_command(
+    *,
     tier: Annotated[str, typer.Option("--tier", "-t", help="Tier to empty of unpinned chunks.")],
     demote: Annotated[
         bool, typer.Option(help="Demote to the next tier down instead of dropping.")
     ] = False,
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    targets: Targets,
     yes: YesOpt = False,
     timeout: TimeoutOpt = 30.0,
     db: DbOpt = None,
@@ -303,23 +203,17 @@ def flush_command(
 
     with user_errors():
         req = ActionRequest("flush", tier=tier, demote=demote)
-    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+    _act(req, targets, yes, db, json_out, timeout)
 
 
+@bundled
 def prefetch_command(
+    *,
     to: Annotated[
         str | None, typer.Option("--to", help="Tier to bring the chunks up to (default: top).")
     ] = None,
-    key: KeyOpt = None,
-    keys_file: KeysFileOpt = None,
-    text: TextOpt = None,
-    tokens: TokensOpt = None,
-    tokenizer: TokenizerOpt = "simple",
-    model: ModelOpt = None,
-    tenant: TenantOpt = "",
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    chunks: ChunkOptions,
+    targets: Targets,
     yes: YesOpt = False,
     timeout: TimeoutOpt = 30.0,
     db: DbOpt = None,
@@ -335,24 +229,17 @@ def prefetch_command(
     """
     from kvctl.fleet.actions import ActionRequest
 
-    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
     with user_errors():
-        req = ActionRequest("prefetch", chunks=chunks, tier=to)
-    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+        req = ActionRequest("prefetch", chunks=chunks.selection(), tier=to)
+    _act(req, targets, yes, db, json_out, timeout)
 
 
+@bundled
 def move_command(
+    *,
     to: Annotated[str, typer.Option("--to", help="Destination tier, up or down.")],
-    key: KeyOpt = None,
-    keys_file: KeysFileOpt = None,
-    text: TextOpt = None,
-    tokens: TokensOpt = None,
-    tokenizer: TokenizerOpt = "simple",
-    model: ModelOpt = None,
-    tenant: TenantOpt = "",
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    chunks: ChunkOptions,
+    targets: Targets,
     yes: YesOpt = False,
     timeout: TimeoutOpt = 30.0,
     db: DbOpt = None,
@@ -368,18 +255,17 @@ def move_command(
     """
     from kvctl.fleet.actions import ActionRequest
 
-    chunks = _chunks(key, keys_file, text, tokens, tokenizer, model, tenant)
     with user_errors():
-        req = ActionRequest("move", chunks=chunks, tier=to)
-    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+        req = ActionRequest("move", chunks=chunks.selection(), tier=to)
+    _act(req, targets, yes, db, json_out, timeout)
 
 
+@bundled
 def resize_command(
+    *,
     tier: Annotated[str, typer.Option("--tier", "-t", help="Tier to resize.")],
     size: Annotated[str, typer.Option("--size", help="New capacity: 4096, 512MiB, 64GiB...")],
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    targets: Targets,
     yes: YesOpt = False,
     timeout: TimeoutOpt = 60.0,
     db: DbOpt = None,
@@ -399,7 +285,7 @@ def resize_command(
 
     with user_errors(hint="sizes look like 4096, 512MiB or 64GiB"):
         req = ActionRequest("resize", tier=tier, size=size)
-    _act(req, node, dc, all_nodes, yes, db, json_out, timeout)
+    _act(req, targets, yes, db, json_out, timeout)
 
 
 COMMANDS = {

@@ -7,23 +7,23 @@ from typing import Annotated
 import typer
 
 from kvctl.cli.options import (
-    AllOpt,
     DbOpt,
-    DcOpt,
     JsonOpt,
-    NodeOpt,
+    Targets,
     TextOpt,
     TimeoutOpt,
     TokenizerOpt,
     TokensOpt,
-    db_errors,
+    bundled,
     open_engine,
     prompt_tokens,
 )
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 
 
+@bundled
 def lookup_command(
+    *,
     text: TextOpt = None,
     tokens: TokensOpt = None,
     tokenizer: TokenizerOpt = "simple",
@@ -31,9 +31,7 @@ def lookup_command(
         str | None, typer.Option("--model", help="Model id (default: each agent's first model).")
     ] = None,
     tenant: Annotated[str, typer.Option("--tenant", help="Tenant asking.")] = "",
-    node: NodeOpt = None,
-    dc: DcOpt = None,
-    all_nodes: AllOpt = False,
+    targets: Targets,
     timeout: TimeoutOpt = 5.0,
     db: DbOpt = None,
     json_out: JsonOpt = False,
@@ -52,19 +50,13 @@ def lookup_command(
       kvctl lookup --all --tokens - --json < prompt-ids.txt
     """
     from kvctl.fleet.lookup import lookup_prompt
-    from kvctl.fleet.targets import resolve_targets
 
     with user_errors(hint="see `kvctl lookup --help`"):
         ids = prompt_tokens(text, tokens, tokenizer)
     if ids is None:
         fail("give the prompt: --text TEXT or --tokens FILE")
     engine = open_engine(db)
-    with (
-        db_errors(),
-        user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
-        engine.connect() as conn,
-    ):
-        nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=all_nodes)
+    nodes = targets.resolve(engine)
     engine.dispose()
     found = lookup_prompt(nodes, ids, model=model, tenant=tenant, timeout_s=timeout)
     if json_out:

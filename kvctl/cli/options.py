@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, get_type_hints
 
 import typer
 
-from kvctl.cli.output import fail
+from kvctl.cli.output import fail, user_errors
+
+if TYPE_CHECKING:
+    from kvctl.db.inventory import NodeInfo
+    from kvctl.fleet.actions import ChunkSelection
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
 YesOpt = Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")]
@@ -95,3 +103,134 @@ def prompt_tokens(text: str | None, tokens: Path | None, tokenizer: str) -> list
         raw = sys.stdin.read() if str(tokens) == "-" else tokens.read_text(encoding="utf-8")
         return read_token_file(raw)
     return None
+
+
+# --- chunks named by key or by prompt ---------------------------------------------------------
+KeyOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--key",
+        "-k",
+        help="A chunk key, 32 hex characters (repeat for several).",
+        metavar="KEY",
+        show_default=False,
+    ),
+]
+KeysFileOpt = Annotated[
+    Path | None,
+    typer.Option("--keys-file", help="File of chunk keys, one per line (- for stdin)."),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help="Model whose keys --text/--tokens make (default: the agent's)."),
+]
+TenantOpt = Annotated[str, typer.Option("--tenant", help="Tenant the prompt belongs to.")]
+TierOpt = Annotated[str | None, typer.Option("--tier", "-t", help="Tier name (gpu, cpu, disk...).")]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkOptions:
+    """The chunks a control command acts on: keys (--key/--keys-file) or a prompt's chunks."""
+
+    key: KeyOpt = None
+    keys_file: KeysFileOpt = None
+    text: TextOpt = None
+    tokens: TokensOpt = None
+    tokenizer: TokenizerOpt = "simple"
+    model: ModelOpt = None
+    tenant: TenantOpt = ""
+
+    def selection(self) -> ChunkSelection:
+        """The library's selection; a bad key or both ways (or neither) given is a usage error."""
+        from kvctl.fleet.actions import ChunkSelection
+
+        with user_errors(hint="see --help"):
+            keys = _keys(self.key, self.keys_file)
+            ids = prompt_tokens(self.text, self.tokens, self.tokenizer)
+            if bool(keys) == (ids is not None):
+                fail(
+                    "name the chunks one way: --key/--keys-file, or a prompt (--text/--tokens)",
+                    hint="a prompt's keys are computed by each agent for its own model",
+                )
+            if ids is not None:
+                return ChunkSelection(tokens=tuple(ids), model=self.model, tenant=self.tenant)
+            return ChunkSelection(keys=tuple(keys))
+
+
+def _keys(key: list[str] | None, keys_file: Path | None) -> list[str]:
+    from kvctl.store.keys import KEY_BYTES
+
+    texts = list(key or [])
+    if keys_file is not None:
+        raw = sys.stdin.read() if str(keys_file) == "-" else keys_file.read_text(encoding="utf-8")
+        texts += [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.startswith("#")]
+    for i, k in enumerate(texts):
+        try:
+            ok = len(bytes.fromhex(k)) == KEY_BYTES
+        except ValueError:
+            ok = False
+        if not ok:
+            shown = k if len(k) <= 40 else k[:40] + "..."
+            fail(
+                f"bad key #{i + 1} {shown!r}: keys are {KEY_BYTES * 2} hex characters",
+                hint="`kvctl keys --text ...` or `kvctl lookup` shows a prompt's keys",
+            )
+    return texts
+
+
+@dataclass(frozen=True, slots=True)
+class Targets:
+    """The nodes a fleet command acts on: --node, --dc or --all."""
+
+    node: NodeOpt = None
+    dc: DcOpt = None
+    all_nodes: AllOpt = False
+
+    def resolve(self, engine: Any) -> list[NodeInfo]:
+        """The inventory's nodes for these options; an unknown name is a usage error."""
+        from kvctl.fleet.targets import resolve_targets
+
+        with (
+            db_errors(),
+            user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
+            engine.connect() as conn,
+        ):
+            return resolve_targets(
+                conn, nodes=self.node or [], dcs=self.dc or [], all_nodes=self.all_nodes
+            )
+
+
+def bundled(fn: Callable[..., None]) -> Callable[..., None]:
+    """``fn`` as a command whose dataclass-typed parameters (:class:`ChunkOptions`,
+    :class:`Targets`) are shown as their fields' options, in place, and handed to ``fn`` built."""
+    hints = get_type_hints(fn, include_extras=True)
+    params: list[inspect.Parameter] = []
+    bundles: dict[str, tuple[type, list[str]]] = {}
+    for param in inspect.signature(fn).parameters.values():
+        hint = hints[param.name]
+        if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            params.append(param.replace(annotation=hint, kind=inspect.Parameter.KEYWORD_ONLY))
+            continue
+        field_hints = get_type_hints(hint, include_extras=True)
+        fields = dataclasses.fields(hint)
+        bundles[param.name] = (hint, [f.name for f in fields])
+        params += [
+            inspect.Parameter(
+                f.name,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=f.default,
+                annotation=field_hints[f.name],
+            )
+            for f in fields
+        ]
+
+    @functools.wraps(fn)
+    def command(**options: Any) -> None:
+        for name, (cls, fields) in bundles.items():
+            options[name] = cls(**{f: options.pop(f) for f in fields})
+        fn(**options)
+
+    del command.__wrapped__  # typer reads the signature below, not fn's
+    command.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
