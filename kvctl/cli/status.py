@@ -1,21 +1,43 @@
 """`kvctl status`: one row per node (up or down, hit ratio, reuse vs sharing, tier occupancy,
-last seen) and totals per DC."""
+last seen) and totals per DC; live from the agents, or as the collectors recorded a window."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import time
+from typing import TYPE_CHECKING, Annotated
+
+import typer
 
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, TimeoutOpt, db_errors, open_engine
 from kvctl.cli.output import console, print_json, user_errors
+from kvctl.format import format_utc_minute
 from kvctl.format import percent as pct
 
 if TYPE_CHECKING:
-    from kvctl.fleet.status import Counts, FleetStatus, TierUse
+    from kvctl.db.analytics.counts import Counts
+    from kvctl.db.analytics.recorded import Recorded
+    from kvctl.fleet.status import FleetStatus, TierUse
+    from kvctl.ratios import HitCounts
+
+WindowOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--window",
+        "-w",
+        help=(
+            "Report what the collectors recorded over the last DURATION (e.g. 15m, 1h, 7d) "
+            "instead of asking the agents."
+        ),
+        metavar="DURATION",
+        show_default=False,
+    ),
+]
 
 
 def status_command(
     node: NodeOpt = None,
     dc: DcOpt = None,
+    window: WindowOpt = None,
     timeout: TimeoutOpt = 3.0,
     db: DbOpt = None,
     json_out: JsonOpt = False,
@@ -26,17 +48,28 @@ def status_command(
     Counters are since each agent started. A node that does not answer is shown down with the
     last time the collectors reached it (`kvctl collect`), and never fails the command.
 
+    With --window, no agent is asked: the figures are what the collectors recorded over that
+    window (the dashboard's numbers), with the share of scrapes each node answered.
+
     Examples:
 
       kvctl status
 
       kvctl status --dc fra
 
+      kvctl status --window 1h
+
       kvctl status --node gpu-a1 --node gpu-a2 --json
     """
-    from kvctl.fleet.status import fleet_status
+    from kvctl.db.analytics.recorded import recorded
+    from kvctl.db.analytics.windows import window_of
+    from kvctl.fleet.status import FleetStatus, fleet_status
     from kvctl.fleet.targets import resolve_targets
 
+    win = None
+    if window is not None:
+        with user_errors():
+            win = window_of(window, int(time.time() * 1000))
     engine = open_engine(db)
     with (
         db_errors(),
@@ -45,16 +78,18 @@ def status_command(
     ):
         everyone = not (node or dc)
         nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=everyone)
-        status = fleet_status(conn, nodes, timeout_s=timeout)
+        result: FleetStatus | Recorded = (
+            fleet_status(conn, nodes, timeout_s=timeout)
+            if win is None
+            else recorded(conn, win, nodes)
+        )
     engine.dispose()
     if json_out:
-        print_json(status.as_dict())
-        return
-    _render(status)
-
-
-def _ratio(r: float | None) -> str:
-    return "N/A" if r is None else pct(r)
+        print_json(result.as_dict())
+    elif isinstance(result, FleetStatus):
+        _render(result)
+    else:
+        _render_recorded(result)
 
 
 def _ago(ts_ms: int | None, now_ms: int) -> str:
@@ -70,13 +105,14 @@ def _ago(ts_ms: int | None, now_ms: int) -> str:
 
 
 def _tiers(tiers: dict[str, TierUse]) -> str:
-    return "  ".join(f"{name} {_ratio(t.occupancy_ratio)}" for name, t in tiers.items()) or "N/A"
+    return "  ".join(f"{name} {pct(t.occupancy_ratio)}" for name, t in tiers.items()) or "N/A"
 
 
-def _split(c: Counts) -> str:
-    if c.reuse_share_ratio is None:
+def _split(c: HitCounts) -> str:
+    """Reuse / sharing as shares of the hits."""
+    if c.reuse_share_of_hits is None:
         return "N/A"
-    return f"{_ratio(c.reuse_share_ratio)} / {_ratio(c.sharing_share_ratio)}"
+    return f"{pct(c.reuse_share_of_hits)} / {pct(c.sharing_share_of_hits)}"
 
 
 def _render(status: FleetStatus) -> None:
@@ -91,7 +127,7 @@ def _render(status: FleetStatus) -> None:
             n.node,
             n.dc,
             "[green]up[/]" if n.up else "[bold red]down[/]",
-            _ratio(n.counts.hit_ratio) if n.up else "N/A",
+            pct(n.counts.hit_ratio) if n.up else "N/A",
             _split(n.counts) if n.up else "N/A",
             _tiers(n.tiers) if n.up else "N/A",
             _ago(n.last_seen_ms, now_ms),
@@ -102,14 +138,47 @@ def _render(status: FleetStatus) -> None:
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for d in [*status.dcs, status.total]:
         c = d.counts
-        split = (
-            "N/A"
-            if c.reuse_share_ratio is None
-            else f"{_ratio(c.reuse_share_ratio)} / {_ratio(c.sharing_share_ratio)}"
-        )
         name = f"[bold]{d.dc}[/]" if d is status.total else d.dc
-        dcs.add_row(name, f"{d.up}/{d.nodes}", _ratio(c.hit_ratio), split, _tiers(dict(d.tiers)))
+        dcs.add_row(name, f"{d.up}/{d.nodes}", pct(c.hit_ratio), _split(c), _tiers(dict(d.tiers)))
     console.print(dcs)
     down = [n for n in status.nodes if not n.up]
     for n in down:
         console.print(f"[red]{n.node}[/] down: {n.error}", highlight=False)
+
+
+def _occupancy(c: Counts) -> str:
+    known = [(t, c.occupancy_ratio(t)) for t in c.tiers]
+    return "  ".join(f"{t} {pct(r)}" for t, r in known if r is not None) or "N/A"
+
+
+def _render_recorded(rec: Recorded) -> None:
+    from rich.table import Table
+
+    win = rec.window
+    span = f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)}"
+    columns = ("scrapes up", "lookups", "hit ratio", "reuse / sharing", "occupancy")
+    nodes = Table(title=f"nodes, recorded over the last {win.name} ({span})", title_justify="left")
+    for col in ("node", "dc", *columns):
+        nodes.add_column(col, justify="left" if col in ("node", "dc", "occupancy") else "right")
+    for n, c in rec.nodes:
+        nodes.add_row(n.name, n.dc, *_recorded_cells(c))
+    console.print(nodes)
+    dcs = Table(title="per DC", title_justify="left")
+    for col in ("dc", "nodes", *columns):
+        dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
+    for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
+        label = f"[bold]{name}[/]" if c is rec.fleet else name
+        dcs.add_row(label, str(c.nodes), *_recorded_cells(c))
+    console.print(dcs)
+    if not rec.fleet.samples:
+        console.print("nothing recorded in this window: is `kvctl collect` running?")
+
+
+def _recorded_cells(c: Counts) -> tuple[str, ...]:
+    return (
+        pct(c.up_ratio),
+        f"{c.lookups:,}",
+        pct(c.hit_ratio),
+        _split(c),
+        _occupancy(c),
+    )

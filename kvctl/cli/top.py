@@ -42,6 +42,18 @@ def top_command(
         str | None,
         typer.Option("--theme", help="Textual theme, e.g. textual-light or textual-dark."),
     ] = None,
+    window: Annotated[
+        str,
+        typer.Option(
+            "--window",
+            "-w",
+            help=(
+                "With --json on a fleet database: also report, under `recorded`, what the "
+                "collectors recorded over the last DURATION (e.g. 15m, 1h) per DC and in total."
+            ),
+            metavar="DURATION",
+        ),
+    ] = "15m",
     db: DbOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -53,7 +65,8 @@ def top_command(
     resize from the view, each confirmed first and written to the audit trail like the CLI's.
     Press ? in the view for every key. Nodes that stop answering stay on screen as down.
 
-    With --json, polls twice --interval apart and prints the figures once (for scripts).
+    With --json, polls twice --interval apart and prints the figures once (for scripts), with
+    what the collectors recorded over --window beside them (null with --agent: no database).
 
     Examples:
 
@@ -64,11 +77,16 @@ def top_command(
       kvctl top --agent http://127.0.0.1:7070 --readonly
 
       kvctl top --json --interval 1
+
+      kvctl top --json --window 1h
     """
+    from kvctl.db.analytics.windows import duration_ms
     from kvctl.tui.sources import AgentSource, FleetSource
 
     if agent and (node or dc):
         fail("--agent watches agents by URL; --node/--dc pick from the inventory: use one way")
+    with user_errors():
+        duration_ms(window)  # a bad --window fails before any poll
     token = None  # the SDK reads KVCTL_TOKEN
     audit_engine = None
     source: Source
@@ -86,7 +104,7 @@ def top_command(
                 source.targets()  # an unknown DC or node, or an empty fleet, fails here
             audit_engine = None if readonly else engine
     if json_out:
-        _print_once(source, interval)
+        _print_once(source, interval, window)
         return
     from kvctl.tui.app import create_app
 
@@ -101,14 +119,19 @@ def top_command(
         raise typer.Exit(app.return_code)
 
 
-def _print_once(source: Source, interval_s: float) -> None:
-    """Two polls ``interval_s`` apart, so rates are real rates; then the figures as JSON."""
+def _print_once(source: Source, interval_s: float, window: str) -> None:
+    """Two polls ``interval_s`` apart, so rates are real rates; then the figures as JSON, and
+    the fleet database's record of ``window`` under ``recorded``."""
     from kvctl.tui.model import Sampler
+    from kvctl.tui.sources import FleetSource
 
     sampler = Sampler()
     with db_errors():
         sampler.update(source.poll())
         time.sleep(interval_s)
         view = sampler.update(source.poll())
+        recorded = source.recorded(window) if isinstance(source, FleetSource) else None
     source.close()
-    print_json(view.as_dict())
+    doc = view.as_dict()
+    doc["recorded"] = None if recorded is None else recorded.as_dict(nodes=False)
+    print_json(doc)

@@ -15,6 +15,9 @@ from sqlalchemy.engine import Connection
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.models import NodeSample
 from kvctl.fleet.fanout import NodeResult, fan_out
+from kvctl.ratios import HitCounts
+from kvctl.wire.reports import AgentStats
+from kvctl.wire.stats import cache_counters
 
 
 @dataclass(slots=True)
@@ -35,53 +38,13 @@ class TierUse:
 
 
 @dataclass(slots=True)
-class Counts:
-    """Chunk lookups and hits, and the hits split by who stored the chunk."""
-
-    lookup_chunks: int = 0
-    hit_chunks: int = 0
-    reuse_hits: int = 0
-    sharing_hits: int = 0
-
-    @property
-    def hit_ratio(self) -> float | None:
-        return self.hit_chunks / self.lookup_chunks if self.lookup_chunks else None
-
-    @property
-    def reuse_share_ratio(self) -> float | None:
-        """Share of hits on chunks the same tenant stored."""
-        both = self.reuse_hits + self.sharing_hits
-        return self.reuse_hits / both if both else None
-
-    @property
-    def sharing_share_ratio(self) -> float | None:
-        """Share of hits on chunks another tenant stored."""
-        both = self.reuse_hits + self.sharing_hits
-        return self.sharing_hits / both if both else None
-
-    def add(self, other: Counts) -> None:
-        self.lookup_chunks += other.lookup_chunks
-        self.hit_chunks += other.hit_chunks
-        self.reuse_hits += other.reuse_hits
-        self.sharing_hits += other.sharing_hits
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            **asdict(self),
-            "hit_ratio": self.hit_ratio,
-            "reuse_share_ratio": self.reuse_share_ratio,
-            "sharing_share_ratio": self.sharing_share_ratio,
-        }
-
-
-@dataclass(slots=True)
 class NodeStatus:
     node: str
     dc: str
     agent_url: str
     up: bool
     error: str | None = None
-    counts: Counts = field(default_factory=Counts)
+    counts: HitCounts = field(default_factory=HitCounts)
     tiers: dict[str, TierUse] = field(default_factory=dict)
     uptime_s: float | None = None
     #: when the node last answered: now when up, else the collectors' last successful scrape
@@ -94,7 +57,7 @@ class NodeStatus:
             "agent_url": self.agent_url,
             "up": self.up,
             "error": self.error,
-            **self.counts.as_dict(),
+            **self.counts.hit_figures(),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
             "uptime_s": self.uptime_s,
             "last_seen_ms": self.last_seen_ms,
@@ -106,7 +69,7 @@ class DcStatus:
     dc: str
     nodes: int = 0
     up: int = 0
-    counts: Counts = field(default_factory=Counts)
+    counts: HitCounts = field(default_factory=HitCounts)
     tiers: dict[str, TierUse] = field(default_factory=dict)
 
     def add(self, n: NodeStatus) -> None:
@@ -114,7 +77,7 @@ class DcStatus:
         if not n.up:
             return
         self.up += 1
-        self.counts.add(n.counts)
+        self.counts.add_hits(n.counts)
         for name, t in n.tiers.items():
             self.tiers.setdefault(name, TierUse()).add(t)
 
@@ -123,7 +86,7 @@ class DcStatus:
             "dc": self.dc,
             "nodes": self.nodes,
             "up": self.up,
-            **self.counts.as_dict(),
+            **self.counts.hit_figures(),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
         }
 
@@ -144,9 +107,9 @@ class FleetStatus:
         }
 
 
-def node_status(node: NodeInfo, stats: dict[str, Any], now_ms: int) -> NodeStatus:
+def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
     """A node's status from its agent's ``/v1/stats``."""
-    c = stats.get("stats", {})
+    whole = cache_counters(stats)["all"]
     tiers = {
         name: TierUse(int(u.get("used_bytes", 0)), int(u.get("capacity_bytes", 0)))
         for name, u in stats.get("usage", {}).items()
@@ -157,11 +120,11 @@ def node_status(node: NodeInfo, stats: dict[str, Any], now_ms: int) -> NodeStatu
         node.dc,
         node.agent_url,
         True,
-        counts=Counts(
-            int(c.get("lookup_chunks", 0)),
-            int(c.get("hit_chunks", 0)),
-            int(c.get("reuse_hits", 0)),
-            int(c.get("sharing_hits", 0)),
+        counts=HitCounts(
+            int(whole["lookups"]),
+            int(whole["hits"]),
+            int(whole["reuse_hits"]),
+            int(whole["sharing_hits"]),
         ),
         tiers=tiers,
         uptime_s=None if started_s is None else max(now_ms / 1000 - started_s, 0.0),
@@ -187,25 +150,31 @@ def fleet_status(
     *,
     token: str | None = None,
     timeout_s: float = 3.0,
-    on_result: Callable[[NodeResult[dict[str, Any]]], None] | None = None,
+    on_result: Callable[[NodeResult[AgentStats]], None] | None = None,
     clock: Callable[[], float] = time.time,
 ) -> FleetStatus:
-    """Ask every node's agent at once; a node that does not answer is down, never an error."""
+    """Ask every node's agent at once; a node that does not answer, or whose answer is not an
+    agent's stats, is down, never an error."""
     results = fan_out(
         nodes, lambda c: c.stats(), token=token, timeout_s=timeout_s, on_result=on_result
     )
     now_ms = int(clock() * 1000)
-    down = [r.node.id for r in results if not r.ok]
-    seen = last_seen(conn, down)
-    statuses: list[NodeStatus] = []
+    answered: dict[int, NodeStatus] = {}
+    errors: dict[int, str | None] = {}
     for r in results:
-        if r.ok and r.value is not None:
-            statuses.append(node_status(r.node, r.value, now_ms))
-        else:
-            n = r.node
-            statuses.append(
-                NodeStatus(n.name, n.dc, n.agent_url, False, r.error, last_seen_ms=seen.get(n.id))
-            )
+        if not r.ok or r.value is None:
+            errors[r.node.id] = r.error
+            continue
+        try:
+            answered[r.node.id] = node_status(r.node, r.value, now_ms)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            errors[r.node.id] = f"not an agent's stats ({type(exc).__name__}: {exc})"
+    seen = last_seen(conn, list(errors))
+    statuses = [
+        answered.get(n.id)
+        or NodeStatus(n.name, n.dc, n.agent_url, False, errors[n.id], last_seen_ms=seen.get(n.id))
+        for n in (r.node for r in results)
+    ]
     by_dc: dict[str, DcStatus] = {}
     total = DcStatus("fleet")
     for s in statuses:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvctl.counters import CounterTracker
 from kvctl.db.inventory import NodeInfo
+from kvctl.ratios import HitCounts
 from kvctl.wire.stats import cache_counters
 
 #: polls kept per node: the sparklines' width and the occupancy history's length
@@ -132,30 +133,13 @@ class TierGauge:
 
 
 @dataclass(slots=True)
-class WindowCounts:
-    """Counter increases over the recent window and the seconds it spans."""
+class WindowCounts(HitCounts):
+    """Counter increases over the recent window (lookups and hits are :class:`HitCounts`') and
+    the seconds it spans."""
 
     seconds: float = 0.0
-    lookups: float = 0.0
-    hits: float = 0.0
-    reuse_hits: float = 0.0
-    sharing_hits: float = 0.0
     evictions: float = 0.0
     io_bytes: float = 0.0
-
-    @property
-    def hit_ratio(self) -> float | None:
-        return self.hits / self.lookups if self.lookups else None
-
-    @property
-    def sharing_share_ratio(self) -> float | None:
-        both = self.reuse_hits + self.sharing_hits
-        return self.sharing_hits / both if both else None
-
-    @property
-    def reuse_share_ratio(self) -> float | None:
-        both = self.reuse_hits + self.sharing_hits
-        return self.reuse_hits / both if both else None
 
     def rate(self, value: float) -> float | None:
         return value / self.seconds if self.seconds > 0 else None
@@ -173,21 +157,14 @@ class WindowCounts:
         return self.rate(self.lookups)
 
     def add(self, other: WindowCounts) -> None:
-        self.lookups += other.lookups
-        self.hits += other.hits
-        self.reuse_hits += other.reuse_hits
-        self.sharing_hits += other.sharing_hits
+        self.add_hits(other)
         self.evictions += other.evictions
         self.io_bytes += other.io_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "window_seconds": self.seconds,
-            "lookups": self.lookups,
-            "hits": self.hits,
-            "hit_ratio": self.hit_ratio,
-            "reuse_share_ratio": self.reuse_share_ratio,
-            "sharing_share_ratio": self.sharing_share_ratio,
+            **self.hit_figures(),
             "lookups_per_s": self.lookups_per_s,
             "evictions_per_s": self.evictions_per_s,
             "io_bytes_per_s": self.io_bytes_per_s,
@@ -449,14 +426,13 @@ class Sampler:
             g.evictions_per_s = recent.rate(tier_ev[name]) if name in tier_ev else None
             tiers[name] = g
             state.occupancy.setdefault(name, deque(maxlen=HISTORY_POLLS)).append(g.occupancy_ratio)
-        counters = stats.get("stats", {})
-        lookups = counters.get("lookup_chunks", 0)
+        whole = cache_counters(stats)["all"]
         started_s = stats.get("started_s")
         return NodeRow(
             node,
             True,
             recent=recent,
-            lifetime_hit_ratio=counters.get("hit_chunks", 0) / lookups if lookups else None,
+            lifetime_hit_ratio=HitCounts(whole["lookups"], whole["hits"]).hit_ratio,
             uptime_s=None if started_s is None else max(poll.ts_s - float(started_s), 0.0),
             tiers={k: tiers[k] for k in tier_order(tiers)},
             hit_history=list(state.hit_history),
@@ -517,7 +493,7 @@ _SORT_KEYS: dict[str, Callable[[NodeRow], Any]] = {
     "state": lambda r: (r.up, r.name),
     "hit": lambda r: r.recent.hit_ratio,
     "trend": lambda r: r.recent.hit_ratio,
-    "split": lambda r: r.recent.sharing_share_ratio,
+    "split": lambda r: r.recent.sharing_share_of_hits,
     "evictions": lambda r: r.recent.evictions_per_s,
     "io": lambda r: r.recent.io_bytes_per_s,
     "rtt": lambda r: r.max_rtt_s,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from sqlalchemy.engine import Engine
@@ -16,6 +16,9 @@ from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import ClientPool, fan_out
 from kvctl.tui.model import GpuPower, Poll, Reading
+
+if TYPE_CHECKING:
+    from kvctl.db.analytics.recorded import Recorded
 
 #: GPUs are read this often (seconds): NVML power moves slowly and costs a request per node
 GPU_EVERY_S = 10.0
@@ -180,6 +183,17 @@ class FleetSource:
         everyone = not (self.dcs or self.nodes)
         with self.engine.connect() as conn:
             return resolve_targets(conn, nodes=self.nodes, dcs=self.dcs, all_nodes=everyone)
+
+    def recorded(self, span: str) -> Recorded:
+        """What the collectors recorded over the last ``span`` (a duration such as ``15m``) for
+        the nodes watched, per node, DC and in total."""
+        from kvctl.db.analytics.recorded import recorded
+        from kvctl.db.analytics.windows import window_of
+
+        win = window_of(span, int(self.clock() * 1000))
+        nodes = self.targets()
+        with self.engine.connect() as conn:
+            return recorded(conn, win, nodes)
 
     def rtt(self) -> dict[tuple[str, str], float | None]:
         from kvctl.db.analytics.inventory import inventory

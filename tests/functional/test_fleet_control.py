@@ -97,9 +97,9 @@ def test_status_shows_up_and_down_nodes_with_totals(fleet: str, db: Engine, agen
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     nodes = {n["node"]: n for n in doc["nodes"]}
-    assert nodes["gpu-a"]["up"] and nodes["gpu-a"]["hit_chunks"] >= 2
+    assert nodes["gpu-a"]["up"] and nodes["gpu-a"]["hits"] >= 2
     assert nodes["gpu-a"]["hit_ratio"] is not None and 0 < nodes["gpu-a"]["hit_ratio"] <= 1
-    assert nodes["gpu-a"]["reuse_share_ratio"] == 1.0  # stored and read by the same tenant
+    assert nodes["gpu-a"]["reuse_share_of_hits"] == 1.0  # stored and read by the same tenant
     assert nodes["gpu-a"]["tiers"]["cpu"]["capacity_bytes"] == 8 << 20
     assert not nodes["gpu-down"]["up"] and "cannot reach" in nodes["gpu-down"]["error"]
     assert nodes["gpu-down"]["last_seen_ms"] == 1_700_000_000_000

@@ -474,13 +474,19 @@ def test_top_json_prints_two_polls_worth(fleet: tuple[Engine, dict[str, Agent]])
     assert nodes["gpu-a"]["up"] and not nodes["gpu-down"]["up"]
     assert nodes["gpu-a"]["window_seconds"] == pytest.approx(0.3, abs=0.25)
     assert doc["polls"] == 2 and doc["total"]["up"] == 3
+    # the database's record of the default 15 minutes, per DC of the nodes watched
+    assert doc["recorded"]["window"]["name"] == "15m"
+    assert [d["dc"] for d in doc["recorded"]["dcs"]] == ["ams", "fra"]
+    assert doc["recorded"]["total"]["nodes"] == 4
     only = json.loads(runner.invoke(cli, ["top", "--db", url, "--json", "--dc", "ams"]).stdout)
     assert {n["node"] for n in only["nodes"]} == {"gpu-c", "gpu-down"}
+    assert [d["dc"] for d in only["recorded"]["dcs"]] == ["ams"]
     solo = runner.invoke(
         cli, ["top", "--agent", agents["gpu-a"].state.control_url, "--json", "--interval", "0.2"]
     )
     assert solo.exit_code == 0, solo.output
     assert [n["node"] for n in json.loads(solo.stdout)["nodes"]] == ["gpu-a"]
+    assert json.loads(solo.stdout)["recorded"] is None  # no database with --agent
 
 
 def test_top_refuses_bad_input_clearly(tmp_path: Path) -> None:
@@ -490,6 +496,7 @@ def test_top_refuses_bad_input_clearly(tmp_path: Path) -> None:
         (["top", "--db", url], "no nodes"),
         (["top", "--agent", "ftp://x"], "not an agent URL"),
         (["top", "--agent", "http://127.0.0.1:1", "--dc", "fra"], "use one way"),
+        (["top", "--db", url, "--json", "--window", "soon"], "not a duration"),
     ]
     for args, message in cases:
         out = runner.invoke(cli, args)

@@ -119,8 +119,8 @@ def test_rates_and_ratios_over_the_window() -> None:
     # two polls of 2 s: 200 lookups, 80 hits, 10 drops, 5000 read + 3000 written
     assert r.seconds == pytest.approx(4.0)
     assert r.hit_ratio == pytest.approx(80 / 200)
-    assert r.reuse_share_ratio == pytest.approx(50 / 80)
-    assert r.sharing_share_ratio == pytest.approx(30 / 80)
+    assert r.reuse_share_of_hits == pytest.approx(50 / 80)
+    assert r.sharing_share_of_hits == pytest.approx(30 / 80)
     assert r.evictions_per_s == pytest.approx(10 / 4)
     assert r.io_bytes_per_s == pytest.approx(8000 / 4)
     assert r.lookups_per_s == pytest.approx(50.0)
