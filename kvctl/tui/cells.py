@@ -91,9 +91,9 @@ class Cells:
         return Text(sparkline(row.hit_history, TREND_CELLS))
 
     def split(self, recent: WindowCounts) -> Text:
-        if recent.reuse_share_ratio is None:
+        if recent.reuse_share_of_hits is None:
             return NA.copy()
-        reuse = round(recent.reuse_share_ratio * 100)
+        reuse = round(recent.reuse_share_of_hits * 100)
         return Text(f"{reuse}/{100 - reuse}")
 
     def occupancy(self, ratio: float | None) -> Text:
