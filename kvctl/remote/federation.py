@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.breaker import Breaker
+from kvctl.remote.counting import RemoteTierCounts
 from kvctl.remote.fetchplan import (
     DEVICE_TIERS,
     AnyLink,
@@ -530,10 +531,8 @@ class RemoteTiers:
             if self.sources
             else None
         )
-        if pool is not None:
-            store.add_external_tier(POOL_TIER)
-        if self.peers:
-            store.add_external_tier(PEER_TIER)
+        counted = {POOL_TIER: pool is not None, PEER_TIER: bool(self.peers)}
+        self._counts = RemoteTierCounts(store, [tier for tier, used in counted.items() if used])
         self._unsubscribe = store.subscribe(self._on_event) if self.write_through else None
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -595,7 +594,7 @@ class RemoteTiers:
                 matched_tokens += meta.tokens
                 self._hint(keys[i], src_name)
         for tier, (owners, tokens) in by_tier.items():
-            self.store.count_external_hits(tier, owners, tokens, tenant=tenant)
+            self._counts.count_hits(tier, owners, tokens, tenant=tenant)
         matched = res.matched_chunks + len(fetched)
         return LookupResult(len(keys), matched, tuple(locations), matched_tokens)
 
@@ -744,7 +743,7 @@ class RemoteTiers:
             return False
         finally:
             self._local.filling = False
-        self.store.count_external_read(src.tier, chunk.data.nbytes, landed=tier)
+        self._counts.count_read(src.tier, chunk.data.nbytes, landed=tier)
         with src._lock:
             src.counters.chunks_in += 1
             src.counters.bytes_in += chunk.data.nbytes

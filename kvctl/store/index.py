@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvctl.store.tiers.base import ChunkMeta
+
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 MAX_PRIORITY = 100
 
@@ -42,6 +44,19 @@ class Entry:
         if self.retention_until_s is not None and now_s >= self.retention_until_s:
             return DEFAULT_PRIORITY
         return self.priority
+
+    def meta(self) -> ChunkMeta:
+        """What a tier stores with the chunk's bytes."""
+        return ChunkMeta(
+            key=self.key,
+            size_bytes=self.size_bytes,
+            tokens=self.tokens,
+            tenant=self.tenant,
+            parent=self.parent,
+            priority=self.priority,
+            isolated=self.isolated,
+            created_s=self.created_s,
+        )
 
     def listing(self) -> dict[str, Any]:
         """What an operator's listing shows of a chunk (the key left to the caller's format)."""

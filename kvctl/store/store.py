@@ -30,21 +30,26 @@ cut short while its reads are still running (an interrupt) gives up on them: eac
 gives its reserved space back itself when it ends. The slow part of deleting a promoted disk
 chunk (the unlink) runs in a second, smaller pool, so it never queues ahead of reads. A closed
 store starts no thread: a batch reaching its reads after ``close`` is refused (TierUnavailable).
+
+This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
+The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
+batches' reads into the lease tier) and its accounting (``accounting.py``: every counter, read
+bandwidth included). Tiers beyond the node are counted by ``kvctl.remote``, which this package
+never imports.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from heapq import nlargest
 from operator import attrgetter
 from typing import Any
 
+from kvctl.store.accounting import Accounting
 from kvctl.store.errors import (
     CapacityError,
     CorruptChunk,
@@ -56,6 +61,7 @@ from kvctl.store.errors import (
 )
 from kvctl.store.index import DEFAULT_PRIORITY, MAX_PRIORITY, Entry, HotChunk, LookupResult
 from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KEY_BYTES
+from kvctl.store.leases import LeaseBook, LeaseResult
 from kvctl.store.policies import (
     AdmissionPolicy,
     EvictionPolicy,
@@ -64,12 +70,10 @@ from kvctl.store.policies import (
 )
 from kvctl.store.stats import StoreStats, TierStats
 from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, byte_view
-from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
+from kvctl.store.tiers.cpu import CpuTier, Lease
 
-_MAX_TENANTS_TRACKED = 8
 _TIER_OF = attrgetter("tier")
 _TOKENS_OF = attrgetter("tokens")
-_TENANT_OF = attrgetter("tenant")
 #: "hottest" order: most hits, then the most recent access (ticks order accesses exactly)
 _HEAT = attrgetter("hit_count", "last_tick")
 #: most chunks one prefix walk visits under the lock (real chains are hundreds deep)
@@ -78,15 +82,8 @@ _MAX_PREFIX_WALK = 100_000
 DEFAULT_READ_THREADS = 8
 #: threads unlinking the files of disk chunks promoted out (apart from the readers' threads)
 UNLINK_THREADS = 2
-#: reads smaller than this say more about per-call overheads than about a tier's bandwidth
-MIN_BANDWIDTH_SAMPLE_BYTES = 256 << 10
-#: weight of the newest sample in a tier's read bandwidth (an exponential moving average)
-_BANDWIDTH_EWMA_WEIGHT = 0.25
 
 Event = dict[str, Any]
-#: one key's answer from ``lease_many``: a lease, None (cannot be held in the lease tier: read it
-#: with ``read_into``), or the KeyNotFound (CorruptChunk for a dropped copy) ``lease`` would raise
-LeaseResult = Lease | None | KeyNotFound
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,34 +102,6 @@ class BulkResult:
             "missing": self.missing,
             "failed": self.failed,
         }
-
-
-# A flight's state (``_Flight.state``), changed only under the store's ``_flight_lock``:
-_PLANNED = "planned"  # its read has not begun (queued in the pool, or never handed to it)
-_READING = "reading"  # a thread is reading into the reserved bytes
-_READ = "read"  # the read is over: ``why``/``error`` say how it went
-_DROPPED = "dropped"  # no read will write into the reserved bytes (given up before it began, or
-#                      cut short by an interrupt); whoever lands it gives the space back
-_ABANDONED = "abandoned"  # landed (given up) while still reading: the reader gives the reserved
-#                          space back when it is done
-
-
-@dataclass(slots=True, eq=False)
-class _Flight:
-    """One chunk of a lease batch on its way from a detached-read tier into the lease tier."""
-
-    index: int  # its place in the batch
-    entry: Entry
-    src: Tier
-    plan: ReadPlan
-    home: CpuTier
-    reservation: Reservation
-    view: memoryview  # the reserved arena bytes the read fills
-    state: str = _PLANNED
-    why: str | None = None  # the read failed: why the copy cannot be trusted
-    error: BaseException | None = None  # the read raised (the tier is unusable)
-    started_s: float = 0.0  # when its own read began (perf_counter), not when it was queued
-    ended_s: float = 0.0
 
 
 class TieredStore:
@@ -188,19 +157,13 @@ class TieredStore:
         self._clock = clock
         self._tiers = list(tiers)
         self._tier_index = {t.name: i for i, t in enumerate(self._tiers)}
-        #: where leases hold bytes in place: the first cpu tier, wherever it sits
-        self._lease_tier: CpuTier | None = next(
-            (t for t in self._tiers if isinstance(t, CpuTier)), None
-        )
+        # where leases hold bytes in place: the first cpu tier, wherever it sits
+        lease_tier = next((t for t in self._tiers if isinstance(t, CpuTier)), None)
         #: where hits are promoted to: the lease tier, else the top tier
-        self._hit_tier: Tier = self._tiers[0] if self._lease_tier is None else self._lease_tier
+        self._hit_tier: Tier = self._tiers[0] if lease_tier is None else lease_tier
         #: tiers taken offline by a failed put: name -> (why, when to try it again)
         self._offline: dict[str, tuple[str, float]] = {}
-        #: puts that landed below their tier because it was offline (or failed on that put)
-        self.rerouted_puts = 0
-        #: puts that landed below their tier because no room could be made there (pinned
-        #: chunks, or leased regions splitting the cpu arena's free space)
-        self.spilled_puts = 0
+        self._accounting = Accounting(names, chunk_tokens)
         self._policies = {t.name: self._policy_for(t.name, eviction) for t in self._tiers}
         admission = admission or {}
         unknown = set(admission) - set(names)
@@ -224,23 +187,11 @@ class TieredStore:
         #: entries being read without the lock -> how many such reads; meanwhile they are out of
         #: their tier's eviction policy (like pinned ones), so pressure never picks them
         self._reading: dict[Entry, int] = {}
-        #: keys a lease batch is moving into the lease tier; another batch waits for them
-        self._promoting: set[bytes] = set()
-        self._promoted = threading.Condition(self._lock)
-        self._read_threads = read_threads
-        self._read_pool: ThreadPoolExecutor | None = None
+        self._leases = LeaseBook(self, lease_tier, self._accounting, read_threads=read_threads)
         self._unlink_pool: ThreadPoolExecutor | None = None
         #: set by ``close``: no pool is started (again) after it
         self._closed = False
-        #: guards every flight's ``state`` (a reader thread and the lander both change it)
-        self._flight_lock = threading.Lock()
-        #: measured read bandwidth per tier, bytes/s (an EWMA; None until a large read)
-        self._read_bandwidth: dict[str, float | None] = dict.fromkeys(names)
         self._listeners: list[Callable[[Event], None]] = []
-        self.stats = StoreStats(tiers={n: TierStats() for n in names})
-        #: tiers beyond this node (the remote pool, peers): their hits are counted here, their
-        #: bytes live elsewhere (so ``usage()``, which nodes and DCs sum, leaves them out)
-        self._external: list[str] = []
         self._recover()
 
     # --- construction helpers -------------------------------------------------------------
@@ -311,13 +262,34 @@ class TieredStore:
 
     @property
     def external_tier_names(self) -> list[str]:
-        return list(self._external)
+        """Tiers this store counts but does not hold (``add_external_tier``)."""
+        return self._accounting.external_tier_names
 
     @property
     def lease_tier(self) -> CpuTier | None:
         """The tier read leases hold bytes in (the first cpu tier; under a gpu tier it is not
         the top one), or None when the store has no cpu tier."""
-        return self._lease_tier
+        return self._leases.home
+
+    @property
+    def accounting(self) -> Accounting:
+        """The store's counters; change or read them under ``locked()``."""
+        return self._accounting
+
+    @property
+    def stats(self) -> StoreStats:
+        return self._accounting.stats
+
+    @property
+    def rerouted_puts(self) -> int:
+        """Puts that landed below their tier because it was offline (or failed on that put)."""
+        return self._accounting.rerouted_puts
+
+    @property
+    def spilled_puts(self) -> int:
+        """Puts that landed below their tier because no room could be made there (pinned
+        chunks, or leased regions splitting the cpu arena's free space)."""
+        return self._accounting.spilled_puts
 
     @property
     def offline_tiers(self) -> dict[str, str]:
@@ -432,13 +404,13 @@ class TieredStore:
             while True:
                 plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=skip)
                 if plan is None:
-                    self.stats.bypassed_puts += 1
+                    self._accounting.stats.bypassed_puts += 1
                     return None
                 target, victims = plan
                 entry.tier = target.name
                 self._evict_for(target, victims)
                 try:
-                    target.put(_meta(entry), data)
+                    target.put(entry.meta(), data)
                 except TierUnavailable as exc:
                     self._take_offline(target, exc)
                     skip.add(target.name)
@@ -456,10 +428,10 @@ class TieredStore:
                     t.name in skip or not self._usable(t) for t in self._tiers[start:rank]
                 )
                 if not rerouted:
-                    self.spilled_puts += 1
+                    self._accounting.spilled_puts += 1
             self._offline.pop(target.name, None)
             if rerouted:
-                self.rerouted_puts += 1
+                self._accounting.rerouted_puts += 1
             self._tick += 1
             entry.last_tick = self._tick
             self._index[key] = entry
@@ -471,7 +443,7 @@ class TieredStore:
                 self._pinned_bytes[target.name] += size
             else:
                 policy.on_insert(entry)
-            ts = self.stats.tiers[target.name]
+            ts = self._accounting.tier(target.name)
             ts.puts += 1
             ts.bytes_written += size
             self._emit("store", entry)
@@ -505,8 +477,8 @@ class TieredStore:
             tokens: list[int] = list(map(_TOKENS_OF, prefix))
             matched_tokens = sum(tokens)
             if m:
-                self._count_hits(prefix, tiers, tokens, tenant)
-            self._count_lookup(n, m, matched_tokens, m, matched_tokens)
+                self._accounting.count_hits(prefix, tiers, tokens, tenant)
+            self._accounting.count_lookup(n, m, matched_tokens, m, matched_tokens)
             if entries.count(None) == n - m:
                 locations = (*tiers, *([None] * (n - m)))
             else:
@@ -555,7 +527,7 @@ class TieredStore:
         with self._lock:
             e = self._get_visible(key, tenant)
             self._access(e, self._clock())
-            self._served(e, tenant)
+            self._accounting.served(e, tenant)
             self._promote(e, None)
             return e.tier
 
@@ -584,50 +556,18 @@ class TieredStore:
         Every key counts as served up front, like ``lease`` does. A key another batch is moving
         into the lease tier is waited for rather than read twice, so do not call this with the
         store's lock held (``locked()``): waiting gives the lock up."""
-        results: list[LeaseResult] = [None] * len(keys)
-        try:
-            with self._lock:
-                home = self._require_lease_tier()
-                now = self._clock()
-                pending: list[tuple[int, bytes]] = []
-                for i, key in enumerate(keys):
-                    try:
-                        e = self._get_visible(key, tenant)
-                    except KeyNotFound as exc:
-                        results[i] = exc
-                        continue
-                    self._access(e, now)
-                    self._served(e, tenant)
-                    if e.tier == home.name:  # leased now, so making room for the rest skips it
-                        results[i] = self._grant(home, e, ttl_s)
-                    else:
-                        pending.append((i, key))
-            while pending:
-                pending = self._lease_round(home, pending, ttl_s, tenant, results)
-        except BaseException:
-            granted = [r.lease_id for r in results if isinstance(r, Lease)]
-            if granted:
-                self.release(granted)
-            raise
-        return results
+        return self._leases.lease_many(keys, ttl_s, tenant=tenant)
 
     def leased_view(self, lease: Lease) -> memoryview:
         """The bytes a lease holds, read-only and in place (valid while the lease holds)."""
-        with self._lock:
-            return self._require_lease_tier().view(lease)
+        return self._leases.view(lease)
 
     def release(self, lease_ids: Iterable[int]) -> int:
         """End leases; returns how many were still held (expired ones are not)."""
-        with self._lock:
-            home = self._lease_tier
-            if home is None:
-                return 0
-            return sum(home.release(i) for i in lease_ids)
+        return self._leases.release(lease_ids)
 
     def expire_leases(self) -> int:
-        with self._lock:
-            home = self._lease_tier
-            return 0 if home is None else home.expire_leases()
+        return self._leases.expire()
 
     def locked(self) -> threading.RLock:
         """The store's lock, for a caller that must read a tier's state consistently."""
@@ -637,16 +577,11 @@ class TieredStore:
         """Counters, usage, live leases and measured read bandwidth read together, for metrics
         and the stats API."""
         with self._lock:
-            home = self._lease_tier
             return {
-                "stats": {
-                    **self.stats.as_dict(),
-                    "rerouted_puts": self.rerouted_puts,
-                    "spilled_puts": self.spilled_puts,
-                },
+                "stats": self._accounting.as_dict(),
                 "usage": self.usage(),
-                "leases": 0 if home is None else home.lease_count,
-                "read_bandwidth_bytes_per_second": self.read_bandwidth(),
+                "leases": self._leases.lease_count,
+                "read_bandwidth_bytes_per_second": self._accounting.read_bandwidth(),
             }
 
     def read_bandwidth(self) -> dict[str, float | None]:
@@ -660,7 +595,7 @@ class TieredStore:
         a tier not measured yet. For fetch-or-recompute: fetch when latency + bytes / bandwidth
         beats recomputing."""
         with self._lock:
-            return dict(self._read_bandwidth)
+            return self._accounting.read_bandwidth()
 
     def entry(self, key: bytes) -> Entry:
         with self._lock:
@@ -821,38 +756,10 @@ class TieredStore:
 
     def add_external_tier(self, name: str) -> TierStats:
         """Count a tier this store does not hold (the remote pool, peers): its hits and reads
-        join the store's counters, per tier like local ones."""
+        join the store's counters, per tier like local ones (``kvctl.remote`` counts them
+        through ``accounting``)."""
         with self._lock:
-            if name in self._tier_index or name in self._external:
-                raise InvalidArgument(f"tier {name!r} already exists")
-            self._external.append(name)
-            return self.stats.tiers.setdefault(name, TierStats())
-
-    def count_external_hits(
-        self, tier: str, owners: Sequence[str], tokens: Sequence[int], *, tenant: str
-    ) -> None:
-        """Hits a lookup found beyond this node (extending the local prefix ``lookup`` counted):
-        counted like local hits, as reuse when ``owners[i]`` is the asking tenant."""
-        with self._lock:
-            ts = self.stats.tiers[tier]
-            reuse = list(owners).count(tenant)
-            n, hit_tokens = len(owners), sum(tokens)
-            for st in (self.stats, ts):
-                st.reuse_hits += reuse
-                st.sharing_hits += n - reuse
-            ts.hits += n
-            ts.hit_tokens += hit_tokens
-            self.stats.hit_chunks += n
-            self.stats.hit_tokens += hit_tokens
-            # lookup() counted these chunks' tokens as chunk_tokens each, not knowing them
-            self.stats.lookup_tokens += hit_tokens - n * self.chunk_tokens
-
-    def count_external_read(self, tier: str, nbytes: int, *, landed: str | None) -> None:
-        """A chunk read from a tier beyond this node and kept here, in tier ``landed``."""
-        with self._lock:
-            self.stats.tiers[tier].bytes_read += nbytes
-            if landed is not None and landed in self._tier_index:
-                self.stats.tiers[landed].promotions += 1
+            return self._accounting.add_external_tier(name)
 
     def export(self, key: bytes) -> tuple[ChunkMeta, bytearray] | None:
         """A copy of a chunk and its metadata for another store (the pool's write-behind),
@@ -862,24 +769,23 @@ class TieredStore:
             if e is None:
                 return None
             buf = bytearray(e.size_bytes)
-            tier = self._tiers[self._tier_index[e.tier]]
+            tier = self._tier_of(e)
             try:
                 tier.read_into(key, memoryview(buf))
             except CorruptChunk:
                 self._drop_corrupt(e)
                 return None
-            return _meta(e), buf
+            return e.meta(), buf
 
     def close(self) -> None:
         """Close every tier. Reads under way finish on their own (their commits find the tiers
         closed), queued unlinks still run; no thread is started after this."""
         with self._lock:
             self._closed = True
-            pools = (self._read_pool, self._unlink_pool)
-            self._read_pool = self._unlink_pool = None
-            for pool in pools:
-                if pool is not None:
-                    pool.shutdown(wait=False)
+            self._leases.close()
+            pool, self._unlink_pool = self._unlink_pool, None
+            if pool is not None:
+                pool.shutdown(wait=False)
             for t in self._tiers:
                 t.close()
 
@@ -894,21 +800,14 @@ class TieredStore:
             prefix = [self._index[k] for k in keys[:m]]
             tiers, tokens = [e.tier for e in prefix], [e.tokens for e in prefix]
             if m:
-                self._count_hits(prefix, tiers, tokens, tenant)
+                self._accounting.count_hits(prefix, tiers, tokens, tenant)
             hit_tokens = sum(tokens)
             # what was asked for does not depend on the plan: the whole cached prefix
-            self._count_lookup(n, seen.matched_chunks, seen.matched_tokens, m, hit_tokens)
+            acc = self._accounting
+            acc.count_lookup(n, seen.matched_chunks, seen.matched_tokens, m, hit_tokens)
             return LookupResult(n, m, seen.locations, hit_tokens)
 
     # --- internals --------------------------------------------------------------------------
-    def _require_lease_tier(self) -> CpuTier:
-        if self._lease_tier is None:
-            raise TierUnavailable(
-                f"no tier of this store supports leases (a cpu tier does; it has "
-                f"{', '.join(self._tier_index)})"
-            )
-        return self._lease_tier
-
     def _usable(self, tier: Tier) -> bool:
         """False while ``tier`` is offline and its retry is not yet due."""
         off = self._offline.get(tier.name)
@@ -942,6 +841,13 @@ class TieredStore:
             raise KeyNotFound(f"key {key.hex()} is not cached")
         return e
 
+    def _holds(self, e: Entry) -> bool:
+        """Whether ``e`` is still the index's entry for its key (not evicted or replaced)."""
+        return self._index.get(e.key) is e
+
+    def _tier_of(self, e: Entry) -> Tier:
+        return self._tiers[self._tier_index[e.tier]]
+
     def _split_known(self, keys: Iterable[bytes]) -> tuple[list[Entry], int]:
         found: list[Entry] = []
         missing = 0
@@ -952,41 +858,6 @@ class TieredStore:
             else:
                 found.append(e)
         return found, missing
-
-    def _count_lookup(
-        self, n: int, cached: int, cached_tokens: int, hits: int, hit_tokens: int
-    ) -> None:
-        """One lookup of ``n`` chunks whose cached prefix is ``cached`` chunks of
-        ``cached_tokens`` tokens (the rest count chunk_tokens each), ``hits`` of them hits."""
-        st = self.stats
-        st.lookups += 1
-        st.lookup_chunks += n
-        st.lookup_tokens += cached_tokens + (n - cached) * self.chunk_tokens
-        st.hit_chunks += hits
-        st.hit_tokens += hit_tokens
-
-    def _count_hits(
-        self, prefix: list[Entry], tiers: list[str], tokens: list[int], tenant: str
-    ) -> None:
-        reuse = list(map(_TENANT_OF, prefix)).count(tenant)
-        m = len(prefix)
-        self.stats.reuse_hits += reuse
-        self.stats.sharing_hits += m - reuse
-        if tiers.count(tiers[0]) == m:  # the common case: the whole prefix in one tier
-            ts = self.stats.tiers[tiers[0]]
-            ts.hits += m
-            ts.hit_tokens += sum(tokens)
-            ts.reuse_hits += reuse
-            ts.sharing_hits += m - reuse
-            return
-        for e, tier, tok in zip(prefix, tiers, tokens, strict=True):
-            ts = self.stats.tiers[tier]
-            ts.hits += 1
-            ts.hit_tokens += tok
-            if e.tenant == tenant:
-                ts.reuse_hits += 1
-            else:
-                ts.sharing_hits += 1
 
     def _prefix_of(
         self, e: Entry, memo: dict[bytes, tuple[int, int, bool]]
@@ -1022,12 +893,6 @@ class TieredStore:
             memo[w.key] = (chunks, tokens, complete)
         return memo[e.key]
 
-    def _served(self, e: Entry, tenant: str) -> None:
-        """A read that served a chunk: the per-chunk hit count and the spread of tenants."""
-        e.hit_count += 1
-        if len(e.tenants) < _MAX_TENANTS_TRACKED:
-            e.tenants.add(tenant)
-
     def _access(self, e: Entry, now: float) -> None:
         self._tick += 1
         e.last_tick = self._tick
@@ -1037,30 +902,21 @@ class TieredStore:
             self._policies[e.tier].on_access(e)
 
     def _read(self, e: Entry, out: memoryview) -> None:
-        tier = self._tiers[self._tier_index[e.tier]]
+        tier = self._tier_of(e)
         started_s = time.perf_counter()
         try:
             n = tier.read_into(e.key, out)
         except CorruptChunk:
             self._drop_corrupt(e)  # and report a miss
             raise
-        self.stats.tiers[e.tier].bytes_read += n
-        self._note_bandwidth(tier.name, n, time.perf_counter() - started_s)
+        self._accounting.count_read(e.tier, n)
+        self._accounting.note_bandwidth(tier.name, n, time.perf_counter() - started_s)
 
     def _drop_corrupt(self, e: Entry) -> None:
         """``e``'s tier dropped its copy as untrustworthy: count it, and forget ``e``."""
-        self.stats.corrupt_dropped += 1
-        self.stats.tiers[e.tier].evictions["corrupt"] += 1
+        self._accounting.stats.corrupt_dropped += 1
+        self._accounting.tier(e.tier).evictions["corrupt"] += 1
         self._forget(e)
-
-    def _note_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
-        if nbytes < MIN_BANDWIDTH_SAMPLE_BYTES or seconds <= 0:
-            return
-        sample = nbytes / seconds
-        old = self._read_bandwidth.get(tier)
-        self._read_bandwidth[tier] = (
-            sample if old is None else old + _BANDWIDTH_EWMA_WEIGHT * (sample - old)
-        )
 
     # --- reads without the lock -------------------------------------------------------------
     def _begin_read(self, e: Entry) -> None:
@@ -1110,11 +966,11 @@ class TieredStore:
                             f"buffer of {out.nbytes} bytes is smaller than the chunk ({size})"
                         )
                     buf = view = out[:size]
-                src = self._tiers[self._tier_index[e.tier]]
+                src = self._tier_of(e)
                 if not src.detached_reads:
                     self._read(e, view)
                     self._access(e, self._clock())
-                    self._served(e, tenant)
+                    self._accounting.served(e, tenant)
                     self._promote(e, view)
                     return size, buf
                 plan = src.plan_read(key)
@@ -1134,133 +990,15 @@ class TieredStore:
                     if current:
                         raise self._drop_unreadable(e, src, why)
                     continue  # it moved or went while we read: look again
-                self.stats.tiers[src.name].bytes_read += size
-                self._note_bandwidth(src.name, size, seconds)
+                self._accounting.count_read(src.name, size)
+                self._accounting.note_bandwidth(src.name, size, seconds)
                 # the bytes passed the checksum: they are the chunk's even if it went meanwhile
                 if self._index.get(key) is e:
                     self._access(e, self._clock())
-                    self._served(e, tenant)
+                    self._accounting.served(e, tenant)
                     if e.tier == src.name:
                         self._promote(e, view)
                 return size, buf
-
-    def _grant(self, home: CpuTier, e: Entry, ttl_s: float) -> Lease:
-        lease = home.lease(e.key, ttl_s)
-        self.stats.tiers[home.name].bytes_read += e.size_bytes
-        return lease
-
-    def _promote_and_grant(
-        self, home: CpuTier, e: Entry, data: Buffer | None, ttl_s: float
-    ) -> Lease | None:
-        """Promote ``e`` into the lease tier under the lock and lease it there; None when it
-        did not land there."""
-        self._promote(e, data, home)
-        if e.tier == home.name and self._index.get(e.key) is e:
-            return self._grant(home, e, ttl_s)
-        return None
-
-    def _lease_round(
-        self,
-        home: CpuTier,
-        pending: list[tuple[int, bytes]],
-        ttl_s: float,
-        tenant: str,
-        results: list[LeaseResult],
-    ) -> list[tuple[int, bytes]]:
-        """One pass of ``lease_many`` over the keys not yet in the lease tier (their hits
-        already counted): plan under the lock, read outside it, commit under it. Returns the
-        keys to resolve again (moved or evicted mid-read, or waited for)."""
-        flights: list[_Flight] = []
-        waiting: list[tuple[int, bytes]] = []
-        again: list[tuple[int, bytes]] = []
-        try:
-            with self._lock:
-                for i, key in pending:
-                    flight = self._resolve(i, key, home, ttl_s, tenant, results, waiting)
-                    if flight is not None:
-                        flights.append(flight)
-            if flights:
-                self._fly(flights)
-        finally:
-            # every flight planned lands, read or not (a failed plan's are undone, unread)
-            with self._lock:
-                try:
-                    again += self._land(flights, home, ttl_s, results)
-                finally:
-                    if flights:
-                        self._promoted.notify_all()
-        with self._lock:
-            for i, key in waiting:
-                while key in self._promoting:
-                    self._promoted.wait()
-                again.append((i, key))
-        return again
-
-    def _resolve(
-        self,
-        i: int,
-        key: bytes,
-        home: CpuTier,
-        ttl_s: float,
-        tenant: str,
-        results: list[LeaseResult],
-        waiting: list[tuple[int, bytes]],
-    ) -> _Flight | None:
-        """Under the lock: answer one key of a lease batch now (a lease, None, a miss), queue
-        it in ``waiting`` (another flight is bringing it up), or return its flight."""
-        try:
-            e = self._get_visible(key, tenant)
-        except KeyNotFound as exc:
-            results[i] = exc
-            return None
-        if e.tier == home.name:
-            results[i] = self._grant(home, e, ttl_s)
-            return None
-        if key in self._promoting:  # another batch (or this one) is bringing it up
-            waiting.append((i, key))
-            return None
-        src = self._tiers[self._tier_index[e.tier]]
-        if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
-            results[i] = self._promote_and_grant(home, e, None, ttl_s)
-            return None
-        return self._plan_flight(i, e, src, home)
-
-    def _plan_flight(self, i: int, e: Entry, src: Tier, home: CpuTier) -> _Flight | None:
-        """Under the lock: reserve ``e``'s place in the lease tier and mark it in flight, or
-        None when it cannot be held there (the checks ``_try_place`` makes for a promotion)."""
-        if not self.promote_on_hit or e.pinned or not self._usable(home):
-            return None
-        if not self._may_place(e, home):
-            return None
-        plan = src.plan_read(e.key)
-        self._begin_read(e)  # first, so demotions made to make room can never pick it
-        try:
-            if not self._make_room(home, e.size_bytes):
-                raise CapacityError(f"no room for {e.size_bytes} bytes in tier {home.name!r}")
-            reservation = home.reserve(_meta(e))
-        except (CapacityError, InvalidArgument):
-            # InvalidArgument: the lease tier already has the key (a copy the index does not
-            # place there): this key cannot be held there now, the batch goes on without it
-            self._end_read(e, src.name)
-            return None
-        except BaseException:
-            self._end_read(e, src.name)
-            raise
-        view = home.reserved_view(reservation)
-        self._promoting.add(e.key)
-        return _Flight(i, e, src, plan, home, reservation, view)
-
-    def _pool(self) -> ThreadPoolExecutor:
-        """The readers' pool, started on first use; TierUnavailable once the store is closed."""
-        with self._lock:
-            if self._closed:
-                raise TierUnavailable("the store is closed")
-            pool = self._read_pool
-            if pool is None:
-                pool = self._read_pool = ThreadPoolExecutor(
-                    self._read_threads, thread_name_prefix="kvctl-store-read"
-                )
-            return pool
 
     def _delete_copy(self, tier: Tier, key: bytes) -> None:
         """Under the lock: delete the copy a promotion left behind, its slow part (unlinking
@@ -1281,139 +1019,6 @@ class TieredStore:
             pool.submit(cleanup)
         except RuntimeError:  # the interpreter is shutting down: do it here
             cleanup()
-
-    def _fly(self, flights: list[_Flight]) -> None:
-        """Without the lock: read every flight's chunk into its reserved bytes, in parallel.
-        Raises TierUnavailable (reading nothing) once the store is closed. Flights it leaves
-        unread (an error, an interrupt) are sorted out by ``_land_one``."""
-        if len(flights) == 1:
-            if self._closed:
-                raise TierUnavailable("the store is closed")
-            self._read_one(flights[0])
-        else:
-            pool = self._pool()
-            futures = []
-            try:
-                for f in flights:
-                    futures.append(pool.submit(self._read_one, f))
-            except RuntimeError:  # shut down by close() since _pool() answered
-                raise TierUnavailable("the store is closed") from None
-            wait_all(futures)
-            for future in futures:
-                future.result()  # a reader's BaseException (errors are in f.error)
-        by_tier: dict[str, list[_Flight]] = {}
-        for f in flights:
-            if f.state is _READ and f.why is None and f.error is None:
-                by_tier.setdefault(f.src.name, []).append(f)
-        with self._lock:
-            for tier, done in by_tier.items():
-                nbytes = sum(f.reservation.size_bytes for f in done)
-                busy_s = _busy_seconds([(f.started_s, f.ended_s) for f in done])
-                self._note_bandwidth(tier, nbytes, busy_s)
-
-    def _read_one(self, f: _Flight) -> None:
-        """A reader's part of a lease batch (a pool thread's, or the caller's for a batch of
-        one): read and verify one chunk, touching no state but the flight's own (the store's
-        lock is not held), unless the batch gave up on it: before the read begins, nothing is
-        read; after, the reader gives the reserved space back."""
-        with self._flight_lock:
-            if f.state is not _PLANNED:  # the batch gave up on it before it began
-                return
-            f.state = _READING
-        outcome = _DROPPED  # until the read is over: cut short, the bytes are not the chunk's
-        f.started_s = time.perf_counter()
-        try:
-            f.why = f.src.read_planned(f.plan, f.view)
-            outcome = _READ
-        except Exception as exc:
-            f.error = exc
-            outcome = _READ
-        finally:
-            f.ended_s = time.perf_counter()
-            with self._flight_lock:
-                abandoned = f.state is _ABANDONED
-                f.state = outcome
-            if abandoned:  # nobody else will: give the reserved bytes back
-                with self._lock:
-                    f.home.abort(f.reservation)
-
-    def _land(
-        self, flights: list[_Flight], home: CpuTier, ttl_s: float, results: list[LeaseResult]
-    ) -> list[tuple[int, bytes]]:
-        """Under the lock: commit every flight (or undo it), then raise the first error a read
-        or a commit met. Returns the keys to resolve again."""
-        again: list[tuple[int, bytes]] = []
-        first_error: BaseException | None = None
-        for f in flights:
-            try:
-                if self._land_one(f, home, ttl_s, results):
-                    again.append((f.index, f.entry.key))
-            except Exception as exc:  # the rest still land, so nothing stays reserved
-                first_error = first_error or exc
-        if first_error is not None:
-            raise first_error
-        return again
-
-    def _land_one(
-        self, f: _Flight, home: CpuTier, ttl_s: float, results: list[LeaseResult]
-    ) -> bool:
-        """Commit one flight; True when its key must be resolved again."""
-        e, src, r = f.entry, f.src, f.reservation
-        self._promoting.discard(e.key)
-        with self._flight_lock:
-            state = f.state
-            if state is _READING:
-                f.state = _ABANDONED
-            elif state is _PLANNED:  # never begun (cut short, or the pool was shut down)
-                f.state = state = _DROPPED
-        if state is not _READ:
-            # given up on (an interrupt cut this thread's wait short, or the store closed): a
-            # read still going may write into the reserved bytes yet, so they stay reserved,
-            # never handed out, until that reader gives them back (``_read_one``)
-            if state is _DROPPED:
-                home.abort(r)
-            self._end_read(e, src.name)
-            return False
-        current = self._is_current(e, src, f.plan)
-        if f.error is not None or f.why is not None or not current or e.pinned:
-            home.abort(r)
-            self._end_read(e, src.name)
-            if f.error is not None:
-                raise f.error
-            if not current:  # evicted, moved or rewritten meanwhile: look again
-                return True
-            if f.why is not None:
-                results[f.index] = self._drop_unreadable(e, src, f.why)
-            # else pinned meanwhile: it stays where it is pinned
-            return False
-        if not home.commit(r):
-            # the arena was replaced (resize) mid-read: the bytes, read and checked, are in
-            # the old one; place them like any promotion
-            self._end_read(e, src.name)
-            self.stats.tiers[src.name].bytes_read += e.size_bytes
-            results[f.index] = self._promote_and_grant(home, e, f.view, ttl_s)
-            return False
-        try:
-            self._delete_copy(src, e.key)
-        except BaseException as exc:
-            home.delete(e.key)  # still one copy, in src
-            self._end_read(e, src.name)
-            if not isinstance(exc, TierUnavailable):
-                raise
-            # the disk copy cannot be removed (its disk went read-only, say): the chunk stays
-            # there, and this key is a fallback (read it with read_into), not a failed batch
-            self.stats.tiers[src.name].bytes_read += e.size_bytes
-            return False
-        e.tier = home.name  # before _end_read, which must not put it back in src's policy
-        self._end_read(e, src.name)
-        self._offline.pop(home.name, None)
-        self.stats.tiers[src.name].bytes_read += e.size_bytes
-        self.stats.tiers[home.name].bytes_written += e.size_bytes
-        self.stats.tiers[home.name].promotions += 1
-        self._policies[home.name].on_insert(e)
-        self._emit("promote", e, src=src.name)
-        results[f.index] = self._grant(home, e, ttl_s)
-        return False
 
     def _plan_put(
         self, entry: Entry, start: int, *, pinned: bool, now: float, skip: set[str]
@@ -1509,16 +1114,16 @@ class TieredStore:
 
     def _evict(self, e: Entry, reason: str, *, demote: bool) -> None:
         """Take ``e`` out of its tier: demote it to the next tier if allowed, else drop it."""
-        src = self._tiers[self._tier_index[e.tier]]
+        src = self._tier_of(e)
         self._policies[src.name].on_remove(e)
-        self.stats.tiers[src.name].evictions[reason] += 1
+        self._accounting.tier(src.name).evictions[reason] += 1
         nxt = self._tier_index[src.name] + 1
         if demote and nxt < len(self._tiers):
             dst = self._tiers[nxt]
             if not self._admission[dst.name].admit(e):
-                self.stats.admission_refused += 1
+                self._accounting.stats.admission_refused += 1
             elif self._try_place(e, src, dst):
-                self.stats.tiers[dst.name].demotions += 1
+                self._accounting.tier(dst.name).demotions += 1
                 self._emit("demote", e, src=src.name)
                 return
         src.delete(e.key)
@@ -1547,7 +1152,7 @@ class TieredStore:
         )
         if not self._usable(dst):
             if down:
-                self.stats.demotion_failures += 1
+                self._accounting.stats.demotion_failures += 1
             return False
         if not self._may_place(e, dst):
             return False
@@ -1562,14 +1167,14 @@ class TieredStore:
             if not self._make_room(dst, e.size_bytes):
                 raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
             try:
-                dst.put(_meta(e), data)
+                dst.put(e.meta(), data)
             except TierUnavailable as exc:
                 self._take_offline(dst, exc)
                 raise
         except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument):
             # InvalidArgument: dst refused the put (it already has the key): nothing moved
             if down:
-                self.stats.demotion_failures += 1
+                self._accounting.stats.demotion_failures += 1
             return False
         self._offline.pop(dst.name, None)
         try:
@@ -1584,10 +1189,10 @@ class TieredStore:
             if not isinstance(exc, TierUnavailable):
                 raise
             if down:
-                self.stats.demotion_failures += 1
+                self._accounting.stats.demotion_failures += 1
             return False
         e.tier = dst.name
-        self.stats.tiers[dst.name].bytes_written += e.size_bytes
+        self._accounting.count_written(dst.name, e.size_bytes)
         if e.pinned:
             self._pinned_bytes[src.name] -= e.size_bytes
             self._pinned_bytes[dst.name] += e.size_bytes
@@ -1610,7 +1215,7 @@ class TieredStore:
         promotion into the tier it lands in, never as a demotion (no pressure made it move)."""
         if not self.promote_on_hit or e.pinned or e.key not in self._index:
             return
-        src = self._tiers[self._tier_index[e.tier]]
+        src = self._tier_of(e)
         if lease_to is not None:
             dst = lease_to
         else:
@@ -1623,13 +1228,25 @@ class TieredStore:
         src_policy.on_remove(e)  # so making room in dst can never pick it while it moves
         if self._try_place(e, src, dst, data, demotion=False, delete_later=True):
             if e.key in self._index:
-                self.stats.tiers[dst.name].promotions += 1
+                self._accounting.count_promotion(dst.name)
                 self._emit("promote", e, src=src.name)
         else:
             src_policy.on_insert(e)
 
+    def _commit_promotion(self, e: Entry, src: Tier, dst: Tier) -> None:
+        """A chunk read from ``src`` outside the lock now has its copy in ``dst`` (and its copy
+        in ``src`` is gone): the index, ``dst``'s policy, the counters and listeners learn it."""
+        e.tier = dst.name  # before _end_read, which must not put it back in src's policy
+        self._end_read(e, src.name)
+        self._offline.pop(dst.name, None)
+        self._accounting.count_read(src.name, e.size_bytes)
+        self._accounting.count_written(dst.name, e.size_bytes)
+        self._accounting.count_promotion(dst.name)
+        self._policies[dst.name].on_insert(e)
+        self._emit("promote", e, src=src.name)
+
     def _move(self, e: Entry, dst: Tier) -> None:
-        src = self._tiers[self._tier_index[e.tier]]
+        src = self._tier_of(e)
         room = dst.capacity_bytes - self._pinned_bytes[dst.name]
         if e.size_bytes > room:
             raise CapacityError(
@@ -1665,7 +1282,7 @@ class TieredStore:
         self._link_parent(e, -1)
         if e.children:
             self._orphans[e.key] = e.children
-        self.stats.drops += 1
+        self._accounting.stats.drops += 1
         for adm in self._admission.values():
             adm.on_drop(e)
         self._emit("evict", e)
@@ -1702,17 +1319,6 @@ class TieredStore:
             listener(event)
 
 
-def _busy_seconds(spans: Iterable[tuple[float, float]]) -> float:
-    """Length of the union of the ``(start, end)`` intervals: the time at least one ran."""
-    total = 0.0
-    covered_to = -math.inf
-    for start, end in sorted(spans):
-        if end > covered_to:
-            total += end - max(start, covered_to)
-            covered_to = end
-    return total
-
-
 def _as_admission(spec: str | AdmissionPolicy) -> AdmissionPolicy:
     return make_admission_policy(spec) if isinstance(spec, str) else spec
 
@@ -1743,17 +1349,4 @@ def _hot(e: Entry, prefix_chunks: int, prefix_tokens: int, prefix_complete: bool
         prefix_chunks=prefix_chunks,
         prefix_tokens=prefix_tokens,
         prefix_complete=prefix_complete,
-    )
-
-
-def _meta(e: Entry) -> ChunkMeta:
-    return ChunkMeta(
-        key=e.key,
-        size_bytes=e.size_bytes,
-        tokens=e.tokens,
-        tenant=e.tenant,
-        parent=e.parent,
-        priority=e.priority,
-        isolated=e.isolated,
-        created_s=e.created_s,
     )

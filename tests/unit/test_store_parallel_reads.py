@@ -19,8 +19,10 @@ from typing import Any
 
 import pytest
 
+from kvctl.store.accounting import MIN_BANDWIDTH_SAMPLE_BYTES
 from kvctl.store.errors import CapacityError, CorruptChunk, KeyNotFound, TierUnavailable
-from kvctl.store.store import MIN_BANDWIDTH_SAMPLE_BYTES, LeaseResult, TieredStore
+from kvctl.store.leases import LeaseResult
+from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ReadPlan
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.store.tiers.disk import DiskTier

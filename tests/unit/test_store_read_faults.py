@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from kvctl.store.accounting import MIN_BANDWIDTH_SAMPLE_BYTES, busy_seconds
 from kvctl.store.errors import TierUnavailable
-from kvctl.store.store import MIN_BANDWIDTH_SAMPLE_BYTES, TieredStore, _busy_seconds
+from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta, ReadPlan
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from tests.unit.test_store_parallel_reads import (
@@ -313,12 +314,12 @@ def test_a_slow_unlink_does_not_lower_a_batchs_measured_bandwidth(tmp_path: Path
 
 
 def test_a_batchs_read_time_is_the_union_of_its_reads_own_intervals() -> None:
-    assert _busy_seconds([]) == 0
-    assert _busy_seconds([(1.0, 2.0)]) == 1.0
+    assert busy_seconds([]) == 0
+    assert busy_seconds([(1.0, 2.0)]) == 1.0
     # two at once count once; a gap with none of them running (queued behind other work)
     # does not count at all
-    assert _busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0), (3.2, 3.4)]) == 2.5
-    assert _busy_seconds([(3.0, 4.0), (0.0, 10.0)]) == 10.0
+    assert busy_seconds([(0.0, 1.0), (0.5, 1.5), (3.0, 4.0), (3.2, 3.4)]) == 2.5
+    assert busy_seconds([(3.0, 4.0), (0.0, 10.0)]) == 10.0
 
 
 def test_close_is_safe_with_reads_and_unlinks_under_way(tmp_path: Path) -> None:
