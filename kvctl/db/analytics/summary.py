@@ -3,7 +3,7 @@ fleet summary), and exact cache counter sums per node and tier (the demo's cross
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import Float, cast, func, select
@@ -29,9 +29,6 @@ class DcSummary(HitCounts):
     prompt_tokens: int | None = None
     cached_prompt_tokens: int | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | self.hit_figures()
-
 
 @dataclass(slots=True)
 class FleetSummary:
@@ -39,14 +36,6 @@ class FleetSummary:
     end_ms: int
     dcs: list[DcSummary] = field(default_factory=list)
     total: DcSummary = field(default_factory=lambda: DcSummary(dc="fleet"))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "start_ms": self.start_ms,
-            "end_ms": self.end_ms,
-            "dcs": [d.as_dict() for d in self.dcs],
-            "total": self.total.as_dict(),
-        }
 
 
 def _per_dc(
