@@ -803,8 +803,9 @@ class TieredStore:
                 self._accounting.count_hits(prefix, tiers, tokens, tenant)
             hit_tokens = sum(tokens)
             # what was asked for does not depend on the plan: the whole cached prefix
-            acc = self._accounting
-            acc.count_lookup(n, seen.matched_chunks, seen.matched_tokens, m, hit_tokens)
+            self._accounting.count_lookup(
+                n, seen.matched_chunks, seen.matched_tokens, m, hit_tokens
+            )
             return LookupResult(n, m, seen.locations, hit_tokens)
 
     # --- internals --------------------------------------------------------------------------
@@ -934,12 +935,12 @@ class TieredStore:
             self._reading[e] = n
             return
         del self._reading[e]
-        if not e.pinned and e.tier == src and self._index.get(e.key) is e:
+        if not e.pinned and e.tier == src and self._holds(e):
             self._policies[src].on_insert(e)
 
     def _is_current(self, e: Entry, src: Tier, plan: ReadPlan) -> bool:
         """Whether a read planned from ``src`` read the copy the store still holds for ``e``."""
-        return self._index.get(e.key) is e and e.tier == src.name and src.plan_is_current(plan)
+        return self._holds(e) and e.tier == src.name and src.plan_is_current(plan)
 
     def _drop_unreadable(self, e: Entry, src: Tier, why: str) -> CorruptChunk:
         """A detached read found ``e``'s copy untrustworthy: drop it like ``_read`` does."""
