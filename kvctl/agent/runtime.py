@@ -9,6 +9,7 @@ store from the network is written here once.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -377,7 +378,9 @@ class AgentRuntime:
             unfollow()
         self.store.close()  # the gpu tier unregisters its other host regions as it closes
 
-    def register_host_region(self, owner: object, buffer: Buffer, *, read_only: bool) -> bool:
+    def register_host_region(
+        self, owner: object, buffer: mmap.mmap | Buffer, *, read_only: bool
+    ) -> bool:
         """Let the gpu tier copy straight from (unless ``read_only``, also into) ``buffer``, a
         mapping such as a client's staging segment, until ``owner`` is collected or
         ``unregister_host_region(owner)``; re-registering an owner replaces its region. False
