@@ -5,6 +5,7 @@ audits it, and this module asks for confirmation, shows progress and renders the
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -24,24 +25,42 @@ from kvctl.cli.options import (
 from kvctl.cli.output import confirm, console, err_console, print_json, user_errors
 
 if TYPE_CHECKING:
-    from kvctl.fleet.actions import ActionReport, ActionRequest
+    from kvctl.fleet.actions import ActionReport
+
+
+@dataclass(frozen=True, slots=True)
+class Fanout:
+    """How a control command runs on its nodes: asking first or not, each agent's timeout (a
+    command's own default: ``Fanout(timeout=30.0)``), the inventory's database, the output."""
+
+    yes: YesOpt = False
+    timeout: TimeoutOpt = 10.0
+    db: DbOpt = None
+    json_out: JsonOpt = False
 
 
 def _act(
-    request: ActionRequest,
+    fanout: Fanout,
     targets: Targets,
-    yes: bool,
-    db: str | None,
-    json_out: bool,
-    timeout_s: float,
+    action: str,
+    *,
+    chunks: ChunkOptions | None = None,
+    hint: str | None = None,
+    **request: Any,
 ) -> None:
-    from kvctl.fleet.actions import run_action
+    """Build the request (a bad value is a usage error with ``hint``), confirm a fleet-wide
+    one, run it on the targets with a progress bar, render the report; exit 1 on a failure."""
+    from kvctl.fleet.actions import ActionRequest, run_action
 
-    engine = open_engine(db)
+    with user_errors(hint=hint):
+        req = ActionRequest(
+            action, chunks=None if chunks is None else chunks.selection(), **request
+        )
+    engine = open_engine(fanout.db)
     nodes = targets.resolve(engine)
-    if targets.all_nodes and not yes:
+    if targets.all_nodes and not fanout.yes:
         dcs = len({n.dc for n in nodes})
-        if not confirm(f"{request.action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"):
+        if not confirm(f"{req.action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"):
             err_console.print("nothing done")
             raise typer.Exit(1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -49,7 +68,7 @@ def _act(
     with (
         db_errors(),
         Progress(
-            TextColumn(f"{request.action}"),
+            TextColumn(f"{req.action}"),
             BarColumn(),
             MofNCompleteColumn(),
             TextColumn("{task.fields[last]}"),
@@ -57,16 +76,16 @@ def _act(
             transient=True,
         ) as progress,
     ):
-        task = progress.add_task(request.action, total=len(nodes), last="")
+        task = progress.add_task(req.action, total=len(nodes), last="")
         report = run_action(
             engine,
             nodes,
-            request,
-            timeout_s=timeout_s,
+            req,
+            timeout_s=fanout.timeout,
             on_result=lambda r: progress.update(task, advance=1, last=r.node.name),
         )
     engine.dispose()
-    _render(report, json_out)
+    _render(report, fanout.json_out)
     if not report.ok:
         names = ", ".join(r.node.name for r in report.failed)
         err_console.print(
@@ -100,14 +119,7 @@ def _render(report: ActionReport, json_out: bool) -> None:
 # --- the commands -----------------------------------------------------------------------------
 @bundled
 def pin_command(
-    *,
-    chunks: ChunkOptions,
-    tier: TierOpt = None,
-    targets: Targets,
-    yes: YesOpt = False,
-    timeout: TimeoutOpt = 10.0,
-    db: DbOpt = None,
-    json_out: JsonOpt = False,
+    *, chunks: ChunkOptions, tier: TierOpt = None, targets: Targets, fanout: Fanout = Fanout()
 ) -> None:
     """Pin chunks so they are never evicted (moved to --tier first when given).
 
@@ -119,23 +131,11 @@ def pin_command(
 
       kvctl pin --all --yes --key 3f2a9c0d1e4b5a697887766554433221
     """
-    from kvctl.fleet.actions import ActionRequest
-
-    with user_errors():
-        req = ActionRequest("pin", chunks=chunks.selection(), tier=tier)
-    _act(req, targets, yes, db, json_out, timeout)
+    _act(fanout, targets, "pin", chunks=chunks, tier=tier)
 
 
 @bundled
-def unpin_command(
-    *,
-    chunks: ChunkOptions,
-    targets: Targets,
-    yes: YesOpt = False,
-    timeout: TimeoutOpt = 10.0,
-    db: DbOpt = None,
-    json_out: JsonOpt = False,
-) -> None:
+def unpin_command(*, chunks: ChunkOptions, targets: Targets, fanout: Fanout = Fanout()) -> None:
     """Make pinned chunks evictable again.
 
     Examples:
@@ -144,23 +144,11 @@ def unpin_command(
 
       kvctl unpin --dc fra --keys-file system-prompt.keys --json
     """
-    from kvctl.fleet.actions import ActionRequest
-
-    with user_errors():
-        req = ActionRequest("unpin", chunks=chunks.selection())
-    _act(req, targets, yes, db, json_out, timeout)
+    _act(fanout, targets, "unpin", chunks=chunks)
 
 
 @bundled
-def evict_command(
-    *,
-    chunks: ChunkOptions,
-    targets: Targets,
-    yes: YesOpt = False,
-    timeout: TimeoutOpt = 10.0,
-    db: DbOpt = None,
-    json_out: JsonOpt = False,
-) -> None:
+def evict_command(*, chunks: ChunkOptions, targets: Targets, fanout: Fanout = Fanout()) -> None:
     """Drop chunks from every tier of the nodes; pinned chunks are skipped and counted.
 
     Examples:
@@ -169,11 +157,7 @@ def evict_command(
 
       kvctl evict --all --yes --keys-file leaked-prompt.keys
     """
-    from kvctl.fleet.actions import ActionRequest
-
-    with user_errors():
-        req = ActionRequest("evict", chunks=chunks.selection())
-    _act(req, targets, yes, db, json_out, timeout)
+    _act(fanout, targets, "evict", chunks=chunks)
 
 
 @bundled
@@ -184,10 +168,7 @@ def flush_command(
         bool, typer.Option(help="Demote to the next tier down instead of dropping.")
     ] = False,
     targets: Targets,
-    yes: YesOpt = False,
-    timeout: TimeoutOpt = 30.0,
-    db: DbOpt = None,
-    json_out: JsonOpt = False,
+    fanout: Fanout = Fanout(timeout=30.0),
 ) -> None:
     """Empty a tier of its unpinned chunks (dropped, or demoted with --demote).
 
@@ -199,11 +180,7 @@ def flush_command(
 
       kvctl flush --tier cpu --all --yes
     """
-    from kvctl.fleet.actions import ActionRequest
-
-    with user_errors():
-        req = ActionRequest("flush", tier=tier, demote=demote)
-    _act(req, targets, yes, db, json_out, timeout)
+    _act(fanout, targets, "flush", tier=tier, demote=demote)
 
 
 @bundled
@@ -214,10 +191,7 @@ def prefetch_command(
     ] = None,
     chunks: ChunkOptions,
     targets: Targets,
-    yes: YesOpt = False,
-    timeout: TimeoutOpt = 30.0,
-    db: DbOpt = None,
-    json_out: JsonOpt = False,
+    fanout: Fanout = Fanout(timeout=30.0),
 ) -> None:
     """Bring chunks up to a faster tier ahead of the requests that will need them.
 
@@ -227,11 +201,7 @@ def prefetch_command(
 
       kvctl prefetch --dc fra --keys-file tomorrow-9am.keys
     """
-    from kvctl.fleet.actions import ActionRequest
-
-    with user_errors():
-        req = ActionRequest("prefetch", chunks=chunks.selection(), tier=to)
-    _act(req, targets, yes, db, json_out, timeout)
+    _act(fanout, targets, "prefetch", chunks=chunks, tier=to)
 
 
 @bundled
@@ -240,10 +210,7 @@ def move_command(
     to: Annotated[str, typer.Option("--to", help="Destination tier, up or down.")],
     chunks: ChunkOptions,
     targets: Targets,
-    yes: YesOpt = False,
-    timeout: TimeoutOpt = 30.0,
-    db: DbOpt = None,
-    json_out: JsonOpt = False,
+    fanout: Fanout = Fanout(timeout=30.0),
 ) -> None:
     """Move chunks to a tier, up or down, making room there by the eviction policy.
 
@@ -253,11 +220,7 @@ def move_command(
 
       kvctl move --to cpu --dc fra --text "You are a helpful assistant." --json
     """
-    from kvctl.fleet.actions import ActionRequest
-
-    with user_errors():
-        req = ActionRequest("move", chunks=chunks.selection(), tier=to)
-    _act(req, targets, yes, db, json_out, timeout)
+    _act(fanout, targets, "move", chunks=chunks, tier=to)
 
 
 @bundled
@@ -266,10 +229,7 @@ def resize_command(
     tier: Annotated[str, typer.Option("--tier", "-t", help="Tier to resize.")],
     size: Annotated[str, typer.Option("--size", help="New capacity: 4096, 512MiB, 64GiB...")],
     targets: Targets,
-    yes: YesOpt = False,
-    timeout: TimeoutOpt = 60.0,
-    db: DbOpt = None,
-    json_out: JsonOpt = False,
+    fanout: Fanout = Fanout(timeout=60.0),
 ) -> None:
     """Change a tier's capacity live; shrinking demotes (or drops) chunks to fit.
 
@@ -281,11 +241,14 @@ def resize_command(
 
       kvctl resize --tier disk --size 2TiB --dc fra --json
     """
-    from kvctl.fleet.actions import ActionRequest
-
-    with user_errors(hint="sizes look like 4096, 512MiB or 64GiB"):
-        req = ActionRequest("resize", tier=tier, size=size)
-    _act(req, targets, yes, db, json_out, timeout)
+    _act(
+        fanout,
+        targets,
+        "resize",
+        hint="sizes look like 4096, 512MiB or 64GiB",
+        tier=tier,
+        size=size,
+    )
 
 
 COMMANDS = {

@@ -34,7 +34,7 @@ DB_HINT = "set KVCTL_DB_URL or --db; `kvctl db current` shows which database is 
 
 
 @contextmanager
-def db_errors() -> Iterator[None]:
+def db_errors(hint: str = DB_HINT) -> Iterator[None]:
     """The database's failures as one line with a hint, never a traceback."""
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -43,9 +43,9 @@ def db_errors() -> Iterator[None]:
     try:
         yield
     except DatabaseError as exc:
-        fail(str(exc), hint=DB_HINT)
+        fail(str(exc), hint=hint)
     except SQLAlchemyError as exc:
-        fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=DB_HINT)
+        fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=hint)
 
 
 def open_engine(db: str | None) -> Any:
@@ -202,7 +202,9 @@ class Targets:
 
 def bundled(fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` as a command whose dataclass-typed parameters (:class:`ChunkOptions`,
-    :class:`Targets`) are shown as their fields' options, in place, and handed to ``fn`` built."""
+    :class:`Targets`) are shown as their fields' options, in place, and handed to ``fn`` built.
+    A bundle parameter's default, an instance, gives this command's option defaults (one
+    bundle, several commands' defaults); without one, the fields' defaults apply."""
     hints = get_type_hints(fn, include_extras=True)
     params: list[inspect.Parameter] = []
     bundles: dict[str, tuple[type, list[str]]] = {}
@@ -213,12 +215,13 @@ def bundled(fn: Callable[..., None]) -> Callable[..., None]:
             continue
         field_hints = get_type_hints(hint, include_extras=True)
         fields = dataclasses.fields(hint)
+        defaults = param.default if isinstance(param.default, hint) else None
         bundles[param.name] = (hint, [f.name for f in fields])
         params += [
             inspect.Parameter(
                 f.name,
                 inspect.Parameter.KEYWORD_ONLY,
-                default=f.default,
+                default=f.default if defaults is None else getattr(defaults, f.name),
                 annotation=field_hints[f.name],
             )
             for f in fields
