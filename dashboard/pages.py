@@ -18,14 +18,16 @@ from kvctl.db.analytics.links import break_even, link_figures, link_series
 from kvctl.db.analytics.overview import Overview, capacity, overview
 from kvctl.db.analytics.series import node_events, time_series
 from kvctl.db.analytics.windows import Window
-from kvctl.format import ENERGY_UNITS as ENERGY
-from kvctl.format import GPU_TIME_UNITS as GPU_TIME
-from kvctl.format import MASS_UNITS as MASS
-from kvctl.format import format_number as fmt_num
-from kvctl.format import format_scaled as fmt_scaled
-from kvctl.format import format_seconds as fmt_seconds
-from kvctl.format import format_utc_minute as fmt_time
-from kvctl.format import percent as fmt_ratio
+from kvctl.format import (
+    ENERGY_UNITS,
+    GPU_TIME_UNITS,
+    MASS_UNITS,
+    format_number,
+    format_scaled,
+    format_seconds,
+    format_utc_minute,
+    percent,
+)
 
 COLLECT_HINT = "Run `kvctl collect` (or `kvctl demo`) so the collector records samples."
 
@@ -80,8 +82,8 @@ def fleet_page(ctx: PageContext) -> list[Any]:
     if not total.lookups:
         out.append(
             empty(
-                f"No cache lookups recorded between {fmt_time(win.start_ms)} and "
-                f"{fmt_time(win.end_ms)}.",
+                f"No cache lookups recorded between {format_utc_minute(win.start_ms)} and "
+                f"{format_utc_minute(win.end_ms)}.",
                 hint=COLLECT_HINT + " Or pick a longer window.",
             )
         )
@@ -139,7 +141,7 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
     else:
         energy_note = f"NVML, {c.energy_nodes} node(s)"
     if c.engine_nodes:
-        ttft = f"{fmt_seconds(c.ttft_mean_s)} vs {fmt_seconds(c.ttft_without_cache_mean_s)}"
+        ttft = f"{format_seconds(c.ttft_mean_s)} vs {format_seconds(c.ttft_without_cache_mean_s)}"
         ttft_note = "measured with cache vs modeled without (+ prefill of cached tokens)"
     else:
         ttft = "N/A"
@@ -153,57 +155,59 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
     return [
         card(
             "Hit ratio",
-            fmt_ratio(c.hit_ratio),
+            percent(c.hit_ratio),
             MEASURED,
             f"{c.hits:,} of {c.lookups:,} chunk lookups",
             card_id="card-hit-ratio",
         ),
         card(
             "Sharing",
-            fmt_ratio(c.sharing_hit_ratio),
+            percent(c.sharing_hit_ratio),
             MEASURED,
-            f"reuse {fmt_ratio(c.reuse_hit_ratio)} + sharing = hit ratio; sharing is "
-            f"{fmt_ratio(c.sharing_share_of_hits)} of hits",
+            f"reuse {percent(c.reuse_hit_ratio)} + sharing = hit ratio; sharing is "
+            f"{percent(c.sharing_share_of_hits)} of hits",
             card_id="card-sharing",
         ),
         card(
             "Prefill tokens saved",
-            fmt_num(c.hit_tokens),
+            format_number(c.hit_tokens),
             MEASURED,
             tokens_note,
             card_id="card-tokens",
         ),
         card(
             "GPU time saved",
-            fmt_scaled(c.gpu_seconds_saved, GPU_TIME),
+            format_scaled(c.gpu_seconds_saved, GPU_TIME_UNITS),
             c.gpu_time_basis,
             gpu_time_note(c),
             card_id="card-gpu-hours",
         ),
         card(
             "Energy saved",
-            fmt_scaled(c.facility_joules_saved, ENERGY),
+            format_scaled(c.facility_joules_saved, ENERGY_UNITS),
             MODELED,
             energy_saved_note,
             card_id="card-energy",
         ),
         card(
             "Carbon saved",
-            fmt_scaled(c.carbon_saved_g, MASS) + " CO2" if c.carbon_saved_g is not None else "N/A",
+            format_scaled(c.carbon_saved_g, MASS_UNITS) + " CO2"
+            if c.carbon_saved_g is not None
+            else "N/A",
             MODELED,
             carbon_note,
             card_id="card-carbon",
         ),
         card(
             "Energy used",
-            fmt_scaled(None if c.energy_kwh is None else c.energy_j, ENERGY),
+            format_scaled(None if c.energy_kwh is None else c.energy_j, ENERGY_UNITS),
             MEASURED,
             energy_note,
             card_id="card-energy-used",
         ),
         card(
             "Tokens per joule",
-            fmt_num(c.tokens_per_joule),
+            format_number(c.tokens_per_joule),
             MEASURED,
             "engine tokens / NVML energy"
             if c.both_nodes
@@ -228,8 +232,8 @@ def gpu_time_note(c: Any) -> str:
     else:  # configured or modeled rates make the plans' saving a model, whatever was measured
         rate = f"{' + '.join(bases)} prefill rate: modeled from plan"
     note = (
-        f"agents' plans: prefill {fmt_seconds(c.plan_recompute_s)} - fetch "
-        f"{fmt_seconds(c.plan_fetch_s)} of {c.plan_fetch_chunks:,} chunks taken ({rate})"
+        f"agents' plans: prefill {format_seconds(c.plan_recompute_s)} - fetch "
+        f"{format_seconds(c.plan_fetch_s)} of {c.plan_fetch_chunks:,} chunks taken ({rate})"
     )
     if c.token_model_nodes:
         note += f"; {c.token_model_nodes} node(s) without plans: {TOKENS_NOTE}"
@@ -249,11 +253,11 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
     return {
         "DC": name,
         "nodes": c.nodes,
-        "up": fmt_ratio(c.up_ratio),
+        "up": percent(c.up_ratio),
         "lookups": c.lookups,
-        "hit ratio": fmt_ratio(c.hit_ratio),
-        "reuse": fmt_ratio(c.reuse_hit_ratio),
-        "sharing": fmt_ratio(c.sharing_hit_ratio),
+        "hit ratio": percent(c.hit_ratio),
+        "reuse": percent(c.reuse_hit_ratio),
+        "sharing": percent(c.sharing_hit_ratio),
         "tokens saved": c.hit_tokens,
         "GPU-h saved": round(c.gpu_seconds_saved / 3600, 4),
         "GPU-h basis": gpu_time_basis_label(c),
@@ -354,7 +358,10 @@ def dc_page(ctx: PageContext) -> list[Any]:
         )
     if node:
         events = node_events(ctx.conn, win, node.id)
-        rows = [{"time": fmt_time(e.ts_ms), "event": e.kind, "detail": e.detail} for e in events]
+        rows = [
+            {"time": format_utc_minute(e.ts_ms), "event": e.kind, "detail": e.detail}
+            for e in events
+        ]
         body = (
             table("table-events", rows, ["time", "event", "detail"])
             if rows
@@ -383,12 +390,12 @@ def _node_rows(
             {
                 "node": n.name,
                 "GPU": n.gpu_model or "unknown",
-                "up": fmt_ratio(c.up_ratio),
+                "up": percent(c.up_ratio),
                 "lookups": c.lookups,
-                "hit ratio": fmt_ratio(c.hit_ratio),
-                "sharing": fmt_ratio(c.sharing_hit_ratio),
+                "hit ratio": percent(c.hit_ratio),
+                "sharing": percent(c.sharing_hit_ratio),
                 "evictions": c.evictions,
-                "used / capacity": fmt_ratio(None if not cap or used is None else used / cap),
+                "used / capacity": percent(None if not cap or used is None else used / cap),
                 "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
             }
         )
@@ -480,16 +487,16 @@ def _link_row(r: Any) -> dict[str, Any]:
         "link": lk.dc_a if lk.dc_a == lk.dc_b else f"{lk.dc_a}↔{lk.dc_b}",
         "km": lk.distance_km,
         "probes": lk.probes,
-        "ok": fmt_ratio(lk.ok_ratio),
-        "RTT mean": fmt_seconds(lk.rtt_mean_s),
-        "RTT max": fmt_seconds(lk.rtt_max_s),
-        "fiber RTT (modeled)": fmt_seconds(lk.fiber_rtt_s),
+        "ok": percent(lk.ok_ratio),
+        "RTT mean": format_seconds(lk.rtt_mean_s),
+        "RTT max": format_seconds(lk.rtt_max_s),
+        "fiber RTT (modeled)": format_seconds(lk.fiber_rtt_s),
         "Gb/s": None
         if lk.bandwidth_bytes_per_s is None
         else round(lk.bandwidth_bytes_per_s * 8 / 1e9, 3),
-        "fetch / chunk": fmt_seconds(r.fetch_s),
-        "recompute / chunk (modeled)": fmt_seconds(r.recompute_s),
-        "break-even RTT": fmt_seconds(r.max_rtt_s),
+        "fetch / chunk": format_seconds(r.fetch_s),
+        "recompute / chunk (modeled)": format_seconds(r.recompute_s),
+        "break-even RTT": format_seconds(r.max_rtt_s),
         "verdict": worth,
     }
 
@@ -516,7 +523,7 @@ def capacity_page(ctx: PageContext) -> list[Any]:
         cap = view.cpu_capacity_bytes_per_node.get(key)
         inputs = r.get("modeled_inputs", {})
         note = (
-            f"workload {saved.workload}, saved {fmt_time(saved.created_ms)}; model "
+            f"workload {saved.workload}, saved {format_utc_minute(saved.created_ms)}; model "
             f"{inputs.get('model', {}).get('name', '?')}, GPU "
             f"{inputs.get('gpu', {}).get('name', '?')}, MFU {inputs.get('mfu', '?')}"
         )
@@ -556,11 +563,11 @@ def _candidate_row(c: dict[str, Any]) -> dict[str, Any]:
         "configuration": c["name"],
         "tiers": ", ".join(f"{t} {b / 2**30:,.0f} GiB" for t, b in c["tiers_bytes"].items()),
         "km": c["distance_km"],
-        "hit ratio (simulated)": fmt_ratio(sim["hit_ratio"]),
-        "mean TTFT (modeled)": fmt_seconds(mod["mean_ttft_seconds"]),
-        "p99 TTFT (modeled)": fmt_seconds(mod["p99_ttft_seconds"]),
-        "TTFT saved (modeled)": fmt_ratio(mod["mean_ttft_saved_ratio"]),
-        "energy saved (modeled)": fmt_ratio(mod["prefill_joules_saved_ratio"]),
+        "hit ratio (simulated)": percent(sim["hit_ratio"]),
+        "mean TTFT (modeled)": format_seconds(mod["mean_ttft_seconds"]),
+        "p99 TTFT (modeled)": format_seconds(mod["p99_ttft_seconds"]),
+        "TTFT saved (modeled)": percent(mod["mean_ttft_saved_ratio"]),
+        "energy saved (modeled)": percent(mod["prefill_joules_saved_ratio"]),
         "not worth fetching": ", ".join(mod["not_worth_fetching"]) or "-",
     }
 

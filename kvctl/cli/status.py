@@ -10,8 +10,7 @@ import typer
 
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, TimeoutOpt, db_errors, open_engine
 from kvctl.cli.output import console, print_json, user_errors
-from kvctl.format import format_utc_minute
-from kvctl.format import percent as pct
+from kvctl.format import format_utc_minute, percent
 
 if TYPE_CHECKING:
     from kvctl.db.analytics.counts import Counts
@@ -105,14 +104,14 @@ def _ago(ts_ms: int | None, now_ms: int) -> str:
 
 
 def _tiers(tiers: dict[str, TierUse]) -> str:
-    return "  ".join(f"{name} {pct(t.occupancy_ratio)}" for name, t in tiers.items()) or "N/A"
+    return "  ".join(f"{name} {percent(t.occupancy_ratio)}" for name, t in tiers.items()) or "N/A"
 
 
 def _split(c: HitCounts) -> str:
     """Reuse / sharing as shares of the hits."""
     if c.reuse_share_of_hits is None:
         return "N/A"
-    return f"{pct(c.reuse_share_of_hits)} / {pct(c.sharing_share_of_hits)}"
+    return f"{percent(c.reuse_share_of_hits)} / {percent(c.sharing_share_of_hits)}"
 
 
 def _render(status: FleetStatus) -> None:
@@ -127,7 +126,7 @@ def _render(status: FleetStatus) -> None:
             n.node,
             n.dc,
             "[green]up[/]" if n.up else "[bold red]down[/]",
-            pct(n.counts.hit_ratio) if n.up else "N/A",
+            percent(n.counts.hit_ratio) if n.up else "N/A",
             _split(n.counts) if n.up else "N/A",
             _tiers(n.tiers) if n.up else "N/A",
             _ago(n.last_seen_ms, now_ms),
@@ -139,7 +138,9 @@ def _render(status: FleetStatus) -> None:
     for d in [*status.dcs, status.total]:
         c = d.counts
         name = f"[bold]{d.dc}[/]" if d is status.total else d.dc
-        dcs.add_row(name, f"{d.up}/{d.nodes}", pct(c.hit_ratio), _split(c), _tiers(dict(d.tiers)))
+        dcs.add_row(
+            name, f"{d.up}/{d.nodes}", percent(c.hit_ratio), _split(c), _tiers(dict(d.tiers))
+        )
     console.print(dcs)
     down = [n for n in status.nodes if not n.up]
     for n in down:
@@ -148,7 +149,7 @@ def _render(status: FleetStatus) -> None:
 
 def _occupancy(c: Counts) -> str:
     known = [(t, c.occupancy_ratio(t)) for t in c.tiers]
-    return "  ".join(f"{t} {pct(r)}" for t, r in known if r is not None) or "N/A"
+    return "  ".join(f"{t} {percent(r)}" for t, r in known if r is not None) or "N/A"
 
 
 def _render_recorded(rec: Recorded) -> None:
@@ -176,9 +177,9 @@ def _render_recorded(rec: Recorded) -> None:
 
 def _recorded_cells(c: Counts) -> tuple[str, ...]:
     return (
-        pct(c.up_ratio),
+        percent(c.up_ratio),
         f"{c.lookups:,}",
-        pct(c.hit_ratio),
+        percent(c.hit_ratio),
         _split(c),
         _occupancy(c),
     )
