@@ -115,7 +115,8 @@ def _error_text(error: BaseException) -> str:
 def nvml_hint(error: BaseException) -> str:
     """Advice for the operator on an NVML failure, matched by NVML error code, then by text."""
     if isinstance(error, pynvml.NVMLError):
-        hint = _HINTS.get(getattr(error, "value", None))
+        code = getattr(error, "value", None)
+        hint = _HINTS.get(code) if isinstance(code, int) else None
         if hint is not None and hint is not _GENERIC_NVML_HINT:
             return hint
     # The real libnvidia-ml says "Driver/library version mismatch"; some paths surface it only

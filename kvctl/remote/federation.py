@@ -22,6 +22,7 @@ pool costs a request a fraction of a second once, then nothing until a probe fin
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -393,7 +394,7 @@ class FetchPlanner:
             p.reasons["fetch" if m else "no-candidates"] += 1
             if m:
                 p.fetch_chunks += m
-                p.fetched.update(res.locations[:m])
+                p.fetched.update(t for t in res.locations[:m] if t is not None)
                 p.recompute_s += recompute_s
                 p.saved_s += recompute_s
 
@@ -684,7 +685,7 @@ class RemoteTiers:
             landed: list[PoolChunk | None] = [None] * len(ask)
             src.call(
                 "fetch",
-                lambda src=src, ask=ask, landed=landed: self._get(src, ask, tenant, landed),
+                functools.partial(self._get, src, ask, tenant, landed),
                 moved_bytes=_chunk_bytes,
             )
             done = {c.meta.key for c in landed if c is not None}
@@ -794,7 +795,7 @@ class RemoteTiers:
             return
         stored = pool.call(
             "write",
-            lambda batch=batch: pool.backend.put_many(batch),
+            functools.partial(pool.backend.put_many, batch),
             moved_bytes=_no_bytes,
         )
         if stored is None:

@@ -707,9 +707,9 @@ def plan_fetch(
                 f"follows {previous}"
             )
         previous = candidate.index
-    for name, link in links.items():
-        if link.name != name:
-            raise InvalidArgument(f"link {link.name!r} is filed under {name!r}")
+    for filed_as, link in links.items():
+        if link.name != filed_as:
+            raise InvalidArgument(f"link {link.name!r} is filed under {filed_as!r}")
     if isinstance(start_tokens, bool) or not isinstance(start_tokens, int) or start_tokens < 0:
         raise InvalidArgument(f"start_tokens must be an int >= 0, got {start_tokens!r}")
     model = as_prefill_model(prefill)

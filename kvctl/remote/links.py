@@ -41,7 +41,7 @@ def parse_override(text: str) -> Override:
     value = str(text).strip().lower()
     if value not in OVERRIDES:
         raise InvalidArgument(f"link override must be one of {', '.join(OVERRIDES)}, got {text!r}")
-    return value  # type: ignore[return-value]
+    return value
 
 
 def _check_seconds(value: float, what: str) -> float:

@@ -126,7 +126,7 @@ def header_length(prefix: Buffer) -> int:
         raise CorruptChunk(f"bad magic {magic!r} (not a pool record)")
     if version != FORMAT_VERSION:
         raise CorruptChunk(f"unknown record version {version}")
-    (tenant_len,) = struct.unpack_from("<H", view, FIXED_BYTES - 2)
+    tenant_len: int = struct.unpack_from("<H", view, FIXED_BYTES - 2)[0]
     return MIN_HEADER_BYTES + tenant_len
 
 

@@ -847,8 +847,9 @@ class RedisPool(RemotePool):
             if g == 0:
                 for v in victims:
                     pipe.delete(self._rec(v))
-                for i in refresh:
-                    pipe.pexpire(self._rec(batch[i].keyhex), px)
+                if px is not None:  # refreshes exist only with a TTL
+                    for i in refresh:
+                        pipe.pexpire(self._rec(batch[i].keyhex), px)
             for i in group:
                 it = batch[i]
                 pipe.set(self._rec(it.keyhex), b"".join((it.header, it.payload)), px=px)

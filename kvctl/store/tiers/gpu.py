@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import mmap
 import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -302,7 +303,7 @@ class GpuTier(Tier):
 
     # --- host regions ------------------------------------------------------------------------
     def register_host_region(
-        self, owner: object, buffer: Buffer, *, read_only: bool, generation: int = 0
+        self, owner: object, buffer: mmap.mmap | Buffer, *, read_only: bool, generation: int = 0
     ) -> bool:
         """Copy straight from (and, unless ``read_only``, into) ``buffer``'s memory: register it
         with CUDA as ``owner``'s region, replacing that owner's earlier one. An object owner is
@@ -317,7 +318,11 @@ class GpuTier(Tier):
         return True
 
     def follow_host_region(
-        self, owner: object, source: Callable[[], tuple[Buffer, Any]], *, read_only: bool
+        self,
+        owner: object,
+        source: Callable[[], tuple[mmap.mmap | Buffer, int]],
+        *,
+        read_only: bool,
     ) -> bool:
         """``register_host_region`` of the (buffer, generation) ``source()`` names, registered
         again whenever the generation changes (checked before every copy): the cpu tier's

@@ -257,7 +257,7 @@ class _Region:
     registration: HostRegistration
     label: str
     #: where a followed region comes from: (buffer, generation), re-read on ``refresh``
-    source: Callable[[], tuple[Buffer, int]] | None = None
+    source: Callable[[], tuple[mmap.mmap | Buffer, int]] | None = None
     owner_ref: weakref.ref[Any] | None = None
 
 
@@ -285,7 +285,7 @@ class HostRegistry:
 
     # --- registering -----------------------------------------------------------------------
     def register(
-        self, owner: object, buffer: Buffer, *, read_only: bool, generation: int = 0
+        self, owner: object, buffer: mmap.mmap | Buffer, *, read_only: bool, generation: int = 0
     ) -> HostRegistration:
         """``owner``'s region: ``buffer``, registered (kept as it is when the same bytes and
         generation are registered already). Its earlier region is unregistered first, so a
@@ -305,7 +305,11 @@ class HostRegistry:
             return registration
 
     def follow(
-        self, owner: object, source: Callable[[], tuple[Buffer, int]], *, read_only: bool
+        self,
+        owner: object,
+        source: Callable[[], tuple[mmap.mmap | Buffer, int]],
+        *,
+        read_only: bool,
     ) -> HostRegistration:
         """Register the region ``source()`` names as (buffer, generation) now, and again on
         each ``refresh`` that finds another generation. ``source`` raising drops the region.
@@ -445,7 +449,9 @@ class HostRegistry:
             region.registration.close()
         return True
 
-    def _same(self, reg: HostRegistration, buffer: Buffer, read_only: bool, gen: int) -> bool:
+    def _same(
+        self, reg: HostRegistration, buffer: mmap.mmap | Buffer, read_only: bool, gen: int
+    ) -> bool:
         mv = memoryview(buffer)
         try:
             return (
