@@ -5,32 +5,99 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
-from collections.abc import Iterator
-from typing import Annotated
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import typer
 
-from kvctl.cli.output import console, print_json, user_errors
+from kvctl.cli.options import JsonOpt, bundled, db_errors
+from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print JSON.")
 
-DEFAULT_SIZES = "256KiB,4MiB,32MiB"
+Result = dict[str, Any]
+
+SizesOpt = Annotated[str, typer.Option(help="Chunk sizes, comma separated.")]
+BytesPerSampleOpt = Annotated[
+    str, typer.Option(help="Bytes moved per sample (per size, per figure).")
+]
+SamplesOpt = Annotated[int, typer.Option(help="Samples per figure; the median is reported.")]
+
+
+@dataclass(frozen=True, slots=True)
+class Sweep:
+    """The chunk sizes a bandwidth benchmark measures and the bytes it moves at each."""
+
+    sizes: SizesOpt = "4MiB,32MiB"
+    bytes_per_size: BytesPerSampleOpt = "256MiB"
+
+    def sizes_bytes(self) -> list[int]:
+        from kvctl.units import parse_size
+
+        return [parse_size(s) for s in self.sizes.split(",") if s.strip()]
+
+    def moved_bytes(self) -> int:
+        from kvctl.units import parse_size
+
+        return parse_size(self.bytes_per_size)
+
+
+@dataclass(frozen=True, slots=True)
+class _TierSweep(Sweep):
+    """bench store's wording and sizes: it measures each tier, from small chunks up."""
+
+    sizes: SizesOpt = "256KiB,4MiB,32MiB"
+    bytes_per_size: Annotated[
+        str, typer.Option(help="Bytes moved per measurement (per size, per tier).")
+    ] = "256MiB"
+
+
+@dataclass(frozen=True, slots=True)
+class _PoolSweep(Sweep):
+    """bench remote's wording: its sizes are the pool tier's (the peer pull has its own)."""
+
+    sizes: Annotated[str, typer.Option(help="Pool chunk sizes, comma separated.")] = "4MiB,32MiB"
+    bytes_per_size: Annotated[
+        str, typer.Option(help="Bytes moved per pool sample (per size, per figure).")
+    ] = "256MiB"
+
+
+def _run(
+    command: str, measure: Callable[[], Result], render: Callable[[Result], Any], json_out: bool
+) -> Result:
+    """Measure (a bad option value or the library's refusal is one line pointing at the
+    command's help, exit 2), then print the result: JSON for scripts, else its table."""
+    with user_errors(hint=_help_hint(command)):
+        result = measure()
+    if json_out:
+        print_json(result)
+    else:
+        console.print(render(result))
+    return result
+
+
+def _help_hint(command: str) -> str:
+    return f"see `kvctl bench {command} --help`"
+
+
+def _progress(msg: str) -> None:
+    """Progress lines on stderr, so stdout stays the result alone."""
+    err_console.print(msg, style="dim", markup=False)
 
 
 @bench_app.command(
     "store", short_help="Put/get bandwidth of the cpu and disk tiers vs memcpy/file."
 )
+@bundled
 def bench_store_command(
-    sizes: Annotated[str, typer.Option(help="Chunk sizes, comma separated.")] = DEFAULT_SIZES,
-    bytes_per_size: Annotated[
-        str, typer.Option(help="Bytes moved per measurement (per size, per tier).")
-    ] = "256MiB",
+    sweep: _TierSweep,
     directory: Annotated[
         pathlib.Path | None,
         typer.Option("--dir", help="Where the disk tier writes (default: a temporary directory)."),
     ] = None,
     repeats: Annotated[int, typer.Option(help="Repeats per figure; the median is reported.")] = 3,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Measure put/get bytes per second of the cpu and disk tiers at several chunk sizes, next
     to memcpy and raw file write/read bandwidth measured in the same run.
@@ -41,34 +108,26 @@ def bench_store_command(
 
       kvctl bench store --sizes 4MiB --bytes-per-size 1GiB --dir /mnt/nvme/kvctl-bench
     """
-    from kvctl.bench.store import run_store_bench
-    from kvctl.units import parse_size
+    from kvctl.bench.store import render_store_bench, run_store_bench
 
-    with user_errors(hint="see `kvctl bench store --help`"):
-        size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
-        result = run_store_bench(
-            size_list,
-            bytes_per_size=parse_size(bytes_per_size),
+    def measure() -> Result:
+        return run_store_bench(
+            sweep.sizes_bytes(),
+            bytes_per_size=sweep.moved_bytes(),
             directory=directory,
             repeats=repeats,
         )
-    if json_out:
-        print_json(result)
-        return
-    from kvctl.bench.store import render_store_bench
 
-    console.print(render_store_bench(result))
+    _run("store", measure, render_store_bench, json_out)
 
 
 @bench_app.command("agent", short_help="Data plane of a real agent: shm/TCP vs memcpy/raw socket.")
+@bundled
 def bench_agent_command(
-    sizes: Annotated[str, typer.Option(help="Chunk sizes, comma separated.")] = "4MiB,32MiB",
-    bytes_per_size: Annotated[
-        str, typer.Option(help="Bytes moved per sample (per size, per figure).")
-    ] = "256MiB",
-    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    sweep: Sweep,
+    repeats: SamplesOpt = 3,
     lookup_seconds: Annotated[float, typer.Option(help="Seconds spent timing lookups.")] = 2.0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Start an agent, drive it from this process through the SDK, and measure shared-memory
     and TCP get/put bandwidth next to memcpy and a raw loopback socket measured in the same
@@ -80,24 +139,18 @@ def bench_agent_command(
 
       kvctl bench agent --sizes 32MiB --bytes-per-size 1GiB --repeats 5
     """
-    from kvctl.bench.agent import run_agent_bench
-    from kvctl.units import parse_size
+    from kvctl.bench.agent import render_agent_bench, run_agent_bench
 
-    with user_errors(hint="see `kvctl bench agent --help`"):
-        size_list = [parse_size(s) for s in sizes.split(",") if s.strip()]
-        result = run_agent_bench(
-            size_list,
-            bytes_per_size=parse_size(bytes_per_size),
+    def measure() -> Result:
+        return run_agent_bench(
+            sweep.sizes_bytes(),
+            bytes_per_size=sweep.moved_bytes(),
             repeats=repeats,
             lookup_seconds=lookup_seconds,
             progress=None if json_out else lambda msg: console.print(f"[dim]{msg}[/]"),
         )
-    if json_out:
-        print_json(result)
-        return
-    from kvctl.bench.agent import render_agent_bench
 
-    console.print(render_agent_bench(result))
+    _run("agent", measure, render_agent_bench, json_out)
 
 
 @bench_app.command(
@@ -109,7 +162,7 @@ def bench_db_command(
     nodes: Annotated[int, typer.Option(help="Nodes in the generated history.")] = 1000,
     dcs: Annotated[int, typer.Option(help="DCs the nodes are spread over.")] = 8,
     days: Annotated[int, typer.Option(help="Days of history at 10 s resolution.")] = 7,
-    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    repeats: SamplesOpt = 3,
     pg_url: Annotated[
         str | None,
         typer.Option(
@@ -118,7 +171,7 @@ def bench_db_command(
         ),
     ] = None,
     no_pg: Annotated[bool, typer.Option("--no-pg", help="SQLite only.")] = False,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Measure batched sample ingest (rows per second) into SQLite and PostgreSQL next to the
     driver's plain bulk path, and the dashboard's fleet summary over a generated history of
@@ -134,16 +187,11 @@ def bench_db_command(
 
       kvctl bench db --pg-url postgresql://postgres@db.example:5432/postgres --repeats 5
     """
-    from sqlalchemy.exc import SQLAlchemyError
+    from kvctl.bench.db import render_db_bench, run_db_bench
 
-    from kvctl.bench.db import run_db_bench
-    from kvctl.cli.output import err_console, fail
-    from kvctl.db.engine import DatabaseError
-
-    hint = "see `kvctl bench db --help`"
-    with user_errors(hint=hint):
-        try:
-            result = run_db_bench(
+    def measure() -> Result:
+        with db_errors(hint=_help_hint("db")):
+            return run_db_bench(
                 rows=rows,
                 batch_rows=batch,
                 nodes=nodes,
@@ -152,18 +200,10 @@ def bench_db_command(
                 repeats=repeats,
                 pg=not no_pg,
                 pg_admin_url=pg_url,
-                progress=lambda msg: err_console.print(msg, style="dim", markup=False),
+                progress=_progress,
             )
-        except DatabaseError as exc:
-            fail(str(exc), hint=hint)
-        except SQLAlchemyError as exc:
-            fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=hint)
-    if json_out:
-        print_json(result)
-        return
-    from kvctl.bench.db import render_db_bench
 
-    console.print(render_db_bench(result))
+    _run("db", measure, render_db_bench, json_out)
 
 
 @bench_app.command(
@@ -177,7 +217,7 @@ def bench_top_command(
     seconds: Annotated[
         float, typer.Option("--seconds", help="How long the view runs headless, seconds.")
     ] = 20.0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Start AGENTS real agents on loopback (a 16 MiB cpu tier each, over up to 4 DCs) in a
     throwaway inventory, keep some traffic on them, and measure whether the live view keeps up
@@ -193,33 +233,23 @@ def bench_top_command(
 
       kvctl bench top --agents 200 --interval 2 --seconds 30
     """
-    from kvctl.bench.top import run_top_bench
-    from kvctl.cli.output import err_console
+    from kvctl.bench.top import render_top_bench, run_top_bench
 
-    with user_errors(hint="see `kvctl bench top --help`"):
-        result = run_top_bench(
-            agents=agents,
-            interval_s=interval,
-            seconds=seconds,
-            progress=lambda msg: err_console.print(msg, style="dim", markup=False),
+    def measure() -> Result:
+        return run_top_bench(
+            agents=agents, interval_s=interval, seconds=seconds, progress=_progress
         )
-    if json_out:
-        print_json(result)
-        return
-    from kvctl.bench.top import render_top_bench
 
-    console.print(render_top_bench(result))
+    _run("top", measure, render_top_bench, json_out)
 
 
 @bench_app.command(
     "remote", short_help="Pool tier on Redis vs a plain pipeline; a peer pull vs its lower bound."
 )
+@bundled
 def bench_remote_command(
-    sizes: Annotated[str, typer.Option(help="Pool chunk sizes, comma separated.")] = "4MiB,32MiB",
-    bytes_per_size: Annotated[
-        str, typer.Option(help="Bytes moved per pool sample (per size, per figure).")
-    ] = "256MiB",
-    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    sweep: _PoolSweep,
+    repeats: SamplesOpt = 3,
     batch: Annotated[
         int, typer.Option(help="Chunks per put_many/get_many call and per reference pipeline.")
     ] = 8,
@@ -241,7 +271,7 @@ def bench_remote_command(
         str,
         typer.Option(help="Emulated RTTs of the peer pull, milliseconds, comma separated."),
     ] = "0,1,5",
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Measure the remote tiers, each figure next to a reference from the same run: put/get
     bytes per second of the pool tier (RedisPool: records with header and checksum, the
@@ -261,14 +291,13 @@ def bench_remote_command(
 
       kvctl bench remote --pull-chunks 256 --pull-chunk-size 2MiB --rtts-ms 0,2,10,50
     """
-    from kvctl.bench.remote import parse_rtts_ms, run_remote_bench
-    from kvctl.cli.output import err_console
+    from kvctl.bench.remote import parse_rtts_ms, render_remote_bench, run_remote_bench
     from kvctl.units import parse_size
 
-    with user_errors(hint="see `kvctl bench remote --help`"):
-        result = run_remote_bench(
-            [parse_size(s) for s in sizes.split(",") if s.strip()],
-            bytes_per_size=parse_size(bytes_per_size),
+    def measure() -> Result:
+        return run_remote_bench(
+            sweep.sizes_bytes(),
+            bytes_per_size=sweep.moved_bytes(),
             repeats=repeats,
             batch_chunks=batch,
             redis_url=redis_url,
@@ -276,27 +305,21 @@ def bench_remote_command(
             pull_chunks=pull_chunks,
             pull_chunk_bytes=parse_size(pull_chunk_size),
             rtts_s=parse_rtts_ms(rtts_ms),
-            progress=lambda msg: err_console.print(msg, style="dim", markup=False),
+            progress=_progress,
         )
-    if json_out:
-        print_json(result)
-        return
-    from kvctl.bench.remote import render_remote_bench
 
-    console.print(render_remote_bench(result))
+    _run("remote", measure, render_remote_bench, json_out)
 
 
 @bench_app.command(
     "gpu", short_help="Put/get of the gpu tier vs bare pinned-host<->device copy_ (CUDA only)."
 )
+@bundled
 def bench_gpu_command(
-    sizes: Annotated[str, typer.Option(help="Chunk sizes, comma separated.")] = "4MiB,32MiB",
-    bytes_per_size: Annotated[
-        str, typer.Option(help="Bytes moved per sample (per size, per figure).")
-    ] = "256MiB",
-    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    sweep: Sweep,
+    repeats: SamplesOpt = 3,
     device: Annotated[str, typer.Option(help="CUDA device: cuda or cuda:N.")] = "cuda:0",
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Measure put/get bytes per second of the gpu tier (a CUDA-memory arena, copies staged
     through pinned host memory) at each chunk size, next to a bare torch copy_ between pinned
@@ -310,31 +333,22 @@ def bench_gpu_command(
 
       kvctl bench gpu --sizes 4MiB,32MiB,128MiB --bytes-per-size 1GiB --device cuda:1
     """
-    from kvctl.bench.gpu import run_gpu_bench
-    from kvctl.cli.output import fail
-    from kvctl.units import parse_size
+    from kvctl.bench.gpu import render_gpu_bench, run_gpu_bench
 
-    hint = "see `kvctl bench gpu --help`"
-    with user_errors(hint=hint):
+    def measure() -> Result:
         result = run_gpu_bench(
-            [parse_size(s) for s in sizes.split(",") if s.strip()],
-            bytes_per_size=parse_size(bytes_per_size),
-            repeats=repeats,
-            device=device,
+            sweep.sizes_bytes(), bytes_per_size=sweep.moved_bytes(), repeats=repeats, device=device
         )
-    if "skipped" in result:
-        if json_out:
-            print_json(result)
-        fail(
-            f"gpu benchmark skipped: {result['skipped']}",
-            hint="it needs torch built with CUDA and a visible GPU (`nvidia-smi` lists them)",
-        )
-    if json_out:
-        print_json(result)
-        return
-    from kvctl.bench.gpu import render_gpu_bench
+        if "skipped" in result:  # nothing measured: exit 2, scripts still get the reason
+            if json_out:
+                print_json(result)
+            fail(
+                f"gpu benchmark skipped: {result['skipped']}",
+                hint="it needs torch built with CUDA and a visible GPU (`nvidia-smi` lists them)",
+            )
+        return result
 
-    console.print(render_gpu_bench(result))
+    _run("gpu", measure, render_gpu_bench, json_out)
 
 
 @bench_app.command(
@@ -367,9 +381,9 @@ def bench_ttft_command(
     sources: Annotated[
         str, typer.Option(help="Where the prefix comes from, comma separated.")
     ] = "cpu,disk,pool",
-    repeats: Annotated[int, typer.Option(help="Samples per figure; the median is reported.")] = 3,
+    repeats: SamplesOpt = 3,
     seed: Annotated[int, typer.Option(help="Seed of the weights and prompts.")] = 0,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Time to first token of a Llama-architecture model with seeded random weights (real
     shapes, nothing downloaded): a full prefill of CONTEXT + SUFFIX tokens next to the same
@@ -388,12 +402,10 @@ def bench_ttft_command(
 
       kvctl bench ttft --device cuda --model llama-3.1-8b --contexts 1k,16k,100k --json
     """
-    from kvctl.cli.output import err_console
+    from kvctl.bench.ttft import parse_contexts, render_ttft_bench, run_ttft_bench
 
-    with user_errors(hint="see `kvctl bench ttft --help`"):
-        from kvctl.bench.ttft import parse_contexts, run_ttft_bench
-
-        result = run_ttft_bench(
+    def measure() -> Result:
+        return run_ttft_bench(
             contexts=parse_contexts(contexts) if contexts else None,
             shape=model,
             device=device,
@@ -403,14 +415,10 @@ def bench_ttft_command(
             repeats=repeats,
             sources=tuple(s.strip() for s in sources.split(",") if s.strip()),
             seed=seed,
-            progress=lambda msg: err_console.print(msg, style="dim", markup=False),
+            progress=_progress,
         )
-    if json_out:
-        print_json(result)
-        return
-    from kvctl.bench.ttft import render_ttft_bench
 
-    console.print(render_ttft_bench(result))
+    _run("ttft", measure, render_ttft_bench, json_out)
 
 
 @bench_app.command(
@@ -438,7 +446,7 @@ def bench_crash_command(
         pathlib.Path | None,
         typer.Option("--dir", help="Where the trial data dirs go (default: a temporary one)."),
     ] = None,
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    json_out: JsonOpt = False,
 ) -> None:
     """Crash consistency of the disk tier: per trial, start an agent (small cpu tier over a
     disk tier, every demotion admitted), put chunks from WRITERS client threads while
@@ -459,14 +467,12 @@ def bench_crash_command(
       kvctl bench crash --trials 5 --no-fsync --kill-after 0.05,0.5
     """
     from kvctl.bench.crash import render_crash_bench, run_crash_bench
-    from kvctl.cli.output import fail
     from kvctl.units import parse_size
 
-    hint = "see `kvctl bench crash --help`"
-    with user_errors(hint=hint):
+    def measure() -> Result:
         window = _seconds_pair(kill_after, "--kill-after")
         with _TrialProgress() as progress, _agent_errors():
-            result = run_crash_bench(
+            return run_crash_bench(
                 trials=trials,
                 writers=writers,
                 chunk_bytes=parse_size(chunk_size),
@@ -478,11 +484,8 @@ def bench_crash_command(
                 directory=directory,
                 progress=progress,
             )
-    if json_out:
-        print_json(result)
-    else:
-        console.print(render_crash_bench(result))
-    if not result["ok"]:
+
+    if not _run("crash", measure, render_crash_bench, json_out)["ok"]:
         fail("a figure that must be 0 is not (see corrupt_reads, acked_disk_lost, "
              "disk_files_not_served)", code=1)  # fmt: skip
 
@@ -490,8 +493,6 @@ def bench_crash_command(
 @contextlib.contextmanager
 def _agent_errors() -> Iterator[None]:
     """An agent that would not start (its log's end is in the message): one error, exit 1."""
-    from kvctl.cli.output import fail
-
     try:
         yield
     except RuntimeError as exc:
@@ -514,8 +515,6 @@ class _TrialProgress:
 
     def __enter__(self):  # type: ignore[no-untyped-def]
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        from kvctl.cli.output import err_console
 
         self._bar = Progress(
             "kill -9 trials",
