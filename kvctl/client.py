@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, cast, overload
 
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 from kvctl.store.keys import KVLayout, Namespace
@@ -926,15 +926,25 @@ class AgentClient:
             return resp.json()
         return resp.text
 
+    def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        """A control-API answer that must be a JSON object; anything else (an HTML page, a
+        proxy's text) is not an agent's answer and raises instead of passing as one."""
+        answer = self._request(method, path, **kw)
+        if not isinstance(answer, dict):
+            raise RequestError(
+                f"{self.url}{path} did not answer with JSON: is a kvctl agent listening there?"
+            )
+        return cast(dict[str, Any], answer)
+
     def health(self) -> dict[str, Any]:
-        return dict(self._request("GET", "/v1/health"))
+        return self._json("GET", "/v1/health")
 
     def info(self) -> AgentInfo:
-        info: AgentInfo = self._request("GET", "/v1/info")
+        info = cast(AgentInfo, self._json("GET", "/v1/info"))
         return info
 
     def stats(self) -> AgentStats:
-        stats: AgentStats = self._request("GET", "/v1/stats")
+        stats = cast(AgentStats, self._json("GET", "/v1/stats"))
         return stats
 
     def lookup(
@@ -952,30 +962,30 @@ class AgentClient:
             body["tokens"] = list(tokens)
         if keys is not None:
             body["keys"] = [_hex(k) for k in keys]
-        return dict(self._request("POST", "/v1/lookup", json=body))
+        return self._json("POST", "/v1/lookup", json=body)
 
     def pin(self, keys: Sequence[bytes | str], tier: str | None = None) -> dict[str, Any]:
-        return dict(self._request("POST", "/v1/pin", json={"keys": _hexes(keys), "tier": tier}))
+        return self._json("POST", "/v1/pin", json={"keys": _hexes(keys), "tier": tier})
 
     def unpin(self, keys: Sequence[bytes | str]) -> dict[str, Any]:
-        return dict(self._request("POST", "/v1/unpin", json={"keys": _hexes(keys)}))
+        return self._json("POST", "/v1/unpin", json={"keys": _hexes(keys)})
 
     def evict(self, keys: Sequence[bytes | str]) -> dict[str, Any]:
-        return dict(self._request("POST", "/v1/evict", json={"keys": _hexes(keys)}))
+        return self._json("POST", "/v1/evict", json={"keys": _hexes(keys)})
 
     def flush(self, tier: str, *, demote: bool = False) -> dict[str, Any]:
-        return dict(self._request("POST", "/v1/flush", json={"tier": tier, "demote": demote}))
+        return self._json("POST", "/v1/flush", json={"tier": tier, "demote": demote})
 
     def prefetch(self, keys: Sequence[bytes | str], tier: str | None = None) -> dict[str, Any]:
         body = {"keys": _hexes(keys), "tier": tier}
-        return dict(self._request("POST", "/v1/prefetch", json=body))
+        return self._json("POST", "/v1/prefetch", json=body)
 
     def move(self, keys: Sequence[bytes | str], tier: str) -> dict[str, Any]:
-        return dict(self._request("POST", "/v1/move", json={"keys": _hexes(keys), "tier": tier}))
+        return self._json("POST", "/v1/move", json={"keys": _hexes(keys), "tier": tier})
 
     def resize(self, tier: str, capacity: int | str) -> dict[str, Any]:
         body = {"tier": tier, "capacity": capacity}
-        return dict(self._request("POST", "/v1/resize", json=body))
+        return self._json("POST", "/v1/resize", json=body)
 
     def keys(
         self, *, tier: str | None = None, limit: int = 100, after: str | None = None
@@ -985,17 +995,17 @@ class AgentClient:
             params["tier"] = tier
         if after:
             params["after"] = after
-        return dict(self._request("GET", "/v1/keys", params=params))
+        return self._json("GET", "/v1/keys", params=params)
 
     def top_keys(self, *, limit: int = 20, pinned: bool = False) -> dict[str, Any]:
         """The agent's most-hit chunks (``items``, most first), each with the cached prefix it
         ends; ``pinned`` keeps to pinned chunks. Counts nothing on the agent."""
         params = {"limit": limit, "pinned": "true" if pinned else "false"}
-        return dict(self._request("GET", "/v1/keys/top", params=params))
+        return self._json("GET", "/v1/keys/top", params=params)
 
     def events(self, *, after: int = 0, limit: int = 1000) -> dict[str, Any]:
         params = {"after": after, "limit": limit}
-        return dict(self._request("GET", "/v1/events/recent", params=params))
+        return self._json("GET", "/v1/events/recent", params=params)
 
     def probe(
         self,
@@ -1020,16 +1030,16 @@ class AgentClient:
             body["token"] = token
         # connect + pings (with reconnects) + two transfers, each bounded by timeout_s
         worst_s = timeout_s * (2 * pings + 4) + 5.0
-        probe: LinkProbe = self._request("POST", "/v1/probe", json=body, timeout=worst_s)
+        probe = cast(LinkProbe, self._json("POST", "/v1/probe", json=body, timeout=worst_s))
         return probe
 
     def remote(self) -> dict[str, Any]:
         """The pool and peers: reachability, link figures, fetch plans, the pool writer."""
-        return dict(self._request("GET", "/v1/remote"))
+        return self._json("GET", "/v1/remote")
 
     def gpus(self) -> dict[str, Any]:
         """NVML status and one reading per GPU of the agent's host."""
-        return dict(self._request("GET", "/v1/gpus"))
+        return self._json("GET", "/v1/gpus")
 
     def metrics_text(self) -> str:
         return str(self._request("GET", "/metrics"))
