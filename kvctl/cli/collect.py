@@ -11,6 +11,9 @@ import typer
 from kvctl.cli.options import DbOpt, db_errors, open_engine
 from kvctl.cli.output import console, err_console, fail, print_json
 
+#: the collector's own /metrics (the agent's control API is 7070, its data plane 7071)
+DEFAULT_METRICS_PORT = 9470
+
 
 def collect_command(
     once: Annotated[bool, typer.Option("--once", help="One cycle, then exit.")] = False,
@@ -35,7 +38,7 @@ def collect_command(
             help="Serve the collector's own /metrics on HOST:PORT, or 'off'. It has no auth: "
             "keep it on loopback and let a local Prometheus or a proxy reach it.",
         ),
-    ] = "127.0.0.1:9470",
+    ] = f"127.0.0.1:{DEFAULT_METRICS_PORT}",
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON lines for scripts.")] = False,
 ) -> None:
     """Scrape every agent in the fleet inventory into the metrics database.
@@ -88,7 +91,7 @@ def collect_command(
         server = None
         if metrics_listen != "off":
             try:
-                host, port = split_host_port(metrics_listen)
+                host, port = split_host_port(metrics_listen, DEFAULT_METRICS_PORT)
                 server, bound = collector.metrics.serve(host, port)
             except (OSError, ValueError) as exc:
                 fail(f"cannot serve /metrics on {metrics_listen}: {exc}")

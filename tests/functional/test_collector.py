@@ -418,3 +418,41 @@ def test_a_refused_batch_is_kept_and_written_later(pg_url: str, tmp_path: Path) 
     finally:
         db.dispose()
         blocker.dispose()
+
+
+def test_collect_runs_and_serves_its_metrics_until_stopped(sqlite_url: str, tmp_path: Path) -> None:
+    """The long-running `kvctl collect` (not --once) scrapes on its interval, serves its own
+    /metrics where --metrics-listen says, and stops cleanly on SIGTERM."""
+    import re
+    import signal
+
+    db = open_db(sqlite_url)
+    with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+        _register(db, {"n1": ("fra", a1.state.control_url)})
+        db.dispose()
+        env = {**os.environ, "KVCTL_DB_URL": sqlite_url}
+        argv = ["collect", "--interval", "0.5", "--no-links", "--metrics-listen", "127.0.0.1:0"]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", *argv],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        try:
+            assert proc.stderr is not None
+            line = proc.stderr.readline()
+            found = re.search(r"collector metrics on (http://\S+/metrics)", line)
+            assert found, line + proc.stderr.read(2000)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                text = httpx.get(found.group(1), timeout=5).text
+                if re.search(r"^kvctl_collector_\w+_total\S* [1-9]", text, re.M):
+                    break
+                time.sleep(0.2)
+            else:
+                raise AssertionError(f"no scrape counted on /metrics:\n{text[:2000]}")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0
