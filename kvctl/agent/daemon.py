@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from kvctl import __version__
 from kvctl.agent.settings import AgentSettings, LinkSpec
-from kvctl.wire.address import connect_host
+from kvctl.wire.address import connect_host, url_host
 
 log = logging.getLogger("kvctl.agent")
 
@@ -142,7 +142,7 @@ def serve(settings: AgentSettings) -> int:
             pid=os.getpid(),
             name=settings.name,
             dc=settings.dc,
-            control_url=_url(bound[0], bound[1]),
+            control_url=f"http://{_hostport(bound[0], bound[1])}",
             data_tcp=None if dataplane.tcp_address is None else _hostport(*dataplane.tcp_address),
             data_unix=None if dataplane.unix_path is None else str(dataplane.unix_path),
             started_s=runtime.started_s,
@@ -409,14 +409,9 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _url(host: str, port: int) -> str:
-    host = connect_host(host)
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def _hostport(host: str, port: int) -> str:
-    host = connect_host(host)
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    """Where a local client reaches a bound address, as ``host:port`` (IPv6 in brackets)."""
+    return f"{url_host(connect_host(host))}:{port}"
 
 
 def _answers(url: str) -> bool:
