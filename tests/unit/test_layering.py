@@ -98,3 +98,35 @@ def test_top_model_and_sources_never_import_ui() -> None:
     """`kvctl top --json` and the figures' tests use them without Textual."""
     for name in ("model.py", "sources.py", "__init__.py"):
         assert not _imports(ROOT / "kvctl" / "tui" / name) & set(UI), name
+
+
+def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+    lint = Path(sys.executable).with_name("lint-imports")
+    return subprocess.run(
+        [str(lint), "--no-cache"], capture_output=True, text=True, cwd=root, timeout=300
+    )
+
+
+def test_the_layer_contracts_hold() -> None:
+    """ARCHITECTURE.md's parts and their allowed imports, as pyproject.toml's contracts say."""
+    done = _lint_imports(ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+
+
+def test_a_planted_violation_breaks_the_contracts(tmp_path: Path) -> None:
+    """The contracts can fail: the store importing the SDK, and the dashboard asking an agent,
+    planted in a copy of the tree, are each reported."""
+    import shutil
+
+    for part in ("kvctl", "collectors", "dashboard"):
+        shutil.copytree(ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    keys = tmp_path / "kvctl" / "store" / "keys.py"
+    keys.write_text(keys.read_text() + "\nfrom kvctl.client import AgentClient  # planted\n")
+    app = tmp_path / "dashboard" / "app.py"
+    app.write_text(app.read_text() + "\nimport kvctl.client  # planted\n")
+    done = _lint_imports(tmp_path)
+    assert done.returncode != 0
+    assert "kvctl.store is not allowed to import kvctl.client" in done.stdout, done.stdout
+    assert "dashboard is not allowed to import kvctl.client" in done.stdout, done.stdout
