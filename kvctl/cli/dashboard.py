@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 from typing import Annotated
 
@@ -10,17 +9,9 @@ import typer
 
 from kvctl.cli.options import DbOpt, open_engine
 from kvctl.cli.output import console, fail
+from kvctl.wire.address import is_loopback
 
 PASSWORD_ENV = "KVCTL_DASHBOARD_PASSWORD"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def dashboard_command(

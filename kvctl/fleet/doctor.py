@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvctl import __version__
+from kvctl.wire.address import is_loopback
 
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
@@ -207,19 +208,13 @@ def _local_mode(path: str | Path) -> int | None:
 
 def _is_loopback(url: str) -> bool:
     """True when ``url`` names this machine, so its agent's paths are paths here."""
-    import ipaddress
     from urllib.parse import urlsplit
 
     try:
         host = urlsplit(url).hostname or ""
     except ValueError:
         return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(host)
 
 
 def nvml_status_from_dict(raw: Mapping[str, Any]) -> NvmlStatus:

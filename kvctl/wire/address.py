@@ -9,6 +9,7 @@ port required).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 
@@ -69,7 +70,13 @@ def _port(port_text: str, text: str) -> int:
 
 
 def is_loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
+    """``localhost``, 127.0.0.0/8 or ::1 in any spelling; a name like ``127.example.com`` is not."""
+    if host in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
 
 
 def connect_host(host: str) -> str:

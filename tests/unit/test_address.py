@@ -75,6 +75,9 @@ def test_parse_address_refuses_a_port_out_of_range() -> None:
 def test_loopback_and_connect_hosts() -> None:
     assert is_loopback("127.0.0.5") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("10.0.0.1")
+    # any spelling of a loopback address counts; a host name that only starts like one does not
+    assert is_loopback("0:0:0:0:0:0:0:1") and is_loopback("[::1]")
+    assert not is_loopback("127.example.com") and not is_loopback("")
     assert connect_host("0.0.0.0") == "127.0.0.1" and connect_host("::") == "::1"
     assert connect_host("") == "127.0.0.1" and connect_host("10.0.0.1") == "10.0.0.1"
     assert url_host("::1") == "[::1]" and url_host("host") == "host"
