@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from kvctl.cli.options import JsonOpt
+from kvctl.cli.options import JsonOpt, bundled
 from kvctl.cli.output import console, err_console, fail, print_json
 
 if TYPE_CHECKING:
@@ -56,31 +57,33 @@ def _handed_over(path: Path) -> AgentSettings:
         fail(str(exc), code=1)
 
 
-@agent_app.command("start")
-def start_command(
-    config: ConfigOpt = None,
-    name: NameOpt = None,
-    dc: Annotated[str | None, typer.Option(help="Datacenter this node is in.")] = None,
+@dataclass(frozen=True, slots=True)
+class StartFlags:
+    """`kvctl agent start`'s settings flags, named as the config spells them; unset (None)
+    leaves the value to the file, the KVCTL_* variables or the default."""
+
+    name: NameOpt = None
+    dc: Annotated[str | None, typer.Option(help="Datacenter this node is in.")] = None
     listen: Annotated[
         str | None, typer.Option(help="Control API HOST:PORT (default 127.0.0.1:7070).")
-    ] = None,
+    ] = None
     data_listen: Annotated[
         str | None,
         typer.Option(
             "--data-listen", help="Data plane TCP HOST:PORT, or 'off' (default 127.0.0.1:7071)."
         ),
-    ] = None,
-    socket_path: Annotated[
+    ] = None
+    socket: Annotated[
         str | None,
         typer.Option(
             "--socket", help="Data plane Unix socket path, or 'off' (default DATA_DIR/agent.sock)."
         ),
-    ] = None,
-    data_dir: DataDirOpt = None,
-    cpu: Annotated[str | None, typer.Option(help="Host-memory tier size, e.g. 64GiB.")] = None,
+    ] = None
+    data_dir: DataDirOpt = None
+    cpu: Annotated[str | None, typer.Option(help="Host-memory tier size, e.g. 64GiB.")] = None
     disk: Annotated[
         str | None, typer.Option(help="Disk tier size, e.g. 512GiB; 0 turns it off.")
-    ] = None,
+    ] = None
     gpu_capacity: Annotated[
         str | None,
         typer.Option(
@@ -88,54 +91,87 @@ def start_command(
             help="CUDA-memory tier size above cpu, e.g. 8GiB (default 0: off). Without CUDA "
             "the agent starts without it and says why.",
         ),
-    ] = None,
+    ] = None
     gpu_device: Annotated[
         str | None,
         typer.Option("--gpu-device", help="CUDA device of the gpu tier: cuda or cuda:N."),
-    ] = None,
-    eviction: Annotated[str | None, typer.Option(help="Eviction policy.")] = None,
+    ] = None
+    eviction: Annotated[str | None, typer.Option(help="Eviction policy.")] = None
     role: Annotated[
         str | None,
         typer.Option(help="'node' (serves engines) or 'pool' (the shared tier for other agents)."),
-    ] = None,
+    ] = None
     pool: Annotated[
         str | None,
         typer.Option(
             help="Shared remote tier: redis://HOST:6379/0, redis+cluster://HOST:PORT, "
             "valkey://..., or kvctl://HOST:PORT (a --role pool agent)."
         ),
-    ] = None,
+    ] = None
     pool_prefix: Annotated[
         str | None,
         typer.Option(help="Key prefix in a Redis pool: agents that share it share chunks."),
-    ] = None,
+    ] = None
     pool_capacity: Annotated[
         str | None,
         typer.Option(help="The pool's capacity, e.g. 512GiB (shared: every agent sees it)."),
-    ] = None,
-    peer: Annotated[
-        list[str] | None,
-        typer.Option(help="A peer agent to pull chunks from: NAME=HOST:PORT (repeatable)."),
-    ] = None,
-    link: Annotated[
+    ] = None
+    peers: Annotated[
         list[str] | None,
         typer.Option(
-            help="Link override: NAME:override=auto|fetch|recompute,rtt_ms=N,bandwidth=SIZE,"
-            "delay_ms=N (NAME is 'pool' or a peer; delay_ms emulates distance). Repeatable."
+            "--peer", help="A peer agent to pull chunks from: NAME=HOST:PORT (repeatable)."
         ),
-    ] = None,
+    ] = None
+    links: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--link",
+            help="Link override: NAME:override=auto|fetch|recompute,rtt_ms=N,bandwidth=SIZE,"
+            "delay_ms=N (NAME is 'pool' or a peer; delay_ms emulates distance). Repeatable.",
+        ),
+    ] = None
     pool_write: Annotated[
         str | None,
         typer.Option(help="'through' (copy every stored chunk to the pool) or 'off'."),
-    ] = None,
+    ] = None
     gpu: Annotated[
         str | None,
         typer.Option(
             help="GPU profile (e.g. h100) the fetch-or-recompute decision models prefill on; "
             "not the gpu tier (--gpu-capacity)."
         ),
-    ] = None,
-    log_level: Annotated[str | None, typer.Option("--log-level")] = None,
+    ] = None
+    log_level: Annotated[str | None, typer.Option("--log-level")] = None
+
+    def as_flags(self) -> dict[str, object]:
+        """The flags for the config's flag layer; a repeatable flag not given is unset."""
+        flags: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        return flags | {"peers": self.peers or None, "links": self.links or None}
+
+
+@dataclass(frozen=True, slots=True)
+class AgentHome:
+    """Which agent of this node: its config file, its name and its data dir."""
+
+    config: ConfigOpt = None
+    name: NameOpt = None
+    data_dir: DataDirOpt = None
+
+    def load(self) -> LoadedSettings:
+        return _load(self.config, name=self.name, data_dir=self.data_dir)
+
+
+UrlOpt = Annotated[
+    str | None, typer.Option(help="Control URL of an agent elsewhere (http://host:7070).")
+]
+
+
+@agent_app.command("start")
+@bundled
+def start_command(
+    *,
+    config: ConfigOpt = None,
+    flags: StartFlags,
     detach: Annotated[
         bool, typer.Option("--detach", "-d", help="Run in the background and return when ready.")
     ] = False,
@@ -165,29 +201,9 @@ def start_command(
 
       kvctl agent start --role pool --name pool-1 --cpu 64GiB --data-listen 127.0.0.1:7171
     """
-    flags: dict[str, object] = {
-        "name": name,
-        "dc": dc,
-        "listen": listen,
-        "data_listen": data_listen,
-        "socket": socket_path,
-        "data_dir": data_dir,
-        "cpu": cpu,
-        "disk": disk,
-        "gpu_capacity": gpu_capacity,
-        "gpu_device": gpu_device,
-        "eviction": eviction,
-        "role": role,
-        "pool": pool,
-        "pool_prefix": pool_prefix,
-        "pool_capacity": pool_capacity,
-        "peers": peer or None,
-        "links": link or None,
-        "pool_write": pool_write,
-        "gpu": gpu,
-        "log_level": log_level,
-    }
-    settings = _handed_over(settings_file) if settings_file else _load(config, **flags).settings
+    settings = (
+        _handed_over(settings_file) if settings_file else _load(config, **flags.as_flags()).settings
+    )
     from kvctl.agent.daemon import AgentRunning, running_agent
 
     other = running_agent(settings.data_path)
@@ -232,10 +248,9 @@ def start_command(
 
 
 @agent_app.command("stop")
+@bundled
 def stop_command(
-    config: ConfigOpt = None,
-    name: NameOpt = None,
-    data_dir: DataDirOpt = None,
+    home: AgentHome,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean exit.")] = 30.0,
     force: Annotated[
         bool, typer.Option("--force", help="SIGKILL if it has not exited by then.")
@@ -251,7 +266,7 @@ def stop_command(
     """
     from kvctl.agent.daemon import stop_agent
 
-    settings = _load(config, name=name, data_dir=data_dir).settings
+    settings = home.load().settings
     try:
         state = stop_agent(settings.data_path, timeout_s=timeout, force=force)
     except TimeoutError as exc:
@@ -262,26 +277,21 @@ def stop_command(
     console.print(f"agent {state.name} (pid {state.pid}) stopped", highlight=False)
 
 
-def _target(
-    config: Path | None, name: str | None, data_dir: str | None, url: str | None
-) -> tuple[AgentSettings, str]:
+def _target(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
     """This node's settings and the control URL to ask: ``url``, else the running agent's
     (from its state file), else the configured one."""
     from kvctl.agent.daemon import AgentState
 
-    settings = _load(config, name=name, data_dir=data_dir).settings
+    settings = home.load().settings
     state = None if url else AgentState.read(settings.data_path)
     return settings, url or (state.control_url if state else settings.control_url)
 
 
 @agent_app.command("status")
+@bundled
 def status_command(
-    config: ConfigOpt = None,
-    name: NameOpt = None,
-    data_dir: DataDirOpt = None,
-    url: Annotated[
-        str | None, typer.Option(help="Control URL of an agent elsewhere (http://host:7070).")
-    ] = None,
+    home: AgentHome,
+    url: UrlOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Is the agent up, where does it listen, how full are its tiers, what is its hit ratio.
@@ -295,7 +305,7 @@ def status_command(
     """
     from kvctl.client import AgentClient, AgentError
 
-    settings, target = _target(config, name, data_dir, url)
+    settings, target = _target(home, url)
     report: dict[str, Any] = {"up": False, "control_url": target}
     try:
         with AgentClient(target, token=settings.token or None) as client:
@@ -313,13 +323,10 @@ def status_command(
 
 
 @agent_app.command("remote")
+@bundled
 def remote_command(
-    config: ConfigOpt = None,
-    name: NameOpt = None,
-    data_dir: DataDirOpt = None,
-    url: Annotated[
-        str | None, typer.Option(help="Control URL of an agent elsewhere (http://host:7070).")
-    ] = None,
+    home: AgentHome,
+    url: UrlOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """The agent's shared pool and peers: up or down (with the last error), link RTT and
@@ -334,7 +341,7 @@ def remote_command(
     """
     from kvctl.client import AgentClient, AgentError
 
-    settings, target = _target(config, name, data_dir, url)
+    settings, target = _target(home, url)
     try:
         with AgentClient(target, token=settings.token or None) as client:
             report = client.remote()
@@ -477,10 +484,9 @@ def _render_status(report: dict[str, Any]) -> None:
 
 
 @agent_app.command("config")
+@bundled
 def config_command(
-    config: ConfigOpt = None,
-    name: NameOpt = None,
-    data_dir: DataDirOpt = None,
+    home: AgentHome,
     show: Annotated[bool, typer.Option("--show", help="Print every setting (the default).")] = True,
     json_out: JsonOpt = False,
 ) -> None:
@@ -495,7 +501,7 @@ def config_command(
     """
     from kvctl.agent.config import describe
 
-    loaded = _load(config, name=name, data_dir=data_dir)
+    loaded = home.load()
     rows = describe(loaded)
     if json_out:
         print_json({"config_file": loaded.config_file, "settings": rows})
