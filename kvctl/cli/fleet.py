@@ -74,6 +74,26 @@ def _change(
     return result
 
 
+def _add(
+    db: str | None,
+    json_out: bool,
+    kind: str,
+    *,
+    target: str,
+    args: dict[str, Any],
+    change: Callable[[Connection], Any],
+    said: str,
+    shown: dict[str, Any] | None = None,
+) -> None:
+    """Add a DC, node or link (audited as fleet.add-KIND) and say so: ``said`` for people,
+    for scripts its id and ``shown`` (default: its name and ``args``)."""
+    key = _change(db, action=f"fleet.add-{kind}", target=target, args=args, change=change)
+    if json_out:
+        print_json({"added": kind, "id": key, **(shown or {"name": target, **args})})
+    else:
+        console.print(f"added {said}", highlight=False)
+
+
 def _cell(value: Any, unit: str = "") -> str:
     """A table cell: markup escaped (names are user text), unknown as a dim dash."""
     from rich.markup import escape
@@ -114,23 +134,21 @@ def add_dc_command(
     """
     from kvctl.db.inventory import add_dc
 
-    fields = {
+    fields: dict[str, Any] = {
         "region": region,
         "location": location,
         "carbon_g_per_kwh": carbon,
         "pue": pue,
     }
-    dc_key = _change(
+    _add(
         db,
-        action="fleet.add-dc",
+        json_out,
+        "dc",
         target=name,
         args=fields,
         change=lambda conn: add_dc(conn, name, **fields),
+        said=f"DC {_cell(name)}",
     )
-    if json_out:
-        print_json({"added": "dc", "id": dc_key, "name": name, **fields})
-    else:
-        console.print(f"added DC {_cell(name)}", highlight=False)
 
 
 @fleet_app.command("add-node")
@@ -167,18 +185,21 @@ def add_node_command(
     """
     from kvctl.db.inventory import add_node
 
-    fields = {"dc": dc, "agent_url": agent_url, "gpu_model": gpu_model, "engine_url": engine_url}
-    node_key = _change(
+    fields: dict[str, Any] = {
+        "dc": dc,
+        "agent_url": agent_url,
+        "gpu_model": gpu_model,
+        "engine_url": engine_url,
+    }
+    _add(
         db,
-        action="fleet.add-node",
+        json_out,
+        "node",
         target=name,
         args=fields,
         change=lambda conn: add_node(conn, name, **fields),
+        said=f"node {_cell(name)} in DC {_cell(dc)}",
     )
-    if json_out:
-        print_json({"added": "node", "id": node_key, "name": name, **fields})
-    else:
-        console.print(f"added node {_cell(name)} in DC {_cell(dc)}", highlight=False)
 
 
 @fleet_app.command("add-link")
@@ -203,17 +224,16 @@ def add_link_command(
     from kvctl.db.inventory import add_link
 
     a, b = sorted((dc_a, dc_b))
-    link_key = _change(
+    _add(
         db,
-        action="fleet.add-link",
+        json_out,
+        "link",
         target=f"{a},{b}",
         args={"a": dc_a, "b": dc_b, "distance_km": distance_km},
         change=lambda conn: add_link(conn, dc_a, dc_b, distance_km=distance_km),
+        said=f"link {_cell(a)} <-> {_cell(b)} ({distance_km:g} km)",
+        shown={"a": a, "b": b, "distance_km": distance_km},
     )
-    if json_out:
-        print_json({"added": "link", "id": link_key, "a": a, "b": b, "distance_km": distance_km})
-    else:
-        console.print(f"added link {_cell(a)} <-> {_cell(b)} ({distance_km:g} km)", highlight=False)
 
 
 # --- ls -----------------------------------------------------------------------------------------

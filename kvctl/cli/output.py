@@ -6,10 +6,13 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 T = TypeVar("T")
 
@@ -72,7 +75,7 @@ class TaskProgress:
             transient=True,
             disable=disable or not err_console.is_terminal,
         )
-        self._tasks: dict[str, int] = {}
+        self._tasks: dict[str, TaskID] = {}
 
     def __enter__(self):  # type: ignore[no-untyped-def]
         self._bar.__enter__()
