@@ -86,7 +86,9 @@ def demo_command(
         stop_signals,
     )
 
-    say = (lambda _: None) if json_out else (lambda m: console.print(f"  {m}", highlight=False))
+    say: Callable[[str], None] = (
+        (lambda _: None) if json_out else (lambda m: console.print(f"  {m}", highlight=False))
+    )
     with user_errors(hint="see `kvctl demo --help`"):
         if trace is not None and not trace.is_file():
             err_console.print(f"[yellow]{trace} not found; using the built-in workload instead[/]")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -85,7 +86,8 @@ app.add_typer(
     help="The fleet inventory: DCs, nodes, links; import and export.",
     rich_help_panel=FLEET,
 )
-for _name, _fn, _help, _panel in (
+# (name, command, short help, help panel); typed, as the commands' signatures differ
+_COMMANDS: list[tuple[str, Callable[..., Any], str, str]] = [
     ("status", status_command, "Every node: up/down, hit ratio, occupancy; totals per DC.", FLEET),
     ("top", top_command, "Live view: sort, filter, drill into a node, act from it.", FLEET),
     ("lookup", lookup_command, "Which chunks of a prompt are cached, where.", FLEET),
@@ -119,7 +121,8 @@ for _name, _fn, _help, _panel in (
         OFFLINE,
     ),
     ("keys", keys_command, "Show the chunk keys of a token sequence or a text.", OFFLINE),
-):
+]
+for _name, _fn, _help, _panel in _COMMANDS:
     app.command(_name, short_help=_help, rich_help_panel=_panel)(_fn)
 app.add_typer(
     db_app, name="db", help="Schema and upkeep of the metrics database.", rich_help_panel=METRICS

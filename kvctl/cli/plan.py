@@ -139,15 +139,16 @@ def plan_command(
                 progress=update,
             )
     out = report.as_dict()
-    if save:
-        out["saved"] = save_report(out, dc=dc, db=db)
+    saved = save_report(out, dc=dc, db=db) if save else None
+    if saved is not None:
+        out["saved"] = saved
     if json_out:
         print_json(out)
         return
     render_plan(report)
-    if save:
+    if saved is not None:
         where = f"DC {dc}" if dc else "the fleet"
-        console.print(f"saved as plan {out['saved']['id']} for {where}", soft_wrap=True)
+        console.print(f"saved as plan {saved['id']} for {where}", soft_wrap=True)
 
 
 def save_report(report: dict[str, object], *, dc: str | None, db: str | None) -> dict[str, object]:
