@@ -85,24 +85,22 @@ def compact_per_second(per_s: float | None) -> str:
 # --- time -------------------------------------------------------------------------------------
 def format_seconds(seconds: float | None) -> str:
     """'12 µs', '3.4 ms', '1.25 s'."""
-    if seconds is None:
-        return NA
-    if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f} µs"
-    if seconds < 1:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds:.2f} s"
+    return _seconds(seconds, " ", 2)
 
 
 def compact_seconds(seconds: float | None) -> str:
     """'12µs', '3.4ms', '1.2s'."""
+    return _seconds(seconds, "", 1)
+
+
+def _seconds(seconds: float | None, sep: str, digits: int) -> str:
     if seconds is None:
         return NA
     if seconds < 1e-3:
-        return f"{seconds * 1e6:.0f}µs"
+        return f"{seconds * 1e6:.0f}{sep}µs"
     if seconds < 1:
-        return f"{seconds * 1e3:.1f}ms"
-    return f"{seconds:.1f}s"
+        return f"{seconds * 1e3:.1f}{sep}ms"
+    return f"{seconds:.{digits}f}{sep}s"
 
 
 def compact_duration(seconds: float | None) -> str:

@@ -33,6 +33,7 @@ from kvctl.remote.pool import (
     PoolUsage,
     RemotePool,
     SplitReads,
+    SplitStreams,
     visible_to,
 )
 from kvctl.store.errors import InvalidArgument, TierUnavailable
@@ -51,7 +52,7 @@ DEFAULT_READ_TIMEOUT_S = 0.5
 Arrived = Callable[[int, PoolChunk], None]
 
 
-class AgentSource(RemotePool):
+class AgentSource(SplitStreams, RemotePool):
     """``streams``: connections one pull may be split over (1: one FETCH per pull);
     ``min_stream_bytes``: the least a stream should carry for the split to pay.
     ``read_timeout_s`` (default ``min(DEFAULT_READ_TIMEOUT_S, timeout_s)``) bounds the reads
@@ -98,14 +99,6 @@ class AgentSource(RemotePool):
             thread_name="kvctl-pull",
         )
         self.corrupt = 0
-
-    @property
-    def streams(self) -> int:
-        return self._split.streams
-
-    @property
-    def min_stream_bytes(self) -> int:
-        return self._split.min_stream_bytes
 
     @contextmanager
     def _client(self, *, write: bool = False) -> Iterator[DataClient]:

@@ -91,6 +91,21 @@ def stream_groups(
     return [(n_keys * g // k, n_keys * (g + 1) // k) for g in range(k)]
 
 
+class SplitStreams:
+    """What a backend that splits its reads (``self._split``) tells about it: how many streams
+    at most, and the bytes each extra stream should carry."""
+
+    _split: SplitReads
+
+    @property
+    def streams(self) -> int:
+        return self._split.streams
+
+    @property
+    def min_stream_bytes(self) -> int:
+        return self._split.min_stream_bytes
+
+
 class SplitReads:
     """A backend's split reads: the groups of each read (``stream_groups``, sized by the chunks
     the backend saw last: ``saw``), and where they run (``run``): the first on the caller's

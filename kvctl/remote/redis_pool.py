@@ -85,6 +85,7 @@ from kvctl.remote.pool import (
     PoolUsage,
     RemotePool,
     SplitReads,
+    SplitStreams,
     redact_url,
     visible_to,
 )
@@ -360,7 +361,7 @@ class _Item:
     keyhex: str
 
 
-class RedisPool(RemotePool):
+class RedisPool(SplitStreams, RemotePool):
     """A pool on Redis/Valkey shared by every agent that opens the same URL and ``prefix``.
 
     ``capacity_bytes`` (payload bytes, headers not counted) is written to the pool when given
@@ -482,14 +483,6 @@ class RedisPool(RemotePool):
     def __repr__(self) -> str:
         return f"RedisPool({self.address!r}, prefix={self.prefix!r})"
 
-    @property
-    def streams(self) -> int:
-        return self._split.streams
-
-    @property
-    def min_stream_bytes(self) -> int:
-        return self._split.min_stream_bytes
-
     # --- RemotePool -----------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[bool]:
         batch: list[_Item] = []
@@ -555,9 +548,7 @@ class RedisPool(RemotePool):
         return [stored[s] for s in item_slots]
 
     def get_many(self, keys: Sequence[bytes], *, tenant: str) -> list[PoolChunk | None]:
-        keys = list(keys)
-        for k in keys:
-            _check_key(k)
+        keys = _checked(keys)
         if not keys:
             return []
         hexes = [k.hex() for k in keys]
@@ -634,9 +625,7 @@ class RedisPool(RemotePool):
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
         """Headers only (GETRANGE), checked by their CRC and against the record's length."""
-        keys = list(keys)
-        for k in keys:
-            _check_key(k)
+        keys = _checked(keys)
         if not keys:
             return []
         hexes = [k.hex() for k in keys]
@@ -669,9 +658,7 @@ class RedisPool(RemotePool):
         return out
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        keys = list(keys)
-        for k in keys:
-            _check_key(k)
+        keys = _checked(keys)
         if not keys:
             return 0
         hexes = list(dict.fromkeys(k.hex() for k in keys))
@@ -993,3 +980,11 @@ def _parse_url(url: str, masked: str) -> tuple[str, bool]:
     if cluster and db not in ("", "0"):
         bad("a Cluster has only database 0")
     return urlunsplit(parts._replace(scheme=client_scheme)), cluster
+
+
+def _checked(keys: Sequence[bytes]) -> list[bytes]:
+    """The keys as a list, each checked (a bad key fails the call before any request)."""
+    out = list(keys)
+    for k in out:
+        _check_key(k)
+    return out
