@@ -23,6 +23,7 @@ from kvctl.db.models import Audit, raw_table
 from kvctl.fleet.audit import recent
 from kvctl.tokenize import tokenize
 from tests.functional.agents import Agent, closed_port, running_agent
+from tests.not_an_agent import web_page_url
 
 runner = CliRunner()
 CHUNK_BYTES = 4096
@@ -302,28 +303,8 @@ def test_status_and_audit_in_a_real_subprocess(
 def test_a_node_that_is_not_an_agent_is_that_nodes_failure(
     fleet: str, db: Engine, agents: Any
 ) -> None:
-    import http.server
-    import threading
-
-    class Html(http.server.BaseHTTPRequestHandler):
-        def _html(self) -> None:
-            body = b"<html>not an agent</html>"
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        do_GET = do_POST = _html
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with web_page_url() as url:
         with db.begin() as conn:
-            url = f"http://127.0.0.1:{server.server_address[1]}"
             add_node(conn, "web", dc="ams", agent_url=url)
         status = _run("status", "--db", fleet, "--json")
         assert status.exit_code == 0, status.output
@@ -334,5 +315,3 @@ def test_a_node_that_is_not_an_agent_is_that_nodes_failure(
         doc = json.loads(out.stdout)
         assert doc["failed"] == ["web"]
         assert {r.target: r.ok for r in _audit(db)} == {"web": False, "gpu-a": True}
-    finally:
-        server.shutdown()
