@@ -19,7 +19,6 @@ the chunks that landed on the others were handed over.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from kvctl.remote.pool import (
     RemotePool,
     SplitReads,
     SplitStreams,
+    check_deadlines,
     visible_to,
 )
 from kvctl.store.errors import InvalidArgument, TierUnavailable
@@ -44,10 +44,6 @@ log = logging.getLogger("kvctl.remote.agent_source")
 #: connections kept open per source and kind (reads, writes; at least ``streams``); more
 #: concurrent requests than this open short-lived ones
 _KEEP_CONNECTIONS = 4
-#: a read gives up when the source sends nothing for this long (connect and HELLO included):
-#: well under a request's budget, far above a healthy agent's answer. It bounds silence, not a
-#: transfer: a pull that keeps streaming is not cut.
-DEFAULT_READ_TIMEOUT_S = 0.5
 
 Arrived = Callable[[int, PoolChunk], None]
 
@@ -69,12 +65,7 @@ class AgentSource(SplitStreams, RemotePool):
         streams: int = DEFAULT_STREAMS,
         min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
     ) -> None:
-        if not _finite_positive(timeout_s):
-            raise InvalidArgument(f"source timeout_s must be positive, got {timeout_s!r}")
-        if read_timeout_s is None:
-            read_timeout_s = min(DEFAULT_READ_TIMEOUT_S, timeout_s)
-        elif not _finite_positive(read_timeout_s):
-            raise InvalidArgument(f"source read_timeout_s must be positive, got {read_timeout_s!r}")
+        read_timeout_s = check_deadlines("source", timeout_s, read_timeout_s)
         if streams < 1:
             raise InvalidArgument(f"streams must be at least 1, got {streams}")
         if min_stream_bytes < 1:
@@ -246,12 +237,3 @@ class AgentSource(SplitStreams, RemotePool):
             for c in kept:
                 c.close()
         self._split.close()
-
-
-def _finite_positive(value: object) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )

@@ -19,6 +19,7 @@ well below what the link and the server can.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from abc import ABC, abstractmethod
@@ -28,7 +29,7 @@ from concurrent.futures import wait as wait_all
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
-from kvctl.store.errors import TierUnavailable
+from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
 
 T = TypeVar("T")
@@ -60,6 +61,33 @@ def visible_to(meta: ChunkMeta, tenant: str, *, tenant_isolated: bool = False) -
     if meta.isolated or tenant_isolated:
         return meta.tenant == tenant
     return True
+
+
+#: a read from a pool or a peer gives up when the other side sends nothing for this long (connect
+#: included): well under a request's budget, far above a healthy answer. It bounds silence, not a
+#: transfer: a read that keeps streaming is not cut.
+DEFAULT_READ_TIMEOUT_S = 0.5
+
+
+def check_deadlines(what: str, timeout_s: float, read_timeout_s: float | None) -> float:
+    """A backend's request and read deadlines checked (each finite and positive); returns the
+    read deadline, ``min(DEFAULT_READ_TIMEOUT_S, timeout_s)`` when none is given."""
+    if not _finite_positive(timeout_s):
+        raise InvalidArgument(f"{what} timeout_s must be positive, got {timeout_s!r}")
+    if read_timeout_s is None:
+        return min(DEFAULT_READ_TIMEOUT_S, timeout_s)
+    if not _finite_positive(read_timeout_s):
+        raise InvalidArgument(f"{what} read_timeout_s must be positive, got {read_timeout_s!r}")
+    return read_timeout_s
+
+
+def _finite_positive(value: object) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
 
 
 #: connections one read is split over at most

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import threading
 import time
@@ -86,6 +85,7 @@ from kvctl.remote.pool import (
     RemotePool,
     SplitReads,
     SplitStreams,
+    check_deadlines,
     redact_url,
     visible_to,
 )
@@ -104,10 +104,6 @@ _BACKOFF_CAP_S = 0.5
 # Reads reconnect once, at once (a kept connection the server dropped, e.g. after a restart):
 # a read is on a request's path and a dead pool must cost it a miss, not a second of retries.
 _READ_RETRIES = 1
-#: a read gives up when the server sends nothing for this long (connect included): well under a
-#: request's budget, far above a healthy pool's answer (sub-millisecond on a LAN). It bounds
-#: silence, not a transfer: a large get that keeps streaming is not cut.
-DEFAULT_READ_TIMEOUT_S = 0.5
 # A put's records are sent in groups of at most this many bytes (each group one round trip):
 # bounds the copies of payloads held at once (a batch of 1 GiB holds 64 MiB of them, not 1 GiB).
 _WRITE_GROUP_BYTES = 64 << 20
@@ -405,12 +401,7 @@ class RedisPool(SplitStreams, RemotePool):
             check_capacity(quota, f"quota of tenant {tenant!r}")
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"pool ttl_s must be positive, got {ttl_s!r}")
-        if not _finite_positive(timeout_s):
-            raise InvalidArgument(f"pool timeout_s must be positive, got {timeout_s!r}")
-        if read_timeout_s is None:
-            read_timeout_s = min(DEFAULT_READ_TIMEOUT_S, timeout_s)
-        elif not _finite_positive(read_timeout_s):
-            raise InvalidArgument(f"pool read_timeout_s must be positive, got {read_timeout_s!r}")
+        read_timeout_s = check_deadlines("pool", timeout_s, read_timeout_s)
         if streams < 1 or min_stream_bytes < 1:
             raise InvalidArgument(
                 f"pool streams and min_stream_bytes must be positive, got {streams}, "
@@ -915,15 +906,6 @@ def _raise_errors(replies: Sequence[Any]) -> None:
 
 def _is_oom(exc: ResponseError) -> bool:
     return str(exc).startswith("OOM") or "used memory > 'maxmemory'" in str(exc)
-
-
-def _finite_positive(value: object) -> bool:
-    return (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    )
 
 
 def _check_key(key: object) -> None:

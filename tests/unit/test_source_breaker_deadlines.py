@@ -7,18 +7,16 @@ from __future__ import annotations
 import pytest
 
 from kvctl.errors import InvalidArgument
-from kvctl.remote import agent_source, redis_pool
 from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.pool import DEFAULT_READ_TIMEOUT_S
 from kvctl.remote.redis_pool import RedisPool
 
 BACKENDS = {
     "redis": lambda **kw: RedisPool("redis://127.0.0.1:1/0", **kw),
     "agent": lambda **kw: AgentSource("127.0.0.1:1", **kw),
 }
-DEFAULTS = {
-    "redis": redis_pool.DEFAULT_READ_TIMEOUT_S,
-    "agent": agent_source.DEFAULT_READ_TIMEOUT_S,
-}
+#: both backends share one read deadline
+DEFAULTS = {"redis": DEFAULT_READ_TIMEOUT_S, "agent": DEFAULT_READ_TIMEOUT_S}
 
 
 @pytest.mark.parametrize("kind", sorted(BACKENDS))
