@@ -52,13 +52,6 @@ def _runtime(settings: AgentSettings, tmp_path: Path) -> AgentRuntime:
 
 
 @pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[AgentRuntime]:
-    rt = _runtime(_settings(tmp_path), tmp_path)
-    yield rt
-    rt.close()
-
-
-@pytest.fixture
 def client(runtime: AgentRuntime) -> Iterator[TestClient]:
     with TestClient(create_app(runtime)) as c:
         yield c

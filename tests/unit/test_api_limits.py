@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,16 +15,9 @@ from fastapi.testclient import TestClient
 
 from kvctl.agent.api import MAX_KEYS_PER_REQUEST, create_app
 from kvctl.agent.runtime import AgentRuntime
-from tests.unit.test_agent_api import CHUNK, _runtime, _settings, hexes, put_prompt, tokens
+from tests.unit.test_agent_api import CHUNK, hexes, put_prompt, tokens
 
 JSON = {"content-type": "application/json"}
-
-
-@pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[AgentRuntime]:
-    rt = _runtime(_settings(tmp_path), tmp_path)
-    yield rt
-    rt.close()
 
 
 @pytest.fixture

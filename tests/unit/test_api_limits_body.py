@@ -22,13 +22,6 @@ TOKEN = "s3cret-token"
 
 
 @pytest.fixture
-def runtime(tmp_path: Path) -> Iterator[AgentRuntime]:
-    rt = _runtime(_settings(tmp_path), tmp_path)
-    yield rt
-    rt.close()
-
-
-@pytest.fixture
 def client(runtime: AgentRuntime) -> Iterator[TestClient]:
     with TestClient(
         create_app(runtime, max_body_bytes=CAP_BYTES), raise_server_exceptions=False
