@@ -7,6 +7,7 @@ how many it missed (``dropped``) instead of slowing the store down.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import deque
@@ -23,6 +24,8 @@ class EventBatch:
     last_seq: int
     #: events that fell out of the buffer before this follower read them
     dropped: int
+    #: the hub's instance: a new one (an agent restart) starts its sequence over
+    instance: str = ""
 
 
 class EventHub:
@@ -30,6 +33,9 @@ class EventHub:
         self._buf: deque[Event] = deque(maxlen=capacity)
         self._seq = 0
         self._cond = threading.Condition()
+        #: tells followers that a sequence started over: a restarted agent's seq 5 is not the
+        #: old one's, so a follower that sees a new instance resyncs instead of resuming
+        self.instance = secrets.token_hex(8)
 
     @property
     def last_seq(self) -> int:
@@ -45,13 +51,13 @@ class EventHub:
         """Events with ``seq > after`` (oldest first), waiting up to ``timeout_s`` for one."""
         with self._cond:
             if after > self._seq:  # a cursor from before a restart: resync at once
-                return EventBatch([], self._seq, 0)
+                return EventBatch([], self._seq, 0, self.instance)
             if self._seq <= after and timeout_s > 0:
                 self._cond.wait_for(lambda: self._seq > after, timeout=timeout_s)
             if not self._buf or self._seq <= after:
-                return EventBatch([], max(after, 0), 0)
+                return EventBatch([], max(after, 0), 0, self.instance)
             first = self._buf[0]["seq"]
             dropped = max(0, first - after - 1)
             start = max(after + 1, first) - first
             events = [self._buf[i] for i in range(start, min(len(self._buf), start + limit))]
-            return EventBatch(events, events[-1]["seq"], dropped)
+            return EventBatch(events, events[-1]["seq"], dropped, self.instance)

@@ -150,3 +150,20 @@ def test_a_stale_follower_resyncs_at_once_even_when_it_would_wait() -> None:
     elapsed = time.monotonic() - t0
     assert (b.events, b.last_seq, b.dropped) == ([], 3, 0)
     assert elapsed < 0.1
+
+
+def test_a_cursor_past_the_newest_seq_answers_the_newest_seq_and_the_instance() -> None:
+    # the fleet index's followers note where to resume a resync this way (one request), and
+    # tell a restarted agent by its new instance
+    from kvctl.agent.events import EventHub
+
+    hub = EventHub(capacity=4)
+    for i in range(6):
+        hub.publish({"type": "store", "key": f"{i:032x}"})
+    batch = hub.read(2**63 - 1, limit=1)
+    assert (batch.events, batch.last_seq, batch.dropped) == ([], 6, 0)
+    assert batch.instance == hub.instance and len(hub.instance) == 16
+    assert EventHub().instance != hub.instance
+    # a follower that fell behind the buffer learns how many it missed
+    behind = hub.read(0)
+    assert behind.dropped == 2 and [e["seq"] for e in behind.events] == [3, 4, 5, 6]

@@ -1,0 +1,103 @@
+"""One vocabulary for chunk events, whatever published them (an agent, a vLLM engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvctl.errors import InvalidArgument
+
+Kind = Literal["stored", "removed", "cleared"]
+KINDS: tuple[Kind, ...] = ("stored", "removed", "cleared")
+KEY_BYTES = 16
+
+#: an agent's store event type -> what it means for the index (the chunk is now in ``tier``,
+#: or gone); other types (fetch plans, ...) say nothing about where chunks are
+_AGENT_KINDS: dict[str, Kind] = {
+    "store": "stored",
+    "demote": "stored",
+    "promote": "stored",
+    "move": "stored",
+    "evict": "removed",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkEvent:
+    """A chunk is now held in ``tier`` (stored), is gone (removed), or every chunk of the
+    publisher is gone (cleared: ``key`` is empty)."""
+
+    kind: Kind
+    key: bytes = b""
+    tier: str = ""
+    tenant: str = ""
+    isolated: bool = False
+    size_bytes: int = 0
+    tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise InvalidArgument(f"event kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind == "cleared":
+            if self.key:
+                raise InvalidArgument("a cleared event names no key")
+            return
+        if not isinstance(self.key, bytes) or len(self.key) != KEY_BYTES:
+            raise InvalidArgument(f"event key must be {KEY_BYTES} bytes, got {self.key!r:.60}")
+        if self.kind == "stored" and not self.tier:
+            raise InvalidArgument("a stored event names its tier")
+        for what in ("size_bytes", "tokens"):
+            value = getattr(self, what)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidArgument(f"event {what} must be an int >= 0, got {value!r}")
+
+    def visible_to(self, tenant: str) -> bool:
+        """Whether ``tenant`` may learn that this chunk exists."""
+        return not self.isolated or self.tenant == tenant
+
+
+def from_agent_event(event: Mapping[str, Any]) -> ChunkEvent | None:
+    """The index's view of one agent event; None for events about something else.
+
+    Raises ``InvalidArgument`` for a chunk event that is malformed (a follower counts and skips
+    it: one bad event must not stop the stream)."""
+    kind = _AGENT_KINDS.get(str(event.get("type", "")))
+    if kind is None:
+        return None
+    try:
+        key = bytes.fromhex(str(event["key"]))
+    except (KeyError, ValueError) as exc:
+        raise InvalidArgument(f"agent event without a valid key: {event!r:.120}") from exc
+    return ChunkEvent(
+        kind=kind,
+        key=key,
+        tier=str(event.get("tier") or ""),
+        tenant=str(event.get("tenant") or ""),
+        isolated=bool(event.get("isolated", False)),
+        size_bytes=_count(event.get("size_bytes", 0)),
+        tokens=_count(event.get("tokens", 0)),
+    )
+
+
+def from_listing(item: Mapping[str, Any]) -> ChunkEvent:
+    """A chunk of an agent's key listing (``/v1/keys``) as a stored event, for a resync."""
+    try:
+        key = bytes.fromhex(str(item["key"]))
+    except (KeyError, ValueError) as exc:
+        raise InvalidArgument(f"listed chunk without a valid key: {item!r:.120}") from exc
+    return ChunkEvent(
+        kind="stored",
+        key=key,
+        tier=str(item.get("tier") or ""),
+        tenant=str(item.get("tenant") or ""),
+        isolated=bool(item.get("isolated", False)),
+        size_bytes=_count(item.get("size_bytes", 0)),
+        tokens=_count(item.get("tokens", 0)),
+    )
+
+
+def _count(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"expected a count, got {value!r:.40}")
+    return value

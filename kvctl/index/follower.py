@@ -1,0 +1,466 @@
+"""Followers: keep a ``FleetIndex`` in step with what real agents hold.
+
+A ``Follower`` polls one agent's event buffer (``/v1/events/recent``) from a cursor and applies
+the chunk events to the index. It resyncs from the agent's key listing (``/v1/keys``) when it
+cannot trust the stream: on first contact, when the agent restarted (its stream's ``instance``
+changed, so sequence numbers started over) and when it fell behind the agent's bounded buffer
+(``dropped > 0``). A resync notes the agent's newest sequence number *before* paging through the
+listing and resumes from there: events that the listing already reflects are re-applied, which
+changes nothing (each event sets or deletes one node's entry for one key), and none is missed.
+
+An agent that has not answered for ``drop_after_s`` is marked down and its entries dropped (a
+router must not send work to a node for chunks nobody can serve); when it answers again it is
+resynced. ``Followers`` polls a set of agents from one background thread, each poll on a small
+thread pool, so one slow agent (bounded by a short per-request timeout) never delays the others.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvctl.client import AgentClient
+from kvctl.errors import InvalidArgument
+from kvctl.index.events import ChunkEvent, from_agent_event, from_listing
+from kvctl.index.model import FleetIndex
+
+log = logging.getLogger("kvctl.index.follower")
+
+#: a cursor past any sequence number (the agent's own bound): the agent answers it with no
+#: events and its newest seq, which is how a resync notes where to resume in one request
+_PAST_ANY_SEQ = 2**63 - 1
+#: the agent's largest page (``MAX_PAGE``); each listing page scans the agent's whole index, so
+#: a resync asks for as few pages as it can
+LISTING_PAGE = 10_000
+#: full event batches read in one poll before yielding to the next round: an agent publishing
+#: faster than it can be read must not keep a pool thread forever (the next round goes on)
+MAX_BATCHES_PER_POLL = 64
+#: one request's timeout, at most; shorter when ``drop_after_s`` is short, so that an agent that
+#: hangs is noticed within the time it is given
+MAX_REQUEST_TIMEOUT_S = 2.0
+#: polls running at once in ``Followers`` (threads are made only as needed)
+MAX_POLL_THREADS = 16
+
+
+class Follower:
+    """Follows one agent's events into ``index`` under the node name ``node``.
+
+    ``poll_once`` is safe to call from any thread (one poll runs at a time); ``status`` never
+    waits for a poll. An answer that is not the agent's events (a refused token, an error
+    status, a web page) counts as no answer: following it cannot be trusted either.
+    """
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        node: str,
+        url: str,
+        *,
+        token: str | None = None,
+        drop_after_s: float = 3.0,
+        page_limit: int = 1000,
+        clock: Callable[[], float] = time.monotonic,
+        timeout_s: float | None = None,
+    ) -> None:
+        if not isinstance(node, str) or not node:
+            raise InvalidArgument(f"a follower needs a node name, got {node!r}")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"{node}: agent URL must be http(s)://..., got {_safe(url)!r}")
+        _check_seconds("drop_after_s", drop_after_s)
+        if isinstance(page_limit, bool) or not isinstance(page_limit, int):
+            raise InvalidArgument(f"page_limit must be an int, got {page_limit!r}")
+        if not 1 <= page_limit <= LISTING_PAGE:
+            raise InvalidArgument(f"page_limit must be 1..{LISTING_PAGE}, got {page_limit}")
+        if timeout_s is None:
+            # a few tries fit in drop_after_s, so one lost packet does not drop a node
+            timeout_s = min(MAX_REQUEST_TIMEOUT_S, max(0.1, drop_after_s / 3))
+        _check_seconds("timeout_s", timeout_s)
+        self.index = index
+        self.node = node
+        self.url = url.rstrip("/")
+        self.drop_after_s = float(drop_after_s)
+        self.page_limit = page_limit
+        self._clock = clock
+        self._client = AgentClient(self.url, token=token, timeout_s=timeout_s)
+        self._token = token  # to tell whether an add() names the same agent; never shown
+        self._shown_url = _safe(self.url)  # what status and logs show: never credentials
+        self._lock = threading.Lock()  # one poll at a time
+        self._closed = False
+        #: None until the agent is first heard from, then whether it answers
+        self._up: bool | None = None
+        #: the stream followed; None: the next answer triggers a resync
+        self._instance: str | None = None
+        self._cursor = 0
+        self._since_s = clock()  # when following started (for an agent never heard from)
+        self._last_ok_s: float | None = None
+        self._failing = False
+        self.applied = 0
+        self.resyncs = 0
+        self.dropped_events = 0
+        self.gaps = 0
+        self.malformed = 0
+        self.errors = 0
+        self.last_error = ""
+
+    # --- polling -------------------------------------------------------------------------
+    def poll_once(self) -> int:
+        """One round: read events after the cursor and apply them (resyncing first when the
+        stream cannot be trusted). Returns the index changes made: events applied, plus the
+        listed chunks on a resync. Never raises for an agent's failure (counted in status)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            try:
+                changed = self._poll_locked()
+            except Exception as exc:  # any failure is this agent's; keep going
+                self._failed(exc)
+                return 0
+            self._answered()
+            return changed
+
+    def _poll_locked(self) -> int:
+        changed = 0
+        resynced = False
+        for _ in range(MAX_BATCHES_PER_POLL):
+            events, last_seq, dropped, instance = _batch(
+                self._client.events(after=self._cursor, limit=self.page_limit)
+            )
+            # the first answer after being down is enough to call it up again
+            self._answered()
+            if self._instance is None or instance != self._instance or dropped > 0:
+                if resynced:
+                    break  # behind again already: the next poll resyncs, not this one forever
+                self._note_resync_cause(instance, dropped)
+                changed += self._resync()
+                resynced = True
+                continue  # read on from the noted cursor
+            changed += self._apply(events)
+            self._cursor = last_seq
+            if len(events) < self.page_limit:
+                break
+        return changed
+
+    def _note_resync_cause(self, instance: str, dropped: int) -> None:
+        if self._instance is None:
+            log.info("%s: resyncing from %s", self.node, self._shown_url)
+        elif instance != self._instance:
+            log.info("%s: agent restarted (new event stream); resyncing", self.node)
+        else:
+            self.gaps += 1
+            self.dropped_events += dropped
+            log.warning(
+                "%s: fell %d events behind the agent's buffer; resyncing", self.node, dropped
+            )
+
+    def _resync(self) -> int:
+        _, seq, _, instance = _batch(self._client.events(after=_PAST_ANY_SEQ, limit=1))
+        chunks: list[ChunkEvent] = []
+        after: str | None = None
+        while True:
+            page = self._client.keys(limit=LISTING_PAGE, after=after)
+            items = page.get("items")
+            if not isinstance(items, list):
+                raise ValueError(f"{self._shown_url}/v1/keys answered without items")
+            for item in items:
+                try:
+                    chunks.append(from_listing(item))
+                except (InvalidArgument, TypeError, AttributeError):
+                    self.malformed += 1
+            nxt = page.get("next")
+            if not nxt or not items:
+                break
+            after = str(nxt)
+        entries = self.index.replace(self.node, chunks)
+        self._instance = instance
+        self._cursor = seq
+        self.resyncs += 1
+        log.info("%s: resynced, %d chunks, resuming after event %d", self.node, entries, seq)
+        return entries
+
+    def _apply(self, events: list[Any]) -> int:
+        chunk_events: list[ChunkEvent] = []
+        for event in events:
+            try:
+                ce = from_agent_event(event)
+            except (InvalidArgument, TypeError, AttributeError):
+                self.malformed += 1
+                continue
+            if ce is not None:
+                chunk_events.append(ce)
+        if not chunk_events:
+            return 0
+        n = self.index.apply(self.node, chunk_events)
+        self.applied += n
+        return n
+
+    def _answered(self) -> None:
+        self._last_ok_s = self._clock()
+        if self._up is not True:
+            if self._up is False:
+                log.info("%s: agent at %s answers again", self.node, self._shown_url)
+            self._up = True
+        self._failing = False
+
+    def _failed(self, exc: Exception) -> None:
+        self.errors += 1
+        # the SDK's messages name the URL as given, which may carry user info
+        text = str(exc).replace(self.url, self._shown_url)
+        self.last_error = f"{type(exc).__name__}: {text}"[:300]
+        if not self._failing:
+            self._failing = True
+            log.debug("%s: poll failed: %s", self.node, self.last_error)
+        silent_s = self._clock() - (self._since_s if self._last_ok_s is None else self._last_ok_s)
+        if silent_s >= self.drop_after_s and self._up is not False:
+            dropped = self.index.drop(self.node)
+            self._up = False
+            self._instance = None  # whatever it holds when back, learn it from its listing
+            log.warning(
+                "%s: agent at %s silent for %.1f s; marked down, %d index entries dropped (%s)",
+                self.node,
+                self._shown_url,
+                silent_s,
+                dropped,
+                self.last_error,
+            )
+
+    # --- state ---------------------------------------------------------------------------
+    @property
+    def up(self) -> bool:
+        """The agent answered the last poll (or has not been silent for ``drop_after_s``)."""
+        return self._up is True
+
+    def status(self, *, entries: Mapping[str, int] | None = None) -> dict[str, Any]:
+        """The follower's state; ``last_ok_s`` is how many seconds ago the agent last answered
+        (None: never). No credentials: the URL is shown without user info, never the token.
+        ``entries``: the index's ``nodes()`` when the caller already has it (one index call for
+        many followers)."""
+        held = self.index.nodes() if entries is None else entries
+        last_ok = self._last_ok_s
+        return {
+            "node": self.node,
+            "url": self._shown_url,
+            "up": self.up,
+            "instance": self._instance,
+            "last_seq": self._cursor,
+            "applied": self.applied,
+            "resyncs": self.resyncs,
+            "dropped_events": self.dropped_events,
+            "gaps": self.gaps,
+            "malformed": self.malformed,
+            "errors": self.errors,
+            "last_error": self.last_error,
+            "entries": held.get(self.node, 0),
+            "last_ok_s": None if last_ok is None else max(0.0, self._clock() - last_ok),
+        }
+
+    def follows(self, url: str, token: str | None) -> bool:
+        """Whether this follower reads ``url`` with ``token``."""
+        return self.url == url.rstrip("/") and self._token == token
+
+    def close(self) -> None:
+        """Stop following (waits for a poll in progress); the index keeps what it has."""
+        with self._lock:
+            self._closed = True
+            self._client.close()
+
+
+class Followers:
+    """Follows a set of agents (``agents``: node -> (url, token)) from one background thread.
+
+    Each round starts a poll for every agent whose previous poll has finished, on a small thread
+    pool, and does not wait for slow ones: a hung agent costs its own follower one request
+    timeout per round and nothing to the others.
+    """
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        agents: Mapping[str, tuple[str, str | None]] | None = None,
+        *,
+        poll_s: float = 0.2,
+        drop_after_s: float = 3.0,
+        timeout_s: float | None = None,
+    ) -> None:
+        _check_seconds("poll_s", poll_s)
+        _check_seconds("drop_after_s", drop_after_s)
+        if timeout_s is not None:
+            _check_seconds("timeout_s", timeout_s)
+        self.index = index
+        self.poll_s = float(poll_s)
+        self.drop_after_s = float(drop_after_s)
+        #: one request's timeout (None: from drop_after_s, see ``Follower``)
+        self.timeout_s = timeout_s
+        self._followers: dict[str, Follower] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: dict[str, Future[int]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        for node, (url, token) in (agents or {}).items():
+            self.add(node, url, token)
+
+    def add(self, node: str, url: str, token: str | None = None) -> None:
+        """Follow ``node`` at ``url``; a node already followed at another URL or token is
+        followed anew (its entries come from the new agent's listing)."""
+        follower = Follower(
+            self.index,
+            node,
+            url,
+            token=token,
+            drop_after_s=self.drop_after_s,
+            timeout_s=self.timeout_s,
+        )
+        with self._lock:
+            old = self._followers.get(node)
+            if old is not None and old.follows(url, token):
+                follower.close()
+                return
+            self._followers.pop(node, None)
+            self._inflight.pop(node, None)
+        if old is not None:
+            # before the new one starts: a poll of the old one in progress must not apply its
+            # events after the new one's resync
+            old.close()
+        with self._lock:
+            self._followers[node] = follower
+
+    def remove(self, node: str) -> None:
+        """Stop following ``node`` and drop its entries (waits for its poll in progress, so
+        that poll cannot bring them back)."""
+        with self._lock:
+            follower = self._followers.pop(node, None)
+            self._inflight.pop(node, None)
+        if follower is None:
+            return
+        follower.close()
+        self.index.drop(node)
+        log.info("%s: no longer followed; its index entries dropped", node)
+
+    def nodes(self) -> list[str]:
+        with self._lock:
+            return sorted(self._followers)
+
+    def poll_all(self) -> int:
+        """One round over every agent, waiting for each poll; returns the index changes."""
+        with self._lock:
+            followers = list(self._followers.values())
+            pool = self._ensure_pool_locked()
+        if len(followers) <= 1:
+            return sum(f.poll_once() for f in followers)
+        return sum(f.result() for f in [pool.submit(f.poll_once) for f in followers])
+
+    def _poll_round(self) -> None:
+        """Start a poll for every agent not still busy with the last one (the thread's round)."""
+        with self._lock:
+            pool = self._ensure_pool_locked()
+            for node, follower in self._followers.items():
+                busy = self._inflight.get(node)
+                if busy is None or busy.done():
+                    self._inflight[node] = pool.submit(follower.poll_once)
+
+    def _ensure_pool_locked(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(MAX_POLL_THREADS, thread_name_prefix="kvctl-follow")
+        return self._pool
+
+    def start(self) -> None:
+        """Poll every ``poll_s`` in a background thread (no-op when already running)."""
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._stop = threading.Event()
+            self._thread = threading.Thread(
+                target=self._run, args=(self._stop,), name="kvctl-followers", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            started_s = time.monotonic()
+            try:
+                self._poll_round()
+            except Exception:  # the thread must outlive any one bad round
+                log.exception("follower round failed")
+            stop.wait(max(0.0, self.poll_s - (time.monotonic() - started_s)))
+
+    def stop(self) -> None:
+        """Stop the thread and wait for polls in progress (no-op when not running)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+            pool, self._pool = self._pool, None
+            self._inflight.clear()
+        if thread is not None:
+            thread.join()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Stop, and close every follower's connection (the index keeps its entries)."""
+        self.stop()
+        with self._lock:
+            followers = list(self._followers.values())
+        for f in followers:
+            f.close()
+
+    def status(self) -> list[dict[str, Any]]:
+        with self._lock:
+            followers = [self._followers[n] for n in sorted(self._followers)]
+        entries = self.index.nodes()
+        return [f.status(entries=entries) for f in followers]
+
+    def up_nodes(self) -> frozenset[str]:
+        """The nodes whose agent answers (asks the index nothing: a routing decision calls it)."""
+        with self._lock:
+            return frozenset(node for node, f in self._followers.items() if f.up)
+
+
+def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:
+    """(events, last_seq, dropped, instance) of an events answer, checked: an answer of another
+    shape is an error (counted), never a reason to move the cursor."""
+    events = answer.get("events")
+    last_seq = answer.get("last_seq")
+    dropped = answer.get("dropped", 0)
+    instance = answer.get("instance")
+    if (
+        not isinstance(events, list)
+        or not _is_count(last_seq)
+        or not _is_count(dropped)
+        or not isinstance(instance, str)
+    ):
+        raise ValueError(f"not an events answer: {dict(answer)!r:.200}")
+    assert isinstance(last_seq, int) and isinstance(dropped, int)  # for mypy: _is_count checked
+    return events, last_seq, dropped, instance
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_seconds(what: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{what} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise InvalidArgument(f"{what} must be > 0 seconds, got {value!r}")
+
+
+def _safe(url: object) -> str:
+    """``url`` without user info (``http://user:secret@host`` -> ``http://host``)."""
+    text = str(url)
+    try:
+        parts = urlsplit(text)
+    except ValueError:
+        return "<unparsable URL>"
+    if parts.username is None and parts.password is None:
+        return text
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if parts.port is None else f"{host}:{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))

@@ -1,0 +1,172 @@
+"""The index's interface and its in-process implementation.
+
+Both implementations keep, per chunk key, which nodes hold it and in which tier, with the
+holder's tenant and isolation; ``holders`` answers for a chain of keys, filtered for the asking
+tenant. Applying an event is idempotent (a stored event sets the node's entry, a removed one
+deletes it), so replaying events a resync already reflects changes nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from kvctl.index.events import ChunkEvent
+
+#: ``NODE#ENGINE``: an engine's own cache on NODE, indexed beside NODE's agent (see ``owner``)
+ENGINE_SEPARATOR = "#"
+
+
+def engine_index_name(node: str, engine: str = "vllm") -> str:
+    """The index name of ``engine``'s own cache on ``node`` (its KV events' publisher)."""
+    return f"{node}{ENGINE_SEPARATOR}{engine}"
+
+
+def owner(index_name: str) -> str:
+    """The serving node an index name belongs to: ``gpu-07#vllm`` -> ``gpu-07``."""
+    return index_name.partition(ENGINE_SEPARATOR)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """One node's copy of a chunk, as the index last heard of it."""
+
+    node: str
+    tier: str
+    size_bytes: int
+    tokens: int
+
+    @property
+    def engine_cache(self) -> bool:
+        """Held in an engine's own memory (``NODE#ENGINE``): only NODE can use it."""
+        return ENGINE_SEPARATOR in self.node
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    tier: str
+    tenant: str
+    isolated: bool
+    size_bytes: int
+    tokens: int
+
+    def visible_to(self, tenant: str) -> bool:
+        return not self.isolated or self.tenant == tenant
+
+    @classmethod
+    def of(cls, e: ChunkEvent) -> _Entry:
+        return cls(e.tier, e.tenant, e.isolated, e.size_bytes, e.tokens)
+
+
+@runtime_checkable
+class FleetIndex(Protocol):
+    """What the router, the followers and the agents use; see the module."""
+
+    def apply(self, node: str, events: Iterable[ChunkEvent]) -> int:
+        """Apply ``node``'s events in order; returns how many were applied."""
+        ...
+
+    def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
+        """Make ``chunks`` (stored events) the node's whole holding (a resync); returns its
+        entries."""
+        ...
+
+    def drop(self, node: str) -> int:
+        """Forget everything ``node`` held (it stopped answering); returns the entries dropped."""
+        ...
+
+    def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
+        """For each key, the nodes holding it that ``tenant`` may see (node name order)."""
+        ...
+
+    def nodes(self) -> dict[str, int]:
+        """Each node with entries, and how many."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class EmbeddedIndex:
+    """The index in this process's memory (the default): dicts under one lock."""
+
+    kind = "embedded"
+
+    def __init__(self) -> None:
+        self._by_key: dict[bytes, dict[str, _Entry]] = {}
+        self._by_node: dict[str, set[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """Entries (one per node and chunk)."""
+        with self._lock:
+            return sum(len(keys) for keys in self._by_node.values())
+
+    def apply(self, node: str, events: Iterable[ChunkEvent]) -> int:
+        n = 0
+        with self._lock:
+            for e in events:
+                self._apply_locked(node, e)
+                n += 1
+        return n
+
+    def _apply_locked(self, node: str, e: ChunkEvent) -> None:
+        if e.kind == "stored":
+            self._by_key.setdefault(e.key, {})[node] = _Entry.of(e)
+            self._by_node.setdefault(node, set()).add(e.key)
+        elif e.kind == "removed":
+            held = self._by_key.get(e.key)
+            if held is not None and held.pop(node, None) is not None:
+                if not held:
+                    del self._by_key[e.key]
+                keys = self._by_node[node]
+                keys.discard(e.key)
+                if not keys:
+                    del self._by_node[node]
+        else:
+            self._drop_locked(node)
+
+    def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
+        with self._lock:
+            self._drop_locked(node)
+            for e in chunks:
+                self._apply_locked(node, e)
+            return len(self._by_node.get(node, ()))
+
+    def drop(self, node: str) -> int:
+        with self._lock:
+            return self._drop_locked(node)
+
+    def _drop_locked(self, node: str) -> int:
+        keys = self._by_node.pop(node, set())
+        for key in keys:
+            held = self._by_key[key]
+            del held[node]
+            if not held:
+                del self._by_key[key]
+        return len(keys)
+
+    def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
+        out: list[list[Holding]] = []
+        with self._lock:
+            for key in keys:
+                held = self._by_key.get(key)
+                if not held:
+                    out.append([])
+                    continue
+                out.append(
+                    [
+                        Holding(node, e.tier, e.size_bytes, e.tokens)
+                        for node, e in sorted(held.items())
+                        if e.visible_to(tenant)
+                    ]
+                )
+        return out
+
+    def nodes(self) -> dict[str, int]:
+        with self._lock:
+            return {node: len(keys) for node, keys in sorted(self._by_node.items())}
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,93 @@
+"""The index behind a router, over HTTP: what an agent asks instead of probing every peer.
+
+Read-only (``holders`` and ``nodes``): the router's followers are the index's only writers.
+Every failure raises ``IndexUnavailable``, so a caller falls back to probing its peers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvctl.errors import KvctlError
+from kvctl.index.events import ChunkEvent
+from kvctl.index.model import Holding
+
+#: an agent asks on a lookup's path: a slow router must cost it little
+DEFAULT_TIMEOUT_S = 0.25
+#: keys per request (the router's limit too)
+MAX_KEYS = 4096
+
+
+class IndexUnavailable(KvctlError):
+    """The router did not answer, or answered something that is not an index answer."""
+
+
+class IndexClient:
+    """``FleetIndex``'s read side at a router's URL (``/v1/index/holders``, ``/v1/index``)."""
+
+    kind = "remote"
+
+    def __init__(
+        self, url: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+    ) -> None:
+        import httpx  # only an agent configured with an index needs it
+
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._httpx = httpx
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        try:
+            r = self._http.request(method, path, **kw)
+        except self._httpx.HTTPError as exc:
+            raise IndexUnavailable(f"index at {self.url} did not answer: {exc}") from exc
+        if r.status_code != 200:
+            raise IndexUnavailable(f"index at {self.url} answered {r.status_code}: {r.text[:200]}")
+        try:
+            return r.json()
+        except ValueError as exc:
+            raise IndexUnavailable(f"index at {self.url} sent no JSON") from exc
+
+    def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
+        out: list[list[Holding]] = []
+        for start in range(0, len(keys), MAX_KEYS):
+            part = keys[start : start + MAX_KEYS]
+            body = {"keys": [k.hex() for k in part], "tenant": tenant}
+            reply = self._json("POST", "/v1/index/holders", json=body)
+            try:
+                rows = reply["holders"]
+                if len(rows) != len(part):
+                    raise ValueError(f"{len(rows)} answers for {len(part)} keys")
+                out.extend(
+                    [
+                        Holding(
+                            str(h["node"]), str(h["tier"]), int(h["size_bytes"]), int(h["tokens"])
+                        )
+                        for h in row
+                    ]
+                    for row in rows
+                )
+            except (KeyError, TypeError, ValueError) as exc:
+                raise IndexUnavailable(f"index at {self.url} sent a bad answer: {exc}") from exc
+        return out
+
+    def nodes(self) -> dict[str, int]:
+        reply = self._json("GET", "/v1/index")
+        try:
+            return {str(k): int(v) for k, v in reply["nodes"].items()}
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise IndexUnavailable(f"index at {self.url} sent a bad answer: {exc}") from exc
+
+    def apply(self, node: str, events: Iterable[ChunkEvent]) -> int:
+        raise IndexUnavailable("a remote index is read-only: its router's followers write it")
+
+    def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
+        raise IndexUnavailable("a remote index is read-only: its router's followers write it")
+
+    def drop(self, node: str) -> int:
+        raise IndexUnavailable("a remote index is read-only: its router's followers write it")
+
+    def close(self) -> None:
+        self._http.close()

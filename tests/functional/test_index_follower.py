@@ -1,0 +1,297 @@
+"""Followers keep the fleet index in step with real agent processes: chunks put on an agent show
+up under its node name with their tier, size, tokens and tenant; moves and evictions follow; a
+killed agent's entries are dropped; a restarted agent (a new event stream) and one whose event
+buffer overflowed are resynced from its key listing; an isolated tenant's chunks never reach
+another tenant through the index."""
+
+from __future__ import annotations
+
+import http.server
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvctl.index.follower import Follower, Followers
+from kvctl.index.model import EmbeddedIndex, Holding
+from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
+
+CHUNK_BYTES = 4096
+TOKENS = 16
+SMALL = ["--cpu", "8MiB", "--disk", "0"]
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def put(agent: Agent, keys: list[bytes], *, tenant: str = "t1", isolated: bool = False) -> None:
+    with agent.data() as d:
+        for i in range(0, len(keys), 500):
+            part = keys[i : i + 500]
+            outs = d.put_many(
+                [(k, payload(k, CHUNK_BYTES)) for k in part],
+                tenant=tenant,
+                tokens=TOKENS,
+                isolated=isolated,
+            )
+            assert {o.status for o in outs} == {"stored"}
+
+
+def listing(agent: Agent) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    after: str | None = None
+    while True:
+        page = agent.control().keys(limit=1000, after=after)
+        items += page["items"]
+        after = page["next"]
+        if not after:
+            return items
+
+
+def matches_listing(index: EmbeddedIndex, node: str, agent: Agent) -> bool:
+    """Whether the index holds exactly the agent's listing for ``node`` (tier, size, tokens),
+    each chunk seen by its own tenant."""
+    items = listing(agent)
+    if index.nodes().get(node, 0) != len(items):
+        return False
+    for item in items:
+        [held] = index.holders([bytes.fromhex(item["key"])], tenant=item["tenant"])
+        want = Holding(node, item["tier"], item["size_bytes"], item["tokens"])
+        if want not in held:
+            return False
+    return True
+
+
+def held_by(index: EmbeddedIndex, keys: list[bytes], tenant: str = "t1") -> list[list[Holding]]:
+    return index.holders(keys, tenant=tenant)
+
+
+@pytest.fixture
+def index() -> Iterator[EmbeddedIndex]:
+    idx = EmbeddedIndex()
+    yield idx
+    idx.close()
+
+
+def test_chunks_put_on_an_agent_reach_the_index_under_its_node(
+    tmp_path: Path, index: EmbeddedIndex, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = "s3cret-follower-token"
+    a_keys = [key(i, space=1) for i in range(40)]
+    b_keys = [key(i, space=2) for i in range(10)]
+    with (
+        running_agent(tmp_path / "a", "--name", "a", *SMALL, token=token) as a,
+        running_agent(tmp_path / "b", "--name", "b", *SMALL) as b,
+        caplog.at_level(logging.DEBUG, logger="kvctl.index.follower"),
+    ):
+        put(b, b_keys, tenant="t2")  # before following: comes from b's listing
+        followers = Followers(
+            index,
+            {"a": (a.state.control_url, token), "b": (b.state.control_url, None)},
+            poll_s=0.05,
+        )
+        try:
+            followers.poll_all()  # first contact: both resynced, a from an empty listing
+            assert index.nodes() == {"b": len(b_keys)}
+            followers.start()
+            put(a, a_keys)  # while following: comes from a's events
+            want = [[Holding("a", "cpu", CHUNK_BYTES, TOKENS)]] * len(a_keys)
+            wait_until("a's chunks in the index", lambda: held_by(index, a_keys) == want)
+            want_b = [[Holding("b", "cpu", CHUNK_BYTES, TOKENS)]] * len(b_keys)
+            assert held_by(index, b_keys, tenant="t2") == want_b
+            assert index.nodes() == {"a": len(a_keys), "b": len(b_keys)}
+            status = {s["node"]: s for s in followers.status()}
+            assert status["a"]["up"] and status["b"]["up"]
+            assert status["a"]["applied"] >= len(a_keys)
+            assert status["a"]["entries"] == len(a_keys)
+            assert status["a"]["resyncs"] == 1 and status["a"]["errors"] == 0
+            assert status["a"]["instance"] == a.control().events(limit=1)["instance"]
+            assert token not in repr(followers.status())
+
+            # removing a node forgets it; adding it again brings its chunks back
+            followers.remove("b")
+            assert index.nodes() == {"a": len(a_keys)}
+            followers.add("b", b.state.control_url)
+            wait_until("b resynced after being added again", lambda: "b" in index.nodes())
+            assert held_by(index, b_keys, tenant="t2") == want_b
+        finally:
+            followers.close()
+        followers.stop()  # stopping twice is fine
+    assert token not in caplog.text
+
+
+def test_moves_and_evictions_reach_the_index(tmp_path: Path, index: EmbeddedIndex) -> None:
+    keys = [key(i, space=3) for i in range(12)]
+    with running_agent(tmp_path / "a", "--name", "a", "--cpu", "8MiB", "--disk", "8MiB") as a:
+        follower = Follower(index, "a", a.state.control_url)
+        put(a, keys)
+        follower.poll_once()
+        assert held_by(index, keys) == [[Holding("a", "cpu", CHUNK_BYTES, TOKENS)]] * len(keys)
+
+        moved, evicted, kept = keys[:4], keys[4:8], keys[8:]
+        a.control().move(moved, "disk")
+        a.control().evict(evicted)
+
+        def reflected() -> bool:
+            follower.poll_once()
+            return (
+                held_by(index, moved) == [[Holding("a", "disk", CHUNK_BYTES, TOKENS)]] * 4
+                and held_by(index, evicted) == [[]] * 4
+                and held_by(index, kept) == [[Holding("a", "cpu", CHUNK_BYTES, TOKENS)]] * 4
+            )
+
+        wait_until("the move and the eviction in the index", reflected)
+        assert matches_listing(index, "a", a)
+        assert follower.status()["resyncs"] == 1  # events alone, no resync needed
+
+
+def test_a_killed_agent_is_dropped_and_resynced_when_it_comes_back(
+    tmp_path: Path, index: EmbeddedIndex
+) -> None:
+    """Kill -9 (no goodbye): its entries leave the index once it has been silent for
+    drop_after_s. Restarted on the same address, its new event stream (a new instance) is
+    resynced: the index holds what it holds after the restart, not what it held before."""
+    port = closed_port()
+    args = ["--name", "a", "--listen", f"127.0.0.1:{port}", "--cpu", "8MiB", "--disk", "8MiB"]
+    data_dir = tmp_path / "a"
+    before = [key(i, space=4) for i in range(20)]
+    after = [key(i, space=5) for i in range(7)]
+    survivor = Follower(index, "other", "http://127.0.0.1:1", drop_after_s=0.5)  # never up
+    followers = Followers(index, poll_s=0.05, drop_after_s=1.0)
+    a = start_agent(data_dir, *args)
+    try:
+        followers.add("a", a.state.control_url)
+        followers.start()
+        put(a, before)
+        wait_until("the chunks in the index", lambda: index.nodes().get("a") == len(before))
+        first_instance = followers.status()[0]["instance"]
+
+        a.kill9()
+        wait_until("a's entries dropped", lambda: "a" not in index.nodes())
+        [status] = followers.status()
+        assert not status["up"] and status["errors"] >= 1
+        assert "AgentUnreachable" in status["last_error"]
+
+        a = start_agent(data_dir, *args)  # same address, same data directory
+        put(a, after)
+        wait_until("the restarted agent resynced", lambda: matches_listing(index, "a", a))
+        [status] = followers.status()
+        assert status["up"] and status["resyncs"] >= 2
+        assert status["instance"] != first_instance
+        assert held_by(index, after) == [[Holding("a", "cpu", CHUNK_BYTES, TOKENS)]] * len(after)
+        # what the agent kept across the restart (its cpu tier is lost) is what the index says
+        kept = {item["key"] for item in listing(a)}
+        gone = [k for k in before if k.hex() not in kept]
+        assert gone, "the cpu tier's chunks did not survive the restart"
+        assert held_by(index, gone) == [[]] * len(gone)
+    finally:
+        followers.close()
+        if a.proc.poll() is None:
+            assert a.stop() == 0, a.log()[-3000:]
+    # an agent never heard from is marked down once silent for drop_after_s, and stays so
+    wait_until("a never-reached agent marked down", lambda: _polled_down(survivor))
+    assert survivor.status()["up"] is False and survivor.status()["last_ok_s"] is None
+
+
+def _polled_down(follower: Follower) -> bool:
+    follower.poll_once()
+    return follower.status()["errors"] > 0 and not follower.status()["up"]
+
+
+def test_falling_behind_the_event_buffer_resyncs_to_the_listing(
+    tmp_path: Path, index: EmbeddedIndex
+) -> None:
+    """More events between two polls than the agent buffers (8192): the follower learns how
+    many it missed, resyncs from the listing, and the index ends equal to the agent's chunks."""
+    # 2 MiB of cpu holds 512 of the 4 KiB chunks: 9,000 puts make 9,000 store events and
+    # about 8,500 evictions
+    keys = [key(i, space=6) for i in range(9000)]
+    with running_agent(tmp_path / "a", "--name", "a", "--cpu", "2MiB", "--disk", "0") as a:
+        follower = Follower(index, "a", a.state.control_url)
+        follower.poll_once()  # first contact: an empty agent
+        put(a, keys[:10])
+        follower.poll_once()
+        assert index.nodes() == {"a": 10}
+        put(a, keys[10:])
+        follower.poll_once()
+        status = follower.status()
+        assert status["gaps"] == 1 and status["dropped_events"] > 0
+        assert status["resyncs"] == 2
+        assert matches_listing(index, "a", a)
+        assert 0 < index.nodes()["a"] < len(keys)
+
+
+def test_an_isolated_tenants_chunks_never_reach_another_tenant(
+    tmp_path: Path, index: EmbeddedIndex
+) -> None:
+    own = [key(i, space=7) for i in range(8)]
+    shared = [key(i, space=8) for i in range(8)]
+    early = [key(i, space=9) for i in range(4)]
+    with running_agent(tmp_path / "a", "--name", "a", *SMALL) as a:
+        put(a, early, tenant="acme", isolated=True)  # reaches the index through the listing
+        follower = Follower(index, "a", a.state.control_url)
+        follower.poll_once()
+        put(a, own, tenant="acme", isolated=True)  # through events
+        put(a, shared, tenant="t2")
+        follower.poll_once()
+        here = [Holding("a", "cpu", CHUNK_BYTES, TOKENS)]
+        for tenant in ("globex", "t2", ""):
+            assert held_by(index, early + own, tenant=tenant) == [[]] * 12
+            assert held_by(index, shared, tenant=tenant) == [here] * 8
+        assert held_by(index, early + own + shared, tenant="acme") == [here] * 20
+
+
+class _Hanging(http.server.BaseHTTPRequestHandler):
+    """An agent that has stopped answering: each request waits until the test releases it."""
+
+    release: threading.Event
+    requests: list[str]
+
+    def do_GET(self) -> None:
+        self.requests.append(self.path)
+        self.release.wait(60)
+        self.send_error(503)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_a_hung_agent_does_not_hold_up_the_others(tmp_path: Path, index: EmbeddedIndex) -> None:
+    release = threading.Event()
+    requests: list[str] = []
+    handler = type("Hanging", (_Hanging,), {"release": release, "requests": requests})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    hung_url = f"http://127.0.0.1:{server.server_address[1]}"
+    keys = [key(i, space=10) for i in range(10)]
+    # the hung agent's request times out long after the test is done: only a round that does
+    # not wait for it lets the live agent's chunks in
+    followers = Followers(index, poll_s=0.05, drop_after_s=120, timeout_s=60)
+    try:
+        with running_agent(tmp_path / "a", "--name", "a", *SMALL) as a:
+            followers.add("hung", hung_url)
+            followers.add("a", a.state.control_url)
+            followers.start()
+            wait_until("the hung agent asked", lambda: len(requests) == 1)
+            put(a, keys)
+            wait_until("a's chunks in the index", lambda: index.nodes() == {"a": len(keys)})
+            status = {s["node"]: s for s in followers.status()}
+            assert status["a"]["up"] and not status["hung"]["up"]
+            assert status["hung"]["errors"] == 0  # its first poll is still waiting
+            assert requests == ["/v1/events/recent?after=0&limit=1000"]
+            release.set()
+            followers.stop()
+    finally:
+        release.set()
+        followers.close()
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,258 @@
+"""A subscriber on real ZMQ sockets: a publisher in the test speaks vLLM's protocol (a PUB socket
+sending ``[topic, seq, msgpack batch]`` and a ROUTER answering replay requests from a buffer, as
+``vllm/distributed/kv_events.py``'s ``ZmqEventPublisher`` does) and the subscriber keeps an
+``EmbeddedIndex`` in step. Every wait polls a condition up to a deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvctl.index.model import EmbeddedIndex
+from kvctl.index.vllm_events import VllmEventSubscriber, VllmEventTranslator
+from kvctl.store.keys import KVLayout, Namespace, keys_for
+
+NS = Namespace("test-model", KVLayout(layers=2, kv_heads=2, head_dim=4))
+BLOCK = 4
+CHUNK = 16
+TOPIC = "kv-events"
+TOKENS = list(range(5000, 5000 + 3 * CHUNK))
+KEYS = keys_for(TOKENS, NS, CHUNK)
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class FakeVllmPublisher:
+    """vLLM's publisher, as far as a subscriber can tell: seq from 0, every batch kept for
+    replay, the replay ROUTER served on its own thread."""
+
+    def __init__(self, *, replay: bool) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.seq = 0
+        self.buffer: list[tuple[int, bytes]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.replay_endpoint: str | None = None
+        self._thread: threading.Thread | None = None
+        if replay:
+            self.router = self.ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            rport = self.router.bind_to_random_port("tcp://127.0.0.1")
+            self.replay_endpoint = f"tcp://127.0.0.1:{rport}"
+            self._thread = threading.Thread(target=self._serve_replay, daemon=True)
+            self._thread.start()
+
+    def publish(self, events: list[Any], *, send: bool = True, payload: bytes | None = None) -> int:
+        """One batch with the next seq; ``send=False`` keeps it for replay only (as if the PUB
+        socket dropped it)."""
+        with self._lock:
+            seq = self.seq
+            self.seq += 1
+            if payload is None:
+                payload = msgpack.packb([time.time(), events, 0])
+            self.buffer.append((seq, payload))
+        if send:
+            self.pub.send_multipart([TOPIC.encode(), seq.to_bytes(8, "big"), payload])
+        return seq
+
+    def restart(self) -> None:
+        with self._lock:
+            self.seq = 0
+            self.buffer.clear()
+
+    def _serve_replay(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(50):
+                continue
+            frames = self.router.recv_multipart()
+            if len(frames) != 3:
+                continue
+            client, _, start = frames
+            first = int.from_bytes(start, "big")
+            with self._lock:
+                buffered = [(s, p) for s, p in self.buffer if s >= first]
+            for s, p in buffered:
+                self.router.send_multipart([client, b"", s.to_bytes(8, "big"), p])
+            self.router.send_multipart([client, b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self.router.close(linger=0)
+        self.pub.close(linger=0)
+        self.ctx.term()
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def stored(hashes: list[int], parent: int | None, first_block: int) -> list[Any]:
+    tokens = TOKENS[first_block * BLOCK : (first_block + len(hashes)) * BLOCK]
+    return ["BlockStored", hashes, parent, tokens, BLOCK, None, "GPU"]
+
+
+def holders(index: EmbeddedIndex) -> list[list[str]]:
+    return [[h.node for h in held] for held in index.holders(KEYS, tenant="t")]
+
+
+def joined(pub: FakeVllmPublisher, sub: VllmEventSubscriber) -> None:
+    """Wait until the subscription reached the publisher: a PUB socket drops what it sends
+    before then, so empty batches are sent until one arrives."""
+    wait_for(lambda: sub.status()["connected"], "the SUB socket to connect")
+
+    def arrived() -> bool:
+        if sub.status()["messages"] > 0:
+            return True
+        pub.publish([])
+        return False
+
+    wait_for(arrived, "the first message through")
+
+
+@pytest.fixture
+def index() -> Iterator[EmbeddedIndex]:
+    yield EmbeddedIndex()
+
+
+def subscriber(index: EmbeddedIndex, pub: FakeVllmPublisher, **kw: Any) -> VllmEventSubscriber:
+    t = VllmEventTranslator("engine-a", namespace=NS, chunk_tokens=CHUNK, tenant="t")
+    return VllmEventSubscriber(
+        index, t, pub.endpoint, topic=TOPIC, replay_endpoint=pub.replay_endpoint, **kw
+    )
+
+
+def test_published_blocks_become_the_engines_chunks_in_the_index(index: EmbeddedIndex) -> None:
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3, 4, 5], None, 0)])  # a chunk and a half
+        pub.publish([stored([6, 7], 5, 6), stored([8, 9, 10, 11], 7, 8)])  # chunks 2 and 3
+        wait_for(lambda: holders(index) == [["engine-a"]] * 3, "three chunks in the index")
+        assert index.holders(KEYS, tenant="t")[0][0].tier == "gpu"
+        pub.publish([["BlockRemoved", [9], "GPU"]])  # a block of the third chunk
+        wait_for(lambda: holders(index) == [["engine-a"]] * 2 + [[]], "the third chunk gone")
+        # garbage between good batches is counted, never the end of the stream
+        pub.publish([], payload=b"\xc1 not msgpack")
+        pub.pub.send_multipart([TOPIC.encode(), b"short", b""])
+        pub.pub.send_multipart([b"kv-events-other", (99).to_bytes(8, "big"), b""])
+        pub.publish([["AllBlocksCleared"]])
+        wait_for(lambda: index.nodes() == {}, "the clear applied")
+        status = sub.status()
+        assert status["malformed"] == 2 and status["other_topic"] == 1
+        assert (status["chunks_stored"], status["chunks_removed"]) == (3, 3)
+        assert status["gaps"] == 0 and status["last_seq"] == pub.seq - 1
+        assert status["endpoint"] == pub.endpoint and status["running"]
+    finally:
+        sub.stop()
+        pub.close()
+    assert not sub.status()["running"]
+
+
+def test_a_gap_without_replay_is_counted_and_the_stream_goes_on(index: EmbeddedIndex) -> None:
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3], None, 0)], send=False)  # lost
+        pub.publish([stored([100, 101, 102, 103], None, 0)])
+        wait_for(lambda: holders(index)[0] == ["engine-a"], "the chunk after the gap")
+        status = sub.status()
+        assert (status["gaps"], status["missed"], status["unrecovered"]) == (1, 1, 1)
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_gap_is_filled_from_the_replay_socket(index: EmbeddedIndex) -> None:
+    pub = FakeVllmPublisher(replay=True)
+    sub = subscriber(index, pub).start()
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3], None, 0)], send=False)  # only the replay has these
+        pub.publish([stored([4, 5, 6, 7], 3, 4)], send=False)
+        pub.publish([stored([8, 9, 10, 11], 7, 8)])
+        wait_for(lambda: holders(index) == [["engine-a"]] * 3, "the replayed chunks")
+        status = sub.status()
+        assert (status["gaps"], status["missed"], status["replayed"]) == (1, 2, 2)
+        assert status["unrecovered"] == 0 and status["replay_failures"] == 0
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_catch_up_reads_what_was_published_before_the_subscriber(index: EmbeddedIndex) -> None:
+    pub = FakeVllmPublisher(replay=True)
+    pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])  # nobody listening yet
+    sub = subscriber(index, pub).start()
+    try:
+        wait_for(lambda: holders(index)[:2] == [["engine-a"]] * 2, "the chunks from the replay")
+        joined(pub, sub)
+        pub.publish([stored([8, 9, 10, 11], 7, 8)])
+        wait_for(lambda: holders(index)[2] == ["engine-a"], "the next chunk")
+        # (empty batches sent while the subscription travelled may have been replayed too)
+        status = sub.status()
+        assert status["restarts"] == 0 and status["unrecovered"] == 0
+        assert status["replayed"] >= 1
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_an_engine_restart_removes_its_chunks(index: EmbeddedIndex) -> None:
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])
+        wait_for(lambda: holders(index)[:2] == [["engine-a"]] * 2, "two chunks")
+        pub.restart()  # seq starts over at 0: the new engine's cache is empty
+        pub.publish([stored([0, 1, 2, 3], None, 0)])
+        wait_for(lambda: sub.status()["restarts"] == 1, "the restart noticed")
+        wait_for(lambda: holders(index)[:2] == [["engine-a"], []], "only the new chunk")
+        assert sub.status()["last_seq"] == 0
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def test_a_replay_socket_that_does_not_answer_is_counted(index: EmbeddedIndex) -> None:
+    pub = FakeVllmPublisher(replay=False)
+    nobody = pub.ctx.socket(zmq.ROUTER)  # a port that is bound and never answers
+    port = nobody.bind_to_random_port("tcp://127.0.0.1")
+    t = VllmEventTranslator("engine-a", namespace=NS, chunk_tokens=CHUNK, tenant="t")
+    sub = VllmEventSubscriber(
+        index,
+        t,
+        pub.endpoint,
+        topic=TOPIC,
+        replay_endpoint=f"tcp://127.0.0.1:{port}",
+        replay_timeout_s=0.2,
+        catch_up=False,
+    ).start()
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3], None, 0)], send=False)
+        pub.publish([stored([100, 101, 102, 103], None, 0)])
+        wait_for(lambda: holders(index)[0] == ["engine-a"], "the chunk after the gap")
+        status = sub.status()
+        assert (status["gaps"], status["unrecovered"], status["replay_failures"]) == (1, 1, 1)
+    finally:
+        sub.stop()
+        nobody.close(linger=0)
+        pub.close()

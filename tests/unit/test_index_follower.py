@@ -1,0 +1,196 @@
+"""Follower edge cases a real agent does not produce: bad arguments, malformed events and listed
+chunks (counted and skipped, the rest applied), answers that are not an agent's (counted as no
+answer: marked down after drop_after_s on the follower's clock), credentials kept out of status.
+The agents' own behaviour is in tests/functional/test_index_follower.py."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+
+from kvctl.errors import InvalidArgument
+from kvctl.index.events import ChunkEvent
+from kvctl.index.follower import Follower, Followers
+from kvctl.index.model import EmbeddedIndex, Holding
+from tests.not_an_agent import web_page_url
+
+K1, K2, K3 = (bytes([i]) * 16 for i in (1, 2, 3))
+
+
+def _stored(k: bytes, tier: str = "cpu") -> dict[str, Any]:
+    return {"key": k.hex(), "tier": tier, "size_bytes": 64, "tokens": 4, "tenant": "t"}
+
+
+class _Scripted(http.server.BaseHTTPRequestHandler):
+    """Answers /v1/events/recent and /v1/keys from ``script`` (events carry their seq)."""
+
+    script: dict[str, Any]
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if url.path == "/v1/events/recent":
+            after = int(query.get("after", 0))
+            events = self.script["events"]
+            last = events[-1]["seq"] if events else 0
+            body: dict[str, Any] = {
+                "events": [e for e in events if e["seq"] > after][: int(query["limit"])],
+                "dropped": 0,
+                "instance": self.script["instance"],
+            }
+            body["last_seq"] = body["events"][-1]["seq"] if body["events"] else min(after, last)
+        elif url.path == "/v1/keys":
+            body = {"items": self.script["items"], "next": None}
+        else:
+            self.send_error(404)
+            return
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@contextmanager
+def scripted(script: dict[str, Any]) -> Iterator[str]:
+    handler = type("Scripted", (_Scripted,), {"script": script})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"node": ""},
+        {"url": "ftp://127.0.0.1:1"},
+        {"url": "127.0.0.1:8470"},
+        {"drop_after_s": 0},
+        {"drop_after_s": float("nan")},
+        {"drop_after_s": True},
+        {"page_limit": 0},
+        {"page_limit": 10_001},
+        {"page_limit": 10.0},
+        {"timeout_s": -1.0},
+    ],
+)
+def test_bad_arguments_are_refused(kw: dict[str, Any]) -> None:
+    args: dict[str, Any] = {"node": "a", "url": "http://127.0.0.1:1", **kw}
+    with pytest.raises(InvalidArgument):
+        Follower(EmbeddedIndex(), args.pop("node"), args.pop("url"), **args)
+
+
+def test_followers_refuse_a_bad_poll_interval() -> None:
+    with pytest.raises(InvalidArgument, match="poll_s"):
+        Followers(EmbeddedIndex(), poll_s=0)
+
+
+def test_malformed_events_and_listed_chunks_are_counted_and_skipped() -> None:
+    script: dict[str, Any] = {
+        "instance": "one",
+        "events": [],
+        "items": [_stored(K1), {"key": "zz", "tier": "cpu"}, {**_stored(K2), "tokens": "many"}],
+    }
+    index = EmbeddedIndex()
+    with scripted(script) as url:
+        follower = Follower(index, "a", url)
+        assert follower.poll_once() == 1  # the resync: one good listed chunk
+        assert index.nodes() == {"a": 1}
+        script["events"] = [
+            {"seq": 1, "type": "store", **_stored(K2)},
+            {"seq": 2, "type": "store", "key": "not hex", "tier": "cpu"},
+            {"seq": 3, "type": "fetch_plan", "fetch": 2},  # about something else: not counted
+            {"seq": 4, "type": "evict", **_stored(K1)},
+            {"seq": 5, "type": "store", **_stored(K3), "size_bytes": -1},
+            {"seq": 6, "type": "move", **_stored(K2, "disk")},
+        ]
+        assert follower.poll_once() == 3
+        status = follower.status()
+    assert (status["malformed"], status["applied"], status["last_seq"]) == (4, 3, 6)
+    assert index.holders([K1, K2, K3], tenant="t") == [[], [Holding("a", "disk", 64, 4)], []]
+
+
+def test_a_page_of_events_that_is_full_is_followed_by_another_read() -> None:
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": []}
+    index = EmbeddedIndex()
+    with scripted(script) as url:
+        follower = Follower(index, "a", url, page_limit=2)
+        follower.poll_once()
+        keys = [bytes([i]) * 16 for i in range(1, 6)]
+        script["events"] = [
+            {"seq": i + 1, "type": "store", **_stored(k)} for i, k in enumerate(keys)
+        ]
+        assert follower.poll_once() == 5  # pages of 2, 2 and 1 in one poll
+    assert index.nodes() == {"a": 5}
+
+
+def test_a_new_instance_replaces_what_the_old_one_held() -> None:
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    index = EmbeddedIndex()
+    with scripted(script) as url:
+        follower = Follower(index, "a", url)
+        follower.poll_once()
+        script.update(instance="two", items=[_stored(K2)])
+        follower.poll_once()
+        status = follower.status()
+    assert index.holders([K1, K2], tenant="t") == [[], [Holding("a", "cpu", 64, 4)]]
+    assert (status["resyncs"], status["instance"], status["gaps"]) == (2, "two", 0)
+
+
+def test_not_an_agent_counts_as_silence_and_the_node_is_dropped_after_drop_after_s() -> None:
+    now = [100.0]
+    index = EmbeddedIndex()
+    index.apply("a", [ChunkEvent("stored", K1, "cpu")])  # what it held when it last answered
+    with web_page_url() as page:
+        secret_url = page.replace("http://", "http://ops:hunter2@")
+        follower = Follower(
+            index, "a", secret_url, token="tok-123", drop_after_s=3.0, clock=lambda: now[0]
+        )
+        assert follower.poll_once() == 0
+        now[0] += 2.9
+        assert follower.poll_once() == 0
+        assert index.nodes() == {"a": 1}  # silent, but not for drop_after_s yet
+        now[0] += 0.2
+        follower.poll_once()
+        status = follower.status()
+    assert index.nodes() == {}
+    assert status["up"] is False and status["errors"] == 3 and status["last_ok_s"] is None
+    assert "did not answer with JSON" in status["last_error"]
+    shown = repr(status)
+    assert "hunter2" not in shown and "tok-123" not in shown and "ops:" not in shown
+    assert status["url"] == page
+
+
+def test_adding_a_node_again_at_its_address_keeps_its_follower() -> None:
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    index = EmbeddedIndex()
+    with scripted(script) as url:
+        followers = Followers(index, {"a": (url, None)})
+        followers.poll_all()
+        followers.add("a", url + "/")  # the same agent: no resync
+        followers.poll_all()
+        [status] = followers.status()
+        assert status["resyncs"] == 1
+        followers.add("a", url, "another-token")  # another agent as far as we know: anew
+        followers.poll_all()
+        [status] = followers.status()
+        assert status["resyncs"] == 1 and status["applied"] == 0  # a new follower's count
+        followers.remove("a")
+        followers.remove("a")  # removing twice is fine
+        assert followers.status() == [] and index.nodes() == {}
+        followers.close()
