@@ -25,6 +25,7 @@ from kvctl.cli.keys import keys_command
 from kvctl.cli.lookup import lookup_command
 from kvctl.cli.plan import plan_command
 from kvctl.cli.replay import replay_command
+from kvctl.cli.router import route_command, router_app
 from kvctl.cli.simulate import simulate_command
 from kvctl.cli.status import status_command
 from kvctl.cli.top import top_command
@@ -93,6 +94,7 @@ _COMMANDS: list[tuple[str, Callable[..., Any], str, str]] = [
     ("lookup", lookup_command, "Which chunks of a prompt are cached, where.", FLEET),
     ("doctor", doctor_command, "Check the database, agents, NVML, disks and clocks.", FLEET),
     ("audit", audit_command, "What operators' kvctl did: who, when, what, result.", FLEET),
+    ("route", route_command, "Which node should serve a prompt, and why (modeled).", FLEET),
     *((name, fn, short, CONTROL) for name, (fn, short) in CONTROL_COMMANDS.items()),
     ("collect", collect_command, "Record the fleet's metrics in the database.", METRICS),
     (
@@ -132,6 +134,12 @@ app.add_typer(
     name="agent",
     help="Run and inspect the tiered KV-cache agent on this node.",
     rich_help_panel=NODE,
+)
+app.add_typer(
+    router_app,
+    name="router",
+    help="The fleet's KV index and cache/link-aware routing: serve it, inspect it.",
+    rich_help_panel=FLEET,
 )
 app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.", rich_help_panel=OFFLINE)
 _prose_help_everywhere(app)

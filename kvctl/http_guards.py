@@ -1,5 +1,6 @@
-"""Limits on what one control request may cost the agent: the body it sends (``BodyLimit``) and
-what a validation error echoes back (``clip_echo``).
+"""What guards the daemons' HTTP APIs (the agent's and the router's): the bearer token
+(``BearerAuth``), the body one request may send (``BodyLimit``) and what a validation error
+echoes back (``clip_echo``).
 
 Pure ASGI and standard library only, so the limits hold whatever FastAPI/Starlette version or
 server (uvicorn, the test client) runs the app.
@@ -7,6 +8,7 @@ server (uvicorn, the test client) runs the app.
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -57,13 +59,15 @@ class BodyLimit:
     that is replaced by the 413. Either way the connection is closed after the answer.
     """
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_body_bytes: int, *, server: str = "agent") -> None:
         if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int):
             raise TypeError(f"max_body_bytes must be an int, got {max_body_bytes!r}")
         if max_body_bytes < 0:
             raise ValueError(f"max_body_bytes must not be negative, got {max_body_bytes}")
         self.app = app
         self.max_body_bytes = max_body_bytes
+        #: named in the refusal ("the agent's limit")
+        self.server = server
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -116,7 +120,7 @@ class BodyLimit:
 
     def _too_large(self, seen: str) -> str:
         return (
-            f"request body over the agent's limit of {self.max_body_bytes} bytes ({seen}); "
+            f"request body over the {self.server}'s limit of {self.max_body_bytes} bytes ({seen}); "
             "split the request"
         )
 
@@ -125,6 +129,53 @@ class BodyLimit:
         start, body = _json_error(status, detail, close=True)
         await send(start)
         await send(body)
+
+
+_AUTH_DETAIL = b'{"detail":"missing or wrong bearer token"}'
+
+
+class BearerAuth:
+    """Refuses every request (any path, docs and unknown paths included) without the token.
+
+    Pure ASGI and outside routing, so nothing is reachable unauthenticated. ``token`` is read
+    per request, so a server whose settings are replaced picks up the new one; an empty token
+    lets everything through (a loopback-only server without one)."""
+
+    def __init__(self, app: ASGIApp, token: Callable[[], str | None]) -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = self.token()
+        if not token or scope["type"] not in ("http", "websocket") or self._ok(scope, token):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(_AUTH_DETAIL)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": _AUTH_DETAIL})
+
+    @staticmethod
+    def _ok(scope: Scope, token: str) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, given = value.partition(b" ")
+                # compare bytes: compare_digest refuses non-ASCII str
+                return scheme.lower() == b"bearer" and hmac.compare_digest(
+                    given.strip(), token.encode()
+                )
+        return False
 
 
 def safe_text(text: str) -> str:

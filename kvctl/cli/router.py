@@ -1,0 +1,611 @@
+"""`kvctl router serve|status` and `kvctl route`: the fleet's KV index and cost-based routing.
+
+The router follows every agent's store events into one index and answers "which node should
+serve this prompt" from it (``kvctl.router``). This module only reads the fleet (a fleet file,
+the fleet database or --agent flags), builds the router, and renders answers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from kvctl.cli.options import DbOpt, JsonOpt, bundled
+from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+
+if TYPE_CHECKING:
+    from kvctl.router.score import Costs
+    from kvctl.router.topology import Topology
+
+router_app = typer.Typer(
+    no_args_is_help=True,
+    help="The fleet's KV index and cache/link-aware routing: serve it, inspect it.",
+)
+
+ROUTER_URL_ENV = "KVCTL_ROUTER_URL"
+ROUTER_TOKEN_ENV = "KVCTL_ROUTER_TOKEN"
+
+RouterUrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--router",
+        help=f"Router URL (default: ${ROUTER_URL_ENV}, else http://127.0.0.1:9480).",
+        show_default=False,
+    ),
+]
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        help=f"File holding the router's bearer token (default: ${ROUTER_TOKEN_ENV}).",
+        show_default=False,
+    ),
+]
+
+
+def _token(token_file: Path | None) -> str | None:
+    """The router's token: the file's first line, else $KVCTL_ROUTER_TOKEN, else none."""
+    if token_file is None:
+        return os.environ.get(ROUTER_TOKEN_ENV) or None
+    try:
+        text = token_file.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        fail(f"cannot read the token file {token_file}: {exc.strerror}")
+    if not text:
+        fail(f"the token file {token_file} is empty")
+    return text.splitlines()[0].strip()
+
+
+def _router_url(url: str | None) -> str:
+    from kvctl.router.client import DEFAULT_URL
+
+    return url or os.environ.get(ROUTER_URL_ENV) or DEFAULT_URL
+
+
+# --- serve -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSource:
+    """Where the router learns the fleet: a fleet file, --agent flags, or the database."""
+
+    fleet: Annotated[
+        Path | None,
+        typer.Option(
+            "--fleet",
+            help="Fleet file (TOML or YAML, as `kvctl fleet export` writes): DCs, nodes with "
+            "agent_url, links with distance_km.",
+            show_default=False,
+        ),
+    ] = None
+    agents: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--agent",
+            help="An agent to follow: NAME=URL@DC, e.g. gpu-1=http://10.0.0.7:7070@fra "
+            "(repeatable; instead of --fleet or the database).",
+            metavar="NAME=URL@DC",
+            show_default=False,
+        ),
+    ] = None
+    links: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--link",
+            help="With --agent: the distance between two DCs, A:B=KM (repeatable); the "
+            "link is modeled as that much fiber.",
+            metavar="A:B=KM",
+            show_default=False,
+        ),
+    ] = None
+    db: DbOpt = None
+
+
+@dataclass(frozen=True, slots=True)
+class CostFlags:
+    """What the router assumes about every node's prefill and copies."""
+
+    model: Annotated[
+        str,
+        typer.Option(
+            help="Model the agents serve: its KV layout makes the keys of --tokens requests, "
+            "and its profile models prefill."
+        ),
+    ] = "llama-3.1-8b"
+    gpu: Annotated[str, typer.Option(help="GPU profile prefill is modeled on.")] = "h100"
+    mfu: Annotated[
+        float, typer.Option(help="Model FLOPs utilisation of the modeled prefill.", min=0.01)
+    ] = 0.5
+    prefill_tokens_per_s: Annotated[
+        float | None,
+        typer.Option(
+            "--prefill-tokens-per-s",
+            help="Prefill rate to use instead of the modeled one (configured).",
+            min=1.0,
+            show_default=False,
+        ),
+    ] = None
+    host_to_device_gbps: Annotated[
+        float | None,
+        typer.Option(
+            "--host-to-device-gbps",
+            help="Host -> GPU copy rate in Gbit/s for chunks in host memory (default: free).",
+            min=0.001,
+            show_default=False,
+        ),
+    ] = None
+    carbon_weight: Annotated[
+        float,
+        typer.Option(
+            "--carbon-weight",
+            help="Seconds of modeled TTFT one gram of CO2 is worth (0: carbon shown, not weighed).",
+            min=0.0,
+        ),
+    ] = 0.0
+    chunk_tokens: Annotated[
+        int, typer.Option("--chunk-tokens", help="Tokens per chunk (the agents' setting).", min=1)
+    ] = 256
+    isolated_tenants: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--isolated-tenant",
+            help="A tenant the agents isolate (repeatable; the agents' isolated_tenants).",
+            metavar="TENANT",
+            show_default=False,
+        ),
+    ] = None
+
+    def costs(self) -> Costs:
+        from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
+        from kvctl.remote.fetchplan import PrefillRate
+        from kvctl.router.score import Costs
+
+        if self.prefill_tokens_per_s is not None:
+            rate = PrefillRate(self.prefill_tokens_per_s, "configured: --prefill-tokens-per-s")
+        else:
+            inputs = ModeledInputs(model_profile(self.model), gpu_profile(self.gpu), self.mfu)
+            rate = PrefillRate.modeled(inputs)
+        h2d = None if self.host_to_device_gbps is None else self.host_to_device_gbps * 1e9 / 8
+        return Costs(
+            rate.as_model(),
+            host_to_device_bytes_per_s=h2d,
+            carbon_s_per_g=self.carbon_weight,
+        )
+
+
+def _parse_agent(text: str) -> tuple[str, str, str]:
+    name, eq, rest = text.partition("=")
+    url, at, dc = rest.rpartition("@")
+    if not (eq and at and name.strip() and url.strip() and dc.strip()):
+        fail(
+            f"bad --agent {text!r}: expected NAME=URL@DC",
+            hint="e.g. --agent gpu-1=http://10.0.0.7:7070@fra",
+        )
+    if not url.startswith(("http://", "https://")):
+        fail(f"bad --agent {text!r}: the URL must start with http:// or https://")
+    return name.strip(), url.strip(), dc.strip()
+
+
+def _parse_link(text: str) -> tuple[str, str, float]:
+    pair, eq, km = text.partition("=")
+    a, colon, b = pair.partition(":")
+    try:
+        distance = float(km)
+    except ValueError:
+        distance = -1.0
+    if not (eq and colon and a and b) or not distance >= 0:
+        fail(f"bad --link {text!r}: expected A:B=KM", hint="e.g. --link fra:ams=360")
+    return a, b, distance
+
+
+def load_fleet(source: FleetSource) -> tuple[Topology, dict[str, str]]:
+    """The router's topology and each node's agent URL, from one of the sources."""
+    from kvctl.router.topology import DcLink, Node, Topology
+
+    given = [source.fleet is not None, bool(source.agents)]
+    if sum(given) > 1:
+        fail("give one of --fleet and --agent (or neither: the fleet database)")
+    if source.links and not source.agents:
+        fail("--link goes with --agent; a fleet file or the database has its own links")
+    nodes: list[Node] = []
+    urls: dict[str, str] = {}
+    links: dict[tuple[str, str], DcLink] = {}
+    if source.agents:
+        for text in source.agents:
+            name, url, dc = _parse_agent(text)
+            nodes.append(Node(name, dc))
+            urls[name] = url
+        for text in source.links or []:
+            a, b, km = _parse_link(text)
+            links[(a, b)] = DcLink.fiber(km)
+    else:
+        dcs, node_rows, link_rows = (
+            _fleet_file(source.fleet) if source.fleet is not None else _fleet_db(source.db)
+        )
+        for n in node_rows:
+            site = dcs.get(n["dc"], {})
+            nodes.append(
+                Node(
+                    n["name"],
+                    n["dc"],
+                    carbon_g_per_kwh=site.get("carbon_g_per_kwh"),
+                    pue=site.get("pue") or 1.0,
+                )
+            )
+            urls[n["name"]] = n["agent_url"]
+        for link in link_rows:
+            links[(link["a"], link["b"])] = DcLink.fiber(float(link["distance_km"]))
+    if not nodes:
+        fail(
+            "the fleet has no nodes: the router has nothing to route to",
+            hint="add nodes (`kvctl fleet add-node`), or give --fleet FILE or --agent NAME=URL@DC",
+        )
+    with user_errors():
+        return Topology.build(nodes, links), urls
+
+
+Rows = list[dict[str, Any]]
+
+
+def _fleet_file(path: Path) -> tuple[dict[str, dict[str, Any]], Rows, Rows]:
+    from kvctl.db.fleetfile import FleetFileError, format_for, load, validate
+
+    with user_errors(hint="`kvctl fleet export` writes a fleet file"):
+        try:
+            doc = load(path.read_text(encoding="utf-8"), format_for(path))
+        except FleetFileError as exc:
+            fail(f"{path}: {exc}")
+        problems = validate(doc)
+        if problems:
+            fail(f"{path}: " + "; ".join(problems))
+    dcs = {d["name"]: d for d in doc.get("dcs") or []}
+    return dcs, list(doc.get("nodes") or []), list(doc.get("links") or [])
+
+
+def _fleet_db(db: str | None) -> tuple[dict[str, dict[str, Any]], Rows, Rows]:
+    from kvctl.cli.options import db_errors, open_engine
+    from kvctl.db.inventory import list_dcs, list_links, list_nodes
+
+    engine = open_engine(db)
+    with db_errors(), engine.connect() as conn:
+        dcs = {d.name: d.as_dict() for d in list_dcs(conn)}
+        nodes = [n.as_dict() for n in list_nodes(conn)]
+        links = [x.as_dict() for x in list_links(conn)]
+    return dcs, nodes, links
+
+
+@router_app.command("serve")
+@bundled
+def serve_command(
+    *,
+    source: FleetSource,
+    cost: CostFlags,
+    listen: Annotated[
+        str, typer.Option(help="HOST:PORT of the router's API; off loopback it needs --token-file.")
+    ] = "127.0.0.1:9480",
+    token_file: TokenFileOpt = None,
+    index: Annotated[
+        str,
+        typer.Option(
+            help="The index: 'embedded' (this process) or a Redis URL (redis://HOST:6379/0)."
+        ),
+    ] = "embedded",
+    poll_s: Annotated[
+        float,
+        typer.Option("--poll-s", help="Seconds between reads of each agent's events.", min=0.01),
+    ] = 0.2,
+    log_level: Annotated[str, typer.Option("--log-level")] = "warning",
+) -> None:
+    """Serve the router: follow every agent's store events into the fleet index, answer
+    POST /v1/route (which node serves a prompt fastest, modeled from what each node holds, the
+    links between DCs and the prefill rate), serve the index to agents (/v1/index/holders) and
+    /metrics. Runs until SIGTERM or Ctrl-C.
+
+    The fleet comes from --fleet FILE, from --agent flags, or else from the fleet database.
+    Agents are read with $KVCTL_TOKEN when they have a token. Every figure the router reports
+    is modeled, from the inputs it shows (link distances, the prefill profile or rate).
+
+    Examples:
+
+      kvctl router serve
+
+      kvctl router serve --fleet fleet.toml --model llama-3.1-70b --gpu h100
+
+      kvctl router serve --agent a=http://h1:7070@fra --agent b=http://h2:7070@ams --link fra:ams=90
+
+      kvctl router serve --listen 0.0.0.0:9480 --token-file router.token --index redis://h3:6379/0
+    """
+    from kvctl.wire.address import is_loopback, split_host_port
+
+    token = _token(token_file)
+    with user_errors(hint="--listen takes HOST:PORT"):
+        host, _ = split_host_port(listen, 9480)
+    if not is_loopback(host) and not token:
+        fail(
+            f"the router would listen on {listen}, off loopback, without a token",
+            hint=f"give --token-file FILE (or set ${ROUTER_TOKEN_ENV})",
+        )
+    topology, urls = load_fleet(source)
+    import logging
+
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from kvctl.errors import KvctlError
+    from kvctl.index.follower import Followers
+    from kvctl.index.open import open_index
+    from kvctl.router.app import RouterServer
+    from kvctl.router.service import KeySpace, Router
+
+    agent_token = os.environ.get("KVCTL_TOKEN") or None
+    try:
+        fleet_index = open_index(index)
+        keyspace = KeySpace.of_model(
+            cost.model, chunk_tokens=cost.chunk_tokens, isolated_tenants=cost.isolated_tenants or ()
+        )
+        followers = Followers(
+            fleet_index, {name: (url, agent_token) for name, url in urls.items()}, poll_s=poll_s
+        )
+        router = Router(fleet_index, topology, cost.costs(), keyspace=keyspace, followers=followers)
+        server = RouterServer(router, listen=listen, token=token, log_level=log_level)
+    except (KvctlError, ValueError) as exc:
+        fail(str(exc), hint="check --index, --model, --gpu and --listen")
+    # the first line is the URL: scripts (and tests) read where it listens from it
+    console.print(
+        f"router serving at {server.url}: {len(topology.nodes)} nodes in "
+        f"{len(topology.dcs)} DCs, index {index.split('@')[-1]}, prefill "
+        f"{router.costs.prefill.basis}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    server.run()
+
+
+# --- status ----------------------------------------------------------------------------------
+
+
+@router_app.command("status")
+def status_command(
+    router: RouterUrlOpt = None,
+    token_file: TokenFileOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """The router's index (entries per node), the agents it follows (up or down, with the
+    last error) and its decisions (per node, to a holder, pulls per DC link). Exits 1 when the
+    router does not answer.
+
+    Examples:
+
+      kvctl router status
+
+      kvctl router status --router http://10.0.0.9:9480 --token-file router.token --json
+    """
+    from kvctl.router.client import RouterClient, RouterClientError
+
+    url = _router_url(router)
+    try:
+        with RouterClient(url, token=_token(token_file)) as client:
+            report = {"router": url, "index": client.index(), "stats": client.stats()}
+    except RouterClientError as exc:
+        fail(str(exc), hint="start it with `kvctl router serve`", code=1)
+    if json_out:
+        print_json(report)
+        return
+    _render_status(report)
+
+
+def _render_status(report: dict[str, Any]) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvctl.format import format_bytes, format_seconds
+
+    index, stats = report["index"], report["stats"]
+    followers = {str(f["node"]): f for f in index.get("followers", [])}
+    nodes = sorted(set(stats["nodes"]) | set(index["nodes"]) | set(followers))
+    table = Table("node", "agent", "entries", "decisions", "to holder", "queue (modeled)")
+    for name in nodes:
+        f = followers.get(name)
+        state = "-" if f is None else ("[green]up[/]" if f.get("up") else "[bold red]down[/]")
+        row = stats["nodes"].get(name, {})
+        table.add_row(
+            escape(name),
+            state,
+            f"{index['nodes'].get(name, 0):,}",
+            f"{row.get('decisions', 0):,}",
+            f"{row.get('to_holder', 0):,}",
+            format_seconds(row.get("queue_s", 0.0)),
+        )
+    console.print(table)
+    for f in followers.values():
+        if not f.get("up") and f.get("last_error"):
+            console.print(
+                f"[red]{escape(str(f['node']))}[/]: {escape(str(f['last_error']))}", highlight=False
+            )
+    d = stats["decisions"]
+    lat = stats["decision_s"]
+    console.print(
+        f"index {index['kind']}: {sum(index['nodes'].values()):,} entries; decisions {d:,} "
+        f"(to a holder {stats['to_holder']:,}, no node {stats['no_node']:,}); index hits "
+        f"{stats['indexed_chunks']:,} of {stats['requested_chunks']:,} chunks; tokens fetched "
+        f"{stats['fetched_tokens']:,}, recomputed {stats['recomputed_tokens']:,}; decision "
+        f"p50 {format_seconds(lat['p50'])} p99 {format_seconds(lat['p99'])} (measured)",
+        highlight=False,
+    )
+    for link in stats["links"]:
+        console.print(
+            f"pulled {link['from_dc']} -> {link['to_dc']}: {link['chunks']:,} chunks, "
+            f"{format_bytes(link['bytes'])}",
+            highlight=False,
+        )
+
+
+# --- route -----------------------------------------------------------------------------------
+
+
+def route_command(
+    tenant: Annotated[str, typer.Option("--tenant", help="Tenant the prompt belongs to.")] = "",
+    keys: Annotated[
+        str | None,
+        typer.Option(
+            "--keys", help="The prompt's chunk keys, comma-separated hex.", show_default=False
+        ),
+    ] = None,
+    tokens: Annotated[
+        str | None,
+        typer.Option(
+            "--tokens", help="The prompt's token ids, comma-separated.", show_default=False
+        ),
+    ] = None,
+    text: Annotated[
+        str | None,
+        typer.Option("--text", help="Prompt text, tokenized with --tokenizer.", show_default=False),
+    ] = None,
+    tokenizer: Annotated[
+        str, typer.Option("--tokenizer", help="simple (whitespace words) or bytes (UTF-8).")
+    ] = "simple",
+    origin_dc: Annotated[
+        str | None,
+        typer.Option("--origin-dc", help="DC the request comes from.", show_default=False),
+    ] = None,
+    policy: Annotated[
+        str, typer.Option(help="cost, or a baseline: round-robin, session-affinity, prefix-only.")
+    ] = "cost",
+    explain: Annotated[
+        bool, typer.Option("--explain", help="Every node's score, with its links' figures.")
+    ] = False,
+    router: RouterUrlOpt = None,
+    token_file: TokenFileOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Ask the router which node should serve a prompt: the chosen node, what it would pull
+    from where, and its modeled time to first token next to a full prefill. With --explain,
+    every node's score: origin round trip, fetch, prefill and queue, and the links' figures
+    with their basis. All figures are modeled.
+
+    Examples:
+
+      kvctl route --text "You are a helpful assistant. Summarise ..." --tenant acme
+
+      kvctl route --tokens 1,2,3,4 --origin-dc fra --explain
+
+      kvctl route --keys 3f2a...,9b1c... --tenant acme --json
+    """
+    from kvctl.router.client import RouterClient, RouterClientError
+    from kvctl.tokenize import read_token_file, tokenize
+
+    given = [x is not None for x in (keys, tokens, text)]
+    if sum(given) != 1:
+        fail("name the prompt one way: --keys, --tokens or --text", hint="see --help")
+    key_list: list[str] | None = None
+    ids: list[int] | None = None
+    with user_errors(hint="see --help"):
+        if keys is not None:
+            key_list = [k.strip() for k in keys.split(",") if k.strip()]
+            if not key_list:
+                fail("--keys names no key")
+        elif tokens is not None:
+            ids = read_token_file(tokens)
+        else:
+            assert text is not None
+            ids = tokenize(text, tokenizer)
+    url = _router_url(router)
+    try:
+        with RouterClient(url, token=_token(token_file)) as client:
+            decision = client.route(
+                tenant=tenant,
+                keys=key_list,
+                tokens=ids,
+                origin_dc=origin_dc,
+                policy=policy,
+                explain=explain,
+            )
+    except RouterClientError as exc:
+        if exc.status is None:
+            fail(str(exc), hint="start it with `kvctl router serve`, or give --router URL", code=1)
+        fail(str(exc))
+    if json_out:
+        print_json(decision)
+        return
+    _render_decision(decision, explain=explain)
+
+
+def _ms(seconds: float | None) -> str:
+    return "N/A" if seconds is None else f"{seconds * 1000:.2f} ms"
+
+
+def _render_decision(d: dict[str, Any], *, explain: bool) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvctl.format import format_bytes, format_rate
+
+    console.print(
+        f"route to [bold]{escape(d['node'])}[/] (dc {escape(d['dc'])}): modeled TTFT "
+        f"{_ms(d['ttft_s'])} vs {_ms(d['full_prefill_ttft_s'])} with a full prefill "
+        f"[dim](origin {_ms(d['origin_s'])}, fetch {_ms(d['fetch_s'])}, prefill "
+        f"{_ms(d['prefill_s'])}, queue {_ms(d['queue_s'])})[/]",
+        highlight=False,
+    )
+    console.print(
+        f"{d['chunks']:,} chunks, {d['tokens']:,} tokens; held somewhere: {d['indexed_chunks']:,} "
+        f"chunks; the node holds {d['local_chunks']:,} itself, pulls {d['pulled_chunks']:,} "
+        f"({format_bytes(d['pulled_bytes'])}), prefills "
+        f"{max(0, d['tokens'] - d['fetched_tokens']):,} tokens; plan: {d['plan_reason']}",
+        highlight=False,
+    )
+    if d["pulls"]:
+        table = Table("chunks", "from", "tier", "bytes")
+        for p in d["pulls"]:
+            table.add_row(
+                f"{p['first']}..{p['first'] + p['chunks'] - 1}",
+                escape(p["from"]),
+                escape(p["tier"]),
+                format_bytes(p["size_bytes"]),
+            )
+        console.print(table)
+    if not explain:
+        return
+    table = Table(
+        "node", "dc", "local", "pulls", "origin", "fetch", "prefill", "queue", "TTFT", "score"
+    )
+    for s in d["scores"]:
+        table.add_row(
+            escape(s["node"]),
+            escape(s["dc"]),
+            f"{s['local_chunks']:,}",
+            f"{s['pulled_chunks']:,} ({format_bytes(s['pulled_bytes'])})",
+            _ms(s["origin_s"]),
+            _ms(s["fetch_s"]),
+            _ms(s["prefill_s"]),
+            _ms(s["queue_s"]),
+            _ms(s["ttft_s"]),
+            _ms(s["score_s"]),
+        )
+    console.print(table)
+    for s in d["scores"]:
+        for name, link in s.get("links", {}).items():
+            bw = link.get("bandwidth_bytes_per_s")
+            rate = "free" if bw is None else format_rate(bw)
+            basis = escape(str(link.get("rtt_basis", "")))
+            console.print(
+                f"[dim]{escape(s['node'])} via {escape(name)}: rtt {_ms(link.get('rtt_s'))}, "
+                f"{rate} ({basis})[/]",
+                highlight=False,
+            )
+    for link in d.get("dc_links", []):
+        console.print(
+            f"[dim]DC link {' - '.join(link['dcs'])}: rtt {_ms(link['rtt_s'])}, "
+            f"{format_rate(link['bandwidth_bytes_per_s'])} ({escape(link['basis'])})[/]",
+            highlight=False,
+        )
+    prefill = d["prefill"]
+    console.print(
+        f"[dim]prefill {prefill['tokens_per_s']:,.0f} tokens/s ({escape(prefill['basis'])})[/]",
+        highlight=False,
+    )
+    err_console.print("[dim]every figure is modeled[/]", highlight=False)

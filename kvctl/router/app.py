@@ -1,0 +1,578 @@
+"""The router's HTTP API: routing decisions and the fleet index under ``/v1``, Prometheus text
+on ``/metrics``.
+
+``POST /v1/index/holders`` and ``GET /v1/index`` are what ``kvctl.index.remote.IndexClient``
+(an agent asking the index instead of probing its peers) reads; ``POST /v1/route`` is a
+scheduler's question, which node should serve this prompt. Every endpoint needs
+``Authorization: Bearer <token>`` when the router has a token.
+
+The bearer check and the body limit are the agent's own (``kvctl.http_guards``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
+
+from kvctl import __version__
+from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.http_guards import BearerAuth, BodyLimit
+from kvctl.index.events import KEY_BYTES
+from kvctl.index.remote import MAX_KEYS, IndexUnavailable
+from kvctl.router.policies import POLICIES
+from kvctl.router.service import MAX_TOKENS, NoNodeAvailable, Router
+from kvctl.wire.address import connect_host, split_host_port, url_host
+
+#: a route request with MAX_TOKENS token ids of 10 digits is about 2.9 MB; 4 MiB admits it
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+MAX_TOKEN = 2**32 - 1
+#: most validation errors one 422 lists
+MAX_ERRORS = 20
+#: characters of a bad value a 422 echoes
+_ECHO_CHARS = 80
+
+_KEY_CHARS = KEY_BYTES * 2
+_KEY_TEXT = re.compile(f"[0-9a-fA-F]{{{_KEY_CHARS}}}")
+
+log = logging.getLogger("kvctl.router.app")
+
+_ERROR_STATUS: dict[type[KvctlError], int] = {
+    InvalidArgument: 400,
+    NoNodeAvailable: 503,
+    IndexUnavailable: 503,
+    KvctlError: 500,
+}
+_ERROR_TEXT: dict[int, str] = {
+    400: "bad input the schema cannot express: a malformed key, too many keys or tokens, an "
+    "unknown DC or policy",
+    401: "missing or wrong bearer token (when the router has a token)",
+    413: "request body over the router's limit",
+    503: "no node can serve the request (none up or reachable from its DC), or the index did "
+    "not answer",
+}
+
+
+# --- request and response models ------------------------------------------------------------
+
+KeyText = Annotated[
+    str,
+    WithJsonSchema(
+        {
+            "type": "string",
+            "pattern": f"^[0-9a-fA-F]{{{_KEY_CHARS}}}$",
+            "minLength": _KEY_CHARS,
+            "maxLength": _KEY_CHARS,
+        }
+    ),
+]
+# fail_fast: a long list of wrongly typed items gives one error, not one per item
+KeyList = Annotated[list[KeyText], Field(fail_fast=True, max_length=MAX_KEYS)]
+TokenList = Annotated[
+    list[Annotated[int, Field(ge=0, le=MAX_TOKEN)]], Field(fail_fast=True, max_length=MAX_TOKENS)
+]
+_KEYS_DESC = (
+    f"a prefix chain of chunk keys, {_KEY_CHARS} hex characters each (at most {MAX_KEYS:,})"
+)
+
+
+class _Request(BaseModel):
+    """JSON's own types only: no "5" for 5, no 1 for true; unknown fields are refused (a
+    misspelt ``origin_dc`` must not be silently ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ErrorDetail(BaseModel):
+    detail: str = Field(description="what was wrong, naming the bad value")
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        code: {"model": ErrorDetail, "description": _ERROR_TEXT[code]}
+        for code in sorted({401, 413, *codes})
+    }
+
+
+class RouteRequest(_Request):
+    model_config = ConfigDict(
+        strict=True,
+        extra="forbid",
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["tokens"], "properties": {"tokens": {"type": "array"}}},
+                {"required": ["keys"], "properties": {"keys": {"type": "array"}}},
+            ]
+        },
+    )
+
+    tenant: str = Field("", max_length=256, description="tenant the request belongs to")
+    keys: KeyList | None = Field(None, description=_KEYS_DESC)
+    tokens: TokenList | None = Field(
+        None,
+        description=f"prompt token ids (0..{MAX_TOKEN}, at most {MAX_TOKENS:,}); the router "
+        "computes their chunk keys as an agent does (its model, chunk size and isolated tenants)",
+    )
+    prompt_tokens: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_TOKENS,
+        description="with keys: the prompt's length in tokens (default: one full chunk per key)",
+    )
+    origin_dc: str | None = Field(
+        None, max_length=256, description="DC the request comes from (its round trip is counted)"
+    )
+    policy: str = Field(
+        "cost",
+        description=f"routing policy: {', '.join(POLICIES)} (cost: least modeled TTFT; the "
+        "others are the baselines it is compared with)",
+    )
+    session: str | None = Field(
+        None, max_length=256, description="session or conversation id (session-affinity)"
+    )
+    explain: bool = Field(False, description="add every node's score with its link figures")
+
+
+class HoldersRequest(_Request):
+    keys: KeyList = Field(description=_KEYS_DESC)
+    tenant: str = Field(
+        "",
+        max_length=256,
+        description="tenant asking; isolated chunks of other tenants are never shown",
+    )
+
+
+class HoldingOut(BaseModel):
+    node: str
+    tier: str
+    size_bytes: int
+    tokens: int
+
+
+class HoldersResponse(BaseModel):
+    holders: list[list[HoldingOut]] = Field(
+        description="for each key, in order, the nodes holding it that the tenant may see"
+    )
+
+
+class Health(BaseModel):
+    status: str = Field(description='always "ok" when the router answers')
+    instance: str = Field(description="changes when the router restarts")
+    uptime_seconds: float
+    nodes: int = Field(description="nodes in the router's topology")
+    followers_up: int = Field(description="agents whose event stream the router reads")
+    followers: int = Field(description="agents the router follows")
+    time_s: float = Field(description="the router's clock, unix seconds")
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _parse_keys(texts: list[str]) -> list[bytes]:
+    out: list[bytes] = []
+    for i, text in enumerate(texts):
+        # exactly the hex digits: bytes.fromhex alone would take spaces
+        if not _KEY_TEXT.fullmatch(text):
+            shown = text if len(text) <= 40 else text[:40] + "..."
+            raise InvalidArgument(f"bad keys[{i}] {shown!r}: keys are {_KEY_CHARS} hex characters")
+        out.append(bytes.fromhex(text))
+    return out
+
+
+def _safe(text: str) -> str:
+    """``text`` without lone surrogates (UTF-8 cannot send them)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _clip(value: Any) -> Any:
+    """A bad input as a 422 echoes it: short, valid JSON."""
+    if value is None or isinstance(value, (bool, int)):
+        return value
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else str(value)
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if len(text) > _ECHO_CHARS:
+        text = f"{text[:_ECHO_CHARS]}... ({len(text):,} characters)"
+    return _safe(text)
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+class _RouterCollector:
+    """One consistent read of the router's counts per scrape (names: kvctl_router_* and
+    kvctl_index_*, base units, counters ending in _total, labels bounded by the fleet's nodes
+    and DCs: never a key, tenant or request)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[Metric]:
+        r = self.router
+        s = r.stats()
+        up = CounterMetricFamily(
+            "kvctl_router_decisions", "Routing decisions made, by chosen node", labels=["node"]
+        )
+        to_holder = CounterMetricFamily(
+            "kvctl_router_decisions_to_holder",
+            "Decisions whose chosen node held part of the request's prefix itself",
+            labels=["node"],
+        )
+        queue = GaugeMetricFamily(
+            "kvctl_router_queue_seconds",
+            "Modeled seconds of routed work not yet done, per node (prefill and fetch, drained "
+            "at wall-clock rate)",
+            labels=["node"],
+        )
+        for node, row in s["nodes"].items():
+            up.add_metric([node], row["decisions"])
+            to_holder.add_metric([node], row["to_holder"])
+            queue.add_metric([node], row["queue_s"])
+        yield from (up, to_holder, queue)
+        for name, key, doc in (
+            ("kvctl_router_no_node", "no_node", "Requests no node could serve"),
+            ("kvctl_router_requested_chunks", "requested_chunks", "Chunks in routed requests"),
+            (
+                "kvctl_router_indexed_chunks",
+                "indexed_chunks",
+                "Chunks at the head of routed requests that some node held (index hits)",
+            ),
+            (
+                "kvctl_router_local_chunks",
+                "local_chunks",
+                "Chunks the chosen nodes read from their own tiers",
+            ),
+            ("kvctl_router_tokens", "tokens", "Tokens of routed requests"),
+            (
+                "kvctl_router_fetched_tokens",
+                "fetched_tokens",
+                "Tokens the chosen nodes' plans fetch instead of prefilling",
+            ),
+            (
+                "kvctl_router_recomputed_tokens",
+                "recomputed_tokens",
+                "Tokens the chosen nodes' plans prefill",
+            ),
+            (
+                "kvctl_index_holders_requests",
+                "holders_requests",
+                "Holder lookups answered (POST /v1/index/holders)",
+            ),
+            ("kvctl_index_holders_keys", "holders_keys", "Keys in holder lookups"),
+        ):
+            yield CounterMetricFamily(name, doc, value=s[key])
+        pulled_chunks = CounterMetricFamily(
+            "kvctl_router_pulled_chunks",
+            "Chunks the chosen nodes' plans pull from another node, by the link's DCs",
+            labels=["from_dc", "to_dc"],
+        )
+        pulled_bytes = CounterMetricFamily(
+            "kvctl_router_pulled_bytes",
+            "Bytes the chosen nodes' plans pull from another node, by the link's DCs",
+            labels=["from_dc", "to_dc"],
+        )
+        for link in s["links"]:
+            pulled_chunks.add_metric([link["from_dc"], link["to_dc"]], link["chunks"])
+            pulled_bytes.add_metric([link["from_dc"], link["to_dc"]], link["bytes"])
+        yield from (pulled_chunks, pulled_bytes)
+        lat = s["latency"]
+        cumulative, buckets = 0, []
+        for bound, count in lat["buckets"]:
+            cumulative += count
+            buckets.append((repr(float(bound)), cumulative))
+        buckets.append(("+Inf", lat["count"]))
+        yield HistogramMetricFamily(
+            "kvctl_router_decision_seconds",
+            "Time to decide a route: the index lookup and the scoring (measured)",
+            buckets=buckets,
+            sum_value=lat["sum_s"],
+        )
+        entries = GaugeMetricFamily(
+            "kvctl_index_entries", "Index entries (chunk copies) per node", labels=["node"]
+        )
+        for node, n in r.index.nodes().items():
+            entries.add_metric([node], n)
+        yield entries
+        followers = r.follower_status()
+        follower_up = GaugeMetricFamily(
+            "kvctl_index_follower_up",
+            "1 when the router reads the agent's event stream, else 0",
+            labels=["node"],
+        )
+        for f in followers:
+            follower_up.add_metric([str(f["node"])], 1.0 if f.get("up") else 0.0)
+        yield follower_up
+
+
+# --- the app ---------------------------------------------------------------------------------
+
+
+def create_app(
+    router: Router, *, token: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
+    """The router's API over ``router``; every request needs ``token`` when one is given."""
+    app = FastAPI(
+        title="kvctl router",
+        version=__version__,
+        description="Routes requests to the node that serves them fastest (modeled from the "
+        "fleet's KV index, its tiers and the links between DCs), and serves the index to "
+        "agents. Send `Authorization: Bearer <token>` when the router has a token.",
+    )
+    registry = CollectorRegistry()
+    registry.register(_RouterCollector(router))
+
+    def _error(status: int) -> Callable[[Request, Exception], Response]:
+        def handler(_request: Request, exc: Exception) -> Response:
+            return JSONResponse({"detail": _safe(str(exc))}, status_code=status)
+
+        return handler
+
+    for exc_type, status in _ERROR_STATUS.items():
+        app.add_exception_handler(exc_type, _error(status))
+
+    async def _validation_error(_request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        found = exc.errors()
+        errors: list[dict[str, Any]] = []
+        for err in found[:MAX_ERRORS]:
+            out = {k: err[k] for k in ("type", "loc", "msg") if k in err}
+            out["msg"] = _safe(str(out.get("msg", "")))
+            if "input" in err:
+                out["input"] = _clip(err["input"])
+            errors.append(out)
+        if len(found) > MAX_ERRORS:
+            errors.append({"type": "too_many_errors", "loc": ["body"], "msg": "more not listed"})
+        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
+
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, server="router")
+    if token:
+        app.add_middleware(BearerAuth, token=lambda: token)
+
+    @app.get("/v1/health", response_model=Health, tags=["router"], responses=_errors())
+    def health() -> Health:
+        """Liveness, and how many agents the router reads."""
+        followers = router.follower_status()
+        now_s = time.time()
+        return Health(
+            status="ok",
+            instance=router.instance,
+            uptime_seconds=now_s - router.started_s,
+            nodes=len(router.topology.nodes),
+            followers_up=sum(1 for f in followers if f.get("up")),
+            followers=len(followers),
+            time_s=now_s,
+        )
+
+    @app.get("/v1/info", tags=["router"], responses=_errors())
+    def info() -> dict[str, Any]:
+        """The key space (model, chunk size, isolated tenants), topology and cost model."""
+        return router.info()
+
+    @app.get("/v1/stats", tags=["router"], responses=_errors())
+    def stats() -> dict[str, Any]:
+        """Decisions (per node, to a holder, no node), index hits, pulls per DC link, tokens
+        fetched and recomputed, modeled queues and the measured decision latency."""
+        return router.stats()
+
+    @app.post("/v1/route", tags=["router"], responses=_errors(400, 503))
+    def route(body: RouteRequest) -> dict[str, Any]:
+        """The node that serves this request fastest (modeled), what it would pull from where,
+        and its modeled TTFT next to `full_prefill_ttft_s` (the same node prefilling every
+        token); with `explain`, every node's score and the DC links' figures."""
+        if (body.keys is None) == (body.tokens is None):
+            raise InvalidArgument("give exactly one of keys or tokens")
+        if body.tokens is not None:
+            if body.prompt_tokens is not None:
+                raise InvalidArgument("prompt_tokens goes with keys; tokens give their own length")
+            decision = router.route_tokens(
+                body.tokens,
+                tenant=body.tenant,
+                origin_dc=body.origin_dc,
+                policy=body.policy,
+                session=body.session,
+                explain=body.explain,
+            )
+        else:
+            assert body.keys is not None
+            decision = router.route(
+                _parse_keys(body.keys),
+                tenant=body.tenant,
+                tokens=body.prompt_tokens,
+                origin_dc=body.origin_dc,
+                policy=body.policy,
+                session=body.session,
+                explain=body.explain,
+            )
+        out = decision.as_dict(explain=body.explain)
+        out["decision_id"] = router.next_id()
+        # the chosen node's modeled TTFT had it prefilled every token: what the plan saves
+        chosen = decision.chosen
+        out["full_prefill_ttft_s"] = (
+            chosen.origin_s + chosen.queue_s + router.costs.prefill.seconds(0, decision.tokens)
+        )
+        out["policy"] = body.policy
+        if body.explain:  # the DC links' figures and their basis (distance, measured...)
+            topo = router.topology.as_dict()
+            out["dc_links"] = topo["links"]
+            out["intra_dc"] = topo["intra_dc"]
+        return out
+
+    @app.post(
+        "/v1/index/holders",
+        response_model=HoldersResponse,
+        tags=["index"],
+        responses=_errors(400, 503),
+    )
+    def holders(body: HoldersRequest) -> dict[str, Any]:
+        """For each key, the nodes holding it (tier, size, tokens) that the tenant may see:
+        what an agent asks instead of probing every peer."""
+        rows = router.holders(_parse_keys(body.keys), tenant=body.tenant)
+        return {
+            "holders": [
+                [
+                    {"node": h.node, "tier": h.tier, "size_bytes": h.size_bytes, "tokens": h.tokens}
+                    for h in row
+                ]
+                for row in rows
+            ]
+        }
+
+    @app.get("/v1/index", tags=["index"], responses=_errors(503))
+    def index() -> dict[str, Any]:
+        """The index's kind, each node's entries, and each followed agent's state."""
+        return {
+            "kind": getattr(router.index, "kind", type(router.index).__name__),
+            "nodes": router.index.nodes(),
+            "followers": router.follower_status(),
+        }
+
+    @app.get("/metrics", tags=["router"], responses=_errors())
+    def metrics(request: Request) -> Response:
+        """Prometheus text: kvctl_router_* and kvctl_index_*."""
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(registry), media_type=content_type)
+
+    return app
+
+
+# --- serving ---------------------------------------------------------------------------------
+
+#: the router's default control port (agents: 7070, collector metrics: 9470)
+DEFAULT_PORT = 9480
+
+
+def _bind(listen: str) -> socket.socket:
+    try:
+        host, port = split_host_port(listen, DEFAULT_PORT)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # IPPROTO_TCP named: asyncio turns TCP_NODELAY on only for it (no delayed-ACK stalls)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RouterError(f"cannot listen on {listen} for the router: {exc.strerror}") from exc
+    sock.listen(128)
+    return sock
+
+
+class RouterError(KvctlError):
+    """The router cannot start (its address is taken, its index does not answer)."""
+
+
+def _already_stopping(_signum: int, _frame: object) -> None:
+    """The re-raised SIGTERM/SIGINT after uvicorn stopped: the shutdown is under way."""
+
+
+class RouterServer:
+    """The router's API served by uvicorn on ``listen`` (port 0: any free port; ``url`` says
+    which). ``run`` serves in this thread until SIGTERM/SIGINT; ``start``/``stop`` serve in a
+    background thread (tests, embedding). Either way the router's followers run while it
+    serves, and the router is closed after."""
+
+    def __init__(
+        self,
+        router: Router,
+        *,
+        listen: str = f"127.0.0.1:{DEFAULT_PORT}",
+        token: str | None = None,
+        log_level: str = "warning",
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        import uvicorn
+
+        self.router = router
+        self._socket = _bind(listen)
+        host, port = self._socket.getsockname()[:2]
+        self.url = f"http://{url_host(connect_host(host))}:{port}"
+        config = uvicorn.Config(
+            create_app(router, token=token, max_body_bytes=max_body_bytes),
+            log_level=log_level,
+            log_config=None,  # the process's logging set-up
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+
+    def run(self) -> None:
+        """Serve until uvicorn is told to stop (a signal, or ``stop`` from another thread)."""
+        if threading.current_thread() is threading.main_thread():
+            # uvicorn handles SIGTERM/SIGINT while it runs (stops accepting, finishes what is in
+            # flight), then re-raises the signal to the handler it found: a no-op one, so the
+            # router closes below and the process exits 0
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, _already_stopping)
+        self.router.start()
+        try:
+            self._server.run(sockets=[self._socket])
+        finally:
+            self.router.close()
+            self._socket.close()
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        """Serve in a background thread; returns once it accepts connections."""
+        self._thread = threading.Thread(target=self.run, name="kvctl-router", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RouterError(f"the router at {self.url} did not start")
+            time.sleep(0.01)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def __enter__(self) -> RouterServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

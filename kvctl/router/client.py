@@ -1,0 +1,109 @@
+"""A small client of the router's API, for the CLI and for schedulers that ask it where to send
+a request. (Agents read the index through ``kvctl.index.remote.IndexClient``.)"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvctl.errors import KvctlError
+
+DEFAULT_URL = "http://127.0.0.1:9480"
+DEFAULT_TIMEOUT_S = 5.0
+
+
+class RouterClientError(KvctlError):
+    """The router did not answer, refused the request (the reason is its ``detail``), or sent
+    something that is not the router's answer."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        #: the HTTP status when the router answered (None: it did not)
+        self.status = status
+
+
+class RouterClient:
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        import httpx
+
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._httpx = httpx
+        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    def __enter__(self) -> RouterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        try:
+            r = self._http.request(method, path, **kw)
+        except self._httpx.HTTPError as exc:
+            raise RouterClientError(f"the router at {self.url} did not answer: {exc}") from exc
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if r.status_code != 200:
+            detail = body.get("detail") if isinstance(body, dict) else None
+            if isinstance(detail, list):  # a validation error: name the first bad field
+                first = detail[0] if detail and isinstance(detail[0], dict) else {}
+                loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+                detail = f"{loc}: {first.get('msg', '')}" if loc else first.get("msg")
+            text = detail if detail else r.text[:200]
+            raise RouterClientError(
+                f"the router answered {r.status_code}: {text}", status=r.status_code
+            )
+        if not isinstance(body, dict):
+            raise RouterClientError(f"{self.url} did not answer as a kvctl router (no JSON object)")
+        return body
+
+    def route(
+        self,
+        *,
+        tenant: str = "",
+        keys: Sequence[bytes | str] | None = None,
+        tokens: Sequence[int] | None = None,
+        prompt_tokens: int | None = None,
+        origin_dc: str | None = None,
+        policy: str = "cost",
+        session: str | None = None,
+        explain: bool = False,
+    ) -> dict[str, Any]:
+        """The router's decision for a prompt given as chunk keys or as token ids."""
+        body: dict[str, Any] = {"tenant": tenant, "policy": policy, "explain": explain}
+        if keys is not None:
+            body["keys"] = [k.hex() if isinstance(k, bytes) else k for k in keys]
+        if tokens is not None:
+            body["tokens"] = list(tokens)
+        for name, value in (
+            ("prompt_tokens", prompt_tokens),
+            ("origin_dc", origin_dc),
+            ("session", session),
+        ):
+            if value is not None:
+                body[name] = value
+        return self._json("POST", "/v1/route", json=body)
+
+    def stats(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/stats")
+
+    def index(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/index")
+
+    def health(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/health")
+
+    def info(self) -> dict[str, Any]:
+        return self._json("GET", "/v1/info")

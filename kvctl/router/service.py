@@ -1,0 +1,449 @@
+"""The router as a library: the index, the topology, the costs and the load, and each decision
+counted.
+
+``Router.route`` asks the index which nodes hold a request's chain of chunk keys (as the
+requesting tenant may see them), scores every node that is up (``kvctl.router.score.decide``)
+and queues the chosen node's modeled work on the ``LoadTally``. A request may give its prompt's
+token ids instead of keys: ``KeySpace`` computes the keys exactly as an agent does (the chain
+hash under a namespace of model id, KV layout and, for an isolated tenant, the tenant's own
+salt), so the router finds what the agents stored.
+
+The HTTP app over a ``Router`` is ``kvctl.router.app.create_app`` (also reachable here as
+``create_app``, imported on first use so the library does not load the web framework).
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.index.model import FleetIndex, Holding
+from kvctl.index.remote import MAX_KEYS
+from kvctl.profiles import model_profile
+from kvctl.quantiles import nearest_rank
+from kvctl.router.load import BASIS as LOAD_BASIS
+from kvctl.router.load import LoadTally
+from kvctl.router.policies import POLICIES, RouteRequest, RoutingPolicy, make_policy
+from kvctl.router.score import Costs, Decision, decision_for, score_nodes
+from kvctl.router.topology import Topology
+from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KVLayout, Namespace, keys_for
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+#: token ids one request may carry (a 256k-token context; the body limit bounds it too)
+MAX_TOKENS = 262_144
+#: decision latency samples kept for the quantiles in ``stats`` (the newest)
+MAX_LATENCY_SAMPLES = 4096
+#: the decision-latency histogram's upper bounds, seconds: 10 µs .. 1 s
+LATENCY_BUCKETS_S = (
+    1e-5, 2.5e-5, 5e-5,
+    1e-4, 2.5e-4, 5e-4,
+    1e-3, 2.5e-3, 5e-3,
+    0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+
+
+class NoNodeAvailable(KvctlError):
+    """No node can serve the request: none is up, or none is reachable from its DC."""
+
+
+class FollowerSet(Protocol):
+    """What the router needs of ``kvctl.index.follower.Followers``."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def status(self) -> list[dict[str, Any]]: ...
+
+    def up_nodes(self) -> frozenset[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class KeySpace:
+    """How an agent turns a tenant's prompt into chunk keys: its model's namespace (model id
+    and KV layout), its chunk size, and which tenants are isolated (salted into a namespace of
+    their own). Give the router the agents' own settings, or its keys will match nothing."""
+
+    model_id: str
+    layout: KVLayout
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    isolated_tenants: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        if not self.model_id:
+            raise InvalidArgument("the key space needs a model id")
+        if isinstance(self.chunk_tokens, bool) or self.chunk_tokens <= 0:
+            raise InvalidArgument(f"chunk_tokens must be > 0, got {self.chunk_tokens!r}")
+        object.__setattr__(self, "isolated_tenants", frozenset(self.isolated_tenants))
+
+    @classmethod
+    def of_model(
+        cls,
+        model: str,
+        *,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        isolated_tenants: Iterable[str] = (),
+    ) -> KeySpace:
+        """The key space of a profiled model (``kvctl.profiles``), as an agent configured
+        with that model computes it."""
+        profile = model_profile(model)
+        return cls(profile.name, profile.layout, chunk_tokens, frozenset(isolated_tenants))
+
+    def is_isolated(self, tenant: str) -> bool:
+        return tenant in self.isolated_tenants
+
+    def namespace(self, tenant: str) -> Namespace:
+        """Isolated tenants get their own salt; everyone else shares the common namespace."""
+        return Namespace(self.model_id, self.layout, tenant if self.is_isolated(tenant) else "")
+
+    def keys(self, tokens: Sequence[int], tenant: str) -> list[bytes]:
+        """The chain of keys of ``tokens``' full chunks (the partial tail has none)."""
+        return keys_for(tokens, self.namespace(tenant), self.chunk_tokens, include_partial=False)
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "model": self.model_id,
+            "layout": {
+                "layers": self.layout.layers,
+                "kv_heads": self.layout.kv_heads,
+                "head_dim": self.layout.head_dim,
+                "dtype": self.layout.dtype,
+            },
+            "chunk_tokens": self.chunk_tokens,
+            "isolated_tenants": sorted(self.isolated_tenants),
+        }
+
+
+@dataclass
+class _NodeCounts:
+    decisions: int = 0
+    to_holder: int = 0
+
+
+@dataclass
+class _LinkCounts:
+    chunks: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class _Counts:
+    decisions: int = 0
+    no_node: int = 0
+    to_holder: int = 0
+    requested_chunks: int = 0
+    indexed_chunks: int = 0
+    local_chunks: int = 0
+    pulled_chunks: int = 0
+    pulled_bytes: int = 0
+    tokens: int = 0
+    fetched_tokens: int = 0
+    recomputed_tokens: int = 0
+    nodes: dict[str, _NodeCounts] = field(default_factory=dict)
+    links: dict[tuple[str, str], _LinkCounts] = field(default_factory=dict)
+    latency_buckets: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS_S))
+    latency_sum_s: float = 0.0
+    latency_count: int = 0
+    latency_samples: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_LATENCY_SAMPLES))
+    holders_requests: int = 0
+    holders_keys: int = 0
+    policies: dict[str, int] = field(default_factory=dict)
+
+
+class Router:
+    """Routes requests over a fleet index (see the module). Thread-safe: the HTTP app calls it
+    from its threadpool."""
+
+    def __init__(
+        self,
+        index: FleetIndex,
+        topology: Topology,
+        costs: Costs,
+        *,
+        keyspace: KeySpace | None = None,
+        followers: FollowerSet | None = None,
+        load: LoadTally | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.index = index
+        self.topology = topology
+        self.costs = costs
+        self.keyspace = keyspace or KeySpace.of_model("llama-3.1-8b")
+        self.followers = followers
+        self.load = load or LoadTally()
+        #: changes every time a router starts: decision ids are unique across restarts
+        self.instance = uuid.uuid4().hex[:12]
+        self.started_s = time.time()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._counts = _Counts()
+        self._seq = 0
+        # one instance each: round-robin keeps its turn across requests
+        self._policies: dict[str, RoutingPolicy] = {
+            name: make_policy(name, topology, costs) for name in POLICIES
+        }
+        self._policy_lock = threading.Lock()
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.keyspace.chunk_tokens
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start following the agents (when the router has followers)."""
+        if self.followers is not None:
+            self.followers.start()
+
+    def close(self) -> None:
+        """Stop following and close the index."""
+        if self.followers is not None:
+            self.followers.stop()
+        self.index.close()
+
+    # --- what the router knows ---------------------------------------------------------------
+    def follower_status(self) -> list[dict[str, Any]]:
+        return [] if self.followers is None else self.followers.status()
+
+    def up_nodes(self) -> frozenset[str] | None:
+        """Nodes whose follower is up; None (every node) when the router follows no agent."""
+        if self.followers is None:
+            return None
+        return self.followers.up_nodes()
+
+    def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
+        """The index's answer for ``keys`` as ``tenant`` may see it, counted."""
+        _check_keys(keys)
+        out = self.index.holders(keys, tenant=tenant)
+        with self._lock:
+            self._counts.holders_requests += 1
+            self._counts.holders_keys += len(keys)
+        return list(out)
+
+    # --- the decision ------------------------------------------------------------------------
+    def keys_for(self, tokens: Sequence[int], *, tenant: str) -> list[bytes]:
+        """The chunk keys an agent computes for ``tenant``'s prompt ``tokens``."""
+        if len(tokens) > MAX_TOKENS:
+            raise InvalidArgument(
+                f"{len(tokens):,} tokens in one request; the limit is {MAX_TOKENS:,}"
+            )
+        return self.keyspace.keys(tokens, tenant)
+
+    def route_tokens(
+        self,
+        tokens: Sequence[int],
+        *,
+        tenant: str,
+        origin_dc: str | None = None,
+        policy: str = "cost",
+        session: str | None = None,
+        explain: bool = False,
+    ) -> Decision:
+        """``route`` for a prompt given as token ids (its keys computed as an agent does)."""
+        keys = self.keys_for(tokens, tenant=tenant)
+        return self.route(
+            keys,
+            tenant=tenant,
+            tokens=len(tokens),
+            origin_dc=origin_dc,
+            policy=policy,
+            session=session,
+            explain=explain,
+        )
+
+    def route(
+        self,
+        keys: Sequence[bytes],
+        *,
+        tenant: str,
+        tokens: int | None = None,
+        origin_dc: str | None = None,
+        policy: str = "cost",
+        session: str | None = None,
+        explain: bool = False,
+    ) -> Decision:
+        """The node ``policy`` picks for a request whose prompt is the chain ``keys``
+        (``tokens`` long: default one full chunk per key). With "cost" that is the least modeled
+        time to first token; a baseline policy (``kvctl.router.policies``) picks its own node,
+        and the decision shows that node's modeled plan. The decision is counted and its
+        modeled work queued on the node. Raises ``NoNodeAvailable`` when no node can serve.
+        ``explain``: every node's plan in ``scores`` (else, for "cost", only the nodes that could
+        win are planned: see ``score_nodes(prune=...)``)."""
+        if policy not in POLICIES:
+            raise InvalidArgument(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
+        _check_keys(keys)
+        if tokens is None:
+            tokens = len(keys) * self.chunk_tokens
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidArgument(f"tokens must be an int >= 0, got {tokens!r}")
+        if origin_dc is not None and origin_dc not in self.topology.dcs:
+            known = ", ".join(self.topology.dcs) or "none"
+            raise InvalidArgument(f"unknown origin DC {origin_dc!r}; the fleet's DCs: {known}")
+        start_s = self._clock()
+        holdings = self.index.holders(keys, tenant=tenant)
+        up = self.up_nodes()
+        queue_s = self.load.queue_s()
+        scores = score_nodes(
+            holdings,
+            tokens=tokens,
+            chunk_tokens=self.chunk_tokens,
+            topology=self.topology,
+            costs=self.costs,
+            origin_dc=origin_dc,
+            queue_s=queue_s,
+            up=up,
+            # a baseline's node must be among the scores, whatever its bound
+            prune=policy == "cost" and not explain,
+        )
+        chosen = scores[0] if scores else None
+        if chosen is not None and policy != "cost":
+            request = RouteRequest(
+                holdings, tokens, self.chunk_tokens, tenant, session, origin_dc, queue_s, up
+            )
+            with self._policy_lock:  # round-robin's turn is shared state
+                name = self._policies[policy].choose(request)
+            chosen = next((s for s in scores if s.node == name), None)
+        elapsed_s = self._clock() - start_s
+        if chosen is None:
+            with self._lock:
+                self._counts.no_node += 1
+            if up is not None and not up:
+                raise NoNodeAvailable("no node is up: the router reaches none of the agents")
+            where = f" from DC {origin_dc!r}" if origin_dc is not None else ""
+            raise NoNodeAvailable(f"no serving node is up and reachable{where}")
+        decision = decision_for(chosen, scores, holdings, tokens=tokens, costs=self.costs)
+        self.load.add(decision.node, chosen.prefill_s + chosen.fetch_s)
+        self._count(decision, policy, elapsed_s)
+        return decision
+
+    def next_id(self) -> str:
+        """A decision id unique to this router instance."""
+        with self._lock:
+            self._seq += 1
+            return f"{self.instance}-{self._seq}"
+
+    def _count(self, d: Decision, policy: str, elapsed_s: float) -> None:
+        chosen = d.chosen
+        links: list[tuple[tuple[str, str], int, int]] = []
+        for pull in chosen.pulls:
+            if not pull.node:  # read from the node's own tiers
+                continue
+            holder = self.topology.nodes.get(pull.node)
+            from_dc = holder.dc if holder is not None else "unknown"
+            links.append(((from_dc, d.dc), pull.chunks, pull.size_bytes))
+        with self._lock:
+            c = self._counts
+            c.decisions += 1
+            c.policies[policy] = c.policies.get(policy, 0) + 1
+            node = c.nodes.setdefault(d.node, _NodeCounts())
+            node.decisions += 1
+            if chosen.local_chunks > 0:
+                c.to_holder += 1
+                node.to_holder += 1
+            c.requested_chunks += d.chunks
+            c.indexed_chunks += d.indexed_chunks
+            c.local_chunks += chosen.fetched_chunks - chosen.pulled_chunks
+            c.pulled_chunks += chosen.pulled_chunks
+            c.pulled_bytes += chosen.pulled_bytes
+            c.tokens += d.tokens
+            c.fetched_tokens += chosen.fetched_tokens
+            c.recomputed_tokens += max(0, d.tokens - chosen.fetched_tokens)
+            for pair, chunks, nbytes in links:
+                link = c.links.setdefault(pair, _LinkCounts())
+                link.chunks += chunks
+                link.bytes += nbytes
+            i = bisect.bisect_left(LATENCY_BUCKETS_S, elapsed_s)
+            if i < len(c.latency_buckets):
+                c.latency_buckets[i] += 1
+            c.latency_sum_s += elapsed_s
+            c.latency_count += 1
+            c.latency_samples.append(elapsed_s)
+
+    # --- reports -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Every count since the router started, the modeled queues and the measured decision
+        latency (p50/p99 of the newest samples)."""
+        queue = self.load.queue_s()
+        with self._lock:
+            c = self._counts
+            samples = sorted(c.latency_samples)
+            nodes: dict[str, dict[str, float]] = {
+                name: {"decisions": n.decisions, "to_holder": n.to_holder}
+                for name, n in sorted(c.nodes.items())
+            }
+            links = [
+                {"from_dc": a, "to_dc": b, "chunks": link.chunks, "bytes": link.bytes}
+                for (a, b), link in sorted(c.links.items())
+            ]
+            buckets = list(c.latency_buckets)
+            out: dict[str, Any] = {
+                "decisions": c.decisions,
+                "policies": dict(sorted(c.policies.items())),
+                "no_node": c.no_node,
+                "to_holder": c.to_holder,
+                "requested_chunks": c.requested_chunks,
+                "indexed_chunks": c.indexed_chunks,
+                "local_chunks": c.local_chunks,
+                "pulled_chunks": c.pulled_chunks,
+                "pulled_bytes": c.pulled_bytes,
+                "tokens": c.tokens,
+                "fetched_tokens": c.fetched_tokens,
+                "recomputed_tokens": c.recomputed_tokens,
+                "holders_requests": c.holders_requests,
+                "holders_keys": c.holders_keys,
+                "latency": {
+                    "count": c.latency_count,
+                    "sum_s": c.latency_sum_s,
+                    "buckets": list(zip(LATENCY_BUCKETS_S, buckets, strict=True)),
+                },
+            }
+        for name in self.topology.nodes:
+            nodes.setdefault(name, {"decisions": 0, "to_holder": 0})
+        for name, row in nodes.items():
+            row["queue_s"] = queue.get(name, 0.0)
+        out["nodes"] = dict(sorted(nodes.items()))
+        out["links"] = links
+        out["queue_basis"] = LOAD_BASIS
+        out["decision_s"] = {
+            "p50": nearest_rank(samples, 0.50),
+            "p99": nearest_rank(samples, 0.99),
+            "samples": len(samples),
+            "basis": "measured: the index lookup and the scoring, in this process",
+        }
+        return out
+
+    def info(self) -> dict[str, Any]:
+        """What the router routes with: the key space, the topology, the cost model."""
+        return {
+            "instance": self.instance,
+            "started_s": self.started_s,
+            "index": getattr(self.index, "kind", type(self.index).__name__),
+            "keyspace": self.keyspace.as_dict(),
+            "topology": self.topology.as_dict(),
+            "prefill": self.costs.prefill.as_dict(),
+            "host_to_device_bytes_per_s": self.costs.host_to_device_bytes_per_s,
+            "disk_read_bytes_per_s": self.costs.disk_read_bytes_per_s,
+            "carbon_s_per_g": self.costs.carbon_s_per_g,
+            "policies": list(POLICIES),
+        }
+
+
+def _check_keys(keys: Collection[bytes]) -> None:
+    if len(keys) > MAX_KEYS:
+        raise InvalidArgument(f"{len(keys):,} keys in one request; the limit is {MAX_KEYS:,}")
+
+
+def create_app(router: Router, *, token: str | None = None, **kw: Any) -> FastAPI:
+    """The router's HTTP API (``kvctl.router.app.create_app``)."""
+    from kvctl.router.app import create_app as _create_app
+
+    return _create_app(router, token=token, **kw)

@@ -1,0 +1,208 @@
+"""`kvctl route` and `kvctl router status` against a router served in this process (uvicorn in a
+thread over an EmbeddedIndex fed directly), and how `kvctl router serve` reads the fleet."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+from kvctl.cli.router import CostFlags, FleetSource, load_fleet
+from kvctl.index.events import ChunkEvent
+from kvctl.index.model import EmbeddedIndex
+from kvctl.router.app import RouterServer
+from kvctl.router.score import Costs
+from kvctl.router.service import KeySpace, Router
+from kvctl.router.topology import DcLink, Node, Topology
+from kvctl.tokenize import tokenize
+from tests.functional.agents import closed_port
+
+CHUNK_TOKENS = 4
+CHUNK_BYTES = CHUNK_TOKENS * 131_072
+TOKEN = "cli-router-token"
+
+
+def stored(ks: list[bytes], tenant: str = "acme") -> list[ChunkEvent]:
+    return [ChunkEvent("stored", k, "cpu", tenant, False, CHUNK_BYTES, CHUNK_TOKENS) for k in ks]
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[str, Path, Router]]:
+    topology = Topology.build(
+        [Node("a1", "fra"), Node("a2", "fra"), Node("b1", "ams")],
+        {("fra", "ams"): DcLink.fiber(360)},
+    )
+    router = Router(
+        EmbeddedIndex(),
+        topology,
+        Costs(CostFlags(prefill_tokens_per_s=10_000).costs().prefill),
+        keyspace=KeySpace.of_model("llama-3.1-8b", chunk_tokens=CHUNK_TOKENS),
+    )
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    with RouterServer(router, listen="127.0.0.1:0", token=TOKEN) as server:
+        yield server.url, token_file, router
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def test_route_by_text_goes_to_the_holder_and_prints_why(served) -> None:  # type: ignore[no-untyped-def]
+    url, token_file, router = served
+    text = "one two three four five six seven eight nine"
+    keys = router.keys_for(tokenize(text), tenant="acme")
+    assert len(keys) == 2
+    router.index.apply("a2", stored(keys))
+    base = ["--router", url, "--token-file", str(token_file), "--tenant", "acme"]
+    code, out = run("route", *base, "--text", text, "--json")
+    assert code == 0, out
+    d = json.loads(out)
+    assert d["node"] == "a2" and d["local_chunks"] == 2 and "decision_id" in d
+    code, out = run("route", *base, "--text", text, "--origin-dc", "fra", "--explain")
+    assert code == 0, out
+    assert "route to a2" in out and "with a full prefill" in out
+    assert "b1" in out and "a2/cpu" in out  # every node's row, and the pull's link
+    assert "360 km of fiber" in out  # the DC link's basis
+
+
+def test_route_by_keys_and_tokens(served) -> None:  # type: ignore[no-untyped-def]
+    url, token_file, router = served
+    toks = list(range(3 * CHUNK_TOKENS))
+    keys = router.keys_for(toks, tenant="t")
+    router.index.apply("b1", stored(keys, tenant="t"))
+    base = ["--router", url, "--token-file", str(token_file), "--tenant", "t", "--json"]
+    code, out = run("route", *base, "--keys", ",".join(k.hex() for k in keys))
+    assert code == 0, out
+    assert json.loads(out)["node"] == "b1"
+    code, out = run("route", *base, "--tokens", ",".join(map(str, toks)))
+    assert code == 0, out
+    assert json.loads(out)["node"] == "b1"
+
+
+def test_router_status_shows_index_and_decisions(served) -> None:  # type: ignore[no-untyped-def]
+    url, token_file, router = served
+    keys = router.keys_for(list(range(2 * CHUNK_TOKENS)), tenant="t")
+    router.index.apply("a1", stored(keys, tenant="t"))
+    router.route(keys, tenant="t")
+    code, out = run("router", "status", "--router", url, "--token-file", str(token_file), "--json")
+    assert code == 0, out
+    report = json.loads(out)
+    assert report["index"]["nodes"] == {"a1": 2}
+    assert report["stats"]["decisions"] == 1 and report["stats"]["to_holder"] == 1
+    code, out = run("router", "status", "--router", url, "--token-file", str(token_file))
+    assert code == 0 and "a1" in out and "decisions 1" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "says"),
+    [
+        ([], 2, "name the prompt one way"),
+        (["--keys", "ab", "--tokens", "1"], 2, "one way"),
+        (["--keys", "zz"], 2, "keys[0]"),
+        (["--tokens", "1,x"], 2, "integers"),
+        (["--tokens", "1,2", "--origin-dc", "mars"], 2, "unknown origin DC"),
+    ],
+)
+def test_route_errors_are_one_line_and_exit_2(served, args, code, says) -> None:  # type: ignore[no-untyped-def]
+    url, token_file, _ = served
+    got, out = run("route", "--router", url, "--token-file", str(token_file), *args)
+    assert got == code, out
+    assert says in out and "Traceback" not in out
+
+
+def test_a_wrong_token_and_a_router_that_is_not_there(served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    url, _, _ = served
+    wrong = tmp_path / "wrong.token"
+    wrong.write_text("nope")
+    code, out = run("route", "--router", url, "--token-file", str(wrong), "--tokens", "1")
+    assert code == 2 and "401" in out
+    down = f"http://127.0.0.1:{closed_port()}"
+    code, out = run("route", "--router", down, "--tokens", "1")
+    assert code == 1 and "did not answer" in out and "kvctl router serve" in out
+    code, out = run("router", "status", "--router", down)
+    assert code == 1
+
+
+def test_the_fleet_from_a_fleet_file_and_from_agent_flags(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(
+        """
+[[dcs]]
+name = "fra"
+carbon_g_per_kwh = 300.0
+pue = 1.2
+[[dcs]]
+name = "ams"
+[[nodes]]
+name = "a1"
+dc = "fra"
+agent_url = "http://10.0.0.1:7070"
+[[nodes]]
+name = "b1"
+dc = "ams"
+agent_url = "http://10.0.0.2:7070"
+[[links]]
+a = "fra"
+b = "ams"
+distance_km = 360
+"""
+    )
+    topo, urls = load_fleet(FleetSource(fleet=fleet))
+    assert urls == {"a1": "http://10.0.0.1:7070", "b1": "http://10.0.0.2:7070"}
+    assert topo.nodes["a1"].carbon_g_per_kwh == 300.0 and topo.nodes["a1"].pue == 1.2
+    link = topo.link("fra", "ams")
+    assert link is not None and "360 km" in link.basis
+    topo, urls = load_fleet(
+        FleetSource(agents=["x=http://h:7070@fra", "y=http://h:7080@ams"], links=["fra:ams=90"])
+    )
+    assert set(topo.nodes) == {"x", "y"} and urls["y"] == "http://h:7080"
+    link = topo.link("ams", "fra")
+    assert link is not None and "90 km" in link.basis
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--agent", "nonsense"], "NAME=URL@DC"),
+        (["--agent", "a=http://h:1@fra", "--link", "fra-ams"], "A:B=KM"),
+        (["--listen", "0.0.0.0:0", "--agent", "a=http://h:1@fra"], "without a token"),
+        (["--fleet", "missing.toml"], "no such file"),
+        (["--agent", "a=http://h:1@fra", "--model", "gpt-9"], "unknown model"),
+    ],
+)
+def test_serve_refuses_bad_setups_before_serving(
+    args: list[str], says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCTL_ROUTER_TOKEN", raising=False)
+    code, out = run("router", "serve", *args)
+    assert code == 2, out
+    assert says in out
+
+
+def test_the_fleet_from_the_fleet_database(tmp_path: Path) -> None:
+    from kvctl.db import inventory as inv
+    from kvctl.db.migrate import open_db
+
+    url = f"sqlite:///{tmp_path / 'fleet.db'}"
+    engine = open_db(url)
+    with engine.begin() as conn:
+        inv.add_dc(conn, "fra", carbon_g_per_kwh=250.0)
+        inv.add_dc(conn, "ams")
+        inv.add_node(conn, "a1", dc="fra", agent_url="http://10.0.0.1:7070")
+        inv.add_node(conn, "b1", dc="ams", agent_url="http://10.0.0.2:7070")
+        inv.add_link(conn, "fra", "ams", distance_km=360)
+    engine.dispose()
+    topo, urls = load_fleet(FleetSource(db=url))
+    assert urls == {"a1": "http://10.0.0.1:7070", "b1": "http://10.0.0.2:7070"}
+    assert topo.nodes["a1"].carbon_g_per_kwh == 250.0 and topo.nodes["b1"].dc == "ams"
+    link = topo.link("fra", "ams")
+    assert link is not None and "360 km" in link.basis
+    empty = f"sqlite:///{tmp_path / 'empty.db'}"
+    code, out = run("router", "serve", "--db", empty)
+    assert code == 2 and "no nodes" in out

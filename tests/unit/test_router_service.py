@@ -1,0 +1,359 @@
+"""The router as a library (kvctl.router.service: Router, KeySpace; kvctl.router.load) and its
+HTTP app (kvctl.router.app) over an EmbeddedIndex fed directly."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.errors import InvalidArgument
+from kvctl.index.events import ChunkEvent
+from kvctl.index.follower import Followers
+from kvctl.index.model import EmbeddedIndex
+from kvctl.index.remote import MAX_KEYS
+from kvctl.remote.fetchplan import PrefillModel
+from kvctl.router.app import create_app
+from kvctl.router.load import LoadTally
+from kvctl.router.score import Costs
+from kvctl.router.service import KeySpace, NoNodeAvailable, Router
+from kvctl.router.topology import DcLink, Node, Topology
+from tests.functional.agents import closed_port
+
+CHUNK_TOKENS = 256
+#: Llama-3.1-8B's KV: 131,072 bytes per token
+CHUNK_BYTES = CHUNK_TOKENS * 131_072
+#: 10k tokens/s, no attention term: easy arithmetic
+PREFILL = PrefillModel(1e-4, 0.0, "configured: test")
+TOKEN = "s3cret-router-token"
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return [bytes([seed, i % 256, i // 256]) + bytes(13) for i in range(n)]
+
+
+def stored(
+    ks: list[bytes], *, tier: str = "cpu", tenant: str = "t", isolated: bool = False
+) -> list[ChunkEvent]:
+    return [ChunkEvent("stored", k, tier, tenant, isolated, CHUNK_BYTES, CHUNK_TOKENS) for k in ks]
+
+
+def fleet(km: float = 80.0, *, pool: bool = False) -> Topology:
+    nodes = [Node("a1", "fra"), Node("a2", "fra"), Node("b1", "ams"), Node("b2", "ams")]
+    if pool:
+        nodes.append(Node("p1", "ams", serves=False))
+    return Topology.build(nodes, {("fra", "ams"): DcLink.fiber(km)})
+
+
+def make_router(index: EmbeddedIndex, topology: Topology | None = None, **kw: object) -> Router:
+    return Router(
+        index,
+        topology or fleet(),
+        Costs(PREFILL),
+        keyspace=KeySpace.of_model("llama-3.1-8b", isolated_tenants=["secret"]),
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+# --- LoadTally -------------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_load_tally_drains_at_wall_clock_rate_and_forgets_idle_nodes() -> None:
+    clock = FakeClock()
+    load = LoadTally(clock)
+    load.add("a1", 2.0)
+    load.add("b1", 0.5)
+    clock.now_s += 1.0
+    load.add("a1", 1.0)  # 1 s left + 1 s more
+    assert load.queue_s() == {"a1": pytest.approx(2.0)}  # b1 drained and forgotten
+    clock.now_s += 1.5
+    assert load.queue_s() == {"a1": pytest.approx(0.5)}
+    clock.now_s += 10
+    assert load.queue_s() == {}
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(InvalidArgument):
+            load.add("a1", bad)
+
+
+# --- KeySpace: the same keys an agent computes -----------------------------------------------
+
+
+def test_key_space_computes_the_agents_keys_for_shared_and_isolated_tenants(
+    runtime: AgentRuntime,
+) -> None:
+    s = runtime.settings
+    space = KeySpace.of_model(
+        s.models[0].id, chunk_tokens=s.chunk_tokens, isolated_tenants=s.isolated_tenants
+    )
+    assert "secret" in s.isolated_tenants
+    for tenant in ("", "acme", "secret"):
+        assert space.namespace(tenant).root == runtime.namespace(None, tenant).root
+    toks = list(range(3 * s.chunk_tokens + 1))
+    shared, isolated = space.keys(toks, "acme"), space.keys(toks, "secret")
+    assert len(shared) == 3  # the partial tail has no key
+    assert shared == space.keys(toks, "other")  # shared tenants share keys
+    assert not set(shared) & set(isolated)  # an isolated tenant's keys are its own
+
+
+# --- Router ----------------------------------------------------------------------------------
+
+
+def test_route_goes_to_the_holder_and_counts_the_decision() -> None:
+    index, ks = EmbeddedIndex(), keys(8)
+    index.apply("b2", stored(ks))
+    router = make_router(index)
+    d = router.route(ks, tenant="t")
+    assert d.node == "b2" and d.chosen.local_chunks == 8 and d.indexed_chunks == 8
+    s = router.stats()
+    assert s["decisions"] == 1 and s["to_holder"] == 1 and s["no_node"] == 0
+    assert s["nodes"]["b2"]["decisions"] == 1 and s["nodes"]["b2"]["to_holder"] == 1
+    assert s["nodes"]["a1"]["decisions"] == 0  # every node of the topology is listed
+    assert s["requested_chunks"] == 8 and s["indexed_chunks"] == 8 and s["local_chunks"] == 8
+    assert s["tokens"] == 8 * CHUNK_TOKENS and s["recomputed_tokens"] == 0
+    assert s["policies"] == {"cost": 1}
+    assert s["decision_s"]["samples"] == 1 and s["decision_s"]["p99"] is not None
+    assert s["latency"]["count"] == 1
+
+
+def test_pulls_are_counted_per_dc_link_and_recompute_in_tokens() -> None:
+    # the chain is held only by a pool node (it serves no engine): whoever serves pulls it
+    index, ks = EmbeddedIndex(), keys(6)
+    index.apply("p1", stored(ks))
+    router = make_router(index, fleet(pool=True))
+    d = router.route(ks, tenant="t", tokens=6 * CHUNK_TOKENS + 100, origin_dc="fra")
+    assert d.node != "p1" and d.chosen.pulled_chunks > 0
+    s = router.stats()
+    assert s["to_holder"] == 0
+    assert s["links"] == [
+        {
+            "from_dc": "ams",
+            "to_dc": d.dc,
+            "chunks": d.chosen.pulled_chunks,
+            "bytes": d.chosen.pulled_bytes,
+        }
+    ]
+    assert s["pulled_bytes"] == d.chosen.pulled_bytes
+    assert s["recomputed_tokens"] == 6 * CHUNK_TOKENS + 100 - d.chosen.fetched_tokens
+    assert s["recomputed_tokens"] >= 100  # the partial tail is always prefilled
+
+
+def test_the_modeled_queue_spreads_requests_that_cost_alike() -> None:
+    # nothing is cached: every node costs the same, so the queue decides
+    router = make_router(EmbeddedIndex())
+    chosen = [router.route(keys(4, seed=i), tenant="t").node for i in range(4)]
+    assert sorted(chosen) == ["a1", "a2", "b1", "b2"]
+    queue = router.load.queue_s()
+    assert set(queue) == {"a1", "a2", "b1", "b2"}
+    assert router.stats()["nodes"]["a1"]["queue_s"] > 0
+
+
+def test_route_tokens_finds_what_an_agent_stored_and_isolation_holds() -> None:
+    index = EmbeddedIndex()
+    router = make_router(index)
+    toks = list(range(4 * CHUNK_TOKENS))
+    index.apply("a2", stored(router.keys_for(toks, tenant="acme"), tenant="acme"))
+    secret_keys = router.keys_for(toks, tenant="secret")
+    index.apply("b1", stored(secret_keys, tenant="secret", isolated=True))
+    assert router.route_tokens(toks, tenant="someone").node == "a2"  # shared namespace
+    assert router.route_tokens(toks, tenant="secret").node == "b1"
+    # another tenant naming the isolated keys directly learns nothing of them
+    d = router.route(secret_keys, tenant="acme")
+    assert d.indexed_chunks == 0 and d.chosen.local_chunks == 0
+    assert router.holders(secret_keys, tenant="acme") == [[] for _ in secret_keys]
+
+
+def test_baseline_policies_pick_their_node_and_show_its_modeled_plan() -> None:
+    index, ks = EmbeddedIndex(), keys(8)
+    index.apply("b2", stored(ks))
+    router = make_router(index)
+    turns = [router.route(ks, tenant="t", policy="round-robin").node for _ in range(4)]
+    assert sorted(turns) == ["a1", "a2", "b1", "b2"]
+    d = router.route(ks, tenant="t", policy="round-robin")
+    assert d.chosen.node == d.node and d.chosen in d.scores
+    assert router.route(ks, tenant="t", policy="prefix-only").node == "b2"
+    assert router.stats()["policies"] == {"prefix-only": 1, "round-robin": 5}
+    with pytest.raises(InvalidArgument, match="unknown policy"):
+        router.route(ks, tenant="t", policy="random")
+
+
+def test_bad_requests_and_no_node_are_clear_errors() -> None:
+    index = EmbeddedIndex()
+    # a node in a DC with no link to the origin cannot serve it
+    topo = Topology.build([Node("a1", "fra"), Node("p1", "zrh", serves=False)])
+    router = make_router(index, topo)
+    with pytest.raises(NoNodeAvailable, match="zrh"):
+        router.route(keys(2), tenant="t", origin_dc="zrh")
+    assert router.stats()["no_node"] == 1
+    with pytest.raises(InvalidArgument, match="unknown origin DC"):
+        router.route(keys(2), tenant="t", origin_dc="nowhere")
+    with pytest.raises(InvalidArgument, match="limit"):
+        router.route(keys(MAX_KEYS + 1), tenant="t")
+    with pytest.raises(InvalidArgument, match="tokens"):
+        router.route(keys(2), tenant="t", tokens=-1)
+
+
+def test_only_nodes_whose_follower_is_up_are_chosen() -> None:
+    # real followers of agents that are not there: after a poll every node is down
+    index = EmbeddedIndex()
+    port = closed_port()
+    followers = Followers(
+        index, {n: (f"http://127.0.0.1:{port}", None) for n in ("a1", "a2", "b1", "b2")}
+    )
+    router = make_router(index, followers=followers)
+    try:
+        followers.poll_all()
+        assert router.up_nodes() == frozenset()
+        with pytest.raises(NoNodeAvailable, match="no node is up"):
+            router.route(keys(2), tenant="t")
+    finally:
+        router.close()
+
+
+# --- the HTTP app ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[TestClient, EmbeddedIndex, Router]]:
+    index = EmbeddedIndex()
+    router = make_router(index)
+    with TestClient(create_app(router, token=TOKEN, max_body_bytes=1 << 20)) as c:
+        c.headers["Authorization"] = f"Bearer {TOKEN}"
+        yield c, index, router
+
+
+def test_route_endpoint_answers_the_decision_with_an_id(served) -> None:  # type: ignore[no-untyped-def]
+    c, index, _ = served
+    ks = keys(8)
+    index.apply("b2", stored(ks))
+    r = c.post("/v1/route", json={"keys": [k.hex() for k in ks], "tenant": "t"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["node"] == "b2" and body["local_chunks"] == 8 and body["indexed_chunks"] == 8
+    assert body["full_prefill_ttft_s"] == pytest.approx(8 * CHUNK_TOKENS * 1e-4)
+    assert body["ttft_s"] < body["full_prefill_ttft_s"]
+    assert "scores" not in body
+    second = c.post(
+        "/v1/route",
+        json={"keys": [k.hex() for k in ks], "tenant": "t", "explain": True, "origin_dc": "fra"},
+    ).json()
+    assert second["decision_id"] != body["decision_id"]
+    assert {s["node"] for s in second["scores"]} == {"a1", "a2", "b1", "b2"}
+    far = next(s for s in second["scores"] if s["node"] == "a1")
+    assert far["pulled_chunks"] > 0
+    assert "b2/cpu" in far["links"]  # the pull's link, with its figures and their basis
+    assert second["prefill"]["basis"] == "configured: test"
+
+
+def test_route_by_tokens_uses_the_routers_key_space(served) -> None:  # type: ignore[no-untyped-def]
+    c, index, router = served
+    toks = list(range(2 * CHUNK_TOKENS + 10))
+    index.apply("a2", stored(router.keys_for(toks, tenant="x"), tenant="x"))
+    body = c.post("/v1/route", json={"tokens": toks, "tenant": "x"}).json()
+    assert body["node"] == "a2" and body["tokens"] == len(toks) and body["chunks"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        ({"tenant": "t"}, 400, "exactly one of keys or tokens"),
+        ({"keys": ["00" * 16], "tokens": [1], "tenant": "t"}, 400, "exactly one"),
+        ({"keys": ["zz" * 16], "tenant": "t"}, 400, "keys[0]"),
+        ({"keys": ["00" * 16], "origin_dc": "mars"}, 400, "unknown origin DC"),
+        ({"keys": ["00" * 16], "policy": "dice"}, 400, "unknown policy"),
+        ({"keys": ["00" * 16], "orign_dc": "fra"}, 422, "orign_dc"),
+        ({"keys": ["00" * 16] * (MAX_KEYS + 1)}, 422, "keys"),
+        ({"tokens": [-1]}, 422, "tokens"),
+        ({"keys": ["00" * 16], "explain": "yes"}, 422, "explain"),
+    ],
+)
+def test_bad_route_requests_are_4xx_naming_the_problem(served, body, status, says) -> None:  # type: ignore[no-untyped-def]
+    c, _, _ = served
+    r = c.post("/v1/route", json=body)
+    assert r.status_code == status, r.text
+    assert says in r.text
+
+
+def test_no_node_is_503(served) -> None:  # type: ignore[no-untyped-def]
+    c, _, router = served
+    router.topology = Topology.build([Node("p1", "fra", serves=False)])
+    r = c.post("/v1/route", json={"keys": ["00" * 16]})
+    assert r.status_code == 503 and "no serving node" in r.json()["detail"]
+
+
+def test_every_endpoint_needs_the_token_when_set(served) -> None:  # type: ignore[no-untyped-def]
+    c, _, _ = served
+    for method, path in [
+        ("GET", "/v1/health"),
+        ("GET", "/v1/index"),
+        ("GET", "/v1/stats"),
+        ("GET", "/metrics"),
+        ("GET", "/docs"),
+        ("POST", "/v1/route"),
+        ("POST", "/v1/index/holders"),
+    ]:
+        for auth in (None, "Bearer wrong", f"Basic {TOKEN}"):
+            r = c.request(method, path, headers={"Authorization": auth or ""})
+            assert r.status_code == 401, (method, path, auth)
+    assert c.get("/v1/health").json()["status"] == "ok"
+
+
+def test_a_body_over_the_limit_is_413(served) -> None:  # type: ignore[no-untyped-def]
+    c, _, _ = served
+    r = c.post("/v1/route", json={"tokens": [123456789] * 120_000})  # about 1.2 MB
+    assert r.status_code == 413 and "limit" in r.json()["detail"]
+
+
+def test_holders_and_index_answer_as_the_index_client_reads_them(served) -> None:  # type: ignore[no-untyped-def]
+    c, index, _ = served
+    ks = keys(3)
+    index.apply("a1", stored(ks[:2], tier="gpu"))
+    index.apply("b1", stored(ks[:1], tenant="secret", isolated=True))
+    r = c.post("/v1/index/holders", json={"keys": [k.hex() for k in ks], "tenant": "t"})
+    assert r.status_code == 200
+    assert r.json() == {
+        "holders": [
+            [{"node": "a1", "tier": "gpu", "size_bytes": CHUNK_BYTES, "tokens": CHUNK_TOKENS}],
+            [{"node": "a1", "tier": "gpu", "size_bytes": CHUNK_BYTES, "tokens": CHUNK_TOKENS}],
+            [],
+        ]
+    }
+    secret = c.post("/v1/index/holders", json={"keys": [ks[0].hex()], "tenant": "secret"}).json()
+    assert [h["node"] for h in secret["holders"][0]] == ["a1", "b1"]
+    got = c.get("/v1/index").json()
+    assert got == {"kind": "embedded", "nodes": {"a1": 2, "b1": 1}, "followers": []}
+    assert c.post("/v1/index/holders", json={"keys": ["0" * 31]}).status_code == 400
+
+
+def test_metrics_are_prometheus_text_without_keys_or_tenants(served) -> None:  # type: ignore[no-untyped-def]
+    c, index, _ = served
+    ks = keys(4)
+    index.apply("b2", stored(ks, tenant="tenant-x"))
+    c.post("/v1/route", json={"keys": [k.hex() for k in ks], "tenant": "tenant-x"})
+    c.post("/v1/index/holders", json={"keys": [ks[0].hex()], "tenant": "tenant-x"})
+    text = c.get("/metrics").text
+    assert 'kvctl_router_decisions_total{node="b2"} 1.0' in text
+    assert 'kvctl_router_decisions_to_holder_total{node="b2"} 1.0' in text
+    assert "kvctl_router_decision_seconds_count 1.0" in text
+    assert "kvctl_index_holders_keys_total 1.0" in text
+    assert 'kvctl_index_entries{node="b2"} 4.0' in text
+    assert "tenant-x" not in text and ks[0].hex() not in text
+
+
+def test_stats_and_health(served) -> None:  # type: ignore[no-untyped-def]
+    c, _, router = served
+    c.post("/v1/route", json={"keys": [keys(1)[0].hex()]})
+    stats = c.get("/v1/stats").json()
+    assert stats["decisions"] == 1 and set(stats["nodes"]) == {"a1", "a2", "b1", "b2"}
+    health = c.get("/v1/health").json()
+    assert health["instance"] == router.instance and health["nodes"] == 4
