@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hmac
 import json
 import logging
 import re
@@ -38,9 +37,15 @@ from pydantic import (
 from starlette.routing import Match
 
 from kvctl import __version__
-from kvctl.agent.http_limits import DEFAULT_MAX_BODY_BYTES, BodyLimit, clip_echo, safe_text
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.http_guards import (
+    DEFAULT_MAX_BODY_BYTES,
+    BearerAuth,
+    BodyLimit,
+    clip_echo,
+    safe_text,
+)
 from kvctl.remote.probe import probe_link
 from kvctl.store.errors import (
     CapacityError,
@@ -75,7 +80,6 @@ _EVENT_BATCH = 500
 #: cannot starve store calls (and vice versa)
 _EVENT_THREADS = 64
 
-_AUTH_DETAIL = b'{"detail":"missing or wrong bearer token"}'
 #: request fields whose values never appear in a response (422 details echo inputs)
 _SECRET_FIELDS = frozenset({"token"})
 
@@ -356,6 +360,10 @@ class EventsResponse(BaseModel):
     events: list[dict[str, Any]] = Field(description="events oldest first, each with a seq")
     last_seq: int = Field(description="pass as after to continue")
     dropped: int = Field(description="events lost to the buffer before this read")
+    instance: str = Field(
+        description="the event stream's instance; it changes when the agent restarts, and a "
+        "follower that sees it change must resync (page through /v1/keys) instead of resuming"
+    )
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -463,50 +471,6 @@ def _sse(event: str, data: Any, seq: int | None = None) -> bytes:
 # --- middleware ------------------------------------------------------------------------------
 
 
-class _BearerAuth:
-    """Rejects every request (any path, docs and unknown paths included) without the token.
-
-    Pure ASGI and outside routing, so nothing is reachable unauthenticated; reads the token per
-    request so a runtime whose settings are replaced picks up the new one.
-    """
-
-    def __init__(self, app: ASGIApp, runtime: AgentRuntime) -> None:
-        self.app = app
-        self.runtime = runtime
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        token = self.runtime.settings.token
-        if not token or scope["type"] not in ("http", "websocket") or self._ok(scope, token):
-            await self.app(scope, receive, send)
-            return
-        if scope["type"] == "websocket":
-            await send({"type": "websocket.close", "code": 1008})
-            return
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 401,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(_AUTH_DETAIL)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": _AUTH_DETAIL})
-
-    @staticmethod
-    def _ok(scope: Scope, token: str) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, given = value.partition(b" ")
-                # compare bytes: compare_digest refuses non-ASCII str
-                return scheme.lower() == b"bearer" and hmac.compare_digest(
-                    given.strip(), token.encode()
-                )
-        return False
-
-
 class _HttpMetrics:
     """Times each request and reports (method, route template, status, seconds).
 
@@ -605,7 +569,7 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
     # added last = outermost: metrics see the auth middleware's 401s; the body limit runs
     # after auth, so a client without the token learns nothing but the 401
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
-    app.add_middleware(_BearerAuth, runtime=runtime)
+    app.add_middleware(BearerAuth, token=lambda: runtime.settings.token)
     app.add_middleware(_HttpMetrics, runtime=runtime, api=app)
 
     @app.get("/v1/health", response_model=Health, tags=["agent"], responses=_errors())
@@ -811,7 +775,12 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
     ) -> EventsResponse:
         """Buffered store events, without waiting (for polling clients)."""
         batch = runtime.events.read(after, limit=limit)
-        return EventsResponse(events=batch.events, last_seq=batch.last_seq, dropped=batch.dropped)
+        return EventsResponse(
+            events=batch.events,
+            last_seq=batch.last_seq,
+            dropped=batch.dropped,
+            instance=batch.instance,
+        )
 
     @app.get(
         "/v1/events",

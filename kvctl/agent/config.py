@@ -301,6 +301,22 @@ def _pool_url(value: object, ctx: _Ctx) -> str:
     return text
 
 
+def _index_url(value: object, ctx: _Ctx) -> str:
+    text = _text(value, ctx)
+    if not text or text.lower() == "off":
+        return ""
+    scheme, sep, rest = text.partition("://")
+    host = rest.partition("/")[0].rpartition("@")[2]
+    if not sep or scheme.lower() not in ("http", "https") or not host:
+        # never echo the URL: it may carry a password
+        raise _Invalid("expected a router's URL http://HOST:PORT or https://HOST:PORT (not shown)")
+    try:
+        split_host_port(host, 80 if scheme.lower() == "http" else 443)
+    except ValueError as exc:
+        raise _Invalid(str(exc)) from None
+    return text.rstrip("/")
+
+
 def _prefix(value: object, ctx: _Ctx) -> str:
     text = _text(value, ctx)
     if not text or any(c in text for c in "{}*?[] ") or not text.isprintable():
@@ -562,6 +578,15 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting("gpu", "gpu", _choice("GPU profile", GPUS), "h100", "KVCTL_GPU"),
     _Setting("remote_token", "remote_token", _token, "<the pool's token>", "KVCTL_REMOTE_TOKEN"),
+    _Setting("index_url", "index_url", _index_url, "http://10.0.0.9:7400", "KVCTL_INDEX_URL"),
+    _Setting("index_token", "index_token", _token, "<the router's token>", "KVCTL_INDEX_TOKEN"),
+    _Setting(
+        "index_timeout_seconds",
+        "index_timeout_seconds",
+        _positive_float,
+        0.25,
+        "KVCTL_INDEX_TIMEOUT_SECONDS",
+    ),
 )
 _BY_FIELD = {s.field: s for s in _SETTINGS}
 # file and flag spellings: the short one ("cpu") and the field name ("cpu_bytes")
@@ -799,6 +824,13 @@ def _check_remote(settings: AgentSettings, sources: Mapping[str, str]) -> None:
             setting="pool",
             source=sources["pool"],
         )
+    if settings.index_url and not settings.peers:
+        raise ConfigError(
+            f"index_url from {sources['index_url']} tells which peers to probe, and no peers "
+            'are configured: add peers (e.g. peers = ["fra-2=10.1.0.7:7071"]) or unset index_url',
+            setting="index_url",
+            source=sources["index_url"],
+        )
     known = {"pool", *(name for name, _ in settings.peers)}
     for spec in settings.links:
         if spec.name not in known:
@@ -857,10 +889,10 @@ def _format_size(n: int) -> str:
 
 def _format(field: str, settings: AgentSettings) -> str:
     value = getattr(settings, field)
-    if field in ("token", "remote_token"):
+    if field in ("token", "remote_token", "index_token"):
         return "***" if value else ""
-    if field == "pool":
-        from kvctl.remote.pool import redact_url
+    if field in ("pool", "index_url"):
+        from kvctl.wire.address import redact_url
 
         return redact_url(value)
     if field == "peers":

@@ -344,6 +344,74 @@ class SourceCollector:
         yield from counters.values()
 
 
+#: the fleet index's counters (``RemoteTiers.index_status``): field, metric name, help
+INDEX_COUNTERS = (
+    ("queries", "kvctl_index_queries", "Lookups whose peer probes the fleet index chose."),
+    ("errors", "kvctl_index_errors", "Fleet index calls that failed."),
+    (
+        "fallbacks",
+        "kvctl_index_fallbacks",
+        "Lookups that probed every peer because the fleet index failed or was backing off.",
+    ),
+    (
+        "skipped",
+        "kvctl_index_skipped",
+        "Fleet index calls not made because its circuit breaker was open.",
+    ),
+    (
+        "stale_chunks",
+        "kvctl_index_stale_chunks",
+        "Chunks the fleet index placed on a peer that the peer no longer held.",
+    ),
+    (
+        "peer_probes_saved",
+        "kvctl_index_peer_probes_saved",
+        "Peer probes not made because the fleet index named no chunk of the lookup there.",
+    ),
+    (
+        "unknown_nodes",
+        "kvctl_index_unknown_nodes",
+        "Holdings the fleet index named on a node that is not a configured peer (a peer "
+        "configured under another name than its own is never probed by the index's answer).",
+    ),
+)
+
+
+class IndexCollector(Collector):
+    """The fleet index's counters and breaker state, read per scrape (``status()`` returns
+    ``RemoteTiers.index_status()``: None without an index, which exports zeros)."""
+
+    def __init__(self, status: Callable[[], Mapping[str, Any] | None]) -> None:
+        self._status = status
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families(None)
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self._status())
+
+    @staticmethod
+    def _families(status: Mapping[str, Any] | None) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "kvctl_index_configured",
+            "1 when lookups ask a fleet index which peers to probe, else 0.",
+            value=0.0 if status is None else 1.0,
+        )
+        state = GaugeMetricFamily(
+            "kvctl_index_breaker_state",
+            "1 for the state the fleet index's circuit breaker is in, else 0.",
+            labels=("state",),
+        )
+        if status is not None:
+            current = (status.get("breaker") or {}).get("state", "closed")
+            for name in BREAKER_STATES:
+                state.add_metric((name,), 1.0 if name == current else 0.0)
+        yield state
+        for field, name, doc in INDEX_COUNTERS:
+            value = 0 if status is None else status.get(field, 0)
+            yield CounterMetricFamily(name, doc, value=value)
+
+
 class AgentMetrics:
     """All metrics of one agent, on a registry of its own."""
 
@@ -431,6 +499,10 @@ class AgentMetrics:
     def add_remote_sources(self, statuses: Callable[[], Iterable[Mapping[str, Any]]]) -> None:
         """Export the remote sources' breakers and counters (``statuses()`` per scrape)."""
         self.registry.register(SourceCollector(statuses))
+
+    def add_index(self, status: Callable[[], Mapping[str, Any] | None]) -> None:
+        """Export the fleet index's counters and breaker (``status()`` per scrape)."""
+        self.registry.register(IndexCollector(status))
 
     # --- label bounds ------------------------------------------------------------------------
     def allow_routes(self, routes: Iterable[str]) -> None:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvctl.agent.settings import AgentSettings, LinkSpec
+from kvctl.index.remote import IndexClient
 from kvctl.profiles import DEFAULT_MODEL, MODELS, ModeledInputs, gpu_profile
 from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.federation import PEER_TIER, POOL_TIER, RemoteTiers, Source
@@ -81,4 +82,17 @@ def open_remote(
         prefill=prefill_rate(settings),
         write_through=settings.pool_write == "through",
         emit=emit,
+        index=open_index(settings),
+        node_name=settings.name,
+    )
+
+
+def open_index(settings: AgentSettings) -> IndexClient | None:
+    """The router's fleet index the lookups ask which peers to probe (None: probe them all)."""
+    if not settings.index_url:
+        return None
+    return IndexClient(
+        settings.index_url,
+        token=settings.index_token or settings.remote_token or settings.token or None,
+        timeout_s=settings.index_timeout_seconds,
     )

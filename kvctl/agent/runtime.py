@@ -159,6 +159,7 @@ class AgentRuntime:
             runtime.remote.planner = runtime.planner  # one set of rates and counters per node
             sources = runtime.remote.sources
             runtime.metrics.add_remote_sources(lambda: [s.status() for s in sources])
+            runtime.metrics.add_index(runtime.remote.index_status)
         return runtime
 
     # --- reads that reach past this node when a pool or peers are configured -----------------

@@ -123,6 +123,15 @@ class AgentSettings:
     gpu: str = "h100"
     #: token this agent presents to pool agents and peers ("" means its own token)
     remote_token: str = ""
+    #: the fleet index at a router (http://HOST:PORT): a lookup asks it which nodes hold the
+    #: chunks past the local prefix and probes only those peers (and the pool), instead of every
+    #: peer; "" probes every peer. The index names nodes by their agents' ``name``, so each
+    #: peer must be configured under its agent's name for the index's answer to reach it
+    index_url: str = ""
+    #: token presented to the router ("" means ``remote_token``, else this agent's own token)
+    index_token: str = ""
+    #: a lookup waits this long for the index, then probes every peer (and backs off from it)
+    index_timeout_seconds: float = 0.25
 
     @property
     def data_path(self) -> Path:

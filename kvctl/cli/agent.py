@@ -134,6 +134,17 @@ class StartFlags:
         str | None,
         typer.Option(help="'through' (copy every stored chunk to the pool) or 'off'."),
     ] = None
+    index_url: Annotated[
+        str | None,
+        typer.Option(
+            help="A router's fleet index (http://HOST:9480): lookups probe only the peers it "
+            "names, every peer when it does not answer. Peers must be named as in the fleet."
+        ),
+    ] = None
+    index_token: Annotated[
+        str | None,
+        typer.Option(help="The router's token (default: the remote token, else the agent's)."),
+    ] = None
     gpu: Annotated[
         str | None,
         typer.Option(
@@ -198,6 +209,8 @@ def start_command(
       KVCTL_TOKEN=$(cat /etc/kvctl/token) kvctl agent start --listen 0.0.0.0:7070
 
       kvctl agent start --pool redis://10.0.0.5:6379/0 --peer fra-2=10.1.0.7:7071
+
+      kvctl agent start --peer fra-2=10.1.0.7:7071 --peer ams-1=10.2.0.3:7071 --index-url http://10.0.0.9:9480
 
       kvctl agent start --role pool --name pool-1 --cpu 64GiB --data-listen 127.0.0.1:7171
     """
@@ -411,6 +424,15 @@ def _render_remote(report: dict[str, Any]) -> None:
         console.print(
             f"pool: {format_bytes(usage['used_bytes'])} of {format_bytes(usage['capacity_bytes'])}"
             f", {usage['chunks']:,} chunks",
+            highlight=False,
+        )
+    index = report.get("index")
+    if index:
+        state = "[green]up[/]" if index["up"] else f"[red]down[/] ({index['last_error']})"
+        console.print(
+            f"fleet index {index['address']}: {state}; {index['queries']:,} queries, "
+            f"{index['peer_probes_saved']:,} peer probes saved, {index['fallbacks']:,} fallbacks "
+            f"to probing every peer, {index['stale_chunks']:,} stale chunks",
             highlight=False,
         )
     plans, write = report["plans"], report["write"]

@@ -18,6 +18,15 @@ a backoff (0.25 s, doubling per failed probe, at most 2 s); then one probe call 
 A burst of concurrent calls failing together counts as one failure. Reads of a source give up
 after its short read deadline (the backends' ``read_timeout_s``, 0.5 s by default), so a stalled
 pool costs a request a fraction of a second once, then nothing until a probe finds it back.
+
+With a fleet index (``index``: a router's ``IndexClient``, or any ``FleetIndex``), a lookup
+does not probe every peer: it asks the index once which nodes hold the chunks past its local
+prefix, and probes only the peers it names (by name: a peer's configured name must be the name
+that node has in the fleet, its agent's ``name``), and the pool (always: it is one source).
+Their answers are the truth: a named chunk a peer no longer holds is a stale entry, counted and
+never served. An index that fails, or is backing off after a failure (its own breaker: the link
+monitor probes it, so a lookup never waits on a dead router more than once), or gives an answer
+of the wrong shape, leaves the lookup to probe every peer as without one (counted).
 """
 
 from __future__ import annotations
@@ -29,13 +38,14 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from kvctl.index.model import Holding
 from kvctl.remote.agent_source import AgentSource
-from kvctl.remote.breaker import Breaker
+from kvctl.remote.breaker import Breaker, Ticket
 from kvctl.remote.counting import RemoteTierCounts
 from kvctl.remote.fetchplan import (
     DEVICE_TIERS,
@@ -55,6 +65,7 @@ from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierU
 from kvctl.store.index import LookupResult
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
+from kvctl.wire.address import redact_url
 
 log = logging.getLogger("kvctl.remote")
 
@@ -180,6 +191,51 @@ class Source:
             "bytes_out": c.bytes_out,
             "link": self.link.link().as_dict(),
         }
+
+
+class HolderIndex(Protocol):
+    """What a lookup needs of a fleet index (``kvctl.index.model.FleetIndex``'s read side):
+    ``IndexClient`` at a router, or an ``EmbeddedIndex`` in tests."""
+
+    def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]: ...
+
+    def nodes(self) -> dict[str, int]: ...
+
+
+@dataclass
+class IndexCounters:
+    #: lookups the index answered (its answer chose the peers to probe)
+    queries: int = 0
+    #: index calls that failed (unreachable, an error answer, or an answer of the wrong shape)
+    errors: int = 0
+    #: lookups that probed every peer because the index failed or was backing off
+    fallbacks: int = 0
+    #: index calls not made because its breaker was open (each also a fallback)
+    skipped: int = 0
+    #: chunks the index said a peer holds that the peer, asked, did not have (each probe that
+    #: finds one counts it: a lookup, then a locate, may meet the same entry again)
+    stale_chunks: int = 0
+    #: peers not probed because the index named no chunk of the lookup on them
+    peer_probes_saved: int = 0
+    #: holdings naming a node that is not a configured peer (nor this node): a peer's
+    #: configured name differs from the fleet's name for it, or the node is not a peer
+    unknown_nodes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "queries": self.queries,
+            "errors": self.errors,
+            "fallbacks": self.fallbacks,
+            "skipped": self.skipped,
+            "stale_chunks": self.stale_chunks,
+            "peer_probes_saved": self.peer_probes_saved,
+            "unknown_nodes": self.unknown_nodes,
+        }
+
+
+def _index_address(index: object) -> str:
+    url = getattr(index, "url", None)
+    return redact_url(str(url)) if url else str(getattr(index, "kind", type(index).__name__))
 
 
 def _no_bytes(_: object) -> int:
@@ -499,6 +555,9 @@ class RemoteTiers:
         emit: Callable[[dict[str, Any]], None] | None = None,
         usage_every_s: float = 5.0,
         measure_every_s: float = 30.0,
+        index: HolderIndex | None = None,
+        node_name: str = "",
+        index_breaker: Breaker | None = None,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -508,6 +567,15 @@ class RemoteTiers:
         if len(set(names)) != len(names):
             raise InvalidArgument(f"remote source names must be unique, got {names}")
         self._by_name = {s.name: s for s in self.sources}
+        #: which nodes hold what (see the module); None: every lookup probes every peer
+        self.index = index
+        #: this node's name in the fleet: the index names it too, and it is not a peer
+        self.node_name = node_name
+        self.index_breaker = index_breaker or Breaker()
+        self.index_counters = IndexCounters()
+        self.index_last_error = ""
+        self._peer_names = frozenset(s.name for s in self.peers)
+        self._monitoring = False
         #: the node's planner; the agent hands its own (``AgentRuntime``) so local and remote
         #: lookups share one set of rates and counters
         self.planner = planner or FetchPlanner(store, prefill=prefill, emit=emit)
@@ -542,6 +610,7 @@ class RemoteTiers:
         if self.write_through:
             self._spawn(self._writer, "kvctl-pool-writer")
         if self.sources:
+            self._monitoring = True  # it probes a failed index, so lookups need not
             self._spawn(self._monitor, "kvctl-link-monitor")
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
@@ -559,6 +628,9 @@ class RemoteTiers:
             self._probe_pool.shutdown(wait=False, cancel_futures=True)
         for s in self.sources:
             s.backend.close()
+        close_index = getattr(self.index, "close", None)
+        if close_index is not None:
+            close_index()
 
     # --- lookups ------------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
@@ -612,29 +684,27 @@ class RemoteTiers:
         return where
 
     def _probe(self, keys: Sequence[bytes], tenant: str) -> list[list[tuple[str, ChunkMeta]]]:
-        """Per key, the sources holding it with their metadata, cheapest link first."""
+        """Per key, the sources holding it with their metadata, cheapest link first: the pool
+        and every peer, or, with an index that answers, the pool and the peers it names."""
         assert self._probe_pool is not None
-        live = [s for s in self.sources if s.breaker.may_call()]
-        futures = [
-            (
-                s,
-                self._probe_pool.submit(
-                    s.call,
-                    "probe",
-                    lambda s=s: s.backend.probe_many(keys, tenant=tenant),
-                    moved_bytes=_no_bytes,
-                ),
-            )
-            for s in live
-        ]
-        for s in self.sources:
-            if s not in live:
-                with s._lock:
-                    s.counters.skipped += 1
+        # the pool's probe goes first: it runs while the index is asked
+        first = [self.pool] if self.pool is not None else []
+        futures = self._submit_probes(first, keys, tenant)
+        named = self._indexed(keys, tenant) if self.peers else None
+        if named is None:
+            asked = list(self.peers)
+        else:
+            asked = [s for s in self.peers if s.name in named]
+            with self._lock:
+                self.index_counters.peer_probes_saved += len(self.peers) - len(asked)
+        futures += self._submit_probes(asked, keys, tenant)
         found: list[list[tuple[str, ChunkMeta]]] = [[] for _ in keys]
         mine = {"tenant_isolated": tenant in self.store.isolated_tenants}
         deadline = time.monotonic() + PROBE_DEADLINE_S
+        stale = 0
         for s, fut in futures:
+            if fut is None:
+                continue
             try:
                 metas = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
@@ -644,12 +714,134 @@ class RemoteTiers:
             if metas is None:
                 continue
             for j, meta in enumerate(metas):
+                held = meta is not None and meta.key == keys[j]
+                if named is not None and not held and j in named.get(s.name, ()):
+                    stale += 1  # the index's entry outlived the chunk: not asked for again
                 # the source checked visibility; a size it disagrees on is not trusted either
-                if meta is not None and meta.key == keys[j] and visible_to(meta, tenant, **mine):
+                if held and meta is not None and visible_to(meta, tenant, **mine):
                     found[j].append((s.name, meta))
+        if stale:
+            with self._lock:
+                self.index_counters.stale_chunks += stale
         for options in found:
             options.sort(key=lambda o: self._cost_key(o[0]))
         return found
+
+    def _submit_probes(
+        self, sources: Sequence[Source], keys: Sequence[bytes], tenant: str
+    ) -> list[tuple[Source, Future[list[ChunkMeta | None] | None] | None]]:
+        """Each source's probe started on the probe workers; None for a source whose breaker
+        turns calls away (counted as skipped)."""
+        assert self._probe_pool is not None
+        out: list[tuple[Source, Future[list[ChunkMeta | None] | None] | None]] = []
+        for s in sources:
+            if not s.breaker.may_call():
+                with s._lock:
+                    s.counters.skipped += 1
+                out.append((s, None))
+                continue
+            fut = self._probe_pool.submit(
+                s.call,
+                "probe",
+                lambda s=s: s.backend.probe_many(keys, tenant=tenant),
+                moved_bytes=_no_bytes,
+            )
+            out.append((s, fut))
+        return out
+
+    def _indexed(self, keys: Sequence[bytes], tenant: str) -> dict[str, set[int]] | None:
+        """The peers the index says hold some of ``keys``, each with the positions it holds;
+        None when there is no index or it cannot answer now (every peer is then probed)."""
+        index = self.index
+        if index is None:
+            return None
+        breaker = self.index_breaker
+        # a lookup never makes the half-open probe while the link monitor runs: it does
+        ticket = breaker.admit() if not self._monitoring or breaker.state == "closed" else None
+        if ticket is None:
+            with self._lock:
+                self.index_counters.skipped += 1
+                self.index_counters.fallbacks += 1
+            return None
+
+        def holders() -> list[list[Holding]]:
+            rows = index.holders(keys, tenant=tenant)
+            if len(rows) != len(keys):
+                raise ValueError(f"the index answered {len(rows)} rows for {len(keys)} keys")
+            return rows
+
+        rows = self._call_index(ticket, "holders", holders)
+        if rows is None:  # any failure of the index leaves the lookup to probe all
+            with self._lock:
+                self.index_counters.fallbacks += 1
+            return None
+        named: dict[str, set[int]] = {}
+        unknown = 0
+        for j, row in enumerate(rows):
+            for h in row:
+                if h.node in self._peer_names:
+                    named.setdefault(h.node, set()).add(j)
+                elif h.node != self.node_name:
+                    unknown += 1
+        with self._lock:
+            self.index_counters.queries += 1
+            self.index_counters.unknown_nodes += unknown
+        return named
+
+    def _call_index(self, ticket: Ticket, what: str, fn: Callable[[], T]) -> T | None:
+        """``fn()`` (a call of the index) under its breaker; None (and a counted error) when it
+        fails."""
+        try:
+            out = fn()
+        except Exception as exc:
+            self._index_failed(ticket, f"{what}: {exc}")
+            return None
+        except BaseException:  # interrupted: says nothing about the index
+            self.index_breaker.abandoned(ticket)
+            raise
+        self.index_breaker.succeeded(ticket)
+        return out
+
+    def _index_failed(self, ticket: Ticket, error: str) -> None:
+        with self._lock:
+            self.index_counters.errors += 1
+            self.index_last_error = error
+        if self.index_breaker.failed(ticket):
+            log.warning(
+                "fleet index %s failed (%s); probing every peer for %.2f s",
+                _index_address(self.index),
+                error,
+                self.index_breaker.backoff_s,
+            )
+
+    def probe_index(self) -> bool | None:
+        """The link monitor's probe of an index whose backoff ran out (one ``nodes()`` call):
+        True when it answered, False when it failed, None when no probe was due."""
+        index = self.index
+        if index is None or self.index_breaker.state != "half_open":
+            return None
+        ticket = self.index_breaker.admit()
+        if ticket is None:
+            return None
+        if self._call_index(ticket, "probe", index.nodes) is None:
+            return False  # still down: the breaker backs off further
+        log.info("fleet index %s answered its probe: using it again", _index_address(index))
+        return True
+
+    def index_status(self) -> dict[str, Any] | None:
+        """The index's address, breaker and counters (None without one)."""
+        if self.index is None:
+            return None
+        with self._lock:
+            counters = self.index_counters.as_dict()
+            last_error = self.index_last_error
+        return {
+            "address": _index_address(self.index),
+            "up": self.index_breaker.state == "closed",
+            "breaker": self.index_breaker.as_dict(),
+            "last_error": last_error,
+            **counters,
+        }
 
     def _cost_key(self, name: str) -> tuple[float, float]:
         link = self._by_name[name].link.link()
@@ -674,12 +866,19 @@ class RemoteTiers:
         with self._lock:
             hinted = {k: self._hints.get(k) for k in missing}
         arrived = 0
-        order = sorted(self.sources, key=lambda s: s is not self.pool)  # the pool first
+        # the sources a lookup chose for some of the keys first (the pool first among them),
+        # then the pool, then the others; a key hinted to a source is asked of no other until
+        # that one was tried: with many peers, a pull must not go round all of them
+        chosen = {h for h in hinted.values() if h is not None}
+        order = sorted(self.sources, key=lambda s: (s.name not in chosen, s is not self.pool))
+        tried: set[str | None] = {None}
         for src in order:
             if not missing:
                 break
-            # keys hinted to another source are asked of it first
-            ask = [k for k in missing if hinted[k] in (None, src.name)] or missing
+            ask = [k for k in missing if hinted[k] in tried or hinted[k] == src.name]
+            tried.add(src.name)
+            if not ask:
+                continue
             # filled as chunks are stored, kept when the call then fails: a split pull whose
             # other stream failed has stored these, so they count and are asked of no one else
             landed: list[PoolChunk | None] = [None] * len(ask)
@@ -831,6 +1030,7 @@ class RemoteTiers:
                 ping = getattr(s.backend, "ping", None)
                 if ping is not None and s.breaker.state == "half_open" and s.breaker.may_call():
                     s.call("probe ping", ping, moved_bytes=_no_bytes)
+            self.probe_index()
             now = time.monotonic()
             if now >= next_measure:
                 for s in self.sources:
@@ -869,6 +1069,7 @@ class RemoteTiers:
             "pool": None if self.pool is None else self.pool.backend.address,
             "peers": [{"name": s.name, "address": s.backend.address} for s in self.peers],
             "write": "through" if self.write_through else "off",
+            "index": None if self.index is None else _index_address(self.index),
         }
 
     def status(self) -> dict[str, Any]:
@@ -876,6 +1077,8 @@ class RemoteTiers:
             "pool": None if self.pool is None else self.pool.status(),
             "pool_usage": None if self._pool_usage is None else self._pool_usage.as_dict(),
             "peers": [s.status() for s in self.peers],
+            # which peers the lookups probed: the fleet index's breaker and counters, or None
+            "index": self.index_status(),
             # prefill, device, local_links, engine_rates, plans, last_plan
             **self.planner.status(),
             "write": {

@@ -20,7 +20,6 @@ well below what the link and the server can.
 from __future__ import annotations
 
 import math
-import re
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -33,25 +32,6 @@ from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
 
 T = TypeVar("T")
-
-_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|pass|token)=)[^&#]*")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password (``user:PASSWORD@`` or a ``password=`` query) as ``***``, for
-    status lines, listings and logs."""
-    url = _QUERY_SECRET.sub(r"\1***", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    auth, _, host = netloc.rpartition("@")
-    if ":" not in auth:
-        return url
-    user = auth.partition(":")[0]
-    return f"{scheme}://{user}:***@{host}{slash}{path}"
 
 
 def visible_to(meta: ChunkMeta, tenant: str, *, tenant_isolated: bool = False) -> bool:

@@ -86,12 +86,12 @@ from kvctl.remote.pool import (
     SplitReads,
     SplitStreams,
     check_deadlines,
-    redact_url,
     visible_to,
 )
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
 from kvctl.store.keys import KEY_BYTES
 from kvctl.store.tiers.base import Buffer, ChunkMeta, check_capacity
+from kvctl.wire.address import redact_url
 
 log = logging.getLogger("kvctl.remote.redis_pool")
 

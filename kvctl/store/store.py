@@ -1313,7 +1313,10 @@ class TieredStore:
             "key": e.key.hex(),
             "tier": e.tier,
             "size_bytes": e.size_bytes,
+            "tokens": e.tokens,
             "tenant": e.tenant,
+            # what a fleet index needs to keep an isolated tenant's chunk from other tenants
+            "isolated": e.isolated,
             **extra,
         }
         for listener in list(self._listeners):

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kvctl.agent.http_limits import DEFAULT_MAX_BODY_BYTES
+from kvctl.http_guards import DEFAULT_MAX_BODY_BYTES
 
 from .agents import Agent, running_agent
 

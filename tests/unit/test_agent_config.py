@@ -499,3 +499,17 @@ def test_explicit_socket_path_too_long(config: Path) -> None:
 def test_tilde_in_paths_uses_home_from_env(config: Path) -> None:
     loaded = load_file(config, '[agent]\ndata_dir = "~/kv"\n', env={"HOME": "/home/ops"})
     assert loaded.settings.data_dir == "/home/ops/kv"
+
+
+def test_index_settings_from_start_flags(env: dict[str, str]) -> None:
+    from kvctl.cli.agent import StartFlags
+
+    flags = StartFlags(
+        peers=["fra-2=127.0.0.1:7071"], index_url="http://127.0.0.1:9480", index_token="s3cret"
+    ).as_flags()
+    loaded = load_settings(env=env, flags=flags)
+    assert loaded.settings.index_url == "http://127.0.0.1:9480"
+    assert loaded.sources["index_url"] == "flag:--index-url"
+    assert loaded.settings.index_token == "s3cret"
+    with pytest.raises(ConfigError, match="index_url"):
+        load_settings(env=env, flags=StartFlags(index_url="ftp://nowhere").as_flags())
