@@ -422,6 +422,128 @@ def bench_ttft_command(
 
 
 @bench_app.command(
+    "route", short_help="Routing policies on the same requests (modeled TTFT); decision latency."
+)
+def bench_route_command(
+    workloads: Annotated[
+        str | None,
+        typer.Option(
+            help="Workloads, comma separated: mooncake (the shared trace, skipped when absent) "
+            "and generated ones (system-prompt, chat, rag, builtin). "
+            "Default: mooncake,system-prompt,chat,rag."
+        ),
+    ] = None,
+    policies: Annotated[
+        str | None,
+        typer.Option(
+            help="Policies, comma separated (round-robin, session-affinity, prefix-only, cost); "
+            "round-robin, the reference, always runs. Default: all."
+        ),
+    ] = None,
+    nodes: Annotated[
+        int | None, typer.Option(help="Serving nodes, dealt over the DCs. [9]")
+    ] = None,
+    dcs: Annotated[int | None, typer.Option(help="DCs, 2 to 4. [3]")] = None,
+    distances_km: Annotated[
+        str | None,
+        typer.Option(
+            help="km between DCs: one value for every pair, or one per pair in the order "
+            "0-1,0-2,..,1-2,.. [100,1500,1500]"
+        ),
+    ] = None,
+    link_gbps: Annotated[
+        float | None, typer.Option(help="Bandwidth of each inter-DC link, Gb/s. [100]")
+    ] = None,
+    cpu: Annotated[str | None, typer.Option(help="Each node's cpu tier. [64GiB]")] = None,
+    disk: Annotated[str | None, typer.Option(help="Each node's disk tier. [256GiB]")] = None,
+    requests: Annotated[
+        int | None,
+        typer.Option(help="Requests per workload (default: the whole trace, generators' size)."),
+    ] = None,
+    seed: Annotated[int | None, typer.Option(help="Seed of workloads and tenants. [0]")] = None,
+    model: Annotated[str | None, typer.Option(help="Model profile. [llama-3.1-8b]")] = None,
+    gpu: Annotated[str | None, typer.Option(help="GPU profile. [h100]")] = None,
+    latency_requests: Annotated[
+        int | None, typer.Option(help="Decisions timed for the latency figures. [2000]")
+    ] = None,
+    rate: Annotated[
+        float | None, typer.Option(help="Paced decisions per second when timing. [1000]")
+    ] = None,
+    index_entries: Annotated[
+        int | None, typer.Option(help="Index size the decisions are timed at. [500000]")
+    ] = None,
+    index_events: Annotated[
+        int | None, typer.Option(help="Events applied when timing index updates. [200000]")
+    ] = None,
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Redis for the RedisIndex figure. [redis://127.0.0.1:6379/0]"),
+    ] = None,
+    no_redis: Annotated[bool, typer.Option("--no-redis", help="Skip the Redis figure.")] = False,
+    quick: Annotated[
+        bool, typer.Option("--quick", help="A size that finishes in seconds (smoke runs).")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Compare routing policies on the same requests, in one process with no agents: each
+    node runs the real store over size-only tiers, its events feed one fleet index, each
+    request comes from its tenant's home DC; the chosen node executes the cost model's fetch
+    plan for itself (local tiers, pulls over DC links, recompute), so policies differ only in
+    the node they pick. Per policy: hit ratio (local / pulled), requests sent to a node holding
+    part of the prefix, bytes pulled per DC link, and modeled TTFT (mean, p50, p99), next to
+    round-robin in the same run. Then the decision latency (index answer + decide, p50/p99 at
+    a paced rate, next to prefix-only and a plain dict lookup of the same keys) and the index's
+    update rate (EmbeddedIndex, and RedisIndex when Redis answers, next to plain dict inserts
+    and raw Redis pipelines). Bracketed values are the defaults; --quick starts from a small
+    size instead (options given still apply). Progress goes to stderr.
+
+    Examples:
+
+      kvctl bench route --json > bench/results/route.json
+
+      kvctl bench route --quick
+
+      kvctl bench route --workloads mooncake --dcs 4 --nodes 16 --distances-km 2000
+    """
+    from kvctl.bench.route import (
+        RouteBenchConfig,
+        parse_distances,
+        parse_names,
+        render_route_bench,
+        run_route_bench,
+    )
+    from kvctl.units import parse_size
+
+    def measure() -> Result:
+        given: dict[str, Any] = {
+            "workloads": parse_names(workloads) if workloads is not None else None,
+            "policies": parse_names(policies) if policies is not None else None,
+            "nodes": nodes,
+            "dcs": dcs,
+            "distances_km": parse_distances(distances_km) if distances_km is not None else None,
+            "link_bytes_per_s": link_gbps * 1e9 / 8 if link_gbps is not None else None,
+            "cpu_bytes": parse_size(cpu) if cpu is not None else None,
+            "disk_bytes": parse_size(disk) if disk is not None else None,
+            "requests": requests,
+            "seed": seed,
+            "model": model,
+            "gpu": gpu,
+            "latency_requests": latency_requests,
+            "latency_rate_per_s": rate,
+            "index_entries": index_entries,
+            "index_events": index_events,
+            "redis_url": redis_url,
+        }
+        overrides = {k: v for k, v in given.items() if v is not None}
+        if no_redis:
+            overrides["redis_url"] = None
+        config = RouteBenchConfig.quick(**overrides) if quick else RouteBenchConfig(**overrides)
+        return run_route_bench(config, progress=_progress)
+
+    _run("route", measure, render_route_bench, json_out)
+
+
+@bench_app.command(
     "crash", short_help="kill -9 an agent under write load: what the disk tier kept, restart time."
 )
 def bench_crash_command(

@@ -39,6 +39,7 @@ from typing import Any
 
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
+from kvctl.quantiles import nearest_rank
 from kvctl.store.policies import EVICTION_POLICIES
 from kvctl.workload.simulate import simulate_policy
 from kvctl.workload.trace import TraceRequest
@@ -366,14 +367,6 @@ def _saved_ratio(before: float, after: float) -> float:
     return (before - after) / before if before else 0.0
 
 
-def _percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of sorted values (0 for none)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
 # --- the miss-ratio curve ---------------------------------------------------------------------
 
 
@@ -565,8 +558,8 @@ def model_ttft(
     ttfts.sort()
     stats = TTFTStats(
         mean_ttft_seconds=sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        p50_ttft_seconds=_percentile(ttfts, 0.50),
-        p99_ttft_seconds=_percentile(ttfts, 0.99),
+        p50_ttft_seconds=nearest_rank(ttfts, 0.50) or 0.0,
+        p99_ttft_seconds=nearest_rank(ttfts, 0.99) or 0.0,
         prefill_tokens=prefill_tokens,
         prefill_joules=inputs.prefill_joules(prefill_tokens),
     )
