@@ -1015,11 +1015,14 @@ class AgentClient:
         pings: int = 5,
         size_bytes: int = 1 << 20,
         timeout_s: float = 2.0,
+        name: str | None = None,
     ) -> LinkProbe:
         """Have this agent probe the link to another agent's data plane (``target``,
         HOST:PORT): ping RTT and loss, then upload and download bandwidth of ``size_bytes``.
-        ``token`` is the target's data-plane token. The HTTP timeout grows with the probe's
-        worst case, since the agent answers only when the probe is done."""
+        ``token`` is the target's data-plane token; ``name`` the target node's name in the
+        fleet, so the agent finds its configured link to it and, when that link has an emulated
+        delay, includes it (``rtt_basis`` "emulated", ``emulated_delay_s``). The HTTP timeout
+        grows with the probe's worst case, since the agent answers only when the probe is done."""
         body: dict[str, Any] = {
             "target": target,
             "pings": pings,
@@ -1028,9 +1031,14 @@ class AgentClient:
         }
         if token is not None:
             body["token"] = token
+        if name is not None:
+            body["name"] = name
         # connect + pings (with reconnects) + two transfers, each bounded by timeout_s
         worst_s = timeout_s * (2 * pings + 4) + 5.0
         probe = cast(LinkProbe, self._json("POST", "/v1/probe", json=body, timeout=worst_s))
+        # an agent from before rtt_basis never added a delay to its probes: measured
+        probe.setdefault("rtt_basis", "measured")
+        probe.setdefault("emulated_delay_s", None)
         return probe
 
     def remote(self) -> dict[str, Any]:

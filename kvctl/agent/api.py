@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from decimal import Decimal
 from heapq import nsmallest
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -46,7 +46,7 @@ from kvctl.http_guards import (
     clip_echo,
     safe_text,
 )
-from kvctl.remote.probe import probe_link
+from kvctl.remote.probe import emulated_source, probe_link
 from kvctl.store.errors import (
     CapacityError,
     DiskFullError,
@@ -316,6 +316,14 @@ class ProbeRequest(_Request):
     model_config = ConfigDict(populate_by_name=True, strict=True)
 
     target: str = Field(description="data-plane TCP address of the agent to probe, HOST:PORT")
+    name: str | None = Field(
+        None,
+        min_length=1,
+        max_length=255,
+        description="the target node's name as the fleet names it: when this agent has a peer "
+        "of that name (or a peer or pool at target) whose link has an emulated delay, the "
+        "probe includes that delay (rtt_basis emulated)",
+    )
     token: str | None = Field(
         None, description="the target's data-plane token (never logged, never echoed)"
     )
@@ -354,6 +362,14 @@ class ProbeResponse(BaseModel):
     bandwidth_bytes_per_s: float | None = Field(description="the lower of upload and download")
     probe_bytes: int = Field(description="bytes sent each way (the request's bytes)")
     error: str | None = Field(description="why ok is false")
+    rtt_basis: Literal["measured", "emulated"] = Field(
+        description="emulated: each ping and transfer included emulated_delay_s, the wait this "
+        "agent's own fetches over the configured link to the target see; measured: the network "
+        "alone",
+    )
+    emulated_delay_s: float | None = Field(
+        description="the emulated wait per round trip; null when measured"
+    )
 
 
 class EventsResponse(BaseModel):
@@ -618,19 +634,28 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
 
         200 whenever the request is valid, also when the target is down (`ok` false, `error`
         says why). Blocks for up to about (2 * pings + 4) * timeout_s.
+
+        When the target (by `name`, or by address) is the far end of a configured link with an
+        emulated delay, every round trip waits that delay too, as this agent's fetches over the
+        link do, and `rtt_basis` says `emulated`.
         """
+        sources = runtime.remote.sources if runtime.remote is not None else ()
+        link = emulated_source(sources, target=body.target, name=body.name)
         out = probe_link(
             body.target,
             token=body.token or "",
             pings=body.pings,
             size_bytes=body.size_bytes,
             timeout_s=body.timeout_s,
+            delay=None if link is None else link.delay,
         )
         log.info(
-            "probe of %s: ok=%s rtt_s=%s loss=%.2f bandwidth_bytes_per_s=%s error=%s",
+            "probe of %s: ok=%s rtt_s=%s (%s%s) loss=%.2f bandwidth_bytes_per_s=%s error=%s",
             body.target,
             out["ok"],
             out["rtt_s"],
+            out["rtt_basis"],
+            "" if link is None else f" over link {link.name}",
             out["loss_ratio"],
             out["bandwidth_bytes_per_s"],
             out["error"],

@@ -1,12 +1,25 @@
 """Link probes to another agent: RTT and loss by PING, bandwidth by a bounded PROBE upload and
 download through the target's data plane (through the SDK, like every other talk to a peer).
-The agent's control API serves them as ``POST /v1/probe``."""
+The agent's control API serves them as ``POST /v1/probe``.
+
+Emulated distance: when the probed node is the far end of one of this agent's configured links
+with an emulated delay (``--link NAME:delay_ms=N``), every ping and transfer of the probe waits
+that link's own ``EmulatedDelay`` first, as each of the agent's fetches over the link does, and
+the report says ``rtt_basis: "emulated"``: the figure then matches what the agent's transfers
+see, and nobody takes it for the network's."""
 
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
 
 from kvctl.client import AgentError, AgentUnreachable, AuthError, DataClient
+from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.federation import PEER_TIER, Source
+from kvctl.remote.links import EmulatedDelay
+from kvctl.wire.address import TcpAddress, parse_address
 from kvctl.wire.reports import LinkProbe
 
 #: a probe stops pinging after this many lost in a row: the link is down, and more tries would
@@ -35,12 +48,62 @@ def _bytes_per_s(size_bytes: int, elapsed_s: float, rtt_min_s: float) -> float:
     return size_bytes / max(transfer_s, 1e-9)
 
 
+def _tcp_endpoint(address: str) -> tuple[str, int] | None:
+    """(host, port) of a data-plane TCP address, ``kvctl://`` or not; None for anything else."""
+    try:
+        where = parse_address(address.removeprefix("kvctl://").rstrip("/"))
+    except ValueError:
+        return None
+    if not isinstance(where, TcpAddress):
+        return None
+    return where.host.lower(), where.port
+
+
+def emulated_source(sources: Iterable[Source], *, target: str, name: str | None) -> Source | None:
+    """The configured link a probe of ``target`` (the node the fleet calls ``name``) travels,
+    when that link has an emulated delay; None when the probe is of the network alone.
+
+    A peer matches by name first (the configured address may spell the host another way than
+    the fleet does), then the pool or a peer by address (host compared as spelled, case aside).
+    A matching link without a delay means measured: there is nothing to emulate on it."""
+    sources = list(sources)
+    matched = None
+    if name:
+        matched = next((s for s in sources if s.tier == PEER_TIER and s.name == name), None)
+    if matched is None:
+        endpoint = _tcp_endpoint(target)
+        if endpoint is not None:
+            matched = next(
+                (
+                    s
+                    for s in sources
+                    if isinstance(s.backend, AgentSource)
+                    and _tcp_endpoint(s.backend.address) == endpoint
+                ),
+                None,
+            )
+    if matched is None or matched.delay.delay_s <= 0:
+        return None
+    return matched
+
+
 def probe_link(
-    target: str, *, token: str, pings: int, size_bytes: int, timeout_s: float
+    target: str,
+    *,
+    token: str,
+    pings: int,
+    size_bytes: int,
+    timeout_s: float,
+    delay: EmulatedDelay | None = None,
 ) -> LinkProbe:
     """Ping ``target``'s data plane ``pings`` times, then time one upload and one download of
     ``size_bytes``. Never raises for the target's sake: failures go in ``error``. Worst case
-    about (2 * pings + 4) * timeout_s, though a dead link ends the pings early."""
+    about (2 * pings + 4) * timeout_s, though a dead link ends the pings early.
+
+    ``delay``: the emulated delay of the configured link to ``target`` (see
+    ``emulated_source``), waited for real before each ping and transfer, inside its timing;
+    the worst case grows by (pings + 2) of them."""
+    emulated = delay is not None and delay.delay_s > 0
     result: LinkProbe = {
         "target": target,
         "ok": False,
@@ -52,8 +115,19 @@ def probe_link(
         "bandwidth_bytes_per_s": None,
         "probe_bytes": size_bytes,
         "error": None,
+        "rtt_basis": "emulated" if emulated else "measured",
+        "emulated_delay_s": delay.delay_s if delay is not None and emulated else None,
     }
     client: DataClient | None = None
+
+    def with_delay(timed: Callable[[], float]) -> float:
+        """``timed()``'s seconds plus the emulated wait just before it, as waited (the link's
+        ``Source.call`` waits inside the span it times, too)."""
+        if delay is None or not emulated:
+            return timed()
+        started = time.perf_counter()
+        delay.wait()
+        return time.perf_counter() - started + timed()
 
     def connected() -> DataClient:
         nonlocal client
@@ -75,7 +149,8 @@ def probe_link(
         lost_in_a_row = 0
         for i in range(pings):
             try:
-                rtts_s.append(connected().ping())
+                ping = connected().ping  # a reconnect is not part of the round trip
+                rtts_s.append(with_delay(ping))
                 lost_in_a_row = 0
             except _TARGET_ERRORS as exc:
                 # a timed-out ping leaves the stream out of step, so the client has closed;
@@ -95,8 +170,8 @@ def probe_link(
         result["rtt_min_s"] = rtt_min_s
         if size_bytes:
             try:
-                up_s = connected().probe(upload_bytes=size_bytes)
-                down_s = connected().probe(download_bytes=size_bytes)
+                up_s = with_delay(partial(connected().probe, upload_bytes=size_bytes))
+                down_s = with_delay(partial(connected().probe, download_bytes=size_bytes))
             except _TARGET_ERRORS as exc:
                 result["error"] = f"bandwidth probe of {target} failed: {exc}"
                 return result

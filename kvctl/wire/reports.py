@@ -7,7 +7,7 @@ Counters are cumulative since the agent started (``started_s``); ratios are deri
 
 # no ``from __future__ import annotations``: TypedDict reads NotRequired from evaluated
 # annotations only, and tests check reports against __required_keys__
-from typing import Any, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
 
 class TierUsage(TypedDict):
@@ -169,3 +169,9 @@ class LinkProbe(TypedDict):
     bandwidth_bytes_per_s: float | None
     probe_bytes: int
     error: str | None
+    #: "emulated": every ping and transfer included ``emulated_delay_s``, the in-process wait
+    #: this agent's own fetches over the same configured link see (``--link NAME:delay_ms=N``);
+    #: "measured": the network alone
+    rtt_basis: Literal["measured", "emulated"]
+    #: that wait, one per round trip; None when measured
+    emulated_delay_s: float | None

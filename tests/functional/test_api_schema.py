@@ -114,3 +114,8 @@ def test_schema_states_what_the_handlers_check(api_schema: Any) -> None:
     keys_params = {p["name"]: p["schema"] for p in raw["paths"]["/v1/keys"]["get"]["parameters"]}
     assert keys_params["tier"]["enum"] == ["cpu", "disk"]  # no null branch for a query value
     assert "anyOf" not in keys_params["after"]
+    probe_name = comps["ProbeRequest"]["properties"]["name"]["anyOf"][0]
+    assert (probe_name["minLength"], probe_name["maxLength"]) == (1, 255)
+    probe_out = comps["ProbeResponse"]
+    assert probe_out["properties"]["rtt_basis"]["enum"] == ["measured", "emulated"]
+    assert {"rtt_basis", "emulated_delay_s"} <= set(probe_out["required"])
