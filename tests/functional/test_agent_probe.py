@@ -75,6 +75,8 @@ def test_probe_from_one_agent_to_another(pair: tuple[Agent, Agent]) -> None:
         out["upload_bytes_per_s"], out["download_bytes_per_s"]
     )
     assert out["probe_bytes"] == SIZE
+    # A has no link configured to B: the network alone
+    assert (out["rtt_basis"], out["emulated_delay_s"]) == ("measured", None)
     # the pings and both transfers really reached B: one PROBE up, one down
     assert _requests(b, "ping") - pings == 7
     assert _requests(b, "probe") - probes == 2
@@ -91,6 +93,32 @@ def test_probe_with_zero_bytes_measures_latency_only(pair: tuple[Agent, Agent]) 
     assert out["bandwidth_bytes_per_s"] is None and out["upload_bytes_per_s"] is None
     assert _requests(b, "ping") - pings == 5  # the default
     assert _requests(b, "probe") - probes == 0
+
+
+def test_a_probe_over_an_emulated_link_includes_its_delay(tmp_path: Path) -> None:
+    """B pulls from peer A over a link emulating distance (``--link a:delay_ms=5``): B's probe
+    of A, by A's name or by its address, waits the same 5 ms each round trip and says so."""
+    with running_agent(tmp_path / "a", *SMALL) as a:
+        target = a.state.data_tcp
+        assert target is not None
+        port = target.rpartition(":")[2]
+        link = ("--peer", f"a={target}", "--link", "a:delay_ms=5")
+        with running_agent(tmp_path / "b", *SMALL, *link) as b, b.control() as ctl:
+            pings = _requests(a, "ping")
+            # by name: the fleet may spell the host otherwise than B's configuration does
+            by_name = ctl.probe(f"localhost:{port}", name="a", pings=3, size_bytes=SIZE)
+            by_address = ctl.probe(target, pings=3, size_bytes=0)
+            own = b.state.data_tcp
+            assert own is not None
+            unconfigured = ctl.probe(own, name="b", pings=3, size_bytes=0)
+            assert _requests(a, "ping") - pings == 6  # the delayed pings really reached A
+    for out in (by_name, by_address):
+        assert out["ok"] is True, out["error"]
+        assert (out["rtt_basis"], out["emulated_delay_s"]) == ("emulated", 0.005)
+        assert out["rtt_min_s"] >= 0.005 and out["rtt_s"] >= 0.005
+    assert by_name["bandwidth_bytes_per_s"] > 0
+    assert unconfigured["ok"] is True, unconfigured["error"]
+    assert (unconfigured["rtt_basis"], unconfigured["emulated_delay_s"]) == ("measured", None)
 
 
 def test_probe_of_a_closed_port_is_ok_false_naming_the_address(pair: tuple[Agent, Agent]) -> None:
