@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -11,7 +13,7 @@ from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_en
 from kvctl.cli.output import fail, print_json, user_errors
 
 if TYPE_CHECKING:
-    from kvctl.tui.sources import Source
+    from kvctl.tui.sources import RouterWatch, Source
 
 AgentOpt = Annotated[
     list[str] | None,
@@ -54,6 +56,26 @@ def top_command(
             metavar="DURATION",
         ),
     ] = "15m",
+    router: Annotated[
+        str | None,
+        typer.Option(
+            "--router",
+            help=(
+                "Also read this router's decisions each poll (`kvctl router serve`; default: "
+                "$KVCTL_ROUTER_URL when set, else no router)."
+            ),
+            metavar="URL",
+            show_default=False,
+        ),
+    ] = None,
+    router_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--router-token-file",
+            help="File holding the router's bearer token (default: $KVCTL_ROUTER_TOKEN).",
+            show_default=False,
+        ),
+    ] = None,
     db: DbOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -68,6 +90,10 @@ def top_command(
     With --json, polls twice --interval apart and prints the figures once (for scripts), with
     what the collectors recorded over --window beside them (null with --agent: no database).
 
+    With --router, each poll also reads the router's counts: ROUTED/s and TO HOLDER per node
+    (over the recent window), and a routing line with its figures since it started. A router
+    that does not answer shows "router down" with the reason and N/A; the view goes on.
+
     Examples:
 
       kvctl top
@@ -79,6 +105,8 @@ def top_command(
       kvctl top --json --interval 1
 
       kvctl top --json --window 1h
+
+      kvctl top --router http://127.0.0.1:9480 --router-token-file router.token
     """
     from kvctl.db.analytics.windows import duration_ms
     from kvctl.tui.sources import AgentSource, FleetSource
@@ -88,17 +116,23 @@ def top_command(
     with user_errors():
         duration_ms(window)  # a bad --window fails before any poll
     token = None  # the SDK reads KVCTL_TOKEN
+    watch = _router_watch(router, router_token_file, timeout)
     audit_engine = None
     source: Source
     with user_errors(hint="an agent URL looks like http://127.0.0.1:7070"):
         if agent:
-            source = AgentSource(agent, token=token, timeout_s=timeout)
+            source = AgentSource(agent, token=token, timeout_s=timeout, router=watch)
             if not readonly and not json_out:
                 audit_engine = open_engine(db)  # actions are audited in the local database
         else:
             engine = open_engine(db)
             source = FleetSource(
-                engine, dcs=dc or [], nodes=node or [], token=token, timeout_s=timeout
+                engine,
+                dcs=dc or [],
+                nodes=node or [],
+                token=token,
+                timeout_s=timeout,
+                router=watch,
             )
             with db_errors(), user_errors(hint="`kvctl fleet ls` lists DCs and nodes"):
                 source.targets()  # an unknown DC or node, or an empty fleet, fails here
@@ -117,6 +151,20 @@ def top_command(
         audit_engine.dispose()
     if app.return_code:
         raise typer.Exit(app.return_code)
+
+
+def _router_watch(url: str | None, token_file: Path | None, timeout_s: float) -> RouterWatch | None:
+    """The router to read each poll: --router, else $KVCTL_ROUTER_URL, else none."""
+    from kvctl.cli.router import ROUTER_URL_ENV, _token
+    from kvctl.tui.sources import RouterWatch
+
+    url = url or os.environ.get(ROUTER_URL_ENV) or None
+    if url is None:
+        if token_file is not None:
+            fail("--router-token-file needs a router: give --router URL (or $KVCTL_ROUTER_URL)")
+        return None
+    with user_errors(hint="a router URL looks like http://127.0.0.1:9480"):
+        return RouterWatch(url, token=_token(token_file), timeout_s=timeout_s)
 
 
 def _print_once(source: Source, interval_s: float, window: str) -> None:

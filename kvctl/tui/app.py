@@ -59,6 +59,11 @@ class TopApp(App[None]):
         self._polling = False
         self.actions_done: list[ActionReport] = []
 
+    @property
+    def watches_router(self) -> bool:
+        """Whether the view reads a router (known from the first poll on)."""
+        return self.view is not None and self.view.routing is not None
+
     # --- theme-aware cells ---------------------------------------------------------------------
     def cells(self) -> Cells:
         return Cells(Palette.from_variables(self.get_css_variables()), self.thresholds)

@@ -18,12 +18,15 @@ from kvctl.format import (
     compact_duration,
     compact_per_second,
     compact_seconds,
+    format_number,
     percent,
 )
 from kvctl.tui.model import (
     DcRow,
     Level,
+    NodeRouting,
     NodeRow,
+    RoutingView,
     Thresholds,
     WindowCounts,
     bar,
@@ -123,6 +126,55 @@ class Cells:
     def power(self, watts: float | None) -> Text:
         return NA.copy() if watts is None else Text(f"{watts:.0f}W")
 
+    def routed(self, routing: NodeRouting | None) -> Text:
+        """Decisions per second the router sent this node over the recent window."""
+        return self._styled(
+            compact_per_second(None if routing is None else routing.decisions_per_s), Level.NONE
+        )
+
+    def to_holder(self, routing: NodeRouting | None) -> Text:
+        """Of those, the share sent here because the node held (part of) the prefix."""
+        if routing is None or not routing.seconds:
+            return NA.copy()
+        if not routing.recent_decisions:
+            return Text("idle", style="dim")
+        return Text(percent(routing.to_holder_share, digits=0))
+
+    def routing(self, view: RoutingView) -> Text:
+        """The routing panel: the router's fleet-wide figures since it started, the recent
+        decision rate, and the bytes its decisions pulled across each DC link."""
+        if not view.up:
+            return Text.assemble(
+                ("router down: ", self.palette.style(Level.CRIT)),
+                (view.error or "no answer", ""),
+                (" · routing figures N/A", "dim"),
+            )
+        t = view.total
+        parts = [
+            f"routing since the router started: {format_number(t.decisions)} decisions",
+            f"{percent(t.to_holder_share, digits=0)} to a holder",
+            f"index hit {percent(t.index_hit_ratio, digits=0)} of "
+            f"{format_number(t.requested_chunks)} chunks",
+            f"reused {percent(t.reused_ratio, digits=0)}: {format_number(t.local_chunks)} "
+            f"local, {format_number(t.pulled_chunks)} pulled",
+            f"tokens fetched {format_number(t.fetched_tokens)}, prefilled "
+            f"{format_number(t.recomputed_tokens)}",
+        ]
+        if view.no_node:
+            parts.append(f"{format_number(view.no_node)} with no node")
+        parts.append(f"now {compact_per_second(view.recent.decisions_per_s)} decisions/s")
+        links = [
+            f"{link.from_dc}→{link.to_dc} {compact_bytes(link.pulled_bytes)} in "
+            f"{format_number(link.chunks)} chunks, now "
+            + ("N/A" if link.bytes_per_s is None else f"{compact_bytes(link.bytes_per_s)}/s")
+            for link in view.links
+        ]
+        pulls = "pulled across DC links since the router started: " + (
+            " · ".join(links) if links else "none"
+        )
+        first = " · ".join(parts)
+        return Text(f"{first}\n{pulls}")
+
 
 @dataclass(frozen=True, slots=True)
 class Column:
@@ -157,8 +209,27 @@ def _up(fn: Callable[[Cells, NodeRow], Text]) -> Callable[[Cells, NodeRow, bool]
     return cell
 
 
-def columns(tiers: list[str]) -> list[Column]:
-    """The fleet table's columns: the key ones first so an 80-column terminal shows them."""
+def _routing_columns() -> list[Column]:
+    """The router's figures per node; they stand whether the node's agent answers or not."""
+    return [
+        Column(
+            "routed",
+            "ROUTED/s",
+            lambda c, r, _: c.routed(r.routing),
+            lambda c, d: c.routed(d.routing),
+        ),
+        Column(
+            "holder",
+            "TO HOLDER",
+            lambda c, r, _: c.to_holder(r.routing),
+            lambda c, d: c.to_holder(d.routing),
+        ),
+    ]
+
+
+def columns(tiers: list[str], *, routing: bool = False) -> list[Column]:
+    """The fleet table's columns: the key ones first so an 80-column terminal shows them;
+    ``routing`` adds the router's per node (only when a router is watched)."""
     return [
         Column("dc", "DC", lambda c, r, _: Text(r.dc), lambda c, d: Text(d.dc, style="bold")),
         Column(
@@ -176,6 +247,7 @@ def columns(tiers: list[str]) -> list[Column]:
             _up(lambda c, r: c.split(r.recent)),
             lambda c, d: c.split(d.recent),
         ),
+        *(_routing_columns() if routing else []),
         *(_tier_column(t) for t in tiers),
         Column(
             "evictions",

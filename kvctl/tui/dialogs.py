@@ -146,14 +146,28 @@ interval); the agents' counters since start show on a node's page.
 """
 
 
+ROUTING_HELP = """\
+[b]Routing[/b] (with --router)
+  ROUTED/s   decisions per second the router sent to the node (recent window)
+  TO HOLDER  of those, the share sent there because the node held part of the prefix
+  The routing lines: the router's counts since it started (index hits, chunks reused
+  locally or pulled, tokens fetched vs prefilled, bytes pulled per DC link) and the rates now.
+  "router down" and N/A: the router did not answer this poll.
+"""
+
+
 class HelpScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape,q,question_mark", "close", "Close"),
     ]
 
     def compose(self) -> ComposeResult:
+        from kvctl.tui.app import TopApp
+
         with VerticalScroll(id="help"):
             yield Static(HELP)
+            if isinstance(self.app, TopApp) and self.app.watches_router:
+                yield Static(ROUTING_HELP)
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -51,6 +51,7 @@ class FleetScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         yield Header(show_clock=False, icon="")
         yield Static("waiting for the first poll…", id="summary", markup=False)
+        yield Static("", id="routing", markup=False)
         table: DataTable[object] = DataTable(id="fleet", cursor_type="row", zebra_stripes=True)
         yield table
         yield Input(placeholder="filter: words, dc:NAME, node:NAME, up, down, !word", id="filter")
@@ -58,6 +59,7 @@ class FleetScreen(Screen[None]):
 
     def on_mount(self) -> None:
         self.query_one("#filter", Input).display = False
+        self.query_one("#routing", Static).display = False
         self.sub_title = self.top.source.label + (" · READ-ONLY" if self.top.readonly else "")
         if self.top.view is not None:
             self.show_view(self.top.view)
@@ -65,7 +67,7 @@ class FleetScreen(Screen[None]):
     # --- drawing -------------------------------------------------------------------------------
     def show_view(self, view: FleetView) -> None:
         table = self.query_one("#fleet", DataTable)
-        cols = columns(view.tiers)
+        cols = columns(view.tiers, routing=view.routing is not None)
         if self.sort not in {c.key for c in cols}:
             self.sort = "dc"
         # before any clearing: the operator's selection and scroll survive every redraw
@@ -96,6 +98,10 @@ class FleetScreen(Screen[None]):
                 table.move_cursor(row=table.get_row_index(selected), animate=False, scroll=False)
         table.scroll_to(*scroll, animate=False, immediate=True)
         self._summary(view)
+        panel = self.query_one("#routing", Static)
+        panel.display = view.routing is not None
+        if view.routing is not None:
+            panel.update(self.top.cells().routing(view.routing))
 
     def _title(self, c: Column) -> str:
         if c.key != self.sort:

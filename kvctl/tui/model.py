@@ -16,7 +16,7 @@ from typing import Any
 
 from kvctl.counters import CounterTracker
 from kvctl.db.inventory import NodeInfo
-from kvctl.ratios import HitCounts
+from kvctl.ratios import HitCounts, ratio
 from kvctl.wire.stats import cache_counters
 
 #: polls kept per node: the sparklines' width and the occupancy history's length
@@ -58,6 +58,18 @@ class Poll:
     #: RTT (s) per DC pair, both orders; None when the source has no link probes (direct agents)
     rtt_s: Mapping[tuple[str, str], float | None] | None = None
     elapsed_s: float = 0.0
+    #: the router's answer; None when no router is watched (the view shows no routing)
+    router: RouterReading | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RouterReading:
+    """The router's ``/v1/stats`` (its counts since it started) at one poll, or why there is
+    none."""
+
+    url: str
+    stats: Mapping[str, Any] | None
+    error: str | None = None
 
 
 # --- thresholds --------------------------------------------------------------------------------
@@ -190,6 +202,9 @@ class NodeRow:
     #: RTT to each other DC (collectors' probes over the last 15 minutes)
     rtt_s: dict[str, float | None] = field(default_factory=dict)
     gpu: GpuPower | None = None
+    #: the router's decisions for this node; None without a router, while it is down, or for
+    #: a node the router does not route to
+    routing: NodeRouting | None = None
 
     @property
     def name(self) -> str:
@@ -225,6 +240,7 @@ class NodeRow:
             "rtt_s": self.rtt_s,
             "gpu_power_w": None if self.gpu is None else self.gpu.power_w,
             "gpu_note": None if self.gpu is None else self.gpu.note,
+            "routing": None if self.routing is None else self.routing.as_dict(),
         }
 
 
@@ -240,9 +256,15 @@ class DcRow:
     io_bytes_per_s: float | None = None
     tiers: dict[str, TierGauge] = field(default_factory=dict)
     power_w: float | None = None
+    #: the router's decisions for the DC's nodes, summed (None: none of them is routed to)
+    routing: NodeRouting | None = None
 
     def add(self, row: NodeRow) -> None:
         self.nodes += 1
+        if row.routing is not None:  # the router's figures stand whether the agent answers
+            if self.routing is None:
+                self.routing = NodeRouting()
+            self.routing.add(row.routing)
         if not row.up:
             return
         self.up += 1
@@ -266,6 +288,7 @@ class DcRow:
             "io_bytes_per_s": self.io_bytes_per_s,
             "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
             "gpu_power_w": self.power_w,
+            "routing": None if self.routing is None else self.routing.as_dict(),
         }
 
 
@@ -273,6 +296,184 @@ def _plus(a: float | None, b: float | None) -> float | None:
     if b is None:
         return a
     return b if a is None else a + b
+
+
+# --- the router's decisions --------------------------------------------------------------------
+#: the router's fleet-wide counters (``/v1/stats``) that the view reads, all since it started
+ROUTER_COUNTERS = (
+    "decisions",
+    "to_holder",
+    "requested_chunks",
+    "indexed_chunks",
+    "local_chunks",
+    "pulled_chunks",
+    "pulled_bytes",
+    "tokens",
+    "fetched_tokens",
+    "recomputed_tokens",
+)
+
+
+@dataclass(slots=True)
+class RoutedCounts:
+    """The router's decisions and what they reuse: since the router started (``seconds`` 0), or
+    the increases over the recent window and the seconds it spans."""
+
+    seconds: float = 0.0
+    decisions: float = 0
+    #: decisions sent to a node that held part of the prefix in its own tiers
+    to_holder: float = 0
+    requested_chunks: float = 0
+    #: requested chunks the fleet index placed on some node (the tenant may see)
+    indexed_chunks: float = 0
+    #: chunks the chosen node reads from its own tiers / pulls from another node
+    local_chunks: float = 0
+    pulled_chunks: float = 0
+    pulled_bytes: float = 0
+    tokens: float = 0
+    fetched_tokens: float = 0
+    recomputed_tokens: float = 0
+
+    @property
+    def index_hit_ratio(self) -> float | None:
+        """Requested chunks the index found somewhere in the fleet."""
+        return ratio(self.indexed_chunks, self.requested_chunks)
+
+    @property
+    def reused_ratio(self) -> float | None:
+        """Requested chunks the chosen node reuses (its own or pulled) instead of prefilling."""
+        return ratio(self.local_chunks + self.pulled_chunks, self.requested_chunks)
+
+    @property
+    def to_holder_share(self) -> float | None:
+        """Decisions sent to a node already holding (part of) the prefix."""
+        return ratio(self.to_holder, self.decisions)
+
+    @property
+    def token_hit_ratio(self) -> float | None:
+        """Prompt tokens fetched rather than prefilled (the bench's name for it)."""
+        return ratio(self.fetched_tokens, self.tokens)
+
+    def rate_of(self, value: float) -> float | None:
+        """``value`` per second of the window; None for counts since the router started."""
+        return value / self.seconds if self.seconds > 0 else None
+
+    @property
+    def decisions_per_s(self) -> float | None:
+        return self.rate_of(self.decisions)
+
+    def add(self, other: RoutedCounts) -> None:
+        for name in ROUTER_COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            **({"window_seconds": self.seconds} if self.seconds else {}),
+            **{name: getattr(self, name) for name in ROUTER_COUNTERS},
+            "index_hit_ratio": self.index_hit_ratio,
+            "reused_ratio": self.reused_ratio,
+            "to_holder_share": self.to_holder_share,
+            "token_hit_ratio": self.token_hit_ratio,
+            **({"decisions_per_s": self.decisions_per_s} if self.seconds else {}),
+        }
+
+
+@dataclass(slots=True)
+class NodeRouting:
+    """One node's part of the router's decisions: since the router started, and the increases
+    over the recent window (``seconds`` 0: no window yet)."""
+
+    decisions: float = 0
+    to_holder: float = 0
+    recent_decisions: float = 0.0
+    recent_to_holder: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def decisions_per_s(self) -> float | None:
+        return self.recent_decisions / self.seconds if self.seconds > 0 else None
+
+    @property
+    def to_holder_share(self) -> float | None:
+        """Of the recent window's decisions for this node, those it held the prefix for."""
+        return ratio(self.recent_to_holder, self.recent_decisions)
+
+    @property
+    def lifetime_to_holder_share(self) -> float | None:
+        return ratio(self.to_holder, self.decisions)
+
+    def add(self, other: NodeRouting) -> None:
+        self.decisions += other.decisions
+        self.to_holder += other.to_holder
+        self.recent_decisions += other.recent_decisions
+        self.recent_to_holder += other.recent_to_holder
+        self.seconds = max(self.seconds, other.seconds)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "decisions": self.decisions,
+            "to_holder": self.to_holder,
+            "to_holder_share": self.lifetime_to_holder_share,
+            "recent": {
+                "window_seconds": self.seconds,
+                "decisions": self.recent_decisions,
+                "to_holder": self.recent_to_holder,
+                "to_holder_share": self.to_holder_share,
+                "decisions_per_s": self.decisions_per_s,
+            },
+        }
+
+
+@dataclass(slots=True)
+class LinkPulls:
+    """Chunks the router's decisions pull across one DC link (``from_dc`` holds them), since it
+    started; ``bytes_per_s`` over the recent window (None: no window yet)."""
+
+    from_dc: str
+    to_dc: str
+    chunks: float = 0
+    pulled_bytes: float = 0
+    bytes_per_s: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "from_dc": self.from_dc,
+            "to_dc": self.to_dc,
+            "chunks": self.chunks,
+            "pulled_bytes": self.pulled_bytes,
+            "recent_bytes_per_s": self.bytes_per_s,
+        }
+
+
+@dataclass(slots=True)
+class RoutingView:
+    """What the router says at this poll; when it did not answer, ``error`` says why and there
+    are no figures (N/A, not zero)."""
+
+    url: str
+    up: bool
+    error: str | None = None
+    #: counts since the router started
+    total: RoutedCounts = field(default_factory=RoutedCounts)
+    #: increases over the recent window (``seconds`` 0 until two polls)
+    recent: RoutedCounts = field(default_factory=RoutedCounts)
+    nodes: dict[str, NodeRouting] = field(default_factory=dict)
+    links: list[LinkPulls] = field(default_factory=list)
+    #: requests no node could serve, since the router started
+    no_node: float = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        if not self.up:
+            return {"router": self.url, "up": False, "error": self.error}
+        return {
+            "router": self.url,
+            "up": True,
+            "error": None,
+            "since_router_start": {**self.total.as_dict(), "no_node": self.no_node},
+            "recent": self.recent.as_dict() if self.recent.seconds else None,
+            "nodes": {k: v.as_dict() for k, v in self.nodes.items()},
+            "links": [link.as_dict() for link in self.links],
+        }
 
 
 @dataclass(slots=True)
@@ -287,6 +488,8 @@ class FleetView:
     polls: int
     #: whether link RTTs are known at all (the database's probes)
     has_links: bool
+    #: the router's figures; None when no router is watched
+    routing: RoutingView | None = None
 
     def row(self, name: str) -> NodeRow | None:
         return next((r for r in self.rows if r.name == name), None)
@@ -299,6 +502,7 @@ class FleetView:
             "nodes": [r.as_dict() for r in self.rows],
             "dcs": [d.as_dict() for d in self.dcs],
             "total": self.total.as_dict(),
+            "routing": None if self.routing is None else self.routing.as_dict(),
         }
 
 
@@ -343,10 +547,17 @@ class Sampler:
         #: so "recent" never averages over a gap
         self._max_gap_s = max_gap_s
         self.polls = 0
+        self._router_last: _RouterSample | None = None
+        self._router_ts_s: float | None = None
+        self._router_steps: deque[_RouterStep] = deque(maxlen=window_polls)
 
     def update(self, poll: Poll) -> FleetView:
         self.polls += 1
         rows = [self._safe_row(r, poll) for r in poll.readings]
+        routing = None if poll.router is None else self._routing(poll.router, poll.ts_s)
+        if routing is not None and routing.up:
+            for row in rows:
+                row.routing = routing.nodes.get(row.name)
         seen = {r.node.name for r in poll.readings}
         for gone in set(self._state) - seen:  # removed from the inventory
             del self._state[gone]
@@ -365,6 +576,54 @@ class Sampler:
             poll_s=poll.elapsed_s,
             polls=self.polls,
             has_links=poll.rtt_s is not None,
+            routing=routing,
+        )
+
+    def _routing(self, reading: RouterReading, ts_s: float) -> RoutingView:
+        """The router's counts since it started, and their increases over the recent window
+        (the same window and gap rule as the agents')."""
+        if reading.stats is None:
+            return RoutingView(reading.url, False, reading.error or "no answer")
+        try:
+            sample = _router_sample(reading.stats)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            why = f"not a router's stats ({type(exc).__name__}: {exc})"
+            return RoutingView(reading.url, False, why)
+        last, last_ts_s = self._router_last, self._router_ts_s
+        self._router_last, self._router_ts_s = sample, ts_s
+        if last is not None and last_ts_s is not None and ts_s > last_ts_s:
+            seconds = ts_s - last_ts_s
+            if self._max_gap_s is not None and seconds > self._max_gap_s:
+                self._router_steps.clear()
+            else:
+                self._router_steps.append(_router_step(last, sample, seconds))
+        recent = RoutedCounts()
+        node_inc: dict[str, tuple[float, float]] = {}
+        link_inc: dict[tuple[str, str], float] = {}
+        for step in self._router_steps:
+            recent.seconds += step.counts.seconds
+            recent.add(step.counts)
+            for name, (d, h) in step.nodes.items():
+                d0, h0 = node_inc.get(name, (0.0, 0.0))
+                node_inc[name] = (d0 + d, h0 + h)
+            for pair, nbytes in step.link_bytes.items():
+                link_inc[pair] = link_inc.get(pair, 0.0) + nbytes
+        nodes = {}
+        for name, (d, h) in sample.nodes.items():
+            recent_d, recent_h = node_inc.get(name, (0.0, 0.0))
+            nodes[name] = NodeRouting(d, h, recent_d, recent_h, recent.seconds)
+        links = [
+            LinkPulls(a, b, chunks, nbytes, recent.rate_of(link_inc.get((a, b), 0.0)))
+            for (a, b), (chunks, nbytes) in sorted(sample.links.items())
+        ]
+        return RoutingView(
+            reading.url,
+            True,
+            total=RoutedCounts(**sample.totals),
+            recent=recent,
+            nodes=nodes,
+            links=links,
+            no_node=sample.no_node,
         )
 
     def _safe_row(self, reading: Reading, poll: Poll) -> NodeRow:
@@ -470,6 +729,74 @@ class Sampler:
         return _Step(seconds, counts, tier_ev)
 
 
+@dataclass(frozen=True, slots=True)
+class _RouterSample:
+    """The router's counters at one poll, read off its ``/v1/stats``."""
+
+    totals: dict[str, float]
+    #: node -> (decisions, to_holder)
+    nodes: dict[str, tuple[float, float]]
+    #: (from_dc, to_dc) -> (chunks, bytes) pulled
+    links: dict[tuple[str, str], tuple[float, float]]
+    no_node: float
+
+
+@dataclass(frozen=True, slots=True)
+class _RouterStep:
+    """One poll's increases of the router's counters."""
+
+    counts: RoutedCounts
+    nodes: dict[str, tuple[float, float]]
+    link_bytes: dict[tuple[str, str], float]
+
+
+def _count(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise ValueError(f"not a count: {value!r}")
+    return float(value)
+
+
+def _router_sample(stats: Mapping[str, Any]) -> _RouterSample:
+    return _RouterSample(
+        totals={name: _count(stats[name]) for name in ROUTER_COUNTERS},
+        nodes={
+            str(name): (_count(row["decisions"]), _count(row["to_holder"]))
+            for name, row in stats["nodes"].items()
+        },
+        links={
+            (str(link["from_dc"]), str(link["to_dc"])): (
+                _count(link["chunks"]),
+                _count(link["bytes"]),
+            )
+            for link in stats["links"]
+        },
+        no_node=_count(stats.get("no_node", 0)),
+    )
+
+
+def _router_step(last: _RouterSample, now: _RouterSample, seconds: float) -> _RouterStep:
+    """The increases from ``last`` to ``now``. The router's counters only grow while it runs:
+    one that went down means it restarted, and every count is then new since its start (a node
+    or link seen for the first time also counts from zero)."""
+    restarted = any(now.totals[k] < last.totals[k] for k in ROUTER_COUNTERS)
+
+    def inc(value: float, before: float) -> float:
+        return value if restarted else max(value - before, 0.0)
+
+    counts = RoutedCounts(
+        seconds, **{k: inc(now.totals[k], last.totals[k]) for k in ROUTER_COUNTERS}
+    )
+    nodes = {}
+    for name, (d, h) in now.nodes.items():
+        d0, h0 = last.nodes.get(name, (0.0, 0.0))
+        nodes[name] = (inc(d, d0), inc(h, h0))
+    links = {
+        pair: inc(nbytes, last.links.get(pair, (0.0, 0.0))[1])
+        for pair, (_chunks, nbytes) in now.links.items()
+    }
+    return _RouterStep(counts, nodes, links)
+
+
 def _rtt_from(
     dc: str, rtt_s: Mapping[tuple[str, str], float | None] | None
 ) -> dict[str, float | None]:
@@ -498,6 +825,8 @@ _SORT_KEYS: dict[str, Callable[[NodeRow], Any]] = {
     "io": lambda r: r.recent.io_bytes_per_s,
     "rtt": lambda r: r.max_rtt_s,
     "power": lambda r: None if r.gpu is None else r.gpu.power_w,
+    "routed": lambda r: None if r.routing is None else r.routing.decisions_per_s,
+    "holder": lambda r: None if r.routing is None else r.routing.to_holder_share,
 }
 
 

@@ -1,11 +1,13 @@
 """Where `kvctl top` reads from: the fleet's inventory in the database (every node's agent asked
-live, link RTTs from the collectors' probes), or agents named by URL. Each poll asks every agent
-at once and never raises for a node that does not answer: that node is down."""
+live, link RTTs from the collectors' probes), or agents named by URL; and, when one is named, the
+router's decision counts. Each poll asks every agent (and the router) at once and never raises
+for one that does not answer: that node, or the router, is down."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -15,10 +17,11 @@ from sqlalchemy.engine import Engine
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import ClientPool, fan_out
-from kvctl.tui.model import GpuPower, Poll, Reading
+from kvctl.tui.model import GpuPower, Poll, Reading, RouterReading
 
 if TYPE_CHECKING:
     from kvctl.db.analytics.recorded import Recorded
+    from kvctl.router.client import RouterClient
 
 #: GPUs are read this often (seconds): NVML power moves slowly and costs a request per node
 GPU_EVERY_S = 10.0
@@ -101,13 +104,50 @@ def gpu_power(answer: dict[str, Any]) -> GpuPower:
     return GpuPower(float(sum(watts)), len(gpus))
 
 
+def router_url(url: str) -> str:
+    """``url`` checked as a router's address (http or https, with a host)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not a router URL: {url!r} (use http://HOST:PORT)")
+    return parts.geturl().rstrip("/")
+
+
+class RouterWatch:
+    """Reads the router's ``/v1/stats`` once a poll over one kept-open client; never raises:
+    a router that does not answer is a :class:`RouterReading` with the reason."""
+
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 2.0) -> None:
+        self.url = router_url(url)
+        self._token = token
+        self._timeout_s = timeout_s
+        self._client: RouterClient | None = None
+
+    def read(self) -> RouterReading:
+        from kvctl.router.client import RouterClient, RouterClientError
+
+        try:
+            if self._client is None:
+                self._client = RouterClient(self.url, token=self._token, timeout_s=self._timeout_s)
+            return RouterReading(self.url, self._client.stats())
+        except RouterClientError as exc:
+            return RouterReading(self.url, None, str(exc))
+        except Exception as exc:  # not the router's answer at all: its reason, not a crash
+            return RouterReading(self.url, None, f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
 @dataclass(slots=True)
 class Asker:
-    """Asks agents for stats each poll and for GPUs every :data:`GPU_EVERY_S`."""
+    """Asks agents for stats each poll and for GPUs every :data:`GPU_EVERY_S`, and the router
+    (when one is watched) for its stats alongside, under the same timeout."""
 
     token: str | None
     timeout_s: float
     clock: Callable[[], float] = time.time
+    router: RouterWatch | None = None
     _gpus_at: dict[str, float] = field(default_factory=dict)
     _pool: ClientPool | None = None
 
@@ -120,8 +160,20 @@ class Asker:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        if self.router is not None:
+            self.router.close()
 
-    def ask(self, nodes: Sequence[NodeInfo]) -> list[Reading]:
+    def ask(self, nodes: Sequence[NodeInfo]) -> tuple[list[Reading], RouterReading | None]:
+        """Every node's reading, and the router's (None when no router is watched), asked at
+        the same time."""
+        if self.router is None:
+            return self._ask_agents(nodes), None
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvctl-top-router") as ex:
+            router = ex.submit(self.router.read)
+            readings = self._ask_agents(nodes)
+            return readings, router.result()
+
+    def _ask_agents(self, nodes: Sequence[NodeInfo]) -> list[Reading]:
         now = self.clock()
         due = {
             n.agent_url.rstrip("/")
@@ -166,16 +218,18 @@ class FleetSource:
         token: str | None = None,
         timeout_s: float = 2.0,
         clock: Callable[[], float] = time.time,
+        router: RouterWatch | None = None,
     ) -> None:
         self.engine = engine
         self.dcs, self.nodes = list(dcs), list(nodes)
         self.token = token
         self.clock = clock
-        self._asker = Asker(token, timeout_s, clock)
+        self._asker = Asker(token, timeout_s, clock, router)
         url = engine.url
         self.label = f"fleet · {url.get_backend_name()}:{url.database or ''}"
         if self.dcs or self.nodes:
             self.label += " · " + ",".join([*self.dcs, *self.nodes])
+        self.label += _router_label(router)
 
     def targets(self) -> list[NodeInfo]:
         from kvctl.fleet.targets import resolve_targets
@@ -212,8 +266,8 @@ class FleetSource:
     def poll(self) -> Poll:
         t0 = time.perf_counter()
         ts_s = self.clock()
-        readings = self._asker.ask(self.targets())
-        return Poll(ts_s, readings, self.rtt(), time.perf_counter() - t0)
+        readings, router = self._asker.ask(self.targets())
+        return Poll(ts_s, readings, self.rtt(), time.perf_counter() - t0, router)
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details:
         return fetch_details(self._asker.pool, node, cursor)
@@ -221,6 +275,10 @@ class FleetSource:
     def close(self) -> None:
         self._asker.close()
         self.engine.dispose()
+
+
+def _router_label(router: RouterWatch | None) -> str:
+    return "" if router is None else f" · router {router.url}"
 
 
 def agent_node(url: str, index: int) -> NodeInfo:
@@ -242,6 +300,7 @@ class AgentSource:
         token: str | None = None,
         timeout_s: float = 2.0,
         clock: Callable[[], float] = time.time,
+        router: RouterWatch | None = None,
     ) -> None:
         if not urls:
             raise ValueError("name at least one agent URL")
@@ -253,12 +312,12 @@ class AgentSource:
         self.token = token
         self.timeout_s = timeout_s
         self.clock = clock
-        self._asker = Asker(token, timeout_s, clock)
+        self._asker = Asker(token, timeout_s, clock, router)
         self.label = (
             f"agents · {len(self._nodes)}"
             if len(self._nodes) > 1
             else f"agent · {self._nodes[0].agent_url}"
-        )
+        ) + _router_label(router)
 
     def targets(self) -> list[NodeInfo]:
         return list(self._nodes)
@@ -290,13 +349,13 @@ class AgentSource:
     def poll(self) -> Poll:
         t0 = time.perf_counter()
         ts_s = self.clock()
-        readings = self._asker.ask(self._nodes)
+        readings, router = self._asker.ask(self._nodes)
         self._name_new(readings)
         by_id = {n.id: n for n in self._nodes}
         readings = [
             Reading(by_id[r.node.id], r.stats, r.error, r.elapsed_s, r.gpu) for r in readings
         ]
-        return Poll(ts_s, readings, None, time.perf_counter() - t0)
+        return Poll(ts_s, readings, None, time.perf_counter() - t0, router)
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details:
         return fetch_details(self._asker.pool, node, cursor)
