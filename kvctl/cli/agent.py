@@ -366,6 +366,116 @@ def remote_command(
         _render_remote(report)
 
 
+@agent_app.command("probe")
+@bundled
+def probe_command(
+    target: Annotated[
+        str,
+        typer.Argument(
+            help="Data-plane address of the agent to probe, HOST:PORT.", show_default=False
+        ),
+    ],
+    home: AgentHome,
+    target_name: Annotated[
+        str | None,
+        typer.Option(
+            help="The target node's name in the fleet: when the agent has a peer of that name "
+            "with an emulated delay (--link NAME:delay_ms=N), the probe includes it. Without "
+            "it, the agent matches its peers and pool by address."
+        ),
+    ] = None,
+    target_token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVCTL_TARGET_TOKEN",
+            help="The target's data-plane token (prefer $KVCTL_TARGET_TOKEN: a flag shows in ps).",
+            show_default=False,
+        ),
+    ] = None,
+    pings: Annotated[int, typer.Option(min=1, max=100, help="PING round trips to time.")] = 5,
+    size: Annotated[
+        str, typer.Option("--bytes", help="Bytes to upload, then download (0: latency only).")
+    ] = "1MiB",
+    timeout: Annotated[
+        float, typer.Option(min=0.001, max=30, help="Seconds each step may take.")
+    ] = 2.0,
+    url: UrlOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Have this node's agent probe the link to another agent: RTT (median, fastest), loss
+    and bandwidth. The RTT says its basis: "measured" is the network's; "emulated" includes the
+    delay the agent's own fetches over that configured link wait (a demo's or test's distance).
+    Exits 1 when the probe fails.
+
+    Examples:
+
+      kvctl agent probe 10.1.0.7:7071 --target-name fra-2
+
+      kvctl agent probe 10.1.0.7:7071 --bytes 0 --pings 20 --json
+    """
+    from kvctl.client import AgentClient, AgentError
+    from kvctl.errors import InvalidArgument
+    from kvctl.units import parse_size
+
+    try:
+        size_bytes = parse_size(size)
+    except InvalidArgument as exc:
+        fail(f"--bytes: {exc}")
+    settings, control_url = _target(home, url)
+    try:
+        with AgentClient(control_url, token=settings.token or None) as client:
+            probe = client.probe(
+                target,
+                token=target_token,
+                pings=pings,
+                size_bytes=size_bytes,
+                timeout_s=timeout,
+                name=target_name,
+            )
+    except AgentError as exc:
+        fail(str(exc), hint="start it with `kvctl agent start --detach`", code=1)
+    if json_out:
+        print_json(dict(probe))
+    else:
+        _render_probe(dict(probe), target_name)
+    if not probe["ok"]:
+        raise typer.Exit(1)
+
+
+def probe_rtt_text(rtt_s: float | None, rtt_basis: str, emulated_delay_s: float | None) -> str:
+    """A probe's RTT with its basis: "0.85 ms (emulated +0.80 ms)", "0.17 ms (measured)"."""
+    rtt = "N/A" if rtt_s is None else f"{rtt_s * 1000:.2f} ms"
+    if rtt_basis == "emulated" and emulated_delay_s is not None:
+        return f"{rtt} (emulated +{emulated_delay_s * 1000:.2f} ms)"
+    return f"{rtt} ({rtt_basis})"
+
+
+def _render_probe(probe: dict[str, Any], target_name: str | None) -> None:
+    from rich.table import Table
+
+    from kvctl.format import format_bytes, format_rate, percent
+
+    basis = (probe["rtt_basis"], probe["emulated_delay_s"])
+    title = f"probe of {target_name} ({probe['target']})" if target_name else probe["target"]
+    table = Table("", "", title=title, show_header=False)
+    table.add_row("rtt", probe_rtt_text(probe["rtt_s"], *basis))
+    table.add_row("fastest", probe_rtt_text(probe["rtt_min_s"], *basis))
+    table.add_row("loss", percent(probe["loss_ratio"]))
+    if probe["probe_bytes"]:
+        up, down = probe["upload_bytes_per_s"], probe["download_bytes_per_s"]
+        table.add_row(
+            "bandwidth",
+            "N/A"
+            if probe["bandwidth_bytes_per_s"] is None
+            else f"{format_rate(probe['bandwidth_bytes_per_s'])} "
+            f"(up {format_rate(up)}, down {format_rate(down)}; "
+            f"{format_bytes(probe['probe_bytes'])} each way)",
+        )
+    console.print(table)
+    if probe["error"]:
+        err_console.print(f"[red]probe failed:[/] {probe['error']}", highlight=False)
+
+
 def _link_cells(link: dict[str, Any]) -> tuple[str, str, str]:
     from kvctl.format import format_rate
 

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+from kvctl.cli.main import app
 from kvctl.client import DataClient, RequestError
 from kvctl.nvml import NvmlReader
 from kvctl.wire.protocol import (
@@ -112,6 +114,13 @@ def test_a_probe_over_an_emulated_link_includes_its_delay(tmp_path: Path) -> Non
             assert own is not None
             unconfigured = ctl.probe(own, name="b", pings=3, size_bytes=0)
             assert _requests(a, "ping") - pings == 6  # the delayed pings really reached A
+            # the operator's view: the basis next to the figure, and in --json
+            cli = ["agent", "probe", "--url", b.state.control_url, "--pings", "2"]
+            shown = CliRunner().invoke(
+                app, [*cli, target, "--target-name", "a"], env={"COLUMNS": "160"}
+            )
+            as_json = CliRunner().invoke(app, [*cli, own, "--bytes", "0", "--json"])
+            failed = CliRunner().invoke(app, [*cli, f"127.0.0.1:{closed_port()}", "--bytes", "0"])
     for out in (by_name, by_address):
         assert out["ok"] is True, out["error"]
         assert (out["rtt_basis"], out["emulated_delay_s"]) == ("emulated", 0.005)
@@ -119,6 +128,13 @@ def test_a_probe_over_an_emulated_link_includes_its_delay(tmp_path: Path) -> Non
     assert by_name["bandwidth_bytes_per_s"] > 0
     assert unconfigured["ok"] is True, unconfigured["error"]
     assert (unconfigured["rtt_basis"], unconfigured["emulated_delay_s"]) == ("measured", None)
+    assert shown.exit_code == 0, shown.output
+    assert "probe of a" in shown.output and "(emulated +5.00 ms)" in shown.output
+    assert as_json.exit_code == 0, as_json.output
+    own_probe = json.loads(as_json.output)
+    assert own_probe["ok"] is True
+    assert (own_probe["rtt_basis"], own_probe["emulated_delay_s"]) == ("measured", None)
+    assert failed.exit_code == 1 and "probe failed" in failed.output
 
 
 def test_probe_of_a_closed_port_is_ok_false_naming_the_address(pair: tuple[Agent, Agent]) -> None:

@@ -17,6 +17,7 @@ from kvctl.agent.dataplane import DataPlaneServer
 from kvctl.agent.remote import open_remote
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings, LinkSpec
+from kvctl.cli.agent import probe_rtt_text
 from kvctl.remote.federation import RemoteTiers
 from kvctl.remote.links import EmulatedDelay
 from kvctl.remote.probe import emulated_source, probe_link
@@ -164,3 +165,9 @@ def test_the_api_applies_the_link_to_the_named_target(tmp_path: Path, data_plane
         assert (out["rtt_basis"], out["emulated_delay_s"]) == ("emulated", DELAY_A_S)
         assert out["rtt_min_s"] >= DELAY_A_S
     assert bad_name.status_code == 422 and "name" in bad_name.text
+
+
+def test_the_cli_shows_the_basis_next_to_the_rtt() -> None:
+    assert probe_rtt_text(0.00085, "emulated", 0.0008) == "0.85 ms (emulated +0.80 ms)"
+    assert probe_rtt_text(0.00017, "measured", None) == "0.17 ms (measured)"
+    assert probe_rtt_text(None, "measured", None) == "N/A (measured)"
