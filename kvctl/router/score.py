@@ -29,11 +29,9 @@ from kvctl.index.model import Holding, owner
 from kvctl.remote.fetchplan import (
     DEVICE_TIERS,
     AnyLink,
-    Candidate,
-    FetchPlan,
     LocalLink,
     PrefillModel,
-    plan_fetch,
+    Reason,
 )
 from kvctl.remote.links import Link
 from kvctl.router.topology import Node, Topology
@@ -208,21 +206,22 @@ def score_nodes(
     RTT + queue + the prefill of the tokens past everything the fleet holds of the chain (as if
     all of it were fetched for free), so nodes are planned in order of that bound and the rest
     are skipped once a planned node scores below it: the best node is the same, the list holds
-    the planned nodes only (what a decision needs; ``--explain`` plans them all)."""
+    the planned nodes only (what a decision needs; ``--explain`` plans them all).
+
+    Each plan is ``plan_fetch``'s for the chain on that node, worked out over runs of chunks
+    with the same holders (``_Shape``) instead of one ``Candidate`` per chunk; a test checks
+    that every figure equals the per-chunk planner's, bit for bit."""
     if tokens < 0 or chunk_tokens <= 0:
         raise InvalidArgument(
             f"tokens must be >= 0 and chunk_tokens > 0, got {tokens}, {chunk_tokens}"
         )
     queue = queue_s or {}
-    k = held_prefix(holdings)
-    chain = list(holdings[:k])
     device = LocalLink("device", 0.0, costs.host_to_device_bytes_per_s, "configured")
     if costs.host_to_device_bytes_per_s is None:
         device = LocalLink("device", 0.0, None, "unreported")
-    shape = _Shape.of(chain, chunk_tokens)
-    held_tokens = min(tokens, sum(shape.tokens))
+    shape = _Shape.of(holdings, chunk_tokens, costs.prefill)
+    held_tokens = min(tokens, shape.tokens[-1])
     floor_prefill_s = costs.prefill.seconds(held_tokens, tokens)
-    owners = {owner(h.node) for held in chain for h in held}
     bounded: list[tuple[float, str, Node, float]] = []
     for node in topology.nodes.values():
         if not node.serves or (up is not None and node.name not in up):
@@ -241,20 +240,19 @@ def score_nodes(
     if prune:
         bounded.sort(key=lambda b: (b[0], b[1]))
     # nodes that hold none of the chain plan alike within a DC: plan once per DC
-    by_dc: dict[str, tuple[FetchPlan, dict[str, tuple[str, str]]]] = {}
+    by_dc: dict[str, _Plan] = {}
     out: list[NodeScore] = []
     best_s = math.inf
     for floor_s, _, node, origin_s in bounded:
         if prune and floor_s > best_s:
             break  # every node left has a bound at least this one's
-        own = node.name in owners
-        if not own and node.dc in by_dc:
-            plan, names = by_dc[node.dc]
-        else:
-            plan, names = _plan(chain, shape, node, topology, costs, device)
+        own = node.name in shape.all_owners
+        plan = None if own else by_dc.get(node.dc)
+        if plan is None:
+            plan = _plan(shape, node, topology, costs, device)
             if not own:
-                by_dc[node.dc] = (plan, names)
-        scored = _score(node, plan, names, chain, shape, tokens, costs, origin_s, queue)
+                by_dc[node.dc] = plan
+        scored = _score(node, plan, shape, tokens, costs, origin_s, queue)
         best_s = min(best_s, scored.score_s)
         out.append(scored)
     out.sort(key=lambda s: (s.score_s, -s.local_chunks, s.queue_s, s.node))
@@ -270,63 +268,220 @@ def _carbon_g(node: Node, prefill_s: float, costs: Costs) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class _Shape:
-    """The chain's figures every node's plan shares, worked out once per decision."""
+    """The chain's figures every node's plan shares, worked out once per decision.
 
-    #: each chunk's size and tokens (the largest any holder reports)
-    sizes: list[int]
+    Consecutive chunks with the same holders (node and tier), size and tokens get the same
+    source on any node, so the chain is kept as runs of them: a chain of hundreds of chunks is
+    mostly a few runs, and a node works out its sources once per holder set."""
+
+    #: (first chunk, chunks, holder set, size_bytes, tokens) of each run, in chain order; a
+    #: chunk's size and tokens are the largest any holder reports (tokens: ``chunk_tokens``
+    #: when none reports any)
+    runs: list[tuple[int, int, int, int, int]]
+    #: each holder set's holdings (as its first chunk lists them) and the nodes owning them
+    held: list[Sequence[Holding]]
+    owners: list[frozenset[str]]
+    all_owners: frozenset[str]
+    #: tokens of the chain's first k chunks (index k, 0 to the chain's length)
     tokens: list[int]
-    #: each chunk's holder set as a small number: chunks with the same holders (most of a
-    #: chain) get the same sources, so a node works them out once per set
-    sets: list[int]
+    #: the prefill model's seconds for those tokens from an empty context (``plan_fetch``'s
+    #: recompute time of the first k chunks, the same expression)
+    recompute_s: list[float]
 
     @classmethod
-    def of(cls, chain: Sequence[Sequence[Holding]], chunk_tokens: int) -> _Shape:
-        sizes: list[int] = []
-        tokens: list[int] = []
-        sets: list[int] = []
+    def of(
+        cls, holdings: Sequence[Sequence[Holding]], chunk_tokens: int, prefill: PrefillModel
+    ) -> _Shape:
+        """The shape of ``holdings``' held prefix (up to the first chunk nobody holds)."""
+        alpha, beta = prefill.alpha_s_per_token, prefill.beta_s_per_token2
+        starts: list[int] = []
+        kinds: list[tuple[int, int, int]] = []
+        held_sets: list[Sequence[Holding]] = []
+        owners: list[frozenset[str]] = []
         ids: dict[tuple[tuple[str, str], ...], int] = {}
-        for held in chain:
-            sizes.append(max(h.size_bytes for h in held))
-            tokens.append(max(h.tokens for h in held) or chunk_tokens)
-            sets.append(ids.setdefault(tuple((h.node, h.tier) for h in held), len(ids)))
-        return cls(sizes, tokens, sets)
+        cumulative = [0]
+        recompute_s = [0.0]
+        total = 0
+        last: tuple[tuple[tuple[str, str], ...], int, int] | None = None
+        holders: tuple[tuple[str, str], ...]
+        for i, held in enumerate(holdings):
+            if not held:
+                break
+            if len(held) == 1:
+                h = held[0]
+                size, tok, holders = h.size_bytes, h.tokens or chunk_tokens, ((h.node, h.tier),)
+            else:
+                size = max([h.size_bytes for h in held])
+                tok = max([h.tokens for h in held]) or chunk_tokens
+                holders = tuple([(h.node, h.tier) for h in held])
+            total += tok
+            cumulative.append(total)
+            # plan_fetch's recompute_s(k) with start_tokens 0, written as it writes it
+            recompute_s.append(total * (alpha + beta * total / 2))
+            kind = (holders, size, tok)
+            if kind == last:
+                continue
+            last = kind
+            set_id = ids.get(holders)
+            if set_id is None:
+                set_id = ids[holders] = len(held_sets)
+                held_sets.append(held)
+                owners.append(frozenset([owner(h.node) for h in held]))
+            starts.append(i)
+            kinds.append((set_id, size, tok))
+        ends = [*starts[1:], len(cumulative) - 1] if starts else []
+        runs = [
+            (first, end - first, set_id, size, tok)
+            for first, end, (set_id, size, tok) in zip(starts, ends, kinds, strict=True)
+        ]
+        return cls(runs, held_sets, owners, frozenset().union(*owners), cumulative, recompute_s)
+
+    def local_chunks(self, node: str) -> int:
+        """Chunks at the head of the chain ``node`` holds itself (``local_prefix``)."""
+        for first, _, set_id, _, _ in self.runs:
+            if node not in self.owners[set_id]:
+                return first
+        return len(self.tokens) - 1
 
 
-def _plan(
-    chain: Sequence[Sequence[Holding]],
-    shape: _Shape,
-    node: Node,
-    topology: Topology,
-    costs: Costs,
-    device: LocalLink,
-) -> tuple[FetchPlan, dict[str, tuple[str, str]]]:
-    """The fetch plan of ``chain`` on ``node``, and each link name's (holder, tier)."""
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a node's score takes from its fetch plan (``plan_fetch``'s figures)."""
+
+    fetch_s: float
+    reason: Reason
+    #: each link the plan's candidates named: as_dict(), by name
+    links: dict[str, dict[str, object]]
+    fetched_chunks: int
+    #: tokens of the fetched chunks (before the request's own count caps them)
+    fetched_tokens: int
+    pulled_chunks: int
+    pulled_bytes: int
+    pulls: tuple[Pull, ...]
+
+
+def _plan(shape: _Shape, node: Node, topology: Topology, costs: Costs, device: LocalLink) -> _Plan:
+    """``plan_fetch`` of the chain on ``node``, run by run (see ``score_nodes``).
+
+    Candidates are the chunks up to the first that has no source on this node (or no bytes);
+    each takes its cheapest source (``_cheapest``). Walking the chunks in order, the plan keeps
+    plan_fetch's sums as it keeps them (each link's bytes, each stage's slowest link, the host
+    -> device bytes), so its floats round alike, and the fetched prefix is the k that saves
+    the most time (ties: the larger k; none unless it saves some). The router's links are
+    all costed and none is overridden, so plan_fetch's override and uncosted cases never
+    arise here."""
     links: dict[str, AnyLink] = {}
     names: dict[str, tuple[str, str]] = {}
     stages: dict[str, int] = {}
-    candidates: list[Candidate] = []
-    by_set: dict[int, tuple[str, ...]] = {}
-    trusted = Candidate.trusted
-    for i, held in enumerate(chain):
-        holders = shape.sets[i]
-        sources = by_set.get(holders)
+    sources_of: dict[int, tuple[str, ...]] = {}
+    choice_of: dict[tuple[int, int], str | None] = {}
+    named: set[str] = set()
+    link_bytes: dict[str, int] = {}
+    stage_s = [0.0, 0.0]  # the slowest link's time so far, by stage
+    stages_total_s = 0.0
+    device_bytes = 0
+    device_rtt_s, device_bw = device.rtt_s, device.bandwidth_bytes_per_s
+    recompute_s = shape.recompute_s
+    k = best_k = 0
+    best_saved_s = best_fetch_s = 0.0
+    #: (first chunk, chunks, link, size_bytes) of each run of candidates
+    used: list[tuple[int, int, str, int]] = []
+    for first, count, set_id, size, _ in shape.runs:
+        sources = sources_of.get(set_id)
         if sources is None:
-            found = (_link_for(h, node, topology, costs, links, names, stages) for h in held)
-            sources = by_set[holders] = tuple(name for name in found if name is not None)
-        size = shape.sizes[i]
+            found = [
+                _link_for(h, node, topology, costs, links, names, stages)
+                for h in shape.held[set_id]
+            ]
+            sources = sources_of[set_id] = tuple([n for n in found if n is not None])
         if not sources or size <= 0:
             break
-        # figures the index already checked (ChunkEvent): no second check per chunk and node
-        candidates.append(trusted(i, size, shape.tokens[i], sources))
-    plan = plan_fetch(
-        candidates,
-        links,
-        costs.prefill,
-        stages=stages,
-        device=device,
-        on_device=DEVICE_TIERS,
+        choice = (set_id, size)
+        if choice in choice_of:
+            name = choice_of[choice]
+        else:
+            name = choice_of[choice] = _cheapest(sources, links, size)
+        if name is None:  # only uncosted sources: _link_for builds none
+            break
+        named.update(sources)
+        used.append((first, count, name, size))
+        link = links[name]
+        rtt_s, bw = link.rtt_s or 0.0, link.bandwidth_bytes_per_s
+        stage = stages[name]
+        slowest_s = stage_s[stage]
+        nbytes = link_bytes.get(name, 0)
+        crosses = name not in DEVICE_TIERS
+        # the loop plan_fetch runs per candidate, with this run's figures held in locals
+        for _ in range(count):
+            nbytes += size
+            link_s = rtt_s + (0.0 if bw is None else nbytes / bw)  # link.fetch_s(nbytes)
+            grown_s = link_s - slowest_s
+            if grown_s > 0:
+                slowest_s = link_s
+                stages_total_s += grown_s
+            if crosses:
+                device_bytes += size
+            device_s = 0.0
+            if device_bytes:
+                device_s = device_rtt_s + (device_bytes / device_bw if device_bw else 0.0)
+            fetch_s = stages_total_s + device_s
+            k += 1
+            saved_s = recompute_s[k] - fetch_s
+            if saved_s > 0.0 and saved_s >= best_saved_s:
+                best_k, best_saved_s, best_fetch_s = k, saved_s, fetch_s
+        link_bytes[name] = nbytes
+        stage_s[stage] = slowest_s
+    reason: Reason = "fetch"
+    if not used:
+        reason = "no-candidates"
+    elif best_k == 0:
+        reason = "slower-than-recompute"
+    # the fetched prefix as runs from one place each, and what it pulls from other nodes
+    pulls: list[Pull] = []
+    pulled_chunks = pulled_bytes = 0
+    left = best_k
+    for first, count, name, size in used:
+        if left <= 0:
+            break
+        chunks = min(count, left)
+        left -= chunks
+        holder, tier = names[name]
+        nbytes = chunks * size
+        if holder:
+            pulled_chunks += chunks
+            pulled_bytes += nbytes
+        if pulls and (pulls[-1].node, pulls[-1].tier) == (holder, tier):
+            last = pulls[-1]
+            pulls[-1] = Pull(
+                last.first, last.chunks + chunks, holder, tier, last.size_bytes + nbytes
+            )
+        else:
+            pulls.append(Pull(first, chunks, holder, tier, nbytes))
+    return _Plan(
+        fetch_s=best_fetch_s,
+        reason=reason,
+        links={name: links[name].as_dict() for name in sorted(named)},
+        fetched_chunks=best_k,
+        fetched_tokens=shape.tokens[best_k],
+        pulled_chunks=pulled_chunks,
+        pulled_bytes=pulled_bytes,
+        pulls=tuple(pulls),
     )
-    return plan, names
+
+
+def _cheapest(sources: Sequence[str], links: Mapping[str, AnyLink], size: int) -> str | None:
+    """``plan_fetch``'s source for a chunk of ``size`` bytes: the least transfer time, then
+    the smaller RTT, then the name; None when no source can be costed."""
+    best: tuple[float, float, str] | None = None
+    for name in sources:
+        link = links[name]
+        transfer_s = link.transfer_s(size)
+        if transfer_s is None or link.rtt_s is None:
+            continue
+        key = (transfer_s, link.rtt_s, name)
+        if best is None or key < best:
+            best = key
+    return None if best is None else best[2]
 
 
 def _link_for(
@@ -376,31 +531,14 @@ def _link_for(
 
 def _score(
     node: Node,
-    plan: FetchPlan,
-    names: Mapping[str, tuple[str, str]],
-    chain: Sequence[Sequence[Holding]],
+    plan: _Plan,
     shape: _Shape,
     tokens: int,
     costs: Costs,
     origin_s: float,
     queue: Mapping[str, float],
 ) -> NodeScore:
-    fetched_tokens = 0
-    pulled_chunks = pulled_bytes = 0
-    pulls: list[Pull] = []
-    for index, link in plan.fetch:
-        holder, tier = names[link]
-        size = shape.sizes[index]
-        fetched_tokens += shape.tokens[index]
-        if holder:
-            pulled_chunks += 1
-            pulled_bytes += size
-        last = pulls[-1] if pulls else None
-        if last is not None and (last.node, last.tier) == (holder, tier):
-            pulls[-1] = Pull(last.first, last.chunks + 1, holder, tier, last.size_bytes + size)
-        else:
-            pulls.append(Pull(index, 1, holder, tier, size))
-    fetched_tokens = min(fetched_tokens, tokens)
+    fetched_tokens = min(plan.fetched_tokens, tokens)
     prefill_s = costs.prefill.seconds(fetched_tokens, tokens)
     queue_s = max(0.0, float(queue.get(node.name, 0.0)))
     ttft_s = origin_s + plan.fetch_s + prefill_s + queue_s
@@ -409,11 +547,11 @@ def _score(
     return NodeScore(
         node=node.name,
         dc=node.dc,
-        local_chunks=local_prefix(chain, node.name),
-        fetched_chunks=len(plan.fetch),
+        local_chunks=shape.local_chunks(node.name),
+        fetched_chunks=plan.fetched_chunks,
         fetched_tokens=fetched_tokens,
-        pulled_chunks=pulled_chunks,
-        pulled_bytes=pulled_bytes,
+        pulled_chunks=plan.pulled_chunks,
+        pulled_bytes=plan.pulled_bytes,
         origin_s=origin_s,
         fetch_s=plan.fetch_s,
         prefill_s=prefill_s,
@@ -421,7 +559,7 @@ def _score(
         carbon_g=carbon_g,
         ttft_s=ttft_s,
         score_s=score_s,
-        pulls=tuple(pulls),
+        pulls=plan.pulls,
         reason=plan.reason,
         links=plan.links,
     )
