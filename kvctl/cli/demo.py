@@ -48,6 +48,14 @@ def demo_command(
             "--speed", help="Replay this many times faster than the trace; 0: flat out.", min=0
         ),
     ] = 10.0,
+    gpu: Annotated[
+        str,
+        typer.Option(
+            "--gpu",
+            help="GPU profile the demo's prefill is modeled on: the agents' fetch-or-recompute, "
+            "the router's costs, the modeled savings (h100, a100, l4, ...).",
+        ),
+    ] = "l4",
     nodes_per_dc: Annotated[
         int, typer.Option("--nodes-per-dc", help="Agents in each of the two DCs.", min=1, max=8)
     ] = 2,
@@ -59,16 +67,22 @@ def demo_command(
     ] = True,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run the demo fleet: two DCs of agents, a collector and a replayed workload.
+    """Run the demo fleet: two DCs of agents sharing a pool and each other, a router, a
+    collector and a replayed workload.
 
-    Starts 2 x --nodes-per-dc agents as separate processes on loopback, registers them with a
-    link between the DCs in a SQLite database in the workspace, starts the collector, and
-    replays the workload (the built-in one, or --trace) through the agents' data plane, and
-    serves the dashboard on the database (port 8050, or a free one; --browser opens it) with a
-    capacity plan of the workload saved for its capacity page.
-    Transfers between the DCs wait an emulated link delay (5 us per km each way). Stops at
-    --duration or Ctrl-C, stopping everything it started; the workspace (database, logs,
-    replay.json) stays for `kvctl status`/`kvctl db` and the next run.
+    Starts a pool agent and 2 x --nodes-per-dc agents as separate processes on loopback, each
+    node with the pool and every other node as its peers; registers the nodes with a link
+    between the DCs in a SQLite database in the workspace; starts the router on it and the
+    collector; and replays the workload (the built-in one, or --trace) through the agents'
+    data plane, each request on the node the router picks. The agents pull what they reuse
+    from their peers and the pool themselves; pulls across the DCs wait an emulated delay (the
+    fiber round trip, 5 us per km each way). It serves the dashboard on the database (port
+    8050, or a free one; --browser opens it) with a capacity plan of the workload saved for
+    its capacity page. Stops at --duration or Ctrl-C, stopping everything it started; the
+    summary shows the routing, hits by tier (pool and peers too), bytes pulled across and
+    within the DCs, and whether the agents and the database counted what the replay did. The
+    workspace (database, logs, replay.json) stays for `kvctl status`/`kvctl db` and the next
+    run.
 
     Examples:
 
@@ -93,9 +107,13 @@ def demo_command(
         if trace is not None and not trace.is_file():
             err_console.print(f"[yellow]{trace} not found; using the built-in workload instead[/]")
             trace = None
+        from kvctl.profiles import gpu_profile
+
+        gpu_profile(gpu)  # an unknown profile fails here, before anything starts
         config = DemoConfig(
             (workdir or default_workdir()).resolve(),
             nodes_per_dc=nodes_per_dc,
+            gpu=gpu,
             speed=speed or None,
         )
         loaded = load_for_replay(trace, workload, seed, limit, tenants)
@@ -129,7 +147,15 @@ def demo_command(
 
     (config.workdir / REPORT_FILE).write_text(_json(report.as_dict()), encoding="utf-8")
     if json_out:
-        print_json({**report.as_dict(), "workdir": str(config.workdir), "database": db_check})
+        print_json(
+            {
+                **report.as_dict(),
+                "workdir": str(config.workdir),
+                "router_url": fleet.router_url,
+                "agent_links": fleet.agent_links(),
+                "database": db_check,
+            }
+        )
     else:
         from kvctl.cli.replay import render_replay
 
@@ -203,7 +229,7 @@ def _run(
     duration: float | None,
     say: Callable[[str], None],
 ) -> ReplayReport:
-    from kvctl.fleet.demo import DEMO_DCS
+    from kvctl.fleet.demo import DEMO_DCS, POOL_DC, POOL_NAME
     from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.workload.replay import replay
 
@@ -212,10 +238,14 @@ def _run(
     nodes, links = fleet.replay_targets()
     say(f"watch it: kvctl status --db {fleet.db_url}")
     dcs = " <-> ".join(d.name for d in DEMO_DCS)
-    say(f"link {dcs}: {config.link_km:g} km, emulated delay on cross-DC transfers")
+    say(
+        f"link {dcs}: {config.link_km:g} km; the agents delay their pulls across it by "
+        f"{config.link_delay_ms:g} ms (emulated fiber round trip)"
+    )
+    say(f"requests are routed by {fleet.router_url}; agents pull from their peers and the pool")
     say("Ctrl-C stops the demo" + (f", or it stops after {duration:g} s" if duration else ""))
     result: dict[str, ReplayReport | BaseException] = {}
-    inputs = ModeledInputs(model_profile(config.model), gpu_profile("h100"))
+    inputs = ModeledInputs(model_profile(config.model), gpu_profile(config.gpu))
 
     def work() -> None:
         try:
@@ -230,6 +260,9 @@ def _run(
                 links_km=links,
                 token="",
                 stop=stop,
+                routing="router",
+                router_url=fleet.router_url,
+                source_dcs={POOL_NAME: POOL_DC},
             )
         except BaseException as exc:  # reported by the main thread
             result["error"] = exc

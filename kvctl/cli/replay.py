@@ -92,8 +92,22 @@ def replay_command(
     ] = "1",
     route: Annotated[
         str,
-        typer.Option("--route", help="prefix (node holding the longest prefix) or round-robin."),
+        typer.Option(
+            "--route",
+            help="prefix (node of the home DC holding the longest prefix) or round-robin; "
+            "--router sets 'router'.",
+        ),
     ] = "prefix",
+    router: Annotated[
+        str | None,
+        typer.Option(
+            "--router",
+            help="Ask this kvctl router (http://HOST:9480) which node serves each request, any "
+            "DC; the agents then pull from their own peers and pool (no --peer-fetch). Its "
+            "token, if any: $KVCTL_ROUTER_TOKEN.",
+            show_default=False,
+        ),
+    ] = None,
     speed: Annotated[
         float | None,
         typer.Option(
@@ -129,7 +143,11 @@ def replay_command(
       kvctl replay --trace ../shared/data/mooncake_synthetic_trace.jsonl --limit 500 --speed 10
 
       kvctl replay --dc fra --route round-robin --no-peer-fetch --json
+
+      kvctl replay --workload chat --kv-scale 1/16 --router http://127.0.0.1:9480
     """
+    import os
+
     from kvctl.client import AgentClient, AgentError
     from kvctl.fleet.targets import replay_targets
     from kvctl.profiles import MODELS, ModeledInputs, gpu_profile, model_profile
@@ -144,6 +162,10 @@ def replay_command(
         nodes, links = replay_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=all_nodes)
     engine.dispose()
     with user_errors(hint="see `kvctl replay --help`"):
+        if router is not None:
+            if route not in ("prefix", "router"):
+                fail(f"--route {route} and --router exclude each other: the router routes")
+            route = "router"
         scale = parse_fraction(kv_scale)
         loaded = load_for_replay(trace, workload, seed, limit, tenants)
         requests = loaded.requests
@@ -178,6 +200,8 @@ def replay_command(
                     links_km=links,
                     progress=bar.update,
                     salt=loaded.salt,
+                    router_url=router,
+                    router_token=os.environ.get("KVCTL_ROUTER_TOKEN") or None,
                 )
         except (AgentError, ReplayError) as exc:
             fail(str(exc), hint="`kvctl status` shows which agents answer")
@@ -218,6 +242,26 @@ class _Bar:
         self._bar.update(self._task, completed=done, total=total)
 
 
+#: how the summary names the agents' tiers beyond the node
+_TIER_LABELS = {"remote": "pool", "peer": "peers"}
+
+
+def _routing_line(report: ReplayReport) -> str:
+    r = report.router
+    assert r is not None
+    to_holder = percent(r.to_holder / r.decisions) if r.decisions else "N/A"
+    line = (
+        f"{r.decisions:,} router decisions, {to_holder} to a node holding the prefix, "
+        f"{r.other_dc:,} outside the tenant's home DC, "
+        f"{r.fallbacks:,} fallbacks to round-robin"
+    )
+    if r.fallbacks and r.last_error:
+        from rich.markup import escape
+
+        line += f" [dim](last: {escape(r.last_error)})[/]"
+    return line
+
+
 def render_replay(report: ReplayReport) -> None:
     from rich.table import Table
 
@@ -241,8 +285,13 @@ def render_replay(report: ReplayReport) -> None:
         "hit ratio",
         f"{percent(d['hit_ratio'])} of chunks, {percent(d['token_hit_ratio'])} of tokens",
     )
-    by_tier = ", ".join(f"{t} {n:,}" for t, n in d["hits_by_tier"].items() if n) or "none"
+    by_tier = (
+        ", ".join(f"{_TIER_LABELS.get(t, t)} {n:,}" for t, n in d["hits_by_tier"].items() if n)
+        or "none"
+    )
     head.add_row("hits by tier", by_tier)
+    if report.router is not None:
+        head.add_row("routing", _routing_line(report))
     hits = rq.reuse_hits + rq.sharing_hits
     if hits:
         head.add_row(
@@ -261,6 +310,14 @@ def render_replay(report: ReplayReport) -> None:
         )
     if rq.emulated_delay_seconds:
         head.add_row("emulated link delay", f"{rq.emulated_delay_seconds:.3f} s in total")
+    pulls = report.pulls
+    for link, p in sorted(
+        (pulls.by_link if pulls else {}).items(), key=lambda x: not x[1].cross_dc
+    ):
+        head.add_row(
+            f"pulled {'across' if p.cross_dc else 'within'} {link}",
+            f"{format_bytes(p.bytes)} ({p.chunks:,} chunks) [dim]measured by the agents[/]",
+        )
     lag = f", at most {report.max_lag_seconds:.2f} s behind the trace" if report.speed else ""
     head.add_row("wall time", f"{report.wall_seconds:.1f} s{lag}")
     console.print(head)
@@ -303,6 +360,14 @@ def render_replay(report: ReplayReport) -> None:
         f"{inputs.gpu.board_power_watts:g} W) at MFU {inputs.mfu:g}; not measured[/]",
         highlight=False,
     )
+    unchecked = [n for n, known in report.owners_known.items() if not known]
+    if unchecked:
+        console.print(
+            f"[dim]reuse/sharing split not checked on {', '.join(unchecked)}: the owner of a "
+            "chunk cached there before the replay, or of a pulled copy that never arrived, "
+            "is not known[/]",
+            highlight=False,
+        )
     if report.agents_agree is False:
         err_console.print(
             "[yellow]warning:[/] the agents counted something else than the replay expected "

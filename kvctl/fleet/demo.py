@@ -1,4 +1,11 @@
-"""The demo fleet: real agents in two emulated DCs, a collector, a replayed workload.
+"""The demo fleet: real agents in two emulated DCs, a router, a collector, a replayed workload.
+
+The agents share for real: every node has the other nodes as peers and a pool agent
+(``--role pool``, in the first DC) as its pool, with an emulated delay of the fiber round trip
+on each pull across the DCs (``--link NAME:delay_ms``: emulated, not measured), and asks the
+router's fleet index which peers to probe. The router (``kvctl router serve`` on the demo's
+database) follows every node's events and tells the replay where to send each request. The pool
+is not in the inventory: it serves other agents, never requests.
 
 Everything lives in one workspace directory: the SQLite metrics database, one data directory
 per agent, the processes' logs, ``demo.json`` (what runs, for the next run to clean up after a
@@ -24,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvctl.agent.daemon import pid_alive, spawn_agent, stop_agent
 from kvctl.paths import default_state_dir
-from kvctl.profiles import DEMO_MODEL, model_profile
+from kvctl.profiles import DEMO_MODEL, FIBER_SECONDS_PER_KM, model_profile
 
 if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayNode, ReplayReport
@@ -50,6 +57,13 @@ DEMO_DCS = (
     DemoDc("ams-1", "eu-west", "Amsterdam", 270.0, 1.2),
 )
 DEMO_LINK_KM = 80.0
+DEMO_GPU = "l4"
+#: the pool agent's name (as its peers call it: ``--link pool:...``) and DC
+POOL_NAME = "pool"
+POOL_DC = DEMO_DCS[0].name
+#: the order ``DemoFleet.stop`` takes the roles down in: readers first, the pool last (the nodes
+#: write through to it until they stop)
+STOP_ORDER = ("collector", "dashboard", "router", "agent", "pool")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +72,14 @@ class DemoConfig:
     nodes_per_dc: int = 2
     cpu: str = "64MiB"
     disk: str = "256MiB"
+    #: the pool agent's memory (it keeps no disk tier)
+    pool_cpu: str = "256MiB"
     model: str = DEMO_MODEL
+    #: the GPU profile every modeled prefill of the demo is on: the agents' fetch-or-recompute,
+    #: the router's costs and queues, the replay's savings. Small DCs run modest GPUs; on an L4
+    #: the workload's prefill loads a node enough that the router spreads requests, so nodes
+    #: pull prefixes from each other and the pool (on an H100 one node per DC takes it all).
+    gpu: str = DEMO_GPU
     kv_scale: float = 1 / 16
     speed: float | None = 10.0
     collect_interval_seconds: float = 2.0
@@ -66,6 +87,12 @@ class DemoConfig:
     link_km: float = DEMO_LINK_KM
     #: where the dashboard listens (loopback); 0: any free port
     dashboard_port: int = 8050
+    router_poll_s: float = 0.2
+
+    @property
+    def link_delay_ms(self) -> float:
+        """The emulated delay of one pull across the DCs: the fiber round trip."""
+        return 2 * self.link_km * FIBER_SECONDS_PER_KM * 1000
 
 
 def default_workdir() -> Path:
@@ -90,6 +117,8 @@ class DemoFleet:
     #: when the counters' baseline was taken: the database window the run is compared over
     started_ms: int = 0
     processes: list[DemoProcess] = field(default_factory=list)
+    #: the router the replay asks (empty until it serves)
+    router_url: str = ""
     _popen: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     #: the workspace lock, held while this demo runs
     _lock_fd: int | None = None
@@ -106,10 +135,24 @@ class DemoFleet:
         nodes = [ReplayNode(p.name, dcs[p.name], p.url) for p in self.agents]
         return nodes, {(DEMO_DCS[0].name, DEMO_DCS[1].name): self.config.link_km}
 
+    def agent_links(self) -> dict[str, dict[str, Any]]:
+        """The links the agents emulate on their pulls, for reports."""
+        a, b = DEMO_DCS[0].name, DEMO_DCS[1].name
+        return {
+            "<->".join(sorted((a, b))): {
+                "basis": "emulated",
+                "distance_km": self.config.link_km,
+                "delay_ms": self.config.link_delay_ms,
+                "applied_by": "agents: --link NAME:delay_ms on pulls from the other DC's peers "
+                f"and, in {b}, from the pool (in {POOL_DC})",
+            }
+        }
+
     def write_state(self, status: str) -> None:
         doc = {
             "status": status,
             "db_url": self.db_url,
+            "router_url": self.router_url,
             "updated_s": time.time(),
             "processes": [
                 {"role": p.role, "name": p.name, "pid": p.pid, "log": str(p.log), "url": p.url}
@@ -140,21 +183,22 @@ class DemoFleet:
         return proc
 
     def stop(self, timeout_s: float = 20.0) -> list[str]:
-        """SIGTERM every process (collector first, so it writes its last scrape while the
-        agents still answer), wait, SIGKILL what is left. Returns what had to be killed."""
+        """SIGTERM every process role by role in ``STOP_ORDER`` (the collector first, so it
+        writes its last scrape while the agents still answer; the pool last), waiting for each
+        role's processes, SIGKILL what is left. Returns what had to be killed."""
         killed: list[str] = []
-        order = sorted(self.processes, key=lambda p: p.role == "agent")
-        for p in order:
-            proc = self._popen.get(p.pid)
-            if proc is not None and proc.poll() is not None:
-                continue  # already reaped: its pid may belong to someone else by now
-            _signal(p.pid, signal.SIGTERM)
-            if p.role != "agent" and not self._wait(p, timeout_s):
-                killed.append(f"{p.role} {p.name}")
-        deadline = time.monotonic() + timeout_s
-        for p in order:
-            if not self._wait(p, max(deadline - time.monotonic(), 0.1)):
-                killed.append(f"{p.role} {p.name}")
+        rank = {role: i for i, role in enumerate(STOP_ORDER)}
+        for stage in sorted({rank.get(p.role, 0) for p in self.processes}):
+            group = [p for p in self.processes if rank.get(p.role, 0) == stage]
+            for p in group:
+                proc = self._popen.get(p.pid)
+                if proc is not None and proc.poll() is not None:
+                    continue  # already reaped: its pid may belong to someone else by now
+                _signal(p.pid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout_s
+            for p in group:
+                if not self._wait(p, max(deadline - time.monotonic(), 0.1)):
+                    killed.append(f"{p.role} {p.name}")
         self.write_state("stopped")
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing drops the flock
@@ -225,20 +269,20 @@ def _lock(workdir: Path) -> int:
 
 
 def clean_leftovers(workdir: Path) -> list[str]:
-    """Stop what a previous demo in ``workdir`` left running (a killed demo cannot clean up)."""
+    """Stop what a previous demo in ``workdir`` left running (a killed demo cannot clean up):
+    the processes its ``demo.json`` names (collector, dashboard, router), then every agent
+    with a data directory in the workspace, the pool last."""
     stopped: list[str] = []
-    for data_dir in sorted((workdir / "agents").glob("*")):
-        with contextlib.suppress(TimeoutError, OSError):
-            if stop_agent(data_dir, timeout_s=10.0, force=True) is not None:
-                stopped.append(f"agent {data_dir.name}")
     state = workdir / STATE_FILE
     try:
         doc = json.loads(state.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return stopped
+        doc = {}
     for p in doc.get("processes", []):
         pid = p.get("pid")
-        if p.get("role") != "agent" and isinstance(pid, int) and _ours(pid, workdir):
+        if p.get("role") in ("agent", "pool") or not isinstance(pid, int):
+            continue  # agents are found by their data directories below
+        if _ours(pid, workdir):
             _signal(pid, signal.SIGTERM)
             deadline = time.monotonic() + 10
             while pid_alive(pid) and time.monotonic() < deadline:
@@ -246,6 +290,12 @@ def clean_leftovers(workdir: Path) -> list[str]:
             if pid_alive(pid) and _ours(pid, workdir):
                 _signal(pid, signal.SIGKILL)
             stopped.append(f"{p.get('role')} {p.get('name')}")
+    dirs = sorted((workdir / "agents").glob("*"), key=lambda d: (d.name == POOL_NAME, d.name))
+    for data_dir in dirs:
+        with contextlib.suppress(TimeoutError, OSError):
+            if stop_agent(data_dir, timeout_s=10.0, force=True) is not None:
+                role = "pool" if data_dir.name == POOL_NAME else "agent"
+                stopped.append(f"{role} {data_dir.name}")
     return stopped
 
 
@@ -275,8 +325,42 @@ def node_names(config: DemoConfig) -> list[tuple[str, str]]:
     ]
 
 
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct loopback ports nothing listens on now (held together while picked), so
+    every agent's data-plane address is known before any of them starts."""
+    import socket
+
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(n):
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            ports.append(int(sock.getsockname()[1]))
+    return ports
+
+
+def _node_remote_args(
+    config: DemoConfig, name: str, dc: str, data_ports: dict[str, int], router_url: str
+) -> list[str]:
+    """A node's pool, peers (every other node), emulated delays (pulls from the other DC) and
+    fleet index."""
+    dcs = dict(node_names(config))
+    delay = f"delay_ms={config.link_delay_ms:g}"
+    args = ["--pool", f"kvctl://127.0.0.1:{data_ports[POOL_NAME]}", "--index-url", router_url]
+    if dc != POOL_DC:
+        args += ["--link", f"{POOL_NAME}:{delay}"]
+    for peer, peer_dc in dcs.items():
+        if peer == name:
+            continue
+        args += ["--peer", f"{peer}=127.0.0.1:{data_ports[peer]}"]
+        if peer_dc != dc:
+            args += ["--link", f"{peer}:{delay}"]
+    return args
+
+
 def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None) -> DemoFleet:
-    """Bring the fleet up: agents, inventory, collector. Stops what it started on failure."""
+    """Bring the fleet up: the pool, the agents, inventory, router, collector. Stops what it
+    started on failure."""
     from kvctl.db.fleetfile import import_fleet
     from kvctl.db.migrate import open_db
 
@@ -295,13 +379,31 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
     env = _child_env(workdir)
     config_file = workdir / "agent.toml"
     _agent_config(config_file, config.model)
+    names = [name for name, _ in node_names(config)]
+    *node_ports, pool_port, router_port = _free_ports(len(names) + 2)
+    data_ports = dict(zip([*names, POOL_NAME], [*node_ports, pool_port], strict=True))
+    router_url = f"http://127.0.0.1:{router_port}"
     try:
+        argv = [
+            "--config", str(config_file), "--role", "pool", "--name", POOL_NAME, "--dc", POOL_DC,
+            "--listen", "127.0.0.1:0", "--data-listen", f"127.0.0.1:{pool_port}",
+            "--cpu", config.pool_cpu, "--disk", "0",
+        ]  # fmt: skip
+        pool_dir = workdir / "agents" / POOL_NAME
+        proc, state = spawn_agent(argv, pool_dir, env=env, detach=True)
+        fleet._popen[proc.pid] = proc
+        fleet.processes.append(
+            DemoProcess("pool", POOL_NAME, proc.pid, pool_dir / "agent.log", state.control_url)
+        )
+        fleet.write_state("starting")
+        on_step(f"pool agent ({POOL_DC}, {config.pool_cpu}) at kvctl://127.0.0.1:{pool_port}")
         for name, dc in node_names(config):
             data_dir = workdir / "agents" / name
             argv = [
                 "--config", str(config_file), "--name", name, "--dc", dc,
-                "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
-                "--cpu", config.cpu, "--disk", config.disk,
+                "--listen", "127.0.0.1:0", "--data-listen", f"127.0.0.1:{data_ports[name]}",
+                "--cpu", config.cpu, "--disk", config.disk, "--gpu", config.gpu,
+                *_node_remote_args(config, name, dc, data_ports, router_url),
             ]  # fmt: skip
             proc, state = spawn_agent(argv, data_dir, env=env, detach=True)
             fleet._popen[proc.pid] = proc
@@ -328,6 +430,11 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
         finally:
             engine.dispose()
         on_step(f"inventory: {len(DEMO_DCS)} DCs {config.link_km:g} km apart, in {db_url}")
+        start_router(fleet, router_port)
+        on_step(
+            f"router at {fleet.router_url}, following {len(fleet.agents)} agents "
+            f"(log: {workdir / 'router.log'})"
+        )
         # the collector's first sample of a node only sets its baseline: take it before any
         # traffic, so the database counts every request of the run
         fleet.started_ms = int(time.time() * 1000)
@@ -345,6 +452,48 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
         fleet.stop()
         raise
     return fleet
+
+
+def start_router(fleet: DemoFleet, port: int, *, timeout_s: float = 30.0) -> None:
+    """Serve the router on the demo's inventory at ``port`` (loopback), and wait until it
+    answers and follows every node's events."""
+    from kvctl.client import AgentClient
+    from kvctl.router.client import RouterClient, RouterClientError
+
+    config = fleet.config
+    with AgentClient(fleet.agents[0].url, timeout_s=5.0) as first:
+        chunk_tokens = int(first.info()["chunk_tokens"])
+    log = config.workdir / "router.log"
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable, "-m", "kvctl", "router", "serve", "--db", fleet.db_url,
+        "--listen", f"127.0.0.1:{port}", "--chunk-tokens", str(chunk_tokens),
+        "--model", config.model, "--gpu", config.gpu, "--poll-s", f"{config.router_poll_s:g}",
+    ]  # fmt: skip
+    proc = fleet.spawn("router", "router", argv, log)
+    fleet.processes[-1].url = url
+    want = {p.name for p in fleet.agents}
+    deadline = time.monotonic() + timeout_s
+    up: set[str] = set()
+    with RouterClient(url, timeout_s=2.0) as client:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"the router exited at start (exit {proc.returncode}); see {log}"
+                )
+            with contextlib.suppress(RouterClientError):
+                client.health()
+                followers = client.index().get("followers", [])
+                up = {str(f["node"]) for f in followers if f.get("up")}
+                if want <= up:
+                    fleet.router_url = url
+                    fleet.write_state("starting")
+                    return
+            time.sleep(0.2)
+    missing = ", ".join(sorted(want - up)) or "its API"
+    raise RuntimeError(
+        f"the router at {url} did not follow {missing} within {timeout_s:g} s; see {log}"
+    )
 
 
 def _free_port(preferred: int) -> int:
@@ -402,14 +551,13 @@ def save_demo_plan(fleet: DemoFleet, requests: list[Any], workload_name: str) ->
     tiers = {
         "cpu": int(parse_size(config.cpu) * unscale),
         "disk": int(parse_size(config.disk) * unscale),
-        # a pool as large as a DC's node caches together
-        "remote": int((parse_size(config.cpu) + parse_size(config.disk)) * unscale)
-        * config.nodes_per_dc,
+        # the demo's pool agent
+        "remote": int(parse_size(config.pool_cpu) * unscale),
     }
     report = plan(
         requests,
         tiers_bytes=tiers,
-        inputs=ModeledInputs(model_profile(config.model), gpu_profile("h100")),
+        inputs=ModeledInputs(model_profile(config.model), gpu_profile(config.gpu)),
         distances_km=(config.link_km,),
         curve_points=8,
         workload_name=workload_name,

@@ -4,13 +4,22 @@ For each request, in order (one thread, so the bookkeeping below is exact):
 
 1. compute its chunk keys as an engine would (``KeyChainer``);
 2. route it to a node of its home DC: round-robin, or prefix-aware (the node that already holds
-   the longest prefix, asked with ``exists``, which counts nothing);
+   the longest prefix, asked with ``exists``, which counts nothing); or ask a ``kvctl router``
+   (routing "router", any DC: see ``kvctl.workload.routed`` and "With a router" below);
 3. ``lookup`` the chain there (counted by the agent), ``get`` the hit chunks and check each one's
    bytes;
 4. with peer fetch on, ask the other nodes for the rest of the chain, ``lookup`` and ``get`` it
    from the one holding the most and store it on the home node. Across DCs the transfer waits an
    *emulated* link delay: round trip over fiber (5 us per km each way) plus bytes over the link;
 5. ``put`` the chunks that were computed (missing everywhere), with their parent links.
+
+With a router the replay moves no chunk between nodes itself (no step 4, no emulated delay of
+its own): the chosen agent's lookup decides fetch-or-recompute over its own tiers, its peers
+and its pool, and its ``get`` pulls what it chose (each agent emulates its own link delays).
+Hits there count in the agent's ``peer`` and ``remote`` tiers, as reuse or sharing by the tenant
+that stored the source's copy; the replay learns that tenant from the pulled copy's metadata
+(a FETCH without payload, which counts nothing). Where a counted copy never arrived, the owner
+cannot be learnt, and that node's reuse/sharing split is not checked (``owners_known``).
 
 The replay keeps its own tally per node: lookups, hits per tier, reuse (chunk stored by the same
 tenant) vs sharing, bytes. Reuse vs sharing comes from its own ledger of which tenant stored each
@@ -37,10 +46,21 @@ from kvctl.client import AgentClient, DataClient
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
 from kvctl.store.keys import ChunkKey, Namespace
+from kvctl.workload.routed import (
+    REMOTE_TIERS,
+    PullTally,
+    RouterChooser,
+    RoutingTally,
+    SourceCounts,
+    held_locally,
+    link_name,
+    pulls_between,
+    read_pulls,
+)
 from kvctl.workload.tokens import KeyChainer
 from kvctl.workload.trace import TraceRequest
 
-ROUTINGS = ("prefix", "round-robin")
+ROUTINGS = ("prefix", "round-robin", "router")
 #: emulated link bandwidth between DCs (100 Gb/s)
 DEFAULT_LINK_BYTES_PER_SECOND = 12.5e9
 
@@ -145,6 +165,8 @@ class RequestTally:
     computed_chunks: int = 0
     emulated_delay_seconds: float = 0.0
     bytes_by_link: Counter[str] = field(default_factory=Counter)
+    #: the replay fetched from other nodes itself (its peer_* counts apply)
+    client_fetch: bool = True
 
     @property
     def hit_chunks(self) -> int:
@@ -159,11 +181,13 @@ class RequestTally:
             "hit_ratio": self.hit_chunks / self.chunks if self.chunks else 0.0,
             "hit_tokens": self.hit_tokens,
             "token_hit_ratio": self.hit_tokens / self.input_tokens if self.input_tokens else 0.0,
-            "hits_by_tier": {
-                **self.local_hits,
-                "peer (same DC)": self.peer_hits,
-                "peer (other DC)": self.cross_dc_hits,
-            },
+            # with a router, the agents' own tiers (``peer``, ``remote``: the pool) hold them all
+            "hits_by_tier": {**self.local_hits}
+            | (
+                {"peer (same DC)": self.peer_hits, "peer (other DC)": self.cross_dc_hits}
+                if self.client_fetch
+                else {}
+            ),
             "reuse_hits": self.reuse_hits,
             "sharing_hits": self.sharing_hits,
             "computed_chunks": self.computed_chunks,
@@ -201,6 +225,10 @@ class ReplayReport:
     stopped_early: bool = False
     #: per node and counter: (replay's count, agent's increase); None when not read
     agent_counters: dict[str, dict[str, tuple[int, int]]] | None = None
+    #: the router's answers (routing "router" only)
+    router: RoutingTally | None = None
+    #: what the agents pulled from their pool and peers during the run (measured by them)
+    pulls: PullTally | None = None
 
     @property
     def agents_agree(self) -> bool | None:
@@ -240,6 +268,9 @@ class ReplayReport:
                 name: {"dc": self.node_dc[name], **t.as_dict()} for name, t in self.nodes.items()
             },
             "links_emulated": {k: v.as_dict() for k, v in self.links.items()},
+            "router": None if self.router is None else self.router.as_dict(),
+            "pulls": None if self.pulls is None else self.pulls.as_dict(),
+            "owners_known": dict(self.owners_known),
             "agents_agree": self.agents_agree,
             "agent_counters": None
             if self.agent_counters is None
@@ -269,10 +300,6 @@ def _intact(data: bytes | bytearray | None, key: ChunkKey, size_bytes: int) -> b
 
 class ReplayError(RuntimeError):
     """The replay cannot go on (an agent went away, a chunk came back corrupt)."""
-
-
-def _link_name(a: str, b: str) -> str:
-    return "<->".join(sorted((a, b)))
 
 
 class _Node:
@@ -359,15 +386,23 @@ def replay(
     stop: threading.Event | None = None,
     connect_timeout_s: float = 10.0,
     salt: int = 0,
+    router_url: str | None = None,
+    router_token: str | None = None,
+    source_dcs: Mapping[str, str] | None = None,
 ) -> ReplayReport:
     """Drive ``nodes`` with ``requests``; see the module docstring. ``speed`` None runs as fast
     as possible, else timestamps are honoured, ``speed`` times faster. ``links_km`` gives the
     distance between DC pairs (missing pairs across DCs count as 0 km). ``salt`` names the
-    workload's content (``Workload.salt``), so different workloads never share tokens."""
+    workload's content (``Workload.salt``), so different workloads never share tokens.
+    Routing "router" asks the router at ``router_url`` (``peer_fetch`` and ``links_km`` are
+    then the agents' business, not the replay's). ``source_dcs`` names the DC of pull sources
+    that are not nodes of the replay (e.g. ``{"pool": "fra-1"}``), for the pulls by link."""
     if not nodes:
         raise InvalidArgument("give at least one node to replay against")
     if routing not in ROUTINGS:
         raise InvalidArgument(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
+    if (routing == "router") != bool(router_url):
+        raise InvalidArgument("routing 'router' goes with a router URL, and a router URL with it")
     if not 0 < kv_scale <= 1:
         raise InvalidArgument(f"--kv-scale must be in (0, 1], got {kv_scale}")
     if speed is not None and speed <= 0:
@@ -375,17 +410,24 @@ def replay(
     if len({n.name for n in nodes}) != len(nodes):
         raise InvalidArgument("a node is named twice")
     live: list[_Node] = []
+    chooser: RouterChooser | None = None
     try:
         for n in nodes:
             live.append(_Node(n, token, connect_timeout_s))
+        if router_url:
+            from kvctl.router.client import RouterClient
+
+            chooser = RouterChooser(RouterClient(router_url, token=router_token or None))
         return _run(
             requests, live, inputs, workload_name, kv_scale, routing, speed, peer_fetch,
             dict(links_km or {}), link_bytes_per_second, progress, stop or threading.Event(),
-            salt,
+            salt, chooser, dict(source_dcs or {}),
         )  # fmt: skip
     finally:
-        for n in live:
-            n.close()
+        if chooser is not None:
+            chooser.client.close()
+        for opened in live:
+            opened.close()
 
 
 def _run(
@@ -402,6 +444,8 @@ def _run(
     progress: Progress | None,
     stop: threading.Event,
     salt: int,
+    chooser: RouterChooser | None,
+    source_dcs: dict[str, str],
 ) -> ReplayReport:
     chunk_sizes = {n.info["chunk_tokens"] for n in live}
     if len(chunk_sizes) != 1:
@@ -426,8 +470,13 @@ def _run(
     by_dc = {dc: [n for n in live if n.node.dc == dc] for dc in dcs}
     home = assign_home_dcs((r.tenant for r in requests), dcs)
     rr = {dc: itertools.cycle(by_dc[dc]) for dc in dcs}
+    by_name = {n.node.name: n for n in live}
+    node_dc = {n.node.name: n.node.dc for n in live}
+    if chooser is not None:
+        peer_fetch = False  # the agents pull from each other: the replay moves nothing
+        links_km = {}
     links = {
-        _link_name(a, b): LinkEmulation(links_km.get((a, b), links_km.get((b, a), 0.0)),
+        link_name(a, b): LinkEmulation(links_km.get((a, b), links_km.get((b, a), 0.0)),
                                         link_bytes_per_second)
         for a, b in itertools.combinations(dcs, 2)
     }  # fmt: skip
@@ -441,13 +490,15 @@ def _run(
         peer_fetch=peer_fetch,
         inputs=inputs,
         requests_total=len(requests),
-        requests=RequestTally(),
+        requests=RequestTally(client_fetch=chooser is None and peer_fetch),
         nodes={n.node.name: n.tally for n in live},
-        node_dc={n.node.name: n.node.dc for n in live},
+        node_dc=node_dc,
         owners_known={n.node.name: n.owners_known for n in live},
-        links=links,
+        links=links if chooser is None else {},
+        router=None if chooser is None else chooser.tally,
     )
     before = {n.node.name: n.counters() for n in live}
+    pulls_before: dict[str, SourceCounts] = {n.node.name: read_pulls(n.control) for n in live}
     started = time.monotonic()
     t0_ms = requests[0].timestamp_ms if requests else 0
     for i, request in enumerate(requests):
@@ -465,11 +516,26 @@ def _run(
                 report.max_lag_seconds = max(report.max_lag_seconds, -ahead)
         keys = chainer.keys(request)
         dc = home[request.tenant]
-        target = _route(by_dc[dc], rr[dc], keys, request.tenant, routing)
-        _serve(request, keys, target, live, chunk_bytes, chunk_tokens, peer_fetch, links, report)
+        if chooser is None:
+            target = _route(by_dc[dc], rr[dc], keys, request.tenant, routing)
+            _serve(request, keys, target, live, chunk_bytes, chunk_tokens, peer_fetch, links,
+                   report)  # fmt: skip
+        else:
+            # a prompt shorter than a chunk has nothing to route by: its home DC's turn
+            name = keys and chooser.choose(
+                keys, tenant=request.tenant, home_dc=dc, prompt_tokens=request.input_tokens,
+                nodes=node_dc,
+            )  # fmt: skip
+            target = by_name[name] if name else next(rr[dc])
+            _serve_routed(request, keys, target, chunk_bytes, chunk_tokens, report)
         if progress is not None:
             progress(i + 1, len(requests))
     report.wall_seconds = time.monotonic() - started
+    report.pulls = pulls_between(
+        pulls_before, {n.node.name: read_pulls(n.control) for n in live}, node_dc, source_dcs
+    )
+    # a pulled copy whose owner could not be learnt turns a node's split unchecked
+    report.owners_known = {n.node.name: n.owners_known for n in live}
     report.agent_counters = {}
     for n in live:
         after = n.counters()
@@ -622,6 +688,74 @@ def _serve(
     _store(home, keys, absent, tenant, chunk_bytes, chunk_tokens)
 
 
+def _serve_routed(
+    request: TraceRequest,
+    keys: list[ChunkKey],
+    node: _Node,
+    chunk_bytes: int,
+    chunk_tokens: int,
+    report: ReplayReport,
+) -> None:
+    """Serve on the node the router chose: its lookup reaches its peers and pool, its get pulls
+    what the lookup took; the rest is computed and stored there (see the module docstring)."""
+    tenant = request.tenant
+    rq = report.requests
+    rq.requests += 1
+    rq.chunks += len(keys)
+    rq.input_tokens += request.input_tokens
+    if not keys:
+        return
+    res = node.data.lookup(keys, tenant=tenant)
+    t = node.tally
+    t.lookups += 1
+    t.lookup_chunks += len(keys)
+    m = res.matched_chunks
+    t.hit_chunks += m
+    t.hit_tokens += res.matched_tokens
+    tiers = res.locations
+    for tier in tiers[:m]:
+        t.hits_by_tier[tier] += 1  # type: ignore[index]
+    got = _fetch(node, keys[:m], tenant, chunk_bytes)
+    _learn_pulled_owners(node, keys, tiers, m, tenant)
+    reuse = tuple(node.owner.get(key) == tenant for key in keys[:m])
+    t.reuse_hits += sum(reuse)
+    t.sharing_hits += m - sum(reuse)
+    for tier in tiers[:got]:
+        rq.local_hits[tier] += 1  # type: ignore[index]
+    _credit(rq, _Looked(m, tuple(tiers), reuse), got, chunk_tokens)
+    rq.computed_chunks += len(keys) - got
+    # past the plan's prefix, what the node does not hold itself (absent, or only in its pool
+    # or a peer: the plan chose to recompute it) is stored there, as the engine would
+    absent = [i for i in range(m, len(keys)) if not held_locally(tiers[i])]
+    for i in absent:
+        node.owner.pop(keys[i], None)
+    if got < m:
+        # lost between lookup and get (or a pull that failed): put back only what is not local
+        lost = list(range(got, m))
+        where = node.data.exists([keys[i] for i in lost], tenant=tenant)
+        absent = [i for i, w in zip(lost, where, strict=True) if not held_locally(w)] + absent
+    _store(node, keys, absent, tenant, chunk_bytes, chunk_tokens)
+
+
+def _learn_pulled_owners(
+    node: _Node, keys: list[ChunkKey], tiers: Sequence[str | None], matched: int, tenant: str
+) -> None:
+    """The owner tenant of each hit the lookup took from the pool or a peer: the agent counted
+    it as reuse or sharing by the source copy's owner, which its pulled copy keeps. A FETCH
+    without payload reads it (counting nothing); a hit whose copy never arrived leaves the
+    node's reuse/sharing split unchecked, never guessed."""
+    pulled = [i for i in range(matched) if tiers[i] in REMOTE_TIERS]
+    if not pulled:
+        return
+    metas = node.data.fetch([keys[i] for i in pulled], tenant=tenant, payload=False)
+    for i, item in zip(pulled, metas, strict=True):
+        if item is None:
+            node.owner.pop(keys[i], None)
+            node.owners_known = False
+        else:
+            node.owner[keys[i]] = item[0].tenant
+
+
 def _from_peers(
     request: TraceRequest,
     keys: list[ChunkKey],
@@ -659,7 +793,7 @@ def _from_peers(
     if best.node.dc == home.node.dc:
         rq.peer_hits += got
     else:
-        link = _link_name(best.node.dc, home.node.dc)
+        link = link_name(best.node.dc, home.node.dc)
         nbytes = got * chunk_bytes
         delay = links[link].transfer_seconds(nbytes)
         time.sleep(delay)  # emulated: the link's round trip and transfer time
