@@ -24,6 +24,7 @@ from kvctl.format import (
 from kvctl.tui.model import (
     DcRow,
     Level,
+    LinkPulls,
     NodeRouting,
     NodeRow,
     RoutingView,
@@ -162,17 +163,23 @@ class Cells:
         ]
         if view.no_node:
             parts.append(f"{format_number(view.no_node)} with no node")
-        parts.append(f"now {compact_per_second(view.recent.decisions_per_s)} decisions/s")
-        links = [
-            f"{link.from_dc}→{link.to_dc} {compact_bytes(link.pulled_bytes)} in "
-            f"{format_number(link.chunks)} chunks, now "
-            + ("N/A" if link.bytes_per_s is None else f"{compact_bytes(link.bytes_per_s)}/s")
-            for link in view.links
+
+        def pulled(link: LinkPulls, name: str) -> str:
+            now = "N/A" if link.bytes_per_s is None else f"{compact_bytes(link.bytes_per_s)}/s"
+            return (
+                f"{name} {compact_bytes(link.pulled_bytes)} in {format_number(link.chunks)} "
+                f"chunks ({now} now)"
+            )
+
+        between = [pulled(x, f"{x.from_dc}→{x.to_dc}") for x in view.links if x.from_dc != x.to_dc]
+        within = [pulled(x, x.to_dc) for x in view.links if x.from_dc == x.to_dc]
+        second = [
+            f"now {compact_per_second(view.recent.decisions_per_s)} decisions/s",
+            "pulled between DCs since the router started: " + (" · ".join(between) or "none"),
         ]
-        pulls = "pulled across DC links since the router started: " + (
-            " · ".join(links) if links else "none"
-        )
-        first = " · ".join(parts)
+        if within:
+            second.append("within a DC: " + " · ".join(within))
+        first, pulls = " · ".join(parts), " · ".join(second)
         return Text(f"{first}\n{pulls}")
 
 

@@ -1,6 +1,7 @@
 """`kvctl top` driven by Textual's pilot against real agents on loopback and a real inventory:
 sorting, filtering, grouping, drill-down, actions with confirmation and their audit rows,
---readonly, an agent dying mid-view, agents by URL, 50 agents, and the command line."""
+--readonly, an agent dying mid-view, agents by URL, 50 agents, a real router's decisions
+(--router, and the router going away), and the command line."""
 
 from __future__ import annotations
 
@@ -13,18 +14,27 @@ from pathlib import Path
 import pytest
 from sqlalchemy.engine import Engine
 from textual.pilot import Pilot
-from textual.widgets import DataTable, RichLog, Static
+from textual.widgets import DataTable, Header, RichLog, Static
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app as cli
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.fleet.audit import recent
+from kvctl.format import compact_per_second, percent
+from kvctl.index.follower import Followers
+from kvctl.index.model import EmbeddedIndex
+from kvctl.remote.fetchplan import PrefillModel
+from kvctl.router.app import RouterServer
+from kvctl.router.client import RouterClient
+from kvctl.router.score import Costs
+from kvctl.router.service import Router
+from kvctl.router.topology import DcLink, Node, Topology
 from kvctl.tui.app import TopApp, create_app
 from kvctl.tui.dialogs import ConfirmScreen, HelpScreen, TierDialog
 from kvctl.tui.fleet_screen import FleetScreen
 from kvctl.tui.node_screen import NodeScreen
-from kvctl.tui.sources import AgentSource, FleetSource
+from kvctl.tui.sources import AgentSource, FleetSource, RouterWatch
 from tests.functional.agents import Agent, closed_port, running_agent, start_agent
 
 CHUNK_BYTES = 64 << 10
@@ -500,5 +510,170 @@ def test_top_refuses_bad_input_clearly(tmp_path: Path) -> None:
     ]
     for args, message in cases:
         out = runner.invoke(cli, args)
+        assert out.exit_code == 2, (args, out.output)
+        assert message in " ".join(out.output.split()), (args, out.output)
+
+
+# --- the router's decisions (--router) ----------------------------------------------------------
+ROUTER_TOKEN = "top-router-token"
+
+
+@pytest.fixture
+def router(fleet: tuple[Engine, dict[str, Agent]]) -> Iterator[RouterServer]:
+    """A real router in this process following the three live agents' store events (gpu-a and
+    gpu-b in fra, gpu-c in ams, 80 km apart), behind a bearer token."""
+    _engine, agents = fleet
+    index = EmbeddedIndex()
+    followers = Followers(
+        index, {n: (a.state.control_url, None) for n, a in agents.items()}, poll_s=0.05
+    )
+    dcs = {"gpu-a": "fra", "gpu-b": "fra", "gpu-c": "ams"}
+    topology = Topology.build(
+        [Node(n, dc) for n, dc in dcs.items()], {("fra", "ams"): DcLink.fiber(80)}
+    )
+    # a slow prefill (1 ms a token): any chunk held anywhere is worth fetching
+    costs = Costs(PrefillModel(1e-3, 0.0, "configured: test"))
+    server = RouterServer(
+        Router(index, topology, costs, followers=followers),
+        listen="127.0.0.1:0",
+        token=ROUTER_TOKEN,
+    )
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def indexed(server: RouterServer, node: str, chunks: int) -> None:
+    deadline = time.monotonic() + 15
+    while server.router.index.nodes().get(node, 0) < chunks:
+        assert time.monotonic() < deadline, f"{node}'s chunks never reached the router's index"
+        time.sleep(0.05)
+
+
+def test_routing_columns_and_lines_from_a_real_router(
+    fleet: tuple[Engine, dict[str, Agent]], router: RouterServer
+) -> None:
+    engine, agents = fleet
+    keys_a = put_chain(agents["gpu-a"], 3, seed=21)
+    keys_c = put_chain(agents["gpu-c"], 2, seed=22)
+    indexed(router, "gpu-a", 3)
+    indexed(router, "gpu-c", 2)
+    watch = RouterWatch(router.url, token=ROUTER_TOKEN, timeout_s=2)
+    app = create_app(FleetSource(engine, timeout_s=2, router=watch), auto_poll=False)
+    decisions: list[dict[str, object]] = []
+
+    async def script(pilot: Pilot[None]) -> None:
+        await poll(pilot, app)  # the baseline: the router has decided nothing yet
+        assert cell(app, "node:gpu-a", "routed") == "N/A"  # no window yet: N/A, not 0
+        with RouterClient(router.url, token=ROUTER_TOKEN) as rc:
+            for _ in range(3):
+                decisions.append(rc.route(keys=keys_a, tenant="acme", origin_dc="fra"))
+            decisions.append(rc.route(keys=keys_c, tenant="acme", origin_dc="ams"))
+            fresh = [bytes([i]) * 16 for i in range(1, 3)]  # held by nobody
+            decisions.append(rc.route(keys=fresh, tenant="acme", origin_dc="fra"))
+        await poll(pilot, app)
+        view = app.view
+        assert view is not None and view.routing is not None and view.routing.up
+        # the holders got their prefixes; the fresh prompt went to a node holding none of it
+        assert [d["node"] for d in decisions[:4]] == ["gpu-a"] * 3 + ["gpu-c"]
+        assert all(d["local_chunks"] == d["chunks"] for d in decisions[:4])
+        assert decisions[4]["local_chunks"] == 0 and decisions[4]["indexed_chunks"] == 0
+        seconds = view.routing.recent.seconds
+        assert seconds > 0
+        for name in ("gpu-a", "gpu-b", "gpu-c"):
+            mine = [d for d in decisions if d["node"] == name]
+            held = sum(1 for d in mine if d["local_chunks"])
+            assert cell(app, f"node:{name}", "routed") == compact_per_second(len(mine) / seconds)
+            holder = percent(held / len(mine), digits=0) if mine else "idle"
+            assert cell(app, f"node:{name}", "holder") == holder
+        assert cell(app, "node:gpu-down", "routed") == "N/A"  # not in the router's topology
+        t = view.routing.total  # since the router started: exactly what it decided
+        assert (t.decisions, t.to_holder) == (5, 4)
+        assert (t.requested_chunks, t.indexed_chunks, t.local_chunks) == (13, 11, 11)
+        assert t.pulled_chunks == 0 and view.routing.links == []
+        lines = str(app.screen.query_one("#routing", Static).render()).splitlines()
+        assert lines[0].startswith(
+            "routing since the router started: 5 decisions · 80% to a holder · index hit 85% "
+            "of 13 chunks · reused 85%: 11 local, 0 pulled"
+        )
+        assert lines[1].endswith("pulled between DCs since the router started: none")
+        assert ROUTER_TOKEN not in app.screen.query_one(Header).screen_sub_title
+        # the router goes away: its cells turn N/A with the reason, the agents' stay live
+        router.stop()
+        await poll(pilot, app)
+        assert app.view is not None and app.view.routing is not None
+        assert not app.view.routing.up
+        text = str(app.screen.query_one("#routing", Static).render())
+        assert text.startswith(f"router down: the router at {router.url} did not answer")
+        assert cell(app, "node:gpu-a", "routed") == "N/A"
+        assert cell(app, "node:gpu-a", "holder") == "N/A"
+        assert cell(app, "node:gpu-a", "state") == "up"
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        assert any("TO HOLDER" in str(s.render()) for s in app.screen.query(Static))
+
+    drive(app, script)
+
+
+def test_top_json_with_a_router_and_with_one_that_is_down(
+    fleet: tuple[Engine, dict[str, Agent]], router: RouterServer, tmp_path: Path
+) -> None:
+    engine, agents = fleet
+    keys = put_chain(agents["gpu-b"], 2, seed=23)
+    indexed(router, "gpu-b", 2)
+    with RouterClient(router.url, token=ROUTER_TOKEN) as rc:
+        assert rc.route(keys=keys, tenant="acme", origin_dc="fra")["node"] == "gpu-b"
+    token_file = tmp_path / "router.token"
+    token_file.write_text(ROUTER_TOKEN + "\n")
+    args = ["top", "--db", str(engine.url), "--json", "--interval", "0.2"]
+    out = runner.invoke(
+        cli, [*args, "--router", router.url, "--router-token-file", str(token_file)]
+    )
+    assert out.exit_code == 0, out.output
+    assert ROUTER_TOKEN not in out.stdout
+    doc = json.loads(out.stdout)
+    routing = doc["routing"]
+    assert routing["up"] and routing["router"] == router.url
+    assert routing["since_router_start"]["decisions"] == 1
+    assert routing["since_router_start"]["to_holder_share"] == 1.0
+    nodes = {n["node"]: n for n in doc["nodes"]}
+    assert nodes["gpu-b"]["routing"]["decisions"] == 1
+    assert nodes["gpu-down"]["routing"] is None
+    # $KVCTL_ROUTER_URL is the default; without the token the router refuses, and says so
+    out = runner.invoke(cli, args, env={"KVCTL_ROUTER_URL": router.url, "KVCTL_ROUTER_TOKEN": ""})
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    assert doc["routing"]["up"] is False and "401" in doc["routing"]["error"]
+    assert all(n["routing"] is None for n in doc["nodes"])
+    assert doc["total"]["up"] == 3  # the agents are read all the same
+
+
+def test_top_refuses_a_bad_router_clearly() -> None:
+    cases = [
+        (
+            ["top", "--agent", "http://127.0.0.1:1", "--router", "127.0.0.1:9480"],
+            "not a router URL",
+        ),
+        (
+            ["top", "--agent", "http://127.0.0.1:1", "--router-token-file", "x.token"],
+            "needs a router",
+        ),
+        (
+            [
+                "top",
+                "--agent",
+                "http://127.0.0.1:1",
+                "--router",
+                "http://h:1",
+                "--router-token-file",
+                "/nonexistent/t",
+            ],
+            "cannot read the token file",
+        ),
+    ]
+    for args, message in cases:
+        out = runner.invoke(cli, args, env={"KVCTL_ROUTER_URL": ""})
         assert out.exit_code == 2, (args, out.output)
         assert message in " ".join(out.output.split()), (args, out.output)

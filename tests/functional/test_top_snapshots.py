@@ -6,7 +6,7 @@ in test_top.py run the same screens against real agents."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -246,3 +246,84 @@ def test_help(snap_compare: Any) -> None:
         await pilot.press("question_mark")
 
     assert snap_compare(make_app(), terminal_size=(100, 45), run_before=run)
+
+
+# --- with a router ------------------------------------------------------------------------------
+ROUTER_URL = "http://10.0.0.9:9480"
+#: chunks each scripted node holds, in the router's index: prefixes of its own
+HELD = {"gpu-a1": 6, "gpu-a2": 2, "gpu-b1": 4, "pool-ams": 16}
+
+
+def _chain(node: str, n: int) -> list[bytes]:
+    seed = sum(node.encode())
+    return [bytes([seed % 256, i]) * 8 for i in range(n)]
+
+
+def scripted_router(clock: Callable[[], float]) -> Any:
+    """A real router (kvctl.router.service.Router) over a real embedded index holding the
+    scripted nodes' chunks, its modeled backlog drained on the scripted polls' clock: the same
+    decisions, so the same figures, on every run."""
+    from kvctl.index.events import ChunkEvent
+    from kvctl.index.model import EmbeddedIndex
+    from kvctl.remote.fetchplan import PrefillModel
+    from kvctl.router.load import LoadTally
+    from kvctl.router.score import Costs
+    from kvctl.router.service import Router
+    from kvctl.router.topology import DcLink, Node, Topology
+
+    index = EmbeddedIndex()
+    for name, n in HELD.items():
+        index.apply(
+            name,
+            [
+                ChunkEvent("stored", k, tier="cpu", size_bytes=32 << 20, tokens=256)
+                for k in _chain(name, n)
+            ],
+        )
+    nodes = [Node(name, dc) for name, dc, *_ in NODES] + [Node("pool-ams", "ams", serves=False)]
+    links = {
+        ("fra", "ams"): DcLink.fiber(80),
+        ("fra", "lon"): DcLink.fiber(640),
+        ("ams", "lon"): DcLink.fiber(360),
+    }
+    costs = Costs(PrefillModel(2e-4, 0.0, "configured: snapshot"))
+    return Router(index, Topology.build(nodes, links), costs, load=LoadTally(clock=clock))
+
+
+class RoutedSource(ScriptedSource):
+    """The scripted fleet, and a real router asked the same requests before every poll."""
+
+    label = "fleet · snapshot · router " + ROUTER_URL
+
+    def __init__(self, *, router_down_after: int | None = None) -> None:
+        super().__init__()
+        self.router = scripted_router(lambda: T0 + 2 * self.step)
+        self.down_after = router_down_after
+
+    def poll(self) -> Poll:
+        from kvctl.tui.model import RouterReading
+
+        base = super().poll()
+        if self.down_after is not None and self.step > self.down_after:
+            why = f"the router at {ROUTER_URL} did not answer: [Errno 111] Connection refused"
+            reading = RouterReading(ROUTER_URL, None, why)
+        else:
+            for node, origin in [("gpu-a1", "fra")] * 3 + [("gpu-b1", "ams"), ("gpu-a2", "fra")]:
+                self.router.route(_chain(node, HELD[node]), tenant="acme", origin_dc=origin)
+            # a long prefix only the ams pool holds, asked in fra: pulled over the fra-ams link
+            self.router.route(_chain("pool-ams", 16), tenant="acme", origin_dc="fra")
+            self.router.route([b"\xee" * 16], tenant="acme", origin_dc="lon")  # held nowhere
+            reading = RouterReading(ROUTER_URL, self.router.stats())
+        return Poll(base.ts_s, base.readings, base.rtt_s, base.elapsed_s, reading)
+
+
+def test_fleet_with_a_router(snap_compare: Any) -> None:
+    app = create_app(RoutedSource(), auto_poll=False, audit_engine=None, actor="op@bastion")
+    assert snap_compare(app, terminal_size=(170, 20), run_before=polled)
+
+
+def test_fleet_with_the_router_down(snap_compare: Any) -> None:
+    app = create_app(
+        RoutedSource(router_down_after=2), auto_poll=False, audit_engine=None, actor="op@bastion"
+    )
+    assert snap_compare(app, terminal_size=(120, 16), run_before=polled)

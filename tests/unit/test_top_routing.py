@@ -211,15 +211,15 @@ def test_cells_and_the_routing_lines() -> None:
             2.0,
             router_stats(
                 {"a": (5, 4), "b": (0, 0)},
-                {("ams", "fra"): (4, 4 << 20)},
+                {("ams", "fra"): (4, 4 << 20), ("fra", "fra"): (1, 1 << 20)},
                 requested_chunks=20,
                 indexed_chunks=15,
                 local_chunks=8,
-                pulled_chunks=4,
-                pulled_bytes=4 << 20,
+                pulled_chunks=5,
+                pulled_bytes=5 << 20,
                 tokens=5120,
-                fetched_tokens=3072,
-                recomputed_tokens=2048,
+                fetched_tokens=3328,
+                recomputed_tokens=1792,
                 no_node=1,
             ),
         )
@@ -230,9 +230,10 @@ def test_cells_and_the_routing_lines() -> None:
     assert view.routing is not None
     assert str(cells.routing(view.routing)).splitlines() == [
         "routing since the router started: 5 decisions · 80% to a holder · index hit 75% of 20 "
-        "chunks · reused 60%: 8 local, 4 pulled · tokens fetched 3,072, prefilled 2,048 · 1 "
-        "with no node · now 1.5 decisions/s",
-        "pulled across DC links since the router started: ams→fra 4.0M in 4 chunks, now 2.0M/s",
+        "chunks · reused 65%: 8 local, 5 pulled · tokens fetched 3,328, prefilled 1,792 · 1 "
+        "with no node",
+        "now 1.5 decisions/s · pulled between DCs since the router started: ams→fra 4.0M in 4 "
+        "chunks (2.0M/s now) · within a DC: fra 1.0M in 1 chunks (512K/s now)",
     ]
     down = RoutingView(URL, False, "the router answered 401: bad token")
     assert str(cells.routing(down)) == (
