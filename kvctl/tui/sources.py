@@ -109,6 +109,8 @@ def router_url(url: str) -> str:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"not a router URL: {url!r} (use http://HOST:PORT)")
+    if parts.username or parts.password:  # the URL is shown in the header: no secrets in it
+        raise ValueError("give the router's token with --router-token-file, not in its URL")
     return parts.geturl().rstrip("/")
 
 

@@ -251,3 +251,5 @@ def test_the_router_watch_never_raises_and_checks_its_url() -> None:
     assert router_url("https://router.example:9480/") == "https://router.example:9480"
     with pytest.raises(ValueError, match="not a router URL"):
         router_url("127.0.0.1:9480")
+    with pytest.raises(ValueError, match="not in its URL"):
+        router_url("http://op:secret@127.0.0.1:9480")
