@@ -47,7 +47,7 @@ TokenFileOpt = Annotated[
 ]
 
 
-def _token(token_file: Path | None) -> str | None:
+def router_token(token_file: Path | None) -> str | None:
     """The router's token: the file's first line, else $KVCTL_ROUTER_TOKEN, else none."""
     if token_file is None:
         return os.environ.get(ROUTER_TOKEN_ENV) or None
@@ -321,7 +321,7 @@ def serve_command(
     """
     from kvctl.wire.address import is_loopback, split_host_port
 
-    token = _token(token_file)
+    token = router_token(token_file)
     with user_errors(hint="--listen takes HOST:PORT"):
         host, _ = split_host_port(listen, 9480)
     if not is_loopback(host) and not token:
@@ -388,7 +388,7 @@ def status_command(
 
     url = _router_url(router)
     try:
-        with RouterClient(url, token=_token(token_file)) as client:
+        with RouterClient(url, token=router_token(token_file)) as client:
             report = {"router": url, "index": client.index(), "stats": client.stats()}
     except RouterClientError as exc:
         fail(str(exc), hint="start it with `kvctl router serve`", code=1)
@@ -515,7 +515,7 @@ def route_command(
             ids = tokenize(text, tokenizer)
     url = _router_url(router)
     try:
-        with RouterClient(url, token=_token(token_file)) as client:
+        with RouterClient(url, token=router_token(token_file)) as client:
             decision = client.route(
                 tenant=tenant,
                 keys=key_list,

@@ -155,7 +155,7 @@ def top_command(
 
 def _router_watch(url: str | None, token_file: Path | None, timeout_s: float) -> RouterWatch | None:
     """The router to read each poll: --router, else $KVCTL_ROUTER_URL, else none."""
-    from kvctl.cli.router import ROUTER_URL_ENV, _token
+    from kvctl.cli.router import ROUTER_URL_ENV, router_token
     from kvctl.tui.sources import RouterWatch
 
     url = url or os.environ.get(ROUTER_URL_ENV) or None
@@ -164,7 +164,7 @@ def _router_watch(url: str | None, token_file: Path | None, timeout_s: float) ->
             fail("--router-token-file needs a router: give --router URL (or $KVCTL_ROUTER_URL)")
         return None
     with user_errors(hint="a router URL looks like http://127.0.0.1:9480"):
-        return RouterWatch(url, token=_token(token_file), timeout_s=timeout_s)
+        return RouterWatch(url, token=router_token(token_file), timeout_s=timeout_s)
 
 
 def _print_once(source: Source, interval_s: float, window: str) -> None:
