@@ -9,11 +9,13 @@ retried next cycle (bounded), so a database restart loses no increases.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,8 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from collectors.engines import EngineReading, Histogram, UnknownEngine, parse_engine_metrics
 from collectors.metrics import CollectorMetrics
+from collectors.router import RouterAnswerError, RouterReading, parse_router_stats, route_rows
+from collectors.router import router_key as router_key_of
 from collectors.rows import cache_rows, engine_row, plan_rows, power_rows
 from kvctl.client import AgentClient, AgentError, RequestError
 from kvctl.counters import CounterTracker
@@ -31,11 +35,17 @@ from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import Retention, maintain
+from kvctl.router.client import RouterClient, RouterClientError
+from kvctl.wire.address import redact_url
 
 log = logging.getLogger("kvctl.collect")
 
 #: rows kept for retry while the database refuses writes (about a day of a 100-node fleet)
 MAX_PENDING_ROWS = 1_000_000
+#: what a probe's RTT may be (the agent's ``rtt_basis``); anything else is recorded "unknown"
+RTT_BASES = ("measured", "emulated")
+#: whether this SDK's probe names its target (the agent then reports the link's emulated delay)
+_PROBE_TAKES_NAME = "name" in inspect.signature(AgentClient.probe).parameters
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +62,10 @@ class CollectorConfig:
     pings: int = 5
     retention: Retention = field(default_factory=Retention)
     max_workers: int = 32
+    #: `kvctl router serve` URLs scraped each cycle (``/v1/stats``) into route_sample
+    routers: tuple[str, ...] = ()
+    #: bearer token for the routers
+    router_token: str | None = field(default=None, repr=False)
 
     @property
     def request_timeout_s(self) -> float:
@@ -82,6 +96,9 @@ class CycleReport:
     rows: dict[str, int] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     written: bool = True
+    #: routers scraped (their redacted URLs), and why the others could not be
+    routers_up: list[str] = field(default_factory=list)
+    routers_down: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -89,10 +106,21 @@ class CycleReport:
             "seconds": round(self.seconds, 4),
             "up": self.up,
             "down": self.down,
+            "routers": {"up": self.routers_up, "down": self.routers_down},
             "rows": self.rows,
             "warnings": self.warnings,
             "written": self.written,
         }
+
+
+@dataclass(slots=True)
+class RouterScrape:
+    """What one router answered, checked, before rows are built on the loop's thread."""
+
+    router: str
+    seconds: float
+    reading: RouterReading | None = None
+    error: str | None = None
 
 
 class Collector:
@@ -118,6 +146,11 @@ class Collector:
         self._warned_nodes: set[int] = set()
         self._link_round = 0
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
+        # routers by their redacted URL (the ``router`` column; never logged with credentials)
+        self._routers = {router_key_of(redact_url(u)): u for u in self.config.routers}
+        self._router_clients: dict[str, RouterClient] = {}
+        self._router_in_flight: dict[str, Future[RouterScrape]] = {}
+        self._router_errors: dict[str, str] = {}
 
     # --- inventory ---------------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -175,6 +208,55 @@ class Collector:
         self.metrics.scrape_seconds.labels("engine").observe(time.perf_counter() - t0)
         return reading, None
 
+    def _scrape_router(self, router: str) -> RouterScrape:
+        t0 = time.perf_counter()
+        client = self._router_clients.get(router)
+        if client is None:
+            client = self._router_clients[router] = RouterClient(
+                self._routers[router],
+                token=self.config.router_token,
+                timeout_s=self.config.request_timeout_s,
+            )
+        try:
+            # its start time first: a restart between the two calls then shows as counters
+            # going down, never as a lost interval
+            info = client.info()
+            reading = parse_router_stats(client.stats(), info)
+        except (RouterClientError, RouterAnswerError) as exc:
+            self.metrics.errors.labels("router").inc()
+            # the client's messages carry the URL as given: say it redacted
+            text = str(exc).replace(self._routers[router].rstrip("/"), router)
+            return RouterScrape(router, time.perf_counter() - t0, error=text)
+        seconds = time.perf_counter() - t0
+        self.metrics.scrape_seconds.labels("router").observe(seconds)
+        return RouterScrape(router, seconds, reading=reading)
+
+    def _submit_routers(self) -> tuple[dict[str, Future[RouterScrape]], list[RouterScrape]]:
+        futures: dict[str, Future[RouterScrape]] = {}
+        skipped: list[RouterScrape] = []
+        for router in self._routers:
+            hanging = self._router_in_flight.get(router)
+            if hanging is not None and not hanging.done():
+                skipped.append(RouterScrape(router, 0.0, error="previous scrape still running"))
+                continue
+            futures[router] = self._router_in_flight[router] = self._pool.submit(
+                self._scrape_router, router
+            )
+        return futures, skipped
+
+    def _router_results(
+        self, futures: dict[str, Future[RouterScrape]], deadline_s: float
+    ) -> list[RouterScrape]:
+        out = []
+        for router, fut in futures.items():
+            if fut.done():
+                out.append(fut.result())
+                del self._router_in_flight[router]
+            else:
+                self.metrics.errors.labels("router").inc()
+                out.append(RouterScrape(router, deadline_s, error=f"no answer in {deadline_s}s"))
+        return out
+
     def collect_once(self) -> CycleReport:
         """Scrape every node once and write the samples; never raises for a node's failure."""
         t0 = time.perf_counter()
@@ -184,13 +266,16 @@ class Collector:
         deadline_s = self.config.interval_s * 0.9
         futures: dict[int, Future[Scrape]] = {}
         scrapes: list[Scrape] = []
+        router_futures, router_scrapes = self._submit_routers()
         for node in nodes:
             hanging = self._in_flight.get(node.id)
             if hanging is not None and not hanging.done():
                 scrapes.append(Scrape(node, False, 0.0, error="previous scrape still running"))
                 continue
             futures[node.id] = self._in_flight[node.id] = self._pool.submit(self._scrape, node)
-        wait(futures.values(), timeout=deadline_s)
+        pending: list[Future[Any]] = [*futures.values(), *router_futures.values()]
+        wait(pending, timeout=deadline_s)
+        router_scrapes += self._router_results(router_futures, deadline_s)
         by_id = {n.id: n for n in nodes}
         for node_id, fut in futures.items():
             if fut.done():
@@ -202,6 +287,7 @@ class Collector:
                     Scrape(by_id[node_id], False, deadline_s, error=f"no answer in {deadline_s}s")
                 )
         rows = self._rows(scrapes, ts_ms, report)
+        self._router_rows(router_scrapes, ts_ms, report, rows)
         self._write(rows, report)
         report.seconds = time.perf_counter() - t0
         self.metrics.cycle_seconds.observe(report.seconds)
@@ -256,6 +342,29 @@ class Collector:
                     self._warned_nodes.add(node.id)
                     log.warning("%s: %s", node.name, warning)
         return rows
+
+    def _router_rows(
+        self,
+        scrapes: list[RouterScrape],
+        ts_ms: int,
+        report: CycleReport,
+        rows: dict[str, list[dict[str, Any]]],
+    ) -> None:
+        self._load_tracker()
+        for s in scrapes:
+            if s.reading is None:
+                error = s.error or "no answer"
+                report.routers_down[s.router] = error
+                if self._router_errors.get(s.router) != error:
+                    log.warning("router %s: %s", s.router, error)
+                self._router_errors[s.router] = error
+                continue
+            if self._router_errors.pop(s.router, None) is not None:
+                log.info("router %s answers again", s.router)
+            report.routers_up.append(s.router)
+            routes, links = route_rows(self._tracker, s.router, ts_ms, s.reading)
+            rows["route_sample"] += routes
+            rows["route_link_sample"] += links
 
     def _load_tracker(self) -> None:
         if self._tracker_loaded:
@@ -355,16 +464,21 @@ class Collector:
             "probe_bytes": self.config.probe_bytes,
             "ok": False,
             "error": None,
+            "rtt_basis": None,
+            "emulated_delay_s": None,
         }
         t0 = time.perf_counter()
         try:
             if isinstance(target, AgentError):
                 raise target
-            result = self._client(src).probe(
+            # naming the target lets the agent report the delay it emulates on that link
+            named: dict[str, Any] = {"name": dst.name} if _PROBE_TAKES_NAME else {}
+            result: Mapping[str, Any] = self._client(src).probe(
                 target,
                 token=self.config.token,
                 pings=self.config.pings,
                 size_bytes=self.config.probe_bytes,
+                **named,
             )
         except AgentError as exc:
             self.metrics.errors.labels("link").inc()
@@ -377,6 +491,7 @@ class Collector:
             loss_ratio=result.get("loss_ratio"),
             ok=bool(result.get("ok")),
             error=result.get("error"),
+            **rtt_basis_of(result),
         )
         if not row["ok"]:
             self.metrics.errors.labels("link").inc()
@@ -422,4 +537,18 @@ class Collector:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self._clients.values():
             c.close()
+        for r in self._router_clients.values():
+            r.close()
         self._http.close()
+
+
+def rtt_basis_of(probe: Mapping[str, Any]) -> dict[str, Any]:
+    """A probe answer's ``rtt_basis`` and ``emulated_delay_s`` columns. An agent older than
+    those fields measured its RTT and emulated nothing; a basis this collector does not know is
+    recorded "unknown", never passed off as measured."""
+    basis = probe.get("rtt_basis", "measured")
+    delay = probe.get("emulated_delay_s")
+    delay_s: float | None = None
+    if isinstance(delay, int | float) and not isinstance(delay, bool):
+        delay_s = float(delay) if math.isfinite(delay) and delay >= 0 else None
+    return {"rtt_basis": basis if basis in RTT_BASES else "unknown", "emulated_delay_s": delay_s}

@@ -12,6 +12,7 @@ import plotly.graph_objects as go
 from kvctl.db.analytics.counts import Counts
 from kvctl.db.analytics.inventory import Inventory
 from kvctl.db.analytics.links import BreakEven, LinkFigures
+from kvctl.db.analytics.routing import NodeRouting, PulledSeries
 from kvctl.db.analytics.series import TimeSeries
 
 TIER_COLOURS = {
@@ -71,9 +72,15 @@ def reuse_vs_sharing(dcs: Mapping[str, Counts], fleet: Counts) -> go.Figure:
     return _layout(fig, y_title="hits per lookup", percent=True)
 
 
-def dc_schematic(inv: Inventory, links: Sequence[LinkFigures], dcs: Sequence[str]) -> go.Figure:
+def dc_schematic(
+    inv: Inventory,
+    links: Sequence[LinkFigures],
+    dcs: Sequence[str],
+    rtt_labels: Mapping[tuple[str, str], str] | None = None,
+) -> go.Figure:
     """DCs on a circle (a schematic, not a map: the inventory has place names, not
-    coordinates), links coloured by measured mean RTT; unprobed links dashed grey."""
+    coordinates), links coloured by probed mean RTT, each labelled by its basis (``rtt_labels``
+    per DC pair: "measured" where not given); unprobed links dashed grey."""
     shown = [d.name for d in inv.dcs if d.name in dcs]
     n = max(len(shown), 1)
     # first DC on the left, the rest clockwise around the circle
@@ -98,7 +105,8 @@ def dc_schematic(inv: Inventory, links: Sequence[LinkFigures], dcs: Sequence[str
                 "color": f"rgb({int(60 + 190 * share)},{int(170 - 120 * share)},80)",
                 "width": 4,
             }
-            label = f"{lk.dc_a}↔{lk.dc_b}: {km}, RTT {lk.rtt_mean_s * 1e3:.2f} ms (measured)"
+            basis = (rtt_labels or {}).get((lk.dc_a, lk.dc_b), "measured")
+            label = f"{lk.dc_a}↔{lk.dc_b}: {km}, RTT {lk.rtt_mean_s * 1e3:.2f} ms ({basis})"
         fig.add_scatter(
             x=[xa, (xa + xb) / 2, xb],
             y=[ya, (ya + yb) / 2, yb],
@@ -283,3 +291,33 @@ def candidates(report: Mapping[str, Any]) -> go.Figure:
     )
     fig.update_layout(barmode="stack")
     return _layout(fig, y_title="share", percent=True)
+
+
+def decisions_per_node(nodes: Sequence[NodeRouting]) -> go.Figure:
+    """Decisions per chosen node, stacked: sent to a node holding part of the prefix or not."""
+    names = [n.node for n in nodes]
+    fig = go.Figure()
+    fig.add_bar(
+        name="to a holder of the prefix",
+        x=names,
+        y=[n.to_holder for n in nodes],
+        marker_color="#33a02c",
+    )
+    fig.add_bar(
+        name="to a node holding none of it",
+        x=names,
+        y=[n.not_to_holder for n in nodes],
+        marker_color="#b2b2b2",
+    )
+    fig.update_layout(barmode="stack")
+    return _layout(fig, y_title="decisions")
+
+
+def pulled_bytes_over_time(s: PulledSeries) -> go.Figure:
+    """Bytes the decisions pulled per DC link (holder's DC -> chosen node's DC), per bucket."""
+    t = _times(s.bucket_ms)
+    fig = go.Figure()
+    for (a, b), values in s.pulled_bytes.items():
+        fig.add_bar(x=t, y=values, name=a if a == b else f"{a}→{b}")
+    fig.update_layout(barmode="stack")
+    return _layout(fig, y_title="bytes pulled")

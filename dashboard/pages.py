@@ -1,4 +1,4 @@
-"""The four pages, each a function of the page context returning Dash components."""
+"""The five pages, each a function of the page context returning Dash components."""
 
 from __future__ import annotations
 
@@ -14,14 +14,16 @@ from dashboard.components import card, empty, graph, section, table
 from kvctl.db.analytics.counts import MEASURED, MODELED, Assumptions, node_counts
 from kvctl.db.analytics.counts import total as total_of
 from kvctl.db.analytics.inventory import Inventory, inventory
-from kvctl.db.analytics.links import break_even, link_figures, link_series
+from kvctl.db.analytics.links import RttBasis, break_even, link_figures, link_series, rtt_bases
 from kvctl.db.analytics.overview import Overview, capacity, overview
+from kvctl.db.analytics.routing import RoutingSummary, pulled_series, routing_summary
 from kvctl.db.analytics.series import node_events, time_series
 from kvctl.db.analytics.windows import Window
 from kvctl.format import (
     ENERGY_UNITS,
     GPU_TIME_UNITS,
     MASS_UNITS,
+    format_bytes,
     format_number,
     format_scaled,
     format_seconds,
@@ -112,8 +114,12 @@ def fleet_page(ctx: PageContext) -> list[Any]:
             "DCs and links",
             MEASURED,
             win,
-            graph(figures.dc_schematic(ov.inventory, ov.links, names), "fig-schematic"),
-            note="a schematic; links coloured by measured mean RTT, dashed when not probed",
+            graph(
+                figures.dc_schematic(ov.inventory, ov.links, names, _rtt_labels(ctx, ov.inventory)),
+                "fig-schematic",
+            ),
+            note="a schematic; links coloured by probed mean RTT (labelled measured or "
+            "emulated), dashed when not probed",
         )
     )
     rows = [_dc_row(name, c, ov) for name, c in shown.items()]
@@ -424,6 +430,7 @@ def links_page(ctx: PageContext) -> list[Any]:
             ),
         ]
     probed = [lk for lk in links if lk.probes]
+    labels = _rtt_labels(ctx, inv)
     if not probed:
         out.append(
             empty(
@@ -438,7 +445,8 @@ def links_page(ctx: PageContext) -> list[Any]:
                 MEASURED,
                 win,
                 graph(figures.link_matrix(links, names, "rtt"), "fig-rtt-matrix"),
-                note="mean of successful probes; diagonal: within a DC",
+                note="mean of successful probes; diagonal: within a DC; RTT "
+                + _basis_summary(labels),
             ),
             section(
                 "Bandwidth matrix",
@@ -467,8 +475,8 @@ def links_page(ctx: PageContext) -> list[Any]:
             graph(figures.fetch_vs_recompute(rows), "fig-break-even"),
             table(
                 "table-links",
-                [_link_row(r) for r in rows],
-                list(_link_row(rows[0])),
+                [_link_row(r, labels) for r in rows],
+                list(_link_row(rows[0], labels)),
             ),
             note=(
                 f"a {rows[0].chunk_tokens}-token chunk of {ctx.assume.model.name} "
@@ -480,7 +488,39 @@ def links_page(ctx: PageContext) -> list[Any]:
     return out
 
 
-def _link_row(r: Any) -> dict[str, Any]:
+def _rtt_labels(ctx: PageContext, inv: Inventory) -> dict[tuple[str, str], str]:
+    win = ctx.window
+    return {
+        k: rtt_basis_label(b) for k, b in rtt_bases(ctx.conn, win.start_ms, win.end_ms, inv).items()
+    }
+
+
+def rtt_basis_label(b: RttBasis) -> str:
+    """'measured', 'emulated (+0.80 ms delay)', or both when the window holds both."""
+    parts = []
+    if b.emulated:
+        lo, hi = b.emulated_delay_min_s, b.emulated_delay_max_s
+        if lo is None or hi is None:
+            delay = "delay not reported"
+        elif lo == hi:
+            delay = f"+{lo * 1e3:.2f} ms delay"
+        else:
+            delay = f"+{lo * 1e3:.2f} to {hi * 1e3:.2f} ms delay"
+        parts.append(f"emulated ({delay})")
+    parts += [k for k in b.probes if k != "emulated"]
+    return " and ".join(parts)
+
+
+def _basis_summary(labels: dict[tuple[str, str], str]) -> str:
+    emulated = {k: v for k, v in labels.items() if v != "measured"}
+    if not emulated:
+        return "measured"
+    return "; ".join(
+        f"{a if a == b else f'{a}↔{b}'}: {label}" for (a, b), label in emulated.items()
+    ) + ("; others measured" if len(emulated) < len(labels) else "")
+
+
+def _link_row(r: Any, labels: dict[tuple[str, str], str]) -> dict[str, Any]:
     lk = r.link
     worth = {None: "not measured", True: "fetch", False: "recompute"}[r.worth_fetching]
     return {
@@ -489,6 +529,7 @@ def _link_row(r: Any) -> dict[str, Any]:
         "probes": lk.probes,
         "ok": percent(lk.ok_ratio),
         "RTT mean": format_seconds(lk.rtt_mean_s),
+        "RTT basis": labels.get((lk.dc_a, lk.dc_b), "-" if lk.rtt_mean_s is None else "measured"),
         "RTT max": format_seconds(lk.rtt_max_s),
         "fiber RTT (modeled)": format_seconds(lk.fiber_rtt_s),
         "Gb/s": None
@@ -572,9 +613,199 @@ def _candidate_row(c: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# --- routing -----------------------------------------------------------------------------------
+ROUTER_HINT = (
+    "Run `kvctl collect --router URL` (the router's URL, e.g. http://127.0.0.1:9480; token from "
+    "--router-token-file or $KVCTL_ROUTER_TOKEN) so the collector records the router's decisions."
+)
+#: what the router's fetched tokens and pulled bytes are: its plans, not bytes seen moving
+PLANS_NOTE = "the chosen nodes' fetch plans (the router's cost model), not transfers observed"
+
+
+def routing_page(ctx: PageContext) -> list[Any]:
+    win = ctx.window
+    r = routing_summary(ctx.conn, win.start_ms, win.end_ms)
+    out: list[Any] = [html.H2("Routing")]
+    if not r.has_data:
+        out.append(
+            empty(
+                f"No router decisions recorded between {format_utc_minute(win.start_ms)} and "
+                f"{format_utc_minute(win.end_ms)}.",
+                hint=ROUTER_HINT + " Or pick a longer window.",
+            )
+        )
+    else:
+        out.append(html.Div(_routing_cards(r), className="cards", id="routing-cards"))
+        if r.nodes:
+            out.append(
+                section(
+                    "Decisions per node",
+                    MEASURED,
+                    win,
+                    graph(figures.decisions_per_node(r.nodes), "fig-route-nodes"),
+                    table(
+                        "table-route-nodes",
+                        [_route_node_row(n) for n in r.nodes],
+                        list(_route_node_row(r.nodes[0])),
+                    ),
+                    note="the router's counts: sent to a node holding part of the prompt's "
+                    "prefix (its own tiers), or to one holding none of it",
+                )
+            )
+        out.append(_pulls_section(ctx, r))
+    out.append(_route_report_section(r))
+    return out
+
+
+def _routing_cards(r: RoutingSummary) -> list[Any]:
+    routers = f"{len(r.routers)} router(s)"
+    return [
+        card(
+            "Decisions",
+            f"{r.decisions:,}",
+            MEASURED,
+            f"{routers}; {r.no_node:,} request(s) no node could serve; mean decision "
+            f"{format_seconds(r.decision_mean_s)} (index lookup + scoring, in the router)",
+            card_id="card-route-decisions",
+        ),
+        card(
+            "Sent to a holder",
+            percent(r.to_holder_share),
+            MEASURED,
+            f"{r.to_holder:,} of {r.decisions:,} decisions went to a node already holding part "
+            "of the prefix",
+            card_id="card-route-holder",
+        ),
+        card(
+            "Index hit ratio",
+            percent(r.index_hit_ratio),
+            MEASURED,
+            f"{r.indexed_chunks:,} of {r.requested_chunks:,} chunks of the routed prompts were "
+            "held somewhere in the fleet (fleet index)",
+            card_id="card-route-index",
+        ),
+        card(
+            "Tokens fetched instead of prefilled",
+            format_number(r.fetched_tokens),
+            MODELED,
+            f"{percent(r.fetched_token_share)} of {r.tokens:,} routed tokens; "
+            f"{r.recomputed_tokens:,} recomputed; " + PLANS_NOTE,
+            card_id="card-route-fetched",
+        ),
+        card(
+            "Bytes pulled across nodes",
+            format_bytes(r.pulled_bytes),
+            MODELED,
+            f"{r.pulled_chunks:,} chunks from other nodes, {r.local_chunks:,} read on the chosen "
+            "node; " + PLANS_NOTE,
+            card_id="card-route-pulled",
+        ),
+    ]
+
+
+def _route_node_row(n: Any) -> dict[str, Any]:
+    return {
+        "node": n.node,
+        "decisions": n.decisions,
+        "to a holder": n.to_holder,
+        "to no holder": n.not_to_holder,
+        "share to a holder": percent(n.to_holder_share),
+    }
+
+
+def _pulls_section(ctx: PageContext, r: RoutingSummary) -> Any:
+    win = ctx.window
+    if not r.links:
+        body: list[Any] = [empty("No chunks pulled between nodes in this window.")]
+    else:
+        rows = [
+            {
+                "link": lk.from_dc if lk.from_dc == lk.to_dc else f"{lk.from_dc}→{lk.to_dc}",
+                "chunks": lk.pulled_chunks,
+                "bytes": lk.pulled_bytes,
+                "pulled": format_bytes(lk.pulled_bytes),
+            }
+            for lk in r.links
+        ]
+        body = [
+            graph(figures.pulled_bytes_over_time(pulled_series(ctx.conn, win)), "fig-route-pulls"),
+            table("table-route-links", rows, list(rows[0])),
+        ]
+    return section(
+        "Bytes pulled per DC link",
+        MODELED,
+        win,
+        *body,
+        note="holder's DC → chosen node's DC (one DC: between its nodes); " + PLANS_NOTE,
+    )
+
+
+def _route_report_section(r: RoutingSummary) -> Any:
+    saved = r.report
+    title = "Routing policies on the same requests, replayed"
+    if saved is None:
+        return section(
+            title,
+            MODELED,
+            None,
+            empty(
+                "No route report saved.",
+                hint="The demo saves one: a replay of its trace under each routing policy "
+                "(`kvctl bench route`'s comparison).",
+            ),
+        )
+    report = saved.report
+    basis = report.get("basis") or (report.get("modeled_inputs") or {}).get("basis")
+    children: list[Any] = []
+    for i, w in enumerate(_report_workloads(report)):
+        policies: dict[str, Any] = w["policies"]
+        reference = str(w.get("reference", "round-robin"))
+        rows = [_policy_row(name, p, reference) for name, p in policies.items()]
+        if not rows:
+            continue
+        head = f"{w.get('workload', 'replay')}: {w.get('requests', '?')} requests"
+        children += [html.H4(head), table(f"table-route-report-{i}", rows, list(rows[0]))]
+    if not children:
+        children = [empty("The saved route report compares no policies.")]
+    return section(
+        title,
+        MODELED,
+        None,
+        *children,
+        note=f"{basis or 'the report states no basis'}; saved {format_utc_minute(saved.ts_ms)}",
+    )
+
+
+def _report_workloads(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The workloads of a route report: `kvctl bench route`'s result (``workloads``) or one
+    workload's comparison (``policies`` at the top)."""
+    if isinstance(report.get("workloads"), list):
+        return [w for w in report["workloads"] if isinstance(w, dict) and w.get("policies")]
+    return [report] if isinstance(report.get("policies"), dict) else []
+
+
+def _policy_row(name: str, p: dict[str, Any], reference: str) -> dict[str, Any]:
+    vs = p.get("vs_reference") or {}
+    ttft = (p.get("ttft_modeled") or {}).get("mean_s")
+    ttft_ratio = vs.get("ttft_mean_ratio_to_reference")
+    hit_gain = vs.get("hit_ratio_minus_reference")
+    return {
+        "policy": name,
+        "hit ratio": percent(p.get("hit_ratio")),
+        "local / pulled": f"{percent(p.get('local_hit_ratio'))} / "
+        f"{percent(p.get('pulled_hit_ratio'))}",
+        "sent to a holder": percent(p.get("to_holder_share")),
+        "bytes pulled": None if p.get("pulled_bytes") is None else format_bytes(p["pulled_bytes"]),
+        "mean TTFT (modeled)": format_seconds(ttft),
+        f"hit ratio vs {reference}": "-" if hit_gain is None else f"{hit_gain * 100:+.1f} pts",
+        f"mean TTFT vs {reference}": "-" if ttft_ratio is None else f"{ttft_ratio:.2f}x",
+    }
+
+
 PAGES: dict[str, tuple[str, Callable[[PageContext], list[Any]]]] = {
     "/": ("Fleet", fleet_page),
     "/detail": ("DCs and nodes", dc_page),
     "/links": ("Links", links_page),
+    "/routing": ("Routing", routing_page),
     "/capacity": ("Capacity", capacity_page),
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -39,6 +40,23 @@ def collect_command(
             "keep it on loopback and let a local Prometheus or a proxy reach it.",
         ),
     ] = f"127.0.0.1:{DEFAULT_METRICS_PORT}",
+    routers: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--router",
+            help="Also scrape this `kvctl router serve` (its decisions, index hits and pulls "
+            "per DC link) each interval; repeat for several.",
+            show_default=False,
+        ),
+    ] = None,
+    router_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--router-token-file",
+            help="File holding the routers' bearer token (default: $KVCTL_ROUTER_TOKEN).",
+            show_default=False,
+        ),
+    ] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON lines for scripts.")] = False,
 ) -> None:
     """Scrape every agent in the fleet inventory into the metrics database.
@@ -49,7 +67,12 @@ def collect_command(
     rollups and retention every minute. Unreachable nodes are recorded as down; the loop goes
     on. Several collectors (say one per DC with --dc) can write to one PostgreSQL.
 
-    The agents' token is read from KVCTL_TOKEN.
+    With --router, each interval also records what the router decided since the last scrape
+    (decisions per node, sent to a node holding the prefix or not, index hits, tokens fetched
+    instead of prefilled, bytes pulled per DC link): the dashboard's Routing page.
+
+    The agents' token is read from KVCTL_TOKEN; the routers' from --router-token-file or
+    KVCTL_ROUTER_TOKEN.
 
     Examples:
 
@@ -57,9 +80,12 @@ def collect_command(
 
       kvctl collect --interval 5 --dc fra-1
 
+      kvctl collect --router http://10.0.0.9:9480 --router-token-file router.token
+
       KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 127.0.0.1:9471
     """
     from collectors.collector import Collector, CollectorConfig, CycleReport
+    from kvctl.cli.router import _token as router_token
     from kvctl.units import parse_size
     from kvctl.wire.address import split_host_port
 
@@ -69,18 +95,27 @@ def collect_command(
         fail(str(exc))
     if probe_bytes > 64 << 20:
         fail(f"--probe-size is at most 64MiB, got {probe_size}")
-    engine = open_engine(db)
+    for url in routers or ():
+        if not url.startswith(("http://", "https://")):
+            fail(f"--router takes the router's URL, e.g. http://127.0.0.1:9480; got {url!r}")
     config = CollectorConfig(
         interval_s=interval,
         link_interval_s=link_interval if links else float("inf"),
         dc=dc,
         probe_bytes=probe_bytes,
+        routers=tuple(routers or ()),
+        router_token=router_token(router_token_file) if routers else None,
     )
-    collector = Collector(engine, config)
+    engine = open_engine(db)
+    try:
+        collector = Collector(engine, config)
+    except ValueError as exc:  # a router URL the database cannot key
+        engine.dispose()
+        fail(str(exc))
     try:
         with db_errors():
             nodes = collector.nodes()
-        if not nodes:
+        if not nodes and not routers:
             fail(
                 "the fleet inventory has no nodes" + (f" in DC {dc!r}" if dc else ""),
                 hint="add them with `kvctl fleet add-node` (or `kvctl fleet import FILE`)",
@@ -107,7 +142,8 @@ def collect_command(
             elif isinstance(report, CycleReport):
                 _line(kind, report)
 
-        err_console.print(f"collecting from {len(nodes)} nodes every {interval:g}s (Ctrl-C stops)")
+        scraped = f"{len(nodes)} nodes" + (f" and {len(routers)} router(s)" if routers else "")
+        err_console.print(f"collecting from {scraped} every {interval:g}s (Ctrl-C stops)")
         collector.run(stop, on_cycle=show)
         if server is not None:
             server.shutdown()
@@ -118,6 +154,8 @@ def collect_command(
 
 def _line(kind: str, r: Any) -> None:
     down = f", [red]{len(r.down)} down[/]: {', '.join(sorted(r.down))}" if r.down else ""
+    if r.routers_down:
+        down += f", [red]router down[/]: {', '.join(sorted(r.routers_down))}"
     saved = "" if r.written else " [yellow](database unavailable, kept for retry)[/]"
     console.print(
         f"{kind:<6} {len(r.up)} up{down} · {sum(r.rows.values())} rows · {r.seconds:.2f}s{saved}",
@@ -145,6 +183,10 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
             table.add_row(name, "[green]up[/]", "")
         for name, err in sorted(report.down.items()):
             table.add_row(name, "[red]down[/]", err)
+        for name in report.routers_up:
+            table.add_row(name, "[green]router up[/]", "")
+        for name, err in sorted(report.routers_down.items()):
+            table.add_row(name, "[red]router down[/]", err)
         if link_report is not None:
             for name in link_report.up:
                 table.add_row(name, "[green]link ok[/]", "")
@@ -155,5 +197,5 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
             err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
         rows = sum(report.rows.values()) + (sum(link_report.rows.values()) if link_report else 0)
         console.print(f"{rows} rows written")
-    if report.down or not report.written:
+    if report.down or report.routers_down or not report.written:
         raise typer.Exit(1)

@@ -212,6 +212,11 @@ class LinkSample(Base):
     probe_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     ok: Mapped[bool] = mapped_column(Boolean)
     error: Mapped[str | None] = mapped_column(Text)
+    #: what ``rtt_s`` is: "measured", or "emulated" when the agent adds a configured delay on
+    #: the link it probed (included in ``rtt_s``); NULL on rows older than the field: measured
+    rtt_basis: Mapped[str | None] = mapped_column(String(16))
+    #: the delay the agent emulates on that link, seconds; NULL: none reported
+    emulated_delay_s: Mapped[float | None] = mapped_column(Float)
 
     __table_args__ = (PrimaryKeyConstraint("src_node_id", "dst_node_id", "ts_ms"),)
 
@@ -262,6 +267,69 @@ class PlanSample(Base):
     recompute_chunks: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (PrimaryKeyConstraint("node_id", "ts_ms"),)
+
+
+class RouteSample(Base):
+    """One scrape of one router (``/v1/stats``), as increases since the previous scrape. The
+    row with ``node = ''`` is the router as a whole and carries every counter; a node's row
+    carries only its ``decisions`` and ``to_holder`` (its other counters are NULL), so fleet
+    figures read the router's row and per-node figures the others, never both summed."""
+
+    __tablename__ = "route_sample"
+
+    #: the router's URL, credentials redacted
+    router: Mapped[str] = mapped_column(String(255))
+    #: the chosen node; '' for the router as a whole
+    node: Mapped[str] = mapped_column(String(128))
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    decisions: Mapped[int | None] = mapped_column(BigInteger)
+    #: decisions sent to a node already holding part of the prompt's prefix
+    to_holder: Mapped[int | None] = mapped_column(BigInteger)
+    #: requests no node could serve (router row only)
+    no_node: Mapped[int | None] = mapped_column(BigInteger)
+    #: chunks of the routed prompts, those the index placed somewhere, those read on the chosen
+    #: node itself, and those it pulls from other nodes (with their bytes)
+    requested_chunks: Mapped[int | None] = mapped_column(BigInteger)
+    indexed_chunks: Mapped[int | None] = mapped_column(BigInteger)
+    local_chunks: Mapped[int | None] = mapped_column(BigInteger)
+    pulled_chunks: Mapped[int | None] = mapped_column(BigInteger)
+    pulled_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    #: prompt tokens routed, those the plans fetch instead of prefilling, those recomputed
+    tokens: Mapped[int | None] = mapped_column(BigInteger)
+    fetched_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    recomputed_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    #: seconds the router spent deciding (measured in the router: index lookup + scoring)
+    decision_s: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (PrimaryKeyConstraint("router", "node", "ts_ms"),)
+
+
+class RouteLinkSample(Base):
+    """Chunks and bytes a router's decisions pulled from a holder in ``from_dc`` to the chosen
+    node in ``to_dc`` (the same DC included), as increases since the previous scrape."""
+
+    __tablename__ = "route_link_sample"
+
+    router: Mapped[str] = mapped_column(String(255))
+    from_dc: Mapped[str] = mapped_column(String(64))
+    to_dc: Mapped[str] = mapped_column(String(64))
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    pulled_chunks: Mapped[int | None] = mapped_column(BigInteger)
+    pulled_bytes: Mapped[int | None] = mapped_column(BigInteger)
+
+    __table_args__ = (PrimaryKeyConstraint("router", "from_dc", "to_dc", "ts_ms"),)
+
+
+class RouteReport(Base):
+    """A saved replayed comparison of routing policies (`kvctl bench route`'s result, saved by
+    the demo); the dashboard's routing page shows the latest."""
+
+    __tablename__ = "route_report"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    ts_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+    #: the report as JSON
+    report: Mapped[str] = mapped_column(Text)
 
 
 class CounterState(Base):
@@ -348,6 +416,28 @@ SERIES: Final = (
         ("node_id", "prefill_basis"),
         ("saved_s", "recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks"),
         (),
+    ),
+    Series(
+        "route_sample",
+        ("router", "node"),
+        (
+            "decisions",
+            "to_holder",
+            "no_node",
+            "requested_chunks",
+            "indexed_chunks",
+            "local_chunks",
+            "pulled_chunks",
+            "pulled_bytes",
+            "tokens",
+            "fetched_tokens",
+            "recomputed_tokens",
+            "decision_s",
+        ),
+        (),
+    ),
+    Series(
+        "route_link_sample", ("router", "from_dc", "to_dc"), ("pulled_chunks", "pulled_bytes"), ()
     ),
 )
 

@@ -7,11 +7,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
+from sqlalchemy import func, select
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.inventory import Inventory, pair
 from kvctl.db.analytics.values import as_float, as_int
 from kvctl.db.analytics.windows import Window, bucket_starts
+from kvctl.db.models import LinkSample
 from kvctl.db.rollup import buckets, series, window
 from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
 from kvctl.ratios import ratio
@@ -128,6 +130,62 @@ def link_series(conn: Connection, win: Window, inv: Inventory) -> LinkSeries:
         acc[i][0] += as_float(m["rtt_s_sum"])
         acc[i][1] += as_int(m["rtt_s_n"])
     return LinkSeries(starts, {k: [ratio(s, n) for s, n in v] for k, v in sorted(sums.items())})
+
+
+@dataclass(frozen=True, slots=True)
+class RttBasis:
+    """What one DC pair's probed RTTs were in a window: successful probes per basis
+    ("measured", or "emulated" when the probing agent adds a configured delay on that link,
+    included in the RTT), and the emulated delays seen."""
+
+    probes: dict[str, int]
+    emulated_delay_min_s: float | None
+    emulated_delay_max_s: float | None
+
+    @property
+    def emulated(self) -> bool:
+        return "emulated" in self.probes
+
+
+def rtt_bases(
+    conn: Connection, start_ms: int, end_ms: int, inv: Inventory
+) -> dict[tuple[str, str], RttBasis]:
+    """The basis of each DC pair's successful probes over [start, end), from raw samples
+    (kept 2 days; a basis is not rolled up). A probe from before the basis was recorded
+    (NULL) was measured."""
+    dc_of = {n.id: n.dc for n in inv.nodes}
+    basis = func.coalesce(LinkSample.rtt_basis, "measured")
+    q = (
+        select(
+            LinkSample.src_node_id,
+            LinkSample.dst_node_id,
+            basis.label("basis"),
+            func.count().label("probes"),
+            func.min(LinkSample.emulated_delay_s).label("delay_min"),
+            func.max(LinkSample.emulated_delay_s).label("delay_max"),
+        )
+        .where(
+            LinkSample.ts_ms >= start_ms,
+            LinkSample.ts_ms < end_ms,
+            LinkSample.ok.is_(True),
+            LinkSample.rtt_s.is_not(None),
+        )
+        .group_by(LinkSample.src_node_id, LinkSample.dst_node_id, basis)
+    )
+    acc: dict[tuple[str, str], tuple[dict[str, int], list[float]]] = {}
+    for r in conn.execute(q):
+        a, b = dc_of.get(r.src_node_id), dc_of.get(r.dst_node_id)
+        if a is None or b is None:
+            continue
+        probes, delays = acc.setdefault(pair(a, b), ({}, []))
+        probes[r.basis] = probes.get(r.basis, 0) + int(r.probes)
+        delays += [float(d) for d in (r.delay_min, r.delay_max) if d is not None]
+    return {
+        key: RttBasis(
+            dict(sorted(probes.items())), min(delays, default=None), max(delays, default=None)
+        )
+        for key, (probes, delays) in sorted(acc.items())
+    }
 
 
 @dataclass(frozen=True, slots=True)
