@@ -85,7 +85,7 @@ def collect_command(
       KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 127.0.0.1:9471
     """
     from collectors.collector import Collector, CollectorConfig, CycleReport
-    from kvctl.cli.router import _token as router_token
+    from kvctl.cli.router import router_token
     from kvctl.units import parse_size
     from kvctl.wire.address import split_host_port
 

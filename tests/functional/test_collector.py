@@ -203,6 +203,33 @@ def test_link_probes_between_dcs(sqlite_db: Engine, two_agents: tuple[Agent, Age
         assert r["bandwidth_bytes_per_s"] > 0 and r["probe_bytes"] == 256 << 10
 
 
+def test_link_probes_keep_their_rtt_basis(sqlite_db: Engine, tmp_path: Path) -> None:
+    """n2 emulates 0.8 ms on its link to n1 (``--link n1:delay_ms=0.8``): its probe of n1, named
+    by the collector, is recorded emulated with that delay; n1's probe of n2 is measured."""
+    with running_agent(tmp_path / "a1", "--name", "n1", "--dc", "fra") as a1:
+        target = a1.state.data_tcp
+        assert target is not None
+        link = ("--peer", f"n1={target}", "--link", "n1:delay_ms=0.8")
+        with running_agent(tmp_path / "a2", "--name", "n2", "--dc", "ams", *link) as a2:
+            _register(
+                sqlite_db,
+                {"n1": ("fra", a1.state.control_url), "n2": ("ams", a2.state.control_url)},
+            )
+            collector = Collector(sqlite_db, CollectorConfig(probe_bytes=64 << 10, pings=2))
+            try:
+                report = collector.probe_links_once()
+            finally:
+                collector.close()
+    assert sorted(report.up) == ["n1->n2", "n2->n1"], report.down
+    with sqlite_db.connect() as conn:
+        ids = dict(conn.execute(select(Node.name, Node.id)).all())
+    rows = {r["src_node_id"]: r for r in _rows(sqlite_db, LinkSample)}
+    emulated, measured = rows[ids["n2"]], rows[ids["n1"]]
+    assert (emulated["rtt_basis"], emulated["emulated_delay_s"]) == ("emulated", 0.0008)
+    assert emulated["rtt_s"] >= 0.0008
+    assert (measured["rtt_basis"], measured["emulated_delay_s"]) == ("measured", None)
+
+
 def test_link_probe_to_a_dead_node_is_recorded_as_failed(sqlite_db: Engine, tmp_path: Path) -> None:
     with running_agent(tmp_path / "a1", "--name", "n1") as a1:
         dead = f"http://127.0.0.1:{closed_port()}"

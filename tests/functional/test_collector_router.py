@@ -199,3 +199,34 @@ def test_garbage_and_credentials(sqlite_url: str) -> None:
 def test_probe_rtt_basis_columns(answer: dict[str, Any], columns: tuple[Any, Any]) -> None:
     got = rtt_basis_of(answer)
     assert (got["rtt_basis"], got["emulated_delay_s"]) == columns
+
+
+def test_collect_once_with_a_router_from_the_cli(sqlite_url: str, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app
+
+    router = Router(
+        EmbeddedIndex(),
+        Topology.build([Node(n, dc) for n, dc in PLACEMENT.items()]),
+        Costs(PrefillModel(1e-4, 0.0, "configured: test")),
+    )
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    with RouterServer(router, listen="127.0.0.1:0", token=TOKEN) as server:
+        args = ["collect", "--once", "--json", "--no-links", "--db", sqlite_url]
+        ok = CliRunner().invoke(
+            app, [*args, "--router", server.url, "--router-token-file", str(token_file)]
+        )
+        refused = CliRunner().invoke(app, [*args, "--router", server.url], env={})
+    assert ok.exit_code == 0, ok.output
+    out = json.loads(ok.stdout)
+    assert out["scrape"]["routers"] == {"up": [server.url], "down": {}}
+    assert out["scrape"]["rows"]["route_sample"] == 3  # the router's row and its two nodes
+    # no token: the router refuses, the cycle reports it and the command exits 1
+    assert refused.exit_code == 1
+    assert "401" in json.loads(refused.stdout)["scrape"]["routers"]["down"][server.url]
+    bad = CliRunner().invoke(app, [*args, "--router", "127.0.0.1:9480"])
+    assert bad.exit_code == 2 and "--router takes the router's URL" in bad.output
