@@ -96,6 +96,10 @@ class EmbeddedIndex:
     def __init__(self) -> None:
         self._by_key: dict[bytes, dict[str, _Entry]] = {}
         self._by_node: dict[str, set[bytes]] = {}
+        #: each looked-up key's holders in node order, with the entry that says who may see
+        #: them: a router asks for the same prefixes again and again, and building the sorted
+        #: Holdings is most of an answer's time. Dropped whenever the key's entries change.
+        self._answers: dict[bytes, tuple[tuple[Holding, _Entry], ...]] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -112,6 +116,7 @@ class EmbeddedIndex:
         return n
 
     def _apply_locked(self, node: str, e: ChunkEvent) -> None:
+        self._answers.pop(e.key, None)
         if e.kind == "stored":
             self._by_key.setdefault(e.key, {})[node] = _Entry.of(e)
             self._by_node.setdefault(node, set()).add(e.key)
@@ -140,7 +145,9 @@ class EmbeddedIndex:
 
     def _drop_locked(self, node: str) -> int:
         keys = self._by_node.pop(node, set())
+        answers = self._answers
         for key in keys:
+            answers.pop(key, None)
             held = self._by_key[key]
             del held[node]
             if not held:
@@ -149,19 +156,21 @@ class EmbeddedIndex:
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
         out: list[list[Holding]] = []
+        by_key, answers = self._by_key, self._answers
         with self._lock:
             for key in keys:
-                held = self._by_key.get(key)
-                if not held:
-                    out.append([])
-                    continue
-                out.append(
-                    [
-                        Holding(node, e.tier, e.size_bytes, e.tokens)
+                answer = answers.get(key)
+                if answer is None:
+                    held = by_key.get(key)
+                    if not held:
+                        out.append([])
+                        continue
+                    answer = answers[key] = tuple(
+                        (Holding(node, e.tier, e.size_bytes, e.tokens), e)
                         for node, e in sorted(held.items())
-                        if e.visible_to(tenant)
-                    ]
-                )
+                    )
+                # a fresh list each time: the caller may change it, the cached answer stays
+                out.append([h for h, e in answer if not e.isolated or e.tenant == tenant])
         return out
 
     def nodes(self) -> dict[str, int]:

@@ -367,3 +367,31 @@ def test_long_chains_with_few_holder_sets_equal_the_reference() -> None:
         for prune in (False, True):
             got = score_nodes(holdings, prune=prune, **request)  # type: ignore[arg-type]
             assert got == reference_scores(holdings, prune=prune, **request)  # type: ignore[arg-type]
+
+
+def test_the_index_answers_from_its_cache_as_it_would_without_it() -> None:
+    # EmbeddedIndex keeps each looked-up key's answer until an event changes the key (the
+    # event streams of test_fleet_index check every op); a caller changing an answer's list
+    # does not change the next answer
+    from kvctl.index.events import ChunkEvent
+    from kvctl.index.model import EmbeddedIndex
+
+    index = EmbeddedIndex()
+    ks = [bytes([i]) * 16 for i in range(3)]
+    index.apply("b", [ChunkEvent("stored", k, "cpu", "t", False, 100, 16) for k in ks])
+    index.apply("a", [ChunkEvent("stored", ks[0], "disk", "u", True, 100, 16)])
+    first = index.holders(ks, tenant="t")
+    assert first == [[Holding("b", "cpu", 100, 16)]] * 3
+    first[0].clear()
+    assert index.holders(ks, tenant="u")[0] == [
+        Holding("a", "disk", 100, 16),
+        Holding("b", "cpu", 100, 16),
+    ]
+    assert index.holders(ks, tenant="t") == [[Holding("b", "cpu", 100, 16)]] * 3
+    index.apply("b", [ChunkEvent("removed", ks[1], "cpu")])
+    index.replace("a", [ChunkEvent("stored", ks[2], "gpu", "t", False, 100, 16)])
+    assert index.holders(ks, tenant="t") == [
+        [Holding("b", "cpu", 100, 16)],
+        [],
+        [Holding("a", "gpu", 100, 16), Holding("b", "cpu", 100, 16)],
+    ]
