@@ -12,4 +12,5 @@ so a 30-day window reads daily and hourly rows, not samples. Every hit ratio is 
 * :mod:`.recorded`: `kvctl status --window` and `kvctl top --json`'s recorded figures
 * :mod:`.series`: time series and events of a DC or node; :mod:`.links`: probes, break-even
 * :mod:`.summary`: per-DC totals summed in SQL, cache counter sums per node and tier
+* :mod:`.routing`: the routers' decisions, index hits and pulls per DC link, the route report
 """
