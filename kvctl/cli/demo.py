@@ -231,6 +231,7 @@ def _run(
 ) -> ReplayReport:
     from kvctl.fleet.demo import DEMO_DCS, POOL_DC, POOL_NAME
     from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
+    from kvctl.router.client import RouterClient
     from kvctl.workload.replay import replay
 
     config = fleet.config
@@ -249,21 +250,22 @@ def _run(
 
     def work() -> None:
         try:
-            result["report"] = replay(
-                loaded.requests,
-                nodes,
-                inputs,
-                workload_name=loaded.name,
-                salt=loaded.salt,
-                kv_scale=config.kv_scale,
-                speed=config.speed,
-                links_km=links,
-                token="",
-                stop=stop,
-                routing="router",
-                router_url=fleet.router_url,
-                source_dcs={POOL_NAME: POOL_DC},
-            )
+            with RouterClient(fleet.router_url) as router:
+                result["report"] = replay(
+                    loaded.requests,
+                    nodes,
+                    inputs,
+                    workload_name=loaded.name,
+                    salt=loaded.salt,
+                    kv_scale=config.kv_scale,
+                    speed=config.speed,
+                    links_km=links,
+                    token="",
+                    stop=stop,
+                    routing="router",
+                    router=router,
+                    source_dcs={POOL_NAME: POOL_DC},
+                )
         except BaseException as exc:  # reported by the main thread
             result["error"] = exc
 

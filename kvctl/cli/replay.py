@@ -108,6 +108,14 @@ def replay_command(
             show_default=False,
         ),
     ] = None,
+    router_policy: Annotated[
+        str,
+        typer.Option(
+            "--router-policy",
+            help="With --router: the router's policy, cost (its own) or a baseline to compare "
+            "with on the same trace: round-robin, session-affinity, prefix-only.",
+        ),
+    ] = "cost",
     speed: Annotated[
         float | None,
         typer.Option(
@@ -145,8 +153,11 @@ def replay_command(
       kvctl replay --dc fra --route round-robin --no-peer-fetch --json
 
       kvctl replay --workload chat --kv-scale 1/16 --router http://127.0.0.1:9480
+
+      kvctl replay --workload chat --router http://127.0.0.1:9480 --router-policy round-robin
     """
     import os
+    from contextlib import ExitStack
 
     from kvctl.client import AgentClient, AgentError
     from kvctl.fleet.targets import replay_targets
@@ -163,9 +174,17 @@ def replay_command(
     engine.dispose()
     with user_errors(hint="see `kvctl replay --help`"):
         if router is not None:
+            from kvctl.router.policies import POLICIES
+
             if route not in ("prefix", "router"):
                 fail(f"--route {route} and --router exclude each other: the router routes")
+            if router_policy not in POLICIES:
+                fail(
+                    f"unknown --router-policy {router_policy!r}; choose from {', '.join(POLICIES)}"
+                )
             route = "router"
+        elif router_policy != "cost":
+            fail("--router-policy goes with --router")
         scale = parse_fraction(kv_scale)
         loaded = load_for_replay(trace, workload, seed, limit, tenants)
         requests = loaded.requests
@@ -187,7 +206,13 @@ def replay_command(
                 highlight=False,
             )
         try:
-            with _Bar(len(requests), disable=json_out) as bar:
+            with ExitStack() as stack, _Bar(len(requests), disable=json_out) as bar:
+                asker = None
+                if router is not None:
+                    from kvctl.router.client import RouterClient
+
+                    token = os.environ.get("KVCTL_ROUTER_TOKEN") or None
+                    asker = stack.enter_context(RouterClient(router, token=token))
                 report = replay(
                     requests,
                     nodes,
@@ -200,8 +225,8 @@ def replay_command(
                     links_km=links,
                     progress=bar.update,
                     salt=loaded.salt,
-                    router_url=router,
-                    router_token=os.environ.get("KVCTL_ROUTER_TOKEN") or None,
+                    router=asker,
+                    router_policy=router_policy,
                 )
         except (AgentError, ReplayError) as exc:
             fail(str(exc), hint="`kvctl status` shows which agents answer")

@@ -49,6 +49,7 @@ from kvctl.store.keys import ChunkKey, Namespace
 from kvctl.workload.routed import (
     REMOTE_TIERS,
     PullTally,
+    RouteAsker,
     RouterChooser,
     RoutingTally,
     SourceCounts,
@@ -386,46 +387,41 @@ def replay(
     stop: threading.Event | None = None,
     connect_timeout_s: float = 10.0,
     salt: int = 0,
-    router_url: str | None = None,
-    router_token: str | None = None,
+    router: RouteAsker | None = None,
+    router_policy: str = "cost",
     source_dcs: Mapping[str, str] | None = None,
 ) -> ReplayReport:
     """Drive ``nodes`` with ``requests``; see the module docstring. ``speed`` None runs as fast
     as possible, else timestamps are honoured, ``speed`` times faster. ``links_km`` gives the
     distance between DC pairs (missing pairs across DCs count as 0 km). ``salt`` names the
     workload's content (``Workload.salt``), so different workloads never share tokens.
-    Routing "router" asks the router at ``router_url`` (``peer_fetch`` and ``links_km`` are
-    then the agents' business, not the replay's). ``source_dcs`` names the DC of pull sources
-    that are not nodes of the replay (e.g. ``{"pool": "fra-1"}``), for the pulls by link."""
+    Routing "router" asks ``router`` (a ``RouterClient``) with ``router_policy``
+    (``peer_fetch`` and ``links_km`` are then the agents' business, not the replay's).
+    ``source_dcs`` names the DC of pull sources that are not nodes of the replay (e.g.
+    ``{"pool": "fra-1"}``), for the pulls by link."""
     if not nodes:
         raise InvalidArgument("give at least one node to replay against")
     if routing not in ROUTINGS:
         raise InvalidArgument(f"unknown routing {routing!r}; choose from {', '.join(ROUTINGS)}")
-    if (routing == "router") != bool(router_url):
-        raise InvalidArgument("routing 'router' goes with a router URL, and a router URL with it")
+    if (routing == "router") != (router is not None):
+        raise InvalidArgument("routing 'router' goes with a router to ask, and a router with it")
     if not 0 < kv_scale <= 1:
         raise InvalidArgument(f"--kv-scale must be in (0, 1], got {kv_scale}")
     if speed is not None and speed <= 0:
         raise InvalidArgument(f"--speed must be positive, got {speed}")
     if len({n.name for n in nodes}) != len(nodes):
         raise InvalidArgument("a node is named twice")
+    chooser = None if router is None else RouterChooser(router, router_policy)
     live: list[_Node] = []
-    chooser: RouterChooser | None = None
     try:
         for n in nodes:
             live.append(_Node(n, token, connect_timeout_s))
-        if router_url:
-            from kvctl.router.client import RouterClient
-
-            chooser = RouterChooser(RouterClient(router_url, token=router_token or None))
         return _run(
             requests, live, inputs, workload_name, kv_scale, routing, speed, peer_fetch,
             dict(links_km or {}), link_bytes_per_second, progress, stop or threading.Event(),
             salt, chooser, dict(source_dcs or {}),
         )  # fmt: skip
     finally:
-        if chooser is not None:
-            chooser.client.close()
         for opened in live:
             opened.close()
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from kvctl.errors import KvctlError
 from kvctl.ratios import ratio
 
 if TYPE_CHECKING:
     from kvctl.client import AgentClient
-    from kvctl.router.client import RouterClient
 
 #: the agent's tiers beyond the node itself (pool, peers): a hit there is pulled in by a get
 REMOTE_TIERS = frozenset({"peer", "remote"})
@@ -34,6 +34,8 @@ def held_locally(tier: str | None) -> bool:
 class RoutingTally:
     """The router's answers as the replay got them."""
 
+    #: the router's policy asked for ("cost", or a baseline such as "round-robin")
+    policy: str = "cost"
     #: requests the router named a serving node for
     decisions: int = 0
     #: decisions sent to a node already holding part of the prefix (the router's local_chunks)
@@ -50,6 +52,7 @@ class RoutingTally:
 
     def as_dict(self) -> dict[str, Any]:
         return {
+            "policy": self.policy,
             "decisions": self.decisions,
             "to_holder": self.to_holder,
             "to_holder_ratio": ratio(self.to_holder, self.decisions),
@@ -62,12 +65,27 @@ class RoutingTally:
         }
 
 
+class RouteAsker(Protocol):
+    """What the replay needs of a router: ``kvctl.router.client.RouterClient`` (the workload
+    layer sits below the router and is handed one), raising a ``KvctlError`` when it fails."""
+
+    def route(
+        self,
+        *,
+        tenant: str = "",
+        keys: Sequence[bytes | str] | None = None,
+        prompt_tokens: int | None = None,
+        origin_dc: str | None = None,
+        policy: str = "cost",
+    ) -> dict[str, Any]: ...
+
+
 class RouterChooser:
     """Asks the router for each request's node; counts its answers in ``tally``."""
 
-    def __init__(self, client: RouterClient) -> None:
+    def __init__(self, client: RouteAsker, policy: str = "cost") -> None:
         self.client = client
-        self.tally = RoutingTally()
+        self.tally = RoutingTally(policy=policy)
 
     def choose(
         self,
@@ -80,18 +98,17 @@ class RouterChooser:
     ) -> str | None:
         """The node (a key of ``nodes``: node -> DC) the router names, or None (a fallback,
         counted) when it fails or names a node not in ``nodes``."""
-        from kvctl.router.client import RouterClientError
-
         t = self.tally
         try:
             answer = self.client.route(
                 keys=list(keys),
                 tenant=tenant,
                 origin_dc=home_dc,
+                policy=t.policy,
                 # the prompt's full length: a partial tail chunk is prefilled too
                 prompt_tokens=max(prompt_tokens, 0),
             )
-        except RouterClientError as exc:
+        except KvctlError as exc:  # the router failed or refused: the replay goes on
             t.fallbacks += 1
             t.last_error = str(exc)
             return None

@@ -4,7 +4,9 @@ node it equals the workload's prefix hits computed offline."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +17,16 @@ from typer.testing import CliRunner
 from kvctl.cli.main import app
 from kvctl.db.analytics.summary import node_cache_counters
 from kvctl.db.inventory import add_dc, add_link, add_node
+from kvctl.errors import InvalidArgument
+from kvctl.index.follower import Followers
+from kvctl.index.model import EmbeddedIndex
 from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
+from kvctl.remote.fetchplan import PrefillModel
+from kvctl.router.app import RouterServer
+from kvctl.router.client import RouterClient
+from kvctl.router.score import Costs
+from kvctl.router.service import Router
+from kvctl.router.topology import DcLink, Node, Topology
 from kvctl.workload.generators import generate
 from kvctl.workload.replay import ReplayNode, ReplayReport, replay
 from kvctl.workload.tokens import KeyChainer
@@ -244,6 +255,9 @@ def test_replay_command_table(inventory: str) -> None:
         (["--model", "gpt-9"], "unknown model"),
         (["--trace", "/nonexistent/trace.jsonl"], "no such"),
         (["--node", "nobody"], "no node named"),
+        (["--router", "http://127.0.0.1:9", "--route", "round-robin"], "exclude each other"),
+        (["--router", "http://127.0.0.1:9", "--router-policy", "best"], "unknown --router-policy"),
+        (["--router-policy", "round-robin"], "goes with --router"),
     ],
 )
 def test_replay_command_bad_input(inventory: str, args: list[str], message: str) -> None:
@@ -280,3 +294,150 @@ def test_a_chunk_lost_between_lookup_and_get_keeps_the_ledger_exact(tmp_path: Pa
     t = report.nodes["a"]
     assert t.lost_chunks > 0  # the scenario happened
     assert t.hit_chunks > 0 and t.reuse_hits > 0 and t.sharing_hits > 0
+
+
+# --- routing by a router: the agents pull from their peers and pool themselves -------------
+
+
+def _ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (bound together, then closed)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
+@contextlib.contextmanager
+def _router(agents: dict[str, Agent]) -> Iterator[RouterClient]:
+    """A router in this process following ``agents`` (in their DCs, fra and ams 50 km apart),
+    and a client of it."""
+    index = EmbeddedIndex()
+    followers = Followers(
+        index, {name: (a.state.control_url, None) for name, a in agents.items()}, poll_s=0.05
+    )
+    router = Router(
+        index,
+        Topology.build(
+            [Node(name, a.state.dc) for name, a in agents.items()],
+            {("fra", "ams"): DcLink.fiber(50)},
+        ),
+        Costs(PrefillModel(1e-4, 0.0, "configured: test")),
+        followers=followers,
+    )
+    server = RouterServer(router, listen="127.0.0.1:0")
+    server.start()
+    try:
+        with RouterClient(server.url) as client:
+            yield client
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("cpu", ["64MiB", "4MiB"])
+def test_router_routing_counts_the_agents_own_peer_and_pool_pulls_exactly(
+    tmp_path: Path, cpu: str
+) -> None:
+    """Two nodes with each other as peer and a pool agent, requests spread by the router's
+    round-robin baseline: the next turn of a conversation, or the next tenant of a system
+    prompt, lands where the prefix is not, and the agent pulls it. The replay moves nothing
+    itself, yet predicts every counter, the reuse/sharing split of the pulled hits included,
+    and the agents' pull counters equal its pulled hits. With room for every chunk the owner
+    of every pulled hit is learnt; in a small cache a long pull evicts chunks it pulled before
+    the replay reads their owner, and that node's split is then left unchecked, never
+    guessed."""
+    pa, pb = _ports(2)
+    small = ("--cpu", cpu, "--disk", "0")
+    # fetch whatever a peer or the pool holds, whatever loopback measures: the test is about
+    # the accounting, not the cost model
+    fetch = ("--link", "pool:override=fetch")
+    with running_agent(tmp_path / "pool", "--role", "pool", "--name", "pool", *small) as pool:
+        url = f"kvctl://{pool.state.data_tcp}"
+        with (
+            running_agent(
+                tmp_path / "a", "--name", "fra-a", "--dc", "fra", "--data-listen",
+                f"127.0.0.1:{pa}", "--pool", url, "--peer", f"fra-b=127.0.0.1:{pb}",
+                "--link", "fra-b:override=fetch", *fetch, *small,
+            ) as a,
+            running_agent(
+                tmp_path / "b", "--name", "fra-b", "--dc", "fra", "--data-listen",
+                f"127.0.0.1:{pb}", "--pool", url, "--peer", f"fra-a=127.0.0.1:{pa}",
+                "--link", "fra-a:override=fetch", *fetch, *small,
+            ) as b,
+            _router({"fra-a": a, "fra-b": b}) as client,
+        ):  # fmt: skip
+            requests = generate("system-prompt", 3, requests=40)
+            report = replay(
+                requests, _nodes((a, b)), INPUTS, kv_scale=SCALE, routing="router",
+                router=client, router_policy="round-robin", source_dcs={"pool": "fra"},
+            )  # fmt: skip
+    _check_agents(report)
+    assert report.agent_counters is not None
+    for name, known in report.owners_known.items():
+        assert ("reuse_hits" in report.agent_counters[name]) is known
+    if cpu == "64MiB":
+        assert all(report.owners_known.values())  # so reuse/sharing was checked everywhere
+    routed = report.router
+    assert routed is not None and routed.policy == "round-robin"
+    assert routed.fallbacks == 0 and routed.decisions == report.requests.requests
+    assert set(routed.by_node) == {"fra-a", "fra-b"}
+    pulled_hits = sum(
+        t.hits_by_tier["peer"] + t.hits_by_tier["remote"] for t in report.nodes.values()
+    )
+    assert pulled_hits > 0
+    assert sum(t.sharing_hits for t in report.nodes.values()) > 0
+    assert report.pulls is not None
+    lost = sum(t.lost_chunks for t in report.nodes.values())
+    # every pulled hit arrived (a lost one may have arrived and been evicted since)
+    assert pulled_hits - lost <= report.pulls.by_link["fra"].chunks <= pulled_hits
+    if cpu == "64MiB":
+        assert lost == 0
+    assert report.pulls.cross_dc_bytes == 0
+    rq = report.requests
+    assert rq.peer_hits == rq.cross_dc_hits == 0 and not rq.bytes_by_link  # the replay moved none
+    if cpu == "64MiB":  # nothing lost: the requests got every hit the nodes counted
+        assert rq.hit_chunks == sum(t.hit_chunks for t in report.nodes.values())
+
+
+def test_a_router_that_does_not_answer_falls_back_to_round_robin(
+    two_dcs: tuple[Agent, Agent, Agent],
+) -> None:
+    requests = generate("chat", 4, requests=20)
+    with RouterClient(f"http://127.0.0.1:{closed_port()}", timeout_s=2.0) as client:
+        report = replay(
+            requests, _nodes(two_dcs), INPUTS, kv_scale=SCALE, routing="router", router=client
+        )
+    _check_agents(report)
+    routed = report.router
+    assert routed is not None and routed.decisions == 0
+    assert routed.fallbacks == sum(1 for r in requests if r.input_tokens >= 256) > 0
+    assert "did not answer" in routed.last_error
+    with pytest.raises(InvalidArgument, match="router"):
+        replay(requests, _nodes(two_dcs), INPUTS, routing="router")
+
+
+def test_replay_command_asks_the_router(
+    inventory: str, two_dcs: tuple[Agent, Agent, Agent]
+) -> None:
+    with _router({a.state.name: a for a in two_dcs}) as client:
+        result = runner.invoke(
+            app,
+            ["replay", "--db", inventory, "--workload", "chat", "--limit", "30",
+             "--model", "qwen2.5-0.5b", "--kv-scale", "1/256", "--router", client.url,
+             "--router-policy", "round-robin", "--json"],
+        )  # fmt: skip
+        table = runner.invoke(
+            app,
+            ["replay", "--db", inventory, "--workload", "chat", "--limit", "10",
+             "--kv-scale", "1/256", "--router", client.url],
+            env={"COLUMNS": "120"},
+        )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert out["routing"] == "router" and out["agents_agree"] is True
+    routed = out["router"]
+    assert routed["policy"] == "round-robin" and routed["fallbacks"] == 0
+    assert routed["decisions"] == sum(routed["by_node"].values()) > 0
+    assert out["pulls"]["basis"].startswith("measured") and out["links_emulated"] == {}
+    assert table.exit_code == 0, table.output
+    assert "router decisions" in table.output and "✓" in table.output

@@ -1,0 +1,56 @@
+"""The replay's view of the agents' own pulls: /v1/remote readings before and after a run,
+grouped by the DC link they crossed; and which locations a node holds itself."""
+
+from __future__ import annotations
+
+from kvctl.workload.routed import PullTally, RoutingTally, held_locally, pulls_between
+
+NODE_DC = {"fra-a": "fra", "fra-b": "fra", "ams-a": "ams"}
+
+
+def test_pulls_are_the_increases_grouped_by_link() -> None:
+    before = {
+        "fra-a": {"pool": (10, 1000), "fra-b": (0, 0), "ams-a": (5, 500)},
+        "ams-a": {"pool": (0, 0), "fra-a": (0, 0)},
+    }
+    after = {
+        "fra-a": {"pool": (10, 1000), "fra-b": (3, 300), "ams-a": (7, 700)},
+        "ams-a": {"pool": (4, 400), "fra-a": (1, 100)},
+        # a node first read after the run: everything it took in counts
+        "fra-b": {"pool": (2, 200)},
+    }
+    pulls = pulls_between(before, after, NODE_DC, {"pool": "fra"})
+    assert {k: (v.chunks, v.bytes, v.cross_dc) for k, v in pulls.by_link.items()} == {
+        "fra": (3 + 2, 300 + 200, False),
+        "ams<->fra": (2 + 4 + 1, 200 + 400 + 100, True),
+    }
+    assert pulls.cross_dc_bytes == 700 and pulls.within_dc_bytes == 500
+    # nothing moved from fra-a's pool: no row for it
+    assert pulls.by_node["fra-a"] == {
+        "fra-b": {"chunks": 3, "bytes": 300, "dc": "fra"},
+        "ams-a": {"chunks": 2, "bytes": 200, "dc": "ams"},
+    }
+    out = pulls.as_dict()
+    assert out["basis"].startswith("measured")
+    assert out["by_link"]["ams<->fra"] == {"cross_dc": True, "chunks": 7, "bytes": 700}
+    assert out["unknown_dc_sources"] == []
+
+
+def test_a_source_of_unknown_dc_is_named_so() -> None:
+    pulls = pulls_between({}, {"ams-a": {"pool": (1, 64)}}, NODE_DC, {})
+    assert set(pulls.by_link) == {"?pool<->ams"}
+    assert pulls.as_dict()["unknown_dc_sources"] == ["pool"]
+    assert PullTally().as_dict()["by_link"] == {}
+
+
+def test_held_locally() -> None:
+    assert held_locally("cpu") and held_locally("disk") and held_locally("gpu")
+    assert not held_locally("peer") and not held_locally("remote") and not held_locally(None)
+
+
+def test_routing_tally_ratio_is_unknown_without_decisions() -> None:
+    assert RoutingTally().as_dict()["to_holder_ratio"] is None
+    tally = RoutingTally(decisions=4, to_holder=3, fallbacks=1)
+    out = tally.as_dict()
+    assert out["to_holder_ratio"] == 0.75 and out["fallbacks"] == 1
+    assert out["planned_basis"].startswith("modeled")
