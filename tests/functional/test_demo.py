@@ -1,6 +1,7 @@
-"""`kvctl demo` as a user runs it: a real subprocess that starts agents and a collector, replays,
-stops at --duration or a signal, leaves no process behind and a readable workspace, and cleans up
-after a demo that was killed."""
+"""`kvctl demo` as a user runs it: a real subprocess that starts a pool agent, agents with the pool
+and each other as peers, a router and a collector, replays through the router, stops at
+--duration or a signal, leaves no process behind and a readable workspace, and cleans up after a
+demo that was killed."""
 
 from __future__ import annotations
 
@@ -76,11 +77,23 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert out["requests"]["requests"] > 0
     assert out["agents_agree"] is True
     assert out["database"]["agree"] is True, out["database"]
-    assert set(out["nodes"]) == {"fra-1-a", "fra-1-b", "ams-1-a", "ams-1-b"}
-    assert out["links_emulated"]["ams-1<->fra-1"]["basis"] == "emulated"
+    assert set(out["nodes"]) == {"fra-1-a", "fra-1-b", "ams-1-a", "ams-1-b"}  # not the pool
+    # the router routed; the agents, not the replay, pulled from their peers and the pool
+    assert out["routing"] == "router" and out["router"]["decisions"] > 0
+    assert out["router"]["decisions"] + out["router"]["fallbacks"] <= out["requests"]["requests"]
+    tiers = out["requests"]["hits_by_tier"]
+    assert tiers.get("peer", 0) + tiers.get("remote", 0) > 0, tiers
+    pulled = sum(link["chunks"] for link in out["pulls"]["by_link"].values())
+    assert pulled > 0 and out["pulls"]["basis"].startswith("measured")
+    assert out["links_emulated"] == {}  # the replay emulates nothing: the agents do
+    link = out["agent_links"]["ams-1<->fra-1"]
+    assert link["basis"] == "emulated" and link["delay_ms"] == pytest.approx(0.8)
     assert _ours(workdir) == []
     state = json.loads((workdir / "demo.json").read_text())
     assert state["status"] == "stopped"
+    assert state["router_url"] == out["router_url"]
+    roles = sorted(p["role"] for p in state["processes"])
+    assert roles == ["agent"] * 4 + ["collector", "pool", "router"]
     assert json.loads((workdir / "replay.json").read_text())["requests"] == out["requests"]
     assert (workdir / "kvctl.db").is_file() and (workdir / "collector.log").is_file()
 
@@ -89,6 +102,7 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert again.returncode == 0, again.stderr[-3000:]
     assert "database: the collected counters equal the replay's" in again.stdout
     assert "fra-1-a (fra-1)" in again.stdout and "modeled" in again.stdout
+    assert "router decisions" in again.stdout
     assert _ours(workdir) == []
 
 
@@ -116,7 +130,8 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
     second = _run_demo(tmp_path, workdir, "--duration", "3")
     assert second.returncode == 2
     assert "another kvctl demo" in second.stderr and str(proc.pid) in second.stderr
-    assert len(_ours(workdir)) == 6  # the first demo, its four agents and its collector
+    # the first demo, its four agents, the pool, the router and the collector
+    assert len(_ours(workdir)) == 8
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
@@ -129,13 +144,16 @@ def test_a_killed_demo_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     proc = _start_demo(tmp_path, workdir, subprocess.DEVNULL, "--dashboard", role="dashboard")
     state = json.loads((workdir / "demo.json").read_text())
     (dash,) = [p for p in state["processes"] if p["role"] == "dashboard"]
-    proc.kill()  # no chance to clean up: its agents, collector and dashboard run on
+    proc.kill()  # no chance to clean up: its agents, pool, router, collector, dashboard run on
     proc.wait(30)
-    assert len(_ours(workdir)) == 6  # four agents, the collector and the dashboard
+    # four agents, the pool, the router, the collector and the dashboard
+    assert len(_ours(workdir)) == 8
     assert Path(f"/proc/{dash['pid']}").exists()
     done = _run_demo(tmp_path, workdir, "--duration", "4", "--nodes-per-dc", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "left running by an earlier demo" in done.stdout
+    for what in ("router router", "pool pool", "dashboard dashboard"):
+        assert f"stopped {what} left running" in done.stdout, done.stdout
     assert _ours(workdir) == []
     # the inventory follows the new, smaller fleet
     assert "fra-1-b" not in done.stdout.split("stopping")[-1]
