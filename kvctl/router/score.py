@@ -1,7 +1,8 @@
 """The routing decision: which node serves a request fastest, counting what it would pull.
 
 For each node that serves requests, the request's chain of chunks is planned as that node
-would fetch it (``kvctl.remote.fetchplan.plan_fetch``): each chunk from the node's own tier when
+would fetch it (``kvctl.remote.fetchplan.plan_fetch``'s rules, worked out over runs of chunks
+with the same holders: see ``_plan``): each chunk from the node's own tier when
 it holds it (gpu free, cpu at the host -> device copy, disk at its read rate), else pulled from
 another holder over the link between the two DCs, the chain stopping at the first chunk nobody
 holds; the planner takes the prefix worth fetching and the rest is recomputed. A node's modeled
