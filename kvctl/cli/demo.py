@@ -292,7 +292,13 @@ def _run(
 
 def _print_db_check(check: dict[str, object]) -> None:
     if check.get("agree"):
-        console.print("database: the collected counters equal the replay's, node by node ✓")
+        nodes = check.get("nodes")
+        router = (
+            " and the router's decisions" if isinstance(nodes, dict) and "router" in nodes else ""
+        )
+        console.print(
+            f"database: the collected counters equal the replay's, node by node{router} ✓"
+        )
     elif check.get("agree") is None:
         err_console.print(f"[yellow]database:[/] {check.get('detail')}")
     else:

@@ -135,6 +135,11 @@ class DemoFleet:
         nodes = [ReplayNode(p.name, dcs[p.name], p.url) for p in self.agents]
         return nodes, {(DEMO_DCS[0].name, DEMO_DCS[1].name): self.config.link_km}
 
+    def router_args(self) -> list[str]:
+        """The collector's flags to record the router's decisions too (the dashboard's
+        Routing page)."""
+        return ["--router", self.router_url] if self.router_url else []
+
     def agent_links(self) -> dict[str, dict[str, Any]]:
         """The links the agents emulate on their pulls, for reports."""
         a, b = DEMO_DCS[0].name, DEMO_DCS[1].name
@@ -444,7 +449,7 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
             sys.executable, "-m", "kvctl", "collect", "--db", db_url,
             "--interval", f"{config.collect_interval_seconds:g}",
             "--link-interval", f"{config.link_interval_seconds:g}",
-            "--probe-size", "256KiB", "--metrics-listen", "off",
+            "--probe-size", "256KiB", "--metrics-listen", "off", *fleet.router_args(),
         ]  # fmt: skip
         fleet.spawn("collector", "collect", argv, log)
         on_step(f"collector every {config.collect_interval_seconds:g} s (log: {log})")
@@ -591,7 +596,7 @@ def collect_once(fleet: DemoFleet) -> None:
     """One synchronous collector cycle (cache counters only) into the demo's database."""
     argv = [
         sys.executable, "-m", "kvctl", "collect", "--once", "--no-links",
-        "--db", fleet.db_url, "--metrics-listen", "off",
+        "--db", fleet.db_url, "--metrics-listen", "off", *fleet.router_args(),
     ]  # fmt: skip
     log = fleet.config.workdir / "collector.log"
     with open(log, "ab") as out:
@@ -622,13 +627,16 @@ def final_collect(fleet: DemoFleet) -> None:
 
 def database_counters(fleet: DemoFleet, report: ReplayReport) -> dict[str, Any]:
     """The run's counters as the database has them next to the replay's, node by node."""
+    from kvctl.db.analytics.routing import routing_summary
     from kvctl.db.analytics.summary import node_cache_counters
     from kvctl.db.migrate import open_db
 
     engine = open_db(fleet.db_url)
+    end_ms = int(time.time() * 1000) + 1
     try:
         with engine.connect() as conn:
-            sums = node_cache_counters(conn, fleet.started_ms, int(time.time() * 1000) + 1)
+            sums = node_cache_counters(conn, fleet.started_ms, end_ms)
+            routed = routing_summary(conn, fleet.started_ms, end_ms) if report.router else None
     finally:
         engine.dispose()
     nodes: dict[str, dict[str, dict[str, int]]] = {}
@@ -650,6 +658,22 @@ def database_counters(fleet: DemoFleet, report: ReplayReport) -> dict[str, Any]:
         nodes[name] = {
             k: {"replay": v, "database": recorded.get(k, 0)} for k, v in expected.items()
         }
+    routing: dict[str, dict[str, int]] = {}
+    if report.router is not None and routed is not None:
+        # the replay is the router's only client: the decisions it got are all the router made
+        db_nodes = {n.node: n for n in routed.nodes}
+        routing = {
+            "decisions": {"replay": report.router.decisions, "database": routed.decisions},
+            "to_holder": {"replay": report.router.to_holder, "database": routed.to_holder},
+            **{
+                f"decisions[{name}]": {
+                    "replay": report.router.by_node.get(name, 0),
+                    "database": db_nodes[name].decisions if name in db_nodes else 0,
+                }
+                for name in sorted(set(report.nodes) | set(db_nodes))
+            },
+        }
+        nodes["router"] = routing
     agree = all(v["replay"] == v["database"] for f in nodes.values() for v in f.values())
     wrong = [
         f"{n}.{k}: replay {v['replay']}, database {v['database']}"

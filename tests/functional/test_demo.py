@@ -77,6 +77,9 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert out["requests"]["requests"] > 0
     assert out["agents_agree"] is True
     assert out["database"]["agree"] is True, out["database"]
+    # the router's own count, as the collector recorded it, equals the decisions the replay got
+    routed = out["database"]["nodes"]["router"]["decisions"]
+    assert routed == {"replay": out["router"]["decisions"], "database": out["router"]["decisions"]}
     assert set(out["nodes"]) == {"fra-1-a", "fra-1-b", "ams-1-a", "ams-1-b"}  # not the pool
     # the router routed; the agents, not the replay, pulled from their peers and the pool
     assert out["routing"] == "router" and out["router"]["decisions"] > 0
