@@ -279,6 +279,7 @@ def _routing_line(report: ReplayReport) -> str:
         f"{r.decisions:,} router decisions, {to_holder} to a node holding the prefix, "
         f"{r.other_dc:,} outside the tenant's home DC, "
         f"{r.fallbacks:,} fallbacks to round-robin"
+        + (f", {r.no_chunks:,} shorter than a chunk (not routed)" if r.no_chunks else "")
     )
     if r.fallbacks and r.last_error:
         from rich.markup import escape

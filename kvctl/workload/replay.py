@@ -517,11 +517,14 @@ def _run(
             _serve(request, keys, target, live, chunk_bytes, chunk_tokens, peer_fetch, links,
                    report)  # fmt: skip
         else:
-            # a prompt shorter than a chunk has nothing to route by: its home DC's turn
-            name = keys and chooser.choose(
-                keys, tenant=request.tenant, home_dc=dc, prompt_tokens=request.input_tokens,
-                nodes=node_dc,
-            )  # fmt: skip
+            name = None
+            if keys:
+                name = chooser.choose(
+                    keys, tenant=request.tenant, home_dc=dc, prompt_tokens=request.input_tokens,
+                    nodes=node_dc,
+                )  # fmt: skip
+            else:  # shorter than a chunk: nothing to route by, its home DC's turn
+                chooser.tally.no_chunks += 1
             target = by_name[name] if name else next(rr[dc])
             _serve_routed(request, keys, target, chunk_bytes, chunk_tokens, report)
         if progress is not None:

@@ -45,6 +45,8 @@ class RoutingTally:
     #: requests served on the home DC's round-robin node instead: the router failed or named
     #: no node the replay drives
     fallbacks: int = 0
+    #: requests shorter than a chunk: no key to route by, served on the home DC's round-robin
+    no_chunks: int = 0
     by_node: Counter[str] = field(default_factory=Counter)
     #: chunks the router's (modeled) plans said the chosen node would pull from elsewhere
     planned_pulled_chunks: int = 0
@@ -58,6 +60,7 @@ class RoutingTally:
             "to_holder_ratio": ratio(self.to_holder, self.decisions),
             "other_dc": self.other_dc,
             "fallbacks": self.fallbacks,
+            "no_chunks": self.no_chunks,
             "by_node": dict(self.by_node),
             "planned_pulled_chunks": self.planned_pulled_chunks,
             "planned_basis": "modeled by the router",

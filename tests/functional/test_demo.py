@@ -83,7 +83,11 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert set(out["nodes"]) == {"fra-1-a", "fra-1-b", "ams-1-a", "ams-1-b"}  # not the pool
     # the router routed; the agents, not the replay, pulled from their peers and the pool
     assert out["routing"] == "router" and out["router"]["decisions"] > 0
-    assert out["router"]["decisions"] + out["router"]["fallbacks"] <= out["requests"]["requests"]
+    routing = out["router"]
+    assert (
+        routing["decisions"] + routing["fallbacks"] + routing["no_chunks"]
+        == (out["requests"]["requests"])
+    )
     tiers = out["requests"]["hits_by_tier"]
     assert tiers.get("peer", 0) + tiers.get("remote", 0) > 0, tiers
     pulled = sum(link["chunks"] for link in out["pulls"]["by_link"].values())

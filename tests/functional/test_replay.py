@@ -411,6 +411,7 @@ def test_a_router_that_does_not_answer_falls_back_to_round_robin(
     routed = report.router
     assert routed is not None and routed.decisions == 0
     assert routed.fallbacks == sum(1 for r in requests if r.input_tokens >= 256) > 0
+    assert routed.no_chunks == len(requests) - routed.fallbacks
     assert "did not answer" in routed.last_error
     with pytest.raises(InvalidArgument, match="router"):
         replay(requests, _nodes(two_dcs), INPUTS, routing="router")
