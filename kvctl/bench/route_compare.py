@@ -28,7 +28,7 @@ from kvctl.workload.trace import TraceRequest
 
 BASIS = (
     "replayed: the same requests through each node's store on size-only tiers of the fleet's "
-    "sizes and the fleet index; hit ratios counted, TTFT modeled"
+    "sizes (no shared pool) and the fleet index; hit ratios counted, TTFT modeled"
 )
 
 

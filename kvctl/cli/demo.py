@@ -7,7 +7,7 @@ import pathlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -143,6 +143,7 @@ def demo_command(
                 killed = fleet.stop()
                 if killed:
                     err_console.print(f"[yellow]had to kill:[/] {', '.join(killed)}")
+    comparison = _save_route_comparison(fleet, loaded, report, say)
     from kvctl.fleet.demo import REPORT_FILE
 
     (config.workdir / REPORT_FILE).write_text(_json(report.as_dict()), encoding="utf-8")
@@ -154,6 +155,7 @@ def demo_command(
                 "router_url": fleet.router_url,
                 "agent_links": fleet.agent_links(),
                 "database": db_check,
+                "routing_compared": comparison,
             }
         )
     else:
@@ -161,6 +163,7 @@ def demo_command(
 
         render_replay(report)
         _print_db_check(db_check)
+        _print_comparison(comparison)
         console.print(
             f"workspace kept in {config.workdir}: kvctl.db (history), replay.json, logs; "
             f"`kvctl db current --db {fleet.db_url}` reads it"
@@ -214,6 +217,63 @@ def _final_check(fleet: DemoFleet, report: ReplayReport) -> dict[str, object]:
         return database_counters(fleet, report)
     except (RuntimeError, subprocess.TimeoutExpired, OSError) as exc:
         return {"agree": None, "detail": f"not checked: {exc}"}
+
+
+def _save_route_comparison(
+    fleet: DemoFleet, loaded: Workload, report: ReplayReport, say: Callable[[str], None]
+) -> dict[str, Any] | None:
+    """The requests the replay served, replayed again under every routing policy on the
+    demo's own nodes, link and tier sizes (size-only tiers, TTFT modeled), saved for the
+    dashboard's Routing page beside the real router's counts. None when it could not be made."""
+    from kvctl.bench.route_compare import compare_routing
+    from kvctl.db.migrate import open_db
+    from kvctl.db.route_reports import save_route_report
+    from kvctl.fleet.demo import DEMO_DCS, node_names
+    from kvctl.units import parse_size
+
+    config = fleet.config
+    served = loaded.requests[: report.requests.requests]
+    if not served:
+        return None
+    say(f"replaying those {len(served):,} requests under each routing policy for comparison ...")
+    unscale = 1 / config.kv_scale
+    try:
+        result = compare_routing(
+            served,
+            nodes=node_names(config),
+            links_km={(DEMO_DCS[0].name, DEMO_DCS[1].name): config.link_km},
+            cpu_bytes=int(parse_size(config.cpu) * unscale),
+            disk_bytes=int(parse_size(config.disk) * unscale),
+            model=config.model,
+            gpu=config.gpu,
+            workload_name=loaded.name,
+        )
+        engine = open_db(fleet.db_url)
+        try:
+            with engine.begin() as conn:
+                save_route_report(conn, result, now_ms=int(time.time() * 1000))
+        finally:
+            engine.dispose()
+    except Exception as exc:  # the demo's own run stands without the comparison
+        say(f"routing comparison not saved: {exc}")
+        return None
+    return result
+
+
+def _print_comparison(result: dict[str, Any] | None) -> None:
+    if not result:
+        return
+    ref = result["policies"][result["reference"]]
+    parts = []
+    for name, p in result["policies"].items():
+        ttft = p["vs_reference"]["ttft_mean_ratio_to_reference"]
+        ttft_text = "" if ttft is None else f", TTFT {ttft:.2f}x"
+        parts.append(f"{name} {p['hit_ratio'] or 0:.1%}{ttft_text}")
+    console.print(
+        f"routing compared on the same {result['requests']:,} requests ({result['basis']}; "
+        f"round-robin hit {ref['hit_ratio'] or 0:.1%}): " + " · ".join(parts),
+        highlight=False,
+    )
 
 
 def _json(data: object) -> str:

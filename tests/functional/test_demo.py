@@ -103,6 +103,20 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert roles == ["agent"] * 4 + ["collector", "pool", "router"]
     assert json.loads((workdir / "replay.json").read_text())["requests"] == out["requests"]
     assert (workdir / "kvctl.db").is_file() and (workdir / "collector.log").is_file()
+    # the same requests replayed under every policy, saved for the dashboard's Routing page
+    compared = out["routing_compared"]
+    assert compared["requests"] == out["requests"]["requests"]
+    assert set(compared["policies"]) == {"round-robin", "session-affinity", "prefix-only", "cost"}
+    assert all(p["index_mismatches"] == 0 for p in compared["policies"].values())
+    from kvctl.db.migrate import open_db
+    from kvctl.db.route_reports import latest_route_report
+
+    engine = open_db(state["db_url"])
+    try:
+        with engine.connect() as conn:
+            assert latest_route_report(conn) == compared
+    finally:
+        engine.dispose()
 
     # a second run in the same workspace starts over the leftovers (disk tiers, history)
     again = _run_demo(tmp_path, workdir, "--duration", "6", "--workload", "chat")
@@ -110,6 +124,7 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     assert "database: the collected counters equal the replay's" in again.stdout
     assert "fra-1-a (fra-1)" in again.stdout and "modeled" in again.stdout
     assert "router decisions" in again.stdout
+    assert "routing compared on the same" in again.stdout
     assert _ours(workdir) == []
 
 
