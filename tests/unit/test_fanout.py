@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from kvctl.client import AgentClient, AgentUnreachable
@@ -36,11 +39,19 @@ def test_a_bad_url_fails_only_its_node() -> None:
 
 def test_a_failing_callback_stops_the_nodes_not_yet_asked() -> None:
     asked: list[str] = []
+    failed = threading.Event()
 
     def call(client: AgentClient) -> None:
         asked.append(client.url)
+        if len(asked) > 1:
+            # the one worker holds every later node until the first result's callback failed,
+            # then a moment more: calls as fast as appends would otherwise all have run before
+            # the failing callback's fan_out cancels the ones not yet asked
+            failed.wait(10)
+            time.sleep(0.1)
 
     def audit_down(_result: object) -> None:
+        failed.set()
         raise RuntimeError("audit trail cannot be written")
 
     with pytest.raises(RuntimeError, match="audit trail"):
