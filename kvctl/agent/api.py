@@ -23,9 +23,7 @@ from typing import Annotated, Any, Literal
 import anyio
 import anyio.to_thread
 from fastapi import FastAPI, Header, Query, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -39,12 +37,11 @@ from starlette.routing import Match
 from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.http_errors import install_error_handlers
 from kvctl.http_guards import (
     DEFAULT_MAX_BODY_BYTES,
     BearerAuth,
     BodyLimit,
-    clip_echo,
-    safe_text,
 )
 from kvctl.remote.probe import emulated_source, probe_link
 from kvctl.store.errors import (
@@ -67,8 +64,6 @@ MAX_CAPACITY_BYTES = 2**63 - 1
 MAX_SEQ = 2**63 - 1
 #: token ids are hashed as uint32 (kvctl.store.keys)
 MAX_TOKEN = 2**32 - 1
-#: most errors one 422 lists; the rest are counted in a last entry
-MAX_ERRORS = 20
 #: most chunks one /v1/keys/top answers (each walks its prefix chain under the store's lock)
 MAX_TOP = 1000
 #: a comment line at least this often keeps proxies and idle timeouts from closing the stream
@@ -79,9 +74,6 @@ _EVENT_BATCH = 500
 #: threads that wait on the event hub; separate from the endpoint threadpool so followers
 #: cannot starve store calls (and vice versa)
 _EVENT_THREADS = 64
-
-#: request fields whose values never appear in a response (422 details echo inputs)
-_SECRET_FIELDS = frozenset({"token"})
 
 log = logging.getLogger("kvctl.agent.api")
 
@@ -420,15 +412,6 @@ def _capacity_bytes(capacity: int | str) -> int:
     return int(value)
 
 
-def _redact(value: Any) -> Any:
-    """An input echoed in a validation error, with secret fields' values blanked out."""
-    if isinstance(value, dict):
-        return {k: "***" if k in _SECRET_FIELDS else _redact(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_redact(v) for v in value]
-    return value
-
-
 def _fill_names(node: Any, names: dict[str, list[str]]) -> None:
     """Replace each ``x-kvctl-names`` mark in a schema with an enum of those names."""
     if isinstance(node, dict):
@@ -543,44 +526,7 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
     store = runtime.store
     event_threads = anyio.CapacityLimiter(_EVENT_THREADS)
 
-    def _error(status: int) -> Callable[[Request, Exception], Response]:
-        def handler(_request: Request, exc: Exception) -> Response:
-            return JSONResponse({"detail": safe_text(str(exc))}, status_code=status)
-
-        return handler
-
-    for exc_type, status in _ERROR_STATUS.items():
-        app.add_exception_handler(exc_type, _error(status))
-
-    async def _validation_error(_request: Request, exc: Exception) -> Response:
-        """FastAPI's own 422, except that echoed inputs never carry a token's value, are clipped
-        (a model-level error echoes the whole body) and are valid JSON (no NaN), and at most
-        MAX_ERRORS errors are listed."""
-        assert isinstance(exc, RequestValidationError)
-        all_errors = exc.errors()
-        errors = []
-        for err in all_errors[:MAX_ERRORS]:
-            err = dict(err)
-            loc = err.get("loc") or ()
-            if loc and loc[-1] in _SECRET_FIELDS:
-                err["input"] = "***"
-            elif "input" in err:
-                err["input"] = _redact(clip_echo(err["input"]))
-            if "ctx" in err:  # limits, and for a validator's error the exception itself
-                err["ctx"] = clip_echo(err["ctx"])
-            err["msg"] = safe_text(str(err.get("msg", "")))
-            errors.append(err)
-        if len(all_errors) > MAX_ERRORS:
-            errors.append(
-                {
-                    "type": "too_many_errors",
-                    "loc": ["body"],
-                    "msg": f"{len(all_errors) - MAX_ERRORS:,} more errors not listed",
-                }
-            )
-        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
-
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    install_error_handlers(app, _ERROR_STATUS)
 
     # added last = outermost: metrics see the auth middleware's 401s; the body limit runs
     # after auth, so a client without the token learns nothing but the 401

@@ -11,20 +11,17 @@ The bearer check and the body limit are the agent's own (``kvctl.http_guards``).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
-from fastapi.encoders import jsonable_encoder
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -37,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from kvctl import __version__
 from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.http_errors import install_error_handlers
 from kvctl.http_guards import BearerAuth, BodyLimit
 from kvctl.index.events import KEY_BYTES
 from kvctl.index.remote import MAX_KEYS, IndexUnavailable
@@ -47,10 +45,6 @@ from kvctl.wire.address import connect_host, split_host_port, url_host
 #: a route request with MAX_TOKENS token ids of 10 digits is about 2.9 MB; 4 MiB admits it
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_TOKEN = 2**32 - 1
-#: most validation errors one 422 lists
-MAX_ERRORS = 20
-#: characters of a bad value a 422 echoes
-_ECHO_CHARS = 80
 
 _KEY_CHARS = KEY_BYTES * 2
 _KEY_TEXT = re.compile(f"[0-9a-fA-F]{{{_KEY_CHARS}}}")
@@ -199,23 +193,6 @@ def _parse_keys(texts: list[str]) -> list[bytes]:
     return out
 
 
-def _safe(text: str) -> str:
-    """``text`` without lone surrogates (UTF-8 cannot send them)."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _clip(value: Any) -> Any:
-    """A bad input as a 422 echoes it: short, valid JSON."""
-    if value is None or isinstance(value, (bool, int)):
-        return value
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else str(value)
-    text = value if isinstance(value, str) else json.dumps(value, default=str)
-    if len(text) > _ECHO_CHARS:
-        text = f"{text[:_ECHO_CHARS]}... ({len(text):,} characters)"
-    return _safe(text)
-
-
 # --- metrics ---------------------------------------------------------------------------------
 
 
@@ -341,30 +318,7 @@ def create_app(
     registry = CollectorRegistry()
     registry.register(_RouterCollector(router))
 
-    def _error(status: int) -> Callable[[Request, Exception], Response]:
-        def handler(_request: Request, exc: Exception) -> Response:
-            return JSONResponse({"detail": _safe(str(exc))}, status_code=status)
-
-        return handler
-
-    for exc_type, status in _ERROR_STATUS.items():
-        app.add_exception_handler(exc_type, _error(status))
-
-    async def _validation_error(_request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        found = exc.errors()
-        errors: list[dict[str, Any]] = []
-        for err in found[:MAX_ERRORS]:
-            out = {k: err[k] for k in ("type", "loc", "msg") if k in err}
-            out["msg"] = _safe(str(out.get("msg", "")))
-            if "input" in err:
-                out["input"] = _clip(err["input"])
-            errors.append(out)
-        if len(found) > MAX_ERRORS:
-            errors.append({"type": "too_many_errors", "loc": ["body"], "msg": "more not listed"})
-        return JSONResponse({"detail": jsonable_encoder(errors)}, status_code=422)
-
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    install_error_handlers(app, _ERROR_STATUS)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, server="router")
     if token:
         app.add_middleware(BearerAuth, token=lambda: token)
