@@ -28,8 +28,11 @@ def percent(ratio: float | None, digits: int = 1) -> str:
 def format_bytes(n: float) -> str:
     """Binary units, three significant figures at most: 1536 -> '1.5 KiB', 1600 -> '1.56 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
+        if unit == "B" and abs(n) < 1024:
+            return f"{n:.0f} B"
+        # from 999.5 up, three figures would round to "1e+03": the next unit says it
+        if unit != "B" and (abs(n) < 999.5 or unit == "TiB"):
+            return f"{n:.3g} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 
