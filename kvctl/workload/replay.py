@@ -45,6 +45,7 @@ from typing import Any
 from kvctl.client import AgentClient, DataClient
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
+from kvctl.store.index import LookupResult
 from kvctl.store.keys import ChunkKey, Namespace
 from kvctl.workload.routed import (
     REMOTE_TIERS,
@@ -121,6 +122,19 @@ class NodeTally:
     #: chunks that a lookup reported but were gone when fetched
     lost_chunks: int = 0
 
+    def count_lookup(self, chunks: int, res: LookupResult, reuse: Sequence[bool]) -> None:
+        """One counted lookup of ``chunks`` chunks, as the agent counts it; ``reuse``: per hit,
+        whether the asking tenant stored it."""
+        m = res.matched_chunks
+        self.lookups += 1
+        self.lookup_chunks += chunks
+        self.hit_chunks += m
+        self.hit_tokens += res.matched_tokens
+        for tier in res.locations[:m]:
+            self.hits_by_tier[tier] += 1  # type: ignore[index]
+        self.reuse_hits += sum(reuse)
+        self.sharing_hits += m - sum(reuse)
+
     def expected(self, owners_known: bool = True) -> dict[str, int]:
         """What the node's counters should have grown by, in ``CHECKED_COUNTERS`` terms; the
         reuse/sharing split only where the replay knew every cached chunk's owner."""
@@ -172,6 +186,12 @@ class RequestTally:
     @property
     def hit_chunks(self) -> int:
         return sum(self.local_hits.values()) + self.peer_hits + self.cross_dc_hits
+
+    def count(self, request: TraceRequest, chunks: int) -> None:
+        """One more request of ``chunks`` chunks, whichever node serves it."""
+        self.requests += 1
+        self.chunks += chunks
+        self.input_tokens += request.input_tokens
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -603,17 +623,9 @@ class _Looked:
 def _lookup(node: _Node, keys: list[ChunkKey], tenant: str) -> _Looked:
     """A counted lookup, tallied as the agent counts it."""
     res = node.data.lookup(keys, tenant=tenant)
-    t = node.tally
-    t.lookups += 1
-    t.lookup_chunks += len(keys)
     m = res.matched_chunks
-    t.hit_chunks += m
-    t.hit_tokens += res.matched_tokens
     reuse = tuple(node.owner.get(key) == tenant for key in keys[:m])
-    for tier in res.locations[:m]:
-        t.hits_by_tier[tier] += 1  # type: ignore[index]
-    t.reuse_hits += sum(reuse)
-    t.sharing_hits += m - sum(reuse)
+    node.tally.count_lookup(len(keys), res, reuse)
     for key, tier in zip(keys[m:], res.locations[m:], strict=True):
         if tier is None:
             node.owner.pop(key, None)  # evicted since the replay stored it
@@ -662,9 +674,7 @@ def _serve(
 ) -> None:
     tenant = request.tenant
     rq = report.requests
-    rq.requests += 1
-    rq.chunks += len(keys)
-    rq.input_tokens += request.input_tokens
+    rq.count(request, len(keys))
     if not keys:
         return
     looked = _lookup(home, keys, tenant)
@@ -699,26 +709,17 @@ def _serve_routed(
     what the lookup took; the rest is computed and stored there (see the module docstring)."""
     tenant = request.tenant
     rq = report.requests
-    rq.requests += 1
-    rq.chunks += len(keys)
-    rq.input_tokens += request.input_tokens
+    rq.count(request, len(keys))
     if not keys:
         return
     res = node.data.lookup(keys, tenant=tenant)
-    t = node.tally
-    t.lookups += 1
-    t.lookup_chunks += len(keys)
     m = res.matched_chunks
-    t.hit_chunks += m
-    t.hit_tokens += res.matched_tokens
     tiers = res.locations
-    for tier in tiers[:m]:
-        t.hits_by_tier[tier] += 1  # type: ignore[index]
     got = _fetch(node, keys[:m], tenant, chunk_bytes)
+    # the owners of pulled hits are known once their copies arrived: count after the get
     _learn_pulled_owners(node, keys, tiers, m, tenant)
     reuse = tuple(node.owner.get(key) == tenant for key in keys[:m])
-    t.reuse_hits += sum(reuse)
-    t.sharing_hits += m - sum(reuse)
+    node.tally.count_lookup(len(keys), res, reuse)
     for tier in tiers[:got]:
         rq.local_hits[tier] += 1  # type: ignore[index]
     _credit(rq, _Looked(m, tuple(tiers), reuse), got, chunk_tokens)
