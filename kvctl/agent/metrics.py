@@ -413,7 +413,8 @@ class IndexCollector(Collector):
 
 
 class AgentMetrics:
-    """All metrics of one agent, on a registry of its own."""
+    """All metrics of one agent, on a registry of its own; ``clock`` gives ``kvctl_time_seconds``
+    at each scrape."""
 
     def __init__(
         self,
@@ -423,6 +424,7 @@ class AgentMetrics:
         transports: Iterable[str] | None = None,
         routes: Iterable[str] | None = None,
         started_s: float | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.registry = CollectorRegistry()
         self.store_collector = StoreCollector(store)
@@ -444,6 +446,13 @@ class AgentMetrics:
             "kvctl_start_time_seconds", "Agent start time, Unix epoch seconds.", registry=r
         )
         start.set(time.time() if started_s is None else started_s)
+        # read at each scrape: Prometheus compares it with the scrape's own timestamp, which
+        # measures this node's clock skew (what kvctl doctor checks from one machine)
+        Gauge(
+            "kvctl_time_seconds",
+            "The agent's clock when scraped, Unix epoch seconds.",
+            registry=r,
+        ).set_function(clock)
 
         # Counter names go without "_total": prometheus_client appends it
         self._dp_requests = Counter(
