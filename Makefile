@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e ".[dev,engine]"
+	$(BIN)/python -m pip install --quiet -e ".[all,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvctl.bench.common import host_info, spawned_agent
 from kvctl.errors import InvalidArgument
+from kvctl.extras import MissingExtra, extra_of
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -97,9 +98,9 @@ def run_ttft_bench(
         from kvctl.engines.hf import CachedLM
         from kvctl.engines.models import SHAPES, build_model
     except ImportError as exc:
-        raise InvalidArgument(
-            f"the ttft bench needs torch and transformers ({exc}); pip install 'kvctl[engine]'"
-        ) from None
+        if extra_of(exc) is None:
+            raise
+        raise MissingExtra("the ttft bench", "engine") from None
 
     cuda = torch.cuda.is_available()
     device = device or ("cuda" if cuda else "cpu")

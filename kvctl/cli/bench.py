@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import typer
 
+from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import JsonOpt, bundled, db_errors
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 
@@ -233,6 +234,7 @@ def bench_top_command(
 
       kvctl bench top --agents 200 --interval 2 --seconds 30
     """
+    needs_extra("kvctl bench top", "tui")
     from kvctl.bench.top import render_top_bench, run_top_bench
 
     def measure() -> Result:
@@ -333,6 +335,7 @@ def bench_gpu_command(
 
       kvctl bench gpu --sizes 4MiB,32MiB,128MiB --bytes-per-size 1GiB --device cuda:1
     """
+    needs_extra("kvctl bench gpu", "engine")
     from kvctl.bench.gpu import render_gpu_bench, run_gpu_bench
 
     def measure() -> Result:
@@ -402,6 +405,7 @@ def bench_ttft_command(
 
       kvctl bench ttft --device cuda --model llama-3.1-8b --contexts 1k,16k,100k --json
     """
+    needs_extra("kvctl bench ttft", "engine")
     from kvctl.bench.ttft import parse_contexts, render_ttft_bench, run_ttft_bench
 
     def measure() -> Result:

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import DbOpt, open_engine
 from kvctl.cli.output import console, fail
 from kvctl.wire.address import is_loopback
@@ -65,6 +66,7 @@ def dashboard_command(
 
       kvctl dashboard --host 0.0.0.0 --auth-user ops --url-prefix /kvctl/
     """
+    needs_extra("kvctl dashboard", "dashboard")
     if not url_prefix.startswith("/"):
         url_prefix = "/" + url_prefix
     if not url_prefix.endswith("/"):

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import JsonOpt
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 from kvctl.cli.replay import LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt, load_for_replay
@@ -92,6 +93,8 @@ def demo_command(
 
       kvctl demo --duration 60 --no-browser --workload rag --workdir /tmp/kvctl-demo
     """
+    if dashboard:  # before any agent starts
+        needs_extra("kvctl demo", "dashboard", otherwise="or run it with --no-dashboard")
     from kvctl.fleet.demo import (
         DemoConfig,
         default_workdir,

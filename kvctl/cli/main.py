@@ -146,4 +146,11 @@ _prose_help_everywhere(app)
 
 
 def main() -> None:
-    app()
+    from kvctl.cli.extras import extra_errors
+
+    # commands check their extra first; this catches an import any of them left unchecked
+    try:
+        with extra_errors("this kvctl command"):
+            app()
+    except typer.Exit as exc:  # raised outside click's own handling of it
+        raise SystemExit(exc.exit_code) from None

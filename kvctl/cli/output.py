@@ -47,9 +47,14 @@ def confirm(question: str) -> bool:
 def user_errors(hint: str | None = None) -> Iterator[None]:
     """Turn the library's errors into one clear line and exit code 2, never a traceback."""
     from kvctl.errors import KvctlError
+    from kvctl.extras import MissingExtra
 
     try:
         yield
+    except MissingExtra as exc:  # the line names what to install; a usage hint would mislead
+        from kvctl.cli.extras import exit_missing
+
+        exit_missing(exc)
     except (KvctlError, ValueError) as exc:
         fail(str(exc), hint=hint)
     except FileNotFoundError as exc:

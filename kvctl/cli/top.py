@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
 from kvctl.cli.output import fail, print_json, user_errors
 
@@ -111,6 +112,8 @@ def top_command(
     from kvctl.db.analytics.windows import duration_ms
     from kvctl.tui.sources import AgentSource, FleetSource
 
+    if not json_out:  # the figures once, as JSON, need no Textual
+        needs_extra("kvctl top", "tui", otherwise="`kvctl top --json` runs without it")
     if agent and (node or dc):
         fail("--agent watches agents by URL; --node/--dc pick from the inventory: use one way")
     with user_errors():
