@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.agent.systemd import DEFAULT_CONFIG, DEFAULT_UNIT_DIR
 from kvctl.cli.options import JsonOpt, bundled
 from kvctl.cli.output import console, err_console, fail, print_json
 
 if TYPE_CHECKING:
     from kvctl.agent.config import LoadedSettings
     from kvctl.agent.settings import AgentSettings
+    from kvctl.agent.systemd import InstallReport
 
 agent_app = typer.Typer(
     no_args_is_help=True, help="Run and inspect the tiered KV-cache agent on this node."
@@ -645,3 +647,106 @@ def config_command(
         table.add_row(row["setting"], row["value"], row["source"])
     console.print(table)
     console.print(f"[dim]config file: {loaded.config_file or 'none'}[/]", highlight=False)
+
+
+@agent_app.command("install")
+def install_command(
+    systemd: Annotated[
+        bool, typer.Option("--systemd", help="Install the agent as a systemd service.")
+    ] = False,
+    unit_dir: Annotated[
+        Path, typer.Option("--unit-dir", help="Where unit files go.", file_okay=False)
+    ] = DEFAULT_UNIT_DIR,
+    config: Annotated[
+        Path, typer.Option("--config", help="The config file the service starts the agent with.")
+    ] = DEFAULT_CONFIG,
+    gpu: Annotated[
+        bool,
+        typer.Option(
+            "--gpu",
+            help="Also write the drop-in opening the NVIDIA devices (NVML power, the gpu tier).",
+        ),
+    ] = False,
+    kvctl: Annotated[
+        Path | None,
+        typer.Option(
+            "--kvctl",
+            help="The kvctl executable the service runs (default: this one).",
+            show_default=False,
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace unit files that differ from these.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print what would be written; write nothing.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Install the agent as a hardened systemd service (kvctl-agent.service): a dynamic
+    user, state in /var/lib/kvctl (0700), the socket in /run/kvctl, a read-only system and
+    a system-call filter; the token goes in /etc/kvctl/agent.env (KVCTL_TOKEN=..., root
+    0600). Refuses to overwrite a different unit without --force.
+
+    Examples:
+
+      kvctl agent install --systemd --dry-run
+
+      sudo kvctl agent install --systemd --gpu
+
+      kvctl agent install --systemd --unit-dir ./units --config /etc/kvctl/agent.toml --json
+    """
+    from kvctl.agent.systemd import UnitError, find_kvctl, install_units
+
+    if not systemd:
+        fail("say what to install: --systemd (the only kind so far)", hint="see --help")
+    try:
+        report = install_units(
+            unit_dir,
+            executable=kvctl if kvctl is not None else find_kvctl(),
+            config=config,
+            gpu=gpu,
+            force=force,
+            dry_run=dry_run,
+        )
+    except UnitError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write to {unit_dir}: {exc.strerror or exc}", hint="run it as root (sudo)")
+    if json_out:
+        print_json(
+            {
+                "files": [
+                    {"path": str(f.path), "action": f.action, "text": f.text} for f in report.files
+                ],
+                "executable": str(report.executable),
+                "config": str(report.config),
+                "dry_run": report.dry_run,
+                "warnings": list(report.warnings),
+                "next_step": report.next_step,
+            }
+        )
+        return
+    _render_install(report)
+
+
+def _render_install(report: InstallReport) -> None:
+    from rich.markup import escape
+
+    for f in report.files:
+        if report.dry_run:
+            console.print(
+                f"[bold]{escape(str(f.path))}[/] (would {f.action}):",
+                highlight=False,
+                soft_wrap=True,
+            )
+            console.print(escape(f.text), highlight=False, soft_wrap=True)
+        else:
+            done = {"create": "created", "replace": "replaced", "unchanged": "unchanged"}
+            console.print(
+                f"{done[f.action]} {escape(str(f.path))}", highlight=False, soft_wrap=True
+            )
+    for warning in report.warnings:
+        err_console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    verb = "then" if report.dry_run else "next"
+    console.print(f"{verb}: {report.next_step}", highlight=False, soft_wrap=True)
