@@ -10,17 +10,20 @@ the CLI run lean too.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvctl.agent.daemon import spawn_agent
 from kvctl.extras import EXTRA_OF, MODULES
 from tests.functional.agents import EPHEMERAL
-from tests.functional.lean import blocked_modules, lean_env
+from tests.functional.lean import ROOT, blocked_modules, lean_env
 
 #: modules that need an extra (module or package prefix -> the extra); every other module of
 #: kvctl, collectors and dashboard must import in a lean install
@@ -255,3 +258,77 @@ def test_an_unchecked_import_of_an_extra_is_the_same_one_line(
     assert out.stderr == (
         "error: this kvctl command needs the 'tui' extra: pip install 'kvctl[tui]'\n"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("CI") != "true" and os.environ.get("KVCTL_TEST_PIP_INSTALL") != "1",
+    reason="pip-installs kvctl and its core dependencies into a fresh venv (about a minute, "
+    "from the package index): runs in CI, or with KVCTL_TEST_PIP_INSTALL=1",
+)
+def test_pip_install_without_extras_in_a_fresh_venv(tmp_path: Path) -> None:
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python, exe = venv / "bin" / "python", venv / "bin" / "kvctl"
+    # a copy of what the distribution is built from: pip builds in the source tree
+    src = tmp_path / "src"
+    for part in ("kvctl", "collectors", "dashboard", "migrations"):
+        shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / part, src / part)
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", str(src)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    listed = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format", "json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    installed = {p["name"].lower() for p in json.loads(listed.stdout)}
+    assert "kvctl" in installed
+    optional = {
+        "dash",
+        "plotly",
+        "waitress",
+        "textual",
+        "torch",
+        "transformers",
+        "pyzmq",
+        "msgpack",
+    }
+    assert not installed & optional
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env.update(XDG_CONFIG_HOME=str(tmp_path / "xdg"), NO_COLOR="1")
+
+    def kvctl(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(exe), *args], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path
+        )
+
+    data_dir = ["--data-dir", str(tmp_path / "agent")]
+    started = kvctl("agent", "start", *EPHEMERAL, "--cpu", "16MiB", "--disk", "0", "--detach",
+                    *data_dir)  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    try:
+        status = kvctl("agent", "status", *data_dir, "--json")
+        assert status.returncode == 0, status.stderr
+        url = json.loads(status.stdout)["control_url"]
+        assert "kvctl_lookups_total" in httpx.get(f"{url}/metrics", timeout=5).text
+    finally:
+        stopped = kvctl("agent", "stop", *data_dir)
+        assert stopped.returncode == 0, stopped.stderr
+    for args, extra in (
+        (["top"], "tui"),
+        (["dashboard"], "dashboard"),
+        (["bench", "ttft"], "engine"),
+    ):
+        out = kvctl(*args)
+        assert out.returncode == 2
+        assert out.stderr.startswith(f"error: kvctl {' '.join(args)} needs the '{extra}' extra")
+        assert out.stderr.count("\n") == 1
