@@ -1,10 +1,21 @@
 """Read an inference engine's ``/metrics`` text into one typed KV-cache reading.
 
-vLLM, SGLang and LMCache each expose their own Prometheus names; this module maps the few that
-matter for KV-cache operations (prompt, cached and generated tokens, finished requests, cache
-usage, time to first token, LMCache hits) onto ``EngineReading``. Names follow the engines'
-sources: vLLM ``vllm/v1/metrics/loggers.py``, SGLang ``sglang/srt/metrics/collector.py``,
-LMCache ``lmcache/observability.py``.
+vLLM, SGLang, TensorRT-LLM, LMCache and NVIDIA Dynamo's KV block manager (KVBM) each expose
+their own Prometheus names; this module maps the few that matter for KV-cache operations
+(prompt, cached and generated tokens, finished requests, cache usage, time to first token,
+blocks reused and missed, LMCache hits, KVBM's matched tokens and the blocks it moves between
+tiers) onto ``EngineReading``. Names follow the engines' sources: vLLM
+``vllm/v1/metrics/loggers.py``, SGLang ``sglang/srt/metrics/collector.py``, LMCache
+``lmcache/observability.py``, TensorRT-LLM ``tensorrt_llm/metrics/collector.py`` (main of 2026,
+served by trtllm-serve at ``/prometheus/metrics``; its ``/metrics`` is JSON iteration stats,
+also read here), KVBM ``lib/llm/src/block_manager/metrics_kvbm.rs`` and the ``kvbm`` names of
+``lib/runtime/src/metrics/prometheus_names.rs`` (dynamo-llm 1.1.1; served on
+``DYN_KVBM_METRICS_PORT``, default 6880, with the ``kvbm_`` prefix and no ``_total``).
+
+Only counters become figures (their increases between scrapes, across restarts, in
+``collectors.rows``). Engines' own hit-rate gauges (``sglang:cache_hit_rate``,
+``trtllm_kv_cache_hit_rate``, ``cacheHitRate``, ``kvbm_host_cache_hit_rate``,
+``kvbm_disk_cache_hit_rate``) are averages over windows kvctl does not know and are not read.
 
 Counters arrive with or without ``_total`` (prometheus_client adds it, multiprocess mode and
 other exporters may not, some proxies re-export them as gauges or untyped), so lookups go by
@@ -15,14 +26,18 @@ KV-cache usage across engines, and a sum of two 0.6 usages would read as 1.2.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from itertools import pairwise
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-KNOWN_ENGINES: tuple[str, ...] = ("vllm", "sglang", "lmcache")
+KNOWN_ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "lmcache", "kvbm")
+#: engines that serve requests (one per endpoint); LMCache and KVBM run inside one of them
+_SERVING = {"vllm": "vllm:", "sglang": "sglang:", "trtllm": "trtllm_"}
 
 # vLLM PromptTokenStats.ALL_SOURCES is (local_compute, local_cache_hit, external_kv_transfer);
 # the last two are the tokens whose KV was not computed by this prefill.
@@ -33,7 +48,7 @@ _Samples = list[tuple[_Labels, float]]
 
 
 class UnknownEngine(ValueError):
-    """The text is valid exposition but carries no vLLM, SGLang or LMCache metric."""
+    """The text is valid exposition but carries no metric of a known engine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +77,7 @@ class Histogram:
 class EngineReading:
     """One scrape of one engine. Counters are cumulative; None means not exposed."""
 
-    engine: str  # "vllm" | "sglang" | "lmcache" (only LMCache metrics present)
+    engine: str  # "vllm" | "sglang" | "trtllm" | "lmcache" | "kvbm" (only its metrics present)
     prompt_tokens: float | None
     cached_prompt_tokens: float | None
     generation_tokens: float | None
@@ -75,32 +90,56 @@ class EngineReading:
     #: the engine process's start time (``process_start_time_seconds``): a change means its
     #: counters restarted, even when they have already grown past their old values
     process_start_s: float | None = None
+    #: the engine's own KV-cache blocks reused / not found when a request's blocks were
+    #: allocated (TensorRT-LLM; a partially reused block counts as reused)
+    kv_reused_blocks: float | None = None
+    kv_missed_blocks: float | None = None
+    #: KVBM: prompt tokens it matched in its host/disk tiers, and blocks it moved: offloaded
+    #: device -> host, to disk (host -> disk and device -> disk), onboarded host -> device and
+    #: disk -> device (its object-storage tier is not read)
+    kvbm_matched_tokens: float | None = None
+    kvbm_offload_host_blocks: float | None = None
+    kvbm_offload_disk_blocks: float | None = None
+    kvbm_onboard_host_blocks: float | None = None
+    kvbm_onboard_disk_blocks: float | None = None
 
 
 def parse_engine_metrics(text: str) -> EngineReading:
-    """Parse Prometheus text exposition from an engine's ``/metrics``.
+    """Parse an engine's metrics: Prometheus text exposition, or TensorRT-LLM's JSON iteration
+    stats (trtllm-serve's ``/metrics``).
 
-    Raises ``UnknownEngine`` when no ``vllm:``, ``sglang:`` or ``lmcache:`` metric is present
-    and ``ValueError`` when the text is not valid exposition.
+    Raises ``UnknownEngine`` when no metric of a known engine is present and ``ValueError``
+    when the text is neither valid exposition nor TensorRT-LLM's JSON.
     """
+    if text.lstrip().startswith(("[", "{")):  # exposition lines never start with either
+        return _trtllm_iterations_reading(text)
     series = _samples_by_name(text)
-    prefixes = {name.split(":", 1)[0] for name in series if ":" in name}
-    has_vllm, has_sglang = "vllm" in prefixes, "sglang" in prefixes
-    if has_vllm and has_sglang:
+    serving = [e for e, prefix in _SERVING.items() if any(n.startswith(prefix) for n in series)]
+    if len(serving) > 1:
         # One reading describes one engine; a merged endpoint would mix two token accountings.
-        raise ValueError("both vllm: and sglang: metrics present; scrape one engine at a time")
-
-    lmcache = _LMCacheFields(
-        hit_tokens=_counter(series, "lmcache:num_hit_tokens"),
-        requested_tokens=_counter(series, "lmcache:num_requested_tokens"),
-        local_cache_usage_bytes=_gauge_sum(series, "lmcache:local_cache_usage"),
+        raise ValueError(f"metrics of {' and '.join(serving)} present; scrape one engine at a time")
+    side = _SideFields(
+        lmcache_hit_tokens=_counter(series, "lmcache:num_hit_tokens"),
+        lmcache_requested_tokens=_counter(series, "lmcache:num_requested_tokens"),
+        lmcache_local_cache_usage_bytes=_gauge_sum(series, "lmcache:local_cache_usage"),
+        kvbm_matched_tokens=_counter(series, "kvbm_matched_tokens"),
+        kvbm_offload_host_blocks=_counter(series, "kvbm_offload_blocks_d2h"),
+        kvbm_offload_disk_blocks=_counters(
+            series, "kvbm_offload_blocks_h2d", "kvbm_offload_blocks_d2d"
+        ),
+        kvbm_onboard_host_blocks=_counter(series, "kvbm_onboard_blocks_h2d"),
+        kvbm_onboard_disk_blocks=_counter(series, "kvbm_onboard_blocks_d2d"),
     )
-    if has_vllm:
-        reading = _vllm_reading(series, lmcache)
-    elif has_sglang:
-        reading = _sglang_reading(series, lmcache)
-    elif "lmcache" in prefixes:
-        reading = _reading("lmcache", lmcache)
+    if serving == ["vllm"]:
+        reading = _vllm_reading(series, side)
+    elif serving == ["sglang"]:
+        reading = _sglang_reading(series, side)
+    elif serving == ["trtllm"]:
+        reading = _trtllm_reading(series, side)
+    elif any(n.startswith("lmcache:") for n in series):
+        reading = _reading("lmcache", side)
+    elif any(n.startswith("kvbm_") for n in series):
+        reading = _reading("kvbm", side)
     else:
         raise UnknownEngine(f"no metric of a known engine ({', '.join(KNOWN_ENGINES)}) in the text")
     starts = [v for _labels, v in series.get("process_start_time_seconds", [])]
@@ -183,6 +222,15 @@ def _counter(
     return None if samples is None else _finite_sum(samples, where)
 
 
+def _counters(series: Mapping[str, _Samples], *names: str) -> float | None:
+    """Sum of the counters of ``names`` that are exposed (an older release lacks some); None
+    when none is, or when one is not finite."""
+    values = [_counter(series, n) for n in names if f"{n}_total" in series or n in series]
+    if not values or any(v is None for v in values):
+        return None
+    return float(sum(v for v in values if v is not None))
+
+
 def _gauge_sum(series: Mapping[str, _Samples], name: str) -> float | None:
     samples = series.get(name)
     return None if samples is None else _finite_sum(samples)
@@ -230,15 +278,22 @@ def _histogram(series: Mapping[str, _Samples], name: str) -> Histogram | None:
 
 
 @dataclass(frozen=True, slots=True)
-class _LMCacheFields:
-    hit_tokens: float | None
-    requested_tokens: float | None
-    local_cache_usage_bytes: float | None
+class _SideFields:
+    """What LMCache and KVBM expose, running inside the serving engine (or scraped alone)."""
+
+    lmcache_hit_tokens: float | None = None
+    lmcache_requested_tokens: float | None = None
+    lmcache_local_cache_usage_bytes: float | None = None
+    kvbm_matched_tokens: float | None = None
+    kvbm_offload_host_blocks: float | None = None
+    kvbm_offload_disk_blocks: float | None = None
+    kvbm_onboard_host_blocks: float | None = None
+    kvbm_onboard_disk_blocks: float | None = None
 
 
 def _reading(
     engine: str,
-    lmcache: _LMCacheFields,
+    side: _SideFields,
     *,
     prompt_tokens: float | None = None,
     cached_prompt_tokens: float | None = None,
@@ -246,6 +301,8 @@ def _reading(
     requests: float | None = None,
     kv_usage_ratio: float | None = None,
     ttft: Histogram | None = None,
+    kv_reused_blocks: float | None = None,
+    kv_missed_blocks: float | None = None,
 ) -> EngineReading:
     return EngineReading(
         engine=engine,
@@ -255,13 +312,20 @@ def _reading(
         requests=requests,
         kv_usage_ratio=kv_usage_ratio,
         ttft=ttft,
-        lmcache_hit_tokens=lmcache.hit_tokens,
-        lmcache_requested_tokens=lmcache.requested_tokens,
-        lmcache_local_cache_usage_bytes=lmcache.local_cache_usage_bytes,
+        lmcache_hit_tokens=side.lmcache_hit_tokens,
+        lmcache_requested_tokens=side.lmcache_requested_tokens,
+        lmcache_local_cache_usage_bytes=side.lmcache_local_cache_usage_bytes,
+        kv_reused_blocks=kv_reused_blocks,
+        kv_missed_blocks=kv_missed_blocks,
+        kvbm_matched_tokens=side.kvbm_matched_tokens,
+        kvbm_offload_host_blocks=side.kvbm_offload_host_blocks,
+        kvbm_offload_disk_blocks=side.kvbm_offload_disk_blocks,
+        kvbm_onboard_host_blocks=side.kvbm_onboard_host_blocks,
+        kvbm_onboard_disk_blocks=side.kvbm_onboard_disk_blocks,
     )
 
 
-def _vllm_reading(series: Mapping[str, _Samples], lmcache: _LMCacheFields) -> EngineReading:
+def _vllm_reading(series: Mapping[str, _Samples], side: _SideFields) -> EngineReading:
     by_source = "vllm:prompt_tokens_by_source"
     prompt = _counter(series, "vllm:prompt_tokens")
     if prompt is None:
@@ -285,7 +349,7 @@ def _vllm_reading(series: Mapping[str, _Samples], lmcache: _LMCacheFields) -> En
         usage = _gauge_mean(series, "vllm:gpu_cache_usage_perc")
     return _reading(
         "vllm",
-        lmcache,
+        side,
         prompt_tokens=prompt,
         cached_prompt_tokens=cached,
         generation_tokens=_counter(series, "vllm:generation_tokens"),
@@ -295,10 +359,10 @@ def _vllm_reading(series: Mapping[str, _Samples], lmcache: _LMCacheFields) -> En
     )
 
 
-def _sglang_reading(series: Mapping[str, _Samples], lmcache: _LMCacheFields) -> EngineReading:
+def _sglang_reading(series: Mapping[str, _Samples], side: _SideFields) -> EngineReading:
     return _reading(
         "sglang",
-        lmcache,
+        side,
         prompt_tokens=_counter(series, "sglang:prompt_tokens"),
         cached_prompt_tokens=_counter(series, "sglang:cached_tokens"),
         generation_tokens=_counter(series, "sglang:generation_tokens"),
@@ -306,3 +370,74 @@ def _sglang_reading(series: Mapping[str, _Samples], lmcache: _LMCacheFields) -> 
         kv_usage_ratio=_gauge_mean(series, "sglang:token_usage"),
         ttft=_histogram(series, "sglang:time_to_first_token_seconds"),
     )
+
+
+def _trtllm_reading(series: Mapping[str, _Samples], side: _SideFields) -> EngineReading:
+    usage = _gauge_mean(series, "trtllm_kv_cache_utilization")
+    if usage is None:  # the block gauges it is computed from
+        used = _gauge_sum(series, "trtllm_kv_cache_used_blocks")
+        total = _gauge_sum(series, "trtllm_kv_cache_max_blocks")
+        usage = used / total if used is not None and total else None
+    return _reading(
+        "trtllm",
+        side,
+        prompt_tokens=_counter(series, "trtllm_prompt_tokens"),
+        cached_prompt_tokens=_counter(series, "trtllm_prompt_cached_tokens"),
+        generation_tokens=_counter(series, "trtllm_generation_tokens"),
+        requests=_counter(series, "trtllm_request_success"),
+        kv_usage_ratio=usage,
+        ttft=_histogram(series, "trtllm_time_to_first_token_seconds"),
+        kv_reused_blocks=_counter(series, "trtllm_kv_cache_reused_blocks"),
+        kv_missed_blocks=_counter(series, "trtllm_kv_cache_missed_blocks"),
+    )
+
+
+#: keys every TensorRT-LLM iteration-stats entry has some of (IterationStats' JSON)
+_ITERATION_KEYS = frozenset(
+    {"iter", "iterLatencyMS", "kvCacheStats", "numActiveRequests", "gpuMemUsage", "timestamp"}
+)
+
+
+def _trtllm_iterations_reading(text: str) -> EngineReading:
+    """trtllm-serve's ``/metrics`` (``enable_iter_perf_stats``): a JSON list of the iteration
+    stats queued since the last read, oldest first. ``kvCacheStats`` carries cumulative block
+    counters (``reusedBlocks``, ``missedBlocks``) and the pool's block gauges; the newest
+    iteration's are this scrape's. No iteration since the last read: nothing is known."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"malformed TensorRT-LLM iteration stats: {exc}") from None
+    entries = data if isinstance(data, list) else [data]
+    if not all(isinstance(e, dict) for e in entries):
+        raise ValueError("malformed TensorRT-LLM iteration stats: not a list of objects")
+    if entries and not any(_ITERATION_KEYS & e.keys() for e in entries):
+        raise UnknownEngine("JSON without TensorRT-LLM's iteration stats")
+    if len({e.get("attentionDpRank", 0) for e in entries}) > 1:
+        # each rank counts its own blocks; one rank's latest entry would read as a reset
+        raise ValueError(
+            "iteration stats of several attention-DP ranks; scrape trtllm-serve's "
+            "/prometheus/metrics instead"
+        )
+    with_kv = [e for e in entries if isinstance(e.get("kvCacheStats"), dict)]
+    if not with_kv:
+        return _reading("trtllm", _SideFields())
+    kv: dict[str, Any] = with_kv[-1]["kvCacheStats"]
+    used, total = _json_count(kv, "usedNumBlocks"), _json_count(kv, "maxNumBlocks")
+    return _reading(
+        "trtllm",
+        _SideFields(),
+        kv_usage_ratio=used / total if used is not None and total else None,
+        kv_reused_blocks=_json_count(kv, "reusedBlocks"),
+        kv_missed_blocks=_json_count(kv, "missedBlocks"),
+    )
+
+
+def _json_count(obj: Mapping[str, Any], key: str) -> float | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"kvCacheStats.{key} is {value!r}, not a count")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"kvCacheStats.{key} is {value!r}, not a count")
+    return float(value)

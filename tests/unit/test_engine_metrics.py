@@ -500,7 +500,7 @@ def test_unknown_engine(text: str) -> None:
 
 def test_unknown_engine_is_a_value_error() -> None:
     assert issubclass(UnknownEngine, ValueError)
-    assert KNOWN_ENGINES == ("vllm", "sglang", "lmcache")
+    assert KNOWN_ENGINES == ("vllm", "sglang", "trtllm", "lmcache", "kvbm")
 
 
 @pytest.mark.parametrize(
