@@ -169,7 +169,9 @@ def add_node_command(
     engine_url: Annotated[
         str | None,
         typer.Option(
-            help="Prometheus endpoint of the node's inference engine (vLLM, SGLang, LMCache)."
+            help="Metrics endpoint of the node's inference engine: vLLM, SGLang, TensorRT-LLM "
+            "(/prometheus/metrics, or its JSON iteration stats at /metrics), LMCache or Dynamo "
+            "KVBM (its own port, default 6880)."
         ),
     ] = None,
     db: DbOpt = None,
