@@ -28,7 +28,14 @@ from collectors.engines import EngineReading, Histogram, UnknownEngine, parse_en
 from collectors.metrics import CollectorMetrics
 from collectors.router import RouterAnswerError, RouterReading, parse_router_stats, route_rows
 from collectors.router import router_key as router_key_of
-from collectors.rows import cache_rows, engine_row, plan_rows, power_rows
+from collectors.rows import (
+    PowerEmulation,
+    cache_rows,
+    emulated_power_rows,
+    engine_row,
+    plan_rows,
+    power_rows,
+)
 from kvctl.client import AgentClient, AgentError, RequestError
 from kvctl.counters import CounterTracker
 from kvctl.db.ingest import insert_rows
@@ -66,6 +73,8 @@ class CollectorConfig:
     routers: tuple[str, ...] = ()
     #: bearer token for the routers
     router_token: str | None = field(default=None, repr=False)
+    #: emulate GPU energy on nodes whose agent says NVML is unavailable (never on the others)
+    emulate_power: PowerEmulation | None = None
 
     @property
     def request_timeout_s(self) -> float:
@@ -322,6 +331,10 @@ class Collector:
             rows["plan_sample"] += plan_rows(self._tracker, node.id, ts_ms, s.stats)
             if s.gpus is not None:
                 rows["power_sample"] += power_rows(self._tracker, node.id, ts_ms, s.gpus)
+            if nvml is False and self.config.emulate_power is not None:
+                rows["emulated_power_sample"] += emulated_power_rows(
+                    self._tracker, node.id, ts_ms, s.stats, self.config.emulate_power
+                )
             if s.engine is not None:
                 prev = self._ttft_prev.get(node.id)
                 rows["engine_sample"].append(

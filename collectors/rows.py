@@ -7,11 +7,13 @@ network and the collector loop only schedules, scrapes and writes.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from collectors.engines import EngineReading, Histogram, histogram_delta, histogram_quantile
 from kvctl.counters import CounterTracker
 from kvctl.db.models import SERIES_BY_TABLE
+from kvctl.profiles import ModeledInputs
 from kvctl.wire.stats import cache_counters
 
 CACHE_COUNTERS = SERIES_BY_TABLE["cache_sample"].sums
@@ -112,6 +114,56 @@ def power_rows(
             }
         )
     return rows
+
+
+@dataclass(frozen=True, slots=True)
+class PowerEmulation:
+    """What ``kvctl collect --emulate-power`` assumes of a node without NVML: a GPU and model
+    profile (the prefill rate at their MFU, the GPU's published board power)."""
+
+    inputs: ModeledInputs
+
+
+def emulated_power_rows(
+    tracker: CounterTracker,
+    node_id: int,
+    ts_ms: int,
+    stats: Mapping[str, Any],
+    emulation: PowerEmulation,
+) -> list[dict[str, Any]]:
+    """The ``emulated_power_sample`` row of one scrape of ``/v1/stats``: the modeled prefill
+    seconds of the tokens the node's cache did not serve since its previous scrape (its
+    counters' lookup_tokens - hit_tokens) x the board power. None at a node's first scrape (a
+    baseline: no interval yet). The power is that energy over the interval, at most the board
+    power (a node sent more work than its GPU could do shows at full power)."""
+    whole = cache_counters(stats).get("all", {})
+    series = f"emulated:{node_id}"
+    since_ms = tracker.last_ts_ms(series)
+    inc = tracker.increase(
+        series,
+        {k: whole.get(k) for k in ("lookup_tokens", "hit_tokens")},
+        epoch=stats.get("started_s"),
+        ts_ms=ts_ms,
+    )
+    looked, hit = inc["lookup_tokens"], inc["hit_tokens"]
+    if since_ms is None or ts_ms <= since_ms or looked is None or hit is None:
+        return []
+    inputs = emulation.inputs
+    busy_s = inputs.prefill_seconds(max(looked - hit, 0.0))
+    energy_j = busy_s * inputs.gpu.board_power_watts
+    power_w = min(energy_j / ((ts_ms - since_ms) / 1000), inputs.gpu.board_power_watts)
+    return [
+        {
+            "node_id": node_id,
+            "gpu_profile": inputs.gpu.name,
+            "model": inputs.model.name,
+            "ts_ms": ts_ms,
+            "lookup_tokens": round(looked),
+            "busy_s": busy_s,
+            "energy_j": energy_j,
+            "power_w": power_w,
+        }
+    ]
 
 
 def engine_row(

@@ -65,6 +65,11 @@ class CounterTracker:
         self._dirty.add(series)
         return out
 
+    def last_ts_ms(self, series: str) -> int | None:
+        """When ``series`` was last sampled; None before its first sample."""
+        last = self._last.get(series)
+        return None if last is None else last.ts_ms
+
     def load(self, conn: Connection, prefixes: Iterable[str]) -> int:
         """Read saved state for series starting with any of ``prefixes``; returns rows read."""
         wanted = tuple(prefixes)

@@ -9,8 +9,10 @@ profile names and the MFU it assumed (``ModeledInputs``).
   ``4 x layers x hidden x context`` per token, which this model leaves out, so long prompts are
   under-costed and the modeled savings of reusing them are conservative.
 - Peak TFLOP/s are the vendors' dense bf16 figures (no sparsity); board power is the typical
-  board power (TDP) of the SXM part (the L4 is PCIe only). Prefill runs near the board's limit,
-  so energy = prefill seconds x board power.
+  board power (TDP) of the SXM part (the L4 is PCIe only), each cited in
+  :data:`BOARD_POWER_SOURCES`. Prefill runs near the board's limit, so energy = prefill seconds
+  x board power; where NVML is absent the collector can emulate a node's GPU energy that way
+  (``kvctl collect --emulate-power``), labelled emulated.
 """
 
 from __future__ import annotations
@@ -86,6 +88,14 @@ GPUS: dict[str, GPUProfile] = {
         GPUProfile("h200", peak_bf16_tflops=989.0, board_power_watts=700.0),
         GPUProfile("l4", peak_bf16_tflops=121.0, board_power_watts=72.0),
     )
+}
+
+#: where each profile's ``board_power_watts`` is published (shown beside emulated energy)
+BOARD_POWER_SOURCES: dict[str, str] = {
+    "a100": "NVIDIA A100 datasheet: 400 W max TDP (SXM4)",
+    "h100": "NVIDIA H100 datasheet: up to 700 W max TDP (SXM5)",
+    "h200": "NVIDIA H200 datasheet: up to 700 W max TDP (SXM)",
+    "l4": "NVIDIA L4 datasheet: 72 W max TDP",
 }
 
 DEFAULT_MODEL = "llama-3.1-8b"

@@ -57,6 +57,21 @@ def collect_command(
             show_default=False,
         ),
     ] = None,
+    emulate_power: Annotated[
+        str | None,
+        typer.Option(
+            "--emulate-power",
+            help="On nodes whose agent has no NVML, record emulated GPU energy instead: the "
+            "modeled prefill time of the tokens their cache did not serve x this GPU "
+            "profile's board power (l4, h100, ...). Kept apart from measured readings and "
+            "shown as emulated.",
+            show_default=False,
+        ),
+    ] = None,
+    emulate_model: Annotated[
+        str,
+        typer.Option("--emulate-model", help="Model profile of --emulate-power's prefill time."),
+    ] = "llama-3.1-8b",
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON lines for scripts.")] = False,
 ) -> None:
     """Scrape every agent in the fleet inventory into the metrics database.
@@ -66,6 +81,11 @@ def collect_command(
     (RTT, loss, bandwidth through the agents' data plane) run on their own, slower schedule;
     rollups and retention every minute. Unreachable nodes are recorded as down; the loop goes
     on. Several collectors (say one per DC with --dc) can write to one PostgreSQL.
+
+    With --emulate-power GPU, a node without NVML gets an emulated GPU energy instead: the
+    modeled prefill seconds of the tokens its cache did not serve (its lookup and hit token
+    counters, at --emulate-model's prefill rate on GPU at MFU 0.5) x GPU's published board
+    power, in a table of its own: the dashboard shows it as emulated, never added to measured.
 
     With --router, each interval also records what the router decided since the last scrape
     (decisions per node, sent to a node holding the prefix or not, index hits, tokens fetched
@@ -82,10 +102,15 @@ def collect_command(
 
       kvctl collect --router http://10.0.0.9:9480 --router-token-file router.token
 
+      kvctl collect --emulate-power l4 --emulate-model qwen2.5-0.5b
+
       KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 127.0.0.1:9471
     """
     from collectors.collector import Collector, CollectorConfig, CycleReport
+    from collectors.rows import PowerEmulation
     from kvctl.cli.router import router_token
+    from kvctl.errors import InvalidArgument
+    from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.units import parse_size
     from kvctl.wire.address import split_host_port
 
@@ -98,6 +123,13 @@ def collect_command(
     for url in routers or ():
         if not url.startswith(("http://", "https://")):
             fail(f"--router takes the router's URL, e.g. http://127.0.0.1:9480; got {url!r}")
+    emulation = None
+    if emulate_power is not None:
+        try:
+            inputs = ModeledInputs(model_profile(emulate_model), gpu_profile(emulate_power))
+        except InvalidArgument as exc:
+            fail(str(exc))
+        emulation = PowerEmulation(inputs)
     config = CollectorConfig(
         interval_s=interval,
         link_interval_s=link_interval if links else float("inf"),
@@ -105,6 +137,7 @@ def collect_command(
         probe_bytes=probe_bytes,
         routers=tuple(routers or ()),
         router_token=router_token(router_token_file) if routers else None,
+        emulate_power=emulation,
     )
     engine = open_engine(db)
     try:

@@ -198,6 +198,30 @@ class PowerSample(Base):
     __table_args__ = (PrimaryKeyConstraint("node_id", "gpu_index", "ts_ms"),)
 
 
+class EmulatedPowerSample(Base):
+    """A node's GPU energy *emulated* where NVML gives none (``kvctl collect --emulate-power``):
+    the modeled prefill time of the tokens its cache did not serve since the last sample
+    (agent counters: lookup_tokens - hit_tokens, at the model and GPU profiles' prefill rate)
+    x the GPU profile's published board power. Kept in a table of its own so no query can add
+    it to NVML's measured ``power_sample``; ``gpu_profile`` and ``model`` name the inputs."""
+
+    __tablename__ = "emulated_power_sample"
+
+    node_id: Mapped[int] = mapped_column(Integer)
+    gpu_profile: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str] = mapped_column(String(64))
+    ts_ms: Mapped[int] = mapped_column(BigInteger)
+    #: prompt tokens looked up since the last sample (agent counter): tokens per joule
+    lookup_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    #: modeled prefill seconds of the tokens not served from cache since the last sample
+    busy_s: Mapped[float | None] = mapped_column(Float)
+    energy_j: Mapped[float | None] = mapped_column(Float)
+    #: energy_j over the seconds since the node's previous sample
+    power_w: Mapped[float | None] = mapped_column(Float)
+
+    __table_args__ = (PrimaryKeyConstraint("node_id", "ts_ms"),)
+
+
 class LinkSample(Base):
     """A probe from one agent's node to another's through the data plane."""
 
@@ -389,6 +413,12 @@ SERIES: Final = (
         ("node_id", "gpu_index"),
         ("energy_j",),
         ("power_w", "utilization_ratio", "memory_used_bytes"),
+    ),
+    Series(
+        "emulated_power_sample",
+        ("node_id", "gpu_profile", "model"),
+        ("lookup_tokens", "busy_s", "energy_j"),
+        ("power_w",),
     ),
     Series(
         "link_sample",

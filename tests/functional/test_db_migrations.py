@@ -273,6 +273,7 @@ def test_routing_upgrade_roll_up_and_downgrade(empty_db_url: str) -> None:
                 }
             ],
         )
+    migrate.upgrade(engine)  # this kvctl's rollups cover later revisions' series too
     rollup_all(engine.begin, t0 + 2 * HOUR_MS)
     with engine.connect() as conn:
         hourly = {r.node: r for r in conn.execute(select(ROLLUPS["route_sample", "1h"]))}
@@ -288,6 +289,46 @@ def test_routing_upgrade_roll_up_and_downgrade(empty_db_url: str) -> None:
         columns = {c["name"] for c in inspect(conn).get_columns("link_sample")}
         assert not columns & {"rtt_basis", "emulated_delay_s"}
         assert conn.execute(sa_table(conn, "link_sample").select()).one().rtt_s == 0.001
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    engine.dispose()
+
+
+def test_emulated_power_upgrade_roll_up_and_downgrade(empty_db_url: str) -> None:
+    """0009 on both backends: emulated power samples roll up apart from NVML's measured ones
+    (their own tables, keyed by the profiles assumed), and go with a downgrade, watermarks
+    too, leaving the measured power samples as they were."""
+    from kvctl.db.ingest import insert_rows
+    from kvctl.db.models import ROLLUPS, raw_table
+    from kvctl.db.rollup import HOUR_MS, rollup_all, watermark
+
+    engine = _engine(empty_db_url)
+    migrate.upgrade(engine, "0008")
+    t0 = 1_700_000_000_000 // HOUR_MS * HOUR_MS
+    measured = {"node_id": 1, "gpu_index": 0, "ts_ms": t0, "power_w": 300.0, "energy_j": 50.0}
+    with engine.begin() as conn:
+        conn.execute(raw_table("power_sample").insert().values(**measured))
+    migrate.upgrade(engine, "0009")
+    emulated = [
+        {"node_id": 2, "gpu_profile": "l4", "model": "qwen2.5-0.5b", "ts_ms": t0 + i * 10_000,
+         "lookup_tokens": 4096, "busy_s": 0.5, "energy_j": 36.0, "power_w": 3.6}
+        for i in range(6)
+    ]  # fmt: skip
+    with engine.begin() as conn:
+        insert_rows(conn, raw_table("emulated_power_sample"), emulated)
+    rollup_all(engine.begin, t0 + 2 * HOUR_MS)
+    with engine.connect() as conn:
+        (hour,) = conn.execute(select(ROLLUPS["emulated_power_sample", "1h"])).all()
+        (nvml,) = conn.execute(select(ROLLUPS["power_sample", "1h"])).all()
+    assert (hour.node_id, hour.gpu_profile, hour.model) == (2, "l4", "qwen2.5-0.5b")
+    assert hour.energy_j == 6 * 36.0 and hour.busy_s == 3.0 and hour.power_w_n == 6
+    assert nvml.energy_j == 50.0  # the measured rollup holds the measured sample only
+    migrate.downgrade(engine, "0008")
+    with engine.connect() as conn:
+        tables = set(inspect(conn).get_table_names())
+        assert not tables & {"emulated_power_sample", "emulated_power_1h"}
+        assert watermark(conn, "emulated_power_sample", "1h") is None
+        assert conn.execute(select(raw_table("power_sample").c.energy_j)).scalar() == 50.0
     migrate.upgrade(engine)
     assert migrate.current_revision(engine) == migrate.head_revision()
     engine.dispose()

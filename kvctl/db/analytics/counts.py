@@ -27,6 +27,11 @@ from kvctl.ratios import HitCounts, ratio
 
 MEASURED: Final = "measured"
 MODELED: Final = "modeled"
+#: a reading made up from a profile where the real one is missing (GPU energy without NVML):
+#: never added to a measured one
+EMULATED: Final = "emulated"
+#: counted by replaying the same requests through the real store on size-only tiers
+REPLAYED: Final = "replayed"
 TIER_ORDER: Final = ("gpu", "cpu", "disk", "remote", "peer")
 
 
@@ -76,6 +81,15 @@ class Counts(HitCounts):
     energy_nodes: int = 0
     energy_j: float = 0.0
     power_w: float = 0.0
+    # emulated GPU energy (nodes without NVML, ``kvctl collect --emulate-power``): kept apart
+    emulated_energy_nodes: int = 0
+    emulated_energy_j: float = 0.0
+    #: modeled prefill seconds the emulated energy is made of
+    emulated_busy_s: float = 0.0
+    #: prompt tokens looked up in the emulated samples (agent counters): tokens per joule
+    emulated_lookup_tokens: int = 0
+    #: per "gpu/model" profile pair the emulation assumed: nodes
+    emulated_profiles: dict[str, int] = field(default_factory=dict)
     # engine metrics
     engine_nodes: int = 0
     prompt_tokens: int = 0
@@ -152,6 +166,18 @@ class Counts(HitCounts):
         return ratio(self.both_tokens, self.both_energy_j)
 
     @property
+    def emulated_tokens_per_joule(self) -> float | None:
+        """Emulated: prompt tokens looked up (agent counters) per emulated joule, on the same
+        nodes; more hits, fewer tokens to prefill, more tokens per joule."""
+        if not self.emulated_energy_nodes:
+            return None
+        return ratio(self.emulated_lookup_tokens, self.emulated_energy_j)
+
+    @property
+    def emulated_energy_kwh(self) -> float | None:
+        return self.emulated_energy_j / JOULES_PER_KWH if self.emulated_energy_nodes else None
+
+    @property
     def ttft_mean_s(self) -> float | None:
         return ratio(self.ttft_sum_s, self.ttft_count)
 
@@ -198,6 +224,8 @@ class Counts(HitCounts):
             "ttft_mean_s",
             "ttft_without_cache_mean_s",
             "energy_kwh",
+            "emulated_energy_kwh",
+            "emulated_tokens_per_joule",
             "facility_kwh_saved",
             "carbon_saved_g",
             "plan_bases",
@@ -286,6 +314,19 @@ def measured_counts(
     for node_id, joules in energy.items():
         out[node_id].energy_nodes = 1
         out[node_id].energy_j = joules
+    # emulated energy: its own table and its own fields, never summed with NVML's
+    emulated: dict[int, float] = defaultdict(float)
+    for m in rows("emulated_power_sample", ("energy_j", "busy_s", "lookup_tokens")):
+        c = out[m["node_id"]]
+        if m["energy_j"] is not None:
+            emulated[m["node_id"]] += float(m["energy_j"])
+        c.emulated_busy_s += as_float(m["busy_s"])
+        c.emulated_lookup_tokens += as_int(m["lookup_tokens"])
+        c.emulated_profiles[f"{m['gpu_profile']}/{m['model']}"] = 1
+    for node_id, joules in emulated.items():
+        c = out[node_id]
+        c.emulated_energy_nodes = 1
+        c.emulated_energy_j = joules
     for m in rows("plan_sample", PLAN_COLUMNS):
         c, basis = out[m["node_id"]], m["prefill_basis"]
         c.plan_nodes = 1
