@@ -23,7 +23,14 @@ from sqlalchemy.engine import Engine
 from dashboard.components import empty
 from dashboard.pages import PAGES, PageContext
 from kvctl.db.analytics.counts import Assumptions
-from kvctl.db.analytics.windows import DEFAULT_WINDOW, WINDOWS, window_for
+from kvctl.db.analytics.windows import (
+    DEFAULT_WINDOW,
+    FIT,
+    WINDOWS,
+    Window,
+    fitted_window,
+    window_for,
+)
 from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
 DEFAULT_REFRESH_SECONDS: Final = 30
@@ -48,6 +55,8 @@ main { padding: 10px 20px 40px; }
 .basis { font-size: 11px; padding: 1px 6px; border-radius: 8px; margin-right: 8px; }
 .basis-measured { background: #dff0d8; color: #2d6a2d; }
 .basis-modeled { background: #fcefd8; color: #8a5a00; }
+.basis-emulated { background: #f3e3f7; color: #6a2c7a; }
+.basis-replayed { background: #dcebf7; color: #1f4f7a; }
 .section { background: #fff; border: 1px solid #dde3ea; border-radius: 6px; padding: 10px 14px;
            margin-top: 14px; }
 .section h3 { margin: 0 0 4px; font-size: 15px; }
@@ -163,7 +172,12 @@ def _layout(app: dash.Dash, config: DashboardConfig) -> html.Div:
                     html.Div(
                         [
                             html.Label("Window"),
-                            dcc.RadioItems(list(WINDOWS), DEFAULT_WINDOW, id="window", inline=True),
+                            dcc.RadioItems(
+                                [{"label": "fit the data", "value": FIT}, *WINDOWS],
+                                DEFAULT_WINDOW,
+                                id="window",
+                                inline=True,
+                            ),
                         ]
                     ),
                     html.Div(
@@ -219,12 +233,11 @@ def render(
     if model and model != assume.model.name and model in MODELS:
         assume = Assumptions(MODELS[model], assume.default_gpu, assume.mfu)
     now = config.now_ms()
-    ctx_window = window_for(window if window in WINDOWS else DEFAULT_WINDOW, now)
     try:
         with config.engine.connect() as conn:
             ctx = PageContext(
                 conn=conn,
-                window=ctx_window,
+                window=_window(conn, window, now),
                 assume=assume,
                 dcs=tuple(dcs or ()),
                 href=app.get_relative_path,
@@ -246,6 +259,13 @@ def render(
         ], ""
     stamp = time.strftime("%H:%M:%S", time.gmtime(now / 1000))
     return body, f"updated {stamp} UTC, every {config.refresh_seconds:g} s"
+
+
+def _window(conn: Any, name: str | None, now_ms: int) -> Window:
+    """The window the user picked by name; else (the default) the one fitted to the data."""
+    if name in WINDOWS:
+        return window_for(name, now_ms)
+    return fitted_window(conn, now_ms)
 
 
 def dc_names(app: dash.Dash) -> list[str]:

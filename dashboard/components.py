@@ -8,24 +8,35 @@ from typing import Any
 
 from dash import dash_table, dcc, html
 
-from kvctl.db.analytics.counts import MEASURED, MODELED
+from kvctl.db.analytics.counts import EMULATED, MEASURED, MODELED, REPLAYED
 from kvctl.db.analytics.windows import Window
 from kvctl.format import format_utc_minute
 
 
 def window_text(win: Window) -> str:
-    return f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)} (last {win.name})"
+    span = f"{win.name} fitted to the data" if win.fitted else f"last {win.name}"
+    return f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)} ({span})"
+
+
+#: what each basis badge reads
+BASIS_LABELS = {
+    MEASURED: "measured",
+    MODELED: "modeled",
+    EMULATED: "emulated",
+    REPLAYED: "measured in replay",
+}
 
 
 def basis_badge(basis: str) -> html.Span:
-    return html.Span(basis, className=f"basis basis-{basis}")
+    return html.Span(BASIS_LABELS[basis], className=f"basis basis-{basis}")
 
 
 def card(
     title: str, value: str, basis: str, note: str = "", *, card_id: str | None = None
 ) -> html.Div:
-    """A headline figure; ``basis`` is measured or modeled, ``note`` says from what."""
-    assert basis in (MEASURED, MODELED)
+    """A headline figure; ``basis`` is one of :data:`BASIS_LABELS` (measured, modeled,
+    emulated, measured in replay), ``note`` says from what."""
+    assert basis in BASIS_LABELS
     kw = {"id": card_id} if card_id else {}
     return html.Div(
         [

@@ -14,6 +14,7 @@ from kvctl.db.analytics.inventory import Inventory
 from kvctl.db.analytics.links import BreakEven, LinkFigures
 from kvctl.db.analytics.routing import NodeRouting, PulledSeries
 from kvctl.db.analytics.series import TimeSeries
+from kvctl.db.analytics.windows import Window
 
 TIER_COLOURS = {
     "gpu": "#6a3d9a",
@@ -41,6 +42,27 @@ def _layout(fig: go.Figure, *, y_title: str = "", percent: bool = False) -> go.F
 
 def _times(bucket_ms: Sequence[int]) -> list[datetime]:
     return [datetime.fromtimestamp(b / 1000, UTC) for b in bucket_ms]
+
+
+def _over_window(fig: go.Figure, win: Window | None) -> go.Figure:
+    """The time axis spans the window, so where the data sits in it shows (not stretched to
+    the data)."""
+    if win is not None:
+        fig.update_xaxes(range=_times([win.start_ms, win.end_ms]))
+    return fig
+
+
+def _kept(
+    bucket_ms: Sequence[int], values: Sequence[Any], keep: Sequence[bool] | None = None
+) -> tuple[list[datetime], list[Any]]:
+    """The buckets that have a value (and are in ``keep``): a bucket nothing was recorded in
+    is left out, not drawn as zero."""
+    pairs = [
+        (b, v)
+        for i, (b, v) in enumerate(zip(bucket_ms, values, strict=True))
+        if v is not None and (keep is None or keep[i])
+    ]
+    return _times([b for b, _ in pairs]), [v for _, v in pairs]
 
 
 def hit_ratio_by_tier(dcs: Mapping[str, Counts], fleet: Counts) -> go.Figure:
@@ -133,14 +155,15 @@ def dc_schematic(
     return _layout(fig)
 
 
-def occupancy(s: TimeSeries) -> go.Figure:
-    """Used bytes per tier, stacked, with total capacity as a line."""
-    t = _times(s.bucket_ms)
+def occupancy(s: TimeSeries, win: Window | None = None) -> go.Figure:
+    """Used bytes per tier, stacked, with total capacity as a line; buckets without samples
+    left out (a stacked area would draw them as zero)."""
     fig = go.Figure()
     for tier, values in s.used_bytes.items():
+        t, y = _kept(s.bucket_ms, values)
         fig.add_scatter(
             x=t,
-            y=values,
+            y=y,
             name=f"{tier} used",
             stackgroup="used",
             line={"color": TIER_COLOURS.get(tier)},
@@ -150,38 +173,57 @@ def occupancy(s: TimeSeries) -> go.Figure:
         for vals in zip(*s.capacity_bytes.values(), strict=True)
     ]
     if caps:
-        fig.add_scatter(x=t, y=caps, name="capacity", line={"color": "#333", "dash": "dot"})
-    return _layout(fig, y_title="bytes")
+        t, y = _kept(s.bucket_ms, caps)
+        fig.add_scatter(x=t, y=y, name="capacity", line={"color": "#333", "dash": "dot"})
+    return _over_window(_layout(fig, y_title="bytes"), win)
 
 
-def hit_ratio_over_time(s: TimeSeries) -> go.Figure:
-    t = _times(s.bucket_ms)
+def hit_ratio_over_time(s: TimeSeries, win: Window | None = None) -> go.Figure:
+    """Per bucket with lookups; the lines join across buckets without any."""
     buckets = s.hit_counts()
     fig = go.Figure()
-    fig.add_scatter(x=t, y=[c.hit_ratio for c in buckets], name="hit ratio", line={"color": "#222"})
-    fig.add_scatter(
-        x=t, y=[c.reuse_hit_ratio for c in buckets], name="reuse", line={"color": REUSE}
-    )
-    fig.add_scatter(
-        x=t, y=[c.sharing_hit_ratio for c in buckets], name="sharing", line={"color": SHARING}
-    )
-    return _layout(fig, y_title="hits per lookup", percent=True)
+    for name, values, colour in (
+        ("hit ratio", [c.hit_ratio for c in buckets], "#222"),
+        ("reuse", [c.reuse_hit_ratio for c in buckets], REUSE),
+        ("sharing", [c.sharing_hit_ratio for c in buckets], SHARING),
+    ):
+        t, y = _kept(s.bucket_ms, values, s.sampled)
+        fig.add_scatter(x=t, y=y, name=name, line={"color": colour})
+    return _over_window(_layout(fig, y_title="hits per lookup", percent=True), win)
 
 
-def evictions(s: TimeSeries) -> go.Figure:
+def evictions(s: TimeSeries, win: Window | None = None) -> go.Figure:
+    t, y = _kept(s.bucket_ms, s.evictions, s.sampled)
     fig = go.Figure()
-    fig.add_bar(x=_times(s.bucket_ms), y=s.evictions, name="evictions", marker_color="#b15928")
-    return _layout(fig, y_title="chunks evicted")
+    fig.add_bar(x=t, y=y, name="evictions", marker_color="#b15928")
+    fig.update_yaxes(rangemode="nonnegative")
+    return _over_window(_layout(fig, y_title="chunks evicted"), win)
 
 
-def power(s: TimeSeries) -> go.Figure:
-    t = _times(s.bucket_ms)
+def power(s: TimeSeries, win: Window | None = None, *, emulated: bool = False) -> go.Figure:
+    """Power (W) and energy (J) per bucket: NVML's, or the emulated series, never both."""
+    watts = s.emulated_power_w if emulated else s.power_w
+    joules = s.emulated_energy_j if emulated else s.energy_j
+    label = " (emulated)" if emulated else ""
     fig = go.Figure()
-    fig.add_scatter(x=t, y=s.power_w, name="power (W)", line={"color": "#e31a1c"})
-    kwh = [None if e is None else e / 3.6e6 for e in s.energy_j]
-    fig.add_bar(x=t, y=kwh, name="energy (kWh)", yaxis="y2", marker_color="#fb9a99", opacity=0.6)
-    fig.update_layout(yaxis2={"overlaying": "y", "side": "right", "title": "kWh"})
-    return _layout(fig, y_title="W")
+    t, y = _kept(s.bucket_ms, watts)
+    fig.add_scatter(x=t, y=y, name=f"power (W){label}", line={"color": "#e31a1c"})
+    t, y = _kept(s.bucket_ms, joules)
+    fig.add_bar(
+        x=t, y=y, name=f"energy (J){label}", yaxis="y2", marker_color="#fb9a99", opacity=0.6
+    )
+    _layout(fig, y_title="W")  # titles every y axis: the energy axis gets its own after
+    fig.update_layout(
+        yaxis={"rangemode": "tozero"},
+        yaxis2={
+            "overlaying": "y",
+            "side": "right",
+            "title": {"text": "J per bucket"},
+            "rangemode": "tozero",
+            "showgrid": False,
+        },
+    )
+    return _over_window(fig, win)
 
 
 def link_matrix(links: Sequence[LinkFigures], dcs: Sequence[str], what: str) -> go.Figure:
@@ -214,14 +256,15 @@ def link_matrix(links: Sequence[LinkFigures], dcs: Sequence[str], what: str) -> 
 
 
 def rtt_over_time(
-    bucket_ms: Sequence[int], rtt_s: Mapping[tuple[str, str], Sequence[Any]]
+    bucket_ms: Sequence[int],
+    rtt_s: Mapping[tuple[str, str], Sequence[Any]],
+    win: Window | None = None,
 ) -> go.Figure:
-    t = _times(bucket_ms)
     fig = go.Figure()
     for (a, b), values in rtt_s.items():
-        ms = [None if v is None else v * 1e3 for v in values]
+        t, ms = _kept(bucket_ms, [None if v is None else v * 1e3 for v in values])
         fig.add_scatter(x=t, y=ms, name=a if a == b else f"{a}↔{b}", mode="lines+markers")
-    return _layout(fig, y_title="RTT (ms)")
+    return _over_window(_layout(fig, y_title="RTT (ms)"), win)
 
 
 def fetch_vs_recompute(rows: Sequence[BreakEven]) -> go.Figure:
@@ -313,11 +356,11 @@ def decisions_per_node(nodes: Sequence[NodeRouting]) -> go.Figure:
     return _layout(fig, y_title="decisions")
 
 
-def pulled_bytes_over_time(s: PulledSeries) -> go.Figure:
+def pulled_bytes_over_time(s: PulledSeries, win: Window | None = None) -> go.Figure:
     """Bytes the decisions pulled per DC link (holder's DC -> chosen node's DC), per bucket."""
-    t = _times(s.bucket_ms)
     fig = go.Figure()
     for (a, b), values in s.pulled_bytes.items():
-        fig.add_bar(x=t, y=values, name=a if a == b else f"{a}→{b}")
+        t, y = _kept(s.bucket_ms, values)
+        fig.add_bar(x=t, y=y, name=a if a == b else f"{a}→{b}")
     fig.update_layout(barmode="stack")
-    return _layout(fig, y_title="bytes pulled")
+    return _over_window(_layout(fig, y_title="bytes pulled"), win)

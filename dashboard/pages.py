@@ -11,7 +11,14 @@ from sqlalchemy.engine import Connection
 
 from dashboard import figures
 from dashboard.components import card, empty, graph, section, table
-from kvctl.db.analytics.counts import MEASURED, MODELED, Assumptions, node_counts
+from kvctl.db.analytics.counts import (
+    EMULATED,
+    MEASURED,
+    MODELED,
+    REPLAYED,
+    Assumptions,
+    node_counts,
+)
 from kvctl.db.analytics.counts import total as total_of
 from kvctl.db.analytics.inventory import Inventory, inventory
 from kvctl.db.analytics.links import RttBasis, break_even, link_figures, link_series, rtt_bases
@@ -19,6 +26,7 @@ from kvctl.db.analytics.overview import Overview, capacity, overview
 from kvctl.db.analytics.routing import RoutingSummary, pulled_series, routing_summary
 from kvctl.db.analytics.series import node_events, time_series
 from kvctl.db.analytics.windows import Window
+from kvctl.db.route_reports import SavedRouteReport, latest_saved_route_report
 from kvctl.format import (
     ENERGY_UNITS,
     GPU_TIME_UNITS,
@@ -30,6 +38,7 @@ from kvctl.format import (
     format_utc_minute,
     percent,
 )
+from kvctl.profiles import BOARD_POWER_SOURCES, GPUS
 
 COLLECT_HINT = "Run `kvctl collect` (or `kvctl demo`) so the collector records samples."
 
@@ -89,7 +98,8 @@ def fleet_page(ctx: PageContext) -> list[Any]:
                 hint=COLLECT_HINT + " Or pick a longer window.",
             )
         )
-    out.append(html.Div(_headline_cards(total, ov), className="cards", id="fleet-cards"))
+    cards = _headline_cards(total, ov) + sharing_cards(latest_saved_route_report(ctx.conn))
+    out.append(html.Div(cards, className="cards", id="fleet-cards"))
     if total.lookups:
         out.append(
             section(
@@ -204,23 +214,100 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
             carbon_note,
             card_id="card-carbon",
         ),
-        card(
-            "Energy used",
-            format_scaled(None if c.energy_kwh is None else c.energy_j, ENERGY_UNITS),
-            MEASURED,
-            energy_note,
-            card_id="card-energy-used",
-        ),
-        card(
-            "Tokens per joule",
-            format_number(c.tokens_per_joule),
-            MEASURED,
-            "engine tokens / NVML energy"
-            if c.both_nodes
-            else "needs engine metrics and NVML on the same nodes",
-            card_id="card-tokens-per-joule",
-        ),
+        *_energy_cards(c, energy_note),
         card("TTFT with vs without cache", ttft, MEASURED, ttft_note, card_id="card-ttft"),
+    ]
+
+
+def _energy_cards(c: Any, energy_note: str) -> list[Any]:
+    """Energy used and tokens per joule: NVML's (measured) and the emulated ones of nodes
+    without NVML, each on its own cards, never added together. Without emulated energy the
+    measured cards show, N/A when nothing was read; with emulated energy only, the emulated
+    cards take their place."""
+    out: list[Any] = []
+    if c.energy_nodes or not c.emulated_energy_nodes:
+        out += [
+            card(
+                "Energy used",
+                format_scaled(None if c.energy_kwh is None else c.energy_j, ENERGY_UNITS),
+                MEASURED,
+                energy_note,
+                card_id="card-energy-used",
+            ),
+            card(
+                "Tokens per joule",
+                format_number(c.tokens_per_joule),
+                MEASURED,
+                "engine tokens / NVML energy"
+                if c.both_nodes
+                else "needs engine metrics and NVML on the same nodes",
+                card_id="card-tokens-per-joule",
+            ),
+        ]
+    if c.emulated_energy_nodes:
+        out += [
+            card(
+                "Energy used (emulated)",
+                format_scaled(c.emulated_energy_j, ENERGY_UNITS),
+                EMULATED,
+                f"GPU energy of {c.emulated_energy_nodes} node(s) without NVML: "
+                f"{format_seconds(c.emulated_busy_s)} of modeled prefill (the tokens their "
+                f"cache did not serve) x {emulation_note(c.emulated_profiles)}",
+                card_id="card-energy-emulated",
+            ),
+            card(
+                "Tokens per joule (emulated)",
+                format_number(c.emulated_tokens_per_joule),
+                EMULATED,
+                "prompt tokens looked up (agent counters) / emulated GPU energy, same nodes",
+                card_id="card-tokens-per-joule-emulated",
+            ),
+        ]
+    return out
+
+
+def emulation_note(profiles: dict[str, int]) -> str:
+    """The board power each emulated node assumed, with where it is published."""
+    parts = []
+    for pair in sorted(profiles):
+        gpu, _, model = pair.partition("/")
+        watts = f"{GPUS[gpu].board_power_watts:g} W" if gpu in GPUS else "?"
+        source = BOARD_POWER_SOURCES.get(gpu, "source unknown")
+        parts.append(f"{gpu} board power {watts} ({source}; prefill of {model})")
+    return "; ".join(parts) or "no profile recorded"
+
+
+def sharing_cards(saved: SavedRouteReport | None) -> list[Any]:
+    """The value of sharing as a measured difference: the latest saved replay of the same
+    requests with and without sharing (the demo saves one); no cards without one."""
+    sharing = None if saved is None else saved.report.get("sharing")
+    if saved is None or not isinstance(sharing, dict):
+        return []
+    shared, alone = sharing.get("with_sharing") or {}, sharing.get("without_sharing") or {}
+    gain = sharing.get("hit_ratio_gain")
+    scope = saved.report.get("scope") or f"{saved.report.get('requests', '?')} requests"
+    when = format_utc_minute(saved.ts_ms)
+    return [
+        card(
+            "Hit ratio with sharing",
+            percent(shared.get("hit_ratio")),
+            REPLAYED,
+            f"{scope}, replayed {when} under cost routing on size-only tiers of the fleet's "
+            "sizes: any DC's node serves a request and pulls from the others; "
+            f"{percent(shared.get('pulled_hit_ratio'))} of chunks pulled",
+            card_id="card-sharing-with",
+        ),
+        card(
+            "Hit ratio without sharing",
+            percent(alone.get("hit_ratio")),
+            REPLAYED,
+            "the same requests, each served in its home DC by a node using only what it holds "
+            "itself (no peers, no pool)"
+            + ("" if gain is None else f": sharing adds {gain * 100:+.1f} pts")
+            + f"; an unlimited cache: {percent(sharing.get('unlimited_cache_hit_ratio'))} "
+            f"(hits per {sharing.get('block_tokens', '?')}-token block of the workload)",
+            card_id="card-sharing-without",
+        ),
     ]
 
 
@@ -272,6 +359,9 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         if c.carbon_saved_g is None
         else round(c.carbon_saved_g / 1000, 4),
         "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+        "kWh used (emulated)": None
+        if c.emulated_energy_kwh is None
+        else round(c.emulated_energy_kwh, 6),
         "PUE": "" if info is None or info.pue is None else info.pue,
         "gCO2/kWh": "" if info is None or info.carbon_g_per_kwh is None else info.carbon_g_per_kwh,
     }
@@ -326,30 +416,45 @@ def dc_page(ctx: PageContext) -> list[Any]:
                 "Tier occupancy",
                 MEASURED,
                 win,
-                graph(figures.occupancy(s), "fig-occupancy"),
+                graph(figures.occupancy(s, win), "fig-occupancy"),
                 note="stacked used bytes per tier; dotted: capacity",
             ),
             section(
                 "Hit ratio over time",
                 MEASURED,
                 win,
-                graph(figures.hit_ratio_over_time(s), "fig-hit-time"),
+                graph(figures.hit_ratio_over_time(s, win), "fig-hit-time"),
             ),
             section(
                 "Evictions",
                 MEASURED,
                 win,
-                graph(figures.evictions(s), "fig-evictions"),
+                graph(figures.evictions(s, win), "fig-evictions"),
                 note="chunks that left the node (not demotions)",
             ),
         ]
     if any(v is not None for v in s.power_w):
         out.append(
             section(
-                "Power and energy", MEASURED, win, graph(figures.power(s), "fig-power"), note="NVML"
+                "Power and energy",
+                MEASURED,
+                win,
+                graph(figures.power(s, win), "fig-power"),
+                note="NVML",
             )
         )
-    else:
+    if any(v is not None for v in s.emulated_power_w):
+        out.append(
+            section(
+                "Power and energy (emulated)",
+                EMULATED,
+                win,
+                graph(figures.power(s, win, emulated=True), "fig-power-emulated"),
+                note="nodes without NVML: modeled prefill time of the tokens their cache did "
+                "not serve x the GPU profile's board power (kvctl collect --emulate-power)",
+            )
+        )
+    elif not any(v is not None for v in s.power_w):
         out.append(
             section(
                 "Power and energy",
@@ -403,6 +508,9 @@ def _node_rows(
                 "evictions": c.evictions,
                 "used / capacity": percent(None if not cap or used is None else used / cap),
                 "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+                "kWh used (emulated)": None
+                if c.emulated_energy_kwh is None
+                else round(c.emulated_energy_kwh, 6),
             }
         )
     return rows
@@ -462,7 +570,7 @@ def links_page(ctx: PageContext) -> list[Any]:
                 "RTT over time",
                 MEASURED,
                 win,
-                graph(figures.rtt_over_time(ls.bucket_ms, rtt), "fig-rtt-time"),
+                graph(figures.rtt_over_time(ls.bucket_ms, rtt, win), "fig-rtt-time"),
             )
         )
     inputs = ctx.assume.inputs_for(ctx.assume.default_gpu)
@@ -728,7 +836,10 @@ def _pulls_section(ctx: PageContext, r: RoutingSummary) -> Any:
             for lk in r.links
         ]
         body = [
-            graph(figures.pulled_bytes_over_time(pulled_series(ctx.conn, win)), "fig-route-pulls"),
+            graph(
+                figures.pulled_bytes_over_time(pulled_series(ctx.conn, win), win),
+                "fig-route-pulls",
+            ),
             table("table-route-links", rows, list(rows[0])),
         ]
     return section(
@@ -772,7 +883,9 @@ def _route_report_section(r: RoutingSummary) -> Any:
         MODELED,
         None,
         *children,
-        note=f"{basis or 'the report states no basis'}; saved {format_utc_minute(saved.ts_ms)}",
+        note=f"{basis or 'the report states no basis'}; "
+        + (f"{report['scope']}; " if report.get("scope") else "")
+        + f"saved {format_utc_minute(saved.ts_ms)}",
     )
 
 

@@ -177,15 +177,15 @@ def routing_summary(conn: Connection, start_ms: int, end_ms: int) -> RoutingSumm
 @dataclass(frozen=True, slots=True)
 class PulledSeries:
     bucket_ms: list[int]
-    #: (from_dc, to_dc) -> bytes pulled in each bucket
-    pulled_bytes: dict[tuple[str, str], list[int]]
+    #: (from_dc, to_dc) -> bytes pulled in each bucket; None: no sample of the link there
+    pulled_bytes: dict[tuple[str, str], list[int | None]]
 
 
 def pulled_series(conn: Connection, win: Window) -> PulledSeries:
     """Bytes the routers' decisions pulled per DC link, per bucket of the window."""
     starts = bucket_starts(win)
     pos = {b: i for i, b in enumerate(starts)}
-    out: dict[tuple[str, str], list[int]] = {}
+    out: dict[tuple[str, str], list[int | None]] = {}
     q = buckets(
         conn,
         series("route_link_sample"),
@@ -199,6 +199,6 @@ def pulled_series(conn: Connection, win: Window) -> PulledSeries:
         i = pos.get(int(m["bucket_ms"]))
         if i is None:
             continue
-        values = out.setdefault((m["from_dc"], m["to_dc"]), [0] * len(starts))
-        values[i] += as_int(m["pulled_bytes"])
+        values = out.setdefault((m["from_dc"], m["to_dc"]), [None] * len(starts))
+        values[i] = (values[i] or 0) + as_int(m["pulled_bytes"])
     return PulledSeries(starts, dict(sorted(out.items())))

@@ -19,6 +19,9 @@ class TimeSeries:
     """Time series of a DC or node: one entry per bucket start (ms), ascending."""
 
     bucket_ms: list[int] = field(default_factory=list)
+    #: whether the bucket holds any cache sample: the counts of a bucket without one are not
+    #: zeros but unknown (the collector did not run), and plots leave them out
+    sampled: list[bool] = field(default_factory=list)
     #: per tier: sum over nodes of each node's mean used bytes in the bucket
     used_bytes: dict[str, list[float | None]] = field(default_factory=dict)
     capacity_bytes: dict[str, list[float | None]] = field(default_factory=dict)
@@ -30,6 +33,9 @@ class TimeSeries:
     #: sum over GPUs of each GPU's mean power in the bucket; None without readings
     power_w: list[float | None] = field(default_factory=list)
     energy_j: list[float | None] = field(default_factory=list)
+    #: the emulated power and energy (nodes without NVML), never added to the measured ones
+    emulated_power_w: list[float | None] = field(default_factory=list)
+    emulated_energy_j: list[float | None] = field(default_factory=list)
 
     def hit_counts(self) -> list[HitCounts]:
         """Each bucket's counts, for its ratios."""
@@ -48,6 +54,8 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
     out.lookups, out.hits, out.reuse_hits = [0] * n, [0] * n, [0] * n
     out.sharing_hits, out.evictions = [0] * n, [0] * n
     out.power_w, out.energy_j = [None] * n, [None] * n
+    out.emulated_power_w, out.emulated_energy_j = [None] * n, [None] * n
+    out.sampled = [False] * n
     if not node_ids:
         return out
     where = {"node_id": node_ids}
@@ -73,6 +81,7 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
         i = pos.get(int(m["bucket_ms"]))
         if i is None:
             continue
+        out.sampled[i] = True
         if m["tier"] == "all":
             out.lookups[i] += as_int(m["lookups"])
             out.hits[i] += as_int(m["hits"])
@@ -105,6 +114,24 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
             out.power_w[i] = (out.power_w[i] or 0.0) + mean
         if m["energy_j"] is not None:
             out.energy_j[i] = (out.energy_j[i] or 0.0) + float(m["energy_j"])
+    q = buckets(
+        conn,
+        series("emulated_power_sample"),
+        win.start_ms,
+        win.end_ms,
+        win.step_ms,
+        where=where,
+        columns=["energy_j", "power_w"],
+    )
+    for r in conn.execute(q):
+        m = r._mapping
+        i = pos.get(int(m["bucket_ms"]))
+        if i is None:
+            continue
+        if (mean := gauge_mean(m, "power_w")) is not None:
+            out.emulated_power_w[i] = (out.emulated_power_w[i] or 0.0) + mean
+        if m["energy_j"] is not None:
+            out.emulated_energy_j[i] = (out.emulated_energy_j[i] or 0.0) + float(m["energy_j"])
     return out
 
 

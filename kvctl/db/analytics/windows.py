@@ -1,12 +1,18 @@
-"""Windows of time the read model reports over: the dashboard's named windows, any duration
-the CLI is given (``15m``, ``1h``, ``7d``), and the buckets of their time series."""
+"""Windows of time the read model reports over: the dashboard's named windows, the window fitted
+to the data (its default), any duration the CLI is given (``15m``, ``1h``, ``7d``), and the
+buckets of their time series."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
+from sqlalchemy import exists, func, select
+from sqlalchemy.engine import Connection
+
+from kvctl.db.models import ROLLUPS, raw_table
 from kvctl.db.rollup import DAY_MS, HOUR_MS, MINUTE_MS
 from kvctl.errors import InvalidArgument
 
@@ -18,13 +24,20 @@ class Window:
     end_ms: int
     #: bucket width of the window's time series
     step_ms: int
+    #: chosen to fit the data (the dashboard's default), not picked by name
+    fitted: bool = False
 
     @property
     def span_ms(self) -> int:
         return self.end_ms - self.start_ms
 
-    def as_dict(self) -> dict[str, str | int]:
-        return {"name": self.name, "start_ms": self.start_ms, "end_ms": self.end_ms}
+    def as_dict(self) -> dict[str, str | int | bool]:
+        return {
+            "name": self.name,
+            "start_ms": self.start_ms,
+            "end_ms": self.end_ms,
+            "fitted": self.fitted,
+        }
 
 
 #: the window picker: name -> (span, time-series bucket); buckets are whole rollup widths so
@@ -36,7 +49,24 @@ WINDOWS: Final = {
     "7d": (7 * DAY_MS, HOUR_MS),
     "30d": (30 * DAY_MS, 6 * HOUR_MS),
 }
-DEFAULT_WINDOW: Final = "1h"
+#: the window a dashboard opens on: fitted to the data it has (see :func:`fitted_window`)
+FIT: Final = "fit"
+DEFAULT_WINDOW: Final = FIT
+#: the named window shown when there is nothing to fit to
+EMPTY_WINDOW: Final = "1h"
+#: the spans a fitted window may take, shortest first: name -> (span, time-series bucket).
+#: Buckets give a few dozen points; those of a day and more are whole rollup widths, so long
+#: windows read rollups, while short ones read raw samples (kept two days)
+FIT_SPANS: Final = {
+    "2m": (2 * MINUTE_MS, 5_000),
+    "5m": (5 * MINUTE_MS, 10_000),
+    "15m": (15 * MINUTE_MS, 30_000),
+    "1h": (HOUR_MS, MINUTE_MS),
+    "6h": (6 * HOUR_MS, 10 * MINUTE_MS),
+    "24h": (DAY_MS, 30 * MINUTE_MS),
+    "7d": (7 * DAY_MS, 4 * HOUR_MS),
+    "30d": (30 * DAY_MS, DAY_MS),
+}
 
 _UNIT_MS: Final = {"s": 1000, "m": MINUTE_MS, "h": HOUR_MS, "d": DAY_MS}
 _DURATION: Final = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd])")
@@ -49,6 +79,82 @@ def window_for(name: str, now_ms: int) -> Window:
     except KeyError:
         raise ValueError(f"unknown window {name!r}; choose from {', '.join(WINDOWS)}") from None
     return Window(name, now_ms - span, now_ms, step)
+
+
+#: the shortest pause in the samples that starts a new stretch of data: shorter ones (a
+#: collector restarting, a slow scrape) leave the window spanning both sides
+STRETCH_GAP_MS: Final = 10 * MINUTE_MS
+
+HasData = Callable[[int, int], bool]
+Latest = Callable[[int, int], int | None]
+
+
+def fit_window(has_data: HasData, latest: Latest, now_ms: int) -> Window:
+    """The shortest span of :data:`FIT_SPANS` that holds the latest stretch of data: the next
+    longer span would add nothing, nor would the :data:`STRETCH_GAP_MS` before it
+    (``has_data(start, end)``: any sample in [start, end)). So two minutes of a demo show in
+    the 2-minute window, a fleet collected for three hours in the 6-hour one, and an earlier
+    run days ago does not stretch today's.
+
+    The window ends now while samples arrive (one within the shortest span); when they stopped
+    earlier, it ends just after the last one (``latest(start, end)``: the newest sample's time
+    in [start, end)), so a demo looked at later still fills its plots. With no data within the
+    longest span: the :data:`EMPTY_WINDOW`, not fitted."""
+    spans = list(FIT_SPANS.values())
+    first = next((i for i, (span, _) in enumerate(spans) if has_data(now_ms - span, now_ms)), None)
+    if first is None:
+        return window_for(EMPTY_WINDOW, now_ms)
+    end_ms = now_ms
+    if first > 0:
+        last = latest(now_ms - spans[first][0], now_ms - spans[first - 1][0])
+        end_ms = now_ms if last is None else min(now_ms, last + 1)
+    names = list(FIT_SPANS)
+    for i, (span, step) in enumerate(spans):
+        if i + 1 == len(spans):
+            break
+        # a gap shorter than STRETCH_GAP_MS (a collector restarting) does not end a stretch
+        before = max(spans[i + 1][0], span + STRETCH_GAP_MS)
+        if not has_data(end_ms - before, end_ms - span):
+            return Window(names[i], end_ms - span, end_ms, step, fitted=True)
+    span, step = spans[-1]
+    return Window(names[-1], end_ms - span, end_ms, step, fitted=True)
+
+
+def sampled_between(conn: Connection, start_ms: int, end_ms: int) -> bool:
+    """Whether the collector recorded any node in [start, end): a raw scrape (kept two days),
+    or an hourly rollup overlapping it (kept a year). Index range probes, whatever the size."""
+    raw = raw_table("node_sample")
+    hourly = ROLLUPS["node_sample", "1h"]
+    q = select(
+        exists().where(raw.c.ts_ms >= start_ms, raw.c.ts_ms < end_ms)
+        | exists().where(hourly.c.bucket_ms > start_ms - HOUR_MS, hourly.c.bucket_ms < end_ms)
+    )
+    return bool(conn.execute(q).scalar())
+
+
+def last_sampled(conn: Connection, start_ms: int, end_ms: int) -> int | None:
+    """The newest scrape's time in [start, end): a raw sample's, else the end of the newest
+    hourly rollup overlapping it (capped at ``end``); None without any."""
+    raw = raw_table("node_sample")
+    newest = conn.execute(
+        select(func.max(raw.c.ts_ms)).where(raw.c.ts_ms >= start_ms, raw.c.ts_ms < end_ms)
+    ).scalar()
+    if newest is not None:
+        return int(newest)
+    hourly = ROLLUPS["node_sample", "1h"]
+    bucket = conn.execute(
+        select(func.max(hourly.c.bucket_ms)).where(
+            hourly.c.bucket_ms > start_ms - HOUR_MS, hourly.c.bucket_ms < end_ms
+        )
+    ).scalar()
+    return None if bucket is None else min(int(bucket) + HOUR_MS - 1, end_ms - 1)
+
+
+def fitted_window(conn: Connection, now_ms: int) -> Window:
+    """:func:`fit_window` over what the collector recorded in the database."""
+    return fit_window(
+        lambda a, b: sampled_between(conn, a, b), lambda a, b: last_sampled(conn, a, b), now_ms
+    )
 
 
 def duration_ms(text: str) -> int:
