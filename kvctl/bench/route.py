@@ -82,7 +82,7 @@ from typing import TYPE_CHECKING, Any
 from kvctl.bench.common import host_info
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent, from_agent_event
-from kvctl.index.model import EmbeddedIndex, Holding
+from kvctl.index.model import EmbeddedIndex, Holding, owner
 from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
 from kvctl.quantiles import nearest_rank
 from kvctl.ratios import ratio
@@ -382,8 +382,11 @@ def replay_policy(
     config: RouteBenchConfig,
     *,
     keep: bool = False,
+    sharing: bool = True,
 ) -> tuple[dict[str, Any], _Fleet, _Backlog]:
-    """One policy over the workload on a fresh fleet; see the module."""
+    """One policy over the workload on a fresh fleet; see the module. ``sharing`` False: no
+    node pulls from another (no peers, no pool): each plans with its own chunks only, and the
+    policy chooses among those plans (see :func:`_choose_alone`)."""
     started = time.perf_counter()
     fleet = _Fleet(topology, config)
     backlog = _Backlog()
@@ -406,7 +409,10 @@ def replay_policy(
             origin_dc=home[r.tenant],
             queue_s=backlog.queue_s(now_s),
         )
-        chosen = _choose(policy, request, topology, costs)
+        if sharing:
+            chosen = _choose(policy, request, topology, costs)
+        else:
+            chosen = _choose_alone(policy, request, topology, costs)
         tally.requests += 1
         tally.lookups += len(keys)
         tally.tokens += r.input_tokens
@@ -463,6 +469,47 @@ def _choose(
         up={node},
     )
     return scores[0] if scores else None
+
+
+def own_holdings(holdings: Sequence[Sequence[Holding]], node: str) -> list[list[Holding]]:
+    """The index's answer as a node that shares with no other sees it: its own copies."""
+    return [[h for h in held if owner(h.node) == node] for held in holdings]
+
+
+def _choose_alone(
+    policy: RoutingPolicy, request: RouteRequest, topology: Topology, costs: Costs
+) -> NodeScore | None:
+    """The choice in a fleet without sharing: requests stay in their home DC (no DC serves
+    another's), and each node's plan covers only what it holds itself (no peers, no pool: the
+    rest is recomputed). The cost policy takes the best of those plans, ranked as
+    ``score_nodes`` ranks; another policy chooses among the home DC's nodes as it would, and
+    its node plans alone."""
+    home = frozenset(
+        name
+        for name, node in topology.nodes.items()
+        if request.origin_dc is None or node.dc == request.origin_dc
+    )
+    if request.up is not None:
+        home &= request.up
+
+    def alone(node: str) -> NodeScore | None:
+        scores = score_nodes(
+            own_holdings(request.holdings, node),
+            tokens=request.tokens,
+            chunk_tokens=request.chunk_tokens,
+            topology=topology,
+            costs=costs,
+            origin_dc=request.origin_dc,
+            queue_s=request.queue_s,
+            up={node},
+        )
+        return scores[0] if scores else None
+
+    if not isinstance(policy, CostPolicy):
+        node = policy.choose(dataclasses.replace(request, up=home))
+        return None if node is None else alone(node)
+    plans = [p for p in map(alone, sorted(home)) if p is not None]
+    return min(plans, key=lambda s: (s.score_s, -s.local_chunks, s.queue_s, s.node), default=None)
 
 
 def _count(tally: _Tally, chosen: NodeScore, topology: Topology, indexed: bool) -> None:

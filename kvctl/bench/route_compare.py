@@ -1,5 +1,9 @@
 """The routing policies compared on one fleet's own shape and workload: what the demo saves for
-the dashboard's Routing page, beside the counts its real router made.
+the dashboard's Routing page, beside the counts its real router made, and the value of sharing
+measured the same way: the cost policy's replay again without sharing (requests stay in their
+home DC, and no node pulls from another: no peers, no pool, each node serves what it holds
+itself), and the hit ratio of an unlimited cache (the workload's own reuse, the ceiling of any
+fleet).
 
 The same replay as ``kvctl bench route`` (``replay_policy``: each node's real ``TieredStore``
 over size-only tiers, every store event through the fleet index, the policy choosing the node,
@@ -22,6 +26,7 @@ from kvctl.bench.route import (
 )
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
+from kvctl.ratios import ratio
 from kvctl.router.policies import POLICIES, REFERENCE_POLICY
 from kvctl.router.topology import DcLink, Node, Topology
 from kvctl.workload.trace import TraceRequest
@@ -30,6 +35,43 @@ BASIS = (
     "replayed: the same requests through each node's store on size-only tiers of the fleet's "
     "sizes (no shared pool) and the fleet index; hit ratios counted, TTFT modeled"
 )
+SHARING_POLICY = "cost"
+SHARING_BASIS = (
+    "replayed: the same requests under the cost policy on size-only tiers of the fleet's "
+    "sizes, with sharing (any DC's node may serve a request and pull from the others) and "
+    "without (requests stay in their home DC, each node serves only what it holds itself); "
+    "hit ratios counted, TTFT modeled"
+)
+
+
+def unlimited_hit_ratio(keys: Sequence[Sequence[bytes]]) -> float | None:
+    """Chunk hit ratio of one cache that never evicts, over requests' chunk chains in order:
+    a chunk hits when it and every chunk before it in its request were seen before. The
+    workload's own reuse: no fleet of any size or sharing scores more."""
+    seen: set[bytes] = set()
+    hits = chunks = 0
+    for chain in keys:
+        prefix = True
+        for key in chain:
+            prefix = prefix and key in seen
+            hits += prefix
+            seen.add(key)
+        chunks += len(chain)
+    return ratio(hits, chunks)
+
+
+def _sharing_figures(result: dict[str, Any]) -> dict[str, Any]:
+    ttft = result["ttft_modeled"]
+    return {
+        "hit_ratio": result["hit_ratio"],
+        "local_hit_ratio": result["local_hit_ratio"],
+        "pulled_hit_ratio": result["pulled_hit_ratio"],
+        "token_hit_ratio": result["token_hit_ratio"],
+        "hits": result["hits"],
+        "lookups": result["lookups"],
+        "ttft_mean_s": ttft["mean_s"],
+        "index_mismatches": result["index_mismatches"],
+    }
 
 
 def compare_routing(
@@ -43,11 +85,13 @@ def compare_routing(
     gpu: str = "h100",
     workload_name: str = "",
     policies: Sequence[str] = POLICIES,
+    sharing: bool = True,
 ) -> dict[str, Any]:
     """Every policy (round-robin, the reference, always included) over ``requests`` on a fresh
     fleet of ``nodes`` ((name, DC) pairs) with ``cpu_bytes``/``disk_bytes`` per node in the
     model's real KV bytes, DCs linked by ``links_km`` of fiber. JSON-safe; ``basis`` says what
-    each figure is."""
+    each figure is. ``sharing``: also the cost policy without sharing, and the unlimited
+    cache's hit ratio (``sharing`` in the result)."""
     if not nodes:
         raise InvalidArgument("compare_routing needs at least one node")
     if not requests:
@@ -65,6 +109,24 @@ def compare_routing(
     chosen = [REFERENCE_POLICY, *(p for p in policies if p != REFERENCE_POLICY)]
     results = {p: replay_policy(workload, p, topology, costs, config)[0] for p in chosen}
     _versus_reference(results)
+    compared = None
+    if sharing:
+        shared = (
+            results.get(SHARING_POLICY)
+            or replay_policy(workload, SHARING_POLICY, topology, costs, config)[0]
+        )
+        alone = replay_policy(workload, SHARING_POLICY, topology, costs, config, sharing=False)[0]
+        with_, without = shared["hit_ratio"], alone["hit_ratio"]
+        compared = {
+            "basis": SHARING_BASIS,
+            "policy": SHARING_POLICY,
+            "with_sharing": _sharing_figures(shared),
+            "without_sharing": _sharing_figures(alone),
+            "hit_ratio_gain": None if with_ is None or without is None else with_ - without,
+            # the unit every hit ratio here counts: the workload's prefix blocks
+            "block_tokens": workload.requests[0].block_tokens,
+            "unlimited_cache_hit_ratio": unlimited_hit_ratio(workload.keys),
+        }
     return {
         "basis": BASIS,
         "workload": workload_name,
@@ -76,6 +138,7 @@ def compare_routing(
         "tiers_bytes": {"cpu": cpu_bytes, "disk": disk_bytes},
         "reference": REFERENCE_POLICY,
         "policies": results,
+        "sharing": compared,
         "modeled_inputs": {
             "basis": "modeled: TTFT = origin RTT + fetch plan + prefill + queue, from these inputs",
             "profiles": inputs.as_dict(),

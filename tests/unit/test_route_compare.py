@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvctl.bench.route_compare import BASIS, compare_routing
+from kvctl.bench.route_compare import BASIS, SHARING_BASIS, compare_routing, unlimited_hit_ratio
 from kvctl.errors import InvalidArgument
 from kvctl.router.policies import POLICIES
 from kvctl.workload.generators import generate
@@ -51,3 +51,39 @@ def test_nothing_to_compare_is_an_error() -> None:
             generate("chat", 0, requests=5), nodes=[], links_km={}, cpu_bytes=1, disk_bytes=1,
             model="llama-3.1-8b",
         )  # fmt: skip
+
+
+def test_sharing_is_worth_the_difference_between_two_replays_of_the_same_requests() -> None:
+    """The cost policy replayed again with every node on its own chunks: the pulls vanish, the
+    hits drop to what each node reuses itself, and an unlimited cache bounds both."""
+    requests = generate("builtin", 1, requests=150)
+    out = compare_routing(
+        requests, nodes=NODES, links_km=LINKS, cpu_bytes=64 << 20, disk_bytes=256 << 20,
+        model="qwen2.5-0.5b", gpu="l4", workload_name="builtin",
+    )  # fmt: skip
+    s = out["sharing"]
+    assert s["basis"] == SHARING_BASIS and s["policy"] == "cost"
+    shared, alone = s["with_sharing"], s["without_sharing"]
+    # the same replay as the policy table's cost row
+    assert shared["hit_ratio"] == out["policies"]["cost"]["hit_ratio"]
+    assert shared["lookups"] == alone["lookups"] == out["chunks"]
+    assert alone["pulled_hit_ratio"] == 0 and alone["index_mismatches"] == 0
+    assert shared["pulled_hit_ratio"] > 0  # system prompts shared across tenants and nodes
+    assert shared["hit_ratio"] > alone["hit_ratio"]
+    assert s["hit_ratio_gain"] == pytest.approx(shared["hit_ratio"] - alone["hit_ratio"])
+    assert shared["hit_ratio"] <= s["unlimited_cache_hit_ratio"] <= 1
+
+
+def test_the_unlimited_cache_counts_prefix_hits_only() -> None:
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    # second request: a hits, c misses, b hits but after a miss: not a prefix hit
+    assert unlimited_hit_ratio([[a, b], [a, c, b]]) == pytest.approx(1 / 5)
+    assert unlimited_hit_ratio([]) is None
+
+
+def test_without_the_sharing_replay_the_result_says_none() -> None:
+    out = compare_routing(
+        generate("chat", 0, requests=20), nodes=NODES, links_km=LINKS, cpu_bytes=1 << 30,
+        disk_bytes=1 << 30, model="llama-3.1-8b", policies=("round-robin",), sharing=False,
+    )  # fmt: skip
+    assert out["sharing"] is None and set(out["policies"]) == {"round-robin"}
