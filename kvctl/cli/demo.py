@@ -17,7 +17,7 @@ from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 from kvctl.cli.replay import LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt, load_for_replay
 
 if TYPE_CHECKING:
-    from kvctl.fleet.demo import DemoFleet
+    from kvctl.fleet.demo import DemoFleet, TierSizing
     from kvctl.workload.replay import ReplayReport
     from kvctl.workload.source import Workload
 
@@ -85,6 +85,15 @@ def demo_command(
     workspace (database, logs, replay.json) stays for `kvctl status`/`kvctl db` and the next
     run.
 
+    Tiers are sized from the workload: the nodes' cpu + disk together, and the pool, hold the
+    unique KV of the requests --duration x --speed can reach (never below 64 MiB cpu, 256 MiB
+    disk and pool; memory tiers capped), so its reuse is not evicted before it comes back.
+    The served requests are replayed again with and without sharing (size-only tiers; without:
+    requests stay in their home DC, each node serves what it holds itself): the value of
+    sharing, measured in replay, in the summary and on the dashboard. Where the agents have no
+    NVML the collector emulates their GPU energy from the GPU profile's board power, labelled
+    emulated.
+
     Examples:
 
       kvctl demo
@@ -98,6 +107,7 @@ def demo_command(
     from kvctl.fleet.demo import (
         DemoConfig,
         default_workdir,
+        size_tiers,
         start,
         start_dashboard,
         stop_signals,
@@ -120,6 +130,7 @@ def demo_command(
             speed=speed or None,
         )
         loaded = load_for_replay(trace, workload, seed, limit, tenants)
+        config, sizing = size_tiers(config, loaded.requests, duration)
         if not json_out:
             console.print(
                 f"[bold]kvctl demo[/]: {loaded.name} ({len(loaded.requests):,} requests) on a "
@@ -127,14 +138,16 @@ def demo_command(
                 f"{2 * nodes_per_dc} agents in 2 DCs; workspace {config.workdir}",
                 highlight=False,
             )
+        say(sizing_text(sizing, config.kv_scale))
         stop = threading.Event()
+        planning: threading.Thread | None = None
         with stop_signals(stop), _demo_errors(config.workdir):
             fleet = start(config, on_step=say)
             try:
                 if dashboard:
                     url = start_dashboard(fleet)
                     say(f"dashboard: {url} (log: {config.workdir / 'dashboard.log'})")
-                    _plan_in_background(fleet, loaded, say)
+                    planning = _plan_in_background(fleet, loaded, duration, say)
                     if browser:
                         import webbrowser
 
@@ -146,6 +159,11 @@ def demo_command(
                 killed = fleet.stop()
                 if killed:
                     err_console.print(f"[yellow]had to kill:[/] {', '.join(killed)}")
+    energy = _energy(fleet)
+    if planning is not None and planning.is_alive():
+        say("waiting for the capacity plan ...")
+        with contextlib.suppress(KeyboardInterrupt):  # a second Ctrl-C: go on without it
+            planning.join(PLAN_WAIT_S)
     comparison = _save_route_comparison(fleet, loaded, report, say)
     from kvctl.fleet.demo import REPORT_FILE
 
@@ -159,6 +177,9 @@ def demo_command(
                 "agent_links": fleet.agent_links(),
                 "database": db_check,
                 "routing_compared": comparison,
+                "sharing": None if comparison is None else comparison.get("sharing"),
+                "tiers": sizing.as_dict(),
+                "energy": energy,
             }
         )
     else:
@@ -166,7 +187,10 @@ def demo_command(
 
         render_replay(report)
         _print_db_check(db_check)
+        _print_energy(energy)
         _print_comparison(comparison)
+        _print_sharing(comparison)
+        console.print(sizing_text(sizing, config.kv_scale), highlight=False)
         console.print(
             f"workspace kept in {config.workdir}: kvctl.db (history), replay.json, logs; "
             f"`kvctl db current --db {fleet.db_url}` reads it"
@@ -175,19 +199,51 @@ def demo_command(
         raise typer.Exit(1)
 
 
-def _plan_in_background(fleet: DemoFleet, loaded: Workload, say: Callable[[str], None]) -> None:
-    """The capacity page's plan, computed beside the replay so the replay starts at once."""
-    from kvctl.fleet.demo import save_demo_plan
+#: how long the end of the demo waits for the capacity plan still being computed
+PLAN_WAIT_S = 120.0
+
+
+def _plan_in_background(
+    fleet: DemoFleet, loaded: Workload, duration: float | None, say: Callable[[str], None]
+) -> threading.Thread:
+    """For the dashboard while the demo runs, computed beside the replay so the replay starts
+    at once: first a replayed comparison of routing with and without sharing on the workload's
+    first requests (the served requests replace it at the end), then the capacity page's plan
+    of the requests the demo can reach (at most :data:`PLAN_REQUESTS`). Returns the thread, for
+    the end of the demo to wait for the plan."""
+    from kvctl.fleet.demo import PLAN_REQUESTS, PREVIEW_REQUESTS, reachable, save_demo_plan
+
+    reach = reachable(loaded.requests, duration, fleet.config.speed)
 
     def work() -> None:
+        first = reach[:PREVIEW_REQUESTS]
         try:
-            save_demo_plan(fleet, loaded.requests, loaded.name)
+            save_route_comparison(
+                fleet,
+                first,
+                loaded.name,
+                scope=f"the workload's first {len(first):,} requests, replayed while the demo "
+                "ran (the served requests replace them at its end)",
+            )
+        except Exception as exc:  # the end of the demo makes the comparison again
+            say(f"routing comparison not saved yet: {exc}")
+        else:
+            say(f"sharing and routing replayed on the first {len(first):,} requests for the "
+                "dashboard")  # fmt: skip
+        planned = reach[:PLAN_REQUESTS]
+        name = loaded.name
+        if len(planned) < len(loaded.requests):
+            name += f" (first {len(planned):,} requests)"
+        try:
+            save_demo_plan(fleet, planned, name)
         except Exception as exc:  # the demo goes on without a capacity plan
             say(f"capacity plan not saved: {exc}")
         else:
-            say("capacity plan of the workload saved for the dashboard's capacity page")
+            say(f"capacity plan of {name} saved for the dashboard's capacity page")
 
-    threading.Thread(target=work, name="plan", daemon=True).start()
+    thread = threading.Thread(target=work, name="plan", daemon=True)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager
@@ -225,9 +281,31 @@ def _final_check(fleet: DemoFleet, report: ReplayReport) -> dict[str, object]:
 def _save_route_comparison(
     fleet: DemoFleet, loaded: Workload, report: ReplayReport, say: Callable[[str], None]
 ) -> dict[str, Any] | None:
-    """The requests the replay served, replayed again under every routing policy on the
-    demo's own nodes, link and tier sizes (size-only tiers, TTFT modeled), saved for the
-    dashboard's Routing page beside the real router's counts. None when it could not be made."""
+    """The requests the replay served, replayed again under every routing policy (and the cost
+    policy without sharing) on the demo's own nodes, link and tier sizes (size-only tiers,
+    TTFT modeled), saved for the dashboard's Routing and fleet pages beside the real router's
+    counts. None when it could not be made."""
+    served = loaded.requests[: report.requests.requests]
+    if not served:
+        return None
+    say(f"replaying those {len(served):,} requests under each routing policy, and without "
+        "sharing, for comparison ...")  # fmt: skip
+    try:
+        return save_route_comparison(
+            fleet, served, loaded.name, scope=f"the {len(served):,} requests the demo served"
+        )
+    except Exception as exc:  # the demo's own run stands without the comparison
+        say(f"routing comparison not saved: {exc}")
+        return None
+
+
+def save_route_comparison(
+    fleet: DemoFleet, requests: list[Any], workload_name: str, *, scope: str
+) -> dict[str, Any]:
+    """``requests`` replayed under every routing policy, and under the cost policy without
+    sharing, on the demo's own nodes, link and tier sizes (size-only tiers, in the model's real
+    KV bytes); saved for the dashboard (the Routing page and the fleet page's sharing cards)
+    with ``scope`` saying which requests these were."""
     from kvctl.bench.route_compare import compare_routing
     from kvctl.db.migrate import open_db
     from kvctl.db.route_reports import save_route_report
@@ -235,32 +313,94 @@ def _save_route_comparison(
     from kvctl.units import parse_size
 
     config = fleet.config
-    served = loaded.requests[: report.requests.requests]
-    if not served:
-        return None
-    say(f"replaying those {len(served):,} requests under each routing policy for comparison ...")
     unscale = 1 / config.kv_scale
+    result = compare_routing(
+        requests,
+        nodes=node_names(config),
+        links_km={(DEMO_DCS[0].name, DEMO_DCS[1].name): config.link_km},
+        cpu_bytes=int(parse_size(config.cpu) * unscale),
+        disk_bytes=int(parse_size(config.disk) * unscale),
+        model=config.model,
+        gpu=config.gpu,
+        workload_name=workload_name,
+    )
+    result["scope"] = scope
+    engine = open_db(fleet.db_url)
     try:
-        result = compare_routing(
-            served,
-            nodes=node_names(config),
-            links_km={(DEMO_DCS[0].name, DEMO_DCS[1].name): config.link_km},
-            cpu_bytes=int(parse_size(config.cpu) * unscale),
-            disk_bytes=int(parse_size(config.disk) * unscale),
-            model=config.model,
-            gpu=config.gpu,
-            workload_name=loaded.name,
-        )
-        engine = open_db(fleet.db_url)
-        try:
-            with engine.begin() as conn:
-                save_route_report(conn, result, now_ms=int(time.time() * 1000))
-        finally:
-            engine.dispose()
-    except Exception as exc:  # the demo's own run stands without the comparison
-        say(f"routing comparison not saved: {exc}")
-        return None
+        with engine.begin() as conn:
+            save_route_report(conn, result, now_ms=int(time.time() * 1000))
+    finally:
+        engine.dispose()
     return result
+
+
+def _energy(fleet: DemoFleet) -> dict[str, Any] | None:
+    """The run's GPU energy as the database has it (measured and emulated apart); None when
+    the database cannot be read."""
+    from kvctl.fleet.demo import energy_used
+
+    try:
+        return energy_used(fleet)
+    except Exception as exc:  # the replay's report stands without it
+        err_console.print(f"[yellow]energy:[/] not read: {exc}")
+        return None
+
+
+def sizing_text(sizing: TierSizing, kv_scale: float) -> str:
+    """What the tiers were sized to, and why."""
+    from kvctl.format import format_bytes
+
+    capped = f"; capped by memory: {', '.join(sizing.capped)}" if sizing.capped else ""
+    return (
+        f"tiers sized to the workload: its first {sizing.requests:,} of "
+        f"{sizing.requests_total:,} requests (what --duration x --speed can reach) hold "
+        f"{format_bytes(sizing.unique_bytes)} of unique KV (x{kv_scale:g}); so that reuse is "
+        f"not evicted before it comes back, each node gets an equal share (cpu "
+        f"{format_bytes(sizing.cpu_bytes)}, disk {format_bytes(sizing.disk_bytes)}) and the "
+        f"pool {format_bytes(sizing.pool_bytes)}{capped}"
+    )
+
+
+def _print_energy(energy: dict[str, Any] | None) -> None:
+    from kvctl.format import ENERGY_UNITS, format_number, format_scaled, format_seconds
+
+    if not energy:
+        return
+    measured, emulated = energy["measured"], energy["emulated"]
+    if measured["nodes"]:
+        console.print(
+            f"GPU energy used (measured, NVML, {measured['nodes']} node(s)): "
+            f"{format_scaled(measured['energy_j'], ENERGY_UNITS)}",
+            highlight=False,
+        )
+    if emulated["nodes"]:
+        console.print(
+            f"GPU energy used (emulated: no NVML on {emulated['nodes']} node(s)): "
+            f"{format_scaled(emulated['energy_j'], ENERGY_UNITS)} = "
+            f"{format_seconds(emulated['busy_s'])} of modeled prefill of the tokens the cache "
+            f"did not serve x {emulated['gpu']} board power "
+            f"{emulated['board_power_watts']:g} W ({emulated['board_power_source']}); "
+            f"{format_number(emulated['tokens_per_joule'])} prompt tokens per joule (emulated)",
+            highlight=False,
+        )
+
+
+def _print_sharing(result: dict[str, Any] | None) -> None:
+    sharing = (result or {}).get("sharing")
+    if not sharing:
+        return
+    shared, alone = sharing["with_sharing"], sharing["without_sharing"]
+    gain = sharing["hit_ratio_gain"]
+    console.print(
+        f"value of sharing (measured in replay, the same {result['requests']:,} requests, cost "
+        f"routing, size-only tiers of the demo's sizes): hit ratio "
+        f"{shared['hit_ratio'] or 0:.1%} with sharing vs {alone['hit_ratio'] or 0:.1%} without "
+        f"(requests in their home DC, each node alone)"
+        + ("" if gain is None else f", {gain * 100:+.1f} pts")
+        + f"; an unlimited cache: {sharing['unlimited_cache_hit_ratio'] or 0:.1%} (the "
+        f"workload's own reuse; all per {sharing.get('block_tokens', '?')}-token block)",
+        highlight=False,
+    )
 
 
 def _print_comparison(result: dict[str, Any] | None) -> None:

@@ -35,6 +35,7 @@ from kvctl.profiles import DEMO_MODEL, FIBER_SECONDS_PER_KM, model_profile
 
 if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayNode, ReplayReport
+    from kvctl.workload.trace import TraceRequest
 
 STATE_FILE = "demo.json"
 LOCK_FILE = "demo.lock"
@@ -83,7 +84,7 @@ class DemoConfig:
     kv_scale: float = 1 / 16
     speed: float | None = 10.0
     collect_interval_seconds: float = 2.0
-    link_interval_seconds: float = 10.0
+    link_interval_seconds: float = 5.0
     link_km: float = DEMO_LINK_KM
     #: where the dashboard listens (loopback); 0: any free port
     dashboard_port: int = 8050
@@ -93,6 +94,99 @@ class DemoConfig:
     def link_delay_ms(self) -> float:
         """The emulated delay of one pull across the DCs: the fiber round trip."""
         return 2 * self.link_km * FIBER_SECONDS_PER_KM * 1000
+
+
+MIB = 1 << 20
+#: the tiers the demo never sizes below (a workload this small still gets room to move)
+MIN_CPU_BYTES = 64 * MIB
+MIN_DISK_BYTES = 256 * MIB
+MIN_POOL_BYTES = 256 * MIB
+#: what sizing may take of the machine: each node's cpu tier and the pool are its memory (a
+#: cap, not an allocation: the arenas fill as chunks arrive), disk tiers are files
+MAX_CPU_BYTES = 256 * MIB
+MAX_POOL_BYTES = 512 * MIB
+MAX_DISK_BYTES = 4 << 30
+#: the cpu tier's share of a node's bytes (the rest on disk), as in the default 64 + 256 MiB
+CPU_SHARE = 0.2
+#: requests the comparison replayed while the demo runs takes (a few seconds on a laptop)
+PREVIEW_REQUESTS = 300
+#: requests the capacity plan simulates (its miss-ratio curve replays them 8 times)
+PLAN_REQUESTS = 600
+
+
+@dataclass(frozen=True, slots=True)
+class TierSizing:
+    """How the demo sized its tiers from the workload, and why (the summary says so)."""
+
+    #: the requests the demo can reach: those within --duration x --speed of the trace's
+    #: start, or all of them
+    requests: int
+    requests_total: int
+    #: unique KV bytes of those requests, as the agents store them (x kv_scale)
+    unique_bytes: int
+    cpu_bytes: int
+    disk_bytes: int
+    pool_bytes: int
+    #: what held a tier below its share of the working set (memory caps)
+    capped: tuple[str, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def reachable(
+    requests: list[TraceRequest], duration_s: float | None, speed: float | None
+) -> list[TraceRequest]:
+    """The requests a demo of ``duration_s`` at ``speed`` can reach on the trace's clock
+    (all of them without a duration, or flat out). A slow machine serves fewer: an upper
+    bound, so tiers sized for them are never too small."""
+    if duration_s is None or speed is None or not requests:
+        return list(requests)
+    end_ms = requests[0].timestamp_ms + duration_s * speed * 1000
+    return [r for r in requests if r.timestamp_ms <= end_ms]
+
+
+def unique_kv_bytes(requests: list[TraceRequest], kv_bytes_per_token: int) -> int:
+    """Bytes of every distinct prefix block of ``requests`` at ``kv_bytes_per_token``: what a
+    cache must hold to keep all of their reuse."""
+    tokens: dict[int, int] = {}
+    for r in requests:
+        for block, n in zip(r.block_ids, r.block_token_counts, strict=True):
+            tokens.setdefault(block, n)
+    return sum(tokens.values()) * kv_bytes_per_token
+
+
+def size_tiers(
+    config: DemoConfig, requests: list[TraceRequest], duration_s: float | None
+) -> tuple[DemoConfig, TierSizing]:
+    """``config`` with tiers sized so the workload's reuse shows: the nodes' cpu + disk
+    together hold the unique KV of the requests the demo can reach (each node an equal share,
+    a fifth of it on cpu), and the pool holds it too (every node writes through to it); never
+    below the defaults, memory tiers capped (:data:`MAX_CPU_BYTES`, :data:`MAX_POOL_BYTES`),
+    disk at :data:`MAX_DISK_BYTES` per node. Tiers smaller than the working set evict chunks
+    before their reuse comes back (a trace's next turn arrives minutes later)."""
+    reach = reachable(requests, duration_s, config.speed)
+    per_token = max(1, round(model_profile(config.model).kv_bytes_per_token * config.kv_scale))
+    unique = unique_kv_bytes(reach, per_token)
+    nodes = 2 * config.nodes_per_dc
+    share = -(-unique // nodes)
+    capped = []
+    cpu = max(MIN_CPU_BYTES, int(share * CPU_SHARE))
+    if cpu > MAX_CPU_BYTES:
+        cpu, capped = MAX_CPU_BYTES, [*capped, "cpu"]
+    disk = max(MIN_DISK_BYTES, share - cpu)
+    if disk > MAX_DISK_BYTES:
+        disk, capped = MAX_DISK_BYTES, [*capped, "disk"]
+    pool = max(MIN_POOL_BYTES, unique)
+    if pool > MAX_POOL_BYTES:
+        pool, capped = MAX_POOL_BYTES, [*capped, "pool"]
+    mib = [-(-b // MIB) for b in (cpu, disk, pool)]  # whole MiB, rounded up
+    sized = dataclasses.replace(
+        config, cpu=f"{mib[0]}MiB", disk=f"{mib[1]}MiB", pool_cpu=f"{mib[2]}MiB"
+    )
+    return sized, TierSizing(
+        len(reach), len(requests), unique, mib[0] * MIB, mib[1] * MIB, mib[2] * MIB, tuple(capped)
+    )
 
 
 def default_workdir() -> Path:
@@ -139,6 +233,11 @@ class DemoFleet:
         """The collector's flags to record the router's decisions too (the dashboard's
         Routing page)."""
         return ["--router", self.router_url] if self.router_url else []
+
+    def emulation_args(self) -> list[str]:
+        """The collector's flags to emulate the GPU energy of nodes without NVML (the demo's
+        GPU and model profiles); nodes with NVML keep their measured readings."""
+        return ["--emulate-power", self.config.gpu, "--emulate-model", self.config.model]
 
     def agent_links(self) -> dict[str, dict[str, Any]]:
         """The links the agents emulate on their pulls, for reports."""
@@ -450,6 +549,7 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
             "--interval", f"{config.collect_interval_seconds:g}",
             "--link-interval", f"{config.link_interval_seconds:g}",
             "--probe-size", "256KiB", "--metrics-listen", "off", *fleet.router_args(),
+            *fleet.emulation_args(),
         ]  # fmt: skip
         fleet.spawn("collector", "collect", argv, log)
         on_step(f"collector every {config.collect_interval_seconds:g} s (log: {log})")
@@ -526,7 +626,8 @@ def start_dashboard(fleet: DemoFleet, *, timeout_s: float = 30.0) -> str:
     log = config.workdir / "dashboard.log"
     argv = [
         sys.executable, "-m", "kvctl", "dashboard", "--db", fleet.db_url,
-        "--host", "127.0.0.1", "--port", str(port), "--model", config.model, "--refresh", "5",
+        "--host", "127.0.0.1", "--port", str(port), "--model", config.model,
+        "--gpu", config.gpu, "--refresh", "5",
     ]  # fmt: skip
     proc = fleet.spawn("dashboard", "dashboard", argv, log)
     url = f"http://127.0.0.1:{port}/"
@@ -578,6 +679,45 @@ def save_demo_plan(fleet: DemoFleet, requests: list[Any], workload_name: str) ->
     return report
 
 
+def energy_used(fleet: DemoFleet) -> dict[str, Any]:
+    """The GPU energy the database recorded over the run: NVML's (measured) and the emulated
+    energy of nodes without NVML (the collector's --emulate-power), each on its own, never
+    summed."""
+    from kvctl.db.analytics.counts import measured_counts, total
+    from kvctl.db.inventory import list_nodes
+    from kvctl.db.migrate import open_db
+    from kvctl.profiles import BOARD_POWER_SOURCES, gpu_profile
+
+    engine = open_db(fleet.db_url)
+    try:
+        with engine.connect() as conn:
+            nodes = list_nodes(conn)
+            end_ms = int(time.time() * 1000) + 1
+            c = total(measured_counts(conn, fleet.started_ms, end_ms, nodes).values())
+    finally:
+        engine.dispose()
+    gpu = gpu_profile(fleet.config.gpu)
+    return {
+        "measured": {
+            "basis": "measured (NVML)",
+            "nodes": c.energy_nodes,
+            "energy_j": c.energy_j if c.energy_nodes else None,
+        },
+        "emulated": {
+            "basis": "emulated: modeled prefill seconds of the tokens the cache did not serve "
+            "x the GPU profile's board power",
+            "nodes": c.emulated_energy_nodes,
+            "energy_j": c.emulated_energy_j if c.emulated_energy_nodes else None,
+            "busy_s": c.emulated_busy_s,
+            "tokens_per_joule": c.emulated_tokens_per_joule,
+            "gpu": gpu.name,
+            "board_power_watts": gpu.board_power_watts,
+            "board_power_source": BOARD_POWER_SOURCES.get(gpu.name),
+            "model": fleet.config.model,
+        },
+    }
+
+
 @contextlib.contextmanager
 def stop_signals(stop: threading.Event) -> Iterator[None]:
     """SIGTERM and SIGINT set ``stop`` instead of killing the demo half way through."""
@@ -597,6 +737,7 @@ def collect_once(fleet: DemoFleet) -> None:
     argv = [
         sys.executable, "-m", "kvctl", "collect", "--once", "--no-links",
         "--db", fleet.db_url, "--metrics-listen", "off", *fleet.router_args(),
+        *fleet.emulation_args(),
     ]  # fmt: skip
     log = fleet.config.workdir / "collector.log"
     with open(log, "ab") as out:

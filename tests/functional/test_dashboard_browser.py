@@ -134,7 +134,8 @@ def test_fleet_page(browser: Any, served: str, demo_db: tuple[str, dict[str, Any
     assert f"{hits / lookups * 100:.1f}%" in body
     for headline in ("Prefill tokens saved", "GPU time saved", "Carbon saved", "Energy used"):
         assert headline in body
-    assert "NVML unavailable" in body or "no power samples" in body
+    # no NVML on these agents: the demo's collector emulates their GPU energy, labelled so
+    assert "Energy used (emulated)" in body and "without NVML" in body
     assert "fra-1" in body and "ams-1" in body
 
 
