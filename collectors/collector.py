@@ -210,7 +210,10 @@ class Collector:
             reading = parse_engine_metrics(resp.text)
         except UnknownEngine:
             self.metrics.errors.labels("engine").inc()
-            return None, f"no vLLM, SGLang or LMCache metrics at {node.engine_url}: skipped"
+            return None, (
+                f"no vLLM, SGLang, TensorRT-LLM, LMCache or KVBM metrics at {node.engine_url}: "
+                "skipped"
+            )
         except (httpx.HTTPError, ValueError) as exc:
             self.metrics.errors.labels("engine").inc()
             return None, f"engine at {node.engine_url}: {exc}"

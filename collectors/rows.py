@@ -187,6 +187,13 @@ def engine_row(
         "ttft_sum_s": None if ttft is None else ttft.sum,
         "lmcache_hit_tokens": reading.lmcache_hit_tokens,
         "lmcache_requested_tokens": reading.lmcache_requested_tokens,
+        "kv_reused_blocks": reading.kv_reused_blocks,
+        "kv_missed_blocks": reading.kv_missed_blocks,
+        "kvbm_matched_tokens": reading.kvbm_matched_tokens,
+        "kvbm_offload_host_blocks": reading.kvbm_offload_host_blocks,
+        "kvbm_offload_disk_blocks": reading.kvbm_offload_disk_blocks,
+        "kvbm_onboard_host_blocks": reading.kvbm_onboard_host_blocks,
+        "kvbm_onboard_disk_blocks": reading.kvbm_onboard_disk_blocks,
     }
     inc = tracker.increase(f"engine:{node_id}", raw, epoch=epoch, ts_ms=ts_ms)
     quantiles: dict[str, float | None] = {

@@ -246,8 +246,9 @@ class LinkSample(Base):
 
 
 class EngineSample(Base):
-    """Inference-engine metrics of one node (vLLM, SGLang or LMCache). Counters are increases
-    since the last sample; TTFT quantiles are over the requests of that interval."""
+    """Inference-engine metrics of one node (vLLM, SGLang, TensorRT-LLM, LMCache or Dynamo's
+    KVBM). Counters are increases since the last sample; TTFT quantiles are over the requests
+    of that interval."""
 
     __tablename__ = "engine_sample"
 
@@ -267,6 +268,16 @@ class EngineSample(Base):
     lmcache_hit_tokens: Mapped[int | None] = mapped_column(BigInteger)
     lmcache_requested_tokens: Mapped[int | None] = mapped_column(BigInteger)
     lmcache_local_cache_usage_bytes: Mapped[float | None] = mapped_column(Float)
+    #: the engine's own KV-cache blocks reused / not found at allocation (TensorRT-LLM)
+    kv_reused_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    kv_missed_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    #: Dynamo KVBM: prompt tokens matched in its host/disk tiers; blocks offloaded device ->
+    #: host and to disk, onboarded host -> device and disk -> device
+    kvbm_matched_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    kvbm_offload_host_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    kvbm_offload_disk_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    kvbm_onboard_host_blocks: Mapped[int | None] = mapped_column(BigInteger)
+    kvbm_onboard_disk_blocks: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (PrimaryKeyConstraint("node_id", "ts_ms"),)
 
@@ -438,6 +449,13 @@ SERIES: Final = (
             "ttft_sum_s",
             "lmcache_hit_tokens",
             "lmcache_requested_tokens",
+            "kv_reused_blocks",
+            "kv_missed_blocks",
+            "kvbm_matched_tokens",
+            "kvbm_offload_host_blocks",
+            "kvbm_offload_disk_blocks",
+            "kvbm_onboard_host_blocks",
+            "kvbm_onboard_disk_blocks",
         ),
         ("ttft_p99_s", "kv_usage_ratio", "lmcache_local_cache_usage_bytes"),
     ),

@@ -322,7 +322,9 @@ def test_engine_metrics_become_interval_samples(sqlite_db: Engine, tmp_path: Pat
         engine.close()
     rows = _rows(sqlite_db, EngineSample)
     assert len(rows) == 2  # the unknown exposition is skipped, not stored
-    assert any("no vLLM, SGLang or LMCache metrics" in w for w in unknown.warnings)
+    assert any(
+        "no vLLM, SGLang, TensorRT-LLM, LMCache or KVBM metrics" in w for w in unknown.warnings
+    )
     base, r = rows
     assert base["engine"] == "vllm" and base["prompt_tokens"] == 0 and base["ttft_p50_s"] is None
     assert r["prompt_tokens"] == 600 and r["cached_prompt_tokens"] == 300
@@ -331,6 +333,68 @@ def test_engine_metrics_become_interval_samples(sqlite_db: Engine, tmp_path: Pat
     # of the interval's 10 requests, 1 was under 0.1 s: the median lies in (0.1, 1.0]
     assert 0.1 < r["ttft_p50_s"] <= 1.0
     assert r["kv_usage_ratio"] == 0.25
+
+
+def test_kvbm_and_trtllm_block_counters_become_interval_samples(
+    sqlite_db: Engine, tmp_path: Path
+) -> None:
+    """Dynamo KVBM's exposition on n1, trtllm-serve's JSON iteration stats on n2: their
+    counters' increases per interval (a restart counted from zero, an idle JSON scrape
+    unknown), summed as they are by the hourly rollup."""
+    from kvctl.db.models import ROLLUPS
+    from kvctl.db.rollup import HOUR_MS, rollup_all
+    from tests.unit.test_engine_metrics_nvidia import KVBM, KVBM_1, trtllm_iterations
+
+    kvbm, trtllm = _Exposition(), _Exposition()
+    kvbm_scrapes = [
+        KVBM_1,
+        {"matched": 90112, "d2h": 2304, "h2d_off": 700, "d2d_off": 4, "h2d_on": 1300, "d2d_on": 86},
+        {"matched": 512, "d2h": 16, "h2d_off": 2, "d2d_off": 0, "h2d_on": 9, "d2d_on": 1},
+    ]
+    trtllm_scrapes = [
+        trtllm_iterations((150, 4, 3121, 3)),
+        "[]",
+        trtllm_iterations((151, 40, 3200, 9), (152, 100, 3300, 12)),
+    ]
+    clock = iter(1_700_000_000.0 + 10 * i for i in range(3))
+    try:
+        with (
+            running_agent(tmp_path / "a1", "--name", "n1") as a1,
+            running_agent(tmp_path / "a2", "--name", "n2") as a2,
+        ):
+            _register(
+                sqlite_db,
+                {"n1": ("fra", a1.state.control_url), "n2": ("fra", a2.state.control_url)},
+                n1={"engine_url": kvbm.url},
+                n2={"engine_url": trtllm.url},
+            )
+            collector = Collector(sqlite_db, CollectorConfig(), clock=lambda: next(clock))
+            try:
+                for values, text in zip(kvbm_scrapes, trtllm_scrapes, strict=True):
+                    kvbm.text, trtllm.text = KVBM.format(**values), text
+                    report = collector.collect_once()
+                    assert not report.warnings, report.warnings
+            finally:
+                collector.close()
+    finally:
+        kvbm.close()
+        trtllm.close()
+    n1 = _rows(sqlite_db, EngineSample, node_id=_node_id(sqlite_db, "n1"))
+    assert [r["engine"] for r in n1] == ["kvbm"] * 3
+    assert [r["kvbm_matched_tokens"] for r in n1] == [0, 8192, 512]
+    assert [r["kvbm_offload_disk_blocks"] for r in n1] == [0, 64, 2]
+    assert [r["kvbm_onboard_host_blocks"] for r in n1] == [0, 100, 9]
+    assert all(r["prompt_tokens"] is None and r["kv_reused_blocks"] is None for r in n1)
+    n2 = _rows(sqlite_db, EngineSample, node_id=_node_id(sqlite_db, "n2"))
+    assert [r["engine"] for r in n2] == ["trtllm"] * 3
+    assert [r["kv_reused_blocks"] for r in n2] == [0, None, 96]
+    assert [r["kv_missed_blocks"] for r in n2] == [0, None, 179]
+    assert n2[2]["kv_usage_ratio"] == 12 / 101256
+    rollup_all(sqlite_db.begin, 1_700_000_000_000 + 2 * HOUR_MS)
+    with sqlite_db.connect() as conn:
+        hourly = {r.node_id: r for r in conn.execute(select(ROLLUPS["engine_sample", "1h"]))}
+    assert hourly[_node_id(sqlite_db, "n1")].kvbm_matched_tokens == 8704
+    assert hourly[_node_id(sqlite_db, "n2")].kv_reused_blocks == 96
 
 
 def test_collector_serves_its_own_metrics(sqlite_db: Engine, tmp_path: Path) -> None:
