@@ -1,0 +1,89 @@
+"""Eviction and admission policies, pluggable per tier.
+
+A policy tracks the unpinned entries of one tier and names the next victim; the store does the
+moving. Pinned entries are withdrawn from their policy while pinned, so no policy can pick them.
+
+Eviction policies:
+- ``lru``: least recently used. The baseline.
+- ``lineage-lru``: leaf-first LRU. A chunk is only reachable through its whole prefix, so a parent
+  is never chosen while one of its children is cached; among leaves, least recently used first.
+- ``priority``: lowest retention priority first (0..100, like TensorRT-LLM's KV retention config),
+  LRU within a priority; a priority given with a retention duration reverts to the default (35)
+  when the duration ends.
+- ``lineage-gdsf``: our own. Leaf-first Greedy-Dual-Size-Frequency: a leaf's value is
+  ``L + frequency x recompute_cost / size`` where ``L`` rises to each victim's value (so old
+  popularity ages out), the recompute cost grows with prefix depth (attention over a longer
+  prefix), and chunks hit by several tenants get a spread bonus. See ``LineageGDSFPolicy``.
+- ``lineage-lru2``: our own, and the best of ours on the Mooncake trace. Leaf-first LRU-2: a leaf
+  ranks by the time of its previous access (its second-to-last), so chunks used only once (within
+  a remembered history of recently seen keys, evicted ones included) go before any reused chunk,
+  and among reused chunks the one whose previous use is oldest goes first. A long scan of new
+  chunks therefore cannot flush the reused working set. See ``LineageLRU2Policy``.
+- ``belady``: the offline optimum (farthest next use first, with bypass), for simulation only: it
+  needs an oracle of future accesses.
+
+Admission policies gate a lower tier (``disk``): ``all`` admits everything, ``frequency`` admits a
+chunk only once it was accessed at least ``min_accesses`` times (counting accesses from before an
+earlier drop), so one-hit chunks do not wear the SSD.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+from kvctl.store.errors import InvalidArgument
+from kvctl.store.index import DEFAULT_PRIORITY
+from kvctl.store.policies.admission import AdmissionPolicy, FrequencyAdmission
+from kvctl.store.policies.base import EvictionPolicy, HeapPolicy
+from kvctl.store.policies.belady import BeladyPolicy
+from kvctl.store.policies.gdsf import LineageGDSFPolicy
+from kvctl.store.policies.lru import LineageLRUPolicy, LRUPolicy
+from kvctl.store.policies.lru2 import LineageLRU2Policy
+from kvctl.store.policies.priority import PriorityPolicy
+
+T = TypeVar("T")
+
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    cls.name: cls
+    for cls in (LRUPolicy, LineageLRUPolicy, PriorityPolicy, LineageGDSFPolicy, LineageLRU2Policy)
+}
+ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
+    cls.name: cls for cls in (AdmissionPolicy, FrequencyAdmission)
+}
+
+
+def _make(registry: Mapping[str, type[T]], kind: str, name: str) -> T:
+    try:
+        return registry[name]()
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown {kind} policy {name!r}; choose from {', '.join(registry)}"
+        ) from None
+
+
+def make_eviction_policy(name: str) -> EvictionPolicy:
+    return _make(EVICTION_POLICIES, "eviction", name)
+
+
+def make_admission_policy(name: str) -> AdmissionPolicy:
+    return _make(ADMISSION_POLICIES, "admission", name)
+
+
+__all__ = [
+    "ADMISSION_POLICIES",
+    "DEFAULT_PRIORITY",
+    "EVICTION_POLICIES",
+    "AdmissionPolicy",
+    "BeladyPolicy",
+    "EvictionPolicy",
+    "FrequencyAdmission",
+    "HeapPolicy",
+    "LRUPolicy",
+    "LineageGDSFPolicy",
+    "LineageLRU2Policy",
+    "LineageLRUPolicy",
+    "PriorityPolicy",
+    "make_admission_policy",
+    "make_eviction_policy",
+]
