@@ -35,6 +35,7 @@ from typing import TypeVar
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.index import DEFAULT_PRIORITY
 from kvctl.store.policies.admission import AdmissionPolicy, FrequencyAdmission
+from kvctl.store.policies.arc import LineageARCPolicy
 from kvctl.store.policies.base import EvictionPolicy, HeapPolicy
 from kvctl.store.policies.belady import BeladyPolicy
 from kvctl.store.policies.gdsf import LineageGDSFPolicy
@@ -46,7 +47,14 @@ T = TypeVar("T")
 
 EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     cls.name: cls
-    for cls in (LRUPolicy, LineageLRUPolicy, PriorityPolicy, LineageGDSFPolicy, LineageLRU2Policy)
+    for cls in (
+        LRUPolicy,
+        LineageLRUPolicy,
+        PriorityPolicy,
+        LineageGDSFPolicy,
+        LineageLRU2Policy,
+        LineageARCPolicy,
+    )
 }
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     cls.name: cls for cls in (AdmissionPolicy, FrequencyAdmission)
@@ -80,6 +88,7 @@ __all__ = [
     "FrequencyAdmission",
     "HeapPolicy",
     "LRUPolicy",
+    "LineageARCPolicy",
     "LineageGDSFPolicy",
     "LineageLRU2Policy",
     "LineageLRUPolicy",
