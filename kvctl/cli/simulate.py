@@ -21,14 +21,25 @@ Examples:
   kvctl simulate --trace trace.jsonl --tier cpu=2000 --tier disk=20000 --admission frequency
 
   kvctl simulate --json            # built-in seeded workload when no --trace is given
+
+  kvctl simulate --workload chat --sweep --policy lineage-arc --policy lineage-lru2 --json
 """
+
+#: ``--sweep``: the capacities the policies are compared at, as fractions of the unique blocks
+SWEEP_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
 
 
 def simulate_command(
     trace: Annotated[
         pathlib.Path | None,
-        typer.Option(help="Mooncake-format JSONL trace. Without it, the built-in workload."),
+        typer.Option(help="Mooncake-format JSONL trace. Without it, the generated --workload."),
     ] = None,
+    workload: Annotated[
+        str,
+        typer.Option(
+            "--workload", "-w", help="Generated workload: builtin, system-prompt, chat or rag."
+        ),
+    ] = "builtin",
     capacity_fraction: Annotated[
         list[float] | None,
         typer.Option(help="Cache size as a fraction of the trace's unique blocks (repeatable)."),
@@ -36,6 +47,13 @@ def simulate_command(
     capacity_blocks: Annotated[
         list[int] | None, typer.Option(help="Cache size in blocks (repeatable).")
     ] = None,
+    sweep: Annotated[
+        bool,
+        typer.Option(
+            "--sweep",
+            help="Capacities 1, 2, 5, 10, 20 and 50% of the unique blocks, with a summary.",
+        ),
+    ] = False,
     tier: Annotated[
         list[str] | None,
         typer.Option(help="Multi-tier mode: NAME=BLOCKS, fastest first (e.g. cpu=2000)."),
@@ -48,33 +66,43 @@ def simulate_command(
         str, typer.Option(help="Admission to tiers below the first: all or frequency.")
     ] = "all",
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the built-in workload.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the generated workload.")] = 0,
+    attention_tokens: Annotated[
+        float,
+        typer.Option(
+            help="Prefill cost model: context length at which a token's attention costs as "
+            "much as its matmuls (Llama-3.1-8B: about 30k).",
+        ),
+    ] = 30_000.0,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Replay a trace offline through the store's eviction policies and compare hit ratios.
 
     Every block of the trace is one chunk; a block is a prefix hit when it and all blocks before
     it in the request are cached. LRU and Belady's offline optimum always run in the same
-    replay as references, and each policy is shown as a percentage of Belady.
+    replay as references, and each policy is shown as a percentage of Belady. Hit ratios per
+    block, per token (= per byte of KV) and per second of prefill saved (a deep block costs more
+    to recompute: attention reads every token before it); decisions/s is blocks placed per
+    second of replay.
     """
     from kvctl.store.policies import EVICTION_POLICIES
     from kvctl.workload.simulate import capacity_from_fraction, simulate
     from kvctl.workload.source import load_workload
 
     with user_errors(hint="see `kvctl simulate --help`"):
-        if sum(bool(x) for x in (capacity_fraction, capacity_blocks, tier)) > 1:
-            fail("give only one of --capacity-fraction, --capacity-blocks and --tier")
-        workload = load_workload(trace, seed=seed, limit=limit)
-        if not workload.requests:
-            fail(f"{workload.name} holds no requests")
-        unique = len({b for r in workload.requests for b in r.block_ids})
+        if sum(bool(x) for x in (capacity_fraction, capacity_blocks, tier, sweep)) > 1:
+            fail("give only one of --capacity-fraction, --capacity-blocks, --tier and --sweep")
+        loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
+        if not loaded.requests:
+            fail(f"{loaded.name} holds no requests")
+        unique = len({b for r in loaded.requests for b in r.block_ids})
         runs: list[dict[str, int]]
         if tier:
             runs = [_parse_tiers(tier)]
         elif capacity_blocks:
             runs = [{"cpu": n} for n in capacity_blocks]
         else:
-            fractions = capacity_fraction or [0.1]
+            fractions = list(SWEEP_FRACTIONS) if sweep else capacity_fraction or [0.1]
             runs = [{"cpu": capacity_from_fraction(unique, f)} for f in fractions]
         policies = policy or list(EVICTION_POLICIES)
         reports = []
@@ -82,12 +110,13 @@ def simulate_command(
             for tiers in runs:
                 reports.append(
                     simulate(
-                        workload.requests,
+                        loaded.requests,
                         tiers=tiers,
                         policies=policies,
                         admission=admission,
-                        trace_name=workload.name,
+                        trace_name=loaded.name,
                         progress=update,
+                        attention_tokens=attention_tokens,
                     )
                 )
     if json_out:
@@ -96,6 +125,8 @@ def simulate_command(
         return
     for report in reports:
         render_report(report)
+    if len(reports) > 1:
+        render_sweep(reports)
 
 
 # dedented apart: EXAMPLES is not indented like the docstring
@@ -121,24 +152,57 @@ def render_report(report: object) -> None:
     )
     table.add_column("policy")
     table.add_column("block hit ratio", justify="right")
-    table.add_column("token hit ratio", justify="right")
+    table.add_column("token (byte) hit ratio", justify="right")
+    table.add_column("prefill-weighted hit ratio", justify="right")
     table.add_column("% of Belady", justify="right")
     multi = len(report.tiers) > 1
     if multi:
         for name in report.tiers:
             table.add_column(f"hits in {name}", justify="right")
-    table.add_column("seconds", justify="right")
+    table.add_column("decisions/s", justify="right")
     for r in report.results:
         row = [
             r.policy + ("*" if r.policy in REFERENCE_POLICIES else ""),
             percent(r.hit_ratio),
             percent(r.token_hit_ratio),
+            percent(r.prefill_hit_ratio),
             f"{r.hit_ratio / belady * 100:.1f}" if belady else "n/a",
         ]
         if multi:
             row += [f"{r.hits_by_tier[n]:,}" for n in report.tiers]
-        row.append(f"{r.seconds:.1f}")
+        row.append(f"{r.decisions_per_second:,.0f}")
         table.add_row(*row)
+    console.print(table)
+
+
+def render_sweep(reports: list[object]) -> None:
+    """One row per policy, one column per capacity: its hit ratio as a % of Belady's in the
+    same replay, then the slowest run's decisions/s."""
+    from rich.table import Table
+
+    from kvctl.workload.simulate import REFERENCE_POLICIES, SimulationReport
+
+    runs = [r for r in reports if isinstance(r, SimulationReport)]
+    table = Table(
+        title=f"{runs[0].trace}: % of Belady's block hit ratio by capacity (% of unique blocks)",
+        title_justify="left",
+        caption="* reference, measured in the same replay",
+        caption_justify="left",
+    )
+    table.add_column("policy")
+    for r in runs:
+        share = r.capacity_blocks / r.unique_blocks if r.unique_blocks else 0.0
+        table.add_column(percent(share, 0), justify="right")
+    table.add_column("decisions/s", justify="right")
+    for result in runs[0].results:
+        name = result.policy
+        row = [name + ("*" if name in REFERENCE_POLICIES else "")]
+        for r in runs:
+            belady = r.result("belady").hit_ratio
+            row.append(f"{r.result(name).hit_ratio / belady * 100:.1f}" if belady else "n/a")
+        row.append(f"{min(r.result(name).decisions_per_second for r in runs):,.0f}")
+        table.add_row(*row)
+    table.add_row("Belady hit ratio", *[percent(r.result("belady").hit_ratio) for r in runs], "")
     console.print(table)
 
 

@@ -5,6 +5,15 @@ the eviction, demotion, promotion and admission decisions are made by the same `
 code the agent runs. A block is a prefix hit when it and every block before it in the request is
 cached at lookup time. LRU and Belady's offline optimum are always computed in the same run as
 references.
+
+Three hit ratios weigh a hit differently: per block (``hit_ratio``), per token (``token_hit_ratio``,
+which is also the byte hit ratio: a chunk's KV bytes are proportional to its tokens), and per
+second of prefill saved (``prefill_hit_ratio``): recomputing tokens [a, b) of a request costs
+``(b - a) x (1 + (a + b) / (2 x attention_tokens))`` (the weights' per-token matmuls plus attention
+over every earlier token, as in ``kvctl.remote.fetchplan.PrefillModel``), so a hit deep in a long
+prompt saves more than one at its start. ``attention_tokens`` is the context length at which a
+token's attention costs as much as its matmuls: about 30k tokens for Llama-3.1-8B (2 x 8e9 weight
+flops against 4 x 32 layers x 4,096 flops per earlier token).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from kvctl.store.tiers.metered import MeteredTier
 from kvctl.workload.trace import TraceRequest
 
 REFERENCE_POLICIES = ("lru", "belady")
+#: see the module docstring
+DEFAULT_ATTENTION_TOKENS = 30_000
 SIMULATION_POLICIES = (*EVICTION_POLICIES, "belady")
 
 Progress = Callable[[str, int, int], None]
@@ -44,17 +55,27 @@ class PolicyResult:
     seconds: float
     #: prefix-hit tokens served by each tier (``hits_by_tier`` counts blocks)
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    #: share of the trace's prefill cost the hits saved (see the module docstring)
+    prefill_hit_ratio: float = 0.0
+    #: blocks placed per second of replay: each is one decision of the store and its policies
+    #: (a hit refreshed, or a miss stored and whatever that evicts), lookups included
+    decisions_per_second: float = 0.0
+    #: chunks evicted from any tier to make room (demotions included)
+    evictions: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
             "policy": self.policy,
             "hit_ratio": self.hit_ratio,
             "token_hit_ratio": self.token_hit_ratio,
+            "prefill_hit_ratio": self.prefill_hit_ratio,
             "hits_by_tier": self.hits_by_tier,
             "hit_tokens_by_tier": self.hit_tokens_by_tier,
             "hit_blocks": self.hit_blocks,
             "hit_tokens": self.hit_tokens,
             "seconds": self.seconds,
+            "decisions_per_second": self.decisions_per_second,
+            "evictions": self.evictions,
         }
 
 
@@ -88,8 +109,20 @@ class SimulationReport:
             "capacity_blocks": self.capacity_blocks,
             "tiers": self.tiers,
             "admission": self.admission,
-            "results": [r.as_dict() for r in self.results],
+            "results": [self._result_dict(r) for r in self.results],
         }
+
+    def _result_dict(self, r: PolicyResult) -> dict[str, object]:
+        """A result with its hit ratio as a share of Belady's and of LRU's in the same replay
+        (None when the reference hit nothing)."""
+        out = r.as_dict()
+        for ref in REFERENCE_POLICIES:
+            try:
+                base = self.result(ref).hit_ratio
+            except KeyError:
+                continue
+            out[f"of_{ref}"] = r.hit_ratio / base if base else None
+        return out
 
 
 def capacity_from_fraction(unique_blocks: int, fraction: float) -> int:
@@ -110,17 +143,35 @@ def policies_with_references(policies: Sequence[str]) -> list[str]:
     return out
 
 
-class _Chains:
-    """The trace flattened once: per-request keys and token counts, and next-use positions."""
+def prefill_costs(block_tokens: Sequence[int], attention_tokens: float) -> list[float]:
+    """The relative prefill cost of each block of one request: tokens [a, b) cost
+    ``(b - a) x (1 + (a + b) / (2 x attention_tokens))`` (see the module docstring)."""
+    if not attention_tokens > 0:
+        raise InvalidArgument(f"attention_tokens must be positive, got {attention_tokens}")
+    out: list[float] = []
+    start = 0
+    for t in block_tokens:
+        out.append(t * (1.0 + (2 * start + t) / (2.0 * attention_tokens)))
+        start += t
+    return out
 
-    def __init__(self, requests: Sequence[TraceRequest]) -> None:
+
+class _Chains:
+    """The trace flattened once: per-request keys, token counts and prefill costs, and
+    next-use positions."""
+
+    def __init__(
+        self, requests: Sequence[TraceRequest], attention_tokens: float = DEFAULT_ATTENTION_TOKENS
+    ) -> None:
         keys: list[list[bytes]] = []
         tokens: list[tuple[int, ...]] = []
+        costs: list[list[float]] = []
         flat: list[bytes] = []
         for r in requests:
             ks = [b.to_bytes(16, "little") for b in r.block_ids]
             keys.append(ks)
             tokens.append(r.block_token_counts)
+            costs.append(prefill_costs(r.block_token_counts, attention_tokens))
             flat.extend(ks)
         nxt: list[float] = [math.inf] * len(flat)
         last: dict[bytes, int] = {}
@@ -130,6 +181,8 @@ class _Chains:
             last[k] = pos
         self.keys = keys
         self.tokens = tokens
+        self.costs = costs
+        self.total_cost = sum(sum(c) for c in costs)
         self.next_use = nxt
         self.unique_blocks = len(last)
         self.total_blocks = len(flat)
@@ -144,10 +197,12 @@ def simulate(
     admission: str = "all",
     trace_name: str = "",
     progress: Progress | None = None,
+    attention_tokens: float = DEFAULT_ATTENTION_TOKENS,
 ) -> SimulationReport:
     """Replay ``requests`` for each policy (plus LRU and Belady) over tiers of the given
     capacities in blocks, fastest first, e.g. ``{"cpu": 1000}`` or ``{"cpu": 500, "disk": 5000}``.
-    ``admission`` gates every tier below the first (``all`` or ``frequency``)."""
+    ``admission`` gates every tier below the first (``all`` or ``frequency``);
+    ``attention_tokens`` sets the prefill cost model (see the module docstring)."""
     if not tiers:
         raise InvalidArgument("give at least one tier capacity")
     for name, cap in tiers.items():
@@ -155,7 +210,7 @@ def simulate(
             raise InvalidArgument(f"tier {name!r} needs a capacity of at least one block")
     if admission not in ("all", "frequency"):
         raise InvalidArgument(f"unknown admission {admission!r}; choose all or frequency")
-    chains = _Chains(requests)
+    chains = _Chains(requests, attention_tokens)
     report = SimulationReport(
         trace=trace_name,
         requests=len(requests),
@@ -178,6 +233,7 @@ def simulate_policy(
     admission: str = "all",
     on_request: RequestHook | None = None,
     progress: Progress | None = None,
+    attention_tokens: float = DEFAULT_ATTENTION_TOKENS,
 ) -> PolicyResult:
     """One policy's replay (no LRU/Belady references): for callers that need each request's
     outcome (``on_request(index, tier of each hit block)``) or many capacities quickly."""
@@ -188,7 +244,8 @@ def simulate_policy(
     for name, cap in tiers.items():
         if cap < 1:
             raise InvalidArgument(f"tier {name!r} needs a capacity of at least one block")
-    return _run_one(_Chains(requests), requests, tiers, policy, admission, progress, on_request)
+    chains = _Chains(requests, attention_tokens)
+    return _run_one(chains, requests, tiers, policy, admission, progress, on_request)
 
 
 def _run_one(
@@ -214,6 +271,7 @@ def _run_one(
         clock=lambda: 0.0,  # a trace replay has no wall time; order comes from the tick
     )
     hit_blocks = hit_tokens = 0
+    hit_cost = 0.0
     hits_by_tier = dict.fromkeys(names, 0)
     hit_tokens_by_tier = dict.fromkeys(names, 0)
     nxt = chains.next_use
@@ -227,6 +285,7 @@ def _run_one(
         m = res.matched_chunks
         hit_blocks += m
         hit_tokens += sum(toks[:m])
+        hit_cost += sum(chains.costs[i][:m])
         for loc, t in zip(res.locations[:m], toks, strict=False):
             hits_by_tier[loc] += 1  # type: ignore[index]
             hit_tokens_by_tier[loc] += t  # type: ignore[index]
@@ -245,6 +304,7 @@ def _run_one(
             parent = k
         if progress is not None and (i % step == 0 or i == total - 1):
             progress(policy, i + 1, total)
+    seconds = time.perf_counter() - started
     return PolicyResult(
         policy=policy,
         hit_ratio=hit_blocks / chains.total_blocks if chains.total_blocks else 0.0,
@@ -252,6 +312,9 @@ def _run_one(
         hits_by_tier=hits_by_tier,
         hit_blocks=hit_blocks,
         hit_tokens=hit_tokens,
-        seconds=time.perf_counter() - started,
+        seconds=seconds,
         hit_tokens_by_tier=hit_tokens_by_tier,
+        prefill_hit_ratio=hit_cost / chains.total_cost if chains.total_cost else 0.0,
+        decisions_per_second=chains.total_blocks / seconds if seconds > 0 else 0.0,
+        evictions=sum(store.stats.tiers[n].evictions["capacity"] for n in names),
     )

@@ -97,6 +97,30 @@ def test_simulate_several_capacities_and_tiers(tmp_path: Path) -> None:
     assert code == 0 and "disk" in out and "Belady" in out
 
 
+def test_simulate_sweep_of_a_generated_workload() -> None:
+    code, out = run(
+        "simulate", "--workload", "chat", "--limit", "60", "--sweep", "--policy", "lineage-arc",
+        "--json",
+    )  # fmt: skip
+    assert code == 0, out
+    runs = json.loads(out)
+    assert [r["trace"] for r in runs] == ["chat:seed=0"] * 6
+    unique = runs[0]["unique_blocks"]
+    assert [r["capacity_blocks"] for r in runs] == [
+        max(1, round(unique * f)) for f in (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+    ]
+    for r in runs:
+        rows = {x["policy"]: x for x in r["results"]}
+        assert set(rows) == {"lineage-arc", "lru", "belady"}
+        assert rows["belady"]["of_belady"] == 1.0
+        for x in rows.values():
+            assert x["decisions_per_second"] > 0 and 0 <= x["prefill_hit_ratio"] <= 1
+    code, out = run("simulate", "--workload", "rag", "--limit", "40", "--sweep", "--policy", "lru")
+    assert code == 0, out
+    summary = out[out.rindex("rag:seed=0: % of Belady") :]  # the sweep's table, after the six
+    assert "50%" in summary and "Belady hit" in summary
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -105,6 +129,8 @@ def test_simulate_several_capacities_and_tiers(tmp_path: Path) -> None:
         (["simulate", "--policy", "fifo", "--limit", "5"], "unknown policy"),
         (["simulate", "--capacity-fraction", "2", "--limit", "5"], "fraction"),
         (["simulate", "--capacity-blocks", "3", "--tier", "cpu=3"], "only one of"),
+        (["simulate", "--sweep", "--capacity-fraction", "0.1", "--limit", "5"], "only one of"),
+        (["simulate", "--workload", "nope"], "unknown workload"),
         (["keys"], "exactly one of"),
         (["keys", "--text", "a", "--tokenizer", "bpe"], "unknown tokenizer"),
     ],

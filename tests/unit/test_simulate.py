@@ -4,7 +4,12 @@ import pytest
 
 from kvctl.errors import InvalidArgument
 from kvctl.workload.builtin import builtin_workload
-from kvctl.workload.simulate import capacity_from_fraction, policies_with_references, simulate
+from kvctl.workload.simulate import (
+    capacity_from_fraction,
+    policies_with_references,
+    prefill_costs,
+    simulate,
+)
 from kvctl.workload.trace import TraceRequest, read_mooncake_trace, trace_summary
 
 
@@ -79,3 +84,35 @@ def test_shared_trace_replay(shared_trace) -> None:  # type: ignore[no-untyped-d
     belady = report.result("belady").hit_ratio
     assert 0 < report.result("lru").hit_ratio < belady
     assert 0 < report.result("lineage-lru").hit_ratio <= belady
+
+
+def test_prefill_weighted_ratio_counts_deep_blocks_more() -> None:
+    # attention_tokens = 512: tokens [a, b) cost (b - a) x (1 + (a + b) / 1024), so the first
+    # block of a request costs 512 x 1.5 = 768 and the second 512 x 2.5 = 1280
+    assert prefill_costs([512, 512], 512) == [768.0, 1280.0]
+    trace = [req(1, 2), req(1, 3)]
+    report = simulate(trace, tiers={"cpu": 2}, policies=["lru"], attention_tokens=512)
+    lru = report.result("lru")
+    assert lru.hit_blocks == 1  # the second request's first block
+    assert lru.hit_ratio == pytest.approx(1 / 4)
+    assert lru.token_hit_ratio == pytest.approx(1 / 4)
+    assert lru.prefill_hit_ratio == pytest.approx(768 / (2 * (768 + 1280)))
+    with pytest.raises(InvalidArgument, match="attention_tokens"):
+        prefill_costs([512], 0)
+
+
+def test_results_carry_shares_of_the_references_speed_and_evictions() -> None:
+    trace = builtin_workload(seed=2, requests=200)
+    unique = len({b for r in trace for b in r.block_ids})
+    small = simulate(trace, tiers={"cpu": capacity_from_fraction(unique, 0.05)},
+                     policies=["lineage-arc"]).as_dict()  # fmt: skip
+    rows = {r["policy"]: r for r in small["results"]}  # type: ignore[attr-defined]
+    assert rows["belady"]["of_belady"] == 1.0 and rows["lru"]["of_lru"] == 1.0
+    arc = rows["lineage-arc"]
+    assert arc["of_belady"] == pytest.approx(arc["hit_ratio"] / rows["belady"]["hit_ratio"])
+    assert arc["of_lru"] == pytest.approx(arc["hit_ratio"] / rows["lru"]["hit_ratio"])
+    for r in rows.values():
+        assert r["decisions_per_second"] > 0 and r["evictions"] > 0
+        assert 0 < r["prefill_hit_ratio"] <= 1
+    whole = simulate(trace, tiers={"cpu": unique}, policies=["lineage-arc"])
+    assert all(r.evictions == 0 for r in whole.results)

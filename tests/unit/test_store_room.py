@@ -140,7 +140,7 @@ def _largest_run(capacity: int, held: list[tuple[int, int]]) -> int:
 @given(
     ops=_OPS,
     disk_bytes=st.sampled_from([0, 200, 600, 3000]),
-    eviction=st.sampled_from(["lru", "lineage-lru", "lineage-lru2", "lineage-gdsf"]),
+    eviction=st.sampled_from(["lru", "lineage-lru", "lineage-lru2", "lineage-gdsf", "lineage-arc"]),
 )
 def test_put_raises_only_when_no_tier_can_hold_it_and_then_changes_nothing(
     ops: list[tuple[str, int]], disk_bytes: int, eviction: str

@@ -1,4 +1,4 @@
-"""Eviction and admission policies, pluggable per tier.
+"""Eviction and admission policies, pluggable per tier, one module each.
 
 A policy tracks the unpinned entries of one tier and names the next victim; the store does the
 moving. Pinned entries are withdrawn from their policy while pinned, so no policy can pick them.
@@ -19,6 +19,10 @@ Eviction policies:
   a remembered history of recently seen keys, evicted ones included) go before any reused chunk,
   and among reused chunks the one whose previous use is oldest goes first. A long scan of new
   chunks therefore cannot flush the reused working set. See ``LineageLRU2Policy``.
+- ``lineage-arc``: our own. Leaf-first ARC: chunks seen once and chunks seen again in two lists,
+  the split between them moved by ghost hits (a chunk that comes back soon after one list evicted
+  it says that list should have been larger), so the balance of recency and frequency follows the
+  workload. Never takes the chunk stored last while another leaf is left. See ``LineageARCPolicy``.
 - ``belady``: the offline optimum (farthest next use first, with bypass), for simulation only: it
   needs an oracle of future accesses.
 
