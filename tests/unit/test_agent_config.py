@@ -311,6 +311,8 @@ def test_policy_and_level_choices(env: dict[str, str]) -> None:
         env={**env, "KVCTL_DISK_ADMISSION": "frequency", "KVCTL_LOG_LEVEL": "WARNING"}
     ).settings
     assert (s.disk_admission, s.log_level) == ("frequency", "warning")
+    arc = load_settings(env={**env, "KVCTL_EVICTION": "lineage-arc"}).settings
+    assert arc.eviction == "lineage-arc"
     with pytest.raises(ConfigError, match="lineage-lru2"):
         load_settings(env={**env, "KVCTL_EVICTION": "belady"})  # simulation only
     with pytest.raises(ConfigError, match="all, frequency"):
