@@ -14,11 +14,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import DbOpt, JsonOpt, bundled
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 
 if TYPE_CHECKING:
+    from kvctl.index.model import FleetIndex
+    from kvctl.index.vllm_events import VllmEventSubscriber
     from kvctl.router.score import Costs
+    from kvctl.router.service import KeySpace
     from kvctl.router.topology import Topology
 
 router_app = typer.Typer(
@@ -202,6 +206,46 @@ def _parse_link(text: str) -> tuple[str, str, float]:
     return a, b, distance
 
 
+@dataclass(frozen=True, slots=True)
+class VllmFeed:
+    """One ``--vllm-events`` flag: whose engine, where it publishes, how to key its blocks."""
+
+    node: str
+    endpoint: str
+    replay: str | None = None
+    topic: str = ""
+    tenant: str = "default"
+
+
+_FEED_OPTIONS = ("replay", "topic", "tenant")
+
+
+def parse_vllm_feed(text: str) -> VllmFeed:
+    """``NODE=tcp://HOST:PORT[,replay=tcp://HOST:PORT][,topic=T][,tenant=T]``."""
+    node, eq, rest = text.partition("=")
+    endpoint, *options = rest.split(",")
+    hint = "e.g. --vllm-events gpu-1=tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558"
+    if not (eq and node.strip() and endpoint.strip()):
+        fail(f"bad --vllm-events {text!r}: expected NODE=tcp://HOST:PORT[,replay=...]", hint=hint)
+    given: dict[str, str] = {}
+    for option in options:
+        key, eq, value = option.partition("=")
+        if not eq or key.strip() not in _FEED_OPTIONS or not value.strip():
+            fail(
+                f"bad --vllm-events option {option!r}: expected one of "
+                + ", ".join(f"{k}=VALUE" for k in _FEED_OPTIONS),
+                hint=hint,
+            )
+        given[key.strip()] = value.strip()
+    return VllmFeed(
+        node.strip(),
+        endpoint.strip(),
+        replay=given.get("replay"),
+        topic=given.get("topic", ""),
+        tenant=given.get("tenant", "default"),
+    )
+
+
 def load_fleet(source: FleetSource) -> tuple[Topology, dict[str, str]]:
     """The router's topology and each node's agent URL, from one of the sources."""
     from kvctl.router.topology import DcLink, Node, Topology
@@ -298,6 +342,19 @@ def serve_command(
         float,
         typer.Option("--poll-s", help="Seconds between reads of each agent's events.", min=0.01),
     ] = 0.2,
+    vllm_events: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--vllm-events",
+            help="A vLLM engine's own KV events (its GPU prefix cache) to index as NODE's: "
+            "NODE=tcp://HOST:PORT of its --kv-events-config publisher, with "
+            ",replay=tcp://HOST:PORT (its replay endpoint: gaps are filled, and what it "
+            "stored before the router started is read), ,topic=T and ,tenant=T (an isolated "
+            "tenant's engine) (repeatable; needs the vllm-events extra).",
+            metavar="NODE=ENDPOINT[,replay=..]",
+            show_default=False,
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option("--log-level")] = "warning",
 ) -> None:
     """Serve the router: follow every agent's store events into the fleet index, answer
@@ -318,6 +375,8 @@ def serve_command(
       kvctl router serve --agent a=http://h1:7070@fra --agent b=http://h2:7070@ams --link fra:ams=90
 
       kvctl router serve --listen 0.0.0.0:9480 --token-file router.token --index redis://h3:6379/0
+
+      kvctl router serve --vllm-events gpu-1=tcp://10.0.0.7:5557,replay=tcp://10.0.0.7:5558
     """
     from kvctl.wire.address import is_loopback, split_host_port
 
@@ -329,7 +388,19 @@ def serve_command(
             f"the router would listen on {listen}, off loopback, without a token",
             hint=f"give --token-file FILE (or set ${ROUTER_TOKEN_ENV})",
         )
+    feeds = [parse_vllm_feed(text) for text in vllm_events or []]
+    if feeds:
+        needs_extra("kvctl router serve --vllm-events", "vllm-events")
     topology, urls = load_fleet(source)
+    known = set(topology.nodes)
+    for feed in feeds:
+        if feed.node not in known:
+            fail(
+                f"--vllm-events names {feed.node!r}, which is not a node of the fleet",
+                hint="nodes: " + ", ".join(sorted(known)),
+            )
+    if len({f.node for f in feeds}) < len(feeds):
+        fail("--vllm-events names a node twice: one engine event stream per node")
     import logging
 
     logging.basicConfig(
@@ -350,7 +421,15 @@ def serve_command(
         followers = Followers(
             fleet_index, {name: (url, agent_token) for name, url in urls.items()}, poll_s=poll_s
         )
-        router = Router(fleet_index, topology, cost.costs(), keyspace=keyspace, followers=followers)
+        engine_feeds = [_vllm_subscriber(feed, fleet_index, keyspace) for feed in feeds]
+        router = Router(
+            fleet_index,
+            topology,
+            cost.costs(),
+            keyspace=keyspace,
+            followers=followers,
+            engine_feeds=engine_feeds,
+        )
         server = RouterServer(router, listen=listen, token=token, log_level=log_level)
     except (KvctlError, ValueError) as exc:
         fail(str(exc), hint="check --index, --model, --gpu and --listen")
@@ -363,6 +442,22 @@ def serve_command(
         soft_wrap=True,
     )
     server.run()
+
+
+def _vllm_subscriber(feed: VllmFeed, index: FleetIndex, keyspace: KeySpace) -> VllmEventSubscriber:
+    """The feed's blocks keyed as the router keys a prompt of its tenant, under NODE#vllm."""
+    from kvctl.index.model import engine_index_name
+    from kvctl.index.vllm_events import VllmEventSubscriber, VllmEventTranslator
+
+    translator = VllmEventTranslator(
+        engine_index_name(feed.node, "vllm"),
+        namespace=keyspace.namespace(feed.tenant),
+        chunk_tokens=keyspace.chunk_tokens,
+        tenant=feed.tenant,
+    )
+    return VllmEventSubscriber(
+        index, translator, feed.endpoint, topic=feed.topic, replay_endpoint=feed.replay
+    )
 
 
 # --- status ----------------------------------------------------------------------------------
@@ -442,6 +537,17 @@ def _render_status(report: dict[str, Any]) -> None:
             f"{format_bytes(link['bytes'])}",
             highlight=False,
         )
+    for feed in index.get("engines", []):
+        state = "[green]connected[/]" if feed.get("connected") else "[bold red]not connected[/]"
+        console.print(
+            f"engine events {escape(str(feed['node']))} ({escape(str(feed['endpoint']))}): "
+            f"{state}, {feed['live_chunks']:,} chunks indexed, {feed['messages']:,} batches, "
+            f"gaps {feed['gaps']:,} (unrecovered {feed['unrecovered']:,}), restarts "
+            f"{feed['restarts']:,}",
+            highlight=False,
+        )
+        if feed.get("last_error"):
+            console.print(f"  [red]{escape(str(feed['last_error']))}[/]", highlight=False)
 
 
 # --- route -----------------------------------------------------------------------------------

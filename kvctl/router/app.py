@@ -299,6 +299,35 @@ class _RouterCollector:
         for f in followers:
             follower_up.add_metric([str(f["node"])], 1.0 if f.get("up") else 0.0)
         yield follower_up
+        yield from _engine_feed_metrics(r.engine_status())
+
+
+def _engine_feed_metrics(feeds: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The engines' own KV event streams (vLLM's), one series per engine's index name."""
+    connected = GaugeMetricFamily(
+        "kvctl_index_engine_connected",
+        "1 while the router's socket to the engine's KV event publisher is connected, else 0",
+        labels=["node"],
+    )
+    counters = {
+        key: CounterMetricFamily(f"kvctl_index_engine_{key}", doc, labels=["node"])
+        for key, doc in (
+            ("messages", "Event batches read from the engine"),
+            ("chunks_stored", "Chunks the engine's blocks completed, stored in the index"),
+            ("chunks_removed", "Chunks removed from the index by the engine's evictions"),
+            ("gaps", "Jumps in the engine's sequence numbers"),
+            ("unrecovered", "Batches lost in a gap that replay could not fill"),
+            ("malformed", "Messages or events that could not be read"),
+            ("restarts", "Engine restarts seen (its sequence starting over)"),
+        )
+    }
+    for f in feeds:
+        node = str(f["node"])
+        connected.add_metric([node], 1.0 if f.get("connected") else 0.0)
+        for key, family in counters.items():
+            family.add_metric([node], float(f.get(key) or 0))
+    yield connected
+    yield from counters.values()
 
 
 # --- the app ---------------------------------------------------------------------------------
@@ -414,11 +443,13 @@ def create_app(
 
     @app.get("/v1/index", tags=["index"], responses=_errors(503))
     def index() -> dict[str, Any]:
-        """The index's kind, each node's entries, and each followed agent's state."""
+        """The index's kind, each node's entries, each followed agent's state and each
+        engine event feed's (vLLM's KV events)."""
         return {
             "kind": getattr(router.index, "kind", type(router.index).__name__),
             "nodes": router.index.nodes(),
             "followers": router.follower_status(),
+            "engines": router.engine_status(),
         }
 
     @app.get("/metrics", tags=["router"], responses=_errors())

@@ -68,6 +68,17 @@ class FollowerSet(Protocol):
     def up_nodes(self) -> frozenset[str]: ...
 
 
+class EngineFeed(Protocol):
+    """What the router needs of an engine's own KV event stream
+    (``kvctl.index.vllm_events.VllmEventSubscriber``): it writes into the router's index itself."""
+
+    def start(self) -> object: ...
+
+    def stop(self, timeout_s: float = ...) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class KeySpace:
     """How an agent turns a tenant's prompt into chunk keys: its model's namespace (model id
@@ -172,6 +183,7 @@ class Router:
         *,
         keyspace: KeySpace | None = None,
         followers: FollowerSet | None = None,
+        engine_feeds: Sequence[EngineFeed] = (),
         load: LoadTally | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -180,6 +192,7 @@ class Router:
         self.costs = costs
         self.keyspace = keyspace or KeySpace.of_model("llama-3.1-8b")
         self.followers = followers
+        self.engine_feeds = tuple(engine_feeds)
         self.load = load or LoadTally()
         #: changes every time a router starts: decision ids are unique across restarts
         self.instance = uuid.uuid4().hex[:12]
@@ -200,12 +213,17 @@ class Router:
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
-        """Start following the agents (when the router has followers)."""
+        """Start following the agents (when the router has followers) and the engines' own
+        KV events (when it has feeds)."""
         if self.followers is not None:
             self.followers.start()
+        for feed in self.engine_feeds:
+            feed.start()
 
     def close(self) -> None:
         """Stop following and close the index."""
+        for feed in self.engine_feeds:
+            feed.stop()
         if self.followers is not None:
             self.followers.stop()
         self.index.close()
@@ -213,6 +231,10 @@ class Router:
     # --- what the router knows ---------------------------------------------------------------
     def follower_status(self) -> list[dict[str, Any]]:
         return [] if self.followers is None else self.followers.status()
+
+    def engine_status(self) -> list[dict[str, Any]]:
+        """Each engine event feed's state: connected, sequence, chunks, gaps, errors."""
+        return [feed.status() for feed in self.engine_feeds]
 
     def up_nodes(self) -> frozenset[str] | None:
         """Nodes whose follower is up; None (every node) when the router follows no agent."""

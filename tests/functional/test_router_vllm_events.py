@@ -1,0 +1,191 @@
+"""A real `kvctl router serve --vllm-events` process reads a vLLM engine's own KV events (a
+publisher speaking vLLM's ZMQ protocol, as in test_vllm_events_zmq.py) into its index as
+``NODE#vllm``: what the engine stored before the router started comes from the replay socket,
+later batches live; a prompt the engine's GPU cache holds is routed to its node; an eviction
+takes it out; the feed shows in /v1/index, /metrics and `kvctl router status`; bad flags are
+refused before anything starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.functional.agents import Agent, running_agent
+from tests.functional.test_vllm_events_zmq import TOPIC, FakeVllmPublisher
+
+CHUNK_TOKENS = 16
+BLOCK_TOKENS = 4
+TOKEN = "functional-router-vllm-token"
+
+
+def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def blocks_stored(tokens: list[int], first_hash: int) -> list[Any]:
+    """One vLLM BlockStored event for ``tokens`` from the start of a sequence (hashes from
+    ``first_hash`` on, each block's parent the one before)."""
+    hashes = list(range(first_hash, first_hash + len(tokens) // BLOCK_TOKENS))
+    return ["BlockStored", hashes, None, tokens, BLOCK_TOKENS, None, "GPU"]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["COLUMNS"] = "300"
+    return env
+
+
+@dataclass
+class Served:
+    url: str
+    http: httpx.Client
+    pub: FakeVllmPublisher
+    agents: dict[str, Agent]
+
+
+FIRST = list(range(7000, 7000 + 3 * CHUNK_TOKENS))  # stored before the router starts
+SECOND = list(range(9000, 9000 + 2 * CHUNK_TOKENS))  # stored while it runs
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    root = tmp_path_factory.mktemp("router-vllm")
+    (root / "router.token").write_text(TOKEN)
+    pub = FakeVllmPublisher(replay=True)
+    # kept for the replay socket only, as if published before anyone listened
+    pub.publish([blocks_stored(FIRST, 100)], send=False)
+    small = ["--cpu", "16MiB", "--disk", "0"]
+    try:
+        with (
+            running_agent(root / "a1", "--name", "a1", "--dc", "fra", *small) as a1,
+            running_agent(root / "a2", "--name", "a2", "--dc", "fra", *small) as a2,
+        ):
+            args = [
+                sys.executable, "-m", "kvctl", "router", "serve",
+                "--listen", "127.0.0.1:0", "--token-file", str(root / "router.token"),
+                "--agent", f"a1={a1.state.control_url}@fra",
+                "--agent", f"a2={a2.state.control_url}@fra",
+                "--chunk-tokens", str(CHUNK_TOKENS), "--prefill-tokens-per-s", "10000",
+                "--poll-s", "0.05",
+                "--vllm-events", f"a1={pub.endpoint},replay={pub.replay_endpoint},topic={TOPIC}",
+            ]  # fmt: skip
+            proc = subprocess.Popen(
+                args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
+            )
+            try:
+                assert proc.stdout is not None
+                first = proc.stdout.readline()
+                found = re.search(r"serving at (http://[0-9.]+:[0-9]+)", first)
+                assert found, f"the router did not start: {first}{proc.stdout.read()[-3000:]}"
+                url = found.group(1)
+                with httpx.Client(
+                    base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+                ) as http:
+                    yield Served(url, http, pub, {"a1": a1, "a2": a2})
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    code = proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    raise
+                assert code == 0, f"the router exited {code} on SIGTERM"
+    finally:
+        pub.close()
+
+
+def engines(s: Served) -> list[dict[str, Any]]:
+    feeds: list[dict[str, Any]] = s.http.get("/v1/index").json()["engines"]
+    return feeds
+
+
+def route(s: Served, tokens: list[int]) -> dict[str, Any]:
+    r = s.http.post(
+        "/v1/route", json={"tokens": tokens, "tenant": "acme", "origin_dc": "fra", "explain": True}
+    )
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_what_the_engine_stored_before_the_router_started_is_routed_to_its_node(
+    served: Served,
+) -> None:
+    wait_until("the replayed chunks in the index", lambda: engines(served)[0]["live_chunks"] == 3)
+    feed = engines(served)[0]
+    assert feed["node"] == "a1#vllm" and feed["replay_endpoint"] == served.pub.replay_endpoint
+    assert feed["replayed"] >= 1 and feed["unrecovered"] == 0
+    d = route(served, FIRST)
+    # the engine's GPU cache is a1's own: nothing to fetch, nothing to prefill
+    assert d["node"] == "a1" and d["local_chunks"] == 3 and d["prefill_s"] == 0.0
+    a2 = next(s for s in d["scores"] if s["node"] == "a2")
+    assert a2["local_chunks"] == 0 and a2["pulled_chunks"] == 0  # an engine's GPU is not a source
+    assert served.http.get("/v1/index").json()["nodes"].get("a1#vllm") == 3
+
+
+def test_live_batches_and_evictions_follow_the_engine(served: Served) -> None:
+    wait_until("the feed connected", lambda: engines(served)[0]["connected"])
+
+    def arrived() -> bool:  # a PUB socket drops what it sends before the subscription lands
+        if engines(served)[0]["messages"] > 0:
+            return True
+        served.pub.publish([])
+        return False
+
+    wait_until("a live batch through", arrived)
+    served.pub.publish([blocks_stored(SECOND, 500)])
+    wait_until("the live chunks in the index", lambda: route(served, SECOND)["local_chunks"] == 2)
+    assert route(served, SECOND)["node"] == "a1"
+    # vLLM evicts the second prompt's first block: both its chunks are unusable now
+    served.pub.publish([["BlockRemoved", [500], "GPU"]])
+    wait_until("the eviction applied", lambda: route(served, SECOND)["indexed_chunks"] == 0)
+    metrics = served.http.get("/metrics").text
+    assert 'kvctl_index_engine_connected{node="a1#vllm"} 1.0' in metrics
+    assert re.search(r'kvctl_index_engine_chunks_removed_total\{node="a1#vllm"\} 2\.0', metrics)
+    assert re.search(r'kvctl_index_engine_gaps_total\{node="a1#vllm"\} 0\.0', metrics)
+
+
+def test_router_status_shows_the_engine_feed(served: Served, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvctl", "router", "status", "--router", served.url,
+         "--token-file", str(token_file)],
+        capture_output=True, text=True, env=_env(), timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "engine events a1#vllm" in done.stdout and "connected" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("flag", "message"),
+    [
+        ("nobody=tcp://127.0.0.1:5557", "'nobody', which is not a node of the fleet"),
+        ("a1", "expected NODE=tcp://HOST:PORT"),
+        ("a1=tcp://127.0.0.1:5557,color=red", "bad --vllm-events option 'color=red'"),
+        ("a1=http://127.0.0.1:5557", "endpoint must be tcp://HOST:PORT"),
+    ],
+)
+def test_bad_vllm_events_flags_are_refused(flag: str, message: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvctl", "router", "serve", "--listen", "127.0.0.1:0",
+         "--agent", "a1=http://127.0.0.1:9@fra", "--vllm-events", flag],
+        capture_output=True, text=True, env=_env(), timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in " ".join((done.stdout + done.stderr).split())
