@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 from kvctl.index.events import ChunkEvent
 
@@ -44,8 +44,10 @@ class Holding:
         return ENGINE_SEPARATOR in self.node
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
+class _Entry(NamedTuple):
+    """A node's copy of a chunk. A tuple, not a frozen dataclass: one is made per stored
+    event, and a tuple builds in about a third of the time (the index's update rate)."""
+
     tier: str
     tenant: str
     isolated: bool
@@ -54,10 +56,6 @@ class _Entry:
 
     def visible_to(self, tenant: str) -> bool:
         return not self.isolated or self.tenant == tenant
-
-    @classmethod
-    def of(cls, e: ChunkEvent) -> _Entry:
-        return cls(e.tier, e.tenant, e.isolated, e.size_bytes, e.tokens)
 
 
 @runtime_checkable
@@ -110,15 +108,33 @@ class EmbeddedIndex:
     def apply(self, node: str, events: Iterable[ChunkEvent]) -> int:
         n = 0
         with self._lock:
+            # stored events, most of a stream, inline with their lookups hoisted: the router
+            # applies every agent's events on one lock
+            by_key, answers, entry = self._by_key, self._answers, _Entry
+            held_here: set[bytes] | None = None
             for e in events:
-                self._apply_locked(node, e)
                 n += 1
+                if e.kind == "stored":
+                    key = e.key
+                    answers.pop(key, None)
+                    held = by_key.get(key)
+                    if held is None:
+                        held = by_key[key] = {}
+                    held[node] = entry(e.tier, e.tenant, e.isolated, e.size_bytes, e.tokens)
+                    if held_here is None:
+                        held_here = self._by_node.setdefault(node, set())
+                    held_here.add(key)
+                else:
+                    self._apply_locked(node, e)
+                    held_here = None  # a removal or a clear may have dropped the node's set
         return n
 
     def _apply_locked(self, node: str, e: ChunkEvent) -> None:
         self._answers.pop(e.key, None)
         if e.kind == "stored":
-            self._by_key.setdefault(e.key, {})[node] = _Entry.of(e)
+            self._by_key.setdefault(e.key, {})[node] = _Entry(
+                e.tier, e.tenant, e.isolated, e.size_bytes, e.tokens
+            )
             self._by_node.setdefault(node, set()).add(e.key)
         elif e.kind == "removed":
             held = self._by_key.get(e.key)
