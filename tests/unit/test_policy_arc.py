@@ -49,13 +49,13 @@ def test_registered_and_arguments_checked() -> None:
 
 
 def test_chunks_seen_once_go_first_while_their_list_is_over_its_target() -> None:
-    store, _ = arc_store(4)
+    store, _ = arc_store(4, initial_t1_ratio=0.5)
     gone = evicted_keys(store)
     for name in "abcd":
         store.put(k(name), None, size_bytes=1)
     store.touch(k("a"))  # seen twice: into T2
-    # full: the target for T1 starts at half the tier (2 chunks); T1 holds b, c, d (3 > 2), so
-    # the least recently used chunk seen once goes, although a is older than all of them
+    # full: the target for T1 starts at half the tier here (2 chunks); T1 holds b, c, d (3 > 2),
+    # so the least recently used chunk seen once goes, although a is older than all of them
     for name in "efg":
         store.put(k(name), None, size_bytes=1)
     assert names(gone) == ["b", "c", "d"]
@@ -63,7 +63,7 @@ def test_chunks_seen_once_go_first_while_their_list_is_over_its_target() -> None
 
 
 def test_ghost_hits_move_the_target_toward_the_list_that_lost_the_chunk() -> None:
-    store, policy = arc_store(4)
+    store, policy = arc_store(4, initial_t1_ratio=0.5)
     for name in "abcd":
         store.put(k(name), None, size_bytes=1)
     store.touch(k("a"))
@@ -80,7 +80,8 @@ def test_ghost_hits_move_the_target_toward_the_list_that_lost_the_chunk() -> Non
 
 
 def test_leaf_first_and_never_the_chunk_just_stored_while_another_leaf_is_left() -> None:
-    store, _ = arc_store(3)
+    store, policy = arc_store(3)
+    assert policy.initial_t1_ratio == 0  # as in ARC: T1 is over its target from the start
     gone = evicted_keys(store)
     store.put(k("x"), None, size_bytes=1)
     store.touch(k("x"))  # T2
