@@ -14,7 +14,7 @@ from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.metered import MeteredTier
 from kvctl.workload.generators import generate
 from kvctl.workload.simulate import capacity_from_fraction, simulate_policy
-from kvctl.workload.trace import TraceRequest
+from kvctl.workload.trace import TraceRequest, read_mooncake_trace
 
 
 def k(name: str) -> bytes:
@@ -219,3 +219,14 @@ def test_simulator_and_a_store_over_real_bytes_make_the_same_decisions(policy: s
         assert gone_live == gone_metered  # the same chunks, in the same order
     finally:
         live.close()
+
+
+def test_leads_lineage_lru2_on_the_whole_shared_trace_at_10_percent(shared_trace) -> None:  # type: ignore[no-untyped-def]
+    """The measured claim (lineage-arc 27.85% of blocks against 26.79% for lineage-lru2, 55.0%
+    and 52.9% of Belady). The whole trace: on its first 2,000 requests lineage-lru2 still leads
+    (8.81% against 8.35%), as ARC's split needs ghost hits to move."""
+    requests = read_mooncake_trace(shared_trace)
+    cap = capacity_from_fraction(len({b for r in requests for b in r.block_ids}), 0.1)
+    arc = simulate_policy(requests, tiers={"cpu": cap}, policy="lineage-arc").hit_ratio
+    lru2 = simulate_policy(requests, tiers={"cpu": cap}, policy="lineage-lru2").hit_ratio
+    assert arc > lru2 + 0.005
