@@ -102,6 +102,9 @@ class EngineReading:
     kvbm_offload_disk_blocks: float | None = None
     kvbm_onboard_host_blocks: float | None = None
     kvbm_onboard_disk_blocks: float | None = None
+    #: the source leaves out counters that keep counting (TensorRT-LLM's JSON stats when idle):
+    #: one missing before is a baseline when it shows, not an increase since the engine started
+    missing_means_unread: bool = False
 
 
 def parse_engine_metrics(text: str) -> EngineReading:
@@ -420,16 +423,17 @@ def _trtllm_iterations_reading(text: str) -> EngineReading:
         )
     with_kv = [e for e in entries if isinstance(e.get("kvCacheStats"), dict)]
     if not with_kv:
-        return _reading("trtllm", _SideFields())
+        return replace(_reading("trtllm", _SideFields()), missing_means_unread=True)
     kv: dict[str, Any] = with_kv[-1]["kvCacheStats"]
     used, total = _json_count(kv, "usedNumBlocks"), _json_count(kv, "maxNumBlocks")
-    return _reading(
+    reading = _reading(
         "trtllm",
         _SideFields(),
         kv_usage_ratio=used / total if used is not None and total else None,
         kv_reused_blocks=_json_count(kv, "reusedBlocks"),
         kv_missed_blocks=_json_count(kv, "missedBlocks"),
     )
+    return replace(reading, missing_means_unread=True)
 
 
 def _json_count(obj: Mapping[str, Any], key: str) -> float | None:

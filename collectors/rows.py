@@ -195,7 +195,13 @@ def engine_row(
         "kvbm_onboard_host_blocks": reading.kvbm_onboard_host_blocks,
         "kvbm_onboard_disk_blocks": reading.kvbm_onboard_disk_blocks,
     }
-    inc = tracker.increase(f"engine:{node_id}", raw, epoch=epoch, ts_ms=ts_ms)
+    inc = tracker.increase(
+        f"engine:{node_id}",
+        raw,
+        epoch=epoch,
+        ts_ms=ts_ms,
+        missing_means_unread=reading.missing_means_unread,
+    )
     quantiles: dict[str, float | None] = {
         "ttft_p50_s": None,
         "ttft_p90_s": None,

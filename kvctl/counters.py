@@ -42,9 +42,16 @@ class CounterTracker:
         *,
         epoch: float | None,
         ts_ms: int,
+        missing_means_unread: bool = False,
     ) -> dict[str, float | None]:
         """Increase of each counter since the previous sample of ``series``; None where the
-        counter is absent now (a reading that could not be taken)."""
+        counter is absent now (a reading that could not be taken).
+
+        A counter the series' previous samples lacked is counted from zero (it was created
+        since: a labelled child appears at its first increment), unless
+        ``missing_means_unread``: the source leaves out counters that keep counting (TensorRT-
+        LLM's JSON stats when idle), so its first value is a baseline (None), not an
+        increase."""
         prev = self._last.get(series)
         restarted = prev is not None and epoch is not None and prev.epoch not in (None, epoch)
         out: dict[str, float | None] = {}
@@ -55,6 +62,8 @@ class CounterTracker:
             before = None if prev is None else prev.values.get(name)
             if prev is None:
                 out[name] = 0.0
+            elif before is None and not restarted and missing_means_unread:
+                out[name] = None
             elif restarted or before is None or value < before:
                 out[name] = value
             else:

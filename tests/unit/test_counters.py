@@ -35,6 +35,23 @@ def test_absent_reading_is_none_and_resumes_later() -> None:
     assert t.increase("e", {"a": 12.0, "b": 9.0}, epoch=None, ts_ms=20) == {"a": 0.0, "b": 4.0}
 
 
+def test_a_counter_first_shown_late_is_counted_from_zero_or_is_a_baseline() -> None:
+    t = CounterTracker()
+    t.increase("e", {"a": 10.0, "b": None}, epoch=None, ts_ms=0)
+    # created since (a labelled child at its first increment): all of it is new
+    assert t.increase("e", {"a": 11.0, "b": 7.0}, epoch=None, ts_ms=10) == {"a": 1.0, "b": 7.0}
+    u = CounterTracker()
+    u.increase("e", {"a": 10.0, "b": None}, epoch=None, ts_ms=0, missing_means_unread=True)
+    # hidden before though counting: its first value is a baseline, then increases
+    got = u.increase("e", {"a": 11.0, "b": 7.0}, epoch=None, ts_ms=10, missing_means_unread=True)
+    assert got == {"a": 1.0, "b": None}
+    got = u.increase("e", {"a": 11.0, "b": 9.0}, epoch=None, ts_ms=20, missing_means_unread=True)
+    assert got == {"a": 0.0, "b": 2.0}
+    # a restart (the counters fell) still counts everything from zero
+    got = u.increase("e", {"a": 3.0, "b": 4.0}, epoch=None, ts_ms=30, missing_means_unread=True)
+    assert got == {"a": 3.0, "b": 4.0}
+
+
 def test_series_are_independent() -> None:
     t = CounterTracker()
     t.increase("x", {"n": 1.0}, epoch=1.0, ts_ms=0)

@@ -68,3 +68,22 @@ def test_trtllm_iteration_stats_increases_across_idle_scrapes_and_a_restart() ->
     # the idle scrape records nothing, and the next one carries its interval too
     assert got == [(0, 0), (96, 179), (None, None), (60, 10), (7, 20)]
     assert all(r["engine"] == "trtllm" for r in rows)
+
+
+def test_trtllm_iteration_stats_first_seen_after_idle_scrapes_are_a_baseline() -> None:
+    # The collector met the engine idle ("[]": its JSON hides the block counters, which have
+    # been counting since it started): the first counters it shows are a baseline, not the
+    # blocks of this one interval.
+    tracker = CounterTracker()
+    texts = [
+        "[]",
+        "[]",
+        trtllm_iterations((150, 4000, 31210, 3)),
+        trtllm_iterations((151, 4040, 31290, 9)),
+    ]
+    rows = [
+        engine_row(tracker, 9, 10_000 * i, parse_engine_metrics(t), None)
+        for i, t in enumerate(texts)
+    ]
+    got = [(r["kv_reused_blocks"], r["kv_missed_blocks"]) for r in rows]
+    assert got == [(None, None), (None, None), (None, None), (40, 80)]
