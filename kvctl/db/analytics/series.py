@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
@@ -96,43 +98,41 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
             values = target.setdefault(m["tier"], [None] * n)
             if (mean := gauge_mean(m, gauge)) is not None:
                 values[i] = (values[i] or 0.0) + mean
-    q = buckets(
-        conn,
-        series("power_sample"),
-        win.start_ms,
-        win.end_ms,
-        win.step_ms,
-        where=where,
-        columns=["energy_j", "power_w"],
+    _add_power(conn, "power_sample", win, where, pos, out.power_w, out.energy_j)
+    _add_power(
+        conn, "emulated_power_sample", win, where, pos, out.emulated_power_w, out.emulated_energy_j
     )
-    for r in conn.execute(q):
-        m = r._mapping
-        i = pos.get(int(m["bucket_ms"]))
-        if i is None:
-            continue
-        if (mean := gauge_mean(m, "power_w")) is not None:
-            out.power_w[i] = (out.power_w[i] or 0.0) + mean
-        if m["energy_j"] is not None:
-            out.energy_j[i] = (out.energy_j[i] or 0.0) + float(m["energy_j"])
-    q = buckets(
-        conn,
-        series("emulated_power_sample"),
-        win.start_ms,
-        win.end_ms,
-        win.step_ms,
-        where=where,
-        columns=["energy_j", "power_w"],
-    )
-    for r in conn.execute(q):
-        m = r._mapping
-        i = pos.get(int(m["bucket_ms"]))
-        if i is None:
-            continue
-        if (mean := gauge_mean(m, "power_w")) is not None:
-            out.emulated_power_w[i] = (out.emulated_power_w[i] or 0.0) + mean
-        if m["energy_j"] is not None:
-            out.emulated_energy_j[i] = (out.emulated_energy_j[i] or 0.0) + float(m["energy_j"])
     return out
+
+
+def _add_power(
+    conn: Connection,
+    table: str,
+    win: Window,
+    where: Mapping[str, Any],
+    pos: dict[int, int],
+    power_w: list[float | None],
+    energy_j: list[float | None],
+) -> None:
+    """Add ``table``'s power (the sum of each series' mean) and energy to each bucket's."""
+    q = buckets(
+        conn,
+        series(table),
+        win.start_ms,
+        win.end_ms,
+        win.step_ms,
+        where=where,
+        columns=["energy_j", "power_w"],
+    )
+    for r in conn.execute(q):
+        m = r._mapping
+        i = pos.get(int(m["bucket_ms"]))
+        if i is None:
+            continue
+        if (mean := gauge_mean(m, "power_w")) is not None:
+            power_w[i] = (power_w[i] or 0.0) + mean
+        if m["energy_j"] is not None:
+            energy_j[i] = (energy_j[i] or 0.0) + float(m["energy_j"])
 
 
 @dataclass(frozen=True, slots=True)
