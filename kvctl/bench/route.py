@@ -455,11 +455,20 @@ def _choose(
         decision = policy.decide(request)
         return None if decision is None else decision.chosen
     node = policy.choose(request)
-    if node is None:
-        return None
-    # the chosen node's own plan, scored exactly as the cost policy scores it
+    return None if node is None else _plan_on(node, request.holdings, request, topology, costs)
+
+
+def _plan_on(
+    node: str,
+    holdings: Sequence[Sequence[Holding]],
+    request: RouteRequest,
+    topology: Topology,
+    costs: Costs,
+) -> NodeScore | None:
+    """``node``'s own plan for ``request`` over ``holdings``, scored exactly as the cost policy
+    scores it."""
     scores = score_nodes(
-        request.holdings,
+        holdings,
         tokens=request.tokens,
         chunk_tokens=request.chunk_tokens,
         topology=topology,
@@ -493,17 +502,7 @@ def _choose_alone(
         home &= request.up
 
     def alone(node: str) -> NodeScore | None:
-        scores = score_nodes(
-            own_holdings(request.holdings, node),
-            tokens=request.tokens,
-            chunk_tokens=request.chunk_tokens,
-            topology=topology,
-            costs=costs,
-            origin_dc=request.origin_dc,
-            queue_s=request.queue_s,
-            up={node},
-        )
-        return scores[0] if scores else None
+        return _plan_on(node, own_holdings(request.holdings, node), request, topology, costs)
 
     if not isinstance(policy, CostPolicy):
         node = policy.choose(dataclasses.replace(request, up=home))
