@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +72,12 @@ def gauge_by(labels: str, metric: str) -> str:
 class Query:
     expr: str
     legend: str
+
+
+def each(names: Sequence[str], expr: Callable[[str], str], legend: str) -> list[Query]:
+    """One query per ``name`` (a metric's variants: used and capacity, calls and skips):
+    ``expr(name)``, its legend ``legend`` followed by the name."""
+    return [Query(expr(name), f"{legend} {name}") for name in names]
 
 
 @dataclass
@@ -329,13 +335,11 @@ def rows() -> list[tuple[str, list[Chart]]]:
                     "Tier used and capacity, selected nodes",
                     "Bytes held and configured capacity, summed by tier.",
                     "bytes",
-                    [
-                        Query(
-                            gauge_by("tier", f"kvctl_tier_{kind}_bytes"),
-                            f"{{{{tier}}}} {kind}",
-                        )
-                        for kind in ("used", "capacity")
-                    ],
+                    each(
+                        ("used", "capacity"),
+                        lambda kind: gauge_by("tier", f"kvctl_tier_{kind}_bytes"),
+                        "{{tier}}",
+                    ),
                 ),
                 Chart(
                     "Evictions by reason, selected nodes",
@@ -433,13 +437,13 @@ def rows() -> list[tuple[str, list[Chart]]]:
                     "Calls made to each remote source, and calls not made because its breaker "
                     "was open, over the selected nodes.",
                     "reqps",
-                    [
-                        Query(
-                            rate_by("source, tier", f"kvctl_remote_source_{counter}_total"),
-                            f"{{{{source}}}} {counter}",
-                        )
-                        for counter in ("calls", "skipped")
-                    ],
+                    each(
+                        ("calls", "skipped"),
+                        lambda counter: rate_by(
+                            "source, tier", f"kvctl_remote_source_{counter}_total"
+                        ),
+                        "{{source}}",
+                    ),
                 ),
             ],
         ),
