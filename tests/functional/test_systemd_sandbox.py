@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,13 +20,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 from kvctl.agent.daemon import AgentState
 from kvctl.agent.systemd import render_unit
 from kvctl.client import AgentClient, AgentError, ChunkNotFound, DataClient
 from tests.functional.agents import key, payload
-from tests.unit.test_systemd_unit import one, unit_settings
+from tests.tools import required_tool
+from tests.unit.test_systemd_unit import one, systemd_analyze, unit_settings
 
 TOKEN = "sandbox-" + "c" * 40
 MiB = 1 << 20
@@ -36,16 +34,6 @@ _WRITES = re.compile(
     r"^\d+\s+(?:open|openat|creat|mkdir|mkdirat|unlink|unlinkat|rename|renameat2?|truncate)\("
     r'(?:AT_FDCWD, )?"([^"]*)"(.*)$'
 )
-
-
-def _tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        why = f"{name} not found (Debian package: {name if name == 'strace' else 'systemd'})"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return path
 
 
 def syscall_groups(analyze: str) -> dict[str, set[str]]:
@@ -182,7 +170,8 @@ def _drive(state: AgentState) -> None:
 
 
 def test_the_unit_sandbox_admits_what_the_agent_does(tmp_path: Path) -> None:
-    strace, analyze = _tool("strace"), _tool("systemd-analyze")
+    strace = required_tool("strace", "apt-get install strace")
+    analyze = systemd_analyze()
     unit = unit_settings(render_unit(Path("/opt/kvctl/bin/kvctl"), Path("/etc/kvctl/agent.toml")))
     allowed = allowed_syscalls(unit["SystemCallFilter"], syscall_groups(analyze))
     assert {"read", "mmap", "memfd_create"} <= allowed and "mount" not in allowed  # parsed

@@ -6,9 +6,7 @@ without it outside CI)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from kvctl.agent.systemd import (
     render_unit,
 )
 from kvctl.cli.main import app
+from tests.tools import required_tool
 
 OPT_KVCTL = Path("/opt/kvctl/bin/kvctl")
 
@@ -64,13 +63,7 @@ def last(settings: dict[str, list[str]], key: str) -> str:
 
 
 def systemd_analyze() -> str:
-    path = shutil.which("systemd-analyze")
-    if path is None:
-        why = "systemd-analyze not found (Debian package: systemd)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(why)
-        pytest.skip(why)
-    return path
+    return required_tool("systemd-analyze", "apt-get install systemd")
 
 
 def fake_kvctl(directory: Path) -> Path:
