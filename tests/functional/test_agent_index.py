@@ -6,8 +6,7 @@ when the index is unreachable (a router stopped, or a URL nothing answers on).""
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from kvctl.store.keys import parents_of
 from tests.functional.agents import Agent, closed_port, key, payload, running_agent
+from tests.functional.waiting import wait_until as wait_for
 
 CHUNK_BYTES = 64 << 10
 SMALL = ["--disk", "0", "--cpu", "64MiB"]
@@ -64,14 +64,6 @@ def put_chain(agent: Agent, keys: list[bytes], tenant: str) -> None:
             tokens=256,
         )
     assert {o.status for o in outs} == {"stored"}
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @contextlib.contextmanager

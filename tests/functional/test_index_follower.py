@@ -9,8 +9,7 @@ from __future__ import annotations
 import http.server
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,18 +18,11 @@ import pytest
 from kvctl.index.follower import Follower, Followers
 from kvctl.index.model import EmbeddedIndex, Holding
 from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
+from tests.functional.waiting import wait_until
 
 CHUNK_BYTES = 4096
 TOKENS = 16
 SMALL = ["--cpu", "8MiB", "--disk", "0"]
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def put(agent: Agent, keys: list[bytes], *, tenant: str = "t1", isolated: bool = False) -> None:

@@ -16,6 +16,7 @@ from kvctl.agent.settings import DEFAULT_MODELS
 from kvctl.cli.main import app
 from kvctl.store.keys import Namespace, keys_for, parents_of
 from tests.functional.agents import Agent, payload, running_agent
+from tests.functional.waiting import wait_until as wait_for
 
 CHUNK_BYTES = 1 << 20
 NS = Namespace(DEFAULT_MODELS[0].id, DEFAULT_MODELS[0].layout)
@@ -42,14 +43,6 @@ def put_chain(agent: Agent, keys: list[bytes], tenant: str) -> None:
 
 def remote(agent: Agent) -> dict[str, Any]:
     return agent.control()._request("GET", "/v1/remote")
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def pool_holds(pool: Agent, n: int) -> Callable[[], bool]:

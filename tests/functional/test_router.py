@@ -7,13 +7,8 @@ use against the router answers as an index built here from the agents' own listi
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import signal
 import subprocess
-import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +19,8 @@ from kvctl.index.events import from_listing
 from kvctl.index.model import EmbeddedIndex
 from kvctl.index.remote import IndexClient, IndexUnavailable
 from tests.functional.agents import Agent, payload, running_agent
+from tests.functional.routers import running_router
+from tests.functional.waiting import wait_until
 
 CHUNK_TOKENS = 16
 CHUNK_BYTES = 64 << 10
@@ -49,14 +46,6 @@ class Fleet:
         assert r.status_code == 200, r.text
         rows: list[list[dict[str, Any]]] = r.json()["holders"]
         return rows
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def prompt(seed: int, chunks: int) -> list[int]:
@@ -106,42 +95,20 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     with agent("a1") as a1, agent("a2") as a2, agent("b1") as b1:
         agents = {"a1": a1, "a2": a2, "b1": b1}
         args = [
-            sys.executable, "-m", "kvctl", "router", "serve",
-            "--listen", "127.0.0.1:0", "--token-file", str(token_file),
+            "--token-file", str(token_file),
             "--link", "fra:ams=2000",
             "--chunk-tokens", str(CHUNK_TOKENS), "--isolated-tenant", "secret",
             "--prefill-tokens-per-s", "10000", "--poll-s", "0.05",
         ]  # fmt: skip
         for name, agent in agents.items():
             args += ["--agent", f"{name}={agent.state.control_url}@{placement[name]}"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-        env["COLUMNS"] = "300"
-        proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-        )
-        try:
-            assert proc.stdout is not None
-            first = proc.stdout.readline()
-            found = re.search(r"serving at (http://[0-9.]+:[0-9]+)", first)
-            assert found, f"the router did not start: {first}{proc.stdout.read()[-3000:]}"
-            url = found.group(1)
-            with httpx.Client(
-                base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
-            ) as http:
-                f = Fleet(agents, url, http, proc)
-                wait_until(
-                    "every agent followed",
-                    lambda: sum(x["up"] for x in http.get("/v1/index").json()["followers"]) == 3,
-                )
-                yield f
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                code = proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                raise
-            assert code == 0, f"the router exited {code} on SIGTERM"
+        with running_router(args, token=TOKEN) as router:
+            http = router.http
+            wait_until(
+                "every agent followed",
+                lambda: sum(x["up"] for x in http.get("/v1/index").json()["followers"]) == 3,
+            )
+            yield Fleet(agents, router.url, http, router.proc)
 
 
 def test_a_request_goes_to_the_node_holding_its_prefix(fleet: Fleet) -> None:

@@ -7,13 +7,10 @@ refused before anything starts."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,19 +19,13 @@ import httpx
 import pytest
 
 from tests.functional.agents import Agent, running_agent
+from tests.functional.routers import cli_env, running_router
 from tests.functional.test_vllm_events_zmq import TOPIC, FakeVllmPublisher
+from tests.functional.waiting import wait_until
 
 CHUNK_TOKENS = 16
 BLOCK_TOKENS = 4
 TOKEN = "functional-router-vllm-token"
-
-
-def wait_until(what: str, check: Callable[[], bool], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def blocks_stored(tokens: list[int], first_hash: int) -> list[Any]:
@@ -42,12 +33,6 @@ def blocks_stored(tokens: list[int], first_hash: int) -> list[Any]:
     ``first_hash`` on, each block's parent the one before)."""
     hashes = list(range(first_hash, first_hash + len(tokens) // BLOCK_TOKENS))
     return ["BlockStored", hashes, None, tokens, BLOCK_TOKENS, None, "GPU"]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-    env["COLUMNS"] = "300"
-    return env
 
 
 @dataclass
@@ -76,35 +61,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             running_agent(root / "a2", "--name", "a2", "--dc", "fra", *small) as a2,
         ):
             args = [
-                sys.executable, "-m", "kvctl", "router", "serve",
-                "--listen", "127.0.0.1:0", "--token-file", str(root / "router.token"),
+                "--token-file", str(root / "router.token"),
                 "--agent", f"a1={a1.state.control_url}@fra",
                 "--agent", f"a2={a2.state.control_url}@fra",
                 "--chunk-tokens", str(CHUNK_TOKENS), "--prefill-tokens-per-s", "10000",
                 "--poll-s", "0.05",
                 "--vllm-events", f"a1={pub.endpoint},replay={pub.replay_endpoint},topic={TOPIC}",
             ]  # fmt: skip
-            proc = subprocess.Popen(
-                args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()
-            )
-            try:
-                assert proc.stdout is not None
-                first = proc.stdout.readline()
-                found = re.search(r"serving at (http://[0-9.]+:[0-9]+)", first)
-                assert found, f"the router did not start: {first}{proc.stdout.read()[-3000:]}"
-                url = found.group(1)
-                with httpx.Client(
-                    base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
-                ) as http:
-                    yield Served(url, http, pub, {"a1": a1, "a2": a2})
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    code = proc.wait(20)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    raise
-                assert code == 0, f"the router exited {code} on SIGTERM"
+            with running_router(args, token=TOKEN) as router:
+                yield Served(router.url, router.http, pub, {"a1": a1, "a2": a2})
     finally:
         pub.close()
 
@@ -166,7 +131,7 @@ def test_router_status_shows_the_engine_feed(served: Served, tmp_path: Path) -> 
     done = subprocess.run(
         [sys.executable, "-m", "kvctl", "router", "status", "--router", served.url,
          "--token-file", str(token_file)],
-        capture_output=True, text=True, env=_env(), timeout=60,
+        capture_output=True, text=True, env=cli_env(), timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "engine events a1#vllm" in done.stdout and "connected" in done.stdout
@@ -185,7 +150,7 @@ def test_bad_vllm_events_flags_are_refused(flag: str, message: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "kvctl", "router", "serve", "--listen", "127.0.0.1:0",
          "--agent", "a1=http://127.0.0.1:9@fra", "--vllm-events", flag],
-        capture_output=True, text=True, env=_env(), timeout=60,
+        capture_output=True, text=True, env=cli_env(), timeout=60,
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in " ".join((done.stdout + done.stderr).split())

@@ -1,0 +1,58 @@
+"""A real `kvctl router serve` process for functional tests: on a free loopback port, found
+from the first line it prints, stopped with SIGTERM at the end (and its exit code checked)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+
+def cli_env() -> dict[str, str]:
+    """This environment without KVCTL_* settings, wide enough that no line wraps."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["COLUMNS"] = "300"
+    return env
+
+
+@dataclass
+class RunningRouter:
+    url: str
+    #: a client of the router's API, with its bearer token
+    http: httpx.Client
+    proc: subprocess.Popen[str]
+
+
+@contextlib.contextmanager
+def running_router(args: Sequence[str], *, token: str) -> Iterator[RunningRouter]:
+    """`kvctl router serve --listen 127.0.0.1:0 ARGS` (ARGS give its --token-file with
+    ``token``); its output is read for the URL only."""
+    argv = [sys.executable, "-m", "kvctl", "router", "serve", "--listen", "127.0.0.1:0", *args]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env()
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        found = re.search(r"serving at (http://[0-9.]+:[0-9]+)", first)
+        assert found, f"the router did not start: {first}{proc.stdout.read()[-3000:]}"
+        url = found.group(1)
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ) as http:
+            yield RunningRouter(url, http, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        assert code == 0, f"the router exited {code} on SIGTERM"
