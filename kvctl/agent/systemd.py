@@ -22,7 +22,10 @@ DEFAULT_UNIT_DIR = Path("/etc/systemd/system")
 DEFAULT_CONFIG = Path("/etc/kvctl/agent.toml")
 NEXT_STEP = "systemctl daemon-reload && systemctl enable --now kvctl-agent"
 #: ProtectHome=yes hides these from the service: a kvctl, interpreter or config there cannot run
-HIDDEN_ROOTS = (PurePosixPath("/home"), PurePosixPath("/root"), PurePosixPath("/run/user"))
+PROTECT_HOME_ROOTS = (PurePosixPath("/home"), PurePosixPath("/root"), PurePosixPath("/run/user"))
+#: PrivateTmp=yes gives the service empty ones of its own
+PRIVATE_TMP_ROOTS = (PurePosixPath("/tmp"), PurePosixPath("/var/tmp"))
+HIDDEN_ROOTS = PROTECT_HOME_ROOTS + PRIVATE_TMP_ROOTS
 UNIT_FILE_MODE = 0o644
 
 
@@ -132,8 +135,9 @@ def _interpreter(executable: Path) -> Path | None:
 
 
 def hidden_from_service(path: Path) -> tuple[Path, PurePosixPath] | None:
-    """The spelling of ``path`` (as given or with links resolved) that ProtectHome= hides
-    from the service and the hidden root it is under, or None when the service can reach it."""
+    """The spelling of ``path`` (as given or with links resolved) that ProtectHome= or
+    PrivateTmp= hides from the service and the hidden root it is under, or None when the
+    service can reach it."""
     for candidate in (path.absolute(), path.resolve()):
         pure = PurePosixPath(candidate)
         for root in HIDDEN_ROOTS:
@@ -157,8 +161,9 @@ def check_reachable(executable: Path, config: Path) -> None:
         if hidden is not None:
             spelling, root = hidden
             where = "" if spelling == path.absolute() else f" (as {spelling})"
+            setting = "PrivateTmp=yes" if root in PRIVATE_TMP_ROOTS else "ProtectHome=yes"
             raise UnitError(
-                f"{what} {path}{where} is under {root}, which the unit's ProtectHome=yes "
+                f"{what} {path}{where} is under {root}, which the unit's {setting} "
                 "hides from the service: install "
                 "kvctl where the service can run it (e.g. a virtual environment in /opt/kvctl) "
                 "and pass --kvctl, and keep the config in /etc/kvctl"
@@ -241,6 +246,8 @@ __all__ = [
     "DEFAULT_UNIT_DIR",
     "GPU_DROPIN",
     "NEXT_STEP",
+    "PRIVATE_TMP_ROOTS",
+    "PROTECT_HOME_ROOTS",
     "UNIT_NAME",
     "InstallReport",
     "InstalledFile",

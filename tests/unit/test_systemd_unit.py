@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from kvctl.agent import systemd
 from kvctl.agent.config import ConfigError, load_settings
 from kvctl.agent.systemd import (
     DEFAULT_CONFIG,
@@ -179,6 +180,13 @@ def test_exec_arg_refuses_what_systemd_cannot_run(path: str, command: bool, erro
         exec_arg(Path(path), command=command)
 
 
+@pytest.fixture
+def tmp_reachable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let units be installed from pytest's tmp_path (under /tmp, which PrivateTmp= hides
+    from a running service): these tests render, write and check units, never start them."""
+    monkeypatch.setattr(systemd, "HIDDEN_ROOTS", systemd.PROTECT_HOME_ROOTS)
+
+
 # --- what the sandbox hides ---------------------------------------------------------------------
 
 
@@ -188,15 +196,18 @@ def test_exec_arg_refuses_what_systemd_cannot_run(path: str, command: bool, erro
         ("/home/ann/.venv/bin/kvctl", "/home"),
         ("/root/.pyenv/versions/3.11/bin/python3", "/root"),
         ("/run/user/1000/kvctl", "/run/user"),
+        ("/tmp/venv/bin/kvctl", "/tmp"),  # PrivateTmp=: the service's /tmp is its own
+        ("/var/tmp/agent.toml", "/var/tmp"),
         ("/opt/kvctl/bin/kvctl", None),
         ("/homework/kvctl", None),
     ],
 )
-def test_protect_home_hides(path: str, root: str | None) -> None:
+def test_protect_home_and_private_tmp_hide(path: str, root: str | None) -> None:
     hidden = hidden_from_service(Path(path))
     assert (None if hidden is None else str(hidden[1])) == root
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_a_link_into_home_is_hidden_too(tmp_path: Path) -> None:
     link = tmp_path / "kvctl"
     link.symlink_to("/home/ann/.local/bin/kvctl")
@@ -204,6 +215,7 @@ def test_a_link_into_home_is_hidden_too(tmp_path: Path) -> None:
     assert hidden is not None and str(hidden[1]) == "/home"
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_a_kvctl_whose_interpreter_is_under_root_is_refused(tmp_path: Path) -> None:
     script = tmp_path / "kvctl"
     script.write_text("#!/root/.venv/bin/python3\nprint()\n")
@@ -212,6 +224,13 @@ def test_a_kvctl_whose_interpreter_is_under_root_is_refused(tmp_path: Path) -> N
         check_reachable(script, DEFAULT_CONFIG)
     with pytest.raises(UnitError, match=r"config file /home/ann/agent\.toml is under /home"):
         check_reachable(fake_kvctl(tmp_path / "ok"), Path("/home/ann/agent.toml"))
+
+
+def test_a_config_or_kvctl_in_tmp_is_refused_naming_private_tmp() -> None:
+    with pytest.raises(UnitError, match=r"/tmp/agent\.toml is under /tmp, .*PrivateTmp=yes"):
+        check_reachable(OPT_KVCTL, Path("/tmp/agent.toml"))
+    with pytest.raises(UnitError, match=r"kvctl /var/tmp/v/bin/kvctl is under /var/tmp"):
+        install_units(Path("/nonexistent/units"), executable=Path("/var/tmp/v/bin/kvctl"))
 
 
 def test_find_kvctl_prefers_the_running_one_then_path(
@@ -227,6 +246,7 @@ def test_find_kvctl_prefers_the_running_one_then_path(
 # --- installing ---------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_install_writes_then_keeps_then_refuses_a_different_unit(tmp_path: Path) -> None:
     kvctl, units = fake_kvctl(tmp_path / "bin"), tmp_path / "units"
     first = install_units(units, executable=kvctl, config=DEFAULT_CONFIG, gpu=True)
@@ -254,6 +274,7 @@ def test_install_writes_then_keeps_then_refuses_a_different_unit(tmp_path: Path)
     assert unit.read_text() == render_unit(kvctl, other)
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_a_refusal_writes_none_of_the_files(tmp_path: Path) -> None:
     kvctl, units = fake_kvctl(tmp_path / "bin"), tmp_path / "units"
     (units / GPU_DROPIN).parent.mkdir(parents=True)
@@ -263,6 +284,7 @@ def test_a_refusal_writes_none_of_the_files(tmp_path: Path) -> None:
     assert not (units / UNIT_NAME).exists()
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_dry_run_writes_nothing_and_warns_of_a_missing_config(tmp_path: Path) -> None:
     kvctl, units = fake_kvctl(tmp_path / "bin"), tmp_path / "units"
     report = install_units(units, executable=kvctl, config=tmp_path / "agent.toml", dry_run=True)
@@ -271,6 +293,7 @@ def test_dry_run_writes_nothing_and_warns_of_a_missing_config(tmp_path: Path) ->
     assert any("agent.toml does not exist yet" in w for w in report.warnings)
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_install_refuses_a_kvctl_that_is_not_executable(tmp_path: Path) -> None:
     with pytest.raises(UnitError, match="not an executable file"):
         install_units(tmp_path / "units", executable=tmp_path / "missing" / "kvctl")
@@ -284,6 +307,7 @@ def _install(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_cli_dry_run_prints_the_unit_and_the_next_step(tmp_path: Path) -> None:
     kvctl, units = fake_kvctl(tmp_path / "bin"), tmp_path / "units"
     code, out = _install("--systemd", "--kvctl", str(kvctl), "--unit-dir", str(units), "--dry-run")
@@ -293,6 +317,7 @@ def test_cli_dry_run_prints_the_unit_and_the_next_step(tmp_path: Path) -> None:
     assert not units.exists()
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_cli_json_then_refuse_then_force(tmp_path: Path) -> None:
     kvctl, units = fake_kvctl(tmp_path / "bin"), tmp_path / "units"
     base = ["--systemd", "--kvctl", str(kvctl), "--unit-dir", str(units)]
@@ -331,6 +356,7 @@ def _verify(analyze: str, unit: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_systemd_analyze_verifies_the_installed_unit_and_dropin(tmp_path: Path) -> None:
     analyze = systemd_analyze()
     # a path with a space and a %: ExecStart= must quote and escape it for systemd to find it
@@ -360,6 +386,7 @@ def _exposure(analyze: str, unit: Path) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.usefixtures("tmp_reachable")
 def test_systemd_analyze_security_exposure(tmp_path: Path) -> None:
     # systemd's score: 0 (every restriction) to 10 (none); the GPU drop-in gives up the device
     # policy, the system-call filter and W^X, so it scores higher
