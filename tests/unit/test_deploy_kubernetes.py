@@ -314,6 +314,15 @@ def test_the_token_comes_from_the_secret_the_monitor_reads() -> None:
     assert not re.search(r"^\s*(token|remote_token|index_token)\s*=", config, re.MULTILINE)
 
 
+def test_the_secrets_setup_keeps_the_token_off_the_command_line() -> None:
+    # kubectl's arguments are readable by any local user (ps, /proc/PID/cmdline) while it runs
+    text = (BASE / "kustomization.yaml").read_text()
+    setup = " ".join(ln.lstrip("# ") for ln in text.splitlines() if ln.startswith("#"))
+    assert "kubectl create secret generic kvctl-agent-token" in setup
+    assert "--from-literal" not in setup and "$(" not in setup
+    assert "--from-file=token=/dev/stdin" in setup
+
+
 def test_volumes_and_mounts_agree() -> None:
     volumes = {v["name"]: v for v in pod_spec()["volumes"]}
     for container in pod_spec()["containers"] + pod_spec()["initContainers"]:
