@@ -433,15 +433,21 @@ def serve_command(
         server = RouterServer(router, listen=listen, token=token, log_level=log_level)
     except (KvctlError, ValueError) as exc:
         fail(str(exc), hint="check --index, --model, --gpu and --listen")
-    # the first line is the URL: scripts (and tests) read where it listens from it
-    console.print(
-        f"router serving at {server.url}: {len(topology.nodes)} nodes in "
-        f"{len(topology.dcs)} DCs, index {index.split('@')[-1]}, prefill "
-        f"{router.costs.prefill.basis}",
-        highlight=False,
-        soft_wrap=True,
-    )
-    server.run()
+
+    def serving() -> None:
+        # the first line is the URL: scripts (and tests) read where it listens from it
+        console.print(
+            f"router serving at {server.url}: {len(topology.nodes)} nodes in "
+            f"{len(topology.dcs)} DCs, index {index.split('@')[-1]}, prefill "
+            f"{router.costs.prefill.basis}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    try:
+        server.run(on_serving=serving)
+    except KvctlError as exc:  # an engine feed that cannot start: nothing was served
+        fail(str(exc), hint="check --vllm-events")
 
 
 def _vllm_subscriber(feed: VllmFeed, index: FleetIndex, keyspace: KeySpace) -> VllmEventSubscriber:

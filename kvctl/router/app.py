@@ -17,7 +17,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -525,16 +525,21 @@ class RouterServer:
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
 
-    def run(self) -> None:
-        """Serve until uvicorn is told to stop (a signal, or ``stop`` from another thread)."""
+    def run(self, on_serving: Callable[[], None] | None = None) -> None:
+        """Serve until uvicorn is told to stop (a signal, or ``stop`` from another thread).
+        ``on_serving`` is called once the router's followers and engine feeds started, before
+        requests are served; an error starting them closes the router and is raised."""
         if threading.current_thread() is threading.main_thread():
             # uvicorn handles SIGTERM/SIGINT while it runs (stops accepting, finishes what is in
             # flight), then re-raises the signal to the handler it found: a no-op one, so the
             # router closes below and the process exits 0
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, _already_stopping)
-        self.router.start()
         try:
+            # in the try: a feed that cannot start leaves no follower or feed thread running
+            self.router.start()
+            if on_serving is not None:
+                on_serving()
             self._server.run(sockets=[self._socket])
         finally:
             self.router.close()

@@ -154,3 +154,17 @@ def test_bad_vllm_events_flags_are_refused(flag: str, message: str) -> None:
     )  # fmt: skip
     assert done.returncode == 2, done.stdout + done.stderr
     assert message in " ".join((done.stdout + done.stderr).split())
+
+
+def test_an_engine_feed_that_cannot_start_is_one_line_and_nothing_is_served() -> None:
+    # a path longer than a Unix socket's: ZMQ refuses it only when the feed starts
+    endpoint = "ipc:///" + "x" * 200
+    done = subprocess.run(
+        [sys.executable, "-m", "kvctl", "router", "serve", "--listen", "127.0.0.1:0",
+         "--agent", "a1=http://127.0.0.1:9@fra", "--vllm-events", f"a1={endpoint}"],
+        capture_output=True, text=True, env=cli_env(), timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "serving at" not in done.stdout  # never announced as serving
+    assert "cannot connect to vLLM's events" in " ".join(done.stderr.split())
+    assert "Traceback" not in done.stderr
