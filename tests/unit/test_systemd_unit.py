@@ -339,9 +339,13 @@ def test_cli_json_then_refuse_then_force(tmp_path: Path) -> None:
     assert "--config /etc/kvctl/other.toml" in (units / UNIT_NAME).read_text()
 
 
-def test_cli_needs_a_target_and_a_runnable_kvctl(tmp_path: Path) -> None:
+def test_cli_needs_a_target_and_a_runnable_kvctl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     code, out = _install("--unit-dir", str(tmp_path))
     assert code == 2 and "--systemd" in out
+    # resolved from /, so not under a root the sandbox hides wherever the checkout lives
+    monkeypatch.chdir("/")
     code, out = _install("--systemd", "--kvctl", "relative/kvctl", "--unit-dir", str(tmp_path))
     assert code == 2 and "not an executable file" in out
 
