@@ -10,6 +10,13 @@ import pytest
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
 from kvctl.workload.trace import find_default_trace
 
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment; rich fixes a
+# console's width from COLUMNS when the console is made (when kvctl.cli is imported, after this
+# file), so each CLI test's own COLUMNS would be ignored and its output wrapped at 80. Tests
+# that want a width set it per call.
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
+
 TINY_LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=4, dtype="float16")
 
 
