@@ -29,7 +29,6 @@ from collectors.metrics import CollectorMetrics
 from collectors.router import RouterAnswerError, RouterReading, parse_router_stats, route_rows
 from collectors.router import router_key as router_key_of
 from collectors.rows import (
-    PowerEmulation,
     cache_rows,
     emulated_power_rows,
     engine_row,
@@ -42,6 +41,7 @@ from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import Retention, maintain
+from kvctl.profiles import ModeledInputs
 from kvctl.router.client import RouterClient, RouterClientError
 from kvctl.wire.address import redact_url
 
@@ -74,7 +74,7 @@ class CollectorConfig:
     #: bearer token for the routers
     router_token: str | None = field(default=None, repr=False)
     #: emulate GPU energy on nodes whose agent says NVML is unavailable (never on the others)
-    emulate_power: PowerEmulation | None = None
+    emulate_power: ModeledInputs | None = None
 
     @property
     def request_timeout_s(self) -> float:

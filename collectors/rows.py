@@ -7,7 +7,6 @@ network and the collector loop only schedules, scrapes and writes.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from collectors.engines import EngineReading, Histogram, histogram_delta, histogram_quantile
@@ -116,26 +115,20 @@ def power_rows(
     return rows
 
 
-@dataclass(frozen=True, slots=True)
-class PowerEmulation:
-    """What ``kvctl collect --emulate-power`` assumes of a node without NVML: a GPU and model
-    profile (the prefill rate at their MFU, the GPU's published board power)."""
-
-    inputs: ModeledInputs
-
-
 def emulated_power_rows(
     tracker: CounterTracker,
     node_id: int,
     ts_ms: int,
     stats: Mapping[str, Any],
-    emulation: PowerEmulation,
+    inputs: ModeledInputs,
 ) -> list[dict[str, Any]]:
     """The ``emulated_power_sample`` row of one scrape of ``/v1/stats``: the modeled prefill
     seconds of the tokens the node's cache did not serve since its previous scrape (its
     counters' lookup_tokens - hit_tokens) x the board power. None at a node's first scrape (a
     baseline: no interval yet). The power is that energy over the interval, at most the board
-    power (a node sent more work than its GPU could do shows at full power)."""
+    power (a node sent more work than its GPU could do shows at full power). ``inputs``: what
+    ``kvctl collect --emulate-power`` assumes of a node without NVML (the prefill rate of the
+    model on the GPU at its MFU, the GPU's published board power)."""
     whole = cache_counters(stats).get("all", {})
     series = f"emulated:{node_id}"
     since_ms = tracker.last_ts_ms(series)
@@ -148,7 +141,6 @@ def emulated_power_rows(
     looked, hit = inc["lookup_tokens"], inc["hit_tokens"]
     if since_ms is None or ts_ms <= since_ms or looked is None or hit is None:
         return []
-    inputs = emulation.inputs
     busy_s = inputs.prefill_seconds(max(looked - hit, 0.0))
     energy_j = busy_s * inputs.gpu.board_power_watts
     power_w = min(energy_j / ((ts_ms - since_ms) / 1000), inputs.gpu.board_power_watts)

@@ -107,7 +107,6 @@ def collect_command(
       KVCTL_DB_URL=postgresql://kvctl@db/kvctl kvctl collect --metrics-listen 127.0.0.1:9471
     """
     from collectors.collector import Collector, CollectorConfig, CycleReport
-    from collectors.rows import PowerEmulation
     from kvctl.cli.router import router_token
     from kvctl.errors import InvalidArgument
     from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
@@ -126,10 +125,9 @@ def collect_command(
     emulation = None
     if emulate_power is not None:
         try:
-            inputs = ModeledInputs(model_profile(emulate_model), gpu_profile(emulate_power))
+            emulation = ModeledInputs(model_profile(emulate_model), gpu_profile(emulate_power))
         except InvalidArgument as exc:
             fail(str(exc))
-        emulation = PowerEmulation(inputs)
     config = CollectorConfig(
         interval_s=interval,
         link_interval_s=link_interval if links else float("inf"),

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from collectors.collector import Collector, CollectorConfig, Scrape
-from collectors.rows import PowerEmulation, emulated_power_rows
+from collectors.rows import emulated_power_rows
 from kvctl.counters import CounterTracker
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.migrate import open_db
@@ -17,7 +17,7 @@ from kvctl.profiles import BOARD_POWER_SOURCES, GPUS, ModeledInputs, gpu_profile
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 
-L4 = PowerEmulation(ModeledInputs(model_profile("qwen2.5-0.5b"), gpu_profile("l4")))
+L4 = ModeledInputs(model_profile("qwen2.5-0.5b"), gpu_profile("l4"))
 
 
 def _stats(lookup_tokens: int, hit_tokens: int, started_s: float = 1.0) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def test_energy_is_the_missed_tokens_prefill_time_at_board_power() -> None:
     tracker = CounterTracker()
     assert emulated_power_rows(tracker, 3, 1_000, _stats(0, 0), L4) == []  # a baseline
     (row,) = emulated_power_rows(tracker, 3, 11_000, _stats(100_000, 40_000), L4)
-    busy_s = L4.inputs.prefill_seconds(60_000)
+    busy_s = L4.prefill_seconds(60_000)
     assert row["busy_s"] == pytest.approx(busy_s)
     assert row["energy_j"] == pytest.approx(busy_s * 72.0)  # the L4's published 72 W
     assert row["power_w"] == pytest.approx(busy_s * 72.0 / 10)  # over the 10 s interval
@@ -59,7 +59,7 @@ def test_an_agent_restart_counts_from_zero() -> None:
     emulated_power_rows(tracker, 1, 0, _stats(50_000, 0, started_s=1.0), L4)
     (row,) = emulated_power_rows(tracker, 1, 5_000, _stats(2_000, 1_000, started_s=9.0), L4)
     assert row["lookup_tokens"] == 2_000
-    assert row["busy_s"] == pytest.approx(L4.inputs.prefill_seconds(1_000))
+    assert row["busy_s"] == pytest.approx(L4.prefill_seconds(1_000))
 
 
 def test_every_gpu_profile_cites_its_board_power() -> None:
@@ -68,7 +68,7 @@ def test_every_gpu_profile_cites_its_board_power() -> None:
         assert f"{gpu.board_power_watts:g} W" in BOARD_POWER_SOURCES[name]
 
 
-def _collector(tmp_path: Any, emulate: PowerEmulation | None) -> Collector:
+def _collector(tmp_path: Any, emulate: ModeledInputs | None) -> Collector:
     engine = open_db(f"sqlite:///{tmp_path / 'kvctl.db'}")
     return Collector(engine, CollectorConfig(emulate_power=emulate))
 
@@ -91,7 +91,7 @@ def _scrapes(nvml: bool | None, lookup_tokens: int) -> list[Scrape]:
     ],
 )
 def test_the_collector_emulates_only_nodes_without_nvml(
-    tmp_path: Any, nvml: bool | None, emulate: PowerEmulation | None, expected: int
+    tmp_path: Any, nvml: bool | None, emulate: ModeledInputs | None, expected: int
 ) -> None:
     from collectors.collector import CycleReport
 
