@@ -170,16 +170,16 @@ def size_tiers(
     unique = unique_kv_bytes(reach, per_token)
     nodes = 2 * config.nodes_per_dc
     share = -(-unique // nodes)
-    capped = []
-    cpu = max(MIN_CPU_BYTES, int(share * CPU_SHARE))
-    if cpu > MAX_CPU_BYTES:
-        cpu, capped = MAX_CPU_BYTES, [*capped, "cpu"]
-    disk = max(MIN_DISK_BYTES, share - cpu)
-    if disk > MAX_DISK_BYTES:
-        disk, capped = MAX_DISK_BYTES, [*capped, "disk"]
-    pool = max(MIN_POOL_BYTES, unique)
-    if pool > MAX_POOL_BYTES:
-        pool, capped = MAX_POOL_BYTES, [*capped, "pool"]
+    capped: list[str] = []
+
+    def bounded(tier: str, wanted: int, low: int, high: int) -> int:
+        if wanted > high:
+            capped.append(tier)
+        return min(max(low, wanted), high)
+
+    cpu = bounded("cpu", int(share * CPU_SHARE), MIN_CPU_BYTES, MAX_CPU_BYTES)
+    disk = bounded("disk", share - cpu, MIN_DISK_BYTES, MAX_DISK_BYTES)
+    pool = bounded("pool", unique, MIN_POOL_BYTES, MAX_POOL_BYTES)
     mib = [-(-b // MIB) for b in (cpu, disk, pool)]  # whole MiB, rounded up
     sized = dataclasses.replace(
         config, cpu=f"{mib[0]}MiB", disk=f"{mib[1]}MiB", pool_cpu=f"{mib[2]}MiB"
