@@ -29,6 +29,7 @@ from typing import IO, Any
 
 from kvctl import __version__
 from kvctl.agent.settings import AgentSettings, LinkSpec
+from kvctl.paths import write_atomic
 from kvctl.wire.address import connect_host, url_host
 
 log = logging.getLogger("kvctl.agent")
@@ -188,14 +189,8 @@ def serve(settings: AgentSettings) -> int:
 
 
 def write_private(path: Path, text: str) -> None:
-    """``text`` in ``path``, created 0600 whatever the umask, replaced atomically."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.unlink()  # a killed process's leftover would keep its old mode
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, PRIVATE_FILE_MODE)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """``text`` in ``path``, 0600 whatever the umask, replaced atomically."""
+    write_atomic(path, text, mode=PRIVATE_FILE_MODE)
 
 
 def open_private_log(path: Path) -> IO[bytes]:

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path, PurePosixPath
 
 from kvctl.errors import InvalidArgument
+from kvctl.paths import write_atomic
 
 UNIT_NAME = "kvctl-agent.service"
 GPU_DROPIN = f"{UNIT_NAME}.d/gpu.conf"
@@ -192,19 +193,6 @@ def _plan(path: Path, text: str, force: bool) -> str:
     return "replace"
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, UNIT_FILE_MODE)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, UNIT_FILE_MODE)  # whatever the umask: systemd and operators read it
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def install_units(
     unit_dir: Path,
     *,
@@ -231,7 +219,8 @@ def install_units(
     if not dry_run:
         for f in planned:
             if f.action != "unchanged":
-                _write_atomic(f.path, f.text)
+                f.path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(f.path, f.text, mode=UNIT_FILE_MODE)
     warnings = []
     if not config.exists():
         warnings.append(
