@@ -422,7 +422,9 @@ def bench_ttft_command(
             progress=_progress,
         )
 
-    _run("ttft", measure, render_ttft_bench, json_out)
+    result = _run("ttft", measure, render_ttft_bench, json_out)
+    if result["failures"]:  # the figures are out; a wrong or failed sample still fails the run
+        raise typer.Exit(1)
 
 
 @bench_app.command(

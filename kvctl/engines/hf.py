@@ -279,6 +279,22 @@ class CachedLM:
         )
 
     @torch.inference_mode()
+    def continue_prefill(
+        self, cache: DynamicCache, tokens: Sequence[int], start: int
+    ) -> torch.Tensor:
+        """The last position's logits (float32, on the CPU) of ``tokens[start:]`` prefilled on
+        top of the first ``start`` positions of ``cache`` (left as it was); nothing is looked
+        up or stored. On a full prefill's cache this is what a reuse of exactly those KV bytes
+        must answer: the reference that tells a transport error from the rounding of a
+        two-pass prefill."""
+        prefix = _cache_holding(
+            [(layer.keys[:, :, :start], layer.values[:, :, :start]) for layer in cache.layers]
+        )
+        part = torch.tensor([list(tokens[start:])], device=self.device)
+        out = self.model(input_ids=part, use_cache=True, logits_to_keep=1, **self._kv(prefix))
+        return out.logits[0, -1].float().cpu()
+
+    @torch.inference_mode()
     def generate(
         self, tokens: Sequence[int], max_new_tokens: int, *, tenant: str | None = None
     ) -> list[int]:
@@ -322,11 +338,10 @@ class CachedLM:
             return cache, 0, ""
         if usable:
             tokens = usable * self.chunk_tokens
-            for layer in range(self.layout.layers):
-                k, v = kv[layer, 0, :, :, :tokens], kv[layer, 1, :, :, :tokens]
-                # the cache takes the loaded tensors as they are (its update would copy them)
-                cache.update(k[:, :, :0], v[:, :, :0], layer)
-                cache.layers[layer].keys, cache.layers[layer].values = k, v
+            layers = range(self.layout.layers)
+            cache = _cache_holding(
+                [(kv[i, 0, :, :, :tokens], kv[i, 1, :, :, :tokens]) for i in layers]
+            )
         return cache, usable, path
 
     def _store(
@@ -421,6 +436,16 @@ class CachedLM:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _cache_holding(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A cache whose layers are these (keys, values) tensors as they are: its own update would
+    copy them, and its first step past them makes new tensors, so they are never written."""
+    cache = DynamicCache()
+    for i, (k, v) in enumerate(layers):
+        cache.update(k[:, :, :0], v[:, :, :0], i)
+        cache.layers[i].keys, cache.layers[i].values = k, v
+    return cache
 
 
 def _cache_of(out: Any) -> DynamicCache:

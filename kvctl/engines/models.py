@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvctl.engines.attention import KV_ATTENTION
 from kvctl.errors import InvalidArgument
 
 
@@ -67,7 +68,9 @@ def llama_config(shape: str | ModelShape, *, seed: int = 0) -> LlamaConfig:
         max_position_embeddings=s.max_positions,
         rope_theta=s.rope_theta,
         rope_scaling=rope_scaling,
-        attn_implementation="sdpa",
+        # SDPA with GQA in the kernel and end-aligned causality (kvctl.engines.attention):
+        # a prefill after reused chunks runs the fused kernel, as a full prefill does
+        attn_implementation=KV_ATTENTION,
     )
     cfg.name_or_path = f"kvctl/{s.name}-random-seed{seed}"
     return cfg

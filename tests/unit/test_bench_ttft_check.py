@@ -1,0 +1,82 @@
+"""`kvctl bench ttft`'s answer check, on constructed samples: a reuse of exactly the full
+prefill's KV bytes must answer as the split reference (the full prefill's own KV cropped, then
+the new tokens on it) up to atol, even where one-pass vs two-pass rounding moved the logits and
+the next token away from the full prefill's (seen on the Llama-3.1-8B shape in bf16 at 100k
+tokens); anything else is a failed sample."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from kvctl.bench.ttft import ATOL, _check, _Split  # noqa: E402
+from kvctl.engines.hf import Prefill  # noqa: E402
+
+CHUNK = 256
+CHUNKS = 4
+
+
+def _logits(top: int, shift: float = 0.0) -> torch.Tensor:
+    out = torch.linspace(-4.0, 4.0, 100) + shift
+    out[top] = 12.0
+    return out
+
+
+def _prefill(logits: torch.Tensor, reused_chunks: int = CHUNKS, tier: str = "cpu") -> Prefill:
+    return Prefill(
+        logits=logits,
+        next_token=int(logits.argmax()),
+        cache=None,
+        prompt_tokens=CHUNKS * CHUNK + 64,
+        reused_tokens=reused_chunks * CHUNK,
+        reused_chunks=reused_chunks,
+        reused_tiers=[tier] * reused_chunks,
+        fetched_bytes=0,
+        lookup_seconds=0.0,
+        fetch_seconds=0.0,
+        compute_seconds=0.0,
+    )
+
+
+def _split(logits: torch.Tensor, full: Prefill) -> _Split:
+    token = int(logits.argmax())
+    diff = float((logits - full.logits).abs().max())
+    return _Split(CHUNKS * CHUNK, logits, token, diff, token == full.next_token)
+
+
+def test_the_split_reference_decides_when_rounding_moved_the_next_token() -> None:
+    full = _prefill(_logits(7))
+    split = _split(_logits(9, shift=0.25), full)  # two-pass rounding: another argmax
+    got = _check(_prefill(split.logits.clone()), full, split, "cpu", CHUNKS, "bfloat16")
+    assert got.timings["max_logit_diff_to_split"] == 0.0
+    assert got.timings["max_logit_diff"] == pytest.approx(split.diff_to_full)
+
+
+def test_bytes_that_differ_from_the_split_reference_fail() -> None:
+    full = _prefill(_logits(7))
+    split = _split(_logits(7, shift=0.01), full)
+    wrong = split.logits.clone()
+    wrong[3] += 4 * ATOL["bfloat16"]  # same next token, within the full-prefill tolerance
+    with pytest.raises(RuntimeError, match="to the split reference"):
+        _check(_prefill(wrong), full, split, "cpu", CHUNKS, "bfloat16")
+
+
+def test_a_planned_recompute_is_checked_against_the_full_prefill() -> None:
+    full = _prefill(_logits(7))
+    split = _split(_logits(7, shift=0.01), full)
+    fewer = _check(
+        _prefill(_logits(7, shift=0.02), reused_chunks=2), full, split, "cpu", 4, "bfloat16"
+    )
+    assert "max_logit_diff_to_split" not in fewer.timings
+    assert fewer.timings["planned_recompute_chunks"] == 2
+    with pytest.raises(RuntimeError, match="expected 7"):
+        _check(_prefill(_logits(8), reused_chunks=2), full, split, "cpu", 4, "bfloat16")
+
+
+def test_chunks_from_the_wrong_tier_fail() -> None:
+    full = _prefill(_logits(7))
+    split = _split(full.logits.clone(), full)
+    with pytest.raises(RuntimeError, match="from the cpu tier"):
+        _check(_prefill(full.logits.clone(), tier="disk"), full, split, "cpu", CHUNKS, "bfloat16")
