@@ -183,6 +183,11 @@ class DataClient:
         #: puts go through a staging segment (False where this system cannot seal one, or the
         #: agent refused it: then they go over the socket)
         self._staged_puts = True
+        #: told of each staging segment this client attaches (and None before it unmaps one,
+        #: and on close): a CUDA engine registers the segment so device copies into it run at
+        #: link speed. It must not raise, and must drop every view of a segment it is told of
+        #: when told None.
+        self.on_staging: Callable[[mmap.mmap | None], None] | None = None
         #: PROBE filler to send and a scratch buffer to drain replies into (made on first probe)
         self._probe_zeros: bytes | None = None
         self._probe_scratch: memoryview | None = None
@@ -314,17 +319,56 @@ class DataClient:
         tenant's own (agents passing chunks on say so; engines leave it to the agent's
         settings)."""
         views = [_as_bytes_view(d) for _, d in items]
-        parents = parents or [None] * len(items)
-        depths = depths or [0] * len(items)
-        counts = list(tokens) if isinstance(tokens, Sequence) else [int(tokens)] * len(items)
+
+        def copy(i: int, out: memoryview) -> None:
+            out[:] = views[i]
+
+        return self.put_packed(
+            [key for key, _ in items],
+            [v.nbytes for v in views],
+            copy,
+            tenant=tenant,
+            parents=parents,
+            tokens=tokens,
+            priority=priority,
+            pinned=pinned,
+            depths=depths,
+            isolated=isolated,
+            payload=views,
+        )
+
+    def put_packed(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        fill: Callable[[int, memoryview], None],
+        *,
+        tenant: str = "",
+        parents: Sequence[bytes | None] | None = None,
+        tokens: int | Sequence[int] = 0,
+        priority: int = DEFAULT_PRIORITY,
+        pinned: bool = False,
+        depths: Sequence[int] | None = None,
+        isolated: bool = False,
+        payload: Sequence[memoryview] | None = None,
+    ) -> list[PutOutcome]:
+        """``put_many`` for chunks the caller writes itself: ``fill(i, out)`` writes chunk i's
+        ``sizes[i]`` bytes into ``out``. On a same-host shared-memory connection ``out`` is
+        the chunk's place in the staging segment the agent copies from, so a chunk packed
+        there crosses to the agent's arena with no buffer of its own between (``out`` is only
+        valid during the call). Elsewhere the chunks are filled into one buffer sent over the
+        socket (``payload``: the bytes already, for ``put_many``)."""
+        parents = parents or [None] * len(keys)
+        depths = depths or [0] * len(keys)
+        counts = list(tokens) if isinstance(tokens, Sequence) else [int(tokens)] * len(keys)
 
         def meta(offsets: Sequence[int | None]) -> bytes:
-            w = MetaWriter().text(tenant).u32(len(items))
-            for (key, _), v, parent, depth, off, n in zip(
-                items, views, parents, depths, offsets, counts, strict=True
+            w = MetaWriter().text(tenant).u32(len(keys))
+            for key, size, parent, depth, off, n in zip(
+                keys, sizes, parents, depths, offsets, counts, strict=True
             ):
                 w.raw(
-                    put_item(key, v.nbytes, tokens=n, priority=priority, pinned=pinned,
+                    put_item(key, size, tokens=n, priority=priority, pinned=pinned,
                              parent=parent, depth=depth, staging_offset=off, isolated=isolated)
                 )  # fmt: skip
             return w.build()
@@ -332,19 +376,26 @@ class DataClient:
         if self.shm and self._staged_puts:
             # same host: the bytes go through the staging segment the agent maps, not the socket
             with self._lock:
-                segment = self._ensure_staging(sum(v.nbytes for v in views))
+                segment = self._ensure_staging(sum(sizes))
                 if segment is not None:
-                    staging = memoryview(segment)
                     offsets = []
                     off = 0
-                    for v in views:
-                        staging[off : off + v.nbytes] = v
-                        offsets.append(off)
-                        off += v.nbytes
-                    staging.release()
+                    with memoryview(segment) as staging:
+                        for i, size in enumerate(sizes):
+                            with staging[off : off + size] as out:
+                                fill(i, out)
+                            offsets.append(off)
+                            off += size
                     reply, _ = self._call_locked(Op.PUT_STAGED, meta(offsets), (), None)
                     return self._outcomes(reply)
-        reply, _ = self._call(Op.PUT, meta([None] * len(items)), views)
+        if payload is None:
+            buf = memoryview(bytearray(sum(sizes)))
+            payload, off = [], 0
+            for i, size in enumerate(sizes):
+                fill(i, buf[off : off + size])
+                payload.append(buf[off : off + size])
+                off += size
+        reply, _ = self._call(Op.PUT, meta([None] * len(keys)), payload)
         return self._outcomes(reply)
 
     def get(self, key: bytes, *, tenant: str = "") -> bytearray:
@@ -510,6 +561,8 @@ class DataClient:
         if self.closed:
             return
         self.closed = True
+        if self._staging is not None and self.on_staging is not None:
+            self.on_staging(None)
         for m in (self._arena, self._staging):
             if m is not None:
                 with contextlib.suppress(BufferError):
@@ -857,9 +910,13 @@ class DataClient:
             self._staged_puts = False  # an agent that maps no segment of this kind
             return None
         if self._staging is not None:
+            if self.on_staging is not None:
+                self.on_staging(None)
             self._staging.close()
             os.close(self._staging_fd)
         self._staging, self._staging_fd = staging, fd
+        if self.on_staging is not None:
+            self.on_staging(staging)
         return staging
 
 

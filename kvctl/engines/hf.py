@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import mmap
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
@@ -27,7 +29,18 @@ from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
 
+if TYPE_CHECKING:
+    from kvctl.store.tiers.hostreg import HostRegistration
+
 log = logging.getLogger(__name__)
+
+
+def _host_tensor(out: memoryview) -> torch.Tensor:
+    """A flat uint8 CPU tensor over ``out``'s bytes (writable memory), no copy."""
+    with warnings.catch_warnings():  # torch warns of any buffer it cannot prove writable
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(out, dtype=torch.uint8)
+
 
 #: prefill samples sent per report (the agent keeps a bounded window of its own)
 REPORT_SAMPLES = 16
@@ -184,6 +197,10 @@ class CachedLM:
         self._writer: WriteBehind | None = None
         #: the CUDA stream the writer packs new chunks on (made on first store)
         self._pack_stream: Any = None
+        #: the writer's staging segment, registered with CUDA (so a new chunk's copy from the
+        #: device into it is a DMA), while it has one
+        self._staging_reg: HostRegistration | None = None
+        self.staging_register_failures = 0
 
     @property
     def client(self) -> DataClient | None:
@@ -375,6 +392,8 @@ class CachedLM:
             chunk_tokens=self.chunk_tokens,
             chunk_bytes=self.format.chunk_bytes,
             pack=lambda i: self.format.pack(ks, vs, i).cpu().numpy(),
+            # packed straight into the writer's staging segment (one copy, no chunk of its own)
+            pack_into=lambda i, out: self.format.pack_into(ks, vs, i, _host_tensor(out)),
             report=report,
         )
         if self.device.type == "cuda":
@@ -390,14 +409,45 @@ class CachedLM:
                 with torch.cuda.stream(stream):
                     return pack(i)
 
+            def into_on_stream(i: int, out: memoryview) -> None:
+                # packed on the device, then one copy into the staging segment: a DMA when it
+                # is registered (``_staging_changed``); synchronous, so the bytes are there
+                # when the put is sent
+                with torch.cuda.stream(stream):
+                    _host_tensor(out).copy_(self.format.pack(ks, vs, i))
+
             job.prepare = lambda: stream.wait_event(ready)
             job.pack = on_stream
+            job.pack_into = into_on_stream
         if self._writer is None:
-            self._writer = WriteBehind(client)
+            on_staging = self._staging_changed if self.device.type == "cuda" else None
+            self._writer = WriteBehind(client, on_staging=on_staging)
         stored = self._writer.submit(job)
         if not self.write_behind:
             stored.result()
         return stored
+
+    def _staging_changed(self, segment: mmap.mmap | None) -> None:
+        """The writer's connection attached ``segment`` (None: it is about to unmap the one it
+        had): register it with CUDA, the old one unregistered first. A refusal leaves plain
+        pageable copies (slower, as correct). Runs on the writer thread, between its copies,
+        which are synchronous: none is in flight into a segment being unregistered."""
+        if self._staging_reg is not None:
+            reg, self._staging_reg = self._staging_reg, None
+            try:
+                reg.close()
+            except Exception as exc:  # the driver keeps it; the mapping goes with the client
+                log.warning("could not unregister the staging segment from CUDA: %s", exc)
+        if segment is None:
+            return
+        from kvctl.store.tiers.hostreg import register_host  # CUDA only; imported on first use
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        try:
+            self._staging_reg = register_host(segment, read_only=False, device=f"cuda:{index}")
+        except Exception as exc:  # any refusal leaves a working, slower path
+            self.staging_register_failures += 1
+            log.warning("could not register the staging segment with CUDA (stores slower): %s", exc)
 
     # --- what this engine measured, for the agent's fetch-or-recompute plan ---------------------
     def _measured(self, computed: int, cached: int, compute_s: float) -> None:

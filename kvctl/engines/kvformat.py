@@ -87,6 +87,33 @@ class ChunkFormat:
         )
         return block.contiguous().reshape(-1).view(torch.uint8)
 
+    def pack_into(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        chunk: int,
+        out: torch.Tensor,
+    ) -> None:
+        """``pack``, written into ``out`` (a flat uint8 tensor of ``chunk_bytes`` on the caches'
+        device, e.g. a view of a client's staging segment on a CPU): one copy of each layer's K
+        and V straight into its place, no block of the chunk's own between."""
+        self._check_layers(keys, values)
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != self.chunk_bytes:
+            raise InvalidArgument(
+                f"a chunk packs into a flat uint8 tensor of {self.chunk_bytes} bytes, got "
+                f"{out.dtype} {list(out.shape)}"
+            )
+        start, end = chunk * self.chunk_tokens, (chunk + 1) * self.chunk_tokens
+        if keys[0].shape[-2] < end:
+            raise InvalidArgument(
+                f"chunk {chunk} ends at token {end} but the cache holds {keys[0].shape[-2]}"
+            )
+        lay = self.layout
+        # [layers * 2 (K then V), heads, T, dim]: the chunk's layout, filled by one kernel
+        block = out.view(self.dtype).view(lay.layers * 2, lay.kv_heads, -1, lay.head_dim)
+        parts = [p[0, :, start:end] for kv in zip(keys, values, strict=True) for p in kv]
+        torch.stack(parts, out=block)
+
     def unpack(self, data: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer ``(K, V)`` shaped ``[1, kv_heads, chunks*T, head_dim]`` from ``chunks``
         consecutive chunks held back to back in the flat uint8 tensor ``data``."""

@@ -3,14 +3,17 @@
 A miss computes KV the agent does not hold; sending it used to sit between one request and the
 next. ``WriteBehind`` takes a job (which chunks, and how to pack each to host bytes), answers a
 ``Future`` at once, and a background thread on its own connection to the agent asks which
-chunks are still missing, packs them in batches and puts them. A full queue drops the new job
-(counted) rather than make the engine wait or hold unbounded KV. Nothing here is torch-specific:
-the job's ``pack`` does the device work on this thread.
+chunks are still missing, packs them in batches and puts them: on a same-host agent each chunk
+is packed straight into the staging segment the agent copies from (``StoreJob.pack_into``), so
+a chunk is copied once on its way to the agent and once into the arena. A full queue drops the
+new job (counted) rather than make the engine wait or hold unbounded KV. Nothing here is
+torch-specific: the job's ``pack`` / ``pack_into`` does the device work on this thread.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import queue
 import threading
 import time
@@ -50,6 +53,10 @@ class StoreJob:
     chunk_bytes: int
     #: chunk index -> its bytes on the host (anything with the buffer protocol)
     pack: Callable[[int], Any]
+    #: writes chunk i's ``chunk_bytes`` bytes into the given buffer (on a same-host agent: the
+    #: staging segment it copies from), so no host buffer of the chunk's own comes between;
+    #: used instead of ``pack`` when set
+    pack_into: Callable[[int, memoryview], None] | None = None
     #: runs on the writer thread before the first pack (e.g. wait for the device's work)
     prepare: Callable[[], None] | None = None
     #: runs on the writer thread after the last put, whatever happened (release device memory)
@@ -60,11 +67,36 @@ class StoreJob:
     future: Future[Stored] = field(default_factory=Future)
 
 
+def _filler(job: StoreJob, batch: Sequence[int]) -> Callable[[int, memoryview], None]:
+    """``put_packed``'s fill for one batch: its n-th chunk's bytes into ``out``, packed there
+    (``pack_into``) or packed, then copied."""
+
+    def fill(n: int, out: memoryview) -> None:
+        i = batch[n]
+        if job.pack_into is not None:
+            job.pack_into(i, out)
+            return
+        data = memoryview(job.pack(i))
+        if data.nbytes != out.nbytes:
+            raise ValueError(f"chunk {i} packed to {data.nbytes} bytes, not {out.nbytes}")
+        out[:] = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+
+    return fill
+
+
 class WriteBehind:
     """One writer thread and connection per engine; jobs are written in the order given."""
 
-    def __init__(self, client: DataClient, *, max_pending_jobs: int = 4) -> None:
+    def __init__(
+        self,
+        client: DataClient,
+        *,
+        max_pending_jobs: int = 4,
+        on_staging: Callable[[mmap.mmap | None], None] | None = None,
+    ) -> None:
         self._source = client
+        #: set as ``DataClient.on_staging`` on each connection the writer makes
+        self._on_staging = on_staging
         self._client: DataClient | None = None
         self._jobs: queue.Queue[StoreJob | None] = queue.Queue(maxsize=max_pending_jobs)
         self._thread: threading.Thread | None = None
@@ -130,6 +162,7 @@ class WriteBehind:
     def _connection(self) -> DataClient:
         if self._client is None or self._client.closed:
             self._client = self._source.reconnect()
+            self._client.on_staging = self._on_staging
         return self._client
 
     def _write(self, job: StoreJob) -> Stored:
@@ -154,10 +187,11 @@ class WriteBehind:
         per_batch = max(1, BATCH_BYTES // max(job.chunk_bytes, 1))
         for at in range(0, len(todo), per_batch):
             batch = todo[at : at + per_batch]
-            items = [(job.keys[i], job.pack(i)) for i in batch]
             try:
-                outcomes = client.put_many(
-                    items,
+                outcomes = client.put_packed(
+                    [job.keys[i] for i in batch],
+                    [job.chunk_bytes] * len(batch),
+                    _filler(job, batch),
                     tenant=job.tenant,
                     parents=[job.parents[i] for i in batch],
                     tokens=job.chunk_tokens,

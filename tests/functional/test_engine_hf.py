@@ -20,6 +20,7 @@ from kvctl.engines.hf import CachedLM  # noqa: E402
 from kvctl.engines.models import build_model  # noqa: E402
 from kvctl.errors import InvalidArgument  # noqa: E402
 from tests.functional.agents import Agent, running_agent  # noqa: E402
+from tests.unit.cuda_marks import needs_cuda  # noqa: E402
 
 CHUNK = 64
 FP32_ATOL = 1e-5
@@ -237,3 +238,23 @@ def test_the_engine_reports_its_measured_prefill_rate_to_the_agent(tmp_path: Pat
         after = agent.control().stats()["fetch_plans"]["prefill"]
         assert after["basis"].startswith("measured"), after
         lm.close()
+
+
+@needs_cuda
+def test_on_cuda_new_chunks_are_copied_into_a_registered_staging_segment(tmp_path: Path) -> None:
+    model = build_model("tiny-llama", dtype=torch.bfloat16).to("cuda")
+    baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+    ids = _tokens(CHUNK * 3 + 5, 11)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        lm = CachedLM(model, client, chunked_prefill=True)
+        assert lm.prefill(ids).stored_chunks == 3
+        # the writer's staging segment is registered with CUDA while the writer has it
+        assert lm._staging_reg is not None and lm.staging_register_failures == 0
+        again = lm.prefill(ids)
+        assert again.reused_chunks == 3
+        assert torch.equal(again.logits, baseline.prefill(ids).logits)  # bit for bit
+        lm.close()
+        assert lm._staging_reg is None  # unregistered before the segment was unmapped

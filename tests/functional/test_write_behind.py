@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from kvctl.engines.writebehind import StoreJob, WriteBehind
+from kvctl.store.tiers.hostreg import buffer_address
 from tests.functional.agents import key, payload, running_agent
 
 SIZE = 64 << 10
@@ -141,3 +142,31 @@ def test_an_engine_killed_mid_write_leaves_only_whole_chunks(tmp_path: Path) -> 
             for k in held:
                 assert bytes(client.get(k, tenant="t")) == payload(k, size)
             assert len(held) >= len(acked) * 8
+
+
+def test_a_job_packs_straight_into_the_staging_segment(tmp_path: Path) -> None:
+    with running_agent(tmp_path) as agent, agent.data("unix") as client:
+        heard: list[bool] = []
+        writer = WriteBehind(client, on_staging=lambda seg: heard.append(seg is not None))
+        keys = [key(i, 3) for i in range(5)]
+        where: list[bool] = []
+
+        def pack_into(i: int, out: memoryview) -> None:
+            staging = writer._client._staging if writer._client is not None else None
+            assert staging is not None
+            with memoryview(staging) as seg:  # the chunk's place is inside the segment
+                lo = buffer_address(seg)
+                where.append(lo <= buffer_address(out) < lo + seg.nbytes)
+            out[:] = payload(keys[i], SIZE)
+
+        def no_pack(i: int) -> bytes:
+            raise AssertionError("pack_into is set: pack must not run")
+
+        job = _job(keys)
+        job.pack, job.pack_into = no_pack, pack_into
+        stored = writer.submit(job).result(timeout=30)
+        assert (stored.chunks, stored.bytes, stored.skipped) == (5, 5 * SIZE, "")
+        assert where == [True] * 5 and heard == [True]  # the writer's connection's listener
+        assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
+        writer.close()
+        assert heard == [True, False]  # told before its segment was unmapped

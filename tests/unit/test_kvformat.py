@@ -64,3 +64,23 @@ def test_bad_shapes_sizes_and_dtypes_are_refused() -> None:
     with pytest.raises(InvalidArgument, match="not supported"):
         dtype_name(torch.int8)
     assert fmt.unpack(torch.zeros(0, dtype=torch.uint8), 0) == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pack_into_writes_the_same_bytes_as_pack_in_place(dtype: str) -> None:
+    layout = KVLayout(3, 2, 8, dtype)
+    fmt = ChunkFormat(layout, 4)
+    ks, vs = _caches(layout, 13)
+    # chunks back to back in one buffer, as in a staging segment; the neighbours are untouched
+    out = torch.full((4 * fmt.chunk_bytes,), 7, dtype=torch.uint8)
+    for i in range(3):
+        fmt.pack_into(ks, vs, i, out[i * fmt.chunk_bytes : (i + 1) * fmt.chunk_bytes])
+    for i in range(3):
+        assert torch.equal(
+            out[i * fmt.chunk_bytes : (i + 1) * fmt.chunk_bytes], fmt.pack(ks, vs, i)
+        )
+    assert bool((out[3 * fmt.chunk_bytes :] == 7).all())
+    with pytest.raises(InvalidArgument, match="flat uint8 tensor of"):
+        fmt.pack_into(ks, vs, 0, out[: fmt.chunk_bytes - 1])
+    with pytest.raises(InvalidArgument, match="ends at token 16"):
+        fmt.pack_into(ks, vs, 3, out[: fmt.chunk_bytes])

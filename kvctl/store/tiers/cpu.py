@@ -51,6 +51,7 @@ from kvctl.store.tiers.base import (
     check_resize,
     check_room,
 )
+from kvctl.store.tiers.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,7 @@ class CpuTier(Tier):
         self._fd = -1
         self._arena, self._fd = _new_arena(capacity_bytes, shared=shared, name=name)
         self._view = memoryview(self._arena)
+        self._prefault = _prefaulter(self._arena, shared)
         self._alloc = ArenaAllocator(capacity_bytes)
         self._slots: dict[bytes, tuple[int, int]] = {}  # key -> (offset, size)
         self._used_bytes = 0
@@ -432,6 +434,8 @@ class CpuTier(Tier):
                     f"tier {self.name!r}: no hole of {n} bytes while chunks are leased or "
                     f"being read in"
                 )
+        if self._prefault is not None:
+            self._prefault.want(off + n)  # the pages past it, faulted in before they are needed
         return off
 
     def _unhold(self, off: int) -> None:
@@ -490,6 +494,9 @@ class CpuTier(Tier):
                 cursor += n
             old = (self._arena, self._view, self._fd)
             self._arena, self._view, self._fd = arena, view, fd
+            if self._prefault is not None:
+                self._prefault.stop()
+            self._prefault = _prefaulter(arena, self.shared, cursor)
             self._capacity_bytes = capacity_bytes
             # leases of the old generation keep their readers' mappings; they no longer hold
             # anything here, and the zombies' bytes went with the old arena
@@ -514,6 +521,8 @@ class CpuTier(Tier):
         self.compactions += 1
 
     def _release_arena(self) -> None:
+        if self._prefault is not None:
+            self._prefault.stop()
         _release(self._arena, self._view, self._fd)
         self._fd = -1
 
@@ -543,6 +552,16 @@ ARENA_SEALS = (
 )
 #: fcntl's F_ADD_SEALS (Linux's value where Python does not name it)
 _F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
+
+
+def _prefaulter(arena: mmap.mmap, shared: bool, used: int = 0) -> Prefaulter | None:
+    """A shared arena's pages are committed at start (``_new_arena``), so faulting them into
+    this mapping ahead of the puts costs page tables only: the pages past ``used`` are."""
+    if not shared or len(arena) <= 1:
+        return None
+    prefault = Prefaulter(arena)
+    prefault.want(used)
+    return prefault
 
 
 def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mmap, int]:

@@ -1,0 +1,92 @@
+"""Chunks packed by the caller into the put itself (``DataClient.put_packed``), against a real
+agent: on a same-host shared-memory connection each chunk is written straight into the staging
+segment the agent copies from (no buffer of its own between), over TCP into one buffer sent on
+the socket; either way the agent holds exactly those bytes. A staging segment's listener
+(``on_staging``: how a CUDA engine registers it) hears of each segment before it is unmapped,
+so a registration's hold on it never stops the client from closing it."""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+
+import pytest
+
+from kvctl.client import DataClient
+from kvctl.store.tiers.hostreg import buffer_address
+from tests.functional.agents import key, payload, running_agent
+
+SIZE = 64 << 10
+
+
+def _put(client: DataClient, keys: list[bytes], seen: list[int]) -> None:
+    def fill(i: int, out: memoryview) -> None:
+        assert out.nbytes == SIZE and not out.readonly
+        seen.append(buffer_address(out))
+        out[:] = payload(keys[i], SIZE)
+
+    outcomes = client.put_packed(
+        keys, [SIZE] * len(keys), fill, tenant="t", parents=[None, *keys[:-1]], tokens=16
+    )
+    assert [o.status for o in outcomes] == ["stored"] * len(keys)
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_packed_chunks_land_bit_exact(tmp_path: Path, transport: str) -> None:
+    keys = [key(i, 7) for i in range(5)]
+    with running_agent(tmp_path) as agent, agent.data(transport) as client:
+        seen: list[int] = []
+        _put(client, keys, seen)
+        assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
+        assert client.lookup(keys, tenant="t").matched_chunks == 5  # parents chained as given
+        if transport == "unix":
+            assert client.shm and client._staging is not None
+            with memoryview(client._staging) as seg:
+                base = buffer_address(seg)
+                # each chunk was written in its place in the staging segment itself
+                assert seen == [base + i * SIZE for i in range(5)]
+
+
+def test_a_fill_that_fails_stores_nothing_and_the_client_goes_on(tmp_path: Path) -> None:
+    keys = [key(i, 8) for i in range(3)]
+    with running_agent(tmp_path) as agent, agent.data("unix") as client:
+
+        def fill(i: int, out: memoryview) -> None:
+            if i == 2:
+                raise RuntimeError("device error")
+            out[:] = payload(keys[i], SIZE)
+
+        with pytest.raises(RuntimeError, match="device error"):
+            client.put_packed(keys, [SIZE] * 3, fill, tenant="t")
+        assert client.exists(keys, tenant="t") == [None] * 3
+        _put(client, keys, [])  # the same connection stores them afterwards
+
+
+def test_the_staging_listener_hears_of_each_segment_before_it_is_unmapped(tmp_path: Path) -> None:
+    heard: list[int] = []
+    held: list[memoryview] = []  # what a registration holds: an export of the mapping
+
+    def on_staging(segment: mmap.mmap | None) -> None:
+        while held:
+            held.pop()  # dropped, not released, as HostRegistration.close does
+        if segment is not None:
+            held.append(memoryview(segment))
+        heard.append(0 if segment is None else len(segment))
+
+    with running_agent(tmp_path) as agent:
+        client = agent.data("unix")
+        client.on_staging = on_staging
+        _put(client, [key(0, 9)], [])
+        first = heard[-1]
+        assert heard == [first] and first >= SIZE
+        # a batch larger than the segment: a new one, the old one let go of before it is closed
+        big = first + SIZE
+
+        def zeros(_i: int, out: memoryview) -> None:
+            out[:] = bytes(big)
+
+        assert client.put_packed([key(1, 9)], [big], zeros)[0].status == "stored"
+        assert bytes(client.get(key(1, 9))) == bytes(big)
+        assert heard[1:] == [0, heard[-1]] and heard[-1] >= big
+        client.close()  # closing unmaps: the listener hears None first (no BufferError)
+        assert heard[-1] == 0 and not held

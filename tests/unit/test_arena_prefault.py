@@ -1,0 +1,98 @@
+"""A shared cpu arena's pages are faulted into the agent's mapping ahead of the puts that write
+them (``kvctl.store.tiers.prefault``): how far is checked through the kernel's own count of the
+mapping's resident pages (/proc/self/smaps), never by timing; the bytes stored are unchanged,
+and a resize or close while it runs loses nothing."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import sys
+
+import pytest
+
+from kvctl.store.tiers.base import ChunkMeta
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.hostreg import buffer_address
+from kvctl.store.tiers.prefault import Prefaulter
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="shared arenas and smaps are Linux only"
+)
+MIB = 1 << 20
+
+
+def _rss_bytes(arena: mmap.mmap) -> int:
+    """Resident bytes of the mapping holding ``arena`` (its smaps entry)."""
+    with memoryview(arena) as mv:
+        start = buffer_address(mv)
+    with open(f"/proc/{os.getpid()}/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and int(head.split("-")[0], 16) == start:
+            for entry in lines[i + 1 :]:
+                if entry.startswith("Rss:"):
+                    return int(entry.split()[1]) * 1024
+    raise AssertionError("the arena's mapping is not in smaps")
+
+
+def _supported(p: Prefaulter) -> None:
+    p.join(30)
+    if p.failed:
+        pytest.skip(f"this kernel cannot prefault: {p.failed}")
+
+
+def test_pages_ahead_of_the_puts_are_mapped_and_the_bytes_are_unchanged() -> None:
+    t = CpuTier(64 * MIB, shared=True)
+    prefault = t._prefault
+    assert prefault is not None
+    prefault.ahead_bytes = 8 * MIB
+    data = bytes(range(256)) * (MIB // 256)
+    t.put(ChunkMeta(b"k" * 16, MIB), data)
+    _supported(prefault)
+    # AHEAD_BYTES from the start (at creation), then at least 8 MiB past the put
+    assert prefault.populated_bytes >= min(64 * MIB, 9 * MIB)
+    assert _rss_bytes(t._arena) >= prefault.populated_bytes
+    assert t.get(b"k" * 16) == data
+    t.close()
+
+
+def test_only_the_asked_for_range_is_mapped() -> None:
+    fd = os.memfd_create("prefault-test")
+    os.ftruncate(fd, 32 * MIB)
+    os.posix_fallocate(fd, 0, 32 * MIB)
+    arena = mmap.mmap(fd, 32 * MIB)
+    p = Prefaulter(arena, ahead_bytes=4 * MIB)
+    p.want(2 * MIB)
+    _supported(p)
+    assert p.populated_bytes == 6 * MIB
+    assert 6 * MIB <= _rss_bytes(arena) < 32 * MIB  # nothing past it was touched
+    assert bytes(arena[: 6 * MIB]) == bytes(6 * MIB)  # faulted in, not written
+    p.want(100 * MIB)  # capped at the arena's end
+    _supported(p)
+    assert p.populated_bytes == 32 * MIB
+    p.stop()
+    p.want(0)  # stopped: asks nothing more
+    arena.close()
+    os.close(fd)
+
+
+def test_a_resize_or_close_while_it_runs_loses_nothing() -> None:
+    t = CpuTier(256 * MIB, shared=True)
+    chunk = bytes([7]) * MIB
+    for i in range(4):
+        t.put(ChunkMeta(i.to_bytes(16, "little"), MIB), chunk)
+    old = t._prefault
+    t.resize(128 * MIB)  # a new arena: the old one's prefaulter stops, a new one starts
+    assert old is not None and t._prefault is not None and t._prefault is not old
+    assert all(t.get(i.to_bytes(16, "little")) == chunk for i in range(4))
+    t.close()  # while its thread may still be populating: the unmap waits for it
+    old.join(30)
+    assert t._prefault is not None
+    t._prefault.join(30)
+
+
+def test_a_private_arena_is_not_prefaulted() -> None:
+    # its pages are not committed at start: faulting them ahead would take memory
+    assert CpuTier(8 * MIB)._prefault is None
