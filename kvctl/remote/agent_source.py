@@ -160,11 +160,14 @@ class AgentSource(SplitStreams, RemotePool):
         tenant: str,
         arrived: Arrived | None = None,
         into: Into | None = None,
+        unused: Callable[[int], None] | None = None,
     ) -> list[PoolChunk | None]:
         """``into``: where each chunk is received (see the module), asked only for a chunk
         that is the key asked for and visible to ``tenant``; the chunk handed to ``arrived``
-        (and returned) then holds that view. A view given for a chunk that then does not
-        arrive (a stream failed mid-chunk) holds no chunk: the caller gives it back."""
+        (and returned) then holds that view. ``unused(i)``: the view ``into`` gave for chunk
+        ``i`` holds no chunk (its stream failed before the chunk was whole, or it failed its
+        checks); called on that stream's thread once nothing more is written into the view,
+        so the caller may give its memory back then."""
         keys = list(keys)
         if not keys:
             return []
@@ -172,7 +175,7 @@ class AgentSource(SplitStreams, RemotePool):
         # every stream is waited for; the first failure is raised after the others handed over
         self._split.run(
             self._split.groups(len(keys)),
-            lambda lo, hi: self._pull(keys, lo, hi, tenant, out, arrived, into),
+            lambda lo, hi: self._pull(keys, lo, hi, tenant, out, arrived, into, unused),
         )
         self._split.saw([c.meta.size_bytes for c in out if c is not None])
         return out
@@ -186,25 +189,38 @@ class AgentSource(SplitStreams, RemotePool):
         out: list[PoolChunk | None],
         arrived: Arrived | None,
         into: Into | None,
+        unused: Callable[[int], None] | None,
     ) -> None:
         """One stream: FETCH keys[lo:hi] on one connection, each chunk received where
-        ``into`` says (if it is what was asked for), checked and handed over as it lands."""
+        ``into`` says (if it is what was asked for), checked and handed over as it lands;
+        the views ``into`` gave that hold no chunk go to ``unused`` when the stream ends."""
+        given: set[int] = set()  # chunks received into a view of ``into``, not landed yet
 
         def target(i: int, meta: ChunkMeta) -> memoryview | None:
             if into is None or meta.key != keys[lo + i] or not visible_to(meta, tenant):
                 return None  # a buffer of its own, dropped (and counted) when it lands
-            return into(lo + i, meta)
+            view = into(lo + i, meta)
+            if view is not None:
+                given.add(i)
+            return view
 
         def landed(i: int, meta: ChunkMeta, data: bytearray | memoryview) -> None:
             chunk = self._checked(keys[lo + i], meta, data, tenant)
             if chunk is None:
-                return
+                return  # (still in ``given`` if it was: unused below)
+            given.discard(i)
             out[lo + i] = chunk
             if arrived is not None:
                 arrived(lo + i, chunk)
 
-        with self._client() as c:
-            c.fetch(keys[lo:hi], tenant=tenant, into=target, arrived=landed)
+        try:
+            with self._client() as c:
+                c.fetch(keys[lo:hi], tenant=tenant, into=target, arrived=landed)
+        finally:
+            # this stream reads no more: what it was given and did not land is free again
+            if unused is not None:
+                for i in sorted(given):
+                    unused(lo + i)
 
     def _checked(
         self, key: bytes, meta: ChunkMeta, data: bytearray | memoryview, tenant: str

@@ -906,8 +906,9 @@ class RemoteTiers:
         is complete when this returns or raises."""
 
         # chunks received straight into the lease tier's arena: reserved as the stream reaches
-        # each one (outside the store's lock), committed as it lands; any left when the pull
-        # ends (a stream cut mid-chunk, a chunk dropped) are given back
+        # each one (outside the store's lock), committed as it lands, given back (``unused``)
+        # by the stream that held one it could not land (cut mid-chunk, or a chunk dropped),
+        # once that stream writes no more
         slots: dict[int, PutSlot] = {}
         isolated = tenant in self.store.isolated_tenants
 
@@ -931,17 +932,18 @@ class RemoteTiers:
             slots[i] = slot
             return slot.view
 
+        def unused(i: int) -> None:
+            slot = slots.pop(i, None)
+            if slot is not None:
+                self.store.abort_put(slot)
+
         def arrived(i: int, chunk: PoolChunk) -> None:
             if self._admit(src, keys[i], chunk, tenant, slots.pop(i, None)):
                 landed[i] = chunk
 
         backend = src.backend
         if isinstance(backend, AgentSource):  # streams: each chunk is kept as it lands
-            try:
-                backend.get_many(keys, tenant=tenant, arrived=arrived, into=into)
-            finally:
-                for slot in slots.values():
-                    self.store.abort_put(slot)
+            backend.get_many(keys, tenant=tenant, arrived=arrived, into=into, unused=unused)
         else:
             for i, chunk in enumerate(backend.get_many(keys, tenant=tenant)):
                 if chunk is not None:

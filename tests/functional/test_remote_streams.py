@@ -162,13 +162,31 @@ def test_a_source_failing_mid_pull_is_a_miss_within_the_timeout(tmp_path: Path, 
 
         seen = Arrivals({m.key: m for m in metas}, on_first=fail)
         keys = [m.key for m in metas]
+        # each chunk received into a buffer of the caller's; the ones that did not land are
+        # handed back (``unused``) by their own stream, once it reads no more
+        buffers = {i: memoryview(bytearray(m.size_bytes)) for i, m in enumerate(metas)}
+        given: dict[int, int] = {}
+        handed_back: dict[int, int] = {}
+
+        def into(i: int, meta: ChunkMeta) -> memoryview:
+            given[i] = threading.get_ident()
+            return buffers[i]
+
+        def unused(i: int) -> None:
+            handed_back[i] = threading.get_ident()
+
         try:
             start = time.monotonic()
             with pytest.raises(TierUnavailable, match=backend.address):
-                backend.get_many(keys, tenant="t1", arrived=seen)
+                backend.get_many(keys, tenant="t1", arrived=seen, into=into, unused=unused)
             assert time.monotonic() - start < timeout_s + HANG_SLACK_S
             n_calls = len(seen.calls)
             assert 1 <= n_calls < len(keys) and not seen.wrong  # what came, came whole
+            landed = {i for i, _ in seen.calls}
+            assert handed_back and set(handed_back) == set(given) - landed
+            assert all(handed_back[i] == given[i] for i in handed_back)  # on its stream
+            for i in landed:  # received in place
+                assert bytes(buffers[i]) == payload(keys[i], metas[i].size_bytes)
             # in the federation the same failure is a miss and a counted error, not an exception
             start = time.monotonic()
             got = source.call(
