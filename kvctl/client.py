@@ -472,14 +472,19 @@ class DataClient:
         *,
         tenant: str = "",
         payload: bool = True,
-        arrived: Callable[[int, ChunkMeta, bytearray], None] | None = None,
-    ) -> list[tuple[ChunkMeta, bytearray | None] | None]:
+        into: Callable[[int, ChunkMeta], memoryview | None] | None = None,
+        arrived: Callable[[int, ChunkMeta, bytearray | memoryview], None] | None = None,
+    ) -> list[tuple[ChunkMeta, bytearray | memoryview | None] | None]:
         """Chunks with their metadata (owner tenant, parent, tokens, isolation), for agents
         pulling from a pool agent or a peer; None where missing or not visible to ``tenant``.
         ``payload=False`` asks for the metadata only (moves no bytes, counts nothing).
-        ``arrived(i, meta, data)`` runs as each chunk lands, before the rest have arrived."""
+        ``into(i, meta)``, asked just before chunk ``i``'s bytes are read, gives the writable
+        view of exactly ``meta.size_bytes`` they are received into (None: a new bytearray).
+        ``arrived(i, meta, data)`` runs as each chunk lands, before the rest have arrived.
+        A failing ``into`` or ``arrived`` is raised after the reply is read to its end: a
+        chunk whose view was given but which did not arrive was not (wholly) written."""
         metas: list[ChunkMeta | None] = []
-        bufs: dict[int, bytearray] = {}
+        bufs: dict[int, bytearray | memoryview] = {}
 
         def sizes_of(reply: bytes) -> list[tuple[int, int]]:
             r = MetaReader(reply)
@@ -508,9 +513,16 @@ class DataClient:
                 return []
             return [(i, m.size_bytes) for i, m in enumerate(metas) if m is not None]
 
-        def into(i: int, size: int) -> memoryview:
-            bufs[i] = bytearray(size)
-            return memoryview(bufs[i])
+        def target(i: int, size: int) -> memoryview:
+            meta = metas[i]
+            view = None if into is None or meta is None else into(i, meta)
+            if view is None:
+                bufs[i] = bytearray(size)
+                return memoryview(bufs[i])
+            if view.nbytes != size:
+                raise ValueError(f"chunk {i} is {size} bytes; its buffer holds {view.nbytes}")
+            bufs[i] = view
+            return view
 
         def landed(i: int) -> None:
             meta = metas[i]  # only chunks with metadata carry bytes
@@ -518,7 +530,7 @@ class DataClient:
                 arrived(i, meta, bufs[i])
 
         w = MetaWriter().text(tenant).u8(1 if payload else 0).keys(keys)
-        self._call(Op.FETCH, w.build(), into=into, sizes_of=sizes_of, arrived=landed)
+        self._call(Op.FETCH, w.build(), into=target, sizes_of=sizes_of, arrived=landed)
         return [None if m is None else (m, bufs.get(i)) for i, m in enumerate(metas)]
 
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:

@@ -13,7 +13,9 @@ below what the host's loopback or NIC moves, since each side copies through one 
 chunk is handed to ``arrived`` as it lands, in order within its stream; streams interleave, so
 callbacks come from several threads at once. ``get_many`` returns only after every stream has
 ended (no callback runs after it), and raises ``TierUnavailable`` if any stream failed, after
-the chunks that landed on the others were handed over.
+the chunks that landed on the others were handed over. With ``into``, the caller names where
+each chunk's bytes are received (its own reserved memory: the agent's arena), so they are read
+from the socket straight there, with no buffer of their own and no copy after.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ log = logging.getLogger("kvctl.remote.agent_source")
 _KEEP_CONNECTIONS = 4
 
 Arrived = Callable[[int, PoolChunk], None]
+#: ``into(i, meta)``: the writable view of ``meta.size_bytes`` chunk ``i`` is received into, or
+#: None (a buffer of the source's own)
+Into = Callable[[int, ChunkMeta], memoryview | None]
 
 
 class AgentSource(SplitStreams, RemotePool):
@@ -149,8 +154,20 @@ class AgentSource(SplitStreams, RemotePool):
         return out
 
     def get_many(
-        self, keys: Sequence[bytes], *, tenant: str, arrived: Arrived | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        tenant: str,
+        arrived: Arrived | None = None,
+        into: Into | None = None,
+        unused: Callable[[int], None] | None = None,
     ) -> list[PoolChunk | None]:
+        """``into``: where each chunk is received (see the module), asked only for a chunk
+        that is the key asked for and visible to ``tenant``; the chunk handed to ``arrived``
+        (and returned) then holds that view. ``unused(i)``: the view ``into`` gave for chunk
+        ``i`` holds no chunk (its stream failed before the chunk was whole, or it failed its
+        checks); called on that stream's thread once nothing more is written into the view,
+        so the caller may give its memory back then."""
         keys = list(keys)
         if not keys:
             return []
@@ -158,7 +175,7 @@ class AgentSource(SplitStreams, RemotePool):
         # every stream is waited for; the first failure is raised after the others handed over
         self._split.run(
             self._split.groups(len(keys)),
-            lambda lo, hi: self._pull(keys, lo, hi, tenant, out, arrived),
+            lambda lo, hi: self._pull(keys, lo, hi, tenant, out, arrived, into, unused),
         )
         self._split.saw([c.meta.size_bytes for c in out if c is not None])
         return out
@@ -171,35 +188,55 @@ class AgentSource(SplitStreams, RemotePool):
         tenant: str,
         out: list[PoolChunk | None],
         arrived: Arrived | None,
+        into: Into | None,
+        unused: Callable[[int], None] | None,
     ) -> None:
-        """One stream: FETCH keys[lo:hi] on one connection, each chunk checked and handed over
-        as it lands."""
+        """One stream: FETCH keys[lo:hi] on one connection, each chunk received where
+        ``into`` says (if it is what was asked for), checked and handed over as it lands;
+        the views ``into`` gave that hold no chunk go to ``unused`` when the stream ends."""
+        given: set[int] = set()  # chunks received into a view of ``into``, not landed yet
 
-        def landed(i: int, meta: ChunkMeta, data: bytearray) -> None:
+        def target(i: int, meta: ChunkMeta) -> memoryview | None:
+            if into is None or meta.key != keys[lo + i] or not visible_to(meta, tenant):
+                return None  # a buffer of its own, dropped (and counted) when it lands
+            view = into(lo + i, meta)
+            if view is not None:
+                given.add(i)
+            return view
+
+        def landed(i: int, meta: ChunkMeta, data: bytearray | memoryview) -> None:
             chunk = self._checked(keys[lo + i], meta, data, tenant)
             if chunk is None:
-                return
+                return  # (still in ``given`` if it was: unused below)
+            given.discard(i)
             out[lo + i] = chunk
             if arrived is not None:
                 arrived(lo + i, chunk)
 
-        with self._client() as c:
-            c.fetch(keys[lo:hi], tenant=tenant, arrived=landed)
+        try:
+            with self._client() as c:
+                c.fetch(keys[lo:hi], tenant=tenant, into=target, arrived=landed)
+        finally:
+            # this stream reads no more: what it was given and did not land is free again
+            if unused is not None:
+                for i in sorted(given):
+                    unused(lo + i)
 
     def _checked(
-        self, key: bytes, meta: ChunkMeta, data: bytearray, tenant: str
+        self, key: bytes, meta: ChunkMeta, data: bytearray | memoryview, tenant: str
     ) -> PoolChunk | None:
         """The chunk, or None (a counted miss) when it is not what was asked for: another key,
         a length that is not its declared size, or another tenant's isolated chunk."""
+        view = memoryview(data)
         why = ""
         if meta.key != key:
             why = f"holds key {meta.key.hex()}"
-        elif len(data) != meta.size_bytes:
-            why = f"is {len(data)} bytes, declared {meta.size_bytes}"
+        elif view.nbytes != meta.size_bytes:
+            why = f"is {view.nbytes} bytes, declared {meta.size_bytes}"
         elif not visible_to(meta, tenant):
             why = f"is isolated to another tenant than {tenant!r}"
         if not why:
-            return PoolChunk(meta, memoryview(data))
+            return PoolChunk(meta, view)
         with self._lock:
             self.corrupt += 1
         log.warning("%s: dropping chunk %s: it %s", self.address, key.hex(), why)

@@ -63,7 +63,7 @@ from kvctl.remote.links import EmulatedDelay, LinkEstimator
 from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
 from kvctl.store.index import LookupResult
-from kvctl.store.store import TieredStore
+from kvctl.store.store import PutSlot, TieredStore
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.wire.address import redact_url
 
@@ -905,20 +905,57 @@ class RemoteTiers:
         backend returns only after its last callback (``AgentSource.get_many``), so ``landed``
         is complete when this returns or raises."""
 
+        # chunks received straight into the lease tier's arena: reserved as the stream reaches
+        # each one (outside the store's lock), committed as it lands, given back (``unused``)
+        # by the stream that held one it could not land (cut mid-chunk, or a chunk dropped),
+        # once that stream writes no more
+        slots: dict[int, PutSlot] = {}
+        isolated = tenant in self.store.isolated_tenants
+
+        def into(i: int, meta: ChunkMeta) -> memoryview | None:
+            if meta.key != keys[i] or not visible_to(meta, tenant, tenant_isolated=isolated):
+                return None  # dropped when it lands (``_admit``)
+            try:
+                slot = self.store.reserve_put(
+                    meta.key,
+                    meta.size_bytes,
+                    tokens=meta.tokens or None,
+                    tenant=meta.tenant,
+                    parent=meta.parent,
+                    priority=meta.priority,
+                    isolated=meta.isolated,
+                )
+            except StoreError:  # put will refuse it too, and say why
+                return None
+            if slot is None:
+                return None
+            slots[i] = slot
+            return slot.view
+
+        def unused(i: int) -> None:
+            slot = slots.pop(i, None)
+            if slot is not None:
+                self.store.abort_put(slot)
+
         def arrived(i: int, chunk: PoolChunk) -> None:
-            if self._admit(src, keys[i], chunk, tenant):
+            if self._admit(src, keys[i], chunk, tenant, slots.pop(i, None)):
                 landed[i] = chunk
 
         backend = src.backend
         if isinstance(backend, AgentSource):  # streams: each chunk is kept as it lands
-            backend.get_many(keys, tenant=tenant, arrived=arrived)
+            backend.get_many(keys, tenant=tenant, arrived=arrived, into=into, unused=unused)
         else:
             for i, chunk in enumerate(backend.get_many(keys, tenant=tenant)):
                 if chunk is not None:
                     arrived(i, chunk)
         return landed
 
-    def _admit(self, src: Source, key: bytes, chunk: PoolChunk, tenant: str) -> bool:
+    def _admit(
+        self, src: Source, key: bytes, chunk: PoolChunk, tenant: str, slot: PutSlot | None = None
+    ) -> bool:
+        """Keep a chunk that arrived: commit ``slot`` (the arena space its bytes were received
+        into), else put its bytes. False (nothing kept, ``slot`` given back) when it is not
+        what was asked, or the store would not take it."""
         meta = chunk.meta
         isolated = tenant in self.store.isolated_tenants
         if (
@@ -926,18 +963,23 @@ class RemoteTiers:
             or not visible_to(meta, tenant, tenant_isolated=isolated)
             or chunk.data.nbytes != meta.size_bytes
         ):
+            if slot is not None:
+                self.store.abort_put(slot)
             return False  # the source broke its contract: never store what was not asked for
         self._local.filling = True  # not an echo for the pool writer
         try:
-            tier = self.store.put(
-                key,
-                chunk.data,
-                tokens=meta.tokens or None,
-                tenant=meta.tenant,
-                parent=meta.parent,
-                priority=meta.priority,
-                isolated=meta.isolated,
-            )
+            if slot is not None:
+                tier = self.store.commit_put(slot)
+            else:
+                tier = self.store.put(
+                    key,
+                    chunk.data,
+                    tokens=meta.tokens or None,
+                    tenant=meta.tenant,
+                    parent=meta.parent,
+                    priority=meta.priority,
+                    isolated=meta.isolated,
+                )
         except (CapacityError, StoreError) as exc:
             log.debug("could not keep %s from %s: %s", key.hex(), src.name, exc)
             return False

@@ -70,7 +70,7 @@ from kvctl.store.policies import (
 )
 from kvctl.store.stats import StoreStats, TierStats
 from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, byte_view
-from kvctl.store.tiers.cpu import CpuTier, Lease
+from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 
 _TIER_OF = attrgetter("tier")
 _TOKENS_OF = attrgetter("tokens")
@@ -84,6 +84,20 @@ DEFAULT_READ_THREADS = 8
 UNLINK_THREADS = 2
 
 Event = dict[str, Any]
+
+
+@dataclass(eq=False, slots=True)
+class PutSlot:
+    """A new chunk's place reserved in the lease tier's arena (``TieredStore.reserve_put``):
+    ``view`` is its writable bytes, filled by the caller without the store's lock, then
+    committed (``commit_put``) or given back (``abort_put``)."""
+
+    entry: Entry
+    home: CpuTier
+    reservation: Reservation
+    view: memoryview
+    #: committed or aborted (under the store's lock)
+    done: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -344,16 +358,10 @@ class TieredStore:
         chunk the putter may not see (another tenant's, where either is isolated) replaces it,
         so the put and the putter's later reads behave as for a new chunk.
         """
-        _check_key(key)
         size = _payload_size(data, size_bytes)
-        if self.chunk_bytes is not None and size != self.chunk_bytes:
-            raise PayloadSizeError(f"chunk is {size} bytes; this store holds {self.chunk_bytes}")
-        if not 0 <= priority <= MAX_PRIORITY:
-            raise InvalidArgument(f"priority must be in 0..{MAX_PRIORITY}, got {priority}")
+        self._check_new(key, size, priority=priority, parent=parent)
         if retention_seconds is not None and retention_seconds < 0:
             raise InvalidArgument(f"retention_seconds must not be negative: {retention_seconds}")
-        if parent is not None:
-            _check_key(parent, "parent")
         with self._lock:
             now = self._clock()
             isolated = isolated or tenant in self._isolated_tenants
@@ -382,21 +390,19 @@ class TieredStore:
                     self._pin(existing)
                 return existing.tier
             start = self._rank(tier) if tier else 0
-            entry = Entry(
-                key=key,
+            entry = self._new_entry(
+                key,
+                size,
                 tier=self._tiers[start].name,
-                size_bytes=size,
-                tokens=self.chunk_tokens if tokens is None else tokens,
+                tokens=tokens,
                 tenant=tenant,
                 parent=parent,
                 priority=priority,
                 isolated=isolated,
-                created_s=now,
-                last_access_s=now,
+                now=now,
                 depth=depth,
                 retention_until_s=None if retention_seconds is None else now + retention_seconds,
             )
-            entry.tenants.add(tenant)
             # Where it goes is decided before anything is evicted: a tier that cannot take it
             # (too many pins, or leased regions splitting its free space) is passed over
             # untouched, and when no tier can, the put raises with the store as it was.
@@ -420,34 +426,164 @@ class TieredStore:
                     skip.add(target.name)
                     continue
                 break
-            policy = self._policies[target.name]
-            rank = self._tier_index[target.name]
-            rerouted = False
-            if rank > start:  # offline (or failed) above, else no room could be made there
-                rerouted = any(
-                    t.name in skip or not self._usable(t) for t in self._tiers[start:rank]
-                )
-                if not rerouted:
-                    self._accounting.spilled_puts += 1
-            self._offline.pop(target.name, None)
-            if rerouted:
-                self._accounting.rerouted_puts += 1
-            self._tick += 1
-            entry.last_tick = self._tick
-            self._index[key] = entry
-            if isolated:
-                self._isolated_owner[key] = tenant
-            self._link_parent(entry, +1)
-            if pinned:
-                entry.pinned = True
-                self._pinned_bytes[target.name] += size
-            else:
-                policy.on_insert(entry)
-            ts = self._accounting.tier(target.name)
-            ts.puts += 1
-            ts.bytes_written += size
-            self._emit("store", entry)
+            self._insert_new(entry, target, start=start, skip=skip, pinned=pinned)
             return target.name
+
+    # --- puts received in place -------------------------------------------------------------
+    def reserve_put(
+        self,
+        key: bytes,
+        size_bytes: int,
+        *,
+        tokens: int | None = None,
+        tenant: str = "",
+        parent: bytes | None = None,
+        priority: int = DEFAULT_PRIORITY,
+        isolated: bool = False,
+    ) -> PutSlot | None:
+        """Reserve the place a ``put`` of a new chunk would take, when that is the lease tier's
+        arena, so its bytes can be written there straight from where they come from (a
+        socket), without the store's lock and without a copy; then ``commit_put`` the slot,
+        or ``abort_put`` it (exactly one of them, whatever happens: until then its bytes stay
+        reserved). Room is made as ``put`` makes it. None when the chunk would not go there
+        (cached already, or another tier would take it, or none could): ``put`` it instead.
+        Raises what ``put`` raises for a bad key, size, priority or parent."""
+        self._check_new(key, size_bytes, priority=priority, parent=parent)
+        with self._lock:
+            home = self._leases.home
+            if home is None or self._closed or key in self._index:
+                return None
+            now = self._clock()
+            entry = self._new_entry(
+                key,
+                size_bytes,
+                tier=home.name,
+                tokens=tokens,
+                tenant=tenant,
+                parent=parent,
+                priority=priority,
+                isolated=isolated or tenant in self._isolated_tenants,
+                now=now,
+            )
+            try:
+                plan = self._plan_put(entry, 0, pinned=False, now=now, skip=set())
+            except (CapacityError, TierUnavailable):
+                return None
+            if plan is None or plan[0] is not home:
+                return None  # declined, or another tier takes it: put decides that again
+            self._evict_for(home, plan[1])
+            try:
+                reservation = home.reserve(entry.meta())
+            except (CapacityError, InvalidArgument, TierUnavailable):
+                return None
+            return PutSlot(entry, home, reservation, home.reserved_view(reservation))
+
+    def commit_put(self, slot: PutSlot) -> str | None:
+        """The slot's bytes, now written, become its chunk; returns the tier it is in (None:
+        declined) like ``put``. If the key was stored meanwhile (another pull), or a resize
+        replaced the arena under the slot, the bytes are ``put`` from the slot as any chunk's
+        (the view stays mapped) and the reserved space goes back. Raises what ``put`` raises;
+        the reserved space is given back then too."""
+        with self._lock:
+            if slot.done:
+                raise InvalidArgument("this put slot was committed or aborted already")
+            slot.done = True
+            e, home = slot.entry, slot.home
+            try:
+                if e.key not in self._index and home.commit(slot.reservation):
+                    self._insert_new(e, home, start=0, skip=set(), pinned=False)
+                    return home.name
+                return self.put(
+                    e.key,
+                    slot.view,
+                    tokens=e.tokens,
+                    tenant=e.tenant,
+                    parent=e.parent,
+                    priority=e.priority,
+                    isolated=e.isolated,
+                )
+            finally:
+                home.abort(slot.reservation)  # nothing left to give back once committed
+
+    def abort_put(self, slot: PutSlot) -> None:
+        """Give a slot's reserved space back (nothing once it was committed or aborted)."""
+        with self._lock:
+            if not slot.done:
+                slot.done = True
+                slot.home.abort(slot.reservation)
+
+    def _check_new(self, key: bytes, size: int, *, priority: int, parent: bytes | None) -> None:
+        _check_key(key)
+        if self.chunk_bytes is not None and size != self.chunk_bytes:
+            raise PayloadSizeError(f"chunk is {size} bytes; this store holds {self.chunk_bytes}")
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise InvalidArgument(f"priority must be in 0..{MAX_PRIORITY}, got {priority}")
+        if parent is not None:
+            _check_key(parent, "parent")
+
+    def _new_entry(
+        self,
+        key: bytes,
+        size: int,
+        *,
+        tier: str,
+        tokens: int | None,
+        tenant: str,
+        parent: bytes | None,
+        priority: int,
+        isolated: bool,
+        now: float,
+        depth: int = 0,
+        retention_until_s: float | None = None,
+    ) -> Entry:
+        entry = Entry(
+            key=key,
+            tier=tier,
+            size_bytes=size,
+            tokens=self.chunk_tokens if tokens is None else tokens,
+            tenant=tenant,
+            parent=parent,
+            priority=priority,
+            isolated=isolated,
+            created_s=now,
+            last_access_s=now,
+            depth=depth,
+            retention_until_s=retention_until_s,
+        )
+        entry.tenants.add(tenant)
+        return entry
+
+    def _insert_new(
+        self, entry: Entry, target: Tier, *, start: int, skip: set[str], pinned: bool
+    ) -> None:
+        """Under the lock: a new chunk, whose bytes are in ``target`` now, joins the index
+        (``put`` asked from tier rank ``start``, passing over ``skip``)."""
+        entry.tier = target.name
+        policy = self._policies[target.name]
+        rank = self._tier_index[target.name]
+        rerouted = False
+        if rank > start:  # offline (or failed) above, else no room could be made there
+            rerouted = any(t.name in skip or not self._usable(t) for t in self._tiers[start:rank])
+            if not rerouted:
+                self._accounting.spilled_puts += 1
+        self._offline.pop(target.name, None)
+        if rerouted:
+            self._accounting.rerouted_puts += 1
+        self._tick += 1
+        entry.last_tick = self._tick
+        self._index[entry.key] = entry
+        if entry.isolated:
+            self._isolated_owner[entry.key] = entry.tenant
+        self._link_parent(entry, +1)
+        if pinned:
+            entry.pinned = True
+            self._pinned_bytes[target.name] += entry.size_bytes
+        else:
+            policy.on_insert(entry)
+        ts = self._accounting.tier(target.name)
+        ts.puts += 1
+        ts.bytes_written += entry.size_bytes
+        self._emit("store", entry)
 
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
         """Longest cached prefix of a key chain, and the tier of every key. Counts hits.

@@ -162,13 +162,31 @@ def test_a_source_failing_mid_pull_is_a_miss_within_the_timeout(tmp_path: Path, 
 
         seen = Arrivals({m.key: m for m in metas}, on_first=fail)
         keys = [m.key for m in metas]
+        # each chunk received into a buffer of the caller's; the ones that did not land are
+        # handed back (``unused``) by their own stream, once it reads no more
+        buffers = {i: memoryview(bytearray(m.size_bytes)) for i, m in enumerate(metas)}
+        given: dict[int, int] = {}
+        handed_back: dict[int, int] = {}
+
+        def into(i: int, meta: ChunkMeta) -> memoryview:
+            given[i] = threading.get_ident()
+            return buffers[i]
+
+        def unused(i: int) -> None:
+            handed_back[i] = threading.get_ident()
+
         try:
             start = time.monotonic()
             with pytest.raises(TierUnavailable, match=backend.address):
-                backend.get_many(keys, tenant="t1", arrived=seen)
+                backend.get_many(keys, tenant="t1", arrived=seen, into=into, unused=unused)
             assert time.monotonic() - start < timeout_s + HANG_SLACK_S
             n_calls = len(seen.calls)
             assert 1 <= n_calls < len(keys) and not seen.wrong  # what came, came whole
+            landed = {i for i, _ in seen.calls}
+            assert handed_back and set(handed_back) == set(given) - landed
+            assert all(handed_back[i] == given[i] for i in handed_back)  # on its stream
+            for i in landed:  # received in place
+                assert bytes(buffers[i]) == payload(keys[i], metas[i].size_bytes)
             # in the federation the same failure is a miss and a counted error, not an exception
             start = time.monotonic()
             got = source.call(
@@ -248,6 +266,93 @@ def test_chunks_that_landed_before_a_stream_failed_count_once_and_are_not_pulled
             data = bytearray(size)
             store.read_into(k, memoryview(data))
             assert data == payload(k, size)
+        # the chunks were received in the arena: the ones cut mid-chunk gave their space back
+        cpu = store.lease_tier
+        assert cpu is not None and cpu.reserved_bytes == 0
+        assert cpu.used_bytes == len(local) * size
+
+
+def test_a_pull_receives_each_chunk_where_into_says(agent: Agent) -> None:
+    """``into`` names each chunk's buffer: its bytes are read from the socket straight there
+    and the chunk handed over is that memory; None (or a key it is not asked for) gets a
+    buffer of the source's own."""
+    size = 256 << 10
+    metas = chain_metas(12, size, "into")
+    store_in(agent, metas)
+    keys = [m.key for m in metas[:6]] + [key(0, "absent")] + [m.key for m in metas[6:]]
+    arena = bytearray(len(keys) * size)
+    asked: list[int] = []
+
+    def into(i: int, meta: ChunkMeta) -> memoryview | None:
+        asked.append(i)
+        if i == 2:
+            return None  # this one in a buffer of the source's own
+        return memoryview(arena)[i * size : (i + 1) * size]
+
+    src = AgentSource(agent.state.data_tcp or "", streams=4, min_stream_bytes=1 << 20)
+    try:
+        seen = Arrivals({m.key: m for m in metas})
+        got = src.get_many(keys, tenant="t1", arrived=seen, into=into)
+    finally:
+        src.close()
+    assert not seen.wrong and sorted(asked) == [i for i in range(len(keys)) if i != 6]
+    assert got[6] is None
+    for i, k in enumerate(keys):
+        if i == 6:
+            continue
+        chunk = got[i]
+        assert chunk is not None and bytes(chunk.data) == payload(k, size)
+        in_place = bytes(arena[i * size : (i + 1) * size]) == payload(k, size)
+        assert in_place == (i != 2)
+        if i != 2:  # the very memory into gave, not a copy of it
+            chunk.data[:1] = b"\x00" if chunk.data[0] else b"\x01"
+            assert arena[i * size] == chunk.data[0]
+
+
+def test_a_fill_lands_every_chunk_in_the_arena_through_a_resize(tmp_path: Path) -> None:
+    """A split pull into a store: each chunk received into reserved arena space and committed
+    as it lands; an agent resize mid-pull (a new arena) loses nothing: chunks whose space went
+    with the old arena are put from it. Nothing stays reserved, every byte is the source's."""
+    n, size = 32, 1 << 20
+    metas = chain_metas(n, size, "resize")
+    keys = [m.key for m in metas]
+    with running_agent(tmp_path / "pool", "--name", "pool", *SMALL) as a:
+        store_in(a, metas)
+        backend = AgentSource(a.state.data_tcp or "", streams=4, min_stream_bytes=1 << 20)
+        pool = Source("pool", POOL_TIER, backend, LinkEstimator("pool"))
+        store = TieredStore([CpuTier(n * size + size)], chunk_tokens=256)
+        remote = RemoteTiers(
+            store, pool=pool, prefill=PrefillRate(1e4, "configured"), write_through=False
+        )
+        stored: list[str] = []
+
+        def on_event(event: dict) -> None:
+            if event["type"] != "store":
+                return
+            stored.append(event["key"])
+            if len(stored) == 1:  # the other streams are mid-chunk: their space is reserved
+                store.resize("cpu", 2 * n * size)
+
+        store.subscribe(on_event)
+        try:
+            assert remote.fill(keys, tenant="t1") == n
+            assert pool.counters.chunks_in == n and pool.counters.errors == 0
+            assert len(stored) == len(set(stored)) == n
+            assert store.locate(keys, tenant="t1") == ["cpu"] * n
+            cpu = store.lease_tier
+            assert cpu is not None and cpu.reserved_bytes == 0 and cpu.used_bytes == n * size
+            assert store.stats.tiers[POOL_TIER].bytes_read == n * size
+            for m in metas:
+                data = bytearray(size)
+                store.read_into(m.key, memoryview(data), tenant="t1")
+                assert data == payload(m.key, size)
+                e = store.entry(m.key)
+                assert (e.tenant, e.parent, e.tokens) == ("t1", m.parent, 256)
+            assert remote.fill(keys, tenant="t1") == 0  # all local now: nothing pulled again
+        finally:
+            remote.close()
+            store.close()
+            backend.close()
 
 
 def test_a_corrupt_chunk_among_many_is_a_miss(agent: Agent) -> None:
