@@ -86,7 +86,9 @@ class Trace:
                 continue  # signals, exits
             name = call.group(1)
             trace.syscalls.add(name)
-            if name in ("socket", "socketpair"):
+            # a call another thread interrupted is two lines: "socket(AF_UNIX, ... <unfinished
+            # ...>" carries the arguments, "<... socket resumed>) = 5" only the result
+            if name in ("socket", "socketpair") and not call.group(0).endswith("resumed>"):
                 trace.families.add(line.split("(", 1)[1].split(",", 1)[0])
             if name == "mmap" and "PROT_EXEC" in line and "PROT_WRITE" in line:
                 trace.write_exec.append(line)

@@ -17,7 +17,6 @@ cannot be unmapped under it (a tier closing meanwhile leaves the unmap to the la
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import threading
 from collections.abc import Callable
@@ -39,7 +38,9 @@ def _madvise() -> Callable[..., int] | None:
     global _libc
     if _libc is None:
         try:
-            _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            # the process's own symbols, where libc is: ctypes.util.find_library would run
+            # ldconfig in a subprocess (writing /dev/null), which the agent's sandbox forbids
+            _libc = ctypes.CDLL(None, use_errno=True)
         except OSError:
             return None
     fn = getattr(_libc, "madvise", None)
