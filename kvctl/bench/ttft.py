@@ -200,12 +200,18 @@ def run_ttft_bench(
                         torch.cuda.empty_cache()
                     continue
                 summary = _summary(runs, full_s)
-                bound_rate = statistics.median(b for _, b in bounds)
-                achieved = summary["fetch_bytes_per_second"]
+                # each sample against the bound measured just before it, so a machine whose
+                # speed drifts (other work on it) compares like with like
+                shares = [
+                    p.fetched_bytes / p.fetch_seconds / b
+                    for p, (_, b) in zip(runs, bounds, strict=True)
+                    if p.fetched_bytes and p.fetch_seconds > 0 and b > 0
+                ]
                 summary["bound"] = {
                     "what": bounds[0][0],
-                    "bytes_per_second": bound_rate,
-                    "fetch_share_of_bound": achieved / bound_rate if achieved else None,
+                    "bytes_per_second": statistics.median(b for _, b in bounds),
+                    "fetch_share_of_bound": statistics.median(shares) if shares else None,
+                    "samples_fetch_share": shares,
                 }
                 row["sources"][source] = summary
                 say(_one_line(source, summary))
@@ -258,7 +264,9 @@ def run_ttft_bench(
             "bound: the cpu tier's is a copy of the same bytes from page-locked host memory to "
             "the device (CUDA) or a multi-threaded memcpy (CPU); the disk tier's a raw parallel "
             "read of the chunk files after dropping the page cache; the pool's a PROBE download "
-            "of the same bytes from the pool agent over the same loopback TCP socket",
+            "of the same bytes from the pool agent over the same loopback TCP socket; each is "
+            "measured right before its sample, and fetch_share_of_bound is the median over the "
+            "samples of fetch rate / that bound",
             "reused_chunks below the context's chunks means the agent's plan chose to recompute "
             "(see planner_recomputed_chunks)",
             "disk: files fsynced and dropped from the page cache (posix_fadvise DONTNEED) "
@@ -356,7 +364,9 @@ def _bound(
     if source == "cpu":
         if device.startswith("cuda"):
             return "page-locked host -> device copy", nbytes / _h2d_seconds(torch, device, nbytes)
-        return "multi-threaded memcpy", nbytes / memcpy_s if memcpy_s else 0.0
+        # measured again for each sample (the row's figure is one moment of a shared machine)
+        sample_s = _memcpy_seconds(torch, nbytes, 1) or memcpy_s
+        return "multi-threaded memcpy", nbytes / sample_s if sample_s else 0.0
     if source == "disk":
         read_bytes, seconds = _raw_read(fleet.disk)
         return f"raw parallel read ({RAW_READ_THREADS} threads)", read_bytes / seconds
