@@ -2,8 +2,10 @@
 prefix's KV read from a kvctl agent's cpu tier, its disk tier, and the shared pool.
 
 Three agents on loopback: ``node`` (cpu + disk tiers, writes through to the pool), ``pool`` (an
-embedded pool agent) and ``reader`` (another node with the same pool and nothing local, so its
-lookups and reads go to the pool). The engine talks to ``node`` and ``reader`` over their Unix
+embedded pool agent), ``reader`` (another node with the same pool and nothing local, so its
+lookups go to the pool and its plan decides whether pulling beats recomputing) and ``puller``
+(the same, its link to the pool forced to fetch, so the pull is measured whatever the plan would
+decide). The engine talks to the nodes over their Unix
 sockets with shared memory, as an engine on the same host would.
 
 Per context length: a prompt of ``context`` tokens plus ``suffix`` new ones; the full prefill is
@@ -182,6 +184,8 @@ def run_ttft_bench(
                 say(f"{context} tokens: prefix from {source}")
                 runs = []
                 bounds: list[tuple[str, float]] = []
+                forced: list[Prefill] = []
+                forced_bounds: list[tuple[str, float]] = []
                 try:
                     for _ in range(repeats):
                         fleet.prepare(source, keys)
@@ -191,6 +195,13 @@ def run_ttft_bench(
                         engine = engines["reader" if source == "pool" else "node"]
                         got = _light(engine.prefill(prompt))
                         runs.append(_check(got, reference, split, source, len(keys), dtype))
+                        if source == "pool":  # the pull itself, whatever the plan decided
+                            fleet.prepare(source, keys)
+                            forced_bounds.append(
+                                _bound(torch, fleet, source, device, nbytes, memcpy)
+                            )
+                            got = _light(engines["puller"].prefill(prompt))
+                            forced.append(_check(got, reference, split, source, len(keys), dtype))
                 except Exception as exc:  # one source failing must not lose the others' figures
                     failure = f"{context} tokens, {source}: {type(exc).__name__}: {exc}"
                     say(failure)
@@ -199,22 +210,15 @@ def run_ttft_bench(
                     if device.startswith("cuda"):
                         torch.cuda.empty_cache()
                     continue
-                summary = _summary(runs, full_s)
-                # each sample against the bound measured just before it, so a machine whose
-                # speed drifts (other work on it) compares like with like
-                shares = [
-                    p.fetched_bytes / p.fetch_seconds / b
-                    for p, (_, b) in zip(runs, bounds, strict=True)
-                    if p.fetched_bytes and p.fetch_seconds > 0 and b > 0
-                ]
-                summary["bound"] = {
-                    "what": bounds[0][0],
-                    "bytes_per_second": statistics.median(b for _, b in bounds),
-                    "fetch_share_of_bound": statistics.median(shares) if shares else None,
-                    "samples_fetch_share": shares,
-                }
+                summary = _bounded(_summary(runs, full_s), runs, bounds)
+                if forced:
+                    summary["forced_fetch"] = _bounded(
+                        _summary(forced, full_s), forced, forced_bounds
+                    )
                 row["sources"][source] = summary
                 say(_one_line(source, summary))
+                if forced:
+                    say(_one_line(f"{source} (forced fetch)", summary["forced_fetch"]))
             rows.append(row)
             fleet.forget(stored)
             del base, miss, runs
@@ -271,9 +275,10 @@ def run_ttft_bench(
             "(see planner_recomputed_chunks)",
             "disk: files fsynced and dropped from the page cache (posix_fadvise DONTNEED) "
             "before each sample, so reads come from the device",
-            "pool: an embedded pool agent on loopback; the reader node has nothing local and "
-            "its link to the pool is forced to fetch (override=fetch), so the pull is measured "
-            "whatever the link plan would decide",
+            "pool: an embedded pool agent on loopback, read by a node with nothing local whose "
+            "plan decides whether pulling beats recomputing (the row), and by another whose "
+            "link to the pool is forced to fetch (forced_fetch: the pull measured whatever the "
+            "plan would decide)",
         ],
     }
 
@@ -293,8 +298,9 @@ class _Fleet:
         elif source == "disk":
             node.move([k.hex() for k in keys], "disk")
             _drop_page_cache(self.disk)
-        else:  # the reader pulled them last time: forget them locally, the pool keeps its copy
-            self.control["reader"].evict([k.hex() for k in keys])
+        else:  # the readers pulled them last time: forget them locally, the pool keeps its copy
+            for name in ("reader", "puller"):
+                self.control[name].evict([k.hex() for k in keys])
 
     def forget(self, keys: list[bytes]) -> None:
         """Room for the next context: every agent drops this prompt's chunks."""
@@ -322,9 +328,11 @@ def _fleet(tmp: Path, cap: int, chunk_tokens: int, sources: tuple[str, ...]) -> 
             pool_args = ["--pool", f"kvctl://{agents['pool'].data_tcp}"]
         agents["node"] = start("node", "--cpu", str(cap), "--disk", str(cap), *pool_args)
         if "pool" in sources:
-            # nothing local: its lookups and reads go to the pool, whatever the link plan says
-            link = ["--link", "pool:override=fetch"]
-            agents["reader"] = start("reader", "--cpu", str(cap), "--disk", "0", *pool_args, *link)
+            # nothing local: their lookups go to the pool; the reader's plan decides whether to
+            # pull, the puller's link is forced to fetch (the pull measured whatever it decides)
+            alone = ("--cpu", str(cap), "--disk", "0", *pool_args)
+            agents["reader"] = start("reader", *alone)
+            agents["puller"] = start("puller", *alone, "--link", "pool:override=fetch")
         data: dict[str, DataClient] = {}
         control: dict[str, AgentClient] = {}
         for name, state in agents.items():
@@ -372,6 +380,25 @@ def _bound(
         return f"raw parallel read ({RAW_READ_THREADS} threads)", read_bytes / seconds
     seconds = _probe_download(fleet.data["pool"], nbytes)
     return "PROBE download over the same TCP loopback", nbytes / seconds
+
+
+def _bounded(
+    summary: dict[str, Any], runs: list[Prefill], bounds: list[tuple[str, float]]
+) -> dict[str, Any]:
+    """``summary`` with its bound: each sample against the bound measured just before it, so a
+    machine whose speed drifts (other work on it) compares like with like."""
+    shares = [
+        p.fetched_bytes / p.fetch_seconds / b
+        for p, (_, b) in zip(runs, bounds, strict=True)
+        if p.fetched_bytes and p.fetch_seconds > 0 and b > 0
+    ]
+    summary["bound"] = {
+        "what": bounds[0][0],
+        "bytes_per_second": statistics.median(b for _, b in bounds),
+        "fetch_share_of_bound": statistics.median(shares) if shares else None,
+        "samples_fetch_share": shares,
+    }
+    return summary
 
 
 def _h2d_seconds(torch: Any, device: str, nbytes: int) -> float:
@@ -633,7 +660,12 @@ def render_ttft_bench(result: dict[str, Any]) -> Group:
         table.add_column(col, justify="left" if col == "source" else "right")
     for row in result["rows"]:
         first = True
-        for source, s in [("miss", row["miss"]), *row["sources"].items()]:
+        entries = [("miss", row["miss"])]
+        for name, s in row["sources"].items():
+            entries.append((name, s))
+            if "forced_fetch" in s:
+                entries.append((f"{name} (forced fetch)", s["forced_fetch"]))
+        for source, s in entries:
             if "error" in s:
                 table.add_row(f"{row['context_tokens']:,}" if first else "", "", source, "failed")
                 first = False
