@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import AgentSettings
 from kvctl.store.errors import DiskFullError
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import Buffer, ChunkMeta, WriteSlot
@@ -294,3 +296,32 @@ def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -
     assert not errors, errors
     assert len(store) == 3 * n_per  # the disk holds the rest: nothing dropped
     check_invariants(store)
+
+
+def test_the_runtime_put_copies_into_a_reserved_slot_with_put_semantics(tmp_path: Path) -> None:
+    """The agent's put (what PUT and PUT_STAGED call) lands new chunks through a reserved
+    slot, with the same answers, metadata and events as ``TieredStore.put``."""
+    store, _cpu, _disk = make_store(tmp_path)
+    seen = events_of(store)
+    rt = AgentRuntime(AgentSettings(data_dir=str(tmp_path), isolated_tenants=("iso",)), store)
+
+    def put(k: bytes, **kw: Any) -> str | None:
+        args: dict[str, Any] = dict(
+            tokens=None, tenant="t", parent=None, depth=0, priority=35, pinned=False
+        )
+        args.update(kw)
+        return rt.put(k, data_of(k), isolated=args.pop("isolated", False), **args)
+
+    assert put(key(1), tokens=3, parent=key(0), depth=2, priority=70) == "cpu"
+    e = store.entry(key(1))
+    assert (e.tokens, e.parent, e.depth, e.priority, e.pinned) == (3, key(0), 2, 70, False)
+    assert put(key(1)) == "cpu"  # cached already: a refresh
+    assert put(key(2), pinned=True) == "cpu" and store.entry(key(2)).pinned
+    # an isolated tenant's put over another tenant's chunk replaces it, as a put does
+    assert put(key(1), tenant="iso") == "cpu"
+    assert store.entry(key(1)).tenant == "iso" and store.entry(key(1)).isolated
+    for i in range(3, 8):  # demotions as a put makes them
+        assert put(key(i)) == "cpu"
+    assert [ev["type"] for ev in seen].count("demote") >= 1
+    check_invariants(store)
+    rt.close()
