@@ -1,10 +1,11 @@
 """The agent's data plane server: the binary protocol over TCP and a Unix socket, plus the
 shared-memory path (arena mapping, read leases, staged puts) on the Unix socket.
 
-One thread per connection: a request holds the store's lock only while it touches the index or
-copies bytes into the arena; sending a chunk to a socket happens outside the lock, from the arena
-itself, under a lease that keeps the bytes in place. See ``kvctl.wire.protocol`` for the wire
-format.
+One thread per connection: a request holds the store's lock only while it touches the index;
+a new chunk is copied into the arena (from the socket's buffer, or the staging segment) without
+it, into space reserved for it (``AgentRuntime.put``), and sending a chunk to a socket happens
+outside the lock too, from the arena itself, under a lease that keeps the bytes in place. See
+``kvctl.wire.protocol`` for the wire format.
 """
 
 from __future__ import annotations

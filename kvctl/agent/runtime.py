@@ -27,7 +27,7 @@ from kvctl.remote.federation import FetchPlanner
 from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
 from kvctl.store.keys import Namespace
 from kvctl.store.store import TieredStore
-from kvctl.store.tiers.base import Tier
+from kvctl.store.tiers.base import Tier, byte_view
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from kvctl.wire.reports import (
@@ -227,8 +227,35 @@ class AgentRuntime:
         isolated: bool,
     ) -> str | None:
         """Store a client's chunk; the tier it landed in, or None when a policy declined it.
-        An isolated tenant's chunks are isolated whatever the client's flag says."""
-        return self.store.put(
+        An isolated tenant's chunks are isolated whatever the client's flag says.
+
+        A new chunk bound for the lease tier's arena is copied there without the store's lock
+        (``TieredStore.reserve_put``: its place is reserved under the lock, the bytes copied
+        outside it, then committed), so a large put never holds up another thread's reads and
+        lookups for its copy. Anything else (a pin, a key cached already, a chunk another tier
+        takes or a policy declines) is a plain ``put``, with its semantics unchanged."""
+        store = self.store
+        isolated = isolated or self.is_isolated(tenant)
+        if not pinned:
+            view = byte_view(data)
+            slot = store.reserve_put(
+                key,
+                view.nbytes,
+                tokens=tokens,
+                tenant=tenant,
+                parent=parent,
+                depth=depth,
+                priority=priority,
+                isolated=isolated,
+            )
+            if slot is not None:
+                try:
+                    slot.view[:] = view  # the copy, without the store's lock
+                except BaseException:
+                    store.abort_put(slot)
+                    raise
+                return store.commit_put(slot)
+        return store.put(
             key,
             data,
             tokens=tokens,
@@ -237,7 +264,7 @@ class AgentRuntime:
             depth=depth,
             priority=priority,
             pinned=pinned,
-            isolated=isolated or self.is_isolated(tenant),
+            isolated=isolated,
         )
 
     def get(self, key: bytes, *, tenant: str) -> bytearray:

@@ -19,6 +19,11 @@ they are divided by:
 * ``miss_store``: what an engine pays on a miss after prefilling: an EXISTS of the prompt's
   chunks, then one ``put_many`` of all of them (parents chained, fresh keys), over shared
   memory and over TCP. Reference: one memcpy of the same bytes.
+* ``reads_under_demotion``: a second agent whose small cpu tier sits over a disk tier; one
+  client reads a few hot cpu chunks over shared memory, one get at a time, timing each, while
+  another process puts fresh chunks over TCP as fast as it can, so every put demotes a chunk to
+  disk. Reference: the same reads with no writer, in alternating phases of the same run
+  (p50/p99 read latency of each, and the writer's put rate).
 * ``lookup``: longest-prefix lookups of a fully cached 512-chunk chain over the data plane, each
   a round trip (Unix socket and TCP), and batched, 32 chains a frame (``lookup_many``).
   Reference ``raw_round_trips``: a bare 20-byte ping-pong between two Python processes over a
@@ -68,6 +73,10 @@ RAW_TIMEOUT_S = 30.0
 IPERF3_MAX_BLOCK_BYTES = 1 << 20
 #: chunks of a miss-path store carry this many tokens, as an engine's default chunk does
 MISS_CHUNK_TOKENS = 256
+#: reads under demotion: chunk size, the cpu tier (in chunks) over the disk, the hot chunks read
+DEMOTION_CHUNK_BYTES = 1 << 20
+DEMOTION_CPU_CHUNKS = 32
+DEMOTION_HOT_CHUNKS = 4
 
 
 def run_agent_bench(
@@ -76,11 +85,12 @@ def run_agent_bench(
     bytes_per_size: int = DEFAULT_BYTES_PER_SIZE,
     repeats: int = DEFAULT_REPEATS,
     lookup_seconds: float = 2.0,
+    demotion_seconds: float = 1.0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     if not sizes_bytes or any(s <= 0 for s in sizes_bytes):
         raise InvalidArgument("give at least one positive chunk size")
-    if repeats < 1 or bytes_per_size <= 0 or lookup_seconds <= 0:
+    if repeats < 1 or bytes_per_size <= 0 or lookup_seconds <= 0 or demotion_seconds <= 0:
         raise InvalidArgument("repeats, bytes per size and lookup seconds must be positive")
     say = progress or (lambda _msg: None)
     started_s = time.perf_counter()
@@ -110,6 +120,8 @@ def run_agent_bench(
                     results.append(_bench_size(size, per_size[size], repeats, shm, tcp, ctl, raw))
                 say("lookups of a 512-chunk chain")
                 lookups = _bench_lookups(shm, tcp, lookup_seconds)
+        say("cpu reads while another client's puts demote to disk")
+        under_demotion = _bench_reads_under_demotion(Path(tmp), repeats, demotion_seconds)
         largest = max(sizes_bytes)
         say("iperf3 over loopback (when installed)")
         iperf3 = iperf3_loopback(per_size[largest] * largest, largest)
@@ -121,6 +133,7 @@ def run_agent_bench(
         "elapsed_seconds": time.perf_counter() - started_s,
         "results": results,
         **lookups,
+        "reads_under_demotion": under_demotion,
         "iperf3": iperf3,
         "targets": TARGETS,
         "notes": [
@@ -462,6 +475,110 @@ def _check_round_trip(shm: Any, tcp: Any, key: bytes, src: np.ndarray) -> None:
         client.get_into([key], [out])
         if not np.array_equal(out, src):
             raise RuntimeError("the agent returned different bytes than were put")
+
+
+def _bench_reads_under_demotion(tmp: Path, repeats: int, seconds: float) -> dict[str, Any]:
+    """p50/p99 latency of single-chunk shm gets of hot cpu chunks, with no writer (reference)
+    and while a writer process's puts demote a chunk to disk each (``demotion_writer``),
+    alternating phases of ``seconds``; the writer's puts per second while it ran."""
+    from kvctl.client import AgentClient, DataClient
+    from kvctl.quantiles import nearest_rank
+
+    size = DEMOTION_CHUNK_BYTES
+    argv = ["--cpu", str(DEMOTION_CPU_CHUNKS * size), "--disk", str(4 << 30)]
+    argv += ["--log-level", "warning"]
+    quiet: list[float] = []
+    busy: list[float] = []
+    writer_puts = 0
+    writer_seconds = 0.0
+    with spawned_agent(tmp / "demotion-agent", *argv) as state:
+        assert state.data_unix is not None and state.data_tcp is not None
+        with (
+            DataClient.connect(state.data_unix) as shm,
+            AgentClient(state.control_url) as ctl,
+        ):
+            hot = [_key(f"hot:{i}") for i in range(DEMOTION_HOT_CHUNKS)]
+            src = np.full(size, 7, dtype=np.uint8)
+            for k in hot:
+                shm.put(k, src)
+            sink = np.ones(size, dtype=np.uint8)
+
+            def read_for(into: list[float]) -> None:
+                end = time.perf_counter() + seconds
+                i = 0
+                while time.perf_counter() < end:
+                    t = time.perf_counter()
+                    if shm.get_into([hot[i % len(hot)]], [sink])[0] != size:
+                        raise RuntimeError("a hot chunk left the cpu tier")
+                    into.append(time.perf_counter() - t)
+                    i += 1
+
+            tcp_address = state.data_tcp
+            for r in range(repeats):
+                for phase in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
+                    if phase == "quiet":
+                        read_for(quiet)
+                        continue
+                    code = (
+                        "from kvctl.bench.agent import demotion_writer; "
+                        f"demotion_writer({tcp_address!r}, {size}, {r})"
+                    )
+                    writer = subprocess.Popen(
+                        [sys.executable, "-c", code],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                    try:
+                        assert writer.stdin is not None and writer.stdout is not None
+                        if writer.stdout.readline().strip() != "ready":
+                            raise RuntimeError("the demotion writer did not start")
+                        read_for(busy)
+                        writer.stdin.close()  # stop
+                        puts, secs = writer.stdout.readline().split()
+                        writer_puts += int(puts)
+                        writer_seconds += float(secs)
+                    finally:
+                        writer.wait(30)
+                        if writer.stdout is not None:
+                            writer.stdout.close()
+            demotions = ctl.stats()["stats"]["tiers"]["disk"]["demotions"]
+    quiet.sort()
+    busy.sort()
+    return {
+        "chunk_bytes": size,
+        "cpu_tier_chunks": DEMOTION_CPU_CHUNKS,
+        "hot_chunks": DEMOTION_HOT_CHUNKS,
+        "phase_seconds": seconds,
+        "reads_quiet": len(quiet),
+        "reads_busy": len(busy),
+        "read_p50_seconds_quiet": nearest_rank(quiet, 0.5),
+        "read_p99_seconds_quiet": nearest_rank(quiet, 0.99),
+        "read_p50_seconds_busy": nearest_rank(busy, 0.5),
+        "read_p99_seconds_busy": nearest_rank(busy, 0.99),
+        "writer_puts_per_second": writer_puts / writer_seconds if writer_seconds else None,
+        "demotions_to_disk": demotions,
+    }
+
+
+def demotion_writer(address: str, size: int, seed: int) -> None:
+    """The busy phase's writer process: puts fresh chunks over TCP until its stdin closes,
+    then prints how many and in how many seconds."""
+    from kvctl.client import DataClient
+
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    data = np.full(size, 3, dtype=np.uint8)
+    n = 0
+    with DataClient.connect(address) as client:
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+        t = time.perf_counter()
+        while not stop.is_set():
+            client.put(_key(f"demote:{seed}:{n}"), data)
+            n += 1
+        sys.stdout.write(f"{n} {time.perf_counter() - t}\n")
+        sys.stdout.flush()
 
 
 def _bench_lookups(shm: Any, tcp: Any, seconds: float) -> dict[str, Any]:

@@ -5,8 +5,9 @@ What the disk tier promises (kvctl/store/tiers/disk.py): a chunk is written to a
 its fan-out directory and renamed into place, so a process killed at any instant leaves either
 no chunk or the whole one; the open after a crash drops leftover temp files and any file whose
 header or length is wrong, and every read checks the payload's checksum, so a damaged chunk is a
-miss, never wrong bytes. A demotion to disk happens inside the put that made room for it (under
-the store's lock): once that put is answered, the demoted chunk's file is renamed into place.
+miss, never wrong bytes. A demotion to disk is made by the put that made room for it, which
+waits for its file (written without the store's lock): once that put is answered, or the
+chunk's ``demote`` event emitted, the demoted chunk's file is renamed into place.
 The cpu tier is DRAM: what was only there is gone after a kill, by design. ``fsync`` (on by
 default) only matters for power loss or a kernel crash, which a kill -9 is not: the page cache
 survives the process, so this benchmark measures crash consistency, not power-loss durability.
@@ -472,8 +473,9 @@ def _summary(rows: list[dict[str, Any]], *, settings: dict[str, Any], elapsed_s:
             "this measures crash consistency (rename-into-place, the scan at open, checksums), "
             "not durability against power loss (that is what fsync, on by default, is for)",
             "acked_on_disk_known: puts answered 'disk', or chunks the agent's event stream "
-            "reported demoted to disk before the kill; a demotion is done inside the put that "
-            "made room for it, so the chunk's file was renamed into place by then",
+            "reported demoted to disk before the kill; the put that made room for a demotion "
+            "waits for its file, and its demote event is emitted once the file is in place, so "
+            "the chunk's file was renamed into place by then",
             "acked_cpu_served: chunks last seen in the cpu tier but served after the restart: "
             "demoted to disk after the follower's last poll",
             "disk_files_at_kill: whole chunk files in the directory after the kill, payloads "

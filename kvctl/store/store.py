@@ -31,6 +31,17 @@ gives its reserved space back itself when it ends. The slow part of deleting a p
 chunk (the unlink) runs in a second, smaller pool, so it never queues ahead of reads. A closed
 store starts no thread: a batch reaching its reads after ``close`` is refused (TierUnavailable).
 
+Demotions a put (or ``reserve_put``) makes to find room in the lease tier's arena are written
+to a slow tier (disk: ``Tier.detached_writes``) without the lock too. Under the lock each
+victim's room below is taken (``reserve_write``) and its bytes held in place by a lease: it
+stays cached where it was, readable, but out of its policy, so nothing else picks it. The put
+writes the files without the lock, then commits each demotion under it (the chunk's ``demote``
+event comes once its file is in place) and plans again, so a put is answered only once its
+demotions have landed. A victim evicted, moved or pinned meanwhile keeps its new state (the
+written file is taken back); a write that fails drops the victim, counted as a failed
+demotion, as under the lock. Other demotions (moves, flushes, resizes, making room for a
+promotion) and a put landing on disk itself still write under the lock.
+
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
 batches' reads into the lease tier) and its accounting (``accounting.py``: every counter, read
@@ -40,6 +51,7 @@ never imports.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -57,6 +69,7 @@ from kvctl.store.errors import (
     InvalidArgument,
     KeyNotFound,
     PayloadSizeError,
+    StoreError,
     TierUnavailable,
 )
 from kvctl.store.index import DEFAULT_PRIORITY, MAX_PRIORITY, Entry, HotChunk, LookupResult
@@ -69,7 +82,7 @@ from kvctl.store.policies import (
     make_eviction_policy,
 )
 from kvctl.store.stats import StoreStats, TierStats
-from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, byte_view
+from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, WriteSlot, byte_view
 from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 
 _TIER_OF = attrgetter("tier")
@@ -82,6 +95,9 @@ _MAX_PREFIX_WALK = 100_000
 DEFAULT_READ_THREADS = 8
 #: threads unlinking the files of disk chunks promoted out (apart from the readers' threads)
 UNLINK_THREADS = 2
+#: rounds of demotions written without the lock a put makes room with; after them (other
+#: threads kept taking the room freed) it demotes under the lock, so it always ends
+DETACHED_DEMOTION_ROUNDS = 4
 
 Event = dict[str, Any]
 
@@ -98,6 +114,21 @@ class PutSlot:
     view: memoryview
     #: committed or aborted (under the store's lock)
     done: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class _Demotion:
+    """A victim on its way down, written without the store's lock: its bytes stay in ``src``
+    (held in place by ``lease``: readable, never moved by compaction, its room not yet
+    free) while ``dst`` writes them into ``slot``; then committed or given up under the lock."""
+
+    entry: Entry
+    src: CpuTier
+    dst: Tier
+    slot: WriteSlot
+    lease: Lease
+    view: memoryview
+    error: BaseException | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -362,72 +393,120 @@ class TieredStore:
         self._check_new(key, size, priority=priority, parent=parent)
         if retention_seconds is not None and retention_seconds < 0:
             raise InvalidArgument(f"retention_seconds must not be negative: {retention_seconds}")
-        with self._lock:
-            now = self._clock()
-            isolated = isolated or tenant in self._isolated_tenants
-            existing = self._index.get(key)
-            if (
-                existing is not None
-                and existing.tenant != tenant
-                and not self._visible(existing, tenant)
-            ):
-                # The chunk under this key is one the putter may not see (an isolated tenant's,
-                # or another tenant's under an isolated tenant's predictable key). It is
-                # replaced: the putter's answer and its own later lookups are then exactly those
-                # of a new chunk, so nothing about the other tenant's chunk shows, and an
-                # isolated tenant only ever reads bytes it stored. The cost is the other
-                # tenant's cached copy (a miss for it, never wrong bytes); a tenant able to
-                # compute another's keys could evict those as it could by filling the cache.
-                self._evict(existing, "replaced", demote=False)
-                existing = None
-            elif existing is not None:
-                if existing.size_bytes != size:
-                    raise PayloadSizeError(
-                        f"key {key.hex()} is cached with {existing.size_bytes} bytes, not {size}"
-                    )
-                self._access(existing, now)
-                if pinned:
-                    self._pin(existing)
-                return existing.tier
-            start = self._rank(tier) if tier else 0
-            entry = self._new_entry(
-                key,
-                size,
-                tier=self._tiers[start].name,
-                tokens=tokens,
-                tenant=tenant,
-                parent=parent,
-                priority=priority,
-                isolated=isolated,
-                now=now,
-                depth=depth,
-                retention_until_s=None if retention_seconds is None else now + retention_seconds,
-            )
-            # Where it goes is decided before anything is evicted: a tier that cannot take it
-            # (too many pins, or leased regions splitting its free space) is passed over
-            # untouched, and when no tier can, the put raises with the store as it was.
-            skip: set[str] = set()  # tiers that failed this put after all (device, disk full)
-            while True:
-                plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=skip)
-                if plan is None:
-                    self._accounting.stats.bypassed_puts += 1
-                    return None
-                target, victims = plan
-                entry.tier = target.name
+        for round_ in range(DETACHED_DEMOTION_ROUNDS + 1):
+            with self._lock:
+                done, landed, later = self._put_locked(
+                    key,
+                    data,
+                    size,
+                    tokens=tokens,
+                    tenant=tenant,
+                    parent=parent,
+                    depth=depth,
+                    priority=priority,
+                    retention_seconds=retention_seconds,
+                    pinned=pinned,
+                    isolated=isolated,
+                    tier=tier,
+                    detach=round_ < DETACHED_DEMOTION_ROUNDS,
+                )
+            if done:
+                return landed
+            # the room is being made by demotions to a slow tier: they are written without
+            # the lock, then the put looks again (the chunk may have been stored meanwhile)
+            self._finish_demotions(later)
+        raise AssertionError("unreachable: the last round demotes under the lock")
+
+    def _put_locked(
+        self,
+        key: bytes,
+        data: Buffer | None,
+        size: int,
+        *,
+        tokens: int | None,
+        tenant: str,
+        parent: bytes | None,
+        depth: int,
+        priority: int,
+        retention_seconds: float | None,
+        pinned: bool,
+        isolated: bool,
+        tier: str | None,
+        detach: bool,
+    ) -> tuple[bool, str | None, list[_Demotion]]:
+        """``put`` under the lock: (True, where it landed, []) once done, or (False, None,
+        the demotions begun) when room is being made by demotions written without the lock
+        (``detach``; nothing else has changed but evictions), for ``put`` to finish and retry."""
+        now = self._clock()
+        isolated = isolated or tenant in self._isolated_tenants
+        existing = self._index.get(key)
+        if (
+            existing is not None
+            and existing.tenant != tenant
+            and not self._visible(existing, tenant)
+        ):
+            # The chunk under this key is one the putter may not see (an isolated tenant's,
+            # or another tenant's under an isolated tenant's predictable key). It is
+            # replaced: the putter's answer and its own later lookups are then exactly those
+            # of a new chunk, so nothing about the other tenant's chunk shows, and an
+            # isolated tenant only ever reads bytes it stored. The cost is the other
+            # tenant's cached copy (a miss for it, never wrong bytes); a tenant able to
+            # compute another's keys could evict those as it could by filling the cache.
+            self._evict(existing, "replaced", demote=False)
+            existing = None
+        elif existing is not None:
+            if existing.size_bytes != size:
+                raise PayloadSizeError(
+                    f"key {key.hex()} is cached with {existing.size_bytes} bytes, not {size}"
+                )
+            self._access(existing, now)
+            if pinned:
+                self._pin(existing)
+            return True, existing.tier, []
+        start = self._rank(tier) if tier else 0
+        entry = self._new_entry(
+            key,
+            size,
+            tier=self._tiers[start].name,
+            tokens=tokens,
+            tenant=tenant,
+            parent=parent,
+            priority=priority,
+            isolated=isolated,
+            now=now,
+            depth=depth,
+            retention_until_s=None if retention_seconds is None else now + retention_seconds,
+        )
+        # Where it goes is decided before anything is evicted: a tier that cannot take it
+        # (too many pins, or leased regions splitting its free space) is passed over
+        # untouched, and when no tier can, the put raises with the store as it was.
+        skip: set[str] = set()  # tiers that failed this put after all (device, disk full)
+        while True:
+            plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=skip)
+            if plan is None:
+                self._accounting.stats.bypassed_puts += 1
+                return True, None, []
+            target, victims = plan
+            entry.tier = target.name
+            if detach and victims:
+                later = self._evict_for_later(target, victims)
+                if later:
+                    return False, None, later
+            else:
                 self._evict_for(target, victims)
-                try:
-                    target.put(entry.meta(), data)
-                except TierUnavailable as exc:
-                    self._take_offline(target, exc)
-                    skip.add(target.name)
-                    continue
-                except (CapacityError, DiskFullError):
-                    # the filesystem under a disk tier filled up: the next tier down may take it
-                    skip.add(target.name)
-                    continue
-                break
-            self._insert_new(entry, target, start=start, skip=skip, pinned=pinned)
-            return target.name
+            try:
+                target.put(entry.meta(), data)
+            except TierUnavailable as exc:
+                self._take_offline(target, exc)
+                skip.add(target.name)
+                continue
+            except (CapacityError, DiskFullError):
+                # the filesystem under a disk tier filled up: the next tier down may take it
+                skip.add(target.name)
+                continue
+            break
+        self._insert_new(entry, target, start=start, skip=skip, pinned=pinned)
+        return True, target.name, []
 
     # --- puts received in place -------------------------------------------------------------
     def reserve_put(
@@ -438,6 +517,7 @@ class TieredStore:
         tokens: int | None = None,
         tenant: str = "",
         parent: bytes | None = None,
+        depth: int = 0,
         priority: int = DEFAULT_PRIORITY,
         isolated: bool = False,
     ) -> PutSlot | None:
@@ -449,34 +529,71 @@ class TieredStore:
         (cached already, or another tier would take it, or none could): ``put`` it instead.
         Raises what ``put`` raises for a bad key, size, priority or parent."""
         self._check_new(key, size_bytes, priority=priority, parent=parent)
-        with self._lock:
-            home = self._leases.home
-            if home is None or self._closed or key in self._index:
-                return None
-            now = self._clock()
-            entry = self._new_entry(
-                key,
-                size_bytes,
-                tier=home.name,
-                tokens=tokens,
-                tenant=tenant,
-                parent=parent,
-                priority=priority,
-                isolated=isolated or tenant in self._isolated_tenants,
-                now=now,
-            )
-            try:
-                plan = self._plan_put(entry, 0, pinned=False, now=now, skip=set())
-            except (CapacityError, TierUnavailable):
-                return None
-            if plan is None or plan[0] is not home:
-                return None  # declined, or another tier takes it: put decides that again
+        for round_ in range(DETACHED_DEMOTION_ROUNDS + 1):
+            with self._lock:
+                done, slot, later = self._reserve_put_locked(
+                    key,
+                    size_bytes,
+                    tokens=tokens,
+                    tenant=tenant,
+                    parent=parent,
+                    depth=depth,
+                    priority=priority,
+                    isolated=isolated,
+                    detach=round_ < DETACHED_DEMOTION_ROUNDS,
+                )
+            if done:
+                return slot
+            self._finish_demotions(later)  # as in ``put``
+        raise AssertionError("unreachable: the last round demotes under the lock")
+
+    def _reserve_put_locked(
+        self,
+        key: bytes,
+        size_bytes: int,
+        *,
+        tokens: int | None,
+        tenant: str,
+        parent: bytes | None,
+        depth: int,
+        priority: int,
+        isolated: bool,
+        detach: bool,
+    ) -> tuple[bool, PutSlot | None, list[_Demotion]]:
+        """``reserve_put`` under the lock, with demotions as ``_put_locked`` makes them."""
+        home = self._leases.home
+        if home is None or self._closed or key in self._index:
+            return True, None, []
+        now = self._clock()
+        entry = self._new_entry(
+            key,
+            size_bytes,
+            tier=home.name,
+            tokens=tokens,
+            tenant=tenant,
+            parent=parent,
+            priority=priority,
+            isolated=isolated or tenant in self._isolated_tenants,
+            now=now,
+            depth=depth,
+        )
+        try:
+            plan = self._plan_put(entry, 0, pinned=False, now=now, skip=set())
+        except (CapacityError, TierUnavailable):
+            return True, None, []
+        if plan is None or plan[0] is not home:
+            return True, None, []  # declined, or another tier takes it: put decides again
+        if detach and plan[1]:
+            later = self._evict_for_later(home, plan[1])
+            if later:
+                return False, None, later
+        else:
             self._evict_for(home, plan[1])
-            try:
-                reservation = home.reserve(entry.meta())
-            except (CapacityError, InvalidArgument, TierUnavailable):
-                return None
-            return PutSlot(entry, home, reservation, home.reserved_view(reservation))
+        try:
+            reservation = home.reserve(entry.meta())
+        except (CapacityError, InvalidArgument, TierUnavailable):
+            return True, None, []
+        return True, PutSlot(entry, home, reservation, home.reserved_view(reservation)), []
 
     def commit_put(self, slot: PutSlot) -> str | None:
         """The slot's bytes, now written, become its chunk; returns the tier it is in (None:
@@ -499,6 +616,7 @@ class TieredStore:
                     tokens=e.tokens,
                     tenant=e.tenant,
                     parent=e.parent,
+                    depth=e.depth,
                     priority=e.priority,
                     isolated=e.isolated,
                 )
@@ -1209,6 +1327,126 @@ class TieredStore:
                 continue
             policy.on_victim(v)
             self._evict(v, "capacity", demote=True)
+
+    # --- demotions written without the lock ---------------------------------------------------
+    def _evict_for_later(self, tier: Tier, victims: Sequence[Entry]) -> list[_Demotion]:
+        """``_evict_for``, except that a victim bound for a tier with detached writes (disk)
+        is only begun here: returned, for ``_finish_demotions`` to write without the lock. The
+        others are evicted (dropped, or demoted under the lock) at once."""
+        policy = self._policies[tier.name]
+        later: list[_Demotion] = []
+        for v in victims:
+            if self._index.get(v.key) is not v or v.tier != tier.name or v.pinned:
+                continue
+            policy.on_victim(v)
+            if not isinstance(tier, CpuTier) or not self._may_detach(v, tier):
+                self._evict(v, "capacity", demote=True)
+                continue
+            d = self._begin_demotion(v, tier)
+            if d is not None:
+                later.append(d)
+        return later
+
+    def _may_detach(self, e: Entry, src: CpuTier) -> bool:
+        """Whether ``e``'s demotion from ``src`` can be written without the lock: it goes from
+        an arena (whose bytes a lease holds in place) to a usable tier with detached writes."""
+        nxt = self._tier_index[src.name] + 1
+        if nxt >= len(self._tiers) or self._closed:
+            return False
+        dst = self._tiers[nxt]
+        return dst.detached_writes and self._usable(dst) and src.evictable(e.key)
+
+    def _begin_demotion(self, e: Entry, src: CpuTier) -> _Demotion | None:
+        """Under the lock: what ``_evict(e, "capacity", demote=True)`` does up to the write
+        into the next tier (``_may_detach`` said it is one with detached writes). Its room
+        there is taken and ``e`` stays readable where it is, out of its policy (like a chunk
+        being read) so nothing else picks it, its bytes held in place by a lease. None when it
+        was dropped instead (refused, no room below), as ``_evict`` would drop it."""
+        dst = self._tiers[self._tier_index[src.name] + 1]
+        self._policies[src.name].on_remove(e)
+        self._accounting.tier(src.name).evictions["capacity"] += 1
+        if not self._admission[dst.name].admit(e):
+            self._accounting.stats.admission_refused += 1
+        elif self._may_place(e, dst):
+            try:
+                if not self._make_room(dst, e.size_bytes):
+                    raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
+                slot = dst.reserve_write(e.meta())
+            except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument):
+                self._accounting.stats.demotion_failures += 1
+            else:
+                lease = src.lease(e.key, math.inf)
+                self._reading[e] = self._reading.get(e, 0) + 1  # out of its policy already
+                return _Demotion(e, src, dst, slot, lease, src.view(lease))
+        src.delete(e.key)
+        self._forget(e)
+        return None
+
+    def _finish_demotions(self, later: Sequence[_Demotion]) -> None:
+        """Without the lock: write the demotions ``_evict_for_later`` began, then, under the
+        lock, commit each (the chunk is in the lower tier once its "demote" event is emitted,
+        its file renamed into place) or give it up. Whatever happens, each one ends."""
+        try:
+            for d in later:
+                try:
+                    d.dst.write_reserved(d.slot, d.view)
+                except BaseException as exc:
+                    d.error = exc
+                    if not isinstance(exc, Exception):
+                        raise  # an interrupt: the rest are given up below
+        finally:
+            failed: BaseException | None = None
+            with self._lock:
+                for d in later:
+                    try:
+                        self._end_demotion(d)
+                    except BaseException as exc:  # the others still end; then it is raised
+                        failed = failed or exc
+            if failed is not None:
+                raise failed
+        for d in later:
+            if d.error is not None and not isinstance(d.error, (StoreError, OSError)):
+                raise d.error  # a bug's error, not the disk's: not hidden as a counted drop
+
+    def _end_demotion(self, d: _Demotion) -> None:
+        """Under the lock: a demotion's write is over (or never ran). If the chunk is still
+        where it was (not evicted, moved or pinned meanwhile) and the write landed, it is now
+        in the lower tier; a failed write drops it (counted, as under the lock). Otherwise the
+        written copy is taken back."""
+        e, src, dst = d.entry, d.src, d.dst
+        d.view.release()
+        src.release(d.lease.lease_id)
+        current = (
+            not self._closed
+            and self._index.get(e.key) is e
+            and e.tier == src.name
+            and not e.pinned
+            and e.key in src
+        )
+        if current and d.error is None and d.slot.written is not None:
+            try:
+                landed = dst.commit_write(d.slot)
+            except StoreError:
+                landed = False
+            if landed:
+                src.delete(e.key)
+                e.tier = dst.name  # before _end_read, which must not put it back in src's policy
+                self._end_read(e, src.name)
+                self._offline.pop(dst.name, None)
+                self._accounting.count_read(src.name, e.size_bytes)
+                self._accounting.count_written(dst.name, e.size_bytes)
+                self._policies[dst.name].on_insert(e)
+                self._accounting.tier(dst.name).demotions += 1
+                self._emit("demote", e, src=src.name)
+                return
+        dst.abort_write(d.slot)
+        if isinstance(d.error, TierUnavailable):
+            self._take_offline(dst, d.error)
+        self._end_read(e, src.name)
+        if current:  # the write failed (disk full, a failed device): a counted drop
+            self._accounting.stats.demotion_failures += 1
+            src.delete(e.key)
+            self._forget(e)
 
     def _make_room(self, tier: Tier, size: int) -> bool:
         """Make room for ``size`` bytes in ``tier``, or answer False having evicted nothing

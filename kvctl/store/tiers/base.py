@@ -55,6 +55,21 @@ class ReadPlan:
     source: object
 
 
+@dataclass(eq=False, slots=True)
+class WriteSlot:
+    """A new chunk's room taken in a tier (``Tier.reserve_write``, under the store's lock) while
+    its bytes are written without the lock (``write_reserved``), until ``commit_write`` makes it
+    the tier's chunk or ``abort_write`` gives the room back (exactly one of them)."""
+
+    meta: ChunkMeta
+    #: where the tier writes the bytes first (a disk tier: a temp file's path)
+    temp_path: str
+    #: the tier's record of the written copy, once ``write_reserved`` succeeded
+    written: object = None
+    #: committed or aborted
+    done: bool = False
+
+
 class Tier(ABC):
     """A byte store with a fixed capacity. Thread safety is the store's job (it holds a lock)."""
 
@@ -66,6 +81,9 @@ class Tier(ABC):
     #: True when ``plan_read``/``read_planned`` let the store read a chunk without its lock
     #: (slow tiers: a disk read must not stall every other reader of the store).
     detached_reads: bool = False
+    #: True when ``reserve_write``/``write_reserved``/``commit_write`` let the store write a
+    #: new chunk without its lock (slow tiers: a demotion's disk write must not stall readers).
+    detached_writes: bool = False
 
     @property
     @abstractmethod
@@ -162,6 +180,29 @@ class Tier(ABC):
         """Under the store's lock: delete a copy a detached read found untrustworthy; returns
         the CorruptChunk to raise (the caller raises it, keeping its own traceback)."""
         raise NotImplementedError(f"tier {self.name!r} has no detached reads")
+
+    def reserve_write(self, meta: ChunkMeta) -> WriteSlot:
+        """Under the store's lock: take room for a new chunk (counted in ``used_bytes`` from
+        now on) to be written by ``write_reserved``. Raises as ``put`` does before writing
+        (CapacityError, InvalidArgument: the key is here or being written already). Only for
+        tiers with ``detached_writes``."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached writes")
+
+    def write_reserved(self, slot: WriteSlot, data: Buffer) -> None:
+        """Without the store's lock: write the reserved chunk's bytes. Changes nothing of the
+        tier's state but ``slot``; raises DiskFullError or TierUnavailable with nothing left
+        written (the caller then aborts the slot)."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached writes")
+
+    def commit_write(self, slot: WriteSlot) -> bool:
+        """Under the store's lock: the written chunk joins the tier; False (the slot aborted)
+        when it was never written or the tier was closed meanwhile."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached writes")
+
+    def abort_write(self, slot: WriteSlot) -> None:
+        """Under the store's lock: give the slot's room back and remove whatever it wrote
+        (nothing once it was committed or aborted)."""
+        raise NotImplementedError(f"tier {self.name!r} has no detached writes")
 
     def get(self, key: bytes) -> bytes:
         buf = bytearray(self.size_of(key))

@@ -60,6 +60,7 @@ from kvctl.store.errors import (
     DiskFullError,
     InvalidArgument,
     KeyNotFound,
+    PayloadSizeError,
     TierUnavailable,
 )
 from kvctl.store.tiers.base import (
@@ -67,10 +68,12 @@ from kvctl.store.tiers.base import (
     ChunkMeta,
     ReadPlan,
     Tier,
+    WriteSlot,
     byte_view,
     check_capacity,
     check_put,
     check_resize,
+    check_room,
 )
 
 KEY_BYTES = 16
@@ -175,6 +178,7 @@ class DiskTier(Tier):
     holds_payload = True
     durable = True
     detached_reads = True
+    detached_writes = True
 
     def __init__(
         self,
@@ -193,6 +197,10 @@ class DiskTier(Tier):
         self._capacity_bytes = capacity_bytes
         self._used_bytes = 0
         self._index: dict[bytes, _Entry] = {}
+        #: chunks being written without the store's lock (``reserve_write``): counted in
+        #: ``used_bytes``, not yet in the index
+        self._writing: dict[bytes, WriteSlot] = {}
+        self._dir_fd_lock = threading.Lock()  # detached writes open directory fds too
         self._recovered: list[ChunkMeta] = []
         self._dir_fds: dict[str, int] = {}  # only used with fsync=True
         self._tmp_seq = 0
@@ -265,14 +273,80 @@ class DiskTier(Tier):
         key = meta.key
         if len(key) != KEY_BYTES:
             raise InvalidArgument(f"disk tier keys are {KEY_BYTES} bytes, got {len(key)}")
+        if key in self._writing:
+            raise InvalidArgument(f"key {key.hex()} is being written to tier {self.name!r}")
         self._free_trash(meta.size_bytes)
+        entry = self._write_file(meta, payload, self._temp_path(key.hex()))
+        self._index[key] = entry
+        self._used_bytes += meta.size_bytes
+
+    # --- detached writes: reserved under the store's lock, written without it ----------------
+    def reserve_write(self, meta: ChunkMeta) -> WriteSlot:
+        self._check_open()
+        key = meta.key
+        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+            raise InvalidArgument(f"disk tier keys are {KEY_BYTES} bytes, got {key!r:.60}")
+        if meta.size_bytes <= 0:
+            raise InvalidArgument(f"chunk size must be positive, got {meta.size_bytes}")
+        if key in self._writing:
+            raise InvalidArgument(f"key {key.hex()} is being written to tier {self.name!r}")
+        check_room(self, meta)
+        slot = WriteSlot(meta, self._temp_path(key.hex()))
+        self._writing[key] = slot
+        self._used_bytes += meta.size_bytes  # its room is taken from now on
+        return slot
+
+    def write_reserved(self, slot: WriteSlot, data: Buffer) -> None:
+        """Write the chunk's file (temp file, then renamed into place, fsynced with ``fsync``);
+        touches nothing of the tier's state but ``slot``. Raises DiskFullError or
+        TierUnavailable with nothing left on disk."""
+        if slot.done or slot.written is not None:
+            raise InvalidArgument("this write slot was written, committed or aborted already")
+        payload = byte_view(data)
+        if payload.nbytes != slot.meta.size_bytes:
+            raise PayloadSizeError(
+                f"payload is {payload.nbytes} bytes but the chunk declares {slot.meta.size_bytes}"
+            )
+        self._free_trash(0)  # its own room is counted already
+        slot.written = self._write_file(slot.meta, payload, slot.temp_path)
+
+    def commit_write(self, slot: WriteSlot) -> bool:
+        if slot.done:
+            raise InvalidArgument("this write slot was committed or aborted already")
+        written = slot.written
+        if self._closed or not isinstance(written, _Entry):
+            self.abort_write(slot)
+            return False
+        slot.done = True
+        key = slot.meta.key
+        del self._writing[key]
+        self._index[key] = written
+        return True
+
+    def abort_write(self, slot: WriteSlot) -> None:
+        if slot.done:
+            return
+        slot.done = True
+        key = slot.meta.key
+        if self._writing.get(key) is slot:
+            del self._writing[key]
+            if not self._closed:
+                self._used_bytes -= slot.meta.size_bytes
+        if slot.written is not None:  # renamed into place already: take it back
+            _unlink_quietly(self._path(key))
+
+    def _write_file(self, meta: ChunkMeta, payload: memoryview, tmp: str) -> _Entry:
+        """Write ``meta``'s chunk to ``tmp``, then rename it into place (with ``fsync``: file
+        and directory synced); what the tier's index will hold for it. Raises DiskFullError or
+        TierUnavailable, with nothing left on disk. Changes none of the tier's state, so it
+        may run without the store's lock."""
+        key = meta.key
         checksum = _CHECKSUMS[CHECKSUM_KIND][0](payload)
         header = _encode_header(meta, CHECKSUM_KIND, checksum)
 
         key_hex = key.hex()
         subdir = key_hex[:2]
         path = f"{self.directory}/{subdir}/{key_hex}{_CHUNK_SUFFIX}"
-        tmp = self._temp_path(key_hex)
         fd = -1
         renamed = False
         try:
@@ -309,8 +383,7 @@ class DiskTier(Tier):
                     f"disk tier {self.name!r} cannot write {exc.filename or tmp}: {exc.strerror}"
                 ) from exc
             raise
-        self._index[key] = _Entry(meta, len(header), CHECKSUM_KIND, checksum)
-        self._used_bytes += meta.size_bytes
+        return _Entry(meta, len(header), CHECKSUM_KIND, checksum)
 
     def read_into(self, key: bytes, out: memoryview) -> int:
         """Read the payload into ``out`` and verify it.
@@ -590,7 +663,8 @@ class DiskTier(Tier):
             ) from exc
 
     def _make_subdir(self, subdir: str) -> None:
-        stale_fd = self._dir_fds.pop(subdir, None)  # a removed directory's fd syncs nothing
+        with self._dir_fd_lock:
+            stale_fd = self._dir_fds.pop(subdir, None)  # a removed directory's fd syncs nothing
         if stale_fd is not None:
             _close_quietly(stale_fd)
         try:
@@ -601,11 +675,13 @@ class DiskTier(Tier):
             _fsync_path(self.directory)
 
     def _dir_fd(self, subdir: str) -> int:
-        fd = self._dir_fds.get(subdir)
-        if fd is None:
-            fd = os.open(f"{self.directory}/{subdir}", os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
-            self._dir_fds[subdir] = fd
-        return fd
+        with self._dir_fd_lock:
+            fd = self._dir_fds.get(subdir)
+            if fd is None:
+                path = f"{self.directory}/{subdir}"
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _O_CLOEXEC)
+                self._dir_fds[subdir] = fd
+            return fd
 
     def _note_drop(self, rel_path: str, why: str) -> None:
         self.dropped_on_open += 1

@@ -1,0 +1,332 @@
+"""Demotions written without the store's lock: a put that makes room in the cpu arena begins its
+victims' demotions under the lock (room taken on disk, the victim held in place by a lease and
+still readable), writes their files without the lock, then commits them. Meanwhile other
+threads read, lease, look up and put; a victim evicted, pinned or moved meanwhile, a write that
+fails, or the store closing, never leaves a corrupt or missing index entry, a stray file or
+reserved room behind.
+
+The disk tier is a real DiskTier whose writes (detached or not) wait at a gate, so a test holds a
+demotion mid-write and acts meanwhile. Every wait is bounded: a regression (the write held
+under the lock) fails instead of hanging."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import AgentSettings
+from kvctl.store.errors import DiskFullError
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.base import Buffer, ChunkMeta, WriteSlot
+from kvctl.store.tiers.cpu import CpuTier, Lease
+from kvctl.store.tiers.disk import DiskTier, audit_directory
+from tests.unit.test_store_parallel_reads import Background
+
+#: bound on every wait for another thread: reached only when something is broken
+WAIT_S = 30.0
+CHUNK = 4096
+
+
+class SlowDisk(DiskTier):
+    """A real disk tier whose chunk writes wait while ``gate`` is clear: the detached ones
+    (``write_reserved``) and a plain ``put`` alike, so a store that still wrote under its
+    lock would be held at the gate with its lock. ``fail`` makes the next writes fail as a full
+    disk does."""
+
+    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+        super().__init__(directory, capacity_bytes)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = False
+        self._cv = threading.Condition()
+        self.inside = 0
+
+    def _held(self) -> None:
+        with self._cv:
+            self.inside += 1
+            self._cv.notify_all()
+        try:
+            if not self.gate.wait(WAIT_S):
+                raise AssertionError("the test never opened the gate")
+        finally:
+            with self._cv:
+                self.inside -= 1
+        if self.fail:
+            raise DiskFullError(28, f"disk tier {self.name!r} is out of space (test)")
+
+    def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
+        if meta.key not in self._writing:  # (one being written is refused at once)
+            self._held()
+        super().put(meta, data)
+
+    def write_reserved(self, slot: WriteSlot, data: Buffer) -> None:
+        self._held()
+        super().write_reserved(slot, data)
+
+    def wait_inside(self, n: int = 1) -> bool:
+        with self._cv:
+            return self._cv.wait_for(lambda: self.inside >= n, WAIT_S)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "little")
+
+
+def data_of(k: bytes) -> bytes:
+    return random.Random(k).randbytes(CHUNK)
+
+
+def make_store(
+    tmp_path: Path, cpu_chunks: int = 4, disk_chunks: int = 64
+) -> tuple[TieredStore, CpuTier, SlowDisk]:
+    cpu = CpuTier(cpu_chunks * CHUNK)
+    disk = SlowDisk(tmp_path / "disk", disk_chunks * CHUNK)
+    return TieredStore([cpu, disk], chunk_tokens=4, eviction="lru"), cpu, disk
+
+
+def full_store(tmp_path: Path) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes]]:
+    """A store whose cpu arena is full of four chunks, key(0) the least recently used."""
+    store, cpu, disk = make_store(tmp_path)
+    keys = [key(i) for i in range(4)]
+    for k in keys:
+        assert store.put(k, data_of(k), tenant="t") == "cpu"
+    assert cpu.free_bytes == 0
+    return store, cpu, disk, keys
+
+
+def events_of(store: TieredStore) -> list[dict[str, Any]]:
+    seen: list[dict[str, Any]] = []
+    store.subscribe(seen.append)
+    return seen
+
+
+def read(store: TieredStore, k: bytes) -> bytes:
+    out = bytearray(CHUNK)
+    n = store.read_into(k, memoryview(out), tenant="t")
+    return bytes(out[:n])
+
+
+def files_on(disk: DiskTier) -> set[str]:
+    return {
+        name[: -len(".kv")]
+        for _dir, _subdirs, names in os.walk(disk.directory)
+        for name in names
+        if name.endswith(".kv")
+    }
+
+
+def check_invariants(store: TieredStore) -> None:
+    """Each tier holds exactly its chunks' bytes (the disk: exactly their files, nothing left
+    being written), every chunk is in the one tier the index says, and reads back exact."""
+    entries = store.entries()
+    for name in store.tier_names:
+        tier = store.tier(name)
+        mine = [e for e in entries if e.tier == name]
+        assert tier.used_bytes == sum(e.size_bytes for e in mine), name
+        assert set(tier.keys()) == {e.key for e in mine}, name
+        if isinstance(tier, DiskTier):
+            assert files_on(tier) == {e.key.hex() for e in mine}
+            audit = audit_directory(tier.directory)
+            assert audit.chunk_keys == {e.key for e in mine}
+            assert not audit.temp_files and not audit.invalid_files
+    cpu = store.lease_tier
+    assert cpu is not None and cpu.reserved_bytes == 0 and cpu.lease_count == 0
+    for e in entries:
+        assert store.tier(e.tier).get(e.key) == data_of(e.key)
+
+
+def test_a_put_demoting_to_a_slow_disk_holds_up_no_reader_and_no_lookup(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    seen = events_of(store)
+    disk.gate.clear()
+    new = key(9)
+    put = Background(lambda: store.put(new, data_of(new), tenant="t"))
+    assert disk.wait_inside(), "the put never reached the demotion's write"
+
+    # each of these takes the store's lock; they complete while the disk write is held
+    other = keys[2]
+    lease = Background(lambda: store.lease(other, math.inf, tenant="t")).result()
+    assert isinstance(lease, Lease) and bytes(store.leased_view(lease)) == data_of(other)
+    assert Background(lambda: read(store, other)).result() == data_of(other)
+    found = Background(lambda: store.lookup(keys, tenant="t")).result()
+    assert found.matched_chunks == 4  # the victim is still cached, in cpu, while it is written
+    # the victim itself is still read from its cpu bytes
+    assert store.entry(keys[0]).tier == "cpu"
+    assert Background(lambda: read(store, keys[0])).result() == data_of(keys[0])
+    assert disk.inside == 1 and "demote" not in [ev["type"] for ev in seen]
+
+    disk.gate.set()
+    assert put.result() == "cpu"
+    # once the put is answered its victim's file is in place (the crash benchmark's promise)
+    assert store.entry(keys[0]).tier == "disk" and keys[0].hex() in files_on(disk)
+    assert [ev["type"] for ev in seen].count("demote") == 1
+    assert store.stats.tiers["disk"].demotions == 1
+    assert store.stats.tiers["cpu"].evictions["capacity"] == 1
+    store.release([lease.lease_id])
+    check_invariants(store)
+
+
+def test_a_slow_demotion_holds_up_no_refresh_and_no_pin(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.put(keys[3], data_of(keys[3]), tenant="t")).result() == "cpu"
+    assert Background(lambda: store.pin([keys[2]])).result().done == 1
+    disk.gate.set()
+    assert put.result() == "cpu"
+    assert store.entry(keys[0]).tier == "disk"
+    check_invariants(store)
+
+
+def test_a_victim_evicted_while_it_is_written_leaves_no_file(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    disk.gate.set()
+    assert put.result() == "cpu"
+    assert keys[0] not in store and files_on(disk) == set()
+    assert disk.used_bytes == 0 and len(disk) == 0
+    check_invariants(store)
+
+
+def test_a_victim_pinned_while_it_is_written_stays_in_cpu(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    seen = events_of(store)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.pin([keys[0]])).result().done == 1
+    disk.gate.set()  # the put then makes room with another victim
+    assert put.result() == "cpu"
+    e = store.entry(keys[0])
+    assert e.tier == "cpu" and e.pinned
+    assert keys[0].hex() not in files_on(disk)
+    assert [ev["key"] for ev in seen if ev["type"] == "demote"] == [keys[1].hex()]
+    check_invariants(store)
+
+
+def test_a_victim_moved_while_it_is_written_is_where_the_move_put_it(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    # moving it to disk meanwhile is refused (its file is being written), not doubled
+    assert Background(lambda: store.move([keys[0]], "disk")).result().failed == 1
+    disk.gate.set()
+    assert put.result() == "cpu"
+    assert store.entry(keys[0]).tier == "disk"
+    check_invariants(store)
+
+
+def test_a_failed_demotion_write_is_a_counted_drop(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.fail = True
+    assert store.put(key(9), data_of(key(9)), tenant="t") == "cpu"
+    assert keys[0] not in store and store.stats.demotion_failures == 1
+    assert files_on(disk) == set() and disk.used_bytes == 0
+    disk.fail = False
+    check_invariants(store)
+
+
+def test_a_reserved_put_demotes_without_the_lock_too(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    reserve = Background(lambda: store.reserve_put(key(9), CHUNK, tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.lookup(keys, tenant="t")).result().matched_chunks == 4
+    disk.gate.set()
+    slot = reserve.result()
+    assert slot is not None
+    slot.view[:] = data_of(key(9))
+    assert store.commit_put(slot) == "cpu"
+    assert store.entry(keys[0]).tier == "disk"
+    check_invariants(store)
+
+
+def test_closing_the_store_mid_demotion_leaves_nothing_half_done(tmp_path: Path) -> None:
+    store, _cpu, disk, _keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    Background(store.close).result()
+    disk.gate.set()
+    with pytest.raises(Exception):  # noqa: B017 - whichever error a closed store gives
+        put.result()
+    assert not audit_directory(disk.directory).invalid_files
+
+
+def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -> None:
+    """Putters that keep demoting, beside readers and lookups: every read is exact, and in
+    the end every chunk is in exactly one tier, its file (if on disk) complete."""
+    store, _cpu, _disk = make_store(tmp_path, cpu_chunks=6, disk_chunks=256)
+    errors: list[BaseException] = []
+    n_per = 40
+
+    def putter(base: int) -> None:
+        try:
+            for i in range(n_per):
+                k = key(base + i)
+                store.put(k, data_of(k), tenant="t")
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader(base: int) -> None:
+        try:
+            for i in range(n_per):
+                k = key(base + i)
+                with contextlib.suppress(KeyError):
+                    assert read(store, k) == data_of(k)
+                store.lookup([key(base + j) for j in range(i + 1)], tenant="t")
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=putter, args=(b,)) for b in (0, 1000, 2000)]
+    threads += [threading.Thread(target=reader, args=(b,)) for b in (0, 1000)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 4)
+        assert not t.is_alive()
+    assert not errors, errors
+    assert len(store) == 3 * n_per  # the disk holds the rest: nothing dropped
+    check_invariants(store)
+
+
+def test_the_runtime_put_copies_into_a_reserved_slot_with_put_semantics(tmp_path: Path) -> None:
+    """The agent's put (what PUT and PUT_STAGED call) lands new chunks through a reserved
+    slot, with the same answers, metadata and events as ``TieredStore.put``."""
+    store, _cpu, _disk = make_store(tmp_path)
+    seen = events_of(store)
+    rt = AgentRuntime(AgentSettings(data_dir=str(tmp_path), isolated_tenants=("iso",)), store)
+
+    def put(k: bytes, **kw: Any) -> str | None:
+        args: dict[str, Any] = dict(
+            tokens=None, tenant="t", parent=None, depth=0, priority=35, pinned=False
+        )
+        args.update(kw)
+        return rt.put(k, data_of(k), isolated=args.pop("isolated", False), **args)
+
+    assert put(key(1), tokens=3, parent=key(0), depth=2, priority=70) == "cpu"
+    e = store.entry(key(1))
+    assert (e.tokens, e.parent, e.depth, e.priority, e.pinned) == (3, key(0), 2, 70, False)
+    assert put(key(1)) == "cpu"  # cached already: a refresh
+    assert put(key(2), pinned=True) == "cpu" and store.entry(key(2)).pinned
+    # an isolated tenant's put over another tenant's chunk replaces it, as a put does
+    assert put(key(1), tenant="iso") == "cpu"
+    assert store.entry(key(1)).tenant == "iso" and store.entry(key(1)).isolated
+    for i in range(3, 8):  # demotions as a put makes them
+        assert put(key(i)) == "cpu"
+    assert [ev["type"] for ev in seen].count("demote") >= 1
+    check_invariants(store)
+    rt.close()
