@@ -186,6 +186,7 @@ def run_ttft_bench(
                 bounds: list[tuple[str, float]] = []
                 forced: list[Prefill] = []
                 forced_bounds: list[tuple[str, float]] = []
+                reads: list[tuple[int, float]] = []  # (bytes, seconds) of forced disk reads
                 try:
                     for _ in range(repeats):
                         fleet.prepare(source, keys)
@@ -202,6 +203,13 @@ def run_ttft_bench(
                             )
                             got = _light(engines["puller"].prefill(prompt))
                             forced.append(_check(got, reference, split, source, len(keys), dtype))
+                        elif source == "disk":  # the disk read itself, whatever the plan decided
+                            fleet.prepare(source, keys)
+                            forced_bounds.append(
+                                _bound(torch, fleet, source, device, nbytes, memcpy)
+                            )
+                            _drop_page_cache(fleet.disk)
+                            reads.append(_read_only(torch, engines["node"], keys))
                 except Exception as exc:  # one source failing must not lose the others' figures
                     failure = f"{context} tokens, {source}: {type(exc).__name__}: {exc}"
                     say(failure)
@@ -215,9 +223,11 @@ def run_ttft_bench(
                     summary["forced_fetch"] = _bounded(
                         _summary(forced, full_s), forced, forced_bounds
                     )
+                if reads:
+                    summary["forced_fetch"] = _read_summary(reads, forced_bounds, len(keys))
                 row["sources"][source] = summary
                 say(_one_line(source, summary))
-                if forced:
+                if "forced_fetch" in summary:
                     say(_one_line(f"{source} (forced fetch)", summary["forced_fetch"]))
             rows.append(row)
             fleet.forget(stored)
@@ -275,6 +285,8 @@ def run_ttft_bench(
             "(see planner_recomputed_chunks)",
             "disk: files fsynced and dropped from the page cache (posix_fadvise DONTNEED) "
             "before each sample, so reads come from the device",
+            "disk: forced_fetch is the engine's read of every chunk from the disk tier with no "
+            "lookup, plan or prefill (the plan may recompute instead), against the same raw bound",
             "pool: an embedded pool agent on loopback, read by a node with nothing local whose "
             "plan decides whether pulling beats recomputing (the row), and by another whose "
             "link to the pool is forced to fetch (forced_fetch: the pull measured whatever the "
@@ -399,6 +411,45 @@ def _bounded(
         "samples_fetch_share": shares,
     }
     return summary
+
+
+def _read_only(torch: Any, lm: Any, keys: list[bytes]) -> tuple[int, float]:
+    """The engine's read of ``keys`` into its KV buffer (``read_chunks``: the agent reads its
+    disk into the arena, the engine copies from there), with no lookup, plan or prefill:
+    (bytes that arrived whole, seconds)."""
+    from kvctl.engines.kvload import read_chunks
+
+    with torch.inference_mode():  # the engine's reused buffer is an inference tensor
+        kv = lm.loader.alloc(len(keys), reuse=True)
+        t0 = time.perf_counter()
+        got, _ = read_chunks(lm.client, keys, lm.tenant, lm.loader, kv)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize(lm.device)
+        seconds = time.perf_counter() - t0
+    if got != len(keys):
+        raise RuntimeError(f"a forced read got {got} of {len(keys)} chunks")
+    return got * lm.format.chunk_bytes, seconds
+
+
+def _read_summary(
+    reads: list[tuple[int, float]], bounds: list[tuple[str, float]], chunks: int
+) -> dict[str, Any]:
+    seconds = statistics.median(s for _, s in reads)
+    shares = [n / s / b for (n, s), (_, b) in zip(reads, bounds, strict=True) if s > 0 and b > 0]
+    return {
+        "what": "the engine's read of every chunk (read_chunks), no lookup, plan or prefill",
+        "chunks": chunks,
+        "bytes_moved": reads[-1][0],
+        "fetch_seconds": seconds,
+        "fetch_bytes_per_second": reads[-1][0] / seconds if seconds > 0 else None,
+        "samples_seconds": [s for _, s in reads],
+        "bound": {
+            "what": bounds[0][0],
+            "bytes_per_second": statistics.median(b for _, b in bounds),
+            "fetch_share_of_bound": statistics.median(shares) if shares else None,
+            "samples_fetch_share": shares,
+        },
+    }
 
 
 def _h2d_seconds(torch: Any, device: str, nbytes: int) -> float:
@@ -593,12 +644,17 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
 
 def _one_line(source: str, s: dict[str, Any]) -> str:
     """A source's figures as a progress line (what a cut-short run still leaves behind)."""
-    head = f"  {source}: ttft {s['ttft_seconds'] * 1e3:,.1f} ms ({s['speedup']:.2f}x)"
+    head = (
+        f"  {source}: ttft {s['ttft_seconds'] * 1e3:,.1f} ms ({s['speedup']:.2f}x)"
+        if "ttft_seconds" in s
+        else f"  {source}: read only (no lookup or prefill), {s['fetch_seconds'] * 1e3:,.1f} ms"
+    )
     bound, share = s["bound"], s["bound"]["fetch_share_of_bound"]
     if share is None:
         return f"{head}, nothing fetched"
     return (
-        f"{head}, {s['reused_chunks']} chunks reused, fetch {_rate(s['fetch_bytes_per_second'])}"
+        f"{head}, {s.get('reused_chunks', s.get('chunks'))} chunks, fetch "
+        f"{_rate(s['fetch_bytes_per_second'])}"
         f" = {share:.2f} of {_rate(bound['bytes_per_second'])} ({bound['what']})"
     )
 
@@ -674,9 +730,9 @@ def render_ttft_bench(result: dict[str, Any]) -> Group:
                 f"{row['context_tokens']:,}" if first else "",
                 f"{row['full_prefill']['ttft_seconds'] * 1e3:,.1f} ms" if first else "",
                 source,
-                f"{s['ttft_seconds'] * 1e3:,.1f} ms",
-                f"{s['speedup']:.1f}x" if s["speedup"] else "n/a",
-                f"{s['reused_tokens']:,}",
+                f"{s['ttft_seconds'] * 1e3:,.1f} ms" if "ttft_seconds" in s else "read only",
+                f"{s['speedup']:.1f}x" if s.get("speedup") else "n/a",
+                f"{s['reused_tokens']:,}" if "reused_tokens" in s else f"{s['chunks']} chunks",
                 format_bytes(s["bytes_moved"]) if s["bytes_moved"] else "-",
                 f"{s['fetch_seconds'] * 1e3:,.1f} ms",
                 _rate(s["fetch_bytes_per_second"]),

@@ -62,6 +62,14 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
         assert s["reused_chunks"] == CONTEXT // CHUNK and s["planner_recomputed_chunks"] == 0
         assert 0 <= s["max_logit_diff"] <= result["logits_atol"]
         assert s["fetch_path"] == "lease"  # same host: straight from the shared arena
+    # the disk read itself, whatever the plan decided: every chunk, against the same raw bound
+    read = row["sources"]["disk"]["forced_fetch"]
+    assert (
+        read["chunks"] == CONTEXT // CHUNK
+        and read["bytes_moved"] == CONTEXT // CHUNK * model["chunk_bytes"]
+    )
+    assert len(read["samples_seconds"]) == 2 and read["fetch_bytes_per_second"] > 0
+    assert "read" in read["bound"]["what"] and len(read["bound"]["samples_fetch_share"]) == 2
     assert "memcpy" in row["sources"]["cpu"]["bound"]["what"]
     assert "read" in row["sources"]["disk"]["bound"]["what"]
     assert "PROBE" in row["sources"]["pool"]["bound"]["what"]
