@@ -1335,16 +1335,21 @@ class TieredStore:
         others are evicted (dropped, or demoted under the lock) at once."""
         policy = self._policies[tier.name]
         later: list[_Demotion] = []
-        for v in victims:
-            if self._index.get(v.key) is not v or v.tier != tier.name or v.pinned:
-                continue
-            policy.on_victim(v)
-            if not isinstance(tier, CpuTier) or not self._may_detach(v, tier):
-                self._evict(v, "capacity", demote=True)
-                continue
-            d = self._begin_demotion(v, tier)
-            if d is not None:
-                later.append(d)
+        try:
+            for v in victims:
+                if self._index.get(v.key) is not v or v.tier != tier.name or v.pinned:
+                    continue
+                policy.on_victim(v)
+                if not isinstance(tier, CpuTier) or not self._may_detach(v, tier):
+                    self._evict(v, "capacity", demote=True)
+                    continue
+                d = self._begin_demotion(v, tier)
+                if d is not None:
+                    later.append(d)
+        except BaseException:
+            for d in later:  # begun, never to be written: given back, the chunks where they were
+                self._end_demotion(d)
+            raise
         return later
 
     def _may_detach(self, e: Entry, src: CpuTier) -> bool:
@@ -1364,7 +1369,6 @@ class TieredStore:
         was dropped instead (refused, no room below), as ``_evict`` would drop it."""
         dst = self._tiers[self._tier_index[src.name] + 1]
         self._policies[src.name].on_remove(e)
-        self._accounting.tier(src.name).evictions["capacity"] += 1
         if not self._admission[dst.name].admit(e):
             self._accounting.stats.admission_refused += 1
         elif self._may_place(e, dst):
@@ -1378,6 +1382,9 @@ class TieredStore:
                 lease = src.lease(e.key, math.inf)
                 self._reading[e] = self._reading.get(e, 0) + 1  # out of its policy already
                 return _Demotion(e, src, dst, slot, lease, src.view(lease))
+        # dropped at once: counted now (a begun demotion is counted when it ends, and only if
+        # the chunk was still there to evict)
+        self._accounting.tier(src.name).evictions["capacity"] += 1
         src.delete(e.key)
         self._forget(e)
         return None
@@ -1429,6 +1436,7 @@ class TieredStore:
             except StoreError:
                 landed = False
             if landed:
+                self._accounting.tier(src.name).evictions["capacity"] += 1
                 src.delete(e.key)
                 e.tier = dst.name  # before _end_read, which must not put it back in src's policy
                 self._end_read(e, src.name)
@@ -1443,7 +1451,8 @@ class TieredStore:
         if isinstance(d.error, TierUnavailable):
             self._take_offline(dst, d.error)
         self._end_read(e, src.name)
-        if current:  # the write failed (disk full, a failed device): a counted drop
+        if current and d.error is not None:  # the write failed (disk full, a failed device)
+            self._accounting.tier(src.name).evictions["capacity"] += 1
             self._accounting.stats.demotion_failures += 1
             src.delete(e.key)
             self._forget(e)
@@ -1629,10 +1638,13 @@ class TieredStore:
             )
         if not self._usable(dst):
             raise TierUnavailable(f"tier {dst.name!r} is offline: {self._offline[dst.name][0]}")
-        if not e.pinned:
+        # a chunk being read or demoted is out of its policy already, and goes back in when
+        # that ends (``_end_read``): putting it back here would leave it there for good
+        tracked = not e.pinned and e not in self._reading
+        if tracked:
             self._policies[src.name].on_remove(e)
         if not self._try_place(e, src, dst):
-            if not e.pinned and e.key in self._index:
+            if tracked and e.key in self._index:
                 self._policies[src.name].on_insert(e)
             raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}")
         if e.key in self._index:

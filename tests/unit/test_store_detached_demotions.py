@@ -63,7 +63,7 @@ class SlowDisk(DiskTier):
             raise DiskFullError(28, f"disk tier {self.name!r} is out of space (test)")
 
     def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
-        if meta.key not in self._writing:  # (one being written is refused at once)
+        if meta.key not in self._writing:  # (a new copy of a key being demoted goes at once)
             self._held()
         super().put(meta, data)
 
@@ -221,8 +221,9 @@ def test_a_victim_moved_while_it_is_written_is_where_the_move_put_it(tmp_path: P
     disk.gate.clear()
     put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
     assert disk.wait_inside()
-    # moving it to disk meanwhile is refused (its file is being written), not doubled
-    assert Background(lambda: store.move([keys[0]], "disk")).result().failed == 1
+    # moving it to disk meanwhile lands (a write of its own); the demotion's copy is given up
+    # at its commit (only its temp file is removed), not doubled
+    assert Background(lambda: store.move([keys[0]], "disk")).result().done == 1
     disk.gate.set()
     assert put.result() == "cpu"
     assert store.entry(keys[0]).tier == "disk"
@@ -330,3 +331,82 @@ def test_the_runtime_put_copies_into_a_reserved_slot_with_put_semantics(tmp_path
     assert [ev["type"] for ev in seen].count("demote") >= 1
     check_invariants(store)
     rt.close()
+
+
+# --- found by review: a move, a re-put and the counts while a demotion is being written -----
+def test_a_move_mid_demotion_leaves_the_victim_out_of_the_cpu_policy(tmp_path: Path) -> None:
+    """A move of the victim while its demotion is written must not put it back into cpu's
+    policy (a failed move did, before): cpu would keep planning room around a chunk it no
+    longer holds and refuse every later put."""
+    store, cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.move([keys[0]], "disk")).result().done == 1
+    disk.gate.set()
+    assert put.result() == "cpu"
+    assert store.entry(keys[0]).tier == "disk"
+    for k in (keys[1], keys[2], keys[3], key(9)):  # keys[0]'s stale entry would be the LRU
+        assert read(store, k) == data_of(k)
+    assert cpu.free_bytes == 0
+    assert store.put(key(10), data_of(key(10)), tenant="t") == "cpu"
+    check_invariants(store)
+
+
+def test_an_isolated_put_replacing_a_victim_mid_demotion_lands(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    store.set_isolated_tenants(["iso"])
+    assert store.pin(keys[1:]).done == 3  # cpu: room for one unpinned chunk
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()  # keys[0] being written to disk
+    other = bytes(reversed(data_of(keys[0])))
+    res = Background(lambda: store.put(keys[0], other, tenant="iso"))
+    try:
+        landed = res.result()
+    finally:
+        disk.gate.set()
+        put.result()
+    assert landed == "disk"
+    assert store.get(keys[0], tenant="iso") == other  # the old copy's file never replaced it
+
+
+def test_evict_then_reput_to_disk_mid_demotion_lands(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    res = Background(lambda: store.put(keys[0], data_of(keys[0]), tenant="t", tier="disk"))
+    try:
+        landed = res.result()
+    finally:
+        disk.gate.set()
+        put.result()
+    assert landed == "disk"
+    assert read(store, keys[0]) == data_of(keys[0])
+
+
+def test_a_victim_pinned_mid_demotion_is_not_counted_evicted(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.pin([keys[0]])).result().done == 1
+    disk.gate.set()
+    assert put.result() == "cpu"
+    assert store.entry(keys[0]).tier == "cpu"
+    assert store.stats.tiers["cpu"].evictions["capacity"] == 1
+
+
+def test_a_victim_evicted_mid_demotion_is_counted_once(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    disk.gate.set()
+    assert put.result() == "cpu"
+    assert len(store.entries("cpu")) == 4 and store.entry(keys[1]).tier == "cpu"
+    evictions = store.stats.tiers["cpu"].evictions
+    assert sum(evictions.values()) == 1, dict(evictions)

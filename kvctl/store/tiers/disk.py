@@ -273,8 +273,8 @@ class DiskTier(Tier):
         key = meta.key
         if len(key) != KEY_BYTES:
             raise InvalidArgument(f"disk tier keys are {KEY_BYTES} bytes, got {len(key)}")
-        if key in self._writing:
-            raise InvalidArgument(f"key {key.hex()} is being written to tier {self.name!r}")
+        # a detached write of an older copy of this key may be under way: it writes only its
+        # own temp file until its commit, which the store refuses once this copy is current
         self._free_trash(meta.size_bytes)
         entry = self._write_file(meta, payload, self._temp_path(key.hex()))
         self._index[key] = entry
@@ -297,9 +297,10 @@ class DiskTier(Tier):
         return slot
 
     def write_reserved(self, slot: WriteSlot, data: Buffer) -> None:
-        """Write the chunk's file (temp file, then renamed into place, fsynced with ``fsync``);
-        touches nothing of the tier's state but ``slot``. Raises DiskFullError or
-        TierUnavailable with nothing left on disk."""
+        """Write the chunk's temp file (fsynced with ``fsync``); ``commit_write`` renames it
+        into place. Touches nothing of the tier's state but ``slot``, and no file another copy
+        of the key may own. Raises DiskFullError or TierUnavailable with nothing left on
+        disk."""
         if slot.done or slot.written is not None:
             raise InvalidArgument("this write slot was written, committed or aborted already")
         payload = byte_view(data)
@@ -308,7 +309,7 @@ class DiskTier(Tier):
                 f"payload is {payload.nbytes} bytes but the chunk declares {slot.meta.size_bytes}"
             )
         self._free_trash(0)  # its own room is counted already
-        slot.written = self._write_file(slot.meta, payload, slot.temp_path)
+        slot.written = self._write_file(slot.meta, payload, slot.temp_path, rename=False)
 
     def commit_write(self, slot: WriteSlot) -> bool:
         if slot.done:
@@ -317,8 +318,16 @@ class DiskTier(Tier):
         if self._closed or not isinstance(written, _Entry):
             self.abort_write(slot)
             return False
-        slot.done = True
         key = slot.meta.key
+        if key in self._index:  # another copy was put meanwhile: it stays, this one goes
+            self.abort_write(slot)
+            return False
+        try:
+            self._place(key, slot.temp_path)  # a rename (metadata only), then the dir fsync
+        except TierUnavailable:
+            self.abort_write(slot)
+            raise
+        slot.done = True
         del self._writing[key]
         self._index[key] = written
         return True
@@ -332,14 +341,17 @@ class DiskTier(Tier):
             del self._writing[key]
             if not self._closed:
                 self._used_bytes -= slot.meta.size_bytes
-        if slot.written is not None:  # renamed into place already: take it back
-            _unlink_quietly(self._path(key))
+        if slot.written is not None:  # its temp file only: the final name is never its own
+            _unlink_quietly(slot.temp_path)
 
-    def _write_file(self, meta: ChunkMeta, payload: memoryview, tmp: str) -> _Entry:
+    def _write_file(
+        self, meta: ChunkMeta, payload: memoryview, tmp: str, *, rename: bool = True
+    ) -> _Entry:
         """Write ``meta``'s chunk to ``tmp``, then rename it into place (with ``fsync``: file
-        and directory synced); what the tier's index will hold for it. Raises DiskFullError or
-        TierUnavailable, with nothing left on disk. Changes none of the tier's state, so it
-        may run without the store's lock."""
+        and directory synced; ``rename=False``: left at ``tmp``, fsynced, for ``_place``);
+        what the tier's index will hold for it. Raises DiskFullError or TierUnavailable, with
+        nothing left on disk. Changes none of the tier's state, so it may run without the
+        store's lock."""
         key = meta.key
         checksum = _CHECKSUMS[CHECKSUM_KIND][0](payload)
         header = _encode_header(meta, CHECKSUM_KIND, checksum)
@@ -362,6 +374,8 @@ class DiskTier(Tier):
                 os.fsync(fd)
             os.close(fd)
             fd = -1
+            if not rename:
+                return _Entry(meta, len(header), CHECKSUM_KIND, checksum)
             os.replace(tmp, path)
             renamed = True
             if self.fsync:
@@ -608,6 +622,22 @@ class DiskTier(Tier):
             return self._index[key]
         except (KeyError, TypeError):
             raise KeyNotFound(f"key {_hex(key)} is not in tier {self.name!r}") from None
+
+    def _place(self, key: bytes, tmp: str) -> None:
+        """Rename a written temp file into ``key``'s place, durably with ``fsync`` (the
+        directory synced). Raises TierUnavailable with nothing of it left on disk."""
+        path = self._path(key)
+        renamed = False
+        try:
+            os.replace(tmp, path)
+            renamed = True
+            if self.fsync:
+                os.fsync(self._dir_fd(key.hex()[:2]))
+        except OSError as exc:
+            _unlink_quietly(path if renamed else tmp)
+            raise TierUnavailable(
+                f"disk tier {self.name!r} cannot place {exc.filename or path}: {exc.strerror}"
+            ) from exc
 
     def _path(self, key: bytes) -> str:
         key_hex = key.hex()
