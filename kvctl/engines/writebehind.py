@@ -131,6 +131,13 @@ class WriteBehind:
         if thread is not None:
             self._jobs.put(None)
             thread.join(timeout_s)
+            if thread.is_alive():
+                # still writing: closing its connection now would unmap (and, on CUDA,
+                # unregister) the staging segment under its copy; it closes with the process
+                log.warning(
+                    "the write-behind thread did not finish in %.0f s; left running", timeout_s
+                )
+                return
         if self._client is not None:
             self._client.close()
             self._client = None

@@ -170,3 +170,31 @@ def test_a_job_packs_straight_into_the_staging_segment(tmp_path: Path) -> None:
         assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
         writer.close()
         assert heard == [True, False]  # told before its segment was unmapped
+
+
+def test_a_close_that_times_out_leaves_the_writer_its_connection(tmp_path: Path) -> None:
+    """A writer still copying into its staging segment when close() gives up waiting keeps its
+    connection (closing it would unmap, and on CUDA unregister, the segment under the copy);
+    the job still lands."""
+    with running_agent(tmp_path) as agent, agent.data("unix") as client:
+        writer = WriteBehind(client)
+        inside, gate = threading.Event(), threading.Event()
+        keys = [key(i) for i in range(2)]
+
+        def pack_into(i: int, out: memoryview) -> None:
+            inside.set()
+            gate.wait(30)
+            out[:] = payload(keys[i], SIZE)
+
+        job = _job(keys)
+        job.pack_into = pack_into
+        future = writer.submit(job)
+        assert inside.wait(30)  # copying into the segment now
+        writer.close(timeout_s=0.2)
+        held = writer._client
+        assert held is not None and not held.closed
+        gate.set()
+        assert future.result(timeout=30).chunks == 2
+        assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
+        writer.close()
+        assert held.closed
