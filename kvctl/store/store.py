@@ -59,7 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from heapq import nlargest
 from operator import attrgetter
-from typing import Any
+from typing import Any, TypeVar
 
 from kvctl.store.accounting import Accounting
 from kvctl.store.errors import (
@@ -85,6 +85,7 @@ from kvctl.store.stats import StoreStats, TierStats
 from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, WriteSlot, byte_view
 from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 
+_R = TypeVar("_R")
 _TIER_OF = attrgetter("tier")
 _TOKENS_OF = attrgetter("tokens")
 #: "hottest" order: most hits, then the most recent access (ticks order accesses exactly)
@@ -393,27 +394,34 @@ class TieredStore:
         self._check_new(key, size, priority=priority, parent=parent)
         if retention_seconds is not None and retention_seconds < 0:
             raise InvalidArgument(f"retention_seconds must not be negative: {retention_seconds}")
+        return self._in_rounds(
+            lambda detach: self._put_locked(
+                key,
+                data,
+                size,
+                tokens=tokens,
+                tenant=tenant,
+                parent=parent,
+                depth=depth,
+                priority=priority,
+                retention_seconds=retention_seconds,
+                pinned=pinned,
+                isolated=isolated,
+                tier=tier,
+                detach=detach,
+            )
+        )
+
+    def _in_rounds(self, attempt: Callable[[bool], tuple[bool, _R, list[_Demotion]]]) -> _R:
+        """``attempt(detach)`` under the lock until it is done. A round whose room is being
+        made by demotions to a slow tier hands them back: they are written without the lock,
+        then it looks again (the chunk may have been stored meanwhile). The last round demotes
+        under the lock, so it always ends."""
         for round_ in range(DETACHED_DEMOTION_ROUNDS + 1):
             with self._lock:
-                done, landed, later = self._put_locked(
-                    key,
-                    data,
-                    size,
-                    tokens=tokens,
-                    tenant=tenant,
-                    parent=parent,
-                    depth=depth,
-                    priority=priority,
-                    retention_seconds=retention_seconds,
-                    pinned=pinned,
-                    isolated=isolated,
-                    tier=tier,
-                    detach=round_ < DETACHED_DEMOTION_ROUNDS,
-                )
+                done, result, later = attempt(round_ < DETACHED_DEMOTION_ROUNDS)
             if done:
-                return landed
-            # the room is being made by demotions to a slow tier: they are written without
-            # the lock, then the put looks again (the chunk may have been stored meanwhile)
+                return result
             self._finish_demotions(later)
         raise AssertionError("unreachable: the last round demotes under the lock")
 
@@ -529,23 +537,19 @@ class TieredStore:
         (cached already, or another tier would take it, or none could): ``put`` it instead.
         Raises what ``put`` raises for a bad key, size, priority or parent."""
         self._check_new(key, size_bytes, priority=priority, parent=parent)
-        for round_ in range(DETACHED_DEMOTION_ROUNDS + 1):
-            with self._lock:
-                done, slot, later = self._reserve_put_locked(
-                    key,
-                    size_bytes,
-                    tokens=tokens,
-                    tenant=tenant,
-                    parent=parent,
-                    depth=depth,
-                    priority=priority,
-                    isolated=isolated,
-                    detach=round_ < DETACHED_DEMOTION_ROUNDS,
-                )
-            if done:
-                return slot
-            self._finish_demotions(later)  # as in ``put``
-        raise AssertionError("unreachable: the last round demotes under the lock")
+        return self._in_rounds(
+            lambda detach: self._reserve_put_locked(
+                key,
+                size_bytes,
+                tokens=tokens,
+                tenant=tenant,
+                parent=parent,
+                depth=depth,
+                priority=priority,
+                isolated=isolated,
+                detach=detach,
+            )
+        )
 
     def _reserve_put_locked(
         self,

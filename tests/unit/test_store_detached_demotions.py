@@ -108,6 +108,18 @@ def events_of(store: TieredStore) -> list[dict[str, Any]]:
     return seen
 
 
+def held_demotion(
+    tmp_path: Path,
+) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes], Background]:
+    """``full_store`` with a put of key(9) held mid-demotion: the victim's disk write waits at
+    the gate (open it with ``disk.gate.set()``, then take ``put.result()``)."""
+    store, cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
+    assert disk.wait_inside()
+    return store, cpu, disk, keys, put
+
+
 def read(store: TieredStore, k: bytes) -> bytes:
     out = bytearray(CHUNK)
     n = store.read_into(k, memoryview(out), tenant="t")
@@ -175,10 +187,7 @@ def test_a_put_demoting_to_a_slow_disk_holds_up_no_reader_and_no_lookup(tmp_path
 
 
 def test_a_slow_demotion_holds_up_no_refresh_and_no_pin(tmp_path: Path) -> None:
-    store, _cpu, disk, keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, _cpu, disk, keys, put = held_demotion(tmp_path)
     assert Background(lambda: store.put(keys[3], data_of(keys[3]), tenant="t")).result() == "cpu"
     assert Background(lambda: store.pin([keys[2]])).result().done == 1
     disk.gate.set()
@@ -188,10 +197,7 @@ def test_a_slow_demotion_holds_up_no_refresh_and_no_pin(tmp_path: Path) -> None:
 
 
 def test_a_victim_evicted_while_it_is_written_leaves_no_file(tmp_path: Path) -> None:
-    store, _cpu, disk, keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, _cpu, disk, keys, put = held_demotion(tmp_path)
     assert Background(lambda: store.evict([keys[0]])).result().done == 1
     disk.gate.set()
     assert put.result() == "cpu"
@@ -217,10 +223,7 @@ def test_a_victim_pinned_while_it_is_written_stays_in_cpu(tmp_path: Path) -> Non
 
 
 def test_a_victim_moved_while_it_is_written_is_where_the_move_put_it(tmp_path: Path) -> None:
-    store, _cpu, disk, keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, _cpu, disk, keys, put = held_demotion(tmp_path)
     # moving it to disk meanwhile lands (a write of its own); the demotion's copy is given up
     # at its commit (only its temp file is removed), not doubled
     assert Background(lambda: store.move([keys[0]], "disk")).result().done == 1
@@ -256,10 +259,7 @@ def test_a_reserved_put_demotes_without_the_lock_too(tmp_path: Path) -> None:
 
 
 def test_closing_the_store_mid_demotion_leaves_nothing_half_done(tmp_path: Path) -> None:
-    store, _cpu, disk, _keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, _cpu, disk, _keys, put = held_demotion(tmp_path)
     Background(store.close).result()
     disk.gate.set()
     with pytest.raises(Exception):  # noqa: B017 - whichever error a closed store gives
@@ -338,10 +338,7 @@ def test_a_move_mid_demotion_leaves_the_victim_out_of_the_cpu_policy(tmp_path: P
     """A move of the victim while its demotion is written must not put it back into cpu's
     policy (a failed move did, before): cpu would keep planning room around a chunk it no
     longer holds and refuse every later put."""
-    store, cpu, disk, keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, cpu, disk, keys, put = held_demotion(tmp_path)
     assert Background(lambda: store.move([keys[0]], "disk")).result().done == 1
     disk.gate.set()
     assert put.result() == "cpu"
@@ -372,10 +369,7 @@ def test_an_isolated_put_replacing_a_victim_mid_demotion_lands(tmp_path: Path) -
 
 
 def test_evict_then_reput_to_disk_mid_demotion_lands(tmp_path: Path) -> None:
-    store, _cpu, disk, keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, _cpu, disk, keys, put = held_demotion(tmp_path)
     assert Background(lambda: store.evict([keys[0]])).result().done == 1
     res = Background(lambda: store.put(keys[0], data_of(keys[0]), tenant="t", tier="disk"))
     try:
@@ -388,10 +382,7 @@ def test_evict_then_reput_to_disk_mid_demotion_lands(tmp_path: Path) -> None:
 
 
 def test_a_victim_pinned_mid_demotion_is_not_counted_evicted(tmp_path: Path) -> None:
-    store, _cpu, disk, keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, _cpu, disk, keys, put = held_demotion(tmp_path)
     assert Background(lambda: store.pin([keys[0]])).result().done == 1
     disk.gate.set()
     assert put.result() == "cpu"
@@ -400,10 +391,7 @@ def test_a_victim_pinned_mid_demotion_is_not_counted_evicted(tmp_path: Path) -> 
 
 
 def test_a_victim_evicted_mid_demotion_is_counted_once(tmp_path: Path) -> None:
-    store, _cpu, disk, keys = full_store(tmp_path)
-    disk.gate.clear()
-    put = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t"))
-    assert disk.wait_inside()
+    store, _cpu, disk, keys, put = held_demotion(tmp_path)
     assert Background(lambda: store.evict([keys[0]])).result().done == 1
     disk.gate.set()
     assert put.result() == "cpu"
