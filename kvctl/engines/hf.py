@@ -13,7 +13,6 @@ import inspect
 import logging
 import mmap
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from kvctl.client import AgentError, DataClient, RequestError
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
-from kvctl.engines.kvload import KVLoader, read_chunks
+from kvctl.engines.kvload import KVLoader, host_tensor, read_chunks
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
@@ -33,13 +32,6 @@ if TYPE_CHECKING:
     from kvctl.store.tiers.hostreg import HostRegistration
 
 log = logging.getLogger(__name__)
-
-
-def _host_tensor(out: memoryview) -> torch.Tensor:
-    """A flat uint8 CPU tensor over ``out``'s bytes (writable memory), no copy."""
-    with warnings.catch_warnings():  # torch warns of any buffer it cannot prove writable
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(out, dtype=torch.uint8)
 
 
 #: prefill samples sent per report (the agent keeps a bounded window of its own)
@@ -393,7 +385,7 @@ class CachedLM:
             chunk_bytes=self.format.chunk_bytes,
             pack=lambda i: self.format.pack(ks, vs, i).cpu().numpy(),
             # packed straight into the writer's staging segment (one copy, no chunk of its own)
-            pack_into=lambda i, out: self.format.pack_into(ks, vs, i, _host_tensor(out)),
+            pack_into=lambda i, out: self.format.pack_into(ks, vs, i, host_tensor(out)),
             report=report,
         )
         if self.device.type == "cuda":
@@ -414,7 +406,7 @@ class CachedLM:
                 # is registered (``_staging_changed``); synchronous, so the bytes are there
                 # when the put is sent
                 with torch.cuda.stream(stream):
-                    _host_tensor(out).copy_(self.format.pack(ks, vs, i))
+                    host_tensor(out).copy_(self.format.pack(ks, vs, i))
 
             job.prepare = lambda: stream.wait_event(ready)
             job.pack = on_stream

@@ -916,15 +916,7 @@ class RemoteTiers:
             if meta.key != keys[i] or not visible_to(meta, tenant, tenant_isolated=isolated):
                 return None  # dropped when it lands (``_admit``)
             try:
-                slot = self.store.reserve_put(
-                    meta.key,
-                    meta.size_bytes,
-                    tokens=meta.tokens or None,
-                    tenant=meta.tenant,
-                    parent=meta.parent,
-                    priority=meta.priority,
-                    isolated=meta.isolated,
-                )
+                slot = self.store.reserve_put(meta.key, meta.size_bytes, **_as_stored(meta))
             except StoreError:  # put will refuse it too, and say why
                 return None
             if slot is None:
@@ -971,15 +963,7 @@ class RemoteTiers:
             if slot is not None:
                 tier = self.store.commit_put(slot)
             else:
-                tier = self.store.put(
-                    key,
-                    chunk.data,
-                    tokens=meta.tokens or None,
-                    tenant=meta.tenant,
-                    parent=meta.parent,
-                    priority=meta.priority,
-                    isolated=meta.isolated,
-                )
+                tier = self.store.put(key, chunk.data, **_as_stored(meta))
         except (CapacityError, StoreError) as exc:
             log.debug("could not keep %s from %s: %s", key.hex(), src.name, exc)
             return False
@@ -1132,3 +1116,15 @@ class RemoteTiers:
                 },
             },
         }
+
+
+def _as_stored(meta: ChunkMeta) -> dict[str, Any]:
+    """A pulled chunk's metadata as the store keeps it: its owner, lineage, priority and
+    isolation, as ``put`` and ``reserve_put`` take them."""
+    return {
+        "tokens": meta.tokens or None,
+        "tenant": meta.tenant,
+        "parent": meta.parent,
+        "priority": meta.priority,
+        "isolated": meta.isolated,
+    }
