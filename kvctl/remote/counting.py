@@ -34,6 +34,16 @@ class RemoteTierCounts:
             accounting.count_tier_hits(tier, hits, hit_tokens, list(owners).count(tenant))
             accounting.count_hits_past_lookup(hits, hit_tokens)
 
+    def recount_owner(self, tier: str, *, reuse: bool) -> None:
+        """One hit counted in ``tier`` as sharing (``reuse``: True) or reuse (False) moved to
+        the other side: the copy that arrived was the other owner's."""
+        step = 1 if reuse else -1
+        with self._store.locked():
+            stats = self._store.accounting.stats
+            for st in (stats, stats.tiers[tier]):
+                st.reuse_hits += step
+                st.sharing_hits -= step
+
     def count_read(self, tier: str, nbytes: int, *, landed: str | None) -> None:
         """A chunk of ``nbytes`` read from ``tier`` and kept here, in local tier ``landed``
         (None: not kept): a promotion there, its bytes already counted by the store's put."""

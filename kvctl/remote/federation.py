@@ -37,7 +37,7 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -85,6 +85,17 @@ _MONITOR_TICK_S = 0.25
 PROBE_DEADLINE_S = 0.5
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class _Hint:
+    """A remote hit a lookup counted: the source it chose, that source's tier, the asking
+    tenant, and whether it counted as reuse (the copy found was the tenant's own)."""
+
+    source: str
+    tier: str
+    tenant: str
+    reuse: bool
 
 
 @dataclass
@@ -584,7 +595,9 @@ class RemoteTiers:
         self._usage_every_s = usage_every_s
         self._measure_every_s = measure_every_s
         self._pool_usage: PoolUsage | None = None
-        self._hints: OrderedDict[bytes, str] = OrderedDict()
+        #: per key a lookup took from a source: that source, and how the lookup counted the hit
+        #: (consumed by the pull that follows it)
+        self._hints: OrderedDict[bytes, _Hint] = OrderedDict()
         self._lock = threading.Lock()
         self._local = threading.local()
         self._queue: queue.Queue[bytes] = queue.Queue(_WRITE_QUEUE_MAX)
@@ -665,7 +678,7 @@ class RemoteTiers:
                 owners.append(meta.tenant)
                 tokens.append(meta.tokens)
                 matched_tokens += meta.tokens
-                self._hint(keys[i], src_name)
+                self._hint(keys[i], _Hint(src_name, src.tier, tenant, meta.tenant == tenant))
         for tier, (owners, tokens) in by_tier.items():
             self._counts.count_hits(tier, owners, tokens, tenant=tenant)
         matched = res.matched_chunks + len(fetched)
@@ -848,9 +861,9 @@ class RemoteTiers:
         bw = link.bandwidth_bytes_per_s or 0.0
         return (1.0 / bw if bw else float("inf"), link.rtt_s or float("inf"))
 
-    def _hint(self, key: bytes, source: str) -> None:
+    def _hint(self, key: bytes, hint: _Hint) -> None:
         with self._lock:
-            self._hints[key] = source
+            self._hints[key] = hint
             self._hints.move_to_end(key)
             if len(self._hints) > _HINTS_MAX:
                 self._hints.popitem(last=False)
@@ -864,7 +877,8 @@ class RemoteTiers:
         if not missing or not self.sources:
             return 0
         with self._lock:
-            hinted = {k: self._hints.get(k) for k in missing}
+            hints = {k: self._hints.pop(k, None) for k in missing}
+        hinted = {k: None if h is None else h.source for k, h in hints.items()}
         arrived = 0
         # the sources a lookup chose for some of the keys first (the pool first among them),
         # then the pool, then the others; a key hinted to a source is asked of no other until
@@ -882,15 +896,33 @@ class RemoteTiers:
             # filled as chunks are stored, kept when the call then fails: a split pull whose
             # other stream failed has stored these, so they count and are asked of no one else
             landed: list[PoolChunk | None] = [None] * len(ask)
-            src.call(
-                "fetch",
-                functools.partial(self._get, src, ask, tenant, landed),
-                moved_bytes=_chunk_bytes,
-            )
+            try:
+                src.call(
+                    "fetch",
+                    functools.partial(self._get, src, ask, tenant, landed),
+                    moved_bytes=_chunk_bytes,
+                )
+            finally:
+                self._recount_owners(landed, hints, tenant)
             done = {c.meta.key for c in landed if c is not None}
             arrived += len(done)
             missing = [k for k in missing if k not in done]
         return arrived
+
+    def _recount_owners(
+        self, landed: Sequence[PoolChunk | None], hints: Mapping[bytes, _Hint | None], tenant: str
+    ) -> None:
+        """A lookup counted each remote hit as reuse or sharing by the owner of the copy it
+        found; the copy that arrived can be another's (the chosen source lost it and another
+        served it, or the pool's copy was replaced meanwhile). The hit then counts by the copy
+        served, so the split always says whose bytes the tenant got."""
+        for chunk in landed:
+            hint = None if chunk is None else hints.get(chunk.meta.key)
+            if chunk is None or hint is None or hint.tenant != tenant:
+                continue
+            served_reuse = chunk.meta.tenant == tenant
+            if served_reuse != hint.reuse:
+                self._counts.recount_owner(hint.tier, reuse=served_reuse)
 
     def _get(
         self,

@@ -1,0 +1,82 @@
+"""A remote hit counts as reuse or sharing by the owner of the copy that arrived: when the source
+a lookup chose loses the chunk before the pull and another source serves a copy another tenant
+stored, the lookup's count moves to the other side (the demo's exact accounting checks the split
+against the copies the replay received)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvctl.remote.counting import RemoteTierCounts
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+from tests.unit.test_federation_index import Fleet, key, put_chain
+
+
+@pytest.fixture
+def fleet() -> Iterator[Fleet]:
+    f = Fleet()
+    yield f
+    f.close()
+
+
+def split(store: TieredStore, tier: str = "peer") -> tuple[int, int, int, int]:
+    st = store.stats
+    ts = st.tiers[tier]
+    return st.reuse_hits, st.sharing_hits, ts.reuse_hits, ts.sharing_hits
+
+
+def test_a_hit_served_by_another_owners_copy_counts_by_that_copy(fleet: Fleet) -> None:
+    k = key("shared", 0)
+    put_chain(fleet.peers["b"].store, [k], "x")
+    put_chain(fleet.peers["c"].store, [k], "y")
+    local = fleet.a.store
+    assert fleet.a.lookup([k], tenant="x").matched_chunks == 1
+    counted_reuse = split(local)[0] == 1
+    # the chosen peer loses the chunk before the pull; the other one serves its own copy
+    chosen, other = ("b", "c") if counted_reuse else ("c", "b")
+    fleet.peers[chosen].store.evict([k])
+    assert fleet.a.fill([k], tenant="x") == 1
+    assert fleet.peers[other].gets == 1
+    assert local.entry(k).tenant == ("y" if counted_reuse else "x")
+    assert split(local) == ((0, 1, 0, 1) if counted_reuse else (1, 0, 1, 0))
+    # one lookup, one hit: the totals stay as counted
+    assert (local.stats.lookups, local.stats.hit_chunks) == (1, 1)
+
+
+def test_a_hit_served_by_the_chosen_copy_keeps_its_count(fleet: Fleet) -> None:
+    k = key("shared", 1)
+    put_chain(fleet.peers["b"].store, [k], "x")
+    put_chain(fleet.peers["c"].store, [k], "y")
+    local = fleet.a.store
+    fleet.a.lookup([k], tenant="x")
+    before = split(local)
+    assert fleet.a.fill([k], tenant="x") == 1
+    assert split(local) == before
+    assert sum(before[:2]) == 1
+
+
+def test_a_pull_for_another_tenant_does_not_move_the_lookups_count(fleet: Fleet) -> None:
+    k = key("shared", 2)
+    put_chain(fleet.peers["b"].store, [k], "x")
+    put_chain(fleet.peers["c"].store, [k], "y")
+    local = fleet.a.store
+    fleet.a.lookup([k], tenant="x")
+    before = split(local)
+    chosen = "b" if before[0] else "c"
+    fleet.peers[chosen].store.evict([k])  # a pull now gets the other owner's copy
+    fleet.a.fill([k], tenant="z")  # another tenant's read: not the lookup that counted it
+    assert split(local) == before
+
+
+def test_recount_owner_moves_one_hit_between_reuse_and_sharing() -> None:
+    store = TieredStore([CpuTier(1 << 20)], chunk_tokens=16)
+    counts = RemoteTierCounts(store, ["remote"])
+    counts.count_hits("remote", ["a", "b"], [16, 16], tenant="a")
+    counts.recount_owner("remote", reuse=True)
+    assert split(store, "remote") == (2, 0, 2, 0)
+    counts.recount_owner("remote", reuse=False)
+    counts.recount_owner("remote", reuse=False)
+    assert split(store, "remote") == (0, 2, 0, 2)
