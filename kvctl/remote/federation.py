@@ -62,7 +62,7 @@ from kvctl.remote.fetchplan import (
 from kvctl.remote.links import EmulatedDelay, LinkEstimator
 from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
-from kvctl.store.index import LookupResult
+from kvctl.store.index import Entry, LookupResult
 from kvctl.store.store import PutSlot, TieredStore
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.wire.address import redact_url
@@ -411,6 +411,13 @@ class FetchPlanner:
             tiers = seen.locations[:m]
             free = device.bandwidth_bytes_per_s is None and free_tiers.issuperset(tiers)
             entries = [] if free and not probing else list(map(store.entry, keys[:m]))
+            # held here past a chunk that is not (a gap): taken from here, never from a source
+            # (the pull skips what is local, so its bytes and owner are this copy's)
+            past = {
+                i: store.entry(keys[i])
+                for i in range(m + 1, n)
+                if probing and seen.locations[i] is not None
+            }
         if free and (not probing or m == n):
             # nothing local costs anything: the whole local prefix, no event (the common case)
             res = store.count_lookup(keys, limit=m, tenant=tenant)
@@ -429,6 +436,12 @@ class FetchPlanner:
                 links[s.name] = s.link.link()
                 stages[s.name] = _REMOTE_STAGE
             for j, options in enumerate(found):
+                e = past.get(m + j)
+                if e is not None:
+                    candidates.append(
+                        Candidate.trusted(m + j, e.size_bytes, e.tokens, sources[e.tier])
+                    )
+                    continue
                 if not options:
                     break
                 meta = options[0][1]
@@ -448,7 +461,7 @@ class FetchPlanner:
         if remote is not None and found:
             # past the local prefix only when all of it was taken and is still there
             extend = k > m and res.matched_chunks == m
-            res = remote._take(keys, found, res, plan if extend else None, tenant)
+            res = remote._take(keys, found, res, plan if extend else None, tenant, past)
         self._record(plan, candidates, res, tenant, chunks=n, local=m)
         return res
 
@@ -657,18 +670,28 @@ class RemoteTiers:
         res: LookupResult,
         plan: FetchPlan | None,
         tenant: str,
+        held: Mapping[int, Entry] | None = None,
     ) -> LookupResult:
         """``res`` (the local prefix, counted) extended by the plan's chunks past it, counted as
-        ``remote`` or ``peer`` hits; every found chunk's location is shown either way."""
+        ``remote`` or ``peer`` hits, or as hits in a local tier for those ``held`` here past a
+        gap; every found chunk's location is shown either way."""
         m = len(keys) - len(found)
         fetched = {} if plan is None else {i: n for i, n in plan.fetch if i >= m}
         by_tier: dict[str, tuple[list[str], list[int]]] = {}
         locations = list(res.locations)
         matched_tokens = res.matched_tokens
         for j, options in enumerate(found):
+            i = m + j
+            e = None if held is None else held.get(i)
+            if e is not None:
+                if i in fetched:
+                    owners, tokens = by_tier.setdefault(e.tier, ([], []))
+                    owners.append(e.tenant)
+                    tokens.append(e.tokens)
+                    matched_tokens += e.tokens
+                continue
             if not options:
                 continue
-            i = m + j
             src_name = fetched.get(i) or options[0][0]
             src = self._by_name[src_name]
             locations[i] = src.tier

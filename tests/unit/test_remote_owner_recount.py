@@ -80,3 +80,22 @@ def test_recount_owner_moves_one_hit_between_reuse_and_sharing() -> None:
     counts.recount_owner("remote", reuse=False)
     counts.recount_owner("remote", reuse=False)
     assert split(store, "remote") == (0, 2, 0, 2)
+
+
+def test_a_chunk_held_here_past_a_gap_is_a_hit_here_by_its_own_owner(fleet: Fleet) -> None:
+    """Chunks 0 and 2 here (stored by y), 1 not: the peer's copies (stored by x) fill the gap,
+    but chunk 2 is served from here, so it counts here, as this copy's owner's."""
+    chain = [key("gap", i) for i in range(3)]
+    put_chain(fleet.peers["b"].store, chain, "x")
+    local = fleet.a.store
+    put_chain(local, [chain[0]], "y")
+    put_chain(local, [chain[2]], "y", parents=[chain[1]])
+    res = fleet.a.lookup(chain, tenant="x")
+    assert res.matched_chunks == 3
+    assert res.locations == ("cpu", "peer", "cpu")
+    st = local.stats
+    assert (st.hit_chunks, st.reuse_hits, st.sharing_hits) == (3, 1, 2)
+    assert (st.tiers["cpu"].hits, st.tiers["cpu"].sharing_hits) == (2, 2)
+    assert (st.tiers["peer"].hits, st.tiers["peer"].reuse_hits) == (1, 1)
+    assert fleet.a.fill(chain, tenant="x") == 1  # only the gap is pulled
+    assert [local.entry(k).tenant for k in chain] == ["y", "x", "y"]
