@@ -437,18 +437,51 @@ class DataClient:
         The client's other calls wait until the block ends."""
         if not self.shm:
             raise AgentError("leases need the agent's Unix socket with shared memory (shm on)")
-        ttl = float(self.info.get("lease_seconds", 10.0)) if ttl_s is None else ttl_s
+        ttl = self._lease_ttl(ttl_s)
         with self._lock:
             leases, held = self._lease_locked(keys, tenant, ttl)
             try:
-                yield ArenaLeases(
-                    arena=self._arena,
-                    generation=self._arena_gen,
-                    chunks=[c for c, _ in leases],
-                    missing=frozenset(i for i, (_, st) in enumerate(leases) if st == "missing"),
-                )
+                yield self._arena_leases(leases)
             finally:
                 self._release_locked(held)
+
+    @contextlib.contextmanager
+    def lookup_leased(
+        self, keys: Sequence[bytes], *, tenant: str = "", ttl_s: float | None = None
+    ) -> Iterator[tuple[LookupResult, ArenaLeases]]:
+        """``lookup`` (counted) whose matched prefix is held in place as by ``leased``, in one
+        round trip: what a same-host engine that reads its hits at once asks. The leases cover
+        ``keys[:matched_chunks]``; released on exit."""
+        if not self.shm:
+            raise AgentError("leases need the agent's Unix socket with shared memory (shm on)")
+        ttl = self._lease_ttl(ttl_s)
+        with self._lock:
+            meta, _ = self._call_locked(
+                Op.LOOKUP_LEASE, MetaWriter().text(tenant).f64(ttl).keys(keys).build(), (), None
+            )
+            r = MetaReader(meta)
+            found = self._lookup_result(r)
+            leases, held = self._leases_locked(r)
+            try:
+                if len(leases) != found.matched_chunks:
+                    raise AgentError(
+                        f"the agent leased {len(leases)} chunks of a matched prefix of "
+                        f"{found.matched_chunks}"
+                    )
+                yield found, self._arena_leases(leases)
+            finally:
+                self._release_locked(held)
+
+    def _lease_ttl(self, ttl_s: float | None) -> float:
+        return float(self.info.get("lease_seconds", 10.0)) if ttl_s is None else ttl_s
+
+    def _arena_leases(self, leases: list[tuple[LeasedChunk | None, str]]) -> ArenaLeases:
+        return ArenaLeases(
+            arena=self._arena,
+            generation=self._arena_gen,
+            chunks=[c for c, _ in leases],
+            missing=frozenset(i for i, (_, st) in enumerate(leases) if st == "missing"),
+        )
 
     def is_isolated(self, tenant: str) -> bool:
         """Whether the agent keeps ``tenant``'s chunks to itself (salted keys, never shared)."""
@@ -796,13 +829,18 @@ class DataClient:
     def _lease_locked(
         self, keys: Sequence[bytes], tenant: str, ttl_s: float
     ) -> tuple[list[tuple[LeasedChunk | None, str]], list[int]]:
-        """LEASE the keys: each one's place in the arena (or None) with its status ("ok",
-        "missing", "fallback": cached but not leasable here), and the lease ids to release.
-        Maps the arena anew when the agent resized it."""
+        """LEASE the keys (see ``_leases_locked``)."""
         meta, _ = self._call_locked(
             Op.LEASE, MetaWriter().text(tenant).f64(ttl_s).keys(keys).build(), (), None
         )
-        r = MetaReader(meta)
+        return self._leases_locked(MetaReader(meta))
+
+    def _leases_locked(
+        self, r: MetaReader
+    ) -> tuple[list[tuple[LeasedChunk | None, str]], list[int]]:
+        """The leases a reply holds (u32 n, n x LEASE_ITEM): each key's place in the arena (or
+        None) with its status ("ok", "missing", "fallback": cached but not leasable here), and
+        the lease ids to release. Maps the arena anew when the agent resized it."""
         items = r.structs(LEASE_ITEM, r.count())
         held = [lease_id for status, _, lease_id, *_ in items if status == Status.OK]
         try:
@@ -849,7 +887,7 @@ class DataClient:
     ) -> list[bytearray | None] | list[int | None]:
         """``_get_socket`` through leases on the shared arena; chunks that cannot be leased,
         or whose lease ran out during the copy, go over the socket."""
-        ttl = float(self.info.get("lease_seconds", 10.0))
+        ttl = self._lease_ttl(None)
         results: list[Any] = [None] * len(keys)
         retry: list[int] = []
         with self._lock:

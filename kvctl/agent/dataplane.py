@@ -317,6 +317,7 @@ class Connection:
             Op.LOOKUP: self._lookup,
             Op.LOOKUP_MANY: self._lookup_many,
             Op.LEASE: self._lease,
+            Op.LOOKUP_LEASE: self._lookup_lease,
             Op.RELEASE: self._release,
             Op.MAP: self._map,
             Op.ATTACH: self._attach,
@@ -771,7 +772,9 @@ class Connection:
         tenant = meta.text()
         keys = meta.keys()
         meta.done()
-        return [self._lookup_reply(MetaWriter(), keys, tenant).build()], 0
+        w = MetaWriter()
+        self._lookup_reply(w, keys, tenant)
+        return [w.build()], 0
 
     def _lookup_many(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.text()
@@ -782,11 +785,13 @@ class Connection:
             self._lookup_reply(w, keys, tenant)
         return [w.build()], 0
 
-    def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> MetaWriter:
+    def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> int:
+        """Writes the lookup's answer; returns its matched chunks."""
         res = self.runtime.lookup(keys, tenant=tenant)
         codes = self.server.tier_codes
         w.u32(res.matched_chunks).u64(res.matched_tokens).u32(len(keys))
-        return w.raw(bytes(map(codes.__getitem__, res.locations)))
+        w.raw(bytes(map(codes.__getitem__, res.locations)))
+        return res.matched_chunks
 
     def _require_shm(self) -> CpuTier:
         if self.transport != "unix":
@@ -805,12 +810,34 @@ class Connection:
     def _lease(self, meta: MetaReader, _payload: int) -> Reply:
         self._require_shm()
         tenant = meta.text()
-        ttl = meta.f64()
+        ttl = self._lease_ttl(meta.f64())
         keys = meta.keys()
         meta.done()
+        w = MetaWriter().u32(len(keys))
+        return [w.raw(self._lease_items(keys, ttl, tenant)).build()], 0
+
+    def _lookup_lease(self, meta: MetaReader, _payload: int) -> Reply:
+        """A lookup whose matched prefix is leased at once: the engine that asks is about to
+        read it, and saves the LEASE round trip."""
+        self._require_shm()
+        tenant = meta.text()
+        ttl = self._lease_ttl(meta.f64())
+        keys = meta.keys()
+        meta.done()
+        w = MetaWriter()
+        m = self._lookup_reply(w, keys, tenant)
+        w.u32(m).raw(self._lease_items(keys[:m], ttl, tenant))
+        return [w.build()], 0
+
+    def _lease_ttl(self, ttl: float) -> float:
         if math.isnan(ttl):  # passes any clamp, and no expiry would ever end such a lease
             raise FrameError(ErrorCode.BAD_REQUEST, "a lease's ttl must be a number, got NaN")
-        ttl = min(max(ttl, 0.001), self.runtime.settings.lease_seconds)
+        return min(max(ttl, 0.001), self.runtime.settings.lease_seconds)
+
+    def _lease_items(self, keys: list[bytes], ttl: float, tenant: str) -> bytes:
+        """A LEASE_ITEM per key: held in the arena, cached elsewhere (fallback) or missing."""
+        if not keys:
+            return b""
         self.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
         out = bytearray()
         # one batch, so the disk chunks among them are read in parallel
@@ -830,7 +857,7 @@ class Connection:
                 lease.size_bytes,
                 lease.deadline_s,
             )
-        return [MetaWriter().u32(len(keys)).raw(bytes(out)).build()], 0
+        return bytes(out)
 
     def _release(self, meta: MetaReader, _payload: int) -> Reply:
         n = meta.count()

@@ -23,7 +23,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
 from kvctl.client import AgentError, DataClient, RequestError
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
-from kvctl.engines.kvload import KVLoader, host_tensor, read_chunks
+from kvctl.engines.kvload import KVLoader, copy_leased, host_tensor, read_chunks, read_socket
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
@@ -251,11 +251,14 @@ class CachedLM:
         reusable = keys[: (len(ids) - 1) // self.chunk_tokens]
 
         t0 = time.perf_counter()
-        matched, locations = self._lookup(reusable, tenant)
-        tiers = [t for t in locations[:matched] if t is not None]
-        t1 = time.perf_counter()
-        cache, reused, path = self._fetch(reusable[:matched], tenant)
-        tiers = tiers[:reused]
+        if self.client is not None and self.client.shm and reusable:
+            # same host: the lookup leases what it matched, one round trip less
+            matched, locations, cache, reused, path, t1 = self._lookup_leased(reusable, tenant)
+        else:
+            matched, locations = self._lookup(reusable, tenant)
+            t1 = time.perf_counter()
+            cache, reused, path = self._fetch(reusable[:matched], tenant)
+        tiers = [t for t in locations[:reused] if t is not None]
         self._sync()
         t2 = time.perf_counter()
         start = reused * self.chunk_tokens
@@ -330,6 +333,38 @@ class CachedLM:
             return 0, []
         return found.matched_chunks, list(found.locations)
 
+    def _lookup_leased(
+        self, keys: list[bytes], tenant: str
+    ) -> tuple[int, list[str | None], DynamicCache, int, str, float]:
+        """``_lookup`` and ``_fetch`` through a lookup that leases its matched prefix: the
+        lookup's answer, the cache, chunks reused, their path, and when the lookup's answer
+        came (the fetch's start)."""
+        client = self.client
+        assert client is not None
+        try:
+            with client.lookup_leased(keys, tenant=tenant) as (found, leases):
+                lookup_end_s = time.perf_counter()
+                m = found.matched_chunks
+                kv = self.loader.alloc(m, reuse=True) if m else None
+                usable, blocked = (
+                    (0, False) if kv is None else copy_leased(leases, m, self.loader, kv)
+                )
+            if blocked and kv is not None:
+                usable += read_socket(client, keys[usable:m], tenant, self.loader, kv, usable)
+        except AgentError as exc:
+            log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
+            return 0, [], DynamicCache(), 0, "", time.perf_counter()
+        cache = DynamicCache() if kv is None else self._cache_of(kv, usable)
+        return m, list(found.locations), cache, usable, "lease" if usable else "", lookup_end_s
+
+    def _cache_of(self, kv: torch.Tensor, chunks: int) -> DynamicCache:
+        """A cache holding the first ``chunks`` chunks of the loader's buffer ``kv``."""
+        if not chunks:
+            return DynamicCache()
+        tokens = chunks * self.chunk_tokens
+        layers = range(self.layout.layers)
+        return _cache_holding([(kv[i, 0, :, :, :tokens], kv[i, 1, :, :, :tokens]) for i in layers])
+
     def _fetch(self, keys: list[bytes], tenant: str) -> tuple[DynamicCache, int, str]:
         """The cache object holding the chunks' KV, how many leading chunks it holds, and the
         path they took ("lease" or "socket")."""
@@ -345,13 +380,7 @@ class CachedLM:
         except AgentError as exc:
             log.warning("kvctl fetch failed, prefilling in full: %s", exc)
             return cache, 0, ""
-        if usable:
-            tokens = usable * self.chunk_tokens
-            layers = range(self.layout.layers)
-            cache = _cache_holding(
-                [(kv[i, 0, :, :, :tokens], kv[i, 1, :, :, :tokens]) for i in layers]
-            )
-        return cache, usable, path
+        return self._cache_of(kv, usable), usable, path
 
     def _store(
         self,

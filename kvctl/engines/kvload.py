@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvctl.client import DataClient
+from kvctl.client import ArenaLeases, DataClient
 from kvctl.engines.kvformat import ChunkFormat
 
 log = logging.getLogger(__name__)
@@ -205,26 +205,37 @@ def read_chunks(
     same host; "socket"). A chunk evicted since the lookup, of the wrong size, or whose lease
     ran out before its copy finished ends the run. Raises AgentError."""
     if not client.shm:
-        return _read_socket(client, keys, tenant, loader, kv, 0), "socket"
-    size = loader.format.chunk_bytes
+        return read_socket(client, keys, tenant, loader, kv, 0), "socket"
     with client.leased(keys, tenant=tenant) as leases:
-        chunks = leases.chunks
-        n = next((i for i, c in enumerate(chunks) if c is None or c.size_bytes != size), len(keys))
-        if n:
-            arena = loader.arena_tensor(leases.arena)
-            started_s = time.perf_counter()
-            loader.load(arena, [c.offset for c in chunks[:n]], kv)  # type: ignore[union-attr]
-            loader.wait()  # the copies read the arena: done before the leases end
-            loader.last_copy = (n * size, time.perf_counter() - started_s)
-            n = next((i for i in range(n) if not leases.valid(i)), n)
-        # held elsewhere (pinned in another tier, arena full, lease ran out): over the socket
-        blocked = n < len(keys) and n not in leases.missing
+        n, blocked = copy_leased(leases, len(keys), loader, kv)
     if blocked:
-        n += _read_socket(client, keys[n:], tenant, loader, kv, n)
+        n += read_socket(client, keys[n:], tenant, loader, kv, n)
     return n, "lease"
 
 
-def _read_socket(
+def copy_leased(
+    leases: ArenaLeases, count: int, loader: KVLoader, kv: torch.Tensor
+) -> tuple[int, bool]:
+    """The first ``count`` leased chunks into ``kv``, while the leases are held: how many
+    leading ones arrived whole, and whether the next one is cached but could not be read in
+    place (pinned in another tier, arena full, lease ran out): read it over the socket, after
+    the leases are released (``read_socket``)."""
+    size = loader.format.chunk_bytes
+    chunks = leases.chunks
+    n = next((i for i in range(count) if (c := chunks[i]) is None or c.size_bytes != size), count)
+    if n:
+        arena = loader.arena_tensor(leases.arena)
+        started_s = time.perf_counter()
+        loader.load(arena, [c.offset for c in chunks[:n]], kv)  # type: ignore[union-attr]
+        loader.wait()  # the copies read the arena: done before the leases end
+        loader.last_copy = (n * size, time.perf_counter() - started_s)
+        # one clock read for all: a lease that held at the copy's end held throughout
+        now_s = time.monotonic()
+        n = next((i for i in range(n) if chunks[i].deadline_s <= now_s), n)  # type: ignore[union-attr]
+    return n, n < count and n not in leases.missing
+
+
+def read_socket(
     client: DataClient,
     keys: Sequence[bytes],
     tenant: str,

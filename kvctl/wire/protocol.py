@@ -91,6 +91,10 @@ class Op(IntEnum):
     #: bytes/s (0: not measured), u32 n, n x RATE_SAMPLE (computed tokens, cached prefix
     #: tokens, seconds); reply u32 samples kept, f64 tokens/s, f64 attention term, basis text
     RATES = 16
+    #: LOOKUP, then LEASE of the matched prefix, in one round trip (a same-host engine's reuse):
+    #: meta tenant, f64 ttl, keys; reply the LOOKUP reply, then u32 n and n x LEASE_ITEM (n =
+    #: the matched chunks)
+    LOOKUP_LEASE = 17
     ERROR = 0x7F
 
 

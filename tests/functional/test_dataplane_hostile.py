@@ -333,7 +333,8 @@ def test_a_put_that_cannot_get_budget_waits_then_is_refused(tmp_path: Path) -> N
         assert rss_bytes(a.proc.pid) <= base + (64 << 20)
 
 
-def test_a_lease_with_a_nan_ttl_is_refused(agent) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("op", [Op.LEASE, Op.LOOKUP_LEASE])
+def test_a_lease_with_a_nan_ttl_is_refused(agent, op: Op) -> None:  # type: ignore[no-untyped-def]
     """A NaN ttl slipped past the clamp to lease_seconds: the lease's deadline was NaN, which no
     expiry ever passes, so the chunk stayed held for as long as the connection lived."""
     k = key(11)
@@ -342,7 +343,7 @@ def test_a_lease_with_a_nan_ttl_is_refused(agent) -> None:  # type: ignore[no-un
     conn = RawConn(agent)
     try:
         lease = MetaWriter().text("t").f64(float("nan")).keys([k]).build()
-        reply = conn.call(Op.LEASE, lease)
+        reply = conn.call(op, lease)
         code, message = error_of(reply)
         assert code == ErrorCode.BAD_REQUEST and "ttl" in message, message
     finally:

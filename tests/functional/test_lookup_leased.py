@@ -1,0 +1,95 @@
+"""LOOKUP_LEASE: a same-host engine's lookup that leases the matched prefix in the same round trip
+(the LEASE that always followed a hit, saved). It counts exactly one lookup, holds just the
+matched chunks (cpu ones in place, disk ones read into the arena), releases them on exit, and is
+refused off the Unix socket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvctl.agent.dataplane import DataPlaneServer
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import AgentSettings
+from kvctl.client import AgentError, DataClient
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.disk import DiskTier
+from tests.functional.agents import key, payload
+from tests.functional.waiting import wait_until
+
+CHUNK = 64 << 10
+
+
+class Node:
+    def __init__(self, tmp_path: Path) -> None:
+        settings = AgentSettings(name="ll", data_dir=str(tmp_path), cpu_bytes=1 << 20, shm=True)
+        self.store = TieredStore([CpuTier(1 << 20, shared=True), DiskTier(tmp_path / "d", 8 << 20)])
+        self.runtime = AgentRuntime(settings, self.store)
+        self.server = DataPlaneServer(self.runtime)
+        self.sock = self.server.listen_unix(tmp_path / "data.sock")
+        self.tcp = self.server.listen_tcp("127.0.0.1", 0)
+        self.server.start()
+
+    def leases(self) -> int:
+        return int(self.store.snapshot()["leases"])
+
+    def close(self) -> None:
+        self.server.stop()
+        self.runtime.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    yield n
+    n.close()
+
+
+def test_the_matched_prefix_is_leased_with_the_lookup(node: Node) -> None:
+    chain = [key(i) for i in range(4)]
+    for i, k in enumerate(chain[:3]):
+        node.store.put(k, payload(k, CHUNK), parent=chain[i - 1] if i else None, tokens=16)
+    node.store.move([chain[2]], "disk")  # a disk hit is read into the arena for its lease
+    with DataClient.connect(node.sock) as client:
+        with client.lookup_leased(chain) as (found, leases):
+            assert found.matched_chunks == 3
+            assert found.locations == ("cpu", "cpu", "disk", None)
+            assert len(leases.chunks) == 3 and not leases.missing
+            for i in range(3):
+                assert bytes(leases.view(i)) == payload(chain[i], CHUNK)
+            assert node.leases() == 3
+        # released on exit (RELEASE is sent without waiting for its answer)
+        wait_until("the leases released", lambda: node.leases() == 0)
+    stats = node.store.stats
+    assert (stats.lookups, stats.lookup_chunks, stats.hit_chunks) == (1, 4, 3)
+
+
+def test_a_miss_leases_nothing(node: Node) -> None:
+    with (
+        DataClient.connect(node.sock) as client,
+        client.lookup_leased([key(7), key(8)]) as (found, leases),
+    ):
+        assert found.matched_chunks == 0 and leases.chunks == []
+        assert node.leases() == 0
+    assert node.store.stats.lookups == 1
+
+
+def test_the_client_is_usable_inside_and_after_the_block(node: Node) -> None:
+    k = key(1)
+    node.store.put(k, payload(k, CHUNK), tokens=16)
+    with DataClient.connect(node.sock) as client:
+        with client.lookup_leased([k]) as (found, _):
+            assert found.matched_chunks == 1
+            assert client.exists([k]) == ["cpu"]  # the client's lock is re-entrant
+        assert bytes(client.get(k)) == payload(k, CHUNK)
+
+
+def test_off_the_unix_socket_it_is_refused(node: Node) -> None:
+    host, port = node.tcp
+    with DataClient.connect(f"{host}:{port}") as client:
+        assert not client.shm
+        with pytest.raises(AgentError, match="Unix socket"), client.lookup_leased([key(1)]):
+            pass
