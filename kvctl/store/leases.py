@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvctl.store.accounting import Accounting, busy_seconds
 from kvctl.store.errors import (
@@ -35,6 +35,18 @@ from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 #: one key's answer from ``lease_many``: a lease, None (cannot be held in the lease tier: read it
 #: with ``read_into``), or the KeyNotFound (CorruptChunk for a dropped copy) ``lease`` would raise
 LeaseResult = Lease | None | KeyNotFound
+
+#: rounds of demotions written without the store's lock that a put or a lease batch makes room
+#: in the lease tier with; after them (other threads kept taking the room freed) it demotes
+#: under the lock, so it always ends
+DETACHED_DEMOTION_ROUNDS = 4
+
+
+class _Deferred:
+    """A lease batch's key whose room in the lease tier demotions are making: asked again."""
+
+
+_DEFERRED = _Deferred()
 
 # A flight's state (``_Flight.state``), changed only under the book's ``_flight_lock``:
 _PLANNED = "planned"  # its read has not begun (queued in the pool, or never handed to it)
@@ -89,6 +101,10 @@ class LeaseHost(Protocol):
     def _may_place(self, e: Entry, dst: Tier) -> bool: ...
 
     def _make_room(self, tier: Tier, size: int) -> bool: ...
+
+    def _room_later(self, tier: Tier, size: int) -> Sequence[object] | None: ...
+
+    def _finish_demotions(self, later: Sequence[Any]) -> None: ...
 
     def _promote(self, e: Entry, data: Buffer | None, lease_to: Tier | None = None) -> None: ...
 
@@ -166,8 +182,12 @@ class LeaseBook:
                         results[i] = self._grant(home, e, ttl_s)
                     else:
                         pending.append((i, key))
+            rounds = 0
             while pending:
-                pending = self._lease_round(home, pending, ttl_s, tenant, results)
+                # the last rounds make room by demoting under the lock, so the batch ends
+                detach = rounds < DETACHED_DEMOTION_ROUNDS
+                pending = self._lease_round(home, pending, ttl_s, tenant, results, detach)
+                rounds += 1
         except BaseException:
             granted = [r.lease_id for r in results if isinstance(r, Lease)]
             if granted:
@@ -221,29 +241,39 @@ class LeaseBook:
         ttl_s: float,
         tenant: str,
         results: list[LeaseResult],
+        detach: bool = False,
     ) -> list[tuple[int, bytes]]:
         """One pass of ``lease_many`` over the keys not yet in the lease tier (their hits
         already counted): plan under the lock, read outside it, commit under it. Returns the
-        keys to resolve again (moved or evicted mid-read, or waited for)."""
+        keys to resolve again (moved or evicted mid-read, waited for, or whose room in the
+        lease tier was being made by demotions). With ``detach``, room is made by demotions
+        written without the lock (as a put's are) after the reads."""
         flights: list[_Flight] = []
         waiting: list[tuple[int, bytes]] = []
         again: list[tuple[int, bytes]] = []
+        later: list[object] | None = [] if detach else None
         try:
             with self._lock:
                 for i, key in pending:
-                    flight = self._resolve(i, key, home, ttl_s, tenant, results, waiting)
+                    flight = self._resolve(
+                        i, key, home, ttl_s, tenant, results, waiting, later, again
+                    )
                     if flight is not None:
                         flights.append(flight)
             if flights:
                 self._fly(flights)
         finally:
-            # every flight planned lands, read or not (a failed plan's are undone, unread)
-            with self._lock:
-                try:
-                    again += self._land(flights, home, ttl_s, results)
-                finally:
-                    if flights:
-                        self._promoted.notify_all()
+            try:
+                # every flight planned lands, read or not (a failed plan's are undone, unread)
+                with self._lock:
+                    try:
+                        again += self._land(flights, home, ttl_s, results)
+                    finally:
+                        if flights:
+                            self._promoted.notify_all()
+            finally:
+                if later:  # begun under the lock: each one ends, whatever happened above
+                    self._host._finish_demotions(later)
         with self._lock:
             for i, key in waiting:
                 while key in self._promoting:
@@ -260,9 +290,12 @@ class LeaseBook:
         tenant: str,
         results: list[LeaseResult],
         waiting: list[tuple[int, bytes]],
+        later: list[object] | None,
+        deferred: list[tuple[int, bytes]],
     ) -> _Flight | None:
         """Under the lock: answer one key of a lease batch now (a lease, None, a miss), queue
-        it in ``waiting`` (another flight is bringing it up), or return its flight."""
+        it in ``waiting`` (another flight is bringing it up) or ``deferred`` (demotions begun
+        in ``later`` are making its room), or return its flight."""
         try:
             e = self._host._get_visible(key, tenant)
         except KeyNotFound as exc:
@@ -278,11 +311,19 @@ class LeaseBook:
         if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
             results[i] = self._promote_and_grant(home, e, None, ttl_s)
             return None
-        return self._plan_flight(i, e, src, home)
+        flight = self._plan_flight(i, e, src, home, later)
+        if isinstance(flight, _Deferred):
+            deferred.append((i, key))
+            return None
+        return flight
 
-    def _plan_flight(self, i: int, e: Entry, src: Tier, home: CpuTier) -> _Flight | None:
+    def _plan_flight(
+        self, i: int, e: Entry, src: Tier, home: CpuTier, later: list[object] | None
+    ) -> _Flight | _Deferred | None:
         """Under the lock: reserve ``e``'s place in the lease tier and mark it in flight, or
-        None when it cannot be held there (the checks the store makes for a promotion)."""
+        None when it cannot be held there (the checks the store makes for a promotion), or
+        ``_DEFERRED`` when its room is being made by demotions begun in ``later`` (a list:
+        written without the lock; None: demoted here, under it)."""
         host = self._host
         if not host.promote_on_hit or e.pinned or not host._usable(home):
             return None
@@ -291,7 +332,16 @@ class LeaseBook:
         plan = src.plan_read(e.key)
         host._begin_read(e)  # first, so demotions made to make room can never pick it
         try:
-            if not host._make_room(home, e.size_bytes):
+            if later is None:
+                room = host._make_room(home, e.size_bytes)
+            else:
+                begun = host._room_later(home, e.size_bytes)
+                room = begun is not None
+                if begun:  # its room is free once they are written: asked again then
+                    later += begun
+                    host._end_read(e, src.name)
+                    return _DEFERRED
+            if not room:
                 raise CapacityError(f"no room for {e.size_bytes} bytes in tier {home.name!r}")
             reservation = home.reserve(e.meta())
         except (CapacityError, InvalidArgument):

@@ -31,16 +31,17 @@ gives its reserved space back itself when it ends. The slow part of deleting a p
 chunk (the unlink) runs in a second, smaller pool, so it never queues ahead of reads. A closed
 store starts no thread: a batch reaching its reads after ``close`` is refused (TierUnavailable).
 
-Demotions a put (or ``reserve_put``) makes to find room in the lease tier's arena are written
-to a slow tier (disk: ``Tier.detached_writes``) without the lock too. Under the lock each
-victim's room below is taken (``reserve_write``) and its bytes held in place by a lease: it
-stays cached where it was, readable, but out of its policy, so nothing else picks it. The put
-writes the files without the lock, then commits each demotion under it (the chunk's ``demote``
+Demotions a put (or ``reserve_put``, or a lease batch promoting a disk chunk) makes to find
+room in the lease tier's arena are written to a slow tier (disk: ``Tier.detached_writes``)
+without the lock too. Under the lock each victim's room below is taken (``reserve_write``) and
+its bytes held in place by a lease: it stays cached where it was, readable, but out of its
+policy, so nothing else picks it. The put writes the files without the lock, then commits each demotion under it (the chunk's ``demote``
 event comes once its file is in place) and plans again, so a put is answered only once its
 demotions have landed. A victim evicted, moved or pinned meanwhile keeps its new state (the
 written file is taken back); a write that fails drops the victim, counted as a failed
-demotion, as under the lock. Other demotions (moves, flushes, resizes, making room for a
-promotion) and a put landing on disk itself still write under the lock.
+demotion, as under the lock. A lease batch whose key's room is being made so asks for that key
+again once the demotions have landed. Other demotions (moves, flushes, resizes, a promotion by
+a plain read) and a put landing on disk itself still write under the lock.
 
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
@@ -74,7 +75,7 @@ from kvctl.store.errors import (
 )
 from kvctl.store.index import DEFAULT_PRIORITY, MAX_PRIORITY, Entry, HotChunk, LookupResult
 from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KEY_BYTES
-from kvctl.store.leases import LeaseBook, LeaseResult
+from kvctl.store.leases import DETACHED_DEMOTION_ROUNDS, LeaseBook, LeaseResult
 from kvctl.store.policies import (
     AdmissionPolicy,
     EvictionPolicy,
@@ -96,9 +97,6 @@ _MAX_PREFIX_WALK = 100_000
 DEFAULT_READ_THREADS = 8
 #: threads unlinking the files of disk chunks promoted out (apart from the readers' threads)
 UNLINK_THREADS = 2
-#: rounds of demotions written without the lock a put makes room with; after them (other
-#: threads kept taking the room freed) it demotes under the lock, so it always ends
-DETACHED_DEMOTION_ROUNDS = 4
 
 Event = dict[str, Any]
 
@@ -1460,6 +1458,17 @@ class TieredStore:
             self._accounting.stats.demotion_failures += 1
             src.delete(e.key)
             self._forget(e)
+
+    def _room_later(self, tier: Tier, size: int) -> list[_Demotion] | None:
+        """``_make_room``, except that victims bound for a tier with detached writes are only
+        begun (``_evict_for_later``): the demotions to finish without the lock, [] when the
+        room is made already, None when it cannot be made (nothing evicted)."""
+        if size > tier.capacity_bytes - self._pinned_bytes[tier.name]:
+            return None
+        victims = tier.plan_room(size, self._policies[tier.name].victims(self._clock()))
+        if victims is None:
+            return None
+        return self._evict_for_later(tier, victims)
 
     def _make_room(self, tier: Tier, size: int) -> bool:
         """Make room for ``size`` bytes in ``tier``, or answer False having evicted nothing

@@ -268,8 +268,9 @@ def test_closing_the_store_mid_demotion_leaves_nothing_half_done(tmp_path: Path)
 
 
 def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -> None:
-    """Putters that keep demoting, beside readers and lookups: every read is exact, and in
-    the end every chunk is in exactly one tier, its file (if on disk) complete."""
+    """Putters that keep demoting, beside readers, lookups and leases that promote from disk
+    (demoting too): every read is exact, and in the end every chunk is in exactly one tier,
+    its file (if on disk) complete."""
     store, _cpu, _disk = make_store(tmp_path, cpu_chunks=6, disk_chunks=256)
     errors: list[BaseException] = []
     n_per = 40
@@ -292,8 +293,22 @@ def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -
         except BaseException as exc:
             errors.append(exc)
 
+    def leaser(base: int) -> None:
+        # leases of chunks mostly demoted by now: each promotes, demoting another to make room
+        try:
+            for i in range(0, n_per, 3):
+                ks = [key(base + i + j) for j in range(3)]
+                got = store.lease_many(ks, math.inf, tenant="t")
+                for k, lease in zip(ks, got, strict=True):
+                    if isinstance(lease, Lease):
+                        assert bytes(store.leased_view(lease)) == data_of(k)
+                store.release([g.lease_id for g in got if isinstance(g, Lease)])
+        except BaseException as exc:
+            errors.append(exc)
+
     threads = [threading.Thread(target=putter, args=(b,)) for b in (0, 1000, 2000)]
     threads += [threading.Thread(target=reader, args=(b,)) for b in (0, 1000)]
+    threads += [threading.Thread(target=leaser, args=(b,)) for b in (0, 2000)]
     for t in threads:
         t.start()
     for t in threads:
@@ -301,6 +316,7 @@ def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -
         assert not t.is_alive()
     assert not errors, errors
     assert len(store) == 3 * n_per  # the disk holds the rest: nothing dropped
+    assert store.stats.tiers["cpu"].promotions > 0  # leases did bring chunks up from disk
     check_invariants(store)
 
 
@@ -398,3 +414,63 @@ def test_a_victim_evicted_mid_demotion_is_counted_once(tmp_path: Path) -> None:
     assert len(store.entries("cpu")) == 4 and store.entry(keys[1]).tier == "cpu"
     evictions = store.stats.tiers["cpu"].evictions
     assert sum(evictions.values()) == 1, dict(evictions)
+
+
+# --- a lease that promotes a disk chunk into a full arena ---------------------------------------
+def held_lease_promotion(
+    tmp_path: Path,
+) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes], Background]:
+    """cpu holds key(1..4), disk key(0); a lease of key(0) is held mid-way: the demotion that
+    makes its room in cpu (key(1), the least recently used) waits at the disk's gate."""
+    store, cpu, disk, keys = full_store(tmp_path)
+    assert store.put(key(4), data_of(key(4)), tenant="t") == "cpu"  # key(0) demoted (gate open)
+    assert store.entry(keys[0]).tier == "disk"
+    disk.gate.clear()
+    lease = Background(lambda: store.lease_many([keys[0]], math.inf, tenant="t"))
+    assert disk.wait_inside(), "the lease never reached the demotion's write"
+    return store, cpu, disk, [*keys, key(4)], lease
+
+
+def test_a_lease_promoting_from_disk_demotes_without_the_lock(tmp_path: Path) -> None:
+    store, cpu, disk, keys, lease = held_lease_promotion(tmp_path)
+    seen = events_of(store)
+    # the victim's write is held: readers, lookups and other leases go on meanwhile
+    assert Background(lambda: read(store, keys[2])).result() == data_of(keys[2])
+    assert Background(lambda: store.lookup(keys[1:], tenant="t")).result().matched_chunks == 4
+    other = Background(lambda: store.lease(keys[3], math.inf, tenant="t")).result()
+    assert bytes(store.leased_view(other)) == data_of(keys[3])
+    store.release([other.lease_id])
+    assert store.entry(keys[1]).tier == "cpu"  # the victim is read from cpu while written
+    assert Background(lambda: read(store, keys[1])).result() == data_of(keys[1])
+    assert disk.inside == 1 and not [ev for ev in seen if ev["type"] in ("demote", "promote")]
+
+    disk.gate.set()
+    (got,) = lease.result()
+    assert isinstance(got, Lease) and bytes(store.leased_view(got)) == data_of(keys[0])
+    assert store.entry(keys[0]).tier == "cpu" and store.entry(keys[1]).tier == "disk"
+    assert [ev["type"] for ev in seen] == ["demote", "promote"]
+    store.release([got.lease_id])
+    check_invariants(store)
+
+
+def test_a_victim_evicted_while_a_lease_waits_for_its_room(tmp_path: Path) -> None:
+    store, _cpu, disk, keys, lease = held_lease_promotion(tmp_path)
+    assert Background(lambda: store.evict([keys[1]])).result().done == 1
+    disk.gate.set()
+    (got,) = lease.result()  # its room came from the eviction: leased all the same
+    assert isinstance(got, Lease) and bytes(store.leased_view(got)) == data_of(keys[0])
+    assert keys[1] not in {e.key for e in store.entries()}
+    store.release([got.lease_id])
+    check_invariants(store)
+
+
+def test_a_lease_whose_demotion_fails_still_gets_its_chunk(tmp_path: Path) -> None:
+    store, _cpu, disk, keys, lease = held_lease_promotion(tmp_path)
+    disk.fail = True
+    disk.gate.set()
+    (got,) = lease.result()  # the victim is dropped (counted): its room is free all the same
+    assert isinstance(got, Lease) and bytes(store.leased_view(got)) == data_of(keys[0])
+    assert store.stats.demotion_failures == 1
+    disk.fail = False
+    store.release([got.lease_id])
+    check_invariants(store)
