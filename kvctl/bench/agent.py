@@ -24,6 +24,8 @@ they are divided by:
   another process puts fresh chunks over TCP as fast as it can, so every put demotes a chunk to
   disk. Reference: the same reads with no writer, in alternating phases of the same run
   (p50/p99 read latency of each, and the writer's put rate).
+* ``reads_under_promotion``: the same, the other process leasing chunks that are on disk over
+  shared memory, so each lease promotes a chunk into cpu and demotes another to make its room.
 * ``lookup``: longest-prefix lookups of a fully cached 512-chunk chain over the data plane, each
   a round trip (Unix socket and TCP), and batched, 32 chains a frame (``lookup_many``).
   Reference ``raw_round_trips``: a bare 20-byte ping-pong between two Python processes over a
@@ -77,6 +79,8 @@ MISS_CHUNK_TOKENS = 256
 DEMOTION_CHUNK_BYTES = 1 << 20
 DEMOTION_CPU_CHUNKS = 32
 DEMOTION_HOT_CHUNKS = 4
+#: chunks the lease writer cycles through: three times the cpu tier, so most are on disk
+DEMOTION_COLD_CHUNKS = 3 * DEMOTION_CPU_CHUNKS
 
 
 def run_agent_bench(
@@ -122,6 +126,10 @@ def run_agent_bench(
                 lookups = _bench_lookups(shm, tcp, lookup_seconds)
         say("cpu reads while another client's puts demote to disk")
         under_demotion = _bench_reads_under_demotion(Path(tmp), repeats, demotion_seconds)
+        say("cpu reads while another client's leases promote from disk (and demote)")
+        under_promotion = _bench_reads_under_demotion(
+            Path(tmp), repeats, demotion_seconds, writer="lease"
+        )
         largest = max(sizes_bytes)
         say("iperf3 over loopback (when installed)")
         iperf3 = iperf3_loopback(per_size[largest] * largest, largest)
@@ -134,6 +142,7 @@ def run_agent_bench(
         "results": results,
         **lookups,
         "reads_under_demotion": under_demotion,
+        "reads_under_promotion": under_promotion,
         "iperf3": iperf3,
         "targets": TARGETS,
         "notes": [
@@ -477,10 +486,14 @@ def _check_round_trip(shm: Any, tcp: Any, key: bytes, src: np.ndarray) -> None:
             raise RuntimeError("the agent returned different bytes than were put")
 
 
-def _bench_reads_under_demotion(tmp: Path, repeats: int, seconds: float) -> dict[str, Any]:
+def _bench_reads_under_demotion(
+    tmp: Path, repeats: int, seconds: float, writer: str = "put"
+) -> dict[str, Any]:
     """p50/p99 latency of single-chunk shm gets of hot cpu chunks, with no writer (reference)
-    and while a writer process's puts demote a chunk to disk each (``demotion_writer``),
-    alternating phases of ``seconds``; the writer's puts per second while it ran."""
+    and while a writer process demotes chunks to disk (``demotion_writer``), alternating
+    phases of ``seconds``; the writer's operations per second while it ran. ``writer``: "put"
+    (fresh chunks, each demoting one) or "lease" (chunks on disk, each promoted into cpu and
+    demoting one there to make its room)."""
     from kvctl.client import AgentClient, DataClient
     from kvctl.quantiles import nearest_rank
 
@@ -491,7 +504,7 @@ def _bench_reads_under_demotion(tmp: Path, repeats: int, seconds: float) -> dict
     busy: list[float] = []
     writer_puts = 0
     writer_seconds = 0.0
-    with spawned_agent(tmp / "demotion-agent", *argv) as state:
+    with spawned_agent(tmp / f"{writer}-demotion-agent", *argv) as state:
         assert state.data_unix is not None and state.data_tcp is not None
         with (
             DataClient.connect(state.data_unix) as shm,
@@ -499,6 +512,9 @@ def _bench_reads_under_demotion(tmp: Path, repeats: int, seconds: float) -> dict
         ):
             hot = [_key(f"hot:{i}") for i in range(DEMOTION_HOT_CHUNKS)]
             src = np.full(size, 7, dtype=np.uint8)
+            if writer == "lease":  # the chunks it leases, most of them on disk by now
+                for n in range(DEMOTION_COLD_CHUNKS):
+                    shm.put(_key(f"cold:{n}"), src)
             for k in hot:
                 shm.put(k, src)
             sink = np.ones(size, dtype=np.uint8)
@@ -513,7 +529,7 @@ def _bench_reads_under_demotion(tmp: Path, repeats: int, seconds: float) -> dict
                     into.append(time.perf_counter() - t)
                     i += 1
 
-            tcp_address = state.data_tcp
+            address = state.data_tcp if writer == "put" else state.data_unix
             for r in range(repeats):
                 for phase in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
                     if phase == "quiet":
@@ -521,28 +537,30 @@ def _bench_reads_under_demotion(tmp: Path, repeats: int, seconds: float) -> dict
                         continue
                     code = (
                         "from kvctl.bench.agent import demotion_writer; "
-                        f"demotion_writer({tcp_address!r}, {size}, {r})"
+                        f"demotion_writer({str(address)!r}, {size}, {r}, {writer!r})"
                     )
-                    writer = subprocess.Popen(
+                    proc = subprocess.Popen(
                         [sys.executable, "-c", code],
                         stdin=subprocess.PIPE,
                         stdout=subprocess.PIPE,
                         text=True,
                     )
                     try:
-                        assert writer.stdin is not None and writer.stdout is not None
-                        if writer.stdout.readline().strip() != "ready":
+                        assert proc.stdin is not None and proc.stdout is not None
+                        if proc.stdout.readline().strip() != "ready":
                             raise RuntimeError("the demotion writer did not start")
                         read_for(busy)
-                        writer.stdin.close()  # stop
-                        puts, secs = writer.stdout.readline().split()
+                        proc.stdin.close()  # stop
+                        puts, secs = proc.stdout.readline().split()
                         writer_puts += int(puts)
                         writer_seconds += float(secs)
                     finally:
-                        writer.wait(30)
-                        if writer.stdout is not None:
-                            writer.stdout.close()
-            demotions = ctl.stats()["stats"]["tiers"]["disk"]["demotions"]
+                        proc.wait(30)
+                        if proc.stdout is not None:
+                            proc.stdout.close()
+            tiers = ctl.stats()["stats"]["tiers"]
+            demotions = tiers["disk"]["demotions"]
+            promotions = tiers["cpu"]["promotions"]
     quiet.sort()
     busy.sort()
     return {
@@ -556,26 +574,34 @@ def _bench_reads_under_demotion(tmp: Path, repeats: int, seconds: float) -> dict
         "read_p99_seconds_quiet": nearest_rank(quiet, 0.99),
         "read_p50_seconds_busy": nearest_rank(busy, 0.5),
         "read_p99_seconds_busy": nearest_rank(busy, 0.99),
-        "writer_puts_per_second": writer_puts / writer_seconds if writer_seconds else None,
+        "writer": writer,
+        f"writer_{writer}s_per_second": writer_puts / writer_seconds if writer_seconds else None,
         "demotions_to_disk": demotions,
+        "promotions_to_cpu": promotions,
     }
 
 
-def demotion_writer(address: str, size: int, seed: int) -> None:
-    """The busy phase's writer process: puts fresh chunks over TCP until its stdin closes,
-    then prints how many and in how many seconds."""
+def demotion_writer(address: str, size: int, seed: int, kind: str = "put") -> None:
+    """The busy phase's writer process until its stdin closes, then prints how many
+    operations in how many seconds: "put" puts fresh chunks (over TCP), "lease" leases the
+    cold chunks in turn (over the Unix socket), each one on disk promoted into cpu."""
     from kvctl.client import DataClient
 
     stop = threading.Event()
     threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
     data = np.full(size, 3, dtype=np.uint8)
+    cold = [_key(f"cold:{i}") for i in range(DEMOTION_COLD_CHUNKS)]
     n = 0
     with DataClient.connect(address) as client:
         sys.stdout.write("ready\n")
         sys.stdout.flush()
         t = time.perf_counter()
         while not stop.is_set():
-            client.put(_key(f"demote:{seed}:{n}"), data)
+            if kind == "put":
+                client.put(_key(f"demote:{seed}:{n}"), data)
+            else:
+                with client.leased([cold[n % len(cold)]]):
+                    pass
             n += 1
         sys.stdout.write(f"{n} {time.perf_counter() - t}\n")
         sys.stdout.flush()

@@ -36,7 +36,9 @@ PAIRS = (
 
 @pytest.fixture(scope="module")
 def result() -> dict[str, Any]:
-    return run_agent_bench(SIZES, bytes_per_size=BYTES, repeats=3, lookup_seconds=0.3)
+    return run_agent_bench(
+        SIZES, bytes_per_size=BYTES, repeats=3, lookup_seconds=0.3, demotion_seconds=0.3
+    )
 
 
 def test_every_figure_sits_beside_its_reference(result: dict[str, Any]) -> None:
@@ -116,3 +118,22 @@ def test_cli_json() -> None:
     [row] = r["results"]
     assert row["chunks_per_sample"] == 4 and row["miss_store_shm_seconds"] > 0
     assert "iperf3" in r
+
+
+@pytest.mark.parametrize(
+    ("section", "writer", "moves"),
+    [
+        ("reads_under_demotion", "put", "demotions_to_disk"),
+        ("reads_under_promotion", "lease", "promotions_to_cpu"),
+    ],
+)
+def test_reads_beside_a_writer_that_moves_chunks(
+    result: dict[str, Any], section: str, writer: str, moves: str
+) -> None:
+    under = result[section]
+    assert under["writer"] == writer
+    assert under["reads_quiet"] > 0 and under["reads_busy"] > 0
+    assert under[f"writer_{writer}s_per_second"] > 0
+    assert under[moves] > 0  # the writer did move chunks between the tiers
+    for phase in ("quiet", "busy"):
+        assert 0 < under[f"read_p50_seconds_{phase}"] <= under[f"read_p99_seconds_{phase}"]
