@@ -22,6 +22,16 @@ def fleet() -> Iterator[Fleet]:
     f.close()
 
 
+def held_twice_and_looked_up(fleet: Fleet, i: int) -> tuple[bytes, tuple[int, int, int, int]]:
+    """Key ``i`` held by peer b (stored by x) and c (stored by y), looked up by x on node a:
+    the key and a's split after the lookup."""
+    k = key("shared", i)
+    put_chain(fleet.peers["b"].store, [k], "x")
+    put_chain(fleet.peers["c"].store, [k], "y")
+    assert fleet.a.lookup([k], tenant="x").matched_chunks == 1
+    return k, split(fleet.a.store)
+
+
 def split(store: TieredStore, tier: str = "peer") -> tuple[int, int, int, int]:
     st = store.stats
     ts = st.tiers[tier]
@@ -29,12 +39,9 @@ def split(store: TieredStore, tier: str = "peer") -> tuple[int, int, int, int]:
 
 
 def test_a_hit_served_by_another_owners_copy_counts_by_that_copy(fleet: Fleet) -> None:
-    k = key("shared", 0)
-    put_chain(fleet.peers["b"].store, [k], "x")
-    put_chain(fleet.peers["c"].store, [k], "y")
+    k, counted = held_twice_and_looked_up(fleet, 0)
     local = fleet.a.store
-    assert fleet.a.lookup([k], tenant="x").matched_chunks == 1
-    counted_reuse = split(local)[0] == 1
+    counted_reuse = counted[0] == 1
     # the chosen peer loses the chunk before the pull; the other one serves its own copy
     chosen, other = ("b", "c") if counted_reuse else ("c", "b")
     fleet.peers[chosen].store.evict([k])
@@ -47,28 +54,18 @@ def test_a_hit_served_by_another_owners_copy_counts_by_that_copy(fleet: Fleet) -
 
 
 def test_a_hit_served_by_the_chosen_copy_keeps_its_count(fleet: Fleet) -> None:
-    k = key("shared", 1)
-    put_chain(fleet.peers["b"].store, [k], "x")
-    put_chain(fleet.peers["c"].store, [k], "y")
-    local = fleet.a.store
-    fleet.a.lookup([k], tenant="x")
-    before = split(local)
+    k, before = held_twice_and_looked_up(fleet, 1)
     assert fleet.a.fill([k], tenant="x") == 1
-    assert split(local) == before
+    assert split(fleet.a.store) == before
     assert sum(before[:2]) == 1
 
 
 def test_a_pull_for_another_tenant_does_not_move_the_lookups_count(fleet: Fleet) -> None:
-    k = key("shared", 2)
-    put_chain(fleet.peers["b"].store, [k], "x")
-    put_chain(fleet.peers["c"].store, [k], "y")
-    local = fleet.a.store
-    fleet.a.lookup([k], tenant="x")
-    before = split(local)
+    k, before = held_twice_and_looked_up(fleet, 2)
     chosen = "b" if before[0] else "c"
     fleet.peers[chosen].store.evict([k])  # a pull now gets the other owner's copy
     fleet.a.fill([k], tenant="z")  # another tenant's read: not the lookup that counted it
-    assert split(local) == before
+    assert split(fleet.a.store) == before
 
 
 def test_recount_owner_moves_one_hit_between_reuse_and_sharing() -> None:
