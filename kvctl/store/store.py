@@ -31,17 +31,18 @@ gives its reserved space back itself when it ends. The slow part of deleting a p
 chunk (the unlink) runs in a second, smaller pool, so it never queues ahead of reads. A closed
 store starts no thread: a batch reaching its reads after ``close`` is refused (TierUnavailable).
 
-Demotions a put (or ``reserve_put``, or a lease batch promoting a disk chunk) makes to find
-room in the lease tier's arena are written to a slow tier (disk: ``Tier.detached_writes``)
-without the lock too. Under the lock each victim's room below is taken (``reserve_write``) and
-its bytes held in place by a lease: it stays cached where it was, readable, but out of its
-policy, so nothing else picks it. The put writes the files without the lock, then commits each demotion under it (the chunk's ``demote``
-event comes once its file is in place) and plans again, so a put is answered only once its
-demotions have landed. A victim evicted, moved or pinned meanwhile keeps its new state (the
-written file is taken back); a write that fails drops the victim, counted as a failed
-demotion, as under the lock. A lease batch whose key's room is being made so asks for that key
-again once the demotions have landed. Other demotions (moves, flushes, resizes, a promotion by
-a plain read) and a put landing on disk itself still write under the lock.
+Demotions a put (or ``reserve_put``, or a lease batch promoting a disk chunk) makes to find room
+in the lease tier's arena are written to a slow tier (disk: ``Tier.detached_writes``) without
+the lock too. Under the lock each victim's room below is taken (``reserve_write``) and its bytes
+held in place by a lease: it stays cached where it was, readable, but out of its policy, so
+nothing else picks it. The put writes the files without the lock, then commits each demotion
+under it (the chunk's ``demote`` event comes once its file is in place) and plans again, so a
+put is answered only once its demotions have landed. A victim evicted, moved or pinned meanwhile
+keeps its new state (the written file is taken back); a write that fails drops the victim,
+counted as a failed demotion, as under the lock. A lease batch whose key's room is being made so
+asks for that key again once the demotions have landed. Other demotions (moves, flushes,
+resizes, a promotion by a plain read) and a put landing on disk itself still write under the
+lock.
 
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease

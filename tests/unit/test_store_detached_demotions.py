@@ -432,7 +432,7 @@ def held_lease_promotion(
 
 
 def test_a_lease_promoting_from_disk_demotes_without_the_lock(tmp_path: Path) -> None:
-    store, cpu, disk, keys, lease = held_lease_promotion(tmp_path)
+    store, _cpu, disk, keys, lease = held_lease_promotion(tmp_path)
     seen = events_of(store)
     # the victim's write is held: readers, lookups and other leases go on meanwhile
     assert Background(lambda: read(store, keys[2])).result() == data_of(keys[2])
