@@ -74,6 +74,9 @@ POOL_TIER = "remote"
 PEER_TIER = "peer"
 #: where the last lookups found chunks, so a fill asks the right source first
 _HINTS_MAX = 65536
+#: a pull moves a hit counted by a lookup this recent at most (the lookup it follows), never
+#: one left by a lookup no pull followed
+_HINT_RECOUNT_S = 30.0
 _WRITE_QUEUE_MAX = 4096
 _WRITE_BATCH_CHUNKS = 32
 _WRITE_BATCH_BYTES = 256 << 20
@@ -89,13 +92,13 @@ PROBE_TRANSFER_BYTES = 4 << 20
 
 @dataclass(frozen=True, slots=True)
 class _Hint:
-    """A remote hit a lookup counted: the source it chose, that source's tier, the asking
-    tenant, and whether it counted as reuse (the copy found was the tenant's own)."""
+    """A remote hit a tenant's lookup counted: the source it chose, that source's tier, whether
+    it counted as reuse (the copy found was the tenant's own), and when (monotonic seconds)."""
 
     source: str
     tier: str
-    tenant: str
     reuse: bool
+    at_s: float
 
 
 @dataclass
@@ -608,9 +611,9 @@ class RemoteTiers:
         self._usage_every_s = usage_every_s
         self._measure_every_s = measure_every_s
         self._pool_usage: PoolUsage | None = None
-        #: per key a lookup took from a source: that source, and how the lookup counted the hit
-        #: (consumed by the pull that follows it)
-        self._hints: OrderedDict[bytes, _Hint] = OrderedDict()
+        #: per (tenant, key) a lookup took from a source: that source, and how the lookup
+        #: counted the hit (consumed by the tenant's pull that follows it)
+        self._hints: OrderedDict[tuple[str, bytes], _Hint] = OrderedDict()
         self._lock = threading.Lock()
         self._local = threading.local()
         self._queue: queue.Queue[bytes] = queue.Queue(_WRITE_QUEUE_MAX)
@@ -680,6 +683,8 @@ class RemoteTiers:
         by_tier: dict[str, tuple[list[str], list[int]]] = {}
         locations = list(res.locations)
         matched_tokens = res.matched_tokens
+        hints: dict[bytes, _Hint] = {}
+        now_s = time.monotonic()
         for j, options in enumerate(found):
             i = m + j
             e = None if held is None else held.get(i)
@@ -701,7 +706,8 @@ class RemoteTiers:
                 owners.append(meta.tenant)
                 tokens.append(meta.tokens)
                 matched_tokens += meta.tokens
-                self._hint(keys[i], _Hint(src_name, src.tier, tenant, meta.tenant == tenant))
+                hints[keys[i]] = _Hint(src_name, src.tier, meta.tenant == tenant, now_s)
+        self._hint(tenant, keys, hints)
         for tier, (owners, tokens) in by_tier.items():
             self._counts.count_hits(tier, owners, tokens, tenant=tenant)
         matched = res.matched_chunks + len(fetched)
@@ -884,12 +890,20 @@ class RemoteTiers:
         bw = link.bandwidth_bytes_per_s or 0.0
         return (1.0 / bw if bw else float("inf"), link.rtt_s or float("inf"))
 
-    def _hint(self, key: bytes, hint: _Hint) -> None:
+    def _hint(self, tenant: str, keys: Sequence[bytes], hints: Mapping[bytes, _Hint]) -> None:
+        """A lookup's hints (``hints``: its remote hits); any older hint of ``tenant`` for
+        the rest of ``keys`` goes, so no pull moves a hit this lookup counted here."""
         with self._lock:
-            self._hints[key] = hint
-            self._hints.move_to_end(key)
-            if len(self._hints) > _HINTS_MAX:
-                self._hints.popitem(last=False)
+            table = self._hints
+            for key in keys:
+                hint = hints.get(key)
+                if hint is None:
+                    table.pop((tenant, key), None)
+                    continue
+                table[tenant, key] = hint
+                table.move_to_end((tenant, key))
+            while len(table) > _HINTS_MAX:
+                table.popitem(last=False)
 
     # --- reads --------------------------------------------------------------------------------
     def fill(self, keys: Sequence[bytes], *, tenant: str = "") -> int:
@@ -897,11 +911,13 @@ class RemoteTiers:
         order; returns how many arrived. Failures leave the rest missing (a miss)."""
         where = self.store.locate(keys, tenant=tenant)
         missing = [k for k, t in zip(keys, where, strict=True) if t is None]
+        hints: dict[bytes, _Hint | None] = {}
+        if self._hints:  # the tenant's hints for these keys are used up by this read
+            with self._lock:
+                hints = {k: self._hints.pop((tenant, k), None) for k in keys}
         if not missing or not self.sources:
             return 0
-        with self._lock:
-            hints = {k: self._hints.pop(k, None) for k in missing}
-        hinted = {k: None if h is None else h.source for k, h in hints.items()}
+        hinted = {k: None if (h := hints.get(k)) is None else h.source for k in missing}
         arrived = 0
         # the sources a lookup chose for some of the keys first (the pool first among them),
         # then the pool, then the others; a key hinted to a source is asked of no other until
@@ -938,10 +954,13 @@ class RemoteTiers:
         """A lookup counted each remote hit as reuse or sharing by the owner of the copy it
         found; the copy that arrived can be another's (the chosen source lost it and another
         served it, or the pool's copy was replaced meanwhile). The hit then counts by the copy
-        served, so the split always says whose bytes the tenant got."""
+        served, so the split says whose bytes the tenant got. Its tier stays the one the lookup
+        counted; a hit the lookup counted here (a local tier) is not moved, even when its copy
+        left before the read and a pull brought another."""
+        oldest_s = time.monotonic() - _HINT_RECOUNT_S
         for chunk in landed:
             hint = None if chunk is None else hints.get(chunk.meta.key)
-            if chunk is None or hint is None or hint.tenant != tenant:
+            if chunk is None or hint is None or hint.at_s < oldest_s:
                 continue
             served_reuse = chunk.meta.tenant == tenant
             if served_reuse != hint.reuse:

@@ -96,3 +96,55 @@ def test_a_chunk_held_here_past_a_gap_is_a_hit_here_by_its_own_owner(fleet: Flee
     assert (st.tiers["peer"].hits, st.tiers["peer"].reuse_hits) == (1, 1)
     assert fleet.a.fill(chain, tenant="x") == 1  # only the gap is pulled
     assert [local.entry(k).tenant for k in chain] == ["y", "x", "y"]
+
+
+def test_each_tenants_lookup_is_recounted_by_its_own_pull(fleet: Fleet) -> None:
+    """x and z both count a sharing hit on y's copy at b; b then loses it and c serves x's own
+    copy to x's pull: x's hit moves to reuse, z's stays (found in review: the hints were kept
+    by key alone, so z's lookup replaced x's and x's pull moved nothing)."""
+    k = key("tenants", 0)
+    put_chain(fleet.peers["b"].store, [k], "y")
+    for tenant in ("x", "z"):
+        assert fleet.a.lookup([k], tenant=tenant).matched_chunks == 1
+    assert split(fleet.a.store) == (0, 2, 0, 2)
+    fleet.peers["b"].store.evict([k])
+    put_chain(fleet.peers["c"].store, [k], "x")
+    assert fleet.a.fill([k], tenant="x") == 1
+    assert fleet.a.store.entry(k).tenant == "x"
+    assert split(fleet.a.store) == (1, 1, 1, 1)
+
+
+def test_a_read_with_no_lookup_before_it_moves_nothing(fleet: Fleet) -> None:
+    """x's lookup counts sharing on y's copy at b; before x reads, z's copy lands here, so
+    x's read pulls nothing (and uses up the lookup's hint). Later the chunk leaves here and
+    b, c holds x's own copy, and x reads again with no lookup: no hit was counted for that
+    read, so none moves (found in review: the first read left the hint for the second)."""
+    k = key("stale", 0)
+    local = fleet.a.store
+    put_chain(fleet.peers["b"].store, [k], "y")
+    assert fleet.a.lookup([k], tenant="x").matched_chunks == 1
+    put_chain(local, [k], "z")
+    assert fleet.a.fill([k], tenant="x") == 0
+    local.evict([k])
+    fleet.peers["b"].store.evict([k])
+    put_chain(fleet.peers["c"].store, [k], "x")
+    assert fleet.a.fill([k], tenant="x") == 1
+    assert split(local) == (0, 1, 0, 1)
+
+
+def test_a_hit_found_here_keeps_its_count_when_a_pull_replaces_its_copy(fleet: Fleet) -> None:
+    """The convention the demo's exact accounting relies on: a hit the lookup counted in a
+    local tier counts by that copy's owner, even when the copy left before the read and a pull
+    brought another owner's (the replay knows the owners of what it stored here, not of what
+    a pull brought in place of a local hit)."""
+    chain = [key("gap-evicted", i) for i in range(3)]
+    put_chain(fleet.peers["b"].store, chain, "x")
+    local = fleet.a.store
+    put_chain(local, [chain[0]], "y")
+    put_chain(local, [chain[2]], "y", parents=[chain[1]])
+    assert fleet.a.lookup(chain, tenant="x").matched_chunks == 3
+    counted = split(local, "cpu")
+    local.evict([chain[2]])
+    assert fleet.a.fill(chain, tenant="x") == 2
+    assert [local.entry(k).tenant for k in chain] == ["y", "x", "x"]
+    assert split(local, "cpu") == counted == (1, 2, 0, 2)
