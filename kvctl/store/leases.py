@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvctl.store.accounting import Accounting, busy_seconds
@@ -47,6 +47,18 @@ class _Deferred:
 
 
 _DEFERRED = _Deferred()
+
+
+@dataclass(slots=True)
+class _Rooms:
+    """Room a lease round makes in the lease tier by demotions written without the lock: the
+    demotions begun, and the chunks waiting for them with their tiers (each out of its tier's
+    policy and marked as being brought up until they end, so no other batch makes room for it
+    again and nothing evicts it meanwhile)."""
+
+    demotions: list[object] = field(default_factory=list)
+    waiting: list[tuple[Entry, str]] = field(default_factory=list)
+
 
 # A flight's state (``_Flight.state``), changed only under the book's ``_flight_lock``:
 _PLANNED = "planned"  # its read has not begun (queued in the pool, or never handed to it)
@@ -251,12 +263,12 @@ class LeaseBook:
         flights: list[_Flight] = []
         waiting: list[tuple[int, bytes]] = []
         again: list[tuple[int, bytes]] = []
-        later: list[object] | None = [] if detach else None
+        rooms = _Rooms() if detach else None
         try:
             with self._lock:
                 for i, key in pending:
                     flight = self._resolve(
-                        i, key, home, ttl_s, tenant, results, waiting, later, again
+                        i, key, home, ttl_s, tenant, results, waiting, rooms, again
                     )
                     if flight is not None:
                         flights.append(flight)
@@ -272,14 +284,28 @@ class LeaseBook:
                         if flights:
                             self._promoted.notify_all()
             finally:
-                if later:  # begun under the lock: each one ends, whatever happened above
-                    self._host._finish_demotions(later)
+                if rooms is not None:  # begun under the lock: each ends, whatever happened
+                    self._end_rooms(rooms)
         with self._lock:
             for i, key in waiting:
                 while key in self._promoting:
                     self._promoted.wait()
                 again.append((i, key))
         return again
+
+    def _end_rooms(self, rooms: _Rooms) -> None:
+        """Write a round's demotions without the lock and commit them, then let the chunks that
+        waited for their room be asked for again (by this batch and any other)."""
+        try:
+            if rooms.demotions:
+                self._host._finish_demotions(rooms.demotions)
+        finally:
+            if rooms.waiting:
+                with self._lock:
+                    for e, src in rooms.waiting:
+                        self._promoting.discard(e.key)
+                        self._host._end_read(e, src)
+                    self._promoted.notify_all()
 
     def _resolve(
         self,
@@ -290,12 +316,12 @@ class LeaseBook:
         tenant: str,
         results: list[LeaseResult],
         waiting: list[tuple[int, bytes]],
-        later: list[object] | None,
+        rooms: _Rooms | None,
         deferred: list[tuple[int, bytes]],
     ) -> _Flight | None:
         """Under the lock: answer one key of a lease batch now (a lease, None, a miss), queue
         it in ``waiting`` (another flight is bringing it up) or ``deferred`` (demotions begun
-        in ``later`` are making its room), or return its flight."""
+        in ``rooms`` are making its room), or return its flight."""
         try:
             e = self._host._get_visible(key, tenant)
         except KeyNotFound as exc:
@@ -311,19 +337,19 @@ class LeaseBook:
         if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
             results[i] = self._promote_and_grant(home, e, None, ttl_s)
             return None
-        flight = self._plan_flight(i, e, src, home, later)
+        flight = self._plan_flight(i, e, src, home, rooms)
         if isinstance(flight, _Deferred):
             deferred.append((i, key))
             return None
         return flight
 
     def _plan_flight(
-        self, i: int, e: Entry, src: Tier, home: CpuTier, later: list[object] | None
+        self, i: int, e: Entry, src: Tier, home: CpuTier, rooms: _Rooms | None
     ) -> _Flight | _Deferred | None:
         """Under the lock: reserve ``e``'s place in the lease tier and mark it in flight, or
         None when it cannot be held there (the checks the store makes for a promotion), or
-        ``_DEFERRED`` when its room is being made by demotions begun in ``later`` (a list:
-        written without the lock; None: demoted here, under it)."""
+        ``_DEFERRED`` when its room is being made by demotions begun in ``rooms`` (written
+        without the lock; None: demoted here, under it)."""
         host = self._host
         if not host.promote_on_hit or e.pinned or not host._usable(home):
             return None
@@ -331,19 +357,20 @@ class LeaseBook:
             return None
         plan = src.plan_read(e.key)
         host._begin_read(e)  # first, so demotions made to make room can never pick it
+        deferred = False
         try:
-            if later is None:
+            if rooms is None:
                 room = host._make_room(home, e.size_bytes)
             else:
                 begun = host._room_later(home, e.size_bytes)
                 room = begun is not None
                 if begun:  # its room is free once they are written: asked again then
-                    later += begun
-                    host._end_read(e, src.name)
-                    return _DEFERRED
-            if not room:
-                raise CapacityError(f"no room for {e.size_bytes} bytes in tier {home.name!r}")
-            reservation = home.reserve(e.meta())
+                    rooms.demotions += begun
+                    deferred = True
+            if not deferred:
+                if not room:
+                    raise CapacityError(f"no room for {e.size_bytes} bytes in tier {home.name!r}")
+                reservation = home.reserve(e.meta())
         except (CapacityError, InvalidArgument):
             # InvalidArgument: the lease tier already has the key (a copy the index does not
             # place there): this key cannot be held there now, the batch goes on without it
@@ -352,8 +379,12 @@ class LeaseBook:
         except BaseException:
             host._end_read(e, src.name)
             raise
-        view = home.reserved_view(reservation)
         self._promoting.add(e.key)
+        if deferred:
+            assert rooms is not None
+            rooms.waiting.append((e, src.name))  # still being read: ended with the demotions
+            return _DEFERRED
+        view = home.reserved_view(reservation)
         return _Flight(i, e, src, plan, home, reservation, view)
 
     # --- reads without the lock ---------------------------------------------------------------
