@@ -42,6 +42,7 @@ from typing import TypeVar
 
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.index import DEFAULT_PRIORITY
+from kvctl.store.policies.adaptive import LineageAdaptivePolicy
 from kvctl.store.policies.admission import AdmissionPolicy, FrequencyAdmission
 from kvctl.store.policies.arc import LineageARCPolicy
 from kvctl.store.policies.base import EvictionPolicy, HeapPolicy
@@ -62,6 +63,7 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
         LineageGDSFPolicy,
         LineageLRU2Policy,
         LineageARCPolicy,
+        LineageAdaptivePolicy,
     )
 }
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
@@ -97,6 +99,7 @@ __all__ = [
     "HeapPolicy",
     "LRUPolicy",
     "LineageARCPolicy",
+    "LineageAdaptivePolicy",
     "LineageGDSFPolicy",
     "LineageLRU2Policy",
     "LineageLRUPolicy",
