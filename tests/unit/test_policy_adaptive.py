@@ -69,8 +69,12 @@ def test_registered_and_arguments_checked() -> None:
         LineageAdaptivePolicy(candidates=())
     with pytest.raises(InvalidArgument, match="window_factor"):
         LineageAdaptivePolicy(window_factor=0)
-    with pytest.raises(InvalidArgument, match="margin"):
-        LineageAdaptivePolicy(margin=-1)
+    with pytest.raises(InvalidArgument, match="lead_hits"):
+        LineageAdaptivePolicy(lead_hits=-1)
+    with pytest.raises(InvalidArgument, match="confidence_z"):
+        LineageAdaptivePolicy(confidence_z=-1)
+    with pytest.raises(InvalidArgument, match="weight"):
+        LineageAdaptivePolicy(weight="bytes")
 
 
 @pytest.mark.parametrize(
@@ -92,7 +96,7 @@ def test_follows_the_candidate_that_wins(
     """It starts out following the losing candidate (the first) and must find the winner."""
     adaptive = LineageAdaptivePolicy(candidates=candidates)
     hits, _ = replay(workload, adaptive, 0.05)
-    alone = {name: replay(workload, make_eviction_policy(name), 0.05)[0] for name in (winner, loser)}
+    alone = {n: replay(workload, make_eviction_policy(n), 0.05)[0] for n in (winner, loser)}
     assert adaptive.leader == winner
     scores = adaptive.scores()
     assert scores[winner] > scores[loser]
