@@ -71,6 +71,8 @@ def test_registered_and_arguments_checked() -> None:
         LineageAdaptivePolicy(window_factor=0)
     with pytest.raises(InvalidArgument, match="lead_hits"):
         LineageAdaptivePolicy(lead_hits=-1)
+    with pytest.raises(InvalidArgument, match="lead_fraction"):
+        LineageAdaptivePolicy(lead_fraction=-0.1)
     with pytest.raises(InvalidArgument, match="confidence_z"):
         LineageAdaptivePolicy(confidence_z=-1)
     with pytest.raises(InvalidArgument, match="weight"):

@@ -8,22 +8,25 @@ accesses (every ``on_insert`` that is a new access, and every ``on_access``), ev
 with leaf-first lineage like the store. Each candidate also orders the real tier's chunks, so that
 any of them can lead at once. The real tier follows the *leader*; another candidate takes the
 lead when, on the accesses where its shadow and the leader's differ (one hit, the other missed),
-it is ahead by ``lead_hits`` hits and by ``confidence_z`` standard deviations of a fair coin over
-those accesses (hysteresis: a switch costs hits while the real tier's content turns over, so two
-candidates that take turns must not make it switch back and forth). Those counts restart at each
-switch. A hit weighs one block (``weight="blocks"``, what the simulator's hit ratio and % of
-Belady count), or the prefill it saves (``weight="prefill"``: ``tokens x (1 + prefix tokens /
-attention_tokens)``; on the Mooncake trace at 5% it preferred ``lineage-lru2``, which saves more
-deep prefill, over ``lineage-arc``, which hits more blocks). ``window_factor`` makes the counts
-forget with a half-life of about that many x (capacity in chunks) accesses; by default they do not
-(measured better on the trace at 1% and no worse elsewhere than 4 to 64 x capacity).
+it is ahead by ``lead_hits`` hits, by ``lead_fraction`` x (the tier's capacity in chunks) hits,
+and by ``confidence_z`` standard deviations of a fair coin over those accesses (hysteresis: a
+switch costs hits while the real tier's content turns over, up to about a tier's worth, so two
+candidates that take turns must not make it switch back and forth; on the Mooncake trace
+``lead_fraction`` 0.02 gained 1.2 points of Belady at 20% over none and lost nothing at 1-10%).
+Those counts restart at each switch. A hit weighs one block (``weight="blocks"``, what the
+simulator's hit ratio and % of Belady count), or the prefill it saves (``weight="prefill"``:
+``tokens x (1 + prefix tokens / attention_tokens)``; on the Mooncake trace at 5% that preferred
+``lineage-lru2``, which saves more deep prefill, over ``lineage-arc``, which hits more blocks).
+``window_factor`` makes the counts forget with a time constant of that many x (capacity in
+chunks) accesses; by default they do not (forgetting over 8 to 64 x capacity measured better on
+the trace at 2% and 10%, worse at 1%, 5% and 20%).
 
 The real tier's victims are, in order:
 
 1. leaves the leader's shadow does not hold (the first 64 in the order the shadow dropped them;
    after a switch, oldest first), except the chunk stored or read last: the leader already evicted
-   them, so after a switch the real tier converges to the leader's shadow (measured: without this
-   step 40.4% of Belady instead of 41.2% on the trace at 5%);
+   them, so after a switch the real tier converges to the leader's shadow (measured with
+   ``lead_fraction`` 0: without this step 40.4% of Belady instead of 41.2% on the trace at 5%);
 2. every chunk in the leader's own order over the real tier (leaf-first, its fallback last).
 
 A chunk is never a victim while it has a cached child unless nothing else is left, as in the other
@@ -154,6 +157,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
         window_factor: float = math.inf,
         lead_hits: float = 8.0,
         confidence_z: float = 2.0,
+        lead_fraction: float = 0.02,
         weight: str = "blocks",
         attention_tokens: float = 30_000.0,
         converge: bool = True,
@@ -164,6 +168,8 @@ class LineageAdaptivePolicy(EvictionPolicy):
             raise InvalidArgument(f"window_factor must be positive, got {window_factor}")
         if not lead_hits >= 0:
             raise InvalidArgument(f"lead_hits must be at least 0, got {lead_hits}")
+        if not lead_fraction >= 0:
+            raise InvalidArgument(f"lead_fraction must be at least 0, got {lead_fraction}")
         if not confidence_z >= 0:
             raise InvalidArgument(f"confidence_z must be at least 0, got {confidence_z}")
         if weight not in ("blocks", "prefill"):
@@ -173,6 +179,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
         self.window_factor = window_factor
         self.lead_hits = lead_hits
         self.confidence_z = confidence_z
+        self.lead_fraction = lead_fraction
         self.weight = weight
         self.attention_tokens = attention_tokens
         self.converge = converge
@@ -192,6 +199,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
         self._away: OrderedDict[bytes, int] = OrderedDict()
         self._evicting: bytes | None = None
         self._capacity_bytes = 0
+        self._capacity_chunks = 0
         self._peak_entries = 0
         self._newest_tick = 0
         self._scale = 1.0
@@ -262,6 +270,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
     def victims(self, now_s: float) -> Iterator[Entry]:
         if self._tracked_bytes > self._capacity_bytes:  # asked for room: the tier is full
             self._capacity_bytes = self._tracked_bytes
+            self._capacity_chunks = max(self._capacity_chunks, len(self._tracked))
             if math.isfinite(self.window_factor):
                 window = self.window_factor * max(len(self._tracked), 1)
                 self._growth = 1.0 / (1.0 - 1.0 / max(window, 2.0))
@@ -332,10 +341,11 @@ class LineageAdaptivePolicy(EvictionPolicy):
         must not make the real tier pay for switching back and forth."""
         unit = self._mean_gain * self._scale  # one hit of mean weight, in the scores' units
         best, best_lead = self._leader, 0.0
+        min_lead = max(self.lead_hits, self.lead_fraction * self._capacity_chunks)
         for i, (w, x) in enumerate(zip(self._wins, self._losses, strict=True)):
             lead = (w - x) / unit
             noise = self.confidence_z * math.sqrt((w + x) / unit)
-            if lead > best_lead and lead > self.lead_hits and lead > noise:
+            if lead > best_lead and lead > min_lead and lead > noise:
                 best, best_lead = i, lead
         if best == self._leader:
             return
