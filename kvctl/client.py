@@ -460,7 +460,13 @@ class DataClient:
                 Op.LOOKUP_LEASE, MetaWriter().text(tenant).f64(ttl).keys(keys).build(), (), None
             )
             r = MetaReader(meta)
-            found = self._lookup_result(r)
+            try:
+                found = self._lookup_result(r)
+            except Exception as exc:  # the leases after it cannot be read, nor released
+                self.close()  # which ends them at the agent
+                raise AgentError(
+                    f"the agent's LOOKUP_LEASE reply is malformed ({exc!r}); connection closed"
+                ) from None
             leases, held = self._leases_locked(r)
             try:
                 if len(leases) != found.matched_chunks:

@@ -27,6 +27,7 @@ from kvctl.engines.kvload import KVLoader, copy_leased, host_tensor, read_chunks
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
+from kvctl.wire.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from kvctl.store.tiers.hostreg import HostRegistration
@@ -184,6 +185,8 @@ class CachedLM:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         #: send measured prefill rates to the agent (it plans fetch-or-recompute with them)
         self.report_rates = True
+        #: the client whose agent predates LOOKUP_LEASE: looked up, then leased, as before
+        self._no_lookup_lease: DataClient | None = None
         self._samples: list[tuple[int, int, float]] = []
         self._h2d_bytes_per_s: float | None = None
         self._writer: WriteBehind | None = None
@@ -251,7 +254,8 @@ class CachedLM:
         reusable = keys[: (len(ids) - 1) // self.chunk_tokens]
 
         t0 = time.perf_counter()
-        if self.client is not None and self.client.shm and reusable:
+        client = self.client
+        if client is not None and client.shm and reusable and client is not self._no_lookup_lease:
             # same host: the lookup leases what it matched, one round trip less
             matched, locations, cache, reused, path, t1 = self._lookup_leased(reusable, tenant)
         else:
@@ -351,6 +355,16 @@ class CachedLM:
                 )
             if blocked and kv is not None:
                 usable += read_socket(client, keys[usable:m], tenant, self.loader, kv, usable)
+        except RequestError as exc:
+            if exc.code != ErrorCode.UNSUPPORTED:
+                log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
+                return 0, [], DynamicCache(), 0, "", time.perf_counter()
+            # an agent older than LOOKUP_LEASE: a lookup, then a lease, from now on
+            self._no_lookup_lease = client
+            matched, locations = self._lookup(keys, tenant)
+            lookup_end_s = time.perf_counter()
+            cache, reused, path = self._fetch(keys[:matched], tenant)
+            return matched, locations, cache, reused, path, lookup_end_s
         except AgentError as exc:
             log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
             return 0, [], DynamicCache(), 0, "", time.perf_counter()

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvctl.agent import dataplane
 from kvctl.agent.dataplane import DataPlaneServer
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
-from kvctl.client import AgentError, DataClient
+from kvctl.client import AgentError, DataClient, RequestError
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
+from kvctl.wire.protocol import ErrorCode, Op
 from tests.functional.agents import key, payload
 from tests.functional.waiting import wait_until
 
@@ -24,10 +27,15 @@ CHUNK = 64 << 10
 
 
 class Node:
-    def __init__(self, tmp_path: Path) -> None:
-        settings = AgentSettings(name="ll", data_dir=str(tmp_path), cpu_bytes=1 << 20, shm=True)
-        self.store = TieredStore([CpuTier(1 << 20, shared=True), DiskTier(tmp_path / "d", 8 << 20)])
-        self.runtime = AgentRuntime(settings, self.store)
+    def __init__(self, tmp_path: Path, cpu_bytes: int = 1 << 20, **settings: Any) -> None:
+        config = AgentSettings(
+            name="ll", data_dir=str(tmp_path), cpu_bytes=cpu_bytes, shm=True, **settings
+        )
+        self.store = TieredStore(
+            [CpuTier(cpu_bytes, shared=True), DiskTier(tmp_path / "d", 8 << 20)],
+            chunk_tokens=config.chunk_tokens,
+        )
+        self.runtime = AgentRuntime(config, self.store)
         self.server = DataPlaneServer(self.runtime)
         self.sock = self.server.listen_unix(tmp_path / "data.sock")
         self.tcp = self.server.listen_tcp("127.0.0.1", 0)
@@ -93,3 +101,37 @@ def test_off_the_unix_socket_it_is_refused(node: Node) -> None:
         assert not client.shm
         with pytest.raises(AgentError, match="Unix socket"), client.lookup_leased([key(1)]):
             pass
+
+
+def test_an_engine_on_an_agent_without_it_looks_up_then_leases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent older than LOOKUP_LEASE answers it UNSUPPORTED (an unknown op): the engine then
+    looks up and leases in two round trips, as before, and still reuses its chunks."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvctl.engines.hf import CachedLM
+    from kvctl.engines.models import build_model
+
+    init = dataplane.Connection.__init__
+
+    def without_lookup_lease(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        del self._handlers[Op.LOOKUP_LEASE]
+
+    monkeypatch.setattr(dataplane.Connection, "__init__", without_lookup_lease)
+    node = Node(tmp_path, cpu_bytes=64 << 20, chunk_tokens=64)
+    try:
+        with DataClient.connect(node.sock) as client:
+            with pytest.raises(RequestError) as refused, client.lookup_leased([key(1)]):
+                pass
+            assert refused.value.code == ErrorCode.UNSUPPORTED
+            lm = CachedLM(build_model("tiny-llama", dtype=torch.float32), client)
+            ids = list(range(1, 64 * 3 + 2))
+            lm.prefill(ids)
+            lm.flush()
+            again = lm.prefill(ids)
+            assert (again.reused_chunks, again.fetch_path) == (3, "lease")
+            assert lm._no_lookup_lease is client  # asked once, then not again
+    finally:
+        node.close()
