@@ -272,7 +272,10 @@ def run_ttft_bench(
             "two-pass prefills round differently in low precision",
             "a source that failed has an error instead of figures, and is listed in failures",
             "engine <-> agent over a Unix socket with shared memory (same host): reused chunks "
-            "are copied from the agent's arena under a lease straight into the KV cache",
+            "are copied from the agent's arena under a lease straight into the KV cache; the "
+            "lookup leases what it matched in the same round trip (LOOKUP_LEASE), so the lease "
+            "is in lookup_seconds and fetch_seconds is the copy (compare lookup + fetch across "
+            "builds older than it)",
             "new chunks are stored behind the request (write-behind): store_seconds is from "
             "hand-over to the agent's acknowledgement, off the request path",
             "bound: the cpu tier's is a copy of the same bytes from page-locked host memory to "
