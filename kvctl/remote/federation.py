@@ -312,7 +312,10 @@ class FetchPlanner:
     measured one, else the configured or modeled ``fallback`` (``EngineRates``).
 
     The answer's matched prefix is the plan's, so an engine that follows the lookup recomputes
-    the rest; hits are counted for the chunks taken only (``TieredStore.count_lookup``)."""
+    the rest; hits are counted for the chunks taken only (``TieredStore.count_lookup``). Where
+    the plan's answer is known without running it (nothing costs anything, or only the device
+    copy does and every chunk's copy beats recomputing the cheapest one) the whole local prefix
+    is taken and counted with the same figures, with no ``fetch_plan`` event."""
 
     def __init__(
         self,
@@ -426,6 +429,14 @@ class FetchPlanner:
             res = store.count_lookup(keys, limit=m, tenant=tenant)
             self._count_free(res, prefill)
             return res
+        if not probing or m == n:
+            crossing_s = self._dominant_fetch_s(entries, local, free_tiers, device, prefill)
+            if crossing_s is not None:
+                # every chunk is cheaper to copy to the device than the cheapest one is to
+                # recompute: the plan would take all of them, so it is not run (no event)
+                res = store.count_lookup(keys, limit=m, tenant=tenant)
+                self._count_free(res, prefill, fetch_s=crossing_s)
+                return res
         found = remote._probe(keys[m:], tenant) if remote is not None and probing and m < n else []
         sources = self._sources
         candidates = [
@@ -468,7 +479,35 @@ class FetchPlanner:
         self._record(plan, candidates, res, tenant, chunks=n, local=m)
         return res
 
-    def _count_free(self, res: LookupResult, prefill: PrefillModel) -> None:
+    @staticmethod
+    def _dominant_fetch_s(
+        entries: Sequence[Entry],
+        local: Mapping[str, LocalLink],
+        free_tiers: frozenset[str],
+        device: LocalLink,
+        prefill: PrefillModel,
+    ) -> float | None:
+        """The device copy's seconds of the local prefix ``entries`` when taking all of it is
+        the plan without planning: every tier is free but for the copy to the device (no
+        latency), and the largest chunk's copy is quicker than recomputing the smallest at the
+        start of a context, the cheapest place to recompute (the prefill model's per-token cost
+        only grows with depth), so every chunk saves time and the plan takes them all. None
+        otherwise (plan it)."""
+        bw = device.bandwidth_bytes_per_s
+        if not entries or bw is None or device.rtt_s:
+            return None
+        tiers = {e.tier for e in entries}
+        if not tiers <= free_tiers or any(local[t].rtt_s for t in tiers):
+            return None
+        crossing = [e.size_bytes for e in entries if e.tier not in DEVICE_TIERS]
+        if max(crossing, default=0) / bw >= prefill.seconds(0, min(e.tokens for e in entries)):
+            return None
+        return sum(crossing) / bw
+
+    def _count_free(
+        self, res: LookupResult, prefill: PrefillModel, *, fetch_s: float = 0.0
+    ) -> None:
+        """A lookup that took its whole local prefix without a plan, its fetch ``fetch_s``."""
         m = res.matched_chunks
         recompute_s = prefill.seconds(0, res.matched_tokens) if m else 0.0
         with self._lock:
@@ -479,7 +518,8 @@ class FetchPlanner:
                 p.fetch_chunks += m
                 p.fetched.update(t for t in res.locations[:m] if t is not None)
                 p.recompute_s += recompute_s
-                p.saved_s += recompute_s
+                p.fetch_s += fetch_s
+                p.saved_s += recompute_s - fetch_s
 
     def _record(
         self,
