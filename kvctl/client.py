@@ -435,8 +435,6 @@ class DataClient:
         engine copies them straight to where they go (its KV cache, a device) with no copy in
         between; released on exit. Needs the Unix socket with shared memory (``self.shm``).
         The client's other calls wait until the block ends."""
-        if not self.shm:
-            raise AgentError("leases need the agent's Unix socket with shared memory (shm on)")
         ttl = self._lease_ttl(ttl_s)
         with self._lock:
             leases, held = self._lease_locked(keys, tenant, ttl)
@@ -452,8 +450,6 @@ class DataClient:
         """``lookup`` (counted) whose matched prefix is held in place as by ``leased``, in one
         round trip: what a same-host engine that reads its hits at once asks. The leases cover
         ``keys[:matched_chunks]``; released on exit."""
-        if not self.shm:
-            raise AgentError("leases need the agent's Unix socket with shared memory (shm on)")
         ttl = self._lease_ttl(ttl_s)
         with self._lock:
             meta, _ = self._call_locked(
@@ -479,6 +475,10 @@ class DataClient:
                 self._release_locked(held)
 
     def _lease_ttl(self, ttl_s: float | None) -> float:
+        """The ttl a lease is asked for (the agent's ``lease_seconds`` by default); raises
+        AgentError where leases cannot be had (TCP, or shm off)."""
+        if not self.shm:
+            raise AgentError("leases need the agent's Unix socket with shared memory (shm on)")
         return float(self.info.get("lease_seconds", 10.0)) if ttl_s is None else ttl_s
 
     def _arena_leases(self, leases: list[tuple[LeasedChunk | None, str]]) -> ArenaLeases:

@@ -255,9 +255,12 @@ class CachedLM:
 
         t0 = time.perf_counter()
         client = self.client
+        leased = None
         if client is not None and client.shm and reusable and client is not self._no_lookup_lease:
             # same host: the lookup leases what it matched, one round trip less
-            matched, locations, cache, reused, path, t1 = self._lookup_leased(reusable, tenant)
+            leased = self._lookup_leased(reusable, tenant)
+        if leased is not None:
+            matched, locations, cache, reused, path, t1 = leased
         else:
             matched, locations = self._lookup(reusable, tenant)
             t1 = time.perf_counter()
@@ -339,10 +342,10 @@ class CachedLM:
 
     def _lookup_leased(
         self, keys: list[bytes], tenant: str
-    ) -> tuple[int, list[str | None], DynamicCache, int, str, float]:
+    ) -> tuple[int, list[str | None], DynamicCache, int, str, float] | None:
         """``_lookup`` and ``_fetch`` through a lookup that leases its matched prefix: the
         lookup's answer, the cache, chunks reused, their path, and when the lookup's answer
-        came (the fetch's start)."""
+        came (the fetch's start). None when the agent predates LOOKUP_LEASE (asked once)."""
         client = self.client
         assert client is not None
         try:
@@ -355,17 +358,10 @@ class CachedLM:
                 )
             if blocked and kv is not None:
                 usable += read_socket(client, keys[usable:m], tenant, self.loader, kv, usable)
-        except RequestError as exc:
-            if exc.code != ErrorCode.UNSUPPORTED:
-                log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
-                return 0, [], DynamicCache(), 0, "", time.perf_counter()
-            # an agent older than LOOKUP_LEASE: a lookup, then a lease, from now on
-            self._no_lookup_lease = client
-            matched, locations = self._lookup(keys, tenant)
-            lookup_end_s = time.perf_counter()
-            cache, reused, path = self._fetch(keys[:matched], tenant)
-            return matched, locations, cache, reused, path, lookup_end_s
         except AgentError as exc:
+            if isinstance(exc, RequestError) and exc.code == ErrorCode.UNSUPPORTED:
+                self._no_lookup_lease = client  # a lookup, then a lease, from now on
+                return None
             log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
             return 0, [], DynamicCache(), 0, "", time.perf_counter()
         cache = DynamicCache() if kv is None else self._cache_of(kv, usable)

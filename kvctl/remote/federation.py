@@ -92,11 +92,10 @@ PROBE_TRANSFER_BYTES = 4 << 20
 
 @dataclass(frozen=True, slots=True)
 class _Hint:
-    """A remote hit a tenant's lookup counted: the source it chose, that source's tier, whether
-    it counted as reuse (the copy found was the tenant's own), and when (monotonic seconds)."""
+    """A remote hit a tenant's lookup counted: the source it chose, whether it counted as reuse
+    (the copy found was the tenant's own), and when (monotonic seconds)."""
 
     source: str
-    tier: str
     reuse: bool
     at_s: float
 
@@ -419,11 +418,11 @@ class FetchPlanner:
             entries = [] if free and not probing else list(map(store.entry, keys[:m]))
             # held here past a chunk that is not (a gap): taken from here, never from a source
             # (the pull skips what is local, so its bytes and owner are this copy's)
-            past = {
-                i: store.entry(keys[i])
-                for i in range(m + 1, n)
-                if probing and seen.locations[i] is not None
-            }
+            past = (
+                {i: store.entry(keys[i]) for i in range(m + 1, n) if seen.locations[i] is not None}
+                if probing
+                else {}
+            )
         if free and (not probing or m == n):
             # nothing local costs anything: the whole local prefix, no event (the common case)
             res = store.count_lookup(keys, limit=m, tenant=tenant)
@@ -746,7 +745,7 @@ class RemoteTiers:
                 owners.append(meta.tenant)
                 tokens.append(meta.tokens)
                 matched_tokens += meta.tokens
-                hints[keys[i]] = _Hint(src_name, src.tier, meta.tenant == tenant, now_s)
+                hints[keys[i]] = _Hint(src_name, meta.tenant == tenant, now_s)
         self._hint(tenant, keys, hints)
         for tier, (owners, tokens) in by_tier.items():
             self._counts.count_hits(tier, owners, tokens, tenant=tenant)
@@ -1004,7 +1003,7 @@ class RemoteTiers:
                 continue
             served_reuse = chunk.meta.tenant == tenant
             if served_reuse != hint.reuse:
-                self._counts.recount_owner(hint.tier, reuse=served_reuse)
+                self._counts.recount_owner(self._by_name[hint.source].tier, reuse=served_reuse)
 
     def _get(
         self,

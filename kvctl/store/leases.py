@@ -42,22 +42,15 @@ LeaseResult = Lease | None | KeyNotFound
 DETACHED_DEMOTION_ROUNDS = 4
 
 
-class _Deferred:
-    """A lease batch's key whose room in the lease tier demotions are making: asked again."""
-
-
-_DEFERRED = _Deferred()
-
-
 @dataclass(slots=True)
 class _Rooms:
     """Room a lease round makes in the lease tier by demotions written without the lock: the
-    demotions begun, and the chunks waiting for them with their tiers (each out of its tier's
-    policy and marked as being brought up until they end, so no other batch makes room for it
-    again and nothing evicts it meanwhile)."""
+    demotions begun, and the chunks waiting for them with their place in the batch and their
+    tier (each out of its tier's policy and marked as being brought up until they end, so no
+    other batch makes room for it again and nothing evicts it meanwhile); asked for again then."""
 
     demotions: list[object] = field(default_factory=list)
-    waiting: list[tuple[Entry, str]] = field(default_factory=list)
+    waiting: list[tuple[int, Entry, str]] = field(default_factory=list)
 
 
 # A flight's state (``_Flight.state``), changed only under the book's ``_flight_lock``:
@@ -267,9 +260,7 @@ class LeaseBook:
         try:
             with self._lock:
                 for i, key in pending:
-                    flight = self._resolve(
-                        i, key, home, ttl_s, tenant, results, waiting, rooms, again
-                    )
+                    flight = self._resolve(i, key, home, ttl_s, tenant, results, waiting, rooms)
                     if flight is not None:
                         flights.append(flight)
             if flights:
@@ -286,6 +277,8 @@ class LeaseBook:
             finally:
                 if rooms is not None:  # begun under the lock: each ends, whatever happened
                     self._end_rooms(rooms)
+        if rooms is not None:
+            again += [(i, e.key) for i, e, _ in rooms.waiting]
         with self._lock:
             for i, key in waiting:
                 while key in self._promoting:
@@ -302,7 +295,7 @@ class LeaseBook:
         finally:
             if rooms.waiting:
                 with self._lock:
-                    for e, src in rooms.waiting:
+                    for _, e, src in rooms.waiting:
                         self._promoting.discard(e.key)
                         self._host._end_read(e, src)
                     self._promoted.notify_all()
@@ -317,11 +310,10 @@ class LeaseBook:
         results: list[LeaseResult],
         waiting: list[tuple[int, bytes]],
         rooms: _Rooms | None,
-        deferred: list[tuple[int, bytes]],
     ) -> _Flight | None:
         """Under the lock: answer one key of a lease batch now (a lease, None, a miss), queue
-        it in ``waiting`` (another flight is bringing it up) or ``deferred`` (demotions begun
-        in ``rooms`` are making its room), or return its flight."""
+        it in ``waiting`` (another flight is bringing it up) or in ``rooms`` (demotions begun
+        there are making its room), or return its flight."""
         try:
             e = self._host._get_visible(key, tenant)
         except KeyNotFound as exc:
@@ -337,19 +329,15 @@ class LeaseBook:
         if not src.detached_reads:  # a gpu tier above: moved under the lock as ever
             results[i] = self._promote_and_grant(home, e, None, ttl_s)
             return None
-        flight = self._plan_flight(i, e, src, home, rooms)
-        if isinstance(flight, _Deferred):
-            deferred.append((i, key))
-            return None
-        return flight
+        return self._plan_flight(i, e, src, home, rooms)
 
     def _plan_flight(
         self, i: int, e: Entry, src: Tier, home: CpuTier, rooms: _Rooms | None
-    ) -> _Flight | _Deferred | None:
+    ) -> _Flight | None:
         """Under the lock: reserve ``e``'s place in the lease tier and mark it in flight, or
-        None when it cannot be held there (the checks the store makes for a promotion), or
-        ``_DEFERRED`` when its room is being made by demotions begun in ``rooms`` (written
-        without the lock; None: demoted here, under it)."""
+        None when it cannot be held there (the checks the store makes for a promotion) or when
+        its room is being made by demotions begun in ``rooms`` (written without the lock; None:
+        demoted here, under it), where it waits."""
         host = self._host
         if not host.promote_on_hit or e.pinned or not host._usable(home):
             return None
@@ -382,8 +370,8 @@ class LeaseBook:
         self._promoting.add(e.key)
         if deferred:
             assert rooms is not None
-            rooms.waiting.append((e, src.name))  # still being read: ended with the demotions
-            return _DEFERRED
+            rooms.waiting.append((i, e, src.name))  # still being read: ends with the demotions
+            return None
         view = home.reserved_view(reservation)
         return _Flight(i, e, src, plan, home, reservation, view)
 

@@ -1464,23 +1464,24 @@ class TieredStore:
         """``_make_room``, except that victims bound for a tier with detached writes are only
         begun (``_evict_for_later``): the demotions to finish without the lock, [] when the
         room is made already, None when it cannot be made (nothing evicted)."""
-        if size > tier.capacity_bytes - self._pinned_bytes[tier.name]:
-            return None
-        victims = tier.plan_room(size, self._policies[tier.name].victims(self._clock()))
-        if victims is None:
-            return None
-        return self._evict_for_later(tier, victims)
+        victims = self._room_victims(tier, size)
+        return None if victims is None else self._evict_for_later(tier, victims)
 
     def _make_room(self, tier: Tier, size: int) -> bool:
         """Make room for ``size`` bytes in ``tier``, or answer False having evicted nothing
         when it cannot be made there."""
-        if size > tier.capacity_bytes - self._pinned_bytes[tier.name]:
-            return False
-        victims = tier.plan_room(size, self._policies[tier.name].victims(self._clock()))
+        victims = self._room_victims(tier, size)
         if victims is None:
             return False
         self._evict_for(tier, victims)
         return True
+
+    def _room_victims(self, tier: Tier, size: int) -> Sequence[Entry] | None:
+        """What to evict from ``tier`` for ``size`` bytes (``Tier.plan_room``), or None when
+        room cannot be made there (pinned chunks, leased regions)."""
+        if size > tier.capacity_bytes - self._pinned_bytes[tier.name]:
+            return None
+        return tier.plan_room(size, self._policies[tier.name].victims(self._clock()))
 
     def _shrink_to(self, tier: Tier, capacity_bytes: int, *, reason: str) -> int:
         return self._evict_while(tier, lambda: tier.resident_bytes > capacity_bytes, reason=reason)

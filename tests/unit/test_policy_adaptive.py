@@ -23,10 +23,7 @@ from kvctl.store.store import TieredStore
 from kvctl.store.tiers.metered import MeteredTier
 from kvctl.workload.generators import generate
 from kvctl.workload.simulate import capacity_from_fraction
-
-
-def k(name: str) -> bytes:
-    return name.encode().ljust(16, b".")
+from tests.unit.policy_ops import OPS, apply_ops, k, small_tiers
 
 
 def names(keys: list[bytes]) -> list[str]:
@@ -144,49 +141,17 @@ def test_a_chunk_back_from_a_pin_is_not_a_new_access() -> None:
     assert shadow.entries[k("a")].access_count == 2
 
 
-_ops = st.lists(
-    st.tuples(
-        st.sampled_from(["chain", "touch", "pin", "unpin", "delete"]),
-        st.integers(0, 7),
-        st.integers(1, 5),
-    ),
-    min_size=1,
-    max_size=60,
-)
-
-
 @settings(max_examples=60, deadline=None)
-@given(ops=_ops, two_tiers=st.booleans())
+@given(ops=OPS, two_tiers=st.booleans())
 def test_bookkeeping_matches_the_tier_after_any_operations(
     ops: list[tuple[str, int, int]], two_tiers: bool
 ) -> None:
     """Whatever the store does (chains, touches, pins, deletes, demotions to a second tier),
     each tier's policy and every candidate's real-side order track exactly its unpinned chunks,
     the shadows stay within the tier's capacity once it is known, and the away list is bounded."""
-    tiers = [MeteredTier("cpu", 6)] + ([MeteredTier("disk", 10)] if two_tiers else [])
+    tiers = small_tiers(two_tiers)
     store = TieredStore(tiers, eviction="lineage-adaptive")
-    for op, doc, n in ops:
-        keys = [k(f"{doc}-{i}") for i in range(n)]
-        if op == "chain":
-            parent = None
-            for depth, key in enumerate(keys):
-                if key in store:
-                    store.touch(key)
-                else:
-                    store.put(key, None, size_bytes=1, parent=parent, depth=depth)
-                parent = key
-        else:
-            present = [key for key in keys if key in store]
-            if op == "touch":
-                for key in present:
-                    if key in store:  # a promotion before it may have dropped it
-                        store.touch(key)
-            elif op == "pin":
-                store.pin(present[:1])
-            elif op == "unpin":
-                store.unpin(present)
-            elif present:
-                store.evict(present[-1:])
+    for _ in apply_ops(store, ops):
         for tier in tiers:
             policy = store._policies[tier.name]
             assert isinstance(policy, LineageAdaptivePolicy)
