@@ -26,6 +26,8 @@ they are divided by:
   (p50/p99 read latency of each, and the writer's put rate).
 * ``reads_under_promotion``: the same, the other process leasing chunks that are on disk over
   shared memory, so each lease promotes a chunk into cpu and demotes another to make its room.
+* ``reads_under_read_promotion``: the same with plain reads of those chunks over TCP (a remote
+  engine's GET, a peer's pull), each promoting one.
 * ``lookup``: longest-prefix lookups of a fully cached 512-chunk chain over the data plane, each
   a round trip (Unix socket and TCP), and batched, 32 chains a frame (``lookup_many``).
   Reference ``raw_round_trips``: a bare 20-byte ping-pong between two Python processes over a
@@ -130,6 +132,10 @@ def run_agent_bench(
         under_promotion = _bench_reads_under_demotion(
             Path(tmp), repeats, demotion_seconds, writer="lease"
         )
+        say("cpu reads while another client's plain reads promote from disk (and demote)")
+        under_read_promotion = _bench_reads_under_demotion(
+            Path(tmp), repeats, demotion_seconds, writer="get"
+        )
         largest = max(sizes_bytes)
         say("iperf3 over loopback (when installed)")
         iperf3 = iperf3_loopback(per_size[largest] * largest, largest)
@@ -143,6 +149,7 @@ def run_agent_bench(
         **lookups,
         "reads_under_demotion": under_demotion,
         "reads_under_promotion": under_promotion,
+        "reads_under_read_promotion": under_read_promotion,
         "iperf3": iperf3,
         "targets": TARGETS,
         "notes": [
@@ -492,8 +499,8 @@ def _bench_reads_under_demotion(
     """p50/p99 latency of single-chunk shm gets of hot cpu chunks, with no writer (reference)
     and while a writer process demotes chunks to disk (``demotion_writer``), alternating
     phases of ``seconds``; the writer's operations per second while it ran. ``writer``: "put"
-    (fresh chunks, each demoting one) or "lease" (chunks on disk, each promoted into cpu and
-    demoting one there to make its room)."""
+    (fresh chunks, each demoting one), "lease" or "get" (chunks on disk, each promoted into cpu
+    and demoting one there to make its room; "get" reads them plainly, over TCP)."""
     from kvctl.client import AgentClient, DataClient
     from kvctl.quantiles import nearest_rank
 
@@ -512,7 +519,7 @@ def _bench_reads_under_demotion(
         ):
             hot = [_key(f"hot:{i}") for i in range(DEMOTION_HOT_CHUNKS)]
             src = np.full(size, 7, dtype=np.uint8)
-            if writer == "lease":  # the chunks it leases, most of them on disk by now
+            if writer != "put":  # the chunks it leases or reads, most of them on disk by now
                 for n in range(DEMOTION_COLD_CHUNKS):
                     shm.put(_key(f"cold:{n}"), src)
             for k in hot:
@@ -529,7 +536,7 @@ def _bench_reads_under_demotion(
                     into.append(time.perf_counter() - t)
                     i += 1
 
-            address = state.data_tcp if writer == "put" else state.data_unix
+            address = state.data_unix if writer == "lease" else state.data_tcp
             for r in range(repeats):
                 for phase in ("quiet", "busy") if r % 2 == 0 else ("busy", "quiet"):
                     if phase == "quiet":
@@ -584,7 +591,8 @@ def _bench_reads_under_demotion(
 def demotion_writer(address: str, size: int, seed: int, kind: str = "put") -> None:
     """The busy phase's writer process until its stdin closes, then prints how many
     operations in how many seconds: "put" puts fresh chunks (over TCP), "lease" leases the
-    cold chunks in turn (over the Unix socket), each one on disk promoted into cpu."""
+    cold chunks in turn (over the Unix socket), "get" reads them (over TCP, a plain read as a
+    remote engine's or a peer's pull is): each one on disk promoted into cpu."""
     from kvctl.client import DataClient
 
     stop = threading.Event()
@@ -599,6 +607,8 @@ def demotion_writer(address: str, size: int, seed: int, kind: str = "put") -> No
         while not stop.is_set():
             if kind == "put":
                 client.put(_key(f"demote:{seed}:{n}"), data)
+            elif kind == "get":
+                client.get_into([cold[n % len(cold)]], [data])
             else:
                 with client.leased([cold[n % len(cold)]]):
                     pass

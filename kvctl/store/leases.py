@@ -200,6 +200,19 @@ class LeaseBook:
             raise
         return results
 
+    # --- under the store's lock: a key being brought up into the lease tier -----------------
+    def bringing_up(self, key: bytes) -> bool:
+        """Whether a lease batch (or a read's promotion) is bringing ``key`` up now."""
+        return key in self._promoting
+
+    def begin_bringing_up(self, key: bytes) -> None:
+        """A read's promotion is making ``key``'s room: batches asking for it wait."""
+        self._promoting.add(key)
+
+    def end_bringing_up(self, key: bytes) -> None:
+        self._promoting.discard(key)
+        self._promoted.notify_all()
+
     def view(self, lease: Lease) -> memoryview:
         with self._lock:
             return self.require_home().view(lease)

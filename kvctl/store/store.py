@@ -1251,12 +1251,15 @@ class TieredStore:
                 self._accounting.count_read(src.name, size)
                 self._accounting.note_bandwidth(src.name, size, seconds)
                 # the bytes passed the checksum: they are the chunk's even if it went meanwhile
+                later: list[_Demotion] = []
                 if self._index.get(key) is e:
                     self._access(e, self._clock())
                     self._accounting.served(e, tenant)
                     if e.tier == src.name:
-                        self._promote(e, view)
-                return size, buf
+                        later = self._promote_read(e, view)
+            if later:
+                self._finish_promotion(e, src.name, view, later)
+            return size, buf
 
     def _delete_copy(self, tier: Tier, key: bytes) -> None:
         """Under the lock: delete the copy a promotion left behind, its slow part (unlinking
@@ -1631,6 +1634,57 @@ class TieredStore:
                 self._emit("promote", e, src=src.name)
         else:
             src_policy.on_insert(e)
+
+    def _promote_read(self, e: Entry, data: Buffer) -> list[_Demotion]:
+        """Under the lock: ``_promote`` for a chunk just read without the lock from a tier
+        below the hit tier, except that where its room there is made by demotions to a tier
+        with detached writes (disk), they are only begun: returned, for ``_finish_promotion``
+        to write without the lock (a disk write held under it would stall every reader). The
+        chunk stays out of its tier's policy meanwhile, so making room below never picks it;
+        one a lease batch is bringing up is left to the batch."""
+        src, dst = self._tier_of(e), self._hit_tier
+        if (
+            not self.promote_on_hit
+            or e.pinned
+            or self._tier_index[dst.name] >= self._tier_index[src.name]
+            or self._leases.bringing_up(e.key)
+            or not self._usable(dst)
+            or not self._may_place(e, dst)
+        ):
+            return []
+        self._begin_read(e)
+        try:
+            later = self._room_later(dst, e.size_bytes)
+        except BaseException:
+            self._end_read(e, src.name)
+            raise
+        if not later:  # the room is there ([]), or cannot be made (None)
+            self._end_read(e, src.name)
+            if later is not None:
+                self._promote(e, data)
+            return []
+        self._leases.begin_bringing_up(e.key)
+        return later
+
+    def _finish_promotion(
+        self, e: Entry, src: str, data: Buffer, later: Sequence[_Demotion]
+    ) -> None:
+        """Without the lock: write the demotions ``_promote_read`` began, then promote ``e``
+        if it is still where it was read and its room is still free (taken meanwhile: it
+        stays where it is, and the next read promotes it)."""
+        try:
+            self._finish_demotions(later)
+        finally:
+            with self._lock:
+                self._leases.end_bringing_up(e.key)
+                self._end_read(e, src)
+        with self._lock:
+            if (
+                self._index.get(e.key) is e
+                and e.tier == src
+                and self._room_victims(self._hit_tier, e.size_bytes) == []
+            ):
+                self._promote(e, data)
 
     def _commit_promotion(self, e: Entry, src: Tier, dst: Tier) -> None:
         """A chunk read from ``src`` outside the lock now has its copy in ``dst`` (and its copy

@@ -125,6 +125,7 @@ def test_cli_json() -> None:
     [
         ("reads_under_demotion", "put", "demotions_to_disk"),
         ("reads_under_promotion", "lease", "promotions_to_cpu"),
+        ("reads_under_read_promotion", "get", "promotions_to_cpu"),
     ],
 )
 def test_reads_beside_a_writer_that_moves_chunks(

@@ -146,6 +146,10 @@ def check_invariants(store: TieredStore) -> None:
         assert tier.used_bytes == sum(e.size_bytes for e in mine), name
         assert set(tier.keys()) == {e.key for e in mine}, name
         if isinstance(tier, DiskTier):
+            # a promotion's disk copy is renamed away at once and unlinked in the background
+            deadline_s = time.monotonic() + WAIT_S
+            while tier.pending_unlink_bytes and time.monotonic() < deadline_s:
+                time.sleep(0.01)
             assert files_on(tier) == {e.key.hex() for e in mine}
             audit = audit_directory(tier.directory)
             assert audit.chunk_keys == {e.key for e in mine}
@@ -505,4 +509,79 @@ def test_a_chunk_waiting_for_its_room_is_not_evicted_from_disk_meanwhile(tmp_pat
     (got,) = lease.result()
     assert isinstance(got, Lease)
     store.release([got.lease_id])
+    check_invariants(store)
+
+
+# --- a plain read that promotes a disk chunk into a full arena ----------------------------------
+def held_read_promotion(
+    tmp_path: Path,
+) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes], Background]:
+    """``held_lease_promotion``'s store, with a plain read of key(0) (a GET) held mid-way instead:
+    its bytes are read, and the demotion of key(1) that makes its room in cpu waits at the gate."""
+    store, cpu, disk, keys = full_store(tmp_path)
+    assert store.put(key(4), data_of(key(4)), tenant="t") == "cpu"  # key(0) demoted (gate open)
+    assert store.entry(keys[0]).tier == "disk"
+    disk.gate.clear()
+    reader = Background(lambda: read(store, keys[0]))
+    assert disk.wait_inside(), "the read never reached the demotion's write"
+    return store, cpu, disk, [*keys, key(4)], reader
+
+
+def test_a_read_promoting_from_disk_demotes_without_the_lock(tmp_path: Path) -> None:
+    """Found in review of the lease path: a plain read (the TCP GET, a peer's pull) promoted its
+    disk chunk under the lock, writing the arena's victim to disk while every reader waited."""
+    store, _cpu, disk, keys, reader = held_read_promotion(tmp_path)
+    seen = events_of(store)
+    assert Background(lambda: read(store, keys[2])).result() == data_of(keys[2])
+    assert Background(lambda: store.lookup(keys[1:], tenant="t")).result().matched_chunks == 4
+    other = Background(lambda: store.lease(keys[3], math.inf, tenant="t")).result()
+    assert bytes(store.leased_view(other)) == data_of(keys[3])
+    store.release([other.lease_id])
+    assert store.entry(keys[1]).tier == "cpu"  # the victim is read from cpu while written
+    assert Background(lambda: read(store, keys[1])).result() == data_of(keys[1])
+    assert disk.inside == 1 and not [ev for ev in seen if ev["type"] in ("demote", "promote")]
+    # the chunk whose room is being made is no candidate for the disk's own evictions
+    with store.locked():
+        assert keys[0] not in {e.key for e in store._policies["disk"].victims(0.0)}
+
+    disk.gate.set()
+    assert reader.result() == data_of(keys[0])
+    assert store.entry(keys[0]).tier == "cpu" and store.entry(keys[1]).tier == "disk"
+    assert [ev["type"] for ev in seen] == ["demote", "promote"]
+    check_invariants(store)
+
+
+def test_a_lease_of_a_chunk_a_read_is_promoting_waits_and_demotes_nothing_more(
+    tmp_path: Path,
+) -> None:
+    store, _cpu, disk, keys, reader = held_read_promotion(tmp_path)
+    lease = Background(lambda: store.lease_many([keys[0]], math.inf, tenant="t"))
+    time.sleep(0.5)  # time enough for the batch to begin a demotion of its own, if it made one
+    assert disk.inside == 1
+    disk.gate.set()
+    assert reader.result() == data_of(keys[0])
+    (got,) = lease.result()
+    assert isinstance(got, Lease) and bytes(store.leased_view(got)) == data_of(keys[0])
+    assert [store.entry(k).tier for k in keys] == ["cpu", "disk", "cpu", "cpu", "cpu"]
+    store.release([got.lease_id])
+    check_invariants(store)
+
+
+def test_a_read_whose_victim_fails_to_demote_still_promotes(tmp_path: Path) -> None:
+    store, _cpu, disk, keys, reader = held_read_promotion(tmp_path)
+    disk.fail = True
+    disk.gate.set()
+    assert reader.result() == data_of(keys[0])  # the victim is dropped (counted): room all the same
+    assert store.stats.demotion_failures == 1 and keys[1] not in store
+    assert store.entry(keys[0]).tier == "cpu"
+    disk.fail = False
+    check_invariants(store)
+
+
+def test_a_chunk_evicted_while_its_read_makes_room_is_still_answered(tmp_path: Path) -> None:
+    store, _cpu, disk, keys, reader = held_read_promotion(tmp_path)
+    assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    disk.gate.set()
+    assert reader.result() == data_of(keys[0])  # read and checked before it went
+    assert keys[0] not in store and store.entry(keys[1]).tier == "disk"
     check_invariants(store)
