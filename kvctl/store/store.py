@@ -128,7 +128,12 @@ class _Demotion:
     slot: WriteSlot
     lease: Lease
     view: memoryview
+    #: the eviction it is counted as ("capacity", "flush"), or None: an operator's move
+    reason: str | None = "capacity"
     error: BaseException | None = None
+    #: how it ended: "landed" (in ``dst``), "dropped" (its write failed: gone, counted) or
+    #: "kept" (moved, evicted or pinned meanwhile, or a move whose write failed)
+    outcome: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -920,47 +925,82 @@ class TieredStore:
                         self._policies[e.tier].on_insert(e)
             return BulkResult(done=len(found), missing=missing)
 
+    # The bulk operations below take the lock once per chunk, not once for the batch: an
+    # operator's flush or move of thousands of chunks (each a disk write or unlink) must not
+    # stall every reader until it ends. A chunk that went meanwhile counts as missing.
+
     def evict(self, keys: Iterable[bytes]) -> BulkResult:
         """Drop chunks from the store. Pinned chunks are skipped, never evicted."""
         with self._lock:
             found, missing = self._split_known(keys)
-            done = pinned = 0
-            for e in found:
-                if e.pinned:
+        done = pinned = 0
+        for e in found:
+            with self._lock:
+                if self._index.get(e.key) is not e:
+                    missing += 1
+                elif e.pinned:
                     pinned += 1
-                    continue
-                self._evict(e, "explicit", demote=False)
-                done += 1
-            return BulkResult(done=done, skipped_pinned=pinned, missing=missing)
+                else:
+                    self._evict(e, "explicit", demote=False)
+                    done += 1
+        return BulkResult(done=done, skipped_pinned=pinned, missing=missing)
 
     def flush(self, tier: str, *, demote: bool = False) -> BulkResult:
-        """Empty a tier of unpinned chunks (dropped, or demoted when ``demote``)."""
+        """Empty a tier of unpinned chunks (dropped, or demoted when ``demote``: from a cpu
+        tier to disk, written without the lock). Chunks put there meanwhile may stay."""
         with self._lock:
             name = self.tier(tier).name
-            done = pinned = 0
-            for e in [e for e in self._index.values() if e.tier == name]:
+            found = [e for e in self._index.values() if e.tier == name]
+        done = pinned = 0
+        for e in found:
+            with self._lock:
+                if self._index.get(e.key) is not e or e.tier != name:
+                    continue
                 if e.pinned:
                     pinned += 1
                     continue
-                self._evict(e, "flush", demote=demote)
-                done += 1
-            return BulkResult(done=done, skipped_pinned=pinned)
+                src = self._tier_of(e)
+                d = None
+                if demote and isinstance(src, CpuTier) and self._may_detach(e, src):
+                    d = self._begin_demotion(e, src, reason="flush")
+                else:
+                    self._evict(e, "flush", demote=demote)
+            if d is not None:
+                self._finish_demotions([d])
+                if d.outcome == "kept":
+                    continue
+            done += 1
+        return BulkResult(done=done, skipped_pinned=pinned)
 
     def move(self, keys: Iterable[bytes], tier: str) -> BulkResult:
-        """Move chunks to ``tier`` (up or down), making room there by policy."""
+        """Move chunks to ``tier`` (up or down), making room there by policy; from a cpu tier
+        down to disk, the write is made without the lock."""
         with self._lock:
             target = self.tier(tier)
             found, missing = self._split_known(keys)
-            done = failed = 0
-            for e in found:
+        done = failed = 0
+        for e in found:
+            d = None
+            with self._lock:
+                if self._index.get(e.key) is not e:
+                    missing += 1
+                    continue
                 if e.tier == target.name:
                     continue
                 try:
-                    self._move(e, target)
-                    done += 1
+                    d = self._begin_move(e, target)
+                    if d is None:
+                        self._move(e, target)
                 except (CapacityError, DiskFullError, TierUnavailable):
                     failed += 1
-            return BulkResult(done=done, missing=missing, failed=failed)
+                    continue
+            if d is not None:
+                self._finish_demotions([d])
+                if d.outcome != "landed":
+                    failed += 1
+                    continue
+            done += 1
+        return BulkResult(done=done, missing=missing, failed=failed)
 
     def prefetch(self, keys: Iterable[bytes], tier: str | None = None) -> BulkResult:
         """Bring chunks up to ``tier`` (default: the tier hits are promoted to, the lease tier,
@@ -971,8 +1011,8 @@ class TieredStore:
             rank = self._rank(target.name)
             found, missing = self._split_known(keys)
             up = [e for e in found if self._rank(e.tier) > rank]
-            result = self.move([e.key for e in up], target.name)
-            return BulkResult(done=result.done, missing=missing, failed=result.failed)
+        result = self.move([e.key for e in up], target.name)
+        return BulkResult(done=result.done, missing=missing + result.missing, failed=result.failed)
 
     def resize(self, tier: str, capacity_bytes: int) -> BulkResult:
         """Change a tier's capacity live, evicting (demoting) down to the new size first."""
@@ -1367,8 +1407,39 @@ class TieredStore:
         dst = self._tiers[nxt]
         return dst.detached_writes and self._usable(dst) and src.evictable(e.key)
 
-    def _begin_demotion(self, e: Entry, src: CpuTier) -> _Demotion | None:
-        """Under the lock: what ``_evict(e, "capacity", demote=True)`` does up to the write
+    def _begin_move(self, e: Entry, dst: Tier) -> _Demotion | None:
+        """Under the lock: what ``_move(e, dst)`` does up to the write, where ``e`` goes from a
+        cpu tier down to the next one, with detached writes (else None: ``_move`` does it all
+        under the lock). Raises as ``_move`` does, with nothing changed."""
+        src = self._tier_of(e)
+        if (
+            e.pinned
+            or e in self._reading
+            or not isinstance(src, CpuTier)
+            or self._tier_index[dst.name] != self._tier_index[src.name] + 1
+            or not self._may_detach(e, src)
+        ):
+            return None
+        if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
+            return None  # ``_move`` says why
+        if not self._may_place(e, dst):
+            raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}")
+        try:
+            if not self._make_room(dst, e.size_bytes):
+                raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
+            slot = dst.reserve_write(e.meta())
+        except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument) as exc:
+            self._accounting.stats.demotion_failures += 1
+            if isinstance(exc, InvalidArgument):  # dst is writing a copy of it already
+                raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}") from None
+            raise
+        self._policies[src.name].on_remove(e)
+        lease = src.lease(e.key, math.inf)
+        self._reading[e] = 1  # out of its policy, as a chunk being read
+        return _Demotion(e, src, dst, slot, lease, src.view(lease), reason=None)
+
+    def _begin_demotion(self, e: Entry, src: CpuTier, reason: str = "capacity") -> _Demotion | None:
+        """Under the lock: what ``_evict(e, reason, demote=True)`` does up to the write
         into the next tier (``_may_detach`` said it is one with detached writes). Its room
         there is taken and ``e`` stays readable where it is, out of its policy (like a chunk
         being read) so nothing else picks it, its bytes held in place by a lease. None when it
@@ -1387,10 +1458,10 @@ class TieredStore:
             else:
                 lease = src.lease(e.key, math.inf)
                 self._reading[e] = self._reading.get(e, 0) + 1  # out of its policy already
-                return _Demotion(e, src, dst, slot, lease, src.view(lease))
+                return _Demotion(e, src, dst, slot, lease, src.view(lease), reason)
         # dropped at once: counted now (a begun demotion is counted when it ends, and only if
         # the chunk was still there to evict)
-        self._accounting.tier(src.name).evictions["capacity"] += 1
+        self._accounting.tier(src.name).evictions[reason] += 1
         src.delete(e.key)
         self._forget(e)
         return None
@@ -1442,7 +1513,8 @@ class TieredStore:
             except StoreError:
                 landed = False
             if landed:
-                self._accounting.tier(src.name).evictions["capacity"] += 1
+                if d.reason is not None:
+                    self._accounting.tier(src.name).evictions[d.reason] += 1
                 src.delete(e.key)
                 e.tier = dst.name  # before _end_read, which must not put it back in src's policy
                 self._end_read(e, src.name)
@@ -1450,18 +1522,24 @@ class TieredStore:
                 self._accounting.count_read(src.name, e.size_bytes)
                 self._accounting.count_written(dst.name, e.size_bytes)
                 self._policies[dst.name].on_insert(e)
-                self._accounting.tier(dst.name).demotions += 1
-                self._emit("demote", e, src=src.name)
+                if d.reason is not None:
+                    self._accounting.tier(dst.name).demotions += 1
+                self._emit("demote" if d.reason is not None else "move", e, src=src.name)
+                d.outcome = "landed"
                 return
         dst.abort_write(d.slot)
         if isinstance(d.error, TierUnavailable):
             self._take_offline(dst, d.error)
         self._end_read(e, src.name)
+        d.outcome = "kept"
         if current and d.error is not None:  # the write failed (disk full, a failed device)
-            self._accounting.tier(src.name).evictions["capacity"] += 1
             self._accounting.stats.demotion_failures += 1
+            if d.reason is None:  # an operator's move that failed: the chunk stays where it was
+                return
+            self._accounting.tier(src.name).evictions[d.reason] += 1
             src.delete(e.key)
             self._forget(e)
+            d.outcome = "dropped"
 
     def _room_later(self, tier: Tier, size: int) -> list[_Demotion] | None:
         """``_make_room``, except that victims bound for a tier with detached writes are only

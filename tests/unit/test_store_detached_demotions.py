@@ -585,3 +585,71 @@ def test_a_chunk_evicted_while_its_read_makes_room_is_still_answered(tmp_path: P
     assert reader.result() == data_of(keys[0])  # read and checked before it went
     assert keys[0] not in store and store.entry(keys[1]).tier == "disk"
     check_invariants(store)
+
+
+# --- an operator's move or flush down to disk ---------------------------------------------------
+def test_a_move_to_disk_is_written_without_the_lock(tmp_path: Path) -> None:
+    """Found in review: ``move`` and ``flush`` held the lock for the whole batch, each chunk's
+    disk write included, so an operator's ``kvctl move``/``flush --demote`` stalled every read."""
+    store, _cpu, disk, keys = full_store(tmp_path)
+    seen = events_of(store)
+    disk.gate.clear()
+    move = Background(lambda: store.move(keys[:2], "disk"))
+    assert disk.wait_inside(), "the move never reached its write"
+    assert Background(lambda: read(store, keys[3])).result() == data_of(keys[3])
+    assert Background(lambda: store.lookup(keys, tenant="t")).result().matched_chunks == 4
+    other = Background(lambda: store.lease(keys[2], math.inf, tenant="t")).result()
+    assert bytes(store.leased_view(other)) == data_of(keys[2])
+    store.release([other.lease_id])
+    assert Background(lambda: read(store, keys[0])).result() == data_of(keys[0])  # still in cpu
+    disk.gate.set()
+    result = move.result()
+    assert (result.done, result.failed, result.missing) == (2, 0, 0)
+    assert [store.entry(k).tier for k in keys] == ["disk", "disk", "cpu", "cpu"]
+    assert [ev["type"] for ev in seen] == ["move", "move"]
+    stats = store.stats.tiers
+    assert sum(stats["cpu"].evictions.values()) == 0 and stats["disk"].demotions == 0
+    check_invariants(store)
+
+
+def test_a_move_whose_write_fails_leaves_the_chunk_where_it_was(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.fail = True
+    result = store.move([keys[0]], "disk")
+    assert (result.done, result.failed) == (0, 1)
+    assert store.entry(keys[0]).tier == "cpu" and read(store, keys[0]) == data_of(keys[0])
+    assert store.stats.demotion_failures == 1
+    disk.fail = False
+    check_invariants(store)
+
+
+def test_a_chunk_pinned_while_its_move_is_written_stays_pinned_where_it_is(
+    tmp_path: Path,
+) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    move = Background(lambda: store.move([keys[0]], "disk"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.pin([keys[0]])).result().done == 1
+    disk.gate.set()
+    assert (move.result().done, move.result().failed) == (0, 1)
+    assert store.entry(keys[0]).tier == "cpu" and store.entry(keys[0]).pinned
+    store.unpin([keys[0]])
+    check_invariants(store)
+
+
+def test_a_flush_demoting_to_disk_holds_up_no_reader(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = full_store(tmp_path)
+    seen = events_of(store)
+    disk.gate.clear()
+    flush = Background(lambda: store.flush("cpu", demote=True))
+    assert disk.wait_inside(), "the flush never reached a write"
+    reads = [Background(lambda k=k: read(store, k)).result() for k in keys]  # type: ignore[misc]
+    assert reads == [data_of(k) for k in keys]
+    disk.gate.set()
+    assert flush.result().done == 4
+    assert [store.entry(k).tier for k in keys] == ["disk"] * 4
+    assert [ev["type"] for ev in seen].count("demote") == 4
+    assert store.stats.tiers["cpu"].evictions["flush"] == 4
+    assert store.stats.tiers["disk"].demotions == 4
+    check_invariants(store)
