@@ -98,6 +98,8 @@ _MAX_PREFIX_WALK = 100_000
 DEFAULT_READ_THREADS = 8
 #: threads unlinking the files of disk chunks promoted out (apart from the readers' threads)
 UNLINK_THREADS = 2
+#: victims a shrinking tier begins demoting per hold of the lock (``resize``)
+RESIZE_BATCH = 64
 
 Event = dict[str, Any]
 
@@ -1015,26 +1017,63 @@ class TieredStore:
         return BulkResult(done=result.done, missing=missing + result.missing, failed=result.failed)
 
     def resize(self, tier: str, capacity_bytes: int) -> BulkResult:
-        """Change a tier's capacity live, evicting (demoting) down to the new size first."""
+        """Change a tier's capacity live, evicting (demoting) down to the new size first.
+        A cpu tier shrinking over disk demotes in batches written without the lock (a shrink
+        by many GiB is that many GiB of disk writes); the last step, and a shrink that stops
+        gaining on puts that keep filling the tier, evicts under the lock, so it always ends."""
         with self._lock:
             t = self.tier(tier)
-            if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
-                raise InvalidArgument(f"capacity must be an integer, got {capacity_bytes!r}")
-            if capacity_bytes < 0:
-                raise InvalidArgument(f"capacity must not be negative, got {capacity_bytes}")
-            if self.chunk_bytes is not None and capacity_bytes < self.chunk_bytes:
-                raise InvalidArgument(
-                    f"capacity {capacity_bytes} bytes is smaller than one chunk "
-                    f"({self.chunk_bytes} bytes)"
-                )
-            if capacity_bytes < self._pinned_bytes[t.name]:
-                raise CapacityError(
-                    f"tier {t.name!r} has {self._pinned_bytes[t.name]} pinned bytes; unpin "
-                    f"before shrinking to {capacity_bytes}"
-                )
-            evicted = self._shrink_to(t, capacity_bytes, reason="resize")
+            self._check_resize(t, capacity_bytes)
+            evictions = self._accounting.tier(t.name).evictions
+            before = evictions["resize"]
+            over = t.resident_bytes - capacity_bytes
+            size = self.chunk_bytes or 1
+            rounds = 2 * DETACHED_DEMOTION_ROUNDS + 2 * -(-max(over, 0) // size // RESIZE_BATCH)
+        for _ in range(rounds):
+            with self._lock:
+                self._check_resize(t, capacity_bytes)
+                victims = self._resize_victims(t, capacity_bytes)
+                if not victims:
+                    break
+                later = self._evict_for_later(t, victims, reason="resize")
+            self._finish_demotions(later)
+        with self._lock:
+            self._check_resize(t, capacity_bytes)
+            self._shrink_to(t, capacity_bytes, reason="resize")
             t.resize(capacity_bytes)
-            return BulkResult(done=evicted)
+            return BulkResult(done=evictions["resize"] - before)
+
+    def _check_resize(self, t: Tier, capacity_bytes: int) -> None:
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
+            raise InvalidArgument(f"capacity must be an integer, got {capacity_bytes!r}")
+        if capacity_bytes < 0:
+            raise InvalidArgument(f"capacity must not be negative, got {capacity_bytes}")
+        if self.chunk_bytes is not None and capacity_bytes < self.chunk_bytes:
+            raise InvalidArgument(
+                f"capacity {capacity_bytes} bytes is smaller than one chunk "
+                f"({self.chunk_bytes} bytes)"
+            )
+        if capacity_bytes < self._pinned_bytes[t.name]:
+            raise CapacityError(
+                f"tier {t.name!r} has {self._pinned_bytes[t.name]} pinned bytes; unpin "
+                f"before shrinking to {capacity_bytes}"
+            )
+
+    def _resize_victims(self, t: Tier, capacity_bytes: int) -> list[Entry]:
+        """Under the lock: the next batch (at most ``RESIZE_BATCH``) of ``t``'s victims whose
+        demotion can be written without the lock, toward ``capacity_bytes`` resident; [] when
+        there is none (``t`` fits, or is no cpu tier over one with detached writes)."""
+        over = t.resident_bytes - capacity_bytes
+        if over <= 0 or not isinstance(t, CpuTier):
+            return []
+        out: list[Entry] = []
+        for e in self._policies[t.name].victims(self._clock()):
+            if over <= 0 or len(out) >= RESIZE_BATCH:
+                break
+            if self._may_detach(e, t):
+                out.append(e)
+                over -= e.size_bytes
+        return out
 
     def usage(self) -> dict[str, dict[str, int]]:
         with self._lock:
@@ -1375,7 +1414,9 @@ class TieredStore:
             self._evict(v, "capacity", demote=True)
 
     # --- demotions written without the lock ---------------------------------------------------
-    def _evict_for_later(self, tier: Tier, victims: Sequence[Entry]) -> list[_Demotion]:
+    def _evict_for_later(
+        self, tier: Tier, victims: Sequence[Entry], reason: str = "capacity"
+    ) -> list[_Demotion]:
         """``_evict_for``, except that a victim bound for a tier with detached writes (disk)
         is only begun here: returned, for ``_finish_demotions`` to write without the lock. The
         others are evicted (dropped, or demoted under the lock) at once."""
@@ -1387,9 +1428,9 @@ class TieredStore:
                     continue
                 policy.on_victim(v)
                 if not isinstance(tier, CpuTier) or not self._may_detach(v, tier):
-                    self._evict(v, "capacity", demote=True)
+                    self._evict(v, reason, demote=True)
                     continue
-                d = self._begin_demotion(v, tier)
+                d = self._begin_demotion(v, tier, reason)
                 if d is not None:
                     later.append(d)
         except BaseException:

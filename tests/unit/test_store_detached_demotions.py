@@ -24,7 +24,7 @@ import pytest
 
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
-from kvctl.store.errors import DiskFullError
+from kvctl.store.errors import CapacityError, DiskFullError
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import Buffer, ChunkMeta, WriteSlot
 from kvctl.store.tiers.cpu import CpuTier, Lease
@@ -652,4 +652,30 @@ def test_a_flush_demoting_to_disk_holds_up_no_reader(tmp_path: Path) -> None:
     assert [ev["type"] for ev in seen].count("demote") == 4
     assert store.stats.tiers["cpu"].evictions["flush"] == 4
     assert store.stats.tiers["disk"].demotions == 4
+    check_invariants(store)
+
+
+def test_a_resize_demotes_in_batches_written_without_the_lock(tmp_path: Path) -> None:
+    store, cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    resize = Background(lambda: store.resize("cpu", 2 * CHUNK))
+    assert disk.wait_inside(), "the resize never reached a write"
+    assert Background(lambda: read(store, keys[3])).result() == data_of(keys[3])
+    assert Background(lambda: store.lookup(keys, tenant="t")).result().matched_chunks == 4
+    disk.gate.set()
+    assert resize.result().done == 2
+    assert cpu.capacity_bytes == 2 * CHUNK and cpu.resident_bytes <= 2 * CHUNK
+    assert [store.entry(k).tier for k in keys] == ["disk", "disk", "cpu", "cpu"]
+    assert store.stats.tiers["cpu"].evictions["resize"] == 2
+    assert store.stats.tiers["disk"].demotions == 2
+    check_invariants(store)
+
+
+def test_a_resize_below_the_pinned_bytes_is_refused_having_moved_nothing(tmp_path: Path) -> None:
+    store, cpu, _disk, keys = full_store(tmp_path)
+    store.pin(keys[:3])
+    with pytest.raises(CapacityError, match="pinned"):
+        store.resize("cpu", 2 * CHUNK)
+    assert cpu.capacity_bytes == 4 * CHUNK and len(store.entries("cpu")) == 4
+    store.unpin(keys[:3])
     check_invariants(store)
