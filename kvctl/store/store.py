@@ -1019,8 +1019,9 @@ class TieredStore:
     def resize(self, tier: str, capacity_bytes: int) -> BulkResult:
         """Change a tier's capacity live, evicting (demoting) down to the new size first.
         A cpu tier shrinking over disk demotes in batches written without the lock (a shrink
-        by many GiB is that many GiB of disk writes); the last step, and a shrink that stops
-        gaining on puts that keep filling the tier, evicts under the lock, so it always ends."""
+        by many GiB is that many GiB of disk writes). After at most twice the batches the
+        shrink needed at first (plus a few: puts may keep filling the tier), the rest is
+        evicted under the lock, so it always ends."""
         with self._lock:
             t = self.tier(tier)
             self._check_resize(t, capacity_bytes)
