@@ -402,16 +402,21 @@ def _bounded(
 ) -> dict[str, Any]:
     """``summary`` with its bound: each sample against the bound measured just before it, so a
     machine whose speed drifts (other work on it) compares like with like."""
-    shares = [
-        p.fetched_bytes / p.fetch_seconds / b
+    pairs = [
+        (p, b)
         for p, (_, b) in zip(runs, bounds, strict=True)
         if p.fetched_bytes and p.fetch_seconds > 0 and b > 0
     ]
+    shares = [p.fetched_bytes / p.fetch_seconds / b for p, b in pairs]
+    # the lookup's round trip counted too: on a same-host engine the lookup also leases what
+    # it matched (LOOKUP_LEASE), so that work is in the lookup, not the fetch
+    with_lookup = [p.fetched_bytes / (p.lookup_seconds + p.fetch_seconds) / b for p, b in pairs]
     summary["bound"] = {
         "what": bounds[0][0],
         "bytes_per_second": statistics.median(b for _, b in bounds),
         "fetch_share_of_bound": statistics.median(shares) if shares else None,
         "samples_fetch_share": shares,
+        "lookup_and_fetch_share_of_bound": statistics.median(with_lookup) if pairs else None,
     }
     return summary
 
@@ -659,6 +664,11 @@ def _one_line(source: str, s: dict[str, Any]) -> str:
         f"{head}, {s.get('reused_chunks', s.get('chunks'))} chunks, fetch "
         f"{_rate(s['fetch_bytes_per_second'])}"
         f" = {share:.2f} of {_rate(bound['bytes_per_second'])} ({bound['what']})"
+        + (
+            f"; with the lookup {both:.2f}"
+            if (both := bound.get("lookup_and_fetch_share_of_bound")) is not None
+            else ""
+        )
     )
 
 
