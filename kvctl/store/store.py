@@ -1428,10 +1428,12 @@ class TieredStore:
             if not self._make_room(dst, e.size_bytes):
                 raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
             slot = dst.reserve_write(e.meta())
-        except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument) as exc:
+        except InvalidArgument:
+            # dst is still writing an older copy of this key (evicted mid-write): ``_move``
+            # puts this one at once (it replaces that one, whose commit is then refused)
+            return None
+        except (CapacityError, DiskFullError, TierUnavailable):
             self._accounting.stats.demotion_failures += 1
-            if isinstance(exc, InvalidArgument):  # dst is writing a copy of it already
-                raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}") from None
             raise
         self._policies[src.name].on_remove(e)
         lease = src.lease(e.key, math.inf)
@@ -1443,7 +1445,8 @@ class TieredStore:
         into the next tier (``_may_detach`` said it is one with detached writes). Its room
         there is taken and ``e`` stays readable where it is, out of its policy (like a chunk
         being read) so nothing else picks it, its bytes held in place by a lease. None when it
-        was dropped instead (refused, no room below), as ``_evict`` would drop it."""
+        was dropped instead (refused, no room below), as ``_evict`` would drop it, or demoted
+        under the lock at once (an older copy of its key is still being written below)."""
         dst = self._tiers[self._tier_index[src.name] + 1]
         self._policies[src.name].on_remove(e)
         if not self._admission[dst.name].admit(e):
@@ -1453,7 +1456,15 @@ class TieredStore:
                 if not self._make_room(dst, e.size_bytes):
                     raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
                 slot = dst.reserve_write(e.meta())
-            except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument):
+            except InvalidArgument:
+                # dst is still writing an older copy of this key (evicted mid-write): a put of
+                # this one goes at once, so it is demoted under the lock, as ``_evict`` does
+                if self._try_place(e, src, dst):  # (a failure is counted there)
+                    self._accounting.tier(src.name).evictions[reason] += 1
+                    self._accounting.tier(dst.name).demotions += 1
+                    self._emit("demote", e, src=src.name)
+                    return None
+            except (CapacityError, DiskFullError, TierUnavailable):
                 self._accounting.stats.demotion_failures += 1
             else:
                 lease = src.lease(e.key, math.inf)

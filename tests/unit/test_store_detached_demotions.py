@@ -653,3 +653,87 @@ def test_a_flush_demoting_to_disk_holds_up_no_reader(tmp_path: Path) -> None:
     assert store.stats.tiers["cpu"].evictions["flush"] == 4
     assert store.stats.tiers["disk"].demotions == 4
     check_invariants(store)
+
+
+# --- found by review: a key whose older copy is still being written, a prefetch's chunk moved -----
+class OneKeyGateDisk(SlowDisk):
+    """A SlowDisk whose gate holds only the first detached write of each key in ``held``; other
+    writes (and every plain ``put``) go at once."""
+
+    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+        super().__init__(directory, capacity_bytes)
+        self.held: set[bytes] = set()
+
+    def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
+        DiskTier.put(self, meta, data)
+
+    def write_reserved(self, slot: WriteSlot, data: Buffer) -> None:
+        if slot.meta.key in self.held:
+            self.held.discard(slot.meta.key)
+            self._held()
+        DiskTier.write_reserved(self, slot, data)
+
+
+def held_old_copy(tmp_path: Path) -> tuple[TieredStore, OneKeyGateDisk, list[bytes], Background]:
+    """cpu (room for five) holds key(0..3); a move of key(0) to disk is held mid-write, key(0)
+    is evicted meanwhile and put again (into cpu's free room): the disk is still writing the
+    old copy's file when the new copy is moved or flushed down."""
+    cpu = CpuTier(5 * CHUNK)
+    disk = OneKeyGateDisk(tmp_path / "disk", 64 * CHUNK)
+    store = TieredStore([cpu, disk], chunk_tokens=4, eviction="lru")
+    keys = [key(i) for i in range(4)]
+    for k in keys:
+        assert store.put(k, data_of(k), tenant="t") == "cpu"
+    disk.held = {keys[0]}
+    disk.gate.clear()
+    move = Background(lambda: store.move([keys[0]], "disk"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    assert Background(lambda: store.put(keys[0], data_of(keys[0]), tenant="t")).result() == "cpu"
+    return store, disk, keys, move
+
+
+def test_a_flush_of_a_key_whose_old_copy_is_being_written_demotes_it(tmp_path: Path) -> None:
+    """Found in review: the flush's detached demotion could not reserve the key's write (the
+    old copy's was under way) and dropped the chunk as a failed demotion; flushed under the
+    lock it was demoted (a put of a new copy goes at once)."""
+    store, disk, keys, move = held_old_copy(tmp_path)
+    try:
+        result = Background(lambda: store.flush("cpu", demote=True)).result()
+    finally:
+        disk.gate.set()
+    assert move.result().failed == 1  # its chunk was evicted meanwhile
+    assert result.done == 4
+    assert [store.entry(k).tier for k in keys] == ["disk"] * 4
+    assert store.stats.demotion_failures == 0
+    assert store.stats.tiers["cpu"].evictions["flush"] == 4
+    assert store.stats.tiers["disk"].demotions == 4
+    check_invariants(store)
+
+
+def test_a_move_of_a_key_whose_old_copy_is_being_written_lands(tmp_path: Path) -> None:
+    store, disk, keys, move = held_old_copy(tmp_path)
+    try:
+        result = Background(lambda: store.move([keys[0]], "disk")).result()
+    finally:
+        disk.gate.set()
+    assert move.result().failed == 1
+    assert (result.done, result.failed) == (1, 0)
+    assert store.entry(keys[0]).tier == "disk" and read(store, keys[0]) == data_of(keys[0])
+    assert store.stats.demotion_failures == 0
+    check_invariants(store)
+
+
+def test_a_victim_whose_old_copy_is_being_written_is_demoted_not_dropped(tmp_path: Path) -> None:
+    store, disk, keys, move = held_old_copy(tmp_path)
+    for k in keys[1:]:  # key(0)'s new copy is the least recently used
+        assert read(store, k) == data_of(k)
+    try:
+        # cpu: key(1..3), key(0) and the old copy's bytes (held for its write): full
+        landed = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t")).result()
+    finally:
+        disk.gate.set()
+    assert landed == "cpu"
+    assert move.result().failed == 1
+    assert store.entry(keys[0]).tier == "disk" and store.stats.demotion_failures == 0
+    check_invariants(store)
