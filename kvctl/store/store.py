@@ -978,6 +978,14 @@ class TieredStore:
         with self._lock:
             target = self.tier(tier)
             found, missing = self._split_known(keys)
+        return self._move_each(found, missing, target)
+
+    def _move_each(
+        self, found: list[Entry], missing: int, target: Tier, *, up_only: bool = False
+    ) -> BulkResult:
+        """``move`` of ``found`` (``missing`` keys were not cached), one chunk under the lock at
+        a time; ``up_only`` (a prefetch): a chunk at or above ``target`` by then stays."""
+        rank = self._rank(target.name)
         done = failed = 0
         for e in found:
             d = None
@@ -985,7 +993,7 @@ class TieredStore:
                 if self._index.get(e.key) is not e:
                     missing += 1
                     continue
-                if e.tier == target.name:
+                if e.tier == target.name or (up_only and self._rank(e.tier) < rank):
                     continue
                 try:
                     d = self._begin_move(e, target)
@@ -1011,8 +1019,7 @@ class TieredStore:
             rank = self._rank(target.name)
             found, missing = self._split_known(keys)
             up = [e for e in found if self._rank(e.tier) > rank]
-        result = self.move([e.key for e in up], target.name)
-        return BulkResult(done=result.done, missing=missing + result.missing, failed=result.failed)
+        return self._move_each(up, missing, target, up_only=True)
 
     def resize(self, tier: str, capacity_bytes: int) -> BulkResult:
         """Change a tier's capacity live, evicting (demoting) down to the new size first."""

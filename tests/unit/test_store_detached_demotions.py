@@ -737,3 +737,58 @@ def test_a_victim_whose_old_copy_is_being_written_is_demoted_not_dropped(tmp_pat
     assert move.result().failed == 1
     assert store.entry(keys[0]).tier == "disk" and store.stats.demotion_failures == 0
     check_invariants(store)
+
+
+class _HookedLock:
+    """The store's lock, running ``hook`` once in ``thread`` the next time it takes the lock
+    while not holding it: there, between two chunks of a bulk operation, another thread acts."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.hook: Any = None
+        self.thread = 0
+
+    def arm(self, hook: Any) -> None:
+        self.hook, self.thread = hook, threading.get_ident()
+
+    def __enter__(self) -> bool:
+        hook = self.hook
+        if hook is not None and threading.get_ident() == self.thread and not self.real._is_owned():
+            self.hook = None
+            hook()
+        return bool(self.real.__enter__())
+
+    def __exit__(self, *exc: object) -> None:
+        self.real.__exit__(*exc)
+
+
+def test_a_prefetch_never_moves_down_a_chunk_that_went_up_meanwhile(tmp_path: Path) -> None:
+    """Found in review: a prefetch that no longer held the lock for its batch passed its keys to
+    ``move``, which moves either way: a chunk brought above the prefetch's tier meanwhile (here
+    by a read's promotion into the lease tier) was moved back down to it."""
+    store = TieredStore(
+        [
+            CpuTier(4 * CHUNK, name="cpu0"),
+            CpuTier(4 * CHUNK, name="cpu1"),
+            DiskTier(tmp_path / "disk", 64 * CHUNK),
+        ],
+        chunk_tokens=4,
+        eviction="lru",
+    )
+    first, second = key(1), key(2)
+    for k in (first, second):
+        assert store.put(k, data_of(k), tenant="t", tier="disk") == "disk"
+    hooked = _HookedLock(store._lock)
+    store._lock = hooked  # type: ignore[assignment]
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if ev["type"] == "move" and ev["key"] == first.hex():  # between the two chunks
+            hooked.arm(lambda: Background(lambda: read(store, second)).result())
+
+    store.subscribe(on_event)
+    result = store.prefetch([first, second], "cpu1")
+    assert hooked.hook is None, "the read never ran between the chunks"
+    assert store.entry(first).tier == "cpu1"
+    assert store.entry(second).tier == "cpu0"  # promoted by the read: above cpu1, left there
+    assert (result.done, result.missing, result.failed) == (1, 0, 0)
+    check_invariants(store)
