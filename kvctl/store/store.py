@@ -1232,15 +1232,17 @@ class TieredStore:
         self._reading[e] = n + 1
 
     def _end_read(self, e: Entry, src: str) -> None:
-        """Under the lock: a read that began in tier ``src`` is over; if ``e`` is still cached
-        there (not moved, evicted or pinned meanwhile), its policy tracks it again."""
+        """Under the lock: a read that began in tier ``src`` is over. A chunk being read is in
+        no policy (a move or promotion meanwhile puts it in none either): once its last read
+        is over, the policy of the tier it is in now tracks it, unless it was evicted or
+        pinned meanwhile."""
         n = self._reading[e] - 1
         if n:
             self._reading[e] = n
             return
         del self._reading[e]
-        if not e.pinned and e.tier == src and self._holds(e):
-            self._policies[src].on_insert(e)
+        if not e.pinned and self._holds(e):
+            self._policies[e.tier].on_insert(e)
 
     def _is_current(self, e: Entry, src: Tier, plan: ReadPlan) -> bool:
         """Whether a read planned from ``src`` read the copy the store still holds for ``e``."""
@@ -1534,12 +1536,11 @@ class TieredStore:
                 if d.reason is not None:
                     self._accounting.tier(src.name).evictions[d.reason] += 1
                 src.delete(e.key)
-                e.tier = dst.name  # before _end_read, which must not put it back in src's policy
+                e.tier = dst.name  # before _end_read, which puts it in dst's policy
                 self._end_read(e, src.name)
                 self._offline.pop(dst.name, None)
                 self._accounting.count_read(src.name, e.size_bytes)
                 self._accounting.count_written(dst.name, e.size_bytes)
-                self._policies[dst.name].on_insert(e)
                 if d.reason is not None:
                     self._accounting.tier(dst.name).demotions += 1
                 self._emit("demote" if d.reason is not None else "move", e, src=src.name)
@@ -1694,7 +1695,7 @@ class TieredStore:
         if e.pinned:
             self._pinned_bytes[src.name] -= e.size_bytes
             self._pinned_bytes[dst.name] += e.size_bytes
-        else:
+        elif e not in self._reading:  # else its last read's end puts it there (_end_read)
             self._policies[dst.name].on_insert(e)
         return True
 
@@ -1728,7 +1729,7 @@ class TieredStore:
             if e.key in self._index:
                 self._accounting.count_promotion(dst.name)
                 self._emit("promote", e, src=src.name)
-        else:
+        elif e not in self._reading:  # else its last read's end puts it back (_end_read)
             src_policy.on_insert(e)
 
     def _promote_read(self, e: Entry, data: Buffer) -> list[_Demotion]:
@@ -1785,13 +1786,12 @@ class TieredStore:
     def _commit_promotion(self, e: Entry, src: Tier, dst: Tier) -> None:
         """A chunk read from ``src`` outside the lock now has its copy in ``dst`` (and its copy
         in ``src`` is gone): the index, ``dst``'s policy, the counters and listeners learn it."""
-        e.tier = dst.name  # before _end_read, which must not put it back in src's policy
+        e.tier = dst.name  # before _end_read, which puts it in dst's policy (its last read)
         self._end_read(e, src.name)
         self._offline.pop(dst.name, None)
         self._accounting.count_read(src.name, e.size_bytes)
         self._accounting.count_written(dst.name, e.size_bytes)
         self._accounting.count_promotion(dst.name)
-        self._policies[dst.name].on_insert(e)
         self._emit("promote", e, src=src.name)
 
     def _move(self, e: Entry, dst: Tier) -> None:

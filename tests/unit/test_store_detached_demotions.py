@@ -792,3 +792,42 @@ def test_a_prefetch_never_moves_down_a_chunk_that_went_up_meanwhile(tmp_path: Pa
     assert store.entry(second).tier == "cpu0"  # promoted by the read: above cpu1, left there
     assert (result.done, result.missing, result.failed) == (1, 0, 0)
     check_invariants(store)
+
+
+def test_a_chunk_moved_up_and_down_while_a_read_makes_its_room_leaves_no_stale_policy_entry(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a chunk being read (out of its policy) that a move brought up into cpu
+    was put in cpu's policy all the same, and a move back down, seeing it still being read,
+    left it there: cpu's policy kept a chunk cpu no longer held, planned every later put's room
+    around it and sent every put down to disk. A read making its room (a victim's demotion
+    written without the lock) keeps it being read long enough for an operator's two moves."""
+    cpu = CpuTier(4 * CHUNK)
+    disk = OneKeyGateDisk(tmp_path / "disk", 64 * CHUNK)
+    store = TieredStore([cpu, disk], chunk_tokens=4, eviction="lru")
+    keys = [key(i) for i in range(5)]
+    for k in keys:
+        assert store.put(k, data_of(k), tenant="t") == "cpu"
+    assert store.entry(keys[0]).tier == "disk"
+    disk.held = {keys[1]}  # the victim of key(0)'s promotion
+    disk.gate.clear()
+    reader = Background(lambda: read(store, keys[0]))
+    try:
+        assert disk.wait_inside()
+        assert Background(lambda: store.move([keys[0]], "cpu")).result().done == 1
+        assert Background(lambda: store.move([keys[0]], "disk")).result().done == 1
+        # the victim pinned, the free room taken: the read does not promote key(0) after all
+        assert Background(lambda: store.pin([keys[1]])).result().done == 1
+        assert Background(lambda: store.put(key(20), data_of(key(20)), tenant="t")).result()
+    finally:
+        disk.gate.set()
+    assert reader.result() == data_of(keys[0])
+    assert store.entry(keys[0]).tier == "disk"
+    with store.locked():
+        for name in store.tier_names:
+            tracked = {e.key for e in store._policies[name].victims(0.0)}
+            assert tracked == {e.key for e in store.entries(name) if not e.pinned}, name
+    for i in range(30, 36):  # each lands in cpu, evicting its least recently used chunk
+        assert store.put(key(i), data_of(key(i)), tenant="t") == "cpu"
+    store.unpin([keys[1]])
+    check_invariants(store)
