@@ -967,7 +967,9 @@ class TieredStore:
                     self._evict(e, "flush", demote=demote)
             if d is not None:
                 self._finish_demotions([d])
-                if d.outcome == "kept":
+                if d.outcome == "kept":  # pinned meanwhile (skipped), or moved or evicted
+                    with self._lock:
+                        pinned += e.pinned and self._holds(e)
                     continue
             done += 1
         return BulkResult(done=done, skipped_pinned=pinned)
@@ -1005,7 +1007,11 @@ class TieredStore:
             if d is not None:
                 self._finish_demotions([d])
                 if d.outcome != "landed":
-                    failed += 1
+                    with self._lock:  # one evicted meanwhile went, as one evicted before
+                        if self._holds(e):
+                            failed += 1
+                        else:
+                            missing += 1
                     continue
             done += 1
         return BulkResult(done=done, missing=missing, failed=failed)
