@@ -969,7 +969,9 @@ class TieredStore:
                     self._evict(e, "flush", demote=demote)
             if d is not None:
                 self._finish_demotions([d])
-                if d.outcome == "kept":
+                if d.outcome == "kept":  # pinned meanwhile (skipped), or moved or evicted
+                    with self._lock:
+                        pinned += e.pinned and self._holds(e)
                     continue
             done += 1
         return BulkResult(done=done, skipped_pinned=pinned)
@@ -980,6 +982,14 @@ class TieredStore:
         with self._lock:
             target = self.tier(tier)
             found, missing = self._split_known(keys)
+        return self._move_each(found, missing, target)
+
+    def _move_each(
+        self, found: list[Entry], missing: int, target: Tier, *, up_only: bool = False
+    ) -> BulkResult:
+        """``move`` of ``found`` (``missing`` keys were not cached), one chunk under the lock at
+        a time; ``up_only`` (a prefetch): a chunk at or above ``target`` by then stays."""
+        rank = self._rank(target.name)
         done = failed = 0
         for e in found:
             d = None
@@ -987,7 +997,7 @@ class TieredStore:
                 if self._index.get(e.key) is not e:
                     missing += 1
                     continue
-                if e.tier == target.name:
+                if e.tier == target.name or (up_only and self._rank(e.tier) < rank):
                     continue
                 try:
                     d = self._begin_move(e, target)
@@ -999,7 +1009,11 @@ class TieredStore:
             if d is not None:
                 self._finish_demotions([d])
                 if d.outcome != "landed":
-                    failed += 1
+                    with self._lock:  # one evicted meanwhile went, as one evicted before
+                        if self._holds(e):
+                            failed += 1
+                        else:
+                            missing += 1
                     continue
             done += 1
         return BulkResult(done=done, missing=missing, failed=failed)
@@ -1013,8 +1027,7 @@ class TieredStore:
             rank = self._rank(target.name)
             found, missing = self._split_known(keys)
             up = [e for e in found if self._rank(e.tier) > rank]
-        result = self.move([e.key for e in up], target.name)
-        return BulkResult(done=result.done, missing=missing + result.missing, failed=result.failed)
+        return self._move_each(up, missing, target, up_only=True)
 
     def resize(self, tier: str, capacity_bytes: int) -> BulkResult:
         """Change a tier's capacity live, evicting (demoting) down to the new size first.
@@ -1265,15 +1278,17 @@ class TieredStore:
         self._reading[e] = n + 1
 
     def _end_read(self, e: Entry, src: str) -> None:
-        """Under the lock: a read that began in tier ``src`` is over; if ``e`` is still cached
-        there (not moved, evicted or pinned meanwhile), its policy tracks it again."""
+        """Under the lock: a read that began in tier ``src`` is over. A chunk being read is in
+        no policy (a move or promotion meanwhile puts it in none either): once its last read
+        is over, the policy of the tier it is in now tracks it, unless it was evicted or
+        pinned meanwhile."""
         n = self._reading[e] - 1
         if n:
             self._reading[e] = n
             return
         del self._reading[e]
-        if not e.pinned and e.tier == src and self._holds(e):
-            self._policies[src].on_insert(e)
+        if not e.pinned and self._holds(e):
+            self._policies[e.tier].on_insert(e)
 
     def _is_current(self, e: Entry, src: Tier, plan: ReadPlan) -> bool:
         """Whether a read planned from ``src`` read the copy the store still holds for ``e``."""
@@ -1470,10 +1485,12 @@ class TieredStore:
             if not self._make_room(dst, e.size_bytes):
                 raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
             slot = dst.reserve_write(e.meta())
-        except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument) as exc:
+        except InvalidArgument:
+            # dst is still writing an older copy of this key (evicted mid-write): ``_move``
+            # puts this one at once (it replaces that one, whose commit is then refused)
+            return None
+        except (CapacityError, DiskFullError, TierUnavailable):
             self._accounting.stats.demotion_failures += 1
-            if isinstance(exc, InvalidArgument):  # dst is writing a copy of it already
-                raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}") from None
             raise
         self._policies[src.name].on_remove(e)
         lease = src.lease(e.key, math.inf)
@@ -1485,7 +1502,8 @@ class TieredStore:
         into the next tier (``_may_detach`` said it is one with detached writes). Its room
         there is taken and ``e`` stays readable where it is, out of its policy (like a chunk
         being read) so nothing else picks it, its bytes held in place by a lease. None when it
-        was dropped instead (refused, no room below), as ``_evict`` would drop it."""
+        was dropped instead (refused, no room below), as ``_evict`` would drop it, or demoted
+        under the lock at once (an older copy of its key is still being written below)."""
         dst = self._tiers[self._tier_index[src.name] + 1]
         self._policies[src.name].on_remove(e)
         if not self._admission[dst.name].admit(e):
@@ -1495,7 +1513,15 @@ class TieredStore:
                 if not self._make_room(dst, e.size_bytes):
                     raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
                 slot = dst.reserve_write(e.meta())
-            except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument):
+            except InvalidArgument:
+                # dst is still writing an older copy of this key (evicted mid-write): a put of
+                # this one goes at once, so it is demoted under the lock, as ``_evict`` does
+                if self._try_place(e, src, dst):  # (a failure is counted there)
+                    self._accounting.tier(src.name).evictions[reason] += 1
+                    self._accounting.tier(dst.name).demotions += 1
+                    self._emit("demote", e, src=src.name)
+                    return None
+            except (CapacityError, DiskFullError, TierUnavailable):
                 self._accounting.stats.demotion_failures += 1
             else:
                 lease = src.lease(e.key, math.inf)
@@ -1558,12 +1584,11 @@ class TieredStore:
                 if d.reason is not None:
                     self._accounting.tier(src.name).evictions[d.reason] += 1
                 src.delete(e.key)
-                e.tier = dst.name  # before _end_read, which must not put it back in src's policy
+                e.tier = dst.name  # before _end_read, which puts it in dst's policy
                 self._end_read(e, src.name)
                 self._offline.pop(dst.name, None)
                 self._accounting.count_read(src.name, e.size_bytes)
                 self._accounting.count_written(dst.name, e.size_bytes)
-                self._policies[dst.name].on_insert(e)
                 if d.reason is not None:
                     self._accounting.tier(dst.name).demotions += 1
                 self._emit("demote" if d.reason is not None else "move", e, src=src.name)
@@ -1718,7 +1743,7 @@ class TieredStore:
         if e.pinned:
             self._pinned_bytes[src.name] -= e.size_bytes
             self._pinned_bytes[dst.name] += e.size_bytes
-        else:
+        elif e not in self._reading:  # else its last read's end puts it there (_end_read)
             self._policies[dst.name].on_insert(e)
         return True
 
@@ -1752,7 +1777,7 @@ class TieredStore:
             if e.key in self._index:
                 self._accounting.count_promotion(dst.name)
                 self._emit("promote", e, src=src.name)
-        else:
+        elif e not in self._reading:  # else its last read's end puts it back (_end_read)
             src_policy.on_insert(e)
 
     def _promote_read(self, e: Entry, data: Buffer) -> list[_Demotion]:
@@ -1809,13 +1834,12 @@ class TieredStore:
     def _commit_promotion(self, e: Entry, src: Tier, dst: Tier) -> None:
         """A chunk read from ``src`` outside the lock now has its copy in ``dst`` (and its copy
         in ``src`` is gone): the index, ``dst``'s policy, the counters and listeners learn it."""
-        e.tier = dst.name  # before _end_read, which must not put it back in src's policy
+        e.tier = dst.name  # before _end_read, which puts it in dst's policy (its last read)
         self._end_read(e, src.name)
         self._offline.pop(dst.name, None)
         self._accounting.count_read(src.name, e.size_bytes)
         self._accounting.count_written(dst.name, e.size_bytes)
         self._accounting.count_promotion(dst.name)
-        self._policies[dst.name].on_insert(e)
         self._emit("promote", e, src=src.name)
 
     def _move(self, e: Entry, dst: Tier) -> None:

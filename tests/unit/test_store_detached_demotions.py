@@ -678,4 +678,212 @@ def test_a_resize_below_the_pinned_bytes_is_refused_having_moved_nothing(tmp_pat
         store.resize("cpu", 2 * CHUNK)
     assert cpu.capacity_bytes == 4 * CHUNK and len(store.entries("cpu")) == 4
     store.unpin(keys[:3])
+
+
+# --- found by review: a key whose older copy is still being written, a prefetch's chunk moved -----
+class OneKeyGateDisk(SlowDisk):
+    """A SlowDisk whose gate holds only the first detached write of each key in ``held``; other
+    writes (and every plain ``put``) go at once."""
+
+    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+        super().__init__(directory, capacity_bytes)
+        self.held: set[bytes] = set()
+
+    def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
+        DiskTier.put(self, meta, data)
+
+    def write_reserved(self, slot: WriteSlot, data: Buffer) -> None:
+        if slot.meta.key in self.held:
+            self.held.discard(slot.meta.key)
+            self._held()
+        DiskTier.write_reserved(self, slot, data)
+
+
+def held_old_copy(tmp_path: Path) -> tuple[TieredStore, OneKeyGateDisk, list[bytes], Background]:
+    """cpu (room for five) holds key(0..3); a move of key(0) to disk is held mid-write, key(0)
+    is evicted meanwhile and put again (into cpu's free room): the disk is still writing the
+    old copy's file when the new copy is moved or flushed down."""
+    cpu = CpuTier(5 * CHUNK)
+    disk = OneKeyGateDisk(tmp_path / "disk", 64 * CHUNK)
+    store = TieredStore([cpu, disk], chunk_tokens=4, eviction="lru")
+    keys = [key(i) for i in range(4)]
+    for k in keys:
+        assert store.put(k, data_of(k), tenant="t") == "cpu"
+    disk.held = {keys[0]}
+    disk.gate.clear()
+    move = Background(lambda: store.move([keys[0]], "disk"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    assert Background(lambda: store.put(keys[0], data_of(keys[0]), tenant="t")).result() == "cpu"
+    return store, disk, keys, move
+
+
+def test_a_flush_of_a_key_whose_old_copy_is_being_written_demotes_it(tmp_path: Path) -> None:
+    """Found in review: the flush's detached demotion could not reserve the key's write (the
+    old copy's was under way) and dropped the chunk as a failed demotion; flushed under the
+    lock it was demoted (a put of a new copy goes at once)."""
+    store, disk, keys, move = held_old_copy(tmp_path)
+    try:
+        result = Background(lambda: store.flush("cpu", demote=True)).result()
+    finally:
+        disk.gate.set()
+    assert move.result().missing == 1  # its chunk was evicted meanwhile
+    assert result.done == 4
+    assert [store.entry(k).tier for k in keys] == ["disk"] * 4
+    assert store.stats.demotion_failures == 0
+    assert store.stats.tiers["cpu"].evictions["flush"] == 4
+    assert store.stats.tiers["disk"].demotions == 4
+    check_invariants(store)
+
+
+def test_a_move_of_a_key_whose_old_copy_is_being_written_lands(tmp_path: Path) -> None:
+    store, disk, keys, move = held_old_copy(tmp_path)
+    try:
+        result = Background(lambda: store.move([keys[0]], "disk")).result()
+    finally:
+        disk.gate.set()
+    assert move.result().missing == 1
+    assert (result.done, result.failed) == (1, 0)
+    assert store.entry(keys[0]).tier == "disk" and read(store, keys[0]) == data_of(keys[0])
+    assert store.stats.demotion_failures == 0
+    check_invariants(store)
+
+
+def test_a_victim_whose_old_copy_is_being_written_is_demoted_not_dropped(tmp_path: Path) -> None:
+    store, disk, keys, move = held_old_copy(tmp_path)
+    for k in keys[1:]:  # key(0)'s new copy is the least recently used
+        assert read(store, k) == data_of(k)
+    try:
+        # cpu: key(1..3), key(0) and the old copy's bytes (held for its write): full
+        landed = Background(lambda: store.put(key(9), data_of(key(9)), tenant="t")).result()
+    finally:
+        disk.gate.set()
+    assert landed == "cpu"
+    assert move.result().missing == 1
+    assert store.entry(keys[0]).tier == "disk" and store.stats.demotion_failures == 0
+    check_invariants(store)
+
+
+class _HookedLock:
+    """The store's lock, running ``hook`` once in ``thread`` the next time it takes the lock
+    while not holding it: there, between two chunks of a bulk operation, another thread acts."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.hook: Any = None
+        self.thread = 0
+
+    def arm(self, hook: Any) -> None:
+        self.hook, self.thread = hook, threading.get_ident()
+
+    def __enter__(self) -> bool:
+        hook = self.hook
+        if hook is not None and threading.get_ident() == self.thread and not self.real._is_owned():
+            self.hook = None
+            hook()
+        return bool(self.real.__enter__())
+
+    def __exit__(self, *exc: object) -> None:
+        self.real.__exit__(*exc)
+
+
+def test_a_prefetch_never_moves_down_a_chunk_that_went_up_meanwhile(tmp_path: Path) -> None:
+    """Found in review: a prefetch that no longer held the lock for its batch passed its keys to
+    ``move``, which moves either way: a chunk brought above the prefetch's tier meanwhile (here
+    by a read's promotion into the lease tier) was moved back down to it."""
+    store = TieredStore(
+        [
+            CpuTier(4 * CHUNK, name="cpu0"),
+            CpuTier(4 * CHUNK, name="cpu1"),
+            DiskTier(tmp_path / "disk", 64 * CHUNK),
+        ],
+        chunk_tokens=4,
+        eviction="lru",
+    )
+    first, second = key(1), key(2)
+    for k in (first, second):
+        assert store.put(k, data_of(k), tenant="t", tier="disk") == "disk"
+    hooked = _HookedLock(store._lock)
+    store._lock = hooked  # type: ignore[assignment]
+
+    def on_event(ev: dict[str, Any]) -> None:
+        if ev["type"] == "move" and ev["key"] == first.hex():  # between the two chunks
+            hooked.arm(lambda: Background(lambda: read(store, second)).result())
+
+    store.subscribe(on_event)
+    result = store.prefetch([first, second], "cpu1")
+    assert hooked.hook is None, "the read never ran between the chunks"
+    assert store.entry(first).tier == "cpu1"
+    assert store.entry(second).tier == "cpu0"  # promoted by the read: above cpu1, left there
+    assert (result.done, result.missing, result.failed) == (1, 0, 0)
+    check_invariants(store)
+
+
+def test_a_chunk_moved_up_and_down_while_a_read_makes_its_room_leaves_no_stale_policy_entry(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a chunk being read (out of its policy) that a move brought up into cpu
+    was put in cpu's policy all the same, and a move back down, seeing it still being read,
+    left it there: cpu's policy kept a chunk cpu no longer held, planned every later put's room
+    around it and sent every put down to disk. A read making its room (a victim's demotion
+    written without the lock) keeps it being read long enough for an operator's two moves."""
+    cpu = CpuTier(4 * CHUNK)
+    disk = OneKeyGateDisk(tmp_path / "disk", 64 * CHUNK)
+    store = TieredStore([cpu, disk], chunk_tokens=4, eviction="lru")
+    keys = [key(i) for i in range(5)]
+    for k in keys:
+        assert store.put(k, data_of(k), tenant="t") == "cpu"
+    assert store.entry(keys[0]).tier == "disk"
+    disk.held = {keys[1]}  # the victim of key(0)'s promotion
+    disk.gate.clear()
+    reader = Background(lambda: read(store, keys[0]))
+    try:
+        assert disk.wait_inside()
+        assert Background(lambda: store.move([keys[0]], "cpu")).result().done == 1
+        assert Background(lambda: store.move([keys[0]], "disk")).result().done == 1
+        # the victim pinned, the free room taken: the read does not promote key(0) after all
+        assert Background(lambda: store.pin([keys[1]])).result().done == 1
+        assert Background(lambda: store.put(key(20), data_of(key(20)), tenant="t")).result()
+    finally:
+        disk.gate.set()
+    assert reader.result() == data_of(keys[0])
+    assert store.entry(keys[0]).tier == "disk"
+    with store.locked():
+        for name in store.tier_names:
+            tracked = {e.key for e in store._policies[name].victims(0.0)}
+            assert tracked == {e.key for e in store.entries(name) if not e.pinned}, name
+    for i in range(30, 36):  # each lands in cpu, evicting its least recently used chunk
+        assert store.put(key(i), data_of(key(i)), tenant="t") == "cpu"
+    store.unpin([keys[1]])
+    check_invariants(store)
+
+
+def test_a_flush_or_move_counts_a_chunk_pinned_or_evicted_mid_write_as_such(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a chunk pinned while its flush was written counted nowhere (neither
+    done nor skipped as pinned), and one evicted while its move was written counted as a
+    failed move, not as missing (as one evicted before the move reached it does)."""
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.gate.clear()
+    flush = Background(lambda: store.flush("cpu", demote=True))
+    try:
+        assert disk.wait_inside()  # keys[0] first
+        assert Background(lambda: store.pin([keys[0]])).result().done == 1
+    finally:
+        disk.gate.set()
+    result = flush.result()
+    assert (result.done, result.skipped_pinned) == (3, 1)
+    assert store.entry(keys[0]).tier == "cpu"
+    store.unpin([keys[0]])
+
+    disk.gate.clear()
+    move = Background(lambda: store.move([keys[0]], "disk"))
+    try:
+        assert disk.wait_inside()
+        assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    finally:
+        disk.gate.set()
+    result = move.result()
+    assert (result.done, result.failed, result.missing) == (0, 0, 1)
     check_invariants(store)
