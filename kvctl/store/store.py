@@ -1336,24 +1336,26 @@ class TieredStore:
                 with self._lock:
                     self._end_read(e, src.name)
                 raise
-            with self._lock:
-                current = self._is_current(e, src, plan)
-                self._end_read(e, src.name)
-                if why is not None:
-                    if current:
-                        raise self._drop_unreadable(e, src, why)
-                    continue  # it moved or went while we read: look again
-                self._accounting.count_read(src.name, size)
-                self._accounting.note_bandwidth(src.name, size, seconds)
-                # the bytes passed the checksum: they are the chunk's even if it went meanwhile
-                later: list[_Demotion] = []
-                if self._index.get(key) is e:
-                    self._access(e, self._clock())
-                    self._accounting.served(e, tenant)
-                    if e.tier == src.name:
-                        later = self._promote_read(e, view)
-            if later:
-                self._finish_promotion(e, src.name, view, later)
+            later: list[_Demotion] = []
+            try:
+                with self._lock:
+                    current = self._is_current(e, src, plan)
+                    self._end_read(e, src.name)
+                    if why is not None:
+                        if current:
+                            raise self._drop_unreadable(e, src, why)
+                        continue  # it moved or went while we read: look again
+                    self._accounting.count_read(src.name, size)
+                    self._accounting.note_bandwidth(src.name, size, seconds)
+                    # the bytes passed the checksum: they are the chunk's even if it went
+                    if self._index.get(key) is e:
+                        self._access(e, self._clock())
+                        self._accounting.served(e, tenant)
+                        if e.tier == src.name:
+                            later = self._promote_read(e, view)
+            finally:
+                if later:  # begun: each demotion ends, and the chunk is brought up or not
+                    self._finish_promotion(e, src.name, view, later)
             return size, buf
 
     def _delete_copy(self, tier: Tier, key: bytes) -> None:
@@ -1489,8 +1491,10 @@ class TieredStore:
             # dst is still writing an older copy of this key (evicted mid-write): ``_move``
             # puts this one at once (it replaces that one, whose commit is then refused)
             return None
-        except (CapacityError, DiskFullError, TierUnavailable):
+        except (CapacityError, DiskFullError, TierUnavailable) as exc:
             self._accounting.stats.demotion_failures += 1
+            if isinstance(exc, TierUnavailable):  # as a put there that raised it would
+                self._take_offline(dst, exc)
             raise
         self._policies[src.name].on_remove(e)
         lease = src.lease(e.key, math.inf)
@@ -1521,8 +1525,10 @@ class TieredStore:
                     self._accounting.tier(dst.name).demotions += 1
                     self._emit("demote", e, src=src.name)
                     return None
-            except (CapacityError, DiskFullError, TierUnavailable):
+            except (CapacityError, DiskFullError, TierUnavailable) as exc:
                 self._accounting.stats.demotion_failures += 1
+                if isinstance(exc, TierUnavailable):
+                    self._take_offline(dst, exc)
             else:
                 lease = src.lease(e.key, math.inf)
                 self._reading[e] = self._reading.get(e, 0) + 1  # out of its policy already

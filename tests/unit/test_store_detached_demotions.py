@@ -24,7 +24,7 @@ import pytest
 
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
-from kvctl.store.errors import CapacityError, DiskFullError
+from kvctl.store.errors import CapacityError, DiskFullError, TierUnavailable
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import Buffer, ChunkMeta, WriteSlot
 from kvctl.store.tiers.cpu import CpuTier, Lease
@@ -47,6 +47,8 @@ class SlowDisk(DiskTier):
         self.gate = threading.Event()
         self.gate.set()
         self.fail = False
+        #: reserving a detached write raises TierUnavailable (a device that went away)
+        self.broken = False
         self._cv = threading.Condition()
         self.inside = 0
 
@@ -71,6 +73,11 @@ class SlowDisk(DiskTier):
     def write_reserved(self, slot: WriteSlot, data: Buffer) -> None:
         self._held()
         super().write_reserved(slot, data)
+
+    def reserve_write(self, meta: ChunkMeta) -> WriteSlot:
+        if self.broken:
+            raise TierUnavailable(f"tier {self.name!r}: device gone (test)")
+        return super().reserve_write(meta)
 
     def wait_inside(self, n: int = 1) -> bool:
         with self._cv:
@@ -887,3 +894,15 @@ def test_a_flush_or_move_counts_a_chunk_pinned_or_evicted_mid_write_as_such(
     result = move.result()
     assert (result.done, result.failed, result.missing) == (0, 0, 1)
     check_invariants(store)
+
+
+def test_a_disk_that_refuses_a_detached_write_is_taken_offline(tmp_path: Path) -> None:
+    """As a put there that raised TierUnavailable takes it offline (found in review)."""
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.broken = True
+    assert store.put(key(9), data_of(key(9)), tenant="t") == "cpu"  # its victim is dropped
+    assert "disk" in store.offline_tiers and keys[0] not in store
+    assert store.stats.demotion_failures == 1
+    disk.broken = False
+    assert store.move([keys[1]], "disk").failed == 1  # offline until it is tried again
+    assert store.entry(keys[1]).tier == "cpu"
