@@ -17,6 +17,7 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -429,32 +430,47 @@ def test_a_victim_evicted_mid_demotion_is_counted_once(tmp_path: Path) -> None:
 
 
 # --- a lease that promotes a disk chunk into a full arena ---------------------------------------
-def held_lease_promotion(
-    tmp_path: Path,
+def held_promotion(
+    tmp_path: Path, bring_up: Callable[[TieredStore, bytes], Any]
 ) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes], Background]:
-    """cpu holds key(1..4), disk key(0); a lease of key(0) is held mid-way: the demotion that
-    makes its room in cpu (key(1), the least recently used) waits at the disk's gate."""
+    """cpu holds key(1..4), disk key(0); ``bring_up(store, key(0))`` runs in the background,
+    held mid-way: the demotion that makes its room in cpu (key(1), the least recently used)
+    waits at the disk's gate."""
     store, cpu, disk, keys = full_store(tmp_path)
     assert store.put(key(4), data_of(key(4)), tenant="t") == "cpu"  # key(0) demoted (gate open)
     assert store.entry(keys[0]).tier == "disk"
     disk.gate.clear()
-    lease = Background(lambda: store.lease_many([keys[0]], math.inf, tenant="t"))
-    assert disk.wait_inside(), "the lease never reached the demotion's write"
-    return store, cpu, disk, [*keys, key(4)], lease
+    job = Background(lambda: bring_up(store, keys[0]))
+    assert disk.wait_inside(), "it never reached the demotion's write"
+    return store, cpu, disk, [*keys, key(4)], job
 
 
-def test_a_lease_promoting_from_disk_demotes_without_the_lock(tmp_path: Path) -> None:
-    store, _cpu, disk, keys, lease = held_lease_promotion(tmp_path)
-    seen = events_of(store)
-    # the victim's write is held: readers, lookups and other leases go on meanwhile
+def held_lease_promotion(
+    tmp_path: Path,
+) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes], Background]:
+    """``held_promotion`` by a lease of key(0)."""
+    return held_promotion(tmp_path, lambda store, k: store.lease_many([k], math.inf, tenant="t"))
+
+
+def others_go_on_while_the_victim_is_written(
+    store: TieredStore, disk: SlowDisk, keys: list[bytes], seen: list[dict[str, Any]]
+) -> None:
+    """With a promotion's victim (key(1)) held mid-write: reads, lookups and other leases
+    complete, the victim is still read from cpu, and nothing has moved yet."""
     assert Background(lambda: read(store, keys[2])).result() == data_of(keys[2])
     assert Background(lambda: store.lookup(keys[1:], tenant="t")).result().matched_chunks == 4
     other = Background(lambda: store.lease(keys[3], math.inf, tenant="t")).result()
     assert bytes(store.leased_view(other)) == data_of(keys[3])
     store.release([other.lease_id])
-    assert store.entry(keys[1]).tier == "cpu"  # the victim is read from cpu while written
+    assert store.entry(keys[1]).tier == "cpu"
     assert Background(lambda: read(store, keys[1])).result() == data_of(keys[1])
     assert disk.inside == 1 and not [ev for ev in seen if ev["type"] in ("demote", "promote")]
+
+
+def test_a_lease_promoting_from_disk_demotes_without_the_lock(tmp_path: Path) -> None:
+    store, _cpu, disk, keys, lease = held_lease_promotion(tmp_path)
+    seen = events_of(store)
+    others_go_on_while_the_victim_is_written(store, disk, keys, seen)
 
     disk.gate.set()
     (got,) = lease.result()
@@ -523,15 +539,8 @@ def test_a_chunk_waiting_for_its_room_is_not_evicted_from_disk_meanwhile(tmp_pat
 def held_read_promotion(
     tmp_path: Path,
 ) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes], Background]:
-    """``held_lease_promotion``'s store, with a plain read of key(0) (a GET) held mid-way instead:
-    its bytes are read, and the demotion of key(1) that makes its room in cpu waits at the gate."""
-    store, cpu, disk, keys = full_store(tmp_path)
-    assert store.put(key(4), data_of(key(4)), tenant="t") == "cpu"  # key(0) demoted (gate open)
-    assert store.entry(keys[0]).tier == "disk"
-    disk.gate.clear()
-    reader = Background(lambda: read(store, keys[0]))
-    assert disk.wait_inside(), "the read never reached the demotion's write"
-    return store, cpu, disk, [*keys, key(4)], reader
+    """``held_promotion`` by a plain read of key(0) (a GET): its bytes are read already."""
+    return held_promotion(tmp_path, read)
 
 
 def test_a_read_promoting_from_disk_demotes_without_the_lock(tmp_path: Path) -> None:
@@ -539,14 +548,7 @@ def test_a_read_promoting_from_disk_demotes_without_the_lock(tmp_path: Path) -> 
     disk chunk under the lock, writing the arena's victim to disk while every reader waited."""
     store, _cpu, disk, keys, reader = held_read_promotion(tmp_path)
     seen = events_of(store)
-    assert Background(lambda: read(store, keys[2])).result() == data_of(keys[2])
-    assert Background(lambda: store.lookup(keys[1:], tenant="t")).result().matched_chunks == 4
-    other = Background(lambda: store.lease(keys[3], math.inf, tenant="t")).result()
-    assert bytes(store.leased_view(other)) == data_of(keys[3])
-    store.release([other.lease_id])
-    assert store.entry(keys[1]).tier == "cpu"  # the victim is read from cpu while written
-    assert Background(lambda: read(store, keys[1])).result() == data_of(keys[1])
-    assert disk.inside == 1 and not [ev for ev in seen if ev["type"] in ("demote", "promote")]
+    others_go_on_while_the_victim_is_written(store, disk, keys, seen)
     # the chunk whose room is being made is no candidate for the disk's own evictions
     with store.locked():
         assert keys[0] not in {e.key for e in store._policies["disk"].victims(0.0)}
