@@ -28,6 +28,10 @@ they are divided by:
   shared memory, so each lease promotes a chunk into cpu and demotes another to make its room.
 * ``reads_under_read_promotion``: the same with plain reads of those chunks over TCP (a remote
   engine's GET, a peer's pull), each promoting one.
+* ``lookups_under_bulk``: lookups over the Unix socket, one after another, while an operator's
+  ``flush --demote`` writes a full cpu tier to disk, then while a ``resize`` shrinks the refilled
+  tier to an eighth: each lookup's wait next to the operation's own time (a lookup held for the
+  whole batch waits as long as it), with a quiet phase of lookups as the reference.
 * ``lookup``: longest-prefix lookups of a fully cached 512-chunk chain over the data plane, each
   a round trip (Unix socket and TCP), and batched, 32 chains a frame (``lookup_many``).
   Reference ``raw_round_trips``: a bare 20-byte ping-pong between two Python processes over a
@@ -83,6 +87,8 @@ DEMOTION_CPU_CHUNKS = 32
 DEMOTION_HOT_CHUNKS = 4
 #: chunks the lease writer cycles through: three times the cpu tier, so most are on disk
 DEMOTION_COLD_CHUNKS = 3 * DEMOTION_CPU_CHUNKS
+#: cpu tier, in 1 MiB chunks, that ``lookups_under_bulk`` flushes and shrinks
+BULK_CHUNKS = 128
 
 
 def run_agent_bench(
@@ -136,6 +142,8 @@ def run_agent_bench(
         under_read_promotion = _bench_reads_under_demotion(
             Path(tmp), repeats, demotion_seconds, writer="get"
         )
+        say("lookups while an operator flushes cpu to disk, then shrinks it")
+        under_bulk = _bench_lookups_under_bulk(Path(tmp), demotion_seconds)
         largest = max(sizes_bytes)
         say("iperf3 over loopback (when installed)")
         iperf3 = iperf3_loopback(per_size[largest] * largest, largest)
@@ -150,6 +158,7 @@ def run_agent_bench(
         "reads_under_demotion": under_demotion,
         "reads_under_promotion": under_promotion,
         "reads_under_read_promotion": under_read_promotion,
+        "lookups_under_bulk": under_bulk,
         "iperf3": iperf3,
         "targets": TARGETS,
         "notes": [
@@ -586,6 +595,75 @@ def _bench_reads_under_demotion(
         "demotions_to_disk": demotions,
         "promotions_to_cpu": promotions,
     }
+
+
+def _bench_lookups_under_bulk(tmp: Path, quiet_seconds: float) -> dict[str, Any]:
+    """p50/p99/max of back-to-back lookups (the store's lock, nothing else) with nothing else
+    running, then during ``flush cpu --demote`` of a full cpu tier, then during a ``resize``
+    of the refilled tier to an eighth of its size (both over the control API)."""
+    from kvctl.client import AgentClient, DataClient
+    from kvctl.quantiles import nearest_rank
+
+    size, chunks = DEMOTION_CHUNK_BYTES, BULK_CHUNKS
+    argv = ["--cpu", str(chunks * size), "--disk", str(4 * chunks * size)]
+    out: dict[str, Any] = {"chunk_bytes": size, "cpu_tier_chunks": chunks}
+    with spawned_agent(tmp / "bulk-agent", *argv, "--log-level", "warning") as state:
+        assert state.data_unix is not None
+        with (
+            DataClient.connect(state.data_unix) as client,
+            AgentClient(state.control_url) as ctl,
+        ):
+            probe = [_key(f"bulk:1:{i}") for i in range(8)]  # the chunks flushed
+            src = np.full(size, 5, dtype=np.uint8)
+
+            def fill(round_: int) -> None:
+                """A cpu tier full of fresh chunks (a put of a cached key only refreshes it)."""
+                for i in range(chunks):
+                    client.put(_key(f"bulk:{round_}:{i}"), src)
+
+            def timed(operation: Callable[[], Any] | None) -> tuple[list[float], float]:
+                """Lookups back to back while ``operation`` runs (None: for quiet_seconds)."""
+                waits: list[float] = []
+                stop = threading.Event()
+
+                def looker() -> None:
+                    with DataClient.connect(state.data_unix) as mine:  # type: ignore[arg-type]
+                        while not stop.is_set():
+                            t = time.perf_counter()
+                            mine.lookup(probe)
+                            waits.append(time.perf_counter() - t)
+
+                thread = threading.Thread(target=looker, daemon=True)
+                thread.start()
+                t0 = time.perf_counter()
+                if operation is None:
+                    time.sleep(quiet_seconds)
+                else:
+                    operation()
+                took = time.perf_counter() - t0
+                stop.set()
+                thread.join(30)
+                return sorted(waits), took
+
+            phases = {
+                "quiet": None,
+                "flush": lambda: ctl.flush("cpu", demote=True),
+                "resize": lambda: ctl.resize("cpu", chunks // 8 * size),
+            }
+            for round_, (name, operation) in enumerate(phases.items()):
+                if name != "quiet":
+                    fill(round_)
+                waits, took = timed(operation)
+                out[name] = {
+                    "seconds": took,
+                    "lookups": len(waits),
+                    "lookup_p50_seconds": nearest_rank(waits, 0.5) if waits else None,
+                    "lookup_p99_seconds": nearest_rank(waits, 0.99) if waits else None,
+                    "lookup_max_seconds": waits[-1] if waits else None,
+                }
+            tiers = ctl.stats()["stats"]["tiers"]
+            out["demotions_to_disk"] = tiers["disk"]["demotions"]
+    return out
 
 
 def demotion_writer(address: str, size: int, seed: int, kind: str = "put") -> None:

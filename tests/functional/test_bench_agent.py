@@ -138,3 +138,12 @@ def test_reads_beside_a_writer_that_moves_chunks(
     assert under[moves] > 0  # the writer did move chunks between the tiers
     for phase in ("quiet", "busy"):
         assert 0 < under[f"read_p50_seconds_{phase}"] <= under[f"read_p99_seconds_{phase}"]
+
+
+def test_lookups_beside_an_operator_flush_and_resize(result: dict[str, Any]) -> None:
+    bulk = result["lookups_under_bulk"]
+    assert bulk["demotions_to_disk"] >= bulk["cpu_tier_chunks"]  # the flush demoted every chunk
+    for phase in ("quiet", "flush", "resize"):
+        p = bulk[phase]
+        assert p["seconds"] > 0 and p["lookups"] > 0
+        assert 0 < p["lookup_p50_seconds"] <= p["lookup_p99_seconds"] <= p["lookup_max_seconds"]
