@@ -138,6 +138,19 @@ class _Demotion:
     outcome: str = ""
 
 
+@dataclass(slots=True)
+class _PutWrite:
+    """A new chunk on its way into a tier with detached writes (disk): its room there taken
+    and its write reserved under the lock, its file written without it, then committed and
+    indexed under it (``TieredStore._land_put``)."""
+
+    entry: Entry
+    target: Tier
+    slot: WriteSlot
+    start: int  # the tier rank the put asked from, for ``_insert_new``
+    skip: set[str]
+
+
 @dataclass(frozen=True, slots=True)
 class BulkResult:
     """Outcome of a bulk operation (evict, pin, move, prefetch, flush)."""
@@ -400,8 +413,9 @@ class TieredStore:
         self._check_new(key, size, priority=priority, parent=parent)
         if retention_seconds is not None and retention_seconds < 0:
             raise InvalidArgument(f"retention_seconds must not be negative: {retention_seconds}")
-        return self._in_rounds(
-            lambda detach: self._put_locked(
+
+        def attempt(detach: bool) -> tuple[bool, str | _PutWrite | None, list[_Demotion]]:
+            return self._put_locked(
                 key,
                 data,
                 size,
@@ -416,7 +430,44 @@ class TieredStore:
                 tier=tier,
                 detach=detach,
             )
-        )
+
+        result = self._in_rounds(attempt)
+        if not isinstance(result, _PutWrite):
+            return result
+        assert data is not None  # a write is only detached with the bytes in hand
+        if self._land_put(result, data):
+            return result.target.name
+        # stored by another put meanwhile (this one then refreshes it), or the write failed:
+        # the put is made again, all under the lock (a failed tier is passed over as ever)
+        with self._lock:
+            done, again, _ = attempt(False)
+        assert done and not isinstance(again, _PutWrite)
+        return again
+
+    def _land_put(self, w: _PutWrite, data: Buffer) -> bool:
+        """Without the lock: write a put's chunk into its reserved slot, then commit and index
+        it under the lock. False, with the slot given back, when it did not land (the key was
+        stored meanwhile, the write or its commit failed, the store closed)."""
+        error: BaseException | None = None
+        try:
+            w.target.write_reserved(w.slot, data)
+        except BaseException as exc:
+            error = exc
+        with self._lock:
+            if error is None and not self._closed and w.entry.key not in self._index:
+                try:
+                    landed = w.target.commit_write(w.slot)
+                except StoreError as exc:
+                    landed, error = False, exc
+                if landed:
+                    self._insert_new(w.entry, w.target, start=w.start, skip=w.skip, pinned=False)
+                    return True
+            w.target.abort_write(w.slot)
+            if isinstance(error, TierUnavailable):
+                self._take_offline(w.target, error)
+        if error is not None and not isinstance(error, (StoreError, OSError)):
+            raise error  # an interrupt, or a bug's error: not hidden as a failed write
+        return False
 
     def _in_rounds(self, attempt: Callable[[bool], tuple[bool, _R, list[_Demotion]]]) -> _R:
         """``attempt(detach)`` under the lock until it is done. A round whose room is being
@@ -447,10 +498,13 @@ class TieredStore:
         isolated: bool,
         tier: str | None,
         detach: bool,
-    ) -> tuple[bool, str | None, list[_Demotion]]:
+    ) -> tuple[bool, str | _PutWrite | None, list[_Demotion]]:
         """``put`` under the lock: (True, where it landed, []) once done, or (False, None,
         the demotions begun) when room is being made by demotions written without the lock
-        (``detach``; nothing else has changed but evictions), for ``put`` to finish and retry."""
+        (``detach``; nothing else has changed but evictions), for ``put`` to finish and retry.
+        With ``detach``, a chunk bound for a tier with detached writes (disk: the cpu tier
+        could not take it) is only reserved there: (True, its ``_PutWrite``, []), for ``put``
+        to write without the lock."""
         now = self._clock()
         isolated = isolated or tenant in self._isolated_tenants
         existing = self._index.get(key)
@@ -508,6 +562,20 @@ class TieredStore:
                     return False, None, later
             else:
                 self._evict_for(target, victims)
+            if detach and target.detached_writes and data is not None and not pinned:
+                try:
+                    slot = target.reserve_write(entry.meta())
+                except TierUnavailable as exc:
+                    self._take_offline(target, exc)
+                    skip.add(target.name)
+                    continue
+                except (CapacityError, DiskFullError):
+                    skip.add(target.name)
+                    continue
+                except InvalidArgument:
+                    pass  # an older copy of the key is still being written there: put at once
+                else:
+                    return True, _PutWrite(entry, target, slot, start, skip), []
             try:
                 target.put(entry.meta(), data)
             except TierUnavailable as exc:

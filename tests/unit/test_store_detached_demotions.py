@@ -908,3 +908,60 @@ def test_a_disk_that_refuses_a_detached_write_is_taken_offline(tmp_path: Path) -
     disk.broken = False
     assert store.move([keys[1]], "disk").failed == 1  # offline until it is tried again
     assert store.entry(keys[1]).tier == "cpu"
+
+
+# --- a put that lands on disk (the cpu tier cannot take it) ------------------------------------
+def pinned_full_store(tmp_path: Path) -> tuple[TieredStore, CpuTier, SlowDisk, list[bytes]]:
+    """``full_store`` with every cpu chunk pinned: a new chunk can only go to disk."""
+    store, cpu, disk, keys = full_store(tmp_path)
+    assert store.pin(keys).done == 4
+    return store, cpu, disk, keys
+
+
+def test_a_put_landing_on_disk_is_written_without_the_lock(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = pinned_full_store(tmp_path)
+    seen = events_of(store)
+    disk.gate.clear()
+    new = key(9)
+    put = Background(lambda: store.put(new, data_of(new), tenant="t"))
+    assert disk.wait_inside(), "the put never reached its write"
+    assert Background(lambda: read(store, keys[2])).result() == data_of(keys[2])
+    assert Background(lambda: store.lookup([new], tenant="t")).result().matched_chunks == 0
+    other = Background(lambda: store.lease(keys[3], math.inf, tenant="t")).result()
+    assert bytes(store.leased_view(other)) == data_of(keys[3])
+    store.release([other.lease_id])
+    assert not seen  # not stored until its file is in place
+    disk.gate.set()
+    assert put.result() == "disk"
+    assert store.entry(new).tier == "disk" and read(store, new) == data_of(new)
+    assert [ev["type"] for ev in seen] == ["store"]
+    assert store.stats.tiers["disk"].puts == 1
+    store.unpin(keys)
+    check_invariants(store)
+
+
+def test_a_put_whose_disk_write_fails_is_refused_with_nothing_left(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = pinned_full_store(tmp_path)
+    disk.fail = True
+    with pytest.raises(CapacityError):
+        store.put(key(9), data_of(key(9)), tenant="t")
+    assert key(9) not in store
+    disk.fail = False
+    store.unpin(keys)
+    check_invariants(store)
+
+
+def test_the_same_key_put_twice_while_the_first_is_written_is_stored_once(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = pinned_full_store(tmp_path)
+    seen = events_of(store)
+    disk.gate.clear()
+    new = key(9)
+    first = Background(lambda: store.put(new, data_of(new), tenant="t"))
+    assert disk.wait_inside()
+    # the second goes at once (a disk put of a key being written is not held): it is stored
+    assert Background(lambda: store.put(new, data_of(new), tenant="t")).result() == "disk"
+    disk.gate.set()
+    assert first.result() == "disk"  # its own copy was not committed: it refreshed the other
+    assert [ev["type"] for ev in seen] == ["store"]
+    store.unpin(keys)
+    check_invariants(store)
