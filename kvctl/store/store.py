@@ -716,6 +716,8 @@ class TieredStore:
             raise InvalidArgument(f"priority must be in 0..{MAX_PRIORITY}, got {priority}")
         if parent is not None:
             _check_key(parent, "parent")
+            if parent == key:  # its own child: every eviction and re-put would skew the count
+                raise InvalidArgument(f"chunk {key.hex()} cannot be its own parent")
 
     def _new_entry(
         self,

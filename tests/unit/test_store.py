@@ -251,6 +251,9 @@ def test_bad_input_is_refused_with_clear_errors_and_no_change(ns: Namespace) -> 
         store.put(chain(ns, 1, seed=8)[0], b"x" * 100, priority=101)
     with pytest.raises(InvalidArgument, match="retention"):
         store.put(chain(ns, 1, seed=8)[0], b"x" * 100, retention_seconds=-1)
+    own = chain(ns, 1, seed=6)[0]
+    with pytest.raises(InvalidArgument, match="own parent"):  # found in review: counts skewed
+        store.put(own, b"x" * 100, parent=own)
     with pytest.raises(InvalidArgument, match="smaller than one chunk"):
         store.resize("cpu", 99)
     with pytest.raises(InvalidArgument, match="negative"):
@@ -656,16 +659,14 @@ def test_hottest_prefix_walk_survives_cycles_and_stops_at_its_bound(
     ns: Namespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = TieredStore([CpuTier(10_000)])
-    a, b, solo = (chain(ns, 1, seed=i)[0] for i in range(3))
+    a, b = (chain(ns, 1, seed=i)[0] for i in range(2))
     store.put(a, payload(a), tokens=4, parent=b)  # hand-made parents: a -> b -> a
     store.put(b, payload(b), tokens=4, parent=a)
-    store.put(solo, payload(solo), tokens=4, parent=solo)
     hot = {h.key: h for h in store.hottest(5)}  # returns at all: no endless walk
-    assert set(hot) == {a, b, solo}
+    assert set(hot) == {a, b}
     assert not any(h.prefix_complete for h in hot.values())
     # each chunk counted once at most: a cycle's answer is a partial prefix, never a loop's sum
     assert all(1 <= h.prefix_chunks <= 2 for h in (hot[a], hot[b]))
-    assert (hot[solo].prefix_chunks, hot[solo].prefix_tokens) == (1, 4)
 
     monkeypatch.setattr("kvctl.store.store._MAX_PREFIX_WALK", 2)
     deep = TieredStore([CpuTier(10_000)])
