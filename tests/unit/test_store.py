@@ -251,9 +251,6 @@ def test_bad_input_is_refused_with_clear_errors_and_no_change(ns: Namespace) -> 
         store.put(chain(ns, 1, seed=8)[0], b"x" * 100, priority=101)
     with pytest.raises(InvalidArgument, match="retention"):
         store.put(chain(ns, 1, seed=8)[0], b"x" * 100, retention_seconds=-1)
-    own = chain(ns, 1, seed=6)[0]
-    with pytest.raises(InvalidArgument, match="own parent"):  # found in review: counts skewed
-        store.put(own, b"x" * 100, parent=own)
     with pytest.raises(InvalidArgument, match="smaller than one chunk"):
         store.resize("cpu", 99)
     with pytest.raises(InvalidArgument, match="negative"):
@@ -680,3 +677,20 @@ def test_hottest_prefix_walk_survives_cycles_and_stops_at_its_bound(
         8,
         False,
     )
+
+
+def test_a_chunk_named_as_its_own_parent_is_a_root(ns: Namespace) -> None:
+    """A replay keyed by trace block ids can repeat an id; kept as its own child, its child
+    count grew by one at every eviction and re-put (found in review)."""
+    store = TieredStore([CpuTier(1000)], chunk_bytes=100)
+    own = chain(ns, 1, seed=6)[0]
+    for _ in range(3):
+        assert store.put(own, payload(own), parent=own) == "cpu"
+        e = store.entry(own)
+        assert e.parent is None and e.children == 0
+        store.evict([own])
+    slot = store.reserve_put(own, 100, parent=own)  # the in-place put, too
+    assert slot is not None
+    slot.view[:] = payload(own)
+    assert store.commit_put(slot) == "cpu"
+    assert store.entry(own).parent is None and store.get(own) == payload(own)
