@@ -45,12 +45,12 @@ DETACHED_DEMOTION_ROUNDS = 4
 @dataclass(slots=True)
 class _Rooms:
     """Room a lease round makes in the lease tier by demotions written without the lock: the
-    demotions begun, and the chunks waiting for them with their place in the batch and their
-    tier (each out of its tier's policy and marked as being brought up until they end, so no
-    other batch makes room for it again and nothing evicts it meanwhile); asked for again then."""
+    demotions begun, and the chunks waiting for them with their place in the batch (each out of
+    its tier's policy and marked as being brought up until they end, so no other batch makes
+    room for it again and nothing evicts it meanwhile); asked for again then."""
 
     demotions: list[object] = field(default_factory=list)
-    waiting: list[tuple[int, Entry, str]] = field(default_factory=list)
+    waiting: list[tuple[int, Entry]] = field(default_factory=list)
 
 
 # A flight's state (``_Flight.state``), changed only under the book's ``_flight_lock``:
@@ -115,7 +115,7 @@ class LeaseHost(Protocol):
 
     def _begin_read(self, e: Entry) -> None: ...
 
-    def _end_read(self, e: Entry, src: str) -> None: ...
+    def _end_read(self, e: Entry) -> None: ...
 
     def _is_current(self, e: Entry, src: Tier, plan: ReadPlan) -> bool: ...
 
@@ -291,7 +291,7 @@ class LeaseBook:
                 if rooms is not None:  # begun under the lock: each ends, whatever happened
                     self._end_rooms(rooms)
         if rooms is not None:
-            again += [(i, e.key) for i, e, _ in rooms.waiting]
+            again += [(i, e.key) for i, e in rooms.waiting]
         with self._lock:
             for i, key in waiting:
                 while key in self._promoting:
@@ -308,9 +308,9 @@ class LeaseBook:
         finally:
             if rooms.waiting:
                 with self._lock:
-                    for _, e, src in rooms.waiting:
+                    for _, e in rooms.waiting:
                         self._promoting.discard(e.key)
-                        self._host._end_read(e, src)
+                        self._host._end_read(e)
                     self._promoted.notify_all()
 
     def _resolve(
@@ -375,15 +375,15 @@ class LeaseBook:
         except (CapacityError, InvalidArgument):
             # InvalidArgument: the lease tier already has the key (a copy the index does not
             # place there): this key cannot be held there now, the batch goes on without it
-            host._end_read(e, src.name)
+            host._end_read(e)
             return None
         except BaseException:
-            host._end_read(e, src.name)
+            host._end_read(e)
             raise
         self._promoting.add(e.key)
         if deferred:
             assert rooms is not None
-            rooms.waiting.append((i, e, src.name))  # still being read: ends with the demotions
+            rooms.waiting.append((i, e))  # still being read: ends with the demotions
             return None
         view = home.reserved_view(reservation)
         return _Flight(i, e, src, plan, home, reservation, view)
@@ -493,12 +493,12 @@ class LeaseBook:
             # never handed out, until that reader gives them back (``_read_one``)
             if state is _DROPPED:
                 home.abort(r)
-            host._end_read(e, src.name)
+            host._end_read(e)
             return False
         current = host._is_current(e, src, f.plan)
         if f.error is not None or f.why is not None or not current or e.pinned:
             home.abort(r)
-            host._end_read(e, src.name)
+            host._end_read(e)
             if f.error is not None:
                 raise f.error
             if not current:  # evicted, moved or rewritten meanwhile: look again
@@ -510,7 +510,7 @@ class LeaseBook:
         if not home.commit(r):
             # the arena was replaced (resize) mid-read: the bytes, read and checked, are in
             # the old one; place them like any promotion
-            host._end_read(e, src.name)
+            host._end_read(e)
             self._accounting.count_read(src.name, e.size_bytes)
             results[f.index] = self._promote_and_grant(home, e, f.view, ttl_s)
             return False
@@ -518,7 +518,7 @@ class LeaseBook:
             host._delete_copy(src, e.key)
         except BaseException as exc:
             home.delete(e.key)  # still one copy, in src
-            host._end_read(e, src.name)
+            host._end_read(e)
             if not isinstance(exc, TierUnavailable):
                 raise
             # the disk copy cannot be removed (its disk went read-only, say): the chunk stays

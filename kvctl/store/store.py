@@ -40,9 +40,13 @@ under it (the chunk's ``demote`` event comes once its file is in place) and plan
 put is answered only once its demotions have landed. A victim evicted, moved or pinned meanwhile
 keeps its new state (the written file is taken back); a write that fails drops the victim,
 counted as a failed demotion, as under the lock. A lease batch whose key's room is being made so
-asks for that key again once the demotions have landed. Other demotions (moves, flushes,
-resizes, a promotion by a plain read) and a put landing on disk itself still write under the
-lock.
+asks for that key again once the demotions have landed; a plain read's promotion waits for them
+itself, then promotes its chunk if its room is still free. An operator's move or flush down to
+disk, and a shrinking resize, write the same way, taking the lock once per chunk (or batch);
+a put that lands on disk itself reserves its file under the lock and writes it without. Still
+written under the lock: a pinned put landing on disk, a pin that moves chunks, a move across
+more than one tier, the last step of a resize, and the last of a put's rounds when others keep
+taking its room.
 
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
@@ -563,21 +567,14 @@ class TieredStore:
                     return False, None, later
             else:
                 self._evict_for(target, victims)
-            if detach and target.detached_writes and data is not None and not pinned:
-                try:
-                    slot = target.reserve_write(entry.meta())
-                except TierUnavailable as exc:
-                    self._take_offline(target, exc)
-                    skip.add(target.name)
-                    continue
-                except (CapacityError, DiskFullError):
-                    skip.add(target.name)
-                    continue
-                except InvalidArgument:
-                    pass  # an older copy of the key is still being written there: put at once
-                else:
-                    return True, _PutWrite(entry, target, slot, start, skip), []
             try:
+                if detach and target.detached_writes and data is not None and not pinned:
+                    try:
+                        slot = target.reserve_write(entry.meta())
+                    except InvalidArgument:
+                        pass  # an older copy of the key is still being written: put at once
+                    else:
+                        return True, _PutWrite(entry, target, slot, start, skip), []
                 target.put(entry.meta(), data)
             except TierUnavailable as exc:
                 self._take_offline(target, exc)
@@ -1347,8 +1344,8 @@ class TieredStore:
             self._policies[e.tier].on_remove(e)
         self._reading[e] = n + 1
 
-    def _end_read(self, e: Entry, src: str) -> None:
-        """Under the lock: a read that began in tier ``src`` is over. A chunk being read is in
+    def _end_read(self, e: Entry) -> None:
+        """Under the lock: a read of ``e`` is over. A chunk being read is in
         no policy (a move or promotion meanwhile puts it in none either): once its last read
         is over, the policy of the tier it is in now tracks it, unless it was evicted or
         pinned meanwhile."""
@@ -1404,13 +1401,13 @@ class TieredStore:
                 seconds = time.perf_counter() - started_s
             except BaseException:
                 with self._lock:
-                    self._end_read(e, src.name)
+                    self._end_read(e)
                 raise
             later: list[_Demotion] = []
             try:
                 with self._lock:
                     current = self._is_current(e, src, plan)
-                    self._end_read(e, src.name)
+                    self._end_read(e)
                     if why is not None:
                         if current:
                             raise self._drop_unreadable(e, src, why)
@@ -1661,7 +1658,7 @@ class TieredStore:
                     self._accounting.tier(src.name).evictions[d.reason] += 1
                 src.delete(e.key)
                 e.tier = dst.name  # before _end_read, which puts it in dst's policy
-                self._end_read(e, src.name)
+                self._end_read(e)
                 self._offline.pop(dst.name, None)
                 self._accounting.count_read(src.name, e.size_bytes)
                 self._accounting.count_written(dst.name, e.size_bytes)
@@ -1673,7 +1670,7 @@ class TieredStore:
         dst.abort_write(d.slot)
         if isinstance(d.error, TierUnavailable):
             self._take_offline(dst, d.error)
-        self._end_read(e, src.name)
+        self._end_read(e)
         d.outcome = "kept"
         if current and d.error is not None:  # the write failed (disk full, a failed device)
             self._accounting.stats.demotion_failures += 1
@@ -1877,10 +1874,10 @@ class TieredStore:
         try:
             later = self._room_later(dst, e.size_bytes)
         except BaseException:
-            self._end_read(e, src.name)
+            self._end_read(e)
             raise
         if not later:  # the room is there ([]), or cannot be made (None)
-            self._end_read(e, src.name)
+            self._end_read(e)
             if later is not None:
                 self._promote(e, data)
             return []
@@ -1893,25 +1890,27 @@ class TieredStore:
         """Without the lock: write the demotions ``_promote_read`` began, then promote ``e``
         if it is still where it was read and its room is still free (taken meanwhile: it
         stays where it is, and the next read promotes it)."""
+        written = False
         try:
             self._finish_demotions(later)
+            written = True
         finally:
             with self._lock:
                 self._leases.end_bringing_up(e.key)
-                self._end_read(e, src)
-        with self._lock:
-            if (
-                self._index.get(e.key) is e
-                and e.tier == src
-                and self._room_victims(self._hit_tier, e.size_bytes) == []
-            ):
-                self._promote(e, data)
+                self._end_read(e)
+                if (
+                    written
+                    and self._index.get(e.key) is e
+                    and e.tier == src
+                    and self._room_victims(self._hit_tier, e.size_bytes) == []
+                ):
+                    self._promote(e, data)
 
     def _commit_promotion(self, e: Entry, src: Tier, dst: Tier) -> None:
         """A chunk read from ``src`` outside the lock now has its copy in ``dst`` (and its copy
         in ``src`` is gone): the index, ``dst``'s policy, the counters and listeners learn it."""
         e.tier = dst.name  # before _end_read, which puts it in dst's policy (its last read)
-        self._end_read(e, src.name)
+        self._end_read(e)
         self._offline.pop(dst.name, None)
         self._accounting.count_read(src.name, e.size_bytes)
         self._accounting.count_written(dst.name, e.size_bytes)
