@@ -6,6 +6,7 @@ line and bad input. No assertion on speed."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -29,7 +30,12 @@ def result() -> dict[str, Any]:
 
 
 def _agents_of_the_bench() -> list[str]:
-    out = subprocess.run(["pgrep", "-af", "kvctl-bench-ttft-"], capture_output=True, text=True)
+    # only this process's children: another worker's bench may be running beside this one
+    out = subprocess.run(
+        ["pgrep", "-af", "-P", str(os.getpid()), "kvctl-bench-ttft-"],
+        capture_output=True,
+        text=True,
+    )
     return [line for line in out.stdout.splitlines() if "agent start" in line]
 
 
