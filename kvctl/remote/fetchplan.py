@@ -39,11 +39,15 @@ Prefill model: ``seconds(a, b)`` to compute tokens [a, b) after a cached prefix 
 ``(b - a) * (alpha + beta * (a + b) / 2)``: a per-token cost (the weights' matmuls) plus one
 that grows with the context (attention reads every earlier token). It is the sum of the
 per-token costs ``alpha + beta * i``, so it is additive over adjacent ranges: the prefill a
-chunk saves depends only on where in the context it sits. Fitted by least squares on the
-engines' measured samples, per model, outliers rejected (``EngineRates``), else the configured
-tokens/s (beta = 0), else the modeled figure of the model and GPU profiles (beta = 0: the
-profiles leave attention out, so long prompts are under-costed and fetching deep chunks is
-under-valued, never over-valued).
+chunk saves depends only on where in the context it sits. A whole prefill also pays an
+overhead whatever its length (kernel launches: on a GPU a 64-token prefill of an 8B model costs
+most of a 1k-token one), which no reuse saves, so the plan leaves it out; the fit must not: read
+as attention, a short prefill deep in a context made an H200's 32k-token prefill look 12-25x
+its real 1.4 s, and disk reads twice as slow as recomputing were taken. Fitted by least
+squares on the engines' measured samples, per model, outliers rejected (``EngineRates``), else
+the configured tokens/s (beta = 0), else the modeled figure of the model and GPU profiles
+(beta = 0: the profiles leave attention out, so long prompts are under-costed and fetching deep
+chunks is under-valued, never over-valued).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import threading
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from kvctl.errors import InvalidArgument
 from kvctl.remote.links import Link
@@ -169,7 +173,9 @@ class PrefillRate:
 @dataclass(frozen=True)
 class PrefillModel:
     """Seconds to prefill tokens [a, b) after a cached prefix of a tokens:
-    ``(b - a) * (alpha + beta * (a + b) / 2)`` (see the module).
+    ``(b - a) * (alpha + beta * (a + b) / 2)`` (see the module), what recomputing them costs
+    beyond ``overhead_s``, which every prefill pays whatever its length (a request always
+    computes at least its last token, so reusing chunks never saves it).
 
     ``basis`` starts with "measured", "configured" or "modeled" (as ``PrefillRate``'s does);
     ``inputs`` says what the figure was built from (samples and fit, the setting, the
@@ -181,14 +187,19 @@ class PrefillModel:
     beta_s_per_token2: float
     basis: str
     inputs: Mapping[str, object] = field(default_factory=dict)
+    #: seconds of each prefill whatever its length (kernel launches, the pass's set-up)
+    overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         alpha = _number(self.alpha_s_per_token, "prefill alpha_s_per_token")
         beta = _number(self.beta_s_per_token2, "prefill beta_s_per_token2")
+        overhead = _number(self.overhead_s, "prefill overhead_s")
         if not math.isfinite(alpha) or alpha <= 0:
             raise InvalidArgument(f"prefill alpha_s_per_token must be finite and > 0, got {alpha}")
         if not math.isfinite(beta) or beta < 0:
             raise InvalidArgument(f"prefill beta_s_per_token2 must be finite and >= 0, got {beta}")
+        if not math.isfinite(overhead) or overhead < 0:
+            raise InvalidArgument(f"prefill overhead_s must be finite and >= 0, got {overhead}")
 
     @property
     def kind(self) -> str:
@@ -201,16 +212,22 @@ class PrefillModel:
         return 1.0 / self.alpha_s_per_token
 
     def seconds(self, start_tokens: float, end_tokens: float) -> float:
+        """What computing tokens [start, end) adds to a prefill (the overhead left out)."""
         n = end_tokens - start_tokens
         return n * (
             self.alpha_s_per_token + self.beta_s_per_token2 * (start_tokens + end_tokens) / 2
         )
+
+    def prefill_seconds(self, start_tokens: float, end_tokens: float) -> float:
+        """A whole prefill of tokens [start, end), as an engine times it: the overhead included."""
+        return self.overhead_s + self.seconds(start_tokens, end_tokens)
 
     def as_dict(self) -> dict[str, object]:
         return {
             "tokens_per_s": self.tokens_per_s,
             "alpha_s_per_token": self.alpha_s_per_token,
             "beta_s_per_token2": self.beta_s_per_token2,
+            "overhead_s": self.overhead_s,
             "basis": self.basis,
             "kind": self.kind,
             "inputs": dict(self.inputs),
@@ -248,39 +265,108 @@ class PrefillSample:
             )
 
 
-def fit_prefill(samples: Sequence[PrefillSample]) -> tuple[float, float, float] | None:
-    """(alpha, beta, rms residual seconds) of ``t = n * (alpha + beta * (2a + n) / 2)`` by least
-    squares over the samples, with alpha, beta >= 0 (a negative coefficient is noise: the other
-    is fitted alone); None without samples."""
+class PrefillFit(NamedTuple):
+    """A least-squares fit of an engine's prefill samples (``fit_prefill``)."""
+
+    alpha_s_per_token: float
+    beta_s_per_token2: float
+    #: seconds each prefill paid whatever its length (launches, the pass's set-up)
+    overhead_s: float
+    rms_residual_s: float
+
+
+# the fit's terms as (overhead, per token, attention) columns, in the order of preference when
+# several fit the samples equally well (they cannot be told apart): an overhead before an
+# attention term, since a short prefill deep in a context mostly pays launches, and reading its
+# cost as attention makes a long prompt's predicted prefill many times the real one
+_TERMS: tuple[tuple[bool, bool, bool], ...] = (
+    (True, True, True),
+    (True, True, False),
+    (False, True, True),
+    (True, False, True),
+    (False, True, False),
+    (False, False, True),
+)
+#: a set of terms whose (normalised) columns are this close to dependent is not fitted
+_SINGULAR = 1e-10
+
+
+def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit | None:
+    """Least squares of ``t = overhead + n * (alpha + beta * (2a + n) / 2)`` over the samples
+    (``n`` tokens computed after ``a`` cached), every term >= 0. The unconstrained fit of all
+    three when the samples determine them and none comes out negative; else the best of the
+    subsets of terms (a negative coefficient is noise: the others are fitted alone), ties in the
+    order of ``_TERMS``. None without samples."""
     if not samples:
         return None
-    s11 = s12 = s22 = b1 = b2 = 0.0
-    for s in samples:
-        n, a = float(s.computed_tokens), float(s.cached_tokens)
-        x1, x2 = n, n * (2 * a + n) / 2
-        s11 += x1 * x1
-        s12 += x1 * x2
-        s22 += x2 * x2
-        b1 += x1 * s.seconds
-        b2 += x2 * s.seconds
-    det = s11 * s22 - s12 * s12
-    alpha = beta = -1.0
-    if det > 1e-9 * s11 * s22:  # the samples span more than one context: both terms are known
-        alpha = (b1 * s22 - b2 * s12) / det
-        beta = (s11 * b2 - s12 * b1) / det
-    if beta < 0 or alpha < 0:
-        alpha_only = b1 / s11
-        beta_only = b2 / s22
-        if alpha < 0 and beta > 0:  # attention dominates every sample
-            alpha, beta = 0.0, beta_only
-        else:
-            alpha, beta = alpha_only, 0.0
-    alpha = max(alpha, MIN_ALPHA_S_PER_TOKEN)
-    rss = 0.0
-    for s in samples:
-        n, a = s.computed_tokens, s.cached_tokens
-        rss += (n * (alpha + beta * (2 * a + n) / 2) - s.seconds) ** 2
-    return alpha, beta, math.sqrt(rss / len(samples))
+    rows = [
+        (
+            1.0,
+            float(s.computed_tokens),
+            s.computed_tokens * (2.0 * s.cached_tokens + s.computed_tokens) / 2,
+        )
+        for s in samples
+    ]
+    ys = [s.seconds for s in samples]
+    best: tuple[float, tuple[float, float, float]] | None = None
+    for used in _TERMS:
+        coef = _least_squares(rows, ys, used)
+        if coef is None:
+            continue
+        rss = sum(
+            (sum(c * x for c, x in zip(coef, row, strict=True)) - y) ** 2
+            for row, y in zip(rows, ys, strict=True)
+        )
+        # a later set wins only if it fits clearly better (equal fits keep the preferred one)
+        if best is None or rss < best[0] * (1 - 1e-9) - 1e-24:
+            best = (rss, coef)
+    if best is None:  # cannot happen: a single column of positive token counts always fits
+        return None
+    rss, (overhead, alpha, beta) = best
+    return PrefillFit(
+        max(alpha, MIN_ALPHA_S_PER_TOKEN), beta, overhead, math.sqrt(rss / len(samples))
+    )
+
+
+def _least_squares(
+    rows: Sequence[tuple[float, float, float]], ys: Sequence[float], used: tuple[bool, bool, bool]
+) -> tuple[float, float, float] | None:
+    """The coefficients of the ``used`` columns (the others 0) minimising the squared error,
+    or None where the columns are (near) dependent or a coefficient comes out negative. The
+    columns are scaled to unit length first: their magnitudes differ by up to 10^15."""
+    cols = [j for j in range(3) if used[j]]
+    norms = [math.sqrt(sum(r[j] * r[j] for r in rows)) for j in cols]
+    if any(n == 0 for n in norms):
+        return None
+    k = len(cols)
+    # normal equations of the scaled columns, solved by Gaussian elimination with pivoting
+    a = [
+        [sum(r[cols[i]] * r[cols[j]] for r in rows) / (norms[i] * norms[j]) for j in range(k)]
+        + [sum(r[cols[i]] * y for r, y in zip(rows, ys, strict=True)) / norms[i]]
+        for i in range(k)
+    ]
+    det = 1.0
+    for i in range(k):
+        p = max(range(i, k), key=lambda r: abs(a[r][i]))
+        a[i], a[p] = a[p], a[i]
+        det *= a[i][i]
+        if abs(a[i][i]) < _SINGULAR:
+            return None
+        for r in range(i + 1, k):
+            f = a[r][i] / a[i][i]
+            for c in range(i, k + 1):
+                a[r][c] -= f * a[i][c]
+    if abs(det) < _SINGULAR:
+        return None
+    x = [0.0] * k
+    for i in reversed(range(k)):
+        x[i] = (a[i][k] - sum(a[i][c] * x[c] for c in range(i + 1, k))) / a[i][i]
+    out = [0.0, 0.0, 0.0]
+    for i, j in enumerate(cols):
+        if x[i] < 0:
+            return None
+        out[j] = x[i] / norms[i]
+    return out[0], out[1], out[2]
 
 
 @dataclass
@@ -458,7 +544,7 @@ class EngineRates:
         if fit is None:
             return False
         start, end = s.cached_tokens, s.cached_tokens + s.computed_tokens
-        ratio = s.seconds / fit.seconds(start, end)
+        ratio = s.seconds / fit.prefill_seconds(start, end)
         if ratio < 1 / self._outlier_factor:
             return True  # faster than the fit by far, at any context
         seen = fit.inputs.get("max_context_tokens", 0)
@@ -471,19 +557,19 @@ class EngineRates:
         fitted = fit_prefill(window)
         if fitted is None:
             return None
-        alpha, beta, rms_s = fitted
         return PrefillModel(
-            alpha,
-            beta,
+            fitted.alpha_s_per_token,
+            fitted.beta_s_per_token2,
             "measured: least squares over the engines' recent prefills"
             + (f" of {model}" if model else ""),
             {
                 "model": model,
                 "samples": len(window),
                 "window": samples.maxlen,
-                "rms_residual_s": rms_s,
+                "rms_residual_s": fitted.rms_residual_s,
                 "max_context_tokens": max(s.cached_tokens + s.computed_tokens for s in window),
             },
+            fitted.overhead_s,
         )
 
     def prefill(self, fallback: PrefillModel, *, model: str | None = None) -> PrefillModel:
