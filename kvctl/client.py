@@ -813,6 +813,18 @@ class DataClient:
         return results
 
     # --- shared-memory path -------------------------------------------------------------------
+    def shared_arena(self) -> mmap.mmap | None:
+        """The agent's shared arena, mapped read-only (now, if no lease has mapped it yet); None
+        without shared memory (TCP, shm off). An engine asks at start so that preparing the
+        mapping (registering it with CUDA pins every page: seconds for a few GiB) is not paid
+        by its first request. A later lease maps the arena anew if the agent resized it."""
+        if not self.shm:
+            return None
+        with self._lock:
+            if self._arena is None:
+                self._map_arena()
+            return self._arena
+
     def _map_arena(self) -> None:
         meta, _ = self._call_locked(Op.MAP, b"", (), None)
         r = MetaReader(meta)

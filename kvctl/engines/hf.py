@@ -196,6 +196,9 @@ class CachedLM:
         #: device into it is a DMA), while it has one
         self._staging_reg: HostRegistration | None = None
         self.staging_register_failures = 0
+        #: seconds this engine took to map (and, on CUDA, register) the agent's shared arena
+        #: when it connected; None without one
+        self.arena_attach_seconds = self._attach()
 
     @property
     def client(self) -> DataClient | None:
@@ -209,6 +212,13 @@ class CachedLM:
             self._writer = None
         self._client = client
         self._namespaces.clear()
+        self.arena_attach_seconds = self._attach()
+
+    def _attach(self) -> float | None:
+        """Map the agent's arena (registered with CUDA on a GPU) now, not in a request: pinning
+        a few GiB takes seconds, which the first request to reuse anything would pay."""
+        client = self._client
+        return None if client is None else self.loader.attach(client)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every chunk handed to the writer has been sent; False on timeout."""

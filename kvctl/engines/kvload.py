@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvctl.client import ArenaLeases, DataClient
+from kvctl.client import AgentError, ArenaLeases, DataClient
 from kvctl.engines.kvformat import ChunkFormat
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,21 @@ class KVLoader:
             unregister = self._register(tensor) if self.cuda else None
             self._registered[id(arena)] = (arena, tensor, unregister)
             return tensor
+
+    def attach(self, client: DataClient) -> float | None:
+        """Map ``client``'s shared arena and register it (CUDA) now, before any request needs
+        it: the seconds that took, or None where there is no arena to map (TCP, shm off) or the
+        agent would not map it (logged; the first lease maps it instead)."""
+        started_s = time.perf_counter()
+        try:
+            arena = client.shared_arena()
+        except AgentError as exc:
+            log.warning("could not map the agent's arena at start (first read maps it): %s", exc)
+            return None
+        if arena is None:
+            return None
+        self.arena_tensor(arena)
+        return time.perf_counter() - started_s
 
     def _register(self, tensor: torch.Tensor) -> Callable[[], None] | None:
         """Page-lock the mapping for the driver so copies from it run asynchronously at link

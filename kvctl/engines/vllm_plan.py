@@ -829,6 +829,10 @@ class WorkerPlan:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> PagedKV:
         names = order_layers(list(kv_caches))
         self.paged = PagedKV([kv_caches[n] for n in names], self.link.layout, self.block_size)
+        # the arena mapped and registered now, not in the first load (pinning takes seconds)
+        client = self.link.get()
+        if client is not None and self.link.chunk_tokens is not None:
+            self.loader(self.format(self.link.chunk_tokens)).attach(client)
         return self.paged
 
     def format(self, chunk_tokens: int) -> ChunkFormat:

@@ -258,3 +258,33 @@ def test_on_cuda_new_chunks_are_copied_into_a_registered_staging_segment(tmp_pat
         assert torch.equal(again.logits, baseline.prefill(ids).logits)  # bit for bit
         lm.close()
         assert lm._staging_reg is None  # unregistered before the segment was unmapped
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_the_arena_is_mapped_when_the_engine_starts_not_in_its_first_request(
+    tmp_path: Path, device: str
+) -> None:
+    """Registering the arena with CUDA pins all of it (seconds for a few GiB): an engine pays it
+    when it connects, and its first reuse maps and registers nothing more."""
+    model = build_model("tiny-llama", seed=5).to(device)
+    ids = _tokens(CHUNK * 3 + 5, 12)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+        agent.data("tcp") as remote,
+    ):
+        writer = CachedLM(model, remote)
+        assert writer.arena_attach_seconds is None  # no shared memory over TCP
+        writer.prefill(ids)
+        assert writer.flush(30)
+        lm = CachedLM(model, client)
+        assert lm.arena_attach_seconds is not None and lm.arena_attach_seconds >= 0
+        (arena,) = [buf for buf, _, _ in lm.loader._registered.values()]
+        registered = lm.loader._registered[id(arena)][1]
+        assert lm.loader.register_failures == 0
+        assert lm.prefill(ids).reused_chunks == 3
+        # the first reuse read through the mapping made at start
+        assert lm.loader._registered[id(arena)][1] is registered
+        assert len(lm.loader._registered) == 1
+        lm.close()
+        writer.close()

@@ -135,3 +135,19 @@ def test_an_engine_on_an_agent_without_it_looks_up_then_leases(
             assert lm._no_lookup_lease is client  # asked once, then not again
     finally:
         node.close()
+
+
+def test_the_shared_arena_can_be_mapped_before_any_lease(node: Node, tmp_path: Path) -> None:
+    """An engine maps (and on CUDA registers) the arena when it starts: the mapping it gets is
+    the one later leases point into, and TCP has none."""
+    with DataClient.connect(node.sock) as client:
+        arena = client.shared_arena()
+        assert arena is not None and len(arena) == 1 << 20
+        assert client.shared_arena() is arena  # mapped once
+        client.put(key(0), payload(key(0), CHUNK))
+        with client.leased([key(0)]) as leases:
+            assert leases.arena is arena
+            assert bytes(leases.view(0)) == payload(key(0), CHUNK)
+    host, port = node.tcp
+    with DataClient.connect(f"{host}:{port}") as remote:
+        assert remote.shared_arena() is None
