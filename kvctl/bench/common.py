@@ -8,6 +8,7 @@ import platform
 import signal
 import statistics
 import subprocess
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +17,10 @@ import kvctl
 from kvctl.errors import InvalidArgument
 
 if TYPE_CHECKING:
+    from concurrent.futures import ThreadPoolExecutor
+
     from kvctl.agent.daemon import AgentState
+    from kvctl.remote.agent_source import AgentSource
 
 #: how long a bench agent gets to stop on SIGTERM before it is killed
 AGENT_STOP_GRACE_S = 30.0
@@ -42,6 +46,26 @@ def figure(samples_seconds: list[float], chunks: int, chunk_bytes: int) -> dict[
         "bytes": nbytes,
         "samples_bytes_per_second": rates,
     }
+
+
+def parallel_probe_seconds(
+    source: AgentSource, each_bytes: int, streams: int, workers: ThreadPoolExecutor
+) -> float:
+    """Wall seconds for ``streams`` PROBE downloads at once, one per connection, ``each_bytes``
+    each (in pieces of at most the protocol's maximum): the socket's bound for a pull split over
+    as many streams, with no chunk, index or arena in it. ``workers`` runs at least ``streams``."""
+    from kvctl.wire.protocol import MAX_PROBE_BYTES
+
+    def one(_: int) -> None:
+        left = each_bytes
+        while left > 0:
+            n = min(left, MAX_PROBE_BYTES)
+            source.probe_transfer(n)
+            left -= n
+
+    started = time.perf_counter()
+    list(workers.map(one, range(streams)))
+    return max(time.perf_counter() - started, 1e-9)
 
 
 def host_info() -> dict[str, Any]:

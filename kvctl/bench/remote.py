@@ -64,7 +64,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from kvctl.bench.common import host_info, spawned_agent
+from kvctl.bench.common import host_info, parallel_probe_seconds, spawned_agent
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import ChunkMeta
 
@@ -641,14 +641,10 @@ def _streams_row(
     total = len(keys) * size
     each_bytes = max(1, PROBE_BYTES // n)
     with ThreadPoolExecutor(n) as workers:
-
-        def parallel_probe() -> float:
-            t = time.perf_counter()
-            list(workers.map(lambda _: many.probe_transfer(each_bytes), range(n)))
-            return time.perf_counter() - t
-
-        parallel_probe()  # untimed: connections open, socket buffers grow
-        probe_s = statistics.median(parallel_probe() for _ in range(PROBE_SAMPLES))
+        parallel_probe_seconds(many, each_bytes, n, workers)  # untimed: connections open
+        probe_s = statistics.median(
+            parallel_probe_seconds(many, each_bytes, n, workers) for _ in range(PROBE_SAMPLES)
+        )
     bandwidth_n = each_bytes * n / max(probe_s - ping_rtt_s, 1e-9)
     _pull(many, keys, payload, size, 0.0)  # untimed warm-up of the other connections
     samples: dict[str, list[_PullSample]] = {"one": [], "many": []}

@@ -80,7 +80,13 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
     assert "read" in read["bound"]["what"] and len(read["bound"]["samples_fetch_share"]) == 2
     assert "memcpy" in row["sources"]["cpu"]["bound"]["what"]
     assert "read" in row["sources"]["disk"]["bound"]["what"]
+    # the pull's bound is as many PROBE downloads at once as its streams
     assert "PROBE" in row["sources"]["pool"]["bound"]["what"]
+    assert "at once" in row["sources"]["pool"]["bound"]["what"]
+    # every same-host engine mapped its agent's arena when it started; the pool's client is TCP
+    attach = result["arena_attach_seconds"]
+    assert attach["pool"] is None
+    assert all(attach[n] is not None and attach[n] >= 0 for n in ("node", "reader", "puller"))
     assert row["memcpy_seconds"] > 0 and row["memcpy_threads"] >= 1
 
 
