@@ -29,6 +29,7 @@ from kvctl.store.errors import (
     TierUnavailable,
 )
 from kvctl.store.index import Entry
+from kvctl.store.relock import relocked
 from kvctl.store.tiers.base import Buffer, ReadPlan, Tier
 from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 
@@ -218,7 +219,7 @@ class LeaseBook:
             return self.require_home().view(lease)
 
     def release(self, lease_ids: Iterable[int]) -> int:
-        with self._lock:
+        with relocked(self._lock):  # a batch cut short releases here: through interrupts too
             home = self.home
             if home is None:
                 return 0
@@ -281,7 +282,7 @@ class LeaseBook:
         finally:
             try:
                 # every flight planned lands, read or not (a failed plan's are undone, unread)
-                with self._lock:
+                with relocked(self._lock):
                     try:
                         again += self._land(flights, home, ttl_s, results)
                     finally:
@@ -307,7 +308,7 @@ class LeaseBook:
                 self._host._finish_demotions(rooms.demotions)
         finally:
             if rooms.waiting:
-                with self._lock:
+                with relocked(self._lock):
                     for _, e in rooms.waiting:
                         self._promoting.discard(e.key)
                         self._host._end_read(e)
@@ -453,7 +454,7 @@ class LeaseBook:
                 abandoned = f.state is _ABANDONED
                 f.state = outcome
             if abandoned:  # nobody else will: give the reserved bytes back
-                with self._lock:
+                with relocked(self._lock):
                     f.home.abort(f.reservation)
 
     # --- landing ------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ disk, and a shrinking resize, write the same way, taking the lock once per chunk
 a put that lands on disk itself reserves its file under the lock and writes it without. Still
 written under the lock: a pinned put landing on disk, a pin that moves chunks, a move across
 more than one tier, the last step of a resize, and the last of a put's rounds when others keep
-taking its room.
+taking its room. Work begun under the lock and done without it is ended under it again through
+``relocked``: an interrupt that lands while it waits for the lock is raised once that is done.
 
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
@@ -87,6 +88,7 @@ from kvctl.store.policies import (
     make_admission_policy,
     make_eviction_policy,
 )
+from kvctl.store.relock import relocked
 from kvctl.store.stats import StoreStats, TierStats
 from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, WriteSlot, byte_view
 from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
@@ -458,7 +460,7 @@ class TieredStore:
             w.target.write_reserved(w.slot, data)
         except BaseException as exc:
             error = exc
-        with self._lock:
+        with relocked(self._lock):
             if error is None and not self._closed and w.entry.key not in self._index:
                 try:
                     landed = w.target.commit_write(w.slot)
@@ -1400,12 +1402,12 @@ class TieredStore:
                 why = src.read_planned(plan, view)
                 seconds = time.perf_counter() - started_s
             except BaseException:
-                with self._lock:
+                with relocked(self._lock):
                     self._end_read(e)
                 raise
             later: list[_Demotion] = []
             try:
-                with self._lock:
+                with relocked(self._lock):
                     current = self._is_current(e, src, plan)
                     self._end_read(e)
                     if why is not None:
@@ -1621,7 +1623,7 @@ class TieredStore:
                         raise  # an interrupt: the rest are given up below
         finally:
             failed: BaseException | None = None
-            with self._lock:
+            with relocked(self._lock):
                 for d in later:
                     try:
                         self._end_demotion(d)
@@ -1895,7 +1897,7 @@ class TieredStore:
             self._finish_demotions(later)
             written = True
         finally:
-            with self._lock:
+            with relocked(self._lock):
                 self._leases.end_bringing_up(e.key)
                 self._end_read(e)
                 if (

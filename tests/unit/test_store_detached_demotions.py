@@ -785,15 +785,24 @@ class _HookedLock:
     def arm(self, hook: Any) -> None:
         self.hook, self.thread = hook, threading.get_ident()
 
-    def __enter__(self) -> bool:
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
         hook = self.hook
         if hook is not None and threading.get_ident() == self.thread and not self.real._is_owned():
             self.hook = None
             hook()
-        return bool(self.real.__enter__())
+        return bool(self.real.acquire(blocking, timeout))
+
+    def release(self) -> None:
+        self.real.release()
+
+    def _is_owned(self) -> bool:
+        return bool(self.real._is_owned())
+
+    def __enter__(self) -> bool:
+        return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
-        self.real.__exit__(*exc)
+        self.real.release()
 
 
 def test_a_prefetch_never_moves_down_a_chunk_that_went_up_meanwhile(tmp_path: Path) -> None:

@@ -96,13 +96,7 @@ class _Shadow:
             return True
         self.evicted.clear()
         if capacity_bytes:
-            while self.entries and self.bytes + entry.size_bytes > capacity_bytes:
-                v = self.policy.victim(0.0)
-                if v is None:
-                    break
-                self.policy.on_victim(v)
-                self._drop(v)
-                self.evicted.append(v.key)
+            self.fit(entry.size_bytes, capacity_bytes)
         s = Entry(
             key=entry.key,
             tier="shadow",
@@ -119,6 +113,17 @@ class _Shadow:
         self._link(s.parent, +1)
         self.policy.on_insert(s)
         return False
+
+    def fit(self, incoming_bytes: int, capacity_bytes: int) -> None:
+        """Evict by this candidate's policy until ``incoming_bytes`` more fit in
+        ``capacity_bytes`` (the keys go to ``evicted``)."""
+        while self.entries and self.bytes + incoming_bytes > capacity_bytes:
+            v = self.policy.victim(0.0)
+            if v is None:
+                break
+            self.policy.on_victim(v)
+            self._drop(v)
+            self.evicted.append(v.key)
 
     def _drop(self, v: Entry) -> None:
         self.policy.on_remove(v)
@@ -274,6 +279,12 @@ class LineageAdaptivePolicy(EvictionPolicy):
             if math.isfinite(self.window_factor):
                 window = self.window_factor * max(len(self._tracked), 1)
                 self._growth = 1.0 / (1.0 - 1.0 / max(window, 2.0))
+            # until now every shadow held every key it saw, chunks the tier no longer holds
+            # (deleted, demoted) too: each now keeps what its candidate would in this room
+            for shadow in self._shadows:
+                shadow.evicted.clear()
+                shadow.fit(0, self._capacity_bytes)
+            self._left_the_leader()
         walks = [p.victims(now_s) for p in self._real]  # lineage-arc learns the capacity here
         return self._walk(now_s, walks[self._leader])
 
@@ -309,7 +320,6 @@ class LineageAdaptivePolicy(EvictionPolicy):
             self._accesses += 1
             self._gain_sum += gain / self._scale
             self._mean_gain = self._gain_sum / self._accesses
-        leader = self._shadows[self._leader]
         hits = [s.access(entry, self._capacity_bytes) for s in self._shadows]
         led = hits[self._leader]
         for i, hit in enumerate(hits):
@@ -319,12 +329,8 @@ class LineageAdaptivePolicy(EvictionPolicy):
                     self._wins[i] += gain
             elif led:
                 self._losses[i] += gain
-        for k in leader.evicted:
-            e = self._tracked.get(k)
-            if e is not None:
-                self._diff[k] = e
+        self._left_the_leader()
         self._diff.pop(entry.key, None)  # the leader holds it now
-        leader.evicted.clear()
         self._scale *= self._growth
         if self._scale > _RESCALE_AT:
             for s in self._shadows:
@@ -333,6 +339,16 @@ class LineageAdaptivePolicy(EvictionPolicy):
             self._losses = [x / self._scale for x in self._losses]
             self._scale = 1.0
         self._maybe_switch()
+
+    def _left_the_leader(self) -> None:
+        """Chunks the leader's shadow just evicted that the tier still holds: the walk offers
+        them first (``_diff``)."""
+        leader = self._shadows[self._leader]
+        for k in leader.evicted:
+            e = self._tracked.get(k)
+            if e is not None:
+                self._diff[k] = e
+        leader.evicted.clear()
 
     def _maybe_switch(self) -> None:
         """Hand the lead to the candidate furthest ahead of the leader on the accesses where
