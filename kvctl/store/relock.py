@@ -25,23 +25,24 @@ def _owned(lock: threading.RLock) -> bool:
 def relocked(lock: threading.RLock) -> Iterator[None]:
     """``with lock:`` for a block that ends what was begun without the lock: an exception
     raised in this thread while it waits for the lock (a signal handler's) is raised once the
-    block has run and the lock is released. Reentrant use (the lock already held) is a plain
-    acquire."""
-    interrupt: BaseException | None = None
+    block has run and the lock is released. Where this thread holds the lock already, the
+    block just runs."""
     if _owned(lock):
-        lock.acquire()  # held already: returns at once
-    else:
-        while True:
+        # held already, and only this thread can let it go: take nothing (an acquire here
+        # would count a level that an interrupt right after it leaves held for good)
+        yield
+        return
+    interrupt: BaseException | None = None
+    try:
+        # owned also where an exception came between acquire's return and this check
+        while not _owned(lock):
             try:
-                # owned also where the exception came between acquire's return and this check
-                while not _owned(lock):
-                    lock.acquire()
-                break
+                lock.acquire()
             except BaseException as exc:
                 interrupt = interrupt or exc
-    try:
         yield
     finally:
-        lock.release()
+        if _owned(lock):  # not where a second interrupt cut the wait itself
+            lock.release()
         if interrupt is not None:
             raise interrupt  # a failure of the block itself stays as its __context__

@@ -8,6 +8,7 @@ the lock, opens the write's gate and signals the main thread once it waits for t
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import signal
 import threading
@@ -19,6 +20,7 @@ from types import FrameType
 
 import pytest
 
+from kvctl.store import relock as relock_module
 from kvctl.store.relock import relocked
 from tests.unit.test_store_detached_demotions import (
     WAIT_S,
@@ -179,3 +181,46 @@ def test_a_demotion_interrupted_while_it_retakes_the_lock_ends(tmp_path: Path) -
     assert new not in store
     assert store.put(new, data_of(new), tenant="t") == "cpu"
     check_invariants(store)
+
+
+def test_reentrant_use_under_a_hail_of_interrupts_never_leaves_the_lock_held() -> None:
+    """Found by review: the reentrant path took a level with ``acquire()`` outside its
+    ``try``, so an interrupt handled right after it returned left the lock held for good
+    (after 54-206 interrupts in three runs of this loop)."""
+    lock = threading.RLock()
+    main = threading.get_ident()
+    stop = threading.Event()
+    interrupts = 0
+    harmful = {relock_module.__file__, contextlib.__file__}  # where an interrupt can do harm
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        if frame is not None and frame.f_code.co_filename in harmful:
+            raise Interrupt
+
+    def pinger() -> None:
+        while not stop.is_set():
+            signal.pthread_kill(main, signal.SIGUSR1)
+            time.sleep(0.0002)
+
+    before = signal.signal(signal.SIGUSR1, handler)
+    thread = threading.Thread(target=pinger, daemon=True)
+    thread.start()
+    deadline_s = time.monotonic() + 3.0
+    try:
+        while time.monotonic() < deadline_s and interrupts < 1000:
+            try:
+                try:
+                    with lock, relocked(lock):  # as a release made under the store's lock
+                        pass
+                except Interrupt:
+                    interrupts += 1
+                assert not lock._is_owned(), f"the lock was left held after {interrupts} interrupts"  # type: ignore[attr-defined]
+            except Interrupt:
+                interrupts += 1
+    finally:
+        stop.set()
+        thread.join(WAIT_S)
+        signal.signal(signal.SIGUSR1, before)
+    assert interrupts > 50  # the signals did land where they could do harm
+    assert lock.acquire(timeout=WAIT_S)
+    lock.release()
