@@ -31,23 +31,24 @@ gives its reserved space back itself when it ends. The slow part of deleting a p
 chunk (the unlink) runs in a second, smaller pool, so it never queues ahead of reads. A closed
 store starts no thread: a batch reaching its reads after ``close`` is refused (TierUnavailable).
 
-Demotions a put (or ``reserve_put``, or a lease batch promoting a disk chunk) makes to find room
-in the lease tier's arena are written to a slow tier (disk: ``Tier.detached_writes``) without
-the lock too. Under the lock each victim's room below is taken (``reserve_write``) and its bytes
-held in place by a lease: it stays cached where it was, readable, but out of its policy, so
-nothing else picks it. The put writes the files without the lock, then commits each demotion
-under it (the chunk's ``demote`` event comes once its file is in place) and plans again, so a
-put is answered only once its demotions have landed. A victim evicted, moved or pinned meanwhile
-keeps its new state (the written file is taken back); a write that fails drops the victim,
-counted as a failed demotion, as under the lock. A lease batch whose key's room is being made so
-asks for that key again once the demotions have landed; a plain read's promotion waits for them
-itself, then promotes its chunk if its room is still free. An operator's move or flush down to
-disk, and a shrinking resize, write the same way, taking the lock once per chunk (or batch);
-a put that lands on disk itself reserves its file under the lock and writes it without. Still
-written under the lock: a pinned put landing on disk, a pin that moves chunks, a move across
-more than one tier, the last step of a resize, and the last of a put's rounds when others keep
-taking its room. Work begun under the lock and done without it is ended under it again through
-``relocked``: an interrupt that lands while it waits for the lock is raised once that is done.
+Demotions a put (or ``reserve_put``, or a lease batch promoting a disk chunk) makes to find room in
+the lease tier's arena are written to a slow tier (disk: ``Tier.detached_writes``) without the lock
+too. Under the lock each victim's room below is taken (``reserve_write``) and its bytes held in
+place by a lease: it stays cached where it was, readable, but out of its policy, so nothing else
+picks it. The put writes the files without the lock, then commits each demotion under it (the
+chunk's ``demote`` event comes once its file is in place) and plans again, so a put is answered
+only once its demotions have landed. A victim evicted, moved or pinned meanwhile keeps its new
+state (the written file is taken back); a write that fails drops the victim, counted as a failed
+demotion, as under the lock. A lease batch whose key's room is being made so asks for that key
+again once the demotions have landed; a plain read's promotion waits for them itself, then promotes
+its chunk if its room is still free. An operator's move or flush down to disk, and a shrinking
+resize, write the same way, taking the lock once per chunk (or batch); a put that lands on disk
+itself (pinned or not) reserves its file under the lock and writes it without; a move up from disk
+(``move``, ``prefetch``, ``pin`` into a tier) reads the file without it. Still made under the lock:
+a move across more than one tier, the last step of a resize, and the last of a put's rounds when
+others keep taking its room. Work begun under the lock and done without it is ended under it again
+through ``relocked``: an interrupt that lands while it waits for the lock is raised once that is
+done.
 
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
@@ -155,6 +156,7 @@ class _PutWrite:
     slot: WriteSlot
     start: int  # the tier rank the put asked from, for ``_insert_new``
     skip: set[str]
+    pinned: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -467,7 +469,7 @@ class TieredStore:
                 except StoreError as exc:
                     landed, error = False, exc
                 if landed:
-                    self._insert_new(w.entry, w.target, start=w.start, skip=w.skip, pinned=False)
+                    self._insert_new(w.entry, w.target, start=w.start, skip=w.skip, pinned=w.pinned)
                     return True
             w.target.abort_write(w.slot)
             if isinstance(error, TierUnavailable):
@@ -570,13 +572,14 @@ class TieredStore:
             else:
                 self._evict_for(target, victims)
             try:
-                if detach and target.detached_writes and data is not None and not pinned:
+                if detach and target.detached_writes and data is not None:
                     try:
                         slot = target.reserve_write(entry.meta())
                     except InvalidArgument:
                         pass  # an older copy of the key is still being written: put at once
                     else:
-                        return True, _PutWrite(entry, target, slot, start, skip), []
+                        # its room is taken: no other pin or put can have it meanwhile
+                        return True, _PutWrite(entry, target, slot, start, skip, pinned), []
                 target.put(entry.meta(), data)
             except TierUnavailable as exc:
                 self._take_offline(target, exc)
@@ -969,21 +972,37 @@ class TieredStore:
         """
         with self._lock:
             found, missing = self._split_known(keys)
-            if tier is not None:
-                target = self.tier(tier)
-                extra = sum(e.size_bytes for e in found if not e.pinned or e.tier != target.name)
-                if self._pinned_bytes[target.name] + extra > target.capacity_bytes:
-                    raise CapacityError(
-                        f"pinning {extra} more bytes in tier {target.name!r} exceeds its "
-                        f"capacity ({target.capacity_bytes} bytes, "
-                        f"{self._pinned_bytes[target.name]} already pinned)"
-                    )
+            if tier is None:
                 for e in found:
-                    if e.tier != target.name:
-                        self._move(e, target)
+                    self._pin(e)
+                return BulkResult(done=len(found), missing=missing)
+            target = self.tier(tier)
+            extra = sum(e.size_bytes for e in found if not e.pinned or e.tier != target.name)
+            if self._pinned_bytes[target.name] + extra > target.capacity_bytes:
+                raise CapacityError(
+                    f"pinning {extra} more bytes in tier {target.name!r} exceeds its "
+                    f"capacity ({target.capacity_bytes} bytes, "
+                    f"{self._pinned_bytes[target.name]} already pinned)"
+                )
+            if not self._usable(target):
+                raise TierUnavailable(
+                    f"tier {target.name!r} is offline: {self._offline[target.name][0]}"
+                )
+            away = [e for e in found if e.tier != target.name]
+        # moved as ``move`` does (disk reads and writes without the lock), then pinned; one
+        # that could not be moved (no room) is counted failed, one evicted meanwhile missing
+        self._move_each(away, 0, target)
+        done = failed = 0
+        with self._lock:
             for e in found:
-                self._pin(e)
-            return BulkResult(done=len(found), missing=missing)
+                if self._index.get(e.key) is not e:
+                    missing += 1
+                elif e.tier != target.name:
+                    failed += 1
+                else:
+                    self._pin(e)
+                    done += 1
+        return BulkResult(done=done, missing=missing, failed=failed)
 
     def unpin(self, keys: Iterable[bytes]) -> BulkResult:
         with self._lock:
@@ -1062,19 +1081,31 @@ class TieredStore:
         done = failed = 0
         for e in found:
             d = None
+            read: tuple[Tier, ReadPlan] | None = None
             with self._lock:
                 if self._index.get(e.key) is not e:
                     missing += 1
                     continue
                 if e.tier == target.name or (up_only and self._rank(e.tier) < rank):
                     continue
-                try:
-                    d = self._begin_move(e, target)
-                    if d is None:
-                        self._move(e, target)
-                except (CapacityError, DiskFullError, TierUnavailable):
-                    failed += 1
-                    continue
+                src = self._tier_of(e)
+                if src.detached_reads and self._rank(e.tier) > rank and self._usable(target):
+                    read = src, src.plan_read(e.key)  # up from disk: read without the lock
+                    self._begin_read(e)
+                else:
+                    try:
+                        d = self._begin_move(e, target)
+                        if d is None:
+                            self._move(e, target)
+                    except (CapacityError, DiskFullError, TierUnavailable):
+                        failed += 1
+                        continue
+            if read is not None:
+                outcome = self._move_up(e, target, *read)
+                done += outcome == "done"
+                failed += outcome == "failed"
+                missing += outcome == "missing"
+                continue
             if d is not None:
                 self._finish_demotions([d])
                 if d.outcome != "landed":
@@ -1086,6 +1117,40 @@ class TieredStore:
                     continue
             done += 1
         return BulkResult(done=done, missing=missing, failed=failed)
+
+    def _move_up(self, e: Entry, dst: Tier, src: Tier, plan: ReadPlan) -> str:
+        """``_move_each``'s move of ``e`` up from ``src`` (detached reads; ``_begin_read`` made
+        under the lock): read without the lock, then placed in ``dst`` under it. "done",
+        "missing" (evicted meanwhile, or unreadable: dropped) or "failed" (no room)."""
+        buf = bytearray(e.size_bytes)
+        try:
+            started_s = time.perf_counter()
+            why = src.read_planned(plan, memoryview(buf))
+            seconds = time.perf_counter() - started_s
+        except BaseException:
+            with relocked(self._lock):
+                self._end_read(e)
+            raise
+        with relocked(self._lock):
+            current = self._is_current(e, src, plan)
+            self._end_read(e)
+            if not self._holds(e):
+                return "missing"
+            if current and why is not None:
+                self._drop_unreadable(e, src, why)
+                return "missing"
+            if e.tier == dst.name:
+                return "done"  # brought up meanwhile (a read's promotion)
+            data: bytearray | None = None
+            if current:
+                self._accounting.count_read(src.name, e.size_bytes)
+                self._accounting.note_bandwidth(src.name, e.size_bytes, seconds)
+                data = buf
+            try:  # moved elsewhere meanwhile (rare): read again, under the lock, as before
+                self._move(e, dst, data)
+            except (CapacityError, DiskFullError, TierUnavailable):
+                return "failed"
+            return "done"
 
     def prefetch(self, keys: Iterable[bytes], tier: str | None = None) -> BulkResult:
         """Bring chunks up to ``tier`` (default: the tier hits are promoted to, the lease tier,
@@ -1919,7 +1984,8 @@ class TieredStore:
         self._accounting.count_promotion(dst.name)
         self._emit("promote", e, src=src.name)
 
-    def _move(self, e: Entry, dst: Tier) -> None:
+    def _move(self, e: Entry, dst: Tier, data: Buffer | None = None) -> None:
+        """Under the lock: ``e`` into ``dst`` (``data``: its bytes, read already)."""
         src = self._tier_of(e)
         room = dst.capacity_bytes - self._pinned_bytes[dst.name]
         if e.size_bytes > room:
@@ -1933,7 +1999,7 @@ class TieredStore:
         tracked = not e.pinned and e not in self._reading
         if tracked:
             self._policies[src.name].on_remove(e)
-        if not self._try_place(e, src, dst):
+        if not self._try_place(e, src, dst, data):
             if tracked and e.key in self._index:
                 self._policies[src.name].on_insert(e)
             raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}")

@@ -1,0 +1,158 @@
+"""Operator moves that touch the disk without the store's lock: a move up from disk (``move``,
+``prefetch``, ``pin --tier cpu``) reads the file without it, a ``pin --tier disk`` writes it
+without it, and a pinned put landing on disk writes its file without it. Meanwhile reads and
+lookups of other chunks complete; a chunk evicted, brought up or damaged meanwhile ends as
+such; pins land where asked.
+
+The tiers are real ones whose disk I/O waits at a gate (GatedDisk: reads; SlowDisk: writes);
+every wait is bounded, so a regression (the I/O under the lock) fails instead of hanging."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvctl.store.errors import CapacityError
+from kvctl.store.store import BulkResult, TieredStore
+from tests.unit import test_store_detached_demotions as writes
+from tests.unit.test_store_parallel_reads import (
+    CHUNK,
+    Background,
+    check_invariants,
+    data_of,
+    key,
+    make_store,
+    put_in,
+)
+
+
+def _read(store: TieredStore, k: bytes) -> bytes:
+    out = bytearray(CHUNK)
+    n = store.read_into(k, memoryview(out))
+    return bytes(out[:n])
+
+
+def _held_up_read(
+    tmp_path: Path, op: Callable[[TieredStore, list[bytes]], BulkResult]
+) -> tuple[TieredStore, list[bytes], list[bytes], Background]:
+    """A store with chunks on disk and in cpu, and ``op`` on the disk ones running in another
+    thread, its first disk read held at the gate."""
+    store, _cpu, disk = make_store(tmp_path)
+    on_disk = [key(i) for i in range(3)]
+    in_cpu = [key(i) for i in range(10, 13)]
+    put_in(store, on_disk, "disk")
+    put_in(store, in_cpu, "cpu")
+    disk.gate.clear()
+    running = Background(lambda: op(store, on_disk))
+    assert disk.wait_inside(1), "the move never reached its read"
+    return store, on_disk, in_cpu, running
+
+
+OPS: dict[str, Callable[[TieredStore, list[bytes]], BulkResult]] = {
+    "move": lambda store, keys: store.move(keys, "cpu"),
+    "prefetch": lambda store, keys: store.prefetch(keys),
+    "pin": lambda store, keys: store.pin(keys, tier="cpu"),
+}
+
+
+@pytest.mark.parametrize("op", OPS, ids=list(OPS))
+def test_a_move_up_from_disk_reads_without_the_lock(tmp_path: Path, op: str) -> None:
+    store, on_disk, in_cpu, running = _held_up_read(tmp_path, OPS[op])
+    # the store's lock is free while the file is read: others read, look up and put
+    assert Background(lambda: _read(store, in_cpu[0])).result() == data_of(in_cpu[0])
+    assert Background(lambda: store.lookup(in_cpu)).result().matched_chunks == 3
+    assert Background(lambda: store.put(key(20), data_of(key(20)))).result() == "cpu"
+    store.tier("disk").gate.set()  # type: ignore[attr-defined]
+    result = running.result()
+    assert (result.done, result.missing, result.failed) == (3, 0, 0)
+    assert store.locate(on_disk) == ["cpu"] * 3
+    assert all(store.entry(k).pinned == (op == "pin") for k in on_disk)
+    assert all(_read(store, k) == data_of(k) for k in on_disk)
+    assert store.stats.tiers["disk"].bytes_read >= 3 * CHUNK  # the reads are counted
+    store.unpin(on_disk)
+    check_invariants(store)
+
+
+def test_a_chunk_evicted_while_its_move_up_reads_is_missing(tmp_path: Path) -> None:
+    store, on_disk, _in_cpu, running = _held_up_read(tmp_path, OPS["move"])
+    assert store.evict(on_disk[:1]).done == 1  # the one being read
+    store.tier("disk").gate.set()  # type: ignore[attr-defined]
+    result = running.result()
+    assert (result.done, result.missing, result.failed) == (2, 1, 0)
+    assert store.locate(on_disk) == [None, "cpu", "cpu"]
+    check_invariants(store)
+
+
+def test_a_chunk_brought_up_while_its_move_up_reads_is_done(tmp_path: Path) -> None:
+    store, on_disk, _in_cpu, running = _held_up_read(tmp_path, OPS["prefetch"])
+    # an ungated read promotes it first (as an engine's read would)
+    assert store.tier("disk").ungated(lambda: _read(store, on_disk[0])) == data_of(on_disk[0])  # type: ignore[attr-defined]
+    store.tier("disk").gate.set()  # type: ignore[attr-defined]
+    assert running.result().done == 3
+    assert store.locate(on_disk) == ["cpu"] * 3
+    check_invariants(store)
+
+
+def test_a_damaged_file_read_by_a_move_up_is_dropped_not_moved(tmp_path: Path) -> None:
+    store, _cpu, disk = make_store(tmp_path)
+    keys = [key(i) for i in range(2)]
+    put_in(store, keys, "disk")
+    path = disk._path(keys[0])
+    with open(path, "r+b") as f:  # one payload byte flipped: the checksum fails
+        f.seek(os.path.getsize(path) - 1)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([last[0] ^ 0xFF]))
+    result = store.move(keys, "cpu")
+    assert (result.done, result.missing, result.failed) == (1, 1, 0)
+    assert store.locate(keys) == [None, "cpu"]
+    assert store.stats.corrupt_dropped == 1
+    check_invariants(store)
+
+
+def test_a_pin_to_disk_writes_without_the_lock(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = writes.full_store(tmp_path)
+    disk.gate.clear()
+    pin = Background(lambda: store.pin(keys[:2], tier="disk"))
+    assert disk.wait_inside(), "the pin never reached its write"
+    assert Background(lambda: writes.read(store, keys[3])).result() == writes.data_of(keys[3])
+    assert Background(lambda: store.lookup(keys, tenant="t")).result().matched_chunks == 4
+    disk.gate.set()
+    result = pin.result()
+    assert (result.done, result.missing, result.failed) == (2, 0, 0)
+    assert [store.entry(k).tier for k in keys[:2]] == ["disk", "disk"]
+    assert all(store.entry(k).pinned for k in keys[:2])
+    assert store.flush("disk").skipped_pinned == 2  # pinned where they went
+    store.unpin(keys[:2])
+    writes.check_invariants(store)
+
+
+def test_a_pin_beyond_the_tier_is_refused_before_anything_moves(tmp_path: Path) -> None:
+    store, _cpu, _disk = make_store(tmp_path, cpu=2 * CHUNK)
+    keys = [key(i) for i in range(3)]
+    put_in(store, keys, "disk")
+    with pytest.raises(CapacityError, match="exceeds its capacity"):
+        store.pin(keys, tier="cpu")
+    assert store.locate(keys) == ["disk"] * 3 and not any(store.entry(k).pinned for k in keys)
+    check_invariants(store)
+
+
+def test_a_pinned_put_to_disk_writes_without_the_lock(tmp_path: Path) -> None:
+    store, _cpu, disk, keys = writes.full_store(tmp_path)
+    disk.gate.clear()
+    new = key(9)
+    put = Background(
+        lambda: store.put(new, writes.data_of(new), tenant="t", tier="disk", pinned=True)
+    )
+    assert disk.wait_inside(), "the put never reached its write"
+    assert Background(lambda: writes.read(store, keys[0])).result() == writes.data_of(keys[0])
+    assert new not in store  # not stored until its file is in place
+    disk.gate.set()
+    assert put.result() == "disk"
+    assert store.entry(new).tier == "disk" and store.entry(new).pinned
+    assert store.evict([new]).skipped_pinned == 1
+    store.unpin([new])
+    writes.check_invariants(store)
