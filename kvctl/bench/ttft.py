@@ -329,12 +329,15 @@ class _Fleet:
     def pool_source(self) -> tuple[AgentSource, ThreadPoolExecutor]:
         """The pool agent as a reader node sees it (the same streams), and threads for them."""
         if self._pool is None:
+            from kvctl.bench.common import parallel_probe_seconds
             from kvctl.remote.agent_source import AgentSource
 
             assert self._pool_address is not None, "no pool in this fleet"
             source = AgentSource(self._pool_address, timeout_s=CONTROL_TIMEOUT_S)
             self._stack.callback(source.close)
             workers = self._stack.enter_context(ThreadPoolExecutor(source.streams))
+            # untimed: the connections open (and say hello) before the first bound is taken
+            parallel_probe_seconds(source, 1, source.streams, workers)
             self._pool = source, workers
         return self._pool
 

@@ -133,12 +133,12 @@ class KVLoader:
         started_s = time.perf_counter()
         try:
             arena = client.shared_arena()
-        except AgentError as exc:
+            if arena is None:
+                return None
+            self.arena_tensor(arena)
+        except (AgentError, OSError, ValueError) as exc:  # ValueError: closed or remapped since
             log.warning("could not map the agent's arena at start (first read maps it): %s", exc)
             return None
-        if arena is None:
-            return None
-        self.arena_tensor(arena)
         return time.perf_counter() - started_s
 
     def _register(self, tensor: torch.Tensor) -> Callable[[], None] | None:

@@ -288,7 +288,7 @@ _TERMS: tuple[tuple[bool, bool, bool], ...] = (
     (False, False, True),
 )
 #: a set of terms whose (normalised) columns are this close to dependent is not fitted
-_SINGULAR = 1e-10
+_SINGULAR = 1e-9
 
 
 def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit | None:
@@ -333,40 +333,47 @@ def _least_squares(
 ) -> tuple[float, float, float] | None:
     """The coefficients of the ``used`` columns (the others 0) minimising the squared error,
     or None where the columns are (near) dependent or a coefficient comes out negative. The
-    columns are scaled to unit length first: their magnitudes differ by up to 10^15."""
+    columns are scaled to unit length first (their magnitudes differ by up to 10^15), then
+    solved by QR (Gram-Schmidt, each column orthogonalised twice): normal equations would
+    square the conditioning and refuse exactly determined systems of short and long prompts."""
     cols = [j for j in range(3) if used[j]]
-    norms = [math.sqrt(sum(r[j] * r[j] for r in rows)) for j in cols]
-    if any(n == 0 for n in norms):
-        return None
-    k = len(cols)
-    # normal equations of the scaled columns, solved by Gaussian elimination with pivoting
-    a = [
-        [sum(r[cols[i]] * r[cols[j]] for r in rows) / (norms[i] * norms[j]) for j in range(k)]
-        + [sum(r[cols[i]] * y for r, y in zip(rows, ys, strict=True)) / norms[i]]
-        for i in range(k)
-    ]
-    det = 1.0
-    for i in range(k):
-        p = max(range(i, k), key=lambda r: abs(a[r][i]))
-        a[i], a[p] = a[p], a[i]
-        det *= a[i][i]
-        if abs(a[i][i]) < _SINGULAR:
+    scaled: list[list[float]] = []
+    norms: list[float] = []
+    for j in cols:
+        norm = math.sqrt(sum(r[j] * r[j] for r in rows))
+        if norm == 0:
             return None
-        for r in range(i + 1, k):
-            f = a[r][i] / a[i][i]
-            for c in range(i, k + 1):
-                a[r][c] -= f * a[i][c]
-    if abs(det) < _SINGULAR:
-        return None
+        norms.append(norm)
+        scaled.append([r[j] / norm for r in rows])
+    k = len(cols)
+    q: list[list[float]] = []
+    upper = [[0.0] * k for _ in range(k)]
+    for i in range(k):
+        v = scaled[i]
+        for _ in range(2):  # twice: one pass leaves near-dependent columns far from orthogonal
+            for p, qp in enumerate(q):
+                d = _dot(qp, v)
+                upper[p][i] += d
+                v = [a - d * b for a, b in zip(v, qp, strict=True)]
+        n = math.sqrt(_dot(v, v))
+        if n < _SINGULAR:  # (unit columns) within 1e-9 rad of the span of the ones before
+            return None
+        upper[i][i] = n
+        q.append([a / n for a in v])
+    qty = [_dot(qi, ys) for qi in q]
     x = [0.0] * k
     for i in reversed(range(k)):
-        x[i] = (a[i][k] - sum(a[i][c] * x[c] for c in range(i + 1, k))) / a[i][i]
+        x[i] = (qty[i] - sum(upper[i][c] * x[c] for c in range(i + 1, k))) / upper[i][i]
     out = [0.0, 0.0, 0.0]
     for i, j in enumerate(cols):
         if x[i] < 0:
             return None
         out[j] = x[i] / norms[i]
     return out[0], out[1], out[2]
+
+
+def _dot(a: Sequence[float], b: Sequence[float]) -> float:
+    return math.fsum(x * y for x, y in zip(a, b, strict=True))
 
 
 @dataclass

@@ -95,6 +95,22 @@ def test_least_squares_recovers_the_overhead_every_prefill_pays() -> None:
         PrefillModel(alpha, beta, "measured", overhead_s=-1.0)
 
 
+def test_least_squares_fits_an_exactly_determined_mix_of_short_and_long_prompts() -> None:
+    """Found by review: the normal equations square the columns' conditioning, and refused
+    (left alpha at its clamp) three samples that determine all three terms: one long prompt
+    and two one-token prefills over long cached contexts, a plan's prefill cost then ~2x low."""
+    alpha, beta, overhead = 1.45e-5, 2e-11, 1e-3
+    shapes = ((66_331, 645_380), (1, 755_472), (1, 361_922))
+    samples = [
+        PrefillSample(n, a, overhead + n * (alpha + beta * (2 * a + n) / 2)) for n, a in shapes
+    ]
+    fitted = fit_prefill(samples)
+    assert fitted is not None
+    assert fitted.alpha_s_per_token == pytest.approx(alpha, rel=1e-6)
+    assert fitted.beta_s_per_token2 == pytest.approx(beta, rel=1e-6)
+    assert fitted.overhead_s == pytest.approx(overhead, rel=1e-6)
+
+
 # Prefills of Llama-3.1-8B's shape (bf16, random weights) timed by the reference engine on one
 # H200 (`kvctl bench ttft --device cuda`, 2026-11-27): a 64-token prefill after 1k cached tokens
 # took 24 ms of the 39 ms a whole 1,088-token prompt took (kernel launches), and 32,832 tokens
