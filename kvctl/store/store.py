@@ -45,10 +45,10 @@ its chunk if its room is still free. An operator's move or flush down to disk, a
 resize, write the same way, taking the lock once per chunk (or batch); a put that lands on disk
 itself (pinned or not) reserves its file under the lock and writes it without; a move up from disk
 (``move``, ``prefetch``, ``pin`` into a tier) reads the file without it. Still made under the lock:
-a move across more than one tier, the last step of a resize, and the last of a put's rounds when
-others keep taking its room. Work begun under the lock and done without it is ended under it again
-through ``relocked``: an interrupt that lands while it waits for the lock is raised once that is
-done.
+a move across more than one tier, a resize's copy of what changed while its new arena was filled
+without the lock, and the last of a put's rounds when others keep taking its room. Work begun under
+the lock and done without it is ended under it again through ``relocked``: an interrupt that lands
+while it waits for the lock is raised once that is done.
 
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
@@ -1185,11 +1185,27 @@ class TieredStore:
                     break
                 later = self._evict_for_later(t, victims, reason="resize")
             self._finish_demotions(later)
-        with self._lock:
-            self._check_resize(t, capacity_bytes)
-            self._shrink_to(t, capacity_bytes, reason="resize")
-            t.resize(capacity_bytes)
-            return BulkResult(done=evictions["resize"] - before)
+        plan = None
+        arena = t if isinstance(t, CpuTier) else None  # a new arena: mapped and filled without
+        if arena is not None:  # the lock
+            with self._lock:
+                self._check_resize(t, capacity_bytes)
+                if t.resident_bytes <= capacity_bytes:
+                    plan = arena.begin_resize(capacity_bytes)
+        try:
+            if arena is not None and plan is not None:
+                arena.copy_resize(plan)
+            with relocked(self._lock):
+                self._check_resize(t, capacity_bytes)
+                self._shrink_to(t, capacity_bytes, reason="resize")
+                if arena is None or plan is None or not arena.finish_resize(plan):
+                    t.resize(capacity_bytes)  # all of it under the lock, as before
+                return BulkResult(done=evictions["resize"] - before)
+        finally:
+            if arena is not None and plan is not None:
+                with relocked(self._lock):
+                    arena.abort_resize(plan)  # nothing to do once finished
+                arena.release_resize(plan)  # unmapping is slow: not under the lock
 
     def _check_resize(self, t: Tier, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
@@ -1688,12 +1704,14 @@ class TieredStore:
                         raise  # an interrupt: the rest are given up below
         finally:
             failed: BaseException | None = None
-            with relocked(self._lock):
-                for d in later:
-                    try:
+            # one hold of the lock each: a commit renames the file and syncs its directory,
+            # and a resize's batch of 64 held every reader for all of them (~40 ms here)
+            for d in later:
+                try:
+                    with relocked(self._lock):
                         self._end_demotion(d)
-                    except BaseException as exc:  # the others still end; then it is raised
-                        failed = failed or exc
+                except BaseException as exc:  # the others still end; then it is raised
+                    failed = failed or exc
             if failed is not None:
                 raise failed
         for d in later:
