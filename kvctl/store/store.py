@@ -1101,7 +1101,7 @@ class TieredStore:
                         failed += 1
                         continue
             if read is not None:
-                outcome = self._move_up(e, target, *read)
+                outcome = self._move_up(e, target, *read, up_only)
                 done += outcome == "done"
                 failed += outcome == "failed"
                 missing += outcome == "missing"
@@ -1118,18 +1118,21 @@ class TieredStore:
             done += 1
         return BulkResult(done=done, missing=missing, failed=failed)
 
-    def _move_up(self, e: Entry, dst: Tier, src: Tier, plan: ReadPlan) -> str:
+    def _move_up(self, e: Entry, dst: Tier, src: Tier, plan: ReadPlan, up_only: bool) -> str:
         """``_move_each``'s move of ``e`` up from ``src`` (detached reads; ``_begin_read`` made
         under the lock): read without the lock, then placed in ``dst`` under it. "done",
-        "missing" (evicted meanwhile, or unreadable: dropped) or "failed" (no room)."""
-        buf = bytearray(e.size_bytes)
+        "missing" (evicted meanwhile, or unreadable: dropped), "failed" (no room, or the read
+        failed: the chunk stays where it is) or "kept" (``up_only``: above ``dst`` by then)."""
         try:
+            buf = bytearray(e.size_bytes)
             started_s = time.perf_counter()
             why = src.read_planned(plan, memoryview(buf))
             seconds = time.perf_counter() - started_s
-        except BaseException:
+        except BaseException as exc:
             with relocked(self._lock):
                 self._end_read(e)
+            if isinstance(exc, (TierUnavailable, OSError)):
+                return "failed"  # as a read under the lock that raised it was counted
             raise
         with relocked(self._lock):
             current = self._is_current(e, src, plan)
@@ -1141,6 +1144,8 @@ class TieredStore:
                 return "missing"
             if e.tier == dst.name:
                 return "done"  # brought up meanwhile (a read's promotion)
+            if up_only and self._rank(e.tier) < self._rank(dst.name):
+                return "kept"  # moved above it meanwhile: a prefetch never moves one down
             data: bytearray | None = None
             if current:
                 self._accounting.count_read(src.name, e.size_bytes)
@@ -1187,12 +1192,12 @@ class TieredStore:
             self._finish_demotions(later)
         plan = None
         arena = t if isinstance(t, CpuTier) else None  # a new arena: mapped and filled without
-        if arena is not None:  # the lock
-            with self._lock:
-                self._check_resize(t, capacity_bytes)
-                if t.resident_bytes <= capacity_bytes:
-                    plan = arena.begin_resize(capacity_bytes)
-        try:
+        try:  # the lock
+            if arena is not None:
+                with self._lock:
+                    self._check_resize(t, capacity_bytes)
+                    if t.resident_bytes <= capacity_bytes:
+                        plan = arena.begin_resize(capacity_bytes)
             if arena is not None and plan is not None:
                 arena.copy_resize(plan)
             with relocked(self._lock):
@@ -1203,9 +1208,11 @@ class TieredStore:
                 return BulkResult(done=evictions["resize"] - before)
         finally:
             if arena is not None and plan is not None:
-                with relocked(self._lock):
-                    arena.abort_resize(plan)  # nothing to do once finished
-                arena.release_resize(plan)  # unmapping is slow: not under the lock
+                try:
+                    with relocked(self._lock):
+                        arena.abort_resize(plan)  # nothing to do once finished
+                finally:
+                    arena.release_resize(plan)  # unmapping is slow: not under the lock
 
     def _check_resize(self, t: Tier, capacity_bytes: int) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):

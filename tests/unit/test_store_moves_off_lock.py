@@ -15,12 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.store.errors import CapacityError
+from kvctl.store.errors import CapacityError, TierUnavailable
 from kvctl.store.store import BulkResult, TieredStore
+from kvctl.store.tiers.base import ReadPlan
+from kvctl.store.tiers.cpu import CpuTier
 from tests.unit import test_store_detached_demotions as writes
 from tests.unit.test_store_parallel_reads import (
     CHUNK,
     Background,
+    GatedDisk,
     check_invariants,
     data_of,
     key,
@@ -156,3 +159,34 @@ def test_a_pinned_put_to_disk_writes_without_the_lock(tmp_path: Path) -> None:
     assert store.evict([new]).skipped_pinned == 1
     store.unpin([new])
     writes.check_invariants(store)
+
+
+class _FailingReads(GatedDisk):
+    """A disk whose reads of ``failing`` raise as a disk that cannot open the file does."""
+
+    def __init__(self, directory: Path, capacity_bytes: int) -> None:
+        super().__init__(directory, capacity_bytes)
+        self.failing: set[bytes] = set()
+
+    def read_planned(self, plan: ReadPlan, out: memoryview) -> str | None:
+        if plan.key in self.failing:
+            raise TierUnavailable(f"disk tier {self.name!r}: Too many open files (test)")
+        return super().read_planned(plan, out)
+
+
+@pytest.mark.parametrize("op", ["move", "prefetch"])
+def test_a_move_up_whose_read_fails_counts_that_chunk_failed_and_moves_the_rest(
+    tmp_path: Path, op: str
+) -> None:
+    """Found by review: the read's error escaped and the rest of the batch was never moved
+    (under the lock, it had been counted failed)."""
+    disk = _FailingReads(tmp_path / "disk", 64 * CHUNK)
+    store = TieredStore([CpuTier(32 * CHUNK), disk], chunk_tokens=4)
+    keys = [key(i) for i in range(3)]
+    put_in(store, keys, "disk")
+    disk.failing.add(keys[0])
+    result = OPS[op](store, keys)
+    assert (result.done, result.failed, result.missing) == (2, 1, 0)
+    assert store.locate(keys) == ["disk", "cpu", "cpu"]
+    disk.failing.clear()
+    check_invariants(store)  # the failed one is back in its tier's policy, readable

@@ -9,7 +9,10 @@ copy and the swap; every wait is bounded."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
+import os
 import threading
 from pathlib import Path
 
@@ -200,3 +203,37 @@ def test_a_chunk_deleted_and_put_back_in_place_during_the_copy_is_copied_again()
 
 def _meta(k: bytes) -> ChunkMeta:
     return ChunkMeta(key=k, size_bytes=CHUNK)
+
+
+class _InterruptedAbort(CpuTier):
+    """A tier whose plan's abort is followed by an interrupt (one that landed while the
+    store waited to re-take its lock is raised right after the block)."""
+
+    def abort_resize(self, plan: ResizePlan) -> None:
+        super().abort_resize(plan)
+        raise KeyboardInterrupt("landed right after abort_resize's block (test)")
+
+
+def _memfds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += "kvctl-cpu" in os.readlink(f"/proc/self/fd/{fd}")
+    return n
+
+
+def test_an_interrupt_after_the_resize_still_unmaps_the_old_arena() -> None:
+    """Found by review: the arena the resize replaced was released after the lock's block, so
+    an interrupt raised there leaked it (a shared arena's memfd: its memory stays committed)."""
+    cpu = _InterruptedAbort(4 * CHUNK, shared=True)
+    store = TieredStore([cpu], chunk_tokens=4)
+    put_in(store, [key(1)], "cpu")
+    gc.collect()
+    before = _memfds()
+    for chunks in (8, 12, 16):
+        with pytest.raises(KeyboardInterrupt):
+            store.resize("cpu", chunks * CHUNK)
+        assert cpu.capacity_bytes == chunks * CHUNK  # the resize itself was made
+    gc.collect()
+    assert _memfds() == before
+    assert store.get(key(1)) == data_of(key(1))

@@ -374,12 +374,18 @@ class CpuTier(Tier):
         """Without the store's lock: map the new arena and copy the planned chunks into it.
         Stops early where the plan went stale; a failure to map is kept in ``plan.error``."""
         try:
-            arena, fd = _new_arena(plan.capacity_bytes, shared=self.shared, name=self.name)
+            made = _new_arena(plan.capacity_bytes, shared=self.shared, name=self.name)
         except (OverflowError, MemoryError, OSError, CapacityError) as exc:
             plan.error = exc
             return
-        with plan.lock:
-            plan.arena, plan.view, plan.fd = arena, memoryview(arena), fd
+        try:
+            with plan.lock:  # the plan owns it from here: release_resize unmaps it
+                plan.arena, plan.fd = made
+                plan.view = memoryview(made[0])
+        except BaseException:
+            if plan.arena is not made[0]:
+                _release(made[0], memoryview(made[0]), made[1])
+            raise
         for key, src, dst, n in plan.moves:
             with plan.lock:
                 if not plan.valid:
@@ -451,8 +457,8 @@ class CpuTier(Tier):
             new = (plan.arena, plan.view, plan.fd)
             plan.arena, plan.view, plan.fd = None, None, -1
             old, plan.retired = plan.retired, None
-        if new[0] is not None and new[1] is not None:
-            _release(new[0], new[1], new[2])
+        if new[0] is not None:
+            _release(new[0], new[1] if new[1] is not None else memoryview(new[0]), new[2])
         if old is not None:
             _release(*old)
 
