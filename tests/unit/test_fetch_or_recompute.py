@@ -75,12 +75,17 @@ def test_least_squares_recovers_both_terms_from_samples_at_several_contexts() ->
     assert fit_prefill([]) is None
 
 
+def _exact_samples(
+    alpha: float, beta: float, overhead: float, shapes: Sequence[tuple[int, int]]
+) -> list[PrefillSample]:
+    """Prefills of (computed, cached) tokens timed exactly as the model says."""
+    return [PrefillSample(n, a, overhead + n * (alpha + beta * (2 * a + n) / 2)) for n, a in shapes]
+
+
 def test_least_squares_recovers_the_overhead_every_prefill_pays() -> None:
     alpha, beta, overhead = 2e-5, 3e-9, 0.02
     shapes = ((256, 0), (1024, 0), (64, 4096), (2048, 16_384), (64, 60_000))
-    samples = [
-        PrefillSample(n, a, overhead + n * (alpha + beta * (2 * a + n) / 2)) for n, a in shapes
-    ]
+    samples = _exact_samples(alpha, beta, overhead, shapes)
     fitted = fit_prefill(samples)
     assert fitted is not None
     assert fitted.overhead_s == pytest.approx(overhead, rel=1e-6)
@@ -101,10 +106,7 @@ def test_least_squares_fits_an_exactly_determined_mix_of_short_and_long_prompts(
     and two one-token prefills over long cached contexts, a plan's prefill cost then ~2x low."""
     alpha, beta, overhead = 1.45e-5, 2e-11, 1e-3
     shapes = ((66_331, 645_380), (1, 755_472), (1, 361_922))
-    samples = [
-        PrefillSample(n, a, overhead + n * (alpha + beta * (2 * a + n) / 2)) for n, a in shapes
-    ]
-    fitted = fit_prefill(samples)
+    fitted = fit_prefill(_exact_samples(alpha, beta, overhead, shapes))
     assert fitted is not None
     assert fitted.alpha_s_per_token == pytest.approx(alpha, rel=1e-6)
     assert fitted.beta_s_per_token2 == pytest.approx(beta, rel=1e-6)

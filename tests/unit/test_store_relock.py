@@ -107,22 +107,31 @@ def _gate_opener(disk: SlowDisk) -> Callable[[], bool]:
     return ready
 
 
-def test_relocked_runs_its_block_then_raises_an_interrupt_met_while_waiting() -> None:
-    lock = threading.RLock()
-    ran = []
+@contextmanager
+def _while_a_helper_holds(lock: threading.RLock, caller: str) -> Iterator[threading.Event]:
+    """``interrupted_at_relock`` whose block starts once the helper holds ``lock``."""
     taken = {"n": 0}
 
     def ready() -> bool:
         taken["n"] += 1
         return True
 
-    with interrupted_at_relock(lock, "test_relocked_runs_its_block", ready) as raised:
-        time.sleep(0.01)  # the helper takes the lock first
+    with interrupted_at_relock(lock, caller, ready) as raised:
         deadline_s = time.monotonic() + WAIT_S
         while taken["n"] < 2 and time.monotonic() < deadline_s:
             time.sleep(0.001)
-        with pytest.raises(Interrupt), relocked(lock):
-            ran.append(lock._is_owned())  # type: ignore[attr-defined]
+        yield raised
+
+
+def test_relocked_runs_its_block_then_raises_an_interrupt_met_while_waiting() -> None:
+    lock = threading.RLock()
+    ran = []
+    with (
+        _while_a_helper_holds(lock, "test_relocked_runs_its_block") as raised,
+        pytest.raises(Interrupt),
+        relocked(lock),
+    ):
+        ran.append(lock._is_owned())  # type: ignore[attr-defined]
     assert raised.is_set() and ran == [True]
     assert not lock._is_owned()  # type: ignore[attr-defined]
     assert lock.acquire(timeout=WAIT_S)  # nobody holds it
@@ -133,19 +142,12 @@ def test_a_plain_with_lock_is_cut_before_its_block_by_the_same_interrupt() -> No
     """The control: what ``relocked`` guards against does happen with ``with lock:``."""
     lock = threading.RLock()
     ran = []
-    taken = {"n": 0}
-
-    def ready() -> bool:
-        taken["n"] += 1
-        return True
-
-    with interrupted_at_relock(lock, "test_a_plain_with_lock_is_cut", ready) as raised:
-        time.sleep(0.01)
-        deadline_s = time.monotonic() + WAIT_S
-        while taken["n"] < 2 and time.monotonic() < deadline_s:
-            time.sleep(0.001)
-        with pytest.raises(Interrupt), lock:
-            ran.append(True)
+    with (
+        _while_a_helper_holds(lock, "test_a_plain_with_lock_is_cut") as raised,
+        pytest.raises(Interrupt),
+        lock,
+    ):
+        ran.append(True)
     assert raised.is_set() and ran == []
 
 
