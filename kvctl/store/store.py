@@ -966,9 +966,13 @@ class TieredStore:
             return [_hot(e, *self._prefix_of(e, memo)) for e in top]
 
     def pin(self, keys: Iterable[bytes], *, tier: str | None = None) -> BulkResult:
-        """Pin chunks (never evicted), moving them to ``tier`` first when given.
+        """Pin chunks (never evicted), moving them to ``tier`` first when given (as ``move``
+        does: disk reads and writes without the lock), then pinning those in it: one that could
+        not be moved (no room, a failed read) counts ``failed``, one evicted meanwhile
+        ``missing``.
 
-        Raises CapacityError, before pinning anything, when the pins cannot fit the tier.
+        Raises CapacityError (TierUnavailable), before moving or pinning anything, when the
+        pins cannot fit the tier (it is offline).
         """
         with self._lock:
             found, missing = self._split_known(keys)
