@@ -35,6 +35,7 @@ from kvctl.wire.protocol import (
 )
 
 from .agents import Agent, closed_port, running_agent
+from .waiting import wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the agent's shm path is Linux")
 
@@ -59,6 +60,14 @@ def _requests(agent: Agent, op: str) -> float:
     return sum(float(v) for v in re.findall(pattern, text))
 
 
+def _settled(agent: Agent, op: str, want: float) -> float:
+    """``_requests`` once it reaches ``want`` (or after a bounded wait): the agent counts a
+    request after its reply is sent, so the prober can finish before the last one is counted."""
+    with contextlib.suppress(AssertionError):
+        wait_until(f"{want} {op} requests counted", lambda: _requests(agent, op) >= want, 10.0)
+    return _requests(agent, op)
+
+
 # --- POST /v1/probe ----------------------------------------------------------------------------
 def test_probe_from_one_agent_to_another(pair: tuple[Agent, Agent]) -> None:
     a, b = pair
@@ -80,8 +89,8 @@ def test_probe_from_one_agent_to_another(pair: tuple[Agent, Agent]) -> None:
     # A has no link configured to B: the network alone
     assert (out["rtt_basis"], out["emulated_delay_s"]) == ("measured", None)
     # the pings and both transfers really reached B: one PROBE up, one down
-    assert _requests(b, "ping") - pings == 7
-    assert _requests(b, "probe") - probes == 2
+    assert _settled(b, "ping", pings + 7) - pings == 7
+    assert _settled(b, "probe", probes + 2) - probes == 2
 
 
 def test_probe_with_zero_bytes_measures_latency_only(pair: tuple[Agent, Agent]) -> None:
@@ -93,7 +102,7 @@ def test_probe_with_zero_bytes_measures_latency_only(pair: tuple[Agent, Agent]) 
     assert out["ok"] is True and out["rtt_s"] > 0 and out["loss_ratio"] == 0.0
     assert out["probe_bytes"] == 0
     assert out["bandwidth_bytes_per_s"] is None and out["upload_bytes_per_s"] is None
-    assert _requests(b, "ping") - pings == 5  # the default
+    assert _settled(b, "ping", pings + 5) - pings == 5  # the default
     assert _requests(b, "probe") - probes == 0
 
 
@@ -113,7 +122,7 @@ def test_a_probe_over_an_emulated_link_includes_its_delay(tmp_path: Path) -> Non
             own = b.state.data_tcp
             assert own is not None
             unconfigured = ctl.probe(own, name="b", pings=3, size_bytes=0)
-            assert _requests(a, "ping") - pings == 6  # the delayed pings really reached A
+            assert _settled(a, "ping", pings + 6) - pings == 6  # the delayed pings reached A
             # the operator's view: the basis next to the figure, and in --json
             cli = ["agent", "probe", "--url", b.state.control_url, "--pings", "2"]
             shown = CliRunner().invoke(
@@ -195,7 +204,7 @@ def test_probe_with_and_without_the_targets_token(tmp_path: Path) -> None:
         for out in (refused, wrong, good):
             assert TOKEN_B not in str(out)
         assert "wrong-token" not in str(wrong)
-        assert _requests(b, "probe") == 2  # only the authenticated probe got through
+        assert _settled(b, "probe", 2) == 2  # only the authenticated probe got through
         assert "probe of " + target in a.log()  # the probes were logged...
         assert TOKEN_B not in a.log() and "wrong-token" not in a.log()  # ...without tokens
 

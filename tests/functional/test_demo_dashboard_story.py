@@ -83,8 +83,10 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
     from kvctl.profiles import DEMO_MODEL
 
     work = tmp_path_factory.mktemp("story")
+    # 30 s: under CI's load a 20 s run's per-node hit series spanned 10 s of the detail page's
+    # 120 s axis (under the tenth every plot must fill), twice in stop 33's and 34's runs
     run = _kvctl(
-        "demo", "--workdir", str(work), "--duration", "20", "--workload", "builtin",
+        "demo", "--workdir", str(work), "--duration", "30", "--workload", "builtin",
         "--limit", "600", "--dashboard", "--no-browser", "--json",
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
