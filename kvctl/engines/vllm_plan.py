@@ -29,7 +29,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -377,6 +377,9 @@ class AgentLink:
         self._client: DataClient | None = None
         self._retry_at = 0.0
         self._lock = threading.Lock()
+        #: told of each new connection (the first, and each after the agent came back), on the
+        #: thread that made it, once the link holds it; must not raise
+        self.on_connect: Callable[[DataClient], None] | None = None
 
     @classmethod
     def from_settings(
@@ -426,7 +429,9 @@ class AgentLink:
                 log.warning("kvctl agent at %s failed (%s); retrying later", self.address, exc)
                 return None
             self._client = client
-            return client
+        if self.on_connect is not None:
+            self.on_connect(client)
+        return client
 
     def _adopt(self, client: DataClient) -> None:
         agent_chunk = int(client.info["chunk_tokens"])
@@ -818,6 +823,8 @@ class WorkerPlan:
         self.failures = LoadFailures(block_size)
         self._formats: dict[int, ChunkFormat] = {}
         self._loaders: dict[int, KVLoader] = {}
+        #: the thread attaching the latest connection's arena (None before any)
+        self.attached: threading.Thread | None = None
 
     def loader(self, fmt: ChunkFormat) -> KVLoader:
         """One loader per chunk size: it keeps the arena's registration and a staging buffer."""
@@ -829,11 +836,24 @@ class WorkerPlan:
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> PagedKV:
         names = order_layers(list(kv_caches))
         self.paged = PagedKV([kv_caches[n] for n in names], self.link.layout, self.block_size)
-        # the arena mapped and registered now, not in the first load (pinning takes seconds)
+        # the arena mapped and registered when the worker connects (now, and again after the
+        # agent comes back), off the request path: registering pins all of it (seconds)
+        self.link.on_connect = self._attach_later
         client = self.link.get()
-        if client is not None and self.link.chunk_tokens is not None:
-            self.loader(self.format(self.link.chunk_tokens)).attach(client)
+        if client is not None and self.attached is None:  # connected before: attach it too
+            self._attach_later(client)
         return self.paged
+
+    def _attach_later(self, client: DataClient) -> None:
+        """Map and register ``client``'s arena in a background thread (a load meanwhile waits
+        for it on the loader's lock, as it would have registered it itself)."""
+        if self.paged is None or self.link.chunk_tokens is None:
+            return
+        loader = self.loader(self.format(self.link.chunk_tokens))
+        self.attached = threading.Thread(
+            target=loader.attach, args=(client,), name="kvctl-arena-attach", daemon=True
+        )
+        self.attached.start()
 
     def format(self, chunk_tokens: int) -> ChunkFormat:
         fmt = self._formats.get(chunk_tokens)

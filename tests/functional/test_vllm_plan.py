@@ -543,3 +543,27 @@ def test_nothing_computed_after_a_failed_load_is_saved_until_vllm_recomputes_it(
     finally:
         for c in (sched, worker):
             c.shutdown()
+
+
+def test_the_worker_maps_its_agents_arena_when_it_connects_and_again_after(agent: Agent) -> None:
+    """Registering the arena pins it (seconds for a few GiB on CUDA): the worker does it in the
+    background when it connects, and again when the agent's connection is made anew (an agent
+    restart), so no load pays it."""
+    engine = Engine(address(agent, "unix"))
+    try:
+        first = engine.worker.attached
+        assert first is not None
+        first.join(30)
+        (loader,) = engine.worker._loaders.values()
+        client = engine.worker.link.get()
+        assert client is not None
+        assert [buf for buf, _, _ in loader._registered.values()] == [client._arena]
+        client.close()  # the connection lost: the next get() makes a new one
+        again = engine.worker.link.get()
+        assert again is not None and again is not client
+        second = engine.worker.attached
+        assert second is not None and second is not first
+        second.join(30)
+        assert [buf for buf, _, _ in loader._registered.values()] == [again._arena]
+    finally:
+        engine.close()
