@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvctl.bench.common import host_info, spawned_agent
+from kvctl.bench.common import host_info, parallel_probe_seconds, spawned_agent
 from kvctl.errors import InvalidArgument
 from kvctl.extras import MissingExtra, extra_of
 
@@ -329,7 +329,6 @@ class _Fleet:
     def pool_source(self) -> tuple[AgentSource, ThreadPoolExecutor]:
         """The pool agent as a reader node sees it (the same streams), and threads for them."""
         if self._pool is None:
-            from kvctl.bench.common import parallel_probe_seconds
             from kvctl.remote.agent_source import AgentSource
 
             assert self._pool_address is not None, "no pool in this fleet"
@@ -564,7 +563,6 @@ def _pool_bound(fleet: _Fleet, nbytes: int) -> tuple[str, float]:
     """PROBE downloads of the same bytes from the pool agent over TCP loopback, split over as
     many connections at once as the pull's streams (a one-connection PROBE bounds nothing: a
     pull over four streams outran it 1.4-1.5x on an H200 host)."""
-    from kvctl.bench.common import parallel_probe_seconds
     from kvctl.remote.pool import stream_groups
 
     source, workers = fleet.pool_source()

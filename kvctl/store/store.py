@@ -1129,15 +1129,14 @@ class TieredStore:
         failed: the chunk stays where it is) or "kept" (``up_only``: above ``dst`` by then)."""
         try:
             buf = bytearray(e.size_bytes)
-            started_s = time.perf_counter()
-            why = src.read_planned(plan, memoryview(buf))
-            seconds = time.perf_counter() - started_s
-        except BaseException as exc:
+        except BaseException:
             with relocked(self._lock):
                 self._end_read(e)
-            if isinstance(exc, (TierUnavailable, OSError)):
-                return "failed"  # as a read under the lock that raised it was counted
             raise
+        try:
+            why, seconds = self._read_off_lock(e, src, plan, memoryview(buf))
+        except (TierUnavailable, OSError):
+            return "failed"  # as a read under the lock that raised it was counted
         with relocked(self._lock):
             current = self._is_current(e, src, plan)
             self._end_read(e)
@@ -1489,14 +1488,7 @@ class TieredStore:
                     return size, buf
                 plan = src.plan_read(key)
                 self._begin_read(e)
-            try:
-                started_s = time.perf_counter()
-                why = src.read_planned(plan, view)
-                seconds = time.perf_counter() - started_s
-            except BaseException:
-                with relocked(self._lock):
-                    self._end_read(e)
-                raise
+            why, seconds = self._read_off_lock(e, src, plan, view)
             later: list[_Demotion] = []
             try:
                 with relocked(self._lock):
@@ -1518,6 +1510,21 @@ class TieredStore:
                 if later:  # begun: each demotion ends, and the chunk is brought up or not
                     self._finish_promotion(e, src.name, view, later)
             return size, buf
+
+    def _read_off_lock(
+        self, e: Entry, src: Tier, plan: ReadPlan, out: memoryview
+    ) -> tuple[str | None, float]:
+        """Without the lock: ``plan``'s detached read (``_begin_read(e)`` made under it) into
+        ``out``: why the copy is unreadable (None: read and verified), and the seconds it took.
+        Where the read raises, the read is ended under the lock, then the error raised."""
+        try:
+            started_s = time.perf_counter()
+            why = src.read_planned(plan, out)
+            return why, time.perf_counter() - started_s
+        except BaseException:
+            with relocked(self._lock):
+                self._end_read(e)
+            raise
 
     def _delete_copy(self, tier: Tier, key: bytes) -> None:
         """Under the lock: delete the copy a promotion left behind, its slow part (unlinking
