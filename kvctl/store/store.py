@@ -44,11 +44,12 @@ again once the demotions have landed; a plain read's promotion waits for them it
 its chunk if its room is still free. An operator's move or flush down to disk, and a shrinking
 resize, write the same way, taking the lock once per chunk (or batch); a put that lands on disk
 itself (pinned or not) reserves its file under the lock and writes it without; a move up from disk
-(``move``, ``prefetch``, ``pin`` into a tier) reads the file without it. Still made under the lock:
-a move across more than one tier, a resize's copy of what changed while its new arena was filled
-without the lock, and the last of a put's rounds when others keep taking its room. Work begun under
-the lock and done without it is ended under it again through ``relocked``: an interrupt that lands
-while it waits for the lock is raised once that is done.
+(``move``, ``prefetch``, ``pin`` into a tier) reads the file without it; a move down from a gpu
+tier to disk copies the chunk to host memory under the lock (at the link's speed) and writes it
+without. Still made under the lock: a resize's copy of what changed while its new arena was
+filled without the lock, and the last of a put's rounds when others keep taking its room. Work
+begun under the lock and done without it is ended under it again through ``relocked``: an
+interrupt that lands while it waits for the lock is raised once that is done.
 
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
@@ -128,14 +129,17 @@ class PutSlot:
 @dataclass(eq=False, slots=True)
 class _Demotion:
     """A victim on its way down, written without the store's lock: its bytes stay in ``src``
-    (held in place by ``lease``: readable, never moved by compaction, its room not yet
-    free) while ``dst`` writes them into ``slot``; then committed or given up under the lock."""
+    (readable there; in a cpu tier held in place by ``lease``: never moved by compaction, its
+    room not yet free) while ``dst`` writes them into ``slot``; then committed or given up
+    under the lock."""
 
     entry: Entry
-    src: CpuTier
+    src: Tier
     dst: Tier
     slot: WriteSlot
-    lease: Lease
+    #: None: ``view`` is a copy of the bytes read under the lock (a move from a tier without
+    #: leases, a gpu tier)
+    lease: Lease | None
     view: memoryview
     #: the eviction it is counted as ("capacity", "flush"), or None: an operator's move
     reason: str | None = "capacity"
@@ -1635,22 +1639,32 @@ class TieredStore:
         return dst.detached_writes and self._usable(dst) and src.evictable(e.key)
 
     def _begin_move(self, e: Entry, dst: Tier) -> _Demotion | None:
-        """Under the lock: what ``_move(e, dst)`` does up to the write, where ``e`` goes from a
-        cpu tier down to the next one, with detached writes (else None: ``_move`` does it all
-        under the lock). Raises as ``_move`` does, with nothing changed."""
+        """Under the lock: what ``_move(e, dst)`` does up to the write, where ``e`` goes down
+        into a tier with detached writes, from a cpu tier (its bytes leased in place) or from a
+        tier above one (a gpu tier: its bytes copied to host memory now, at the link's speed)
+        (else None: ``_move`` does it all under the lock). Raises as ``_move`` does, with
+        nothing changed."""
         src = self._tier_of(e)
         if (
             e.pinned
             or e in self._reading
-            or not isinstance(src, CpuTier)
-            or self._tier_index[dst.name] != self._tier_index[src.name] + 1
-            or not self._may_detach(e, src)
+            or src.detached_reads
+            or self._closed
+            or self._rank(dst.name) <= self._rank(src.name)
+            or not (dst.detached_writes and self._usable(dst) and src.evictable(e.key))
         ):
             return None
         if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
             return None  # ``_move`` says why
         if not self._may_place(e, dst):
             raise CapacityError(f"could not move {e.key.hex()} to tier {dst.name!r}")
+        copy: memoryview | None = None
+        if not isinstance(src, CpuTier):
+            copy = memoryview(bytearray(e.size_bytes))
+            try:
+                src.read_into(e.key, copy)
+            except StoreError:
+                return None  # ``_move`` reads it again, and raises or drops it as ever
         try:
             if not self._make_room(dst, e.size_bytes):
                 raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
@@ -1665,8 +1679,11 @@ class TieredStore:
                 self._take_offline(dst, exc)
             raise
         self._policies[src.name].on_remove(e)
-        lease = src.lease(e.key, math.inf)
         self._reading[e] = 1  # out of its policy, as a chunk being read
+        if copy is not None:
+            return _Demotion(e, src, dst, slot, None, copy, reason=None)
+        assert isinstance(src, CpuTier)
+        lease = src.lease(e.key, math.inf)
         return _Demotion(e, src, dst, slot, lease, src.view(lease), reason=None)
 
     def _begin_demotion(self, e: Entry, src: CpuTier, reason: str = "capacity") -> _Demotion | None:
@@ -1743,7 +1760,9 @@ class TieredStore:
         written copy is taken back."""
         e, src, dst = d.entry, d.src, d.dst
         d.view.release()
-        src.release(d.lease.lease_id)
+        if d.lease is not None:
+            assert isinstance(src, CpuTier)
+            src.release(d.lease.lease_id)
         current = (
             not self._closed
             and self._index.get(e.key) is e

@@ -916,6 +916,27 @@ def test_store_over_gpu_and_cpu_demotes_promotes_and_leases(tmp_path: Path) -> N
 
 
 @needs_cuda
+def test_store_over_gpu_cpu_and_disk_moves_gpu_chunks_to_disk_intact(tmp_path: Path) -> None:
+    """A move across two tiers: the gpu chunk is copied to host memory under the store's lock,
+    its file written without it (tests/unit/test_store_moves_off_lock.py holds that write)."""
+    store = TieredStore(
+        [GpuTier(300, staging_slot_bytes=SLOT), CpuTier(1000), DiskTier(tmp_path / "d", 1000)]
+    )
+    try:
+        data = {i: rand(100, i) for i in range(3)}
+        for i in range(3):
+            assert store.put(k(i), data[i]) == "gpu"
+        result = store.move([k(0), k(1)], "disk")
+        assert (result.done, result.failed) == (2, 0)
+        assert store.locate([k(i) for i in range(3)]) == ["disk", "disk", "gpu"]
+        assert store.usage()["gpu"]["used_bytes"] == 100
+        for i in range(3):
+            assert store.get(k(i)) == data[i]
+    finally:
+        store.close()
+
+
+@needs_cuda
 def test_runtime_with_cuda_puts_the_gpu_tier_on_top(tmp_path: Path) -> None:
     settings = dataclasses.replace(
         AgentSettings(name="g3", data_dir=str(tmp_path), shm=False),

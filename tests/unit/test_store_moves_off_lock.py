@@ -17,8 +17,9 @@ import pytest
 
 from kvctl.store.errors import CapacityError, TierUnavailable
 from kvctl.store.store import BulkResult, TieredStore
-from kvctl.store.tiers.base import ReadPlan
+from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan
 from kvctl.store.tiers.cpu import CpuTier
+from kvctl.store.tiers.metered import MeteredTier
 from tests.unit import test_store_detached_demotions as writes
 from tests.unit.test_store_parallel_reads import (
     CHUNK,
@@ -190,3 +191,91 @@ def test_a_move_up_whose_read_fails_counts_that_chunk_failed_and_moves_the_rest(
     assert store.locate(keys) == ["disk", "cpu", "cpu"]
     disk.failing.clear()
     check_invariants(store)  # the failed one is back in its tier's policy, readable
+
+
+class _DeviceTier(MeteredTier):
+    """A tier above cpu that holds bytes but no leases (as the gpu tier: its chunks cannot be
+    read in place by another thread); counts its reads, which the store makes under its lock."""
+
+    holds_payload = True
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        super().__init__(name, capacity_bytes)
+        self._bytes: dict[bytes, bytes] = {}
+        self.reads = 0
+
+    def put(self, meta: ChunkMeta, data: Buffer | None) -> None:
+        super().put(meta, data)
+        assert data is not None
+        self._bytes[meta.key] = bytes(data)
+
+    def read_into(self, key: bytes, out: memoryview) -> int:
+        data = self._bytes[key]
+        out[: len(data)] = data
+        self.reads += 1
+        return len(data)
+
+    def delete(self, key: bytes) -> int:
+        self._bytes.pop(key, None)
+        return super().delete(key)
+
+
+def _three_tiers(tmp_path: Path) -> tuple[TieredStore, _DeviceTier, writes.SlowDisk]:
+    device = _DeviceTier("gpu", 8 * writes.CHUNK)
+    cpu = CpuTier(4 * writes.CHUNK)
+    disk = writes.SlowDisk(tmp_path / "disk", 64 * writes.CHUNK)
+    return TieredStore([device, cpu, disk], chunk_tokens=4, eviction="lru"), device, disk
+
+
+def test_a_move_from_a_device_tier_to_disk_writes_without_the_lock(tmp_path: Path) -> None:
+    """A move across two tiers (gpu to disk) was made whole under the lock, its disk write
+    included: the chunk is copied to host memory under it, and written without it."""
+    store, device, disk = _three_tiers(tmp_path)
+    keys = [writes.key(i) for i in range(4)]
+    for k in keys:
+        assert store.put(k, writes.data_of(k), tenant="t") == "gpu"
+    seen = writes.events_of(store)
+    disk.gate.clear()
+    move = Background(lambda: store.move(keys[:2], "disk"))
+    assert disk.wait_inside(), "the move never reached its write"
+    # the lock is free while the file is written: the chunk is still readable where it was
+    assert Background(lambda: writes.read(store, keys[0])).result() == writes.data_of(keys[0])
+    assert Background(lambda: store.lookup(keys, tenant="t")).result().matched_chunks == 4
+    new = writes.key(9)
+    assert Background(lambda: store.put(new, writes.data_of(new), tenant="t")).result() == "gpu"
+    disk.gate.set()
+    result = move.result()
+    assert (result.done, result.failed, result.missing) == (2, 0, 0)
+    assert store.locate(keys) == ["disk", "disk", "gpu", "gpu"]
+    assert [ev["type"] for ev in seen] == ["store", "move", "move"]  # the put landed first
+    assert store.stats.tiers["gpu"].bytes_read >= 2 * writes.CHUNK
+    assert device.reads >= 3  # the two copies the move wrote, and the read meanwhile
+    assert all(writes.read(store, k) == writes.data_of(k) for k in keys)
+
+
+def test_a_device_chunk_evicted_or_pinned_while_its_move_is_written_ends_as_such(
+    tmp_path: Path,
+) -> None:
+    store, device, disk = _three_tiers(tmp_path)
+    keys = [writes.key(i) for i in range(3)]
+    for k in keys:
+        assert store.put(k, writes.data_of(k), tenant="t") == "gpu"
+    disk.gate.clear()
+    move = Background(lambda: store.move(keys[:2], "disk"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.evict([keys[0]])).result().done == 1
+    disk.gate.set()
+    first = move.result()
+    assert (first.done, first.missing) == (1, 1)  # the other went on once the gate opened
+    assert keys[0] not in store and store.entry(keys[1]).tier == "disk"
+    disk.gate.clear()
+    move = Background(lambda: store.move([keys[2]], "disk"))
+    assert disk.wait_inside()
+    assert Background(lambda: store.pin([keys[2]])).result().done == 1
+    disk.gate.set()
+    assert (move.result().done, move.result().failed) == (0, 1)
+    assert store.entry(keys[2]).tier == "gpu" and store.entry(keys[2]).pinned
+    assert writes.read(store, keys[2]) == writes.data_of(keys[2])
+    store.unpin([keys[2]])
+    assert writes.files_on(disk) == {keys[1].hex()}  # no stray file of the evicted one
+    assert device.used_bytes == writes.CHUNK
