@@ -175,6 +175,9 @@ class DataClient:
         # reentrant: a thread inside a ``leased()`` block may make other calls on its client
         self._lock = threading.RLock()
         self._rid = 0
+        #: leases a ``release_later`` block left held: released before this client's next
+        #: call, or by ``release_pending``
+        self._unreleased: list[int] = []
         self._fds: list[int] = []
         self._arena: mmap.mmap | None = None
         self._arena_gen = -1
@@ -445,11 +448,19 @@ class DataClient:
 
     @contextlib.contextmanager
     def lookup_leased(
-        self, keys: Sequence[bytes], *, tenant: str = "", ttl_s: float | None = None
+        self,
+        keys: Sequence[bytes],
+        *,
+        tenant: str = "",
+        ttl_s: float | None = None,
+        release_later: bool = False,
     ) -> Iterator[tuple[LookupResult, ArenaLeases]]:
         """``lookup`` (counted) whose matched prefix is held in place as by ``leased``, in one
         round trip: what a same-host engine that reads its hits at once asks. The leases cover
-        ``keys[:matched_chunks]``; released on exit."""
+        ``keys[:matched_chunks]``; released on exit, or with ``release_later`` before this
+        client's next call or at ``release_pending`` (an engine releases after its first
+        token, not in its time to it; the leases' ttl bounds how long they stay held if
+        neither comes)."""
         ttl = self._lease_ttl(ttl_s)
         with self._lock:
             meta, _ = self._call_locked(
@@ -472,7 +483,16 @@ class DataClient:
                     )
                 yield found, self._arena_leases(leases)
             finally:
-                self._release_locked(held)
+                if release_later:
+                    self._unreleased.extend(held)
+                else:
+                    self._release_locked(held)
+
+    def release_pending(self) -> None:
+        """Release the leases ``release_later`` blocks left held (one frame, no round trip)."""
+        with self._lock:
+            held, self._unreleased = self._unreleased, []
+            self._release_locked(held)
 
     def _lease_ttl(self, ttl_s: float | None) -> float:
         """The ttl a lease is asked for (the agent's ``lease_seconds`` by default); raises
@@ -666,6 +686,9 @@ class DataClient:
         downloads; any other length is refused, so a rogue peer cannot stream without end)."""
         if self.closed:
             raise AgentError("this client is closed")
+        if self._unreleased and op != Op.RELEASE:
+            held, self._unreleased = self._unreleased, []
+            self._release_locked(held)
         self._rid = (self._rid + 1) & 0xFFFFFFFF
         total = sum(v.nbytes for v in payload)
         try:

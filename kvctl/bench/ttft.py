@@ -282,7 +282,8 @@ def run_ttft_bench(
             "are copied from the agent's arena under a lease straight into the KV cache; the "
             "lookup leases what it matched in the same round trip (LOOKUP_LEASE), so the lease "
             "is in lookup_seconds and fetch_seconds is the copy (compare lookup + fetch across "
-            "builds older than it)",
+            "builds older than it); the leases are released after the first token, so the "
+            "release is in no figure here",
             "arena_attach_seconds: the time each engine took, when it connected, to map its "
             "agent's shared arena (and on CUDA register it: pinning the whole capacity), paid "
             "once per engine process and so in no sample (None: no shared arena)",

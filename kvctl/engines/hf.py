@@ -281,15 +281,20 @@ class CachedLM:
         t2 = time.perf_counter()
         start = reused * self.chunk_tokens
         step = self.chunk_tokens if self.chunked_prefill else len(ids)
-        for at in range(start, len(ids), step):
-            part = torch.tensor([ids[at : at + step]], device=self.device)
-            out = self.model(input_ids=part, use_cache=True, logits_to_keep=1, **self._kv(cache))
-            cache = _cache_of(out)
-        logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
-        for layer in cache.layers:  # a cache that kept the loader's buffer must own a copy
-            if self.loader.owns(layer.keys):
-                layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
-        t3 = time.perf_counter()
+        try:
+            for at in range(start, len(ids), step):
+                part = torch.tensor([ids[at : at + step]], device=self.device)
+                kv = self._kv(cache)
+                out = self.model(input_ids=part, use_cache=True, logits_to_keep=1, **kv)
+                cache = _cache_of(out)
+            logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
+            for layer in cache.layers:  # a cache that kept the loader's buffer must own a copy
+                if self.loader.owns(layer.keys):
+                    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
+            t3 = time.perf_counter()
+        finally:  # the leases are released once the first token is out
+            if leased is not None and client is not None:
+                self._release_pending(client)
         self._measured(len(ids) - start, start, t3 - t2)
         stored = self._store(cache, keys, reused, locations, tenant)
         return Prefill(
@@ -360,7 +365,12 @@ class CachedLM:
         client = self.client
         assert client is not None
         try:
-            with client.lookup_leased(keys, tenant=tenant) as (found, leases):
+            # released after the first token: the copies are done, and the release need not
+            # be in the time to it
+            with client.lookup_leased(keys, tenant=tenant, release_later=True) as (
+                found,
+                leases,
+            ):
                 lookup_end_s = time.perf_counter()
                 m = found.matched_chunks
                 kv = self.loader.alloc(m, reuse=True) if m else None
@@ -377,6 +387,13 @@ class CachedLM:
             return 0, [], DynamicCache(), 0, "", time.perf_counter()
         cache = DynamicCache() if kv is None else self._cache_of(kv, usable)
         return m, list(found.locations), cache, usable, "lease" if usable else "", lookup_end_s
+
+    @staticmethod
+    def _release_pending(client: DataClient) -> None:
+        try:
+            client.release_pending()
+        except AgentError as exc:  # the agent ends a lost connection's leases itself
+            log.warning("kvctl lease release failed: %s", exc)
 
     def _cache_of(self, kv: torch.Tensor, chunks: int) -> DynamicCache:
         """A cache holding the first ``chunks`` chunks of the loader's buffer ``kv``."""

@@ -20,6 +20,7 @@ from kvctl.engines.hf import CachedLM  # noqa: E402
 from kvctl.engines.models import build_model  # noqa: E402
 from kvctl.errors import InvalidArgument  # noqa: E402
 from tests.functional.agents import Agent, running_agent  # noqa: E402
+from tests.functional.waiting import wait_until  # noqa: E402
 from tests.unit.cuda_marks import needs_cuda  # noqa: E402
 
 CHUNK = 64
@@ -204,6 +205,26 @@ def test_chunks_the_agent_holds_are_not_stored_again(tmp_path: Path) -> None:
         assert (second.reused_chunks, second.stored_chunks, second.stored_bytes) == (2, 0, 0)
         puts = agent.control().stats()["stats"]["tiers"]["cpu"]["puts"]
         assert puts == 3
+
+
+def test_a_reusing_request_releases_its_leases_once_its_first_token_is_out(
+    tmp_path: Path,
+) -> None:
+    """The lookup leases what the request reuses; the release is sent after the first token
+    (not in the time to it), with nothing else on the connection to carry it."""
+    model = build_model("tiny-llama", seed=9)
+    ids = _tokens(CHUNK * 3 + 5, 18)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        writer = CachedLM(model, client)
+        writer.prefill(ids)
+        writer.flush()
+        reader = CachedLM(model, client, store=False)  # nothing to store: no later call
+        got = reader.prefill(ids)
+        assert (got.reused_chunks, got.fetch_path) == (3, "lease")
+        wait_until("leases released", lambda: agent.control().stats()["leases"] == 0, 5.0)
 
 
 def test_bad_prompts_and_oversized_chunks_are_refused_clearly(tmp_path: Path) -> None:

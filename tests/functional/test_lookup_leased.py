@@ -75,6 +75,29 @@ def test_the_matched_prefix_is_leased_with_the_lookup(node: Node) -> None:
     assert (stats.lookups, stats.lookup_chunks, stats.hit_chunks) == (1, 4, 3)
 
 
+def test_leases_released_later_stay_held_until_the_next_call_or_release_pending(
+    node: Node,
+) -> None:
+    """An engine releases after its first token (``release_later``): the leases outlive the
+    block, and go with the client's next call, or with ``release_pending``."""
+    chain = [key(i) for i in range(3)]
+    for i, k in enumerate(chain):
+        node.store.put(k, payload(k, CHUNK), parent=chain[i - 1] if i else None, tokens=16)
+    with DataClient.connect(node.sock) as client:
+        with client.lookup_leased(chain, release_later=True) as (found, _):
+            assert found.matched_chunks == 3
+        assert node.leases() == 3  # nothing sent on exit
+        assert client.exists(chain) == ["cpu"] * 3  # the next call releases them first
+        assert node.leases() == 0  # its answer came after the RELEASE was handled
+        with client.lookup_leased(chain[:2], release_later=True):
+            pass
+        assert node.leases() == 2
+        client.release_pending()
+        wait_until("the leases released", lambda: node.leases() == 0)
+        client.release_pending()  # nothing pending: a no-op
+    assert node.store.stats.lookups == 2
+
+
 def test_a_miss_leases_nothing(node: Node) -> None:
     with (
         DataClient.connect(node.sock) as client,
