@@ -40,7 +40,8 @@ from kvctl.store.index import Entry
 from kvctl.store.policies.base import EvictionPolicy
 from kvctl.store.policies.lru import LineageLRUPolicy
 
-_T1, _T2 = 1, 2
+#: the lists: chunks seen once recently, and chunks seen at least twice
+T1, T2 = 1, 2
 #: ghosts kept before the tier's size is known, and at least ever after
 _MIN_GHOSTS = 64
 
@@ -58,10 +59,10 @@ class LineageARCPolicy(EvictionPolicy):
         self.ghost_factor = ghost_factor
         self.initial_t1_ratio = initial_t1_ratio
         # each list is leaf-first LRU over its own chunks
-        self._lists = {_T1: LineageLRUPolicy(), _T2: LineageLRUPolicy()}
-        self._bytes = {_T1: 0, _T2: 0}
-        self._member: dict[bytes, int] = {}  # tracked key -> _T1 or _T2
-        self._ghosts: dict[int, OrderedDict[bytes, None]] = {_T1: OrderedDict(), _T2: OrderedDict()}
+        self._lists = {T1: LineageLRUPolicy(), T2: LineageLRUPolicy()}
+        self._bytes = {T1: 0, T2: 0}
+        self._member: dict[bytes, int] = {}  # tracked key -> T1 or T2
+        self._ghosts: dict[int, OrderedDict[bytes, None]] = {T1: OrderedDict(), T2: OrderedDict()}
         #: keys that left without an eviction -> (the list they were in, their last tick)
         self._away: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
         self._target_t1_bytes = 0.0
@@ -74,28 +75,28 @@ class LineageARCPolicy(EvictionPolicy):
         key = entry.key
         self._newest_tick = max(self._newest_tick, entry.last_tick)
         away = self._away.pop(key, None)
-        if key in self._ghosts[_T1]:
-            self._adapt(_T1, key)
-            lst = _T2
-        elif key in self._ghosts[_T2]:
-            self._adapt(_T2, key)
-            lst = _T2
+        if key in self._ghosts[T1]:
+            self._adapt(T1, key)
+            lst = T2
+        elif key in self._ghosts[T2]:
+            self._adapt(T2, key)
+            lst = T2
         elif away is not None:
             # back from a pin, a read or another tier: the same list, unless it was accessed
-            lst = away[0] if away[1] == entry.last_tick else _T2
+            lst = away[0] if away[1] == entry.last_tick else T2
         else:
-            lst = _T1
+            lst = T1
         self._track(entry, lst)
         self._peak_entries = max(self._peak_entries, len(self._member))
 
     def on_access(self, entry: Entry) -> None:
         self._newest_tick = max(self._newest_tick, entry.last_tick)
         lst = self._member.get(entry.key)
-        if lst == _T1:  # seen twice now
+        if lst == T1:  # seen twice now
             self._untrack(entry)
-            self._track(entry, _T2)
-        elif lst == _T2:
-            self._lists[_T2].on_access(entry)
+            self._track(entry, T2)
+        elif lst == T2:
+            self._lists[T2].on_access(entry)
 
     def on_remove(self, entry: Entry) -> None:
         lst = self._untrack(entry)
@@ -115,11 +116,11 @@ class LineageARCPolicy(EvictionPolicy):
             return
         ghosts = self._ghosts[lst]
         ghosts[entry.key] = None
-        other = self._ghosts[_T2 if lst == _T1 else _T1]
+        other = self._ghosts[T2 if lst == T1 else T1]
         other.pop(entry.key, None)
         limit = max(int(2 * self.ghost_factor * self._peak_entries), _MIN_GHOSTS)
-        while len(self._ghosts[_T1]) + len(self._ghosts[_T2]) > limit:
-            longer = _T1 if len(self._ghosts[_T1]) > len(self._ghosts[_T2]) else _T2
+        while len(self._ghosts[T1]) + len(self._ghosts[T2]) > limit:
+            longer = T1 if len(self._ghosts[T1]) > len(self._ghosts[T2]) else T2
             self._ghosts[longer].popitem(last=False)
 
     # --- victims ---------------------------------------------------------------------------
@@ -129,15 +130,15 @@ class LineageARCPolicy(EvictionPolicy):
     def victims(self, now_s: float) -> Iterator[Entry]:
         """The chosen list's leaves (least recently used first), then the other list's, then
         the newest chunk, then the chunks with children (the fallback)."""
-        tracked = self._bytes[_T1] + self._bytes[_T2]
+        tracked = self._bytes[T1] + self._bytes[T2]
         if tracked > self._capacity_bytes:  # asked for room: the tier is full
             if not self._capacity_bytes:
                 self._target_t1_bytes = self.initial_t1_ratio * tracked
             self._capacity_bytes = tracked
-        first = _T1 if self._bytes[_T1] and self._bytes[_T1] > self._target_t1_bytes else _T2
+        first = T1 if self._bytes[T1] and self._bytes[T1] > self._target_t1_bytes else T2
         if not self._bytes[first]:
-            first = _T1 if first == _T2 else _T2
-        second = _T2 if first == _T1 else _T1
+            first = T1 if first == T2 else T2
+        second = T2 if first == T1 else T1
         return self._walk(first, second, now_s)
 
     def _walk(self, first: int, second: int, now_s: float) -> Iterator[Entry]:
@@ -177,11 +178,11 @@ class LineageARCPolicy(EvictionPolicy):
         """``key`` came back from ``hit_ghost``: move the target toward the list that lost it,
         by the other ghost list's size over this one's (ARC's step), at least one chunk, in
         bytes of the mean tracked chunk."""
-        g1, g2 = len(self._ghosts[_T1]), len(self._ghosts[_T2])
-        tracked = self._bytes[_T1] + self._bytes[_T2]
+        g1, g2 = len(self._ghosts[T1]), len(self._ghosts[T2])
+        tracked = self._bytes[T1] + self._bytes[T2]
         chunk_bytes = tracked / len(self._member) if self._member else 1.0
         cap = float(self._capacity_bytes or tracked)
-        if hit_ghost == _T1:
+        if hit_ghost == T1:
             step = max(g2 / g1, 1.0) if g1 else 1.0
             self._target_t1_bytes = min(self._target_t1_bytes + step * chunk_bytes, cap)
         else:
