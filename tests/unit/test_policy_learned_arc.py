@@ -49,6 +49,7 @@ def test_the_model_tracks_exactly_the_policys_chunks_and_leaves(
         leaves = {k for k, e in model._entries.items() if e.children == 0}
         assert set(model._leaves) == leaves
         assert all(model._leaves[i] == k for k, i in model._leaf_pos.items())
+        assert set(model._score_cache) <= tracked  # scores of keys gone are not kept
 
 
 def _replay(
@@ -95,7 +96,9 @@ def test_deterministic_under_a_seed_and_trained_online(monkeypatch: pytest.Monke
     first, first_hits = _replay(monkeypatch, NAME, early(1), "rag")
     again, again_hits = _replay(monkeypatch, NAME, early(1), "rag")
     _, arc_hits = _replay(monkeypatch, "lineage-arc", EVICTION_POLICIES["lineage-arc"], "rag")
-    assert made[0].model.fits > 0  # it learned from its own history, during the replay
+    model = made[0].model
+    assert model.fits > 0  # it learned from its own history, during the replay
+    assert set(model._score_cache) <= set(model._entries)  # no score of a key gone is kept
     assert first_hits == again_hits and first.hit_ratio == again.hit_ratio
     assert first_hits != arc_hits  # its picks changed what was evicted
 

@@ -213,6 +213,7 @@ class ReuseModel:
     def on_remove(self, entry: Entry) -> None:
         if self._entries.pop(entry.key, None) is not None:
             self._drop_leaf(entry.key)
+            self._score_cache.pop(entry.key, None)  # only tracked keys are scored: bounded
 
     def on_children_changed(self, entry: Entry) -> None:
         if entry.key not in self._entries:
