@@ -1104,6 +1104,9 @@ class TieredStore:
                     try:
                         d = self._begin_move(e, target)
                         if d is None:
+                            if not self._holds(e):  # its copy was found corrupt: dropped
+                                missing += 1
+                                continue
                             self._move(e, target)
                     except (CapacityError, DiskFullError, TierUnavailable):
                         failed += 1
@@ -1663,8 +1666,11 @@ class TieredStore:
             copy = memoryview(bytearray(e.size_bytes))
             try:
                 src.read_into(e.key, copy)
+            except CorruptChunk:  # the tier dropped its copy: so does the index
+                self._drop_corrupt(e)
+                return None
             except StoreError:
-                return None  # ``_move`` reads it again, and raises or drops it as ever
+                return None  # ``_move`` reads it again, and raises as ever
         try:
             if not self._make_room(dst, e.size_bytes):
                 raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.store.errors import CapacityError, TierUnavailable
+from kvctl.store.errors import CapacityError, CorruptChunk, TierUnavailable
 from kvctl.store.store import BulkResult, TieredStore
 from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan
 from kvctl.store.tiers.cpu import CpuTier
@@ -279,3 +279,29 @@ def test_a_device_chunk_evicted_or_pinned_while_its_move_is_written_ends_as_such
     store.unpin([keys[2]])
     assert writes.files_on(disk) == {keys[1].hex()}  # no stray file of the evicted one
     assert device.used_bytes == writes.CHUNK
+
+
+def test_a_device_chunk_found_corrupt_by_its_move_is_dropped_and_counted_missing(
+    tmp_path: Path,
+) -> None:
+    """Found in review: a gpu tier whose copy fails drops the chunk and raises CorruptChunk; the
+    move went on to ``_move``, whose second read raised KeyNotFound out of ``move`` and left the
+    index naming a chunk the tier no longer held."""
+    store, device, _disk = _three_tiers(tmp_path)
+    keys = [writes.key(i) for i in range(2)]
+    for k in keys:
+        assert store.put(k, writes.data_of(k), tenant="t") == "gpu"
+    lost = keys[0]
+
+    def corrupt(key: bytes, out: memoryview) -> int:
+        if key == lost:
+            device.delete(key)
+            raise CorruptChunk(f"chunk {key.hex()} lost in a failed device copy (test)")
+        return _DeviceTier.read_into(device, key, out)
+
+    device.read_into = corrupt  # type: ignore[method-assign]
+    result = store.move(keys, "disk")
+    assert (result.done, result.missing, result.failed) == (1, 1, 0)
+    assert lost not in store and store.entry(keys[1]).tier == "disk"
+    assert store.stats.corrupt_dropped == 1
+    assert writes.read(store, keys[1]) == writes.data_of(keys[1])
