@@ -266,22 +266,27 @@ class CachedLM:
 
         t0 = time.perf_counter()
         client = self.client
-        leased = None
-        if client is not None and client.shm and reusable and client is not self._no_lookup_lease:
-            # same host: the lookup leases what it matched, one round trip less
-            leased = self._lookup_leased(reusable, tenant)
-        if leased is not None:
-            matched, locations, cache, reused, path, t1 = leased
-        else:
-            matched, locations = self._lookup(reusable, tenant)
-            t1 = time.perf_counter()
-            cache, reused, path = self._fetch(reusable[:matched], tenant)
-        tiers = [t for t in locations[:reused] if t is not None]
-        self._sync()
-        t2 = time.perf_counter()
-        start = reused * self.chunk_tokens
-        step = self.chunk_tokens if self.chunked_prefill else len(ids)
         try:
+            leased = None
+            if (
+                client is not None
+                and client.shm
+                and reusable
+                and client is not self._no_lookup_lease
+            ):
+                # same host: the lookup leases what it matched, one round trip less
+                leased = self._lookup_leased(reusable, tenant)
+            if leased is not None:
+                matched, locations, cache, reused, path, t1 = leased
+            else:
+                matched, locations = self._lookup(reusable, tenant)
+                t1 = time.perf_counter()
+                cache, reused, path = self._fetch(reusable[:matched], tenant)
+            tiers = [t for t in locations[:reused] if t is not None]
+            self._sync()
+            t2 = time.perf_counter()
+            start = reused * self.chunk_tokens
+            step = self.chunk_tokens if self.chunked_prefill else len(ids)
             for at in range(start, len(ids), step):
                 part = torch.tensor([ids[at : at + step]], device=self.device)
                 kv = self._kv(cache)
@@ -292,8 +297,8 @@ class CachedLM:
                 if self.loader.owns(layer.keys):
                     layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
             t3 = time.perf_counter()
-        finally:  # the leases are released once the first token is out
-            if leased is not None and client is not None:
+        finally:  # the lookup's leases go once the first token is out, or the request failed
+            if client is not None and client.shm:
                 self._release_pending(client)
         self._measured(len(ids) - start, start, t3 - t2)
         stored = self._store(cache, keys, reused, locations, tenant)

@@ -227,6 +227,31 @@ def test_a_reusing_request_releases_its_leases_once_its_first_token_is_out(
         wait_until("leases released", lambda: agent.control().stats()["leases"] == 0, 5.0)
 
 
+def test_a_request_that_fails_after_its_lookup_releases_its_leases(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: an error other than the agent's between the lookup and the first token
+    (here the copy out of the arena) left the leases held until the client's next call."""
+    model = build_model("tiny-llama", seed=9)
+    ids = _tokens(CHUNK * 3 + 5, 19)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        writer = CachedLM(model, client)
+        writer.prefill(ids)
+        writer.flush()
+        reader = CachedLM(model, client, store=False)
+
+        def broken(*_args: object, **_kw: object) -> None:
+            raise RuntimeError("out of memory (test)")
+
+        monkeypatch.setattr(reader.loader, "load", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            reader.prefill(ids)
+        wait_until("leases released", lambda: agent.control().stats()["leases"] == 0, 5.0)
+
+
 def test_bad_prompts_and_oversized_chunks_are_refused_clearly(tmp_path: Path) -> None:
     model = build_model("tiny-llama")
     with pytest.raises(InvalidArgument, match="at least one token"):
