@@ -146,6 +146,14 @@ def run_ttft_bench(
         # each engine maps (on CUDA: registers, pinning every page) its agent's arena when it
         # starts, as a serving engine would: a one-off cost, reported apart from every sample
         attach_s = {name: engine.arena_attach_seconds for name, engine in engines.items()}
+
+        def cold(engine: CachedLM) -> CachedLM:
+            """``engine``, the CPU caches flushed first on a CPU (every timed sample starts
+            cold, as the memcpy bound's copies do)."""
+            if device == "cpu":
+                flush_cpu_caches(torch)
+            return engine
+
         # warm-up: one-off kernel and allocator set-up of both paths, kept out of every figure
         warm = _tokens(2 * chunk_tokens + suffix_tokens, seed - 1, model.config.vocab_size)
         for _ in range(2):
@@ -155,22 +163,22 @@ def run_ttft_bench(
         for n, context in enumerate(contexts):
             prompt = _tokens(context + suffix_tokens, seed + n, model.config.vocab_size)
             say(f"{context} tokens: full prefill")
-            base = [_light(full.prefill(prompt)) for _ in range(repeats - 1)]
-            last = full.prefill(prompt)
+            base = [_light(cold(full).prefill(prompt)) for _ in range(repeats - 1)]
+            last = cold(full).prefill(prompt)
             split = _split_reference(full, last, prompt, chunk_tokens)
             base.append(_light(last))
             reference = base[-1]
             full_s = statistics.median(p.ttft_seconds for p in base)
             # the first request through the node stores the prompt's chunks (a miss: nothing
             # is cached yet); its TTFT is the cost of asking the agent for nothing
-            miss = _light(engines["node"].prefill(prompt))
+            miss = _light(cold(engines["node"]).prefill(prompt))
             stored = engines["node"].chunk_keys(prompt)
             keys = stored[: (len(prompt) - 1) // chunk_tokens]  # the reusable ones
             engines["node"].flush()  # stored behind the request: wait before sampling
             if "pool" in sources:
                 _wait_for_pool(fleet.data["pool"], keys)
             nbytes = len(keys) * chunk_bytes
-            memcpy = _memcpy_seconds(torch, nbytes, repeats)
+            memcpy = _memcpy_seconds(torch, nbytes, repeats, cold=device == "cpu")
             row: dict[str, Any] = {
                 "context_tokens": context,
                 "prompt_tokens": len(prompt),
@@ -198,16 +206,14 @@ def run_ttft_bench(
                         if source == "disk":
                             _drop_page_cache(fleet.disk)  # the bound read them: from the device
                         engine = engines["reader" if source == "pool" else "node"]
-                        if source == "cpu" and device == "cpu":
-                            flush_cpu_caches(torch)  # as its bound's copy starts
-                        got = _light(engine.prefill(prompt))
+                        got = _light(cold(engine).prefill(prompt))
                         runs.append(_check(got, reference, split, source, len(keys), dtype))
                         if source == "pool":  # the pull itself, whatever the plan decided
                             fleet.prepare(source, keys)
                             forced_bounds.append(
                                 _bound(torch, fleet, source, device, nbytes, memcpy)
                             )
-                            got = _light(engines["puller"].prefill(prompt))
+                            got = _light(cold(engines["puller"]).prefill(prompt))
                             forced.append(_check(got, reference, split, source, len(keys), dtype))
                         elif source == "disk":  # the disk read itself, whatever the plan decided
                             fleet.prepare(source, keys)
@@ -290,9 +296,9 @@ def run_ttft_bench(
             "new chunks are stored behind the request (write-behind): store_seconds is from "
             "hand-over to the agent's acknowledgement, off the request path",
             "bound: the cpu tier's is a copy of the same bytes from page-locked host memory to "
-            "the device (CUDA) or a multi-threaded memcpy (CPU: it and each cpu-tier sample "
-            "start with the CPU caches flushed, so both read from DRAM as chunks stored earlier "
-            "are, and the sample's prefill reads the weights cold too); the disk tier's a raw "
+            "the device (CUDA) or a multi-threaded memcpy (CPU: each of its copies, and every "
+            "sample on a CPU, full prefills included, starts with the CPU caches flushed, so "
+            "copies read from DRAM as chunks stored earlier are); the disk tier's a raw "
             "parallel read of the chunk files after dropping the page cache; the pool's PROBE "
             "downloads of the same bytes from the pool agent over loopback TCP, on as many "
             "connections at once as the pull splits over (its streams); each is "
@@ -431,7 +437,7 @@ def _bound(
         if device.startswith("cuda"):
             return "page-locked host -> device copy", nbytes / _h2d_seconds(torch, device, nbytes)
         # measured again for each sample (the row's figure is one moment of a shared machine)
-        sample_s = _memcpy_seconds(torch, nbytes, 1) or memcpy_s
+        sample_s = _memcpy_seconds(torch, nbytes, 1, cold=True) or memcpy_s
         return "multi-threaded memcpy", nbytes / sample_s if sample_s else 0.0
     if source == "disk":
         read_bytes, seconds = _raw_read(fleet.disk)
@@ -724,13 +730,13 @@ def _one_line(source: str, s: dict[str, Any]) -> str:
     )
 
 
-def _memcpy_seconds(torch: Any, nbytes: int, repeats: int) -> float | None:
+def _memcpy_seconds(torch: Any, nbytes: int, repeats: int, *, cold: bool) -> float | None:
     """One host copy of the same bytes on all of torch's threads (the intra-op pool splits a
     large copy; numpy copies on as many Python threads as a cross-check, the faster counts):
-    the floor under any fetch from this host. Each copy starts with the CPU caches flushed, as
-    each cpu-tier sample does: a source just written sits in a large last-level cache (300 MiB
-    on the 2-core VM this was tuned on) and copied at up to twice DRAM's rate, which a fetch of
-    chunks stored earlier never sees."""
+    the floor under any fetch from this host. ``cold`` (a CPU engine): each copy starts with the
+    CPU caches flushed, as each sample does: a source just written sits in a large last-level
+    cache (300 MiB on the 2-core VM this was tuned on) and is copied at up to twice DRAM's rate,
+    which a fetch of chunks stored earlier never sees."""
     if nbytes == 0:
         return None
     src = torch.ones(nbytes, dtype=torch.uint8)
@@ -741,26 +747,34 @@ def _memcpy_seconds(torch: Any, nbytes: int, repeats: int) -> float | None:
     samples = []
     with ThreadPoolExecutor(threads) as pool:
         for _ in range(repeats):
-            flush_cpu_caches(torch)
+            if cold:
+                flush_cpu_caches(torch)
             t0 = time.perf_counter()
             dst.copy_(src)
             torch_s = time.perf_counter() - t0
-            flush_cpu_caches(torch)
+            if cold:
+                flush_cpu_caches(torch)
             t1 = time.perf_counter()
             list(pool.map(lambda p: b.__setitem__(slice(*p), a[slice(*p)]), parts))
             samples.append(min(torch_s, time.perf_counter() - t1))
     return statistics.median(samples)
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size as Linux reports it (64 MiB where it cannot be read)."""
-    sizes = [64 << 20]
-    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu")) -> int:
+    """Bytes of the last-level caches as Linux reports them: each distinct cache of the highest
+    level once (one per socket or core complex), 64 MiB where none can be read."""
+    found: dict[tuple[int, str], int] = {}  # (level, the CPUs sharing it) -> bytes
+    for cache in root.glob("cpu[0-9]*/cache/index[0-9]*"):
         with contextlib.suppress(OSError, ValueError):
-            text = path.read_text().strip().upper()
+            text = (cache / "size").read_text().strip().upper()
             scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            sizes.append(int(text.rstrip("KMG")) * scale)
-    return max(sizes)
+            level = int((cache / "level").read_text())
+            shared = (cache / "shared_cpu_list").read_text().strip()
+            found[(level, shared)] = int(text.rstrip("KMG")) * scale
+    if not found:
+        return 64 << 20
+    top = max(level for level, _ in found)
+    return sum(size for (level, _), size in found.items() if level == top)
 
 
 _flush_buffer: list[Any] = []

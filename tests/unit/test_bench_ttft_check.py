@@ -6,12 +6,14 @@ tokens); anything else is a failed sample."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from kvctl.bench.ttft import ATOL, _check, _Split  # noqa: E402
+from kvctl.bench.ttft import ATOL, _check, _Split, last_level_cache_bytes  # noqa: E402
 from kvctl.engines.hf import Prefill  # noqa: E402
 
 CHUNK = 256
@@ -80,3 +82,24 @@ def test_chunks_from_the_wrong_tier_fail() -> None:
     split = _split(full.logits.clone(), full)
     with pytest.raises(RuntimeError, match="from the cpu tier"):
         _check(_prefill(full.logits.clone(), tier="disk"), full, split, "cpu", CHUNKS, "bfloat16")
+
+
+def _cache(root: Path, cpu: int, index: int, level: int, size: str, shared: str) -> None:
+    d = root / f"cpu{cpu}" / "cache" / f"index{index}"
+    d.mkdir(parents=True)
+    (d / "level").write_text(f"{level}\n")
+    (d / "size").write_text(f"{size}\n")
+    (d / "shared_cpu_list").write_text(f"{shared}\n")
+
+
+def test_the_last_level_caches_are_counted_once_each(tmp_path: Path) -> None:
+    """Two sockets of two CPUs each: their L3s add up, a cache shared by two CPUs counts once,
+    the lower levels not at all; nothing readable falls back to 64 MiB."""
+    for cpu in range(4):
+        _cache(tmp_path, cpu, 0, 1, "48K", str(cpu))
+        _cache(tmp_path, cpu, 2, 2, "2048K", str(cpu))
+        _cache(tmp_path, cpu, 3, 3, "48M", "0-1" if cpu < 2 else "2-3")
+    assert last_level_cache_bytes(tmp_path) == 96 << 20
+    _cache(tmp_path, 0, 4, 3, "bad", "0")  # unreadable: skipped
+    assert last_level_cache_bytes(tmp_path) == 96 << 20
+    assert last_level_cache_bytes(tmp_path / "none") == 64 << 20
