@@ -2,12 +2,12 @@
 model trained online from the tier's own history (``reuse_model.ReuseModel``, LRB-style).
 
 ARC's ghost hits still decide whether the chunks seen once (T1) or the reused ones (T2) give up a
-chunk. When T1 does, the model names, among a seeded sample of 64 of T1's leaves, the one least
-likely to be reused within about a tier's worth of accesses, instead of the least recently used
-one; T2 stays least recently used first (the model measured worse there, as it did deciding
-alone: see ``reuse_model``). Until the model's first fit (1,000 labelled samples) it is
-``lineage-arc`` exactly. Leaf-first lineage, the newest chunk last and the fallback to chunks
-with children are ``lineage-arc``'s.
+chunk. When T1 does, the model names, among the T1 leaves in a seeded sample of 64 leaves, the
+one least likely to be reused within about a tier's worth of accesses, instead of the least
+recently used one (none in the sample: least recently used, as ARC); T2 stays least recently
+used first (the model measured worse there, as it did deciding alone: see ``reuse_model``).
+Until the model's first fit (1,000 labelled samples) it is ``lineage-arc`` exactly. Leaf-first
+lineage, the newest chunk last and the fallback to chunks with children are ``lineage-arc``'s.
 
 Measured (issue 26): % of Belady's block hit ratio, ``kvctl simulate --sweep``, capacities 1, 2,
 5, 10, 20 and 50% of the unique blocks, one run on the 2-core VM:
