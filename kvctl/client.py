@@ -491,8 +491,11 @@ class DataClient:
     def release_pending(self) -> None:
         """Release the leases ``release_later`` blocks left held (one frame, no round trip)."""
         with self._lock:
-            held, self._unreleased = self._unreleased, []
-            self._release_locked(held)
+            self._release_pending_locked()
+
+    def _release_pending_locked(self) -> None:
+        held, self._unreleased = self._unreleased, []
+        self._release_locked(held)
 
     def _lease_ttl(self, ttl_s: float | None) -> float:
         """The ttl a lease is asked for (the agent's ``lease_seconds`` by default); raises
@@ -687,8 +690,7 @@ class DataClient:
         if self.closed:
             raise AgentError("this client is closed")
         if self._unreleased and op != Op.RELEASE:
-            held, self._unreleased = self._unreleased, []
-            self._release_locked(held)
+            self._release_pending_locked()
         self._rid = (self._rid + 1) & 0xFFFFFFFF
         total = sum(v.nbytes for v in payload)
         try:

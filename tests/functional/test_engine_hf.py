@@ -9,6 +9,8 @@ one bf16 step (7.8e-3) on these models.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -207,13 +209,11 @@ def test_chunks_the_agent_holds_are_not_stored_again(tmp_path: Path) -> None:
         assert puts == 3
 
 
-def test_a_reusing_request_releases_its_leases_once_its_first_token_is_out(
-    tmp_path: Path,
-) -> None:
-    """The lookup leases what the request reuses; the release is sent after the first token
-    (not in the time to it), with nothing else on the connection to carry it."""
+@contextlib.contextmanager
+def _reader_of_a_cached_prompt(tmp_path: Path, ids: list[int]) -> Iterator[tuple[Agent, CachedLM]]:
+    """An agent holding ``ids``' chunks (stored by one engine), and another engine on the same
+    Unix connection that stores nothing (so no later call of its own carries a release)."""
     model = build_model("tiny-llama", seed=9)
-    ids = _tokens(CHUNK * 3 + 5, 18)
     with (
         running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
         agent.data("unix") as client,
@@ -221,7 +221,16 @@ def test_a_reusing_request_releases_its_leases_once_its_first_token_is_out(
         writer = CachedLM(model, client)
         writer.prefill(ids)
         writer.flush()
-        reader = CachedLM(model, client, store=False)  # nothing to store: no later call
+        yield agent, CachedLM(model, client, store=False)
+
+
+def test_a_reusing_request_releases_its_leases_once_its_first_token_is_out(
+    tmp_path: Path,
+) -> None:
+    """The lookup leases what the request reuses; the release is sent after the first token
+    (not in the time to it), with nothing else on the connection to carry it."""
+    ids = _tokens(CHUNK * 3 + 5, 18)
+    with _reader_of_a_cached_prompt(tmp_path, ids) as (agent, reader):
         got = reader.prefill(ids)
         assert (got.reused_chunks, got.fetch_path) == (3, "lease")
         wait_until("leases released", lambda: agent.control().stats()["leases"] == 0, 5.0)
@@ -232,16 +241,8 @@ def test_a_request_that_fails_after_its_lookup_releases_its_leases(
 ) -> None:
     """Found in review: an error other than the agent's between the lookup and the first token
     (here the copy out of the arena) left the leases held until the client's next call."""
-    model = build_model("tiny-llama", seed=9)
     ids = _tokens(CHUNK * 3 + 5, 19)
-    with (
-        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
-        agent.data("unix") as client,
-    ):
-        writer = CachedLM(model, client)
-        writer.prefill(ids)
-        writer.flush()
-        reader = CachedLM(model, client, store=False)
+    with _reader_of_a_cached_prompt(tmp_path, ids) as (agent, reader):
 
         def broken(*_args: object, **_kw: object) -> None:
             raise RuntimeError("out of memory (test)")
