@@ -54,6 +54,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,7 @@ class RawClient:
     sets up its own (timeout, TCP_NODELAY), the same ``send_all`` / ``recv_exactly`` calls."""
 
     def __init__(self, port: int, *, timeout_s: float = RAW_TIMEOUT_S) -> None:
+        self.port = port
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.settimeout(timeout_s)
         self.sock.connect(("127.0.0.1", port))
@@ -274,6 +276,34 @@ class RawClient:
 
     def close(self) -> None:
         self.sock.close()
+
+
+class RawStreams:
+    """Reads of one raw peer's arena split over ``streams`` connections at once, as a pull
+    splits over its streams: the raw-socket bound of a parallel pull."""
+
+    def __init__(self, first: RawClient, streams: int) -> None:
+        self.clients = [first] + [RawClient(first.port) for _ in range(streams - 1)]
+        self._workers = ThreadPoolExecutor(len(self.clients))
+
+    def get_seconds(self, spans: list[tuple[int, int]], sink: memoryview) -> float:
+        """Wall seconds to read the arena's ``[lo, hi)`` into ``sink[lo:hi]`` for each span,
+        one connection per span, all at once."""
+        if len(spans) > len(self.clients):
+            raise ValueError(f"{len(spans)} spans for {len(self.clients)} connections")
+
+        def one(i: int) -> None:
+            lo, hi = spans[i]
+            self.clients[i].get_into(lo, sink[lo:hi])
+
+        started = time.perf_counter()
+        list(self._workers.map(one, range(len(spans))))
+        return max(time.perf_counter() - started, 1e-9)
+
+    def close(self) -> None:
+        self._workers.shutdown()
+        for c in self.clients[1:]:  # the first is raw_reference's to close
+            c.close()
 
 
 @contextlib.contextmanager

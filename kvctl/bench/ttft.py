@@ -1,7 +1,7 @@
 """`kvctl bench ttft`: time to first token of a real (random-weight) Llama, full prefill vs the
 prefix's KV read from a kvctl agent's cpu tier, its disk tier, and the shared pool.
 
-Three agents on loopback: ``node`` (cpu + disk tiers, writes through to the pool), ``pool`` (an
+Four agents on loopback: ``node`` (cpu + disk tiers, writes through to the pool), ``pool`` (an
 embedded pool agent), ``reader`` (another node with the same pool and nothing local, so its
 lookups go to the pool and its plan decides whether pulling beats recomputing) and ``puller``
 (the same, its link to the pool forced to fetch, so the pull is measured whatever the plan would
@@ -16,7 +16,8 @@ recompute rather than fetch (fetch-or-recompute): the sample then reuses fewer c
 row says so. Each source's fetch rate stands next to the bound for its path measured in the
 same run: the cpu tier next to a host->device copy from page-locked memory on CUDA (a
 multi-threaded memcpy on a CPU), the disk tier next to a raw parallel read of the same chunk
-files from the device, the pool next to a raw download over the same loopback socket.
+files from the device, the pool next to a raw read of the same bytes from another process's
+arena over loopback TCP, on as many connections as the pull's streams.
 """
 
 from __future__ import annotations
@@ -33,17 +34,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvctl.bench.common import host_info, parallel_probe_seconds, spawned_agent
+from kvctl.bench.common import host_info, spawned_agent
 from kvctl.errors import InvalidArgument
 from kvctl.extras import MissingExtra, extra_of
+from kvctl.remote.pool import DEFAULT_MIN_STREAM_BYTES, DEFAULT_STREAMS
 
 if TYPE_CHECKING:
     from rich.console import Group
 
     from kvctl.agent.daemon import AgentState
+    from kvctl.bench.agent import RawStreams
     from kvctl.client import AgentClient, DataClient
     from kvctl.engines.hf import Prefill
-    from kvctl.remote.agent_source import AgentSource
 
 SOURCES = ("cpu", "disk", "pool")
 #: where each source's chunks must be found by the lookup
@@ -299,9 +301,10 @@ def run_ttft_bench(
             "the device (CUDA) or a multi-threaded memcpy (CPU: each of its copies, and every "
             "sample on a CPU, full prefills included, starts with the CPU caches flushed, so "
             "copies read from DRAM as chunks stored earlier are); the disk tier's a raw "
-            "parallel read of the chunk files after dropping the page cache; the pool's PROBE "
-            "downloads of the same bytes from the pool agent over loopback TCP, on as many "
-            "connections at once as the pull splits over (its streams); each is "
+            "parallel read of the chunk files after dropping the page cache; the pool's a raw "
+            "socket read of the same bytes from a second process's arena over loopback TCP "
+            "into a buffer of their size (caches flushed first on a CPU), on as many "
+            "connections at once as the pull splits over (its streams), no protocol; each is "
             "measured right before its sample, and fetch_share_of_bound is the median over the "
             "samples of fetch rate / that bound",
             "reused_chunks below the context's chunks means the agent's plan chose to recompute "
@@ -327,29 +330,37 @@ class _Fleet:
         disk: Path,
         chunk_bytes: int,
         stack: contextlib.ExitStack,
-        pool_address: str | None,
     ):
         self.data = data
         self.control = control
         self.disk = disk
         self.chunk_bytes = chunk_bytes
         self._stack = stack
-        self._pool_address = pool_address
-        self._pool: tuple[AgentSource, ThreadPoolExecutor] | None = None
+        self._raw: tuple[RawStreams, memoryview, int] | None = None
+        self._raw_stack: contextlib.ExitStack | None = None
 
-    def pool_source(self) -> tuple[AgentSource, ThreadPoolExecutor]:
-        """The pool agent as a reader node sees it (the same streams), and threads for them."""
-        if self._pool is None:
-            from kvctl.remote.agent_source import AgentSource
+    def raw_socket(self, nbytes: int) -> tuple[RawStreams, memoryview]:
+        """A raw-socket peer process whose arena holds at least ``nbytes`` (started again,
+        larger, when it does not), connections to it for every stream a pull may use, and a
+        written buffer of at least ``nbytes`` to read into: the pool bound's set-up, once per
+        size so no sample pays for it."""
+        import numpy as np
 
-            assert self._pool_address is not None, "no pool in this fleet"
-            source = AgentSource(self._pool_address, timeout_s=CONTROL_TIMEOUT_S)
-            self._stack.callback(source.close)
-            workers = self._stack.enter_context(ThreadPoolExecutor(source.streams))
-            # untimed: the connections open (and say hello) before the first bound is taken
-            parallel_probe_seconds(source, 1, source.streams, workers)
-            self._pool = source, workers
-        return self._pool
+        from kvctl.bench.agent import RawStreams, raw_reference
+
+        if self._raw is None or self._raw[2] < nbytes:
+            if self._raw_stack is not None:
+                self._raw_stack.close()
+            self._raw = None  # the old sink goes before the new one is made
+            stack = self._raw_stack = self._stack.enter_context(contextlib.ExitStack())
+            first = stack.enter_context(raw_reference(nbytes))
+            streams = RawStreams(first, DEFAULT_STREAMS)
+            stack.callback(streams.close)
+            sink = memoryview(np.ones(nbytes, dtype=np.uint8))  # written: real pages
+            n = len(streams.clients)  # untimed: every connection carries data once
+            streams.get_seconds([(nbytes * i // n, nbytes * (i + 1) // n) for i in range(n)], sink)
+            self._raw = streams, sink, nbytes
+        return self._raw[0], self._raw[1]
 
     def prepare(self, source: str, keys: list[bytes]) -> None:
         """Put the chunks where ``source`` says before a sample."""
@@ -403,8 +414,7 @@ def _fleet(
             data[name] = stack.enter_context(DataClient.connect(address))  # type: ignore[arg-type]
             control[name] = AgentClient(state.control_url, timeout_s=CONTROL_TIMEOUT_S)
             stack.callback(control[name].close)
-        pool = agents["pool"].data_tcp if "pool" in agents else None
-        yield _Fleet(data, control, tmp / "node" / "disk", chunk_bytes, stack, pool)
+        yield _Fleet(data, control, tmp / "node" / "disk", chunk_bytes, stack)
 
 
 def _wait_for_pool(pool: DataClient, keys: list[bytes]) -> None:
@@ -442,7 +452,7 @@ def _bound(
     if source == "disk":
         read_bytes, seconds = _raw_read(fleet.disk)
         return f"raw parallel read ({RAW_READ_THREADS} threads)", read_bytes / seconds
-    return _pool_bound(fleet, nbytes)
+    return _pool_bound(torch, fleet, device, nbytes)
 
 
 def _bounded(
@@ -570,24 +580,30 @@ def _open_direct(path: Path) -> int:
         return os.open(path, os.O_RDONLY)
 
 
-def _pool_bound(fleet: _Fleet, nbytes: int) -> tuple[str, float]:
-    """PROBE downloads of the same bytes from the pool agent over TCP loopback, split over as
-    many connections at once as the pull's streams (a one-connection PROBE bounds nothing: a
-    pull over four streams outran it 1.4-1.5x on an H200 host)."""
+def _pool_bound(torch: Any, fleet: _Fleet, device: str, nbytes: int) -> tuple[str, float]:
+    """The same bytes read over TCP loopback from a second process's arena into a buffer of
+    their size, split into the pull's streams (``stream_groups``, the reader's defaults), with
+    no protocol, store or lock: a pull moves that many bytes out of one arena and into another,
+    so its bound must too (PROBE downloads send one small buffer into another, both in the
+    CPU's cache, and ran 1.6-2x as fast as this on a 2-core VM)."""
     from kvctl.remote.pool import stream_groups
 
-    source, workers = fleet.pool_source()
     chunk_bytes = fleet.chunk_bytes
-    streams = len(
-        stream_groups(
-            max(1, nbytes // chunk_bytes),
-            streams=source.streams,
-            chunk_bytes_seen=chunk_bytes,
-            min_stream_bytes=source.min_stream_bytes,
-        )
+    groups = stream_groups(
+        max(1, nbytes // chunk_bytes),
+        streams=DEFAULT_STREAMS,
+        chunk_bytes_seen=chunk_bytes,
+        min_stream_bytes=DEFAULT_MIN_STREAM_BYTES,
     )
-    seconds = parallel_probe_seconds(source, -(-nbytes // streams), streams, workers)
-    what = f"PROBE downloads of the same bytes over TCP loopback, {streams} at once (the pull's)"
+    raw, sink = fleet.raw_socket(nbytes)
+    spans = [(lo * chunk_bytes, min(hi * chunk_bytes, nbytes)) for lo, hi in groups]
+    if device == "cpu":  # the pull's bytes come from DRAM: so do these
+        flush_cpu_caches(torch)
+    seconds = raw.get_seconds(spans, sink)
+    what = (
+        f"raw socket: the same bytes from a peer process's arena over TCP loopback, "
+        f"{len(spans)} connections at once (the pull's streams), no protocol"
+    )
     return what, nbytes / seconds
 
 

@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from kvctl.bench.agent import (
     IPERF3_MAX_BLOCK_BYTES,
+    RawStreams,
     iperf3_loopback,
     raw_reference,
     render_agent_bench,
@@ -84,6 +85,25 @@ def test_the_table_for_people(result: dict[str, Any]) -> None:
     console.print(render_agent_bench(result))
     text = console.export_text()
     assert "miss store (shm)" in text and "miss store (tcp)" in text and "socket_put" in text
+
+
+def test_raw_streams_read_each_span_on_its_own_connection_into_its_place() -> None:
+    size = 1 << 20
+    with raw_reference(3 * size) as raw:
+        streams = RawStreams(raw, 3)
+        try:
+            assert len({c.sock.getsockname() for c in streams.clients}) == 3
+            sink = np.zeros(3 * size + 10, dtype=np.uint8)
+            seconds = streams.get_seconds([(0, size), (2 * size, 3 * size)], memoryview(sink))
+            assert seconds > 0
+            # the spans landed where they were asked to, and nothing else was written
+            assert (sink[:size] == 1).all() and (sink[2 * size : 3 * size] == 1).all()
+            assert not sink[size : 2 * size].any() and not sink[3 * size :].any()
+            with pytest.raises(ValueError, match="4 spans for 3 connections"):
+                streams.get_seconds([(0, 1)] * 4, memoryview(sink))
+            raw.get_into(0, memoryview(sink)[:16])  # the first connection is still in step
+        finally:
+            streams.close()
 
 
 def test_the_raw_reference_moves_the_bytes_asked_for() -> None:

@@ -80,8 +80,8 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
     assert "read" in read["bound"]["what"] and len(read["bound"]["samples_fetch_share"]) == 2
     assert "memcpy" in row["sources"]["cpu"]["bound"]["what"]
     assert "read" in row["sources"]["disk"]["bound"]["what"]
-    # the pull's bound is as many PROBE downloads at once as its streams
-    assert "PROBE" in row["sources"]["pool"]["bound"]["what"]
+    # the pull's bound is a raw socket read of as many bytes, on as many connections as streams
+    assert "raw socket" in row["sources"]["pool"]["bound"]["what"]
     assert "at once" in row["sources"]["pool"]["bound"]["what"]
     # every same-host engine mapped its agent's arena when it started; the pool's client is TCP
     attach = result["arena_attach_seconds"]
