@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pathlib
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -23,7 +23,15 @@ Examples:
   kvctl simulate --json            # built-in seeded workload when no --trace is given
 
   kvctl simulate --workload chat --sweep --policy lineage-arc --policy lineage-lru2 --json
+
+  kvctl simulate --trace trace.jsonl --sweep --policy oracle-popularity --policy oracle-reuse
 """
+
+#: under every table: what the marks after a policy's name mean
+CAPTION = (
+    "* reference, measured in the same replay; ° partial oracle (knows part of the future, "
+    "simulation only)"
+)
 
 #: ``--sweep``: the capacities the policies are compared at, as fractions of the unique blocks
 SWEEP_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -60,7 +68,12 @@ def simulate_command(
     ] = None,
     policy: Annotated[
         list[str] | None,
-        typer.Option(help="Eviction policy (repeatable). Default: all. LRU and Belady always run."),
+        typer.Option(
+            help="Eviction policy (repeatable). Default: all. LRU and Belady always run. "
+            "oracle-popularity (knows each block's uses left) and oracle-reuse (knows whether "
+            "it is used again within 4x the capacity) run only when named: the ceilings of "
+            "frequency-based and reuse-predicting policies."
+        ),
     ] = None,
     admission: Annotated[
         str, typer.Option(help="Admission to tiers below the first: all or frequency.")
@@ -136,7 +149,7 @@ simulate_command.__doc__ = inspect.cleandoc(simulate_command.__doc__ or "") + "\
 def render_report(report: object) -> None:
     from rich.table import Table
 
-    from kvctl.workload.simulate import REFERENCE_POLICIES, SimulationReport
+    from kvctl.workload.simulate import SimulationReport
 
     assert isinstance(report, SimulationReport)
     belady = report.result("belady").hit_ratio
@@ -147,10 +160,10 @@ def render_report(report: object) -> None:
         f"blocks, capacity {tiers} blocks ({percent(share)} of unique)"
         + (f", admission {report.admission}" if len(report.tiers) > 1 else ""),
         title_justify="left",
-        caption="* reference, measured in the same replay",
+        caption=CAPTION,
         caption_justify="left",
     )
-    table.add_column("policy")
+    _policy_column(table, [r.policy for r in report.results])
     table.add_column("block hit ratio", justify="right")
     table.add_column("token (byte) hit ratio", justify="right")
     table.add_column("prefill-weighted hit ratio", justify="right")
@@ -162,7 +175,7 @@ def render_report(report: object) -> None:
     table.add_column("decisions/s", justify="right")
     for r in report.results:
         row = [
-            r.policy + ("*" if r.policy in REFERENCE_POLICIES else ""),
+            _label(r.policy),
             percent(r.hit_ratio),
             percent(r.token_hit_ratio),
             percent(r.prefill_hit_ratio),
@@ -180,23 +193,23 @@ def render_sweep(reports: list[object]) -> None:
     same replay, then the slowest run's decisions/s."""
     from rich.table import Table
 
-    from kvctl.workload.simulate import REFERENCE_POLICIES, SimulationReport
+    from kvctl.workload.simulate import SimulationReport
 
     runs = [r for r in reports if isinstance(r, SimulationReport)]
     table = Table(
         title=f"{runs[0].trace}: % of Belady's block hit ratio by capacity (% of unique blocks)",
         title_justify="left",
-        caption="* reference, measured in the same replay",
+        caption=CAPTION,
         caption_justify="left",
     )
-    table.add_column("policy")
+    _policy_column(table, [r.policy for r in runs[0].results])
     for r in runs:
         share = r.capacity_blocks / r.unique_blocks if r.unique_blocks else 0.0
         table.add_column(percent(share, 0), justify="right")
     table.add_column("decisions/s", justify="right")
     for result in runs[0].results:
         name = result.policy
-        row = [name + ("*" if name in REFERENCE_POLICIES else "")]
+        row = [_label(name)]
         for r in runs:
             belady = r.result("belady").hit_ratio
             row.append(f"{r.result(name).hit_ratio / belady * 100:.1f}" if belady else "n/a")
@@ -204,6 +217,22 @@ def render_sweep(reports: list[object]) -> None:
         table.add_row(*row)
     table.add_row("Belady hit ratio", *[percent(r.result("belady").hit_ratio) for r in runs], "")
     console.print(table)
+
+
+def _policy_column(table: Any, policies: list[str]) -> None:
+    """The policy column, as wide as its longest name: a cut name cannot be told apart
+    (``oracle-po…``); the figures' headers wrap instead."""
+    width = max(len(_label(p)) for p in policies)
+    table.add_column("policy", no_wrap=True, min_width=width)
+
+
+def _label(policy: str) -> str:
+    """A policy's name, marked when it is a reference or a partial oracle (``CAPTION``)."""
+    from kvctl.workload.simulate import ORACLE_POLICIES, REFERENCE_POLICIES
+
+    if policy in REFERENCE_POLICIES:
+        return policy + "*"
+    return policy + ("°" if policy in ORACLE_POLICIES else "")
 
 
 def _parse_tiers(specs: list[str]) -> dict[str, int]:

@@ -4,7 +4,9 @@ Each trace block becomes one chunk of size 1 (capacities are in blocks) in ``Met
 the eviction, demotion, promotion and admission decisions are made by the same ``TieredStore``
 code the agent runs. A block is a prefix hit when it and every block before it in the request is
 cached at lookup time. LRU and Belady's offline optimum are always computed in the same run as
-references.
+references. Two partial oracles run when asked for by name (``ORACLE_POLICIES``, see
+``kvctl.store.policies.oracles``): the ceilings of policies that know only how often, or only
+whether soon, each block is used again.
 
 Three hit ratios weigh a hit differently: per block (``hit_ratio``), per token (``token_hit_ratio``,
 which is also the byte hit ratio: a chunk's KV bytes are proportional to its tokens), and per
@@ -31,6 +33,12 @@ from kvctl.store.policies import (
     FrequencyAdmission,
     make_eviction_policy,
 )
+from kvctl.store.policies.oracles import (
+    REUSE_HORIZON_FACTOR,
+    FutureUse,
+    PopularityOraclePolicy,
+    ReuseOraclePolicy,
+)
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.metered import MeteredTier
 from kvctl.workload.trace import TraceRequest
@@ -38,7 +46,9 @@ from kvctl.workload.trace import TraceRequest
 REFERENCE_POLICIES = ("lru", "belady")
 #: see the module docstring
 DEFAULT_ATTENTION_TOKENS = 30_000
-SIMULATION_POLICIES = (*EVICTION_POLICIES, "belady")
+#: simulation-only references that run when asked for (not part of "all policies")
+ORACLE_POLICIES = (PopularityOraclePolicy.name, ReuseOraclePolicy.name)
+SIMULATION_POLICIES = (*EVICTION_POLICIES, "belady", *ORACLE_POLICIES)
 
 Progress = Callable[[str, int, int], None]
 RequestHook = Callable[[int, Sequence[str]], None]
@@ -157,8 +167,8 @@ def prefill_costs(block_tokens: Sequence[int], attention_tokens: float) -> list[
 
 
 class _Chains:
-    """The trace flattened once: per-request keys, token counts and prefill costs, and
-    next-use positions."""
+    """The trace flattened once: per-request keys, token counts and prefill costs, and per
+    position the next use's position and the uses left after it."""
 
     def __init__(
         self, requests: Sequence[TraceRequest], attention_tokens: float = DEFAULT_ATTENTION_TOKENS
@@ -174,16 +184,21 @@ class _Chains:
             costs.append(prefill_costs(r.block_token_counts, attention_tokens))
             flat.extend(ks)
         nxt: list[float] = [math.inf] * len(flat)
+        left = [0] * len(flat)
         last: dict[bytes, int] = {}
+        seen_after: dict[bytes, int] = {}
         for pos in range(len(flat) - 1, -1, -1):
             k = flat[pos]
             nxt[pos] = last.get(k, math.inf)
             last[k] = pos
+            left[pos] = seen_after.get(k, 0)
+            seen_after[k] = left[pos] + 1
         self.keys = keys
         self.tokens = tokens
         self.costs = costs
         self.total_cost = sum(sum(c) for c in costs)
         self.next_use = nxt
+        self.uses_left = left
         self.unique_blocks = len(last)
         self.total_blocks = len(flat)
         self.total_tokens = sum(sum(t) for t in tokens)
@@ -259,10 +274,18 @@ def _run_one(
 ) -> PolicyResult:
     started = time.perf_counter()
     next_use: dict[bytes, float] = {}
+    future: dict[bytes, FutureUse] = {}
+    oracle = policy in ORACLE_POLICIES
     names = list(tiers)
 
-    def make(_: str) -> EvictionPolicy:
-        return BeladyPolicy(next_use) if policy == "belady" else make_eviction_policy(policy)
+    def make(name: str) -> EvictionPolicy:
+        if policy == "belady":
+            return BeladyPolicy(next_use)
+        if policy == PopularityOraclePolicy.name:
+            return PopularityOraclePolicy(future)
+        if policy == ReuseOraclePolicy.name:
+            return ReuseOraclePolicy(future, REUSE_HORIZON_FACTOR * tiers[name])
+        return make_eviction_policy(policy)
 
     store = TieredStore(
         [MeteredTier(n, tiers[n]) for n in names],
@@ -275,6 +298,7 @@ def _run_one(
     hits_by_tier = dict.fromkeys(names, 0)
     hit_tokens_by_tier = dict.fromkeys(names, 0)
     nxt = chains.next_use
+    left = chains.uses_left
     pos = 0
     total = len(requests)
     step = max(1, total // 100)
@@ -294,6 +318,8 @@ def _run_one(
         parent = None
         for depth, (k, t) in enumerate(zip(keys, toks, strict=True)):
             next_use[k] = nxt[pos]
+            if oracle:
+                future[k] = FutureUse(nxt[pos] - pos, left[pos])
             pos += 1
             if k in store:
                 store.touch(k, tenant=r.tenant)

@@ -116,3 +116,48 @@ def test_results_carry_shares_of_the_references_speed_and_evictions() -> None:
         assert 0 < r["prefill_hit_ratio"] <= 1
     whole = simulate(trace, tiers={"cpu": unique}, policies=["lineage-arc"])
     assert all(r.evictions == 0 for r in whole.results)
+
+
+def test_the_popularity_oracle_keeps_the_block_with_more_uses_left() -> None:
+    # A B C A B A, room for 2: at C, A has 2 uses left and B 1, so B goes (LRU would drop A);
+    # then A hits twice, and B (back at r5) displaces C, which has none left
+    trace = [req(1), req(2), req(3), req(1), req(2), req(1)]
+    report = simulate(trace, tiers={"cpu": 2}, policies=["oracle-popularity"])
+    assert [r.policy for r in report.results] == ["oracle-popularity", "lru", "belady"]
+    assert report.result("oracle-popularity").hit_blocks == 2
+    assert report.result("lru").hit_blocks == 1  # only the last A
+
+
+def test_the_reuse_oracle_drops_what_is_not_used_within_its_horizon_first() -> None:
+    # room for 2, so a horizon of 8 block accesses: at C, B's next use is 10 accesses away and
+    # A's 3, so B goes first although A is older; A then hits, and B comes back as a miss
+    fillers = [req(i) for i in range(10, 17)]
+    trace = [req(1), req(2), req(3), req(1), *fillers, req(2)]
+    report = simulate(trace, tiers={"cpu": 2}, policies=["oracle-reuse"])
+    assert report.result("oracle-reuse").hit_blocks == 1
+    assert report.result("lru").hit_blocks == 0  # LRU drops A at C
+
+
+def test_oracles_run_only_when_named() -> None:
+    from kvctl.store.policies import EVICTION_POLICIES
+    from kvctl.workload.simulate import ORACLE_POLICIES, SIMULATION_POLICIES
+
+    assert set(ORACLE_POLICIES) <= set(SIMULATION_POLICIES)
+    assert not set(ORACLE_POLICIES) & set(EVICTION_POLICIES)  # never an agent's policy
+    assert policies_with_references(["oracle-reuse"]) == ["oracle-reuse", "lru", "belady"]
+
+
+def test_partial_oracles_on_the_shared_trace(shared_trace) -> None:  # type: ignore[no-untyped-def]
+    """On the Mooncake trace, knowing how often a block is used again is worth less than
+    knowing whether it is used again soon, and both less than knowing when (Belady). (Not a
+    law: on the first 1,500 requests alone the popularity oracle trails LRU, as blocks that
+    are popular later sit in the cache until then.) Deterministic."""
+    trace = read_mooncake_trace(shared_trace)
+    unique = len({b for r in trace for b in r.block_ids})
+    report = simulate(
+        trace,
+        tiers={"cpu": capacity_from_fraction(unique, 0.05)},
+        policies=["oracle-popularity", "oracle-reuse"],
+    )
+    ratio = {r.policy: r.hit_ratio for r in report.results}
+    assert ratio["lru"] < ratio["oracle-popularity"] < ratio["oracle-reuse"] < ratio["belady"]
