@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from kvctl.bench.common import host_info, spawned_agent
 from kvctl.errors import InvalidArgument
 from kvctl.extras import MissingExtra, extra_of
-from kvctl.remote.pool import DEFAULT_MIN_STREAM_BYTES, DEFAULT_STREAMS
+from kvctl.remote.pool import DEFAULT_MIN_STREAM_BYTES, DEFAULT_STREAMS, stream_groups
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -586,8 +586,6 @@ def _pool_bound(torch: Any, fleet: _Fleet, device: str, nbytes: int) -> tuple[st
     no protocol, store or lock: a pull moves that many bytes out of one arena and into another,
     so its bound must too (PROBE downloads send one small buffer into another, both in the
     CPU's cache, and ran 1.6-2x as fast as this on a 2-core VM)."""
-    from kvctl.remote.pool import stream_groups
-
     chunk_bytes = fleet.chunk_bytes
     groups = stream_groups(
         max(1, nbytes // chunk_bytes),
