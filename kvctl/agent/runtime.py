@@ -27,7 +27,7 @@ from kvctl.remote.federation import FetchPlanner
 from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
 from kvctl.store.keys import Namespace
 from kvctl.store.store import TieredStore
-from kvctl.store.tiers.base import Tier, byte_view
+from kvctl.store.tiers.base import Tier, byte_view, copy_bytes
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from kvctl.wire.reports import (
@@ -250,7 +250,7 @@ class AgentRuntime:
             )
             if slot is not None:
                 try:
-                    slot.view[:] = view  # the copy, without the store's lock
+                    copy_bytes(slot.view, view)  # without the store's lock, or the GIL
                 except BaseException:
                     store.abort_put(slot)
                     raise

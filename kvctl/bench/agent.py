@@ -6,7 +6,9 @@ they are divided by:
 * ``shm_get`` / ``shm_put``: the Unix socket with shared memory. A get takes a read lease, copies
   the chunk from the agent's arena into the caller's preallocated buffer and releases the lease;
   a put copies into the client's staging segment and the agent copies it into its arena.
-  Reference ``memcpy``: the same copies between two buffers of this process.
+  Reference ``memcpy``: the same chunks copied between buffers of this process on every core
+  at once (each thread a share of the chunks; numpy's copies run without the GIL), since the
+  agent and the client split a large copy over threads too.
 * ``tcp_get`` / ``tcp_put``: the binary protocol over loopback TCP; the agent sends a chunk
   straight from its arena, the client reads it into a preallocated buffer. Reference ``socket``
   / ``socket_put``: the agent's own send/recv loop without the protocol and the store, so an
@@ -18,7 +20,7 @@ they are divided by:
   (when installed): one C stream over loopback, the host's ceiling for a single connection.
 * ``miss_store``: what an engine pays on a miss after prefilling: an EXISTS of the prompt's
   chunks, then one ``put_many`` of all of them (parents chained, fresh keys), over shared
-  memory and over TCP. Reference: one memcpy of the same bytes.
+  memory and over TCP. Reference: the same multi-threaded memcpy of the same bytes.
 * ``reads_under_demotion``: a second agent whose small cpu tier sits over a disk tier; one
   client reads a few hot cpu chunks over shared memory, one get at a time, timing each, while
   another process puts fresh chunks over TCP as fast as it can, so every put demotes a chunk to
@@ -79,6 +81,8 @@ _RAW_REQUEST = struct.Struct("<BQQ")
 _RAW_GET, _RAW_PUT = 1, 2
 #: the raw reference's client socket timeout: DataClient.connect's default, so both poll alike
 RAW_TIMEOUT_S = 30.0
+#: threads of the memcpy reference: every core (the copies run without the GIL)
+MEMCPY_THREADS = max(1, os.cpu_count() or 1)
 IPERF3_MAX_BLOCK_BYTES = 1 << 20
 #: chunks of a miss-path store carry this many tokens, as an engine's default chunk does
 MISS_CHUNK_TOKENS = 256
@@ -174,7 +178,10 @@ def run_agent_bench(
             "preallocated buffers with recv_exactly on a socket set up as DataClient's",
             "miss_store_*: what an engine pays to store a prompt it just prefilled: one EXISTS of "
             "the chunks, then one put_many of all of them (parents chained, fresh keys), next "
-            "to one memcpy of the same bytes",
+            "to the memcpy reference of the same bytes",
+            f"memcpy (the shm reference): the same chunks copied on {MEMCPY_THREADS} threads at "
+            "once, each a share of them into buffers of its own; kvctl splits a copy of 4 MiB "
+            "or more over up to 4 threads too (copy_bytes)",
             "the agent and this process share the host's cores: on a 2-core VM they compete "
             "with each other and with anything else running",
         ],
@@ -382,10 +389,28 @@ def iperf3_loopback(nbytes: int, block_bytes: int, *, timeout_s: float = 60.0) -
 def _bench_size(
     size: int, n: int, repeats: int, shm: Any, tcp: Any, ctl: Any, raw: RawClient
 ) -> dict[str, Any]:
+    with ThreadPoolExecutor(MEMCPY_THREADS) as workers:
+        return _bench_size_on(size, n, repeats, shm, tcp, ctl, raw, workers)
+
+
+def _bench_size_on(
+    size: int,
+    n: int,
+    repeats: int,
+    shm: Any,
+    tcp: Any,
+    ctl: Any,
+    raw: RawClient,
+    workers: ThreadPoolExecutor,
+) -> dict[str, Any]:
     # n distinct buffers, so memcpy reads as much distinct memory as the agent's arena holds
     # (a few reused buffers would stay in the CPU cache and flatter the reference)
     sources = [np.full(size, i % 251 + 1, dtype=np.uint8) for i in range(n)]
     sinks = [np.ones(size, dtype=np.uint8) for _ in range(2)]  # touched before timing
+    threads = MEMCPY_THREADS
+    # the reference's own sinks, two per thread (touched), and each thread's share of chunks
+    thread_sinks = [[np.ones(size, dtype=np.uint8) for _ in range(2)] for _ in range(threads)]
+    shares = [range(n * t // threads, n * (t + 1) // threads) for t in range(threads)]
     samples: dict[str, list[float]] = {}
     seq = [0]
 
@@ -401,9 +426,12 @@ def _bench_size(
         seq[0] += 1
         return [_key(f"{tag}:{size}:{seq[0]}:{i}") for i in range(n)]
 
+    def memcpy_share(t: int) -> None:
+        for i in shares[t]:
+            np.copyto(thread_sinks[t][i % 2], sources[i])
+
     def memcpy() -> None:
-        for i, src in enumerate(sources):
-            sinks[i % 2][:] = src
+        list(workers.map(memcpy_share, range(threads)))
 
     sink_views = [memoryview(s) for s in sinks]
     source_views = [memoryview(s) for s in sources]

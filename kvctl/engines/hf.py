@@ -456,8 +456,9 @@ class CachedLM:
             chunk_tokens=self.chunk_tokens,
             chunk_bytes=self.format.chunk_bytes,
             pack=lambda i: self.format.pack(ks, vs, i).cpu().numpy(),
-            # packed straight into the writer's staging segment (one copy, no chunk of its own)
-            pack_into=lambda i, out: self.format.pack_into(ks, vs, i, host_tensor(out)),
+            # packed straight into the writer's staging segment (one copy, no chunk of its own),
+            # a run of chunks in one kernel
+            pack_into=lambda i, n, out: self.format.pack_into(ks, vs, i, host_tensor(out), n),
             report=report,
         )
         if self.device.type == "cuda":
@@ -473,12 +474,12 @@ class CachedLM:
                 with torch.cuda.stream(stream):
                     return pack(i)
 
-            def into_on_stream(i: int, out: memoryview) -> None:
-                # packed on the device, then one copy into the staging segment: a DMA when it
-                # is registered (``_staging_changed``); synchronous, so the bytes are there
-                # when the put is sent
+            def into_on_stream(i: int, n: int, out: memoryview) -> None:
+                # packed on the device (a batch's run: at most the writer's BATCH_BYTES), then
+                # one copy into the staging segment: a DMA when it is registered
+                # (``_staging_changed``); synchronous, so the bytes are there when the put is sent
                 with torch.cuda.stream(stream):
-                    host_tensor(out).copy_(self.format.pack(ks, vs, i))
+                    host_tensor(out).copy_(self.format.pack(ks, vs, i, n))
 
             job.prepare = lambda: stream.wait_event(ready)
             job.pack = on_stream

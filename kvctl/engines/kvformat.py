@@ -68,24 +68,19 @@ class ChunkFormat:
         return (lay.layers, 2, lay.kv_heads, self.chunk_tokens, lay.head_dim)
 
     def pack(
-        self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], chunk: int
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        chunk: int,
+        count: int = 1,
     ) -> torch.Tensor:
-        """Chunk ``chunk`` (token range ``chunk*T .. (chunk+1)*T``) of per-layer caches shaped
-        ``[1, kv_heads, tokens, head_dim]``, as a flat uint8 tensor on the caches' device."""
+        """Chunks ``chunk .. chunk+count-1`` (tokens ``chunk*T .. (chunk+count)*T``) of
+        per-layer caches shaped ``[1, kv_heads, tokens, head_dim]``, back to back in one flat
+        uint8 tensor on the caches' device."""
         self._check_layers(keys, values)
-        start, end = chunk * self.chunk_tokens, (chunk + 1) * self.chunk_tokens
-        if keys[0].shape[-2] < end:
-            raise InvalidArgument(
-                f"chunk {chunk} ends at token {end} but the cache holds {keys[0].shape[-2]}"
-            )
-        # [layers, 2, heads, T, dim]: one copy into a contiguous block
-        block = torch.stack(
-            [
-                torch.stack((k[0, :, start:end], v[0, :, start:end]))
-                for k, v in zip(keys, values, strict=True)
-            ]
-        )
-        return block.contiguous().reshape(-1).view(torch.uint8)
+        out = torch.empty(count * self.chunk_bytes, dtype=torch.uint8, device=keys[0].device)
+        self.pack_into(keys, values, chunk, out, count=count)
+        return out
 
     def pack_into(
         self,
@@ -93,26 +88,37 @@ class ChunkFormat:
         values: Sequence[torch.Tensor],
         chunk: int,
         out: torch.Tensor,
+        count: int = 1,
     ) -> None:
-        """``pack``, written into ``out`` (a flat uint8 tensor of ``chunk_bytes`` on the caches'
-        device, e.g. a view of a client's staging segment on a CPU): one copy of each layer's K
-        and V straight into its place, no block of the chunk's own between."""
+        """``pack``, written into ``out`` (a flat uint8 tensor of ``count x chunk_bytes`` on
+        the caches' device, e.g. a view of a client's staging segment on a CPU): one kernel
+        copies every layer's K and V of all ``count`` chunks straight into place, no block of
+        their own between (one call per chunk ran at half the speed on a CPU: 16 chunks of
+        tiny-llama, cold caches, 4.7 ms against 2.1)."""
         self._check_layers(keys, values)
-        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != self.chunk_bytes:
+        want = count * self.chunk_bytes
+        if count < 1 or out.dtype != torch.uint8 or out.dim() != 1 or out.numel() != want:
             raise InvalidArgument(
-                f"a chunk packs into a flat uint8 tensor of {self.chunk_bytes} bytes, got "
+                f"{count} chunk(s) pack into a flat uint8 tensor of {want} bytes, got "
                 f"{out.dtype} {list(out.shape)}"
             )
-        start, end = chunk * self.chunk_tokens, (chunk + 1) * self.chunk_tokens
+        t = self.chunk_tokens
+        start, end = chunk * t, (chunk + count) * t
         if keys[0].shape[-2] < end:
             raise InvalidArgument(
-                f"chunk {chunk} ends at token {end} but the cache holds {keys[0].shape[-2]}"
+                f"chunk {chunk + count - 1} ends at token {end} but the cache holds "
+                f"{keys[0].shape[-2]}"
             )
         lay = self.layout
-        # [layers * 2 (K then V), heads, T, dim]: the chunk's layout, filled by one kernel
-        block = out.view(self.dtype).view(lay.layers * 2, lay.kv_heads, -1, lay.head_dim)
-        parts = [p[0, :, start:end] for kv in zip(keys, values, strict=True) for p in kv]
-        torch.stack(parts, out=block)
+        # [count, layers * 2 (K then V), heads, T, dim]: the chunks' layout, back to back
+        block = out.view(self.dtype).view(count, lay.layers * 2, lay.kv_heads, t, lay.head_dim)
+        # each layer's K or V over the chunks' tokens, as [count, heads, T, dim]
+        parts = [
+            p[0, :, start:end].unflatten(1, (count, t)).transpose(0, 1)
+            for kv in zip(keys, values, strict=True)
+            for p in kv
+        ]
+        torch.stack(parts, dim=1, out=block)
 
     def unpack(self, data: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer ``(K, V)`` shaped ``[1, kv_heads, chunks*T, head_dim]`` from ``chunks``

@@ -3,9 +3,10 @@
 A miss computes KV the agent does not hold; sending it used to sit between one request and the
 next. ``WriteBehind`` takes a job (which chunks, and how to pack each to host bytes), answers a
 ``Future`` at once, and a background thread on its own connection to the agent asks which
-chunks are still missing, packs them in batches and puts them: on a same-host agent each chunk
-is packed straight into the staging segment the agent copies from (``StoreJob.pack_into``), so
-a chunk is copied once on its way to the agent and once into the arena. A full queue drops the
+chunks are still missing, packs them in batches and puts them: on a same-host agent each run of
+consecutive chunks is packed in one operation straight into the staging segment the agent
+copies from (``StoreJob.pack_into``), so a chunk is copied once on its way to the agent and once
+into the arena. A full queue drops the
 new job (counted) rather than make the engine wait or hold unbounded KV. Nothing here is
 torch-specific: the job's ``pack`` / ``pack_into`` does the device work on this thread.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.client import AgentError, DataClient
+from kvctl.store.tiers.base import copy_bytes
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +55,10 @@ class StoreJob:
     chunk_bytes: int
     #: chunk index -> its bytes on the host (anything with the buffer protocol)
     pack: Callable[[int], Any]
-    #: writes chunk i's ``chunk_bytes`` bytes into the given buffer (on a same-host agent: the
-    #: staging segment it copies from), so no host buffer of the chunk's own comes between;
-    #: used instead of ``pack`` when set
-    pack_into: Callable[[int, memoryview], None] | None = None
+    #: ``(first, count, out)``: writes chunks ``first .. first+count-1``, back to back, into
+    #: ``out`` (``count x chunk_bytes``; on a same-host agent: the staging segment it copies
+    #: from), so no host buffer of their own comes between; used instead of ``pack`` when set
+    pack_into: Callable[[int, int, memoryview], None] | None = None
     #: runs on the writer thread before the first pack (e.g. wait for the device's work)
     prepare: Callable[[], None] | None = None
     #: runs on the writer thread after the last put, whatever happened (release device memory)
@@ -67,21 +69,40 @@ class StoreJob:
     future: Future[Stored] = field(default_factory=Future)
 
 
-def _filler(job: StoreJob, batch: Sequence[int]) -> Callable[[int, memoryview], None]:
-    """``put_packed``'s fill for one batch: its n-th chunk's bytes into ``out``, packed there
-    (``pack_into``) or packed, then copied."""
+def _filler(job: StoreJob, batch: Sequence[int]) -> Callable[[memoryview], None]:
+    """``put_packed``'s ``fill_many`` for one batch: its chunks back to back into ``out``, each
+    run of consecutive indices packed there in one call (``pack_into``), or each chunk packed,
+    then copied."""
+    size = job.chunk_bytes
 
-    def fill(n: int, out: memoryview) -> None:
-        i = batch[n]
-        if job.pack_into is not None:
-            job.pack_into(i, out)
-            return
-        data = memoryview(job.pack(i))
-        if data.nbytes != out.nbytes:
-            raise ValueError(f"chunk {i} packed to {data.nbytes} bytes, not {out.nbytes}")
-        out[:] = data.cast("B") if data.format != "B" or data.ndim != 1 else data
+    def fill(out: memoryview) -> None:
+        at = 0
+        for first, count in _runs(batch):
+            region = out[at * size : (at + count) * size]
+            if job.pack_into is not None:
+                job.pack_into(first, count, region)
+            else:
+                for n in range(count):
+                    data = memoryview(job.pack(first + n))
+                    if data.nbytes != size:
+                        raise ValueError(
+                            f"chunk {first + n} packed to {data.nbytes} bytes, not {size}"
+                        )
+                    copy_bytes(region[n * size : (n + 1) * size], data)
+            at += count
 
     return fill
+
+
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """``(first, count)`` of each run of consecutive values in ``indices``, in order."""
+    out: list[tuple[int, int]] = []
+    for i in indices:
+        if out and out[-1][0] + out[-1][1] == i:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
 
 
 class WriteBehind:
@@ -198,7 +219,7 @@ class WriteBehind:
                 outcomes = client.put_packed(
                     [job.keys[i] for i in batch],
                     [job.chunk_bytes] * len(batch),
-                    _filler(job, batch),
+                    fill_many=_filler(job, batch),
                     tenant=job.tenant,
                     parents=[job.parents[i] for i in batch],
                     tokens=job.chunk_tokens,

@@ -90,3 +90,25 @@ def test_the_staging_listener_hears_of_each_segment_before_it_is_unmapped(tmp_pa
         assert heard[1:] == [0, heard[-1]] and heard[-1] >= big
         client.close()  # closing unmaps: the listener hears None first (no BufferError)
         assert heard[-1] == 0 and not held
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_fill_many_writes_every_chunk_back_to_back_in_one_call(
+    tmp_path: Path, transport: str
+) -> None:
+    keys = [key(i, 10) for i in range(4)]
+    calls: list[int] = []
+
+    def fill_many(out: memoryview) -> None:
+        calls.append(out.nbytes)
+        for i, k in enumerate(keys):
+            out[i * SIZE : (i + 1) * SIZE] = payload(k, SIZE)
+
+    with running_agent(tmp_path) as agent, agent.data(transport) as client:
+        outcomes = client.put_packed(keys, [SIZE] * 4, fill_many=fill_many, tenant="t")
+        assert [o.status for o in outcomes] == ["stored"] * 4 and calls == [4 * SIZE]
+        assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
+        with pytest.raises(ValueError, match="one of fill and fill_many"):
+            client.put_packed(keys, [SIZE] * 4, tenant="t")
+        with pytest.raises(ValueError, match="one of fill and fill_many"):
+            client.put_packed(keys, [SIZE] * 4, lambda i, out: None, fill_many=fill_many)

@@ -150,14 +150,17 @@ def test_a_job_packs_straight_into_the_staging_segment(tmp_path: Path) -> None:
         writer = WriteBehind(client, on_staging=lambda seg: heard.append(seg is not None))
         keys = [key(i, 3) for i in range(5)]
         where: list[bool] = []
+        runs: list[tuple[int, int]] = []
 
-        def pack_into(i: int, out: memoryview) -> None:
+        def pack_into(first: int, count: int, out: memoryview) -> None:
             staging = writer._client._staging if writer._client is not None else None
-            assert staging is not None
-            with memoryview(staging) as seg:  # the chunk's place is inside the segment
+            assert staging is not None and out.nbytes == count * SIZE
+            runs.append((first, count))
+            with memoryview(staging) as seg:  # the chunks' place is inside the segment
                 lo = buffer_address(seg)
                 where.append(lo <= buffer_address(out) < lo + seg.nbytes)
-            out[:] = payload(keys[i], SIZE)
+            for n in range(count):
+                out[n * SIZE : (n + 1) * SIZE] = payload(keys[first + n], SIZE)
 
         def no_pack(i: int) -> bytes:
             raise AssertionError("pack_into is set: pack must not run")
@@ -166,7 +169,8 @@ def test_a_job_packs_straight_into_the_staging_segment(tmp_path: Path) -> None:
         job.pack, job.pack_into = no_pack, pack_into
         stored = writer.submit(job).result(timeout=30)
         assert (stored.chunks, stored.bytes, stored.skipped) == (5, 5 * SIZE, "")
-        assert where == [True] * 5 and heard == [True]  # the writer's connection's listener
+        assert runs == [(0, 5)]  # consecutive chunks: one call packs them all
+        assert where == [True] and heard == [True]  # the writer's connection's listener
         assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
         writer.close()
         assert heard == [True, False]  # told before its segment was unmapped
@@ -181,10 +185,11 @@ def test_a_close_that_times_out_leaves_the_writer_its_connection(tmp_path: Path)
         inside, gate = threading.Event(), threading.Event()
         keys = [key(i) for i in range(2)]
 
-        def pack_into(i: int, out: memoryview) -> None:
+        def pack_into(first: int, count: int, out: memoryview) -> None:
             inside.set()
             gate.wait(30)
-            out[:] = payload(keys[i], SIZE)
+            for n in range(count):
+                out[n * SIZE : (n + 1) * SIZE] = payload(keys[first + n], SIZE)
 
         job = _job(keys)
         job.pack_into = pack_into
@@ -198,3 +203,26 @@ def test_a_close_that_times_out_leaves_the_writer_its_connection(tmp_path: Path)
         assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
         writer.close()
         assert held.closed
+
+
+def test_runs_of_a_job_with_gaps_are_packed_apart_in_order(tmp_path: Path) -> None:
+    """Chunks the agent holds already are skipped: the rest are packed run by run, each run in
+    one call, back to back in the put."""
+    with running_agent(tmp_path) as agent, agent.data("unix") as client:
+        keys = [key(i, 4) for i in range(6)]
+        for i in (2, 3):  # held already: the job's chunks 0-1 and 4-5 remain
+            client.put(keys[i], payload(keys[i], SIZE), tenant="t")
+        writer = WriteBehind(client)
+        runs: list[tuple[int, int]] = []
+
+        def pack_into(first: int, count: int, out: memoryview) -> None:
+            runs.append((first, count))
+            for n in range(count):
+                out[n * SIZE : (n + 1) * SIZE] = payload(keys[first + n], SIZE)
+
+        job = _job(keys)
+        job.pack_into = pack_into
+        stored = writer.submit(job).result(timeout=30)
+        assert (stored.chunks, runs) == (4, [(0, 2), (4, 2)])
+        assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
+        writer.close()

@@ -84,3 +84,22 @@ def test_pack_into_writes_the_same_bytes_as_pack_in_place(dtype: str) -> None:
         fmt.pack_into(ks, vs, 0, out[: fmt.chunk_bytes - 1])
     with pytest.raises(InvalidArgument, match="ends at token 16"):
         fmt.pack_into(ks, vs, 3, out[: fmt.chunk_bytes])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_of_chunks_packs_as_each_chunk_would_back_to_back(dtype: str) -> None:
+    layout = KVLayout(3, 2, 8, dtype)
+    fmt = ChunkFormat(layout, 4)
+    ks, vs = _caches(layout, 17)  # four whole chunks and a token
+    one_by_one = torch.cat([fmt.pack(ks, vs, i) for i in range(4)])
+    out = torch.full((5 * fmt.chunk_bytes,), 7, dtype=torch.uint8)
+    fmt.pack_into(ks, vs, 1, out[: 3 * fmt.chunk_bytes], count=3)
+    assert torch.equal(out[: 3 * fmt.chunk_bytes], one_by_one[fmt.chunk_bytes :])
+    assert bool((out[3 * fmt.chunk_bytes :] == 7).all())  # nothing past the run
+    assert torch.equal(fmt.pack(ks, vs, 0, count=4), one_by_one)
+    with pytest.raises(InvalidArgument, match="3 chunk"):
+        fmt.pack_into(ks, vs, 0, out[: 2 * fmt.chunk_bytes], count=3)
+    with pytest.raises(InvalidArgument, match="ends at token 20"):
+        fmt.pack_into(ks, vs, 2, out[: 3 * fmt.chunk_bytes], count=3)
+    with pytest.raises(InvalidArgument, match="0 chunk"):
+        fmt.pack_into(ks, vs, 0, out[:0], count=0)

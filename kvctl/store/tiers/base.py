@@ -6,10 +6,16 @@ the store picks victims with its policies and calls ``delete`` before ``put`` wh
 
 from __future__ import annotations
 
+import os
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Protocol, TypeVar
+
+import numpy as np
 
 from kvctl.store.errors import CapacityError, CorruptChunk, InvalidArgument, PayloadSizeError
 from kvctl.store.keys import KEY_BYTES
@@ -243,6 +249,57 @@ def byte_view(data: Buffer) -> memoryview:
         return view.cast("B")
     except TypeError as exc:  # non-contiguous arrays cannot be written or read in one piece
         raise InvalidArgument(f"chunk buffers must be C-contiguous: {exc}") from None
+
+
+#: a copy of at least this many bytes runs without the GIL (``copy_bytes``); below it the
+#: numpy call costs more than it frees
+GIL_FREE_COPY_BYTES = 64 << 10
+#: a copy is split over threads in parts of at least this many bytes (smaller parts measured
+#: slower than one thread: on a 2-core VM 1 MiB over two threads ran at 0.7-0.8x, 4 MiB at
+#: 1.35x and 32 MiB at 1.7x)
+PARALLEL_COPY_PART_BYTES = 2 << 20
+#: threads one copy is split over at most (the caller's included)
+COPY_THREADS = max(1, min(4, os.cpu_count() or 1))
+_copy_pool: ThreadPoolExecutor | None = None
+_copy_pool_lock = threading.Lock()
+
+
+def copy_bytes(dst: memoryview, src: Buffer) -> None:
+    """``dst[:] = src`` for byte buffers of one length, without holding the GIL while a large
+    one copies (numpy releases it; a memoryview assignment does not), and a large one split
+    over up to ``COPY_THREADS`` threads: a 32 MiB chunk takes milliseconds on one thread, in
+    which the agent's other connections, and the thread that faults arena pages in ahead of
+    puts, would otherwise wait."""
+    source = byte_view(src)
+    n = dst.nbytes
+    if n != source.nbytes:
+        raise ValueError(f"copying {source.nbytes} bytes into {n}")
+    if n < GIL_FREE_COPY_BYTES:
+        dst[:] = source
+        return
+    a, b = np.frombuffer(dst, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8)
+    parts = min(COPY_THREADS, n // PARALLEL_COPY_PART_BYTES)
+    if parts < 2:
+        np.copyto(a, b)
+        return
+    cuts = [n * i // parts for i in range(parts + 1)]
+    pool = _copy_threads()
+    # the others' parts on the pool, the first on this thread: it always makes progress, even
+    # while the pool serves other copies
+    rest = [pool.submit(np.copyto, a[lo:hi], b[lo:hi]) for lo, hi in pairwise(cuts[1:])]
+    try:
+        np.copyto(a[: cuts[1]], b[: cuts[1]])
+    finally:
+        for f in rest:
+            f.result()
+
+
+def _copy_threads() -> ThreadPoolExecutor:
+    global _copy_pool
+    with _copy_pool_lock:
+        if _copy_pool is None:
+            _copy_pool = ThreadPoolExecutor(COPY_THREADS - 1, thread_name_prefix="kvctl-copy")
+        return _copy_pool
 
 
 def check_capacity(capacity_bytes: int, what: str = "capacity") -> int:

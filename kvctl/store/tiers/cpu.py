@@ -54,6 +54,7 @@ from kvctl.store.tiers.base import (
     check_put,
     check_resize,
     check_room,
+    copy_bytes,
 )
 from kvctl.store.tiers.prefault import Prefaulter
 
@@ -312,7 +313,7 @@ class CpuTier(Tier):
         n = meta.size_bytes
         off = self._alloc_region(n)
         assert data is not None  # check_put guarantees it for payload tiers
-        self._view[off : off + n] = data
+        copy_bytes(self._view[off : off + n], data)
         self._slots[meta.key] = (off, n)
         self._used_bytes += n
 
@@ -321,7 +322,7 @@ class CpuTier(Tier):
         off, n = self._slot(key)
         if out.nbytes < n:
             raise InvalidArgument(f"buffer of {out.nbytes} bytes is smaller than the chunk ({n})")
-        out[:n] = self._view[off : off + n]
+        copy_bytes(out[:n], self._view[off : off + n])
         return n
 
     def delete(self, key: bytes) -> int:
@@ -391,7 +392,7 @@ class CpuTier(Tier):
                 if not plan.valid:
                     return
                 if key not in plan.dirty:
-                    plan.view[dst : dst + n] = plan.source[src : src + n]
+                    copy_bytes(plan.view[dst : dst + n], plan.source[src : src + n])
 
     def finish_resize(self, plan: ResizePlan) -> bool:
         """Under the store's lock: copy what changed since ``begin_resize`` (chunks put, or
@@ -427,7 +428,7 @@ class CpuTier(Tier):
                 return False
             placed.append((key, off, dst, n))
         for key, off, dst, n in placed:
-            plan.view[dst : dst + n] = self._view[off : off + n]
+            copy_bytes(plan.view[dst : dst + n], self._view[off : off + n])
             new_slots[key] = (dst, n)
         self._plan = None
         arena, view, fd = plan.arena, plan.view, plan.fd
@@ -646,7 +647,7 @@ class CpuTier(Tier):
             view = memoryview(arena)
             cursor = 0
             for key, (off, n) in order:
-                view[cursor : cursor + n] = self._view[off : off + n]
+                copy_bytes(view[cursor : cursor + n], self._view[off : off + n])
                 self._slots[key] = (cursor, n)
                 cursor += n
             self._replace_arena(arena, view, fd, capacity_bytes, cursor)
