@@ -365,7 +365,7 @@ class DataClient:
         packed there crosses to the agent's arena with no buffer of its own between (``out``
         is only valid during the call). Elsewhere the chunks are filled into one buffer sent
         over the socket (``payload``: the bytes already, for ``put_many``)."""
-        if (fill is None) == (fill_many is None) and payload is None:
+        if (fill is None) == (fill_many is None):
             raise ValueError("give put_packed one of fill and fill_many")
         total = sum(sizes)
 

@@ -6,9 +6,9 @@ next. ``WriteBehind`` takes a job (which chunks, and how to pack each to host by
 chunks are still missing, packs them in batches and puts them: on a same-host agent each run of
 consecutive chunks is packed in one operation straight into the staging segment the agent
 copies from (``StoreJob.pack_into``), so a chunk is copied once on its way to the agent and once
-into the arena. A full queue drops the
-new job (counted) rather than make the engine wait or hold unbounded KV. Nothing here is
-torch-specific: the job's ``pack`` / ``pack_into`` does the device work on this thread.
+into the arena. A full queue drops the new job (counted) rather than make the engine wait or
+hold unbounded KV. Nothing here is torch-specific: the job's ``pack`` / ``pack_into`` does the
+device work on this thread.
 """
 
 from __future__ import annotations
