@@ -124,3 +124,12 @@ def test_resize_beyond_what_can_be_mapped_is_a_capacity_error_and_keeps_the_tier
     assert tier.capacity_bytes == 1024
     out = bytearray(100)
     assert tier.read_into(b"k" * 16, memoryview(out)) == 100 and out == b"x" * 100
+
+
+@pytest.mark.parametrize("n", [1000, 5 << 20])  # one plain copy; one split over threads
+def test_read_into_fills_any_writable_buffer_in_place(n: int) -> None:
+    tier = CpuTier(8 << 20)
+    data = put(tier, 1, n)
+    for out in (bytearray(n + 5), memoryview(bytearray(n))):
+        assert tier.read_into(k(1), out) == n  # type: ignore[arg-type]
+        assert bytes(out[:n]) == data

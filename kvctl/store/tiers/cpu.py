@@ -50,6 +50,7 @@ from kvctl.store.tiers.base import (
     ChunkMeta,
     Tier,
     V,
+    byte_view,
     check_capacity,
     check_put,
     check_resize,
@@ -320,9 +321,10 @@ class CpuTier(Tier):
     def read_into(self, key: bytes, out: memoryview) -> int:
         self._check_open()
         off, n = self._slot(key)
-        if out.nbytes < n:
-            raise InvalidArgument(f"buffer of {out.nbytes} bytes is smaller than the chunk ({n})")
-        copy_bytes(out[:n], self._view[off : off + n])
+        dest = byte_view(out)  # a view: a slice of it is written in place (a bytearray's is not)
+        if dest.nbytes < n:
+            raise InvalidArgument(f"buffer of {dest.nbytes} bytes is smaller than the chunk ({n})")
+        copy_bytes(dest[:n], self._view[off : off + n])
         return n
 
     def delete(self, key: bytes) -> int:
