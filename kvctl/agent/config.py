@@ -528,7 +528,7 @@ _SETTINGS: tuple[_Setting, ...] = (
         "eviction",
         "eviction",
         _choice("eviction policy", EVICTION_POLICIES),
-        "lineage-lru2",
+        "lineage-adaptive",
         "KVCTL_EVICTION",
     ),
     _Setting("disk_admission", "disk_admission", _admission, "frequency", "KVCTL_DISK_ADMISSION"),

@@ -78,7 +78,7 @@ class AgentSettings:
     #: bytes of large puts (over 1 MiB) all connections may hold in flight at once; a put that
     #: cannot get its share within the frame timeout gets BUSY
     data_put_budget_bytes: int = 1 << 30
-    eviction: str = "lineage-lru2"
+    eviction: str = "lineage-adaptive"
     disk_admission: str = "all"
     #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds
     #: without it because chunks are written to a temp file and renamed)
