@@ -98,7 +98,13 @@ class StartFlags:
         str | None,
         typer.Option("--gpu-device", help="CUDA device of the gpu tier: cuda or cuda:N."),
     ] = None
-    eviction: Annotated[str | None, typer.Option(help="Eviction policy.")] = None
+    eviction: Annotated[
+        str | None,
+        typer.Option(
+            help="Eviction policy of every tier (default lineage-adaptive; lineage-lru2 spends "
+            "less CPU per chunk read; see `kvctl simulate --help` to compare them on a trace)."
+        ),
+    ] = None
     role: Annotated[
         str | None,
         typer.Option(help="'node' (serves engines) or 'pool' (the shared tier for other agents)."),
