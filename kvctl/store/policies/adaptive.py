@@ -213,6 +213,9 @@ class LineageAdaptivePolicy(EvictionPolicy):
         self._accesses = 0
         self._gain_sum = 0.0
         self._mean_gain = 1.0
+        #: what the last ``_maybe_switch`` weighed the counts with (one hit's unit, the least
+        #: lead): while neither these nor the counts change, its answer cannot either
+        self._switch_inputs: tuple[float, float] | None = None
 
     # --- what the store tells the policy ---------------------------------------------------
     @property
@@ -322,13 +325,16 @@ class LineageAdaptivePolicy(EvictionPolicy):
             self._mean_gain = self._gain_sum / self._accesses
         hits = [s.access(entry, self._capacity_bytes) for s in self._shadows]
         led = hits[self._leader]
+        counted = False  # a candidate's wins or losses against the leader moved
         for i, hit in enumerate(hits):
             if hit:
                 self._shadows[i].score += gain
                 if not led:
                     self._wins[i] += gain
+                    counted = True
             elif led:
                 self._losses[i] += gain
+                counted = True
         self._left_the_leader()
         self._diff.pop(entry.key, None)  # the leader holds it now
         self._scale *= self._growth
@@ -338,7 +344,10 @@ class LineageAdaptivePolicy(EvictionPolicy):
             self._wins = [w / self._scale for w in self._wins]
             self._losses = [x / self._scale for x in self._losses]
             self._scale = 1.0
-        self._maybe_switch()
+        inputs = (self._mean_gain * self._scale, self.lead_fraction * self._capacity_chunks)
+        if counted or inputs != self._switch_inputs:  # else the last answer stands
+            self._switch_inputs = inputs
+            self._maybe_switch()
 
     def _left_the_leader(self) -> None:
         """Chunks the leader's shadow just evicted that the tier still holds: the walk offers
