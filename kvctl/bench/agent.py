@@ -129,12 +129,15 @@ def run_agent_bench(
                 DataClient.connect(state.data_unix, token=token) as shm,
                 DataClient.connect(state.data_tcp, token=token) as tcp,
                 AgentClient(state.control_url, token=token) as ctl,
+                ThreadPoolExecutor(MEMCPY_THREADS) as workers,  # the memcpy reference's
             ):
                 if not shm.shm:
                     raise RuntimeError("the agent did not offer shared memory")
                 for size in sizes_bytes:
                     say(f"{size >> 20} MiB chunks: {per_size[size]} per sample")
-                    results.append(_bench_size(size, per_size[size], repeats, shm, tcp, ctl, raw))
+                    results.append(
+                        _bench_size(size, per_size[size], repeats, shm, tcp, ctl, raw, workers)
+                    )
                 say("lookups of a 512-chunk chain")
                 lookups = _bench_lookups(shm, tcp, lookup_seconds)
         say("cpu reads while another client's puts demote to disk")
@@ -387,13 +390,6 @@ def iperf3_loopback(nbytes: int, block_bytes: int, *, timeout_s: float = 60.0) -
 
 
 def _bench_size(
-    size: int, n: int, repeats: int, shm: Any, tcp: Any, ctl: Any, raw: RawClient
-) -> dict[str, Any]:
-    with ThreadPoolExecutor(MEMCPY_THREADS) as workers:
-        return _bench_size_on(size, n, repeats, shm, tcp, ctl, raw, workers)
-
-
-def _bench_size_on(
     size: int,
     n: int,
     repeats: int,
