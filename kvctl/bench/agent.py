@@ -64,6 +64,7 @@ import numpy as np
 
 from kvctl.bench.common import alternating, figure, host_info, spawned_agent
 from kvctl.errors import InvalidArgument
+from kvctl.ports import free_loopback_port
 from kvctl.wire.protocol import HEADER_BYTES, PeerClosed, recv_exactly, send_all
 
 DEFAULT_SIZES_BYTES = (4 << 20, 32 << 20)
@@ -352,9 +353,7 @@ def iperf3_loopback(nbytes: int, block_bytes: int, *, timeout_s: float = 60.0) -
     if exe is None:
         return {"skipped": "iperf3 is not installed"}
     block_bytes = max(1, min(block_bytes, IPERF3_MAX_BLOCK_BYTES))
-    with socket.socket() as s:  # a free port (a race with another process is possible)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_loopback_port()
     server = subprocess.Popen(
         [exe, "-s", "-1", "-B", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,

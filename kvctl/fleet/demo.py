@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvctl.agent.daemon import pid_alive, spawn_agent, stop_agent
 from kvctl.paths import default_state_dir
+from kvctl.ports import free_loopback_port, free_loopback_ports
 from kvctl.profiles import DEMO_MODEL, FIBER_SECONDS_PER_KM, model_profile
 
 if TYPE_CHECKING:
@@ -429,20 +430,6 @@ def node_names(config: DemoConfig) -> list[tuple[str, str]]:
     ]
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct loopback ports nothing listens on now (held together while picked), so
-    every agent's data-plane address is known before any of them starts."""
-    import socket
-
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(n):
-            sock = stack.enter_context(socket.socket())
-            sock.bind(("127.0.0.1", 0))
-            ports.append(int(sock.getsockname()[1]))
-    return ports
-
-
 def _node_remote_args(
     config: DemoConfig, name: str, dc: str, data_ports: dict[str, int], router_url: str
 ) -> list[str]:
@@ -484,7 +471,8 @@ def start(config: DemoConfig, *, on_step: Callable[[str], None] = lambda _: None
     config_file = workdir / "agent.toml"
     _agent_config(config_file, config.model)
     names = [name for name, _ in node_names(config)]
-    *node_ports, pool_port, router_port = _free_ports(len(names) + 2)
+    # chosen before any agent starts, so every data-plane address is known to its peers
+    *node_ports, pool_port, router_port = free_loopback_ports(len(names) + 2)
     data_ports = dict(zip([*names, POOL_NAME], [*node_ports, pool_port], strict=True))
     router_url = f"http://127.0.0.1:{router_port}"
     try:
@@ -602,17 +590,18 @@ def start_router(fleet: DemoFleet, port: int, *, timeout_s: float = 30.0) -> Non
 
 
 def _free_port(preferred: int) -> int:
-    """``preferred`` when nothing listens there on loopback, else a port the kernel picks."""
+    """``preferred`` when nothing listens there on loopback, else another free one."""
     import socket
 
-    for port in (preferred, 0) if preferred else (0,):
+    if preferred:
         with socket.socket() as sock:
             try:
-                sock.bind(("127.0.0.1", port))
+                sock.bind(("127.0.0.1", preferred))
             except OSError:
-                continue
-            return int(sock.getsockname()[1])
-    raise OSError("no free port on 127.0.0.1")
+                pass
+            else:
+                return preferred
+    return free_loopback_port()
 
 
 def start_dashboard(fleet: DemoFleet, *, timeout_s: float = 30.0) -> str:

@@ -7,7 +7,6 @@ import contextlib
 import hashlib
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from pathlib import Path
 
 from kvctl.agent.daemon import AgentState, spawn_agent
 from kvctl.client import AgentClient, DataClient
+from kvctl.ports import free_loopback_port
 
 EPHEMERAL = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0"]
 
@@ -69,10 +69,9 @@ def running_agent(data_dir: Path, *args: str, token: str = "") -> Iterator[Agent
 
 
 def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on (below the ephemeral range, so no socket bound to
+    port 0 takes it meanwhile)."""
+    return free_loopback_port()
 
 
 def payload(key: bytes, size: int) -> bytes:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from kvctl.db.inventory import add_dc, add_link, add_node
 from kvctl.errors import InvalidArgument
 from kvctl.index.follower import Followers
 from kvctl.index.model import EmbeddedIndex
+from kvctl.ports import free_loopback_ports
 from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
 from kvctl.remote.fetchplan import PrefillModel
 from kvctl.router.app import RouterServer
@@ -299,15 +299,6 @@ def test_a_chunk_lost_between_lookup_and_get_keeps_the_ledger_exact(tmp_path: Pa
 # --- routing by a router: the agents pull from their peers and pool themselves -------------
 
 
-def _ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (bound together, then closed)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-
-
 @contextlib.contextmanager
 def _router(agents: dict[str, Agent]) -> Iterator[RouterClient]:
     """A router in this process following ``agents`` (in their DCs, fra and ams 50 km apart),
@@ -346,7 +337,7 @@ def test_router_routing_counts_the_agents_own_peer_and_pool_pulls_exactly(
     of every pulled hit is learnt; in a small cache a long pull evicts chunks it pulled before
     the replay reads their owner, and that node's split is then left unchecked, never
     guessed."""
-    pa, pb = _ports(2)
+    pa, pb = free_loopback_ports(2)
     small = ("--cpu", cpu, "--disk", "0")
     # fetch whatever a peer or the pool holds, whatever loopback measures: the test is about
     # the accounting, not the cost model

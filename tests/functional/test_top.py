@@ -482,7 +482,9 @@ def test_top_json_prints_two_polls_worth(fleet: tuple[Engine, dict[str, Agent]])
     nodes = {n["node"]: n for n in doc["nodes"]}
     assert set(nodes) == {"gpu-a", "gpu-b", "gpu-c", "gpu-down"}
     assert nodes["gpu-a"]["up"] and not nodes["gpu-down"]["up"]
-    assert nodes["gpu-a"]["window_seconds"] == pytest.approx(0.3, abs=0.25)
+    # the measured time between the two samples: the interval, plus a poll's own time (which a
+    # loaded machine stretches)
+    assert 0.25 <= nodes["gpu-a"]["window_seconds"] < 3.0
     assert doc["polls"] == 2 and doc["total"]["up"] == 3
     # the database's record of the default 15 minutes, per DC of the nodes watched
     assert doc["recorded"]["window"]["name"] == "15m"

@@ -11,7 +11,6 @@ does), or a real ``IndexClient`` at a port nothing listens on."""
 from __future__ import annotations
 
 import hashlib
-import socket
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from kvctl.agent.settings import AgentSettings
 from kvctl.index.events import ChunkEvent, from_agent_event
 from kvctl.index.model import EmbeddedIndex, Holding
 from kvctl.index.remote import IndexClient
+from kvctl.ports import free_loopback_port
 from kvctl.remote.breaker import Breaker
 from kvctl.remote.federation import PEER_TIER, RemoteTiers, Source
 from kvctl.remote.fetchplan import PrefillRate
@@ -156,9 +156,7 @@ def fleet() -> Iterator[Fleet]:
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_loopback_port()
 
 
 class FakeClock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import pickle
-import socket
 from types import SimpleNamespace
 
 import pytest
@@ -42,6 +41,7 @@ from kvctl.engines.vllm_plan import (
     token_slots,
 )
 from kvctl.errors import InvalidArgument
+from kvctl.ports import free_loopback_port
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 
 BLOCK = 16
@@ -247,9 +247,7 @@ def test_paged_caches_must_match_the_model() -> None:
 
 # --- scheduler side ------------------------------------------------------------------------
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_loopback_port()
 
 
 def down_link(lay: KVLayout, chunk_tokens: int = 32) -> AgentLink:
