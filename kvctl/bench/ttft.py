@@ -142,7 +142,11 @@ def run_ttft_bench(
         _fleet(Path(tmp), cap, chunk_tokens, chunk_bytes, sources) as fleet,
     ):
         engines = {
-            name: CachedLM(model, client, tenant="bench", store=name == "node")
+            # the landing buffer sized for the longest context at start, as an engine sizes
+            # its KV cache: no sample pays its page faults
+            name: CachedLM(
+                model, client, tenant="bench", store=name == "node", reserve_tokens=max(contexts)
+            )
             for name, client in fleet.data.items()
         }
         # each engine maps (on CUDA: registers, pinning every page) its agent's arena when it

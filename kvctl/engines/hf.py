@@ -147,6 +147,10 @@ class CachedLM:
     softmax and attention sums over masked rows group differently), so reuse after a one-pass
     prefill matches a one-pass full prefill closely but not bit for bit. Chunk-aligned steps
     make every chunk's KV a function of its prefix alone: reuse is then bit-exact.
+
+    ``reserve_tokens``: on a CPU, the buffer reused prefixes land in is sized for that many
+    tokens and faulted in at start (else it grows, page faults and all, on the first request
+    that reuses a longer prefix than any before).
     """
 
     def __init__(
@@ -160,6 +164,7 @@ class CachedLM:
         store: bool = True,
         chunked_prefill: bool = False,
         write_behind: bool = True,
+        reserve_tokens: int = 0,
     ) -> None:
         self.model = model
         self.write_behind = write_behind
@@ -182,6 +187,7 @@ class CachedLM:
             )
         self._namespaces: dict[str, Namespace] = {}
         self.loader = KVLoader(self.format, self.device)
+        self.loader.reserve(reserve_tokens // self.chunk_tokens)
         params = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         #: send measured prefill rates to the agent (it plans fetch-or-recompute with them)

@@ -69,6 +69,18 @@ def test_load_at_an_offset_fills_only_those_chunk_positions() -> None:
         assert torch.equal(kv[layer], want)
 
 
+def test_reserve_sizes_the_reused_buffer_once() -> None:
+    loader = KVLoader(FMT, torch.device("cpu"))
+    loader.reserve(6)
+    big = loader.alloc(6, reuse=True)
+    assert loader.owns(big) and torch.count_nonzero(big) == 0  # faulted in: written
+    small = loader.alloc(2, reuse=True)
+    assert small.data_ptr() == big.data_ptr()  # a shorter prefix: the same buffer, not a new one
+    assert small.shape[4] == 2 * FMT.chunk_tokens
+    loader.reserve(0)  # nothing to do
+    assert not loader.owns(loader.alloc(2))  # a fresh buffer is the caller's own
+
+
 def test_misaligned_bytes_are_copied_right() -> None:
     fmt = ChunkFormat(KVLayout(2, 1, 4, "bfloat16"), 2)
     chunks = _chunks(2, seed=3, fmt=fmt)
