@@ -7,7 +7,9 @@ so a cache takes them as they are. Chunks come straight from where they lie:
 - from the agent's shared arena under a lease (same host): on the CPU one strided copy per run of
   adjacent chunks, from the arena into the cache; on CUDA the arena mapping is registered with
   the driver once (``cudaHostRegister``) and each run crosses the link as one asynchronous copy
-  on a side stream, then is laid out on the device. No host staging copy either way.
+  on a side stream, then is laid out on the device. No host staging copy either way. On the
+  CPU the mapping's pages are faulted in from a background thread when it is first seen
+  (registering does that on CUDA), so a fetch never pays a first read's page faults.
 - from host buffers (chunks read over a socket): the same copies from those buffers.
 
 On the CPU, torch spreads a large copy over its intra-op threads, so a fetch runs near a
@@ -17,6 +19,7 @@ multi-threaded memcpy of the same bytes.
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 import warnings
@@ -131,7 +134,7 @@ class KVLoader:
             for stale in [k for k, (buf, _, _) in self._registered.items() if buf is not arena]:
                 self._forget(stale)
             tensor = host_tensor(arena)
-            unregister = self._register(tensor) if self.cuda else None
+            unregister = self._register(tensor) if self.cuda else self._populate(arena)
             self._registered[id(arena)] = (arena, tensor, unregister)
             return tensor
 
@@ -163,6 +166,19 @@ class KVLoader:
             log.warning("could not register the agent's arena with CUDA (copies slower): %s", exc)
             return None
         return reg.close
+
+    @staticmethod
+    def _populate(arena: Any) -> Callable[[], None] | None:
+        """Fault the mapping's pages in from a background thread (page tables only: the agent
+        committed the memory), so no fetch pays a first read's page faults; registering it
+        with CUDA does that for a GPU engine."""
+        from kvctl.store.tiers.prefault import MADV_POPULATE_READ, Prefaulter
+
+        if not isinstance(arena, mmap.mmap) or len(arena) <= 1:
+            return None
+        prefault = Prefaulter(arena, ahead_bytes=len(arena), advice=MADV_POPULATE_READ)
+        prefault.want(0)
+        return prefault.stop
 
     def _forget(self, key: int) -> None:
         _, _, unregister = self._registered.pop(key)

@@ -14,7 +14,7 @@ import pytest
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.hostreg import buffer_address
-from kvctl.store.tiers.prefault import Prefaulter
+from kvctl.store.tiers.prefault import MADV_POPULATE_READ, Prefaulter
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="shared arenas and smaps are Linux only"
@@ -75,6 +75,26 @@ def test_only_the_asked_for_range_is_mapped() -> None:
     p.stop()
     p.want(0)  # stopped: asks nothing more
     arena.close()
+    os.close(fd)
+
+
+def test_a_read_only_mapping_is_populated_without_a_write() -> None:
+    # an engine's view of the agent's arena: the agent wrote a chunk, the engine only reads
+    fd = os.memfd_create("prefault-read-test")
+    os.ftruncate(fd, 16 * MIB)
+    os.posix_fallocate(fd, 0, 16 * MIB)
+    writer = mmap.mmap(fd, 16 * MIB)
+    writer[MIB : 2 * MIB] = bytes([9]) * MIB
+    reader = mmap.mmap(fd, 16 * MIB, prot=mmap.PROT_READ)
+    assert _rss_bytes(reader) < 4 * MIB
+    p = Prefaulter(reader, ahead_bytes=8 * MIB, advice=MADV_POPULATE_READ)
+    p.want(0)
+    _supported(p)
+    assert p.populated_bytes == 8 * MIB
+    assert 8 * MIB <= _rss_bytes(reader) < 16 * MIB
+    assert reader[MIB : 2 * MIB] == bytes([9]) * MIB and reader[0:MIB] == bytes(MIB)
+    reader.close()
+    writer.close()
     os.close(fd)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 
 import pytest
 
@@ -13,6 +14,7 @@ torch = pytest.importorskip("torch")
 from kvctl.engines.kvformat import ChunkFormat  # noqa: E402
 from kvctl.engines.kvload import KVLoader, host_tensor, runs  # noqa: E402
 from kvctl.store.keys import KVLayout  # noqa: E402
+from kvctl.store.tiers.prefault import Prefaulter  # noqa: E402
 
 FMT = ChunkFormat(KVLayout(3, 2, 8, "float32"), 4)
 SIZE = FMT.chunk_bytes
@@ -120,6 +122,30 @@ def test_the_arena_tensor_is_made_once_per_mapping() -> None:
     assert b.numel() == 8192 and len(loader._registered) == 1
     loader.close()
     assert not loader._registered
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and madvise are Linux's")
+def test_a_cpu_loader_faults_the_arena_mapping_in_until_it_is_forgotten() -> None:
+    fd = os.memfd_create("kvload-populate-test")
+    try:
+        os.ftruncate(fd, 8 << 20)
+        os.posix_fallocate(fd, 0, 8 << 20)
+        arena = mmap.mmap(fd, 8 << 20, prot=mmap.PROT_READ)
+        loader = KVLoader(FMT, torch.device("cpu"))
+        loader.arena_tensor(arena)
+        stop = loader._registered[id(arena)][2]
+        prefault = getattr(stop, "__self__", None)
+        assert isinstance(prefault, Prefaulter)
+        prefault.join(30)
+        if prefault.failed:
+            pytest.skip(f"this kernel cannot prefault: {prefault.failed}")
+        assert prefault.populated_bytes == 8 << 20
+        loader.close()  # forgotten: populating stops (a new mapping gets its own)
+        prefault.want(8 << 20)
+        assert prefault._thread is None
+        arena.close()
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
