@@ -311,6 +311,10 @@ def run_ttft_bench(
             "connections at once as the pull splits over (its streams), no protocol; each is "
             "measured right before its sample, and fetch_share_of_bound is the median over the "
             "samples of fetch rate / that bound",
+            "copy_seconds: of fetch_seconds, the copy out of the shared arena alone (leased "
+            "chunks; on CUDA up to the copies' end); copy_share_of_bound is its rate / the bound. "
+            "The rest of the fetch (the landing buffer's views, the model's cache object) is "
+            "the same per request whatever its size",
             "reused_chunks below the context's chunks means the agent's plan chose to recompute "
             "(see planner_recomputed_chunks)",
             "disk: files fsynced and dropped from the page cache (posix_fadvise DONTNEED) "
@@ -473,12 +477,19 @@ def _bounded(
     # the lookup's round trip counted too: on a same-host engine the lookup also leases what
     # it matched (LOOKUP_LEASE), so that work is in the lookup, not the fetch
     with_lookup = [p.fetched_bytes / (p.lookup_seconds + p.fetch_seconds) / b for p, b in pairs]
+    # the copy alone: what the fetch spends beyond it is per request, whatever the size
+    copy_shares = [
+        p.fetched_bytes / p.timings["copy_seconds"] / b
+        for p, b in pairs
+        if p.timings.get("copy_seconds", 0) > 0
+    ]
     summary["bound"] = {
         "what": bounds[0][0],
         "bytes_per_second": statistics.median(b for _, b in bounds),
         "fetch_share_of_bound": statistics.median(shares) if shares else None,
         "samples_fetch_share": shares,
         "lookup_and_fetch_share_of_bound": statistics.median(with_lookup) if pairs else None,
+        "copy_share_of_bound": statistics.median(copy_shares) if copy_shares else None,
     }
     return summary
 
@@ -697,6 +708,7 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
     ttft = statistics.median(p.ttft_seconds for p in runs)
     last = runs[-1]
     fetch = statistics.median(p.fetch_seconds for p in runs)
+    copies = [p.timings["copy_seconds"] for p in runs if "copy_seconds" in p.timings]
     return {
         "ttft_seconds": ttft,
         "speedup": full_s / ttft if ttft > 0 else None,
@@ -718,6 +730,8 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
             ),
             default=None,
         ),
+        # the copy out of the shared arena alone, where chunks were leased (None otherwise)
+        "copy_seconds": statistics.median(copies) if copies else None,
         "bytes_moved": last.fetched_bytes,
         "fetch_bytes_per_second": last.fetched_bytes / fetch
         if last.fetched_bytes and fetch
@@ -743,6 +757,11 @@ def _one_line(source: str, s: dict[str, Any]) -> str:
         + (
             f"; with the lookup {both:.2f}"
             if (both := bound.get("lookup_and_fetch_share_of_bound")) is not None
+            else ""
+        )
+        + (
+            f"; the copy alone {copy:.2f}"
+            if (copy := bound.get("copy_share_of_bound")) is not None
             else ""
         )
     )

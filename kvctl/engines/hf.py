@@ -306,6 +306,9 @@ class CachedLM:
         finally:  # the lookup's leases go once the first token is out, or the request failed
             if client is not None and client.shm:
                 self._release_pending(client)
+        # the copy out of the shared arena alone (what is left of the fetch is per request)
+        copied = self.loader.last_copy
+        timings = {"copy_seconds": copied[1]} if copied is not None and reused else {}
         self._measured(len(ids) - start, start, t3 - t2)
         stored = self._store(cache, keys, reused, locations, tenant)
         return Prefill(
@@ -322,6 +325,7 @@ class CachedLM:
             compute_seconds=t3 - t2,
             stored=stored,
             fetch_path=path if reused else "",
+            timings=timings,
         )
 
     @torch.inference_mode()
