@@ -414,9 +414,7 @@ class CachedLM:
         """A cache holding the first ``chunks`` chunks of the loader's buffer ``kv``."""
         if not chunks:
             return DynamicCache()
-        tokens = chunks * self.chunk_tokens
-        layers = range(self.layout.layers)
-        return _cache_holding([(kv[i, 0, :, :, :tokens], kv[i, 1, :, :, :tokens]) for i in layers])
+        return _cache_holding(self.loader.layer_views(kv, chunks))
 
     def _fetch(self, keys: list[bytes], tenant: str) -> tuple[DynamicCache, int, str]:
         """The cache object holding the chunks' KV, how many leading chunks it holds, and the

@@ -76,8 +76,12 @@ class KVLoader:
         #: (bytes, seconds) of the last copy straight from the arena: the host->device rate an
         #: engine reports, with no round trip or disk read in it
         self.last_copy: tuple[int, float] | None = None
-        #: the buffer ``alloc(reuse=True)`` hands out views of (CPU only)
+        #: the buffer ``alloc(reuse=True)`` hands out views of (CPU only), and those views by
+        #: chunk count
         self._slab: torch.Tensor | None = None
+        self._views: dict[int, torch.Tensor] = {}
+        #: per-layer (keys, values) views of those, by (chunks allocated, chunks used)
+        self._layer_views: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         #: host buffer for chunks read over a socket, kept between requests (page-locked for a
         #: GPU: pinning is slow, and a fresh buffer's first touch would be timed as fetch)
         self._staging: torch.Tensor | None = None
@@ -101,10 +105,31 @@ class KVLoader:
         shape = (lay.layers, 2, 1, lay.kv_heads, tokens, lay.head_dim)
         if not reuse or self.cuda:
             return torch.empty(shape, dtype=self.format.dtype, device=self.device)
+        view = self._views.get(chunks)
+        if view is not None:
+            return view
         numel = lay.layers * 2 * lay.kv_heads * tokens * lay.head_dim
         if self._slab is None or self._slab.numel() < numel:
             self._slab = torch.empty(numel, dtype=self.format.dtype, device=self.device)
-        return self._slab[:numel].view(shape)
+            self._views.clear()
+            self._layer_views.clear()
+        # kept per size: making a view costs tens of microseconds once the caches are cold
+        view = self._views[chunks] = self._slab[:numel].view(shape)
+        return view
+
+    def layer_views(self, kv: torch.Tensor, chunks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (keys, values) ``[1, kv_heads, tokens, head_dim]`` over the first
+        ``chunks`` chunks of ``kv`` (from ``alloc``), without copying; kept for the reused
+        buffer's views, which later requests get again."""
+        tokens = chunks * self.format.chunk_tokens
+        allocated = kv.shape[4] // self.format.chunk_tokens
+        reused = self._views.get(allocated) is kv
+        views = self._layer_views.get((allocated, chunks)) if reused else None
+        if views is None:
+            views = [(kv[i, 0, :, :, :tokens], kv[i, 1, :, :, :tokens]) for i in range(kv.shape[0])]
+            if reused:
+                self._layer_views[(allocated, chunks)] = views
+        return views
 
     def reserve(self, chunks: int) -> None:
         """Size the buffer ``alloc(reuse=True)`` hands out for ``chunks`` chunks and fault its

@@ -83,6 +83,24 @@ def test_reserve_sizes_the_reused_buffer_once() -> None:
     assert not loader.owns(loader.alloc(2))  # a fresh buffer is the caller's own
 
 
+def test_layer_views_alias_the_buffer_and_are_kept_only_for_the_reused_one() -> None:
+    loader = KVLoader(FMT, torch.device("cpu"))
+    kv = loader.alloc(3, reuse=True)
+    views = loader.layer_views(kv, 2)
+    assert len(views) == FMT.layout.layers
+    k, v = views[1]
+    assert k.shape == (1, FMT.layout.kv_heads, 2 * FMT.chunk_tokens, FMT.layout.head_dim)
+    kv[1, 1, 0, 0, 0, 0] = 7.0  # a view, not a copy
+    assert v[0, 0, 0, 0] == 7.0
+    assert loader.alloc(3, reuse=True) is kv and loader.layer_views(kv, 2) is views
+    fresh = loader.alloc(3)
+    assert loader.layer_views(fresh, 2) is not loader.layer_views(fresh, 2)
+    bigger = loader.alloc(8, reuse=True)  # the buffer grew: nothing of the old one is kept
+    assert loader.alloc(3, reuse=True) is not kv
+    assert loader.layer_views(loader.alloc(3, reuse=True), 2) is not views
+    assert loader.owns(bigger)
+
+
 def test_misaligned_bytes_are_copied_right() -> None:
     fmt = ChunkFormat(KVLayout(2, 1, 4, "bfloat16"), 2)
     chunks = _chunks(2, seed=3, fmt=fmt)
