@@ -59,6 +59,8 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
+import numpy as np
+
 from kvctl.errors import InvalidArgument
 from kvctl.remote.links import Link
 
@@ -296,84 +298,62 @@ def fit_prefill(samples: Sequence[PrefillSample]) -> PrefillFit | None:
     (``n`` tokens computed after ``a`` cached), every term >= 0. The unconstrained fit of all
     three when the samples determine them and none comes out negative; else the best of the
     subsets of terms (a negative coefficient is noise: the others are fitted alone), ties in the
-    order of ``_TERMS``. None without samples."""
+    order of ``_TERMS``. None without samples. In numpy: the agent refits on every engine report
+    (up to ``DEFAULT_SAMPLE_WINDOW`` samples), and in pure Python that held the GIL for ~10 ms of
+    512 samples, stalling the data plane's threads each time."""
     if not samples:
         return None
-    rows = [
-        (
-            1.0,
-            float(s.computed_tokens),
-            s.computed_tokens * (2.0 * s.cached_tokens + s.computed_tokens) / 2,
-        )
-        for s in samples
-    ]
-    ys = [s.seconds for s in samples]
-    best: tuple[float, tuple[float, float, float]] | None = None
+    n = np.fromiter((s.computed_tokens for s in samples), dtype=np.float64, count=len(samples))
+    a = np.fromiter((s.cached_tokens for s in samples), dtype=np.float64, count=len(samples))
+    rows = np.column_stack((np.ones_like(n), n, n * (2.0 * a + n) / 2))
+    ys = np.fromiter((s.seconds for s in samples), dtype=np.float64, count=len(samples))
+    best: tuple[float, np.ndarray] | None = None
     for used in _TERMS:
         coef = _least_squares(rows, ys, used)
         if coef is None:
             continue
-        rss = sum(
-            (sum(c * x for c, x in zip(coef, row, strict=True)) - y) ** 2
-            for row, y in zip(rows, ys, strict=True)
-        )
+        rss = float(np.dot(residual := rows @ coef - ys, residual))
         # a later set wins only if it fits clearly better (equal fits keep the preferred one)
         if best is None or rss < best[0] * (1 - 1e-9) - 1e-24:
             best = (rss, coef)
     if best is None:  # cannot happen: a single column of positive token counts always fits
         return None
-    rss, (overhead, alpha, beta) = best
+    rss, coef = best
+    overhead, alpha, beta = (float(c) for c in coef)
     return PrefillFit(
         max(alpha, MIN_ALPHA_S_PER_TOKEN), beta, overhead, math.sqrt(rss / len(samples))
     )
 
 
 def _least_squares(
-    rows: Sequence[tuple[float, float, float]], ys: Sequence[float], used: tuple[bool, bool, bool]
-) -> tuple[float, float, float] | None:
+    rows: np.ndarray, ys: np.ndarray, used: tuple[bool, bool, bool]
+) -> np.ndarray | None:
     """The coefficients of the ``used`` columns (the others 0) minimising the squared error,
     or None where the columns are (near) dependent or a coefficient comes out negative. The
     columns are scaled to unit length first (their magnitudes differ by up to 10^15), then
-    solved by QR (Gram-Schmidt, each column orthogonalised twice): normal equations would
-    square the conditioning and refuse exactly determined systems of short and long prompts."""
+    solved by QR (Householder): normal equations would square the conditioning and refuse
+    exactly determined systems of short and long prompts."""
     cols = [j for j in range(3) if used[j]]
-    scaled: list[list[float]] = []
-    norms: list[float] = []
-    for j in cols:
-        norm = math.sqrt(sum(r[j] * r[j] for r in rows))
-        if norm == 0:
-            return None
-        norms.append(norm)
-        scaled.append([r[j] / norm for r in rows])
-    k = len(cols)
-    q: list[list[float]] = []
-    upper = [[0.0] * k for _ in range(k)]
-    for i in range(k):
-        v = scaled[i]
-        for _ in range(2):  # twice: one pass leaves near-dependent columns far from orthogonal
-            for p, qp in enumerate(q):
-                d = _dot(qp, v)
-                upper[p][i] += d
-                v = [a - d * b for a, b in zip(v, qp, strict=True)]
-        n = math.sqrt(_dot(v, v))
-        if n < _SINGULAR:  # (unit columns) within 1e-9 rad of the span of the ones before
-            return None
-        upper[i][i] = n
-        q.append([a / n for a in v])
-    qty = [_dot(qi, ys) for qi in q]
-    x = [0.0] * k
-    for i in reversed(range(k)):
-        x[i] = (qty[i] - sum(upper[i][c] * x[c] for c in range(i + 1, k))) / upper[i][i]
-    out = [0.0, 0.0, 0.0]
-    for i, j in enumerate(cols):
-        if x[i] < 0:
-            return None
-        out[j] = x[i] / norms[i]
-    return out[0], out[1], out[2]
-
-
-def _dot(a: Sequence[float], b: Sequence[float]) -> float:
-    return math.fsum(x * y for x, y in zip(a, b, strict=True))
+    if len(rows) < len(cols):  # fewer samples than terms: not determined
+        return None
+    picked = rows[:, cols]
+    norms = np.sqrt(np.einsum("ij,ij->j", picked, picked))
+    if not np.all(norms > 0):
+        return None
+    q, upper = np.linalg.qr(picked / norms)
+    # (unit columns) a column within 1e-9 rad of the span of the ones before it
+    if np.min(np.abs(np.diag(upper))) < _SINGULAR:
+        return None
+    x = np.linalg.solve(upper, q.T @ ys)
+    # a term within rounding of zero (exactly determined samples that need none of it) is zero,
+    # not a reason to refuse the set: which side of zero rounding lands on is no evidence
+    tiny = 1e-9 * float(np.sqrt(np.dot(ys, ys)))
+    if np.any(x < -tiny):
+        return None
+    x = np.maximum(x, 0.0)
+    out = np.zeros(3)
+    out[cols] = x / norms
+    return out
 
 
 @dataclass

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvctl.errors import InvalidArgument
 from kvctl.remote.federation import DISK_READ_LATENCY_S, FetchPlanner
 from kvctl.remote.fetchplan import (
+    DEFAULT_SAMPLE_WINDOW,
     MAX_RATE_MODELS,
     OUTLIER_FACTOR,
     AnyLink,
@@ -98,6 +99,35 @@ def test_least_squares_recovers_the_overhead_every_prefill_pays() -> None:
     assert model.as_dict()["overhead_s"] == overhead
     with pytest.raises(InvalidArgument, match="overhead"):
         PrefillModel(alpha, beta, "measured", overhead_s=-1.0)
+
+
+def test_a_term_within_rounding_of_zero_is_zero_not_a_reason_to_drop_the_preferred_fit() -> None:
+    """Two prefills with nothing cached, timed exactly as ``alpha x n``: overhead + per-token
+    fits them exactly with an overhead of 0 up to rounding. Which side of zero the rounding
+    lands on must not decide the fit: refusing that set for an overhead rounded just below zero
+    took per-token + attention instead (as exact on these two), which predicts a 32k prompt's
+    prefill several times too long (8x in one such pair)."""
+    # one of the pairs where the rounding lands below zero (2 in 2,000 random ones did)
+    samples = [
+        PrefillSample(4096, 0, 1.0616876732097527),
+        PrefillSample(64, 0, 0.016588869893902385),
+    ]
+    for pair in (samples, _exact_samples(4.847278e-4, 0.0, 0.0, ((4096, 0), (64, 0)))):
+        fitted = fit_prefill(pair)
+        assert fitted is not None and fitted.beta_s_per_token2 == 0.0
+        assert fitted.overhead_s == pytest.approx(0.0, abs=1e-12)
+        assert fitted.alpha_s_per_token == pytest.approx(pair[0].seconds / 4096, rel=1e-9)
+
+
+def test_the_fit_keeps_up_with_a_full_window_of_samples() -> None:
+    # the agent refits on every report: a full window must still fit (and fit the same way)
+    alpha, beta, overhead = 2e-5, 3e-9, 0.004
+    shapes = [(64 + 37 * i % 4000, 997 * i % 60_000) for i in range(DEFAULT_SAMPLE_WINDOW)]
+    fitted = fit_prefill(_exact_samples(alpha, beta, overhead, shapes))
+    assert fitted is not None
+    assert fitted.alpha_s_per_token == pytest.approx(alpha, rel=1e-6)
+    assert fitted.beta_s_per_token2 == pytest.approx(beta, rel=1e-6)
+    assert fitted.overhead_s == pytest.approx(overhead, rel=1e-6)
 
 
 def test_least_squares_fits_an_exactly_determined_mix_of_short_and_long_prompts() -> None:
