@@ -67,9 +67,13 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
         assert bound["fetch_share_of_bound"] == pytest.approx(sum(shares) / 2)
         # the lookup's round trip added to the fetch can only lower the share
         assert 0 < bound["lookup_and_fetch_share_of_bound"] < bound["fetch_share_of_bound"]
-        # the copy out of the arena is part of the fetch: its share can only be higher
+        # the copy out of the arena is part of the fetch: against the cpu tier's bound (its own
+        # path) its share can only be higher; the others' bounds are another path's
         assert 0 < s["copy_seconds"] <= s["fetch_seconds"]
-        assert bound["copy_share_of_bound"] >= bound["fetch_share_of_bound"]
+        if s is row["sources"]["cpu"]:
+            assert bound["copy_share_of_bound"] >= bound["fetch_share_of_bound"]
+        else:
+            assert bound["copy_share_of_bound"] is None
         assert s["reused_chunks"] == CONTEXT // CHUNK and s["planner_recomputed_chunks"] == 0
         assert 0 <= s["max_logit_diff"] <= result["logits_atol"]
         assert s["fetch_path"] == "lease"  # same host: straight from the shared arena
