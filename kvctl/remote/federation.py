@@ -1200,10 +1200,10 @@ class RemoteTiers:
         speed of the next ones (4 MiB from a pool agent on loopback: 1.6-1.9 ms, then 0.8-1.2),
         and one such sample would price the link for the next ``measure_every_s``, long enough
         for a plan to recompute what it should fetch, learning nothing meanwhile."""
-        cold = src.link.samples["rtt"] == 0
+        taken = src.link.samples  # pings record no bandwidth, so one read serves both checks
         ping = getattr(src.backend, "ping", None)
         if ping is not None:
-            if cold:
+            if taken["rtt"] == 0:
                 src.call("ping (warm-up)", ping, moved_bytes=_no_bytes, observe=False)
             src.call("ping", ping, moved_bytes=_no_bytes)
         sample = getattr(src.backend, "probe_transfer", None)
@@ -1214,7 +1214,7 @@ class RemoteTiers:
             except TierUnavailable:
                 return
         if sample is not None and src.breaker.may_call():
-            if src.link.samples["bandwidth"] == 0:
+            if taken["bandwidth"] == 0:
                 src.call(
                     "bandwidth probe (warm-up)",
                     lambda: sample(PROBE_TRANSFER_BYTES),
