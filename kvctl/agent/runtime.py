@@ -138,6 +138,7 @@ class AgentRuntime:
                 admission={"disk": settings.disk_admission} if settings.disk_bytes > 0 else None,
                 chunk_tokens=settings.chunk_tokens,
                 isolated_tenants=settings.isolated_tenants,
+                defer_accesses=True,  # a lookup's reply does not wait for the policy
             )
         except BaseException:
             for t in tiers:

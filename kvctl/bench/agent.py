@@ -35,7 +35,9 @@ they are divided by:
   tier to an eighth: each lookup's wait next to the operation's own time (a lookup held for the
   whole batch waits as long as it), with a quiet phase of lookups as the reference.
 * ``lookup``: longest-prefix lookups of a fully cached 512-chunk chain over the data plane, each
-  a round trip (Unix socket and TCP), and batched, 32 chains a frame (``lookup_many``).
+  a round trip (Unix socket and TCP), and batched, 32 chains a frame (``lookup_many``); and the
+  p50 of a same-host engine's lookup that leases a 64-chunk prefix (``lookup_lease``, 5 ms
+  apart, as prefills space them), beside a plain lookup of the same keys.
   Reference ``raw_round_trips``: a bare 20-byte ping-pong between two Python processes over a
   Unix socket pair, the ceiling for one-round-trip-per-lookup on this host.
 """
@@ -72,6 +74,9 @@ DEFAULT_BYTES_PER_SIZE = 256 << 20
 DEFAULT_REPEATS = 3
 LOOKUP_CHAIN_CHUNKS = 512
 LOOKUP_BATCH = 32
+#: a leased lookup's prefix (a 16k-token prompt in 256-token chunks) and the pause after each
+LEASE_PREFIX_CHUNKS = 64
+LEASE_PAUSE_SECONDS = 0.005
 TARGETS = {
     "shm_get_vs_memcpy_ratio": 0.8,
     "tcp_get_vs_socket_ratio": 0.7,
@@ -782,9 +787,40 @@ def _bench_lookups(shm: Any, tcp: Any, seconds: float) -> dict[str, Any]:
     out["lookup_batch"] = LOOKUP_BATCH
     if any(r.matched_chunks != LOOKUP_CHAIN_CHUNKS for r in results):
         raise RuntimeError("a batched lookup missed part of the chain")
+    out.update(_bench_lookup_lease(shm, keys[:LEASE_PREFIX_CHUNKS], seconds / 2))
     out["ping_per_second"] = _rate(shm.ping, 0.5)
     out["raw_round_trips_per_second"] = raw_round_trips(0.5)
     return out
+
+
+def _bench_lookup_lease(shm: Any, keys: list[bytes], seconds: float) -> dict[str, Any]:
+    """p50 of a same-host engine's lookup that leases its matched prefix (LOOKUP_LEASE, the
+    leases released after), beside a plain lookup of the same keys (same round trip, nothing
+    held, no policy touched), alternating, with ``LEASE_PAUSE_SECONDS`` after each (the prefill
+    an engine runs between its lookups; the agent finishes its bookkeeping then)."""
+    from kvctl.quantiles import nearest_rank
+
+    leased: list[float] = []
+    plain: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or not leased:
+        t = time.perf_counter()
+        with shm.lookup_leased(keys, release_later=True) as (found, _leases):
+            leased.append(time.perf_counter() - t)
+        shm.release_pending()
+        if found.matched_chunks != len(keys):
+            raise RuntimeError(f"a leased lookup matched {found.matched_chunks} of {len(keys)}")
+        time.sleep(LEASE_PAUSE_SECONDS)
+        t = time.perf_counter()
+        shm.lookup(keys)
+        plain.append(time.perf_counter() - t)
+        time.sleep(LEASE_PAUSE_SECONDS)
+    return {
+        "lookup_lease_chunks": len(keys),
+        "lookup_lease_p50_seconds": nearest_rank(sorted(leased), 0.5),
+        "lookup_p50_seconds": nearest_rank(sorted(plain), 0.5),
+        "lookup_lease_samples": len(leased),
+    }
 
 
 def _rate(fn: Callable[[], object], seconds: float) -> float:
@@ -877,6 +913,15 @@ def render_agent_bench(result: dict[str, Any]) -> Any:
         f"{result['raw_round_trips_per_second']:,.0f}/s",
         "",
     )
+    if "lookup_lease_p50_seconds" in result:
+        table.add_row(
+            f"{result['lookup_lease_chunks']} keys",
+            "lookup + lease (p50)",
+            f"{result['lookup_lease_p50_seconds'] * 1e3:.2f} ms",
+            "lookup alone (p50)",
+            f"{result['lookup_p50_seconds'] * 1e3:.2f} ms",
+            "",
+        )
     table.add_row(
         "512 keys",
         f"lookup (batch of {result['lookup_batch']})",

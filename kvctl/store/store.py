@@ -90,6 +90,7 @@ from kvctl.store.policies import (
     make_admission_policy,
     make_eviction_policy,
 )
+from kvctl.store.policies.deferred import Settler
 from kvctl.store.relock import relocked
 from kvctl.store.stats import StoreStats, TierStats
 from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, WriteSlot, byte_view
@@ -190,7 +191,9 @@ class TieredStore:
     ``chunk_bytes``, when set, is the only payload size accepted (a store serves one KV layout).
     ``read_threads`` bounds how many chunks of one lease batch are read from disk at once.
     ``isolated_tenants`` names the tenants that only ever see chunks they stored themselves
-    (``set_isolated_tenants``).
+    (``set_isolated_tenants``). ``defer_accesses``: the policies' bookkeeping of each read is
+    replayed from a thread once the read is done (``policies.deferred``; same decisions), as an
+    agent wants; a simulation keeps it inline, so its decisions/s count all of it.
     """
 
     def __init__(
@@ -206,6 +209,7 @@ class TieredStore:
         read_threads: int = DEFAULT_READ_THREADS,
         clock: Callable[[], float] = time.time,
         isolated_tenants: Iterable[str] = (),
+        defer_accesses: bool = False,
     ) -> None:
         if not tiers:
             raise InvalidArgument("a store needs at least one tier")
@@ -260,6 +264,11 @@ class TieredStore:
         self._pinned_bytes = dict.fromkeys(names, 0)
         self._tick = 0
         self._lock = threading.RLock()
+        #: replays the policies' access bookkeeping after a read instead of inside it
+        self._settler: Settler | None = None
+        if defer_accesses:
+            self._settler = Settler(self._lock)
+            self._policies = {n: self._settler.wrap(p) for n, p in self._policies.items()}
         self.set_isolated_tenants(isolated_tenants)
         #: entries being read without the lock -> how many such reads; meanwhile they are out of
         #: their tier's eviction policy (like pinned ones), so pressure never picks them
@@ -1294,11 +1303,20 @@ class TieredStore:
                 return None
             return e.meta(), buf
 
+    def settle_policies(self) -> None:
+        """Replay the policies' queued access bookkeeping now (``defer_accesses``), e.g. before
+        reading a policy's state."""
+        if self._settler is not None:
+            with self._lock:
+                self._settler.settle()
+
     def close(self) -> None:
         """Close every tier. Reads under way finish on their own (their commits find the tiers
         closed), queued unlinks still run; no thread is started after this."""
         with self._lock:
             self._closed = True
+            if self._settler is not None:
+                self._settler.close()
             self._leases.close()
             pool, self._unlink_pool = self._unlink_pool, None
             if pool is not None:

@@ -191,6 +191,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
         self._shadows = [_Shadow(make()) for make in candidates]
         #: each candidate also orders the real tier's chunks, ready to lead
         self._real = [make() for make in candidates]
+        self.accesses_deferrable = all(p.accesses_deferrable for p in self._real)
         self._leader = 0
         #: per candidate, decayed gains of the accesses it hit and the leader missed, and of
         #: those the leader hit and it missed (reset when the leader changes)

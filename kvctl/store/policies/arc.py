@@ -50,6 +50,7 @@ class LineageARCPolicy(EvictionPolicy):
     """Leaf-first ARC; see the module docstring."""
 
     name = "lineage-arc"
+    accesses_deferrable = True
 
     def __init__(self, *, ghost_factor: float = 1.0, initial_t1_ratio: float = 0.0) -> None:
         if not ghost_factor > 0:

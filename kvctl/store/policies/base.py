@@ -14,6 +14,10 @@ class EvictionPolicy(ABC):
     """Tracks one tier's unpinned entries and picks victims."""
 
     name: ClassVar[str]
+    #: whether ``on_access`` may be called later than the access (``DeferredAccesses``): it
+    #: reads of the entry only what the store changes with another call to the policy or
+    #: another access (key, sizes, lineage, ticks, access count, whether it has children)
+    accesses_deferrable: bool = False
 
     @abstractmethod
     def on_insert(self, entry: Entry) -> None: ...

@@ -40,6 +40,7 @@ class LineageLearnedARCPolicy(LineageARCPolicy):
     ``model`` goes to ``ReuseModel`` (``seed``, ``sample_size``, ``retrain_every``, ...)."""
 
     name = "lineage-learned-arc"
+    accesses_deferrable = False  # its model reads the tenants a read adds after the touch
 
     def __init__(self, **model: Any) -> None:
         super().__init__()

@@ -11,6 +11,7 @@ from kvctl.store.policies.base import EvictionPolicy, HeapPolicy
 
 class LRUPolicy(EvictionPolicy):
     name = "lru"
+    accesses_deferrable = True
 
     def __init__(self) -> None:
         self._order: OrderedDict[bytes, Entry] = OrderedDict()
@@ -36,6 +37,7 @@ class LRUPolicy(EvictionPolicy):
 
 class LineageLRUPolicy(HeapPolicy):
     name = "lineage-lru"
+    accesses_deferrable = True
 
     def rank(self, entry: Entry) -> tuple[float, ...]:
         return (entry.last_tick,)

@@ -36,6 +36,7 @@ class LineageLRU2Policy(HeapPolicy):
     """
 
     name = "lineage-lru2"
+    accesses_deferrable = True
     _NEVER = -1  # "no earlier access": below every tick (ticks start at 1)
 
     def __init__(self, *, history_factor: int = 8, min_history: int = 1024) -> None:
