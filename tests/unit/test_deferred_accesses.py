@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from kvctl.store.index import Entry
 from kvctl.store.policies import EVICTION_POLICIES, make_eviction_policy
 from kvctl.store.policies.base import EvictionPolicy
-from kvctl.store.policies.deferred import DeferredAccesses, Settler
+from kvctl.store.policies.deferred import SETTLE_SLICE, DeferredAccesses, Settler
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from tests.unit.policy_ops import OPS, apply_ops, k, small_tiers
@@ -133,6 +133,17 @@ def test_the_queue_is_bounded() -> None:
     assert [c[1] for c in inner.calls] == [k(f"e{i}") for i in range(6)]
 
 
+def test_a_partial_replay_takes_the_oldest_and_leaves_the_rest_queued() -> None:
+    inner = Recorder()
+    policy = DeferredAccesses(inner)
+    for i in range(5):
+        policy.on_access(access(entry(f"e{i}", i), i + 10))
+    assert policy.flush(2) == 3
+    assert [c[1] for c in inner.calls] == [k("e0"), k("e1")]
+    assert policy.flush() == 0
+    assert [c[1] for c in inner.calls] == [k(f"e{i}") for i in range(5)]
+
+
 def test_only_policies_that_allow_it_are_wrapped() -> None:
     settler = Settler(threading.RLock())
     for name in EVICTION_POLICIES:
@@ -200,8 +211,9 @@ def test_a_read_is_replayed_by_the_thread_and_counts_for_eviction() -> None:
     try:
         for name in "abc":
             store.put(k(name), bytes(64))
-        leases = store.lease_many([k("a"), k("b")], 5.0)
-        store.release([lease.lease_id for lease in leases])  # type: ignore[union-attr]
+        for _ in range(2 * SETTLE_SLICE):  # more than one slice of the settler's
+            leases = store.lease_many([k("a"), k("b")], 5.0)
+            store.release([lease.lease_id for lease in leases])  # type: ignore[union-attr]
         settler = store._settler
         assert settler is not None
         deadline = time.monotonic() + 10.0

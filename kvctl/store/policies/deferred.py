@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,8 +27,11 @@ from kvctl.store.policies.base import EvictionPolicy
 
 log = logging.getLogger(__name__)
 
-#: queued accesses past which the queue is replayed at once (bounds memory when nothing settles)
-MAX_QUEUED = 4096
+#: queued accesses past which the queue is replayed in the read that adds one more (bounds the
+#: memory, and what that read pays: ~10 ms for lineage-adaptive, when the settler falls behind)
+MAX_QUEUED = 1024
+#: accesses the settler replays per hold of the store's lock, so reads wait for no more
+SETTLE_SLICE = 128
 
 
 class DeferredAccesses(EvictionPolicy):
@@ -48,20 +52,18 @@ class DeferredAccesses(EvictionPolicy):
         self._wake = wake
         self._max_queued = max(1, max_queued)
         #: (entry, its tick, access count and access time as the access left them)
-        self._queue: list[tuple[Entry, int, int, float]] = []
+        self._queue: deque[tuple[Entry, int, int, float]] = deque()
 
     @property
     def queued(self) -> int:
         return len(self._queue)
 
-    def flush(self) -> None:
-        """Replay the queued accesses in order."""
+    def flush(self, limit: int | None = None) -> int:
+        """Replay the queued accesses in order, at most ``limit`` of them; how many are left."""
         queue = self._queue
-        if not queue:
-            return
-        self._queue = []
         on_access = self.inner.on_access
-        for e, tick, count, at_s in queue:
+        for _ in range(len(queue) if limit is None else min(limit, len(queue))):
+            e, tick, count, at_s = queue.popleft()
             if e.last_tick == tick:
                 on_access(e)
                 continue
@@ -71,6 +73,7 @@ class DeferredAccesses(EvictionPolicy):
                 on_access(e)
             finally:
                 e.last_tick, e.access_count, e.last_access_s = now
+        return len(queue)
 
     def on_access(self, entry: Entry) -> None:
         if len(self._queue) >= self._max_queued:
@@ -159,7 +162,9 @@ class Settler:
                 return
             self._wanted.clear()
             try:
-                with self._lock:
-                    self.settle()
+                left = True
+                while left and not self._closed:  # the lock goes between slices
+                    with self._lock:
+                        left = sum(p.flush(SETTLE_SLICE) for p in self._policies) > 0
             except Exception:  # the next policy call replays what is left, in the caller
                 log.exception("replaying queued cache accesses failed")
