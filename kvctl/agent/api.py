@@ -731,10 +731,14 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
     ) -> KeysPage:
         """Cached chunks in ascending key order, one page at a time."""
         cursor = "" if after is None else _parse_key(after, "after").hex()
-        hexed = ((e.key.hex(), e) for e in store.entries(None if tier is None else _tier(tier)))
-        # O(n log limit), not a full sort of the index per page
-        page = nsmallest(limit + 1, (p for p in hexed if p[0] > cursor), key=lambda p: p[0])
-        items = [KeyItem(key=k, **e.listing()) for k, e in page[:limit]]
+        # entries are read under the store's lock: a policy's deferred bookkeeping rewinds an
+        # entry's access time and count for a moment while it replays an earlier access
+        with store.locked():
+            hexed = ((e.key.hex(), e) for e in store.entries(None if tier is None else _tier(tier)))
+            # O(n log limit), not a full sort of the index per page
+            page = nsmallest(limit + 1, (p for p in hexed if p[0] > cursor), key=lambda p: p[0])
+            listed = [(k, e.listing()) for k, e in page[:limit]]
+        items = [KeyItem(key=k, **fields) for k, fields in listed]
         return KeysPage(items=items, next=items[-1].key if len(page) > limit else None)
 
     @app.get(

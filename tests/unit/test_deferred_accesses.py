@@ -3,8 +3,10 @@ as inline, whenever the replay happens."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -13,6 +15,7 @@ from hypothesis import strategies as st
 
 from kvctl.store.index import Entry
 from kvctl.store.policies import EVICTION_POLICIES, make_eviction_policy
+from kvctl.store.policies import deferred as deferred_module
 from kvctl.store.policies.base import EvictionPolicy
 from kvctl.store.policies.deferred import SETTLE_SLICE, DeferredAccesses, Settler
 from kvctl.store.store import TieredStore
@@ -248,3 +251,27 @@ def test_two_queued_reads_of_one_chunk_count_as_two() -> None:
             assert [k(n) in store for n in "abcd"] == [True, False, True, True], defer
         finally:
             store.close()
+
+
+def test_a_store_dropped_without_close_is_freed_and_its_thread_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(deferred_module, "IDLE_CHECK_SECONDS", 0.02)
+    store = TieredStore([CpuTier(4 * 64)], eviction="lineage-adaptive", defer_accesses=True)
+    store.put(k("a"), bytes(64))
+    store.get(k("a"))  # queues an access: the thread starts
+    settler = store._settler
+    assert settler is not None and settler._thread is not None
+    thread, gone = settler._thread, weakref.ref(settler)
+    del store, settler
+    gc.collect()
+    assert gone() is None
+    thread.join(5.0)
+    assert not thread.is_alive()
+
+
+def test_a_policy_shared_by_two_tiers_gets_one_queue() -> None:
+    settler = Settler(threading.RLock())
+    shared = make_eviction_policy("lineage-lru")
+    assert settler.wrap(shared) is settler.wrap(shared)
+    assert settler.wrap(make_eviction_policy("lineage-lru")) is not settler.wrap(shared)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 MAX_QUEUED = 1024
 #: accesses the settler replays per hold of the store's lock, so reads wait for no more
 SETTLE_SLICE = 128
+#: how often an idle settler thread checks whether its store is gone
+IDLE_CHECK_SECONDS = 5.0
 
 
 class DeferredAccesses(EvictionPolicy):
@@ -117,11 +120,14 @@ class DeferredAccesses(EvictionPolicy):
 class Settler:
     """Wraps a store's deferrable policies and replays their queued accesses from one thread,
     under ``lock`` (the store's), as soon as a read has queued some and let the lock go: the
-    reader's reply does not wait for them. The thread starts with the first queued access."""
+    reader's reply does not wait for them. The thread starts with the first queued access; it
+    holds the settler only weakly, so a store dropped without ``close`` is still freed."""
 
     def __init__(self, lock: Any) -> None:
         self._lock = lock
         self._policies: list[DeferredAccesses] = []
+        #: id(inner policy) -> its wrapper: a policy shared by tiers gets one queue, in order
+        self._wrapped: dict[int, DeferredAccesses] = {}
         self._wanted = threading.Event()
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -130,14 +136,16 @@ class Settler:
         """``policy``, its accesses deferred where it allows that."""
         if not policy.accesses_deferrable:
             return policy
-        deferred = DeferredAccesses(policy, wake=self._wake)
-        self._policies.append(deferred)
+        deferred = self._wrapped.get(id(policy))
+        if deferred is None:
+            deferred = self._wrapped[id(policy)] = DeferredAccesses(policy, wake=self._wake)
+            self._policies.append(deferred)
         return deferred
 
-    def settle(self) -> None:
-        """Under the lock: replay every queued access now."""
-        for p in self._policies:
-            p.flush()
+    def settle(self, limit: int | None = None) -> int:
+        """Under the lock: replay queued accesses now, at most ``limit`` per policy; how many
+        are left."""
+        return sum(p.flush(limit) for p in self._policies)
 
     @property
     def queued(self) -> int:
@@ -149,22 +157,38 @@ class Settler:
 
     def _wake(self) -> None:  # under the lock (a policy call)
         if self._thread is None and not self._closed:
-            self._thread = threading.Thread(
-                target=self._run, name="kvctl-policy-settler", daemon=True
+            thread = threading.Thread(
+                target=_settle,
+                args=(weakref.ref(self), self._wanted),
+                name="kvctl-policy-settler",
+                daemon=True,
             )
-            self._thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # e.g. at interpreter exit: the next policy call replays
+                log.warning("no thread to replay cache accesses in (%s); replayed inline", exc)
+                return
+            self._thread = thread
         self._wanted.set()
 
-    def _run(self) -> None:
-        while True:
-            self._wanted.wait()
-            if self._closed:
-                return
-            self._wanted.clear()
+    def _replay(self) -> None:
+        left = True
+        while left and not self._closed:  # the lock goes between slices
+            with self._lock:
+                left = self.settle(SETTLE_SLICE) > 0
+
+
+def _settle(ref: weakref.ReferenceType[Settler], wanted: threading.Event) -> None:
+    """The settler's thread: replays when woken; ends when it is closed or gone."""
+    while True:
+        woken = wanted.wait(IDLE_CHECK_SECONDS)
+        settler = ref()
+        if settler is None or settler._closed:
+            return
+        if woken:
+            wanted.clear()
             try:
-                left = True
-                while left and not self._closed:  # the lock goes between slices
-                    with self._lock:
-                        left = sum(p.flush(SETTLE_SLICE) for p in self._policies) > 0
-            except Exception:  # the next policy call replays what is left, in the caller
+                settler._replay()
+            except Exception:  # what is left is replayed by the next policy call or wake
                 log.exception("replaying queued cache accesses failed")
+        del settler
