@@ -232,6 +232,12 @@ class StoreCollector(Collector):
             "Shared-memory chunk leases held by local readers.",
             value=snap.get("leases", 0),
         )
+        yield GaugeMetricFamily(
+            "kvctl_policy_queued_accesses",
+            "Reads whose eviction-policy bookkeeping waits to be replayed after their reply "
+            "(staying high: the replay falls behind, and reads replay it themselves).",
+            value=snap.get("queued_accesses", 0),
+        )
 
 
 class PlanCollector(Collector):

@@ -930,6 +930,7 @@ class TieredStore:
                 "stats": self._accounting.as_dict(),
                 "usage": self.usage(),
                 "leases": self._leases.lease_count,
+                "queued_accesses": self.queued_accesses,
                 "read_bandwidth_bytes_per_second": self._accounting.read_bandwidth(),
             }
 
@@ -1302,6 +1303,12 @@ class TieredStore:
                 self._drop_corrupt(e)
                 return None
             return e.meta(), buf
+
+    @property
+    def queued_accesses(self) -> int:
+        """Reads whose policy bookkeeping waits to be replayed (``defer_accesses``; else 0)."""
+        with self._lock:
+            return 0 if self._settler is None else self._settler.queued
 
     def settle_policies(self) -> None:
         """Replay the policies' queued access bookkeeping now (``defer_accesses``), e.g. before

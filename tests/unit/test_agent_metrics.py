@@ -50,6 +50,7 @@ STORE_GAUGES = {
     "kvctl_tier_pinned_bytes",
     "kvctl_tier_items",
     "kvctl_shm_leases",
+    "kvctl_policy_queued_accesses",
 }
 
 
@@ -164,6 +165,7 @@ def test_gauges_match_usage(store: TieredStore, busy: dict[str, Any]) -> None:
     assert m.value("kvctl_tier_pinned_bytes", tier="cpu") == CHUNK
     assert m.value("kvctl_tier_items", tier="disk") == 1
     assert m.value("kvctl_shm_leases") == 0
+    assert m.value("kvctl_policy_queued_accesses") == 0  # this store replays inline
 
 
 def test_metrics_follow_later_changes(store: TieredStore, ns: Namespace) -> None:
@@ -178,7 +180,12 @@ def test_one_snapshot_per_scrape(store: TieredStore, monkeypatch: pytest.MonkeyP
 
     def snapshot() -> dict[str, Any]:
         calls.append(1)
-        return {"stats": store.stats.as_dict(), "usage": store.usage(), "leases": 3}
+        return {
+            "stats": store.stats.as_dict(),
+            "usage": store.usage(),
+            "leases": 3,
+            "queued_accesses": 5,
+        }
 
     monkeypatch.setattr(store, "snapshot", snapshot, raising=False)
     metrics = AgentMetrics(store)
@@ -186,6 +193,7 @@ def test_one_snapshot_per_scrape(store: TieredStore, monkeypatch: pytest.MonkeyP
     m = scrape(metrics)
     assert calls == [1]
     assert m.value("kvctl_shm_leases") == 3
+    assert m.value("kvctl_policy_queued_accesses") == 5
 
 
 def test_names_units_and_labels_follow_conventions(

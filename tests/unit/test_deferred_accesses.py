@@ -234,6 +234,17 @@ def test_a_read_is_replayed_by_the_thread_and_counts_for_eviction() -> None:
     assert not settler._thread.is_alive()
 
 
+def test_the_store_reports_what_is_queued() -> None:
+    store = threadless(TieredStore([CpuTier(4 * 64)], eviction="lineage-adaptive"))
+    for name in "ab":
+        store.put(k(name), bytes(64))
+    for name in "aba":
+        store.get(k(name))
+    assert store.queued_accesses == 3 == store.snapshot()["queued_accesses"]
+    store.settle_policies()
+    assert store.queued_accesses == 0
+
+
 def test_two_queued_reads_of_one_chunk_count_as_two() -> None:
     """lineage-lru2 ranks by the access before the last: a, read twice since b and c were
     last read, must outlast them, as inline; replaying both reads with the second's tick would
