@@ -11,7 +11,8 @@ the same: each queued access keeps the entry's tick, access count and time as th
 them, and they are put back for its replay where a later access changed them; and a policy may
 only be wrapped if its ``on_access`` reads nothing else the store changes without telling the
 policy (``EvictionPolicy.accesses_deferrable``: not ``lineage-gdsf``, which reads the tenants a
-read adds after the touch, nor ``priority``, which reads retention deadlines).
+read adds after the touch, nor ``priority``, which reads retention deadlines). A replay puts an
+entry's older values back for a moment: read ``Entry`` fields under the store's lock.
 """
 
 from __future__ import annotations
