@@ -486,8 +486,8 @@ def _bounded(
     # it matched (LOOKUP_LEASE), so that work is in the lookup, not the fetch
     with_lookup = [p.fetched_bytes / (p.lookup_seconds + p.fetch_seconds) / b for p, b in pairs]
     # the copy alone: what the fetch spends beyond it is per request, whatever the size
-    copy_shares = [
-        p.fetched_bytes / p.timings["copy_seconds"] / b
+    copy_shares = [  # of the bytes copied out of the arena (not those read over the socket)
+        p.timings["copy_bytes"] / p.timings["copy_seconds"] / b
         for p, b in pairs
         if copy and p.timings.get("copy_seconds", 0) > 0
     ]

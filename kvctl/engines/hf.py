@@ -270,6 +270,7 @@ class CachedLM:
         # the last prompt token is always computed: its logits are the answer
         reusable = keys[: (len(ids) - 1) // self.chunk_tokens]
 
+        self.loader.last_copy = None  # this request's copy only (none: its chunks came by socket)
         t0 = time.perf_counter()
         client = self.client
         try:
@@ -308,7 +309,11 @@ class CachedLM:
                 self._release_pending(client)
         # the copy out of the shared arena alone (what is left of the fetch is per request)
         copied = self.loader.last_copy
-        timings = {"copy_seconds": copied[1]} if copied is not None and reused else {}
+        timings = (
+            {"copy_bytes": float(copied[0]), "copy_seconds": copied[1]}
+            if copied is not None and reused
+            else {}
+        )
         self._measured(len(ids) - start, start, t3 - t2)
         stored = self._store(cache, keys, reused, locations, tenant)
         return Prefill(

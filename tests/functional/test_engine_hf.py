@@ -129,6 +129,7 @@ def test_one_pass_prefill_matches_within_the_stated_tolerance(
         for tenant, ids in _prompts():
             got = lm.prefill(ids, tenant=tenant)
             assert got.fetch_path in ("", "socket")
+            assert "copy_seconds" not in got.timings  # nothing came out of a shared arena
             lm.flush()
             want = baseline.prefill(ids)
             assert torch.allclose(got.logits, want.logits, rtol=0, atol=atol)
@@ -233,6 +234,8 @@ def test_a_reusing_request_releases_its_leases_once_its_first_token_is_out(
     with _reader_of_a_cached_prompt(tmp_path, ids) as (agent, reader):
         got = reader.prefill(ids)
         assert (got.reused_chunks, got.fetch_path) == (3, "lease")
+        assert got.timings["copy_bytes"] == got.fetched_bytes  # every chunk copied from the arena
+        assert 0 < got.timings["copy_seconds"] <= got.fetch_seconds
         wait_until("leases released", lambda: agent.control().stats()["leases"] == 0, 5.0)
 
 
