@@ -21,6 +21,7 @@ import pytest
 
 from kvctl.errors import InvalidArgument
 from kvctl.store.errors import TierUnavailable
+from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.gpu import gpu_available
 from kvctl.store.tiers.hostreg import (
@@ -405,3 +406,93 @@ def test_a_registry_registers_with_cuda_and_unregisters_on_close() -> None:
         del t
         registry.close()
         register_host(rw, read_only=False).close()  # free to register: the registry let go
+
+
+def _following(registry: HostRegistry, cpu: CpuTier) -> None:
+    """What the agent wires up for a gpu tier over a cpu tier (``_register_cpu_arena``)."""
+    registry.follow("cpu-arena", cpu.arena_mapping, read_only=False)
+    cpu.on_arena_replaced(registry.refresh)
+    cpu.on_arena_prepared(
+        lambda arena, gen: (
+            registry.discard("cpu-arena", gen)
+            if arena is None
+            else registry.prepare("cpu-arena", arena, gen)
+        )
+    )
+
+
+def test_a_resized_arena_is_registered_while_it_is_copied_not_when_it_takes_over() -> None:
+    fake = FakeRegistrar()
+    registry = HostRegistry(registrar=fake)
+    store = TieredStore([CpuTier(4 * PAGE, shared=True)])
+    cpu = store.tier("cpu")
+    assert isinstance(cpu, CpuTier)
+    locked_at_register: list[bool] = []
+    register = fake.register
+
+    def noting(address: int, size_bytes: int, flags: int) -> None:
+        locked_at_register.append(store._lock._is_owned())  # type: ignore[attr-defined]
+        register(address, size_bytes, flags)
+
+    fake.register = noting  # type: ignore[method-assign]
+    try:
+        _following(registry, cpu)
+        store.put(b"a" * 16, bytes(PAGE))
+        store.resize("cpu", 8 * PAGE)
+        arena, generation = cpu.arena_mapping()
+        assert generation == 1 and fake.count("register") == 2
+        assert locked_at_register == [False, False]  # the new arena's: without the store's lock
+        assert list(fake.live) == [buffer_address(arena)]
+        (region,) = registry.regions()
+        assert (region["generation"], region["size_bytes"]) == (1, 8 * PAGE)
+        assert store.get(b"a" * 16) == bytes(PAGE)
+        del arena
+    finally:
+        store.close()
+        registry.close()
+    assert fake.unmapped_at_unregister == [] and fake.live == {}
+
+
+def test_a_resize_given_up_lets_go_of_the_arena_it_registered_before_unmapping_it() -> None:
+    fake = FakeRegistrar()
+    registry = HostRegistry(registrar=fake)
+    cpu = CpuTier(4 * PAGE, shared=True)
+    try:
+        _following(registry, cpu)
+        old = buffer_address(cpu.arena_mapping()[0])
+        plan = cpu.begin_resize(8 * PAGE)
+        assert plan is not None
+        cpu.copy_resize(plan)
+        assert fake.count("register") == 2 and len(fake.live) == 2
+        cpu.abort_resize(plan)
+        cpu.release_resize(plan)
+        assert list(fake.live) == [old] and fake.unmapped_at_unregister == []
+        registry.refresh()  # same generation: the region stays as it was
+        assert fake.count("register") == 2 and registry.regions()[0]["generation"] == 0
+    finally:
+        registry.close()
+        cpu.close()
+    assert fake.unmapped_at_unregister == []
+
+
+def test_prepare_needs_a_followed_region_and_the_right_buffer_to_be_taken() -> None:
+    fake = FakeRegistrar()
+    registry = HostRegistry(registrar=fake)
+    with contextlib.ExitStack() as stack:
+        fixed = stack.enter_context(mmap.mmap(-1, 2 * PAGE))
+        other = stack.enter_context(mmap.mmap(-1, 2 * PAGE))
+        registry.register("fixed", fixed, read_only=False)
+        assert not registry.prepare("fixed", other, 1)  # follows nothing
+        assert not registry.prepare("nobody", other, 1)
+        cpu = CpuTier(4 * PAGE, shared=True)
+        stack.callback(cpu.close)
+        registry.follow("cpu-arena", cpu.arena_mapping, read_only=False)
+        assert registry.prepare("cpu-arena", other, 1)  # not the arena the resize maps
+        cpu.resize(8 * PAGE)  # under the lock, as before: generation 1, another mapping
+        registry.refresh()
+        arena, _ = cpu.arena_mapping()
+        assert buffer_address(other) not in fake.live  # the wrong one was let go
+        assert buffer_address(arena) in fake.live
+        del arena
+        registry.close()
+    assert fake.unmapped_at_unregister == [] and fake.live == {}

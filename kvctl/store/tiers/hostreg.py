@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import threading
 import warnings
 import weakref
@@ -45,6 +46,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.store.errors import InvalidArgument, StoreError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import mmap
@@ -280,6 +283,9 @@ class HostRegistry:
         self._registrar = registrar
         self._lock = threading.RLock()
         self._regions: dict[object, _Region] = {}
+        #: followed regions' next buffers, registered before they replace the current ones
+        #: (``prepare``): key -> registration
+        self._prepared: dict[object, HostRegistration] = {}
         self._dead: list[object] = []  # keys of collected owners: dropped at the next call
         self._closed = False
 
@@ -322,6 +328,50 @@ class HostRegistry:
             self._regions[key].source = source
         return registration
 
+    def prepare(self, owner: object, buffer: mmap.mmap | Buffer, generation: int) -> bool:
+        """Register the buffer a followed region will move to at ``generation`` now, ahead of
+        the move: the next ``refresh`` that finds it there takes this registration instead of
+        pinning the buffer then (the cpu arena's resize: pinned while its chunks are copied,
+        not under the store's lock). False where ``owner`` follows nothing or it is refused
+        (``refresh`` registers it then). Its owner must ``discard`` it before unmapping a
+        buffer that never took the region's place."""
+        key, _ = self._key(owner, make_ref=False)
+        with self._lock:
+            region = self._regions.get(key)
+            if self._closed or region is None or region.source is None:
+                return False
+            read_only = region.registration.read_only
+            registrar = self._get_registrar()
+        made: HostRegistration | None
+        try:  # pinning takes time: not under the registry's lock, which copies hold
+            made = HostRegistration(
+                buffer, read_only=read_only, registrar=registrar, generation=generation
+            )
+        except (HostRegistrationError, InvalidArgument) as exc:
+            log.warning("could not register the next host region ahead of time: %s", exc)
+            return False
+        with self._lock:
+            stale = self._prepared.pop(key, None)
+            if self._closed or key not in self._regions:
+                stale, made = made, None
+            else:
+                self._prepared[key] = made
+        if stale is not None:
+            with contextlib.suppress(HostRegistrationError):
+                stale.close()
+        return made is not None
+
+    def discard(self, owner: object, generation: int) -> None:
+        """Drop what ``prepare`` registered for ``generation`` (the move did not happen)."""
+        key, _ = self._key(owner, make_ref=False)
+        with self._lock:
+            made = self._prepared.get(key)
+            if made is None or made.generation != generation:
+                return
+            del self._prepared[key]
+        with contextlib.suppress(HostRegistrationError):
+            made.close()
+
     def refresh(self) -> None:
         """Re-register followed regions whose generation changed; drop those whose source is
         gone (raised). A region that can no longer be registered is dropped, not raised: its
@@ -339,9 +389,14 @@ class HostRegistry:
                 if generation == region.registration.generation:
                     continue
                 read_only = region.registration.read_only
+                made = self._prepared.pop(key, None)  # before _drop, which would close it
                 self._drop(key)
+                if made is not None and not self._same(made, buffer, read_only, generation):
+                    with contextlib.suppress(HostRegistrationError):
+                        made.close()
+                    made = None
                 with contextlib.suppress(HostRegistrationError, InvalidArgument):
-                    new = HostRegistration(
+                    new = made or HostRegistration(
                         buffer,
                         read_only=read_only,
                         registrar=self._get_registrar(),
@@ -441,6 +496,10 @@ class HostRegistry:
                 self._drop(key)
 
     def _drop(self, key: object) -> bool:
+        made = self._prepared.pop(key, None)
+        if made is not None:
+            with contextlib.suppress(HostRegistrationError):
+                made.close()
         region = self._regions.pop(key, None)
         if region is None:
             return False
