@@ -8,8 +8,9 @@ function that takes ``None`` answers ``N/A`` for it. Parsing sizes is ``kvctl.un
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Final
+from typing import Any, Final
 
 NA: Final = "N/A"
 
@@ -120,3 +121,14 @@ def compact_duration(seconds: float | None) -> str:
 def format_utc_minute(epoch_ms: int) -> str:
     """'2024-05-01 13:45 UTC'."""
     return datetime.fromtimestamp(epoch_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def describe_policy(status: Mapping[str, Any]) -> str:
+    """One tier's eviction policy for people: ``lineage-adaptive following lineage-lru2 (3
+    switches)``, or just its name."""
+    name = str(status.get("policy", "?"))
+    leader = status.get("leader")
+    if leader is None:
+        return name
+    switches = int(status.get("switches", 0))
+    return f"{name} following {leader} ({switches} switch{'es' if switches != 1 else ''})"

@@ -232,6 +232,15 @@ class StoreCollector(Collector):
             "Shared-memory chunk leases held by local readers.",
             value=snap.get("leases", 0),
         )
+        switches = CounterMetricFamily(
+            "kvctl_policy_switches",
+            "Times an adaptive eviction policy handed the lead to another candidate.",
+            labels=("tier",),
+        )
+        for tier, status in (snap.get("policies") or {}).items():
+            if "switches" in status:
+                switches.add_metric((tier,), status["switches"])
+        yield switches
         yield GaugeMetricFamily(
             "kvctl_policy_queued_accesses",
             "Reads whose eviction-policy bookkeeping waits to be replayed after their reply "

@@ -333,6 +333,7 @@ class AgentRuntime:
             "hit_ratio": snap["stats"]["hit_ratio"],
             "started_s": self.started_s,
             "fetch_plans": self.planner.status(),
+            "policies": snap["policies"],
         }
         if self.remote is not None:
             out["remote"] = self.remote.status()

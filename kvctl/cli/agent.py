@@ -570,7 +570,7 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvctl.format import format_bytes, percent
+    from kvctl.format import describe_policy, format_bytes, percent
 
     if not report["up"]:
         err_console.print(
@@ -611,6 +611,13 @@ def _render_status(report: dict[str, Any]) -> None:
         )
         console.print(
             f"[yellow]{tier['name']} tier unavailable[/] ({where}): {escape(tier['reason'])}",
+            highlight=False,
+        )
+    policies = snap.get("policies") or {}
+    if policies:
+        console.print(
+            "eviction: "
+            + ", ".join(f"{tier} {describe_policy(p)}" for tier, p in policies.items()),
             highlight=False,
         )
     reuse, sharing = stats["reuse_hits"], stats["sharing_hits"]

@@ -931,6 +931,7 @@ class TieredStore:
                 "usage": self.usage(),
                 "leases": self._leases.lease_count,
                 "queued_accesses": self.queued_accesses,
+                "policies": self.policy_status(),
                 "read_bandwidth_bytes_per_second": self._accounting.read_bandwidth(),
             }
 
@@ -1303,6 +1304,11 @@ class TieredStore:
                 self._drop_corrupt(e)
                 return None
             return e.meta(), buf
+
+    def policy_status(self) -> dict[str, dict[str, Any]]:
+        """Each tier's eviction policy as an operator sees it (``EvictionPolicy.status``)."""
+        with self._lock:
+            return {name: policy.status() for name, policy in self._policies.items()}
 
     @property
     def queued_accesses(self) -> int:

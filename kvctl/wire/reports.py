@@ -149,6 +149,9 @@ class AgentStats(TypedDict):
     started_s: float
     #: fetch-or-recompute decisions and the rates behind them (``kvctl.remote``'s status)
     fetch_plans: dict[str, Any]
+    #: each tier's eviction policy: {"policy": name, ...}; lineage-adaptive adds the candidate
+    #: it follows now ("leader"), how often the lead changed ("switches") and its "candidates"
+    policies: NotRequired[dict[str, dict[str, Any]]]
     #: the pool and peers (``kvctl.remote``'s status), only when configured
     remote: NotRequired[dict[str, Any]]
 

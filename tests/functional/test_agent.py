@@ -461,6 +461,13 @@ def test_agent_status_and_stop_commands(tmp_path: Path) -> None:
     report = json.loads(out.stdout)
     assert report["up"] is True and report["info"]["pid"] == a.proc.pid
     assert report["info"]["dataplane"]["tcp"] == a.state.data_tcp
+    cpu_policy = report["stats"]["policies"]["cpu"]  # the default, and whom it follows
+    assert cpu_policy["policy"] == "lineage-adaptive" and cpu_policy["switches"] == 0
+    assert cpu_policy["leader"] == cpu_policy["candidates"][0] == "lineage-lru2"
+    out = subprocess.run(
+        [*kvctl, "status", *dd], capture_output=True, text=True, env=env, timeout=60
+    )
+    assert "eviction: cpu lineage-adaptive following lineage-lru2 (0 switches)" in out.stdout
     out = subprocess.run([*kvctl, "stop", *dd], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and "stopped" in out.stdout
     assert a.proc.wait(10) == 0

@@ -185,6 +185,7 @@ def test_one_snapshot_per_scrape(store: TieredStore, monkeypatch: pytest.MonkeyP
             "usage": store.usage(),
             "leases": 3,
             "queued_accesses": 5,
+            "policies": {"cpu": {"policy": "lineage-adaptive", "leader": "lru", "switches": 2}},
         }
 
     monkeypatch.setattr(store, "snapshot", snapshot, raising=False)
@@ -194,6 +195,7 @@ def test_one_snapshot_per_scrape(store: TieredStore, monkeypatch: pytest.MonkeyP
     assert calls == [1]
     assert m.value("kvctl_shm_leases") == 3
     assert m.value("kvctl_policy_queued_accesses") == 5
+    assert m.value("kvctl_policy_switches_total", tier="cpu") == 2
 
 
 def test_names_units_and_labels_follow_conventions(

@@ -243,6 +243,9 @@ def test_the_store_reports_what_is_queued() -> None:
     assert store.queued_accesses == 3 == store.snapshot()["queued_accesses"]
     store.settle_policies()
     assert store.queued_accesses == 0
+    store.get(k("b"))
+    (status,) = store.policy_status().values()  # replays what is queued: the leader is current
+    assert status["policy"] == "lineage-adaptive" and store.queued_accesses == 0
 
 
 def test_two_queued_reads_of_one_chunk_count_as_two() -> None:

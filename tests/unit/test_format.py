@@ -11,6 +11,7 @@ from kvctl.format import (
     compact_duration,
     compact_per_second,
     compact_seconds,
+    describe_policy,
     format_bytes,
     format_number,
     format_rate,
@@ -84,3 +85,10 @@ def test_numbers_and_scaled_units() -> None:
 
 def test_utc_minute() -> None:
     assert format_utc_minute(1_714_571_100_000) == "2024-05-01 13:45 UTC"
+
+
+def test_describe_policy() -> None:
+    assert describe_policy({"policy": "lineage-lru2"}) == "lineage-lru2"
+    follows = {"policy": "lineage-adaptive", "leader": "lineage-arc", "switches": 1}
+    assert describe_policy(follows) == "lineage-adaptive following lineage-arc (1 switch)"
+    assert describe_policy({**follows, "switches": 3}).endswith("(3 switches)")

@@ -97,6 +97,9 @@ def test_follows_the_candidate_that_wins(
     hits, _ = replay(workload, adaptive, 0.05)
     alone = {n: replay(workload, make_eviction_policy(n), 0.05)[0] for n in (winner, loser)}
     assert adaptive.leader == winner
+    status = adaptive.status()
+    assert (status["leader"], status["candidates"]) == (winner, [loser, winner])
+    assert status["switches"] >= 1  # it started behind the loser
     scores = adaptive.scores()
     assert scores[winner] > scores[loser]
     # close to the winner alone (it pays for the start spent behind the loser), far above the loser

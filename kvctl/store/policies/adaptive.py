@@ -46,6 +46,7 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.index import Entry
@@ -193,6 +194,8 @@ class LineageAdaptivePolicy(EvictionPolicy):
         self._real = [make() for make in candidates]
         self.accesses_deferrable = all(p.accesses_deferrable for p in self._real)
         self._leader = 0
+        #: times another candidate took the lead
+        self.switches = 0
         #: per candidate, decayed gains of the accesses it hit and the leader missed, and of
         #: those the leader hit and it missed (reset when the leader changes)
         self._wins = [0.0] * len(self._shadows)
@@ -223,6 +226,14 @@ class LineageAdaptivePolicy(EvictionPolicy):
     def leader(self) -> str:
         """The name of the candidate the real tier follows now."""
         return self._shadows[self._leader].policy.name
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "policy": self.name,
+            "leader": self.leader,
+            "switches": self.switches,
+            "candidates": [s.policy.name for s in self._shadows],
+        }
 
     def scores(self) -> dict[str, float]:
         """Each candidate's decayed, cost-weighted shadow hits (relative: for comparisons)."""
@@ -376,6 +387,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
         if best == self._leader:
             return
         self._leader = best
+        self.switches += 1
         self._wins = [0.0] * len(self._shadows)
         self._losses = [0.0] * len(self._shadows)
         held = self._shadows[best].entries

@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvctl.store.index import Entry
 
@@ -60,6 +60,11 @@ class EvictionPolicy(ABC):
     def admit(self, entry: Entry, now_s: float) -> bool:
         """Whether a newcomer should displace anything at all on a full tier (bypass)."""
         return True
+
+    def status(self) -> dict[str, Any]:
+        """What an operator sees of this policy (``/v1/stats`` ``policies``): its name, and
+        whatever state explains its choices now."""
+        return {"policy": self.name}
 
     @abstractmethod
     def __len__(self) -> int: ...

@@ -114,6 +114,10 @@ class DeferredAccesses(EvictionPolicy):
         self.flush()
         return self.inner.admit(entry, now_s)
 
+    def status(self) -> dict[str, Any]:
+        self.flush()
+        return self.inner.status()
+
     def __len__(self) -> int:  # an access never changes which entries a policy tracks
         return len(self.inner)
 
