@@ -456,9 +456,9 @@ def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> Callable[[], None] 
         if not any(r["owner"] == _CPU_ARENA for r in gpu.host_regions()):
             log.warning("resized cpu arena not registered with CUDA: copies are staged")
 
-    def prepare(arena: mmap.mmap | None, generation: int) -> None:
-        if arena is None:
-            gpu.host_registry.discard(_CPU_ARENA, generation)
+    def prepare(arena: mmap.mmap, generation: int, given_up: bool) -> None:
+        if given_up:
+            gpu.host_registry.discard(_CPU_ARENA, arena, generation)
         else:  # pinned while the resize copies, off the store's lock; ``follow`` takes it
             gpu.host_registry.prepare(_CPU_ARENA, arena, generation)
 

@@ -413,9 +413,9 @@ def _following(registry: HostRegistry, cpu: CpuTier) -> None:
     registry.follow("cpu-arena", cpu.arena_mapping, read_only=False)
     cpu.on_arena_replaced(registry.refresh)
     cpu.on_arena_prepared(
-        lambda arena, gen: (
-            registry.discard("cpu-arena", gen)
-            if arena is None
+        lambda arena, gen, given_up: (
+            registry.discard("cpu-arena", arena, gen)
+            if given_up
             else registry.prepare("cpu-arena", arena, gen)
         )
     )
@@ -496,3 +496,33 @@ def test_prepare_needs_a_followed_region_and_the_right_buffer_to_be_taken() -> N
         del arena
         registry.close()
     assert fake.unmapped_at_unregister == [] and fake.live == {}
+
+
+def test_a_resize_given_up_late_keeps_the_registration_of_the_next_one() -> None:
+    """Two resizes aiming at the same generation: the first, given up, lets go of its own arena's
+    registration only, not of the one the second prepared meanwhile."""
+    fake = FakeRegistrar()
+    registry = HostRegistry(registrar=fake)
+    cpu = CpuTier(4 * PAGE, shared=True)
+    try:
+        _following(registry, cpu)
+        first = cpu.begin_resize(8 * PAGE)
+        assert first is not None
+        cpu.copy_resize(first)
+        cpu.abort_resize(first)  # given up, not yet released
+        second = cpu.begin_resize(16 * PAGE)
+        assert second is not None
+        cpu.copy_resize(second)
+        assert fake.count("register") == 3
+        cpu.release_resize(first)
+        assert fake.count("unregister") == 1 and len(fake.live) == 2  # the first's only
+        assert cpu.finish_resize(second)
+        cpu.release_resize(second)
+        assert fake.count("register") == 3  # the second's was taken, not made again
+        arena, _ = cpu.arena_mapping()
+        assert list(fake.live) == [buffer_address(arena)]
+        del arena
+    finally:
+        registry.close()
+        cpu.close()
+    assert fake.unmapped_at_unregister == []

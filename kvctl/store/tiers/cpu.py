@@ -193,9 +193,9 @@ class CpuTier(Tier):
         self.shared = shared
         self._capacity_bytes = capacity_bytes
         self._replaced_hooks: list[Callable[[], None]] = []
-        #: told of a resize's new arena (and generation) once mapped, and of None when it is
+        #: told of a resize's new arena (and generation) once mapped, and again when it is
         #: given up, before it is unmapped (``on_arena_prepared``)
-        self._prepared_hooks: list[Callable[[mmap.mmap | None, int], None]] = []
+        self._prepared_hooks: list[Callable[[mmap.mmap, int, bool], None]] = []
         self._fd = -1
         self._arena, self._fd = _new_arena(capacity_bytes, shared=shared, name=name)
         self._view = memoryview(self._arena)
@@ -392,7 +392,7 @@ class CpuTier(Tier):
             if plan.arena is not made[0]:
                 _release(made[0], memoryview(made[0]), made[1])
             raise
-        self._tell_prepared(made[0], plan.generation + 1)
+        self._tell_prepared(made[0], plan.generation + 1, given_up=False)
         for key, src, dst, n in plan.moves:
             with plan.lock:
                 if not plan.valid:
@@ -465,7 +465,7 @@ class CpuTier(Tier):
             plan.arena, plan.view, plan.fd = None, None, -1
             old, plan.retired = plan.retired, None
         if new[0] is not None:  # given up: whoever registered it lets go first
-            self._tell_prepared(None, plan.generation + 1)
+            self._tell_prepared(new[0], plan.generation + 1, given_up=True)
             _release(new[0], new[1] if new[1] is not None else memoryview(new[0]), new[2])
         if old is not None:
             _release(*old)
@@ -715,21 +715,19 @@ class CpuTier(Tier):
         self._replaced_hooks.append(hook)
         return lambda: self._replaced_hooks.remove(hook) if hook in self._replaced_hooks else None
 
-    def on_arena_prepared(
-        self, hook: Callable[[mmap.mmap | None, int], None]
-    ) -> Callable[[], None]:
-        """Call ``hook(arena, generation)`` when a resize has mapped the arena that will be
-        this tier's at ``generation`` (without the store's lock, before its chunks are copied
-        in), and ``hook(None, generation)`` when that resize is given up, before the arena is
-        unmapped; returns what removes the hook. A gpu tier registers the new arena with CUDA
-        here, so the replacement under the lock does not pin it."""
+    def on_arena_prepared(self, hook: Callable[[mmap.mmap, int, bool], None]) -> Callable[[], None]:
+        """Call ``hook(arena, generation, False)`` when a resize has mapped the arena that will
+        be this tier's at ``generation`` (without the store's lock, before its chunks are
+        copied in), and ``hook(arena, generation, True)`` when that resize is given up, before
+        the arena is unmapped; returns what removes the hook. A gpu tier registers the new
+        arena with CUDA here, so the replacement under the lock does not pin it."""
         self._prepared_hooks.append(hook)
         return lambda: self._prepared_hooks.remove(hook) if hook in self._prepared_hooks else None
 
-    def _tell_prepared(self, arena: mmap.mmap | None, generation: int) -> None:
+    def _tell_prepared(self, arena: mmap.mmap, generation: int, *, given_up: bool) -> None:
         for hook in list(self._prepared_hooks):
             try:
-                hook(arena, generation)
+                hook(arena, generation, given_up)
             except Exception:  # a listener's failure must not fail the resize
                 log.exception("a listener of the %s arena's resize failed", self.name)
 

@@ -361,12 +361,13 @@ class HostRegistry:
                 stale.close()
         return made is not None
 
-    def discard(self, owner: object, generation: int) -> None:
-        """Drop what ``prepare`` registered for ``generation`` (the move did not happen)."""
+    def discard(self, owner: object, buffer: mmap.mmap | Buffer, generation: int) -> None:
+        """Drop what ``prepare`` registered of ``buffer`` for ``generation`` (the move did not
+        happen); another buffer prepared since for the same generation stays."""
         key, _ = self._key(owner, make_ref=False)
         with self._lock:
             made = self._prepared.get(key)
-            if made is None or made.generation != generation:
+            if made is None or not self._same(made, buffer, made.read_only, generation):
                 return
             del self._prepared[key]
         with contextlib.suppress(HostRegistrationError):
