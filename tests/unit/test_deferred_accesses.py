@@ -193,7 +193,7 @@ def test_the_same_decisions_as_inline_whenever_the_replay_comes(
     eviction and demotion, and where every chunk ends up, must be the same."""
     inline = TieredStore(small_tiers(two_tiers), eviction=policy, clock=lambda: 0.0)
     deferred = threadless(TieredStore(small_tiers(two_tiers), eviction=policy, clock=lambda: 0.0))
-    wrapped = deferred._settler._policies  # type: ignore[union-attr]
+    wrapped = deferred._settler._wrapped  # type: ignore[union-attr]
     assert len(wrapped) == (len(deferred.tier_names) if policy in DEFERRABLE else 0)
     seen = (evictions(inline), evictions(deferred))
     steps = zip(apply_ops(inline, ops), apply_ops(deferred, ops), strict=True)

@@ -130,7 +130,6 @@ class Settler:
 
     def __init__(self, lock: Any) -> None:
         self._lock = lock
-        self._policies: list[DeferredAccesses] = []
         #: id(inner policy) -> its wrapper: a policy shared by tiers gets one queue, in order
         self._wrapped: dict[int, DeferredAccesses] = {}
         self._wanted = threading.Event()
@@ -144,17 +143,16 @@ class Settler:
         deferred = self._wrapped.get(id(policy))
         if deferred is None:
             deferred = self._wrapped[id(policy)] = DeferredAccesses(policy, wake=self._wake)
-            self._policies.append(deferred)
         return deferred
 
     def settle(self, limit: int | None = None) -> int:
         """Under the lock: replay queued accesses now, at most ``limit`` per policy; how many
         are left."""
-        return sum(p.flush(limit) for p in self._policies)
+        return sum(p.flush(limit) for p in self._wrapped.values())
 
     @property
     def queued(self) -> int:
-        return sum(p.queued for p in self._policies)
+        return sum(p.queued for p in self._wrapped.values())
 
     def close(self) -> None:
         self._closed = True

@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvctl.store.errors import (
     CapacityError,
@@ -392,7 +393,7 @@ class CpuTier(Tier):
             if plan.arena is not made[0]:
                 _release(made[0], memoryview(made[0]), made[1])
             raise
-        self._tell_prepared(made[0], plan.generation + 1, given_up=False)
+        self._tell(self._prepared_hooks, made[0], plan.generation + 1, False)
         for key, src, dst, n in plan.moves:
             with plan.lock:
                 if not plan.valid:
@@ -465,7 +466,7 @@ class CpuTier(Tier):
             plan.arena, plan.view, plan.fd = None, None, -1
             old, plan.retired = plan.retired, None
         if new[0] is not None:  # given up: whoever registered it lets go first
-            self._tell_prepared(new[0], plan.generation + 1, given_up=True)
+            self._tell(self._prepared_hooks, new[0], plan.generation + 1, True)
             _release(new[0], new[1] if new[1] is not None else memoryview(new[0]), new[2])
         if old is not None:
             _release(*old)
@@ -693,11 +694,7 @@ class CpuTier(Tier):
         self._region_leases.clear()
         # while the old arena is still mapped: whoever holds it (a registration with CUDA)
         # lets go of it, then it is released
-        for hook in list(self._replaced_hooks):
-            try:
-                hook()
-            except Exception:  # a listener's failure must not fail the resize
-                log.exception("a listener of the %s arena's replacement failed", self.name)
+        self._tell(self._replaced_hooks)
         if keep:
             return old
         _release(*old)
@@ -712,8 +709,7 @@ class CpuTier(Tier):
     def on_arena_replaced(self, hook: Callable[[], None]) -> Callable[[], None]:
         """Call ``hook`` each time a resize replaces the arena, with the new one in place
         (``arena_mapping``) and the old one still mapped; returns what removes the hook."""
-        self._replaced_hooks.append(hook)
-        return lambda: self._replaced_hooks.remove(hook) if hook in self._replaced_hooks else None
+        return _listen(self._replaced_hooks, hook)
 
     def on_arena_prepared(self, hook: Callable[[mmap.mmap, int, bool], None]) -> Callable[[], None]:
         """Call ``hook(arena, generation, False)`` when a resize has mapped the arena that will
@@ -721,13 +717,12 @@ class CpuTier(Tier):
         copied in), and ``hook(arena, generation, True)`` when that resize is given up, before
         the arena is unmapped; returns what removes the hook. A gpu tier registers the new
         arena with CUDA here, so the replacement under the lock does not pin it."""
-        self._prepared_hooks.append(hook)
-        return lambda: self._prepared_hooks.remove(hook) if hook in self._prepared_hooks else None
+        return _listen(self._prepared_hooks, hook)
 
-    def _tell_prepared(self, arena: mmap.mmap, generation: int, *, given_up: bool) -> None:
-        for hook in list(self._prepared_hooks):
+    def _tell(self, hooks: list[Callable[..., None]], *args: object) -> None:
+        for hook in list(hooks):
             try:
-                hook(arena, generation, given_up)
+                hook(*args)
             except Exception:  # a listener's failure must not fail the resize
                 log.exception("a listener of the %s arena's resize failed", self.name)
 
@@ -761,6 +756,15 @@ def _prefaulter(arena: mmap.mmap, shared: bool, used: int = 0) -> Prefaulter | N
     prefault = Prefaulter(arena)
     prefault.want(used)
     return prefault
+
+
+_Hook = TypeVar("_Hook")
+
+
+def _listen(hooks: list[_Hook], hook: _Hook) -> Callable[[], None]:
+    """Add ``hook`` to ``hooks``; returns what removes it (once, whenever)."""
+    hooks.append(hook)
+    return lambda: hooks.remove(hook) if hook in hooks else None
 
 
 def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mmap, int]:

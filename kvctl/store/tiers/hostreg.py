@@ -255,6 +255,12 @@ def register_host(
     )
 
 
+def _let_go(registration: HostRegistration) -> None:
+    """Unregister; a failure to is the driver's to keep (nothing more can be done with it)."""
+    with contextlib.suppress(HostRegistrationError):
+        registration.close()
+
+
 @dataclass
 class _Region:
     registration: HostRegistration
@@ -357,8 +363,7 @@ class HostRegistry:
             else:
                 self._prepared[key] = made
         if stale is not None:
-            with contextlib.suppress(HostRegistrationError):
-                stale.close()
+            _let_go(stale)
         return made is not None
 
     def discard(self, owner: object, buffer: mmap.mmap | Buffer, generation: int) -> None:
@@ -370,8 +375,7 @@ class HostRegistry:
             if made is None or not self._same(made, buffer, made.read_only, generation):
                 return
             del self._prepared[key]
-        with contextlib.suppress(HostRegistrationError):
-            made.close()
+        _let_go(made)
 
     def refresh(self) -> None:
         """Re-register followed regions whose generation changed; drop those whose source is
@@ -393,8 +397,7 @@ class HostRegistry:
                 made = self._prepared.pop(key, None)  # before _drop, which would close it
                 self._drop(key)
                 if made is not None and not self._same(made, buffer, read_only, generation):
-                    with contextlib.suppress(HostRegistrationError):
-                        made.close()
+                    _let_go(made)
                     made = None
                 with contextlib.suppress(HostRegistrationError, InvalidArgument):
                     new = made or HostRegistration(
@@ -499,14 +502,12 @@ class HostRegistry:
     def _drop(self, key: object) -> bool:
         made = self._prepared.pop(key, None)
         if made is not None:
-            with contextlib.suppress(HostRegistrationError):
-                made.close()
+            _let_go(made)
         region = self._regions.pop(key, None)
         if region is None:
             return False
         # a region whose unregistering fails is gone for us either way; the driver keeps it
-        with contextlib.suppress(HostRegistrationError):
-            region.registration.close()
+        _let_go(region.registration)
         return True
 
     def _same(
