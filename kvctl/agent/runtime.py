@@ -436,7 +436,8 @@ def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> Callable[[], None] 
     follows the arena at once: the cpu tier calls back with the new arena in place and the old
     one still mapped, the registry registers the new and lets go of the old, and the cpu tier
     then releases it (a sender still holding a slice keeps it mapped until it lets go). The new
-    arena of a resize is registered (pinned: ~0.3-0.4 s a GiB) as soon as it is mapped, while
+    arena of a resize is registered (pinned: ~0.3-0.4 s a GiB, read off first-lease delays on an
+    H200, not timed directly) as soon as it is mapped, while
     the chunks are copied in without the store's lock, so the replacement under the lock swaps
     registrations and unregisters the old arena (unpinning: not measured here; still under the
     lock)."""
