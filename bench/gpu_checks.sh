@@ -25,9 +25,9 @@ timeout "${TESTS_S:-180}" "$py" -m pytest -q -p no:cacheprovider -n "${WORKERS:-
   tests/unit/test_bench_gpu.py tests/functional/test_agent_gpu.py \
   tests/functional/test_engine_hf.py tests/functional/test_bench_ttft.py \
   > "$out/cuda-tests.log" 2>&1
-echo "cuda tests: rc=$?"
+echo "cuda tests: rc=$? after ${SECONDS}s"
 timeout "${GPU_S:-50}" "$py" -m kvctl bench gpu --json > "$out/bench-gpu.json" 2> "$out/bench-gpu.err"
-echo "bench gpu: rc=$?"
+echo "bench gpu: rc=$? after ${SECONDS}s"
 for group in "${groups[@]}"; do
   limit=${TTFT_S:-300}
   [[ $group != *@* ]] || { limit=${group##*@}; group=${group%@*}; }
@@ -37,8 +37,8 @@ for group in "${groups[@]}"; do
   name=ttft-${contexts//,/_}-${sources//,/_}
   timeout "$limit" "$py" -m kvctl bench ttft --device cuda --contexts "$contexts" \
     --sources "$sources" --json > "$out/$name.json" 2> "$out/$name.err"
-  echo "bench ttft $group: rc=$?"
+  echo "bench ttft $group: rc=$? after ${SECONDS}s"
 done
 timeout "${AGENT_S:-60}" "$py" -m kvctl bench agent --sizes 32MiB --bytes-per-size 1GiB \
   --repeats 3 --json > "$out/bench-agent.json" 2> "$out/bench-agent.err"
-echo "bench agent: rc=$?"
+echo "bench agent: rc=$? after ${SECONDS}s"

@@ -129,14 +129,16 @@ class LeasedChunk:
 class ArenaLeases:
     """Chunks held in place in the agent's shared-memory arena for the length of a
     ``DataClient.leased()`` block: read them straight from ``arena`` (no copy through the socket
-    or a staging buffer). ``chunks[i]`` is None where key i is not cached (``missing``) or could
-    not be held in the arena (read it with ``get_into``); ``arena`` is None only when no chunk
-    is held and the arena was never mapped."""
+    or a staging buffer). ``chunks[i]`` is None where key i is not cached (``missing``), is on
+    another node and was not pulled (``remote``: ``lookup_leased(local_only=True)``; lease it to
+    pull it) or could not be held in the arena (read it with ``get_into``); ``arena`` is None
+    only when no chunk is held and the arena was never mapped."""
 
     arena: mmap.mmap | None
     generation: int
     chunks: list[LeasedChunk | None]
     missing: frozenset[int]
+    remote: frozenset[int] = frozenset()
 
     def view(self, i: int) -> memoryview:
         c = self.chunks[i]
@@ -468,17 +470,21 @@ class DataClient:
         tenant: str = "",
         ttl_s: float | None = None,
         release_later: bool = False,
+        local_only: bool = False,
     ) -> Iterator[tuple[LookupResult, ArenaLeases]]:
         """``lookup`` (counted) whose matched prefix is held in place as by ``leased``, in one
         round trip: what a same-host engine that reads its hits at once asks. The leases cover
         ``keys[:matched_chunks]``; released on exit, or with ``release_later`` before this
         client's next call or at ``release_pending`` (an engine releases after its first
         token, not in its time to it; the leases' ttl bounds how long they stay held if
-        neither comes)."""
+        neither comes). ``local_only``: nothing is pulled from the pool or peers; from the
+        first matched chunk on another node the leases are ``remote``, for ``hold`` to pull
+        in slices (an agent that predates it raises RequestError UNSUPPORTED)."""
         ttl = self._lease_ttl(ttl_s)
+        op = Op.LOOKUP_LEASE_LOCAL if local_only else Op.LOOKUP_LEASE
         with self._lock:
             meta, _ = self._call_locked(
-                Op.LOOKUP_LEASE, MetaWriter().text(tenant).f64(ttl).keys(keys).build(), (), None
+                op, MetaWriter().text(tenant).f64(ttl).keys(keys).build(), (), None
             )
             r = MetaReader(meta)
             try:
@@ -486,7 +492,7 @@ class DataClient:
             except Exception as exc:  # the leases after it cannot be read, nor released
                 self.close()  # which ends them at the agent
                 raise AgentError(
-                    f"the agent's LOOKUP_LEASE reply is malformed ({exc!r}); connection closed"
+                    f"the agent's {op.name} reply is malformed ({exc!r}); connection closed"
                 ) from None
             leases, held = self._leases_locked(r)
             try:
@@ -501,6 +507,20 @@ class DataClient:
                     self._unreleased.extend(held)
                 else:
                     self._release_locked(held)
+
+    def hold(
+        self, keys: Sequence[bytes], *, tenant: str = "", ttl_s: float | None = None
+    ) -> ArenaLeases:
+        """LEASE ``keys`` (chunks on other nodes are pulled here first) and keep them held
+        with the leases a ``release_later`` block or an earlier ``hold`` left, until
+        ``release_pending`` or the next call that is not a ``hold``: an engine copies one
+        slice of a long prefix while the next is pulled, and releases all after its first
+        token."""
+        ttl = self._lease_ttl(ttl_s)
+        with self._lock:
+            leases, held = self._lease_locked(keys, tenant, ttl, keep_pending=True)
+            self._unreleased.extend(held)
+            return self._arena_leases(leases)
 
     def release_pending(self) -> None:
         """Release the leases ``release_later`` blocks left held (one frame, no round trip)."""
@@ -524,6 +544,7 @@ class DataClient:
             generation=self._arena_gen,
             chunks=[c for c, _ in leases],
             missing=frozenset(i for i, (_, st) in enumerate(leases) if st == "missing"),
+            remote=frozenset(i for i, (_, st) in enumerate(leases) if st == "remote"),
         )
 
     def is_isolated(self, tenant: str) -> bool:
@@ -697,13 +718,15 @@ class DataClient:
         sink_bytes: int = 0,
         sizes_of: Callable[[bytes], list[tuple[int, int]]] | None = None,
         arrived: Callable[[int], None] | None = None,
+        keep_pending: bool = False,
     ) -> tuple[bytes, int]:
         """``into``: where a GET reply's chunks go. ``sink``: a scratch buffer that a reply's
         payload of exactly ``sink_bytes`` is read into, piece by piece, and dropped (PROBE
-        downloads; any other length is refused, so a rogue peer cannot stream without end)."""
+        downloads; any other length is refused, so a rogue peer cannot stream without end).
+        ``keep_pending``: the leases a ``release_later`` block left stay held (``hold``)."""
         if self.closed:
             raise AgentError("this client is closed")
-        if self._unreleased and op != Op.RELEASE:
+        if self._unreleased and op != Op.RELEASE and not keep_pending:
             self._release_pending_locked()
         self._rid = (self._rid + 1) & 0xFFFFFFFF
         total = sum(v.nbytes for v in payload)
@@ -884,11 +907,15 @@ class DataClient:
         self._arena, self._arena_gen = arena, generation
 
     def _lease_locked(
-        self, keys: Sequence[bytes], tenant: str, ttl_s: float
+        self, keys: Sequence[bytes], tenant: str, ttl_s: float, *, keep_pending: bool = False
     ) -> tuple[list[tuple[LeasedChunk | None, str]], list[int]]:
         """LEASE the keys (see ``_leases_locked``)."""
         meta, _ = self._call_locked(
-            Op.LEASE, MetaWriter().text(tenant).f64(ttl_s).keys(keys).build(), (), None
+            Op.LEASE,
+            MetaWriter().text(tenant).f64(ttl_s).keys(keys).build(),
+            (),
+            None,
+            keep_pending=keep_pending,
         )
         return self._leases_locked(MetaReader(meta))
 
@@ -896,8 +923,9 @@ class DataClient:
         self, r: MetaReader
     ) -> tuple[list[tuple[LeasedChunk | None, str]], list[int]]:
         """The leases a reply holds (u32 n, n x LEASE_ITEM): each key's place in the arena (or
-        None) with its status ("ok", "missing", "fallback": cached but not leasable here), and
-        the lease ids to release. Maps the arena anew when the agent resized it."""
+        None) with its status ("ok", "missing", "remote": on another node, not pulled,
+        "fallback": cached but not leasable here), and the lease ids to release. Maps the
+        arena anew when the agent resized it."""
         items = r.structs(LEASE_ITEM, r.count())
         held = [lease_id for status, _, lease_id, *_ in items if status == Status.OK]
         try:
@@ -914,6 +942,8 @@ class DataClient:
         for status, gen, _lease_id, off, size, deadline in items:
             if status == Status.MISSING:
                 out.append((None, "missing"))
+            elif status == Status.REMOTE:
+                out.append((None, "remote"))
             elif status != Status.OK or gen != self._arena_gen:
                 out.append((None, "fallback"))
             else:

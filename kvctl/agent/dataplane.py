@@ -35,6 +35,7 @@ from kvctl.store.errors import (
     PayloadSizeError,
     TierUnavailable,
 )
+from kvctl.store.index import LookupResult
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.wire.protocol import (
     FETCH_ITEM,
@@ -318,6 +319,7 @@ class Connection:
             Op.LOOKUP_MANY: self._lookup_many,
             Op.LEASE: self._lease,
             Op.LOOKUP_LEASE: self._lookup_lease,
+            Op.LOOKUP_LEASE_LOCAL: self._lookup_lease_local,
             Op.RELEASE: self._release,
             Op.MAP: self._map,
             Op.ATTACH: self._attach,
@@ -785,13 +787,13 @@ class Connection:
             self._lookup_reply(w, keys, tenant)
         return [w.build()], 0
 
-    def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> int:
-        """Writes the lookup's answer; returns its matched chunks."""
+    def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> LookupResult:
+        """Writes the lookup's answer; returns it."""
         res = self.runtime.lookup(keys, tenant=tenant)
         codes = self.server.tier_codes
         w.u32(res.matched_chunks).u64(res.matched_tokens).u32(len(keys))
         w.raw(bytes(map(codes.__getitem__, res.locations)))
-        return res.matched_chunks
+        return res
 
     def _require_shm(self) -> CpuTier:
         if self.transport != "unix":
@@ -825,8 +827,26 @@ class Connection:
         keys = meta.keys()
         meta.done()
         w = MetaWriter()
-        m = self._lookup_reply(w, keys, tenant)
+        m = self._lookup_reply(w, keys, tenant).matched_chunks
         w.u32(m).raw(self._lease_items(keys[:m], ttl, tenant))
+        return [w.build()], 0
+
+    def _lookup_lease_local(self, meta: MetaReader, _payload: int) -> Reply:
+        """LOOKUP_LEASE that leaves the pulls to the engine: the matched prefix is leased up to
+        its first chunk on another node; that one and the rest are REMOTE, not pulled, so the
+        engine can LEASE them in slices and copy each while the next one is pulled."""
+        self._require_shm()
+        tenant = meta.text()
+        ttl = self._lease_ttl(meta.f64())
+        keys = meta.keys()
+        meta.done()
+        w = MetaWriter()
+        res = self._lookup_reply(w, keys, tenant)
+        m = res.matched_chunks
+        local = set(self.runtime.store.tier_names)
+        here = next((i for i, t in enumerate(res.locations[:m]) if t not in local), m)
+        items = self._lease_items(keys[:here], ttl, tenant, pull=False)
+        w.u32(m).raw(items + LEASE_ITEM.pack(Status.REMOTE, 0, 0, 0, 0, 0.0) * (m - here))
         return [w.build()], 0
 
     def _lease_ttl(self, ttl: float) -> float:
@@ -834,11 +854,15 @@ class Connection:
             raise FrameError(ErrorCode.BAD_REQUEST, "a lease's ttl must be a number, got NaN")
         return min(max(ttl, 0.001), self.runtime.settings.lease_seconds)
 
-    def _lease_items(self, keys: list[bytes], ttl: float, tenant: str) -> bytes:
-        """A LEASE_ITEM per key: held in the arena, cached elsewhere (fallback) or missing."""
+    def _lease_items(
+        self, keys: list[bytes], ttl: float, tenant: str, *, pull: bool = True
+    ) -> bytes:
+        """A LEASE_ITEM per key: held in the arena, cached elsewhere (fallback) or missing.
+        ``pull``: chunks on other nodes are brought here first."""
         if not keys:
             return b""
-        self.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
+        if pull:
+            self.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
         out = bytearray()
         # one batch, so the disk chunks among them are read in parallel
         for lease in self.runtime.lease_many(keys, ttl, tenant=tenant):

@@ -24,7 +24,14 @@ from transformers.cache_utils import DynamicLayer
 
 from kvctl.client import AgentError, DataClient, RequestError
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
-from kvctl.engines.kvload import KVLoader, copy_leased, host_tensor, read_chunks, read_socket
+from kvctl.engines.kvload import (
+    KVLoader,
+    copy_leased,
+    host_tensor,
+    pull_leased,
+    read_chunks,
+    read_socket,
+)
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for, parents_of
@@ -194,6 +201,8 @@ class CachedLM:
         self.report_rates = True
         #: the client whose agent predates LOOKUP_LEASE: looked up, then leased, as before
         self._no_lookup_lease: DataClient | None = None
+        #: the client whose agent predates LOOKUP_LEASE_LOCAL: its lookup pulls all at once
+        self._no_local_lease: DataClient | None = None
         self._samples: list[tuple[int, int, float]] = []
         self._h2d_bytes_per_s: float | None = None
         self._writer: WriteBehind | None = None
@@ -384,23 +393,32 @@ class CachedLM:
         came (the fetch's start). None when the agent predates LOOKUP_LEASE (asked once)."""
         client = self.client
         assert client is not None
+        local_only = client is not self._no_local_lease
         try:
             # released after the first token: the copies are done, and the release need not
-            # be in the time to it
-            with client.lookup_leased(keys, tenant=tenant, release_later=True) as (
-                found,
-                leases,
-            ):
+            # be in the time to it. Chunks on other nodes are pulled here in slices, each
+            # copied while the next is pulled (``pull_leased``), not all before the reply
+            with client.lookup_leased(
+                keys, tenant=tenant, release_later=True, local_only=local_only
+            ) as (found, leases):
                 lookup_end_s = time.perf_counter()
                 m = found.matched_chunks
                 kv = self.loader.alloc(m, reuse=True) if m else None
                 usable, blocked = (
                     (0, False) if kv is None else copy_leased(leases, m, self.loader, kv)
                 )
+            if kv is not None and usable < m and usable in leases.remote:
+                pulled, blocked = pull_leased(
+                    client, keys[usable:m], tenant, self.loader, kv, usable
+                )
+                usable += pulled
             if blocked and kv is not None:
                 usable += read_socket(client, keys[usable:m], tenant, self.loader, kv, usable)
         except AgentError as exc:
             if isinstance(exc, RequestError) and exc.code == ErrorCode.UNSUPPORTED:
+                if local_only:  # an agent that predates LOOKUP_LEASE_LOCAL
+                    self._no_local_lease = client
+                    return self._lookup_leased(keys, tenant)
                 self._no_lookup_lease = client  # a lookup, then a lease, from now on
                 return None
             log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)

@@ -29,13 +29,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvctl.client import AgentError, ArenaLeases, DataClient
+from kvctl.client import AgentError, ArenaLeases, DataClient, LeasedChunk
 from kvctl.engines.kvformat import ChunkFormat
 
 log = logging.getLogger(__name__)
 
 #: at most this many bytes cross the link per copy (bounds the device scratch of a long run)
 MAX_RUN_BYTES = 256 << 20
+#: a prefix on other nodes is pulled in at most this many slices, each copied to the device
+#: while the next is pulled: more slices leave less of the last copy exposed, and each costs a
+#: round trip and a pull's set-up
+MAX_PULL_SLICES = 8
+#: and none smaller than this (a short remote prefix is one pull)
+MIN_PULL_SLICE_BYTES = 64 << 20
 
 
 def host_tensor(buffer: Any) -> torch.Tensor:
@@ -240,6 +246,28 @@ class KVLoader:
                 flat = flat.clone()
             self._copy_run(flat, dst, first_chunk + first, count)
 
+    def load_timed(
+        self,
+        src: torch.Tensor,
+        offsets: Sequence[int],
+        dst: torch.Tensor,
+        first_chunk: int = 0,
+    ) -> Callable[[], float]:
+        """``load``, and what tells the seconds its copies took once ``wait()`` returned: on
+        CUDA timed by events on the side stream around them, so neither the request's queued
+        work nor the time until the next slice is asked for is in it."""
+        if self._stream is None:
+            started_s = time.perf_counter()
+            self.load(src, offsets, dst, first_chunk)
+            took_s = time.perf_counter() - started_s
+            return lambda: took_s
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(self._stream)
+        self.load(src, offsets, dst, first_chunk)
+        end.record(self._stream)
+        return lambda: start.elapsed_time(end) / 1e3
+
     def _copy_run(self, flat: torch.Tensor, dst: torch.Tensor, at: int, count: int) -> None:
         fmt = self.format
         t = fmt.chunk_tokens
@@ -287,17 +315,72 @@ def copy_leased(
     the leases are released (``read_socket``)."""
     size = loader.format.chunk_bytes
     chunks = leases.chunks
-    n = next((i for i in range(count) if (c := chunks[i]) is None or c.size_bytes != size), count)
+    n = _whole(chunks[:count], size)
     if n:
         arena = loader.arena_tensor(leases.arena)
         started_s = time.perf_counter()
         loader.load(arena, [c.offset for c in chunks[:n]], kv)  # type: ignore[union-attr]
         loader.wait()  # the copies read the arena: done before the leases end
         loader.last_copy = (n * size, time.perf_counter() - started_s)
-        # one clock read for all: a lease that held at the copy's end held throughout
-        now_s = time.monotonic()
-        n = next((i for i in range(n) if chunks[i].deadline_s <= now_s), n)  # type: ignore[union-attr]
-    return n, n < count and n not in leases.missing
+        n = _still_held(chunks[:n])  # type: ignore[arg-type]
+    return n, n < count and n not in leases.missing and n not in leases.remote
+
+
+def pull_leased(
+    client: DataClient,
+    keys: Sequence[bytes],
+    tenant: str,
+    loader: KVLoader,
+    kv: torch.Tensor,
+    at: int,
+) -> tuple[int, bool]:
+    """Chunks ``keys`` that lie on other nodes (the pool, peers) into ``kv`` from chunk ``at``
+    on, in slices (``MAX_PULL_SLICES``): each slice is leased with ``client.hold`` (the agent
+    pulls it into its arena), its copy queued, and the next slice asked for while that copy
+    runs. On CUDA the copies run on the side stream, so all but the last slice's copy hide
+    behind the pulls; on the CPU a copy ends before the next slice is asked for. The leases
+    stay held until ``client.release_pending()``. How many leading chunks arrived whole, and
+    whether the next is cached but could not be leased (read it with ``read_socket``)."""
+    size = loader.format.chunk_bytes
+    slices = min(MAX_PULL_SLICES, max(1, len(keys) * size // MIN_PULL_SLICE_BYTES))
+    per = -(-len(keys) // slices)
+    copied: list[LeasedChunk] = []
+    timers: list[Callable[[], float]] = []
+    blocked = False
+    try:
+        for lo in range(0, len(keys), per):
+            leases = client.hold(keys[lo : lo + per], tenant=tenant)
+            n = _whole(leases.chunks, size)
+            if n:
+                arena = loader.arena_tensor(leases.arena)
+                offsets = [c.offset for c in leases.chunks[:n]]  # type: ignore[union-attr]
+                timers.append(loader.load_timed(arena, offsets, kv, at + len(copied)))
+                copied.extend(leases.chunks[:n])  # type: ignore[arg-type]
+            if n < len(leases.chunks):
+                blocked = n not in leases.missing
+                break
+    finally:
+        loader.wait()  # the copies read the arena: done before the leases can end
+    if copied:  # the copies alone, added to the local part's (the rate an engine reports)
+        before_bytes, before_s = loader.last_copy or (0, 0.0)
+        took_s = sum(timer() for timer in timers)
+        loader.last_copy = (before_bytes + len(copied) * size, before_s + took_s)
+    n = _still_held(copied)
+    return n, blocked or n < len(copied)
+
+
+def _whole(chunks: Sequence[LeasedChunk | None], size_bytes: int) -> int:
+    """How many leading chunks are leased at the chunk size."""
+    return next(
+        (i for i, c in enumerate(chunks) if c is None or c.size_bytes != size_bytes), len(chunks)
+    )
+
+
+def _still_held(chunks: Sequence[LeasedChunk]) -> int:
+    """How many leading chunks' leases still hold now that their copies are done: one clock
+    read for all, since a lease that held at the copy's end held throughout."""
+    now_s = time.monotonic()
+    return next((i for i, c in enumerate(chunks) if c.deadline_s <= now_s), len(chunks))
 
 
 def read_socket(

@@ -95,6 +95,11 @@ class Op(IntEnum):
     #: meta tenant, f64 ttl, keys; reply the LOOKUP reply, then u32 n and n x LEASE_ITEM (n =
     #: the matched chunks)
     LOOKUP_LEASE = 17
+    #: LOOKUP_LEASE that pulls nothing: the matched prefix is leased up to its first chunk held
+    #: on another node (the pool, a peer), and that chunk and the rest get REMOTE items, for the
+    #: engine to LEASE in slices (each LEASE pulls its slice) while it copies the slice before
+    #: to its device. Same meta and reply as LOOKUP_LEASE
+    LOOKUP_LEASE_LOCAL = 18
     ERROR = 0x7F
 
 
@@ -141,6 +146,8 @@ class Status(IntEnum):
     BAD = 5
     #: the chunk exists but cannot be leased in shared memory; fetch it over the socket
     FALLBACK = 6
+    #: matched on another node and not pulled (LOOKUP_LEASE_LOCAL): LEASE it to bring it here
+    REMOTE = 7
 
 
 class FrameError(Exception):

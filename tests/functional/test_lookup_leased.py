@@ -141,6 +141,7 @@ def test_an_engine_on_an_agent_without_it_looks_up_then_leases(
     def without_lookup_lease(self: Any, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
         del self._handlers[Op.LOOKUP_LEASE]
+        del self._handlers[Op.LOOKUP_LEASE_LOCAL]
 
     monkeypatch.setattr(dataplane.Connection, "__init__", without_lookup_lease)
     node = Node(tmp_path, cpu_bytes=64 << 20, chunk_tokens=64)
@@ -174,3 +175,51 @@ def test_the_shared_arena_can_be_mapped_before_any_lease(node: Node, tmp_path: P
     host, port = node.tcp
     with DataClient.connect(f"{host}:{port}") as remote:
         assert remote.shared_arena() is None
+
+
+def test_an_engine_on_an_agent_without_the_local_lookup_lease_pulls_in_its_lookup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent that has LOOKUP_LEASE but not LOOKUP_LEASE_LOCAL: the engine asks the local one
+    once, then leases with the lookup as before (asked once per client), and reuses its chunks."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from kvctl.engines.hf import CachedLM
+    from kvctl.engines.models import build_model
+
+    init = dataplane.Connection.__init__
+
+    def without_local(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        del self._handlers[Op.LOOKUP_LEASE_LOCAL]
+
+    monkeypatch.setattr(dataplane.Connection, "__init__", without_local)
+    node = Node(tmp_path, cpu_bytes=64 << 20, chunk_tokens=64)
+    try:
+        with DataClient.connect(node.sock) as client:
+            lm = CachedLM(build_model("tiny-llama", dtype=torch.float32), client)
+            ids = list(range(1, 64 * 3 + 2))
+            lm.prefill(ids)
+            lm.flush()
+            again = lm.prefill(ids)
+            assert (again.reused_chunks, again.fetch_path) == (3, "lease")
+            assert lm._no_local_lease is client and lm._no_lookup_lease is None
+        stats = node.store.stats
+        assert stats.lookups == 2  # one per prefill: the refused op counted nothing
+    finally:
+        node.close()
+
+
+def test_the_local_lookup_lease_is_the_lookup_lease_where_everything_is_local(node: Node) -> None:
+    chain = [key(i) for i in range(4)]
+    for i, k in enumerate(chain[:3]):
+        node.store.put(k, payload(k, CHUNK), parent=chain[i - 1] if i else None, tokens=16)
+    node.store.move([chain[2]], "disk")
+    with DataClient.connect(node.sock) as client:
+        with client.lookup_leased(chain, local_only=True) as (found, leases):
+            assert found.matched_chunks == 3
+            assert not leases.remote and not leases.missing
+            assert [bytes(leases.view(i)) for i in range(3)] == [
+                payload(k, CHUNK) for k in chain[:3]
+            ]
+        wait_until("the leases released", lambda: node.leases() == 0)

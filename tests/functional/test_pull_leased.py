@@ -1,0 +1,160 @@
+"""A same-host engine's reuse of chunks held on another node: LOOKUP_LEASE_LOCAL answers at once
+with the local part leased and the rest REMOTE (nothing pulled), and the engine pulls the rest in
+slices (``hold``: each LEASE pulls its slice), copying each while the next is pulled
+(``pull_leased``). Real agents on loopback (a pool, the node that wrote, the node that reads)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.functional.agents import Agent, payload, running_agent
+from tests.functional.test_remote import (
+    CHUNK_BYTES,
+    SLOW_GPU,
+    SMALL,
+    chain,
+    link_costed,
+    pool_holds,
+    put_chain,
+)
+from tests.functional.waiting import wait_until
+
+CHUNKS = 12
+
+
+class Fleet:
+    def __init__(self, pool: Agent, writer: Agent, reader: Agent) -> None:
+        self.pool, self.writer, self.reader = pool, writer, reader
+
+    def local_chunks(self) -> int:
+        return int(self.reader.control().stats()["usage"]["cpu"]["chunks"])
+
+    def leases(self) -> int:
+        return int(self.reader.control().stats()["leases"])
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[tuple[Fleet, list[bytes]]]:
+    keys = chain(CHUNKS, seed=7)
+    with running_agent(tmp_path / "pool", "--role", "pool", "--name", "pool", *SMALL) as pool:
+        url = f"kvctl://{pool.state.data_tcp}"
+        with (
+            running_agent(tmp_path / "a", "--name", "a", "--pool", url, *SMALL) as a,
+            running_agent(tmp_path / "b", "--name", "b", "--pool", url, *SLOW_GPU, *SMALL) as b,
+        ):
+            put_chain(a, keys, tenant="t1")
+            wait_until("the write-through to reach the pool", pool_holds(pool, CHUNKS))
+            wait_until("b to measure its link to the pool", link_costed(b, "pool"))
+            yield Fleet(pool, a, b), keys
+
+
+def test_the_local_lookup_leases_what_is_here_and_pulls_nothing(
+    fleet: tuple[Fleet, list[bytes]],
+) -> None:
+    f, keys = fleet
+    with f.reader.data("unix") as d:
+        assert d.shm
+        d.get_many(keys[:3], tenant="t1")  # pulled here earlier: now local
+        assert f.local_chunks() == 3
+        with d.lookup_leased(keys, tenant="t1", local_only=True) as (found, leases):
+            assert found.matched_chunks == CHUNKS
+            assert found.locations == ("cpu",) * 3 + ("remote",) * (CHUNKS - 3)
+            assert leases.remote == frozenset(range(3, CHUNKS)) and not leases.missing
+            assert [bytes(leases.view(i)) for i in range(3)] == [
+                payload(k, CHUNK_BYTES) for k in keys[:3]
+            ]
+            assert all(leases.chunks[i] is None for i in range(3, CHUNKS))
+            assert f.local_chunks() == 3  # the answer did not wait for a pull
+        # a hold pulls its slice and keeps it leased beside the others until release_pending
+        with d.lookup_leased(keys, tenant="t1", local_only=True, release_later=True) as _:
+            pass
+        held = d.hold(keys[3:7], tenant="t1")
+        assert not held.remote and not held.missing
+        assert [bytes(held.view(i)) for i in range(4)] == [
+            payload(k, CHUNK_BYTES) for k in keys[3:7]
+        ]
+        assert f.local_chunks() == 7
+        assert f.leases() == 3 + 4  # the lookup's three are still held
+        d.release_pending()
+        wait_until("the leases released", lambda: f.leases() == 0)
+
+
+def test_an_engine_pulls_a_remote_prefix_in_slices_with_every_byte_in_place(
+    fleet: tuple[Fleet, list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch = pytest.importorskip("torch")
+    from kvctl.engines import kvload
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.store.keys import KVLayout
+
+    # 2 layers x K/V x 2 heads x 64 dims x float32 = 2 KiB a token: 512 tokens are one 1 MiB chunk
+    fmt = ChunkFormat(KVLayout(2, 2, 64, "float32"), 512)
+    assert fmt.chunk_bytes == CHUNK_BYTES
+    monkeypatch.setattr(kvload, "MIN_PULL_SLICE_BYTES", 2 * CHUNK_BYTES)
+    f, keys = fleet
+    loader = kvload.KVLoader(fmt, torch.device("cpu"))
+    kv = loader.alloc(CHUNKS)
+    with f.reader.data("unix") as d:
+        slices: list[int] = []
+        hold = d.hold
+
+        def counted(keys: Any, **kw: Any) -> Any:
+            slices.append(len(keys))
+            return hold(keys, **kw)
+
+        monkeypatch.setattr(d, "hold", counted)
+        with d.lookup_leased(keys, tenant="t1", local_only=True, release_later=True) as (
+            found,
+            leases,
+        ):
+            assert found.matched_chunks == CHUNKS and leases.remote == frozenset(range(CHUNKS))
+        got, blocked = kvload.pull_leased(d, keys, "t1", loader, kv, 0)
+        assert (got, blocked) == (CHUNKS, False)
+        assert slices == [2] * 6  # 12 MiB in 2 MiB slices (at most MAX_PULL_SLICES)
+        # the copies' own time, the rate an engine reports: every pulled byte counted
+        assert loader.last_copy is not None
+        assert loader.last_copy[0] == CHUNKS * CHUNK_BYTES and loader.last_copy[1] > 0
+        assert f.leases() == CHUNKS
+        d.release_pending()
+    t = fmt.chunk_tokens
+    for i, k in enumerate(keys):
+        want = (
+            torch.frombuffer(bytearray(payload(k, CHUNK_BYTES)), dtype=torch.float32)
+            .view(fmt.chunk_shape)
+            .unsqueeze(2)  # [layers, 2, 1, heads, T, dim], as the cache holds it
+        )
+        got = kv[:, :, :, :, i * t : (i + 1) * t, :]
+        # as bits: random payload bytes hold NaNs, which equal nothing
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"chunk {i}"
+    wait_until("the leases released", lambda: f.leases() == 0)
+
+
+def test_a_slice_the_pool_no_longer_has_ends_the_reuse_there(
+    fleet: tuple[Fleet, list[bytes]],
+) -> None:
+    """A chunk the lookup saw in the pool but gone by its slice's pull: the chunks before it are
+    reused, it and the rest are not (recomputed), and nothing stays leased."""
+    torch = pytest.importorskip("torch")
+    from kvctl.engines import kvload
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.store.keys import KVLayout
+
+    fmt = ChunkFormat(KVLayout(2, 2, 64, "float32"), 512)
+    f, keys = fleet
+    loader = kvload.KVLoader(fmt, torch.device("cpu"))
+    kv = loader.alloc(CHUNKS)
+    with f.reader.data("unix") as d:
+        with d.lookup_leased(keys, tenant="t1", local_only=True, release_later=True) as (
+            found,
+            _,
+        ):
+            assert found.matched_chunks == CHUNKS
+        f.pool.control().evict([keys[5].hex()])
+        got, blocked = kvload.pull_leased(d, keys, "t1", loader, kv, 0)
+        assert (got, blocked) == (5, False)
+        d.release_pending()
+    wait_until("the leases released", lambda: f.leases() == 0)
