@@ -205,15 +205,17 @@ def run_ttft_bench(
                 forced: list[Prefill] = []
                 forced_bounds: list[tuple[str, float]] = []
                 reads: list[tuple[int, float]] = []  # (bytes, seconds) of forced disk reads
+                plans: list[dict[str, Any] | None] = []
                 try:
                     for _ in range(repeats):
                         fleet.prepare(source, keys)
                         bounds.append(_bound(torch, fleet, source, device, nbytes, memcpy))
                         if source == "disk":
                             _drop_page_cache(fleet.disk)  # the bound read them: from the device
-                        engine = engines["reader" if source == "pool" else "node"]
-                        got = _light(cold(engine).prefill(prompt))
+                        agent = "reader" if source == "pool" else "node"
+                        got = _light(cold(engines[agent]).prefill(prompt))
                         runs.append(_check(got, reference, split, source, len(keys), dtype))
+                        plans.append(_last_plan(fleet.control[agent]))
                         if source == "pool":  # the pull itself, whatever the plan decided
                             fleet.prepare(source, keys)
                             forced_bounds.append(
@@ -239,6 +241,7 @@ def run_ttft_bench(
                 # the copy out of the arena is held against the bound of the cpu tier's path
                 # only: a disk read's or a pull's bound is another path's
                 summary = _bounded(_summary(runs, full_s), runs, bounds, copy=source == "cpu")
+                summary["plan"] = plans[-1] if plans else None
                 if forced:
                     summary["forced_fetch"] = _bounded(
                         _summary(forced, full_s), forced, forced_bounds, copy=False
@@ -294,9 +297,12 @@ def run_ttft_bench(
             "a source that failed has an error instead of figures, and is listed in failures",
             "engine <-> agent over a Unix socket with shared memory (same host): reused chunks "
             "are copied from the agent's arena under a lease straight into the KV cache; the "
-            "lookup leases what it matched in the same round trip (LOOKUP_LEASE), so the lease "
-            "is in lookup_seconds and fetch_seconds is the copy (compare lookup + fetch across "
-            "builds older than it); the leases are released after the first token, so the "
+            "lookup leases what it matched on its node in the same round trip "
+            "(LOOKUP_LEASE_LOCAL), so that lease is in lookup_seconds and fetch_seconds is the "
+            "copy (compare lookup + fetch across builds older than it); matched chunks on "
+            "other nodes (pool) are pulled in slices within fetch_seconds, each slice's copy "
+            "overlapping the next slice's pull on CUDA (before 2026-11-28 the whole pull was "
+            "in lookup_seconds); the leases are released after the first token, so the "
             "release is in no figure here",
             "arena_attach_seconds: the time each engine took, when it connected, to map its "
             "agent's shared arena (and on CUDA register it: pinning the whole capacity), paid "
@@ -319,7 +325,10 @@ def run_ttft_bench(
             "The rest of the fetch (the landing buffer's views, the model's cache object) is "
             "the same per request whatever its size",
             "reused_chunks below the context's chunks means the agent's plan chose to recompute "
-            "(see planner_recomputed_chunks)",
+            "(see planner_recomputed_chunks); plan: the last sample's fetch-or-recompute "
+            "decision as the agent recorded it (reason, chunks, estimated fetch_s and "
+            "recompute_s, the link, device and prefill figures it used), None where the lookup "
+            "needed no plan",
             "disk: files fsynced and dropped from the page cache (posix_fadvise DONTNEED) "
             "before each sample, so reads come from the device",
             "disk: forced_fetch is the engine's read of every chunk from the disk tier with no "
@@ -748,6 +757,46 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
     }
 
 
+def _last_plan(control: Any) -> dict[str, Any] | None:
+    """The agent's last fetch-or-recompute decision, in brief: what it chose, why, and the
+    figures it chose from (None where the lookup needed no plan: every chunk local and free
+    but for the copy to the device, which always beats recomputing)."""
+    plan = control.remote().get("last_plan")
+    if not plan:
+        return None
+    links = plan.get("links") or {}
+    return {
+        "reason": plan.get("reason"),
+        "fetch_chunks": plan.get("fetch"),
+        "recompute_chunks": plan.get("recompute"),
+        "fetch_s": plan.get("fetch_s"),
+        "recompute_s": plan.get("recompute_s"),
+        "links": {
+            name: {k: link.get(k) for k in ("rtt_s", "bandwidth_bytes_per_s", "source", "override")}
+            for name, link in links.items()
+        },
+        "device": plan.get("device"),
+        "prefill": {k: (plan.get("prefill") or {}).get(k) for k in ("tokens_per_s", "basis")},
+    }
+
+
+def _plan_words(plan: dict[str, Any] | None) -> str:
+    """Why the last sample's plan recomputed, and from which figures, for the progress line."""
+    if plan is None:
+        return ""
+    links = [
+        f"{name} {_rate(link['bandwidth_bytes_per_s'])}"
+        + (f" rtt {link['rtt_s'] * 1e3:.2f} ms" if link["rtt_s"] is not None else "")
+        + f" ({link['source']})"
+        for name, link in plan["links"].items()
+    ]
+    tokens_per_s = plan["prefill"]["tokens_per_s"]
+    prefill = (
+        f"prefill {tokens_per_s:,.0f} tokens/s ({plan['prefill']['basis']})" if tokens_per_s else ""
+    )
+    return f" (plan: {plan['reason']}; " + ", ".join([*links, prefill]).strip(", ") + ")"
+
+
 def _one_line(source: str, s: dict[str, Any]) -> str:
     """A source's figures as a progress line (what a cut-short run still leaves behind)."""
     head = (
@@ -757,7 +806,7 @@ def _one_line(source: str, s: dict[str, Any]) -> str:
     )
     bound, share = s["bound"], s["bound"]["fetch_share_of_bound"]
     if share is None:
-        return f"{head}, nothing fetched"
+        return f"{head}, nothing fetched" + _plan_words(s.get("plan"))
     return (
         f"{head}, {s.get('reused_chunks', s.get('chunks'))} chunks, fetch "
         f"{_rate(s['fetch_bytes_per_second'])}"

@@ -95,6 +95,13 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
     assert attach["pool"] is None
     assert all(attach[n] is not None and attach[n] >= 0 for n in ("node", "reader", "puller"))
     assert row["memcpy_seconds"] > 0 and row["memcpy_threads"] >= 1
+    # the reader's plan is recorded beside its figures: what it chose, from which link figures
+    plan = row["sources"]["pool"]["plan"]
+    assert plan["fetch_chunks"] == pool["reused_chunks"]
+    assert plan["fetch_chunks"] + plan["recompute_chunks"] == CONTEXT // CHUNK
+    assert plan["reason"] in ("fetch", "slower-than-recompute")
+    assert plan["links"]["pool"]["bandwidth_bytes_per_s"] > 0
+    assert plan["prefill"]["basis"]
 
 
 def test_no_agent_is_left_running(result: dict[str, Any]) -> None:

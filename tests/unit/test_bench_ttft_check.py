@@ -103,3 +103,30 @@ def test_the_last_level_caches_are_counted_once_each(tmp_path: Path) -> None:
     _cache(tmp_path, 0, 4, 3, "bad", "0")  # unreadable: skipped
     assert last_level_cache_bytes(tmp_path) == 96 << 20
     assert last_level_cache_bytes(tmp_path / "none") == 64 << 20
+
+
+def test_a_source_the_plan_recomputed_says_why_and_from_which_figures() -> None:
+    from kvctl.bench.ttft import _one_line
+
+    summary = {
+        "ttft_seconds": 1.395,
+        "speedup": 1.01,
+        "bound": {"fetch_share_of_bound": None},
+        "plan": {
+            "reason": "slower-than-recompute",
+            "links": {
+                "pool": {
+                    "rtt_s": 0.0012,
+                    "bandwidth_bytes_per_s": 3.1e9,
+                    "source": "measured",
+                    "override": "auto",
+                }
+            },
+            "prefill": {"tokens_per_s": 23_000.0, "basis": "measured: 12 samples"},
+        },
+    }
+    line = _one_line("pool", summary)
+    assert "nothing fetched (plan: slower-than-recompute; " in line
+    assert "pool 3.10 GB/s rtt 1.20 ms (measured)" in line
+    assert "prefill 23,000 tokens/s (measured: 12 samples)" in line
+    assert _one_line("pool", {**summary, "plan": None}).endswith("nothing fetched")
