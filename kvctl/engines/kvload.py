@@ -299,8 +299,14 @@ def read_chunks(
     ran out before its copy finished ends the run. Raises AgentError."""
     if not client.shm:
         return read_socket(client, keys, tenant, loader, kv, 0), "socket"
-    with client.leased(keys, tenant=tenant) as leases:
-        n, blocked = copy_leased(leases, len(keys), loader, kv)
+    loader.last_copy = None  # this read's copy only
+    # in slices, as a pull from other nodes is (a LEASE pulls what is not local): a long read's
+    # copies overlap the next slice's lease, disk reads and pulls. The client's pending leases
+    # go with these, as its next call would release them anyway
+    try:
+        n, blocked = pull_leased(client, keys, tenant, loader, kv, 0)
+    finally:
+        client.release_pending()
     if blocked:
         n += read_socket(client, keys[n:], tenant, loader, kv, n)
     return n, "lease"
@@ -334,10 +340,10 @@ def pull_leased(
     kv: torch.Tensor,
     at: int,
 ) -> tuple[int, bool]:
-    """Chunks ``keys`` that lie on other nodes (the pool, peers) into ``kv`` from chunk ``at``
-    on, in slices (``MAX_PULL_SLICES``): each slice is leased with ``client.hold`` (the agent
-    pulls it into its arena), its copy queued, and the next slice asked for while that copy
-    runs. On CUDA the copies run on the side stream, so all but the last slice's copy hide
+    """Chunks ``keys`` into ``kv`` from chunk ``at`` on, in slices (``MAX_PULL_SLICES``): each
+    slice is leased with ``client.hold`` (the agent reads it into its arena first where it lies
+    on disk or on another node: the pool, a peer), its copy queued, and the next slice asked
+    for while that copy runs. On CUDA the copies run on the side stream, so all but the last slice's copy hide
     behind the pulls; on the CPU a copy ends before the next slice is asked for. The leases
     stay held until ``client.release_pending()``. How many leading chunks arrived whole, and
     whether the next is cached but could not be leased (read it with ``read_socket``)."""

@@ -80,7 +80,7 @@ def test_the_local_lookup_leases_what_is_here_and_pulls_nothing(
         assert f.local_chunks() == 7
         assert f.leases() == 3 + 4  # the lookup's three are still held
         d.release_pending()
-        wait_until("the leases released", lambda: f.leases() == 0)
+        wait_until("the leases released", lambda: f.leases() == 0, timeout_s=5)
 
 
 def test_an_engine_pulls_a_remote_prefix_in_slices_with_every_byte_in_place(
@@ -130,7 +130,7 @@ def test_an_engine_pulls_a_remote_prefix_in_slices_with_every_byte_in_place(
         got = kv[:, :, :, :, i * t : (i + 1) * t, :]
         # as bits: random payload bytes hold NaNs, which equal nothing
         assert torch.equal(got.view(torch.int32), want.view(torch.int32)), f"chunk {i}"
-    wait_until("the leases released", lambda: f.leases() == 0)
+    wait_until("the leases released", lambda: f.leases() == 0, timeout_s=5)
 
 
 def test_a_slice_the_pool_no_longer_has_ends_the_reuse_there(
@@ -157,4 +157,40 @@ def test_a_slice_the_pool_no_longer_has_ends_the_reuse_there(
         got, blocked = kvload.pull_leased(d, keys, "t1", loader, kv, 0)
         assert (got, blocked) == (5, False)
         d.release_pending()
-    wait_until("the leases released", lambda: f.leases() == 0)
+    wait_until("the leases released", lambda: f.leases() == 0, timeout_s=5)
+
+
+def test_a_read_without_a_lookup_goes_in_slices_and_lets_go_of_them(
+    fleet: tuple[Fleet, list[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_chunks`` (the vLLM connector's load, an engine without the leased lookup) reads
+    through the same slices, local chunks and remote ones alike, and holds nothing after."""
+    torch = pytest.importorskip("torch")
+    from kvctl.engines import kvload
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.store.keys import KVLayout
+
+    fmt = ChunkFormat(KVLayout(2, 2, 64, "float32"), 512)
+    monkeypatch.setattr(kvload, "MIN_PULL_SLICE_BYTES", 4 * CHUNK_BYTES)
+    f, keys = fleet
+    loader = kvload.KVLoader(fmt, torch.device("cpu"))
+    kv = loader.alloc(CHUNKS)
+    with f.reader.data("unix") as d:
+        d.get_many(keys[:5], tenant="t1")  # these are local now, the rest in the pool
+        slices: list[int] = []
+        hold = d.hold
+
+        def counted(keys: Any, **kw: Any) -> Any:
+            slices.append(len(keys))
+            return hold(keys, **kw)
+
+        monkeypatch.setattr(d, "hold", counted)
+        assert kvload.read_chunks(d, keys, "t1", loader, kv) == (CHUNKS, "lease")
+        assert slices == [4, 4, 4]
+        wait_until("the leases released", lambda: f.leases() == 0, timeout_s=5)
+    t = fmt.chunk_tokens
+    for i, k in enumerate(keys):
+        want = torch.frombuffer(bytearray(payload(k, CHUNK_BYTES)), dtype=torch.int32)
+        got = kv[:, :, 0, :, i * t : (i + 1) * t, :].contiguous().view(torch.int32)
+        # the chunk's bytes are [layers, K|V, heads, tokens, dim]: the same order as these
+        assert torch.equal(got.flatten(), want), f"chunk {i}"
