@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hmac
 import json
 import logging
@@ -96,6 +97,8 @@ _OP_NAMES = {op.value: op.name.lower() for op in Op}
 _PROBE_ZEROS = bytes(PROBE_PIECE_BYTES)
 #: ops whose requests carry a payload; any other op with one is a broken frame
 _PAYLOAD_OPS = frozenset({Op.PUT, Op.PROBE})
+#: a matched chunk on another node, not pulled (LOOKUP_LEASE_LOCAL)
+_REMOTE_ITEM = LEASE_ITEM.pack(Status.REMOTE, 0, 0, 0, 0, 0.0)
 #: what a handler answers: the reply's parts (its metadata first, then payload pieces) and the
 #: payload's length in bytes
 Reply = tuple[list[bytes | bytearray | memoryview], int]
@@ -319,7 +322,7 @@ class Connection:
             Op.LOOKUP_MANY: self._lookup_many,
             Op.LEASE: self._lease,
             Op.LOOKUP_LEASE: self._lookup_lease,
-            Op.LOOKUP_LEASE_LOCAL: self._lookup_lease_local,
+            Op.LOOKUP_LEASE_LOCAL: functools.partial(self._lookup_lease, local_only=True),
             Op.RELEASE: self._release,
             Op.MAP: self._map,
             Op.ATTACH: self._attach,
@@ -818,23 +821,11 @@ class Connection:
         w = MetaWriter().u32(len(keys))
         return [w.raw(self._lease_items(keys, ttl, tenant)).build()], 0
 
-    def _lookup_lease(self, meta: MetaReader, _payload: int) -> Reply:
+    def _lookup_lease(self, meta: MetaReader, _payload: int, *, local_only: bool = False) -> Reply:
         """A lookup whose matched prefix is leased at once: the engine that asks is about to
-        read it, and saves the LEASE round trip."""
-        self._require_shm()
-        tenant = meta.text()
-        ttl = self._lease_ttl(meta.f64())
-        keys = meta.keys()
-        meta.done()
-        w = MetaWriter()
-        m = self._lookup_reply(w, keys, tenant).matched_chunks
-        w.u32(m).raw(self._lease_items(keys[:m], ttl, tenant))
-        return [w.build()], 0
-
-    def _lookup_lease_local(self, meta: MetaReader, _payload: int) -> Reply:
-        """LOOKUP_LEASE that leaves the pulls to the engine: the matched prefix is leased up to
-        its first chunk on another node; that one and the rest are REMOTE, not pulled, so the
-        engine can LEASE them in slices and copy each while the next one is pulled."""
+        read it, and saves the LEASE round trip. ``local_only`` (LOOKUP_LEASE_LOCAL): leased up
+        to its first chunk on another node, and that one and the rest are REMOTE, not pulled,
+        so the engine can LEASE them in slices and copy each while the next one is pulled."""
         self._require_shm()
         tenant = meta.text()
         ttl = self._lease_ttl(meta.f64())
@@ -842,11 +833,12 @@ class Connection:
         meta.done()
         w = MetaWriter()
         res = self._lookup_reply(w, keys, tenant)
-        m = res.matched_chunks
-        local = set(self.runtime.store.tier_names)
-        here = next((i for i, t in enumerate(res.locations[:m]) if t not in local), m)
-        items = self._lease_items(keys[:here], ttl, tenant, pull=False)
-        w.u32(m).raw(items + LEASE_ITEM.pack(Status.REMOTE, 0, 0, 0, 0, 0.0) * (m - here))
+        m = here = res.matched_chunks
+        if local_only:
+            local = set(self.runtime.store.tier_names)
+            here = next((i for i, t in enumerate(res.locations[:m]) if t not in local), m)
+        items = self._lease_items(keys[:here], ttl, tenant, pull=not local_only)
+        w.u32(m).raw(items + _REMOTE_ITEM * (m - here))
         return [w.build()], 0
 
     def _lease_ttl(self, ttl: float) -> float:

@@ -343,10 +343,11 @@ def pull_leased(
     """Chunks ``keys`` into ``kv`` from chunk ``at`` on, in slices (``MAX_PULL_SLICES``): each
     slice is leased with ``client.hold`` (the agent reads it into its arena first where it lies
     on disk or on another node: the pool, a peer), its copy queued, and the next slice asked
-    for while that copy runs. On CUDA the copies run on the side stream, so all but the last slice's copy hide
-    behind the pulls; on the CPU a copy ends before the next slice is asked for. The leases
-    stay held until ``client.release_pending()``. How many leading chunks arrived whole, and
-    whether the next is cached but could not be leased (read it with ``read_socket``)."""
+    for while that copy runs. On CUDA the copies run on the side stream, so all but the last
+    slice's copy hide behind the pulls; on the CPU a copy ends before the next slice is asked
+    for. The leases stay held until ``client.release_pending()``. How many leading chunks
+    arrived whole, and whether the next is cached but could not be leased (read it with
+    ``read_socket``)."""
     size = loader.format.chunk_bytes
     slices = min(MAX_PULL_SLICES, max(1, len(keys) * size // MIN_PULL_SLICE_BYTES))
     per = -(-len(keys) // slices)

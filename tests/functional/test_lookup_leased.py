@@ -126,6 +126,19 @@ def test_off_the_unix_socket_it_is_refused(node: Node) -> None:
             pass
 
 
+def _agent_without(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *ops: Op) -> Node:
+    """An agent older than ``ops``: it answers them UNSUPPORTED, as an unknown op."""
+    init = dataplane.Connection.__init__
+
+    def older(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        for op in ops:
+            del self._handlers[op]
+
+    monkeypatch.setattr(dataplane.Connection, "__init__", older)
+    return Node(tmp_path, cpu_bytes=64 << 20, chunk_tokens=64)
+
+
 def test_an_engine_on_an_agent_without_it_looks_up_then_leases(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,15 +149,7 @@ def test_an_engine_on_an_agent_without_it_looks_up_then_leases(
     from kvctl.engines.hf import CachedLM
     from kvctl.engines.models import build_model
 
-    init = dataplane.Connection.__init__
-
-    def without_lookup_lease(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        del self._handlers[Op.LOOKUP_LEASE]
-        del self._handlers[Op.LOOKUP_LEASE_LOCAL]
-
-    monkeypatch.setattr(dataplane.Connection, "__init__", without_lookup_lease)
-    node = Node(tmp_path, cpu_bytes=64 << 20, chunk_tokens=64)
+    node = _agent_without(monkeypatch, tmp_path, Op.LOOKUP_LEASE, Op.LOOKUP_LEASE_LOCAL)
     try:
         with DataClient.connect(node.sock) as client:
             with pytest.raises(RequestError) as refused, client.lookup_leased([key(1)]):
@@ -187,14 +192,7 @@ def test_an_engine_on_an_agent_without_the_local_lookup_lease_pulls_in_its_looku
     from kvctl.engines.hf import CachedLM
     from kvctl.engines.models import build_model
 
-    init = dataplane.Connection.__init__
-
-    def without_local(self: Any, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        del self._handlers[Op.LOOKUP_LEASE_LOCAL]
-
-    monkeypatch.setattr(dataplane.Connection, "__init__", without_local)
-    node = Node(tmp_path, cpu_bytes=64 << 20, chunk_tokens=64)
+    node = _agent_without(monkeypatch, tmp_path, Op.LOOKUP_LEASE_LOCAL)
     try:
         with DataClient.connect(node.sock) as client:
             lm = CachedLM(build_model("tiny-llama", dtype=torch.float32), client)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from kvctl.client import DataClient
 from tests.functional.agents import Agent, payload, running_agent
 from tests.functional.test_remote import (
     CHUNK_BYTES,
@@ -50,6 +51,19 @@ def fleet(tmp_path: Path) -> Iterator[tuple[Fleet, list[bytes]]]:
             wait_until("the write-through to reach the pool", pool_holds(pool, CHUNKS))
             wait_until("b to measure its link to the pool", link_costed(b, "pool"))
             yield Fleet(pool, a, b), keys
+
+
+def _slices_held(client: DataClient, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of each ``hold`` the client is asked for from now on (each one still made)."""
+    slices: list[int] = []
+    hold = client.hold
+
+    def counted(keys: Any, **kw: Any) -> Any:
+        slices.append(len(keys))
+        return hold(keys, **kw)
+
+    monkeypatch.setattr(client, "hold", counted)
+    return slices
 
 
 def test_the_local_lookup_leases_what_is_here_and_pulls_nothing(
@@ -99,14 +113,7 @@ def test_an_engine_pulls_a_remote_prefix_in_slices_with_every_byte_in_place(
     loader = kvload.KVLoader(fmt, torch.device("cpu"))
     kv = loader.alloc(CHUNKS)
     with f.reader.data("unix") as d:
-        slices: list[int] = []
-        hold = d.hold
-
-        def counted(keys: Any, **kw: Any) -> Any:
-            slices.append(len(keys))
-            return hold(keys, **kw)
-
-        monkeypatch.setattr(d, "hold", counted)
+        slices = _slices_held(d, monkeypatch)
         with d.lookup_leased(keys, tenant="t1", local_only=True, release_later=True) as (
             found,
             leases,
@@ -177,14 +184,7 @@ def test_a_read_without_a_lookup_goes_in_slices_and_lets_go_of_them(
     kv = loader.alloc(CHUNKS)
     with f.reader.data("unix") as d:
         d.get_many(keys[:5], tenant="t1")  # these are local now, the rest in the pool
-        slices: list[int] = []
-        hold = d.hold
-
-        def counted(keys: Any, **kw: Any) -> Any:
-            slices.append(len(keys))
-            return hold(keys, **kw)
-
-        monkeypatch.setattr(d, "hold", counted)
+        slices = _slices_held(d, monkeypatch)
         assert kvload.read_chunks(d, keys, "t1", loader, kv) == (CHUNKS, "lease")
         assert slices == [4, 4, 4]
         wait_until("the leases released", lambda: f.leases() == 0, timeout_s=5)
