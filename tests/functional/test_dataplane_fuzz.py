@@ -143,7 +143,7 @@ def _valid_meta(rng: random.Random, op: Op, unix: bool) -> tuple[bytes, bytes]:
         w.text(_tenant(rng)).u32(chains)
         for _ in range(chains):
             w.keys(_keys(rng))
-    elif op in (Op.LEASE, Op.LOOKUP_LEASE):
+    elif op in (Op.LEASE, Op.LOOKUP_LEASE, Op.LOOKUP_LEASE_LOCAL):
         w.text(_tenant(rng)).f64(_odd_float(rng)).keys(_keys(rng))
     elif op == Op.RELEASE:
         n = rng.randint(0, 5)

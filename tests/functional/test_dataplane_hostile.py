@@ -333,7 +333,7 @@ def test_a_put_that_cannot_get_budget_waits_then_is_refused(tmp_path: Path) -> N
         assert rss_bytes(a.proc.pid) <= base + (64 << 20)
 
 
-@pytest.mark.parametrize("op", [Op.LEASE, Op.LOOKUP_LEASE])
+@pytest.mark.parametrize("op", [Op.LEASE, Op.LOOKUP_LEASE, Op.LOOKUP_LEASE_LOCAL])
 def test_a_lease_with_a_nan_ttl_is_refused(agent, op: Op) -> None:  # type: ignore[no-untyped-def]
     """A NaN ttl slipped past the clamp to lease_seconds: the lease's deadline was NaN, which no
     expiry ever passes, so the chunk stayed held for as long as the connection lived."""
