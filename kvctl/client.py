@@ -888,7 +888,8 @@ class DataClient:
             return self._arena
 
     def _map_arena(self) -> None:
-        meta, _ = self._call_locked(Op.MAP, b"", (), None)
+        # inside a lease's reply: the leases pending beside it (``hold``) stay held
+        meta, _ = self._call_locked(Op.MAP, b"", (), None, keep_pending=True)
         r = MetaReader(meta)
         generation, size = r.u64(), r.u64()
         if len(self._fds) != 1:

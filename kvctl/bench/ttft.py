@@ -213,9 +213,10 @@ def run_ttft_bench(
                         if source == "disk":
                             _drop_page_cache(fleet.disk)  # the bound read them: from the device
                         agent = "reader" if source == "pool" else "node"
+                        planned = _plans_made(fleet.control[agent])
                         got = _light(cold(engines[agent]).prefill(prompt))
                         runs.append(_check(got, reference, split, source, len(keys), dtype))
-                        plans.append(_last_plan(fleet.control[agent]))
+                        plans.append(_last_plan(fleet.control[agent], planned))
                         if source == "pool":  # the pull itself, whatever the plan decided
                             fleet.prepare(source, keys)
                             forced_bounds.append(
@@ -757,12 +758,30 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
     }
 
 
-def _last_plan(control: Any) -> dict[str, Any] | None:
-    """The agent's last fetch-or-recompute decision, in brief: what it chose, why, and the
-    figures it chose from (None where the lookup needed no plan: every chunk local and free
-    but for the copy to the device, which always beats recomputing)."""
-    plan = control.remote().get("last_plan")
-    if not plan:
+def _plans_made(control: Any) -> int | None:
+    """How many fetch-or-recompute plans the agent has made (None: it would not say)."""
+    from kvctl.client import AgentError
+
+    try:
+        return int(control.remote()["plans"]["lookups"])
+    except (AgentError, KeyError, TypeError, ValueError):
+        return None
+
+
+def _last_plan(control: Any, before: int | None) -> dict[str, Any] | None:
+    """The plan the agent made for the sample's lookup (made since it had made ``before``), in
+    brief: what it chose, why, and the figures it chose from. None where the lookup needed no
+    plan (every chunk local and free but for the copy to the device, which always beats
+    recomputing) or the agent would not say: a diagnosis, never a reason to fail a sample."""
+    from kvctl.client import AgentError
+
+    try:
+        remote = control.remote()
+        made = int(remote["plans"]["lookups"])
+    except (AgentError, KeyError, TypeError, ValueError):
+        return None
+    plan = remote.get("last_plan")
+    if not plan or before is None or made == before:
         return None
     links = plan.get("links") or {}
     return {

@@ -67,6 +67,22 @@ def runs(offsets: Sequence[int], size_bytes: int, max_run_bytes: int) -> list[tu
     return out
 
 
+class QueuedCopy:
+    """A ``KVLoader.load_timed`` copy: done or not yet (CUDA: its end event; CPU: done when
+    queued), and the seconds it took once done."""
+
+    def __init__(self, start: Any, end: Any, seconds: float = 0.0) -> None:
+        self._start, self._end, self._seconds = start, end, seconds
+
+    def done(self) -> bool:
+        return self._end is None or bool(self._end.query())
+
+    def seconds(self) -> float:
+        if self._end is None:
+            return self._seconds
+        return float(self._start.elapsed_time(self._end)) / 1e3
+
+
 class KVLoader:
     """Copies chunks into ``[layers, 2, 1, kv_heads, n*T, head_dim]`` tensors on ``device``."""
 
@@ -252,21 +268,20 @@ class KVLoader:
         offsets: Sequence[int],
         dst: torch.Tensor,
         first_chunk: int = 0,
-    ) -> Callable[[], float]:
-        """``load``, and what tells the seconds its copies took once ``wait()`` returned: on
-        CUDA timed by events on the side stream around them, so neither the request's queued
+    ) -> QueuedCopy:
+        """``load``, as a copy that says when it is done and, once it is, the seconds it took:
+        on CUDA timed by events on the side stream around it, so neither the request's queued
         work nor the time until the next slice is asked for is in it."""
         if self._stream is None:
             started_s = time.perf_counter()
             self.load(src, offsets, dst, first_chunk)
-            took_s = time.perf_counter() - started_s
-            return lambda: took_s
+            return QueuedCopy(None, None, time.perf_counter() - started_s)
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record(self._stream)
         self.load(src, offsets, dst, first_chunk)
         end.record(self._stream)
-        return lambda: start.elapsed_time(end) / 1e3
+        return QueuedCopy(start, end)
 
     def _copy_run(self, flat: torch.Tensor, dst: torch.Tensor, at: int, count: int) -> None:
         fmt = self.format
@@ -348,32 +363,51 @@ def pull_leased(
     for. The leases stay held until ``client.release_pending()``. How many leading chunks
     arrived whole, and whether the next is cached but could not be leased (read it with
     ``read_socket``)."""
+    if not keys:
+        return 0, False
     size = loader.format.chunk_bytes
     slices = min(MAX_PULL_SLICES, max(1, len(keys) * size // MIN_PULL_SLICE_BYTES))
     per = -(-len(keys) // slices)
-    copied: list[LeasedChunk] = []
-    timers: list[Callable[[], float]] = []
-    blocked = False
+    copies: list[tuple[list[LeasedChunk], QueuedCopy]] = []
+    checked = held = 0  # slices whose leases were checked; leading chunks that held
+    expired = blocked = False
+
+    def check() -> None:
+        """Each copy done since the last check, in order, against its leases' deadlines
+        (read once it is done: a lease that held then held throughout), so a long pull
+        keeps the slices that were copied in time."""
+        nonlocal checked, held, expired
+        while checked < len(copies) and not expired and copies[checked][1].done():
+            chunks = copies[checked][0]
+            ok = _still_held(chunks)
+            held += ok
+            expired = ok < len(chunks)
+            checked += 1
+
     try:
         for lo in range(0, len(keys), per):
+            if copies:
+                check()
             leases = client.hold(keys[lo : lo + per], tenant=tenant)
             n = _whole(leases.chunks, size)
             if n:
                 arena = loader.arena_tensor(leases.arena)
-                offsets = [c.offset for c in leases.chunks[:n]]  # type: ignore[union-attr]
-                timers.append(loader.load_timed(arena, offsets, kv, at + len(copied)))
-                copied.extend(leases.chunks[:n])  # type: ignore[arg-type]
+                chunks: list[LeasedChunk] = leases.chunks[:n]  # type: ignore[assignment]
+                at_chunk = at + sum(len(c) for c, _ in copies)
+                copy = loader.load_timed(arena, [c.offset for c in chunks], kv, at_chunk)
+                copies.append((chunks, copy))
             if n < len(leases.chunks):
                 blocked = n not in leases.missing
                 break
     finally:
         loader.wait()  # the copies read the arena: done before the leases can end
-    if copied:  # the copies alone, added to the local part's (the rate an engine reports)
+    check()
+    if copies:  # the copies alone, added to the local part's (the rate an engine reports)
         before_bytes, before_s = loader.last_copy or (0, 0.0)
-        took_s = sum(timer() for timer in timers)
-        loader.last_copy = (before_bytes + len(copied) * size, before_s + took_s)
-    n = _still_held(copied)
-    return n, blocked or n < len(copied)
+        copied = sum(len(c) for c, _ in copies) * size
+        took_s = sum(copy.seconds() for _, copy in copies)
+        loader.last_copy = (before_bytes + copied, before_s + took_s)
+    return held, blocked or expired
 
 
 def _whole(chunks: Sequence[LeasedChunk | None], size_bytes: int) -> int:

@@ -194,3 +194,71 @@ def test_a_read_without_a_lookup_goes_in_slices_and_lets_go_of_them(
         got = kv[:, :, 0, :, i * t : (i + 1) * t, :].contiguous().view(torch.int32)
         # the chunk's bytes are [layers, K|V, heads, tokens, dim]: the same order as these
         assert torch.equal(got.flatten(), want), f"chunk {i}"
+
+
+# --- one agent, no pool: what a slice's lease promises --------------------------------------
+def _one_agent_format() -> Any:
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.store.keys import KVLayout
+    from tests.functional.test_lookup_leased import CHUNK
+
+    fmt = ChunkFormat(KVLayout(2, 2, 64, "float32"), 32)
+    assert fmt.chunk_bytes == CHUNK
+    return fmt
+
+
+def test_a_pull_longer_than_a_lease_keeps_the_slices_copied_in_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each slice's leases are checked once its copy is done, not all at the end: a pull that
+    outlasts the first slice's lease (a slow link) keeps every chunk copied while it held."""
+    torch = pytest.importorskip("torch")
+    import time
+
+    from kvctl.engines import kvload
+    from tests.functional.test_lookup_leased import CHUNK, Node, key
+
+    node = Node(tmp_path, cpu_bytes=4 << 20, lease_seconds=0.5)
+    keys = [key(i) for i in range(8)]
+    for k in keys:
+        node.store.put(k, payload(k, CHUNK))
+    monkeypatch.setattr(kvload, "MIN_PULL_SLICE_BYTES", CHUNK)  # 8 slices of one chunk
+    loader = kvload.KVLoader(_one_agent_format(), torch.device("cpu"))
+    kv = loader.alloc(len(keys))
+    try:
+        with DataClient.connect(node.sock) as d:
+            hold = d.hold
+
+            def slow(ks: Any, **kw: Any) -> Any:  # each slice's pull takes 100 ms
+                got = hold(ks, **kw)
+                time.sleep(0.1)
+                return got
+
+            monkeypatch.setattr(d, "hold", slow)
+            assert kvload.pull_leased(d, keys, "", loader, kv, 0) == (len(keys), False)
+            d.release_pending()
+            assert kvload.pull_leased(d, [], "", loader, kv, 0) == (0, False)  # nothing asked
+    finally:
+        node.close()
+
+
+def test_a_resize_between_slices_keeps_the_earlier_slices_pending(tmp_path: Path) -> None:
+    """A slice's reply in a new arena generation maps the new arena; that must not release the
+    slices held before it (their copies may still be queued on a GPU)."""
+    from tests.functional.test_lookup_leased import CHUNK, Node, key
+
+    node = Node(tmp_path, cpu_bytes=1 << 20)
+    a, b = key(1), key(2)
+    node.store.put(a, payload(a, CHUNK))
+    node.store.put(b, payload(b, CHUNK))
+    try:
+        with DataClient.connect(node.sock) as d:
+            first = d.hold([a])
+            node.store.resize("cpu", 2 << 20)  # a new arena generation
+            second = d.hold([b])
+            assert second.generation != first.generation
+            assert len(d._unreleased) == 2  # both lease ids still to be released
+            d.release_pending()
+            assert not d._unreleased
+    finally:
+        node.close()
