@@ -262,3 +262,42 @@ def test_a_resize_between_slices_keeps_the_earlier_slices_pending(tmp_path: Path
             assert not d._unreleased
     finally:
         node.close()
+
+
+def test_on_cuda_sliced_copies_land_exactly_and_are_timed_by_events(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA path of the slices: each slice's copy queued on the side stream from the
+    registered arena while the next is leased, its leases checked once its end event is done,
+    every byte on the device exact, and the copies' own time (events) in ``last_copy``."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from kvctl.engines import kvload
+    from tests.functional.test_lookup_leased import CHUNK, Node, key
+
+    node = Node(tmp_path, cpu_bytes=4 << 20)
+    keys = [key(i) for i in range(8)]
+    for k in keys:
+        node.store.put(k, payload(k, CHUNK))
+    monkeypatch.setattr(kvload, "MIN_PULL_SLICE_BYTES", 2 * CHUNK)  # 4 slices of 2 chunks
+    fmt = _one_agent_format()
+    loader = kvload.KVLoader(fmt, torch.device("cuda"))
+    kv = loader.alloc(len(keys))
+    try:
+        with DataClient.connect(node.sock) as d:
+            slices = _slices_held(d, monkeypatch)
+            assert kvload.pull_leased(d, keys, "", loader, kv, 0) == (len(keys), False)
+            assert slices == [2, 2, 2, 2] and loader.register_failures == 0
+            d.release_pending()
+        assert loader.last_copy is not None
+        assert loader.last_copy[0] == len(keys) * CHUNK and loader.last_copy[1] > 0
+        t = fmt.chunk_tokens
+        host = kv.cpu()
+        for i, k in enumerate(keys):
+            want = torch.frombuffer(bytearray(payload(k, CHUNK)), dtype=torch.int32)
+            got = host[:, :, 0, :, i * t : (i + 1) * t, :].contiguous().view(torch.int32)
+            assert torch.equal(got.flatten(), want), f"chunk {i}"
+    finally:
+        loader.close()
+        node.close()
