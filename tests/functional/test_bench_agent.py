@@ -170,6 +170,6 @@ def test_lookups_beside_an_operator_flush_and_resize(result: dict[str, Any]) -> 
 
 
 def test_a_leased_lookup_beside_a_plain_one(result: dict[str, Any]) -> None:
-    assert result["lookup_lease_chunks"] == 64 and result["lookup_lease_samples"] >= 1
+    assert result["lookup_lease_chunks"] == 64
     assert result["lookup_p50_seconds"] > 0
     assert result["lookup_lease_p50_seconds"] > 0
