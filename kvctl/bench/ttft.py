@@ -758,31 +758,28 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
     }
 
 
-def _plans_made(control: Any) -> int | None:
-    """How many fetch-or-recompute plans the agent has made (None: it would not say)."""
-    from kvctl.client import AgentError
-
-    try:
-        return int(control.remote()["plans"]["lookups"])
-    except (AgentError, KeyError, TypeError, ValueError):
-        return None
-
-
-def _last_plan(control: Any, before: int | None) -> dict[str, Any] | None:
-    """The plan the agent made for the sample's lookup (made since it had made ``before``), in
-    brief: what it chose, why, and the figures it chose from. None where the lookup needed no
-    plan (every chunk local and free but for the copy to the device, which always beats
-    recomputing) or the agent would not say: a diagnosis, never a reason to fail a sample."""
+def _plans_made(control: Any) -> tuple[int, dict[str, Any] | None] | None:
+    """How many fetch-or-recompute plans the agent has made, and its last one (None: it would
+    not say)."""
     from kvctl.client import AgentError
 
     try:
         remote = control.remote()
-        made = int(remote["plans"]["lookups"])
+        return int(remote["plans"]["lookups"]), remote.get("last_plan")
     except (AgentError, KeyError, TypeError, ValueError):
         return None
-    plan = remote.get("last_plan")
-    if not plan or before is None or made == before:
+
+
+def _last_plan(control: Any, before: tuple[int, Any] | None) -> dict[str, Any] | None:
+    """The plan the agent made for the sample's lookup (made since ``before``, what
+    ``_plans_made`` said then), in brief: what it chose, why, and the figures it chose from.
+    None where the lookup needed no plan (every chunk local and free but for the copy to the
+    device, which always beats recomputing) or the agent would not say: a diagnosis, never a
+    reason to fail a sample."""
+    after = _plans_made(control)
+    if after is None or before is None or after[0] == before[0] or not after[1]:
         return None
+    plan = after[1]
     links = plan.get("links") or {}
     return {
         "reason": plan.get("reason"),

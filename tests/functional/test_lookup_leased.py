@@ -126,6 +126,23 @@ def test_off_the_unix_socket_it_is_refused(node: Node) -> None:
             pass
 
 
+def _reused_on_the_second_prefill(client: DataClient) -> Any:
+    """A tiny engine on ``client``, after one prefill and the same prompt again, which must
+    reuse its three chunks from the shared arena."""
+    import torch
+
+    from kvctl.engines.hf import CachedLM
+    from kvctl.engines.models import build_model
+
+    lm = CachedLM(build_model("tiny-llama", dtype=torch.float32), client)
+    ids = list(range(1, 64 * 3 + 2))
+    lm.prefill(ids)
+    lm.flush()
+    again = lm.prefill(ids)
+    assert (again.reused_chunks, again.fetch_path) == (3, "lease")
+    return lm
+
+
 def _agent_without(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *ops: Op) -> Node:
     """An agent older than ``ops``: it answers them UNSUPPORTED, as an unknown op."""
     init = dataplane.Connection.__init__
@@ -144,23 +161,15 @@ def test_an_engine_on_an_agent_without_it_looks_up_then_leases(
 ) -> None:
     """An agent older than LOOKUP_LEASE answers it UNSUPPORTED (an unknown op): the engine then
     looks up and leases in two round trips, as before, and still reuses its chunks."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from kvctl.engines.hf import CachedLM
-    from kvctl.engines.models import build_model
-
     node = _agent_without(monkeypatch, tmp_path, Op.LOOKUP_LEASE, Op.LOOKUP_LEASE_LOCAL)
     try:
         with DataClient.connect(node.sock) as client:
             with pytest.raises(RequestError) as refused, client.lookup_leased([key(1)]):
                 pass
             assert refused.value.code == ErrorCode.UNSUPPORTED
-            lm = CachedLM(build_model("tiny-llama", dtype=torch.float32), client)
-            ids = list(range(1, 64 * 3 + 2))
-            lm.prefill(ids)
-            lm.flush()
-            again = lm.prefill(ids)
-            assert (again.reused_chunks, again.fetch_path) == (3, "lease")
+            lm = _reused_on_the_second_prefill(client)
             assert lm._no_lookup_lease is client  # asked once, then not again
     finally:
         node.close()
@@ -187,20 +196,12 @@ def test_an_engine_on_an_agent_without_the_local_lookup_lease_pulls_in_its_looku
 ) -> None:
     """An agent that has LOOKUP_LEASE but not LOOKUP_LEASE_LOCAL: the engine asks the local one
     once, then leases with the lookup as before (asked once per client), and reuses its chunks."""
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from kvctl.engines.hf import CachedLM
-    from kvctl.engines.models import build_model
-
     node = _agent_without(monkeypatch, tmp_path, Op.LOOKUP_LEASE_LOCAL)
     try:
         with DataClient.connect(node.sock) as client:
-            lm = CachedLM(build_model("tiny-llama", dtype=torch.float32), client)
-            ids = list(range(1, 64 * 3 + 2))
-            lm.prefill(ids)
-            lm.flush()
-            again = lm.prefill(ids)
-            assert (again.reused_chunks, again.fetch_path) == (3, "lease")
+            lm = _reused_on_the_second_prefill(client)
             assert lm._no_local_lease is client and lm._no_lookup_lease is None
         stats = node.store.stats
         assert stats.lookups == 2  # one per prefill: the refused op counted nothing
