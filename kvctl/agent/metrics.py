@@ -307,6 +307,12 @@ class PlanCollector(Collector):
             ),
         ):
             yield CounterMetricFamily(name, doc, value=0.0 if p is None else getattr(p, field))
+        yield CounterMetricFamily(
+            "kvctl_plan_unasked_lookups",
+            "Lookups that asked no remote source: nothing of the chain was here and fetching "
+            "all of it from the one source would not have beaten recomputing it.",
+            value=0 if p is None else p.unasked,
+        )
 
 
 #: the states a remote source's circuit breaker can be in (kvctl/remote/breaker.py)

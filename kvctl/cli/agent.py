@@ -558,7 +558,12 @@ def _render_remote(report: dict[str, Any]) -> None:
     console.print(
         f"lookups planned: {plans['lookups']:,}; chunks fetched "
         f"{plans['fetch_chunks']:,}, recomputed {plans['recompute_chunks']:,} ({reasons}); "
-        f"prefill time saved net of fetching {plans['saved_s']:.3f} s [dim](prefill: "
+        + (
+            f"{plans['unasked_lookups']:,} not asked of the pool or peers (no fetch could pay); "
+            if plans.get("unasked_lookups")
+            else ""
+        )
+        + f"prefill time saved net of fetching {plans['saved_s']:.3f} s [dim](prefill: "
         f"{report['prefill']['basis']}, {report['prefill']['tokens_per_s']:,.0f} tokens/s)[/]\n"
         f"pool writer ({write['mode']}): written {write['written']:,}, queued {write['queued']:,}"
         f", failed {write['failed']:,}, dropped {write['dropped']:,}",

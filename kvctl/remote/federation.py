@@ -284,6 +284,9 @@ class PlanCounters:
     fetch_s: float = 0.0
     saved_s: float = 0.0
     reasons: Counter[str] = field(default_factory=Counter)
+    #: lookups that asked no remote source: nothing of the chain was here, and fetching all of
+    #: it from the one source would not have beaten recomputing it (``_not_worth_asking``)
+    unasked: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         recomputed: dict[str, dict[str, int]] = {}
@@ -299,6 +302,7 @@ class PlanCounters:
             "fetch_s": self.fetch_s,
             "saved_s": self.saved_s,
             "reasons": dict(self.reasons),
+            "unasked_lookups": self.unasked,
         }
 
 
@@ -307,6 +311,9 @@ class PlanCounters:
 DISK_READ_LATENCY_S = 1e-4
 #: stage order of a lookup's fetch: fills from the pool and peers, then local reads
 _REMOTE_STAGE = 0
+#: of the lookups not worth asking the remote source about (``_not_worth_asking``), every
+#: this-many-th asks anyway: its answer corrects the chunk bounds if a smaller model's came
+ASK_ANYWAY_AFTER = 32
 
 
 class FetchPlanner:
@@ -355,6 +362,7 @@ class FetchPlanner:
         self._local: tuple[tuple[float | None, ...], dict[str, LocalLink], frozenset[str]] | None
         self._local = None
         self._device: LocalLink | None = None
+        self._futile_lookups = 0
 
     # --- inputs -------------------------------------------------------------------------------
     def prefill(self, model: str | None = None) -> PrefillModel:
@@ -446,7 +454,14 @@ class FetchPlanner:
                 res = store.count_lookup(keys, limit=m, tenant=tenant)
                 self._count_free(res, prefill, fetch_s=crossing_s)
                 return res
-        found = remote._probe(keys[m:], tenant) if remote is not None and probing and m < n else []
+        found: list[list[tuple[str, ChunkMeta]]] = []
+        if remote is not None and probing and m < n:
+            unasked = None if m or past else self._not_worth_asking(remote, n, device, prefill)
+            if unasked is not None:
+                res = store.count_lookup(keys, limit=0, tenant=tenant)
+                self._record(unasked, [], res, tenant, chunks=n, local=0, unasked=True)
+                return res
+            found = remote._probe(keys[m:], tenant)
         sources = self._sources
         candidates = [
             Candidate.trusted(i, e.size_bytes, e.tokens, sources[e.tier])
@@ -487,6 +502,38 @@ class FetchPlanner:
             res = remote._take(keys, found, res, plan if extend else None, tenant, past)
         self._record(plan, candidates, res, tenant, chunks=n, local=m)
         return res
+
+    def _not_worth_asking(
+        self, remote: RemoteTiers, chunks: int, device: LocalLink, prefill: PrefillModel
+    ) -> FetchPlan | None:
+        """With nothing of a chain of ``chunks`` here and one remote source, the plan made as if
+        that source held all of it, each chunk as small and as many tokens long as the smallest
+        and the longest it has answered with, when that plan fetches nothing: its real chunks
+        cost no less to fetch and no more to recompute, so asking could not change the answer
+        (the probe's round trip is most of a short prompt's lookup). None: ask.
+
+        One candidate of the whole chain decides for every prefix of it: recomputing j chunks
+        is convex in j and free at none, fetching them is one round trip plus j times a rate,
+        so if any prefix saves time the whole chain does. The bounds hold for the chunks seen
+        so far only, so every ``ASK_ANYWAY_AFTER``-th such lookup asks."""
+        bounds = remote.chunk_bounds
+        if len(remote.sources) != 1 or bounds is None:
+            return None
+        (source,) = remote.sources
+        size_bytes, tokens = bounds
+        plan = plan_fetch(
+            [Candidate.trusted(0, chunks * size_bytes, chunks * tokens, (source.name,))],
+            {source.name: source.link.link()},
+            prefill,
+            stages={source.name: _REMOTE_STAGE},
+            device=device,
+            on_device=DEVICE_TIERS,
+        )
+        if plan.fetch:
+            return None
+        with self._lock:
+            self._futile_lookups = (self._futile_lookups + 1) % ASK_ANYWAY_AFTER
+            return plan if self._futile_lookups else None
 
     @staticmethod
     def _dominant_fetch_s(
@@ -539,7 +586,10 @@ class FetchPlanner:
         *,
         chunks: int,
         local: int,
+        unasked: bool = False,
     ) -> None:
+        """Count ``plan`` and emit its event. ``unasked``: the plan of ``_not_worth_asking``
+        (no source was asked, so none of the chain's chunks is known to be anywhere)."""
         k = res.matched_chunks  # the plan's, unless the store changed under it
         taken = [res.locations[i] or "" for i in range(k)]
         recomputed: Counter[tuple[str, str]] = Counter()
@@ -565,6 +615,7 @@ class FetchPlanner:
             p.fetch_s += plan.fetch_s * scale
             p.saved_s += plan.saved_s * scale
             p.reasons[plan.reason] += 1
+            p.unasked += unasked
         event = {
             "type": "fetch_plan",
             "tenant": tenant,
@@ -576,7 +627,9 @@ class FetchPlanner:
             "remote": max(0, k - local),
             # chunks some tier held that are recomputed, and chunks no tier held
             "recompute": len(candidates) - k,
-            "missed": chunks - len(candidates),
+            "missed": 0 if unasked else chunks - len(candidates),
+            # the remote sources were not asked: nothing here, and no fetch could pay
+            "unasked": chunks if unasked else 0,
             "held_local": local,
             "recomputed_by_tier": {f"{t}/{r}": v for (t, r), v in sorted(recomputed.items())},
         }
@@ -615,6 +668,7 @@ class FetchPlanner:
                 p.fetch_s,
                 p.saved_s,
                 Counter(p.reasons),
+                p.unasked,
             )
 
 
@@ -664,6 +718,9 @@ class RemoteTiers:
         #: counted the hit (consumed by the tenant's pull that follows it)
         self._hints: OrderedDict[tuple[str, bytes], _Hint] = OrderedDict()
         self._lock = threading.Lock()
+        #: the least bytes and the most tokens of any chunk a probe was answered with: what a
+        #: lookup may assume of the chunks it would be answered with (``_not_worth_asking``)
+        self.chunk_bounds: tuple[int, int] | None = None
         self._local = threading.local()
         self._queue: queue.Queue[bytes] = queue.Queue(_WRITE_QUEUE_MAX)
         self.write = Counter[str]()
@@ -814,9 +871,21 @@ class RemoteTiers:
         if stale:
             with self._lock:
                 self.index_counters.stale_chunks += stale
+        self._bound_chunks([meta for options in found for _, meta in options])
         for options in found:
             options.sort(key=lambda o: self._cost_key(o[0]))
         return found
+
+    def _bound_chunks(self, metas: Sequence[ChunkMeta]) -> None:
+        if not metas:
+            return
+        least = min(m.size_bytes for m in metas)
+        most = max(m.tokens or self.store.chunk_tokens for m in metas)
+        with self._lock:
+            if self.chunk_bounds is not None:
+                least = min(least, self.chunk_bounds[0])
+                most = max(most, self.chunk_bounds[1])
+            self.chunk_bounds = (least, most)
 
     def _submit_probes(
         self, sources: Sequence[Source], keys: Sequence[bytes], tenant: str
