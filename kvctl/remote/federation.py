@@ -31,6 +31,7 @@ of the wrong shape, leaves the lookup to probe every peer as without one (counte
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
@@ -459,6 +460,7 @@ class FetchPlanner:
             unasked = None if m or past else self._not_worth_asking(remote, n, device, prefill)
             if unasked is not None:
                 res = store.count_lookup(keys, limit=0, tenant=tenant)
+                remote._hint(tenant, keys, {})  # as a probed lookup that took nothing does
                 self._record(unasked, [], res, tenant, chunks=n, local=0, unasked=True)
                 return res
             found = remote._probe(keys[m:], tenant)
@@ -508,22 +510,29 @@ class FetchPlanner:
     ) -> FetchPlan | None:
         """With nothing of a chain of ``chunks`` here and one remote source, the plan made as if
         that source held all of it, each chunk as small and as many tokens long as the smallest
-        and the longest it has answered with, when that plan fetches nothing: its real chunks
-        cost no less to fetch and no more to recompute, so asking could not change the answer
-        (the probe's round trip is most of a short prompt's lookup). None: ask.
+        and the longest it has answered with, over its link with no round trip at all, when that
+        plan fetches nothing: its real chunks cost no less to fetch and no more to recompute, so
+        asking could not change the answer (the probe's round trip is most of a short prompt's
+        lookup). None: ask. The round trip is left out because probes measure it: a figure
+        inflated by a slow spell must not stop the probes that would bring it back down (the
+        bandwidth is measured by pulls and the link monitor, which asking does not change).
 
         One candidate of the whole chain decides for every prefix of it: recomputing j chunks
-        is convex in j and free at none, fetching them is one round trip plus j times a rate,
-        so if any prefix saves time the whole chain does. The bounds hold for the chunks seen
-        so far only, so every ``ASK_ANYWAY_AFTER``-th such lookup asks."""
+        is convex in j and free at none, fetching them is j times a rate (plus the device's
+        round trip), so if any prefix saves time the whole chain does. The bounds hold for the
+        chunks seen so far only, so every ``ASK_ANYWAY_AFTER``-th such lookup asks; a source
+        whose breaker is not closed, or whose link is not yet costed, is asked as before."""
         bounds = remote.chunk_bounds
         if len(remote.sources) != 1 or bounds is None:
             return None
         (source,) = remote.sources
+        link = source.link.link()
+        if not link.costed or source.breaker.state != "closed":
+            return None
         size_bytes, tokens = bounds
         plan = plan_fetch(
             [Candidate.trusted(0, chunks * size_bytes, chunks * tokens, (source.name,))],
-            {source.name: source.link.link()},
+            {source.name: dataclasses.replace(link, rtt_s=0.0, emulated_delay_s=0.0)},
             prefill,
             stages={source.name: _REMOTE_STAGE},
             device=device,
@@ -533,7 +542,12 @@ class FetchPlanner:
             return None
         with self._lock:
             self._futile_lookups = (self._futile_lookups + 1) % ASK_ANYWAY_AFTER
-            return plan if self._futile_lookups else None
+            if not self._futile_lookups:
+                return None
+        # what the event says: no candidate was known, the links and prefill it was weighed on
+        return dataclasses.replace(
+            plan, reason="unasked", recompute=0, usable=0, usable_sources=(), stopped_by=None
+        )
 
     @staticmethod
     def _dominant_fetch_s(

@@ -74,6 +74,9 @@ Reason = Literal[
     "no-source",  # the first candidate is available from no known link
     "slower-than-recompute",  # no k saves time: everything is recomputed
     "unknown-link",  # the first candidate's links cannot be costed yet
+    # (the planner's, never plan_fetch's) nothing here and the one remote source not asked:
+    # fetching the whole chain from it could not beat recomputing it
+    "unasked",
 ]
 
 #: the engine's own device memory (a gpu tier chunk): no host -> device copy
