@@ -117,6 +117,46 @@ def test_misaligned_bytes_are_copied_right() -> None:
         assert torch.equal(kv[layer], want)
 
 
+def test_a_cpu_load_is_one_strided_copy_per_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = _chunks(3, seed=4)
+    loader = KVLoader(FMT, torch.device("cpu"))
+    monkeypatch.setattr(loader, "_copy_run", lambda *_a: pytest.fail("the op-by-op copy ran"))
+    kv = loader.alloc(3, reuse=True)
+    loader.load(torch.cat(chunks), [0, SIZE, 2 * SIZE], kv)
+    for layer, want in enumerate(_reference(chunks)):
+        assert torch.equal(kv[layer], want)
+
+
+def test_a_source_that_starts_misaligned_is_copied_right() -> None:
+    """Offsets aligned within a source slice that is not (a view one byte into a buffer): the
+    bytes are copied, not viewed (the view used to raise)."""
+    chunks = _chunks(2, seed=5)
+    buf = torch.zeros(1 + 2 * SIZE, dtype=torch.uint8)
+    buf[1:] = torch.cat(chunks)
+    loader = KVLoader(FMT, torch.device("cpu"))
+    kv = loader.alloc(2)
+    loader.load(buf[1:], [0, SIZE], kv)
+    for layer, want in enumerate(_reference(chunks)):
+        assert torch.equal(kv[layer], want)
+
+
+def test_a_destination_with_other_strides_is_copied_right() -> None:
+    """A KV buffer whose heads' tokens are not back to back (every other head_dim slot of a
+    wider one) takes the op-by-op copy, with the same result."""
+    lay = FMT.layout
+    chunks = _chunks(3, seed=6)
+    wide = torch.zeros(
+        (lay.layers, 2, 1, lay.kv_heads, 3 * FMT.chunk_tokens, 2 * lay.head_dim),
+        dtype=FMT.dtype,
+    )
+    kv = wide[..., : lay.head_dim]
+    loader = KVLoader(FMT, torch.device("cpu"))
+    loader.load(torch.cat(chunks), [0, SIZE, 2 * SIZE], kv)
+    for layer, want in enumerate(_reference(chunks)):
+        assert torch.equal(kv[layer], want)
+    assert torch.count_nonzero(wide[..., lay.head_dim :]) == 0
+
+
 def test_host_tensor_aliases_a_read_only_mapping() -> None:
     fd = os.memfd_create("kvload-test")
     try:
