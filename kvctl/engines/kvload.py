@@ -330,15 +330,25 @@ def _strided_copy(
     """Chunks ``count`` back to back from element ``start`` of ``typed`` into ``dst`` at chunk
     ``at``, as one copy between two strided views (CPU): making the views op by op (slice,
     view, unflatten, permute) cost ~40 us a run, a quarter of a 1 MiB chunk's copy on a 2-core
-    VM. False, nothing copied, where ``start`` is -1 (unaligned) or ``dst`` does not keep
-    each head's tokens and dimensions back to back."""
+    VM. False, nothing copied, where ``start`` is -1 (unaligned), the chunks run past ``typed``,
+    or ``dst`` is not a KV buffer of this format with room for them whose heads keep their
+    tokens and dimensions back to back (the op-by-op copy then raises or copies)."""
     lay = fmt.layout
     t = fmt.chunk_tokens
     piece = t * lay.head_dim  # one head's part of one chunk, in elements
-    s = dst.stride()
-    if start < 0 or dst.dim() != 6 or s[5] != 1 or s[4] != lay.head_dim:
-        return False
     heads = 2 * lay.kv_heads * piece
+    s = dst.stride()
+    if (
+        start < 0
+        or start + count * lay.layers * heads > typed.numel()  # a strided view is not bounded
+        or dst.dim() != 6
+        or tuple(dst.shape[:4]) != (lay.layers, 2, 1, lay.kv_heads)
+        or dst.shape[4] < (at + count) * t
+        or dst.shape[5] != lay.head_dim
+        or s[5] != 1
+        or s[4] != lay.head_dim
+    ):
+        return False
     source = typed.as_strided(
         (lay.layers, 2, lay.kv_heads, count, piece),
         (heads, lay.kv_heads * piece, piece, lay.layers * heads, 1),

@@ -157,6 +157,17 @@ def test_a_destination_with_other_strides_is_copied_right() -> None:
     assert torch.count_nonzero(wide[..., lay.head_dim :]) == 0
 
 
+def test_chunks_past_the_source_or_the_buffer_are_refused_not_read_or_written() -> None:
+    chunks = _chunks(2, seed=7)
+    arena = torch.cat([*chunks, torch.full((SIZE,), 7, dtype=torch.uint8)])
+    loader = KVLoader(FMT, torch.device("cpu"))
+    kv = loader.alloc(2)
+    with pytest.raises(RuntimeError):  # the second chunk would be read past the source
+        loader.load(arena[: 2 * SIZE], [SIZE, 2 * SIZE], kv)
+    with pytest.raises(RuntimeError):  # room for two chunks, not three
+        loader.load(arena, [0, SIZE, 2 * SIZE], kv)
+
+
 def test_host_tensor_aliases_a_read_only_mapping() -> None:
     fd = os.memfd_create("kvload-test")
     try:
