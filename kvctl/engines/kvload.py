@@ -316,10 +316,16 @@ class KVLoader:
 
 
 def _typed(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-    """The flat uint8 ``src`` viewed as ``dtype`` without copying, or None where its length or
-    start is not a whole number of elements."""
+    """The flat uint8 ``src`` viewed as ``dtype`` without copying, or None where it is not a
+    contiguous uint8 vector whose length and start are whole numbers of elements."""
     item = dtype.itemsize
-    if src.dim() != 1 or src.numel() % item or src.storage_offset() % item:
+    if (
+        src.dtype != torch.uint8
+        or src.dim() != 1
+        or src.stride(0) != 1
+        or src.numel() % item
+        or src.storage_offset() % item
+    ):
         return None
     return src.view(dtype)
 
@@ -341,6 +347,7 @@ def _strided_copy(
     s = dst.stride()
     if (
         start < 0
+        or at < 0
         or start + count * lay.layers * heads > typed.numel()  # a strided view is not bounded
         or dst.dim() != 6
         or tuple(dst.shape[:4]) != (lay.layers, 2, 1, lay.kv_heads)

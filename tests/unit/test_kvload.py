@@ -166,6 +166,16 @@ def test_chunks_past_the_source_or_the_buffer_are_refused_not_read_or_written() 
         loader.load(arena[: 2 * SIZE], [SIZE, 2 * SIZE], kv)
     with pytest.raises(RuntimeError):  # room for two chunks, not three
         loader.load(arena, [0, SIZE, 2 * SIZE], kv)
+    # a buffer inside a bigger one: a chunk position before it is not written before it
+    wide = loader.alloc(4)
+    wide.zero_()
+    inner = wide[:, :, :, :, 2 * FMT.chunk_tokens :, :]
+    with pytest.raises((RuntimeError, IndexError)):
+        loader.load(arena, [0], inner, first_chunk=-1)
+    assert torch.count_nonzero(wide) == 0
+    # a source that is not bytes is refused, not read as bytes
+    with pytest.raises(RuntimeError):
+        loader.load(arena.view(torch.float32), [SIZE], kv)
 
 
 def test_host_tensor_aliases_a_read_only_mapping() -> None:
