@@ -159,6 +159,8 @@ class DataPlaneServer:
         self.tier_names = runtime.served_tier_names
         self.tier_codes: dict[str | None, int] = {name: i for i, name in enumerate(self.tier_names)}
         self.tier_codes[None] = NO_TIER
+        #: this node's own tiers (LOOKUP_LEASE_LOCAL leases up to the first chunk outside them)
+        self.local_tiers = frozenset(runtime.store.tier_names)
         self.shm_tier = runtime.shm_tier
         self.stopping = False
         self._listeners: list[tuple[socket.socket, str]] = []
@@ -835,7 +837,7 @@ class Connection:
         res = self._lookup_reply(w, keys, tenant)
         m = here = res.matched_chunks
         if local_only:
-            local = set(self.runtime.store.tier_names)
+            local = self.server.local_tiers
             here = next((i for i, t in enumerate(res.locations[:m]) if t not in local), m)
         items = self._lease_items(keys[:here], ttl, tenant, pull=not local_only)
         w.u32(m).raw(items + _REMOTE_ITEM * (m - here))
