@@ -200,8 +200,11 @@ class LinkEstimator:
                 self._small_transfers += 1
                 return
             rtt_s = self._rtt_locked() or 0.0
-            # a transfer faster than the RTT estimate (noise) must not yield a negative rate
-            sample = nbytes / max(seconds - rtt_s, 1e-6)
+            # a transfer quicker than the RTT estimate says the estimate is too high (noise, or
+            # a ping stalled on a loaded machine): its end-to-end rate is then a floor on the
+            # bandwidth. Flooring its transfer time at 1 us instead read a 4 MiB probe as
+            # 4 TB/s, and the EWMA priced the link as free once the RTT came back down
+            sample = nbytes / (seconds - rtt_s if seconds > rtt_s else max(seconds, 1e-9))
             self._bandwidth_bytes_per_s = self._ewma(self._bandwidth_bytes_per_s, sample)
             self._bandwidth_samples += 1
 
