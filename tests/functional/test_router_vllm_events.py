@@ -69,6 +69,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
                 "--vllm-events", f"a1={pub.endpoint},replay={pub.replay_endpoint},topic={TOPIC}",
             ]  # fmt: skip
             with running_router(args, token=TOKEN) as router:
+                # routes are refused until the router has reached an agent (slow on a loaded
+                # machine: the first route of a test failed with "no node is up" in CI)
+                wait_until(
+                    "every agent followed",
+                    lambda: (
+                        sum(x["up"] for x in router.http.get("/v1/index").json()["followers"]) == 2
+                    ),
+                )
                 yield Served(router.url, router.http, pub, {"a1": a1, "a2": a2})
     finally:
         pub.close()
