@@ -130,3 +130,61 @@ def test_a_source_the_plan_recomputed_says_why_and_from_which_figures() -> None:
     assert "pool 3.10 GB/s rtt 1.20 ms (measured)" in line
     assert "prefill 23,000 tokens/s (measured: 12 samples)" in line
     assert _one_line("pool", {**summary, "plan": None}).endswith("nothing fetched")
+
+
+class _Puller:
+    """Constructed prefills, one per try, and the flushes between them."""
+
+    def __init__(self, reused: list[int]) -> None:
+        self.reused = list(reused)
+        self.flushes = 0
+
+    def prefill(self, prompt: object) -> Prefill:
+        return _prefill(_logits(3), reused_chunks=self.reused.pop(0), tier="remote")
+
+    def flush(self) -> None:
+        self.flushes += 1
+
+
+class _Control:
+    def __init__(self, late: list[int]) -> None:
+        self.late = list(late)
+
+    def remote(self) -> dict[str, object]:
+        return {"pool": {"late": self.late.pop(0)}}
+
+
+class _Fleet:
+    def __init__(self, late: list[int]) -> None:
+        self.control = {"puller": _Control(late)}
+        self.prepared: list[str] = []
+
+    def prepare(self, source: str, keys: list[bytes]) -> None:
+        self.prepared.append(source)
+
+
+def _pull(fleet: _Fleet, puller: _Puller, short: list[dict[str, object]]) -> Prefill:
+    from kvctl.bench.ttft import _forced_pull
+
+    keys = [bytes([i]) * 32 for i in range(CHUNKS)]
+    return _forced_pull(fleet, lambda e: e, puller, "prompt", keys, short)  # type: ignore[arg-type]
+
+
+def test_a_forced_pull_that_came_short_is_reported_and_tried_again() -> None:
+    # the first try's lookup went on without the pool's answer: recomputed everything
+    fleet, puller, short = _Fleet([0, 1, 1, 1]), _Puller([0, CHUNKS]), []
+    got = _pull(fleet, puller, short)
+    assert got.reused_chunks == CHUNKS
+    assert short == [{"reused_chunks": 0, "late_probes": 1}]
+    # what the short try wrote behind was stored, then forgotten before the next try
+    assert puller.flushes == 1 and fleet.prepared == ["pool"]
+
+
+def test_a_forced_pull_short_every_try_fails_with_its_tries() -> None:
+    from kvctl.bench.ttft import FORCED_PULL_TRIES
+
+    tries = FORCED_PULL_TRIES
+    fleet, puller, short = _Fleet([0] * (2 * tries)), _Puller([1] * tries), []
+    with pytest.raises(RuntimeError, match=f"fewer than {CHUNKS} chunks in {tries} tries"):
+        _pull(fleet, puller, short)
+    assert short == [{"reused_chunks": 1, "late_probes": 0}] * tries
