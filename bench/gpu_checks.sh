@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go, results in OUT (default ./gpu-results): the CUDA
 # tests, `kvctl bench gpu` and `kvctl bench ttft` (Llama-3.1-8B shape, bf16) in groups, each
-# group CONTEXTS[:SOURCES][@SECONDS], so a time limit cuts one group only, then `kvctl bench
-# agent` with the 8B shape's 32 MiB chunks (the GPU host's cores copying puts and gets). Each
+# group CONTEXTS[:SOURCES][+lw][@SECONDS] (+lw: --layerwise), so a time limit cuts one group
+# only, then `kvctl bench agent` with the 8B shape's 32 MiB chunks (the GPU host's cores copying
+# puts and gets). Each
 # step has its own limit in seconds (the environment's, or the group's) so the whole fits a short
 # lease: under 10 minutes with the defaults but for the last step (180 + 50 + 220 + 130 + 60 s
 # at most; the CUDA tests took 153 s with -n 8 on a 16-core H200 host, 130 s with -n 12 on
 # 2026-11-28, the two bit-for-bit engine tests 93-103 s of it; each step prints its end time).
 #   bench/gpu_checks.sh [OUT] [GROUP...]     e.g. bench/gpu_checks.sh out 1k,32k@220 100k:cpu@130
+#   bench/gpu_checks.sh out 32k,100k:cpu+lw@150   (the cpu tier with layer-wise copies)
 #   TESTS_S=240 GPU_S=90 TTFT_S=300 WORKERS=4 bench/gpu_checks.sh out
 # A step cut by its limit leaves its stderr (the ttft bench writes one line per source there).
 set -uo pipefail
@@ -32,12 +34,14 @@ echo "bench gpu: rc=$? after ${SECONDS}s"
 for group in "${groups[@]}"; do
   limit=${TTFT_S:-300}
   [[ $group != *@* ]] || { limit=${group##*@}; group=${group%@*}; }
+  flags=() lw=""
+  [[ $group != *+lw ]] || { flags=(--layerwise); lw=-lw; group=${group%+lw}; }
   contexts=${group%%:*}
   sources=cpu,disk,pool
   [ "$group" = "$contexts" ] || sources=${group#*:}
-  name=ttft-${contexts//,/_}-${sources//,/_}
+  name=ttft-${contexts//,/_}-${sources//,/_}$lw
   timeout "$limit" "$py" -m kvctl bench ttft --device cuda --contexts "$contexts" \
-    --sources "$sources" --json > "$out/$name.json" 2> "$out/$name.err"
+    --sources "$sources" "${flags[@]}" --json > "$out/$name.json" 2> "$out/$name.err"
   echo "bench ttft $group: rc=$? after ${SECONDS}s"
 done
 timeout "${AGENT_S:-60}" "$py" -m kvctl bench agent --sizes 32MiB --bytes-per-size 1GiB \

@@ -101,7 +101,10 @@ def run_ttft_bench(
     sources: tuple[str, ...] = SOURCES,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    layerwise: bool = False,
 ) -> dict[str, Any]:
+    """``layerwise``: the engines copy a prefix leased whole from the arena layer by layer
+    under the forward pass (``CachedLM(layerwise=True)``)."""
     try:
         import torch
 
@@ -149,7 +152,12 @@ def run_ttft_bench(
             # the landing buffer sized for the longest context at start, as an engine sizes
             # its KV cache: no sample pays its page faults
             name: CachedLM(
-                model, client, tenant="bench", store=name == "node", reserve_tokens=max(contexts)
+                model,
+                client,
+                tenant="bench",
+                store=name == "node",
+                reserve_tokens=max(contexts),
+                layerwise=layerwise,
             )
             for name, client in fleet.data.items()
         }
@@ -284,6 +292,7 @@ def run_ttft_bench(
         },
         "suffix_tokens": suffix_tokens,
         "repeats": repeats,
+        "layerwise": layerwise,
         "logits_atol": ATOL[dtype],
         "logits_rtol": RTOL[dtype],
         "rows": rows,
@@ -344,6 +353,9 @@ def run_ttft_bench(
             "plan decides whether pulling beats recomputing (the row), and by another whose "
             "link to the pool is forced to fetch (forced_fetch: the pull measured whatever the "
             "plan would decide)",
+            "layerwise (when true): a prefix leased whole from the arena is copied layer by "
+            "layer under the forward pass, so fetch_seconds is only the time to queue its "
+            "copies and compute_seconds holds the rest of them; copy_seconds is their own time",
             "pool: a forced pull counts once it moved every chunk, tried up to "
             f"{FORCED_PULL_TRIES} times; forced_fetch.short_tries lists the tries that did not "
             "(late_probes: pool answers the lookup stopped waiting for)",

@@ -386,6 +386,13 @@ def bench_ttft_command(
     ] = "cpu,disk,pool",
     repeats: SamplesOpt = 3,
     seed: Annotated[int, typer.Option(help="Seed of the weights and prompts.")] = 0,
+    layerwise: Annotated[
+        bool,
+        typer.Option(
+            help="Copy a prefix leased from the shared arena layer by layer under the forward "
+            "pass (on a GPU the later layers cross the link while the first ones compute)."
+        ),
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Time to first token of a Llama-architecture model with seeded random weights (real
@@ -404,6 +411,8 @@ def bench_ttft_command(
       kvctl bench ttft --contexts 1k,4k --sources cpu,pool --repeats 5
 
       kvctl bench ttft --device cuda --model llama-3.1-8b --contexts 1k,16k,100k --json
+
+      kvctl bench ttft --device cuda --contexts 32k --sources cpu --layerwise --json
     """
     needs_extra("kvctl bench ttft", "engine")
     from kvctl.bench.ttft import parse_contexts, render_ttft_bench, run_ttft_bench
@@ -420,6 +429,7 @@ def bench_ttft_command(
             sources=tuple(s.strip() for s in sources.split(",") if s.strip()),
             seed=seed,
             progress=_progress,
+            layerwise=layerwise,
         )
 
     result = _run("ttft", measure, render_ttft_bench, json_out)

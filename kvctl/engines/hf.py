@@ -9,6 +9,7 @@ logits come from it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import mmap
@@ -26,9 +27,11 @@ from kvctl.client import AgentError, DataClient, RequestError
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
 from kvctl.engines.kvload import (
     KVLoader,
+    LayerCopies,
     copy_leased,
     host_tensor,
     pull_leased,
+    queue_leased,
     read_chunks,
     read_socket,
 )
@@ -158,6 +161,13 @@ class CachedLM:
     ``reserve_tokens``: on a CPU, the buffer reused prefixes land in is sized for that many
     tokens and faulted in at start (else it grows, page faults and all, on the first request
     that reuses a longer prefix than any before).
+
+    ``layerwise`` (off by default): a prefix leased whole from the shared arena is copied layer
+    by layer under the forward pass instead of before it (``KVLoader.load_layers``): a hook
+    before each decoder layer waits for that layer's KV only, so on a GPU the later layers'
+    copies run while the first ones compute. Its leases are checked once the copies are done;
+    where one ran out first, the request is prefilled again without it (``layerwise_redos``).
+    Such a request's compute time holds copy time, so it is not reported as a prefill rate.
     """
 
     def __init__(
@@ -172,6 +182,7 @@ class CachedLM:
         chunked_prefill: bool = False,
         write_behind: bool = True,
         reserve_tokens: int = 0,
+        layerwise: bool = False,
     ) -> None:
         self.model = model
         self.write_behind = write_behind
@@ -215,6 +226,22 @@ class CachedLM:
         #: seconds this engine took to map (and, on CUDA, register) the agent's shared arena
         #: when it connected; None without one
         self.arena_attach_seconds = self._attach()
+        self.layerwise = layerwise
+        #: the request's copies still running under the forward pass (``layerwise``)
+        self._copies: LayerCopies | None = None
+        #: requests prefilled again because a lease ran out before its layer-wise copy ended
+        self.layerwise_redos = 0
+        #: the hooks on the model's decoder layers (``layerwise``), removed by ``close``
+        self._hooks = [
+            layer.register_forward_pre_hook(functools.partial(self._layer_ready, i))
+            for i, layer in enumerate(
+                _decoder_layers(model, self.layout.layers) if layerwise else ()
+            )
+        ]
+
+    def _layer_ready(self, index: int, _module: Any, _args: Any) -> None:
+        if self._copies is not None:
+            self._copies.ready(index)
 
     @property
     def client(self) -> DataClient | None:
@@ -241,11 +268,15 @@ class CachedLM:
         return True if self._writer is None else self._writer.flush(timeout_s)
 
     def close(self) -> None:
-        """Finish pending writes and stop the writer (the client stays the caller's)."""
+        """Finish pending writes and stop the writer (the client stays the caller's); the
+        model's layers lose this engine's hooks."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         self.loader.close()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
 
     def namespace(self, tenant: str | None = None) -> Namespace:
         """Model id + KV layout + the tenant's salt (asked of the agent once per tenant)."""
@@ -276,6 +307,9 @@ class CachedLM:
         except AgentError as exc:  # the tenant's policy is asked of the agent on first use
             log.warning("kvctl agent unavailable, prefilling in full: %s", exc)
             keys = []
+        return self._prefill(ids, keys, tenant, overlap=self.layerwise)
+
+    def _prefill(self, ids: list[int], keys: list[bytes], tenant: str, *, overlap: bool) -> Prefill:
         # the last prompt token is always computed: its logits are the answer
         reusable = keys[: (len(ids) - 1) // self.chunk_tokens]
 
@@ -291,7 +325,7 @@ class CachedLM:
                 and client is not self._no_lookup_lease
             ):
                 # same host: the lookup leases what it matched, one round trip less
-                leased = self._lookup_leased(reusable, tenant)
+                leased = self._lookup_leased(reusable, tenant, overlap=overlap)
             if leased is not None:
                 matched, locations, cache, reused, path, t1 = leased
             else:
@@ -309,13 +343,25 @@ class CachedLM:
                 out = self.model(input_ids=part, use_cache=True, logits_to_keep=1, **kv)
                 cache = _cache_of(out)
             logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
+            copies, lost = self._copies, False
+            if copies is not None:
+                copies.done()
+                lost = copies.held() < reused
+                self.loader.last_copy = (reused * self.format.chunk_bytes, copies.seconds())
             for layer in cache.layers:  # a cache that kept the loader's buffer must own a copy
                 if self.loader.owns(layer.keys):
                     layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
             t3 = time.perf_counter()
         finally:  # the lookup's leases go once the first token is out, or the request failed
+            if self._copies is not None:
+                self._copies.done()  # nothing may read the arena once its leases are gone
+                self._copies = None
             if client is not None and client.shm:
                 self._release_pending(client)
+        if lost:  # what was read of a chunk whose lease ran out may be another chunk's bytes
+            log.warning("a lease ran out before its layer-wise copy ended: prefilling again")
+            self.layerwise_redos += 1
+            return self._prefill(ids, keys, tenant, overlap=False)
         # the copy out of the shared arena alone (what is left of the fetch is per request)
         copied = self.loader.last_copy
         timings = (
@@ -323,7 +369,10 @@ class CachedLM:
             if copied is not None and reused
             else {}
         )
-        self._measured(len(ids) - start, start, t3 - t2)
+        if copies is None or not reused:  # else the compute time holds copy time
+            self._measured(len(ids) - start, start, t3 - t2)
+        else:
+            self._measured(0, start, 0.0)  # the copy's rate only
         stored = self._store(cache, keys, reused, locations, tenant)
         return Prefill(
             logits=logits,
@@ -386,11 +435,13 @@ class CachedLM:
         return found.matched_chunks, list(found.locations)
 
     def _lookup_leased(
-        self, keys: list[bytes], tenant: str
+        self, keys: list[bytes], tenant: str, *, overlap: bool = False
     ) -> tuple[int, list[str | None], DynamicCache, int, str, float] | None:
         """``_lookup`` and ``_fetch`` through a lookup that leases its matched prefix: the
         lookup's answer, the cache, chunks reused, their path, and when the lookup's answer
-        came (the fetch's start). None when the agent predates LOOKUP_LEASE (asked once)."""
+        came (the fetch's start). None when the agent predates LOOKUP_LEASE (asked once).
+        ``overlap``: a prefix leased whole in the arena is copied layer by layer under the
+        forward pass (``self._copies``), not before this returns."""
         client = self.client
         assert client is not None
         local_only = client is not self._no_local_lease
@@ -404,9 +455,14 @@ class CachedLM:
                 lookup_end_s = time.perf_counter()
                 m = found.matched_chunks
                 kv = self.loader.alloc(m, reuse=True) if m else None
-                usable, blocked = (
-                    (0, False) if kv is None else copy_leased(leases, m, self.loader, kv)
-                )
+                if overlap and kv is not None:
+                    self._copies = queue_leased(leases, m, self.loader, kv)
+                if self._copies is not None:
+                    usable, blocked = m, False
+                else:
+                    usable, blocked = (
+                        (0, False) if kv is None else copy_leased(leases, m, self.loader, kv)
+                    )
             if kv is not None and usable < m and usable in leases.remote:
                 pulled, blocked = pull_leased(
                     client, keys[usable:m], tenant, self.loader, kv, usable
@@ -582,6 +638,18 @@ class CachedLM:
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+
+def _decoder_layers(model: PreTrainedModel, layers: int) -> Sequence[torch.nn.Module]:
+    """The model's decoder layers in order (``model.model.layers``, as Llama, Mistral and Qwen
+    have them), which ``layerwise`` hooks."""
+    found = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(found, torch.nn.ModuleList) or len(found) != layers:
+        raise InvalidArgument(
+            f"layerwise copies need the model's {layers} decoder layers at model.model.layers; "
+            f"this {type(model).__name__} has none there"
+        )
+    return list(found)
 
 
 def _cache_holding(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:

@@ -18,6 +18,7 @@ multi-threaded memcpy of the same bytes.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import threading
@@ -81,6 +82,59 @@ class QueuedCopy:
         if self._end is None:
             return self._seconds
         return float(self._start.elapsed_time(self._end)) / 1e3
+
+
+class LayerCopies:
+    """A prefix's copies queued layer by layer (``KVLoader.load_layers``), so a forward pass can
+    start on the first layers while the later ones are still crossing: ``ready(l)`` before
+    layer ``l`` reads its KV, ``done()`` before the source may go. On CUDA the copies run on
+    the loader's side stream, an event after each layer, and ``ready`` makes the caller's
+    stream wait for it (the host does not block); on the CPU ``ready`` copies the layers up to
+    ``l`` then, in order."""
+
+    def __init__(
+        self,
+        steps: list[Callable[[], None]] | None = None,
+        events: list[Any] | None = None,
+        stream: Any = None,
+        start: Any = None,
+    ) -> None:
+        self._steps = steps or []
+        self._events = events or []
+        self._stream = stream
+        self._start = start
+        self._next = 0  # CPU: the first layer not copied yet
+        self._cpu_seconds = 0.0
+        #: the leases the copies read under (``queue_leased``): checked once ``done``
+        self.leased: Sequence[LeasedChunk] = ()
+
+    def ready(self, layer: int) -> None:
+        if self._events:
+            torch.cuda.current_stream(self._stream.device).wait_event(self._events[layer])
+            return
+        while self._next <= layer and self._next < len(self._steps):
+            started_s = time.perf_counter()
+            self._steps[self._next]()
+            self._cpu_seconds += time.perf_counter() - started_s
+            self._next += 1
+
+    def done(self) -> None:
+        """Every layer copied (blocks the host until then)."""
+        if self._events:
+            self._events[-1].synchronize()
+        else:
+            self.ready(len(self._steps) - 1)
+
+    def seconds(self) -> float:
+        """The copies' own time, once ``done``: on CUDA from the first copy's start to the last
+        layer's event on the side stream; on the CPU the layers' copies added up."""
+        if self._events:
+            return float(self._start.elapsed_time(self._events[-1])) / 1e3
+        return self._cpu_seconds
+
+    def held(self) -> int:
+        """How many leading leased chunks' leases held until the copies were ``done``."""
+        return _still_held(self.leased)
 
 
 class KVLoader:
@@ -293,6 +347,75 @@ class KVLoader:
         end.record(self._stream)
         return QueuedCopy(start, end)
 
+    def load_layers(
+        self, src: torch.Tensor, offsets: Sequence[int], dst: torch.Tensor
+    ) -> LayerCopies:
+        """``load`` of chunks into ``dst`` from chunk 0, layer by layer: the returned copies say
+        when each layer is complete (``LayerCopies``). On CUDA every copy is queued now on the
+        side stream, layer 0 first: each chunk's part of the layer crosses the link as one
+        copy into a device buffer (a chunk holds its layers one after another, so a layer's
+        parts are not adjacent in the arena), then the layer is laid out on the device. On the
+        CPU nothing is copied until ``ready`` asks for a layer."""
+        lay = self.format.layout
+        if self._stream is None:
+            return LayerCopies(self._cpu_layer_steps(src, offsets, dst))
+        size = self.format.chunk_bytes
+        part = size // lay.layers  # one layer's K and V of one chunk, in bytes
+        t = self.format.chunk_tokens
+        n = len(offsets)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        start = torch.cuda.Event(enable_timing=True)
+        events = []
+        with torch.cuda.stream(self._stream):
+            start.record(self._stream)
+            for layer in range(lay.layers):
+                landed = torch.empty(n * part, dtype=torch.uint8, device=self.device)
+                for i, offset in enumerate(offsets):
+                    at = offset + layer * part
+                    landed[i * part : (i + 1) * part].copy_(src[at : at + part], non_blocking=True)
+                # [n, 2, heads, T, dim] -> [2, heads, n, T, dim]
+                shape = (n, 2, lay.kv_heads, t, lay.head_dim)
+                target = dst[layer, :, 0, :, : n * t, :].unflatten(2, (n, t))
+                target.copy_(landed.view(self.format.dtype).view(shape).permute(1, 2, 0, 3, 4))
+                event = torch.cuda.Event(enable_timing=True)
+                event.record(self._stream)
+                events.append(event)
+        return LayerCopies(events=events, stream=self._stream, start=start)
+
+    def _cpu_layer_steps(
+        self, src: torch.Tensor, offsets: Sequence[int], dst: torch.Tensor
+    ) -> list[Callable[[], None]]:
+        """Each layer's copies of the chunks at ``offsets``, to run in layer order: one strided
+        copy per run of adjacent chunks per layer; a run those views cannot cover is copied
+        whole in layer 0's step (the op-by-op copy ``load`` falls back on)."""
+        size = self.format.chunk_bytes
+        item = self.format.dtype.itemsize
+        typed = _typed(src, self.format.dtype)
+        per_layer: list[tuple[torch.Tensor, torch.Tensor]] = []
+        whole: list[tuple[int, int]] = []
+        for first, count in runs(offsets, size, MAX_RUN_BYTES):
+            start = offsets[first]
+            views = None
+            if typed is not None:
+                aligned = start // item if start % item == 0 else -1
+                views = _strided_views(typed, aligned, dst, first, count, self.format)
+            if views is None:
+                whole.append((first, count))
+            else:
+                per_layer.append(views)
+
+        def step(layer: int) -> None:
+            if layer == 0:
+                for first, count in whole:
+                    flat = src[offsets[first] : offsets[first] + count * size]
+                    if flat.storage_offset() % item:
+                        flat = flat.clone()
+                    self._copy_run(flat, dst, first, count)
+            for source, target in per_layer:
+                target[layer].copy_(source[layer])
+
+        return [functools.partial(step, layer) for layer in range(self.format.layout.layers)]
+
     def _copy_run(self, flat: torch.Tensor, dst: torch.Tensor, at: int, count: int) -> None:
         fmt = self.format
         t = fmt.chunk_tokens
@@ -336,10 +459,23 @@ def _strided_copy(
     """Chunks ``count`` back to back from element ``start`` of ``typed`` into ``dst`` at chunk
     ``at``, as one copy between two strided views (CPU): the views made op by op (slice, view,
     unflatten, permute) made a 4-chunk run's load 0.08-0.1 ms slower (0.72-0.79 ms against
-    0.64-0.69, 4 MiB after a cache flush, on a 2-core VM). False, nothing copied, where
-    ``start`` is -1 (unaligned), the chunks run past ``typed``, or ``dst`` is not a KV buffer of
-    this format with room for them whose heads keep their tokens and dimensions back to back
-    (the op-by-op copy then raises or copies)."""
+    0.64-0.69, 4 MiB after a cache flush, on a 2-core VM). False, nothing copied, where the
+    views cannot be made (``_strided_views``)."""
+    views = _strided_views(typed, start, dst, at, count, fmt)
+    if views is None:
+        return False
+    views[1].copy_(views[0])
+    return True
+
+
+def _strided_views(
+    typed: torch.Tensor, start: int, dst: torch.Tensor, at: int, count: int, fmt: ChunkFormat
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(source, target) ``[layers, 2, kv_heads, count, T x head_dim]`` views of ``count``
+    chunks back to back from element ``start`` of ``typed`` and of their place in ``dst`` from
+    chunk ``at``. None where ``start`` is -1 (unaligned), the chunks run past ``typed``, or
+    ``dst`` is not a KV buffer of this format with room for them whose heads keep their tokens
+    and dimensions back to back (the op-by-op copy then raises or copies)."""
     lay = fmt.layout
     t = fmt.chunk_tokens
     piece = t * lay.head_dim  # one head's part of one chunk, in elements
@@ -356,7 +492,7 @@ def _strided_copy(
         or s[5] != 1
         or s[4] != lay.head_dim
     ):
-        return False
+        return None
     source = typed.as_strided(
         (lay.layers, 2, lay.kv_heads, count, piece),
         (heads, lay.kv_heads * piece, piece, lay.layers * heads, 1),
@@ -367,8 +503,7 @@ def _strided_copy(
         (s[0], s[1], s[3], t * s[4], 1),
         dst.storage_offset() + at * t * s[4],
     )
-    target.copy_(source)
-    return True
+    return source, target
 
 
 def read_chunks(
@@ -411,6 +546,23 @@ def copy_leased(
         loader.last_copy = (n * size, time.perf_counter() - started_s)
         n = _still_held(chunks[:n])  # type: ignore[arg-type]
     return n, n < count and n not in leases.missing and n not in leases.remote
+
+
+def queue_leased(
+    leases: ArenaLeases, count: int, loader: KVLoader, kv: torch.Tensor
+) -> LayerCopies | None:
+    """The first ``count`` leased chunks' copies into ``kv``, layer by layer
+    (``KVLoader.load_layers``), when every one of them is leased whole in the arena; None
+    otherwise (``copy_leased`` then). The leases must hold until ``done()``: ``held()`` then
+    says how many leading chunks' did (fewer: what was read of the rest may be another
+    chunk's bytes)."""
+    chunks = leases.chunks[:count]
+    if not count or _whole(chunks, loader.format.chunk_bytes) < count:
+        return None
+    arena = loader.arena_tensor(leases.arena)
+    copies = loader.load_layers(arena, [c.offset for c in chunks], kv)  # type: ignore[union-attr]
+    copies.leased = chunks  # type: ignore[assignment]
+    return copies
 
 
 def pull_leased(

@@ -122,8 +122,10 @@ def test_the_table_for_people(result: dict[str, Any]) -> None:
         assert word in text
 
 
-def test_the_command_prints_json() -> None:
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_the_command_prints_json(layerwise: bool) -> None:
     args = ["--contexts", "256", "--suffix", "8", "--chunk-tokens", "64", "--repeats", "1"]
+    args += ["--layerwise"] if layerwise else []
     out = subprocess.run(
         [sys.executable, "-m", "kvctl", "bench", "ttft", *args, "--sources", "cpu", "--json"],
         capture_output=True,
@@ -134,6 +136,7 @@ def test_the_command_prints_json() -> None:
     data = json.loads(out.stdout)
     assert list(data["rows"][0]["sources"]) == ["cpu"]
     assert data["rows"][0]["sources"]["cpu"]["reused_tokens"] == 256
+    assert data["layerwise"] is layerwise
     assert "full prefill" in out.stderr  # progress goes to stderr, JSON alone to stdout
 
 

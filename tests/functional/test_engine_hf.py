@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,8 +79,12 @@ def _hits(agent: Agent) -> tuple[int, int]:
     return int(stats["reuse_hits"]), int(stats["sharing_hits"])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_cache_assisted_prefill_equals_full_prefill_bit_for_bit(tmp_path: Path, dtype: str) -> None:
+@pytest.mark.parametrize(
+    ("dtype", "layerwise"), [("float32", False), ("bfloat16", False), ("float32", True)]
+)
+def test_cache_assisted_prefill_equals_full_prefill_bit_for_bit(
+    tmp_path: Path, dtype: str, layerwise: bool
+) -> None:
     model = build_model("tiny-llama", dtype=getattr(torch, dtype))
     baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
     owners: dict[tuple[int, ...], str] = {}
@@ -87,7 +92,7 @@ def test_cache_assisted_prefill_equals_full_prefill_bit_for_bit(tmp_path: Path, 
         running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
         agent.data("unix") as client,
     ):
-        lm = CachedLM(model, client, chunked_prefill=True)
+        lm = CachedLM(model, client, chunked_prefill=True, layerwise=layerwise)
         assert lm.chunk_tokens == CHUNK  # taken from the agent
         reused_total = 0
         for tenant, ids in _prompts():
@@ -109,6 +114,7 @@ def test_cache_assisted_prefill_equals_full_prefill_bit_for_bit(tmp_path: Path, 
             reused_total += got.reused_chunks
         # the scenario really exercises both kinds of hit
         assert _hits(agent)[0] > 0 and _hits(agent)[1] > 0 and reused_total >= 15
+        assert lm.layerwise_redos == 0
         # greedy decoding continues identically from the reused cache
         tenant, ids = _prompts()[3]
         assert lm.generate(ids, 4, tenant="carol") == baseline.generate(ids, 4)
@@ -138,6 +144,88 @@ def test_one_pass_prefill_matches_within_the_stated_tolerance(
         assert reused >= 15
         _, ids = _prompts()[2]
         assert lm.generate(ids, 4, tenant="alice") == baseline.generate(ids, 4)
+
+
+def test_layerwise_copies_run_under_the_forward_pass_one_layer_ahead(tmp_path: Path) -> None:
+    """With ``layerwise``, a reused prefix's layer is copied just before that layer runs: when
+    layer l starts, layers past l are not in the buffer yet (CPU: copies on demand)."""
+    model = build_model("tiny-llama", seed=15)
+    ids = _tokens(CHUNK * 3 + 5, 19)
+    seen: list[tuple[int, bool]] = []  # (layer, whether the next layer's KV had landed)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
+        assert lm.prefill(ids).stored_chunks == 3
+        lm.flush()
+        layers = model.model.layers
+
+        def watch(index: int) -> Any:
+            def hook(_module: Any, _args: Any) -> None:
+                buffer = lm.loader.alloc(3, reuse=True)
+                if index + 1 < len(layers):
+                    seen.append((index, bool(torch.count_nonzero(buffer[index + 1]))))
+
+            return hook
+
+        buffer = lm.loader.alloc(3, reuse=True)
+        buffer.zero_()  # what the previous request left there
+        handles = [layer.register_forward_pre_hook(watch(i)) for i, layer in enumerate(layers)]
+        try:
+            got = lm.prefill(ids)
+        finally:
+            for h in handles:
+                h.remove()
+        assert got.reused_chunks == 3 and got.timings["copy_seconds"] > 0
+        # each layer saw its own KV copied (the engine's hook ran first) and the next one not
+        assert seen[: len(layers) - 1] == [(i, False) for i in range(len(layers) - 1)]
+        baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+        assert torch.equal(got.logits, baseline.prefill(ids).logits)
+
+
+def test_a_lease_that_runs_out_under_a_layerwise_copy_costs_a_second_prefill(
+    tmp_path: Path,
+) -> None:
+    """A lease checked once the copies end, not before the forward pass: one that ran out
+    while the layers were copied makes the engine prefill again (the bytes read after it ran
+    out may be another chunk's), and the answer is still right."""
+    import time
+
+    model = build_model("tiny-llama", seed=21)
+    ids = _tokens(CHUNK * 3 + 5, 23)
+    config = tmp_path / "agent.toml"
+    config.write_text(f"[agent]\nchunk_tokens = {CHUNK}\nlease_seconds = 0.3\n")
+    with (
+        running_agent(tmp_path, "--config", str(config)) as agent,
+        agent.data("unix") as client,
+    ):
+        lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
+        assert lm.prefill(ids).stored_chunks == 3
+        lm.flush()
+        stalls = [0.6]  # the first forward pass stalls past the lease after layer 0's copy
+
+        def stall(_module: Any, _args: Any) -> None:
+            if stalls:
+                time.sleep(stalls.pop())
+
+        handle = model.model.layers[0].register_forward_pre_hook(stall)
+        try:
+            got = lm.prefill(ids)
+        finally:
+            handle.remove()
+        assert lm.layerwise_redos == 1
+        assert got.reused_chunks == 3  # the second try's leases held
+        baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+        assert torch.equal(got.logits, baseline.prefill(ids).logits)
+
+
+def test_layerwise_needs_decoder_layers_it_can_find() -> None:
+    model = build_model("tiny-llama", seed=1)
+    inner = model.model
+    del inner.layers  # not where the engine looks for them any more
+    with pytest.raises(InvalidArgument, match=r"decoder layers at model\.model\.layers"):
+        CachedLM(model, None, chunk_tokens=CHUNK, layerwise=True)
 
 
 def test_isolated_tenants_reuse_nothing_across_each_other(tmp_path: Path) -> None:
@@ -308,6 +396,31 @@ def test_on_cuda_new_chunks_are_copied_into_a_registered_staging_segment(tmp_pat
         assert torch.equal(again.logits, baseline.prefill(ids).logits)  # bit for bit
         lm.close()
         assert lm._staging_reg is None  # unregistered before the segment was unmapped
+
+
+@needs_cuda
+def test_on_cuda_layerwise_copies_give_the_same_answer_bit_for_bit(tmp_path: Path) -> None:
+    """The layers' copies run on the side stream under the forward pass, each layer's compute
+    waiting on its event only: the answer and the whole cache are a full prefill's."""
+    model = build_model("tiny-llama", dtype=torch.bfloat16).to("cuda")
+    baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+    ids = _tokens(CHUNK * 6 + 5, 25)
+    with (
+        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
+        assert lm.prefill(ids).stored_chunks == 6
+        lm.flush()
+        want = baseline.prefill(ids)
+        for _ in range(3):
+            again = lm.prefill(ids)
+            assert again.reused_chunks == 6 and again.timings["copy_seconds"] > 0
+            assert torch.equal(again.logits, want.logits)
+            for mine, ref in zip(again.cache.layers, want.cache.layers, strict=True):
+                assert torch.equal(mine.keys, ref.keys) and torch.equal(mine.values, ref.values)
+        assert lm.layerwise_redos == 0
+        lm.close()
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])

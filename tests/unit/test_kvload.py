@@ -231,6 +231,68 @@ def test_a_cpu_loader_faults_the_arena_mapping_in_until_it_is_forgotten() -> Non
         os.close(fd)
 
 
+_SLOTS = {"adjacent": [0, 1, 2, 3, 4], "gaps": [5, 6, 0, 2, 3]}
+
+
+@pytest.mark.parametrize("order", list(_SLOTS))
+def test_layer_copies_fill_each_layer_when_asked_in_order(order: str) -> None:
+    """``load_layers`` on the CPU copies nothing until a layer is asked for, then every layer
+    up to it; what lands is what ``load`` lays out, bit for bit."""
+    slots = _SLOTS[order]
+    chunks = _chunks(len(slots), seed=8)
+    arena = torch.zeros((max(slots) + 1) * SIZE, dtype=torch.uint8)
+    for chunk, slot in zip(chunks, slots, strict=True):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk
+    loader = KVLoader(FMT, torch.device("cpu"))
+    kv = loader.alloc(len(slots))
+    kv.fill_(float("nan"))
+    copies = loader.load_layers(arena, [s * SIZE for s in slots], kv)
+    want = _reference(chunks)
+    assert torch.isnan(kv).all()  # queued, not copied
+    copies.ready(0)
+    assert torch.equal(kv[0], want[0]) and torch.isnan(kv[1:]).all()
+    copies.ready(2)  # layer 1 on the way
+    assert all(torch.equal(kv[i], want[i]) for i in range(3))
+    copies.ready(1)  # asked again: nothing more to do
+    copies.done()
+    assert copies.seconds() > 0
+
+
+def test_layer_copies_of_a_run_its_views_cannot_cover_land_whole_with_the_first_layer() -> None:
+    """A source that is not a KV-dtype vector (odd start for bf16) takes the op-by-op copy of
+    the whole run at the first layer's turn; the result is the same."""
+    fmt = ChunkFormat(KVLayout(2, 1, 4, "bfloat16"), 2)
+    chunks = _chunks(2, seed=9, fmt=fmt)
+    src = torch.zeros(1 + 2 * fmt.chunk_bytes, dtype=torch.uint8)
+    src[1:] = torch.cat(chunks)
+    loader = KVLoader(fmt, torch.device("cpu"))
+    kv = loader.alloc(2)
+    copies = loader.load_layers(src, [1, 1 + fmt.chunk_bytes], kv)
+    copies.ready(0)
+    for layer, want in enumerate(_reference(chunks, fmt)):
+        assert torch.equal(kv[layer], want)
+    copies.done()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_layer_copies_are_bit_exact_and_ordered_by_events() -> None:
+    slots = _SLOTS["gaps"]
+    chunks = _chunks(len(slots), seed=10)
+    arena = mmap.mmap(-1, (max(slots) + 1) * SIZE)
+    for chunk, slot in zip(chunks, slots, strict=True):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk.numpy().tobytes()
+    loader = KVLoader(FMT, torch.device("cuda"))
+    src = loader.arena_tensor(arena)
+    kv = loader.alloc(len(slots))
+    copies = loader.load_layers(src, [s * SIZE for s in slots], kv)
+    for layer, want in enumerate(_reference(chunks)):
+        copies.ready(layer)  # the current stream waits for the layer's event
+        assert torch.equal(kv[layer].cpu(), want)
+    copies.done()
+    assert copies.seconds() > 0
+    loader.close()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_load_from_a_registered_mapping_is_bit_exact() -> None:
     n = 5
