@@ -146,19 +146,28 @@ def test_one_pass_prefill_matches_within_the_stated_tolerance(
         assert lm.generate(ids, 4, tenant="alice") == baseline.generate(ids, 4)
 
 
+@contextlib.contextmanager
+def _layerwise_engine(
+    tmp_path: Path, model: Any, ids: list[int], config: Path | None = None
+) -> Iterator[CachedLM]:
+    """A ``layerwise`` engine on a real agent (unix socket) that has stored ``ids``' chunks."""
+    with (
+        running_agent(tmp_path, "--config", str(config or _config(tmp_path))) as agent,
+        agent.data("unix") as client,
+    ):
+        lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
+        assert lm.prefill(ids).stored_chunks == (len(ids) - 1) // CHUNK
+        lm.flush()
+        yield lm
+
+
 def test_layerwise_copies_run_under_the_forward_pass_one_layer_ahead(tmp_path: Path) -> None:
     """With ``layerwise``, a reused prefix's layer is copied just before that layer runs: when
     layer l starts, layers past l are not in the buffer yet (CPU: copies on demand)."""
     model = build_model("tiny-llama", seed=15)
     ids = _tokens(CHUNK * 3 + 5, 19)
     seen: list[tuple[int, bool]] = []  # (layer, whether the next layer's KV had landed)
-    with (
-        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
-        agent.data("unix") as client,
-    ):
-        lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
-        assert lm.prefill(ids).stored_chunks == 3
-        lm.flush()
+    with _layerwise_engine(tmp_path, model, ids) as lm:
         layers = model.model.layers
 
         def watch(index: int) -> Any:
@@ -196,13 +205,7 @@ def test_a_lease_that_runs_out_under_a_layerwise_copy_costs_a_second_prefill(
     ids = _tokens(CHUNK * 3 + 5, 23)
     config = tmp_path / "agent.toml"
     config.write_text(f"[agent]\nchunk_tokens = {CHUNK}\nlease_seconds = 0.3\n")
-    with (
-        running_agent(tmp_path, "--config", str(config)) as agent,
-        agent.data("unix") as client,
-    ):
-        lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
-        assert lm.prefill(ids).stored_chunks == 3
-        lm.flush()
+    with _layerwise_engine(tmp_path, model, ids, config) as lm:
         stalls = [0.6]  # the first forward pass stalls past the lease after layer 0's copy
 
         def stall(_module: Any, _args: Any) -> None:
@@ -405,13 +408,7 @@ def test_on_cuda_layerwise_copies_give_the_same_answer_bit_for_bit(tmp_path: Pat
     model = build_model("tiny-llama", dtype=torch.bfloat16).to("cuda")
     baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
     ids = _tokens(CHUNK * 6 + 5, 25)
-    with (
-        running_agent(tmp_path, "--config", str(_config(tmp_path))) as agent,
-        agent.data("unix") as client,
-    ):
-        lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
-        assert lm.prefill(ids).stored_chunks == 6
-        lm.flush()
+    with _layerwise_engine(tmp_path, model, ids) as lm:
         want = baseline.prefill(ids)
         for _ in range(3):
             again = lm.prefill(ids)
