@@ -41,7 +41,7 @@ for group in "${groups[@]}"; do
   [ "$group" = "$contexts" ] || sources=${group#*:}
   name=ttft-${contexts//,/_}-${sources//,/_}$lw
   timeout "$limit" "$py" -m kvctl bench ttft --device cuda --contexts "$contexts" \
-    --sources "$sources" "${flags[@]}" --json > "$out/$name.json" 2> "$out/$name.err"
+    --sources "$sources" ${flags[@]+"${flags[@]}"} --json > "$out/$name.json" 2> "$out/$name.err"
   echo "bench ttft $group: rc=$? after ${SECONDS}s"
 done
 timeout "${AGENT_S:-60}" "$py" -m kvctl bench agent --sizes 32MiB --bytes-per-size 1GiB \

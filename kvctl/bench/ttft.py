@@ -272,6 +272,7 @@ def run_ttft_bench(
             del base, miss, runs
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()  # the next context's caches need the room
+        redos = {name: engine.layerwise_redos for name, engine in engines.items()}
 
     return {
         "bench": "ttft",
@@ -297,6 +298,8 @@ def run_ttft_bench(
         "logits_rtol": RTOL[dtype],
         "rows": rows,
         "arena_attach_seconds": attach_s,
+        # requests an engine prefilled again: a lease ran out under its layer-wise copies
+        "layerwise_redos": redos,
         "failures": failures,
         "host": host_info(),
         "notes": [

@@ -9,7 +9,6 @@ logits come from it.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import mmap
@@ -223,25 +222,14 @@ class CachedLM:
         #: device into it is a DMA), while it has one
         self._staging_reg: HostRegistration | None = None
         self.staging_register_failures = 0
+        self.layerwise = layerwise
+        #: the decoder layers a ``layerwise`` request hooks while its copies run
+        self._layers = _decoder_layers(model, self.layout.layers) if layerwise else []
+        #: requests prefilled again because a lease ran out before its layer-wise copy ended
+        self.layerwise_redos = 0
         #: seconds this engine took to map (and, on CUDA, register) the agent's shared arena
         #: when it connected; None without one
         self.arena_attach_seconds = self._attach()
-        self.layerwise = layerwise
-        #: the request's copies still running under the forward pass (``layerwise``)
-        self._copies: LayerCopies | None = None
-        #: requests prefilled again because a lease ran out before its layer-wise copy ended
-        self.layerwise_redos = 0
-        #: the hooks on the model's decoder layers (``layerwise``), removed by ``close``
-        self._hooks = [
-            layer.register_forward_pre_hook(functools.partial(self._layer_ready, i))
-            for i, layer in enumerate(
-                _decoder_layers(model, self.layout.layers) if layerwise else ()
-            )
-        ]
-
-    def _layer_ready(self, index: int, _module: Any, _args: Any) -> None:
-        if self._copies is not None:
-            self._copies.ready(index)
 
     @property
     def client(self) -> DataClient | None:
@@ -268,15 +256,11 @@ class CachedLM:
         return True if self._writer is None else self._writer.flush(timeout_s)
 
     def close(self) -> None:
-        """Finish pending writes and stop the writer (the client stays the caller's); the
-        model's layers lose this engine's hooks."""
+        """Finish pending writes and stop the writer (the client stays the caller's)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         self.loader.close()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
 
     def namespace(self, tenant: str | None = None) -> Namespace:
         """Model id + KV layout + the tenant's salt (asked of the agent once per tenant)."""
@@ -309,13 +293,24 @@ class CachedLM:
             keys = []
         return self._prefill(ids, keys, tenant, overlap=self.layerwise)
 
-    def _prefill(self, ids: list[int], keys: list[bytes], tenant: str, *, overlap: bool) -> Prefill:
+    def _prefill(
+        self,
+        ids: list[int],
+        keys: list[bytes],
+        tenant: str,
+        *,
+        overlap: bool,
+        spent_s: float = 0.0,
+    ) -> Prefill:
+        """``spent_s``: seconds an earlier try of this request took (``layerwise``'s redo),
+        counted in this one's lookup time so the time to first token holds them."""
         # the last prompt token is always computed: its logits are the answer
         reusable = keys[: (len(ids) - 1) // self.chunk_tokens]
 
         self.loader.last_copy = None  # this request's copy only (none: its chunks came by socket)
         t0 = time.perf_counter()
         client = self.client
+        copies: LayerCopies | None = None
         try:
             leased = None
             if (
@@ -327,52 +322,63 @@ class CachedLM:
                 # same host: the lookup leases what it matched, one round trip less
                 leased = self._lookup_leased(reusable, tenant, overlap=overlap)
             if leased is not None:
-                matched, locations, cache, reused, path, t1 = leased
+                matched, locations, cache, reused, path, t1, copies = leased
             else:
                 matched, locations = self._lookup(reusable, tenant)
                 t1 = time.perf_counter()
                 cache, reused, path = self._fetch(reusable[:matched], tenant)
             tiers = [t for t in locations[:reused] if t is not None]
-            self._sync()
+            if copies is None:  # else each layer waits for its own copies, under the forward
+                self._sync()
             t2 = time.perf_counter()
             start = reused * self.chunk_tokens
             step = self.chunk_tokens if self.chunked_prefill else len(ids)
-            for at in range(start, len(ids), step):
-                part = torch.tensor([ids[at : at + step]], device=self.device)
-                kv = self._kv(cache)
-                out = self.model(input_ids=part, use_cache=True, logits_to_keep=1, **kv)
-                cache = _cache_of(out)
+            hooks = self._hook_layers(copies) if copies is not None else []
+            try:
+                for at in range(start, len(ids), step):
+                    part = torch.tensor([ids[at : at + step]], device=self.device)
+                    kv = self._kv(cache)
+                    out = self.model(input_ids=part, use_cache=True, logits_to_keep=1, **kv)
+                    cache = _cache_of(out)
+            finally:
+                for hook in hooks:
+                    hook.remove()
             logits = out.logits[0, -1].float().cpu()  # .cpu() waits for the device
-            copies, lost = self._copies, False
+            lost = False
             if copies is not None:
                 copies.done()
                 lost = copies.held() < reused
-                self.loader.last_copy = (reused * self.format.chunk_bytes, copies.seconds())
             for layer in cache.layers:  # a cache that kept the loader's buffer must own a copy
                 if self.loader.owns(layer.keys):
                     layer.keys, layer.values = layer.keys.clone(), layer.values.clone()
             t3 = time.perf_counter()
         finally:  # the lookup's leases go once the first token is out, or the request failed
-            if self._copies is not None:
-                self._copies.done()  # nothing may read the arena once its leases are gone
-                self._copies = None
-            if client is not None and client.shm:
-                self._release_pending(client)
+            try:
+                if copies is not None:
+                    copies.abandon()  # nothing may read the arena once its leases are gone
+            finally:
+                if client is not None and client.shm:
+                    self._release_pending(client)
         if lost:  # what was read of a chunk whose lease ran out may be another chunk's bytes
             log.warning("a lease ran out before its layer-wise copy ended: prefilling again")
             self.layerwise_redos += 1
-            return self._prefill(ids, keys, tenant, overlap=False)
+            spent_s += time.perf_counter() - t0
+            return self._prefill(ids, keys, tenant, overlap=False, spent_s=spent_s)
         # the copy out of the shared arena alone (what is left of the fetch is per request)
         copied = self.loader.last_copy
+        if copies is not None and reused:
+            copied = (reused * self.format.chunk_bytes, copies.seconds())
         timings = (
             {"copy_bytes": float(copied[0]), "copy_seconds": copied[1]}
             if copied is not None and reused
             else {}
         )
-        if copies is None or not reused:  # else the compute time holds copy time
+        if spent_s:
+            timings["redo_seconds"] = spent_s
+        if copies is None or not reused:
             self._measured(len(ids) - start, start, t3 - t2)
-        else:
-            self._measured(0, start, 0.0)  # the copy's rate only
+        # else nothing is reported: the compute time holds copies, and the copies' time
+        # holds the layout kernels sharing the device with the forward pass
         stored = self._store(cache, keys, reused, locations, tenant)
         return Prefill(
             logits=logits,
@@ -383,13 +389,21 @@ class CachedLM:
             reused_chunks=reused,
             reused_tiers=list(tiers),
             fetched_bytes=reused * self.format.chunk_bytes,
-            lookup_seconds=t1 - t0,
+            lookup_seconds=spent_s + t1 - t0,
             fetch_seconds=t2 - t1,
             compute_seconds=t3 - t2,
             stored=stored,
             fetch_path=path if reused else "",
             timings=timings,
         )
+
+    def _hook_layers(self, copies: LayerCopies) -> list[Any]:
+        """Hooks that make each decoder layer wait for its own copies (``layerwise``), for one
+        request: the caller removes them (no engine stays hooked to a shared model)."""
+        return [
+            layer.register_forward_pre_hook(lambda _m, _a, i=i: copies.ready(i))
+            for i, layer in enumerate(self._layers)
+        ]
 
     @torch.inference_mode()
     def continue_prefill(
@@ -436,15 +450,16 @@ class CachedLM:
 
     def _lookup_leased(
         self, keys: list[bytes], tenant: str, *, overlap: bool = False
-    ) -> tuple[int, list[str | None], DynamicCache, int, str, float] | None:
+    ) -> tuple[int, list[str | None], DynamicCache, int, str, float, LayerCopies | None] | None:
         """``_lookup`` and ``_fetch`` through a lookup that leases its matched prefix: the
-        lookup's answer, the cache, chunks reused, their path, and when the lookup's answer
-        came (the fetch's start). None when the agent predates LOOKUP_LEASE (asked once).
-        ``overlap``: a prefix leased whole in the arena is copied layer by layer under the
-        forward pass (``self._copies``), not before this returns."""
+        lookup's answer, the cache, chunks reused, their path, when the lookup's answer came
+        (the fetch's start), and the copies still running (``overlap``: a prefix leased whole
+        in the arena is copied layer by layer under the forward pass; None: all copied). None
+        when the agent predates LOOKUP_LEASE (asked once)."""
         client = self.client
         assert client is not None
         local_only = client is not self._no_local_lease
+        copies: LayerCopies | None = None
         try:
             # released after the first token: the copies are done, and the release need not
             # be in the time to it. Chunks on other nodes are pulled here in slices, each
@@ -456,8 +471,8 @@ class CachedLM:
                 m = found.matched_chunks
                 kv = self.loader.alloc(m, reuse=True) if m else None
                 if overlap and kv is not None:
-                    self._copies = queue_leased(leases, m, self.loader, kv)
-                if self._copies is not None:
+                    copies = queue_leased(leases, m, self.loader, kv)
+                if copies is not None:
                     usable, blocked = m, False
                 else:
                     usable, blocked = (
@@ -471,16 +486,19 @@ class CachedLM:
             if blocked and kv is not None:
                 usable += read_socket(client, keys[usable:m], tenant, self.loader, kv, usable)
         except AgentError as exc:
+            if copies is not None:  # queued before the failure: they read the arena
+                copies.abandon()
             if isinstance(exc, RequestError) and exc.code == ErrorCode.UNSUPPORTED:
                 if local_only:  # an agent that predates LOOKUP_LEASE_LOCAL
                     self._no_local_lease = client
-                    return self._lookup_leased(keys, tenant)
+                    return self._lookup_leased(keys, tenant, overlap=overlap)
                 self._no_lookup_lease = client  # a lookup, then a lease, from now on
                 return None
             log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
-            return 0, [], DynamicCache(), 0, "", time.perf_counter()
+            return 0, [], DynamicCache(), 0, "", time.perf_counter(), None
         cache = DynamicCache() if kv is None else self._cache_of(kv, usable)
-        return m, list(found.locations), cache, usable, "lease" if usable else "", lookup_end_s
+        path = "lease" if usable else ""
+        return m, list(found.locations), cache, usable, path, lookup_end_s, copies
 
     @staticmethod
     def _release_pending(client: DataClient) -> None:

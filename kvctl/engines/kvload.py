@@ -125,6 +125,15 @@ class LayerCopies:
         else:
             self.ready(len(self._steps) - 1)
 
+    def abandon(self) -> None:
+        """Nothing more is wanted of these copies (the request failed or is over): on the CPU
+        the layers not copied yet are dropped; on CUDA the host waits for the queued ones,
+        which read the arena and must end before its leases go."""
+        if self._events:
+            self._events[-1].synchronize()
+        else:
+            self._next = len(self._steps)
+
     def seconds(self) -> float:
         """The copies' own time, once ``done``: on CUDA from the first copy's start to the last
         layer's event on the side stream; on the CPU the layers' copies added up."""
@@ -354,8 +363,11 @@ class KVLoader:
         when each layer is complete (``LayerCopies``). On CUDA every copy is queued now on the
         side stream, layer 0 first: each chunk's part of the layer crosses the link as one
         copy into a device buffer (a chunk holds its layers one after another, so a layer's
-        parts are not adjacent in the arena), then the layer is laid out on the device. On the
-        CPU nothing is copied until ``ready`` asks for a layer."""
+        parts are not adjacent in the arena), then the layer is laid out on the device. That is
+        layers x chunks launches, all queued before this returns (4,096 at 32k tokens on the
+        8B shape): the forward pass is queued after them, and its layers still wait on the
+        link only while queueing is quicker than the link. On the CPU nothing is copied until
+        ``ready`` asks for a layer."""
         lay = self.format.layout
         if self._stream is None:
             return LayerCopies(self._cpu_layer_steps(src, offsets, dst))
@@ -366,17 +378,23 @@ class KVLoader:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         start = torch.cuda.Event(enable_timing=True)
         events = []
+        per = max(1, MAX_RUN_BYTES // part)  # chunks per device scratch buffer
         with torch.cuda.stream(self._stream):
             start.record(self._stream)
             for layer in range(lay.layers):
-                landed = torch.empty(n * part, dtype=torch.uint8, device=self.device)
-                for i, offset in enumerate(offsets):
-                    at = offset + layer * part
-                    landed[i * part : (i + 1) * part].copy_(src[at : at + part], non_blocking=True)
-                # [n, 2, heads, T, dim] -> [2, heads, n, T, dim]
-                shape = (n, 2, lay.kv_heads, t, lay.head_dim)
-                target = dst[layer, :, 0, :, : n * t, :].unflatten(2, (n, t))
-                target.copy_(landed.view(self.format.dtype).view(shape).permute(1, 2, 0, 3, 4))
+                for lo in range(0, n, per):
+                    group = offsets[lo : lo + per]
+                    k = len(group)
+                    landed = torch.empty(k * part, dtype=torch.uint8, device=self.device)
+                    for i, offset in enumerate(group):
+                        at = offset + layer * part
+                        landed[i * part : (i + 1) * part].copy_(
+                            src[at : at + part], non_blocking=True
+                        )
+                    # [k, 2, heads, T, dim] -> [2, heads, k, T, dim]
+                    shape = (k, 2, lay.kv_heads, t, lay.head_dim)
+                    target = dst[layer, :, 0, :, lo * t : (lo + k) * t, :].unflatten(2, (k, t))
+                    target.copy_(landed.view(self.format.dtype).view(shape).permute(1, 2, 0, 3, 4))
                 event = torch.cuda.Event(enable_timing=True)
                 event.record(self._stream)
                 events.append(event)

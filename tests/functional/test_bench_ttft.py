@@ -137,6 +137,7 @@ def test_the_command_prints_json(layerwise: bool) -> None:
     assert list(data["rows"][0]["sources"]) == ["cpu"]
     assert data["rows"][0]["sources"]["cpu"]["reused_tokens"] == 256
     assert data["layerwise"] is layerwise
+    assert data["layerwise_redos"] == {"node": 0}
     assert "full prefill" in out.stderr  # progress goes to stderr, JSON alone to stdout
 
 

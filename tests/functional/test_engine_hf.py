@@ -149,7 +149,7 @@ def test_one_pass_prefill_matches_within_the_stated_tolerance(
 @contextlib.contextmanager
 def _layerwise_engine(
     tmp_path: Path, model: Any, ids: list[int], config: Path | None = None
-) -> Iterator[CachedLM]:
+) -> Iterator[tuple[Agent, CachedLM]]:
     """A ``layerwise`` engine on a real agent (unix socket) that has stored ``ids``' chunks."""
     with (
         running_agent(tmp_path, "--config", str(config or _config(tmp_path))) as agent,
@@ -158,37 +158,44 @@ def _layerwise_engine(
         lm = CachedLM(model, client, chunked_prefill=True, layerwise=True)
         assert lm.prefill(ids).stored_chunks == (len(ids) - 1) // CHUNK
         lm.flush()
-        yield lm
+        yield agent, lm
+
+
+def _hooked(model: Any) -> int:
+    return sum(len(layer._forward_pre_hooks) for layer in model.model.layers)
 
 
 def test_layerwise_copies_run_under_the_forward_pass_one_layer_ahead(tmp_path: Path) -> None:
     """With ``layerwise``, a reused prefix's layer is copied just before that layer runs: when
-    layer l starts, layers past l are not in the buffer yet (CPU: copies on demand)."""
+    layer l's attention starts, its KV is in the buffer and the next layer's is not (CPU:
+    copies on demand). The hooks are the request's only."""
     model = build_model("tiny-llama", seed=15)
     ids = _tokens(CHUNK * 3 + 5, 19)
-    seen: list[tuple[int, bool]] = []  # (layer, whether the next layer's KV had landed)
-    with _layerwise_engine(tmp_path, model, ids) as lm:
+    seen: list[tuple[bool, bool]] = []  # per layer: (its KV landed, the next one's landed)
+    with _layerwise_engine(tmp_path, model, ids) as (_agent, lm):
         layers = model.model.layers
+        buffer = lm.loader.alloc(3, reuse=True)
 
         def watch(index: int) -> Any:
             def hook(_module: Any, _args: Any) -> None:
-                buffer = lm.loader.alloc(3, reuse=True)
-                if index + 1 < len(layers):
-                    seen.append((index, bool(torch.count_nonzero(buffer[index + 1]))))
+                landed = [bool(torch.count_nonzero(buffer[i])) for i in (index, index + 1)]
+                seen.append((landed[0], landed[1]))
 
             return hook
 
-        buffer = lm.loader.alloc(3, reuse=True)
         buffer.zero_()  # what the previous request left there
-        handles = [layer.register_forward_pre_hook(watch(i)) for i, layer in enumerate(layers)]
+        handles = [
+            layer.self_attn.register_forward_pre_hook(watch(i))
+            for i, layer in enumerate(layers[:-1])
+        ]
         try:
             got = lm.prefill(ids)
         finally:
             for h in handles:
                 h.remove()
         assert got.reused_chunks == 3 and got.timings["copy_seconds"] > 0
-        # each layer saw its own KV copied (the engine's hook ran first) and the next one not
-        assert seen[: len(layers) - 1] == [(i, False) for i in range(len(layers) - 1)]
+        assert seen == [(True, False)] * (len(layers) - 1)
+        assert _hooked(model) == 0  # none left behind on the (shared) model
         baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
         assert torch.equal(got.logits, baseline.prefill(ids).logits)
 
@@ -198,29 +205,58 @@ def test_a_lease_that_runs_out_under_a_layerwise_copy_costs_a_second_prefill(
 ) -> None:
     """A lease checked once the copies end, not before the forward pass: one that ran out
     while the layers were copied makes the engine prefill again (the bytes read after it ran
-    out may be another chunk's), and the answer is still right."""
+    out may be another chunk's); the answer is still right and the first try's time is in
+    the time to first token."""
     import time
 
     model = build_model("tiny-llama", seed=21)
     ids = _tokens(CHUNK * 3 + 5, 23)
     config = tmp_path / "agent.toml"
     config.write_text(f"[agent]\nchunk_tokens = {CHUNK}\nlease_seconds = 0.3\n")
-    with _layerwise_engine(tmp_path, model, ids, config) as lm:
+    with _layerwise_engine(tmp_path, model, ids, config) as (_agent, lm):
         stalls = [0.6]  # the first forward pass stalls past the lease after layer 0's copy
 
         def stall(_module: Any, _args: Any) -> None:
             if stalls:
                 time.sleep(stalls.pop())
 
-        handle = model.model.layers[0].register_forward_pre_hook(stall)
+        handle = model.model.layers[0].self_attn.register_forward_pre_hook(stall)
         try:
             got = lm.prefill(ids)
         finally:
             handle.remove()
         assert lm.layerwise_redos == 1
         assert got.reused_chunks == 3  # the second try's leases held
+        assert got.timings["redo_seconds"] >= 0.6 and got.lookup_seconds >= 0.6
+        assert got.ttft_seconds >= 0.6
         baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
         assert torch.equal(got.logits, baseline.prefill(ids).logits)
+
+
+def test_a_layerwise_request_that_fails_mid_forward_leaves_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    """An error in the forward pass with layers still to copy: its leases are released, no
+    hook stays on the model, and the next request reuses the prefix as usual."""
+    model = build_model("tiny-llama", seed=27)
+    ids = _tokens(CHUNK * 3 + 5, 29)
+    with _layerwise_engine(tmp_path, model, ids) as (agent, lm):
+
+        def broken(_module: Any, _args: Any) -> None:
+            raise RuntimeError("out of memory (test)")
+
+        handle = model.model.layers[1].self_attn.register_forward_pre_hook(broken)
+        try:
+            with pytest.raises(RuntimeError, match="out of memory"):
+                lm.prefill(ids)
+        finally:
+            handle.remove()
+        assert _hooked(model) == 0
+        wait_until("leases released", lambda: agent.control().stats()["leases"] == 0, 5.0)
+        again = lm.prefill(ids)
+        assert again.reused_chunks == 3 and lm.layerwise_redos == 0
+        baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
+        assert torch.equal(again.logits, baseline.prefill(ids).logits)
 
 
 def test_layerwise_needs_decoder_layers_it_can_find() -> None:
@@ -402,13 +438,17 @@ def test_on_cuda_new_chunks_are_copied_into_a_registered_staging_segment(tmp_pat
 
 
 @needs_cuda
-def test_on_cuda_layerwise_copies_give_the_same_answer_bit_for_bit(tmp_path: Path) -> None:
+def test_on_cuda_layerwise_copies_give_the_same_answer_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The layers' copies run on the side stream under the forward pass, each layer's compute
-    waiting on its event only: the answer and the whole cache are a full prefill's."""
+    waiting on its event only (no device-wide sync before the forward pass: it would wait for
+    every copy): the answer and the whole cache are a full prefill's."""
     model = build_model("tiny-llama", dtype=torch.bfloat16).to("cuda")
     baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
     ids = _tokens(CHUNK * 6 + 5, 25)
-    with _layerwise_engine(tmp_path, model, ids) as lm:
+    with _layerwise_engine(tmp_path, model, ids) as (_agent, lm):
+        monkeypatch.setattr(lm, "_sync", lambda: pytest.fail("synced before the forward pass"))
         want = baseline.prefill(ids)
         for _ in range(3):
             again = lm.prefill(ids)
