@@ -496,6 +496,10 @@ class CachedLM:
                 return None
             log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
             return 0, [], DynamicCache(), 0, "", time.perf_counter(), None
+        except BaseException:
+            if copies is not None:  # the caller never learns of them: they end here
+                copies.abandon()
+            raise
         cache = DynamicCache() if kv is None else self._cache_of(kv, usable)
         path = "lease" if usable else ""
         return m, list(found.locations), cache, usable, path, lookup_end_s, copies
