@@ -984,6 +984,8 @@ def render_ttft_bench(result: dict[str, Any]) -> Group:
         f"TTFT, {m['shape']} ({m['dtype']}, random weights) on {m['device_name'] or m['device']}, "
         f"{result['suffix_tokens']} new tokens after the context"
     )
+    if result.get("layerwise"):  # older JSON has no such key
+        title += "; layer-wise copies (fetch: queueing them only)"
     table = Table(title=title)
     for col in (
         "context",

@@ -138,6 +138,11 @@ def test_the_command_prints_json(layerwise: bool) -> None:
     assert data["rows"][0]["sources"]["cpu"]["reused_tokens"] == 256
     assert data["layerwise"] is layerwise
     assert data["layerwise_redos"] == {"node": 0}
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(render_ttft_bench(data))
+    assert ("layer-wise copies" in console.export_text()) is layerwise
     assert "full prefill" in out.stderr  # progress goes to stderr, JSON alone to stdout
 
 
