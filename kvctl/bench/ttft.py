@@ -358,7 +358,8 @@ def run_ttft_bench(
             "plan would decide)",
             "layerwise (when true): a prefix leased whole from the arena is copied layer by "
             "layer under the forward pass, so fetch_seconds is only the time to queue its "
-            "copies and compute_seconds holds the rest of them; copy_seconds is their own time",
+            "copies and compute_seconds holds the rest of them; copy_seconds is their own time, "
+            "and fetch_bytes_per_second and the shares of the bound use it instead of the fetch",
             "pool: a forced pull counts once it moved every chunk, tried up to "
             f"{FORCED_PULL_TRIES} times; forced_fetch.short_tries lists the tries that did not "
             "(late_probes: pool answers the lookup stopped waiting for)",
@@ -554,12 +555,12 @@ def _bounded(
     pairs = [
         (p, b)
         for p, (_, b) in zip(runs, bounds, strict=True)
-        if p.fetched_bytes and p.fetch_seconds > 0 and b > 0
+        if p.fetched_bytes and _moving_seconds(p) > 0 and b > 0
     ]
-    shares = [p.fetched_bytes / p.fetch_seconds / b for p, b in pairs]
+    shares = [p.fetched_bytes / _moving_seconds(p) / b for p, b in pairs]
     # the lookup's round trip counted too: on a same-host engine the lookup also leases what
     # it matched (LOOKUP_LEASE), so that work is in the lookup, not the fetch
-    with_lookup = [p.fetched_bytes / (p.lookup_seconds + p.fetch_seconds) / b for p, b in pairs]
+    with_lookup = [p.fetched_bytes / (p.lookup_seconds + _moving_seconds(p)) / b for p, b in pairs]
     # the copy alone: what the fetch spends beyond it is per request, whatever the size
     copy_shares = [  # of the bytes copied out of the arena (not those read over the socket)
         p.timings["copy_bytes"] / p.timings["copy_seconds"] / b
@@ -575,6 +576,12 @@ def _bounded(
         "copy_share_of_bound": statistics.median(copy_shares) if copy_shares else None,
     }
     return summary
+
+
+def _moving_seconds(p: Prefill) -> float:
+    """The seconds a sample's bytes took to arrive: its fetch, or where its copies ran layer
+    by layer under the forward pass (its fetch then only queued them), the copies' own time."""
+    return p.timings["copy_seconds"] if p.timings.get("layerwise") else p.fetch_seconds
 
 
 def _read_only(torch: Any, lm: Any, keys: list[bytes]) -> tuple[int, float]:
@@ -791,6 +798,7 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
     ttft = statistics.median(p.ttft_seconds for p in runs)
     last = runs[-1]
     fetch = statistics.median(p.fetch_seconds for p in runs)
+    moving = statistics.median(_moving_seconds(p) for p in runs)
     copies = [p.timings["copy_seconds"] for p in runs if "copy_seconds" in p.timings]
     return {
         "ttft_seconds": ttft,
@@ -816,8 +824,8 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
         # the copy out of the shared arena alone, where chunks were leased (None otherwise)
         "copy_seconds": statistics.median(copies) if copies else None,
         "bytes_moved": last.fetched_bytes,
-        "fetch_bytes_per_second": last.fetched_bytes / fetch
-        if last.fetched_bytes and fetch
+        "fetch_bytes_per_second": last.fetched_bytes / moving
+        if last.fetched_bytes and moving
         else None,
         "samples_seconds": [p.ttft_seconds for p in runs],
     }
@@ -985,7 +993,7 @@ def render_ttft_bench(result: dict[str, Any]) -> Group:
         f"{result['suffix_tokens']} new tokens after the context"
     )
     if result.get("layerwise"):  # older JSON has no such key
-        title += "; layer-wise copies (fetch: queueing them only)"
+        title += "; layer-wise copies (fetch: queueing them; rates: the copies' own time)"
     table = Table(title=title)
     for col in (
         "context",

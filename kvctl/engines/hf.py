@@ -373,6 +373,8 @@ class CachedLM:
             if copied is not None and reused
             else {}
         )
+        if copies is not None and reused:
+            timings["layerwise"] = 1.0  # the copies ran under compute: not in fetch_seconds
         if spent_s:
             timings["redo_seconds"] = spent_s
         if copies is None or not reused:

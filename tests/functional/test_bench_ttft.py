@@ -138,6 +138,10 @@ def test_the_command_prints_json(layerwise: bool) -> None:
     assert data["rows"][0]["sources"]["cpu"]["reused_tokens"] == 256
     assert data["layerwise"] is layerwise
     assert data["layerwise_redos"] == {"node": 0}
+    cpu = data["rows"][0]["sources"]["cpu"]
+    # the rate is the copies' own: where they ran under compute, not the fetch's queueing
+    moving_s = cpu["copy_seconds"] if layerwise else cpu["fetch_seconds"]
+    assert cpu["fetch_bytes_per_second"] == pytest.approx(cpu["bytes_moved"] / moving_s)
     from rich.console import Console
 
     console = Console(width=200, record=True)

@@ -194,6 +194,7 @@ def test_layerwise_copies_run_under_the_forward_pass_one_layer_ahead(tmp_path: P
             for h in handles:
                 h.remove()
         assert got.reused_chunks == 3 and got.timings["copy_seconds"] > 0
+        assert got.timings["layerwise"] == 1.0  # the copies are not in fetch_seconds
         assert seen == [(True, False)] * (len(layers) - 1)
         assert _hooked(model) == 0  # none left behind on the (shared) model
         baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
