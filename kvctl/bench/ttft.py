@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvctl.bench.common import host_info, spawned_agent
 from kvctl.errors import InvalidArgument
@@ -46,6 +46,8 @@ if TYPE_CHECKING:
     from kvctl.bench.agent import RawStreams
     from kvctl.client import AgentClient, DataClient
     from kvctl.engines.hf import CachedLM, Prefill
+
+T = TypeVar("T")
 
 SOURCES = ("cpu", "disk", "pool")
 #: where each source's chunks must be found by the lookup
@@ -496,12 +498,7 @@ def _forced_pull(
 
 def _late_probes(control: Any) -> int | None:
     """The pool probes the agent's lookups stopped waiting for (None: it would not say)."""
-    from kvctl.client import AgentError
-
-    try:
-        return int(control.remote()["pool"]["late"])
-    except (AgentError, KeyError, TypeError, ValueError):
-        return None
+    return _from_remote(control, lambda remote: int(remote["pool"]["late"]))
 
 
 def _wait_for_pool(pool: DataClient, keys: list[bytes]) -> None:
@@ -834,11 +831,18 @@ def _summary(runs: list[Prefill], full_s: float) -> dict[str, Any]:
 def _plans_made(control: Any) -> tuple[int, dict[str, Any] | None] | None:
     """How many fetch-or-recompute plans the agent has made, and its last one (None: it would
     not say)."""
+    return _from_remote(
+        control, lambda remote: (int(remote["plans"]["lookups"]), remote.get("last_plan"))
+    )
+
+
+def _from_remote(control: Any, read: Callable[[dict[str, Any]], T]) -> T | None:
+    """``read`` of the agent's ``/v1/remote`` (None where the agent would not answer, or its
+    answer lacks what ``read`` looks for)."""
     from kvctl.client import AgentError
 
     try:
-        remote = control.remote()
-        return int(remote["plans"]["lookups"]), remote.get("last_plan")
+        return read(control.remote())
     except (AgentError, KeyError, TypeError, ValueError):
         return None
 

@@ -313,27 +313,14 @@ class KVLoader:
         """Copy chunks lying at ``offsets`` (bytes) in the flat uint8 CPU tensor ``src`` into
         ``dst`` at chunk positions ``first_chunk, first_chunk+1, ...``. On CUDA the copies are
         queued on a side stream: call ``wait()`` before reading ``dst`` or reusing ``src``."""
-        size = self.format.chunk_bytes
-        item = self.format.dtype.itemsize
         if self._stream is not None:
             # dst may reuse memory the caller's stream still reads: copy after that work
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        typed = None if self.cuda else _typed(src, self.format.dtype)
-        for first, count in runs(offsets, size, MAX_RUN_BYTES):
-            start = offsets[first]
-            if typed is not None and _strided_copy(
-                typed,
-                start // item if start % item == 0 else -1,
-                dst,
-                first_chunk + first,
-                count,
-                self.format,
-            ):
-                continue
-            flat = src[start : start + count * size]
-            if flat.storage_offset() % item:  # a view as the KV dtype needs aligned bytes
-                flat = flat.clone()
-            self._copy_run(flat, dst, first_chunk + first, count)
+        views, whole = self._split_runs(src, offsets, dst, first_chunk)
+        for source, target in views:
+            target.copy_(source)
+        for start, at, count in whole:
+            self._copy_whole(src, start, dst, at, count)
 
     def load_timed(
         self,
@@ -406,33 +393,48 @@ class KVLoader:
         """Each layer's copies of the chunks at ``offsets``, to run in layer order: one strided
         copy per run of adjacent chunks per layer; a run those views cannot cover is copied
         whole in layer 0's step (the op-by-op copy ``load`` falls back on)."""
-        size = self.format.chunk_bytes
-        item = self.format.dtype.itemsize
-        typed = _typed(src, self.format.dtype)
-        per_layer: list[tuple[torch.Tensor, torch.Tensor]] = []
-        whole: list[tuple[int, int]] = []
-        for first, count in runs(offsets, size, MAX_RUN_BYTES):
-            start = offsets[first]
-            views = None
-            if typed is not None:
-                aligned = start // item if start % item == 0 else -1
-                views = _strided_views(typed, aligned, dst, first, count, self.format)
-            if views is None:
-                whole.append((first, count))
-            else:
-                per_layer.append(views)
+        views, whole = self._split_runs(src, offsets, dst, 0)
 
         def step(layer: int) -> None:
             if layer == 0:
-                for first, count in whole:
-                    flat = src[offsets[first] : offsets[first] + count * size]
-                    if flat.storage_offset() % item:
-                        flat = flat.clone()
-                    self._copy_run(flat, dst, first, count)
-            for source, target in per_layer:
+                for start, at, count in whole:
+                    self._copy_whole(src, start, dst, at, count)
+            for source, target in views:
                 target[layer].copy_(source[layer])
 
         return [functools.partial(step, layer) for layer in range(self.format.layout.layers)]
+
+    def _split_runs(
+        self, src: torch.Tensor, offsets: Sequence[int], dst: torch.Tensor, first_chunk: int
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int, int]]]:
+        """The runs of adjacent chunks at ``offsets`` (into ``dst`` from ``first_chunk``): as
+        (source, target) strided views where they can be made (CPU, ``_strided_views``), the
+        others as (start byte, chunk position, count) for the op-by-op copy (``_copy_whole``)."""
+        item = self.format.dtype.itemsize
+        typed = None if self.cuda else _typed(src, self.format.dtype)
+        views: list[tuple[torch.Tensor, torch.Tensor]] = []
+        whole: list[tuple[int, int, int]] = []
+        for first, count in runs(offsets, self.format.chunk_bytes, MAX_RUN_BYTES):
+            start, at = offsets[first], first_chunk + first
+            made = None
+            if typed is not None:
+                aligned = start // item if start % item == 0 else -1
+                made = _strided_views(typed, aligned, dst, at, count, self.format)
+            if made is None:
+                whole.append((start, at, count))
+            else:
+                views.append(made)
+        return views, whole
+
+    def _copy_whole(
+        self, src: torch.Tensor, start: int, dst: torch.Tensor, at: int, count: int
+    ) -> None:
+        """``count`` chunks from byte ``start`` of ``src`` into ``dst`` at chunk ``at``, op by op
+        (``_copy_run``)."""
+        flat = src[start : start + count * self.format.chunk_bytes]
+        if flat.storage_offset() % self.format.dtype.itemsize:  # a view as the KV dtype needs
+            flat = flat.clone()  # aligned bytes
+        self._copy_run(flat, dst, at, count)
 
     def _copy_run(self, flat: torch.Tensor, dst: torch.Tensor, at: int, count: int) -> None:
         fmt = self.format
@@ -471,29 +473,17 @@ def _typed(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     return src.view(dtype)
 
 
-def _strided_copy(
-    typed: torch.Tensor, start: int, dst: torch.Tensor, at: int, count: int, fmt: ChunkFormat
-) -> bool:
-    """Chunks ``count`` back to back from element ``start`` of ``typed`` into ``dst`` at chunk
-    ``at``, as one copy between two strided views (CPU): the views made op by op (slice, view,
-    unflatten, permute) made a 4-chunk run's load 0.08-0.1 ms slower (0.72-0.79 ms against
-    0.64-0.69, 4 MiB after a cache flush, on a 2-core VM). False, nothing copied, where the
-    views cannot be made (``_strided_views``)."""
-    views = _strided_views(typed, start, dst, at, count, fmt)
-    if views is None:
-        return False
-    views[1].copy_(views[0])
-    return True
-
-
 def _strided_views(
     typed: torch.Tensor, start: int, dst: torch.Tensor, at: int, count: int, fmt: ChunkFormat
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(source, target) ``[layers, 2, kv_heads, count, T x head_dim]`` views of ``count``
     chunks back to back from element ``start`` of ``typed`` and of their place in ``dst`` from
-    chunk ``at``. None where ``start`` is -1 (unaligned), the chunks run past ``typed``, or
-    ``dst`` is not a KV buffer of this format with room for them whose heads keep their tokens
-    and dimensions back to back (the op-by-op copy then raises or copies)."""
+    chunk ``at``, so a run is one copy between them (CPU): the views made op by op (slice, view,
+    unflatten, permute) made a 4-chunk run's load 0.08-0.1 ms slower (0.72-0.79 ms against
+    0.64-0.69, 4 MiB after a cache flush, on a 2-core VM). None where ``start`` is -1
+    (unaligned), the chunks run past ``typed``, or ``dst`` is not a KV buffer of this format
+    with room for them whose heads keep their tokens and dimensions back to back (the op-by-op
+    copy then raises or copies)."""
     lay = fmt.layout
     t = fmt.chunk_tokens
     piece = t * lay.head_dim  # one head's part of one chunk, in elements
