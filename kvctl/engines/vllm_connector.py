@@ -25,7 +25,7 @@ Load it with ``--kv-transfer-config`` (vLLM imports ``kv_connector`` from
 (default "default"), ``token`` (default $KVCTL_TOKEN), ``model_id`` (default vLLM's model name,
 as the transformers adapter uses, so both share chunks), ``chunk_tokens`` (default the agent's;
 a multiple of vLLM's ``--block-size``), ``retry_seconds``, ``timeout_seconds``,
-``max_pending_save_bytes``. Unknown keys are refused.
+``max_pending_save_bytes``, ``layerwise``. Unknown keys are refused.
 
 Scope: one KV cache group (vLLM runs a connector without HMA support with its hybrid KV cache
 manager off; pass ``--disable-hybrid-kv-cache-manager`` if a release asks for it), tensor and
@@ -36,13 +36,19 @@ pipeline parallel size 1, non-MLA attention with a bf16/fp16/fp32 cache in the
 refused at start-up with the reason. Requests with images, a LoRA adapter, a cache salt or
 prompt embeddings are left alone (their KV is not a function of the token ids).
 
-Behaviour: loads are synchronous in ``start_load_kv`` (all layers before the forward pass);
-saves are gathered to host memory in ``wait_for_save`` and sent by a background thread. An
-unreachable agent means "nothing cached" and skipped saves (logged, retried every
-``retry_seconds``), never an engine error. Blocks whose chunks vanished between the lookup and
-the read are reported through ``get_block_ids_with_load_errors`` so vLLM recomputes them (on a
-release that does not call it, such blocks would be used unfilled); the chunks computed on top
-of them in that step are not saved, and are saved once vLLM has recomputed them.
+Behaviour: loads are synchronous in ``start_load_kv`` (all layers before the forward pass), or with
+``layerwise`` (off by default; same host, shared memory) leased there and copied layer by layer:
+each layer's blocks are written at ``wait_for_layer_load`` (on CUDA queued on the compute stream
+after that layer's copies on a side stream, so the forward pass runs while later layers cross the
+link), and the leases are checked and released after the forward pass (a lease that ran out reports
+its blocks as failed loads, which vLLM recomputes, skipping that step's output); a step with a
+chunk that cannot be read in place loads synchronously. Saves are gathered to host memory in
+``wait_for_save`` and sent by a background thread. An unreachable agent means "nothing cached" and
+skipped saves (logged, retried every ``retry_seconds``), never an engine error. Blocks whose chunks
+vanished between the lookup and the read are reported through ``get_block_ids_with_load_errors`` so
+vLLM recomputes them (on a release that does not call it, such blocks would be used unfilled); the
+chunks computed on top of them in that step are not saved, and are saved once vLLM has recomputed
+them.
 """
 
 from __future__ import annotations
@@ -231,6 +237,7 @@ class KvctlConnector(KVConnectorBase_V1):
         self._worker: WorkerPlan | None = None
         self._saver: BackgroundSaver | None = None
         self._failed_blocks: set[int] = set()
+        self._layerwise = settings.layerwise
         #: requests kept away from the agent (see not_reusable)
         self._skipped: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
@@ -324,8 +331,15 @@ class KvctlConnector(KVConnectorBase_V1):
         meta = self._metadata()
         if meta is None or self._worker is None:
             return
+        self._finish_loads()  # a step that never reached wait_for_save or the error report
         failures = self._worker.failures
         failures.begin_step()
+        if self._layerwise and meta.loads:
+            try:
+                if self._worker.queue_loads(meta.loads):
+                    return  # each layer is written at wait_for_layer_load, checked after
+            except Exception:  # loaded as below instead
+                log.exception("kvctl could not queue this step's loads layer by layer")
         for spec in meta.loads:
             try:
                 outcome = self._worker.load(spec)
@@ -339,7 +353,10 @@ class KvctlConnector(KVConnectorBase_V1):
             failures.failed(spec, failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv has written every layer before the forward pass
+        # layer-wise: this layer's blocks are written now (on CUDA queued after its copies);
+        # otherwise start_load_kv has written every layer before the forward pass
+        if self._worker is not None:
+            self._worker.wait_layer(layer_name)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
@@ -347,6 +364,7 @@ class KvctlConnector(KVConnectorBase_V1):
         return  # wait_for_save reads all layers at once from the registered caches
 
     def wait_for_save(self) -> None:
+        self._finish_loads()  # a failed load's blocks are known before the saves are sorted
         meta = self._metadata()
         if meta is None or self._worker is None or self._saver is None:
             return
@@ -357,6 +375,7 @@ class KvctlConnector(KVConnectorBase_V1):
                 log.exception("kvctl save of request %s failed", spec.req_id)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_loads()
         failed, self._failed_blocks = self._failed_blocks, set()
         return failed
 
@@ -368,11 +387,22 @@ class KvctlConnector(KVConnectorBase_V1):
         return None, None  # loads are synchronous and saves never hold blocks
 
     def shutdown(self) -> None:
+        self._finish_loads()
         if self._saver is not None:
             self._saver.drain()
             self._saver.close()
             self._saver = None
         self.link.close()
+
+    def _finish_loads(self) -> None:
+        """The step's layer-wise loads checked and their leases released, once the forward
+        pass is over; blocks they could not fill are reported as a synchronous load's are."""
+        if self._worker is None:
+            return
+        for spec, outcome in self._worker.finish_loads():
+            failed = set(outcome.failed_block_ids)
+            self._failed_blocks |= failed
+            self._worker.failures.failed(spec, failed)
 
     def _metadata(self) -> KvctlConnectorMetadata | None:
         meta = getattr(self, "_connector_metadata", None)

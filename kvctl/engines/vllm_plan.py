@@ -36,7 +36,7 @@ import torch
 
 from kvctl.client import AgentError, AuthError, DataClient
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
-from kvctl.engines.kvload import KVLoader, read_chunks
+from kvctl.engines.kvload import KVLoader, LayerCopies, queue_leased, read_chunks
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 from kvctl.wire.address import parse_address
@@ -66,6 +66,9 @@ class ConnectorSettings:
     #: socket timeout of each agent call
     timeout_seconds: float = 5.0
     max_pending_save_bytes: int = 1 << 30
+    #: copy loads layer by layer under the forward pass (``WorkerPlan.queue_loads``) instead
+    #: of every layer before it
+    layerwise: bool = False
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, object] | None) -> ConnectorSettings:
@@ -98,6 +101,8 @@ class ConnectorSettings:
             raise InvalidArgument(
                 f"chunk_tokens must be a positive integer, got {out.chunk_tokens!r}"
             )
+        if not isinstance(out.layerwise, bool):
+            raise InvalidArgument(f"layerwise must be true or false, got {out.layerwise!r}")
         for name in ("retry_seconds", "timeout_seconds", "max_pending_save_bytes"):
             value = getattr(out, name)
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
@@ -262,9 +267,11 @@ class PagedKV:
         self.device = self.layers[0].device
         token_slots((), 0, 0, block_size, self.kernel_block_size)  # validates the block sizes
 
-    def _slots(
+    def slots(
         self, block_ids: Sequence[int], start: int, end: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kernel block, offset in it) of tokens ``start..end`` of a request whose blocks are
+        ``block_ids``, on the cache's device."""
         ids = list(block_ids)[: -(-end // self.block_size)]
         if ids and not 0 <= min(ids) <= max(ids) < self.num_blocks:
             raise InvalidArgument(f"block ids must be in 0..{self.num_blocks - 1}")
@@ -273,11 +280,20 @@ class PagedKV:
 
     def gather(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """KV of tokens ``start..end`` as ``[layers, 2, kv_heads, end-start, head_dim]``."""
-        blk, off = self._slots(block_ids, start, end)
+        blk, off = self.slots(block_ids, start, end)
         return torch.stack([self._gather_layer(t, blk, off) for t in self.layers])
 
-    def scatter(self, block_ids: Sequence[int], start: int, kv: torch.Tensor) -> None:
-        """Write ``kv`` (``[layers, 2, kv_heads, T, head_dim]``) as tokens ``start..start+T``."""
+    def scatter(
+        self,
+        block_ids: Sequence[int],
+        start: int,
+        kv: torch.Tensor,
+        layers: Sequence[int] | None = None,
+        slots: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """Write ``kv`` (``[layers, 2, kv_heads, T, head_dim]``) as tokens ``start..start+T``:
+        every layer, or only ``layers``. ``slots``: ``slots(block_ids, start, start+T)`` made
+        once by a caller that writes the same tokens one layer at a time."""
         lay = self.layout
         expected = (lay.layers, 2, lay.kv_heads, lay.head_dim)
         if kv.dim() != 5 or (*kv.shape[:3], kv.shape[4]) != expected:
@@ -285,10 +301,10 @@ class PagedKV:
                 f"expected KV shaped [{lay.layers}, 2, {lay.kv_heads}, tokens, {lay.head_dim}], "
                 f"got {list(kv.shape)}"
             )
-        blk, off = self._slots(block_ids, start, start + kv.shape[3])
+        blk, off = slots or self.slots(block_ids, start, start + kv.shape[3])
         kv = kv.to(device=self.device, dtype=self.dtype)
-        for t, layer_kv in zip(self.layers, kv, strict=True):
-            self._scatter_layer(t, blk, off, layer_kv)
+        for i in range(lay.layers) if layers is None else layers:
+            self._scatter_layer(self.layers[i], blk, off, kv[i])
 
     def gather_chunks(
         self, block_ids: Sequence[int], first_chunk: int, chunks: int, chunk_tokens: int
@@ -306,18 +322,20 @@ class PagedKV:
 
     def scatter_loaded(
         self, block_ids: Sequence[int], kv: torch.Tensor, chunk_tokens: int, first_chunk: int,
-        start: int, end: int,
+        start: int, end: int, layers: Sequence[int] | None = None,
+        slots: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:  # fmt: skip
         """Write tokens ``start..end`` from ``kv``, consecutive chunks from ``first_chunk`` as a
         ``KVLoader`` lays them out (``[layers, 2, 1, heads, chunks*T, dim]``). Tokens outside the
-        range are not written, so blocks vLLM already holds stay untouched."""
+        range are not written, so blocks vLLM already holds stay untouched. ``layers`` and
+        ``slots`` as for ``scatter``."""
         base = first_chunk * chunk_tokens
         if not base <= start <= end <= base + kv.shape[4]:
             raise InvalidArgument(
                 f"tokens {start}..{end} are not within chunks {first_chunk}.."
                 f"{first_chunk + kv.shape[4] // chunk_tokens}"
             )
-        self.scatter(block_ids, start, kv[:, :, 0, :, start - base : end - base])
+        self.scatter(block_ids, start, kv[:, :, 0, :, start - base : end - base], layers, slots)
 
     def _gather_layer(self, t: torch.Tensor, blk: torch.Tensor, off: torch.Tensor) -> torch.Tensor:
         if self.cache_layout is CacheLayout.KV_FIRST:
@@ -825,6 +843,12 @@ class WorkerPlan:
         self._loaders: dict[int, KVLoader] = {}
         #: the thread attaching the latest connection's arena (None before any)
         self.attached: threading.Thread | None = None
+        #: this step's loads queued layer by layer (``queue_loads``)
+        self._queued: list[_QueuedLoad] = []
+        #: the connection holding their leases
+        self._holder: DataClient | None = None
+        #: layer name -> its place in the model
+        self._layer_index: dict[str, int] = {}
 
     def loader(self, fmt: ChunkFormat) -> KVLoader:
         """One loader per chunk size: it keeps the arena's registration and a staging buffer."""
@@ -835,6 +859,7 @@ class WorkerPlan:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> PagedKV:
         names = order_layers(list(kv_caches))
+        self._layer_index = {name: i for i, name in enumerate(names)}
         self.paged = PagedKV([kv_caches[n] for n in names], self.link.layout, self.block_size)
         # the arena mapped and registered when the worker connects (now, and again after the
         # agent comes back), off the request path: registering pins all of it (seconds)
@@ -877,14 +902,17 @@ class WorkerPlan:
                 usable, _path = read_chunks(client, list(spec.keys), self.link.tenant, loader, kv)
             except AgentError as exc:
                 self.link.failed("read", exc)
-        base = spec.first_chunk * spec.chunk_tokens
-        loaded_end = min(spec.end_token, base + usable * spec.chunk_tokens)
+        loaded_end = _loaded_end(spec, usable)
         if loaded_end > spec.start_token and kv is not None:
             paged.scatter_loaded(
                 spec.block_ids, kv, spec.chunk_tokens, spec.first_chunk, spec.start_token,
                 loaded_end,
             )  # fmt: skip
-        loaded_end = max(loaded_end, spec.start_token)
+        return self._outcome(spec, usable, size)
+
+    def _outcome(self, spec: LoadSpec, usable: int, chunk_bytes: int) -> LoadOutcome:
+        """What a load of ``spec`` whose first ``usable`` chunks were written comes to."""
+        loaded_end = max(_loaded_end(spec, usable), spec.start_token)
         # a block partly written (the range need not start on a block) is not trusted either
         failed = spec.blocks_of(loaded_end, spec.end_token, self.block_size)
         if failed:
@@ -892,8 +920,107 @@ class WorkerPlan:
                         loaded_end - spec.start_token, spec.end_token - spec.start_token,
                         spec.req_id, len(failed))  # fmt: skip
         return LoadOutcome(
-            spec.req_id, loaded_end - spec.start_token, frozenset(failed), usable * size
+            spec.req_id, loaded_end - spec.start_token, frozenset(failed), usable * chunk_bytes
         )
+
+    # --- layer by layer (``layerwise``) -----------------------------------------------------
+    def queue_loads(self, specs: Sequence[LoadSpec]) -> bool:
+        """Lease every chunk of a step's loads and queue their copies layer by layer
+        (``KVLoader.load_layers``): each layer's blocks are written when the forward pass
+        reaches it (``wait_layer``), and the leases are checked and released after it
+        (``finish_loads``). False, with nothing held or queued, where that cannot be done: no
+        shared memory, or a chunk that cannot be read in place (evicted since the lookup,
+        pinned elsewhere, arena full); the caller then loads as ``load`` does. A chunk on
+        another node is pulled here before this returns, as ``load`` pulls it."""
+        if self._queued:
+            raise InvalidArgument("the previous step's layer-wise loads were not finished")
+        paged = self._paged()
+        client = self.link.get()
+        if client is None or not client.shm:
+            return False
+        queued: list[_QueuedLoad] = []
+        ok = False
+        try:
+            for spec in specs:
+                if not spec.keys:  # nothing to lease: ``load`` reports its blocks failed
+                    return False
+                fmt = self.format(spec.chunk_tokens)
+                loader = self.loader(fmt)
+                # held with the earlier specs' until release_pending (finish_loads)
+                leases = client.hold(list(spec.keys), tenant=self.link.tenant)
+                kv = loader.alloc(len(spec.keys))
+                copies = queue_leased(leases, len(spec.keys), loader, kv)
+                if copies is None:  # not every chunk leased whole in the arena
+                    return False
+                end = _loaded_end(spec, len(spec.keys))
+                slots = paged.slots(spec.block_ids, spec.start_token, end)
+                written = [False] * len(paged.layers)
+                queued.append(_QueuedLoad(spec, kv, copies, end, slots, written))
+            ok = True
+        except AgentError as exc:
+            self.link.failed("read", exc)
+            return False
+        finally:
+            if not ok:
+                for q in queued:
+                    q.copies.abandon()  # they read the arena: ended before the leases go
+                _release(client)
+        self._queued, self._holder = queued, client
+        return True
+
+    def wait_layer(self, layer_name: str) -> None:
+        """Before layer ``layer_name``'s attention: its blocks of every queued load written
+        (on CUDA queued on the caller's stream after that layer's copies; the host does not
+        wait)."""
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        for q in self._queued:
+            self._write_layer(q, i)
+
+    def finish_loads(self) -> list[tuple[LoadSpec, LoadOutcome]]:
+        """After the forward pass: every layer written, the leases checked (a chunk whose lease
+        ran out before its copies ended may hold another chunk's bytes: its blocks and those
+        after are reported failed, for vLLM to recompute) and released. Empty when nothing
+        was queued; the queue is empty after."""
+        queued, self._queued = self._queued, []
+        holder, self._holder = self._holder, None
+        if not queued:
+            return []
+        outcomes: list[tuple[LoadSpec, LoadOutcome]] = []
+        try:
+            for q in queued:
+                held = 0
+                try:
+                    q.copies.done()
+                    held = q.copies.held()
+                    for i in range(len(q.written)):
+                        self._write_layer(q, i)
+                except Exception:  # the request recomputes; the engine goes on
+                    log.exception("kvctl layer-wise load of request %s failed", q.spec.req_id)
+                    q.broken = True
+                fmt = self.format(q.spec.chunk_tokens)
+                outcome = self._outcome(q.spec, 0 if q.broken else held, fmt.chunk_bytes)
+                outcomes.append((q.spec, outcome))
+        finally:
+            for q in queued[len(outcomes) :]:
+                q.copies.abandon()  # only on the way out of a BaseException
+            _release(holder)
+        return outcomes
+
+    def _write_layer(self, q: _QueuedLoad, layer: int) -> None:
+        if q.written[layer] or q.end <= q.spec.start_token:
+            return
+        q.written[layer] = True
+        try:
+            q.copies.ready(layer)
+            self._paged().scatter_loaded(
+                q.spec.block_ids, q.kv, q.spec.chunk_tokens, q.spec.first_chunk,
+                q.spec.start_token, q.end, [layer], q.slots,
+            )  # fmt: skip
+        except Exception:  # the request recomputes; the engine goes on
+            log.exception("kvctl layer-wise load of request %s failed", q.spec.req_id)
+            q.broken = True
 
     def gather(self, spec: SaveSpec) -> torch.Tensor:
         """The spec's chunks copied to host memory, ``[chunks, chunk_bytes]`` uint8: the bytes
@@ -934,6 +1061,39 @@ class WorkerPlan:
         if self.paged is None:
             raise InvalidArgument("no KV caches registered with the kvctl connector")
         return self.paged
+
+
+def _loaded_end(spec: LoadSpec, chunks: int) -> int:
+    """The last token of ``spec``'s range that its first ``chunks`` chunks cover."""
+    return min(spec.end_token, (spec.first_chunk + chunks) * spec.chunk_tokens)
+
+
+def _release(client: DataClient | None) -> None:
+    """Release what ``hold`` left held; a lost connection's leases end at the agent anyway."""
+    if client is None or client.closed:
+        return
+    try:
+        client.release_pending()
+    except AgentError as exc:
+        log.warning("kvctl lease release failed: %s", exc)
+
+
+@dataclass(slots=True)
+class _QueuedLoad:
+    """A load whose copies run layer by layer under the forward pass (``queue_loads``)."""
+
+    spec: LoadSpec
+    #: the chunks' KV as they land (``KVLoader.alloc``), kept until every layer is written
+    kv: torch.Tensor
+    copies: LayerCopies
+    #: the last token written (tokens ``spec.start_token..end``)
+    end: int
+    #: those tokens' places in the paged caches (``PagedKV.slots``), made once
+    slots: tuple[torch.Tensor, torch.Tensor]
+    #: which layers' blocks are written
+    written: list[bool]
+    #: a layer's write failed: the whole load is reported failed
+    broken: bool = False
 
 
 def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:

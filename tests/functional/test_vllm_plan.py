@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
@@ -60,6 +61,7 @@ class Engine:
         dtype: str = "bfloat16",
         blocks: int = 32,
         cache_layout: CacheLayout = CacheLayout.KV_FIRST,
+        device: str = "cpu",
     ) -> None:
         self.layout = KVLayout(*LAYOUT_DIMS, dtype)
 
@@ -85,7 +87,9 @@ class Engine:
             CacheLayout.PACKED: (blocks, h, BLOCK, 2 * d),
         }[cache_layout]
         caches = {
-            f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=fmt.dtype)
+            f"model.layers.{i}.self_attn.attn": torch.full(
+                shape, -7.0, dtype=fmt.dtype, device=device
+            )
             for i in reversed(range(self.layout.layers))  # dict order is not model order
         }
         self.paged: PagedKV = self.worker.register(caches)
@@ -333,11 +337,12 @@ def test_the_agents_chunk_size_must_be_whole_blocks(agent: Agent) -> None:
 
 
 # --- the connector class itself, driven the way vLLM drives it ---------------------------------
-def vllm_config(agent_address: str, tenant: str) -> SimpleNamespace:
-    """The attributes of vLLM's VllmConfig the connector reads (names as in vLLM's sources)."""
+def vllm_config(agent_address: str, tenant: str, **extra: object) -> SimpleNamespace:
+    """The attributes of vLLM's VllmConfig the connector reads (names as in vLLM's sources);
+    ``extra``: more kvctl settings."""
     return SimpleNamespace(
         kv_transfer_config=SimpleNamespace(
-            kv_connector_extra_config={"agent": agent_address, "tenant": tenant},
+            kv_connector_extra_config={"agent": agent_address, "tenant": tenant, **extra},
             is_kv_producer=True,
             is_kv_consumer=True,
         ),
@@ -390,12 +395,14 @@ def scheduler_output(
     )
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_the_connector_class_saves_and_loads_through_the_agent(
-    agent: Agent, monkeypatch: pytest.MonkeyPatch
+    agent: Agent, monkeypatch: pytest.MonkeyPatch, layerwise: bool
 ) -> None:
     monkeypatch.setattr(vllm_connector, "_VLLM_MISSING", None)  # vLLM's part: its objects below
     Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
     cfg = vllm_config(address(agent, "unix"), "glue")
+    cfg_b = vllm_config(address(agent, "unix"), "glue", layerwise=layerwise)
     dtype = torch.bfloat16
     layout = KVLayout(*LAYOUT_DIMS, "bfloat16")
     shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
@@ -404,7 +411,7 @@ def test_the_connector_class_saves_and_loads_through_the_agent(
         return {f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=dtype)
                 for i in range(LAYOUT_DIMS[0])}  # fmt: skip
 
-    prompt = list(range(40000, 40100))
+    prompt = list(range(40000, 40100)) if not layerwise else list(range(41000, 41100))
     g = torch.Generator().manual_seed(6)
     kv = torch.randn(LAYOUT_DIMS[0], 2, LAYOUT_DIMS[1], 100, LAYOUT_DIMS[2], generator=g).to(dtype)
 
@@ -432,7 +439,7 @@ def test_the_connector_class_saves_and_loads_through_the_agent(
     worker.shutdown()  # drains the background saver
 
     # engine B: the same first 96 tokens, another ending, nothing local: 3 chunks offered
-    sched_b, worker_b = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
+    sched_b, worker_b = Connector(cfg_b, Role.SCHEDULER), Connector(cfg_b, Role.WORKER)
     caches_b = caches()
     worker_b.register_kv_caches(caches_b)
     b = request("B", [*prompt[:96], *range(1, 30)])
@@ -442,9 +449,17 @@ def test_the_connector_class_saves_and_loads_through_the_agent(
     meta = sched_b.build_connector_meta(scheduler_output([(b, blocks_b, 96)], {"B": 29}))
     worker_b.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
     worker_b.start_load_kv(None)
+    paged_b = PagedKV(list(caches_b.values()), layout, BLOCK)
+    for i, name in enumerate(caches_b):  # the forward pass: each attention layer in turn
+        # layer-wise on a CPU, a layer's blocks are written when its attention asks, not before
+        untouched = bool((paged_b.gather(blocks_b, 0, 96)[i] == -7.0).all())
+        assert untouched == layerwise
+        worker_b.wait_for_layer_load(name)
+        assert torch.equal(paged_b.gather(blocks_b, 0, 96)[i], kv[i, :, :, :96])
+    worker_b.wait_for_save()
     assert worker_b.get_block_ids_with_load_errors() == set()
-    got = PagedKV(list(caches_b.values()), layout, BLOCK).gather(blocks_b, 0, 96)
-    assert torch.equal(got, kv[:, :, :, :96])
+    assert torch.equal(paged_b.gather(blocks_b, 0, 96), kv[:, :, :, :96])
+    assert worker_b.link.get()._unreleased == []  # type: ignore[union-attr]  # leases released
     for c in (sched, sched_b, worker_b):
         c.shutdown()
 
@@ -567,3 +582,140 @@ def test_the_worker_maps_its_agents_arena_when_it_connects_and_again_after(agent
         assert [buf for buf, _, _ in loader._registered.values()] == [again._arena]
     finally:
         engine.close()
+
+
+# --- layer-wise loads ----------------------------------------------------------------------------
+def one_load(a: Engine, b: Engine, prompt: list[int], blocks: list[int], seed: int) -> tuple:
+    """``a`` stores the prompt's 3 full chunks; ``b`` (nothing local) plans their load."""
+    kv = true_kv(a, len(prompt), seed=seed)
+    assert prefill_and_save(a, f"a{seed}", prompt, list(range(7)), kv) == 3
+    req = f"b{seed}"
+    assert b.scheduler.match(req, prompt, 0) == 96
+    b.scheduler.allocated(req, 96)
+    step = StepPlan()
+    b.scheduler.scheduled_new(req, prompt, blocks, 96, len(prompt) - 96, step)
+    (load,) = step.loads
+    return kv, load
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ),
+    ],
+)
+def test_a_layerwise_load_writes_each_layer_when_its_attention_asks(
+    agent: Agent, device: str
+) -> None:
+    """On CUDA the copies start at once on a side stream, but a layer's blocks are written on
+    the compute stream only once its attention asks, after that layer's copies."""
+    a, b = Engine(address(agent, "unix")), Engine(address(agent, "unix"), device=device)
+    if device == "cuda":
+        assert b.worker.attached is not None
+        b.worker.attached.join(60)  # the arena registered, as a serving worker has it
+    try:
+        blocks = [20, 21, 22, 23, 24, 25, 26]
+        seed, base = (11, 12000) if device == "cpu" else (21, 16000)
+        kv, load = one_load(a, b, list(range(base, base + 100)), blocks, seed=seed)
+        kv = kv.to(device)
+        assert b.worker.queue_loads([load])
+        client = b.worker.link.get()
+        assert client is not None and client._unreleased  # held under the forward pass
+        assert bool((b.paged.gather(blocks, 0, 96) == -7.0).all())  # nothing written yet
+        b.worker.wait_layer("model.layers.1.self_attn.attn")  # layers may be asked out of order
+        got = b.paged.gather(blocks, 0, 96)
+        assert torch.equal(got[1], kv[1, :, :, :96])
+        assert bool((got[0] == -7.0).all()) and bool((got[2] == -7.0).all())
+        b.worker.wait_layer("not.a.layer")  # a name that is not an attention layer: nothing
+        ((spec, outcome),) = b.worker.finish_loads()  # layers never asked for are written now
+        assert spec is load and outcome.loaded_tokens == 96 and not outcome.failed_block_ids
+        assert torch.equal(b.paged.gather(blocks, 0, 96), kv[:, :, :, :96])
+        assert client._unreleased == [] and b.worker.finish_loads() == []
+        # the next step queues afresh
+        kv2, load2 = one_load(
+            a, b, list(range(base + 1000, base + 1100)), [0, 1, 2, 3, 4, 5, 6], seed + 1
+        )
+        kv2 = kv2.to(device)
+        assert b.worker.queue_loads([load2])
+        ((_, outcome),) = b.worker.finish_loads()
+        assert not outcome.failed_block_ids
+        assert torch.equal(b.paged.gather([0, 1, 2, 3, 4, 5, 6], 0, 96), kv2[:, :, :, :96])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_step_with_a_chunk_gone_since_the_lookup_loads_as_before(agent: Agent) -> None:
+    """A chunk that cannot be read in place: nothing is held or queued, and the synchronous
+    load fails only the blocks from that chunk on."""
+    a, b = Engine(address(agent, "unix")), Engine(address(agent, "unix"))
+    try:
+        blocks = [20, 21, 22, 23, 24, 25, 26]
+        kv, load = one_load(a, b, list(range(14000, 14100)), blocks, seed=13)
+        with agent.control() as ctl:
+            assert ctl.evict([load.keys[2]])["done"] == 1
+        assert not b.worker.queue_loads([load])
+        client = b.worker.link.get()
+        assert client is not None and client._unreleased == []
+        assert b.worker.finish_loads() == []
+        outcome = b.worker.load(load)
+        assert outcome.failed_block_ids == {24, 25}
+        assert torch.equal(b.paged.gather(blocks, 0, 64), kv[:, :, :, :64])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes copied after a lease ran out may be another chunk's: the load's blocks are
+    reported for vLLM to recompute, and the step's saves computed on them are dropped."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f"[agent]\nchunk_tokens = {CHUNK}\nlease_seconds = 0.3\n")
+    with running_agent(
+        tmp_path / "a", "--config", str(config), "--cpu", "64MiB", "--disk", "0"
+    ) as ag:
+        monkeypatch.setattr(vllm_connector, "_VLLM_MISSING", None)
+        Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
+        cfg = vllm_config(address(ag, "unix"), "default", layerwise=True)
+        a = Engine(address(ag, "unix"))
+        prompt = list(range(15000, 15160))  # 5 full chunks
+        kv = true_kv(a, 160, seed=14)
+        try:
+            assert prefill_and_save(a, "a14", prompt[:100], list(range(7)), kv[:, :, :, :100]) == 3
+        finally:
+            a.close()
+        sched, worker = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
+        shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
+        caches = {f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=torch.bfloat16)
+                  for i in range(LAYOUT_DIMS[0])}  # fmt: skip
+        worker.register_kv_caches(caches)
+        paged = PagedKV(list(caches.values()), KVLayout(*LAYOUT_DIMS, "bfloat16"), BLOCK)
+        try:
+            b = request("B", prompt)
+            assert sched.get_num_new_matched_tokens(b, 0) == (96, False)
+            sched.update_state_after_alloc(b, None, 96)
+            blocks = [15, 1, 12, 0, 2, 13, 14, 10, 3, 4]
+            meta = sched.build_connector_meta(scheduler_output([(b, blocks, 96)], {"B": 64}))
+            assert [s.first_chunk for s in meta.saves] == [3]
+            worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
+            worker.start_load_kv(None)
+            worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+            time.sleep(0.6)  # a forward pass slower than the lease
+            for i in (1, 2):
+                worker.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+            paged.scatter(blocks, 96, kv[:, :, :, 96:])  # the step's new tokens
+            worker.wait_for_save()
+            worker.clear_connector_metadata()
+            assert worker.get_block_ids_with_load_errors() == set(blocks[:6])
+            worker._saver.drain()  # type: ignore[union-attr]
+            assert worker._worker.failures.dropped_chunks == 2  # type: ignore[union-attr]
+            assert worker.link.get()._unreleased == []  # type: ignore[union-attr]
+        finally:
+            for c in (sched, worker):
+                c.shutdown()

@@ -457,6 +457,10 @@ def test_settings_come_from_kv_connector_extra_config() -> None:
         ConnectorSettings.from_extra({"agent": "localhost"})
     with pytest.raises(InvalidArgument, match="chunk_tokens"):
         ConnectorSettings.from_extra({"chunk_tokens": True})
+    assert not ConnectorSettings().layerwise
+    assert ConnectorSettings.from_extra({"layerwise": True}).layerwise
+    with pytest.raises(InvalidArgument, match="layerwise must be true or false"):
+        ConnectorSettings.from_extra({"layerwise": "yes"})
     link = AgentLink.from_settings(
         ConnectorSettings.from_extra({"tenant": "acme", "chunk_tokens": 64, "model_id": "x"}),
         model_id="vllm-name", layout=KVLayout(2, 2, 8), block_size=16,
