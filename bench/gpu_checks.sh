@@ -26,7 +26,7 @@ timeout "${TESTS_S:-180}" "$py" -m pytest -q -p no:cacheprovider -n "${WORKERS:-
   tests/unit/test_gpu_tier.py tests/unit/test_hostreg.py tests/unit/test_kvload.py \
   tests/unit/test_bench_gpu.py tests/functional/test_agent_gpu.py \
   tests/functional/test_engine_hf.py tests/functional/test_bench_ttft.py \
-  tests/functional/test_pull_leased.py \
+  tests/functional/test_pull_leased.py tests/functional/test_vllm_plan.py \
   > "$out/cuda-tests.log" 2>&1
 echo "cuda tests: rc=$? after ${SECONDS}s"
 timeout "${GPU_S:-50}" "$py" -m kvctl bench gpu --json > "$out/bench-gpu.json" 2> "$out/bench-gpu.err"
