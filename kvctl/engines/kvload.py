@@ -545,7 +545,7 @@ def copy_leased(
     the leases are released (``read_socket``)."""
     size = loader.format.chunk_bytes
     chunks = leases.chunks
-    n = _whole(chunks[:count], size)
+    n = leased_whole(chunks[:count], size)
     if n:
         arena = loader.arena_tensor(leases.arena)
         started_s = time.perf_counter()
@@ -565,7 +565,7 @@ def queue_leased(
     says how many leading chunks' did (fewer: what was read of the rest may be another
     chunk's bytes)."""
     chunks = leases.chunks[:count]
-    if not count or _whole(chunks, loader.format.chunk_bytes) < count:
+    if not count or leased_whole(chunks, loader.format.chunk_bytes) < count:
         return None
     arena = loader.arena_tensor(leases.arena)
     copies = loader.load_layers(arena, [c.offset for c in chunks], kv)  # type: ignore[union-attr]
@@ -615,7 +615,7 @@ def pull_leased(
             if copies:
                 check()
             leases = client.hold(keys[lo : lo + per], tenant=tenant)
-            n = _whole(leases.chunks, size)
+            n = leased_whole(leases.chunks, size)
             if n:
                 arena = loader.arena_tensor(leases.arena)
                 chunks: list[LeasedChunk] = leases.chunks[:n]  # type: ignore[assignment]
@@ -636,7 +636,7 @@ def pull_leased(
     return held, blocked or expired
 
 
-def _whole(chunks: Sequence[LeasedChunk | None], size_bytes: int) -> int:
+def leased_whole(chunks: Sequence[LeasedChunk | None], size_bytes: int) -> int:
     """How many leading chunks are leased at the chunk size."""
     return next(
         (i for i, c in enumerate(chunks) if c is None or c.size_bytes != size_bytes), len(chunks)

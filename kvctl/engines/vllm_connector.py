@@ -255,6 +255,12 @@ class KvctlConnector(KVConnectorBase_V1):
         log.info("kvctl connector (%s) for %s, tenant %r, agent %s", role, self.link.model_id,
                  settings.tenant, settings.agent)  # fmt: skip
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads write each layer at ``wait_for_layer_load``, which a full CUDA graph
+        replay skips (vLLM then captures piecewise graphs around attention)."""
+        return bool((extra_config or {}).get("layerwise") is True)
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss, not a lost hand-off
@@ -331,9 +337,9 @@ class KvctlConnector(KVConnectorBase_V1):
         meta = self._metadata()
         if meta is None or self._worker is None:
             return
-        self._finish_loads()  # a step that never reached wait_for_save or the error report
         failures = self._worker.failures
         failures.begin_step()
+        self._finish_loads()  # a step that never reached wait_for_save or the error report
         if self._layerwise and meta.loads:
             try:
                 if self._worker.queue_loads(meta.loads):

@@ -34,9 +34,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvctl.client import AgentError, AuthError, DataClient
+from kvctl.client import AgentError, ArenaLeases, AuthError, DataClient
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
-from kvctl.engines.kvload import KVLoader, LayerCopies, queue_leased, read_chunks
+from kvctl.engines.kvload import (
+    KVLoader,
+    LayerCopies,
+    leased_whole,
+    queue_leased,
+    read_chunks,
+)
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 from kvctl.wire.address import parse_address
@@ -276,7 +282,12 @@ class PagedKV:
         if ids and not 0 <= min(ids) <= max(ids) < self.num_blocks:
             raise InvalidArgument(f"block ids must be in 0..{self.num_blocks - 1}")
         blk, off = token_slots(ids, start, end, self.block_size, self.kernel_block_size)
-        return blk.to(self.device), off.to(self.device)
+        if self.device.type == "cuda":  # a pageable copy would wait for the stream's work
+            return (
+                blk.pin_memory().to(self.device, non_blocking=True),
+                off.pin_memory().to(self.device, non_blocking=True),
+            )
+        return blk, off
 
     def gather(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
         """KV of tokens ``start..end`` as ``[layers, 2, kv_heads, end-start, head_dim]``."""
@@ -927,33 +938,41 @@ class WorkerPlan:
     def queue_loads(self, specs: Sequence[LoadSpec]) -> bool:
         """Lease every chunk of a step's loads and queue their copies layer by layer
         (``KVLoader.load_layers``): each layer's blocks are written when the forward pass
-        reaches it (``wait_layer``), and the leases are checked and released after it
-        (``finish_loads``). False, with nothing held or queued, where that cannot be done: no
-        shared memory, or a chunk that cannot be read in place (evicted since the lookup,
-        pinned elsewhere, arena full); the caller then loads as ``load`` does. A chunk on
-        another node is pulled here before this returns, as ``load`` pulls it."""
+        reaches its attention (``wait_layer``), and the leases are checked and released after
+        the forward pass (``finish_loads``). False, with nothing held or queued, where that
+        cannot be done: no shared memory, or a chunk that cannot be read in place (evicted
+        since the lookup, pinned elsewhere, arena full); the caller then loads as ``load``
+        does. A chunk on another node is pulled here before this returns, as ``load`` pulls
+        it. Each load's KV stays on the device until the forward pass is over: memory beyond
+        what vLLM budgets for."""
         if self._queued:
             raise InvalidArgument("the previous step's layer-wise loads were not finished")
         paged = self._paged()
         client = self.link.get()
-        if client is None or not client.shm:
+        if client is None or not client.shm or any(not spec.keys for spec in specs):
             return False
+        leased: list[tuple[LoadSpec, ArenaLeases]] = []
+        used: list[KVLoader] = []
         queued: list[_QueuedLoad] = []
         ok = False
         try:
+            # every request's chunks held before any copy is queued: a step that must load
+            # synchronously has nothing queued to wait for (each hold keeps the earlier ones)
             for spec in specs:
-                if not spec.keys:  # nothing to lease: ``load`` reports its blocks failed
-                    return False
-                fmt = self.format(spec.chunk_tokens)
-                loader = self.loader(fmt)
-                # held with the earlier specs' until release_pending (finish_loads)
                 leases = client.hold(list(spec.keys), tenant=self.link.tenant)
-                kv = loader.alloc(len(spec.keys))
-                copies = queue_leased(leases, len(spec.keys), loader, kv)
-                if copies is None:  # not every chunk leased whole in the arena
+                size = self.format(spec.chunk_tokens).chunk_bytes
+                if leased_whole(leases.chunks, size) < len(spec.keys):
                     return False
+                leased.append((spec, leases))
+            for spec, leases in leased:
+                loader = self.loader(self.format(spec.chunk_tokens))
                 end = _loaded_end(spec, len(spec.keys))
                 slots = paged.slots(spec.block_ids, spec.start_token, end)
+                kv = loader.alloc(len(spec.keys))
+                used.append(loader)
+                copies = queue_leased(leases, len(spec.keys), loader, kv)
+                if copies is None:  # not reached: every chunk was leased whole above
+                    return False
                 written = [False] * len(paged.layers)
                 queued.append(_QueuedLoad(spec, kv, copies, end, slots, written))
             ok = True
@@ -962,8 +981,10 @@ class WorkerPlan:
             return False
         finally:
             if not ok:
-                for q in queued:
-                    q.copies.abandon()  # they read the arena: ended before the leases go
+                # copies queued so far (on CUDA: on the side stream) read the arena and write
+                # their buffers: ended before the leases and the buffers go
+                for loader in used:
+                    loader.wait()
                 _release(client)
         self._queued, self._holder = queued, client
         return True
@@ -979,10 +1000,11 @@ class WorkerPlan:
             self._write_layer(q, i)
 
     def finish_loads(self) -> list[tuple[LoadSpec, LoadOutcome]]:
-        """After the forward pass: every layer written, the leases checked (a chunk whose lease
-        ran out before its copies ended may hold another chunk's bytes: its blocks and those
-        after are reported failed, for vLLM to recompute) and released. Empty when nothing
-        was queued; the queue is empty after."""
+        """After the forward pass: the copies waited for, the leases checked (a chunk whose
+        lease ran out before its copies ended may hold another chunk's bytes: its blocks and
+        those after are reported failed, for vLLM to recompute) and released. A load with a
+        layer its attention never asked for is reported failed whole (that attention ran on
+        unfilled blocks). Empty when nothing was queued; the queue is empty after."""
         queued, self._queued = self._queued, []
         holder, self._holder = self._holder, None
         if not queued:
@@ -994,10 +1016,15 @@ class WorkerPlan:
                 try:
                     q.copies.done()
                     held = q.copies.held()
-                    for i in range(len(q.written)):
-                        self._write_layer(q, i)
                 except Exception:  # the request recomputes; the engine goes on
                     log.exception("kvctl layer-wise load of request %s failed", q.spec.req_id)
+                    q.broken = True
+                if not all(q.written) and not q.broken:
+                    # an attention layer ran without its KV: its wait_for_layer_load was not
+                    # called (a full CUDA graph replayed, which skips it)
+                    log.warning("kvctl: %d of %d layers of request %s were never asked for "
+                                "before their attention; its loaded blocks are recomputed",
+                                q.written.count(False), len(q.written), q.spec.req_id)  # fmt: skip
                     q.broken = True
                 fmt = self.format(q.spec.chunk_tokens)
                 outcome = self._outcome(q.spec, 0 if q.broken else held, fmt.chunk_bytes)
@@ -1009,11 +1036,17 @@ class WorkerPlan:
         return outcomes
 
     def _write_layer(self, q: _QueuedLoad, layer: int) -> None:
-        if q.written[layer] or q.end <= q.spec.start_token:
+        if q.written[layer]:
             return
         q.written[layer] = True
+        if q.end <= q.spec.start_token:
+            return
         try:
             q.copies.ready(layer)
+            if q.kv.is_cuda:  # read on this stream, which may not be the one they came from
+                stream = torch.cuda.current_stream(q.kv.device)
+                for t in (q.kv, *q.slots):
+                    t.record_stream(stream)
             self._paged().scatter_loaded(
                 q.spec.block_ids, q.kv, q.spec.chunk_tokens, q.spec.first_chunk,
                 q.spec.start_token, q.end, [layer], q.slots,

@@ -20,6 +20,7 @@ from kvctl.engines.kvformat import ChunkFormat
 from kvctl.engines.vllm_plan import (
     AgentLink,
     CacheLayout,
+    LoadSpec,
     PagedKV,
     SchedulerPlan,
     StepPlan,
@@ -482,8 +483,9 @@ def test_a_wrong_token_stops_start_up_instead_of_passing_for_an_outage(tmp_path:
             good.close()
 
 
+@pytest.mark.parametrize("layerwise", [False, True])
 def test_nothing_computed_after_a_failed_load_is_saved_until_vllm_recomputes_it(
-    agent: Agent, monkeypatch: pytest.MonkeyPatch
+    agent: Agent, monkeypatch: pytest.MonkeyPatch, layerwise: bool
 ) -> None:
     """A chunk evicted between the lookup and the read leaves blocks unfilled; the step's
     forward pass computes the prompt's next chunks on them. Those must not reach the agent
@@ -492,10 +494,13 @@ def test_nothing_computed_after_a_failed_load_is_saved_until_vllm_recomputes_it(
     correct chunks are saved."""
     monkeypatch.setattr(vllm_connector, "_VLLM_MISSING", None)
     Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
-    cfg = vllm_config(address(agent, "unix"), "default")
+    # layer-wise: the step cannot be read in place, so it loads synchronously, with the same
+    # outcome
+    cfg = vllm_config(address(agent, "unix"), "default", layerwise=layerwise)
     dtype, layout = torch.bfloat16, KVLayout(*LAYOUT_DIMS, "bfloat16")
     fmt = ChunkFormat(layout, CHUNK)
-    prompt = list(range(50000, 50160))  # 5 full chunks
+    start = 50000 if not layerwise else 51000
+    prompt = list(range(start, start + 160))  # 5 full chunks
     a = Engine(address(agent, "unix"))
     kv = true_kv(a, 160, seed=8)
     try:  # chunks 0..2 in the agent (a 100-token prompt sharing the first 100 tokens)
@@ -585,7 +590,9 @@ def test_the_worker_maps_its_agents_arena_when_it_connects_and_again_after(agent
 
 
 # --- layer-wise loads ----------------------------------------------------------------------------
-def one_load(a: Engine, b: Engine, prompt: list[int], blocks: list[int], seed: int) -> tuple:
+def one_load(
+    a: Engine, b: Engine, prompt: list[int], blocks: list[int], seed: int
+) -> tuple[torch.Tensor, LoadSpec]:
     """``a`` stores the prompt's 3 full chunks; ``b`` (nothing local) plans their load."""
     kv = true_kv(a, len(prompt), seed=seed)
     assert prefill_and_save(a, f"a{seed}", prompt, list(range(7)), kv) == 3
@@ -596,6 +603,14 @@ def one_load(a: Engine, b: Engine, prompt: list[int], blocks: list[int], seed: i
     b.scheduler.scheduled_new(req, prompt, blocks, 96, len(prompt) - 96, step)
     (load,) = step.loads
     return kv, load
+
+
+def layer(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def untouched(paged: PagedKV, blocks: list[int], i: int) -> bool:
+    return bool((paged.gather(blocks, 0, 96)[i] == -7.0).all())
 
 
 @pytest.mark.parametrize(
@@ -611,8 +626,9 @@ def one_load(a: Engine, b: Engine, prompt: list[int], blocks: list[int], seed: i
 def test_a_layerwise_load_writes_each_layer_when_its_attention_asks(
     agent: Agent, device: str
 ) -> None:
-    """On CUDA the copies start at once on a side stream, but a layer's blocks are written on
-    the compute stream only once its attention asks, after that layer's copies."""
+    """On CUDA the copies start at once on a side stream (held back here by a sleep queued
+    ahead of them), and a layer's blocks are written on the compute stream once its attention
+    asks, after that layer's copies: reading them then gives the chunks' bytes."""
     a, b = Engine(address(agent, "unix")), Engine(address(agent, "unix"), device=device)
     if device == "cuda":
         assert b.worker.attached is not None
@@ -622,49 +638,70 @@ def test_a_layerwise_load_writes_each_layer_when_its_attention_asks(
         seed, base = (11, 12000) if device == "cpu" else (21, 16000)
         kv, load = one_load(a, b, list(range(base, base + 100)), blocks, seed=seed)
         kv = kv.to(device)
+        if device == "cuda":
+            side = b.worker.loader(b.worker.format(CHUNK))._stream
+            with torch.cuda.stream(side):
+                torch.cuda._sleep(200_000_000)  # ~0.1 s: the copies land well after the ask
         assert b.worker.queue_loads([load])
         client = b.worker.link.get()
         assert client is not None and client._unreleased  # held under the forward pass
-        assert bool((b.paged.gather(blocks, 0, 96) == -7.0).all())  # nothing written yet
-        b.worker.wait_layer("model.layers.1.self_attn.attn")  # layers may be asked out of order
+        assert all(untouched(b.paged, blocks, i) for i in range(3))  # nothing written yet
+        b.worker.wait_layer(layer(1))  # asked out of order: only that layer is written
         got = b.paged.gather(blocks, 0, 96)
         assert torch.equal(got[1], kv[1, :, :, :96])
-        assert bool((got[0] == -7.0).all()) and bool((got[2] == -7.0).all())
+        assert untouched(b.paged, blocks, 0) and untouched(b.paged, blocks, 2)
         b.worker.wait_layer("not.a.layer")  # a name that is not an attention layer: nothing
-        ((spec, outcome),) = b.worker.finish_loads()  # layers never asked for are written now
+        for i in (0, 2):
+            b.worker.wait_layer(layer(i))
+        ((spec, outcome),) = b.worker.finish_loads()
         assert spec is load and outcome.loaded_tokens == 96 and not outcome.failed_block_ids
         assert torch.equal(b.paged.gather(blocks, 0, 96), kv[:, :, :, :96])
         assert client._unreleased == [] and b.worker.finish_loads() == []
-        # the next step queues afresh
-        kv2, load2 = one_load(
-            a, b, list(range(base + 1000, base + 1100)), [0, 1, 2, 3, 4, 5, 6], seed + 1
-        )
-        kv2 = kv2.to(device)
+        # a forward pass that skipped a layer's ask (a full CUDA graph replayed) ran that
+        # attention on unfilled blocks: the load is failed whole, for vLLM to recompute
+        blocks2 = [0, 1, 2, 3, 4, 5, 6]
+        _, load2 = one_load(a, b, list(range(base + 1000, base + 1100)), blocks2, seed + 1)
         assert b.worker.queue_loads([load2])
+        b.worker.wait_layer(layer(0))
         ((_, outcome),) = b.worker.finish_loads()
-        assert not outcome.failed_block_ids
-        assert torch.equal(b.paged.gather([0, 1, 2, 3, 4, 5, 6], 0, 96), kv2[:, :, :, :96])
+        assert outcome.loaded_tokens == 0 and outcome.failed_block_ids == set(blocks2[:6])
+        assert untouched(b.paged, blocks2, 1) and client._unreleased == []
     finally:
         a.close()
         b.close()
 
 
-def test_a_step_with_a_chunk_gone_since_the_lookup_loads_as_before(agent: Agent) -> None:
-    """A chunk that cannot be read in place: nothing is held or queued, and the synchronous
-    load fails only the blocks from that chunk on."""
+def test_a_step_of_two_requests_queues_both_or_neither(agent: Agent) -> None:
+    """Both requests' chunks are held before any copy is queued; if one chunk cannot be read in
+    place the step loads synchronously, with nothing held or queued."""
     a, b = Engine(address(agent, "unix")), Engine(address(agent, "unix"))
     try:
-        blocks = [20, 21, 22, 23, 24, 25, 26]
-        kv, load = one_load(a, b, list(range(14000, 14100)), blocks, seed=13)
+        blocks_1, blocks_2 = [20, 21, 22, 23, 24, 25, 26], [0, 1, 2, 3, 4, 5, 6]
+        kv1, load1 = one_load(a, b, list(range(14000, 14100)), blocks_1, seed=13)
+        kv2, load2 = one_load(a, b, list(range(14200, 14300)), blocks_2, seed=15)
+        assert b.worker.queue_loads([load1, load2])
+        for i in range(3):
+            b.worker.wait_layer(layer(i))
+        outcomes = b.worker.finish_loads()
+        assert [(s.req_id, o.failed_block_ids) for s, o in outcomes] == [
+            (load1.req_id, frozenset()), (load2.req_id, frozenset()),
+        ]  # fmt: skip
+        assert torch.equal(b.paged.gather(blocks_1, 0, 96), kv1[:, :, :, :96])
+        assert torch.equal(b.paged.gather(blocks_2, 0, 96), kv2[:, :, :, :96])
+        # the second request's chunk 2 is gone since the lookup: neither is queued
+        blocks_3, blocks_4 = [7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18, 19, 27]
+        kv3, load3 = one_load(a, b, list(range(14400, 14500)), blocks_3, seed=17)
+        kv4, load4 = one_load(a, b, list(range(14600, 14700)), blocks_4, seed=19)
         with agent.control() as ctl:
-            assert ctl.evict([load.keys[2]])["done"] == 1
-        assert not b.worker.queue_loads([load])
+            assert ctl.evict([load4.keys[2]])["done"] == 1
+        assert not b.worker.queue_loads([load3, load4])
         client = b.worker.link.get()
         assert client is not None and client._unreleased == []
         assert b.worker.finish_loads() == []
-        outcome = b.worker.load(load)
-        assert outcome.failed_block_ids == {24, 25}
-        assert torch.equal(b.paged.gather(blocks, 0, 64), kv[:, :, :, :64])
+        assert not b.worker.load(load3).failed_block_ids
+        assert b.worker.load(load4).failed_block_ids == {blocks_4[4], blocks_4[5]}
+        assert torch.equal(b.paged.gather(blocks_3, 0, 96), kv3[:, :, :, :96])
+        assert torch.equal(b.paged.gather(blocks_4, 0, 64), kv4[:, :, :, :64])
     finally:
         a.close()
         b.close()
@@ -692,7 +729,7 @@ def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
             a.close()
         sched, worker = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
         shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
-        caches = {f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=torch.bfloat16)
+        caches = {layer(i): torch.full(shape, -7.0, dtype=torch.bfloat16)
                   for i in range(LAYOUT_DIMS[0])}  # fmt: skip
         worker.register_kv_caches(caches)
         paged = PagedKV(list(caches.values()), KVLayout(*LAYOUT_DIMS, "bfloat16"), BLOCK)
@@ -705,10 +742,10 @@ def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
             assert [s.first_chunk for s in meta.saves] == [3]
             worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
             worker.start_load_kv(None)
-            worker.wait_for_layer_load("model.layers.0.self_attn.attn")
+            worker.wait_for_layer_load(layer(0))
             time.sleep(0.6)  # a forward pass slower than the lease
             for i in (1, 2):
-                worker.wait_for_layer_load(f"model.layers.{i}.self_attn.attn")
+                worker.wait_for_layer_load(layer(i))
             paged.scatter(blocks, 96, kv[:, :, :, 96:])  # the step's new tokens
             worker.wait_for_save()
             worker.clear_connector_metadata()
@@ -719,3 +756,11 @@ def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
         finally:
             for c in (sched, worker):
                 c.shutdown()
+
+
+def test_layerwise_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    """A full CUDA graph replay skips wait_for_layer_load."""
+    connector = vllm_connector.KvctlConnector
+    assert connector.requires_piecewise_for_cudagraph({"layerwise": True})
+    assert not connector.requires_piecewise_for_cudagraph({"agent": "unix:///x"})
+    assert not connector.requires_piecewise_for_cudagraph({})
