@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -360,6 +361,35 @@ def vllm_config(agent_address: str, tenant: str, **extra: object) -> SimpleNames
     )
 
 
+def layer(i: int) -> str:
+    """Attention layer ``i``'s name, as vLLM keys its KV caches and asks for its loads."""
+    return f"model.layers.{i}.self_attn.attn"
+
+
+def connector_pair(cfg: SimpleNamespace) -> tuple[Any, Any, PagedKV]:
+    """A scheduler and a worker connector as vLLM makes them (in two processes), and the
+    worker's paged caches (bf16, FlashAttention layout), registered."""
+    Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
+    sched, worker = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
+    shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
+    caches = {layer(i): torch.full(shape, -7.0, dtype=torch.bfloat16)
+              for i in range(LAYOUT_DIMS[0])}  # fmt: skip
+    worker.register_kv_caches(caches)
+    return sched, worker, PagedKV(list(caches.values()), KVLayout(*LAYOUT_DIMS, "bfloat16"), BLOCK)
+
+
+def first_step(sched: Any, prompt: list[int]) -> tuple[Any, list[int]]:
+    """Request "B" of a 160-token prompt whose first 3 chunks the agent holds, nothing local:
+    one step loads chunks 0..2 and computes tokens 96..160 (chunks 3 and 4 become full)."""
+    b = request("B", prompt)
+    assert sched.get_num_new_matched_tokens(b, 0) == (96, False)
+    sched.update_state_after_alloc(b, None, 96)
+    blocks = [15, 1, 12, 0, 2, 13, 14, 10, 3, 4]
+    meta = sched.build_connector_meta(scheduler_output([(b, blocks, 96)], {"B": 64}))
+    assert [s.first_chunk for s in meta.saves] == [3]
+    return meta, blocks
+
+
 def request(req_id: str, prompt: list[int], **extra: object) -> SimpleNamespace:
     fields = {"mm_features": [], "lora_request": None, "cache_salt": None, "prompt_embeds": None}
     return SimpleNamespace(request_id=req_id, prompt_token_ids=prompt, **{**fields, **extra})
@@ -493,7 +523,6 @@ def test_nothing_computed_after_a_failed_load_is_saved_until_vllm_recomputes_it(
     from the first unfilled block (it reports them through get_block_ids_with_load_errors), the
     correct chunks are saved."""
     monkeypatch.setattr(vllm_connector, "_VLLM_MISSING", None)
-    Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
     # layer-wise: the step cannot be read in place, so it loads synchronously, with the same
     # outcome
     cfg = vllm_config(address(agent, "unix"), "default", layerwise=layerwise)
@@ -519,20 +548,9 @@ def test_nothing_computed_after_a_failed_load_is_saved_until_vllm_recomputes_it(
         with agent.data("unix") as dc:
             return [None if c is None else bytes(c) for c in dc.get_many(keys)]
 
-    sched, worker = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
-    shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
-    caches = {f"model.layers.{i}.self_attn.attn": torch.full(shape, -7.0, dtype=dtype)
-              for i in range(LAYOUT_DIMS[0])}  # fmt: skip
-    worker.register_kv_caches(caches)
-    paged = PagedKV(list(caches.values()), layout, BLOCK)
+    sched, worker, paged = connector_pair(cfg)
     try:
-        b = request("B", prompt)
-        assert sched.get_num_new_matched_tokens(b, 0) == (96, False)
-        sched.update_state_after_alloc(b, None, 96)
-        blocks = [15, 1, 12, 0, 2, 13, 14, 10, 3, 4]
-        # one step: load chunks 0..2, compute tokens 96..160 (chunks 3 and 4 become full)
-        meta = sched.build_connector_meta(scheduler_output([(b, blocks, 96)], {"B": 64}))
-        assert [s.first_chunk for s in meta.saves] == [3]
+        meta, blocks = first_step(sched, prompt)
         with agent.control() as ctl:
             assert ctl.evict([keys[1]])["done"] == 1  # between the lookup and the read
         worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
@@ -603,10 +621,6 @@ def one_load(
     b.scheduler.scheduled_new(req, prompt, blocks, 96, len(prompt) - 96, step)
     (load,) = step.loads
     return kv, load
-
-
-def layer(i: int) -> str:
-    return f"model.layers.{i}.self_attn.attn"
 
 
 def untouched(paged: PagedKV, blocks: list[int], i: int) -> bool:
@@ -718,7 +732,6 @@ def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
         tmp_path / "a", "--config", str(config), "--cpu", "64MiB", "--disk", "0"
     ) as ag:
         monkeypatch.setattr(vllm_connector, "_VLLM_MISSING", None)
-        Connector, Role = vllm_connector.KvctlConnector, vllm_connector.KVConnectorRole
         cfg = vllm_config(address(ag, "unix"), "default", layerwise=True)
         a = Engine(address(ag, "unix"))
         prompt = list(range(15000, 15160))  # 5 full chunks
@@ -727,19 +740,9 @@ def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
             assert prefill_and_save(a, "a14", prompt[:100], list(range(7)), kv[:, :, :, :100]) == 3
         finally:
             a.close()
-        sched, worker = Connector(cfg, Role.SCHEDULER), Connector(cfg, Role.WORKER)
-        shape = (2, 16, BLOCK, LAYOUT_DIMS[1], LAYOUT_DIMS[2])
-        caches = {layer(i): torch.full(shape, -7.0, dtype=torch.bfloat16)
-                  for i in range(LAYOUT_DIMS[0])}  # fmt: skip
-        worker.register_kv_caches(caches)
-        paged = PagedKV(list(caches.values()), KVLayout(*LAYOUT_DIMS, "bfloat16"), BLOCK)
+        sched, worker, paged = connector_pair(cfg)
         try:
-            b = request("B", prompt)
-            assert sched.get_num_new_matched_tokens(b, 0) == (96, False)
-            sched.update_state_after_alloc(b, None, 96)
-            blocks = [15, 1, 12, 0, 2, 13, 14, 10, 3, 4]
-            meta = sched.build_connector_meta(scheduler_output([(b, blocks, 96)], {"B": 64}))
-            assert [s.first_chunk for s in meta.saves] == [3]
+            meta, blocks = first_step(sched, prompt)
             worker.bind_connector_metadata(pickle.loads(pickle.dumps(meta)))
             worker.start_load_kv(None)
             worker.wait_for_layer_load(layer(0))
