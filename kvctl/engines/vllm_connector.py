@@ -7,8 +7,8 @@ vLLM's v1 KV connector interface as it stands from vLLM 0.11 to the 2026 main br
 it: the API docs of releases 0.9 to 0.32, and the main-branch sources
 ``kv_connector/v1/base.py`` at commit 003df296, ``kv_connector/factory.py`` at a4cd9d0d,
 ``v1/example_connector.py`` at 4c165421 and 00231834, ``v1/core/sched/output.py`` at
-00e8f1fd). The engine-independent part (what to load and save,
-the block <-> chunk copies) is ``kvctl.engines.vllm_plan``, tested on CPU tensors against a
+00e8f1fd). The engine-independent part (what to load and save: ``kvctl.engines.vllm_plan``;
+the block <-> chunk copies: ``kvctl.engines.vllm_paged``) is tested on CPU tensors against a
 real agent; this module only translates vLLM's objects into it.
 
 Load it with ``--kv-transfer-config`` (vLLM imports ``kv_connector`` from
@@ -60,6 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvctl.engines.vllm_paged import kv_layout
 from kvctl.engines.vllm_plan import (
     AgentLink,
     BackgroundSaver,
@@ -69,7 +70,6 @@ from kvctl.engines.vllm_plan import (
     SchedulerPlan,
     StepPlan,
     WorkerPlan,
-    kv_layout,
 )
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import KVLayout

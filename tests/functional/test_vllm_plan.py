@@ -18,11 +18,13 @@ import torch
 
 from kvctl.engines import vllm_connector
 from kvctl.engines.kvformat import ChunkFormat
+from kvctl.engines.vllm_paged import (
+    CacheLayout,
+    PagedKV,
+)
 from kvctl.engines.vllm_plan import (
     AgentLink,
-    CacheLayout,
     LoadSpec,
-    PagedKV,
     SchedulerPlan,
     StepPlan,
     WorkerPlan,

@@ -21,24 +21,26 @@ from kvctl.engines.vllm_connector import (
     first_group,
     not_reusable,
 )
-from kvctl.engines.vllm_plan import (
-    AgentLink,
-    BackgroundSaver,
+from kvctl.engines.vllm_paged import (
     CacheLayout,
-    ConnectorSettings,
-    LoadFailures,
-    LoadSpec,
     PagedKV,
-    SaveSpec,
-    SchedulerPlan,
-    StepPlan,
-    WorkerPlan,
     check_geometry,
     detect_layout,
     kv_layout,
     loadable_chunks,
     order_layers,
     token_slots,
+)
+from kvctl.engines.vllm_plan import (
+    AgentLink,
+    BackgroundSaver,
+    ConnectorSettings,
+    LoadFailures,
+    LoadSpec,
+    SaveSpec,
+    SchedulerPlan,
+    StepPlan,
+    WorkerPlan,
 )
 from kvctl.errors import InvalidArgument
 from kvctl.ports import free_loopback_port
