@@ -33,6 +33,7 @@ from kvctl.engines.kvload import (
     queue_leased,
     read_chunks,
     read_socket,
+    release_pending,
 )
 from kvctl.engines.writebehind import Stored, StoreJob, WriteBehind
 from kvctl.errors import InvalidArgument
@@ -358,7 +359,7 @@ class CachedLM:
                     copies.abandon()  # nothing may read the arena once its leases are gone
             finally:
                 if client is not None and client.shm:
-                    self._release_pending(client)
+                    release_pending(client)
         if lost:  # what was read of a chunk whose lease ran out may be another chunk's bytes
             log.warning("a lease ran out before its layer-wise copy ended: prefilling again")
             self.layerwise_redos += 1
@@ -505,13 +506,6 @@ class CachedLM:
         cache = DynamicCache() if kv is None else self._cache_of(kv, usable)
         path = "lease" if usable else ""
         return m, list(found.locations), cache, usable, path, lookup_end_s, copies
-
-    @staticmethod
-    def _release_pending(client: DataClient) -> None:
-        try:
-            client.release_pending()
-        except AgentError as exc:  # the agent ends a lost connection's leases itself
-            log.warning("kvctl lease release failed: %s", exc)
 
     def _cache_of(self, kv: torch.Tensor, chunks: int) -> DynamicCache:
         """A cache holding the first ``chunks`` chunks of the loader's buffer ``kv``."""

@@ -536,6 +536,18 @@ def read_chunks(
     return n, "lease"
 
 
+def release_pending(client: DataClient | None) -> None:
+    """Release the leases a ``release_later`` block or ``hold`` left held, once the caller is
+    done with the bytes; a failure is logged, not raised (the agent ends a lost connection's
+    leases itself)."""
+    if client is None:
+        return
+    try:
+        client.release_pending()
+    except AgentError as exc:
+        log.warning("kvctl lease release failed: %s", exc)
+
+
 def copy_leased(
     leases: ArenaLeases, count: int, loader: KVLoader, kv: torch.Tensor
 ) -> tuple[int, bool]:

@@ -337,8 +337,7 @@ class KvctlConnector(KVConnectorBase_V1):
         meta = self._metadata()
         if meta is None or self._worker is None:
             return
-        failures = self._worker.failures
-        failures.begin_step()
+        self._worker.failures.begin_step()
         self._finish_loads()  # a step that never reached wait_for_save or the error report
         if self._layerwise and meta.loads:
             try:
@@ -353,10 +352,7 @@ class KvctlConnector(KVConnectorBase_V1):
             except Exception:  # an unreadable chunk means recompute, not a dead engine
                 log.exception("kvctl load of request %s failed", spec.req_id)
                 failed = spec.blocks_of(spec.start_token, spec.end_token, self.block_size)
-            self._failed_blocks |= failed
-            # this step's forward pass computes on the unfilled blocks: its saves of the
-            # request from there on are dropped (wait_for_save)
-            failures.failed(spec, failed)
+            self._load_failed(spec, failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # layer-wise: this layer's blocks are written now (on CUDA queued after its copies);
@@ -406,9 +402,15 @@ class KvctlConnector(KVConnectorBase_V1):
         if self._worker is None:
             return
         for spec, outcome in self._worker.finish_loads():
-            failed = set(outcome.failed_block_ids)
-            self._failed_blocks |= failed
-            self._worker.failures.failed(spec, failed)
+            self._load_failed(spec, set(outcome.failed_block_ids))
+
+    def _load_failed(self, spec: LoadSpec, blocks: set[int]) -> None:
+        """``spec``'s load left ``blocks`` unfilled: vLLM hears of them after the step, and this
+        step's forward pass computes on them, so its saves of the request from there on are
+        dropped (wait_for_save)."""
+        assert self._worker is not None
+        self._failed_blocks |= blocks
+        self._worker.failures.failed(spec, blocks)
 
     def _metadata(self) -> KvctlConnectorMetadata | None:
         meta = getattr(self, "_connector_metadata", None)

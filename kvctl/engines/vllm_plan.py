@@ -40,6 +40,7 @@ from kvctl.engines.kvload import (
     leased_whole,
     queue_leased,
     read_chunks,
+    release_pending,
 )
 from kvctl.engines.vllm_paged import PagedKV, check_geometry, loadable_chunks, order_layers
 from kvctl.errors import InvalidArgument
@@ -713,15 +714,14 @@ class WorkerPlan:
                 leased.append((spec, leases))
             for spec, leases in leased:
                 loader = self.loader(self.format(spec.chunk_tokens))
-                end = _loaded_end(spec, len(spec.keys))
-                slots = paged.slots(spec.block_ids, spec.start_token, end)
+                slots = paged.slots(spec.block_ids, spec.start_token, _loaded_end(spec))
                 kv = loader.alloc(len(spec.keys))
                 used.append(loader)
                 copies = queue_leased(leases, len(spec.keys), loader, kv)
                 if copies is None:  # not reached: every chunk was leased whole above
                     return False
                 written = [False] * len(paged.layers)
-                queued.append(_QueuedLoad(spec, kv, copies, end, slots, written))
+                queued.append(_QueuedLoad(spec, kv, copies, slots, written))
             ok = True
         except AgentError as exc:
             self.link.failed("read", exc)
@@ -732,7 +732,7 @@ class WorkerPlan:
                 # their buffers: ended before the leases and the buffers go
                 for loader in used:
                     loader.wait()
-                _release(client)
+                release_pending(client)
         self._queued, self._holder = queued, client
         return True
 
@@ -779,7 +779,7 @@ class WorkerPlan:
         finally:
             for q in queued[len(outcomes) :]:
                 q.copies.abandon()  # only on the way out of a BaseException
-            _release(holder)
+            release_pending(holder)
         return outcomes
 
     def _write_layer(self, q: _QueuedLoad, layer: int) -> None:
@@ -843,19 +843,11 @@ class WorkerPlan:
         return self.paged
 
 
-def _loaded_end(spec: LoadSpec, chunks: int) -> int:
-    """The last token of ``spec``'s range that its first ``chunks`` chunks cover."""
-    return min(spec.end_token, (spec.first_chunk + chunks) * spec.chunk_tokens)
-
-
-def _release(client: DataClient | None) -> None:
-    """Release what ``hold`` left held; a lost connection's leases end at the agent anyway."""
-    if client is None or client.closed:
-        return
-    try:
-        client.release_pending()
-    except AgentError as exc:
-        log.warning("kvctl lease release failed: %s", exc)
+def _loaded_end(spec: LoadSpec, chunks: int | None = None) -> int:
+    """The last token of ``spec``'s range that its first ``chunks`` chunks (all by default)
+    cover."""
+    n = len(spec.keys) if chunks is None else chunks
+    return min(spec.end_token, (spec.first_chunk + n) * spec.chunk_tokens)
 
 
 @dataclass(slots=True)
@@ -866,14 +858,18 @@ class _QueuedLoad:
     #: the chunks' KV as they land (``KVLoader.alloc``), kept until every layer is written
     kv: torch.Tensor
     copies: LayerCopies
-    #: the last token written (tokens ``spec.start_token..end``)
-    end: int
-    #: those tokens' places in the paged caches (``PagedKV.slots``), made once
+    #: the places in the paged caches of the tokens written (``spec.start_token..end``):
+    #: ``PagedKV.slots``, made once
     slots: tuple[torch.Tensor, torch.Tensor]
     #: which layers' blocks are written
     written: list[bool]
     #: a layer's write failed: the whole load is reported failed
     broken: bool = False
+
+    @property
+    def end(self) -> int:
+        """The last token written: every chunk is queued."""
+        return _loaded_end(self.spec)
 
 
 def _host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
