@@ -27,6 +27,7 @@ from typing import Any, cast, overload
 
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 from kvctl.store.keys import KVLayout, Namespace
+from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.base import ChunkMeta, copy_bytes
 from kvctl.wire.address import UnixAddress, parse_address
 from kvctl.wire.protocol import (
@@ -902,6 +903,7 @@ class DataClient:
             arena = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
+        hugepages.advise(arena)  # this mapping too, where the agent's pages are huge
         if self._arena is not None:
             with contextlib.suppress(BufferError):
                 self._arena.close()

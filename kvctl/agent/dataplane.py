@@ -37,6 +37,7 @@ from kvctl.store.errors import (
     TierUnavailable,
 )
 from kvctl.store.index import LookupResult
+from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.wire.protocol import (
     FETCH_ITEM,
@@ -467,8 +468,7 @@ class Connection:
         try:
             # private: anonymous memory of this process only (MAP_SHARED would be shmem)
             region = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE)
-            if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MiB faults: fresh memory as fast as reused
-                region.madvise(mmap.MADV_HUGEPAGE)
+            hugepages.advise(region)  # 2 MiB faults: fresh memory as fast as reused
             view = memoryview(region)
             try:
                 self._recv_counted(view)

@@ -27,6 +27,7 @@ from kvctl.remote.federation import FetchPlanner
 from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
 from kvctl.store.keys import Namespace
 from kvctl.store.store import TieredStore
+from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.base import Tier, byte_view, copy_bytes
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
@@ -342,6 +343,7 @@ class AgentRuntime:
     def info(self) -> AgentInfo:
         s = self.settings
         tcp = s.data_host_port
+        shm = self.shm_tier
         offline: list[UnavailableTier] = [
             {"name": name, "reason": reason, "offline": True}
             for name, reason in self.store.offline_tiers.items()
@@ -379,6 +381,8 @@ class AgentRuntime:
                     "unix", None if s.socket_path is None else str(s.socket_path)
                 ),
                 "shm": s.shm and s.socket_path is not None,
+                "shm_huge_page_bytes": None if shm is None else shm.huge_page_bytes(),
+                "shmem_huge_pages": hugepages.shmem_mode(),
             },
             "auth": bool(s.token),
             "data_dir": _disk(s.data_path),

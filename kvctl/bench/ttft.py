@@ -28,6 +28,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from kvctl.bench.common import host_info, spawned_agent
 from kvctl.errors import InvalidArgument
 from kvctl.extras import MissingExtra, extra_of
 from kvctl.remote.pool import DEFAULT_MIN_STREAM_BYTES, DEFAULT_STREAMS, stream_groups
+from kvctl.store.tiers import hugepages
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -275,6 +277,12 @@ def run_ttft_bench(
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()  # the next context's caches need the room
         redos = {name: engine.layerwise_redos for name, engine in engines.items()}
+        arena_pages = {
+            "shmem_huge_pages": hugepages.shmem_mode(),
+            "engine_huge_page_bytes": {
+                name: _mapped_huge_bytes(engine) for name, engine in engines.items()
+            },
+        }
 
     return {
         "bench": "ttft",
@@ -300,6 +308,7 @@ def run_ttft_bench(
         "logits_rtol": RTOL[dtype],
         "rows": rows,
         "arena_attach_seconds": attach_s,
+        "shared_arena_pages": arena_pages,
         # requests an engine prefilled again: a lease ran out under its layer-wise copies
         "layerwise_redos": redos,
         "failures": failures,
@@ -328,10 +337,16 @@ def run_ttft_bench(
             "arena_attach_seconds: the time each engine took, when it connected, to map its "
             "agent's shared arena (and on CUDA register it: pinning the whole capacity), paid "
             "once per engine process and so in no sample (None: no shared arena)",
+            "shared_arena_pages: the kernel's huge-page mode for shared memory "
+            "(transparent_hugepage/shmem_enabled) and the bytes of each engine's mapping of its "
+            "agent's arena on huge pages (None: not mapped, or unreadable); an arena on 4 KiB "
+            "pages is copied out of measurably slower (see kvctl doctor)",
             "new chunks are stored behind the request (write-behind): store_seconds is from "
             "hand-over to the agent's acknowledgement, off the request path",
             "bound: the cpu tier's is a copy of the same bytes from page-locked host memory to "
-            "the device (CUDA) or a multi-threaded memcpy (CPU: each of its copies, and every "
+            "the device (CUDA) or a multi-threaded memcpy (CPU: from memory on huge pages "
+            "where the kernel allows them, into a tensor like the engine's; each of its copies, "
+            "and every "
             "sample on a CPU, full prefills included, starts with the CPU caches flushed, so "
             "copies read from DRAM as chunks stored earlier are); the disk tier's a raw "
             "parallel read of the chunk files after dropping the page cache; the pool's a raw "
@@ -926,7 +941,8 @@ def _memcpy_seconds(torch: Any, nbytes: int, repeats: int, *, cold: bool) -> flo
     which a fetch of chunks stored earlier never sees."""
     if nbytes == 0:
         return None
-    src = torch.ones(nbytes, dtype=torch.uint8)
+    src = _huge_page_tensor(torch, nbytes)
+    src.fill_(1)
     dst = torch.zeros_like(src)  # touched: page faults are not a copy's cost
     threads = max(1, torch.get_num_threads())
     parts = [(i * nbytes // threads, (i + 1) * nbytes // threads) for i in range(threads)]
@@ -945,6 +961,23 @@ def _memcpy_seconds(torch: Any, nbytes: int, repeats: int, *, cold: bool) -> flo
             list(pool.map(lambda p: b.__setitem__(slice(*p), a[slice(*p)]), parts))
             samples.append(min(torch_s, time.perf_counter() - t1))
     return statistics.median(samples)
+
+
+def _mapped_huge_bytes(engine: Any) -> int | None:
+    """Bytes of ``engine``'s mapping of its agent's arena on huge pages (None: none mapped)."""
+    arena = engine.client.shared_arena() if engine.client is not None else None
+    return None if arena is None else hugepages.huge_bytes(arena)
+
+
+def _huge_page_tensor(torch: Any, nbytes: int) -> Any:
+    """A uint8 CPU tensor on huge pages where the kernel gives them to process memory that asks
+    (transparent_hugepage/enabled: madvise or always): the memcpy's source, so that the bound
+    is this host's best copy, not one slowed by 4 KiB pages that an arena on huge pages is not."""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    hugepages.advise(region)
+    with warnings.catch_warnings():  # frombuffer keeps ``region`` alive with the tensor
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(region, dtype=torch.uint8)
 
 
 def last_level_cache_bytes(root: Path = Path("/sys/devices/system/cpu")) -> int:

@@ -592,7 +592,7 @@ def _render_status(report: dict[str, Any]) -> None:
         f"[bold green]up[/] agent [bold]{info['name']}[/] dc {info['dc']} pid {info['pid']} "
         f"version {info['version']} uptime {uptime:.0f}s\n"
         f"control {report['control_url']}  data tcp {dp['tcp'] or 'off'}  "
-        f"unix {dp['unix'] or 'off'}  shm {'on' if dp['shm'] else 'off'}",
+        f"unix {dp['unix'] or 'off'}  shm {_shm_words(dp)}",
         highlight=False,
     )
     table = Table("tier", "used", "capacity", "use", "chunks", "pinned", "hits", title=None)
@@ -633,6 +633,20 @@ def _render_status(report: dict[str, Any]) -> None:
         f"sharing {percent(sharing / hits if hits else 0)}",
         highlight=False,
     )
+
+
+def _shm_words(dataplane: dict[str, Any]) -> str:
+    """'off', or 'on' and the pages the arena lies on (N/A from an agent that does not say)."""
+    if not dataplane["shm"]:
+        return "off"
+    huge, mode = dataplane.get("shm_huge_page_bytes"), dataplane.get("shmem_huge_pages")
+    if huge is None:
+        return "on (page size N/A)"
+    if huge:
+        from kvctl.format import format_bytes
+
+        return f"on ({format_bytes(huge)} on huge pages)"
+    return f"on (4 KiB pages, shmem_enabled {mode or 'N/A'}: see `kvctl doctor`)"
 
 
 @agent_app.command("config")

@@ -430,7 +430,33 @@ def classify_agent(
     mode_row = _agent_data_dir_mode(name, url, data_dir)
     if mode_row is not None:
         checks.append(mode_row)
+    dataplane = info.get("dataplane")
+    if isinstance(dataplane, Mapping) and dataplane.get("shm"):
+        checks.append(classify_huge_pages(f"huge pages {name}", dataplane, where=name))
     return checks
+
+
+def classify_huge_pages(name: str, dataplane: Mapping[str, Any], *, where: str) -> Check:
+    """Whether an agent's shared arena lies on huge pages: engines copy out of 4 KiB pages
+    15-30% slower (a 4 MiB copy on a 2-core VM, caches flushed), a cost on every fetch."""
+    from kvctl.store.tiers.hugepages import HUGE_MODES, SHMEM_SETTING
+
+    huge, mode = dataplane.get("shm_huge_page_bytes"), dataplane.get("shmem_huge_pages")
+    values = {"shm_huge_page_bytes": huge, "shmem_huge_pages": mode}
+    if not _is_number(huge):
+        return Check(name, SKIP, "shared arena page size N/A: the agent does not report it")
+    if huge > 0:
+        return Check(name, OK, f"shared arena: {_size(huge)} on huge pages", None, values)
+    detail = f"shared arena on 4 KiB pages (shmem_enabled {mode or 'N/A'}): engines copy out of it "
+    detail += "15-30% slower than out of huge pages"
+    if mode in HUGE_MODES:  # allowed now, but the arena was made before (or memory was short)
+        fix = f"restart the agent on {where}: its arena then commits on huge pages"
+    else:
+        fix = (
+            f"on {where}, as root: `echo advise > {SHMEM_SETTING}`, then restart the agent "
+            "(the setting does not survive a reboot: set it at boot too)"
+        )
+    return Check(name, WARN, detail, fix, values)
 
 
 def _agent_data_dir_mode(name: str, url: str, data_dir: object) -> Check | None:
@@ -811,6 +837,7 @@ __all__ = [
     "classify_agent",
     "classify_data_dir_mode",
     "classify_disk",
+    "classify_huge_pages",
     "classify_nvml",
     "classify_skew",
     "database_checks",

@@ -54,6 +54,11 @@ class DataPlaneAddresses(TypedDict):
     unix: str | None
     #: whether local clients may read chunks from the shared-memory arena
     shm: bool
+    #: bytes of that arena on huge pages in the agent's mapping (None without shm, or where
+    #: unreadable): engines copy out of 4 KiB pages measurably slower
+    shm_huge_page_bytes: int | None
+    #: the kernel's huge-page mode for shared memory (shmem_enabled; None where unreadable)
+    shmem_huge_pages: str | None
 
 
 class DataDir(TypedDict):

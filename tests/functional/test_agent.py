@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from kvctl.client import AgentUnreachable, AuthError, ChunkNotFound, DataClient, RequestError
+from kvctl.format import format_bytes
+from kvctl.store.tiers import hugepages
 from kvctl.wire.protocol import (
     HEADER,
     HEADER_BYTES,
@@ -460,7 +462,12 @@ def test_agent_status_and_stop_commands(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["up"] is True and report["info"]["pid"] == a.proc.pid
-    assert report["info"]["dataplane"]["tcp"] == a.state.data_tcp
+    dataplane = report["info"]["dataplane"]
+    assert dataplane["tcp"] == a.state.data_tcp
+    # its arena's pages, as the kernel allows for shared memory here
+    assert dataplane["shm"] is True and dataplane["shmem_huge_pages"] == hugepages.shmem_mode()
+    huge = dataplane["shm_huge_page_bytes"]
+    assert huge is not None and 0 <= huge <= 4 << 20
     cpu_policy = report["stats"]["policies"]["cpu"]  # the default, and whom it follows
     assert cpu_policy["policy"] == "lineage-adaptive" and cpu_policy["switches"] == 0
     assert cpu_policy["leader"] == cpu_policy["candidates"][0] == "lineage-lru2"
@@ -468,6 +475,8 @@ def test_agent_status_and_stop_commands(tmp_path: Path) -> None:
         [*kvctl, "status", *dd], capture_output=True, text=True, env=env, timeout=60
     )
     assert "eviction: cpu lineage-adaptive following lineage-lru2 (0 switches)" in out.stdout
+    pages = f"{format_bytes(huge)} on huge pages" if huge else "4 KiB pages, shmem_enabled"
+    assert f"shm on ({pages}" in " ".join(out.stdout.split())  # wrapped at the terminal's width
     out = subprocess.run([*kvctl, "stop", *dd], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0 and "stopped" in out.stdout
     assert a.proc.wait(10) == 0

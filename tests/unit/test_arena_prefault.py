@@ -13,7 +13,7 @@ import pytest
 
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier
-from kvctl.store.tiers.hostreg import buffer_address
+from kvctl.store.tiers.hugepages import smaps_bytes
 from kvctl.store.tiers.prefault import MADV_POPULATE_READ, Prefaulter
 
 pytestmark = pytest.mark.skipif(
@@ -24,17 +24,9 @@ MIB = 1 << 20
 
 def _rss_bytes(arena: mmap.mmap) -> int:
     """Resident bytes of the mapping holding ``arena`` (its smaps entry)."""
-    with memoryview(arena) as mv:
-        start = buffer_address(mv)
-    with open(f"/proc/{os.getpid()}/smaps") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        head = line.split()[0]
-        if "-" in head and int(head.split("-")[0], 16) == start:
-            for entry in lines[i + 1 :]:
-                if entry.startswith("Rss:"):
-                    return int(entry.split()[1]) * 1024
-    raise AssertionError("the arena's mapping is not in smaps")
+    rss = smaps_bytes(arena, "Rss")
+    assert rss is not None, "smaps unreadable"
+    return rss
 
 
 def _supported(p: Prefaulter) -> None:

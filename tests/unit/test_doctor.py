@@ -326,6 +326,41 @@ def test_missing_readings_are_na_never_a_crash() -> None:
     assert rows["clock node-a"].status == SKIP and rows["disk node-a"].status == SKIP
 
 
+def _with_dataplane(**dataplane: Any) -> AgentProbe:
+    probe = _healthy()
+    assert probe.info is not None
+    return _healthy(info={**probe.info, "dataplane": {"tcp": None, "unix": "/s", **dataplane}})
+
+
+def test_an_arena_on_huge_pages_is_ok_and_small_pages_warn_with_the_fix() -> None:
+    on_huge = _with_dataplane(shm=True, shm_huge_page_bytes=4 * GiB, shmem_huge_pages="advise")
+    row = _by_name(classify_agent(NODE, on_huge))["huge pages node-a"]
+    assert row.status == OK and "4.0 GiB on huge pages" in row.detail
+
+    small = _with_dataplane(shm=True, shm_huge_page_bytes=0, shmem_huge_pages="never")
+    row = _by_name(classify_agent(NODE, small))["huge pages node-a"]
+    assert row.status == WARN and "4 KiB pages (shmem_enabled never)" in row.detail
+    assert row.fix is not None and "echo advise > /sys/kernel/mm/transparent_hugepage" in row.fix
+    assert "node-a" in row.fix and row.values == {
+        "shm_huge_page_bytes": 0,
+        "shmem_huge_pages": "never",
+    }
+
+
+def test_huge_pages_allowed_but_not_taken_asks_for_a_restart() -> None:
+    probe = _with_dataplane(shm=True, shm_huge_page_bytes=0, shmem_huge_pages="advise")
+    row = _by_name(classify_agent(NODE, probe))["huge pages node-a"]
+    assert row.status == WARN and row.fix is not None and "restart the agent" in row.fix
+    assert "echo" not in row.fix
+
+
+def test_no_huge_page_row_without_shared_memory_and_na_from_an_older_agent() -> None:
+    rows = _by_name(classify_agent(NODE, _with_dataplane(shm=False)))
+    assert "huge pages node-a" not in rows
+    older = _by_name(classify_agent(NODE, _with_dataplane(shm=True)))  # fields not reported
+    assert older["huge pages node-a"].status == SKIP and "N/A" in older["huge pages node-a"].detail
+
+
 def test_agent_skew_and_disk_use_the_thresholds() -> None:
     probe = _healthy(
         health={"name": "node-a", "time_s": 1045.0},

@@ -6,6 +6,8 @@ memfd (Linux): it has no name anywhere, so nothing leaks when the agent is kille
 client gets it only as a read-only file descriptor passed over the agent's Unix socket. The memfd
 is sealed once the agent has mapped it (no new write access, no resize: ``ARENA_SEALS``), so a
 client that reopens the descriptor read-write still cannot write or truncate it.
+Its pages are huge (2 MiB) where the kernel allows it for shared memory (``hugepages``): an
+engine copies out of 4 KiB pages measurably slower.
 
 Leases let a reader use a chunk's bytes in place (a local client through its own mapping, or the
 agent sending from the arena to a socket) without holding the store's lock. A leased region never
@@ -46,6 +48,7 @@ from kvctl.store.errors import (
     StoreError,
     TierUnavailable,
 )
+from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.base import (
     Buffer,
     ChunkMeta,
@@ -221,6 +224,10 @@ class CpuTier(Tier):
     @property
     def capacity_bytes(self) -> int:
         return self._capacity_bytes
+
+    def huge_page_bytes(self) -> int | None:
+        """Bytes of the arena this process maps with huge pages (None where unreadable)."""
+        return hugepages.huge_bytes(self._arena)
 
     @property
     def used_bytes(self) -> int:
@@ -778,10 +785,23 @@ def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mm
     fd = os.memfd_create(f"kvctl-{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        # commit the pages now: a short shm/RAM budget is a clear error at start, not SIGBUS
-        # on some later write
-        os.posix_fallocate(fd, 0, size)
         arena = mmap.mmap(fd, size)  # the agent's writable mapping, made before the seals
+        try:
+            # commit the pages now: a short shm/RAM budget is a clear error at start, not
+            # SIGBUS on some later write; on huge pages where the kernel allows (hugepages)
+            started_s = time.perf_counter()
+            if hugepages.commit(arena, fd, size):
+                log.info(
+                    "tier %s: %d bytes committed through its mapping (shmem huge pages: "
+                    "advise) in %.2f s, %d on huge pages",
+                    name,
+                    size,
+                    time.perf_counter() - started_s,
+                    hugepages.huge_bytes(arena) or 0,
+                )
+        except BaseException:
+            arena.close()
+            raise
         try:
             fcntl.fcntl(fd, _F_ADD_SEALS, ARENA_SEALS)
         except OSError as exc:

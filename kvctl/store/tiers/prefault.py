@@ -43,7 +43,7 @@ STEP_BYTES = 32 << 20
 _libc: ctypes.CDLL | None = None
 
 
-def _madvise() -> Callable[..., int] | None:
+def madvise_fn() -> Callable[..., int] | None:
     global _libc
     if _libc is None:
         try:
@@ -104,7 +104,7 @@ class Prefaulter:
             thread.join(timeout_s)
 
     def _run(self) -> None:
-        madvise = _madvise()
+        madvise = madvise_fn()
         while True:
             with self._lock:
                 start, target = self.populated_bytes, self._target

@@ -1,0 +1,141 @@
+"""Transparent huge pages (2 MiB) under the cpu tier's shared arena.
+
+The shared arena is a memfd, so it lives in shmem, and Linux gives shmem huge pages only as
+``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` says (``never`` by default). On 4 KiB
+pages an engine's copy out of the arena ran 15-30% slower than the same copy out of process
+memory on the 2-core VM this was measured on (a 4 MiB copy, caches flushed; with huge pages the
+two matched): the difference is the TLB's, and a serving engine reads the arena at memory or
+link speed, so it pays it on every fetch.
+
+Under ``advise`` an arena gets huge pages only when its pages are faulted in through a mapping
+marked ``MADV_HUGEPAGE``: ``posix_fallocate`` (how the arena's memory is committed at start)
+allocates small ones. ``commit`` therefore commits through the mapping there
+(``MADV_POPULATE_WRITE``), and through ``posix_fallocate`` everywhere else (``always`` and
+``within_size`` give huge pages either way; ``never`` and ``deny`` none).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+from kvctl.store.tiers.prefault import MADV_POPULATE_WRITE, madvise_fn
+
+THP_ROOT = Path("/sys/kernel/mm/transparent_hugepage")
+#: the setting that makes them: an operator turns them on with
+#: ``echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled`` (root; not persistent)
+SHMEM_SETTING = THP_ROOT / "shmem_enabled"
+#: the modes under which shmem gets huge pages (``advise``: where a mapping asks for them)
+HUGE_MODES = ("always", "within_size", "advise", "force")
+
+
+def shmem_mode(root: Path = THP_ROOT) -> str | None:
+    """The kernel's huge-page mode for shared memory of the PMD size (2 MiB on x86-64): its own
+    setting where the kernel has per-size ones (Linux 6.11+) and it is not ``inherit``, else the
+    global one. None where it cannot be read (not Linux, no THP)."""
+    for path in (root / "hugepages-2048kB" / "shmem_enabled", root / "shmem_enabled"):
+        mode = _selected(path)
+        if mode is not None and mode != "inherit":
+            return mode
+    return None
+
+
+def _selected(path: Path) -> str | None:
+    """The bracketed word of a sysfs choice file (``always [advise] never``)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return None
+
+
+def advise(mapping: mmap.mmap) -> None:
+    """Ask for huge pages under ``mapping`` (a hint: refused or without effect, nothing
+    changes)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and len(mapping) > 1:
+        with contextlib.suppress(OSError, ValueError):
+            mapping.madvise(advice)
+
+
+def commit(mapping: mmap.mmap, fd: int, size_bytes: int, *, mode: str | None = None) -> bool:
+    """Commit the memfd ``fd``'s first ``size_bytes`` (``mapping`` maps them writable): a short
+    shm or RAM budget is then an OSError now (ENOSPC from ``posix_fallocate``), not a SIGBUS on
+    some later write. Under ``advise`` through ``mapping``, marked for huge pages, so that they
+    are huge; True when ``mapping`` was populated that way (its page tables are then built)."""
+    mode = shmem_mode() if mode is None else mode
+    if mode == "advise":
+        advise(mapping)
+        if _populate_write(mapping, size_bytes):
+            return True
+    # never, deny (no huge pages), always, within_size (huge either way), or the populate
+    # failed (an old kernel, or not enough memory: fallocate then says which)
+    os.posix_fallocate(fd, 0, size_bytes)
+    return False
+
+
+def _populate_write(mapping: mmap.mmap, size_bytes: int) -> bool:
+    """``madvise(MADV_POPULATE_WRITE)`` over the mapping's first bytes, through ctypes so the
+    GIL is free meanwhile (an arena of tens of GiB takes seconds to zero)."""
+    madvise = madvise_fn()
+    if madvise is None:
+        return False
+    from kvctl.store.tiers.hostreg import buffer_address
+
+    with memoryview(mapping) as view:
+        rc = madvise(ctypes.c_void_p(buffer_address(view)), size_bytes, MADV_POPULATE_WRITE)
+    return rc == 0
+
+
+def huge_bytes(mapping: mmap.mmap, smaps: Path = Path("/proc/self/smaps")) -> int | None:
+    """Bytes of ``mapping`` this process maps with huge pages (None where unreadable)."""
+    return smaps_bytes(mapping, "ShmemPmdMapped", "FilePmdMapped", "AnonHugePages", smaps=smaps)
+
+
+def smaps_bytes(
+    mapping: mmap.mmap, *fields: str, smaps: Path = Path("/proc/self/smaps")
+) -> int | None:
+    """The sum of ``fields`` (e.g. ``Rss``) over the kernel's entries for ``mapping`` in
+    ``smaps`` (None where it cannot be read). An entry reaching past the mapping counts whole:
+    exact for a file's mapping such as the arena's (never merged with a neighbour's entry), an
+    upper bound for anonymous memory."""
+    from kvctl.store.tiers.hostreg import buffer_address
+
+    try:
+        with memoryview(mapping) as view:
+            start = buffer_address(view)
+        text = smaps.read_text()
+    except (OSError, ValueError, BufferError):
+        return None
+    end = start + len(mapping)
+    wanted = {f"{name}:" for name in fields}
+    total_kib = 0
+    inside = False
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0] if line.strip() else ""
+        if "-" in head and ":" not in head:  # an entry's first line: "start-end perms ..."
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) < end and int(hi, 16) > start
+            except ValueError:
+                inside = False
+        elif inside and head in wanted:
+            total_kib += int(line.split()[1])
+    return total_kib << 10
+
+
+__all__ = [
+    "HUGE_MODES",
+    "SHMEM_SETTING",
+    "advise",
+    "commit",
+    "huge_bytes",
+    "shmem_mode",
+    "smaps_bytes",
+]
