@@ -147,6 +147,7 @@ class AgentRuntime:
             raise
         runtime = cls(settings, store)
         runtime.unavailable_tiers = unavailable
+        _say_arena_pages(runtime.shm_tier)
         if gpu_tier is not None:
             runtime.gpu_tier = gpu_tier
             runtime._unfollow_cpu_arena = _register_cpu_arena(gpu_tier, store)
@@ -427,6 +428,19 @@ class AgentRuntime:
     def unregister_host_region(self, owner: object) -> bool:
         gpu = self.gpu_tier
         return gpu is not None and gpu.unregister_host_region(owner)
+
+
+def _say_arena_pages(shm: CpuTier | None) -> None:
+    """Once at start: a shared arena on small pages costs every engine fetch (hugepages)."""
+    if shm is None or shm.capacity_bytes <= 1:
+        return
+    huge = shm.huge_page_bytes()
+    if huge == 0:
+        log.info(
+            "shared arena on 4 KiB pages (shmem_enabled %s): engines copy out of it more "
+            "slowly than out of huge pages; `kvctl doctor` says how to allow them",
+            hugepages.shmem_mode() or "N/A",
+        )
 
 
 def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> Callable[[], None] | None:
