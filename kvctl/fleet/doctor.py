@@ -438,7 +438,7 @@ def classify_agent(
 
 def classify_huge_pages(name: str, dataplane: Mapping[str, Any], *, where: str) -> Check:
     """Whether an agent's shared arena lies on huge pages: engines copy out of 4 KiB pages
-    15-30% slower (a 4 MiB copy on a 2-core VM, caches flushed), a cost on every fetch."""
+    4-25% more slowly (copies of 4-64 MiB on a 2-core VM), a cost on every fetch."""
     from kvctl.store.tiers.hugepages import HUGE_MODES, SHMEM_SETTING
 
     huge, mode = dataplane.get("shm_huge_page_bytes"), dataplane.get("shmem_huge_pages")
@@ -448,7 +448,7 @@ def classify_huge_pages(name: str, dataplane: Mapping[str, Any], *, where: str) 
     if huge > 0:
         return Check(name, OK, f"shared arena: {_size(huge)} on huge pages", None, values)
     detail = f"shared arena on 4 KiB pages (shmem_enabled {mode or 'N/A'}): engines copy out of it "
-    detail += "15-30% slower than out of huge pages"
+    detail += "more slowly than out of huge pages"
     if mode in HUGE_MODES:  # allowed now, but the arena was made before (or memory was short)
         fix = f"restart the agent on {where}: its arena then commits on huge pages"
     else:

@@ -2,10 +2,10 @@
 
 The shared arena is a memfd, so it lives in shmem, and Linux gives shmem huge pages only as
 ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` says (``never`` by default). On 4 KiB
-pages an engine's copy out of the arena ran 15-30% slower than the same copy out of process
-memory on the 2-core VM this was measured on (a 4 MiB copy, caches flushed; with huge pages the
-two matched): the difference is the TLB's, and a serving engine reads the arena at memory or
-link speed, so it pays it on every fetch.
+pages an engine's copy out of the arena took 4-25% longer than out of huge ones on the 2-core VM
+this was measured on (the engine's copy of 4-64 MiB, caches flushed, interleaved samples, seven
+runs: slower in every one; on huge pages it matched a copy out of process memory). A serving
+engine reads the arena at memory or link speed, so it pays that on every fetch.
 
 Under ``advise`` an arena gets huge pages only when its pages are faulted in through a mapping
 marked ``MADV_HUGEPAGE``: ``posix_fallocate`` (how the arena's memory is committed at start)
