@@ -249,17 +249,33 @@ def spawn_agent(
     return _spawn(["--data-dir", str(data_dir), *argv], data_dir, timeout_s, env, detach)
 
 
+#: seconds a detached agent may take to serve, plus START_SECONDS_PER_GIB for each GiB of memory
+#: it commits at start (the cpu arena; the gpu tier's, which CUDA also pins the arena for)
+START_SECONDS = 30.0
+#: committing took up to ~2.2 s a GiB on huge pages while the kernel compacted memory, 0.1 s
+#: on small ones; registering the arena with CUDA ~0.3-0.4 s a GiB (bench/README.md)
+START_SECONDS_PER_GIB = 3.0
+
+
+def start_timeout_seconds(settings: AgentSettings) -> float:
+    """How long to wait for an agent with ``settings`` to serve before giving up on it."""
+    committed_gib = (settings.cpu_bytes + settings.gpu_capacity_bytes) / (1 << 30)
+    return START_SECONDS + START_SECONDS_PER_GIB * committed_gib
+
+
 def spawn_with_settings(
     settings: AgentSettings,
     *,
-    timeout_s: float = 30.0,
+    timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     detach: bool = True,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
     in :data:`SETTINGS_FILE` (0600), which the child reads with ``load_settings`` and nothing
     else (no config file, no ``KVCTL_*`` variable), and which is removed once it serves or
-    fails."""
+    fails. ``timeout_s``: by default ``start_timeout_seconds(settings)``."""
+    if timeout_s is None:
+        timeout_s = start_timeout_seconds(settings)
     data_dir = settings.data_path
     data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
     path = data_dir / SETTINGS_FILE
@@ -350,14 +366,15 @@ def _spawn(
         if state is not None and state.pid == proc.pid and _answers(state.control_url):
             return proc, state
         if proc.poll() is not None:
+            why = f"exit code {proc.returncode}"
             break
         time.sleep(0.05)
     else:
         proc.kill()
         proc.wait()
+        why = f"not serving after {timeout_s:.0f} s, so stopped"
     raise RuntimeError(
-        f"the agent did not start (exit code {proc.poll()}); the end of {log_path}:\n"
-        + _tail(log_path)
+        f"the agent did not start ({why}); the end of {log_path}:\n" + _tail(log_path)
     )
 
 

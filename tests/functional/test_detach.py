@@ -56,3 +56,16 @@ def test_detached_agent_gets_its_settings_in_a_file_not_argv(
         info = client.info()
     assert info["name"] == "detached-1"
     assert {t["name"]: t["capacity_bytes"] for t in info["tiers"]} == {"cpu": 8 << 20}
+
+
+def test_an_agent_not_serving_in_time_is_stopped_and_the_error_says_so(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    from kvctl.agent.daemon import spawn_agent
+
+    with pytest.raises(RuntimeError, match=r"not serving after 0 s, so stopped") as caught:
+        argv = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--cpu", "8MiB"]
+        spawn_agent([*argv, "--disk", "0"], data_dir, timeout_s=0.01)
+    assert "the end of" in str(caught.value)  # with its log's tail
+    state = AgentState.read(data_dir)
+    assert state is None or not state.alive

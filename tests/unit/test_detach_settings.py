@@ -7,7 +7,14 @@ import stat
 from pathlib import Path
 
 from kvctl.agent.config import load_settings
-from kvctl.agent.daemon import SETTINGS_FILE, settings_toml, write_private
+from kvctl.agent.daemon import (
+    SETTINGS_FILE,
+    START_SECONDS,
+    START_SECONDS_PER_GIB,
+    settings_toml,
+    start_timeout_seconds,
+    write_private,
+)
 
 
 def test_settings_round_trip_through_the_file(tmp_path: Path) -> None:
@@ -40,3 +47,11 @@ def test_defaults_round_trip(tmp_path: Path) -> None:
     path = tmp_path / SETTINGS_FILE
     path.write_text(settings_toml(original))
     assert load_settings(config_file=path, env={}).settings == original
+
+
+def test_the_wait_for_a_detached_agent_grows_with_the_memory_it_commits(tmp_path: Path) -> None:
+    small = load_settings(flags={"data_dir": str(tmp_path), "cpu": "64MiB"}, env={}).settings
+    large = load_settings(flags={"data_dir": str(tmp_path), "cpu": "64GiB"}, env={}).settings
+    assert start_timeout_seconds(small) == START_SECONDS + START_SECONDS_PER_GIB / 16
+    # 64 GiB on huge pages took up to ~140 s to commit where memory had to be compacted
+    assert start_timeout_seconds(large) == START_SECONDS + 64 * START_SECONDS_PER_GIB >= 140
