@@ -1036,6 +1036,7 @@ class DataClient:
         staging = None
         try:
             staging = mmap.mmap(fd, size)
+            hugepages.advise(staging)  # its pages are faulted in by the first puts' writes
             self._call_locked(Op.ATTACH, MetaWriter().u64(size).build(), (), None, fd)
         except BaseException as exc:
             if staging is not None:

@@ -896,6 +896,7 @@ class Connection:
         fd = self._fds[0]
         _check_segment(fd, size)
         staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        hugepages.advise(staging)
         # a gpu tier copies puts from the segment in one transfer once it is registered; this
         # replaces the connection's old registration first, so the old mapping can close
         self.runtime.register_host_region(self, staging, read_only=True)

@@ -4,6 +4,7 @@ shared memory; restarts after SIGKILL; auth; malformed input; concurrency and ca
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import signal
 import socket
@@ -84,6 +85,19 @@ def test_chunks_spill_to_disk_and_come_back_exact_through_shm(agent) -> None:  #
     stats = agent.control().stats()
     assert stats["stats"]["tiers"]["cpu"]["promotions"] > 0
     assert stats["leases"] == 0  # every read lease was released
+
+
+def test_a_clients_mappings_of_the_arena_and_of_its_staging_ask_for_huge_pages(agent) -> None:  # type: ignore[no-untyped-def]
+    with agent.data("unix") as c:
+        segments: list[object] = []
+        c.on_staging = segments.append
+        k = key(0, 9)
+        c.put(k, payload(k, CHUNK))  # staged: the segment is made, attached and announced
+        arena = c.shared_arena()
+        assert arena is not None and "hg" in (hugepages.vm_flags(arena) or set())
+        staging = segments[-1]
+        assert isinstance(staging, mmap.mmap) and "hg" in (hugepages.vm_flags(staging) or set())
+        assert bytes(c.get(k)) == payload(k, CHUNK)
 
 
 def test_lookup_and_exists_over_the_data_plane(agent) -> None:  # type: ignore[no-untyped-def]

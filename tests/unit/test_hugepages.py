@@ -90,6 +90,17 @@ def test_smaps_counts_only_the_entries_of_the_mapping(tmp_path: Path) -> None:
     )
     assert hugepages.huge_bytes(arena, smaps) == 6 * MIB
     assert hugepages.smaps_bytes(arena, "Rss", smaps=smaps) == 8 * MIB
+    assert hugepages.vm_flags(arena, smaps) == {
+        "rd",
+        "wr",
+        "sh",
+        "mr",
+        "mw",
+        "me",
+        "ms",
+        "sd",
+        "hg",
+    }
     assert hugepages.huge_bytes(arena, tmp_path / "missing") is None
     arena.close()
 
@@ -148,12 +159,10 @@ def test_the_cpu_tier_reports_its_arenas_huge_pages_as_the_kernel_allows() -> No
         tier.close()
 
 
-def _vm_flags(mapping: mmap.mmap) -> list[str]:
-    """The kernel's flags of ``mapping``'s entry in smaps (``hg``: MADV_HUGEPAGE)."""
-    with memoryview(mapping) as view:
-        start = f"{buffer_address(view):x}-"
-    entry = Path("/proc/self/smaps").read_text().split(start, 1)[1]
-    return entry.split("VmFlags:", 1)[1].splitlines()[0].split()
+def _vm_flags(mapping: mmap.mmap) -> set[str]:
+    flags = hugepages.vm_flags(mapping)
+    assert flags, "smaps unreadable"
+    return flags
 
 
 @linux

@@ -105,6 +105,24 @@ def smaps_bytes(
     ``smaps`` (None where it cannot be read). An entry reaching past the mapping counts whole:
     exact for a file's mapping such as the arena's (never merged with a neighbour's entry), an
     upper bound for anonymous memory."""
+    lines = _entry_lines(mapping, smaps)
+    if lines is None:
+        return None
+    wanted = {f"{name}:" for name in fields}
+    return sum(int(line.split()[1]) for line in lines if line.split()[0] in wanted) << 10
+
+
+def vm_flags(mapping: mmap.mmap, smaps: Path = Path("/proc/self/smaps")) -> set[str] | None:
+    """The kernel's flags for ``mapping`` (smaps' ``VmFlags``: ``hg`` once it is marked
+    ``MADV_HUGEPAGE``); None where they cannot be read."""
+    lines = _entry_lines(mapping, smaps)
+    if lines is None:
+        return None
+    return {flag for line in lines if line.startswith("VmFlags:") for flag in line.split()[1:]}
+
+
+def _entry_lines(mapping: mmap.mmap, smaps: Path) -> list[str] | None:
+    """The field lines of the smaps entries overlapping ``mapping``."""
     from kvctl.store.tiers.hostreg import buffer_address
 
     try:
@@ -114,8 +132,7 @@ def smaps_bytes(
     except (OSError, ValueError, BufferError):
         return None
     end = start + len(mapping)
-    wanted = {f"{name}:" for name in fields}
-    total_kib = 0
+    out: list[str] = []
     inside = False
     for line in text.splitlines():
         head = line.split(maxsplit=1)[0] if line.strip() else ""
@@ -125,9 +142,9 @@ def smaps_bytes(
                 inside = int(lo, 16) < end and int(hi, 16) > start
             except ValueError:
                 inside = False
-        elif inside and head in wanted:
-            total_kib += int(line.split()[1])
-    return total_kib << 10
+        elif inside and head:
+            out.append(line)
+    return out
 
 
 __all__ = [
@@ -138,4 +155,5 @@ __all__ = [
     "huge_bytes",
     "shmem_mode",
     "smaps_bytes",
+    "vm_flags",
 ]
