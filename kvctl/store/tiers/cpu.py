@@ -778,7 +778,9 @@ def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mm
     # mmap refuses length 0; a one-byte map stands in for an empty tier and is never used
     size = max(capacity_bytes, 1)
     if not shared:
-        return mmap.mmap(-1, size), -1
+        private = mmap.mmap(-1, size)  # shmem too (MAP_SHARED): huge pages as they fault in
+        hugepages.advise(private)
+        return private, -1
     # A client gets the arena as a read-only descriptor, but it can reopen it read-write
     # through /proc/self/fd: only seals stop it writing into other tenants' chunks or resizing
     # it under the agent. A resize makes a new sealed memfd (``_compact``), never resizes one.
