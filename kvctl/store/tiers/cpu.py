@@ -65,6 +65,9 @@ from kvctl.store.tiers.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 
+#: how long ``CpuTier.huge_page_bytes`` keeps what it read of one arena
+HUGE_PAGES_REREAD_SECONDS = 300.0
+
 
 class ArenaAllocator:
     """First-fit allocator over ``[0, size)`` with coalescing. Pure bookkeeping, no memory."""
@@ -219,6 +222,8 @@ class CpuTier(Tier):
         self._closed = False
         #: the resize being copied without the store's lock, if any
         self._plan: ResizePlan | None = None
+        #: (generation, until when, bytes) last read by ``huge_page_bytes``
+        self._huge_pages: tuple[int, float, int | None] | None = None
 
     # --- Tier interface -------------------------------------------------------------------
     @property
@@ -226,8 +231,19 @@ class CpuTier(Tier):
         return self._capacity_bytes
 
     def huge_page_bytes(self) -> int | None:
-        """Bytes of the arena this process maps with huge pages (None where unreadable)."""
-        return hugepages.huge_bytes(self._arena)
+        """Bytes of the arena this process maps with huge pages (None where unreadable): 0 at
+        once where the kernel gives shared memory none, else read from smaps at most every
+        ``HUGE_PAGES_REREAD_SECONDS`` per arena (the read walks every mapping's page tables,
+        holding the process's memory map: 150 ms for an 8 GiB arena on 4 KiB pages)."""
+        if hugepages.shmem_mode() in ("never", "deny"):
+            return 0
+        now_s = time.monotonic()
+        cached = self._huge_pages
+        if cached is not None and cached[0] == self.generation and now_s < cached[1]:
+            return cached[2]
+        huge = hugepages.huge_bytes(self._arena)
+        self._huge_pages = (self.generation, now_s + HUGE_PAGES_REREAD_SECONDS, huge)
+        return huge
 
     @property
     def used_bytes(self) -> int:
