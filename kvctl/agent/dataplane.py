@@ -973,8 +973,11 @@ def _check_segment(fd: int, size: int) -> None:
         raise FrameError(
             ErrorCode.BAD_REQUEST, f"staging segment holds {st.st_size} bytes, not {size}"
         )
-    if st.st_blksize > mmap.PAGESIZE:
-        raise FrameError(ErrorCode.BAD_REQUEST, "huge-page staging segments are not accepted")
+    # hugetlbfs answers statfs with its page size; tmpfs with the base page size even where its
+    # files take transparent huge pages (then their st_blksize is 2 MiB: not a refusal, or no
+    # segment would be mapped on a host with shmem_enabled = always)
+    if os.fstatvfs(fd).f_bsize > mmap.PAGESIZE:
+        raise FrameError(ErrorCode.BAD_REQUEST, "hugetlbfs staging segments are not accepted")
 
 
 def _store_error(exc: KvctlError) -> FrameError:

@@ -94,3 +94,23 @@ def test_an_unsafe_segment_is_refused(tmp_path: Path, make, declared: int, why: 
         os.close(fd)
     assert err.value.code == ErrorCode.BAD_REQUEST and not err.value.fatal
     assert why in err.value.message
+
+
+@linux_only
+def test_a_hugetlbfs_segment_is_refused() -> None:
+    """A hole punched in a hugetlbfs file faults with SIGBUS once no huge page is free: never
+    mapped. (A tmpfs file on transparent huge pages reports a 2 MiB st_blksize too, where the
+    kernel gives them to shared memory: that one is accepted, statfs telling the two apart.)"""
+    try:
+        # creating it takes no huge page: they come at the first fault
+        fd = os.memfd_create("t", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | os.MFD_HUGETLB)
+    except OSError as exc:
+        pytest.skip(f"no hugetlbfs memfd here: {exc}")
+    try:
+        os.ftruncate(fd, 4 << 20)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        with pytest.raises(FrameError) as err:
+            _check_segment(fd, 4 << 20)
+    finally:
+        os.close(fd)
+    assert err.value.code == ErrorCode.BAD_REQUEST and "hugetlbfs" in err.value.message
