@@ -963,8 +963,12 @@ def _memcpy_seconds(torch: Any, nbytes: int, repeats: int, *, cold: bool) -> flo
 
 
 def _mapped_huge_bytes(engine: Any) -> int | None:
-    """Bytes of ``engine``'s mapping of its agent's arena on huge pages (None: none mapped)."""
-    arena = engine.client.shared_arena() if engine.client is not None else None
+    """Bytes of ``engine``'s mapping of its agent's arena on huge pages (None: none mapped, or
+    the agent could not be asked: the run's figures are kept either way)."""
+    try:
+        arena = engine.client.shared_arena() if engine.client is not None else None
+    except Exception:  # AgentError, OSError: a footnote, not worth the run
+        return None
     return None if arena is None else hugepages.huge_bytes(arena)
 
 

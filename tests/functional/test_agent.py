@@ -87,6 +87,7 @@ def test_chunks_spill_to_disk_and_come_back_exact_through_shm(agent) -> None:  #
     assert stats["leases"] == 0  # every read lease was released
 
 
+@pytest.mark.skipif(not hugepages.THP_ROOT.exists(), reason="a kernel without THP")
 def test_a_clients_mappings_of_the_arena_and_of_its_staging_ask_for_huge_pages(agent) -> None:  # type: ignore[no-untyped-def]
     with agent.data("unix") as c:
         segments: list[object] = []

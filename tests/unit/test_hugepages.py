@@ -1,6 +1,6 @@
 """Huge pages under the shared arena (``kvctl.store.tiers.hugepages``): the kernel's mode read
-from sysfs files as Linux writes them, the commit that takes the huge-page path only under
-``advise``, and the bytes a mapping holds on huge pages as the kernel counts them (smaps)."""
+from sysfs files as Linux writes them, the commit that takes the huge-page path where the mode
+allows it, and the bytes a mapping holds on huge pages as the kernel counts them (smaps)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,8 @@ from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.hostreg import buffer_address
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="memfd and smaps")
+#: MADV_HUGEPAGE is refused (and marks nothing) by a kernel built without huge pages
+thp = pytest.mark.skipif(not hugepages.THP_ROOT.exists(), reason="a kernel without THP")
 MIB = 1 << 20
 
 
@@ -39,12 +41,13 @@ def _sysfs(root: Path, global_mode: str | None, per_size: str | None) -> Path:
     [
         ("never", None, "never"),  # a kernel before per-size settings (< 6.11)
         ("advise", "inherit", "advise"),
-        ("never", "advise", "advise"),  # the PMD size's own setting wins over the global one
-        ("always", "never", "never"),
+        # the per-size settings apply to anonymous shared mappings, not to a memfd (a file)
+        ("never", "advise", "never"),
+        ("always", "never", "always"),
         (None, None, None),  # no THP (or not Linux): N/A
     ],
 )
-def test_the_mode_is_the_pmd_sizes_own_unless_it_inherits(
+def test_the_mode_of_a_memfd_is_the_global_one(
     tmp_path: Path, global_mode: str | None, per_size: str | None, expected: str | None
 ) -> None:
     root = _sysfs(tmp_path / "thp", global_mode, per_size)
@@ -119,25 +122,38 @@ def test_this_processs_smaps_sees_a_touched_mapping() -> None:
         os.close(fd)
 
 
+def _fixed_mode(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """The kernel's mode as a host with ``mode`` reads it (only that sysfs read is replaced)."""
+    monkeypatch.setattr(hugepages, "shmem_mode", lambda root=hugepages.THP_ROOT: mode)
+
+
 @linux
-@pytest.mark.parametrize("mode", ["never", "deny", "always", "within_size"])
-def test_commit_outside_advise_allocates_the_file(mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "huge"), [("never", True), ("deny", True), ("advise", False), ("always", False)]
+)
+def test_commit_where_no_huge_page_is_wanted_allocates_the_file(
+    mode: str | None, huge: bool
+) -> None:
     fd, arena = _memfd(8 * MIB)
     try:
-        assert hugepages.commit(arena, fd, 8 * MIB, mode=mode) is False
+        assert hugepages.commit(arena, fd, 8 * MIB, mode=mode, huge=huge) is False
         assert os.fstat(fd).st_blocks * 512 >= 8 * MIB  # committed, not faulted in later
         assert hugepages.smaps_bytes(arena, "Rss") == 0  # and not through the mapping
+        assert "hg" not in (hugepages.vm_flags(arena) or set())
     finally:
         arena.close()
         os.close(fd)
 
 
 @linux
-def test_commit_under_advise_populates_through_the_mapping() -> None:
+@thp
+@pytest.mark.parametrize("mode", ["advise", "always", "within_size", "force"])
+def test_commit_where_huge_pages_are_allowed_populates_through_the_mapping(mode: str) -> None:
     fd, arena = _memfd(8 * MIB)
     try:
-        through_mapping = hugepages.commit(arena, fd, 8 * MIB, mode="advise")
+        through_mapping = hugepages.commit(arena, fd, 8 * MIB, mode=mode)
         assert os.fstat(fd).st_blocks * 512 >= 8 * MIB
+        assert "hg" in _vm_flags(arena)
         if through_mapping:  # Linux 5.14+: MADV_POPULATE_WRITE
             assert hugepages.smaps_bytes(arena, "Rss") == 8 * MIB
         arena[:4] = b"kvkv"  # the mapping is writable as before
@@ -148,13 +164,17 @@ def test_commit_under_advise_populates_through_the_mapping() -> None:
 
 
 @linux
-def test_the_cpu_tier_reports_its_arenas_huge_pages_as_the_kernel_allows() -> None:
-    tier = CpuTier(8 * MIB, shared=True)
+def test_the_cpu_tier_reports_its_arenas_huge_pages_as_this_kernel_allows() -> None:
+    tier = CpuTier(64 * MIB, shared=True)
     try:
         huge = tier.huge_page_bytes()
-        assert huge is not None and 0 <= huge <= 8 * MIB
-        if hugepages.shmem_mode() in ("never", "deny"):
+        mode = hugepages.shmem_mode()
+        if mode in ("never", "deny", None):
             assert huge == 0
+        elif mode == "advise":  # 32 huge pages: a host this short of them is not a test host
+            assert huge is not None and 0 < huge <= 64 * MIB
+        else:
+            assert huge is None or 0 <= huge <= 64 * MIB
     finally:
         tier.close()
 
@@ -165,32 +185,45 @@ def _vm_flags(mapping: mmap.mmap) -> set[str]:
     return flags
 
 
+def _resize_without_the_lock(tier: CpuTier, capacity_bytes: int) -> None:
+    """The store's usual resize: planned under its lock, copied without, finished under it."""
+    plan = tier.begin_resize(capacity_bytes)
+    assert plan is not None
+    tier.copy_resize(plan)
+    assert tier.finish_resize(plan)
+    tier.release_resize(plan)
+
+
 @linux
+@thp
 def test_an_arena_committed_under_advise_stores_resizes_and_stays_sealed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The path a host with ``shmem_enabled = advise`` takes, whatever this one's setting (the
-    mode is read from sysfs; only that read is replaced here)."""
-    monkeypatch.setattr(hugepages, "shmem_mode", lambda root=hugepages.THP_ROOT: "never")
+    """The path a host with ``shmem_enabled = advise`` takes, whatever this one's setting."""
+    _fixed_mode(monkeypatch, "never")
     plain = CpuTier(4 * MIB, shared=True)
     try:
         assert "hg" not in _vm_flags(plain.arena_mapping()[0])  # as made under never
+        assert plain.huge_page_bytes() == 0
     finally:
         plain.close()
-    monkeypatch.setattr(hugepages, "shmem_mode", lambda root=hugepages.THP_ROOT: "advise")
+    _fixed_mode(monkeypatch, "advise")
     tier = CpuTier(4 * MIB, shared=True)
     try:
         assert "hg" in _vm_flags(tier.arena_mapping()[0])  # marked for huge pages
         data = bytes(range(256)) * 4096
         tier.put(ChunkMeta(b"k" * 16, len(data)), data)
-        tier.resize(8 * MIB)  # a resize's new arena takes the same path
+        _resize_without_the_lock(tier, 8 * MIB)  # the usual resize: the same path
         assert tier.get(b"k" * 16) == data
         assert "hg" in _vm_flags(tier.arena_mapping()[0])
+        tier.resize(16 * MIB)  # under the store's lock: the quick way, small pages
+        assert tier.get(b"k" * 16) == data
+        assert "hg" not in _vm_flags(tier.arena_mapping()[0]) and tier.huge_page_bytes() == 0
         fd = tier.reader_fd()
         reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
         try:  # still sealed: reopened read-write, it cannot be mapped writable
             with pytest.raises(PermissionError):
-                mmap.mmap(reopened, 8 * MIB)
+                mmap.mmap(reopened, 16 * MIB)
         finally:
             os.close(reopened)
             os.close(fd)
@@ -199,11 +232,12 @@ def test_an_arena_committed_under_advise_stores_resizes_and_stays_sealed(
 
 
 @linux
-def test_the_tier_reads_smaps_once_per_arena_and_not_at_all_where_none_can_be_huge(
+@thp
+def test_the_tier_reads_smaps_once_per_arena_when_it_commits_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Reading smaps walks the whole process's page tables (150 ms for an 8 GiB arena on 4 KiB
-    pages), so /v1/info must not do it on every call."""
+    pages): once per arena, where it is committed through the mapping, never per /v1/info."""
     real = hugepages.huge_bytes
     reads: list[int] = []
 
@@ -212,14 +246,21 @@ def test_the_tier_reads_smaps_once_per_arena_and_not_at_all_where_none_can_be_hu
         return real(mapping, smaps)
 
     monkeypatch.setattr(hugepages, "huge_bytes", counted)
-    monkeypatch.setattr(hugepages, "shmem_mode", lambda root=hugepages.THP_ROOT: "never")
+    _fixed_mode(monkeypatch, "never")
+    small = CpuTier(4 * MIB, shared=True)
+    try:
+        assert small.huge_page_bytes() == 0 and reads == []  # never: nothing can be huge
+    finally:
+        small.close()
+    _fixed_mode(monkeypatch, "always")
     tier = CpuTier(4 * MIB, shared=True)
     try:
-        assert tier.huge_page_bytes() == 0 and reads == []  # never: nothing can be huge
-        monkeypatch.setattr(hugepages, "shmem_mode", lambda root=hugepages.THP_ROOT: "always")
+        assert reads == [4 * MIB]  # read as committed
         first = tier.huge_page_bytes()
-        assert tier.huge_page_bytes() == first and reads == [4 * MIB]  # kept
-        tier.resize(8 * MIB)  # a new arena: read again
+        assert first is not None and tier.huge_page_bytes() == first and reads == [4 * MIB]
+        _resize_without_the_lock(tier, 8 * MIB)  # a new arena: read again
         assert tier.huge_page_bytes() is not None and reads == [4 * MIB, 8 * MIB]
+        tier.resize(16 * MIB)  # fallocate under "always": huge or not, not mapped yet to tell
+        assert tier.huge_page_bytes() is None and reads == [4 * MIB, 8 * MIB]
     finally:
         tier.close()

@@ -65,9 +65,6 @@ from kvctl.store.tiers.prefault import Prefaulter
 
 log = logging.getLogger(__name__)
 
-#: how long ``CpuTier.huge_page_bytes`` keeps what it read of one arena
-HUGE_PAGES_REREAD_SECONDS = 300.0
-
 
 class ArenaAllocator:
     """First-fit allocator over ``[0, size)`` with coalescing. Pure bookkeeping, no memory."""
@@ -183,6 +180,8 @@ class ResizePlan:
     arena: mmap.mmap | None = None
     view: memoryview | None = None
     fd: int = -1
+    #: its bytes on huge pages as committed (``CpuTier.huge_page_bytes``)
+    huge_bytes: int | None = None
     #: why ``copy_resize`` could not map the new arena
     error: BaseException | None = None
     #: the arena the finished resize replaced, released by ``release_resize``
@@ -204,7 +203,9 @@ class CpuTier(Tier):
         #: given up, before it is unmapped (``on_arena_prepared``)
         self._prepared_hooks: list[Callable[[mmap.mmap, int, bool], None]] = []
         self._fd = -1
-        self._arena, self._fd = _new_arena(capacity_bytes, shared=shared, name=name)
+        self._arena, self._fd, self._huge_bytes = _new_arena(
+            capacity_bytes, shared=shared, name=name
+        )
         self._view = memoryview(self._arena)
         self._prefault = _prefaulter(self._arena, shared)
         self._alloc = ArenaAllocator(capacity_bytes)
@@ -222,8 +223,6 @@ class CpuTier(Tier):
         self._closed = False
         #: the resize being copied without the store's lock, if any
         self._plan: ResizePlan | None = None
-        #: (generation, until when, bytes) last read by ``huge_page_bytes``
-        self._huge_pages: tuple[int, float, int | None] | None = None
 
     # --- Tier interface -------------------------------------------------------------------
     @property
@@ -231,19 +230,12 @@ class CpuTier(Tier):
         return self._capacity_bytes
 
     def huge_page_bytes(self) -> int | None:
-        """Bytes of the arena this process maps with huge pages (None where unreadable): 0 at
-        once where the kernel gives shared memory none, else read from smaps at most every
-        ``HUGE_PAGES_REREAD_SECONDS`` per arena (the read walks every mapping's page tables,
-        holding the process's memory map: 150 ms for an 8 GiB arena on 4 KiB pages)."""
-        if hugepages.shmem_mode() in ("never", "deny"):
-            return 0
-        now_s = time.monotonic()
-        cached = self._huge_pages
-        if cached is not None and cached[0] == self.generation and now_s < cached[1]:
-            return cached[2]
-        huge = hugepages.huge_bytes(self._arena)
-        self._huge_pages = (self.generation, now_s + HUGE_PAGES_REREAD_SECONDS, huge)
-        return huge
+        """Bytes of the shared arena on huge pages as it was committed (None: a private arena,
+        whose pages come as chunks are written, or smaps unreadable). Read from smaps once, when
+        an arena is committed through the agent's mapping, which is then whole: a read walks
+        every mapping's page tables under the process's memory map (150 ms for an 8 GiB arena on
+        4 KiB pages), too dear for each /v1/info."""
+        return self._huge_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -410,7 +402,7 @@ class CpuTier(Tier):
             return
         try:
             with plan.lock:  # the plan owns it from here: release_resize unmaps it
-                plan.arena, plan.fd = made
+                plan.arena, plan.fd, plan.huge_bytes = made
                 plan.view = memoryview(made[0])
         except BaseException:
             if plan.arena is not made[0]:
@@ -466,7 +458,9 @@ class CpuTier(Tier):
         self._slots = new_slots
         end = max((off + n for off, n in new_slots.values()), default=0)
         # unmapping the old arena frees its pages (30 ms per 128 MiB here): after the lock
-        plan.retired = self._replace_arena(arena, view, fd, plan.capacity_bytes, end, keep=True)
+        plan.retired = self._replace_arena(
+            arena, view, fd, plan.capacity_bytes, end, keep=True, huge_bytes=plan.huge_bytes
+        )
         self._alloc = alloc
         self.compactions += 1
         return True
@@ -674,14 +668,18 @@ class CpuTier(Tier):
                 used.append((cursor, n))
                 cursor += n
         else:
-            arena, fd = _new_arena(capacity_bytes, shared=self.shared, name=self.name)
+            # under the store's lock: committed the quick way, on small pages (a resize made
+            # without the lock, the usual one, commits on huge pages where allowed)
+            arena, fd, huge = _new_arena(
+                capacity_bytes, shared=self.shared, name=self.name, huge=False
+            )
             view = memoryview(arena)
             cursor = 0
             for key, (off, n) in order:
                 copy_bytes(view[cursor : cursor + n], self._view[off : off + n])
                 self._slots[key] = (cursor, n)
                 cursor += n
-            self._replace_arena(arena, view, fd, capacity_bytes, cursor)
+            self._replace_arena(arena, view, fd, capacity_bytes, cursor, huge_bytes=huge)
             used = [(0, cursor)] if cursor else []
         self._alloc.rebuild(capacity_bytes, used)
         self.compactions += 1
@@ -695,12 +693,14 @@ class CpuTier(Tier):
         used_end: int,
         *,
         keep: bool = False,
+        huge_bytes: int | None = None,
     ) -> tuple[mmap.mmap, memoryview, int] | None:
         """``arena`` (holding every chunk at its place in ``_slots``, up to ``used_end``)
         becomes the tier's, a new generation; the old one is released (``keep``: returned,
         for the caller to release)."""
         old = (self._arena, self._view, self._fd)
         self._arena, self._view, self._fd = arena, view, fd
+        self._huge_bytes = huge_bytes
         if self._prefault is not None:
             self._prefault.stop()
         self._prefault = _prefaulter(arena, self.shared, used_end)
@@ -790,13 +790,17 @@ def _listen(hooks: list[_Hook], hook: _Hook) -> Callable[[], None]:
     return lambda: hooks.remove(hook) if hook in hooks else None
 
 
-def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mmap, int]:
+def _new_arena(
+    capacity_bytes: int, *, shared: bool, name: str, huge: bool = True
+) -> tuple[mmap.mmap, int, int | None]:
+    """(the mapping, the memfd or -1, its bytes on huge pages: ``CpuTier.huge_page_bytes``).
+    ``huge=False``: committed the quick way, on small pages (under the store's lock)."""
     # mmap refuses length 0; a one-byte map stands in for an empty tier and is never used
     size = max(capacity_bytes, 1)
     if not shared:
         private = mmap.mmap(-1, size)  # shmem too (MAP_SHARED): huge pages as they fault in
         hugepages.advise(private)
-        return private, -1
+        return private, -1, None
     # A client gets the arena as a read-only descriptor, but it can reopen it read-write
     # through /proc/self/fd: only seals stop it writing into other tenants' chunks or resizing
     # it under the agent. A resize makes a new sealed memfd (``_compact``), never resizes one.
@@ -808,15 +812,21 @@ def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mm
             # commit the pages now: a short shm/RAM budget is a clear error at start, not
             # SIGBUS on some later write; on huge pages where the kernel allows (hugepages)
             started_s = time.perf_counter()
-            if hugepages.commit(arena, fd, size):
+            mode = hugepages.shmem_mode()
+            if hugepages.commit(arena, fd, size, mode=mode, huge=huge):
+                # the mapping is whole now: what it maps on huge pages can be read once
+                huge_bytes = hugepages.huge_bytes(arena)
                 log.info(
-                    "tier %s: %d bytes committed through its mapping (shmem huge pages: "
-                    "advise) in %.2f s, %d on huge pages",
+                    "tier %s: %d bytes committed (shmem_enabled %s) in %.2f s, %s on huge pages",
                     name,
                     size,
+                    mode,
                     time.perf_counter() - started_s,
-                    hugepages.huge_bytes(arena) or 0,
+                    huge_bytes,
                 )
+            else:  # fallocate: small pages, but for modes huge without asking (not mapped yet:
+                # unknown)
+                huge_bytes = 0 if mode not in hugepages.HUGE_MODES or mode == "advise" else None
         except BaseException:
             arena.close()
             raise
@@ -831,7 +841,7 @@ def _new_arena(capacity_bytes: int, *, shared: bool, name: str) -> tuple[mmap.mm
                     f"memory off (shm = false, KVCTL_SHM=0) to serve chunks over the socket"
                 ) from exc
             raise
-        return arena, fd
+        return arena, fd, huge_bytes
     except OSError as exc:
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):

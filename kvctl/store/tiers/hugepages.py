@@ -8,10 +8,11 @@ runs: slower in every one; on huge pages it matched a copy out of process memory
 engine reads the arena at memory or link speed, so it pays that on every fetch.
 
 Under ``advise`` an arena gets huge pages only when its pages are faulted in through a mapping
-marked ``MADV_HUGEPAGE``: ``posix_fallocate`` (how the arena's memory is committed at start)
-allocates small ones. ``commit`` therefore commits through the mapping there
-(``MADV_POPULATE_WRITE``), and through ``posix_fallocate`` everywhere else (``always`` and
-``within_size`` give huge pages either way; ``never`` and ``deny`` none).
+marked ``MADV_HUGEPAGE``: ``posix_fallocate`` (how the arena's memory is committed otherwise)
+allocates small ones. ``commit`` therefore commits through the mapping, marked, wherever huge
+pages are allowed (``MADV_POPULATE_WRITE``: the agent's mapping is then whole at once, so what
+it maps on huge pages can be read at start), and through ``posix_fallocate`` under ``never``
+and ``deny``, or where the populate fails.
 """
 
 from __future__ import annotations
@@ -33,14 +34,10 @@ HUGE_MODES = ("always", "within_size", "advise", "force")
 
 
 def shmem_mode(root: Path = THP_ROOT) -> str | None:
-    """The kernel's huge-page mode for shared memory of the PMD size (2 MiB on x86-64): its own
-    setting where the kernel has per-size ones (Linux 6.11+) and it is not ``inherit``, else the
-    global one. None where it cannot be read (not Linux, no THP)."""
-    for path in (root / "hugepages-2048kB" / "shmem_enabled", root / "shmem_enabled"):
-        mode = _selected(path)
-        if mode is not None and mode != "inherit":
-            return mode
-    return None
+    """The kernel's huge-page mode for a memfd: the global ``shmem_enabled`` (the per-size ones
+    of Linux 6.11+, ``hugepages-*/shmem_enabled``, apply to anonymous shared mappings only, not
+    to tmpfs files such as a memfd). None where it cannot be read (not Linux, no THP)."""
+    return _selected(root / "shmem_enabled")
 
 
 def _selected(path: Path) -> str | None:
@@ -64,18 +61,22 @@ def advise(mapping: mmap.mmap) -> None:
             mapping.madvise(advice)
 
 
-def commit(mapping: mmap.mmap, fd: int, size_bytes: int, *, mode: str | None = None) -> bool:
+def commit(
+    mapping: mmap.mmap, fd: int, size_bytes: int, *, mode: str | None = None, huge: bool = True
+) -> bool:
     """Commit the memfd ``fd``'s first ``size_bytes`` (``mapping`` maps them writable): a short
     shm or RAM budget is then an OSError now (ENOSPC from ``posix_fallocate``), not a SIGBUS on
-    some later write. Under ``advise`` through ``mapping``, marked for huge pages, so that they
-    are huge; True when ``mapping`` was populated that way (its page tables are then built)."""
+    some later write. Through ``mapping``, marked for huge pages, so that they
+    are huge wherever the kernel allows them (``HUGE_MODES``; ``huge=False``: never, for a caller
+    that must be quick); True when ``mapping`` was populated that way (its page tables are then
+    built)."""
     mode = shmem_mode() if mode is None else mode
-    if mode == "advise":
+    if huge and mode in HUGE_MODES:
         advise(mapping)
         if _populate_write(mapping, size_bytes):
             return True
-    # never, deny (no huge pages), always, within_size (huge either way), or the populate
-    # failed (an old kernel, or not enough memory: fallocate then says which)
+    # never, deny (no huge pages), or the populate failed (an old kernel, or not enough
+    # memory: fallocate then says which)
     os.posix_fallocate(fd, 0, size_bytes)
     return False
 
