@@ -142,7 +142,9 @@ def test_agent_killed_and_restarted_mid_run(tmp_path: Path, sqlite_db: Engine) -
             target=collector.run, args=(stop,), kwargs={"on_cycle": lambda k, r: cycles.append(r)}
         )
         loop.start()
-        _wait(lambda: len(cycles) >= 3)
+        # n2's first reading is the baseline its increases count from: traffic before it is
+        # never recorded, and on a loaded machine the first cycles' scrapes can all time out
+        _wait(lambda: _scraped_up(sqlite_db, "n2"))
         _traffic(a2, 3, space=2)
         # the traffic recorded before the kill: counts no scrape read before a kill -9 are gone
         # with the process (waiting for cycles was not enough: on a loaded machine a scrape can
@@ -182,6 +184,11 @@ def test_agent_killed_and_restarted_mid_run(tmp_path: Path, sqlite_db: Engine) -
     all_rows = _rows(sqlite_db, CacheSample, node_id=n2, tier="all")
     assert sum(r["lookups"] for r in all_rows) == (3 + 1) + (4 + 1)
     assert sum(r["hits"] for r in all_rows) == 3 + 4
+
+
+def _scraped_up(engine: Engine, node: str) -> bool:
+    """Whether the database holds a reading of ``node`` up (its counters' baseline)."""
+    return any(r["up"] for r in _rows(engine, NodeSample, node_id=_node_id(engine, node)))
 
 
 def _lookups_recorded(engine: Engine, node: str) -> int:
