@@ -66,9 +66,9 @@ def commit(
 ) -> bool:
     """Commit the memfd ``fd``'s first ``size_bytes`` (``mapping`` maps them writable): a short
     shm or RAM budget is then an OSError now (ENOSPC from ``posix_fallocate``), not a SIGBUS on
-    some later write. Through ``mapping``, marked for huge pages, so that they
-    are huge wherever the kernel allows them (``HUGE_MODES``; ``huge=False``: never, for a caller
-    that must be quick); True when ``mapping`` was populated that way (its page tables are then
+    some later write. Wherever the kernel allows huge pages (``HUGE_MODES``) it commits through
+    ``mapping``, marked for them, so that they are huge; ``huge=False`` never does, for a caller
+    that must be quick. True when ``mapping`` was populated that way (its page tables are then
     built)."""
     mode = shmem_mode() if mode is None else mode
     if huge and mode in HUGE_MODES:
