@@ -27,8 +27,9 @@ def doctor_command(
     Checks that the database answers and its schema is current; that each
     agent in the inventory (or only --node/--dc) answers, accepts
     KVCTL_TOKEN, runs this kvctl version under its inventory name, keeps its
-    clock in step with this machine's, sees its GPUs and has free disk space;
-    and NVML and the database's disk here. Read-only. Exits 1 when a check
+    clock in step with this machine's, sees its GPUs, has free disk space and
+    keeps its shared arena on huge pages; and NVML and the database's disk
+    here. Read-only. Exits 1 when a check
     fails; warnings (e.g. no GPU on a laptop) do not.
 
     Examples:
