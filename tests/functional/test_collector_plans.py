@@ -48,7 +48,11 @@ def _lookup_through_pool(reader: Agent, keys: list[bytes]) -> None:
     wait_for("the reader to measure its link to the pool", link_costed(reader, "pool"))
     with reader.data() as d:
         res = d.lookup(keys, tenant="t2")
-    assert res.matched_chunks == len(keys) and set(res.locations) == {"remote"}
+    if res.matched_chunks != len(keys):  # failed once in CI, not reproduced: say why next time
+        stats = reader.control().stats()
+        why = {"fetch_plans": stats["fetch_plans"], "remote": stats.get("remote")}
+        raise AssertionError(f"{res}: the reader's plans and links: {why}")
+    assert set(res.locations) == {"remote"}
 
 
 def test_planned_lookups_land_as_saved_seconds_across_a_restart(
