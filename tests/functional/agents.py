@@ -1,8 +1,10 @@
 """Real agent processes for functional tests: started with `kvctl agent start` on loopback with
-ephemeral ports, stopped with SIGTERM (and the exit code checked)."""
+ephemeral ports, stopped with SIGTERM (and the exit code checked). One a failed test left
+running is killed when the test process exits."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import os
@@ -54,7 +56,22 @@ def start_agent(data_dir: Path, *args: str, token: str = "") -> Agent:
     if token:
         env["KVCTL_TOKEN"] = token
     proc, state = spawn_agent([*EPHEMERAL, *args], data_dir, env=env, detach=False)
+    _started.append(proc)
     return Agent(data_dir, proc, state, token, list(args))
+
+
+#: every agent process started here: a test that fails before stopping its agent would leave it
+#: running past the test run (found idle hours later, taking CPU from the next runs)
+_started: list[subprocess.Popen[bytes]] = []
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in _started:
+        if proc.poll() is None:
+            proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)
 
 
 @contextlib.contextmanager
