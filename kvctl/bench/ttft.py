@@ -976,8 +976,7 @@ def _huge_page_tensor(torch: Any, nbytes: int) -> Any:
     """A uint8 CPU tensor on huge pages where the kernel gives them to process memory that asks
     (transparent_hugepage/enabled: madvise or always): the memcpy's source, so that the bound
     is this host's best copy, not one slowed by 4 KiB pages that an arena on huge pages is not."""
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
-    hugepages.advise(region)
+    region = hugepages.anonymous_region(nbytes)
     with warnings.catch_warnings():  # frombuffer keeps ``region`` alive with the tensor
         warnings.simplefilter("ignore")
         return torch.frombuffer(region, dtype=torch.uint8)

@@ -813,9 +813,9 @@ def _new_arena(
             # SIGBUS on some later write; on huge pages where the kernel allows (hugepages)
             started_s = time.perf_counter()
             mode = hugepages.shmem_mode()
-            if hugepages.commit(arena, fd, size, mode=mode, huge=huge):
-                # the mapping is whole now: what it maps on huge pages can be read once
-                huge_bytes = hugepages.huge_bytes(arena)
+            populated = hugepages.commit(arena, fd, size, mode=mode, huge=huge)
+            huge_bytes = hugepages.committed_huge_bytes(arena, populated, mode)
+            if populated:
                 log.info(
                     "tier %s: %d bytes committed (shmem_enabled %s) in %.2f s, %s on huge pages",
                     name,
@@ -824,9 +824,6 @@ def _new_arena(
                     time.perf_counter() - started_s,
                     huge_bytes,
                 )
-            else:  # fallocate: small pages, but for modes huge without asking (not mapped yet:
-                # unknown)
-                huge_bytes = 0 if mode not in hugepages.HUGE_MODES or mode == "advise" else None
         except BaseException:
             arena.close()
             raise

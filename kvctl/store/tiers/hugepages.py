@@ -81,6 +81,24 @@ def commit(
     return False
 
 
+def committed_huge_bytes(mapping: mmap.mmap, populated: bool, mode: str | None) -> int | None:
+    """Bytes of an arena on huge pages once ``commit`` returned ``populated`` under ``mode``:
+    read from smaps where the mapping was populated (it is whole, so the figure is the arena's);
+    0 where ``posix_fallocate`` could only allocate small pages; None where it may have
+    allocated huge ones that no mapping shows yet (``always``, ``within_size``, ``force``)."""
+    if populated:
+        return huge_bytes(mapping)
+    return 0 if mode not in HUGE_MODES or mode == "advise" else None
+
+
+def anonymous_region(size_bytes: int) -> mmap.mmap:
+    """Anonymous memory of this process only (MAP_SHARED would be shmem), asking for huge pages:
+    its 2 MiB faults make fresh memory about as fast as memory used before."""
+    region = mmap.mmap(-1, size_bytes, flags=mmap.MAP_PRIVATE)
+    advise(region)
+    return region
+
+
 def _populate_write(mapping: mmap.mmap, size_bytes: int) -> bool:
     """``madvise(MADV_POPULATE_WRITE)`` over the mapping's first bytes, through ctypes so the
     GIL is free meanwhile (an arena of tens of GiB takes seconds to zero)."""
@@ -152,7 +170,9 @@ __all__ = [
     "HUGE_MODES",
     "SHMEM_SETTING",
     "advise",
+    "anonymous_region",
     "commit",
+    "committed_huge_bytes",
     "huge_bytes",
     "shmem_mode",
     "smaps_bytes",
