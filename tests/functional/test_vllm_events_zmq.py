@@ -112,11 +112,13 @@ def holders(index: EmbeddedIndex) -> list[list[str]]:
 
 def joined(pub: FakeVllmPublisher, sub: VllmEventSubscriber) -> None:
     """Wait until the subscription reached the publisher: a PUB socket drops what it sends
-    before then, so empty batches are sent until one arrives."""
+    before then, so empty batches are sent until one arrives. Counted from now: batches read
+    from the replay socket before (a catch-up) say nothing about the subscription."""
     wait_for(lambda: sub.status()["connected"], "the SUB socket to connect")
+    before = sub.status()["messages"]
 
     def arrived() -> bool:
-        if sub.status()["messages"] > 0:
+        if sub.status()["messages"] > before:
             return True
         pub.publish([])
         return False
