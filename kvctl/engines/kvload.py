@@ -167,6 +167,11 @@ class KVLoader:
         self._views: dict[int, torch.Tensor] = {}
         #: per-layer (keys, values) views of those, by (chunks allocated, chunks used)
         self._layer_views: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: a copy's target views in those, by (id of the view, first chunk, chunks): with the
+        #: CPU caches cold, as a request finds them, each view made costs tens of microseconds
+        self._targets: dict[tuple[int, int, int], torch.Tensor | None] = {}
+        #: the mapped arena's tensor and its view as the KV dtype (CPU), made once per mapping
+        self._arena_typed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         #: host buffer for chunks read over a socket, kept between requests (page-locked for a
         #: GPU: pinning is slow, and a fresh buffer's first touch would be timed as fetch)
         self._staging: torch.Tensor | None = None
@@ -198,6 +203,7 @@ class KVLoader:
             self._slab = torch.empty(numel, dtype=self.format.dtype, device=self.device)
             self._views.clear()
             self._layer_views.clear()
+            self._targets.clear()
         # kept per size: making a view costs tens of microseconds once the caches are cold
         view = self._views[chunks] = self._slab[:numel].view(shape)
         return view
@@ -246,6 +252,8 @@ class KVLoader:
             tensor = host_tensor(arena)
             unregister = self._register(tensor) if self.cuda else self._populate(arena)
             self._registered[id(arena)] = (arena, tensor, unregister)
+            if not self.cuda:
+                self._arena_typed = (tensor, _typed(tensor, self.format.dtype))
             return tensor
 
     def attach(self, client: DataClient) -> float | None:
@@ -291,7 +299,9 @@ class KVLoader:
         return prefault.stop
 
     def _forget(self, key: int) -> None:
-        _, _, unregister = self._registered.pop(key)
+        _, tensor, unregister = self._registered.pop(key)
+        if self._arena_typed is not None and self._arena_typed[0] is tensor:
+            self._arena_typed = None
         if unregister is not None:
             if self._stream is not None:
                 self._stream.synchronize()
@@ -408,23 +418,43 @@ class KVLoader:
         self, src: torch.Tensor, offsets: Sequence[int], dst: torch.Tensor, first_chunk: int
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[tuple[int, int, int]]]:
         """The runs of adjacent chunks at ``offsets`` (into ``dst`` from ``first_chunk``): as
-        (source, target) strided views where they can be made (CPU, ``_strided_views``), the
-        others as (start byte, chunk position, count) for the op-by-op copy (``_copy_whole``)."""
+        (source, target) strided views where they can be made (CPU: ``_source_view``,
+        ``_target_view``), the others as (start byte, chunk position, count) for the op-by-op
+        copy (``_copy_whole``)."""
         item = self.format.dtype.itemsize
-        typed = None if self.cuda else _typed(src, self.format.dtype)
+        typed = None if self.cuda else self._typed(src)
         views: list[tuple[torch.Tensor, torch.Tensor]] = []
         whole: list[tuple[int, int, int]] = []
         for first, count in runs(offsets, self.format.chunk_bytes, MAX_RUN_BYTES):
             start, at = offsets[first], first_chunk + first
-            made = None
-            if typed is not None:
-                aligned = start // item if start % item == 0 else -1
-                made = _strided_views(typed, aligned, dst, at, count, self.format)
-            if made is None:
+            source = target = None
+            if typed is not None and start % item == 0:
+                target = self._target(dst, at, count)
+                if target is not None:
+                    source = _source_view(typed, start // item, count, self.format)
+            if source is None or target is None:
                 whole.append((start, at, count))
             else:
-                views.append(made)
+                views.append((source, target))
         return views, whole
+
+    def _typed(self, src: torch.Tensor) -> torch.Tensor | None:
+        """``_typed(src)``, kept for the arena's tensor (the source of nearly every copy)."""
+        known = self._arena_typed
+        if known is not None and known[0] is src:
+            return known[1]
+        return _typed(src, self.format.dtype)
+
+    def _target(self, dst: torch.Tensor, at: int, count: int) -> torch.Tensor | None:
+        """``_target_view``, kept for the views of the reused buffer (``alloc(reuse=True)``),
+        which requests get again."""
+        key = (id(dst), at, count)
+        if key in self._targets:  # the id is that view's while ``_views`` holds it
+            return self._targets[key]
+        target = _target_view(dst, at, count, self.format)
+        if any(view is dst for view in self._views.values()):
+            self._targets[key] = target
+        return target
 
     def _copy_whole(
         self, src: torch.Tensor, start: int, dst: torch.Tensor, at: int, count: int
@@ -473,26 +503,18 @@ def _typed(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     return src.view(dtype)
 
 
-def _strided_views(
-    typed: torch.Tensor, start: int, dst: torch.Tensor, at: int, count: int, fmt: ChunkFormat
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(source, target) ``[layers, 2, kv_heads, count, T x head_dim]`` views of ``count``
-    chunks back to back from element ``start`` of ``typed`` and of their place in ``dst`` from
-    chunk ``at``, so a run is one copy between them (CPU): the views made op by op (slice, view,
-    unflatten, permute) made a 4-chunk run's load 0.08-0.1 ms slower (0.72-0.79 ms against
-    0.64-0.69, 4 MiB after a cache flush, on a 2-core VM). None where ``start`` is -1
-    (unaligned), the chunks run past ``typed``, or ``dst`` is not a KV buffer of this format
-    with room for them whose heads keep their tokens and dimensions back to back (the op-by-op
-    copy then raises or copies)."""
+def _target_view(dst: torch.Tensor, at: int, count: int, fmt: ChunkFormat) -> torch.Tensor | None:
+    """The ``[layers, 2, kv_heads, count, T x head_dim]`` view of ``count`` chunks' place in
+    ``dst`` from chunk ``at``, matching ``_source_view``'s, so a run is one strided copy (CPU):
+    the views made op by op (slice, view, unflatten, permute) made a 4-chunk run's load
+    0.08-0.1 ms slower (0.72-0.79 ms against 0.64-0.69, 4 MiB after a cache flush, on a 2-core
+    VM). None where ``dst`` is not a KV buffer of this format with room for them whose heads
+    keep their tokens and dimensions back to back (the op-by-op copy then raises or copies)."""
     lay = fmt.layout
     t = fmt.chunk_tokens
-    piece = t * lay.head_dim  # one head's part of one chunk, in elements
-    heads = 2 * lay.kv_heads * piece
     s = dst.stride()
     if (
-        start < 0
-        or at < 0
-        or start + count * lay.layers * heads > typed.numel()  # a strided view is not bounded
+        at < 0
         or dst.dim() != 6
         or tuple(dst.shape[:4]) != (lay.layers, 2, 1, lay.kv_heads)
         or dst.shape[4] < (at + count) * t
@@ -501,17 +523,29 @@ def _strided_views(
         or s[4] != lay.head_dim
     ):
         return None
-    source = typed.as_strided(
+    return dst.as_strided(
+        (lay.layers, 2, lay.kv_heads, count, t * lay.head_dim),
+        (s[0], s[1], s[3], t * s[4], 1),
+        dst.storage_offset() + at * t * s[4],
+    )
+
+
+def _source_view(
+    typed: torch.Tensor, start: int, count: int, fmt: ChunkFormat
+) -> torch.Tensor | None:
+    """The ``[layers, 2, kv_heads, count, T x head_dim]`` view of ``count`` chunks lying back
+    to back from element ``start`` of ``typed`` (the arena as the KV dtype); None where they
+    run past it (a strided view is not bounded)."""
+    lay = fmt.layout
+    piece = fmt.chunk_tokens * lay.head_dim  # one head's part of one chunk, in elements
+    heads = 2 * lay.kv_heads * piece
+    if start < 0 or start + count * lay.layers * heads > typed.numel():
+        return None
+    return typed.as_strided(
         (lay.layers, 2, lay.kv_heads, count, piece),
         (heads, lay.kv_heads * piece, piece, lay.layers * heads, 1),
         typed.storage_offset() + start,
     )
-    target = dst.as_strided(
-        (lay.layers, 2, lay.kv_heads, count, piece),
-        (s[0], s[1], s[3], t * s[4], 1),
-        dst.storage_offset() + at * t * s[4],
-    )
-    return source, target
 
 
 def read_chunks(

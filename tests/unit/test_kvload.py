@@ -127,6 +127,42 @@ def test_a_cpu_load_is_one_strided_copy_per_run(monkeypatch: pytest.MonkeyPatch)
         assert torch.equal(kv[layer], want)
 
 
+def test_views_kept_between_requests_copy_each_requests_own_chunks() -> None:
+    """The reused buffer's target views and the arena's typed view are kept between loads
+    (a cold request pays tens of microseconds per view made); a later load at other offsets,
+    into a grown buffer or out of a remapped arena, still lands its own bytes."""
+    chunks = _chunks(6, seed=8)
+    loader = KVLoader(FMT, torch.device("cpu"))
+    first = mmap.mmap(-1, 8 * SIZE)
+    arena = loader.arena_tensor(first)
+    for slot, chunk in enumerate(chunks):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk
+    kv = loader.alloc(3, reuse=True)
+    for slots in ([0, 1, 2], [3, 4, 5], [5, 0, 1]):
+        loader.load(arena, [s * SIZE for s in slots], kv)
+        for layer, want in enumerate(_reference([chunks[s] for s in slots])):
+            assert torch.equal(kv[layer], want)
+    assert loader._targets and all(key[0] == id(kv) for key in loader._targets)
+    fresh = loader.alloc(3)  # the caller's own buffer: its views are not kept
+    loader.load(arena, [0, SIZE, 2 * SIZE], fresh)
+    assert all(key[0] == id(kv) for key in loader._targets)
+    bigger = loader.alloc(6, reuse=True)  # the buffer grew: the old views go with it
+    assert not loader._targets
+    loader.load(arena, [s * SIZE for s in range(6)], bigger)
+    for layer, want in enumerate(_reference(chunks)):
+        assert torch.equal(bigger[layer], want)
+    second = mmap.mmap(-1, 8 * SIZE)  # a resized arena: a new mapping, its own typed view
+    moved = loader.arena_tensor(second)
+    assert loader._arena_typed is not None and loader._arena_typed[0] is moved
+    moved[: 2 * SIZE] = torch.cat(chunks[4:])
+    kv = loader.alloc(2, reuse=True)
+    loader.load(moved, [0, SIZE], kv)
+    for layer, want in enumerate(_reference(chunks[4:])):
+        assert torch.equal(kv[layer], want)
+    loader.close()
+    assert loader._arena_typed is None
+
+
 def test_a_source_that_starts_misaligned_is_copied_right() -> None:
     """Offsets aligned within a source slice that is not (a view one byte into a buffer): the
     bytes are copied, not viewed (the view used to raise)."""
