@@ -327,10 +327,14 @@ class KVLoader:
             # dst may reuse memory the caller's stream still reads: copy after that work
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         views, whole = self._split_runs(src, offsets, dst, first_chunk)
-        for source, target in views:
-            target.copy_(source)
-        for start, at, count in whole:
-            self._copy_whole(src, start, dst, at, count)
+        try:
+            for source, target in views:
+                target.copy_(source)
+            for start, at, count in whole:
+                self._copy_whole(src, start, dst, at, count)
+        except BaseException:
+            self.wait()  # what was queued reads src and writes dst: over before either goes
+            raise
 
     def load_timed(
         self,
@@ -365,37 +369,62 @@ class KVLoader:
         8B shape): the forward pass is queued after them, and its layers still wait on the
         link only while queueing is quicker than the link. On the CPU nothing is copied until
         ``ready`` asks for a layer."""
-        lay = self.format.layout
+        return self.load_layers_many([(src, offsets, dst)])[0]
+
+    def load_layers_many(
+        self, loads: Sequence[tuple[torch.Tensor, Sequence[int], torch.Tensor]]
+    ) -> list[LayerCopies]:
+        """``load_layers`` of several (src, offsets, dst) at once (a step's requests), queued
+        layer-major on CUDA: every load's layer ``l`` before any load's layer ``l + 1``, so the
+        first layer's attention waits for each request's first layer only, not for the whole
+        prefix of the requests queued before it (one side stream runs its copies in order).
+        Should queueing fail part way (a scratch buffer the device has no room for), what was
+        queued is waited for before the error is raised: it reads the sources and writes the
+        targets, which the caller then gives up."""
         if self._stream is None:
-            return LayerCopies(self._cpu_layer_steps(src, offsets, dst))
-        size = self.format.chunk_bytes
-        part = size // lay.layers  # one layer's K and V of one chunk, in bytes
-        t = self.format.chunk_tokens
-        n = len(offsets)
+            return [LayerCopies(self._cpu_layer_steps(*load)) for load in loads]
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        start = torch.cuda.Event(enable_timing=True)
-        events = []
+        starts = [torch.cuda.Event(enable_timing=True) for _ in loads]
+        events: list[list[Any]] = [[] for _ in loads]
+        try:
+            with torch.cuda.stream(self._stream):
+                for start in starts:
+                    start.record(self._stream)
+                for layer in range(self.format.layout.layers):
+                    for (src, offsets, dst), done in zip(loads, events, strict=True):
+                        self._queue_layer(src, offsets, dst, layer)
+                        event = torch.cuda.Event(enable_timing=True)
+                        event.record(self._stream)
+                        done.append(event)
+        except BaseException:
+            self.wait()
+            raise
+        return [
+            LayerCopies(events=done, stream=self._stream, start=start)
+            for start, done in zip(starts, events, strict=True)
+        ]
+
+    def _queue_layer(
+        self, src: torch.Tensor, offsets: Sequence[int], dst: torch.Tensor, layer: int
+    ) -> None:
+        """Queue layer ``layer`` of the chunks at ``offsets`` into ``dst`` on the side stream
+        (the caller has made it current): each chunk's part through a device scratch buffer
+        per group of chunks, then laid out on the device."""
+        lay = self.format.layout
+        part = self.format.chunk_bytes // lay.layers  # one layer's K and V of one chunk, bytes
+        t = self.format.chunk_tokens
         per = max(1, MAX_RUN_BYTES // part)  # chunks per device scratch buffer
-        with torch.cuda.stream(self._stream):
-            start.record(self._stream)
-            for layer in range(lay.layers):
-                for lo in range(0, n, per):
-                    group = offsets[lo : lo + per]
-                    k = len(group)
-                    landed = torch.empty(k * part, dtype=torch.uint8, device=self.device)
-                    for i, offset in enumerate(group):
-                        at = offset + layer * part
-                        landed[i * part : (i + 1) * part].copy_(
-                            src[at : at + part], non_blocking=True
-                        )
-                    # [k, 2, heads, T, dim] -> [2, heads, k, T, dim]
-                    shape = (k, 2, lay.kv_heads, t, lay.head_dim)
-                    target = dst[layer, :, 0, :, lo * t : (lo + k) * t, :].unflatten(2, (k, t))
-                    target.copy_(landed.view(self.format.dtype).view(shape).permute(1, 2, 0, 3, 4))
-                event = torch.cuda.Event(enable_timing=True)
-                event.record(self._stream)
-                events.append(event)
-        return LayerCopies(events=events, stream=self._stream, start=start)
+        for lo in range(0, len(offsets), per):
+            group = offsets[lo : lo + per]
+            k = len(group)
+            landed = torch.empty(k * part, dtype=torch.uint8, device=self.device)
+            for i, offset in enumerate(group):
+                at = offset + layer * part
+                landed[i * part : (i + 1) * part].copy_(src[at : at + part], non_blocking=True)
+            # [k, 2, heads, T, dim] -> [2, heads, k, T, dim]
+            shape = (k, 2, lay.kv_heads, t, lay.head_dim)
+            target = dst[layer, :, 0, :, lo * t : (lo + k) * t, :].unflatten(2, (k, t))
+            target.copy_(landed.view(self.format.dtype).view(shape).permute(1, 2, 0, 3, 4))
 
     def _cpu_layer_steps(
         self, src: torch.Tensor, offsets: Sequence[int], dst: torch.Tensor
@@ -462,8 +491,9 @@ class KVLoader:
         """``count`` chunks from byte ``start`` of ``src`` into ``dst`` at chunk ``at``, op by op
         (``_copy_run``)."""
         flat = src[start : start + count * self.format.chunk_bytes]
-        if flat.storage_offset() % self.format.dtype.itemsize:  # a view as the KV dtype needs
-            flat = flat.clone()  # aligned bytes
+        if not self.cuda and flat.storage_offset() % self.format.dtype.itemsize:
+            flat = flat.clone()  # a view as the KV dtype needs aligned bytes (CUDA views its
+            # own scratch copy on the device instead)
         self._copy_run(flat, dst, at, count)
 
     def _copy_run(self, flat: torch.Tensor, dst: torch.Tensor, at: int, count: int) -> None:
@@ -610,13 +640,33 @@ def queue_leased(
     otherwise (``copy_leased`` then). The leases must hold until ``done()``: ``held()`` then
     says how many leading chunks' did (fewer: what was read of the rest may be another
     chunk's bytes)."""
-    chunks = leases.chunks[:count]
-    if not count or leased_whole(chunks, loader.format.chunk_bytes) < count:
-        return None
-    arena = loader.arena_tensor(leases.arena)
-    copies = loader.load_layers(arena, [c.offset for c in chunks], kv)  # type: ignore[union-attr]
-    copies.leased = chunks  # type: ignore[assignment]
-    return copies
+    return queue_leased_many([(leases, count, kv)], loader)[0]
+
+
+def queue_leased_many(
+    loads: Sequence[tuple[ArenaLeases, int, torch.Tensor]], loader: KVLoader
+) -> list[LayerCopies | None]:
+    """``queue_leased`` of several (leases, count, kv) through one loader, their layers queued
+    together (``KVLoader.load_layers_many``): None for each one not leased whole."""
+    size = loader.format.chunk_bytes
+    whole: list[tuple[int, list[LeasedChunk]]] = []
+    for i, (leases, count, _kv) in enumerate(loads):
+        chunks = leases.chunks[:count]
+        if count and leased_whole(chunks, size) == count:
+            whole.append((i, chunks))  # type: ignore[arg-type]
+    out: list[LayerCopies | None] = [None] * len(loads)
+    if not whole:
+        return out
+    queued = loader.load_layers_many(
+        [
+            (loader.arena_tensor(loads[i][0].arena), [c.offset for c in chunks], loads[i][2])
+            for i, chunks in whole
+        ]
+    )
+    for (i, chunks), copies in zip(whole, queued, strict=True):
+        copies.leased = chunks
+        out[i] = copies
+    return out
 
 
 def pull_leased(

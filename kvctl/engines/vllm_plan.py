@@ -38,7 +38,7 @@ from kvctl.engines.kvload import (
     KVLoader,
     LayerCopies,
     leased_whole,
-    queue_leased,
+    queue_leased_many,
     read_chunks,
     release_pending,
 )
@@ -712,16 +712,28 @@ class WorkerPlan:
                 if leased_whole(leases.chunks, size) < len(spec.keys):
                     return False
                 leased.append((spec, leases))
-            for spec, leases in leased:
+            # the loads of each chunk size queued together, layer-major: the first layer's
+            # attention waits for every request's first layer, not for whole prefixes
+            by_loader: dict[int, tuple[KVLoader, list[int]]] = {}
+            for i, (spec, _) in enumerate(leased):
                 loader = self.loader(self.format(spec.chunk_tokens))
-                slots = paged.slots(spec.block_ids, spec.start_token, _loaded_end(spec))
-                kv = loader.alloc(len(spec.keys))
+                by_loader.setdefault(id(loader), (loader, []))[1].append(i)
+            made: dict[int, _QueuedLoad] = {}
+            for loader, group in by_loader.values():
+                kvs = [loader.alloc(len(leased[i][0].keys)) for i in group]
                 used.append(loader)
-                copies = queue_leased(leases, len(spec.keys), loader, kv)
-                if copies is None:  # not reached: every chunk was leased whole above
-                    return False
-                written = [False] * len(paged.layers)
-                queued.append(_QueuedLoad(spec, kv, copies, slots, written))
+                loads = [
+                    (leased[i][1], len(leased[i][0].keys), kv)
+                    for i, kv in zip(group, kvs, strict=True)
+                ]
+                for i, kv, copies in zip(group, kvs, queue_leased_many(loads, loader), strict=True):
+                    if copies is None:  # not reached: every chunk was leased whole above
+                        return False
+                    spec = leased[i][0]
+                    slots = paged.slots(spec.block_ids, spec.start_token, _loaded_end(spec))
+                    written = [False] * len(paged.layers)
+                    made[i] = _QueuedLoad(spec, kv, copies, slots, written)
+            queued = [made[i] for i in range(len(leased))]  # in the step's order
             ok = True
         except AgentError as exc:
             self.link.failed("read", exc)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import time
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from kvctl.client import ArenaLeases, LeasedChunk  # noqa: E402
 from kvctl.engines.kvformat import ChunkFormat  # noqa: E402
-from kvctl.engines.kvload import KVLoader, host_tensor, runs  # noqa: E402
+from kvctl.engines.kvload import KVLoader, host_tensor, queue_leased_many, runs  # noqa: E402
 from kvctl.store.keys import KVLayout  # noqa: E402
 from kvctl.store.tiers.prefault import Prefaulter  # noqa: E402
 
@@ -345,4 +347,112 @@ def test_cuda_load_from_a_registered_mapping_is_bit_exact() -> None:
     loader.wait()
     for layer, want in enumerate(_reference(chunks)):
         assert torch.equal(kv[layer].cpu(), want)
+    loader.close()
+
+
+def _leases(arena: mmap.mmap, slots: list[int | None]) -> ArenaLeases:
+    chunks = [
+        None if s is None else LeasedChunk(s * SIZE, SIZE, time.monotonic() + 60) for s in slots
+    ]
+    return ArenaLeases(arena, 1, chunks, frozenset(i for i, s in enumerate(slots) if s is None))
+
+
+def test_loads_queued_together_land_each_their_own_chunks() -> None:
+    """``queue_leased_many``: each load leased whole gets its layer copies (bit for bit what
+    ``load`` lays out); one with a chunk not leased gets None, the others are queued still."""
+    chunks = _chunks(6, seed=11)
+    arena = mmap.mmap(-1, 8 * SIZE)
+    for slot, chunk in enumerate(chunks):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk.numpy().tobytes()
+    loader = KVLoader(FMT, torch.device("cpu"))
+    wanted = [[4, 0], [1, 2, 3], [5, None]]
+    kvs = [loader.alloc(len(slots)) for slots in wanted]
+    loads = [(_leases(arena, slots), len(slots), kv) for slots, kv in zip(wanted, kvs, strict=True)]
+    copies = queue_leased_many(loads, loader)
+    assert copies[2] is None
+    for slots, kv, queued in zip(wanted[:2], kvs, copies, strict=False):
+        assert queued is not None and len(queued.leased) == len(slots)
+        queued.done()
+        assert queued.held() == len(slots)
+        for layer, want in enumerate(_reference([chunks[s] for s in slots])):  # type: ignore[index]
+            assert torch.equal(kv[layer], want)
+    loader.close()
+
+
+def _slow_cuda_loader(monkeypatch: pytest.MonkeyPatch, fail_at: int) -> KVLoader:
+    """A CUDA loader whose side stream is held behind ~1 s of device work on the caller's
+    stream (so queued copies are still pending when queueing fails) and whose ``fail_at``-th
+    queueing step raises, as a scratch buffer the device has no room for would."""
+    loader = KVLoader(FMT, torch.device("cuda"))
+    calls = [0]
+    for name in ("_queue_layer", "_copy_whole"):
+        real = getattr(loader, name)
+
+        def failing(*args: object, _real: object = real) -> None:
+            calls[0] += 1
+            if calls[0] == fail_at:
+                raise torch.OutOfMemoryError("no room for a scratch buffer (test)")
+            _real(*args)  # type: ignore[operator]
+
+        monkeypatch.setattr(loader, name, failing)
+    torch.cuda._sleep(2_000_000_000)  # on the current stream, which the side stream waits for
+    return loader
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("how", ["load", "load_layers"])
+def test_cuda_copies_queued_before_a_failure_are_over_when_it_is_raised(
+    monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The caller releases the leases and drops the buffer on an error: nothing queued may
+    still be reading or writing them then."""
+    slots = [0, 2, 4]  # three runs: the second one's queueing fails
+    chunks = _chunks(len(slots), seed=12)
+    arena = mmap.mmap(-1, 6 * SIZE)
+    for chunk, slot in zip(chunks, slots, strict=True):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk.numpy().tobytes()
+    loader = _slow_cuda_loader(monkeypatch, fail_at=2)
+    src = loader.arena_tensor(arena)
+    kv = loader.alloc(len(slots))
+    with pytest.raises(torch.OutOfMemoryError):
+        if how == "load":
+            loader.load(src, [s * SIZE for s in slots], kv)
+        else:
+            loader.load_layers(src, [s * SIZE for s in slots], kv)
+    assert loader._stream.query()  # every queued copy has ended
+    loader.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_loads_queued_together_are_layer_major_and_bit_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every load's layer l is queued before any load's layer l + 1 (one side stream runs in
+    order: the first attention layer must not wait for a whole earlier prefix)."""
+    chunks = _chunks(5, seed=13)
+    arena = mmap.mmap(-1, 6 * SIZE)
+    for slot, chunk in enumerate(chunks):
+        arena[slot * SIZE : (slot + 1) * SIZE] = chunk.numpy().tobytes()
+    loader = KVLoader(FMT, torch.device("cuda"))
+    order: list[tuple[int, int]] = []
+    real = loader._queue_layer
+
+    def logged(src: torch.Tensor, offsets: list[int], dst: torch.Tensor, layer: int) -> None:
+        order.append((layer, len(offsets)))
+        real(src, offsets, dst, layer)
+
+    monkeypatch.setattr(loader, "_queue_layer", logged)
+    src = loader.arena_tensor(arena)
+    wanted = [[3, 0], [1, 2, 4]]
+    kvs = [loader.alloc(len(s)) for s in wanted]
+    copies = loader.load_layers_many(
+        [(src, [s * SIZE for s in slots], kv) for slots, kv in zip(wanted, kvs, strict=True)]
+    )
+    layers = FMT.layout.layers
+    assert order == [(layer, n) for layer in range(layers) for n in (2, 3)]
+    for slots, kv, queued in zip(wanted, kvs, copies, strict=True):
+        for layer, want in enumerate(_reference([chunks[s] for s in slots])):
+            queued.ready(layer)
+            assert torch.equal(kv[layer].cpu(), want)
+        queued.done()
     loader.close()
