@@ -165,6 +165,18 @@ def test_a_refused_registration_leaves_the_mapping_free() -> None:
     # shared_maps closed rw: no export was left behind
 
 
+def test_a_device_without_read_only_registration_is_named_as_the_cause() -> None:
+    fake = FakeRegistrar()
+    fake.refuse = "cudaHostRegister failed: operation not supported (cudaError 801)"
+    refused = pytest.raises(HostRegistrationError, match="HostRegisterReadOnlySupported")
+    with shared_maps(PAGE) as (_rw, ro), refused:
+        register_host(ro, read_only=True, registrar=fake)
+    with shared_maps(PAGE) as (rw, _ro):  # a writable registration: no such hint
+        with pytest.raises(HostRegistrationError) as err:
+            register_host(rw, read_only=False, registrar=fake)
+        assert "ReadOnly" not in str(err.value)
+
+
 @without_cuda
 def test_without_cuda_registering_says_why() -> None:
     _ok, why = gpu_available()

@@ -63,6 +63,13 @@ HOST_REGISTER_PORTABLE = 0x01
 #: otherwise refuses to pin (it would pin for writing)
 HOST_REGISTER_READ_ONLY = 0x08
 _SUCCESS = 0
+#: cudaErrorNotSupported: what a read-only registration gets on a device without support for it
+_NOT_SUPPORTED = 801
+_READ_ONLY_HINT = (
+    "this device or driver cannot register read-only host memory "
+    "(cudaDevAttrHostRegisterReadOnlySupported is 0), so copies from the agent's shared arena "
+    "run unpinned and slower; a newer driver may support it"
+)
 
 
 class HostRegistrationError(StoreError):
@@ -177,7 +184,12 @@ class HostRegistration:
             self.read_only = read_only
             self.generation = generation
             flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
-            registrar.register(self.address, self.size_bytes, flags)
+            try:
+                registrar.register(self.address, self.size_bytes, flags)
+            except HostRegistrationError as exc:
+                if read_only and str(exc).endswith(f"(cudaError {_NOT_SUPPORTED})"):
+                    raise HostRegistrationError(f"{exc}: {_READ_ONLY_HINT}") from exc
+                raise
         except BaseException:
             view.release()
             raise
