@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -143,6 +144,12 @@ def top_command(
     if json_out:
         _print_once(source, interval, window)
         return
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # the full-screen view would write its escape codes into a pipe or file
+        fail(
+            "kvctl top needs a terminal (standard input and output are not one)",
+            hint="kvctl top --json prints the figures once, for scripts",
+        )
     from kvctl.tui.app import create_app
 
     with user_errors():

@@ -509,6 +509,8 @@ def test_top_refuses_bad_input_clearly(tmp_path: Path) -> None:
         (["top", "--agent", "ftp://x"], "not an agent URL"),
         (["top", "--agent", "http://127.0.0.1:1", "--dc", "fra"], "use one way"),
         (["top", "--db", url, "--json", "--window", "soon"], "not a duration"),
+        # the runner's standard streams are not a terminal: no escape codes into a pipe
+        (["top", "--agent", "http://127.0.0.1:1", "--readonly"], "needs a terminal"),
     ]
     for args, message in cases:
         out = runner.invoke(cli, args)
