@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast, overload
+from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
 
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 from kvctl.store.keys import KVLayout, Namespace
@@ -62,6 +62,9 @@ from kvctl.wire.protocol import (
 )
 from kvctl.wire.reports import AgentInfo, AgentStats, LinkProbe
 
+if TYPE_CHECKING:
+    import httpx
+
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
 #: replies' payloads are read into buffers the caller sized (or drained), never allocated whole,
 #: so only the metadata length needs the protocol's bound
@@ -87,6 +90,18 @@ class RequestError(AgentError):
     def __init__(self, message: str, code: int = 0) -> None:
         super().__init__(message)
         self.code = code
+
+
+class NotAnAgent(RequestError):
+    """Something answered at the address, but not as a kvctl agent's control API does: a web
+    page, an endpoint it does not have (``code`` 404: a wrong URL, or an agent too old for the
+    call), or no HTTP at all (:class:`NoHttpAnswer`)."""
+
+
+class NoHttpAnswer(NotAnAgent, AgentUnreachable):
+    """The address took the connection and closed it without an HTTP answer: another
+    protocol's port (an agent's data plane does this), or an agent that went away mid-request.
+    Either is possible, so it is both kinds."""
 
 
 class ChunkNotFound(AgentError, KeyError):
@@ -1089,6 +1104,7 @@ class AgentClient:
 
         self.url = url.rstrip("/")
         token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
+        self._token = bool(token)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # building the default TLS context costs ~20 ms of CPU per client: only https needs it
         # (fan-outs create one client per node; a plain-http agent never negotiates TLS)
@@ -1101,36 +1117,67 @@ class AgentClient:
     def _request(self, method: str, path: str, **kw: Any) -> Any:
         try:
             resp = self._http.request(method, path, **kw)
+        except self._httpx.RemoteProtocolError as exc:
+            # it took the connection and spoke no HTTP: an agent's data plane does that
+            raise NoHttpAnswer(
+                f"{self.url} closed the connection without an HTTP answer: is that an agent's "
+                "data-plane port? Its control API is on its --listen port (default 7070)"
+            ) from exc
         except self._httpx.TransportError as exc:
             raise AgentUnreachable(
                 f"cannot reach the agent at {self.url}: {exc}; is it running? "
                 "(`kvctl agent status` on that node)"
             ) from exc
         if resp.status_code == 401:
+            # the agent is up: what to fix is the token, not the agent
+            said = "needs a token and none was sent" if not self._token else "refused the token"
             raise AuthError(
-                f"the agent at {self.url} refused the token; set KVCTL_TOKEN to the agent's token"
+                f"the agent at {self.url} is up but {said}: set KVCTL_TOKEN to the agent's token"
             )
         if resp.status_code >= 400:
-            try:
-                detail = resp.json().get("detail", resp.text)
-            except ValueError:
-                detail = resp.text
-            if resp.status_code == 404:
-                raise ChunkNotFound(str(detail))
-            if resp.status_code == 409:
-                raise NoRoom(str(detail), resp.status_code)
-            raise RequestError(f"{resp.status_code}: {detail}", resp.status_code)
+            self._raise_for(resp, path)
         if resp.headers.get("content-type", "").startswith("application/json"):
             return resp.json()
         return resp.text
+
+    def _raise_for(self, resp: httpx.Response, path: str) -> NoReturn:
+        """The typed error of an HTTP error answer, in one line: an agent's own detail, a
+        validation error's fields, or what came back instead of an agent's answer."""
+        status = resp.status_code
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        detail = body.get("detail") if isinstance(body, dict) else None
+        if detail is None:  # a page or an empty answer: its first line, never the whole page
+            said = f"HTTP {status} from {self.url}{path} ({first_line(resp.text) or 'empty body'})"
+            if status >= 500:  # a proxy's or the server's own failure, agent or not
+                raise RequestError(said, status)
+            raise NotAnAgent(
+                f"{said}: not a kvctl agent's control API? Check the URL and port", status
+            )
+        if status == 404 and detail == "Not Found":  # the framework's: no such endpoint
+            raise NotAnAgent(
+                f"HTTP 404 from {self.url}{path}: no such endpoint; not a kvctl agent's control "
+                "API, or an agent older than this call",
+                status,
+            )
+        text = validation_text(detail) if isinstance(detail, list) else str(detail)
+        if status == 404:
+            raise ChunkNotFound(text)
+        if status == 409:
+            raise NoRoom(text, status)
+        raise RequestError(f"{status}: {text}", status)
 
     def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         """A control-API answer that must be a JSON object; anything else (an HTML page, a
         proxy's text) is not an agent's answer and raises instead of passing as one."""
         answer = self._request(method, path, **kw)
         if not isinstance(answer, dict):
-            raise RequestError(
-                f"{self.url}{path} did not answer with JSON: is a kvctl agent listening there?"
+            shown = first_line(answer) if isinstance(answer, str) else type(answer).__name__
+            raise NotAnAgent(
+                f"{self.url}{path} did not answer with JSON ({shown or 'empty body'}): is a "
+                "kvctl agent's control API listening there?"
             )
         return cast(dict[str, Any], answer)
 
@@ -1258,6 +1305,30 @@ class AgentClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: longest line of a foreign answer an error message quotes
+_QUOTED_CHARS = 80
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line of ``text``, cut to a message's length."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= _QUOTED_CHARS else line[:_QUOTED_CHARS] + "..."
+
+
+def validation_text(errors: list[Any]) -> str:
+    """A 422's error list as one line, "field: message; ...": the field's path without
+    "body", pydantic's "Value error, " prefix dropped."""
+    parts = []
+    for err in errors:
+        if not isinstance(err, dict):
+            parts.append(str(err))
+            continue
+        loc = [str(p) for p in err.get("loc") or () if p not in ("body", "query")]
+        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return "; ".join(parts) or "invalid request"
 
 
 def _get_sizes(reply: bytes) -> list[tuple[int, int]]:

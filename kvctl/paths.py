@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvctl.errors import InvalidArgument, KvctlError
+
 
 def default_state_dir() -> Path:
     """``$XDG_STATE_HOME/kvctl`` or ``~/.local/state/kvctl``."""
@@ -26,3 +28,51 @@ def write_atomic(path: Path, text: str, *, mode: int) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def read_text_file(path: Path, what: str = "") -> str:
+    """The UTF-8 text of a file a user named (``what`` says which, e.g. "the token file"); a
+    missing file, a directory, no permission or bytes that are not UTF-8 raise InvalidArgument
+    naming the file, so every command reports them the same way."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        bad = exc.object[exc.start : exc.start + 1].hex()
+        reason = f"not UTF-8 text (byte 0x{bad} at offset {exc.start})"
+    except FileNotFoundError:
+        reason = "no such file"
+    except IsADirectoryError:
+        reason = "it is a directory; give a file"
+    except PermissionError:
+        reason = "permission denied"
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+    raise InvalidArgument(f"cannot read {what + ' ' if what else ''}{path}: {reason}")
+
+
+class UnusableDirectory(KvctlError):
+    """A directory kvctl must create and write (an agent's data dir) is a file, cannot be
+    created, or is not writable by this user."""
+
+
+def make_private_dir(path: Path, what: str = "directory") -> None:
+    """Create ``path`` (and its parents) 0700 if missing; raise UnusableDirectory naming it and
+    what is wrong when it is not a directory this user can write."""
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError:  # exist_ok raises it only when path is not a directory
+        raise UnusableDirectory(
+            f"the {what} {path} exists and is not a directory; give a directory, or a path "
+            "to create"
+        ) from None
+    except NotADirectoryError:
+        raise UnusableDirectory(
+            f"cannot create the {what} {path}: a part of its path is a file, not a directory"
+        ) from None
+    except OSError as exc:
+        raise UnusableDirectory(f"cannot create the {what} {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UnusableDirectory(
+            f"the {what} {path} is not writable by this user; give one it owns, or fix its "
+            "owner or mode"
+        )

@@ -25,10 +25,21 @@ def tokenize(text: str, tokenizer: str = "simple") -> list[int]:
     raise InvalidArgument(f"unknown tokenizer {tokenizer!r}; choose from {', '.join(TOKENIZERS)}")
 
 
+#: token ids are hashed as uint32 (kvctl.store.keys); agents refuse any other id
+MAX_TOKEN_ID = 2**32 - 1
+
+
 def read_token_file(text: str) -> list[int]:
-    """Token ids separated by whitespace or commas (a JSON list also parses)."""
+    """Token ids separated by whitespace or commas (a JSON list also parses), each in
+    0..MAX_TOKEN_ID: one out of range is refused here, before any agent is asked."""
     cleaned = text.replace(",", " ").replace("[", " ").replace("]", " ").split()
     try:
-        return [int(t) for t in cleaned]
+        ids = [int(t) for t in cleaned]
     except ValueError as exc:
         raise InvalidArgument(f"token file must hold integers: {exc}") from None
+    for i, token in enumerate(ids):
+        if not 0 <= token <= MAX_TOKEN_ID:
+            raise InvalidArgument(
+                f"token #{i + 1} is {token}: token ids are 0..{MAX_TOKEN_ID} (unsigned 32-bit)"
+            )
+    return ids

@@ -1,8 +1,10 @@
-"""A web server that is not an agent: every GET or POST gets a small HTML page."""
+"""Servers that are not an agent: a web server answering every GET or POST with a small HTML
+page (or a status and body of the test's choosing), and a port that hangs up without a word."""
 
 from __future__ import annotations
 
 import http.server
+import socket
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,3 +36,51 @@ def web_page_url() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@contextmanager
+def answering_url(status: int, body: bytes, content_type: str = "text/html") -> Iterator[str]:
+    """The URL of a loopback web server that answers every GET or POST with ``status`` and
+    ``body``."""
+
+    class _Answer(_Html):
+        def _html(self) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _html
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@contextmanager
+def hang_up_url() -> Iterator[str]:
+    """The URL of a loopback port that accepts each connection and closes it without an answer,
+    as an agent's data plane does to an HTTP request."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            conn.recv(65536)
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        listener.close()

@@ -52,7 +52,7 @@ from kvctl.store.errors import (
 )
 from kvctl.store.keys import KEY_BYTES, keys_for
 from kvctl.units import parse_size
-from kvctl.wire.address import TcpAddress, parse_address
+from kvctl.wire.address import tcp_target_problem
 from kvctl.wire.protocol import MAX_PROBE_BYTES
 from kvctl.wire.reports import LinkProbe
 
@@ -238,7 +238,11 @@ class MoveRequest(_Request):
 
 class FlushRequest(_Request):
     tier: TierName = Field(description="tier to empty of unpinned chunks")
-    demote: bool = Field(False, description="demote to the next tier instead of dropping")
+    demote: bool = Field(
+        False,
+        description="demote to the next tier instead of dropping; 400 for the bottom tier "
+        "(nothing below it), which then keeps its chunks",
+    )
 
 
 class ResizeRequest(_Request):
@@ -334,12 +338,9 @@ class ProbeRequest(_Request):
     @field_validator("target")
     @classmethod
     def _tcp_address(cls, v: str) -> str:
-        try:
-            where = parse_address(v)
-        except ValueError:
-            where = None
-        if not isinstance(where, TcpAddress) or where.port == 0:
-            raise ValueError(f"target must be a data-plane TCP address HOST:PORT, got {v[:80]!r}")
+        problem = tcp_target_problem(v)  # the CLI checks with the same rule before asking
+        if problem:
+            raise ValueError(problem)
         return v
 
 
@@ -679,7 +680,11 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
 
     @app.post("/v1/flush", response_model=BulkResponse, tags=["tiers"], responses=_errors(*moving))
     def flush(body: FlushRequest) -> dict[str, int]:
-        """Empty a tier of unpinned chunks (dropped, or demoted with `demote`)."""
+        """Empty a tier of unpinned chunks (dropped, or demoted with `demote`).
+
+        400 with `demote` on the bottom tier: there is nowhere to demote to, and nothing is
+        dropped.
+        """
         return store.flush(_tier(body.tier), demote=body.demote).as_dict()
 
     @app.post(

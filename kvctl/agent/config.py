@@ -488,6 +488,11 @@ class _Setting:
     parse: Callable[[object, _Ctx], object]
     example: object
     env: str | None = None
+    #: the command-line flag, where it is not --KEY (a repeatable flag is named for one item)
+    flag: str | None = None
+
+    def flag_for(self, key: str) -> str:
+        return self.flag or "--" + key.replace("_", "-")
 
 
 _SETTINGS: tuple[_Setting, ...] = (
@@ -560,8 +565,8 @@ _SETTINGS: tuple[_Setting, ...] = (
         "pool_ttl_seconds", "pool_ttl_seconds", _non_negative_float, 3600, "KVCTL_POOL_TTL_SECONDS"
     ),
     _Setting("pool_write", "pool_write", _choice("pool write mode", POOL_WRITES), "through"),
-    _Setting("peers", "peers", _peers, ("fra-2=10.1.0.7:7071",), "KVCTL_PEERS"),
-    _Setting("links", "links", _links, ("pool:override=fetch,rtt_ms=2",), "KVCTL_LINKS"),
+    _Setting("peers", "peers", _peers, ("fra-2=10.1.0.7:7071",), "KVCTL_PEERS", "--peer"),
+    _Setting("links", "links", _links, ("pool:override=fetch,rtt_ms=2",), "KVCTL_LINKS", "--link"),
     _Setting(
         "prefill_tokens_per_second",
         "prefill_tokens_per_second",
@@ -619,7 +624,7 @@ def _example(setting: _Setting, kind: str, key: str) -> str:
     if kind == "env" and setting.env:
         return f"{setting.env}={_plain(value)}"
     if kind == "flag":
-        flag = "--" + key.replace("_", "-")
+        flag = setting.flag_for(key)
         if isinstance(value, bool):
             return flag if value else f"--no-{key.replace('_', '-')}"
         return f"{flag} {_plain(value)}"
@@ -751,10 +756,10 @@ def _flag_layer(flags: Mapping[str, object], env: Mapping[str, str]) -> Layer:
         if raw is None:
             continue
         key = name.removeprefix("--").replace("-", "_")
-        source = "flag:--" + key.replace("_", "-")
         setting = _BY_KEY.get(key)
         if setting is None:
-            raise _unknown_key(key, "flags", source)
+            raise _unknown_key(key, "flags", "flag:--" + key.replace("_", "-"))
+        source = "flag:" + setting.flag_for(key)
         if setting.field in ("isolated_tenants", "models", "peers", "links") and raw in ((), []):
             continue  # CLIs report a repeatable option that was not given as an empty list
         _put(layer, setting, ctx.kind, _parse(setting, key, raw, ctx, source), source)

@@ -29,7 +29,7 @@ from typing import IO, Any
 
 from kvctl import __version__
 from kvctl.agent.settings import AgentSettings, LinkSpec
-from kvctl.paths import write_atomic
+from kvctl.paths import make_private_dir, write_atomic
 from kvctl.wire.address import connect_host, url_host
 
 log = logging.getLogger("kvctl.agent")
@@ -41,7 +41,6 @@ SETTINGS_FILE = "agent-settings.toml"
 #: every file the agent writes is its owner's alone, whatever the umask and the directory's mode:
 #: the log names tenants and keys, chunks hold prompts' KV
 PRIVATE_FILE_MODE = 0o600
-PRIVATE_DIR_MODE = 0o700
 #: group's and others' permission bits
 SHARED_BITS = 0o077
 
@@ -113,7 +112,7 @@ def serve(settings: AgentSettings) -> int:
     from kvctl.agent.runtime import AgentRuntime
 
     data_dir = settings.data_path
-    data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    make_private_dir(data_dir, "data directory")
     warn_if_shared(data_dir)
     other = running_agent(data_dir)
     if other is not None and other.pid != os.getpid():
@@ -277,7 +276,7 @@ def spawn_with_settings(
     if timeout_s is None:
         timeout_s = start_timeout_seconds(settings)
     data_dir = settings.data_path
-    data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    make_private_dir(data_dir, "data directory")
     path = data_dir / SETTINGS_FILE
     write_private(path, settings_toml(settings))
     try:
@@ -349,7 +348,7 @@ def _spawn(
     env: dict[str, str] | None,
     detach: bool,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
-    data_dir.mkdir(parents=True, exist_ok=True, mode=PRIVATE_DIR_MODE)
+    make_private_dir(data_dir, "data directory")
     log_path = data_dir / LOG_FILE
     with open_private_log(log_path) as out:
         proc = subprocess.Popen(

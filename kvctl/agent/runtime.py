@@ -23,6 +23,7 @@ from kvctl.agent.events import EventHub
 from kvctl.agent.metrics import AgentMetrics
 from kvctl.agent.settings import AgentSettings, ModelSpec
 from kvctl.errors import InvalidArgument
+from kvctl.paths import make_private_dir
 from kvctl.remote.federation import FetchPlanner
 from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
 from kvctl.store.keys import Namespace
@@ -106,7 +107,7 @@ class AgentRuntime:
         """Build the tiers the settings ask for: gpu (when asked for and CUDA is here), cpu
         (shared memory when enabled), then disk."""
         data = settings.data_path
-        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        make_private_dir(data, "data directory")
         tiers: list[Tier] = []
         unavailable: list[UnavailableTier] = []
         gpu_tier: GpuTier | None = None

@@ -5,9 +5,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
+from rich.markup import escape
 
 from kvctl.agent.systemd import DEFAULT_CONFIG, DEFAULT_UNIT_DIR
 from kvctl.cli.options import JsonOpt, bundled
@@ -226,7 +227,12 @@ def start_command(
         _handed_over(settings_file) if settings_file else _load(config, **flags.as_flags()).settings
     )
     from kvctl.agent.daemon import AgentRunning, running_agent
+    from kvctl.paths import UnusableDirectory, make_private_dir
 
+    try:  # before anything is started or written: a bad --data-dir is the user's to fix
+        make_private_dir(settings.data_path, "data directory")
+    except UnusableDirectory as exc:
+        fail(str(exc), hint="give --data-dir a directory this user can write (or create)")
     other = running_agent(settings.data_path)
     if other is not None:
         fail(
@@ -300,12 +306,47 @@ def stop_command(
 
 def _target(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
     """This node's settings and the control URL to ask: ``url``, else the running agent's
-    (from its state file), else the configured one."""
+    (from its state file), else the configured one. A ``url`` that is not an agent URL is a
+    usage error (exit 2), checked as `kvctl fleet add-node` checks one."""
     from kvctl.agent.daemon import AgentState
 
+    if url is not None:
+        from kvctl.db.inventory import url_problem
+
+        problem = url_problem(url)
+        if problem:
+            fail(f"--url: {problem}", hint="the agent's control URL, as in `kvctl fleet ls`")
     settings = home.load().settings
     state = None if url else AgentState.read(settings.data_path)
     return settings, url or (state.control_url if state else settings.control_url)
+
+
+TOKEN_HINT = (
+    "the agent is running, so do not start another: set KVCTL_TOKEN to its token (or token in "
+    "[agent] of the config file, --config)"
+)
+
+
+def _failure(exc: Exception) -> tuple[str, str | None]:
+    """How a failed call to the agent reads: a label, and what to do next. An agent that
+    refused the token is up; something that is not an agent's control API is not down."""
+    from kvctl.client import AgentUnreachable, AuthError, NoHttpAnswer, NotAnAgent
+
+    control_url = "give --url the agent's control URL (its --listen, default 7070)"
+    if isinstance(exc, AuthError):
+        return "token refused", TOKEN_HINT
+    if isinstance(exc, NoHttpAnswer):  # first: it may also be an agent that went away
+        return "no HTTP answer", control_url
+    if isinstance(exc, NotAnAgent):
+        return "not an agent", control_url
+    if isinstance(exc, AgentUnreachable):
+        return "down", "start it with `kvctl agent start --detach`"
+    return "error", None
+
+
+def _agent_failed(exc: Exception) -> NoReturn:
+    label, hint = _failure(exc)
+    fail(f"{label}: {exc}" if label != "error" else str(exc), hint=hint, code=1)
 
 
 @agent_app.command("status")
@@ -316,7 +357,8 @@ def status_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Is the agent up, where does it listen, how full are its tiers, what is its hit ratio.
-    Exits 1 when the agent is down.
+    Exits 1 when the agent is down, is not an agent, or refuses the token (it is up then, and
+    says so).
 
     Examples:
 
@@ -324,22 +366,34 @@ def status_command(
 
       kvctl agent status --url http://10.0.3.7:7070 --json
     """
-    from kvctl.client import AgentClient, AgentError
+    from kvctl.client import AgentClient, AgentError, AuthError
 
     settings, target = _target(home, url)
-    report: dict[str, Any] = {"up": False, "control_url": target}
+    report: dict[str, Any] = {"up": False, "auth_refused": False, "control_url": target}
+    failure: AgentError | None = None
     try:
         with AgentClient(target, token=settings.token or None) as client:
             report["info"] = client.info()
             report["stats"] = client.stats()
             report["up"] = True
     except AgentError as exc:
+        failure = exc
         report["error"] = str(exc)
+        report["up"] = isinstance(exc, AuthError)  # it answered: up, though it cannot be read
+        report["auth_refused"] = report["up"]
     if json_out:
         print_json(report)
+    elif failure is not None:
+        state, hint = _failure(failure)
+        colour = "yellow" if report["up"] else "bold red"
+        err_console.print(
+            f"[{colour}]{state}[/]: {escape(str(failure))}"
+            + (f"\n[dim]hint: {escape(hint)}[/]" if hint else ""),
+            highlight=False,
+        )
     else:
         _render_status(report)
-    if not report["up"]:
+    if failure is not None:
         raise typer.Exit(1)
 
 
@@ -367,7 +421,7 @@ def remote_command(
         with AgentClient(target, token=settings.token or None) as client:
             report = client.remote()
     except AgentError as exc:
-        fail(str(exc), hint="start it with `kvctl agent start --detach`", code=1)
+        _agent_failed(exc)
     if json_out:
         print_json(report)
     else:
@@ -424,11 +478,15 @@ def probe_command(
     from kvctl.client import AgentClient, AgentError
     from kvctl.errors import InvalidArgument
     from kvctl.units import parse_size
+    from kvctl.wire.address import tcp_target_problem
 
     try:
         size_bytes = parse_size(size)
     except InvalidArgument as exc:
         fail(f"--bytes: {exc}")
+    problem = tcp_target_problem(target)
+    if problem:
+        fail(problem, hint="the target agent's --data-listen address, e.g. 10.1.0.7:7071")
     settings, control_url = _target(home, url)
     try:
         with AgentClient(control_url, token=settings.token or None) as client:
@@ -441,7 +499,7 @@ def probe_command(
                 name=target_name,
             )
     except AgentError as exc:
-        fail(str(exc), hint="start it with `kvctl agent start --detach`", code=1)
+        _agent_failed(exc)
     if json_out:
         print_json(dict(probe))
     else:
@@ -572,18 +630,10 @@ def _render_remote(report: dict[str, Any]) -> None:
 
 
 def _render_status(report: dict[str, Any]) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
     from kvctl.format import describe_policy, format_bytes, percent
 
-    if not report["up"]:
-        err_console.print(
-            f"[bold red]down[/]: {report.get('error')}\n"
-            "[dim]hint: start it with `kvctl agent start --detach`[/]",
-            highlight=False,
-        )
-        return
     info, snap = report["info"], report["stats"]
     stats = snap["stats"]
     uptime = time.time() - info["started_s"]
@@ -763,8 +813,6 @@ def install_command(
 
 
 def _render_install(report: InstallReport) -> None:
-    from rich.markup import escape
-
     for f in report.files:
         if report.dry_run:
             console.print(

@@ -165,7 +165,11 @@ def flush_command(
     *,
     tier: Annotated[str, typer.Option("--tier", "-t", help="Tier to empty of unpinned chunks.")],
     demote: Annotated[
-        bool, typer.Option(help="Demote to the next tier down instead of dropping.")
+        bool,
+        typer.Option(
+            help="Demote to the next tier down instead of dropping; refused for the bottom "
+            "tier (disk, or cpu where disk is off), which is then left as it is."
+        ),
     ] = False,
     targets: Targets,
     fanout: Fanout = Fanout(timeout=30.0),

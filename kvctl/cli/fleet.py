@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
-from kvctl.cli.options import DbOpt, JsonOpt, YesOpt, db_errors, open_engine
+from kvctl.cli.options import DbOpt, JsonOpt, YesOpt, db_errors, open_engine, read_option_file
 from kvctl.cli.output import confirm, console, err_console, fail, print_json
 
 if TYPE_CHECKING:
@@ -449,14 +449,11 @@ def import_command(
     from kvctl.db.inventory import InventoryError
     from kvctl.fleet.audit import record
 
+    text = read_option_file(file)
     try:
-        doc = ff.load(file.read_text(encoding="utf-8"), ff.format_for(file))
+        doc = ff.load(text, ff.format_for(file))
     except ff.FleetFileError as exc:
         fail(f"{file}: {exc}", hint="`kvctl fleet export` writes a file of the expected shape")
-    except FileNotFoundError:
-        fail(f"no such file: {file}")
-    except (OSError, UnicodeDecodeError) as exc:
-        fail(f"cannot read {file}: {getattr(exc, 'strerror', None) or exc}")
 
     def problems(exc: ff.FleetFileError) -> NoReturn:
         for problem in exc.problems:

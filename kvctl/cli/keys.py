@@ -7,8 +7,14 @@ from typing import Annotated
 
 import typer
 
+from kvctl.agent.settings import DEFAULT_MODELS
 from kvctl.cli.options import prompt_tokens
 from kvctl.cli.output import console, fail, print_json, user_errors
+from kvctl.store.keys import DEFAULT_CHUNK_TOKENS
+
+# an agent started without [[agent.models]] computes its keys for this model: the defaults here
+# match it, so `kvctl keys` and `kvctl lookup` agree on such a node
+_AGENT_MODEL = DEFAULT_MODELS[0]
 
 
 def keys_command(
@@ -17,20 +23,31 @@ def keys_command(
         pathlib.Path | None, typer.Option(help="File of token ids (whitespace or commas).")
     ] = None,
     tokenizer: Annotated[str, typer.Option(help="simple (words) or bytes (UTF-8).")] = "simple",
-    model: Annotated[str, typer.Option(help="Model id folded into the key root.")] = "demo",
-    layers: Annotated[int, typer.Option(help="KV layout: layers.")] = 32,
-    kv_heads: Annotated[int, typer.Option(help="KV layout: KV heads.")] = 8,
-    head_dim: Annotated[int, typer.Option(help="KV layout: head dimension.")] = 128,
-    dtype: Annotated[str, typer.Option(help="KV layout: dtype.")] = "bfloat16",
-    salt: Annotated[str, typer.Option(help="Tenant cache salt (isolated tenants).")] = "",
-    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk.")] = 256,
+    model: Annotated[
+        str, typer.Option(help="Model id folded into the key root (an agent's default model).")
+    ] = _AGENT_MODEL.id,
+    layers: Annotated[int, typer.Option(help="KV layout: layers.")] = _AGENT_MODEL.layers,
+    kv_heads: Annotated[int, typer.Option(help="KV layout: KV heads.")] = _AGENT_MODEL.kv_heads,
+    head_dim: Annotated[
+        int, typer.Option(help="KV layout: head dimension.")
+    ] = _AGENT_MODEL.head_dim,
+    dtype: Annotated[str, typer.Option(help="KV layout: dtype.")] = _AGENT_MODEL.dtype,
+    salt: Annotated[
+        str, typer.Option(help="Tenant cache salt: the tenant, for an agent's isolated tenants.")
+    ] = "",
+    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk.")] = DEFAULT_CHUNK_TOKENS,
     partial: Annotated[bool, typer.Option(help="Also key a partial last chunk.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
-    """Show the prefix-chained chunk keys of a token sequence.
+    """Show the prefix-chained chunk keys of a token sequence, computed here (no agent asked).
 
     Each key is a 128-bit digest of its parent key and its chunk's tokens; the root folds in the
     model id, the KV layout and the tenant salt, so keys only match for the same whole prefix.
+
+    The defaults are an agent's own defaults (its default model, layout and chunk size), so
+    the keys equal those `kvctl lookup --node NODE` shows for a node that keeps them. For a
+    node configured with another model, give its --model, layout and --chunk-tokens, or ask
+    the node itself: `kvctl lookup --node NODE --text ...` lists the keys it computes.
 
     Examples:
 

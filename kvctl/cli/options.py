@@ -91,6 +91,25 @@ TokenizerOpt = Annotated[
 ]
 
 
+def read_option_file(path: Path, what: str = "", *, stdin: bool = False) -> str:
+    """The text of a file an option names (``-`` is standard input where ``stdin``); a missing
+    file, a directory or text that is not UTF-8 exits 2 naming the file, never a traceback."""
+    from kvctl.errors import InvalidArgument
+    from kvctl.paths import read_text_file
+
+    try:
+        if stdin and str(path) == "-":
+            try:
+                return sys.stdin.read()
+            except UnicodeDecodeError:
+                raise InvalidArgument(
+                    f"cannot read {what or 'standard input'} from standard input: not UTF-8 text"
+                ) from None
+        return read_text_file(path, what)
+    except InvalidArgument as exc:
+        fail(str(exc))
+
+
 def prompt_tokens(text: str | None, tokens: Path | None, tokenizer: str) -> list[int] | None:
     """Token ids from --text or --tokens; None when neither is given, an error when both are."""
     from kvctl.tokenize import read_token_file, tokenize
@@ -100,8 +119,7 @@ def prompt_tokens(text: str | None, tokens: Path | None, tokenizer: str) -> list
     if text is not None:
         return tokenize(text, tokenizer)
     if tokens is not None:
-        raw = sys.stdin.read() if str(tokens) == "-" else tokens.read_text(encoding="utf-8")
-        return read_token_file(raw)
+        return read_token_file(read_option_file(tokens, "--tokens", stdin=True))
     return None
 
 
@@ -120,6 +138,13 @@ KeysFileOpt = Annotated[
     Path | None,
     typer.Option("--keys-file", help="File of chunk keys, one per line (- for stdin)."),
 ]
+#: where a user finds a prompt's keys: the node's own (its model, layout, chunk size and salt)
+#: or computed here for an agent's defaults
+KEYS_HINT = (
+    "`kvctl lookup --node NODE --text ...` shows the keys NODE computes for a prompt; "
+    "`kvctl keys --text ...` computes them here for an agent's default model (--model and the "
+    "layout options for another)"
+)
 ModelOpt = Annotated[
     str | None,
     typer.Option("--model", help="Model whose keys --text/--tokens make (default: the agent's)."),
@@ -158,22 +183,19 @@ class ChunkOptions:
 
 
 def _keys(key: list[str] | None, keys_file: Path | None) -> list[str]:
-    from kvctl.store.keys import KEY_BYTES
+    from kvctl.store.keys import KEY_BYTES, is_key_text
 
-    texts = list(key or [])
+    # whitespace around a key (a pasted one, a file's line) is dropped, as keys files always were
+    texts = [k.strip() for k in key or []]
     if keys_file is not None:
-        raw = sys.stdin.read() if str(keys_file) == "-" else keys_file.read_text(encoding="utf-8")
+        raw = read_option_file(keys_file, "--keys-file", stdin=True)
         texts += [ln.strip() for ln in raw.splitlines() if ln.strip() and not ln.startswith("#")]
     for i, k in enumerate(texts):
-        try:
-            ok = len(bytes.fromhex(k)) == KEY_BYTES
-        except ValueError:
-            ok = False
-        if not ok:
+        if not is_key_text(k):  # as strict as the agents: nothing but the 32 hex digits
             shown = k if len(k) <= 40 else k[:40] + "..."
             fail(
                 f"bad key #{i + 1} {shown!r}: keys are {KEY_BYTES * 2} hex characters",
-                hint="`kvctl keys --text ...` or `kvctl lookup` shows a prompt's keys",
+                hint=KEYS_HINT,
             )
     return texts
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.cli.extras import needs_extra
-from kvctl.cli.options import DbOpt, JsonOpt, bundled
+from kvctl.cli.options import DbOpt, JsonOpt, bundled, read_option_file
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 
 if TYPE_CHECKING:
@@ -55,10 +55,7 @@ def router_token(token_file: Path | None) -> str | None:
     """The router's token: the file's first line, else $KVCTL_ROUTER_TOKEN, else none."""
     if token_file is None:
         return os.environ.get(ROUTER_TOKEN_ENV) or None
-    try:
-        text = token_file.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        fail(f"cannot read the token file {token_file}: {exc.strerror}")
+    text = read_option_file(token_file, "the token file").strip()
     if not text:
         fail(f"the token file {token_file} is empty")
     return text.splitlines()[0].strip()
@@ -300,7 +297,7 @@ def _fleet_file(path: Path) -> tuple[dict[str, dict[str, Any]], Rows, Rows]:
 
     with user_errors(hint="`kvctl fleet export` writes a fleet file"):
         try:
-            doc = load(path.read_text(encoding="utf-8"), format_for(path))
+            doc = load(read_option_file(path, "the fleet file"), format_for(path))
         except FleetFileError as exc:
             fail(f"{path}: {exc}")
         problems = validate(doc)

@@ -122,13 +122,15 @@ def _render(status: FleetStatus) -> None:
     for col in ("node", "dc", "state", "hit ratio", "reuse / sharing", "occupancy", "last seen"):
         nodes.add_column(col, justify="right" if col == "hit ratio" else "left")
     for n in status.nodes:
+        read = n.up and not n.auth_refused  # figures only from an agent that let us read them
+        state = "[bold red]down[/]" if not n.up else "[green]up[/]"
         nodes.add_row(
             n.node,
             n.dc,
-            "[green]up[/]" if n.up else "[bold red]down[/]",
-            percent(n.counts.hit_ratio) if n.up else "N/A",
-            _split(n.counts) if n.up else "N/A",
-            _tiers(n.tiers) if n.up else "N/A",
+            "[yellow]up, token refused[/]" if n.auth_refused else state,
+            percent(n.counts.hit_ratio) if read else "N/A",
+            _split(n.counts) if read else "N/A",
+            _tiers(n.tiers) if read else "N/A",
             _ago(n.last_seen_ms, now_ms),
         )
     console.print(nodes)
@@ -142,9 +144,11 @@ def _render(status: FleetStatus) -> None:
             name, f"{d.up}/{d.nodes}", percent(c.hit_ratio), _split(c), _tiers(dict(d.tiers))
         )
     console.print(dcs)
-    down = [n for n in status.nodes if not n.up]
-    for n in down:
-        console.print(f"[red]{n.node}[/] down: {n.error}", highlight=False)
+    for n in status.nodes:
+        if n.auth_refused:
+            console.print(f"[yellow]{n.node}[/] {n.error}", highlight=False)
+        elif not n.up:
+            console.print(f"[red]{n.node}[/] down: {n.error}", highlight=False)
 
 
 def _occupancy(c: Counts) -> str:

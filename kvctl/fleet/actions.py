@@ -16,6 +16,9 @@ from kvctl.fleet.audit import record
 from kvctl.fleet.fanout import NodeResult, fan_out
 from kvctl.units import parse_size
 
+#: the bottom tier of every agent (kvctl.agent.runtime builds gpu, cpu, then disk): nothing is
+#: below it to demote to
+BOTTOM_TIER: Final = "disk"
 #: actions that name chunks; the others name a tier
 KEYED: Final = frozenset({"pin", "unpin", "evict", "prefetch", "move"})
 ACTIONS: Final = ("pin", "unpin", "evict", "flush", "prefetch", "move", "resize")
@@ -65,6 +68,12 @@ class ActionRequest:
             )
         if self.action in ("flush", "move", "resize") and not self.tier:
             raise InvalidArgument(f"{self.action} needs a tier")
+        if self.action == "flush" and self.demote and self.tier == BOTTOM_TIER:
+            # the agents refuse it too; refused here, no node is asked and none fails
+            raise InvalidArgument(
+                f"cannot demote the {BOTTOM_TIER} tier: it is every agent's bottom tier, "
+                "nothing is below it; flush without --demote to drop its chunks"
+            )
         if self.action == "resize":
             if self.size is None:
                 raise InvalidArgument("resize needs a size")

@@ -347,7 +347,8 @@ def classify_agent(
             Check(
                 row,
                 FAIL,
-                f"{url} refused the token: {probe.error}",
+                # the client's error names the URL and says the agent is up but refused
+                probe.error or f"{url} is up but refused the token",
                 f"set KVCTL_TOKEN to the token of {name}'s agent (its KVCTL_TOKEN, or token in "
                 "[agent] of its agent.toml)",
             )

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvctl.client import AgentClient, AgentError
+from kvctl.client import AgentClient, AgentError, AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import KvctlError
 
@@ -27,6 +27,8 @@ class NodeResult(Generic[T]):
     value: T | None
     error: str | None
     elapsed_s: float
+    #: the agent answered, so it is up, but refused the token (or needed one): not down
+    auth_refused: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -66,7 +68,8 @@ def fan_out(
         try:
             value = call(client)
         except Exception as exc:  # down, refused, or not an agent at all (HTML, bad JSON)
-            return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0)
+            refused = isinstance(exc, AuthError)
+            return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0, refused)
         finally:
             if clients is None:
                 client.close()

@@ -44,6 +44,8 @@ class NodeStatus:
     agent_url: str
     up: bool
     error: str | None = None
+    #: up, but it refused the token (or needed one): its figures could not be read
+    auth_refused: bool = False
     counts: HitCounts = field(default_factory=HitCounts)
     tiers: dict[str, TierUse] = field(default_factory=dict)
     uptime_s: float | None = None
@@ -56,6 +58,7 @@ class NodeStatus:
             "dc": self.dc,
             "agent_url": self.agent_url,
             "up": self.up,
+            "auth_refused": self.auth_refused,
             "error": self.error,
             **self.counts.hit_figures(),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
@@ -154,7 +157,8 @@ def fleet_status(
     clock: Callable[[], float] = time.time,
 ) -> FleetStatus:
     """Ask every node's agent at once; a node that does not answer, or whose answer is not an
-    agent's stats, is down, never an error."""
+    agent's stats, is down, never an error. One that refuses the token is up (``auth_refused``),
+    without figures: it answered, and starting it again would not help."""
     results = fan_out(
         nodes, lambda c: c.stats(), token=token, timeout_s=timeout_s, on_result=on_result
     )
@@ -162,6 +166,17 @@ def fleet_status(
     answered: dict[int, NodeStatus] = {}
     errors: dict[int, str | None] = {}
     for r in results:
+        if r.auth_refused:  # it answered: up, with no figures to show
+            answered[r.node.id] = NodeStatus(
+                r.node.name,
+                r.node.dc,
+                r.node.agent_url,
+                True,
+                r.error,
+                auth_refused=True,
+                last_seen_ms=now_ms,
+            )
+            continue
         if not r.ok or r.value is None:
             errors[r.node.id] = r.error
             continue

@@ -9,6 +9,7 @@ engines that blend non-prefix chunks.
 from __future__ import annotations
 
 import hashlib
+import string
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -132,6 +133,12 @@ def position_independent_key(chunk_tokens: Sequence[int], namespace: Namespace) 
     h = hashlib.blake2b(namespace.root, digest_size=KEY_BYTES, person=b"kvctl-pi")
     h.update(_pack_tokens(chunk_tokens))
     return h.digest()
+
+
+def is_key_text(text: str) -> bool:
+    """Whether ``text`` is a key as the control API takes it: exactly 32 hex digits
+    (``bytes.fromhex`` alone would also take spaces around and between them)."""
+    return len(text) == KEY_BYTES * 2 and all(c in string.hexdigits for c in text)
 
 
 def parse_key(text: str) -> ChunkKey:

@@ -1056,9 +1056,17 @@ class TieredStore:
 
     def flush(self, tier: str, *, demote: bool = False) -> BulkResult:
         """Empty a tier of unpinned chunks (dropped, or demoted when ``demote``: from a cpu
-        tier to disk, written without the lock). Chunks put there meanwhile may stay."""
+        tier to disk, written without the lock). Chunks put there meanwhile may stay.
+        ``demote`` of the bottom tier raises InvalidArgument: there is nowhere to demote to."""
         with self._lock:
             name = self.tier(tier).name
+            if demote and self._tier_index[name] == len(self._tiers) - 1:
+                # demoting from the bottom tier would drop every chunk: refuse, drop nothing
+                raise InvalidArgument(
+                    f"cannot demote the {name} tier's chunks: no tier is below it (this "
+                    f"store's tiers, top down: {', '.join(self._tier_index)}); nothing was "
+                    "flushed. Flush without demote to drop them"
+                )
             found = [e for e in self._index.values() if e.tier == name]
         done = pinned = 0
         for e in found:

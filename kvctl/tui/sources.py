@@ -55,7 +55,7 @@ class Details:
 def fetch_details(pool: ClientPool, node: NodeInfo, cursor: int | None) -> Details:
     """Ask ``node``'s agent for its detail over the pool's kept-open client; a failure is a
     :class:`Details` with ``error``."""
-    from kvctl.client import ChunkNotFound
+    from kvctl.client import NotAnAgent
 
     try:
         c = pool.get(node.agent_url)
@@ -69,7 +69,10 @@ def fetch_details(pool: ClientPool, node: NodeInfo, cursor: int | None) -> Detai
             top = c.top_keys(limit=TOP_CHUNKS)["items"]
             pinned = c.top_keys(limit=PINNED_CHUNKS, pinned=True)["items"]
             error = None
-        except ChunkNotFound:  # an agent from before /v1/keys/top
+        except NotAnAgent as exc:
+            if exc.code != 404:
+                raise
+            # it answered the events above: an agent from before /v1/keys/top
             top = pinned = None
             error = "this agent does not list hot chunks (upgrade it)"
     except Exception as exc:

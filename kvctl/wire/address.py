@@ -64,6 +64,18 @@ def parse_address(address: str | os.PathLike[str]) -> DataAddress:
     return TcpAddress(host.strip("[]") or _DEFAULT_HOST, _port(port_text, text))
 
 
+def tcp_target_problem(text: str) -> str | None:
+    """Why ``text`` is not a data-plane TCP address another agent can be probed at
+    (``HOST:PORT``, port 1..65535), or None when it is one."""
+    try:
+        where = parse_address(text)
+    except ValueError:
+        where = None
+    if not isinstance(where, TcpAddress) or where.port == 0:
+        return f"target must be a data-plane TCP address HOST:PORT, got {text[:80]!r}"
+    return None
+
+
 def _port(port_text: str, text: str) -> int:
     if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
         raise ValueError(f"bad port in {text!r}: expected HOST:PORT with PORT in 0..65535")

@@ -163,13 +163,16 @@ def test_malformed_trace_names_the_line(tmp_path: Path) -> None:
 
 
 def test_keys_json_matches_the_library() -> None:
-    from kvctl.store.keys import KVLayout, Namespace, keys_for
+    from kvctl.agent.settings import DEFAULT_MODELS
+    from kvctl.store.keys import Namespace, keys_for
     from kvctl.tokenize import tokenize
 
     code, out = run("keys", "--text", "a b c d e f g h i", "--chunk-tokens", "4", "--json")
     assert code == 0
     data = json.loads(out)
-    expected = keys_for(tokenize("a b c d e f g h i"), Namespace("demo", KVLayout(32, 8, 128)), 4)
+    # by default, the keys an agent started without a model setting computes
+    model = DEFAULT_MODELS[0]
+    expected = keys_for(tokenize("a b c d e f g h i"), Namespace(model.id, model.layout), 4)
     assert [c["key"] for c in data["chunks"]] == [k.hex() for k in expected]
     assert data["kv_bytes_per_token"] == 131_072
 

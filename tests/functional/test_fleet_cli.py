@@ -340,6 +340,17 @@ def test_an_invalid_file_lists_its_problems_and_writes_nothing(
     missing = fleet(url, "import", str(tmp_path / "nope.toml"), code=2)
     assert "no such file" in flat(missing.output)
 
+    # the one reader every file option uses: a directory, bytes that are not UTF-8
+    def unwrapped(text: str) -> str:  # long paths wrap at any character
+        return "".join(text.split())
+
+    folder = unwrapped(fleet(url, "import", str(tmp_path), code=2).output)
+    assert unwrapped(f"cannot read {tmp_path}: it is a directory") in folder
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"name = '\xff'\n")
+    said = unwrapped(fleet(url, "import", str(binary), code=2).output)
+    assert unwrapped(f"cannot read {binary}: not UTF-8") in said
+
 
 @pytest.mark.parametrize("fmt", ["toml", "yaml"])
 def test_export_import_export_round_trips(url: str, tmp_path: Path, fmt: str) -> None:

@@ -23,7 +23,7 @@ from kvctl.db.models import Audit, raw_table
 from kvctl.fleet.audit import recent
 from kvctl.tokenize import tokenize
 from tests.functional.agents import Agent, closed_port, running_agent
-from tests.not_an_agent import web_page_url
+from tests.not_an_agent import answering_url, web_page_url
 
 runner = CliRunner()
 CHUNK_BYTES = 4096
@@ -250,6 +250,10 @@ def test_tier_actions_move_prefetch_flush_resize(fleet: str, db: Engine, agents:
         (["evict", "-n", "nope", "--key", "00" * 16], "no node named 'nope'"),
         (["evict", "--dc", "nowhere", "--key", "00" * 16], "no DC named 'nowhere'"),
         (["lookup", "-n", "gpu-a"], "give the prompt"),
+        # bytes.fromhex takes spaces between digits; the agents do not
+        (["evict", "-n", "gpu-a", "--key", "7e " * 15 + "7e"], "32 hex characters"),
+        # disk is every agent's bottom tier: --demote would drop what it promises to keep
+        (["flush", "-n", "gpu-a", "--tier", "disk", "--demote"], "nothing is below it"),
     ],
 )
 def test_bad_input_is_refused_before_any_agent_is_asked(
@@ -257,7 +261,8 @@ def test_bad_input_is_refused_before_any_agent_is_asked(
 ) -> None:
     out = _run(*args, "--db", fleet)
     assert out.exit_code == 2, out.output
-    assert message in out.output and "Traceback" not in out.output
+    said = " ".join(out.output.split())  # rich wraps at the terminal's width
+    assert message in said and "Traceback" not in said
     with db.connect() as conn:
         assert conn.execute(select(func.count()).select_from(Audit)).scalar() == 0
 
@@ -315,3 +320,107 @@ def test_a_node_that_is_not_an_agent_is_that_nodes_failure(
         doc = json.loads(out.stdout)
         assert doc["failed"] == ["web"]
         assert {r.target: r.ok for r in _audit(db)} == {"web": False, "gpu-a": True}
+
+
+@pytest.mark.parametrize(
+    ("option", "content", "message"),
+    [
+        (["evict", "--keys-file"], None, "cannot read --keys-file {path}: it is a directory"),
+        (["pin", "--tokens"], None, "cannot read --tokens {path}: it is a directory"),
+        (["lookup", "--tokens"], None, "cannot read --tokens {path}: it is a directory"),
+        (["pin", "--tokens"], b"12 \xff 7", "cannot read --tokens {path}: not UTF-8 text"),
+        (["evict", "--keys-file"], b"\xfe\xff", "cannot read --keys-file {path}: not UTF-8"),
+        # an agent answers a negative id with a 422, and the action was a node's failure
+        (["pin", "--tokens"], b"1 2 -5", "token #3 is -5: token ids are 0..4294967295"),
+    ],
+)
+def test_unreadable_files_and_bad_token_ids_are_refused_before_any_agent_is_asked(
+    fleet: str, db: Engine, tmp_path: Any, option: list[str], content: bytes | None, message: str
+) -> None:
+    path = tmp_path / "given"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    command, flag = option
+    out = _run(command, "--db", fleet, "-n", "gpu-a", flag, str(path))
+    assert out.exit_code == 2, out.output
+    said = "".join(out.output.split())  # long paths wrap at any character
+    assert "".join(message.format(path=path).split()) in said and "Traceback" not in said
+    with db.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(Audit)).scalar() == 0
+
+
+def test_a_key_with_whitespace_around_it_is_taken(fleet: str, agents: Any) -> None:
+    a, _ = agents
+    keys = _store(a, PROMPT + " spaced")
+    out = _run("evict", "--db", fleet, "-n", "gpu-a", "--key", f" {keys[0].hex()}\t", "--json")
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["nodes"][0]["result"]["done"] == 1
+    assert a.control().lookup(keys=keys, count=False)["chunks"][0]["tier"] is None
+
+
+def test_flush_demote_with_nothing_below_is_refused_by_the_agent_and_drops_nothing(
+    fleet: str, db: Engine, tmp_path: Any
+) -> None:
+    # cpu is the bottom tier of an agent whose disk is off: only the agent knows that
+    with running_agent(tmp_path / "c", "--name", "gpu-c", "--cpu", "8MiB", "--disk", "0") as c:
+        with db.begin() as conn:
+            add_node(conn, "gpu-c", dc="fra", agent_url=c.state.control_url)
+        keys = _store(c, PROMPT + " bottom")
+        out = _run("flush", "--db", fleet, "-n", "gpu-c", "--tier", "cpu", "--demote")
+        assert out.exit_code == 1
+        said = " ".join(out.output.split())
+        assert "cannot demote the cpu tier's chunks: no tier is below it" in said
+        assert [ch["tier"] for ch in c.control().lookup(keys=keys, count=False)["chunks"]] == [
+            "cpu",
+            "cpu",
+        ]
+        assert c.control().stats()["stats"]["tiers"]["cpu"]["evictions"].get("flush", 0) == 0
+    assert not _audit(db)[0].ok
+
+
+def test_status_shows_an_agent_that_refuses_the_token_as_up(
+    fleet: str, db: Engine, tmp_path: Any
+) -> None:
+    with running_agent(tmp_path / "t", "--cpu", "8MiB", "--disk", "0", token="t0k") as t:
+        with db.begin() as conn:
+            add_node(conn, "gpu-t", dc="ams", agent_url=t.state.control_url)
+        env = {"KVCTL_TOKEN": None}
+        out = runner.invoke(app, ["status", "--db", fleet, "--dc", "ams", "--json"], env=env)
+        wide = env | {"COLUMNS": "200"}  # no cell wrapped
+        table = runner.invoke(app, ["status", "--db", fleet, "--dc", "ams"], env=wide)
+    assert out.exit_code == 0, out.output
+    nodes = {n["node"]: n for n in json.loads(out.stdout)["nodes"]}
+    assert nodes["gpu-t"]["up"] is True and nodes["gpu-t"]["auth_refused"] is True
+    assert "is up but needs a token" in nodes["gpu-t"]["error"]
+    assert nodes["gpu-down"]["up"] is False and nodes["gpu-down"]["auth_refused"] is False
+    said = " ".join(table.output.split())
+    assert "up, token refused" in said and "gpu-t down" not in said and "KVCTL_TOKEN" in said
+
+
+def test_a_node_answering_404_pages_gets_a_short_reason(fleet: str, db: Engine) -> None:
+    page = b"<!DOCTYPE HTML>\n<html>\n" + b"<p>Nothing matches the given URI.</p>\n" * 200
+    for body, shown in ((page, "(<!DOCTYPE HTML>)"), (b"", "(empty body)")):
+        with answering_url(404, body) as url:
+            with db.begin() as conn:
+                add_node(conn, f"web{len(body)}", dc="ams", agent_url=url)
+            out = _run("status", "--db", fleet, "--node", f"web{len(body)}", "--json")
+        (node,) = json.loads(out.stdout)["nodes"]
+        assert node["error"].startswith(f"HTTP 404 from {url}/v1/stats {shown}")
+        assert "not a kvctl agent's control API?" in node["error"] and len(node["error"]) < 200
+
+
+def test_keys_computes_what_lookup_shows_for_an_agent_with_default_settings(
+    fleet: str, agents: Any
+) -> None:
+    # the bad-key hint sends operators to `kvctl keys --text`: it must give the node's keys
+    text = PROMPT + " same keys"
+    offline = json.loads(_run("keys", "--text", text, "--json").stdout)
+    looked_up = json.loads(
+        _run("lookup", "--db", fleet, "-n", "gpu-a", "--text", text, "--json").stdout
+    )
+    assert [ch["key"] for ch in offline["chunks"]] == [
+        ch["key"] for ch in looked_up["nodes"][0]["chunks"]
+    ]
+    assert len(offline["chunks"]) == 2

@@ -14,6 +14,7 @@ from kvctl.wire.address import (
     is_loopback,
     parse_address,
     split_host_port,
+    tcp_target_problem,
     url_host,
 )
 
@@ -81,3 +82,22 @@ def test_loopback_and_connect_hosts() -> None:
     assert connect_host("0.0.0.0") == "127.0.0.1" and connect_host("::") == "::1"
     assert connect_host("") == "127.0.0.1" and connect_host("10.0.0.1") == "10.0.0.1"
     assert url_host("::1") == "[::1]" and url_host("host") == "host"
+
+
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        ("10.1.0.7:7071", True),
+        ("[::1]:7071", True),
+        ("tcp://h:1", True),
+        ("notanaddress", False),
+        ("h:0", False),
+        ("/run/kvctl/agent.sock", False),  # a probe crosses the network: TCP only
+    ],
+)
+def test_probe_targets_are_tcp_host_port(text: str, ok: bool) -> None:
+    # one rule for the CLI (exit 2 before asking) and the control API (its 422)
+    problem = tcp_target_problem(text)
+    assert (problem is None) == ok
+    if not ok:
+        assert problem == f"target must be a data-plane TCP address HOST:PORT, got {text!r}"

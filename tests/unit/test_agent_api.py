@@ -265,6 +265,17 @@ def test_pin_then_flush_skips_pinned(client: TestClient, runtime: AgentRuntime) 
     assert runtime.store.entry(keys[0]).tier == "disk"
 
 
+def test_flush_demote_of_the_bottom_tier_is_400_and_keeps_every_chunk(
+    client: TestClient, runtime: AgentRuntime
+) -> None:
+    keys = put_prompt(runtime, tokens(2))
+    assert client.post("/v1/move", json={"keys": hexes(keys), "tier": "disk"}).status_code == 200
+    r = client.post("/v1/flush", json={"tier": "disk", "demote": True})
+    assert r.status_code == 400 and "no tier is below it" in r.json()["detail"]
+    assert [runtime.store.entry(k).tier for k in keys] == ["disk", "disk"]
+    assert runtime.store.stats.tiers["disk"].evictions["flush"] == 0
+
+
 def test_pin_beyond_tier_capacity_is_409(client: TestClient, runtime: AgentRuntime) -> None:
     keys = put_prompt(runtime, tokens(6))
     r = client.post("/v1/pin", json={"keys": hexes(keys), "tier": "cpu"})

@@ -237,6 +237,24 @@ def test_unknown_flag_is_refused(env: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
+    ("flag", "value", "spelled"),
+    [("peers", ["bad"], "--peer fra-2="), ("links", ["bad"], "--link pool:")],
+)
+def test_a_repeatable_flags_error_names_the_flag_as_typed(
+    env: dict[str, str], flag: str, value: list[str], spelled: str
+) -> None:
+    # `kvctl agent start` takes --peer and --link, once per item: an error naming --peers
+    # would send the operator to a flag that does not exist
+    with pytest.raises(ConfigError) as info:
+        load_settings(env=env, flags={flag: value})
+    message = str(info.value)
+    assert f"from flag:{spelled.split()[0]}:" in message and f"for example: {spelled}" in message
+    assert f"--{flag}" not in message
+    loaded = load_settings(env=env, flags={"peers": ["fra-2=10.1.0.7:7071"]})
+    assert loaded.sources["peers"] == "flag:--peer"
+
+
+@pytest.mark.parametrize(
     ("line", "setting"),
     [
         ("cpu = true", "cpu"),

@@ -39,6 +39,7 @@ from kvctl.fleet.doctor import (
 )
 from kvctl.nvml import NvmlReader, NvmlStatus
 from tests.functional.agents import closed_port
+from tests.not_an_agent import answering_url
 
 GiB = 1 << 30
 ROOT = Path(__file__).parents[2]
@@ -500,3 +501,15 @@ def test_library_imports_no_cli_framework(tmp_path: Path) -> None:
     assert "typer" not in {m.split(".")[0] for m in out.stdout.split()}
     source = (ROOT / "kvctl" / "fleet" / "doctor.py").read_text()
     assert "import typer" not in source and "from rich" not in source
+
+
+def test_a_refused_token_is_said_once_and_the_agent_is_not_called_down() -> None:
+    with (
+        answering_url(401, b'{"detail": "bad token"}', "application/json") as url,
+        AgentClient(url, token="", timeout_s=2.0) as client,
+    ):
+        probe = probe_agent(client)
+    (check,) = classify_agent(NodeInfo(1, "node-a", "fra", url, "", None), probe)
+    assert check.status == FAIL and check.detail.count("token") == 2  # "needs a token", KVCTL_TOKEN
+    assert "is up but needs a token" in check.detail and "refused the token:" not in check.detail
+    assert check.fix is not None and "KVCTL_TOKEN" in check.fix and "agent start" not in check.fix

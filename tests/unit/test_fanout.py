@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvctl.client import AgentClient, AgentUnreachable
+from kvctl.client import AgentClient, AgentUnreachable, AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import fan_out
 
@@ -57,3 +57,15 @@ def test_a_failing_callback_stops_the_nodes_not_yet_asked() -> None:
     with pytest.raises(RuntimeError, match="audit trail"):
         fan_out(NODES, call, concurrency=1, on_result=audit_down)
     assert len(asked) < len(NODES)
+
+
+def test_an_agent_that_refuses_the_token_is_a_failure_marked_auth_refused() -> None:
+    # it answered: callers must not call it down (and have an operator start a second one)
+    def call(client: AgentClient) -> int:
+        if client.url.endswith("9001"):
+            raise AuthError(f"the agent at {client.url} is up but refused the token")
+        raise AgentUnreachable(f"cannot reach {client.url}")
+
+    refused, down = fan_out(NODES[1:3], call)
+    assert not refused.ok and refused.auth_refused and "refused the token" in str(refused.error)
+    assert not down.ok and not down.auth_refused

@@ -10,6 +10,7 @@ from kvctl.store.keys import (
     KVLayout,
     Namespace,
     chain_key,
+    is_key_text,
     keys_for,
     parents_of,
     parse_key,
@@ -106,6 +107,14 @@ def test_parse_key_round_trip_and_errors() -> None:
         parse_key("zz")
     with pytest.raises(InvalidArgument, match="32 hex"):
         parse_key("abcd")
+
+
+def test_key_text_is_exactly_32_hex_digits() -> None:
+    key = "7e" * 16
+    assert is_key_text(key) and is_key_text(key.upper())
+    # bytes.fromhex takes all of these; an agent takes none
+    for bad in (f" {key}", f"{key}\n", "7e " * 15 + "7e", key[:-1], key + "0", "zz" * 16):
+        assert not is_key_text(bad), bad
 
 
 def test_parents_of() -> None:

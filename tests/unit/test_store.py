@@ -174,6 +174,23 @@ def test_flush_with_demote_keeps_chunks_on_disk(tmp_path: Path, ns: Namespace) -
     assert [store.entry(k).tier for k in keys] == ["disk", "disk"]
 
 
+@pytest.mark.parametrize("disk", [True, False])
+def test_flush_with_demote_of_the_bottom_tier_is_refused_and_drops_nothing(
+    tmp_path: Path, ns: Namespace, disk: bool
+) -> None:
+    # demote promises "instead of dropping": from the bottom tier there is nowhere to go
+    store = two_tier(tmp_path) if disk else TieredStore([CpuTier(10_000)])
+    bottom = "disk" if disk else "cpu"
+    keys = chain(ns, 2)
+    put_chain(store, keys)
+    if disk:
+        store.move(keys, "disk")
+    with pytest.raises(InvalidArgument, match=f"cannot demote the {bottom} tier's chunks"):
+        store.flush(bottom, demote=True)
+    assert [store.entry(k).tier for k in keys] == [bottom, bottom]
+    assert store.stats.tiers[bottom].evictions["flush"] == 0
+
+
 # --- pins and resize --------------------------------------------------------------------------
 
 

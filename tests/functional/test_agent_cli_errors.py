@@ -1,0 +1,159 @@
+"""`kvctl agent ...` given bad input or pointed at the wrong thing: one clear line and a hint
+that fits (exit 2 for bad input, before anything is started or asked), never a traceback, and
+an agent that is up is never called down."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+from tests.functional.agents import Agent, closed_port, running_agent
+from tests.not_an_agent import answering_url, hang_up_url
+
+runner = CliRunner()
+TOKEN = "cli-errors-s3cret"
+START_HINT = "kvctl agent start"
+
+
+@pytest.fixture(scope="module")
+def token_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    root = tmp_path_factory.mktemp("token-agent")
+    with running_agent(root / "a", "--cpu", "8MiB", "--disk", "0", token=TOKEN) as agent:
+        yield agent
+
+
+def _run(tmp_path: Path, *args: str, **env: str) -> Any:
+    """``kvctl ARGS`` with no KVCTL_* variable and no user config file but ``env``."""
+    clean: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCTL_")}
+    clean["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    clean["COLUMNS"] = "1000"  # long paths in one piece
+    return runner.invoke(app, list(args), env=clean | env)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())  # rich wraps at the terminal's width
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_data_dir_that_is_a_file_is_refused_naming_it(tmp_path: Path, detach: bool) -> None:
+    file = tmp_path / "afile"
+    file.write_text("")
+    args = ["agent", "start", "--data-dir", str(file), *(["--detach"] if detach else [])]
+    out = _run(tmp_path, *args)
+    assert out.exit_code == 2, out.output
+    said = _flat(out.output)
+    assert f"the data directory {file} exists and is not a directory" in said
+    assert "--data-dir" in said and "Traceback" not in said and "Errno" not in said
+    assert file.is_file() and file.read_text() == ""
+
+
+@pytest.mark.parametrize(
+    "where", [lambda tmp: tmp / "afile" / "sub", lambda tmp: Path("/proc/kvctl-nope")]
+)
+def test_a_data_dir_that_cannot_be_created_is_refused_naming_it(tmp_path: Path, where: Any) -> None:
+    (tmp_path / "afile").write_text("")
+    path = where(tmp_path)
+    out = _run(tmp_path, "agent", "start", "--detach", "--data-dir", str(path))
+    assert out.exit_code == 2, out.output
+    said = _flat(out.output)
+    assert f"cannot create the data directory {path}" in said and "Traceback" not in said
+
+
+@pytest.mark.parametrize(
+    ("args", "example"),
+    [(["--peer", "bad"], "--peer fra-2=10.1.0.7:7071"), (["--link", "bad"], "--link pool:")],
+)
+def test_a_bad_peer_or_link_names_the_flag_that_exists(
+    tmp_path: Path, args: list[str], example: str
+) -> None:
+    out = _run(tmp_path, "agent", "start", "--data-dir", str(tmp_path / "d"), *args)
+    assert out.exit_code == 2, out.output
+    said = _flat(out.output)
+    assert f"for example: {example}" in said
+    assert "--peers" not in said and "--links" not in said
+
+
+def test_an_agent_that_refuses_the_token_is_up_not_down(tmp_path: Path, token_agent: Agent) -> None:
+    url = token_agent.state.control_url
+    out = _run(tmp_path, "agent", "status", "--url", url)
+    assert out.exit_code == 1
+    said = _flat(out.output)
+    assert said.startswith("token refused:") and "is up but needs a token" in said
+    assert "KVCTL_TOKEN" in said and "do not start another" in said
+    assert "down" not in said and START_HINT not in said
+    report = json.loads(_run(tmp_path, "agent", "status", "--url", url, "--json").stdout)
+    assert report["up"] is True and report["auth_refused"] is True
+    wrong = _flat(_run(tmp_path, "agent", "status", "--url", url, KVCTL_TOKEN="nope").output)
+    assert "is up but refused the token" in wrong
+    right = _run(tmp_path, "agent", "status", "--url", url, KVCTL_TOKEN=TOKEN)
+    assert right.exit_code == 0, right.output
+
+
+def test_a_url_without_a_scheme_is_refused_before_asking(tmp_path: Path) -> None:
+    for command in ("status", "remote"):
+        out = _run(tmp_path, "agent", command, "--url", "127.0.0.1:47070")
+        assert out.exit_code == 2, out.output
+        said = _flat(out.output)
+        assert "--url: agent URL must be http:// or https://" in said and START_HINT not in said
+
+
+PAGE = b"<!DOCTYPE HTML>\n<html lang='en'>\n<title>Error response</title>\n" + b"<p>x</p>\n" * 500
+
+
+@pytest.mark.parametrize(
+    ("serve", "reason"),
+    [
+        (lambda: answering_url(404, PAGE), "HTTP 404 from {url}/v1/info (<!DOCTYPE HTML>)"),
+        (lambda: answering_url(404, b""), "HTTP 404 from {url}/v1/info (empty body)"),
+        (hang_up_url, "is that an agent's data-plane port?"),
+    ],
+)
+def test_something_that_is_not_an_agent_gets_a_short_reason(
+    tmp_path: Path, serve: Any, reason: str
+) -> None:
+    with serve() as url:
+        out = _run(tmp_path, "agent", "status", "--url", url)
+        report = json.loads(_run(tmp_path, "agent", "status", "--url", url, "--json").stdout)
+    assert out.exit_code == 1
+    said = _flat(out.output)
+    assert said.startswith(("not an agent:", "no HTTP answer:")) and reason.format(url=url) in said
+    assert "--listen" in said and START_HINT not in said and "<html" not in said
+    assert report["up"] is False and len(report["error"]) < 200
+
+
+def test_status_at_an_agents_data_port_hints_at_the_control_port(
+    tmp_path: Path, token_agent: Agent
+) -> None:
+    out = _run(tmp_path, "agent", "status", "--url", f"http://{token_agent.state.data_tcp}")
+    assert out.exit_code == 1
+    said = _flat(out.output)
+    assert "closed the connection without an HTTP answer" in said
+    assert "data-plane port" in said and START_HINT not in said
+
+
+def test_a_bad_probe_target_is_refused_before_the_agent_is_asked(tmp_path: Path) -> None:
+    # nothing listens at --url: had the agent been asked, this would be exit 1, "down"
+    down = f"http://127.0.0.1:{closed_port()}"
+    out = _run(tmp_path, "agent", "probe", "notanaddress", "--url", down)
+    assert out.exit_code == 2, out.output
+    said = _flat(out.output)
+    assert "target must be a data-plane TCP address HOST:PORT, got 'notanaddress'" in said
+
+
+def test_a_422_from_the_agent_is_one_readable_line(tmp_path: Path, token_agent: Agent) -> None:
+    # an empty --target-name passes the CLI; the agent's schema refuses it
+    out = _run(
+        tmp_path, "agent", "probe", token_agent.state.data_tcp or "", "--target-name", "",
+        "--url", token_agent.state.control_url, KVCTL_TOKEN=TOKEN,
+    )  # fmt: skip
+    assert out.exit_code == 1
+    said = _flat(out.output)
+    assert "error: 422: name: String should have at least 1 character" in said
+    assert "'loc'" not in said and "[{" not in said and START_HINT not in said
