@@ -145,6 +145,9 @@ class _Demotion:
     #: the eviction it is counted as ("capacity", "flush"), or None: an operator's move
     reason: str | None = "capacity"
     error: BaseException | None = None
+    #: a failed write leaves the chunk where it was instead of dropping it (``flush --demote``:
+    #: an operator asked to demote, not to drop)
+    keep: bool = False
     #: how it ended: "landed" (in ``dst``), "dropped" (its write failed: gone, counted) or
     #: "kept" (moved, evicted or pinned meanwhile, or a move whose write failed)
     outcome: str = ""
@@ -1057,7 +1060,9 @@ class TieredStore:
     def flush(self, tier: str, *, demote: bool = False) -> BulkResult:
         """Empty a tier of unpinned chunks (dropped, or demoted when ``demote``: from a cpu
         tier to disk, written without the lock). Chunks put there meanwhile may stay.
-        ``demote`` of the bottom tier raises InvalidArgument: there is nowhere to demote to."""
+        ``demote`` of the bottom tier raises InvalidArgument: there is nowhere to demote to;
+        with ``demote`` a chunk the tier below refuses, has no room for or fails to write stays
+        where it is, counted ``failed``: an operator asked to demote, never to drop."""
         with self._lock:
             name = self.tier(tier).name
             if demote and self._tier_index[name] == len(self._tiers) - 1:
@@ -1068,7 +1073,7 @@ class TieredStore:
                     "flushed. Flush without demote to drop them"
                 )
             found = [e for e in self._index.values() if e.tier == name]
-        done = pinned = 0
+        done = pinned = failed = 0
         for e in found:
             with self._lock:
                 if self._index.get(e.key) is not e or e.tier != name:
@@ -1078,18 +1083,27 @@ class TieredStore:
                     continue
                 src = self._tier_of(e)
                 d = None
+                # demote, not drop: a chunk the tier below cannot take stays here (failed)
                 if demote and isinstance(src, CpuTier) and self._may_detach(e, src):
-                    d = self._begin_demotion(e, src, reason="flush")
-                else:
-                    self._evict(e, "flush", demote=demote)
+                    d = self._begin_demotion(e, src, reason="flush", keep=True)
+                    if d is None and self._holds(e) and e.tier == name:
+                        failed += 1
+                        continue
+                elif not self._evict(e, "flush", demote=demote, keep=demote):
+                    failed += 1
+                    continue
             if d is not None:
                 self._finish_demotions([d])
-                if d.outcome == "kept":  # pinned meanwhile (skipped), or moved or evicted
+                if d.outcome == "kept":  # pinned or moved meanwhile, or its write failed
                     with self._lock:
-                        pinned += e.pinned and self._holds(e)
+                        if self._holds(e) and e.tier == name:
+                            if e.pinned:
+                                pinned += 1
+                            else:
+                                failed += 1
                     continue
             done += 1
-        return BulkResult(done=done, skipped_pinned=pinned)
+        return BulkResult(done=done, skipped_pinned=pinned, failed=failed)
 
     def move(self, keys: Iterable[bytes], tier: str) -> BulkResult:
         """Move chunks to ``tier`` (up or down), making room there by policy; from a cpu tier
@@ -1731,13 +1745,17 @@ class TieredStore:
         lease = src.lease(e.key, math.inf)
         return _Demotion(e, src, dst, slot, lease, src.view(lease), reason=None)
 
-    def _begin_demotion(self, e: Entry, src: CpuTier, reason: str = "capacity") -> _Demotion | None:
+    def _begin_demotion(
+        self, e: Entry, src: CpuTier, reason: str = "capacity", *, keep: bool = False
+    ) -> _Demotion | None:
         """Under the lock: what ``_evict(e, reason, demote=True)`` does up to the write
         into the next tier (``_may_detach`` said it is one with detached writes). Its room
         there is taken and ``e`` stays readable where it is, out of its policy (like a chunk
         being read) so nothing else picks it, its bytes held in place by a lease. None when it
         was dropped instead (refused, no room below), as ``_evict`` would drop it, or demoted
-        under the lock at once (an older copy of its key is still being written below)."""
+        under the lock at once (an older copy of its key is still being written below).
+        ``keep`` (``_evict``'s): not dropped but left where it is, back in its policy, and the
+        demotion that begins keeps it too if its write fails."""
         dst = self._tiers[self._tier_index[src.name] + 1]
         self._policies[src.name].on_remove(e)
         if not self._admission[dst.name].admit(e):
@@ -1762,7 +1780,10 @@ class TieredStore:
             else:
                 lease = src.lease(e.key, math.inf)
                 self._reading[e] = self._reading.get(e, 0) + 1  # out of its policy already
-                return _Demotion(e, src, dst, slot, lease, src.view(lease), reason)
+                return _Demotion(e, src, dst, slot, lease, src.view(lease), reason, keep=keep)
+        if keep:
+            self._policies[src.name].on_insert(e)
+            return None
         # dropped at once: counted now (a begun demotion is counted when it ends, and only if
         # the chunk was still there to evict)
         self._accounting.tier(src.name).evictions[reason] += 1
@@ -1841,7 +1862,7 @@ class TieredStore:
         d.outcome = "kept"
         if current and d.error is not None:  # the write failed (disk full, a failed device)
             self._accounting.stats.demotion_failures += 1
-            if d.reason is None:  # an operator's move that failed: the chunk stays where it was
+            if d.reason is None or d.keep:  # an operator's move or demotion: it stays where it was
                 return
             self._accounting.tier(src.name).evictions[d.reason] += 1
             src.delete(e.key)
@@ -1899,22 +1920,29 @@ class TieredStore:
                 policy.on_insert(e)
         return evicted
 
-    def _evict(self, e: Entry, reason: str, *, demote: bool) -> None:
-        """Take ``e`` out of its tier: demote it to the next tier if allowed, else drop it."""
+    def _evict(self, e: Entry, reason: str, *, demote: bool, keep: bool = False) -> bool:
+        """Take ``e`` out of its tier: demote it to the next tier if allowed, else drop it.
+        ``keep``: one the tier below refuses or has no room for stays where it is instead
+        (False), as an operator's ``flush --demote`` promises."""
         src = self._tier_of(e)
         self._policies[src.name].on_remove(e)
-        self._accounting.tier(src.name).evictions[reason] += 1
         nxt = self._tier_index[src.name] + 1
         if demote and nxt < len(self._tiers):
             dst = self._tiers[nxt]
             if not self._admission[dst.name].admit(e):
                 self._accounting.stats.admission_refused += 1
             elif self._try_place(e, src, dst):
+                self._accounting.tier(src.name).evictions[reason] += 1
                 self._accounting.tier(dst.name).demotions += 1
                 self._emit("demote", e, src=src.name)
-                return
+                return True
+        if keep:
+            self._policies[src.name].on_insert(e)
+            return False
+        self._accounting.tier(src.name).evictions[reason] += 1
         src.delete(e.key)
         self._forget(e)
+        return True
 
     def _try_place(
         self,

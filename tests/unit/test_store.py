@@ -174,6 +174,31 @@ def test_flush_with_demote_keeps_chunks_on_disk(tmp_path: Path, ns: Namespace) -
     assert [store.entry(k).tier for k in keys] == ["disk", "disk"]
 
 
+@pytest.mark.parametrize("why", ["no room", "refused", "offline"])
+def test_flush_with_demote_keeps_what_the_tier_below_cannot_take(
+    tmp_path: Path, ns: Namespace, why: str
+) -> None:
+    """demote promises "instead of dropping": a chunk the tier below has no room for, refuses
+    (admission) or cannot be written to (offline) stays where it is, counted failed."""
+    gate = FrequencyAdmission(min_accesses=5)
+    store = two_tier(
+        tmp_path,
+        disk=50 if why == "no room" else 1000,  # smaller than a chunk
+        admission={"disk": gate} if why == "refused" else None,
+    )
+    keys = chain(ns, 2)
+    put_chain(store, keys)
+    if why == "offline":  # the disk's next use fails as a device that went away
+        store._take_offline(store.tier("disk"), TierUnavailable("gone (test)"))
+    r = store.flush("cpu", demote=True)
+    assert (r.done, r.failed) == (0, 2)
+    assert [store.entry(k).tier for k in keys] == ["cpu", "cpu"]
+    assert store.get(keys[1]) == payload(keys[1])
+    assert store.stats.tiers["cpu"].evictions["flush"] == 0
+    # back in their policy: pressure still evicts them as before
+    assert store.flush("cpu").done == 2 and not any(k in store for k in keys)
+
+
 @pytest.mark.parametrize("disk", [True, False])
 def test_flush_with_demote_of_the_bottom_tier_is_refused_and_drops_nothing(
     tmp_path: Path, ns: Namespace, disk: bool

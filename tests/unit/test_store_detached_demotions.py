@@ -256,6 +256,23 @@ def test_a_failed_demotion_write_is_a_counted_drop(tmp_path: Path) -> None:
     check_invariants(store)
 
 
+def test_a_flush_demotion_whose_write_fails_keeps_the_chunk(tmp_path: Path) -> None:
+    """An operator's flush --demote never drops: a write that fails below (a full disk)
+    leaves the chunk in the arena, counted failed, and readable."""
+    store, _cpu, disk, keys = full_store(tmp_path)
+    disk.fail = True
+    r = store.flush("cpu", demote=True)
+    assert (r.done, r.failed) == (0, 4)
+    assert [store.entry(k).tier for k in keys] == ["cpu"] * 4
+    assert store.get(keys[0], tenant="t") == data_of(keys[0])
+    assert store.stats.demotion_failures == 4
+    assert files_on(disk) == set() and disk.used_bytes == 0
+    disk.fail = False
+    assert store.flush("cpu", demote=True).done == 4
+    assert [store.entry(k).tier for k in keys] == ["disk"] * 4
+    check_invariants(store)
+
+
 def test_a_reserved_put_demotes_without_the_lock_too(tmp_path: Path) -> None:
     store, _cpu, disk, keys = full_store(tmp_path)
     disk.gate.clear()
