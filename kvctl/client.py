@@ -1124,9 +1124,10 @@ class AgentClient:
                 "data-plane port? Its control API is on its --listen port (default 7070)"
             ) from exc
         except self._httpx.TransportError as exc:
+            # what to check depends on where the caller is: each says it (kvctl agent status
+            # on this node; kvctl status and doctor of the fleet's)
             raise AgentUnreachable(
-                f"cannot reach the agent at {self.url}: {exc}; is it running? "
-                "(`kvctl agent status` on that node)"
+                f"cannot reach the agent at {self.url}: {exc}; is it running, and listening there?"
             ) from exc
         if resp.status_code == 401:
             # the agent is up: what to fix is the token, not the agent

@@ -32,8 +32,10 @@ def format_bytes(n: float) -> str:
         if unit == "B" and abs(n) < 1024:
             return f"{n:.0f} B"
         # from 999.5 up, three figures would round to "1e+03": the next unit says it
-        if unit != "B" and (abs(n) < 999.5 or unit == "TiB"):
+        if unit != "B" and abs(n) < 999.5:
             return f"{n:.3g} {unit}"
+        if unit == "TiB":  # the largest unit: whole TiB, grouped, never "3.07e+03"
+            return f"{n:,.0f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
 

@@ -36,6 +36,7 @@ from starlette.routing import Match
 
 from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import tier_size_problem
 from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.http_errors import install_error_handlers
 from kvctl.http_guards import (
@@ -708,9 +709,14 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
 
         409 when pinned chunks exceed the new size, or when the tier cannot hold it (a cpu
         tier's arena is mapped whole: more than the host can map); the tier keeps its capacity.
+        400 for a cpu tier of 0 bytes, as `kvctl agent start --cpu 0` is refused (gpu and disk
+        may be 0: off).
         """
         name = _tier(body.tier)
         capacity_bytes = _capacity_bytes(body.capacity)
+        problem = tier_size_problem(name, capacity_bytes)  # the rule `kvctl agent start` keeps
+        if problem:
+            raise InvalidArgument(problem)
         # a tier that cannot map the new size raises CapacityError itself (409), unchanged
         result = store.resize(name, capacity_bytes).as_dict()
         return {**result, "usage": store.usage()[name]}

@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any
 
 from kvctl import __version__
@@ -63,10 +64,27 @@ class AgentState:
     @classmethod
     def read(cls, data_dir: Path) -> AgentState | None:
         try:
-            raw = json.loads((data_dir / STATE_FILE).read_text())
-            return cls(**{k: raw.get(k) for k in cls.__slots__})
-        except (OSError, ValueError, TypeError):
+            return cls.parse((data_dir / STATE_FILE).read_text())
+        except OSError:
             return None
+
+    @classmethod
+    def parse(cls, text: str) -> AgentState | None:
+        """The state an agent wrote as ``text``; None for anything else (a torn or hand-edited
+        file), so no caller signals a pid or asks a URL it made up."""
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            return None
+        if not isinstance(raw, dict):
+            return None
+        pid, url = raw.get("pid"), raw.get("control_url")
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            return None
+        if not isinstance(url, str) or not url:
+            return None
+        values: dict[str, Any] = {k: raw.get(k) for k in cls.__slots__}
+        return cls(**values)
 
     def write(self, data_dir: Path) -> None:
         text = json.dumps({k: getattr(self, k) for k in self.__slots__}, indent=2)
@@ -101,6 +119,66 @@ def pid_alive(pid: int) -> bool:
 def running_agent(data_dir: Path) -> AgentState | None:
     state = AgentState.read(data_dir)
     return state if state is not None and state.alive else None
+
+
+class NoAgentHere(LookupError):
+    """A data directory that was named holds no record of a running agent: the message says
+    what is there, ``hint`` what to do next."""
+
+    def __init__(self, message: str, hint: str) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def recorded_agent(data_dir: Path, *, running: bool = True) -> AgentState:
+    """The agent that ``data_dir``'s ``agent.json`` records as running there. Raises
+    :class:`NoAgentHere` when there is no such file (no agent has run from it, or the last one
+    stopped) or it cannot be read or is not an agent's; with ``running``, also when its
+    process is gone."""
+    path = data_dir / STATE_FILE
+    start = f"start one there: `kvctl agent start --data-dir {data_dir} --detach`"
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        if not data_dir.is_dir():
+            raise NoAgentHere(
+                f"no agent has run from {data_dir}: there is no such directory", start
+            ) from None
+        raise NoAgentHere(
+            f"no agent is running from {data_dir}: it holds no {STATE_FILE}, which an agent "
+            "writes while it serves (none has run from it, or the last one stopped)",
+            start,
+        ) from None
+    except OSError as exc:
+        raise NoAgentHere(
+            f"cannot read {path}: {exc.strerror or exc}",
+            "run this as the agent's user, or give --url its control URL",
+        ) from None
+    state = AgentState.parse(text)
+    if state is None:
+        raise NoAgentHere(
+            f"{path} is not an agent's record (an agent writes pid, addresses and version "
+            "there as JSON)",
+            f"if no agent runs from {data_dir}, remove that file and {start}",
+        )
+    if running and not state.alive:
+        raise NoAgentHere(
+            f"the agent {path} records (pid {state.pid}, {state.control_url}) is not running: "
+            "it did not stop cleanly",
+            f"its log is {data_dir / LOG_FILE} if it was detached; {start}",
+        )
+    return state
+
+
+def control_url_for(data_dir: Path, configured_url: str, *, named: bool) -> str:
+    """Where to ask the agent of ``data_dir``: the control URL its ``agent.json`` records.
+    Without one, the configured URL, unless the data directory was ``named`` (--data-dir): an
+    agent answering there may serve another directory, so none is asked and
+    :class:`NoAgentHere` says why."""
+    if named:
+        return recorded_agent(data_dir).control_url
+    state = AgentState.read(data_dir)
+    return state.control_url if state is not None else configured_url
 
 
 def serve(settings: AgentSettings) -> int:
@@ -167,14 +245,26 @@ def serve(settings: AgentSettings) -> int:
             lifespan="off",
             timeout_graceful_shutdown=10,
         )
-        server = uvicorn.Server(config)
+
+        class _AgentServer(uvicorn.Server):
+            """uvicorn's server, logging each signal as it comes: the first starts the
+            shutdown; uvicorn itself says nothing of them."""
+
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                _log_shutdown_signal(sig, already=self.should_exit)
+                super().handle_exit(sig, frame)
+
+        server = _AgentServer(config)
         # uvicorn handles SIGTERM/SIGINT while it runs (stops accepting, lets in-flight HTTP
-        # requests finish, returns here), then re-raises the signal to the handler it found:
-        # make that one a no-op, so the drain below runs and the exit code is 0
+        # requests finish, returns here), then re-raises each signal it caught to the handler
+        # it found: make that one silent (_AgentServer logged them as they came), so the drain
+        # below runs and the exit code is 0; a signal during the drain is only logged
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, _already_stopping)
+            signal.signal(sig, _ignore_signal)
         server.run(sockets=[control])
     finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _already_stopping)
         log.info("agent %s stopping: draining the data plane", settings.name)
         dataplane.stop()
         runtime.close()
@@ -231,6 +321,17 @@ def warn_if_shared(data_dir: Path) -> None:
 
 def _already_stopping(signum: int, _frame: object) -> None:
     log.info("signal %d: already shutting down", signum)
+
+
+def _ignore_signal(_signum: int, _frame: object) -> None:
+    """uvicorn's re-raise of a signal it caught and :class:`_AgentServer` logged."""
+
+
+def _log_shutdown_signal(signum: int, already: bool) -> None:
+    if already:
+        log.info("signal %d: already shutting down", signum)
+    else:
+        log.info("signal %d: shutting down, letting requests in flight finish", signum)
 
 
 def spawn_agent(

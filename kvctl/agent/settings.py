@@ -13,6 +13,21 @@ from kvctl.wire.address import connect_host, split_host_port, url_host
 
 DEFAULT_CONTROL_PORT = 7070
 DEFAULT_DATA_PORT = 7071
+#: the smallest size of each tier, at start (--cpu, --disk, --gpu-capacity) and on a live
+#: resize alike: every agent serves reads from its cpu tier, so it cannot be 0; a gpu or disk
+#: tier of 0 is off
+MIN_TIER_BYTES = {"gpu": 0, "cpu": 1, "disk": 0}
+
+
+def tier_size_problem(tier: str, size_bytes: int) -> str | None:
+    """Why ``tier`` cannot be sized ``size_bytes``; None when it can."""
+    least = MIN_TIER_BYTES.get(tier, 0)
+    if size_bytes >= least:
+        return None
+    return (
+        f"the {tier} tier cannot be {size_bytes} bytes: every agent has one, of at least "
+        f"{least} byte(s); to empty it, `kvctl flush --tier {tier}` (--demote keeps its chunks)"
+    )
 
 
 @dataclass(frozen=True, slots=True)

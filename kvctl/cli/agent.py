@@ -161,7 +161,14 @@ class StartFlags:
             "not the gpu tier (--gpu-capacity)."
         ),
     ] = None
-    log_level: Annotated[str | None, typer.Option("--log-level")] = None
+    log_level: Annotated[
+        str | None,
+        typer.Option(
+            "--log-level",
+            help="debug, info, warning or error (default info): the agent's log, stderr in the "
+            "foreground, DATA_DIR/agent.log detached.",
+        ),
+    ] = None
 
     def as_flags(self) -> dict[str, object]:
         """The flags for the config's flag layer; a repeatable flag not given is unset."""
@@ -179,6 +186,11 @@ class AgentHome:
 
     def load(self) -> LoadedSettings:
         return _load(self.config, name=self.name, data_dir=self.data_dir)
+
+    @property
+    def named(self) -> bool:
+        """--data-dir was given: only an agent recorded there may answer for it."""
+        return self.data_dir is not None
 
 
 UrlOpt = Annotated[
@@ -254,6 +266,7 @@ def start_command(
             f"[dim]logs: {settings.data_path / 'agent.log'}; stop: kvctl agent stop "
             f"--data-dir {settings.data_path}[/]",
             highlight=False,
+            soft_wrap=True,
         )
         return
     import logging
@@ -284,6 +297,7 @@ def stop_command(
     ] = False,
 ) -> None:
     """Stop the agent of this data dir: SIGTERM, wait for in-flight requests to finish.
+    Exits 1 when --data-dir holds no record of an agent (a mistyped path stops nothing).
 
     Examples:
 
@@ -291,24 +305,32 @@ def stop_command(
 
       kvctl agent stop --data-dir /var/lib/kvctl/gpu-07 --timeout 60 --force
     """
-    from kvctl.agent.daemon import stop_agent
+    from kvctl.agent.daemon import NoAgentHere, recorded_agent, stop_agent
 
     settings = home.load().settings
+    if home.named:
+        try:  # a mistyped --data-dir is not "nothing to stop": the agent meant runs on
+            recorded_agent(settings.data_path, running=False)
+        except NoAgentHere as exc:
+            fail(str(exc), hint=exc.hint, code=1)
     try:
         state = stop_agent(settings.data_path, timeout_s=timeout, force=force)
     except TimeoutError as exc:
         fail(str(exc), code=1)
     if state is None:
-        console.print(f"no agent is running for {settings.data_path}", highlight=False)
+        console.print(
+            f"no agent is running for {settings.data_path}", highlight=False, soft_wrap=True
+        )
         return
     console.print(f"agent {state.name} (pid {state.pid}) stopped", highlight=False)
 
 
-def _target(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
+def _where(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
     """This node's settings and the control URL to ask: ``url``, else the running agent's
-    (from its state file), else the configured one. A ``url`` that is not an agent URL is a
-    usage error (exit 2), checked as `kvctl fleet add-node` checks one."""
-    from kvctl.agent.daemon import AgentState
+    (from its state file), else the configured one, but never that for a --data-dir with no
+    running agent recorded (NoAgentHere). A ``url`` that is not an agent URL is a usage error
+    (exit 2), checked as `kvctl fleet add-node` checks one."""
+    from kvctl.agent.daemon import control_url_for
 
     if url is not None:
         from kvctl.db.inventory import url_problem
@@ -317,8 +339,19 @@ def _target(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
         if problem:
             fail(f"--url: {problem}", hint="the agent's control URL, as in `kvctl fleet ls`")
     settings = home.load().settings
-    state = None if url else AgentState.read(settings.data_path)
-    return settings, url or (state.control_url if state else settings.control_url)
+    if url is not None:
+        return settings, url
+    return settings, control_url_for(settings.data_path, settings.control_url, named=home.named)
+
+
+def _target(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
+    """:func:`_where`, exiting 1 with the reason when a --data-dir has no agent to ask."""
+    from kvctl.agent.daemon import NoAgentHere
+
+    try:
+        return _where(home, url)
+    except NoAgentHere as exc:
+        fail(str(exc), hint=exc.hint, code=1)
 
 
 TOKEN_HINT = (
@@ -340,7 +373,11 @@ def _failure(exc: Exception) -> tuple[str, str | None]:
     if isinstance(exc, NotAnAgent):
         return "not an agent", control_url
     if isinstance(exc, AgentUnreachable):
-        return "down", "start it with `kvctl agent start --detach`"
+        return "down", (
+            "start it with `kvctl agent start --detach`; if it runs, compare the address it "
+            "listens on (`kvctl agent config --show`: listen) and read its log (agent.log in its "
+            "data dir)"
+        )
     return "error", None
 
 
@@ -358,7 +395,7 @@ def status_command(
 ) -> None:
     """Is the agent up, where does it listen, how full are its tiers, what is its hit ratio.
     Exits 1 when the agent is down, is not an agent, or refuses the token (it is up then, and
-    says so).
+    says so), or when --data-dir records no running agent (no other agent is asked then).
 
     Examples:
 
@@ -366,16 +403,25 @@ def status_command(
 
       kvctl agent status --url http://10.0.3.7:7070 --json
     """
+    from kvctl.agent.daemon import NoAgentHere
     from kvctl.client import AgentClient, AgentError, AuthError
+    from kvctl.wire.stats import agent_figures
 
-    settings, target = _target(home, url)
+    try:
+        settings, target = _where(home, url)
+    except NoAgentHere as exc:
+        if json_out:
+            print_json({"up": False, "auth_refused": False, "control_url": None, "error": str(exc)})
+        fail(str(exc), hint=exc.hint, code=1)
     report: dict[str, Any] = {"up": False, "auth_refused": False, "control_url": target}
     failure: AgentError | None = None
     try:
         with AgentClient(target, token=settings.token or None) as client:
             report["info"] = client.info()
-            report["stats"] = client.stats()
+            stats = client.stats()
             report["up"] = True
+        # the fleet's vocabulary, as `kvctl status` reports a node: lookups and hits in chunks
+        report |= agent_figures(stats)
     except AgentError as exc:
         failure = exc
         report["error"] = str(exc)
@@ -390,6 +436,7 @@ def status_command(
             f"[{colour}]{state}[/]: {escape(str(failure))}"
             + (f"\n[dim]hint: {escape(hint)}[/]" if hint else ""),
             highlight=False,
+            soft_wrap=True,
         )
     else:
         _render_status(report)
@@ -576,6 +623,7 @@ def _render_remote(report: dict[str, Any]) -> None:
             f"role {report['role']}: no pool and no peers configured\n"
             "[dim]hint: kvctl agent start --pool redis://HOST:6379/0 --peer NAME=HOST:PORT[/]",
             highlight=False,
+            soft_wrap=True,
         )
         return
     table = Table("source", "state", "RTT", "bandwidth", "override", "in/out", "errors")
@@ -634,8 +682,7 @@ def _render_status(report: dict[str, Any]) -> None:
 
     from kvctl.format import describe_policy, format_bytes, percent
 
-    info, snap = report["info"], report["stats"]
-    stats = snap["stats"]
+    info = report["info"]
     uptime = time.time() - info["started_s"]
     dp = info["dataplane"]
     console.print(
@@ -644,6 +691,7 @@ def _render_status(report: dict[str, Any]) -> None:
         f"control {report['control_url']}  data tcp {dp['tcp'] or 'off'}  "
         f"unix {dp['unix'] or 'off'}  shm {_shm_words(dp)}",
         highlight=False,
+        soft_wrap=True,
     )
     table = Table("tier", "used", "capacity", "use", "chunks", "pinned", "hits", title=None)
     for tier in info["tiers"]:
@@ -652,10 +700,10 @@ def _render_status(report: dict[str, Any]) -> None:
             tier["name"],
             format_bytes(tier["used_bytes"]),
             format_bytes(cap),
-            percent(tier["used_bytes"] / cap if cap else 0.0),
+            percent(tier["used_bytes"] / cap if cap else None),
             str(tier["chunks"]),
             format_bytes(tier["pinned_bytes"]),
-            str(stats["tiers"][tier["name"]]["hits"]),
+            str(report["tiers"].get(tier["name"], {}).get("hits", "N/A")),
         )
     console.print(table)
     for tier in info.get("unavailable_tiers", []):
@@ -668,21 +716,25 @@ def _render_status(report: dict[str, Any]) -> None:
             f"[yellow]{tier['name']} tier unavailable[/] ({where}): {escape(tier['reason'])}",
             highlight=False,
         )
-    policies = snap.get("policies") or {}
+    policies = report["policies"]
     if policies:
         console.print(
             "eviction: "
             + ", ".join(f"{tier} {describe_policy(p)}" for tier, p in policies.items()),
             highlight=False,
         )
-    reuse, sharing = stats["reuse_hits"], stats["sharing_hits"]
-    hits = reuse + sharing
+    # the words and the N/A of `kvctl status`: chunks, and no ratio before any lookup
     console.print(
-        f"lookups {stats['lookups']}  chunk hit ratio {percent(stats['hit_ratio'])}  "
-        f"reuse {percent(reuse / hits if hits else 0)} / "
-        f"sharing {percent(sharing / hits if hits else 0)}",
+        f"lookups {report['lookups']:,} chunks in {_count(report['lookup_requests'], 'request')}  "
+        f"hits {report['hits']:,}  hit ratio {percent(report['hit_ratio'])}  "
+        f"reuse {percent(report['reuse_share_of_hits'])} / "
+        f"sharing {percent(report['sharing_share_of_hits'])} of hits",
         highlight=False,
     )
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _shm_words(dataplane: dict[str, Any]) -> str:
@@ -728,7 +780,9 @@ def config_command(
     for row in rows:
         table.add_row(row["setting"], row["value"], row["source"])
     console.print(table)
-    console.print(f"[dim]config file: {loaded.config_file or 'none'}[/]", highlight=False)
+    console.print(
+        f"[dim]config file: {loaded.config_file or 'none'}[/]", highlight=False, soft_wrap=True
+    )
 
 
 @agent_app.command("install")

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 
 from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
-from kvctl.cli.output import console, print_json
+from kvctl.cli.output import console, print_json, user_errors
 
 
 def audit_command(
@@ -38,10 +38,13 @@ def audit_command(
     """
     import datetime as dt
 
-    from kvctl.fleet.audit import recent
+    from kvctl.fleet.audit import check_action, recent
 
     engine = open_engine(db)
     with db_errors(), engine.connect() as conn:
+        if action is not None:
+            with user_errors(hint="see `kvctl audit --help`"):
+                check_action(conn, action)
         rows = recent(conn, limit=limit, action=action, target=target, ok=False if failed else None)
     engine.dispose()
     if json_out:

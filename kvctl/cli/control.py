@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.options import (
     ChunkOptions,
@@ -113,7 +114,12 @@ def _render(report: ActionReport, json_out: bool) -> None:
     console.print(table)
     # errors below the table, one line each: inside a cell they wrap into a column of words
     for r in report.failed:
-        console.print(f"[red]{r.node.name}:[/] {r.error}", highlight=False, soft_wrap=True)
+        console.print(
+            f"[red]{r.node.name}:[/] {escape(r.error or '')}", highlight=False, soft_wrap=True
+        )
+    # "ok" with chunks missing did nothing for them: said on stderr (--json has `missing`)
+    for note in report.missing_notes():
+        err_console.print(f"[yellow]{escape(note)}[/]", highlight=False, soft_wrap=True)
 
 
 # --- the commands -----------------------------------------------------------------------------

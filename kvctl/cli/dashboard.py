@@ -107,7 +107,9 @@ def dashboard_command(
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror}", hint="pick another --port")
     shown_host = f"[{host}]" if ":" in host else host
-    console.print(f"dashboard: http://{shown_host}:{port}{url_prefix}  (Ctrl-C stops it)")
+    console.print(
+        f"dashboard: http://{shown_host}:{port}{url_prefix}  (Ctrl-C stops it)", soft_wrap=True
+    )
     try:
         server.run()
     except KeyboardInterrupt:

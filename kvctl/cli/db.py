@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
 from kvctl.cli.output import console, fail, print_json
@@ -61,19 +62,29 @@ def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
 
       kvctl db current --db sqlite:////var/lib/kvctl/metrics.db --json
     """
-    from kvctl.db import migrate
-    from kvctl.db.engine import create_db_engine, display_url, resolve_url
+    from sqlalchemy.engine import make_url
 
+    from kvctl.db import migrate
+    from kvctl.db.engine import NoDatabase, create_db_engine, display_url, resolve_url
+
+    missing: str | None = None  # a SQLite file not there: said, not created by looking
     with db_errors():
-        engine = create_db_engine(resolve_url(db))
+        url = resolve_url(db)
+        current = None
         try:
-            current = migrate.current_revision(engine)
-        finally:
-            engine.dispose()
+            engine = create_db_engine(url, create=False)
+        except NoDatabase as exc:
+            missing = str(exc)
+        else:
+            try:
+                current = migrate.current_revision(engine)
+            finally:
+                engine.dispose()
     head = migrate.head_revision()
     out = {
-        "database": display_url(str(engine.url)),
-        "backend": engine.dialect.name,
+        "database": display_url(url),
+        "backend": make_url(url).get_backend_name(),
+        "exists": missing is None,
         "current": current,
         "head": head,
         "up_to_date": current == head,
@@ -85,8 +96,13 @@ def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
         console.print(f"database  {out['database']}")
         console.print(f"backend   {out['backend']}")
         console.print(f"revision  {current or 'empty'} (head {head}, {state})")
-        if current != head and out["backend"] == "sqlite":
-            console.print("[dim]SQLite upgrades itself on first use, or run `kvctl db upgrade`[/]")
+        if missing:
+            console.print(f"[dim]{escape(missing)}[/]", soft_wrap=True)
+        elif current != head and out["backend"] == "sqlite":
+            console.print(
+                "[dim]SQLite upgrades itself on first use, or run `kvctl db upgrade`[/]",
+                soft_wrap=True,
+            )
     if current != head:
         raise typer.Exit(1)
 

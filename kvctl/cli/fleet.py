@@ -50,14 +50,16 @@ def _change(
     target: str,
     args: dict[str, Any],
     change: Callable[[Connection], Any],
+    create: bool = False,
 ) -> Any:
     """Make one inventory change and write its audit row in one transaction. A change the
     inventory refuses rolls back, is audited as failed (who tried what matters too) and exits 2
-    with the reason."""
+    with the reason. Only an addition ``create``s a missing database (a removal from one that
+    is not there is a mistyped --db)."""
     from kvctl.db.inventory import InventoryError
     from kvctl.fleet.audit import record
 
-    engine = open_engine(db)
+    engine = open_engine(db, create=create)
     try:
         with db_errors():
             try:
@@ -87,7 +89,9 @@ def _add(
 ) -> None:
     """Add a DC, node or link (audited as fleet.add-KIND) and say so: ``said`` for people,
     for scripts its id and ``shown`` (default: its name and ``args``)."""
-    key = _change(db, action=f"fleet.add-{kind}", target=target, args=args, change=change)
+    key = _change(
+        db, action=f"fleet.add-{kind}", target=target, args=args, change=change, create=True
+    )
     if json_out:
         print_json({"added": kind, "id": key, **(shown or {"name": target, **args})})
     else:
@@ -281,7 +285,7 @@ def ls_command(
         return
     if not dcs:
         console.print("the fleet inventory is empty")
-        err_console.print(f"[dim]hint:[/] {EMPTY_HINT}", highlight=False)
+        err_console.print(f"[dim]hint:[/] {EMPTY_HINT}", highlight=False, soft_wrap=True)
         return
     from rich.table import Table
 
@@ -310,7 +314,9 @@ def ls_command(
             table.add_row(*map(_cell, cells))
         console.print(table)
     else:
-        console.print("no nodes yet (`kvctl fleet add-node NAME --dc DC --agent-url URL`)")
+        console.print(
+            "no nodes yet (`kvctl fleet add-node NAME --dc DC --agent-url URL`)", soft_wrap=True
+        )
     if links:
         table = Table(title="links", title_justify="left")
         table.add_column("dc a")
@@ -463,7 +469,7 @@ def import_command(
             hint="`kvctl fleet export` writes a file of the expected shape",
         )
 
-    engine = open_engine(db)
+    engine = open_engine(db, create=True)
     args = {"file": str(file), "prune": prune}
     try:
         with db_errors():

@@ -48,12 +48,14 @@ def db_errors(hint: str = DB_HINT) -> Iterator[None]:
         fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=hint)
 
 
-def open_engine(db: str | None) -> Any:
-    """The CLI's way into the database: SQLite upgrades itself, PostgreSQL must be current."""
+def open_engine(db: str | None, *, create: bool = False) -> Any:
+    """The CLI's way into the database: SQLite upgrades itself, PostgreSQL must be current.
+    Only commands that write the inventory (or the audit trail without one) ``create`` a
+    missing SQLite file; the others say there is none there (exit 2) and create nothing."""
     from kvctl.db.migrate import open_db
 
     with db_errors():
-        return open_db(db)
+        return open_db(db, create=create)
 
 
 # --- targets: which nodes a fleet command acts on ---------------------------------------------

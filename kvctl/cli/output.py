@@ -28,10 +28,11 @@ def print_json(data: Any) -> None:
 def fail(message: str, *, hint: str | None = None, code: int = 2) -> NoReturn:
     from rich.markup import escape
 
-    # escaped: messages quote user input and TOML such as "[agent]", which is not markup
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    # escaped: messages quote user input and TOML such as "[agent]", which is not markup;
+    # soft_wrap: the paths and commands in them are copied, so never broken across lines
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     if hint:
-        err_console.print(f"[dim]hint:[/] {escape(hint)}", highlight=False)
+        err_console.print(f"[dim]hint:[/] {escape(hint)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -160,7 +160,7 @@ def save_report(report: dict[str, object], *, dc: str | None, db: str | None) ->
     from kvctl.db.models import DataCenter
     from kvctl.db.plans import save_plan
 
-    engine = open_engine(db)
+    engine = open_engine(db, create=True)  # a plan is saved for the dashboard, fleet or not
     try:
         with db_errors(), engine.begin() as conn:
             if (

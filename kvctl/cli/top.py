@@ -127,7 +127,8 @@ def top_command(
         if agent:
             source = AgentSource(agent, token=token, timeout_s=timeout, router=watch)
             if not readonly and not json_out:
-                audit_engine = open_engine(db)  # actions are audited in the local database
+                # actions are audited in the local database, made if need be
+                audit_engine = open_engine(db, create=True)
         else:
             engine = open_engine(db)
             source = FleetSource(

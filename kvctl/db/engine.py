@@ -13,9 +13,18 @@ from sqlalchemy.exc import ArgumentError
 
 from kvctl.paths import default_state_dir
 
+#: a SQLite database kvctl creates: its owner's alone (it names the fleet's nodes and their
+#: URLs, and the audit trail says who did what), whatever the umask
+DB_FILE_MODE = 0o600
+
 
 class DatabaseError(Exception):
     """The database cannot be used as asked; the message says what to do."""
+
+
+class NoDatabase(DatabaseError):
+    """A command that only reads found no SQLite database where the URL points (a typo, or
+    none made yet); nothing was created."""
 
 
 def default_db_path() -> Path:
@@ -59,16 +68,36 @@ def _sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur.close()
 
 
-def create_db_engine(url: str) -> Engine:
+def create_db_engine(url: str, *, create: bool = True) -> Engine:
+    """An engine on ``url``. A SQLite file that is missing is created 0600 (its directory
+    0700), or, unless ``create``, refused with :class:`NoDatabase` and nothing created."""
     parsed: URL = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             path = Path(parsed.database).expanduser()
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise DatabaseError(f"cannot create {path.parent}: {exc.strerror}") from None
+            if create:
+                _create_sqlite_file(path)
+            elif not path.exists():
+                raise NoDatabase(
+                    f"no fleet database at {path}; create one with `kvctl fleet add-dc NAME` "
+                    "(or `kvctl fleet import FILE`), or fix --db / KVCTL_DB_URL"
+                )
         engine = create_engine(parsed)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(parsed, pool_pre_ping=True, pool_size=5, max_overflow=5)
+
+
+def _create_sqlite_file(path: Path) -> None:
+    """``path`` as an empty file 0600 when missing (SQLite makes its -wal and -shm files with
+    the same mode), so the database is never readable by others, whatever the umask."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as exc:
+        raise DatabaseError(f"cannot create {path.parent}: {exc.strerror}") from None
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, DB_FILE_MODE))
+    except FileExistsError:
+        pass  # an existing database keeps its mode: its owner chose it
+    except OSError as exc:
+        raise DatabaseError(f"cannot create {path}: {exc.strerror}") from None

@@ -227,13 +227,18 @@ def _insert(conn: Connection, model: Any, duplicate: str, **values: Any) -> int:
         raise InventoryError(duplicate) from None
 
 
-def dc_id(conn: Connection, name: str) -> int:
+#: what to do about an unknown name that was meant to exist (a removal, a target): look
+LS_NEXT = "`kvctl fleet ls` lists them"
+
+
+def dc_id(conn: Connection, name: str, *, adding: bool = False) -> int:
+    """The DC's id. An unknown name says to add it only where something is being ``adding``
+    into it (a node, a link); elsewhere it is more likely mistyped."""
     found = conn.execute(select(DataCenter.id).where(DataCenter.name == name)).scalar()
     if found is None:
         known = conn.execute(select(DataCenter.name).order_by(DataCenter.name)).scalars().all()
-        raise InventoryError(
-            f"no DC named {name!r} (known: {_known(known)}); add it with `kvctl fleet add-dc`"
-        )
+        next_step = "add it with `kvctl fleet add-dc`" if adding else LS_NEXT
+        raise InventoryError(f"no DC named {name!r} (known: {_known(known)}); {next_step}")
     return found
 
 
@@ -247,9 +252,7 @@ def node_by_name(conn: Connection, name: str) -> NodeInfo:
     row = conn.execute(_node_query().where(Node.name == name)).first()
     if row is None:
         known = conn.execute(select(Node.name).order_by(Node.name)).scalars().all()
-        raise InventoryError(
-            f"no node named {name!r} (known: {_known(known)}); add it with `kvctl fleet add-node`"
-        )
+        raise InventoryError(f"no node named {name!r} (known: {_known(known)}); {LS_NEXT}")
     return NodeInfo(*row)
 
 
@@ -343,7 +346,7 @@ def add_node(
 ) -> int:
     fields = {"agent_url": agent_url, "gpu_model": gpu_model, "engine_url": engine_url}
     _check(name_problem(name, "node"), *_node_field_problems(fields))
-    dc_key = dc_id(conn, dc)
+    dc_key = dc_id(conn, dc, adding=True)
     return _insert(
         conn,
         Node,
@@ -361,7 +364,7 @@ def add_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -> i
     if dc_a == dc_b:
         raise InventoryError("a link joins two different DCs")
     _check(distance_problem(distance_km))
-    a, b = sorted((dc_id(conn, dc_a), dc_id(conn, dc_b)))
+    a, b = sorted((dc_id(conn, dc_a, adding=True), dc_id(conn, dc_b, adding=True)))
     return _insert(
         conn,
         Link,
@@ -392,7 +395,7 @@ def update_node(conn: Connection, name: str, **fields: Any) -> None:
     node = node_by_name(conn, name)
     values = dict(fields)
     if "dc" in values:
-        values["dc_id"] = dc_id(conn, values.pop("dc"))
+        values["dc_id"] = dc_id(conn, values.pop("dc"), adding=True)
     if values:
         conn.execute(update(Node).where(Node.id == node.id).values(**values))
 

@@ -53,18 +53,21 @@ def downgrade(engine: Engine, target: str) -> None:
     _run(engine, "downgrade", target)
 
 
-def open_db(url: str | None = None, *, auto_upgrade: bool | None = None) -> Engine:
+def open_db(
+    url: str | None = None, *, auto_upgrade: bool | None = None, create: bool = True
+) -> Engine:
     """An engine on a database at the current schema.
 
     SQLite upgrades itself (it is local and single-owner); PostgreSQL is shared by several
     collectors and the dashboard, so its schema changes only on `kvctl db upgrade` unless
-    ``auto_upgrade`` says otherwise.
+    ``auto_upgrade`` says otherwise. A missing SQLite file is created (0600) only with
+    ``create``: a reader pointed at a mistyped path gets :class:`NoDatabase` instead.
     """
     from sqlalchemy.exc import OperationalError
 
     from kvctl.db.engine import DatabaseError, create_db_engine, display_url, resolve_url
 
-    engine = create_db_engine(resolve_url(url))
+    engine = create_db_engine(resolve_url(url), create=create)
     try:
         current = current_revision(engine)
     except OperationalError as exc:

@@ -9,6 +9,7 @@ from typing import Any, Final
 
 from sqlalchemy.engine import Engine
 
+from kvctl.agent.settings import tier_size_problem
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import InvalidArgument
@@ -77,7 +78,10 @@ class ActionRequest:
         if self.action == "resize":
             if self.size is None:
                 raise InvalidArgument("resize needs a size")
-            parse_size(self.size)  # a bad size fails here, before any agent is asked
+            # a bad size fails here, before any agent is asked; so does one no agent takes
+            problem = tier_size_problem(self.tier or "", parse_size(self.size))
+            if problem:
+                raise InvalidArgument(problem)
 
     def call(self, client: AgentClient) -> dict[str, Any]:
         a = self.action
@@ -124,6 +128,39 @@ class ActionReport:
     @property
     def ok(self) -> bool:
         return not self.failed
+
+    def missing_notes(self) -> list[str]:
+        """One line per node where chunks a keyed action named are not cached there: the
+        action succeeded (exit 0, as documented) but did nothing for them, which a script would
+        not see in "ok"."""
+        chunks = self.request.chunks
+        if chunks is None:
+            return []
+        action = self.request.action
+        notes = []
+        for r in self.results:
+            v = r.value or {}
+            if not r.ok:
+                continue
+            missing, keys = int(v.get("missing", 0)), int(v.get("keys", 0))
+            where = f"kvctl lookup --node {r.node.name}"
+            if chunks.tokens is not None and keys == 0:
+                notes.append(
+                    f"{r.node.name}: the prompt makes no full chunk there: nothing to {action}; "
+                    f"`{where} --text ...` shows its chunks"
+                )
+            elif missing:
+                shows = (
+                    f"`{where} --text ...` shows what is"
+                    if chunks.tokens is not None
+                    else f"the keys may be another model's: `{where} --text ...` shows the "
+                    "keys it has for a prompt"
+                )
+                notes.append(
+                    f"{r.node.name}: {missing} of {keys} chunk(s) not cached there: nothing to "
+                    f"{action} for them; {shows}"
+                )
+        return notes
 
     def as_dict(self) -> dict[str, Any]:
         return {

@@ -16,12 +16,16 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from kvctl.db.models import Audit
+from kvctl.errors import InvalidArgument
 
 #: argument names whose values never reach the audit table: ``token``, ``agent_token``,
 #: ``db_password``... (not ``tokens``, a prompt's token count)
 _SECRET_NAME = re.compile(r"(^|_)(token|password|passwd|secret|api_key|credentials?)$", re.I)
 #: results longer than this are cut (a fan-out over hundreds of nodes stays one row per node)
 MAX_RESULT_CHARS = 4000
+#: the inventory's changes (`kvctl fleet ...`) as the trail names them; the control actions are
+#: ``kvctl.fleet.actions.ACTIONS``
+INVENTORY_ACTIONS = ("fleet.add-dc", "fleet.add-node", "fleet.add-link", "fleet.rm", "fleet.import")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,21 @@ def record(
         )
         .returning(Audit.id)
     ).scalar_one()
+
+
+def check_action(conn: Connection, action: str) -> None:
+    """Refuse a filter that no action kvctl records (nor any row recorded) could match: a typo
+    would otherwise read as an empty trail. ``fleet.`` (ending in a dot) is a prefix."""
+    from kvctl.fleet.actions import ACTIONS  # that module records through this one
+
+    a = Audit.__table__.c
+    known = {*ACTIONS, *INVENTORY_ACTIONS, *conn.execute(select(a.action).distinct()).scalars()}
+    if action in known or (action.endswith(".") and any(k.startswith(action) for k in known)):
+        return
+    raise InvalidArgument(
+        f"unknown action {action!r}; one of {', '.join(sorted(known))}, or a prefix ending in "
+        "'.' such as 'fleet.'"
+    )
 
 
 def recent(

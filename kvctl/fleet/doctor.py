@@ -598,8 +598,8 @@ def database_checks(
                 "database",
                 WARN,
                 f"no database yet at {path}",
-                "add the fleet with `kvctl fleet add-node ...` or `kvctl fleet import FILE` "
-                f"(creates it), or {DB_FIX}",
+                "create it with the fleet's first DC, `kvctl fleet add-dc NAME`, or with "
+                f"`kvctl fleet import FILE`, or {DB_FIX}",
             )
             return [missing, *local_disk], _skip_agents("no database yet, so no inventory")
     try:

@@ -17,7 +17,7 @@ from kvctl.db.models import NodeSample
 from kvctl.fleet.fanout import NodeResult, fan_out
 from kvctl.ratios import HitCounts
 from kvctl.wire.reports import AgentStats
-from kvctl.wire.stats import cache_counters
+from kvctl.wire.stats import hit_counts
 
 
 @dataclass(slots=True)
@@ -112,7 +112,6 @@ class FleetStatus:
 
 def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
     """A node's status from its agent's ``/v1/stats``."""
-    whole = cache_counters(stats)["all"]
     tiers = {
         name: TierUse(int(u.get("used_bytes", 0)), int(u.get("capacity_bytes", 0)))
         for name, u in stats.get("usage", {}).items()
@@ -123,12 +122,7 @@ def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
         node.dc,
         node.agent_url,
         True,
-        counts=HitCounts(
-            int(whole["lookups"]),
-            int(whole["hits"]),
-            int(whole["reuse_hits"]),
-            int(whole["sharing_hits"]),
-        ),
+        counts=hit_counts(stats),
         tiers=tiers,
         uptime_s=None if started_s is None else max(now_ms / 1000 - started_s, 0.0),
         last_seen_ms=now_ms,

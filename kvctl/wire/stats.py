@@ -10,6 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvctl.ratios import HitCounts
+
+#: the node counters every tier also has; a tier's ``lookups`` are the node's (a lookup asks
+#: every tier), so a tier's report leaves them out
+_NODE_ONLY = ("lookups", "lookup_tokens")
+
 
 def cache_counters(stats: Mapping[str, Any]) -> dict[str, dict[str, float]]:
     """Raw cumulative counters per tier, and ``all`` for the node, from ``/v1/stats``."""
@@ -45,3 +51,33 @@ def cache_counters(stats: Mapping[str, Any]) -> dict[str, dict[str, float]]:
         "bytes_written": sum(t["bytes_written"] for t in tiers.values()),
     }
     return out
+
+
+def hit_counts(stats: Mapping[str, Any]) -> HitCounts:
+    """The node's chunk lookups and hits since its agent started, from ``/v1/stats``."""
+    whole = cache_counters(stats)["all"]
+    return HitCounts(
+        int(whole["lookups"]),
+        int(whole["hits"]),
+        int(whole["reuse_hits"]),
+        int(whole["sharing_hits"]),
+    )
+
+
+def agent_figures(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """``/v1/stats`` in the fleet's vocabulary, as `kvctl status` reports a node: counts
+    (``lookups`` and ``hits`` in chunks), every ratio (None before any lookup), each tier's
+    counters, plus ``lookup_requests`` (lookup calls, one per request's prefix) and the
+    eviction policies."""
+    counters = cache_counters(stats)
+    whole = {k: int(v) for k, v in counters.pop("all").items()}
+    return {
+        **whole,
+        **{k: v for k, v in hit_counts(stats).hit_figures().items() if k not in whole},
+        "lookup_requests": int(stats["stats"]["lookups"]),
+        "tiers": {
+            name: {k: int(v) for k, v in tier.items() if k not in _NODE_ONLY}
+            for name, tier in counters.items()
+        },
+        "policies": stats.get("policies") or {},
+    }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,71 @@ def test_a_422_from_the_agent_is_one_readable_line(tmp_path: Path, token_agent: 
     said = _flat(out.output)
     assert "error: 422: name: String should have at least 1 character" in said
     assert "'loc'" not in said and "[{" not in said and START_HINT not in said
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.mark.parametrize("command", ["status", "remote", "stop"])
+@pytest.mark.parametrize("case", ["no such dir", "empty dir", "corrupt record", "dead pid"])
+def test_a_data_dir_with_no_running_agent_is_said_and_no_other_agent_is_asked(
+    tmp_path: Path, token_agent: Agent, command: str, case: str
+) -> None:
+    # another agent listens where this node's config says: it must not answer for the dir
+    listen = token_agent.state.control_url.removeprefix("http://")
+    data_dir = tmp_path / "meant"
+    if case != "no such dir":
+        data_dir.mkdir()
+    if case == "corrupt record":
+        (data_dir / "agent.json").write_text('{"pid": "x"')
+    if case == "dead pid":  # killed: the record stays, and names the other agent's URL
+        record = {"pid": _dead_pid(), "control_url": token_agent.state.control_url}
+        (data_dir / "agent.json").write_text(json.dumps(record))
+    out = _run(tmp_path, "agent", command, "--data-dir", str(data_dir), KVCTL_LISTEN=listen)
+    said = _flat(out.output)
+    if case == "dead pid" and command == "stop":  # nothing to stop, and the dir is the right one
+        assert out.exit_code == 0 and f"no agent is running for {data_dir}" in said
+        return
+    assert out.exit_code == 1, out.output
+    expected = {
+        "no such dir": f"no agent has run from {data_dir}: there is no such directory",
+        "empty dir": f"no agent is running from {data_dir}: it holds no agent.json",
+        "corrupt record": f"{data_dir / 'agent.json'} is not an agent's record",
+        "dead pid": "is not running: it did not stop cleanly",
+    }[case]
+    assert expected in said, said
+    assert f"kvctl agent start --data-dir {data_dir} --detach" in said
+    assert "token" not in said and "up" not in said.split()
+    assert not (case == "no such dir" and data_dir.exists())  # nothing created
+
+
+def test_status_json_of_a_data_dir_with_no_agent_reports_it_down(
+    tmp_path: Path, token_agent: Agent
+) -> None:
+    listen = token_agent.state.control_url.removeprefix("http://")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = _run(tmp_path, "agent", "status", "--data-dir", str(empty), "--json", KVCTL_LISTEN=listen)
+    assert out.exit_code == 1
+    report = json.loads(out.stdout)
+    assert report["up"] is False and report["control_url"] is None
+    assert "no agent is running from" in report["error"]
+
+
+def test_the_down_hint_says_what_to_check_not_to_run_itself(tmp_path: Path) -> None:
+    down = f"http://127.0.0.1:{closed_port()}"
+    out = _run(tmp_path, "agent", "status", "--url", down)
+    assert out.exit_code == 1
+    said = _flat(out.output)
+    assert said.startswith("down: cannot reach the agent at")
+    assert "kvctl agent status" not in said  # what was just run
+    assert "kvctl agent config --show" in said and "agent.log" in said and START_HINT in said
+
+
+def test_log_level_has_help(tmp_path: Path) -> None:
+    out = _run(tmp_path, "agent", "start", "--help")
+    said = _flat(out.output)
+    assert "--log-level" in said and "debug, info, warning or error" in said

@@ -489,6 +489,9 @@ def test_collect_once_cli(sqlite_url: str, tmp_path: Path) -> None:
 
 
 def test_collect_with_an_empty_inventory_says_what_to_do(sqlite_url: str) -> None:
+    from kvctl.db.migrate import open_db
+
+    open_db(sqlite_url).dispose()  # an inventory with no nodes (a missing one is its own error)
     result = CliRunner().invoke(app, ["collect", "--once", "--db", sqlite_url])
     assert result.exit_code == 2
     assert "no nodes" in result.output and "kvctl fleet add-node" in result.output

@@ -44,6 +44,9 @@ def test_passwords_are_masked(pg_url: str) -> None:
 
 
 def test_maintain_on_an_empty_database(sqlite_url: str) -> None:
+    missing = runner.invoke(app, ["db", "maintain", "--json", "--db", sqlite_url])
+    assert missing.exit_code == 2 and "no fleet database at" in missing.output  # none made
+    assert runner.invoke(app, ["db", "upgrade", "--db", sqlite_url]).exit_code == 0
     result = runner.invoke(app, ["db", "maintain", "--json", "--db", sqlite_url])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == {"rolled_up": {}, "deleted": {}}

@@ -170,7 +170,8 @@ def test_bad_input_is_one_clear_line_and_exit_2(url: str, db: Engine) -> None:
             "engine URL must be http:// or https://",
         ("add-link", "fra", "fra", "--distance-km", "1"): "a link joins two different DCs",
         ("add-link", "fra", "zzz", "--distance-km", "1"): "no DC named 'zzz'",
-        ("rm", "node", "ghost"): "no node named 'ghost' (known: none); add it with",
+        ("rm", "node", "ghost"): "no node named 'ghost' (known: none); `kvctl fleet ls` lists",
+        ("rm", "dc", "ghost"): "no DC named 'ghost' (known: fra); `kvctl fleet ls` lists them",
         ("rm", "link", "fra"): "`kvctl fleet rm link` takes DC_A DC_B, got 1 name(s)",
         ("rm", "node", "a", "--with-nodes"): "--with-nodes only applies to `kvctl fleet rm dc`",
     }  # fmt: skip
@@ -436,3 +437,69 @@ def test_prune_removes_only_what_the_operator_agreed_to(
     out = fleet(url, "import", str(wanted), "--prune", code=2)
     assert "changed while you were asked" in flat(out.output)
     assert sorted(n["name"] for n in inventory(url)["nodes"]) == ["new", "old"]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["status"],
+        ["top", "--json"],
+        ["fleet", "ls"],
+        ["fleet", "export"],
+        ["fleet", "rm", "node", "n1"],
+        ["audit"],
+        ["lookup", "--all", "--text", "hello"],
+        ["pin", "--all", "--yes", "--key", "00" * 16],
+        ["collect", "--once"],
+        ["db", "maintain"],
+    ],
+    ids=" ".join,
+)
+def test_a_reader_pointed_at_no_database_says_so_and_creates_nothing(
+    tmp_path: Path, command: list[str]
+) -> None:
+    path = tmp_path / "nodb" / "x.db"  # a mistyped --db
+    out = runner.invoke(app, [*command, "--db", f"sqlite:///{path}"])
+    assert out.exit_code == 2, out.output
+    said = flat(out.output)
+    assert f"no fleet database at {path}; create one with `kvctl fleet add-dc NAME`" in said
+    assert not path.parent.exists()
+
+
+def test_db_current_shows_a_missing_database_without_creating_it(tmp_path: Path) -> None:
+    path = tmp_path / "nodb" / "x.db"
+    out = runner.invoke(app, ["db", "current", "--db", f"sqlite:///{path}", "--json"])
+    assert out.exit_code == 1  # behind, as an empty one is
+    doc = json.loads(out.stdout)
+    assert doc["exists"] is False and doc["current"] is None
+    assert not path.parent.exists()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["fleet", "add-dc", "fra"], ["fleet", "import", "FILE"], ["db", "upgrade"]],
+    ids=" ".join,
+)
+def test_a_writer_creates_the_database_for_its_owner_only(
+    tmp_path: Path, command: list[str]
+) -> None:
+    import os
+    import stat
+
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(FLEET_TOML)
+    path = tmp_path / "new" / "x.db"
+    args = [str(fleet_file) if a == "FILE" else a for a in command]
+    old_umask = os.umask(0o022)  # the usual one: files 0644 unless made otherwise
+    try:
+        out = runner.invoke(app, [*args, "--db", f"sqlite:///{path}"])
+    finally:
+        os.umask(old_umask)
+    assert out.exit_code == 0, out.output
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    for extra in (path.with_name("x.db-wal"), path.with_name("x.db-shm")):
+        if extra.exists():  # SQLite makes them with the database's mode
+            assert stat.S_IMODE(extra.stat().st_mode) == 0o600
+    ls = runner.invoke(app, ["fleet", "ls", "--db", f"sqlite:///{path}"])
+    assert ls.exit_code == 0, ls.output

@@ -248,7 +248,20 @@ def test_tier_actions_move_prefetch_flush_resize(fleet: str, db: Engine, agents:
         (["pin", "-n", "gpu-a"], "name the chunks"),
         (["evict", "--key", "00" * 16], "name the targets"),
         (["evict", "-n", "nope", "--key", "00" * 16], "no node named 'nope'"),
-        (["evict", "--dc", "nowhere", "--key", "00" * 16], "no DC named 'nowhere'"),
+        # a target that is not there is looked up, not added
+        (
+            ["unpin", "--dc", "nowhere", "--key", "00" * 16],
+            "no DC named 'nowhere' (known: ams, fra); `kvctl fleet ls` lists them",
+        ),
+        (["evict", "-n", "nope", "--key", "00" * 16], "`kvctl fleet ls` lists them"),
+        # the rule of `kvctl agent start --cpu`: every agent has a cpu tier
+        (
+            ["resize", "-n", "gpu-a", "--tier", "cpu", "--size", "0"],
+            "the cpu tier cannot be 0 bytes",
+        ),
+        (["resize", "-n", "gpu-a", "--tier", "cpu", "--size", "0GiB"], "kvctl flush --tier cpu"),
+        (["audit", "--action", "nosuch"], "unknown action 'nosuch'; one of evict, fleet.add-dc"),
+        (["audit", "--action", "pinn"], "or a prefix ending in '.' such as 'fleet.'"),
         (["lookup", "-n", "gpu-a"], "give the prompt"),
         # bytes.fromhex takes spaces between digits; the agents do not
         (["evict", "-n", "gpu-a", "--key", "7e " * 15 + "7e"], "32 hex characters"),
@@ -265,6 +278,79 @@ def test_bad_input_is_refused_before_any_agent_is_asked(
     assert message in said and "Traceback" not in said
     with db.connect() as conn:
         assert conn.execute(select(func.count()).select_from(Audit)).scalar() == 0
+
+
+def test_a_resize_no_host_can_map_says_sizes_in_human_units(fleet: str, agents: Any) -> None:
+    out = _run("resize", "--db", fleet, "-n", "gpu-a", "--tier", "cpu", "--size", "4194304TiB")
+    assert out.exit_code == 1
+    said = " ".join(out.output.split())
+    assert "cannot reserve 4,194,304 TiB" in said or "cannot map 4,194,304 TiB" in said, said
+    assert str(4194304 << 40) not in said
+
+
+def test_a_keyed_action_on_chunks_not_cached_says_so_under_the_table(
+    fleet: str, agents: Any
+) -> None:
+    a, _ = agents
+    # prompts of their own: other tests' start with PROMPT, so share its two chunks
+    text = " ".join(f"never{i}" for i in range(600))
+    stored = " ".join(f"missing{i}" for i in range(600))
+    keys = [*_store(a, stored)[:1], bytes(16)]
+    pin = _run("pin", "--db", fleet, "-n", "gpu-a", "--text", text, "--tier", "cpu")
+    assert pin.exit_code == 0, pin.output  # as documented: the action ran
+    assert (
+        "gpu-a: 2 of 2 chunk(s) not cached there: nothing to pin for them; "
+        "`kvctl lookup --node gpu-a --text ...` shows what is"
+    ) in pin.stderr
+    cached = _run("prefetch", "--db", fleet, "-n", "gpu-a", "--text", stored)
+    assert cached.exit_code == 0 and "not cached" not in cached.stderr
+    key_args = [arg for k in keys for arg in ("--key", k.hex())]
+    evict = _run("evict", "--db", fleet, "-n", "gpu-a", "-n", "gpu-b", *key_args)
+    assert evict.exit_code == 0, evict.output
+    notes = [ln for ln in evict.stderr.splitlines() if "not cached there" in ln]
+    assert [n.split(":")[0] for n in notes] == ["gpu-a", "gpu-b"]  # one line per node
+    assert "gpu-a: 1 of 2 chunk(s)" in notes[0] and "gpu-b: 2 of 2 chunk(s)" in notes[1]
+    assert "the keys may be another model's" in notes[0]
+    short = _run("move", "--db", fleet, "-n", "gpu-a", "--to", "disk", "--text", "too short")
+    assert "gpu-a: the prompt makes no full chunk there: nothing to move" in short.stderr
+    # --json already says it: `missing` of `keys` per node, nothing on stderr to parse around
+    doc = json.loads(_run("unpin", "--db", fleet, "-n", "gpu-a", "--text", text, "--json").stdout)
+    assert doc["nodes"][0]["result"]["missing"] == doc["nodes"][0]["result"]["keys"] == 2
+
+
+def test_agent_status_counts_as_kvctl_status_does(
+    db: Engine, empty_db_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    root = tmp_path_factory.mktemp("vocabulary")
+    with running_agent(root / "c", "--name", "gpu-c", "--cpu", "8MiB", "--disk", "0") as c:
+        with db.begin() as conn:
+            add_dc(conn, "fra")
+            add_node(conn, "gpu-c", dc="fra", agent_url=c.state.control_url)
+        url = c.state.control_url
+
+        def both() -> tuple[dict[str, Any], dict[str, Any], str]:
+            agent = _run("agent", "status", "--url", url, "--json")
+            fleet = _run("status", "--db", empty_db_url, "--json")
+            assert agent.exit_code == fleet.exit_code == 0, agent.output + fleet.output
+            table = _run("agent", "status", "--url", url).output
+            return json.loads(agent.stdout), json.loads(fleet.stdout)["nodes"][0], table
+
+        agent, node, table = both()  # no lookup yet: no ratio, N/A, as `kvctl status` says
+        assert agent["lookups"] == 0 and agent["hit_ratio"] is None and node["hit_ratio"] is None
+        assert "hit ratio N/A" in " ".join(table.split())
+        keys = [bytes([i]) * 16 for i in range(5)]
+        with c.data() as d:
+            for k in keys:
+                d.put(k, b"x" * CHUNK_BYTES)
+            d.lookup(keys)
+            d.lookup(keys)
+        agent, node, table = both()
+        for name in ("lookups", "hits", "reuse_hits", "sharing_hits", "hit_ratio",
+                     "reuse_share_of_hits", "sharing_share_of_hits"):  # fmt: skip
+            assert agent[name] == node[name], name
+        assert (agent["lookups"], agent["hits"], agent["lookup_requests"]) == (10, 10, 2)
+        assert "hit_chunks" not in json.dumps(agent) and "stats" not in agent
+        assert "lookups 10 chunks in 2 requests hits 10 hit ratio 100.0%" in " ".join(table.split())
 
 
 def test_status_and_audit_in_a_real_subprocess(

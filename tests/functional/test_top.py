@@ -502,8 +502,13 @@ def test_top_json_prints_two_polls_worth(fleet: tuple[Engine, dict[str, Agent]])
 
 
 def test_top_refuses_bad_input_clearly(tmp_path: Path) -> None:
+    from kvctl.db.migrate import open_db
+
+    missing = f"sqlite:///{tmp_path / 'none.db'}"
     url = f"sqlite:///{tmp_path / 'm.db'}"
+    open_db(url).dispose()  # an empty inventory
     cases = [
+        (["top", "--db", missing], "no fleet database at"),
         (["top", "--db", url, "--dc", "nowhere"], "no DC named"),
         (["top", "--db", url], "no nodes"),
         (["top", "--agent", "ftp://x"], "not an agent URL"),

@@ -70,9 +70,20 @@ def test_resize_cpu_beyond_what_memory_can_map_is_409_and_keeps_chunks(
     before = runtime.store.usage()
     # 4 EiB: more than any address space maps, so the new arena cannot be made
     r = client.post("/v1/resize", json={"tier": "cpu", "capacity": 2**62})
-    _assert_error(r, 409, "cpu", str(2**62), "keeps its capacity")
+    _assert_error(r, 409, "cpu", "4,194,304 TiB", "keeps its capacity of 16 KiB")
     assert runtime.store.usage() == before
     assert all(runtime.store.get(k, tenant="a") == bytes([k[0]]) * CHUNK for k in keys)
+
+
+@pytest.mark.parametrize("capacity", [0, "0", "0GiB"])
+def test_resize_cpu_to_zero_is_400_as_agent_start_refuses_it(
+    client: TestClient, runtime: AgentRuntime, capacity: int | str
+) -> None:
+    put_prompt(runtime, tokens(2))
+    before = runtime.store.usage()
+    r = client.post("/v1/resize", json={"tier": "cpu", "capacity": capacity})
+    _assert_error(r, 400, "the cpu tier cannot be 0 bytes", "kvctl flush --tier cpu")
+    assert runtime.store.usage() == before  # nothing moved out
 
 
 @pytest.mark.parametrize("capacity", [True, False], ids=["true", "false"])

@@ -36,7 +36,8 @@ def test_percent_long_and_compact() -> None:
         (34 << 20, "34 MiB", "34M"),
         (1020 << 20, "0.996 GiB", "1.0G"),
         (5.6 * (1 << 30), "5.6 GiB", "5.6G"),
-        (3 << 50, "3.07e+03 TiB", "3072T"),
+        (3 << 50, "3,072 TiB", "3072T"),
+        (1000 << 40, "1,000 TiB", "1000T"),
     ],
 )
 def test_bytes(n: float, long: str, compact: str) -> None:

@@ -17,6 +17,7 @@ from typing import Protocol, TypeVar
 
 import numpy as np
 
+from kvctl.format import format_bytes
 from kvctl.store.errors import CapacityError, CorruptChunk, InvalidArgument, PayloadSizeError
 from kvctl.store.keys import KEY_BYTES
 
@@ -316,8 +317,8 @@ def check_resize(tier: Tier, capacity_bytes: int) -> None:
     check_capacity(capacity_bytes, f"{tier.name} capacity")
     if tier.resident_bytes > capacity_bytes:
         raise CapacityError(
-            f"tier {tier.name!r} holds {tier.resident_bytes} bytes; evict before shrinking to "
-            f"{capacity_bytes}"
+            f"tier {tier.name!r} holds {format_bytes(tier.resident_bytes)}; evict before "
+            f"shrinking to {format_bytes(capacity_bytes)}"
         )
 
 

@@ -41,6 +41,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvctl.format import format_bytes
 from kvctl.store.errors import (
     CapacityError,
     InvalidArgument,
@@ -369,8 +370,8 @@ class CpuTier(Tier):
                 raise
             # the new arena is mapped whole before anything moves: the tier is as it was
             raise CapacityError(
-                f"tier {self.name!r} cannot map {capacity_bytes} bytes ({exc}); it keeps its "
-                f"capacity of {self.capacity_bytes} bytes"
+                f"tier {self.name!r} cannot map {format_bytes(capacity_bytes)} ({exc}); it keeps "
+                f"its capacity of {format_bytes(self.capacity_bytes)}"
             ) from exc
 
     # --- a resize copied without the store's lock (ResizePlan) ----------------------------
@@ -843,8 +844,8 @@ def _new_arena(
         os.close(fd)
         if exc.errno in (errno.ENOSPC, errno.ENOMEM):
             raise CapacityError(
-                f"cannot reserve {capacity_bytes} bytes of shared memory for tier {name!r}: "
-                f"{exc.strerror}; lower its size or free memory"
+                f"cannot reserve {format_bytes(capacity_bytes)} of shared memory for tier "
+                f"{name!r}: {exc.strerror}; lower its size or free memory"
             ) from exc
         raise
     except BaseException:

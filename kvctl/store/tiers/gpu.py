@@ -41,6 +41,7 @@ import re
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from kvctl.format import format_bytes
 from kvctl.store.errors import (
     CapacityError,
     CorruptChunk,
@@ -483,8 +484,9 @@ class GpuTier(Tier):
         except torch.cuda.OutOfMemoryError as exc:
             free_bytes, total_bytes = torch.cuda.mem_get_info(self._dev)
             raise CapacityError(
-                f"cannot reserve {capacity_bytes} bytes of GPU memory on {self.device} for tier "
-                f"{self.name!r}: {free_bytes} of {total_bytes} bytes free; lower its size"
+                f"cannot reserve {format_bytes(capacity_bytes)} of GPU memory on {self.device} "
+                f"for tier {self.name!r}: {format_bytes(free_bytes)} of "
+                f"{format_bytes(total_bytes)} free; lower its size"
             ) from exc
 
     def _device_call(self, fn: Callable[..., None], *args: object) -> None:
