@@ -3,6 +3,7 @@ page (or a status and body of the test's choosing), and a port that hangs up wit
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import socket
 import threading
@@ -27,9 +28,9 @@ class _Html(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def web_page_url() -> Iterator[str]:
-    """The URL of a loopback web server that answers everything with a web page."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Html)
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """The URL of a loopback HTTP server running ``handler`` on its own thread until exit."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -38,8 +39,14 @@ def web_page_url() -> Iterator[str]:
         server.server_close()
 
 
-@contextmanager
-def answering_url(status: int, body: bytes, content_type: str = "text/html") -> Iterator[str]:
+def web_page_url() -> contextlib.AbstractContextManager[str]:
+    """The URL of a loopback web server that answers everything with a web page."""
+    return serving(_Html)
+
+
+def answering_url(
+    status: int, body: bytes, content_type: str = "text/html"
+) -> contextlib.AbstractContextManager[str]:
     """The URL of a loopback web server that answers every GET or POST with ``status`` and
     ``body``."""
 
@@ -53,13 +60,7 @@ def answering_url(status: int, body: bytes, content_type: str = "text/html") -> 
 
         do_GET = do_POST = _html
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answer)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    return serving(_Answer)
 
 
 @contextmanager

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,7 +18,7 @@ from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
 from kvctl.index.follower import Follower, Followers
 from kvctl.index.model import EmbeddedIndex, Holding
-from tests.not_an_agent import web_page_url
+from tests.not_an_agent import serving, web_page_url
 
 K1, K2, K3 = (bytes([i]) * 16 for i in (1, 2, 3))
 
@@ -64,14 +63,8 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
 
 @contextmanager
 def scripted(script: dict[str, Any]) -> Iterator[str]:
-    handler = type("Scripted", (_Scripted,), {"script": script})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(type("Scripted", (_Scripted,), {"script": script})) as url:
+        yield url
 
 
 @pytest.mark.parametrize(
