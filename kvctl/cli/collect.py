@@ -137,7 +137,9 @@ def collect_command(
         router_token=router_token(router_token_file) if routers else None,
         emulate_power=emulation,
     )
-    engine = open_engine(db)
+    # routers' rows need no inventory, so a database is made for them; nodes come from the
+    # inventory, which a mistyped --db would not find (and must not create empty)
+    engine = open_engine(db, create=bool(routers))
     try:
         collector = Collector(engine, config)
     except ValueError as exc:  # a router URL the database cannot key
