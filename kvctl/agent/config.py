@@ -591,7 +591,15 @@ _SETTINGS: tuple[_Setting, ...] = (
     _Setting("gpu", "gpu", _choice("GPU profile", GPUS), "h100", "KVCTL_GPU"),
     _Setting("remote_token", "remote_token", _token, "<the pool's token>", "KVCTL_REMOTE_TOKEN"),
     _Setting("index_url", "index_url", _index_url, "http://10.0.0.9:7400", "KVCTL_INDEX_URL"),
-    _Setting("index_token", "index_token", _token, "<the router's token>", "KVCTL_INDEX_TOKEN"),
+    _Setting(
+        "index_token",
+        "index_token",
+        _token,
+        "<the router's token>",
+        "KVCTL_INDEX_TOKEN",
+        # read from a file: a value on the command line is in every process listing
+        flag="--index-token-file",
+    ),
     _Setting(
         "index_timeout_seconds",
         "index_timeout_seconds",

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from kvctl.agent.systemd import DEFAULT_CONFIG, DEFAULT_UNIT_DIR
-from kvctl.cli.options import JsonOpt, bundled
+from kvctl.cli.options import JsonOpt, bundled, read_secret_file
 from kvctl.cli.output import console, err_console, fail, print_json
 
 if TYPE_CHECKING:
@@ -150,9 +150,14 @@ class StartFlags:
             "names, every peer when it does not answer. Peers must be named as in the fleet."
         ),
     ] = None
-    index_token: Annotated[
-        str | None,
-        typer.Option(help="The router's token (default: the remote token, else the agent's)."),
+    index_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the router's token, first line (default: $KVCTL_INDEX_TOKEN or "
+            "index_token in the config, else the remote token, else the agent's). Never the "
+            "token itself on the command line: every process listing shows it.",
+            show_default=False,
+        ),
     ] = None
     gpu: Annotated[
         str | None,
@@ -173,6 +178,10 @@ class StartFlags:
     def as_flags(self) -> dict[str, object]:
         """The flags for the config's flag layer; a repeatable flag not given is unset."""
         flags: dict[str, object] = {f.name: getattr(self, f.name) for f in fields(self)}
+        token_file = flags.pop("index_token_file")
+        flags["index_token"] = None  # a secret is never a flag's value: ps shows those
+        if token_file is not None:
+            flags["index_token"] = read_secret_file(Path(str(token_file)), "--index-token-file")
         return flags | {"peers": self.peers or None, "links": self.links or None}
 
 

@@ -112,6 +112,14 @@ def read_option_file(path: Path, what: str = "", *, stdin: bool = False) -> str:
         fail(str(exc))
 
 
+def read_secret_file(path: Path, what: str = "the token file") -> str:
+    """A secret from the first line of the file an option names; an empty file exits 2."""
+    text = read_option_file(path, what).strip()
+    if not text:
+        fail(f"{what} {path} is empty")
+    return text.splitlines()[0].strip()
+
+
 def prompt_tokens(text: str | None, tokens: Path | None, tokenizer: str) -> list[int] | None:
     """Token ids from --text or --tokens; None when neither is given, an error when both are."""
     from kvctl.tokenize import read_token_file, tokenize

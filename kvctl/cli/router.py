@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.cli.extras import needs_extra
-from kvctl.cli.options import DbOpt, JsonOpt, bundled, read_option_file
+from kvctl.cli.options import DbOpt, JsonOpt, bundled, read_option_file, read_secret_file
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 
 if TYPE_CHECKING:
@@ -55,10 +55,7 @@ def router_token(token_file: Path | None) -> str | None:
     """The router's token: the file's first line, else $KVCTL_ROUTER_TOKEN, else none."""
     if token_file is None:
         return os.environ.get(ROUTER_TOKEN_ENV) or None
-    text = read_option_file(token_file, "the token file").strip()
-    if not text:
-        fail(f"the token file {token_file} is empty")
-    return text.splitlines()[0].strip()
+    return read_secret_file(token_file)
 
 
 def _router_url(url: str | None) -> str:

@@ -226,3 +226,22 @@ def test_log_level_has_help(tmp_path: Path) -> None:
     out = _run(tmp_path, "agent", "start", "--help")
     said = _flat(out.output)
     assert "--log-level" in said and "debug, info, warning or error" in said
+
+
+def test_the_index_token_comes_from_a_file_never_the_command_line(tmp_path: Path) -> None:
+    """A token given as a flag's value is in every process listing: only a file is taken."""
+    from kvctl.cli.agent import StartFlags
+
+    token_file = tmp_path / "index.token"
+    token_file.write_text("r0uter-s3cret\nignored\n")
+    assert StartFlags(index_token_file=token_file).as_flags()["index_token"] == "r0uter-s3cret"
+    assert StartFlags().as_flags()["index_token"] is None
+    (tmp_path / "empty.token").write_text("\n")
+    for bad, said in [(tmp_path / "empty.token", "is empty"), (tmp_path, "is a directory")]:
+        data = str(tmp_path / "a")
+        out = _run(tmp_path, "agent", "start", "--data-dir", data, "--index-token-file", str(bad))
+        assert out.exit_code == 2, out.output
+        assert "--index-token-file" in out.output and said in out.output, out.output
+        assert not (tmp_path / "a" / "agent.json").exists()
+    out = _run(tmp_path, "agent", "start", "--index-token", "s3cret")
+    assert out.exit_code == 2 and "No such option" in out.output, out.output

@@ -521,15 +521,20 @@ def test_tilde_in_paths_uses_home_from_env(config: Path) -> None:
     assert loaded.settings.data_dir == "/home/ops/kv"
 
 
-def test_index_settings_from_start_flags(env: dict[str, str]) -> None:
+def test_index_settings_from_start_flags(env: dict[str, str], tmp_path: Path) -> None:
     from kvctl.cli.agent import StartFlags
 
+    token_file = tmp_path / "index.token"
+    token_file.write_text("s3cret\n")
     flags = StartFlags(
-        peers=["fra-2=127.0.0.1:7071"], index_url="http://127.0.0.1:9480", index_token="s3cret"
+        peers=["fra-2=127.0.0.1:7071"],
+        index_url="http://127.0.0.1:9480",
+        index_token_file=token_file,
     ).as_flags()
     loaded = load_settings(env=env, flags=flags)
     assert loaded.settings.index_url == "http://127.0.0.1:9480"
     assert loaded.sources["index_url"] == "flag:--index-url"
     assert loaded.settings.index_token == "s3cret"
+    assert loaded.sources["index_token"] == "flag:--index-token-file"
     with pytest.raises(ConfigError, match="index_url"):
         load_settings(env=env, flags=StartFlags(index_url="ftp://nowhere").as_flags())
