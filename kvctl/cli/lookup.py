@@ -1,4 +1,5 @@
-"""`kvctl lookup`: which chunks of a prompt are cached, in which tier, on which node."""
+"""`kvctl lookup`: which chunks of a prompt (or a chain of keys) are cached, in which tier, on
+which node."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import typer
 from kvctl.cli.options import (
     DbOpt,
     JsonOpt,
+    KeyOpt,
+    KeysFileOpt,
     Targets,
     TextOpt,
     TimeoutOpt,
     TokenizerOpt,
     TokensOpt,
     bundled,
+    keys_from,
     open_engine,
     prompt_tokens,
 )
@@ -24,6 +28,8 @@ from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 @bundled
 def lookup_command(
     *,
+    key: KeyOpt = None,
+    keys_file: KeysFileOpt = None,
     text: TextOpt = None,
     tokens: TokensOpt = None,
     tokenizer: TokenizerOpt = "simple",
@@ -36,10 +42,12 @@ def lookup_command(
     db: DbOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Show which chunks of a prompt hit, in which tier, on which node.
+    """Show which chunks of a prompt (or a chain of keys) hit, in which tier, on which node.
 
     Each agent computes the prompt's chunk keys for its model; only full chunks are keyed.
-    Read-only: the agents' hit statistics do not count these lookups.
+    With --key/--keys-file the keys are asked as given, in order (a prefix chain: the hit is
+    the longest cached prefix). Read-only: the agents' hit statistics do not count these
+    lookups.
 
     Examples:
 
@@ -48,23 +56,30 @@ def lookup_command(
       kvctl lookup --dc fra --tokens prompt.txt --tenant acme
 
       kvctl lookup --all --tokens - --json < prompt-ids.txt
+
+      kvctl lookup --dc fra --key 3f2a9c0d1e4b5a697887766554433221
     """
     from kvctl.fleet.lookup import lookup_prompt
 
     with user_errors(hint="see `kvctl lookup --help`"):
+        keys = keys_from(key, keys_file)
         ids = prompt_tokens(text, tokens, tokenizer)
-    if ids is None:
-        fail("give the prompt: --text TEXT or --tokens FILE")
+    if bool(keys) == (ids is not None):
+        fail("give the prompt (--text TEXT or --tokens FILE) or its keys (--key, --keys-file)")
     engine = open_engine(db)
     nodes = targets.resolve(engine)
     engine.dispose()
-    found = lookup_prompt(nodes, ids, model=model, tenant=tenant, timeout_s=timeout)
+    found = lookup_prompt(
+        nodes, ids, keys=keys or None, model=model, tenant=tenant, timeout_s=timeout
+    )
+    asked = {"tokens": len(ids)} if ids is not None else {"keys": len(keys)}
     if json_out:
-        print_json({"tokens": len(ids), "nodes": [f.as_dict() for f in found]})
+        print_json({**asked, "nodes": [f.as_dict() for f in found]})
     else:
         from rich.table import Table
 
-        summary = Table(title=f"{len(ids):,} tokens", title_justify="left")
+        title = f"{len(ids):,} tokens" if ids is not None else f"{len(keys):,} keys"
+        summary = Table(title=title, title_justify="left")
         for col in ("node", "dc", "prefix hit", "tokens", "cached anywhere", "error"):
             summary.add_column(col, justify="right" if col in ("tokens",) else "left")
         for f in found:

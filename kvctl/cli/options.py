@@ -180,7 +180,7 @@ class ChunkOptions:
         from kvctl.fleet.actions import ChunkSelection
 
         with user_errors(hint="see --help"):
-            keys = _keys(self.key, self.keys_file)
+            keys = keys_from(self.key, self.keys_file)
             ids = prompt_tokens(self.text, self.tokens, self.tokenizer)
             if bool(keys) == (ids is not None):
                 fail(
@@ -192,7 +192,8 @@ class ChunkOptions:
             return ChunkSelection(keys=tuple(keys))
 
 
-def _keys(key: list[str] | None, keys_file: Path | None) -> list[str]:
+def keys_from(key: list[str] | None, keys_file: Path | None) -> list[str]:
+    """The keys --key and --keys-file name, each checked as strictly as the agents check them."""
     from kvctl.store.keys import KEY_BYTES, is_key_text
 
     # whitespace around a key (a pasted one, a file's line) is dropped, as keys files always were

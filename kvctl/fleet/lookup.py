@@ -44,19 +44,25 @@ class NodeLookup:
 
 def lookup_prompt(
     nodes: Sequence[NodeInfo],
-    tokens: Sequence[int],
+    tokens: Sequence[int] | None = None,
     *,
+    keys: Sequence[str] | None = None,
     model: str | None = None,
     tenant: str = "",
     token: str | None = None,
     timeout_s: float = 5.0,
     on_result: Callable[[NodeResult[dict[str, Any]]], None] | None = None,
 ) -> list[NodeLookup]:
-    """Ask every node at once; a node that does not answer is reported with its error."""
-    ids = list(tokens)
+    """Ask every node at once about a prompt's chunks (``tokens``: each node keys them for its
+    model) or a chain of ``keys`` as given; a node that does not answer is reported with its
+    error."""
+    if (tokens is None) == (keys is None):
+        raise ValueError("give tokens or keys, not both")
+    ids = None if tokens is None else list(tokens)
+    chain = None if keys is None else list(keys)
     results = fan_out(
         nodes,
-        lambda c: c.lookup(tokens=ids, model=model, tenant=tenant, count=False),
+        lambda c: c.lookup(tokens=ids, keys=chain, model=model, tenant=tenant, count=False),
         token=token,
         timeout_s=timeout_s,
         on_result=on_result,

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,7 +113,9 @@ def test_status_shows_up_and_down_nodes_with_totals(fleet: str, db: Engine, agen
     assert [n["node"] for n in only["nodes"]] == ["gpu-down"]
 
 
-def test_lookup_shows_tiers_per_node_and_counts_nothing(fleet: str, agents: Any) -> None:
+def test_lookup_shows_tiers_per_node_and_counts_nothing(
+    fleet: str, agents: Any, tmp_path: Path
+) -> None:
     a, _ = agents
     text = PROMPT + " lookup"
     keys = _store(a, text)
@@ -135,6 +138,26 @@ def test_lookup_shows_tiers_per_node_and_counts_nothing(fleet: str, agents: Any)
     # a node that does not answer: reported, exit 1
     down = _run("lookup", "--db", fleet, "--dc", "ams", "--text", text)
     assert down.exit_code == 1 and "gpu-down" in down.output
+    # by key, as an operator who has keys (from an event or a log) asks: the same answer
+    by_key = _run("lookup", "--db", fleet, "-n", "gpu-a", "--key", keys[0].hex(), "--key",
+                  keys[1].hex(), "--json")  # fmt: skip
+    assert by_key.exit_code == 0, by_key.output
+    chain = json.loads(by_key.stdout)
+    assert chain["keys"] == 2 and "tokens" not in chain
+    (node,) = chain["nodes"]
+    assert [(c["key"], c["tier"]) for c in node["chunks"]] == [
+        (keys[0].hex(), "cpu"),
+        (keys[1].hex(), "disk"),
+    ]
+    assert node["matched_chunks"] == 2
+    keys_file = tmp_path / "chain.keys"
+    keys_file.write_text(f"# the second chunk alone, asked as given\n{keys[1].hex()}\n")
+    alone = _run("lookup", "--db", fleet, "-n", "gpu-a", "--keys-file", str(keys_file))
+    assert alone.exit_code == 0, alone.output
+    assert "1 keys" in alone.output and "1/1" in alone.output and "disk" in alone.output
+    assert a.control().stats()["stats"]["lookup_chunks"] == before
+    both = _run("lookup", "--db", fleet, "-n", "gpu-a", "--text", text, "--key", keys[0].hex())
+    assert both.exit_code == 2 and "give the prompt" in both.output
 
 
 def test_pin_evict_unpin_by_key_on_a_dc_with_audit_rows(
