@@ -451,7 +451,7 @@ class KVLoader:
         ``_target_view``), the others as (start byte, chunk position, count) for the op-by-op
         copy (``_copy_whole``)."""
         item = self.format.dtype.itemsize
-        typed = None if self.cuda else self._typed(src)
+        typed = None if self.cuda else self._typed_source(src)
         views: list[tuple[torch.Tensor, torch.Tensor]] = []
         whole: list[tuple[int, int, int]] = []
         for first, count in runs(offsets, self.format.chunk_bytes, MAX_RUN_BYTES):
@@ -467,7 +467,7 @@ class KVLoader:
                 views.append((source, target))
         return views, whole
 
-    def _typed(self, src: torch.Tensor) -> torch.Tensor | None:
+    def _typed_source(self, src: torch.Tensor) -> torch.Tensor | None:
         """``_typed(src)``, kept for the arena's tensor (the source of nearly every copy)."""
         known = self._arena_typed
         if known is not None and known[0] is src:

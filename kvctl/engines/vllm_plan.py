@@ -714,19 +714,20 @@ class WorkerPlan:
                 leased.append((spec, leases))
             # the loads of each chunk size queued together, layer-major: the first layer's
             # attention waits for every request's first layer, not for whole prefixes
-            by_loader: dict[int, tuple[KVLoader, list[int]]] = {}
+            by_size: dict[int, list[int]] = {}  # one loader per chunk size
             for i, (spec, _) in enumerate(leased):
-                loader = self.loader(self.format(spec.chunk_tokens))
-                by_loader.setdefault(id(loader), (loader, []))[1].append(i)
+                by_size.setdefault(spec.chunk_tokens, []).append(i)
             made: dict[int, _QueuedLoad] = {}
-            for loader, group in by_loader.values():
-                kvs = [loader.alloc(len(leased[i][0].keys)) for i in group]
+            for chunk_tokens, group in by_size.items():
+                loader = self.loader(self.format(chunk_tokens))
                 used.append(loader)
-                loads = [
-                    (leased[i][1], len(leased[i][0].keys), kv)
-                    for i, kv in zip(group, kvs, strict=True)
-                ]
-                for i, kv, copies in zip(group, kvs, queue_leased_many(loads, loader), strict=True):
+                loads = [(leased[i][1], len(leased[i][0].keys)) for i in group]
+                kvs = [loader.alloc(count) for _, count in loads]
+                queued_copies = queue_leased_many(
+                    [(leases, count, kv) for (leases, count), kv in zip(loads, kvs, strict=True)],
+                    loader,
+                )
+                for i, kv, copies in zip(group, kvs, queued_copies, strict=True):
                     if copies is None:  # not reached: every chunk was leased whole above
                         return False
                     spec = leased[i][0]
