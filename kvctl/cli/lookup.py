@@ -18,11 +18,10 @@ from kvctl.cli.options import (
     TokenizerOpt,
     TokensOpt,
     bundled,
-    keys_from,
     open_engine,
-    prompt_tokens,
+    prompt_or_keys,
 )
-from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+from kvctl.cli.output import console, err_console, print_json
 
 
 @bundled
@@ -61,11 +60,7 @@ def lookup_command(
     """
     from kvctl.fleet.lookup import lookup_prompt
 
-    with user_errors(hint="see `kvctl lookup --help`"):
-        keys = keys_from(key, keys_file)
-        ids = prompt_tokens(text, tokens, tokenizer)
-    if bool(keys) == (ids is not None):
-        fail("give the prompt (--text TEXT or --tokens FILE) or its keys (--key, --keys-file)")
+    keys, ids = prompt_or_keys(key, keys_file, text, tokens, tokenizer)
     engine = open_engine(db)
     nodes = targets.resolve(engine)
     engine.dispose()

@@ -179,17 +179,37 @@ class ChunkOptions:
         """The library's selection; a bad key or both ways (or neither) given is a usage error."""
         from kvctl.fleet.actions import ChunkSelection
 
-        with user_errors(hint="see --help"):
-            keys = keys_from(self.key, self.keys_file)
-            ids = prompt_tokens(self.text, self.tokens, self.tokenizer)
-            if bool(keys) == (ids is not None):
-                fail(
-                    "name the chunks one way: --key/--keys-file, or a prompt (--text/--tokens)",
-                    hint="a prompt's keys are computed by each agent for its own model",
-                )
-            if ids is not None:
-                return ChunkSelection(tokens=tuple(ids), model=self.model, tenant=self.tenant)
-            return ChunkSelection(keys=tuple(keys))
+        keys, ids = prompt_or_keys(
+            self.key,
+            self.keys_file,
+            self.text,
+            self.tokens,
+            self.tokenizer,
+            hint="a prompt's keys are computed by each agent for its own model",
+        )
+        if ids is not None:
+            return ChunkSelection(tokens=tuple(ids), model=self.model, tenant=self.tenant)
+        return ChunkSelection(keys=tuple(keys))
+
+
+def prompt_or_keys(
+    key: list[str] | None,
+    keys_file: Path | None,
+    text: str | None,
+    tokens: Path | None,
+    tokenizer: str,
+    *,
+    hint: str = "see --help",
+) -> tuple[list[str], list[int] | None]:
+    """The keys (--key/--keys-file) or the prompt's token ids (--text/--tokens) a command was
+    given: exactly one of the two ways, or a usage error (exit 2)."""
+    with user_errors(hint="see --help"):
+        keys = keys_from(key, keys_file)
+        ids = prompt_tokens(text, tokens, tokenizer)
+    if bool(keys) == (ids is not None):
+        fail("give a prompt (--text TEXT or --tokens FILE) or its keys (--key, --keys-file)",
+             hint=hint)  # fmt: skip
+    return keys, ids
 
 
 def keys_from(key: list[str] | None, keys_file: Path | None) -> list[str]:

@@ -15,7 +15,19 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from kvctl.cli.extras import needs_extra
-from kvctl.cli.options import DbOpt, JsonOpt, bundled, read_option_file, read_secret_file
+from kvctl.cli.options import (
+    DbOpt,
+    JsonOpt,
+    KeyOpt,
+    KeysFileOpt,
+    TextOpt,
+    TokenizerOpt,
+    TokensOpt,
+    bundled,
+    prompt_or_keys,
+    read_option_file,
+    read_secret_file,
+)
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 
 if TYPE_CHECKING:
@@ -555,25 +567,11 @@ def _render_status(report: dict[str, Any]) -> None:
 
 def route_command(
     tenant: Annotated[str, typer.Option("--tenant", help="Tenant the prompt belongs to.")] = "",
-    keys: Annotated[
-        str | None,
-        typer.Option(
-            "--keys", help="The prompt's chunk keys, comma-separated hex.", show_default=False
-        ),
-    ] = None,
-    tokens: Annotated[
-        str | None,
-        typer.Option(
-            "--tokens", help="The prompt's token ids, comma-separated.", show_default=False
-        ),
-    ] = None,
-    text: Annotated[
-        str | None,
-        typer.Option("--text", help="Prompt text, tokenized with --tokenizer.", show_default=False),
-    ] = None,
-    tokenizer: Annotated[
-        str, typer.Option("--tokenizer", help="simple (whitespace words) or bytes (UTF-8).")
-    ] = "simple",
+    key: KeyOpt = None,
+    keys_file: KeysFileOpt = None,
+    text: TextOpt = None,
+    tokens: TokensOpt = None,
+    tokenizer: TokenizerOpt = "simple",
     origin_dc: Annotated[
         str | None,
         typer.Option("--origin-dc", help="DC the request comes from.", show_default=False),
@@ -597,34 +595,21 @@ def route_command(
 
       kvctl route --text "You are a helpful assistant. Summarise ..." --tenant acme
 
-      kvctl route --tokens 1,2,3,4 --origin-dc fra --explain
+      kvctl route --tokens prompt-ids.txt --origin-dc fra --explain
 
-      kvctl route --keys 3f2a...,9b1c... --tenant acme --json
+      echo 1,2,3,4 | kvctl route --tokens - --json
+
+      kvctl route --key 3f2a9c0d1e4b5a697887766554433221 --tenant acme --json
     """
     from kvctl.router.client import RouterClient, RouterClientError
-    from kvctl.tokenize import read_token_file, tokenize
 
-    given = [x is not None for x in (keys, tokens, text)]
-    if sum(given) != 1:
-        fail("name the prompt one way: --keys, --tokens or --text", hint="see --help")
-    key_list: list[str] | None = None
-    ids: list[int] | None = None
-    with user_errors(hint="see --help"):
-        if keys is not None:
-            key_list = [k.strip() for k in keys.split(",") if k.strip()]
-            if not key_list:
-                fail("--keys names no key")
-        elif tokens is not None:
-            ids = read_token_file(tokens)
-        else:
-            assert text is not None
-            ids = tokenize(text, tokenizer)
+    keys, ids = prompt_or_keys(key, keys_file, text, tokens, tokenizer)
     url = _router_url(router)
     try:
         with RouterClient(url, token=router_token(token_file)) as client:
             decision = client.route(
                 tenant=tenant,
-                keys=key_list,
+                keys=keys or None,
                 tokens=ids,
                 origin_dc=origin_dc,
                 policy=policy,

@@ -157,7 +157,7 @@ def test_lookup_shows_tiers_per_node_and_counts_nothing(
     assert "1 keys" in alone.output and "1/1" in alone.output and "disk" in alone.output
     assert a.control().stats()["stats"]["lookup_chunks"] == before
     both = _run("lookup", "--db", fleet, "-n", "gpu-a", "--text", text, "--key", keys[0].hex())
-    assert both.exit_code == 2 and "give the prompt" in both.output
+    assert both.exit_code == 2 and "give a prompt" in both.output
 
 
 def test_pin_evict_unpin_by_key_on_a_dc_with_audit_rows(
@@ -268,7 +268,7 @@ def test_tier_actions_move_prefetch_flush_resize(fleet: str, db: Engine, agents:
     [
         (["resize", "-n", "gpu-a", "--tier", "cpu", "--size", "lots"], "not a size"),
         (["pin", "-n", "gpu-a", "--key", "beef"], "32 hex characters"),
-        (["pin", "-n", "gpu-a"], "name the chunks"),
+        (["pin", "-n", "gpu-a"], "give a prompt"),
         (["evict", "--key", "00" * 16], "name the targets"),
         (["evict", "-n", "nope", "--key", "00" * 16], "no node named 'nope'"),
         # a target that is not there is looked up, not added
@@ -285,7 +285,7 @@ def test_tier_actions_move_prefetch_flush_resize(fleet: str, db: Engine, agents:
         (["resize", "-n", "gpu-a", "--tier", "cpu", "--size", "0GiB"], "kvctl flush --tier cpu"),
         (["audit", "--action", "nosuch"], "unknown action 'nosuch'; one of evict, fleet.add-dc"),
         (["audit", "--action", "pinn"], "or a prefix ending in '.' such as 'fleet.'"),
-        (["lookup", "-n", "gpu-a"], "give the prompt"),
+        (["lookup", "-n", "gpu-a"], "give a prompt"),
         # bytes.fromhex takes spaces between digits; the agents do not
         (["evict", "-n", "gpu-a", "--key", "7e " * 15 + "7e"], "32 hex characters"),
         # disk is every agent's bottom tier: --demote would drop what it promises to keep

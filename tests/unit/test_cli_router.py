@@ -71,18 +71,24 @@ def test_route_by_text_goes_to_the_holder_and_prints_why(served) -> None:  # typ
     assert "360 km of fiber" in out  # the DC link's basis
 
 
-def test_route_by_keys_and_tokens(served) -> None:  # type: ignore[no-untyped-def]
+def test_route_by_keys_and_tokens_as_lookup_takes_them(served, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     url, token_file, router = served
     toks = list(range(3 * CHUNK_TOKENS))
     keys = router.keys_for(toks, tenant="t")
     router.index.apply("b1", stored(keys, tenant="t"))
     base = ["--router", url, "--token-file", str(token_file), "--tenant", "t", "--json"]
-    code, out = run("route", *base, "--keys", ",".join(k.hex() for k in keys))
-    assert code == 0, out
-    assert json.loads(out)["node"] == "b1"
-    code, out = run("route", *base, "--tokens", ",".join(map(str, toks)))
-    assert code == 0, out
-    assert json.loads(out)["node"] == "b1"
+    by_key = [a for k in keys for a in ("--key", k.hex())]
+    keys_file = tmp_path / "keys.txt"
+    keys_file.write_text("".join(k.hex() + "\n" for k in keys))
+    tokens_file = tmp_path / "ids.txt"
+    tokens_file.write_text(",".join(map(str, toks)))
+    for way in (by_key, ["--keys-file", str(keys_file)], ["--tokens", str(tokens_file)]):
+        code, out = run("route", *base, *way)
+        assert code == 0, (way, out)
+        assert json.loads(out)["node"] == "b1", way
+    # two keys: the route is asked for that prefix, as given
+    code, out = run("route", *base, *by_key[:4])
+    assert code == 0 and json.loads(out)["local_chunks"] == 2
 
 
 def test_router_status_shows_index_and_decisions(served) -> None:  # type: ignore[no-untyped-def]
@@ -102,15 +108,19 @@ def test_router_status_shows_index_and_decisions(served) -> None:  # type: ignor
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [
-        ([], 2, "name the prompt one way"),
-        (["--keys", "ab", "--tokens", "1"], 2, "one way"),
-        (["--keys", "zz"], 2, "keys[0]"),
-        (["--tokens", "1,x"], 2, "integers"),
-        (["--tokens", "1,2", "--origin-dc", "mars"], 2, "unknown origin DC"),
+        ([], 2, "give a prompt"),
+        (["--key", "ab" * 16, "--text", "a b"], 2, "give a prompt"),
+        (["--key", "zz"], 2, "bad key #1"),
+        (["--tokens", "BAD_IDS"], 2, "integer"),
+        (["--tokens", "IDS", "--origin-dc", "mars"], 2, "unknown origin DC"),
+        (["--tokens", "MISSING"], 2, "MISSING"),
     ],
 )
-def test_route_errors_are_one_line_and_exit_2(served, args, code, says) -> None:  # type: ignore[no-untyped-def]
+def test_route_errors_are_one_line_and_exit_2(served, tmp_path: Path, args, code, says) -> None:  # type: ignore[no-untyped-def]
     url, token_file, _ = served
+    (tmp_path / "BAD_IDS").write_text("1,x")
+    (tmp_path / "IDS").write_text("1,2")
+    args = [str(tmp_path / a) if a in ("BAD_IDS", "IDS", "MISSING") else a for a in args]
     got, out = run("route", "--router", url, "--token-file", str(token_file), *args)
     assert got == code, out
     assert says in out and "Traceback" not in out
@@ -120,10 +130,10 @@ def test_a_wrong_token_and_a_router_that_is_not_there(served, tmp_path: Path) ->
     url, _, _ = served
     wrong = tmp_path / "wrong.token"
     wrong.write_text("nope")
-    code, out = run("route", "--router", url, "--token-file", str(wrong), "--tokens", "1")
+    code, out = run("route", "--router", url, "--token-file", str(wrong), "--text", "a")
     assert code == 2 and "401" in out
     down = f"http://127.0.0.1:{closed_port()}"
-    code, out = run("route", "--router", down, "--tokens", "1")
+    code, out = run("route", "--router", down, "--text", "a")
     assert code == 1 and "did not answer" in out and "kvctl router serve" in out
     code, out = run("router", "status", "--router", down)
     assert code == 1
