@@ -337,6 +337,23 @@ def test_resize_live_with_size_text(client: TestClient, runtime: AgentRuntime) -
     assert grown.json()["usage"]["capacity_bytes"] == 16 * CHUNK
 
 
+def test_resize_past_the_hosts_memory_is_409_and_keeps_the_size(
+    client: TestClient, runtime: AgentRuntime, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvctl.store.tiers import memroom
+
+    # the host says 100 MiB are available of 1 GiB (64 MiB of them the reserve): a resize to
+    # 200 GiB must not reach the kernel, whose answer would be an out-of-memory kill
+    fake = tmp_path / "meminfo"
+    fake.write_text(f"MemTotal: {1 << 20} kB\nMemAvailable: {100 << 10} kB\n")
+    monkeypatch.setattr(memroom, "MEMINFO", fake)
+    monkeypatch.setattr(memroom, "CGROUP_ROOT", tmp_path / "no-cgroups")
+    r = client.post("/v1/resize", json={"tier": "cpu", "capacity": "200GiB"})
+    assert r.status_code == 409, r.text
+    assert "36 MiB can be committed" in r.json()["detail"]
+    assert runtime.store.usage()["cpu"]["capacity_bytes"] == 4 * CHUNK
+
+
 # --- index paging ----------------------------------------------------------------------------
 
 

@@ -49,7 +49,7 @@ from kvctl.store.errors import (
     StoreError,
     TierUnavailable,
 )
-from kvctl.store.tiers import hugepages
+from kvctl.store.tiers import hugepages, memroom
 from kvctl.store.tiers.base import (
     Buffer,
     ChunkMeta,
@@ -798,6 +798,9 @@ def _new_arena(
     ``huge=False``: committed the quick way, on small pages (under the store's lock)."""
     # mmap refuses length 0; a one-byte map stands in for an empty tier and is never used
     size = max(capacity_bytes, 1)
+    # a private arena faults in as chunks arrive, but a size past the host's memory is still
+    # an out-of-memory kill later, under load
+    _check_room(size, name)
     if not shared:
         private = mmap.mmap(-1, size)  # shmem too (MAP_SHARED): huge pages as they fault in
         hugepages.advise(private)
@@ -851,6 +854,20 @@ def _new_arena(
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_room(size_bytes: int, name: str) -> None:
+    """CapacityError where committing ``size_bytes`` would leave the host or the agent's cgroup
+    without its reserve: shared memory short of RAM is not refused with ENOMEM, the kernel's
+    out-of-memory killer ends some process instead (``memroom``)."""
+    room = memroom.room()
+    if room is None or size_bytes <= room.bytes:
+        return
+    raise CapacityError(
+        f"cannot reserve {format_bytes(size_bytes)} of shared memory for tier {name!r}: "
+        f"{format_bytes(max(room.bytes, 0))} can be committed ({room.source}, less a reserve "
+        f"for the rest of the node); lower its size or free memory"
+    )
 
 
 def _hex(key: object) -> str:
