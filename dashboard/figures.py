@@ -88,8 +88,9 @@ def reuse_vs_sharing(dcs: Mapping[str, Counts], fleet: Counts) -> go.Figure:
     fig = go.Figure()
     reuse = [c.reuse_hit_ratio for c in counts]
     sharing = [c.sharing_hit_ratio for c in counts]
-    fig.add_bar(name="reuse", x=names, y=reuse, marker_color=REUSE)
-    fig.add_bar(name="sharing", x=names, y=sharing, marker_color=SHARING)
+    # named as in kvctl/ratios.py: per lookup, not the share of hits `kvctl status` shows
+    fig.add_bar(name="reuse hit ratio", x=names, y=reuse, marker_color=REUSE)
+    fig.add_bar(name="sharing hit ratio", x=names, y=sharing, marker_color=SHARING)
     fig.update_layout(barmode="stack")
     return _layout(fig, y_title="hits per lookup", percent=True)
 
@@ -184,8 +185,8 @@ def hit_ratio_over_time(s: TimeSeries, win: Window | None = None) -> go.Figure:
     fig = go.Figure()
     for name, values, colour in (
         ("hit ratio", [c.hit_ratio for c in buckets], "#222"),
-        ("reuse", [c.reuse_hit_ratio for c in buckets], REUSE),
-        ("sharing", [c.sharing_hit_ratio for c in buckets], SHARING),
+        ("reuse hit ratio", [c.reuse_hit_ratio for c in buckets], REUSE),
+        ("sharing hit ratio", [c.sharing_hit_ratio for c in buckets], SHARING),
     ):
         t, y = _kept(s.bucket_ms, values, s.sampled)
         fig.add_scatter(x=t, y=y, name=name, line={"color": colour})

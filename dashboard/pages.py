@@ -112,11 +112,12 @@ def fleet_page(ctx: PageContext) -> list[Any]:
         )
         out.append(
             section(
-                "Reuse vs sharing",
+                "Reuse vs sharing hit ratio",
                 MEASURED,
                 win,
                 graph(figures.reuse_vs_sharing(shown, total), "fig-reuse-sharing"),
-                note="reuse: a tenant's own chunks; sharing: chunks another tenant stored",
+                note="hits per lookup; reuse: a tenant's own chunks; sharing: chunks another "
+                "tenant stored (the two add up to the hit ratio)",
             )
         )
     out.append(
@@ -177,11 +178,13 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
             card_id="card-hit-ratio",
         ),
         card(
-            "Sharing",
+            # kvctl/ratios.py's names: this is per lookup; `kvctl status` and `top` show the
+            # share of hits, which the note gives too
+            "Sharing hit ratio",
             percent(c.sharing_hit_ratio),
             MEASURED,
-            f"reuse {percent(c.reuse_hit_ratio)} + sharing = hit ratio; sharing is "
-            f"{percent(c.sharing_share_of_hits)} of hits",
+            f"sharing hits per lookup; reuse hit ratio {percent(c.reuse_hit_ratio)} + sharing "
+            f"hit ratio = hit ratio; sharing (of hits) {percent(c.sharing_share_of_hits)}",
             card_id="card-sharing",
         ),
         card(
@@ -349,8 +352,9 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "up": percent(c.up_ratio),
         "lookups": c.lookups,
         "hit ratio": percent(c.hit_ratio),
-        "reuse": percent(c.reuse_hit_ratio),
-        "sharing": percent(c.sharing_hit_ratio),
+        "reuse hit ratio": percent(c.reuse_hit_ratio),
+        "sharing hit ratio": percent(c.sharing_hit_ratio),
+        "sharing (of hits)": percent(c.sharing_share_of_hits),
         "tokens saved": c.hit_tokens,
         "GPU-h saved": round(c.gpu_seconds_saved / 3600, 4),
         "GPU-h basis": gpu_time_basis_label(c),
@@ -504,7 +508,8 @@ def _node_rows(
                 "up": percent(c.up_ratio),
                 "lookups": c.lookups,
                 "hit ratio": percent(c.hit_ratio),
-                "sharing": percent(c.sharing_hit_ratio),
+                "sharing hit ratio": percent(c.sharing_hit_ratio),
+                "sharing (of hits)": percent(c.sharing_share_of_hits),
                 "evictions": c.evictions,
                 "used / capacity": percent(None if not cap or used is None else used / cap),
                 "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),

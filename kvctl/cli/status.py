@@ -107,6 +107,11 @@ def _tiers(tiers: dict[str, TierUse]) -> str:
     return "  ".join(f"{name} {percent(t.occupancy_ratio)}" for name, t in tiers.items()) or "N/A"
 
 
+#: the split's column: shares of the hits (kvctl/ratios.py's ``*_share_of_hits``), not the
+#: per-lookup ``*_hit_ratio`` the dashboard's "reuse/sharing hit ratio" columns show
+SPLIT_COLUMN = "reuse / sharing (of hits)"
+
+
 def _split(c: HitCounts) -> str:
     """Reuse / sharing as shares of the hits."""
     if c.reuse_share_of_hits is None:
@@ -119,7 +124,7 @@ def _render(status: FleetStatus) -> None:
 
     now_ms = status.ts_ms
     nodes = Table(title="nodes (counters since each agent started)", title_justify="left")
-    for col in ("node", "dc", "state", "hit ratio", "reuse / sharing", "occupancy", "last seen"):
+    for col in ("node", "dc", "state", "hit ratio", SPLIT_COLUMN, "occupancy", "last seen"):
         nodes.add_column(col, justify="right" if col == "hit ratio" else "left")
     for n in status.nodes:
         read = n.up and not n.auth_refused  # figures only from an agent that let us read them
@@ -135,7 +140,7 @@ def _render(status: FleetStatus) -> None:
         )
     console.print(nodes)
     dcs = Table(title="per DC", title_justify="left")
-    for col in ("dc", "up", "hit ratio", "reuse / sharing", "occupancy"):
+    for col in ("dc", "up", "hit ratio", SPLIT_COLUMN, "occupancy"):
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for d in [*status.dcs, status.total]:
         c = d.counts
@@ -161,7 +166,7 @@ def _render_recorded(rec: Recorded) -> None:
 
     win = rec.window
     span = f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)}"
-    columns = ("scrapes up", "lookups", "hit ratio", "reuse / sharing", "occupancy")
+    columns = ("scrapes up", "lookups", "hit ratio", SPLIT_COLUMN, "occupancy")
     nodes = Table(title=f"nodes, recorded over the last {win.name} ({span})", title_justify="left")
     for col in ("node", "dc", *columns):
         nodes.add_column(col, justify="left" if col in ("node", "dc", "occupancy") else "right")

@@ -250,7 +250,9 @@ def columns(tiers: list[str], *, routing: bool = False) -> list[Column]:
         Column("trend", "TREND", lambda c, r, _: c.trend(r), _blank),
         Column(
             "split",
-            "REUSE/SHR",
+            # shares of the hits (reuse_/sharing_share_of_hits), not per lookup: said here
+            # because the dashboard's "sharing hit ratio" is the per-lookup one
+            "HITS R/S",
             _up(lambda c, r: c.split(r.recent)),
             lambda c, d: c.split(d.recent),
         ),

@@ -136,7 +136,8 @@ interval); the agents' counters since start show on a node's page.
 
 [b]Reading it[/b]
   HIT        chunk hit ratio of the recent window; idle = no lookups; TREND: per poll
-  REUSE/SHR  hits on the tenant's own chunks / on other tenants' shared chunks
+  HITS R/S   share of the hits (not per lookup): reuse of the tenant's own chunks /
+             sharing of other tenants' (JSON: reuse_/sharing_share_of_hits)
   GPU CPU…   tier occupancy; bold from 85 %, reversed from 95 %
   EVICT/s    chunks leaving the node; I/O: tier bytes read + written per second
   RTT        slowest link from the node's DC (collectors' probes, last 15 min)

@@ -132,9 +132,19 @@ def test_dashboard_status_and_top_agree_on_every_ratio(tmp_path: Path) -> None:
     fleet = expected(None)
     assert card_value(page, "card-hit-ratio") == percent(fleet["hit_ratio"])
     assert card_value(page, "card-sharing") == percent(fleet["sharing_hit_ratio"])
-    assert f"sharing is {percent(fleet['sharing_share_of_hits'])} of hits" in text_of(
-        by_id(page, "card-sharing")
-    )
+    sharing_card = text_of(by_id(page, "card-sharing"))
+    # the same words for the same number in every view: the card names its ratio as
+    # kvctl/ratios.py does, and gives the share of hits (what status shows) by its own name
+    assert sharing_card.startswith("Sharing hit ratio")
+    assert f"sharing (of hits) {percent(fleet['sharing_share_of_hits'])}" in sharing_card
+    dc_rows = {r["DC"]: r for r in by_id(page, "table-dcs").data}
+    for dc, row in dc_rows.items():
+        e = expected(None if dc == "fleet" else dc)
+        assert row["sharing hit ratio"] == percent(e["sharing_hit_ratio"]), dc
+        assert row["sharing (of hits)"] == percent(e["sharing_share_of_hits"]), dc
+        assert "sharing" not in row and "reuse" not in row  # no bare, ambiguous column
+    bars = by_id(page, "fig-reuse-sharing").figure
+    assert [t.name for t in bars.data] == ["reuse hit ratio", "sharing hit ratio"]
 
     # `kvctl status --window`: no agent is asked (they are all down)
     out = runner.invoke(cli, ["status", "--db", url, "--window", "15m", "--json"])
@@ -163,6 +173,7 @@ def test_dashboard_status_and_top_agree_on_every_ratio(tmp_path: Path) -> None:
     assert table.exit_code == 0, table.output
     assert percent(fleet["hit_ratio"]) in table.output
     assert percent(fleet["sharing_share_of_hits"]) in table.output
+    assert "reuse / sharing (of hits)" in table.output  # the header says which ratio
 
 
 def test_status_window_refuses_a_bad_duration(tmp_path: Path) -> None:
