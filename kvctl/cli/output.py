@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -16,7 +17,19 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-console = Console()
+#: the width of tables written to a pipe or a file, where nobody resizes a window: wide enough
+#: that a row stays on one line for grep and awk (rich would wrap it at 80 columns)
+PIPED_WIDTH = 240
+
+
+def _piped_width() -> int | None:
+    """PIPED_WIDTH where standard output is not a terminal and COLUMNS does not say otherwise."""
+    if os.environ.get("COLUMNS") or sys.stdout.isatty():
+        return None
+    return PIPED_WIDTH
+
+
+console = Console(width=_piped_width())
 err_console = Console(stderr=True)
 
 

@@ -1,0 +1,47 @@
+"""Tables written to a pipe keep their rows whole: rich would wrap them at 80 columns."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+from kvctl.cli import output
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_pipe_gets_a_wide_console_unless_columns_or_a_terminal_say_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert output._piped_width() == output.PIPED_WIDTH
+    monkeypatch.setenv("COLUMNS", "100")
+    assert output._piped_width() is None
+    monkeypatch.delenv("COLUMNS")
+    monkeypatch.setattr(sys, "stdout", _Terminal())
+    assert output._piped_width() is None
+
+
+def test_a_row_of_twelve_columns_stays_on_one_line_at_that_width() -> None:
+    table = Table()
+    for i in range(12):
+        table.add_column(f"column {i}")
+    table.add_row(*(f"value-{i:08d}" for i in range(12)))
+    written = io.StringIO()
+    Console(file=written, width=output.PIPED_WIDTH).print(table)
+    assert any(
+        all(f"value-{i:08d}" in ln for i in range(12)) for ln in written.getvalue().split("\n")
+    )
+    narrow = io.StringIO()
+    Console(file=narrow, width=80).print(table)  # what a pipe got before
+    assert not any(
+        "value-00000011" in ln and "value-00000000" in ln for ln in narrow.getvalue().split("\n")
+    )
