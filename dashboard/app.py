@@ -57,6 +57,8 @@ main { padding: 10px 20px 40px; }
 .basis-modeled { background: #fcefd8; color: #8a5a00; }
 .basis-emulated { background: #f3e3f7; color: #6a2c7a; }
 .basis-replayed { background: #dcebf7; color: #1f4f7a; }
+.basis-measured-emulated { background: #f3e3f7; color: #2d6a2d; }
+.basis-measured-modeled { background: #fcefd8; color: #2d6a2d; }
 .section { background: #fff; border: 1px solid #dde3ea; border-radius: 6px; padding: 10px 14px;
            margin-top: 14px; }
 .section h3 { margin: 0 0 4px; font-size: 15px; }

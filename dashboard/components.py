@@ -18,12 +18,20 @@ def window_text(win: Window) -> str:
     return f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)} ({span})"
 
 
+#: a figure whose parts have two bases, badged as such rather than as the better one:
+#: RTTs probed where some probes carry an agent-emulated delay (others not)
+MEASURED_AND_EMULATED = "measured-emulated"
+#: a measured figure shown beside a modeled one (TTFT with cache vs modeled without)
+MEASURED_VS_MODELED = "measured-modeled"
+
 #: what each basis badge reads
 BASIS_LABELS = {
     MEASURED: "measured",
     MODELED: "modeled",
     EMULATED: "emulated",
     REPLAYED: "measured in replay",
+    MEASURED_AND_EMULATED: "measured + emulated",
+    MEASURED_VS_MODELED: "measured vs modeled",
 }
 
 
@@ -35,7 +43,7 @@ def card(
     title: str, value: str, basis: str, note: str = "", *, card_id: str | None = None
 ) -> html.Div:
     """A headline figure; ``basis`` is one of :data:`BASIS_LABELS` (measured, modeled,
-    emulated, measured in replay), ``note`` says from what."""
+    emulated, measured in replay, or two of them), ``note`` says from what."""
     assert basis in BASIS_LABELS
     kw = {"id": card_id} if card_id else {}
     return html.Div(

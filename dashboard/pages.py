@@ -10,7 +10,16 @@ from dash import dcc, html
 from sqlalchemy.engine import Connection
 
 from dashboard import figures
-from dashboard.components import card, empty, graph, section, table
+from dashboard.components import (
+    MEASURED_AND_EMULATED,
+    MEASURED_VS_MODELED,
+    card,
+    empty,
+    graph,
+    section,
+    table,
+)
+from dashboard.energy import FACILITY, IT, energy_saved_note, energy_units, plan_inputs_note
 from kvctl.db.analytics.counts import (
     EMULATED,
     MEASURED,
@@ -28,7 +37,6 @@ from kvctl.db.analytics.series import node_events, time_series
 from kvctl.db.analytics.windows import Window
 from kvctl.db.route_reports import SavedRouteReport, latest_saved_route_report
 from kvctl.format import (
-    ENERGY_UNITS,
     GPU_TIME_UNITS,
     MASS_UNITS,
     format_bytes,
@@ -120,13 +128,14 @@ def fleet_page(ctx: PageContext) -> list[Any]:
                 "tenant stored (the two add up to the hit ratio)",
             )
         )
+    bases = _rtt_bases(ctx, ov.inventory)
     out.append(
         section(
             "DCs and links",
-            MEASURED,
+            rtt_badge(bases, names),
             win,
             graph(
-                figures.dc_schematic(ov.inventory, ov.links, names, _rtt_labels(ctx, ov.inventory)),
+                figures.dc_schematic(ov.inventory, ov.links, names, _labels_of(bases)),
                 "fig-schematic",
             ),
             note="a schematic; links coloured by probed mean RTT (labelled measured or "
@@ -166,9 +175,7 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
     carbon_note = "facility kWh x DC grid intensity"
     if c.carbon_unknown_nodes:
         carbon_note += f"; {c.carbon_unknown_nodes} node(s) in DCs without intensity left out"
-    energy_saved_note = "GPU-s x board power x PUE"
-    if c.pue_unknown_nodes:
-        energy_saved_note += f"; PUE unknown for {c.pue_unknown_nodes} node(s): IT energy"
+    energy_unit = energy_units(c)  # one unit for every energy card on the page
     return [
         card(
             "Hit ratio",
@@ -198,14 +205,14 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
             "GPU time saved",
             format_scaled(c.gpu_seconds_saved, GPU_TIME_UNITS),
             c.gpu_time_basis,
-            gpu_time_note(c),
+            "; ".join(filter(None, (gpu_time_note(c), plan_inputs_note(c, ov.assume.model.name)))),
             card_id="card-gpu-hours",
         ),
         card(
-            "Energy saved",
-            format_scaled(c.facility_joules_saved, ENERGY_UNITS),
+            f"Energy saved, {FACILITY}",
+            format_scaled(c.facility_joules_saved, energy_unit),
             MODELED,
-            energy_saved_note,
+            energy_saved_note(c, ov.assume.model.name),
             card_id="card-energy",
         ),
         card(
@@ -217,12 +224,19 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
             carbon_note,
             card_id="card-carbon",
         ),
-        *_energy_cards(c, energy_note),
-        card("TTFT with vs without cache", ttft, MEASURED, ttft_note, card_id="card-ttft"),
+        *_energy_cards(c, energy_note, energy_unit),
+        # the "without" half is modeled (measured TTFT + modeled prefill): not all measured
+        card(
+            "TTFT with vs without cache",
+            ttft,
+            MEASURED_VS_MODELED,
+            ttft_note,
+            card_id="card-ttft",
+        ),
     ]
 
 
-def _energy_cards(c: Any, energy_note: str) -> list[Any]:
+def _energy_cards(c: Any, energy_note: str, unit: tuple[tuple[float, str]]) -> list[Any]:
     """Energy used and tokens per joule: NVML's (measured) and the emulated ones of nodes
     without NVML, each on its own cards, never added together. Without emulated energy the
     measured cards show, N/A when nothing was read; with emulated energy only, the emulated
@@ -231,8 +245,8 @@ def _energy_cards(c: Any, energy_note: str) -> list[Any]:
     if c.energy_nodes or not c.emulated_energy_nodes:
         out += [
             card(
-                "Energy used",
-                format_scaled(None if c.energy_kwh is None else c.energy_j, ENERGY_UNITS),
+                f"Energy used, {IT}",
+                format_scaled(None if c.energy_kwh is None else c.energy_j, unit),
                 MEASURED,
                 energy_note,
                 card_id="card-energy-used",
@@ -250,8 +264,8 @@ def _energy_cards(c: Any, energy_note: str) -> list[Any]:
     if c.emulated_energy_nodes:
         out += [
             card(
-                "Energy used (emulated)",
-                format_scaled(c.emulated_energy_j, ENERGY_UNITS),
+                f"Energy used (emulated), {IT}",
+                format_scaled(c.emulated_energy_j, unit),
                 EMULATED,
                 f"GPU energy of {c.emulated_energy_nodes} node(s) without NVML: "
                 f"{format_seconds(c.emulated_busy_s)} of modeled prefill (the tokens their "
@@ -358,12 +372,12 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "tokens saved": c.hit_tokens,
         "GPU-h saved": round(c.gpu_seconds_saved / 3600, 4),
         "GPU-h basis": gpu_time_basis_label(c),
-        "kWh saved (modeled)": round(c.facility_kwh_saved, 4),
+        "kWh saved (modeled, facility)": round(c.facility_kwh_saved, 4),
         "kg CO2 saved (modeled)": None
         if c.carbon_saved_g is None
         else round(c.carbon_saved_g / 1000, 4),
-        "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
-        "kWh used (emulated)": None
+        "kWh used (IT)": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+        "kWh used (emulated, IT)": None
         if c.emulated_energy_kwh is None
         else round(c.emulated_energy_kwh, 6),
         "PUE": "" if info is None or info.pue is None else info.pue,
@@ -512,8 +526,8 @@ def _node_rows(
                 "sharing (of hits)": percent(c.sharing_share_of_hits),
                 "evictions": c.evictions,
                 "used / capacity": percent(None if not cap or used is None else used / cap),
-                "kWh used": None if c.energy_kwh is None else round(c.energy_kwh, 4),
-                "kWh used (emulated)": None
+                "kWh used (IT)": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+                "kWh used (emulated, IT)": None
                 if c.emulated_energy_kwh is None
                 else round(c.emulated_energy_kwh, 6),
             }
@@ -543,7 +557,9 @@ def links_page(ctx: PageContext) -> list[Any]:
             ),
         ]
     probed = [lk for lk in links if lk.probes]
-    labels = _rtt_labels(ctx, inv)
+    bases = _rtt_bases(ctx, inv)
+    labels = _labels_of(bases)
+    rtt_basis = rtt_badge(bases, names)
     if not probed:
         out.append(
             empty(
@@ -555,7 +571,7 @@ def links_page(ctx: PageContext) -> list[Any]:
         out += [
             section(
                 "RTT matrix",
-                MEASURED,
+                rtt_basis,
                 win,
                 graph(figures.link_matrix(links, names, "rtt"), "fig-rtt-matrix"),
                 note="mean of successful probes; diagonal: within a DC; RTT "
@@ -573,7 +589,7 @@ def links_page(ctx: PageContext) -> list[Any]:
         out.append(
             section(
                 "RTT over time",
-                MEASURED,
+                rtt_basis,
                 win,
                 graph(figures.rtt_over_time(ls.bucket_ms, rtt, win), "fig-rtt-time"),
             )
@@ -594,18 +610,33 @@ def links_page(ctx: PageContext) -> list[Any]:
             note=(
                 f"a {rows[0].chunk_tokens}-token chunk of {ctx.assume.model.name} "
                 f"({rows[0].chunk_bytes / 2**20:.1f} MiB) on {ctx.assume.default_gpu}: fetch "
-                "when measured RTT + bytes / measured bandwidth < modeled prefill time"
+                "when probed RTT (its basis per link) + bytes / measured bandwidth < modeled "
+                "prefill time"
             ),
         )
     )
     return out
 
 
-def _rtt_labels(ctx: PageContext, inv: Inventory) -> dict[tuple[str, str], str]:
+def _rtt_bases(ctx: PageContext, inv: Inventory) -> dict[tuple[str, str], RttBasis]:
     win = ctx.window
-    return {
-        k: rtt_basis_label(b) for k, b in rtt_bases(ctx.conn, win.start_ms, win.end_ms, inv).items()
-    }
+    return rtt_bases(ctx.conn, win.start_ms, win.end_ms, inv)
+
+
+def _labels_of(bases: dict[tuple[str, str], RttBasis]) -> dict[tuple[str, str], str]:
+    return {k: rtt_basis_label(b) for k, b in bases.items()}
+
+
+def rtt_badge(bases: dict[tuple[str, str], RttBasis], dcs: list[str]) -> str:
+    """The badge of a figure of the RTTs between ``dcs``: emulated when every probe carried an
+    agent-emulated delay, measured + emulated when only some did, else measured. An emulated
+    delay is part of the RTT it is in, so a "measured" badge would overstate it."""
+    shown = [b for (a, z), b in bases.items() if a in dcs or z in dcs]
+    emulated = sum(b.probes.get("emulated", 0) for b in shown)
+    if not emulated:
+        return MEASURED
+    total = sum(sum(b.probes.values()) for b in shown)
+    return EMULATED if emulated == total else MEASURED_AND_EMULATED
 
 
 def rtt_basis_label(b: RttBasis) -> str:

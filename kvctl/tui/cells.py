@@ -120,8 +120,12 @@ class Cells:
         worst = row.worst_link
         if worst is None:
             return Text("no probes" if has_links else "N/A", style="dim")
+        # an RTT with an agent-emulated delay in it is not a measurement of the link: say so
+        basis = {"emulated": " emu", "mixed": " mix"}.get(row.worst_link_basis or "", "")
         return Text.assemble(
-            f"{worst[0]} ", (compact_seconds(worst[1]), self.palette.style(self.t.rtt(worst[1])))
+            f"{worst[0]} ",
+            (compact_seconds(worst[1]), self.palette.style(self.t.rtt(worst[1]))),
+            (basis, "dim"),
         )
 
     def power(self, watts: float | None) -> Text:

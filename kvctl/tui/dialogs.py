@@ -141,6 +141,7 @@ interval); the agents' counters since start show on a node's page.
   GPU CPU…   tier occupancy; bold from 85 %, reversed from 95 %
   EVICT/s    chunks leaving the node; I/O: tier bytes read + written per second
   RTT        slowest link from the node's DC (collectors' probes, last 15 min)
+             emu: with an agent-emulated delay in it; mix: in some probes
   POWER      NVML board power of the node's GPUs; N/A without NVML
   Bold is a warning and reversed is critical in every theme; N/A is dim.
   Every action is written to the audit trail (`kvctl audit`); --readonly refuses them.

@@ -12,12 +12,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from kvctl.counters import CounterTracker
 from kvctl.db.inventory import NodeInfo
 from kvctl.ratios import HitCounts, ratio
 from kvctl.wire.stats import cache_counters
+
+_V = TypeVar("_V")
 
 #: polls kept per node: the sparklines' width and the occupancy history's length
 HISTORY_POLLS = 60
@@ -60,6 +62,9 @@ class Poll:
     elapsed_s: float = 0.0
     #: the router's answer; None when no router is watched (the view shows no routing)
     router: RouterReading | None = None
+    #: per DC pair (both orders), what the RTT is made of: "measured", "emulated" (every probe
+    #: included an agent-emulated delay) or "mixed" (some did); None without link probes
+    rtt_basis: Mapping[tuple[str, str], str] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +206,8 @@ class NodeRow:
     occupancy_history: dict[str, list[float | None]] = field(default_factory=dict)
     #: RTT to each other DC (collectors' probes over the last 15 minutes)
     rtt_s: dict[str, float | None] = field(default_factory=dict)
+    #: each of those RTTs' basis: "measured", "emulated" or "mixed" (see :class:`Poll`)
+    rtt_basis: dict[str, str] = field(default_factory=dict)
     gpu: GpuPower | None = None
     #: the router's decisions for this node; None without a router, while it is down, or for
     #: a node the router does not route to
@@ -225,6 +232,12 @@ class NodeRow:
         worst = self.worst_link
         return None if worst is None else worst[1]
 
+    @property
+    def worst_link_basis(self) -> str | None:
+        """What the slowest link's RTT is made of (None: no RTT)."""
+        worst = self.worst_link
+        return None if worst is None else self.rtt_basis.get(worst[0], "measured")
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "node": self.name,
@@ -238,6 +251,7 @@ class NodeRow:
             "uptime_s": self.uptime_s,
             "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
             "rtt_s": self.rtt_s,
+            "rtt_basis": self.rtt_basis,
             "gpu_power_w": None if self.gpu is None else self.gpu.power_w,
             "gpu_note": None if self.gpu is None else self.gpu.note,
             "routing": None if self.routing is None else self.routing.as_dict(),
@@ -642,6 +656,7 @@ class Sampler:
         if reading.gpu is not None:
             state.gpu = reading.gpu
         rtt = _rtt_from(node.dc, poll.rtt_s)
+        rtt_basis = _rtt_from(node.dc, poll.rtt_basis)
         if reading.stats is None:
             if state.down_since_s is None:
                 state.down_since_s = poll.ts_s
@@ -656,6 +671,7 @@ class Sampler:
                 hit_history=list(state.hit_history),
                 occupancy_history={k: list(v) for k, v in state.occupancy.items()},
                 rtt_s=rtt,
+                rtt_basis=rtt_basis,
                 gpu=state.gpu,
             )
         state.down_since_s = None
@@ -697,6 +713,7 @@ class Sampler:
             hit_history=list(state.hit_history),
             occupancy_history={k: list(v) for k, v in state.occupancy.items()},
             rtt_s=rtt,
+            rtt_basis=rtt_basis,
             gpu=state.gpu,
         )
 
@@ -797,12 +814,11 @@ def _router_step(last: _RouterSample, now: _RouterSample, seconds: float) -> _Ro
     return _RouterStep(counts, nodes, links)
 
 
-def _rtt_from(
-    dc: str, rtt_s: Mapping[tuple[str, str], float | None] | None
-) -> dict[str, float | None]:
-    if not rtt_s:
+def _rtt_from(dc: str, by_pair: Mapping[tuple[str, str], _V] | None) -> dict[str, _V]:
+    """A per DC pair mapping, seen from ``dc``: keyed by the other DC."""
+    if not by_pair:
         return {}
-    return {b: v for (a, b), v in sorted(rtt_s.items()) if a == dc and b != dc}
+    return {b: v for (a, b), v in sorted(by_pair.items()) if a == dc and b != dc}
 
 
 # --- sorting, filtering, grouping ---------------------------------------------------------------

@@ -254,25 +254,32 @@ class FleetSource:
         with self.engine.connect() as conn:
             return recorded(conn, win, nodes)
 
-    def rtt(self) -> dict[tuple[str, str], float | None]:
+    def rtt(self) -> tuple[dict[tuple[str, str], float | None], dict[tuple[str, str], str]]:
+        """Mean RTT per DC pair (both orders) over :data:`LINK_WINDOW_S`, and its basis: an
+        agent-emulated delay is inside the RTT it was added to, so the view must say so."""
         from kvctl.db.analytics.inventory import inventory
-        from kvctl.db.analytics.links import link_figures
+        from kvctl.db.analytics.links import link_figures, rtt_bases
 
         end_ms = int(self.clock() * 1000)
+        start_ms = end_ms - int(LINK_WINDOW_S * 1000)
         with self.engine.connect() as conn:
-            figures = link_figures(
-                conn, end_ms - int(LINK_WINDOW_S * 1000), end_ms, inventory(conn)
-            )
+            inv = inventory(conn)
+            figures = link_figures(conn, start_ms, end_ms, inv)
+            bases = rtt_bases(conn, start_ms, end_ms, inv)
         out: dict[tuple[str, str], float | None] = {}
+        basis: dict[tuple[str, str], str] = {}
         for f in figures:
             out[(f.dc_a, f.dc_b)] = out[(f.dc_b, f.dc_a)] = f.rtt_mean_s
-        return out
+        for (a, b), rb in bases.items():
+            basis[(a, b)] = basis[(b, a)] = rtt_basis_word(rb.probes)
+        return out, basis
 
     def poll(self) -> Poll:
         t0 = time.perf_counter()
         ts_s = self.clock()
         readings, router = self._asker.ask(self.targets())
-        return Poll(ts_s, readings, self.rtt(), time.perf_counter() - t0, router)
+        rtt, basis = self.rtt()
+        return Poll(ts_s, readings, rtt, time.perf_counter() - t0, router, rtt_basis=basis)
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details:
         return fetch_details(self._asker.pool, node, cursor)
@@ -280,6 +287,14 @@ class FleetSource:
     def close(self) -> None:
         self._asker.close()
         self.engine.dispose()
+
+
+def rtt_basis_word(probes: dict[str, int]) -> str:
+    """A link's successful probes by basis as one word: "emulated" when every one carried an
+    agent-emulated delay, "mixed" when some did, else "measured"."""
+    if not probes.get("emulated"):
+        return "measured"
+    return "emulated" if set(probes) == {"emulated"} else "mixed"
 
 
 def _router_label(router: RouterWatch | None) -> str:

@@ -76,6 +76,10 @@ def test_fleet_page_shows_the_hand_worked_headlines(app: Any) -> None:
     assert card_value(page, "card-ttft").startswith("200.0 ms vs ")
     assert "measured" in text_of(by_id(page, "card-hit-ratio"))
     assert "modeled" in text_of(by_id(page, "card-carbon"))
+    # TTFT without cache is modeled (measured TTFT + modeled prefill): the badge says both
+    assert text_of(by_id(page, "card-ttft")).startswith(
+        "TTFT with vs without cache measured vs modeled"
+    )
     table = by_id(page, "table-dcs")
     rows = {r["DC"]: r for r in table.data}
     assert rows["fra"]["hit ratio"] == "46.7%" and rows["ams"]["hit ratio"] == "75.0%"

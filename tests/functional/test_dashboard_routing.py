@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.engine import Engine
 
 from dashboard.app import create_app, render
-from dashboard.pages import rtt_basis_label
+from dashboard.pages import rtt_badge, rtt_basis_label
 from kvctl.bench.route import RouteBenchConfig, run_route_bench
 from kvctl.db.analytics.links import RttBasis
 from kvctl.db.analytics.routing import routing_summary
@@ -20,7 +20,7 @@ from kvctl.db.models import raw_table
 from kvctl.db.rollup import MINUTE_MS
 from kvctl.db.route_reports import latest_route_report, save_route_report
 from tests.functional.dashboard_history import NOW, OLD, T, fill_history
-from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of
+from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of, walk
 
 ROUTER = "http://router-1:9480"
 MIB = 2**20
@@ -186,3 +186,32 @@ def test_links_page_labels_rtt_by_basis(app: Any, db: Engine) -> None:
     assert "emulated (+0.80 ms delay)" in text_of(page)
     assert rtt_basis_label(RttBasis({"measured": 3}, None, None)) == "measured"
     assert rtt_basis_label(RttBasis({"emulated": 2}, 0.0008, 0.0008)) == "emulated (+0.80 ms delay)"
+    # the figures of those RTTs are badged with both bases, not "measured"
+    assert badge_of(page, "fig-rtt-matrix") == "measured + emulated"
+    assert badge_of(page, "fig-rtt-time") == "measured + emulated"
+    fleet, _ = render(app, "/", "", "1h", None, None)
+    assert badge_of(fleet, "fig-schematic") == "measured + emulated"
+
+
+def badge_of(page: Any, graph_id: str) -> str:
+    """The basis badge of the section holding ``graph_id``."""
+    for section in (c for c in walk(page) if getattr(c, "className", "") == "section"):
+        if any(getattr(c, "id", None) == graph_id for c in walk(section)):
+            badge = next(c for c in walk(section) if "basis " in getattr(c, "className", ""))
+            return str(badge.children)
+    raise AssertionError(f"no section holds {graph_id!r}")
+
+
+def test_rtt_badge_by_the_probes_of_the_dcs_shown() -> None:
+    measured, emulated = (
+        RttBasis({"measured": 3}, None, None),
+        RttBasis({"emulated": 2}, 1e-3, 1e-3),
+    )
+    both = {("ams", "fra"): measured, ("fra", "lon"): emulated}
+    assert rtt_badge({("ams", "fra"): measured}, ["ams", "fra"]) == "measured"
+    assert rtt_badge({("fra", "lon"): emulated}, ["fra", "lon"]) == "emulated"
+    assert rtt_badge(both, ["ams", "fra", "lon"]) == "measured-emulated"
+    # only the links of the DCs shown count
+    assert rtt_badge(both, ["ams"]) == "measured"
+    assert rtt_badge(both, ["lon"]) == "emulated"
+    assert rtt_badge({}, ["ams"]) == "measured"

@@ -686,3 +686,46 @@ def test_top_refuses_a_bad_router_clearly() -> None:
         out = runner.invoke(cli, args, env={"KVCTL_ROUTER_URL": ""})
         assert out.exit_code == 2, (args, out.output)
         assert message in " ".join(out.output.split()), (args, out.output)
+
+
+def test_fleet_source_reads_each_links_rtt_basis(tmp_path: Path) -> None:
+    """RTTs come with their basis from the collectors' probes: an agent-emulated delay is in
+    the RTT, so top must not pass it off as measured."""
+    from kvctl.db.ingest import insert_rows
+    from kvctl.db.models import raw_table
+
+    engine = open_db(f"sqlite:///{tmp_path / 'metrics.db'}", auto_upgrade=True)
+    now_s = time.time()
+    try:
+        with engine.begin() as conn:
+            for dc in ("fra", "ams", "lon"):
+                add_dc(conn, dc)
+            ids = {
+                name: add_node(conn, name, dc=dc, agent_url=f"http://127.0.0.1:{closed_port()}")
+                for name, dc in (("a", "fra"), ("b", "ams"), ("c", "lon"))
+            }
+
+            def probe(src: str, dst: str, basis: str | None, ago_s: float) -> dict[str, object]:
+                return {"src_node_id": ids[src], "dst_node_id": ids[dst],
+                        "ts_ms": int((now_s - ago_s) * 1000), "rtt_s": 0.002,
+                        "bandwidth_bytes_per_s": 1e9, "loss_ratio": 0.0, "probe_bytes": 1,
+                        "ok": True, "error": None, "rtt_basis": basis,
+                        "emulated_delay_s": 0.001 if basis == "emulated" else None}  # fmt: skip
+
+            insert_rows(
+                conn,
+                raw_table("link_sample"),
+                [
+                    probe("a", "b", "emulated", 60),
+                    probe("a", "c", "emulated", 60),
+                    probe("c", "a", None, 120),  # before bases were recorded: measured
+                    probe("b", "c", "measured", 60),
+                ],
+            )
+        source = FleetSource(engine, clock=lambda: now_s)
+        rtt, basis = source.rtt()
+        assert rtt[("fra", "ams")] == pytest.approx(0.002)
+        assert basis[("fra", "ams")] == basis[("ams", "fra")] == "emulated"
+        assert basis[("fra", "lon")] == "mixed" and basis[("ams", "lon")] == "measured"
+    finally:
+        engine.dispose()

@@ -328,3 +328,25 @@ def test_view_as_dict_is_json_ready() -> None:
     assert [n["node"] for n in data["nodes"]] == ["a", "b"]
     assert data["nodes"][0]["hit_ratio"] == pytest.approx(0.5)
     assert data["nodes"][1]["up"] is False and data["total"]["up"] == 1
+
+
+def test_rtt_says_its_basis_in_the_row_json_and_cell() -> None:
+    from kvctl.tui.cells import Cells, Palette
+    from kvctl.tui.sources import rtt_basis_word
+
+    rtt = {("fra", "ams"): 0.003, ("ams", "fra"): 0.003, ("fra", "lon"): 0.001}
+    rtt |= {("lon", "fra"): 0.001}
+    basis = {("fra", "ams"): "emulated", ("ams", "fra"): "emulated", ("fra", "lon"): "measured"}
+    p = Poll(0.0, [Reading(node("a", "fra"), stats())], rtt, 0.01, rtt_basis=basis)
+    row = Sampler().update(p).rows[0]
+    assert row.rtt_basis == {"ams": "emulated", "lon": "measured"}
+    assert row.worst_link_basis == "emulated"
+    assert row.as_dict()["rtt_basis"] == {"ams": "emulated", "lon": "measured"}
+    cells = Cells(Palette(), Thresholds())
+    assert cells.rtt(row, True).plain == "ams 3.0ms emu"
+    row.rtt_basis["ams"] = "measured"
+    assert cells.rtt(row, True).plain == "ams 3.0ms"
+    # a link's probes by basis, in one word
+    assert rtt_basis_word({"measured": 3}) == "measured"
+    assert rtt_basis_word({"emulated": 2}) == "emulated"
+    assert rtt_basis_word({"emulated": 2, "measured": 1}) == "mixed"
