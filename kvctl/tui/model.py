@@ -510,7 +510,9 @@ class FleetView:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "ts_s": self.ts_s,
+            # milliseconds since the epoch, an int: the name and unit of `kvctl status --json`
+            # and `kvctl collect --json`, so one parser reads all three
+            "ts_ms": round(self.ts_s * 1000),
             "poll_seconds": self.poll_s,
             "polls": self.polls,
             "nodes": [r.as_dict() for r in self.rows],

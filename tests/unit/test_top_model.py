@@ -330,6 +330,14 @@ def test_view_as_dict_is_json_ready() -> None:
     assert data["nodes"][1]["up"] is False and data["total"]["up"] == 1
 
 
+
+def test_view_json_stamps_ts_ms_like_status_and_collect() -> None:
+    view = Sampler().update(poll(1_790_000_000.1234, Reading(node("a"), stats())))
+    data = view.as_dict()
+    assert "ts_s" not in data
+    assert data["ts_ms"] == 1_790_000_000_123 and isinstance(data["ts_ms"], int)
+
+
 def test_rtt_says_its_basis_in_the_row_json_and_cell() -> None:
     from kvctl.tui.cells import Cells, Palette
     from kvctl.tui.sources import rtt_basis_word
