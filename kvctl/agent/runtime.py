@@ -23,6 +23,7 @@ from kvctl.agent.events import EventHub
 from kvctl.agent.metrics import AgentMetrics
 from kvctl.agent.settings import AgentSettings, ModelSpec
 from kvctl.errors import InvalidArgument
+from kvctl.format import format_bytes
 from kvctl.paths import make_private_dir
 from kvctl.remote.federation import FetchPlanner
 from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
@@ -149,6 +150,7 @@ class AgentRuntime:
         runtime = cls(settings, store)
         runtime.unavailable_tiers = unavailable
         _say_arena_pages(runtime.shm_tier)
+        _say_disk_room(tiers)
         if gpu_tier is not None:
             runtime.gpu_tier = gpu_tier
             runtime._unfollow_cpu_arena = _register_cpu_arena(gpu_tier, store)
@@ -442,6 +444,25 @@ def _say_arena_pages(shm: CpuTier | None) -> None:
             "slowly than out of huge pages; `kvctl doctor` says how to allow them",
             hugepages.shmem_mode() or "N/A",
         )
+
+
+def _say_disk_room(tiers: list[Tier]) -> None:
+    """Once at start: a disk tier larger than its filesystem can hold fails its demotions
+    (counted, never corrupt) once the disk is full; the operator learns why here."""
+    for tier in tiers:
+        if not isinstance(tier, DiskTier):
+            continue
+        room = tier.room_bytes()
+        if room is not None and tier.capacity_bytes > room:
+            log.warning(
+                "disk tier %s: capacity %s, but %s has %s free (the tier holds %s): "
+                "demotions past that fail; lower --disk or free space",
+                tier.name,
+                format_bytes(tier.capacity_bytes),
+                tier.directory,
+                format_bytes(room - tier.used_bytes),
+                format_bytes(tier.used_bytes),
+            )
 
 
 def _register_cpu_arena(gpu: GpuTier, store: TieredStore) -> Callable[[], None] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -901,3 +902,41 @@ def test_a_put_near_capacity_unlinks_the_files_still_waiting_for_their_unlink(
     assert len(temp_files(tmp_path)) == 1 and tier.pending_unlink_bytes == 5000
     later()
     assert temp_files(tmp_path) == [] and tier.pending_unlink_bytes == 0
+
+
+def test_growing_past_the_filesystems_free_space_is_refused(tmp_path: Path) -> None:
+    with DiskTier(tmp_path, 1000) as tier:
+        put(tier, 1, 600)
+        room = tier.room_bytes()
+        assert room is not None and room >= 600
+        with pytest.raises(CapacityError, match="free; free space or ask for less"):
+            tier.resize(room + (1 << 30))
+        assert tier.capacity_bytes == 1000
+        tier.resize(min(room, 1 << 20))  # what the filesystem holds is taken
+        assert tier.capacity_bytes == min(room, 1 << 20)
+        tier.resize(700)  # a shrink is never refused for the filesystem's sake
+
+
+def test_an_agent_whose_disk_tier_outgrows_its_filesystem_says_so_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+    import os
+
+    from kvctl.agent.runtime import AgentRuntime
+    from kvctl.agent.settings import AgentSettings
+
+    fs = os.statvfs(tmp_path)
+    too_big = fs.f_bavail * fs.f_frsize + (1 << 40)
+    settings = AgentSettings(
+        name="d1", data_dir=str(tmp_path), cpu_bytes=1 << 20, disk_bytes=too_big, shm=False
+    )
+    with caplog.at_level(logging.WARNING, logger="kvctl.agent"):
+        runtime = AgentRuntime.open(settings)
+        runtime.close()
+    assert any("demotions past that fail" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    fits = dataclasses.replace(settings, disk_bytes=1 << 20)
+    with caplog.at_level(logging.WARNING, logger="kvctl.agent"):
+        AgentRuntime.open(fits).close()
+    assert not any("demotions past that fail" in r.getMessage() for r in caplog.records)

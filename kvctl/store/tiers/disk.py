@@ -55,7 +55,9 @@ from typing import Protocol
 
 import xxhash
 
+from kvctl.format import format_bytes
 from kvctl.store.errors import (
+    CapacityError,
     CorruptChunk,
     DiskFullError,
     InvalidArgument,
@@ -495,7 +497,25 @@ class DiskTier(Tier):
     def resize(self, capacity_bytes: int) -> None:
         self._check_open()
         check_resize(self, capacity_bytes)
+        room = self.room_bytes()
+        if capacity_bytes > self._capacity_bytes and room is not None and capacity_bytes > room:
+            # a size the filesystem cannot hold is accepted silently otherwise, and every
+            # demotion past its free space then fails
+            raise CapacityError(
+                f"disk tier {self.name!r} cannot grow to {format_bytes(capacity_bytes)}: it "
+                f"holds {format_bytes(self.used_bytes)} and {self.directory} has "
+                f"{format_bytes(room - self.used_bytes)} free; free space or ask for less"
+            )
         self._capacity_bytes = capacity_bytes
+
+    def room_bytes(self) -> int | None:
+        """The most this tier could hold now: what it holds plus its filesystem's free space
+        (for an unprivileged writer); None where the filesystem cannot be asked."""
+        try:
+            fs = os.statvfs(self.directory)
+        except OSError:
+            return None
+        return self.used_bytes + fs.f_bavail * fs.f_frsize
 
     def _list_dir(self, path: str) -> list[os.DirEntry[str]]:
         try:
