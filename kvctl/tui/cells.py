@@ -82,8 +82,11 @@ class Cells:
     def state(self, row: NodeRow) -> Text:
         if row.up:
             return Text("up", style=self.palette.style(Level.GOOD))
+        # ≥: never seen up, by the collectors or this view: down at least since the first poll
+        at_least = "≥" if row.last_seen_ms is None else ""
         return Text(
-            f"DOWN {compact_duration(row.down_for_s)}", style=self.palette.style(Level.CRIT)
+            f"DOWN {at_least}{compact_duration(row.down_for_s)}",
+            style=self.palette.style(Level.CRIT),
         )
 
     def hit(self, recent: WindowCounts) -> Text:

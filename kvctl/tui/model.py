@@ -47,6 +47,9 @@ class Reading:
     elapsed_s: float = 0.0
     #: None when GPUs were not asked this poll (they are asked less often than stats)
     gpu: GpuPower | None = None
+    #: for a node that did not answer: the collectors' last successful scrape of it (epoch
+    #: seconds), where the source has a database and they reached it once
+    last_seen_s: float | None = None
 
     @property
     def up(self) -> bool:
@@ -193,8 +196,12 @@ class NodeRow:
     node: NodeInfo
     up: bool
     error: str | None = None
-    #: seconds the node has been down in this view (None while up)
+    #: seconds since the node was last seen up, by the collectors or by this view (None while
+    #: up); with neither, since this view's first poll that found it down (a lower bound)
     down_for_s: float | None = None
+    #: when the node last answered (ms since the epoch): this poll while up; while down, the
+    #: later of the collectors' last successful scrape and this view's last answer, or None
+    last_seen_ms: int | None = None
     recent: WindowCounts = field(default_factory=WindowCounts)
     #: hit ratio since the agent started (its own counters)
     lifetime_hit_ratio: float | None = None
@@ -246,6 +253,7 @@ class NodeRow:
             "up": self.up,
             "error": self.error,
             "down_for_s": self.down_for_s,
+            "last_seen_ms": self.last_seen_ms,
             **self.recent.as_dict(),
             "lifetime_hit_ratio": self.lifetime_hit_ratio,
             "uptime_s": self.uptime_s,
@@ -547,6 +555,8 @@ class _NodeState:
     occupancy: dict[str, deque[float | None]] = field(default_factory=dict)
     last_ts_s: float | None = None
     down_since_s: float | None = None
+    #: the last poll at which the node answered
+    last_up_s: float | None = None
     gpu: GpuPower | None = None
 
 
@@ -662,6 +672,11 @@ class Sampler:
         if reading.stats is None:
             if state.down_since_s is None:
                 state.down_since_s = poll.ts_s
+            # down since it was last seen up (what `kvctl status` says), not since this view
+            # started: the collectors may have reached it long before top was opened
+            seen = [t for t in (reading.last_seen_s, state.last_up_s) if t is not None]
+            last_seen_s = max(seen) if seen else None
+            since_s = state.down_since_s if last_seen_s is None else last_seen_s
             state.hit_history.append(None)
             for hist in state.occupancy.values():
                 hist.append(None)
@@ -669,7 +684,8 @@ class Sampler:
                 node,
                 False,
                 reading.error,
-                down_for_s=poll.ts_s - state.down_since_s,
+                down_for_s=max(poll.ts_s - since_s, 0.0),
+                last_seen_ms=None if last_seen_s is None else round(last_seen_s * 1000),
                 hit_history=list(state.hit_history),
                 occupancy_history={k: list(v) for k, v in state.occupancy.items()},
                 rtt_s=rtt,
@@ -677,6 +693,7 @@ class Sampler:
                 gpu=state.gpu,
             )
         state.down_since_s = None
+        state.last_up_s = poll.ts_s
         stats = reading.stats
         step = self._step(node.name, stats, poll.ts_s, state)
         if step is not None and self._max_gap_s is not None and step.seconds > self._max_gap_s:
@@ -708,6 +725,7 @@ class Sampler:
         return NodeRow(
             node,
             True,
+            last_seen_ms=round(poll.ts_s * 1000),
             recent=recent,
             lifetime_hit_ratio=HitCounts(whole["lookups"], whole["hits"]).hit_ratio,
             uptime_s=None if started_s is None else max(poll.ts_s - float(started_s), 0.0),

@@ -131,7 +131,8 @@ class NodeScreen(Screen[None]):
     def _summary(self, row: NodeRow) -> str:
         r = row.recent
         if not row.up:
-            head = f"DOWN for {compact_duration(row.down_for_s)}: {row.error}"
+            at_least = "≥" if row.last_seen_ms is None else ""  # never seen up: a lower bound
+            head = f"DOWN for {at_least}{compact_duration(row.down_for_s)}: {row.error}"
         else:
             head = (
                 f"up {compact_duration(row.uptime_s)} · "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -274,10 +274,26 @@ class FleetSource:
             basis[(a, b)] = basis[(b, a)] = rtt_basis_word(rb.probes)
         return out, basis
 
+    def last_seen(self, readings: list[Reading]) -> list[Reading]:
+        """Each node that did not answer with the collectors' last successful scrape of it, so
+        the view counts its downtime as `kvctl status` does, not from when top started."""
+        from kvctl.fleet.status import last_seen
+
+        down = [r.node.id for r in readings if not r.up]
+        if not down:
+            return readings
+        with self.engine.connect() as conn:
+            seen_ms = last_seen(conn, down)
+        return [
+            replace(r, last_seen_s=seen_ms[r.node.id] / 1000) if r.node.id in seen_ms else r
+            for r in readings
+        ]
+
     def poll(self) -> Poll:
         t0 = time.perf_counter()
         ts_s = self.clock()
         readings, router = self._asker.ask(self.targets())
+        readings = self.last_seen(readings)
         rtt, basis = self.rtt()
         return Poll(ts_s, readings, rtt, time.perf_counter() - t0, router, rtt_basis=basis)
 

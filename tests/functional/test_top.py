@@ -729,3 +729,34 @@ def test_fleet_source_reads_each_links_rtt_basis(tmp_path: Path) -> None:
         assert basis[("fra", "lon")] == "mixed" and basis[("ams", "lon")] == "measured"
     finally:
         engine.dispose()
+
+
+def test_top_json_counts_downtime_from_the_collectors_last_scrape(
+    fleet: tuple[Engine, dict[str, Agent]],
+) -> None:
+    """gpu-down was last scraped 47 s before top opens: top says down for 47 s, as `kvctl
+    status` says last seen 47 s ago, not the second or so since top started."""
+    from sqlalchemy import select
+
+    from kvctl.db.ingest import insert_rows
+    from kvctl.db.models import Node, raw_table
+
+    engine, _ = fleet
+    seen_ms = int(time.time() * 1000) - 47_000
+    with engine.begin() as conn:
+        down_id = conn.execute(select(Node.id).where(Node.name == "gpu-down")).scalar_one()
+        insert_rows(
+            conn,
+            raw_table("node_sample"),
+            [{"node_id": down_id, "ts_ms": seen_ms, "up": True, "scrape_seconds": 0.01,
+              "agent_started_s": 1.0, "nvml_available": False, "error": None}],
+        )  # fmt: skip
+    out = runner.invoke(cli, ["top", "--db", str(engine.url), "--json", "--interval", "0.2"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    nodes = {n["node"]: n for n in doc["nodes"]}
+    down = nodes["gpu-down"]
+    assert down["last_seen_ms"] == seen_ms
+    assert down["down_for_s"] == pytest.approx((doc["ts_ms"] - seen_ms) / 1000, abs=0.01)
+    assert 47 <= down["down_for_s"] < 60
+    assert nodes["gpu-a"]["last_seen_ms"] == doc["ts_ms"]  # up: seen at this poll

@@ -177,7 +177,9 @@ def test_a_down_node_stays_with_its_error_and_how_long() -> None:
     view = s.update(poll(15.0, Reading(a, stats()), Reading(b, None, "connection refused")))
     down = view.row("b")
     assert down is not None and not down.up
-    assert down.error == "connection refused" and down.down_for_s == pytest.approx(3.0)
+    # down since this view last saw it answer (10.0), not since the first poll that found it down
+    assert down.error == "connection refused" and down.down_for_s == pytest.approx(5.0)
+    assert down.last_seen_ms == 10_000
     assert view.total.nodes == 2 and view.total.up == 1
     # back up: the down clock resets
     view = s.update(poll(17.0, Reading(a, stats()), Reading(b, stats())))
@@ -358,3 +360,23 @@ def test_rtt_says_its_basis_in_the_row_json_and_cell() -> None:
     assert rtt_basis_word({"measured": 3}) == "measured"
     assert rtt_basis_word({"emulated": 2}) == "emulated"
     assert rtt_basis_word({"emulated": 2, "measured": 1}) == "mixed"
+
+
+def test_down_for_counts_from_the_collectors_last_scrape() -> None:
+    a = node("a")
+    s = Sampler()
+    # top opens on a node the collectors last reached 47 s ago
+    view = s.update(poll(100.0, Reading(a, None, "refused", last_seen_s=53.0)))
+    row = view.row("a")
+    assert row is not None and row.down_for_s == pytest.approx(47.0)
+    assert row.last_seen_ms == 53_000 and row.as_dict()["last_seen_ms"] == 53_000
+    view = s.update(poll(102.0, Reading(a, None, "refused", last_seen_s=53.0)))
+    assert view.rows[0].down_for_s == pytest.approx(49.0)
+    # never reached by anyone: since the first poll that found it down, said as a lower bound
+    from kvctl.tui.cells import Cells, Palette
+
+    s = Sampler()
+    s.update(poll(100.0, Reading(a, None, "refused")))
+    row = s.update(poll(103.0, Reading(a, None, "refused"))).rows[0]
+    assert row.down_for_s == pytest.approx(3.0) and row.last_seen_ms is None
+    assert Cells(Palette(), Thresholds()).state(row).plain.startswith("DOWN ≥")
