@@ -11,6 +11,7 @@ from typing import Any
 
 from collectors.engines import EngineReading, Histogram, histogram_delta, histogram_quantile
 from kvctl.counters import CounterTracker
+from kvctl.db.analytics.savings import gpu_key
 from kvctl.db.models import SERIES_BY_TABLE
 from kvctl.profiles import ModeledInputs
 from kvctl.wire.stats import cache_counters
@@ -58,6 +59,19 @@ def cache_rows(
 PREFILL_BASES = ("measured", "configured", "modeled")
 
 
+def _input_name(value: object, limit: int) -> str:
+    """A plan input's name as the agent reported it, '' when absent (a measured or configured
+    rate names no GPU: it is the node's own), cut to the column's width."""
+    return value.strip()[:limit] if isinstance(value, str) else ""
+
+
+def _gpu_input(value: object) -> str:
+    """The GPU profile a plan's prefill rate was modeled on (``gpu_profile``'s key, so "H100"
+    and "h100" are one series), else the name as given."""
+    name = _input_name(value, 32)
+    return gpu_key(name) or name
+
+
 def plan_rows(
     tracker: CounterTracker, node_id: int, ts_ms: int, stats: Mapping[str, Any]
 ) -> list[dict[str, Any]]:
@@ -67,8 +81,11 @@ def plan_rows(
     if not isinstance(plans, Mapping) or not isinstance(plans.get("plans"), Mapping):
         return []
     p: Mapping[str, Any] = plans["plans"]
-    # the agent's PrefillModel reports its basis's kind alongside the basis text
-    kind = (plans.get("prefill") or {}).get("kind")
+    # the agent's PrefillModel reports its basis's kind alongside the basis text, and the
+    # model and GPU profile its rate was for: the seconds saved are seconds of that GPU
+    prefill = plans.get("prefill") if isinstance(plans.get("prefill"), Mapping) else {}
+    kind = prefill.get("kind")
+    inputs = prefill.get("inputs") if isinstance(prefill.get("inputs"), Mapping) else {}
     raw = {c: p.get(c) for c in ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")}
     inc = tracker.increase(f"plan:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
     recompute_s, fetch_s = inc["recompute_s"], inc["fetch_s"]
@@ -81,6 +98,8 @@ def plan_rows(
             "node_id": node_id,
             "ts_ms": ts_ms,
             "prefill_basis": kind if kind in PREFILL_BASES else "unknown",
+            "prefill_model": _input_name(inputs.get("model"), 64),
+            "prefill_gpu": _gpu_input(inputs.get("gpu")),
             "saved_s": saved_s,
             "recompute_s": recompute_s,
             "fetch_s": fetch_s,

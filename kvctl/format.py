@@ -8,7 +8,8 @@ function that takes ``None`` answers ``N/A`` for it. Parsing sizes is ``kvctl.un
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -64,7 +65,20 @@ def format_number(v: float | None, unit: str = "", digits: int = 3) -> str:
         text = "0"
     else:
         text = f"{v:.{digits}g}"
+        if "e" in text:  # below 1e-4: positional, as a card in a family's unit needs
+            places = digits - 1 - math.floor(math.log10(abs(v)))
+            text = f"{v:.{places}f}"
     return f"{text} {unit}".rstrip()
+
+
+def common_scale(
+    values: Iterable[float | None], units: tuple[tuple[float, str], ...]
+) -> tuple[tuple[float, str]]:
+    """One of ``units`` for figures shown side by side (a family: energy saved and used), so
+    they read in one unit: the one :func:`format_scaled` would pick for the largest of them.
+    Pass it as ``units`` to :func:`format_scaled`."""
+    largest = max((abs(v) for v in values if v is not None), default=0.0)
+    return (next((u for u in units if largest >= u[0]), units[-1]),)
 
 
 def format_scaled(v: float | None, units: tuple[tuple[float, str], ...]) -> str:

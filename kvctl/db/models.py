@@ -295,6 +295,13 @@ class PlanSample(Base):
     #: so rollups keep seconds of each basis apart and a saving is never called measured
     #: because part of it was)
     prefill_basis: Mapped[str] = mapped_column(String(16))
+    #: the model and GPU profile the agent's prefill rate was for, as its plans reported them
+    #: (``fetch_plans.prefill.inputs``): the seconds saved are seconds *of that GPU*, so their
+    #: energy is that GPU's board power, not the inventory's. '' where the plans named none (a
+    #: measured or configured rate: the node's own GPU; rows from before 0011). Series keys, so
+    #: rollups never add seconds of different GPUs together.
+    prefill_model: Mapped[str] = mapped_column(String(64), server_default="")
+    prefill_gpu: Mapped[str] = mapped_column(String(32), server_default="")
     saved_s: Mapped[float | None] = mapped_column(Float)
     recompute_s: Mapped[float | None] = mapped_column(Float)
     fetch_s: Mapped[float | None] = mapped_column(Float)
@@ -461,7 +468,7 @@ SERIES: Final = (
     ),
     Series(
         "plan_sample",
-        ("node_id", "prefill_basis"),
+        ("node_id", "prefill_basis", "prefill_model", "prefill_gpu"),
         ("saved_s", "recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks"),
         (),
     ),

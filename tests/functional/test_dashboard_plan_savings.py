@@ -152,3 +152,41 @@ def test_the_card_says_which_basis_the_saving_has(app: Any) -> None:
     (row,) = [r for r in by_id(page, "table-dcs").data if r["DC"] == "fra"]
     assert row["GPU-h basis"] == "modeled (plan) + modeled (tokens)"
     assert row["GPU-h saved"] == round((2.5 + 2560 / A100_RATE) / 3600, 4)
+
+
+@pytest.mark.parametrize("rolled_up", [False, True], ids=["raw", "rolled-up"])
+def test_plan_seconds_are_priced_at_the_plans_gpu_and_the_cards_name_it(
+    db: Engine, rolled_up: bool
+) -> None:
+    """The review's case: ams-a is an L4 in the inventory, but its agent (started without
+    --gpu) planned on llama-3.1-8b on h100. Its 2 s saved are H100-seconds: 700 W, not the
+    L4's 72 W; the cards name the plans' inputs, the GPU mismatch, and that the page's model
+    (qwen2.5-0.5b) does not apply to them."""
+    ids = fill_history(db)
+    plan = _plan(ids["ams-a"], T, "modeled", 3.0, 1.0, 40)
+    with db.begin() as conn:
+        insert_rows(
+            conn,
+            raw_table("plan_sample"),
+            [{**plan, "prefill_model": "llama-3.1-8b", "prefill_gpu": "h100"}],
+        )
+    if rolled_up:  # the plan's GPU survives rollups as a series key
+        rollup_all(db.begin, NOW)
+    with db.connect() as conn:
+        ov = overview(conn, window_for("1h", NOW), ASSUME)
+    ams = ov.dcs["ams"]
+    assert ams.gpu_seconds_saved == pytest.approx(2.0)
+    assert ams.it_joules_saved == pytest.approx(2.0 * 700)  # H100 board power, not L4's 72 W
+    assert ams.plan_energy_gpus == {"h100": pytest.approx(2.0)}
+    assert ams.plan_gpu_mismatches == {"ams-a: plans on h100, inventory L4": 1}
+
+    app = create_app(url_of(db), model="qwen2.5-0.5b", default_gpu="a100", now_ms=lambda: NOW)
+    try:
+        page, _ = render(app, "/", "", "1h", ["ams"], "qwen2.5-0.5b")
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+    gpu_card, energy_card = (text_of(by_id(page, i)) for i in ("card-gpu-hours", "card-energy"))
+    assert "llama-3.1-8b on h100 (modeled)" in gpu_card
+    assert "the page's model qwen2.5-0.5b applies only to nodes without plans" in gpu_card
+    assert "h100 700 W" in energy_card and "ams-a: plans on h100, inventory L4" in energy_card
+    assert "facility (x PUE)" in energy_card  # the card's title names its basis

@@ -83,8 +83,12 @@ def test_upgrade_from_each_revision_keeps_its_data(empty_db_url: str, start: str
             table = Base.metadata.tables[name]
             got = [dict(r._mapping) for r in conn.execute(select(table))]
             key = sorted(table.primary_key.columns.keys())
-            # a column a later revision added (nullable) reads NULL on the old rows
-            want = ({col.name: row.get(col.name) for col in table.c} for row in rows)
+            # a column a later revision added reads NULL on the old rows, or '' where it is
+            # a NOT NULL series key (0011's plan inputs: not reported)
+            want = (
+                {c.name: row.get(c.name, None if c.nullable else "") for c in table.c}
+                for row in rows
+            )
             assert sorted(got, key=lambda r: [r[k] for k in key]) == sorted(
                 want, key=lambda r: [r[k] for k in key]
             ), name
@@ -339,3 +343,56 @@ def sa_table(conn: Connection, name: str) -> Any:
     from sqlalchemy import MetaData, Table
 
     return Table(name, MetaData(), autoload_with=conn)
+
+
+def test_plan_inputs_upgrade_keep_gpus_apart_and_downgrade(empty_db_url: str) -> None:
+    """0011 on both backends: plan rows and rollups from before it read '' (inputs not
+    reported); after it, seconds of different GPUs roll up apart (their energy takes each
+    GPU's board power); a downgrade folds them back into one row per bucket, sums kept."""
+    from kvctl.db.ingest import insert_rows
+    from kvctl.db.models import ROLLUPS, raw_table
+    from kvctl.db.rollup import HOUR_MS, rollup_all
+
+    engine = _engine(empty_db_url)
+    migrate.upgrade(engine, "0010")
+    t0 = 1_700_000_000_000 // HOUR_MS * HOUR_MS
+    old = {
+        "node_id": 1,
+        "ts_ms": t0,
+        "prefill_basis": "modeled",
+        "saved_s": 1.0,
+        "recompute_s": 1.5,
+        "fetch_s": 0.5,
+        "fetch_chunks": 1,
+        "recompute_chunks": 0,
+    }
+    with engine.begin() as conn:
+        conn.execute(sa_table(conn, "plan_sample").insert().values(**old))
+    migrate.upgrade(engine, "0011")
+    rows = [
+        {**old, "ts_ms": t0 + HOUR_MS + i * 10_000, "prefill_model": "llama-3.1-8b",
+         "prefill_gpu": "h100" if i % 2 else "l4"}
+        for i in range(4)
+    ]  # fmt: skip
+    with engine.begin() as conn:
+        insert_rows(conn, raw_table("plan_sample"), rows)
+    rollup_all(engine.begin, t0 + 3 * HOUR_MS)
+    with engine.connect() as conn:
+        got = {
+            (r.bucket_ms, r.prefill_model, r.prefill_gpu): r.saved_s
+            for r in conn.execute(select(ROLLUPS["plan_sample", "1h"]))
+        }
+    assert got == {
+        (t0, "", ""): 1.0,
+        (t0 + HOUR_MS, "llama-3.1-8b", "h100"): 2.0,
+        (t0 + HOUR_MS, "llama-3.1-8b", "l4"): 2.0,
+    }
+    migrate.downgrade(engine, "0010")
+    with engine.connect() as conn:
+        hourly = sa_table(conn, "plan_1h")
+        assert "prefill_gpu" not in hourly.c
+        folded = {r.bucket_ms: r.saved_s for r in conn.execute(select(hourly))}
+    assert folded == {t0: 1.0, t0 + HOUR_MS: 4.0}
+    migrate.upgrade(engine)
+    assert migrate.current_revision(engine) == migrate.head_revision()
+    engine.dispose()

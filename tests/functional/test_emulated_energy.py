@@ -16,7 +16,7 @@ from kvctl.db.analytics.windows import fitted_window, window_for
 from kvctl.db.ingest import insert_rows
 from kvctl.db.models import ROLLUPS, raw_table
 from kvctl.db.rollup import DAY_MS, MINUTE_MS, rollup_all
-from kvctl.format import ENERGY_UNITS, format_number, format_scaled
+from kvctl.format import format_number
 from tests.functional.dashboard_history import ASSUME, NOW, T, fill_history
 from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of, walk
 
@@ -85,12 +85,14 @@ def test_the_dashboard_shows_each_on_its_own_cards(db: Engine, both: dict[str, i
     assert card_value(page, "card-energy-used") == "1 kWh"
     assert card_value(page, "card-tokens-per-joule") == format_number(12_000 / 3.6e6)
     emulated = by_id(page, "card-energy-emulated")
-    assert card_value(page, "card-energy-emulated") == format_scaled(6 * EMULATED_J, ENERGY_UNITS)
+    # the energy cards read in one unit (the largest figure's), never kWh beside J
+    assert card_value(page, "card-energy-emulated") == "0.0000117 kWh"
+    assert "IT" in text_of(emulated) and "IT" in text_of(by_id(page, "card-energy-used"))
     assert "emulated" in text_of(emulated) and "NVIDIA L4 datasheet: 72 W" in text_of(emulated)
     assert card_value(page, "card-tokens-per-joule-emulated") == format_number(1_000 / 7.0)
     rows = {r["DC"]: r for r in by_id(page, "table-dcs").data}
-    assert rows["fleet"]["kWh used"] == 1.0
-    assert rows["fleet"]["kWh used (emulated)"] == round(6 * EMULATED_J / 3.6e6, 6)
+    assert rows["fleet"]["kWh used (IT)"] == 1.0
+    assert rows["fleet"]["kWh used (emulated, IT)"] == round(6 * EMULATED_J / 3.6e6, 6)
     # the detail page: NVML's plot and the emulated one, each labelled
     by_id(detail, "fig-power")
     assert EMULATED in text_of(by_id(detail, "fig-power-emulated").figure.data[0].name)

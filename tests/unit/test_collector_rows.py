@@ -99,3 +99,24 @@ def test_plan_rows_need_fetch_plans_and_never_invent_a_basis() -> None:
     assert plan_rows(tracker, 3, 0, {"started_s": 1.0}) == []  # an agent that does not plan
     odd = _plan_stats(1.0, 0.0, 1, kind="guessed")
     assert plan_rows(tracker, 3, 0, odd)[0]["prefill_basis"] == "unknown"
+
+
+def test_plan_rows_record_the_prefill_inputs_the_agent_planned_with() -> None:
+    """An agent started without --gpu plans on llama-3.1-8b on h100 whatever GPU its node has:
+    the row says so, so its seconds are never priced at another GPU's board power."""
+    tracker = CounterTracker()
+    stats = _plan_stats(2.0, 0.5, 10)
+    stats["fetch_plans"]["prefill"]["inputs"] = {  # type: ignore[index]
+        "tokens_per_s": 20_000.0,
+        "model": "llama-3.1-8b",
+        "gpu": "H100",
+    }
+    (row,) = plan_rows(tracker, 3, 0, stats)
+    assert (row["prefill_model"], row["prefill_gpu"]) == ("llama-3.1-8b", "h100")
+    # a measured or configured rate names no GPU (the node's own): '' rather than a guess
+    measured = _plan_stats(2.0, 0.5, 10, kind="measured")
+    measured["fetch_plans"]["prefill"]["inputs"] = {"model": "Qwen/Qwen2.5-7B"}  # type: ignore[index]
+    (row,) = plan_rows(CounterTracker(), 3, 0, measured)
+    assert (row["prefill_model"], row["prefill_gpu"]) == ("Qwen/Qwen2.5-7B", "")
+    (row,) = plan_rows(CounterTracker(), 3, 0, _plan_stats(1.0, 0.0, 1))  # an older agent
+    assert (row["prefill_model"], row["prefill_gpu"]) == ("", "")

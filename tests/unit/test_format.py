@@ -7,6 +7,7 @@ import pytest
 from kvctl.format import (
     ENERGY_UNITS,
     GPU_TIME_UNITS,
+    common_scale,
     compact_bytes,
     compact_duration,
     compact_per_second,
@@ -82,6 +83,14 @@ def test_numbers_and_scaled_units() -> None:
     assert format_scaled(7200, GPU_TIME_UNITS) == "2 GPU-h"
     assert format_scaled(7.2e6, ENERGY_UNITS) == "2 kWh"
     assert format_scaled(None, ENERGY_UNITS) == "N/A"
+    assert format_number(1.1666e-5, "kWh") == "0.0000117 kWh"  # never 1.17e-05
+
+
+def test_a_family_of_figures_reads_in_one_unit() -> None:
+    """The demo's 13.2 kJ saved beside 42 J used read 3.67 Wh and 0.0117 Wh, not kJ and J."""
+    unit = common_scale([13_200.0, 42.0, None], ENERGY_UNITS)
+    assert (format_scaled(13_200.0, unit), format_scaled(42.0, unit)) == ("3.67 Wh", "0.0117 Wh")
+    assert common_scale([None], ENERGY_UNITS) == ((1.0, "J"),)
 
 
 def test_utc_minute() -> None:

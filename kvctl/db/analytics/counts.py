@@ -18,11 +18,11 @@ from typing import Any, Final
 
 from sqlalchemy.engine import Connection
 
-from kvctl.db.analytics.savings import JOULES_PER_KWH, gpu_key, savings
+from kvctl.db.analytics.savings import JOULES_PER_KWH, Savings, gpu_key, savings
 from kvctl.db.analytics.values import as_float, as_int, gauge_mean
 from kvctl.db.inventory import DcInfo, NodeInfo
 from kvctl.db.rollup import series, window
-from kvctl.profiles import GPUS, ModeledInputs, ModelProfile
+from kvctl.profiles import GPUS, GPUProfile, ModeledInputs, ModelProfile
 from kvctl.ratios import HitCounts, ratio
 
 MEASURED: Final = "measured"
@@ -110,6 +110,17 @@ class Counts(HitCounts):
     #: per prefill basis (measured, configured, modeled): prefill - fetch seconds of the chunks
     #: the plans took
     plan_saved_s: dict[str, float] = field(default_factory=dict)
+    #: per GPU profile the plans' prefill rate was modeled on ('' where the plans named none:
+    #: a measured or configured rate, or rows from before 0011): prefill - fetch seconds
+    plan_saved_s_by_gpu: dict[str, float] = field(default_factory=dict)
+    #: per prefill input the plans reported, "model on gpu (basis)": seconds saved
+    plan_inputs: dict[str, float] = field(default_factory=dict)
+    #: per plan model named ('' not reported): seconds saved; compared with the page's model
+    plan_models: dict[str, float] = field(default_factory=dict)
+    #: per GPU profile whose board power priced the plans' seconds: those seconds
+    plan_energy_gpus: dict[str, float] = field(default_factory=dict)
+    #: per "node: plans on X, inventory Y" where the plans' GPU is not the node's: nodes
+    plan_gpu_mismatches: dict[str, int] = field(default_factory=dict)
     plan_recompute_s: float = 0.0
     plan_fetch_s: float = 0.0
     plan_fetch_chunks: int = 0
@@ -258,6 +269,14 @@ ENGINE_COLUMNS: Final = (
 )
 
 
+def plan_input_label(model: str, gpu: str, basis: str) -> str:
+    """What a node's plans priced their seconds from, for notes: "llama-3.1-8b on h100
+    (modeled)"; a rate that names no GPU (measured, configured) is the node's own GPU's."""
+    if not model and not gpu:  # an agent older than the field, or one that names nothing
+        return f"inputs not reported ({basis})"
+    return f"{model or 'model not reported'} on {gpu or 'its own GPU'} ({basis})"
+
+
 def total(counts: Iterable[Counts]) -> Counts:
     """The sum of ``counts`` (nodes into a DC, DCs into the fleet)."""
     out = Counts()
@@ -329,8 +348,14 @@ def measured_counts(
         c.emulated_energy_j = joules
     for m in rows("plan_sample", PLAN_COLUMNS):
         c, basis = out[m["node_id"]], m["prefill_basis"]
+        model, gpu = m["prefill_model"] or "", m["prefill_gpu"] or ""
         c.plan_nodes = 1
         c.plan_saved_s[basis] = c.plan_saved_s.get(basis, 0.0) + as_float(m["saved_s"])
+        saved_s = as_float(m["saved_s"])
+        c.plan_saved_s_by_gpu[gpu] = c.plan_saved_s_by_gpu.get(gpu, 0.0) + saved_s
+        label = plan_input_label(model, gpu, basis)
+        c.plan_inputs[label] = c.plan_inputs.get(label, 0.0) + saved_s
+        c.plan_models[model] = c.plan_models.get(model, 0.0) + saved_s
         c.plan_recompute_s += as_float(m["recompute_s"])
         c.plan_fetch_s += as_float(m["fetch_s"])
         c.plan_fetch_chunks += as_int(m["fetch_chunks"])
@@ -379,19 +404,46 @@ def node_counts(
             c.cached_prefill_s = inputs.prefill_seconds(c.cached_prompt_tokens)
         plan_saved_s = sum(c.plan_saved_s.values()) if c.plan_nodes else None
         c.token_model_nodes = int(plan_saved_s is None and c.hit_tokens > 0)
-        if c.hit_tokens or plan_saved_s:
-            s = savings(
-                c.hit_tokens,
-                inputs,
-                pue=dc.pue,
-                carbon_g_per_kwh=dc.carbon_g_per_kwh,
-                plan_saved_s=plan_saved_s,
-            )
-            c.gpu_seconds_saved = s.gpu_seconds
-            c.it_joules_saved = s.it_joules
-            c.facility_joules_saved = s.facility_joules
-            c.carbon_g_saved = s.carbon_g or 0.0
-            c.carbon_unknown_nodes = int(s.carbon_g is None)
-            c.carbon_known_nodes = int(s.carbon_g is not None)
-            c.pue_unknown_nodes = int(not s.pue_known)
+        if not (c.hit_tokens or plan_saved_s):
+            continue
+        found: list[Savings] = []
+        if plan_saved_s is None:
+            found.append(_savings(c, inputs, dc))
+        else:
+            # each GPU's seconds at that GPU's board power: an agent planning on its default
+            # h100 while the inventory says L4 saved H100-seconds, not L4-seconds
+            for plan_gpu, seconds in sorted(c.plan_saved_s_by_gpu.items()):
+                profile = GPUS.get(gpu_key(plan_gpu) or "") or inputs.gpu
+                c.plan_energy_gpus[profile.name] = (
+                    c.plan_energy_gpus.get(profile.name, 0.0) + seconds
+                )
+                if plan_gpu and gpu_key(node.gpu_model) not in (None, profile.name):
+                    mismatch = f"{node.name}: plans on {profile.name}, inventory {node.gpu_model}"
+                    c.plan_gpu_mismatches[mismatch] = 1
+                found.append(_savings(c, inputs, dc, seconds, profile))
+        c.gpu_seconds_saved = sum(s.gpu_seconds for s in found)
+        c.it_joules_saved = sum(s.it_joules for s in found)
+        c.facility_joules_saved = sum(s.facility_joules for s in found)
+        carbon = [s.carbon_g for s in found if s.carbon_g is not None]
+        c.carbon_g_saved = sum(carbon)
+        c.carbon_unknown_nodes = int(dc.carbon_g_per_kwh is None)
+        c.carbon_known_nodes = int(dc.carbon_g_per_kwh is not None)
+        c.pue_unknown_nodes = int(dc.pue is None)
     return out
+
+
+def _savings(
+    c: Counts,
+    inputs: ModeledInputs,
+    dc: DcInfo,
+    plan_saved_s: float | None = None,
+    plan_gpu: GPUProfile | None = None,
+) -> Savings:
+    return savings(
+        c.hit_tokens,
+        inputs,
+        pue=dc.pue,
+        carbon_g_per_kwh=dc.carbon_g_per_kwh,
+        plan_saved_s=plan_saved_s,
+        plan_gpu=plan_gpu,
+    )

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
-from kvctl.profiles import GPUS, ModeledInputs
+from kvctl.profiles import GPUS, GPUProfile, ModeledInputs
 
 JOULES_PER_KWH: Final = 3.6e6
 # most specific first: "H200" must not read as "H20", nor "L40S" as "L4"
@@ -61,15 +61,21 @@ def savings(
     pue: float | None,
     carbon_g_per_kwh: float | None,
     plan_saved_s: float | None = None,
+    plan_gpu: GPUProfile | None = None,
 ) -> Savings:
     """What serving ``tokens`` from cache saved. ``plan_saved_s``: the agents' own figure
     (prefill minus fetch time of the chunks their plans took), used instead of the modeled
-    prefill time when given; never negative, since a plan takes nothing that loses time."""
+    prefill time when given; never negative, since a plan takes nothing that loses time.
+    ``plan_gpu``: the GPU those seconds are of (the profile the agent's prefill rate was
+    modeled on); its board power prices them, not ``inputs.gpu``'s, since seconds of an
+    H100 at an L4's watts are neither GPU's energy."""
+    gpu = inputs.gpu
     if plan_saved_s is None:
         gpu_seconds, basis = inputs.prefill_seconds(tokens), "modeled"
     else:
         gpu_seconds, basis = max(float(plan_saved_s), 0.0), "plan"
-    it_joules = gpu_seconds * inputs.gpu.board_power_watts
+        gpu = plan_gpu or gpu
+    it_joules = gpu_seconds * gpu.board_power_watts
     facility = it_joules * (pue if pue is not None else 1.0)
     carbon = None if carbon_g_per_kwh is None else facility / JOULES_PER_KWH * carbon_g_per_kwh
     return Savings(
