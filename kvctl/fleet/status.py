@@ -52,6 +52,11 @@ class NodeStatus:
     #: when the node last answered: now when up, else the collectors' last successful scrape
     last_seen_ms: int | None = None
 
+    @property
+    def read(self) -> bool:
+        """Whether its figures were read: up, and it let us."""
+        return self.up and not self.auth_refused
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "node": self.node,
@@ -60,7 +65,7 @@ class NodeStatus:
             "up": self.up,
             "auth_refused": self.auth_refused,
             "error": self.error,
-            **self.counts.hit_figures(),
+            **figures_or_unknown(self.counts, self.read),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
             "uptime_s": self.uptime_s,
             "last_seen_ms": self.last_seen_ms,
@@ -89,9 +94,17 @@ class DcStatus:
             "dc": self.dc,
             "nodes": self.nodes,
             "up": self.up,
-            **self.counts.hit_figures(),
+            # no node answered: nothing counted, which is unknown, not zero lookups
+            **figures_or_unknown(self.counts, self.up > 0),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
         }
+
+
+def figures_or_unknown(counts: HitCounts, known: bool) -> dict[str, float | None]:
+    """The counts and ratios under their JSON names; every one null when they were not read
+    (a node down or refusing the token): 0 lookups would claim it was idle."""
+    figures = counts.hit_figures()
+    return figures if known else dict.fromkeys(figures)
 
 
 @dataclass(slots=True)

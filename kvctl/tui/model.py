@@ -254,7 +254,8 @@ class NodeRow:
             "error": self.error,
             "down_for_s": self.down_for_s,
             "last_seen_ms": self.last_seen_ms,
-            **self.recent.as_dict(),
+            # a down node's counts were not read: unknown (null), not 0 lookups
+            **(self.recent.as_dict() if self.up else dict.fromkeys(self.recent.as_dict())),
             "lifetime_hit_ratio": self.lifetime_hit_ratio,
             "uptime_s": self.uptime_s,
             "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
@@ -274,6 +275,7 @@ class DcRow:
     #: counts summed over nodes, for ratios; rates are the nodes' rates summed (their windows
     #: differ: a node back from down has a shorter one)
     recent: WindowCounts = field(default_factory=WindowCounts)
+    lookups_per_s: float | None = None
     evictions_per_s: float | None = None
     io_bytes_per_s: float | None = None
     tiers: dict[str, TierGauge] = field(default_factory=dict)
@@ -292,6 +294,7 @@ class DcRow:
         self.up += 1
         self.recent.seconds = max(self.recent.seconds, row.recent.seconds)
         self.recent.add(row.recent)
+        self.lookups_per_s = _plus(self.lookups_per_s, row.recent.lookups_per_s)
         self.evictions_per_s = _plus(self.evictions_per_s, row.recent.evictions_per_s)
         self.io_bytes_per_s = _plus(self.io_bytes_per_s, row.recent.io_bytes_per_s)
         for name, t in row.tiers.items():
@@ -304,8 +307,9 @@ class DcRow:
             "dc": self.dc,
             "nodes": self.nodes,
             "up": self.up,
-            **self.recent.as_dict(),
-            "lookups_per_s": None,
+            # no node answered: nothing counted, which is unknown (null), not zero
+            **(self.recent.as_dict() if self.up else dict.fromkeys(self.recent.as_dict())),
+            "lookups_per_s": self.lookups_per_s,
             "evictions_per_s": self.evictions_per_s,
             "io_bytes_per_s": self.io_bytes_per_s,
             "tiers": {k: t.as_dict() for k, t in self.tiers.items()},

@@ -759,4 +759,5 @@ def test_top_json_counts_downtime_from_the_collectors_last_scrape(
     assert down["last_seen_ms"] == seen_ms
     assert down["down_for_s"] == pytest.approx((doc["ts_ms"] - seen_ms) / 1000, abs=0.01)
     assert 47 <= down["down_for_s"] < 60
+    assert down["lookups"] is None and down["hits"] is None  # not read: unknown, not 0
     assert nodes["gpu-a"]["last_seen_ms"] == doc["ts_ms"]  # up: seen at this poll

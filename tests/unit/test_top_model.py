@@ -380,3 +380,27 @@ def test_down_for_counts_from_the_collectors_last_scrape() -> None:
     row = s.update(poll(103.0, Reading(a, None, "refused"))).rows[0]
     assert row.down_for_s == pytest.approx(3.0) and row.last_seen_ms is None
     assert Cells(Palette(), Thresholds()).state(row).plain.startswith("DOWN ≥")
+
+
+def test_down_nodes_counts_are_null_and_dc_lookup_rates_are_summed() -> None:
+    a, b, c = node("a", "fra", 1), node("b", "fra", 2), node("c", "ams", 3)
+    s = Sampler()
+    s.update(poll(0.0, Reading(a, stats()), Reading(b, stats()), Reading(c, None, "down")))
+    view = s.update(
+        poll(
+            2.0,
+            Reading(a, stats(lookups=10, hits=5)),
+            Reading(b, stats(lookups=30, hits=5)),
+            Reading(c, None, "down"),
+        )
+    )
+    data = view.as_dict()
+    nodes = {n["node"]: n for n in data["nodes"]}
+    assert nodes["a"]["lookups"] == 10
+    # not read: unknown, not "0 lookups, 0 hits"
+    assert nodes["c"]["lookups"] is None and nodes["c"]["hits"] is None
+    assert nodes["c"]["lookups_per_s"] is None
+    dcs = {d["dc"]: d for d in data["dcs"]}
+    assert dcs["fra"]["lookups_per_s"] == pytest.approx(10 / 2 + 30 / 2)
+    assert data["total"]["lookups_per_s"] == pytest.approx(20.0)
+    assert dcs["ams"]["lookups"] is None and dcs["ams"]["lookups_per_s"] is None
