@@ -31,6 +31,7 @@ from collectors.router import router_key as router_key_of
 from collectors.rows import (
     cache_rows,
     emulated_power_rows,
+    emulation_for,
     engine_row,
     plan_rows,
     power_rows,
@@ -335,8 +336,10 @@ class Collector:
             if s.gpus is not None:
                 rows["power_sample"] += power_rows(self._tracker, node.id, ts_ms, s.gpus)
             if nvml is False and self.config.emulate_power is not None:
+                # the node's own inventory GPU where it names a profile; the option's else
+                inputs = emulation_for(self.config.emulate_power, node.gpu_model)
                 rows["emulated_power_sample"] += emulated_power_rows(
-                    self._tracker, node.id, ts_ms, s.stats, self.config.emulate_power
+                    self._tracker, node.id, ts_ms, s.stats, inputs
                 )
             if s.engine is not None:
                 prev = self._ttft_prev.get(node.id)

@@ -13,7 +13,7 @@ from collectors.engines import EngineReading, Histogram, histogram_delta, histog
 from kvctl.counters import CounterTracker
 from kvctl.db.analytics.savings import gpu_key
 from kvctl.db.models import SERIES_BY_TABLE
-from kvctl.profiles import ModeledInputs
+from kvctl.profiles import GPUS, ModeledInputs
 from kvctl.wire.stats import cache_counters
 
 CACHE_COUNTERS = SERIES_BY_TABLE["cache_sample"].sums
@@ -134,6 +134,16 @@ def power_rows(
     return rows
 
 
+def emulation_for(default: ModeledInputs, gpu_model: str) -> ModeledInputs:
+    """What ``--emulate-power`` assumes of one node: its inventory GPU's profile when its
+    gpu_model names one (an H100 node is never emulated at an L4's watts), else ``default``'s
+    GPU; the model and MFU are ``default``'s either way."""
+    key = gpu_key(gpu_model)
+    if key is None or key == default.gpu.name:
+        return default
+    return ModeledInputs(default.model, GPUS[key], default.mfu)
+
+
 def emulated_power_rows(
     tracker: CounterTracker,
     node_id: int,
@@ -144,8 +154,11 @@ def emulated_power_rows(
     """The ``emulated_power_sample`` row of one scrape of ``/v1/stats``: the modeled prefill
     seconds of the tokens the node's cache did not serve since its previous scrape (its
     counters' lookup_tokens - hit_tokens) x the board power. None at a node's first scrape (a
-    baseline: no interval yet). The power is that energy over the interval, at most the board
-    power (a node sent more work than its GPU could do shows at full power). ``inputs``: what
+    baseline: no interval yet). The agents count whole chunks only (a prompt's partial last
+    chunk is never looked up), so the prefill emulated is that of whole chunks: the views say
+    so. The busy time is at most the interval (a node sent more work than its GPU could do
+    in it shows at full power), and the energy and power follow from it, so they never
+    disagree. ``inputs``: what
     ``kvctl collect --emulate-power`` assumes of a node without NVML (the prefill rate of the
     model on the GPU at its MFU, the GPU's published board power)."""
     whole = cache_counters(stats).get("all", {})
@@ -160,9 +173,12 @@ def emulated_power_rows(
     looked, hit = inc["lookup_tokens"], inc["hit_tokens"]
     if since_ms is None or ts_ms <= since_ms or looked is None or hit is None:
         return []
-    busy_s = inputs.prefill_seconds(max(looked - hit, 0.0))
+    interval_s = (ts_ms - since_ms) / 1000
+    # one GPU cannot be busy longer than the interval: cap the time, and energy and power
+    # both follow from the capped time
+    busy_s = min(inputs.prefill_seconds(max(looked - hit, 0.0)), interval_s)
     energy_j = busy_s * inputs.gpu.board_power_watts
-    power_w = min(energy_j / ((ts_ms - since_ms) / 1000), inputs.gpu.board_power_watts)
+    power_w = energy_j / interval_s
     return [
         {
             "node_id": node_id,

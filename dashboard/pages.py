@@ -269,7 +269,8 @@ def _energy_cards(c: Any, energy_note: str, unit: tuple[tuple[float, str]]) -> l
                 EMULATED,
                 f"GPU energy of {c.emulated_energy_nodes} node(s) without NVML: "
                 f"{format_seconds(c.emulated_busy_s)} of modeled prefill (the tokens their "
-                f"cache did not serve) x {emulation_note(c.emulated_profiles)}",
+                "cache did not serve, whole chunks only: a prompt's partial last chunk is not "
+                f"counted) x {emulation_note(c.emulated_profiles)}",
                 card_id="card-energy-emulated",
             ),
             card(

@@ -62,9 +62,10 @@ def collect_command(
         typer.Option(
             "--emulate-power",
             help="On nodes whose agent has no NVML, record emulated GPU energy instead: the "
-            "modeled prefill time of the tokens their cache did not serve x this GPU "
-            "profile's board power (l4, h100, ...). Kept apart from measured readings and "
-            "shown as emulated.",
+            "modeled prefill time of the tokens their cache did not serve (whole chunks only) "
+            "x the board power of the node's inventory GPU (its gpu_model: h100, l4, ...); "
+            "this GPU profile for nodes whose gpu_model names none. Kept apart from measured "
+            "readings and shown as emulated.",
             show_default=False,
         ),
     ] = None,
@@ -84,8 +85,11 @@ def collect_command(
 
     With --emulate-power GPU, a node without NVML gets an emulated GPU energy instead: the
     modeled prefill seconds of the tokens its cache did not serve (its lookup and hit token
-    counters, at --emulate-model's prefill rate on GPU at MFU 0.5) x GPU's published board
-    power, in a table of its own: the dashboard shows it as emulated, never added to measured.
+    counters: whole chunks only, a prompt's partial last chunk is not counted; at
+    --emulate-model's prefill rate at MFU 0.5, at most the interval) x the published board
+    power, on the node's inventory GPU (fleet add-node --gpu-model) where that names a profile
+    and on GPU otherwise; in a table of its own: the dashboard shows it as emulated, never
+    added to measured.
 
     With --router, each interval also records what the router decided since the last scrape
     (decisions per node, sent to a node holding the prefix or not, index hits, tokens fetched

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from collectors.collector import Collector, CollectorConfig, Scrape
-from collectors.rows import emulated_power_rows
+from collectors.rows import emulated_power_rows, emulation_for
 from kvctl.counters import CounterTracker
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.migrate import open_db
@@ -45,13 +45,15 @@ def test_energy_is_the_missed_tokens_prefill_time_at_board_power() -> None:
     assert row["energy_j"] == 0 and row["lookup_tokens"] == 0
 
 
-def test_power_never_reads_above_the_board_power() -> None:
-    """More work than the GPU could do in the interval: the energy counts it, the power shows
-    the board at full power, not more."""
+def test_power_and_energy_are_capped_together_at_the_board_power() -> None:
+    """More work than the GPU could do in the interval: the board at full power for the whole
+    interval, and the energy of the same sample is that, not more (before, the power was
+    capped and the energy was not: 72 W beside 10x the joules 72 W can make in 1 s)."""
     tracker = CounterTracker()
     emulated_power_rows(tracker, 1, 0, _stats(0, 0), L4)
     (row,) = emulated_power_rows(tracker, 1, 1_000, _stats(10_000_000, 0), L4)
-    assert row["energy_j"] > 72.0 and row["power_w"] == 72.0
+    assert row["power_w"] == 72.0 and row["busy_s"] == 1.0
+    assert row["energy_j"] == pytest.approx(row["power_w"] * 1.0)  # power x interval
 
 
 def test_an_agent_restart_counts_from_zero() -> None:
@@ -103,3 +105,29 @@ def test_the_collector_emulates_only_nodes_without_nvml(
         collector.close()
         collector.engine.dispose()
     assert len(rows.get("emulated_power_sample", [])) == expected
+
+
+def test_each_node_is_emulated_on_its_inventory_gpu() -> None:
+    """--emulate-power l4 is the default for nodes whose inventory names no GPU profile; a node
+    listed as H100 is emulated at the H100's rate and 700 W, never the L4's 72 W."""
+    h100 = emulation_for(L4, "NVIDIA H100 80GB HBM3")
+    assert (h100.gpu.name, h100.model.name, h100.mfu) == ("h100", "qwen2.5-0.5b", L4.mfu)
+    assert emulation_for(L4, "") is L4 and emulation_for(L4, "some new GPU") is L4
+
+
+def test_the_collector_emulates_an_h100_node_as_an_h100(tmp_path: Any) -> None:
+    from collectors.collector import CycleReport
+
+    node = NodeInfo(1, "n1", "dc", "http://127.0.0.1:1", "H100", None)
+    gpus = {"nvml": {"available": False}, "gpus": []}
+    collector = _collector(tmp_path, L4)
+    try:
+        for ts_ms, tokens in ((1_000, 0), (3_000, 4_096)):
+            scrape = Scrape(node, True, 0.01, stats=_stats(tokens, 0), gpus=gpus)
+            rows = collector._rows([scrape], ts_ms, CycleReport(ts_ms))
+    finally:
+        collector.close()
+        collector.engine.dispose()
+    (row,) = rows["emulated_power_sample"]
+    assert row["gpu_profile"] == "h100"
+    assert row["energy_j"] == pytest.approx(row["busy_s"] * 700.0)
