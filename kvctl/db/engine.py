@@ -85,7 +85,37 @@ def create_db_engine(url: str, *, create: bool = True) -> Engine:
         engine = create_engine(parsed)
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(parsed, pool_pre_ping=True, pool_size=5, max_overflow=5)
+    return create_engine(
+        parsed,
+        pool_pre_ping=True,
+        pool_size=5,
+        max_overflow=5,
+        connect_args=_pg_connect_args(parsed),
+    )
+
+
+#: a server that takes the TCP connection and never answers (a hung host, a black-holing
+#: firewall) fails the connection after this long, instead of hanging a command or the
+#: collector's loop with no word
+PG_CONNECT_TIMEOUT_SECONDS = 10
+#: a statement waiting on another session's lock (a LOCK TABLE, a long upkeep) gives up
+#: after this long: the collector keeps its batch for the next try and says so
+PG_LOCK_TIMEOUT_MS = 15_000
+#: TCP keepalives: a connection whose peer vanished mid-query is found dead in about
+#: idle + interval x count seconds, not after the kernel's two hours
+PG_KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10,
+                 "keepalives_count": 3}  # fmt: skip
+
+
+def _pg_connect_args(url: URL) -> dict[str, Any]:
+    """libpq settings for every PostgreSQL connection; a URL that sets one itself (e.g.
+    ``?connect_timeout=30``, ``?options=...``) keeps its own."""
+    given = set(url.query)
+    args: dict[str, Any] = {"connect_timeout": PG_CONNECT_TIMEOUT_SECONDS, **PG_KEEPALIVES}
+    args = {k: v for k, v in args.items() if k not in given}
+    if "options" not in given:
+        args["options"] = f"-c lock_timeout={PG_LOCK_TIMEOUT_MS}"
+    return args
 
 
 def _create_sqlite_file(path: Path) -> None:
