@@ -187,7 +187,7 @@ def demo_command(
 
         render_replay(report)
         _print_db_check(db_check)
-        _print_energy(energy)
+        _print_energy(energy, report.modeled()["prefill_joules_saved"])
         _print_comparison(comparison)
         _print_sharing(comparison)
         console.print(sizing_text(sizing, config.kv_scale), highlight=False)
@@ -361,28 +361,55 @@ def sizing_text(sizing: TierSizing, kv_scale: float) -> str:
     )
 
 
-def _print_energy(energy: dict[str, Any] | None) -> None:
-    from kvctl.format import ENERGY_UNITS, format_number, format_scaled, format_seconds
+def _print_energy(energy: dict[str, Any] | None, saved_it_joules: float | None) -> None:
+    for line in energy_lines(energy, saved_it_joules):
+        console.print(line, highlight=False)
 
-    if not energy:
-        return
-    measured, emulated = energy["measured"], energy["emulated"]
+
+def energy_lines(energy: dict[str, Any] | None, saved_it_joules: float | None) -> list[str]:
+    """The summary's energy lines, in one unit (the largest figure's) and each naming its
+    basis: the GPUs' IT energy here; the dashboard's Energy saved is facility energy (x each
+    DC's PUE), so the two differ by the PUE, never by a unit."""
+    from kvctl.format import (
+        ENERGY_UNITS,
+        common_scale,
+        format_number,
+        format_scaled,
+        format_seconds,
+    )
+
+    measured = (energy or {}).get("measured") or {"nodes": 0}
+    emulated = (energy or {}).get("emulated") or {"nodes": 0}
+    unit = common_scale(
+        (
+            saved_it_joules,
+            measured.get("energy_j") if measured["nodes"] else None,
+            emulated.get("energy_j") if emulated["nodes"] else None,
+        ),
+        ENERGY_UNITS,
+    )
+    out = []
+    if saved_it_joules is not None:
+        out.append(
+            f"energy saved (modeled, IT: GPU board power, no PUE): "
+            f"{format_scaled(saved_it_joules, unit)}; the dashboard's Energy saved is facility "
+            "energy (x each DC's PUE)"
+        )
     if measured["nodes"]:
-        console.print(
-            f"GPU energy used (measured, NVML, {measured['nodes']} node(s)): "
-            f"{format_scaled(measured['energy_j'], ENERGY_UNITS)}",
-            highlight=False,
+        out.append(
+            f"GPU energy used (measured, IT, NVML, {measured['nodes']} node(s)): "
+            f"{format_scaled(measured['energy_j'], unit)}"
         )
     if emulated["nodes"]:
-        console.print(
-            f"GPU energy used (emulated: no NVML on {emulated['nodes']} node(s)): "
-            f"{format_scaled(emulated['energy_j'], ENERGY_UNITS)} = "
+        out.append(
+            f"GPU energy used (emulated, IT: no NVML on {emulated['nodes']} node(s)): "
+            f"{format_scaled(emulated['energy_j'], unit)} = "
             f"{format_seconds(emulated['busy_s'])} of modeled prefill of the tokens the cache "
-            f"did not serve x {emulated['gpu']} board power "
+            f"did not serve (whole chunks only) x {emulated['gpu']} board power "
             f"{emulated['board_power_watts']:g} W ({emulated['board_power_source']}); "
-            f"{format_number(emulated['tokens_per_joule'])} prompt tokens per joule (emulated)",
-            highlight=False,
+            f"{format_number(emulated['tokens_per_joule'])} prompt tokens per joule (emulated)"
         )
+    return out
 
 
 def _print_sharing(result: dict[str, Any] | None) -> None:
