@@ -39,6 +39,7 @@ from kvctl.db.route_reports import SavedRouteReport, latest_saved_route_report
 from kvctl.format import (
     GPU_TIME_UNITS,
     MASS_UNITS,
+    NA,
     format_bytes,
     format_number,
     format_scaled,
@@ -196,30 +197,30 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
         ),
         card(
             "Prefill tokens saved",
-            format_number(c.hit_tokens),
+            _if_looked_up(c, format_number(c.hit_tokens)),
             MEASURED,
             tokens_note,
             card_id="card-tokens",
         ),
         card(
             "GPU time saved",
-            format_scaled(c.gpu_seconds_saved, GPU_TIME_UNITS),
+            _if_looked_up(c, format_scaled(c.gpu_seconds_saved, GPU_TIME_UNITS)),
             c.gpu_time_basis,
             "; ".join(filter(None, (gpu_time_note(c), plan_inputs_note(c, ov.assume.model.name)))),
             card_id="card-gpu-hours",
         ),
         card(
             f"Energy saved, {FACILITY}",
-            format_scaled(c.facility_joules_saved, energy_unit),
+            _if_looked_up(c, format_scaled(c.facility_joules_saved, energy_unit)),
             MODELED,
             energy_saved_note(c, ov.assume.model.name),
             card_id="card-energy",
         ),
         card(
             "Carbon saved",
-            format_scaled(c.carbon_saved_g, MASS_UNITS) + " CO2"
+            _if_looked_up(c, format_scaled(c.carbon_saved_g, MASS_UNITS) + " CO2")
             if c.carbon_saved_g is not None
-            else "N/A",
+            else NA,
             MODELED,
             carbon_note,
             card_id="card-carbon",
@@ -234,6 +235,18 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
             card_id="card-ttft",
         ),
     ]
+
+
+def _if_looked_up(c: Any, shown: str) -> str:
+    """``shown``, or N/A where no lookup was recorded in the window: what the cache saved is
+    then unknown, like the hit ratio beside it, not a measured 0. Rendering only: the figure
+    itself is computed as before."""
+    return shown if c.lookups else NA
+
+
+def _saved_cell(c: Any, value: float | None) -> float | None:
+    """A table's saving, empty (N/A) where no lookup was recorded, as :func:`_if_looked_up`."""
+    return value if c.lookups else None
 
 
 def _energy_cards(c: Any, energy_note: str, unit: tuple[tuple[float, str]]) -> list[Any]:
@@ -370,13 +383,13 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "reuse hit ratio": percent(c.reuse_hit_ratio),
         "sharing hit ratio": percent(c.sharing_hit_ratio),
         "sharing (of hits)": percent(c.sharing_share_of_hits),
-        "tokens saved": c.hit_tokens,
-        "GPU-h saved": round(c.gpu_seconds_saved / 3600, 4),
+        "tokens saved": _saved_cell(c, c.hit_tokens),
+        "GPU-h saved": _saved_cell(c, round(c.gpu_seconds_saved / 3600, 4)),
         "GPU-h basis": gpu_time_basis_label(c),
-        "kWh saved (modeled, facility)": round(c.facility_kwh_saved, 4),
+        "kWh saved (modeled, facility)": _saved_cell(c, round(c.facility_kwh_saved, 4)),
         "kg CO2 saved (modeled)": None
         if c.carbon_saved_g is None
-        else round(c.carbon_saved_g / 1000, 4),
+        else _saved_cell(c, round(c.carbon_saved_g / 1000, 4)),
         "kWh used (IT)": None if c.energy_kwh is None else round(c.energy_kwh, 4),
         "kWh used (emulated, IT)": None
         if c.emulated_energy_kwh is None
@@ -682,7 +695,8 @@ def _link_row(r: Any, labels: dict[tuple[str, str], str]) -> dict[str, Any]:
         else round(lk.bandwidth_bytes_per_s * 8 / 1e9, 3),
         "fetch / chunk": format_seconds(r.fetch_s),
         "recompute / chunk (modeled)": format_seconds(r.recompute_s),
-        "break-even RTT": format_seconds(r.max_rtt_s),
+        # bandwidth alone loses: no break-even RTT ("none"), not "0 µs"
+        "break-even RTT": "none" if r.fetch_never_wins else format_seconds(r.max_rtt_s),
         "verdict": worth,
     }
 

@@ -15,6 +15,7 @@ from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import JsonOpt
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 from kvctl.cli.replay import LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt, load_for_replay
+from kvctl.format import percent
 
 if TYPE_CHECKING:
     from kvctl.fleet.demo import DemoFleet, TierSizing
@@ -424,7 +425,7 @@ def _print_sharing(result: dict[str, Any] | None) -> None:
         f"{shared['hit_ratio'] or 0:.1%} with sharing vs {alone['hit_ratio'] or 0:.1%} without "
         f"(requests in their home DC, each node alone)"
         + ("" if gain is None else f", {gain * 100:+.1f} pts")
-        + f"; an unlimited cache: {sharing['unlimited_cache_hit_ratio'] or 0:.1%} (the "
+        + f"; an unlimited cache: {percent(sharing['unlimited_cache_hit_ratio'])} (the "
         f"workload's own reuse; all per {sharing.get('block_tokens', '?')}-token block)",
         highlight=False,
     )

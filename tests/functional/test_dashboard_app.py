@@ -168,6 +168,12 @@ def test_capacity_page_empty_then_with_a_saved_plan(app: Any, db: Engine) -> Non
 def test_empty_window_and_unknown_page(app: Any) -> None:
     page, _ = render(app, "/", "", "15m", None, None)  # the last samples are 30 min old
     assert card_value(page, "card-hit-ratio") == "N/A"
+    # no lookups: what the cache saved is unknown, like the hit ratio, not "0 GPU-s" or "0 J"
+    for card_id in ("card-tokens", "card-gpu-hours", "card-energy", "card-carbon"):
+        assert card_value(page, card_id) == "N/A", card_id
+    for row in by_id(page, "table-dcs").data:
+        saved = [v for k, v in row.items() if "saved" in k]
+        assert saved and all(v is None for v in saved), row
     assert "No cache lookups recorded" in text_of(page)
     assert "kvctl collect" in text_of(page)
     page, _ = render(app, "/nope", "", "1h", None, None)

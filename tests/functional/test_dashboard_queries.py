@@ -102,7 +102,35 @@ def test_break_even_uses_measured_rtt_and_bandwidth(db: Engine, history: dict[st
     assert be.recompute_s == pytest.approx(256 / H100_RATE)
     assert be.fetch_s == pytest.approx(0.003 + chunk_bytes / 2e9)
     assert be.worth_fetching is (0.003 + chunk_bytes / 2e9 < 256 / H100_RATE)
-    assert be.max_rtt_s == pytest.approx(max(0.0, 256 / H100_RATE - chunk_bytes / 2e9))
+    slack_s = 256 / H100_RATE - chunk_bytes / 2e9
+    assert be.fetch_never_wins is (slack_s <= 0)
+    assert be.max_rtt_s == (None if slack_s <= 0 else pytest.approx(slack_s))
+
+
+def test_no_break_even_rtt_where_bandwidth_alone_loses() -> None:
+    """A link whose bandwidth alone takes longer than recompute has no break-even RTT (None,
+    shown as "none"), not 0 s; one with time to spare has its slack; unmeasured: None."""
+    from dashboard.pages import _link_row
+    from kvctl.db.analytics.links import LinkFigures
+
+    def link(bw: float | None) -> LinkFigures:
+        return LinkFigures("ams", "fra", 100.0, 3, 3, 0.001, 0.002, bw, 0.0)
+
+    inputs = ASSUME.inputs_for("h100")
+    chunk_bytes = 256 * 131_072
+    recompute_s = 256 / H100_RATE
+    slow, fast, unknown = break_even(
+        [link(chunk_bytes / recompute_s / 2), link(chunk_bytes / recompute_s * 4), link(None)],
+        inputs,
+        chunk_tokens=256,
+    )
+    assert slow.fetch_never_wins and slow.max_rtt_s is None
+    assert _link_row(slow, {})["break-even RTT"] == "none"
+    assert not fast.fetch_never_wins
+    assert fast.max_rtt_s == pytest.approx(recompute_s * 0.75)
+    assert _link_row(fast, {})["break-even RTT"] != "none"
+    assert not unknown.fetch_never_wins and unknown.max_rtt_s is None
+    assert _link_row(unknown, {})["break-even RTT"] == "N/A"
 
 
 def test_empty_window_has_no_made_up_figures(db: Engine, history: dict[str, int]) -> None:

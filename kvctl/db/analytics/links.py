@@ -204,10 +204,21 @@ class BreakEven:
         return None if self.fetch_s is None else self.fetch_s < self.recompute_s
 
     @property
-    def max_rtt_s(self) -> float | None:
-        """The largest RTT at which fetching still wins at the measured bandwidth."""
+    def fetch_never_wins(self) -> bool:
+        """The chunk's bytes alone, at the measured bandwidth and no RTT at all, take as long
+        as recomputing it: no RTT is short enough for fetching to win."""
         bw = self.link.bandwidth_bytes_per_s
-        return None if not bw else max(0.0, self.recompute_s - self.chunk_bytes / bw)
+        return bool(bw) and self.chunk_bytes / bw >= self.recompute_s
+
+    @property
+    def max_rtt_s(self) -> float | None:
+        """The largest RTT at which fetching still wins at the measured bandwidth; None when
+        the bandwidth is unmeasured or when no RTT wins (:attr:`fetch_never_wins`): a break-even
+        of 0 s would read as a figure, where there is none."""
+        bw = self.link.bandwidth_bytes_per_s
+        if not bw or self.fetch_never_wins:
+            return None
+        return self.recompute_s - self.chunk_bytes / bw
 
 
 def break_even(
