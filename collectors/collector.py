@@ -154,6 +154,8 @@ class Collector:
         self._in_flight: dict[int, Future[Scrape]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self._warned_nodes: set[int] = set()
+        #: the inventory as last read: scraped on while the database cannot be read
+        self._known_nodes: list[NodeInfo] = []
         self._link_round = 0
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
         # routers by their redacted URL (the ``router`` column; never logged with credentials)
@@ -166,6 +168,21 @@ class Collector:
     def nodes(self) -> list[NodeInfo]:
         with self.engine.connect() as conn:
             return list_nodes(conn, dc=self.config.dc)
+
+    def _inventory(self, report: CycleReport) -> list[NodeInfo]:
+        """The inventory's nodes; while the database cannot be read, the nodes last read: the
+        loop scrapes on and keeps its rows for the database's return."""
+        try:
+            self._known_nodes = self.nodes()
+        except SQLAlchemyError as exc:
+            self._db_failed(report, "cannot read the inventory, scraping the nodes last read", exc)
+        return self._known_nodes
+
+    def _db_failed(self, report: CycleReport, what: str, exc: SQLAlchemyError) -> None:
+        self.metrics.db_errors.inc()
+        report.written = False
+        report.warnings.append(f"database unavailable: {what}: {exc.__cause__ or exc}")
+        log.error("database unavailable: %s: %s", what, exc)
 
     def _client(self, node: NodeInfo) -> AgentClient:
         client = self._clients.get(node.id)
@@ -275,7 +292,15 @@ class Collector:
         t0 = time.perf_counter()
         ts_ms = int(self._clock() * 1000)
         report = CycleReport(ts_ms)
-        nodes = self.nodes()
+        nodes = self._inventory(report)
+        try:
+            self._load_tracker()
+        except SQLAlchemyError as exc:
+            # increases are counted from the counters' last saved state: nothing is lost by
+            # waiting for it, where guessing it would count a restart's counters twice
+            self._db_failed(report, "cannot read the counters' last state, cycle skipped", exc)
+            report.seconds = time.perf_counter() - t0
+            return report
         deadline_s = self.config.interval_s * 0.9
         futures: dict[int, Future[Scrape]] = {}
         scrapes: list[Scrape] = []
@@ -432,7 +457,7 @@ class Collector:
         t0 = time.perf_counter()
         report = CycleReport(int(self._clock() * 1000))
         by_dc: dict[str, list[NodeInfo]] = defaultdict(list)
-        for node in self.nodes():
+        for node in self._inventory(report):
             by_dc[node.dc].append(node)
         pairs = [
             (src[self._link_round % len(src)], dst[self._link_round % len(dst)])

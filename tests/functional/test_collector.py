@@ -567,3 +567,55 @@ def test_collect_runs_and_serves_its_metrics_until_stopped(sqlite_url: str, tmp_
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
     assert proc.returncode == 0
+
+
+def test_a_database_that_goes_away_does_not_end_the_loop(pg_url: str, tmp_path: Path) -> None:
+    """The database refuses every connection for a while (as when it restarts): the cycles in
+    between say so and keep their rows; none raises, and the increases land once it is back."""
+    from sqlalchemy import create_engine, text
+
+    from kvctl.db.engine import resolve_url
+
+    name = pg_url.rsplit("/", 1)[1]
+    db = open_db(pg_url, auto_upgrade=True)
+    admin = create_engine(resolve_url(pg_url).rsplit("/", 1)[0] + "/postgres",
+                          isolation_level="AUTOCOMMIT")  # fmt: skip
+
+    def allow(yes: bool) -> None:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(yes).lower()}'))
+            if not yes:
+                conn.execute(
+                    text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                         "WHERE datname = :n AND pid <> pg_backend_pid()"),
+                    {"n": name},
+                )  # fmt: skip
+
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1", "--dc", "fra") as a1, \
+                running_agent(tmp_path / "a2", "--name", "n2", "--dc", "ams") as a2:  # fmt: skip
+            _register(
+                db, {"n1": ("fra", a1.state.control_url), "n2": ("ams", a2.state.control_url)}
+            )
+            collector = Collector(db, CollectorConfig(pings=1))
+            try:
+                collector.collect_once()
+                allow(False)
+                _traffic(a1, 3, space=7)
+                away = [collector.collect_once(), collector.probe_links_once()]
+                allow(True)
+                back = collector.collect_once()
+            finally:
+                collector.close()
+        for report in away:
+            assert not report.written
+            assert any("database unavailable" in w for w in report.warnings), report.warnings
+        assert sorted(away[0].up) == ["n1", "n2"]  # scraped the nodes it read before
+        assert back.written
+        n1 = _node_id(db, "n1")
+        assert len(_rows(db, NodeSample, node_id=n1)) == 3  # none of the cycles lost
+        assert sum(r["hits"] for r in _rows(db, CacheSample, node_id=n1, tier="all")) == 3
+    finally:
+        allow(True)
+        admin.dispose()
+        db.dispose()
