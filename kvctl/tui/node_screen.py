@@ -33,7 +33,8 @@ HISTORY_CELLS = 30
 
 
 def event_line(e: dict[str, Any]) -> str:
-    at = time.strftime("%H:%M:%S", time.localtime(float(e.get("time_s", 0))))
+    # UTC, as every other time kvctl shows (status, audit, dashboard); the tab says so
+    at = time.strftime("%H:%M:%S", time.gmtime(float(e.get("time_s", 0))))
     src = f" from {e['src']}" if e.get("src") else ""
     tenant = e.get("tenant") or "-"
     return (
@@ -71,7 +72,7 @@ class NodeScreen(Screen[None]):
         yield Static("", id="node-summary", markup=False)
         yield DataTable(id="tiers", cursor_type="row")
         with TabbedContent(id="tabs"):
-            with TabPane("Events", id="tab-events"):
+            with TabPane("Events (UTC)", id="tab-events"):
                 yield RichLog(id="events", max_lines=EVENT_LINES, wrap=False, markup=False)
             with TabPane("Top prefixes", id="tab-top"):
                 yield DataTable(id="top", cursor_type="row")

@@ -404,3 +404,20 @@ def test_down_nodes_counts_are_null_and_dc_lookup_rates_are_summed() -> None:
     assert dcs["fra"]["lookups_per_s"] == pytest.approx(10 / 2 + 30 / 2)
     assert data["total"]["lookups_per_s"] == pytest.approx(20.0)
     assert dcs["ams"]["lookups"] is None and dcs["ams"]["lookups_per_s"] is None
+
+
+def test_node_events_are_stamped_in_utc_whatever_the_local_zone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    from kvctl.tui.node_screen import event_line
+
+    monkeypatch.setenv("TZ", "Asia/Kolkata")  # UTC+05:30: a local time would read 05:30:00
+    time.tzset()
+    try:
+        line = event_line({"time_s": 1_790_035_200.0, "type": "store", "tier": "cpu"})
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert line.startswith("00:00:00 store")
