@@ -332,7 +332,6 @@ def test_view_as_dict_is_json_ready() -> None:
     assert data["nodes"][1]["up"] is False and data["total"]["up"] == 1
 
 
-
 def test_view_json_stamps_ts_ms_like_status_and_collect() -> None:
     view = Sampler().update(poll(1_790_000_000.1234, Reading(node("a"), stats())))
     data = view.as_dict()

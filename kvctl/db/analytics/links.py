@@ -208,7 +208,9 @@ class BreakEven:
         """The chunk's bytes alone, at the measured bandwidth and no RTT at all, take as long
         as recomputing it: no RTT is short enough for fetching to win."""
         bw = self.link.bandwidth_bytes_per_s
-        return bool(bw) and self.chunk_bytes / bw >= self.recompute_s
+        if not bw:  # unmeasured: unknown, not never
+            return False
+        return self.chunk_bytes / bw >= self.recompute_s
 
     @property
     def max_rtt_s(self) -> float | None:
