@@ -58,7 +58,7 @@ def display_url(url: str) -> str:
     return make_url(url).render_as_string(hide_password=True)
 
 
-def _sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
+def sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     # WAL: readers (dashboard, CLI) never block the collector's writes, and vice versa
     cur.execute("PRAGMA journal_mode=WAL")
@@ -83,7 +83,7 @@ def create_db_engine(url: str, *, create: bool = True) -> Engine:
                     "(or `kvctl fleet import FILE`), or fix --db / KVCTL_DB_URL"
                 )
         engine = create_engine(parsed)
-        event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "connect", sqlite_pragmas)
         return engine
     return create_engine(
         parsed,

@@ -39,10 +39,35 @@ def current_revision(engine: Engine) -> str | None:
 
 
 def _run(engine: Engine, fn: str, target: str) -> None:
+    migrating = _transactional(engine)
     cfg = alembic_config(engine)
-    with engine.begin() as conn:
-        cfg.attributes["connection"] = conn
-        getattr(command, fn)(cfg, target)
+    try:
+        with migrating.begin() as conn:
+            cfg.attributes["connection"] = conn
+            getattr(command, fn)(cfg, target)
+    finally:
+        if migrating is not engine:
+            migrating.dispose()
+
+
+def _transactional(engine: Engine) -> Engine:
+    """An engine whose transactions hold schema changes too. pysqlite commits each CREATE,
+    ALTER or DROP on its own, so a SQLite migration that failed midway (a full disk, a kill,
+    a clash) left its first steps applied under the old revision, and every later upgrade
+    failed on them; SQLite rolls DDL back like anything else once the transaction is its own
+    (SQLAlchemy's pysqlite recipe: the driver's transactions off, BEGIN emitted on begin).
+    PostgreSQL's DDL is transactional already; an in-memory SQLite database is this engine's
+    alone, so it stays as it is."""
+    if engine.dialect.name != "sqlite" or engine.url.database in (None, "", ":memory:"):
+        return engine
+    from sqlalchemy import create_engine, event
+
+    from kvctl.db.engine import sqlite_pragmas
+
+    migrating = create_engine(engine.url, connect_args={"isolation_level": None})
+    event.listen(migrating, "connect", sqlite_pragmas)
+    event.listen(migrating, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    return migrating
 
 
 def upgrade(engine: Engine, target: str = "head") -> None:
@@ -63,7 +88,7 @@ def open_db(
     ``auto_upgrade`` says otherwise. A missing SQLite file is created (0600) only with
     ``create``: a reader pointed at a mistyped path gets :class:`NoDatabase` instead.
     """
-    from sqlalchemy.exc import OperationalError
+    from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
     from kvctl.db.engine import DatabaseError, create_db_engine, display_url, resolve_url
 
@@ -92,5 +117,12 @@ def open_db(
             f"the database schema is at {current or 'empty'}, kvctl needs {head}: run "
             "`kvctl db upgrade`"
         )
-    upgrade(engine)
+    try:
+        upgrade(engine)
+    except SQLAlchemyError as exc:
+        engine.dispose()
+        raise DatabaseError(
+            f"upgrading the schema from {current or 'empty'} to {head} failed and was rolled "
+            f"back, the database is as it was: {getattr(exc, 'orig', None) or exc}"
+        ) from None
     return engine

@@ -396,3 +396,37 @@ def test_plan_inputs_upgrade_keep_gpus_apart_and_downgrade(empty_db_url: str) ->
     migrate.upgrade(engine)
     assert migrate.current_revision(engine) == migrate.head_revision()
     engine.dispose()
+
+
+def test_a_sqlite_migration_that_fails_midway_is_rolled_back_whole(sqlite_url: str) -> None:
+    """0010 adds columns to four tables; the third already has one (as after an earlier run
+    that died there). The failure must leave the first two tables as they were, at 0009, so
+    that once the clash is gone the upgrade runs; before, the first two kept their columns
+    and every later upgrade failed on them."""
+    import sqlite3
+
+    from kvctl.db.engine import DatabaseError, create_db_engine
+    from kvctl.db.migrate import current_revision, open_db, upgrade
+
+    engine = create_db_engine(sqlite_url)
+    upgrade(engine, "0009")
+    engine.dispose()
+    path = sqlite_url.removeprefix("sqlite:///")
+    with sqlite3.connect(path) as raw:
+        raw.execute("ALTER TABLE engine_1h ADD COLUMN kv_reused_blocks BIGINT")
+
+    def columns(table: str) -> set[str]:
+        with sqlite3.connect(path) as raw:
+            return {row[1] for row in raw.execute(f"PRAGMA table_info({table})")}
+
+    with pytest.raises(DatabaseError, match=r"from 0009 to \S+ failed and was rolled back"):
+        open_db(sqlite_url)
+    assert "kv_reused_blocks" not in columns("engine_sample")
+    assert "kv_reused_blocks" not in columns("engine_1m")
+    engine = create_db_engine(sqlite_url)
+    assert current_revision(engine) == "0009"
+    engine.dispose()
+    with sqlite3.connect(path) as raw:
+        raw.execute("ALTER TABLE engine_1h DROP COLUMN kv_reused_blocks")
+    open_db(sqlite_url).dispose()  # the clash gone, the upgrade runs to the head
+    assert {"kv_reused_blocks", "kvbm_matched_tokens"} <= columns("engine_sample")
