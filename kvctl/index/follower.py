@@ -8,8 +8,17 @@ changed, so sequence numbers started over) and when it fell behind the agent's b
 listing and resumes from there: events that the listing already reflects are re-applied, which
 changes nothing (each event sets or deletes one node's entry for one key), and none is missed.
 
-An agent that has not answered for ``drop_after_s`` is marked down and its entries dropped (a
-router must not send work to a node for chunks nobody can serve); when it answers again it is
+It also resyncs when the index lost what it wrote: each poll reads the node's marker (one cheap
+read; ``FleetIndex.marker``), which its resync left, and a marker gone or changed means a Redis
+index restarted empty, was flushed or evicted it. A poll the index failed (``IndexUnavailable``)
+is the index's failure, not the agent's: the agent is not marked down, and the next poll that the
+index answers resyncs (what was written while it was away may be lost).
+
+An agent that has not answered for ``drop_after_s`` is marked down: the router leaves it out of
+its decisions and its holder answers (``Followers.down_nodes``). Down is this router's view: in
+an index of its own (``EmbeddedIndex``) its entries are dropped too, but a shared one
+(``RedisIndex.shared``) keeps them, since another router may reach the agent (a wrong URL or a
+partition here must not empty the index for every router). When it answers again it is
 resynced. ``Followers`` polls a set of agents from one background thread, each poll on a small
 thread pool, so one slow agent (bounded by a short per-request timeout) never delays the others.
 """
@@ -29,6 +38,7 @@ from kvctl.client import AgentClient
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent, from_agent_event, from_listing
 from kvctl.index.model import FleetIndex
+from kvctl.index.remote import IndexUnavailable
 
 log = logging.getLogger("kvctl.index.follower")
 
@@ -92,6 +102,12 @@ class Follower:
         self._shown_url = _safe(self.url)  # what status and logs show: never credentials
         self._lock = threading.Lock()  # one poll at a time
         self._closed = False
+        #: drop the node's entries when the agent is down: only in an index this router alone
+        #: reads (an index that does not say is taken as shared: never drop others' view)
+        self.drops_when_down = not getattr(index, "shared", True)
+        #: the index's marker for the node after our last resync (None: not resynced yet)
+        self._marker: str | None = None
+        self._index_failing = False
         #: None until the agent is first heard from, then whether it answers
         self._up: bool | None = None
         #: the stream followed; None: the next answer triggers a resync
@@ -107,6 +123,9 @@ class Follower:
         self.malformed = 0
         self.errors = 0
         self.last_error = ""
+        self.index_errors = 0
+        self.index_error = ""
+        self.index_lost = 0
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self) -> int:
@@ -118,10 +137,16 @@ class Follower:
                 return 0
             try:
                 changed = self._poll_locked()
-            except Exception as exc:  # any failure is this agent's; keep going
+            except IndexUnavailable as exc:  # the index's failure, not the agent's
+                self._index_failed(exc)
+                return 0
+            except Exception as exc:  # any other failure is this agent's; keep going
                 self._failed(exc)
                 return 0
             self._answered()
+            if self._index_failing:
+                self._index_failing = False
+                log.info("%s: the index answers again", self.node)
             return changed
 
     def _poll_locked(self) -> int:
@@ -133,10 +158,11 @@ class Follower:
             )
             # the first answer after being down is enough to call it up again
             self._answered()
-            if self._instance is None or instance != self._instance or dropped > 0:
+            lost = not resynced and self._instance is not None and self._lost_by_index()
+            if self._instance is None or instance != self._instance or dropped > 0 or lost:
                 if resynced:
                     break  # behind again already: the next poll resyncs, not this one forever
-                self._note_resync_cause(instance, dropped)
+                self._note_resync_cause(instance, dropped, lost=lost)
                 changed += self._resync()
                 resynced = True
                 continue  # read on from the noted cursor
@@ -146,8 +172,21 @@ class Follower:
                 break
         return changed
 
-    def _note_resync_cause(self, instance: str, dropped: int) -> None:
-        if self._instance is None:
+    def _lost_by_index(self) -> bool:
+        """Whether the index no longer holds what our last resync wrote (its marker is gone
+        or another): one read per poll, so a Redis restarted empty is noticed within one."""
+        return self.index.marker(self.node) != self._marker
+
+    def _note_resync_cause(self, instance: str, dropped: int, *, lost: bool = False) -> None:
+        if lost:
+            self.index_lost += 1
+            log.warning(
+                "%s: the index lost the node's entries (restarted empty, flushed or evicted); "
+                "resyncing from %s",
+                self.node,
+                self._shown_url,
+            )
+        elif self._instance is None:
             log.info("%s: resyncing from %s", self.node, self._shown_url)
         elif instance != self._instance:
             log.info("%s: agent restarted (new event stream); resyncing", self.node)
@@ -177,6 +216,7 @@ class Follower:
                 break
             after = str(nxt)
         entries = self.index.replace(self.node, chunks)
+        self._marker = self.index.marker(self.node)
         self._instance = instance
         self._cursor = seq
         self.resyncs += 1
@@ -217,16 +257,36 @@ class Follower:
             log.debug("%s: poll failed: %s", self.node, self.last_error)
         silent_s = self._clock() - (self._since_s if self._last_ok_s is None else self._last_ok_s)
         if silent_s >= self.drop_after_s and self._up is not False:
-            dropped = self.index.drop(self.node)
             self._up = False
             self._instance = None  # whatever it holds when back, learn it from its listing
+            kept = "its index entries kept (a shared index: others may reach it)"
+            if self.drops_when_down:
+                try:
+                    kept = f"{self.index.drop(self.node)} index entries dropped"
+                except IndexUnavailable as exc:  # dropped with the rest when it comes back
+                    self._index_failed(exc)
+                    kept = "its index entries not dropped (the index failed)"
             log.warning(
-                "%s: agent at %s silent for %.1f s; marked down, %d index entries dropped (%s)",
+                "%s: agent at %s silent for %.1f s; marked down, %s (%s)",
                 self.node,
                 self._shown_url,
                 silent_s,
-                dropped,
+                kept,
                 self.last_error,
+            )
+
+    def _index_failed(self, exc: IndexUnavailable) -> None:
+        self.index_errors += 1
+        self.index_error = str(exc)[:300]
+        # what this poll wrote may be lost, and what the index held may be gone when it is
+        # back: the next poll it answers resyncs the node
+        self._instance = None
+        if not self._index_failing:
+            self._index_failing = True
+            log.warning(
+                "%s: the index failed (%s); the node is resynced when it answers",
+                self.node,
+                self.index_error,
             )
 
     # --- state ---------------------------------------------------------------------------
@@ -235,12 +295,22 @@ class Follower:
         """The agent answered the last poll (or has not been silent for ``drop_after_s``)."""
         return self._up is True
 
+    @property
+    def down(self) -> bool:
+        """Marked down: silent for ``drop_after_s`` (not merely never heard from yet)."""
+        return self._up is False
+
     def status(self, *, entries: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The follower's state; ``last_ok_s`` is how many seconds ago the agent last answered
         (None: never). No credentials: the URL is shown without user info, never the token.
         ``entries``: the index's ``nodes()`` when the caller already has it (one index call for
-        many followers)."""
-        held = self.index.nodes() if entries is None else entries
+        many followers). ``entries`` in the answer is None when the index does not answer."""
+        held: Mapping[str, int] | None = entries
+        if held is None:
+            try:
+                held = self.index.nodes()
+            except IndexUnavailable:
+                held = None
         last_ok = self._last_ok_s
         return {
             "node": self.node,
@@ -255,7 +325,11 @@ class Follower:
             "malformed": self.malformed,
             "errors": self.errors,
             "last_error": self.last_error,
-            "entries": held.get(self.node, 0),
+            "index_errors": self.index_errors,
+            "index_error": self.index_error,
+            "index_lost": self.index_lost,
+            "drops_when_down": self.drops_when_down,
+            "entries": None if held is None else held.get(self.node, 0),
             "last_ok_s": None if last_ok is None else max(0.0, self._clock() - last_ok),
         }
 
@@ -331,16 +405,20 @@ class Followers:
             self._followers[node] = follower
 
     def remove(self, node: str) -> None:
-        """Stop following ``node`` and drop its entries (waits for its poll in progress, so
-        that poll cannot bring them back)."""
+        """Stop following ``node`` and drop its entries, in a shared index too: the node left
+        the fleet (waits for its poll in progress, so that poll cannot bring them back)."""
         with self._lock:
             follower = self._followers.pop(node, None)
             self._inflight.pop(node, None)
         if follower is None:
             return
         follower.close()
-        self.index.drop(node)
-        log.info("%s: no longer followed; its index entries dropped", node)
+        try:
+            dropped = self.index.drop(node)
+        except IndexUnavailable as exc:
+            log.warning("%s: no longer followed; its index entries not dropped: %s", node, exc)
+            return
+        log.info("%s: no longer followed; its %d index entries dropped", node, dropped)
 
     def nodes(self) -> list[str]:
         with self._lock:
@@ -410,15 +488,26 @@ class Followers:
             f.close()
 
     def status(self) -> list[dict[str, Any]]:
+        """Each follower's state (``entries`` None when the index does not answer: the
+        followers' own state is still worth showing)."""
         with self._lock:
             followers = [self._followers[n] for n in sorted(self._followers)]
-        entries = self.index.nodes()
+        try:
+            entries: Mapping[str, int] | None = self.index.nodes()
+        except IndexUnavailable:
+            return [{**f.status(entries={}), "entries": None} for f in followers]
         return [f.status(entries=entries) for f in followers]
 
     def up_nodes(self) -> frozenset[str]:
         """The nodes whose agent answers (asks the index nothing: a routing decision calls it)."""
         with self._lock:
             return frozenset(node for node, f in self._followers.items() if f.up)
+
+    def down_nodes(self) -> frozenset[str]:
+        """The followed nodes marked down: their entries (kept in a shared index) must not be
+        used as sources by this router (asks the index nothing)."""
+        with self._lock:
+            return frozenset(node for node, f in self._followers.items() if f.down)
 
 
 def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:

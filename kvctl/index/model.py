@@ -9,6 +9,7 @@ deletes it), so replaying events a resync already reflects changes nothing.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, runtime_checkable
@@ -68,11 +69,19 @@ class FleetIndex(Protocol):
 
     def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
         """Make ``chunks`` (stored events) the node's whole holding (a resync); returns its
-        entries."""
+        entries. Leaves the node a marker (see ``marker``) when it has none."""
         ...
 
     def drop(self, node: str) -> int:
-        """Forget everything ``node`` held (it stopped answering); returns the entries dropped."""
+        """Forget everything ``node`` held (it left the fleet, or, in an index private to one
+        router, stopped answering), its marker too; returns the entries dropped."""
+        ...
+
+    def marker(self, node: str) -> str | None:
+        """The marker the node's last ``replace`` left (kept, not renewed, by later ones: two
+        routers resyncing one node into a shared index agree on it). None: no resync wrote the
+        node, or the index lost it (a Redis restarted empty, flushed, or evicting): a follower
+        that saw another marker at its own resync then knows the entries it wrote are gone."""
         ...
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
@@ -90,6 +99,8 @@ class EmbeddedIndex:
     """The index in this process's memory (the default): dicts under one lock."""
 
     kind = "embedded"
+    #: private to this process: a router may drop what it alone reads (``Follower``)
+    shared = False
 
     def __init__(self) -> None:
         self._by_key: dict[bytes, dict[str, _Entry]] = {}
@@ -98,6 +109,7 @@ class EmbeddedIndex:
         #: them: a router asks for the same prefixes again and again, and building the sorted
         #: Holdings is most of an answer's time. Dropped whenever the key's entries change.
         self._answers: dict[bytes, tuple[tuple[Holding, _Entry], ...]] = {}
+        self._markers: dict[str, str] = {}
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -153,11 +165,17 @@ class EmbeddedIndex:
             self._drop_locked(node)
             for e in chunks:
                 self._apply_locked(node, e)
+            self._markers.setdefault(node, uuid.uuid4().hex)
             return len(self._by_node.get(node, ()))
 
     def drop(self, node: str) -> int:
         with self._lock:
+            self._markers.pop(node, None)
             return self._drop_locked(node)
+
+    def marker(self, node: str) -> str | None:
+        with self._lock:
+            return self._markers.get(node)
 
     def _drop_locked(self, node: str) -> int:
         keys = self._by_node.pop(node, set())

@@ -8,6 +8,9 @@ Redis keys carry them as hex, hash fields and values carry their UTF-8 bytes)::
                       (one hash per chunk: ``holders`` is one HGETALL per key)
     P n:<nodehex>     set of the keyhexes the node holds (what ``drop``/``replace`` delete)
     P nodes           hash: node -> entries (``nodes()`` is one HGETALL)
+    P markers         hash: node -> the marker its first resync left (``marker()``: one HGET;
+                      gone with the rest when the server restarts empty or is flushed, so a
+                      follower's poll notices the index lost the node's entries)
 
 Writes run in one Lua script per group of events, so each group is atomic and the per-node
 count always equals the node's set; an ``apply`` is one round trip whatever its size (its
@@ -22,6 +25,7 @@ Not for a Redis Cluster: the scripts touch keys of many slots.
 from __future__ import annotations
 
 import contextlib
+import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -129,6 +133,9 @@ class RedisIndex:
     ``IndexUnavailable``."""
 
     kind = "redis"
+    #: other routers read and write it too: a router never drops a node's entries because it
+    #: alone cannot reach the agent (``Follower``)
+    shared = True
 
     def __init__(
         self,
@@ -146,6 +153,7 @@ class RedisIndex:
         self._prefix = _utf8(prefix)
         self._chunk_prefix = self._prefix + b"k:"
         self._nodes_key = self._prefix + b"nodes"
+        self._markers_key = self._prefix + b"markers"
         if client is not None:
             if client.connection_pool.connection_kwargs.get("decode_responses"):
                 raise InvalidArgument("the index's Redis client must not decode responses")
@@ -198,15 +206,23 @@ class RedisIndex:
             pipe = self._client.pipeline(transaction=True)
             for i, ops in enumerate(groups):
                 self._queue(pipe, _APPLY_LUA, node, ops, drop_first=i == 0)
+            # NX: another router's resync of the node left one already; both keep that one
+            pipe.hsetnx(self._markers_key, _utf8(node), uuid.uuid4().hex.encode())
             replies = pipe.execute()
-        return int(replies[-1][0])
+        return int(replies[-2][0])
 
     def drop(self, node: str) -> int:
         with self._guard():
-            pipe = self._client.pipeline(transaction=False)
+            pipe = self._client.pipeline(transaction=True)
             self._queue(pipe, _DROP_LUA, node, [], drop_first=True)
-            (reply,) = pipe.execute()
+            pipe.hdel(self._markers_key, _utf8(node))
+            reply, _ = pipe.execute()
         return int(reply[1])
+
+    def marker(self, node: str) -> str | None:
+        with self._guard():
+            raw = cast("bytes | None", self._client.hget(self._markers_key, _utf8(node)))
+        return None if raw is None else raw.decode("ascii", "replace")
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
         if not keys:

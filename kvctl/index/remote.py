@@ -89,5 +89,8 @@ class IndexClient:
     def drop(self, node: str) -> int:
         raise IndexUnavailable("a remote index is read-only: its router's followers write it")
 
+    def marker(self, node: str) -> str | None:
+        raise IndexUnavailable("a remote index is read-only: its router's followers write it")
+
     def close(self) -> None:
         self._http.close()

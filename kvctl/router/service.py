@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.errors import InvalidArgument, KvctlError
-from kvctl.index.model import FleetIndex, Holding
+from kvctl.index.model import FleetIndex, Holding, owner
 from kvctl.index.remote import MAX_KEYS
 from kvctl.profiles import model_profile
 from kvctl.quantiles import nearest_rank
@@ -66,6 +66,8 @@ class FollowerSet(Protocol):
     def status(self) -> list[dict[str, Any]]: ...
 
     def up_nodes(self) -> frozenset[str]: ...
+
+    def down_nodes(self) -> frozenset[str]: ...
 
 
 class EngineFeed(Protocol):
@@ -243,13 +245,26 @@ class Router:
         return self.followers.up_nodes()
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
-        """The index's answer for ``keys`` as ``tenant`` may see it, counted."""
+        """The index's answer for ``keys`` as ``tenant`` may see it, less the nodes this router
+        marked down (see ``_usable``), counted."""
         _check_keys(keys)
-        out = self.index.holders(keys, tenant=tenant)
+        out = self._usable(self.index.holders(keys, tenant=tenant))
         with self._lock:
             self._counts.holders_requests += 1
             self._counts.holders_keys += len(keys)
         return list(out)
+
+    def _usable(self, holdings: list[list[Holding]]) -> list[list[Holding]]:
+        """``holdings`` without the copies of nodes whose agent this router marked down (an
+        engine's cache ``NODE#vllm`` goes with NODE). A shared index keeps a down node's
+        entries (another router may reach it); an embedded one drops them: either way this
+        router neither routes to nor pulls from a node it cannot reach."""
+        if self.followers is None:
+            return holdings
+        down = self.followers.down_nodes()
+        if not down:
+            return holdings
+        return [[h for h in row if owner(h.node) not in down] for row in holdings]
 
     # --- the decision ------------------------------------------------------------------------
     def keys_for(self, tokens: Sequence[int], *, tenant: str) -> list[bytes]:
@@ -311,7 +326,7 @@ class Router:
             known = ", ".join(self.topology.dcs) or "none"
             raise InvalidArgument(f"unknown origin DC {origin_dc!r}; the fleet's DCs: {known}")
         start_s = self._clock()
-        holdings = self.index.holders(keys, tenant=tenant)
+        holdings = self._usable(self.index.holders(keys, tenant=tenant))
         up = self.up_nodes()
         queue_s = self.load.queue_s()
         scores = score_nodes(

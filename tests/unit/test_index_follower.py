@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,6 +19,12 @@ from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
 from kvctl.index.follower import Follower, Followers
 from kvctl.index.model import EmbeddedIndex, Holding
+from kvctl.index.remote import IndexUnavailable
+from kvctl.remote.fetchplan import PrefillModel
+from kvctl.router.score import Costs
+from kvctl.router.service import Router
+from kvctl.router.topology import Node, Topology
+from tests.functional.agents import closed_port
 from tests.not_an_agent import serving, web_page_url
 
 K1, K2, K3 = (bytes([i]) * 16 for i in (1, 2, 3))
@@ -186,4 +193,102 @@ def test_adding_a_node_again_at_its_address_keeps_its_follower() -> None:
         followers.remove("a")
         followers.remove("a")  # removing twice is fine
         assert followers.status() == [] and index.nodes() == {}
+        followers.close()
+
+
+class _Flaky(EmbeddedIndex):
+    """An index that fails with IndexUnavailable while ``failing`` (a Redis outage), and says
+    whether it is shared."""
+
+    def __init__(self, *, shared: bool = False) -> None:
+        super().__init__()
+        self.shared = shared  # type: ignore[misc]
+        self.failing = False
+
+    def _check(self) -> None:
+        if self.failing:
+            raise IndexUnavailable("index at redis://127.0.0.1:1/0: connection refused")
+
+    def apply(self, node: str, events: Any) -> int:
+        self._check()
+        return super().apply(node, events)
+
+    def replace(self, node: str, chunks: Any) -> int:
+        self._check()
+        return super().replace(node, chunks)
+
+    def drop(self, node: str) -> int:
+        self._check()
+        return super().drop(node)
+
+    def marker(self, node: str) -> str | None:
+        self._check()
+        return super().marker(node)
+
+    def nodes(self) -> dict[str, int]:
+        self._check()
+        return super().nodes()
+
+
+def test_a_node_whose_entries_the_index_lost_is_resynced_at_the_next_poll() -> None:
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    index = EmbeddedIndex()
+    with scripted(script) as url:
+        follower = Follower(index, "a", url)
+        follower.poll_once()
+        follower.poll_once()  # nothing new: no resync
+        assert follower.status()["resyncs"] == 1
+        index.drop("a")  # what a Redis restarted empty (or flushed) does to the node
+        assert follower.poll_once() == 1
+        status = follower.status()
+    assert index.nodes() == {"a": 1}
+    assert (status["resyncs"], status["index_lost"]) == (2, 1)
+
+
+def test_an_index_outage_is_not_the_agents_and_every_node_resyncs_when_it_is_back() -> None:
+    now = [100.0]
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    index = _Flaky()
+    with scripted(script) as url:
+        follower = Follower(index, "a", url, drop_after_s=3.0, clock=lambda: now[0])
+        follower.poll_once()
+        index.failing = True
+        for _ in range(5):  # well past drop_after_s: the agent answers all along
+            now[0] += 1.0
+            assert follower.poll_once() == 0
+        status = follower.status()
+        assert status["up"] is True and status["errors"] == 0 and status["entries"] is None
+        assert status["index_errors"] == 5 and "connection refused" in status["index_error"]
+        # what the outage lost (a Redis back empty), and what the agent stored meanwhile
+        index.failing = False
+        index.drop("a")
+        index.replace("other", [])  # another node's marker is no business of "a"'s
+        script["items"] = [_stored(K1), _stored(K2)]
+        script["events"] = [{"seq": 1, "type": "store", **_stored(K2)}]
+        follower.poll_once()
+        status = follower.status()
+    assert index.holders([K1, K2], tenant="t") == [[Holding("a", "cpu", 64, 4)]] * 2
+    assert status["resyncs"] == 2 and status["up"] is True
+
+
+def test_a_shared_index_keeps_a_down_agents_entries_and_a_private_one_drops_them() -> None:
+    """Down is this router's view: with a shared index another router may reach the agent."""
+    topology = Topology.build([Node("a", "fra"), Node("b", "fra")])
+    for shared in (True, False):
+        index = _Flaky(shared=shared)
+        index.replace("b", [ChunkEvent("stored", K1, "cpu", "t", False, 64, 4)])
+        followers = Followers(index, drop_after_s=0.05)
+        followers.add("b", f"http://127.0.0.1:{closed_port()}")
+        followers.poll_all()
+        time.sleep(0.1)
+        followers.poll_all()
+        [status] = followers.status()
+        assert status["up"] is False and followers.down_nodes() == {"b"}
+        assert status["drops_when_down"] is (not shared)
+        assert index.nodes() == ({"b": 1} if shared else {}), shared
+        # either way this router neither answers nor pulls from the node it cannot reach
+        router = Router(
+            index, topology, Costs(PrefillModel(1e-4, 0.0, "configured: test")), followers=followers
+        )
+        assert router.holders([K1], tenant="t") == [[]]
         followers.close()
