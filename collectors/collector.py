@@ -37,7 +37,7 @@ from collectors.rows import (
     power_rows,
 )
 from kvctl.client import AgentClient, AgentError, RequestError
-from kvctl.counters import CounterTracker
+from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
@@ -422,9 +422,12 @@ class Collector:
             self._pending[table] += batch
         try:
             with self.engine.begin() as conn:
+                self._tracker.save(conn)  # first: it refuses a batch counted from stale state
                 for table, batch in self._pending.items():
                     insert_rows(conn, raw_table(table), batch)
-                self._tracker.save(conn)
+        except CountersMoved as exc:
+            self._counted_elsewhere(exc, report)
+            return
         except SQLAlchemyError as exc:
             self.metrics.db_errors.inc()
             report.written = False
@@ -438,6 +441,27 @@ class Collector:
             report.rows[table] = len(batch)
             self.metrics.rows.labels(table).inc(len(batch))
         self._pending.clear()
+
+    def _counted_elsewhere(self, exc: CountersMoved, report: CycleReport) -> None:
+        """Another collector saved counters this one was about to: two collectors scrape the
+        same nodes. The batch goes, and the state is read again, so each increase is counted
+        once, from whichever saved last (never twice, as it was)."""
+        self.metrics.db_errors.inc()
+        report.written = False
+        report.warnings.append(
+            f"another collector scrapes these nodes ({exc}): this batch is dropped and its "
+            "increases are counted from the newer state; run one collector per DC (--dc)"
+        )
+        log.warning(
+            "another collector saved %d counter series this one also counts (e.g. %s): "
+            "batch of %d rows dropped; run one collector per DC (--dc)",
+            len(exc.series),
+            exc.series[0],
+            self._count(),
+        )
+        self._pending.clear()
+        self._tracker = CounterTracker()
+        self._tracker_loaded = False
 
     def _count(self) -> int:
         return sum(len(b) for b in self._pending.values())

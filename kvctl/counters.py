@@ -6,6 +6,11 @@ is seen either as a new epoch (the agent's start time) or as a counter going dow
 is then the new value itself (counted from zero). The first sample of a series that kvctl has
 never seen only sets the baseline: its counts happened at unknown times and are not attributed.
 The last raw values live in ``counter_state`` so a restarted collector loses nothing.
+
+Saves are compare-and-set: a series whose saved state moved since this tracker read or
+wrote it (a second collector scraping the same node) refuses the save (``CountersMoved``).
+The caller drops what it computed from the stale state and reloads: the increases are then
+counted from the newer state, once, whichever collector wins.
 """
 
 from __future__ import annotations
@@ -30,10 +35,27 @@ class _Last:
     ts_ms: int
 
 
+class CountersMoved(Exception):
+    """The saved state of some series changed since this tracker read it: another writer."""
+
+    def __init__(self, series: list[str]) -> None:
+        super().__init__(f"{len(series)} counter series saved by another writer, e.g. {series[0]}")
+        self.series = series
+
+
+#: series asked about per statement (SQLite allows 32,766 bound parameters)
+_CHECK_BATCH = 500
+
+
 @dataclass(slots=True)
 class CounterTracker:
     _last: dict[str, _Last] = field(default_factory=dict)
     _dirty: set[str] = field(default_factory=set)
+    #: each series' ``ts_ms`` in the database before this tracker's last save of it, and the
+    #: one that save wrote: the database holds one of the two, as that save's transaction was
+    #: committed or rolled back, unless another writer saved it since
+    _saved_ts_ms: dict[str, int | None] = field(default_factory=dict)
+    _written_ts_ms: dict[str, int] = field(default_factory=dict)
 
     def increase(
         self,
@@ -90,6 +112,9 @@ class CounterTracker:
                 continue
             data = json.loads(state)
             self._last[series] = _Last(data.get("epoch"), dict(data.get("values", {})), ts_ms)
+            self._saved_ts_ms[series] = ts_ms
+            self._written_ts_ms.pop(series, None)
+            self._dirty.discard(series)
             n += 1
         return n
 
@@ -97,6 +122,15 @@ class CounterTracker:
         """Upsert the state of series changed since the last save; returns rows written."""
         if not self._dirty:
             return 0
+        dirty = sorted(self._dirty)
+        stored = dict(self._stored_ts_ms(conn, dirty))
+        # saved by another writer since this tracker read or wrote it (or where it knew none)
+        moved = [
+            s for s, ts in stored.items()
+            if ts not in (self._saved_ts_ms.get(s, -1), self._written_ts_ms.get(s, -1))
+        ]  # fmt: skip
+        if moved:
+            raise CountersMoved(sorted(moved))
         rows: list[dict[str, Any]] = [
             {
                 "series": s,
@@ -113,5 +147,19 @@ class CounterTracker:
                 set_={"state": stmt.excluded.state, "ts_ms": stmt.excluded.ts_ms},
             )
         )
+        for s in dirty:
+            self._saved_ts_ms[s] = stored.get(s)
+            self._written_ts_ms[s] = self._last[s].ts_ms
         self._dirty.clear()
         return len(rows)
+
+    @staticmethod
+    def _stored_ts_ms(conn: Connection, series: list[str]) -> list[tuple[str, int]]:
+        """(series, ts_ms) as saved, for those of ``series`` that are; locked against other
+        writers until the transaction ends where the database can (PostgreSQL)."""
+        found: list[tuple[str, int]] = []
+        for i in range(0, len(series), _CHECK_BATCH):
+            part = series[i : i + _CHECK_BATCH]
+            q = select(CounterState.series, CounterState.ts_ms).where(CounterState.series.in_(part))
+            found += [(s, ts) for s, ts in conn.execute(q.with_for_update())]
+        return found

@@ -1,7 +1,8 @@
 """Batched sample writes: the fast path each backend offers, idempotent on re-delivery.
 
-Samples are keyed by (series keys, ts_ms), so writing the same sample twice (a retried batch,
-two collectors scraping one node by mistake) keeps one row instead of failing the batch.
+Samples are keyed by (series keys, ts_ms), so writing the same sample twice (a retried batch)
+keeps one row instead of failing the batch. (Two collectors scraping one node by mistake are
+kept from counting an increase twice by the counters' compare-and-set save: kvctl.counters.)
 """
 
 from __future__ import annotations

@@ -619,3 +619,38 @@ def test_a_database_that_goes_away_does_not_end_the_loop(pg_url: str, tmp_path: 
         allow(True)
         admin.dispose()
         db.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_two_collectors_on_the_same_nodes_count_each_increase_once(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """Two collectors scrape one node by mistake (no --dc, or DCs that overlap): each save is
+    checked against the state the other saved, so the hits in the database are the agent's,
+    not twice them, and the one that lost says why."""
+    url = request.getfixturevalue("pg_url" if backend == "postgresql" else "sqlite_url")
+    db = open_db(url, auto_upgrade=True)
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            _register(db, {"n1": ("fra", a1.state.control_url)})
+            c1, c2 = Collector(db, CollectorConfig()), Collector(db, CollectorConfig())
+            try:
+                assert c1.collect_once().written  # the baseline
+                time.sleep(0.01)  # each save is stamped by its own millisecond
+                assert c2.collect_once().written
+                _traffic(a1, 3, space=11)
+                lost = c1.collect_once()  # counted from the state before c2's save
+                assert not lost.written
+                assert any("another collector" in w for w in lost.warnings), lost.warnings
+                assert c1.collect_once().written  # counted from c2's state: +3
+                _traffic(a1, 2, space=12)
+                time.sleep(0.01)
+                assert not c2.collect_once().written
+                assert c2.collect_once().written  # +2
+            finally:
+                c1.close()
+                c2.close()
+        n1 = _node_id(db, "n1")
+        assert sum(r["hits"] for r in _rows(db, CacheSample, node_id=n1, tier="all")) == 5
+    finally:
+        db.dispose()

@@ -97,3 +97,40 @@ def test_state_survives_a_collector_restart(db) -> None:  # type: ignore[no-unty
         assert second.load(conn, ["cache:1:"]) == 1
         assert second.load(conn, ["cache:2:"]) == 0
     assert second.increase("cache:1:all", {"hits": 150.0}, epoch=5.0, ts_ms=20) == {"hits": 20.0}
+
+
+def test_a_save_over_another_writers_state_is_refused(db) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from kvctl.counters import CountersMoved
+
+    a, b = CounterTracker(), CounterTracker()
+    a.increase("cache:1:all", {"hits": 100.0}, epoch=5.0, ts_ms=0)
+    with db.begin() as conn:
+        a.save(conn)
+    with db.connect() as conn:
+        b.load(conn, ())
+    assert b.increase("cache:1:all", {"hits": 120.0}, epoch=5.0, ts_ms=10) == {"hits": 20.0}
+    with db.begin() as conn:
+        b.save(conn)
+    # a counts the same 20 again from its own state: its save must not land
+    assert a.increase("cache:1:all", {"hits": 125.0}, epoch=5.0, ts_ms=20) == {"hits": 25.0}
+    with pytest.raises(CountersMoved) as moved, db.begin() as conn:
+        a.save(conn)
+    assert moved.value.series == ["cache:1:all"]
+
+
+def test_a_save_whose_transaction_rolled_back_is_not_another_writer(db) -> None:  # type: ignore[no-untyped-def]
+    t = CounterTracker()
+    t.increase("cache:1:all", {"hits": 100.0}, epoch=5.0, ts_ms=0)
+    with db.begin() as conn:
+        t.save(conn)
+    t.increase("cache:1:all", {"hits": 110.0}, epoch=5.0, ts_ms=10)
+    conn = db.connect()
+    trans = conn.begin()
+    t.save(conn)
+    trans.rollback()  # as when the batch's inserts failed
+    conn.close()
+    t.increase("cache:1:all", {"hits": 120.0}, epoch=5.0, ts_ms=20)
+    with db.begin() as conn:
+        assert t.save(conn) == 1
