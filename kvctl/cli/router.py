@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 
@@ -412,6 +412,11 @@ def serve_command(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # the followers' polls are several requests a second per agent: httpx logs each at
+        # info; their failures are the followers' to report
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     from kvctl.errors import KvctlError
     from kvctl.index.follower import Followers
     from kvctl.index.open import open_index
@@ -492,17 +497,45 @@ def status_command(
       kvctl router status --router http://10.0.0.9:9480 --token-file router.token --json
     """
     from kvctl.router.client import RouterClient, RouterClientError
+    from kvctl.wire.address import redact_url
 
     url = _router_url(router)
     try:
         with RouterClient(url, token=router_token(token_file)) as client:
-            report = {"router": url, "index": client.index(), "stats": client.stats()}
+            try:
+                report = {"router": redact_url(url), "index": client.index()}
+            except RouterClientError as exc:
+                if exc.status != 503:
+                    raise
+                _index_down(client, exc)
+            report["stats"] = client.stats()
     except RouterClientError as exc:
-        fail(str(exc), hint="start it with `kvctl router serve`", code=1)
+        if exc.status is None:
+            fail(str(exc), hint="start it with `kvctl router serve`", code=1)
+        fail(str(exc), code=1)
     if json_out:
         print_json(report)
         return
     _render_status(report)
+
+
+def _index_down(client: Any, exc: Exception) -> NoReturn:
+    """The router answers but its index does not (a 503): say so, with what the router still
+    reports (its health), and exit 1."""
+    try:
+        health = client.health()
+    except Exception:  # the 503 is the news; the health is a detail
+        health = {}
+    up, total = health.get("followers_up"), health.get("followers")
+    agents = f"; {up} of {total} agents answer" if total is not None else ""
+    kind = health.get("index") or "its"
+    fail(
+        f"the router at {client.shown_url} is up, but {kind} index does not answer{agents}: "
+        f"{health.get('index_error') or exc}",
+        hint="check the index (the Redis server of `kvctl router serve --index`); the router "
+        "resyncs every agent when it answers again",
+        code=1,
+    )
 
 
 def _render_status(report: dict[str, Any]) -> None:

@@ -59,7 +59,7 @@ _ERROR_STATUS: dict[type[KvctlError], int] = {
 }
 _ERROR_TEXT: dict[int, str] = {
     400: "bad input the schema cannot express: a malformed key, too many keys or tokens, an "
-    "unknown DC or policy",
+    "unknown DC or policy, an empty prompt",
     401: "missing or wrong bearer token (when the router has a token)",
     413: "request body over the router's limit",
     503: "no node can serve the request (none up or reachable from its DC), or the index did "
@@ -170,12 +170,18 @@ class HoldersResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: str = Field(description='always "ok" when the router answers')
+    status: str = Field(
+        description='always "ok" when the router answers (an index outage included: a restart '
+        "would not fix it; see index_up)"
+    )
     instance: str = Field(description="changes when the router restarts")
     uptime_seconds: float
     nodes: int = Field(description="nodes in the router's topology")
     followers_up: int = Field(description="agents whose event stream the router reads")
     followers: int = Field(description="agents the router follows")
+    index: str = Field(description="the index's kind: embedded or redis")
+    index_up: bool = Field(description="whether the index answered just now")
+    index_error: str | None = Field(description="why it did not (no credentials)")
     time_s: float = Field(description="the router's clock, unix seconds")
 
 
@@ -284,10 +290,18 @@ class _RouterCollector:
             buckets=buckets,
             sum_value=lat["sum_s"],
         )
+        # an index outage leaves these out and says so: every other series stays scraped
+        nodes = r.index_nodes()
+        yield GaugeMetricFamily(
+            "kvctl_index_up",
+            "1 when the fleet index answered this scrape, else 0 (then kvctl_index_entries is "
+            "absent)",
+            value=0.0 if nodes is None else 1.0,
+        )
         entries = GaugeMetricFamily(
             "kvctl_index_entries", "Index entries (chunk copies) per node", labels=["node"]
         )
-        for node, n in r.index.nodes().items():
+        for node, n in (nodes or {}).items():
             entries.add_metric([node], n)
         yield entries
         followers = r.follower_status()
@@ -354,8 +368,10 @@ def create_app(
 
     @app.get("/v1/health", response_model=Health, tags=["router"], responses=_errors())
     def health() -> Health:
-        """Liveness, and how many agents the router reads."""
+        """Liveness, how many agents the router reads, and whether its index answers (200
+        either way: an index outage is not the router's to fix by restarting)."""
         followers = router.follower_status()
+        index_up = router.index_nodes() is not None
         now_s = time.time()
         return Health(
             status="ok",
@@ -364,6 +380,9 @@ def create_app(
             nodes=len(router.topology.nodes),
             followers_up=sum(1 for f in followers if f.get("up")),
             followers=len(followers),
+            index=str(getattr(router.index, "kind", type(router.index).__name__)),
+            index_up=index_up,
+            index_error=None if index_up else router.index_watch.error,
             time_s=now_s,
         )
 
@@ -445,9 +464,12 @@ def create_app(
     def index() -> dict[str, Any]:
         """The index's kind, each node's entries, each followed agent's state and each
         engine event feed's (vLLM's KV events)."""
+        nodes = router.index_nodes()
+        if nodes is None:
+            raise IndexUnavailable(router.index_watch.error)
         return {
             "kind": getattr(router.index, "kind", type(router.index).__name__),
-            "nodes": router.index.nodes(),
+            "nodes": nodes,
             "followers": router.follower_status(),
             "engines": router.engine_status(),
         }

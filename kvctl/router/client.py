@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvctl.errors import KvctlError
+from kvctl.wire.address import redact_url
 
 DEFAULT_URL = "http://127.0.0.1:9480"
 DEFAULT_TIMEOUT_S = 5.0
@@ -33,6 +34,8 @@ class RouterClient:
         import httpx
 
         self.url = url.rstrip("/")
+        #: what errors show: the URL without its password (user:***@host)
+        self.shown_url = redact_url(self.url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._httpx = httpx
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
@@ -50,7 +53,11 @@ class RouterClient:
         try:
             r = self._http.request(method, path, **kw)
         except self._httpx.HTTPError as exc:
-            raise RouterClientError(f"the router at {self.url} did not answer: {exc}") from exc
+            # httpx's message may quote the URL, user info and all
+            text = str(exc).replace(self.url, self.shown_url)
+            raise RouterClientError(
+                f"the router at {self.shown_url} did not answer: {text}"
+            ) from exc
         try:
             body = r.json()
         except ValueError:
@@ -66,7 +73,9 @@ class RouterClient:
                 f"the router answered {r.status_code}: {text}", status=r.status_code
             )
         if not isinstance(body, dict):
-            raise RouterClientError(f"{self.url} did not answer as a kvctl router (no JSON object)")
+            raise RouterClientError(
+                f"{self.shown_url} did not answer as a kvctl router (no JSON object)"
+            )
         return body
 
     def route(

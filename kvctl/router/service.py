@@ -15,6 +15,7 @@ The HTTP app over a ``Router`` is ``kvctl.router.app.create_app`` (also reachabl
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 import time
 import uuid
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.index.model import FleetIndex, Holding, owner
-from kvctl.index.remote import MAX_KEYS
+from kvctl.index.remote import MAX_KEYS, IndexUnavailable
 from kvctl.profiles import model_profile
 from kvctl.quantiles import nearest_rank
 from kvctl.router.load import BASIS as LOAD_BASIS
@@ -50,6 +51,52 @@ LATENCY_BUCKETS_S = (
     0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
+
+
+log = logging.getLogger("kvctl.router")
+
+#: at most one warning per this many seconds while the index keeps failing (each names how many
+#: failures it stands for): a router under load fails every request during an outage
+INDEX_WARNING_INTERVAL_S = 30.0
+
+
+class IndexWatch:
+    """Whether the index answered last time anyone asked, and a rate-limited warning when it
+    does not (the router keeps serving what it can: health, metrics, stats)."""
+
+    def __init__(
+        self,
+        *,
+        interval_s: float = INDEX_WARNING_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.up = True
+        self.error = ""
+        self.failures = 0
+        self._unlogged = 0
+        self._logged_s: float | None = None
+
+    def failed(self, exc: Exception) -> None:
+        now_s = self._clock()
+        with self._lock:
+            self.up = False
+            self.error = str(exc)[:300]
+            self.failures += 1
+            self._unlogged += 1
+            if self._logged_s is not None and now_s - self._logged_s < self._interval_s:
+                return
+            count, self._unlogged, self._logged_s = self._unlogged, 0, now_s
+        log.warning("the fleet index failed (%d times since the last warning): %s", count, exc)
+
+    def answered(self) -> None:
+        with self._lock:
+            if self.up:
+                return
+            self.up, self._logged_s, self._unlogged = True, None, 0
+        log.warning("the fleet index answers again")
 
 
 class NoNodeAvailable(KvctlError):
@@ -202,6 +249,7 @@ class Router:
         self._clock = clock
         self._lock = threading.Lock()
         self._counts = _Counts()
+        self.index_watch = IndexWatch()
         self._seq = 0
         # one instance each: round-robin keeps its turn across requests
         self._policies: dict[str, RoutingPolicy] = {
@@ -248,11 +296,30 @@ class Router:
         """The index's answer for ``keys`` as ``tenant`` may see it, less the nodes this router
         marked down (see ``_usable``), counted."""
         _check_keys(keys)
-        out = self._usable(self.index.holders(keys, tenant=tenant))
+        out = self._usable(self._holders(keys, tenant=tenant))
         with self._lock:
             self._counts.holders_requests += 1
             self._counts.holders_keys += len(keys)
         return list(out)
+
+    def _holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
+        try:
+            out = self.index.holders(keys, tenant=tenant)
+        except IndexUnavailable as exc:
+            self.index_watch.failed(exc)
+            raise
+        self.index_watch.answered()
+        return out
+
+    def index_nodes(self) -> dict[str, int] | None:
+        """The index's entries per node; None when it does not answer (noted and logged)."""
+        try:
+            nodes = self.index.nodes()
+        except IndexUnavailable as exc:
+            self.index_watch.failed(exc)
+            return None
+        self.index_watch.answered()
+        return nodes
 
     def _usable(self, holdings: list[list[Holding]]) -> list[list[Holding]]:
         """``holdings`` without the copies of nodes whose agent this router marked down (an
@@ -322,11 +389,14 @@ class Router:
             tokens = len(keys) * self.chunk_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
             raise InvalidArgument(f"tokens must be an int >= 0, got {tokens!r}")
+        if not keys and tokens == 0:
+            # nothing to route: counting it as a decision would skew every figure
+            raise InvalidArgument("the prompt is empty: give at least one key or token id")
         if origin_dc is not None and origin_dc not in self.topology.dcs:
             known = ", ".join(self.topology.dcs) or "none"
             raise InvalidArgument(f"unknown origin DC {origin_dc!r}; the fleet's DCs: {known}")
         start_s = self._clock()
-        holdings = self._usable(self.index.holders(keys, tenant=tenant))
+        holdings = self._usable(self._holders(keys, tenant=tenant))
         up = self.up_nodes()
         queue_s = self.load.queue_s()
         scores = score_nodes(

@@ -229,6 +229,10 @@ class _Flaky(EmbeddedIndex):
         self._check()
         return super().nodes()
 
+    def holders(self, keys: Any, *, tenant: str) -> list[list[Holding]]:
+        self._check()
+        return super().holders(keys, tenant=tenant)
+
 
 def test_a_node_whose_entries_the_index_lost_is_resynced_at_the_next_poll() -> None:
     script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
