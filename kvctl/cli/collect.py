@@ -190,10 +190,14 @@ def collect_command(
 
 
 def _line(kind: str, r: Any) -> None:
+    from rich.markup import escape
+
     down = f", [red]{len(r.down)} down[/]: {', '.join(sorted(r.down))}" if r.down else ""
     if r.routers_down:
         down += f", [red]router down[/]: {', '.join(sorted(r.routers_down))}"
-    saved = "" if r.written else " [yellow](database unavailable, kept for retry)[/]"
+    # the first warning says why (the database away, another collector on these nodes)
+    why = escape(r.warnings[0]) if r.warnings else "not written"
+    saved = "" if r.written else f" [yellow]({why})[/]"
     console.print(
         f"{kind:<6} {len(r.up)} up{down} · {sum(r.rows.values())} rows · {r.seconds:.2f}s{saved}",
         highlight=False,
@@ -202,10 +206,16 @@ def _line(kind: str, r: Any) -> None:
 
 def _once(collector: Any, links: bool, json_out: bool) -> None:
     from rich.table import Table
+    from sqlalchemy.exc import SQLAlchemyError
 
     report = collector.collect_once()
     link_report = collector.probe_links_once() if links else None
-    maint = collector.maintain()
+    try:
+        maint = collector.maintain()
+    except SQLAlchemyError as exc:  # the samples are in, or kept: upkeep failing is a warning
+        maint = {"error": str(getattr(exc, "orig", None) or exc)}
+        report.warnings.append(f"rollup/retention failed: {maint['error']}")
+        report.written = False
     if json_out:
         print_json(
             {

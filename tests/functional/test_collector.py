@@ -654,3 +654,36 @@ def test_two_collectors_on_the_same_nodes_count_each_increase_once(
         assert sum(r["hits"] for r in _rows(db, CacheSample, node_id=n1, tier="all")) == 5
     finally:
         db.dispose()
+
+
+def test_collect_once_says_so_when_upkeep_fails(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The samples are written but the rollups cannot run (their table locked elsewhere):
+    one warning and exit 1, not a traceback."""
+    from sqlalchemy import create_engine, text
+
+    from kvctl.db import engine as engine_module
+    from kvctl.db.engine import resolve_url
+
+    monkeypatch.setattr(engine_module, "PG_LOCK_TIMEOUT_MS", 300)
+    db = open_db(pg_url, auto_upgrade=True)
+    blocker = create_engine(resolve_url(pg_url))
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            _register(db, {"n1": ("fra", a1.state.control_url)})
+            with blocker.connect() as lock_conn:
+                lock_conn.execute(text("LOCK TABLE rollup_state IN ACCESS EXCLUSIVE MODE"))
+                args = ["collect", "--once", "--no-links", "--db", pg_url]
+                result = CliRunner().invoke(app, args)
+                as_json = CliRunner().invoke(app, [*args, "--json"])
+                lock_conn.rollback()
+        assert result.exit_code == 1, result.output
+        assert "rollup/retention failed" in result.output and "Traceback" not in result.output
+        assert as_json.exit_code == 1
+        out = json.loads(as_json.stdout)
+        assert "lock timeout" in out["maintenance"]["error"]
+        assert out["scrape"]["rows"]["node_sample"] == 1  # the samples went in all the same
+    finally:
+        blocker.dispose()
+        db.dispose()
