@@ -537,6 +537,13 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting("data_put_budget_bytes", "data_put_budget", _size(1), "1GiB", "KVCTL_DATA_PUT_BUDGET"),
     _Setting(
+        "data_max_connections",
+        "data_max_connections",
+        _positive_int,
+        1024,
+        "KVCTL_DATA_MAX_CONNECTIONS",
+    ),
+    _Setting(
         "eviction",
         "eviction",
         _choice("eviction policy", EVICTION_POLICIES),

@@ -205,6 +205,7 @@ def serve(settings: AgentSettings) -> int:
         runtime,
         frame_timeout_s=settings.data_frame_timeout_seconds,
         put_budget_bytes=settings.data_put_budget_bytes,
+        max_connections=settings.data_max_connections,
     )
     try:
         tcp = settings.data_host_port

@@ -10,6 +10,7 @@ outside the lock too, from the arena itself, under a lease that keeps the bytes 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import functools
@@ -49,6 +50,8 @@ from kvctl.wire.protocol import (
     ITEM,
     LEASE_ITEM,
     MAX_BATCH,
+    MAX_FDS_PER_FRAME,
+    MAX_HELLO_META_BYTES,
     MAX_META_BYTES,
     NO_TIER,
     PROBE_PIECE_BYTES,
@@ -68,8 +71,7 @@ from kvctl.wire.protocol import (
     parse_rates,
     rates_reply,
     recv_exactly,
-    recv_some_with_fds,
-    recv_with_fds,
+    recv_some_passing,
     send_all,
     zero_pieces,
 )
@@ -93,6 +95,12 @@ RECV_SLICE_BYTES = 1 << 20
 #: for this long and this many bytes at most
 LINGER_SECONDS = 1.0
 LINGER_BYTES = 16 << 20
+#: a connection must have sent its first frame (its HELLO, where a token is set) this long
+#: after it was accepted, or it is closed: connections that never speak hold no thread for long
+HELLO_TIMEOUT_SECONDS = 5.0
+#: events a hostile client can cause at will (connections refused over the cap, cut off before
+#: HELLO, failed accepts) are logged once per this interval, with their count, not one by one
+LOG_EVERY_SECONDS = 60.0
 _OP_NAMES = {op.value: op.name.lower() for op in Op}
 #: PROBE replies are views of this one immutable buffer, shared by every connection
 _PROBE_ZEROS = bytes(PROBE_PIECE_BYTES)
@@ -134,6 +142,31 @@ class ByteBudget:
             self._cond.notify_all()
 
 
+class EveryInterval:
+    """Counts events and says when to log them: the first at once, then at most once per
+    ``interval_s``, with how many came since the last line."""
+
+    def __init__(self, interval_s: float = LOG_EVERY_SECONDS) -> None:
+        self.interval_s = interval_s
+        self.total = 0
+        self._unlogged = 0
+        self._next_log_s = -math.inf
+        self._lock = threading.Lock()
+
+    def count(self, now_s: float | None = None) -> int:
+        """Count one event; the events to report now (this one included), or 0 when the line
+        waits for the interval to end."""
+        now = time.monotonic() if now_s is None else now_s
+        with self._lock:
+            self.total += 1
+            self._unlogged += 1
+            if now < self._next_log_s:
+                return 0
+            self._next_log_s = now + self.interval_s
+            n, self._unlogged = self._unlogged, 0
+            return n
+
+
 class DataPlaneServer:
     def __init__(
         self,
@@ -141,11 +174,22 @@ class DataPlaneServer:
         *,
         frame_timeout_s: float | None = None,
         put_budget_bytes: int | None = None,
+        max_connections: int | None = None,
+        hello_timeout_s: float = HELLO_TIMEOUT_SECONDS,
     ) -> None:
         """Limits left as None are the settings' (``data_frame_timeout_seconds``,
-        ``data_put_budget_bytes``)."""
+        ``data_put_budget_bytes``, ``data_max_connections``)."""
         self.runtime = runtime
         settings = runtime.settings
+        #: open connections each transport keeps at most: one past it is closed at once (a
+        #: flood of TCP connections cannot lock local engines out of the Unix socket)
+        self.max_connections = (
+            settings.data_max_connections if max_connections is None else max_connections
+        )
+        self.hello_timeout_s = hello_timeout_s
+        self.refused_connections = EveryInterval()
+        self.hello_timeouts = EveryInterval()
+        self._accept_failures = EveryInterval()
         self.max_chunk_bytes = settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
         self.frame_timeout_s = (
@@ -167,6 +211,8 @@ class DataPlaneServer:
         self._listeners: list[tuple[socket.socket, str]] = []
         self._threads: list[threading.Thread] = []
         self._conns: set[Connection] = set()
+        #: open connections by transport (the cap's count)
+        self._open: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: Path | None = None
@@ -234,11 +280,27 @@ class DataPlaneServer:
                 conn_sock, _ = sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
+            except OSError as exc:
                 if self.stopping:
                     return
-                log.exception("accept failed on %s", transport)
+                # out of descriptors (EMFILE) fails every accept until some close: one line
+                # an interval, not a traceback each time
+                n = self._accept_failures.count()
+                if n:
+                    log.error(
+                        "data plane accept failed on %s: %s (%d time(s) since the last line)",
+                        transport,
+                        exc,
+                        n,
+                    )
                 time.sleep(0.1)
+                continue
+            with self._lock:
+                full = self._open[transport] >= self.max_connections
+                if not full:
+                    self._open[transport] += 1
+            if full:
+                self._refuse(conn_sock, transport)
                 continue
             conn_sock.setblocking(True)  # a stalled client is cut off by the reaper
             if transport == "tcp":
@@ -247,6 +309,28 @@ class DataPlaneServer:
             with self._lock:
                 self._conns.add(conn)
             conn.thread.start()
+
+    def _refuse(self, sock: socket.socket, transport: str) -> None:
+        """Close a connection over the cap at once, saying why where its buffer has room."""
+        n = self.refused_connections.count()
+        if n:
+            log.warning(
+                "data plane %s connections at the limit of %d (data_max_connections): "
+                "refused %d connection(s)",
+                transport,
+                self.max_connections,
+                n,
+            )
+        error = FrameError(
+            ErrorCode.BUSY,
+            f"this agent serves at most {self.max_connections} {transport} connections; "
+            "retry later",
+        )
+        meta = error_meta(error.code, error.message)
+        with contextlib.suppress(OSError):
+            sock.setblocking(False)  # never wait on a client that does not read
+            sock.send(pack_header(Op.ERROR, 0, len(meta)) + meta)
+        sock.close()
 
     def _reaper(self) -> None:
         """Ends expired leases, and cuts off clients stalled mid-frame. (A watchdog here rather
@@ -267,7 +351,9 @@ class DataPlaneServer:
 
     def forget(self, conn: Connection) -> None:
         with self._lock:
-            self._conns.discard(conn)
+            if conn in self._conns:
+                self._conns.discard(conn)
+                self._open[conn.transport] -= 1
 
     def hello_info(self) -> dict[str, object]:
         s = self.runtime.settings
@@ -295,6 +381,15 @@ class Connection:
         self.sock = sock
         self.transport = transport
         self.authed = not server.token
+        #: when the connection is closed unless its first frame (its HELLO, where a token is
+        #: set) has been served (monotonic; None once it has)
+        self._hello_deadline_s: float | None = time.monotonic() + server.hello_timeout_s
+        #: the reaper closed the connection for want of that first frame
+        self._hello_late = False
+        #: descriptors the frame being read may pass (one, until its header says it is not an
+        #: ATTACH): any past it are closed as they arrive, and counted here to refuse the frame
+        self._max_fds = MAX_FDS_PER_FRAME
+        self._fds_refused = 0
         #: when the frame being served started (None: idle between frames)
         self.busy_since: float | None = None
         #: bytes the frame has moved so far (in and out): each buys time before a stall cut-off
@@ -346,6 +441,8 @@ class Connection:
                     break
                 if not self._serve_one(header):
                     break
+                if self.authed:  # its first frame served: it may idle from now on
+                    self._hello_deadline_s = None
         except (PeerClosed, ConnectionError, TimeoutError):
             # the client went away or stalled mid-frame; nothing half-done was stored
             if self._stalled and self._frame_rid is not None:
@@ -354,6 +451,8 @@ class Connection:
             if not self._closed:
                 log.warning("data plane connection error: %s", exc)
         finally:
+            if self._hello_late:
+                self._send_error(self._frame_rid or 0, self._hello_error())
             self._cleanup()
             metrics.connection_closed(self.transport)
 
@@ -374,10 +473,23 @@ class Connection:
             fatal=True,
         )
 
+    def _hello_error(self) -> FrameError:
+        first = "HELLO with the token" if self.server.token else "first frame"
+        return FrameError(
+            ErrorCode.TIMEOUT,
+            f"no {first} within {self.server.hello_timeout_s:g} s of connecting; connection closed",
+            fatal=True,
+        )
+
     def cut_if_stalled(self, now_s: float) -> None:
         """The reaper's check: shut the reading side of a connection whose frame is past its
-        deadline (its thread then answers with an error frame and closes); one still busy a
-        tick later (blocked sending to a reader that stopped reading) is shut down entirely."""
+        deadline, or that has not sent its first frame in time (its thread then answers with
+        an error frame and closes); one still busy a tick later (blocked sending to a reader
+        that stopped reading) is shut down entirely."""
+        hello_due = self._hello_deadline_s
+        if hello_due is not None and now_s > hello_due:
+            self._cut_before_hello()
+            return
         if self._waiting_budget or now_s <= self._deadline_s():
             return
         with self._state_lock:
@@ -394,16 +506,39 @@ class Connection:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR if again else socket.SHUT_RD)
 
+    def _cut_before_hello(self) -> None:
+        """Close a connection whose first frame did not come in time; logged once an interval
+        (whoever opens connections and stays silent must not fill the log)."""
+        with self._state_lock:
+            if self._closed:
+                return
+            again = self._hello_late
+            self._hello_late = True
+        if not again:
+            n = self.server.hello_timeouts.count()
+            if n:
+                log.warning(
+                    "closed %d data plane connection(s) that sent no first frame (HELLO) "
+                    "within %g s",
+                    n,
+                    self.server.hello_timeout_s,
+                )
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR if again else socket.SHUT_RD)
+
     def _read_header(self, view: memoryview) -> bool:
-        """Wait (without a timeout: idle connections are fine) for the next frame."""
+        """Wait for the next frame: without a timeout once the connection's first frame is
+        served (idle connections are fine), until its HELLO deadline before that."""
         with self._state_lock:
             self.busy_since = None
             if self._closed or self.server.stopping:
                 return False
+        self._max_fds = MAX_FDS_PER_FRAME
+        self._fds_refused = 0
         first = (
             self.sock.recv_into(view, HEADER_BYTES)
             if self.transport == "tcp"
-            else recv_some_with_fds(self.sock, view, self._fds)
+            else self._recv_some_unix(view)
         )
         if first == 0:
             return False
@@ -416,11 +551,29 @@ class Connection:
         return True
 
     def _recv(self, view: memoryview) -> None:
-        if self.transport == "unix":
-            if not recv_with_fds(self.sock, view, self._fds):
-                raise PeerClosed("connection closed mid-frame")
-        else:
+        if self.transport == "tcp":
             recv_exactly(self.sock, view)
+            return
+        got = 0
+        while got < view.nbytes:
+            k = self._recv_some_unix(view[got:])
+            if k == 0:
+                raise PeerClosed("connection closed mid-frame")
+            got += k
+
+    def _recv_some_unix(self, view: memoryview) -> int:
+        """One receive on the Unix socket, keeping the descriptors the frame may pass and
+        closing any others as they arrive: a client passing thousands in one slow frame once
+        held them all open in the agent until the frame ended, and ran it out of descriptors."""
+        k, passed, truncated = recv_some_passing(self.sock, view)
+        for fd in passed:
+            if len(self._fds) < self._max_fds:
+                self._fds.append(fd)
+            else:
+                os.close(fd)
+                self._fds_refused += 1
+        self._fds_refused += truncated
+        return k
 
     def _recv_counted(self, view: memoryview) -> None:
         """Fill ``view`` slice by slice, counting each slice toward the stall deadline."""
@@ -485,30 +638,25 @@ class Connection:
         bytes_in = HEADER_BYTES
         sent = 0
         ok = False
+        rid = 0
         try:
             op, rid, meta_len, payload_len = check_header(
                 header, max_payload_bytes=self.server.max_payload_bytes
             )
-        except FrameError as exc:
-            self._send_error(0, exc)
-            return False
-        self._frame_rid = rid
-        bytes_in += meta_len + payload_len
-        try:
+            self._frame_rid = rid
+            bytes_in += meta_len + payload_len
+            self._check_frame_shape(op, meta_len, payload_len)
             with self._received(meta_len) as view:
                 meta = MetaReader(view)  # a copy: the buffer is free for the payload
-        except FrameError as exc:  # no budget for large metadata
+        except FrameError as exc:  # all fatal: the frame's body is never read
             self._send_error(rid, exc)
             return False
         try:
+            self._check_fds_passed(op, payload_len)
             handler = self._handlers.get(op)
             if handler is None:
                 self._discard(payload_len)
                 raise FrameError(ErrorCode.UNSUPPORTED, f"unknown op {op}")
-            if not self.authed and op != Op.HELLO:
-                raise FrameError(
-                    ErrorCode.UNAUTHORIZED, "this agent needs a token: send HELLO first", fatal=True
-                )
             if payload_len and op not in _PAYLOAD_OPS:
                 raise FrameError(
                     ErrorCode.BAD_FRAME, f"{Op(op).name} carries no payload", fatal=True
@@ -556,6 +704,41 @@ class Connection:
             for fd in self._fds:  # descriptors only count with the frame that expects them
                 os.close(fd)
             self._fds.clear()
+
+    def _check_frame_shape(self, op: int, meta_len: int, payload_len: int) -> None:
+        """Refuse (fatal, before reading any of its body) a frame this connection may not send:
+        before the token, anything but a HELLO; a HELLO larger than a token and a name. Sets
+        the descriptors the frame may pass, closing any its header brought that it may not."""
+        if not self.authed and op != Op.HELLO:
+            raise FrameError(
+                ErrorCode.UNAUTHORIZED, "this agent needs a token: send HELLO first", fatal=True
+            )
+        if op == Op.HELLO and meta_len > MAX_HELLO_META_BYTES:
+            raise FrameError(
+                ErrorCode.TOO_LARGE,
+                f"HELLO metadata of {meta_len} bytes > {MAX_HELLO_META_BYTES}",
+                fatal=True,
+            )
+        if op == Op.HELLO and payload_len:
+            raise FrameError(ErrorCode.BAD_FRAME, "HELLO carries no payload", fatal=True)
+        self._max_fds = MAX_FDS_PER_FRAME if op == Op.ATTACH else 0
+        while len(self._fds) > self._max_fds:  # came with the header, before its op was known
+            os.close(self._fds.pop())
+            self._fds_refused += 1
+
+    def _check_fds_passed(self, op: int, payload_len: int) -> None:
+        """Refuse (BAD_REQUEST, the connection stays usable) a frame that passed descriptors
+        it may not; they are closed already. Its payload is dropped to stay in step."""
+        if not self._fds_refused:
+            return
+        self._discard(payload_len)
+        n = len(self._fds) + self._fds_refused
+        may = "one" if self._max_fds else "none"
+        name = _OP_NAMES.get(op, f"op {op}").upper()
+        raise FrameError(
+            ErrorCode.BAD_REQUEST,
+            f"{name} passed {n} file descriptor(s) or more; it may pass {may}",
+        )
 
     def _send_error(self, rid: int, exc: FrameError) -> None:
         meta = error_meta(exc.code, exc.message)

@@ -93,6 +93,9 @@ class AgentSettings:
     #: bytes of large puts (over 1 MiB) all connections may hold in flight at once; a put that
     #: cannot get its share within the frame timeout gets BUSY
     data_put_budget_bytes: int = 1 << 30
+    #: data-plane connections each transport (TCP, the Unix socket) keeps open at most; one past
+    #: it is closed at once (each connection is a thread; engines open a few each)
+    data_max_connections: int = 1024
     eviction: str = "lineage-adaptive"
     disk_admission: str = "all"
     #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds

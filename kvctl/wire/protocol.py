@@ -36,6 +36,12 @@ HEADER_BYTES = HEADER.size
 REPLY_BIT = 0x80
 MAX_META_BYTES = 8 << 20
 MAX_BATCH = 65536
+#: most metadata a HELLO may carry (a token and a client name): a connection not yet
+#: authenticated may send nothing larger, so it cannot make the agent hold megabytes
+MAX_HELLO_META_BYTES = 64 << 10
+#: most file descriptors a frame may pass on the Unix socket: one, with an ATTACH (its staging
+#: segment); any other frame passes none
+MAX_FDS_PER_FRAME = 1
 #: most bytes one PROBE may upload or ask for: enough to time a link, small enough that a probe
 #: cannot be used to make an agent stream gigabytes
 MAX_PROBE_BYTES = 64 << 20
@@ -442,16 +448,24 @@ def recv_exactly(sock: socket.socket, view: memoryview) -> None:
 _CMSG_SPACE = socket.CMSG_SPACE(4 * 4)
 
 
+def recv_some_passing(sock: socket.socket, view: memoryview) -> tuple[int, list[int], bool]:
+    """One ``recvmsg_into`` on a Unix socket: bytes read (0 at close), the descriptors passed
+    with them (the caller owns each: it keeps or closes it) and whether the kernel dropped some
+    that did not fit (MSG_CTRUNC)."""
+    k, anc, flags, _addr = sock.recvmsg_into([view], _CMSG_SPACE)
+    passed = array.array("i")
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            passed.frombytes(data[: len(data) - len(data) % passed.itemsize])
+    return int(k), passed.tolist(), bool(flags & socket.MSG_CTRUNC)
+
+
 def recv_some_with_fds(sock: socket.socket, view: memoryview, fds: list[int]) -> int:
     """One ``recvmsg_into`` on a Unix socket: bytes read (0 at close), passed descriptors
     appended to ``fds``."""
-    k, anc, _flags, _addr = sock.recvmsg_into([view], _CMSG_SPACE)
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            a = array.array("i")
-            a.frombytes(data[: len(data) - len(data) % a.itemsize])
-            fds.extend(a)
-    return int(k)
+    k, passed, _truncated = recv_some_passing(sock, view)
+    fds.extend(passed)
+    return k
 
 
 def recv_with_fds(sock: socket.socket, view: memoryview, fds: list[int]) -> bool:

@@ -538,3 +538,14 @@ def test_index_settings_from_start_flags(env: dict[str, str], tmp_path: Path) ->
     assert loaded.sources["index_token"] == "flag:--index-token-file"
     with pytest.raises(ConfigError, match="index_url"):
         load_settings(env=env, flags=StartFlags(index_url="ftp://nowhere").as_flags())
+
+
+def test_the_data_plane_connection_cap_is_a_setting(config: Path, env: dict[str, str]) -> None:
+    assert load_settings(env=env).settings.data_max_connections == 1024
+    loaded = load_file(config, "[agent]\ndata_max_connections = 64\n")
+    assert loaded.settings.data_max_connections == 64
+    loaded = load_settings(env={**env, "KVCTL_DATA_MAX_CONNECTIONS": "16"})
+    assert loaded.settings.data_max_connections == 16
+    assert loaded.sources["data_max_connections"] == "env:KVCTL_DATA_MAX_CONNECTIONS"
+    with pytest.raises(ConfigError, match="data_max_connections"):
+        load_file(config, "[agent]\ndata_max_connections = 0\n")

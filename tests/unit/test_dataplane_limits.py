@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.agent.dataplane import ByteBudget, _check_segment
+from kvctl.agent.dataplane import ByteBudget, EveryInterval, _check_segment
 from kvctl.wire.protocol import ErrorCode, FrameError
 
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="memfd seals are Linux")
@@ -114,3 +114,12 @@ def test_a_hugetlbfs_segment_is_refused() -> None:
     finally:
         os.close(fd)
     assert err.value.code == ErrorCode.BAD_REQUEST and "hugetlbfs" in err.value.message
+
+
+def test_events_are_reported_at_once_then_once_an_interval_with_their_count() -> None:
+    every = EveryInterval(interval_s=10.0)
+    assert every.count(now_s=100.0) == 1  # the first at once
+    assert [every.count(now_s=100.0 + i) for i in range(1, 6)] == [0] * 5
+    assert every.count(now_s=110.5) == 6  # the five held back and this one
+    assert every.count(now_s=111.0) == 0
+    assert every.total == 8

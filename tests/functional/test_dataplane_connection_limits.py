@@ -1,0 +1,276 @@
+"""What a data-plane client can make the agent hold before and after it authenticates (review
+of the agent's resource use): connections (a cap per transport, a deadline for the first
+frame), reads before the token (only a small HELLO) and descriptors passed on the Unix socket
+(none kept that the frame may not pass).
+
+Served in this process by a real ``DataPlaneServer`` over a real store, with short limits."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvctl.agent.dataplane import DataPlaneServer
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import AgentSettings
+from kvctl.client import DataClient
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.wire.protocol import (
+    HEADER,
+    HEADER_BYTES,
+    MAX_HELLO_META_BYTES,
+    ErrorCode,
+    MetaWriter,
+    Op,
+    pack_header,
+    parse_error,
+)
+from tests.functional.agents import key, payload
+from tests.functional.waiting import wait_until
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc and SCM_RIGHTS are Linux")
+
+TOKEN = "t0ken-for-the-limits-test"
+HELLO_TIMEOUT_S = 0.5
+MAX_CONNECTIONS = 4
+REPLY = 0x80
+
+
+class Node:
+    def __init__(self, tmp_path: Path, **settings: Any) -> None:
+        config = AgentSettings(
+            name="limits", data_dir=str(tmp_path), cpu_bytes=4 << 20, token=TOKEN, **settings
+        )
+        self.store = TieredStore([CpuTier(4 << 20, shared=True)], chunk_tokens=config.chunk_tokens)
+        self.runtime = AgentRuntime(config, self.store)
+        self.server = DataPlaneServer(
+            self.runtime, max_connections=MAX_CONNECTIONS, hello_timeout_s=HELLO_TIMEOUT_S
+        )
+        self.unix = str(self.server.listen_unix(tmp_path / "data.sock"))
+        self.tcp = self.server.listen_tcp("127.0.0.1", 0)
+        self.server.start()
+
+    def client(self, transport: str = "unix") -> DataClient:
+        address = self.unix if transport == "unix" else f"{self.tcp[0]}:{self.tcp[1]}"
+        return DataClient.connect(address, token=TOKEN)
+
+    def raw(self, transport: str = "tcp") -> socket.socket:
+        if transport == "unix":
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(10)
+            sock.connect(self.unix)
+            return sock
+        return socket.create_connection(self.tcp, timeout=10)
+
+    def leases(self) -> int:
+        return int(self.store.snapshot()["leases"])
+
+    def lookups(self) -> int:
+        return int(self.store.snapshot()["stats"]["lookups"])
+
+    def close(self) -> None:
+        self.server.stop()
+        self.runtime.close()
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Node]:
+    n = Node(tmp_path)
+    yield n
+    n.close()
+
+
+def _frame(sock: socket.socket) -> tuple[int, bytes]:
+    """(op, meta) of the next frame (any payload read and dropped); ConnectionError at EOF."""
+    head = _exactly(sock, HEADER_BYTES)
+    _magic, _version, op, _rid, meta_len, payload_len = HEADER.unpack(head)
+    meta = _exactly(sock, meta_len)
+    _exactly(sock, payload_len)
+    return op, meta
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = sock.recv(n - len(out))
+        if not got:
+            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
+        out += got
+    return bytes(out)
+
+
+def _error(sock: socket.socket) -> tuple[int, str]:
+    op, meta = _frame(sock)
+    assert op == Op.ERROR, f"expected an ERROR frame, got op {op}"
+    return parse_error(meta)
+
+
+def _closed(sock: socket.socket) -> bool:
+    """The agent closed its end (EOF, or a reset), seen within the socket's timeout."""
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return True
+
+
+def _hello(sock: socket.socket, token: str = TOKEN) -> None:
+    meta = MetaWriter().text(token).text("limits-test").build()
+    sock.sendall(pack_header(Op.HELLO, 1, len(meta)) + meta)
+    op, _ = _frame(sock)
+    assert op == Op.HELLO | REPLY
+
+
+def _ping(sock: socket.socket) -> int:
+    sock.sendall(pack_header(Op.PING, 2, 0))
+    return _frame(sock)[0]
+
+
+# --- 1: connections -----------------------------------------------------------------------
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_a_connection_that_sends_no_hello_is_closed_after_the_deadline(
+    node: Node, transport: str
+) -> None:
+    silent = node.raw(transport)
+    started = time.monotonic()
+    code, message = _error(silent)
+    assert code == ErrorCode.TIMEOUT and "HELLO" in message, message
+    assert _closed(silent)
+    assert time.monotonic() - started < HELLO_TIMEOUT_S + 3
+    # one that said HELLO in time may stay idle as long as it likes
+    talker = node.raw(transport)
+    _hello(talker)
+    time.sleep(HELLO_TIMEOUT_S + 1.2)
+    assert _ping(talker) == Op.PING | REPLY
+    silent.close()
+    talker.close()
+
+
+def test_a_hello_trickled_past_the_deadline_is_cut_off(node: Node) -> None:
+    sock = node.raw()
+    meta = MetaWriter().text(TOKEN).text("slow").build()
+    sock.sendall(pack_header(Op.HELLO, 1, len(meta)))
+    deadline = time.monotonic() + HELLO_TIMEOUT_S + 3
+    cut = False
+    for byte in meta:  # one byte every 0.2 s: each arrives well within any per-read timeout
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:
+            cut = True
+            break
+        time.sleep(0.2)
+        if time.monotonic() > deadline:
+            break
+    assert cut or _closed(sock)
+    sock.close()
+
+
+def test_connections_past_the_cap_are_closed_at_once_and_logged_once(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    held = [node.raw() for _ in range(MAX_CONNECTIONS)]
+    for sock in held:
+        _hello(sock)
+    caplog.set_level(logging.WARNING, logger="kvctl.agent.dataplane")
+    refused = []
+    for _ in range(3):
+        sock = node.raw()
+        code, message = _error(sock)
+        assert code == ErrorCode.BUSY and f"at most {MAX_CONNECTIONS}" in message, message
+        assert _closed(sock)
+        refused.append(sock)
+    assert node.server.refused_connections.total == 3
+    lines = [r for r in caplog.records if "data_max_connections" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    # the Unix socket has a cap of its own: a TCP flood does not lock local engines out
+    with node.client("unix") as local:
+        assert local.ping() >= 0
+    # a slot comes back when a connection ends
+    held.pop().close()
+    wait_until("a slot to free", lambda: node.server._open["tcp"] < MAX_CONNECTIONS, 10)
+    with node.client("tcp") as again:
+        assert again.ping() >= 0
+    for sock in held + refused:
+        sock.close()
+
+
+def test_silent_connections_cut_before_hello_are_logged_once(
+    node: Node, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvctl.agent.dataplane")
+    socks = [node.raw() for _ in range(3)]
+    for sock in socks:
+        assert _closed(sock)
+        sock.close()
+    wait_until("three cut-offs", lambda: node.server.hello_timeouts.total == 3, 10)
+    lines = [r for r in caplog.records if "sent no first frame" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+# --- 4: before the token --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("op", "meta_len", "payload_len", "code"),
+    [
+        (Op.LOOKUP, 8 << 20, 0, ErrorCode.UNAUTHORIZED),  # its metadata was read first
+        (99, 0, 1 << 30, ErrorCode.UNAUTHORIZED),  # an unknown op's payload was read and dropped
+        (Op.PUT, 16, 1 << 30, ErrorCode.UNAUTHORIZED),
+        (Op.HELLO, MAX_HELLO_META_BYTES + 1, 0, ErrorCode.TOO_LARGE),
+        (Op.HELLO, 16, 1 << 20, ErrorCode.BAD_FRAME),
+    ],
+)
+def test_before_the_token_only_a_small_hello_is_read(
+    node: Node, op: int, meta_len: int, payload_len: int, code: ErrorCode
+) -> None:
+    """Each header alone, its body never sent: the answer must come without waiting for it."""
+    sock = node.raw()
+    sock.settimeout(HELLO_TIMEOUT_S * 0.8)  # sooner than the HELLO deadline could answer
+    sock.sendall(pack_header(op, 7, meta_len, payload_len))
+    got, message = _error(sock)
+    assert got == code, message
+    sock.settimeout(5)
+    assert _closed(sock)
+    sock.close()
+    with node.client("tcp") as fine:  # and with the token, all is as before
+        k = key(1)
+        assert fine.put(k, payload(k, 4096), tenant="t") == "cpu"
+
+
+# --- 3: descriptors on the Unix socket -------------------------------------------------------
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_descriptors_a_frame_may_not_pass_are_closed_as_they_arrive(node: Node) -> None:
+    sock = node.raw("unix")
+    _hello(sock)
+    messages = 500
+    sock.sendall(pack_header(Op.PING, 3, messages + 16))  # its metadata sent byte by byte
+    devnull = os.open("/dev/null", os.O_RDONLY)
+    before = _open_fds()
+    fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("4i", *[devnull] * 4))]
+    try:
+        for _ in range(messages):
+            sock.sendmsg([b"x"], fds)
+        time.sleep(0.5)  # the agent reads each message as it comes
+        # the agent's half of the test process: it held 4 per message, 2,000 in all
+        assert _open_fds() - before < 50
+        sock.sendall(bytes(16))  # the frame ends
+        code, message = _error(sock)
+        assert code == ErrorCode.BAD_REQUEST and "may pass none" in message, message
+        assert _ping(sock) == Op.PING | REPLY  # refused, in step: the connection goes on
+    finally:
+        os.close(devnull)
+        sock.close()
