@@ -38,6 +38,7 @@ from kvctl.wire.protocol import (
     GET_ITEM,
     HEADER_BYTES,
     LEASE_ITEM,
+    MAX_LOOKUP_MANY_KEYS,
     MAX_PROBE_BYTES,
     PROBE_PIECE_BYTES,
     REPLY_BIT,
@@ -654,7 +655,12 @@ class DataClient:
     def lookup_many(
         self, chains: Sequence[Sequence[bytes]], *, tenant: str = ""
     ) -> list[LookupResult]:
-        """``lookup`` of many chains in one round trip (a scheduler placing a batch)."""
+        """``lookup`` of many chains in one round trip (a scheduler placing a batch), of at
+        most ``MAX_LOOKUP_MANY_KEYS`` keys in all (ValueError beyond, nothing sent). An empty
+        chain is a miss the agent does not count as a lookup."""
+        n_keys = sum(map(len, chains))
+        if n_keys > MAX_LOOKUP_MANY_KEYS:
+            raise ValueError(f"at most {MAX_LOOKUP_MANY_KEYS} keys per lookup_many, got {n_keys}")
         w = MetaWriter().text(tenant).u32(len(chains))
         for keys in chains:
             w.keys(keys)

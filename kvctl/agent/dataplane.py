@@ -52,6 +52,7 @@ from kvctl.wire.protocol import (
     MAX_BATCH,
     MAX_FDS_PER_FRAME,
     MAX_HELLO_META_BYTES,
+    MAX_LOOKUP_MANY_KEYS,
     MAX_META_BYTES,
     NO_TIER,
     PROBE_PIECE_BYTES,
@@ -98,6 +99,9 @@ LINGER_BYTES = 16 << 20
 #: a connection must have sent its first frame (its HELLO, where a token is set) this long
 #: after it was accepted, or it is closed: connections that never speak hold no thread for long
 HELLO_TIMEOUT_SECONDS = 5.0
+#: leases one connection may hold at once (a LEASE that would pass it is refused): each is a
+#: record the store scans to expire leases, so one client must not create them without end
+MAX_LEASES_PER_CONNECTION = MAX_BATCH
 #: events a hostile client can cause at will (connections refused over the cap, cut off before
 #: HELLO, failed accepts) are logged once per this interval, with their count, not one by one
 LOG_EVERY_SECONDS = 60.0
@@ -402,7 +406,8 @@ class Connection:
         self._stalled = False
         self._state_lock = threading.Lock()
         self._closed = False
-        self._leases: set[int] = set()
+        #: leases this connection holds: id -> deadline (monotonic)
+        self._leases: dict[int, float] = {}
         self._fds: list[int] = []
         self._staging: mmap.mmap | None = None
         self._buf = bytearray()
@@ -965,12 +970,25 @@ class Connection:
         return [w.build()], 0
 
     def _lookup_many(self, meta: MetaReader, _payload: int) -> Reply:
+        """Each chain's lookup; an empty chain (a prompt shorter than a chunk) is answered as
+        a miss without counting a lookup, so it cannot dilute the hit ratios."""
         tenant = meta.text()
         chains = [meta.keys() for _ in range(meta.count())]
         meta.done()
+        n_keys = sum(map(len, chains))
+        if n_keys > MAX_LOOKUP_MANY_KEYS:
+            raise FrameError(
+                ErrorCode.BAD_REQUEST,
+                f"LOOKUP_MANY of {n_keys} keys in all > limit {MAX_LOOKUP_MANY_KEYS}; "
+                "split the batch",
+            )
         w = MetaWriter().u32(len(chains))
+        empty = MetaWriter().u32(0).u64(0).u32(0).build()  # nothing matched of no keys
         for keys in chains:
-            self._lookup_reply(w, keys, tenant)
+            if keys:
+                self._lookup_reply(w, keys, tenant)
+            else:
+                w.raw(empty)
         return [w.build()], 0
 
     def _lookup_reply(self, w: MetaWriter, keys: list[bytes], tenant: str) -> LookupResult:
@@ -1033,22 +1051,27 @@ class Connection:
         self, keys: list[bytes], ttl: float, tenant: str, *, pull: bool = True
     ) -> bytes:
         """A LEASE_ITEM per key: held in the arena, cached elsewhere (fallback) or missing.
-        ``pull``: chunks on other nodes are brought here first."""
+        ``pull``: chunks on other nodes are brought here first. A key named twice is leased
+        once, and its item (the same lease) repeated: a client releasing both releases it."""
         if not keys:
             return b""
+        unique = list(dict.fromkeys(keys))
+        self._check_lease_room(len(unique))
         if pull:
-            self.runtime.fill(keys, tenant=tenant)  # same-host readers get remote chunks too
-        out = bytearray()
+            self.runtime.fill(unique, tenant=tenant)  # same-host readers get remote chunks too
+        items: dict[bytes, bytes] = {}
         # one batch, so the disk chunks among them are read in parallel
-        for lease in self.runtime.lease_many(keys, ttl, tenant=tenant):
+        for key, lease in zip(
+            unique, self.runtime.lease_many(unique, ttl, tenant=tenant), strict=True
+        ):
             if isinstance(lease, KeyNotFound):
-                out += LEASE_ITEM.pack(Status.MISSING, 0, 0, 0, 0, 0.0)
+                items[key] = LEASE_ITEM.pack(Status.MISSING, 0, 0, 0, 0, 0.0)
                 continue
             if lease is None:
-                out += LEASE_ITEM.pack(Status.FALLBACK, 0, 0, 0, 0, 0.0)
+                items[key] = LEASE_ITEM.pack(Status.FALLBACK, 0, 0, 0, 0, 0.0)
                 continue
-            self._leases.add(lease.lease_id)
-            out += LEASE_ITEM.pack(
+            self._leases[lease.lease_id] = lease.deadline_s
+            items[key] = LEASE_ITEM.pack(
                 Status.OK,
                 lease.generation,
                 lease.lease_id,
@@ -1056,14 +1079,29 @@ class Connection:
                 lease.size_bytes,
                 lease.deadline_s,
             )
-        return bytes(out)
+        return b"".join(map(items.__getitem__, keys))
+
+    def _check_lease_room(self, n_new: int) -> None:
+        """Refuse (BAD_REQUEST) leases that would take this connection past its limit; leases
+        that expired (the store ended them) stop counting here too."""
+        if len(self._leases) + n_new <= MAX_LEASES_PER_CONNECTION:
+            return
+        now_s = time.monotonic()
+        self._leases = {i: due for i, due in self._leases.items() if due > now_s}
+        held = len(self._leases)
+        if held + n_new > MAX_LEASES_PER_CONNECTION:
+            raise FrameError(
+                ErrorCode.BAD_REQUEST,
+                f"this connection holds {held} leases; {n_new} more would pass its limit of "
+                f"{MAX_LEASES_PER_CONNECTION}: release some first",
+            )
 
     def _release(self, meta: MetaReader, _payload: int) -> Reply:
         n = meta.count()
         ids = [meta.u64() for _ in range(n)]
         meta.done()
-        mine = [i for i in ids if i in self._leases]  # never another client's leases
-        self._leases.difference_update(mine)
+        # never another client's leases; a lease named twice (a key leased twice) ends once
+        mine = [i for i in dict.fromkeys(ids) if self._leases.pop(i, None) is not None]
         self.runtime.release(mine)
         return [b""], 0
 

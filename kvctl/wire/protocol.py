@@ -39,6 +39,8 @@ MAX_BATCH = 65536
 #: most metadata a HELLO may carry (a token and a client name): a connection not yet
 #: authenticated may send nothing larger, so it cannot make the agent hold megabytes
 MAX_HELLO_META_BYTES = 64 << 10
+#: most keys one LOOKUP_MANY frame may name over all its chains
+MAX_LOOKUP_MANY_KEYS = MAX_BATCH
 #: most file descriptors a frame may pass on the Unix socket: one, with an ATTACH (its staging
 #: segment); any other frame passes none
 MAX_FDS_PER_FRAME = 1

@@ -1,7 +1,8 @@
 """What a data-plane client can make the agent hold before and after it authenticates (review
 of the agent's resource use): connections (a cap per transport, a deadline for the first
-frame), reads before the token (only a small HELLO) and descriptors passed on the Unix socket
-(none kept that the frame may not pass).
+frame), reads before the token (only a small HELLO), descriptors passed on the Unix socket
+(none kept that the frame may not pass), lease records (a key named twice is leased once, a cap
+per connection) and LOOKUP_MANY (empty chains are not counted, keys are capped per frame).
 
 Served in this process by a real ``DataPlaneServer`` over a real store, with short limits."""
 
@@ -19,16 +20,18 @@ from typing import Any
 
 import pytest
 
+from kvctl.agent import dataplane
 from kvctl.agent.dataplane import DataPlaneServer
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
-from kvctl.client import DataClient
+from kvctl.client import DataClient, RequestError
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.wire.protocol import (
     HEADER,
     HEADER_BYTES,
     MAX_HELLO_META_BYTES,
+    MAX_LOOKUP_MANY_KEYS,
     ErrorCode,
     MetaWriter,
     Op,
@@ -274,3 +277,74 @@ def test_descriptors_a_frame_may_not_pass_are_closed_as_they_arrive(node: Node) 
     finally:
         os.close(devnull)
         sock.close()
+
+
+# --- 5: lease records -------------------------------------------------------------------------
+def test_a_key_named_many_times_in_one_lease_is_leased_once(node: Node) -> None:
+    with node.client("unix") as c:
+        k = key(5)
+        c.put(k, payload(k, 4096), tenant="t")
+        leases = c.hold([k] * 4096, tenant="t")
+        assert node.leases() == 1
+        assert all(chunk is not None for chunk in leases.chunks) and not leases.missing
+        assert bytes(leases.view(4095)) == payload(k, 4096)
+        c.release_pending()
+        wait_until("the leases to end", lambda: node.leases() == 0, 5)
+        with c.leased([k, k], tenant="t") as held:
+            assert node.leases() == 1
+            assert bytes(held.view(0)) == bytes(held.view(1)) == payload(k, 4096)
+        wait_until("the leases to end", lambda: node.leases() == 0, 5)
+
+
+def test_a_connection_holds_at_most_its_share_of_leases(
+    node: Node, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dataplane, "MAX_LEASES_PER_CONNECTION", 8)
+    keys = [key(i, 6) for i in range(9)]
+    with node.client("unix") as c:
+        for k in keys:
+            c.put(k, payload(k, 1024), tenant="t")
+        c.hold(keys[:8], tenant="t")
+        with pytest.raises(RequestError) as err:
+            c.hold(keys[8:], tenant="t")
+        assert err.value.code == ErrorCode.BAD_REQUEST
+        assert "limit of 8" in str(err.value) and "release" in str(err.value)
+        assert node.leases() == 8
+        c.release_pending()
+        c.hold(keys[1:], tenant="t")  # released leases stop counting
+        assert node.leases() == 8
+        c.release_pending()
+        with node.client("unix") as other:  # the limit is per connection
+            other.hold(keys[:8], tenant="t")
+            assert node.leases() == 8
+
+
+# --- 6: LOOKUP_MANY -------------------------------------------------------------------------
+def test_empty_chains_in_lookup_many_are_misses_not_lookups(node: Node) -> None:
+    with node.client("tcp") as c:
+        k = key(7)
+        c.put(k, payload(k, 1024), tenant="t")
+        before = node.lookups()
+        results = c.lookup_many([[]] * 1000 + [[k]], tenant="t")
+        assert node.lookups() - before == 1
+        assert [r.matched_chunks for r in results] == [0] * 1000 + [1]
+        assert results[0].locations == ()
+
+
+def test_lookup_many_caps_its_keys_in_all(node: Node) -> None:
+    chains = [[key(i, 8)] * 1024 for i in range(MAX_LOOKUP_MANY_KEYS // 1024 + 1)]
+    with node.client("tcp") as c, pytest.raises(ValueError, match="at most"):
+        c.lookup_many(chains, tenant="t")  # refused before it is sent
+    sock = node.raw()
+    _hello(sock)
+    w = MetaWriter().text("t").u32(len(chains))
+    for chain in chains:
+        w.keys(chain)
+    meta = w.build()
+    before = node.lookups()
+    sock.sendall(pack_header(Op.LOOKUP_MANY, 4, len(meta)) + meta)
+    code, message = _error(sock)
+    assert code == ErrorCode.BAD_REQUEST and str(MAX_LOOKUP_MANY_KEYS) in message, message
+    assert node.lookups() == before
+    assert _ping(sock) == Op.PING | REPLY
+    sock.close()
