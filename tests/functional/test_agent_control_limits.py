@@ -1,0 +1,158 @@
+"""The control API against clients that hold connections: a request's headers must all arrive
+within a deadline (a slowloris sender is closed), connections and the backlog are capped, and
+running out of descriptors is one log line an interval, not a traceback per failed accept.
+
+The deadline is checked on the agent's own uvicorn settings (``daemon.control_config``) served
+in this process with a short deadline; the log on a real agent whose descriptor limit is
+lowered under it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import resource
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvctl.agent import daemon
+
+from .agents import running_agent
+from .waiting import wait_until
+
+HEADER_TIMEOUT_S = 0.5
+
+
+async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The smallest ASGI app: 200 and "ok" to every request."""
+    if scope["type"] != "http":
+        return
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.fixture
+def control() -> Iterator[tuple[str, int]]:
+    """The agent's uvicorn settings serving ``_app`` on loopback; yields (host, port)."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(
+        daemon.control_config(_app, "warning", header_timeout_s=HEADER_TIMEOUT_S)
+    )
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
+    thread.start()
+    try:
+        wait_until("uvicorn to serve", lambda: server.started, 10)
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        sock.close()
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """The server closed its end within ``seconds`` (bytes it sent before are read and
+    dropped)."""
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        return True
+    return True
+
+
+def _trickle_until_closed(sock: socket.socket, seconds: float) -> bool:
+    """Send a header byte every 0.1 s (each well within any idle timeout) until the server
+    closes the connection, or ``seconds`` pass; True when it closed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            sock.sendall(b"X")
+        except OSError:
+            return True
+        sock.settimeout(0.1)
+        try:
+            if sock.recv(65536) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except ConnectionError:
+            return True
+    return False
+
+
+def test_a_request_whose_headers_trickle_in_is_closed(control: tuple[str, int]) -> None:
+    slow = socket.create_connection(control, timeout=5)
+    slow.sendall(b"GET /v1/health HTTP/1.1\r\nHost: x\r\n")
+    started = time.monotonic()
+    assert _trickle_until_closed(slow, HEADER_TIMEOUT_S + 5)
+    assert time.monotonic() - started < HEADER_TIMEOUT_S + 3
+    slow.close()
+
+
+def test_a_connection_that_sends_nothing_is_closed(control: tuple[str, int]) -> None:
+    silent = socket.create_connection(control, timeout=5)
+    assert _closed_within(silent, HEADER_TIMEOUT_S + 3)
+    silent.close()
+
+
+def test_whole_requests_are_served_and_the_next_ones_head_has_its_deadline(
+    control: tuple[str, int],
+) -> None:
+    conn = socket.create_connection(control, timeout=5)
+    for _ in range(2):  # kept alive: the deadline restarts with each request
+        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        reply = b""
+        while not reply.endswith(b"\r\n\r\nok"):
+            reply += conn.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 200"), reply
+        time.sleep(HEADER_TIMEOUT_S * 0.6)
+    conn.sendall(b"GET / HTTP/1.1\r\n")  # then a head that never ends
+    assert _trickle_until_closed(conn, HEADER_TIMEOUT_S + 5)
+    conn.close()
+
+
+def test_the_control_api_caps_connections_backlog_and_header_bytes() -> None:
+    config = daemon.control_config(_app, "warning")
+    assert config.limit_concurrency == daemon.CONTROL_MAX_CONNECTIONS
+    assert config.backlog == daemon.CONTROL_BACKLOG < 2048  # uvicorn's default
+    assert config.h11_max_incomplete_event_size == daemon.CONTROL_MAX_HEADER_BYTES
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="prlimit on another process is Linux")
+def test_running_out_of_descriptors_logs_one_line_not_a_traceback_per_accept(
+    tmp_path: Path,
+) -> None:
+    with running_agent(tmp_path / "a", "--cpu", "16MiB", "--disk", "0") as agent:
+        pid = agent.proc.pid
+        host, port = agent.state.control_url.removeprefix("http://").rsplit(":", 1)
+        open_now = len(list(Path(f"/proc/{pid}/fd").iterdir()))
+        old = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (open_now + 4, old[1]))
+        socks: list[socket.socket] = []
+        try:
+            for _ in range(40):  # more than the agent can accept: the rest fail with EMFILE
+                with contextlib.suppress(OSError):
+                    socks.append(socket.create_connection((host, int(port)), timeout=2))
+            time.sleep(3.5)  # asyncio retries a failed accept every second
+        finally:
+            for s in socks:
+                s.close()
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, old)
+        log = agent.log()
+        assert "accept failed" in log, log[-3000:]
+        assert log.count("accept failed") == 1, log[-3000:]
+        assert "Traceback" not in log and "out of system resource" not in log, log[-3000:]
