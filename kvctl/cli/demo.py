@@ -422,7 +422,7 @@ def _print_sharing(result: dict[str, Any] | None) -> None:
     console.print(
         f"value of sharing (measured in replay, the same {result['requests']:,} requests, cost "
         f"routing, size-only tiers of the demo's sizes): hit ratio "
-        f"{shared['hit_ratio'] or 0:.1%} with sharing vs {alone['hit_ratio'] or 0:.1%} without "
+        f"{percent(shared['hit_ratio'])} with sharing vs {percent(alone['hit_ratio'])} without "
         f"(requests in their home DC, each node alone)"
         + ("" if gain is None else f", {gain * 100:+.1f} pts")
         + f"; an unlimited cache: {percent(sharing['unlimited_cache_hit_ratio'])} (the "
@@ -439,10 +439,10 @@ def _print_comparison(result: dict[str, Any] | None) -> None:
     for name, p in result["policies"].items():
         ttft = p["vs_reference"]["ttft_mean_ratio_to_reference"]
         ttft_text = "" if ttft is None else f", TTFT {ttft:.2f}x"
-        parts.append(f"{name} {p['hit_ratio'] or 0:.1%}{ttft_text}")
+        parts.append(f"{name} {percent(p['hit_ratio'])}{ttft_text}")
     console.print(
         f"routing compared on the same {result['requests']:,} requests ({result['basis']}; "
-        f"round-robin hit {ref['hit_ratio'] or 0:.1%}): " + " · ".join(parts),
+        f"round-robin hit {percent(ref['hit_ratio'])}): " + " · ".join(parts),
         highlight=False,
     )
 

@@ -9,7 +9,7 @@ import typer
 
 from kvctl.cli.options import AllOpt, DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
-from kvctl.format import percent
+from kvctl.format import ENERGY_UNITS, format_scaled, percent
 
 if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayReport
@@ -380,7 +380,7 @@ def render_replay(report: ReplayReport) -> None:
     console.print(
         f"[bold]modeled[/] prefill saved: {m['prefill_seconds_saved']:.1f} GPU-s of "
         f"{m['prefill_seconds_without_cache']:.1f} ({percent(m['saved_ratio'])}), "
-        f"{m['prefill_joules_saved'] / 1000:.1f} kJ\n"
+        f"{format_scaled(m['prefill_joules_saved'], ENERGY_UNITS)} (IT: GPU board power)\n"
         f"[dim]modeled from {inputs.model.name} ({inputs.model.prefill_flops_per_token:.3g} "
         f"FLOPs/token) on {inputs.gpu.name} ({inputs.gpu.peak_bf16_tflops:g} TFLOP/s bf16, "
         f"{inputs.gpu.board_power_watts:g} W) at MFU {inputs.mfu:g}; not measured[/]",

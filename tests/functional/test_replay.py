@@ -243,6 +243,8 @@ def test_replay_command_table(inventory: str) -> None:
     for text in ("hit ratio", "reuse / sharing", "fra-a (fra)", "modeled", "not measured", "✓"):
         assert text in result.output
     assert "ams-a" not in result.output
+    # energy in the units and on the basis the demo's other energy lines use
+    assert "(IT: GPU board power)" in result.output and " kJ" not in result.output
 
 
 @pytest.mark.parametrize(
