@@ -33,9 +33,10 @@ from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 if TYPE_CHECKING:
     from kvctl.index.model import FleetIndex
     from kvctl.index.vllm_events import VllmEventSubscriber
+    from kvctl.router.inventory import ReadInventory
     from kvctl.router.score import Costs
     from kvctl.router.service import KeySpace
-    from kvctl.router.topology import Topology
+    from kvctl.router.topology import DcLink, Node, Topology
 
 router_app = typer.Typer(
     no_args_is_help=True,
@@ -276,19 +277,7 @@ def load_fleet(source: FleetSource) -> tuple[Topology, dict[str, str]]:
         dcs, node_rows, link_rows = (
             _fleet_file(source.fleet) if source.fleet is not None else _fleet_db(source.db)
         )
-        for n in node_rows:
-            site = dcs.get(n["dc"], {})
-            nodes.append(
-                Node(
-                    n["name"],
-                    n["dc"],
-                    carbon_g_per_kwh=site.get("carbon_g_per_kwh"),
-                    pue=site.get("pue") or 1.0,
-                )
-            )
-            urls[n["name"]] = n["agent_url"]
-        for link in link_rows:
-            links[(link["a"], link["b"])] = DcLink.fiber(float(link["distance_km"]))
+        nodes, urls, links = _inventory(dcs, node_rows, link_rows)
     if not nodes:
         fail(
             "the fleet has no nodes: the router has nothing to route to",
@@ -299,6 +288,75 @@ def load_fleet(source: FleetSource) -> tuple[Topology, dict[str, str]]:
 
 
 Rows = list[dict[str, Any]]
+
+
+def _inventory(
+    dcs: dict[str, dict[str, Any]], node_rows: Rows, link_rows: Rows
+) -> tuple[list[Node], dict[str, str], dict[tuple[str, str], DcLink]]:
+    """The nodes, their agent URLs and the DC links of a fleet file's or the database's rows."""
+    from kvctl.router.topology import DcLink, Node
+
+    nodes: list[Node] = []
+    urls: dict[str, str] = {}
+    for n in node_rows:
+        site = dcs.get(n["dc"], {})
+        nodes.append(
+            Node(
+                n["name"],
+                n["dc"],
+                carbon_g_per_kwh=site.get("carbon_g_per_kwh"),
+                pue=site.get("pue") or 1.0,
+            )
+        )
+        urls[n["name"]] = n["agent_url"]
+    links = {(x["a"], x["b"]): DcLink.fiber(float(x["distance_km"])) for x in link_rows}
+    return nodes, urls, links
+
+
+def inventory_reader(source: FleetSource) -> tuple[str, ReadInventory | None]:
+    """What the running router rereads (``InventoryReloader``), and its name for the status:
+    the fleet file or the database; None for --agent flags, which cannot change. Unlike
+    ``load_fleet`` a reread raises (the router logs it and keeps what it has), never exits."""
+    from kvctl.router.topology import Topology
+
+    if source.agents:
+        return "--agent flags", None
+    if source.fleet is not None:
+        path = source.fleet
+
+        def rows() -> tuple[dict[str, dict[str, Any]], Rows, Rows]:
+            from kvctl.db.fleetfile import format_for, load, validate
+            from kvctl.errors import InvalidArgument
+            from kvctl.paths import read_text_file
+
+            doc = load(read_text_file(path, "the fleet file"), format_for(path))
+            problems = validate(doc)
+            if problems:
+                raise InvalidArgument(f"{path}: " + "; ".join(problems))
+            dcs = {d["name"]: d for d in doc.get("dcs") or []}
+            return dcs, list(doc.get("nodes") or []), list(doc.get("links") or [])
+
+        name = f"fleet file {path}"
+    else:
+        from kvctl.cli.options import open_engine
+        from kvctl.db.inventory import list_dcs, list_links, list_nodes
+
+        engine = open_engine(source.db)  # at start: a database that is not there exits here
+
+        def rows() -> tuple[dict[str, dict[str, Any]], Rows, Rows]:
+            with engine.connect() as conn:
+                dcs = {d.name: d.as_dict() for d in list_dcs(conn)}
+                nodes = [n.as_dict() for n in list_nodes(conn)]
+                links = [x.as_dict() for x in list_links(conn)]
+            return dcs, nodes, links
+
+        name = "fleet database"
+
+    def read() -> tuple[Topology, dict[str, str]]:
+        nodes, urls, links = _inventory(*rows())
+        return Topology.build(nodes, links), urls
+
+    return name, read
 
 
 def _fleet_file(path: Path) -> tuple[dict[str, dict[str, Any]], Rows, Rows]:
@@ -361,6 +419,15 @@ def serve_command(
             show_default=False,
         ),
     ] = None,
+    reload_s: Annotated[
+        float,
+        typer.Option(
+            "--reload-s",
+            help="Seconds between rereads of the inventory (fleet database or --fleet file): "
+            "nodes added or removed are followed or dropped; 0: only on SIGHUP.",
+            min=0.0,
+        ),
+    ] = 30.0,
     log_level: Annotated[str, typer.Option("--log-level")] = "warning",
 ) -> None:
     """Serve the router: follow every agent's store events into the fleet index, answer
@@ -368,7 +435,8 @@ def serve_command(
     links between DCs and the prefill rate), serve the index to agents (/v1/index/holders) and
     /metrics. Runs until SIGTERM or Ctrl-C.
 
-    The fleet comes from --fleet FILE, from --agent flags, or else from the fleet database.
+    The fleet comes from --fleet FILE, from --agent flags, or else from the fleet database;
+    a file or the database is reread every --reload-s seconds and on SIGHUP.
     Agents are read with $KVCTL_TOKEN when they have a token. Every figure the router reports
     is modeled, from the inputs it shows (link distances, the prefill profile or rate).
 
@@ -398,6 +466,7 @@ def serve_command(
     if feeds:
         needs_extra("kvctl router serve --vllm-events", "vllm-events")
     topology, urls = load_fleet(source)
+    inventory_name, read_inventory = inventory_reader(source)
     known = set(topology.nodes)
     for feed in feeds:
         if feed.node not in known:
@@ -421,6 +490,7 @@ def serve_command(
     from kvctl.index.follower import Followers
     from kvctl.index.open import open_index
     from kvctl.router.app import RouterServer
+    from kvctl.router.inventory import InventoryReloader
     from kvctl.router.service import KeySpace, Router
 
     agent_token = os.environ.get("KVCTL_TOKEN") or None
@@ -441,9 +511,22 @@ def serve_command(
             followers=followers,
             engine_feeds=engine_feeds,
         )
+        reloader = InventoryReloader(
+            read_inventory,
+            router,
+            followers,
+            source=inventory_name,
+            agent_token=agent_token,
+            interval_s=reload_s,
+        )
+        router.inventory = reloader
         server = RouterServer(router, listen=listen, token=token, log_level=log_level)
     except (KvctlError, ValueError) as exc:
         fail(str(exc), hint="check --index, --model, --gpu and --listen")
+    import signal
+
+    # SIGHUP: reread the inventory now (in the reloader's thread; a handler must not block)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request())
 
     def serving() -> None:
         # the first line is the URL: scripts (and tests) read where it listens from it
@@ -576,6 +659,23 @@ def _render_status(report: dict[str, Any]) -> None:
         f"p50 {format_seconds(lat['p50'])} p99 {format_seconds(lat['p99'])} (measured)",
         highlight=False,
     )
+    inventory = stats.get("inventory")
+    if inventory:
+        every = inventory.get("reload_s")
+        when = (
+            "read at start (does not change)"
+            if every is None
+            else f"read {format_seconds(inventory['age_s'])} ago ("
+            + (f"every {format_seconds(every)} and on SIGHUP" if every else "on SIGHUP")
+            + f"; {inventory['changes']:,} rereads changed it)"
+        )
+        console.print(f"inventory: {escape(str(inventory['source']))}, {when}", highlight=False)
+        if inventory.get("last_error"):
+            console.print(
+                f"[red]inventory reread failed[/]: {escape(str(inventory['last_error']))} "
+                "(routing on what was read before)",
+                highlight=False,
+            )
     for link in stats["links"]:
         console.print(
             f"pulled {link['from_dc']} -> {link['to_dc']}: {link['chunks']:,} chunks, "

@@ -232,6 +232,18 @@ class _RouterCollector:
             to_holder.add_metric([node], row["to_holder"])
             queue.add_metric([node], row["queue_s"])
         yield from (up, to_holder, queue)
+        inventory = s.get("inventory")
+        if inventory is not None:
+            yield GaugeMetricFamily(
+                "kvctl_router_inventory_read_timestamp_seconds",
+                "When the router last read its inventory (fleet database or file), unix seconds",
+                value=inventory["read_s"],
+            )
+            yield CounterMetricFamily(
+                "kvctl_router_inventory_errors",
+                "Inventory rereads that failed (the router kept what it read before)",
+                value=inventory["errors"],
+            )
         for name, key, doc in (
             ("kvctl_router_no_node", "no_node", "Requests no node could serve"),
             ("kvctl_router_requested_chunks", "requested_chunks", "Chunks in routed requests"),

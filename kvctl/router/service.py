@@ -117,6 +117,16 @@ class FollowerSet(Protocol):
     def down_nodes(self) -> frozenset[str]: ...
 
 
+class InventorySource(Protocol):
+    """What the router needs of ``kvctl.router.inventory.InventoryReloader``."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
 class EngineFeed(Protocol):
     """What the router needs of an engine's own KV event stream
     (``kvctl.index.vllm_events.VllmEventSubscriber``): it writes into the router's index itself."""
@@ -256,6 +266,8 @@ class Router:
             name: make_policy(name, topology, costs) for name in POLICIES
         }
         self._policy_lock = threading.Lock()
+        #: rereads the fleet's inventory while the router runs (None: read once, at start)
+        self.inventory: InventorySource | None = None
 
     @property
     def chunk_tokens(self) -> int:
@@ -269,14 +281,32 @@ class Router:
             self.followers.start()
         for feed in self.engine_feeds:
             feed.start()
+        if self.inventory is not None:
+            self.inventory.start()
 
     def close(self) -> None:
         """Stop following and close the index."""
+        if self.inventory is not None:
+            self.inventory.stop()
         for feed in self.engine_feeds:
             feed.stop()
         if self.followers is not None:
             self.followers.stop()
         self.index.close()
+
+    def set_topology(self, topology: Topology) -> bool:
+        """Route over ``topology`` from now on (an inventory reread); returns whether it
+        differs from the one in use (the policies are rebuilt only then: round-robin keeps its
+        turn across rereads that change nothing). A removed node's modeled queue is dropped."""
+        with self._policy_lock:
+            if topology == self.topology:
+                return False
+            gone = set(self.topology.nodes) - set(topology.nodes)
+            self._policies = {name: make_policy(name, topology, self.costs) for name in POLICIES}
+            self.topology = topology
+        for node in gone:
+            self.load.clear(node)
+        return True
 
     # --- what the router knows ---------------------------------------------------------------
     def follower_status(self) -> list[dict[str, Any]]:
@@ -520,6 +550,8 @@ class Router:
         out["nodes"] = dict(sorted(nodes.items()))
         out["links"] = links
         out["queue_basis"] = LOAD_BASIS
+        if self.inventory is not None:
+            out["inventory"] = self.inventory.status()
         out["decision_s"] = {
             "p50": nearest_rank(samples, 0.50),
             "p99": nearest_rank(samples, 0.99),

@@ -1,11 +1,18 @@
 """A real `kvctl router serve` process, operated: its log at --log-level info is not one line
-per poll of every agent."""
+per poll of every agent; it rereads its inventory (the database, a fleet file) every --reload-s
+and on SIGHUP, so a removed node stops getting traffic and a new one is followed, and a reread
+that fails changes nothing."""
 
 from __future__ import annotations
 
+import signal
 import time
 
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app as cli_app
 from tests.functional.routers import running_router
+from tests.functional.waiting import wait_until
 from tests.unit.test_index_follower import scripted
 
 TOKEN = "serve-ops-token"
@@ -28,3 +35,70 @@ def test_info_logs_are_not_one_line_per_poll(tmp_path) -> None:  # type: ignore[
         log = router.proc.stdout.read()
     assert "a1: resynced" in log  # info from kvctl itself still shows
     assert "HTTP Request" not in log, log[-2000:]
+
+
+def _fleet_file(nodes: dict[str, str]) -> str:
+    """A fleet file of ``nodes`` (name -> agent URL), all in DC fra."""
+    text = '[[dcs]]\nname = "fra"\nregion = "eu"\nlocation = "Frankfurt"\n'
+    for name, url in nodes.items():
+        text += f'[[nodes]]\nname = "{name}"\ndc = "fra"\nagent_url = "{url}"\n'
+    return text
+
+
+def _followed(router) -> list[str]:  # type: ignore[no-untyped-def]
+    return [f["node"] for f in router.http.get("/v1/index").json()["followers"]]
+
+
+def test_a_node_removed_from_the_database_stops_getting_traffic_and_a_new_one_is_followed(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    db = f"sqlite:///{tmp_path / 'fleet.db'}"
+    with scripted(_script()) as a1, scripted(_script()) as a2, scripted(_script()) as b1:
+        seed = tmp_path / "fleet.toml"
+        seed.write_text(_fleet_file({"a1": a1, "a2": a2}))
+        done = CliRunner().invoke(cli_app, ["fleet", "import", str(seed), "--db", db, "--yes"])
+        assert done.exit_code == 0, done.output
+        args = ["--db", db, "--token-file", str(token_file), "--reload-s", "0.2"]
+        with running_router(args, token=TOKEN) as router:
+            wait_until("a1 and a2 followed", lambda: _followed(router) == ["a1", "a2"])
+            for command in (
+                ["fleet", "rm", "node", "a1", "--yes"],
+                ["fleet", "add-node", "b1", "--dc", "fra", "--agent-url", b1],
+            ):
+                done = CliRunner().invoke(cli_app, [*command, "--db", db])
+                assert done.exit_code == 0, done.output
+            wait_until("a1 removed, b1 added", lambda: _followed(router) == ["a2", "b1"])
+            for _ in range(8):  # a round-robin over the fleet never lands on a1
+                r = router.http.post("/v1/route", json={"tokens": [1], "policy": "round-robin"})
+                assert r.status_code == 200 and r.json()["node"] in ("a2", "b1"), r.text
+            status = CliRunner().invoke(
+                cli_app,
+                ["router", "status", "--router", router.url, "--token-file", str(token_file)],
+            )
+            assert "inventory: fleet database, read" in status.output, status.output
+            assert router.http.get("/v1/stats").json()["inventory"]["changes"] >= 1
+
+
+def test_sighup_rereads_the_fleet_file_and_a_bad_one_changes_nothing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    fleet = tmp_path / "fleet.toml"
+    with scripted(_script()) as a1, scripted(_script()) as b1:
+        fleet.write_text(_fleet_file({"a1": a1}))
+        args = ["--fleet", str(fleet), "--token-file", str(token_file), "--reload-s", "0"]
+        with running_router(args, token=TOKEN) as router:
+            wait_until("a1 followed", lambda: _followed(router) == ["a1"])
+            fleet.write_text("[[nodes]\nnot toml")
+            router.proc.send_signal(signal.SIGHUP)
+            wait_until(
+                "the bad reread",
+                lambda: router.http.get("/v1/stats").json()["inventory"]["errors"] == 1,
+            )
+            assert _followed(router) == ["a1"]
+            fleet.write_text(_fleet_file({"b1": b1}))
+            router.proc.send_signal(signal.SIGHUP)
+            wait_until("b1 instead of a1", lambda: _followed(router) == ["b1"])
+            inventory = router.http.get("/v1/stats").json()["inventory"]
+            assert inventory["reload_s"] == 0 and inventory["last_error"] == ""
