@@ -215,3 +215,27 @@ def test_rtt_badge_by_the_probes_of_the_dcs_shown() -> None:
     assert rtt_badge(both, ["ams"]) == "measured"
     assert rtt_badge(both, ["lon"]) == "emulated"
     assert rtt_badge({}, ["ams"]) == "measured"
+
+
+def test_the_sharing_cards_name_the_block_size_they_count_by() -> None:
+    """The replayed ratios count the workload's blocks, the measured Hit ratio the agents'
+    full chunks: next to each other, the titles say which (a review read a replayed ceiling
+    under the measured figure as an error)."""
+    from dashboard.pages import sharing_cards
+    from kvctl.db.route_reports import SavedRouteReport
+
+    report = {
+        "requests": 40,
+        "sharing": {
+            "with_sharing": {"hit_ratio": 0.711, "pulled_hit_ratio": 0.1},
+            "without_sharing": {"hit_ratio": 0.6},
+            "hit_ratio_gain": 0.111,
+            "unlimited_cache_hit_ratio": 0.715,
+            "block_tokens": 512,
+        },
+    }
+    cards = sharing_cards(SavedRouteReport(NOW, report))
+    titles = [text_of(c) for c in cards]
+    assert "Hit ratio with sharing (per 512-token block)" in titles[0]
+    assert "Hit ratio without sharing (per 512-token block)" in titles[1]
+    assert "the measured Hit ratio counts the agents' full chunks" in titles[1]
