@@ -28,16 +28,13 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
-from kvctl import __version__
+from kvctl import __version__, http_serving
 from kvctl.agent.settings import AgentSettings, LinkSpec
 from kvctl.paths import make_private_dir, write_atomic
 from kvctl.wire.address import connect_host, url_host
 
 if TYPE_CHECKING:
-    import asyncio
-
-    import uvicorn
-    from starlette.types import ASGIApp
+    pass
 
 log = logging.getLogger("kvctl.agent")
 
@@ -50,19 +47,6 @@ SETTINGS_FILE = "agent-settings.toml"
 PRIVATE_FILE_MODE = 0o600
 #: group's and others' permission bits
 SHARED_BITS = 0o077
-#: HTTP connections (and requests) the control API serves at once: past it uvicorn answers
-#: 503 (collectors, the CLI and a router's event stream need a handful)
-CONTROL_MAX_CONNECTIONS = 256
-#: connections the kernel queues for the control API before the agent accepts them (uvicorn's
-#: default, 2048, is also how many failed accepts asyncio logs per retry when out of descriptors)
-CONTROL_BACKLOG = 128
-#: a request's line and headers must all arrive within this of the connection opening (or of
-#: its previous response), or the connection is closed: a slow sender holds nothing for long
-CONTROL_HEADER_TIMEOUT_SECONDS = 10.0
-#: most bytes of a request's line and headers (a bearer token fits many times over)
-CONTROL_MAX_HEADER_BYTES = 16 << 10
-#: asyncio's failed accepts are logged at most once per this interval
-ACCEPT_ERROR_LOG_SECONDS = 60.0
 #: descriptors the agent needs beside its connections' (chunk files, listeners, the log)
 SPARE_DESCRIPTORS = 256
 
@@ -259,9 +243,9 @@ def serve(settings: AgentSettings) -> int:
             state.data_unix,
             ", ".join(f"{n}={u['capacity_bytes']}B" for n, u in runtime.store.usage().items()),
         )
-        throttle_accept_errors()
+        http_serving.throttle_accept_errors()
         warn_if_few_descriptors(settings.data_max_connections)
-        config = control_config(
+        config = http_serving.serving_config(
             create_app(runtime, max_body_bytes=settings.max_body_bytes), settings.log_level
         )
 
@@ -296,116 +280,10 @@ def serve(settings: AgentSettings) -> int:
     return 0
 
 
-def control_config(
-    app: ASGIApp,
-    log_level: str,
-    *,
-    header_timeout_s: float = CONTROL_HEADER_TIMEOUT_SECONDS,
-) -> uvicorn.Config:
-    """uvicorn's settings for the control API, with its limits against clients that hold
-    connections: a cap on connections, a short backlog, a deadline for each request's headers
-    and a bound on their size."""
-    import uvicorn
-
-    return uvicorn.Config(
-        app,
-        log_level=log_level,
-        log_config=None,  # keep the process's logging set-up (kvctl's format, one stream)
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=10,
-        http=header_deadline_protocol(header_timeout_s),
-        limit_concurrency=CONTROL_MAX_CONNECTIONS,
-        backlog=CONTROL_BACKLOG,
-        h11_max_incomplete_event_size=CONTROL_MAX_HEADER_BYTES,
-    )
-
-
-def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's h11 protocol, closing a connection whose request line and headers have not
-    all arrived ``timeout_s`` after it opened or after its previous response. uvicorn times out
-    only a kept-alive connection that sends nothing: one that trickled a header byte every few
-    seconds was held for ever, and a few hundred of them took every descriptor."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeaderDeadlineH11(H11Protocol):
-        _header_timer: asyncio.TimerHandle | None = None
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm_header_deadline()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            self._arm_header_deadline()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-            super().connection_lost(exc)
-
-        def _arm_header_deadline(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-            self._header_timer = self.loop.call_later(timeout_s, self._header_deadline)
-
-        def _header_deadline(self) -> None:
-            self._header_timer = None
-            # a request whose headers came (its body arriving, its answer running) is not this
-            # deadline's to end: only one still waiting for its whole head
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                self.transport.close()
-
-    return HeaderDeadlineH11
-
-
-class AcceptErrorThrottle(logging.Filter):
-    """On the ``asyncio`` logger: one line an interval for failed accepts. Out of descriptors
-    (EMFILE), CPython's event loop logs a traceback for each failed accept, as many as the
-    backlog every second: about 19,000 lines in seconds, filling the data directory the log is
-    in. The line let through says what happened and how many were left out."""
-
-    MESSAGE = "socket.accept() out of system resource"
-
-    def __init__(self, interval_s: float = ACCEPT_ERROR_LOG_SECONDS) -> None:
-        super().__init__()
-        self.interval_s = interval_s
-        self._next_s = -math.inf
-        self._left_out = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if not str(record.msg).startswith(self.MESSAGE):
-            return True
-        now = time.monotonic()
-        if now < self._next_s:
-            self._left_out += 1
-            return False
-        exc = record.exc_info[1] if record.exc_info else None
-        since = f"; {self._left_out} more since the last line" if self._left_out else ""
-        record.msg = (
-            "control API: accept failed (%s): new connections wait%s (logged once per %g s)"
-        )
-        record.args = (exc, since, self.interval_s)
-        record.exc_info = None
-        record.exc_text = None
-        self._left_out = 0
-        self._next_s = now + self.interval_s
-        return True
-
-
-def throttle_accept_errors(interval_s: float = ACCEPT_ERROR_LOG_SECONDS) -> None:
-    """Put an ``AcceptErrorThrottle`` on the ``asyncio`` logger (once per process)."""
-    logger = logging.getLogger("asyncio")
-    if not any(isinstance(f, AcceptErrorThrottle) for f in logger.filters):
-        logger.addFilter(AcceptErrorThrottle(interval_s))
-
-
 def descriptors_needed(data_max_connections: int) -> int:
     """Open files an agent needs with every connection cap full: both data-plane transports,
     the control API and the spares."""
-    return 2 * data_max_connections + CONTROL_MAX_CONNECTIONS + SPARE_DESCRIPTORS
+    return 2 * data_max_connections + http_serving.MAX_CONNECTIONS + SPARE_DESCRIPTORS
 
 
 def warn_if_few_descriptors(data_max_connections: int) -> None:

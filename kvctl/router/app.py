@@ -32,7 +32,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import Metric
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
-from kvctl import __version__
+from kvctl import __version__, http_serving
 from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.http_errors import install_error_handlers
 from kvctl.http_guards import BearerAuth, BodyLimit
@@ -541,6 +541,7 @@ class RouterServer:
         token: str | None = None,
         log_level: str = "warning",
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        header_timeout_s: float = http_serving.HEADER_TIMEOUT_SECONDS,
     ) -> None:
         import uvicorn
 
@@ -548,13 +549,13 @@ class RouterServer:
         self._socket = _bind(listen)
         host, port = self._socket.getsockname()[:2]
         self.url = f"http://{url_host(connect_host(host))}:{port}"
-        config = uvicorn.Config(
+        # the agent's limits against clients that hold connections (slow heads, floods)
+        http_serving.throttle_accept_errors(what="router API")
+        config = http_serving.serving_config(
             create_app(router, token=token, max_body_bytes=max_body_bytes),
-            log_level=log_level,
-            log_config=None,  # the process's logging set-up
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
+            log_level,
+            header_timeout_s=header_timeout_s,
+            graceful_shutdown_s=5,
         )
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None

@@ -2,7 +2,7 @@
 within a deadline (a slowloris sender is closed), connections and the backlog are capped, and
 running out of descriptors is one log line an interval, not a traceback per failed accept.
 
-The deadline is checked on the agent's own uvicorn settings (``daemon.control_config``) served
+The deadline is checked on the agent's own uvicorn settings (``http_serving.serving_config``) served
 in this process with a short deadline; the log on a real agent whose descriptor limit is
 lowered under it."""
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kvctl.agent import daemon
+from kvctl import http_serving
 
 from .agents import running_agent
 from .waiting import wait_until
@@ -47,7 +47,7 @@ def control() -> Iterator[tuple[str, int]]:
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     server = uvicorn.Server(
-        daemon.control_config(_app, "warning", header_timeout_s=HEADER_TIMEOUT_S)
+        http_serving.serving_config(_app, "warning", header_timeout_s=HEADER_TIMEOUT_S)
     )
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
     thread.start()
@@ -126,10 +126,10 @@ def test_whole_requests_are_served_and_the_next_ones_head_has_its_deadline(
 
 
 def test_the_control_api_caps_connections_backlog_and_header_bytes() -> None:
-    config = daemon.control_config(_app, "warning")
-    assert config.limit_concurrency == daemon.CONTROL_MAX_CONNECTIONS
-    assert config.backlog == daemon.CONTROL_BACKLOG < 2048  # uvicorn's default
-    assert config.h11_max_incomplete_event_size == daemon.CONTROL_MAX_HEADER_BYTES
+    config = http_serving.serving_config(_app, "warning")
+    assert config.limit_concurrency == http_serving.MAX_CONNECTIONS
+    assert config.backlog == http_serving.BACKLOG < 2048  # uvicorn's default
+    assert config.h11_max_incomplete_event_size == http_serving.MAX_HEADER_BYTES
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="prlimit on another process is Linux")

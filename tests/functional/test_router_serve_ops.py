@@ -102,3 +102,25 @@ def test_sighup_rereads_the_fleet_file_and_a_bad_one_changes_nothing(tmp_path) -
             wait_until("b1 instead of a1", lambda: _followed(router) == ["b1"])
             inventory = router.http.get("/v1/stats").json()["inventory"]
             assert inventory["reload_s"] == 0 and inventory["last_error"] == ""
+
+
+def test_the_router_closes_a_connection_whose_request_head_trickles_in() -> None:
+    """The router serves with the agent's limits: a client sending its request line a byte at a
+    time is closed once the head deadline passes (uvicorn alone held it for ever)."""
+    import socket
+
+    from kvctl import http_serving
+    from kvctl.index.model import EmbeddedIndex
+    from kvctl.router.app import RouterServer
+    from tests.unit.test_router_service import make_router
+
+    with RouterServer(make_router(EmbeddedIndex()), listen="127.0.0.1:0",
+                      header_timeout_s=0.5) as server:  # fmt: skip
+        config = server._server.config
+        assert config.limit_concurrency == http_serving.MAX_CONNECTIONS
+        assert config.backlog == http_serving.BACKLOG
+        host, port = server.url.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=5) as slow:
+            slow.sendall(b"GET /v1/health HTTP/1.1\r\n")  # and never the rest
+            slow.settimeout(5)
+            assert slow.recv(1024) == b""  # closed by the router, well before the 5 s

@@ -9,12 +9,8 @@ import logging
 
 import pytest
 
-from kvctl.agent.daemon import (
-    AcceptErrorThrottle,
-    descriptors_needed,
-    throttle_accept_errors,
-    warn_if_few_descriptors,
-)
+from kvctl.agent.daemon import descriptors_needed, warn_if_few_descriptors
+from kvctl.http_serving import AcceptErrorThrottle, throttle_accept_errors
 
 
 def _accept_failure() -> logging.LogRecord:
@@ -33,7 +29,7 @@ def _accept_failure() -> logging.LogRecord:
 
 def test_one_line_an_interval_without_a_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
     now = [1000.0]
-    monkeypatch.setattr("kvctl.agent.daemon.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("kvctl.http_serving.time.monotonic", lambda: now[0])
     throttle = AcceptErrorThrottle(interval_s=60.0)
     first = _accept_failure()
     assert throttle.filter(first)
