@@ -399,7 +399,9 @@ def serve_command(
     index: Annotated[
         str,
         typer.Option(
-            help="The index: 'embedded' (this process) or a Redis URL (redis://HOST:6379/0)."
+            help="The index: 'embedded' (this process) or a Redis URL (redis://HOST:6379/0); "
+            "a URL with a password belongs in $KVCTL_INDEX, which no process listing shows.",
+            envvar="KVCTL_INDEX",
         ),
     ] = "embedded",
     poll_s: Annotated[

@@ -31,12 +31,18 @@ class RunningRouter:
 
 
 @contextlib.contextmanager
-def running_router(args: Sequence[str], *, token: str) -> Iterator[RunningRouter]:
+def running_router(
+    args: Sequence[str], *, token: str, env: dict[str, str] | None = None
+) -> Iterator[RunningRouter]:
     """`kvctl router serve --listen 127.0.0.1:0 ARGS` (ARGS give its --token-file with
-    ``token``); its output is read for the URL only."""
+    ``token``; ``env`` adds to its environment); its output is read for the URL only."""
     argv = [sys.executable, "-m", "kvctl", "router", "serve", "--listen", "127.0.0.1:0", *args]
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env()
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**cli_env(), **(env or {})},
     )
     try:
         assert proc.stdout is not None

@@ -5,12 +5,14 @@ that fails changes nothing."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app as cli_app
+from tests.functional.agents import closed_port
 from tests.functional.routers import running_router
 from tests.functional.waiting import wait_until
 from tests.unit.test_index_follower import scripted
@@ -124,3 +126,24 @@ def test_the_router_closes_a_connection_whose_request_head_trickles_in() -> None
             slow.sendall(b"GET /v1/health HTTP/1.1\r\n")  # and never the rest
             slow.settimeout(5)
             assert slow.recv(1024) == b""  # closed by the router, well before the 5 s
+
+
+def test_the_index_url_comes_from_the_environment_and_its_password_is_never_shown(
+    tmp_path,  # type: ignore[no-untyped-def]
+) -> None:
+    """A Redis index with a password is given in $KVCTL_INDEX (a flag's value is in every
+    process listing); the router names it without the password, and uses it."""
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    fleet = tmp_path / "fleet.toml"
+    fleet.write_text(_fleet_file({"a1": f"http://127.0.0.1:{closed_port()}"}))
+    secret = "s3cret-index-pw"
+    env = {"KVCTL_INDEX": f"redis://:{secret}@127.0.0.1:{closed_port()}/0"}
+    args = ["--fleet", str(fleet), "--token-file", str(token_file)]
+    with running_router(args, token=TOKEN, env=env) as router:
+        health = router.http.get("/v1/health").json()
+        assert health["index_up"] is False  # a Redis index that is not there: not embedded
+        assert secret not in json.dumps(health)
+        router.proc.send_signal(signal.SIGTERM)
+        out, _ = router.proc.communicate(timeout=20)
+    assert "127.0.0.1" in out and secret not in out
