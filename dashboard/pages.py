@@ -939,8 +939,25 @@ def _route_report_section(r: RoutingSummary) -> Any:
         *children,
         note=f"{basis or 'the report states no basis'}; "
         + (f"{report['scope']}; " if report.get("scope") else "")
+        + _report_bytes_note(report)
         + f"saved {format_utc_minute(saved.ts_ms)}",
     )
+
+
+def _report_bytes_note(report: dict[str, Any]) -> str:
+    """What one pulled block weighs in the report's byte figures: the model's whole KV, which a
+    demo's agents (their payloads scaled down by --kv-scale) do not move; '' where no policy
+    pulled anything."""
+    for w in _report_workloads(report):
+        for p in w["policies"].values():
+            chunks = sum((p.get("pulled_chunks_by_link") or {}).values())
+            if chunks and p.get("pulled_bytes"):
+                per = format_bytes(p["pulled_bytes"] / chunks)
+                return (
+                    f"bytes at {per} per pulled block (the model's whole KV; the live figures "
+                    "above count the bytes the agents' chunks hold); "
+                )
+    return ""
 
 
 def _report_workloads(report: dict[str, Any]) -> list[dict[str, Any]]:

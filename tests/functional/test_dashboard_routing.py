@@ -19,6 +19,7 @@ from kvctl.db.ingest import insert_rows
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import MINUTE_MS
 from kvctl.db.route_reports import latest_route_report, save_route_report
+from kvctl.format import format_bytes
 from tests.functional.dashboard_history import NOW, OLD, T, fill_history
 from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of, walk
 
@@ -155,6 +156,11 @@ def test_route_report_as_bench_route_returns_it(app: Any, db: Engine) -> None:
     assert rows["round-robin"]["mean TTFT vs round-robin"] == "1.00x"
     # labelled exactly as the report's own basis says
     assert result["modeled_inputs"]["basis"] in text_of(page)
+    # and with what a pulled block weighs in its bytes (the model's whole KV)
+    pulled = [p for p in policies.values() if sum(p["pulled_chunks_by_link"].values())]
+    assert pulled  # round-robin pulls on this workload
+    per = pulled[0]["pulled_bytes"] / sum(pulled[0]["pulled_chunks_by_link"].values())
+    assert f"bytes at {format_bytes(per)} per pulled block" in text_of(page)
 
     # a report with a basis of its own (the demo's) is labelled with that
     demo = {"basis": "replayed on size-only tiers, TTFT modeled", **result["workloads"][0]}
