@@ -99,6 +99,8 @@ OUTLIER_FACTOR = 10.0
 REBASE_AFTER_REPORTS = 8
 #: models whose prefill rates one agent keeps at once
 MAX_RATE_MODELS = 16
+#: the longest model id a report may name (Hugging Face ids are at most 96 characters)
+MAX_MODEL_ID_CHARS = 256
 
 
 def _number(value: object, what: str) -> float:
@@ -468,6 +470,10 @@ class EngineRates:
                 raise InvalidArgument(f"not a prefill sample: {s!r}")
         if not isinstance(model, str):
             raise InvalidArgument(f"model must be a string, got {model!r}")
+        if len(model) > MAX_MODEL_ID_CHARS:  # a label kept per model: a name, not a payload
+            raise InvalidArgument(
+                f"model id of {len(model)} characters; at most {MAX_MODEL_ID_CHARS}"
+            )
         with self._lock:
             self.reports += 1
             if host_to_device_bytes_per_s is not None:

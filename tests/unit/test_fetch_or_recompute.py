@@ -614,3 +614,13 @@ def test_savings_use_the_plans_net_figure_when_the_agents_report_one() -> None:
     assert planned.it_joules == pytest.approx(0.4 * 700.0)
     assert planned.facility_joules == pytest.approx(0.4 * 700.0 * 1.2)
     assert savings(10, inputs, pue=None, carbon_g_per_kwh=None, plan_saved_s=-1.0).gpu_seconds == 0
+
+
+def test_a_model_id_past_its_length_is_refused_and_nothing_is_kept() -> None:
+    from kvctl.remote.fetchplan import MAX_MODEL_ID_CHARS
+
+    rates = EngineRates()
+    with pytest.raises(InvalidArgument, match="model id of 60000 characters"):
+        rates.report(H200_SHORT, model="m" * 60_000)
+    assert rates.reports == 0
+    assert rates.report(H200_SHORT, model="m" * MAX_MODEL_ID_CHARS) == len(H200_SHORT)
