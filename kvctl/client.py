@@ -820,8 +820,25 @@ class DataClient:
         exist). A failing ``into`` or callback is reported after the stream is read to its
         end, so the connection stays in step."""
         failure: BaseException | None = None
+        items = sizes_of(meta)
+        declared = sum(size for _, size in items)
+        limit = self.info.get("max_chunk_bytes")
+        too_big = isinstance(limit, int) and any(size > limit for _, size in items)
+        if declared != payload_len or too_big:
+            # a reply whose items and payload disagree (a corrupt size, a rogue peer) would
+            # have this side allocate what an item claims: closed before any is read
+            self.close()
+            raise AgentError(
+                (
+                    f"a reply item is larger than the agent's {limit}-byte chunks"
+                    if too_big
+                    else f"reply items declare {declared} bytes but its payload carries "
+                    f"{payload_len}"
+                )
+                + "; connection closed"
+            )
         left = payload_len
-        for i, size in sizes_of(meta):
+        for i, size in items:
             try:
                 view = into(i, size)
             except BaseException as exc:
