@@ -10,7 +10,9 @@ Key layout, for ``prefix`` P::
     {P}:lru:t:<tenant>  the same, per tenant (victims for a tenant's quota)
     {P}:meta            hash keyhex -> "size_bytes put_s isolated(0|1) tenant"
     {P}:used            hash: bytes, chunks, t:<tenant> -> bytes
-    {P}:cfg             hash: capacity_bytes (the pool is shared: the last agent to set it wins)
+    {P}:cfg             hash: capacity_bytes (the pool is shared: the last agent to set it wins;
+                        when the key is gone, e.g. a server restarted empty, the next put of an
+                        agent configured with a capacity writes that back)
     {P}:clock           the last timestamp handed out (keeps lru scores strictly increasing)
 
 Every accounting key carries the hash tag ``{P}``, so they live in one slot and each Lua script
@@ -180,7 +182,10 @@ local function used_bytes(field)
 end
 """
 
-# ARGV: tz, default capacity, n, then n x (keyhex, size_bytes, isolated 0|1, tenant, quota_bytes).
+# ARGV: tz, fallback capacity, write it back (0|1), n, then n x (keyhex, size_bytes, isolated 0|1,
+# tenant, quota_bytes). The fallback applies when {P}:cfg has no capacity: it is the agent's
+# configured capacity (written back, so every agent enforces it again) or, for an agent that
+# configured none, the default (not written: it would override the configured agents').
 # Returns {statuses, victims}: per item 1 new, 2 already accounted (touched), 3 accounted then
 # evicted by a later item of the batch (not to be written), -1/-2/-3 refused; victims: keyhexes
 # whose accounting was removed and whose records the caller deletes.
@@ -188,11 +193,15 @@ _PUT_LUA = (
     "#!lua\n"  # a shebang script is refused whole under OOM, rather than failing half done
     + _LUA_COMMON
     + """
-local cap = tonumber(redis.call('HGET', cfg, 'capacity_bytes') or ARGV[2])
-local n = tonumber(ARGV[3])
+local cap = tonumber(redis.call('HGET', cfg, 'capacity_bytes'))
+if not cap then
+  cap = tonumber(ARGV[2])
+  if ARGV[3] == '1' then redis.call('HSET', cfg, 'capacity_bytes', ARGV[2]) end
+end
+local n = tonumber(ARGV[4])
 local status, khs, victims = {}, {}, {}
 for i = 1, n do
-  local j = 4 + (i - 1) * 5
+  local j = 5 + (i - 1) * 5
   local kh, size, iso, tenant = ARGV[j], tonumber(ARGV[j + 1]), ARGV[j + 2], ARGV[j + 3]
   local quota = tonumber(ARGV[j + 4])
   khs[i] = kh
@@ -361,7 +370,8 @@ class RedisPool(SplitStreams, RemotePool):
     """A pool on Redis/Valkey shared by every agent that opens the same URL and ``prefix``.
 
     ``capacity_bytes`` (payload bytes, headers not counted) is written to the pool when given
-    (the last agent to set it wins); when None the pool's setting is used, 1 GiB if none.
+    (the last agent to set it wins), and written back by this agent's next put whenever the pool
+    has lost it (a server restarted empty); when None the pool's setting is used, 1 GiB if none.
     ``tenant_quotas[tenant]``, else ``tenant_quota_bytes`` (0: none), caps the bytes a tenant
     holds; quotas are this agent's configuration, applied to the puts it makes.
     ``streams``: pipelines one get may be split over, on as many pooled connections (1: one);
@@ -493,7 +503,14 @@ class RedisPool(SplitStreams, RemotePool):
         if not batch:
             return []
 
-        args: list[Any] = [self._tenant_lru_prefix, DEFAULT_CAPACITY_BYTES, len(batch)]
+        with self._lock:
+            configured_bytes = self._capacity_set_bytes
+        args: list[Any] = [
+            self._tenant_lru_prefix,
+            DEFAULT_CAPACITY_BYTES if configured_bytes is None else configured_bytes,
+            int(configured_bytes is not None),
+            len(batch),
+        ]
         for it in batch:
             m = it.meta
             args += [it.keyhex, m.size_bytes, int(m.isolated), m.tenant, self._quota(m.tenant)]
@@ -673,8 +690,12 @@ class RedisPool(SplitStreams, RemotePool):
         if self.tenant_quota_bytes:
             for tenant in tenant_bytes:
                 quotas.setdefault(tenant, self.tenant_quota_bytes)
+        if capacity is None:  # the pool lost it: what this agent's next put will enforce
+            with self._lock:
+                configured_bytes = self._capacity_set_bytes
+            capacity = DEFAULT_CAPACITY_BYTES if configured_bytes is None else configured_bytes
         return PoolUsage(
-            capacity_bytes=int(capacity) if capacity is not None else DEFAULT_CAPACITY_BYTES,
+            capacity_bytes=int(capacity),
             used_bytes=int(used.get(b"bytes", 0)),
             chunks=int(used.get(b"chunks", 0)),
             tenant_bytes=tenant_bytes,

@@ -332,6 +332,42 @@ def test_capacity_is_shared_and_defaults(make_pool) -> None:  # type: ignore[no-
     assert first.usage().capacity_bytes == DEFAULT_CAPACITY_BYTES  # first never set one
 
 
+def test_configured_capacity_survives_a_server_restarted_empty(private_redis) -> None:  # type: ignore[no-untyped-def]
+    # The capacity lives in {P}:cfg on the server; a server restarted empty loses it. An agent
+    # configured with a capacity must enforce (and write back) its own, not fall back to the
+    # 1 GiB default: a 512 GiB pool used to shrink to 1 GiB until every agent restarted.
+    big = RedisPool(private_redis.url, prefix="p", capacity_bytes=4 << 30, timeout_s=1.0)
+    small = RedisPool(private_redis.url, prefix="q", capacity_bytes=1000, timeout_s=1.0)
+    bystander = RedisPool(private_redis.url, prefix="p", timeout_s=1.0)  # configured none
+    raw = redis.Redis.from_url(private_redis.url)
+    try:
+        assert big.put_many([chunk(1)]) == [True]
+        assert small.put_many([chunk(1)]) == [True]
+        private_redis.kill()
+        private_redis.start()  # empty: no {p}:cfg, no {q}:cfg
+        time.sleep(0.2)
+        # the agent's own view before its next put: its configured capacity, not the default
+        assert big.usage().capacity_bytes == 4 << 30
+        assert bystander.usage().capacity_bytes == DEFAULT_CAPACITY_BYTES  # nothing to go by
+        # an agent that configured none puts first: the default applies, and is not written
+        # (it would then override the configured agents' capacity)
+        assert bystander.put_many([chunk(2)]) == [True]
+        assert raw.hget("{p}:cfg", "capacity_bytes") is None
+        assert big.put_many([chunk(3)]) == [True]
+        assert raw.hget("{p}:cfg", "capacity_bytes") == str(4 << 30).encode()
+        assert bystander.usage().capacity_bytes == 4 << 30  # every agent sees it again
+        # and it is enforced: 4 x 300 bytes do not fit in 1000 (the default would take them)
+        items = [chunk(i, salt="after") for i in range(4)]
+        assert small.put_many(items) == [True] * 4  # each stored, the oldest then evicted
+        assert small.usage().used_bytes == 900
+        assert present(small, items) == [False, True, True, True]
+        assert raw.hget("{q}:cfg", "capacity_bytes") == b"1000"
+    finally:
+        raw.close()
+        for pool in (big, small, bystander):
+            pool.close()
+
+
 def test_two_agents_share_chunks_and_accounting(make_pool) -> None:  # type: ignore[no-untyped-def]
     one = make_pool(capacity_bytes=1200)
     two = make_pool()
