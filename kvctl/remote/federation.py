@@ -861,7 +861,6 @@ class RemoteTiers:
                 self.index_counters.peer_probes_saved += len(self.peers) - len(asked)
         futures += self._submit_probes(asked, keys, tenant)
         found: list[list[tuple[str, ChunkMeta]]] = [[] for _ in keys]
-        mine = {"tenant_isolated": tenant in self.store.isolated_tenants}
         deadline = time.monotonic() + PROBE_DEADLINE_S
         stale = 0
         for s, fut in futures:
@@ -880,7 +879,7 @@ class RemoteTiers:
                 if named is not None and not held and j in named.get(s.name, ()):
                     stale += 1  # the index's entry outlived the chunk: not asked for again
                 # the source checked visibility; a size it disagrees on is not trusted either
-                if held and meta is not None and visible_to(meta, tenant, **mine):
+                if held and meta is not None and self._visible(meta, tenant):
                     found[j].append((s.name, meta))
         if stale:
             with self._lock:
@@ -1148,6 +1147,15 @@ class RemoteTiers:
                     arrived(i, chunk)
         return landed
 
+    def _visible(self, meta: ChunkMeta, tenant: str) -> bool:
+        """Whether ``tenant`` may have a chunk a pool or peer holds, by this node's settings too:
+        a chunk whose owner is isolated here is that owner's alone, whatever flag the node that
+        stored it gave it (its settings may differ), as this node's store will enforce: a probe
+        that counted it would promise a hit the read then refuses."""
+        isolated = self.store.isolated_tenants
+        either = tenant in isolated or meta.tenant in isolated
+        return visible_to(meta, tenant, tenant_isolated=either)
+
     def _admit(
         self, src: Source, key: bytes, chunk: PoolChunk, tenant: str, slot: PutSlot | None = None
     ) -> bool:
@@ -1155,10 +1163,9 @@ class RemoteTiers:
         into), else put its bytes. False (nothing kept, ``slot`` given back) when it is not
         what was asked, or the store would not take it."""
         meta = chunk.meta
-        isolated = tenant in self.store.isolated_tenants
         if (
             meta.key != key
-            or not visible_to(meta, tenant, tenant_isolated=isolated)
+            or not self._visible(meta, tenant)
             or chunk.data.nbytes != meta.size_bytes
         ):
             if slot is not None:

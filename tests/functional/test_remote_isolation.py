@@ -134,3 +134,25 @@ def test_an_isolated_tenant_takes_nothing_from_the_pool_that_another_stored_unde
             victim.store.get(k, tenant="acme")
     # a tenant that shares still gets them: isolation takes nothing from others
     assert victim.lookup(keys, tenant="initech").matched_chunks == len(keys)
+
+
+def test_a_chunk_whose_owner_is_isolated_here_is_not_counted_for_another_tenant(
+    nodes: list[RemoteTiers],
+) -> None:
+    """A node whose settings do not isolate acme wrote acme's chunks to the pool, unflagged;
+    on a node where acme is isolated, another tenant's lookup must not count them (its store
+    would refuse to serve them: a hit promised and never delivered, bytes moved for nothing)."""
+    strict, lax = nodes
+    strict.store.set_isolated_tenants({"acme"})
+    keys = [_key(uuid.uuid4().int % 10**9, i) for i in range(2)]
+    for parent, k in zip([None, *keys], keys, strict=False):
+        lax.store.put(k, _payload(k), tenant="acme", parent=parent, isolated=False)
+    assert lax.flush_writes()
+    assert strict.lookup(keys, tenant="initech").matched_chunks == 0
+    assert strict.locate(keys, tenant="initech") == [None] * len(keys)
+    strict.fill(keys, tenant="initech")
+    for k in keys:
+        with pytest.raises(KeyNotFound):
+            strict.store.get(k, tenant="initech")
+    # acme itself, isolated here, still reads what it stored elsewhere
+    assert strict.lookup(keys, tenant="acme").matched_chunks == len(keys)
