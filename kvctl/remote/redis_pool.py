@@ -44,6 +44,16 @@ A second, best-effort round trip happens only when something needs repair: a cor
 (deleted, accounting dropped), a record that is gone but still accounted, or a record present
 but not accounted (re-accounted, without eviction; the next put evicts down to capacity).
 
+A record is shared by every agent, so a reader deletes one only when the damage is in the
+server's copy. What fails verification as received may have been damaged on this reader's path
+(a bad NIC or link): the reader sends the SHA-1 of the bytes it judged and the server deletes the
+record only if it still holds exactly those bytes (``_DROP_IF_SAME_LUA``, one round trip, only
+after a failed check; it costs the server one SHA-1 of the record). Otherwise the read is a miss
+and the record stays. A record of a version or with flags this reader does not know (a newer
+writer, e.g. mid-upgrade) is not judged at all: a miss, never deleted, counted in
+``unknown_format`` rather than ``corrupt``. (A bit rotted in the version byte on the server looks
+the same and is then left to LRU eviction.)
+
 TTL (``ttl_s``): records are written with PX; the accounting has no TTL of its own. A get that
 finds a record missing but still accounted drops its accounting, so expired chunks do not hold
 capacity forever; until some get asks for an expired key it still counts in ``usage``. To not
@@ -63,10 +73,12 @@ and evicted records are misses whose accounting the next read drops.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -341,6 +353,20 @@ return victims
 """
 )
 
+# KEYS[1]: a chunk record. ARGV: its length, n, the SHA-1 (hex) of its first n bytes as a reader
+# received them (which failed verification). Deletes the record only when the server holds those
+# exact bytes, so the damage is in the shared copy and not on that reader's path (nor was the
+# record replaced since); returns 1 when deleted. Verified here, not re-read: a path that damages
+# every read alike would damage a re-read too. allow-oom: deleting frees memory.
+_DROP_IF_SAME_LUA = """#!lua flags=allow-oom
+if redis.call('STRLEN', KEYS[1]) ~= tonumber(ARGV[1]) then return 0 end
+local n = tonumber(ARGV[2])
+local head = ''
+if n > 0 then head = redis.call('GETRANGE', KEYS[1], 0, n - 1) end
+if redis.sha1hex(head) ~= ARGV[3] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
 # KEYS[1]: a chunk record. ARGV[1]: bytes to read first. Returns {header, record length} (the
 # whole header, whatever the tenant's length) or nil: atomic, so header and length agree.
 _PROBE_LUA = f"""#!lua flags=no-writes
@@ -354,6 +380,30 @@ if #h >= {record.FIXED_BYTES} then
 end
 return {{h, n}}
 """
+
+
+@dataclass(frozen=True, slots=True)
+class _Damaged:
+    """A record that failed verification as received, and what identifies the received bytes:
+    the server deletes the record only if it holds the same (``_DROP_IF_SAME_LUA``)."""
+
+    reason: CorruptChunk
+    record_bytes: int  # the record's length (STRLEN)
+    judged_bytes: int  # how many of its first bytes were judged (all, or a probe's header)
+    judged_sha1_hex: str
+
+    @classmethod
+    def of(cls, reason: CorruptChunk, judged: bytes, record_bytes: int) -> _Damaged:
+        # SHA-1 because the server has it (redis.sha1hex); it identifies bytes, it secures nothing
+        digest = hashlib.sha1(judged, usedforsecurity=False).hexdigest()
+        return cls(reason, record_bytes, len(judged), digest)
+
+
+@dataclass(frozen=True, slots=True)
+class _Unknown:
+    """A record this reader cannot judge (a newer version or flags): a miss, left in place."""
+
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,6 +475,8 @@ class RedisPool(SplitStreams, RemotePool):
         self.tenant_quota_bytes = tenant_quota_bytes
         self.tenant_quotas = quotas
         self.corrupt = 0
+        #: records read in a format this reader does not know (left in the pool, misses)
+        self.unknown_format = 0
         #: sized by the chunks read last; workers enough for a few gets at once
         self._split = SplitReads(
             f"pool {self.address}",
@@ -579,7 +631,7 @@ class RedisPool(SplitStreams, RemotePool):
             accounted = [True] * len(keys)
         out: list[PoolChunk | None] = []
         stale: list[str] = []
-        bad: list[str] = []
+        damaged: list[tuple[str, _Damaged]] = []
         heal: list[tuple[str, ChunkMeta]] = []
         for h, value, acc in zip(hexes, values, accounted, strict=True):
             if value is None:
@@ -587,17 +639,21 @@ class RedisPool(SplitStreams, RemotePool):
                     stale.append(h)
                 out.append(None)
                 continue
-            if isinstance(value, CorruptChunk):
-                self._count_corrupt(h, value)
-                bad.append(h)
+            if isinstance(value, _Damaged):
+                self._count_corrupt()
+                damaged.append((h, value))
+                out.append(None)
+                continue
+            if isinstance(value, _Unknown):
+                self._count_unknown(h, value)
                 out.append(None)
                 continue
             meta, data = value
             if not acc:
                 heal.append((h, meta))
             out.append(PoolChunk(meta, data) if visible_to(meta, tenant) else None)
-        if stale or bad or heal:
-            self._repair(stale=stale, drop=bad, heal=heal)
+        if stale or damaged or heal:
+            self._repair(stale=stale, damaged=damaged, heal=heal)
         self._split.saw([c.meta.size_bytes for c in out if c is not None])
         return out
 
@@ -607,11 +663,12 @@ class RedisPool(SplitStreams, RemotePool):
         keys: Sequence[bytes],
         hexes: Sequence[str],
         touch_args: Sequence[Any] | None,
-    ) -> tuple[list[tuple[ChunkMeta, memoryview] | CorruptChunk | None], Any]:
+    ) -> tuple[list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | None], Any]:
         """One pipeline: the GETs of ``keys`` (and the LRU script when ``touch_args``), each
-        record decoded and checked here (on this stream's thread): per key the chunk, the
-        CorruptChunk it failed with, or None when absent; and the script's reply (None when not
-        run, or the error it failed with)."""
+        record decoded and checked here (on this stream's thread): per key the chunk, how it
+        failed (``_Damaged``, or ``_Unknown`` when its format is newer than this reader), or
+        None when absent; and the script's reply (None when not run, or the error it failed
+        with)."""
         with self._guard():
             pipe = client.pipeline(transaction=False)
             for h in hexes:
@@ -620,7 +677,7 @@ class RedisPool(SplitStreams, RemotePool):
                 _eval(pipe, _TOUCH_LUA, self._acct_keys, touch_args)
             replies = pipe.execute(raise_on_error=False)
             _raise_errors(replies[: len(hexes)])
-        out: list[tuple[ChunkMeta, memoryview] | CorruptChunk | None] = []
+        out: list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | None] = []
         for key, value in zip(keys, replies[: len(hexes)], strict=True):
             if value is None:
                 out.append(None)
@@ -628,7 +685,8 @@ class RedisPool(SplitStreams, RemotePool):
             try:
                 out.append(record.decode(value, key=key))
             except CorruptChunk as exc:
-                out.append(exc)
+                why = _unknown_format(value)
+                out.append(_Unknown(why) if why else _Damaged.of(exc, value, len(value)))
         return out, replies[-1] if touch_args is not None else None
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
@@ -643,7 +701,7 @@ class RedisPool(SplitStreams, RemotePool):
                 _eval(pipe, _PROBE_LUA, [self._rec(h)], [record.HEADER_PROBE_BYTES])
             replies = pipe.execute()
         out: list[ChunkMeta | None] = []
-        bad: list[str] = []
+        damaged: list[tuple[str, _Damaged]] = []
         for key, h, reply in zip(keys, hexes, replies, strict=True):
             if reply is None:
                 out.append(None)
@@ -656,13 +714,17 @@ class RedisPool(SplitStreams, RemotePool):
                         f"record is {record_bytes} bytes, its header declares {header.record_bytes}"
                     )
             except CorruptChunk as exc:
-                self._count_corrupt(h, exc)
-                bad.append(h)
+                why = _unknown_format(head)
+                if why:
+                    self._count_unknown(h, _Unknown(why))
+                else:
+                    self._count_corrupt()
+                    damaged.append((h, _Damaged.of(exc, head, int(record_bytes))))
                 out.append(None)
                 continue
             out.append(header.meta if visible_to(header.meta, tenant) else None)
-        if bad:
-            self._repair(drop=bad)
+        if damaged:
+            self._repair(damaged=damaged)
         return out
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -890,27 +952,92 @@ class RedisPool(SplitStreams, RemotePool):
         self,
         *,
         stale: Sequence[str] = (),
-        drop: Sequence[str] = (),
+        damaged: Sequence[tuple[str, _Damaged]] = (),
         heal: Sequence[tuple[str, ChunkMeta]] = (),
     ) -> None:
         """Best effort after a read: the caller already has its answer, and whatever is not
-        repaired now is found again by the next read of the same keys."""
+        repaired now is found again by the next read of the same keys. A damaged record is
+        deleted (and its accounting dropped) only where the server holds the very bytes that
+        failed: the records are shared, and the damage may be on this reader's path alone."""
         try:
-            pipe = self._client().pipeline(transaction=False)
-            for h in drop:
-                pipe.delete(self._rec(h))
-            self._queue_repair(pipe, stale=stale, drop=drop, heal=heal)
-            pipe.execute()
+            client = self._client()
+            dropped: list[str] = []
+            if damaged:
+                pipe = client.pipeline(transaction=False)
+                for h, d in damaged:
+                    args = [d.record_bytes, d.judged_bytes, d.judged_sha1_hex]
+                    _eval(pipe, _DROP_IF_SAME_LUA, [self._rec(h)], args)
+                for (h, d), deleted in zip(damaged, pipe.execute(), strict=True):
+                    if int(deleted):
+                        dropped.append(h)
+                        log.warning(
+                            "pool %s: dropped corrupt chunk %s: %s", self.address, h, d.reason
+                        )
+                    else:
+                        log.warning(
+                            "pool %s: chunk %s arrived damaged (%s) but the pool holds other "
+                            "bytes (damaged in transit, or replaced since): a miss, left in place",
+                            self.address,
+                            h,
+                            d.reason,
+                        )
+            if stale or dropped or heal:
+                pipe = client.pipeline(transaction=False)
+                self._queue_repair(pipe, stale=stale, drop=dropped, heal=heal)
+                pipe.execute()
         except (RedisError, RedisClusterException, OSError, TierUnavailable) as exc:
             log.info("pool %s: repair after a read failed: %s", self.address, exc)
 
-    def _count_corrupt(self, keyhex: str, exc: CorruptChunk) -> None:
+    def _count_corrupt(self) -> None:
         with self._lock:
             self.corrupt += 1
-        log.warning("pool %s: dropping corrupt chunk %s: %s", self.address, keyhex, exc)
+
+    def _count_unknown(self, keyhex: str, unknown: _Unknown) -> None:
+        with self._lock:
+            self.unknown_format += 1
+            first = self.unknown_format == 1
+        # once at warning (an operator should know this agent is older than a writer), then
+        # debug: during an upgrade every read of a newer record would log it
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "pool %s: chunk %s is a %s this kvctl does not read (a newer writer?): a miss, "
+            "left in the pool",
+            self.address,
+            keyhex,
+            unknown.why,
+        )
 
 
 # --- helpers ------------------------------------------------------------------------------
+# Offsets in a record's fixed header (``kvctl.remote.record``: magic 4 bytes, version u8, flags u8).
+_VERSION_AT = len(record.MAGIC)
+_FLAGS_AT = _VERSION_AT + 1
+_KNOWN_FLAGS = record.FLAG_ISOLATED | record.FLAG_HAS_PARENT
+
+
+def _unknown_format(value: bytes) -> str | None:
+    """For a record that failed verification: what about it this reader does not know (its
+    version, or flags in an intact header), or None when it is simply damaged. A newer writer's
+    record is no damage, and judging it would delete it for every agent."""
+    if len(value) <= _FLAGS_AT or not value.startswith(record.MAGIC):
+        return None
+    if value[_VERSION_AT] != record.FORMAT_VERSION:
+        return f"record version {value[_VERSION_AT]}"
+    # Flags are covered by the header's CRC: only unknown bits in a header that passes it were
+    # written so; a flip on the wire or on the server fails the CRC and is damage.
+    try:
+        header_bytes = record.header_length(value)
+    except CorruptChunk:
+        return None
+    crc_at = header_bytes - 4
+    if len(value) < header_bytes or zlib.crc32(value[:crc_at]) != int.from_bytes(
+        value[crc_at:header_bytes], "little"
+    ):
+        return None
+    flags = value[_FLAGS_AT]
+    return f"record with flags {flags:#x}" if flags & ~_KNOWN_FLAGS else None
+
+
 def _eval(pipe: Any, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
     """Queue an EVAL. EVAL, not EVALSHA: the text (~2 KB) is noise beside chunk payloads, the
     server caches the compiled script, and no NOSCRIPT retry is needed after a restart or a

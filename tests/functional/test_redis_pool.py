@@ -425,6 +425,85 @@ def test_corrupt_records_are_misses_counted_and_removed(make_pool, raw) -> None:
     assert pool.usage().chunks == 0
 
 
+def _damage_replies_in_transit(pool: RedisPool, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """From now on every record (and probed header) this pool reads arrives with one byte
+    flipped, as a bad NIC or link on this reader's path would deliver it; the server's copy is
+    intact."""
+    client = pool._client()  # the read client: gets, probes and their repairs
+    real_pipeline = client.pipeline
+
+    def flip(value: bytes) -> bytes:
+        damaged = bytearray(value)
+        damaged[min(20, len(value) - 1)] ^= 0x10  # header (key bytes) or, if short, its end
+        damaged[-1] ^= 0x01  # and the payload's last byte
+        return bytes(damaged)
+
+    def damaging(*args, **kwargs):  # type: ignore[no-untyped-def]
+        pipe = real_pipeline(*args, **kwargs)
+        real_execute = pipe.execute
+
+        def execute(*a, **kw):  # type: ignore[no-untyped-def]
+            out = []
+            for reply in real_execute(*a, **kw):
+                if isinstance(reply, bytes) and len(reply) > 64:  # a GET of a record
+                    reply = flip(reply)
+                elif isinstance(reply, list) and reply and isinstance(reply[0], bytes):
+                    reply = [flip(reply[0]), *reply[1:]]  # a probe's header
+                out.append(reply)
+            return out
+
+        pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(client, "pipeline", damaging)
+
+
+def test_a_record_damaged_in_transit_is_a_miss_and_stays(make_pool, raw, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # A review flipped one bit on the wire and the reader deleted 4 good records from Redis:
+    # every agent lost them. The reader must delete only what the server itself holds damaged.
+    pool = make_pool()
+    items = [chunk(i, size=4000) for i in range(4)]
+    assert pool.put_many(items) == [True] * 4
+    names = [f"{pool.prefix}:c:{m.key.hex()}" for m, _ in items]
+    with monkeypatch.context() as patch:
+        _damage_replies_in_transit(pool, patch)
+        assert pool.get_many([m.key for m, _ in items], tenant="a") == [None] * 4
+        assert pool.probe_many([m.key for m, _ in items], tenant="a") == [None] * 4
+    assert pool.corrupt == 8  # counted: this reader did receive damaged bytes
+    assert raw.exists(*names) == 4
+    assert (pool.usage().chunks, pool.usage().used_bytes) == (4, 16000)
+    got = pool.get_many([m.key for m, _ in items], tenant="a")
+    assert [c.data if c else None for c in got] == [d for _, d in items]
+
+
+def test_a_record_of_an_unknown_version_or_flags_is_a_miss_and_stays(make_pool, raw) -> None:  # type: ignore[no-untyped-def]
+    # A fleet mid-upgrade: a newer writer's record (another version, or a flag this reader does
+    # not know) is not damage; the first old reader used to delete it for every agent.
+    import zlib
+
+    pool = make_pool()
+    items = [chunk(i, size=2000) for i in range(3)]
+    assert pool.put_many(items) == [True] * 3
+    names = [f"{pool.prefix}:c:{m.key.hex()}" for m, _ in items]
+    newer = bytearray(raw.get(names[0]))
+    newer[4] = record.FORMAT_VERSION + 1  # a layout this reader cannot check at all
+    raw.set(names[0], bytes(newer))
+    flagged = bytearray(raw.get(names[1]))
+    flagged[5] |= 0x80  # an unknown flag in an intact header (its CRC recomputed, as written)
+    hb = len(record.encode_header(items[1][0], items[1][1]))
+    flagged[hb - 4 : hb] = zlib.crc32(bytes(flagged[: hb - 4])).to_bytes(4, "little")
+    raw.set(names[1], bytes(flagged))
+
+    keys = [m.key for m, _ in items]
+    assert pool.probe_many(keys, tenant="a")[:2] == [None, None]
+    got = pool.get_many(keys, tenant="a")
+    assert got[:2] == [None, None]
+    assert got[2] is not None and got[2].data == items[2][1]
+    assert raw.exists(*names) == 3
+    assert pool.corrupt == 0 and pool.unknown_format == 4
+    assert (pool.usage().chunks, pool.usage().used_bytes) == (3, 6000)  # still accounted
+
+
 def test_unaccounted_record_is_accounted_when_read(make_pool, raw) -> None:  # type: ignore[no-untyped-def]
     pool = make_pool()
     meta, data = chunk(1)
@@ -590,6 +669,14 @@ def test_cluster_round_trip_eviction_and_tenants(redis_cluster: str) -> None:
         assert pool.probe_many([secret[0].key], tenant="y") == [None]
         assert pool.get_many([secret[0].key], tenant="x")[0].data == secret[1]  # type: ignore[union-attr]
         assert pool.delete_many([secret[0].key]) == 1
+
+        # a damaged record is deleted by a script on its own node (not the accounting's slot)
+        victim = more[-1]
+        name = pool._rec(victim[0].key.hex())
+        client.append(name, b"!")  # one byte too many: damaged on the server
+        chunks_before = pool.usage().chunks
+        assert pool.get_many([victim[0].key], tenant="a") == [None]
+        assert client.exists(name) == 0 and pool.usage().chunks == chunks_before - 1
 
         pool.resize(5000)
         assert pool.usage().used_bytes <= 5000
