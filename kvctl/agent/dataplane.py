@@ -41,6 +41,8 @@ from kvctl.store.index import LookupResult
 from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.wire.protocol import (
+    FETCH_CHECKSUM,
+    FETCH_CHECKSUM_NAME,
     FETCH_ITEM,
     FLAG_HAS_PARENT,
     FLAG_ISOLATED,
@@ -67,7 +69,9 @@ from kvctl.wire.protocol import (
     Status,
     check_header,
     error_meta,
+    fetch_checksum,
     pack_header,
+    parse_fetch_flags,
     parse_probe,
     parse_rates,
     rates_reply,
@@ -373,6 +377,8 @@ class DataPlaneServer:
             "max_chunk_bytes": self.max_chunk_bytes,
             "lease_seconds": s.lease_seconds,
             "shm": self.shm_tier is not None,
+            #: FETCH replies carry this checksum per chunk when asked (FETCH_CHECKSUMS)
+            "fetch_checksum": FETCH_CHECKSUM_NAME,
         }
 
 
@@ -894,14 +900,18 @@ class Connection:
         return out
 
     def _fetch(self, meta: MetaReader, _payload: int) -> Reply:
-        """Chunks and their metadata for another agent; with want_payload 0 only the metadata
-        (a probe: counts nothing, moves no bytes)."""
+        """Chunks and their metadata for another agent; without FETCH_PAYLOAD only the metadata
+        (a probe: counts nothing, moves no bytes). With FETCH_CHECKSUMS the reply ends with
+        each chunk's XXH3-64, so the puller can tell bytes damaged on the way (a flipped bit
+        past TCP's weak checksum, a faulty NIC or relay) from the chunk: it is asked for by
+        other agents only, so an engine's local reads never pay for it."""
         tenant = meta.text()
-        want_payload = meta.u8()
+        want_payload, want_checksums = parse_fetch_flags(meta.u8())
         keys = meta.keys()
         meta.done()
         w = MetaWriter().u32(len(keys))
         payload: list[memoryview | bytearray] = []
+        checksums: list[int] = []
         total = 0
         # the bytes first (without the store's lock: disk reads run in parallel), then each
         # entry's metadata; a chunk evicted in between is reported missing
@@ -913,6 +923,7 @@ class Connection:
         for e, data in zip(entries, views, strict=True):
             if e is None:
                 w.raw(FETCH_ITEM.pack(Status.MISSING, 0, 0, 0, 0, bytes(16), 0.0)).text("")
+                checksums.append(0)
                 continue
             flags = (FLAG_HAS_PARENT if e.parent is not None else 0) | (
                 FLAG_ISOLATED if e.isolated else 0
@@ -931,6 +942,11 @@ class Connection:
             if data is not None:
                 payload.append(data)
                 total += memoryview(data).nbytes
+            # of the very view sent: it is leased (released only after the send) or a copy, so
+            # these are the bytes that go out
+            checksums.append(fetch_checksum(data) if want_checksums and data is not None else 0)
+        if want_checksums:
+            w.raw(b"".join(map(FETCH_CHECKSUM.pack, checksums)))
         return [w.build(), *payload], total
 
     def _exists(self, meta: MetaReader, _payload: int) -> Reply:

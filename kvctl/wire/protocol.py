@@ -26,6 +26,7 @@ from enum import IntEnum
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from kvctl.store.keys import KEY_BYTES
 
@@ -68,6 +69,18 @@ FLAG_ISOLATED = 2
 FLAG_HAS_PARENT = 4
 #: one FETCH reply item: status, size, tokens, priority, flags, parent, created_s
 FETCH_ITEM = struct.Struct("<BQIBB16sd")
+#: FETCH request flags (the u8 after the tenant). Agents before checksums read that byte as a
+#: boolean "send the payload": given FETCH_CHECKSUMS they send the old reply, and given it
+#: alone they would send the payload. So a client sets FETCH_CHECKSUMS only beside
+#: FETCH_PAYLOAD, and only to an agent whose HELLO advertises ``fetch_checksum``.
+FETCH_PAYLOAD = 1
+#: the reply ends with each item's checksum (``FETCH_CHECKSUM``) of the bytes sent for it
+FETCH_CHECKSUMS = 2
+#: the checksum a FETCH reply carries per chunk; HELLO's ``fetch_checksum`` names it
+FETCH_CHECKSUM_NAME = "xxh3_64"
+#: one item's checksum at the end of a FETCH reply: XXH3-64 (seed 0) of its bytes, 0 when
+#: the item is missing
+FETCH_CHECKSUM = struct.Struct("<Q")
 _NO_PARENT = bytes(KEY_BYTES)
 
 
@@ -89,8 +102,9 @@ class Op(IntEnum):
     #: zero bytes (download); meta u64 want_bytes, reply meta u64 bytes received
     PROBE = 13
     #: chunks with their metadata, for other agents (a pool agent's clients, peers): meta
-    #: tenant, u8 want_payload, keys; reply u32 n, then per item FETCH_ITEM + owner tenant text;
-    #: the payload (when wanted) is the found chunks in order
+    #: tenant, u8 flags (FETCH_PAYLOAD, FETCH_CHECKSUMS), keys; reply u32 n, then per item
+    #: FETCH_ITEM + owner tenant text, then (FETCH_CHECKSUMS only) n x FETCH_CHECKSUM; the
+    #: payload (when wanted) is the found chunks in order
     FETCH = 14
     #: a tenant's sharing policy, so an engine salts its keys as the agent does: meta tenant;
     #: reply u8 isolated
@@ -336,6 +350,38 @@ def put_item(
     if staging_offset is None:
         return ITEM.pack(*fields)
     return STAGED_ITEM.pack(*fields, staging_offset)
+
+
+def fetch_flags(*, payload: bool, checksums: bool) -> int:
+    """A FETCH request's flag byte. Checksums cover bytes sent, so they need the payload (and
+    an agent before them would read a lone FETCH_CHECKSUMS as "send the payload")."""
+    if checksums and not payload:
+        raise ValueError("FETCH checksums are of the payload: ask for both")
+    return (FETCH_PAYLOAD if payload else 0) | (FETCH_CHECKSUMS if checksums else 0)
+
+
+def parse_fetch_flags(flags: int) -> tuple[bool, bool]:
+    """(send the payload, append checksums) of a FETCH request's flag byte. Bits this side
+    does not know, or checksums without the payload, are a BAD_REQUEST: no client sends them,
+    and guessing would answer in a format the client may not parse."""
+    if flags & ~(FETCH_PAYLOAD | FETCH_CHECKSUMS):
+        raise FrameError(ErrorCode.BAD_REQUEST, f"unknown FETCH flags {flags:#04x}")
+    if flags == FETCH_CHECKSUMS:
+        raise FrameError(ErrorCode.BAD_REQUEST, "FETCH checksums without the payload")
+    return bool(flags & FETCH_PAYLOAD), bool(flags & FETCH_CHECKSUMS)
+
+
+def fetch_checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum a FETCH reply carries for a chunk's bytes (XXH3-64, seed 0; the disk
+    tier's too)."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def parse_fetch_checksums(meta: MetaReader, n_items: int) -> list[int]:
+    """The ``n_items`` checksums that end a FETCH reply that carries them; nothing may follow."""
+    sums = [int(s) for (s,) in meta.structs(FETCH_CHECKSUM, n_items)]
+    meta.done()
+    return sums
 
 
 def probe_meta(want_bytes: int) -> bytes:

@@ -156,7 +156,8 @@ def _valid_meta(rng: random.Random, op: Op, unix: bool) -> tuple[bytes, bytes]:
         w.u64(rng.randint(0, 256 << 10))
         body = bytes(rng.randint(0, 64 << 10))
     elif op == Op.FETCH:
-        w.text(_tenant(rng)).u8(rng.randint(0, 1)).keys(_keys(rng))
+        # payload, checksums, both, and bits no client sends (refused, not fatal)
+        w.text(_tenant(rng)).u8(rng.choice([0, 1, 2, 3, 0x80, 0xFF])).keys(_keys(rng))
     elif op == Op.TENANT:
         w.text(_tenant(rng))
     elif op == Op.RATES:
