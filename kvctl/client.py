@@ -32,6 +32,7 @@ from kvctl.store.tiers.base import ChunkMeta, copy_bytes
 from kvctl.wire.address import UnixAddress, parse_address
 from kvctl.wire.protocol import (
     CLOSING_ERROR_CODES,
+    FETCH_CHECKSUM_NAME,
     FETCH_ITEM,
     FLAG_HAS_PARENT,
     FLAG_ISOLATED,
@@ -50,8 +51,10 @@ from kvctl.wire.protocol import (
     PeerClosed,
     Status,
     check_header,
+    fetch_flags,
     pack_header,
     parse_error,
+    parse_fetch_checksums,
     parse_rates_reply,
     probe_meta,
     put_item,
@@ -588,6 +591,7 @@ class DataClient:
         payload: bool = True,
         into: Callable[[int, ChunkMeta], memoryview | None] | None = None,
         arrived: Callable[[int, ChunkMeta, bytearray | memoryview], None] | None = None,
+        checksums: list[int | None] | None = None,
     ) -> list[tuple[ChunkMeta, bytearray | memoryview | None] | None]:
         """Chunks with their metadata (owner tenant, parent, tokens, isolation), for agents
         pulling from a pool agent or a peer; None where missing or not visible to ``tenant``.
@@ -596,8 +600,20 @@ class DataClient:
         view of exactly ``meta.size_bytes`` they are received into (None: a new bytearray).
         ``arrived(i, meta, data)`` runs as each chunk lands, before the rest have arrived.
         A failing ``into`` or ``arrived`` is raised after the reply is read to its end: a
-        chunk whose view was given but which did not arrive was not (wholly) written."""
+        chunk whose view was given but which did not arrive was not (wholly) written.
+        ``checksums``, given with the payload, asks for each chunk's XXH3-64 as the agent
+        computed it from the bytes it sent, and is filled (one per key) before the first chunk
+        lands: None for a missing chunk, and for all of them where the agent does not offer
+        checksums (no ``fetch_checksum`` in its HELLO: an agent before them). Verifying is the
+        caller's, where the bytes landed (``protocol.fetch_checksum``)."""
         metas: list[ChunkMeta | None] = []
+        # asked only of an agent that offers them: one before them would take the flag for
+        # "send the payload" and answer without the checksums
+        want_checksums = (
+            payload
+            and checksums is not None
+            and self.info.get("fetch_checksum") == FETCH_CHECKSUM_NAME
+        )
         bufs: dict[int, bytearray | memoryview] = {}
 
         def sizes_of(reply: bytes) -> list[tuple[int, int]]:
@@ -623,6 +639,11 @@ class DataClient:
                 )
             if len(metas) != len(keys):
                 raise AgentError(f"FETCH reply has {len(metas)} items for {len(keys)} keys")
+            if checksums is not None:
+                sums = parse_fetch_checksums(r, len(metas)) if want_checksums else []
+                checksums[:] = [
+                    sums[i] if sums and m is not None else None for i, m in enumerate(metas)
+                ]
             if not payload:
                 return []
             return [(i, m.size_bytes) for i, m in enumerate(metas) if m is not None]
@@ -643,7 +664,8 @@ class DataClient:
             if arrived is not None and meta is not None:
                 arrived(i, meta, bufs[i])
 
-        w = MetaWriter().text(tenant).u8(1 if payload else 0).keys(keys)
+        flags = fetch_flags(payload=payload, checksums=want_checksums)
+        w = MetaWriter().text(tenant).u8(flags).keys(keys)
         self._call(Op.FETCH, w.build(), into=target, sizes_of=sizes_of, arrived=landed)
         return [None if m is None else (m, bufs.get(i)) for i, m in enumerate(metas)]
 

@@ -346,6 +346,12 @@ class SourceCollector:
                 ("calls", "calls", "Calls made to a remote source."),
                 ("errors", "errors", "Calls to a remote source that failed."),
                 ("skipped", "skipped", "Calls not made because the source's breaker was open."),
+                (
+                    "corrupt",
+                    "corrupt",
+                    "Chunks from a remote source that failed their checks (checksum, size, key, "
+                    "tenant) and were dropped: misses, never stored.",
+                ),
                 ("opens", "breaker_opens", "Times a source's circuit breaker opened."),
                 ("probes", "breaker_probes", "Half-open probes let through to a source."),
                 ("probe_failures", "breaker_probe_failures", "Half-open probes that failed."),

@@ -16,6 +16,11 @@ ended (no callback runs after it), and raises ``TierUnavailable`` if any stream 
 the chunks that landed on the others were handed over. With ``into``, the caller names where
 each chunk's bytes are received (its own reserved memory: the agent's arena), so they are read
 from the socket straight there, with no buffer of their own and no copy after.
+
+Each chunk is checked where it landed before it is handed over: its key, size and tenant, and
+its XXH3-64 against the one the sender computed from the bytes it sent (agents that offer it).
+A chunk that fails is a miss counted in ``corrupt``, never stored: its reserved view goes back
+through ``unused``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from kvctl.remote.pool import (
 )
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
+from kvctl.wire.protocol import FETCH_CHECKSUM_NAME, fetch_checksum
 
 log = logging.getLogger("kvctl.remote.agent_source")
 
@@ -95,6 +101,8 @@ class AgentSource(SplitStreams, RemotePool):
             thread_name="kvctl-pull",
         )
         self.corrupt = 0
+        #: a source without checksums was logged (once, not per pull)
+        self._unchecked_noted = False
 
     @contextmanager
     def _client(self, *, write: bool = False) -> Iterator[DataClient]:
@@ -195,6 +203,8 @@ class AgentSource(SplitStreams, RemotePool):
         ``into`` says (if it is what was asked for), checked and handed over as it lands;
         the views ``into`` gave that hold no chunk go to ``unused`` when the stream ends."""
         given: set[int] = set()  # chunks received into a view of ``into``, not landed yet
+        # each chunk's XXH3-64 as the sender computed it, filled before the first one lands
+        checksums: list[int | None] = []
 
         def target(i: int, meta: ChunkMeta) -> memoryview | None:
             if into is None or meta.key != keys[lo + i] or not visible_to(meta, tenant):
@@ -205,7 +215,7 @@ class AgentSource(SplitStreams, RemotePool):
             return view
 
         def landed(i: int, meta: ChunkMeta, data: bytearray | memoryview) -> None:
-            chunk = self._checked(keys[lo + i], meta, data, tenant)
+            chunk = self._checked(keys[lo + i], meta, data, tenant, checksums[i])
             if chunk is None:
                 return  # (still in ``given`` if it was: unused below)
             given.discard(i)
@@ -215,18 +225,39 @@ class AgentSource(SplitStreams, RemotePool):
 
         try:
             with self._client() as c:
-                c.fetch(keys[lo:hi], tenant=tenant, into=target, arrived=landed)
+                self._note_unchecked(c)
+                c.fetch(
+                    keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums
+                )
         finally:
             # this stream reads no more: what it was given and did not land is free again
             if unused is not None:
                 for i in sorted(given):
                     unused(lo + i)
 
+    def _note_unchecked(self, client: DataClient) -> None:
+        """Logs once per source that its chunks arrive without checksums (an agent before
+        them): they are taken unverified, as they were before."""
+        if self._unchecked_noted or client.info.get("fetch_checksum") == FETCH_CHECKSUM_NAME:
+            return
+        self._unchecked_noted = True
+        log.warning(
+            "%s (kvctl %s) sends no chunk checksums: its chunks are taken unverified",
+            self.address,
+            client.info.get("version", "?"),
+        )
+
     def _checked(
-        self, key: bytes, meta: ChunkMeta, data: bytearray | memoryview, tenant: str
+        self,
+        key: bytes,
+        meta: ChunkMeta,
+        data: bytearray | memoryview,
+        tenant: str,
+        checksum: int | None = None,
     ) -> PoolChunk | None:
         """The chunk, or None (a counted miss) when it is not what was asked for: another key,
-        a length that is not its declared size, or another tenant's isolated chunk."""
+        a length that is not its declared size, another tenant's isolated chunk, or bytes that
+        are not those the sender checksummed (``checksum``: its XXH3-64; None: not sent)."""
         view = memoryview(data)
         why = ""
         if meta.key != key:
@@ -235,6 +266,8 @@ class AgentSource(SplitStreams, RemotePool):
             why = f"is {view.nbytes} bytes, declared {meta.size_bytes}"
         elif not visible_to(meta, tenant):
             why = f"is isolated to another tenant than {tenant!r}"
+        elif checksum is not None and (got := fetch_checksum(view)) != checksum:
+            why = f"fails its checksum (XXH3-64 {got:016x}, the sender's {checksum:016x})"
         if not why:
             return PoolChunk(meta, view)
         with self._lock:
