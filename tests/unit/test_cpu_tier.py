@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -116,11 +117,22 @@ def test_random_puts_and_deletes_match_a_dict(ops: list[tuple[bool, int, int]]) 
         assert t.get(key) == data
 
 
-def test_resize_beyond_what_can_be_mapped_is_a_capacity_error_and_keeps_the_tier() -> None:
+def test_resize_beyond_what_can_be_mapped_is_a_capacity_error_and_keeps_the_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvctl.store.tiers import memroom
+
     tier = CpuTier(1024)
     tier.put(ChunkMeta(b"k" * 16, 100), b"x" * 100)
+    # the host's memory refuses it before any mapping is tried
+    with pytest.raises(CapacityError, match=r"cannot reserve .* keeps its capacity of 1 KiB"):
+        tier.resize(2**62)
+    # where the room cannot be read (not Linux), the mapping itself fails
+    monkeypatch.setattr(memroom, "MEMINFO", tmp_path / "no-meminfo")
+    monkeypatch.setattr(memroom, "CGROUP_ROOT", tmp_path / "no-cgroups")
+    monkeypatch.setattr(memroom, "SELF_CGROUP", tmp_path / "no-self-cgroup")
     with pytest.raises(CapacityError, match="cannot map"):
-        tier.resize(2**62)  # more address space than a process gets: mmap fails first
+        tier.resize(2**62)  # more address space than a process gets: mmap fails
     assert tier.capacity_bytes == 1024
     out = bytearray(100)
     assert tier.read_into(b"k" * 16, memoryview(out)) == 100 and out == b"x" * 100

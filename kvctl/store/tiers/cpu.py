@@ -365,6 +365,10 @@ class CpuTier(Tier):
         check_resize(self, capacity_bytes)
         try:
             self._compact(capacity_bytes)
+        except CapacityError as exc:  # more than the host can hold (memroom): checked first
+            raise CapacityError(
+                f"{exc}; it keeps its capacity of {format_bytes(self.capacity_bytes)}"
+            ) from exc
         except (OverflowError, MemoryError, OSError) as exc:
             if isinstance(exc, StoreError):
                 raise

@@ -502,7 +502,8 @@ class DiskTier(Tier):
             # a size the filesystem cannot hold is accepted silently otherwise, and every
             # demotion past its free space then fails
             raise CapacityError(
-                f"disk tier {self.name!r} cannot grow to {format_bytes(capacity_bytes)}: it "
+                f"disk tier {self.name!r} cannot grow to {format_bytes(capacity_bytes)} "
+                f"({capacity_bytes:,} bytes): it "
                 f"holds {format_bytes(self.used_bytes)} and {self.directory} has "
                 f"{format_bytes(room - self.used_bytes)} free; free space or ask for less"
             )

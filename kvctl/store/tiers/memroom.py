@@ -20,6 +20,7 @@ RESERVE_SHARE = 1 / 16
 
 MEMINFO = Path("/proc/meminfo")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+SELF_CGROUP = Path("/proc/self/cgroup")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,14 +71,12 @@ def _meminfo(path: Path) -> tuple[int, int] | None:
 _V1_UNLIMITED = 1 << 62
 
 
-def _cgroup_limits(
-    root: Path, self_cgroup: Path = Path("/proc/self/cgroup")
-) -> list[tuple[int, int, str]]:
+def _cgroup_limits(root: Path, self_cgroup: Path | None = None) -> list[tuple[int, int, str]]:
     """(limit, usage, the group's path) of this process's memory cgroup and each group above
     it that has a limit (a container's limit is often on a parent): cgroup v2's memory.max,
     else v1's memory.limit_in_bytes."""
     try:
-        lines = self_cgroup.read_text().splitlines()
+        lines = (self_cgroup or SELF_CGROUP).read_text().splitlines()
     except OSError:
         return []
     groups = dict(ln.split(":", 2)[1:] for ln in lines if ln.count(":") >= 2)
