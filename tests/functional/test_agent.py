@@ -34,6 +34,7 @@ from kvctl.wire.protocol import (
 )
 
 from .agents import key, payload, running_agent, start_agent
+from .raw_sockets import recv_exactly
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the agent's shm path is Linux")
 
@@ -205,9 +206,9 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_0(tmp_path: Path) -> 
         time.sleep(0.2)
         assert agent.proc.poll() is None
         s.sendall(data[CHUNK // 2 :])
-        head = _recv(s, HEADER_BYTES)
+        head = recv_exactly(s, HEADER_BYTES)
         _, _, op, rid, meta_len, _ = HEADER.unpack(head)
-        reply = _recv(s, meta_len)
+        reply = recv_exactly(s, meta_len)
         assert (op, rid) == (Op.PUT | 0x80, 7)
         assert reply[4] == 0  # Status.OK
     assert agent.proc.wait(20) == 0
@@ -278,14 +279,6 @@ def test_non_loopback_bind_without_token_is_refused(tmp_path: Path) -> None:
 
 
 # --- malformed input -----------------------------------------------------------------------
-def _recv(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        part = s.recv(n - len(buf))
-        if not part:
-            raise ConnectionError(f"closed after {len(buf)} of {n} bytes")
-        buf += part
-    return buf
 
 
 def _closed(s: socket.socket) -> bool:
@@ -297,9 +290,9 @@ def _closed(s: socket.socket) -> bool:
 
 
 def _read_error(s: socket.socket) -> tuple[int, str]:
-    _, _, op, _, meta_len, _ = HEADER.unpack(_recv(s, HEADER_BYTES))
+    _, _, op, _, meta_len, _ = HEADER.unpack(recv_exactly(s, HEADER_BYTES))
     assert op == Op.ERROR
-    return parse_error(_recv(s, meta_len))
+    return parse_error(recv_exactly(s, meta_len))
 
 
 def _tcp(agent) -> socket.socket:  # type: ignore[no-untyped-def]
@@ -333,7 +326,7 @@ def test_malformed_frames_get_an_error_frame_and_never_hurt_the_agent(agent) -> 
         s.sendall(b"\x00")
         assert _read_error(s)[0] == ErrorCode.BAD_REQUEST
         s.sendall(pack_header(Op.PING, 6, 0))
-        _, _, op, rid, _, _ = HEADER.unpack(_recv(s, HEADER_BYTES))
+        _, _, op, rid, _, _ = HEADER.unpack(recv_exactly(s, HEADER_BYTES))
         assert (op, rid) == (Op.PING | 0x80, 6)
 
     # truncated frames: the client vanishes mid-header and mid-payload

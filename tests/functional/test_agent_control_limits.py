@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from kvctl import http_serving
+from tests.functional.raw_sockets import closed_within
 
 from .agents import running_agent
 from .waiting import wait_until
@@ -60,20 +61,6 @@ def control() -> Iterator[tuple[str, int]]:
         sock.close()
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> bool:
-    """The server closed its end within ``seconds`` (bytes it sent before are read and
-    dropped)."""
-    sock.settimeout(seconds)
-    try:
-        while sock.recv(65536):
-            pass
-    except TimeoutError:
-        return False
-    except ConnectionError:
-        return True
-    return True
-
-
 def _trickle_until_closed(sock: socket.socket, seconds: float) -> bool:
     """Send a header byte every 0.1 s (each well within any idle timeout) until the server
     closes the connection, or ``seconds`` pass; True when it closed."""
@@ -105,7 +92,7 @@ def test_a_request_whose_headers_trickle_in_is_closed(control: tuple[str, int]) 
 
 def test_a_connection_that_sends_nothing_is_closed(control: tuple[str, int]) -> None:
     silent = socket.create_connection(control, timeout=5)
-    assert _closed_within(silent, HEADER_TIMEOUT_S + 3)
+    assert closed_within(silent, HEADER_TIMEOUT_S + 3)
     silent.close()
 
 

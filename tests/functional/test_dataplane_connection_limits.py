@@ -39,6 +39,7 @@ from kvctl.wire.protocol import (
     parse_error,
 )
 from tests.functional.agents import key, payload
+from tests.functional.raw_sockets import closed_within, recv_exactly
 from tests.functional.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="/proc and SCM_RIGHTS are Linux")
@@ -95,39 +96,17 @@ def node(tmp_path: Path) -> Iterator[Node]:
 
 def _frame(sock: socket.socket) -> tuple[int, bytes]:
     """(op, meta) of the next frame (any payload read and dropped); ConnectionError at EOF."""
-    head = _exactly(sock, HEADER_BYTES)
+    head = recv_exactly(sock, HEADER_BYTES)
     _magic, _version, op, _rid, meta_len, payload_len = HEADER.unpack(head)
-    meta = _exactly(sock, meta_len)
-    _exactly(sock, payload_len)
+    meta = recv_exactly(sock, meta_len)
+    recv_exactly(sock, payload_len)
     return op, meta
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            raise ConnectionError(f"closed after {len(out)} of {n} bytes")
-        out += got
-    return bytes(out)
 
 
 def _error(sock: socket.socket) -> tuple[int, str]:
     op, meta = _frame(sock)
     assert op == Op.ERROR, f"expected an ERROR frame, got op {op}"
     return parse_error(meta)
-
-
-def _closed(sock: socket.socket) -> bool:
-    """The agent closed its end (EOF, or a reset), seen within the socket's timeout."""
-    try:
-        while sock.recv(65536):
-            pass
-    except TimeoutError:
-        return False
-    except ConnectionError:
-        return True
-    return True
 
 
 def _hello(sock: socket.socket, token: str = TOKEN) -> None:
@@ -151,7 +130,7 @@ def test_a_connection_that_sends_no_hello_is_closed_after_the_deadline(
     started = time.monotonic()
     code, message = _error(silent)
     assert code == ErrorCode.TIMEOUT and "HELLO" in message, message
-    assert _closed(silent)
+    assert closed_within(silent)
     assert time.monotonic() - started < HELLO_TIMEOUT_S + 3
     # one that said HELLO in time may stay idle as long as it likes
     talker = node.raw(transport)
@@ -177,7 +156,7 @@ def test_a_hello_trickled_past_the_deadline_is_cut_off(node: Node) -> None:
         time.sleep(0.2)
         if time.monotonic() > deadline:
             break
-    assert cut or _closed(sock)
+    assert cut or closed_within(sock)
     sock.close()
 
 
@@ -193,7 +172,7 @@ def test_connections_past_the_cap_are_closed_at_once_and_logged_once(
         sock = node.raw()
         code, message = _error(sock)
         assert code == ErrorCode.BUSY and f"at most {MAX_CONNECTIONS}" in message, message
-        assert _closed(sock)
+        assert closed_within(sock)
         refused.append(sock)
     assert node.server.refused_connections.total == 3
     lines = [r for r in caplog.records if "data_max_connections" in r.getMessage()]
@@ -216,7 +195,7 @@ def test_silent_connections_cut_before_hello_are_logged_once(
     caplog.set_level(logging.WARNING, logger="kvctl.agent.dataplane")
     socks = [node.raw() for _ in range(3)]
     for sock in socks:
-        assert _closed(sock)
+        assert closed_within(sock)
         sock.close()
     wait_until("three cut-offs", lambda: node.server.hello_timeouts.total == 3, 10)
     lines = [r for r in caplog.records if "sent no first frame" in r.getMessage()]
@@ -244,7 +223,7 @@ def test_before_the_token_only_a_small_hello_is_read(
     got, message = _error(sock)
     assert got == code, message
     sock.settimeout(5)
-    assert _closed(sock)
+    assert closed_within(sock)
     sock.close()
     with node.client("tcp") as fine:  # and with the token, all is as before
         k = key(1)

@@ -31,20 +31,11 @@ from kvctl.wire.protocol import (
     pack_header,
 )
 from tests.functional.agents import Agent, payload, running_agent
+from tests.functional.raw_sockets import recv_exactly
 from tests.functional.test_remote import SLOW_GPU, SMALL, chain, link_costed, put_chain, remote
 from tests.functional.waiting import wait_until
 
 CHUNK_BYTES = 1 << 20
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = sock.recv(min(n - len(out), 1 << 20))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return bytes(out)
 
 
 @dataclass
@@ -78,10 +69,10 @@ class FlippingRelay:
     def _downstream(self, server: socket.socket, client: socket.socket) -> None:
         try:
             while True:
-                head = _exactly(server, HEADER_BYTES)
+                head = recv_exactly(server, HEADER_BYTES)
                 _magic, _ver, op, _rid, meta_len, payload_len = HEADER.unpack(head)
-                client.sendall(head + _exactly(server, meta_len))
-                body = bytearray(_exactly(server, payload_len))
+                client.sendall(head + recv_exactly(server, meta_len))
+                body = bytearray(recv_exactly(server, payload_len))
                 if op == Op.FETCH | REPLY_BIT and self.flipping.is_set():
                     for at in range(CHUNK_BYTES // 2, payload_len, CHUNK_BYTES):
                         body[at] ^= 0x01
@@ -213,14 +204,14 @@ def _raw_fetch(address: str, keys: list[bytes], flags: int) -> tuple[bytes, byte
     with socket.create_connection((host, int(port)), timeout=10) as s:
         hello = MetaWriter().text("").text("raw-test").build()
         s.sendall(pack_header(Op.HELLO, 1, len(hello)) + hello)
-        head = HEADER.unpack(_exactly(s, HEADER_BYTES))
-        info = _exactly(s, head[4])
+        head = HEADER.unpack(recv_exactly(s, HEADER_BYTES))
+        info = recv_exactly(s, head[4])
         assert FETCH_CHECKSUM_NAME.encode() in info  # advertised in HELLO
         meta = MetaWriter().text("t1").u8(flags).keys(keys).build()
         s.sendall(pack_header(Op.FETCH, 2, len(meta)) + meta)
-        _m, _v, op, _rid, meta_len, payload_len = HEADER.unpack(_exactly(s, HEADER_BYTES))
+        _m, _v, op, _rid, meta_len, payload_len = HEADER.unpack(recv_exactly(s, HEADER_BYTES))
         assert op == Op.FETCH | REPLY_BIT
-        return _exactly(s, meta_len), _exactly(s, payload_len)
+        return recv_exactly(s, meta_len), recv_exactly(s, payload_len)
 
 
 def _items(r: MetaReader) -> list[tuple[int, int]]:
@@ -263,14 +254,14 @@ def test_an_old_style_request_gets_the_old_reply_and_a_new_one_the_checksums(
     with socket.create_connection((host, int(port)), timeout=10) as s:
         hello = MetaWriter().text("").text("raw-test").build()
         s.sendall(pack_header(Op.HELLO, 1, len(hello)) + hello)
-        head = HEADER.unpack(_exactly(s, HEADER_BYTES))
-        _exactly(s, head[4])
+        head = HEADER.unpack(recv_exactly(s, HEADER_BYTES))
+        recv_exactly(s, head[4])
         for rid, flags in enumerate((2, 0x81, 1), start=2):
             meta = MetaWriter().text("t1").u8(flags).keys(keys).build()
             s.sendall(pack_header(Op.FETCH, rid, len(meta)) + meta)
-            _m, _v, op, _rid, meta_len, payload_len = HEADER.unpack(_exactly(s, HEADER_BYTES))
-            reply = _exactly(s, meta_len)
-            _exactly(s, payload_len)
+            _m, _v, op, _rid, meta_len, payload_len = HEADER.unpack(recv_exactly(s, HEADER_BYTES))
+            reply = recv_exactly(s, meta_len)
+            recv_exactly(s, payload_len)
             if flags == 1:
                 assert op == Op.FETCH | REPLY_BIT
             else:

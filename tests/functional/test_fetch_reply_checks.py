@@ -15,21 +15,12 @@ import pytest
 from kvctl.client import AgentError, DataClient
 from kvctl.wire.protocol import HEADER, HEADER_BYTES, REPLY_BIT, Op
 from tests.functional.agents import key, payload, running_agent
+from tests.functional.raw_sockets import recv_exactly
 
 #: where the first item's size sits in a FETCH reply's metadata: after the u32 count and the
 #: item's status byte
 SIZE_AT = 4 + 1
 CLAIMED_BYTES = 2 << 30
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            raise ConnectionError("closed")
-        out += got
-    return bytes(out)
 
 
 @pytest.fixture
@@ -54,9 +45,9 @@ def inflating_proxy(tmp_path: Path) -> Iterator[tuple[str, bytes]]:
         def downstream(server: socket.socket, client: socket.socket) -> None:
             try:
                 while True:
-                    head = _exactly(server, HEADER_BYTES)
+                    head = recv_exactly(server, HEADER_BYTES)
                     _magic, _ver, op, _rid, meta_len, payload_len = HEADER.unpack(head)
-                    meta = bytearray(_exactly(server, meta_len))
+                    meta = bytearray(recv_exactly(server, meta_len))
                     if op == Op.FETCH | REPLY_BIT and payload_len:
                         meta[SIZE_AT : SIZE_AT + 8] = struct.pack("<Q", CLAIMED_BYTES)
                     client.sendall(head + bytes(meta))
