@@ -23,6 +23,7 @@ from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from kvctl.client import AgentError, DataClient, RequestError
+from kvctl.engines.identity import model_identity
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
 from kvctl.engines.kvload import (
     KVLoader,
@@ -61,13 +62,16 @@ def layout_of(config: PretrainedConfig, dtype: torch.dtype) -> KVLayout:
 
 
 def model_id_of(config: PretrainedConfig) -> str:
+    """The id chunk keys are made from: the config's name or path, with the hub commit
+    transformers loaded it at, or a fingerprint of a local directory's weights (identity)."""
     name = getattr(config, "name_or_path", "") or ""
     if not name:
         raise InvalidArgument(
             "the model config has no name_or_path; pass model_id= (it must identify the weights: "
             "two models sharing an id would share KV)"
         )
-    return str(name)
+    commit = getattr(config, "_commit_hash", None)
+    return model_identity(str(name), revision=str(commit) if commit else None)
 
 
 @dataclass

@@ -60,6 +60,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvctl.engines.identity import model_identity
 from kvctl.engines.vllm_paged import kv_layout
 from kvctl.engines.vllm_plan import (
     AgentLink,
@@ -220,7 +221,10 @@ class KvctlConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.from_extra(transfer.kv_connector_extra_config)
         layout = engine_layout(vllm_config)
         self.block_size = int(vllm_config.cache_config.block_size)
-        model_id = str(vllm_config.model_config.model)
+        # the weights' identity too: a revision, or a local directory's weights fingerprint
+        model_config = vllm_config.model_config
+        revision = getattr(model_config, "revision", None)
+        model_id = model_identity(str(model_config.model), revision=revision or None)
 
         def link() -> AgentLink:
             return AgentLink.from_settings(
