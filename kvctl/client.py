@@ -198,9 +198,11 @@ class DataClient:
         # reentrant: a thread inside a ``leased()`` block may make other calls on its client
         self._lock = threading.RLock()
         self._rid = 0
-        #: leases a ``release_later`` block left held: released before this client's next
-        #: call, or by ``release_pending``
-        self._unreleased: list[int] = []
+        #: leases a ``release_later`` block or ``hold`` left held, by the thread that took
+        #: them: released before that thread's next call on this client, or by its
+        #: ``release_pending``. Engines sharing a client each keep theirs: another engine's
+        #: call must not end leases whose bytes a layer-wise copy is still reading.
+        self._unreleased: dict[int, list[int]] = {}
         self._fds: list[int] = []
         self._arena: mmap.mmap | None = None
         self._arena_gen = -1
@@ -524,7 +526,7 @@ class DataClient:
                 yield found, self._arena_leases(leases)
             finally:
                 if release_later:
-                    self._unreleased.extend(held)
+                    self._pend(held)
                 else:
                     self._release_locked(held)
 
@@ -539,7 +541,7 @@ class DataClient:
         ttl = self._lease_ttl(ttl_s)
         with self._lock:
             leases, held = self._lease_locked(keys, tenant, ttl, keep_pending=True)
-            self._unreleased.extend(held)
+            self._pend(held)
             return self._arena_leases(leases)
 
     def release_pending(self) -> None:
@@ -547,8 +549,23 @@ class DataClient:
         with self._lock:
             self._release_pending_locked()
 
+    def pending_leases(self) -> int:
+        """Leases ``release_later`` blocks and ``hold`` left held, of every thread."""
+        with self._lock:
+            return sum(len(ids) for ids in self._unreleased.values())
+
+    def _pend(self, held: list[int]) -> None:
+        self._unreleased.setdefault(threading.get_ident(), []).extend(held)
+
     def _release_pending_locked(self) -> None:
-        held, self._unreleased = self._unreleased, []
+        """Release this thread's pending leases, and those of threads that have ended."""
+        me = threading.get_ident()
+        others = [i for i in self._unreleased if i != me]
+        alive = {t.ident for t in threading.enumerate()} if others else set()
+        held: list[int] = self._unreleased.pop(me, [])
+        for ident in others:
+            if ident not in alive:
+                held += self._unreleased.pop(ident)
         self._release_locked(held)
 
     def _lease_ttl(self, ttl_s: float | None) -> float:
@@ -771,7 +788,7 @@ class DataClient:
         if self.closed:
             raise AgentError("this client is closed")
         if self._unreleased and op != Op.RELEASE and not keep_pending:
-            self._release_pending_locked()
+            self._release_pending_locked()  # this thread's (another engine's stay held)
         self._rid = (self._rid + 1) & 0xFFFFFFFF
         total = sum(v.nbytes for v in payload)
         try:

@@ -222,3 +222,49 @@ def test_the_local_lookup_lease_is_the_lookup_lease_where_everything_is_local(no
                 payload(k, CHUNK) for k in chain[:3]
             ]
         wait_until("the leases released", lambda: node.leases() == 0)
+
+
+def test_another_threads_call_on_a_shared_client_leaves_this_threads_leases_held(
+    node: Node,
+) -> None:
+    """Two engines share one client (it is thread-safe): engine B's call must not release the
+    leases engine A's layer-wise copies still read (a review saw A copy its last layers from
+    regions the agent had reused, a wrong answer nobody noticed). A thread's own next call, or
+    its release_pending, still releases them; so does any call once that thread has ended."""
+    import threading
+
+    chain = [key(i, 5) for i in range(3)]
+    for i, k in enumerate(chain):
+        node.store.put(k, payload(k, CHUNK), parent=chain[i - 1] if i else None, tokens=16)
+    with DataClient.connect(node.sock) as shared:
+        took = threading.Event()
+        done = threading.Event()
+
+        def engine_a() -> None:
+            with shared.lookup_leased(chain, release_later=True) as (found, _):
+                assert found.matched_chunks == 3
+            took.set()
+            done.wait(10)  # its copies run here
+            shared.release_pending()
+
+        a = threading.Thread(target=engine_a)
+        a.start()
+        assert took.wait(10)
+        shared.ping()  # engine B's call, from its own thread
+        shared.lookup(chain)
+        assert node.leases() == 3 and shared.pending_leases() == 3
+        done.set()
+        a.join(10)
+        wait_until("A released its own", lambda: node.leases() == 0)
+
+        def leaves_leases() -> None:
+            with shared.lookup_leased(chain, release_later=True):
+                pass
+
+        gone = threading.Thread(target=leaves_leases)
+        gone.start()
+        gone.join(10)
+        assert node.leases() == 3  # held after its thread ended...
+        shared.ping()
+        wait_until("released by the next call", lambda: node.leases() == 0)
+        assert shared.pending_leases() == 0

@@ -258,9 +258,9 @@ def test_a_resize_between_slices_keeps_the_earlier_slices_pending(tmp_path: Path
             node.store.resize("cpu", 2 << 20)  # a new arena generation
             second = d.hold([b])
             assert second.generation != first.generation
-            assert len(d._unreleased) == 2  # both lease ids still to be released
+            assert d.pending_leases() == 2  # both lease ids still to be released
             d.release_pending()
-            assert not d._unreleased
+            assert not d.pending_leases()
     finally:
         node.close()
 

@@ -492,7 +492,7 @@ def test_the_connector_class_saves_and_loads_through_the_agent(
     worker_b.wait_for_save()
     assert worker_b.get_block_ids_with_load_errors() == set()
     assert torch.equal(paged_b.gather(blocks_b, 0, 96), kv[:, :, :, :96])
-    assert worker_b.link.get()._unreleased == []  # type: ignore[union-attr]  # leases released
+    assert worker_b.link.get().pending_leases() == 0  # type: ignore[union-attr]  # leases released
     for c in (sched, sched_b, worker_b):
         c.shutdown()
 
@@ -660,7 +660,7 @@ def test_a_layerwise_load_writes_each_layer_when_its_attention_asks(
                 torch.cuda._sleep(200_000_000)  # ~0.1 s: the copies land well after the ask
         assert b.worker.queue_loads([load])
         client = b.worker.link.get()
-        assert client is not None and client._unreleased  # held under the forward pass
+        assert client is not None and client.pending_leases()  # held under the forward pass
         assert all(untouched(b.paged, blocks, i) for i in range(3))  # nothing written yet
         b.worker.wait_layer(layer(1))  # asked out of order: only that layer is written
         got = b.paged.gather(blocks, 0, 96)
@@ -672,7 +672,7 @@ def test_a_layerwise_load_writes_each_layer_when_its_attention_asks(
         ((spec, outcome),) = b.worker.finish_loads()
         assert spec is load and outcome.loaded_tokens == 96 and not outcome.failed_block_ids
         assert torch.equal(b.paged.gather(blocks, 0, 96), kv[:, :, :, :96])
-        assert client._unreleased == [] and b.worker.finish_loads() == []
+        assert client.pending_leases() == 0 and b.worker.finish_loads() == []
         # a forward pass that skipped a layer's ask (a full CUDA graph replayed) ran that
         # attention on unfilled blocks: the load is failed whole, for vLLM to recompute
         blocks2 = [0, 1, 2, 3, 4, 5, 6]
@@ -681,7 +681,7 @@ def test_a_layerwise_load_writes_each_layer_when_its_attention_asks(
         b.worker.wait_layer(layer(0))
         ((_, outcome),) = b.worker.finish_loads()
         assert outcome.loaded_tokens == 0 and outcome.failed_block_ids == set(blocks2[:6])
-        assert untouched(b.paged, blocks2, 1) and client._unreleased == []
+        assert untouched(b.paged, blocks2, 1) and client.pending_leases() == 0
     finally:
         a.close()
         b.close()
@@ -712,7 +712,7 @@ def test_a_step_of_two_requests_queues_both_or_neither(agent: Agent) -> None:
             assert ctl.evict([load4.keys[2]])["done"] == 1
         assert not b.worker.queue_loads([load3, load4])
         client = b.worker.link.get()
-        assert client is not None and client._unreleased == []
+        assert client is not None and client.pending_leases() == 0
         assert b.worker.finish_loads() == []
         assert not b.worker.load(load3).failed_block_ids
         assert b.worker.load(load4).failed_block_ids == {blocks_4[4], blocks_4[5]}
@@ -757,7 +757,7 @@ def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
             assert worker.get_block_ids_with_load_errors() == set(blocks[:6])
             worker._saver.drain()  # type: ignore[union-attr]
             assert worker._worker.failures.dropped_chunks == 2  # type: ignore[union-attr]
-            assert worker.link.get()._unreleased == []  # type: ignore[union-attr]
+            assert worker.link.get().pending_leases() == 0  # type: ignore[union-attr]
         finally:
             for c in (sched, worker):
                 c.shutdown()
