@@ -13,6 +13,7 @@ device work on this thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import queue
@@ -105,6 +106,11 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def _left(deadline_s: float | None) -> float | None:
+    """Seconds to ``deadline_s`` (monotonic; None: no deadline), never below 0."""
+    return None if deadline_s is None else max(0.0, deadline_s - time.monotonic())
+
+
 class WriteBehind:
     """One writer thread and connection per engine; jobs are written in the order given."""
 
@@ -136,22 +142,26 @@ class WriteBehind:
         return job.future
 
     def flush(self, timeout_s: float | None = None) -> bool:
-        """Wait until every job queued so far is written; False on timeout."""
+        """Wait until every job queued so far is written; False on timeout. The timeout holds
+        from the start: a full queue behind a hung agent waits no longer than it."""
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
         marker = StoreJob("", (), (), (), 0, 0, pack=lambda i: b"")
         self._start()
-        self._jobs.put(marker)  # waits while the queue is full: flushing is waiting
         try:
-            marker.future.result(timeout=timeout_s)
-        except TimeoutError:
+            self._jobs.put(marker, timeout=_left(deadline_s))  # flushing is waiting
+            marker.future.result(timeout=_left(deadline_s))
+        except (TimeoutError, queue.Full):
             return False
         return True
 
     def close(self, timeout_s: float = 30.0) -> None:
+        deadline_s = time.monotonic() + timeout_s
         with self._lock:
             thread, self._thread = self._thread, None
         if thread is not None:
-            self._jobs.put(None)
-            thread.join(timeout_s)
+            with contextlib.suppress(queue.Full):  # the thread is told, or left running below
+                self._jobs.put(None, timeout=_left(deadline_s))
+            thread.join(_left(deadline_s))
             if thread.is_alive():
                 # still writing: closing its connection now would unmap (and, on CUDA,
                 # unregister) the staging segment under its copy; it closes with the process

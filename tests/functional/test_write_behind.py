@@ -226,3 +226,27 @@ def test_runs_of_a_job_with_gaps_are_packed_apart_in_order(tmp_path: Path) -> No
         assert (stored.chunks, runs) == (4, [(0, 2), (4, 2)])
         assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
         writer.close()
+
+
+def test_flush_and_close_keep_their_timeouts_behind_a_full_queue(tmp_path: Path) -> None:
+    """The writer is stuck (a hung agent) and its queue is full: flush(t) and close(t) return
+    within about t instead of first waiting for room in the queue (a review saw flush(5) take
+    65 s and close() 39 s)."""
+    with running_agent(tmp_path) as agent, agent.data("unix") as client:
+        writer = WriteBehind(client, max_pending_jobs=1)
+        gate = threading.Event()
+        first = writer.submit(_job([key(0)], prepare=gate))  # the writer is stuck in it
+        deadline = time.monotonic() + 10
+        while writer._jobs.qsize() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        writer.submit(_job([key(1)]))  # fills the queue
+        t0 = time.monotonic()
+        assert writer.flush(0.5) is False
+        flushed_s = time.monotonic() - t0
+        t0 = time.monotonic()
+        writer.close(timeout_s=0.5)
+        closed_s = time.monotonic() - t0
+        gate.set()
+        assert first.result(timeout=30).chunks == 1
+        assert flushed_s < 5 and closed_s < 5, (flushed_s, closed_s)
+        writer.close()
