@@ -13,12 +13,14 @@ device work on this thread.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import mmap
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -106,6 +108,20 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+#: at exit, how long the writers may take together to write what was handed to them
+EXIT_WAIT_SECONDS = 10.0
+#: writers whose thread runs: closed at exit (their daemon threads would otherwise be stopped
+#: mid-job, losing what was queued, and a thread stopped inside torch aborts the process)
+_LIVE: weakref.WeakSet[WriteBehind] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    deadline_s = time.monotonic() + EXIT_WAIT_SECONDS
+    for writer in list(_LIVE):
+        writer.close(timeout_s=_left(deadline_s) or 0.0)
+
+
 def _left(deadline_s: float | None) -> float | None:
     """Seconds to ``deadline_s`` (monotonic; None: no deadline), never below 0."""
     return None if deadline_s is None else max(0.0, deadline_s - time.monotonic())
@@ -181,6 +197,7 @@ class WriteBehind:
                     target=self._run, name="kvctl-write-behind", daemon=True
                 )
                 self._thread.start()
+                _LIVE.add(self)
 
     def _run(self) -> None:
         while True:

@@ -250,3 +250,35 @@ def test_flush_and_close_keep_their_timeouts_behind_a_full_queue(tmp_path: Path)
         assert first.result(timeout=30).chunks == 1
         assert flushed_s < 5 and closed_s < 5, (flushed_s, closed_s)
         writer.close()
+
+
+_EXITS_AT_ONCE = textwrap.dedent(
+    """
+    import sys
+    from kvctl.client import DataClient
+    from kvctl.engines.writebehind import StoreJob, WriteBehind
+    from tests.functional.agents import key, payload
+
+    client = DataClient.connect(sys.argv[1])
+    writer = WriteBehind(client, max_pending_jobs=8)
+    for j in range(3):
+        keys = [key(n, space=9) for n in range(j * 40, j * 40 + 40)]
+        writer.submit(StoreJob("t", keys, list(range(40)), [None] * 40, 16, 65536,
+                               pack=lambda i, keys=keys: payload(keys[i], 65536)))
+    sys.exit(0)  # no flush, no close: what was handed over must still be written
+    """
+)
+
+
+def test_what_an_engine_handed_over_is_written_when_it_exits(tmp_path: Path) -> None:
+    with running_agent(tmp_path) as agent:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        proc = subprocess.run(
+            [sys.executable, "-c", _EXITS_AT_ONCE, str(agent.state.data_unix)],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        with agent.data("unix") as client:
+            keys = [key(n, space=9) for n in range(120)]
+            assert all(t is not None for t in client.exists(keys, tenant="t"))
+            assert all(bytes(client.get(k, tenant="t")) == payload(k, 65536) for k in keys[::17])
