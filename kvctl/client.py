@@ -264,13 +264,19 @@ class DataClient:
         client._reconnect_args = (address, token, timeout_s, use_shm)
         return client
 
-    def reconnect(self) -> DataClient:
+    def reconnect(self, *, hello_timeout_s: float | None = None) -> DataClient:
         """A new, independent connection to the same agent with the same settings (e.g. for a
-        background writer, so its puts never hold up this connection's reads)."""
+        background writer, so its puts never hold up this connection's reads).
+        ``hello_timeout_s``: how long the connection and its HELLO may take (a hung agent
+        costs no more), the usual timeout applying after."""
         if self._reconnect_args is None:
             raise AgentError("this client was not made by DataClient.connect; connect anew")
         address, token, timeout_s, use_shm = self._reconnect_args
-        return DataClient.connect(address, token=token, timeout_s=timeout_s, use_shm=use_shm)
+        first_s = timeout_s if hello_timeout_s is None else min(hello_timeout_s, timeout_s)
+        fresh = DataClient.connect(address, token=token, timeout_s=first_s, use_shm=use_shm)
+        fresh._sock.settimeout(timeout_s)
+        fresh._reconnect_args = self._reconnect_args
+        return fresh
 
     # --- public API -------------------------------------------------------------------------
     def ping(self) -> float:

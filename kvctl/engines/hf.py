@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 REPORT_SAMPLES = 16
 #: fetches smaller than this say more about a round trip than about the link
 MIN_RATE_BYTES = 4 << 20
+#: a lost agent connection is tried again at most this often (requests prefill meanwhile)
+RECONNECT_INTERVAL_SECONDS = 2.0
+#: how long such a try may wait on the agent: a hung one costs a request no more
+RECONNECT_HELLO_SECONDS = 1.0
 
 
 def layout_of(config: PretrainedConfig, dtype: torch.dtype) -> KVLayout:
@@ -208,6 +212,8 @@ class CachedLM:
                 "chunk_tokens or raise the agent's max_chunk_bytes"
             )
         self._namespaces: dict[str, Namespace] = {}
+        #: the earliest next try to connect again after the connection was lost (monotonic)
+        self._next_reconnect_s = 0.0
         self.loader = KVLoader(self.format, self.device)
         self.loader.reserve(reserve_tokens // self.chunk_tokens)
         params = inspect.signature(model.forward).parameters
@@ -238,7 +244,25 @@ class CachedLM:
 
     @property
     def client(self) -> DataClient | None:
+        """The agent connection; one lost (the agent restarted, or failed a call) is made
+        again, tried at most every RECONNECT_INTERVAL_SECONDS, so reuse resumes by itself."""
+        client = self._client
+        if client is not None and client.closed:
+            self._reconnect(client)
         return self._client
+
+    def _reconnect(self, lost: DataClient) -> None:
+        now_s = time.monotonic()
+        if now_s < self._next_reconnect_s:
+            return  # meanwhile requests prefill in full, as with no agent
+        self._next_reconnect_s = now_s + RECONNECT_INTERVAL_SECONDS
+        try:
+            fresh = lost.reconnect(hello_timeout_s=RECONNECT_HELLO_SECONDS)
+        except AgentError as exc:
+            log.info("kvctl agent still unreachable, prefilling in full: %s", exc)
+            return
+        log.info("kvctl agent connection made again: reusing KV")
+        self.client = fresh
 
     @client.setter
     def client(self, client: DataClient | None) -> None:

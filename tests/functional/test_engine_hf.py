@@ -322,6 +322,30 @@ def test_an_agent_that_dies_costs_reuse_not_the_answer(tmp_path: Path) -> None:
         assert again.reused_chunks == 3 and torch.equal(again.logits, want)
 
 
+def test_reuse_resumes_by_itself_once_the_agent_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent dies and is restarted on the same data dir: the engine connects again by
+    itself (a review's engine reused nothing until someone set a new client by hand)."""
+    from kvctl.engines import hf
+
+    monkeypatch.setattr(hf, "RECONNECT_INTERVAL_SECONDS", 0.0)
+    model = build_model("tiny-llama", seed=7)
+    ids = _tokens(CHUNK * 3 + 5, 17)
+    data_dir = tmp_path / "a"
+    with running_agent(data_dir, "--config", str(_config(tmp_path))) as agent:
+        lm = CachedLM(model, agent.data("unix"), chunked_prefill=True)
+        assert lm.prefill(ids).stored_chunks == 3
+        agent.kill9()
+        assert lm.prefill(ids).reused_chunks == 0  # the connection is lost here
+    with running_agent(data_dir, "--config", str(_config(tmp_path))):
+        lm.prefill(ids)  # connects again; the new agent's memory is empty: stores again
+        assert lm.flush(30)
+        again = lm.prefill(ids)
+        assert again.reused_chunks == 3
+    lm.close()
+
+
 def test_chunks_the_agent_holds_are_not_stored_again(tmp_path: Path) -> None:
     model = build_model("tiny-llama", seed=9)
     ids = _tokens(CHUNK * 3, 17)  # ends on a chunk boundary: the last chunk is never reused
