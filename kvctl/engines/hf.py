@@ -51,8 +51,10 @@ log = logging.getLogger(__name__)
 REPORT_SAMPLES = 16
 #: fetches smaller than this say more about a round trip than about the link
 MIN_RATE_BYTES = 4 << 20
-#: a lost agent connection is tried again at most this often (requests prefill meanwhile)
+#: a lost agent connection is tried again at most this often (requests prefill meanwhile),
+#: the wait doubling after each failed try up to RECONNECT_MAX_INTERVAL_SECONDS
 RECONNECT_INTERVAL_SECONDS = 2.0
+RECONNECT_MAX_INTERVAL_SECONDS = 60.0
 #: how long such a try may wait on the agent: a hung one costs a request no more
 RECONNECT_HELLO_SECONDS = 1.0
 
@@ -212,8 +214,10 @@ class CachedLM:
                 "chunk_tokens or raise the agent's max_chunk_bytes"
             )
         self._namespaces: dict[str, Namespace] = {}
-        #: the earliest next try to connect again after the connection was lost (monotonic)
+        #: the earliest next try to connect again after the connection was lost (monotonic),
+        #: and the wait after the next failed try (0: the first, RECONNECT_INTERVAL_SECONDS)
         self._next_reconnect_s = 0.0
+        self._reconnect_wait_s = 0.0
         self.loader = KVLoader(self.format, self.device)
         self.loader.reserve(reserve_tokens // self.chunk_tokens)
         params = inspect.signature(model.forward).parameters
@@ -255,12 +259,17 @@ class CachedLM:
         now_s = time.monotonic()
         if now_s < self._next_reconnect_s:
             return  # meanwhile requests prefill in full, as with no agent
-        self._next_reconnect_s = now_s + RECONNECT_INTERVAL_SECONDS
+        # each failed try doubles the wait: a hung agent (its HELLO times out) costs a request
+        # RECONNECT_HELLO_SECONDS once a minute at most, not every few seconds
+        wait_s = self._reconnect_wait_s or RECONNECT_INTERVAL_SECONDS
         try:
             fresh = lost.reconnect(hello_timeout_s=RECONNECT_HELLO_SECONDS)
         except AgentError as exc:
+            self._next_reconnect_s = time.monotonic() + wait_s  # from the try's end
+            self._reconnect_wait_s = min(2 * wait_s, RECONNECT_MAX_INTERVAL_SECONDS)
             log.info("kvctl agent still unreachable, prefilling in full: %s", exc)
             return
+        self._reconnect_wait_s = 0.0
         log.info("kvctl agent connection made again: reusing KV")
         self.client = fresh
 

@@ -10,6 +10,7 @@ one bf16 step (7.8e-3) on these models.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -343,6 +344,33 @@ def test_reuse_resumes_by_itself_once_the_agent_is_back(
         assert lm.flush(30)
         again = lm.prefill(ids)
         assert again.reused_chunks == 3
+    lm.close()
+
+
+def test_tries_to_reach_a_lost_agent_back_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the agent stays away each failed try doubles the wait before the next: a hung
+    agent (each try waits out its HELLO) costs requests a try a minute at most, not one every
+    interval."""
+    import logging
+
+    from kvctl.engines import hf
+
+    monkeypatch.setattr(hf, "RECONNECT_INTERVAL_SECONDS", 0.1)
+    model = build_model("tiny-llama", seed=7)
+    with running_agent(tmp_path / "a", "--config", str(_config(tmp_path))) as agent:
+        lm = CachedLM(model, agent.data("unix"), chunked_prefill=True)
+        agent.kill9()
+        lm.prefill(_tokens(CHUNK + 3, 19))  # the connection is lost here
+    with caplog.at_level(logging.INFO, logger=hf.log.name):
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            assert lm.client is not None and lm.client.closed
+            time.sleep(0.01)
+    tries = sum("still unreachable" in r.getMessage() for r in caplog.records)
+    # tries at about 0, 0.1, 0.3, 0.7 and 1.5 s: 5 (every 0.1 s it would be about 20)
+    assert 3 <= tries <= 7, tries
     lm.close()
 
 
