@@ -339,9 +339,12 @@ class CachedLM:
         *,
         overlap: bool,
         spent_s: float = 0.0,
+        looked: tuple[int, list[str | None]] | None = None,
     ) -> Prefill:
         """``spent_s``: seconds an earlier try of this request took (``layerwise``'s redo),
-        counted in this one's lookup time so the time to first token holds them."""
+        counted in this one's lookup time so the time to first token holds them; ``looked``:
+        that try's lookup (chunks matched, their tiers), read again without a second lookup,
+        which the agent would count as another request's hits."""
         # the last prompt token is always computed: its logits are the answer
         reusable = keys[: (len(ids) - 1) // self.chunk_tokens]
 
@@ -352,7 +355,8 @@ class CachedLM:
         try:
             leased = None
             if (
-                client is not None
+                looked is None
+                and client is not None
                 and client.shm
                 and reusable
                 and client is not self._no_lookup_lease
@@ -362,7 +366,7 @@ class CachedLM:
             if leased is not None:
                 matched, locations, cache, reused, path, t1, copies = leased
             else:
-                matched, locations = self._lookup(reusable, tenant)
+                matched, locations = looked or self._lookup(reusable, tenant)
                 t1 = time.perf_counter()
                 cache, reused, path = self._fetch(reusable[:matched], tenant)
             tiers = [t for t in locations[:reused] if t is not None]
@@ -401,7 +405,9 @@ class CachedLM:
             log.warning("a lease ran out before its layer-wise copy ended: prefilling again")
             self.layerwise_redos += 1
             spent_s += time.perf_counter() - t0
-            return self._prefill(ids, keys, tenant, overlap=False, spent_s=spent_s)
+            return self._prefill(
+                ids, keys, tenant, overlap=False, spent_s=spent_s, looked=(matched, locations)
+            )
         # the copy out of the shared arena alone (what is left of the fetch is per request)
         copied = self.loader.last_copy
         if copies is not None and reused:

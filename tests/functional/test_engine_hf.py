@@ -215,7 +215,8 @@ def test_a_lease_that_runs_out_under_a_layerwise_copy_costs_a_second_prefill(
     ids = _tokens(CHUNK * 3 + 5, 23)
     config = tmp_path / "agent.toml"
     config.write_text(f"[agent]\nchunk_tokens = {CHUNK}\nlease_seconds = 0.3\n")
-    with _layerwise_engine(tmp_path, model, ids, config) as (_agent, lm):
+    with _layerwise_engine(tmp_path, model, ids, config) as (agent, lm):
+        before = agent.control().stats()["stats"]
         stalls = [0.6]  # the first forward pass stalls past the lease after layer 0's copy
 
         def stall(_module: Any, _args: Any) -> None:
@@ -229,6 +230,10 @@ def test_a_lease_that_runs_out_under_a_layerwise_copy_costs_a_second_prefill(
             handle.remove()
         assert lm.layerwise_redos == 1
         assert got.reused_chunks == 3  # the second try's leases held
+        # one request, one lookup: the redo reads again without being counted again
+        after = agent.control().stats()["stats"]
+        assert after["lookups"] - before["lookups"] == 1
+        assert after["hit_chunks"] - before["hit_chunks"] == 3
         assert got.timings["redo_seconds"] >= 0.6 and got.lookup_seconds >= 0.6
         assert got.ttft_seconds >= 0.6
         baseline = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True)
