@@ -635,7 +635,9 @@ def _render_remote(report: dict[str, Any]) -> None:
             soft_wrap=True,
         )
         return
-    table = Table("source", "state", "RTT", "bandwidth", "override", "in/out", "errors")
+    table = Table(
+        "source", "state", "RTT", "bandwidth", "override", "in/out", "errors", "late/corrupt"
+    )
     down: list[str] = []
     for src in [report["pool"], *report["peers"]]:
         if src is None:
@@ -648,15 +650,25 @@ def _render_remote(report: dict[str, Any]) -> None:
             *_link_cells(src["link"]),
             f"{src['chunks_in']:,}/{src['chunks_out']:,}",
             str(src["errors"]),
+            # answers too late for a lookup, and chunks that failed their check on arrival
+            f"{src.get('late', 0):,}/{src.get('corrupt', 0):,}",
         )
     console.print(table)
     for line in down:
         console.print(f"[red]last error[/] {line}", highlight=False)
     usage = report.get("pool_usage")
     if usage:
+        pool = report.get("pool") or {}
+        read_s = report.get("pool_usage_read_s")
+        # kept from the last read: through an outage it says how old it is
+        stale = (
+            f" [yellow](read {time.time() - read_s:.0f} s ago; the pool is not answering)[/]"
+            if read_s is not None and not pool.get("up", True)
+            else ""
+        )
         console.print(
             f"pool: {format_bytes(usage['used_bytes'])} of {format_bytes(usage['capacity_bytes'])}"
-            f", {usage['chunks']:,} chunks",
+            f", {usage['chunks']:,} chunks{stale}",
             highlight=False,
         )
     index = report.get("index")

@@ -728,6 +728,8 @@ class RemoteTiers:
         self._usage_every_s = usage_every_s
         self._measure_every_s = measure_every_s
         self._pool_usage: PoolUsage | None = None
+        #: when ``_pool_usage`` was read (epoch seconds): it is kept through an outage
+        self._pool_usage_read_s: float | None = None
         #: per (tenant, key) a lookup took from a source: that source, and how the lookup
         #: counted the hit (consumed by the tenant's pull that follows it)
         self._hints: OrderedDict[tuple[str, bytes], _Hint] = OrderedDict()
@@ -1279,7 +1281,7 @@ class RemoteTiers:
                 pool = self.pool
                 usage = pool.call("usage", pool.backend.usage, moved_bytes=_no_bytes)
                 if usage is not None:
-                    self._pool_usage = usage
+                    self._pool_usage, self._pool_usage_read_s = usage, time.time()
                 next_usage = now + self._usage_every_s
             self._stop.wait(_MONITOR_TICK_S)
 
@@ -1330,6 +1332,7 @@ class RemoteTiers:
         return {
             "pool": None if self.pool is None else self.pool.status(),
             "pool_usage": None if self._pool_usage is None else self._pool_usage.as_dict(),
+            "pool_usage_read_s": self._pool_usage_read_s,
             "peers": [s.status() for s in self.peers],
             # which peers the lookups probed: the fleet index's breaker and counters, or None
             "index": self.index_status(),
