@@ -175,14 +175,19 @@ class Collector:
         try:
             self._known_nodes = self.nodes()
         except SQLAlchemyError as exc:
-            self._db_failed(report, "cannot read the inventory, scraping the nodes last read", exc)
+            self._db_failed(
+                report,
+                "database unavailable: cannot read the inventory, scraping the nodes last read",
+                exc,
+            )
         return self._known_nodes
 
     def _db_failed(self, report: CycleReport, what: str, exc: SQLAlchemyError) -> None:
+        """A cycle the database failed: counted, in the report's warnings and the log."""
         self.metrics.db_errors.inc()
         report.written = False
-        report.warnings.append(f"database unavailable: {what}: {exc.__cause__ or exc}")
-        log.error("database unavailable: %s: %s", what, exc)
+        report.warnings.append(f"{what}: {exc.__cause__ or exc}")
+        log.error("%s: %s", what, exc)
 
     def _client(self, node: NodeInfo) -> AgentClient:
         client = self._clients.get(node.id)
@@ -298,7 +303,11 @@ class Collector:
         except SQLAlchemyError as exc:
             # increases are counted from the counters' last saved state: nothing is lost by
             # waiting for it, where guessing it would count a restart's counters twice
-            self._db_failed(report, "cannot read the counters' last state, cycle skipped", exc)
+            self._db_failed(
+                report,
+                "database unavailable: cannot read the counters' last state, cycle skipped",
+                exc,
+            )
             report.seconds = time.perf_counter() - t0
             return report
         deadline_s = self.config.interval_s * 0.9
@@ -429,12 +438,8 @@ class Collector:
             self._counted_elsewhere(exc, report)
             return
         except SQLAlchemyError as exc:
-            self.metrics.db_errors.inc()
-            report.written = False
-            report.warnings.append(
-                f"database refused the batch, will retry: {exc.__cause__ or exc}"
-            )
-            log.error("database write failed, keeping %d rows for retry: %s", self._count(), exc)
+            what = f"database refused the batch, keeping {self._count()} rows for retry"
+            self._db_failed(report, what, exc)
             self._trim_pending()
             return
         for table, batch in self._pending.items():
