@@ -21,11 +21,8 @@ from typing import Any
 import pytest
 
 from kvctl.agent import dataplane
-from kvctl.agent.dataplane import DataPlaneServer
-from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
 from kvctl.client import DataClient, RequestError
-from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.wire.protocol import (
     HEADER,
@@ -39,6 +36,7 @@ from kvctl.wire.protocol import (
     parse_error,
 )
 from tests.functional.agents import key, payload
+from tests.functional.inprocess_node import InProcessNode
 from tests.functional.raw_sockets import closed_within, recv_exactly
 from tests.functional.waiting import wait_until
 
@@ -50,19 +48,18 @@ MAX_CONNECTIONS = 4
 REPLY = 0x80
 
 
-class Node:
+class Node(InProcessNode):
     def __init__(self, tmp_path: Path, **settings: Any) -> None:
         config = AgentSettings(
             name="limits", data_dir=str(tmp_path), cpu_bytes=4 << 20, token=TOKEN, **settings
         )
-        self.store = TieredStore([CpuTier(4 << 20, shared=True)], chunk_tokens=config.chunk_tokens)
-        self.runtime = AgentRuntime(config, self.store)
-        self.server = DataPlaneServer(
-            self.runtime, max_connections=MAX_CONNECTIONS, hello_timeout_s=HELLO_TIMEOUT_S
+        super().__init__(
+            tmp_path,
+            config,
+            [CpuTier(4 << 20, shared=True)],
+            max_connections=MAX_CONNECTIONS,
+            hello_timeout_s=HELLO_TIMEOUT_S,
         )
-        self.unix = str(self.server.listen_unix(tmp_path / "data.sock"))
-        self.tcp = self.server.listen_tcp("127.0.0.1", 0)
-        self.server.start()
 
     def client(self, transport: str = "unix") -> DataClient:
         address = self.unix if transport == "unix" else f"{self.tcp[0]}:{self.tcp[1]}"
@@ -75,16 +72,6 @@ class Node:
             sock.connect(self.unix)
             return sock
         return socket.create_connection(self.tcp, timeout=10)
-
-    def leases(self) -> int:
-        return int(self.store.snapshot()["leases"])
-
-    def lookups(self) -> int:
-        return int(self.store.snapshot()["stats"]["lookups"])
-
-    def close(self) -> None:
-        self.server.stop()
-        self.runtime.close()
 
 
 @pytest.fixture

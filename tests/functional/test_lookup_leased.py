@@ -12,41 +12,27 @@ from typing import Any
 import pytest
 
 from kvctl.agent import dataplane
-from kvctl.agent.dataplane import DataPlaneServer
-from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
 from kvctl.client import AgentError, DataClient, RequestError
-from kvctl.store.store import TieredStore
+from kvctl.store.tiers.base import Tier
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from kvctl.wire.protocol import ErrorCode, Op
 from tests.functional.agents import key, payload
+from tests.functional.inprocess_node import InProcessNode
 from tests.functional.waiting import wait_until
 
 CHUNK = 64 << 10
 
 
-class Node:
+class Node(InProcessNode):
     def __init__(self, tmp_path: Path, cpu_bytes: int = 1 << 20, **settings: Any) -> None:
         config = AgentSettings(
             name="ll", data_dir=str(tmp_path), cpu_bytes=cpu_bytes, shm=True, **settings
         )
-        self.store = TieredStore(
-            [CpuTier(cpu_bytes, shared=True), DiskTier(tmp_path / "d", 8 << 20)],
-            chunk_tokens=config.chunk_tokens,
-        )
-        self.runtime = AgentRuntime(config, self.store)
-        self.server = DataPlaneServer(self.runtime)
-        self.sock = self.server.listen_unix(tmp_path / "data.sock")
-        self.tcp = self.server.listen_tcp("127.0.0.1", 0)
-        self.server.start()
-
-    def leases(self) -> int:
-        return int(self.store.snapshot()["leases"])
-
-    def close(self) -> None:
-        self.server.stop()
-        self.runtime.close()
+        tiers: list[Tier] = [CpuTier(cpu_bytes, shared=True), DiskTier(tmp_path / "d", 8 << 20)]
+        super().__init__(tmp_path, config, tiers)
+        self.sock = self.unix
 
 
 @pytest.fixture
