@@ -544,6 +544,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         "KVCTL_DATA_MAX_CONNECTIONS",
     ),
     _Setting(
+        "data_max_unauthenticated_per_source",
+        "data_max_unauthenticated_per_source",
+        _positive_int,
+        32,
+        "KVCTL_DATA_MAX_UNAUTHENTICATED_PER_SOURCE",
+    ),
+    _Setting(
         "eviction",
         "eviction",
         _choice("eviction policy", EVICTION_POLICIES),

@@ -175,6 +175,32 @@ class EveryInterval:
             return n
 
 
+class Refusals:
+    """Connections closed at accept, by reason (the setting whose cap they hit): counted per
+    reason, each reason logged once an interval apart from the others (``EveryInterval``)."""
+
+    def __init__(self, interval_s: float = LOG_EVERY_SECONDS) -> None:
+        self.interval_s = interval_s
+        self._reasons: dict[str, EveryInterval] = {}
+        self._lock = threading.Lock()
+
+    def count(self, reason: str) -> int:
+        """Count one refusal; the refusals of this reason to report now, or 0 (see
+        ``EveryInterval.count``)."""
+        with self._lock:
+            counter = self._reasons.setdefault(reason, EveryInterval(self.interval_s))
+        return counter.count()
+
+    @property
+    def by_reason(self) -> dict[str, int]:
+        with self._lock:
+            return {reason: c.total for reason, c in self._reasons.items()}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_reason.values())
+
+
 class DataPlaneServer:
     def __init__(
         self,
@@ -183,10 +209,12 @@ class DataPlaneServer:
         frame_timeout_s: float | None = None,
         put_budget_bytes: int | None = None,
         max_connections: int | None = None,
+        max_unauthenticated_per_source: int | None = None,
         hello_timeout_s: float = HELLO_TIMEOUT_SECONDS,
     ) -> None:
         """Limits left as None are the settings' (``data_frame_timeout_seconds``,
-        ``data_put_budget_bytes``, ``data_max_connections``)."""
+        ``data_put_budget_bytes``, ``data_max_connections``,
+        ``data_max_unauthenticated_per_source``)."""
         self.runtime = runtime
         settings = runtime.settings
         #: open connections each transport keeps at most: one past it is closed at once (a
@@ -194,8 +222,17 @@ class DataPlaneServer:
         self.max_connections = (
             settings.data_max_connections if max_connections is None else max_connections
         )
+        #: TCP connections one source address may hold before they authenticate: whoever
+        #: reopens connections that never say HELLO (each cut off after ``hello_timeout_s``)
+        #: holds this many of the slots at most, not all of them
+        self.max_unauthenticated_per_source = (
+            settings.data_max_unauthenticated_per_source
+            if max_unauthenticated_per_source is None
+            else max_unauthenticated_per_source
+        )
         self.hello_timeout_s = hello_timeout_s
-        self.refused_connections = EveryInterval()
+        #: by the setting whose cap refused them
+        self.refused_connections = Refusals()
         self.hello_timeouts = EveryInterval()
         self._accept_failures = EveryInterval()
         self.max_chunk_bytes = settings.max_chunk_bytes
@@ -221,6 +258,8 @@ class DataPlaneServer:
         self._conns: set[Connection] = set()
         #: open connections by transport (the cap's count)
         self._open: collections.Counter[str] = collections.Counter()
+        #: TCP connections not yet authenticated, by source address
+        self._unauthenticated: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: Path | None = None
@@ -285,7 +324,7 @@ class DataPlaneServer:
         sock.settimeout(0.25)  # wake up to notice ``stopping``
         while not self.stopping:
             try:
-                conn_sock, _ = sock.accept()
+                conn_sock, address = sock.accept()
             except TimeoutError:
                 continue
             except OSError as exc:
@@ -303,38 +342,87 @@ class DataPlaneServer:
                     )
                 time.sleep(0.1)
                 continue
-            with self._lock:
-                full = self._open[transport] >= self.max_connections
-                if not full:
-                    self._open[transport] += 1
-            if full:
-                self._refuse(conn_sock, transport)
+            source = address[0] if transport == "tcp" else None
+            try:
+                conn_sock.setblocking(True)  # a stalled client is cut off by the reaper
+                if transport == "tcp":
+                    conn_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # gone already (reset): nothing to serve
+                conn_sock.close()
                 continue
-            conn_sock.setblocking(True)  # a stalled client is cut off by the reaper
-            if transport == "tcp":
-                conn_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Connection(self, conn_sock, transport)
             with self._lock:
-                self._conns.add(conn)
+                refused_by = self._admit(transport, source)
+                if refused_by is None:
+                    conn = Connection(self, conn_sock, transport, source)
+                    self._conns.add(conn)
+            if refused_by is not None:
+                self._refuse(conn_sock, transport, source, refused_by)
+                continue
             conn.thread.start()
 
-    def _refuse(self, sock: socket.socket, transport: str) -> None:
-        """Close a connection over the cap at once, saying why where its buffer has room."""
-        n = self.refused_connections.count()
-        if n:
-            log.warning(
-                "data plane %s connections at the limit of %d (data_max_connections): "
-                "refused %d connection(s)",
-                transport,
-                self.max_connections,
-                n,
+    def _admit(self, transport: str, source: str | None) -> str | None:
+        """Take a slot for a new connection (the caller holds ``_lock``); or the setting whose
+        cap refuses it. ``source``: a TCP client's address (None on the Unix socket)."""
+        if self._open[transport] >= self.max_connections:
+            return "data_max_connections"
+        if (
+            source is not None
+            and self._unauthenticated[source] >= self.max_unauthenticated_per_source
+        ):
+            return "data_max_unauthenticated_per_source"
+        self._open[transport] += 1
+        if source is not None:
+            self._unauthenticated[source] += 1
+        return None
+
+    def authenticated(self, conn: Connection) -> None:
+        """``conn`` has had its first frame served (its HELLO with the token): it no longer
+        counts against its address's ``max_unauthenticated_per_source``."""
+        with self._lock:
+            self._forget_unauthenticated(conn)
+
+    def _forget_unauthenticated(self, conn: Connection) -> None:
+        source, conn.unauthenticated_source = conn.unauthenticated_source, None
+        if source is not None:
+            self._unauthenticated[source] -= 1
+            if self._unauthenticated[source] <= 0:
+                del self._unauthenticated[source]
+
+    def _refuse(
+        self, sock: socket.socket, transport: str, source: str | None, setting: str
+    ) -> None:
+        """Close a connection over a cap at once, saying why where its buffer has room;
+        ``setting`` names the cap (and is the refusal's reason in ``refused_connections``)."""
+        n = self.refused_connections.count(setting)
+        if setting == "data_max_connections":
+            if n:
+                log.warning(
+                    "data plane %s connections at the limit of %d (data_max_connections): "
+                    "refused %d connection(s)",
+                    transport,
+                    self.max_connections,
+                    n,
+                )
+            message = (
+                f"this agent serves at most {self.max_connections} {transport} connections; "
+                "retry later"
             )
-        error = FrameError(
-            ErrorCode.BUSY,
-            f"this agent serves at most {self.max_connections} {transport} connections; "
-            "retry later",
-        )
-        meta = error_meta(error.code, error.message)
+        else:
+            cap = self.max_unauthenticated_per_source
+            if n:
+                log.warning(
+                    "data plane: refused %d connection(s) from addresses already holding %d "
+                    "not yet authenticated (data_max_unauthenticated_per_source), the last "
+                    "from %s",
+                    n,
+                    cap,
+                    source,
+                )
+            message = (
+                f"this agent takes at most {cap} connections that have not authenticated "
+                "(sent their HELLO) from one address; retry later"
+            )
+        meta = error_meta(ErrorCode.BUSY, message)
         with contextlib.suppress(OSError):
             sock.setblocking(False)  # never wait on a client that does not read
             sock.send(pack_header(Op.ERROR, 0, len(meta)) + meta)
@@ -362,6 +450,7 @@ class DataPlaneServer:
             if conn in self._conns:
                 self._conns.discard(conn)
                 self._open[conn.transport] -= 1
+                self._forget_unauthenticated(conn)
 
     def hello_info(self) -> dict[str, object]:
         s = self.runtime.settings
@@ -385,12 +474,21 @@ class DataPlaneServer:
 class Connection:
     """One client connection, served by its own thread until either side closes it."""
 
-    def __init__(self, server: DataPlaneServer, sock: socket.socket, transport: str) -> None:
+    def __init__(
+        self,
+        server: DataPlaneServer,
+        sock: socket.socket,
+        transport: str,
+        source: str | None = None,
+    ) -> None:
         self.server = server
         self.runtime = server.runtime
         self.sock = sock
         self.transport = transport
         self.authed = not server.token
+        #: the TCP client's address while its first frame is not yet served (it holds one of
+        #: that address's ``max_unauthenticated_per_source`` slots); None after, and on Unix
+        self.unauthenticated_source = source
         #: when the connection is closed unless its first frame (its HELLO, where a token is
         #: set) has been served (monotonic; None once it has)
         self._hello_deadline_s: float | None = time.monotonic() + server.hello_timeout_s
@@ -452,8 +550,11 @@ class Connection:
                     break
                 if not self._serve_one(header):
                     break
-                if self.authed:  # its first frame served: it may idle from now on
+                if self.authed and self._hello_deadline_s is not None:
+                    # its first frame served: it may idle from now on, and leaves its
+                    # address's share of the slots for connections not yet authenticated
                     self._hello_deadline_s = None
+                    self.server.authenticated(self)
         except (PeerClosed, ConnectionError, TimeoutError):
             # the client went away or stalled mid-frame; nothing half-done was stored
             if self._stalled and self._frame_rid is not None:

@@ -96,6 +96,11 @@ class AgentSettings:
     #: data-plane connections each transport (TCP, the Unix socket) keeps open at most; one past
     #: it is closed at once (each connection is a thread; engines open a few each)
     data_max_connections: int = 1024
+    #: TCP data-plane connections one source address may hold before they authenticate (their
+    #: HELLO served): one past it is closed at once, so one address that keeps reopening silent
+    #: connections cannot fill ``data_max_connections``; authenticated connections and the Unix
+    #: socket do not count
+    data_max_unauthenticated_per_source: int = 32
     eviction: str = "lineage-adaptive"
     disk_admission: str = "all"
     #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds
