@@ -8,9 +8,13 @@ For each request, in order (one thread, so the bookkeeping below is exact):
    (routing "router", any DC: see ``kvctl.workload.routed`` and "With a router" below);
 3. ``lookup`` the chain there (counted by the agent), ``get`` the hit chunks and check each one's
    bytes;
-4. with peer fetch on, ask the other nodes for the rest of the chain, ``lookup`` and ``get`` it
-   from the one holding the most and store it on the home node. Across DCs the transfer waits an
-   *emulated* link delay: round trip over fiber (5 us per km each way) plus bytes over the link;
+4. with peer fetch on, ask the other nodes for the rest of the chain (``exists``), ``get`` it
+   from the one holding the most and store it on the home node. The peer is not asked a counted
+   ``lookup``: the request's one lookup was the home node's (its misses included), as an agent
+   pulling from its peers counts the request once, on itself; the peer's agent counts nothing
+   and the replay tallies the chunks it served as ``served_to_peers``. Across DCs the transfer
+   waits an *emulated* link delay: round trip over fiber (5 us per km each way) plus bytes over
+   the link;
 5. ``put`` the chunks that were computed (missing everywhere), with their parent links.
 
 With a router the replay moves no chunk between nodes itself (no step 4, no emulated delay of
@@ -121,6 +125,9 @@ class NodeTally:
     puts: Counter[str] = field(default_factory=Counter)
     #: chunks that a lookup reported but were gone when fetched
     lost_chunks: int = 0
+    #: chunks read from this node for another node's request (peer fetch): not a lookup here,
+    #: so the agent counts none of them (the request's lookup counted on its home node)
+    served_to_peers: int = 0
 
     def count_lookup(self, chunks: int, res: LookupResult, reuse: Sequence[bool]) -> None:
         """One counted lookup of ``chunks`` chunks, as the agent counts it; ``reuse``: per hit,
@@ -158,6 +165,7 @@ class NodeTally:
             "bytes_stored": self.bytes_stored,
             "puts": dict(self.puts),
             "lost_chunks": self.lost_chunks,
+            "served_to_peers": self.served_to_peers,
         }
 
 
@@ -593,14 +601,19 @@ def _route(
     return best
 
 
-def _fetch(node: _Node, keys: Sequence[ChunkKey], tenant: str, chunk_bytes: int) -> int:
-    """``get`` chunks from ``node``, checking each; returns how many leading ones arrived."""
+def _fetch(
+    node: _Node, keys: Sequence[ChunkKey], tenant: str, chunk_bytes: int, *, for_peer: bool = False
+) -> int:
+    """``get`` chunks from ``node``, checking each; returns how many leading ones arrived.
+    Those gone count as ``lost_chunks`` (hits of the node's lookup never read), unless read
+    ``for_peer``: found with ``exists``, they were no counted lookup's hits."""
     if not keys:
         return 0
     got = node.data.get_many(list(keys), tenant=tenant)
     for n, (key, data) in enumerate(zip(keys, got, strict=True)):
         if data is None:
-            node.tally.lost_chunks += got[n:].count(None)
+            if not for_peer:
+                node.tally.lost_chunks += got[n:].count(None)
             return n
         if not _intact(data, key, chunk_bytes):
             raise ReplayError(
@@ -654,11 +667,12 @@ def _store(
             node.tally.bytes_stored += chunk_bytes
 
 
-def _credit(rq: RequestTally, looked: _Looked, got: int, chunk_tokens: int) -> None:
-    """Count the ``got`` chunks a request received (lost ones are recomputed, not hits)."""
+def _credit(rq: RequestTally, reuse: Sequence[bool], got: int, chunk_tokens: int) -> None:
+    """Count the ``got`` chunks a request received (lost ones are recomputed, not hits);
+    ``reuse``: per chunk, whether the asking tenant stored it."""
     rq.hit_tokens += got * chunk_tokens
-    rq.reuse_hits += sum(looked.reuse[:got])
-    rq.sharing_hits += got - sum(looked.reuse[:got])
+    rq.reuse_hits += sum(reuse[:got])
+    rq.sharing_hits += got - sum(reuse[:got])
 
 
 def _serve(
@@ -681,7 +695,7 @@ def _serve(
     got = _fetch(home, keys[: looked.matched], tenant, chunk_bytes)
     for tier in looked.tiers[:got]:
         rq.local_hits[tier] += 1  # type: ignore[index]
-    _credit(rq, looked, got, chunk_tokens)
+    _credit(rq, looked.reuse, got, chunk_tokens)
     start = got
     if peer_fetch and start < len(keys):
         start = _from_peers(request, keys, start, home, live, chunk_bytes, chunk_tokens, links, rq)
@@ -722,7 +736,7 @@ def _serve_routed(
     node.tally.count_lookup(len(keys), res, reuse)
     for tier in tiers[:got]:
         rq.local_hits[tier] += 1  # type: ignore[index]
-    _credit(rq, _Looked(m, tuple(tiers), reuse), got, chunk_tokens)
+    _credit(rq, reuse, got, chunk_tokens)
     rq.computed_chunks += len(keys) - got
     # past the plan's prefix, what the node does not hold itself (absent, or only in its pool
     # or a peer: the plan chose to recompute it) is stored there, as the engine would
@@ -785,9 +799,12 @@ def _from_peers(
             best, best_len = node, n
     if best is None:
         return start
-    looked = _lookup(best, rest, tenant)
-    got = _fetch(best, rest[: looked.matched], tenant, chunk_bytes)
-    _credit(rq, looked, got, chunk_tokens)
+    # read with ``get`` alone (``exists`` found them, counting nothing): a counted lookup here
+    # would count the request a second time, its misses at home already counted
+    reuse = tuple(best.owner.get(key) == tenant for key in rest[:best_len])
+    got = _fetch(best, rest[:best_len], tenant, chunk_bytes, for_peer=True)
+    best.tally.served_to_peers += got
+    _credit(rq, reuse, got, chunk_tokens)
     if not got:
         return start
     if best.node.dc == home.node.dc:

@@ -155,8 +155,14 @@ def test_evicting_fleet_with_peers_agrees_with_agents_and_database(
         assert whole["sharing_hits"] == t.sharing_hits
         for tier, hits in t.hits_by_tier.items():
             assert sums[name][tier]["hits"] == hits
-    # request view = what the nodes served: home hits + peer fetches
-    assert rq.hit_chunks == sum(t.hit_chunks - t.lost_chunks for t in report.nodes.values())
+    # request view = what the nodes served: home hits + peer fetches (uncounted by the peer)
+    assert rq.hit_chunks == sum(
+        t.hit_chunks - t.lost_chunks + t.served_to_peers for t in report.nodes.values()
+    )
+    # one counted lookup per request (a request shorter than a chunk asks none)
+    assert sum(t.lookups for t in report.nodes.values()) == sum(
+        1 for r in requests if r.input_tokens >= report.chunk_tokens
+    )
 
 
 def test_round_robin_spreads_requests(two_dcs: tuple[Agent, Agent, Agent]) -> None:
@@ -296,6 +302,30 @@ def test_a_chunk_lost_between_lookup_and_get_keeps_the_ledger_exact(tmp_path: Pa
     t = report.nodes["a"]
     assert t.lost_chunks > 0  # the scenario happened
     assert t.hit_chunks > 0 and t.reuse_hits > 0 and t.sharing_hits > 0
+
+
+def test_peer_fetch_counts_each_requests_lookup_once(tmp_path: Path) -> None:
+    """Two nodes of one DC taking turns, the same chain of four chunks asked twice: the first
+    request misses on fra-a and stores it there; the second, on fra-b, misses and takes all
+    four from fra-a. One lookup per request in all (fra-b's), never a second on the peer: fra-a
+    counts one lookup of 4 chunks, fra-b one of 4, and fra-a's 4 chunks are served uncounted."""
+    chain = (1, 2, 3, 4)
+    requests = [TraceRequest(i, 1024, 1, chain, tenant="t", block_tokens=256) for i in range(2)]
+    with (
+        running_agent(tmp_path / "a", "--name", "fra-a", "--dc", "fra") as a,
+        running_agent(tmp_path / "b", "--name", "fra-b", "--dc", "fra") as b,
+    ):
+        report = replay(requests, _nodes((a, b)), INPUTS, kv_scale=SCALE,
+                        routing="round-robin", peer_fetch=True)  # fmt: skip
+    _check_agents(report)
+    fra_a, fra_b = report.nodes["fra-a"], report.nodes["fra-b"]
+    assert (fra_a.lookups, fra_a.lookup_chunks, fra_a.hit_chunks) == (1, 4, 0)
+    assert (fra_b.lookups, fra_b.lookup_chunks, fra_b.hit_chunks) == (1, 4, 0)
+    assert sum(t.lookups for t in report.nodes.values()) == report.requests.requests == 2
+    assert (fra_a.served_to_peers, fra_b.served_to_peers) == (4, 0)
+    rq = report.requests
+    assert (rq.peer_hits, rq.hit_chunks, rq.computed_chunks, rq.reuse_hits) == (4, 4, 4, 4)
+    assert fra_a.bytes_fetched == 4 * report.chunk_bytes
 
 
 # --- routing by a router: the agents pull from their peers and pool themselves -------------
