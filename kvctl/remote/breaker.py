@@ -8,6 +8,15 @@ when to try it again.
   are turned away while it is out. Its success closes the breaker (and forgets the backoff);
   its failure opens it again with the grown backoff.
 
+**Late answers.** A call that succeeds past the deadline its caller had (a lookup that went on
+without it) is a late answer: the source answers, but too late to be used, while each call holds
+a worker and a lookup's wait. ``late_to_open`` of them in a row open a closed breaker as a
+failure does, and a half-open probe that answers late is a failed probe. A source that answers a
+ping in time but lookups late would be closed by its next ping and opened again by the next
+lookups, every first backoff: so a breaker opened for lateness keeps its backoff through the
+probe that closes it, and opens for lateness again with that backoff grown, until the source has
+answered ``late_to_open`` calls in time in a row.
+
 Calls are counted per *attempt window*: every change of state starts a new window, and a call
 reports into the window it was admitted in. So a burst of concurrent calls that all meet the same
 outage opens the breaker once, with the first backoff, however many of them fail (the old rule,
@@ -38,6 +47,9 @@ DEFAULT_FIRST_BACKOFF_S = 0.25
 #: deadline, so probing a dead pool this often is cheap; waiting longer only delays recovery.
 DEFAULT_MAX_BACKOFF_S = 2.0
 DEFAULT_FACTOR = 2.0
+#: late answers in a row that open a closed breaker: one is a blip (a pause of the reader's own
+#: process can make it), a few in a row a source that cannot keep up
+DEFAULT_LATE_TO_OPEN = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +68,7 @@ class Breaker:
         max_backoff_s: float = DEFAULT_MAX_BACKOFF_S,
         factor: float = DEFAULT_FACTOR,
         failures_to_open: int = 1,
+        late_to_open: int = DEFAULT_LATE_TO_OPEN,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         first_backoff_s = _positive_seconds(first_backoff_s, "first_backoff_s")
@@ -73,10 +86,13 @@ class Breaker:
             raise InvalidArgument(f"failures_to_open must be an int, got {failures_to_open!r}")
         if failures_to_open < 1:
             raise InvalidArgument(f"failures_to_open must be >= 1, got {failures_to_open}")
+        if isinstance(late_to_open, bool) or not isinstance(late_to_open, int) or late_to_open < 1:
+            raise InvalidArgument(f"late_to_open must be an int >= 1, got {late_to_open!r}")
         self.first_backoff_s = first_backoff_s
         self.max_backoff_s = max_backoff_s
         self.factor = float(factor)
         self.failures_to_open = failures_to_open
+        self.late_to_open = late_to_open
         self.clock = clock
         self._lock = threading.Lock()
         self._open = False
@@ -86,10 +102,21 @@ class Breaker:
         self._probing = False
         #: failures in a row while closed (in the current window)
         self._failures = 0
-        #: times it went from closed to open, probes let through, probes that failed
+        #: late answers in a row while closed (in the current window), answers in time in a row
+        self._late = 0
+        self._in_time = 0
+        #: it is open because of late answers (not failures)
+        self._opened_late = False
+        #: the backoff of the last opening for lateness, kept until ``late_to_open`` answers in
+        #: time in a row (0: none)
+        self._late_backoff_s = 0.0
+        #: times it went from closed to open, probes let through, probes that failed; openings
+        #: for late answers (among ``opens``) and late answers in all
         self.opens = 0
         self.probes = 0
         self.probe_failures = 0
+        self.late_opens = 0
+        self.late_answers = 0
 
     # --- the state ----------------------------------------------------------------------------
     def _state_locked(self, now_s: float) -> BreakerState:
@@ -126,10 +153,19 @@ class Breaker:
             if ticket.window != self._window:
                 return  # admitted before the last change of state: says nothing about now
             if ticket.probe:
-                self._open = self._probing = False
+                # a source opened for lateness may answer a ping in time and lookups late
+                # again: its backoff is remembered until it has answered in time a while
+                if self._opened_late:
+                    self._late_backoff_s = self._backoff_s
+                self._open = self._probing = self._opened_late = False
                 self._backoff_s = self._retry_at_s = 0.0
                 self._window += 1
-            self._failures = 0
+                self._in_time = 0
+            else:
+                self._in_time += 1
+                if self._in_time >= self.late_to_open:
+                    self._late_backoff_s = 0.0
+            self._failures = self._late = 0
 
     def failed(self, ticket: Ticket) -> bool:
         """Records a failure; True when it opened (or reopened) the breaker, False when it was
@@ -137,22 +173,52 @@ class Breaker:
         with self._lock:
             if ticket.window != self._window:
                 return False
-            now_s = self.clock()
             if ticket.probe:
-                self._probing = False
-                self.probe_failures += 1
-                self._backoff_s = min(self.max_backoff_s, self._backoff_s * self.factor)
-            else:
-                self._failures += 1
-                if self._failures < self.failures_to_open:
-                    return False
-                self._open = True
-                self.opens += 1
-                self._backoff_s = self.first_backoff_s
-            self._failures = 0
-            self._retry_at_s = now_s + self._backoff_s
-            self._window += 1
+                self._probe_failed_locked(late=False)
+                return True
+            self._failures += 1
+            if self._failures < self.failures_to_open:
+                return False
+            self._open_locked(self.first_backoff_s, late=False)
             return True
+
+    def late(self, ticket: Ticket) -> bool:
+        """Records an answer that came past its caller's deadline (see the module); True when
+        it opened (or reopened) the breaker."""
+        with self._lock:
+            self.late_answers += 1
+            if ticket.window != self._window:
+                return False
+            self._in_time = 0
+            if ticket.probe:
+                self._probe_failed_locked(late=True)
+                return True
+            self._late += 1
+            if self._late < self.late_to_open:
+                return False
+            grown = min(self.max_backoff_s, self._late_backoff_s * self.factor)
+            self.late_opens += 1
+            self._open_locked(grown or self.first_backoff_s, late=True)
+            return True
+
+    def _probe_failed_locked(self, *, late: bool) -> None:
+        self._probing = False
+        self.probe_failures += 1
+        self._opened_late = late
+        self._backoff_s = min(self.max_backoff_s, self._backoff_s * self.factor)
+        self._next_window_locked()
+
+    def _open_locked(self, backoff_s: float, *, late: bool) -> None:
+        self._open = True
+        self._opened_late = late
+        self.opens += 1
+        self._backoff_s = backoff_s
+        self._next_window_locked()
+
+    def _next_window_locked(self) -> None:
+        self._failures = self._late = 0
+        self._retry_at_s = self.clock() + self._backoff_s
+        self._window += 1
 
     def abandoned(self, ticket: Ticket) -> None:
         """A call that ended with neither outcome (interrupted): frees the probe slot."""
@@ -177,6 +243,9 @@ class Breaker:
                 "opens": self.opens,
                 "probes": self.probes,
                 "probe_failures": self.probe_failures,
+                # openings for answers past their deadline (among ``opens``), and such answers
+                "late_opens": self.late_opens,
+                "late_answers": self.late_answers,
                 "first_backoff_s": self.first_backoff_s,
                 "max_backoff_s": self.max_backoff_s,
             }

@@ -19,6 +19,12 @@ A burst of concurrent calls failing together counts as one failure. Reads of a s
 after its short read deadline (the backends' ``read_timeout_s``, 0.5 s by default), so a stalled
 pool costs a request a fraction of a second once, then nothing until a probe finds it back.
 
+A source that answers, but slowly, is kept from costing the others: each source's lookup probes
+run in its own lane of workers (a slow one fills its own lane only; a lookup that stops waiting
+cancels its probe still queued there), and an answer that comes past the lookup's wait
+(``PROBE_DEADLINE_S``), or a ping slower than that, is late for its breaker: a few in a row
+open it as a failure does (``Breaker.late``).
+
 With a fleet index (``index``: a router's ``IndexClient``, or any ``FleetIndex``), a lookup
 does not probe every peer: it asks the index once which nodes hold the chunks past its local
 prefix, and probes only the peers it names (by name: a peer's configured name must be the name
@@ -81,11 +87,15 @@ _HINT_RECOUNT_S = 30.0
 _WRITE_QUEUE_MAX = 4096
 _WRITE_BATCH_CHUNKS = 32
 _WRITE_BATCH_BYTES = 256 << 20
+#: probe workers of each source's own lane: a slow source's probes queue behind its own only,
+#: never ahead of another source's (a lookup cancels its probes still queued when it stops
+#: waiting, so a lane's queue holds no more than the lookups waiting on it)
 _PROBE_WORKERS_PER_SOURCE = 4
 #: how often the link monitor looks for work (a source due for its probe, a measurement)
 _MONITOR_TICK_S = 0.25
 #: a lookup waits this long for a source's answer, then goes on without it (the backends' read
-#: deadline is the same by default: a late probe is about to fail anyway)
+#: deadline is the same by default: a late probe is about to fail anyway). An answer that comes
+#: later is late for its source's breaker (``Breaker.late``), and so is a ping slower than this
 PROBE_DEADLINE_S = 0.5
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
@@ -107,7 +117,8 @@ class SourceCounters:
     errors: int = 0
     #: calls not made because the source was in backoff after an error
     skipped: int = 0
-    #: probes a lookup stopped waiting for (past PROBE_DEADLINE_S)
+    #: probes a lookup stopped waiting for (past PROBE_DEADLINE_S); the answers that came
+    #: past it anyway are the breaker's ``late_answers``
     late: int = 0
     chunks_in: int = 0
     bytes_in: int = 0
@@ -147,10 +158,13 @@ class Source:
         *,
         moved_bytes: Callable[[T], int],
         observe: bool = True,
+        answer_by_s: float | None = None,
     ) -> T | None:
         """``fn()`` over the link, timed into the link's figures (unless ``observe`` is False:
         a warm-up); None (and a counted error) when the source fails, or (a counted skip) when
-        its breaker turns the call away."""
+        its breaker turns the call away. ``answer_by_s``: when (``time.monotonic``) its caller
+        stops waiting for the answer; one that comes later is still returned, but tells the
+        breaker it came late (``Breaker.late``)."""
         ticket = self.breaker.admit()
         if ticket is None:
             with self._lock:
@@ -180,9 +194,12 @@ class Source:
             self.breaker.abandoned(ticket)
             raise
         elapsed_s = time.perf_counter() - t0
-        self.breaker.succeeded(ticket)
-        if ticket.probe:
-            log.info("%s answered its probe (%s): using it again", self.name, what)
+        if answer_by_s is not None and time.monotonic() > answer_by_s:
+            self._answered_late(ticket, what, elapsed_s)
+        else:
+            self.breaker.succeeded(ticket)
+            if ticket.probe:
+                log.info("%s answered its probe (%s): using it again", self.name, what)
         nbytes = moved_bytes(out)
         with self._lock:
             self.counters.calls += 1
@@ -193,6 +210,18 @@ class Source:
         else:
             self.link.observe_rtt(elapsed_s)
         return out
+
+    def _answered_late(self, ticket: Ticket, what: str, elapsed_s: float) -> None:
+        if self.breaker.late(ticket):
+            log.warning(
+                "%s %s answered too late to be used (%.3f s); leaving it alone for %.2f s",
+                self.name,
+                what,
+                elapsed_s,
+                self.breaker.backoff_s,
+            )
+        else:
+            log.debug("%s %s answered late (%.3f s)", self.name, what, elapsed_s)
 
     def status(self) -> dict[str, Any]:
         c = self.counters
@@ -264,6 +293,12 @@ def _index_address(index: object) -> str:
 
 def _no_bytes(_: object) -> int:
     return 0
+
+
+def _due() -> float:
+    """When a ping made now is late (``PROBE_DEADLINE_S``: a source that cannot answer a ping
+    within it cannot answer a lookup's probe either)."""
+    return time.monotonic() + PROBE_DEADLINE_S
 
 
 def _chunk_bytes(chunks: Sequence[PoolChunk | None] | None) -> int:
@@ -742,15 +777,13 @@ class RemoteTiers:
         self.write = Counter[str]()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._probe_pool = (
-            # several per source: concurrent lookups must not queue behind one slow probe
-            ThreadPoolExecutor(
-                max_workers=_PROBE_WORKERS_PER_SOURCE * len(self.sources),
-                thread_name_prefix="kvctl-remote",
+        #: each source's probe lane (its workers are started on first need)
+        self._lanes = {
+            s.name: ThreadPoolExecutor(
+                max_workers=_PROBE_WORKERS_PER_SOURCE, thread_name_prefix=f"kvctl-probe-{s.name}"
             )
-            if self.sources
-            else None
-        )
+            for s in self.sources
+        }
         counted = {POOL_TIER: pool is not None, PEER_TIER: bool(self.peers)}
         self._counts = RemoteTierCounts(store, [tier for tier, used in counted.items() if used])
         self._unsubscribe = store.subscribe(self._on_event) if self.write_through else None
@@ -775,8 +808,8 @@ class RemoteTiers:
             self._unsubscribe()
         for t in self._threads:
             t.join(timeout=5)
-        if self._probe_pool is not None:
-            self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        for lane in self._lanes.values():
+            lane.shutdown(wait=False, cancel_futures=True)
         for s in self.sources:
             s.backend.close()
         close_index = getattr(self.index, "close", None)
@@ -849,8 +882,8 @@ class RemoteTiers:
 
     def _probe(self, keys: Sequence[bytes], tenant: str) -> list[list[tuple[str, ChunkMeta]]]:
         """Per key, the sources holding it with their metadata, cheapest link first: the pool
-        and every peer, or, with an index that answers, the pool and the peers it names."""
-        assert self._probe_pool is not None
+        and every peer, or, with an index that answers, the pool and the peers it names. Each
+        source's answer is waited for ``PROBE_DEADLINE_S`` from its probe's start at most."""
         # the pool's probe goes first: it runs while the index is asked
         first = [self.pool] if self.pool is not None else []
         futures = self._submit_probes(first, keys, tenant)
@@ -863,16 +896,18 @@ class RemoteTiers:
                 self.index_counters.peer_probes_saved += len(self.peers) - len(asked)
         futures += self._submit_probes(asked, keys, tenant)
         found: list[list[tuple[str, ChunkMeta]]] = [[] for _ in keys]
-        deadline = time.monotonic() + PROBE_DEADLINE_S
         stale = 0
-        for s, fut in futures:
+        for s, fut, answer_by_s in futures:
             if fut is None:
                 continue
             try:
-                metas = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                metas = fut.result(timeout=max(0.0, answer_by_s - time.monotonic()))
             except FutureTimeout:
+                # the lookup goes on without this source's answer; a probe still queued in its
+                # lane is not made at all (one running tells the breaker it came late)
+                fut.cancel()
                 with s._lock:
-                    s.counters.late += 1  # the lookup went on without this source's answer
+                    s.counters.late += 1
                 continue
             if metas is None:
                 continue
@@ -904,24 +939,25 @@ class RemoteTiers:
 
     def _submit_probes(
         self, sources: Sequence[Source], keys: Sequence[bytes], tenant: str
-    ) -> list[tuple[Source, Future[list[ChunkMeta | None] | None] | None]]:
-        """Each source's probe started on the probe workers; None for a source whose breaker
-        turns calls away (counted as skipped)."""
-        assert self._probe_pool is not None
-        out: list[tuple[Source, Future[list[ChunkMeta | None] | None] | None]] = []
+    ) -> list[tuple[Source, Future[list[ChunkMeta | None] | None] | None, float]]:
+        """Each source's probe started in its own lane, with when its answer is due; None for
+        a source whose breaker turns calls away (counted as skipped)."""
+        out: list[tuple[Source, Future[list[ChunkMeta | None] | None] | None, float]] = []
         for s in sources:
+            answer_by_s = time.monotonic() + PROBE_DEADLINE_S
             if not s.breaker.may_call():
                 with s._lock:
                     s.counters.skipped += 1
-                out.append((s, None))
+                out.append((s, None, answer_by_s))
                 continue
-            fut = self._probe_pool.submit(
+            fut = self._lanes[s.name].submit(
                 s.call,
                 "probe",
                 lambda s=s: s.backend.probe_many(keys, tenant=tenant),
                 moved_bytes=_no_bytes,
+                answer_by_s=answer_by_s,
             )
-            out.append((s, fut))
+            out.append((s, fut, answer_by_s))
         return out
 
     def _indexed(self, keys: Sequence[bytes], tenant: str) -> dict[str, set[int]] | None:
@@ -1270,7 +1306,7 @@ class RemoteTiers:
             for s in self.sources:
                 ping = getattr(s.backend, "ping", None)
                 if ping is not None and s.breaker.state == "half_open" and s.breaker.may_call():
-                    s.call("probe ping", ping, moved_bytes=_no_bytes)
+                    s.call("probe ping", ping, moved_bytes=_no_bytes, answer_by_s=_due())
             self.probe_index()
             now = time.monotonic()
             if now >= next_measure:
@@ -1297,7 +1333,7 @@ class RemoteTiers:
         if ping is not None:
             if taken["rtt"] == 0:
                 src.call("ping (warm-up)", ping, moved_bytes=_no_bytes, observe=False)
-            src.call("ping", ping, moved_bytes=_no_bytes)
+            src.call("ping", ping, moved_bytes=_no_bytes, answer_by_s=_due())
         sample = getattr(src.backend, "probe_transfer", None)
         prepare = getattr(src.backend, "prepare_probe", None)
         if prepare is not None and src.breaker.may_call():

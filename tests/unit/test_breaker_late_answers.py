@@ -1,0 +1,99 @@
+"""A source whose answers come past its caller's deadline (``Source.call(answer_by_s=)``) is
+treated as failing by its breaker: a run of late answers opens it, a late half-open probe is a
+failed probe, and a source that answers its probes in time but its lookups late is not closed and
+reopened every first backoff. The breaker's clock is injected; lateness is judged on the real
+monotonic clock, so a due time already past (or far ahead) makes an answer late (or in time)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvctl.errors import InvalidArgument
+from kvctl.remote.breaker import DEFAULT_LATE_TO_OPEN, Breaker
+from kvctl.remote.federation import Source
+from tests.unit.test_source_breaker import FakeClock, make_source, no_bytes, ok
+
+
+def answer(src: Source, *, late: bool, what: str = "probe") -> str | None:
+    due_s = time.monotonic() + (-1.0 if late else 60.0)
+    return src.call(what, ok, moved_bytes=no_bytes, answer_by_s=due_s)
+
+
+def open_for_lateness(src: Source) -> None:
+    for _ in range(DEFAULT_LATE_TO_OPEN):
+        assert answer(src, late=True) == "answer"  # a late answer is still an answer
+
+
+def test_a_run_of_late_answers_opens_the_breaker_and_one_in_time_resets_the_run() -> None:
+    clock = FakeClock()
+    src = make_source(clock)
+    for _ in range(DEFAULT_LATE_TO_OPEN - 1):
+        answer(src, late=True)
+    answer(src, late=False)  # the run is broken: the source can keep up after all
+    for _ in range(DEFAULT_LATE_TO_OPEN - 1):
+        answer(src, late=True)
+    assert src.breaker.state == "closed"
+    answer(src, late=True)
+    b = src.status()["breaker"]
+    assert b["state"] == "open" and src.up is False
+    assert b["opens"] == b["late_opens"] == 1
+    assert b["late_answers"] == 2 * DEFAULT_LATE_TO_OPEN - 1
+    assert b["backoff_s"] == src.breaker.first_backoff_s
+    assert src.call("probe", ok, moved_bytes=no_bytes) is None  # left alone meanwhile
+    assert src.status()["skipped"] == 1 and src.status()["errors"] == 0
+
+
+def test_a_late_probe_fails_it_and_a_probe_in_time_closes_the_breaker() -> None:
+    clock = FakeClock()
+    src = make_source(clock)
+    open_for_lateness(src)
+    clock.advance(src.breaker.backoff_s)
+    assert src.breaker.state == "half_open"
+    answer(src, late=True, what="probe ping")  # the monitor's ping, too slow
+    b = src.status()["breaker"]
+    assert b["state"] == "open" and b["probe_failures"] == 1
+    assert b["backoff_s"] == 2 * src.breaker.first_backoff_s
+    clock.advance(src.breaker.backoff_s)
+    answer(src, late=False, what="probe ping")
+    assert src.status()["breaker"]["state"] == "closed" and src.up is True
+
+
+def test_a_source_late_again_after_its_probe_closed_it_backs_off_longer_each_time() -> None:
+    """Its pings answer in time, its lookups' probes late: each reopening for lateness waits
+    longer, up to the cap, where a first-backoff reopening would cost a run of late lookups
+    every quarter second; answers in time for a while make it forget."""
+    clock = FakeClock()
+    src = make_source(clock)
+    breaker = src.breaker
+    waits: list[float] = []
+    for _ in range(5):
+        open_for_lateness(src)
+        waits.append(breaker.backoff_s)
+        clock.advance(breaker.backoff_s)
+        answer(src, late=False, what="probe ping")
+        assert breaker.state == "closed"
+    first = breaker.first_backoff_s
+    assert waits == [first, 2 * first, 4 * first, breaker.max_backoff_s, breaker.max_backoff_s]
+    for _ in range(DEFAULT_LATE_TO_OPEN):
+        answer(src, late=False)
+    open_for_lateness(src)
+    assert breaker.backoff_s == first
+
+
+def test_a_late_answer_of_a_call_admitted_before_the_breaker_opened_changes_nothing() -> None:
+    clock = FakeClock()
+    src = make_source(clock)
+    ticket = src.breaker.admit()
+    assert ticket is not None
+    open_for_lateness(src)
+    clock.advance(src.breaker.backoff_s)
+    assert src.breaker.late(ticket) is False  # its window is gone: only the probe decides
+    assert src.breaker.state == "half_open"
+
+
+@pytest.mark.parametrize("late_to_open", [0, -1, True, 1.5, "3"])
+def test_bad_late_to_open_is_refused(late_to_open: object) -> None:
+    with pytest.raises(InvalidArgument, match="late_to_open"):
+        Breaker(late_to_open=late_to_open)  # type: ignore[arg-type]
