@@ -1,6 +1,7 @@
 """How the daemons' HTTP APIs (the agent's control API, the router's) are served by uvicorn,
 against clients that hold connections: a cap on connections, a short backlog, a deadline and a
-size bound for each request's head, and one log line an interval for failed accepts.
+size bound for each request's head, a deadline for its body (whose size ``http_guards.BodyLimit``
+bounds), and one log line an interval for failed accepts.
 
 uvicorn and h11 are imported where used: the module costs nothing to a process that serves no
 API.
@@ -8,6 +9,7 @@ API.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -30,6 +32,10 @@ BACKLOG = 128
 HEADER_TIMEOUT_SECONDS = 10.0
 #: most bytes of a request's line and headers (a bearer token fits many times over)
 MAX_HEADER_BYTES = 16 << 10
+#: a request's body must all arrive within this of its headers, or it is answered 408 (the
+#: connection closed): the largest body either API takes (4 MiB) needs only 140 KB/s, while a
+#: sender trickling a byte every few seconds held its connection, and a slot, for ever
+BODY_TIMEOUT_SECONDS = 30.0
 #: asyncio's failed accepts are logged at most once per this interval
 ACCEPT_ERROR_LOG_SECONDS = 60.0
 
@@ -39,12 +45,17 @@ def serving_config(
     log_level: str,
     *,
     header_timeout_s: float = HEADER_TIMEOUT_SECONDS,
+    body_timeout_s: float | None = None,
     graceful_shutdown_s: int = 10,
 ) -> uvicorn.Config:
     """uvicorn's settings for a daemon's API (the agent's control API, the router's), with its
     limits against clients that hold connections: a cap on connections, a short backlog, a
-    deadline for each request's headers and a bound on their size."""
+    deadline for each request's headers and a bound on their size, a deadline for its body
+    (None: ``BODY_TIMEOUT_SECONDS``)."""
     import uvicorn
+
+    if body_timeout_s is None:
+        body_timeout_s = BODY_TIMEOUT_SECONDS
 
     return uvicorn.Config(
         app,
@@ -53,23 +64,34 @@ def serving_config(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=graceful_shutdown_s,
-        http=header_deadline_protocol(header_timeout_s),
+        http=deadline_protocol(header_timeout_s, body_timeout_s),
         limit_concurrency=MAX_CONNECTIONS,
         backlog=BACKLOG,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
 
 
-def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
+def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[asyncio.Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request line and headers have not
-    all arrived ``timeout_s`` after it opened or after its previous response. uvicorn times out
-    only a kept-alive connection that sends nothing: one that trickled a header byte every few
-    seconds was held for ever, and a few hundred of them took every descriptor."""
+    all arrived ``header_timeout_s`` after it opened or after its previous response, and
+    answering 408 (then closing) to a request whose body has not all arrived
+    ``body_timeout_s`` after its headers. uvicorn times out only a kept-alive connection that
+    sends nothing: one that trickled a header byte every few seconds was held for ever, and a
+    few hundred of them took every descriptor; so was one that trickled its body, also to an
+    endpoint that had answered already (a 401 for a missing token)."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    class HeaderDeadlineH11(H11Protocol):
+    too_slow = json.dumps(
+        {
+            "detail": f"request body not all received within {body_timeout_s:g} s of its "
+            "headers; send it at once (connection closed)"
+        }
+    ).encode()
+
+    class DeadlineH11(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _body_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -79,16 +101,21 @@ def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
             super().on_response_complete()
             self._arm_header_deadline()
 
+        def handle_events(self) -> None:
+            super().handle_events()
+            self._watch_body()
+
         def connection_lost(self, exc: Exception | None) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
+            for timer in (self._header_timer, self._body_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._header_timer = self._body_timer = None
             super().connection_lost(exc)
 
         def _arm_header_deadline(self) -> None:
             if self._header_timer is not None:
                 self._header_timer.cancel()
-            self._header_timer = self.loop.call_later(timeout_s, self._header_deadline)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._header_deadline)
 
         def _header_deadline(self) -> None:
             self._header_timer = None
@@ -97,7 +124,47 @@ def header_deadline_protocol(timeout_s: float) -> type[asyncio.Protocol]:
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self.transport.close()
 
-    return HeaderDeadlineH11
+        def _watch_body(self) -> None:
+            """Arm the body deadline once a request's headers are in and its body is due;
+            disarm it once the body is whole (or the connection failed)."""
+            receiving = self.conn.their_state is h11.SEND_BODY
+            if receiving and self._body_timer is None:
+                self._body_timer = self.loop.call_later(body_timeout_s, self._body_deadline)
+            elif not receiving and self._body_timer is not None:
+                self._body_timer.cancel()
+                self._body_timer = None
+
+        def _body_deadline(self) -> None:
+            self._body_timer = None
+            if self.conn.their_state is not h11.SEND_BODY or self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if cycle is not None and not cycle.response_started:
+                # the app waits on the rest of the body: it is told the client left (its
+                # answer, if any, goes nowhere) and the client gets the 408 instead
+                cycle.disconnected = True
+                cycle.message_event.set()
+                self._send_408()
+            # an answer already under way (or sent, the body unread) is cut off with the body
+            self.transport.close()
+
+        def _send_408(self) -> None:
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(too_slow)).encode()),
+                (b"connection", b"close"),
+            ]
+            try:
+                for event in (
+                    h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+                    h11.Data(data=too_slow),
+                    h11.EndOfMessage(),
+                ):
+                    self.transport.write(self.conn.send(event) or b"")
+            except h11.LocalProtocolError:  # h11 cannot answer in its state: the close will do
+                pass
+
+    return DeadlineH11
 
 
 class AcceptErrorThrottle(logging.Filter):
