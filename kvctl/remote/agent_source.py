@@ -21,22 +21,34 @@ Each chunk is checked where it landed before it is handed over: its key, size an
 its XXH3-64 against the one the sender computed from the bytes it sent (agents that offer it).
 A chunk that fails is a miss counted in ``corrupt``, never stored: its reserved view goes back
 through ``unused``.
+
+Each stream has a deadline as well as the read deadline (which bounds silence, not a transfer):
+the read deadline plus its bytes at ``PULL_FLOOR_BYTES_PER_S``, grown as each chunk's size is
+read from the reply. A stream past it is cut (``PullWatch`` shuts its socket down): it raises
+``PullTooSlow``, counted in ``overdue``; the chunks it landed whole before stay handed over, the
+one it was receiving goes back through ``unused``, and the connection is dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from itertools import groupby
 
 from kvctl.client import AgentError, DataClient
 from kvctl.remote.pool import (
     DEFAULT_MIN_STREAM_BYTES,
     DEFAULT_STREAMS,
+    PULL_FLOOR_BYTES_PER_S,
     PoolChunk,
     PoolUsage,
+    PullTooSlow,
     RemotePool,
     SplitReads,
     SplitStreams,
@@ -57,6 +69,77 @@ Arrived = Callable[[int, PoolChunk], None]
 #: ``into(i, meta)``: the writable view of ``meta.size_bytes`` chunk ``i`` is received into, or
 #: None (a buffer of the source's own)
 Into = Callable[[int, ChunkMeta], memoryview | None]
+
+
+@dataclass(eq=False, slots=True)
+class _Pull:
+    """One stream's deadline (monotonic seconds) and whether ``PullWatch`` cut it."""
+
+    client: DataClient
+    started_s: float
+    end_s: float
+    cut: bool = False
+
+
+class PullWatch:
+    """Cuts the connection of a pull that runs past its deadline: one thread per source,
+    started on first need, asleep until the earliest deadline. Cutting shuts the socket down,
+    which wakes the pulling thread's blocked read at once: its call fails, and the connection
+    is dropped as any broken one is."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._pulls: set[_Pull] = set()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @contextmanager
+    def watching(self, client: DataClient, allowance_s: float) -> Iterator[_Pull]:
+        """``client``'s call inside the block is cut ``allowance_s`` from now (plus what
+        ``extend`` adds); after the block, ``cut`` says whether it was."""
+        now_s = time.monotonic()
+        pull = _Pull(client, now_s, now_s + allowance_s)
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvctl-pull-deadline", daemon=True
+                )
+                self._thread.start()
+            self._pulls.add(pull)
+            self._cond.notify()
+        try:
+            yield pull
+        finally:
+            with self._cond:
+                self._pulls.discard(pull)
+
+    def extend(self, pull: _Pull, seconds: float) -> None:
+        with self._cond:  # a later deadline: the watcher need not wake for it
+            pull.end_s += seconds
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now_s = time.monotonic()
+                for pull in [p for p in self._pulls if p.end_s <= now_s]:
+                    self._pulls.discard(pull)
+                    pull.cut = True
+                    _cut(pull.client)
+                nearest_s = min((p.end_s for p in self._pulls), default=None)
+                self._cond.wait(None if nearest_s is None else nearest_s - now_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+
+def _cut(client: DataClient) -> None:
+    """Shut ``client``'s socket down from another thread, so a read blocked on it returns at
+    once (the SDK has no public way to end a call in flight from another thread)."""
+    with contextlib.suppress(OSError):
+        client._sock.shutdown(socket.SHUT_RDWR)
 
 
 class AgentSource(SplitStreams, RemotePool):
@@ -101,6 +184,8 @@ class AgentSource(SplitStreams, RemotePool):
             thread_name="kvctl-pull",
         )
         self.corrupt = 0
+        self.overdue = 0
+        self._watch = PullWatch(self.address)
         #: a source without checksums was logged (once, not per pull)
         self._unchecked_noted = False
 
@@ -123,7 +208,7 @@ class AgentSource(SplitStreams, RemotePool):
         else:
             with self._lock:
                 idle = self._idle[write]
-                if not self._closed and len(idle) < self._keep:
+                if not (self._closed or client.closed) and len(idle) < self._keep:
                     idle.append(client)
                     return
             client.close()
@@ -205,8 +290,12 @@ class AgentSource(SplitStreams, RemotePool):
         given: set[int] = set()  # chunks received into a view of ``into``, not landed yet
         # each chunk's XXH3-64 as the sender computed it, filled before the first one lands
         checksums: list[int | None] = []
+        pull: _Pull | None = None
 
         def target(i: int, meta: ChunkMeta) -> memoryview | None:
+            assert pull is not None
+            # asked just before the chunk's bytes are read: its time at the floor rate is added
+            self._watch.extend(pull, meta.size_bytes / PULL_FLOOR_BYTES_PER_S)
             if into is None or meta.key != keys[lo + i] or not visible_to(meta, tenant):
                 return None  # a buffer of its own, dropped (and counted) when it lands
             view = into(lo + i, meta)
@@ -224,11 +313,24 @@ class AgentSource(SplitStreams, RemotePool):
                 arrived(lo + i, chunk)
 
         try:
-            with self._client() as c:
+            with self._client() as c, self._watch.watching(c, self.read_timeout_s) as pull:
                 self._note_unchecked(c)
                 c.fetch(
                     keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums
                 )
+                if pull.cut:  # done just as it was cut: its connection is cut all the same
+                    c.close()
+        except TierUnavailable as exc:
+            if pull is None or not pull.cut:
+                raise
+            with self._lock:
+                self.overdue += 1
+            took_s = time.monotonic() - pull.started_s
+            raise PullTooSlow(
+                f"{self.address}: pull of {hi - lo} chunks abandoned after {took_s:.2f} s, past "
+                f"its deadline (the {self.read_timeout_s:g} s read deadline plus its bytes at "
+                f"{PULL_FLOOR_BYTES_PER_S >> 20} MiB/s); connection dropped"
+            ) from exc
         finally:
             # this stream reads no more: what it was given and did not land is free again
             if unused is not None:
@@ -307,3 +409,4 @@ class AgentSource(SplitStreams, RemotePool):
             for c in kept:
                 c.close()
         self._split.close()
+        self._watch.close()

@@ -49,6 +49,27 @@ def visible_to(meta: ChunkMeta, tenant: str, *, tenant_isolated: bool = False) -
 DEFAULT_READ_TIMEOUT_S = 0.5
 
 
+#: the slowest average rate a pull may move its chunks at: each pull (each stream of a split
+#: one) is abandoned once it has taken longer than its read deadline (for the first answer) plus
+#: its bytes at this rate (``pull_deadline_s``). Far below any path worth fetching over (one
+#: under a few hundred MB/s loses to recomputing at every context length; see the README's
+#: fetch or recompute), so it cuts only a source that trickles: every read within the read
+#: deadline, which bounds silence and not a transfer, while the whole would hold the request
+#: for as long as the source kept trickling.
+PULL_FLOOR_BYTES_PER_S = 32 << 20
+
+
+def pull_deadline_s(nbytes: int, read_timeout_s: float) -> float:
+    """Seconds a pull of ``nbytes`` may take at most (see ``PULL_FLOOR_BYTES_PER_S``)."""
+    return read_timeout_s + nbytes / PULL_FLOOR_BYTES_PER_S
+
+
+class PullTooSlow(TierUnavailable):
+    """A pull abandoned at its deadline (``pull_deadline_s``): the source sent its bytes too
+    slowly to be worth waiting for. A miss like any failure of the source, counted apart
+    (``RemotePool.overdue``)."""
+
+
 def check_deadlines(what: str, timeout_s: float, read_timeout_s: float | None) -> float:
     """A backend's request and read deadlines checked (each finite and positive); returns the
     read deadline, ``min(DEFAULT_READ_TIMEOUT_S, timeout_s)`` when none is given."""
@@ -207,6 +228,8 @@ class RemotePool(ABC):
     address: str
     #: records that failed their checks on read since the pool was opened
     corrupt: int = 0
+    #: pulls abandoned at their deadline (``PullTooSlow``), where the backend enforces one
+    overdue: int = 0
 
     @abstractmethod
     def put_many(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[bool]:
