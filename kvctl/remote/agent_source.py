@@ -254,20 +254,22 @@ class AgentSource(SplitStreams, RemotePool):
         arrived: Arrived | None = None,
         into: Into | None = None,
         unused: Callable[[int], None] | None = None,
+        streams: int | None = None,
     ) -> list[PoolChunk | None]:
         """``into``: where each chunk is received (see the module), asked only for a chunk
         that is the key asked for and visible to ``tenant``; the chunk handed to ``arrived``
         (and returned) then holds that view. ``unused(i)``: the view ``into`` gave for chunk
         ``i`` holds no chunk (its stream failed before the chunk was whole, or it failed its
         checks); called on that stream's thread once nothing more is written into the view,
-        so the caller may give its memory back then."""
+        so the caller may give its memory back then. ``streams``: split over at most this many
+        (1: the chunks land in order; None: the source's ``streams``)."""
         keys = list(keys)
         if not keys:
             return []
         out: list[PoolChunk | None] = [None] * len(keys)
         # every stream is waited for; the first failure is raised after the others handed over
         self._split.run(
-            self._split.groups(len(keys)),
+            self._split.groups(len(keys), streams=streams),
             lambda lo, hi: self._pull(keys, lo, hi, tenant, out, arrived, into, unused),
         )
         self._split.saw([c.meta.size_bytes for c in out if c is not None])

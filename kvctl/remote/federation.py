@@ -7,7 +7,8 @@
   (``remote`` or ``peer`` tier past the local prefix); the plan and its inputs are published as a
   ``fetch_plan`` event and summed in ``status()``.
 - ``fill``: chunks a reader asks for that are not local are pulled (pool first, then peers,
-  each chunk put into the local store as it lands) and then served like local ones.
+  each chunk put into the local store as it lands) and then served like local ones; only the
+  prefix the local tiers can hold, never evicting the request's own chunks to land more.
 - write-through: every chunk stored here is copied to the pool by a background writer, so other
   nodes can hit it; a slow or dead pool delays nothing and loses nothing local.
 
@@ -50,7 +51,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from kvctl.index.model import Holding
 from kvctl.remote.agent_source import AgentSource
@@ -111,6 +112,8 @@ class _Hint:
     source: str
     reuse: bool
     at_s: float
+    #: the chunk's size as the source described it: a pull is sized by it before it starts
+    size_bytes: int = 0
 
 
 @dataclass
@@ -725,6 +728,35 @@ class FetchPlanner:
             )
 
 
+class _PullRoom:
+    """Where a fill ran out of local room: the position (in its keys) of the first chunk that
+    found none; no chunk from there on is kept, since a chain's chunks past a gap are of no use
+    to a lookup. Counts what it cost (``no_room_chunks``). Thread-safe: a split pull's streams
+    land chunks at once."""
+
+    def __init__(self, order: Mapping[bytes, int], *, not_asked: int) -> None:
+        self._order = order
+        self._lock = threading.Lock()
+        self._cut: int | None = None
+        self.no_room_chunks = not_asked
+
+    def beyond(self, key: bytes) -> bool:
+        with self._lock:
+            return self._cut is not None and self._order[key] >= self._cut
+
+    def ran_out(self, key: bytes) -> None:
+        """``key``'s chunk found no room."""
+        with self._lock:
+            at = self._order[key]
+            self._cut = at if self._cut is None else min(self._cut, at)
+            self.no_room_chunks += 1
+
+    def dropped(self) -> None:
+        """A chunk landed past the cut, not kept."""
+        with self._lock:
+            self.no_room_chunks += 1
+
+
 class RemoteTiers:
     def __init__(
         self,
@@ -779,6 +811,8 @@ class RemoteTiers:
         self._local = threading.local()
         self._queue: queue.Queue[bytes] = queue.Queue(_WRITE_QUEUE_MAX)
         self.write = Counter[str]()
+        #: pulls' chunks not kept for want of local room (``fill``)
+        self.pulls = Counter[str]()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         #: each source's probe lane (its workers are started on first need)
@@ -865,7 +899,7 @@ class RemoteTiers:
                 owners.append(meta.tenant)
                 tokens.append(meta.tokens)
                 matched_tokens += meta.tokens
-                hints[keys[i]] = _Hint(src_name, meta.tenant == tenant, now_s)
+                hints[keys[i]] = _Hint(src_name, meta.tenant == tenant, now_s, meta.size_bytes)
         self._hint(tenant, keys, hints)
         for tier, (owners, tokens) in by_tier.items():
             self._counts.count_hits(tier, owners, tokens, tenant=tenant)
@@ -1081,7 +1115,14 @@ class RemoteTiers:
     # --- reads --------------------------------------------------------------------------------
     def fill(self, keys: Sequence[bytes], *, tenant: str = "") -> int:
         """Pull the keys that are not local from the pool and peers into the local store, in
-        order; returns how many arrived. Failures leave the rest missing (a miss)."""
+        order; returns how many arrived. Failures leave the rest missing (a miss).
+
+        A pull takes the prefix of what is missing that the local tiers can hold: while it
+        runs, ``keys``' chunks here and those it lands are held (``TieredStore.holding``), so
+        landing one never evicts another (a chain's head evicted for its tail is of no use),
+        and it asks only for as many as ``TieredStore.room_bytes`` has room for, by the sizes
+        the lookup before it saw. A chunk that finds no room all the same is not kept, nor any
+        past it (counted in ``no_room_chunks``)."""
         where = self.store.locate(keys, tenant=tenant)
         missing = [k for k, t in zip(keys, where, strict=True) if t is None]
         hints: dict[bytes, _Hint | None] = {}
@@ -1090,6 +1131,20 @@ class RemoteTiers:
                 hints = {k: self._hints.pop((tenant, k), None) for k in keys}
         if not missing or not self.sources:
             return 0
+        with self.store.holding(keys):
+            return self._pull(keys, missing, hints, tenant)
+
+    def _pull(
+        self,
+        keys: Sequence[bytes],
+        missing: list[bytes],
+        hints: Mapping[bytes, _Hint | None],
+        tenant: str,
+    ) -> int:
+        """``fill``'s pulls of ``missing`` (in ``keys``' order), ``keys`` held."""
+        asked, sized = self._within_room(missing, hints)
+        room = _PullRoom({k: i for i, k in enumerate(keys)}, not_asked=len(missing) - len(asked))
+        missing = asked
         hinted = {k: None if (h := hints.get(k)) is None else h.source for k in missing}
         arrived = 0
         # the sources a lookup chose for some of the keys first (the pool first among them),
@@ -1098,28 +1153,58 @@ class RemoteTiers:
         chosen = {h for h in hinted.values() if h is not None}
         order = sorted(self.sources, key=lambda s: (s.name not in chosen, s is not self.pool))
         tried: set[str | None] = {None}
-        for src in order:
-            if not missing:
-                break
-            ask = [k for k in missing if hinted[k] in tried or hinted[k] == src.name]
-            tried.add(src.name)
-            if not ask:
-                continue
-            # filled as chunks are stored, kept when the call then fails: a split pull whose
-            # other stream failed has stored these, so they count and are asked of no one else
-            landed: list[PoolChunk | None] = [None] * len(ask)
-            try:
-                src.call(
-                    "fetch",
-                    functools.partial(self._get, src, ask, tenant, landed),
-                    moved_bytes=_chunk_bytes,
-                )
-            finally:
-                self._recount_owners(landed, hints, tenant)
-            done = {c.meta.key for c in landed if c is not None}
-            arrived += len(done)
-            missing = [k for k in missing if k not in done]
+        try:
+            for src in order:
+                if not missing:
+                    break
+                ask = [k for k in missing if hinted[k] in tried or hinted[k] == src.name]
+                tried.add(src.name)
+                if not ask:
+                    continue
+                # filled as chunks are stored, kept when the call then fails: a split pull whose
+                # other stream failed has stored these, so they count and are asked of no one else
+                landed: list[PoolChunk | None] = [None] * len(ask)
+                try:
+                    src.call(
+                        "fetch",
+                        functools.partial(
+                            self._get, src, ask, tenant, landed, room, ordered=not sized
+                        ),
+                        moved_bytes=_chunk_bytes,
+                    )
+                finally:
+                    self._recount_owners(landed, hints, tenant)
+                done = {c.meta.key for c in landed if c is not None}
+                arrived += len(done)
+                # what no room was left for is asked of no other source
+                missing = [k for k in missing if k not in done and not room.beyond(k)]
+        finally:
+            if room.no_room_chunks:
+                with self._lock:
+                    self.pulls["no_room_chunks"] += room.no_room_chunks
         return arrived
+
+    def _within_room(
+        self, missing: list[bytes], hints: Mapping[bytes, _Hint | None]
+    ) -> tuple[list[bytes], bool]:
+        """The prefix of ``missing`` the local tiers have room for (``TieredStore.room_bytes``,
+        its chunks held), by the sizes the lookup before saw (the largest of them, else the
+        sources' last chunks, for keys it did not see); and whether it was sized at all (not:
+        nothing is known of the sizes, so all of it is asked, pulled in order)."""
+        sizes = [0 if (h := hints.get(k)) is None else h.size_bytes for k in missing]
+        guess = max(sizes, default=0) or max(
+            (getattr(s.backend, "chunk_bytes_seen", 0) for s in self.sources), default=0
+        )
+        if guess <= 0:
+            return missing, False
+        room_bytes = self.store.room_bytes()
+        take = 0
+        for size in sizes:
+            room_bytes -= size or guess
+            if room_bytes < 0:
+                break
+            take += 1
+        return missing[:take], True
 
     def _recount_owners(
         self, landed: Sequence[PoolChunk | None], hints: Mapping[bytes, _Hint | None], tenant: str
@@ -1145,12 +1230,17 @@ class RemoteTiers:
         keys: Sequence[bytes],
         tenant: str,
         landed: list[PoolChunk | None],
+        room: _PullRoom,
+        *,
+        ordered: bool = False,
     ) -> list[PoolChunk | None]:
         """Fetch from one source, putting each chunk in the store as it lands (a stream from a
         peer: the first chunks are usable before the last arrive) and into ``landed`` (at its
         index in ``keys``), which holds what was stored even when the pull then raises. The
         backend returns only after its last callback (``AgentSource.get_many``), so ``landed``
-        is complete when this returns or raises."""
+        is complete when this returns or raises. ``room``: where the fill ran out of local
+        room (no chunk past it is kept); ``ordered``: in one stream, so chunks land in order
+        (a pull not sized to the room: the first that finds none ends what is kept)."""
 
         # chunks received straight into the lease tier's arena: reserved as the stream reaches
         # each one (outside the store's lock), committed as it lands, given back (``unused``)
@@ -1162,6 +1252,8 @@ class RemoteTiers:
         def into(i: int, meta: ChunkMeta) -> memoryview | None:
             if meta.key != keys[i] or not visible_to(meta, tenant, tenant_isolated=isolated):
                 return None  # dropped when it lands (``_admit``)
+            if room.beyond(keys[i]):
+                return None  # dropped when it lands
             try:
                 slot = self.store.reserve_put(meta.key, meta.size_bytes, **_as_stored(meta))
             except StoreError:  # put will refuse it too, and say why
@@ -1177,12 +1269,28 @@ class RemoteTiers:
                 self.store.abort_put(slot)
 
         def arrived(i: int, chunk: PoolChunk) -> None:
-            if self._admit(src, keys[i], chunk, tenant, slots.pop(i, None)):
+            slot = slots.pop(i, None)
+            if room.beyond(keys[i]):  # past where the room ran out: of no use to a lookup
+                room.dropped()
+                if slot is not None:
+                    self.store.abort_put(slot)
+                return
+            kept = self._admit(src, keys[i], chunk, tenant, slot)
+            if kept == "kept":
                 landed[i] = chunk
+            elif kept == "no_room":
+                room.ran_out(keys[i])
 
         backend = src.backend
         if isinstance(backend, AgentSource):  # streams: each chunk is kept as it lands
-            backend.get_many(keys, tenant=tenant, arrived=arrived, into=into, unused=unused)
+            backend.get_many(
+                keys,
+                tenant=tenant,
+                arrived=arrived,
+                into=into,
+                unused=unused,
+                streams=1 if ordered else None,
+            )
         else:
             for i, chunk in enumerate(backend.get_many(keys, tenant=tenant)):
                 if chunk is not None:
@@ -1200,10 +1308,11 @@ class RemoteTiers:
 
     def _admit(
         self, src: Source, key: bytes, chunk: PoolChunk, tenant: str, slot: PutSlot | None = None
-    ) -> bool:
+    ) -> Literal["kept", "refused", "no_room"]:
         """Keep a chunk that arrived: commit ``slot`` (the arena space its bytes were received
-        into), else put its bytes. False (nothing kept, ``slot`` given back) when it is not
-        what was asked, or the store would not take it."""
+        into), else put its bytes. Otherwise (nothing kept, ``slot`` given back) "refused" when
+        it is not what was asked, or the store would not take it, and "no_room" when no tier
+        could make room for it (beside the chunks held)."""
         meta = chunk.meta
         if (
             meta.key != key
@@ -1212,23 +1321,23 @@ class RemoteTiers:
         ):
             if slot is not None:
                 self.store.abort_put(slot)
-            return False  # the source broke its contract: never store what was not asked for
+            return "refused"  # the source broke its contract: never store what was not asked for
         self._local.filling = True  # not an echo for the pool writer
         try:
             if slot is not None:
                 tier = self.store.commit_put(slot)
             else:
                 tier = self.store.put(key, chunk.data, **_as_stored(meta))
-        except (CapacityError, StoreError) as exc:
+        except StoreError as exc:
             log.debug("could not keep %s from %s: %s", key.hex(), src.name, exc)
-            return False
+            return "no_room" if isinstance(exc, CapacityError) else "refused"
         finally:
             self._local.filling = False
         self._counts.count_read(src.tier, chunk.data.nbytes, landed=tier)
         with src._lock:
             src.counters.chunks_in += 1
             src.counters.bytes_in += chunk.data.nbytes
-        return True
+        return "kept"
 
     # --- write-through ------------------------------------------------------------------------
     def _on_event(self, event: dict[str, Any]) -> None:
@@ -1378,6 +1487,9 @@ class RemoteTiers:
             "index": self.index_status(),
             # prefill, device, local_links, engine_rates, plans, last_plan
             **self.planner.status(),
+            # chunks pulls could not keep for want of local room: not asked (the room was sized
+            # before the pull), found no room, or landed past one that found none
+            "pull": {"no_room_chunks": self.pulls.get("no_room_chunks", 0)},
             "write": {
                 "mode": "through" if self.write_through else "off",
                 "queued": self._queue.qsize(),

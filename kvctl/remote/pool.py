@@ -134,6 +134,11 @@ class SplitStreams:
     def min_stream_bytes(self) -> int:
         return self._split.min_stream_bytes
 
+    @property
+    def chunk_bytes_seen(self) -> int:
+        """The mean size of the chunks the backend served or described last (0: none yet)."""
+        return self._split.chunk_bytes_seen
+
 
 class SplitReads:
     """A backend's split reads: the groups of each read (``stream_groups``, sized by the chunks
@@ -154,10 +159,11 @@ class SplitReads:
         self._workers: ThreadPoolExecutor | None = None
         self._closed = False
 
-    def groups(self, n_keys: int) -> list[tuple[int, int]]:
+    def groups(self, n_keys: int, *, streams: int | None = None) -> list[tuple[int, int]]:
+        """``streams``: at most this many (None: the backend's ``streams``)."""
         return stream_groups(
             n_keys,
-            streams=self.streams,
+            streams=self.streams if streams is None else min(streams, self.streams),
             chunk_bytes_seen=self.chunk_bytes_seen,
             min_stream_bytes=self.min_stream_bytes,
         )

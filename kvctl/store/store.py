@@ -51,6 +51,10 @@ filled without the lock, and the last of a put's rounds when others keep taking 
 begun under the lock and done without it is ended under it again through ``relocked``: an
 interrupt that lands while it waits for the lock is raised once that is done.
 
+A caller may hold chunks (``holding``: a pull landing a chain) the same way: those cached and
+those stored while the hold lasts stay out of their tier's policy, so making room never evicts
+them; a put that finds no room beside them goes to a lower tier or fails, as beside pins.
+
 This module is the index and placement (put, lookup, reads, eviction, moves) and the public API.
 The store owns two parts it delegates to: its lease book (``leases.py``: leases and the lease
 batches' reads into the lease tier) and its accounting (``accounting.py``: every counter, read
@@ -63,9 +67,10 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from heapq import nlargest
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -165,6 +170,16 @@ class _PutWrite:
     start: int  # the tier rank the put asked from, for ``_insert_new``
     skip: set[str]
     pinned: bool
+
+
+@dataclass(eq=False, slots=True)
+class Hold:
+    """Chunks kept out of eviction while a caller needs them (``TieredStore.holding``): those
+    of ``keys`` cached when it began, and those stored while it lasts."""
+
+    keys: frozenset[bytes]
+    #: the entries held (each counted once in the store's ``_reading``)
+    entries: list[Entry] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,8 +289,10 @@ class TieredStore:
             self._policies = {n: self._settler.wrap(p) for n, p in self._policies.items()}
         self.set_isolated_tenants(isolated_tenants)
         #: entries being read without the lock -> how many such reads; meanwhile they are out of
-        #: their tier's eviction policy (like pinned ones), so pressure never picks them
+        #: their tier's eviction policy (like pinned ones), so pressure never picks them. Holds
+        #: (``holding``) count here as reads do
         self._reading: dict[Entry, int] = {}
+        self._hold_list: list[Hold] = []
         self._leases = LeaseBook(self, lease_tier, self._accounting, read_threads=read_threads)
         self._unlink_pool: ThreadPoolExecutor | None = None
         #: set by ``close``: no pool is started (again) after it
@@ -728,6 +745,48 @@ class TieredStore:
                 slot.done = True
                 slot.home.abort(slot.reservation)
 
+    # --- holds ------------------------------------------------------------------------------
+    @contextmanager
+    def holding(self, keys: Iterable[bytes]) -> Iterator[Hold]:
+        """Keep ``keys``' chunks out of eviction until the block ends: those cached now and
+        those stored meanwhile (a pull landing them), as chunks being read are. No put,
+        promotion or demotion makes room by evicting them: a put that cannot make room beside
+        them goes to a lower tier or raises CapacityError, as beside pinned chunks. An
+        operator's evict or flush still takes them."""
+        hold = Hold(frozenset(keys))
+        with self._lock:
+            for key in hold.keys:
+                e = self._index.get(key)
+                if e is not None:
+                    self._hold(hold, e)
+            self._hold_list.append(hold)
+        try:
+            yield hold
+        finally:
+            with relocked(self._lock):
+                self._hold_list.remove(hold)
+                for e in hold.entries:
+                    self._end_read(e)
+
+    def _hold(self, hold: Hold, e: Entry) -> None:
+        self._begin_read(e)
+        hold.entries.append(e)
+
+    def room_bytes(self) -> int:
+        """Bytes of new chunks the usable tiers could take now if everything evictable went:
+        their capacity less their pinned chunks and those held or being read. An upper bound
+        (leased regions may split a cpu tier's free space, an admission policy may refuse)."""
+        with self._lock:
+            busy = dict.fromkeys(self._pinned_bytes, 0)
+            for e in self._reading:
+                if not e.pinned and self._holds(e):
+                    busy[e.tier] += e.size_bytes
+            return sum(
+                max(0, t.capacity_bytes - self._pinned_bytes[t.name] - busy[t.name])
+                for t in self._tiers
+                if self._usable(t)
+            )
+
     def _check_new(self, key: bytes, size: int, *, priority: int, parent: bytes | None) -> None:
         _check_key(key)
         if self.chunk_bytes is not None and size != self.chunk_bytes:
@@ -796,6 +855,9 @@ class TieredStore:
             self._pinned_bytes[target.name] += entry.size_bytes
         else:
             policy.on_insert(entry)
+        for hold in self._hold_list:  # a pull landing the chunks it holds
+            if entry.key in hold.keys:
+                self._hold(hold, entry)
         ts = self._accounting.tier(target.name)
         ts.puts += 1
         ts.bytes_written += entry.size_bytes
