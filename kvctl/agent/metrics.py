@@ -347,6 +347,18 @@ class SourceCollector:
                 ("errors", "errors", "Calls to a remote source that failed."),
                 ("skipped", "skipped", "Calls not made because the source's breaker was open."),
                 (
+                    "late",
+                    "late",
+                    "Lookup probes a lookup stopped waiting for (past its deadline): it went on "
+                    "without the source's answer.",
+                ),
+                (
+                    "overdue",
+                    "overdue",
+                    "Pulls cut at their deadline (the source sent too slowly): the chunk in "
+                    "flight and any not yet sent are misses.",
+                ),
+                (
                     "corrupt",
                     "corrupt",
                     "Chunks from a remote source that failed their checks (checksum, size, key, "
@@ -355,6 +367,12 @@ class SourceCollector:
                 ("opens", "breaker_opens", "Times a source's circuit breaker opened."),
                 ("probes", "breaker_probes", "Half-open probes let through to a source."),
                 ("probe_failures", "breaker_probe_failures", "Half-open probes that failed."),
+                (
+                    "late_opens",
+                    "breaker_late_opens",
+                    "Times a source's breaker opened because its answers kept coming too late "
+                    "(also counted in breaker_opens).",
+                ),
             )
         }
         for src in statuses:

@@ -636,7 +636,14 @@ def _render_remote(report: dict[str, Any]) -> None:
         )
         return
     table = Table(
-        "source", "state", "RTT", "bandwidth", "override", "in/out", "errors", "late/corrupt"
+        "source",
+        "state",
+        "RTT",
+        "bandwidth",
+        "override",
+        "in/out",
+        "errors",
+        "late/overdue/corrupt",
     )
     down: list[str] = []
     for src in [report["pool"], *report["peers"]]:
@@ -650,8 +657,9 @@ def _render_remote(report: dict[str, Any]) -> None:
             *_link_cells(src["link"]),
             f"{src['chunks_in']:,}/{src['chunks_out']:,}",
             str(src["errors"]),
-            # answers too late for a lookup, and chunks that failed their check on arrival
-            f"{src.get('late', 0):,}/{src.get('corrupt', 0):,}",
+            # probes too late for a lookup, pulls cut at their deadline, and chunks that failed
+            # their check on arrival
+            f"{src.get('late', 0):,}/{src.get('overdue', 0):,}/{src.get('corrupt', 0):,}",
         )
     console.print(table)
     for line in down:
@@ -693,7 +701,13 @@ def _render_remote(report: dict[str, Any]) -> None:
         + f"prefill time saved net of fetching {plans['saved_s']:.3f} s [dim](prefill: "
         f"{report['prefill']['basis']}, {report['prefill']['tokens_per_s']:,.0f} tokens/s)[/]\n"
         f"pool writer ({write['mode']}): written {write['written']:,}, queued {write['queued']:,}"
-        f", failed {write['failed']:,}, dropped {write['dropped']:,}",
+        f", failed {write['failed']:,}, dropped {write['dropped']:,}"
+        + (
+            f"\n[yellow]pulls short of local room[/]: {no_room:,} chunks not kept (the local "
+            "tiers could not hold the whole chain)"
+            if (no_room := (report.get("pull") or {}).get("no_room_chunks"))
+            else ""
+        ),
         highlight=False,
     )
 

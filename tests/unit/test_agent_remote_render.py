@@ -19,7 +19,8 @@ def _source(name: str, tier: str, *, up: bool) -> dict[str, Any]:
         "breaker": {"state": "closed" if up else "open", "retry_in_s": 1.0},
         "link": {"rtt_s": 0.001, "rtt_basis": "measured", "bandwidth_bytes_per_s": 1e9,
                  "override": ""},
-        "chunks_in": 3, "chunks_out": 0, "errors": 0 if up else 2, "late": 5, "corrupt": 4,
+        "chunks_in": 3, "chunks_out": 0, "errors": 0 if up else 2, "late": 5, "overdue": 6,
+        "corrupt": 4,
     }  # fmt: skip
 
 
@@ -44,6 +45,15 @@ def test_a_down_pools_usage_says_how_old_it_is(
     _render_remote(_report(pool_up=False, read_ago_s=42))
     out = capsys.readouterr().out
     assert "7 MiB of 1 GiB, 25 chunks (read 42 s ago; the pool is not answering)" in out
-    assert "5/4" in out  # late/corrupt
+    assert "5/6/4" in out  # late/overdue/corrupt
+    assert "short of local room" not in out
     _render_remote(_report(pool_up=True, read_ago_s=3))
     assert "read 3 s ago" not in capsys.readouterr().out  # a pool that answers: current
+
+
+def test_pulls_short_of_room_are_shown(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    _render_remote({**_report(pool_up=True, read_ago_s=1), "pull": {"no_room_chunks": 12}})
+    assert "pulls short of local room: 12 chunks not kept" in capsys.readouterr().out

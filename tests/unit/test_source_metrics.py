@@ -72,3 +72,23 @@ def test_breaker_state_and_counters_follow_the_source() -> None:
 def test_no_sources_no_samples() -> None:
     metrics = _registry(list)
     assert not [k for k in _samples(metrics) if k[0] != "kvctl_remote_source_breaker_state"]
+
+
+def test_late_answers_and_overdue_pulls_are_exported() -> None:
+    """Answers past the lookup's wait open the breaker (``breaker_late_opens``, among
+    ``breaker_opens``); the source's ``late`` probes and ``overdue`` pulls are counters too."""
+    clock = FakeClock()
+    source = make_source(clock)
+    status: dict[str, Any] = {}
+    metrics = _registry(lambda: [{**source.status(), **status}])
+    for _ in range(3):  # due before it was made: every answer is late
+        assert source.call("probe", lambda: b"ok", moved_bytes=no_bytes, answer_by_s=0.0)
+    labels = (("source", "pool"), ("tier", source.tier))
+    samples = _samples(metrics)
+    assert samples[("kvctl_remote_source_breaker_late_opens_total", labels)] == 1
+    assert samples[("kvctl_remote_source_breaker_opens_total", labels)] == 1
+    assert samples[("kvctl_remote_source_late_total", labels)] == 0
+    status.update(late=4, overdue=2)
+    samples = _samples(metrics)
+    assert samples[("kvctl_remote_source_late_total", labels)] == 4
+    assert samples[("kvctl_remote_source_overdue_total", labels)] == 2
