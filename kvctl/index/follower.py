@@ -8,11 +8,18 @@ changed, so sequence numbers started over) and when it fell behind the agent's b
 listing and resumes from there: events that the listing already reflects are re-applied, which
 changes nothing (each event sets or deletes one node's entry for one key), and none is missed.
 
-It also resyncs when the index lost what it wrote: each poll reads the node's marker (one cheap
-read; ``FleetIndex.marker``), which its resync left, and a marker gone or changed means a Redis
-index restarted empty, was flushed or evicted it. A poll the index failed (``IndexUnavailable``)
-is the index's failure, not the agent's: the agent is not marked down, and the next poll that the
-index answers resyncs (what was written while it was away may be lost).
+It also resyncs when the index lost what it wrote, whole or in part: each poll makes one cheap
+check (``FleetIndex.check``). A marker (left by the node's resync) gone or changed means a Redis
+index restarted empty, was flushed or evicted it. Part of the node's entries lost with the
+marker kept (a server evicting under ``maxmemory``, an operator's DEL) shows as the node's
+entry count off its key set, or as a listed entry gone in the check's rolling audit, which reads
+a slice of the node's entries per poll (``audit_entries_per_s``, so a whole pass over a node of
+N entries takes about N / that many seconds). Such a resync is of that node alone, at most once
+per ``DAMAGE_RESYNC_MIN_S`` (a server evicting all the time must not have every agent listed on
+every poll). A poll the index failed (``IndexUnavailable``) is the index's failure, not the
+agent's: the agent is not marked down, and the next poll that the index answers resyncs (what
+was written while it was away may be lost). Every resync is counted by its reason
+(``RESYNC_REASONS``).
 
 An agent that has not answered for ``drop_after_s`` is marked down: the router leaves it out of
 its decisions and its holder answers (``Followers.down_nodes``). Down is this router's view: in
@@ -29,6 +36,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -37,7 +45,7 @@ from urllib.parse import urlsplit, urlunsplit
 from kvctl.client import AgentClient
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent, from_agent_event, from_listing
-from kvctl.index.model import FleetIndex
+from kvctl.index.model import DAMAGE_COUNT, FleetIndex
 from kvctl.index.remote import IndexUnavailable
 
 log = logging.getLogger("kvctl.index.follower")
@@ -56,6 +64,29 @@ MAX_BATCHES_PER_POLL = 64
 MAX_REQUEST_TIMEOUT_S = 2.0
 #: polls running at once in ``Followers`` (threads are made only as needed)
 MAX_POLL_THREADS = 16
+#: entries of a node the index check audits per second, by default: about 2 ms a second of a
+#: Redis server's time per node and router (measured on a busy 2-core machine: ~2 us an entry);
+#: 0: no audit, only the marker and the count
+DEFAULT_AUDIT_ENTRIES_PER_S = 1000.0
+#: the audit's slice per poll, at least and at most
+MIN_AUDIT_SLICE = 64
+MAX_AUDIT_SLICE = 4096
+#: a node resynced for entries the index lost (not its marker) is not again for this long
+DAMAGE_RESYNC_MIN_S = 10.0
+#: why a follower resyncs, as its status counts them: first contact, the agent answering again
+#: after being marked down, the agent restarted, the follower fell behind its event buffer, the
+#: index answering again after failing, the index lost the node's marker (its entries with it),
+#: part of its entries (a listed entry gone), or its key set (the count off the set)
+RESYNC_REASONS = (
+    "first",
+    "agent_back",
+    "agent_restarted",
+    "behind",
+    "index_back",
+    "index_lost",
+    "index_partial",
+    "index_count",
+)
 
 
 class Follower:
@@ -77,6 +108,7 @@ class Follower:
         page_limit: int = 1000,
         clock: Callable[[], float] = time.monotonic,
         timeout_s: float | None = None,
+        audit_entries_per_s: float = DEFAULT_AUDIT_ENTRIES_PER_S,
     ) -> None:
         if not isinstance(node, str) or not node:
             raise InvalidArgument(f"a follower needs a node name, got {node!r}")
@@ -91,8 +123,10 @@ class Follower:
             # a few tries fit in drop_after_s, so one lost packet does not drop a node
             timeout_s = min(MAX_REQUEST_TIMEOUT_S, max(0.1, drop_after_s / 3))
         _check_seconds("timeout_s", timeout_s)
+        _check_rate("audit_entries_per_s", audit_entries_per_s)
         self.index = index
         self.node = node
+        self.audit_entries_per_s = float(audit_entries_per_s)
         self.url = url.rstrip("/")
         self.drop_after_s = float(drop_after_s)
         self.page_limit = page_limit
@@ -107,6 +141,12 @@ class Follower:
         self.drops_when_down = not getattr(index, "shared", True)
         #: the index's marker for the node after our last resync (None: not resynced yet)
         self._marker: str | None = None
+        #: where the index check's audit resumes, and when the last check ran
+        self._audit_cursor = 0
+        self._checked_s: float | None = None
+        self._damage_resync_s: float | None = None
+        #: why the next resync happens when ``_instance`` is None (a ``RESYNC_REASONS``)
+        self._pending_reason = "first"
         self._index_failing = False
         #: None until the agent is first heard from, then whether it answers
         self._up: bool | None = None
@@ -126,6 +166,8 @@ class Follower:
         self.index_errors = 0
         self.index_error = ""
         self.index_lost = 0
+        #: resyncs by reason (``RESYNC_REASONS``)
+        self.resync_reasons: Counter[str] = Counter()
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self) -> int:
@@ -158,12 +200,11 @@ class Follower:
             )
             # the first answer after being down is enough to call it up again
             self._answered()
-            lost = not resynced and self._instance is not None and self._lost_by_index()
-            if self._instance is None or instance != self._instance or dropped > 0 or lost:
+            damage = "" if resynced or self._instance is None else self._index_damage()
+            if self._instance is None or instance != self._instance or dropped > 0 or damage:
                 if resynced:
                     break  # behind again already: the next poll resyncs, not this one forever
-                self._note_resync_cause(instance, dropped, lost=lost)
-                changed += self._resync()
+                changed += self._resync(self._note_resync_cause(instance, dropped, damage=damage))
                 resynced = True
                 continue  # read on from the noted cursor
             changed += self._apply(events)
@@ -172,13 +213,33 @@ class Follower:
                 break
         return changed
 
-    def _lost_by_index(self) -> bool:
-        """Whether the index no longer holds what our last resync wrote (its marker is gone
-        or another): one read per poll, so a Redis restarted empty is noticed within one."""
-        return self.index.marker(self.node) != self._marker
+    def _index_damage(self) -> str:
+        """Why the index no longer holds what our resync and events wrote: "index_lost" (its
+        marker is gone or another), "index_partial" or "index_count" (part of the entries: see
+        the module), "" when nothing says so. One call per poll, so a Redis restarted empty is
+        noticed within one."""
+        now_s = self._clock()
+        limit = 0
+        if self.audit_entries_per_s:
+            since_s = 0.0 if self._checked_s is None else max(0.0, now_s - self._checked_s)
+            slice_ = round(self.audit_entries_per_s * since_s)
+            limit = min(MAX_AUDIT_SLICE, max(MIN_AUDIT_SLICE, slice_))
+        check = self.index.check(self.node, cursor=self._audit_cursor, limit=limit)
+        self._checked_s = now_s
+        self._audit_cursor = check.cursor
+        if check.marker != self._marker:
+            return "index_lost"
+        if not check.damage:
+            return ""
+        last = self._damage_resync_s
+        if last is not None and now_s - last < DAMAGE_RESYNC_MIN_S:
+            return ""  # the check after the pause finds it again: it is still gone
+        self._damage_resync_s = now_s
+        return "index_count" if check.damage == DAMAGE_COUNT else "index_partial"
 
-    def _note_resync_cause(self, instance: str, dropped: int, *, lost: bool = False) -> None:
-        if lost:
+    def _note_resync_cause(self, instance: str, dropped: int, *, damage: str = "") -> str:
+        """Log why this resync happens; returns the reason (``RESYNC_REASONS``)."""
+        if damage == "index_lost":
             self.index_lost += 1
             log.warning(
                 "%s: the index lost the node's entries (restarted empty, flushed or evicted); "
@@ -186,18 +247,34 @@ class Follower:
                 self.node,
                 self._shown_url,
             )
+        elif damage:
+            what = "key set" if damage == "index_count" else "entries"
+            log.warning(
+                "%s: the index lost part of the node's %s (evicted or deleted), its marker "
+                "kept; resyncing the node from %s",
+                self.node,
+                what,
+                self._shown_url,
+            )
         elif self._instance is None:
+            damage = self._pending_reason
             log.info("%s: resyncing from %s", self.node, self._shown_url)
         elif instance != self._instance:
+            damage = "agent_restarted"
             log.info("%s: agent restarted (new event stream); resyncing", self.node)
         else:
+            damage = "behind"
             self.gaps += 1
             self.dropped_events += dropped
             log.warning(
                 "%s: fell %d events behind the agent's buffer; resyncing", self.node, dropped
             )
+        return damage
 
-    def _resync(self) -> int:
+    def _resync(self, reason: str) -> int:
+        """Make the index's entries for the node the agent's listing, counted under ``reason``
+        once done. For "index_count" the node's entries are forgotten by a scan of the index
+        first (its key set was lost: ``drop``, which works from it, cannot)."""
         _, seq, _, instance = _batch(self._client.events(after=_PAST_ANY_SEQ, limit=1))
         chunks: list[ChunkEvent] = []
         after: str | None = None
@@ -215,11 +292,16 @@ class Follower:
             if not nxt or not items:
                 break
             after = str(nxt)
+        if reason == "index_count":
+            purged = self.index.purge(self.node)
+            log.info("%s: %d entries purged from the index", self.node, purged)
         entries = self.index.replace(self.node, chunks)
         self._marker = self.index.marker(self.node)
+        self._audit_cursor = 0
         self._instance = instance
         self._cursor = seq
         self.resyncs += 1
+        self.resync_reasons[reason] += 1
         log.info("%s: resynced, %d chunks, resuming after event %d", self.node, entries, seq)
         return entries
 
@@ -259,6 +341,7 @@ class Follower:
         if silent_s >= self.drop_after_s and self._up is not False:
             self._up = False
             self._instance = None  # whatever it holds when back, learn it from its listing
+            self._pending_reason = "agent_back"
             kept = "its index entries kept (a shared index: others may reach it)"
             if self.drops_when_down:
                 try:
@@ -281,6 +364,7 @@ class Follower:
         # what this poll wrote may be lost, and what the index held may be gone when it is
         # back: the next poll it answers resyncs the node
         self._instance = None
+        self._pending_reason = "index_back"
         if not self._index_failing:
             self._index_failing = True
             log.warning(
@@ -328,6 +412,8 @@ class Follower:
             "index_errors": self.index_errors,
             "index_error": self.index_error,
             "index_lost": self.index_lost,
+            # every reason, 0 included: a counter series exists before its first increase
+            "resync_reasons": {r: self.resync_reasons[r] for r in RESYNC_REASONS},
             "drops_when_down": self.drops_when_down,
             "entries": None if held is None else held.get(self.node, 0),
             "last_ok_s": None if last_ok is None else max(0.0, self._clock() - last_ok),
@@ -360,12 +446,16 @@ class Followers:
         poll_s: float = 0.2,
         drop_after_s: float = 3.0,
         timeout_s: float | None = None,
+        audit_entries_per_s: float = DEFAULT_AUDIT_ENTRIES_PER_S,
     ) -> None:
         _check_seconds("poll_s", poll_s)
         _check_seconds("drop_after_s", drop_after_s)
         if timeout_s is not None:
             _check_seconds("timeout_s", timeout_s)
+        _check_rate("audit_entries_per_s", audit_entries_per_s)
         self.index = index
+        #: each follower's index audit rate (see ``Follower``)
+        self.audit_entries_per_s = float(audit_entries_per_s)
         self.poll_s = float(poll_s)
         self.drop_after_s = float(drop_after_s)
         #: one request's timeout (None: from drop_after_s, see ``Follower``)
@@ -389,6 +479,7 @@ class Followers:
             token=token,
             drop_after_s=self.drop_after_s,
             timeout_s=self.timeout_s,
+            audit_entries_per_s=self.audit_entries_per_s,
         )
         with self._lock:
             old = self._followers.get(node)
@@ -530,6 +621,13 @@ def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_rate(what: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"{what} must be a number per second, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"{what} must be >= 0 per second, got {value!r}")
 
 
 def _check_seconds(what: str, value: float) -> None:

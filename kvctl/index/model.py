@@ -45,6 +45,27 @@ class Holding:
         return ENGINE_SEPARATOR in self.node
 
 
+#: ``NodeCheck.damage``: some entries the node's key set lists are gone (evicted or deleted)
+DAMAGE_ENTRIES = "entries"
+#: ``NodeCheck.damage``: the node's entry count disagrees with its key set (the set, or the
+#: count, was evicted or deleted): entries the set no longer lists may linger
+DAMAGE_COUNT = "count"
+
+
+class NodeCheck(NamedTuple):
+    """One look at whether the index still holds a node's entries whole (``FleetIndex.check``)."""
+
+    #: the node's marker (see ``FleetIndex.marker``)
+    marker: str | None
+    #: "" when nothing is wrong in what was looked at, else ``DAMAGE_ENTRIES`` or
+    #: ``DAMAGE_COUNT``: the index lost part of the node's entries, though not its marker
+    damage: str
+    #: where the next check's audit resumes (0: a pass over the node's entries starts again)
+    cursor: int
+    #: entries this check audited
+    audited: int
+
+
 class _Entry(NamedTuple):
     """A node's copy of a chunk. A tuple, not a frozen dataclass: one is made per stored
     event, and a tuple builds in about a third of the time (the index's update rate)."""
@@ -82,6 +103,18 @@ class FleetIndex(Protocol):
         routers resyncing one node into a shared index agree on it). None: no resync wrote the
         node, or the index lost it (a Redis restarted empty, flushed, or evicting): a follower
         that saw another marker at its own resync then knows the entries it wrote are gone."""
+        ...
+
+    def check(self, node: str, *, cursor: int = 0, limit: int = 0) -> NodeCheck:
+        """Whether the index still holds the node's entries whole, in one cheap call: its
+        marker, whether its entry count agrees with its key set, and (a rolling audit) whether
+        up to about ``limit`` of the entries its set lists, from ``cursor`` on, are still there.
+        Catches what the marker cannot: part of a node's entries evicted or deleted."""
+        ...
+
+    def purge(self, node: str) -> int:
+        """Forget everything ``node`` held without trusting its key set (which a ``DAMAGE_COUNT``
+        says was lost): a scan of the whole index. Keeps its marker; returns entries dropped."""
         ...
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
@@ -176,6 +209,14 @@ class EmbeddedIndex:
     def marker(self, node: str) -> str | None:
         with self._lock:
             return self._markers.get(node)
+
+    def check(self, node: str, *, cursor: int = 0, limit: int = 0) -> NodeCheck:
+        # in this process's memory nothing loses part of a node: only the marker to read
+        return NodeCheck(self.marker(node), "", 0, 0)
+
+    def purge(self, node: str) -> int:
+        with self._lock:
+            return self._drop_locked(node)
 
     def _drop_locked(self, node: str) -> int:
         keys = self._by_node.pop(node, set())

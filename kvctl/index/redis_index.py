@@ -7,17 +7,26 @@ Redis keys carry them as hex, hash fields and values carry their UTF-8 bytes)::
     P k:<keyhex>      hash: node -> "size_bytes tokens isolated(0|1) len(tier) " tier tenant
                       (one hash per chunk: ``holders`` is one HGETALL per key)
     P n:<nodehex>     set of the keyhexes the node holds (what ``drop``/``replace`` delete)
-    P nodes           hash: node -> entries (``nodes()`` is one HGETALL)
-    P markers         hash: node -> the marker its first resync left (``marker()``: one HGET;
-                      gone with the rest when the server restarts empty or is flushed, so a
-                      follower's poll notices the index lost the node's entries)
+    P nodes           hash: node -> entries (``nodes()``: one HGETALL, with P markers')
+    P markers         hash: node -> "<marker> <entries>": the marker its first resync left and
+                      the node's count kept beside it (``marker()``: one HGET; gone with the
+                      rest when the server restarts empty or is flushed, so a follower's poll
+                      notices the index lost the node's entries)
+
+The counts move with what the scripts add to and remove from a node's set, never read off it.
+Losing part of a node's keys with its marker kept (a server evicting under ``maxmemory``, an
+operator's DEL) is what ``check`` catches, in one script call: the count beside the marker off
+the set's size (the set lost, whole or in part), or, in a rolling audit of a slice of the set
+per call resuming at a cursor, a listed chunk whose hash no longer names the node. A lost set
+leaves fields it no longer lists, which ``drop`` cannot find: ``purge`` scans the prefix's chunk
+keys for them (a repair, rare, O(the index)).
 
 Writes run in one Lua script per group of events, so each group is atomic and the per-node
-count always equals the node's set; an ``apply`` is one round trip whatever its size (its
-groups pipelined). ``replace`` is one MULTI/EXEC of its scripts (drop, then the new holding):
-a reader never sees the node half dropped or half filled. ``holders`` is one MULTI/EXEC of an
-HGETALL per key (a chain of 64 keys is one round trip, and one consistent snapshot); the
-tenant filter runs here, on the decoded entries, with ``EmbeddedIndex``'s rule.
+count equals the node's set (while the server loses nothing); an ``apply`` is one round trip
+whatever its size (its groups pipelined). ``replace`` is one MULTI/EXEC of its scripts (drop,
+then the new holding): a reader never sees the node half dropped or half filled. ``holders`` is
+one MULTI/EXEC of an HGETALL per key (a chain of 64 keys is one round trip, and one consistent
+snapshot); the tenant filter runs here, on the decoded entries, with ``EmbeddedIndex``'s rule.
 
 Not for a Redis Cluster: the scripts touch keys of many slots.
 """
@@ -37,7 +46,7 @@ from redis.retry import Retry
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
-from kvctl.index.model import Holding
+from kvctl.index.model import Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.wire.address import redact_url
 
@@ -57,48 +66,102 @@ SCHEMES = {
 _EVENTS_PER_SCRIPT = 1024
 _SCAN_COUNT = 1000
 
-# KEYS[1]: the node's set, KEYS[2]: the nodes hash. ARGV[1]: chunk key prefix ("P k:"),
-# ARGV[2]: the node (hash field), ARGV[3]: "1" to drop the node's holding first, then the ops:
-# "s" keyhex value (stored) | "r" keyhex (removed) | "c" (cleared).
-# Returns {entries the node holds after, entries dropped}. Invariant kept by every branch: the
-# node is a field of P k:<kh> exactly when kh is in its set (HDEL of a hash's last field
-# deletes the hash, so a chunk nobody holds leaves no key).
+# KEYS[1]: the node's set, KEYS[2]: the nodes hash, KEYS[3]: the markers hash. ARGV[1]: chunk
+# key prefix ("P k:"), ARGV[2]: the node (hash field), ARGV[3]: the mode: "" (apply), "drop"
+# (drop the node's holding first), or a marker (a replace: drop first, then leave this marker
+# unless the node has one), then the ops: "s" keyhex value (stored) | "r" keyhex (removed) |
+# "c" (cleared). Returns {entries the node holds after, entries dropped}.
+# Invariants kept by every branch: the node is a field of P k:<kh> exactly when kh is in its set
+# (HDEL of a hash's last field deletes the hash, so a chunk nobody holds leaves no key), and the
+# count beside its marker (P markers: "<marker> <count>") and in P nodes is the set's size. The
+# count moves with what SADD/SREM changed, never read off the set, so a set the server lost
+# shows as a count off (``check``); beside the marker, it is lost only with the marker. A stored
+# event adds the key to the set and a removed one deletes the field whatever the set says, so a
+# resync puts back the set's members a loss took, for every chunk the agent lists.
 _BODY = """
-local nset, nodes = KEYS[1], KEYS[2]
-local kp, node = ARGV[1], ARGV[2]
+local nset, nodes, markers = KEYS[1], KEYS[2], KEYS[3]
+local kp, node, mode = ARGV[1], ARGV[2], ARGV[3]
 local function drop()
   local held = redis.call('SMEMBERS', nset)
   for _, kh in ipairs(held) do redis.call('HDEL', kp .. kh, node) end
   redis.call('DEL', nset)
+  redis.call('HDEL', nodes, node)
   return #held
 end
-local dropped = 0
-if ARGV[3] == '1' then dropped = drop() end
+local dropped, delta, base = 0, 0, nil
+if mode ~= '' then dropped = drop(); base = 0 end
 local i = 4
 local n = #ARGV
 while i <= n do
   local op = ARGV[i]
   if op == 's' then
     local kh = ARGV[i + 1]
-    if redis.call('HSET', kp .. kh, node, ARGV[i + 2]) == 1 then redis.call('SADD', nset, kh) end
+    redis.call('HSET', kp .. kh, node, ARGV[i + 2])
+    delta = delta + redis.call('SADD', nset, kh)
     i = i + 3
   elseif op == 'r' then
     local kh = ARGV[i + 1]
-    if redis.call('HDEL', kp .. kh, node) == 1 then redis.call('SREM', nset, kh) end
+    redis.call('HDEL', kp .. kh, node)
+    delta = delta - redis.call('SREM', nset, kh)
     i = i + 2
   else
     dropped = dropped + drop()
+    delta, base = 0, 0
     i = i + 1
   end
 end
-local count = redis.call('SCARD', nset)
-if count > 0 then redis.call('HSET', nodes, node, count) else redis.call('HDEL', nodes, node) end
+local marker = redis.call('HGET', markers, node)
+if not marker and mode ~= '' and mode ~= 'drop' then marker = mode end
+local count
+if marker then
+  local id, counted = string.match(marker, '^(%S+) (%-?%d+)$')
+  if not id then id = marker end  -- left before counts were kept: the set's size is the count
+  base = base or tonumber(counted)
+  if base then count = base + delta else count = redis.call('SCARD', nset) end
+  redis.call('HSET', markers, node, id .. ' ' .. count)
+  if count ~= 0 then redis.call('HSET', nodes, node, count) else redis.call('HDEL', nodes, node) end
+else  -- a node no resync wrote (an engine's own cache): its count in P nodes alone
+  if delta ~= 0 then redis.call('HINCRBY', nodes, node, delta) end
+  count = tonumber(redis.call('HGET', nodes, node) or '0')
+  if count == 0 then redis.call('HDEL', nodes, node) end
+end
 return {count, dropped}
 """
 # refused whole when the server is out of memory, rather than failing half done
 _APPLY_LUA = "#!lua\n" + _BODY
 # a drop frees memory: most needed when the server is full
 _DROP_LUA = "#!lua flags=allow-oom\n" + _BODY
+
+# KEYS: as _BODY's. ARGV[1]: chunk key prefix, ARGV[2]: the node, ARGV[3]: SSCAN cursor, ARGV[4]:
+# entries to audit (0: none). Returns {marker or "", damage ("", "count" or "entries"), next
+# cursor, entries audited}. Read-only (runs on a full server too); the first damage found ends it.
+_CHECK_LUA = """#!lua flags=no-writes
+local nset, kp, node = KEYS[1], ARGV[1], ARGV[2]
+local raw = redis.call('HGET', KEYS[3], node)
+if not raw then return {'', '', '0', 0} end
+local marker, counted = string.match(raw, '^(%S+) (%-?%d+)$')
+if not marker then marker = raw end
+local listed = redis.call('SCARD', nset)
+if counted and tonumber(counted) ~= listed then return {marker, 'count', '0', 0} end
+if listed == 0 or ARGV[4] == '0' then return {marker, '', ARGV[3], 0} end
+local scan = redis.call('SSCAN', nset, ARGV[3], 'COUNT', ARGV[4])
+for _, kh in ipairs(scan[2]) do
+  if redis.call('HEXISTS', kp .. kh, node) == 0 then
+    return {marker, 'entries', '0', #scan[2]}
+  end
+end
+return {marker, '', scan[1], #scan[2]}
+"""
+
+# KEYS: as _BODY's. ARGV[1]: the node. After ``purge`` removed the node's fields: its set and
+# counts go, its marker stays (with a count of 0).
+_PURGED_LUA = """#!lua flags=allow-oom
+local node = ARGV[1]
+redis.call('DEL', KEYS[1])
+redis.call('HDEL', KEYS[2], node)
+local raw = redis.call('HGET', KEYS[3], node)
+if raw then redis.call('HSET', KEYS[3], node, string.match(raw, '^%S+') .. ' 0') end
+"""
 
 
 def _utf8(text: str) -> bytes:
@@ -195,7 +258,7 @@ class RedisIndex:
             with self._guard():
                 pipe = self._client.pipeline(transaction=False)
                 for _, ops in groups:
-                    self._queue(pipe, _APPLY_LUA, node, ops, drop_first=False)
+                    self._queue(pipe, _APPLY_LUA, node, ops)
                 pipe.execute()
         return n
 
@@ -204,17 +267,18 @@ class RedisIndex:
         with self._guard():
             # MULTI/EXEC: the drop and every group land together (readers see old or new)
             pipe = self._client.pipeline(transaction=True)
+            # the first group's marker is left only where the node has none: another router's
+            # resync of the node left one already, and both keep that one
+            marker = uuid.uuid4().hex.encode()
             for i, ops in enumerate(groups):
-                self._queue(pipe, _APPLY_LUA, node, ops, drop_first=i == 0)
-            # NX: another router's resync of the node left one already; both keep that one
-            pipe.hsetnx(self._markers_key, _utf8(node), uuid.uuid4().hex.encode())
+                self._queue(pipe, _APPLY_LUA, node, ops, mode=marker if i == 0 else b"")
             replies = pipe.execute()
-        return int(replies[-2][0])
+        return int(replies[-1][0])
 
     def drop(self, node: str) -> int:
         with self._guard():
             pipe = self._client.pipeline(transaction=True)
-            self._queue(pipe, _DROP_LUA, node, [], drop_first=True)
+            self._queue(pipe, _DROP_LUA, node, [], mode=b"drop")
             pipe.hdel(self._markers_key, _utf8(node))
             reply, _ = pipe.execute()
         return int(reply[1])
@@ -222,7 +286,47 @@ class RedisIndex:
     def marker(self, node: str) -> str | None:
         with self._guard():
             raw = cast("bytes | None", self._client.hget(self._markers_key, _utf8(node)))
-        return None if raw is None else raw.decode("ascii", "replace")
+        # "<marker> <count>" (a bare marker: left before counts were kept)
+        return None if raw is None else raw.split(b" ", 1)[0].decode("ascii", "replace")
+
+    def check(self, node: str, *, cursor: int = 0, limit: int = 0) -> NodeCheck:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+            raise InvalidArgument(f"check limit must be an int >= 0, got {limit!r}")
+        name = _utf8(node)
+        with self._guard():
+            reply = self._client.eval(
+                _CHECK_LUA, 3, *self._node_keys(name),
+                self._chunk_prefix, name, max(0, int(cursor)), limit,
+            )  # fmt: skip
+            marker, damage, nxt, audited = cast("list[Any]", reply)
+        return NodeCheck(
+            marker.decode("ascii", "replace") or None, damage.decode(), int(nxt), int(audited)
+        )
+
+    def purge(self, node: str) -> int:
+        name = _utf8(node)
+        removed = 0
+        with self._guard():
+            batch: list[bytes] = []
+            for key in self._client.scan_iter(
+                match=_glob_escape(self._chunk_prefix) + b"*", count=_SCAN_COUNT
+            ):
+                batch.append(key)
+                if len(batch) >= _SCAN_COUNT:
+                    removed += self._hdel_each(batch, name)
+                    batch = []
+            removed += self._hdel_each(batch, name)
+            self._client.eval(_PURGED_LUA, 3, *self._node_keys(name), name)
+        return removed
+
+    def _hdel_each(self, keys: list[bytes], field: bytes) -> int:
+        """HDEL ``field`` from each of ``keys`` in one round trip; how many it was in."""
+        if not keys:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.hdel(key, field)
+        return sum(int(n) for n in pipe.execute())
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
         if not keys:
@@ -248,9 +352,18 @@ class RedisIndex:
 
     def nodes(self) -> dict[str, int]:
         with self._guard():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hgetall(self._nodes_key)
+            pipe.hgetall(self._markers_key)
             # bytes: the client is made without decode_responses
-            raw = cast("dict[bytes, bytes]", self._client.hgetall(self._nodes_key))
-        return dict(sorted((_str(node), int(n)) for node, n in raw.items()))
+            counts, markers = cast("list[dict[bytes, bytes]]", pipe.execute())
+        # the count beside a node's marker is the one kept with it (P nodes may have been
+        # evicted on its own); P nodes alone counts the nodes no resync wrote
+        for node, raw in markers.items():
+            _, _, count = raw.partition(b" ")
+            if count:
+                counts[node] = count
+        return dict(sorted((_str(node), int(n)) for node, n in counts.items() if int(n) > 0))
 
     def __len__(self) -> int:
         """Entries (one per node and chunk)."""
@@ -298,14 +411,19 @@ class RedisIndex:
             yield count, ops
 
     def _queue(
-        self, pipe: Any, script: str, node: str, ops: list[bytes], *, drop_first: bool
+        self, pipe: Any, script: str, node: str, ops: list[bytes], *, mode: bytes = b""
     ) -> None:
         """Queue one script call (EVAL, not EVALSHA: redis-py's pipelines would check the
-        script cache first, a second round trip; the server caches the compiled text)."""
+        script cache first, a second round trip; the server caches the compiled text).
+        ``mode``: see ``_BODY``."""
         name = _utf8(node)
-        node_set = self._prefix + b"n:" + name.hex().encode()
-        args = (self._chunk_prefix, name, b"1" if drop_first else b"0", *ops)
-        pipe.execute_command("EVAL", script, 2, node_set, self._nodes_key, *args)
+        args = (self._chunk_prefix, name, mode, *ops)
+        pipe.execute_command("EVAL", script, 3, *self._node_keys(name), *args)
+
+    def _node_keys(self, name: bytes) -> tuple[bytes, bytes, bytes]:
+        """The scripts' KEYS for a node (``name``: its UTF-8 bytes): its set, the nodes hash
+        and the markers hash."""
+        return self._prefix + b"n:" + name.hex().encode(), self._nodes_key, self._markers_key
 
     @contextlib.contextmanager
     def _guard(self) -> Iterator[None]:

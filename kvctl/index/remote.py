@@ -11,7 +11,7 @@ from typing import Any
 
 from kvctl.errors import KvctlError
 from kvctl.index.events import ChunkEvent
-from kvctl.index.model import Holding
+from kvctl.index.model import Holding, NodeCheck
 
 #: an agent asks on a lookup's path: a slow router must cost it little
 DEFAULT_TIMEOUT_S = 0.25
@@ -90,6 +90,12 @@ class IndexClient:
         raise IndexUnavailable("a remote index is read-only: its router's followers write it")
 
     def marker(self, node: str) -> str | None:
+        raise IndexUnavailable("a remote index is read-only: its router's followers write it")
+
+    def check(self, node: str, *, cursor: int = 0, limit: int = 0) -> NodeCheck:
+        raise IndexUnavailable("a remote index is read-only: its router's followers write it")
+
+    def purge(self, node: str) -> int:
         raise IndexUnavailable("a remote index is read-only: its router's followers write it")
 
     def close(self) -> None:

@@ -322,9 +322,20 @@ class _RouterCollector:
             "1 when the router reads the agent's event stream, else 0",
             labels=["node"],
         )
+        resyncs = CounterMetricFamily(
+            "kvctl_index_follower_resyncs",
+            "Resyncs of a node's index entries from its agent's listing, by reason: first, "
+            "agent_back, agent_restarted, behind (its event buffer), index_back (after an index "
+            "outage), index_lost (the node's marker), index_partial (entries the index lost, "
+            "marker kept), index_count (the node's key set lost)",
+            labels=["node", "reason"],
+        )
         for f in followers:
             follower_up.add_metric([str(f["node"])], 1.0 if f.get("up") else 0.0)
+            for reason, n in (f.get("resync_reasons") or {}).items():
+                resyncs.add_metric([str(f["node"]), str(reason)], float(n))
         yield follower_up
+        yield resyncs
         yield from _engine_feed_metrics(r.engine_status())
 
 

@@ -178,6 +178,7 @@ def test_a_killed_agent_is_dropped_and_resynced_when_it_comes_back(
         wait_until("the restarted agent resynced", lambda: matches_listing(index, "a", a))
         [status] = followers.status()
         assert status["up"] and status["resyncs"] >= 2
+        assert status["resync_reasons"]["agent_back"] >= 1  # marked down, then answering
         assert status["instance"] != first_instance
         assert held_by(index, after) == [[Holding("a", "cpu", CHUNK_BYTES, TOKENS)]] * len(after)
         # what the agent kept across the restart (its cpu tier is lost) is what the index says
@@ -218,6 +219,7 @@ def test_falling_behind_the_event_buffer_resyncs_to_the_listing(
         status = follower.status()
         assert status["gaps"] == 1 and status["dropped_events"] > 0
         assert status["resyncs"] == 2
+        assert status["resync_reasons"]["behind"] == 1
         assert matches_listing(index, "a", a)
         assert 0 < index.nodes()["a"] < len(keys)
 

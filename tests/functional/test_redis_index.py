@@ -16,7 +16,7 @@ import redis
 from hypothesis import HealthCheck, given, settings
 
 from kvctl.index.events import ChunkEvent
-from kvctl.index.model import EmbeddedIndex, FleetIndex, Holding
+from kvctl.index.model import EmbeddedIndex, FleetIndex, Holding, NodeCheck
 from kvctl.index.open import open_index
 from kvctl.index.redis_index import RedisIndex
 from kvctl.index.remote import IndexUnavailable
@@ -70,6 +70,9 @@ def test_the_redis_index_equals_the_embedded_one_on_the_same_event_stream(
             assert_same(index, reference, list(KEYS))
             # the isolation property, against the Redis index itself
             check_against_model(index, model, KEYS)
+            # nothing lost: the check (which resyncs a node when it says otherwise) agrees
+            for node in NODES:
+                assert index.check(node, limit=10_000).damage == "", (node, op)
     finally:
         index.clear()
         index.close()
@@ -230,3 +233,22 @@ def test_an_entry_not_written_by_an_index_is_index_unavailable(
         client.close()
     with pytest.raises(IndexUnavailable, match="malformed entry"):
         fresh.holders([key(0)], tenant="acme")
+
+
+def test_a_marker_left_before_counts_were_kept_is_kept_and_gets_its_count(
+    fresh: RedisIndex, redis_url: str
+) -> None:
+    """An index written by a version that kept a bare marker (no count beside it): the marker
+    stays the node's, the check trusts the set until a write counts it, and then counts."""
+    fresh.replace("n", [stored(i) for i in range(3)])
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        raw.hset(f"{fresh.prefix}markers", "n", "0123abcd")
+        assert fresh.marker("n") == "0123abcd"
+        assert fresh.check("n", limit=100).damage == ""
+        fresh.apply("n", [stored(3)])
+        assert raw.hget(f"{fresh.prefix}markers", "n") == b"0123abcd 4"
+        assert fresh.check("n", limit=100) == NodeCheck("0123abcd", "", 0, 4)
+        assert fresh.nodes() == {"n": 4}
+    finally:
+        raw.close()

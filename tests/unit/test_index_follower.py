@@ -34,6 +34,11 @@ def _stored(k: bytes, tier: str = "cpu") -> dict[str, Any]:
     return {"key": k.hex(), "tier": tier, "size_bytes": 64, "tokens": 4, "tenant": "t"}
 
 
+def _reasons(status: dict[str, Any]) -> dict[str, int]:
+    """The reasons a follower's status counts resyncs for (0s left out)."""
+    return {r: n for r, n in status["resync_reasons"].items() if n}
+
+
 class _Scripted(http.server.BaseHTTPRequestHandler):
     """Answers /v1/events/recent and /v1/keys from ``script`` (events carry their seq)."""
 
@@ -150,6 +155,7 @@ def test_a_new_instance_replaces_what_the_old_one_held() -> None:
         status = follower.status()
     assert index.holders([K1, K2], tenant="t") == [[], [Holding("a", "cpu", 64, 4)]]
     assert (status["resyncs"], status["instance"], status["gaps"]) == (2, "two", 0)
+    assert _reasons(status) == {"first": 1, "agent_restarted": 1}
 
 
 def test_not_an_agent_counts_as_silence_and_the_node_is_dropped_after_drop_after_s() -> None:
@@ -247,6 +253,7 @@ def test_a_node_whose_entries_the_index_lost_is_resynced_at_the_next_poll() -> N
         status = follower.status()
     assert index.nodes() == {"a": 1}
     assert (status["resyncs"], status["index_lost"]) == (2, 1)
+    assert _reasons(status) == {"first": 1, "index_lost": 1}
 
 
 def test_an_index_outage_is_not_the_agents_and_every_node_resyncs_when_it_is_back() -> None:
@@ -273,6 +280,7 @@ def test_an_index_outage_is_not_the_agents_and_every_node_resyncs_when_it_is_bac
         status = follower.status()
     assert index.holders([K1, K2], tenant="t") == [[Holding("a", "cpu", 64, 4)]] * 2
     assert status["resyncs"] == 2 and status["up"] is True
+    assert _reasons(status) == {"first": 1, "index_back": 1}
 
 
 def test_a_shared_index_keeps_a_down_agents_entries_and_a_private_one_drops_them() -> None:
