@@ -60,6 +60,7 @@ from kvctl.wire.protocol import (
     put_item,
     rates_meta,
     recv_exactly,
+    recv_some_with_fds,
     recv_with_fds,
     send_all,
     zero_pieces,
@@ -82,6 +83,11 @@ class AgentError(Exception):
 
 class AgentUnreachable(AgentError, ConnectionError):
     """No agent answers at the address (not running, wrong address, or it went away)."""
+
+
+class AgentTimeout(AgentUnreachable):
+    """The agent did not answer in time (a hung agent: stopped, or accepting and never
+    answering); the connection is closed, since a late reply would come out of step."""
 
 
 class AuthError(AgentError):
@@ -220,6 +226,10 @@ class DataClient:
         self._probe_zeros: bytes | None = None
         self._probe_scratch: memoryview | None = None
         self._reconnect_args: tuple[str | Path, str, float, bool] | None = None
+        #: per thread: the ``timeout`` its calls run under (none: the socket's own timeout)
+        self._limits = threading.local()
+        #: monotonic time the call in progress must be answered by (None: no deadline)
+        self._call_end_s: float | None = None
         self.closed = False
         self.info: dict[str, Any] = self._hello(token, client_name)
         self.tiers: list[str] = list(self.info["tiers"])
@@ -235,7 +245,11 @@ class DataClient:
         token: str | None = None,
         timeout_s: float = 30.0,
         use_shm: bool = True,
+        hello_timeout_s: float | None = None,
     ) -> DataClient:
+        """``timeout_s``: how long the socket waits on the agent (each wait; ``timeout`` sets
+        a deadline per call instead). ``hello_timeout_s``: how long the connection and its
+        HELLO may take (a hung agent costs no more), ``timeout_s`` applying after."""
         where = parse_address(address)
         target: str | tuple[str, int]
         if isinstance(where, UnixAddress):
@@ -244,7 +258,7 @@ class DataClient:
             family = socket.AF_INET6 if ":" in where.host else socket.AF_INET
             transport, target = "tcp", (where.host, where.port)
         sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.settimeout(timeout_s)
+        sock.settimeout(timeout_s if hello_timeout_s is None else min(hello_timeout_s, timeout_s))
         try:
             sock.connect(target)
         except OSError as exc:
@@ -261,6 +275,7 @@ class DataClient:
         except BaseException:
             sock.close()
             raise
+        sock.settimeout(timeout_s)
         client._reconnect_args = (address, token, timeout_s, use_shm)
         return client
 
@@ -272,11 +287,30 @@ class DataClient:
         if self._reconnect_args is None:
             raise AgentError("this client was not made by DataClient.connect; connect anew")
         address, token, timeout_s, use_shm = self._reconnect_args
-        first_s = timeout_s if hello_timeout_s is None else min(hello_timeout_s, timeout_s)
-        fresh = DataClient.connect(address, token=token, timeout_s=first_s, use_shm=use_shm)
-        fresh._sock.settimeout(timeout_s)
-        fresh._reconnect_args = self._reconnect_args
-        return fresh
+        return DataClient.connect(
+            address,
+            token=token,
+            timeout_s=timeout_s,
+            use_shm=use_shm,
+            hello_timeout_s=hello_timeout_s,
+        )
+
+    @contextlib.contextmanager
+    def timeout(self, seconds: float) -> Iterator[None]:
+        """Each call this thread makes on this client inside the block must be answered in
+        full within ``seconds`` of being sent (instead of the socket's timeout, which bounds
+        each wait). A call that is not raises AgentTimeout and closes the connection (its
+        reply would come out of step). An engine gives a call that moves no chunk bytes a
+        short deadline, and one that moves bytes a deadline sized to them, so a hung agent
+        costs a request no more than that. Other threads' calls keep their own."""
+        if not seconds > 0:
+            raise ValueError(f"a timeout must be a positive number of seconds, got {seconds!r}")
+        before = getattr(self._limits, "seconds", None)
+        self._limits.seconds = seconds
+        try:
+            yield
+        finally:
+            self._limits.seconds = before
 
     # --- public API -------------------------------------------------------------------------
     def ping(self) -> float:
@@ -797,7 +831,12 @@ class DataClient:
             self._release_pending_locked()  # this thread's (another engine's stay held)
         self._rid = (self._rid + 1) & 0xFFFFFFFF
         total = sum(v.nbytes for v in payload)
+        limit_s: float | None = getattr(self._limits, "seconds", None)
+        wait_s = self._sock.gettimeout()
         try:
+            if limit_s is not None:
+                self._call_end_s = time.monotonic() + limit_s
+                self._sock.settimeout(limit_s)
             send_all(self._sock, [pack_header(op, self._rid, len(meta), total), meta, *payload], fd)
             if op == Op.RELEASE:
                 return b"", 0
@@ -817,6 +856,12 @@ class DataClient:
                 elif sink is not None and payload_len == sink_bytes:
                     self._drain(payload_len, sink)
                     payload_len = 0
+        except TimeoutError as exc:
+            self.close()
+            within_s = limit_s if limit_s is not None else wait_s
+            raise AgentTimeout(
+                f"the agent did not answer {op.name} within {within_s:.3g} s; connection closed"
+            ) from exc
         except (PeerClosed, OSError) as exc:
             self.close()
             raise AgentUnreachable(f"lost the connection to the agent: {exc}") from exc
@@ -825,6 +870,11 @@ class DataClient:
             raise AgentError(
                 f"the peer does not speak the kvctl data plane ({exc.message}); connection closed"
             ) from None
+        finally:
+            if limit_s is not None:
+                self._call_end_s = None
+                if not self.closed:
+                    self._sock.settimeout(wait_s)
         if rop == Op.ERROR:
             code, message = parse_error(bytes(reply))
             if code in CLOSING_ERROR_CODES:
@@ -845,11 +895,30 @@ class DataClient:
         return bytes(reply), payload_len
 
     def _recv(self, view: memoryview) -> None:
-        if self.transport == "unix":
+        if self._call_end_s is not None:
+            self._recv_by(view, self._call_end_s)
+        elif self.transport == "unix":
             if not recv_with_fds(self._sock, view, self._fds):
                 raise PeerClosed("the agent closed the connection")
         else:
             recv_exactly(self._sock, view)
+
+    def _recv_by(self, view: memoryview, end_s: float) -> None:
+        """``_recv`` that ends by ``end_s`` (monotonic) or raises TimeoutError: each read waits
+        only for what is left of the call's deadline, so a reply that trickles is cut off too."""
+        got, n = 0, view.nbytes
+        while got < n:
+            left_s = end_s - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError("timed out")
+            self._sock.settimeout(left_s)
+            if self.transport == "unix":
+                k = recv_some_with_fds(self._sock, view[got:], self._fds)
+            else:
+                k = self._sock.recv_into(view[got:], n - got)
+            if k == 0:
+                raise PeerClosed(f"the agent closed the connection after {got} of {n} bytes")
+            got += k
 
     def _read_payload(
         self,
