@@ -22,7 +22,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from kvctl.client import AgentError, DataClient, RequestError
+from kvctl.client import AgentError, AgentTimeout, DataClient, RequestError
+from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.engines.identity import model_identity
 from kvctl.engines.kvformat import ChunkFormat, dtype_name
 from kvctl.engines.kvload import (
@@ -55,8 +56,9 @@ MIN_RATE_BYTES = 4 << 20
 #: the wait doubling after each failed try up to RECONNECT_MAX_INTERVAL_SECONDS
 RECONNECT_INTERVAL_SECONDS = 2.0
 RECONNECT_MAX_INTERVAL_SECONDS = 60.0
-#: how long such a try may wait on the agent: a hung one costs a request no more
-RECONNECT_HELLO_SECONDS = 1.0
+#: how long such a try may wait on the agent: a hung one costs a request no more (the same
+#: deadline as any call that moves no chunk bytes: ``deadlines.ANSWER_SECONDS``)
+RECONNECT_HELLO_SECONDS = ANSWER_SECONDS
 
 
 def layout_of(config: PretrainedConfig, dtype: torch.dtype) -> KVLayout:
@@ -178,6 +180,11 @@ class CachedLM:
     copies run while the first ones compute. Its leases are checked once the copies are done;
     where one ran out first, the request is prefilled again without it (``layerwise_redos``).
     Such a request's compute time holds copy time, so it is not reported as a prefill rate.
+
+    Each call to the agent has a deadline (``kvctl.engines.deadlines``: 1 s, plus the time its
+    bytes take at 256 MiB/s where it may move chunks): a request whose call fails or runs past
+    it prefills in full (``agent_failures``), and a connection lost that way is made again
+    later, with backoff (``client``), so a hung agent costs one request one call's deadline.
     """
 
     def __init__(
@@ -242,14 +249,18 @@ class CachedLM:
         self._layers = _decoder_layers(model, self.layout.layers) if layerwise else []
         #: requests prefilled again because a lease ran out before its layer-wise copy ended
         self.layerwise_redos = 0
+        #: requests that gave up on the agent (a call failed, or ran past its deadline) and
+        #: prefilled what it would have given
+        self.agent_failures = 0
         #: seconds this engine took to map (and, on CUDA, register) the agent's shared arena
         #: when it connected; None without one
         self.arena_attach_seconds = self._attach()
 
     @property
     def client(self) -> DataClient | None:
-        """The agent connection; one lost (the agent restarted, or failed a call) is made
-        again, tried at most every RECONNECT_INTERVAL_SECONDS, so reuse resumes by itself."""
+        """The agent connection; one lost (the agent restarted, or failed a call, or did not
+        answer one in time) is made again, tried at most every RECONNECT_INTERVAL_SECONDS, so
+        reuse resumes by itself."""
         client = self._client
         if client is not None and client.closed:
             self._reconnect(client)
@@ -259,19 +270,33 @@ class CachedLM:
         now_s = time.monotonic()
         if now_s < self._next_reconnect_s:
             return  # meanwhile requests prefill in full, as with no agent
-        # each failed try doubles the wait: a hung agent (its HELLO times out) costs a request
-        # RECONNECT_HELLO_SECONDS once a minute at most, not every few seconds
-        wait_s = self._reconnect_wait_s or RECONNECT_INTERVAL_SECONDS
         try:
             fresh = lost.reconnect(hello_timeout_s=RECONNECT_HELLO_SECONDS)
         except AgentError as exc:
-            self._next_reconnect_s = time.monotonic() + wait_s  # from the try's end
-            self._reconnect_wait_s = min(2 * wait_s, RECONNECT_MAX_INTERVAL_SECONDS)
+            self._tried_in_vain()
             log.info("kvctl agent still unreachable, prefilling in full: %s", exc)
             return
         self._reconnect_wait_s = 0.0
         log.info("kvctl agent connection made again: reusing KV")
         self.client = fresh
+
+    def _tried_in_vain(self) -> None:
+        """A try to reach the agent failed (a reconnect, or a call past its deadline): the
+        next waits RECONNECT_INTERVAL_SECONDS from now, doubled after each failed try, so a
+        hung agent (each try waits out its deadline) costs a request RECONNECT_HELLO_SECONDS
+        once a minute at most, not every few seconds."""
+        wait_s = self._reconnect_wait_s or RECONNECT_INTERVAL_SECONDS
+        self._next_reconnect_s = time.monotonic() + wait_s  # from the try's end
+        self._reconnect_wait_s = min(2 * wait_s, RECONNECT_MAX_INTERVAL_SECONDS)
+
+    def _gave_up(self, what: str, exc: AgentError) -> None:
+        """A request's call to the agent failed: it prefills in full (counted). A call past
+        its deadline closed the connection, and counts as a failed try to reach the agent: the
+        same request does not wait out another deadline to connect again."""
+        self.agent_failures += 1
+        log.warning("kvctl %s failed, prefilling in full: %s", what, exc)
+        if isinstance(exc, AgentTimeout):
+            self._tried_in_vain()
 
     @client.setter
     def client(self, client: DataClient | None) -> None:
@@ -309,7 +334,8 @@ class CachedLM:
             if client is None:
                 ns = Namespace(self.model_id, self.layout)
             else:
-                ns = client.namespace(self.model_id, self.layout, tenant)
+                with client.timeout(ANSWER_SECONDS):
+                    ns = client.namespace(self.model_id, self.layout, tenant)
             self._namespaces[tenant] = ns
         return ns
 
@@ -327,7 +353,7 @@ class CachedLM:
         try:
             keys = self.chunk_keys(ids, tenant) if self.client is not None else []
         except AgentError as exc:  # the tenant's policy is asked of the agent on first use
-            log.warning("kvctl agent unavailable, prefilling in full: %s", exc)
+            self._gave_up("tenant policy lookup", exc)
             keys = []
         return self._prefill(ids, keys, tenant, overlap=self.layerwise)
 
@@ -485,12 +511,14 @@ class CachedLM:
     # --- steps ------------------------------------------------------------------------------
     def _lookup(self, keys: list[bytes], tenant: str) -> tuple[int, list[str | None]]:
         """Leading chunks cached, and the tier of every key looked up (None: not cached)."""
-        if not keys or self.client is None:
+        client = self.client
+        if not keys or client is None:
             return 0, []
         try:
-            found = self.client.lookup(keys, tenant=tenant)
+            with client.timeout(ANSWER_SECONDS):
+                found = client.lookup(keys, tenant=tenant)
         except AgentError as exc:
-            log.warning("kvctl lookup failed, prefilling in full: %s", exc)
+            self._gave_up("lookup", exc)
             return 0, []
         return found.matched_chunks, list(found.locations)
 
@@ -510,9 +538,14 @@ class CachedLM:
             # released after the first token: the copies are done, and the release need not
             # be in the time to it. Chunks on other nodes are pulled here in slices, each
             # copied while the next is pulled (``pull_leased``), not all before the reply
-            with client.lookup_leased(
-                keys, tenant=tenant, release_later=True, local_only=local_only
-            ) as (found, leases):
+            # the lookup leases its local prefix, reading any of it on disk into the arena first
+            lookup_s = answer_seconds(len(keys) * self.format.chunk_bytes)
+            with (
+                client.timeout(lookup_s),
+                client.lookup_leased(
+                    keys, tenant=tenant, release_later=True, local_only=local_only
+                ) as (found, leases),
+            ):
                 lookup_end_s = time.perf_counter()
                 m = found.matched_chunks
                 kv = self.loader.alloc(m, reuse=True) if m else None
@@ -540,7 +573,7 @@ class CachedLM:
                     return self._lookup_leased(keys, tenant, overlap=overlap)
                 self._no_lookup_lease = client  # a lookup, then a lease, from now on
                 return None
-            log.warning("kvctl lookup or fetch failed, prefilling in full: %s", exc)
+            self._gave_up("lookup or fetch", exc)
             return 0, [], DynamicCache(), 0, "", time.perf_counter(), None
         except BaseException:
             if copies is not None:  # the caller never learns of them: they end here
@@ -569,7 +602,7 @@ class CachedLM:
         try:
             usable, path = read_chunks(client, keys, tenant, self.loader, kv)
         except AgentError as exc:
-            log.warning("kvctl fetch failed, prefilling in full: %s", exc)
+            self._gave_up("fetch", exc)
             return cache, 0, ""
         return self._cache_of(kv, usable), usable, path
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvctl.client import AgentError, ArenaLeases, DataClient, LeasedChunk
+from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.engines.kvformat import ChunkFormat
 
 log = logging.getLogger(__name__)
@@ -256,13 +257,15 @@ class KVLoader:
                 self._arena_typed = (tensor, _typed(tensor, self.format.dtype))
             return tensor
 
-    def attach(self, client: DataClient) -> float | None:
+    def attach(self, client: DataClient, *, answer_s: float = ANSWER_SECONDS) -> float | None:
         """Map ``client``'s shared arena and register it (CUDA) now, before any request needs
         it: the seconds that took, or None where there is no arena to map (TCP, shm off) or the
-        agent would not map it (logged; the first lease maps it instead)."""
+        agent would not map it, nor answer within ``answer_s`` (logged; the first lease maps it
+        instead)."""
         started_s = time.perf_counter()
         try:
-            arena = client.shared_arena()
+            with client.timeout(answer_s):  # registering, after the call, takes what it takes
+                arena = client.shared_arena()
             if arena is None:
                 return None
             self.arena_tensor(arena)
@@ -579,35 +582,45 @@ def _source_view(
 
 
 def read_chunks(
-    client: DataClient, keys: Sequence[bytes], tenant: str, loader: KVLoader, kv: torch.Tensor
+    client: DataClient,
+    keys: Sequence[bytes],
+    tenant: str,
+    loader: KVLoader,
+    kv: torch.Tensor,
+    *,
+    answer_s: float = ANSWER_SECONDS,
 ) -> tuple[int, str]:
     """Chunks ``keys`` from the agent into ``kv`` (``loader.alloc(len(keys))``): how many
     leading ones arrived whole, and the path ("lease": straight from the shared arena on the
     same host; "socket"). A chunk evicted since the lookup, of the wrong size, or whose lease
-    ran out before its copy finished ends the run. Raises AgentError."""
+    ran out before its copy finished ends the run. Each call to the agent has a deadline
+    (``answer_s`` plus its bytes' time: ``deadlines.answer_seconds``). Raises AgentError
+    (AgentTimeout, with the connection closed, for a call past its deadline)."""
     if not client.shm:
-        return read_socket(client, keys, tenant, loader, kv, 0), "socket"
+        return read_socket(client, keys, tenant, loader, kv, 0, answer_s=answer_s), "socket"
     loader.last_copy = None  # this read's copy only
     # in slices, as a pull from other nodes is (a LEASE pulls what is not local): a long read's
     # copies overlap the next slice's lease, disk reads and pulls. The client's pending leases
     # go with these, as its next call would release them anyway
     try:
-        n, blocked = pull_leased(client, keys, tenant, loader, kv, 0)
+        n, blocked = pull_leased(client, keys, tenant, loader, kv, 0, answer_s=answer_s)
     finally:
-        client.release_pending()
+        with client.timeout(answer_s):
+            client.release_pending()
     if blocked:
-        n += read_socket(client, keys[n:], tenant, loader, kv, n)
+        n += read_socket(client, keys[n:], tenant, loader, kv, n, answer_s=answer_s)
     return n, "lease"
 
 
-def release_pending(client: DataClient | None) -> None:
+def release_pending(client: DataClient | None, *, answer_s: float = ANSWER_SECONDS) -> None:
     """Release the leases a ``release_later`` block or ``hold`` left held, once the caller is
     done with the bytes; a failure is logged, not raised (the agent ends a lost connection's
     leases itself)."""
     if client is None:
         return
     try:
-        client.release_pending()
+        with client.timeout(answer_s):
+            client.release_pending()
     except AgentError as exc:
         log.warning("kvctl lease release failed: %s", exc)
 
@@ -676,6 +689,8 @@ def pull_leased(
     loader: KVLoader,
     kv: torch.Tensor,
     at: int,
+    *,
+    answer_s: float = ANSWER_SECONDS,
 ) -> tuple[int, bool]:
     """Chunks ``keys`` into ``kv`` from chunk ``at`` on, in slices (``MAX_PULL_SLICES``): each
     slice is leased with ``client.hold`` (the agent reads it into its arena first where it lies
@@ -684,7 +699,8 @@ def pull_leased(
     slice's copy hide behind the pulls; on the CPU a copy ends before the next slice is asked
     for. The leases stay held until ``client.release_pending()``. How many leading chunks
     arrived whole, and whether the next is cached but could not be leased (read it with
-    ``read_socket``)."""
+    ``read_socket``). Each slice's hold has a deadline sized to its bytes (it may read them
+    from disk or pull them: ``deadlines.answer_seconds``, from ``answer_s``)."""
     if not keys:
         return 0, False
     size = loader.format.chunk_bytes
@@ -710,7 +726,9 @@ def pull_leased(
         for lo in range(0, len(keys), per):
             if copies:
                 check()
-            leases = client.hold(keys[lo : lo + per], tenant=tenant)
+            part = keys[lo : lo + per]
+            with client.timeout(answer_seconds(len(part) * size, answer_s)):
+                leases = client.hold(part, tenant=tenant)
             n = leased_whole(leases.chunks, size)
             if n:
                 arena = loader.arena_tensor(leases.arena)
@@ -753,13 +771,19 @@ def read_socket(
     loader: KVLoader,
     kv: torch.Tensor,
     at: int,
+    *,
+    answer_s: float = ANSWER_SECONDS,
 ) -> int:
+    """Chunks ``keys`` read through the socket (or through leases by the client, on the same
+    host) into ``kv`` from chunk ``at`` on: how many leading ones arrived whole. The read's
+    deadline is sized to its bytes (``deadlines.answer_seconds``, from ``answer_s``)."""
     size = loader.format.chunk_bytes
     host = loader.staging(len(keys) * size)
     flat = host.numpy()
-    got = client.get_into(
-        keys, [flat[i * size : (i + 1) * size] for i in range(len(keys))], tenant=tenant
-    )
+    with client.timeout(answer_seconds(len(keys) * size, answer_s)):
+        got = client.get_into(
+            keys, [flat[i * size : (i + 1) * size] for i in range(len(keys))], tenant=tenant
+        )
     usable = 0
     for n in got:
         if n != size:

@@ -8,7 +8,9 @@ consecutive chunks is packed in one operation straight into the staging segment 
 copies from (``StoreJob.pack_into``), so a chunk is copied once on its way to the agent and once
 into the arena. A full queue drops the new job (counted) rather than make the engine wait or
 hold unbounded KV. Nothing here is torch-specific: the job's ``pack`` / ``pack_into`` does the
-device work on this thread.
+device work on this thread. Each call to the agent has a deadline (``kvctl.engines.deadlines``;
+a put's sized to its bytes), so a hung agent costs a job about a second, not the connection's
+socket timeout per call, and the queue behind it keeps moving (to drops, counted).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.client import AgentError, DataClient
+from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.store.tiers.base import copy_bytes
 
 log = logging.getLogger(__name__)
@@ -216,14 +219,16 @@ class WriteBehind:
 
     def _connection(self) -> DataClient:
         if self._client is None or self._client.closed:
-            self._client = self._source.reconnect()
+            self._client = self._source.reconnect(hello_timeout_s=ANSWER_SECONDS)
             self._client.on_staging = self._on_staging
         return self._client
 
     def _write(self, job: StoreJob) -> Stored:
         if job.report is not None:
             try:
-                job.report(self._connection())
+                client = self._connection()
+                with client.timeout(ANSWER_SECONDS):
+                    job.report(client)
             except AgentError as exc:  # a report is advice: its loss costs nothing stored
                 self._drop_connection()
                 log.debug("could not report engine rates: %s", exc)
@@ -231,7 +236,8 @@ class WriteBehind:
             return Stored(0, 0, time.perf_counter() - job.queued_s)
         try:
             client = self._connection()
-            held = client.exists([job.keys[i] for i in job.indices], tenant=job.tenant)
+            with client.timeout(ANSWER_SECONDS):
+                held = client.exists([job.keys[i] for i in job.indices], tenant=job.tenant)
         except AgentError as exc:
             self._drop_connection()
             raise exc
@@ -243,15 +249,17 @@ class WriteBehind:
         for at in range(0, len(todo), per_batch):
             batch = todo[at : at + per_batch]
             try:
-                outcomes = client.put_packed(
-                    [job.keys[i] for i in batch],
-                    [job.chunk_bytes] * len(batch),
-                    fill_many=_filler(job, batch),
-                    tenant=job.tenant,
-                    parents=[job.parents[i] for i in batch],
-                    tokens=job.chunk_tokens,
-                    depths=batch,
-                )
+                # the put's deadline holds the send and the agent's answer, not the packing
+                with client.timeout(answer_seconds(len(batch) * job.chunk_bytes)):
+                    outcomes = client.put_packed(
+                        [job.keys[i] for i in batch],
+                        [job.chunk_bytes] * len(batch),
+                        fill_many=_filler(job, batch),
+                        tenant=job.tenant,
+                        parents=[job.parents[i] for i in batch],
+                        tokens=job.chunk_tokens,
+                        depths=batch,
+                    )
             except AgentError:
                 self._drop_connection()
                 raise

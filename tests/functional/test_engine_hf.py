@@ -24,6 +24,12 @@ from kvctl.engines.hf import CachedLM  # noqa: E402
 from kvctl.engines.models import build_model  # noqa: E402
 from kvctl.errors import InvalidArgument  # noqa: E402
 from tests.functional.agents import Agent, running_agent  # noqa: E402
+from tests.functional.hung import (  # noqa: E402
+    HANG_GUARD_S,
+    SOCKET_TIMEOUT_S,
+    guarded,
+    stopped,
+)
 from tests.functional.waiting import wait_until  # noqa: E402
 from tests.unit.cuda_marks import needs_cuda  # noqa: E402
 
@@ -377,6 +383,46 @@ def test_tries_to_reach_a_lost_agent_back_off(
     # tries at about 0, 0.1, 0.3, 0.7 and 1.5 s: 5 (every 0.1 s it would be about 20)
     assert 3 <= tries <= 7, tries
     lm.close()
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_hung_agent_costs_one_request_a_short_deadline_then_reuse_resumes(
+    tmp_path: Path,
+    transport: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """An agent alive and accepting but answering nothing (SIGSTOP) costs the next request its
+    calls' deadline, not the connection's socket timeout (set to 10 minutes here: only the
+    engine's own deadline can end the wait): the request recomputes the right answer, the
+    failure is counted, the connection dropped; once the agent answers again the engine
+    connects by itself and reuses its chunks."""
+    import logging
+
+    from kvctl.engines import hf
+
+    monkeypatch.setattr(hf, "RECONNECT_INTERVAL_SECONDS", 0.1)
+    model = build_model("tiny-llama", seed=7)
+    ids = _tokens(CHUNK * 3 + 5, 29)
+    want = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True).prefill(ids).logits
+    with running_agent(tmp_path / "a", "--config", str(_config(tmp_path))) as agent:
+        client = agent.data(transport, timeout_s=SOCKET_TIMEOUT_S)
+        lm = CachedLM(model, client, chunked_prefill=True)
+        assert lm.prefill(ids).stored_chunks == 3
+        with stopped(agent), caplog.at_level(logging.WARNING, logger=hf.log.name):
+            got = guarded(lambda: lm.prefill(ids))
+            assert (got.reused_chunks, lm.agent_failures) == (0, 1)
+            assert torch.equal(got.logits, want)
+            assert client.closed  # dropped: the engine connects again later, with backoff
+            assert any("did not answer" in r.getMessage() for r in caplog.records)
+        deadline_s = time.monotonic() + HANG_GUARD_S
+        again = lm.prefill(ids)
+        while again.reused_chunks == 0 and time.monotonic() < deadline_s:
+            time.sleep(0.05)  # the reconnect's backoff
+            again = lm.prefill(ids)
+        assert again.reused_chunks == 3 and torch.equal(again.logits, want)
+        assert lm.client is not client and lm.client is not None and not lm.client.closed
+        lm.close()
 
 
 def test_chunks_the_agent_holds_are_not_stored_again(tmp_path: Path) -> None:

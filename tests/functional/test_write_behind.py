@@ -17,6 +17,7 @@ from pathlib import Path
 from kvctl.engines.writebehind import StoreJob, WriteBehind
 from kvctl.store.tiers.hostreg import buffer_address
 from tests.functional.agents import key, payload, running_agent
+from tests.functional.hung import SOCKET_TIMEOUT_S, guarded, stopped
 
 SIZE = 64 << 10
 
@@ -86,6 +87,26 @@ def test_an_agent_that_dies_costs_the_chunks_not_the_writer(tmp_path: Path) -> N
         assert lost.chunks == 0 and lost.skipped  # the reason, not an exception
         assert writer._thread is not None and writer._thread.is_alive()
         assert writer.failed_jobs == 1
+        writer.close()
+        client.close()
+
+
+def test_a_hung_agent_costs_a_job_a_short_deadline_not_the_socket_timeout(tmp_path: Path) -> None:
+    """A stopped agent (SIGSTOP: its sockets accept, nothing answers) fails the writer's call
+    at its deadline and drops its connection; the next job's connection waits a short HELLO,
+    not the socket timeout (10 minutes here); once the agent answers again jobs land."""
+    with running_agent(tmp_path) as agent:
+        client = agent.data("unix", timeout_s=SOCKET_TIMEOUT_S)
+        writer = WriteBehind(client)
+        assert writer.submit(_job([key(0)])).result(timeout=30).chunks == 1
+        with stopped(agent):
+            lost = guarded(lambda: writer.submit(_job([key(1)])).result())
+            assert lost.chunks == 0 and "did not answer EXISTS" in lost.skipped
+            assert writer._client is None  # dropped
+            unreached = guarded(lambda: writer.submit(_job([key(2)])).result())
+            assert unreached.chunks == 0 and "did not answer HELLO" in unreached.skipped
+            assert writer.failed_jobs == 2
+        assert writer.submit(_job([key(3)])).result(timeout=30).chunks == 1
         writer.close()
         client.close()
 
