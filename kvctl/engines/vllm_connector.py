@@ -44,11 +44,13 @@ link), and the leases are checked and released after the forward pass (a lease t
 its blocks as failed loads, which vLLM recomputes, skipping that step's output); a step with a
 chunk that cannot be read in place loads synchronously. Saves are gathered to host memory in
 ``wait_for_save`` and sent by a background thread. An unreachable agent means "nothing cached" and
-skipped saves (logged, retried every ``retry_seconds``), never an engine error. Blocks whose chunks
-vanished between the lookup and the read are reported through ``get_block_ids_with_load_errors`` so
-vLLM recomputes them (on a release that does not call it, such blocks would be used unfilled); the
-chunks computed on top of them in that step are not saved, and are saved once vLLM has recomputed
-them.
+skipped saves (logged, retried every ``retry_seconds``), never an engine error; so does a hung
+one: each call has a deadline (``timeout_seconds``, 1 s by default, plus 4 s per GiB the call may
+move), past which its connection is dropped, so a hung agent costs one step one call's deadline.
+Blocks whose chunks vanished between the lookup and the read are reported through
+``get_block_ids_with_load_errors`` so vLLM recomputes them (on a release that does not call it,
+such blocks would be used unfilled); the chunks computed on top of them in that step are not
+saved, and are saved once vLLM has recomputed them.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ chunk stored by the transformers adapter is read here for the same model and vic
 Agent failures never raise out of this module: a failed lookup offers nothing, a failed read
 reports the blocks it could not fill (vLLM recomputes them, and what the step computed on top
 of them is not saved: ``LoadFailures``), a failed save is dropped. Each is logged, and the agent
-is retried after ``retry_seconds``.
+is retried after ``retry_seconds``. Every call to the agent has a deadline
+(``kvctl.engines.deadlines``): ``timeout_seconds``, plus its bytes' time where it may move
+chunks, so a hung agent costs a step one call's deadline, then nothing until the retry.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvctl.client import AgentError, ArenaLeases, AuthError, DataClient
+from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.engines.kvformat import ChunkFormat
 from kvctl.engines.kvload import (
     KVLoader,
@@ -69,8 +72,12 @@ class ConnectorSettings:
     chunk_tokens: int | None = None
     #: how long an unreachable agent is left alone before the next connection attempt
     retry_seconds: float = 10.0
-    #: socket timeout of each agent call
-    timeout_seconds: float = 5.0
+    #: how long a call to the agent that moves no chunk bytes (a lookup, a lease of chunks in
+    #: its arena, the connection's HELLO) may take; one that may move chunks (a read, a lease
+    #: that reads them from disk or pulls them, a save) gets its bytes' time on top
+    #: (``deadlines.answer_seconds``). Past it the connection is dropped and the agent left
+    #: alone for ``retry_seconds``: a hung agent costs one step this long, not every step
+    timeout_seconds: float = ANSWER_SECONDS
     max_pending_save_bytes: int = 1 << 30
     #: copy loads layer by layer under the forward pass (``WorkerPlan.queue_loads``) instead
     #: of every layer before it
@@ -134,7 +141,7 @@ class AgentLink:
         chunk_tokens: int | None = None,
         block_size: int | None = None,
         retry_seconds: float = 10.0,
-        timeout_seconds: float = 5.0,
+        timeout_seconds: float = ANSWER_SECONDS,
     ) -> None:
         self.address = address
         self.tenant = tenant
@@ -222,7 +229,8 @@ class AgentLink:
                 f"a chunk of {chunk_tokens} tokens is {fmt.chunk_bytes} bytes for this model; the "
                 f"agent takes at most {limit}: lower chunk_tokens or raise the agent's max_chunk"
             )
-        namespace = client.namespace(self.model_id, self.layout, self.tenant)
+        with client.timeout(self.timeout_seconds):
+            namespace = client.namespace(self.model_id, self.layout, self.tenant)
         self.chunk_tokens, self.namespace = chunk_tokens, namespace
 
     def failed(self, what: str, exc: BaseException) -> None:
@@ -357,15 +365,18 @@ class SchedulerPlan:
             # would bring in: not those vLLM holds already, nor the last one (kept to know
             # what not to save); repeats count nothing
             if self.load and local < usable and req_id not in self._asked:
-                found = client.lookup(keys[local:usable], tenant=self.link.tenant).matched_chunks
-                present[local : local + found] = [True] * found
+                with client.timeout(self.link.timeout_seconds):
+                    found = client.lookup(keys[local:usable], tenant=self.link.tenant)
+                matched = found.matched_chunks
+                present[local : local + matched] = [True] * matched
                 self._asked.add(req_id)
                 ask = [
                     *range(local),
-                    *(range(usable, len(keys)) if local + found == usable else ()),
+                    *(range(usable, len(keys)) if local + matched == usable else ()),
                 ]
             if ask:
-                tiers = client.exists([keys[i] for i in ask], tenant=self.link.tenant)
+                with client.timeout(self.link.timeout_seconds):
+                    tiers = client.exists([keys[i] for i in ask], tenant=self.link.tenant)
                 for i, tier in zip(ask, tiers, strict=True):
                     present[i] = tier is not None
         except AgentError as exc:
@@ -635,7 +646,11 @@ class WorkerPlan:
             return
         loader = self.loader(self.format(self.link.chunk_tokens))
         self.attached = threading.Thread(
-            target=loader.attach, args=(client,), name="kvctl-arena-attach", daemon=True
+            target=loader.attach,
+            args=(client,),
+            kwargs={"answer_s": self.link.timeout_seconds},
+            name="kvctl-arena-attach",
+            daemon=True,
         )
         self.attached.start()
 
@@ -658,7 +673,10 @@ class WorkerPlan:
             loader = self.loader(fmt)
             kv = loader.alloc(len(spec.keys))
             try:
-                usable, _path = read_chunks(client, list(spec.keys), self.link.tenant, loader, kv)
+                usable, _path = read_chunks(
+                    client, list(spec.keys), self.link.tenant, loader, kv,
+                    answer_s=self.link.timeout_seconds,
+                )  # fmt: skip
             except AgentError as exc:
                 self.link.failed("read", exc)
         loaded_end = _loaded_end(spec, usable)
@@ -707,8 +725,11 @@ class WorkerPlan:
             # every request's chunks held before any copy is queued: a step that must load
             # synchronously has nothing queued to wait for (each hold keeps the earlier ones)
             for spec in specs:
-                leases = client.hold(list(spec.keys), tenant=self.link.tenant)
                 size = self.format(spec.chunk_tokens).chunk_bytes
+                # the agent may read them from disk or pull them before it answers
+                hold_s = answer_seconds(len(spec.keys) * size, self.link.timeout_seconds)
+                with client.timeout(hold_s):
+                    leases = client.hold(list(spec.keys), tenant=self.link.tenant)
                 if leased_whole(leases.chunks, size) < len(spec.keys):
                     return False
                 leased.append((spec, leases))
@@ -745,7 +766,7 @@ class WorkerPlan:
                 # their buffers: ended before the leases and the buffers go
                 for loader in used:
                     loader.wait()
-                release_pending(client)
+                release_pending(client, answer_s=self.link.timeout_seconds)
         self._queued, self._holder = queued, client
         return True
 
@@ -792,7 +813,7 @@ class WorkerPlan:
         finally:
             for q in queued[len(outcomes) :]:
                 q.copies.abandon()  # only on the way out of a BaseException
-            release_pending(holder)
+            release_pending(holder, answer_s=self.link.timeout_seconds)
         return outcomes
 
     def _write_layer(self, q: _QueuedLoad, layer: int) -> None:
@@ -835,13 +856,14 @@ class WorkerPlan:
             return 0
         rows = host.numpy()
         try:
-            outcomes = client.put_many(
-                [(key, rows[i]) for i, key in enumerate(spec.keys)],
-                tenant=link.tenant,
-                parents=spec.parents,
-                tokens=spec.chunk_tokens,
-                depths=list(range(spec.first_chunk, spec.first_chunk + len(spec.keys))),
-            )
+            with client.timeout(answer_seconds(host.numel(), link.timeout_seconds)):
+                outcomes = client.put_many(
+                    [(key, rows[i]) for i, key in enumerate(spec.keys)],
+                    tenant=link.tenant,
+                    parents=spec.parents,
+                    tokens=spec.chunk_tokens,
+                    depths=list(range(spec.first_chunk, spec.first_chunk + len(spec.keys))),
+                )
         except AgentError as exc:
             link.failed("save", exc)
             return 0

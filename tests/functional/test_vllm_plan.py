@@ -24,6 +24,7 @@ from kvctl.engines.vllm_paged import (
 )
 from kvctl.engines.vllm_plan import (
     AgentLink,
+    ConnectorSettings,
     LoadSpec,
     SchedulerPlan,
     StepPlan,
@@ -31,6 +32,8 @@ from kvctl.engines.vllm_plan import (
 )
 from kvctl.store.keys import KVLayout, keys_for, parents_of
 from tests.functional.agents import Agent, closed_port, running_agent
+from tests.functional.hung import guarded, stopped
+from tests.functional.waiting import wait_until
 
 CHUNK = 32
 BLOCK = 16
@@ -66,6 +69,8 @@ class Engine:
         blocks: int = 32,
         cache_layout: CacheLayout = CacheLayout.KV_FIRST,
         device: str = "cpu",
+        retry_seconds: float = 60.0,
+        timeout_seconds: float = 5.0,
     ) -> None:
         self.layout = KVLayout(*LAYOUT_DIMS, dtype)
 
@@ -76,8 +81,8 @@ class Engine:
                 model_id=MODEL,
                 layout=self.layout,
                 block_size=BLOCK,
-                retry_seconds=60.0,
-                timeout_seconds=5.0,
+                retry_seconds=retry_seconds,
+                timeout_seconds=timeout_seconds,
             )
 
         # two links, as vLLM runs the halves in two processes
@@ -329,6 +334,54 @@ def test_a_down_agent_means_no_reuse_and_no_errors(caplog: pytest.LogCaptureFixt
         assert any("unreachable" in r.message for r in caplog.records)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_hung_agent_costs_a_step_its_short_deadline_then_loads_resume(
+    tmp_path: Path, transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stopped agent (SIGSTOP: its sockets accept, nothing answers) costs the scheduler's
+    lookup and the worker's load their deadline (the default ``timeout_seconds``, 1 s, where 5 s
+    per wait was paid): the lookup offers nothing, the load reports every block failed (vLLM
+    recomputes them), each link drops its connection; once the agent answers again and
+    ``retry_seconds`` have passed, chunks are found and loaded again."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f"[agent]\nchunk_tokens = {CHUNK}\n")
+    with running_agent(tmp_path / "a", "--config", str(config), "--cpu", "64MiB") as agent:
+        default_s = ConnectorSettings().timeout_seconds
+        a = Engine(address(agent, transport))
+        b = Engine(address(agent, transport), retry_seconds=0.2, timeout_seconds=default_s)
+        try:
+            prompt = list(range(100))
+            kv = true_kv(a, 100, seed=12)
+            assert prefill_and_save(a, "a12", prompt, list(range(7)), kv) == 3
+            assert b.scheduler.match("b12", prompt, 0) == 96  # both links connected
+            b.scheduler.allocated("b12", 96)
+            step = StepPlan()
+            blocks = [9, 2, 30, 4, 18, 6, 7]
+            b.scheduler.scheduled_new("b12", prompt, blocks, 0, 100, step)
+            (load,) = step.loads
+            with stopped(agent), caplog.at_level(logging.WARNING, logger="kvctl.engines.vllm"):
+                outcome = guarded(lambda: b.worker.load(load))
+                assert outcome.loaded_tokens == 0
+                assert outcome.failed_block_ids == frozenset(blocks[:6])
+                assert guarded(lambda: b.scheduler.match("b13", prompt, 0)) == 0
+                assert b.worker.link._client is None and b.scheduler.link._client is None
+                reasons = [r.getMessage() for r in caplog.records]
+                # each call ended at the default deadline (chunks' bytes add little here)
+                assert any("did not answer LOOKUP within 1 s" in r for r in reasons), reasons
+            wait_until(
+                "the scheduler to find the chunks again",
+                lambda: b.scheduler.match("b14", prompt, 0) == 96,
+            )
+            wait_until(
+                "the worker to load them again",
+                lambda: b.worker.load(load).loaded_tokens == 96,
+            )
+            assert torch.equal(b.paged.gather(blocks, 0, 96), kv[:, :, :, :96])
+        finally:
+            a.close()
+            b.close()
 
 
 def test_the_agents_chunk_size_must_be_whole_blocks(agent: Agent) -> None:
