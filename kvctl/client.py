@@ -42,6 +42,7 @@ from kvctl.wire.protocol import (
     MAX_LOOKUP_MANY_KEYS,
     MAX_PROBE_BYTES,
     PROBE_PIECE_BYTES,
+    PUT_CHECKSUM_NAME,
     REPLY_BIT,
     ErrorCode,
     FrameError,
@@ -51,6 +52,7 @@ from kvctl.wire.protocol import (
     PeerClosed,
     Status,
     check_header,
+    chunk_checksum,
     fetch_flags,
     pack_header,
     parse_error,
@@ -58,6 +60,7 @@ from kvctl.wire.protocol import (
     parse_rates_reply,
     probe_meta,
     put_item,
+    put_meta,
     rates_meta,
     recv_exactly,
     recv_some_with_fds,
@@ -126,7 +129,8 @@ class NoRoom(RequestError):
 @dataclass(frozen=True, slots=True)
 class PutOutcome:
     #: "stored" (or already cached), "declined" (a policy bypassed it), "too_large", "no_room",
-    #: "bad" (size or key refused)
+    #: "bad" (size or key refused), "corrupt" (its bytes arrived damaged: they did not match
+    #: the checksum sent with them, so the agent refused them; only puts that carry checksums)
     status: str
     tier: str | None
 
@@ -138,6 +142,7 @@ _STATUS_NAMES = {
     Status.NO_ROOM: "no_room",
     Status.BAD: "bad",
     Status.MISSING: "missing",
+    Status.CORRUPT: "corrupt",
 }
 
 
@@ -353,6 +358,7 @@ class DataClient:
         priority: int = DEFAULT_PRIORITY,
         pinned: bool = False,
         depth: int = 0,
+        checksums: bool | None = None,
     ) -> str | None:
         """Store one chunk; returns its tier, or None when a policy declined it."""
         out = self.put_many(
@@ -363,10 +369,11 @@ class DataClient:
             priority=priority,
             pinned=pinned,
             depths=[depth],
+            checksums=checksums,
         )[0]
         if out.status == "no_room":
             raise NoRoom(f"no room for chunk {key.hex()}", ErrorCode.NO_ROOM)
-        if out.status in ("too_large", "bad"):
+        if out.status in ("too_large", "bad", "corrupt"):
             raise RequestError(f"agent refused chunk {key.hex()}: {out.status}")
         return out.tier
 
@@ -381,11 +388,12 @@ class DataClient:
         pinned: bool = False,
         depths: Sequence[int] | None = None,
         isolated: bool = False,
+        checksums: bool | None = None,
     ) -> list[PutOutcome]:
         """Store chunks in one request. ``parents[i]`` links chunk i into its prefix chain;
         ``tokens`` is one count for all or one per chunk. ``isolated`` marks the chunks as the
         tenant's own (agents passing chunks on say so; engines leave it to the agent's
-        settings)."""
+        settings). ``checksums``: see ``put_packed``."""
         views = [_as_bytes_view(d) for _, d in items]
 
         def copy(i: int, out: memoryview) -> None:
@@ -403,6 +411,7 @@ class DataClient:
             depths=depths,
             isolated=isolated,
             payload=views,
+            checksums=checksums,
         )
 
     def put_packed(
@@ -420,6 +429,7 @@ class DataClient:
         depths: Sequence[int] | None = None,
         isolated: bool = False,
         payload: Sequence[memoryview] | None = None,
+        checksums: bool | None = None,
     ) -> list[PutOutcome]:
         """``put_many`` for chunks the caller writes itself: ``fill(i, out)`` writes chunk i's
         ``sizes[i]`` bytes into ``out``; or ``fill_many(out)`` writes every chunk, back to back
@@ -428,7 +438,14 @@ class DataClient:
         ``out`` is the chunks' place in the staging segment the agent copies from, so a chunk
         packed there crosses to the agent's arena with no buffer of its own between (``out``
         is only valid during the call). Elsewhere the chunks are filled into one buffer sent
-        over the socket (``payload``: the bytes already, for ``put_many``)."""
+        over the socket (``payload``: the bytes already, for ``put_many``).
+
+        ``checksums``: send each chunk's XXH3-64, computed here from the bytes sent, so the
+        agent refuses a chunk damaged on the way (outcome "corrupt") instead of storing it;
+        None (default) sends them over TCP, where bytes may cross a NIC, a relay or another
+        host, and not over the Unix socket. They are sent only to an agent that takes them
+        (``put_checksum`` in its HELLO: one before them would refuse the whole PUT), and never
+        through the staging segment (memory to memory, on this host)."""
         if (fill is None) == (fill_many is None):
             raise ValueError("give put_packed one of fill and fill_many")
         total = sum(sizes)
@@ -448,16 +465,15 @@ class DataClient:
         depths = depths or [0] * len(keys)
         counts = list(tokens) if isinstance(tokens, Sequence) else [int(tokens)] * len(keys)
 
-        def meta(offsets: Sequence[int | None]) -> bytes:
-            w = MetaWriter().text(tenant).u32(len(keys))
-            for key, size, parent, depth, off, n in zip(
-                keys, sizes, parents, depths, offsets, counts, strict=True
-            ):
-                w.raw(
-                    put_item(key, size, tokens=n, priority=priority, pinned=pinned,
-                             parent=parent, depth=depth, staging_offset=off, isolated=isolated)
-                )  # fmt: skip
-            return w.build()
+        def meta(offsets: Sequence[int | None], sums: Sequence[int] | None = None) -> bytes:
+            items = [
+                put_item(key, size, tokens=n, priority=priority, pinned=pinned, parent=parent,
+                         depth=depth, staging_offset=off, isolated=isolated)
+                for key, size, parent, depth, off, n in zip(
+                    keys, sizes, parents, depths, offsets, counts, strict=True
+                )
+            ]  # fmt: skip
+            return put_meta(tenant, items, sums)
 
         if self.shm and self._staged_puts:
             # same host: the bytes go through the staging segment the agent maps, not the socket
@@ -476,8 +492,21 @@ class DataClient:
             for size in sizes:
                 payload.append(buf[off : off + size])
                 off += size
-        reply, _ = self._call(Op.PUT, meta([None] * len(keys)), payload)
+        # of the very bytes that go out, after they were filled
+        sums = [chunk_checksum(v) for v in payload] if self._put_checksums(checksums) else None
+        reply, _ = self._call(Op.PUT, meta([None] * len(keys), sums), payload)
         return self._outcomes(reply)
+
+    @property
+    def takes_put_checksums(self) -> bool:
+        """The agent checks chunks' checksums sent with a PUT (``put_checksum`` in its HELLO)."""
+        return self.info.get("put_checksum") == PUT_CHECKSUM_NAME
+
+    def _put_checksums(self, wanted: bool | None) -> bool:
+        """Whether a PUT over the socket carries checksums (see ``put_packed``)."""
+        if wanted is None:
+            wanted = self.transport == "tcp"
+        return wanted and self.takes_put_checksums
 
     def get(self, key: bytes, *, tenant: str = "") -> bytearray:
         """A chunk's bytes; raises ChunkNotFound."""

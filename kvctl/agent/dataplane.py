@@ -58,6 +58,7 @@ from kvctl.wire.protocol import (
     MAX_META_BYTES,
     NO_TIER,
     PROBE_PIECE_BYTES,
+    PUT_CHECKSUM_NAME,
     REPLY_BIT,
     STAGED_ITEM,
     ErrorCode,
@@ -68,11 +69,12 @@ from kvctl.wire.protocol import (
     PeerClosed,
     Status,
     check_header,
+    chunk_checksum,
     error_meta,
-    fetch_checksum,
     pack_header,
     parse_fetch_flags,
     parse_probe,
+    parse_put_checksums,
     parse_rates,
     rates_reply,
     recv_exactly,
@@ -234,6 +236,8 @@ class DataPlaneServer:
         #: by the setting whose cap refused them
         self.refused_connections = Refusals()
         self.hello_timeouts = EveryInterval()
+        #: PUT chunks refused because their bytes did not match their sender's checksum
+        self.corrupt_puts = EveryInterval()
         self._accept_failures = EveryInterval()
         self.max_chunk_bytes = settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
@@ -468,6 +472,8 @@ class DataPlaneServer:
             "shm": self.shm_tier is not None,
             #: FETCH replies carry this checksum per chunk when asked (FETCH_CHECKSUMS)
             "fetch_checksum": FETCH_CHECKSUM_NAME,
+            #: PUTs may carry this checksum per chunk (PUT_CHECKSUMS), checked before storing
+            "put_checksum": PUT_CHECKSUM_NAME,
         }
 
 
@@ -881,10 +887,15 @@ class Connection:
         return [json.dumps(self.server.hello_info()).encode()], 0
 
     def _put(self, meta: MetaReader, payload_len: int) -> Reply:
+        """Chunks received from the socket and stored one by one. A PUT that carries checksums
+        (PUT_CHECKSUMS: agents writing through to a pool agent, clients over TCP) has each
+        chunk's bytes checked where they landed, before they are stored: a chunk damaged on the
+        way (a flipped bit past TCP's weak checksum) is refused alone (CORRUPT), counted and
+        logged; the rest of the batch is stored as usual."""
         try:
             tenant = meta.text()
             items = meta.structs(ITEM, meta.count())
-            meta.done()
+            checksums = parse_put_checksums(meta, len(items))
             sizes = [it[1] for it in items]
             if sum(sizes) != payload_len:
                 raise FrameError(
@@ -904,11 +915,45 @@ class Connection:
             # straight from the socket into the buffer (a failed receive closes the connection)
             with self._received(size) as buf:
                 try:
-                    out += self._store_item(tenant, item, buf)
+                    if checksums is None or self._intact(item[0], buf, checksums[i]):
+                        out += self._store_item(tenant, item, buf)
+                    else:
+                        out += bytes((Status.CORRUPT, NO_TIER))
                 except BaseException:
                     self._discard(sum(sizes[i + 1 :]))  # in step with the stream for the error
                     raise
         return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
+
+    def _intact(self, key: bytes, data: memoryview, checksum: int) -> bool:
+        """Whether ``data`` is what its sender checksummed; a chunk that is not is counted
+        (``kvctl_dataplane_corrupt_puts_total``) and logged once a minute at most."""
+        got = chunk_checksum(data)
+        if got == checksum:
+            return True
+        self.runtime.metrics.corrupt_put()
+        n = self.server.corrupt_puts.count()
+        if n:
+            log.warning(
+                "refused %d PUT chunk(s) whose bytes did not match their sender's checksum "
+                "(damaged on the way; the last: %s from %s, XXH3-64 %016x, the sender's "
+                "%016x): not stored",
+                n,
+                key.hex(),
+                self._peer_name(),
+                got,
+                checksum,
+            )
+        return False
+
+    def _peer_name(self) -> str:
+        """The other end, for logs: its address over TCP, "unix" on the Unix socket."""
+        if self.transport != "tcp":
+            return self.transport
+        try:
+            host, port, *_ = self.sock.getpeername()
+        except OSError:
+            return "a closed connection"
+        return f"{host}:{port}"
 
     def _probe(self, meta: MetaReader, payload_len: int) -> Reply:
         try:
@@ -1045,7 +1090,7 @@ class Connection:
                 total += memoryview(data).nbytes
             # of the very view sent: it is leased (released only after the send) or a copy, so
             # these are the bytes that go out
-            checksums.append(fetch_checksum(data) if want_checksums and data is not None else 0)
+            checksums.append(chunk_checksum(data) if want_checksums and data is not None else 0)
         if want_checksums:
             w.raw(b"".join(map(FETCH_CHECKSUM.pack, checksums)))
         return [w.build(), *payload], total

@@ -525,6 +525,12 @@ class AgentMetrics:
             ("transport",),
             registry=r,
         )
+        self._corrupt_puts = Counter(
+            "kvctl_dataplane_corrupt_puts",
+            "PUT chunks whose bytes did not match the checksum their sender computed (damaged "
+            "on the way): refused, not stored.",
+            registry=r,
+        )
         self._http_requests = Counter(
             "kvctl_http_requests",
             "Control API requests by method, route template and status.",
@@ -600,6 +606,10 @@ class AgentMetrics:
         if (nop, ntr) == (op, transport):
             self._dp_children[(op, transport, ok)] = children
         return children
+
+    def corrupt_put(self) -> None:
+        """Count one PUT chunk refused for failing its sender's checksum."""
+        self._corrupt_puts.inc()
 
     def connection_opened(self, transport: str) -> None:
         self._connections(transport).inc()

@@ -81,12 +81,24 @@ FETCH_CHECKSUM_NAME = "xxh3_64"
 #: one item's checksum at the end of a FETCH reply: XXH3-64 (seed 0) of its bytes, 0 when
 #: the item is missing
 FETCH_CHECKSUM = struct.Struct("<Q")
+#: PUT request flags: an optional u8 after the items. Agents before them refuse any metadata
+#: past the items (BAD_REQUEST for the whole PUT), so a client sends it only to an agent whose
+#: HELLO advertises ``put_checksum``; a PUT without it is the old request, stored unchecked.
+#: PUT_CHECKSUMS: n x PUT_CHECKSUM follow, each item's checksum of the bytes sent for it
+PUT_CHECKSUMS = 1
+#: the checksum a PUT may carry per chunk; HELLO's ``put_checksum`` names it
+PUT_CHECKSUM_NAME = FETCH_CHECKSUM_NAME
+#: one item's checksum at the end of a PUT request: XXH3-64 (seed 0) of its bytes
+PUT_CHECKSUM = FETCH_CHECKSUM
 _NO_PARENT = bytes(KEY_BYTES)
 
 
 class Op(IntEnum):
     HELLO = 1
     PING = 2
+    #: chunks: meta tenant, u32 n, n x ITEM, then optionally u8 PUT flags (PUT_CHECKSUMS:
+    #: n x PUT_CHECKSUM follow); the payload is the chunks in order; reply u32 n, then per item
+    #: u8 Status and u8 tier code (NO_TIER when not stored)
     PUT = 3
     GET = 4
     EXISTS = 5
@@ -170,6 +182,9 @@ class Status(IntEnum):
     FALLBACK = 6
     #: matched on another node and not pulled (LOOKUP_LEASE_LOCAL): LEASE it to bring it here
     REMOTE = 7
+    #: a PUT chunk whose bytes do not match the checksum its sender computed (damaged on the
+    #: way): not stored. Only a PUT that carries checksums gets it
+    CORRUPT = 8
 
 
 class FrameError(Exception):
@@ -317,6 +332,10 @@ class MetaReader:
         raw = self._take(n * st.size)
         return list(st.iter_unpack(raw))
 
+    def left(self) -> int:
+        """Bytes not read yet."""
+        return len(self._b) - self._pos
+
     def rest(self) -> bytes:
         out = self._b[self._pos :]
         self._pos = len(self._b)
@@ -352,6 +371,35 @@ def put_item(
     return STAGED_ITEM.pack(*fields, staging_offset)
 
 
+def put_meta(tenant: str, items: Sequence[bytes], checksums: Sequence[int] | None = None) -> bytes:
+    """A PUT's (or PUT_STAGED's, without ``checksums``) metadata: the tenant, the items
+    (``put_item``), then with ``checksums`` (``chunk_checksum`` of each item's bytes, in order)
+    the PUT_CHECKSUMS flag and them."""
+    if len(items) > MAX_BATCH:
+        raise ValueError(f"at most {MAX_BATCH} chunks per PUT, got {len(items)}")
+    w = MetaWriter().text(tenant).u32(len(items)).raw(b"".join(items))
+    if checksums is not None:
+        if len(checksums) != len(items):
+            raise ValueError(f"{len(checksums)} checksums for {len(items)} chunks")
+        w.u8(PUT_CHECKSUMS).raw(b"".join(map(PUT_CHECKSUM.pack, checksums)))
+    return w.build()
+
+
+def parse_put_checksums(meta: MetaReader, n_items: int) -> list[int] | None:
+    """What may end a PUT's metadata after its ``n_items`` items: None where nothing does (a
+    client before checksums, or one that sends none), else each item's checksum; nothing may
+    follow. A flag byte this side does not know is a BAD_REQUEST (the connection stays in step:
+    the frame's lengths are known)."""
+    if not meta.left():
+        return None
+    flags = meta.u8()
+    if flags != PUT_CHECKSUMS:
+        raise FrameError(ErrorCode.BAD_REQUEST, f"unknown PUT flags {flags:#04x}")
+    sums = [int(s) for (s,) in meta.structs(PUT_CHECKSUM, n_items)]
+    meta.done()
+    return sums
+
+
 def fetch_flags(*, payload: bool, checksums: bool) -> int:
     """A FETCH request's flag byte. Checksums cover bytes sent, so they need the payload (and
     an agent before them would read a lone FETCH_CHECKSUMS as "send the payload")."""
@@ -371,10 +419,14 @@ def parse_fetch_flags(flags: int) -> tuple[bool, bool]:
     return bool(flags & FETCH_PAYLOAD), bool(flags & FETCH_CHECKSUMS)
 
 
-def fetch_checksum(data: bytes | bytearray | memoryview) -> int:
-    """The checksum a FETCH reply carries for a chunk's bytes (XXH3-64, seed 0; the disk
-    tier's too)."""
+def chunk_checksum(data: bytes | bytearray | memoryview) -> int:
+    """The checksum FETCH replies and PUT requests carry for a chunk's bytes (XXH3-64, seed 0;
+    the disk tier's too)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+#: FETCH's name for ``chunk_checksum``
+fetch_checksum = chunk_checksum
 
 
 def parse_fetch_checksums(meta: MetaReader, n_items: int) -> list[int]:
