@@ -20,7 +20,10 @@ from the socket straight there, with no buffer of their own and no copy after.
 Each chunk is checked where it landed before it is handed over: its key, size and tenant, and
 its XXH3-64 against the one the sender computed from the bytes it sent (agents that offer it).
 A chunk that fails is a miss counted in ``corrupt``, never stored: its reserved view goes back
-through ``unused``.
+through ``unused``. The other way, each chunk written (``put_many``) carries its XXH3-64 to an
+agent that takes them, which checks the bytes it received before storing them and refuses a
+chunk damaged on the way (a failed write here, logged), so no pool serves such a chunk to the
+fleet.
 
 Each stream has a deadline as well as the read deadline (which bounds silence, not a transfer):
 the read deadline plus its bytes at ``PULL_FLOOR_BYTES_PER_S``, grown as each chunk's size is
@@ -41,7 +44,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import groupby
 
-from kvctl.client import AgentError, DataClient
+from kvctl.client import AgentError, DataClient, PutOutcome
 from kvctl.remote.pool import (
     DEFAULT_MIN_STREAM_BYTES,
     DEFAULT_STREAMS,
@@ -186,8 +189,9 @@ class AgentSource(SplitStreams, RemotePool):
         self.corrupt = 0
         self.overdue = 0
         self._watch = PullWatch(self.address)
-        #: a source without checksums was logged (once, not per pull)
+        #: a source without checksums on its reads, or on writes to it, was logged (once each)
         self._unchecked_noted = False
+        self._unverified_writes_noted = False
 
     @contextmanager
     def _client(self, *, write: bool = False) -> Iterator[DataClient]:
@@ -236,15 +240,50 @@ class AgentSource(SplitStreams, RemotePool):
         ):
             batch = list(group)
             with self._client(write=True) as c:
+                self._note_unverified_writes(c)
                 outcomes = c.put_many(
                     [(m.key, data) for m, data in batch],
                     tenant=tenant,
                     parents=[m.parent for m, _ in batch],
                     tokens=[m.tokens for m, _ in batch],
                     isolated=isolated,
+                    checksums=True,  # whatever the transport: the pool serves them to the fleet
                 )
+                if len(outcomes) != len(batch):
+                    raise AgentError(f"PUT reply has {len(outcomes)} items for {len(batch)}")
+            self._note_damaged(batch, outcomes)
             out += [o.status == "stored" for o in outcomes]
         return out
+
+    def _note_damaged(
+        self, batch: Sequence[tuple[ChunkMeta, Buffer]], outcomes: Sequence[PutOutcome]
+    ) -> None:
+        """Logs the chunks the agent refused as damaged on the way (failed writes all the
+        same, counted by the writer as any refusal)."""
+        damaged = [
+            m.key.hex() for (m, _), o in zip(batch, outcomes, strict=True) if o.status == "corrupt"
+        ]
+        if damaged:
+            log.warning(
+                "%s refused %d chunk(s) written to it, damaged on the way (their bytes did not "
+                "match their checksums): %s",
+                self.address,
+                len(damaged),
+                ", ".join(damaged[:4]) + (", ..." if len(damaged) > 4 else ""),
+            )
+
+    def _note_unverified_writes(self, client: DataClient) -> None:
+        """Logs once per source that the chunks written to it go without checksums (an agent
+        before them would refuse the PUT): it stores them unverified, as it did before."""
+        if self._unverified_writes_noted or client.takes_put_checksums:
+            return
+        self._unverified_writes_noted = True
+        log.warning(
+            "%s (kvctl %s) takes no chunk checksums on writes: chunks written to it are stored "
+            "unverified",
+            self.address,
+            client.info.get("version", "?"),
+        )
 
     def get_many(
         self,
