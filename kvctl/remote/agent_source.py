@@ -354,12 +354,15 @@ class AgentSource(SplitStreams, RemotePool):
                 arrived(lo + i, chunk)
 
         try:
-            with self._client() as c, self._watch.watching(c, self.read_timeout_s) as pull:
-                self._note_unchecked(c)
-                c.fetch(
-                    keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums
-                )
-                if pull.cut:  # done just as it was cut: its connection is cut all the same
+            with self._client() as c:
+                with self._watch.watching(c, self.read_timeout_s) as pull:
+                    self._note_unchecked(c)
+                    c.fetch(
+                        keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums
+                    )
+                # read once the watch let go of it (a cut is final then): a pull done just as
+                # it was cut has its connection cut all the same, so it is not kept for reuse
+                if pull.cut:
                     c.close()
         except TierUnavailable as exc:
             if pull is None or not pull.cut:

@@ -7,10 +7,13 @@ kept trickling."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvctl.client import DataClient
 from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.pool import PullTooSlow
 from kvctl.store.tiers.base import ChunkMeta
@@ -92,3 +95,37 @@ def test_an_agent_abandons_a_trickling_peer_pull_as_a_counted_miss(
         assert peer["breaker"]["opens"] == 1  # left alone for a backoff, then probed
         assert a.control().stats()["usage"]["cpu"]["chunks"] == 0  # nothing partial kept
         wait_until("a to drop the connection", lambda: relay.closed_by_client >= 1)
+
+
+def test_a_pull_cut_just_after_it_finished_does_not_leave_a_dead_connection_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deadline passing between the FETCH's last byte and the watch letting go cuts the
+    socket of a pull that succeeded: that connection must be closed, not kept for the next
+    call (a review's race: the next ping then failed on a broken pipe and opened the
+    breaker of a healthy source)."""
+    with running_agent(tmp_path / "b", "--name", "b", *SMALL) as b:
+        keys = chain(2, seed=93)
+        put_chain(b, keys, tenant="t1")
+        source = AgentSource(str(b.state.data_tcp), streams=1)
+        try:
+            watch = source._watch
+            watching = watch.watching
+
+            @contextmanager
+            def cut_at_the_end(client: DataClient, allowance_s: float) -> Iterator[Any]:
+                with watching(client, allowance_s) as pull:
+                    yield pull
+                    with watch._cond:  # its deadline passes now, before the watch lets go
+                        pull.end_s = 0.0
+                        watch._cond.notify()
+                    wait_until("the watcher to cut the finished pull", lambda: pull.cut)
+
+            monkeypatch.setattr(watch, "watching", cut_at_the_end)
+            got = source.get_many(keys, tenant="t1")
+            assert [c is not None for c in got] == [True, True]  # it finished before the cut
+            monkeypatch.setattr(watch, "watching", watching)
+            assert source.ping() > 0  # on a live connection, not the one cut
+            assert source.get_many(keys, tenant="t1")[1] is not None
+        finally:
+            source.close()
