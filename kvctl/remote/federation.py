@@ -24,9 +24,10 @@ PULL_FLOOR_BYTES_PER_S``): one that trickles is a failure of its source (``PullT
 
 A source that answers, but slowly, is kept from costing the others: each source's lookup probes
 run in its own lane of workers (a slow one fills its own lane only; a lookup that stops waiting
-cancels its probe still queued there), and an answer that comes past the lookup's wait
-(``PROBE_DEADLINE_S``), or a ping slower than that, is late for its breaker: a few in a row
-open it as a failure does (``Breaker.late``).
+cancels its probe still queued there), and an answer that takes longer than the lookup's wait
+(``PROBE_DEADLINE_S``) from its call's start, or a ping slower than that, is late for its
+breaker: a few in a row open it as a failure does (``Breaker.late``). Time queued in the lane is
+not the source's: a burst of lookups does not open a healthy source.
 
 With a fleet index (``index``: a router's ``IndexClient``, or any ``FleetIndex``), a lookup
 does not probe every peer: it asks the index once which nodes hold the chunks past its local
@@ -97,8 +98,9 @@ _PROBE_WORKERS_PER_SOURCE = 4
 #: how often the link monitor looks for work (a source due for its probe, a measurement)
 _MONITOR_TICK_S = 0.25
 #: a lookup waits this long for a source's answer, then goes on without it (the backends' read
-#: deadline is the same by default: a late probe is about to fail anyway). An answer that comes
-#: later is late for its source's breaker (``Breaker.late``), and so is a ping slower than this
+#: deadline is the same by default: a late probe is about to fail anyway). An answer that takes
+#: longer from its call's start is late for its source's breaker (``Breaker.late``), and so is a
+#: ping slower than this
 PROBE_DEADLINE_S = 0.5
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
@@ -163,13 +165,15 @@ class Source:
         *,
         moved_bytes: Callable[[T], int],
         observe: bool = True,
-        answer_by_s: float | None = None,
+        answer_within_s: float | None = None,
     ) -> T | None:
         """``fn()`` over the link, timed into the link's figures (unless ``observe`` is False:
         a warm-up); None (and a counted error) when the source fails, or (a counted skip) when
-        its breaker turns the call away. ``answer_by_s``: when (``time.monotonic``) its caller
-        stops waiting for the answer; one that comes later is still returned, but tells the
-        breaker it came late (``Breaker.late``)."""
+        its breaker turns the call away. ``answer_within_s``: how long the source may take from
+        the call's start (its caller's wait); an answer that takes longer is still returned,
+        but tells the breaker it came late (``Breaker.late``). Timed from the start, not from
+        when the caller began waiting: time queued behind this source's other calls is its
+        caller's load, not the source's slowness."""
         ticket = self.breaker.admit()
         if ticket is None:
             with self._lock:
@@ -199,7 +203,7 @@ class Source:
             self.breaker.abandoned(ticket)
             raise
         elapsed_s = time.perf_counter() - t0
-        if answer_by_s is not None and time.monotonic() > answer_by_s:
+        if answer_within_s is not None and elapsed_s > answer_within_s:
             self._answered_late(ticket, what, elapsed_s)
         else:
             self.breaker.succeeded(ticket)
@@ -300,12 +304,6 @@ def _index_address(index: object) -> str:
 
 def _no_bytes(_: object) -> int:
     return 0
-
-
-def _due() -> float:
-    """When a ping made now is late (``PROBE_DEADLINE_S``: a source that cannot answer a ping
-    within it cannot answer a lookup's probe either)."""
-    return time.monotonic() + PROBE_DEADLINE_S
 
 
 def _chunk_bytes(chunks: Sequence[PoolChunk | None] | None) -> int:
@@ -993,7 +991,7 @@ class RemoteTiers:
                 "probe",
                 lambda s=s: s.backend.probe_many(keys, tenant=tenant),
                 moved_bytes=_no_bytes,
-                answer_by_s=answer_by_s,
+                answer_within_s=PROBE_DEADLINE_S,
             )
             out.append((s, fut, answer_by_s))
         return out
@@ -1419,7 +1417,9 @@ class RemoteTiers:
             for s in self.sources:
                 ping = getattr(s.backend, "ping", None)
                 if ping is not None and s.breaker.state == "half_open" and s.breaker.may_call():
-                    s.call("probe ping", ping, moved_bytes=_no_bytes, answer_by_s=_due())
+                    s.call(
+                        "probe ping", ping, moved_bytes=_no_bytes, answer_within_s=PROBE_DEADLINE_S
+                    )
             self.probe_index()
             now = time.monotonic()
             if now >= next_measure:
@@ -1446,7 +1446,8 @@ class RemoteTiers:
         if ping is not None:
             if taken["rtt"] == 0:
                 src.call("ping (warm-up)", ping, moved_bytes=_no_bytes, observe=False)
-            src.call("ping", ping, moved_bytes=_no_bytes, answer_by_s=_due())
+            # a source that cannot answer a ping within a lookup's wait cannot answer its probe
+            src.call("ping", ping, moved_bytes=_no_bytes, answer_within_s=PROBE_DEADLINE_S)
         sample = getattr(src.backend, "probe_transfer", None)
         prepare = getattr(src.backend, "prepare_probe", None)
         if prepare is not None and src.breaker.may_call():

@@ -1,24 +1,30 @@
-"""A source whose answers come past its caller's deadline (``Source.call(answer_by_s=)``) is
+"""A source whose answers come past its caller's deadline (``Source.call(answer_within_s=)``) is
 treated as failing by its breaker: a run of late answers opens it, a late half-open probe is a
 failed probe, and a source that answers its probes in time but its lookups late is not closed and
-reopened every first backoff. The breaker's clock is injected; lateness is judged on the real
-monotonic clock, so a due time already past (or far ahead) makes an answer late (or in time)."""
+reopened every first backoff. The breaker's clock is injected; lateness is judged on the call's
+real duration, so an allowance of 0 s (or a minute) makes an answer late (or in time)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kvctl.errors import InvalidArgument
 from kvctl.remote.breaker import DEFAULT_LATE_TO_OPEN, Breaker
-from kvctl.remote.federation import Source
-from tests.unit.test_source_breaker import FakeClock, make_source, no_bytes, ok
+from kvctl.remote.federation import POOL_TIER, RemoteTiers, Source
+from kvctl.remote.fetchplan import PrefillRate
+from kvctl.remote.links import LinkEstimator
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
+from tests.unit.test_source_breaker import FakeClock, NoBackend, make_source, no_bytes, ok
 
 
 def answer(src: Source, *, late: bool, what: str = "probe") -> str | None:
-    due_s = time.monotonic() + (-1.0 if late else 60.0)
-    return src.call(what, ok, moved_bytes=no_bytes, answer_by_s=due_s)
+    # any answer takes longer than 0 s; none of these takes a minute
+    return src.call(what, ok, moved_bytes=no_bytes, answer_within_s=0.0 if late else 60.0)
 
 
 def open_for_lateness(src: Source) -> None:
@@ -97,3 +103,35 @@ def test_a_late_answer_of_a_call_admitted_before_the_breaker_opened_changes_noth
 def test_bad_late_to_open_is_refused(late_to_open: object) -> None:
     with pytest.raises(InvalidArgument, match="late_to_open"):
         Breaker(late_to_open=late_to_open)  # type: ignore[arg-type]
+
+
+def test_time_queued_behind_the_sources_own_probes_is_not_lateness() -> None:
+    """A burst of lookups queues probes in the source's lane (4 workers): each probe answers in
+    80 ms, but the last ones start long after their lookup began. Those the lookups stopped
+    waiting for are counted as ``late`` (the lookups went on without them); the breaker, which
+    judges the source, sees only 80 ms answers and stays closed (a review's burst of 32
+    lookups opened a healthy pool for lateness)."""
+
+    class Steady(NoBackend):
+        def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[None]:
+            time.sleep(0.08)
+            return [None for _ in keys]
+
+    pool = Source("pool", POOL_TIER, Steady(), LinkEstimator("pool", override="fetch"))
+    store = TieredStore([CpuTier(8 << 20)], chunk_tokens=256)
+    remote = RemoteTiers(
+        store, pool=pool, peers=[], write_through=False, prefill=PrefillRate(1e4, "configured")
+    )
+    keys = [bytes([i]) * 16 for i in range(4)]
+    try:
+        with ThreadPoolExecutor(32) as burst:
+            list(burst.map(lambda _: remote._probe(keys, "t"), range(32)))
+        for lane in remote._lanes.values():
+            lane.shutdown(wait=True)  # every probe queued answers, the last ones long after
+        status = pool.status()
+        assert status["late"] > 0  # the burst did outlast some lookups' wait
+        assert status["breaker"]["late_answers"] == 0
+        assert status["breaker"]["state"] == "closed"
+    finally:
+        remote.close()
+        store.close()

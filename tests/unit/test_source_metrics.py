@@ -81,8 +81,8 @@ def test_late_answers_and_overdue_pulls_are_exported() -> None:
     source = make_source(clock)
     status: dict[str, Any] = {}
     metrics = _registry(lambda: [{**source.status(), **status}])
-    for _ in range(3):  # due before it was made: every answer is late
-        assert source.call("probe", lambda: b"ok", moved_bytes=no_bytes, answer_by_s=0.0)
+    for _ in range(3):  # due at once: every answer is late
+        assert source.call("probe", lambda: b"ok", moved_bytes=no_bytes, answer_within_s=0.0)
     labels = (("source", "pool"), ("tier", source.tier))
     samples = _samples(metrics)
     assert samples[("kvctl_remote_source_breaker_late_opens_total", labels)] == 1
