@@ -16,11 +16,14 @@ from __future__ import annotations
 
 #: a call that moves no chunk bytes may take this long (a lookup, a lease of chunks the arena
 #: holds, a tenant's policy, mapping the arena, a HELLO). A healthy same-host agent answers one
-#: in well under a millisecond; its lookup may wait up to 0.5 s on the pool and peers it asks
-#: (kvctl.remote.federation.PROBE_DEADLINE_S), and a loaded host adds scheduling delay: 1 s is
-#: twice that. Shorter would turn a slow-but-sound agent into lost reuse (the connection is
-#: dropped and tried again only after the reconnect backoff).
-ANSWER_SECONDS = 1.0
+#: in well under a millisecond, but its lookup may first ask the fleet index (up to 0.25 s per
+#: HTTP phase, kvctl.index.remote.DEFAULT_TIMEOUT_S) and then wait on the pool and peers (0.5 s,
+#: kvctl.remote.federation.PROBE_DEADLINE_S): about 1.25 s on a healthy agent whose index and
+#: peers are slow, before a loaded host's scheduling delay. 2 s leaves room for that: shorter
+#: would turn a slow-but-sound agent into lost reuse well beyond one request (the connection is
+#: dropped and tried again only after the reconnect backoff, 2 s and up, or the vLLM
+#: connector's retry_seconds)
+ANSWER_SECONDS = 2.0
 
 #: a call that may move chunk bytes gets ANSWER_SECONDS plus its bytes at this rate: chunks the
 #: agent reads from its disk or pulls from the pool or a peer before it answers a lease or a
@@ -29,7 +32,7 @@ ANSWER_SECONDS = 1.0
 #: the shared arena and loopback at several GB/s), so a legitimate move is not cut off; one
 #: slower is stalled or, on a GPU, loses to recomputing anyway (an 8B model's prefill is worth
 #: ~3 GB/s of its KV on an H100). It also bounds what a hung agent costs a request that asks for
-#: a long prefix: 1 s + 4 s per GiB asked for. The agent's own pulls wait on slower sources
+#: a long prefix: 2 s + 4 s per GiB asked for. The agent's own pulls wait on slower sources
 #: (down to kvctl.remote.pool.PULL_FLOOR_BYTES_PER_S, 32 MiB/s) before giving up on them: an
 #: engine stops waiting on such a pull sooner, and the agent goes on landing its chunks.
 MOVE_BYTES_PER_SECOND = 256 << 20

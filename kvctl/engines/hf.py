@@ -181,7 +181,7 @@ class CachedLM:
     where one ran out first, the request is prefilled again without it (``layerwise_redos``).
     Such a request's compute time holds copy time, so it is not reported as a prefill rate.
 
-    Each call to the agent has a deadline (``kvctl.engines.deadlines``: 1 s, plus the time its
+    Each call to the agent has a deadline (``kvctl.engines.deadlines``: 2 s, plus the time its
     bytes take at 256 MiB/s where it may move chunks): a request whose call fails or runs past
     it prefills in full (``agent_failures``), and a connection lost that way is made again
     later, with backoff (``client``), so a hung agent costs one request one call's deadline.

@@ -45,7 +45,7 @@ its blocks as failed loads, which vLLM recomputes, skipping that step's output);
 chunk that cannot be read in place loads synchronously. Saves are gathered to host memory in
 ``wait_for_save`` and sent by a background thread. An unreachable agent means "nothing cached" and
 skipped saves (logged, retried every ``retry_seconds``), never an engine error; so does a hung
-one: each call has a deadline (``timeout_seconds``, 1 s by default, plus 4 s per GiB the call may
+one: each call has a deadline (``timeout_seconds``, 2 s by default, plus 4 s per GiB the call may
 move), past which its connection is dropped, so a hung agent costs one step one call's deadline.
 Blocks whose chunks vanished between the lookup and the read are reported through
 ``get_block_ids_with_load_errors`` so vLLM recomputes them (on a release that does not call it,

@@ -22,7 +22,7 @@ from tests.functional.raw_sockets import recv_exactly
 T = TypeVar("T")
 
 #: a hang guard, never a timing claim: what a hung agent costs with the fixes is about a
-#: second, without them the connection's socket timeout, which these tests set far above this
+#: second or two, without them the connection's socket timeout, which these tests set far above this
 HANG_GUARD_S = 60.0
 #: the socket timeout the tests' connections get: only an engine's own deadline ends a wait
 SOCKET_TIMEOUT_S = 600.0
