@@ -701,7 +701,8 @@ def _render_remote(report: dict[str, Any]) -> None:
         + f"prefill time saved net of fetching {plans['saved_s']:.3f} s [dim](prefill: "
         f"{report['prefill']['basis']}, {report['prefill']['tokens_per_s']:,.0f} tokens/s)[/]\n"
         f"pool writer ({write['mode']}): written {write['written']:,}, queued {write['queued']:,}"
-        f", failed {write['failed']:,}, dropped {write['dropped']:,}"
+        f", refused {write.get('refused', 0):,}, failed {write['failed']:,}"
+        f", dropped {write['dropped']:,}"
         + (
             f"\n[yellow]pulls short of local room[/]: {no_room:,} chunks not kept (the local "
             "tiers could not hold the whole chain)"

@@ -34,7 +34,7 @@ def _report(pool_up: bool, read_ago_s: float) -> dict[str, Any]:
                   "saved_s": 0.0},
         "prefill": {"basis": "modeled", "tokens_per_s": 1000.0},
         "write": {"mode": "write-through", "written": 0, "queued": 0, "failed": 0,
-                  "dropped": 0},
+                  "dropped": 0, "refused": 2},
     }  # fmt: skip
 
 
@@ -47,6 +47,7 @@ def test_a_down_pools_usage_says_how_old_it_is(
     assert "7 MiB of 1 GiB, 25 chunks (read 42 s ago; the pool is not answering)" in out
     assert "5/6/4" in out  # late/overdue/corrupt
     assert "short of local room" not in out
+    assert "refused 2" in out  # writes the pool refused (damaged on the way, or no room)
     _render_remote(_report(pool_up=True, read_ago_s=3))
     assert "read 3 s ago" not in capsys.readouterr().out  # a pool that answers: current
 
