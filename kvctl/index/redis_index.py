@@ -8,18 +8,30 @@ Redis keys carry them as hex, hash fields and values carry their UTF-8 bytes)::
                       (one hash per chunk: ``holders`` is one HGETALL per key)
     P n:<nodehex>     set of the keyhexes the node holds (what ``drop``/``replace`` delete)
     P nodes           hash: node -> entries (``nodes()``: one HGETALL, with P markers')
-    P markers         hash: node -> "<marker> <entries>": the marker its first resync left and
-                      the node's count kept beside it (``marker()``: one HGET; gone with the
-                      rest when the server restarts empty or is flushed, so a follower's poll
-                      notices the index lost the node's entries)
+    P markers         hash: node -> the marker its first resync left (``marker()``: one HGET;
+                      gone with the rest when the server restarts empty or is flushed, so a
+                      follower's poll notices the index lost the node's entries), and
+                      "\\xff" node -> the entries counted for a node with a marker (0xff starts
+                      no UTF-8 name: no node's field; in the marker's hash, so lost with it)
 
-The counts move with what the scripts add to and remove from a node's set, never read off it.
-Losing part of a node's keys with its marker kept (a server evicting under ``maxmemory``, an
-operator's DEL) is what ``check`` catches, in one script call: the count beside the marker off
-the set's size (the set lost, whole or in part), or, in a rolling audit of a slice of the set
-per call resuming at a cursor, a listed chunk whose hash no longer names the node. A lost set
-leaves fields it no longer lists, which ``drop`` cannot find: ``purge`` scans the prefix's chunk
-keys for them (a repair, rare, O(the index)).
+A node's marker is the bare value routers before counts were kept wrote and read (they share
+one index with these in a rolling upgrade): they see it change only when the index lost it.
+
+A node with a marker (one a follower resyncs) has its count moved by what the scripts add to and
+remove from its set, never read off it. Losing part of a node's keys with its marker kept (a
+server evicting under ``maxmemory``, an operator's DEL) is what ``check`` catches, in one script
+call: the count off the set's size (the set lost, whole or in part), or, in a rolling audit of a
+slice of the set per call resuming at a cursor, a listed chunk whose hash no longer names the
+node. A lost set leaves fields it no longer lists, which ``drop`` cannot find: ``purge`` scans
+the prefix's chunk keys for them (a repair, rare, O(the index)).
+
+A router of the version before counts moves a node's set and sets its P nodes field to the set's
+size (deletes it at 0), and leaves the count as it was: a count off the set while P nodes says
+so (here P nodes is the count) is such a write, not a loss (``check`` says nothing), and the next
+write here counts from the set again. A count
+missing (a marker that version left) is unknown, not damage, until a resync (or a cleared event)
+here counts the node afresh. A node without a marker (an engine's own events, never resynced) is
+counted by its set's size after each write, as before, so a lost P nodes repairs itself.
 
 Writes run in one Lua script per group of events, so each group is atomic and the per-node
 count equals the node's set (while the server loses nothing); an ``apply`` is one round trip
@@ -66,21 +78,41 @@ SCHEMES = {
 _EVENTS_PER_SCRIPT = 1024
 _SCAN_COUNT = 1000
 
+#: the field of P markers that holds a node's count is this byte, then the node's name
+_COUNT_FIELD = b"\xff"
+
+# Whether P nodes says a router that keeps no count wrote the node last (it writes its set's
+# size there, or deletes its field at 0), given the set's size: P nodes gone whole (evicted)
+# says nothing. Here P nodes is always written as the count.
+_UNCOUNTED_WRITE = """
+local function uncounted_write(nodes, node, listed)
+  local noted = redis.call('HGET', nodes, node)
+  if noted then return tonumber(noted) == listed end
+  return listed == 0 and redis.call('EXISTS', nodes) == 1
+end
+"""
+
 # KEYS[1]: the node's set, KEYS[2]: the nodes hash, KEYS[3]: the markers hash. ARGV[1]: chunk
 # key prefix ("P k:"), ARGV[2]: the node (hash field), ARGV[3]: the mode: "" (apply), "drop"
-# (drop the node's holding first), or a marker (a replace: drop first, then leave this marker
-# unless the node has one), then the ops: "s" keyhex value (stored) | "r" keyhex (removed) |
-# "c" (cleared). Returns {entries the node holds after, entries dropped}.
+# (drop the node's holding and count first), or a marker (a replace: drop first, leave this
+# marker unless the node has one, and count the node afresh), then the ops: "s" keyhex value
+# (stored) | "r" keyhex (removed) | "c" (cleared). Returns {entries the node holds after,
+# entries dropped}.
 # Invariants kept by every branch: the node is a field of P k:<kh> exactly when kh is in its set
-# (HDEL of a hash's last field deletes the hash, so a chunk nobody holds leaves no key), and the
-# count beside its marker (P markers: "<marker> <count>") and in P nodes is the set's size. The
-# count moves with what SADD/SREM changed, never read off the set, so a set the server lost
-# shows as a count off (``check``); beside the marker, it is lost only with the marker. A stored
-# event adds the key to the set and a removed one deletes the field whatever the set says, so a
-# resync puts back the set's members a loss took, for every chunk the agent lists.
-_BODY = """
+# (HDEL of a hash's last field deletes the hash, so a chunk nobody holds leaves no key), and its
+# count (P nodes; with a marker, P markers' "\xff" node too) is the set's size. With a marker
+# and a count, the count moves with what SADD/SREM changed, never read off the set, so a set the
+# server lost shows as a count off (``check``); without either, it is the set's size (SCARD), as
+# routers before counts kept it. A stored event adds the key to the set and a removed one
+# deletes the field whatever the set says, so a resync puts back the set's members a loss took,
+# for every chunk the agent lists. The marker's value is never rewritten: routers before counts
+# compare it, raw, with the one they saw.
+_BODY = (
+    _UNCOUNTED_WRITE
+    + """
 local nset, nodes, markers = KEYS[1], KEYS[2], KEYS[3]
 local kp, node, mode = ARGV[1], ARGV[2], ARGV[3]
+local cfield = '\\255' .. node
 local function drop()
   local held = redis.call('SMEMBERS', nset)
   for _, kh in ipairs(held) do redis.call('HDEL', kp .. kh, node) end
@@ -88,8 +120,24 @@ local function drop()
   redis.call('HDEL', nodes, node)
   return #held
 end
+local marker = redis.call('HGET', markers, node)
 local dropped, delta, base = 0, 0, nil
-if mode ~= '' then dropped = drop(); base = 0 end
+if mode == 'drop' then
+  dropped = drop()
+  redis.call('HDEL', markers, cfield)
+  marker = false
+elseif mode ~= '' then
+  dropped = drop()
+  base = 0
+  if not marker then redis.call('HSET', markers, node, mode); marker = mode end
+elseif marker then
+  base = tonumber(redis.call('HGET', markers, cfield))  -- nil: unknown, until a resync
+  -- a router that keeps no count moved the set: count from the set again
+  if base then
+    local listed = redis.call('SCARD', nset)
+    if base ~= listed and uncounted_write(nodes, node, listed) then base = listed end
+  end
+end
 local i = 4
 local n = #ARGV
 while i <= n do
@@ -106,27 +154,22 @@ while i <= n do
     i = i + 2
   else
     dropped = dropped + drop()
-    delta, base = 0, 0
+    delta = 0
+    if marker then base = 0 end
     i = i + 1
   end
 end
-local marker = redis.call('HGET', markers, node)
-if not marker and mode ~= '' and mode ~= 'drop' then marker = mode end
 local count
-if marker then
-  local id, counted = string.match(marker, '^(%S+) (%-?%d+)$')
-  if not id then id = marker end  -- left before counts were kept: the set's size is the count
-  base = base or tonumber(counted)
-  if base then count = base + delta else count = redis.call('SCARD', nset) end
-  redis.call('HSET', markers, node, id .. ' ' .. count)
-  if count ~= 0 then redis.call('HSET', nodes, node, count) else redis.call('HDEL', nodes, node) end
-else  -- a node no resync wrote (an engine's own cache): its count in P nodes alone
-  if delta ~= 0 then redis.call('HINCRBY', nodes, node, delta) end
-  count = tonumber(redis.call('HGET', nodes, node) or '0')
-  if count == 0 then redis.call('HDEL', nodes, node) end
+if base then
+  count = math.max(0, base + delta)
+  redis.call('HSET', markers, cfield, count)
+else  -- no marker (an engine's own events), or its count unknown: the set's size
+  count = redis.call('SCARD', nset)
 end
+if count > 0 then redis.call('HSET', nodes, node, count) else redis.call('HDEL', nodes, node) end
 return {count, dropped}
 """
+)
 # refused whole when the server is out of memory, rather than failing half done
 _APPLY_LUA = "#!lua\n" + _BODY
 # a drop frees memory: most needed when the server is full
@@ -134,15 +177,21 @@ _DROP_LUA = "#!lua flags=allow-oom\n" + _BODY
 
 # KEYS: as _BODY's. ARGV[1]: chunk key prefix, ARGV[2]: the node, ARGV[3]: SSCAN cursor, ARGV[4]:
 # entries to audit (0: none). Returns {marker or "", damage ("", "count" or "entries"), next
-# cursor, entries audited}. Read-only (runs on a full server too); the first damage found ends it.
-_CHECK_LUA = """#!lua flags=no-writes
+# cursor, entries audited}. Read-only (runs on a full server too); the first damage found ends
+# it. A count off the set is no damage when a router that keeps no count wrote last, nor is a
+# count missing.
+_CHECK_LUA = (
+    "#!lua flags=no-writes\n"
+    + _UNCOUNTED_WRITE
+    + """
 local nset, kp, node = KEYS[1], ARGV[1], ARGV[2]
-local raw = redis.call('HGET', KEYS[3], node)
-if not raw then return {'', '', '0', 0} end
-local marker, counted = string.match(raw, '^(%S+) (%-?%d+)$')
-if not marker then marker = raw end
+local marker = redis.call('HGET', KEYS[3], node)
+if not marker then return {'', '', '0', 0} end
 local listed = redis.call('SCARD', nset)
-if counted and tonumber(counted) ~= listed then return {marker, 'count', '0', 0} end
+local counted = tonumber(redis.call('HGET', KEYS[3], '\\255' .. node))
+if counted and counted ~= listed and not uncounted_write(KEYS[2], node, listed) then
+  return {marker, 'count', '0', 0}
+end
 if listed == 0 or ARGV[4] == '0' then return {marker, '', ARGV[3], 0} end
 local scan = redis.call('SSCAN', nset, ARGV[3], 'COUNT', ARGV[4])
 for _, kh in ipairs(scan[2]) do
@@ -152,15 +201,15 @@ for _, kh in ipairs(scan[2]) do
 end
 return {marker, '', scan[1], #scan[2]}
 """
+)
 
 # KEYS: as _BODY's. ARGV[1]: the node. After ``purge`` removed the node's fields: its set and
-# counts go, its marker stays (with a count of 0).
+# counts go (unknown until the resync that follows), its marker stays.
 _PURGED_LUA = """#!lua flags=allow-oom
 local node = ARGV[1]
 redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], node)
-local raw = redis.call('HGET', KEYS[3], node)
-if raw then redis.call('HSET', KEYS[3], node, string.match(raw, '^%S+') .. ' 0') end
+redis.call('HDEL', KEYS[3], '\\255' .. node)
 """
 
 
@@ -286,8 +335,7 @@ class RedisIndex:
     def marker(self, node: str) -> str | None:
         with self._guard():
             raw = cast("bytes | None", self._client.hget(self._markers_key, _utf8(node)))
-        # "<marker> <count>" (a bare marker: left before counts were kept)
-        return None if raw is None else raw.split(b" ", 1)[0].decode("ascii", "replace")
+        return None if raw is None else raw.decode("ascii", "replace")
 
     def check(self, node: str, *, cursor: int = 0, limit: int = 0) -> NodeCheck:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
@@ -357,12 +405,13 @@ class RedisIndex:
             pipe.hgetall(self._markers_key)
             # bytes: the client is made without decode_responses
             counts, markers = cast("list[dict[bytes, bytes]]", pipe.execute())
-        # the count beside a node's marker is the one kept with it (P nodes may have been
-        # evicted on its own); P nodes alone counts the nodes no resync wrote
-        for node, raw in markers.items():
-            _, _, count = raw.partition(b" ")
-            if count:
-                counts[node] = count
+        # P nodes gone whole (evicted on its own): a node with a marker has its count there too.
+        # Not a field gone alone: a router before counts deletes it when the node holds none.
+        if not counts:
+            for field, count in markers.items():
+                node = field[len(_COUNT_FIELD) :]
+                if field.startswith(_COUNT_FIELD) and node in markers:
+                    counts[node] = count
         return dict(sorted((_str(node), int(n)) for node, n in counts.items() if int(n) > 0))
 
     def __len__(self) -> int:

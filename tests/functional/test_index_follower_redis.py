@@ -15,6 +15,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
+from kvctl.index.events import ChunkEvent
 from kvctl.index.follower import DAMAGE_RESYNC_MIN_S, Follower, Followers
 from kvctl.index.model import Holding
 from kvctl.index.redis_index import RedisIndex
@@ -25,6 +26,7 @@ from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from tests.conftest import RedisServer
 from tests.functional.agents import closed_port
+from tests.functional.index_before_counts import IndexBeforeCounts
 from tests.unit.test_index_follower import K1, K2, _stored, scripted
 
 
@@ -307,3 +309,61 @@ def test_entries_lost_again_soon_after_a_repair_wait_before_the_next_one(
     finally:
         raw.close()
         follower.close()
+
+
+# --- a router of the version before counts sharing the index (a rolling upgrade) --------------
+@pytest.mark.parametrize("first", ["before_counts", "current"])
+def test_routers_before_and_after_counts_follow_one_agent_into_one_index_quietly(
+    shared: RedisIndex, redis_url: str, first: str
+) -> None:
+    """A router of the version before counts (its index commands and its marker-only check)
+    and a current one follow one agent into one index, which hears each new event first in
+    turn: neither resyncs after its first contact (the old one saw its marker change at every
+    write of the current one; the current one saw the old one's writes as a lost key set, and
+    purged and resynced). A chunk key then evicted is still found and repaired by the current
+    one, the old one seeing nothing."""
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": []}
+    held = list(CHAIN_A[:10])
+    script["items"] = [_stored(k) for k in held]
+    old_index = IndexBeforeCounts(redis_url, prefix=shared.prefix)
+    shared.apply("b", [ChunkEvent("stored", CHAIN_B[0], "cpu", "t", False, 64, 4)])  # a fleet
+    raw = redis.Redis.from_url(redis_url)
+    with scripted(script) as url:
+        old, new = Follower(old_index, "a", url), Follower(shared, "a", url)
+        pollers = [old, new] if first == "before_counts" else [new, old]
+        try:
+            for follower in pollers:
+                follower.poll_once()
+            for round_ in range(14):  # CHAIN_A: 40 chunks
+                # the agent stores two chunks and evicts one, or (once) evicts all it holds
+                seq = len(script["events"])
+                if round_ == 9:
+                    gone, held = held, []
+                    new_events = [{"type": "evict", **_stored(k)} for k in gone]
+                else:
+                    added = CHAIN_A[10 + 2 * round_ : 12 + 2 * round_]
+                    new_events = [{"type": "store", **_stored(k)} for k in added]
+                    new_events += [{"type": "evict", **_stored(held[0])}] if held else []
+                    held = held[1:] + added
+                script["events"] += [{"seq": seq + 1 + i, **e} for i, e in enumerate(new_events)]
+                script["items"] = [_stored(k) for k in held]
+                for follower in pollers if round_ % 2 == 0 else pollers[::-1]:
+                    follower.poll_once()
+                assert shared.check("a", limit=10_000).damage == "", round_
+            assert _nonzero(old.status()["resync_reasons"]) == {"first": 1}
+            assert _nonzero(new.status()["resync_reasons"]) == {"first": 1}
+            assert old_index.nodes() == shared.nodes() == {"a": len(held), "b": 1}
+            assert shared.holders(held, tenant="t") == [[Holding("a", "cpu", 64, 4)]] * len(held)
+            raw.delete(f"{shared.prefix}k:{held[3].hex()}")  # evicted
+            for _ in range(5):
+                old.poll_once()
+                new.poll_once()
+            assert _nonzero(new.status()["resync_reasons"]) == {"first": 1, "index_partial": 1}
+            assert _nonzero(old.status()["resync_reasons"]) == {"first": 1}
+            assert shared.holders(held, tenant="t") == [[Holding("a", "cpu", 64, 4)]] * len(held)
+            assert old_index.nodes() == shared.nodes() == {"a": len(held), "b": 1}
+        finally:
+            old.close()
+            new.close()
+            raw.close()
+            old_index.close()

@@ -21,6 +21,7 @@ from kvctl.index.open import open_index
 from kvctl.index.redis_index import RedisIndex
 from kvctl.index.remote import IndexUnavailable
 from tests.conftest import RedisServer, _free_port, _redis_binary
+from tests.functional.index_before_counts import IndexBeforeCounts
 from tests.unit.test_fleet_index import (
     KEYS,
     NODES,
@@ -235,20 +236,116 @@ def test_an_entry_not_written_by_an_index_is_index_unavailable(
         fresh.holders([key(0)], tenant="acme")
 
 
-def test_a_marker_left_before_counts_were_kept_is_kept_and_gets_its_count(
+# --- routers before counts were kept, sharing the index (a rolling upgrade) -------------------
+def _held_by_the_set(index: RedisIndex, raw: redis.Redis, node: str) -> int:
+    return int(raw.scard(f"{index.prefix}n:{node.encode().hex()}"))
+
+
+def test_routers_before_counts_sharing_the_index_see_no_loss_and_cause_no_damage(
     fresh: RedisIndex, redis_url: str
 ) -> None:
-    """An index written by a version that kept a bare marker (no count beside it): the marker
-    stays the node's, the check trusts the set until a write counts it, and then counts."""
-    fresh.replace("n", [stored(i) for i in range(3)])
+    """A router of the version before counts (its exact commands) and a current one write one
+    node's events into one index, in either order, and resync it: the old router's marker, which
+    it compares raw, never changes (it would resync the node at every poll), the current one's
+    check finds no damage (it would purge and resync the node every 10 s), and both count what
+    the set holds. A real loss is still found, whoever wrote last. (Another node has entries,
+    as in any fleet: P nodes with no field for "a" then says the old router emptied it.)"""
+    old = IndexBeforeCounts(redis_url, prefix=fresh.prefix)
     raw = redis.Redis.from_url(redis_url)
     try:
-        raw.hset(f"{fresh.prefix}markers", "n", "0123abcd")
-        assert fresh.marker("n") == "0123abcd"
-        assert fresh.check("n", limit=100).damage == ""
+        fresh.apply("b", [stored(50)])
+        fresh.replace("a", [stored(i) for i in range(4)])
+        old.replace("a", [stored(i) for i in range(4)])
+        marker = old.marker("a")
+        assert marker is not None and fresh.marker("a") == marker
+        batches: list[list[ChunkEvent]] = [
+            [stored(4)],
+            [ChunkEvent("removed", key(0))],
+            [stored(5), stored(6), ChunkEvent("removed", key(4))],
+            [ChunkEvent("cleared", b"")],
+            [stored(7), stored(8)],
+            [ChunkEvent("removed", key(7)), stored(9)],
+        ]
+        steps = 0
+        for old_first in (True, False, True):
+            for batch in batches:
+                writers = (old, fresh) if old_first else (fresh, old)
+                for index in writers:
+                    index.apply("a", batch)
+                    steps += 1
+                    assert old.marker("a") == fresh.marker("a") == marker, steps
+                    assert fresh.check("a", limit=10_000).damage == "", (steps, batch)
+                    held = _held_by_the_set(fresh, raw, "a")
+                    counts = {"a": held, "b": 1} if held else {"b": 1}
+                    assert old.nodes() == fresh.nodes() == counts, steps
+            old.replace("a", [stored(i) for i in range(10, 13)])  # the old router resyncs
+            assert fresh.check("a", limit=10_000).damage == ""
+            fresh.replace("a", [stored(i) for i in range(10, 14)])  # and the current one
+            assert old.marker("a") == marker and fresh.check("a", limit=10_000).damage == ""
+        # a lost key set is found, the old router having written last or the current one
+        old.apply("a", [stored(20)])
+        raw.delete(f"{fresh.prefix}n:{b'a'.hex()}")
+        assert fresh.check("a", limit=10_000).damage == "count"
+        fresh.replace("a", [stored(i) for i in range(5)])
+        fresh.apply("a", [stored(5)])
+        raw.delete(f"{fresh.prefix}n:{b'a'.hex()}")
+        assert fresh.check("a", limit=10_000).damage == "count"
+        fresh.replace("a", [stored(i) for i in range(5)])
+        old.apply("a", [stored(5)])
+        raw.delete(f"{fresh.prefix}k:{key(2).hex()}")  # a chunk's key evicted
+        assert fresh.check("a", limit=10_000).damage == "entries"
+        assert old.marker("a") == marker
+    finally:
+        raw.close()
+
+
+def test_a_count_left_by_nobody_is_unknown_until_a_resync_counts_it(
+    fresh: RedisIndex, redis_url: str
+) -> None:
+    """An index that routers before counts wrote (a bare marker, no count): the marker is kept
+    as it is, the check finds no damage in the missing count, and a resync counts the node, so
+    a set lost after it is found."""
+    old = IndexBeforeCounts(redis_url, prefix=fresh.prefix)
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        old.replace("n", [stored(i) for i in range(3)])
+        marker = old.marker("n")
         fresh.apply("n", [stored(3)])
-        assert raw.hget(f"{fresh.prefix}markers", "n") == b"0123abcd 4"
-        assert fresh.check("n", limit=100) == NodeCheck("0123abcd", "", 0, 4)
-        assert fresh.nodes() == {"n": 4}
+        assert fresh.check("n", limit=100) == NodeCheck(marker, "", 0, 4)
+        assert fresh.nodes() == old.nodes() == {"n": 4}
+        fresh.replace("n", [stored(i) for i in range(5)])
+        assert fresh.marker("n") == old.marker("n") == marker
+        assert fresh.nodes() == old.nodes() == {"n": 5}
+        raw.delete(f"{fresh.prefix}n:{b'n'.hex()}")
+        assert fresh.check("n", limit=100).damage == "count"
+    finally:
+        raw.close()
+
+
+# --- nodes no resync wrote (an engine's own events): counted from the set -------------------
+@pytest.mark.parametrize("lost", ["count", "set"])
+def test_a_node_without_a_marker_is_counted_by_its_set_after_a_loss(
+    fresh: RedisIndex, redis_url: str, lost: str
+) -> None:
+    """A node whose events an engine sends (no resync, no marker) has its P nodes count, or its
+    key set, lost (evicted or deleted): the next writes count it from the set again, never
+    below 0, and ``nodes()`` shows it while it holds entries."""
+    raw = redis.Redis.from_url(redis_url)
+    lose = f"{fresh.prefix}nodes" if lost == "count" else f"{fresh.prefix}n:{b'eng'.hex()}"
+    try:
+        fresh.apply("eng", [stored(i) for i in range(1, 5)])
+        assert fresh.marker("eng") is None
+        assert raw.delete(lose) == 1
+        fresh.apply("eng", [stored(5)])
+        listed = _held_by_the_set(fresh, raw, "eng")
+        assert listed == (5 if lost == "count" else 1)
+        assert fresh.nodes() == {"eng": listed}
+        fresh.apply("eng", [ChunkEvent("removed", key(5)), ChunkEvent("removed", key(4))])
+        listed = _held_by_the_set(fresh, raw, "eng")
+        assert listed == (3 if lost == "count" else 0)
+        assert fresh.nodes() == ({"eng": listed} if listed else {})
+        assert raw.hget(f"{fresh.prefix}nodes", "eng") == (str(listed).encode() if listed else None)
+        fresh.apply("eng", [stored(6)])
+        assert fresh.nodes() == {"eng": listed + 1}
     finally:
         raw.close()
