@@ -722,7 +722,8 @@ def _render_status(report: dict[str, Any]) -> None:
     uptime = time.time() - info["started_s"]
     dp = info["dataplane"]
     console.print(
-        f"[bold green]up[/] agent [bold]{info['name']}[/] dc {info['dc']} pid {info['pid']} "
+        f"[bold green]up[/] agent [bold]{escape(info['name'])}[/] dc {escape(info['dc'])} "
+        f"pid {info['pid']} "
         f"version {info['version']} uptime {uptime:.0f}s\n"
         f"control {report['control_url']}  data tcp {dp['tcp'] or 'off'}  "
         f"unix {dp['unix'] or 'off'}  shm {_shm_words(dp)}",
@@ -814,7 +815,8 @@ def config_command(
 
     table = Table("setting", "value", "source")
     for row in rows:
-        table.add_row(row["setting"], row["value"], row["source"])
+        # escaped: values are the user's text (a name, a path), not markup
+        table.add_row(*(escape(str(row[c])) for c in ("setting", "value", "source")))
     console.print(table)
     console.print(
         f"[dim]config file: {loaded.config_file or 'none'}[/]", highlight=False, soft_wrap=True

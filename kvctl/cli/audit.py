@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
 from kvctl.cli.output import console, print_json, user_errors
@@ -78,6 +79,8 @@ def audit_command(
     table.add_column("args", no_wrap=True, overflow="ellipsis", width=args_width)
     table.add_column("result", no_wrap=True, overflow="ellipsis", width=left - args_width)
     for c in cells:
+        # escaped: actors, targets, args and agents' answers are recorded text, not markup
+        c = [escape(text) for text in c]
         c[4] = "[green]yes[/]" if c[4] == "yes" else "[red]no[/]"
         table.add_row(*c)
     console.print(table)

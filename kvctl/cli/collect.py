@@ -192,9 +192,9 @@ def collect_command(
 def _line(kind: str, r: Any) -> None:
     from rich.markup import escape
 
-    down = f", [red]{len(r.down)} down[/]: {', '.join(sorted(r.down))}" if r.down else ""
+    down = f", [red]{len(r.down)} down[/]: {escape(', '.join(sorted(r.down)))}" if r.down else ""
     if r.routers_down:
-        down += f", [red]router down[/]: {', '.join(sorted(r.routers_down))}"
+        down += f", [red]router down[/]: {escape(', '.join(sorted(r.routers_down)))}"
     # the first warning says why (the database away, another collector on these nodes)
     why = escape(r.warnings[0]) if r.warnings else "not written"
     saved = "" if r.written else f" [yellow]({why})[/]"
@@ -205,6 +205,7 @@ def _line(kind: str, r: Any) -> None:
 
 
 def _once(collector: Any, links: bool, json_out: bool) -> None:
+    from rich.markup import escape
     from rich.table import Table
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -226,22 +227,27 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
         )
     else:
         table = Table("target", "state", "detail", title="kvctl collect --once")
+
+        def row(name: str, state: str, detail: str = "") -> None:
+            # escaped: names and errors are the inventory's and the agents' text, not markup
+            table.add_row(escape(name), state, escape(detail))
+
         for name in report.up:
-            table.add_row(name, "[green]up[/]", "")
+            row(name, "[green]up[/]")
         for name, err in sorted(report.down.items()):
-            table.add_row(name, "[red]down[/]", err)
+            row(name, "[red]down[/]", err)
         for name in report.routers_up:
-            table.add_row(name, "[green]router up[/]", "")
+            row(name, "[green]router up[/]")
         for name, err in sorted(report.routers_down.items()):
-            table.add_row(name, "[red]router down[/]", err)
+            row(name, "[red]router down[/]", err)
         if link_report is not None:
             for name in link_report.up:
-                table.add_row(name, "[green]link ok[/]", "")
+                row(name, "[green]link ok[/]")
             for name, err in sorted(link_report.down.items()):
-                table.add_row(name, "[red]link failed[/]", err)
+                row(name, "[red]link failed[/]", err)
         console.print(table)
         for w in report.warnings:
-            err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
+            err_console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
         rows = sum(report.rows.values()) + (sum(link_report.rows.values()) if link_report else 0)
         console.print(f"{rows} rows written")
     if report.down or report.routers_down or not report.written:

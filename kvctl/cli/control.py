@@ -83,7 +83,7 @@ def _act(
             nodes,
             req,
             timeout_s=fanout.timeout,
-            on_result=lambda r: progress.update(task, advance=1, last=r.node.name),
+            on_result=lambda r: progress.update(task, advance=1, last=escape(r.node.name)),
         )
     engine.dispose()
     _render(report, fanout.json_out)
@@ -91,7 +91,7 @@ def _act(
         names = ", ".join(r.node.name for r in report.failed)
         err_console.print(
             f"[bold red]failed on {len(report.failed)} of {len(report.results)} node(s):[/] "
-            f"{names}",
+            f"{escape(names)}",
             highlight=False,
         )
         raise typer.Exit(1)
@@ -110,12 +110,16 @@ def _render(report: ActionReport, json_out: bool) -> None:
         v: dict[str, Any] = r.value or {}
         cells = [str(v.get(c, "")) for c in ("done", "skipped_pinned", "missing", "failed")]
         status = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
-        table.add_row(r.node.name, r.node.dc, status, *cells, f"{r.elapsed_s * 1000:.0f} ms")
+        # escaped: the inventory's names are text, not markup
+        name, dc = escape(r.node.name), escape(r.node.dc)
+        table.add_row(name, dc, status, *cells, f"{r.elapsed_s * 1000:.0f} ms")
     console.print(table)
     # errors below the table, one line each: inside a cell they wrap into a column of words
     for r in report.failed:
         console.print(
-            f"[red]{r.node.name}:[/] {escape(r.error or '')}", highlight=False, soft_wrap=True
+            f"[red]{escape(r.node.name)}:[/] {escape(r.error or '')}",
+            highlight=False,
+            soft_wrap=True,
         )
     # "ok" with chunks missing did nothing for them: said on stderr (--json has `missing`)
     for note in report.missing_notes():

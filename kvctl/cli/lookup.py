@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.options import (
     DbOpt,
@@ -78,13 +79,14 @@ def lookup_command(
         for col in ("node", "dc", "prefix hit", "tokens", "cached anywhere", "error"):
             summary.add_column(col, justify="right" if col in ("tokens",) else "left")
         for f in found:
+            # escaped: names and errors are the inventory's and the agents' text, not markup
             summary.add_row(
-                f.node,
-                f.dc,
+                escape(f.node),
+                escape(f.dc),
                 f"{f.matched_chunks}/{f.total_chunks}" if f.ok else "N/A",
                 f"{f.matched_tokens:,}" if f.ok else "N/A",
                 str(f.cached_chunks) if f.ok else "N/A",
-                f"[red]{f.error}[/]" if f.error else "",
+                f"[red]{escape(f.error)}[/]" if f.error else "",
             )
         console.print(summary)
         answered = [f for f in found if f.ok]
@@ -94,16 +96,20 @@ def lookup_command(
             chunks.add_column("#", justify="right")
             chunks.add_column("key (first node)")
             for f in answered:
-                chunks.add_column(f.node)
+                chunks.add_column(escape(f.node))
             first = answered[0]
             for i in range(longest):
-                key = first.chunks[i][0] if i < len(first.chunks) else ""
+                chunk_key = first.chunks[i][0] if i < len(first.chunks) else ""
                 cells = [f.chunks[i][1] or "-" if i < len(f.chunks) else "" for f in answered]
-                chunks.add_row(str(i), key, *cells)
+                chunks.add_row(str(i), chunk_key, *cells)
             console.print(chunks)
         elif answered:
             console.print("[yellow]the prompt has no full chunk: nothing to look up[/]")
     down = [f.node for f in found if not f.ok]
     if down:
-        err_console.print(f"[red]no answer from {len(down)} node(s):[/] {', '.join(down)}")
+        err_console.print(
+            # "failed", not "no answer": a node that refused the token answered (the error says)
+            f"[red]failed on {len(down)} of {len(found)} node(s):[/] {escape(', '.join(down))}",
+            highlight=False,
+        )
         raise typer.Exit(1)

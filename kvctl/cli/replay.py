@@ -289,6 +289,7 @@ def _routing_line(report: ReplayReport) -> str:
 
 
 def render_replay(report: ReplayReport) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from kvctl.format import format_bytes
@@ -366,7 +367,7 @@ def render_replay(report: ReplayReport) -> None:
         verdict = "N/A" if not fields else ("✓" if not wrong else "✗ " + ", ".join(wrong))
         hits = t.reuse_hits + t.sharing_hits
         nodes.add_row(
-            f"{name} ({report.node_dc[name]})",
+            escape(f"{name} ({report.node_dc[name]})"),  # the inventory's text, not markup
             f"{t.lookups:,}",
             percent(t.hit_chunks / t.lookup_chunks) if t.lookup_chunks else "N/A",
             percent(t.reuse_hits / hits) if hits else "N/A",

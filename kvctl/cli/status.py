@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, TimeoutOpt, db_errors, open_engine
 from kvctl.cli.output import console, print_json, user_errors
@@ -129,9 +130,10 @@ def _render(status: FleetStatus) -> None:
     for n in status.nodes:
         read = n.up and not n.auth_refused  # figures only from an agent that let us read them
         state = "[bold red]down[/]" if not n.up else "[green]up[/]"
+        # escaped: names and errors are the inventory's and the agents' text, not markup
         nodes.add_row(
-            n.node,
-            n.dc,
+            escape(n.node),
+            escape(n.dc),
             "[yellow]up, token refused[/]" if n.auth_refused else state,
             percent(n.counts.hit_ratio) if read else "N/A",
             _split(n.counts) if read else "N/A",
@@ -144,16 +146,16 @@ def _render(status: FleetStatus) -> None:
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for d in [*status.dcs, status.total]:
         c = d.counts
-        name = f"[bold]{d.dc}[/]" if d is status.total else d.dc
+        name = f"[bold]{escape(d.dc)}[/]" if d is status.total else escape(d.dc)
         dcs.add_row(
             name, f"{d.up}/{d.nodes}", percent(c.hit_ratio), _split(c), _tiers(dict(d.tiers))
         )
     console.print(dcs)
     for n in status.nodes:
         if n.auth_refused:
-            console.print(f"[yellow]{n.node}[/] {n.error}", highlight=False)
+            console.print(f"[yellow]{escape(n.node)}[/] {escape(str(n.error))}", highlight=False)
         elif not n.up:
-            console.print(f"[red]{n.node}[/] down: {n.error}", highlight=False)
+            console.print(f"[red]{escape(n.node)}[/] down: {escape(str(n.error))}", highlight=False)
 
 
 def _occupancy(c: Counts) -> str:
@@ -171,13 +173,13 @@ def _render_recorded(rec: Recorded) -> None:
     for col in ("node", "dc", *columns):
         nodes.add_column(col, justify="left" if col in ("node", "dc", "occupancy") else "right")
     for n, c in rec.nodes:
-        nodes.add_row(n.name, n.dc, *_recorded_cells(c))
+        nodes.add_row(escape(n.name), escape(n.dc), *_recorded_cells(c))
     console.print(nodes)
     dcs = Table(title="per DC", title_justify="left")
     for col in ("dc", "nodes", *columns):
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
-        label = f"[bold]{name}[/]" if c is rec.fleet else name
+        label = f"[bold]{escape(name)}[/]" if c is rec.fleet else escape(name)
         dcs.add_row(label, str(c.nodes), *_recorded_cells(c))
     console.print(dcs)
     if not rec.fleet.samples:
