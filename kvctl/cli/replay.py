@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import pathlib
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.options import AllOpt, DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 from kvctl.format import ENERGY_UNITS, format_scaled, percent
 
 if TYPE_CHECKING:
+    from types import FrameType
+
+    from kvctl.router.client import RouterClient
     from kvctl.workload.replay import ReplayReport
     from kvctl.workload.source import Workload
 
@@ -144,6 +152,10 @@ def replay_command(
     compared with what the replay expects. Prefill time and energy saved are modeled from the
     model and GPU profiles, and say so.
 
+    With --router, a router that does not answer or refuses the token fails the command before
+    the first request (exit 1). Ctrl-C stops after the request in flight and prints the summary
+    of what ran (exit 130); a second Ctrl-C stops at once.
+
     Examples:
 
       kvctl replay --workload system-prompt --kv-scale 1/64
@@ -156,7 +168,6 @@ def replay_command(
 
       kvctl replay --workload chat --router http://127.0.0.1:9480 --router-policy round-robin
     """
-    import os
     from contextlib import ExitStack
 
     from kvctl.client import AgentClient, AgentError
@@ -196,46 +207,88 @@ def replay_command(
                 served = []
             model = next((m for m in served if m in MODELS), "llama-3.1-8b")
         inputs = ModeledInputs(model_profile(model), gpu_profile(gpu), mfu)
-        if not json_out:
-            console.print(
-                f"[bold]replay[/] {loaded.name}: {len(requests):,} requests on "
-                f"{len(nodes)} node(s), model {inputs.model.name}"
-                + (f", KV bytes scaled by {scale:g}" if scale != 1 else "")
-                + f", routing {route}"
-                + (f", {speed:g}x the trace's pace" if speed else ", as fast as possible"),
-                highlight=False,
-            )
-        try:
-            with ExitStack() as stack, _Bar(len(requests), disable=json_out) as bar:
-                asker = None
-                if router is not None:
-                    from kvctl.router.client import RouterClient
-
-                    token = os.environ.get("KVCTL_ROUTER_TOKEN") or None
-                    asker = stack.enter_context(RouterClient(router, token=token))
-                report = replay(
-                    requests,
-                    nodes,
-                    inputs,
-                    workload_name=loaded.name,
-                    kv_scale=scale,
-                    routing=route,
-                    speed=speed,
-                    peer_fetch=peer_fetch,
-                    links_km=links,
-                    progress=bar.update,
-                    salt=loaded.salt,
-                    router=asker,
-                    router_policy=router_policy,
+        stop = threading.Event()
+        with ExitStack() as stack:
+            asker = _router_client(router) if router is not None else None
+            if asker is not None:
+                stack.enter_context(asker)
+            stack.enter_context(_stop_on_interrupt(stop))
+            if not json_out:
+                console.print(
+                    f"[bold]replay[/] {escape(loaded.name)}: {len(requests):,} requests on "
+                    f"{len(nodes)} node(s), model {inputs.model.name}"
+                    + (f", KV bytes scaled by {scale:g}" if scale != 1 else "")
+                    + f", routing {route}"
+                    + (f", {speed:g}x the trace's pace" if speed else ", as fast as possible"),
+                    highlight=False,
                 )
-        except (AgentError, ReplayError) as exc:
-            fail(str(exc), hint="`kvctl status` shows which agents answer")
+            try:
+                with _Bar(len(requests), disable=json_out) as bar:
+                    report = replay(
+                        requests,
+                        nodes,
+                        inputs,
+                        workload_name=loaded.name,
+                        kv_scale=scale,
+                        routing=route,
+                        speed=speed,
+                        peer_fetch=peer_fetch,
+                        links_km=links,
+                        progress=bar.update,
+                        stop=stop,
+                        salt=loaded.salt,
+                        router=asker,
+                        router_policy=router_policy,
+                    )
+            except (AgentError, ReplayError) as exc:
+                fail(str(exc), hint="`kvctl status` shows which agents answer")
     if json_out:
         print_json(report.as_dict())
     else:
         render_replay(report)
+    if stop.is_set():  # the summary of what ran, but not what was asked for: 128 + SIGINT
+        raise typer.Exit(130)
     if report.agents_agree is False:
         raise typer.Exit(1)
+
+
+def _router_client(url: str) -> RouterClient:
+    """A client of the router at ``url`` (token: $KVCTL_ROUTER_TOKEN) that has answered once:
+    one that is away, hangs or refuses the token fails the command here (exit 1) instead of
+    each request falling back to round-robin after the client's timeout."""
+    import os
+
+    from kvctl.cli.router import router_failed, router_url
+    from kvctl.router.client import RouterClient, RouterClientError
+
+    client = RouterClient(router_url(url), token=os.environ.get("KVCTL_ROUTER_TOKEN") or None)
+    try:
+        client.info()
+    except RouterClientError as exc:
+        client.close()
+        router_failed(exc)
+    return client
+
+
+@contextmanager
+def _stop_on_interrupt(stop: threading.Event) -> Iterator[None]:
+    """The first Ctrl-C (SIGINT) sets ``stop``: the replay ends after the request in flight,
+    and the summary says what ran (a long replay's figures are not lost); a second one
+    interrupts at once."""
+
+    def first(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        err_console.print(
+            "stopping after the request in flight (Ctrl-C again: at once, no summary)",
+            highlight=False,
+        )
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _Bar:
@@ -289,7 +342,6 @@ def _routing_line(report: ReplayReport) -> str:
 
 
 def render_replay(report: ReplayReport) -> None:
-    from rich.markup import escape
     from rich.table import Table
 
     from kvctl.format import format_bytes

@@ -33,6 +33,7 @@ from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 if TYPE_CHECKING:
     from kvctl.index.model import FleetIndex
     from kvctl.index.vllm_events import VllmEventSubscriber
+    from kvctl.router.client import RouterClientError
     from kvctl.router.inventory import ReadInventory
     from kvctl.router.score import Costs
     from kvctl.router.service import KeySpace
@@ -71,10 +72,56 @@ def router_token(token_file: Path | None) -> str | None:
     return read_secret_file(token_file)
 
 
-def _router_url(url: str | None) -> str:
+def router_url(url: str | None) -> str:
+    """--router, else $KVCTL_ROUTER_URL, else the default; one that is not an http(s) URL with
+    a host is a usage error naming where it came from (without a scheme, it read as "the router
+    did not answer" and "start it", about a router that was running)."""
+    from urllib.parse import urlsplit
+
     from kvctl.router.client import DEFAULT_URL
 
-    return url or os.environ.get(ROUTER_URL_ENV) or DEFAULT_URL
+    where = "--router" if url else f"${ROUTER_URL_ENV}"
+    url = url or os.environ.get(ROUTER_URL_ENV) or DEFAULT_URL
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number or out of range
+        ok = False
+    if not ok:
+        fail(
+            f"{where} must be the router's URL, http:// or https:// with a host, got {url!r}",
+            hint=f"e.g. {DEFAULT_URL}: the address `kvctl router serve` prints",
+        )
+    return url
+
+
+#: where a router's token comes from, for the hint of a 401
+ROUTER_TOKEN_HINT = (
+    f"give the router's token: --token-file FILE (its first line) or ${ROUTER_TOKEN_ENV}, as "
+    "`kvctl router serve --token-file` reads it"
+)
+
+
+def router_failed(exc: RouterClientError) -> NoReturn:
+    """Exit with what a failed call to the router means and what to do next: 1 when it did not
+    answer, refused the token, is not a router or failed; 2 when it refused the request itself
+    (bad input: a 400 or 422)."""
+    if exc.status is None:
+        fail(
+            str(exc),
+            hint=f"start it with `kvctl router serve`, or give --router URL (or ${ROUTER_URL_ENV})",
+            code=1,
+        )
+    if exc.status in (401, 403):
+        fail(str(exc), hint=ROUTER_TOKEN_HINT, code=1)
+    if exc.status in (404, 405):  # every router path exists: this is something else
+        fail(
+            f"{exc}: is that a kvctl router? (an agent's control API answers so; the router "
+            "listens on 9480 by default)",
+            hint="give --router the address `kvctl router serve` prints",
+            code=1,
+        )
+    fail(str(exc), code=2 if exc.status in (400, 422) else 1)
 
 
 # --- serve -----------------------------------------------------------------------------------
@@ -584,7 +631,7 @@ def status_command(
     from kvctl.router.client import RouterClient, RouterClientError
     from kvctl.wire.address import redact_url
 
-    url = _router_url(router)
+    url = router_url(router)
     try:
         with RouterClient(url, token=router_token(token_file)) as client:
             try:
@@ -595,9 +642,7 @@ def status_command(
                 _index_down(client, exc)
             report["stats"] = client.stats()
     except RouterClientError as exc:
-        if exc.status is None:
-            fail(str(exc), hint="start it with `kvctl router serve`", code=1)
-        fail(str(exc), code=1)
+        router_failed(exc)
     if json_out:
         print_json(report)
         return
@@ -724,7 +769,8 @@ def route_command(
     """Ask the router which node should serve a prompt: the chosen node, what it would pull
     from where, and its modeled time to first token next to a full prefill. With --explain,
     every node's score: origin round trip, fetch, prefill and queue, and the links' figures
-    with their basis. All figures are modeled.
+    with their basis. All figures are modeled. Exits 1 when the router does not answer,
+    refuses the token or is not a router; 2 when it refuses the prompt.
 
     Examples:
 
@@ -739,7 +785,7 @@ def route_command(
     from kvctl.router.client import RouterClient, RouterClientError
 
     keys, ids = prompt_or_keys(key, keys_file, text, tokens, tokenizer)
-    url = _router_url(router)
+    url = router_url(router)
     try:
         with RouterClient(url, token=router_token(token_file)) as client:
             decision = client.route(
@@ -751,9 +797,7 @@ def route_command(
                 explain=explain,
             )
     except RouterClientError as exc:
-        if exc.status is None:
-            fail(str(exc), hint="start it with `kvctl router serve`, or give --router URL", code=1)
-        fail(str(exc))
+        router_failed(exc)
     if json_out:
         print_json(decision)
         return
