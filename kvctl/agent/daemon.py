@@ -23,6 +23,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -215,9 +216,11 @@ def serve(settings: AgentSettings) -> int:
     try:
         tcp = settings.data_host_port
         if tcp is not None:
-            dataplane.listen_tcp(*tcp)
+            with _naming("{}:{}".format(*tcp), "the data plane (data_listen)"):
+                dataplane.listen_tcp(*tcp)
         if settings.socket_path is not None:
-            dataplane.listen_unix(settings.socket_path)
+            with _naming(str(settings.socket_path), "the data plane's Unix socket (socket)"):
+                dataplane.listen_unix(settings.socket_path)
         dataplane.start()
         if runtime.remote is not None:
             runtime.remote.start()
@@ -546,6 +549,18 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
     sock.listen(128)
     sock.set_inheritable(True)
     return sock
+
+
+@contextlib.contextmanager
+def _naming(address: str, what: str) -> Iterator[None]:
+    """A failure to listen said with the address and what it is for, as the control API's is:
+    a bare "[Errno 98] Address already in use" named neither."""
+    try:
+        yield
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"cannot listen on {address} for {what}: {exc.strerror or exc}"
+        ) from exc
 
 
 def _hostport(host: str, port: int) -> str:

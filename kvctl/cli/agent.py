@@ -16,6 +16,7 @@ from kvctl.cli.output import console, err_console, fail, print_json
 
 if TYPE_CHECKING:
     from kvctl.agent.config import LoadedSettings
+    from kvctl.agent.daemon import AgentState
     from kvctl.agent.settings import AgentSettings
     from kvctl.agent.systemd import InstallReport
 
@@ -259,7 +260,8 @@ def start_command(
         fail(
             f"an agent (pid {other.pid}) already serves {settings.data_path} at "
             f"{other.control_url}",
-            hint="`kvctl agent stop` first, or give another --data-dir and ports",
+            hint=f"`kvctl agent stop --data-dir {settings.data_path}` first, or give another "
+            "--data-dir and ports",
             code=1,
         )
     if detach:
@@ -330,6 +332,9 @@ def stop_command(
         console.print(
             f"no agent is running for {settings.data_path}", highlight=False, soft_wrap=True
         )
+        elsewhere = elsewhere_hint(home, None, settings.data_path, "stop")
+        if elsewhere:  # nothing to stop here is not "stopped": the one meant may run on
+            err_console.print(f"[dim]hint:[/] {escape(elsewhere)}", highlight=False, soft_wrap=True)
         return
     console.print(f"agent {state.name} (pid {state.pid}) stopped", highlight=False)
 
@@ -369,9 +374,10 @@ TOKEN_HINT = (
 )
 
 
-def _failure(exc: Exception) -> tuple[str, str | None]:
-    """How a failed call to the agent reads: a label, and what to do next. An agent that
-    refused the token is up; something that is not an agent's control API is not down."""
+def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | None]:
+    """How a failed call to the agent reads: a label, and what to do next (for an agent that
+    is down, ``down_hint`` when given). An agent that refused the token is up; something that
+    is not an agent's control API is not down."""
     from kvctl.client import AgentUnreachable, AuthError, NoHttpAnswer, NotAnAgent
 
     control_url = "give --url the agent's control URL (its --listen, default 7070)"
@@ -382,7 +388,7 @@ def _failure(exc: Exception) -> tuple[str, str | None]:
     if isinstance(exc, NotAnAgent):
         return "not an agent", control_url
     if isinstance(exc, AgentUnreachable):
-        return "down", (
+        return "down", down_hint or (
             "start it with `kvctl agent start --detach`; if it runs, compare the address it "
             "listens on (`kvctl agent config --show`: listen) and read its log (agent.log in its "
             "data dir)"
@@ -390,9 +396,40 @@ def _failure(exc: Exception) -> tuple[str, str | None]:
     return "error", None
 
 
-def _agent_failed(exc: Exception) -> NoReturn:
-    label, hint = _failure(exc)
+def _agent_failed(exc: Exception, down_hint: str | None = None) -> NoReturn:
+    label, hint = _failure(exc, down_hint)
     fail(f"{label}: {exc}" if label != "error" else str(exc), hint=hint, code=1)
+
+
+def _agents_beside(data_dir: Path) -> list[tuple[Path, AgentState]]:
+    """The agents running from the data dirs beside ``data_dir`` (another --name's)."""
+    from kvctl.agent.daemon import running_agent
+
+    try:
+        dirs = sorted(d for d in data_dir.parent.iterdir() if d.is_dir() and d != data_dir)
+    except OSError:
+        return []
+    found = ((d, running_agent(d)) for d in dirs)
+    return [(d, state) for d, state in found if state is not None]
+
+
+def elsewhere_hint(home: AgentHome, url: str | None, data_dir: Path, command: str) -> str | None:
+    """Where this node's agents run when none runs from ``data_dir`` and the command looked
+    for this host's default agent (no --url, no --data-dir): an agent started with --name runs
+    from a data dir of its own, and "start one" would mislead. None when there is none."""
+    from kvctl.agent.daemon import AgentState
+
+    if url is not None or home.named or AgentState.read(data_dir) is not None:
+        return None
+    others = _agents_beside(data_dir)
+    if not others:
+        return None
+    shown = ", ".join(f"{state.name} from {d}" for d, state in others[:3])
+    more = f" and {len(others) - 3} more" if len(others) > 3 else ""
+    return (
+        f"no agent runs from {data_dir}, but {len(others)} on this host do: {shown}{more}; "
+        f"name one: `kvctl agent {command} --data-dir {others[0][0]}` (or --name)"
+    )
 
 
 @agent_app.command("status")
@@ -439,7 +476,7 @@ def status_command(
     if json_out:
         print_json(report)
     elif failure is not None:
-        state, hint = _failure(failure)
+        state, hint = _failure(failure, elsewhere_hint(home, url, settings.data_path, "status"))
         colour = "yellow" if report["up"] else "bold red"
         err_console.print(
             f"[{colour}]{state}[/]: {escape(str(failure))}"
@@ -477,7 +514,7 @@ def remote_command(
         with AgentClient(target, token=settings.token or None) as client:
             report = client.remote()
     except AgentError as exc:
-        _agent_failed(exc)
+        _agent_failed(exc, elsewhere_hint(home, url, settings.data_path, "remote"))
     if json_out:
         print_json(report)
     else:
@@ -555,7 +592,7 @@ def probe_command(
                 name=target_name,
             )
     except AgentError as exc:
-        _agent_failed(exc)
+        _agent_failed(exc, elsewhere_hint(home, url, settings.data_path, "probe"))
     if json_out:
         print_json(dict(probe))
     else:
