@@ -23,10 +23,18 @@ from kvctl.cli.options import (
     db_errors,
     open_engine,
 )
-from kvctl.cli.output import confirm, console, err_console, print_json, user_errors
+from kvctl.cli.output import (
+    confirm,
+    console,
+    err_console,
+    print_json,
+    said_on_interrupt,
+    user_errors,
+)
 
 if TYPE_CHECKING:
     from kvctl.fleet.actions import ActionReport
+    from kvctl.fleet.fanout import NodeResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,25 +74,40 @@ def _act(
             raise typer.Exit(1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    with (
-        db_errors(),
-        Progress(
-            TextColumn(f"{req.action}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("{task.fields[last]}"),
-            console=err_console,
-            transient=True,
-        ) as progress,
-    ):
-        task = progress.add_task(req.action, total=len(nodes), last="")
-        report = run_action(
-            engine,
-            nodes,
-            req,
-            timeout_s=fanout.timeout,
-            on_result=lambda r: progress.update(task, advance=1, last=escape(r.node.name)),
+    answered: list[str] = []
+    waiting = (
+        f"waiting up to {fanout.timeout:g} s for the agents already asked, whose answers are "
+        "audited; nodes not yet asked are left alone"
+    )
+    try:
+        with (
+            db_errors(),
+            said_on_interrupt(waiting),
+            Progress(
+                TextColumn(f"{req.action}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[last]}"),
+                console=err_console,
+                transient=True,
+            ) as progress,
+        ):
+            task = progress.add_task(req.action, total=len(nodes), last="")
+
+            def answer(r: NodeResult[dict[str, Any]]) -> None:
+                answered.append(r.node.name)
+                progress.update(task, advance=1, last=escape(r.node.name))
+
+            report = run_action(engine, nodes, req, timeout_s=fanout.timeout, on_result=answer)
+    except KeyboardInterrupt:
+        err_console.print(
+            f"[yellow]interrupted:[/] {len(answered)} of {len(nodes)} node(s) answered"
+            + (f" ({escape(', '.join(answered))})" if answered else "")
+            + f"; `kvctl audit --action {req.action}` shows how each ended",
+            highlight=False,
+            soft_wrap=True,
         )
+        raise typer.Exit(130) from None
     engine.dispose()
     _render(report, fanout.json_out)
     if not report.ok:

@@ -77,6 +77,29 @@ def user_errors(hint: str | None = None) -> Iterator[None]:
         fail(f"permission denied: {exc.filename}", hint=hint)
 
 
+@contextmanager
+def said_on_interrupt(message: str) -> Iterator[None]:
+    """Ctrl-C in the block prints ``message`` on stderr at once, then interrupts as usual: a
+    command that must wait for calls already sent (up to their timeout) says so, instead of
+    looking hung."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupted(signum: int, frame: object) -> None:
+        err_console.print(f"[yellow]interrupted:[/] {message}", highlight=False, soft_wrap=True)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class TaskProgress:
     """A transient progress bar on stderr, one task per run (a policy, a capacity), counting
     requests; silent when not a terminal. Entering gives ``update(name, done, total)``."""

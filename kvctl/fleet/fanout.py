@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -79,17 +79,28 @@ def fan_out(
     if not nodes:
         return []
     pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(nodes))))
+    futures: dict[Future[NodeResult[T]], int] = {}
     try:
-        futures = {pool.submit(one, node): i for i, node in enumerate(nodes)}
+        for i, node in enumerate(nodes):
+            futures[pool.submit(one, node)] = i
         for fut in as_completed(futures):
             res = fut.result()
             results[futures[fut]] = res
             if on_result is not None:
                 on_result(res)
-    except BaseException:
+    except BaseException as exc:
         # on_result failed (the audit trail cannot be written) or Ctrl-C: nodes not yet asked
         # must not be acted on unrecorded
         pool.shutdown(wait=True, cancel_futures=True)
+        if isinstance(exc, KeyboardInterrupt) and on_result is not None:
+            # the nodes asked before the Ctrl-C acted all the same: their answers are reported
+            # (and so audited) too, not left unrecorded
+            for fut, i in futures.items():
+                if i not in results and fut.done() and not fut.cancelled():
+                    try:
+                        on_result(fut.result())
+                    except Exception:  # the audit trail failing: the Ctrl-C still goes on
+                        break
         raise
     pool.shutdown(wait=True)
     return [results[i] for i in range(len(nodes))]
