@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
+from kvctl.cli.options import DB_SERVER_HINT, DbOpt, JsonOpt, db_errors, open_engine
 from kvctl.cli.output import console, fail, print_json
 
 db_app = typer.Typer(no_args_is_help=True, help="Schema and upkeep of the metrics database.")
@@ -34,7 +34,9 @@ def upgrade_command(
     from kvctl.db.engine import create_db_engine, display_url, resolve_url
 
     with db_errors():
-        engine = create_db_engine(resolve_url(db))
+        url = resolve_url(db)
+    with db_errors(DB_SERVER_HINT, url=url):
+        engine = create_db_engine(url)
         try:
             before = migrate.current_revision(engine)
             migrate.upgrade(engine, revision)
@@ -70,6 +72,8 @@ def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
     missing: str | None = None  # a SQLite file not there: said, not created by looking
     with db_errors():
         url = resolve_url(db)
+    # this command is the one DB_HINT points to: its own failure names the URL it tried
+    with db_errors(DB_SERVER_HINT, url=url):
         current = None
         try:
             engine = create_db_engine(url, create=False)

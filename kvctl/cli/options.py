@@ -33,19 +33,28 @@ DbOpt = Annotated[
 DB_HINT = "set KVCTL_DB_URL or --db; `kvctl db current` shows which database is used"
 
 
+#: what to check when the database named is the one meant but does not answer
+DB_SERVER_HINT = (
+    "check that its server is up, and the URL's host, port, user and database name (--db or "
+    "$KVCTL_DB_URL)"
+)
+
+
 @contextmanager
-def db_errors(hint: str = DB_HINT) -> Iterator[None]:
-    """The database's failures as one line with a hint, never a traceback."""
+def db_errors(hint: str = DB_HINT, *, url: str | None = None) -> Iterator[None]:
+    """The database's failures as one line with a hint, never a traceback; with ``url``, the
+    line names the database (its password masked)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from kvctl.db.engine import DatabaseError
+    from kvctl.db.engine import DatabaseError, display_url
 
     try:
         yield
     except DatabaseError as exc:
         fail(str(exc), hint=hint)
     except SQLAlchemyError as exc:
-        fail(f"database error: {getattr(exc, 'orig', None) or exc}", hint=hint)
+        what = f"cannot use {display_url(url)}" if url else "database error"
+        fail(f"{what}: {str(getattr(exc, 'orig', None) or exc).strip()}", hint=hint)
 
 
 def open_engine(db: str | None, *, create: bool = False) -> Any:

@@ -1,0 +1,30 @@
+"""`kvctl db current` and `kvctl db upgrade` on a PostgreSQL that is not there or has no such
+database: the one line names the database tried (its password masked). `kvctl db current` is
+what every other command's hint points to for "which database is used", and it said only
+"database error: connection failed"."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+from tests.functional.agents import closed_port
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("command", ["current", "upgrade"])
+@pytest.mark.parametrize("where", ["closed port", "no such database"])
+def test_a_database_that_cannot_be_used_is_named(command: str, where: str) -> None:
+    if where == "closed port":
+        url = f"postgresql://kvctl:s3cret@127.0.0.1:{closed_port()}/kvctl"
+    else:
+        url = "postgresql://postgres:s3cret@127.0.0.1:5432/kvctl_no_such_database"
+    result = runner.invoke(app, ["db", command, "--db", url], env={"COLUMNS": "1000"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, said
+    shown = url.replace("postgresql:", "postgresql+psycopg:").replace("s3cret", "***")
+    assert f"error: cannot use {shown}: connection failed" in said
+    assert "s3cret" not in said and "Traceback" not in said
+    assert "--db or $KVCTL_DB_URL" in said
