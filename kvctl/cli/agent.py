@@ -387,6 +387,12 @@ def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | N
         return "no HTTP answer", control_url
     if isinstance(exc, NotAnAgent):
         return "not an agent", control_url
+    if isinstance(exc, AgentUnreachable) and _accepted_then_silent(exc):
+        return "not answering", (
+            "something accepted the connection and then said nothing: a hung or overloaded "
+            "agent? Its log (agent.log in its data dir) says what it was doing; `kvctl agent "
+            "stop --force` and start it again if it stays so"
+        )
     if isinstance(exc, AgentUnreachable):
         return "down", down_hint or (
             "start it with `kvctl agent start --detach`; if it runs, compare the address it "
@@ -394,6 +400,14 @@ def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | N
             "data dir)"
         )
     return "error", None
+
+
+def _accepted_then_silent(exc: Exception) -> bool:
+    """The call timed out reading the answer, not connecting: the agent (or whatever holds its
+    port) is there, so "down, start it" would mislead."""
+    import httpx
+
+    return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
 def _agent_failed(exc: Exception, down_hint: str | None = None) -> NoReturn:
@@ -440,8 +454,9 @@ def status_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Is the agent up, where does it listen, how full are its tiers, what is its hit ratio.
-    Exits 1 when the agent is down, is not an agent, or refuses the token (it is up then, and
-    says so), or when --data-dir records no running agent (no other agent is asked then).
+    Exits 1 when the agent is down, does not answer (hung: it is not called down), is not an
+    agent, or refuses the token (it is up then, and says so), or when --data-dir records no
+    running agent (no other agent is asked then).
 
     Examples:
 

@@ -1,7 +1,7 @@
-"""`kvctl agent ...` on a host whose agent runs under a --name of its own, and an agent that
-cannot listen where it is told: the hints name the data dir to use (never "start one" about a
-host whose agent runs, nor a bare `kvctl agent stop` that would stop another), and a data plane
-that cannot bind says which address."""
+"""`kvctl agent ...` on a host whose agent runs under a --name of its own, a hung agent, and an
+agent that cannot listen where it is told: the hints name the data dir to use (never "start
+one" about a host whose agent runs, nor a bare `kvctl agent stop` that would stop another), a
+hung agent is not called down, and a data plane that cannot bind says which address."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from kvctl.cli.main import app
 from tests.functional.agents import Agent, closed_port, running_agent
+from tests.functional.hung import stopped
 
 runner = CliRunner()
 
@@ -78,3 +79,12 @@ def test_a_data_plane_that_cannot_bind_says_where(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output
     said = " ".join(result.output.split())
     assert f"cannot listen on {address} for the data plane (data_listen)" in said, said
+
+
+def test_a_hung_agent_is_not_answering_rather_than_down(host: tuple[Path, Agent]) -> None:
+    state, agent = host
+    with stopped(agent):  # alive, its port accepting, answering nothing
+        code, out = _run(state, "status", "--url", agent.state.control_url)
+    assert code == 1, out
+    assert out.startswith("not answering:") and "hung or overloaded agent" in out, out
+    assert "kvctl agent start" not in out
