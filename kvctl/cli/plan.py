@@ -7,6 +7,7 @@ import pathlib
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
@@ -194,8 +195,9 @@ def render_plan(report: PlanReport) -> None:
     inputs = report.inputs
     tiers = list(report.tiers_bytes)
     hits = Table(
-        title=f"{report.workload}: {report.requests:,} requests, {report.unique_blocks:,} unique "
-        f"blocks of {report.block_tokens} tokens ({format_bytes(report.block_bytes)} of "
+        title=f"{escape(report.workload)}: {report.requests:,} requests, "
+        f"{report.unique_blocks:,} unique blocks of {report.block_tokens} tokens "
+        f"({format_bytes(report.block_bytes)} of "
         f"{inputs.model.name} KV each); policy {report.policy}\n"
         "hit ratio by tier (simulated: share of all blocks, by the tier that held them)",
         title_justify="left",

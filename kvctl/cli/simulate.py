@@ -7,6 +7,7 @@ import pathlib
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
 from kvctl.format import percent
@@ -156,8 +157,9 @@ def render_report(report: object) -> None:
     tiers = ", ".join(f"{n}={c:,}" for n, c in report.tiers.items())
     share = report.capacity_blocks / report.unique_blocks if report.unique_blocks else 0.0
     table = Table(
-        title=f"{report.trace}: {report.requests:,} requests, {report.unique_blocks:,} unique "
-        f"blocks, capacity {tiers} blocks ({percent(share)} of unique)"
+        title=f"{escape(report.trace)}: {report.requests:,} requests, "
+        f"{report.unique_blocks:,} unique blocks, capacity {tiers} blocks "
+        f"({percent(share)} of unique)"
         + (f", admission {report.admission}" if len(report.tiers) > 1 else ""),
         title_justify="left",
         caption=CAPTION,
@@ -197,7 +199,8 @@ def render_sweep(reports: list[object]) -> None:
 
     runs = [r for r in reports if isinstance(r, SimulationReport)]
     table = Table(
-        title=f"{runs[0].trace}: % of Belady's block hit ratio by capacity (% of unique blocks)",
+        title=f"{escape(runs[0].trace)}: % of Belady's block hit ratio by capacity "
+        "(% of unique blocks)",
         title_justify="left",
         caption=CAPTION,
         caption_justify="left",

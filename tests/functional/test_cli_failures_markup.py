@@ -74,3 +74,21 @@ def test_an_agent_named_like_markup_is_shown_as_it_is(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "gpu[agent]1" in result.output and "fra[bold]" in result.output, result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["simulate"], ["simulate", "--sweep"], ["plan", "--curve-points", "0"]],
+    ids=["simulate", "sweep", "plan"],
+)
+def test_a_trace_path_is_shown_as_it_is(tmp_path: Path, args: list[str]) -> None:
+    (tmp_path / "runs[").mkdir()
+    trace = tmp_path / "runs[" / "]1.jsonl"  # the path reads "runs[/]1.jsonl"
+    rows = [
+        {"timestamp": i, "input_length": 2048, "output_length": 1, "hash_ids": [0, 1, 2, 10 + i]}
+        for i in range(40)
+    ]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = runner.invoke(app, [*args, "--trace", str(trace)], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    assert f"{trace}:" in "".join(result.output.split())  # a title wraps where it likes
