@@ -4,9 +4,10 @@ and `--version` stay fast."""
 from __future__ import annotations
 
 import inspect
+import os
 import re
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 
@@ -145,6 +146,10 @@ app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.", rich_
 _prose_help_everywhere(app)
 
 
+#: set (to anything) to see the traceback of a failure kvctl did not foresee
+DEBUG_ENV = "KVCTL_DEBUG"
+
+
 def main() -> None:
     from kvctl.cli.extras import extra_errors
 
@@ -154,3 +159,24 @@ def main() -> None:
             app()
     except typer.Exit as exc:  # raised outside click's own handling of it
         raise SystemExit(exc.exit_code) from None
+    except Exception as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        _unforeseen(exc)
+
+
+def _unforeseen(exc: Exception) -> NoReturn:
+    """A failure no command turned into its own message (a bug): one line and exit 1, not a
+    screenful of traceback in an operator's terminal or a script's log; KVCTL_DEBUG shows it."""
+    from rich.markup import escape
+
+    from kvctl.cli.output import err_console
+
+    what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    err_console.print(
+        f"[bold red]error:[/] kvctl failed where it did not expect to: {escape(what)}\n"
+        f"[dim]hint:[/] a bug in kvctl: `{DEBUG_ENV}=1 kvctl ...` shows the traceback to report",
+        highlight=False,
+        soft_wrap=True,
+    )
+    raise SystemExit(1)
