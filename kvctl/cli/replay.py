@@ -241,7 +241,7 @@ def replay_command(
                         router_policy=router_policy,
                     )
             except (AgentError, ReplayError) as exc:
-                fail(str(exc), hint="`kvctl status` shows which agents answer")
+                fail(str(exc), hint="`kvctl status` shows which agents answer", code=1)
     if json_out:
         print_json(report.as_dict())
     else:
