@@ -674,6 +674,10 @@ def _breaker_cell(src: dict[str, Any]) -> str:
     return "[bold red]open[/]" + (f", retry in {retry_s:.1f} s" if retry_s is not None else "")
 
 
+def _count_or_dash(value: object) -> str:
+    return f"{value:,}" if isinstance(value, int) else "-"
+
+
 def _render_remote(report: dict[str, Any]) -> None:
     from rich.table import Table
 
@@ -711,7 +715,8 @@ def _render_remote(report: dict[str, Any]) -> None:
             str(src["errors"]),
             # probes too late for a lookup, pulls cut at their deadline, and chunks that failed
             # their check on arrival
-            f"{src.get('late', 0):,}/{src.get('overdue', 0):,}/{src.get('corrupt', 0):,}",
+            # (- where the agent does not count it: one of an older version)
+            "/".join(_count_or_dash(src.get(k)) for k in ("late", "overdue", "corrupt")),
         )
     console.print(table)
     for line in down:

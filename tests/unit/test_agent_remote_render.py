@@ -58,3 +58,15 @@ def test_pulls_short_of_room_are_shown(
     monkeypatch.setenv("COLUMNS", "200")
     _render_remote({**_report(pool_up=True, read_ago_s=1), "pull": {"no_room_chunks": 12}})
     assert "pulls short of local room: 12 chunks not kept" in capsys.readouterr().out
+
+
+def test_counts_an_older_agent_does_not_keep_show_as_dashes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent of an earlier version reports no ``overdue``: a rolling upgrade's operator must
+    not read its 0 as "none cut" (a review saw 0/0/0 for an agent that counts no such thing)."""
+    monkeypatch.setenv("COLUMNS", "200")
+    report = _report(pool_up=True, read_ago_s=1)
+    del report["pool"]["overdue"]
+    _render_remote(report)
+    assert "5/-/4" in capsys.readouterr().out
