@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,3 +19,15 @@ def runtime(tmp_path: Path) -> Iterator[AgentRuntime]:
     rt = _runtime(_settings(tmp_path), tmp_path)
     yield rt
     rt.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected socket pair (a client's end, a stand-in agent's end); a test that hangs on
+    it fails after 20 s instead."""
+    a, b = socket.socketpair()
+    a.settimeout(20)
+    b.settimeout(20)
+    yield a, b
+    a.close()
+    b.close()

@@ -8,7 +8,6 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Iterator
 
 import pytest
 import xxhash
@@ -140,14 +139,6 @@ class FakeAgent:
         if want_sums:
             w.raw(sums[:-1] if self.cut_sums else sums)
         self._reply(Op.FETCH, rid, w.build(), body)
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
 
 
 def _client(

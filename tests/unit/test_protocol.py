@@ -9,7 +9,7 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 from hypothesis import given, settings
@@ -292,16 +292,6 @@ def _run(target: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
     th = threading.Thread(target=body, daemon=True)
     th.start()
     return th, out
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    a.settimeout(20)
-    b.settimeout(20)
-    yield a, b
-    a.close()
-    b.close()
 
 
 def test_send_all_many_small_parts_arrives_byte_exact(

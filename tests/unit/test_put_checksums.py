@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -132,14 +131,6 @@ class FakeAgent:
             ok = sums is None or chunk_checksum(data) == sums[i]
             out.raw(bytes((Status.OK, 0) if ok else (Status.CORRUPT, NO_TIER)))
         self._reply(Op.PUT | REPLY_BIT, rid, out.build())
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
 
 
 def _client(
