@@ -1,7 +1,9 @@
 """The `kvctl top` Textual app: one factory (:func:`create_app`) for the CLI and the tests.
 
 Polls run in a thread worker, one at a time: a tick that finds the previous poll still running
-is counted as late and skipped, so a slow fleet never queues work or freezes the keyboard.
+is counted as late and skipped, so a slow fleet never queues work or freezes the keyboard. A
+poll waits for the agents' answers :data:`POLL_WAIT_SHARE` of the interval at most: a hung
+agent shows as not answering and the others refresh on time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from kvctl.fleet.actions import ActionReport, ActionRequest
 from kvctl.tui.cells import Cells, Palette
 from kvctl.tui.model import FleetView, Sampler, Thresholds
 from kvctl.tui.sources import Source
+
+#: a poll waits for the agents' answers this share of the interval at most; the rest is for
+#: the database's part of the poll and drawing
+POLL_WAIT_SHARE = 0.6
 
 
 class TopApp(App[None]):
@@ -93,7 +99,7 @@ class TopApp(App[None]):
     @work(thread=True, group="poll", exit_on_error=False)
     def _poll(self) -> None:
         try:
-            view = self.sampler.update(self.source.poll())
+            view = self.sampler.update(self.source.poll(self.interval_s * POLL_WAIT_SHARE))
         except Exception as exc:  # the database went away: say so, keep the last view
             self.from_thread(self._poll_failed, f"{type(exc).__name__}: {exc}")
             return

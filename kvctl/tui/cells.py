@@ -82,10 +82,14 @@ class Cells:
     def state(self, row: NodeRow) -> Text:
         if row.up:
             return Text("up", style=self.palette.style(Level.GOOD))
+        if row.auth_refused:  # it answered: restarting it would not help, the token would
+            return Text("up, token refused", style=self.palette.style(Level.WARN))
         # ≥: never seen up, by the collectors or this view: down at least since the first poll
         at_least = "≥" if row.last_seen_ms is None else ""
+        # hung (took the connection, said nothing) is not down: its log says why, not a start
+        word = "NO ANSWER" if row.silent else "DOWN"
         return Text(
-            f"DOWN {at_least}{compact_duration(row.down_for_s)}",
+            f"{word} {at_least}{compact_duration(row.down_for_s)}",
             style=self.palette.style(Level.CRIT),
         )
 

@@ -50,6 +50,16 @@ class Reading:
     #: for a node that did not answer: the collectors' last successful scrape of it (epoch
     #: seconds), where the source has a database and they reached it once
     last_seen_s: float | None = None
+    #: it answered, refusing the token (or asking for one): up, its figures not ours to read
+    auth_refused: bool = False
+    #: it took the connection (or is still being asked) and said nothing: hung or overloaded,
+    #: not down
+    silent: bool = False
+    #: when the answer was read (epoch seconds), where not at the poll's own time: an answer
+    #: that came back after an earlier poll's deadline
+    read_at_s: float | None = None
+    #: the agent's ``/v1/info``, when the source asked for it with the stats
+    info: Mapping[str, Any] | None = None
 
     @property
     def up(self) -> bool:
@@ -78,6 +88,8 @@ class RouterReading:
     url: str
     stats: Mapping[str, Any] | None
     error: str | None = None
+    #: when it was read (epoch seconds), where not at the poll's own time
+    read_at_s: float | None = None
 
 
 # --- thresholds --------------------------------------------------------------------------------
@@ -194,8 +206,13 @@ class WindowCounts(HitCounts):
 @dataclass(slots=True)
 class NodeRow:
     node: NodeInfo
+    #: it answered with its figures
     up: bool
     error: str | None = None
+    #: it answered but refused the token: up, without figures
+    auth_refused: bool = False
+    #: it took the connection and said nothing (hung, overloaded), or is still being asked
+    silent: bool = False
     #: seconds since the node was last seen up, by the collectors or by this view (None while
     #: up); with neither, since this view's first poll that found it down (a lower bound)
     down_for_s: float | None = None
@@ -229,6 +246,20 @@ class NodeRow:
         return self.node.dc
 
     @property
+    def answered(self) -> bool:
+        """It answered this poll, with its figures or refusing the token."""
+        return self.up or self.auth_refused
+
+    @property
+    def state(self) -> str:
+        """ "up", "token refused" (up, no figures), "not answering" (hung) or "down"."""
+        if self.up:
+            return "up"
+        if self.auth_refused:
+            return "token refused"
+        return "not answering" if self.silent else "down"
+
+    @property
     def worst_link(self) -> tuple[str, float] | None:
         """The other DC with the slowest measured RTT, and that RTT."""
         known = [(dc, v) for dc, v in self.rtt_s.items() if v is not None]
@@ -250,11 +281,14 @@ class NodeRow:
             "node": self.name,
             "dc": self.dc,
             "agent_url": self.node.agent_url,
-            "up": self.up,
+            # as `kvctl status --json`: a node refusing the token is up, auth_refused
+            "up": self.answered,
+            "auth_refused": self.auth_refused,
+            "state": self.state,
             "error": self.error,
             "down_for_s": self.down_for_s,
             "last_seen_ms": self.last_seen_ms,
-            # a down node's counts were not read: unknown (null), not 0 lookups
+            # a down (or refusing) node's counts were not read: unknown (null), not 0 lookups
             **(self.recent.as_dict() if self.up else dict.fromkeys(self.recent.as_dict())),
             "lifetime_hit_ratio": self.lifetime_hit_ratio,
             "uptime_s": self.uptime_s,
@@ -271,7 +305,9 @@ class NodeRow:
 class DcRow:
     dc: str
     nodes: int = 0
+    #: nodes that answered: with their figures, or refusing the token (``refused``)
     up: int = 0
+    refused: int = 0
     #: counts summed over nodes, for ratios; rates are the nodes' rates summed (their windows
     #: differ: a node back from down has a shorter one)
     recent: WindowCounts = field(default_factory=WindowCounts)
@@ -289,6 +325,9 @@ class DcRow:
             if self.routing is None:
                 self.routing = NodeRouting()
             self.routing.add(row.routing)
+        if row.auth_refused:  # up, as `kvctl status` counts it, with no figures to add
+            self.up += 1
+            self.refused += 1
         if not row.up:
             return
         self.up += 1
@@ -307,8 +346,13 @@ class DcRow:
             "dc": self.dc,
             "nodes": self.nodes,
             "up": self.up,
-            # no node answered: nothing counted, which is unknown (null), not zero
-            **(self.recent.as_dict() if self.up else dict.fromkeys(self.recent.as_dict())),
+            "auth_refused": self.refused,
+            # no node's figures read: nothing counted, which is unknown (null), not zero
+            **(
+                self.recent.as_dict()
+                if self.up > self.refused
+                else dict.fromkeys(self.recent.as_dict())
+            ),
             "lookups_per_s": self.lookups_per_s,
             "evictions_per_s": self.evictions_per_s,
             "io_bytes_per_s": self.io_bytes_per_s,
@@ -584,7 +628,8 @@ class Sampler:
     def update(self, poll: Poll) -> FleetView:
         self.polls += 1
         rows = [self._safe_row(r, poll) for r in poll.readings]
-        routing = None if poll.router is None else self._routing(poll.router, poll.ts_s)
+        router = poll.router
+        routing = None if router is None else self._routing(router, router.read_at_s or poll.ts_s)
         if routing is not None and routing.up:
             for row in rows:
                 row.routing = routing.nodes.get(row.name)
@@ -673,6 +718,8 @@ class Sampler:
             state.gpu = reading.gpu
         rtt = _rtt_from(node.dc, poll.rtt_s)
         rtt_basis = _rtt_from(node.dc, poll.rtt_basis)
+        if reading.auth_refused:
+            return self._refused_row(reading, poll, state, rtt, rtt_basis)
         if reading.stats is None:
             if state.down_since_s is None:
                 state.down_since_s = poll.ts_s
@@ -688,6 +735,7 @@ class Sampler:
                 node,
                 False,
                 reading.error,
+                silent=reading.silent,
                 down_for_s=max(poll.ts_s - since_s, 0.0),
                 last_seen_ms=None if last_seen_s is None else round(last_seen_s * 1000),
                 hit_history=list(state.hit_history),
@@ -697,9 +745,11 @@ class Sampler:
                 gpu=state.gpu,
             )
         state.down_since_s = None
-        state.last_up_s = poll.ts_s
+        # an answer that came back after an earlier poll's deadline counts at its own time
+        at_s = poll.ts_s if reading.read_at_s is None else reading.read_at_s
+        state.last_up_s = at_s
         stats = reading.stats
-        step = self._step(node.name, stats, poll.ts_s, state)
+        step = self._step(node.name, stats, at_s, state)
         if step is not None and self._max_gap_s is not None and step.seconds > self._max_gap_s:
             state.steps.clear()
             step = None
@@ -729,11 +779,39 @@ class Sampler:
         return NodeRow(
             node,
             True,
-            last_seen_ms=round(poll.ts_s * 1000),
+            last_seen_ms=round(at_s * 1000),
             recent=recent,
             lifetime_hit_ratio=HitCounts(whole["lookups"], whole["hits"]).hit_ratio,
-            uptime_s=None if started_s is None else max(poll.ts_s - float(started_s), 0.0),
+            uptime_s=None if started_s is None else max(at_s - float(started_s), 0.0),
             tiers={k: tiers[k] for k in tier_order(tiers)},
+            hit_history=list(state.hit_history),
+            occupancy_history={k: list(v) for k, v in state.occupancy.items()},
+            rtt_s=rtt,
+            rtt_basis=rtt_basis,
+            gpu=state.gpu,
+        )
+
+    def _refused_row(
+        self,
+        reading: Reading,
+        poll: Poll,
+        state: _NodeState,
+        rtt: dict[str, float | None],
+        rtt_basis: dict[str, str],
+    ) -> NodeRow:
+        """A node that answered refusing the token: up (restarting it would not help), its
+        figures unread (N/A, not zero)."""
+        state.down_since_s = None
+        state.last_up_s = poll.ts_s
+        state.hit_history.append(None)
+        for hist in state.occupancy.values():
+            hist.append(None)
+        return NodeRow(
+            reading.node,
+            False,
+            reading.error,
+            auth_refused=True,
+            last_seen_ms=round(poll.ts_s * 1000),
             hit_history=list(state.hit_history),
             occupancy_history={k: list(v) for k, v in state.occupancy.items()},
             rtt_s=rtt,
@@ -903,8 +981,8 @@ def _is_nan(v: Any) -> bool:
 def matches(row: NodeRow, query: str) -> bool:
     """Every word of ``query`` is in the node's name, DC or state (``up``/``down``), case
     aside; ``dc:NAME`` and ``node:NAME`` match one field exactly, ``!word`` excludes."""
-    state = "up" if row.up else "down"
-    haystack = f"{row.name} {row.dc} {state}".lower()
+    state = "up" if row.answered else "down"
+    haystack = f"{row.name} {row.dc} {state} {row.state}".lower()
     for word in query.lower().split():
         negate = word.startswith("!")
         word = word.removeprefix("!")

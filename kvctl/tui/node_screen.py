@@ -131,9 +131,12 @@ class NodeScreen(Screen[None]):
 
     def _summary(self, row: NodeRow) -> str:
         r = row.recent
-        if not row.up:
+        if row.auth_refused:
+            head = f"up, token refused: {row.error}"
+        elif not row.up:
             at_least = "≥" if row.last_seen_ms is None else ""  # never seen up: a lower bound
-            head = f"DOWN for {at_least}{compact_duration(row.down_for_s)}: {row.error}"
+            word = "NO ANSWER" if row.silent else "DOWN"
+            head = f"{word} for {at_least}{compact_duration(row.down_for_s)}: {row.error}"
         else:
             head = (
                 f"up {compact_duration(row.uptime_s)} · "

@@ -1,22 +1,25 @@
 """Where `kvctl top` reads from: the fleet's inventory in the database (every node's agent asked
 live, link RTTs from the collectors' probes), or agents named by URL; and, when one is named, the
 router's decision counts. Each poll asks every agent (and the router) at once and never raises
-for one that does not answer: that node, or the router, is down."""
+for one that does not answer: that node, or the router, is down, or not answering when it took
+the connection and said nothing (a poll given ``wait_s`` waits no longer than that for it)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from sqlalchemy.engine import Engine
 
-from kvctl.client import AgentClient
+from kvctl.client import AuthError
 from kvctl.db.inventory import NodeInfo
-from kvctl.fleet.fanout import ClientPool, fan_out
+from kvctl.fleet.fanout import ClientPool, _reason
+from kvctl.tui.asking import Answer, Calls
 from kvctl.tui.model import GpuPower, Poll, Reading, RouterReading
 
 if TYPE_CHECKING:
@@ -88,7 +91,10 @@ class Source(Protocol):
     #: the agents' bearer token (None: the SDK reads KVCTL_TOKEN)
     token: str | None
 
-    def poll(self) -> Poll: ...
+    def poll(self, wait_s: float | None = None) -> Poll:
+        """Every watched agent's reading, waited for up to ``wait_s`` seconds (None: until
+        each answers or times out); one still silent then reads as not answering."""
+        ...
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details: ...
 
@@ -144,17 +150,34 @@ class RouterWatch:
             self._client.close()
 
 
-@dataclass(slots=True)
-class Asker:
-    """Asks agents for stats each poll and for GPUs every :data:`GPU_EVERY_S`, and the router
-    (when one is watched) for its stats alongside, under the same timeout."""
+@dataclass(frozen=True, slots=True)
+class _Reply:
+    """One agent's answers to a poll's call: its stats, and its GPUs and identity when asked."""
 
-    token: str | None
-    timeout_s: float
-    clock: Callable[[], float] = time.time
-    router: RouterWatch | None = None
-    _gpus_at: dict[str, float] = field(default_factory=dict)
-    _pool: ClientPool | None = None
+    stats: dict[str, Any]
+    gpu: GpuPower | None = None
+    info: dict[str, Any] | None = None
+
+
+class Asker:
+    """Asks agents for stats each poll, for GPUs every :data:`GPU_EVERY_S` and, when told, for
+    who they are; and the router (when one is watched) for its stats alongside. No poll waits
+    on a hung agent or router past its ``wait_s`` (see :mod:`kvctl.tui.asking`)."""
+
+    def __init__(
+        self,
+        token: str | None,
+        timeout_s: float,
+        clock: Callable[[], float] = time.time,
+        router: RouterWatch | None = None,
+    ) -> None:
+        self.token, self.timeout_s, self.clock, self.router = token, timeout_s, clock, router
+        self._gpus_at: dict[str, float] = {}
+        self._pool: ClientPool | None = None
+        self._agents: Calls[_Reply] = Calls(clock=clock, name="kvctl-top-agent")
+        self._router: Calls[RouterReading] = Calls(
+            max_threads=1, clock=clock, name="kvctl-top-router"
+        )
 
     @property
     def pool(self) -> ClientPool:
@@ -163,51 +186,100 @@ class Asker:
         return self._pool
 
     def close(self) -> None:
+        self._agents.close()
+        self._router.close()
         if self._pool is not None:
             self._pool.close()
         if self.router is not None:
             self.router.close()
 
-    def ask(self, nodes: Sequence[NodeInfo]) -> tuple[list[Reading], RouterReading | None]:
-        """Every node's reading, and the router's (None when no router is watched), asked at
-        the same time."""
-        if self.router is None:
-            return self._ask_agents(nodes), None
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvctl-top-router") as ex:
-            router = ex.submit(self.router.read)
-            readings = self._ask_agents(nodes)
-            return readings, router.result()
+    def ask(
+        self,
+        nodes: Sequence[NodeInfo],
+        wait_s: float | None = None,
+        *,
+        identify: Collection[int] = (),
+    ) -> tuple[list[Reading], RouterReading | None]:
+        """Every node's reading and the router's (None when no router is watched), asked at
+        the same time and waited for up to ``wait_s`` (None: until each answers or times out).
+        Nodes whose id is in ``identify`` are also asked their ``/v1/info`` (``Reading.info``)."""
+        deadline_s = None if wait_s is None else time.perf_counter() + wait_s
+        watch = self.router
+        router = None if watch is None else self._router.start({"router": watch.read})
+        readings = self._ask_agents(nodes, deadline_s, set(identify))
+        if watch is None or router is None:
+            return readings, None
+        a = router.answers(deadline_s)["router"]
+        if a.value is not None:
+            return readings, replace(a.value, read_at_s=a.at_s if a.late else None)
+        return readings, RouterReading(watch.url, None, f"no answer for {a.waiting_s or 0:.1f} s")
 
-    def _ask_agents(self, nodes: Sequence[NodeInfo]) -> list[Reading]:
+    def _ask_agents(
+        self, nodes: Sequence[NodeInfo], deadline_s: float | None, identify: set[int]
+    ) -> list[Reading]:
         now = self.clock()
-        due = {
-            n.agent_url.rstrip("/")
-            for n in nodes
-            if now - self._gpus_at.get(n.name, -GPU_EVERY_S) >= GPU_EVERY_S
-        }
-
-        def call(client: AgentClient) -> dict[str, Any]:
-            out: dict[str, Any] = {"stats": client.stats()}
-            if client.url in due:
-                try:
-                    out["gpus"] = gpu_power(client.gpus())
-                except Exception as exc:  # an agent without /v1/gpus still has stats
-                    out["gpus"] = GpuPower(None, 0, f"GPUs unreadable: {exc}")
-            return out
-
-        results = fan_out(
-            nodes, call, token=self.token, timeout_s=self.timeout_s, clients=self.pool
-        )
+        jobs: dict[str, Callable[[], _Reply]] = {}
+        for n in nodes:
+            gpus = now - self._gpus_at.get(n.name, -GPU_EVERY_S) >= GPU_EVERY_S
+            jobs[_key(n)] = partial(self._call, n.agent_url, gpus, n.id in identify)
+        answers = self._agents.start(jobs).answers(deadline_s)
         readings = []
-        for r in results:
-            if not r.ok or r.value is None:
-                readings.append(Reading(r.node, None, r.error, r.elapsed_s))
-                continue
-            gpu = r.value.get("gpus")
-            if gpu is not None:
-                self._gpus_at[r.node.name] = now
-            readings.append(Reading(r.node, r.value["stats"], None, r.elapsed_s, gpu))
+        for n in nodes:
+            a = answers[_key(n)]
+            readings.append(self._reading(n, a))
+            if a.value is not None and a.value.gpu is not None and a.at_s is not None:
+                self._gpus_at[n.name] = a.at_s
         return readings
+
+    def _call(self, url: str, gpus: bool, identify: bool) -> _Reply:
+        client = self.pool.get(url)
+        stats = dict(client.stats())
+        gpu = info = None
+        if gpus:
+            try:
+                gpu = gpu_power(client.gpus())
+            except Exception as exc:  # an agent without /v1/gpus still has stats
+                gpu = GpuPower(None, 0, f"GPUs unreadable: {exc}")
+        if identify:
+            with contextlib.suppress(Exception):  # unnamed until it tells: no reason to fail
+                info = dict(client.info())
+        return _Reply(stats, gpu, info)
+
+    def _reading(self, node: NodeInfo, a: Answer[_Reply]) -> Reading:
+        if a.value is not None:
+            v = a.value
+            # an answer within this poll's wait counts at the poll's time, a late one at its own
+            at_s = a.at_s if a.late else None
+            return Reading(node, v.stats, None, a.elapsed_s, v.gpu, read_at_s=at_s, info=v.info)
+        if a.waiting_s is not None:
+            why = (
+                f"no answer from {node.agent_url} for {a.waiting_s:.1f} s (still asking): "
+                "hung or overloaded? Its log (agent.log in its data dir) says what it was doing"
+            )
+            return Reading(node, None, why, a.waiting_s, silent=True)
+        exc = a.error
+        assert exc is not None
+        if isinstance(exc, AuthError):  # it answered: up, but its figures are not ours to read
+            return Reading(node, None, _reason(exc), a.elapsed_s, auth_refused=True)
+        if _accepted_then_silent(exc):
+            why = (
+                f"{node.agent_url} took the connection and said nothing for {self.timeout_s:g} "
+                "s: hung or overloaded? Its log (agent.log in its data dir) says what it was doing"
+            )
+            return Reading(node, None, why, a.elapsed_s, silent=True)
+        return Reading(node, None, _reason(exc), a.elapsed_s)
+
+
+def _key(node: NodeInfo) -> str:
+    return f"{node.id} {node.agent_url}"
+
+
+def _accepted_then_silent(exc: Exception) -> bool:
+    """The call timed out reading the answer, not connecting: the agent (or whatever holds its
+    port) is there and says nothing, so "down, start it" would mislead."""
+    import httpx
+
+    return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
 class FleetSource:
@@ -289,10 +361,10 @@ class FleetSource:
             for r in readings
         ]
 
-    def poll(self) -> Poll:
+    def poll(self, wait_s: float | None = None) -> Poll:
         t0 = time.perf_counter()
         ts_s = self.clock()
-        readings, router = self._asker.ask(self.targets())
+        readings, router = self._asker.ask(self.targets(), wait_s)
         readings = self.last_seen(readings)
         rtt, basis = self.rtt()
         return Poll(ts_s, readings, rtt, time.perf_counter() - t0, router, rtt_basis=basis)
@@ -359,38 +431,27 @@ class AgentSource:
         return list(self._nodes)
 
     def _name_new(self, readings: list[Reading]) -> None:
-        """Ask each agent that just answered for the first time its name and DC."""
-        fresh = [r.node for r in readings if r.up and r.node.id not in self._named]
-        if not fresh:
-            return
-        infos = fan_out(
-            fresh,
-            lambda c: c.info(),
-            token=self.token,
-            timeout_s=self.timeout_s,
-            clients=self._asker.pool,
-        )
-        for res in infos:
-            if not res.ok or res.value is None:
+        """Name each agent that told who it is (asked along with its stats until it does)."""
+        for r in readings:
+            if r.info is None or r.node.id in self._named:
                 continue
-            i = -res.node.id - 1
+            i = -r.node.id - 1
             n = self._nodes[i]
-            name = str(res.value.get("name") or n.name)
+            name = str(r.info.get("name") or n.name)
             if any(o.name == name for o in self._nodes if o.id != n.id):
                 name = f"{name}@{n.name}"  # two agents with one host name: keep both apart
-            dc = str(res.value.get("dc") or "?")
+            dc = str(r.info.get("dc") or "?")
             self._nodes[i] = NodeInfo(n.id, name, dc, n.agent_url, n.gpu_model, n.engine_url)
             self._named.add(n.id)
 
-    def poll(self) -> Poll:
+    def poll(self, wait_s: float | None = None) -> Poll:
         t0 = time.perf_counter()
         ts_s = self.clock()
-        readings, router = self._asker.ask(self._nodes)
+        unnamed = [n.id for n in self._nodes if n.id not in self._named]
+        readings, router = self._asker.ask(self._nodes, wait_s, identify=unnamed)
         self._name_new(readings)
         by_id = {n.id: n for n in self._nodes}
-        readings = [
-            Reading(by_id[r.node.id], r.stats, r.error, r.elapsed_s, r.gpu) for r in readings
-        ]
+        readings = [replace(r, node=by_id[r.node.id]) for r in readings]
         return Poll(ts_s, readings, None, time.perf_counter() - t0, router)
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details:

@@ -83,7 +83,7 @@ class ScriptedSource:
     def __init__(self) -> None:
         self.step = 0
 
-    def poll(self) -> Poll:
+    def poll(self, wait_s: float | None = None) -> Poll:
         self.step += 1
         readings = []
         for i, (name, dc, lookups, hits, sharing, cpu, disk, power) in enumerate(NODES):
@@ -300,7 +300,7 @@ class RoutedSource(ScriptedSource):
         self.router = scripted_router(lambda: T0 + 2 * self.step)
         self.down_after = router_down_after
 
-    def poll(self) -> Poll:
+    def poll(self, wait_s: float | None = None) -> Poll:
         from kvctl.tui.model import RouterReading
 
         base = super().poll()

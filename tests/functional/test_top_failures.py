@@ -1,0 +1,130 @@
+"""`kvctl top` when agents misbehave, against real agents: a hung one (SIGSTOP: it takes the
+connection and says nothing) costs its own row, not everyone's refresh, and reads "NO ANSWER",
+not "DOWN"; one that refuses the token is up (restarting it would not help), not down. The
+view (Textual pilot) and --json say the same."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy.engine import Engine
+from textual.pilot import Pilot
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app as cli
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.migrate import open_db
+from kvctl.tui.app import create_app
+from kvctl.tui.sources import AgentSource, FleetSource
+from tests.functional.agents import Agent, running_agent, start_agent
+from tests.functional.hung import HANG_GUARD_S, stopped
+from tests.functional.test_top import cell, drive, poll, until
+
+ARGS = ("--cpu", "4MiB", "--disk", "0")
+runner = CliRunner()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[tuple[Engine, Agent, Agent]]:
+    """gpu-a and gpu-h in fra, both live (the tests stop gpu-h), in a SQLite inventory."""
+    a = start_agent(tmp_path / "a", "--name", "gpu-a", "--dc", "fra", *ARGS)
+    h = start_agent(tmp_path / "h", "--name", "gpu-h", "--dc", "fra", *ARGS)
+    engine = open_db(f"sqlite:///{tmp_path / 'metrics.db'}", auto_upgrade=True)
+    try:
+        with engine.begin() as conn:
+            add_dc(conn, "fra")
+            add_node(conn, "gpu-a", dc="fra", agent_url=a.state.control_url)
+            add_node(conn, "gpu-h", dc="fra", agent_url=h.state.control_url)
+        yield engine, a, h
+    finally:
+        engine.dispose()
+        for agent in (a, h):
+            if agent.proc.poll() is None:
+                agent.stop()
+
+
+def test_a_hung_agent_costs_its_own_row_not_everyones_refresh(
+    pair: tuple[Engine, Agent, Agent],
+) -> None:
+    engine, _a, h = pair
+    # each agent may take far longer than the hang guard to answer: a poll that waited for the
+    # stopped one would hold every row (and fail the guard); the view's polls must not
+    source = FleetSource(engine, timeout_s=4 * HANG_GUARD_S)
+    app = create_app(source, readonly=True, interval_s=1.0)
+
+    async def script(pilot: Pilot[None]) -> None:
+        await until(pilot, lambda: app.refreshes >= 1, "a first poll")
+        await until(pilot, lambda: cell(app, "node:gpu-h", "state") == "up", "gpu-h up")
+        with stopped(h):
+            await until(
+                pilot,
+                lambda: cell(app, "node:gpu-h", "state").startswith("NO ANSWER"),
+                "gpu-h not answering",
+                timeout_s=HANG_GUARD_S,
+            )
+            seen = app.refreshes
+            await until(
+                pilot, lambda: app.refreshes >= seen + 3, "three more polls", timeout_s=HANG_GUARD_S
+            )
+            # the others go on refreshing as before
+            await until(pilot, lambda: cell(app, "node:gpu-a", "state") == "up", "gpu-a up")
+            assert cell(app, "node:gpu-h", "hit") == "N/A"
+            row = app.view.row("gpu-h")  # type: ignore[union-attr]
+            assert row is not None and row.silent and not row.up
+            assert "hung or overloaded" in (row.error or "")
+            assert app.view.as_dict()["nodes"][1]["state"] == "not answering"  # type: ignore[union-attr]
+        # answering again: its answer, late or not, brings the row back
+        await until(
+            pilot,
+            lambda: cell(app, "node:gpu-h", "state") == "up",
+            "gpu-h up again",
+            timeout_s=HANG_GUARD_S,
+        )
+
+    drive(app, script)
+
+
+def test_top_json_says_a_hung_agent_is_not_answering(pair: tuple[Engine, Agent, Agent]) -> None:
+    engine, _a, h = pair
+    with stopped(h):
+        out = runner.invoke(
+            cli, ["top", "--db", str(engine.url), "--json", "--interval", "0.2", "--timeout", "1"]
+        )
+    assert out.exit_code == 0, out.output
+    nodes = {n["node"]: n for n in json.loads(out.stdout)["nodes"]}
+    hung, live = nodes["gpu-h"], nodes["gpu-a"]
+    assert (hung["state"], hung["up"], hung["auth_refused"]) == ("not answering", False, False)
+    assert "took the connection and said nothing for 1 s" in hung["error"]
+    assert hung["lookups"] is None  # not read: unknown, not 0
+    assert (live["state"], live["up"]) == ("up", True)
+
+
+def test_an_agent_refusing_the_token_is_up_not_down(tmp_path: Path) -> None:
+    with running_agent(tmp_path / "t", "--name", "locked", *ARGS, token="s3cret") as agent:
+        url = agent.state.control_url
+        app = create_app(AgentSource([url], token="wrong", timeout_s=2), auto_poll=False)
+
+        async def script(pilot: Pilot[None]) -> None:
+            await poll(pilot, app)
+            await poll(pilot, app)
+            key = "node:" + url.removeprefix("http://")
+            assert cell(app, key, "state") == "up, token refused"
+            assert cell(app, key, "hit") == "N/A"  # its figures were not read
+            assert app.view is not None and app.view.total.up == 1
+
+        drive(app, script)
+        out = runner.invoke(
+            cli, ["top", "--agent", url, "--json", "--interval", "0.2"], env={"KVCTL_TOKEN": "x"}
+        )
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    (node,) = doc["nodes"]
+    # as `kvctl status --json` says it: up, auth_refused, no figures
+    assert (node["up"], node["auth_refused"], node["state"]) == (True, True, "token refused")
+    assert "refused the token" in node["error"]
+    assert node["lookups"] is None and node["hit_ratio"] is None
+    assert doc["total"]["up"] == 1 and doc["total"]["auth_refused"] == 1
+    assert doc["total"]["lookups"] is None  # no node's figures read: unknown, not 0

@@ -1,0 +1,108 @@
+"""kvctl top's calls to agents (kvctl.tui.asking): a poll waits for its calls up to its own
+deadline; a call still running is never made twice, and its answer, once back, is the next
+poll's (marked late) unless a fresh one came in time; failures are answers; the threads are
+daemons, so a call stuck in a hung agent never holds up quitting."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvctl.tui.asking import Calls
+
+#: the longest any test here waits on a call that is meant to be stuck: no timing claim
+SHORT_S = 0.05
+
+
+def deadline(seconds: float = SHORT_S) -> float:
+    return time.perf_counter() + seconds
+
+
+class Gated:
+    """A job whose n-th call returns n once its gate opens (a gate per call)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.gates: list[threading.Event] = []
+        self._lock = threading.Lock()
+
+    def gate(self, n: int) -> threading.Event:
+        with self._lock:
+            while len(self.gates) < n:
+                self.gates.append(threading.Event())
+            return self.gates[n - 1]
+
+    def __call__(self) -> int:
+        with self._lock:
+            self.calls += 1
+            n = self.calls
+        assert self.gate(n).wait(30), "a gate the test forgot to open"
+        return n
+
+
+def test_a_stuck_call_is_waiting_and_never_asked_twice() -> None:
+    calls: Calls[int] = Calls()
+    stuck, quick = Gated(), Gated()
+    quick.gate(1).set()
+    quick.gate(2).set()
+    first = calls.start({"stuck": stuck, "quick": quick}).answers(deadline())
+    assert first["quick"].value == 1 and not first["quick"].late
+    assert first["stuck"].waiting and first["stuck"].value is None
+    second = calls.start({"stuck": stuck, "quick": quick}).answers(deadline())
+    assert second["stuck"].waiting
+    assert second["stuck"].waiting_s is not None and first["stuck"].waiting_s is not None
+    assert second["stuck"].waiting_s > first["stuck"].waiting_s  # the same call, older
+    assert (stuck.calls, quick.calls) == (1, 2)
+    stuck.gate(1).set()
+    calls.close()
+
+
+def settled(calls: Calls[int], key: str) -> None:
+    """Until the call in flight for ``key`` has come back (its gate opened)."""
+    pending = calls._pending[key].future
+    assert pending.exception(timeout=30) is None  # waits for it, whatever it returned
+
+
+def test_a_late_answer_is_the_next_polls_unless_a_fresh_one_comes_in_time() -> None:
+    calls: Calls[int] = Calls()
+    job = Gated()
+    assert calls.start({"a": job}).answers(deadline())["a"].waiting
+    job.gate(1).set()  # the first call comes back after its poll's deadline
+    settled(calls, "a")
+    # the second call is stuck: the first one's answer stands in, marked late
+    late = calls.start({"a": job}).answers(deadline())["a"]
+    assert (late.value, late.late) == (1, True) and late.at_s is not None
+    job.gate(2).set()
+    settled(calls, "a")
+    job.gate(3).set()
+    # a fresh answer within the deadline wins over the late one
+    fresh = calls.start({"a": job}).answers(None)["a"]
+    assert (fresh.value, fresh.late) == (3, False)
+    assert job.calls == 3
+    calls.close()
+
+
+def test_failures_are_answers_and_none_waits_for_every_call() -> None:
+    calls: Calls[int] = Calls()
+
+    def broken() -> int:
+        raise ConnectionError("refused")
+
+    out = calls.start({"x": broken, "y": lambda: 7}).answers(None)
+    assert isinstance(out["x"].error, ConnectionError) and out["x"].value is None
+    assert out["y"].value == 7 and out["y"].error is None
+    calls.close()
+
+
+def test_keys_no_longer_asked_are_forgotten_and_threads_are_daemons() -> None:
+    calls: Calls[int] = Calls(name="test-ask")
+    stuck = Gated()
+    assert calls.start({"gone": stuck}).answers(deadline())["gone"].waiting
+    threads = [t for t in threading.enumerate() if t.name.startswith("test-ask")]
+    assert threads and all(t.daemon for t in threads)
+    stuck.gate(1).set()
+    again = Gated()
+    again.gate(1).set()
+    # "gone" left the inventory: its call's answer is not handed to anyone
+    assert set(calls.start({"new": again}).answers(None)) == {"new"}
+    calls.close()
