@@ -9,10 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import ColumnElement, Table, func, select
 from sqlalchemy.engine import Connection
 
-from kvctl.db.models import ROLLUPS, raw_table
+from kvctl.db.models import ROLLUPS, Node, raw_table
 from kvctl.db.rollup import DAY_MS, HOUR_MS, MINUTE_MS
 from kvctl.errors import InvalidArgument
 
@@ -121,33 +121,43 @@ def fit_window(has_data: HasData, latest: Latest, now_ms: int) -> Window:
 
 
 def sampled_between(conn: Connection, start_ms: int, end_ms: int) -> bool:
-    """Whether the collector recorded any node in [start, end): a raw scrape (kept two days),
-    or an hourly rollup overlapping it (kept a year). Index range probes, whatever the size."""
+    """Whether the collector recorded any of the inventory's nodes in [start, end): a raw
+    scrape (kept two days), or an hourly rollup overlapping it (kept a year)."""
     raw = raw_table("node_sample")
+    if _newest(conn, raw, raw.c.ts_ms, start_ms, end_ms) is not None:
+        return True
     hourly = ROLLUPS["node_sample", "1h"]
-    q = select(
-        exists().where(raw.c.ts_ms >= start_ms, raw.c.ts_ms < end_ms)
-        | exists().where(hourly.c.bucket_ms > start_ms - HOUR_MS, hourly.c.bucket_ms < end_ms)
-    )
-    return bool(conn.execute(q).scalar())
+    return _newest(conn, hourly, hourly.c.bucket_ms, start_ms - HOUR_MS + 1, end_ms) is not None
 
 
 def last_sampled(conn: Connection, start_ms: int, end_ms: int) -> int | None:
     """The newest scrape's time in [start, end): a raw sample's, else the end of the newest
     hourly rollup overlapping it (capped at ``end``); None without any."""
     raw = raw_table("node_sample")
-    newest = conn.execute(
-        select(func.max(raw.c.ts_ms)).where(raw.c.ts_ms >= start_ms, raw.c.ts_ms < end_ms)
-    ).scalar()
+    newest = _newest(conn, raw, raw.c.ts_ms, start_ms, end_ms)
     if newest is not None:
-        return int(newest)
+        return newest
     hourly = ROLLUPS["node_sample", "1h"]
-    bucket = conn.execute(
-        select(func.max(hourly.c.bucket_ms)).where(
-            hourly.c.bucket_ms > start_ms - HOUR_MS, hourly.c.bucket_ms < end_ms
-        )
-    ).scalar()
-    return None if bucket is None else min(int(bucket) + HOUR_MS - 1, end_ms - 1)
+    bucket = _newest(conn, hourly, hourly.c.bucket_ms, start_ms - HOUR_MS + 1, end_ms)
+    return None if bucket is None else min(bucket + HOUR_MS - 1, end_ms - 1)
+
+
+def _newest(
+    conn: Connection, table: Table, time: ColumnElement[int], start_ms: int, end_ms: int
+) -> int | None:
+    """The newest ``time`` in [start, end) of ``table``'s rows of the inventory's nodes, read
+    as one probe of the table's (node_id, time) primary key per node. A time-range query would
+    read PostgreSQL's BRIN time index, which finds no row of a recent range without scanning
+    most of the table (2.7 s per fitted window on 1,000 nodes' two days of raw scrapes, 13 s
+    once collection had stopped three days before)."""
+    node = Node.__table__
+    per_node = (
+        select(func.max(time))
+        .where(table.c.node_id == node.c.id, time >= start_ms, time < end_ms)
+        .scalar_subquery()
+    )
+    newest = conn.execute(select(func.max(per_node)).select_from(node)).scalar()
+    return None if newest is None else int(newest)
 
 
 def fitted_window(conn: Connection, now_ms: int) -> Window:
