@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import hmac
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from kvctl.db.analytics.windows import (
 from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
 DEFAULT_REFRESH_SECONDS: Final = 30
+log = logging.getLogger("kvctl.dashboard")
 CSS: Final = """
 body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 0; color: #1b2733;
        background: #f5f7fa; }
@@ -235,6 +237,7 @@ def render(
     if model and model != assume.model.name and model in MODELS:
         assume = Assumptions(MODELS[model], assume.default_gpu, assume.mfu)
     now = config.now_ms()
+    stamp = time.strftime("%H:%M:%S", time.gmtime(now / 1000))
     try:
         with config.engine.connect() as conn:
             ctx = PageContext(
@@ -248,19 +251,31 @@ def render(
             )
             body = page[1](ctx)
     except Exception as exc:
-        from sqlalchemy.exc import SQLAlchemyError
-
-        if not isinstance(exc, SQLAlchemyError):
-            raise
-        msg = str(getattr(exc, "orig", None) or exc).splitlines()[0]
-        return [
-            empty(
-                f"The database cannot be read: {msg}",
-                hint="`kvctl db current` shows which database is used and whether it is current.",
-            )
-        ], ""
-    stamp = time.strftime("%H:%M:%S", time.gmtime(now / 1000))
+        # a page that raised would leave the manager a blank page (or Dash's error overlay):
+        # say what failed instead, and keep the traceback for the server's log
+        return [_failed(config, path, exc)], f"not updated: the page failed at {stamp} UTC"
     return body, f"updated {stamp} UTC, every {config.refresh_seconds:g} s"
+
+
+def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
+    """What a page that failed shows: the database's failure and what to check, or a bug's."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    if isinstance(exc, SQLAlchemyError):
+        log.warning("page %s: the database failed: %s", path, exc)
+        msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        where = config.engine.url.render_as_string(hide_password=True)
+        return empty(
+            f"The database cannot be read: {msg}",
+            hint=f"The dashboard reads {where}: `kvctl db current --db URL` says whether it is "
+            "reachable and at the current schema (`kvctl db upgrade` brings it there).",
+        )
+    log.exception("page %s failed", path)
+    return empty(
+        f"This page could not be drawn: {type(exc).__name__}: {exc}",
+        hint="The other pages may still work. This is a bug in the dashboard, or data it does "
+        "not expect; the dashboard's log has the traceback.",
+    )
 
 
 def _window(conn: Any, name: str | None, now_ms: int) -> Window:
@@ -278,6 +293,16 @@ def dc_names(app: dash.Dash) -> list[str]:
     config: DashboardConfig = app.server.extensions["kvctl"]
     with config.engine.connect() as conn:
         return list(conn.execute(select(DataCenter.name).order_by(DataCenter.name)).scalars())
+
+
+def dc_options(app: dash.Dash) -> list[str] | Any:
+    """The DC filter's choices; when the database cannot say, the ones it had (the page says
+    why), not a failed callback."""
+    try:
+        return dc_names(app)
+    except Exception as exc:
+        log.warning("the DC filter's choices could not be read: %s", exc)
+        return dash.no_update
 
 
 def _register(app: dash.Dash, config: DashboardConfig) -> None:
@@ -302,8 +327,8 @@ def _register(app: dash.Dash, config: DashboardConfig) -> None:
         return render(app, pathname, search, window, dcs, model)
 
     @app.callback(Output("dc-filter", "options"), Input("refresh", "n_intervals"))
-    def _dc_options(_n: int | None) -> list[str]:
-        return dc_names(app)
+    def _dc_options(_n: int | None) -> list[str] | Any:
+        return dc_options(app)
 
     @app.callback(
         Output("url", "search"),
