@@ -29,9 +29,11 @@ from kvctl.db.analytics.windows import (
     FIT,
     WINDOWS,
     Window,
+    collection_stopped,
     fitted_window,
     window_for,
 )
+from kvctl.format import compact_duration, format_utc_minute
 from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
 DEFAULT_REFRESH_SECONDS: Final = 30
@@ -65,6 +67,8 @@ main { padding: 10px 20px 40px; }
            margin-top: 14px; }
 .section h3 { margin: 0 0 4px; font-size: 15px; }
 .empty { padding: 16px; background: #fffbe8; border: 1px dashed #e0c872; border-radius: 6px;
+         margin-top: 12px; }
+.stale { padding: 12px 16px; background: #fdecea; border: 1px solid #e0a39b; border-radius: 6px;
          margin-top: 12px; }
 .empty-hint { font-size: 13px; color: #665; margin-top: 4px; font-family: ui-monospace, monospace; }
 .pickers { display: flex; gap: 16px; }
@@ -250,11 +254,36 @@ def render(
                 node=(query.get("node") or [None])[0],
             )
             body = page[1](ctx)
+            stopped_ms = collection_stopped(conn, now)
     except Exception as exc:
         # a page that raised would leave the manager a blank page (or Dash's error overlay):
         # say what failed instead, and keep the traceback for the server's log
         return [_failed(config, path, exc)], f"not updated: the page failed at {stamp} UTC"
+    if stopped_ms is not None:
+        body = [_stopped(stopped_ms, now), *body]
     return body, f"updated {stamp} UTC, every {config.refresh_seconds:g} s"
+
+
+def _stopped(last_ms: int, now_ms: int) -> html.Div:
+    """A page whose figures end where collection stopped says so first: refreshed every few
+    seconds, it would otherwise pass for live."""
+    ago = compact_duration((now_ms - last_ms) / 1000)
+    return html.Div(
+        [
+            html.Div(
+                f"No scrape recorded since {format_utc_minute(last_ms)} UTC ({ago} ago): the "
+                "collectors stopped, or cannot write to this database. The figures below end "
+                "there.",
+                className="empty-message",
+            ),
+            html.Div(
+                "Check `kvctl collect` (its service and its log) on the collector hosts.",
+                className="empty-hint",
+            ),
+        ],
+        className="stale",
+        id="collection-stopped",
+    )
 
 
 def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:

@@ -1,7 +1,8 @@
 """The dashboard when something goes wrong, through its real server (Flask's test client posting
 the callbacks as the browser does): a page whose code raises says so on the page instead of a
 failed callback (a blank page, or Dash's error overlay); a database that cannot be reached is
-named (password masked) on every page while the DC filter keeps its choices."""
+named (password masked) on every page while the DC filter keeps its choices; figures that end
+where collection stopped say so."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ from dash import Dash
 from dashboard.app import create_app, render
 from kvctl.db.migrate import open_db
 from kvctl.db.plans import save_plan
+from kvctl.db.rollup import DAY_MS, MINUTE_MS
+from kvctl.format import format_utc_minute
 from tests.functional.agents import closed_port
-from tests.functional.dashboard_history import NOW, fill_history
+from tests.functional.dashboard_history import NOW, T, fill_history
 from tests.functional.test_dashboard_app import by_id, text_of
 
 PAGE = "..page.children...updated.children.."
@@ -104,3 +107,33 @@ def test_an_unreachable_database_is_named_and_the_dc_filter_keeps_its_choices() 
         assert "s3cret" not in shown
     finally:
         app.server.extensions["kvctl"].engine.dispose()
+
+
+def test_every_page_says_when_collection_stopped(tmp_path: Path) -> None:
+    """The known history's last scrape is ten minutes before NOW: five minutes after it the
+    pages are as they were; two days after it every page opens with when scrapes stopped,
+    whatever its window (the fitted one ends there, a named one is empty)."""
+    url = f"sqlite:///{tmp_path / 'metrics.db'}"
+    db = open_db(url, auto_upgrade=True)
+    clock = [NOW]
+    app = create_app(url, now_ms=lambda: clock[0])
+    try:
+        page, _ = render(app, "/", "", None, None, None)
+        assert "No scrape recorded" not in text_of(page)  # an empty database: nothing stopped
+        fill_history(db)
+        last_ms = T + 30 * MINUTE_MS
+        clock[0] = last_ms + 5 * MINUTE_MS
+        page, _ = render(app, "/", "", None, None, None)
+        assert "No scrape recorded" not in text_of(page)
+        clock[0] = last_ms + 2 * DAY_MS
+        for path, window in [("/", None), ("/detail", "1h"), ("/links", None), ("/routing", "15m")]:
+            page, _ = render(app, path, "", window, None, None)
+            banner = text_of(by_id(page, "collection-stopped"))
+            assert banner.startswith(
+                f"No scrape recorded since {format_utc_minute(last_ms)} UTC (2d"
+            ), (path, banner)
+            assert "kvctl collect" in banner
+            assert page[0].id == "collection-stopped"  # before the figures it qualifies
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+        db.dispose()

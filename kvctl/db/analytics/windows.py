@@ -160,6 +160,16 @@ def _newest(
     return None if newest is None else int(newest)
 
 
+def collection_stopped(conn: Connection, now_ms: int) -> int | None:
+    """When collection stopped: the last scrape's time, where there is none in the last
+    :data:`STRETCH_GAP_MS` but one in the longest fitted span; None while scrapes arrive (or
+    there never were any: nothing to be stale)."""
+    if sampled_between(conn, now_ms - STRETCH_GAP_MS, now_ms + 1):
+        return None
+    longest_ms = max(span for span, _ in FIT_SPANS.values())
+    return last_sampled(conn, now_ms - longest_ms, now_ms + 1)
+
+
 def fitted_window(conn: Connection, now_ms: int) -> Window:
     """:func:`fit_window` over what the collector recorded in the database."""
     return fit_window(
