@@ -125,6 +125,10 @@ class FleetScreen(Screen[None]):
             parts.append("PAUSED")
         if app.poll_error:
             parts.append(f"poll failed: {app.poll_error}")
+        if view.db_error:  # the agents are live; what the database gives is not
+            parts.append(
+                f"database failed: {view.db_error} (nodes and RTTs as last read; agents live)"
+            )
         self.query_one("#summary", Static).update(" · ".join(parts))
 
     def _selected_key(self, table: DataTable[object]) -> str | None:

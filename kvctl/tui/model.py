@@ -78,6 +78,9 @@ class Poll:
     #: per DC pair (both orders), what the RTT is made of: "measured", "emulated" (every probe
     #: included an agent-emulated delay) or "mixed" (some did); None without link probes
     rtt_basis: Mapping[tuple[str, str], str] | None = None
+    #: the fleet database failed this poll: the inventory and RTTs are as last read (the
+    #: agents were asked all the same)
+    db_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -560,6 +563,8 @@ class FleetView:
     has_links: bool
     #: the router's figures; None when no router is watched
     routing: RoutingView | None = None
+    #: see :attr:`Poll.db_error`
+    db_error: str | None = None
 
     def row(self, name: str) -> NodeRow | None:
         return next((r for r in self.rows if r.name == name), None)
@@ -575,6 +580,7 @@ class FleetView:
             "dcs": [d.as_dict() for d in self.dcs],
             "total": self.total.as_dict(),
             "routing": None if self.routing is None else self.routing.as_dict(),
+            "database_error": self.db_error,
         }
 
 
@@ -652,6 +658,7 @@ class Sampler:
             polls=self.polls,
             has_links=poll.rtt_s is not None,
             routing=routing,
+            db_error=poll.db_error,
         )
 
     def _routing(self, reading: RouterReading, ts_s: float) -> RoutingView:

@@ -307,6 +307,10 @@ class FleetSource:
         if self.dcs or self.nodes:
             self.label += " · " + ",".join([*self.dcs, *self.nodes])
         self.label += _router_label(router)
+        #: the inventory and RTTs as last read: a poll whose database fails asks those nodes
+        self._last_targets: list[NodeInfo] | None = None
+        self._last_rtt: tuple[dict[tuple[str, str], float | None], dict[tuple[str, str], str]]
+        self._last_rtt = ({}, {})
 
     def targets(self) -> list[NodeInfo]:
         from kvctl.fleet.targets import resolve_targets
@@ -362,12 +366,30 @@ class FleetSource:
         ]
 
     def poll(self, wait_s: float | None = None) -> Poll:
+        """The agents' readings; when the database fails (once the inventory was read), the
+        nodes, RTTs and last-seen times as last read, and ``db_error`` says why: the metrics
+        database going away must not blind the live view of the agents."""
+        from sqlalchemy.exc import SQLAlchemyError
+
         t0 = time.perf_counter()
         ts_s = self.clock()
-        readings, router = self._asker.ask(self.targets(), wait_s)
-        readings = self.last_seen(readings)
-        rtt, basis = self.rtt()
-        return Poll(ts_s, readings, rtt, time.perf_counter() - t0, router, rtt_basis=basis)
+        db_error = None
+        try:
+            self._last_targets = self.targets()
+        except SQLAlchemyError as exc:
+            if self._last_targets is None:
+                raise  # never read: nothing to watch
+            db_error = _db_reason(exc)
+        readings, router = self._asker.ask(self._last_targets, wait_s)
+        if db_error is None:
+            try:
+                readings = self.last_seen(readings)
+                self._last_rtt = self.rtt()
+            except SQLAlchemyError as exc:
+                db_error = _db_reason(exc)
+        rtt, basis = self._last_rtt
+        elapsed_s = time.perf_counter() - t0
+        return Poll(ts_s, readings, rtt, elapsed_s, router, rtt_basis=basis, db_error=db_error)
 
     def details(self, node: NodeInfo, cursor: int | None) -> Details:
         return fetch_details(self._asker.pool, node, cursor)
@@ -375,6 +397,11 @@ class FleetSource:
     def close(self) -> None:
         self._asker.close()
         self.engine.dispose()
+
+
+def _db_reason(exc: Exception) -> str:
+    """A database failure in one line: the driver's own words where there are some."""
+    return str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
 
 
 def rtt_basis_word(probes: dict[str, int]) -> str:

@@ -1,7 +1,8 @@
 """`kvctl top` when agents misbehave, against real agents: a hung one (SIGSTOP: it takes the
 connection and says nothing) costs its own row, not everyone's refresh, and reads "NO ANSWER",
 not "DOWN"; one that refuses the token is up (restarting it would not help), not down. The
-view (Textual pilot) and --json say the same."""
+view (Textual pilot) and --json say the same. The fleet database going away leaves the agents
+live, from the inventory as last read."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy.engine import Engine
+from sqlalchemy import text
+from sqlalchemy.engine import Engine, make_url
 from textual.pilot import Pilot
+from textual.widgets import Static
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app as cli
@@ -128,3 +131,37 @@ def test_an_agent_refusing_the_token_is_up_not_down(tmp_path: Path) -> None:
     assert node["lookups"] is None and node["hit_ratio"] is None
     assert doc["total"]["up"] == 1 and doc["total"]["auth_refused"] == 1
     assert doc["total"]["lookups"] is None  # no node's figures read: unknown, not 0
+
+
+def test_the_agents_stay_live_when_the_fleet_database_goes_away(
+    tmp_path: Path, pg_url: str, pg_admin: Engine
+) -> None:
+    """The fleet's PostgreSQL database dropped under the view (its sessions ended with it):
+    the agents are still asked every poll, from the inventory as last read, and the header says
+    what the database said instead of every row freezing at its last figures."""
+    engine = open_db(pg_url, auto_upgrade=True)
+    with running_agent(tmp_path / "a", "--name", "gpu-a", "--dc", "fra", *ARGS) as a:
+        with engine.begin() as conn:
+            add_dc(conn, "fra")
+            add_node(conn, "gpu-a", dc="fra", agent_url=a.state.control_url)
+        app = create_app(FleetSource(engine, timeout_s=2), readonly=True, auto_poll=False)
+
+        async def script(pilot: Pilot[None]) -> None:
+            await poll(pilot, app)
+            assert cell(app, "node:gpu-a", "state") == "up"
+            name = make_url(pg_url).database
+            with pg_admin.connect() as conn:
+                conn.execute(text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+            await poll(pilot, app)
+            assert app.poll_error is None and app.view is not None
+            assert f'database "{name}" does not exist' in (app.view.db_error or "")
+            assert app.view.as_dict()["database_error"] == app.view.db_error
+            summary = str(app.screen.query_one("#summary", Static).render())
+            assert "database failed" in summary and "agents live" in summary
+            assert cell(app, "node:gpu-a", "state") == "up"
+            # still asked live: an agent that dies now shows down at the next poll
+            a.kill9()
+            await poll(pilot, app)
+            assert cell(app, "node:gpu-a", "state").startswith("DOWN")
+
+        drive(app, script)
