@@ -95,7 +95,8 @@ def _act(
             task = progress.add_task(req.action, total=len(nodes), last="")
 
             def answer(r: NodeResult[dict[str, Any]]) -> None:
-                answered.append(r.node.name)
+                if r.node.name not in answered:  # a Ctrl-C mid-report has it reported again
+                    answered.append(r.node.name)
                 progress.update(task, advance=1, last=escape(r.node.name))
 
             report = run_action(engine, nodes, req, timeout_s=fanout.timeout, on_result=answer)

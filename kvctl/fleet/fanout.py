@@ -80,6 +80,9 @@ def fan_out(
         return []
     pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(nodes))))
     futures: dict[Future[NodeResult[T]], int] = {}
+    #: answers ``on_result`` took in full: a Ctrl-C between an answer's arrival and its
+    #: report must not leave it unreported
+    reported: set[int] = set()
     try:
         for i, node in enumerate(nodes):
             futures[pool.submit(one, node)] = i
@@ -88,6 +91,7 @@ def fan_out(
             results[futures[fut]] = res
             if on_result is not None:
                 on_result(res)
+            reported.add(futures[fut])
     except BaseException as exc:
         # on_result failed (the audit trail cannot be written) or Ctrl-C: nodes not yet asked
         # must not be acted on unrecorded
@@ -96,7 +100,7 @@ def fan_out(
             # the nodes asked before the Ctrl-C acted all the same: their answers are reported
             # (and so audited) too, not left unrecorded
             for fut, i in futures.items():
-                if i not in results and fut.done() and not fut.cancelled():
+                if i not in reported and fut.done() and not fut.cancelled():
                     try:
                         on_result(fut.result())
                     except Exception:  # the audit trail failing: the Ctrl-C still goes on

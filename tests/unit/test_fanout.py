@@ -9,7 +9,7 @@ import pytest
 
 from kvctl.client import AgentClient, AgentUnreachable, AuthError
 from kvctl.db.inventory import NodeInfo
-from kvctl.fleet.fanout import fan_out
+from kvctl.fleet.fanout import NodeResult, fan_out
 
 NODES = [NodeInfo(i, f"n{i}", "fra", f"http://127.0.0.1:{9000 + i}", "", None) for i in range(10)]
 
@@ -69,3 +69,22 @@ def test_an_agent_that_refuses_the_token_is_a_failure_marked_auth_refused() -> N
     refused, down = fan_out(NODES[1:3], call)
     assert not refused.ok and refused.auth_refused and "refused the token" in str(refused.error)
     assert not down.ok and not down.auth_refused
+
+
+def test_an_answer_a_ctrl_c_beat_to_its_report_is_reported_all_the_same() -> None:
+    """A Ctrl-C that lands after an answer arrived but before ``on_result`` took it (here: at
+    the start of its first report) must not leave that node's action unreported, so unaudited
+    (the fresh-clone CI saw a pin answered around the Ctrl-C missing from the report)."""
+    reported: list[str] = []
+    interrupted = False
+
+    def report(result: NodeResult[str]) -> None:
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            raise KeyboardInterrupt
+        reported.append(result.node.name)
+
+    with pytest.raises(KeyboardInterrupt):
+        fan_out(NODES[:2], lambda c: "pinned", concurrency=2, on_result=report)
+    assert sorted(reported) == ["n0", "n1"]  # both acted: both are reported
