@@ -27,8 +27,8 @@ AGENT_SMALL = ["--disk", "0", "--cpu", "64MiB"]
 CONCURRENT_LOOKUPS = 16
 LOOKUPS_EACH = 6
 #: the slow peer's replies are held this long: under the reader's 0.5 s socket timeout, but a
-#: new connection's HELLO and then its probe together, or a probe queued behind others, come
-#: past the lookup's deadline
+#: new connection's HELLO and then its probe together take longer than the lookup's deadline
+#: (time a probe waits in its lane behind others is not the source's, and is not late)
 SLOW_REPLY_S = 0.4
 
 
@@ -92,8 +92,11 @@ def test_a_slow_peer_neither_starves_the_pools_probes_nor_stays_in_use(tmp_path:
     # every lookup found the pool's chunks: none waited behind the slow peer's probes
     assert matched == [len(keys)] * (CONCURRENT_LOOKUPS * LOOKUPS_EACH), pool_status
     assert pool_status["late"] == 0 and pool_status["errors"] == 0
-    # the slow peer's answers came past the lookups' deadline: its breaker opened for them,
-    # and lookups meanwhile left it alone instead of waiting on it
-    assert slow_status["breaker"]["late_answers"] >= 1
-    assert slow_status["breaker"]["late_opens"] >= 1
-    assert slow_status["skipped"] >= 1
+    # the slow peer's calls took longer than the lookups' wait (a new connection's HELLO and
+    # probe; its own socket timeout, on a loaded host): its breaker opened, for lateness or as
+    # for a failure (the CI's loaded run saw the latter), and lookups meanwhile left it alone
+    # instead of waiting on it
+    breaker = slow_status["breaker"]
+    assert breaker["late_answers"] + slow_status["errors"] >= 1, slow_status
+    assert breaker["opens"] >= 1, slow_status
+    assert slow_status["skipped"] >= 1, slow_status
