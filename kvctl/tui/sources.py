@@ -311,6 +311,7 @@ class FleetSource:
         self._last_targets: list[NodeInfo] | None = None
         self._last_rtt: tuple[dict[tuple[str, str], float | None], dict[tuple[str, str], str]]
         self._last_rtt = ({}, {})
+        self._seen_ms: dict[int, int] = {}
 
     def targets(self) -> list[NodeInfo]:
         from kvctl.fleet.targets import resolve_targets
@@ -350,16 +351,19 @@ class FleetSource:
             basis[(a, b)] = basis[(b, a)] = rtt_basis_word(rb.probes)
         return out, basis
 
-    def last_seen(self, readings: list[Reading]) -> list[Reading]:
+    def last_seen(self, readings: list[Reading], *, read: bool = True) -> list[Reading]:
         """Each node that did not answer with the collectors' last successful scrape of it, so
-        the view counts its downtime as `kvctl status` does, not from when top started."""
+        the view counts its downtime as `kvctl status` does, not from when top started; with
+        ``read`` False (the database failing), as last read."""
         from kvctl.fleet.status import last_seen
 
         down = [r.node.id for r in readings if not r.up]
         if not down:
             return readings
-        with self.engine.connect() as conn:
-            seen_ms = last_seen(conn, down)
+        if read:
+            with self.engine.connect() as conn:
+                self._seen_ms.update(last_seen(conn, down))
+        seen_ms = self._seen_ms
         return [
             replace(r, last_seen_s=seen_ms[r.node.id] / 1000) if r.node.id in seen_ms else r
             for r in readings
@@ -383,10 +387,12 @@ class FleetSource:
         readings, router = self._asker.ask(self._last_targets, wait_s)
         if db_error is None:
             try:
-                readings = self.last_seen(readings)
                 self._last_rtt = self.rtt()
+                readings = self.last_seen(readings)
             except SQLAlchemyError as exc:
                 db_error = _db_reason(exc)
+        if db_error is not None:
+            readings = self.last_seen(readings, read=False)
         rtt, basis = self._last_rtt
         elapsed_s = time.perf_counter() - t0
         return Poll(ts_s, readings, rtt, elapsed_s, router, rtt_basis=basis, db_error=db_error)

@@ -7,6 +7,7 @@ live, from the inventory as last read."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,11 +19,13 @@ from textual.widgets import Static
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app as cli
+from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
+from kvctl.db.models import raw_table
 from kvctl.tui.app import create_app
 from kvctl.tui.sources import AgentSource, FleetSource
-from tests.functional.agents import Agent, running_agent, start_agent
+from tests.functional.agents import Agent, closed_port, running_agent, start_agent
 from tests.functional.hung import HANG_GUARD_S, stopped
 from tests.functional.test_top import cell, drive, poll, until
 
@@ -141,9 +144,16 @@ def test_the_agents_stay_live_when_the_fleet_database_goes_away(
     what the database said instead of every row freezing at its last figures."""
     engine = open_db(pg_url, auto_upgrade=True)
     with running_agent(tmp_path / "a", "--name", "gpu-a", "--dc", "fra", *ARGS) as a:
+        seen_ms = int(time.time() * 1000) - 100_000  # the collectors' last scrape of gpu-down
         with engine.begin() as conn:
             add_dc(conn, "fra")
             add_node(conn, "gpu-a", dc="fra", agent_url=a.state.control_url)
+            down = add_node(
+                conn, "gpu-down", dc="fra", agent_url=f"http://127.0.0.1:{closed_port()}"
+            )
+            insert_rows(
+                conn, raw_table("node_sample"), [{"node_id": down, "ts_ms": seen_ms, "up": True}]
+            )
         app = create_app(FleetSource(engine, timeout_s=2), readonly=True, auto_poll=False)
 
         async def script(pilot: Pilot[None]) -> None:
@@ -159,6 +169,9 @@ def test_the_agents_stay_live_when_the_fleet_database_goes_away(
             summary = str(app.screen.query_one("#summary", Static).render())
             assert "database failed" in summary and "agents live" in summary
             assert cell(app, "node:gpu-a", "state") == "up"
+            # a node down before keeps its downtime from the collectors' last scrape
+            gone = app.view.row("gpu-down")
+            assert gone is not None and gone.last_seen_ms == seen_ms
             # still asked live: an agent that dies now shows down at the next poll
             a.kill9()
             await poll(pilot, app)
