@@ -105,9 +105,10 @@ class Calls(Generic[T]):
         self._pending: dict[str, _Call[T]] = {}
         self._clock = clock
 
-    def start(self, jobs: Mapping[str, Callable[[], T]]) -> Round[T]:
-        """Make this poll's calls (none for a key whose previous call still runs); the
-        round's :meth:`Round.answers` waits for them."""
+    def start(self, jobs: Mapping[str, Callable[[], T] | None]) -> Round[T]:
+        """Make this poll's calls (none for a key whose previous call still runs, nor for a
+        key whose job is None: its call in flight or late answer is still collected); the
+        round's :meth:`Round.answers` waits for them. A key left out is forgotten."""
         late: dict[str, Answer[T]] = {}
         calls: dict[str, _Call[T]] = {}
         for key in set(self._pending) - set(jobs):  # no longer asked (left the inventory)
@@ -119,7 +120,8 @@ class Calls(Generic[T]):
                 continue
             if prev is not None:
                 late[key] = _late(prev.future.result())
-            calls[key] = _Call(self._workers.submit(self._timed(fn)), time.perf_counter())
+            if fn is not None:
+                calls[key] = _Call(self._workers.submit(self._timed(fn)), time.perf_counter())
         return Round(self._pending, calls, late)
 
     def _timed(self, fn: Callable[[], T]) -> Callable[[], Answer[T]]:
@@ -151,8 +153,9 @@ class Round(Generic[T]):
         self._pending, self._calls, self._late = pending, calls, late
 
     def answers(self, deadline_s: float | None) -> dict[str, Answer[T]]:
-        """Every key's answer by ``deadline_s`` (a :func:`time.perf_counter` time; None: once
-        every call came back); a call still running is kept for the next poll."""
+        """Each key's answer by ``deadline_s`` (a :func:`time.perf_counter` time; None: once
+        every call came back); a call still running is kept for the next poll. A key asked no
+        new call has an answer only where an earlier one came back late."""
         timeout_s = None if deadline_s is None else max(deadline_s - time.perf_counter(), 0.0)
         wait([c.future for c in self._calls.values()], timeout=timeout_s)
         out: dict[str, Answer[T]] = {}
@@ -163,4 +166,6 @@ class Round(Generic[T]):
             self._pending[key] = call
             waiting: Answer[T] = Answer(waiting_s=time.perf_counter() - call.asked_s)
             out[key] = self._late.get(key, waiting)
+        for key, late in self._late.items():
+            out.setdefault(key, late)
         return out

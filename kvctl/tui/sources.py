@@ -152,10 +152,9 @@ class RouterWatch:
 
 @dataclass(frozen=True, slots=True)
 class _Reply:
-    """One agent's answers to a poll's call: its stats, and its GPUs and identity when asked."""
+    """One agent's answers to a poll's call: its stats, and its identity when asked."""
 
     stats: dict[str, Any]
-    gpu: GpuPower | None = None
     info: dict[str, Any] | None = None
 
 
@@ -175,6 +174,8 @@ class Asker:
         self._gpus_at: dict[str, float] = {}
         self._pool: ClientPool | None = None
         self._agents: Calls[_Reply] = Calls(clock=clock, name="kvctl-top-agent")
+        # GPUs on calls of their own: an agent whose NVML hangs still shows its stats
+        self._gpus: Calls[GpuPower] = Calls(clock=clock, name="kvctl-top-gpus")
         self._router: Calls[RouterReading] = Calls(
             max_threads=1, clock=clock, name="kvctl-top-router"
         )
@@ -187,6 +188,7 @@ class Asker:
 
     def close(self) -> None:
         self._agents.close()
+        self._gpus.close()
         self._router.close()
         if self._pool is not None:
             self._pool.close()
@@ -219,38 +221,43 @@ class Asker:
     ) -> list[Reading]:
         now = self.clock()
         jobs: dict[str, Callable[[], _Reply]] = {}
+        gpu_jobs: dict[str, Callable[[], GpuPower] | None] = {}
         for n in nodes:
-            gpus = now - self._gpus_at.get(n.name, -GPU_EVERY_S) >= GPU_EVERY_S
-            jobs[_key(n)] = partial(self._call, n.agent_url, gpus, n.id in identify)
-        answers = self._agents.start(jobs).answers(deadline_s)
+            jobs[_key(n)] = partial(self._call, n.agent_url, n.id in identify)
+            due = now - self._gpus_at.get(n.name, -GPU_EVERY_S) >= GPU_EVERY_S
+            gpu_jobs[_key(n)] = partial(self._gpu_call, n.agent_url) if due else None
+            if due:
+                self._gpus_at[n.name] = now
+        stats_round, gpus_round = self._agents.start(jobs), self._gpus.start(gpu_jobs)
+        answers = stats_round.answers(deadline_s)
+        gpus = gpus_round.answers(deadline_s)
         readings = []
         for n in nodes:
-            a = answers[_key(n)]
-            readings.append(self._reading(n, a))
-            if a.value is not None and a.value.gpu is not None and a.at_s is not None:
-                self._gpus_at[n.name] = a.at_s
+            gpu = gpus.get(_key(n))
+            readings.append(self._reading(n, answers[_key(n)], None if gpu is None else gpu.value))
         return readings
 
-    def _call(self, url: str, gpus: bool, identify: bool) -> _Reply:
+    def _call(self, url: str, identify: bool) -> _Reply:
         client = self.pool.get(url)
         stats = dict(client.stats())
-        gpu = info = None
-        if gpus:
-            try:
-                gpu = gpu_power(client.gpus())
-            except Exception as exc:  # an agent without /v1/gpus still has stats
-                gpu = GpuPower(None, 0, f"GPUs unreadable: {exc}")
+        info = None
         if identify:
             with contextlib.suppress(Exception):  # unnamed until it tells: no reason to fail
                 info = dict(client.info())
-        return _Reply(stats, gpu, info)
+        return _Reply(stats, info)
 
-    def _reading(self, node: NodeInfo, a: Answer[_Reply]) -> Reading:
+    def _gpu_call(self, url: str) -> GpuPower:
+        try:
+            return gpu_power(self.pool.get(url).gpus())
+        except Exception as exc:  # an agent without /v1/gpus still has stats
+            return GpuPower(None, 0, f"GPUs unreadable: {exc}")
+
+    def _reading(self, node: NodeInfo, a: Answer[_Reply], gpu: GpuPower | None) -> Reading:
         if a.value is not None:
             v = a.value
             # an answer within this poll's wait counts at the poll's time, a late one at its own
             at_s = a.at_s if a.late else None
-            return Reading(node, v.stats, None, a.elapsed_s, v.gpu, read_at_s=at_s, info=v.info)
+            return Reading(node, v.stats, None, a.elapsed_s, gpu, read_at_s=at_s, info=v.info)
         if a.waiting_s is not None:
             why = (
                 f"no answer from {node.agent_url} for {a.waiting_s:.1f} s (still asking): "

@@ -1,16 +1,19 @@
 """`kvctl top` when agents misbehave, against real agents: a hung one (SIGSTOP: it takes the
 connection and says nothing) costs its own row, not everyone's refresh, and reads "NO ANSWER",
 not "DOWN"; one that refuses the token is up (restarting it would not help), not down. The
-view (Textual pilot) and --json say the same. The fleet database going away leaves the agents
-live, from the inventory as last read."""
+view (Textual pilot) and --json say the same. An agent whose GPUs hang still shows its figures.
+The fleet database going away leaves the agents live, from the inventory as last read."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine, make_url
@@ -28,6 +31,7 @@ from kvctl.tui.sources import AgentSource, FleetSource
 from tests.functional.agents import Agent, closed_port, running_agent, start_agent
 from tests.functional.hung import HANG_GUARD_S, stopped
 from tests.functional.test_top import cell, drive, poll, until
+from tests.not_an_agent import serving
 
 ARGS = ("--cpu", "4MiB", "--disk", "0")
 runner = CliRunner()
@@ -178,3 +182,49 @@ def test_the_agents_stay_live_when_the_fleet_database_goes_away(
             assert cell(app, "node:gpu-a", "state").startswith("DOWN")
 
         drive(app, script)
+
+
+def test_an_agent_whose_gpus_hang_still_shows_its_figures(tmp_path: Path) -> None:
+    """NVML hanging on a broken driver holds up an agent's /v1/gpus, not its stats: the row
+    stays up with its figures at every poll, and only the power is unknown."""
+    release = threading.Event()
+
+    with running_agent(tmp_path / "g", "--name", "gpu-g", "--dc", "fra", *ARGS) as agent:
+        upstream = agent.state.control_url
+
+        class GpusHang(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                if self.path.startswith("/v1/gpus"):
+                    release.wait(HANG_GUARD_S)
+                    self.send_error(503)
+                    return
+                r = httpx.get(upstream + self.path, timeout=10)
+                self.send_response(r.status_code)
+                self.send_header("Content-Type", r.headers["content-type"])
+                self.send_header("Content-Length", str(len(r.content)))
+                self.end_headers()
+                self.wfile.write(r.content)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        with serving(GpusHang) as url:
+            source = AgentSource([url], timeout_s=4 * HANG_GUARD_S)
+            app = create_app(source, readonly=True, interval_s=1.0)
+            states: list[str] = []
+
+            async def script(pilot: Pilot[None]) -> None:
+                try:
+                    for n in range(1, 4):
+                        await until(
+                            pilot, lambda n=n: app.refreshes >= n, f"poll {n}", timeout_s=30
+                        )
+                        assert app.view is not None
+                        (row,) = app.view.rows
+                        states.append(row.state)
+                    assert states == ["up", "up", "up"]
+                    assert cell(app, "node:gpu-g", "power") == "N/A"
+                finally:
+                    release.set()
+
+            drive(app, script)

@@ -106,3 +106,19 @@ def test_keys_no_longer_asked_are_forgotten_and_threads_are_daemons() -> None:
     # "gone" left the inventory: its call's answer is not handed to anyone
     assert set(calls.start({"new": again}).answers(None)) == {"new"}
     calls.close()
+
+
+def test_a_key_asked_no_new_call_keeps_its_call_in_flight_and_late_answer() -> None:
+    """GPUs are asked every few polls: between, their call in flight is kept and its answer,
+    once back, still handed over; a key with neither has no answer."""
+    calls: Calls[int] = Calls()
+    job = Gated()
+    assert calls.start({"g": job}).answers(deadline())["g"].waiting
+    assert calls.start({"g": None}).answers(deadline())["g"].waiting  # the same call
+    job.gate(1).set()
+    settled(calls, "g")
+    late = calls.start({"g": None}).answers(deadline())["g"]
+    assert (late.value, late.late) == (1, True)
+    assert calls.start({"g": None}).answers(deadline()) == {}
+    assert job.calls == 1
+    calls.close()
