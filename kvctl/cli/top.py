@@ -143,7 +143,7 @@ def top_command(
                 source.targets()  # an unknown DC or node, or an empty fleet, fails here
             audit_engine = None if readonly else engine
     if json_out:
-        _print_once(source, interval, window)
+        _print_once(source, interval, window, wait_s=timeout)
         return
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         # the full-screen view would write its escape codes into a pipe or file
@@ -178,17 +178,19 @@ def _router_watch(url: str | None, token_file: Path | None, timeout_s: float) ->
         return RouterWatch(url, token=router_token(token_file), timeout_s=timeout_s)
 
 
-def _print_once(source: Source, interval_s: float, window: str) -> None:
+def _print_once(source: Source, interval_s: float, window: str, wait_s: float) -> None:
     """Two polls ``interval_s`` apart, so rates are real rates; then the figures as JSON, and
-    the fleet database's record of ``window`` under ``recorded``."""
+    the fleet database's record of ``window`` under ``recorded``. Each poll waits ``wait_s``
+    for the agents at most (--timeout): one that trickles its answer reads as not answering
+    instead of holding the script for as long as it trickles."""
     from kvctl.tui.model import Sampler
     from kvctl.tui.sources import FleetSource
 
     sampler = Sampler()
     with db_errors():
-        sampler.update(source.poll())
+        sampler.update(source.poll(wait_s))
         time.sleep(interval_s)
-        view = sampler.update(source.poll())
+        view = sampler.update(source.poll(wait_s))
         recorded = source.recorded(window) if isinstance(source, FleetSource) else None
     source.close()
     doc = view.as_dict()

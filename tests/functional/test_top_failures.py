@@ -228,3 +228,37 @@ def test_an_agent_whose_gpus_hang_still_shows_its_figures(tmp_path: Path) -> Non
                     release.set()
 
             drive(app, script)
+
+
+def test_top_json_does_not_wait_on_an_agent_trickling_its_answer() -> None:
+    """An agent sending its stats a byte at a time (each within the socket timeout) held
+    `kvctl top --json` for as long as it trickled; each poll now waits --timeout at most, and
+    the agent reads as not answering."""
+    stop = threading.Event()
+
+    class Trickle(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"name": "slow"}' * 64
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            for i in range(len(body)):  # about 100 s in all, unless the test ends first
+                if stop.wait(0.1):
+                    return
+                self.wfile.write(body[i : i + 1])
+                self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    with serving(Trickle) as url:
+        try:
+            out = runner.invoke(
+                cli, ["top", "--agent", url, "--json", "--interval", "0.2", "--timeout", "1"]
+            )
+        finally:
+            stop.set()
+    assert out.exit_code == 0, out.output
+    (row,) = json.loads(out.stdout)["nodes"]
+    assert (row["state"], row["up"]) == ("not answering", False), row
