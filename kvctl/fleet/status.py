@@ -9,11 +9,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from kvctl.db.inventory import NodeInfo
-from kvctl.db.models import NodeSample
+from kvctl.db.models import Node, NodeSample
 from kvctl.fleet.fanout import NodeResult, fan_out
 from kvctl.ratios import HitCounts
 from kvctl.wire.reports import AgentStats
@@ -146,12 +146,19 @@ def last_seen(conn: Connection, node_ids: Sequence[int]) -> dict[int, int]:
     """The collectors' last successful scrape of each node, where there is one."""
     if not node_ids:
         return {}
-    q = (
-        select(NodeSample.node_id, func.max(NodeSample.ts_ms))
-        .where(NodeSample.node_id.in_(list(node_ids)), NodeSample.up.is_(True))
-        .group_by(NodeSample.node_id)
+    # per node, its newest up sample by walking the (node_id, ts_ms) key backwards: a grouped
+    # max over every up sample of the nodes read all of them (3.1 s on PostgreSQL for 250
+    # down nodes of 1,000 with two days of samples, against 10 ms so), on every top poll
+    newest = (
+        select(NodeSample.ts_ms)
+        .where(NodeSample.node_id == Node.id, NodeSample.up.is_(True))
+        .order_by(NodeSample.ts_ms.desc())
+        .limit(1)
+        .correlate(Node)
+        .scalar_subquery()
     )
-    return {node_id: ts for node_id, ts in conn.execute(q)}
+    q = select(Node.id, newest).where(Node.id.in_(list(node_ids)))
+    return {node_id: ts for node_id, ts in conn.execute(q) if ts is not None}
 
 
 def fleet_status(

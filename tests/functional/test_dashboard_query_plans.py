@@ -19,6 +19,7 @@ from kvctl.db.analytics.windows import fitted_window
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.rollup import DAY_MS, HOUR_MS, MINUTE_MS
+from kvctl.fleet.status import last_seen
 
 NODES = 40
 SCRAPE_MS = 30_000
@@ -122,3 +123,25 @@ def test_fitting_the_default_window_probes_each_node_not_the_whole_table(
         # a probe of each node's latest row reads a row or two per node, whatever the history
         touched = rows_touched(scraped, statement, params)
         assert touched <= 4 * NODES, (touched, raw_rows, statement)
+
+
+def test_last_seen_reads_a_row_or_two_per_node_not_their_history(scraped: Engine) -> None:
+    """``kvctl top`` and ``kvctl status`` ask, every poll, when each down node was last seen
+    up: a grouped max over every up sample of those nodes read their whole history (3.1 s on
+    PostgreSQL for 250 down nodes of 1,000 with two days of samples)."""
+    with scraped.connect() as conn:
+        ids = [int(i) for i in conn.execute(text("SELECT id FROM node ORDER BY id")).scalars()]
+        # the last scrape of one node failed: it was last seen up the scrape before
+        conn.execute(
+            text("UPDATE node_sample SET up = false WHERE node_id = :n AND ts_ms = :t"),
+            {"n": ids[0], "t": END_MS - SCRAPE_MS},
+        )
+        sent = statements(scraped, lambda: last_seen(conn, ids))
+        seen = last_seen(conn, ids)
+        conn.rollback()
+    assert seen[ids[0]] == END_MS - 2 * SCRAPE_MS
+    assert all(seen[i] == END_MS - SCRAPE_MS for i in ids[1:])
+    assert sent
+    for statement, params in sent:
+        touched = rows_touched(scraped, statement, params)
+        assert touched <= 4 * NODES, (touched, statement)
