@@ -26,10 +26,10 @@ AGENT_SMALL = ["--disk", "0", "--cpu", "64MiB"]
 #: lookups made at once: more than a source's probe workers, so probes queue
 CONCURRENT_LOOKUPS = 16
 LOOKUPS_EACH = 6
-#: the slow peer's replies are held this long: under the reader's 0.5 s socket timeout, but a
-#: new connection's HELLO and then its probe together take longer than the lookup's deadline
-#: (time a probe waits in its lane behind others is not the source's, and is not late)
-SLOW_REPLY_S = 0.4
+#: the slow peer's replies are held this long: longer than the lookup's wait (0.5 s), within
+#: its socket's read deadline (SLOW_READ_TIMEOUT_S), so every answer it gives comes, and late
+SLOW_REPLY_S = 0.7
+SLOW_READ_TIMEOUT_S = 3.0
 
 
 def put_into(agent: Agent, keys: list[bytes]) -> None:
@@ -43,9 +43,10 @@ def put_into(agent: Agent, keys: list[bytes]) -> None:
     assert {o.status for o in outs} == {"stored"}
 
 
-def source(name: str, tier: str, address: str) -> Source:
+def source(name: str, tier: str, address: str, *, read_timeout_s: float | None = None) -> Source:
     # fetch forced: the test is about reaching the sources, not about whether fetching pays
-    return Source(name, tier, AgentSource(address), LinkEstimator(name, override="fetch"))
+    backend = AgentSource(address, timeout_s=5.0, read_timeout_s=read_timeout_s)
+    return Source(name, tier, backend, LinkEstimator(name, override="fetch"))
 
 
 @contextlib.contextmanager
@@ -73,7 +74,7 @@ def test_a_slow_peer_neither_starves_the_pools_probes_nor_stays_in_use(tmp_path:
         relay = SlowRelay((host, int(port)), reply_delay_s=SLOW_REPLY_S)
         try:
             pool = source("pool", POOL_TIER, str(p.state.data_tcp))
-            slow = source("slow", PEER_TIER, relay.address)
+            slow = source("slow", PEER_TIER, relay.address, read_timeout_s=SLOW_READ_TIMEOUT_S)
             with node(pool, slow) as remote:
 
                 def lookups(_: int) -> list[int]:
@@ -92,11 +93,8 @@ def test_a_slow_peer_neither_starves_the_pools_probes_nor_stays_in_use(tmp_path:
     # every lookup found the pool's chunks: none waited behind the slow peer's probes
     assert matched == [len(keys)] * (CONCURRENT_LOOKUPS * LOOKUPS_EACH), pool_status
     assert pool_status["late"] == 0 and pool_status["errors"] == 0
-    # the slow peer's calls took longer than the lookups' wait (a new connection's HELLO and
-    # probe; its own socket timeout, on a loaded host): its breaker opened, for lateness or as
-    # for a failure (the CI's loaded run saw the latter), and lookups meanwhile left it alone
-    # instead of waiting on it
+    # the slow peer's answers all took longer than the lookups' wait: its breaker opened for
+    # them, and lookups meanwhile left it alone instead of waiting on it
     breaker = slow_status["breaker"]
-    assert breaker["late_answers"] + slow_status["errors"] >= 1, slow_status
-    assert breaker["opens"] >= 1, slow_status
+    assert breaker["late_answers"] >= 1 and breaker["late_opens"] >= 1, slow_status
     assert slow_status["skipped"] >= 1, slow_status
