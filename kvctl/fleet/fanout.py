@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 from kvctl.client import AgentClient, AgentError, AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import KvctlError
+from kvctl.interrupts import interrupts_held
 
 T = TypeVar("T")
 
@@ -90,8 +91,9 @@ def fan_out(
             res = fut.result()
             results[futures[fut]] = res
             if on_result is not None:
-                on_result(res)
-            reported.add(futures[fut])
+                with interrupts_held():  # a report torn halfway is lost, or written twice
+                    on_result(res)
+                    reported.add(futures[fut])
     except BaseException as exc:
         # on_result failed (the audit trail cannot be written) or Ctrl-C: nodes not yet asked
         # must not be acted on unrecorded
@@ -102,7 +104,8 @@ def fan_out(
             for fut, i in futures.items():
                 if i not in reported and fut.done() and not fut.cancelled():
                     try:
-                        on_result(fut.result())
+                        with interrupts_held():
+                            on_result(fut.result())
                     except Exception:  # the audit trail failing: the Ctrl-C still goes on
                         break
         raise

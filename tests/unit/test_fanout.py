@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 
@@ -12,6 +13,8 @@ from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import NodeResult, fan_out
 
 NODES = [NodeInfo(i, f"n{i}", "fra", f"http://127.0.0.1:{9000 + i}", "", None) for i in range(10)]
+#: a hang guard, never a timing claim
+GUARD_S = 30.0
 
 
 def test_every_kind_of_failure_is_a_result_in_node_order() -> None:
@@ -85,6 +88,37 @@ def test_an_answer_a_ctrl_c_beat_to_its_report_is_reported_all_the_same() -> Non
             raise KeyboardInterrupt
         reported.append(result.node.name)
 
+    both_asked = threading.Barrier(2)  # neither answers before both were asked
+
+    def pin(client: AgentClient) -> str:
+        both_asked.wait(GUARD_S)
+        return "pinned"
+
     with pytest.raises(KeyboardInterrupt):
-        fan_out(NODES[:2], lambda c: "pinned", concurrency=2, on_result=report)
+        fan_out(NODES[:2], pin, concurrency=2, on_result=report)
     assert sorted(reported) == ["n0", "n1"]  # both acted: both are reported
+
+
+def test_a_ctrl_c_during_a_report_waits_for_it_to_end() -> None:
+    """A Ctrl-C (a real SIGINT) that lands halfway through ``on_result`` is held until that
+    report ends: torn, the audit write it made could leave SQLite's write lock taken, losing
+    the row and failing every later one (the fresh-clone CI's "0 of 2 node(s) answered"), or
+    be written again when the interrupted report is retried."""
+    steps: list[str] = []
+
+    def report(result: NodeResult[str]) -> None:
+        steps.append(f"{result.node.name} begun")
+        if len(steps) == 1:
+            signal.raise_signal(signal.SIGINT)  # the handler runs before the next line
+        steps.append(f"{result.node.name} ended")
+
+    both_asked = threading.Barrier(2)
+
+    def pin(client: AgentClient) -> str:
+        both_asked.wait(GUARD_S)
+        return "pinned"
+
+    with pytest.raises(KeyboardInterrupt):
+        fan_out(NODES[:2], pin, concurrency=2, on_result=report)
+    assert len(steps) == 4 and steps[0].endswith("begun") and steps[1].endswith("ended"), steps
+    assert sorted(s.split()[0] for s in steps) == ["n0", "n0", "n1", "n1"]  # each once

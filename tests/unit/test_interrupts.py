@@ -1,0 +1,61 @@
+"""interrupts_held: a Ctrl-C inside the block comes after it, to the handler that was there."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+
+import pytest
+
+from kvctl.interrupts import interrupts_held
+
+
+def test_a_sigint_inside_the_block_is_raised_after_it() -> None:
+    done: list[str] = []
+    with pytest.raises(KeyboardInterrupt), interrupts_held():
+        signal.raise_signal(signal.SIGINT)
+        done.append("the rest of the block")
+    assert done == ["the rest of the block"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_handler_in_place_gets_the_held_sigint_once() -> None:
+    seen: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        seen.append(signum)
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        with interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # a second Ctrl-C in the block: one interrupt
+            assert seen == []
+        assert seen == [signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is handler
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_no_sigint_no_interrupt_and_the_handler_is_put_back() -> None:
+    with interrupts_held():
+        pass
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_outside_the_main_thread_the_block_just_runs() -> None:
+    # signal.signal works only in the main thread: the block must not fail there
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            with interrupts_held():
+                pass
+        except BaseException as exc:
+            failures.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert failures == []
