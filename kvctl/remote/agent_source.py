@@ -35,13 +35,12 @@ one it was receiving goes back through ``unused``, and the connection is dropped
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from itertools import groupby
 
 from kvctl.client import AgentError, DataClient, PutOutcome
@@ -51,7 +50,8 @@ from kvctl.remote.pool import (
     PULL_FLOOR_BYTES_PER_S,
     PoolChunk,
     PoolUsage,
-    PullTooSlow,
+    Pull,
+    PullWatch,
     RemotePool,
     SplitReads,
     SplitStreams,
@@ -72,70 +72,6 @@ Arrived = Callable[[int, PoolChunk], None]
 #: ``into(i, meta)``: the writable view of ``meta.size_bytes`` chunk ``i`` is received into, or
 #: None (a buffer of the source's own)
 Into = Callable[[int, ChunkMeta], memoryview | None]
-
-
-@dataclass(eq=False, slots=True)
-class _Pull:
-    """One stream's deadline (monotonic seconds) and whether ``PullWatch`` cut it."""
-
-    client: DataClient
-    started_s: float
-    end_s: float
-    cut: bool = False
-
-
-class PullWatch:
-    """Cuts the connection of a pull that runs past its deadline: one thread per source,
-    started on first need, asleep until the earliest deadline. Cutting shuts the socket down,
-    which wakes the pulling thread's blocked read at once: its call fails, and the connection
-    is dropped as any broken one is."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._cond = threading.Condition()
-        self._pulls: set[_Pull] = set()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    @contextmanager
-    def watching(self, client: DataClient, allowance_s: float) -> Iterator[_Pull]:
-        """``client``'s call inside the block is cut ``allowance_s`` from now (plus what
-        ``extend`` adds); after the block, ``cut`` says whether it was."""
-        now_s = time.monotonic()
-        pull = _Pull(client, now_s, now_s + allowance_s)
-        with self._cond:
-            if self._thread is None and not self._closed:
-                self._thread = threading.Thread(
-                    target=self._run, name="kvctl-pull-deadline", daemon=True
-                )
-                self._thread.start()
-            self._pulls.add(pull)
-            self._cond.notify()
-        try:
-            yield pull
-        finally:
-            with self._cond:
-                self._pulls.discard(pull)
-
-    def extend(self, pull: _Pull, seconds: float) -> None:
-        with self._cond:  # a later deadline: the watcher need not wake for it
-            pull.end_s += seconds
-
-    def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                now_s = time.monotonic()
-                for pull in [p for p in self._pulls if p.end_s <= now_s]:
-                    self._pulls.discard(pull)
-                    pull.cut = True
-                    _cut(pull.client)
-                nearest_s = min((p.end_s for p in self._pulls), default=None)
-                self._cond.wait(None if nearest_s is None else nearest_s - now_s)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
 
 
 def _cut(client: DataClient) -> None:
@@ -331,7 +267,7 @@ class AgentSource(SplitStreams, RemotePool):
         given: set[int] = set()  # chunks received into a view of ``into``, not landed yet
         # each chunk's XXH3-64 as the sender computed it, filled before the first one lands
         checksums: list[int | None] = []
-        pull: _Pull | None = None
+        pull: Pull | None = None
 
         def target(i: int, meta: ChunkMeta) -> memoryview | None:
             assert pull is not None
@@ -355,7 +291,7 @@ class AgentSource(SplitStreams, RemotePool):
 
         try:
             with self._client() as c:
-                with self._watch.watching(c, self.read_timeout_s) as pull:
+                with self._watch.watching(functools.partial(_cut, c), self.read_timeout_s) as pull:
                     self._note_unchecked(c)
                     c.fetch(
                         keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums
@@ -369,12 +305,7 @@ class AgentSource(SplitStreams, RemotePool):
                 raise
             with self._lock:
                 self.overdue += 1
-            took_s = time.monotonic() - pull.started_s
-            raise PullTooSlow(
-                f"{self.address}: pull of {hi - lo} chunks abandoned after {took_s:.2f} s, past "
-                f"its deadline (the {self.read_timeout_s:g} s read deadline plus its bytes at "
-                f"{PULL_FLOOR_BYTES_PER_S >> 20} MiB/s); connection dropped"
-            ) from exc
+            raise pull.too_slow(self.address, f"{hi - lo} chunks", self.read_timeout_s) from exc
         finally:
             # this stream reads no more: what it was given and did not land is free again
             if unused is not None:

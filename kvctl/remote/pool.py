@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_all
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
@@ -68,6 +70,82 @@ class PullTooSlow(TierUnavailable):
     """A pull abandoned at its deadline (``pull_deadline_s``): the source sent its bytes too
     slowly to be worth waiting for. A miss like any failure of the source, counted apart
     (``RemotePool.overdue``)."""
+
+
+@dataclass(eq=False, slots=True)
+class Pull:
+    """One stream's deadline (monotonic seconds), how to cut it, and whether ``PullWatch``
+    did."""
+
+    cut_fn: Callable[[], None]
+    started_s: float
+    end_s: float
+    cut: bool = False
+
+    def too_slow(self, source: str, what: str, read_timeout_s: float) -> PullTooSlow:
+        """The error a pull that was cut raises (every backend words it alike)."""
+        took_s = time.monotonic() - self.started_s
+        return PullTooSlow(
+            f"{source}: pull of {what} abandoned after {took_s:.2f} s, past its deadline (the "
+            f"{read_timeout_s:g} s read deadline plus its bytes at "
+            f"{PULL_FLOOR_BYTES_PER_S >> 20} MiB/s); connection dropped"
+        )
+
+
+class PullWatch:
+    """Cuts the connection of a pull that runs past its deadline: one thread per source,
+    started on first need, asleep until the earliest deadline. Cutting (``cut_fn``: shutting
+    the pull's socket down) wakes the pulling thread's blocked read at once: its call fails,
+    and the connection is dropped as any broken one is. Used by every backend that pulls
+    chunks (an agent's FETCH streams, a Redis pool's GET pipelines)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cond = threading.Condition()
+        self._pulls: set[Pull] = set()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @contextmanager
+    def watching(self, cut_fn: Callable[[], None], allowance_s: float) -> Iterator[Pull]:
+        """The call inside the block is cut (``cut_fn()``, from the watch's thread)
+        ``allowance_s`` from now (plus what ``extend`` adds); after the block, ``cut`` says
+        whether it was."""
+        now_s = time.monotonic()
+        pull = Pull(cut_fn, now_s, now_s + allowance_s)
+        with self._cond:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(
+                    target=self._run, name="kvctl-pull-deadline", daemon=True
+                )
+                self._thread.start()
+            self._pulls.add(pull)
+            self._cond.notify()
+        try:
+            yield pull
+        finally:
+            with self._cond:
+                self._pulls.discard(pull)
+
+    def extend(self, pull: Pull, seconds: float) -> None:
+        with self._cond:  # a later deadline: the watcher need not wake for it
+            pull.end_s += seconds
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                now_s = time.monotonic()
+                for pull in [p for p in self._pulls if p.end_s <= now_s]:
+                    self._pulls.discard(pull)
+                    pull.cut = True
+                    pull.cut_fn()
+                nearest_s = min((p.end_s for p in self._pulls), default=None)
+                self._cond.wait(None if nearest_s is None else nearest_s - now_s)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
 
 
 def check_deadlines(what: str, timeout_s: float, read_timeout_s: float | None) -> float:

@@ -34,12 +34,21 @@ CPU is the scarce one: the copy stays in the agent. (The same SET also works in 
 has no transactions across slots; and with hiredis installed redis-py copies arguments anyway.)
 Records are sent in groups of at most 64 MiB to bound the copies held at once.
 
-A get is one round trip: the GETs and a script that refreshes the LRU score of the accounted
-keys (only for chunks the reader may see). A large get is split into contiguous groups of its
-keys (``kvctl.remote.pool.stream_groups``), one pipeline each on its own pooled connection, in
-parallel, each group's records checked on its thread; the first group's pipeline carries the one
-LRU script for every key, in the order asked. (The pure-Python reply parser, without hiredis,
-holds one connection to a few hundred MB/s; the server answers several connections faster.)
+A get is one round trip: the GETs (each after a STRLEN: see below) and a script that refreshes
+the LRU score of the accounted keys (only for chunks the reader may see). A large get is split
+into contiguous groups of its keys (``kvctl.remote.pool.stream_groups``), one pipeline each on
+its own pooled connection, in parallel, each group's records checked on its thread; the first
+group's pipeline carries the one LRU script for every key, in the order asked. (The pure-Python
+reply parser, without hiredis, holds one connection to a few hundred MB/s; the server answers
+several connections faster.)
+Each group is also a pull with a deadline of its own (``kvctl.remote.pool.PullWatch``, as for a
+peer's FETCH): the read deadline, which bounds silence and not a transfer, plus each record's
+bytes at ``PULL_FLOOR_BYTES_PER_S``, learnt from a STRLEN per key pipelined ahead of the GETs
+(an O(1) command; a record replaced between the two only misjudges its own share of the
+deadline). A group past it has its connection cut: ``PullTooSlow``, counted in ``overdue`` and a
+failure for the pool's breaker, instead of a request held for as long as a server or a link
+trickles. (A Cluster's groups keep only the read deadline: redis-py spreads their pipelines over
+the nodes' connections out of this code's reach.)
 A second, best-effort round trip happens only when something needs repair: a corrupt record
 (deleted, accounting dropped), a record that is gone but still accounted, or a record present
 but not accounted (re-accounted, without eviction; the next put evicts down to capacity).
@@ -73,9 +82,11 @@ and evicted records are misses whose accounting the next read drops.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
+import socket
 import threading
 import time
 import zlib
@@ -94,8 +105,11 @@ from kvctl.remote import record
 from kvctl.remote.pool import (
     DEFAULT_MIN_STREAM_BYTES,
     DEFAULT_STREAMS,
+    PULL_FLOOR_BYTES_PER_S,
     PoolChunk,
     PoolUsage,
+    Pull,
+    PullWatch,
     RemotePool,
     SplitReads,
     SplitStreams,
@@ -475,8 +489,10 @@ class RedisPool(SplitStreams, RemotePool):
         self.tenant_quota_bytes = tenant_quota_bytes
         self.tenant_quotas = quotas
         self.corrupt = 0
+        self.overdue = 0
         #: records read in a format this reader does not know (left in the pool, misses)
         self.unknown_format = 0
+        self._watch = PullWatch(f"pool {self.address}")
         #: sized by the chunks read last; workers enough for a few gets at once
         self._split = SplitReads(
             f"pool {self.address}",
@@ -670,12 +686,24 @@ class RedisPool(SplitStreams, RemotePool):
         None when absent; and the script's reply (None when not run, or the error it failed
         with)."""
         with self._guard():
-            pipe = client.pipeline(transaction=False)
-            for h in hexes:
-                pipe.get(self._rec(h))
-            if touch_args is not None:
-                _eval(pipe, _TOUCH_LUA, self._acct_keys, touch_args)
-            replies = pipe.execute(raise_on_error=False)
+            if isinstance(client, RedisCluster):
+                # a Cluster's pipeline spreads over nodes and their connections: no deadline
+                # beyond the read deadline (see the module docstring)
+                cluster: Any = client  # (redis-py's RedisCluster.pipeline is untyped)
+                pipe = cluster.pipeline(transaction=False)
+                for h in hexes:
+                    pipe.get(self._rec(h))
+                if touch_args is not None:
+                    _eval(pipe, _TOUCH_LUA, self._acct_keys, touch_args)
+                replies = pipe.execute(raise_on_error=False)
+            else:
+                commands: list[tuple[Any, ...]] = [("STRLEN", self._rec(h)) for h in hexes]
+                commands += [("GET", self._rec(h)) for h in hexes]
+                if touch_args is not None:
+                    commands.append(
+                        ("EVAL", _TOUCH_LUA, len(self._acct_keys), *self._acct_keys, *touch_args)
+                    )
+                replies = self._pull(client, commands, len(hexes))[len(hexes) :]
             _raise_errors(replies[: len(hexes)])
         out: list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | None] = []
         for key, value in zip(keys, replies[: len(hexes)], strict=True):
@@ -688,6 +716,57 @@ class RedisPool(SplitStreams, RemotePool):
                 why = _unknown_format(value)
                 out.append(_Unknown(why) if why else _Damaged.of(exc, value, len(value)))
         return out, replies[-1] if touch_args is not None else None
+
+    def _pull(
+        self, client: redis.Redis, commands: Sequence[tuple[Any, ...]], n_sized: int
+    ) -> list[Any]:
+        """The replies to ``commands``, pipelined on one connection of ``client`` and read one
+        by one under a pull deadline (``PullWatch``): the read deadline plus, as each of the
+        first ``n_sized`` replies (STRLENs of the records the GETs after them bring) is read,
+        that record's bytes at ``PULL_FLOOR_BYTES_PER_S``. Past it the connection is cut:
+        ``PullTooSlow``, counted in ``overdue``. A reply that is an error is returned as its
+        ``ResponseError``. A connection the server dropped is retried once, as the read client
+        does (never one this watch cut)."""
+        pool = client.connection_pool
+        conn = _connection_of(pool)
+        sized: dict[int, int] = {}  # by reply index: the bytes already added to the deadline
+        pull: Pull | None = None
+        try:
+            with self._watch.watching(functools.partial(_shut, conn), self.read_timeout_s) as pull:
+                for attempt in range(_READ_RETRIES + 1):
+                    try:
+                        conn.send_packed_command(conn.pack_commands(commands))
+                        replies: list[Any] = []
+                        for i in range(len(commands)):
+                            try:
+                                reply = conn.read_response()
+                            except ResponseError as exc:
+                                reply = exc
+                            if i < n_sized and isinstance(reply, int) and i not in sized:
+                                sized[i] = reply
+                                self._watch.extend(pull, reply / PULL_FLOOR_BYTES_PER_S)
+                            replies.append(reply)
+                        break
+                    except redis.ConnectionError:
+                        conn.disconnect()
+                        if pull.cut or attempt == _READ_RETRIES:
+                            raise
+            # read once the watch let go (a cut is final then): a pull that ended just as it
+            # was cut has its socket shut all the same, so it goes back to the pool closed
+            if pull.cut:
+                conn.disconnect()
+            return replies
+        except (RedisError, OSError) as exc:
+            conn.disconnect()  # replies may be left unread on it
+            if pull is None or not pull.cut:
+                raise
+            with self._lock:
+                self.overdue += 1
+            raise pull.too_slow(
+                f"pool {self.address}", f"{n_sized} chunks", self.read_timeout_s
+            ) from exc
+        finally:
+            pool.release(conn)
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
         """Headers only (GETRANGE), checked by their CRC and against the record's length."""
@@ -811,6 +890,7 @@ class RedisPool(SplitStreams, RemotePool):
             self._clients = {True: None, False: None}
             self._closed = True
         self._split.close()
+        self._watch.close()
         for client in clients:
             with contextlib.suppress(RedisError, RedisClusterException, OSError):
                 client.close()
@@ -1036,6 +1116,23 @@ def _unknown_format(value: bytes) -> str | None:
         return None
     flags = value[_FLAGS_AT]
     return f"record with flags {flags:#x}" if flags & ~_KNOWN_FLAGS else None
+
+
+def _connection_of(pool: Any) -> Any:
+    """A connection of ``pool``, connected (redis-py before 5.3 wants a command name)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("GET")
+
+
+def _shut(conn: Any) -> None:
+    """Shut a redis-py connection's socket down from another thread (``PullWatch``'s cut), so
+    a read blocked on it returns at once; redis-py has no public way to end a call in flight."""
+    sock = getattr(conn, "_sock", None)
+    if isinstance(sock, socket.socket):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
 
 
 def _eval(pipe: Any, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:

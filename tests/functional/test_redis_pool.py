@@ -456,6 +456,13 @@ def _damage_replies_in_transit(pool: RedisPool, monkeypatch) -> None:  # type: i
         return pipe
 
     monkeypatch.setattr(client, "pipeline", damaging)
+    real_pull = pool._pull  # gets: their replies are read one by one under a pull deadline
+
+    def damaging_pull(*args, **kwargs):  # type: ignore[no-untyped-def]
+        replies = real_pull(*args, **kwargs)
+        return [flip(r) if isinstance(r, bytes) and len(r) > 64 else r for r in replies]
+
+    monkeypatch.setattr(pool, "_pull", damaging_pull)
 
 
 def test_a_record_damaged_in_transit_is_a_miss_and_stays(make_pool, raw, monkeypatch) -> None:  # type: ignore[no-untyped-def]
