@@ -36,7 +36,7 @@ from collectors.rows import (
     plan_rows,
     power_rows,
 )
-from kvctl.client import AgentClient, AgentError, RequestError
+from kvctl.client import AgentClient, AgentError, AuthError, RequestError
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
@@ -95,6 +95,8 @@ class Scrape:
     engine: EngineReading | None = None
     #: what could not be read although the node answered (its GPUs, its engine)
     warnings: list[str] = field(default_factory=list)
+    #: it answered, refusing the token: up (as `kvctl status` says), its figures unread
+    auth_refused: bool = False
 
 
 @dataclass(slots=True)
@@ -109,6 +111,8 @@ class CycleReport:
     #: routers scraped (their redacted URLs), and why the others could not be
     routers_up: list[str] = field(default_factory=list)
     routers_down: dict[str, str] = field(default_factory=dict)
+    #: nodes that answered but refused the token (up, unread), and what they said
+    token_refused: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -116,6 +120,7 @@ class CycleReport:
             "seconds": round(self.seconds, 4),
             "up": self.up,
             "down": self.down,
+            "token_refused": self.token_refused,
             "routers": {"up": self.routers_up, "down": self.routers_down},
             "rows": self.rows,
             "warnings": self.warnings,
@@ -204,6 +209,10 @@ class Collector:
         client = self._client(node)
         try:
             stats = client.stats()
+        except AuthError as exc:  # it answered: up, but its figures are not ours to read
+            self.metrics.errors.labels("agent").inc()
+            seconds = time.perf_counter() - t0
+            return Scrape(node, False, seconds, error=str(exc), auth_refused=True)
         except AgentError as exc:
             self.metrics.errors.labels("agent").inc()
             return Scrape(node, False, time.perf_counter() - t0, error=str(exc))
@@ -340,6 +349,7 @@ class Collector:
         self.metrics.cycle_seconds.observe(report.seconds)
         self.metrics.nodes.labels("up").set(len(report.up))
         self.metrics.nodes.labels("down").set(len(report.down))
+        self.metrics.nodes.labels("token_refused").set(len(report.token_refused))
         return report
 
     def _rows(
@@ -354,13 +364,17 @@ class Collector:
                 {
                     "node_id": node.id,
                     "ts_ms": ts_ms,
-                    "up": s.up,
-                    "scrape_seconds": s.seconds if s.up else None,
+                    # a node refusing the token answered: up, as `kvctl status` shows it
+                    "up": s.up or s.auth_refused,
+                    "scrape_seconds": s.seconds if s.up or s.auth_refused else None,
                     "agent_started_s": None if s.stats is None else s.stats.get("started_s"),
                     "nvml_available": nvml,
                     "error": s.error,
                 }
             )
+            if s.auth_refused:  # no figures to record: none are made up
+                report.token_refused[node.name] = s.error or "token refused"
+                continue
             if not s.up or s.stats is None:
                 report.down[node.name] = s.error or "down"
                 continue

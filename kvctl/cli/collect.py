@@ -80,8 +80,10 @@ def collect_command(
     Each interval: cache counters per node and tier, GPU power from the node's NVML (through
     its agent), and the node's inference-engine metrics when it has an engine URL. Link probes
     (RTT, loss, bandwidth through the agents' data plane) run on their own, slower schedule;
-    rollups and retention every minute. Unreachable nodes are recorded as down; the loop goes
-    on. Several collectors (say one per DC with --dc) can write to one PostgreSQL.
+    rollups and retention every minute. Unreachable nodes are recorded as down; one that
+    refuses the token as up with no figures (shown "token refused": KVCTL_TOKEN is not its
+    token); the loop goes on. Several collectors (say one per DC with --dc) can write to one
+    PostgreSQL.
 
     With --emulate-power GPU, a node without NVML gets an emulated GPU energy instead: the
     modeled prefill seconds of the tokens its cache did not serve (its lookup and hit token
@@ -193,6 +195,9 @@ def _line(kind: str, r: Any) -> None:
     from rich.markup import escape
 
     down = f", [red]{len(r.down)} down[/]: {escape(', '.join(sorted(r.down)))}" if r.down else ""
+    if r.token_refused:  # up, but unread: the token to fix, not the agent
+        refused = escape(", ".join(sorted(r.token_refused)))
+        down += f", [yellow]{len(r.token_refused)} token refused[/]: {refused}"
     if r.routers_down:
         down += f", [red]router down[/]: {escape(', '.join(sorted(r.routers_down)))}"
     # the first warning says why (the database away, another collector on these nodes)
@@ -234,6 +239,8 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
 
         for name in report.up:
             row(name, "[green]up[/]")
+        for name, err in sorted(report.token_refused.items()):
+            row(name, "[yellow]token refused[/]", err)
         for name, err in sorted(report.down.items()):
             row(name, "[red]down[/]", err)
         for name in report.routers_up:
@@ -250,5 +257,6 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
             err_console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
         rows = sum(report.rows.values()) + (sum(link_report.rows.values()) if link_report else 0)
         console.print(f"{rows} rows written")
-    if report.down or report.routers_down or not report.written:
+    # a node refusing the token is up, but none of its figures were recorded: a failure too
+    if report.down or report.token_refused or report.routers_down or not report.written:
         raise typer.Exit(1)
