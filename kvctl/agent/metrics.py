@@ -525,6 +525,9 @@ class AgentMetrics:
             ("transport",),
             registry=r,
         )
+        #: the same count for ``/v1/stats`` (the counter's value is not public API)
+        self.corrupt_puts = 0
+        self._corrupt_puts_lock = threading.Lock()
         self._corrupt_puts = Counter(
             "kvctl_dataplane_corrupt_puts",
             "PUT chunks whose bytes did not match the checksum their sender computed (damaged "
@@ -609,6 +612,8 @@ class AgentMetrics:
 
     def corrupt_put(self) -> None:
         """Count one PUT chunk refused for failing its sender's checksum."""
+        with self._corrupt_puts_lock:
+            self.corrupt_puts += 1
         self._corrupt_puts.inc()
 
     def connection_opened(self, transport: str) -> None:

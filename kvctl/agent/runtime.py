@@ -339,6 +339,8 @@ class AgentRuntime:
             "started_s": self.started_s,
             "fetch_plans": self.planner.status(),
             "policies": snap["policies"],
+            # as on /metrics (kvctl_dataplane_corrupt_puts_total)
+            "dataplane": {"corrupt_puts": self.metrics.corrupt_puts},
         }
         if self.remote is not None:
             out["remote"] = self.remote.status()

@@ -483,6 +483,8 @@ def status_command(
             report["up"] = True
         # the fleet's vocabulary, as `kvctl status` reports a node: lookups and hits in chunks
         report |= agent_figures(stats)
+        # PUT chunks refused as damaged on the way; None from an agent before the count
+        report["corrupt_puts"] = stats.get("dataplane", {}).get("corrupt_puts")
     except AgentError as exc:
         failure = exc
         report["error"] = str(exc)
@@ -825,6 +827,12 @@ def _render_status(report: dict[str, Any]) -> None:
         f"sharing {percent(report['sharing_share_of_hits'])} of hits",
         highlight=False,
     )
+    if report.get("corrupt_puts"):
+        console.print(
+            f"[yellow]refused {_count(report['corrupt_puts'], 'PUT chunk')}[/] whose bytes did "
+            "not match their sender's checksum (damaged on the way: a bad NIC or link?)",
+            highlight=False,
+        )
 
 
 def _count(n: int, noun: str) -> str:

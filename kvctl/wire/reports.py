@@ -139,6 +139,14 @@ class StoreCounters(TypedDict):
     tiers: dict[str, TierCounters]
 
 
+class DataplaneCounters(TypedDict):
+    """``/v1/stats``' data plane counters, since the agent started."""
+
+    #: PUT chunks refused because their bytes did not match their sender's XXH3-64 (damaged on
+    #: the way): ``kvctl_dataplane_corrupt_puts_total``
+    corrupt_puts: int
+
+
 class AgentStats(TypedDict):
     """``/v1/stats``."""
 
@@ -157,6 +165,8 @@ class AgentStats(TypedDict):
     #: each tier's eviction policy: {"policy": name, ...}; lineage-adaptive adds the candidate
     #: it follows now ("leader"), how often the lead changed ("switches") and its "candidates"
     policies: NotRequired[dict[str, dict[str, Any]]]
+    #: data plane counters (an agent before them sends none)
+    dataplane: NotRequired[DataplaneCounters]
     #: the pool and peers (``kvctl.remote``'s status), only when configured
     remote: NotRequired[dict[str, Any]]
 
