@@ -46,7 +46,9 @@ def status_command(
     tenant) and sharing (another tenant's chunks), tier occupancy, last seen; totals per DC.
 
     Counters are since each agent started. A node that does not answer is shown down with the
-    last time the collectors reached it (`kvctl collect`), and never fails the command.
+    last time the collectors reached it (`kvctl collect`), and never fails the command; one that
+    took the connection and said nothing within --timeout (hung or overloaded) is shown not
+    answering.
 
     With --window, no agent is asked: the figures are what the collectors recorded over that
     window (the dashboard's numbers), with the share of scrapes each node answered.
@@ -120,6 +122,15 @@ def _split(c: HitCounts) -> str:
     return f"{percent(c.reuse_share_of_hits)} / {percent(c.sharing_share_of_hits)}"
 
 
+#: a node's state (NodeStatus.state) as the table shows it
+STATES = {
+    "up": "[green]up[/]",
+    "token refused": "[yellow]up, token refused[/]",
+    "not answering": "[bold yellow]not answering[/]",
+    "down": "[bold red]down[/]",
+}
+
+
 def _render(status: FleetStatus) -> None:
     from rich.table import Table
 
@@ -129,12 +140,12 @@ def _render(status: FleetStatus) -> None:
         nodes.add_column(col, justify="right" if col == "hit ratio" else "left")
     for n in status.nodes:
         read = n.up and not n.auth_refused  # figures only from an agent that let us read them
-        state = "[bold red]down[/]" if not n.up else "[green]up[/]"
+        state = STATES[n.state]
         # escaped: names and errors are the inventory's and the agents' text, not markup
         nodes.add_row(
             escape(n.node),
             escape(n.dc),
-            "[yellow]up, token refused[/]" if n.auth_refused else state,
+            state,
             percent(n.counts.hit_ratio) if read else "N/A",
             _split(n.counts) if read else "N/A",
             _tiers(n.tiers) if read else "N/A",
@@ -155,7 +166,9 @@ def _render(status: FleetStatus) -> None:
         if n.auth_refused:
             console.print(f"[yellow]{escape(n.node)}[/] {escape(str(n.error))}", highlight=False)
         elif not n.up:
-            console.print(f"[red]{escape(n.node)}[/] down: {escape(str(n.error))}", highlight=False)
+            console.print(
+                f"[red]{escape(n.node)}[/] {n.state}: {escape(str(n.error))}", highlight=False
+            )
 
 
 def _occupancy(c: Counts) -> str:

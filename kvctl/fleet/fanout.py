@@ -10,7 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvctl.client import AgentClient, AgentError, AuthError
+from kvctl.client import AgentClient, AgentError, AgentUnreachable, AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import KvctlError
 from kvctl.interrupts import interrupts_held
@@ -30,6 +30,9 @@ class NodeResult(Generic[T]):
     elapsed_s: float
     #: the agent answered, so it is up, but refused the token (or needed one): not down
     auth_refused: bool = False
+    #: it took the connection and said nothing in time (hung, overloaded): not answering,
+    #: which "down, start it" would misdescribe
+    silent: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -70,7 +73,9 @@ def fan_out(
             value = call(client)
         except Exception as exc:  # down, refused, or not an agent at all (HTML, bad JSON)
             refused = isinstance(exc, AuthError)
-            return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0, refused)
+            elapsed_s = time.perf_counter() - t0
+            reason = _reason(exc)
+            return NodeResult(node, False, None, reason, elapsed_s, refused, _silent(exc))
         finally:
             if clients is None:
                 client.close()
@@ -134,6 +139,16 @@ class ClientPool:
             clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             c.close()
+
+
+def _silent(exc: Exception) -> bool:
+    """The call timed out waiting for the answer, not connecting: something holds the port
+    and says nothing."""
+    if not isinstance(exc, AgentUnreachable):
+        return False
+    import httpx  # an AgentUnreachable's cause: loaded already by the client that raised it
+
+    return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
 def _reason(exc: Exception) -> str:

@@ -46,11 +46,23 @@ class NodeStatus:
     error: str | None = None
     #: up, but it refused the token (or needed one): its figures could not be read
     auth_refused: bool = False
+    #: not up: it took the connection and said nothing within the timeout (hung, overloaded)
+    silent: bool = False
     counts: HitCounts = field(default_factory=HitCounts)
     tiers: dict[str, TierUse] = field(default_factory=dict)
     uptime_s: float | None = None
     #: when the node last answered: now when up, else the collectors' last successful scrape
     last_seen_ms: int | None = None
+
+    @property
+    def state(self) -> str:
+        """ "up", "token refused" (up, no figures), "not answering" (hung) or "down", as
+        `kvctl top` says."""
+        if self.auth_refused:
+            return "token refused"
+        if self.up:
+            return "up"
+        return "not answering" if self.silent else "down"
 
     @property
     def read(self) -> bool:
@@ -64,6 +76,7 @@ class NodeStatus:
             "agent_url": self.agent_url,
             "up": self.up,
             "auth_refused": self.auth_refused,
+            "state": self.state,
             "error": self.error,
             **figures_or_unknown(self.counts, self.read),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
@@ -171,7 +184,8 @@ def fleet_status(
     clock: Callable[[], float] = time.time,
 ) -> FleetStatus:
     """Ask every node's agent at once; a node that does not answer, or whose answer is not an
-    agent's stats, is down, never an error. One that refuses the token is up (``auth_refused``),
+    agent's stats, is down (``silent`` when it took the connection and said nothing: not
+    answering), never an error. One that refuses the token is up (``auth_refused``),
     without figures: it answered, and starting it again would not help."""
     results = fan_out(
         nodes, lambda c: c.stats(), token=token, timeout_s=timeout_s, on_result=on_result
@@ -179,6 +193,7 @@ def fleet_status(
     now_ms = int(clock() * 1000)
     answered: dict[int, NodeStatus] = {}
     errors: dict[int, str | None] = {}
+    silent: set[int] = set()
     for r in results:
         if r.auth_refused:  # it answered: up, with no figures to show
             answered[r.node.id] = NodeStatus(
@@ -191,6 +206,13 @@ def fleet_status(
                 last_seen_ms=now_ms,
             )
             continue
+        if r.silent:  # "cannot reach the agent ... is it running?" would send one to start it
+            silent.add(r.node.id)
+            errors[r.node.id] = (
+                f"{r.node.agent_url} took the connection and said nothing for {timeout_s:g} s: "
+                "hung or overloaded? Its log (agent.log in its data dir) says what it was doing"
+            )
+            continue
         if not r.ok or r.value is None:
             errors[r.node.id] = r.error
             continue
@@ -201,7 +223,15 @@ def fleet_status(
     seen = last_seen(conn, list(errors))
     statuses = [
         answered.get(n.id)
-        or NodeStatus(n.name, n.dc, n.agent_url, False, errors[n.id], last_seen_ms=seen.get(n.id))
+        or NodeStatus(
+            n.name,
+            n.dc,
+            n.agent_url,
+            False,
+            errors[n.id],
+            silent=n.id in silent,
+            last_seen_ms=seen.get(n.id),
+        )
         for n in (r.node for r in results)
     ]
     by_dc: dict[str, DcStatus] = {}

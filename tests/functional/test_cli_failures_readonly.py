@@ -108,3 +108,17 @@ def test_collect_reports_an_agent_refusing_the_token_as_up_not_down(tmp_path: Pa
     assert all("token" in (s.error or "") and s.scrape_seconds is not None for s in refused)
     assert [s.up for s in samples if s.node_id == ids["gone"]] == [False, False]
     assert cache == []
+
+
+def test_status_tells_a_hung_agent_from_one_that_is_down(tmp_path: Path) -> None:
+    with _hung_agent() as hung:
+        db = _fleet(tmp_path, {"hung": hung.url, "gone": f"http://127.0.0.1:{closed_port()}"})
+        status = json.loads(_cli(db, "status", "--timeout", "1", "--json"))
+        table = " ".join(_cli(db, "status", "--timeout", "1").replace("│", " ").split())
+    nodes = {n["node"]: n for n in status["nodes"]}
+    assert nodes["hung"]["up"] is False and nodes["hung"]["state"] == "not answering", nodes
+    assert "said nothing for 1 s" in nodes["hung"]["error"], nodes
+    assert nodes["gone"]["up"] is False and nodes["gone"]["state"] == "down", nodes
+    assert "hung fra not answering" in table and "gone fra down" in table, table
+    assert "hung down" not in table and "hung not answering:" in table, table
+    assert status["total"]["up"] == 0
