@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import functools
 import hmac
+import ipaddress
 import json
 import logging
 import math
@@ -150,6 +151,25 @@ class ByteBudget:
         with self._cond:
             self.free_bytes += n_bytes
             self._cond.notify_all()
+
+
+def source_key(host: str) -> str:
+    """What ``data_max_unauthenticated_per_source`` counts a TCP client's connections under: an
+    IPv4 address as itself (an IPv4-mapped IPv6 one, from a dual-stack listener, as its IPv4),
+    an IPv6 address by its /64, the least a site is given (one host can hold any number of
+    addresses of its /64, each would have had a share of its own). A link-local address keeps
+    its own (with its zone): its /64 is the whole link's, every host on it."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # not an address (never from accept): counted as given
+        return host
+    if isinstance(ip, ipaddress.IPv4Address):
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.is_link_local:
+        return str(ip)
+    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))  # (a zone, if any, dropped)
 
 
 class EveryInterval:
@@ -346,7 +366,7 @@ class DataPlaneServer:
                     )
                 time.sleep(0.1)
                 continue
-            source = address[0] if transport == "tcp" else None
+            source = source_key(address[0]) if transport == "tcp" else None
             try:
                 conn_sock.setblocking(True)  # a stalled client is cut off by the reaper
                 if transport == "tcp":
@@ -366,7 +386,7 @@ class DataPlaneServer:
 
     def _admit(self, transport: str, source: str | None) -> str | None:
         """Take a slot for a new connection (the caller holds ``_lock``); or the setting whose
-        cap refuses it. ``source``: a TCP client's address (None on the Unix socket)."""
+        cap refuses it. ``source``: a TCP client's ``source_key`` (None on the Unix socket)."""
         if self._open[transport] >= self.max_connections:
             return "data_max_connections"
         if (
@@ -415,16 +435,16 @@ class DataPlaneServer:
             cap = self.max_unauthenticated_per_source
             if n:
                 log.warning(
-                    "data plane: refused %d connection(s) from addresses already holding %d "
-                    "not yet authenticated (data_max_unauthenticated_per_source), the last "
-                    "from %s",
+                    "data plane: refused %d connection(s) from sources (an IPv4 address, an IPv6 "
+                    "/64) already holding %d not yet authenticated "
+                    "(data_max_unauthenticated_per_source), the last from %s",
                     n,
                     cap,
                     source,
                 )
             message = (
                 f"this agent takes at most {cap} connections that have not authenticated "
-                "(sent their HELLO) from one address; retry later"
+                "(sent their HELLO) from one address (IPv6: one /64); retry later"
             )
         meta = error_meta(ErrorCode.BUSY, message)
         with contextlib.suppress(OSError):

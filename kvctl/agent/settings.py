@@ -96,10 +96,12 @@ class AgentSettings:
     #: data-plane connections each transport (TCP, the Unix socket) keeps open at most; one past
     #: it is closed at once (each connection is a thread; engines open a few each)
     data_max_connections: int = 1024
-    #: TCP data-plane connections one source address may hold before they authenticate (their
-    #: HELLO served): one past it is closed at once, so one address that keeps reopening silent
+    #: TCP data-plane connections one source may hold before they authenticate (their HELLO
+    #: served): one past it is closed at once, so one address that keeps reopening silent
     #: connections cannot fill ``data_max_connections``; authenticated connections and the Unix
-    #: socket do not count
+    #: socket do not count. A source is an IPv4 address (IPv4-mapped IPv6 ones as IPv4), an
+    #: IPv6 address's /64 (one host may use any address of its /64), a link-local address
+    #: (``kvctl.agent.dataplane.source_key``)
     data_max_unauthenticated_per_source: int = 32
     eviction: str = "lineage-adaptive"
     disk_admission: str = "all"
