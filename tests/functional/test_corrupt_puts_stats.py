@@ -44,7 +44,7 @@ def test_refused_corrupt_puts_are_in_stats_and_agent_status(
     assert agent.control().stats()["dataplane"] == {"corrupt_puts": 0}
     assert "PUT chunk" not in _status(tmp_path / "a", tmp_path).stdout
 
-    keys, chunks, items = _batch(seed=83)
+    _keys, chunks, items = _batch(seed=83)
     meta = put_meta("t1", items, [chunk_checksum(c) for c in chunks])
     damaged = [bytearray(c) for c in chunks[:2]]
     for d in damaged:
