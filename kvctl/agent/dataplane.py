@@ -482,6 +482,9 @@ class DataPlaneServer:
             "agent": s.name,
             "dc": s.dc,
             "role": s.role,
+            # kvctl's package version (what pip and importlib.metadata report: pyproject takes
+            # it from kvctl.__version__), for people and logs only: capabilities are the flags
+            # below, which clients decide by (see kvctl.wire.protocol)
             "version": __version__,
             "tiers": self.tier_names,
             #: what a pool agent's clients report as the pool's size

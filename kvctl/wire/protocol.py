@@ -14,6 +14,15 @@ straight into preallocated buffers and sent with ``sendmsg`` from memoryviews.
 A frame the agent cannot trust (bad magic or version, oversized, truncated metadata) gets an
 ``ERROR`` frame and the connection is closed, because the byte stream can no longer be framed.
 A well-framed but invalid request gets an ``ERROR`` frame and the connection stays usable.
+
+What a peer can do is negotiated by explicit flags, never by version numbers: the header's
+``version`` is the framing's (it changes only when old and new cannot frame each other), and
+the HELLO reply's JSON ``version`` is the agent's kvctl package version, for people and logs
+(``kvctl doctor`` compares it across the fleet). Builds with and without a capability have
+reported the same package version, so a client decides by the HELLO's capability fields
+(``fetch_checksum``, ``put_checksum``: each names the checksum it takes, absent on agents
+before it; ``shm``), and an agent by the request's own flags (``FETCH_CHECKSUMS``,
+``PUT_CHECKSUMS``), never by comparing versions.
 """
 
 from __future__ import annotations
