@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 
 from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import JsonOpt
@@ -114,12 +115,13 @@ def demo_command(
         stop_signals,
     )
 
-    say: Callable[[str], None] = (
-        (lambda _: None) if json_out else (lambda m: console.print(f"  {m}", highlight=False))
-    )
+    say: Callable[[str], None] = (lambda _: None) if json_out else _say
     with user_errors(hint="see `kvctl demo --help`"):
         if trace is not None and not trace.is_file():
-            err_console.print(f"[yellow]{trace} not found; using the built-in workload instead[/]")
+            err_console.print(
+                f"[yellow]{escape(str(trace))} not found; using the built-in workload instead[/]",
+                highlight=False,
+            )
             trace = None
         from kvctl.profiles import gpu_profile
 
@@ -134,9 +136,9 @@ def demo_command(
         config, sizing = size_tiers(config, loaded.requests, duration)
         if not json_out:
             console.print(
-                f"[bold]kvctl demo[/]: {loaded.name} ({len(loaded.requests):,} requests) on a "
-                f"fleet of "
-                f"{2 * nodes_per_dc} agents in 2 DCs; workspace {config.workdir}",
+                f"[bold]kvctl demo[/]: {escape(loaded.name)} ({len(loaded.requests):,} requests) "
+                f"on a fleet of {2 * nodes_per_dc} agents in 2 DCs; workspace "
+                f"{escape(str(config.workdir))}",
                 highlight=False,
             )
         say(sizing_text(sizing, config.kv_scale))
@@ -159,7 +161,9 @@ def demo_command(
                 say("stopping ...")
                 killed = fleet.stop()
                 if killed:
-                    err_console.print(f"[yellow]had to kill:[/] {', '.join(killed)}")
+                    err_console.print(
+                        f"[yellow]had to kill:[/] {escape(', '.join(killed))}", highlight=False
+                    )
     energy = _energy(fleet)
     if planning is not None and planning.is_alive():
         say("waiting for the capacity plan ...")
@@ -191,13 +195,20 @@ def demo_command(
         _print_energy(energy, report.modeled()["prefill_joules_saved"])
         _print_comparison(comparison)
         _print_sharing(comparison)
-        console.print(sizing_text(sizing, config.kv_scale), highlight=False)
+        console.print(escape(sizing_text(sizing, config.kv_scale)), highlight=False)
         console.print(
-            f"workspace kept in {config.workdir}: kvctl.db (history), replay.json, logs; "
-            f"`kvctl db current --db {fleet.db_url}` reads it"
+            f"workspace kept in {escape(str(config.workdir))}: kvctl.db (history), replay.json, "
+            f"logs; `kvctl db current --db {escape(fleet.db_url)}` reads it",
+            highlight=False,
         )
     if report.agents_agree is False or db_check.get("agree") is False:
         raise typer.Exit(1)
+
+
+def _say(message: str) -> None:
+    """One step of the demo, as it goes. Escaped: steps quote paths, URLs and errors, which
+    are not markup."""
+    console.print(f"  {escape(message)}", highlight=False)
 
 
 #: how long the end of the demo waits for the capacity plan still being computed
@@ -343,7 +354,7 @@ def _energy(fleet: DemoFleet) -> dict[str, Any] | None:
     try:
         return energy_used(fleet)
     except Exception as exc:  # the replay's report stands without it
-        err_console.print(f"[yellow]energy:[/] not read: {exc}")
+        err_console.print(f"[yellow]energy:[/] not read: {escape(str(exc))}", highlight=False)
         return None
 
 
@@ -364,7 +375,7 @@ def sizing_text(sizing: TierSizing, kv_scale: float) -> str:
 
 def _print_energy(energy: dict[str, Any] | None, saved_it_joules: float | None) -> None:
     for line in energy_lines(energy, saved_it_joules):
-        console.print(line, highlight=False)
+        console.print(escape(line), highlight=False)
 
 
 def energy_lines(energy: dict[str, Any] | None, saved_it_joules: float | None) -> list[str]:
@@ -531,6 +542,9 @@ def _print_db_check(check: dict[str, object]) -> None:
             f"database: the collected counters equal the replay's, node by node{router} ✓"
         )
     elif check.get("agree") is None:
-        err_console.print(f"[yellow]database:[/] {check.get('detail')}")
+        err_console.print(
+            f"[yellow]database:[/] {escape(str(check.get('detail')))}", highlight=False
+        )
     else:
-        err_console.print(f"[yellow]database:[/] {check.get('detail', 'differs from the replay')}")
+        detail = str(check.get("detail", "differs from the replay"))
+        err_console.print(f"[yellow]database:[/] {escape(detail)}", highlight=False)

@@ -725,8 +725,8 @@ def _render_status(report: dict[str, Any]) -> None:
             )
     for link in stats["links"]:
         console.print(
-            f"pulled {link['from_dc']} -> {link['to_dc']}: {link['chunks']:,} chunks, "
-            f"{format_bytes(link['bytes'])}",
+            f"pulled {escape(link['from_dc'])} -> {escape(link['to_dc'])}: {link['chunks']:,} "
+            f"chunks, {format_bytes(link['bytes'])}",
             highlight=False,
         )
     for feed in index.get("engines", []):
@@ -825,7 +825,7 @@ def _render_decision(d: dict[str, Any], *, explain: bool) -> None:
         f"{d['chunks']:,} chunks, {d['tokens']:,} tokens; held somewhere: {d['indexed_chunks']:,} "
         f"chunks; the node holds {d['local_chunks']:,} itself, pulls {d['pulled_chunks']:,} "
         f"({format_bytes(d['pulled_bytes'])}), prefills "
-        f"{max(0, d['tokens'] - d['fetched_tokens']):,} tokens; plan: {d['plan_reason']}",
+        f"{max(0, d['tokens'] - d['fetched_tokens']):,} tokens; plan: {escape(d['plan_reason'])}",
         highlight=False,
     )
     if d["pulls"]:
@@ -869,7 +869,7 @@ def _render_decision(d: dict[str, Any], *, explain: bool) -> None:
             )
     for link in d.get("dc_links", []):
         console.print(
-            f"[dim]DC link {' - '.join(link['dcs'])}: rtt {_ms(link['rtt_s'])}, "
+            f"[dim]DC link {escape(' - '.join(link['dcs']))}: rtt {_ms(link['rtt_s'])}, "
             f"{format_rate(link['bandwidth_bytes_per_s'])} ({escape(link['basis'])})[/]",
             highlight=False,
         )
