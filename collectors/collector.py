@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -42,6 +42,14 @@ from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import Retention, maintain
+from kvctl.db.sample_checks import (
+    Rejections,
+    checked_gpus,
+    checked_probe,
+    checked_stats,
+    count,
+    ratio,
+)
 from kvctl.profiles import ModeledInputs
 from kvctl.router.client import RouterClient, RouterClientError
 from kvctl.wire.address import redact_url
@@ -95,6 +103,8 @@ class Scrape:
     engine: EngineReading | None = None
     #: what could not be read although the node answered (its GPUs, its engine)
     warnings: list[str] = field(default_factory=list)
+    #: figures of its answers that cannot be true, stored as unknown (kvctl.db.sample_checks)
+    rejected: Rejections = field(default_factory=Rejections)
     #: it answered, refusing the token: up (as `kvctl status` says), its figures unread
     auth_refused: bool = False
 
@@ -111,6 +121,9 @@ class CycleReport:
     #: routers scraped (their redacted URLs), and why the others could not be
     routers_up: list[str] = field(default_factory=list)
     routers_down: dict[str, str] = field(default_factory=dict)
+    #: per node (or link): the fields of its answers rejected as impossible (not finite,
+    #: negative, a ratio outside [0, 1], beyond BIGINT, missing), and why; stored as unknown
+    rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     #: nodes that answered but refused the token (up, unread), and what they said
     token_refused: dict[str, str] = field(default_factory=dict)
 
@@ -125,7 +138,21 @@ class CycleReport:
             "rows": self.rows,
             "warnings": self.warnings,
             "written": self.written,
+            "rejected": {
+                node: {"count": len(fields), "fields": fields}
+                for node, fields in self.rejected.items()
+            },
         }
+
+    def reject(self, node: str, rejected: Rejections) -> None:
+        """Note ``rejected`` of ``node``'s answers: in ``rejected`` and as a warning."""
+        if not rejected:
+            return
+        self.rejected.setdefault(node, {}).update(rejected.fields)
+        self.warnings.append(
+            f"{node}: {len(rejected)} value(s) rejected as impossible, stored as unknown: "
+            f"{rejected.summary()}"
+        )
 
 
 @dataclass(slots=True)
@@ -159,6 +186,8 @@ class Collector:
         self._in_flight: dict[int, Future[Scrape]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self._warned_nodes: set[int] = set()
+        #: per node (and link), the fields last logged as rejected: logged again on a change
+        self._rejected_logged: dict[str, frozenset[str]] = {}
         #: the inventory as last read: scraped on while the database cannot be read
         self._known_nodes: list[NodeInfo] = []
         self._link_round = 0
@@ -218,9 +247,12 @@ class Collector:
             return Scrape(node, False, time.perf_counter() - t0, error=str(exc))
         seconds = time.perf_counter() - t0
         self.metrics.scrape_seconds.labels("agent").observe(seconds)
-        out = Scrape(node, True, seconds, stats=stats)
+        # checked here, once: rows, counters and reports see only figures that can be true
+        checked, rejected = checked_stats(stats)
+        out = Scrape(node, True, seconds, stats=checked, rejected=rejected)
         try:
-            out.gpus = client.gpus()
+            out.gpus, rejected_gpus = checked_gpus(client.gpus())
+            rejected.fields.update(rejected_gpus.fields)
         except RequestError as exc:
             if exc.code != 404:  # an agent older than /v1/gpus: no power readings
                 out.warnings.append(f"gpus: {exc}")
@@ -231,6 +263,8 @@ class Collector:
             out.engine, problem = self._scrape_engine(node)
             if problem:
                 out.warnings.append(problem)
+            if out.engine is not None:
+                out.engine = checked_engine(out.engine, rejected)
         return out
 
     def _scrape_engine(self, node: NodeInfo) -> tuple[EngineReading | None, str | None]:
@@ -379,6 +413,7 @@ class Collector:
                 report.down[node.name] = s.error or "down"
                 continue
             report.up.append(node.name)
+            self._rejected(report, node.name, "agent", s.rejected)
             rows["cache_sample"] += cache_rows(self._tracker, node.id, ts_ms, s.stats)
             rows["plan_sample"] += plan_rows(self._tracker, node.id, ts_ms, s.stats)
             if s.gpus is not None:
@@ -409,6 +444,25 @@ class Collector:
                     self._warned_nodes.add(node.id)
                     log.warning("%s: %s", node.name, warning)
         return rows
+
+    def _rejected(self, report: CycleReport, name: str, kind: str, rejected: Rejections) -> None:
+        """Rejected figures of one node's (or link's) answers: counted, in the report, and
+        logged by field (never by value) when they are not those logged last time."""
+        self.metrics.rejected.labels(kind).inc(len(rejected))
+        report.reject(name, rejected)
+        fields = frozenset(rejected.fields)
+        if self._rejected_logged.get(name, frozenset()) == fields:
+            return
+        self._rejected_logged[name] = fields
+        if fields:
+            log.warning(
+                "%s: %d value(s) rejected as impossible, stored as unknown: %s",
+                name,
+                len(rejected),
+                rejected.summary(),
+            )
+        else:
+            log.info("%s: no value rejected any more", name)
 
     def _router_rows(
         self,
@@ -519,9 +573,11 @@ class Collector:
             for src, dst in pairs
         ]
         wait(futures)
-        rows = [f.result() for f in futures]
-        for row, (src, dst) in zip(rows, pairs, strict=True):
+        probed = [f.result() for f in futures]
+        rows = [row for row, _rejected in probed]
+        for (row, rejected), (src, dst) in zip(probed, pairs, strict=True):
             name = f"{src.name}->{dst.name}"
+            self._rejected(report, name, "link", rejected)
             if row["ok"]:
                 report.up.append(name)
             else:
@@ -540,7 +596,9 @@ class Collector:
 
     def _probe(
         self, src: NodeInfo, dst: NodeInfo, target: str | AgentError, ts_ms: int
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], Rejections]:
+        """The link_sample row of one probe, and the figures of its answer rejected."""
+        rejected = Rejections()
         row: dict[str, Any] = {
             "src_node_id": src.id,
             "dst_node_id": dst.id,
@@ -570,19 +628,17 @@ class Collector:
         except AgentError as exc:
             self.metrics.errors.labels("link").inc()
             row["error"] = str(exc)
-            return row
+            return row, rejected
         self.metrics.scrape_seconds.labels("link").observe(time.perf_counter() - t0)
         row.update(
-            rtt_s=result.get("rtt_s"),
-            bandwidth_bytes_per_s=result.get("bandwidth_bytes_per_s"),
-            loss_ratio=result.get("loss_ratio"),
+            **checked_probe(result, rejected),
             ok=bool(result.get("ok")),
             error=result.get("error"),
             **rtt_basis_of(result),
         )
         if not row["ok"]:
             self.metrics.errors.labels("link").inc()
-        return row
+        return row, rejected
 
     # --- maintenance -------------------------------------------------------------------------
     def maintain(self) -> dict[str, Any]:
@@ -639,3 +695,40 @@ def rtt_basis_of(probe: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(delay, int | float) and not isinstance(delay, bool):
         delay_s = float(delay) if math.isfinite(delay) and delay >= 0 else None
     return {"rtt_basis": basis if basis in RTT_BASES else "unknown", "emulated_delay_s": delay_s}
+
+
+#: an engine reading's counters and byte gauges (the rest: its ratio, its TTFT histogram)
+_ENGINE_COUNTS = (
+    "prompt_tokens",
+    "cached_prompt_tokens",
+    "generation_tokens",
+    "requests",
+    "lmcache_hit_tokens",
+    "lmcache_requested_tokens",
+    "lmcache_local_cache_usage_bytes",
+    "process_start_s",
+    "kv_reused_blocks",
+    "kv_missed_blocks",
+    "kvbm_matched_tokens",
+    "kvbm_offload_host_blocks",
+    "kvbm_offload_disk_blocks",
+    "kvbm_onboard_host_blocks",
+    "kvbm_onboard_disk_blocks",
+)
+
+
+def checked_engine(reading: EngineReading, rejected: Rejections) -> EngineReading:
+    """``reading`` with figures that cannot be true (a negative counter, a usage ratio
+    outside [0, 1], a TTFT histogram counting below zero) unknown, noted in ``rejected``. The
+    parser already leaves out what is not finite."""
+    fixed: dict[str, Any] = {
+        c: count(getattr(reading, c), f"engine.{c}", rejected) for c in _ENGINE_COUNTS
+    }
+    fixed["kv_usage_ratio"] = ratio(reading.kv_usage_ratio, "engine.kv_usage_ratio", rejected)
+    ttft = reading.ttft
+    if ttft is not None and (
+        count(ttft.count, "engine.ttft.count", rejected) is None
+        or count(ttft.sum, "engine.ttft.sum", rejected) is None
+    ):
+        fixed["ttft"] = None
+    return replace(reading, **fixed)

@@ -35,6 +35,13 @@ class CollectorMetrics:
         self.nodes = Gauge(
             "kvctl_collector_nodes", "Nodes in the last cycle, by state.", ["state"], registry=r
         )
+        self.rejected = Counter(
+            "kvctl_collector_rejected_values_total",
+            "Figures of answers rejected as impossible (not finite, negative, a ratio outside "
+            "[0, 1], beyond BIGINT, missing) and stored as unknown.",
+            ["kind"],
+            registry=r,
+        )
         self.db_errors = Counter(
             "kvctl_collector_db_errors_total", "Batches the database refused.", registry=r
         )

@@ -13,6 +13,7 @@ from collectors.engines import EngineReading, Histogram, histogram_delta, histog
 from kvctl.counters import CounterTracker
 from kvctl.db.analytics.savings import gpu_key
 from kvctl.db.models import SERIES_BY_TABLE
+from kvctl.db.sample_checks import known
 from kvctl.profiles import GPUS, ModeledInputs
 from kvctl.wire.stats import cache_counters
 
@@ -27,12 +28,18 @@ def _int(v: float | None) -> int | None:
 def cache_rows(
     tracker: CounterTracker, node_id: int, ts_ms: int, stats: Mapping[str, Any]
 ) -> list[dict[str, Any]]:
-    """``cache_sample`` rows of one scrape of ``/v1/stats``."""
-    usage: Mapping[str, Mapping[str, int]] = stats["usage"]
+    """``cache_sample`` rows of one scrape of ``/v1/stats`` (checked: ``kvctl.db.sample_checks``).
+
+    A counter rejected from the answer is unknown: its series keeps its last known value, so
+    its increase is counted at the next scrape that reads it (the row says 0 meanwhile: the
+    columns are NOT NULL) and sums over any window stay exact. A tier whose gauges are unknown
+    has no row for this scrape (its bytes would read 0 in NOT NULL columns), and its counters
+    wait for the next row the same way; an unknown tier makes the node's ``all`` row wait too.
+    """
+    usage: Mapping[str, Mapping[str, float]] = stats["usage"]
     epoch = stats.get("started_s")
     rows = []
     for tier, raw in cache_counters(stats).items():
-        inc = tracker.increase(f"cache:{node_id}:{tier}", raw, epoch=epoch, ts_ms=ts_ms)
         if tier == "all":
             gauges = {
                 k: sum(u[k] for u in usage.values())
@@ -40,6 +47,10 @@ def cache_rows(
             }
         else:
             gauges = dict(usage.get(tier, {}))
+        if any(known(v) is None for v in gauges.values()):
+            continue
+        counters = {k: known(v) for k, v in raw.items()}
+        inc = tracker.increase(f"cache:{node_id}:{tier}", counters, epoch=epoch, ts_ms=ts_ms)
         rows.append(
             {
                 "node_id": node_id,
@@ -86,7 +97,9 @@ def plan_rows(
     prefill = plans.get("prefill") if isinstance(plans.get("prefill"), Mapping) else {}
     kind = prefill.get("kind")
     inputs = prefill.get("inputs") if isinstance(prefill.get("inputs"), Mapping) else {}
-    raw = {c: p.get(c) for c in ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")}
+    raw = {
+        c: known(p.get(c)) for c in ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
+    }
     inc = tracker.increase(f"plan:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
     recompute_s, fetch_s = inc["recompute_s"], inc["fetch_s"]
     # saved_s is recompute_s - fetch_s on the agent, but not monotonic (a link overridden to
@@ -166,7 +179,7 @@ def emulated_power_rows(
     since_ms = tracker.last_ts_ms(series)
     inc = tracker.increase(
         series,
-        {k: whole.get(k) for k in ("lookup_tokens", "hit_tokens")},
+        {k: known(whole.get(k)) for k in ("lookup_tokens", "hit_tokens")},
         epoch=stats.get("started_s"),
         ts_ms=ts_ms,
     )

@@ -1,0 +1,266 @@
+"""What an agent, its GPUs or a link probe reports, checked where it enters the fleet database:
+once, before any counter is tracked or any row is built.
+
+An agent is another process on another host, maybe buggy, old or hostile, and JSON as Python
+parses it carries NaN and Infinity. Unchecked, one such number ended the collector's loop
+(rounding NaN), held every node's rows back on PostgreSQL (NaN or 1e300 in a BIGINT column
+refuses the whole batch, retried for ever), stayed in the counters' saved state so every later
+increase was NaN, and made the dashboard's fleet sums NaN or infinite; SQLite stored NaN as
+NULL where PostgreSQL kept NaN. A value that cannot be true is *rejected*: its field is unknown
+(NULL, shown N/A, never 0), named in ``Rejections``, and the rest of the answer is kept.
+
+Cannot be true: a number that is not finite, or not a number at all (a string, a bool); a
+count, byte count, duration or power below zero or beyond BIGINT; a ratio outside [0, 1]; a
+field the collector needs that is missing. A counter that went *down* is not rejected: it is a
+restart, which ``kvctl.counters`` counts from zero.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final, cast
+
+from sqlalchemy import String
+
+from kvctl.db.models import CacheSample
+
+#: the largest count (or seconds, joules, watts) a row may carry: BIGINT's. Beyond it the
+#: database refuses the batch; no real counter gets near it (9.2e18 bytes, joules or seconds)
+MAX_MAGNITUDE: Final = 2**63 - 1
+#: a counter a sum over it cannot know: ``kvctl.wire.stats.cache_counters`` adds tiers' counters
+#: up, and NaN keeps such a sum unknown; rows read any non-finite figure as unknown
+UNKNOWN: Final = math.nan
+#: the ``tier`` column's width: a longer tier name is refused by PostgreSQL (the whole batch)
+TIER_CHARS: Final = cast(String, CacheSample.__table__.c.tier.type).length or 16
+#: stands in for tiers whose answer could not be read, so the node's ``all`` figures (sums over
+#: every tier) are unknown for that scrape rather than short by that tier
+UNREADABLE_TIER: Final = "?"
+#: a GPU's index is the ``gpu_index`` INTEGER column
+_MAX_GPU_INDEX: Final = 2**31 - 1
+
+#: ``/v1/stats`` counters the collector reads (``stats`` of the answer), node-wide and per tier
+NODE_COUNTERS: Final = (
+    "lookup_chunks",
+    "lookup_tokens",
+    "hit_chunks",
+    "hit_tokens",
+    "reuse_hits",
+    "sharing_hits",
+    "drops",
+)
+TIER_COUNTERS: Final = (
+    "hits",
+    "hit_tokens",
+    "reuse_hits",
+    "sharing_hits",
+    "promotions",
+    "demotions",
+    "bytes_read",
+    "bytes_written",
+)
+USAGE_GAUGES: Final = ("used_bytes", "capacity_bytes", "pinned_bytes", "chunks")
+PLAN_COUNTERS: Final = ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
+GPU_COUNTS: Final = ("power_w", "energy_j", "memory_used_bytes", "memory_total_bytes")
+PROBE_COUNTS: Final = ("rtt_s", "bandwidth_bytes_per_s")
+
+
+@dataclass(slots=True)
+class Rejections:
+    """Fields of one answer rejected, by where they were in it (``stats.drops``,
+    ``gpus[0].power_w``), with why; never the value, which may be large or hostile."""
+
+    fields: dict[str, str] = field(default_factory=dict)
+
+    def add(self, where: str, why: str) -> None:
+        self.fields[where] = why
+
+    def __len__(self) -> int:
+        return len(self.fields)
+
+    def summary(self, most: int = 5) -> str:
+        """The first ``most`` fields and why, for a report line or a log line."""
+        shown = [f"{w} ({why})" for w, why in list(self.fields.items())[:most]]
+        more = len(self.fields) - most
+        return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def number(
+    value: object,
+    where: str,
+    rejections: Rejections,
+    *,
+    high: float = MAX_MAGNITUDE,
+    why_high: str = "beyond BIGINT",
+) -> int | float | None:
+    """``value`` if it is a finite number in [0, ``high``]; else None, and it is rejected.
+    None (not reported) passes as None, rejecting nothing."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        rejections.add(where, "not a number")
+        return None
+    # an int past float's range would raise in isfinite: ints are compared, never converted
+    if isinstance(value, float) and not math.isfinite(value):
+        rejections.add(where, "not finite")
+        return None
+    if value < 0:
+        rejections.add(where, "negative")
+        return None
+    if value > high:
+        rejections.add(where, why_high)
+        return None
+    return value
+
+
+def count(value: object, where: str, rejections: Rejections) -> int | float | None:
+    """A counter, byte count, duration, energy or power: finite, at least 0, within BIGINT."""
+    return number(value, where, rejections)
+
+
+def ratio(value: object, where: str, rejections: Rejections) -> float | None:
+    """A ratio: finite, in [0, 1]."""
+    return number(value, where, rejections, high=1, why_high="above 1")
+
+
+def _needed(value: object, where: str, rejections: Rejections) -> float:
+    """A counter the collector's sums need: UNKNOWN when missing or rejected."""
+    if value is None:
+        rejections.add(where, "missing")
+        return UNKNOWN
+    checked = count(value, where, rejections)
+    return UNKNOWN if checked is None else checked
+
+
+def _object(value: object, where: str, rejections: Rejections) -> Mapping[str, Any]:
+    if isinstance(value, Mapping):
+        return value
+    rejections.add(where, "missing" if value is None else "not an object")
+    return {}
+
+
+def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]:
+    """A copy of an agent's ``/v1/stats`` whose figures the collector reads are each a number
+    it can store or UNKNOWN (counters and usage: sums are taken over them) or None (the start
+    time, the plans' counters), and what was rejected. Fields the collector does not read are
+    copied as they are."""
+    rejections = Rejections()
+    out = dict(stats)
+    raw = _object(stats.get("stats"), "stats", rejections)
+    counters: dict[str, Any] = dict(raw)
+    for name in NODE_COUNTERS:
+        counters[name] = _needed(raw.get(name), f"stats.{name}", rejections)
+    tiers: dict[str, Any] = {}
+    usage: dict[str, Any] = {}
+    before = len(rejections)
+    raw_tiers = _object(raw.get("tiers"), "stats.tiers", rejections)
+    raw_usage = _object(stats.get("usage"), "usage", rejections)
+    # without its tiers or their usage, the node's totals cannot be summed
+    unreadable = len(rejections) > before
+    for name, tier in raw_tiers.items():
+        where = f"stats.tiers.{name[:TIER_CHARS]}"
+        if len(name) > TIER_CHARS:
+            rejections.add(f"{where}...", f"tier name longer than {TIER_CHARS} characters")
+            unreadable = True
+            continue
+        if not isinstance(tier, Mapping):
+            rejections.add(where, "not an object")
+            unreadable = True
+            continue
+        checked: dict[str, Any] = dict(tier)
+        for c in TIER_COUNTERS:
+            checked[c] = _needed(tier.get(c), f"{where}.{c}", rejections)
+        evictions = tier.get("evictions", {})
+        if isinstance(evictions, Mapping):
+            checked["evictions"] = {
+                k: _needed(v, f"{where}.evictions.{k[:32]}", rejections)
+                for k, v in evictions.items()
+            }
+        else:
+            rejections.add(f"{where}.evictions", "not an object")
+            checked["evictions"] = {"unknown": UNKNOWN}
+        tiers[name] = checked
+    for name, gauges in raw_usage.items():
+        where = f"usage.{name[:TIER_CHARS]}"
+        if len(name) > TIER_CHARS or not isinstance(gauges, Mapping):
+            why = "not an object" if len(name) <= TIER_CHARS else "tier name too long"
+            rejections.add(where, why)
+            unreadable = True
+            continue
+        usage[name] = {g: _needed(gauges.get(g), f"{where}.{g}", rejections) for g in USAGE_GAUGES}
+    if unreadable:
+        # a tier that could not be read still counted in the node's sums: they are unknown
+        tiers[UNREADABLE_TIER] = {
+            **{c: UNKNOWN for c in TIER_COUNTERS},
+            "evictions": {"unknown": UNKNOWN},
+        }
+        usage[UNREADABLE_TIER] = {g: UNKNOWN for g in USAGE_GAUGES}
+    counters["tiers"] = tiers
+    out["stats"] = counters
+    out["usage"] = usage
+    out["started_s"] = count(stats.get("started_s"), "started_s", rejections)
+    plans = stats.get("fetch_plans")
+    if isinstance(plans, Mapping) and isinstance(plans.get("plans"), Mapping):
+        p = plans["plans"]
+        out["fetch_plans"] = {
+            **plans,
+            "plans": {
+                **p,
+                **{c: count(p.get(c), f"fetch_plans.plans.{c}", rejections) for c in PLAN_COUNTERS},
+            },
+        }
+    return out, rejections
+
+
+def checked_gpus(gpus: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]:
+    """A copy of an agent's ``/v1/gpus`` whose readings hold only figures that can be true
+    (None where rejected, like a reading NVML could not take); a reading without a usable
+    index is left out (it has no row to go in)."""
+    rejections = Rejections()
+    out = dict(gpus)
+    if not isinstance(gpus.get("nvml", {}), Mapping):
+        rejections.add("gpus.nvml", "not an object")
+        out["nvml"] = {}
+    readings = gpus.get("gpus", [])
+    if not isinstance(readings, list):
+        rejections.add("gpus.gpus", "not a list")
+        readings = []
+    kept = []
+    for i, g in enumerate(readings):
+        where = f"gpus[{i}]"
+        if not isinstance(g, Mapping):
+            rejections.add(where, "not an object")
+            continue
+        index = g.get("index")
+        if (
+            isinstance(index, bool)
+            or not isinstance(index, int)
+            or not 0 <= index <= _MAX_GPU_INDEX
+        ):
+            rejections.add(f"{where}.index", "not a GPU index")
+            continue
+        reading = dict(g)
+        for c in GPU_COUNTS:
+            reading[c] = count(g.get(c), f"{where}.{c}", rejections)
+        reading["utilization_ratio"] = ratio(
+            g.get("utilization_ratio"), f"{where}.utilization_ratio", rejections
+        )
+        kept.append(reading)
+    out["gpus"] = kept
+    return out, rejections
+
+
+def checked_probe(probe: Mapping[str, Any], rejections: Rejections) -> dict[str, Any]:
+    """A link probe's figures (``rtt_s``, ``bandwidth_bytes_per_s``, ``loss_ratio``), None
+    where not reported or rejected."""
+    out: dict[str, Any] = {c: count(probe.get(c), f"probe.{c}", rejections) for c in PROBE_COUNTS}
+    out["loss_ratio"] = ratio(probe.get("loss_ratio"), "probe.loss_ratio", rejections)
+    return out
+
+
+def known(value: float | None) -> float | None:
+    """None for UNKNOWN (or any figure not finite), else the value."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return None
+    return value
