@@ -379,6 +379,11 @@ class Collector:
         rows = self._rows(scrapes, ts_ms, report)
         self._router_rows(router_scrapes, ts_ms, report, rows)
         self._write(rows, report)
+        # after the write: a cycle not written says why first (the loop's line shows the first
+        # warning), then what was rejected
+        for s in scrapes:
+            if s.up and s.stats is not None:
+                self._rejected(report, s.node.name, "agent", s.rejected)
         report.seconds = time.perf_counter() - t0
         self.metrics.cycle_seconds.observe(report.seconds)
         self.metrics.nodes.labels("up").set(len(report.up))
@@ -413,7 +418,6 @@ class Collector:
                 report.down[node.name] = s.error or "down"
                 continue
             report.up.append(node.name)
-            self._rejected(report, node.name, "agent", s.rejected)
             rows["cache_sample"] += cache_rows(self._tracker, node.id, ts_ms, s.stats)
             rows["plan_sample"] += plan_rows(self._tracker, node.id, ts_ms, s.stats)
             if s.gpus is not None:
@@ -575,14 +579,15 @@ class Collector:
         wait(futures)
         probed = [f.result() for f in futures]
         rows = [row for row, _rejected in probed]
-        for (row, rejected), (src, dst) in zip(probed, pairs, strict=True):
+        for (row, _rejected), (src, dst) in zip(probed, pairs, strict=True):
             name = f"{src.name}->{dst.name}"
-            self._rejected(report, name, "link", rejected)
             if row["ok"]:
                 report.up.append(name)
             else:
                 report.down[name] = row["error"] or "failed"
         self._write({"link_sample": rows}, report)
+        for (_row, rejected), (src, dst) in zip(probed, pairs, strict=True):
+            self._rejected(report, f"{src.name}->{dst.name}", "link", rejected)
         report.seconds = time.perf_counter() - t0
         return report
 

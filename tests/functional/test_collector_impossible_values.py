@@ -354,3 +354,38 @@ def test_collect_once_says_which_fields_it_rejected(
     assert result.exit_code == 0, result.output
     assert "n1: 3 value(s) rejected as impossible" in result.output
     assert "gpus[0].power_w (not finite)" in result.output and "1e+300" not in result.output
+
+
+def test_a_refused_cycle_says_why_before_what_it_rejected(
+    pg_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """The loop's line shows a cycle's first warning as why it was not written: that stays
+    the database's refusal, with the rejections after it (a table lock held elsewhere, a short
+    lock timeout for the collector)."""
+    from sqlalchemy import create_engine
+
+    from kvctl.db.engine import resolve_url
+
+    n1, _n2 = stand_ins
+    n1.answers["/v1/gpus"] = _gpus(math.nan, 1000.0, 0.5, 100)
+    open_db(pg_url, auto_upgrade=True).dispose()
+    db = create_engine(resolve_url(pg_url), connect_args={"options": "-c lock_timeout=300"})
+    blocker = create_engine(resolve_url(pg_url))
+    try:
+        with db.begin() as conn:
+            add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+            add_node(conn, "n1", dc="fra", agent_url=n1.url)
+        collector = Collector(db, CollectorConfig(interval_s=5.0))
+        try:
+            with blocker.connect() as lock_conn:
+                lock_conn.execute(text("LOCK TABLE power_sample IN ACCESS EXCLUSIVE MODE"))
+                refused = collector.collect_once()
+                lock_conn.rollback()
+        finally:
+            collector.close()
+    finally:
+        db.dispose()
+        blocker.dispose()
+    assert not refused.written and "retry" in refused.warnings[0]
+    assert refused.warnings[1].startswith("n1: 1 value(s) rejected")
+    assert refused.rejected == {"n1": {"gpus[0].power_w": "not finite"}}
