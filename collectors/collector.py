@@ -638,7 +638,6 @@ class Collector:
         row.update(
             **checked_probe(result, rejected),
             ok=bool(result.get("ok")),
-            error=result.get("error"),
             **rtt_basis_of(result),
         )
         if not row["ok"]:

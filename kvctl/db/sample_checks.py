@@ -251,11 +251,21 @@ def checked_gpus(gpus: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]:
     return out, rejections
 
 
+#: what of an agent's error text a row keeps
+MAX_ERROR_CHARS: Final = 1000
+
+
 def checked_probe(probe: Mapping[str, Any], rejections: Rejections) -> dict[str, Any]:
-    """A link probe's figures (``rtt_s``, ``bandwidth_bytes_per_s``, ``loss_ratio``), None
-    where not reported or rejected."""
+    """A link probe's figures (``rtt_s``, ``bandwidth_bytes_per_s``, ``loss_ratio``) and its
+    ``error``, None where not reported or rejected. An error that is not text was refused by
+    both databases, and with it the whole batch, at every retry."""
     out: dict[str, Any] = {c: count(probe.get(c), f"probe.{c}", rejections) for c in PROBE_COUNTS}
     out["loss_ratio"] = ratio(probe.get("loss_ratio"), "probe.loss_ratio", rejections)
+    error = probe.get("error")
+    if error is not None and not isinstance(error, str):
+        rejections.add("probe.error", "not text")
+        error = None
+    out["error"] = None if error is None else error[:MAX_ERROR_CHARS]
     return out
 
 

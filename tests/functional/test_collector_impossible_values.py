@@ -389,3 +389,30 @@ def test_a_refused_cycle_says_why_before_what_it_rejected(
     assert not refused.written and "retry" in refused.warnings[0]
     assert refused.warnings[1].startswith("n1: 1 value(s) rejected")
     assert refused.rejected == {"n1": {"gpus[0].power_w": "not finite"}}
+
+
+def test_a_probe_error_that_is_not_text_does_not_hold_the_batch(
+    db: Engine, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """A probe answering an ``error`` object: both databases refused it, and with it every
+    later batch (kept for retry). Now the error is rejected, the link row written as failed."""
+    n1, n2 = stand_ins
+    for s in (n1, n2):
+        s.answers["/v1/probe"] = {"ok": False, "rtt_s": 0.001, "error": {"nested": [1, 2]}}
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_dc(conn, "ams", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=n1.url)
+        add_node(conn, "n2", dc="ams", agent_url=n2.url)
+    collector = Collector(db, CollectorConfig(interval_s=5.0))
+    try:
+        links = collector.probe_links_once()
+        after = collector.collect_once()
+    finally:
+        collector.close()
+    assert links.written and after.written, (links.warnings, after.warnings)
+    assert links.rejected["n1->n2"] == {"probe.error": "not text"}
+    assert sorted(links.down) == ["n1->n2", "n2->n1"]
+    with db.connect() as conn:
+        rows = conn.execute(text("SELECT ok, error, rtt_s FROM link_sample")).all()
+    assert sorted(rows) == [(False, None, 0.001)] * 2

@@ -245,7 +245,12 @@ def test_a_probe_and_an_engine_reading_are_checked_too() -> None:
     probe = checked_probe(
         {"rtt_s": math.nan, "bandwidth_bytes_per_s": -1.0, "loss_ratio": 3.5}, rejected
     )
-    assert probe == {"rtt_s": None, "bandwidth_bytes_per_s": None, "loss_ratio": None}
+    assert probe == {
+        "rtt_s": None,
+        "bandwidth_bytes_per_s": None,
+        "loss_ratio": None,
+        "error": None,
+    }
     assert set(rejected.fields) == {
         "probe.rtt_s",
         "probe.bandwidth_bytes_per_s",
