@@ -594,10 +594,14 @@ class Collector:
     def _data_address(self, node: NodeInfo) -> str | AgentError:
         """The node's data-plane TCP address, or why it cannot be probed."""
         try:
-            address = self._client(node).info().get("dataplane", {}).get("tcp")
+            dataplane = self._client(node).info().get("dataplane")
         except AgentError as exc:
             return exc
-        return address or AgentError(f"{node.name} has no TCP data plane to probe")
+        # an answer of another shape is no address (it raised in the probe round, ending it)
+        address = dataplane.get("tcp") if isinstance(dataplane, Mapping) else None
+        if not isinstance(address, str) or not address:
+            return AgentError(f"{node.name} has no TCP data plane to probe")
+        return address
 
     def _probe(
         self, src: NodeInfo, dst: NodeInfo, target: str | AgentError, ts_ms: int

@@ -416,3 +416,26 @@ def test_a_probe_error_that_is_not_text_does_not_hold_the_batch(
     with db.connect() as conn:
         rows = conn.execute(text("SELECT ok, error, rtt_s FROM link_sample")).all()
     assert sorted(rows) == [(False, None, 0.001)] * 2
+
+
+def test_an_info_of_another_shape_fails_that_link_not_the_round(
+    db: Engine, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """n2's /v1/info says ``"dataplane": 5``: the probes of n2 fail, the round goes on (the
+    AttributeError ended probe_links_once, and with it `kvctl collect`'s loop)."""
+    n1, n2 = stand_ins
+    n2.answers["/v1/info"] = {"name": "n2", "dataplane": 5}
+    for s in (n1, n2):
+        s.answers["/v1/probe"] = {"ok": True, "rtt_s": 0.001, "loss_ratio": 0.0}
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_dc(conn, "ams", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=n1.url)
+        add_node(conn, "n2", dc="ams", agent_url=n2.url)
+    collector = Collector(db, CollectorConfig(interval_s=5.0))
+    try:
+        links = collector.probe_links_once()
+    finally:
+        collector.close()
+    assert links.written
+    assert "no TCP data plane" in links.down["n1->n2"] and links.up == ["n2->n1"]
