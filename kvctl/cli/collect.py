@@ -160,7 +160,17 @@ def collect_command(
                 hint="add them with `kvctl fleet add-node` (or `kvctl fleet import FILE`)",
             )
         if once:
-            _once(collector, links, json_out)
+            try:
+                _once(collector, links, json_out)
+            except KeyboardInterrupt:
+                # said at once: the scrapes under way still hold the exit (the collector's
+                # threads are joined), for their request timeout at most
+                err_console.print(
+                    "[yellow]interrupted:[/] the scrapes under way end within their "
+                    f"{config.request_timeout_s:g} s timeout",
+                    highlight=False,
+                )
+                raise typer.Exit(130) from None
             return
         server = None
         if metrics_listen != "off":

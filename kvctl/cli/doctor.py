@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, TimeoutOpt
-from kvctl.cli.output import console, print_json
+from kvctl.cli.output import console, err_console, print_json
 
 if TYPE_CHECKING:
     from kvctl.fleet.doctor import Check
@@ -42,7 +42,11 @@ def doctor_command(
     """
     from kvctl.fleet.doctor import exit_code, run_checks, summarize
 
-    checks = run_checks(db, nodes=node or (), dcs=dc or (), timeout_s=timeout)
+    try:
+        checks = run_checks(db, nodes=node or (), dcs=dc or (), timeout_s=timeout)
+    except KeyboardInterrupt:  # read-only: no agent still asked is waited for
+        err_console.print("[yellow]interrupted[/]", highlight=False)
+        raise typer.Exit(130) from None
     summary = summarize(checks)
     if json_out:
         print_json({"checks": [c.as_dict() for c in checks], "summary": summary})

@@ -65,9 +65,13 @@ def lookup_command(
     engine = open_engine(db)
     nodes = targets.resolve(engine)
     engine.dispose()
-    found = lookup_prompt(
-        nodes, ids, keys=keys or None, model=model, tenant=tenant, timeout_s=timeout
-    )
+    try:
+        found = lookup_prompt(
+            nodes, ids, keys=keys or None, model=model, tenant=tenant, timeout_s=timeout
+        )
+    except KeyboardInterrupt:  # read-only: no agent still asked is waited for
+        err_console.print("[yellow]interrupted[/]", highlight=False)
+        raise typer.Exit(130) from None
     asked = {"tokens": len(ids)} if ids is not None else {"keys": len(keys)}
     if json_out:
         print_json({**asked, "nodes": [f.as_dict() for f in found]})

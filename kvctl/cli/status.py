@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, TimeoutOpt, db_errors, open_engine
-from kvctl.cli.output import console, print_json, user_errors
+from kvctl.cli.output import console, err_console, print_json, user_errors
 from kvctl.format import format_utc_minute, percent
 
 if TYPE_CHECKING:
@@ -73,19 +73,24 @@ def status_command(
         with user_errors():
             win = window_of(window, int(time.time() * 1000))
     engine = open_engine(db)
-    with (
-        db_errors(),
-        user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
-        engine.connect() as conn,
-    ):
-        everyone = not (node or dc)
-        nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=everyone)
-        result: FleetStatus | Recorded = (
-            fleet_status(conn, nodes, timeout_s=timeout)
-            if win is None
-            else recorded(conn, win, nodes)
-        )
-    engine.dispose()
+    try:
+        with (
+            db_errors(),
+            user_errors(hint="`kvctl fleet ls` lists DCs and nodes"),
+            engine.connect() as conn,
+        ):
+            everyone = not (node or dc)
+            nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=everyone)
+            result: FleetStatus | Recorded = (
+                fleet_status(conn, nodes, timeout_s=timeout)
+                if win is None
+                else recorded(conn, win, nodes)
+            )
+    except KeyboardInterrupt:  # read-only: no agent still asked is waited for
+        err_console.print("[yellow]interrupted[/]", highlight=False)
+        raise typer.Exit(130) from None
+    finally:
+        engine.dispose()
     if json_out:
         print_json(result.as_dict())
     elif isinstance(result, FleetStatus):

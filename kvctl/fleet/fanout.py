@@ -3,10 +3,11 @@ whether it answered or not."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, as_completed, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -84,14 +85,11 @@ def fan_out(
     results: dict[int, NodeResult[T]] = {}
     if not nodes:
         return []
-    pool = ThreadPoolExecutor(max_workers=max(1, min(concurrency, len(nodes))))
-    futures: dict[Future[NodeResult[T]], int] = {}
+    futures = _started(nodes, one, max(1, min(concurrency, len(nodes))))
     #: answers ``on_result`` took in full: a Ctrl-C between an answer's arrival and its
     #: report must not leave it unreported
     reported: set[int] = set()
     try:
-        for i, node in enumerate(nodes):
-            futures[pool.submit(one, node)] = i
         for fut in as_completed(futures):
             res = fut.result()
             results[futures[fut]] = res
@@ -102,7 +100,13 @@ def fan_out(
     except BaseException as exc:
         # on_result failed (the audit trail cannot be written) or Ctrl-C: nodes not yet asked
         # must not be acted on unrecorded
-        pool.shutdown(wait=True, cancel_futures=True)
+        for fut in futures:
+            fut.cancel()  # those not yet asked; a call under way runs on
+        if isinstance(exc, KeyboardInterrupt) and on_result is None:
+            # read-only: nothing to report or audit, so no agent is waited for (a hung one
+            # would hold the Ctrl-C for the whole timeout); the calls end on daemon threads
+            raise
+        wait(futures)  # every answer is in: reported below, or left unreported on failure
         if isinstance(exc, KeyboardInterrupt) and on_result is not None:
             # the nodes asked before the Ctrl-C acted all the same: their answers are reported
             # (and so audited) too, not left unrecorded
@@ -114,8 +118,39 @@ def fan_out(
                     except Exception:  # the audit trail failing: the Ctrl-C still goes on
                         break
         raise
-    pool.shutdown(wait=True)
     return [results[i] for i in range(len(nodes))]
+
+
+def _started(
+    nodes: Sequence[NodeInfo], one: Callable[[NodeInfo], NodeResult[T]], threads: int
+) -> dict[Future[NodeResult[T]], int]:
+    """``one(node)`` for every node on ``threads`` daemon threads: each node's future, and its
+    index. Daemon: concurrent.futures' threads are joined at exit, so a call stuck in a hung
+    agent kept a Ctrl-C'd command from ending until its timeout. A future cancelled before its
+    node's turn is never asked."""
+    jobs: queue.SimpleQueue[tuple[Future[NodeResult[T]], NodeInfo]] = queue.SimpleQueue()
+    futures: dict[Future[NodeResult[T]], int] = {}
+    for i, node in enumerate(nodes):
+        fut: Future[NodeResult[T]] = Future()
+        futures[fut] = i
+        jobs.put((fut, node))
+
+    def work() -> None:
+        while True:
+            try:
+                fut, node = jobs.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(one(node))
+            except BaseException as exc:  # ``one`` catches a node's failures: a bug, passed on
+                fut.set_exception(exc)
+
+    for n in range(threads):
+        threading.Thread(target=work, name=f"kvctl-fanout-{n}", daemon=True).start()
+    return futures
 
 
 class ClientPool:

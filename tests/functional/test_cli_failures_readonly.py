@@ -9,12 +9,16 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import select
 from typer.testing import CliRunner
 
@@ -122,3 +126,63 @@ def test_status_tells_a_hung_agent_from_one_that_is_down(tmp_path: Path) -> None
     assert "hung fra not answering" in table and "gone fra down" in table, table
     assert "hung down" not in table and "hung not answering:" in table, table
     assert status["total"]["up"] == 0
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "--timeout", str(LONG_TIMEOUT_S)],
+        ["lookup", "--all", "--key", "3f2a9c0d1e4b5a697887766554433221"],
+        ["doctor", "--timeout", str(LONG_TIMEOUT_S)],
+    ],
+    ids=["status", "lookup", "doctor"],
+)
+def test_ctrl_c_while_a_hung_agent_is_asked_ends_a_read_only_command(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """Nothing a read-only command asks needs auditing: a Ctrl-C ends it with one line, where
+    it waited in silence for the hung agent's --timeout (here far beyond the hang guard)."""
+    if args[0] == "lookup":
+        args = [*args, "--timeout", str(LONG_TIMEOUT_S)]
+    with _hung_agent() as hung:
+        db = _fleet(tmp_path, {"hung": hung.url})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", *args, "--db", db],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        try:
+            assert hung.asked.wait(GUARD_S)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=GUARD_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    said = " ".join(err.decode().split())
+    assert proc.returncode == 130, said
+    assert said == "interrupted", said
+
+
+def test_ctrl_c_during_collect_once_says_what_it_waits_for(tmp_path: Path) -> None:
+    """The collector's scrapes are bounded by their own timeout (at most 5 s): a Ctrl-C says
+    so at once instead of exiting in silence after it."""
+    with _hung_agent() as hung:
+        db = _fleet(tmp_path, {"hung": hung.url})
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", "collect", "--once", "--no-links",
+             "--metrics-listen", "off", "--db", db],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        try:
+            assert hung.asked.wait(GUARD_S)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=GUARD_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    said = " ".join(err.decode().split())
+    assert proc.returncode == 130, said
+    assert said == "interrupted: the scrapes under way end within their 5 s timeout", said
