@@ -31,12 +31,31 @@ SOCKET_TIMEOUT_S = 600.0
 @contextlib.contextmanager
 def stopped(agent: Agent) -> Iterator[None]:
     """The agent process stopped (SIGSTOP) for the block, continued (SIGCONT) after it, also
-    when the block fails (so its stop at the test's end can be answered)."""
+    when the block fails (so its stop at the test's end can be answered). The block starts
+    once every thread of it is stopped: SIGSTOP is delivered asynchronously, and on a busy
+    machine a request sent right after the kill could still be answered."""
     os.kill(agent.proc.pid, signal.SIGSTOP)
     try:
+        _wait_stopped(agent.proc.pid)
         yield
     finally:
         os.kill(agent.proc.pid, signal.SIGCONT)
+
+
+def _wait_stopped(pid: int) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not all(_state(pid, tid) in ("T", "t", None) for tid in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"pid {pid} did not stop"
+        time.sleep(0.001)
+
+
+def _state(pid: int, tid: str) -> str | None:
+    """A thread's state letter (T: stopped); None when it ended meanwhile."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
 
 
 def guarded(call: Callable[[], T]) -> T:
