@@ -81,7 +81,10 @@ class Cells:
 
     def state(self, row: NodeRow) -> Text:
         if row.up:
-            return Text("up", style=self.palette.style(Level.GOOD))
+            up = Text("up", style=self.palette.style(Level.GOOD))
+            if row.rejected:  # figures it answered that cannot be true: N/A, and said why here
+                up.append(f" {len(row.rejected)} rejected", style=self.palette.style(Level.WARN))
+            return up
         if row.auth_refused:  # it answered: restarting it would not help, the token would
             return Text("up, token refused", style=self.palette.style(Level.WARN))
         # ≥: never seen up, by the collectors or this view: down at least since the first poll
@@ -94,6 +97,8 @@ class Cells:
         )
 
     def hit(self, recent: WindowCounts) -> Text:
+        if not recent.hit_known:  # a counter rejected from the answer: unknown, not idle
+            return NA.copy()
         if recent.seconds and recent.hit_ratio is None:
             return Text("idle", style="dim")
         return self._styled(percent(recent.hit_ratio, digits=0), self.t.hit(recent.hit_ratio))

@@ -16,6 +16,14 @@ from typing import Any, TypeVar
 
 from kvctl.counters import CounterTracker
 from kvctl.db.inventory import NodeInfo
+from kvctl.db.sample_checks import (
+    UNREADABLE_TIER,
+    USAGE_GAUGES,
+    Rejections,
+    checked_stats,
+    count,
+    known,
+)
 from kvctl.ratios import HitCounts, ratio
 from kvctl.wire.stats import cache_counters
 
@@ -35,6 +43,8 @@ class GpuPower:
     power_w: float | None
     gpus: int
     note: str | None = None
+    #: readings' fields rejected as impossible (``gpus[0].power_w``: why), read as missing
+    rejected: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,34 +177,86 @@ class TierGauge:
         }
 
 
+#: the counts a hit ratio or share is taken over: summed together or not at all
+_HIT_COUNTS = frozenset(("lookups", "hits", "reuse_hits", "sharing_hits"))
+
+
 @dataclass(slots=True)
 class WindowCounts(HitCounts):
     """Counter increases over the recent window (lookups and hits are :class:`HitCounts`') and
-    the seconds it spans."""
+    the seconds it spans. A count in ``unknown`` (its counter rejected from this poll's answer,
+    see :mod:`kvctl.db.sample_checks`) is N/A, and so is every figure taken over it."""
 
     seconds: float = 0.0
     evictions: float = 0.0
     io_bytes: float = 0.0
+    unknown: frozenset[str] = frozenset()
+
+    def _over(self, *counts: str) -> bool:
+        """Whether every one of ``counts`` is known."""
+        return self.unknown.isdisjoint(counts)
+
+    @property
+    def hit_known(self) -> bool:
+        return self._over("lookups", "hits")
+
+    @property
+    def hit_ratio(self) -> float | None:
+        return ratio(self.hits, self.lookups) if self._over("lookups", "hits") else None
+
+    @property
+    def reuse_hit_ratio(self) -> float | None:
+        return ratio(self.reuse_hits, self.lookups) if self._over("lookups", "reuse_hits") else None
+
+    @property
+    def sharing_hit_ratio(self) -> float | None:
+        known = self._over("lookups", "sharing_hits")
+        return ratio(self.sharing_hits, self.lookups) if known else None
+
+    @property
+    def reuse_share_of_hits(self) -> float | None:
+        return ratio(self.reuse_hits, self.hits) if self._over("hits", "reuse_hits") else None
+
+    @property
+    def sharing_share_of_hits(self) -> float | None:
+        return ratio(self.sharing_hits, self.hits) if self._over("hits", "sharing_hits") else None
+
+    def hit_figures(self) -> dict[str, float | None]:
+        # the ratios are this class's properties: N/A where taken over an unknown count
+        return {k: None if k in self.unknown else v for k, v in HitCounts.hit_figures(self).items()}
 
     def rate(self, value: float) -> float | None:
         return value / self.seconds if self.seconds > 0 else None
 
     @property
     def evictions_per_s(self) -> float | None:
-        return self.rate(self.evictions)
+        return self.rate(self.evictions) if self._over("evictions") else None
 
     @property
     def io_bytes_per_s(self) -> float | None:
-        return self.rate(self.io_bytes)
+        return self.rate(self.io_bytes) if self._over("io_bytes") else None
 
     @property
     def lookups_per_s(self) -> float | None:
-        return self.rate(self.lookups)
+        return self.rate(self.lookups) if self._over("lookups") else None
+
+    @property
+    def summed_unknown(self) -> frozenset[str]:
+        """What a sum over nodes leaves out of these counts: the unknown ones, and all four hit
+        counts where one is (a DC's hit ratio is over the nodes whose ratio is known, never
+        hits of one set of nodes over lookups of another)."""
+        u = self.unknown
+        return u | _HIT_COUNTS if u & _HIT_COUNTS else u
 
     def add(self, other: WindowCounts) -> None:
-        self.add_hits(other)
-        self.evictions += other.evictions
-        self.io_bytes += other.io_bytes
+        """Add ``other``'s known counts (see :attr:`summed_unknown`)."""
+        skip = other.summed_unknown
+        if skip.isdisjoint(_HIT_COUNTS):
+            self.add_hits(other)
+        if "evictions" not in skip:
+            self.evictions += other.evictions
+        if "io_bytes" not in skip:
+            self.io_bytes += other.io_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -239,6 +301,9 @@ class NodeRow:
     #: the router's decisions for this node; None without a router, while it is down, or for
     #: a node the router does not route to
     routing: NodeRouting | None = None
+    #: fields of its answers (stats and GPUs) rejected as impossible (``stats.drops``: why):
+    #: N/A, as is every figure taken over them
+    rejected: dict[str, str] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -301,6 +366,7 @@ class NodeRow:
             "gpu_power_w": None if self.gpu is None else self.gpu.power_w,
             "gpu_note": None if self.gpu is None else self.gpu.note,
             "routing": None if self.routing is None else self.routing.as_dict(),
+            "rejected": self.rejected,
         }
 
 
@@ -335,6 +401,10 @@ class DcRow:
             return
         self.up += 1
         self.recent.seconds = max(self.recent.seconds, row.recent.seconds)
+        # a count is unknown for the DC only where no node with figures knows it
+        unknown = row.recent.summed_unknown
+        first = self.up - self.refused == 1
+        self.recent.unknown = unknown if first else self.recent.unknown & unknown
         self.recent.add(row.recent)
         self.lookups_per_s = _plus(self.lookups_per_s, row.recent.lookups_per_s)
         self.evictions_per_s = _plus(self.evictions_per_s, row.recent.evictions_per_s)
@@ -600,6 +670,9 @@ class _Step:
     seconds: float
     counts: WindowCounts
     tier_evictions: dict[str, float]
+    #: the counts with no increase this step: their counter unknown at this poll (counted at
+    #: the next that reads it), or read for the first time
+    unknown: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -755,14 +828,25 @@ class Sampler:
         # an answer that came back after an earlier poll's deadline counts at its own time
         at_s = poll.ts_s if reading.read_at_s is None else reading.read_at_s
         state.last_up_s = at_s
-        stats = reading.stats
-        step = self._step(node.name, stats, at_s, state)
+        # the collectors' checks: a figure that cannot be true (NaN, negative, ...) is UNKNOWN
+        # here, N/A on screen, and the rest of the answer stands
+        stats, rejected = checked_stats(reading.stats)
+        for part in ("stats", "usage"):  # without these, it is not an agent's answer at all
+            if part in rejected.fields:
+                raise ValueError(f"{part}: {rejected.fields[part]}")
+        counters = {
+            tier: {k: known(v) for k, v in raw.items()}
+            for tier, raw in cache_counters(stats).items()
+            if tier != UNREADABLE_TIER
+        }
+        step = self._step(node.name, counters, stats.get("started_s"), at_s, state)
         if step is not None and self._max_gap_s is not None and step.seconds > self._max_gap_s:
             state.steps.clear()
             step = None
         if step is not None:
             state.steps.append(step)
-        state.hit_history.append(None if step is None else step.counts.hit_ratio)
+        hit_unknown = step is None or not step.unknown.isdisjoint(("lookups", "hits"))
+        state.hit_history.append(None if hit_unknown or step is None else step.counts.hit_ratio)
         recent = WindowCounts()
         tier_ev: dict[str, float] = {}
         for s in state.steps:
@@ -770,25 +854,32 @@ class Sampler:
             recent.add(s.counts)
             for t, v in s.tier_evictions.items():
                 tier_ev[t] = tier_ev.get(t, 0.0) + v
+        # unknown now: rejected from this answer, or read for the first time (a baseline)
+        recent.unknown = _unknown_counts(counters["all"]) | (step.unknown if step else frozenset())
         tiers: dict[str, TierGauge] = {}
-        for name, u in stats.get("usage", {}).items():
-            g = TierGauge(
-                int(u.get("used_bytes", 0)),
-                int(u.get("capacity_bytes", 0)),
-                int(u.get("pinned_bytes", 0)),
-                int(u.get("chunks", 0)),
-            )
-            g.evictions_per_s = recent.rate(tier_ev[name]) if name in tier_ev else None
+        for name, u in stats["usage"].items():
+            if name == UNREADABLE_TIER:
+                continue
+            history = state.occupancy.setdefault(name, deque(maxlen=HISTORY_POLLS))
+            gauges = [known(u[g]) for g in USAGE_GAUGES]  # TierGauge's order
+            if any(v is None for v in gauges):  # no gauge made of unknowns: N/A, like no tier
+                history.append(None)
+                continue
+            g = TierGauge(*(int(v) for v in gauges if v is not None))
+            ev_known = counters.get(name, {}).get("evictions") is not None
+            g.evictions_per_s = recent.rate(tier_ev[name]) if name in tier_ev and ev_known else None
             tiers[name] = g
-            state.occupancy.setdefault(name, deque(maxlen=HISTORY_POLLS)).append(g.occupancy_ratio)
-        whole = cache_counters(stats)["all"]
-        started_s = stats.get("started_s")
+            history.append(g.occupancy_ratio)
+        whole = counters["all"]
+        lookups, hits = whole["lookups"], whole["hits"]
+        started_s = stats["started_s"]
+        gpu_rejected = {} if state.gpu is None else dict(state.gpu.rejected)
         return NodeRow(
             node,
             True,
             last_seen_ms=round(at_s * 1000),
             recent=recent,
-            lifetime_hit_ratio=HitCounts(whole["lookups"], whole["hits"]).hit_ratio,
+            lifetime_hit_ratio=None if lookups is None or hits is None else ratio(hits, lookups),
             uptime_s=None if started_s is None else max(at_s - float(started_s), 0.0),
             tiers={k: tiers[k] for k in tier_order(tiers)},
             hit_history=list(state.hit_history),
@@ -796,6 +887,7 @@ class Sampler:
             rtt_s=rtt,
             rtt_basis=rtt_basis,
             gpu=state.gpu,
+            rejected={**rejected.fields, **gpu_rejected},
         )
 
     def _refused_row(
@@ -827,17 +919,27 @@ class Sampler:
         )
 
     def _step(
-        self, name: str, stats: Mapping[str, Any], ts_s: float, state: _NodeState
+        self,
+        name: str,
+        counters: Mapping[str, Mapping[str, float | None]],
+        epoch: float | None,
+        ts_s: float,
+        state: _NodeState,
     ) -> _Step | None:
-        """This poll's increases; None on the first poll of a node (a baseline only)."""
-        epoch = stats.get("started_s")
+        """This poll's increases; None on the first poll of a node (a baseline only). A counter
+        that is unknown (None) keeps its last known value in the tracker, so its increase is
+        counted, whole, at the next poll that reads it."""
         ts_ms = int(ts_s * 1000)
         last_ts_s, state.last_ts_s = state.last_ts_s, ts_s
         first = last_ts_s is None
         seconds = 0.0 if last_ts_s is None else ts_s - last_ts_s
         inc: dict[str, dict[str, float | None]] = {
-            tier: self._tracker.increase(f"{name}:{tier}", raw, epoch=epoch, ts_ms=ts_ms)
-            for tier, raw in cache_counters(stats).items()
+            # missing_means_unread: a counter unknown since the node was first seen is a
+            # baseline when it is read, not an increase of its whole value
+            tier: self._tracker.increase(
+                f"{name}:{tier}", raw, epoch=epoch, ts_ms=ts_ms, missing_means_unread=True
+            )
+            for tier, raw in counters.items()
         }
         if first or seconds <= 0:
             return None
@@ -852,7 +954,21 @@ class Sampler:
             io_bytes=(a["bytes_read"] or 0.0) + (a["bytes_written"] or 0.0),
         )
         tier_ev = {t: v["evictions"] or 0.0 for t, v in inc.items() if t != "all"}
-        return _Step(seconds, counts, tier_ev)
+        # None: unknown at this poll, or a baseline (unknown since the node was first seen)
+        return _Step(seconds, counts, tier_ev, _unknown_counts(a))
+
+
+def _unknown_counts(whole: Mapping[str, float | None]) -> frozenset[str]:
+    """The :class:`WindowCounts` counts a node's counters (its ``all``) leave unknown."""
+    of = {
+        "lookups": ("lookups",),
+        "hits": ("hits",),
+        "reuse_hits": ("reuse_hits",),
+        "sharing_hits": ("sharing_hits",),
+        "evictions": ("evictions",),
+        "io_bytes": ("bytes_read", "bytes_written"),
+    }
+    return frozenset(k for k, raw in of.items() if any(whole.get(c) is None for c in raw))
 
 
 @dataclass(frozen=True, slots=True)
@@ -877,7 +993,8 @@ class _RouterStep:
 
 
 def _count(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+    # the collectors' check: NaN or Infinity would make every increase, and the JSON, NaN
+    if count(value, "", Rejections()) is None:
         raise ValueError(f"not a count: {value!r}")
     return float(value)
 

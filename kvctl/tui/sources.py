@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 
 from kvctl.client import AuthError
 from kvctl.db.inventory import NodeInfo
+from kvctl.db.sample_checks import Rejections, count
 from kvctl.fleet.fanout import ClientPool, _reason
 from kvctl.tui.asking import Answer, Calls
 from kvctl.tui.model import GpuPower, Poll, Reading, RouterReading
@@ -102,15 +103,20 @@ class Source(Protocol):
 
 
 def gpu_power(answer: dict[str, Any]) -> GpuPower:
-    """A node's ``/v1/gpus`` as total power, or N/A with NVML's own reason."""
+    """A node's ``/v1/gpus`` as total power, or N/A with NVML's own reason. A power that
+    cannot be true (NaN, Infinity, negative: the collectors' check) is read as a missing
+    reading, and named in ``rejected``."""
     nvml = answer.get("nvml", {})
     gpus = answer.get("gpus", [])
     if not nvml.get("available"):
         return GpuPower(None, 0, f"NVML unavailable: {nvml.get('error') or 'unknown'}")
-    watts = [g["power_w"] for g in gpus if g.get("power_w") is not None]
+    rejected = Rejections()
+    read = [count(g.get("power_w"), f"gpus[{i}].power_w", rejected) for i, g in enumerate(gpus)]
+    watts = [w for w in read if w is not None]
     if not watts:
-        return GpuPower(None, len(gpus), "no power reading")
-    return GpuPower(float(sum(watts)), len(gpus))
+        why = f"power rejected: {rejected.summary()}" if rejected else "no power reading"
+        return GpuPower(None, len(gpus), why, rejected.fields)
+    return GpuPower(float(sum(watts)), len(gpus), rejected=rejected.fields)
 
 
 def router_url(url: str) -> str:
