@@ -210,6 +210,9 @@ def _line(kind: str, r: Any) -> None:
         down += f", [yellow]{len(r.token_refused)} token refused[/]: {refused}"
     if r.routers_down:
         down += f", [red]router down[/]: {escape(', '.join(sorted(r.routers_down)))}"
+    if r.rejected:  # node (or link) -> its fields rejected as impossible, stored as unknown
+        values = sum(len(fields) for fields in r.rejected.values())
+        down += f", [yellow]{values} value(s) rejected[/]: {escape(', '.join(sorted(r.rejected)))}"
     # the first warning says why (the database away, another collector on these nodes)
     why = escape(r.warnings[0]) if r.warnings else "not written"
     saved = "" if r.written else f" [yellow]({why})[/]"
