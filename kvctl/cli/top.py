@@ -12,7 +12,7 @@ import typer
 
 from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
-from kvctl.cli.output import fail, print_json, user_errors
+from kvctl.cli.output import err_console, fail, print_json, user_errors
 
 if TYPE_CHECKING:
     from kvctl.tui.sources import RouterWatch, Source
@@ -143,7 +143,11 @@ def top_command(
                 source.targets()  # an unknown DC or node, or an empty fleet, fails here
             audit_engine = None if readonly else engine
     if json_out:
-        _print_once(source, interval, window, wait_s=timeout)
+        try:
+            _print_once(source, interval, window, wait_s=timeout)
+        except KeyboardInterrupt:  # read-only, its calls on daemon threads: nothing to wait for
+            err_console.print("[yellow]interrupted[/]", highlight=False)
+            raise typer.Exit(130) from None
         return
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         # the full-screen view would write its escape codes into a pipe or file
