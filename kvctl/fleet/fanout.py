@@ -85,11 +85,16 @@ def fan_out(
     results: dict[int, NodeResult[T]] = {}
     if not nodes:
         return []
-    futures = _started(nodes, one, max(1, min(concurrency, len(nodes))))
+    futures: dict[Future[NodeResult[T]], int]
+    jobs: Jobs[T]
+    futures, jobs = _queued(nodes)
     #: answers ``on_result`` took in full: a Ctrl-C between an answer's arrival and its
     #: report must not leave it unreported
     reported: set[int] = set()
     try:
+        # in the try: a Ctrl-C while the threads start still cancels the nodes not yet asked
+        # and waits for (and reports) those that were
+        _start(jobs, one, max(1, min(concurrency, len(nodes))))
         for fut in as_completed(futures):
             res = fut.result()
             results[futures[fut]] = res
@@ -121,19 +126,25 @@ def fan_out(
     return [results[i] for i in range(len(nodes))]
 
 
-def _started(
-    nodes: Sequence[NodeInfo], one: Callable[[NodeInfo], NodeResult[T]], threads: int
-) -> dict[Future[NodeResult[T]], int]:
-    """``one(node)`` for every node on ``threads`` daemon threads: each node's future, and its
-    index. Daemon: concurrent.futures' threads are joined at exit, so a call stuck in a hung
-    agent kept a Ctrl-C'd command from ending until its timeout. A future cancelled before its
-    node's turn is never asked."""
-    jobs: queue.SimpleQueue[tuple[Future[NodeResult[T]], NodeInfo]] = queue.SimpleQueue()
+Jobs = queue.SimpleQueue[tuple[Future[NodeResult[T]], NodeInfo]]
+
+
+def _queued(nodes: Sequence[NodeInfo]) -> tuple[dict[Future[NodeResult[T]], int], Jobs[T]]:
+    """A future per node (with its index), and the queue of jobs the threads take them from."""
+    jobs: Jobs[T] = queue.SimpleQueue()
     futures: dict[Future[NodeResult[T]], int] = {}
     for i, node in enumerate(nodes):
         fut: Future[NodeResult[T]] = Future()
         futures[fut] = i
         jobs.put((fut, node))
+    return futures, jobs
+
+
+def _start(jobs: Jobs[T], one: Callable[[NodeInfo], NodeResult[T]], threads: int) -> None:
+    """``one(node)`` for every queued node on ``threads`` daemon threads. Daemon:
+    concurrent.futures' threads are joined at exit, so a call stuck in a hung agent kept a
+    Ctrl-C'd command from ending until its timeout. A future cancelled before its node's turn
+    is never asked."""
 
     def work() -> None:
         while True:
@@ -150,7 +161,6 @@ def _started(
 
     for n in range(threads):
         threading.Thread(target=work, name=f"kvctl-fanout-{n}", daemon=True).start()
-    return futures
 
 
 class ClientPool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -122,3 +123,36 @@ def test_a_ctrl_c_during_a_report_waits_for_it_to_end() -> None:
         fan_out(NODES[:2], pin, concurrency=2, on_result=report)
     assert len(steps) == 4 and steps[0].endswith("begun") and steps[1].endswith("ended"), steps
     assert sorted(s.split()[0] for s in steps) == ["n0", "n0", "n1", "n1"]  # each once
+
+
+def test_a_ctrl_c_while_the_threads_start_reports_every_node_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A Ctrl-C that lands while fan_out starts its threads (here: as the third starts) cancels
+    the nodes not yet asked and reports those that were: raised before the fan-out's ``try``,
+    it left the first threads asking every node, none of them reported (so unaudited)."""
+    import kvctl.fleet.fanout as fanout
+
+    asked: list[str] = []
+    reported: list[str] = []
+    started: list[threading.Thread] = []
+
+    class Interrupted(threading.Thread):
+        def start(self) -> None:
+            if len(started) == 2:
+                raise KeyboardInterrupt
+            started.append(self)
+            super().start()
+
+    # fan_out's own view of threading only: every other thread of the test run is left alone
+    monkeypatch.setattr(fanout, "threading", SimpleNamespace(Thread=Interrupted))
+
+    def pin(client: AgentClient) -> str:
+        asked.append(client.url)
+        return "pinned"
+
+    with pytest.raises(KeyboardInterrupt):
+        fan_out(NODES, pin, concurrency=8, on_result=lambda r: reported.append(r.node.agent_url))
+    for t in started:
+        t.join(GUARD_S)
+    assert sorted(reported) == sorted(asked)
