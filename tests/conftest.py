@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import uuid
+from collections.abc import Iterator
 
 import pytest
 
@@ -35,6 +37,23 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     collection, reported as an unraisable exception attributed to no test."""
     gc.collect()
     gc.freeze()
+
+
+#: the signals kvctl's long-running commands take over (collect, router, agent, demo)
+_HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_left_as_found() -> Iterator[None]:
+    """A test (a command run in-process) that leaves a signal handler of its own fails, and the
+    handler is put back: else every later test in that worker gets it (one left SIGINT setting
+    an event, and a Ctrl-C test of fan_out saw no KeyboardInterrupt)."""
+    before = {sig: signal.getsignal(sig) for sig in _HANDLED}
+    yield
+    left = {sig: h for sig in _HANDLED if (h := signal.getsignal(sig)) is not before[sig]}
+    for sig in left:
+        signal.signal(sig, before[sig])
+    assert not left, f"the test left signal handlers of its own: {left}"
 
 
 TINY_LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=4, dtype="float16")
