@@ -7,31 +7,39 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 
 @contextmanager
-def interrupts_held() -> Iterator[None]:
-    """A SIGINT during the block is noted and raised again once the block is over, for the
-    handler in place before it (KeyboardInterrupt, a command's "interrupted: ..." line).
-    Outside the main thread, where no signal handler runs, the block runs as is."""
+def on_sigint(handler: Callable[[int, FrameType | None], Any]) -> Iterator[None]:
+    """``handler`` takes SIGINT for the block; the one in place before is put back after it.
+    Outside the main thread (where no handler can be set, and none runs) or where the handler
+    in place was set outside Python (not ours to swap), the block runs as is."""
     if (
         threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGINT) is None  # set outside Python: not ours to swap
+        or signal.getsignal(signal.SIGINT) is None
     ):
         yield
         return
-    pending: list[int] = []
-
-    def note(signum: int, frame: FrameType | None) -> None:
-        pending.append(signum)
-
-    previous = signal.signal(signal.SIGINT, note)
+    previous = signal.signal(signal.SIGINT, handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@contextmanager
+def interrupts_held() -> Iterator[None]:
+    """A SIGINT during the block is noted and raised again once the block is over (also when
+    it failed), for the handler in place before it (KeyboardInterrupt, a command's
+    "interrupted: ..." line)."""
+    pending: list[int] = []
+    try:
+        with on_sigint(lambda signum, frame: pending.append(signum)):
+            yield
+    finally:
         if pending:
             signal.raise_signal(signal.SIGINT)

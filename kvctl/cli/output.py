@@ -82,22 +82,14 @@ def said_on_interrupt(message: str) -> Iterator[None]:
     """Ctrl-C in the block prints ``message`` on stderr at once, then interrupts as usual: a
     command that must wait for calls already sent (up to their timeout) says so, instead of
     looking hung."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+    from kvctl.interrupts import on_sigint
 
     def interrupted(signum: int, frame: object) -> None:
         err_console.print(f"[yellow]interrupted:[/] {message}", highlight=False, soft_wrap=True)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, interrupted)
-    try:
+    with on_sigint(interrupted):
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class TaskProgress:

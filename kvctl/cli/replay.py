@@ -15,6 +15,7 @@ from rich.markup import escape
 from kvctl.cli.options import AllOpt, DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 from kvctl.format import ENERGY_UNITS, format_scaled, percent
+from kvctl.interrupts import on_sigint
 
 if TYPE_CHECKING:
     from types import FrameType
@@ -284,11 +285,8 @@ def _stop_on_interrupt(stop: threading.Event) -> Iterator[None]:
             highlight=False,
         )
 
-    previous = signal.signal(signal.SIGINT, first)
-    try:
+    with on_sigint(first):
         yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class _Bar:
