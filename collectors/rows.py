@@ -100,6 +100,10 @@ def plan_rows(
     raw = {
         c: known(p.get(c)) for c in ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
     }
+    # saved_s is taken from the pair: one of them unknown makes both wait, so they catch up at
+    # the same scrape (one alone caught up would count its increase in no saved_s)
+    if raw["recompute_s"] is None or raw["fetch_s"] is None:
+        raw["recompute_s"] = raw["fetch_s"] = None
     inc = tracker.increase(f"plan:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
     recompute_s, fetch_s = inc["recompute_s"], inc["fetch_s"]
     # saved_s is recompute_s - fetch_s on the agent, but not monotonic (a link overridden to
