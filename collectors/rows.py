@@ -171,7 +171,8 @@ def emulated_power_rows(
     """The ``emulated_power_sample`` row of one scrape of ``/v1/stats``: the modeled prefill
     seconds of the tokens the node's cache did not serve since its previous scrape (its
     counters' lookup_tokens - hit_tokens) x the board power. None at a node's first scrape (a
-    baseline: no interval yet). The agents count whole chunks only (a prompt's partial last
+    baseline: no interval yet), nor where either counter is unknown (the next row covers its
+    interval). The agents count whole chunks only (a prompt's partial last
     chunk is never looked up), so the prefill emulated is that of whole chunks: the views say
     so. The busy time is at most the interval (a node sent more work than its GPU could do
     in it shows at full power), and the energy and power follow from it, so they never
@@ -180,13 +181,15 @@ def emulated_power_rows(
     model on the GPU at its MFU, the GPU's published board power)."""
     whole = cache_counters(stats).get("all", {})
     series = f"emulated:{node_id}"
+    counters = {k: known(whole.get(k)) for k in ("lookup_tokens", "hit_tokens")}
+    if None in counters.values():
+        # both or no sample: the next row that reads both covers the whole span since the
+        # last one, its time and its misses (lookups - hits of that same span). Advancing
+        # one alone mixed one span's lookups with two spans' hits, and the skipped span's
+        # time was never emulated
+        return []
     since_ms = tracker.last_ts_ms(series)
-    inc = tracker.increase(
-        series,
-        {k: known(whole.get(k)) for k in ("lookup_tokens", "hit_tokens")},
-        epoch=stats.get("started_s"),
-        ts_ms=ts_ms,
-    )
+    inc = tracker.increase(series, counters, epoch=stats.get("started_s"), ts_ms=ts_ms)
     looked, hit = inc["lookup_tokens"], inc["hit_tokens"]
     if since_ms is None or ts_ms <= since_ms or looked is None or hit is None:
         return []

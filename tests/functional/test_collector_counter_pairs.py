@@ -19,6 +19,7 @@ from sqlalchemy.engine import Engine
 from collectors.collector import Collector, CollectorConfig
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.models import Node
+from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS, ModeledInputs
 from tests.functional.test_collector_impossible_values import T0_S, StandIn, _rows, _stats
 
 pytestmark = pytest.mark.slow
@@ -81,3 +82,41 @@ def test_seconds_saved_sum_exactly_across_a_rejected_recompute_s(
     recompute = sum(r["recompute_s"] or 0.0 for r in plans)
     fetch = sum(r["fetch_s"] or 0.0 for r in plans)
     assert saved == pytest.approx(recompute - fetch) == pytest.approx((30 - 10) - (6 - 1))
+
+
+def _tokens(lookup_tokens: float, hit_tokens: float) -> dict[str, Any]:
+    stats = _stats(0, 0, 0.0)
+    stats["stats"]["lookup_tokens"] = lookup_tokens
+    stats["stats"]["hit_tokens"] = hit_tokens
+    return stats
+
+
+@pytest.mark.parametrize("rejected", ["hit_tokens", "lookup_tokens"])
+def test_emulated_energy_covers_the_interval_of_a_rejected_token_counter(
+    db: Engine, agent: StandIn, rejected: str
+) -> None:
+    """50,000 tokens missed every minute; one of the two counters negative at scrape 2. The
+    row of scrape 3 covers both minutes: twice scrape 1's misses, busy time and energy, at
+    the same power. Before, it mixed one minute's lookups with two minutes' hits: 0 J, and
+    the minute of scrape 2 was never emulated."""
+    agent.answers["/v1/gpus"] = {"nvml": {"available": False}, "gpus": []}
+    node_id = _node(db, agent)
+    good = [(0, 0), (100_000, 50_000), (200_000, 100_000), (300_000, 150_000)]
+    answers = [_tokens(*pair) for pair in good]
+    answers[2]["stats"][rejected] = -1
+    inputs = ModeledInputs(MODELS[DEFAULT_MODEL], GPUS[DEFAULT_GPU], DEFAULT_MFU)
+    _collect(db, agent, answers, interval_s=60.0, emulate_power=inputs)
+
+    rows = _rows(db, "emulated_power_sample", node_id)
+    t1, t3 = (int((T0_S + 60 * i) * 1000) for i in (1, 3))
+    assert [r["ts_ms"] for r in rows] == [t1, t3]
+    first, catch_up = rows
+    busy_s = inputs.prefill_seconds(50_000)
+    assert 0 < busy_s < 60
+    assert first["busy_s"] == pytest.approx(busy_s)
+    assert first["energy_j"] == pytest.approx(busy_s * inputs.gpu.board_power_watts)
+    assert catch_up["lookup_tokens"] == 2 * first["lookup_tokens"] == 200_000
+    assert catch_up["busy_s"] == pytest.approx(2 * busy_s)
+    assert catch_up["energy_j"] == pytest.approx(2 * first["energy_j"])
+    # over its two minutes: the same power as the first minute's
+    assert catch_up["power_w"] == pytest.approx(first["power_w"])
