@@ -511,7 +511,9 @@ def dc_page(ctx: PageContext) -> list[Any]:
         body = (
             table("table-events", rows, ["time", "event", "detail"])
             if rows
-            else empty("No notable events: no restarts, unreachable spells or evictions.")
+            else empty(
+                "No notable events: no restarts, unreachable or unread spells, or evictions."
+            )
         )
         out.append(
             section("Top events", MEASURED, win, body, note="from raw samples (kept 2 days)")
@@ -537,6 +539,8 @@ def _node_rows(
                 "node": n.name,
                 "GPU": n.gpu_model or "unknown",
                 "up": percent(c.up_ratio),
+                # up but unread (token refused): its lookups are unknown, not an idle node's 0
+                "unread scrapes": c.unread_samples,
                 "lookups": c.lookups,
                 "hit ratio": percent(c.hit_ratio),
                 "sharing hit ratio": percent(c.sharing_hit_ratio),

@@ -64,7 +64,11 @@ class Counts(HitCounts):
 
     nodes: int = 0
     samples: int = 0
+    #: scrapes the agent answered (up), whether or not its figures could be read
     up_samples: int = 0
+    #: scrapes whose figures were recorded (a cache row of the node as a whole); the up ones
+    #: without are ``unread_samples``
+    read_samples: int = 0
     lookup_tokens: int = 0
     hit_tokens: int = 0
     evictions: int = 0
@@ -155,6 +159,13 @@ class Counts(HitCounts):
         return ratio(self.up_samples, self.samples)
 
     @property
+    def unread_samples(self) -> int:
+        """Scrapes answered but without figures: the agent refused the collector's token (its
+        node is up, its counts are not), or figures it answered were rejected as impossible.
+        A node up and idle has none; one up and unread is not idle, its counts are unknown."""
+        return max(self.up_samples - self.read_samples, 0)
+
+    @property
     def token_hit_ratio(self) -> float | None:
         return ratio(self.hit_tokens, self.lookup_tokens)
 
@@ -230,6 +241,7 @@ class Counts(HitCounts):
         out = {f.name: getattr(self, f.name) for f in fields(self)} | self.hit_figures()
         for prop in (
             "up_ratio",
+            "unread_samples",
             "token_hit_ratio",
             "tokens_per_joule",
             "ttft_mean_s",
@@ -307,6 +319,7 @@ def measured_counts(
     for m in rows("cache_sample", CACHE_COLUMNS):
         c, tier = out[m["node_id"]], m["tier"]
         if tier == "all":
+            c.read_samples = as_int(m["samples"])
             c.lookups = as_int(m["lookups"])
             c.lookup_tokens = as_int(m["lookup_tokens"])
             c.hits = as_int(m["hits"])

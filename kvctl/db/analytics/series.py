@@ -144,8 +144,9 @@ class NodeEvent:
 
 def node_events(conn: Connection, win: Window, node_id: int, *, limit: int = 10) -> list[NodeEvent]:
     """A node's notable events in the window, newest first, read from raw samples (kept two
-    days by default): agent restarts, unreachable spells with their error, and the buckets
-    with the most evictions."""
+    days by default): agent restarts, unreachable spells with their error, spells where it
+    answered but its figures could not be read (an up sample with an error: it refused the
+    collector's token), and the buckets with the most evictions."""
     t = raw_table("node_sample")
     q = (
         select(t.c.ts_ms, t.c.up, t.c.agent_started_s, t.c.error)
@@ -154,25 +155,22 @@ def node_events(conn: Connection, win: Window, node_id: int, *, limit: int = 10)
     )
     events: list[NodeEvent] = []
     started: float | None = None
-    down_since: int | None = None
-    down_error = ""
-    down_count = 0
+    spell: _Spell | None = None
     for ts, up, agent_started, error in conn.execute(q):
-        if up:
-            if down_since is not None:
-                events.append(_down_event(down_since, down_count, down_error))
-                down_since = None
-            if agent_started is not None:
-                if started is not None and agent_started != started:
-                    events.append(NodeEvent(ts, "restart", "agent restarted: counters reset"))
-                started = agent_started
-        else:
-            if down_since is None:
-                down_since, down_count = ts, 0
-            down_count += 1
-            down_error = error or down_error
-    if down_since is not None:
-        events.append(_down_event(down_since, down_count, down_error, ongoing=True))
+        kind = "token refused" if up and error else None if up else "down"
+        if spell is not None and spell.kind != kind:
+            events.append(spell.event())
+            spell = None
+        if kind is not None:
+            spell = spell or _Spell(kind, ts)
+            spell.count += 1
+            spell.error = error or spell.error
+        if agent_started is not None:
+            if started is not None and agent_started != started:
+                events.append(NodeEvent(ts, "restart", "agent restarted: counters reset"))
+            started = agent_started
+    if spell is not None:
+        events.append(spell.event(ongoing=True))
     s = time_series(conn, win, [node_id])
     peaks = sorted(
         ((e, b) for b, e in zip(s.bucket_ms, s.evictions, strict=True) if e),
@@ -183,7 +181,22 @@ def node_events(conn: Connection, win: Window, node_id: int, *, limit: int = 10)
     return events[:limit]
 
 
-def _down_event(since_ms: int, count: int, error: str, *, ongoing: bool = False) -> NodeEvent:
-    tail = " (still down)" if ongoing else ""
-    text = f"unreachable for {count} scrape{'s' * (count != 1)}{tail}: {error or 'no answer'}"
-    return NodeEvent(since_ms, "down", text)
+@dataclass(slots=True)
+class _Spell:
+    """Consecutive samples of a node down, or up with its figures unread."""
+
+    kind: str
+    since_ms: int
+    count: int = 0
+    error: str = ""
+
+    def event(self, *, ongoing: bool = False) -> NodeEvent:
+        scrapes = f"{self.count} scrape{'s' * (self.count != 1)}"
+        if self.kind == "down":
+            tail = " (still down)" if ongoing else ""
+            text = f"unreachable for {scrapes}{tail}: {self.error or 'no answer'}"
+        else:
+            # it answered: up (as `kvctl status` says), but none of its figures were recorded
+            tail = " (still refused)" if ongoing else ""
+            text = f"up but unreadable for {scrapes}{tail}, no figures recorded: {self.error}"
+        return NodeEvent(self.since_ms, self.kind, text)
