@@ -30,15 +30,19 @@ def cache_rows(
 ) -> list[dict[str, Any]]:
     """``cache_sample`` rows of one scrape of ``/v1/stats`` (checked: ``kvctl.db.sample_checks``).
 
-    A counter rejected from the answer is unknown: its series keeps its last known value, so
-    its increase is counted at the next scrape that reads it (the row says 0 meanwhile: the
-    columns are NOT NULL) and sums over any window stay exact. A tier whose gauges are unknown
-    has no row for this scrape (its bytes would read 0 in NOT NULL columns), and its counters
-    wait for the next row the same way; an unknown tier makes the node's ``all`` row wait too.
+    A figure rejected from the answer is unknown, and makes every counter of the node wait:
+    their series keep their last known values, so their increases are counted together at the
+    next scrape that reads them all (the rows say 0 meanwhile: the columns are NOT NULL) and
+    sums over any window stay exact. Together, because hits are read over lookups (per node and
+    per tier) bucket by bucket: one counter caught up alone put one span's hits over another's
+    lookups (a bucket could read more hits than lookups). One unknown at a node's first scrape
+    leaves the next scrape the baseline, never the all-time counts as one interval's. A tier
+    whose gauges are unknown has no row for this scrape (its bytes would read 0 in NOT NULL
+    columns); an unknown tier leaves the node's ``all`` row out too.
     """
     usage: Mapping[str, Mapping[str, float]] = stats["usage"]
     epoch = stats.get("started_s")
-    rows = []
+    tiers: dict[str, tuple[dict[str, Any], dict[str, float | None]]] = {}
     for tier, raw in cache_counters(stats).items():
         if tier == "all":
             gauges = {
@@ -47,16 +51,26 @@ def cache_rows(
             }
         else:
             gauges = dict(usage.get(tier, {}))
+        tiers[tier] = (gauges, {k: known(v) for k, v in raw.items()})
+    whole = all(
+        known(v) is not None
+        for gauges, counters in tiers.values()
+        for v in (*gauges.values(), *counters.values())
+    )
+    rows = []
+    for tier, (gauges, counters) in tiers.items():
         if any(known(v) is None for v in gauges.values()):
             continue
-        counters = {k: known(v) for k, v in raw.items()}
-        inc = tracker.increase(f"cache:{node_id}:{tier}", counters, epoch=epoch, ts_ms=ts_ms)
+        inc: Mapping[str, float | None] = {}
+        if whole:
+            series = f"cache:{node_id}:{tier}"
+            inc = tracker.increase(series, counters, epoch=epoch, ts_ms=ts_ms)
         rows.append(
             {
                 "node_id": node_id,
                 "tier": tier,
                 "ts_ms": ts_ms,
-                **{c: _int(inc[c]) or 0 for c in CACHE_COUNTERS},
+                **{c: _int(inc.get(c)) or 0 for c in CACHE_COUNTERS},
                 "used_bytes": gauges.get("used_bytes", 0),
                 "capacity_bytes": gauges.get("capacity_bytes", 0),
                 "pinned_bytes": gauges.get("pinned_bytes", 0),
@@ -100,11 +114,12 @@ def plan_rows(
     raw = {
         c: known(p.get(c)) for c in ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
     }
-    # saved_s is taken from the pair: one of them unknown makes both wait, so they catch up at
-    # the same scrape (one alone caught up would count its increase in no saved_s)
-    if raw["recompute_s"] is None or raw["fetch_s"] is None:
-        raw["recompute_s"] = raw["fetch_s"] = None
-    inc = tracker.increase(f"plan:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
+    # saved_s is taken from the pair: one unknown makes all wait, to catch up at the same
+    # scrape (one alone caught up was counted in no saved_s); an unknown at the first scrape
+    # leaves the next the baseline (not the all-time seconds as one interval's)
+    inc: Mapping[str, float | None] = dict.fromkeys(raw)
+    if None not in raw.values():
+        inc = tracker.increase(f"plan:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
     recompute_s, fetch_s = inc["recompute_s"], inc["fetch_s"]
     # saved_s is recompute_s - fetch_s on the agent, but not monotonic (a link overridden to
     # "fetch" takes chunks slower than recompute), so the tracker would read a decrease as a
@@ -133,9 +148,13 @@ def power_rows(
     rows = []
     for g in gpus.get("gpus", []):
         index = int(g["index"])
-        inc = tracker.increase(
-            f"power:{node_id}:{index}", {"energy_j": g.get("energy_j")}, epoch=None, ts_ms=ts_ms
-        )
+        energy_j = g.get("energy_j")
+        inc: Mapping[str, float | None] = {"energy_j": None}
+        # unknown: the series waits (an unknown first reading leaves the next the baseline,
+        # not the GPU's all-time joules as one interval's)
+        if energy_j is not None:
+            series = f"power:{node_id}:{index}"
+            inc = tracker.increase(series, {"energy_j": energy_j}, epoch=None, ts_ms=ts_ms)
         rows.append(
             {
                 "node_id": node_id,

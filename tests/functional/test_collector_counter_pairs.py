@@ -1,7 +1,9 @@
-"""Figures the collector takes from two counters at once (a plan's seconds saved: recompute_s -
-fetch_s; emulated power: lookup_tokens - hit_tokens) across a scrape where one of the two was
-rejected as impossible, on a real SQLite and PostgreSQL: both wait and catch up together, so
-sums over the window are exact and no interval goes unemulated.
+"""Figures the collector takes from several counters at once (a plan's seconds saved:
+recompute_s - fetch_s; emulated power: lookup_tokens - hit_tokens; hit ratios: hits over
+lookups) across a scrape where one of them was rejected as impossible, on a real SQLite and
+PostgreSQL: they wait and catch up together, so sums over the window are exact, no interval
+goes unemulated and no row puts one span's hits over another's lookups. A counter unknown at
+a node's first scrape leaves the next scrape its baseline.
 
 The agent is a stand-in answering over loopback HTTP (a real agent never says NaN).
 """
@@ -120,3 +122,59 @@ def test_emulated_energy_covers_the_interval_of_a_rejected_token_counter(
     assert catch_up["energy_j"] == pytest.approx(2 * first["energy_j"])
     # over its two minutes: the same power as the first minute's
     assert catch_up["power_w"] == pytest.approx(first["power_w"])
+
+
+def test_hits_and_lookups_catch_up_together_across_a_rejected_lookups(
+    db: Engine, agent: StandIn
+) -> None:
+    """lookup_chunks NaN at scrape 2, every other figure sound: no counter of the node
+    advances at that scrape, so no row puts hits over lookups of another span. Before, scrape
+    2's row said 5 hits of 0 lookups (a bucket of it alone, or with a scrape of few lookups,
+    read a hit ratio past 100%), and scrape 3's 20 lookups with 3 hits."""
+    node_id = _node(db, agent)
+    rejected = _stats(20, 9, 2.0)
+    rejected["stats"]["lookup_chunks"] = math.nan
+    _collect(db, agent, [_stats(10, 4, 1.0), rejected, _stats(30, 12, 3.0)], interval_s=30.0)
+
+    rows = _rows(db, "cache_sample", node_id)
+    total = [(r["lookups"], r["hits"], r["hit_tokens"]) for r in rows if r["tier"] == "all"]
+    cpu = [r["hits"] for r in rows if r["tier"] == "cpu"]
+    assert total == [(0, 0, 0), (0, 0, 0), (20, 8, 8 * 256)]
+    assert cpu == [0, 0, 8]
+    # its bytes were read all the same
+    assert all(r["used_bytes"] == 4096 for r in rows if r["tier"] == "cpu")
+
+
+def test_a_counter_unknown_at_the_first_scrape_leaves_the_next_the_baseline(
+    db: Engine, agent: StandIn
+) -> None:
+    """A node first seen with an impossible lookup_tokens, recompute_s and GPU energy: the
+    next scrape is their baseline, and the one after counts the interval. Before, the next
+    scrape counted their all-time values as one interval's (here 2.56 M tokens looked up,
+    50,000 s of prefill and 9 MJ in 30 s)."""
+    node_id = _node(db, agent)
+    first = _stats(10_000, 4_000, math.nan)
+    first["stats"]["lookup_tokens"] = math.nan
+    gpus = [
+        {"nvml": {"available": True}, "gpus": [{**reading, "energy_j": joules}]}
+        for reading in agent.answers["/v1/gpus"]["gpus"]
+        for joules in (math.nan, 9e6, 9e6 + 6_000)
+    ]
+    answers = [first, _stats(10_000, 4_000, 50_000.0), _stats(10_010, 4_004, 50_001.0)]
+    now = [T0_S]
+    collector = Collector(db, CollectorConfig(interval_s=30.0), clock=lambda: now[0])
+    try:
+        for answer, gpu in zip(answers, gpus, strict=True):
+            agent.answers["/v1/stats"], agent.answers["/v1/gpus"] = answer, gpu
+            assert collector.collect_once().written
+            now[0] += 30
+    finally:
+        collector.close()
+
+    tokens = [r["lookup_tokens"] for r in _rows(db, "cache_sample", node_id) if r["tier"] == "all"]
+    assert tokens == [0, 0, 10 * 256]
+    plans = _rows(db, "plan_sample", node_id)
+    assert [r["recompute_s"] for r in plans] == [None, 0.0, pytest.approx(1.0)]
+    assert [r["saved_s"] for r in plans] == [None, 0.0, pytest.approx(1.0)]
+    energy = [r["energy_j"] for r in _rows(db, "power_sample", node_id)]
+    assert energy == [None, 0.0, pytest.approx(6_000.0)]

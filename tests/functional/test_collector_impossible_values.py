@@ -285,8 +285,9 @@ def test_impossible_figures_are_rejected_by_field_and_the_rest_kept(
 
     plan = {r["ts_ms"]: r for r in _rows(db, "plan_sample", ids["n1"])}
     assert plan[t2]["recompute_s"] is None and plan[t2]["saved_s"] is None
-    # fetch_s waits with recompute_s: saved_s is taken from the pair
-    assert plan[t2]["fetch_s"] is None and plan[t2]["fetch_chunks"] == 5
+    # the plan's counters wait with recompute_s (saved_s is taken from the pair), and catch up
+    assert plan[t2]["fetch_s"] is None and plan[t2]["fetch_chunks"] is None
+    assert plan[t3]["fetch_s"] == 0.0 and plan[t3]["fetch_chunks"] == 12 - 4
     assert plan[t3]["recompute_s"] == pytest.approx(2.5)  # 3.5 - 1.0, across the bad one
 
     # nothing impossible reached the database, on either backend
