@@ -43,3 +43,19 @@ def interrupts_held() -> Iterator[None]:
     finally:
         if pending:
             signal.raise_signal(signal.SIGINT)
+
+
+@contextmanager
+def stop_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGTERM, SIGINT and SIGHUP set ``stop`` for the block, instead of ending a long-running
+    command (the demo, the collector) halfway through; the handlers before are put back after
+    it. SIGHUP too: a closed terminal must not leave a fleet running on its own."""
+    previous = {}
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        previous[sig] = signal.signal(sig, lambda *_: stop.set())
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # (one set outside Python cannot be put back from here)
+                signal.signal(sig, handler)

@@ -213,6 +213,8 @@ def serve(settings: AgentSettings) -> int:
         put_budget_bytes=settings.data_put_budget_bytes,
         max_connections=settings.data_max_connections,
     )
+    # put back once stopped: serve() may run inside a longer process (tests, an embedder)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         tcp = settings.data_host_port
         if tcp is not None:
@@ -279,6 +281,9 @@ def serve(settings: AgentSettings) -> int:
         if state_now is not None and state_now.pid == os.getpid():
             with contextlib.suppress(FileNotFoundError):
                 (data_dir / STATE_FILE).unlink()
+        for sig, handler in previous.items():
+            if handler is not None:  # (one set outside Python cannot be put back from here)
+                signal.signal(sig, handler)
     log.info("agent %s stopped cleanly", settings.name)
     return 0
 

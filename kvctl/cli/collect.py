@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import threading
 from pathlib import Path
 from typing import Annotated, Any
@@ -11,6 +10,7 @@ import typer
 
 from kvctl.cli.options import DbOpt, db_errors, open_engine
 from kvctl.cli.output import console, err_console, fail, print_json
+from kvctl.interrupts import stop_signals
 
 #: the collector's own /metrics (the agent's control API is 7070, its data plane 7071)
 DEFAULT_METRICS_PORT = 9470
@@ -181,8 +181,6 @@ def collect_command(
                 fail(f"cannot serve /metrics on {metrics_listen}: {exc}")
             err_console.print(f"collector metrics on http://{host}:{bound}/metrics")
         stop = threading.Event()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
 
         def show(kind: str, report: CycleReport | dict[str, Any]) -> None:
             if json_out:
@@ -193,7 +191,8 @@ def collect_command(
 
         scraped = f"{len(nodes)} nodes" + (f" and {len(routers)} router(s)" if routers else "")
         err_console.print(f"collecting from {scraped} every {interval:g}s (Ctrl-C stops)")
-        collector.run(stop, on_cycle=show)
+        with stop_signals(stop):
+            collector.run(stop, on_cycle=show)
         if server is not None:
             server.shutdown()
     finally:

@@ -112,8 +112,8 @@ def demo_command(
         size_tiers,
         start,
         start_dashboard,
-        stop_signals,
     )
+    from kvctl.interrupts import stop_signals
 
     say: Callable[[str], None] = (lambda _: None) if json_out else _say
     with user_errors(hint="see `kvctl demo --help`"):

@@ -22,9 +22,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -705,20 +704,6 @@ def energy_used(fleet: DemoFleet) -> dict[str, Any]:
             "model": fleet.config.model,
         },
     }
-
-
-@contextlib.contextmanager
-def stop_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGTERM and SIGINT set ``stop`` instead of killing the demo half way through."""
-    previous = {}
-    # SIGHUP too: a closed terminal must not leave the fleet running on its own
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        previous[sig] = signal.signal(sig, lambda *_: stop.set())
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def collect_once(fleet: DemoFleet) -> None:

@@ -575,12 +575,13 @@ class RouterServer:
         """Serve until uvicorn is told to stop (a signal, or ``stop`` from another thread).
         ``on_serving`` is called once the router's followers and engine feeds started, before
         requests are served; an error starting them closes the router and is raised."""
+        previous: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             # uvicorn handles SIGTERM/SIGINT while it runs (stops accepting, finishes what is in
             # flight), then re-raises the signal to the handler it found: a no-op one, so the
             # router closes below and the process exits 0
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, _already_stopping)
+                previous[sig] = signal.signal(sig, _already_stopping)
         try:
             # in the try: a feed that cannot start leaves no follower or feed thread running
             self.router.start()
@@ -590,6 +591,9 @@ class RouterServer:
         finally:
             self.router.close()
             self._socket.close()
+            for signum, handler in previous.items():  # run() may be part of a longer process
+                if handler is not None:
+                    signal.signal(signum, handler)
 
     def start(self, timeout_s: float = 10.0) -> None:
         """Serve in a background thread; returns once it accepts connections."""

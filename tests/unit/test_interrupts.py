@@ -8,7 +8,7 @@ from types import FrameType
 
 import pytest
 
-from kvctl.interrupts import interrupts_held
+from kvctl.interrupts import interrupts_held, stop_signals
 
 
 def test_a_sigint_inside_the_block_is_raised_after_it() -> None:
@@ -59,3 +59,12 @@ def test_outside_the_main_thread_the_block_just_runs() -> None:
     t.start()
     t.join()
     assert failures == []
+
+
+def test_stop_signals_set_the_event_and_put_the_handlers_back() -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    stop = threading.Event()
+    with stop_signals(stop):
+        signal.raise_signal(signal.SIGTERM)  # a service manager's stop: no exception
+        assert stop.is_set()
+    assert {s: signal.getsignal(s) for s in before} == before
