@@ -361,10 +361,10 @@ def run_ttft_bench(
             "the same per request whatever its size",
             "reused_chunks below the context's chunks means the agent's plan chose to recompute "
             "(see planner_recomputed_chunks); plan: the last sample's fetch-or-recompute "
-            "decision as the agent recorded it (reason, chunks fetched, recomputed, and "
-            "recomputed with no source asked (unasked_chunks: the best link could not beat the "
-            "prefill), estimated fetch_s and recompute_s, the link, device and prefill figures "
-            "it used), None where the lookup needed no plan",
+            "decision as the agent recorded it (reason; chunks fetched, recomputed, recomputed "
+            "with no source asked (unasked_chunks: the best link could not beat the prefill) "
+            "and found on no source (missed_chunks); estimated fetch_s and recompute_s; the "
+            "link, device and prefill figures it used), None where the lookup needed no plan",
             "disk: files fsynced and dropped from the page cache (posix_fadvise DONTNEED) "
             "before each sample, so reads come from the device",
             "disk: forced_fetch is the engine's read of every chunk from the disk tier with no "
@@ -877,8 +877,10 @@ def _last_plan(control: Any, before: tuple[int, Any] | None) -> dict[str, Any] |
         "reason": plan.get("reason"),
         "fetch_chunks": plan.get("fetch"),
         "recompute_chunks": plan.get("recompute"),
-        # recomputed with no source asked: the best link could not beat the prefill
+        # recomputed with no source asked (the best link could not beat the prefill), and
+        # with sources asked that had none of them (or did not answer in time)
         "unasked_chunks": plan.get("unasked"),
+        "missed_chunks": plan.get("missed"),
         "fetch_s": plan.get("fetch_s"),
         "recompute_s": plan.get("recompute_s"),
         "links": {

@@ -102,10 +102,11 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
     # the reader's plan is recorded beside its figures: what it chose, from which link figures
     plan = row["sources"]["pool"]["plan"]
     assert plan["fetch_chunks"] == pool["reused_chunks"]
-    # every chunk is in the plan: taken, recomputed, or recomputed without asking the pool
-    # (its measured link could not beat the prefill: a loaded machine's plan)
-    taken = plan["fetch_chunks"] + plan["recompute_chunks"] + plan["unasked_chunks"]
-    assert taken == CONTEXT // CHUNK, plan
+    # every chunk is in the plan: taken, recomputed, recomputed without asking the pool (its
+    # measured link could not beat the prefill) or found on no source (its probe late): the
+    # last two are a loaded machine's plans
+    accounted = ("fetch_chunks", "recompute_chunks", "unasked_chunks", "missed_chunks")
+    assert sum(plan[k] for k in accounted) == CONTEXT // CHUNK, plan
     assert plan["reason"] in ("fetch", "slower-than-recompute")
     assert plan["links"]["pool"]["bandwidth_bytes_per_s"] > 0
     assert plan["prefill"]["basis"]

@@ -15,6 +15,7 @@ UNASKED = {
     "fetch": 0,
     "recompute": 0,
     "unasked": 8,
+    "missed": 0,
     "links": {"pool": {"rtt_s": 0.002, "bandwidth_bytes_per_s": 1e8, "source": "measured"}},
     "prefill": {"tokens_per_s": 5e4, "basis": "measured"},
 }
@@ -33,7 +34,8 @@ class _Control:
 def test_a_plan_that_asked_no_source_counts_its_chunks() -> None:
     plan = _last_plan(_Control(3, UNASKED), (2, None))
     assert plan is not None
-    assert (plan["fetch_chunks"], plan["recompute_chunks"], plan["unasked_chunks"]) == (0, 0, 8)
+    counts = ("fetch_chunks", "recompute_chunks", "unasked_chunks", "missed_chunks")
+    assert [plan[k] for k in counts] == [0, 0, 8, 0]
 
 
 def test_no_new_plan_is_none() -> None:
