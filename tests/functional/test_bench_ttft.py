@@ -57,6 +57,13 @@ def test_every_source_reuses_the_whole_context(result: dict[str, Any]) -> None:
     named = {"cpu": row["sources"]["cpu"], "disk": row["sources"]["disk"]}
     for name, s in {**named, "pool (forced)": pool["forced_fetch"]}.items():
         said = f"{name}: plan {s.get('plan')}"  # a recomputing plan says why
+        if name == "disk" and s["planner_recomputed_chunks"]:
+            # a loaded machine's disk (141 MB/s in one CI run) can rightly lose to recomputing
+            # the tiny model: the plan must say so and account for every chunk; the disk read
+            # itself is measured below, whatever the plan decided
+            assert s["plan"]["reason"] == "slower-than-recompute", said
+            assert s["reused_chunks"] + s["planner_recomputed_chunks"] == CONTEXT // CHUNK, said
+            continue
         assert s["reused_tokens"] == CONTEXT and s["computed_tokens"] == SUFFIX, said
         assert s["bytes_moved"] == CONTEXT // CHUNK * model["chunk_bytes"]
         assert s["speedup"] == pytest.approx(full_s / s["ttft_seconds"])

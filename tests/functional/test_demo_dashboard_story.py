@@ -83,10 +83,11 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
     from kvctl.profiles import DEMO_MODEL
 
     work = tmp_path_factory.mktemp("story")
-    # 30 s: under CI's load a 20 s run's per-node hit series spanned 10 s of the detail page's
-    # 120 s axis (under the tenth every plot must fill), twice in stop 33's and 34's runs
+    # 45 s: under CI's load a 20 s run's per-node hit series spanned 10 s of the detail page's
+    # 120 s axis (under the tenth every plot must fill), twice in stop 33's and 34's runs, and
+    # a 30 s run's once with three test workers on two cores
     run = _kvctl(
-        "demo", "--workdir", str(work), "--duration", "30", "--workload", "builtin",
+        "demo", "--workdir", str(work), "--duration", "45", "--workload", "builtin",
         "--limit", "600", "--dashboard", "--no-browser", "--json",
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
