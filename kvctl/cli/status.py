@@ -4,6 +4,7 @@ last seen) and totals per DC; live from the agents, or as the collectors recorde
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -48,7 +49,9 @@ def status_command(
     Counters are since each agent started. A node that does not answer is shown down with the
     last time the collectors reached it (`kvctl collect`), and never fails the command; one that
     took the connection and said nothing within --timeout (hung or overloaded) is shown not
-    answering.
+    answering. A figure an agent answers that cannot be true (NaN, Infinity, negative) is N/A
+    and left out of the totals, the node up with its other figures, and named under the table
+    (`rejected` in --json), as `kvctl top` does.
 
     With --window, no agent is asked: the figures are what the collectors recorded over that
     window (the dashboard's numbers), with the share of scrapes each node answered.
@@ -127,6 +130,14 @@ def _split(c: HitCounts) -> str:
     return f"{percent(c.reuse_share_of_hits)} / {percent(c.sharing_share_of_hits)}"
 
 
+def _split_of(figures: Mapping[str, float | None]) -> str:
+    """Reuse / sharing as shares of the hits, from a live row's figures (None: unknown)."""
+    reuse, sharing = figures["reuse_share_of_hits"], figures["sharing_share_of_hits"]
+    if reuse is None and sharing is None:
+        return "N/A"
+    return f"{percent(reuse)} / {percent(sharing)}"
+
+
 #: a node's state (NodeStatus.state) as the table shows it
 STATES = {
     "up": "[green]up[/]",
@@ -139,21 +150,23 @@ STATES = {
 def _render(status: FleetStatus) -> None:
     from rich.table import Table
 
+    from kvctl.db.sample_checks import Rejections
+
     now_ms = status.ts_ms
     nodes = Table(title="nodes (counters since each agent started)", title_justify="left")
     for col in ("node", "dc", "state", "hit ratio", SPLIT_COLUMN, "occupancy", "last seen"):
         nodes.add_column(col, justify="right" if col == "hit ratio" else "left")
     for n in status.nodes:
-        read = n.up and not n.auth_refused  # figures only from an agent that let us read them
-        state = STATES[n.state]
+        # None where not read (down, token refused) or rejected as impossible: N/A
+        f = n.figures()
         # escaped: names and errors are the inventory's and the agents' text, not markup
         nodes.add_row(
             escape(n.node),
             escape(n.dc),
-            state,
-            percent(n.counts.hit_ratio) if read else "N/A",
-            _split(n.counts) if read else "N/A",
-            _tiers(n.tiers) if read else "N/A",
+            STATES[n.state],
+            percent(f["hit_ratio"]),
+            _split_of(f),
+            _tiers(n.tiers) if n.read else "N/A",
             _ago(n.last_seen_ms, now_ms),
         )
     console.print(nodes)
@@ -161,13 +174,20 @@ def _render(status: FleetStatus) -> None:
     for col in ("dc", "up", "hit ratio", SPLIT_COLUMN, "occupancy"):
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for d in [*status.dcs, status.total]:
-        c = d.counts
+        f = d.figures()
         name = f"[bold]{escape(d.dc)}[/]" if d is status.total else escape(d.dc)
         dcs.add_row(
-            name, f"{d.up}/{d.nodes}", percent(c.hit_ratio), _split(c), _tiers(dict(d.tiers))
+            name, f"{d.up}/{d.nodes}", percent(f["hit_ratio"]), _split_of(f), _tiers(dict(d.tiers))
         )
     console.print(dcs)
     for n in status.nodes:
+        if n.rejected:  # escaped: a rejected tier's name is the agent's text
+            why = escape(Rejections(dict(n.rejected)).summary())
+            console.print(
+                f"[yellow]{escape(n.node)}[/] {len(n.rejected)} value(s) rejected as impossible, "
+                f"shown N/A and left out of the totals: {why}",
+                highlight=False,
+            )
         if n.auth_refused:
             console.print(f"[yellow]{escape(n.node)}[/] {escape(str(n.error))}", highlight=False)
         elif not n.up:

@@ -14,10 +14,21 @@ from sqlalchemy.engine import Connection
 
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.models import Node, NodeSample
+from kvctl.db.sample_checks import UNREADABLE_TIER, checked_stats, known
 from kvctl.fleet.fanout import NodeResult, fan_out
 from kvctl.ratios import HitCounts
 from kvctl.wire.reports import AgentStats
-from kvctl.wire.stats import hit_counts
+from kvctl.wire.stats import cache_counters
+
+#: each ratio ``HitCounts.hit_figures`` reports, and the counts it divides: unknown (None)
+#: where either is
+RATIO_OF: dict[str, tuple[str, str]] = {
+    "hit_ratio": ("hits", "lookups"),
+    "reuse_hit_ratio": ("reuse_hits", "lookups"),
+    "sharing_hit_ratio": ("sharing_hits", "lookups"),
+    "reuse_share_of_hits": ("reuse_hits", "hits"),
+    "sharing_share_of_hits": ("sharing_hits", "hits"),
+}
 
 
 @dataclass(slots=True)
@@ -49,10 +60,16 @@ class NodeStatus:
     #: not up: it took the connection and said nothing within the timeout (hung, overloaded)
     silent: bool = False
     counts: HitCounts = field(default_factory=HitCounts)
+    #: ``counts`` whose counter the agent answered impossible (NaN, negative, ...): unknown,
+    #: as is every ratio over them (0 in ``counts``, never summed)
+    unknown: frozenset[str] = frozenset()
+    #: a tier whose used or capacity bytes were impossible is left out, as one not reported
     tiers: dict[str, TierUse] = field(default_factory=dict)
     uptime_s: float | None = None
     #: when the node last answered: now when up, else the collectors' last successful scrape
     last_seen_ms: int | None = None
+    #: fields of its answer rejected as impossible (``stats.drops``: why), as `kvctl top` says
+    rejected: dict[str, str] = field(default_factory=dict)
 
     @property
     def state(self) -> str:
@@ -69,6 +86,10 @@ class NodeStatus:
         """Whether its figures were read: up, and it let us."""
         return self.up and not self.auth_refused
 
+    def figures(self) -> dict[str, float | None]:
+        """Its counts and ratios under their JSON names, None where unread or unknown."""
+        return figures_or_unknown(self.counts, self.read, self.unknown)
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "node": self.node,
@@ -78,10 +99,11 @@ class NodeStatus:
             "auth_refused": self.auth_refused,
             "state": self.state,
             "error": self.error,
-            **figures_or_unknown(self.counts, self.read),
+            **self.figures(),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
             "uptime_s": self.uptime_s,
             "last_seen_ms": self.last_seen_ms,
+            "rejected": self.rejected,
         }
 
 
@@ -90,6 +112,8 @@ class DcStatus:
     dc: str
     nodes: int = 0
     up: int = 0
+    #: the nodes summed into ``counts``: up, read, and none of their hit counts unknown
+    counted: int = 0
     counts: HitCounts = field(default_factory=HitCounts)
     tiers: dict[str, TierUse] = field(default_factory=dict)
 
@@ -98,26 +122,41 @@ class DcStatus:
         if not n.up:
             return
         self.up += 1
-        self.counts.add_hits(n.counts)
+        # as `kvctl top` sums: a node with one hit count unknown adds none of its four (never
+        # hits of one set of nodes over lookups of another)
+        if n.read and not n.unknown:
+            self.counted += 1
+            self.counts.add_hits(n.counts)
         for name, t in n.tiers.items():
             self.tiers.setdefault(name, TierUse()).add(t)
+
+    def figures(self) -> dict[str, float | None]:
+        # no node's counts read and known: nothing counted, which is unknown, not zero lookups
+        return figures_or_unknown(self.counts, self.counted > 0)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "dc": self.dc,
             "nodes": self.nodes,
             "up": self.up,
-            # no node answered: nothing counted, which is unknown, not zero lookups
-            **figures_or_unknown(self.counts, self.up > 0),
+            **self.figures(),
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
         }
 
 
-def figures_or_unknown(counts: HitCounts, known: bool) -> dict[str, float | None]:
+def figures_or_unknown(
+    counts: HitCounts, read: bool, unknown: frozenset[str] = frozenset()
+) -> dict[str, float | None]:
     """The counts and ratios under their JSON names; every one null when they were not read
-    (a node down or refusing the token): 0 lookups would claim it was idle."""
+    (a node down or refusing the token): 0 lookups would claim it was idle. A count in
+    ``unknown`` is null, and so is every ratio over it."""
     figures = counts.hit_figures()
-    return figures if known else dict.fromkeys(figures)
+    if not read:
+        return dict.fromkeys(figures)
+    return {
+        k: None if k in unknown or not unknown.isdisjoint(RATIO_OF.get(k, ())) else v
+        for k, v in figures.items()
+    }
 
 
 @dataclass(slots=True)
@@ -136,22 +175,39 @@ class FleetStatus:
         }
 
 
+#: the ``cache_counters`` a node's :class:`HitCounts` are made of, in its fields' order
+_HIT_COUNTS = ("lookups", "hits", "reuse_hits", "sharing_hits")
+
+
 def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
-    """A node's status from its agent's ``/v1/stats``."""
-    tiers = {
-        name: TierUse(int(u.get("used_bytes", 0)), int(u.get("capacity_bytes", 0)))
-        for name, u in stats.get("usage", {}).items()
-    }
-    started_s = stats.get("started_s")
+    """A node's status from its agent's ``/v1/stats``, checked as the collectors and `kvctl
+    top` check it (:mod:`kvctl.db.sample_checks`): a figure that cannot be true (NaN,
+    Infinity, negative, ...) is unknown and listed in ``rejected``, the rest stands. Raises
+    ValueError (not an agent's stats) without its ``stats`` or ``usage`` objects."""
+    checked, rejected = checked_stats(stats)
+    for part in ("stats", "usage"):  # without these, it is not an agent's answer at all
+        if part in rejected.fields:
+            raise ValueError(f"{part}: {rejected.fields[part]}")
+    whole = cache_counters(checked)["all"]
+    hits = {k: known(whole[k]) for k in _HIT_COUNTS}
+    tiers: dict[str, TierUse] = {}
+    for name, u in checked["usage"].items():
+        used, capacity = known(u["used_bytes"]), known(u["capacity_bytes"])
+        if name == UNREADABLE_TIER or used is None or capacity is None:
+            continue
+        tiers[name] = TierUse(int(used), int(capacity))
+    started_s = checked["started_s"]
     return NodeStatus(
         node.name,
         node.dc,
         node.agent_url,
         True,
-        counts=hit_counts(stats),
+        counts=HitCounts(*(0 if v is None else int(v) for v in hits.values())),
+        unknown=frozenset(k for k, v in hits.items() if v is None),
         tiers=tiers,
         uptime_s=None if started_s is None else max(now_ms / 1000 - started_s, 0.0),
         last_seen_ms=now_ms,
+        rejected=dict(rejected.fields),
     )
 
 

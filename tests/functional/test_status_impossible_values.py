@@ -1,0 +1,140 @@
+"""`kvctl status` reading agents that answer figures that cannot be true (NaN, Infinity, as
+Python's json reads them): the collectors' checks (kvctl.db.sample_checks) apply, as in `kvctl
+top`, so the field is unknown (null in --json, N/A in the table), the node stays up with its
+other figures and its rejected fields named, and DC and fleet totals leave it out. Before, a
+NaN counter marked the node down ("not an agent's stats (ValueError: cannot convert float NaN
+to integer)") while `kvctl top` showed it up.
+
+The agents are the collectors' tests' stand-ins (a loopback HTTP server answering what the
+test sets): a real agent never says NaN, and one on another host, buggy, old or hostile, can.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app as cli
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.migrate import open_db
+from kvctl.fleet import status as fleet_status
+from kvctl.ratios import RATIO_NAMES
+from tests.functional.test_collector_impossible_values import StandIn, _stats
+from tests.functional.test_top_impossible_values import _strict
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def stand_ins() -> Iterator[tuple[StandIn, StandIn]]:
+    a, b = StandIn("n1"), StandIn("n2")
+    try:
+        yield a, b
+    finally:
+        a.close()
+        b.close()
+
+
+def _inventory(url: str, n1: StandIn, n2: StandIn) -> None:
+    engine = open_db(url, auto_upgrade=True)
+    try:
+        with engine.begin() as conn:
+            add_dc(conn, "fra")
+            add_dc(conn, "ams")
+            add_node(conn, "n1", dc="fra", agent_url=n1.url)
+            add_node(conn, "n2", dc="ams", agent_url=n2.url)
+    finally:
+        engine.dispose()
+
+
+def _impossible() -> dict[str, Any]:
+    """50 lookups, 20 hits (all sharing), with the lookups NaN, the drops -Infinity and the
+    cpu tier's bytes in use Infinity."""
+    bad = _stats(50, 20, 0.0)
+    bad["stats"]["lookup_chunks"] = math.nan
+    bad["stats"]["drops"] = -math.inf
+    bad["usage"]["cpu"]["used_bytes"] = math.inf
+    return bad
+
+
+REJECTED = {
+    "stats.lookup_chunks": "not finite",
+    "stats.drops": "not finite",
+    "usage.cpu.used_bytes": "not finite",
+}
+
+
+def test_status_json_keeps_a_node_up_with_its_impossible_fields_unknown(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
+    n2.answers["/v1/stats"] = _impossible()
+    out = runner.invoke(cli, ["status", "--db", sqlite_url, "--json"])
+    assert out.exit_code == 0, out.output
+    doc = _strict(out.stdout)  # never NaN or Infinity
+    rows = {r["node"]: r for r in doc["nodes"]}
+    good, odd = rows["n1"], rows["n2"]
+    assert (odd["up"], odd["state"], odd["error"]) == (True, "up", None), odd
+    assert odd["rejected"] == REJECTED and good["rejected"] == {}
+    # each impossible figure null, and every ratio over it; the rest kept
+    assert odd["lookups"] is None
+    assert all(odd[r] is None for r in ("hit_ratio", "reuse_hit_ratio", "sharing_hit_ratio"))
+    assert (odd["hits"], odd["reuse_hits"], odd["sharing_hits"]) == (20, 0, 20)
+    assert (odd["reuse_share_of_hits"], odd["sharing_share_of_hits"]) == (0.0, 1.0)
+    assert "cpu" not in odd["tiers"] and odd["tiers"]["disk"]["capacity_bytes"] == 1 << 33
+    assert odd["uptime_s"] is not None
+    assert (good["lookups"], good["hit_ratio"]) == (100, 0.4)
+    # ams has only n2: its counts are unknown, not 0 lookups; its known tier is summed
+    dcs = {d["dc"]: d for d in doc["dcs"]}
+    assert dcs["ams"]["up"] == 1 and dcs["ams"]["lookups"] is None
+    assert dcs["ams"]["hit_ratio"] is None and "cpu" not in dcs["ams"]["tiers"]
+    # the fleet's figures are n1's: never n2's hits over n1's lookups
+    total = doc["total"]
+    assert (total["up"], total["nodes"]) == (2, 2)
+    assert (total["lookups"], total["hits"], total["hit_ratio"]) == (100, 40, 0.4)
+    assert total["tiers"]["cpu"]["used_bytes"] == 4096
+    assert total["tiers"]["disk"]["capacity_bytes"] == 2 << 33
+
+
+def test_status_table_shows_an_impossible_figure_as_na_and_names_it(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
+    n2.answers["/v1/stats"] = _impossible()
+    out = runner.invoke(cli, ["status", "--db", sqlite_url], env={"COLUMNS": "200"})
+    assert out.exit_code == 0, out.output
+    text = out.stdout
+    assert "nan" not in text.lower() and "inf" not in text.lower(), text
+    assert "not an agent's stats" not in text and "down" not in text, text
+    lines = text.splitlines()
+    row = next(line for line in lines if line.startswith("│ n2"))
+    # up, its hit ratio N/A (its lookups unknown), its split over known hits shown
+    assert " up " in row and "N/A" in row and "0.0% / 100.0%" in row, row
+    assert "disk 0.0%" in row and "cpu" not in row, row
+    fleet = next(line for line in lines if "fleet" in line)
+    assert "2/2" in fleet and "40.0%" in fleet, fleet
+    said = " ".join(line for line in lines if line.startswith("n2 "))
+    assert "3 value(s) rejected as impossible" in said, text
+    for where in REJECTED:
+        assert f"{where} (not finite)" in said, text
+
+
+def test_every_ratio_says_which_counts_it_divides() -> None:
+    assert set(fleet_status.RATIO_OF) == set(RATIO_NAMES)
+
+
+def test_a_dc_whose_only_answer_refused_the_token_has_unknown_counts() -> None:
+    """As `kvctl top` sums: a DC's counts are over the nodes whose counts were read, so a DC
+    with only a node refusing the token says null, not 0 lookups (idle)."""
+    dc = fleet_status.DcStatus("ams")
+    dc.add(fleet_status.NodeStatus("c", "ams", "http://c", True, "401", auth_refused=True))
+    doc = dc.as_dict()
+    assert doc["up"] == 1 and doc["lookups"] is None and doc["hit_ratio"] is None
