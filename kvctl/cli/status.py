@@ -54,7 +54,8 @@ def status_command(
     (`rejected` in --json), as `kvctl top` does.
 
     With --window, no agent is asked: the figures are what the collectors recorded over that
-    window (the dashboard's numbers), with the share of scrapes each node answered.
+    window (the dashboard's numbers), with the share of scrapes each node answered and, where
+    any, those answered without figures (unread: the token refused, or figures rejected).
 
     Examples:
 
@@ -206,27 +207,37 @@ def _render_recorded(rec: Recorded) -> None:
 
     win = rec.window
     span = f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)}"
-    columns = ("scrapes up", "lookups", "hit ratio", SPLIT_COLUMN, "occupancy")
+    # scrapes up without figures (token refused, figures rejected): a column where any were
+    unread = rec.fleet.unread_samples > 0
+    columns = (
+        "scrapes up",
+        *(("unread",) if unread else ()),
+        "lookups",
+        "hit ratio",
+        SPLIT_COLUMN,
+        "occupancy",
+    )
     nodes = Table(title=f"nodes, recorded over the last {win.name} ({span})", title_justify="left")
     for col in ("node", "dc", *columns):
         nodes.add_column(col, justify="left" if col in ("node", "dc", "occupancy") else "right")
     for n, c in rec.nodes:
-        nodes.add_row(escape(n.name), escape(n.dc), *_recorded_cells(c))
+        nodes.add_row(escape(n.name), escape(n.dc), *_recorded_cells(c, unread=unread))
     console.print(nodes)
     dcs = Table(title="per DC", title_justify="left")
     for col in ("dc", "nodes", *columns):
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
         label = f"[bold]{escape(name)}[/]" if c is rec.fleet else escape(name)
-        dcs.add_row(label, str(c.nodes), *_recorded_cells(c))
+        dcs.add_row(label, str(c.nodes), *_recorded_cells(c, unread=unread))
     console.print(dcs)
     if not rec.fleet.samples:
         console.print("nothing recorded in this window: is `kvctl collect` running?")
 
 
-def _recorded_cells(c: Counts) -> tuple[str, ...]:
+def _recorded_cells(c: Counts, *, unread: bool) -> tuple[str, ...]:
     return (
         percent(c.up_ratio),
+        *((f"{c.unread_samples:,}",) if unread else ()),
         f"{c.lookups:,}",
         percent(c.hit_ratio),
         _split(c),

@@ -5,6 +5,8 @@ other figures and its rejected fields named, and DC and fleet totals leave it ou
 NaN counter marked the node down ("not an agent's stats (ValueError: cannot convert float NaN
 to integer)") while `kvctl top` showed it up.
 
+`kvctl status --window` shows the recorded scrapes answered without figures (unread).
+
 The agents are the collectors' tests' stand-ins (a loopback HTTP server answering what the
 test sets): a real agent never says NaN, and one on another host, buggy, old or hostile, can.
 """
@@ -12,12 +14,15 @@ test sets): a real agent never says NaN, and one on another host, buggy, old or 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
+from collectors.collector import Collector, CollectorConfig
 from kvctl.cli.main import app as cli
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
@@ -129,6 +134,44 @@ def test_status_table_shows_an_impossible_figure_as_na_and_names_it(
 
 def test_every_ratio_says_which_counts_it_divides() -> None:
     assert set(fleet_status.RATIO_OF) == set(RATIO_NAMES)
+
+
+def test_status_window_shows_the_unread_scrapes(
+    db: Engine, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """A scrape whose figures were all rejected (no ``stats`` object) is recorded up without
+    figures: `unread_samples` in --json, the 'unread' column in the table."""
+    n1, n2 = stand_ins
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "n1", dc="fra", agent_url=n1.url)
+        add_node(conn, "n2", dc="fra", agent_url=n2.url)
+    url = db.url.render_as_string(hide_password=False)
+    now = [time.time() - 120]  # within the window `--window` takes back from now
+    collector = Collector(db, CollectorConfig(interval_s=10.0), clock=lambda: now[0])
+    try:
+        for i, lookups in enumerate((10, 20, 30, 40)):
+            n1.answers["/v1/stats"] = _stats(lookups, 4, 0.0)
+            n2.answers["/v1/stats"] = {**_stats(lookups, 4, 0.0), "stats": None}
+            if i == 0:
+                n2.answers["/v1/stats"] = _stats(lookups, 4, 0.0)
+            collector.collect_once()
+            now[0] += 10.0
+    finally:
+        collector.close()
+    window = ["--window", "7d"]
+    out = runner.invoke(cli, ["status", "--db", url, *window, "--json"])
+    assert out.exit_code == 0, out.output
+    doc = _strict(out.stdout)
+    unread = {r["node"]: r["unread_samples"] for r in doc["nodes"]}
+    assert unread["n1"] == 0 and unread["n2"] > 0, unread
+    table = runner.invoke(cli, ["status", "--db", url, *window], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    lines = table.stdout.splitlines()
+    header = next(line for line in lines if "scrapes up" in line)
+    assert "unread" in header, table.stdout
+    cells = [c.strip() for c in next(line for line in lines if line.startswith("│ n2")).split("│")]
+    assert cells[4] == str(unread["n2"]), cells  # node, dc, scrapes up, unread
 
 
 def test_a_dc_whose_only_answer_refused_the_token_has_unknown_counts() -> None:
