@@ -12,13 +12,15 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import httpx
 from sqlalchemy.engine import Engine
@@ -50,11 +52,14 @@ from kvctl.db.sample_checks import (
     count,
     ratio,
 )
+from kvctl.interrupts import interrupts_held
 from kvctl.profiles import ModeledInputs
 from kvctl.router.client import RouterClient, RouterClientError
 from kvctl.wire.address import redact_url
 
 log = logging.getLogger("kvctl.collect")
+
+T = TypeVar("T")
 
 #: rows kept for retry while the database refuses writes (about a day of a 100-node fleet)
 MAX_PENDING_ROWS = 1_000_000
@@ -165,6 +170,61 @@ class RouterScrape:
     error: str | None = None
 
 
+class ScrapePool:
+    """Up to ``max_workers`` daemon threads running submitted calls, reused across cycles.
+
+    Daemon: concurrent.futures' threads are joined at interpreter exit, so a scrape stuck in a
+    hung agent held a Ctrl-C'd `kvctl collect --once` for its request timeout. The calls only
+    ask agents and routers; rows are built and written on the loop's thread, so an exit that
+    drops them cuts nothing halfway."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self._max_workers, self._name = max_workers, name
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)  # one per thread waiting for a job
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
+        fut: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the scrape pool is closed")
+            self._jobs.put((fut, partial(fn, *args)))
+            # a thread waiting takes it; otherwise one more, up to max_workers
+            if not self._idle.acquire(timeout=0) and self._threads < self._max_workers:
+                self._threads += 1
+                name = f"{self._name}-{self._threads}"
+                threading.Thread(target=self._work, name=name, daemon=True).start()
+        return fut
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fut, call = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(call())
+                except BaseException as exc:  # the calls catch a node's failures: a bug
+                    fut.set_exception(exc)
+            self._idle.release()
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started; those under way end on their own (not waited for)."""
+        with self._lock:
+            self._closed = True
+            while True:
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if job is not None:
+                    job[0].cancel()
+            for _ in range(self._threads):
+                self._jobs.put(None)  # each thread ends once its call is over
+
+
 class Collector:
     def __init__(
         self,
@@ -182,7 +242,7 @@ class Collector:
         self._tracker_loaded = False
         self._ttft_prev: dict[int, Histogram] = {}
         self._clients: dict[int, AgentClient] = {}
-        self._pool = ThreadPoolExecutor(self.config.max_workers, thread_name_prefix="kvctl-scrape")
+        self._pool = ScrapePool(self.config.max_workers, "kvctl-scrape")
         self._in_flight: dict[int, Future[Scrape]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self._warned_nodes: set[int] = set()
@@ -197,6 +257,8 @@ class Collector:
         self._router_clients: dict[str, RouterClient] = {}
         self._router_in_flight: dict[str, Future[RouterScrape]] = {}
         self._router_errors: dict[str, str] = {}
+        #: rows written in all, every cycle: what a run cut by Ctrl-C has recorded
+        self.rows_written = 0
 
     # --- inventory ---------------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -501,6 +563,12 @@ class Collector:
     def _write(self, rows: dict[str, list[dict[str, Any]]], report: CycleReport) -> None:
         for table, batch in rows.items():
             self._pending[table] += batch
+        # held: a Ctrl-C lands before the batch or once it is in and counted, never inside its
+        # commit (where the batch is in or not, unsaid, and SQLite's write lock may stay held)
+        with interrupts_held():
+            self._write_pending(report)
+
+    def _write_pending(self, report: CycleReport) -> None:
         try:
             with self.engine.begin() as conn:
                 self._tracker.save(conn)  # first: it refuses a batch counted from stale state
@@ -517,6 +585,7 @@ class Collector:
         for table, batch in self._pending.items():
             report.rows[table] = len(batch)
             self.metrics.rows.labels(table).inc(len(batch))
+            self.rows_written += len(batch)
         self._pending.clear()
 
     def _counted_elsewhere(self, exc: CountersMoved, report: CycleReport) -> None:
@@ -685,7 +754,7 @@ class Collector:
             stop.wait(max(0.0, started + self.config.interval_s - time.monotonic()))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         for c in self._clients.values():
             c.close()
         for r in self._router_clients.values():

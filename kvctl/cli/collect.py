@@ -163,11 +163,12 @@ def collect_command(
             try:
                 _once(collector, links, json_out)
             except KeyboardInterrupt:
-                # said at once: the scrapes under way still hold the exit (the collector's
-                # threads are joined), for their request timeout at most
+                # at once: the scrapes under way are on daemon threads, not waited for; a
+                # batch is written whole or not at all (the collector holds a Ctrl-C over it)
+                written = collector.rows_written
+                done = f"{written} rows recorded before it" if written else "nothing recorded"
                 err_console.print(
-                    "[yellow]interrupted:[/] the scrapes under way end within their "
-                    f"{config.request_timeout_s:g} s timeout",
+                    f"[yellow]interrupted:[/] {done}, the scrapes under way dropped",
                     highlight=False,
                 )
                 raise typer.Exit(130) from None

@@ -1,0 +1,147 @@
+"""A Ctrl-C during `kvctl collect --once` ends it at once, exit 130 with one line, recording
+nothing of the cycle it cut. Before, the collector's scrape threads (concurrent.futures',
+joined at exit) held the exit until the scrape under way ended: a hung agent's request
+timeout. No option of the command sets that timeout (at most 5 s, below any hang guard), so
+the run here raises the collector's setting for it far beyond the guard: without the fix only
+the guard ends the wait."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event, func, select
+from sqlalchemy.engine import Connection
+from typer.testing import CliRunner
+
+from collectors.collector import Collector
+from kvctl.cli.main import app
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.migrate import open_db
+from kvctl.db.models import CacheSample, NodeSample
+from tests.functional.agents import closed_port
+
+runner = CliRunner()
+#: a hang guard, never a timing claim
+GUARD_S = 60.0
+#: the collector's request timeout in the run: far beyond the guard
+LONG_TIMEOUT_S = 300.0
+#: `python -m kvctl`, with CollectorConfig.timeout_s (which the CLI leaves unset) raised
+_KVCTL_WITH_LONG_TIMEOUT = (
+    "import runpy; from collectors.collector import CollectorConfig; "
+    f"CollectorConfig.request_timeout_s = property(lambda self: {LONG_TIMEOUT_S}); "
+    "runpy.run_module('kvctl', run_name='__main__', alter_sys=True)"
+)
+
+
+class _Hung:
+    """A loopback stand-in for a hung agent: it takes each request and answers none until
+    ``release`` is set; ``asked`` is set when a request arrives."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.release = threading.Event()
+        hung = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                hung.asked.set()
+                hung.release.wait(LONG_TIMEOUT_S)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@contextmanager
+def _hung_agent() -> Iterator[_Hung]:
+    hung = _Hung()
+    threading.Thread(target=hung.server.serve_forever, daemon=True).start()
+    try:
+        yield hung
+    finally:
+        hung.release.set()
+        hung.server.shutdown()
+        hung.server.server_close()
+
+
+def _cli(db: str, *args: str) -> None:
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCTL_")}
+    result = runner.invoke(app, [*args, "--db", db], env=env)
+    assert result.exit_code == 0, result.output
+
+
+def test_ctrl_c_ends_collect_once_at_once_and_records_nothing_of_the_cycle(
+    tmp_path: Path,
+) -> None:
+    db = f"sqlite:///{tmp_path / 'kvctl.db'}"
+    with _hung_agent() as hung:
+        _cli(db, "fleet", "add-dc", "fra")
+        _cli(db, "fleet", "add-node", "hung", "--dc", "fra", "--agent-url", hung.url)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        # --interval 1000: the cycle's deadline (0.9 x the interval) is far past the guard too
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _KVCTL_WITH_LONG_TIMEOUT, "collect", "--once", "--no-links",
+             "--interval", "1000", "--metrics-listen", "off", "--db", db],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        try:
+            assert hung.asked.wait(GUARD_S)
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=GUARD_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    said = " ".join(err.decode().split())
+    assert proc.returncode == 130, said
+    assert said == "interrupted: nothing recorded, the scrapes under way dropped", said
+    engine = open_db(db)
+    try:
+        with engine.connect() as conn:
+            for table in (NodeSample, CacheSample):
+                assert conn.execute(select(func.count()).select_from(table)).scalar_one() == 0
+    finally:
+        engine.dispose()
+
+
+def test_a_ctrl_c_during_the_write_leaves_the_batch_in_whole_and_counted(tmp_path: Path) -> None:
+    """A SIGINT as the cycle's batch is committed is raised once the batch is in and counted:
+    the rows the Ctrl-C line says were recorded are those in the database. Before, the
+    KeyboardInterrupt tore the commit (the batch rolled back, SQLite's write lock possibly
+    kept)."""
+    engine = open_db(f"sqlite:///{tmp_path / 'kvctl.db'}")
+    with engine.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "gone", dc="fra", agent_url=f"http://127.0.0.1:{closed_port()}")
+    collector = Collector(engine)
+    interrupted: list[bool] = []
+
+    def ctrl_c_at_commit(conn: Connection) -> None:
+        if not interrupted:  # the cycle's write, once
+            interrupted.append(True)
+            signal.raise_signal(signal.SIGINT)
+
+    event.listen(engine, "commit", ctrl_c_at_commit)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            collector.collect_once()
+        assert interrupted
+        with engine.connect() as conn:
+            samples = conn.execute(select(func.count()).select_from(NodeSample)).scalar_one()
+        assert samples == collector.rows_written == 1  # the node, down
+    finally:
+        event.remove(engine, "commit", ctrl_c_at_commit)
+        collector.close()
+        engine.dispose()
