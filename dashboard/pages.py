@@ -381,6 +381,8 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "DC": name,
         "nodes": c.nodes,
         "up": percent(c.up_ratio),
+        # up but unread (token refused, figures rejected): the DC's lookups miss those scrapes
+        "unread scrapes": c.unread_samples,
         "lookups": c.lookups,
         "hit ratio": percent(c.hit_ratio),
         "reuse hit ratio": percent(c.reuse_hit_ratio),
