@@ -12,14 +12,12 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field, replace
-from functools import partial
 from typing import Any, TypeVar
 
 import httpx
@@ -40,6 +38,7 @@ from collectors.rows import (
 )
 from kvctl.client import AgentClient, AgentError, AuthError, RequestError
 from kvctl.counters import CountersMoved, CounterTracker
+from kvctl.daemon_pool import DaemonPool
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
@@ -170,61 +169,6 @@ class RouterScrape:
     error: str | None = None
 
 
-class ScrapePool:
-    """Up to ``max_workers`` daemon threads running submitted calls, reused across cycles.
-
-    Daemon: concurrent.futures' threads are joined at interpreter exit, so a scrape stuck in a
-    hung agent held a Ctrl-C'd `kvctl collect --once` for its request timeout. The calls only
-    ask agents and routers; rows are built and written on the loop's thread, so an exit that
-    drops them cuts nothing halfway."""
-
-    def __init__(self, max_workers: int, name: str) -> None:
-        self._max_workers, self._name = max_workers, name
-        self._jobs: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None]
-        self._jobs = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)  # one per thread waiting for a job
-        self._lock = threading.Lock()
-        self._threads = 0
-        self._closed = False
-
-    def submit(self, fn: Callable[..., T], /, *args: Any) -> Future[T]:
-        fut: Future[T] = Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the scrape pool is closed")
-            self._jobs.put((fut, partial(fn, *args)))
-            # a thread waiting takes it; otherwise one more, up to max_workers
-            if not self._idle.acquire(timeout=0) and self._threads < self._max_workers:
-                self._threads += 1
-                name = f"{self._name}-{self._threads}"
-                threading.Thread(target=self._work, name=name, daemon=True).start()
-        return fut
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fut, call = job
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(call())
-                except BaseException as exc:  # the calls catch a node's failures: a bug
-                    fut.set_exception(exc)
-            self._idle.release()
-
-    def shutdown(self) -> None:
-        """Cancel the calls not started; those under way end on their own (not waited for)."""
-        with self._lock:
-            self._closed = True
-            while True:
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if job is not None:
-                    job[0].cancel()
-            for _ in range(self._threads):
-                self._jobs.put(None)  # each thread ends once its call is over
-
-
 class Collector:
     def __init__(
         self,
@@ -242,7 +186,7 @@ class Collector:
         self._tracker_loaded = False
         self._ttft_prev: dict[int, Histogram] = {}
         self._clients: dict[int, AgentClient] = {}
-        self._pool = ScrapePool(self.config.max_workers, "kvctl-scrape")
+        self._pool = DaemonPool(self.config.max_workers, "kvctl-scrape")
         self._in_flight: dict[int, Future[Scrape]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self._warned_nodes: set[int] = set()

@@ -3,7 +3,6 @@ whether it answered or not."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -12,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from kvctl.client import AgentClient, AgentError, AgentUnreachable, AuthError
+from kvctl.daemon_pool import DaemonPool
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import KvctlError
 from kvctl.interrupts import interrupts_held
@@ -85,16 +85,17 @@ def fan_out(
     results: dict[int, NodeResult[T]] = {}
     if not nodes:
         return []
-    futures: dict[Future[NodeResult[T]], int]
-    jobs: Jobs[T]
-    futures, jobs = _queued(nodes)
+    pool = DaemonPool(max(1, min(concurrency, len(nodes))), "kvctl-fanout")
+    futures: dict[Future[NodeResult[T]], int] = {}
     #: answers ``on_result`` took in full: a Ctrl-C between an answer's arrival and its
     #: report must not leave it unreported
     reported: set[int] = set()
     try:
-        # in the try: a Ctrl-C while the threads start still cancels the nodes not yet asked
-        # and waits for (and reports) those that were
-        _start(jobs, one, max(1, min(concurrency, len(nodes))))
+        # every node queued before a Ctrl-C is taken: then it cancels the nodes not yet asked
+        # and waits for (and reports) those that were, none asked unseen
+        with interrupts_held():
+            for i, node in enumerate(nodes):
+                futures[pool.submit(one, node)] = i
         for fut in as_completed(futures):
             res = fut.result()
             results[futures[fut]] = res
@@ -123,44 +124,9 @@ def fan_out(
                     except Exception:  # the audit trail failing: the Ctrl-C still goes on
                         break
         raise
+    finally:
+        pool.shutdown()  # its threads end with their calls
     return [results[i] for i in range(len(nodes))]
-
-
-Jobs = queue.SimpleQueue[tuple[Future[NodeResult[T]], NodeInfo]]
-
-
-def _queued(nodes: Sequence[NodeInfo]) -> tuple[dict[Future[NodeResult[T]], int], Jobs[T]]:
-    """A future per node (with its index), and the queue of jobs the threads take them from."""
-    jobs: Jobs[T] = queue.SimpleQueue()
-    futures: dict[Future[NodeResult[T]], int] = {}
-    for i, node in enumerate(nodes):
-        fut: Future[NodeResult[T]] = Future()
-        futures[fut] = i
-        jobs.put((fut, node))
-    return futures, jobs
-
-
-def _start(jobs: Jobs[T], one: Callable[[NodeInfo], NodeResult[T]], threads: int) -> None:
-    """``one(node)`` for every queued node on ``threads`` daemon threads. Daemon:
-    concurrent.futures' threads are joined at exit, so a call stuck in a hung agent kept a
-    Ctrl-C'd command from ending until its timeout. A future cancelled before its node's turn
-    is never asked."""
-
-    def work() -> None:
-        while True:
-            try:
-                fut, node = jobs.get_nowait()
-            except queue.Empty:
-                return
-            if not fut.set_running_or_notify_cancel():
-                continue
-            try:
-                fut.set_result(one(node))
-            except BaseException as exc:  # ``one`` catches a node's failures: a bug, passed on
-                fut.set_exception(exc)
-
-    for n in range(threads):
-        threading.Thread(target=work, name=f"kvctl-fanout-{n}", daemon=True).start()
 
 
 class ClientPool:

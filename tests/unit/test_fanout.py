@@ -128,10 +128,11 @@ def test_a_ctrl_c_during_a_report_waits_for_it_to_end() -> None:
 def test_a_ctrl_c_while_the_threads_start_reports_every_node_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A Ctrl-C that lands while fan_out starts its threads (here: as the third starts) cancels
-    the nodes not yet asked and reports those that were: raised before the fan-out's ``try``,
-    it left the first threads asking every node, none of them reported (so unaudited)."""
-    import kvctl.fleet.fanout as fanout
+    """A Ctrl-C (a real SIGINT) that lands while fan_out starts its threads (here: as the third
+    starts) cancels the nodes not yet asked and reports those that were: raised before the
+    fan-out's ``try``, it left the first threads asking every node, none of them reported (so
+    unaudited)."""
+    import kvctl.daemon_pool as daemon_pool
 
     asked: list[str] = []
     reported: list[str] = []
@@ -140,12 +141,13 @@ def test_a_ctrl_c_while_the_threads_start_reports_every_node_asked(
     class Interrupted(threading.Thread):
         def start(self) -> None:
             if len(started) == 2:
-                raise KeyboardInterrupt
+                signal.raise_signal(signal.SIGINT)
             started.append(self)
             super().start()
 
-    # fan_out's own view of threading only: every other thread of the test run is left alone
-    monkeypatch.setattr(fanout, "threading", SimpleNamespace(Thread=Interrupted))
+    # the pool's own view of threading only: every other thread of the test run is left alone
+    fake = SimpleNamespace(Thread=Interrupted, Lock=threading.Lock, Semaphore=threading.Semaphore)
+    monkeypatch.setattr(daemon_pool, "threading", fake)
 
     def pin(client: AgentClient) -> str:
         asked.append(client.url)
@@ -155,4 +157,4 @@ def test_a_ctrl_c_while_the_threads_start_reports_every_node_asked(
         fan_out(NODES, pin, concurrency=8, on_result=lambda r: reported.append(r.node.agent_url))
     for t in started:
         t.join(GUARD_S)
-    assert sorted(reported) == sorted(asked)
+    assert sorted(reported) == sorted(asked) and asked
