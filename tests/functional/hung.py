@@ -1,17 +1,22 @@
 """Hung agents for the engines' deadline tests: a real agent process stopped with SIGSTOP (alive,
 its sockets still accepting, nothing answered), and a raw loopback server that answers HELLO
-and then whatever else only as it is told (never, or a byte at a time)."""
+and then whatever else only as it is told (never, or a byte at a time). For the CLI's Ctrl-C
+tests: a control API that takes each request and answers none, and a command run as a
+subprocess that gets a SIGINT once the stand-in is asked."""
 
 from __future__ import annotations
 
 import contextlib
+import http.server
 import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
@@ -40,6 +45,60 @@ def stopped(agent: Agent) -> Iterator[None]:
         yield
     finally:
         os.kill(agent.proc.pid, signal.SIGCONT)
+
+
+class HungHttp:
+    """A loopback stand-in for a hung agent's control API: it takes each request and answers
+    none until ``release`` is set; ``asked`` is set when a request arrives."""
+
+    def __init__(self) -> None:
+        self.asked = threading.Event()
+        self.release = threading.Event()
+        hung = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def _hang(self) -> None:
+                hung.asked.set()
+                hung.release.wait(HANG_GUARD_S * 2)
+
+            do_GET = do_POST = _hang
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+@contextlib.contextmanager
+def hung_http_agent() -> Iterator[HungHttp]:
+    hung = HungHttp()
+    threading.Thread(target=hung.server.serve_forever, daemon=True).start()
+    try:
+        yield hung
+    finally:
+        hung.release.set()
+        hung.server.shutdown()
+        hung.server.server_close()
+
+
+def ctrl_c(argv: Sequence[str], asked: threading.Event) -> tuple[int, str, bytes]:
+    """Run ``python`` with ``argv`` (no KVCTL_* settings), send it a SIGINT once ``asked`` is
+    set: its exit code, its stderr on one line, its stdout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+    )  # fmt: skip
+    try:
+        assert asked.wait(HANG_GUARD_S)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, " ".join(err.decode().split()), out
 
 
 def _wait_stopped(pid: int) -> None:

@@ -6,17 +6,9 @@ while a hung agent is asked ends the command at once with one line, where it wai
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
-import signal
-import subprocess
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -26,10 +18,9 @@ from kvctl.cli.main import app
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, Node, NodeSample
 from tests.functional.agents import closed_port, running_agent
+from tests.functional.hung import ctrl_c, hung_http_agent
 
 runner = CliRunner()
-#: a hang guard, never a timing claim
-GUARD_S = 60.0
 #: the --timeout the commands get where a hung agent is asked: far beyond any hang guard's
 #: share, so only the fix ends a wait early
 LONG_TIMEOUT_S = 300
@@ -41,41 +32,6 @@ def _cli(db: str, *args: str, code: int = 0) -> str:
     assert "Traceback" not in result.output, result.output
     assert result.exit_code == code, result.output
     return result.stdout
-
-
-class _Hung:
-    """A loopback stand-in for a hung agent: it takes each request and answers none until
-    ``release`` is set; ``asked`` is set when a request arrives."""
-
-    def __init__(self) -> None:
-        self.asked = threading.Event()
-        self.release = threading.Event()
-        hung = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def _hang(self) -> None:
-                hung.asked.set()
-                hung.release.wait(GUARD_S * 2)
-
-            do_GET = do_POST = _hang
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-
-@contextmanager
-def _hung_agent() -> Iterator[_Hung]:
-    hung = _Hung()
-    threading.Thread(target=hung.server.serve_forever, daemon=True).start()
-    try:
-        yield hung
-    finally:
-        hung.release.set()
-        hung.server.shutdown()
-        hung.server.server_close()
 
 
 def _fleet(tmp_path: Path, nodes: dict[str, str]) -> str:
@@ -115,7 +71,7 @@ def test_collect_reports_an_agent_refusing_the_token_as_up_not_down(tmp_path: Pa
 
 
 def test_status_tells_a_hung_agent_from_one_that_is_down(tmp_path: Path) -> None:
-    with _hung_agent() as hung:
+    with hung_http_agent() as hung:
         db = _fleet(tmp_path, {"hung": hung.url, "gone": f"http://127.0.0.1:{closed_port()}"})
         status = json.loads(_cli(db, "status", "--timeout", "1", "--json"))
         table = " ".join(_cli(db, "status", "--timeout", "1").replace("│", " ").split())
@@ -144,45 +100,19 @@ def test_ctrl_c_while_a_hung_agent_is_asked_ends_a_read_only_command(
     it waited in silence for the hung agent's --timeout (here far beyond the hang guard)."""
     if args[0] == "lookup":
         args = [*args, "--timeout", str(LONG_TIMEOUT_S)]
-    with _hung_agent() as hung:
+    with hung_http_agent() as hung:
         db = _fleet(tmp_path, {"hung": hung.url})
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvctl", *args, "--db", db],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
-        try:
-            assert hung.asked.wait(GUARD_S)
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=GUARD_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    said = " ".join(err.decode().split())
-    assert proc.returncode == 130, said
+        code, said, _ = ctrl_c(["-m", "kvctl", *args, "--db", db], hung.asked)
+    assert code == 130, said
     assert said == "interrupted", said
 
 
 def test_ctrl_c_during_collect_once_says_nothing_was_recorded(tmp_path: Path) -> None:
     """A Ctrl-C ends collect --once at once with one line (the scrapes under way are not
     waited for; see test_collect_once_ctrl_c.py), where it exited 130 in silence."""
-    with _hung_agent() as hung:
+    with hung_http_agent() as hung:
         db = _fleet(tmp_path, {"hung": hung.url})
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvctl", "collect", "--once", "--no-links",
-             "--metrics-listen", "off", "--db", db],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
-        try:
-            assert hung.asked.wait(GUARD_S)
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=GUARD_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    said = " ".join(err.decode().split())
-    assert proc.returncode == 130, said
+        argv = ["-m", "kvctl", "collect", "--once", "--no-links", "--metrics-listen", "off"]
+        code, said, _ = ctrl_c([*argv, "--db", db], hung.asked)
+    assert code == 130, said
     assert said == "interrupted: nothing recorded, the scrapes under way dropped", said

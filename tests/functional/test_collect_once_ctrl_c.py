@@ -7,16 +7,9 @@ the guard ends the wait."""
 
 from __future__ import annotations
 
-import http.server
 import os
 import signal
-import subprocess
-import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 import pytest
 from sqlalchemy import event, func, select
@@ -29,10 +22,9 @@ from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, NodeSample
 from tests.functional.agents import closed_port
+from tests.functional.hung import ctrl_c, hung_http_agent
 
 runner = CliRunner()
-#: a hang guard, never a timing claim
-GUARD_S = 60.0
 #: the collector's request timeout in the run: far beyond the guard
 LONG_TIMEOUT_S = 300.0
 #: `python -m kvctl`, with CollectorConfig.timeout_s (which the CLI leaves unset) raised
@@ -41,39 +33,6 @@ _KVCTL_WITH_LONG_TIMEOUT = (
     f"CollectorConfig.request_timeout_s = property(lambda self: {LONG_TIMEOUT_S}); "
     "runpy.run_module('kvctl', run_name='__main__', alter_sys=True)"
 )
-
-
-class _Hung:
-    """A loopback stand-in for a hung agent: it takes each request and answers none until
-    ``release`` is set; ``asked`` is set when a request arrives."""
-
-    def __init__(self) -> None:
-        self.asked = threading.Event()
-        self.release = threading.Event()
-        hung = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                hung.asked.set()
-                hung.release.wait(LONG_TIMEOUT_S)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-
-@contextmanager
-def _hung_agent() -> Iterator[_Hung]:
-    hung = _Hung()
-    threading.Thread(target=hung.server.serve_forever, daemon=True).start()
-    try:
-        yield hung
-    finally:
-        hung.release.set()
-        hung.server.shutdown()
-        hung.server.server_close()
 
 
 def _cli(db: str, *args: str) -> None:
@@ -86,26 +45,16 @@ def test_ctrl_c_ends_collect_once_at_once_and_records_nothing_of_the_cycle(
     tmp_path: Path,
 ) -> None:
     db = f"sqlite:///{tmp_path / 'kvctl.db'}"
-    with _hung_agent() as hung:
+    with hung_http_agent() as hung:
         _cli(db, "fleet", "add-dc", "fra")
         _cli(db, "fleet", "add-node", "hung", "--dc", "fra", "--agent-url", hung.url)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
         # --interval 1000: the cycle's deadline (0.9 x the interval) is far past the guard too
-        proc = subprocess.Popen(
-            [sys.executable, "-c", _KVCTL_WITH_LONG_TIMEOUT, "collect", "--once", "--no-links",
+        code, said, _ = ctrl_c(
+            ["-c", _KVCTL_WITH_LONG_TIMEOUT, "collect", "--once", "--no-links",
              "--interval", "1000", "--metrics-listen", "off", "--db", db],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+            hung.asked,
         )  # fmt: skip
-        try:
-            assert hung.asked.wait(GUARD_S)
-            proc.send_signal(signal.SIGINT)
-            _, err = proc.communicate(timeout=GUARD_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    said = " ".join(err.decode().split())
-    assert proc.returncode == 130, said
+    assert code == 130, said
     assert said == "interrupted: nothing recorded, the scrapes under way dropped", said
     engine = open_db(db)
     try:

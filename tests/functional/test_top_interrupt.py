@@ -4,31 +4,14 @@ loopback stand-in for a hung agent, with a --timeout far beyond the hang guard."
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
-from tests.functional.test_cli_failures_readonly import GUARD_S, LONG_TIMEOUT_S, _hung_agent
+from tests.functional.hung import ctrl_c, hung_http_agent
+from tests.functional.test_cli_failures_readonly import LONG_TIMEOUT_S
 
 
 def test_ctrl_c_during_top_json_says_interrupted() -> None:
     """As the other read-only commands: one line, exit 130, where it exited in silence."""
-    with _hung_agent() as hung:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvctl", "top", "--json", "--agent", hung.url,
-             "--timeout", str(LONG_TIMEOUT_S)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
-        )  # fmt: skip
-        try:
-            assert hung.asked.wait(GUARD_S)
-            proc.send_signal(signal.SIGINT)
-            out, err = proc.communicate(timeout=GUARD_S)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    said = " ".join(err.decode().split())
-    assert proc.returncode == 130, said
+    with hung_http_agent() as hung:
+        argv = ["-m", "kvctl", "top", "--json", "--agent", hung.url]
+        code, said, out = ctrl_c([*argv, "--timeout", str(LONG_TIMEOUT_S)], hung.asked)
+    assert code == 130, said
     assert said == "interrupted" and out == b"", said
