@@ -1,7 +1,10 @@
-"""Ctrl-C held off for the length of a short block that must not be torn, such as writing an
+"""Signals a command takes over for a block, the handlers before put back after it.
+
+``interrupts_held`` keeps a Ctrl-C off a short block that must not be torn, such as writing an
 answer to the audit trail: a KeyboardInterrupt raised inside SQLAlchemy's commit can leave its
 connection holding SQLite's write lock, so the row is lost and every later write in the
-process waits out the busy timeout ("database is locked")."""
+process waits out the busy timeout ("database is locked"). ``stop_signals`` turns the signals
+that end a process into a stop event for long-running commands."""
 
 from __future__ import annotations
 
