@@ -466,6 +466,7 @@ def status_command(
     """
     from kvctl.agent.daemon import NoAgentHere
     from kvctl.client import AgentClient, AgentError, AuthError
+    from kvctl.db.sample_checks import checked_stats
     from kvctl.wire.stats import agent_figures
 
     try:
@@ -481,8 +482,11 @@ def status_command(
             report["info"] = client.info()
             stats = client.stats()
             report["up"] = True
-        # the fleet's vocabulary, as `kvctl status` reports a node: lookups and hits in chunks
-        report |= agent_figures(stats)
+        # the fleet's vocabulary, as `kvctl status` reports a node: lookups and hits in chunks;
+        # a figure that cannot be true is unknown and named, as status and top have it
+        checked, rejected = checked_stats(stats)
+        report |= agent_figures(checked)
+        report["rejected"] = dict(rejected.fields)
         # PUT chunks refused as damaged on the way; None from an agent before the count
         report["corrupt_puts"] = stats.get("dataplane", {}).get("corrupt_puts")
     except AgentError as exc:
@@ -799,9 +803,16 @@ def _render_status(report: dict[str, Any]) -> None:
             percent(tier["used_bytes"] / cap if cap else None),
             str(tier["chunks"]),
             format_bytes(tier["pinned_bytes"]),
-            str(report["tiers"].get(tier["name"], {}).get("hits", "N/A")),
+            _count(report["tiers"].get(tier["name"], {}).get("hits"), "hit", noun_shown=False),
         )
     console.print(table)
+    if report.get("rejected"):
+        console.print(
+            f"[yellow]{len(report['rejected'])} value(s) rejected as impossible, shown N/A:[/] "
+            + escape(", ".join(f"{w} ({why})" for w, why in report["rejected"].items())),
+            highlight=False,
+            soft_wrap=True,
+        )
     for tier in info.get("unavailable_tiers", []):
         where = (
             "failed in service, puts go to the next tier"
@@ -821,8 +832,10 @@ def _render_status(report: dict[str, Any]) -> None:
         )
     # the words and the N/A of `kvctl status`: chunks, and no ratio before any lookup
     console.print(
-        f"lookups {report['lookups']:,} chunks in {_count(report['lookup_requests'], 'request')}  "
-        f"hits {report['hits']:,}  hit ratio {percent(report['hit_ratio'])}  "
+        f"lookups {_count(report['lookups'], 'chunk')} in "
+        f"{_count(report['lookup_requests'], 'request')}  "
+        f"hits {_count(report['hits'], 'hit', noun_shown=False)}  "
+        f"hit ratio {percent(report['hit_ratio'])}  "
         f"reuse {percent(report['reuse_share_of_hits'])} / "
         f"sharing {percent(report['sharing_share_of_hits'])} of hits",
         highlight=False,
@@ -835,8 +848,11 @@ def _render_status(report: dict[str, Any]) -> None:
         )
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n:,} {noun}" + ("" if n == 1 else "s")
+def _count(n: int | None, noun: str, *, noun_shown: bool = True) -> str:
+    """``n`` with its noun; N/A where unknown (a figure rejected as impossible)."""
+    if n is None:
+        return "N/A"
+    return f"{n:,}" + (f" {noun}" + ("" if n == 1 else "s") if noun_shown else "")
 
 
 def _shm_words(dataplane: dict[str, Any]) -> str:

@@ -7,6 +7,7 @@ downstream (collectors' rows, the read model, the live view) calls them ``lookup
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,16 +69,31 @@ def agent_figures(stats: Mapping[str, Any]) -> dict[str, Any]:
     """``/v1/stats`` in the fleet's vocabulary, as `kvctl status` reports a node: counts
     (``lookups`` and ``hits`` in chunks), every ratio (None before any lookup), each tier's
     counters, plus ``lookup_requests`` (lookup calls, one per request's prefix) and the
-    eviction policies."""
+    eviction policies. A count that is not a finite number (what ``kvctl.db.sample_checks``
+    leaves of an impossible one) is None, and so is every ratio over it."""
     counters = cache_counters(stats)
-    whole = {k: int(v) for k, v in counters.pop("all").items()}
+    whole = {k: _whole(v) for k, v in counters.pop("all").items()}
+    four = [whole["lookups"], whole["hits"], whole["reuse_hits"], whole["sharing_hits"]]
+    known = [c for c in four if c is not None]
+    figures = (
+        HitCounts(*known).hit_figures()
+        if len(known) == len(four)
+        else dict.fromkeys(HitCounts().hit_figures())
+    )
     return {
         **whole,
-        **{k: v for k, v in hit_counts(stats).hit_figures().items() if k not in whole},
-        "lookup_requests": int(stats["stats"]["lookups"]),
+        **{k: v for k, v in figures.items() if k not in whole},
+        "lookup_requests": _whole(stats["stats"]["lookups"]),
         "tiers": {
-            name: {k: int(v) for k, v in tier.items() if k not in _NODE_ONLY}
+            name: {k: _whole(v) for k, v in tier.items() if k not in _NODE_ONLY}
             for name, tier in counters.items()
         },
         "policies": stats.get("policies") or {},
     }
+
+
+def _whole(value: Any) -> int | None:
+    """A count as a whole number; None where it is not a finite number."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return int(value)

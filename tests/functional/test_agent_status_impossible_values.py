@@ -1,0 +1,71 @@
+"""`kvctl agent status` and an agent answering figures that cannot be true (NaN, Infinity), as
+`kvctl status` and `kvctl top` have them: the figure is unknown (None, N/A) and named, the rest
+shown. Before, the command failed on the first one with "kvctl failed where it did not expect
+to: ValueError: cannot convert float NaN to integer", calling it a bug in kvctl."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from tests.functional.test_collector_impossible_values import StandIn, _stats
+from tests.functional.test_top_impossible_values import _strict
+
+#: what `kvctl agent status` renders of /v1/info (a real agent says more)
+INFO = {
+    "name": "n1",
+    "dc": "fra",
+    "pid": 4242,
+    "version": "0.1.0",
+    "started_s": 1.0,
+    "dataplane": {"tcp": "127.0.0.1:9", "unix": None, "shm": False},
+    "tiers": [
+        {"name": t, "capacity_bytes": 1 << 30, "used_bytes": 0, "chunks": 0, "pinned_bytes": 0}
+        for t in ("cpu", "disk")
+    ],
+}
+
+
+@pytest.fixture
+def agent() -> Iterator[StandIn]:
+    stand_in = StandIn("n1")
+    stats = _stats(10, 5, 1.0)
+    stats["stats"]["lookup_chunks"] = math.nan
+    stats["stats"]["tiers"]["cpu"]["hits"] = math.inf
+    stand_in.answers["/v1/stats"] = stats
+    stand_in.answers["/v1/info"] = INFO
+    try:
+        yield stand_in
+    finally:
+        stand_in.close()
+
+
+def _agent_status(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    argv = [sys.executable, "-m", "kvctl", "agent", "status", "--url", url, *args]
+    return subprocess.run(argv, capture_output=True, text=True, env={**env, "COLUMNS": "200"})
+
+
+def test_agent_status_json_has_impossible_figures_unknown_and_named(agent: StandIn) -> None:
+    run = _agent_status(agent.url, "--json")
+    assert run.returncode == 0, run.stderr
+    report = _strict(run.stdout)
+    assert report["up"] is True
+    assert report["lookups"] is None and report["hit_ratio"] is None  # over an unknown count
+    assert report["hits"] == 5 and report["lookup_requests"] == 10  # the rest stands
+    assert report["tiers"]["cpu"]["hits"] is None and report["tiers"]["disk"]["hits"] == 0
+    assert set(report["rejected"]) == {"stats.lookup_chunks", "stats.tiers.cpu.hits"}
+
+
+def test_agent_status_table_shows_n_a_and_names_the_fields(agent: StandIn) -> None:
+    run = _agent_status(agent.url)
+    assert run.returncode == 0, run.stderr
+    said = " ".join(run.stdout.split())
+    assert "lookups N/A in 10 requests" in said and "hit ratio N/A" in said, said
+    assert "2 value(s) rejected as impossible, shown N/A" in said, said
+    assert "stats.lookup_chunks (not finite)" in said, said
