@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 import httpx
@@ -718,23 +718,12 @@ def rtt_basis_of(probe: Mapping[str, Any]) -> dict[str, Any]:
     return {"rtt_basis": basis if basis in RTT_BASES else "unknown", "emulated_delay_s": delay_s}
 
 
-#: an engine reading's counters and byte gauges (the rest: its ratio, its TTFT histogram)
-_ENGINE_COUNTS = (
-    "prompt_tokens",
-    "cached_prompt_tokens",
-    "generation_tokens",
-    "requests",
-    "lmcache_hit_tokens",
-    "lmcache_requested_tokens",
-    "lmcache_local_cache_usage_bytes",
-    "process_start_s",
-    "kv_reused_blocks",
-    "kv_missed_blocks",
-    "kvbm_matched_tokens",
-    "kvbm_offload_host_blocks",
-    "kvbm_offload_disk_blocks",
-    "kvbm_onboard_host_blocks",
-    "kvbm_onboard_disk_blocks",
+#: an engine reading's counters and byte gauges: every figure but its ratio and its TTFT
+#: histogram (checked on their own), so a counter added to EngineReading is checked too
+_ENGINE_COUNTS = tuple(
+    f.name
+    for f in fields(EngineReading)
+    if f.name not in ("engine", "kv_usage_ratio", "ttft", "missing_means_unread")
 )
 
 

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import threading
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -147,16 +146,6 @@ class StandIn:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-@pytest.fixture
-def stand_ins() -> Iterator[tuple[StandIn, StandIn]]:
-    a, b = StandIn("n1"), StandIn("n2")
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 def _rows(db: Engine, table: str, node_id: int, key: str = "node_id") -> list[dict[str, Any]]:

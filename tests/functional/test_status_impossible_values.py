@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
@@ -32,16 +30,6 @@ from tests.functional.test_collector_impossible_values import StandIn, _stats
 from tests.functional.test_top_impossible_values import _strict
 
 runner = CliRunner()
-
-
-@pytest.fixture
-def stand_ins() -> Iterator[tuple[StandIn, StandIn]]:
-    a, b = StandIn("n1"), StandIn("n2")
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 def _inventory(url: str, n1: StandIn, n2: StandIn) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -39,16 +38,6 @@ def _strict(text: str) -> Any:
         raise AssertionError(f"{constant} in the JSON")
 
     return json.loads(text, parse_constant=refuse)
-
-
-@pytest.fixture
-def stand_ins() -> Iterator[tuple[StandIn, StandIn]]:
-    a, b = StandIn("n1"), StandIn("n2")
-    try:
-        yield a, b
-    finally:
-        a.close()
-        b.close()
 
 
 def test_top_json_keeps_a_node_up_with_its_impossible_fields_unknown(
