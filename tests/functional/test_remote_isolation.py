@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvctl.remote import federation
 from kvctl.remote.federation import POOL_TIER, RemoteTiers, Source
 from kvctl.remote.fetchplan import PrefillRate
 from kvctl.remote.links import LinkEstimator
@@ -49,7 +50,10 @@ def _node(url: str, prefix: str) -> RemoteTiers:
 
 
 @pytest.fixture
-def nodes(redis_url: str) -> Iterator[list[RemoteTiers]]:
+def nodes(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RemoteTiers]]:
+    # who sees what, not how fast: a probe late past the lookup's 0.5 s wait (a loaded
+    # fresh-clone run) reads as nothing found, and acme's own lookup then matched 0 of 2
+    monkeypatch.setattr(federation, "PROBE_DEADLINE_S", 30.0)
     prefix = f"kvctl-test-iso-{uuid.uuid4().hex[:10]}"
     made = [_node(redis_url, prefix) for _ in range(2)]
     yield made
