@@ -143,7 +143,8 @@ def test_the_live_view_shows_an_impossible_figure_as_na(stand_ins: tuple[StandIn
     bad = _stats(0, 0, 0.0)
     bad["stats"]["lookup_chunks"] = math.nan
     n2.answers["/v1/stats"] = bad
-    app = create_app(AgentSource([n1.url, n2.url]), readonly=True, interval_s=0.3)
+    # a poll waits 60% of the interval: 0.3 s left 0.18 s, which a loaded run overran (NO ANSWER)
+    app = create_app(AgentSource([n1.url, n2.url]), readonly=True, interval_s=2.5)
 
     async def script(pilot: Pilot[None]) -> None:
         await until(pilot, lambda: app.refreshes >= 2, "two polls")
