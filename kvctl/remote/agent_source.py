@@ -25,11 +25,12 @@ agent that takes them, which checks the bytes it received before storing them an
 chunk damaged on the way (a failed write here, logged), so no pool serves such a chunk to the
 fleet.
 
-Each stream has a deadline as well as the read deadline (which bounds silence, not a transfer):
-the read deadline plus its bytes at ``PULL_FLOOR_BYTES_PER_S``, grown as each chunk's size is
-read from the reply. A stream past it is cut (``PullWatch`` shuts its socket down): it raises
-``PullTooSlow``, counted in ``overdue``; the chunks it landed whole before stay handed over, the
-one it was receiving goes back through ``unused``, and the connection is dropped.
+Each stream has a deadline as well as the read deadline (which bounds silence, not a transfer): the
+read deadline plus ``PULL_ALLOWANCE_PER_RECORD_S`` per chunk and its bytes at
+``PULL_FLOOR_BYTES_PER_S``, grown as each chunk's size is read from the reply. A stream past it is
+cut (``PullWatch`` shuts its socket down): it raises ``PullTooSlow``, counted in ``overdue``; the
+chunks it landed whole before stay handed over, the one it was receiving goes back through
+``unused``, and the connection is dropped.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from kvctl.remote.pool import (
     SplitReads,
     SplitStreams,
     check_deadlines,
+    pull_deadline_s,
     visible_to,
 )
 from kvctl.store.errors import InvalidArgument, TierUnavailable
@@ -291,7 +293,8 @@ class AgentSource(SplitStreams, RemotePool):
 
         try:
             with self._client() as c:
-                with self._watch.watching(functools.partial(_cut, c), self.read_timeout_s) as pull:
+                allowance_s = pull_deadline_s(0, self.read_timeout_s, hi - lo)  # bytes: target
+                with self._watch.watching(functools.partial(_cut, c), allowance_s) as pull:
                     self._note_unchecked(c)
                     c.fetch(
                         keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums

@@ -19,8 +19,9 @@ a backoff (0.25 s, doubling per failed probe, at most 2 s); then one probe call 
 A burst of concurrent calls failing together counts as one failure. Reads of a source give up
 after its short read deadline (the backends' ``read_timeout_s``, 0.5 s by default), so a stalled
 pool costs a request a fraction of a second once, then nothing until a probe finds it back.
-A pull from a pool agent or a peer also has a deadline sized from its bytes (``pool.
-PULL_FLOOR_BYTES_PER_S``): one that trickles is a failure of its source (``PullTooSlow``).
+A pull from the pool or a peer also has a deadline sized from its bytes and its records (``pool.
+PULL_FLOOR_BYTES_PER_S``, ``pool.PULL_ALLOWANCE_PER_RECORD_S``): one that trickles is a failure
+of its source (``PullTooSlow``).
 
 A source that answers, but slowly, is kept from costing the others: each source's lookup probes
 run in its own lane of workers (a slow one fills its own lane only; a lookup that stops waiting

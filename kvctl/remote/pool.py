@@ -60,10 +60,22 @@ DEFAULT_READ_TIMEOUT_S = 0.5
 #: for as long as the source kept trickling.
 PULL_FLOOR_BYTES_PER_S = 32 << 20
 
+#: what each record (chunk) of a pull may take besides its bytes, added to its deadline
+#: (``pull_deadline_s``). A shared pool is busy with other agents: Redis reads a long pipeline
+#: and writes its replies a bounded piece per turn of its event loop, between other clients'
+#: work, so each record of a healthy pull can come a few ms late; sized by bytes alone, a pull
+#: of hundreds of small records from such a server was cut (measured through a proxy answering
+#: each record 2 ms late: 400 records of 4 KiB cut at 0.55 s), and its breaker (one failure
+#: opens it) cut the whole pool off. Modest: a 256-token chunk of an 8B model recomputes in
+#: ~11 ms on an H100 (32k tokens in 1.4 s), so a source slower per record than this is hardly
+#: worth waiting for, and one that sends each record far slower is still cut.
+PULL_ALLOWANCE_PER_RECORD_S = 0.005
 
-def pull_deadline_s(nbytes: int, read_timeout_s: float) -> float:
-    """Seconds a pull of ``nbytes`` may take at most (see ``PULL_FLOOR_BYTES_PER_S``)."""
-    return read_timeout_s + nbytes / PULL_FLOOR_BYTES_PER_S
+
+def pull_deadline_s(nbytes: int, read_timeout_s: float, records: int = 0) -> float:
+    """Seconds a pull of ``records`` records of ``nbytes`` in all may take at most (see
+    ``PULL_FLOOR_BYTES_PER_S`` and ``PULL_ALLOWANCE_PER_RECORD_S``)."""
+    return read_timeout_s + nbytes / PULL_FLOOR_BYTES_PER_S + records * PULL_ALLOWANCE_PER_RECORD_S
 
 
 class PullTooSlow(TierUnavailable):
@@ -88,7 +100,8 @@ class Pull:
         return PullTooSlow(
             f"{source}: pull of {what} abandoned after {took_s:.2f} s, past its deadline (the "
             f"{read_timeout_s:g} s read deadline plus its bytes at "
-            f"{PULL_FLOOR_BYTES_PER_S >> 20} MiB/s); connection dropped"
+            f"{PULL_FLOOR_BYTES_PER_S >> 20} MiB/s and "
+            f"{PULL_ALLOWANCE_PER_RECORD_S * 1000:g} ms a record); connection dropped"
         )
 
 

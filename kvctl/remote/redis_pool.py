@@ -42,13 +42,14 @@ group's pipeline carries the one LRU script for every key, in the order asked. (
 reply parser, without hiredis, holds one connection to a few hundred MB/s; the server answers
 several connections faster.)
 Each group is also a pull with a deadline of its own (``kvctl.remote.pool.PullWatch``, as for a
-peer's FETCH): the read deadline, which bounds silence and not a transfer, plus each record's
-bytes at ``PULL_FLOOR_BYTES_PER_S``, learnt from a STRLEN per key pipelined ahead of the GETs
-(an O(1) command; a record replaced between the two only misjudges its own share of the
+peer's FETCH): the read deadline, which bounds silence and not a transfer, plus
+``PULL_ALLOWANCE_PER_RECORD_S`` per record (a busy shared server answers each a little late) and
+each record's bytes at ``PULL_FLOOR_BYTES_PER_S``, learnt from a STRLEN per key pipelined ahead of
+the GETs (an O(1) command; a record replaced between the two only misjudges its own share of the
 deadline). A group past it has its connection cut: ``PullTooSlow``, counted in ``overdue`` and a
 failure for the pool's breaker, instead of a request held for as long as a server or a link
-trickles. (A Cluster's groups keep only the read deadline: redis-py spreads their pipelines over
-the nodes' connections out of this code's reach.)
+trickles. (A Cluster's groups keep only the read deadline: redis-py spreads their pipelines over the
+nodes' connections out of this code's reach.)
 A second, best-effort round trip happens only when something needs repair: a corrupt record
 (deleted, accounting dropped), a record that is gone but still accounted, or a record present
 but not accounted (re-accounted, without eviction; the next put evicts down to capacity).
@@ -114,6 +115,7 @@ from kvctl.remote.pool import (
     SplitReads,
     SplitStreams,
     check_deadlines,
+    pull_deadline_s,
     visible_to,
 )
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
@@ -721,8 +723,9 @@ class RedisPool(SplitStreams, RemotePool):
         self, client: redis.Redis, commands: Sequence[tuple[Any, ...]], n_sized: int
     ) -> list[Any]:
         """The replies to ``commands``, pipelined on one connection of ``client`` and read one
-        by one under a pull deadline (``PullWatch``): the read deadline plus, as each of the
-        first ``n_sized`` replies (STRLENs of the records the GETs after them bring) is read,
+        by one under a pull deadline (``PullWatch``): the read deadline and
+        ``PULL_ALLOWANCE_PER_RECORD_S`` for each of the ``n_sized`` records, plus, as each of
+        the first ``n_sized`` replies (STRLENs of the records the GETs after them bring) is read,
         that record's bytes at ``PULL_FLOOR_BYTES_PER_S``. Past it the connection is cut:
         ``PullTooSlow``, counted in ``overdue``. A reply that is an error is returned as its
         ``ResponseError``. A connection the server dropped is retried once, as the read client
@@ -732,7 +735,8 @@ class RedisPool(SplitStreams, RemotePool):
         sized: dict[int, int] = {}  # by reply index: the bytes already added to the deadline
         pull: Pull | None = None
         try:
-            with self._watch.watching(functools.partial(_shut, conn), self.read_timeout_s) as pull:
+            allowance_s = pull_deadline_s(0, self.read_timeout_s, n_sized)  # bytes added below
+            with self._watch.watching(functools.partial(_shut, conn), allowance_s) as pull:
                 for attempt in range(_READ_RETRIES + 1):
                     try:
                         conn.send_packed_command(conn.pack_commands(commands))
