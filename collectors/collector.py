@@ -32,6 +32,7 @@ from collectors.rows import (
     cache_rows,
     emulated_power_rows,
     emulation_for,
+    engine_rejected,
     engine_row,
     plan_rows,
     power_rows,
@@ -444,6 +445,7 @@ class Collector:
                         s.engine,
                         prev,
                         epoch=s.engine.process_start_s,
+                        rejected=engine_rejected(s.rejected),
                     )
                 )
                 if s.engine.ttft is not None:

@@ -6,14 +6,14 @@ network and the collector loop only schedules, scrapes and writes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from collectors.engines import EngineReading, Histogram, histogram_delta, histogram_quantile
 from kvctl.counters import CounterTracker
 from kvctl.db.analytics.savings import gpu_key
 from kvctl.db.models import SERIES_BY_TABLE
-from kvctl.db.sample_checks import known
+from kvctl.db.sample_checks import Rejections, known
 from kvctl.profiles import GPUS, ModeledInputs
 from kvctl.wire.stats import cache_counters
 
@@ -240,11 +240,18 @@ def engine_row(
     previous_ttft: Histogram | None,
     *,
     epoch: float | None = None,
+    rejected: Collection[str] = (),
 ) -> dict[str, Any]:
     """One ``engine_sample`` row. TTFT quantiles cover the requests since ``previous_ttft``
-    (None on the first scrape: the quantiles are then unknown rather than all-time)."""
+    (None on the first scrape: the quantiles are then unknown rather than all-time).
+
+    ``rejected``: the reading's figures rejected as impossible (``engine_rejected``): those
+    counters are unknown, not absent. A counter the engine does not expose (None in the
+    reading, and not rejected) is left out of the tracker's series: one that shows later was
+    created since (a labelled counter at its first increment), counted from zero; an unknown
+    one keeps its last value, or is a baseline when first read."""
     ttft = reading.ttft
-    raw = {
+    raw: dict[str, float | None] = {
         "prompt_tokens": reading.prompt_tokens,
         "cached_prompt_tokens": reading.cached_prompt_tokens,
         "generation_tokens": reading.generation_tokens,
@@ -261,6 +268,10 @@ def engine_row(
         "kvbm_onboard_host_blocks": reading.kvbm_onboard_host_blocks,
         "kvbm_onboard_disk_blocks": reading.kvbm_onboard_disk_blocks,
     }
+    unknown = {c for c in raw if c in rejected}
+    if "ttft" in rejected:
+        unknown |= {"ttft_count", "ttft_sum_s"}
+    raw = {c: v for c, v in raw.items() if v is not None or c in unknown}
     inc = tracker.increase(
         f"engine:{node_id}",
         raw,
@@ -276,7 +287,7 @@ def engine_row(
     if ttft is not None and previous_ttft is not None:
         # counted from zero (a restart under a new epoch): the whole histogram is this
         # interval's; otherwise subtract the previous scrape's buckets
-        from_zero = inc["ttft_count"] == ttft.count
+        from_zero = inc.get("ttft_count") == ttft.count
         window = ttft if from_zero else histogram_delta(ttft, previous_ttft)
         for q, col in ((0.5, "ttft_p50_s"), (0.9, "ttft_p90_s"), (0.99, "ttft_p99_s")):
             quantiles[col] = histogram_quantile(window, q)
@@ -284,8 +295,19 @@ def engine_row(
         "node_id": node_id,
         "ts_ms": ts_ms,
         "engine": reading.engine,
-        **{c: inc[c] if c == "ttft_sum_s" else _int(inc[c]) for c in ENGINE_COUNTERS},
+        **{c: inc.get(c) if c == "ttft_sum_s" else _int(inc.get(c)) for c in ENGINE_COUNTERS},
         **quantiles,
         "kv_usage_ratio": reading.kv_usage_ratio,
         "lmcache_local_cache_usage_bytes": reading.lmcache_local_cache_usage_bytes,
     }
+
+
+def engine_rejected(rejected: Rejections) -> frozenset[str]:
+    """The engine reading's figures among a scrape's ``rejected`` (``collectors.collector.
+    checked_engine`` names them ``engine.<field>``; ``engine.ttft.*``: the histogram), by
+    ``EngineReading`` field name."""
+    return frozenset(
+        where.removeprefix("engine.").split(".")[0]
+        for where in rejected.fields
+        if where.startswith("engine.")
+    )

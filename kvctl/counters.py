@@ -5,6 +5,8 @@ stores the increase since the previous sample, so the sum over any window is exa
 is seen either as a new epoch (the agent's start time) or as a counter going down; the increase
 is then the new value itself (counted from zero). The first sample of a series that kvctl has
 never seen only sets the baseline: its counts happened at unknown times and are not attributed.
+So does the first known value of a counter that was unknown (None: it could not be read) since
+the series' baseline: its all-time count is no one interval's increase.
 The last raw values live in ``counter_state`` so a restarted collector loses nothing.
 
 Saves are compare-and-set: a series whose saved state moved since this tracker read or
@@ -33,6 +35,9 @@ class _Last:
     epoch: float | None
     values: dict[str, float]
     ts_ms: int
+    #: counters unknown (None) at every sample since the series' baseline (or its epoch's
+    #: start): no value to count from, so the first one read is a baseline
+    unread: frozenset[str] = frozenset()
 
 
 class CountersMoved(Exception):
@@ -67,32 +72,43 @@ class CounterTracker:
         missing_means_unread: bool = False,
     ) -> dict[str, float | None]:
         """Increase of each counter since the previous sample of ``series``; None where the
-        counter is absent now (a reading that could not be taken).
+        counter is unknown now (None in ``values``: a reading that could not be taken, or one
+        rejected as impossible). An unknown counter keeps its last known value, so its
+        increase is counted whole at the next sample that reads it.
 
-        A counter the series' previous samples lacked is counted from zero (it was created
-        since: a labelled child appears at its first increment), unless
-        ``missing_means_unread``: the source leaves out counters that keep counting (TensorRT-
-        LLM's JSON stats when idle), so its first value is a baseline (None), not an
-        increase."""
+        A counter unknown since the series' baseline (or since its restart's samples began)
+        has no value to count from: its first known value is a baseline (None), never its
+        all-time count as one interval's increase. A counter absent from ``values`` (not
+        exposed), then present, is counted from zero (it was created since: a labelled child
+        appears at its first increment), unless ``missing_means_unread``: the source leaves
+        out counters that keep counting (TensorRT-LLM's JSON stats when idle), so its first
+        value is a baseline (None), not an increase."""
         prev = self._last.get(series)
         restarted = prev is not None and epoch is not None and prev.epoch not in (None, epoch)
+        # a restart counts every counter from zero, read or not: nothing is left unread
+        unread = set() if prev is None or restarted else set(prev.unread)
         out: dict[str, float | None] = {}
         for name, value in values.items():
+            before = None if prev is None else prev.values.get(name)
             if value is None:
                 out[name] = None
+                if prev is None:  # unknown at the baseline: nothing to count from, ever
+                    unread.add(name)
                 continue
-            before = None if prev is None else prev.values.get(name)
             if prev is None:
                 out[name] = 0.0
+            elif name in unread:
+                out[name] = None  # its first known value: the baseline
             elif before is None and not restarted and missing_means_unread:
                 out[name] = None
             elif restarted or before is None or value < before:
                 out[name] = value
             else:
                 out[name] = value - before
+            unread.discard(name)
         kept = {} if prev is None or restarted else dict(prev.values)
         kept.update({k: v for k, v in values.items() if v is not None})
-        self._last[series] = _Last(epoch, kept, ts_ms)
+        self._last[series] = _Last(epoch, kept, ts_ms, frozenset(unread))
         self._dirty.add(series)
         return out
 
@@ -111,7 +127,10 @@ class CounterTracker:
             if wanted and not series.startswith(wanted):
                 continue
             data = json.loads(state)
-            self._last[series] = _Last(data.get("epoch"), dict(data.get("values", {})), ts_ms)
+            unread = frozenset(data.get("unread", ()))
+            self._last[series] = _Last(
+                data.get("epoch"), dict(data.get("values", {})), ts_ms, unread
+            )
             self._saved_ts_ms[series] = ts_ms
             self._written_ts_ms.pop(series, None)
             self._dirty.discard(series)
@@ -132,11 +151,7 @@ class CounterTracker:
         if moved:
             raise CountersMoved(sorted(moved))
         rows: list[dict[str, Any]] = [
-            {
-                "series": s,
-                "state": json.dumps({"epoch": self._last[s].epoch, "values": self._last[s].values}),
-                "ts_ms": self._last[s].ts_ms,
-            }
+            {"series": s, "state": _state_json(self._last[s]), "ts_ms": self._last[s].ts_ms}
             for s in sorted(self._dirty)
         ]
         insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
@@ -163,3 +178,10 @@ class CounterTracker:
             q = select(CounterState.series, CounterState.ts_ms).where(CounterState.series.in_(part))
             found += [(s, ts) for s, ts in conn.execute(q.with_for_update())]
         return found
+
+
+def _state_json(last: _Last) -> str:
+    state: dict[str, Any] = {"epoch": last.epoch, "values": last.values}
+    if last.unread:  # left out when empty: the state older collectors wrote and read
+        state["unread"] = sorted(last.unread)
+    return json.dumps(state)

@@ -36,21 +36,23 @@ def agent() -> Iterator[StandIn]:
         a.close()
 
 
-def _node(db: Engine, agent: StandIn) -> int:
+def _node(db: Engine, agent: StandIn, engine_url: str | None = None) -> int:
     with db.begin() as conn:
         add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
-        add_node(conn, "n1", dc="fra", agent_url=agent.url)
+        add_node(conn, "n1", dc="fra", agent_url=agent.url, engine_url=engine_url)
     with db.connect() as conn:
         return int(conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one())
 
 
-def _collect(db: Engine, agent: StandIn, answers: list[dict[str, Any]], **config: Any) -> None:
-    """One scrape per answer, ``interval_s`` apart."""
+def _collect(
+    db: Engine, agent: StandIn, answers: list[Any], path: str = "/v1/stats", **config: Any
+) -> None:
+    """One scrape per answer (of ``path``), ``interval_s`` apart."""
     now = [T0_S]
     collector = Collector(db, CollectorConfig(**config), clock=lambda: now[0])
     try:
         for answer in answers:
-            agent.answers["/v1/stats"] = answer
+            agent.answers[path] = answer
             assert collector.collect_once().written
             now[0] += config["interval_s"]
     finally:
@@ -178,3 +180,37 @@ def test_a_counter_unknown_at_the_first_scrape_leaves_the_next_the_baseline(
     assert [r["saved_s"] for r in plans] == [None, 0.0, pytest.approx(1.0)]
     energy = [r["energy_j"] for r in _rows(db, "power_sample", node_id)]
     assert energy == [None, 0.0, pytest.approx(6_000.0)]
+
+
+def _vllm(prompt_tokens: float, cached_tokens: float, requests: float | None) -> str:
+    """A vLLM's /metrics: prompt tokens, those served from its prefix cache, and finished
+    requests (None: none finished yet, so the labelled counter has no sample)."""
+    lines = [
+        "# TYPE vllm:prompt_tokens_total counter",
+        f'vllm:prompt_tokens_total{{model_name="m"}} {prompt_tokens}',
+        "# TYPE vllm:prefix_cache_hits_total counter",
+        f'vllm:prefix_cache_hits_total{{model_name="m"}} {cached_tokens}',
+        "# TYPE vllm:request_success_total counter",
+    ]
+    if requests is not None:
+        lines.append(
+            f'vllm:request_success_total{{finished_reason="stop",model_name="m"}} {requests}'
+        )
+    return "\n".join([*lines, ""])
+
+
+def test_an_engine_counter_unknown_at_the_first_scrape_leaves_the_next_the_baseline(
+    db: Engine, agent: StandIn
+) -> None:
+    """The engine's prompt-token counter is negative at the node's first scrape (rejected):
+    the next scrape is its baseline, the one after counts its interval. Before, the next
+    scrape counted its all-time value as one interval's: 5 M prompt tokens in 30 s. A
+    counter not exposed yet (no request finished) is no unknown one: counted from zero."""
+    node_id = _node(db, agent, engine_url=f"{agent.url}/metrics")
+    answers = [_vllm(-1, 0, None), _vllm(5e6, 1e6, 3), _vllm(5e6 + 300, 1e6 + 100, 4)]
+    _collect(db, agent, answers, path="/metrics", interval_s=30.0)
+
+    rows = _rows(db, "engine_sample", node_id)
+    assert [r["prompt_tokens"] for r in rows] == [None, None, 300]
+    assert [r["cached_prompt_tokens"] for r in rows] == [0, 1_000_000, 100]
+    assert [r["requests"] for r in rows] == [None, 3, 1]

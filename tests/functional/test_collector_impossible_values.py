@@ -106,7 +106,8 @@ def _gpus(power_w: Any, energy_j: Any, utilization: Any, memory: Any) -> dict[st
 
 class StandIn:
     """An agent's control API answering what the test sets, NaN and Infinity included (as
-    Python's json writes them, and reads them back)."""
+    Python's json writes them, and reads them back); a text answer is sent as is (an engine's
+    /metrics beside the agent)."""
 
     def __init__(self, name: str) -> None:
         self.answers: dict[str, Any] = {
@@ -127,9 +128,12 @@ class StandIn:
             def _answer(self) -> None:
                 if self.command == "POST":
                     self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                body = json.dumps(outer.answers[self.path]).encode()
+                answer = outer.answers[self.path]
+                # text (an engine's /metrics) as is; the rest as JSON
+                text = isinstance(answer, str)
+                body = (answer if text else json.dumps(answer)).encode()
                 self.send_response(200)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/plain" if text else "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)

@@ -37,11 +37,11 @@ def test_absent_reading_is_none_and_resumes_later() -> None:
 
 def test_a_counter_first_shown_late_is_counted_from_zero_or_is_a_baseline() -> None:
     t = CounterTracker()
-    t.increase("e", {"a": 10.0, "b": None}, epoch=None, ts_ms=0)
+    t.increase("e", {"a": 10.0}, epoch=None, ts_ms=0)
     # created since (a labelled child at its first increment): all of it is new
     assert t.increase("e", {"a": 11.0, "b": 7.0}, epoch=None, ts_ms=10) == {"a": 1.0, "b": 7.0}
     u = CounterTracker()
-    u.increase("e", {"a": 10.0, "b": None}, epoch=None, ts_ms=0, missing_means_unread=True)
+    u.increase("e", {"a": 10.0}, epoch=None, ts_ms=0, missing_means_unread=True)
     # hidden before though counting: its first value is a baseline, then increases
     got = u.increase("e", {"a": 11.0, "b": 7.0}, epoch=None, ts_ms=10, missing_means_unread=True)
     assert got == {"a": 1.0, "b": None}
@@ -50,6 +50,40 @@ def test_a_counter_first_shown_late_is_counted_from_zero_or_is_a_baseline() -> N
     # a restart (the counters fell) still counts everything from zero
     got = u.increase("e", {"a": 3.0, "b": 4.0}, epoch=None, ts_ms=30, missing_means_unread=True)
     assert got == {"a": 3.0, "b": 4.0}
+
+
+def test_a_counter_unknown_since_the_baseline_is_a_baseline_when_first_read() -> None:
+    """b could not be read at the series' first sample nor the next (None): its first known
+    value is its baseline, not 9 M counted in one interval. Before, it was counted from zero,
+    a spike of its all-time count; every user of the tracker saw it (the collector's engine
+    rows among them)."""
+    t = CounterTracker()
+    assert t.increase("e", {"a": 10.0, "b": None}, epoch=1.0, ts_ms=0) == {"a": 0.0, "b": None}
+    assert t.increase("e", {"a": 12.0, "b": None}, epoch=1.0, ts_ms=10) == {"a": 2.0, "b": None}
+    got = t.increase("e", {"a": 13.0, "b": 9e6}, epoch=1.0, ts_ms=20)
+    assert got == {"a": 1.0, "b": None}
+    assert t.increase("e", {"a": 13.0, "b": 9e6 + 5}, epoch=1.0, ts_ms=30) == {"a": 0.0, "b": 5.0}
+
+
+def test_a_counter_unknown_after_a_restart_counts_from_zero_when_read() -> None:
+    """A restart counts every counter from zero: one unknown at the restart's first sample
+    has its value since the restart when read, not a baseline (and not unread for ever)."""
+    t = CounterTracker()
+    t.increase("e", {"a": 10.0, "b": None}, epoch=1.0, ts_ms=0)
+    assert t.increase("e", {"a": 3.0, "b": None}, epoch=2.0, ts_ms=10) == {"a": 3.0, "b": None}
+    assert t.increase("e", {"a": 4.0, "b": 6.0}, epoch=2.0, ts_ms=20) == {"a": 1.0, "b": 6.0}
+
+
+def test_a_counter_unknown_since_the_baseline_stays_so_across_a_collector_restart(db) -> None:  # type: ignore[no-untyped-def]
+    first = CounterTracker()
+    first.increase("engine:1", {"a": 10.0, "b": None}, epoch=1.0, ts_ms=0)
+    with db.begin() as conn:
+        first.save(conn)
+    second = CounterTracker()
+    with db.connect() as conn:
+        second.load(conn, ["engine:"])
+    got = second.increase("engine:1", {"a": 12.0, "b": 9e6}, epoch=1.0, ts_ms=10)
+    assert got == {"a": 2.0, "b": None}
 
 
 def test_series_are_independent() -> None:
