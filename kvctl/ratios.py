@@ -21,6 +21,18 @@ RATIO_NAMES: Final = (
 )
 
 
+#: each ratio in :data:`RATIO_NAMES` and the two counts it divides (numerator, denominator)
+RATIO_OF: Final[dict[str, tuple[str, str]]] = {
+    "hit_ratio": ("hits", "lookups"),
+    "reuse_hit_ratio": ("reuse_hits", "lookups"),
+    "sharing_hit_ratio": ("sharing_hits", "lookups"),
+    "reuse_share_of_hits": ("reuse_hits", "hits"),
+    "sharing_share_of_hits": ("sharing_hits", "hits"),
+}
+#: the counts every hit ratio and share is taken over
+HIT_COUNT_NAMES: Final = frozenset(("lookups", "hits", "reuse_hits", "sharing_hits"))
+
+
 def ratio(num: float, den: float) -> float | None:
     """``num / den``; None (unknown, not zero) where the denominator is zero."""
     return num / den if den else None
@@ -30,50 +42,70 @@ def ratio(num: float, den: float) -> float | None:
 class HitCounts:
     """Chunk lookups and hits, the hits split by who stored the chunk: reuse (the tenant that
     asks) or sharing (another tenant). Whole counts, except the live view's increases, which
-    are floats."""
+    are floats. A count named in ``unknown`` (its counter answered impossible, see
+    :mod:`kvctl.db.sample_checks`) is held as 0 but reported None, and so is every ratio over
+    it: a ratio over an unknown count is unknown, never a number."""
 
     lookups: float = 0
     hits: float = 0
     reuse_hits: float = 0
     sharing_hits: float = 0
+    unknown: frozenset[str] = frozenset()
+
+    def known(self, *counts: str) -> bool:
+        """Whether every one of ``counts`` is known."""
+        return self.unknown.isdisjoint(counts)
+
+    def _ratio(self, name: str) -> float | None:
+        num, den = RATIO_OF[name]
+        return ratio(getattr(self, num), getattr(self, den)) if self.known(num, den) else None
 
     @property
     def hit_ratio(self) -> float | None:
         """Hits per chunk lookup."""
-        return ratio(self.hits, self.lookups)
+        return self._ratio("hit_ratio")
 
     @property
     def reuse_hit_ratio(self) -> float | None:
         """Hits on a chunk the same tenant stored, per lookup."""
-        return ratio(self.reuse_hits, self.lookups)
+        return self._ratio("reuse_hit_ratio")
 
     @property
     def sharing_hit_ratio(self) -> float | None:
         """Hits on a chunk another tenant stored, per lookup (reuse + sharing = hit ratio)."""
-        return ratio(self.sharing_hits, self.lookups)
+        return self._ratio("sharing_hit_ratio")
 
     @property
     def reuse_share_of_hits(self) -> float | None:
         """The part of the hits that were on a chunk the same tenant stored."""
-        return ratio(self.reuse_hits, self.hits)
+        return self._ratio("reuse_share_of_hits")
 
     @property
     def sharing_share_of_hits(self) -> float | None:
         """The part of the hits that were on a chunk another tenant stored."""
-        return ratio(self.sharing_hits, self.hits)
+        return self._ratio("sharing_share_of_hits")
+
+    @property
+    def summed_unknown(self) -> frozenset[str]:
+        """What a sum over nodes leaves out of these counts: the unknown ones, and all four hit
+        counts where one is (a DC's hit ratio is over the nodes whose ratio is known, never
+        hits of one set of nodes over lookups of another)."""
+        u = self.unknown
+        return u | HIT_COUNT_NAMES if u & HIT_COUNT_NAMES else u
 
     def add_hits(self, other: HitCounts) -> None:
+        """Add ``other``'s four hit counts, or none of them where one is unknown."""
+        if not other.known(*HIT_COUNT_NAMES):
+            return
         self.lookups += other.lookups
         self.hits += other.hits
         self.reuse_hits += other.reuse_hits
         self.sharing_hits += other.sharing_hits
 
     def hit_figures(self) -> dict[str, float | None]:
-        """The counts and every ratio, under the names all JSON outputs use."""
+        """The counts and every ratio, under the names all JSON outputs use (None: unknown)."""
         counts: dict[str, float | None] = {
-            "lookups": self.lookups,
-            "hits": self.hits,
-            "reuse_hits": self.reuse_hits,
-            "sharing_hits": self.sharing_hits,
+            name: None if name in self.unknown else getattr(self, name)
+            for name in ("lookups", "hits", "reuse_hits", "sharing_hits")
         }
         return counts | {name: getattr(self, name) for name in RATIO_NAMES}

@@ -16,19 +16,9 @@ from kvctl.db.inventory import NodeInfo
 from kvctl.db.models import Node, NodeSample
 from kvctl.db.sample_checks import UNREADABLE_TIER, checked_stats, known
 from kvctl.fleet.fanout import NodeResult, fan_out
-from kvctl.ratios import HitCounts
+from kvctl.ratios import HIT_COUNT_NAMES, HitCounts
 from kvctl.wire.reports import AgentStats
 from kvctl.wire.stats import cache_counters
-
-#: each ratio ``HitCounts.hit_figures`` reports, and the counts it divides: unknown (None)
-#: where either is
-RATIO_OF: dict[str, tuple[str, str]] = {
-    "hit_ratio": ("hits", "lookups"),
-    "reuse_hit_ratio": ("reuse_hits", "lookups"),
-    "sharing_hit_ratio": ("sharing_hits", "lookups"),
-    "reuse_share_of_hits": ("reuse_hits", "hits"),
-    "sharing_share_of_hits": ("sharing_hits", "hits"),
-}
 
 
 @dataclass(slots=True)
@@ -59,10 +49,9 @@ class NodeStatus:
     auth_refused: bool = False
     #: not up: it took the connection and said nothing within the timeout (hung, overloaded)
     silent: bool = False
+    #: a count whose counter the agent answered impossible (NaN, negative, ...) is in its
+    #: ``unknown``: None, as is every ratio over it, and never summed
     counts: HitCounts = field(default_factory=HitCounts)
-    #: ``counts`` whose counter the agent answered impossible (NaN, negative, ...): unknown,
-    #: as is every ratio over them (0 in ``counts``, never summed)
-    unknown: frozenset[str] = frozenset()
     #: a tier whose used or capacity bytes were impossible is left out, as one not reported
     tiers: dict[str, TierUse] = field(default_factory=dict)
     uptime_s: float | None = None
@@ -88,7 +77,7 @@ class NodeStatus:
 
     def figures(self) -> dict[str, float | None]:
         """Its counts and ratios under their JSON names, None where unread or unknown."""
-        return figures_or_unknown(self.counts, self.read, self.unknown)
+        return figures_or_unknown(self.counts, self.read)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -124,7 +113,7 @@ class DcStatus:
         self.up += 1
         # as `kvctl top` sums: a node with one hit count unknown adds none of its four (never
         # hits of one set of nodes over lookups of another)
-        if n.read and not n.unknown:
+        if n.read and n.counts.known(*HIT_COUNT_NAMES):
             self.counted += 1
             self.counts.add_hits(n.counts)
         for name, t in n.tiers.items():
@@ -144,19 +133,11 @@ class DcStatus:
         }
 
 
-def figures_or_unknown(
-    counts: HitCounts, read: bool, unknown: frozenset[str] = frozenset()
-) -> dict[str, float | None]:
+def figures_or_unknown(counts: HitCounts, read: bool) -> dict[str, float | None]:
     """The counts and ratios under their JSON names; every one null when they were not read
-    (a node down or refusing the token): 0 lookups would claim it was idle. A count in
-    ``unknown`` is null, and so is every ratio over it."""
+    (a node down or refusing the token): 0 lookups would claim it was idle."""
     figures = counts.hit_figures()
-    if not read:
-        return dict.fromkeys(figures)
-    return {
-        k: None if k in unknown or not unknown.isdisjoint(RATIO_OF.get(k, ())) else v
-        for k, v in figures.items()
-    }
+    return figures if read else dict.fromkeys(figures)
 
 
 @dataclass(slots=True)
@@ -175,10 +156,6 @@ class FleetStatus:
         }
 
 
-#: the ``cache_counters`` a node's :class:`HitCounts` are made of, in its fields' order
-_HIT_COUNTS = ("lookups", "hits", "reuse_hits", "sharing_hits")
-
-
 def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
     """A node's status from its agent's ``/v1/stats``, checked as the collectors and `kvctl
     top` check it (:mod:`kvctl.db.sample_checks`): a figure that cannot be true (NaN,
@@ -189,7 +166,7 @@ def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
         if part in rejected.fields:
             raise ValueError(f"{part}: {rejected.fields[part]}")
     whole = cache_counters(checked)["all"]
-    hits = {k: known(whole[k]) for k in _HIT_COUNTS}
+    hits = {k: known(whole[k]) for k in HIT_COUNT_NAMES}
     tiers: dict[str, TierUse] = {}
     for name, u in checked["usage"].items():
         used, capacity = known(u["used_bytes"]), known(u["capacity_bytes"])
@@ -202,8 +179,10 @@ def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
         node.dc,
         node.agent_url,
         True,
-        counts=HitCounts(*(0 if v is None else int(v) for v in hits.values())),
-        unknown=frozenset(k for k, v in hits.items() if v is None),
+        counts=HitCounts(
+            **{k: 0 if v is None else int(v) for k, v in hits.items()},
+            unknown=frozenset(k for k, v in hits.items() if v is None),
+        ),
         tiers=tiers,
         uptime_s=None if started_s is None else max(now_ms / 1000 - started_s, 0.0),
         last_seen_ms=now_ms,

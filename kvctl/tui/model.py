@@ -177,85 +177,41 @@ class TierGauge:
         }
 
 
-#: the counts a hit ratio or share is taken over: summed together or not at all
-_HIT_COUNTS = frozenset(("lookups", "hits", "reuse_hits", "sharing_hits"))
-
-
 @dataclass(slots=True)
 class WindowCounts(HitCounts):
-    """Counter increases over the recent window (lookups and hits are :class:`HitCounts`') and
-    the seconds it spans. A count in ``unknown`` (its counter rejected from this poll's answer,
-    see :mod:`kvctl.db.sample_checks`) is N/A, and so is every figure taken over it."""
+    """Counter increases over the recent window (lookups and hits are :class:`HitCounts`', with
+    its ``unknown``: a count whose counter was rejected from this poll's answer is N/A, and so
+    is every figure taken over it) and the seconds it spans."""
 
     seconds: float = 0.0
     evictions: float = 0.0
     io_bytes: float = 0.0
-    unknown: frozenset[str] = frozenset()
-
-    def _over(self, *counts: str) -> bool:
-        """Whether every one of ``counts`` is known."""
-        return self.unknown.isdisjoint(counts)
 
     @property
     def hit_known(self) -> bool:
-        return self._over("lookups", "hits")
-
-    @property
-    def hit_ratio(self) -> float | None:
-        return ratio(self.hits, self.lookups) if self._over("lookups", "hits") else None
-
-    @property
-    def reuse_hit_ratio(self) -> float | None:
-        return ratio(self.reuse_hits, self.lookups) if self._over("lookups", "reuse_hits") else None
-
-    @property
-    def sharing_hit_ratio(self) -> float | None:
-        known = self._over("lookups", "sharing_hits")
-        return ratio(self.sharing_hits, self.lookups) if known else None
-
-    @property
-    def reuse_share_of_hits(self) -> float | None:
-        return ratio(self.reuse_hits, self.hits) if self._over("hits", "reuse_hits") else None
-
-    @property
-    def sharing_share_of_hits(self) -> float | None:
-        return ratio(self.sharing_hits, self.hits) if self._over("hits", "sharing_hits") else None
-
-    def hit_figures(self) -> dict[str, float | None]:
-        # the ratios are this class's properties: N/A where taken over an unknown count
-        return {k: None if k in self.unknown else v for k, v in HitCounts.hit_figures(self).items()}
+        return self.known("lookups", "hits")
 
     def rate(self, value: float) -> float | None:
         return value / self.seconds if self.seconds > 0 else None
 
     @property
     def evictions_per_s(self) -> float | None:
-        return self.rate(self.evictions) if self._over("evictions") else None
+        return self.rate(self.evictions) if self.known("evictions") else None
 
     @property
     def io_bytes_per_s(self) -> float | None:
-        return self.rate(self.io_bytes) if self._over("io_bytes") else None
+        return self.rate(self.io_bytes) if self.known("io_bytes") else None
 
     @property
     def lookups_per_s(self) -> float | None:
-        return self.rate(self.lookups) if self._over("lookups") else None
-
-    @property
-    def summed_unknown(self) -> frozenset[str]:
-        """What a sum over nodes leaves out of these counts: the unknown ones, and all four hit
-        counts where one is (a DC's hit ratio is over the nodes whose ratio is known, never
-        hits of one set of nodes over lookups of another)."""
-        u = self.unknown
-        return u | _HIT_COUNTS if u & _HIT_COUNTS else u
+        return self.rate(self.lookups) if self.known("lookups") else None
 
     def add(self, other: WindowCounts) -> None:
         """Add ``other``'s known counts (see :attr:`summed_unknown`)."""
-        skip = other.summed_unknown
-        if skip.isdisjoint(_HIT_COUNTS):
-            self.add_hits(other)
-        if "evictions" not in skip:
+        self.add_hits(other)
+        if other.known("evictions"):
             self.evictions += other.evictions
-        if "io_bytes" not in skip:
+        if other.known("io_bytes"):
             self.io_bytes += other.io_bytes
 
     def as_dict(self) -> dict[str, Any]:

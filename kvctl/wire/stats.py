@@ -11,7 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from kvctl.ratios import HitCounts
+from kvctl.ratios import HIT_COUNT_NAMES, HitCounts
 
 #: the node counters every tier also has; a tier's ``lookups`` are the node's (a lookup asks
 #: every tier), so a tier's report leaves them out
@@ -73,13 +73,11 @@ def agent_figures(stats: Mapping[str, Any]) -> dict[str, Any]:
     leaves of an impossible one) is None, and so is every ratio over it."""
     counters = cache_counters(stats)
     whole = {k: _whole(v) for k, v in counters.pop("all").items()}
-    four = [whole["lookups"], whole["hits"], whole["reuse_hits"], whole["sharing_hits"]]
-    known = [c for c in four if c is not None]
-    figures = (
-        HitCounts(*known).hit_figures()
-        if len(known) == len(four)
-        else dict.fromkeys(HitCounts().hit_figures())
-    )
+    four = {name: whole[name] for name in HIT_COUNT_NAMES}
+    figures = HitCounts(
+        **{k: v or 0 for k, v in four.items()},
+        unknown=frozenset(k for k, v in four.items() if v is None),
+    ).hit_figures()
     return {
         **whole,
         **{k: v for k, v in figures.items() if k not in whole},

@@ -25,7 +25,6 @@ from kvctl.cli.main import app as cli
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.fleet import status as fleet_status
-from kvctl.ratios import RATIO_NAMES
 from tests.functional.test_collector_impossible_values import StandIn, _stats
 from tests.functional.test_top_impossible_values import _strict
 
@@ -118,10 +117,6 @@ def test_status_table_shows_an_impossible_figure_as_na_and_names_it(
     assert "3 value(s) rejected as impossible" in said, text
     for where in REJECTED:
         assert f"{where} (not finite)" in said, text
-
-
-def test_every_ratio_says_which_counts_it_divides() -> None:
-    assert set(fleet_status.RATIO_OF) == set(RATIO_NAMES)
 
 
 def test_status_window_shows_the_unread_scrapes(

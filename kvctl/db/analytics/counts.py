@@ -11,9 +11,10 @@ modeled prefill rate. Hit ratios are :class:`~kvctl.ratios.HitCounts`' own.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Final
 
 from sqlalchemy.engine import Connection
@@ -145,7 +146,7 @@ class Counts(HitCounts):
     default_gpu_nodes: int = 0
 
     def add(self, other: Counts) -> None:
-        for f in fields(self):
+        for f in _figure_fields():
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if isinstance(mine, dict):
                 for k, v in theirs.items():
@@ -238,7 +239,7 @@ class Counts(HitCounts):
         return MEASURED if measured and self.plan_bases == [MEASURED] else MODELED
 
     def as_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self)} | self.hit_figures()
+        out = {f.name: getattr(self, f.name) for f in _figure_fields()} | self.hit_figures()
         for prop in (
             "up_ratio",
             "unread_samples",
@@ -460,3 +461,10 @@ def _savings(
         plan_saved_s=plan_saved_s,
         plan_gpu=plan_gpu,
     )
+
+
+@functools.cache
+def _figure_fields() -> tuple[Field[Any], ...]:
+    """:class:`Counts`' figures: its fields but ``HitCounts.unknown``, which the database's
+    sums never set (an impossible value is NULL there, left out of every sum)."""
+    return tuple(f for f in fields(Counts) if f.name != "unknown")
