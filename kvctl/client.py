@@ -1301,6 +1301,14 @@ class AgentClient:
             raise AuthError(
                 f"the agent at {self.url} is up but {said}: set KVCTL_TOKEN to the agent's token"
             )
+        if resp.status_code == 403:
+            # the agent answers 401, but an authenticating proxy in front of it may say 403:
+            # still up, and what to fix is still the credentials, not the agent
+            raise AuthError(
+                f"{self.url} is up but answered 403 Forbidden to {path}: the token was refused "
+                "there (or a proxy in front of the agent forbids it); set KVCTL_TOKEN to a "
+                "token it accepts"
+            )
         if resp.status_code >= 400:
             self._raise_for(resp, path)
         if resp.headers.get("content-type", "").startswith("application/json"):

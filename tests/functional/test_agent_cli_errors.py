@@ -129,6 +129,18 @@ def test_something_that_is_not_an_agent_gets_a_short_reason(
     assert report["up"] is False and len(report["error"]) < 200
 
 
+def test_a_403_is_a_refused_token_not_a_missing_agent(tmp_path: Path) -> None:
+    # what an authenticating proxy in front of an agent answers a wrong token with
+    with answering_url(403, b"<html>Forbidden</html>") as url:
+        out = _run(tmp_path, "agent", "status", "--url", url)
+        report = json.loads(_run(tmp_path, "agent", "status", "--url", url, "--json").stdout)
+    assert out.exit_code == 1
+    said = _flat(out.output)
+    assert said.startswith("token refused:") and "403 Forbidden" in said, said
+    assert "KVCTL_TOKEN" in said and "not an agent" not in said and "<html" not in said
+    assert report["up"] is True and "403 Forbidden" in report["error"]
+
+
 def test_status_at_an_agents_data_port_hints_at_the_control_port(
     tmp_path: Path, token_agent: Agent
 ) -> None:
