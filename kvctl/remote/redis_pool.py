@@ -729,7 +729,7 @@ class RedisPool(SplitStreams, RemotePool):
         that record's bytes at ``PULL_FLOOR_BYTES_PER_S``. Past it the connection is cut:
         ``PullTooSlow``, counted in ``overdue``. A reply that is an error is returned as its
         ``ResponseError``. A connection the server dropped is retried once, as the read client
-        does (never one this watch cut)."""
+        does (never one this watch cut), under the same deadline."""
         pool = client.connection_pool
         conn = _connection_of(pool)
         sized: dict[int, int] = {}  # by reply index: the bytes already added to the deadline
@@ -739,6 +739,13 @@ class RedisPool(SplitStreams, RemotePool):
             with self._watch.watching(functools.partial(_shut, conn), allowance_s) as pull:
                 for attempt in range(_READ_RETRIES + 1):
                     try:
+                        if attempt:
+                            # the watch cuts by shutting the socket down, and while the retry's
+                            # connection was being made there was none: a deadline that passed
+                            # then cut nothing, and the retry would read on with no deadline
+                            conn.connect()
+                            if pull.cut:
+                                raise redis.ConnectionError("deadline passed while reconnecting")
                         conn.send_packed_command(conn.pack_commands(commands))
                         replies: list[Any] = []
                         for i in range(len(commands)):
