@@ -34,6 +34,7 @@ from collectors.rows import (
     emulation_for,
     engine_rejected,
     engine_row,
+    engine_waits,
     plan_rows,
     power_rows,
 )
@@ -437,6 +438,7 @@ class Collector:
                 )
             if s.engine is not None:
                 prev = self._ttft_prev.get(node.id)
+                rejected = engine_rejected(s.rejected)
                 rows["engine_sample"].append(
                     engine_row(
                         self._tracker,
@@ -445,10 +447,12 @@ class Collector:
                         s.engine,
                         prev,
                         epoch=s.engine.process_start_s,
-                        rejected=engine_rejected(s.rejected),
+                        rejected=rejected,
                     )
                 )
-                if s.engine.ttft is not None:
+                # a waiting row leaves the histogram's baseline too: the quantiles of the row
+                # that catches up cover its counts' span
+                if s.engine.ttft is not None and not engine_waits(rejected):
                     self._ttft_prev[node.id] = s.engine.ttft
             for warning in s.warnings:
                 report.warnings.append(f"{node.name}: {warning}")

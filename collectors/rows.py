@@ -245,11 +245,18 @@ def engine_row(
     """One ``engine_sample`` row. TTFT quantiles cover the requests since ``previous_ttft``
     (None on the first scrape: the quantiles are then unknown rather than all-time).
 
-    ``rejected``: the reading's figures rejected as impossible (``engine_rejected``): those
-    counters are unknown, not absent. A counter the engine does not expose (None in the
-    reading, and not rejected) is left out of the tracker's series: one that shows later was
-    created since (a labelled counter at its first increment), counted from zero; an unknown
-    one keeps its last value, or is a baseline when first read."""
+    ``rejected``: the reading's figures rejected as impossible (``engine_rejected``). One
+    counter unknown makes all the engine's counters wait, as an agent's cache counters do:
+    none advances at this scrape (the row's counts and TTFT quantiles are unknown), and all
+    catch up at the next scrape that reads them all, over the same span. Its figures are read
+    over each other (cached over prompt tokens, LMCache hits over lookups, reused over missed
+    blocks, TTFT sum over count, prompt tokens over GPU energy): one caught up alone put one
+    span's hits over another's lookups (more cached than prompt tokens in a row). One
+    unknown at a node's first scrape leaves the next scrape the baseline. The caller keeps
+    ``previous_ttft`` (``engine_waits``) so the quantiles cover the same span as the counts.
+    A counter the engine does not expose (None in the reading, not rejected) is left out of
+    the tracker's series: one that shows later was created since (a labelled counter at its
+    first increment), counted from zero."""
     ttft = reading.ttft
     raw: dict[str, float | None] = {
         "prompt_tokens": reading.prompt_tokens,
@@ -268,23 +275,22 @@ def engine_row(
         "kvbm_onboard_host_blocks": reading.kvbm_onboard_host_blocks,
         "kvbm_onboard_disk_blocks": reading.kvbm_onboard_disk_blocks,
     }
-    unknown = {c for c in raw if c in rejected}
-    if "ttft" in rejected:
-        unknown |= {"ttft_count", "ttft_sum_s"}
-    raw = {c: v for c, v in raw.items() if v is not None or c in unknown}
-    inc = tracker.increase(
-        f"engine:{node_id}",
-        raw,
-        epoch=epoch,
-        ts_ms=ts_ms,
-        missing_means_unread=reading.missing_means_unread,
-    )
+    waits = engine_waits(rejected)
+    inc: Mapping[str, float | None] = {}
+    if not waits:
+        inc = tracker.increase(
+            f"engine:{node_id}",
+            {c: v for c, v in raw.items() if v is not None},
+            epoch=epoch,
+            ts_ms=ts_ms,
+            missing_means_unread=reading.missing_means_unread,
+        )
     quantiles: dict[str, float | None] = {
         "ttft_p50_s": None,
         "ttft_p90_s": None,
         "ttft_p99_s": None,
     }
-    if ttft is not None and previous_ttft is not None:
+    if ttft is not None and previous_ttft is not None and not waits:
         # counted from zero (a restart under a new epoch): the whole histogram is this
         # interval's; otherwise subtract the previous scrape's buckets
         from_zero = inc.get("ttft_count") == ttft.count
@@ -300,6 +306,13 @@ def engine_row(
         "kv_usage_ratio": reading.kv_usage_ratio,
         "lmcache_local_cache_usage_bytes": reading.lmcache_local_cache_usage_bytes,
     }
+
+
+def engine_waits(rejected: Collection[str]) -> bool:
+    """Whether an engine reading's ``rejected`` figures (``engine_rejected``) make its
+    counters wait (``engine_row``): a counter or the TTFT histogram is among them. A gauge
+    (KV usage, LMCache's bytes) or the start time is read on its own: nothing waits on it."""
+    return "ttft" in rejected or any(c in rejected for c in ENGINE_COUNTERS)
 
 
 def engine_rejected(rejected: Rejections) -> frozenset[str]:

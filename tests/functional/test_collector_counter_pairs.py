@@ -205,12 +205,58 @@ def test_an_engine_counter_unknown_at_the_first_scrape_leaves_the_next_the_basel
     """The engine's prompt-token counter is negative at the node's first scrape (rejected):
     the next scrape is its baseline, the one after counts its interval. Before, the next
     scrape counted its all-time value as one interval's: 5 M prompt tokens in 30 s. A
-    counter not exposed yet (no request finished) is no unknown one: counted from zero."""
+    counter not exposed yet (no request finished) is no unknown one: counted from zero when
+    it shows."""
     node_id = _node(db, agent, engine_url=f"{agent.url}/metrics")
-    answers = [_vllm(-1, 0, None), _vllm(5e6, 1e6, 3), _vllm(5e6 + 300, 1e6 + 100, 4)]
+    answers = [_vllm(-1, 0, None), _vllm(5e6, 1e6, None), _vllm(5e6 + 300, 1e6 + 100, 3)]
     _collect(db, agent, answers, path="/metrics", interval_s=30.0)
 
     rows = _rows(db, "engine_sample", node_id)
-    assert [r["prompt_tokens"] for r in rows] == [None, None, 300]
-    assert [r["cached_prompt_tokens"] for r in rows] == [0, 1_000_000, 100]
-    assert [r["requests"] for r in rows] == [None, 3, 1]
+    # the first scrape's counters wait with the one rejected; the second is their baseline
+    assert [r["prompt_tokens"] for r in rows] == [None, 0, 300]
+    assert [r["cached_prompt_tokens"] for r in rows] == [None, 0, 100]
+    assert [r["requests"] for r in rows] == [None, None, 3]
+
+
+def _vllm_ttft(prompt_tokens: float, cached_tokens: float, fast: int, slow: int) -> str:
+    """``_vllm`` with a TTFT histogram: ``fast`` requests under 0.5 s, ``slow`` over 2 s."""
+    n = fast + slow
+    return _vllm(prompt_tokens, cached_tokens, n) + "\n".join(
+        [
+            "# TYPE vllm:time_to_first_token_seconds histogram",
+            f'vllm:time_to_first_token_seconds_bucket{{le="0.5",model_name="m"}} {fast}',
+            f'vllm:time_to_first_token_seconds_bucket{{le="2.0",model_name="m"}} {fast}',
+            f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="m"}} {n}',
+            f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {n}',
+            f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {0.1 * fast + 3 * slow}',
+            "",
+        ]
+    )
+
+
+def test_an_engines_counters_catch_up_together_across_a_rejected_one(
+    db: Engine, agent: StandIn
+) -> None:
+    """The engine's cached-token counter is negative at scrape 2, every other figure sound:
+    none of its counters advances at that scrape, and scrape 3's row covers both intervals of
+    all of them, its TTFT quantiles too. Before, each counter caught up alone: scrape 3's row
+    said 100 cached of 10 prompt tokens (a cache serving 1,000% of the prompts), and its TTFT
+    quantiles were those of scrape 3's one slow request where its count covered 11."""
+    node_id = _node(db, agent, engine_url=f"{agent.url}/metrics")
+    answers = [
+        _vllm_ttft(100, 50, fast=0, slow=10),
+        _vllm_ttft(200, -1, fast=10, slow=10),
+        _vllm_ttft(210, 150, fast=10, slow=11),
+    ]
+    _collect(db, agent, answers, path="/metrics", interval_s=30.0)
+
+    rows = _rows(db, "engine_sample", node_id)
+    counts = [
+        (r["prompt_tokens"], r["cached_prompt_tokens"], r["requests"], r["ttft_count"])
+        for r in rows
+    ]
+    assert counts == [(0, 0, 0, 0), (None, None, None, None), (110, 100, 11, 11)]
+    assert rows[1]["ttft_p50_s"] is None
+    # 10 of the 11 requests since scrape 1 were fast: the median is under 0.5 s
+    assert rows[2]["ttft_p50_s"] is not None and rows[2]["ttft_p50_s"] <= 0.5
+    assert rows[2]["ttft_sum_s"] == pytest.approx(0.1 * 10 + 3)
