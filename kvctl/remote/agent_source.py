@@ -40,6 +40,7 @@ import functools
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import groupby
@@ -57,6 +58,7 @@ from kvctl.remote.pool import (
     SplitReads,
     SplitStreams,
     check_deadlines,
+    probe_too_slow,
     pull_deadline_s,
     visible_to,
 )
@@ -76,7 +78,7 @@ Arrived = Callable[[int, PoolChunk], None]
 Into = Callable[[int, ChunkMeta], memoryview | None]
 
 
-def _cut(client: DataClient) -> None:
+def cut_client(client: DataClient) -> None:
     """Shut ``client``'s socket down from another thread, so a read blocked on it returns at
     once (the SDK has no public way to end a call in flight from another thread)."""
     with contextlib.suppress(OSError):
@@ -166,9 +168,25 @@ class AgentSource(SplitStreams, RemotePool):
             return c.ping()
 
     def probe_transfer(self, nbytes: int) -> float:
-        """Seconds to download ``nbytes`` of filler from the agent (a bandwidth sample)."""
-        with self._client() as c:
-            return c.probe(download_bytes=nbytes)
+        """Seconds to download ``nbytes`` of filler from the agent (a bandwidth sample), cut
+        at a pull's deadline for as many bytes (``pull_deadline_s``): the read deadline bounds
+        silence only, and a link that trickles held the link monitor for as long as it did."""
+        deadline_s = pull_deadline_s(nbytes, self.read_timeout_s)
+        probe: Pull | None = None
+        try:
+            with self._client() as c:
+                with self._watch.watching(functools.partial(cut_client, c), deadline_s) as probe:
+                    elapsed_s = c.probe(download_bytes=nbytes)
+                if probe.cut:  # done just as it was cut: not kept for reuse
+                    c.close()
+                return elapsed_s
+        except TierUnavailable as exc:
+            if probe is None or not probe.cut:
+                raise
+            took_s = time.monotonic() - probe.started_s
+            raise probe_too_slow(
+                self.address, f"download of {nbytes} bytes", took_s, deadline_s
+            ) from exc
 
     def put_many(self, items: Sequence[tuple[ChunkMeta, Buffer]]) -> list[bool]:
         out: list[bool] = []
@@ -294,7 +312,7 @@ class AgentSource(SplitStreams, RemotePool):
         try:
             with self._client() as c:
                 allowance_s = pull_deadline_s(0, self.read_timeout_s, hi - lo)  # bytes: target
-                with self._watch.watching(functools.partial(_cut, c), allowance_s) as pull:
+                with self._watch.watching(functools.partial(cut_client, c), allowance_s) as pull:
                     self._note_unchecked(c)
                     c.fetch(
                         keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums

@@ -78,6 +78,18 @@ def pull_deadline_s(nbytes: int, read_timeout_s: float, records: int = 0) -> flo
     return read_timeout_s + nbytes / PULL_FLOOR_BYTES_PER_S + records * PULL_ALLOWANCE_PER_RECORD_S
 
 
+def probe_too_slow(source: str, what: str, took_s: float, deadline_s: float) -> TierUnavailable:
+    """The error a bandwidth probe cut at its deadline raises (``pull_deadline_s`` of its
+    bytes: a probe is a transfer like a pull, and a link that trickles would hold it, and
+    whoever waits on it, for as long as it kept trickling). Not a pull: not counted in
+    ``overdue``."""
+    return TierUnavailable(
+        f"{source}: bandwidth probe ({what}) abandoned after {took_s:.2f} s, past its "
+        f"{deadline_s:.2f} s deadline (the read deadline plus its bytes at "
+        f"{PULL_FLOOR_BYTES_PER_S >> 20} MiB/s): the link trickles; connection dropped"
+    )
+
+
 class PullTooSlow(TierUnavailable):
     """A pull abandoned at its deadline (``pull_deadline_s``): the source sent its bytes too
     slowly to be worth waiting for. A miss like any failure of the source, counted apart

@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 from kvctl.client import AgentError, AgentUnreachable, AuthError, DataClient
-from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.agent_source import AgentSource, cut_client
 from kvctl.remote.federation import PEER_TIER, Source
 from kvctl.remote.links import EmulatedDelay
+from kvctl.remote.pool import PullWatch, probe_too_slow, pull_deadline_s
+from kvctl.store.errors import TierUnavailable
 from kvctl.wire.address import TcpAddress, parse_address
 from kvctl.wire.reports import LinkProbe
 
@@ -28,6 +30,9 @@ _PROBE_MAX_LOST_IN_A_ROW = 3
 #: what a probe's target can make the SDK raise (it may be anything listening on a port, so
 #: malformed HELLO replies too): reported in the probe's error, never a 500
 _TARGET_ERRORS = (AgentError, OSError, ValueError, KeyError, TypeError)
+#: cuts a probe's transfer at its deadline (its socket shut down): one thread for every probe
+#: of this process, asleep when none runs
+_WATCH = PullWatch("link probes")
 
 
 def _connect_error(target: str, exc: Exception) -> str:
@@ -98,7 +103,10 @@ def probe_link(
 ) -> LinkProbe:
     """Ping ``target``'s data plane ``pings`` times, then time one upload and one download of
     ``size_bytes``. Never raises for the target's sake: failures go in ``error``. Worst case
-    about (2 * pings + 4) * timeout_s, though a dead link ends the pings early.
+    about (2 * pings + 4) * timeout_s plus twice ``size_bytes`` at ``PULL_FLOOR_BYTES_PER_S``
+    (each transfer is cut at ``timeout_s`` plus its bytes at that rate: a link that trickles
+    is a failed probe, not one that holds its caller for as long as it trickles), though a dead
+    link ends the pings early.
 
     ``delay``: the emulated delay of the configured link to ``target`` (see
     ``emulated_source``), waited for real before each ping and transfer, inside its timing;
@@ -128,6 +136,23 @@ def probe_link(
         started = time.perf_counter()
         delay.wait()
         return time.perf_counter() - started + timed()
+
+    def transfer(what: str, **nbytes: int) -> float:
+        """One PROBE transfer's seconds (emulated delay included), cut at its deadline."""
+        c = connected()
+        wait_s = delay.delay_s if delay is not None and emulated else 0.0
+        deadline_s = pull_deadline_s(size_bytes, timeout_s) + wait_s
+        with _WATCH.watching(partial(cut_client, c), deadline_s) as cut:
+            try:
+                elapsed_s = with_delay(partial(c.probe, **nbytes))
+            except _TARGET_ERRORS as exc:
+                if not cut.cut:
+                    raise
+                took_s = time.monotonic() - cut.started_s
+                raise probe_too_slow(target, what, took_s, deadline_s) from exc
+        if cut.cut:  # done just as it was cut: its socket is shut, the next one reconnects
+            c.close()
+        return elapsed_s
 
     def connected() -> DataClient:
         nonlocal client
@@ -170,9 +195,9 @@ def probe_link(
         result["rtt_min_s"] = rtt_min_s
         if size_bytes:
             try:
-                up_s = with_delay(partial(connected().probe, upload_bytes=size_bytes))
-                down_s = with_delay(partial(connected().probe, download_bytes=size_bytes))
-            except _TARGET_ERRORS as exc:
+                up_s = transfer(f"upload of {size_bytes} bytes", upload_bytes=size_bytes)
+                down_s = transfer(f"download of {size_bytes} bytes", download_bytes=size_bytes)
+            except (*_TARGET_ERRORS, TierUnavailable) as exc:
                 result["error"] = f"bandwidth probe of {target} failed: {exc}"
                 return result
             up = _bytes_per_s(size_bytes, up_s, rtt_min_s)

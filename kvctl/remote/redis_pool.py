@@ -115,6 +115,7 @@ from kvctl.remote.pool import (
     SplitReads,
     SplitStreams,
     check_deadlines,
+    probe_too_slow,
     pull_deadline_s,
     visible_to,
 )
@@ -720,7 +721,12 @@ class RedisPool(SplitStreams, RemotePool):
         return out, replies[-1] if touch_args is not None else None
 
     def _pull(
-        self, client: redis.Redis, commands: Sequence[tuple[Any, ...]], n_sized: int
+        self,
+        client: redis.Redis,
+        commands: Sequence[tuple[Any, ...]],
+        n_sized: int,
+        *,
+        probe_bytes: int | None = None,
     ) -> list[Any]:
         """The replies to ``commands``, pipelined on one connection of ``client`` and read one
         by one under a pull deadline (``PullWatch``): the read deadline and
@@ -729,13 +735,15 @@ class RedisPool(SplitStreams, RemotePool):
         that record's bytes at ``PULL_FLOOR_BYTES_PER_S``. Past it the connection is cut:
         ``PullTooSlow``, counted in ``overdue``. A reply that is an error is returned as its
         ``ResponseError``. A connection the server dropped is retried once, as the read client
-        does (never one this watch cut), under the same deadline."""
+        does (never one this watch cut), under the same deadline. ``probe_bytes``: a bandwidth
+        probe of that many bytes, its deadline theirs from the start; cut, it is no pull (not
+        counted in ``overdue``)."""
         pool = client.connection_pool
         conn = _connection_of(pool)
         sized: dict[int, int] = {}  # by reply index: the bytes already added to the deadline
         pull: Pull | None = None
         try:
-            allowance_s = pull_deadline_s(0, self.read_timeout_s, n_sized)  # bytes added below
+            allowance_s = pull_deadline_s(probe_bytes or 0, self.read_timeout_s, n_sized)
             with self._watch.watching(functools.partial(_shut, conn), allowance_s) as pull:
                 for attempt in range(_READ_RETRIES + 1):
                     try:
@@ -771,6 +779,10 @@ class RedisPool(SplitStreams, RemotePool):
             conn.disconnect()  # replies may be left unread on it
             if pull is None or not pull.cut:
                 raise
+            if probe_bytes is not None:
+                took_s = time.monotonic() - pull.started_s
+                what = f"download of {probe_bytes} bytes"
+                raise probe_too_slow(f"pool {self.address}", what, took_s, allowance_s) from exc
             with self._lock:
                 self.overdue += 1
             raise pull.too_slow(
@@ -922,12 +934,22 @@ class RedisPool(SplitStreams, RemotePool):
             self._client(write=True).set(self._probe_key(), bytes(nbytes), px=600_000)
 
     def probe_transfer(self, nbytes: int) -> float:
-        """Seconds to download the probe filler (a bandwidth sample for the link)."""
+        """Seconds to download the probe filler (a bandwidth sample for the link), cut at a
+        pull's deadline for as many bytes (see ``_pull``): the read deadline bounds silence
+        only, and a link that trickles held the link monitor for as long as it did."""
         with self._guard():
             client = self._client()
+        if isinstance(client, RedisCluster):  # no deadline of its own here (see the module)
+            with self._guard():
+                t0 = time.perf_counter()
+                got = client.get(self._probe_key())
+                elapsed_s = time.perf_counter() - t0
+        else:
             t0 = time.perf_counter()
-            got = client.get(self._probe_key())
-            elapsed_s = time.perf_counter() - t0
+            with self._guard():
+                (got,) = self._pull(client, [("GET", self._probe_key())], 0, probe_bytes=nbytes)
+                elapsed_s = time.perf_counter() - t0
+                _raise_errors([got])
         if got is None or len(got) != nbytes:
             raise TierUnavailable(f"pool {self.address}: the probe filler is gone")
         return elapsed_s
