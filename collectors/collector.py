@@ -1,10 +1,12 @@
 """The collector loop: scrape every node concurrently, probe links, write, roll up, prune.
 
 One slow or dead node never holds up the others: scrapes run in a thread pool with a deadline
-inside the interval, a node that misses it is recorded as down, and a node whose previous scrape
-is still hanging is skipped rather than piled up. Row building and counter tracking happen on
-the loop's thread, so the tracker needs no lock. A batch the database refuses is kept and
-retried next cycle (bounded), so a database restart loses no increases.
+inside the interval, each request to a total deadline of its own (``Deadlines``: a trickled
+answer is given up on too), a node that misses either is recorded as down, and a node whose
+previous scrape (or request) is still hanging is skipped rather than piled up. Row building
+and counter tracking happen on the loop's thread, so the tracker needs no lock. A batch the
+database refuses is kept and retried next cycle (bounded), so a database restart loses no
+increases.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, wait
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
@@ -38,7 +41,7 @@ from collectors.rows import (
     plan_rows,
     power_rows,
 )
-from kvctl.client import AgentClient, AgentError, AuthError, RequestError
+from kvctl.client import AgentClient, AgentError, AgentTimeout, AuthError, RequestError
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.daemon_pool import DaemonPool
 from kvctl.db.ingest import insert_rows
@@ -75,7 +78,8 @@ class CollectorConfig:
     interval_s: float = 10.0
     link_interval_s: float = 60.0
     maintenance_interval_s: float = 60.0
-    #: per-request timeout; default: 80% of the interval, at most 5 s
+    #: each request's whole answer must be in within this (a total deadline, not per read:
+    #: an agent trickling its answer is cut off too); default: 80% of the interval, at most 5 s
     timeout_s: float | None = None
     dc: str | None = None
     #: bearer token for the agents (and, in link probes, for the probed agent)
@@ -171,6 +175,55 @@ class RouterScrape:
     error: str | None = None
 
 
+class NotAnswering(AgentTimeout):
+    """A scrape's request got no full answer within its total deadline: the agent (router,
+    engine) took the connection and answers too slowly or not at all (hung, overloaded, or
+    trickling its answer within each read's timeout)."""
+
+
+class Deadlines:
+    """Requests run to a total deadline each. httpx's timeouts are per read, so an answer
+    trickled a byte at a time held a scrape (and the cycle waiting for it) for as long as it
+    trickled; here each request runs on a daemon thread of its own and the scrape waits for it
+    until its deadline, then says the target is not answering. The thread ends with its
+    request; while it runs, the same request (``key``) is not sent again (one thread per
+    silent target, never one more each cycle)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._running: dict[tuple[object, ...], tuple[Future[Any], float]] = {}
+        self._lock = threading.Lock()
+
+    def call(self, key: tuple[object, ...], what: str, request: Callable[[], T]) -> T:
+        """``request()``'s answer, in within ``timeout_s``; else ``NotAnswering`` naming
+        ``what`` (a request, said to an operator)."""
+        fut: Future[T] = Future()
+        with self._lock:
+            running = self._running.get(key)
+            if running is not None and not running[0].done():
+                waited_s = time.monotonic() - running[1]
+                raise NotAnswering(
+                    f"not answering: {what} asked {waited_s:.0f} s ago is still unanswered"
+                )
+            self._running[key] = (fut, time.monotonic())
+
+        def run() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                fut.set_result(request())
+            except BaseException as exc:  # raised by result() in the scrape's thread
+                fut.set_exception(exc)
+
+        threading.Thread(target=run, daemon=True, name="kvctl-request").start()
+        try:
+            return fut.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise NotAnswering(
+                f"not answering: no full answer to {what} within {self.timeout_s:g} s"
+            ) from None
+
+
 class Collector:
     def __init__(
         self,
@@ -198,6 +251,7 @@ class Collector:
         self._known_nodes: list[NodeInfo] = []
         self._link_round = 0
         self._http = httpx.Client(timeout=self.config.request_timeout_s)
+        self._deadlines = Deadlines(self.config.request_timeout_s)
         # routers by their redacted URL (the ``router`` column; never logged with credentials)
         self._routers = {router_key_of(redact_url(u)): u for u in self.config.routers}
         self._router_clients: dict[str, RouterClient] = {}
@@ -245,7 +299,7 @@ class Collector:
         t0 = time.perf_counter()
         client = self._client(node)
         try:
-            stats = client.stats()
+            stats = self._deadlines.call((node.id, "stats"), "GET /v1/stats", client.stats)
         except AuthError as exc:  # it answered: up, but its figures are not ours to read
             self.metrics.errors.labels("agent").inc()
             seconds = time.perf_counter() - t0
@@ -259,7 +313,8 @@ class Collector:
         checked, rejected = checked_stats(stats)
         out = Scrape(node, True, seconds, stats=checked, rejected=rejected)
         try:
-            out.gpus, rejected_gpus = checked_gpus(client.gpus())
+            gpus = self._deadlines.call((node.id, "gpus"), "GET /v1/gpus", client.gpus)
+            out.gpus, rejected_gpus = checked_gpus(gpus)
             rejected.fields.update(rejected_gpus.fields)
         except RequestError as exc:
             if exc.code != 404:  # an agent older than /v1/gpus: no power readings
@@ -278,8 +333,11 @@ class Collector:
     def _scrape_engine(self, node: NodeInfo) -> tuple[EngineReading | None, str | None]:
         assert node.engine_url
         t0 = time.perf_counter()
+        url = node.engine_url
         try:
-            resp = self._http.get(node.engine_url)
+            resp = self._deadlines.call(
+                (node.id, "engine"), "the engine's metrics", self._engine_get(url)
+            )
             resp.raise_for_status()
             reading = parse_engine_metrics(resp.text)
         except UnknownEngine:
@@ -288,11 +346,14 @@ class Collector:
                 f"no vLLM, SGLang, TensorRT-LLM, LMCache or KVBM metrics at {node.engine_url}: "
                 "skipped"
             )
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, NotAnswering) as exc:
             self.metrics.errors.labels("engine").inc()
             return None, f"engine at {node.engine_url}: {exc}"
         self.metrics.scrape_seconds.labels("engine").observe(time.perf_counter() - t0)
         return reading, None
+
+    def _engine_get(self, url: str) -> Callable[[], httpx.Response]:
+        return lambda: self._http.get(url)
 
     def _scrape_router(self, router: str) -> RouterScrape:
         t0 = time.perf_counter()
@@ -306,9 +367,10 @@ class Collector:
         try:
             # its start time first: a restart between the two calls then shows as counters
             # going down, never as a lost interval
-            info = client.info()
-            reading = parse_router_stats(client.stats(), info)
-        except (RouterClientError, RouterAnswerError) as exc:
+            info = self._deadlines.call((router, "info"), "GET /v1/info", client.info)
+            stats = self._deadlines.call((router, "stats"), "GET /v1/stats", client.stats)
+            reading = parse_router_stats(stats, info)
+        except (RouterClientError, RouterAnswerError, NotAnswering) as exc:
             self.metrics.errors.labels("router").inc()
             # the client's messages carry the URL as given: say it redacted
             text = str(exc).replace(self._routers[router].rstrip("/"), router)
@@ -613,7 +675,8 @@ class Collector:
     def _data_address(self, node: NodeInfo) -> str | AgentError:
         """The node's data-plane TCP address, or why it cannot be probed."""
         try:
-            dataplane = self._client(node).info().get("dataplane")
+            info = self._deadlines.call((node.id, "info"), "GET /v1/info", self._client(node).info)
+            dataplane = info.get("dataplane")
         except AgentError as exc:
             return exc
         # an answer of another shape is no address (it raised in the probe round, ending it)

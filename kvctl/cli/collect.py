@@ -80,8 +80,9 @@ def collect_command(
     Each interval: cache counters per node and tier, GPU power from the node's NVML (through
     its agent), and the node's inference-engine metrics when it has an engine URL. Link probes
     (RTT, loss, bandwidth through the agents' data plane) run on their own, slower schedule;
-    rollups and retention every minute. Unreachable nodes are recorded as down; one that
-    refuses the token as up with no figures (shown "token refused": KVCTL_TOKEN is not its
+    rollups and retention every minute. Unreachable nodes are recorded as down, as are those
+    not answering (no full answer within 80% of the interval, at most 5 s, per request); one
+    that refuses the token as up with no figures (shown "token refused": KVCTL_TOKEN is not its
     token); the loop goes on. Several collectors (say one per DC with --dc) can write to one
     PostgreSQL.
 
