@@ -15,18 +15,22 @@ from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvctl.client import AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.sample_checks import Rejections, count
 from kvctl.fleet.fanout import ClientPool, _reason
 from kvctl.tui.asking import Answer, Calls
+from kvctl.tui.db_reads import DB_WAIT_S, DatabaseUnavailable, DbReads
 from kvctl.tui.model import GpuPower, Poll, Reading, RouterReading
 
 if TYPE_CHECKING:
     from kvctl.db.analytics.recorded import Recorded
     from kvctl.router.client import RouterClient
 
+#: mean RTT per DC pair (both orders), and its basis (see ``FleetSource.rtt``)
+_Rtt = tuple[dict[tuple[str, str], float | None], dict[tuple[str, str], str]]
 #: GPUs are read this often (seconds): NVML power moves slowly and costs a request per node
 GPU_EVERY_S = 10.0
 #: link RTTs are the collectors' probes over this window
@@ -309,6 +313,7 @@ class FleetSource:
         timeout_s: float = 2.0,
         clock: Callable[[], float] = time.time,
         router: RouterWatch | None = None,
+        db_wait_s: float = DB_WAIT_S,
     ) -> None:
         self.engine = engine
         self.dcs, self.nodes = list(dcs), list(nodes)
@@ -322,9 +327,10 @@ class FleetSource:
         self.label += _router_label(router)
         #: the inventory and RTTs as last read: a poll whose database fails asks those nodes
         self._last_targets: list[NodeInfo] | None = None
-        self._last_rtt: tuple[dict[tuple[str, str], float | None], dict[tuple[str, str], str]]
+        self._last_rtt: _Rtt
         self._last_rtt = ({}, {})
         self._seen_ms: dict[int, int] = {}
+        self._db = DbReads((SQLAlchemyError,), _db_reason, wait_s=db_wait_s)
 
     def targets(self) -> list[NodeInfo]:
         from kvctl.fleet.targets import resolve_targets
@@ -344,7 +350,7 @@ class FleetSource:
         with self.engine.connect() as conn:
             return recorded(conn, win, nodes)
 
-    def rtt(self) -> tuple[dict[tuple[str, str], float | None], dict[tuple[str, str], str]]:
+    def rtt(self) -> _Rtt:
         """Mean RTT per DC pair (both orders) over :data:`LINK_WINDOW_S`, and its basis: an
         agent-emulated delay is inside the RTT it was added to, so the view must say so."""
         from kvctl.db.analytics.inventory import inventory
@@ -364,48 +370,50 @@ class FleetSource:
             basis[(a, b)] = basis[(b, a)] = rtt_basis_word(rb.probes)
         return out, basis
 
-    def last_seen(self, readings: list[Reading], *, read: bool = True) -> list[Reading]:
-        """Each node that did not answer with the collectors' last successful scrape of it, so
-        the view counts its downtime as `kvctl status` does, not from when top started; with
-        ``read`` False (the database failing), as last read."""
+    def last_seen(self, down: list[int]) -> dict[int, int]:
+        """The collectors' last successful scrape of each of the ``down`` nodes, where there is
+        one."""
         from kvctl.fleet.status import last_seen
 
-        down = [r.node.id for r in readings if not r.up]
         if not down:
-            return readings
-        if read:
-            with self.engine.connect() as conn:
-                self._seen_ms.update(last_seen(conn, down))
-        seen_ms = self._seen_ms
-        return [
-            replace(r, last_seen_s=seen_ms[r.node.id] / 1000) if r.node.id in seen_ms else r
-            for r in readings
-        ]
+            return {}
+        with self.engine.connect() as conn:
+            return last_seen(conn, down)
+
+    def _after_asking(self, down: list[int]) -> tuple[_Rtt, dict[int, int]]:
+        return self.rtt(), self.last_seen(down)
 
     def poll(self, wait_s: float | None = None) -> Poll:
-        """The agents' readings; when the database fails (once the inventory was read), the
-        nodes, RTTs and last-seen times as last read, and ``db_error`` says why: the metrics
-        database going away must not blind the live view of the agents."""
-        from sqlalchemy.exc import SQLAlchemyError
-
+        """The agents' readings; when the database fails or is slow to answer (once the
+        inventory was read), the nodes, RTTs and last-seen times as last read, and ``db_error``
+        says why: the metrics database going away must not blind the live view of the agents,
+        nor slow it (see :mod:`kvctl.tui.db_reads`). Each node that did not answer carries the
+        collectors' last successful scrape of it, so the view counts its downtime as
+        `kvctl status` does, not from when top started."""
         t0 = time.perf_counter()
         ts_s = self.clock()
         db_error = None
-        try:
-            self._last_targets = self.targets()
-        except SQLAlchemyError as exc:
-            if self._last_targets is None:
-                raise  # never read: nothing to watch
-            db_error = _db_reason(exc)
-        readings, router = self._asker.ask(self._last_targets, wait_s)
-        if db_error is None:
+        targets = self._last_targets
+        if targets is None:  # never read: nothing to watch until it is (raises)
+            targets = self._last_targets = self.targets()
+        else:
             try:
-                self._last_rtt = self.rtt()
-                readings = self.last_seen(readings)
-            except SQLAlchemyError as exc:
-                db_error = _db_reason(exc)
-        if db_error is not None:
-            readings = self.last_seen(readings, read=False)
+                targets = self._last_targets = self._db.read(self.targets)
+            except DatabaseUnavailable as exc:
+                db_error = str(exc)
+        readings, router = self._asker.ask(targets, wait_s)
+        if db_error is None:
+            down = [r.node.id for r in readings if not r.up]
+            try:
+                self._last_rtt, seen_ms = self._db.read(partial(self._after_asking, down))
+                self._seen_ms.update(seen_ms)
+            except DatabaseUnavailable as exc:
+                db_error = str(exc)
+        seen = self._seen_ms
+        readings = [
+            replace(r, last_seen_s=seen[r.node.id] / 1000) if not r.up and r.node.id in seen else r
+            for r in readings
+        ]
         rtt, basis = self._last_rtt
         elapsed_s = time.perf_counter() - t0
         return Poll(ts_s, readings, rtt, elapsed_s, router, rtt_basis=basis, db_error=db_error)
@@ -415,6 +423,7 @@ class FleetSource:
 
     def close(self) -> None:
         self._asker.close()
+        self._db.close()
         self.engine.dispose()
 
 

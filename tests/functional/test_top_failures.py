@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -27,10 +29,12 @@ from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import raw_table
 from kvctl.tui.app import create_app
+from kvctl.tui.model import Poll
 from kvctl.tui.sources import AgentSource, FleetSource
 from tests.functional.agents import Agent, closed_port, running_agent, start_agent
 from tests.functional.hung import HANG_GUARD_S, stopped
 from tests.functional.test_top import cell, drive, poll, until
+from tests.functional.waiting import wait_until
 from tests.not_an_agent import serving
 
 ARGS = ("--cpu", "4MiB", "--disk", "0")
@@ -264,3 +268,89 @@ def test_top_json_does_not_wait_on_an_agent_trickling_its_answer() -> None:
     assert out.exit_code == 0, out.output
     (row,) = json.loads(out.stdout)["nodes"]
     assert (row["state"], row["up"]) == ("not answering", False), row
+
+
+class _StallingProxy:
+    """A loopback TCP relay to PostgreSQL that can go silent: ``stall`` stops relaying bytes
+    both ways, on open connections and new ones alike (a database host dropped off the
+    network: nothing refused, nothing answered); ``resume`` relays again what was held."""
+
+    def __init__(self, port: int) -> None:
+        self.flowing = threading.Event()
+        self.flowing.set()
+        self.accepted = 0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._upstream = port
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            server = socket.create_connection(("127.0.0.1", self._upstream))
+            self._socks += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._relay, args=(a, b), daemon=True).start()
+
+    def _relay(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self.flowing.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.flowing.set()
+        self._listener.close()
+        for s in self._socks:
+            s.close()
+
+
+def test_a_silent_database_host_does_not_slow_the_live_view(tmp_path: Path, pg_url: str) -> None:
+    """The fleet's PostgreSQL host drops off the network (packets dropped, nothing refused):
+    a query on a kept-open connection waits as long as TCP retransmits (minutes), a new one
+    its connect timeout. The poll that meets it waits its database wait, then shows the agents
+    live from the inventory as last read; the next polls do not wait and do not pile up reads;
+    once the host answers again, the view reads the database again."""
+    url = make_url(pg_url)
+    proxy = _StallingProxy(url.port or 5432)
+    engine = open_db(url.set(host="127.0.0.1", port=proxy.port), auto_upgrade=True)
+    try:
+        with running_agent(tmp_path / "a", "--name", "gpu-a", "--dc", "fra", *ARGS) as a:
+            with engine.begin() as conn:
+                add_dc(conn, "fra")
+                add_node(conn, "gpu-a", dc="fra", agent_url=a.state.control_url)
+            source = FleetSource(engine, timeout_s=2, db_wait_s=1.0)
+            pool = ThreadPoolExecutor(1)
+
+            def polled() -> Poll:  # a poll that waited on the silent host would fail the guard
+                return pool.submit(source.poll).result(timeout=HANG_GUARD_S)
+
+            try:
+                first = polled()
+                assert first.db_error is None and [r.up for r in first.readings] == [True]
+                proxy.flowing.clear()
+                late = polled()
+                assert (late.db_error or "").startswith("no answer in"), late.db_error
+                assert [(r.node.name, r.up) for r in late.readings] == [("gpu-a", True)]
+                accepted = proxy.accepted
+                for _ in range(3):  # the read is still out: none waits, none asks again
+                    again = polled()
+                    assert "still waiting" in (again.db_error or ""), again.db_error
+                    assert [r.up for r in again.readings] == [True]
+                assert proxy.accepted == accepted
+                proxy.flowing.set()  # the host answers again: the read out ends
+                wait_until("a poll with the database read again", lambda: polled().db_error is None)
+            finally:
+                proxy.flowing.set()  # what is held goes on: nothing is left waiting on it
+                pool.shutdown(wait=False, cancel_futures=True)
+                source.close()
+    finally:
+        proxy.close()
+        engine.dispose()
