@@ -27,6 +27,7 @@ from kvctl.format import format_bytes
 from kvctl.paths import make_private_dir
 from kvctl.remote.federation import FetchPlanner
 from kvctl.remote.fetchplan import EngineRates, PrefillModel, PrefillSample
+from kvctl.store.errors import DirectoryInUse, TierUnavailable
 from kvctl.store.keys import Namespace
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers import hugepages
@@ -129,7 +130,18 @@ class AgentRuntime:
                     gpu_tier = gpu
             tiers.append(CpuTier(settings.cpu_bytes, shared=settings.shm))
             if settings.disk_bytes > 0:
-                tiers.append(DiskTier(data / "disk", settings.disk_bytes, fsync=settings.fsync))
+                disk = _open_disk_tier(settings, data / "disk")
+                if isinstance(disk, str):
+                    unavailable.append(
+                        {
+                            "name": "disk",
+                            "capacity_bytes": settings.disk_bytes,
+                            "device": str(data / "disk"),
+                            "reason": disk,
+                        }
+                    )
+                else:
+                    tiers.append(disk)
         except BaseException:
             for t in tiers:
                 t.close()
@@ -138,7 +150,9 @@ class AgentRuntime:
             store = TieredStore(
                 tiers,
                 eviction=settings.eviction,
-                admission={"disk": settings.disk_admission} if settings.disk_bytes > 0 else None,
+                admission={"disk": settings.disk_admission}
+                if any(isinstance(t, DiskTier) for t in tiers)
+                else None,
                 chunk_tokens=settings.chunk_tokens,
                 isolated_tenants=settings.isolated_tenants,
                 defer_accesses=True,  # a lookup's reply does not wait for the policy
@@ -546,6 +560,27 @@ def _open_gpu_tier(settings: AgentSettings) -> GpuTier | str:
     tier = GpuTier(settings.gpu_capacity_bytes, settings.gpu_device)
     log.info("gpu tier: %d bytes on %s", settings.gpu_capacity_bytes, detail)
     return tier
+
+
+def _open_disk_tier(settings: AgentSettings, directory: Path) -> DiskTier | str:
+    """The disk tier, or why its directory cannot be used at all (logged once, here): the
+    agent then starts without it, as without a gpu tier, rather than not at all (the cpu tier
+    still serves; under systemd a failed start is a restart loop). Chunk files it cannot read
+    are skipped by the tier itself. Another agent holding the directory still stops the start
+    (DirectoryInUse), as do a wrong size and an interrupt."""
+    try:
+        return DiskTier(directory, settings.disk_bytes, fsync=settings.fsync)
+    except DirectoryInUse:
+        raise
+    except TierUnavailable as exc:
+        log.warning(
+            "disk tier unavailable, starting without it (restart the agent once its directory "
+            "is usable): %s (asked for %s in %s)",
+            exc,
+            format_bytes(settings.disk_bytes),
+            directory,
+        )
+        return str(exc)
 
 
 def _disk(path: Path) -> DataDir:

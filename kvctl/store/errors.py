@@ -32,6 +32,11 @@ class TierUnavailable(StoreError):
     """A tier cannot be used: its directory is missing or not writable, or it was closed."""
 
 
+class DirectoryInUse(TierUnavailable):
+    """A disk tier's directory is locked by another DiskTier (another agent on the same data
+    directory): unlike a broken directory, not something to start without."""
+
+
 class DiskFullError(StoreError, OSError):
     """The disk tier's filesystem ran out of space (or quota) while writing a chunk."""
 

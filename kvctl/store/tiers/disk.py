@@ -43,6 +43,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import logging
 import os
 import re
 import stat
@@ -59,6 +60,7 @@ from kvctl.format import format_bytes
 from kvctl.store.errors import (
     CapacityError,
     CorruptChunk,
+    DirectoryInUse,
     DiskFullError,
     InvalidArgument,
     KeyNotFound,
@@ -77,6 +79,8 @@ from kvctl.store.tiers.base import (
     check_resize,
     check_room,
 )
+
+log = logging.getLogger(__name__)
 
 KEY_BYTES = 16
 MAGIC = b"KVCD"
@@ -216,6 +220,10 @@ class DiskTier(Tier):
         self._closed = True  # until the directory is locked
         self.dropped_on_open = 0
         self.dropped_reasons: list[str] = []
+        #: chunk files (or fan-out directories) the scan at open could not read (an I/O
+        #: error): left in place, not served; ``unreadable_reasons`` says which and why
+        self.unreadable_on_open = 0
+        self.unreadable_reasons: list[str] = []
 
         self._open_directory()
         self._closed = False
@@ -689,7 +697,7 @@ class DiskTier(Tier):
             _close_quietly(self._lock_fd)
             self._lock_fd = -1
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise TierUnavailable(
+                raise DirectoryInUse(
                     f"disk tier directory {d} is in use by another DiskTier "
                     f"(lock {lock_path} is held)"
                 ) from exc
@@ -739,6 +747,20 @@ class DiskTier(Tier):
         if len(self.dropped_reasons) < _MAX_REASONS:
             self.dropped_reasons.append(f"{rel_path}: {why}")
 
+    def _note_unreadable(self, rel_path: str, exc: BaseException | None) -> None:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        self.unreadable_on_open += 1
+        if len(self.unreadable_reasons) < _MAX_REASONS:
+            self.unreadable_reasons.append(f"{rel_path}: {why}")
+        log.warning(
+            "disk tier %s: cannot read %s/%s at open (%s): skipped, left in place and not "
+            "served; the tier starts without it",
+            self.name,
+            self.directory,
+            rel_path,
+            why,
+        )
+
     def _remove(self, path: str, rel_path: str, why: str) -> None:
         _unlink_quietly(path)
         self._note_drop(rel_path, why)
@@ -760,7 +782,12 @@ class DiskTier(Tier):
                 mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
                 if mode & _SHARED_BITS:  # the owner's bits stay (a read-only one stays so)
                     os.chmod(entry.path, mode & ~_SHARED_BITS)
-            for f in self._list_dir(entry.path):
+            try:
+                files = self._list_dir(entry.path)
+            except TierUnavailable as exc:  # one bad directory: its chunks are lost, not all
+                self._note_unreadable(entry.name, exc.__cause__)
+                continue
+            for f in files:
                 rel = f"{entry.name}/{f.name}"
                 if not f.is_file(follow_symlinks=False):
                     continue
@@ -777,9 +804,11 @@ class DiskTier(Tier):
                 try:
                     loaded = _load_chunk(f.path, key, verify_buf)
                 except OSError as exc:
-                    raise TierUnavailable(
-                        f"disk tier {self.name!r} cannot read {f.path}: {exc.strerror}"
-                    ) from exc
+                    # a bad sector under one file: that chunk is lost, the tier is not (as on
+                    # a read in service). Left in place, not deleted: the error may pass (a
+                    # flaky device), and the file is the operator's evidence until then.
+                    self._note_unreadable(rel, exc)
+                    continue
                 if isinstance(loaded, str):
                     self._remove(f.path, rel, loaded)
                     continue

@@ -1,0 +1,112 @@
+"""The disk tier's scan at open: a chunk file it cannot read, a directory it cannot use, and
+what it logs while it scans."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvctl.agent.runtime import AgentRuntime
+from kvctl.agent.settings import AgentSettings
+from kvctl.store.errors import DirectoryInUse
+from kvctl.store.tiers.disk import DiskTier
+from tests.unit.test_disk_tier import chunk_path, key, put
+
+KIB = 1024
+
+
+@contextlib.contextmanager
+def unreadable(path: Path) -> Iterator[None]:
+    """``path`` (a regular file) reads as a bad sector does, with EIO, while the block lasts:
+    this process's /proc/<pid>/mem is bind-mounted over it (a read at offset 0, which no mapping
+    covers, is EIO) and a directory listing still shows a regular file there. Root only."""
+    done = subprocess.run(
+        ["mount", "--bind", f"/proc/{os.getpid()}/mem", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot bind-mount over a file here: {done.stderr.strip()}")
+    try:
+        with pytest.raises(OSError) as info, open(path, "rb") as f:
+            f.read(1)
+        assert info.value.errno == 5  # EIO, as the tier will meet it
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=False, timeout=30)
+
+
+def test_a_chunk_file_that_cannot_be_read_at_open_is_skipped_and_the_tier_opens(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with DiskTier(tmp_path, 1 << 20) as tier:
+        kept = [put(tier, i, 4 * KIB) for i in range(3)]
+    bad = chunk_path(tmp_path, key(1))
+    with (
+        unreadable(bad),
+        caplog.at_level(logging.WARNING, logger="kvctl.store"),
+        DiskTier(tmp_path, 1 << 20) as tier,
+    ):
+        assert set(tier.keys()) == {key(0), key(2)}
+        assert tier.get(key(0)) == kept[0] and tier.get(key(2)) == kept[2]
+        assert tier.used_bytes == 8 * KIB
+        assert tier.unreadable_on_open == 1 and tier.dropped_on_open == 0
+        assert tier.unreadable_reasons == [
+            f"{key(1).hex()[:2]}/{key(1).hex()}.kv: Input/output error"
+        ]
+    warned = [r.getMessage() for r in caplog.records if "cannot read" in r.getMessage()]
+    assert len(warned) == 1 and str(bad) in warned[0]
+    # left in place: readable again, it is served again
+    with DiskTier(tmp_path, 1 << 20) as tier:
+        assert tier.unreadable_on_open == 0
+        assert tier.get(key(1)) == kept[1]
+
+
+def _settings(tmp_path: Path) -> AgentSettings:
+    return AgentSettings(
+        name="d1", data_dir=str(tmp_path), cpu_bytes=1 << 20, disk_bytes=1 << 20, shm=False
+    )
+
+
+def test_an_agent_starts_past_an_unreadable_chunk_file(tmp_path: Path) -> None:
+    with DiskTier(tmp_path / "disk", 1 << 20) as tier:
+        put(tier, 0, 4 * KIB)
+        put(tier, 1, 4 * KIB)
+    with unreadable(chunk_path(tmp_path / "disk", key(1))):
+        runtime = AgentRuntime.open(_settings(tmp_path))
+        try:
+            assert runtime.store.locate([key(0), key(1)]) == ["disk", None]
+            assert runtime.info()["unavailable_tiers"] == []
+        finally:
+            runtime.close()
+
+
+def test_an_agent_starts_without_a_disk_tier_whose_directory_is_unusable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "disk").write_bytes(b"not a directory")
+    with caplog.at_level(logging.WARNING, logger="kvctl.agent"):
+        runtime = AgentRuntime.open(_settings(tmp_path))
+    try:
+        assert runtime.store.tier_names == ["cpu"]
+        [gone] = runtime.info()["unavailable_tiers"]
+        assert gone["name"] == "disk" and gone.get("capacity_bytes") == 1 << 20
+        assert gone.get("device") == str(tmp_path / "disk")
+        assert "cannot use directory" in gone["reason"]
+        assert runtime.store.put(key(0), b"x" * 4096) == "cpu"  # the cpu tier serves
+    finally:
+        runtime.close()
+    assert any("disk tier unavailable" in r.getMessage() for r in caplog.records)
+
+
+def test_an_agent_does_not_start_on_a_disk_directory_another_agent_holds(tmp_path: Path) -> None:
+    with DiskTier(tmp_path / "disk", 1 << 20), pytest.raises(DirectoryInUse):
+        AgentRuntime.open(_settings(tmp_path))
