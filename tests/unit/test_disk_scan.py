@@ -15,6 +15,7 @@ import pytest
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
 from kvctl.store.errors import DirectoryInUse
+from kvctl.store.tiers import disk as disk_module
 from kvctl.store.tiers.disk import DiskTier
 from tests.unit.test_disk_tier import chunk_path, key, put
 
@@ -110,3 +111,21 @@ def test_an_agent_starts_without_a_disk_tier_whose_directory_is_unusable(
 def test_an_agent_does_not_start_on_a_disk_directory_another_agent_holds(tmp_path: Path) -> None:
     with DiskTier(tmp_path / "disk", 1 << 20), pytest.raises(DirectoryInUse):
         AgentRuntime.open(_settings(tmp_path))
+
+
+def test_the_scan_at_open_logs_its_start_progress_and_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with DiskTier(tmp_path, 1 << 20) as tier:
+        for i in range(5):
+            put(tier, i, 4 * KIB)
+    (tmp_path / key(0).hex()[:2] / ".left.tmp").write_bytes(b"x")  # dropped at open
+    monkeypatch.setattr(disk_module, "_SCAN_PROGRESS_S", 0.0)  # progress at every file
+    with caplog.at_level(logging.INFO, logger="kvctl.store"), DiskTier(tmp_path, 1 << 20):
+        pass
+    said = [r.getMessage() for r in caplog.records if r.name == "kvctl.store.tiers.disk"]
+    assert said[0] == f"disk tier disk: scanning {tmp_path} for chunks"
+    progress = [m for m in said if "files so far" in m]
+    assert [m.split(": ")[2].split(" files")[0] for m in progress] == [str(n) for n in range(6)]
+    assert said[-1].startswith(f"disk tier disk: scanned {tmp_path} in ")
+    assert said[-1].endswith(": 6 files, 5 chunks (20 KiB), 1 dropped (torn, corrupt or leftover)")
