@@ -1059,13 +1059,21 @@ class Connection:
         for key, lease in zip(keys, leases, strict=True):
             if isinstance(lease, KeyNotFound):
                 out.append(None)
-            elif lease is None:
+                continue
+            if lease is not None:
                 try:
-                    out.append(self.runtime.get(key, tenant=tenant))
-                except KeyNotFound:
-                    out.append(None)
-            else:
-                out.append(self.runtime.leased_view(lease))
+                    out.append(self.runtime.leased_view(lease))
+                    continue
+                except TierUnavailable:
+                    # a live resize replaced the arena between the lease and its view (views
+                    # taken before it stay valid: the old mapping lives while they do): the
+                    # chunk is read again where it is now, or is a miss if it went meanwhile.
+                    # A closed tier fails that read too, and that error is the batch's.
+                    pass
+            try:
+                out.append(self.runtime.get(key, tenant=tenant))
+            except KeyNotFound:
+                out.append(None)
         return out
 
     def _fetch(self, meta: MetaReader, _payload: int) -> Reply:
