@@ -155,6 +155,13 @@ class StoreCollector(Collector):
                 "Chunks that arrived in this tier from a faster tier.",
                 labels=("tier",),
             ),
+            "filesystem_full": CounterMetricFamily(
+                "kvctl_tier_filesystem_full",
+                "Writes into a tier that found its filesystem full below the tier's capacity "
+                "(ENOSPC, EDQUOT, EFBIG), whether evicting its own chunks then made room "
+                '(kvctl_evictions_total reason="filesystem") or not.',
+                labels=("tier",),
+            ),
         }
         evictions = CounterMetricFamily(
             "kvctl_evictions",

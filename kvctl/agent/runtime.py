@@ -463,16 +463,18 @@ def _say_arena_pages(shm: CpuTier | None) -> None:
 
 
 def _say_disk_room(tiers: list[Tier]) -> None:
-    """Once at start: a disk tier larger than its filesystem can hold fails its demotions
-    (counted, never corrupt) once the disk is full; the operator learns why here."""
+    """Once at start: a disk tier larger than its filesystem can hold never reaches its
+    capacity: once the filesystem is full it evicts its own chunks for new ones (evictions
+    reason "filesystem"); the operator learns why here."""
     for tier in tiers:
         if not isinstance(tier, DiskTier):
             continue
         room = tier.room_bytes()
         if room is not None and tier.capacity_bytes > room:
             log.warning(
-                "disk tier %s: capacity %s, but %s has %s free (the tier holds %s): "
-                "demotions past that fail; lower --disk or free space",
+                "disk tier %s: capacity %s, but %s has %s free (the tier holds %s): past "
+                "that the tier evicts its own chunks when the filesystem fills (counted as "
+                "filesystem_full); lower --disk or free space",
                 tier.name,
                 format_bytes(tier.capacity_bytes),
                 tier.directory,

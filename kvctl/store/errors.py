@@ -40,6 +40,12 @@ class DirectoryInUse(TierUnavailable):
 class DiskFullError(StoreError, OSError):
     """The disk tier's filesystem ran out of space (or quota) while writing a chunk."""
 
+    #: bytes the chunk's file needed (header and payload)
+    need_bytes: int = 0
+    #: the filesystem's free bytes (for an unprivileged writer) just after the failed write;
+    #: None where it could not be asked
+    free_bytes: int | None = None
+
 
 class CorruptChunk(KeyNotFound):
     """A stored chunk could not be read back intact (checksum or header mismatch, file gone, I/O

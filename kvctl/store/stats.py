@@ -5,8 +5,18 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-#: "replaced": an isolated tenant's put took its key back from a chunk another tenant stored
-EVICTION_REASONS = ("capacity", "resize", "flush", "explicit", "corrupt", "replaced")
+#: "replaced": an isolated tenant's put took its key back from a chunk another tenant stored;
+#: "filesystem": a disk tier's filesystem was full below the tier's capacity (others' files,
+#: or a capacity larger than the free space), so the tier made room there by its policy
+EVICTION_REASONS = (
+    "capacity",
+    "resize",
+    "flush",
+    "explicit",
+    "corrupt",
+    "replaced",
+    "filesystem",
+)
 
 
 @dataclass(slots=True)
@@ -25,6 +35,9 @@ class TierStats:
     demotions: int = 0
     #: chunks that left this tier by eviction, by reason (a demoted chunk counts here too)
     evictions: Counter[str] = field(default_factory=Counter)
+    #: writes into this tier that found its filesystem full (ENOSPC, EDQUOT, EFBIG), whether
+    #: evicting its own chunks then made room (evictions["filesystem"]) or not
+    filesystem_full: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -38,6 +51,7 @@ class TierStats:
             "promotions": self.promotions,
             "demotions": self.demotions,
             "evictions": {r: self.evictions.get(r, 0) for r in EVICTION_REASONS},
+            "filesystem_full": self.filesystem_full,
         }
 
 

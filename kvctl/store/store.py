@@ -16,7 +16,8 @@ there go to the next tier down (counted in ``rerouted_puts``) until ``offline_re
 passed, when the next put tries it again; ``offline_tiers`` says which and why. Chunks already in
 it are still read from it. Every public method either completes or raises before changing
 anything it would have to undo, and a failure while demoting (disk full) degrades to a drop that
-is counted, never to lost or wrong bytes.
+is counted, never to lost or wrong bytes. A disk tier whose filesystem fills below its capacity
+first makes room as at its capacity (``_write_making_room``: its own chunks, by its policy).
 
 Reads from a slow tier (disk: ``Tier.detached_reads``) run without the store's lock, so one disk
 read never stalls every other reader. Under the lock the store marks the entry in flight
@@ -64,6 +65,7 @@ never imports.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -71,6 +73,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from heapq import nlargest
 from operator import attrgetter
 from typing import Any, TypeVar
@@ -96,6 +99,7 @@ from kvctl.store.policies import (
     make_eviction_policy,
 )
 from kvctl.store.policies.deferred import Settler
+from kvctl.store.ratelog import RateLimitedLog
 from kvctl.store.relock import relocked
 from kvctl.store.stats import StoreStats, TierStats
 from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, WriteSlot, byte_view
@@ -116,6 +120,14 @@ UNLINK_THREADS = 2
 RESIZE_BATCH = 64
 
 Event = dict[str, Any]
+
+log = logging.getLogger(__name__)
+#: tries of a write into a tier whose filesystem is full, each after evicting more of that
+#: tier's chunks (``_write_making_room``): a filesystem that others keep filling is not chased
+FULL_FILESYSTEM_RETRIES = 3
+#: free bytes asked for beyond a chunk file's own size on a full filesystem (directory blocks,
+#: block rounding), doubled at each retry
+FULL_FILESYSTEM_SLACK_BYTES = 64 << 10
 
 
 @dataclass(eq=False, slots=True)
@@ -298,6 +310,8 @@ class TieredStore:
         #: set by ``close``: no pool is started (again) after it
         self._closed = False
         self._listeners: list[Callable[[Event], None]] = []
+        #: the store's log lines about failing tiers, a line a minute per kind at most
+        self._say = RateLimitedLog(log)
         self._recover()
 
     # --- construction helpers -------------------------------------------------------------
@@ -591,8 +605,14 @@ class TieredStore:
         # (too many pins, or leased regions splitting its free space) is passed over
         # untouched, and when no tier can, the put raises with the store as it was.
         skip: set[str] = set()  # tiers that failed this put after all (device, disk full)
+        full: list[str] = []  # why, for each tier whose filesystem had no room for it
         while True:
-            plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=skip)
+            try:
+                plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=skip)
+            except CapacityError as exc:
+                if not full:
+                    raise
+                raise CapacityError(f"{exc}; {'; '.join(full)}") from exc
             if plan is None:
                 self._accounting.stats.bypassed_puts += 1
                 return True, None, []
@@ -613,13 +633,18 @@ class TieredStore:
                     else:
                         # its room is taken: no other pin or put can have it meanwhile
                         return True, _PutWrite(entry, target, slot, start, skip, pinned), []
-                target.put(entry.meta(), data)
+                self._write_making_room(target, size, partial(target.put, entry.meta(), data))
             except TierUnavailable as exc:
                 self._take_offline(target, exc)
                 skip.add(target.name)
                 continue
-            except (CapacityError, DiskFullError):
-                # the filesystem under a disk tier filled up: the next tier down may take it
+            except DiskFullError as exc:
+                # the filesystem under a disk tier is full of what is not its own: the next
+                # tier down may take it
+                skip.add(target.name)
+                full.append(str(exc))
+                continue
+            except CapacityError:
                 skip.add(target.name)
                 continue
             break
@@ -1887,17 +1912,33 @@ class TieredStore:
         in the lower tier; a failed write drops it (counted, as under the lock). Otherwise the
         written copy is taken back."""
         e, src, dst = d.entry, d.src, d.dst
+
+        def still_there() -> bool:
+            return (
+                not self._closed
+                and self._index.get(e.key) is e
+                and e.tier == src.name
+                and not e.pinned
+                and e.key in src
+            )
+
+        current = still_there()
+        if current and isinstance(d.error, DiskFullError) and d.slot.written is None:
+            # the filesystem below filled up under the tier's capacity: room is made there by
+            # its own policy and the write is made again, under the lock (rare: not worth a
+            # round of its own)
+            try:
+                self._write_making_room(
+                    dst, e.size_bytes, lambda: dst.write_reserved(d.slot, d.view), failed=d.error
+                )
+                d.error = None
+            except StoreError as exc:
+                d.error = exc
+            current = still_there()
         d.view.release()
         if d.lease is not None:
             assert isinstance(src, CpuTier)
             src.release(d.lease.lease_id)
-        current = (
-            not self._closed
-            and self._index.get(e.key) is e
-            and e.tier == src.name
-            and not e.pinned
-            and e.key in src
-        )
         if current and d.error is None and d.slot.written is not None:
             try:
                 landed = dst.commit_write(d.slot)
@@ -1930,6 +1971,95 @@ class TieredStore:
             src.delete(e.key)
             self._forget(e)
             d.outcome = "dropped"
+
+    def _write_making_room(
+        self,
+        tier: Tier,
+        size: int,
+        write: Callable[[], None],
+        *,
+        failed: DiskFullError | None = None,
+    ) -> None:
+        """Under the lock: ``write`` (a chunk of ``size`` payload bytes into ``tier``; already
+        ``failed`` once with that error, when given). Where ``tier``'s filesystem is full below
+        its capacity (others' files, a ``--disk`` larger than the free space), the tier makes
+        room as at its capacity: its policy's victims are evicted (reason "filesystem") until
+        the filesystem has the chunk file's size free, and the write is tried again, at most
+        ``FULL_FILESYSTEM_RETRIES`` times. Each full filesystem met is counted in the tier's
+        ``filesystem_full``. Raises DiskFullError, saying the filesystem is full and what it
+        has free, when no room can be made (nothing of the tier's is left to evict: the rest is
+        others' files, or pinned, or being read)."""
+        for attempt in range(FULL_FILESYSTEM_RETRIES + 1):
+            if failed is None:
+                try:
+                    write()
+                    return
+                except DiskFullError as exc:
+                    failed = exc
+            self._accounting.tier(tier.name).filesystem_full += 1
+            free = failed.free_bytes
+            want = failed.need_bytes + (FULL_FILESYSTEM_SLACK_BYTES << attempt)
+            short = want - (free or 0)
+            evicted, freed = (
+                (0, 0) if attempt == FULL_FILESYSTEM_RETRIES else self._evict_for_fs(tier, short)
+            )
+            if evicted:
+                self._say.say(
+                    f"filesystem_full:{tier.name}",
+                    logging.WARNING,
+                    "tier %s: its filesystem is full below the tier's capacity (%s bytes free, "
+                    "%s wanted for a chunk): evicted %d of its chunks (%s payload bytes) by its "
+                    "policy to make room",
+                    tier.name,
+                    "an unknown number of" if free is None else f"{free:,}",
+                    f"{want:,}",
+                    evicted,
+                    f"{freed:,}",
+                )
+                failed = None
+                continue
+            free_text = "an unknown number of" if free is None else f"{free:,}"
+            error = DiskFullError(
+                failed.errno,
+                f"tier {tier.name!r}: its filesystem is full ({free_text} bytes free, a chunk "
+                f"of {size:,} bytes needs {failed.need_bytes:,}) and "
+                + (
+                    f"{FULL_FILESYSTEM_RETRIES} rounds of evicting its chunks did not make room "
+                    f"(others keep filling it)"
+                    if attempt
+                    else "none of its chunks can be evicted for it (the rest is others' files, "
+                    "or pinned, or being read)"
+                )
+                + f": {failed}",
+            )
+            error.need_bytes, error.free_bytes = failed.need_bytes, free
+            self._say.say(f"filesystem_refused:{tier.name}", logging.WARNING, "%s", error.strerror)
+            raise error from failed
+        raise AssertionError("unreachable: the last attempt raises")
+
+    def _evict_for_fs(self, tier: Tier, short_bytes: int) -> tuple[int, int]:
+        """Evict ``tier``'s policy victims until their payload adds up to ``short_bytes`` (a
+        file frees at least its payload), passing over those whose bytes are leased. Returns
+        (chunks evicted, their payload bytes)."""
+        policy = self._policies[tier.name]
+        passed: list[Entry] = []
+        evicted = freed = 0
+        try:
+            while freed < short_bytes:
+                victim = policy.victim(self._clock())
+                if victim is None:
+                    break
+                if not tier.evictable(victim.key):
+                    policy.on_remove(victim)
+                    passed.append(victim)
+                    continue
+                self._evict(victim, "filesystem", demote=True)
+                evicted += 1
+                freed += victim.size_bytes
+        finally:
+            for e in passed:
+                policy.on_insert(e)
+        return evicted, freed
 
     def _room_later(self, tier: Tier, size: int) -> list[_Demotion] | None:
         """``_make_room``, except that victims bound for a tier with detached writes are only
@@ -2043,8 +2173,9 @@ class TieredStore:
         try:
             if not self._make_room(dst, e.size_bytes):
                 raise CapacityError(f"no room for {e.size_bytes} bytes in tier {dst.name!r}")
+            meta = e.meta()
             try:
-                dst.put(e.meta(), data)
+                self._write_making_room(dst, meta.size_bytes, lambda: dst.put(meta, data))
             except TierUnavailable as exc:
                 self._take_offline(dst, exc)
                 raise

@@ -113,6 +113,8 @@ class TierCounters(TypedDict):
     demotions: int
     #: chunks that left this tier, by reason
     evictions: dict[str, int]
+    #: writes that found the tier's filesystem full below its capacity (a disk tier's)
+    filesystem_full: int
 
 
 class StoreCounters(TypedDict):

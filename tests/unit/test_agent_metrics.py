@@ -35,6 +35,7 @@ STORE_COUNTERS = {
     "kvctl_tier_read_bytes",
     "kvctl_promotions",
     "kvctl_demotions",
+    "kvctl_tier_filesystem_full",
     "kvctl_evictions",
     "kvctl_drops",
     "kvctl_demotion_failures",

@@ -401,12 +401,17 @@ class DiskTier(Tier):
             _unlink_quietly(path if renamed else tmp)
             if isinstance(exc, OSError):
                 if exc.errno in _FULL_ERRNOS:
-                    raise DiskFullError(
+                    free = self.filesystem_free_bytes()
+                    full = DiskFullError(
                         exc.errno,
                         f"disk tier {self.name!r} is out of space: writing chunk {key_hex} "
                         f"({meta.size_bytes} payload + {len(header)} header bytes) under "
-                        f"{self.directory} failed: {exc.strerror}",
-                    ) from exc
+                        f"{self.directory} failed: {exc.strerror} (its filesystem has "
+                        f"{'an unknown number of' if free is None else f'{free:,}'} bytes free)",
+                    )
+                    full.need_bytes = meta.size_bytes + len(header)
+                    full.free_bytes = free
+                    raise full from exc
                 raise TierUnavailable(
                     f"disk tier {self.name!r} cannot write {exc.filename or tmp}: {exc.strerror}"
                 ) from exc
@@ -524,11 +529,17 @@ class DiskTier(Tier):
     def room_bytes(self) -> int | None:
         """The most this tier could hold now: what it holds plus its filesystem's free space
         (for an unprivileged writer); None where the filesystem cannot be asked."""
+        free = self.filesystem_free_bytes()
+        return None if free is None else self.used_bytes + free
+
+    def filesystem_free_bytes(self) -> int | None:
+        """The free bytes of the tier's filesystem for an unprivileged writer; None where the
+        filesystem cannot be asked."""
         try:
             fs = os.statvfs(self.directory)
         except OSError:
             return None
-        return self.used_bytes + fs.f_bavail * fs.f_frsize
+        return fs.f_bavail * fs.f_frsize
 
     def _list_dir(self, path: str) -> list[os.DirEntry[str]]:
         try:
