@@ -58,6 +58,7 @@ from kvctl.db.sample_checks import (
 )
 from kvctl.interrupts import interrupts_held
 from kvctl.profiles import ModeledInputs
+from kvctl.remote.pool import pull_deadline_s
 from kvctl.router.client import RouterClient, RouterClientError
 from kvctl.wire.address import redact_url
 
@@ -71,6 +72,18 @@ MAX_PENDING_ROWS = 1_000_000
 RTT_BASES = ("measured", "emulated")
 #: whether this SDK's probe names its target (the agent then reports the link's emulated delay)
 _PROBE_TAKES_NAME = "name" in inspect.signature(AgentClient.probe).parameters
+#: what a link probe's answer may take beyond the probe's own worst case: the HTTP exchange, a
+#: wait for one of the agent's workers, an emulated link's delay on each of its round trips
+PROBE_SLACK_S = 5.0
+
+
+def probe_deadline_s(pings: int, size_bytes: int, timeout_s: float) -> float:
+    """The total deadline of a link probe's answer (``POST /v1/probe``; the agent answers once
+    the probe is done): the probe's own worst case (``kvctl.remote.probe.probe_link``: connect
+    and each ping, a reconnect each, within ``timeout_s``; each of its two transfers cut at
+    ``pull_deadline_s``, ``timeout_s`` plus its bytes at 32 MiB/s) plus ``PROBE_SLACK_S``."""
+    steps_s = (2 * pings + 2) * timeout_s
+    return steps_s + 2 * pull_deadline_s(size_bytes, timeout_s) + PROBE_SLACK_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +99,9 @@ class CollectorConfig:
     token: str | None = None
     probe_bytes: int = 1 << 20
     pings: int = 5
+    #: a link probe's limit on each step (connect, each ping, each transfer's reads); its
+    #: answer's total deadline is ``probe_deadline_s`` of it
+    probe_timeout_s: float = 2.0
     retention: Retention = field(default_factory=Retention)
     max_workers: int = 32
     #: `kvctl router serve` URLs scraped each cycle (``/v1/stats``) into route_sample
@@ -194,9 +210,17 @@ class Deadlines:
         self._running: dict[tuple[object, ...], tuple[Future[Any], float]] = {}
         self._lock = threading.Lock()
 
-    def call(self, key: tuple[object, ...], what: str, request: Callable[[], T]) -> T:
-        """``request()``'s answer, in within ``timeout_s``; else ``NotAnswering`` naming
-        ``what`` (a request, said to an operator)."""
+    def call(
+        self,
+        key: tuple[object, ...],
+        what: str,
+        request: Callable[[], T],
+        *,
+        timeout_s: float | None = None,
+    ) -> T:
+        """``request()``'s answer, in within ``timeout_s`` (default: this one's); else
+        ``NotAnswering`` naming ``what`` (a request, said to an operator)."""
+        limit_s = self.timeout_s if timeout_s is None else timeout_s
         fut: Future[T] = Future()
         with self._lock:
             running = self._running.get(key)
@@ -217,10 +241,10 @@ class Deadlines:
 
         threading.Thread(target=run, daemon=True, name="kvctl-request").start()
         try:
-            return fut.result(timeout=self.timeout_s)
+            return fut.result(timeout=limit_s)
         except FutureTimeout:
             raise NotAnswering(
-                f"not answering: no full answer to {what} within {self.timeout_s:g} s"
+                f"not answering: no full answer to {what} within {limit_s:g} s"
             ) from None
 
 
@@ -709,12 +733,24 @@ class Collector:
                 raise target
             # naming the target lets the agent report the delay it emulates on that link
             named: dict[str, Any] = {"name": dst.name} if _PROBE_TAKES_NAME else {}
-            result: Mapping[str, Any] = self._client(src).probe(
-                target,
-                token=self.config.token,
-                pings=self.config.pings,
-                size_bytes=self.config.probe_bytes,
-                **named,
+            client = self._client(src)
+            config = self.config
+            # a total deadline: httpx's timeout is per read, and an agent trickling its answer
+            # held the link round (and the loop, or collect --once) for as long as it trickled
+            result: Mapping[str, Any] = self._deadlines.call(
+                (src.id, dst.id, "probe"),
+                "POST /v1/probe",
+                lambda: client.probe(
+                    target,
+                    token=config.token,
+                    pings=config.pings,
+                    size_bytes=config.probe_bytes,
+                    timeout_s=config.probe_timeout_s,
+                    **named,
+                ),
+                timeout_s=probe_deadline_s(
+                    config.pings, config.probe_bytes, config.probe_timeout_s
+                ),
             )
         except AgentError as exc:
             self.metrics.errors.labels("link").inc()

@@ -1453,7 +1453,9 @@ class AgentClient:
             body["token"] = token
         if name is not None:
             body["name"] = name
-        # connect + pings (with reconnects) + two transfers, each bounded by timeout_s
+        # a read timeout (the agent says nothing until the probe is done): connect + pings
+        # (with reconnects) + two transfers, each bounded by timeout_s, the transfers also by
+        # their bytes at 32 MiB/s (4 s at most, MAX_PROBE_BYTES each way), within the 5 s more
         worst_s = timeout_s * (2 * pings + 4) + 5.0
         probe = cast(LinkProbe, self._json("POST", "/v1/probe", json=body, timeout=worst_s))
         # an agent from before rtt_basis never added a delay to its probes: measured

@@ -81,7 +81,8 @@ def collect_command(
     its agent), and the node's inference-engine metrics when it has an engine URL. Link probes
     (RTT, loss, bandwidth through the agents' data plane) run on their own, slower schedule;
     rollups and retention every minute. Unreachable nodes are recorded as down, as are those
-    not answering (no full answer within 80% of the interval, at most 5 s, per request); one
+    not answering (no full answer within 80% of the interval, at most 5 s, per request; a link
+    probe's within its own worst case plus 5 s, about 33 s at the default --probe-size); one
     that refuses the token as up with no figures (shown "token refused": KVCTL_TOKEN is not its
     token); the loop goes on. Several collectors (say one per DC with --dc) can write to one
     PostgreSQL.

@@ -2,22 +2,25 @@
 whole far beyond the collector's request timeout, on a real SQLite and PostgreSQL: the scrape
 gives up on it at its request timeout (a total deadline, not httpx's per-read one), records it
 as not answering (down), and the cycle keeps the other agents' figures. While that request
-still trickles, the next cycle does not ask again.
+still trickles, the next cycle does not ask again. The same for a link probe's answer
+(POST /v1/probe), at the probe's own deadline.
 
 The trickling agent is a loopback stand-in; the healthy one is the impossible-values tests'.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 from sqlalchemy import select
 from sqlalchemy.engine import Engine
 
-from collectors.collector import Collector, CollectorConfig
+from collectors.collector import Collector, CollectorConfig, probe_deadline_s
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.models import Node
 from tests.functional.hung import HANG_GUARD_S, guarded
@@ -33,15 +36,27 @@ TRICKLE_BYTES = 10_000
 
 class Trickler:
     """An agent's control API that answers every request a byte every TRICKLE_BYTE_S, until
-    closed; ``asked`` counts the requests it took."""
+    closed, but those of ``answers`` (by path: answered at once, as JSON); ``asked`` counts
+    the requests it trickled."""
 
-    def __init__(self) -> None:
+    def __init__(self, answers: dict[str, Any] | None = None) -> None:
         self.asked = 0
         self.stop = threading.Event()
+        self.answers = answers or {}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
+                if self.command == "POST":
+                    self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if self.path in outer.answers:
+                    body = json.dumps(outer.answers[self.path]).encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 outer.asked += 1
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -55,6 +70,8 @@ class Trickler:
                         self.wfile.flush()
                 except OSError:  # the collector hung up
                     return
+
+            do_POST = do_GET
 
             def log_message(self, *_args: object) -> None:
                 pass
@@ -125,3 +142,53 @@ def test_an_agent_trickling_its_answer_is_not_answering_and_the_cycle_keeps_the_
     ]
     # the other agent's figures are recorded, both cycles
     assert len({r["ts_ms"] for r in _rows(db, "cache_sample", ids["n2"])}) == 2
+
+
+def test_an_agent_trickling_its_probe_answer_is_cut_at_the_probes_deadline(db: Engine) -> None:
+    """n1 trickles its answer to the link probe the collector asks of it (its /v1/info is
+    sound); n2 answers its own at once. Before, the link round waited as long as n1 trickled
+    (2,000 s, the hang guard failing the test first): httpx's timeout is per read (33 s for a
+    probe), and each byte came in time."""
+    n1 = Trickler({"/v1/info": {"name": "n1", "dataplane": {"tcp": "127.0.0.1:9"}}})
+    n2 = StandIn("n2")
+    n2.answers["/v1/probe"] = {"ok": True, "rtt_s": 0.001, "loss_ratio": 0.0, "error": None}
+    try:
+        with db.begin() as conn:
+            add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+            add_dc(conn, "ams", region="eu", carbon_g_per_kwh=300, pue=1.3)
+            add_node(conn, "n1", dc="fra", agent_url=n1.url)
+            add_node(conn, "n2", dc="ams", agent_url=n2.url)
+        with db.connect() as conn:
+            ids = {name: id_ for name, id_ in conn.execute(select(Node.name, Node.id))}
+        # a probe of pings and no bytes, each step within 0.1 s: its answer's deadline is
+        # 5.6 s, far within the hang guard
+        config = CollectorConfig(interval_s=600.0, pings=1, probe_bytes=0, probe_timeout_s=0.1)
+        deadline_s = probe_deadline_s(1, 0, 0.1)
+        assert deadline_s < HANG_GUARD_S
+        collector = Collector(db, config)
+        try:
+            first = guarded(collector.probe_links_once)
+            second = guarded(collector.probe_links_once)
+        finally:
+            collector.close()
+    finally:
+        n1.close()
+        n2.close()
+
+    for report in (first, second):
+        assert report.up == ["n2->n1"] and report.written
+        assert report.down["n1->n2"].startswith("not answering: ")
+    assert f"no full answer to POST /v1/probe within {deadline_s:g} s" in first.down["n1->n2"]
+    # its probe still trickling, the second round asked it nothing more
+    assert "still unanswered" in second.down["n1->n2"]
+    assert n1.asked == 1
+    links = _rows(db, "link_sample", ids["n1"], key="src_node_id")
+    assert [(r["ok"], r["error"]) for r in links] == [
+        (False, first.down["n1->n2"]),
+        (False, second.down["n1->n2"]),
+    ]
+    # the other link's probes are recorded, both rounds
+    assert [r["ok"] for r in _rows(db, "link_sample", ids["n2"], key="src_node_id")] == [
+        True,
+        True,
+    ]
