@@ -65,6 +65,7 @@ never imports.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import threading
@@ -866,7 +867,7 @@ class TieredStore:
             rerouted = any(t.name in skip or not self._usable(t) for t in self._tiers[start:rank])
             if not rerouted:
                 self._accounting.spilled_puts += 1
-        self._offline.pop(target.name, None)
+        self._back_online(target)
         if rerouted:
             self._accounting.rerouted_puts += 1
         self._tick += 1
@@ -1472,7 +1473,36 @@ class TieredStore:
         return off is None or self._clock() >= off[1]
 
     def _take_offline(self, tier: Tier, exc: TierUnavailable) -> None:
+        was_offline = tier.name in self._offline
         self._offline[tier.name] = (str(exc), self._clock() + self.offline_retry_s)
+        if not was_offline:  # a retry that fails again is no news
+            self._say.say(
+                f"offline:{tier.name}",
+                logging.WARNING,
+                "tier %s taken offline: %s; its chunks go to the next tier down, and a write "
+                "tries it again after %.0f s",
+                tier.name,
+                _reason(exc),
+                self.offline_retry_s,
+            )
+
+    def _back_online(self, tier: Tier) -> None:
+        """A write into ``tier`` landed: it is no longer offline (said when it was)."""
+        if self._offline.pop(tier.name, None) is not None:
+            self._say.say(f"online:{tier.name}", logging.WARNING, "tier %s back online", tier.name)
+
+    def _demotion_failed(self, dst: Tier, why: BaseException | str) -> None:
+        """Count (``demotion_failures``) and say a demotion (or a move down) into ``dst``
+        that did not land: the chunk was dropped, or kept where it was (an operator's)."""
+        self._accounting.stats.demotion_failures += 1
+        self._say.say(
+            f"demotion_failed:{dst.name}",
+            logging.WARNING,
+            "a chunk could not be demoted into tier %s (dropped, or kept where it was for an "
+            "operator's move): %s",
+            dst.name,
+            why if isinstance(why, str) else _reason(why),
+        )
 
     def _offline_message(self, tiers: Sequence[Tier]) -> str:
         why = "; ".join(f"{t.name}: {self._offline[t.name][0]}" for t in tiers)
@@ -1820,7 +1850,7 @@ class TieredStore:
             # puts this one at once (it replaces that one, whose commit is then refused)
             return None
         except (CapacityError, DiskFullError, TierUnavailable) as exc:
-            self._accounting.stats.demotion_failures += 1
+            self._demotion_failed(dst, exc)
             if isinstance(exc, TierUnavailable):  # as a put there that raised it would
                 self._take_offline(dst, exc)
             raise
@@ -1861,7 +1891,7 @@ class TieredStore:
                     self._emit("demote", e, src=src.name)
                     return None
             except (CapacityError, DiskFullError, TierUnavailable) as exc:
-                self._accounting.stats.demotion_failures += 1
+                self._demotion_failed(dst, exc)
                 if isinstance(exc, TierUnavailable):
                     self._take_offline(dst, exc)
             else:
@@ -1950,7 +1980,7 @@ class TieredStore:
                 src.delete(e.key)
                 e.tier = dst.name  # before _end_read, which puts it in dst's policy
                 self._end_read(e)
-                self._offline.pop(dst.name, None)
+                self._back_online(dst)
                 self._accounting.count_read(src.name, e.size_bytes)
                 self._accounting.count_written(dst.name, e.size_bytes)
                 if d.reason is not None:
@@ -1964,7 +1994,7 @@ class TieredStore:
         self._end_read(e)
         d.outcome = "kept"
         if current and d.error is not None:  # the write failed (disk full, a failed device)
-            self._accounting.stats.demotion_failures += 1
+            self._demotion_failed(dst, d.error)
             if d.reason is None or d.keep:  # an operator's move or demotion: it stays where it was
                 return
             self._accounting.tier(src.name).evictions[d.reason] += 1
@@ -2159,7 +2189,7 @@ class TieredStore:
         )
         if not self._usable(dst):
             if down:
-                self._accounting.stats.demotion_failures += 1
+                self._demotion_failed(dst, f"it is offline: {self._offline[dst.name][0]}")
             return False
         if not self._may_place(e, dst):
             return False
@@ -2179,12 +2209,12 @@ class TieredStore:
             except TierUnavailable as exc:
                 self._take_offline(dst, exc)
                 raise
-        except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument):
+        except (CapacityError, DiskFullError, TierUnavailable, InvalidArgument) as exc:
             # InvalidArgument: dst refused the put (it already has the key): nothing moved
             if down:
-                self._accounting.stats.demotion_failures += 1
+                self._demotion_failed(dst, exc)
             return False
-        self._offline.pop(dst.name, None)
+        self._back_online(dst)
         try:
             if delete_later:
                 self._delete_copy(src, e.key)
@@ -2197,7 +2227,7 @@ class TieredStore:
             if not isinstance(exc, TierUnavailable):
                 raise
             if down:
-                self._accounting.stats.demotion_failures += 1
+                self._demotion_failed(dst, f"its copy in tier {src.name!r} stays: {exc}")
             return False
         e.tier = dst.name
         self._accounting.count_written(dst.name, e.size_bytes)
@@ -2299,7 +2329,7 @@ class TieredStore:
         in ``src`` is gone): the index, ``dst``'s policy, the counters and listeners learn it."""
         e.tier = dst.name  # before _end_read, which puts it in dst's policy (its last read)
         self._end_read(e)
-        self._offline.pop(dst.name, None)
+        self._back_online(dst)
         self._accounting.count_read(src.name, e.size_bytes)
         self._accounting.count_written(dst.name, e.size_bytes)
         self._accounting.count_promotion(dst.name)
@@ -2384,6 +2414,13 @@ class TieredStore:
         }
         for listener in list(self._listeners):
             listener(event)
+
+
+def _reason(exc: BaseException) -> str:
+    """``exc``'s message with its errno's name (its own, or that of the OSError it wraps)."""
+    err = exc if isinstance(exc, OSError) and exc.errno else exc.__cause__
+    code = errno.errorcode.get(err.errno) if isinstance(err, OSError) and err.errno else None
+    return f"{exc} [{code}]" if code else str(exc)
 
 
 def _as_admission(spec: str | AdmissionPolicy) -> AdmissionPolicy:
