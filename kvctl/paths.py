@@ -3,6 +3,7 @@ there are written."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -15,19 +16,60 @@ def default_state_dir() -> Path:
     return Path(base) / "kvctl"
 
 
+#: errnos that mean the filesystem has no room left for what is written
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+class WriteFailed(KvctlError, OSError):
+    """A file kvctl writes for itself (an agent's state, its settings, a unit) could not be
+    written: the message names the file and says why in words. Still an OSError (its errno
+    kept), so callers that catch those go on working."""
+
+    def __init__(self, path: Path, cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror, str(path))
+        reason = _WRITE_REASONS.get(cause.errno or 0) or (cause.strerror or str(cause)).lower()
+        self.message = f"{reason} writing {path}"
+        if cause.errno in FULL_ERRNOS:
+            self.message += ": its filesystem is full"
+
+    @property
+    def full(self) -> bool:
+        """The filesystem had no room left (ENOSPC, EDQUOT): freeing space is the fix."""
+        return self.errno in FULL_ERRNOS
+
+    def __str__(self) -> str:
+        return self.message
+
+
+_WRITE_REASONS = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only filesystem",
+    errno.EACCES: "permission denied",
+    errno.EIO: "input/output error",
+}
+
+
 def write_atomic(path: Path, text: str, *, mode: int) -> None:
     """``text`` in ``path`` with ``mode`` whatever the umask, replaced atomically: a reader
-    (systemd, another kvctl) sees the old file or the new one, never half of it."""
+    (systemd, another kvctl) sees the old file or the new one, never half of it. Raises
+    WriteFailed naming ``path`` (a full filesystem, no permission), the old file left as it
+    was."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)  # a killed process's leftover would keep its old mode
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)  # a killed process's leftover would keep its old mode
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except WriteFailed:
+        raise
+    except OSError as exc:
+        raise WriteFailed(path, exc) from exc
 
 
 def read_text_file(path: Path, what: str = "") -> str:

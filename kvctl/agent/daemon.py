@@ -31,7 +31,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from kvctl import __version__, http_serving
 from kvctl.agent.settings import AgentSettings, LinkSpec
-from kvctl.paths import make_private_dir, write_atomic
+from kvctl.paths import WriteFailed, make_private_dir, write_atomic
 from kvctl.wire.address import connect_host, url_host
 
 if TYPE_CHECKING:
@@ -54,6 +54,25 @@ SPARE_DESCRIPTORS = 256
 
 class AgentRunning(RuntimeError):
     """Another live agent already uses this data directory."""
+
+
+class DataDirFull(RuntimeError):
+    """A detached agent did not start, and the filesystem holding its data directory is full:
+    most likely it could not write its files there (its log could not say so either)."""
+
+
+#: free bytes under which a data directory's filesystem counts as full: the agent's own files
+#: there (agent.json, the settings handed over) are a few KiB
+FULL_BELOW_BYTES = 64 << 10
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes of ``path``'s filesystem for an unprivileged writer (None: cannot ask)."""
+    try:
+        fs = os.statvfs(path)
+    except OSError:
+        return None
+    return fs.f_bavail * fs.f_frsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -320,7 +339,10 @@ def write_private(path: Path, text: str) -> None:
 def open_private_log(path: Path) -> IO[bytes]:
     """``path`` opened for appending, created 0600; one an older build made readable by others
     is tightened (its lines are the agent's, so its owner is this user)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    except OSError as exc:
+        raise WriteFailed(path, exc) from exc
     try:
         if os.fstat(fd).st_mode & SHARED_BITS:
             os.fchmod(fd, PRIVATE_FILE_MODE)
@@ -508,6 +530,13 @@ def _spawn(
         proc.kill()
         proc.wait()
         why = f"not serving after {timeout_s:.0f} s, so stopped"
+    free = free_bytes(data_dir)
+    if free is not None and free < FULL_BELOW_BYTES:
+        raise DataDirFull(
+            f"the agent did not start ({why}): the filesystem holding {data_dir} has "
+            f"{free:,} bytes free, too few for the files the agent writes there (agent.json); "
+            f"the end of {log_path}:\n" + _tail(log_path)
+        )
     raise RuntimeError(
         f"the agent did not start ({why}); the end of {log_path}:\n" + _tail(log_path)
     )

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from kvctl.agent.daemon import AgentState
     from kvctl.agent.settings import AgentSettings
     from kvctl.agent.systemd import InstallReport
+    from kvctl.paths import WriteFailed
 
 agent_app = typer.Typer(
     no_args_is_help=True, help="Run and inspect the tiered KV-cache agent on this node."
@@ -249,7 +250,7 @@ def start_command(
         _handed_over(settings_file) if settings_file else _load(config, **flags.as_flags()).settings
     )
     from kvctl.agent.daemon import AgentRunning, running_agent
-    from kvctl.paths import UnusableDirectory, make_private_dir
+    from kvctl.paths import UnusableDirectory, WriteFailed, make_private_dir
 
     try:  # before anything is started or written: a bad --data-dir is the user's to fix
         make_private_dir(settings.data_path, "data directory")
@@ -265,10 +266,14 @@ def start_command(
             code=1,
         )
     if detach:
-        from kvctl.agent.daemon import spawn_with_settings
+        from kvctl.agent.daemon import DataDirFull, spawn_with_settings
 
         try:
             _, state = spawn_with_settings(settings)
+        except WriteFailed as exc:
+            fail(str(exc), hint=_write_failed_hint(exc, settings.data_path))
+        except DataDirFull as exc:
+            fail(str(exc), hint=_full_data_dir_hint(settings.data_path))
         except RuntimeError as exc:
             fail(str(exc), code=1)
         console.print(
@@ -293,9 +298,29 @@ def start_command(
         code = serve(settings)
     except AgentRunning as exc:
         fail(str(exc), code=1)
+    except WriteFailed as exc:  # the agent's own files: its state (agent.json)
+        fail(str(exc), hint=_write_failed_hint(exc, settings.data_path))
     except (OSError, KvctlError) as exc:
         fail(str(exc), hint="check the sizes, ports and --data-dir", code=1)
     raise typer.Exit(code)
+
+
+def _write_failed_hint(exc: WriteFailed, data_dir: Path) -> str:
+    if exc.full:
+        return _full_data_dir_hint(data_dir)
+    return "give --data-dir a directory this user can write (or create)"
+
+
+def _full_data_dir_hint(data_dir: Path) -> str:
+    hint = f"free space on the filesystem holding {data_dir}"
+    tier = data_dir / "disk"
+    if tier.is_dir():  # chunks there: the agent can make the room itself, at start
+        hint += (
+            f"; where the disk tier ({tier}) filled it, start once in the foreground with a "
+            "smaller --disk (the tier is trimmed to it at start, its oldest chunks deleted, "
+            "before the agent writes its files)"
+        )
+    return hint + "; or give another --data-dir"
 
 
 @agent_app.command("stop")

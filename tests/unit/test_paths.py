@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from kvctl.errors import InvalidArgument
-from kvctl.paths import UnusableDirectory, make_private_dir, read_text_file
+from kvctl.paths import (
+    UnusableDirectory,
+    WriteFailed,
+    make_private_dir,
+    read_text_file,
+    write_atomic,
+)
 
 
 def test_read_text_file_reads_utf8(tmp_path: Path) -> None:
@@ -65,3 +74,33 @@ def test_make_private_dir_refuses_one_it_cannot_write(tmp_path: Path) -> None:
             make_private_dir(locked / "sub", "data directory")
     finally:
         locked.chmod(0o700)
+
+
+def test_write_atomic_names_the_file_it_could_not_write(tmp_path: Path) -> None:
+    """A full filesystem (real ENOSPC, from a tmpfs): WriteFailed names the file and says why in
+    words, still an OSError with its errno; the old file is left whole, no temp file behind."""
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(fs)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        path = fs / "agent.json"
+        write_atomic(path, "old", mode=0o600)
+        with open(fs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        with pytest.raises(WriteFailed) as info:
+            write_atomic(path, "new" * 4096, mode=0o600)
+        assert str(info.value) == f"no space left on device writing {path}: its filesystem is full"
+        assert info.value.errno == errno.ENOSPC and info.value.full
+        assert isinstance(info.value, OSError)
+        assert path.read_text() == "old"
+        assert sorted(p.name for p in fs.iterdir()) == ["agent.json", "filler"]
+    finally:
+        subprocess.run(["umount", str(fs)], check=False, timeout=30)
