@@ -828,18 +828,21 @@ def rtt_basis_of(probe: Mapping[str, Any]) -> dict[str, Any]:
 _ENGINE_COUNTS = tuple(
     f.name
     for f in fields(EngineReading)
-    if f.name not in ("engine", "kv_usage_ratio", "ttft", "missing_means_unread")
+    if f.name not in ("engine", "kv_usage_ratio", "ttft", "missing_means_unread", "ttft_not_finite")
 )
 
 
 def checked_engine(reading: EngineReading, rejected: Rejections) -> EngineReading:
-    """``reading`` with figures that cannot be true (a negative counter, a usage ratio
-    outside [0, 1], a TTFT histogram counting below zero) unknown, noted in ``rejected``. The
-    parser already leaves out what is not finite."""
+    """``reading`` with figures that cannot be true (a counter that is not finite or is
+    negative, a usage ratio outside [0, 1], a TTFT histogram not finite or counting below zero)
+    unknown, noted in ``rejected``: a counter or the histogram rejected makes the engine row's
+    counters wait (``collectors.rows.engine_waits``)."""
     fixed: dict[str, Any] = {
         c: count(getattr(reading, c), f"engine.{c}", rejected) for c in _ENGINE_COUNTS
     }
     fixed["kv_usage_ratio"] = ratio(reading.kv_usage_ratio, "engine.kv_usage_ratio", rejected)
+    if reading.ttft_not_finite:  # no Histogram holds it: the parser says only that it was
+        rejected.add("engine.ttft", "not finite")
     ttft = reading.ttft
     if ttft is not None and (
         count(ttft.count, "engine.ttft.count", rejected) is None

@@ -36,6 +36,9 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 KNOWN_ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "lmcache", "kvbm")
+#: what a figure exposed with a sample that is not finite (NaN, Infinity) reads as: exposed, so
+#: the collector rejects it (``collectors.collector.checked_engine``), never "not exposed"
+NOT_FINITE = math.nan
 #: engines that serve requests (one per endpoint); LMCache and KVBM run inside one of them
 _SERVING = {"vllm": "vllm:", "sglang": "sglang:", "trtllm": "trtllm_"}
 
@@ -49,6 +52,14 @@ _Samples = list[tuple[_Labels, float]]
 
 class UnknownEngine(ValueError):
     """The text is valid exposition but carries no metric of a known engine."""
+
+
+class _NotFiniteHistogram:
+    """A histogram exposed with a count, sum or bucket that is not finite (no ``Histogram``
+    can hold it): ``EngineReading.ttft_not_finite``."""
+
+
+_NOT_FINITE_HISTOGRAM = _NotFiniteHistogram()
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +86,8 @@ class Histogram:
 
 @dataclass(frozen=True, slots=True)
 class EngineReading:
-    """One scrape of one engine. Counters are cumulative; None means not exposed."""
+    """One scrape of one engine. Counters are cumulative; None means not exposed, NaN
+    (``NOT_FINITE``) exposed with a sample that is not finite."""
 
     engine: str  # "vllm" | "sglang" | "trtllm" | "lmcache" | "kvbm" (only its metrics present)
     prompt_tokens: float | None
@@ -105,6 +117,8 @@ class EngineReading:
     #: the source leaves out counters that keep counting (TensorRT-LLM's JSON stats when idle):
     #: one missing before is a baseline when it shows, not an increase since the engine started
     missing_means_unread: bool = False
+    #: the TTFT histogram was exposed with a figure that is not finite (``ttft`` is None)
+    ttft_not_finite: bool = False
 
 
 def parse_engine_metrics(text: str) -> EngineReading:
@@ -147,8 +161,12 @@ def parse_engine_metrics(text: str) -> EngineReading:
         raise UnknownEngine(f"no metric of a known engine ({', '.join(KNOWN_ENGINES)}) in the text")
     starts = [v for _labels, v in series.get("process_start_time_seconds", [])]
     # several processes (API server, engine cores) behind one endpoint: any restart shows up
-    # as a change of the latest start time
-    return replace(reading, process_start_s=max(starts) if starts else None)
+    # as a change of the latest start time (unknown when one is not finite: max() of a NaN
+    # depends on the order)
+    start_s = None
+    if starts:
+        start_s = max(starts) if all(math.isfinite(v) for v in starts) else NOT_FINITE
+    return replace(reading, process_start_s=start_s)
 
 
 def histogram_delta(current: Histogram, previous: Histogram | None) -> Histogram:
@@ -209,11 +227,12 @@ def _samples_by_name(text: str) -> dict[str, _Samples]:
     return series
 
 
-def _finite_sum(samples: _Samples, where: Callable[[_Labels], bool] | None = None) -> float | None:
+def _finite_sum(samples: _Samples, where: Callable[[_Labels], bool] | None = None) -> float:
     picked = [v for labels, v in samples if where is None or where(labels)]
-    # A NaN or infinite series makes the total unknown; a partial sum would look like a reset.
+    # A NaN or infinite series makes the total not finite (never a partial sum, which would
+    # look like a reset): exposed, and rejected by the collector, not taken for not exposed
     if not all(math.isfinite(v) for v in picked):
-        return None
+        return NOT_FINITE
     return float(sum(picked))
 
 
@@ -227,10 +246,12 @@ def _counter(
 
 def _counters(series: Mapping[str, _Samples], *names: str) -> float | None:
     """Sum of the counters of ``names`` that are exposed (an older release lacks some); None
-    when none is, or when one is not finite."""
+    when none is, ``NOT_FINITE`` when one is not finite."""
     values = [_counter(series, n) for n in names if f"{n}_total" in series or n in series]
-    if not values or any(v is None for v in values):
+    if not values:
         return None
+    if not all(v is not None and math.isfinite(v) for v in values):
+        return NOT_FINITE
     return float(sum(v for v in values if v is not None))
 
 
@@ -243,12 +264,12 @@ def _gauge_mean(series: Mapping[str, _Samples], name: str) -> float | None:
     samples = series.get(name)
     if not samples:
         return None
-    total = _finite_sum(samples)
-    return None if total is None else total / len(samples)
+    return _finite_sum(samples) / len(samples)
 
 
-def _histogram(series: Mapping[str, _Samples], name: str) -> Histogram | None:
-    """A histogram's buckets, sum and count, each summed over the label sets."""
+def _histogram(series: Mapping[str, _Samples], name: str) -> Histogram | _NotFiniteHistogram | None:
+    """A histogram's buckets, sum and count, each summed over the label sets (None: not
+    exposed)."""
     bucket_samples = series.get(f"{name}_bucket")
     if bucket_samples is None:
         return None
@@ -273,8 +294,8 @@ def _histogram(series: Mapping[str, _Samples], name: str) -> Histogram | None:
     total = _finite_sum(sums)
     count_samples = series.get(f"{name}_count")
     count = counts[-1] if count_samples is None else _finite_sum(count_samples)
-    if total is None or count is None or not all(math.isfinite(c) for c in counts):
-        return None
+    if not all(math.isfinite(v) for v in [total, count, *counts]):
+        return _NOT_FINITE_HISTOGRAM
     return Histogram(
         buckets=tuple(zip(sorted(shared), counts, strict=True)), sum=total, count=count
     )
@@ -303,7 +324,7 @@ def _reading(
     generation_tokens: float | None = None,
     requests: float | None = None,
     kv_usage_ratio: float | None = None,
-    ttft: Histogram | None = None,
+    ttft: Histogram | _NotFiniteHistogram | None = None,
     kv_reused_blocks: float | None = None,
     kv_missed_blocks: float | None = None,
 ) -> EngineReading:
@@ -314,7 +335,8 @@ def _reading(
         generation_tokens=generation_tokens,
         requests=requests,
         kv_usage_ratio=kv_usage_ratio,
-        ttft=ttft,
+        ttft=ttft if isinstance(ttft, Histogram) else None,
+        ttft_not_finite=ttft is _NOT_FINITE_HISTOGRAM,
         lmcache_hit_tokens=side.lmcache_hit_tokens,
         lmcache_requested_tokens=side.lmcache_requested_tokens,
         lmcache_local_cache_usage_bytes=side.lmcache_local_cache_usage_bytes,
@@ -381,6 +403,8 @@ def _trtllm_reading(series: Mapping[str, _Samples], side: _SideFields) -> Engine
         used = _gauge_sum(series, "trtllm_kv_cache_used_blocks")
         total = _gauge_sum(series, "trtllm_kv_cache_max_blocks")
         usage = used / total if used is not None and total else None
+        if usage is not None and total is not None and not math.isfinite(total):
+            usage = NOT_FINITE  # not 0: used blocks over an infinite pool are no figure
     return _reading(
         "trtllm",
         side,

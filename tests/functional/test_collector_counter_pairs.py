@@ -260,3 +260,59 @@ def test_an_engines_counters_catch_up_together_across_a_rejected_one(
     # 10 of the 11 requests since scrape 1 were fast: the median is under 0.5 s
     assert rows[2]["ttft_p50_s"] is not None and rows[2]["ttft_p50_s"] <= 0.5
     assert rows[2]["ttft_sum_s"] == pytest.approx(0.1 * 10 + 3)
+
+
+@pytest.mark.parametrize(
+    ("cached", "ttft_sum"),
+    [("NaN", None), ("+Inf", None), ("150", "NaN")],
+    ids=["counter-nan", "counter-inf", "ttft-sum-nan"],
+)
+def test_an_engine_figure_not_finite_is_rejected_and_its_counters_catch_up_together(
+    db: Engine, agent: StandIn, cached: str, ttft_sum: str | None
+) -> None:
+    """At scrape 2 the engine's cached-token counter (or its TTFT histogram's sum) reads NaN or
+    Infinity, as a negative one: rejected (named in the cycle's rejected, counted in
+    kvctl_collector_rejected_values_total), its counters wait, and scrape 3's row covers both
+    intervals. Before, the parser read it as not exposed: nothing rejected, the other counters
+    advanced alone and the cached-token counter caught up alone (scrape 3's row: 100 cached of
+    10 prompt tokens)."""
+    node_id = _node(db, agent, engine_url=f"{agent.url}/metrics")
+    second = _vllm_ttft(200, 0, fast=10, slow=10).replace(
+        'vllm:prefix_cache_hits_total{model_name="m"} 0',
+        f'vllm:prefix_cache_hits_total{{model_name="m"}} {cached}',
+    )
+    if ttft_sum is not None:
+        second = second.replace(
+            'vllm:time_to_first_token_seconds_sum{model_name="m"} 31.0',
+            f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {ttft_sum}',
+        )
+    assert second != _vllm_ttft(200, 0, fast=10, slow=10)
+    answers = [
+        _vllm_ttft(100, 50, fast=0, slow=10),
+        second,
+        _vllm_ttft(210, 150, fast=10, slow=11),
+    ]
+    now = [T0_S]
+    collector = Collector(db, CollectorConfig(interval_s=30.0), clock=lambda: now[0])
+    reports = []
+    try:
+        for answer in answers:
+            agent.answers["/metrics"] = answer
+            reports.append(collector.collect_once())
+            now[0] += 30.0
+        rejected_total = collector.metrics.registry.get_sample_value(
+            "kvctl_collector_rejected_values_total", {"kind": "agent"}
+        )
+    finally:
+        collector.close()
+
+    field = "engine.cached_prompt_tokens" if ttft_sum is None else "engine.ttft"
+    assert [r.rejected for r in reports] == [{}, {"n1": {field: "not finite"}}, {}]
+    assert rejected_total == 1
+    rows = _rows(db, "engine_sample", node_id)
+    counts = [
+        (r["prompt_tokens"], r["cached_prompt_tokens"], r["requests"], r["ttft_count"])
+        for r in rows
+    ]
+    assert counts == [(0, 0, 0, 0), (None, None, None, None), (110, 100, 11, 11)]
+    assert rows[2]["ttft_sum_s"] == pytest.approx(0.1 * 10 + 3)

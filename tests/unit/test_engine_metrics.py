@@ -454,22 +454,27 @@ def test_engines_declared_with_prometheus_client_are_found() -> None:
     assert (sglang.engine, sglang.prompt_tokens) == ("sglang", 9.0)
 
 
-def test_nan_counter_is_absent() -> None:
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+def test_a_counter_not_finite_is_exposed_not_finite_not_absent(value: str) -> None:
+    """Not None (not exposed): the collector rejects it, and the engine's counters wait."""
     text = VLLM_V1.replace(
         'vllm:generation_tokens_total{engine="1",model_name="Qwen/Qwen3-8B"} 12000.0',
-        'vllm:generation_tokens_total{engine="1",model_name="Qwen/Qwen3-8B"} NaN',
+        f'vllm:generation_tokens_total{{engine="1",model_name="Qwen/Qwen3-8B"}} {value}',
     )
     r = parse_engine_metrics(text)
-    assert r.generation_tokens is None  # not 25000: half a sum would read as a reset
+    # not 25000 (half a sum would read as a reset), not None (not exposed)
+    assert r.generation_tokens is not None and not math.isfinite(r.generation_tokens)
     assert r.prompt_tokens == 16000.0
 
 
-def test_nan_histogram_is_absent() -> None:
+def test_a_histogram_not_finite_is_said_so_not_absent() -> None:
     text = SGLANG.replace(
         'le="0.4",model_name="meta-llama/Llama-3.1-8B-Instruct"} 6000.0',
         'le="0.4",model_name="meta-llama/Llama-3.1-8B-Instruct"} NaN',
     )
-    assert parse_engine_metrics(text).ttft is None
+    r = parse_engine_metrics(text)
+    assert r.ttft is None and r.ttft_not_finite
+    assert not parse_engine_metrics(SGLANG).ttft_not_finite
 
 
 def test_histogram_sums_only_bounds_every_series_shares() -> None:

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from collectors.collector import checked_engine
 from collectors.engines import parse_engine_metrics
-from collectors.rows import cache_rows, plan_rows, power_rows
+from collectors.rows import cache_rows, engine_rejected, engine_waits, plan_rows, power_rows
 from kvctl.counters import CounterTracker
 from kvctl.db.sample_checks import (
     MAX_MAGNITUDE,
@@ -266,6 +266,42 @@ def test_a_probe_and_an_engine_reading_are_checked_too() -> None:
     reading = checked_engine(parse_engine_metrics(text), rejected)
     assert reading.prompt_tokens is None and reading.kv_usage_ratio is None
     assert set(rejected.fields) == {"engine.prompt_tokens", "engine.kv_usage_ratio"}
+
+
+def test_an_engine_figure_not_finite_is_rejected_not_taken_for_not_exposed() -> None:
+    """Before, the parser read a NaN or Infinity counter as not exposed: nothing rejected,
+    nothing waiting, and the counter counted from zero when it came back."""
+    text = (
+        "# TYPE vllm:prompt_tokens_total counter\n"
+        'vllm:prompt_tokens_total{model_name="m"} 100\n'
+        "# TYPE vllm:prefix_cache_hits_total counter\n"
+        'vllm:prefix_cache_hits_total{model_name="m"} NaN\n'
+        "# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{model_name="m"} +Inf\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="m"} NaN\n'
+        "# TYPE vllm:time_to_first_token_seconds histogram\n"
+        'vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="m"} 1\n'
+        'vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m"} 2\n'
+        'vllm:time_to_first_token_seconds_count{model_name="m"} 2\n'
+        'vllm:time_to_first_token_seconds_sum{model_name="m"} NaN\n'
+    )
+    rejected = Rejections()
+    reading = checked_engine(parse_engine_metrics(text), rejected)
+    assert reading.prompt_tokens == 100
+    assert reading.cached_prompt_tokens is None and reading.generation_tokens is None
+    assert reading.kv_usage_ratio is None and reading.ttft is None
+    assert rejected.fields == {
+        "engine.cached_prompt_tokens": "not finite",
+        "engine.generation_tokens": "not finite",
+        "engine.kv_usage_ratio": "not finite",
+        "engine.ttft": "not finite",
+    }
+    # the counters and the histogram make the row's counters wait; not exposed is no rejection
+    assert engine_waits(engine_rejected(rejected))
+    quiet = Rejections()
+    checked_engine(parse_engine_metrics('vllm:prompt_tokens_total{model_name="m"} 1\n'), quiet)
+    assert not quiet
 
 
 def test_known_reads_unknown_as_none() -> None:
