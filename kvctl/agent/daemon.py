@@ -23,7 +23,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -398,16 +398,20 @@ def spawn_agent(
     timeout_s: float = 30.0,
     env: dict[str, str] | None = None,
     detach: bool = True,
+    progress: Callable[[float, str], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """Start ``kvctl agent start ARGV`` (in the foreground of a child process) with its output
-    in ``<data_dir>/agent.log``, and wait until it serves. ``detach`` puts it in its own
-    session, so a closed terminal (SIGHUP) does not take it down. Raises RuntimeError with the
-    end of its log when it does not come up."""
-    return _spawn(["--data-dir", str(data_dir), *argv], data_dir, timeout_s, env, detach)
+    in ``<data_dir>/agent.log``, and wait until it serves: while it is alive and writes to its
+    log, and up to ``timeout_s`` after its last line (see ``StartWait``). ``detach`` puts it in
+    its own session, so a closed terminal (SIGHUP) does not take it down. ``progress`` is told
+    each new line of its log as it starts. Raises RuntimeError with the end of its log when it
+    does not come up."""
+    return _spawn(["--data-dir", str(data_dir), *argv], data_dir, timeout_s, env, detach, progress)
 
 
-#: seconds a detached agent may take to serve, plus START_SECONDS_PER_GIB for each GiB of memory
-#: it commits at start (the cpu arena; the gpu tier's, which CUDA also pins the arena for)
+#: seconds a starting agent may go without a new line in its log (a scan of a large disk tier
+#: logs its progress every few seconds), plus START_SECONDS_PER_GIB for each GiB of memory it
+#: commits at start, silently (the cpu arena; the gpu tier's, which CUDA also pins the arena for)
 START_SECONDS = 30.0
 #: committing took up to ~2.2 s a GiB on huge pages while the kernel compacted memory, 0.1 s
 #: on small ones; registering the arena with CUDA ~0.3-0.4 s a GiB (bench/README.md)
@@ -415,7 +419,8 @@ START_SECONDS_PER_GIB = 3.0
 
 
 def start_timeout_seconds(settings: AgentSettings) -> float:
-    """How long to wait for an agent with ``settings`` to serve before giving up on it."""
+    """How long an agent with ``settings`` may go without a new line in its log as it starts
+    before it is given up on."""
     committed_gib = (settings.cpu_bytes + settings.gpu_capacity_bytes) / (1 << 30)
     return START_SECONDS + START_SECONDS_PER_GIB * committed_gib
 
@@ -426,6 +431,7 @@ def spawn_with_settings(
     timeout_s: float | None = None,
     env: dict[str, str] | None = None,
     detach: bool = True,
+    progress: Callable[[float, str], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
     in :data:`SETTINGS_FILE` (0600), which the child reads with ``load_settings`` and nothing
@@ -438,7 +444,7 @@ def spawn_with_settings(
     path = data_dir / SETTINGS_FILE
     write_private(path, settings_toml(settings))
     try:
-        return _spawn(["--settings-file", str(path)], data_dir, timeout_s, env, detach)
+        return _spawn(["--settings-file", str(path)], data_dir, timeout_s, env, detach, progress)
     finally:
         path.unlink(missing_ok=True)
 
@@ -505,10 +511,12 @@ def _spawn(
     timeout_s: float,
     env: dict[str, str] | None,
     detach: bool,
+    progress: Callable[[float, str], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     make_private_dir(data_dir, "data directory")
     log_path = data_dir / LOG_FILE
     with open_private_log(log_path) as out:
+        log_start = out.seek(0, os.SEEK_END)  # earlier runs' lines are not this one's progress
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvctl", "agent", "start", *args],
             stdin=subprocess.DEVNULL,
@@ -517,19 +525,9 @@ def _spawn(
             start_new_session=detach,
             env=env,
         )
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        state = AgentState.read(data_dir)
-        if state is not None and state.pid == proc.pid and _answers(state.control_url):
-            return proc, state
-        if proc.poll() is not None:
-            why = f"exit code {proc.returncode}"
-            break
-        time.sleep(0.05)
-    else:
-        proc.kill()
-        proc.wait()
-        why = f"not serving after {timeout_s:.0f} s, so stopped"
+    why = wait_serving(proc, data_dir, log_path, log_start, timeout_s, progress=progress)
+    if isinstance(why, AgentState):
+        return proc, why
     free = free_bytes(data_dir)
     if free is not None and free < FULL_BELOW_BYTES:
         raise DataDirFull(
@@ -540,6 +538,94 @@ def _spawn(
     raise RuntimeError(
         f"the agent did not start ({why}); the end of {log_path}:\n" + _tail(log_path)
     )
+
+
+#: seconds between two looks at a starting agent
+START_POLL_SECONDS = 0.05
+
+
+@dataclass(slots=True)
+class StartWait:
+    """When to give up on a starting agent: once it has written nothing new to its log for
+    ``timeout_s``. A start-up that takes long but says how far it got (the disk tier's scan logs
+    its progress every few seconds: 160k chunk files took over 30 s) is waited for; one that
+    hangs silently is given up ``timeout_s`` after its last line."""
+
+    timeout_s: float
+    started_s: float
+    log_bytes: int
+    last_progress_s: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_progress_s = self.started_s
+
+    def observe(self, now_s: float, log_bytes: int) -> bool:
+        """The log's size at ``now_s``; True while the agent is worth waiting for."""
+        if log_bytes != self.log_bytes:
+            self.log_bytes = log_bytes
+            self.last_progress_s = now_s
+        return now_s - self.last_progress_s < self.timeout_s
+
+    def gave_up(self, now_s: float) -> str:
+        return (
+            f"not serving after {now_s - self.started_s:.0f} s, its log silent for the last "
+            f"{now_s - self.last_progress_s:.0f} s, so stopped"
+        )
+
+
+def wait_serving(
+    proc: subprocess.Popen[bytes],
+    data_dir: Path,
+    log_path: Path,
+    log_start: int,
+    timeout_s: float,
+    *,
+    progress: Callable[[float, str], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> AgentState | str:
+    """Wait until ``proc`` serves (its state, read from ``data_dir``), or say why it will not:
+    it exited, or it was killed after ``StartWait`` gave up on it. ``progress(seconds, line)``
+    is called with each new last line of its log past ``log_start``."""
+    wait = StartWait(timeout_s, clock(), log_start)
+    while True:
+        state = AgentState.read(data_dir)
+        if state is not None and state.pid == proc.pid and _answers(state.control_url):
+            return state
+        if proc.poll() is not None:
+            return f"exit code {proc.returncode}"
+        now = clock()
+        size = _file_bytes(log_path, wait.log_bytes)
+        grew = size != wait.log_bytes
+        if not wait.observe(now, size):
+            proc.kill()
+            proc.wait()
+            return wait.gave_up(now)
+        if grew and progress is not None:
+            line = _last_line(log_path, size)
+            if line:
+                progress(now - wait.started_s, line)
+        sleep(START_POLL_SECONDS)
+
+
+def _file_bytes(path: Path, default: int) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return default
+
+
+def _last_line(path: Path, size: int, most_bytes: int = 4096) -> str:
+    """The last whole line in the first ``size`` bytes of ``path`` (within its last
+    ``most_bytes``); "" where there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, size - most_bytes))
+            tail = f.read(min(size, most_bytes))
+    except OSError:
+        return ""
+    lines = tail.decode(errors="replace").split("\n")[:-1]  # what follows the last \n: unfinished
+    return lines[-1].strip() if lines else ""
 
 
 def stop_agent(

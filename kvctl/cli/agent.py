@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -269,7 +270,7 @@ def start_command(
         from kvctl.agent.daemon import DataDirFull, spawn_with_settings
 
         try:
-            _, state = spawn_with_settings(settings)
+            _, state = spawn_with_settings(settings, progress=_StartProgress())
         except WriteFailed as exc:
             fail(str(exc), hint=_write_failed_hint(exc, settings.data_path))
         except DataDirFull as exc:
@@ -303,6 +304,28 @@ def start_command(
     except (OSError, KvctlError) as exc:
         fail(str(exc), hint="check the sizes, ports and --data-dir", code=1)
     raise typer.Exit(code)
+
+
+#: a start quicker than this shows nothing of the agent's log
+START_QUIET_SECONDS = 2.0
+#: a line of the agent's log (``logging.basicConfig`` in ``start_command``)
+_LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ([A-Z]+) [\w.]+: (.*)")
+
+
+class _StartProgress:
+    """What a detached agent logs as it starts, on stderr, once it takes a while: the operator
+    sees why it is not serving yet (the disk tier's scan: files so far) and that it moves on."""
+
+    def __call__(self, elapsed_s: float, line: str) -> None:
+        if elapsed_s < START_QUIET_SECONDS:
+            return
+        # the log's own time and logger name are noise here: its message, the level if not INFO
+        m = _LOG_LINE.fullmatch(line)
+        if m is not None:
+            line = m[2] if m[1] == "INFO" else f"{m[1]}: {m[2]}"
+        err_console.print(
+            f"[dim]starting ({elapsed_s:.0f} s):[/] {escape(line)}", highlight=False, soft_wrap=True
+        )
 
 
 def _write_failed_hint(exc: WriteFailed, data_dir: Path) -> str:

@@ -63,7 +63,9 @@ def test_an_agent_not_serving_in_time_is_stopped_and_the_error_says_so(
 ) -> None:
     from kvctl.agent.daemon import spawn_agent
 
-    with pytest.raises(RuntimeError, match=r"not serving after 0 s, so stopped") as caught:
+    with pytest.raises(
+        RuntimeError, match=r"not serving after 0 s, its log silent for the last 0 s, so stopped"
+    ) as caught:
         argv = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--cpu", "8MiB"]
         spawn_agent([*argv, "--disk", "0"], data_dir, timeout_s=0.01)
     assert "the end of" in str(caught.value)  # with its log's tail
