@@ -45,6 +45,9 @@ class DiskFullError(StoreError, OSError):
     #: the filesystem's free bytes (for an unprivileged writer) just after the failed write;
     #: None where it could not be asked
     free_bytes: int | None = None
+    #: free bytes the tier keeps on its filesystem, included in ``need_bytes``; 0 where the
+    #: write met a real ENOSPC
+    headroom_bytes: int = 0
 
 
 class CorruptChunk(KeyNotFound):

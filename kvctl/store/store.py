@@ -2052,7 +2052,13 @@ class TieredStore:
             error = DiskFullError(
                 failed.errno,
                 f"tier {tier.name!r}: its filesystem is full ({free_text} bytes free, a chunk "
-                f"of {size:,} bytes needs {failed.need_bytes:,}) and "
+                f"of {size:,} bytes needs {failed.need_bytes:,}"
+                + (
+                    f" with the {failed.headroom_bytes:,} it keeps free for the agent's files"
+                    if failed.headroom_bytes
+                    else ""
+                )
+                + ") and "
                 + (
                     f"{FULL_FILESYSTEM_RETRIES} rounds of evicting its chunks did not make room "
                     f"(others keep filling it)"
@@ -2063,6 +2069,7 @@ class TieredStore:
                 + f": {failed}",
             )
             error.need_bytes, error.free_bytes = failed.need_bytes, free
+            error.headroom_bytes = failed.headroom_bytes
             self._say.say(f"filesystem_refused:{tier.name}", logging.WARNING, "%s", error.strerror)
             raise error from failed
         raise AssertionError("unreachable: the last attempt raises")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvctl.agent.metrics import AgentMetrics
+from kvctl.paths import write_atomic
 from kvctl.store.errors import CapacityError
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
@@ -115,3 +117,56 @@ def test_a_filesystem_full_of_other_files_refuses_saying_so_and_recovers(tmp_pat
             assert store.get(key(1)) == payload(1, 2 * MIB)
         finally:
             store.close()
+
+
+def _free_bytes(path: Path) -> int:
+    fs = os.statvfs(path)
+    return fs.f_bavail * fs.f_frsize
+
+
+@pytest.mark.parametrize("demoted", [False, True], ids=["puts", "demotions"])
+def test_a_tier_filling_its_filesystem_leaves_room_for_the_agents_own_files(
+    tmp_path: Path, demoted: bool
+) -> None:
+    """The default layout: DATA_DIR/disk on the filesystem of DATA_DIR, whose agent.json the
+    agent must write to start again. A 64 MiB tier filled far past its 8 MiB filesystem by
+    puts only it can take, or by demotions from the cpu tier, left the filesystem with no more
+    than its last round's slack (8 KiB; or nothing: ENOSPC for agent.json). Now it keeps 1/64
+    of it (128 KiB) free."""
+    with tmpfs(tmp_path / "fs", "8m") as data_dir:
+        store = TieredStore(
+            [CpuTier(512 * KIB), DiskTier(data_dir / "disk", 64 * MIB)], eviction="lru"
+        )
+        try:
+            n = 128  # 128 KiB each: twice what the filesystem holds
+            for i in range(n):
+                where = store.put(key(i), payload(i, 128 * KIB), tier=None if demoted else "disk")
+                assert where == ("cpu" if demoted else "disk")
+                assert _free_bytes(data_dir) >= 128 * KIB
+            on_disk = store.locate([key(i) for i in range(n)]).count("disk")
+            assert on_disk >= 40  # the rest of the filesystem holds chunks
+            assert store.stats.demotion_failures == 0
+            assert store.stats.tiers["disk"].evictions["filesystem"] > 0
+            # what agent.json, agent-settings.toml and the log need, with their temp files
+            write_atomic(data_dir / "agent.json", "x" * 8 * KIB, mode=0o600)
+            with open(data_dir / "agent.log", "ab") as log_file:
+                log_file.write(b"y" * 16 * KIB)
+        finally:
+            store.close()
+
+
+def test_the_headroom_is_a_share_of_a_small_filesystem_and_64_mib_of_a_large_one(
+    tmp_path: Path,
+) -> None:
+    with tmpfs(tmp_path / "small", "2m") as small:
+        tier = DiskTier(small, 64 * MIB)
+        try:
+            assert tier.headroom_bytes == 32 * KIB  # 1/64 of 2 MiB
+        finally:
+            tier.close()
+    with tmpfs(tmp_path / "large", "16g") as large:  # tmpfs takes no memory until written
+        tier = DiskTier(large, 64 * MIB)
+        try:
+            assert tier.headroom_bytes == 64 * MIB
+        finally:
+            tier.close()

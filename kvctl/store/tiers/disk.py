@@ -151,6 +151,23 @@ _MAX_IO_BYTES = 0x7FFFF000
 # (milliseconds normally); after it the put goes ahead, and a full disk is a DiskFullError.
 _TRASH_WAIT_S = 5.0
 
+# Free space a disk tier leaves on its filesystem: the agent must write small files next to it
+# to (re)start (agent.json, agent-settings.toml, agent.log: a few KiB, each written to a temp
+# file first), usually on the same filesystem (DATA_DIR/disk). A tier whose --disk is above the
+# free space, or whose filesystem others fill, would otherwise take it to 0 bytes free and the
+# agent could not start again. 1/64 of the filesystem, within [32 KiB, 64 MiB]: 64 MiB on any
+# real disk (a long-running agent's log too; 0.1% of a 64 GiB disk), while the
+# share keeps a tiny filesystem (a test tmpfs of 2 MiB: 32 KiB) mostly usable for chunks, and
+# 32 KiB still holds those files with their temp copies and block rounding.
+HEADROOM_MAX_BYTES = 64 << 20
+HEADROOM_MIN_BYTES = 32 << 10
+HEADROOM_FILESYSTEM_SHARE = 64  # 1/64 of the filesystem's size
+# A write asks the filesystem its free space (statvfs, ~2.3 us here against ~100 us for the
+# smallest 256 KiB chunk file) only when the last answer is older than this, or when that answer
+# less what the tier wrote since comes within twice the headroom of the write: far from full,
+# one statvfs a second; near it, every write is checked.
+_FS_FREE_TTL_S = 1.0
+
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 # O_EXCL: a temp name is never reused, so finding one means a bug, not a file to overwrite.
 _TMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC
@@ -175,7 +192,9 @@ class DiskTier(Tier):
 
     ``capacity_bytes`` and ``used_bytes`` count payload bytes only. Each file also carries a
     header of 94 bytes plus the tenant name, and the filesystem rounds files up to its block
-    size, so provision the disk with a few percent of headroom above ``capacity_bytes``.
+    size, so provision the disk with a few percent of headroom above ``capacity_bytes``. The
+    tier also keeps ``headroom_bytes`` free on its filesystem whatever its capacity (see
+    ``HEADROOM_MAX_BYTES``): a write that would leave less raises DiskFullError, as ENOSPC does.
 
     ``fsync=True`` makes every put durable against power loss (file and directory are fsynced
     before put returns). Without it a put survives a process crash, but a power loss or kernel
@@ -228,8 +247,16 @@ class DiskTier(Tier):
         #: error): left in place, not served; ``unreadable_reasons`` says which and why
         self.unreadable_on_open = 0
         self.unreadable_reasons: list[str] = []
+        #: free bytes kept on the filesystem for the agent's own files (``HEADROOM_*``); a
+        #: write that would leave less raises DiskFullError (the store makes room, as on ENOSPC)
+        self.headroom_bytes = HEADROOM_MIN_BYTES
+        # the last statvfs answer (free bytes, when) and what this tier wrote since
+        self._fs_lock = threading.Lock()  # detached writes check the headroom too
+        self._fs_free_seen: tuple[int, float] | None = None
+        self._fs_written_since = 0
 
         self._open_directory()
+        self.headroom_bytes = self._headroom_for_filesystem()
         self._closed = False
         try:
             self._scan()
@@ -373,6 +400,7 @@ class DiskTier(Tier):
         key_hex = key.hex()
         subdir = key_hex[:2]
         path = f"{self.directory}/{subdir}/{key_hex}{_CHUNK_SUFFIX}"
+        self._keep_headroom(meta, len(header))
         fd = -1
         renamed = False
         try:
@@ -409,8 +437,10 @@ class DiskTier(Tier):
                         f"{self.directory} failed: {exc.strerror} (its filesystem has "
                         f"{'an unknown number of' if free is None else f'{free:,}'} bytes free)",
                     )
-                    full.need_bytes = meta.size_bytes + len(header)
+                    # room is made for the headroom too, not only for this file
+                    full.need_bytes = meta.size_bytes + len(header) + self.headroom_bytes
                     full.free_bytes = free
+                    full.headroom_bytes = self.headroom_bytes
                     raise full from exc
                 raise TierUnavailable(
                     f"disk tier {self.name!r} cannot write {exc.filename or tmp}: {exc.strerror}"
@@ -539,7 +569,70 @@ class DiskTier(Tier):
             fs = os.statvfs(self.directory)
         except OSError:
             return None
-        return fs.f_bavail * fs.f_frsize
+        free = fs.f_bavail * fs.f_frsize
+        with self._fs_lock:
+            self._fs_free_seen = (free, time.monotonic())
+            self._fs_written_since = 0
+        return free
+
+    def _headroom_for_filesystem(self) -> int:
+        try:
+            fs = os.statvfs(self.directory)
+        except OSError:
+            return HEADROOM_MIN_BYTES
+        share = fs.f_blocks * fs.f_frsize // HEADROOM_FILESYSTEM_SHARE
+        return max(HEADROOM_MIN_BYTES, min(HEADROOM_MAX_BYTES, share))
+
+    def _keep_headroom(self, meta: ChunkMeta, header_bytes: int) -> None:
+        """Before writing a chunk file of ``meta``'s payload and ``header_bytes``: raise
+        DiskFullError (ENOSPC, ``need_bytes`` including the headroom) when the filesystem would
+        be left with less than ``headroom_bytes`` free, after unlinking files deleted chunks
+        left waiting for their unlink (their blocks are still taken). The store then makes room
+        by the tier's policy as for a real ENOSPC (``TieredStore._write_making_room``)."""
+        need = meta.size_bytes + header_bytes
+        with self._fs_lock:
+            seen = self._fs_free_seen
+            if seen is not None:
+                free_seen, at_s = seen
+                estimate = free_seen - self._fs_written_since - need
+                if time.monotonic() - at_s < _FS_FREE_TTL_S and estimate >= 2 * self.headroom_bytes:
+                    self._fs_written_since += need
+                    return
+        free = self.filesystem_free_bytes()
+        if free is not None and free - need < self.headroom_bytes and self._unlink_all_trash():
+            free = self.filesystem_free_bytes()
+        if free is None or free - need >= self.headroom_bytes:
+            with self._fs_lock:
+                self._fs_written_since += need
+            return
+        full = DiskFullError(
+            errno.ENOSPC,
+            f"disk tier {self.name!r} keeps {self.headroom_bytes:,} bytes free on its "
+            f"filesystem for the agent's own files: writing chunk {meta.key.hex()} "
+            f"({meta.size_bytes} payload + {header_bytes} header bytes) under {self.directory} "
+            f"would leave {max(free - need, 0):,} (its filesystem has {free:,} bytes free)",
+        )
+        full.need_bytes = need + self.headroom_bytes
+        full.free_bytes = free
+        full.headroom_bytes = self.headroom_bytes
+        raise full
+
+    def _unlink_all_trash(self) -> bool:
+        """Unlink every file deleted chunks left waiting for their unlink (any thread); whether
+        there was any."""
+        with self._trash_cv:
+            mine = list(self._trash.items())
+            self._trash.clear()
+        if not mine:
+            return False
+        try:
+            for path, _ in mine:
+                _unlink_quietly(path)
+        finally:
+            with self._trash_cv:
+                self._trash_bytes -= sum(n for _, n in mine)
+                self._trash_cv.notify_all()
+        return True
 
     def _list_dir(self, path: str) -> list[os.DirEntry[str]]:
         try:
