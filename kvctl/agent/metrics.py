@@ -162,6 +162,12 @@ class StoreCollector(Collector):
                 '(kvctl_evictions_total reason="filesystem") or not.',
                 labels=("tier",),
             ),
+            "unreadable_on_open": CounterMetricFamily(
+                "kvctl_tier_unreadable_on_open",
+                "Chunk files (or fan-out directories) a tier's scan at start could not read "
+                "(an I/O error: a bad sector) and skipped: not served, left in place.",
+                labels=("tier",),
+            ),
         }
         evictions = CounterMetricFamily(
             "kvctl_evictions",

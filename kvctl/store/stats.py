@@ -38,6 +38,9 @@ class TierStats:
     #: writes into this tier that found its filesystem full (ENOSPC, EDQUOT, EFBIG), whether
     #: evicting its own chunks then made room (evictions["filesystem"]) or not
     filesystem_full: int = 0
+    #: chunk files (or fan-out directories) the tier's scan at open could not read (an I/O
+    #: error) and skipped: not served, left in place (``DiskTier.unreadable_on_open``)
+    unreadable_on_open: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -52,6 +55,7 @@ class TierStats:
             "demotions": self.demotions,
             "evictions": {r: self.evictions.get(r, 0) for r in EVICTION_REASONS},
             "filesystem_full": self.filesystem_full,
+            "unreadable_on_open": self.unreadable_on_open,
         }
 
 

@@ -329,6 +329,8 @@ class TieredStore:
         found: list[tuple[int, ChunkMeta]] = []
         for i, tier in enumerate(self._tiers):
             found.extend((i, m) for m in tier.recover())
+        for tier in self._tiers:
+            self._accounting.tier(tier.name).unreadable_on_open = tier.unreadable_on_open
         found.sort(key=lambda im: im[1].created_s)
         for i, meta in found:
             tier = self._tiers[i]

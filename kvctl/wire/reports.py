@@ -115,6 +115,9 @@ class TierCounters(TypedDict):
     evictions: dict[str, int]
     #: writes that found the tier's filesystem full below its capacity (a disk tier's)
     filesystem_full: int
+    #: chunk files the tier's scan at start could not read (I/O errors: a bad sector) and
+    #: skipped, left in place (a disk tier's)
+    unreadable_on_open: int
 
 
 class StoreCounters(TypedDict):

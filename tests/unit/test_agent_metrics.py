@@ -36,6 +36,7 @@ STORE_COUNTERS = {
     "kvctl_promotions",
     "kvctl_demotions",
     "kvctl_tier_filesystem_full",
+    "kvctl_tier_unreadable_on_open",
     "kvctl_evictions",
     "kvctl_drops",
     "kvctl_demotion_failures",

@@ -86,6 +86,14 @@ def test_an_agent_starts_past_an_unreadable_chunk_file(tmp_path: Path) -> None:
         try:
             assert runtime.store.locate([key(0), key(1)]) == ["disk", None]
             assert runtime.info()["unavailable_tiers"] == []
+            # counted where an operator and the collectors look (/v1/stats, /metrics), not
+            # only in the log
+            tiers = runtime.stats()["stats"]["tiers"]
+            assert tiers["disk"]["unreadable_on_open"] == 1
+            assert tiers["cpu"]["unreadable_on_open"] == 0
+            text = runtime.metrics.render()[0].decode()
+            assert 'kvctl_tier_unreadable_on_open_total{tier="disk"} 1.0' in text
+            assert 'kvctl_tier_unreadable_on_open_total{tier="cpu"} 0.0' in text
         finally:
             runtime.close()
 

@@ -110,6 +110,9 @@ class Tier(ABC):
         ``used_bytes`` where deleted chunks still take space for a while (leased cpu regions)."""
         return self.used_bytes
 
+    #: files of chunks the tier's open could not read and skipped (a disk tier's I/O errors)
+    unreadable_on_open: int = 0
+
     def evictable(self, key: bytes) -> bool:
         """False when evicting ``key`` would free nothing now (its bytes are leased)."""
         return True
