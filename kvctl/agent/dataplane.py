@@ -1071,7 +1071,8 @@ class Connection:
                     # A closed tier fails that read too, and that error is the batch's.
                     pass
             try:
-                out.append(self.runtime.get(key, tenant=tenant))
+                # lease_many counted it as served already: one read per request
+                out.append(self.runtime.get_uncounted(key, tenant=tenant))
             except KeyNotFound:
                 out.append(None)
         return out

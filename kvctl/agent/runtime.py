@@ -291,6 +291,11 @@ class AgentRuntime:
         """A copy of a local chunk (raises KeyNotFound)."""
         return self.store.get(key, tenant=tenant)
 
+    def get_uncounted(self, key: bytes, *, tenant: str) -> bytearray:
+        """``get`` of a chunk ``lease_many`` already counted as served (it could not lease it);
+        see ``TieredStore.get_uncounted``."""
+        return self.store.get_uncounted(key, tenant=tenant)
+
     def lease_many(
         self, keys: Sequence[bytes], ttl_s: float, *, tenant: str
     ) -> list[Lease | KeyNotFound | None]:

@@ -964,6 +964,16 @@ class TieredStore:
         assert isinstance(buf, bytearray)  # _read_chunk's own buffer when given none
         return buf
 
+    def get_uncounted(self, key: bytes, *, tenant: str = "") -> bytearray:
+        """``get`` for a chunk a ``lease_many`` of the same request already counted as served
+        (it answered None for it, or its lease lost its bytes to a resize): the same read (and
+        promotion), without counting the access again, so the chunk's ``hit_count`` and its
+        eviction policy's recency and frequency see one read per request. Its bytes read are
+        counted (they are read)."""
+        buf = self._read_chunk(key, tenant, None, served=False)[1]
+        assert isinstance(buf, bytearray)
+        return buf
+
     def touch(self, key: bytes, *, tenant: str = "") -> str:
         """Access a chunk without reading it (size-only simulation); returns its tier after."""
         with self._lock:
@@ -1640,10 +1650,11 @@ class TieredStore:
         return exc
 
     def _read_chunk(
-        self, key: bytes, tenant: str, out: memoryview | None
+        self, key: bytes, tenant: str, out: memoryview | None, *, served: bool = True
     ) -> tuple[int, memoryview | bytearray]:
         """``read_into`` (into ``out``) and ``get`` (``out`` None: into a new bytearray, which
-        is returned). Reads from a detached-read tier happen outside the lock."""
+        is returned). Reads from a detached-read tier happen outside the lock. ``served``
+        False: the access was counted already (``get_uncounted``)."""
         while True:
             with self._lock:
                 e = self._get_visible(key, tenant)
@@ -1661,8 +1672,9 @@ class TieredStore:
                 src = self._tier_of(e)
                 if not src.detached_reads:
                     self._read(e, view)
-                    self._access(e, self._clock())
-                    self._accounting.served(e, tenant)
+                    if served:
+                        self._access(e, self._clock())
+                        self._accounting.served(e, tenant)
                     self._promote(e, view)
                     return size, buf
                 plan = src.plan_read(key)
@@ -1681,8 +1693,9 @@ class TieredStore:
                     self._accounting.note_bandwidth(src.name, size, seconds)
                     # the bytes passed the checksum: they are the chunk's even if it went
                     if self._index.get(key) is e:
-                        self._access(e, self._clock())
-                        self._accounting.served(e, tenant)
+                        if served:
+                            self._access(e, self._clock())
+                            self._accounting.served(e, tenant)
                         if e.tier == src.name:
                             later = self._promote_read(e, view)
             finally:
