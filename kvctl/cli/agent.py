@@ -828,6 +828,7 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     from kvctl.format import describe_policy, format_bytes, percent
+    from kvctl.wire.stats import STORAGE_TROUBLE
 
     info = report["info"]
     uptime = time.time() - info["started_s"]
@@ -888,6 +889,25 @@ def _render_status(report: dict[str, Any]) -> None:
         f"sharing {percent(report['sharing_share_of_hits'])} of hits",
         highlight=False,
     )
+    for name, tier in report["tiers"].items():
+        trouble = [
+            f"{_count(n, 'write')} met its filesystem full (room made by evicting its chunks)"
+            if what == "filesystem_full"
+            else f"{_count(n, 'chunk file')} unreadable at start, skipped (see the agent log)"
+            for what, n in tier.items()
+            if what in STORAGE_TROUBLE and n
+        ]
+        if trouble:
+            console.print(
+                f"[yellow]{escape(name)}:[/] " + "; ".join(trouble), highlight=False, soft_wrap=True
+            )
+    if report.get("demotion_failures"):
+        console.print(
+            f"[yellow]dropped {_count(report['demotion_failures'], 'chunk')}[/] on the way down "
+            "a tier (the lower tier could not take them: full or failing; see the agent log)",
+            highlight=False,
+            soft_wrap=True,
+        )
     if report.get("corrupt_puts"):
         console.print(
             f"[yellow]refused {_count(report['corrupt_puts'], 'PUT chunk')}[/] whose bytes did "

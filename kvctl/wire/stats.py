@@ -82,12 +82,24 @@ def agent_figures(stats: Mapping[str, Any]) -> dict[str, Any]:
         **whole,
         **{k: v for k, v in figures.items() if k not in whole},
         "lookup_requests": _whole(stats["stats"]["lookups"]),
+        # chunks that should have gone down a tier and were dropped (a full or failing disk)
+        "demotion_failures": _whole(stats["stats"].get("demotion_failures")),
         "tiers": {
             name: {k: _whole(v) for k, v in tier.items() if k not in _NODE_ONLY}
+            | _storage_trouble(stats["stats"].get("tiers", {}).get(name, {}))
             for name, tier in counters.items()
         },
         "policies": stats.get("policies") or {},
     }
+
+
+#: a tier's counters of storage going wrong under it (a disk tier's), shown where an agent has
+#: them (None from one before them)
+STORAGE_TROUBLE = ("filesystem_full", "unreadable_on_open")
+
+
+def _storage_trouble(tier: Mapping[str, Any]) -> dict[str, int | None]:
+    return {name: _whole(tier.get(name)) for name in STORAGE_TROUBLE}
 
 
 def _whole(value: Any) -> int | None:
