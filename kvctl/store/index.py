@@ -5,10 +5,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvctl.store.errors import InvalidArgument
 from kvctl.store.tiers.base import ChunkMeta
 
 DEFAULT_PRIORITY = 35  # TensorRT-LLM's default retention priority
 MAX_PRIORITY = 100
+#: longest tenant name (UTF-8 bytes) the store takes. A name is kept in every chunk's entry
+#: (``tenant``, ``tenants``), in its events and in its disk file's header, so without a cap a
+#: client naming a 64 KiB tenant per chunk made each chunk cost the agent ~60 KiB of memory
+#: whatever its size. The router takes tenants of up to 256 characters too.
+MAX_TENANT_BYTES = 256
+
+
+def check_tenant(tenant: str) -> None:
+    """Raise InvalidArgument for a tenant name longer than ``MAX_TENANT_BYTES`` in UTF-8."""
+    # UTF-8 takes at most 4 bytes a character: only a longer name needs encoding (hot path)
+    if len(tenant) > MAX_TENANT_BYTES // 4:
+        n = len(tenant.encode("utf-8", "surrogatepass"))
+        if n > MAX_TENANT_BYTES:
+            raise InvalidArgument(
+                f"tenant name is {n} bytes in UTF-8; at most {MAX_TENANT_BYTES} are allowed"
+            )
 
 
 @dataclass(slots=True, eq=False)

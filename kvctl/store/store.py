@@ -90,7 +90,14 @@ from kvctl.store.errors import (
     StoreError,
     TierUnavailable,
 )
-from kvctl.store.index import DEFAULT_PRIORITY, MAX_PRIORITY, Entry, HotChunk, LookupResult
+from kvctl.store.index import (
+    DEFAULT_PRIORITY,
+    MAX_PRIORITY,
+    Entry,
+    HotChunk,
+    LookupResult,
+    check_tenant,
+)
 from kvctl.store.keys import DEFAULT_CHUNK_TOKENS, KEY_BYTES
 from kvctl.store.leases import DETACHED_DEMOTION_ROUNDS, LeaseBook, LeaseResult
 from kvctl.store.policies import (
@@ -380,6 +387,11 @@ class TieredStore:
         names = frozenset(tenants)
         if not all(isinstance(t, str) for t in names):
             raise InvalidArgument(f"tenant names must be strings, got {sorted(map(repr, names))}")
+        for name in names:  # a name over the cap could never be sent: a settings mistake
+            try:
+                check_tenant(name)
+            except InvalidArgument as exc:
+                raise InvalidArgument(f"isolated tenant {name[:40]!r}...: {exc}") from None
         with self._lock:
             self._isolated_tenants = names
 
@@ -469,6 +481,7 @@ class TieredStore:
         """
         size = _payload_size(data, size_bytes)
         self._check_new(key, size, priority=priority, parent=parent)
+        check_tenant(tenant)
         parent = _own_parent_dropped(key, parent)
         if retention_seconds is not None and retention_seconds < 0:
             raise InvalidArgument(f"retention_seconds must not be negative: {retention_seconds}")
@@ -675,6 +688,7 @@ class TieredStore:
         (cached already, or another tier would take it, or none could): ``put`` it instead.
         Raises what ``put`` raises for a bad key, size, priority or parent."""
         self._check_new(key, size_bytes, priority=priority, parent=parent)
+        check_tenant(tenant)
         parent = _own_parent_dropped(key, parent)
         return self._in_rounds(
             lambda detach: self._reserve_put_locked(
@@ -899,6 +913,7 @@ class TieredStore:
         runs in the rare mixed cases (isolated chunks of another tenant, a prefix over tiers
         with uneven token counts).
         """
+        check_tenant(tenant)
         with self._lock:
             n = len(keys)
             entries: list[Entry | None] = list(map(self._index.get, keys))
@@ -930,6 +945,7 @@ class TieredStore:
     def locate(self, keys: Sequence[bytes], *, tenant: str = "") -> list[str | None]:
         """The tier of each key (None: not cached, or not visible to ``tenant``). Unlike
         ``lookup`` this counts nothing: it answers "is it there?" for tools and engines."""
+        check_tenant(tenant)
         with self._lock:
             if tenant in self._isolated_tenants:  # its own chunks only
                 return [
@@ -976,6 +992,7 @@ class TieredStore:
 
     def touch(self, key: bytes, *, tenant: str = "") -> str:
         """Access a chunk without reading it (size-only simulation); returns its tier after."""
+        check_tenant(tenant)
         with self._lock:
             e = self._get_visible(key, tenant)
             self._access(e, self._clock())
@@ -1008,6 +1025,7 @@ class TieredStore:
         Every key counts as served up front, like ``lease`` does. A key another batch is moving
         into the lease tier is waited for rather than read twice, so do not call this with the
         store's lock held (``locked()``): waiting gives the lock up."""
+        check_tenant(tenant)
         return self._leases.lease_many(keys, ttl_s, tenant=tenant)
 
     def leased_view(self, lease: Lease) -> memoryview:
@@ -1655,6 +1673,7 @@ class TieredStore:
         """``read_into`` (into ``out``) and ``get`` (``out`` None: into a new bytearray, which
         is returned). Reads from a detached-read tier happen outside the lock. ``served``
         False: the access was counted already (``get_uncounted``)."""
+        check_tenant(tenant)
         while True:
             with self._lock:
                 e = self._get_visible(key, tenant)

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvctl.store.index import MAX_TENANT_BYTES
 from kvctl.store.keys import KEY_BYTES
 
 MAGIC = b"KV"
@@ -324,6 +325,18 @@ class MetaReader:
             return self._take(n).decode()
         except UnicodeDecodeError:
             raise FrameError(ErrorCode.BAD_REQUEST, "a string is not valid UTF-8") from None
+
+    def tenant(self) -> str:
+        """A tenant name: ``text`` of at most ``MAX_TENANT_BYTES`` (the store's cap: each
+        chunk's entry keeps its tenant's name), else a BAD_REQUEST for the whole request."""
+        head = self._b[self._pos : self._pos + 2]  # its length, read again by ``text``
+        n = int(struct.unpack("<H", head)[0]) if len(head) == 2 else 0
+        if n > MAX_TENANT_BYTES:
+            raise FrameError(
+                ErrorCode.BAD_REQUEST,
+                f"tenant name is {n} bytes in UTF-8; at most {MAX_TENANT_BYTES} are allowed",
+            )
+        return self.text()
 
     def count(self, limit: int = MAX_BATCH) -> int:
         n = self.u32()
