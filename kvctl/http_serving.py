@@ -1,7 +1,8 @@
 """How the daemons' HTTP APIs (the agent's control API, the router's) are served by uvicorn,
-against clients that hold connections: a cap on connections, a short backlog, a deadline and a
-size bound for each request's head, a deadline for its body (whose size ``http_guards.BodyLimit``
-bounds), and one log line an interval for failed accepts.
+against clients that hold connections: a cap on connections with a reserve that connections
+waiting for a request's head cannot take, a cap on those per source address, a short backlog,
+a deadline and a size bound for each request's head, a deadline for its body (whose size
+``http_guards.BodyLimit`` bounds), and one log line an interval for failed accepts.
 
 uvicorn and h11 are imported where used: the module costs nothing to a process that serves no
 API.
@@ -9,11 +10,14 @@ API.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
+import select
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     import asyncio
@@ -21,9 +25,20 @@ if TYPE_CHECKING:
     import uvicorn
     from starlette.types import ASGIApp
 
+log = logging.getLogger(__name__)
+
 #: HTTP connections (and requests) an API serves at once: past it uvicorn answers 503
 #: (collectors, the CLI and a router's event stream need a handful)
 MAX_CONNECTIONS = 256
+#: of MAX_CONNECTIONS, those that connections waiting for a request's head (new, or idle between
+#: requests) cannot take: past MAX_CONNECTIONS - this, the oldest such connection is closed to
+#: make room, so requests (an operator's, authenticated) always find a slot unless requests
+#: themselves fill them
+RESERVED_FOR_REQUESTS = 32
+#: connections waiting for a request's head one source (an IPv4 address, an IPv6 /64) may hold:
+#: past it, its oldest is closed, so one client holding silent connections takes 32 slots, not
+#: all (the data plane's default data_max_unauthenticated_per_source)
+MAX_HEAD_PENDING_PER_SOURCE = 32
 #: connections the kernel queues for an API before the daemon accepts them (uvicorn's
 #: default, 2048, is also how many failed accepts asyncio logs per retry when out of descriptors)
 BACKLOG = 128
@@ -36,8 +51,123 @@ MAX_HEADER_BYTES = 16 << 10
 #: connection closed): the largest body either API takes (4 MiB) needs only 140 KB/s, while a
 #: sender trickling a byte every few seconds held its connection, and a slot, for ever
 BODY_TIMEOUT_SECONDS = 30.0
-#: asyncio's failed accepts are logged at most once per this interval
+#: asyncio's failed accepts, and connections closed to make room, are logged at most once per
+#: this interval
 ACCEPT_ERROR_LOG_SECONDS = 60.0
+
+
+def source_key(host: str) -> str:
+    """What MAX_HEAD_PENDING_PER_SOURCE counts a client's connections under (as the data plane's
+    ``source_key``): an IPv4 address as itself (an IPv4-mapped IPv6 one as its IPv4), an IPv6
+    address by its /64 (one host can hold any number of addresses of its /64), a link-local one
+    as itself (its /64 is the whole link's)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:  # not an address (a Unix socket's peer): counted as given
+        return host
+    if isinstance(ip, ipaddress.IPv4Address):
+        return str(ip)
+    if ip.ipv4_mapped is not None:
+        return str(ip.ipv4_mapped)
+    if ip.is_link_local:
+        return str(ip)
+    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+
+
+class Waiting(Protocol):
+    """A connection as ``HeadPending`` sees it."""
+
+    def has_unread_bytes(self) -> bool: ...
+
+    def close_to_make_room(self) -> None: ...
+
+
+class HeadPending:
+    """The connections of one API waiting for a request's head (just opened, or idle after a
+    response), oldest first, in all and per source. Past ``per_source`` from one source or
+    ``total`` in all, the oldest is closed to make room: refusing the newest instead would
+    refuse an operator's connection as readily as a flooder's, and from the flooder's own
+    address (a local client and a local operator are both 127.0.0.1) the flooder, reconnecting
+    at once, would keep every slot. A connection whose bytes wait unread in its socket is passed
+    over: its head is about to be read (a client sends its request as it connects), so a burst
+    of new connections accepted before the loop reads any of them cannot close it."""
+
+    def __init__(self, per_source: int, total: int) -> None:
+        self.per_source = per_source
+        self.total = total
+        self._all: dict[Waiting, str] = {}  # insertion order: oldest first
+        self._by_source: dict[str, dict[Waiting, None]] = {}
+        #: connections closed to make room: in all, and since the last log line
+        self.closed = 0
+        self._unlogged = 0
+        self._next_log_s = -math.inf
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def count(self, source: str) -> int:
+        return len(self._by_source.get(source, ()))
+
+    def add(self, conn: Waiting, source: str, where: str) -> None:
+        """``conn`` (from ``source``) waits for a head from now: it is the newest; make room."""
+        self.discard(conn)
+        self._all[conn] = source
+        mine = self._by_source.setdefault(source, {})
+        mine[conn] = None
+        if len(mine) > self.per_source:
+            self._make_room(mine, len(mine) - self.per_source, where)
+        if len(self._all) > self.total:
+            self._make_room(self._all, len(self._all) - self.total, where)
+
+    def discard(self, conn: Waiting) -> None:
+        source = self._all.pop(conn, None)
+        if source is None:
+            return
+        mine = self._by_source[source]
+        del mine[conn]
+        if not mine:
+            del self._by_source[source]
+
+    def _make_room(self, among: Iterable[Waiting], n: int, where: str) -> None:
+        victims: list[Waiting] = []
+        for conn in among:  # oldest first
+            if len(victims) == n:
+                break
+            if not conn.has_unread_bytes():
+                victims.append(conn)
+        source = ""
+        for conn in victims:
+            source = self._all[conn]
+            self.discard(conn)
+            conn.close_to_make_room()
+        self.closed += len(victims)
+        self._unlogged += len(victims)
+        now = time.monotonic()
+        if victims and now >= self._next_log_s:
+            log.warning(
+                "HTTP API on %s: closed %d connection(s) waiting for a request, to make room "
+                "(at most %d such from one address (IPv6: one /64), %d in all); the last from "
+                "%s (logged once per %g s)",
+                where,
+                self._unlogged,
+                self.per_source,
+                self.total,
+                source,
+                ACCEPT_ERROR_LOG_SECONDS,
+            )
+            self._unlogged = 0
+            self._next_log_s = now + ACCEPT_ERROR_LOG_SECONDS
+
+
+def _unread_bytes(transport: asyncio.BaseTransport) -> bool:
+    """Whether the socket under ``transport`` has bytes (or its end) waiting to be read."""
+    sock = transport.get_extra_info("socket")
+    fd = sock.fileno() if sock is not None else -1
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def serving_config(
@@ -49,9 +179,11 @@ def serving_config(
     graceful_shutdown_s: int = 10,
 ) -> uvicorn.Config:
     """uvicorn's settings for a daemon's API (the agent's control API, the router's), with its
-    limits against clients that hold connections: a cap on connections, a short backlog, a
-    deadline for each request's headers and a bound on their size, a deadline for its body
-    (None: ``BODY_TIMEOUT_SECONDS``)."""
+    limits against clients that hold connections: a cap on connections (of which those waiting
+    for a request's head take at most all but RESERVED_FOR_REQUESTS, and
+    MAX_HEAD_PENDING_PER_SOURCE from one source), a short backlog, a deadline for each
+    request's headers and a bound on their size, a deadline for its body (None:
+    ``BODY_TIMEOUT_SECONDS``)."""
     import uvicorn
 
     if body_timeout_s is None:
@@ -78,9 +210,17 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[as
     ``body_timeout_s`` after its headers. uvicorn times out only a kept-alive connection that
     sends nothing: one that trickled a header byte every few seconds was held for ever, and a
     few hundred of them took every descriptor; so was one that trickled its body, also to an
-    endpoint that had answered already (a 401 for a missing token)."""
+    endpoint that had answered already (a 401 for a missing token).
+
+    Connections waiting for a request's head (``HeadPending``) are capped per source and in
+    all, below MAX_CONNECTIONS (uvicorn's ``limit_concurrency``, which counts every open
+    connection): before, one local client without the token holding 300 silent connections
+    (reopened as the deadline closed them) had every request answered 503, the operator's
+    too. One closed to make room leaves uvicorn's count at once, not at its close's callback."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    waiting = HeadPending(MAX_HEAD_PENDING_PER_SOURCE, MAX_CONNECTIONS - RESERVED_FOR_REQUESTS)
 
     too_slow = json.dumps(
         {
@@ -92,25 +232,56 @@ def deadline_protocol(header_timeout_s: float, body_timeout_s: float) -> type[as
     class DeadlineH11(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _body_timer: asyncio.TimerHandle | None = None
+        _source = ""
+        _where = "?"
+
+        #: the API's connections waiting for a head (tests read it)
+        head_pending = waiting
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
+            self._source = source_key(self.client[0]) if self.client else ""
+            if self.server:
+                self._where = f"{self.server[0]}:{self.server[1]}"
             self._arm_header_deadline()
+            self._wait_for_head()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._arm_header_deadline()
+            self._wait_for_head()
 
         def handle_events(self) -> None:
             super().handle_events()
             self._watch_body()
+            if self._serving() or self.transport.get_protocol() is not self:  # (an upgrade)
+                waiting.discard(self)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            waiting.discard(self)
             for timer in (self._header_timer, self._body_timer):
                 if timer is not None:
                     timer.cancel()
             self._header_timer = self._body_timer = None
             super().connection_lost(exc)
+
+        def _serving(self) -> bool:
+            return self.cycle is not None and not self.cycle.response_complete
+
+        def _wait_for_head(self) -> None:
+            """Count this connection among those waiting for a head, unless a request (one
+            pipelined after the last) is being served or the connection is closing."""
+            if not self._serving() and not self.transport.is_closing():
+                waiting.add(self, self._source, self._where)
+
+        def has_unread_bytes(self) -> bool:
+            return _unread_bytes(self.transport)
+
+        def close_to_make_room(self) -> None:
+            # out of uvicorn's count now, not once the close's callback runs: a request read in
+            # the same pass of the loop is not answered 503 for slots already given back
+            self.connections.discard(self)
+            self.transport.close()
 
         def _arm_header_deadline(self) -> None:
             if self._header_timer is not None:
