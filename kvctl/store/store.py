@@ -110,7 +110,15 @@ from kvctl.store.policies.deferred import Settler
 from kvctl.store.ratelog import RateLimitedLog
 from kvctl.store.relock import relocked
 from kvctl.store.stats import StoreStats, TierStats
-from kvctl.store.tiers.base import Buffer, ChunkMeta, ReadPlan, Tier, WriteSlot, byte_view
+from kvctl.store.tiers.base import (
+    MIN_CHARGED_BYTES,
+    Buffer,
+    ChunkMeta,
+    ReadPlan,
+    Tier,
+    WriteSlot,
+    byte_view,
+)
 from kvctl.store.tiers.cpu import CpuTier, Lease, Reservation
 
 _R = TypeVar("_R")
@@ -1780,17 +1788,26 @@ class TieredStore:
             else:
                 entry.tier = target.name
                 policy = self._policies[target.name]
-                if not pinned and target.free_bytes < size and not policy.admit(entry, now):
+                fits = self._fits_now(target, size)
+                if not pinned and not fits and not policy.admit(entry, now):
                     return None
-                if target.free_bytes >= size and target.plan_room(size, ()) == []:
+                if fits and target.plan_room(size, ()) == []:
                     return target, []  # fits as is: no policy walk
                 victims = target.plan_room(size, policy.victims(now))
                 if victims is not None:
-                    return target, victims
-                why.append(
-                    f"{what} of {size} bytes cannot fit tier {target.name!r}: no run of {size} "
-                    f"bytes can be freed between its leased or reserved regions"
-                )
+                    victims = self._count_room(target, victims, now)
+                    if victims is not None:
+                        return target, victims
+                    why.append(
+                        f"{what} cannot fit tier {target.name!r}: it holds its most chunks "
+                        f"({target.max_chunks()}, one per {MIN_CHARGED_BYTES} bytes of "
+                        f"capacity) and too few can be evicted"
+                    )
+                else:
+                    why.append(
+                        f"{what} of {size} bytes cannot fit tier {target.name!r}: no run of "
+                        f"{size} bytes can be freed between its leased or reserved regions"
+                    )
             if pinned:
                 break
         if not why:
@@ -2153,10 +2170,49 @@ class TieredStore:
         room cannot be made there (pinned chunks, leased regions)."""
         if size > tier.capacity_bytes - self._pinned_bytes[tier.name]:
             return None
-        return tier.plan_room(size, self._policies[tier.name].victims(self._clock()))
+        now = self._clock()
+        victims = tier.plan_room(size, self._policies[tier.name].victims(now))
+        return None if victims is None else self._count_room(tier, victims, now)
+
+    def _fits_now(self, tier: Tier, size: int) -> bool:
+        """Whether a new chunk of ``size`` bytes fits ``tier`` without evicting: its bytes are
+        free and the tier holds fewer than its most chunks (``Tier.max_chunks``)."""
+        if tier.free_bytes < size:
+            return False
+        limit = tier.max_chunks()
+        return limit is None or len(tier) < limit
+
+    def _count_room(self, tier: Tier, victims: list[Entry], now: float) -> list[Entry] | None:
+        """``victims``, which make room for the bytes of one new chunk in ``tier``, with as
+        many more of its policy's victims as keep it to its most chunks once the new one is in
+        (``Tier.max_chunks``: tiny chunks cost index memory their bytes do not count); None
+        when too few can be evicted."""
+        limit = tier.max_chunks()
+        over = 0 if limit is None else len(tier) + 1 - len(victims) - limit
+        if over <= 0:
+            return victims
+        chosen = set(victims)
+        out = list(victims)
+        for c in self._policies[tier.name].victims(now):
+            if c in chosen or not tier.evictable(c.key):
+                continue
+            out.append(c)
+            over -= 1
+            if over <= 0:
+                return out
+        return None
 
     def _shrink_to(self, tier: Tier, capacity_bytes: int, *, reason: str) -> int:
-        return self._evict_while(tier, lambda: tier.resident_bytes > capacity_bytes, reason=reason)
+        """Evict from ``tier`` until its chunks fit ``capacity_bytes``: their bytes, and their
+        number (``Tier.max_chunks``)."""
+        limit = tier.max_chunks(capacity_bytes)
+        return self._evict_while(
+            tier,
+            lambda: (
+                tier.resident_bytes > capacity_bytes or (limit is not None and len(tier) > limit)
+            ),
+            reason=reason,
+        )
 
     def _evict_while(self, tier: Tier, short: Callable[[], bool], *, reason: str) -> int:
         """Evict the policy's victims from ``tier`` while ``short()``. A victim whose bytes are
@@ -2284,7 +2340,7 @@ class TieredStore:
         room must be made for it, ``dst``'s policy admits it."""
         if e.size_bytes > dst.capacity_bytes - self._pinned_bytes[dst.name]:
             return False
-        return dst.free_bytes >= e.size_bytes or self._policies[dst.name].admit(e, self._clock())
+        return self._fits_now(dst, e.size_bytes) or self._policies[dst.name].admit(e, self._clock())
 
     def _promote(self, e: Entry, data: Buffer | None, lease_to: Tier | None = None) -> None:
         """Move a read's chunk to where reads are served from. Without ``lease_to``: up into

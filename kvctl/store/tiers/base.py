@@ -23,6 +23,23 @@ from kvctl.store.keys import KEY_BYTES
 
 Buffer = bytes | bytearray | memoryview
 
+#: A tier holds at most one chunk per this many bytes of its capacity (``Tier.max_chunks``),
+#: whatever the chunks' sizes: each chunk costs the agent memory for its index entry, its
+#: eviction policy's and its tier's bookkeeping, which the capacity (payload bytes) does not
+#: count. Measured with tracemalloc, per one-byte chunk: 0.7-1.2 KiB by eviction policy
+#: (lineage-adaptive 3.9 KiB), 1.2 KiB under a 256-byte tenant name, 4.3-4.8 KiB once 8 other
+#: tenants of 256-byte names have read it (``Entry.tenants``). So a tier of tiny chunks costs
+#: at most about its capacity again in index memory; before, one-byte chunks cost ~3 KiB of
+#: the agent's memory per byte of capacity. Chunks of this size or more never meet the limit.
+MIN_CHARGED_BYTES = 4096
+#: ... and at least this many chunks, whatever its capacity (small tiers; a few MiB of index)
+MIN_CHUNK_SLOTS = 1024
+
+
+def chunk_limit(capacity_bytes: int) -> int:
+    """Most chunks a tier of ``capacity_bytes`` holds (``Tier.max_chunks``)."""
+    return max(MIN_CHUNK_SLOTS, capacity_bytes // MIN_CHARGED_BYTES)
+
 
 class Sized(Protocol):
     """What room planning needs of a chunk the store could evict (an index entry)."""
@@ -112,6 +129,11 @@ class Tier(ABC):
 
     #: files of chunks the tier's open could not read and skipped (a disk tier's I/O errors)
     unreadable_on_open: int = 0
+
+    def max_chunks(self, capacity_bytes: int | None = None) -> int | None:
+        """Most chunks the tier holds at ``capacity_bytes`` (default: its own capacity), None
+        for no limit: the store evicts to keep to it as it does for bytes (``chunk_limit``)."""
+        return chunk_limit(self.capacity_bytes if capacity_bytes is None else capacity_bytes)
 
     def evictable(self, key: bytes) -> bool:
         """False when evicting ``key`` would free nothing now (its bytes are leased)."""

@@ -34,6 +34,10 @@ class MeteredTier(Tier):
     def used_bytes(self) -> int:
         return self._used_bytes
 
+    def max_chunks(self, capacity_bytes: int | None = None) -> int | None:
+        # no bytes and no agent: the simulator counts capacity in blocks of one byte each
+        return None
+
     def __contains__(self, key: object) -> bool:
         return key in self._sizes
 
