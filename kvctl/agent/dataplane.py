@@ -147,6 +147,14 @@ class ByteBudget:
             self.free_bytes -= n_bytes
             return True
 
+    def try_acquire(self, n_bytes: int) -> bool:
+        """Take ``n_bytes`` if they are free now; never waits."""
+        with self._cond:
+            if self.free_bytes < n_bytes:
+                return False
+            self.free_bytes -= n_bytes
+            return True
+
     def release(self, n_bytes: int) -> None:
         with self._cond:
             self.free_bytes += n_bytes
@@ -230,13 +238,15 @@ class DataPlaneServer:
         *,
         frame_timeout_s: float | None = None,
         put_budget_bytes: int | None = None,
+        copy_budget_bytes: int | None = None,
         max_connections: int | None = None,
         max_unauthenticated_per_source: int | None = None,
         hello_timeout_s: float = HELLO_TIMEOUT_SECONDS,
     ) -> None:
         """Limits left as None are the settings' (``data_frame_timeout_seconds``,
         ``data_put_budget_bytes``, ``data_max_connections``,
-        ``data_max_unauthenticated_per_source``)."""
+        ``data_max_unauthenticated_per_source``); ``copy_budget_bytes`` is
+        ``data_put_budget_bytes`` too."""
         self.runtime = runtime
         settings = runtime.settings
         #: open connections each transport keeps at most: one past it is closed at once (a
@@ -258,6 +268,8 @@ class DataPlaneServer:
         self.hello_timeouts = EveryInterval()
         #: PUT chunks refused because their bytes did not match their sender's checksum
         self.corrupt_puts = EveryInterval()
+        #: chunks answered missing because the replies' copy budget was full
+        self.copies_refused = EveryInterval()
         self._accept_failures = EveryInterval()
         self.max_chunk_bytes = settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
@@ -269,6 +281,12 @@ class DataPlaneServer:
         # a frame waits for its share at most until its stall deadline, then gets BUSY; raised
         # to one largest chunk plus the largest metadata, so any valid frame can fit
         self.budget = ByteBudget(max(budget, self.max_chunk_bytes + MAX_META_BYTES))
+        # copies of chunks a GET or FETCH reply cannot send in place (not leasable in the
+        # arena) are held until the reply is sent, maybe to a reader that never reads: all
+        # replies share this many bytes of them, past which a chunk is answered missing. Apart
+        # from the puts' budget, so stalled readers cannot make puts BUSY
+        copies = budget if copy_budget_bytes is None else copy_budget_bytes
+        self.copy_budget = ByteBudget(max(copies, self.max_chunk_bytes))
         self.token = settings.token.encode()
         self.tier_names = runtime.served_tier_names
         self.tier_codes: dict[str | None, int] = {name: i for i, name in enumerate(self.tier_names)}
@@ -545,6 +563,8 @@ class Connection:
         self._staging: mmap.mmap | None = None
         self._buf = bytearray()
         self._release_after_send: list[int] = []
+        #: bytes of ``server.copy_budget`` the reply being built or sent holds
+        self._copy_bytes_held = 0
         self._send_fd = -1
         self.thread = threading.Thread(target=self._run, name="kvctl-conn", daemon=True)
         self._handlers: dict[int, Callable[[MetaReader, int], Reply]] = {
@@ -812,6 +832,7 @@ class Connection:
                 finally:
                     if fd >= 0:
                         os.close(fd)
+                    parts.clear()  # the copies among them go before their budget does
             ok = True
             return True
         except FrameError as exc:
@@ -842,6 +863,9 @@ class Connection:
             if self._release_after_send:
                 self.runtime.release(self._release_after_send)
                 self._release_after_send = []
+            if self._copy_bytes_held:
+                self.server.copy_budget.release(self._copy_bytes_held)
+                self._copy_bytes_held = 0
             for fd in self._fds:  # descriptors only count with the frame that expects them
                 os.close(fd)
             self._fds.clear()
@@ -1051,18 +1075,24 @@ class Connection:
     def _send_views(self, keys: list[bytes], tenant: str) -> list[memoryview | bytearray | None]:
         """The chunks' bytes to send (None: missing): in place under endless leases (this
         thread releases them after the send, whatever happens), or a copy where one cannot be
-        leased. One batch lease, so the disk chunks among them are read in parallel."""
-        leases = self.runtime.lease_many(keys, math.inf, tenant=tenant)
+        leased. One batch lease, so the disk chunks among them are read in parallel. A key
+        named twice is leased (or copied) once and sent twice. Copies are held until the reply
+        is sent: they take ``server.copy_budget`` (freed after the send), and a chunk past it
+        is answered missing, as one evicted meanwhile would be, so a reply costs the agent a
+        bounded amount of memory however many chunks it names and however slowly it is read."""
+        unique = list(dict.fromkeys(keys))
+        leases = self.runtime.lease_many(unique, math.inf, tenant=tenant)
         # every lease is released after the send, even when making a view below fails
         self._release_after_send += [r.lease_id for r in leases if isinstance(r, Lease)]
-        out: list[memoryview | bytearray | None] = []
-        for key, lease in zip(keys, leases, strict=True):
+        views: dict[bytes, memoryview | bytearray | None] = {}
+        to_copy: list[bytes] = []
+        for key, lease in zip(unique, leases, strict=True):
+            views[key] = None
             if isinstance(lease, KeyNotFound):
-                out.append(None)
                 continue
             if lease is not None:
                 try:
-                    out.append(self.runtime.leased_view(lease))
+                    views[key] = self.runtime.leased_view(lease)
                     continue
                 except TierUnavailable:
                     # a live resize replaced the arena between the lease and its view (views
@@ -1070,12 +1100,47 @@ class Connection:
                     # chunk is read again where it is now, or is a miss if it went meanwhile.
                     # A closed tier fails that read too, and that error is the batch's.
                     pass
-            try:
-                # lease_many counted it as served already: one read per request
-                out.append(self.runtime.get_uncounted(key, tenant=tenant))
-            except KeyNotFound:
-                out.append(None)
-        return out
+            to_copy.append(key)
+        if to_copy:
+            entries = self.runtime.cached_entries(to_copy, tenant=tenant)
+            for key, entry in zip(to_copy, entries, strict=True):
+                if entry is not None:
+                    views[key] = self._copy_within_budget(key, entry.size_bytes, tenant)
+        return [views[k] for k in keys]
+
+    def _copy_within_budget(self, key: bytes, size_bytes: int, tenant: str) -> bytearray | None:
+        """A copy of a chunk the reply cannot send in place, its bytes taken from the copy
+        budget (without waiting: a reply holding some must not wait on others that do); None
+        (a miss) when the budget has no room for it or the chunk went meanwhile."""
+        budget = self.server.copy_budget
+        if not budget.try_acquire(size_bytes):
+            n = self.server.copies_refused.count()
+            if n:
+                log.warning(
+                    "answered %d chunk(s) missing: they could not be sent in place and the "
+                    "replies' copies in flight held their budget of %d bytes "
+                    "(data_put_budget_bytes; readers slow to take their replies hold it)",
+                    n,
+                    budget.total_bytes,
+                )
+            return None
+        try:
+            # lease_many counted it as served already: one read per request
+            data = self.runtime.get_uncounted(key, tenant=tenant)
+        except KeyNotFound:
+            budget.release(size_bytes)
+            return None
+        except BaseException:
+            budget.release(size_bytes)
+            raise
+        extra = len(data) - size_bytes  # put again, with another size, since it was looked up
+        if extra > 0 and not budget.try_acquire(extra):
+            budget.release(size_bytes)
+            return None
+        if extra < 0:
+            budget.release(-extra)
+        self._copy_bytes_held += len(data)
+        return data
 
     def _fetch(self, meta: MetaReader, _payload: int) -> Reply:
         """Chunks and their metadata for another agent; without FETCH_PAYLOAD only the metadata
@@ -1090,6 +1155,7 @@ class Connection:
         w = MetaWriter().u32(len(keys))
         payload: list[memoryview | bytearray] = []
         checksums: list[int] = []
+        checksum_of: dict[int, int] = {}  # by id of the view: a key named twice is hashed once
         total = 0
         # the bytes first (without the store's lock: disk reads run in parallel), then each
         # entry's metadata; a chunk evicted in between is reported missing
@@ -1122,7 +1188,12 @@ class Connection:
                 total += memoryview(data).nbytes
             # of the very view sent: it is leased (released only after the send) or a copy, so
             # these are the bytes that go out
-            checksums.append(chunk_checksum(data) if want_checksums and data is not None else 0)
+            if want_checksums and data is not None:
+                if id(data) not in checksum_of:
+                    checksum_of[id(data)] = chunk_checksum(data)
+                checksums.append(checksum_of[id(data)])
+            else:
+                checksums.append(0)
         if want_checksums:
             w.raw(b"".join(map(FETCH_CHECKSUM.pack, checksums)))
         return [w.build(), *payload], total
