@@ -1,6 +1,6 @@
-"""What guards the daemons' HTTP APIs (the agent's and the router's): the bearer token
-(``BearerAuth``), the body one request may send (``BodyLimit``) and what a validation error
-echoes back (``clip_echo``).
+"""What guards the daemons' HTTP APIs (the agent's and the router's): the bearer token, or
+without one the Host a request names (``BearerAuth``), the body one request may send
+(``BodyLimit``) and what a validation error echoes back (``clip_echo``).
 
 Pure ASGI and standard library only, so the limits hold whatever FastAPI/Starlette version or
 server (uvicorn, the test client) runs the app.
@@ -9,6 +9,7 @@ server (uvicorn, the test client) runs the app.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 import math
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -133,25 +134,83 @@ class BodyLimit:
 
 _AUTH_DETAIL = b'{"detail":"missing or wrong bearer token"}'
 
+#: most characters of a refused Host shown back in the refusal
+_HOST_SHOWN_CHARS = 100
+
+
+def host_name(value: str) -> str:
+    """The host of a Host header's value, lower case, without its port, brackets or a trailing
+    dot: ``"[::1]:7070"`` -> ``"::1"``, ``"LocalHost.:80"`` -> ``"localhost"``."""
+    value = value.strip()
+    if value.startswith("["):
+        value = value[1:].partition("]")[0]
+    elif value.count(":") == 1:
+        value = value.partition(":")[0]
+    return value.rstrip(".").lower()
+
+
+def local_host(value: str, server_host: str | None) -> bool:
+    """Whether a request naming ``value`` as its Host is addressed to this host: ``localhost``,
+    a loopback address (127.x, ::1, an IPv4-mapped 127.x), or the address the connection came
+    in on (``server_host``: scope["server"], the listening address)."""
+    name = host_name(value)
+    if name == "localhost" or (server_host is not None and name == server_host.lower()):
+        return True
+    try:
+        ip = ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
 
 class BearerAuth:
     """Refuses every request (any path, docs and unknown paths included) without the token.
 
     Pure ASGI and outside routing, so nothing is reachable unauthenticated. ``token`` is read
-    per request, so a server whose settings are replaced picks up the new one; an empty token
-    lets everything through (a loopback-only server without one)."""
+    per request, so a server whose settings are replaced picks up the new one.
+
+    Without a token (an agent serves without one on loopback only), a request is refused (403)
+    unless its Host names this host: ``localhost``, a loopback address or the address it
+    listens on. Before, any Host was served: a page in a browser on the same host whose domain
+    was pointed at 127.0.0.1 (DNS rebinding) could flush the store; the browser sends that
+    domain as the Host, while every local client (kvctl's, curl, a tunnel to localhost) sends
+    the address or name it connected to. With a token the Host is not checked: such a page
+    cannot send the token, and an agent reached by a name of its own (off loopback) needs it."""
 
     def __init__(self, app: ASGIApp, token: Callable[[], str | None]) -> None:
         self.app = app
         self.token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
         token = self.token()
-        if not token or scope["type"] not in ("http", "websocket") or self._ok(scope, token):
+        refused_host = self._refused_host(scope) if not token else None
+        if refused_host is None and (not token or self._ok(scope, token)):
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 1008})
+            return
+        if refused_host is not None:
+            shown = refused_host[:_HOST_SHOWN_CHARS] + (
+                "..." if len(refused_host) > _HOST_SHOWN_CHARS else ""
+            )
+            start, body = _json_error(
+                403,
+                safe_text(
+                    f"Host {shown!r} does not name this server: with no token set it answers "
+                    "only requests addressed to localhost, a loopback address (127.0.0.1, "
+                    "[::1]) or the address it listens on, so that a web page whose domain "
+                    "points here (DNS rebinding) cannot use it; connect to one of those, or "
+                    "set a token"
+                ),
+            )
+            await send(start)
+            await send(body)
             return
         await send(
             {
@@ -165,6 +224,19 @@ class BearerAuth:
             }
         )
         await send({"type": "http.response.body", "body": _AUTH_DETAIL})
+
+    @staticmethod
+    def _refused_host(scope: Scope) -> str | None:
+        """The request's first Host that does not name this host, or None (a request without
+        one, HTTP/1.0, is not a browser's)."""
+        server = scope.get("server")
+        server_host = str(server[0]) if server else None
+        for name, value in scope.get("headers", ()):
+            if name == b"host":
+                text: str = bytes(value).decode("latin-1")
+                if not local_host(text, server_host):
+                    return text
+        return None
 
     @staticmethod
     def _ok(scope: Scope, token: str) -> bool:
