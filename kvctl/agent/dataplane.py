@@ -10,6 +10,7 @@ outside the lock too, from the arena itself, under a lease that keeps the bytes 
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import fcntl
@@ -97,6 +98,11 @@ MIN_FRAME_BYTES_PER_SECOND = 1 << 20
 KEPT_BUFFER_BYTES = 1 << 20
 #: receives are counted (for the stall deadline) in slices of this size
 RECV_SLICE_BYTES = 1 << 20
+#: replies are sent, and counted toward the stall deadline as they go out, in slices of this
+#: size: a reply earns time only by the bytes its reader has taken, not by its length
+SEND_SLICE_BYTES = 1 << 20
+#: the kernel takes at most this many buffers in one sendmsg
+SEND_MAX_BUFFERS = 512
 #: when the agent ends a connection the client may still be sending: closing with its bytes
 #: unread makes the kernel reset the connection and drop the replies not yet delivered (the
 #: error frame saying why among them), so the agent first reads and drops what still comes,
@@ -825,10 +831,9 @@ class Connection:
             parts, bytes_out = handler(meta, payload_len)
             if op != Op.RELEASE:  # releases are one-way so a reader never waits on them
                 head = pack_header(op | REPLY_BIT, rid, len(parts[0]), bytes_out)
-                self._moved_bytes += len(parts[0]) + bytes_out  # a large reply earns its time
                 fd, self._send_fd = self._send_fd, -1
                 try:
-                    sent = send_all(self.sock, [head, *parts], fd)
+                    sent = self._send_counted([head, *parts], fd)
                 finally:
                     if fd >= 0:
                         os.close(fd)
@@ -904,6 +909,37 @@ class Connection:
             ErrorCode.BAD_REQUEST,
             f"{name} passed {n} file descriptor(s) or more; it may pass {may}",
         )
+
+    def _send_counted(self, parts: list[bytes | bytearray | memoryview], fd: int) -> int:
+        """``send_all``, a slice at a time, each slice counted toward the stall deadline once
+        the kernel took it: a reply buys time as its reader takes it, so one never read is cut
+        off like a stalled request (its leases and copies freed), however large. Returns bytes
+        sent."""
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
+        total = sum(v.nbytes for v in views)
+        anc = []
+        if fd >= 0:
+            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+        while views:
+            batch: list[memoryview] = []
+            room = SEND_SLICE_BYTES
+            for v in views[:SEND_MAX_BUFFERS]:
+                batch.append(v[:room])
+                room -= batch[-1].nbytes
+                if room <= 0:
+                    break
+            sent = self.sock.sendmsg(batch, anc)
+            anc = []
+            self._moved_bytes += sent
+            while sent:
+                head = views[0]
+                if sent >= head.nbytes:
+                    sent -= head.nbytes
+                    views.pop(0)
+                else:
+                    views[0] = head[sent:]
+                    sent = 0
+        return total
 
     def _send_error(self, rid: int, exc: FrameError) -> None:
         meta = error_meta(exc.code, exc.message)

@@ -5,12 +5,18 @@
   -> 1742 MiB, until the client closed), and distinct keys copied a whole disk tier into memory
   before the first byte went out. Now a key named twice is copied once, and the copies all
   replies hold share a budget (``data_put_budget_bytes``): past it a chunk is answered missing.
+- The stall cut-off credited a reply's bytes before they were sent, so a reader that never
+  read a large reply held its connection and leases for as long as the reply's size bought
+  (an 8000 MiB reply: over two hours). Now only bytes the kernel took earn time.
 
-The data plane runs in the test's process, so memory is measured with tracemalloc."""
+The data plane runs in the test's process, so memory is measured with tracemalloc and the stall
+cut-off's grace is 1 s."""
 
 from __future__ import annotations
 
+import os
 import socket
+import time
 import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
@@ -217,5 +223,57 @@ def test_copies_of_distinct_unleasable_chunks_stay_within_the_budget(
         assert _get_statuses(meta) == [(Status.OK, CHUNK)] * 4
         assert data == b"".join(payload(k, CHUNK) for k in keys[4:8])
         assert node.server.copy_budget.free_bytes == node.server.copy_budget.total_bytes
+    finally:
+        node.close()
+
+
+def test_a_reader_that_never_reads_a_large_reply_is_cut_off(tmp_path: Path) -> None:
+    """A 4 MiB chunk named 2000 times: an 8000 MiB reply, which bought 8000 s before its first
+    byte was sent. With a 1 s grace, the reader that never reads is cut off once the few MiB
+    its socket buffers took stop earning time, and the reply's lease is released."""
+    big = 4 << 20
+    node = Node(tmp_path, cpu_bytes=16 << 20, frame_timeout_s=1.0)
+    try:
+        k = key(3, 63)
+        node.store.put(k, os.urandom(big))
+        assert node.store.locate([k]) == ["cpu"]  # leased and sent in place
+        with node.connect(rcvbuf_bytes=4096) as s:
+            _send(s, Op.GET, _get_meta([k] * 2000))
+            _wait_for_reply_start(s)
+            assert node.store.snapshot()["leases"] == 1
+            deadline = time.monotonic() + HANG_GUARD_S
+            while node.store.snapshot()["leases"] and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert node.store.snapshot()["leases"] == 0, "the stalled reader was not cut off"
+            got = 0
+            try:  # the connection is closed: what the socket buffers took, then its end
+                while chunk := s.recv(1 << 20):
+                    got += len(chunk)
+            except ConnectionResetError:
+                pass
+            assert got < 2000 * big
+    finally:
+        node.close()
+
+
+def test_a_reader_taking_a_large_reply_steadily_is_not_cut_off(tmp_path: Path) -> None:
+    """Bytes sent still earn time: a 32 MiB reply read at about 8 MiB/s, four times the 1 s
+    grace, arrives whole."""
+    big = 4 << 20
+    node = Node(tmp_path, cpu_bytes=16 << 20, frame_timeout_s=1.0)
+    try:
+        k = key(4, 63)
+        data = os.urandom(big)
+        node.store.put(k, data)
+        n = 8
+        with node.connect(rcvbuf_bytes=64 << 10) as s:
+            _send(s, Op.GET, _get_meta([k] * n))
+            got = bytearray()
+            while len(got) < HEADER_BYTES + 4 + n * GET_ITEM.size + n * big:
+                piece = s.recv(256 << 10)
+                assert piece, f"cut off after {len(got)} bytes"
+                got += piece
+                time.sleep(1 / 32)
+        assert got.endswith(data * n)
     finally:
         node.close()
