@@ -386,8 +386,8 @@ def create_app(
 
     install_error_handlers(app, _ERROR_STATUS)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes, server="router")
-    if token:
-        app.add_middleware(BearerAuth, token=lambda: token)
+    # without a token too: it then checks the Host (a DNS-rebinding page must not steer it)
+    app.add_middleware(BearerAuth, token=lambda: token)
 
     @app.get("/v1/health", response_model=Health, tags=["router"], responses=_errors())
     def health() -> Health:

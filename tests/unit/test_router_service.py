@@ -232,6 +232,19 @@ def served() -> Iterator[tuple[TestClient, EmbeddedIndex, Router]]:
         yield c, index, router
 
 
+def test_a_router_without_a_token_serves_only_requests_addressed_to_this_host() -> None:
+    # what a web page whose domain points at 127.0.0.1 (DNS rebinding) would send: its domain
+    router = make_router(EmbeddedIndex())
+    try:
+        with TestClient(create_app(router), base_url="http://127.0.0.1:7171") as c:
+            assert c.get("/v1/health").status_code == 200
+            refused = c.get("/v1/health", headers={"Host": "evil.example"})
+            assert refused.status_code == 403, refused.text
+            assert "evil.example" in refused.json()["detail"]
+    finally:
+        router.close()
+
+
 def test_route_endpoint_answers_the_decision_with_an_id(served) -> None:  # type: ignore[no-untyped-def]
     c, index, _ = served
     ks = keys(8)
