@@ -603,9 +603,15 @@ class Connection:
             while not self.server.stopping:
                 if not self._read_header(memoryview(header)):
                     break
+                if not self.server.token:
+                    # no token: its first frame has come, so it is not a silent connection;
+                    # serving that frame, however long, is the frame deadline's to bound
+                    self._hello_deadline_s = None
                 if not self._serve_one(header):
                     break
-                if self.authed and self._hello_deadline_s is not None:
+                if self.authed and (
+                    self._hello_deadline_s is not None or self.unauthenticated_source is not None
+                ):
                     # its first frame served: it may idle from now on, and leaves its
                     # address's share of the slots for connections not yet authenticated
                     self._hello_deadline_s = None
