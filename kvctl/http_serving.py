@@ -10,7 +10,6 @@ API.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
@@ -18,6 +17,8 @@ import select
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
+
+from kvctl.connection_sources import source_key
 
 if TYPE_CHECKING:
     import asyncio
@@ -54,24 +55,6 @@ BODY_TIMEOUT_SECONDS = 30.0
 #: asyncio's failed accepts, and connections closed to make room, are logged at most once per
 #: this interval
 ACCEPT_ERROR_LOG_SECONDS = 60.0
-
-
-def source_key(host: str) -> str:
-    """What MAX_HEAD_PENDING_PER_SOURCE counts a client's connections under (as the data plane's
-    ``source_key``): an IPv4 address as itself (an IPv4-mapped IPv6 one as its IPv4), an IPv6
-    address by its /64 (one host can hold any number of addresses of its /64), a link-local one
-    as itself (its /64 is the whole link's)."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:  # not an address (a Unix socket's peer): counted as given
-        return host
-    if isinstance(ip, ipaddress.IPv4Address):
-        return str(ip)
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    if ip.is_link_local:
-        return str(ip)
-    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
 
 
 class Waiting(Protocol):

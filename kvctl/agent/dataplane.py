@@ -16,7 +16,6 @@ import contextlib
 import fcntl
 import functools
 import hmac
-import ipaddress
 import json
 import logging
 import math
@@ -31,6 +30,7 @@ from typing import Any
 
 from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
+from kvctl.connection_sources import source_key
 from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.remote.fetchplan import PrefillSample
 from kvctl.store.errors import (
@@ -165,25 +165,6 @@ class ByteBudget:
         with self._cond:
             self.free_bytes += n_bytes
             self._cond.notify_all()
-
-
-def source_key(host: str) -> str:
-    """What ``data_max_unauthenticated_per_source`` counts a TCP client's connections under: an
-    IPv4 address as itself (an IPv4-mapped IPv6 one, from a dual-stack listener, as its IPv4),
-    an IPv6 address by its /64, the least a site is given (one host can hold any number of
-    addresses of its /64, each would have had a share of its own). A link-local address keeps
-    its own (with its zone): its /64 is the whole link's, every host on it."""
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:  # not an address (never from accept): counted as given
-        return host
-    if isinstance(ip, ipaddress.IPv4Address):
-        return str(ip)
-    if ip.ipv4_mapped is not None:
-        return str(ip.ipv4_mapped)
-    if ip.is_link_local:
-        return str(ip)
-    return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))  # (a zone, if any, dropped)
 
 
 class EveryInterval:

@@ -91,7 +91,8 @@ class AgentSettings:
     #: with a TIMEOUT error frame: stalled or trickling senders hold nothing for long
     data_frame_timeout_seconds: float = 30.0
     #: bytes of large puts (over 1 MiB) all connections may hold in flight at once; a put that
-    #: cannot get its share within the frame timeout gets BUSY
+    #: cannot get its share within the frame timeout gets BUSY. Replies get a budget of the same
+    #: size, apart, for the copies of chunks they cannot send in place (past it: MISSING)
     data_put_budget_bytes: int = 1 << 30
     #: data-plane connections each transport (TCP, the Unix socket) keeps open at most; one past
     #: it is closed at once (each connection is a thread; engines open a few each)
@@ -101,7 +102,7 @@ class AgentSettings:
     #: connections cannot fill ``data_max_connections``; authenticated connections and the Unix
     #: socket do not count. A source is an IPv4 address (IPv4-mapped IPv6 ones as IPv4), an
     #: IPv6 address's /64 (one host may use any address of its /64), a link-local address
-    #: (``kvctl.agent.dataplane.source_key``)
+    #: (``kvctl.connection_sources.source_key``)
     data_max_unauthenticated_per_source: int = 32
     eviction: str = "lineage-adaptive"
     disk_admission: str = "all"

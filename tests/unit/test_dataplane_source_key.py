@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvctl.agent.dataplane import source_key
+from kvctl.connection_sources import source_key
 
 
 def test_ipv6_addresses_of_one_64_are_one_source() -> None:
