@@ -315,6 +315,8 @@ class TieredStore:
         if defer_accesses:
             self._settler = Settler(self._lock)
             self._policies = {n: self._settler.wrap(p) for n, p in self._policies.items()}
+        for t in self._tiers:
+            self._policies[t.name].set_max_entries(t.max_chunks())
         self.set_isolated_tenants(isolated_tenants)
         #: entries being read without the lock -> how many such reads; meanwhile they are out of
         #: their tier's eviction policy (like pinned ones), so pressure never picks them. Holds
@@ -1374,6 +1376,7 @@ class TieredStore:
                 self._shrink_to(t, capacity_bytes, reason="resize")
                 if arena is None or plan is None or not arena.finish_resize(plan):
                     t.resize(capacity_bytes)  # all of it under the lock, as before
+                self._policies[t.name].set_max_entries(t.max_chunks())
                 return BulkResult(done=evictions["resize"] - before)
         finally:
             if arena is not None and plan is not None:

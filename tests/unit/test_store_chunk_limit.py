@@ -132,3 +132,37 @@ def test_a_size_only_tier_has_no_chunk_limit() -> None:
     for i in range(5000):
         store.put(i.to_bytes(16, "big"), None, size_bytes=1)
     assert len(store) == 5000
+
+
+def test_lineage_adaptive_shadow_caches_keep_to_the_tiers_limit() -> None:
+    """``lineage-adaptive`` (the agent's default) replays every access in a shadow cache per
+    candidate, sized in bytes as the tier was when it first filled: after 4 KiB chunks, each
+    shadow took 8 MiB of one-byte chunks, ~2.8 KiB of memory a put while the tier held 2048.
+    Now each shadow keeps to the tier's most chunks too, and follows a resize."""
+    store = TieredStore([CpuTier(8 * MIB)], eviction="lineage-adaptive")
+    policy = store._policies["cpu"]
+    for _ in range(2100):  # fills it in bytes: the policy learns 8 MiB as its capacity
+        store.put(os.urandom(16), bytes(MIN_CHARGED_BYTES))
+
+    def shadow_sizes() -> list[int]:
+        return [len(s.entries) for s in policy._shadows]  # type: ignore[attr-defined]
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        held: list[int] = []
+        for i in range(18_000):
+            store.put(os.urandom(16), b"x")
+            if (i + 1) % 6000 == 0:
+                gc.collect()
+                held.append(tracemalloc.get_traced_memory()[0] - base)
+    finally:
+        tracemalloc.stop()
+    assert len(store) == 2048
+    assert max(shadow_sizes()) <= 2048, shadow_sizes()
+    # flat but for dicts' resizing (x1.3 here), where unbounded each 6000 puts added ~17 MB
+    assert held[2] < 1.6 * held[0], held
+    store.resize("cpu", 4 * MIB)
+    assert len(store) == 1024
+    assert max(shadow_sizes()) <= 1024, shadow_sizes()

@@ -87,7 +87,7 @@ class _Shadow:
         #: keys evicted by the last ``access`` (only read for the leader)
         self.evicted: list[bytes] = []
 
-    def access(self, entry: Entry, capacity_bytes: int) -> bool:
+    def access(self, entry: Entry, capacity_bytes: int, max_entries: int | None) -> bool:
         """Replay one access of ``entry``; whether it was a hit here."""
         s = self.entries.get(entry.key)
         if s is not None:
@@ -96,8 +96,7 @@ class _Shadow:
             self.policy.on_access(s)
             return True
         self.evicted.clear()
-        if capacity_bytes:
-            self.fit(entry.size_bytes, capacity_bytes)
+        self.fit(entry.size_bytes, capacity_bytes, max_entries, 1)
         s = Entry(
             key=entry.key,
             tier="shadow",
@@ -115,10 +114,17 @@ class _Shadow:
         self.policy.on_insert(s)
         return False
 
-    def fit(self, incoming_bytes: int, capacity_bytes: int) -> None:
-        """Evict by this candidate's policy until ``incoming_bytes`` more fit in
-        ``capacity_bytes`` (the keys go to ``evicted``)."""
-        while self.entries and self.bytes + incoming_bytes > capacity_bytes:
+    def fit(
+        self, incoming_bytes: int, capacity_bytes: int, max_entries: int | None, incoming: int
+    ) -> None:
+        """Evict by this candidate's policy until ``incoming`` entries of ``incoming_bytes``
+        more fit in ``capacity_bytes`` (0: not known yet) and ``max_entries`` (the tier's most
+        chunks: tiny chunks would otherwise fill a shadow sized in bytes without end); the
+        keys go to ``evicted``."""
+        while self.entries and (
+            (capacity_bytes and self.bytes + incoming_bytes > capacity_bytes)
+            or (max_entries is not None and len(self.entries) + incoming > max_entries)
+        ):
             v = self.policy.victim(0.0)
             if v is None:
                 break
@@ -209,6 +215,8 @@ class LineageAdaptivePolicy(EvictionPolicy):
         self._evicting: bytes | None = None
         self._capacity_bytes = 0
         self._capacity_chunks = 0
+        #: the tier's most chunks (``set_max_entries``), which each shadow keeps to as well
+        self._max_entries: int | None = None
         self._peak_entries = 0
         self._newest_tick = 0
         self._scale = 1.0
@@ -278,6 +286,13 @@ class LineageAdaptivePolicy(EvictionPolicy):
             for p in self._real:
                 p.on_children_changed(entry)
 
+    def set_max_entries(self, n: int | None) -> None:
+        self._max_entries = n
+        for shadow in self._shadows:  # a smaller tier: each shadow shrinks with it
+            shadow.evicted.clear()
+            shadow.fit(0, self._capacity_bytes, n, 0)
+        self._left_the_leader()
+
     def on_victim(self, entry: Entry) -> None:
         self._evicting = entry.key
         for p in self._real:
@@ -298,7 +313,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
             # (deleted, demoted) too: each now keeps what its candidate would in this room
             for shadow in self._shadows:
                 shadow.evicted.clear()
-                shadow.fit(0, self._capacity_bytes)
+                shadow.fit(0, self._capacity_bytes, self._max_entries, 0)
             self._left_the_leader()
         walks = [p.victims(now_s) for p in self._real]  # lineage-arc learns the capacity here
         return self._walk(now_s, walks[self._leader])
@@ -335,7 +350,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
             self._accesses += 1
             self._gain_sum += gain / self._scale
             self._mean_gain = self._gain_sum / self._accesses
-        hits = [s.access(entry, self._capacity_bytes) for s in self._shadows]
+        hits = [s.access(entry, self._capacity_bytes, self._max_entries) for s in self._shadows]
         led = hits[self._leader]
         counted = False  # a candidate's wins or losses against the leader moved
         for i, hit in enumerate(hits):

@@ -31,6 +31,11 @@ class EvictionPolicy(ABC):
     def on_children_changed(self, entry: Entry) -> None:  # noqa: B027 - only lineage cares
         """The entry's cached-children count changed."""
 
+    def set_max_entries(self, n: int | None) -> None:  # noqa: B027 - only shadow caches care
+        """The most chunks its tier holds (``Tier.max_chunks``; None: no limit), told by the
+        store at start and on each resize: a policy that keeps entries of its own for chunks
+        the tier does not hold (``lineage-adaptive``'s shadow caches) keeps to it too."""
+
     @abstractmethod
     def victim(self, now_s: float) -> Entry | None:
         """The entry to evict next (not removed: the store calls ``on_remove``), or None."""

@@ -102,6 +102,9 @@ class DeferredAccesses(EvictionPolicy):
         self.flush()
         self.inner.on_victim(entry)
 
+    def set_max_entries(self, n: int | None) -> None:
+        self.inner.set_max_entries(n)
+
     def victim(self, now_s: float) -> Entry | None:
         self.flush()
         return self.inner.victim(now_s)
