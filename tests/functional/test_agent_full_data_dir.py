@@ -8,12 +8,10 @@ small tmpfs (skipped where one cannot be mounted)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,28 +21,9 @@ from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from tests.functional.agents import EPHEMERAL, key, payload
+from tests.tmpfs import tmpfs
 
 KIB = 1024
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir()
-    try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except FileNotFoundError:
-        pytest.skip("cannot mount a tmpfs here: no mount command")
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False, timeout=30)
 
 
 def fill(path: Path) -> None:

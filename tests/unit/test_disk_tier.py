@@ -36,6 +36,7 @@ from kvctl.store.errors import (
 )
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.disk import DiskTier
+from tests.tmpfs import tmpfs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KIB = 1024
@@ -613,20 +614,7 @@ def test_disk_full_efbig_leaves_tier_unchanged(tmp_path: Path) -> None:
 
 
 def test_disk_full_enospc_on_tiny_tmpfs(tmp_path: Path) -> None:
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except FileNotFoundError:
-        pytest.skip("cannot mount a tmpfs here: no mount command")
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
         with DiskTier(mnt, 10 * MIB) as tier:
             first = put(tier, 1, 600 * KIB)
             with pytest.raises(DiskFullError, match=str(mnt)) as info:
@@ -647,8 +635,6 @@ def test_disk_full_enospc_on_tiny_tmpfs(tmp_path: Path) -> None:
             with pytest.raises(DiskFullError):
                 put(tier, 3, 100 * KIB)
             assert temp_files(mnt) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 # --- crash safety ------------------------------------------------------------------------------

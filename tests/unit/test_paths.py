@@ -6,7 +6,6 @@ import contextlib
 import errno
 import os
 import stat
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ from kvctl.paths import (
     read_text_file,
     write_atomic,
 )
+from tests.tmpfs import tmpfs
 
 
 def test_read_text_file_reads_utf8(tmp_path: Path) -> None:
@@ -79,17 +79,7 @@ def test_make_private_dir_refuses_one_it_cannot_write(tmp_path: Path) -> None:
 def test_write_atomic_names_the_file_it_could_not_write(tmp_path: Path) -> None:
     """A full filesystem (real ENOSPC, from a tmpfs): WriteFailed names the file and says why in
     words, still an OSError with its errno; the old file is left whole, no temp file behind."""
-    fs = tmp_path / "fs"
-    fs.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(fs)],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
+    with tmpfs(tmp_path / "fs", "64k") as fs:
         path = fs / "agent.json"
         write_atomic(path, "old", mode=0o600)
         with open(fs / "filler", "wb", buffering=0) as f, contextlib.suppress(OSError):
@@ -102,5 +92,3 @@ def test_write_atomic_names_the_file_it_could_not_write(tmp_path: Path) -> None:
         assert isinstance(info.value, OSError)
         assert path.read_text() == "old"
         assert sorted(p.name for p in fs.iterdir()) == ["agent.json", "filler"]
-    finally:
-        subprocess.run(["umount", str(fs)], check=False, timeout=30)

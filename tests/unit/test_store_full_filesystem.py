@@ -7,8 +7,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,31 +17,11 @@ from kvctl.store.errors import CapacityError
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
+from tests.tmpfs import tmpfs
 from tests.unit.test_disk_tier import key, payload
 
 KIB = 1024
 MIB = 1024 * KIB
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir()
-    try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
-    except FileNotFoundError:
-        pytest.skip("cannot mount a tmpfs here: no mount command")
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", str(path)], check=False, timeout=30)
 
 
 def test_puts_that_only_fit_on_disk_evict_its_oldest_chunks_when_its_filesystem_fills(
