@@ -13,6 +13,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import httpx
+import pytest
+
+#: lines of a starting router's merged output read for its URL before giving up
+MAX_LINES_BEFORE_URL = 200
 
 
 def cli_env() -> dict[str, str]:
@@ -28,6 +32,8 @@ class RunningRouter:
     #: a client of the router's API, with its bearer token
     http: httpx.Client
     proc: subprocess.Popen[str]
+    #: its output up to the line with its URL (log lines may come first)
+    early: str = ""
 
 
 @contextlib.contextmanager
@@ -46,14 +52,24 @@ def running_router(
     )
     try:
         assert proc.stdout is not None
-        first = proc.stdout.readline()
-        found = re.search(r"serving at (http://[0-9.]+:[0-9]+)", first)
-        assert found, f"the router did not start: {first}{proc.stdout.read()[-3000:]}"
-        url = found.group(1)
+        # stderr is merged in: a log line (a follower's first poll) may come before the URL,
+        # which is stdout's first line; they are kept for the test (``early``)
+        early: list[str] = []
+        url = None
+        while url is None and len(early) < MAX_LINES_BEFORE_URL:
+            line = proc.stdout.readline()
+            if not line:  # it exited
+                break
+            early.append(line)
+            if found := re.search(r"serving at (http://[0-9.]+:[0-9]+)", line):
+                url = found.group(1)
+        if url is None:
+            proc.kill()  # so that reading the rest of its output ends
+            pytest.fail(f"the router did not start: {''.join(early)}{proc.stdout.read()[-3000:]}")
         with httpx.Client(
             base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10
         ) as http:
-            yield RunningRouter(url, http, proc)
+            yield RunningRouter(url, http, proc, "".join(early))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -34,7 +34,7 @@ def test_info_logs_are_not_one_line_per_poll(tmp_path) -> None:  # type: ignore[
             time.sleep(1.0)  # about 20 polls
             assert router.http.get("/v1/health").json()["followers_up"] == 1
         assert router.proc.stdout is not None
-        log = router.proc.stdout.read()
+        log = router.early + router.proc.stdout.read()
     assert "a1: resynced" in log  # info from kvctl itself still shows
     assert "HTTP Request" not in log, log[-2000:]
 
