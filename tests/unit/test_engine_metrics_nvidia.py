@@ -13,7 +13,9 @@ import math
 
 import pytest
 
+from collectors.collector import checked_engine
 from collectors.engines import KNOWN_ENGINES, Histogram, UnknownEngine, parse_engine_metrics
+from kvctl.db.sample_checks import Rejections
 
 # KVBM as dynamo-llm 1.1.1 serves it on DYN_KVBM_METRICS_PORT: Rust prometheus, no labels, no
 # _total, integer counters; the sliding-window hit rates are gauges.
@@ -242,7 +244,7 @@ def test_kvbm_hit_rate_gauges_are_not_read() -> None:
     text = "# TYPE kvbm_host_cache_hit_rate gauge\nkvbm_host_cache_hit_rate 0.6\n"
     r = parse_engine_metrics(text)
     assert r.engine == "kvbm"
-    figures = set(r.__dataclass_fields__) - {"engine", "missing_means_unread"}
+    figures = set(r.__dataclass_fields__) - {"engine", "missing_means_unread", "ttft_not_finite"}
     values = [getattr(r, f) for f in sorted(figures)]
     assert values == [None] * len(values)
 
@@ -256,8 +258,12 @@ def test_kvbm_counters_with_total_as_a_federating_proxy_writes_them() -> None:
 def test_kvbm_nan_disk_counter_makes_the_disk_offload_unknown() -> None:
     text = KVBM.format(**KVBM_1).replace("kvbm_offload_blocks_d2d 0", "kvbm_offload_blocks_d2d NaN")
     r = parse_engine_metrics(text)
-    assert r.kvbm_offload_disk_blocks is None  # not h2d alone: that would read as a reset
+    # not h2d alone (that would read as a reset): not finite, so the collector rejects it
+    assert r.kvbm_offload_disk_blocks is not None and math.isnan(r.kvbm_offload_disk_blocks)
     assert r.kvbm_offload_host_blocks == 2048
+    rejected = Rejections()
+    assert checked_engine(r, rejected).kvbm_offload_disk_blocks is None
+    assert rejected.fields == {"engine.kvbm_offload_disk_blocks": "not finite"}
 
 
 def test_kvbm_next_to_vllm_on_one_endpoint() -> None:
