@@ -49,6 +49,7 @@ from kvctl.client import AgentError, DataClient, PutOutcome
 from kvctl.remote.pool import (
     DEFAULT_MIN_STREAM_BYTES,
     DEFAULT_STREAMS,
+    PROBE_SLACK_S,
     PULL_FLOOR_BYTES_PER_S,
     PoolChunk,
     PoolUsage,
@@ -171,7 +172,7 @@ class AgentSource(SplitStreams, RemotePool):
         """Seconds to download ``nbytes`` of filler from the agent (a bandwidth sample), cut
         at a pull's deadline for as many bytes (``pull_deadline_s``): the read deadline bounds
         silence only, and a link that trickles held the link monitor for as long as it did."""
-        deadline_s = pull_deadline_s(nbytes, self.read_timeout_s)
+        deadline_s = pull_deadline_s(nbytes, self.read_timeout_s) + PROBE_SLACK_S
         probe: Pull | None = None
         try:
             with self._client() as c:

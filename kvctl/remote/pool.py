@@ -70,6 +70,11 @@ PULL_FLOOR_BYTES_PER_S = 32 << 20
 #: ~11 ms on an H100 (32k tokens in 1.4 s), so a source slower per record than this is hardly
 #: worth waiting for, and one that sends each record far slower is still cut.
 PULL_ALLOWANCE_PER_RECORD_S = 0.005
+#: what the link monitor's bandwidth probes get besides a pull's deadline: a probe is off the
+#: request path, and on a loaded host a healthy loopback link measured slower than the pull
+#: floor (fresh-clone test runs: a link never costed, its probes all cut), so it was never
+#: measured; a link that trickles (a 4 MiB probe at 400 KiB/s: 10 s) is still cut
+PROBE_SLACK_S = 3.0
 
 
 def pull_deadline_s(nbytes: int, read_timeout_s: float, records: int = 0) -> float:

@@ -106,6 +106,7 @@ from kvctl.remote import record
 from kvctl.remote.pool import (
     DEFAULT_MIN_STREAM_BYTES,
     DEFAULT_STREAMS,
+    PROBE_SLACK_S,
     PULL_FLOOR_BYTES_PER_S,
     PoolChunk,
     PoolUsage,
@@ -744,6 +745,8 @@ class RedisPool(SplitStreams, RemotePool):
         pull: Pull | None = None
         try:
             allowance_s = pull_deadline_s(probe_bytes or 0, self.read_timeout_s, n_sized)
+            if probe_bytes:  # the link monitor's, off the request path
+                allowance_s += PROBE_SLACK_S
             with self._watch.watching(functools.partial(_shut, conn), allowance_s) as pull:
                 for attempt in range(_READ_RETRIES + 1):
                     try:

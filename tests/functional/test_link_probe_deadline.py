@@ -30,6 +30,9 @@ from tests.functional.agents import running_agent
 from tests.functional.test_redis_pull_deadline import TricklingProxy
 
 PROBE_BYTES = 1 << 20  # 2.6 s through the trickle; its deadline: 0.5 s + 1/32 s
+#: the link monitor's probe size: 10.4 s through the trickle; its deadline 0.5 s + 1/8 s plus
+#: PROBE_SLACK_S (a probe off the request path gets slack for a loaded host)
+MONITOR_PROBE_BYTES = 4 << 20
 READ_TIMEOUT_S = 0.5
 
 
@@ -80,11 +83,11 @@ def test_the_link_monitors_probe_of_a_trickling_agent_fails_saying_so(
         assert source.ping() > 0  # a connection kept
         trickling_agent.trickling.set()
         with pytest.raises(TierUnavailable, match=r"bandwidth probe .* the link trickles"):
-            source.probe_transfer(PROBE_BYTES)
+            source.probe_transfer(MONITOR_PROBE_BYTES)
         assert source.overdue == 0  # a probe, not a pull
 
         trickling_agent.trickling.clear()
-        assert source.probe_transfer(PROBE_BYTES) > 0
+        assert source.probe_transfer(MONITOR_PROBE_BYTES) > 0
     finally:
         source.close()
 
@@ -94,14 +97,14 @@ def test_the_link_monitors_probe_of_a_trickling_redis_pool_fails_saying_so(
 ) -> None:
     pool = RedisPool(trickling_redis.url, prefix="probe", read_timeout_s=READ_TIMEOUT_S)
     try:
-        pool.prepare_probe(PROBE_BYTES)
+        pool.prepare_probe(MONITOR_PROBE_BYTES)
         trickling_redis.trickling.set()
         with pytest.raises(TierUnavailable, match=r"bandwidth probe .* the link trickles"):
-            pool.probe_transfer(PROBE_BYTES)
+            pool.probe_transfer(MONITOR_PROBE_BYTES)
         assert pool.overdue == 0
 
         trickling_redis.trickling.clear()
-        assert pool.probe_transfer(PROBE_BYTES) > 0
+        assert pool.probe_transfer(MONITOR_PROBE_BYTES) > 0
     finally:
         pool.close()
 
