@@ -10,7 +10,6 @@ outside the lock too, from the arena itself, under a lease that keeps the bytes 
 
 from __future__ import annotations
 
-import array
 import collections
 import contextlib
 import fcntl
@@ -101,8 +100,6 @@ RECV_SLICE_BYTES = 1 << 20
 #: replies are sent, and counted toward the stall deadline as they go out, in slices of this
 #: size: a reply earns time only by the bytes its reader has taken, not by its length
 SEND_SLICE_BYTES = 1 << 20
-#: the kernel takes at most this many buffers in one sendmsg
-SEND_MAX_BUFFERS = 512
 #: when the agent ends a connection the client may still be sending: closing with its bytes
 #: unread makes the kernel reset the connection and drop the replies not yet delivered (the
 #: error frame saying why among them), so the agent first reads and drops what still comes,
@@ -902,31 +899,10 @@ class Connection:
         the kernel took it: a reply buys time as its reader takes it, so one never read is cut
         off like a stalled request (its leases and copies freed), however large. Returns bytes
         sent."""
-        views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
-        total = sum(v.nbytes for v in views)
-        anc = []
-        if fd >= 0:
-            anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
-        while views:
-            batch: list[memoryview] = []
-            room = SEND_SLICE_BYTES
-            for v in views[:SEND_MAX_BUFFERS]:
-                batch.append(v[:room])
-                room -= batch[-1].nbytes
-                if room <= 0:
-                    break
-            sent = self.sock.sendmsg(batch, anc)
-            anc = []
-            self._moved_bytes += sent
-            while sent:
-                head = views[0]
-                if sent >= head.nbytes:
-                    sent -= head.nbytes
-                    views.pop(0)
-                else:
-                    views[0] = head[sent:]
-                    sent = 0
-        return total
+        return send_all(self.sock, parts, fd, slice_bytes=SEND_SLICE_BYTES, on_sent=self._sent)
+
+    def _sent(self, nbytes: int) -> None:
+        self._moved_bytes += nbytes
 
     def _send_error(self, rid: int, exc: FrameError) -> None:
         meta = error_meta(exc.code, exc.message)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import array
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -605,20 +605,41 @@ def recv_with_fds(sock: socket.socket, view: memoryview, fds: list[int]) -> bool
     return True
 
 
+#: the kernel takes at most this many buffers (IOV_MAX) in one sendmsg
+SEND_MAX_BUFFERS = 512
+
+
 def send_all(
-    sock: socket.socket, parts: Sequence[bytes | bytearray | memoryview], fd: int = -1
+    sock: socket.socket,
+    parts: Sequence[bytes | bytearray | memoryview],
+    fd: int = -1,
+    *,
+    slice_bytes: int | None = None,
+    on_sent: Callable[[int], None] | None = None,
 ) -> int:
     """Send ``parts`` with as few syscalls as the kernel allows (``sendmsg`` gathers them),
-    passing ``fd`` along with the first byte when given. Returns bytes sent."""
+    passing ``fd`` along with the first byte when given. ``slice_bytes``: at most that many
+    bytes a syscall; ``on_sent`` is told each syscall's bytes once the kernel took them (a
+    server counting a reply toward its stall deadline as its reader takes it). Returns bytes
+    sent."""
     views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
     total = sum(v.nbytes for v in views)
     anc = []
     if fd >= 0:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
     while views:
-        # the kernel caps one sendmsg at IOV_MAX buffers
-        sent = sock.sendmsg(views[:512], anc)
+        batch = views[:SEND_MAX_BUFFERS]
+        if slice_bytes is not None:
+            batch, room = [], slice_bytes
+            for v in views[:SEND_MAX_BUFFERS]:
+                batch.append(v[:room])
+                room -= batch[-1].nbytes
+                if room <= 0:
+                    break
+        sent = sock.sendmsg(batch, anc)
         anc = []
+        if on_sent is not None:
+            on_sent(sent)
         while sent:
             head = views[0]
             if sent >= head.nbytes:
