@@ -432,11 +432,13 @@ def spawn_with_settings(
     env: dict[str, str] | None = None,
     detach: bool = True,
     progress: Callable[[float, str], None] | None = None,
+    limit_s: float | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
     in :data:`SETTINGS_FILE` (0600), which the child reads with ``load_settings`` and nothing
     else (no config file, no ``KVCTL_*`` variable), and which is removed once it serves or
-    fails. ``timeout_s``: by default ``start_timeout_seconds(settings)``."""
+    fails. ``timeout_s``: by default ``start_timeout_seconds(settings)``; ``limit_s``: the
+    start's bound whatever the agent logs (``StartWait``)."""
     if timeout_s is None:
         timeout_s = start_timeout_seconds(settings)
     data_dir = settings.data_path
@@ -444,7 +446,9 @@ def spawn_with_settings(
     path = data_dir / SETTINGS_FILE
     write_private(path, settings_toml(settings))
     try:
-        return _spawn(["--settings-file", str(path)], data_dir, timeout_s, env, detach, progress)
+        return _spawn(
+            ["--settings-file", str(path)], data_dir, timeout_s, env, detach, progress, limit_s
+        )
     finally:
         path.unlink(missing_ok=True)
 
@@ -512,6 +516,7 @@ def _spawn(
     env: dict[str, str] | None,
     detach: bool,
     progress: Callable[[float, str], None] | None = None,
+    limit_s: float | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     make_private_dir(data_dir, "data directory")
     log_path = data_dir / LOG_FILE
@@ -525,7 +530,9 @@ def _spawn(
             start_new_session=detach,
             env=env,
         )
-    why = wait_serving(proc, data_dir, log_path, log_start, timeout_s, progress=progress)
+    why = wait_serving(
+        proc, data_dir, log_path, log_start, timeout_s, progress=progress, limit_s=limit_s
+    )
     if isinstance(why, AgentState):
         return proc, why
     free = free_bytes(data_dir)
@@ -549,11 +556,14 @@ class StartWait:
     """When to give up on a starting agent: once it has written nothing new to its log for
     ``timeout_s``. A start-up that takes long but says how far it got (the disk tier's scan logs
     its progress every few seconds: 160k chunk files took over 30 s) is waited for; one that
-    hangs silently is given up ``timeout_s`` after its last line."""
+    hangs silently is given up ``timeout_s`` after its last line. ``limit_s``: given up that
+    long after the start whatever its log says (one that logs the same error in a loop would
+    otherwise be waited for forever; a script wants a bound); None: no such limit."""
 
     timeout_s: float
     started_s: float
     log_bytes: int
+    limit_s: float | None = None
     last_progress_s: float = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -564,9 +574,16 @@ class StartWait:
         if log_bytes != self.log_bytes:
             self.log_bytes = log_bytes
             self.last_progress_s = now_s
+        if self.limit_s is not None and now_s - self.started_s >= self.limit_s:
+            return False
         return now_s - self.last_progress_s < self.timeout_s
 
     def gave_up(self, now_s: float) -> str:
+        if self.limit_s is not None and now_s - self.started_s >= self.limit_s:
+            return (
+                f"not serving after {now_s - self.started_s:.0f} s, the limit given "
+                f"(--start-timeout {self.limit_s:g}), so stopped"
+            )
         return (
             f"not serving after {now_s - self.started_s:.0f} s, its log silent for the last "
             f"{now_s - self.last_progress_s:.0f} s, so stopped"
@@ -581,13 +598,15 @@ def wait_serving(
     timeout_s: float,
     *,
     progress: Callable[[float, str], None] | None = None,
+    limit_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> AgentState | str:
     """Wait until ``proc`` serves (its state, read from ``data_dir``), or say why it will not:
-    it exited, or it was killed after ``StartWait`` gave up on it. ``progress(seconds, line)``
-    is called with each new last line of its log past ``log_start``."""
-    wait = StartWait(timeout_s, clock(), log_start)
+    it exited, or it was killed after ``StartWait`` gave up on it (``limit_s``: its bound
+    whatever the log says). ``progress(seconds, line)`` is called with each new last line of
+    its log past ``log_start``."""
+    wait = StartWait(timeout_s, clock(), log_start, limit_s)
     while True:
         state = AgentState.read(data_dir)
         if state is not None and state.pid == proc.pid and _answers(state.control_url):

@@ -219,6 +219,16 @@ def start_command(
     detach: Annotated[
         bool, typer.Option("--detach", "-d", help="Run in the background and return when ready.")
     ] = False,
+    start_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--start-timeout",
+            min=1.0,
+            help="With --detach: give up (and stop the agent) after this many seconds whatever "
+            "it logs. Default: wait while its log moves (a large disk tier's scan logs its "
+            "progress), giving up 30 s (plus 3 s a GiB of memory) after its last line.",
+        ),
+    ] = None,
     settings_file: Annotated[
         Path | None,
         # how --detach hands the child its settings (file 0600, never argv): not for people
@@ -239,6 +249,8 @@ def start_command(
 
       kvctl agent start --name gpu-07 --dc fra-1 --detach
 
+      kvctl agent start --detach --start-timeout 600
+
       KVCTL_TOKEN=$(cat /etc/kvctl/token) kvctl agent start --listen 0.0.0.0:7070
 
       kvctl agent start --pool redis://10.0.0.5:6379/0 --peer fra-2=10.1.0.7:7071
@@ -247,6 +259,8 @@ def start_command(
 
       kvctl agent start --role pool --name pool-1 --cpu 64GiB --data-listen 127.0.0.1:7171
     """
+    if start_timeout is not None and not detach:
+        fail("--start-timeout bounds a --detach start", hint="add --detach, or drop it")
     settings = (
         _handed_over(settings_file) if settings_file else _load(config, **flags.as_flags()).settings
     )
@@ -270,7 +284,9 @@ def start_command(
         from kvctl.agent.daemon import DataDirFull, spawn_with_settings
 
         try:
-            _, state = spawn_with_settings(settings, progress=_StartProgress())
+            _, state = spawn_with_settings(
+                settings, progress=_StartProgress(), limit_s=start_timeout
+            )
         except WriteFailed as exc:
             fail(str(exc), hint=_write_failed_hint(exc, settings.data_path))
         except DataDirFull as exc:

@@ -140,3 +140,39 @@ def test_the_operator_sees_the_agents_log_lines_once_the_start_takes_a_while() -
         "starting (36 s): WARNING: disk tier disk: capacity",
         "starting (37 s): a line of its own [not markup]",
     ]
+
+
+def test_a_start_limit_bounds_an_agent_that_keeps_logging(
+    tmp_path: Path, child: subprocess.Popen[bytes]
+) -> None:
+    """``--start-timeout``: an agent that logs a line every 5 s forever (an error in a loop) is
+    given up at the limit, where without one it would be waited for as long as it logs."""
+    log = tmp_path / "agent.log"
+    log.write_text("")
+    fake = FakeTime(log, lines=10_000, line_every_s=5.0)
+    why = wait_serving(
+        child, tmp_path, log, 0, TIMEOUT_S, limit_s=90.0, clock=fake.clock, sleep=fake.sleep
+    )
+    assert why == "not serving after 90 s, the limit given (--start-timeout 90), so stopped"
+    assert child.poll() is not None
+    assert fake.lines_left > 9_000  # stopped at the limit, not when the lines ran out
+
+
+def test_the_limit_is_a_bound_not_a_delay() -> None:
+    wait = StartWait(TIMEOUT_S, started_s=0.0, log_bytes=0, limit_s=600.0)
+    assert wait.observe(29.0, 0)
+    assert not wait.observe(30.0, 0)  # silent for the timeout: given up before the limit
+    assert wait.gave_up(30.0).endswith("its log silent for the last 30 s, so stopped")
+
+
+def test_start_timeout_needs_detach(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app
+
+    result = CliRunner().invoke(
+        app, ["agent", "start", "--data-dir", str(tmp_path / "d"), "--start-timeout", "60"]
+    )
+    assert result.exit_code == 2
+    assert "--start-timeout bounds a --detach start" in result.output
+    assert not (tmp_path / "d").exists()  # nothing made before the error
