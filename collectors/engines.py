@@ -450,10 +450,14 @@ def _trtllm_iterations_reading(text: str) -> EngineReading:
         return replace(_reading("trtllm", _SideFields()), missing_means_unread=True)
     kv: dict[str, Any] = with_kv[-1]["kvCacheStats"]
     used, total = _json_count(kv, "usedNumBlocks"), _json_count(kv, "maxNumBlocks")
+    usage = None
+    if used is not None and total is not None:
+        # a bad count makes the ratio bad too (rejected by name), not unknown
+        usage = used / total if total > 0 else (NOT_FINITE if total != 0 else None)
     reading = _reading(
         "trtllm",
         _SideFields(),
-        kv_usage_ratio=used / total if used is not None and total else None,
+        kv_usage_ratio=usage,
         kv_reused_blocks=_json_count(kv, "reusedBlocks"),
         kv_missed_blocks=_json_count(kv, "missedBlocks"),
     )
@@ -461,11 +465,16 @@ def _trtllm_iterations_reading(text: str) -> EngineReading:
 
 
 def _json_count(obj: Mapping[str, Any], key: str) -> float | None:
+    """``obj[key]`` as a float; None where it is absent. A value that is not a count (a
+    string, a boolean, NaN, below zero) is not a reason to drop the entry's other figures: it
+    reads as exposed but not finite, or as the negative number it is, and the collector
+    rejects that figure alone by name (``checked_engine``), as for Prometheus samples."""
     value = obj.get(key)
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"kvCacheStats.{key} is {value!r}, not a count")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"kvCacheStats.{key} is {value!r}, not a count")
-    return float(value)
+        return NOT_FINITE
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range
+        return math.inf
