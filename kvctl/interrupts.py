@@ -8,8 +8,11 @@ that end a process into a stop event for long-running commands."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -34,17 +37,40 @@ def on_sigint(handler: Callable[[int, FrameType | None], Any]) -> Iterator[None]
         signal.signal(signal.SIGINT, previous)
 
 
+#: seconds after a held Ctrl-C from which another one is not held: the block is stuck (a
+#: database write waiting on a lock), and the operator's second Ctrl-C stops it now
+FORCE_AFTER_SECONDS = 2.0
+
+
 @contextmanager
-def interrupts_held() -> Iterator[None]:
+def interrupts_held(
+    *, force_after_s: float = FORCE_AFTER_SECONDS, clock: Callable[[], float] = time.monotonic
+) -> Iterator[None]:
     """A SIGINT during the block is noted and raised again once the block is over (also when
     it failed), for the handler in place before it (KeyboardInterrupt, a command's
-    "interrupted: ..." line)."""
-    pending: list[int] = []
+    "interrupted: ..." line). A block that does not end (a write blocked on a lock) would hold
+    it forever: a SIGINT ``force_after_s`` or more after the first one held raises
+    KeyboardInterrupt at once, in the block; one sooner (a quick double press) is held too,
+    and stderr says how to stop now."""
+    pending: list[float] = []
+    forced = False
+
+    def held(signum: int, frame: FrameType | None) -> None:
+        nonlocal forced
+        now_s = clock()
+        if pending and now_s - pending[0] >= force_after_s:
+            forced = True
+            raise KeyboardInterrupt
+        if pending and len(pending) == 1:  # once: said from a signal handler, so a raw write
+            with contextlib.suppress(OSError):
+                os.write(2, b"finishing a write first; Ctrl-C again in a moment to stop now\n")
+        pending.append(now_s)
+
     try:
-        with on_sigint(lambda signum, frame: pending.append(signum)):
+        with on_sigint(held):
             yield
     finally:
-        if pending:
+        if pending and not forced:
             signal.raise_signal(signal.SIGINT)
 
 

@@ -194,8 +194,16 @@ def collect_command(
 
         scraped = f"{len(nodes)} nodes" + (f" and {len(routers)} router(s)" if routers else "")
         err_console.print(f"collecting from {scraped} every {interval:g}s (Ctrl-C stops)")
-        with stop_signals(stop):
-            collector.run(stop, on_cycle=show)
+        try:
+            with stop_signals(stop):
+                collector.run(stop, on_cycle=show)
+        except KeyboardInterrupt:  # a second Ctrl-C while a write was stuck (interrupts_held)
+            err_console.print(
+                "[yellow]interrupted:[/] stopped during a database write; the batch under way "
+                "may not be recorded",
+                highlight=False,
+            )
+            raise typer.Exit(130) from None
         if server is not None:
             server.shutdown()
     finally:

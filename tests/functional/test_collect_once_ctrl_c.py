@@ -94,3 +94,53 @@ def test_a_ctrl_c_during_the_write_leaves_the_batch_in_whole_and_counted(tmp_pat
         event.remove(engine, "commit", ctrl_c_at_commit)
         collector.close()
         engine.dispose()
+
+
+def test_a_second_ctrl_c_stops_a_write_stuck_on_a_lock(pg_url: str) -> None:
+    """The collector holds a Ctrl-C over its batch's write; a write blocked on a lock (here
+    another session holding the raw table) held it for as long as the lock was held. A second
+    Ctrl-C, FORCE_AFTER_SECONDS after the first, now stops it: the batch is not recorded, and
+    the lock's holder never saw it."""
+    import threading
+    import time
+
+    from sqlalchemy import text
+
+    from kvctl.interrupts import FORCE_AFTER_SECONDS
+
+    engine = open_db(pg_url, auto_upgrade=True)
+    with engine.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "gone", dc="fra", agent_url=f"http://127.0.0.1:{closed_port()}")
+    collector = Collector(engine)
+    holder = engine.connect()
+    holder.begin()
+    holder.execute(text(f"LOCK TABLE {NodeSample.__tablename__} IN ACCESS EXCLUSIVE MODE"))
+    main = threading.main_thread().ident
+    assert main is not None
+
+    released = threading.Event()
+
+    def press_twice() -> None:
+        time.sleep(1.0)  # the write is waiting on the lock by now
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(FORCE_AFTER_SECONDS + 0.5)
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(5.0)  # then the lock goes (without the fix, only this ends the write)
+        released.set()
+        holder.rollback()
+
+    presser = threading.Thread(target=press_twice, daemon=True)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            collector.collect_once()
+        assert not released.is_set()  # stopped by the second press, the lock still held
+        presser.join()
+        with engine.connect() as conn:
+            samples = conn.execute(select(func.count()).select_from(NodeSample)).scalar_one()
+        assert samples == 0
+    finally:
+        holder.close()
+        collector.close()
+        engine.dispose()
