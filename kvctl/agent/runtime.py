@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from kvctl import __version__
+from kvctl.agent import tier_retry
 from kvctl.agent.events import EventHub
 from kvctl.agent.metrics import AgentMetrics
 from kvctl.agent.settings import AgentSettings, ModelSpec
+from kvctl.agent.tier_retry import TierRetry
 from kvctl.errors import InvalidArgument
 from kvctl.format import format_bytes
 from kvctl.paths import make_private_dir
@@ -31,6 +33,7 @@ from kvctl.store.errors import DirectoryInUse, TierUnavailable
 from kvctl.store.keys import Namespace
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers import hugepages
+from kvctl.store.tiers.absent import AbsentTier
 from kvctl.store.tiers.base import Tier, byte_view, copy_bytes
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
@@ -92,6 +95,9 @@ class AgentRuntime:
         #: tiers the settings ask for that this machine cannot have (a gpu tier without CUDA);
         #: listed in ``info``
         self.unavailable_tiers: list[UnavailableTier] = []
+        #: tries a disk tier that could not be opened at start again (``open`` starts it);
+        #: its tier is listed in ``info`` as unavailable until it is online
+        self.disk_retry: TierRetry | None = None
 
     @property
     def settings(self) -> AgentSettings:
@@ -105,9 +111,17 @@ class AgentRuntime:
         self._settings = settings
 
     @classmethod
-    def open(cls, settings: AgentSettings) -> AgentRuntime:
+    def open(
+        cls,
+        settings: AgentSettings,
+        *,
+        disk_retry_first_s: float = tier_retry.FIRST_S,
+        disk_retry_max_s: float = tier_retry.MAX_S,
+    ) -> AgentRuntime:
         """Build the tiers the settings ask for: gpu (when asked for and CUDA is here), cpu
-        (shared memory when enabled), then disk."""
+        (shared memory when enabled), then disk. A disk tier whose directory cannot be used
+        is tried again in the background, every ``disk_retry_first_s`` doubling up to
+        ``disk_retry_max_s``, and comes online once it opens (``TierRetry``)."""
         data = settings.data_path
         make_private_dir(data, "data directory")
         tiers: list[Tier] = []
@@ -131,17 +145,10 @@ class AgentRuntime:
             tiers.append(CpuTier(settings.cpu_bytes, shared=settings.shm))
             if settings.disk_bytes > 0:
                 disk = _open_disk_tier(settings, data / "disk")
-                if isinstance(disk, str):
-                    unavailable.append(
-                        {
-                            "name": "disk",
-                            "capacity_bytes": settings.disk_bytes,
-                            "device": str(data / "disk"),
-                            "reason": disk,
-                        }
-                    )
-                else:
-                    tiers.append(disk)
+                # an absent tier keeps its place (and name, tier code, counters) until it opens
+                tiers.append(
+                    AbsentTier("disk", settings.disk_bytes, disk) if isinstance(disk, str) else disk
+                )
         except BaseException:
             for t in tiers:
                 t.close()
@@ -150,9 +157,7 @@ class AgentRuntime:
             store = TieredStore(
                 tiers,
                 eviction=settings.eviction,
-                admission={"disk": settings.disk_admission}
-                if any(isinstance(t, DiskTier) for t in tiers)
-                else None,
+                admission={"disk": settings.disk_admission} if settings.disk_bytes > 0 else None,
                 chunk_tokens=settings.chunk_tokens,
                 isolated_tenants=settings.isolated_tenants,
                 defer_accesses=True,  # a lookup's reply does not wait for the policy
@@ -165,6 +170,18 @@ class AgentRuntime:
         runtime.unavailable_tiers = unavailable
         _say_arena_pages(runtime.shm_tier)
         _say_disk_room(tiers)
+        if "disk" in store.absent_tiers:
+            runtime.disk_retry = TierRetry(
+                store,
+                "disk",
+                lambda: DiskTier(
+                    data / "disk", store.tier("disk").capacity_bytes, fsync=settings.fsync
+                ),
+                first_s=disk_retry_first_s,
+                max_s=disk_retry_max_s,
+                on_online=lambda tier: _say_disk_room([tier]),
+            )
+            runtime.disk_retry.start()
         if gpu_tier is not None:
             runtime.gpu_tier = gpu_tier
             runtime._unfollow_cpu_arena = _register_cpu_arena(gpu_tier, store)
@@ -373,6 +390,20 @@ class AgentRuntime:
             {"name": name, "reason": reason, "offline": True}
             for name, reason in self.store.offline_tiers.items()
         ]
+        absent: list[UnavailableTier] = []
+        retry = self.disk_retry
+        for name, reason in self.store.absent_tiers.items():
+            entry: UnavailableTier = {
+                "name": name,
+                "reason": reason,
+                "capacity_bytes": self.store.tier(name).capacity_bytes,
+                "device": str(s.data_path / name),
+            }
+            if retry is not None and retry.name == name:
+                entry["tries"] = retry.tries
+                if retry.next_try_s is not None:
+                    entry["next_try_s"] = retry.next_try_s
+            absent.append(entry)
         return {
             "name": s.name,
             "dc": s.dc,
@@ -383,8 +414,9 @@ class AgentRuntime:
             "max_chunk_bytes": s.max_chunk_bytes,
             "eviction": s.eviction,
             "tiers": [{"name": name, **u} for name, u in self.usage().items()],
-            # tiers never opened, then tiers that failed in service (puts go to the next one)
-            "unavailable_tiers": [*self.unavailable_tiers, *offline],
+            # tiers never opened, tiers not opened yet (tried again), then tiers that failed in
+            # service (puts go to the next one)
+            "unavailable_tiers": [*self.unavailable_tiers, *absent, *offline],
             "models": [
                 {
                     "id": m.id,
@@ -425,6 +457,8 @@ class AgentRuntime:
             return status, self._nvml.read()
 
     def close(self) -> None:
+        if self.disk_retry is not None:
+            self.disk_retry.close()
         if self.remote is not None:
             self.remote.close()
         self._unsubscribe()
@@ -581,8 +615,8 @@ def _open_disk_tier(settings: AgentSettings, directory: Path) -> DiskTier | str:
         raise
     except TierUnavailable as exc:
         log.warning(
-            "disk tier unavailable, starting without it (restart the agent once its directory "
-            "is usable): %s (asked for %s in %s)",
+            "disk tier unavailable, starting without it (it is tried again in the background "
+            "and comes online once its directory is usable): %s (asked for %s in %s)",
             exc,
             format_bytes(settings.disk_bytes),
             directory,

@@ -884,8 +884,15 @@ def _render_status(report: dict[str, Any]) -> None:
             if tier.get("offline")
             else f"asked for {format_bytes(tier['capacity_bytes'])} on {tier['device']}"
         )
+        # a disk tier not opened yet is tried again (an agent before that says neither)
+        retry = ""
+        if tier.get("next_try_s") is not None:
+            wait_s = max(0.0, tier["next_try_s"] - time.time())
+            tries = tier.get("tries", 0)
+            retry = f"; {_count(tries, 'retry')} so far, next in {wait_s:.0f} s"
         console.print(
-            f"[yellow]{tier['name']} tier unavailable[/] ({where}): {escape(tier['reason'])}",
+            f"[yellow]{tier['name']} tier unavailable[/] ({where}{retry}): "
+            f"{escape(tier['reason'])}",
             highlight=False,
         )
     policies = report["policies"]

@@ -27,14 +27,17 @@ class TierEntry(TierUsage):
 
 class UnavailableTier(TypedDict):
     """A tier the settings ask for that the agent does not serve: never opened (no CUDA:
-    ``capacity_bytes`` and ``device`` say what was asked for) or failed in service
-    (``offline``)."""
+    ``capacity_bytes`` and ``device`` say what was asked for), not opened yet (a disk tier
+    whose directory cannot be used: tried again, ``tries`` so far, the next at ``next_try_s``;
+    ``reason`` is the last try's error) or failed in service (``offline``)."""
 
     name: str
     reason: str
     capacity_bytes: NotRequired[int]
     device: NotRequired[str]
     offline: NotRequired[bool]
+    tries: NotRequired[int]
+    next_try_s: NotRequired[float]
 
 
 class ModelEntry(TypedDict):

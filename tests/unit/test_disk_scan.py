@@ -105,7 +105,8 @@ def test_an_agent_starts_without_a_disk_tier_whose_directory_is_unusable(
     with caplog.at_level(logging.WARNING, logger="kvctl.agent"):
         runtime = AgentRuntime.open(_settings(tmp_path))
     try:
-        assert runtime.store.tier_names == ["cpu"]
+        # its place is kept while it is absent (tried again: tests/unit/test_disk_tier_retry.py)
+        assert runtime.store.tier_names == ["cpu", "disk"] and "disk" not in runtime.usage()
         [gone] = runtime.info()["unavailable_tiers"]
         assert gone["name"] == "disk" and gone.get("capacity_bytes") == 1 << 20
         assert gone.get("device") == str(tmp_path / "disk")
