@@ -123,7 +123,26 @@ class ChunkNotFound(AgentError, KeyError):
 
 
 class NoRoom(RequestError):
-    """The chunk cannot fit (tier full of pinned or leased chunks, or larger than a tier)."""
+    """The chunk cannot fit (tier full of pinned or leased chunks, larger than a tier, or a
+    disk tier's filesystem full)."""
+
+
+def no_room_message(key: bytes, full_tier: str | None) -> str:
+    """What a NO_ROOM for chunk ``key`` tells the operator: the likely causes and where to
+    look. ``full_tier``: the tier whose filesystem the agent found full (a PUT item's tier
+    code on NO_ROOM; None from an agent that does not say, or where that was not why)."""
+    if full_tier is not None:
+        return (
+            f"no room for chunk {key.hex()}: the agent's {full_tier} tier found its filesystem "
+            "full (others' files, or --disk above the free space) and no other tier could take "
+            "it; `kvctl agent status` on that node counts it (filesystem full), its log says "
+            "how many bytes were free"
+        )
+    return (
+        f"no room for chunk {key.hex()}: no tier of the agent could take it (full of pinned or "
+        "leased chunks, a chunk larger than a tier, or a disk tier's filesystem full); "
+        "`kvctl agent status` on that node shows pins and full filesystems, its log says why"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +151,8 @@ class PutOutcome:
     #: "bad" (size or key refused), "corrupt" (its bytes arrived damaged: they did not match
     #: the checksum sent with them, so the agent refused them; only puts that carry checksums)
     status: str
+    #: where it is stored; for "no_room", the tier whose filesystem was full when that is part
+    #: of why (``no_room_message``), else None
     tier: str | None
 
 
@@ -372,7 +393,7 @@ class DataClient:
             checksums=checksums,
         )[0]
         if out.status == "no_room":
-            raise NoRoom(f"no room for chunk {key.hex()}", ErrorCode.NO_ROOM)
+            raise NoRoom(no_room_message(key, out.tier), ErrorCode.NO_ROOM)
         if out.status in ("too_large", "bad", "corrupt"):
             raise RequestError(f"agent refused chunk {key.hex()}: {out.status}")
         return out.tier

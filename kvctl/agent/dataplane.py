@@ -252,6 +252,8 @@ class DataPlaneServer:
         self.hello_timeouts = EveryInterval()
         #: PUT chunks refused because their bytes did not match their sender's checksum
         self.corrupt_puts = EveryInterval()
+        #: PUT chunks no tier could take (NO_ROOM): logged with the store's reason
+        self.no_room_puts = EveryInterval()
         #: chunks answered missing because the replies' copy budget was full
         self.copies_refused = EveryInterval()
         self._accept_failures = EveryInterval()
@@ -1045,13 +1047,33 @@ class Connection:
                 pinned=bool(flags & FLAG_PINNED),
                 isolated=bool(flags & FLAG_ISOLATED),
             )
-        except CapacityError:
-            return bytes((Status.NO_ROOM, NO_TIER))
+        except CapacityError as exc:
+            return self._no_room(key, exc)
         except (InvalidArgument, PayloadSizeError):
             return bytes((Status.BAD, NO_TIER))
         if tier is None:
             return bytes((Status.DECLINED, NO_TIER))
         return bytes((Status.OK, self.server.tier_codes[tier]))
+
+    def _no_room(self, key: bytes, exc: CapacityError) -> bytes:
+        """A PUT chunk no tier could take: its NO_ROOM item, whose tier code names a tier
+        whose filesystem was full where that is part of why (the one reason a client can do
+        nothing about but tell the operator; older clients ignore it). The store's reason
+        (pins, a full filesystem with its free bytes, ...) goes to the log, once a minute at
+        most: the item has no room for text."""
+        n = self.server.no_room_puts.count()
+        if n:
+            log.warning(
+                "refused %d PUT chunk(s) for want of room (NO_ROOM; the last: %s from %s): %s",
+                n,
+                key.hex(),
+                self._peer_name(),
+                exc,
+            )
+        full = exc.filesystem_full_tiers
+        return bytes(
+            (Status.NO_ROOM, self.server.tier_codes.get(full[0], NO_TIER) if full else NO_TIER)
+        )
 
     def _get(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.text()

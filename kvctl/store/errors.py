@@ -27,6 +27,10 @@ class KeyNotFound(StoreError, KeyError):
 class CapacityError(StoreError):
     """The tier cannot make room: the chunk is larger than the tier or the rest is pinned."""
 
+    #: tiers a put passed over because their filesystem was full below their capacity (others'
+    #: files, a --disk above the free space): part of why no tier took the chunk
+    filesystem_full_tiers: tuple[str, ...] = ()
+
 
 class TierUnavailable(StoreError):
     """A tier cannot be used: its directory is missing or not writable, or it was closed."""

@@ -734,14 +734,16 @@ class TieredStore:
         # (too many pins, or leased regions splitting its free space) is passed over
         # untouched, and when no tier can, the put raises with the store as it was.
         skip: set[str] = set()  # tiers that failed this put after all (device, disk full)
-        full: list[str] = []  # why, for each tier whose filesystem had no room for it
+        full: dict[str, str] = {}  # why, for each tier whose filesystem had no room for it
         while True:
             try:
                 plan = self._plan_put(entry, start, pinned=pinned, now=now, skip=skip)
             except CapacityError as exc:
                 if not full:
                     raise
-                raise CapacityError(f"{exc}; {'; '.join(full)}") from exc
+                refused = CapacityError(f"{exc}; {'; '.join(full.values())}")
+                refused.filesystem_full_tiers = tuple(full)  # the data plane says which
+                raise refused from exc
             if plan is None:
                 self._accounting.stats.bypassed_puts += 1
                 return True, None, []
@@ -771,7 +773,7 @@ class TieredStore:
                 # the filesystem under a disk tier is full of what is not its own: the next
                 # tier down may take it
                 skip.add(target.name)
-                full.append(str(exc))
+                full[target.name] = str(exc)
                 continue
             except CapacityError:
                 skip.add(target.name)

@@ -108,7 +108,9 @@ class Op(IntEnum):
     PING = 2
     #: chunks: meta tenant, u32 n, n x ITEM, then optionally u8 PUT flags (PUT_CHECKSUMS:
     #: n x PUT_CHECKSUM follow); the payload is the chunks in order; reply u32 n, then per item
-    #: u8 Status and u8 tier code (NO_TIER when not stored)
+    #: u8 Status and u8 tier code (NO_TIER when not stored; for NO_ROOM, the tier whose
+    #: filesystem was full when that is part of why: older agents send NO_TIER, older clients
+    #: read it as a tier name they do not use)
     PUT = 3
     GET = 4
     EXISTS = 5
@@ -186,6 +188,8 @@ class Status(IntEnum):
     MISSING = 1
     DECLINED = 2
     TOO_LARGE = 3
+    #: no tier could take the chunk (pins, leased regions, larger than a tier, a filesystem
+    #: full); the item's tier code names a tier whose filesystem was full, if one was
     NO_ROOM = 4
     BAD = 5
     #: the chunk exists but cannot be leased in shared memory; fetch it over the socket
