@@ -889,7 +889,9 @@ def _render_status(report: dict[str, Any]) -> None:
         if tier.get("next_try_s") is not None:
             wait_s = max(0.0, tier["next_try_s"] - time.time())
             tries = tier.get("tries", 0)
-            retry = f"; {_count(tries, 'retry')} so far, next in {wait_s:.0f} s"
+            retry = (
+                f"; {tries:,} {'retry' if tries == 1 else 'retries'} so far, next in {wait_s:.0f} s"
+            )
         console.print(
             f"[yellow]{tier['name']} tier unavailable[/] ({where}{retry}): "
             f"{escape(tier['reason'])}",

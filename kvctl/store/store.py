@@ -499,16 +499,7 @@ class TieredStore:
             if self._closed:
                 return adopted
             self._shrink_to(tier, tier.capacity_bytes, reason="resize")
-            del self._absent[tier.name]
-            self._say.forget(f"online:{tier.name}")
-            self._say.say(
-                f"online:{tier.name}",
-                logging.WARNING,
-                "tier %s online: %d chunks (%d bytes) found in it",
-                tier.name,
-                adopted,
-                tier.used_bytes,
-            )
+            del self._absent[tier.name]  # the caller says it (it knows how it got there)
         return adopted
 
     def _adopt_chunks(self, tier: Tier, metas: Sequence[ChunkMeta]) -> int:
