@@ -941,7 +941,7 @@ class Connection:
         way (a flipped bit past TCP's weak checksum) is refused alone (CORRUPT), counted and
         logged; the rest of the batch is stored as usual."""
         try:
-            tenant = meta.text()
+            tenant = meta.tenant()
             items = meta.structs(ITEM, meta.count())
             checksums = parse_put_checksums(meta, len(items))
             sizes = [it[1] for it in items]
@@ -1017,7 +1017,7 @@ class Connection:
     def _put_staged(self, meta: MetaReader, _payload: int) -> Reply:
         if self._staging is None:
             raise FrameError(ErrorCode.BAD_REQUEST, "PUT_STAGED before ATTACH")
-        tenant = meta.text()
+        tenant = meta.tenant()
         items = meta.structs(STAGED_ITEM, meta.count())
         meta.done()
         staging = memoryview(self._staging)
@@ -1076,7 +1076,7 @@ class Connection:
         )
 
     def _get(self, meta: MetaReader, _payload: int) -> Reply:
-        tenant = meta.text()
+        tenant = meta.tenant()
         keys = meta.keys()
         meta.done()
         items = bytearray()
@@ -1169,7 +1169,7 @@ class Connection:
         each chunk's XXH3-64, so the puller can tell bytes damaged on the way (a flipped bit
         past TCP's weak checksum, a faulty NIC or relay) from the chunk: it is asked for by
         other agents only, so an engine's local reads never pay for it."""
-        tenant = meta.text()
+        tenant = meta.tenant()
         want_payload, want_checksums = parse_fetch_flags(meta.u8())
         keys = meta.keys()
         meta.done()
@@ -1220,7 +1220,7 @@ class Connection:
         return [w.build(), *payload], total
 
     def _exists(self, meta: MetaReader, _payload: int) -> Reply:
-        tenant = meta.text()
+        tenant = meta.tenant()
         keys = meta.keys()
         meta.done()
         codes = self.server.tier_codes
@@ -1228,7 +1228,7 @@ class Connection:
         return [MetaWriter().u32(len(keys)).raw(bytes(map(codes.__getitem__, tiers))).build()], 0
 
     def _tenant(self, meta: MetaReader, _payload: int) -> Reply:
-        tenant = meta.text()
+        tenant = meta.tenant()
         meta.done()
         return [bytes((int(self.runtime.is_isolated(tenant)),))], 0
 
@@ -1248,7 +1248,7 @@ class Connection:
         return [reply], 0
 
     def _lookup(self, meta: MetaReader, _payload: int) -> Reply:
-        tenant = meta.text()
+        tenant = meta.tenant()
         keys = meta.keys()
         meta.done()
         w = MetaWriter()
@@ -1258,7 +1258,7 @@ class Connection:
     def _lookup_many(self, meta: MetaReader, _payload: int) -> Reply:
         """Each chain's lookup; an empty chain (a prompt shorter than a chunk) is answered as
         a miss without counting a lookup, so it cannot dilute the hit ratios."""
-        tenant = meta.text()
+        tenant = meta.tenant()
         chains = [meta.keys() for _ in range(meta.count())]
         meta.done()
         n_keys = sum(map(len, chains))
@@ -1301,7 +1301,7 @@ class Connection:
 
     def _lease(self, meta: MetaReader, _payload: int) -> Reply:
         self._require_shm()
-        tenant = meta.text()
+        tenant = meta.tenant()
         ttl = self._lease_ttl(meta.f64())
         keys = meta.keys()
         meta.done()
@@ -1314,7 +1314,7 @@ class Connection:
         to its first chunk on another node, and that one and the rest are REMOTE, not pulled,
         so the engine can LEASE them in slices and copy each while the next one is pulled."""
         self._require_shm()
-        tenant = meta.text()
+        tenant = meta.tenant()
         ttl = self._lease_ttl(meta.f64())
         keys = meta.keys()
         meta.done()

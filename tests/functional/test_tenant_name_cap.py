@@ -48,12 +48,10 @@ def node(tmp_path: Path) -> Iterator[Node]:
 def test_a_put_under_a_tenant_name_over_the_cap_stores_nothing(node: Node) -> None:
     keys = [key(i, 41) for i in range(3)]
     with DataClient.connect(node.tcp, use_shm=False) as client:
-        try:
-            outs = client.put_many([(k, b"x") for k in keys], tenant=LONG)
-        except RequestError as exc:  # where the data plane reads tenants with MetaReader.tenant
-            assert exc.code == ErrorCode.BAD_REQUEST and "tenant name" in str(exc)
-        else:  # the store refuses each chunk
-            assert [o.status for o in outs] == ["bad"] * 3
+        # refused whole, as the frame is read (MetaReader.tenant), not chunk by chunk
+        with pytest.raises(RequestError, match="tenant name is 60000 bytes") as err:
+            client.put_many([(k, b"x") for k in keys], tenant=LONG)
+        assert err.value.code == ErrorCode.BAD_REQUEST
         assert len(node.store) == 0
         # the connection is still in step: a name at the cap is taken
         at_cap = "t" * MAX_TENANT_BYTES
@@ -70,3 +68,21 @@ def test_a_lookup_under_a_tenant_name_over_the_cap_is_a_bad_request(node: Node) 
         assert err.value.code == ErrorCode.BAD_REQUEST
         assert client.lookup([k], tenant="a").matched_chunks == 1
     assert node.store.stats.lookups == 1
+
+
+@pytest.mark.parametrize("op", ["exists", "is_isolated", "fetch"])
+def test_every_op_naming_a_tenant_refuses_one_over_the_cap(node: Node, op: str) -> None:
+    """Each data-plane op that names a tenant reads it with MetaReader.tenant: one over the
+    cap is a BAD_REQUEST saying so, and the connection stays in step."""
+    k = key(0, 43)
+    node.store.put(k, b"x", tenant="a")
+    calls = {
+        "exists": lambda c, t: c.exists([k], tenant=t),
+        "is_isolated": lambda c, t: c.is_isolated(t),
+        "fetch": lambda c, t: c.fetch([k], tenant=t),
+    }
+    with DataClient.connect(node.tcp, use_shm=False) as client:
+        with pytest.raises(RequestError, match="tenant name is 60000 bytes") as err:
+            calls[op](client, LONG)
+        assert err.value.code == ErrorCode.BAD_REQUEST
+        calls[op](client, "a")  # in step: the next request is answered
