@@ -823,12 +823,17 @@ class DataClient:
         self.closed = True
         if self._staging is not None and self.on_staging is not None:
             self.on_staging(None)
-        for m in (self._arena, self._staging):
+        # dropped even where closing fails: a view still held (an engine's tensor over the arena)
+        # keeps the mapping until that view goes, and a closed client kept alive (a writer's
+        # source connection, a test's local) must not keep it, a whole arena, beyond that
+        mappings, self._arena, self._staging = (self._arena, self._staging), None, None
+        for m in mappings:
             if m is not None:
                 with contextlib.suppress(BufferError):
                     m.close()
-        if self._staging_fd >= 0:
-            os.close(self._staging_fd)
+        staging_fd, self._staging_fd = self._staging_fd, -1
+        if staging_fd >= 0:
+            os.close(staging_fd)
         with contextlib.suppress(OSError):
             self._sock.close()
 
