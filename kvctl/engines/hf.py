@@ -13,6 +13,7 @@ import inspect
 import logging
 import mmap
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -152,6 +153,39 @@ class Prefill:
         }
 
 
+class _StagingRegistrar:
+    """``DataClient.on_staging`` for a CUDA engine's writer: keeps the writer's staging segment
+    registered with CUDA. Apart from ``CachedLM`` so that the writer's thread, which calls it,
+    does not keep the engine alive."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.reg: HostRegistration | None = None
+        self.failures = 0
+
+    def __call__(self, segment: mmap.mmap | None) -> None:
+        """The writer's connection attached ``segment`` (None: it is about to unmap the one it
+        had): register it with CUDA, the old one unregistered first. A refusal leaves plain
+        pageable copies (slower, as correct). Runs on the writer thread, between its copies,
+        which are synchronous: none is in flight into a segment being unregistered."""
+        if self.reg is not None:
+            reg, self.reg = self.reg, None
+            try:
+                reg.close()
+            except Exception as exc:  # the driver keeps it; the mapping goes with the client
+                log.warning("could not unregister the staging segment from CUDA: %s", exc)
+        if segment is None:
+            return
+        from kvctl.store.tiers.hostreg import register_host  # CUDA only; imported on first use
+
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        try:
+            self.reg = register_host(segment, read_only=False, device=f"cuda:{index}")
+        except Exception as exc:  # any refusal leaves a working, slower path
+            self.failures += 1
+            log.warning("could not register the staging segment with CUDA (stores slower): %s", exc)
+
+
 class CachedLM:
     """A causal LM whose prefill reads and writes KV chunks through a kvctl agent.
 
@@ -238,12 +272,14 @@ class CachedLM:
         self._samples: list[tuple[int, int, float]] = []
         self._h2d_bytes_per_s: float | None = None
         self._writer: WriteBehind | None = None
+        #: closes the writer if this engine is collected without ``close``: its thread would
+        #: otherwise wait for jobs forever, holding its connection and staging segment
+        self._writer_finalizer: weakref.finalize[[WriteBehind], CachedLM] | None = None
         #: the CUDA stream the writer packs new chunks on (made on first store)
         self._pack_stream: Any = None
-        #: the writer's staging segment, registered with CUDA (so a new chunk's copy from the
+        #: registers the writer's staging segment with CUDA (so a new chunk's copy from the
         #: device into it is a DMA), while it has one
-        self._staging_reg: HostRegistration | None = None
-        self.staging_register_failures = 0
+        self._staging = _StagingRegistrar(self.device)
         self.layerwise = layerwise
         #: the decoder layers a ``layerwise`` request hooks while its copies run
         self._layers = _decoder_layers(model, self.layout.layers) if layerwise else []
@@ -301,9 +337,7 @@ class CachedLM:
     @client.setter
     def client(self, client: DataClient | None) -> None:
         """A new connection (say, after the agent restarted); tenants' policies are asked anew."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._close_writer()
         self._client = client
         self._namespaces.clear()
         self.arena_attach_seconds = self._attach()
@@ -320,10 +354,24 @@ class CachedLM:
 
     def close(self) -> None:
         """Finish pending writes and stop the writer (the client stays the caller's)."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        self._close_writer()
         self.loader.close()
+
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if self._writer_finalizer is not None:
+            self._writer_finalizer.detach()
+            self._writer_finalizer = None
+        if writer is not None:
+            writer.close()
+
+    @property
+    def staging_register_failures(self) -> int:
+        return self._staging.failures
+
+    @property
+    def _staging_reg(self) -> HostRegistration | None:
+        return self._staging.reg
 
     def namespace(self, tenant: str | None = None) -> Namespace:
         """Model id + KV layout + the tenant's salt (asked of the agent once per tenant)."""
@@ -666,34 +714,18 @@ class CachedLM:
             job.pack = on_stream
             job.pack_into = into_on_stream
         if self._writer is None:
-            on_staging = self._staging_changed if self.device.type == "cuda" else None
+            # nothing the writer's thread holds between jobs may lead back to this engine (the
+            # registrar does not): then an engine dropped unclosed is collected, and so closes it
+            on_staging = self._staging if self.device.type == "cuda" else None
             self._writer = WriteBehind(client, on_staging=on_staging)
+            self._writer_finalizer = weakref.finalize(
+                self, WriteBehind.close_in_background, self._writer
+            )
+            self._writer_finalizer.atexit = False  # at exit the writers' own atexit closes it
         stored = self._writer.submit(job)
         if not self.write_behind:
             stored.result()
         return stored
-
-    def _staging_changed(self, segment: mmap.mmap | None) -> None:
-        """The writer's connection attached ``segment`` (None: it is about to unmap the one it
-        had): register it with CUDA, the old one unregistered first. A refusal leaves plain
-        pageable copies (slower, as correct). Runs on the writer thread, between its copies,
-        which are synchronous: none is in flight into a segment being unregistered."""
-        if self._staging_reg is not None:
-            reg, self._staging_reg = self._staging_reg, None
-            try:
-                reg.close()
-            except Exception as exc:  # the driver keeps it; the mapping goes with the client
-                log.warning("could not unregister the staging segment from CUDA: %s", exc)
-        if segment is None:
-            return
-        from kvctl.store.tiers.hostreg import register_host  # CUDA only; imported on first use
-
-        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        try:
-            self._staging_reg = register_host(segment, read_only=False, device=f"cuda:{index}")
-        except Exception as exc:  # any refusal leaves a working, slower path
-            self.staging_register_failures += 1
-            log.warning("could not register the staging segment with CUDA (stores slower): %s", exc)
 
     # --- what this engine measured, for the agent's fetch-or-recompute plan ---------------------
     def _measured(self, computed: int, cached: int, compute_s: float) -> None:

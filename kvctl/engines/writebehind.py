@@ -202,6 +202,12 @@ class WriteBehind:
                 self._thread.start()
                 _LIVE.add(self)
 
+    def close_in_background(self) -> None:
+        """``close`` from a thread of its own, for a finalizer: its owner was collected without
+        closing it, and waiting here for the jobs queued would block whatever thread collected
+        it."""
+        threading.Thread(target=self.close, name="kvctl-write-behind-close", daemon=True).start()
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -216,6 +222,9 @@ class WriteBehind:
             finally:
                 if job.finish is not None:
                     job.finish()
+                # not held while waiting for the next: a job's packers hold the request's whole
+                # KV cache and their engine (and so its mapping of the agent's arena)
+                job = None
 
     def _connection(self) -> DataClient:
         if self._client is None or self._client.closed:

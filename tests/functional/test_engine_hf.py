@@ -452,8 +452,15 @@ def _reader_of_a_cached_prompt(tmp_path: Path, ids: list[int]) -> Iterator[tuple
     ):
         writer = CachedLM(model, client)
         writer.prefill(ids)
-        writer.flush()
-        yield agent, CachedLM(model, client, store=False)
+        writer.close()
+        reader = CachedLM(model, client, store=False)
+        try:
+            yield agent, reader
+        finally:
+            # its loader's tensor over the arena goes now: a test's monkeypatch of the loader
+            # leaves it in a reference cycle (the bound method it puts back), which would keep
+            # the arena mapped until the garbage collector's next full pass
+            reader.close()
 
 
 def test_a_reusing_request_releases_its_leases_once_its_first_token_is_out(
