@@ -299,7 +299,7 @@ class KVLoader:
             return None
         prefault = Prefaulter(arena, ahead_bytes=len(arena), advice=MADV_POPULATE_READ)
         prefault.want(0)
-        return prefault.stop
+        return prefault.close  # (not stop: the client unmapping the arena next must be able to)
 
     def _forget(self, key: int) -> None:
         _, tensor, unregister = self._registered.pop(key)

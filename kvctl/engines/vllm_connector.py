@@ -400,6 +400,8 @@ class KvctlConnector(KVConnectorBase_V1):
             self._saver.drain()
             self._saver.close()
             self._saver = None
+        if self._worker is not None:
+            self._worker.close()  # its loaders' mapping of the arena too, not only the link
         self.link.close()
 
     def _finish_loads(self) -> None:

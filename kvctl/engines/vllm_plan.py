@@ -29,6 +29,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
@@ -247,6 +248,21 @@ class AgentLink:
             if self._client is not None:
                 self._client.close()
                 self._client = None
+
+
+def _weakly(method: Callable[[DataClient], None]) -> Callable[[DataClient], None]:
+    """``method``, held without keeping its object alive: a link that held its worker plan
+    (which holds the link) would make the two a cycle, and a plan let go of would keep its
+    loaders' mapping of the agent's arena (the cpu tier's whole capacity) until the garbage
+    collector's rare full pass found it."""
+    ref = weakref.WeakMethod(method)
+
+    def call(client: DataClient) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(client)
+
+    return call
 
 
 # --- scheduler side -----------------------------------------------------------------------
@@ -633,7 +649,7 @@ class WorkerPlan:
         self.paged = PagedKV([kv_caches[n] for n in names], self.link.layout, self.block_size)
         # the arena mapped and registered when the worker connects (now, and again after the
         # agent comes back), off the request path: registering pins all of it (seconds)
-        self.link.on_connect = self._attach_later
+        self.link.on_connect = _weakly(self._attach_later)
         client = self.link.get()
         if client is not None and self.attached is None:  # connected before: attach it too
             self._attach_later(client)
@@ -653,6 +669,18 @@ class WorkerPlan:
             daemon=True,
         )
         self.attached.start()
+
+    def close(self) -> None:
+        """Let go of the agent: each loader's mapping of its arena dropped (unregistered from
+        CUDA first) and the connection closed. The connection alone cannot unmap the arena
+        while a loader holds a tensor over it: a shut-down connector would keep the cpu tier's
+        whole capacity mapped (pinned, on CUDA) for as long as its process lives."""
+        attached = self.attached
+        if attached is not None:  # else it could map the arena again once closed
+            attached.join(self.link.timeout_seconds)
+        for loader in self._loaders.values():
+            loader.close()
+        self.link.close()
 
     def format(self, chunk_tokens: int) -> ChunkFormat:
         fmt = self._formats.get(chunk_tokens)

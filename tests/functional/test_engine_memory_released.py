@@ -9,6 +9,8 @@ from __future__ import annotations
 import gc
 import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -121,3 +123,66 @@ def test_an_engine_dropped_unclosed_leaves_no_writer_mapping_or_thread(tmp_path:
         assert start in _memfd_mappings("cpu")
     gc.collect()
     assert start not in _memfd_mappings("cpu")
+
+
+@contextmanager
+def _no_collector() -> Iterator[None]:
+    """Only reference counting frees anything inside: what a reference cycle holds stays."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _worker_plan(address: str) -> tuple[object, int]:
+    """A vLLM worker-side plan connected to the agent, its arena mapped and attached (as at
+    the worker's start); and where that mapping starts (the test holds no view of it)."""
+    import torch  # (in the test: importorskip)
+
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.engines.vllm_plan import AgentLink, WorkerPlan
+    from kvctl.store.keys import KVLayout
+
+    before = _memfd_mappings("cpu")
+    layout = KVLayout(2, 2, 8, "float32")
+    link = AgentLink(address, tenant="t", model_id="m", layout=layout, block_size=16)
+    plan = WorkerPlan(link, 16)
+    dtype = ChunkFormat(layout, 1).dtype
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros((2, 4, 16, 2, 8), dtype=dtype)
+              for i in range(2)}  # fmt: skip
+    plan.register(caches)
+    assert plan.attached is not None
+    plan.attached.join(30)
+    (loader,) = plan._loaders.values()
+    assert len(loader._registered) == 1
+    (start,) = _memfd_mappings("cpu") - before
+    return plan, start
+
+
+def test_a_worker_plan_let_go_of_unmaps_the_arena_without_the_garbage_collector(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    with running_agent(tmp_path, "--cpu", "64MiB") as agent:
+        assert agent.state.data_unix is not None
+        with _no_collector():
+            plan, start = _worker_plan(agent.state.data_unix)
+            gone = weakref.ref(plan)
+            del plan
+            assert gone() is None, "the plan is in a reference cycle (with its link)"
+            # (a populate of the mapping under way, started as it was attached, ends first)
+            wait_until("the arena to be unmapped", lambda: start not in _memfd_mappings("cpu"))
+
+
+def test_a_closed_worker_plan_unmaps_the_arena(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    with running_agent(tmp_path, "--cpu", "64MiB") as agent:
+        assert agent.state.data_unix is not None
+        with _no_collector():
+            plan, start = _worker_plan(agent.state.data_unix)
+            plan.close()  # type: ignore[attr-defined]
+            # the plan is still held here: closing it is what let go of the arena
+            assert start not in _memfd_mappings("cpu")

@@ -98,6 +98,13 @@ class Prefaulter:
         with self._lock:
             self._stopped = True
 
+    def close(self) -> None:
+        """``stop``, and wait for the call in flight (one step at most): it holds an export of
+        the arena, so whoever unmaps the arena next (a client closing, or mapping it anew)
+        could not while it runs, and the mapping would outlive them."""
+        self.stop()
+        self.join()
+
     def join(self, timeout_s: float | None = None) -> None:
         thread = self._thread
         if thread is not None:
