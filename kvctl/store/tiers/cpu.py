@@ -730,7 +730,9 @@ class CpuTier(Tier):
 
     def _release_arena(self) -> None:
         if self._prefault is not None:
-            self._prefault.stop()
+            # waited for: its call in flight holds an export of the arena, which would make
+            # unmapping it fail and leave it mapped for as long as this tier object lives
+            self._prefault.close()
         _release(self._arena, self._view, self._fd)
         self._fd = -1
 
