@@ -21,6 +21,19 @@ simulator's hit ratio and % of Belady count), or the prefill it saves (``weight=
 chunks) accesses; by default they do not (forgetting over 8 to 64 x capacity measured better on
 the trace at 2% and 10%, worse at 1%, 5% and 20%).
 
+``lineage-learned-arc`` is not a candidate (issue 26, % of Belady on the Mooncake trace at 1 / 2 /
+5 / 10 / 20%, against 26.1 / 30.5 / 41.5 / 54.3 / 68.0 with the candidates above): in place of
+``lineage-arc`` it measured 26.8 / 31.0 / 41.5 / 53.0 / 69.0, and with its real-side order picking
+by its shadow's model and ``lead_fraction`` 0.05, 25.3 / 31.0 / 41.8 / 54.4 / 68.8, nowhere near
+its own 43.1 at 5% and 55.7 at 10%. Its shadow and the others' take turns ahead, in bursts (a
+request's chain hits or misses together), which the coin-toss test seems to take for leads: with
+its shadow's model and ``lead_fraction`` 0.02 the leader changed 23 times at 10% instead of once,
+each change paying for the tier's turnover. It also costs 2 reuse models (1.1-1.7k decisions/s
+at 5% against 5.0k, in one loaded run) and makes reads non-deferrable. Counting the noise per
+request chain instead of per block, with or without flooring the counts at zero (CUSUM), or
+evicting by a vote of the shadows, measured worse somewhere too (trace at 1% or 5%,
+system-prompt at 50%, a chat, rag and system-prompt mix at 2-5%).
+
 The real tier's victims are, in order:
 
 1. leaves the leader's shadow does not hold (the first 64 in the order the shadow dropped them;
