@@ -357,12 +357,22 @@ def test_readonly_refuses_every_action(fleet: tuple[Engine, dict[str, Agent]]) -
     keys = put_chain(a, 1, seed=7)
     app = create_app(FleetSource(engine, timeout_s=2), readonly=True, auto_poll=False)
 
+    # each refusal noted as it is shown: a notification leaves after 5 s, which a loaded
+    # machine can spend on this script (a fresh-clone CI run saw 5 of the 7 left at the end)
+    refusals: dict[str, str] = {}
+
+    def note_refusals() -> None:
+        refusals.update(
+            (n.identity, n.message) for n in app._notifications if "read-only" in n.message
+        )
+
     async def script(pilot: Pilot[None]) -> None:
         await poll(pilot, app)
         assert "READ-ONLY" in app.screen.sub_title
         select_row(app, "#fleet", "node:gpu-a")
         for key in ("f", "z"):
             await pilot.press(key)
+            note_refusals()
             assert isinstance(app.screen, FleetScreen)
         await pilot.press("enter")
         top = app.screen.query_one("#top", DataTable)
@@ -370,9 +380,9 @@ def test_readonly_refuses_every_action(fleet: tuple[Engine, dict[str, Agent]]) -
         await pilot.press("2")
         for key in ("p", "u", "e", "f", "z"):
             await pilot.press(key)
+            note_refusals()
             assert isinstance(app.screen, NodeScreen), key
-        refusals = [n for n in app._notifications if "read-only" in n.message]
-        assert len(refusals) == 7
+        assert len(refusals) == 7, refusals
 
     drive(app, script)
     assert app.actions_done == []
