@@ -365,19 +365,7 @@ class TieredStore:
                 tier.delete(meta.key)
                 continue
             self._tick += 1
-            self._index[meta.key] = Entry(
-                key=meta.key,
-                tier=tier.name,
-                size_bytes=meta.size_bytes,
-                tokens=meta.tokens,
-                tenant=meta.tenant,
-                parent=meta.parent,
-                priority=meta.priority,
-                isolated=meta.isolated,
-                created_s=meta.created_s,
-                last_access_s=meta.created_s,
-                last_tick=self._tick,
-            )
+            self._index[meta.key] = _found_entry(meta, tier.name, self._tick)
         for e in self._index.values():
             self._link_parent(e, +1, notify=False)
             if e.isolated:
@@ -514,19 +502,7 @@ class TieredStore:
                 tier.delete(meta.key)
                 continue
             self._tick += 1
-            e = Entry(
-                key=meta.key,
-                tier=tier.name,
-                size_bytes=meta.size_bytes,
-                tokens=meta.tokens,
-                tenant=meta.tenant,
-                parent=meta.parent,
-                priority=meta.priority,
-                isolated=meta.isolated,
-                created_s=meta.created_s,
-                last_access_s=meta.created_s,
-                last_tick=self._tick,
-            )
+            e = _found_entry(meta, tier.name, self._tick)
             self._index[e.key] = e
             if e.isolated:
                 self._isolated_owner[e.key] = e.tenant
@@ -2674,4 +2650,22 @@ def _hot(e: Entry, prefix_chunks: int, prefix_tokens: int, prefix_complete: bool
         prefix_chunks=prefix_chunks,
         prefix_tokens=prefix_tokens,
         prefix_complete=prefix_complete,
+    )
+
+
+def _found_entry(meta: ChunkMeta, tier: str, tick: int) -> Entry:
+    """The index entry of a chunk found in ``tier`` at its open (``meta`` as it was stored):
+    last accessed when it was stored, as far as anyone can tell."""
+    return Entry(
+        key=meta.key,
+        tier=tier,
+        size_bytes=meta.size_bytes,
+        tokens=meta.tokens,
+        tenant=meta.tenant,
+        parent=meta.parent,
+        priority=meta.priority,
+        isolated=meta.isolated,
+        created_s=meta.created_s,
+        last_access_s=meta.created_s,
+        last_tick=tick,
     )
