@@ -1060,7 +1060,8 @@ class Connection:
         whose filesystem was full where that is part of why (the one reason a client can do
         nothing about but tell the operator; older clients ignore it). The store's reason
         (pins, a full filesystem with its free bytes, ...) goes to the log, once a minute at
-        most: the item has no room for text."""
+        most: the item has no room for text. Counted (``kvctl_dataplane_no_room_puts_total``)."""
+        self.runtime.metrics.no_room_put()
         n = self.server.no_room_puts.count()
         if n:
             log.warning(

@@ -538,13 +538,20 @@ class AgentMetrics:
             ("transport",),
             registry=r,
         )
-        #: the same count for ``/v1/stats`` (the counter's value is not public API)
+        #: the same counts for ``/v1/stats`` (a Counter's value is not public API)
+        self._refused_puts_lock = threading.Lock()
         self.corrupt_puts = 0
-        self._corrupt_puts_lock = threading.Lock()
         self._corrupt_puts = Counter(
             "kvctl_dataplane_corrupt_puts",
             "PUT chunks whose bytes did not match the checksum their sender computed (damaged "
             "on the way): refused, not stored.",
+            registry=r,
+        )
+        self.no_room_puts = 0
+        self._no_room_puts = Counter(
+            "kvctl_dataplane_no_room_puts",
+            "PUT chunks no tier could take (NO_ROOM: pinned or leased chunks, a chunk larger "
+            "than a tier, a disk tier's filesystem full): refused, not stored.",
             registry=r,
         )
         self._http_requests = Counter(
@@ -625,9 +632,15 @@ class AgentMetrics:
 
     def corrupt_put(self) -> None:
         """Count one PUT chunk refused for failing its sender's checksum."""
-        with self._corrupt_puts_lock:
+        with self._refused_puts_lock:
             self.corrupt_puts += 1
         self._corrupt_puts.inc()
+
+    def no_room_put(self) -> None:
+        """Count one PUT chunk refused because no tier could take it."""
+        with self._refused_puts_lock:
+            self.no_room_puts += 1
+        self._no_room_puts.inc()
 
     def connection_opened(self, transport: str) -> None:
         self._connections(transport).inc()

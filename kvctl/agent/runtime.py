@@ -375,8 +375,11 @@ class AgentRuntime:
             "started_s": self.started_s,
             "fetch_plans": self.planner.status(),
             "policies": snap["policies"],
-            # as on /metrics (kvctl_dataplane_corrupt_puts_total)
-            "dataplane": {"corrupt_puts": self.metrics.corrupt_puts},
+            # as on /metrics (kvctl_dataplane_corrupt_puts_total, _no_room_puts_total)
+            "dataplane": {
+                "corrupt_puts": self.metrics.corrupt_puts,
+                "no_room_puts": self.metrics.no_room_puts,
+            },
         }
         if self.remote is not None:
             out["remote"] = self.remote.status()

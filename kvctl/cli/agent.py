@@ -553,6 +553,8 @@ def status_command(
         report["rejected"] = dict(rejected.fields)
         # PUT chunks refused as damaged on the way; None from an agent before the count
         report["corrupt_puts"] = stats.get("dataplane", {}).get("corrupt_puts")
+        # PUT chunks no tier could take; None from an agent before the count
+        report["no_room_puts"] = stats.get("dataplane", {}).get("no_room_puts")
     except AgentError as exc:
         failure = exc
         report["error"] = str(exc)
@@ -938,6 +940,14 @@ def _render_status(report: dict[str, Any]) -> None:
             f"[yellow]refused {_count(report['corrupt_puts'], 'PUT chunk')}[/] whose bytes did "
             "not match their sender's checksum (damaged on the way: a bad NIC or link?)",
             highlight=False,
+        )
+    if report.get("no_room_puts"):
+        console.print(
+            f"[yellow]refused {_count(report['no_room_puts'], 'PUT chunk')}[/] for want of room "
+            "(every tier full of pinned or leased chunks, a chunk larger than a tier, or a disk "
+            "tier's filesystem full: see filesystem_full above and the agent log)",
+            highlight=False,
+            soft_wrap=True,
         )
 
 

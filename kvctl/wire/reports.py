@@ -153,6 +153,8 @@ class DataplaneCounters(TypedDict):
     #: PUT chunks refused because their bytes did not match their sender's XXH3-64 (damaged on
     #: the way): ``kvctl_dataplane_corrupt_puts_total``
     corrupt_puts: int
+    #: PUT chunks no tier could take (NO_ROOM): ``kvctl_dataplane_no_room_puts_total``
+    no_room_puts: int
 
 
 class AgentStats(TypedDict):

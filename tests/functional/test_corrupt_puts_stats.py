@@ -41,7 +41,7 @@ def test_refused_corrupt_puts_are_in_stats_and_agent_status(
     raw: RawConnection,  # noqa: F811
     tmp_path: Path,
 ) -> None:
-    assert agent.control().stats()["dataplane"] == {"corrupt_puts": 0}
+    assert agent.control().stats()["dataplane"] == {"corrupt_puts": 0, "no_room_puts": 0}
     assert "PUT chunk" not in _status(tmp_path / "a", tmp_path).stdout
 
     _keys, chunks, items = _batch(seed=83)

@@ -9,6 +9,7 @@ agent logs the store's reason (once a minute at most)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -22,6 +23,8 @@ from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from tests.functional.agents import key, payload
+from tests.functional.test_agent_status_impossible_values import _agent_status
+from tests.functional.test_collector_impossible_values import StandIn
 from tests.tmpfs import tmpfs
 
 MIB = 1 << 20
@@ -85,5 +88,21 @@ def test_a_put_refused_for_another_reason_names_the_likely_causes(tmp_path: Path
         said = str(info.value)
         assert "no tier of the agent could take it" in said and "larger than a tier" in said
         assert "`kvctl agent status`" in said, said
+        # counted, in /v1/stats and on /metrics alike
+        assert node.runtime.stats()["dataplane"]["no_room_puts"] == 2
+        text = node.runtime.metrics.render()[0].decode()
+        assert "kvctl_dataplane_no_room_puts_total 2.0" in text
+        # and `kvctl agent status` says so, on the runtime's own answers
+        stand_in = StandIn("nr")
+        try:
+            stand_in.answers["/v1/info"] = json.loads(json.dumps(node.runtime.info()))
+            stand_in.answers["/v1/stats"] = json.loads(json.dumps(node.runtime.stats()))
+            run = _agent_status(stand_in.url)
+            assert run.returncode == 0, run.stderr
+            assert "refused 2 PUT chunks for want of room" in " ".join(run.stdout.split())
+            report = json.loads(_agent_status(stand_in.url, "--json").stdout)
+            assert report["no_room_puts"] == 2
+        finally:
+            stand_in.close()
     finally:
         node.close()
