@@ -574,12 +574,15 @@ class StartWait:
         if log_bytes != self.log_bytes:
             self.log_bytes = log_bytes
             self.last_progress_s = now_s
-        if self.limit_s is not None and now_s - self.started_s >= self.limit_s:
+        if self._past_limit(now_s):
             return False
         return now_s - self.last_progress_s < self.timeout_s
 
+    def _past_limit(self, now_s: float) -> bool:
+        return self.limit_s is not None and now_s - self.started_s >= self.limit_s
+
     def gave_up(self, now_s: float) -> str:
-        if self.limit_s is not None and now_s - self.started_s >= self.limit_s:
+        if self._past_limit(now_s):
             return (
                 f"not serving after {now_s - self.started_s:.0f} s, the limit given "
                 f"(--start-timeout {self.limit_s:g}), so stopped"

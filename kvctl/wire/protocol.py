@@ -626,7 +626,7 @@ def send_all(
     bytes a syscall; ``on_sent`` is told each syscall's bytes once the kernel took them (a
     server counting a reply toward its stall deadline as its reader takes it). Returns bytes
     sent."""
-    views = [memoryview(p).cast("B") for p in parts if memoryview(p).nbytes]
+    views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
     total = sum(v.nbytes for v in views)
     anc = []
     if fd >= 0:
