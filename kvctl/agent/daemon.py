@@ -224,17 +224,22 @@ def serve(settings: AgentSettings) -> int:
             f"`kvctl agent stop --data-dir {data_dir}` or choose another --data-dir"
         )
     host, port = settings.control_host_port
-    control = _bind_tcp(host, port)
-    runtime = AgentRuntime.open(settings)
-    dataplane = DataPlaneServer(
-        runtime,
-        frame_timeout_s=settings.data_frame_timeout_seconds,
-        put_budget_bytes=settings.data_put_budget_bytes,
-        max_connections=settings.data_max_connections,
-    )
     # put back once stopped: serve() may run inside a longer process (tests, an embedder)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    control = _bind_tcp(host, port)
+    # from here on whatever failed (the runtime's open, the data plane's construction, a
+    # Ctrl-C at start) closes what was opened: a runtime left open keeps the disk tier's lock,
+    # the arena and its threads, and the control socket its port, in a process that goes on
+    runtime: AgentRuntime | None = None
+    dataplane: DataPlaneServer | None = None
     try:
+        runtime = AgentRuntime.open(settings)
+        dataplane = DataPlaneServer(
+            runtime,
+            frame_timeout_s=settings.data_frame_timeout_seconds,
+            put_budget_bytes=settings.data_put_budget_bytes,
+            max_connections=settings.data_max_connections,
+        )
         tcp = settings.data_host_port
         if tcp is not None:
             with _naming("{}:{}".format(*tcp), "the data plane (data_listen)"):
@@ -292,19 +297,28 @@ def serve(settings: AgentSettings) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _already_stopping)
-        log.info("agent %s stopping: draining the data plane", settings.name)
-        dataplane.stop()
-        runtime.close()
-        control.close()
-        state_now = AgentState.read(data_dir)
-        if state_now is not None and state_now.pid == os.getpid():
-            with contextlib.suppress(FileNotFoundError):
-                (data_dir / STATE_FILE).unlink()
-        for sig, handler in previous.items():
-            if handler is not None:  # (one set outside Python cannot be put back from here)
-                signal.signal(sig, handler)
+        # each step runs whatever the one before raised: a failed drain still closes the store
+        with contextlib.ExitStack() as steps:
+            for sig, handler in previous.items():
+                if handler is not None:  # (one set outside Python cannot be put back from here)
+                    steps.callback(signal.signal, sig, handler)
+            steps.callback(_forget_state, data_dir)
+            steps.callback(control.close)
+            if runtime is not None:
+                steps.callback(runtime.close)
+            if dataplane is not None:
+                log.info("agent %s stopping: draining the data plane", settings.name)
+                steps.callback(dataplane.stop)
     log.info("agent %s stopped cleanly", settings.name)
     return 0
+
+
+def _forget_state(data_dir: Path) -> None:
+    """Remove ``agent.json`` if this process wrote it."""
+    state_now = AgentState.read(data_dir)
+    if state_now is not None and state_now.pid == os.getpid():
+        with contextlib.suppress(FileNotFoundError):
+            (data_dir / STATE_FILE).unlink()
 
 
 def descriptors_needed(data_max_connections: int) -> int:
