@@ -54,6 +54,7 @@ from kvctl.wire.protocol import (
     check_header,
     chunk_checksum,
     fetch_flags,
+    get_meta,
     pack_header,
     parse_error,
     parse_fetch_checksums,
@@ -1050,23 +1051,46 @@ class DataClient:
         ]
 
     # --- socket path --------------------------------------------------------------------------
+    @property
+    def takes_get_counted(self) -> bool:
+        """The agent serves a GET_COUNTED re-read without counting it again (``get_counted``
+        in its HELLO)."""
+        return self.info.get("get_counted") is True
+
     @overload
     def _get_socket(
-        self, keys: Sequence[bytes], tenant: str, outs: None
+        self, keys: Sequence[bytes], tenant: str, outs: None, *, counted: bool = False
     ) -> list[bytearray | None]: ...
     @overload
     def _get_socket(
-        self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview]
+        self,
+        keys: Sequence[bytes],
+        tenant: str,
+        outs: Sequence[memoryview],
+        *,
+        counted: bool = False,
     ) -> list[int | None]: ...
     @overload
     def _get_socket(
-        self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview] | None
+        self,
+        keys: Sequence[bytes],
+        tenant: str,
+        outs: Sequence[memoryview] | None,
+        *,
+        counted: bool = False,
     ) -> list[bytearray | None] | list[int | None]: ...
     def _get_socket(
-        self, keys: Sequence[bytes], tenant: str, outs: Sequence[memoryview] | None
+        self,
+        keys: Sequence[bytes],
+        tenant: str,
+        outs: Sequence[memoryview] | None,
+        *,
+        counted: bool = False,
     ) -> list[bytearray | None] | list[int | None]:
         """The chunks in new buffers (``outs`` None), else read into ``outs`` (their sizes);
-        None where not cached."""
+        None where not cached. ``counted``: a LEASE of this read counted them as served
+        already, so the GET says so (GET_COUNTED) to an agent that takes it; an agent before
+        it gets the plain GET and counts them a second time."""
         results: list[Any] = [None] * len(keys)  # the overloads say which, by ``outs``
 
         def target(i: int, size: int) -> memoryview:
@@ -1079,7 +1103,8 @@ class DataClient:
             results[i] = size
             return outs[i][:size]
 
-        self._call(Op.GET, MetaWriter().text(tenant).keys(keys).build(), into=target)
+        meta = get_meta(tenant, keys, counted=counted and self.takes_get_counted)
+        self._call(Op.GET, meta, into=target)
         return results
 
     # --- shared-memory path -------------------------------------------------------------------
@@ -1183,7 +1208,8 @@ class DataClient:
         outs: Sequence[memoryview] | None = None,
     ) -> list[bytearray | None] | list[int | None]:
         """``_get_socket`` through leases on the shared arena; chunks that cannot be leased,
-        or whose lease ran out during the copy, go over the socket."""
+        or whose lease ran out during the copy, go over the socket (GET_COUNTED: the LEASE
+        counted them as served, and the re-read must not count them again)."""
         ttl = self._lease_ttl(None)
         results: list[Any] = [None] * len(keys)
         retry: list[int] = []
@@ -1221,7 +1247,10 @@ class DataClient:
                 self._release_locked(held)
         if retry:
             again = self._get_socket(
-                [keys[i] for i in retry], tenant, None if outs is None else [outs[i] for i in retry]
+                [keys[i] for i in retry],
+                tenant,
+                None if outs is None else [outs[i] for i in retry],
+                counted=True,
             )
             for i, got in zip(retry, again, strict=True):
                 results[i] = got

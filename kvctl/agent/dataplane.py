@@ -74,6 +74,7 @@ from kvctl.wire.protocol import (
     error_meta,
     pack_header,
     parse_fetch_flags,
+    parse_get_flags,
     parse_probe,
     parse_put_checksums,
     parse_rates,
@@ -501,6 +502,8 @@ class DataPlaneServer:
             "fetch_checksum": FETCH_CHECKSUM_NAME,
             #: PUTs may carry this checksum per chunk (PUT_CHECKSUMS), checked before storing
             "put_checksum": PUT_CHECKSUM_NAME,
+            #: GETs may carry GET_COUNTED (a re-read its LEASE counted: served, not counted)
+            "get_counted": True,
         }
 
 
@@ -1077,14 +1080,26 @@ class Connection:
         )
 
     def _get(self, meta: MetaReader, _payload: int) -> Reply:
+        """Chunks' bytes. With GET_COUNTED (a client's re-read of chunks its LEASE counted as
+        served: the lease ran out during its copy, or the chunk was not leasable) they are sent
+        as copies read without counting the access again (``_copies``: under the replies'
+        copy budget, past which a chunk is answered missing, as any copy is), so each read
+        counts a chunk once; otherwise in place under leases where they can be
+        (``_send_views``)."""
         tenant = meta.tenant()
         keys = meta.keys()
-        meta.done()
+        counted = parse_get_flags(meta)
         items = bytearray()
         payload: list[memoryview | bytearray] = []
         total = 0
         self.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
-        for data in self._send_views(keys, tenant):
+        views: list[memoryview | bytearray | None]
+        if counted:
+            copies = self._copies(list(dict.fromkeys(keys)), tenant)
+            views = [copies[k] for k in keys]
+        else:
+            views = self._send_views(keys, tenant)
+        for data in views:
             if data is None:
                 items += GET_ITEM.pack(Status.MISSING, 0)
                 continue
@@ -1123,12 +1138,20 @@ class Connection:
                     # A closed tier fails that read too, and that error is the batch's.
                     pass
             to_copy.append(key)
-        if to_copy:
-            entries = self.runtime.cached_entries(to_copy, tenant=tenant)
-            for key, entry in zip(to_copy, entries, strict=True):
-                if entry is not None:
-                    views[key] = self._copy_within_budget(key, entry.size_bytes, tenant)
+        views.update(self._copies(to_copy, tenant))
         return [views[k] for k in keys]
+
+    def _copies(self, keys: list[bytes], tenant: str) -> dict[bytes, bytearray | None]:
+        """A copy of each of ``keys`` (distinct) read without counting the access (None: not
+        cached, or past the copy budget), for chunks whose read was counted already: by this
+        request's batch lease, or by the client's LEASE before a GET_COUNTED."""
+        copies: dict[bytes, bytearray | None] = dict.fromkeys(keys)
+        if keys:
+            entries = self.runtime.cached_entries(keys, tenant=tenant)
+            for key, entry in zip(keys, entries, strict=True):
+                if entry is not None:
+                    copies[key] = self._copy_within_budget(key, entry.size_bytes, tenant)
+        return copies
 
     def _copy_within_budget(self, key: bytes, size_bytes: int, tenant: str) -> bytearray | None:
         """A copy of a chunk the reply cannot send in place, its bytes taken from the copy
@@ -1147,7 +1170,7 @@ class Connection:
                 )
             return None
         try:
-            # lease_many counted it as served already: one read per request
+            # counted as served already (by lease_many, or the client's LEASE): once a read
             data = self.runtime.get_uncounted(key, tenant=tenant)
         except KeyNotFound:
             budget.release(size_bytes)

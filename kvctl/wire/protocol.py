@@ -21,8 +21,8 @@ the HELLO reply's JSON ``version`` is the agent's kvctl package version, for peo
 (``kvctl doctor`` compares it across the fleet). Builds with and without a capability have
 reported the same package version, so a client decides by the HELLO's capability fields
 (``fetch_checksum``, ``put_checksum``: each names the checksum it takes, absent on agents
-before it; ``shm``), and an agent by the request's own flags (``FETCH_CHECKSUMS``,
-``PUT_CHECKSUMS``), never by comparing versions.
+before it; ``get_counted``; ``shm``), and an agent by the request's own flags
+(``FETCH_CHECKSUMS``, ``PUT_CHECKSUMS``, ``GET_COUNTED``), never by comparing versions.
 """
 
 from __future__ import annotations
@@ -100,6 +100,14 @@ PUT_CHECKSUMS = 1
 PUT_CHECKSUM_NAME = FETCH_CHECKSUM_NAME
 #: one item's checksum at the end of a PUT request: XXH3-64 (seed 0) of its bytes
 PUT_CHECKSUM = FETCH_CHECKSUM
+#: GET request flags: an optional u8 after the keys. GET_COUNTED: a re-read of chunks a LEASE
+#: of the same read counted as served already (a lease that ran out during the client's copy,
+#: a chunk cached but not leasable): the agent sends them and counts no access again (a
+#: chunk's hit_count, its eviction policy's recency and frequency), so each read counts once.
+#: Agents before it refuse metadata past the keys (BAD_REQUEST: the connection stays usable),
+#: so a client sets it only for an agent whose HELLO says ``get_counted``; to an older agent
+#: it sends the plain GET, and that agent counts the re-read a second time.
+GET_COUNTED = 1
 _NO_PARENT = bytes(KEY_BYTES)
 
 
@@ -112,6 +120,8 @@ class Op(IntEnum):
     #: filesystem was full when that is part of why: older agents send NO_TIER, older clients
     #: read it as a tier name they do not use)
     PUT = 3
+    #: chunks' bytes: meta tenant, keys, then optionally u8 GET flags (GET_COUNTED); reply
+    #: u32 n, n x GET_ITEM; the payload is the found chunks in order
     GET = 4
     EXISTS = 5
     LOOKUP = 6
@@ -424,6 +434,28 @@ def parse_put_checksums(meta: MetaReader, n_items: int) -> list[int] | None:
     sums = [int(s) for (s,) in meta.structs(PUT_CHECKSUM, n_items)]
     meta.done()
     return sums
+
+
+def get_meta(tenant: str, keys: Sequence[bytes], *, counted: bool = False) -> bytes:
+    """A GET's metadata: the tenant, the keys, and with ``counted`` the GET_COUNTED flag (only
+    for an agent whose HELLO says ``get_counted``)."""
+    w = MetaWriter().text(tenant).keys(keys)
+    if counted:
+        w.u8(GET_COUNTED)
+    return w.build()
+
+
+def parse_get_flags(meta: MetaReader) -> bool:
+    """Whether a GET's metadata, read up to its keys, ends with GET_COUNTED (nothing: a plain
+    GET); nothing may follow. A flag this side does not know is a BAD_REQUEST, as for PUT: a
+    client sends only the flags the agent's HELLO names."""
+    if not meta.left():
+        return False
+    flags = meta.u8()
+    meta.done()
+    if flags != GET_COUNTED:
+        raise FrameError(ErrorCode.BAD_REQUEST, f"unknown GET flags {flags:#04x}")
+    return True
 
 
 def fetch_flags(*, payload: bool, checksums: bool) -> int:
