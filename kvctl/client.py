@@ -1462,6 +1462,19 @@ class AgentClient:
         body = {"tier": tier, "capacity": capacity}
         return self._json("POST", "/v1/resize", json=body)
 
+    def retry_tier(self, tier: str, *, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Have the agent try ``tier``, one it could not open at start (a disk tier whose
+        directory was unusable), once now: the tier's ``state`` after the try ("online",
+        "absent" with the ``reason``, or "offline"), whether a try was made (``retried``), the
+        tries so far and the agent's own next one. ``timeout_s`` bounds the wait for the
+        answer: the try opens and indexes the tier's directory (a large one takes a while)
+        and first waits out one under way. Raises RequestError (400) for a tier the agent
+        does not have."""
+        from urllib.parse import quote
+
+        timeout = self._httpx.Timeout(timeout_s, connect=self._http.timeout.connect)
+        return self._json("POST", f"/v1/tiers/{quote(tier, safe='')}/retry", timeout=timeout)
+
     def keys(
         self, *, tier: str | None = None, limit: int = 100, after: str | None = None
     ) -> dict[str, Any]:

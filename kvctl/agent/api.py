@@ -272,6 +272,28 @@ class ResizeResponse(BulkResponse):
     usage: TierUsage = Field(description="the tier's usage after the resize")
 
 
+class TierRetryResponse(BaseModel):
+    tier: str
+    state: Literal["online", "absent", "offline"] = Field(
+        description="the tier after the call: online; absent (still cannot be opened, the "
+        "agent tries it again by itself); offline (it failed in service: puts go to the next "
+        "tier, and the store tries it again on a put by itself)"
+    )
+    online: bool = Field(description="state is online")
+    retried: bool = Field(
+        description="this call tried to open the tier; false for a tier that was not absent"
+    )
+    reason: str | None = Field(description="why the tier is absent or offline; null online")
+    tries: int | None = Field(
+        description="tries since the agent started, this one included (null: a tier that "
+        "was never absent)"
+    )
+    next_try_s: float | None = Field(
+        description="unix time of the agent's own next try while absent; null otherwise"
+    )
+    usage: TierUsage | None = Field(description="the tier's usage once online; null otherwise")
+
+
 class KeyItem(BaseModel):
     key: str = Field(description="chunk key (hex)")
     tier: str
@@ -720,6 +742,25 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         # a tier that cannot map the new size raises CapacityError itself (409), unchanged
         result = store.resize(name, capacity_bytes).as_dict()
         return {**result, "usage": store.usage()[name]}
+
+    @app.post(
+        "/v1/tiers/{tier}/retry",
+        response_model=TierRetryResponse,
+        tags=["tiers"],
+        responses=_errors(400, 503),
+    )
+    def retry_tier(tier: TierName) -> dict[str, Any]:
+        """Try a tier that could not be opened at start (a disk tier whose directory was
+        missing, a file, not mounted) once now, without waiting for the agent's own retries:
+        after fixing its directory. Answers the tier's state after the try and the reason
+        when it is still absent (200 either way).
+
+        Blocks while a try already under way finishes (a large directory's scan) and while
+        this one opens and indexes the tier. A tier that is not absent is not tried
+        (`retried` false). 400 for a tier this agent does not have, a gpu tier this machine
+        cannot have included.
+        """
+        return runtime.retry_tier(tier)
 
     # before any /v1/keys/{...} route could be added: Starlette matches in order
     @app.get("/v1/keys/top", response_model=HotKeys, tags=["chunks"], responses=_errors())

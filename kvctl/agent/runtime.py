@@ -16,7 +16,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from kvctl import __version__
 from kvctl.agent import tier_retry
@@ -446,6 +446,44 @@ class AgentRuntime:
             },
             "auth": bool(s.token),
             "data_dir": _disk(s.data_path),
+        }
+
+    def retry_tier(self, name: str) -> dict[str, Any]:
+        """Try absent tier ``name`` (a disk tier that could not be opened at start) once now,
+        as its backoff would later: for an operator who just fixed its directory. Answers the
+        tier's state after the call ("online", "absent" with the reason, or "offline": it
+        failed in service, and the store tries it again on a put by itself), whether this call
+        made a try (``retried``; not for a tier that is not absent), the tries so far and when
+        the next one comes by itself. Raises InvalidArgument for a tier this agent does not
+        have (a gpu tier this machine cannot have, named with its reason)."""
+        store = self.store
+        for gone in self.unavailable_tiers:
+            if gone["name"] == name:
+                raise InvalidArgument(
+                    f"the {name} tier is unavailable on this machine ({gone['reason']}): it is "
+                    "not tried again while the agent runs; restart the agent once that is fixed"
+                )
+        store.tier(name)  # InvalidArgument naming the tiers there are
+        retry = self.disk_retry
+        if retry is not None and retry.name != name:
+            retry = None
+        retried = False
+        if name in store.absent_tiers:
+            if retry is None:  # (every absent tier has one; a runtime built by hand may not)
+                raise InvalidArgument(f"the {name} tier is absent and has no retry")
+            retried = retry.attempt() != "was_online"
+        absent = store.absent_tiers.get(name)
+        offline = store.offline_tiers.get(name)
+        state = "absent" if absent is not None else "offline" if offline is not None else "online"
+        return {
+            "tier": name,
+            "state": state,
+            "online": state == "online",
+            "retried": retried,
+            "reason": absent if absent is not None else offline,
+            "tries": None if retry is None else retry.tries,
+            "next_try_s": retry.next_try_s if retry is not None and absent is not None else None,
+            "usage": self.usage().get(name),
         }
 
     def gpus(self) -> tuple[NvmlStatus, list[GpuReading]]:

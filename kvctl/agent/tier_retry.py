@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from kvctl.format import format_bytes
 from kvctl.store.errors import TierUnavailable
@@ -84,16 +84,24 @@ class TierRetry:
 
     def try_now(self) -> bool:
         """One try: True once the tier is online (now or before), False while it is not."""
+        return self.attempt() != "absent"
+
+    def attempt(self) -> Literal["online", "was_online", "absent"]:
+        """One try, saying what came of it: "online" (this try brought the tier online),
+        "was_online" (it was online already: nothing tried), "absent" (it still cannot be
+        opened; the store's ``absent_tiers`` says why). A try under way in another thread (the
+        backoff's, a scan of a large directory) is waited for, then this one is made if the
+        tier is still absent."""
         with self._try_lock:
             if self.name not in self.store.absent_tiers:
-                return True
+                return "was_online"
             self.tries += 1
             started_s = time.monotonic()
             try:
                 tier = self._open()
             except TierUnavailable as exc:  # DirectoryInUse too: another agent took it
                 self._failed(str(exc))
-                return False
+                return "absent"
             try:
                 chunks = self.store.adopt_tier(tier)
             except BaseException:
@@ -108,9 +116,11 @@ class TierRetry:
                 format_bytes(tier.used_bytes),
                 time.monotonic() - started_s,
             )
+            self.next_try_s = None
+            self._stop.set()  # the backoff's thread ends now, not after its wait
             if self._on_online is not None:
                 self._on_online(tier)
-            return True
+            return "online"
 
     def _failed(self, reason: str) -> None:
         self.store.note_absent(self.name, reason)

@@ -577,6 +577,110 @@ def status_command(
         raise typer.Exit(1)
 
 
+@agent_app.command("retry-tier")
+@bundled
+def retry_tier_command(
+    tier: Annotated[
+        str,
+        typer.Argument(
+            help="The tier to try: one the agent could not open at start (disk).",
+            show_default=False,
+        ),
+    ],
+    home: AgentHome,
+    timeout: Annotated[
+        float,
+        typer.Option(
+            min=1,
+            help="Seconds to wait for the answer: the agent opens and indexes the tier's "
+            "directory (a large one takes a while) before it answers.",
+        ),
+    ] = 300.0,
+    url: UrlOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Try a tier the agent could not open at start (its disk directory was missing, a file,
+    not mounted) once now, instead of waiting for the agent's own retries (every 5 s at first,
+    then up to every 60 s): run it once you fixed the directory. Exits 0 when the tier is
+    online (brought online now, or it was already), 1 when it is still unavailable (the
+    reason is said; the agent goes on trying by itself), when the agent has no such tier, or
+    when the agent is down.
+
+    Examples:
+
+      kvctl agent retry-tier disk
+
+      kvctl agent retry-tier disk --url http://10.0.3.7:7070 --json
+    """
+    from kvctl.client import AgentClient, AgentError, RequestError
+
+    if not re.fullmatch(r"[\w.-]{1,64}", tier):  # a "/" would reach no endpoint at all
+        fail(f"{tier!r} is not a tier name", hint="the agent's tiers: cpu, disk (and gpu)")
+    settings, target = _target(home, url)
+    try:
+        with AgentClient(target, token=settings.token or None) as client:
+            answer = client.retry_tier(tier, timeout_s=timeout)
+    except RequestError as exc:
+        if exc.code != 400:
+            _agent_failed(exc)
+        fail(
+            str(exc).removeprefix("400: "),
+            hint="`kvctl agent status` lists the agent's tiers and those it could not open",
+            code=1,
+        )
+    except AgentError as exc:
+        _agent_failed(exc, elsewhere_hint(home, url, settings.data_path, "retry-tier"))
+    if json_out:
+        print_json(answer)
+    else:
+        _render_retry(answer)
+    if not answer["online"]:
+        raise typer.Exit(1)
+
+
+def _render_retry(answer: dict[str, Any]) -> None:
+    from kvctl.format import format_bytes
+
+    name = escape(answer["tier"])
+    if answer["state"] == "online":
+        usage = answer.get("usage") or {}
+        if not answer["retried"]:
+            console.print(f"{name} tier is online already: nothing to retry", highlight=False)
+            return
+        console.print(
+            f"[bold green]{name} tier online[/]: {usage.get('chunks', 0):,} chunks "
+            f"({format_bytes(usage.get('used_bytes', 0))}) found in it, capacity "
+            f"{format_bytes(usage.get('capacity_bytes', 0))}",
+            highlight=False,
+        )
+        return
+    reason = escape(answer.get("reason") or "")
+    if answer["state"] == "offline":
+        err_console.print(
+            f"[yellow]{name} tier offline[/] (failed in service): {reason}\n[dim]hint: it was "
+            "opened at start, so it is not retried here: the agent tries it again by itself "
+            "on a put; its log says what failed[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
+    again = ""
+    if answer.get("next_try_s") is not None:
+        again = f"; the agent tries again by itself in {_seconds_from_now(answer['next_try_s'])}"
+    tries = answer.get("tries") or 0
+    err_console.print(
+        f"[yellow]{name} tier still unavailable[/] ({tries:,} "
+        f"{'try' if tries == 1 else 'tries'} so far{again}): {reason}\n"
+        "[dim]hint: fix its directory (the reason names it), then run this again[/]",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def _seconds_from_now(when_s: float) -> str:
+    return f"{max(0.0, when_s - time.time()):.0f} s"
+
+
 @agent_app.command("remote")
 @bundled
 def remote_command(
@@ -893,6 +997,7 @@ def _render_status(report: dict[str, Any]) -> None:
             tries = tier.get("tries", 0)
             retry = (
                 f"; {tries:,} {'retry' if tries == 1 else 'retries'} so far, next in {wait_s:.0f} s"
+                f"; once fixed, `kvctl agent retry-tier {escape(tier['name'])}` tries it now"
             )
         console.print(
             f"[yellow]{tier['name']} tier unavailable[/] ({where}{retry}): "
@@ -901,9 +1006,14 @@ def _render_status(report: dict[str, Any]) -> None:
         )
     policies = report["policies"]
     if policies:
+        # a tier not opened yet keeps its policy in the store, idle: said absent, not running
+        absent = {t["name"] for t in info.get("unavailable_tiers", []) if not t.get("offline")}
         console.print(
             "eviction: "
-            + ", ".join(f"{tier} {describe_policy(p)}" for tier, p in policies.items()),
+            + ", ".join(
+                f"{tier} absent" if tier in absent else f"{tier} {describe_policy(p)}"
+                for tier, p in policies.items()
+            ),
             highlight=False,
         )
     # the words and the N/A of `kvctl status`: chunks, and no ratio before any lookup
