@@ -1320,7 +1320,16 @@ def _sealed_memfd(size_bytes: int) -> int:
 class AgentClient:
     """The agent's JSON control API (``/v1``). Methods return the decoded JSON."""
 
-    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """``transport``: httpx's transport for the requests (the collector's shuts down the
+        connection of a request it gave up on); its TLS settings are its own."""
         import httpx  # the data plane SDK does not need it
 
         self.url = url.rstrip("/")
@@ -1331,7 +1340,11 @@ class AgentClient:
         # (fan-outs create one client per node; a plain-http agent never negotiates TLS)
         verify = self.url.startswith("https://")
         self._http = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout_s, verify=verify
+            base_url=self.url,
+            headers=headers,
+            timeout=timeout_s,
+            verify=verify,
+            transport=transport,
         )
         self._httpx = httpx
 
