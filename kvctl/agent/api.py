@@ -51,7 +51,7 @@ from kvctl.store.errors import (
     KeyNotFound,
     TierUnavailable,
 )
-from kvctl.store.keys import KEY_BYTES, keys_for
+from kvctl.store.keys import KEY_TEXT_CHARS, key_text_schema, keys_for, parse_key_text
 from kvctl.units import parse_size
 from kvctl.wire.address import tcp_target_problem
 from kvctl.wire.protocol import MAX_PROBE_BYTES
@@ -108,24 +108,12 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 # --- request and response models ------------------------------------------------------------
 
-_KEY_CHARS = KEY_BYTES * 2
-_KEY_TEXT = re.compile(f"[0-9a-fA-F]{{{_KEY_CHARS}}}")
-_KEYS_DESC = f"chunk keys, {_KEY_CHARS} hex characters each (at most {MAX_KEYS_PER_REQUEST:,})"
+_KEYS_DESC = f"chunk keys, {KEY_TEXT_CHARS} hex characters each (at most {MAX_KEYS_PER_REQUEST:,})"
 # Keys, tier and model names are checked by the handlers, which answer 400 naming the bad value;
 # the schema still states them. Tier and model names differ per agent: the schema says
 # x-kvctl-names and create_app's openapi() replaces it with the agent's names as an enum.
 _NAMES_MARK = "x-kvctl-names"
-KeyText = Annotated[
-    str,
-    WithJsonSchema(
-        {
-            "type": "string",
-            "pattern": f"^[0-9a-fA-F]{{{_KEY_CHARS}}}$",
-            "minLength": _KEY_CHARS,
-            "maxLength": _KEY_CHARS,
-        }
-    ),
-]
+KeyText = Annotated[str, WithJsonSchema(key_text_schema())]
 TierName = Annotated[str, WithJsonSchema({"type": "string", _NAMES_MARK: "tiers"})]
 ModelId = Annotated[str, WithJsonSchema({"type": "string", _NAMES_MARK: "models"})]
 # fail_fast: a list of 2M wrongly typed items gives one error, not 2M (gigabytes of them)
@@ -406,15 +394,7 @@ def _parse_keys(texts: list[str]) -> list[bytes]:
         raise InvalidArgument(
             f"{len(texts):,} keys in one request; the limit is {MAX_KEYS_PER_REQUEST:,}"
         )
-    return [_parse_key(t, f"keys[{i}]") for i, t in enumerate(texts)]
-
-
-def _parse_key(text: str, what: str) -> bytes:
-    # exactly the hex digits: bytes.fromhex alone would take spaces between and around them
-    if not _KEY_TEXT.fullmatch(text):
-        shown = text if len(text) <= 40 else text[:40] + "..."
-        raise InvalidArgument(f"bad {what} {shown!r}: keys are {_KEY_CHARS} hex characters")
-    return bytes.fromhex(text)
+    return [parse_key_text(t, f"keys[{i}]") for i, t in enumerate(texts)]
 
 
 def _capacity_bytes(capacity: int | str) -> int:
@@ -782,7 +762,7 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         after: KeyText | None = Query(None, description="cursor: the previous page's next"),
     ) -> KeysPage:
         """Cached chunks in ascending key order, one page at a time."""
-        cursor = "" if after is None else _parse_key(after, "after").hex()
+        cursor = "" if after is None else parse_key_text(after, "after").hex()
         # entries are read under the store's lock: a policy's deferred bookkeeping rewinds an
         # entry's access time and count for a moment while it replays an earlier access
         with store.locked():

@@ -12,7 +12,6 @@ The bearer check and the body limit are the agent's own (``kvctl.http_guards``).
 from __future__ import annotations
 
 import logging
-import re
 import signal
 import socket
 import threading
@@ -36,18 +35,15 @@ from kvctl import __version__, http_serving
 from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.http_errors import install_error_handlers
 from kvctl.http_guards import BearerAuth, BodyLimit
-from kvctl.index.events import KEY_BYTES
 from kvctl.index.remote import MAX_KEYS, IndexUnavailable
 from kvctl.router.policies import POLICIES
 from kvctl.router.service import MAX_TOKENS, NoNodeAvailable, Router
+from kvctl.store.keys import KEY_TEXT_CHARS, key_text_schema, parse_key_text
 from kvctl.wire.address import connect_host, split_host_port, url_host
 
 #: a route request with MAX_TOKENS token ids of 10 digits is about 2.9 MB; 4 MiB admits it
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_TOKEN = 2**32 - 1
-
-_KEY_CHARS = KEY_BYTES * 2
-_KEY_TEXT = re.compile(f"[0-9a-fA-F]{{{_KEY_CHARS}}}")
 
 log = logging.getLogger("kvctl.router.app")
 
@@ -69,24 +65,14 @@ _ERROR_TEXT: dict[int, str] = {
 
 # --- request and response models ------------------------------------------------------------
 
-KeyText = Annotated[
-    str,
-    WithJsonSchema(
-        {
-            "type": "string",
-            "pattern": f"^[0-9a-fA-F]{{{_KEY_CHARS}}}$",
-            "minLength": _KEY_CHARS,
-            "maxLength": _KEY_CHARS,
-        }
-    ),
-]
+KeyText = Annotated[str, WithJsonSchema(key_text_schema())]
 # fail_fast: a long list of wrongly typed items gives one error, not one per item
 KeyList = Annotated[list[KeyText], Field(fail_fast=True, max_length=MAX_KEYS)]
 TokenList = Annotated[
     list[Annotated[int, Field(ge=0, le=MAX_TOKEN)]], Field(fail_fast=True, max_length=MAX_TOKENS)
 ]
 _KEYS_DESC = (
-    f"a prefix chain of chunk keys, {_KEY_CHARS} hex characters each (at most {MAX_KEYS:,})"
+    f"a prefix chain of chunk keys, {KEY_TEXT_CHARS} hex characters each (at most {MAX_KEYS:,})"
 )
 
 
@@ -189,14 +175,7 @@ class Health(BaseModel):
 
 
 def _parse_keys(texts: list[str]) -> list[bytes]:
-    out: list[bytes] = []
-    for i, text in enumerate(texts):
-        # exactly the hex digits: bytes.fromhex alone would take spaces
-        if not _KEY_TEXT.fullmatch(text):
-            shown = text if len(text) <= 40 else text[:40] + "..."
-            raise InvalidArgument(f"bad keys[{i}] {shown!r}: keys are {_KEY_CHARS} hex characters")
-        out.append(bytes.fromhex(text))
-    return out
+    return [parse_key_text(t, f"keys[{i}]") for i, t in enumerate(texts)]
 
 
 # --- metrics ---------------------------------------------------------------------------------

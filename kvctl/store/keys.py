@@ -9,7 +9,7 @@ engines that blend non-prefix chunks.
 from __future__ import annotations
 
 import hashlib
-import string
+import re
 from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from kvctl.store.errors import InvalidArgument
 
 KEY_BYTES = 16
+#: a key as text: its hex digits
+KEY_TEXT_CHARS = KEY_BYTES * 2
+_KEY_TEXT = re.compile(f"[0-9a-fA-F]{{{KEY_TEXT_CHARS}}}")
 DEFAULT_CHUNK_TOKENS = 256
 _MAX_TOKEN = 2**32 - 1
 _KEY_VERSION = b"kvctl-key-v1"
@@ -138,7 +141,27 @@ def position_independent_key(chunk_tokens: Sequence[int], namespace: Namespace) 
 def is_key_text(text: str) -> bool:
     """Whether ``text`` is a key as the control API takes it: exactly 32 hex digits
     (``bytes.fromhex`` alone would also take spaces around and between them)."""
-    return len(text) == KEY_BYTES * 2 and all(c in string.hexdigits for c in text)
+    return _KEY_TEXT.fullmatch(text) is not None
+
+
+def parse_key_text(text: str, what: str) -> ChunkKey:
+    """A key the agent's or the router's API was sent, by ``is_key_text``'s rule; else
+    ``InvalidArgument`` naming ``what`` (where it came: ``keys[3]``) and the text (clipped)."""
+    if not is_key_text(text):
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise InvalidArgument(f"bad {what} {shown!r}: keys are {KEY_TEXT_CHARS} hex characters")
+    return bytes.fromhex(text)
+
+
+def key_text_schema() -> dict[str, object]:
+    """The JSON schema of what ``is_key_text`` accepts, as the daemons' APIs state it (a fresh
+    dict each call: schema generators may change what they are given)."""
+    return {
+        "type": "string",
+        "pattern": f"^{_KEY_TEXT.pattern}$",
+        "minLength": KEY_TEXT_CHARS,
+        "maxLength": KEY_TEXT_CHARS,
+    }
 
 
 def parse_key(text: str) -> ChunkKey:

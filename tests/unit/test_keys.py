@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import re
+import string
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -11,9 +14,11 @@ from kvctl.store.keys import (
     Namespace,
     chain_key,
     is_key_text,
+    key_text_schema,
     keys_for,
     parents_of,
     parse_key,
+    parse_key_text,
     position_independent_key,
 )
 
@@ -115,6 +120,34 @@ def test_key_text_is_exactly_32_hex_digits() -> None:
     # bytes.fromhex takes all of these; an agent takes none
     for bad in (f" {key}", f"{key}\n", "7e " * 15 + "7e", key[:-1], key + "0", "zz" * 16):
         assert not is_key_text(bad), bad
+
+
+@given(
+    st.text(alphabet="0123456789abcdefABCDEF g\n\u0660\uff41", max_size=34)
+    | st.text(alphabet="0123456789abcdefABCDEF\u0660", min_size=32, max_size=32)
+)
+def test_key_text_rule_schema_and_parse_agree(text: str) -> None:
+    # one rule for the agent's and the router's APIs: the check, the parse and the JSON schema
+    # they state (non-ASCII digits, which str.isdigit-style checks take, are refused by all)
+    expected = len(text) == KEY_BYTES * 2 and all(c in string.hexdigits for c in text)
+    assert is_key_text(text) == expected
+    schema = key_text_schema()
+    assert schema["minLength"] == schema["maxLength"] == KEY_BYTES * 2
+    # (fullmatch: a JSON schema's $ is the end, where Python's also takes a final newline)
+    assert (re.fullmatch(str(schema["pattern"]), text) is not None) == expected
+    if expected:
+        assert parse_key_text(text, "keys[0]") == bytes.fromhex(text)
+    else:
+        with pytest.raises(
+            InvalidArgument, match=r"^bad keys\[0\] .*: keys are 32 hex characters$"
+        ):
+            parse_key_text(text, "keys[0]")
+
+
+def test_parse_key_text_clips_what_it_echoes() -> None:
+    with pytest.raises(InvalidArgument) as exc:
+        parse_key_text("z" * 100, "after")
+    assert str(exc.value) == f"bad after {'z' * 40 + '...'!r}: keys are 32 hex characters"
 
 
 def test_parents_of() -> None:
