@@ -544,18 +544,29 @@ class DataClient:
         return self._get_socket(keys, tenant, None)
 
     def get_into(
-        self, keys: Sequence[bytes], buffers: Sequence[Payload], *, tenant: str = ""
+        self,
+        keys: Sequence[bytes],
+        buffers: Sequence[Payload],
+        *,
+        tenant: str = "",
+        counted: bool = False,
     ) -> list[int]:
         """Read chunks into the caller's buffers (e.g. preallocated numpy arrays, or pinned
-        host memory). Returns each chunk's size, or -1 where it is not cached."""
+        host memory). Returns each chunk's size, or -1 where it is not cached.
+
+        ``counted``: a lease of this same read (``hold``, ``lookup_leased``, ``leased``)
+        counted these chunks as served already, and could not be copied from (the chunk was
+        not leasable, or its lease ran out during the copy): they are read over the socket,
+        with no lease, and the agent counts them no second time (GET_COUNTED; an agent before
+        it, without ``get_counted`` in its HELLO, does)."""
         outs = [_as_bytes_view(b) for b in buffers]
         if len(outs) != len(keys):
             raise ValueError("give one buffer per key")
         # with caller buffers both paths give each chunk's size or None
         got = (
             self._get_leased(keys, tenant, outs)
-            if self.shm
-            else self._get_socket(keys, tenant, outs)
+            if self.shm and not counted
+            else self._get_socket(keys, tenant, outs, counted=counted)
         )
         return [-1 if g is None else g for g in got]
 

@@ -133,3 +133,30 @@ def test_a_get_with_flags_the_agent_does_not_know_is_refused_and_the_connection_
             assert again == payload(k, CHUNK_BYTES)
         items = {i["key"]: i["hit_count"] for i in agent.control().keys()["items"]}
         assert items[k.hex()] == 1  # the plain GET's read only
+
+
+def test_an_engine_reads_over_the_socket_what_its_lease_could_not_hold_counting_it_once(
+    tmp_path: Path,
+) -> None:
+    """An engine's read (``hold`` or ``lookup_leased``) leases its chunks, which counts them;
+    one it could not copy from its lease (not leasable here, or its lease ran out) it reads
+    over the socket with ``get_into(counted=True)``: no second LEASE, and GET_COUNTED. A plain
+    ``get_into`` there LEASEs it again and counts it a second time."""
+    with running_agent(tmp_path / "a", "--cpu", "8MiB", "--disk", "64MiB") as agent:
+        keys = [key(i, 94) for i in range(3)]
+        want = [payload(k, CHUNK_BYTES) for k in keys]
+        control = agent.control()
+        buf = np.zeros(CHUNK_BYTES, dtype=np.uint8)
+        with agent.data("unix") as client:
+            client.put_many(list(zip(keys, want, strict=True)))
+            assert control.pin([keys[1]], tier="disk")["done"] == 1  # not leasable there
+            leases = client.hold(keys)
+            assert leases.chunks[1] is None and 1 not in leases.missing  # cached, not leased
+            assert client.get_into([keys[1]], [buf], counted=True) == [CHUNK_BYTES]
+            assert buf.tobytes() == want[1]
+            assert _hit_counts(control, keys) == [1, 1, 1]
+            # the same read without ``counted``: its own LEASE counts the chunk again
+            client.hold([keys[1]])
+            assert client.get_into([keys[1]], [buf]) == [CHUNK_BYTES]
+            assert _hit_counts(control, keys) == [1, 3, 1]
+            client.release_pending()
