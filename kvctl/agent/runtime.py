@@ -449,13 +449,15 @@ class AgentRuntime:
         }
 
     def retry_tier(self, name: str) -> dict[str, Any]:
-        """Try absent tier ``name`` (a disk tier that could not be opened at start) once now,
-        as its backoff would later: for an operator who just fixed its directory. Answers the
-        tier's state after the call ("online", "absent" with the reason, or "offline": it
-        failed in service, and the store tries it again on a put by itself), whether this call
-        made a try (``retried``; not for a tier that is not absent), the tries so far and when
-        the next one comes by itself. Raises InvalidArgument for a tier this agent does not
-        have (a gpu tier this machine cannot have, named with its reason)."""
+        """Try tier ``name`` once now, for an operator who just fixed it: an absent tier (a
+        disk tier that could not be opened at start) is opened as its backoff would later; an
+        offline one (taken offline by a failed put) is written to (``TieredStore.
+        retry_offline``: a disk tier writes a page) and is back online when that works, where
+        the store would wait for a put after its retry delay. Answers the tier's state after
+        the call ("online", "absent" or "offline", with the reason), whether this call made a
+        try (``retried``; not for a tier that was online), the tries so far and when the next
+        one comes by itself (absent tiers). Raises InvalidArgument for a tier this agent does
+        not have (a gpu tier this machine cannot have, named with its reason)."""
         store = self.store
         for gone in self.unavailable_tiers:
             if gone["name"] == name:
@@ -472,6 +474,9 @@ class AgentRuntime:
             if retry is None:  # (every absent tier has one; a runtime built by hand may not)
                 raise InvalidArgument(f"the {name} tier is absent and has no retry")
             retried = retry.attempt() != "was_online"
+        elif name in store.offline_tiers:
+            store.retry_offline(name)
+            retried = True
         absent = store.absent_tiers.get(name)
         offline = store.offline_tiers.get(name)
         state = "absent" if absent is not None else "offline" if offline is not None else "online"

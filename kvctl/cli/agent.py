@@ -600,11 +600,12 @@ def retry_tier_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Try a tier the agent could not open at start (its disk directory was missing, a file,
-    not mounted) once now, instead of waiting for the agent's own retries (every 5 s at first,
-    then up to every 60 s): run it once you fixed the directory. Exits 0 when the tier is
-    online (brought online now, or it was already), 1 when it is still unavailable (the
-    reason is said; the agent goes on trying by itself), when the agent has no such tier, or
-    when the agent is down.
+    not mounted), or one a failed write took offline, once now, instead of waiting for the
+    agent's own retries (every 5 s at first, then up to every 60 s; an offline tier on a put
+    60 s after it failed): run it once you fixed the directory or device. Exits 0 when the
+    tier is online (brought online now, or it was already), 1 when it is still unavailable
+    or offline (the reason is said; the agent goes on trying by itself), when the agent has
+    no such tier, or when the agent is down.
 
     Examples:
 
@@ -649,17 +650,18 @@ def _render_retry(answer: dict[str, Any]) -> None:
             return
         console.print(
             f"[bold green]{name} tier online[/]: {usage.get('chunks', 0):,} chunks "
-            f"({format_bytes(usage.get('used_bytes', 0))}) found in it, capacity "
+            f"({format_bytes(usage.get('used_bytes', 0))}) in it, capacity "
             f"{format_bytes(usage.get('capacity_bytes', 0))}",
             highlight=False,
         )
         return
     reason = escape(answer.get("reason") or "")
     if answer["state"] == "offline":
+        tried = "a write into it failed again" if answer["retried"] else "not tried"
         err_console.print(
-            f"[yellow]{name} tier offline[/] (failed in service): {reason}\n[dim]hint: it was "
-            "opened at start, so it is not retried here: the agent tries it again by itself "
-            "on a put; its log says what failed[/]",
+            f"[yellow]{name} tier still offline[/] (failed in service; {tried}): {reason}\n"
+            "[dim]hint: fix what the reason names (its device, mount or directory), then run "
+            "this again; the agent also tries it on a put by itself[/]",
             highlight=False,
             soft_wrap=True,
         )

@@ -12,15 +12,16 @@ from disk or down from gpu, counted as a promotion there either way. A gpu tier 
 written chunks and overflows into cpu.
 
 A tier whose put raises TierUnavailable (a failed device) is taken offline: chunks that would go
-there go to the next tier down (counted in ``rerouted_puts``) until ``offline_retry_s`` has
-passed, when the next put tries it again; ``offline_tiers`` says which and why. Chunks already in
-it are still read from it. A tier that could not be opened at all (an ``AbsentTier``: a disk
-tier whose directory cannot be used) keeps its place and name but takes nothing, as if the tier
-above were the bottom one, until ``adopt_tier`` swaps the opened tier in (``absent_tiers``
-says which and why). Every public method either completes or raises before changing
-anything it would have to undo, and a failure while demoting (disk full) degrades to a drop that
-is counted, never to lost or wrong bytes. A disk tier whose filesystem fills below its capacity
-first makes room as at its capacity (``_write_making_room``: its own chunks, by its policy).
+there go to the next tier down (counted in ``rerouted_puts``) until ``offline_retry_s`` has passed,
+when the next put tries it again (``retry_offline``: at once, for an operator who fixed it);
+``offline_tiers`` says which and why. Chunks already in it are still read from it. A tier that could
+not be opened at all (an ``AbsentTier``: a disk tier whose directory cannot be used) keeps its place
+and name but takes nothing, as if the tier above were the bottom one, until ``adopt_tier`` swaps the
+opened tier in (``absent_tiers`` says which and why). Every public method either completes or raises
+before changing anything it would have to undo, and a failure while demoting (disk full) degrades to
+a drop that is counted, never to lost or wrong bytes. A disk tier whose filesystem fills below its
+capacity first makes room as at its capacity (``_write_making_room``: its own chunks, by its
+policy).
 
 Reads from a slow tier (disk: ``Tier.detached_reads``) run without the store's lock, so one disk
 read never stalls every other reader. Under the lock the store marks the entry in flight
@@ -441,6 +442,31 @@ class TieredStore:
         failure)."""
         with self._lock:
             return {name: why for name, (why, _retry_at) in self._offline.items()}
+
+    def retry_offline(self, name: str) -> str | None:
+        """Try offline tier ``name`` now, as an operator who fixed it would (``Tier.
+        check_writable``: a disk tier writes a page, off the store's lock): None when it is
+        online (it was, or the try landed), else why it is still offline (its next retry as
+        after a failed put). A tier with no such test is left for the next put, at once."""
+        tier = self.tier(name)
+        with self._lock:
+            if name not in self._offline:
+                return None
+        try:
+            tried = tier.check_writable()
+        except TierUnavailable as exc:
+            with self._lock:
+                self._take_offline(tier, exc)
+                return self._offline[name][0]
+        with self._lock:
+            if tried:
+                self._back_online(tier)
+                return None
+            off = self._offline.get(name)
+            if off is None:  # a put landed meanwhile
+                return None
+            self._offline[name] = (off[0], self._clock())  # due: the next put tries it
+            return off[0]
 
     @property
     def absent_tiers(self) -> dict[str, str]:

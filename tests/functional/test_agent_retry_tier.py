@@ -193,7 +193,7 @@ def test_retry_tier_on_a_running_agent_by_its_data_dir(tmp_path: Path) -> None:
         (data_dir / "disk").unlink()
         run = _kvctl("agent", "retry-tier", "disk", "--data-dir", str(data_dir), home=data_dir)
         assert run.returncode == 0, _said(run)
-        assert "disk tier online: 0 chunks (0 B) found in it, capacity 4 MiB" in _said(run)
+        assert "disk tier online: 0 chunks (0 B) in it, capacity 4 MiB" in _said(run)
         with agent.control() as control:
             info = control.info()
         assert info["unavailable_tiers"] == []
@@ -201,17 +201,21 @@ def test_retry_tier_on_a_running_agent_by_its_data_dir(tmp_path: Path) -> None:
         assert "disk tier usable again (try" in agent.log()
 
 
-def test_retry_tier_of_a_tier_that_failed_in_service_says_it_is_not_retried_here(
+def test_retry_tier_brings_a_tier_that_failed_in_service_back_online_once_fixed(
     tmp_path: Path,
 ) -> None:
     """A disk tier opened at start that then failed (its directory gone under it) is offline,
-    not absent: the store tries it again on a put, so the command says so and exits 1."""
+    not absent: the store would try it again on a put after its retry delay. The command
+    writes to it now: still broken, it stays offline (exit 1, the reason); fixed, it is online
+    at once (exit 0) and the next put lands in it. Before, the command only said it was not
+    retried here."""
     settings = AgentSettings(
         name="r3", data_dir=str(tmp_path), cpu_bytes=64 * KIB, disk_bytes=4 << 20, shm=False
     )
     runtime = AgentRuntime.open(settings)
+    runtime.store.offline_retry_s = NEVER_S  # no put of the store's own tries it meanwhile
     try:
-        _break(tmp_path / "disk")
+        aside = _break(tmp_path / "disk")
         # larger than the cpu tier: it goes to disk, whose write fails, taking it offline
         with pytest.raises(CapacityError):  # and the cpu tier cannot hold it either
             runtime.store.put(b"k" * 16, b"x" * (128 * KIB))
@@ -220,12 +224,22 @@ def test_retry_tier_of_a_tier_that_failed_in_service_says_it_is_not_retried_here
             run = _kvctl("agent", "retry-tier", "disk", "--url", url)
             assert run.returncode == 1, _said(run)
             said = _said(run)
-            assert "disk tier offline (failed in service):" in said, said
-            assert "not retried here: the agent tries it again by itself on a put" in said
+            assert "disk tier still offline (failed in service; a write into it failed" in said
             answer = json.loads(
                 _kvctl("agent", "retry-tier", "disk", "--url", url, "--json").stdout
             )
-        assert answer["state"] == "offline" and answer["retried"] is False
-        assert answer["reason"] == runtime.store.offline_tiers["disk"]
+            assert answer["state"] == "offline" and answer["retried"] is True
+            assert answer["reason"] == runtime.store.offline_tiers["disk"]
+            assert "cannot write in" in answer["reason"], answer
+
+            _fix(tmp_path / "disk", aside)
+            run = _kvctl("agent", "retry-tier", "disk", "--url", url)
+            assert run.returncode == 0, _said(run)
+            assert "disk tier online: 0 chunks (0 B) in it, capacity 4 MiB" in _said(run)
+        assert runtime.store.offline_tiers == {}
+        runtime.store.put(b"k" * 16, b"x" * (128 * KIB))
+        assert runtime.store.locate([b"k" * 16]) == ["disk"]
+        # the probe left nothing behind in the directory
+        assert not [p.name for p in (tmp_path / "disk").iterdir() if p.name.startswith(".probe")]
     finally:
         runtime.close()

@@ -534,6 +534,41 @@ def test_an_offline_tier_is_tried_again_after_the_retry_interval(tmp_path: Path)
         assert store.get(key(i)) == data_of(i)
 
 
+def test_retry_offline_makes_a_tier_with_no_write_test_due_at_once(tmp_path: Path) -> None:
+    """``retry_offline`` (an operator's retry-tier): a tier that knows no test cheaper than a
+    put is left for the next put, which tries it now instead of after the retry delay."""
+    now = [1000.0]
+    store, dev = over_failing(tmp_path, offline_retry_s=30.0, clock=lambda: now[0])
+    assert store.retry_offline("dev") is None  # online: nothing to try
+    dev.failure = "transient"
+    assert store.put(key(1), data_of(1)) == "cpu" and dev.put_calls == 1
+    dev.failure = None
+    assert store.retry_offline("dev") == "tier 'dev': transient"  # still listed: no test
+    assert store.put(key(2), data_of(2)) == "dev"  # tried at once, 0 s after the failure
+    assert store.offline_tiers == {} and dev.put_calls == 2
+
+
+def test_retry_offline_writes_to_an_offline_disk_tier(tmp_path: Path) -> None:
+    """A disk tier taken offline by a failed put is written to at once (a page, fsynced,
+    removed): back online when that works, still offline with the new reason when not."""
+    disk = DiskTier(tmp_path / "disk", 100_000, fsync=False)
+    store = TieredStore([CpuTier(300), disk], eviction="lru", offline_retry_s=3600.0)
+    aside = tmp_path / "aside"
+    (tmp_path / "disk").rename(aside)
+    (tmp_path / "disk").write_bytes(b"not a directory")
+    with pytest.raises(CapacityError):  # too large for cpu; the disk's write fails
+        store.put(key(1), data_of(1, 500))
+    assert "disk" in store.offline_tiers
+    why = store.retry_offline("disk")
+    assert why is not None and "cannot write in" in why and "Not a directory" in why
+    assert store.offline_tiers["disk"] == why
+    (tmp_path / "disk").unlink()
+    aside.rename(tmp_path / "disk")
+    assert store.retry_offline("disk") is None and store.offline_tiers == {}
+    assert store.put(key(2), data_of(2, 500)) == "disk"  # the retry delay was an hour
+    assert sorted(p.name for p in (tmp_path / "disk").iterdir() if p.is_file()) == [".lock"]
+
+
 def test_moves_into_an_offline_tier_are_refused_and_demotions_into_one_drop(
     tmp_path: Path,
 ) -> None:

@@ -262,6 +262,13 @@ class Tier(ABC):
         """Chunks found at open (durable tiers); empty for volatile tiers."""
         return []
 
+    def check_writable(self) -> bool:
+        """Whether a write into this tier was tried now, without a chunk of its own: raises
+        TierUnavailable where it failed (a tier taken offline by a failed put, tried again at
+        an operator's word). False where the tier knows no test cheaper than a put (the next
+        put tries it)."""
+        return False
+
     def close(self) -> None:  # noqa: B027 - optional hook, most tiers hold nothing to release
         """Release resources. Further use raises TierUnavailable."""
 

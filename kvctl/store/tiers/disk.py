@@ -700,6 +700,20 @@ class DiskTier(Tier):
         self._used_bytes -= entry.meta.size_bytes
         return entry.meta.size_bytes, found
 
+    def check_writable(self) -> bool:
+        """A page written, fsynced and removed in the tier's directory. A full filesystem
+        passes: the tier is not broken, and puts make room (DiskFullError until they can)."""
+        self._check_open()
+        try:
+            _write_probe(str(self.directory), bytes(4096), sync=True)
+        except OSError as exc:
+            if exc.errno in _FULL_ERRNOS:
+                return True
+            raise TierUnavailable(
+                f"disk tier {self.name!r} cannot write in {self.directory}: {exc.strerror}"
+            ) from exc
+        return True
+
     def _temp_path(self, key_hex: str) -> str:
         """A new temp file's name beside the chunk's (a crash's leftovers go at the next open).
         The pid only tells an operator whose file it was; the directory lock makes it unique."""
@@ -815,12 +829,9 @@ class DiskTier(Tier):
         # The lock file may already exist on a read-only filesystem: prove we can create files.
         # A full filesystem passes: its chunks can still be read and evicted to make room, and
         # puts report DiskFullError until then.
-        probe = f"{d}/.probe.{os.getpid()}{_TMP_SUFFIX}"
         try:
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, FILE_MODE))
-            os.unlink(probe)
+            _write_probe(d, b"", sync=False)
         except OSError as exc:
-            _unlink_quietly(probe)
             if exc.errno in _FULL_ERRNOS:
                 return
             _close_quietly(self._lock_fd)
@@ -1185,6 +1196,24 @@ def _read_exact(fd: int, dest: memoryview, offset: int) -> int:
             break
         got += step
     return got
+
+
+def _write_probe(directory: str, data: bytes, *, sync: bool) -> None:
+    """Create a temp file in ``directory``, write ``data`` (and fsync it), remove it: raises the
+    OSError of what failed, the file gone either way. Named by pid and thread, so tries at once
+    never meet; one a crash leaves is a leftover temp file at the next open."""
+    probe = f"{directory}/.probe.{os.getpid()}.{threading.get_ident()}{_TMP_SUFFIX}"
+    fd = -1
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, FILE_MODE)
+        if data:
+            _write_all(fd, b"", memoryview(data))
+        if sync:
+            os.fsync(fd)
+    finally:
+        if fd >= 0:
+            _close_quietly(fd)
+        _unlink_quietly(probe)
 
 
 def _fsync_path(path: str) -> None:
