@@ -2,7 +2,8 @@
 against clients that hold connections: a cap on connections with a reserve that connections
 waiting for a request's head cannot take, a cap on those per source address, a short backlog,
 a deadline and a size bound for each request's head, a deadline for its body (whose size
-``http_guards.BodyLimit`` bounds), and one log line an interval for failed accepts.
+``http_guards.BodyLimit`` bounds), and one log line an interval for failed accepts; and the
+listening socket itself (``listen_tcp``).
 
 uvicorn and h11 are imported where used: the module costs nothing to a process that serves no
 API.
@@ -14,8 +15,9 @@ import json
 import logging
 import math
 import select
+import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Protocol
 
 from kvctl.connection_sources import source_key
@@ -151,6 +153,27 @@ def _unread_bytes(transport: asyncio.BaseTransport) -> bool:
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     return bool(poller.poll(0))
+
+
+def listen_tcp(
+    host: str, port: int, *, cannot_bind: Callable[[OSError], Exception]
+) -> socket.socket:
+    """A daemon API's listening TCP socket on ``host:port`` (IPv6 where the host has a colon),
+    ``BACKLOG`` deep. A failed bind closes the socket and raises ``cannot_bind(its error)``,
+    so each daemon says which address and what for."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto named explicitly: accepted sockets inherit it, and asyncio turns on TCP_NODELAY only
+    # for IPPROTO_TCP; with Nagle left on, each keep-alive request past the first waited ~40 ms
+    # on the client's delayed ACK
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise cannot_bind(exc) from exc
+    sock.listen(BACKLOG)
+    return sock
 
 
 def serving_config(

@@ -689,20 +689,13 @@ def stop_agent(
 
 
 def _bind_tcp(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto named explicitly: accepted sockets inherit it, and asyncio turns on TCP_NODELAY only
-    # for IPPROTO_TCP; with Nagle left on, each keep-alive request past the first waited ~40 ms
-    # on the client's delayed ACK
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(
+    sock = http_serving.listen_tcp(
+        host,
+        port,
+        cannot_bind=lambda exc: OSError(
             exc.errno, f"cannot listen on {host}:{port} for the control API: {exc.strerror}"
-        ) from exc
-    sock.listen(128)
+        ),
+    )
     sock.set_inheritable(True)
     return sock
 

@@ -496,17 +496,13 @@ def _bind(listen: str) -> socket.socket:
         host, port = split_host_port(listen, DEFAULT_PORT)
     except ValueError as exc:
         raise InvalidArgument(str(exc)) from None
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named: asyncio turns TCP_NODELAY on only for it (no delayed-ACK stalls)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise RouterError(f"cannot listen on {listen} for the router: {exc.strerror}") from exc
-    sock.listen(128)
-    return sock
+    return http_serving.listen_tcp(
+        host,
+        port,
+        cannot_bind=lambda exc: RouterError(
+            f"cannot listen on {listen} for the router: {exc.strerror}"
+        ),
+    )
 
 
 class RouterError(KvctlError):
