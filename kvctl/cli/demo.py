@@ -13,9 +13,9 @@ import typer
 from rich.markup import escape
 
 from kvctl.cli.extras import needs_extra
-from kvctl.cli.options import JsonOpt
+from kvctl.cli.options import JsonOpt, LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
-from kvctl.cli.replay import LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt, load_for_replay
+from kvctl.cli.replay import load_for_replay
 from kvctl.format import percent
 
 if TYPE_CHECKING:

@@ -67,6 +67,30 @@ def open_engine(db: str | None, *, create: bool = False) -> Any:
         return open_db(db, create=create)
 
 
+# --- the workload a command replays or plans for: a trace file, else a generated one ----------
+TraceOpt = Annotated[
+    Path | None,
+    typer.Option("--trace", help="Mooncake-format JSONL trace (default: --workload)."),
+]
+WorkloadOpt = Annotated[
+    str,
+    typer.Option(
+        "--workload", "-w", help="Generated workload: builtin, system-prompt, chat or rag."
+    ),
+]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the generated workload.")]
+LimitOpt = Annotated[int | None, typer.Option("--limit", help="Only the first N requests.", min=1)]
+TenantsOpt = Annotated[
+    int,
+    typer.Option(
+        "--tenants",
+        help="Tenants to assign to a trace's requests when it has none (continuing "
+        "conversations keep theirs).",
+        min=1,
+    ),
+]
+
+
 # --- targets: which nodes a fleet command acts on ---------------------------------------------
 NodeOpt = Annotated[
     list[str] | None,

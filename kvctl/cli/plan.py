@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import inspect
-import pathlib
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
-from kvctl.cli.options import DbOpt, JsonOpt, db_errors, open_engine
+from kvctl.cli.options import (
+    DbOpt,
+    JsonOpt,
+    LimitOpt,
+    SeedOpt,
+    TraceOpt,
+    WorkloadOpt,
+    db_errors,
+    open_engine,
+)
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
 from kvctl.format import percent
 
@@ -32,20 +40,10 @@ Examples:
 
 
 def plan_command(
-    trace: Annotated[
-        pathlib.Path | None,
-        typer.Option("--trace", help="Mooncake-format JSONL trace (default: --workload)."),
-    ] = None,
-    workload: Annotated[
-        str,
-        typer.Option(
-            "--workload", "-w", help="Generated workload: builtin, system-prompt, chat or rag."
-        ),
-    ] = "builtin",
-    seed: Annotated[int, typer.Option("--seed", help="Seed of the generated workload.")] = 0,
-    limit: Annotated[
-        int | None, typer.Option("--limit", help="Only the first N requests.", min=1)
-    ] = None,
+    trace: TraceOpt = None,
+    workload: WorkloadOpt = "builtin",
+    seed: SeedOpt = 0,
+    limit: LimitOpt = None,
     cpu: Annotated[
         str, typer.Option("--cpu", help="Host-memory tier size (e.g. 64GiB).")
     ] = "64GiB",

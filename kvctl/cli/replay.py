@@ -12,7 +12,20 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from kvctl.cli.options import AllOpt, DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
+from kvctl.cli.options import (
+    AllOpt,
+    DbOpt,
+    DcOpt,
+    JsonOpt,
+    LimitOpt,
+    NodeOpt,
+    SeedOpt,
+    TenantsOpt,
+    TraceOpt,
+    WorkloadOpt,
+    db_errors,
+    open_engine,
+)
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
 from kvctl.format import ENERGY_UNITS, format_scaled, percent
 from kvctl.interrupts import on_sigint
@@ -24,27 +37,6 @@ if TYPE_CHECKING:
     from kvctl.workload.replay import ReplayReport
     from kvctl.workload.source import Workload
 
-TraceOpt = Annotated[
-    pathlib.Path | None,
-    typer.Option("--trace", help="Mooncake-format JSONL trace (default: --workload)."),
-]
-WorkloadOpt = Annotated[
-    str,
-    typer.Option(
-        "--workload", "-w", help="Generated workload: builtin, system-prompt, chat or rag."
-    ),
-]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the generated workload.")]
-LimitOpt = Annotated[int | None, typer.Option("--limit", help="Only the first N requests.", min=1)]
-TenantsOpt = Annotated[
-    int,
-    typer.Option(
-        "--tenants",
-        help="Tenants to assign to a trace's requests when it has none (continuing "
-        "conversations keep theirs).",
-        min=1,
-    ),
-]
 ModelOpt = Annotated[
     str | None,
     typer.Option(

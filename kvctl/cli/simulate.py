@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
+from kvctl.cli.options import SeedOpt, WorkloadOpt
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
 from kvctl.format import percent
 
@@ -43,12 +44,7 @@ def simulate_command(
         pathlib.Path | None,
         typer.Option(help="Mooncake-format JSONL trace. Without it, the generated --workload."),
     ] = None,
-    workload: Annotated[
-        str,
-        typer.Option(
-            "--workload", "-w", help="Generated workload: builtin, system-prompt, chat or rag."
-        ),
-    ] = "builtin",
+    workload: WorkloadOpt = "builtin",
     capacity_fraction: Annotated[
         list[float] | None,
         typer.Option(help="Cache size as a fraction of the trace's unique blocks (repeatable)."),
@@ -80,7 +76,7 @@ def simulate_command(
         str, typer.Option(help="Admission to tiers below the first: all or frequency.")
     ] = "all",
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the generated workload.")] = 0,
+    seed: SeedOpt = 0,
     attention_tokens: Annotated[
         float,
         typer.Option(
