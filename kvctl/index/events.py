@@ -65,35 +65,29 @@ def from_agent_event(event: Mapping[str, Any]) -> ChunkEvent | None:
     kind = _AGENT_KINDS.get(str(event.get("type", "")))
     if kind is None:
         return None
-    try:
-        key = bytes.fromhex(str(event["key"]))
-    except (KeyError, ValueError) as exc:
-        raise InvalidArgument(f"agent event without a valid key: {event!r:.120}") from exc
-    return ChunkEvent(
-        kind=kind,
-        key=key,
-        tier=str(event.get("tier") or ""),
-        tenant=str(event.get("tenant") or ""),
-        isolated=bool(event.get("isolated", False)),
-        size_bytes=_count(event.get("size_bytes", 0)),
-        tokens=_count(event.get("tokens", 0)),
-    )
+    return _chunk_event(kind, event, "agent event")
 
 
 def from_listing(item: Mapping[str, Any]) -> ChunkEvent:
     """A chunk of an agent's key listing (``/v1/keys``) as a stored event, for a resync."""
+    return _chunk_event("stored", item, "listed chunk")
+
+
+def _chunk_event(kind: Kind, chunk: Mapping[str, Any], what: str) -> ChunkEvent:
+    """A ``kind`` event of the chunk an agent describes (its events and its key listing name
+    the fields alike); ``what`` says which, in the error for a missing or malformed key."""
     try:
-        key = bytes.fromhex(str(item["key"]))
+        key = bytes.fromhex(str(chunk["key"]))
     except (KeyError, ValueError) as exc:
-        raise InvalidArgument(f"listed chunk without a valid key: {item!r:.120}") from exc
+        raise InvalidArgument(f"{what} without a valid key: {chunk!r:.120}") from exc
     return ChunkEvent(
-        kind="stored",
+        kind=kind,
         key=key,
-        tier=str(item.get("tier") or ""),
-        tenant=str(item.get("tenant") or ""),
-        isolated=bool(item.get("isolated", False)),
-        size_bytes=_count(item.get("size_bytes", 0)),
-        tokens=_count(item.get("tokens", 0)),
+        tier=str(chunk.get("tier") or ""),
+        tenant=str(chunk.get("tenant") or ""),
+        isolated=bool(chunk.get("isolated", False)),
+        size_bytes=_count(chunk.get("size_bytes", 0)),
+        tokens=_count(chunk.get("tokens", 0)),
     )
 
 

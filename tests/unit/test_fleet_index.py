@@ -132,12 +132,18 @@ def test_a_malformed_agent_event_raises_invalid_argument(fields: dict[str, Any])
         from_agent_event(event)
 
 
+def test_a_bad_key_is_said_with_where_it_came_from() -> None:
+    for event in ({"type": "evict"}, agent_event("store", key="zz" * KEY_BYTES)):
+        with pytest.raises(InvalidArgument, match=r"^agent event without a valid key: "):
+            from_agent_event(event)
+
+
 def test_a_listing_item_becomes_a_stored_event() -> None:
     item = {"key": key(3).hex(), "tier": "cpu", "size_bytes": 10, "tokens": 1, "tenant": "t"}
     assert from_listing(item) == ChunkEvent("stored", key(3), "cpu", "t", False, 10, 1)
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument, match=r"^listed chunk without a valid key: "):
         from_listing({"tier": "cpu"})
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument, match=r"^listed chunk without a valid key: "):
         from_listing({"key": "nothex", "tier": "cpu"})
     with pytest.raises(InvalidArgument, match="tier"):
         from_listing({"key": key(3).hex()})
