@@ -147,12 +147,21 @@ class WriteBehind:
         self._jobs: queue.Queue[StoreJob | None] = queue.Queue(maxsize=max_pending_jobs)
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        #: one close at a time: a second (the exit's, while a dropped engine's finalizer closes
+        #: in the background) waits for the first instead of closing the connection under a job
+        self._closing = threading.Lock()
+        #: a close is stopping the thread: new jobs are refused until it has ended
+        self._stopping = False
+        #: the thread's stop (None) is queued: a later close must not queue another
+        self._stop_sent = False
         self.dropped_jobs = 0
         self.failed_jobs = 0
 
     def submit(self, job: StoreJob) -> Future[Stored]:
         """Queue ``job``; its future resolves when it is written (or skipped, never raises)."""
-        self._start()
+        if not self._start():
+            self._done(job, Stored(0, 0, 0.0, skipped="write-behind closing"))
+            return job.future
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -165,7 +174,8 @@ class WriteBehind:
         from the start: a full queue behind a hung agent waits no longer than it."""
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
         marker = StoreJob("", (), (), (), 0, 0, pack=lambda i: b"")
-        self._start()
+        if not self._start():  # closing: what was queued is the close's to wait for
+            return False
         try:
             self._jobs.put(marker, timeout=_left(deadline_s))  # flushing is waiting
             marker.future.result(timeout=_left(deadline_s))
@@ -174,33 +184,52 @@ class WriteBehind:
         return True
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """Write what was queued (within ``timeout_s``), stop the thread, close the connection.
+        A thread still writing at the timeout keeps its connection and runs on; a later close
+        waits for it again. Closes at once wait for each other, within their own timeouts."""
         deadline_s = time.monotonic() + timeout_s
-        with self._lock:
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            with contextlib.suppress(queue.Full):  # the thread is told, or left running below
-                self._jobs.put(None, timeout=_left(deadline_s))
-            thread.join(_left(deadline_s))
-            if thread.is_alive():
-                # still writing: closing its connection now would unmap (and, on CUDA,
-                # unregister) the staging segment under its copy; it closes with the process
-                log.warning(
-                    "the write-behind thread did not finish in %.0f s; left running", timeout_s
-                )
-                return
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        if not self._closing.acquire(timeout=timeout_s):
+            log.warning("another close of the write-behind did not end in %.0f s", timeout_s)
+            return
+        try:
+            with self._lock:
+                thread = self._thread
+                self._stopping = thread is not None
+            if thread is not None:
+                if not self._stop_sent:
+                    with contextlib.suppress(queue.Full):  # told now, or by a later close
+                        self._jobs.put(None, timeout=_left(deadline_s))
+                        self._stop_sent = True
+                thread.join(_left(deadline_s))
+                if thread.is_alive():
+                    # still writing: closing its connection now would unmap (and, on CUDA,
+                    # unregister) the staging segment under its copy; it closes with the process
+                    log.warning(
+                        "the write-behind thread did not finish in %.0f s; left running", timeout_s
+                    )
+                    return
+                with self._lock:  # ended: a later submit starts a new one
+                    self._thread = None
+                    self._stopping = self._stop_sent = False
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+        finally:
+            self._closing.release()
 
     # --- the writer thread -------------------------------------------------------------------
-    def _start(self) -> None:
+    def _start(self) -> bool:
+        """Start the thread if none runs; False while a close is stopping it."""
         with self._lock:
+            if self._stopping:
+                return False
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="kvctl-write-behind", daemon=True
                 )
                 self._thread.start()
                 _LIVE.add(self)
+            return True
 
     def close_in_background(self) -> None:
         """``close`` from a thread of its own, for a finalizer: its owner was collected without

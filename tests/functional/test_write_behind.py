@@ -226,6 +226,50 @@ def test_a_close_that_times_out_leaves_the_writer_its_connection(tmp_path: Path)
         assert held.closed
 
 
+def test_two_closes_at_once_never_close_the_connection_under_a_job(tmp_path: Path) -> None:
+    """An engine dropped unclosed has its writer closed in the background by its finalizer
+    (``close_in_background``), and the exit's close comes right after: the second waits for
+    the first, so the job being written lands and the connection is closed after it. Before,
+    the second found no thread left to wait for and closed the connection (unmapping the
+    staging segment) under the job, which was lost. A job handed over meanwhile is refused,
+    said so, not queued behind the thread's stop where nothing would write it."""
+    with running_agent(tmp_path) as agent, agent.data("unix") as client:
+        writer = WriteBehind(client)
+        inside, gate = threading.Event(), threading.Event()
+        keys = [key(i) for i in range(2)]
+
+        def pack_into(first: int, count: int, out: memoryview) -> None:
+            inside.set()
+            gate.wait(30)
+            for n in range(count):
+                out[n * SIZE : (n + 1) * SIZE] = payload(keys[first + n], SIZE)
+
+        job = _job(keys)
+        job.pack_into = pack_into
+        future = writer.submit(job)
+        assert inside.wait(30)  # copying into the staging segment now
+        writer.close_in_background()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+            t.name == "kvctl-write-behind-close" for t in threading.enumerate()
+        ):
+            time.sleep(0.01)
+        time.sleep(0.2)  # the background close is waiting for the writer now
+        refused = writer.submit(_job([key(5)])).result(timeout=30)
+        assert (refused.chunks, refused.skipped) == (0, "write-behind closing")
+        release = threading.Timer(0.3, gate.set)
+        release.start()
+        writer.close(timeout_s=30)  # the exit's close
+        release.join()
+        assert future.done() and future.result().chunks == 2
+        assert writer._client is None
+        assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
+        assert client.exists([key(5)], tenant="t") == [None]
+        # closed for good: a later job starts a writer again, as after any close
+        assert writer.submit(_job([key(6)])).result(timeout=30).chunks == 1
+        writer.close()
+
+
 def test_runs_of_a_job_with_gaps_are_packed_apart_in_order(tmp_path: Path) -> None:
     """Chunks the agent holds already are skipped: the rest are packed run by run, each run in
     one call, back to back in the put."""
