@@ -13,7 +13,7 @@ back as the same defaults: export -> import -> export gives the same text.
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -351,6 +351,24 @@ def _diff(
     return [Change(kind, "update", name, changed, dcs)] if changed else []
 
 
+def _add_or_update(
+    kind: Literal["dc", "node"],
+    have: Mapping[str, Any],
+    want: Iterable[tuple[str, dict[str, Any]]],
+    adds: list[Change],
+    updates: list[Change],
+) -> None:
+    """Appends, in ``want``'s order, an add for each named DC or node the inventory lacks and an
+    update for each whose fields differ from the file's (``have``: the inventory's, by name)."""
+    for name, entry in want:
+        fields = {k: v for k, v in entry.items() if k != "name"}
+        if name not in have:
+            adds.append(Change(kind, "add", name, fields))
+        else:
+            current = {k: getattr(have[name], k) for k in fields}
+            updates += _diff(kind, name, current, fields)
+
+
 def _plan(conn: Connection, doc: dict[str, Any], prune: bool) -> list[Change]:
     adds: list[Change] = []
     updates: list[Change] = []
@@ -358,23 +376,11 @@ def _plan(conn: Connection, doc: dict[str, Any], prune: bool) -> list[Change]:
 
     have_dcs = {d.name: d for d in inv.list_dcs(conn)}
     want_dcs = {d["name"]: d for d in _normalized(doc, "dcs")}
-    for name, want in want_dcs.items():
-        fields = {k: v for k, v in want.items() if k != "name"}
-        if name not in have_dcs:
-            adds.append(Change("dc", "add", name, fields))
-        else:
-            have = {k: getattr(have_dcs[name], k) for k in fields}
-            updates += _diff("dc", name, have, fields)
+    _add_or_update("dc", have_dcs, want_dcs.items(), adds, updates)
 
     have_nodes = {n.name: n for n in inv.list_nodes(conn)}
     want_nodes = {n["name"]: n for n in _normalized(doc, "nodes")}
-    for name, want in sorted(want_nodes.items()):
-        fields = {k: v for k, v in want.items() if k != "name"}
-        if name not in have_nodes:
-            adds.append(Change("node", "add", name, fields))
-        else:
-            have = {k: getattr(have_nodes[name], k) for k in fields}
-            updates += _diff("node", name, have, fields)
+    _add_or_update("node", have_nodes, sorted(want_nodes.items()), adds, updates)
 
     have_links = {(x.a, x.b): x for x in inv.list_links(conn)}
     want_links = {}
