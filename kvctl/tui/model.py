@@ -223,6 +223,12 @@ class WindowCounts(HitCounts):
             "io_bytes_per_s": self.io_bytes_per_s,
         }
 
+    def figures(self, read: bool) -> dict[str, Any]:
+        """``as_dict``, or every figure None where no counts were read (a node down or refusing
+        the token, a DC with none read): unknown, as `kvctl status --json` says, not 0 lookups."""
+        figures = self.as_dict()
+        return figures if read else dict.fromkeys(figures)
+
 
 @dataclass(slots=True)
 class NodeRow:
@@ -312,8 +318,8 @@ class NodeRow:
             "error": self.error,
             "down_for_s": self.down_for_s,
             "last_seen_ms": self.last_seen_ms,
-            # a down (or refusing) node's counts were not read: unknown (null), not 0 lookups
-            **(self.recent.as_dict() if self.up else dict.fromkeys(self.recent.as_dict())),
+            # a down (or refusing) node's counts were not read
+            **self.recent.figures(self.up),
             "lifetime_hit_ratio": self.lifetime_hit_ratio,
             "uptime_s": self.uptime_s,
             "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
@@ -376,12 +382,8 @@ class DcRow:
             "nodes": self.nodes,
             "up": self.up,
             "auth_refused": self.refused,
-            # no node's figures read: nothing counted, which is unknown (null), not zero
-            **(
-                self.recent.as_dict()
-                if self.up > self.refused
-                else dict.fromkeys(self.recent.as_dict())
-            ),
+            # no node's figures read: nothing counted
+            **self.recent.figures(self.up > self.refused),
             "lookups_per_s": self.lookups_per_s,
             "evictions_per_s": self.evictions_per_s,
             "io_bytes_per_s": self.io_bytes_per_s,
