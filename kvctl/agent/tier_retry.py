@@ -148,8 +148,13 @@ class TierRetry:
                 if self.try_now():
                     self.next_try_s = None
                     return
-            except TierUnavailable:  # the store closed under an adoption
-                return
+            except TierUnavailable as exc:
+                if self.store.closed:  # under an adoption: nothing left to bring online
+                    return
+                # the adoption failed part way and was taken back: said, tried again
+                self._say.say(
+                    f"retry_error:{self.name}", logging.ERROR, "%s tier: %s", self.name, exc
+                )
             except Exception as exc:  # the retry outlives any one surprise: said, tried again
                 self._say.say(
                     f"retry_error:{self.name}",

@@ -19,6 +19,8 @@ _AGENT_KINDS: dict[str, Kind] = {
     "demote": "stored",
     "promote": "stored",
     "move": "stored",
+    # found in a tier that came online (a disk tier the agent could not open at start)
+    "adopt": "stored",
     "evict": "removed",
 }
 

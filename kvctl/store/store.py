@@ -487,34 +487,66 @@ class TieredStore:
         chunks are indexed ``batch`` at a time, the lock taken once per batch, so a scan of
         many files never stalls puts and reads for long; the tier takes chunks (puts,
         demotions) once all are in. A chunk cached meanwhile in another tier keeps that copy
-        (its file here is deleted), as at a restart. Raises InvalidArgument when no absent
-        tier has its name, TierUnavailable (nothing taken: the caller closes ``tier``) once the
-        store is closed; closed meanwhile, the store closes ``tier`` itself."""
+        (its file here is deleted), as at a restart. Each chunk brought in is published as an
+        ``adopt`` event (a fleet index learns of it as of a put; the pool's write-through, which
+        takes ``store`` events, does not write a whole directory out). Raises InvalidArgument
+        when no absent tier has its name, TierUnavailable (nothing taken: the caller closes
+        ``tier``) once the store is closed; closed meanwhile, the store closes ``tier`` itself.
+        Anything else raised part way takes back what was brought in (``evict`` events) and
+        puts the absent tier back, with the error as its reason: the caller closes ``tier``
+        and may try again."""
         if batch < 1:
             raise InvalidArgument(f"batch must be positive, got {batch}")
         with self._lock:
             if self._closed:
                 raise TierUnavailable("the store is closed")
             i = self._tier_index.get(tier.name)
-            if i is None or not isinstance(self._tiers[i], AbsentTier):
+            absent = self._tiers[i] if i is not None else None
+            if i is None or not isinstance(absent, AbsentTier):
                 raise InvalidArgument(f"no absent tier named {tier.name!r} to adopt")
-            self._tiers[i].close()
             self._tiers[i] = tier  # still in _absent: nothing is written to it yet
             self._policies[tier.name].set_max_entries(tier.max_chunks())
             self._accounting.tier(tier.name).unreadable_on_open = tier.unreadable_on_open
-            found = tier.recover()
         adopted = 0
-        for start in range(0, len(found), batch):
+        try:
+            found = tier.recover()
+            for start in range(0, len(found), batch):
+                with self._lock:
+                    if self._closed:
+                        return adopted
+                    adopted += self._adopt_chunks(tier, found[start : start + batch])
             with self._lock:
                 if self._closed:
                     return adopted
-                adopted += self._adopt_chunks(tier, found[start : start + batch])
-        with self._lock:
-            if self._closed:
-                return adopted
-            self._shrink_to(tier, tier.capacity_bytes, reason="resize")
-            del self._absent[tier.name]  # the caller says it (it knows how it got there)
+                try:
+                    self._shrink_to(tier, tier.capacity_bytes, reason="resize")
+                except (CapacityError, TierUnavailable) as exc:  # over its size until puts evict
+                    log.warning("%s tier online over its capacity: %s", tier.name, _reason(exc))
+                del self._absent[tier.name]  # the caller says it (it knows how it got there)
+        except BaseException as exc:
+            with self._lock:
+                if not self._closed:
+                    self._unadopt(tier, i, absent, exc)
+            raise
+        absent.close()
         return adopted
+
+    def _unadopt(self, tier: Tier, i: int, absent: AbsentTier, exc: BaseException) -> None:
+        """Under the lock: take back what ``adopt_tier`` brought in of ``tier`` and put
+        ``absent`` back in its place, the failure as its reason."""
+        policy = self._policies[tier.name]
+        for e in [e for e in self._index.values() if e.tier == tier.name]:
+            del self._index[e.key]
+            self._isolated_owner.pop(e.key, None)
+            if e not in self._reading:  # one being read is in no policy (``_end_read``)
+                policy.on_remove(e)
+            self._link_parent(e, -1)
+            if e.children:
+                self._orphans[e.key] = e.children
+            self._emit("evict", e)
+        self._tiers[i] = absent
+        policy.set_max_entries(absent.max_chunks())
+        self._absent[tier.name] = f"bringing it online failed: {_reason(exc)}"
 
     def _adopt_chunks(self, tier: Tier, metas: Sequence[ChunkMeta]) -> int:
         """Under the lock: index ``tier``'s chunks found at its open, as ``_recover`` does,
@@ -525,7 +557,10 @@ class TieredStore:
             if meta.key not in tier:  # evicted by its own open (trimmed) or gone meanwhile
                 continue
             if meta.key in self._index:  # put again while the tier was absent: that copy wins
-                tier.delete(meta.key)
+                try:
+                    tier.delete(meta.key)
+                except TierUnavailable as exc:  # its file stays, unindexed, until a restart
+                    log.warning("%s tier: a duplicate chunk's file stays: %s", tier.name, exc)
                 continue
             self._tick += 1
             e = _found_entry(meta, tier.name, self._tick)
@@ -537,6 +572,7 @@ class TieredStore:
             for hold in self._hold_list:
                 if e.key in hold.keys:
                     self._hold(hold, e)
+            self._emit("adopt", e)
             adopted += 1
         return adopted
 
@@ -1581,6 +1617,10 @@ class TieredStore:
         if self._settler is not None:
             with self._lock:
                 self._settler.settle()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def close(self) -> None:
         """Close every tier. Reads under way finish on their own (their commits find the tiers

@@ -21,7 +21,7 @@ from kvctl.agent.tier_retry import TierRetry
 from kvctl.store.errors import CapacityError, InvalidArgument, TierUnavailable
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.absent import AbsentTier
-from kvctl.store.tiers.base import Tier
+from kvctl.store.tiers.base import ChunkMeta, Tier
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from tests.unit.test_disk_tier import key, payload, put
@@ -244,3 +244,98 @@ def test_a_store_closed_before_the_handover_leaves_the_opened_tier_closed(tmp_pa
         retry.try_now()
     # the directory's lock was let go: another tier can open it
     DiskTier(tmp_path / "disk", 1 << 20).close()
+
+
+def test_adopted_chunks_are_published_for_a_fleet_index_not_the_pool(tmp_path: Path) -> None:
+    """Each chunk brought in is an ``adopt`` event, which a fleet index takes as stored (before,
+    none was published: routers following the agent never learned the disk's chunks until
+    something made them resync); the pool's write-through takes ``store`` events only, so a
+    directory coming online is not written out to the pool."""
+    from kvctl.index.events import from_agent_event
+
+    disk = tmp_path / "disk"
+    with DiskTier(disk, 4 << 20) as tier:
+        for i in range(5):
+            put(tier, i, 4 * KIB, tenant="a")
+    store = TieredStore([CpuTier(1 << 20), AbsentTier("disk", 4 << 20, "not mounted")])
+    events: list[dict[str, object]] = []
+    store.subscribe(events.append)
+    try:
+        assert store.adopt_tier(DiskTier(disk, 4 << 20), batch=2) == 5
+        assert [e["type"] for e in events] == ["adopt"] * 5
+        assert sorted(e["key"] for e in events) == sorted(key(i).hex() for i in range(5))
+        seen = [from_agent_event(e) for e in events]
+        assert all(c is not None and c.kind == "stored" and c.tier == "disk" for c in seen)
+        assert all(c is not None and c.tenant == "a" for c in seen)
+    finally:
+        store.close()
+
+
+class _FailingDuplicateDelete(DiskTier):
+    """A disk tier whose unlink of a chunk cached meanwhile elsewhere fails: ``error`` raised."""
+
+    error: BaseException = TierUnavailable("disk tier 'disk' cannot delete: Permission denied")
+
+    def delete(self, key: bytes) -> int:
+        raise self.error
+
+
+def test_a_duplicate_whose_file_cannot_go_does_not_stop_the_adoption(tmp_path: Path) -> None:
+    """A chunk put again while the tier was absent keeps that copy; when its file here cannot
+    be removed, the file stays (unindexed) and the rest comes online (before, the adoption
+    stopped part way with a closed tier installed, some chunks indexed and the retry dead)."""
+    disk = tmp_path / "disk"
+    with DiskTier(disk, 4 << 20) as tier:
+        for i in range(6):
+            put(tier, i, 4 * KIB, tenant="a")
+    store = TieredStore([CpuTier(1 << 20), AbsentTier("disk", 4 << 20, "not mounted")])
+    try:
+        store.put(key(3), payload(3, 4 * KIB), tenant="a")
+        assert store.adopt_tier(_FailingDuplicateDelete(disk, 4 << 20), batch=2) == 5
+        assert store.absent_tiers == {}
+        assert store.locate([key(i) for i in range(6)], tenant="a") == [
+            "disk", "disk", "disk", "cpu", "disk", "disk"
+        ]  # fmt: skip
+        assert bytes(store.get(key(0), tenant="a")) == payload(0, 4 * KIB)
+    finally:
+        store.close()
+
+
+def test_an_adoption_that_fails_part_way_is_taken_back_and_tried_again(tmp_path: Path) -> None:
+    """Anything else raised part way takes back what was brought in (each an ``evict`` event),
+    puts the absent tier back with the error as its reason and lets the caller close the tier:
+    the next try opens it afresh and brings every chunk (before: the closed tier stayed in
+    place, 'absent', its first chunks indexed and unreadable, and the retry thread stopped)."""
+    disk = tmp_path / "disk"
+    with DiskTier(disk, 4 << 20) as tier:
+        for i in range(6):
+            put(tier, i, 4 * KIB, tenant="a")
+    store = TieredStore([CpuTier(1 << 20), AbsentTier("disk", 4 << 20, "not mounted")])
+    events: list[dict[str, object]] = []
+    store.subscribe(events.append)
+    try:
+        store.put(key(5), payload(5, 4 * KIB), tenant="a")
+        broken = _FailingDuplicateDelete(disk, 4 << 20)
+        broken.error = RuntimeError("a surprise")
+        retry = TierRetry(store, "disk", lambda: broken, first_s=3600, max_s=3600)
+        with pytest.raises(RuntimeError, match="a surprise"):
+            retry.try_now()  # at key 5's duplicate, after those scanned before it
+        assert store.absent_tiers == {"disk": "bringing it online failed: a surprise"}
+        assert isinstance(store.tier("disk"), AbsentTier)
+        assert store.locate([key(i) for i in range(6)], tenant="a") == [None] * 5 + ["cpu"]
+        kinds = [e["type"] for e in events[1:]]  # after the put's "store"
+        brought = kinds.count("adopt")
+        assert kinds == ["adopt"] * brought + ["evict"] * brought, kinds
+        with pytest.raises(TierUnavailable):  # the caller closed the tier it opened
+            broken.put(meta_of(9), memoryview(payload(9, 4 * KIB)))
+        retry._open = lambda: DiskTier(disk, 4 << 20)  # fixed: the next try opens it afresh
+        assert retry.try_now()
+        assert store.absent_tiers == {}
+        assert store.locate([key(i) for i in range(6)], tenant="a") == ["disk"] * 5 + ["cpu"]
+        assert bytes(store.get(key(2), tenant="a")) == payload(2, 4 * KIB)
+    finally:
+        store.close()
+
+
+def meta_of(i: int) -> ChunkMeta:
+    return ChunkMeta(key=key(i), size_bytes=4 * KIB, tenant="a")
