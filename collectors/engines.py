@@ -453,7 +453,8 @@ def _trtllm_iterations_reading(text: str) -> EngineReading:
     usage = None
     if used is not None and total is not None:
         # a bad count makes the ratio bad too (rejected by name), not unknown
-        usage = used / total if total > 0 else (NOT_FINITE if total != 0 else None)
+        # (an infinite total too: used / inf would read as an empty cache, and be kept)
+        usage = used / total if 0 < total < math.inf else (NOT_FINITE if total != 0 else None)
     reading = _reading(
         "trtllm",
         _SideFields(),

@@ -374,6 +374,9 @@ def test_bad_iteration_stats_are_a_clear_error(text: str, message: str) -> None:
         ('"reusedBlocks": 1' + "0" * 400, "engine.kv_reused_blocks", "not finite"),
         ('"usedNumBlocks": -3', "engine.kv_usage_ratio", "negative"),
         ('"maxNumBlocks": "x"', "engine.kv_usage_ratio", "not finite"),
+        # an infinite pool made the ratio 0.0, an empty cache, and kept it
+        ('"maxNumBlocks": 1e400', "engine.kv_usage_ratio", "not finite"),
+        ('"maxNumBlocks": 1' + "0" * 400, "engine.kv_usage_ratio", "not finite"),
     ],
 )
 def test_one_bad_iteration_figure_is_rejected_alone(bad: str, field: str, why: str) -> None:
