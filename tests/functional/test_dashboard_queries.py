@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.engine import Engine
 
-from kvctl.db.analytics.links import break_even
+from kvctl.db.analytics.inventory import inventory
+from kvctl.db.analytics.links import break_even, link_series
 from kvctl.db.analytics.overview import overview
 from kvctl.db.analytics.series import time_series
-from kvctl.db.analytics.windows import window_for
+from kvctl.db.analytics.windows import bucket_starts, window_for
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import HOUR_MS, MINUTE_MS, rollup_all
 from tests.functional.dashboard_history import (
@@ -164,3 +165,16 @@ def test_dc_time_series_buckets(db: Engine, history: dict[str, int]) -> None:
     assert s.used_bytes["cpu"][i + 1] is None  # no sample: no reading, not zero
     assert s.evictions[i] == 5 and sum(s.evictions) == 7
     assert s.power_w[i] == pytest.approx(500.0) and s.energy_j[j] == pytest.approx(1.8e6)
+
+
+def test_link_series_puts_each_probe_in_its_bucket(db: Engine, history: dict[str, int]) -> None:
+    win = window_for("1h", NOW)
+    with db.connect() as conn:
+        ls = link_series(conn, win, inventory(conn))
+    assert ls.bucket_ms == bucket_starts(win)
+    (rtt,) = ls.rtt_s.values()
+    assert list(ls.rtt_s) == [("ams", "fra")]  # either way round, one pair
+    i = ls.bucket_ms.index(T)
+    assert rtt[i] == pytest.approx(0.002) and rtt[i + 1] == pytest.approx(0.004)
+    # the failed probe's bucket and every other: no RTT, not zero
+    assert rtt[i + 2] is None and sum(v is not None for v in rtt) == 2

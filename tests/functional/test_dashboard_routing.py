@@ -14,7 +14,8 @@ from dashboard.app import create_app, render
 from dashboard.pages import rtt_badge, rtt_basis_label
 from kvctl.bench.route import RouteBenchConfig, run_route_bench
 from kvctl.db.analytics.links import RttBasis
-from kvctl.db.analytics.routing import routing_summary
+from kvctl.db.analytics.routing import pulled_series, routing_summary
+from kvctl.db.analytics.windows import window_for
 from kvctl.db.ingest import insert_rows
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import MINUTE_MS
@@ -98,6 +99,14 @@ def test_routing_summary_and_page_with_data(app: Any, db: Engine) -> None:
     assert r.to_holder_share == pytest.approx(0.7)
     assert r.index_hit_ratio == pytest.approx(20 / 30)
     assert r.fetched_token_share == pytest.approx(5120 / 7680)
+    with db.connect() as conn:
+        ps = pulled_series(conn, window_for("1h", NOW))
+    i, j = ps.bucket_ms.index(T), ps.bucket_ms.index(T + 10 * MINUTE_MS)
+    assert list(ps.pulled_bytes) == [("ams", "fra"), ("fra", "fra")]
+    assert (
+        ps.pulled_bytes["ams", "fra"][i] == 4 * MIB and ps.pulled_bytes["fra", "fra"][j] == 2 * MIB
+    )
+    assert sum(v is not None for v in ps.pulled_bytes["ams", "fra"]) == 1
     assert r.decision_mean_s == pytest.approx(0.001)
     assert [(n.node, n.decisions, n.to_holder) for n in r.nodes] == [
         ("ams-a", 5, 5),

@@ -12,7 +12,7 @@ from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.inventory import Inventory, pair
 from kvctl.db.analytics.values import as_float, as_int
-from kvctl.db.analytics.windows import Window, bucket_starts
+from kvctl.db.analytics.windows import Window, bucket_starts, bucketed_rows
 from kvctl.db.models import LinkSample
 from kvctl.db.rollup import buckets, series, window
 from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
@@ -115,16 +115,13 @@ class LinkSeries:
 def link_series(conn: Connection, win: Window, inv: Inventory) -> LinkSeries:
     dc_of = {n.id: n.dc for n in inv.nodes}
     starts = bucket_starts(win)
-    pos = {b: i for i, b in enumerate(starts)}
     sums: dict[tuple[str, str], list[list[float]]] = {}
     q = buckets(
         conn, series("link_sample"), win.start_ms, win.end_ms, win.step_ms, columns=["rtt_s"]
     )
-    for r in conn.execute(q):
-        m = r._mapping
+    for i, m in bucketed_rows(conn, q, starts):
         a, b = dc_of.get(m["src_node_id"]), dc_of.get(m["dst_node_id"])
-        i = pos.get(int(m["bucket_ms"]))
-        if a is None or b is None or i is None:
+        if a is None or b is None:
             continue
         acc = sums.setdefault(pair(a, b), [[0.0, 0] for _ in starts])
         acc[i][0] += as_float(m["rtt_s_sum"])

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.values import as_float, as_int
-from kvctl.db.analytics.windows import Window, bucket_starts
+from kvctl.db.analytics.windows import Window, bucket_starts, bucketed_rows
 from kvctl.db.models import SERIES_BY_TABLE
 from kvctl.db.rollup import buckets, series, window
 from kvctl.db.route_reports import SavedRouteReport, latest_saved_route_report
@@ -184,7 +184,6 @@ class PulledSeries:
 def pulled_series(conn: Connection, win: Window) -> PulledSeries:
     """Bytes the routers' decisions pulled per DC link, per bucket of the window."""
     starts = bucket_starts(win)
-    pos = {b: i for i, b in enumerate(starts)}
     out: dict[tuple[str, str], list[int | None]] = {}
     q = buckets(
         conn,
@@ -194,11 +193,7 @@ def pulled_series(conn: Connection, win: Window) -> PulledSeries:
         win.step_ms,
         columns=["pulled_bytes"],
     )
-    for r in conn.execute(q):
-        m = r._mapping
-        i = pos.get(int(m["bucket_ms"]))
-        if i is None:
-            continue
+    for i, m in bucketed_rows(conn, q, starts):
         values = out.setdefault((m["from_dc"], m["to_dc"]), [None] * len(starts))
         values[i] = (values[i] or 0) + as_int(m["pulled_bytes"])
     return PulledSeries(starts, dict(sorted(out.items())))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -10,7 +10,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.values import as_int, gauge_mean
-from kvctl.db.analytics.windows import Window, bucket_starts
+from kvctl.db.analytics.windows import Window, bucket_starts, bucketed_rows
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import buckets, series
 from kvctl.ratios import HitCounts
@@ -50,7 +50,6 @@ class TimeSeries:
 def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSeries:
     """Bucketed series over the window for the given nodes (a DC's or one node's)."""
     starts = bucket_starts(win)
-    pos = {b: i for i, b in enumerate(starts)}
     n = len(starts)
     out = TimeSeries(bucket_ms=starts)
     out.lookups, out.hits, out.reuse_hits = [0] * n, [0] * n, [0] * n
@@ -78,11 +77,7 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
             "capacity_bytes",
         ],
     )
-    for r in conn.execute(q):
-        m = r._mapping
-        i = pos.get(int(m["bucket_ms"]))
-        if i is None:
-            continue
+    for i, m in bucketed_rows(conn, q, starts):
         out.sampled[i] = True
         if m["tier"] == "all":
             out.lookups[i] += as_int(m["lookups"])
@@ -98,9 +93,15 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
             values = target.setdefault(m["tier"], [None] * n)
             if (mean := gauge_mean(m, gauge)) is not None:
                 values[i] = (values[i] or 0.0) + mean
-    _add_power(conn, "power_sample", win, where, pos, out.power_w, out.energy_j)
+    _add_power(conn, "power_sample", win, where, starts, out.power_w, out.energy_j)
     _add_power(
-        conn, "emulated_power_sample", win, where, pos, out.emulated_power_w, out.emulated_energy_j
+        conn,
+        "emulated_power_sample",
+        win,
+        where,
+        starts,
+        out.emulated_power_w,
+        out.emulated_energy_j,
     )
     return out
 
@@ -110,7 +111,7 @@ def _add_power(
     table: str,
     win: Window,
     where: Mapping[str, Any],
-    pos: dict[int, int],
+    starts: Sequence[int],
     power_w: list[float | None],
     energy_j: list[float | None],
 ) -> None:
@@ -124,11 +125,7 @@ def _add_power(
         where=where,
         columns=["energy_j", "power_w"],
     )
-    for r in conn.execute(q):
-        m = r._mapping
-        i = pos.get(int(m["bucket_ms"]))
-        if i is None:
-            continue
+    for i, m in bucketed_rows(conn, q, starts):
         if (mean := gauge_mean(m, "power_w")) is not None:
             power_w[i] = (power_w[i] or 0.0) + mean
         if m["energy_j"] is not None:

@@ -5,12 +5,12 @@ buckets of their time series."""
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
-from sqlalchemy import ColumnElement, Table, func, select
-from sqlalchemy.engine import Connection
+from sqlalchemy import ColumnElement, Select, Table, func, select
+from sqlalchemy.engine import Connection, RowMapping
 
 from kvctl.db.models import ROLLUPS, Node, raw_table
 from kvctl.db.rollup import DAY_MS, HOUR_MS, MINUTE_MS
@@ -197,3 +197,16 @@ def window_of(text: str, now_ms: int) -> Window:
 def bucket_starts(win: Window) -> list[int]:
     """Start of every time-series bucket of the window, the first one holding its start."""
     return list(range(win.start_ms - win.start_ms % win.step_ms, win.end_ms, win.step_ms))
+
+
+def bucketed_rows(
+    conn: Connection, query: Select[Any], starts: Sequence[int]
+) -> Iterator[tuple[int, RowMapping]]:
+    """Each row of ``query`` (a ``rollup.buckets`` time series) with the index in ``starts``
+    (``bucket_starts``) of its bucket; a row of a bucket not among them is passed over."""
+    pos = {b: i for i, b in enumerate(starts)}
+    for r in conn.execute(query):
+        m = r._mapping
+        i = pos.get(int(m["bucket_ms"]))
+        if i is not None:
+            yield i, m
