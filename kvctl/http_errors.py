@@ -1,7 +1,8 @@
 """How the daemons' HTTP APIs (the agent's and the router's) answer errors: a ``KvctlError``
 as its status with a JSON ``detail``, and FastAPI's 422 with echoed inputs that never carry a
 secret's value, are clipped (a model-level error echoes the whole body), are valid JSON (no
-NaN) and list at most ``MAX_ERRORS`` errors."""
+NaN) and list at most ``MAX_ERRORS`` errors; and how their OpenAPI schemas state those answers
+(``error_responses``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
 
 from kvctl.errors import KvctlError
 from kvctl.http_guards import clip_echo, safe_text
@@ -19,6 +21,20 @@ from kvctl.http_guards import clip_echo, safe_text
 MAX_ERRORS = 20
 #: request fields whose value a 422 never echoes
 SECRET_FIELDS = frozenset({"token"})
+
+
+class ErrorDetail(BaseModel):
+    detail: str = Field(description="what was wrong, naming the bad value")
+
+
+def error_responses(texts: Mapping[int, str], *codes: int) -> dict[int | str, dict[str, Any]]:
+    """Schema entries for the error statuses an operation can answer, each an ``ErrorDetail``
+    described by ``texts`` (what the status means on this API); 401 and 413 can come from every
+    one (the auth and body-limit middleware)."""
+    return {
+        code: {"model": ErrorDetail, "description": texts[code]}
+        for code in sorted({401, 413, *codes})
+    }
 
 
 def _redact(value: Any) -> Any:

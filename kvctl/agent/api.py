@@ -15,7 +15,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from decimal import Decimal
 from heapq import nsmallest
 from typing import Annotated, Any, Literal
@@ -38,11 +38,16 @@ from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import tier_size_problem
 from kvctl.errors import InvalidArgument, KvctlError
-from kvctl.http_errors import install_error_handlers
+from kvctl.http_errors import error_responses, install_error_handlers
 from kvctl.http_guards import (
     DEFAULT_MAX_BODY_BYTES,
+    ASGIApp,
     BearerAuth,
     BodyLimit,
+    Message,
+    Receive,
+    Scope,
+    Send,
 )
 from kvctl.remote.probe import emulated_source, probe_link
 from kvctl.store.errors import (
@@ -100,12 +105,6 @@ _ERROR_TEXT: dict[int, str] = {
     507: "the disk tier's filesystem is full",
 }
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
 # --- request and response models ------------------------------------------------------------
 
 _KEYS_DESC = f"chunk keys, {KEY_TEXT_CHARS} hex characters each (at most {MAX_KEYS_PER_REQUEST:,})"
@@ -136,17 +135,8 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True)
 
 
-class ErrorDetail(BaseModel):
-    detail: str = Field(description="what was wrong, naming the bad value")
-
-
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """Schema entries for the error statuses an operation can answer; 401 and 413 can come
-    from every one (the auth and body-limit middleware)."""
-    return {
-        code: {"model": ErrorDetail, "description": _ERROR_TEXT[code]}
-        for code in sorted({401, 413, *codes})
-    }
+    return error_responses(_ERROR_TEXT, *codes)
 
 
 class Health(BaseModel):

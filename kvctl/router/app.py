@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema
 
 from kvctl import __version__, http_serving
 from kvctl.errors import InvalidArgument, KvctlError
-from kvctl.http_errors import install_error_handlers
+from kvctl.http_errors import error_responses, install_error_handlers
 from kvctl.http_guards import BearerAuth, BodyLimit
 from kvctl.index.remote import MAX_KEYS, IndexUnavailable
 from kvctl.router.policies import POLICIES
@@ -83,15 +83,8 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class ErrorDetail(BaseModel):
-    detail: str = Field(description="what was wrong, naming the bad value")
-
-
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
-    return {
-        code: {"model": ErrorDetail, "description": _ERROR_TEXT[code]}
-        for code in sorted({401, 413, *codes})
-    }
+    return error_responses(_ERROR_TEXT, *codes)
 
 
 class RouteRequest(_Request):

@@ -321,6 +321,24 @@ def test_every_endpoint_needs_the_token_when_set(served) -> None:  # type: ignor
     assert c.get("/v1/health").json()["status"] == "ok"
 
 
+def test_the_schema_states_every_error_as_an_error_detail(served) -> None:  # type: ignore[no-untyped-def]
+    # the agent's schema does the same (test_api_schema): one ErrorDetail, kvctl.http_errors'
+    c, _, _ = served
+    spec = c.get("/openapi.json").json()
+    assert spec["components"]["schemas"]["ErrorDetail"]["required"] == ["detail"]
+    for path, operations in spec["paths"].items():
+        for method, op in operations.items():
+            for code in ("401", "413"):  # the auth and body-limit middleware answer any request
+                content = op["responses"][code]["content"]["application/json"]
+                assert content["schema"]["$ref"] == "#/components/schemas/ErrorDetail", (
+                    path,
+                    method,
+                )
+    route = spec["paths"]["/v1/route"]["post"]["responses"]
+    assert sorted(route) == ["200", "400", "401", "413", "422", "503"]
+    assert route["503"]["description"].startswith("no node can serve the request")
+
+
 def test_a_body_over_the_limit_is_413(served) -> None:  # type: ignore[no-untyped-def]
     c, _, _ = served
     r = c.post("/v1/route", json={"tokens": [123456789] * 120_000})  # about 1.2 MB
