@@ -197,23 +197,29 @@ def test_a_job_packs_straight_into_the_staging_segment(tmp_path: Path) -> None:
         assert heard == [True, False]  # told before its segment was unmapped
 
 
+def _held_in_its_copy(keys: list[bytes]) -> tuple[StoreJob, threading.Event, threading.Event]:
+    """A job whose copy into the staging segment sets ``inside`` and then waits for ``gate``."""
+    inside, gate = threading.Event(), threading.Event()
+
+    def pack_into(first: int, count: int, out: memoryview) -> None:
+        inside.set()
+        gate.wait(30)
+        for n in range(count):
+            out[n * SIZE : (n + 1) * SIZE] = payload(keys[first + n], SIZE)
+
+    job = _job(keys)
+    job.pack_into = pack_into
+    return job, inside, gate
+
+
 def test_a_close_that_times_out_leaves_the_writer_its_connection(tmp_path: Path) -> None:
     """A writer still copying into its staging segment when close() gives up waiting keeps its
     connection (closing it would unmap, and on CUDA unregister, the segment under the copy);
     the job still lands."""
     with running_agent(tmp_path) as agent, agent.data("unix") as client:
         writer = WriteBehind(client)
-        inside, gate = threading.Event(), threading.Event()
         keys = [key(i) for i in range(2)]
-
-        def pack_into(first: int, count: int, out: memoryview) -> None:
-            inside.set()
-            gate.wait(30)
-            for n in range(count):
-                out[n * SIZE : (n + 1) * SIZE] = payload(keys[first + n], SIZE)
-
-        job = _job(keys)
-        job.pack_into = pack_into
+        job, inside, gate = _held_in_its_copy(keys)
         future = writer.submit(job)
         assert inside.wait(30)  # copying into the segment now
         writer.close(timeout_s=0.2)
@@ -235,17 +241,8 @@ def test_two_closes_at_once_never_close_the_connection_under_a_job(tmp_path: Pat
     said so, not queued behind the thread's stop where nothing would write it."""
     with running_agent(tmp_path) as agent, agent.data("unix") as client:
         writer = WriteBehind(client)
-        inside, gate = threading.Event(), threading.Event()
         keys = [key(i) for i in range(2)]
-
-        def pack_into(first: int, count: int, out: memoryview) -> None:
-            inside.set()
-            gate.wait(30)
-            for n in range(count):
-                out[n * SIZE : (n + 1) * SIZE] = payload(keys[first + n], SIZE)
-
-        job = _job(keys)
-        job.pack_into = pack_into
+        job, inside, gate = _held_in_its_copy(keys)
         future = writer.submit(job)
         assert inside.wait(30)  # copying into the staging segment now
         writer.close_in_background()

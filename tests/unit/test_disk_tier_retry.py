@@ -246,6 +246,15 @@ def test_a_store_closed_before_the_handover_leaves_the_opened_tier_closed(tmp_pa
     DiskTier(tmp_path / "disk", 1 << 20).close()
 
 
+def _disk_of(tmp_path: Path, chunks: int) -> Path:
+    """A disk tier's directory holding ``chunks`` chunks of tenant "a" (keys 0, 1, ...)."""
+    disk = tmp_path / "disk"
+    with DiskTier(disk, 4 << 20) as tier:
+        for i in range(chunks):
+            put(tier, i, 4 * KIB, tenant="a")
+    return disk
+
+
 def test_adopted_chunks_are_published_for_a_fleet_index_not_the_pool(tmp_path: Path) -> None:
     """Each chunk brought in is an ``adopt`` event, which a fleet index takes as stored (before,
     none was published: routers following the agent never learned the disk's chunks until
@@ -253,10 +262,7 @@ def test_adopted_chunks_are_published_for_a_fleet_index_not_the_pool(tmp_path: P
     directory coming online is not written out to the pool."""
     from kvctl.index.events import from_agent_event
 
-    disk = tmp_path / "disk"
-    with DiskTier(disk, 4 << 20) as tier:
-        for i in range(5):
-            put(tier, i, 4 * KIB, tenant="a")
+    disk = _disk_of(tmp_path, 5)
     store = TieredStore([CpuTier(1 << 20), AbsentTier("disk", 4 << 20, "not mounted")])
     events: list[dict[str, object]] = []
     store.subscribe(events.append)
@@ -284,10 +290,7 @@ def test_a_duplicate_whose_file_cannot_go_does_not_stop_the_adoption(tmp_path: P
     """A chunk put again while the tier was absent keeps that copy; when its file here cannot
     be removed, the file stays (unindexed) and the rest comes online (before, the adoption
     stopped part way with a closed tier installed, some chunks indexed and the retry dead)."""
-    disk = tmp_path / "disk"
-    with DiskTier(disk, 4 << 20) as tier:
-        for i in range(6):
-            put(tier, i, 4 * KIB, tenant="a")
+    disk = _disk_of(tmp_path, 6)
     store = TieredStore([CpuTier(1 << 20), AbsentTier("disk", 4 << 20, "not mounted")])
     try:
         store.put(key(3), payload(3, 4 * KIB), tenant="a")
@@ -306,10 +309,7 @@ def test_an_adoption_that_fails_part_way_is_taken_back_and_tried_again(tmp_path:
     puts the absent tier back with the error as its reason and lets the caller close the tier:
     the next try opens it afresh and brings every chunk (before: the closed tier stayed in
     place, 'absent', its first chunks indexed and unreadable, and the retry thread stopped)."""
-    disk = tmp_path / "disk"
-    with DiskTier(disk, 4 << 20) as tier:
-        for i in range(6):
-            put(tier, i, 4 * KIB, tenant="a")
+    disk = _disk_of(tmp_path, 6)
     store = TieredStore([CpuTier(1 << 20), AbsentTier("disk", 4 << 20, "not mounted")])
     events: list[dict[str, object]] = []
     store.subscribe(events.append)
