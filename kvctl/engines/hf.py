@@ -31,8 +31,9 @@ from kvctl.engines.kvload import (
     KVLoader,
     LayerCopies,
     copy_leased,
+    copy_past_blocked,
     host_tensor,
-    pull_leased,
+    pull_leased_counted,
     queue_leased,
     read_chunks,
     read_socket,
@@ -605,13 +606,25 @@ class CachedLM:
                     usable, blocked = (
                         (0, False) if kv is None else copy_leased(leases, m, self.loader, kv)
                     )
+            counted = 0  # chunks from ``usable`` on a lease of this request counted
+            if blocked and kv is not None:
+                # the lookup's lease counted its local chunks as served: from the blocked one
+                # on, those it holds are copied from it and the others read uncounted
+                usable += copy_past_blocked(
+                    client, keys[:m], tenant, self.loader, kv, 0, leases, usable
+                )
+                blocked = False  # stopped short, or at a chunk missing or on another node
             if kv is not None and usable < m and usable in leases.remote:
-                pulled, blocked = pull_leased(
+                pulled = pull_leased_counted(
                     client, keys[usable:m], tenant, self.loader, kv, usable
                 )
-                usable += pulled
+                counted = pulled.counted - pulled.held  # from the chunk it stopped at on
+                usable += pulled.held
+                blocked = pulled.blocked
             if blocked and kv is not None:
-                usable += read_socket(client, keys[usable:m], tenant, self.loader, kv, usable)
+                usable += read_socket(
+                    client, keys[usable:m], tenant, self.loader, kv, usable, counted=counted
+                )
         except AgentError as exc:
             if copies is not None:  # queued before the failure: they read the arena
                 copies.abandon()

@@ -25,7 +25,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -603,12 +603,16 @@ def read_chunks(
     # copies overlap the next slice's lease, disk reads and pulls. The client's pending leases
     # go with these, as its next call would release them anyway
     try:
-        n, blocked = pull_leased(client, keys, tenant, loader, kv, 0, answer_s=answer_s)
+        n, blocked, counted = pull_leased_counted(
+            client, keys, tenant, loader, kv, 0, answer_s=answer_s
+        )
     finally:
         with client.timeout(answer_s):
             client.release_pending()
-    if blocked:
-        n += read_socket(client, keys[n:], tenant, loader, kv, n, answer_s=answer_s)
+    if blocked:  # what the holds counted is read again uncounted, the rest read (and counted)
+        n += read_socket(
+            client, keys[n:], tenant, loader, kv, n, counted=counted - n, answer_s=answer_s
+        )
     return n, "lease"
 
 
@@ -643,6 +647,17 @@ def copy_leased(
         loader.last_copy = (n * size, time.perf_counter() - started_s)
         n = _still_held(chunks[:n])  # type: ignore[arg-type]
     return n, n < count and n not in leases.missing and n not in leases.remote
+
+
+def counted_run(leases: ArenaLeases, start: int, count: int) -> int:
+    """How many of the leased chunks from ``start`` on (of the first ``count``) the lease
+    request counted as served, leased or not (cached here but not leasable): up to the first
+    one missing, or on another node and not pulled (``remote``). A re-read of those, from a
+    blocked chunk on, must not count them again (``read_socket``'s ``counted``)."""
+    return (
+        next((i for i in range(start, count) if i in leases.missing or i in leases.remote), count)
+        - start
+    )
 
 
 def queue_leased(
@@ -682,6 +697,106 @@ def queue_leased_many(
     return out
 
 
+def copy_past_blocked(
+    client: DataClient,
+    keys: Sequence[bytes],
+    tenant: str,
+    loader: KVLoader,
+    kv: torch.Tensor,
+    at: int,
+    leases: ArenaLeases,
+    start: int,
+    *,
+    answer_s: float = ANSWER_SECONDS,
+) -> int:
+    """The chunks ``leases`` counted from chunk ``start`` on (``counted_run``), where a copy
+    from them stopped (``start`` is cached but was not leasable, or its lease ran out), into
+    ``kv``: ``keys[i]`` is ``leases.chunks[i]``, for ``kv``'s chunk ``at + i``. Those leased
+    whole are copied from the arena while their leases hold; the rest, and any whose lease ran
+    out meanwhile, are read over the socket uncounted (``get_into(counted=True)``), so each is
+    counted once. That read lets go of the client's pending leases, so it comes after the
+    copies; call this before any other call on the client. How many leading chunks from
+    ``start`` arrived whole."""
+    size = loader.format.chunk_bytes
+    end = start + counted_run(leases, start, len(keys))
+    chunks = leases.chunks
+    now_s = time.monotonic()
+    leased: dict[int, LeasedChunk] = {
+        i: c
+        for i in range(start, end)
+        if (c := chunks[i]) is not None and c.size_bytes == size and c.deadline_s > now_s
+    }
+    arrived: set[int] = set()
+    if leased:
+        arena = loader.arena_tensor(leases.arena)
+        started_s = time.perf_counter()
+        for lo, hi in _spans(list(leased)):
+            loader.load(arena, [leased[i].offset for i in range(lo, hi)], kv, at + lo)
+        loader.wait()  # the copies read the arena: done before the leases end
+        before_bytes, before_s = loader.last_copy or (0, 0.0)
+        took_s = time.perf_counter() - started_s
+        loader.last_copy = (before_bytes + len(leased) * size, before_s + took_s)
+        now_s = time.monotonic()  # a lease that held at the copies' end held throughout
+        arrived = {i for i, c in leased.items() if c.deadline_s > now_s}
+    again = [i for i in range(start, end) if i not in arrived]
+    if again:
+        host = loader.staging(len(again) * size)
+        flat = host.numpy()
+        bufs = [flat[j * size : (j + 1) * size] for j in range(len(again))]
+        with client.timeout(answer_seconds(len(again) * size, answer_s)):
+            got = client.get_into([keys[i] for i in again], bufs, tenant=tenant, counted=True)
+        whole = _whole(got, size)
+        slot = {i: j for j, i in enumerate(again)}  # chunk -> its place in the staging buffer
+        for lo, hi in _spans(again[:whole]):
+            loader.load(host, [slot[i] * size for i in range(lo, hi)], kv, at + lo)
+        loader.wait()  # the staging buffer serves the next read
+        arrived.update(again[:whole])
+    n = start
+    while n < end and n in arrived:
+        n += 1
+    return n - start
+
+
+def _spans(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Ascending positions as runs of adjacent ones, [lo, hi) each."""
+    spans: list[tuple[int, int]] = []
+    for i in positions:
+        if spans and spans[-1][1] == i:
+            spans[-1] = (spans[-1][0], i + 1)
+        else:
+            spans.append((i, i + 1))
+    return spans
+
+
+def _whole(got: Sequence[int], size_bytes: int) -> int:
+    """How many leading chunks of a ``get_into`` arrived at the chunk size."""
+    n = 0
+    for got_bytes in got:
+        if got_bytes != size_bytes:
+            if got_bytes >= 0:
+                log.warning(
+                    "chunk of %d bytes where %d expected; not reused", got_bytes, size_bytes
+                )
+            break
+        n += 1
+    return n
+
+
+class Pulled(NamedTuple):
+    """What ``pull_leased_counted`` read."""
+
+    #: leading chunks that arrived whole
+    held: int
+    #: the chunks from ``held`` on are for ``read_socket``: a lease ran out during its copy,
+    #: or a slice that stopped at a chunk not leasable was read whole (``copy_past_blocked``)
+    #: and the later slices were not asked for
+    blocked: bool
+    #: leading chunks the slices' holds counted as served (``held`` and on, up to the end of the
+    #: last slice held or its first missing chunk): ``read_socket`` reads those again with
+    #: ``counted``, so each chunk is counted once
+    counted: int
+
+
 def pull_leased(
     client: DataClient,
     keys: Sequence[bytes],
@@ -692,22 +807,44 @@ def pull_leased(
     *,
     answer_s: float = ANSWER_SECONDS,
 ) -> tuple[int, bool]:
+    """``pull_leased_counted``'s leading chunks held and whether the next is blocked."""
+    held, blocked, _counted = pull_leased_counted(
+        client, keys, tenant, loader, kv, at, answer_s=answer_s
+    )
+    return held, blocked
+
+
+def pull_leased_counted(
+    client: DataClient,
+    keys: Sequence[bytes],
+    tenant: str,
+    loader: KVLoader,
+    kv: torch.Tensor,
+    at: int,
+    *,
+    answer_s: float = ANSWER_SECONDS,
+) -> Pulled:
     """Chunks ``keys`` into ``kv`` from chunk ``at`` on, in slices (``MAX_PULL_SLICES``): each
     slice is leased with ``client.hold`` (the agent reads it into its arena first where it lies
     on disk or on another node: the pool, a peer), its copy queued, and the next slice asked
     for while that copy runs. On CUDA the copies run on the side stream, so all but the last
     slice's copy hide behind the pulls; on the CPU a copy ends before the next slice is asked
-    for. The leases stay held until ``client.release_pending()``. How many leading chunks
-    arrived whole, and whether the next is cached but could not be leased (read it with
-    ``read_socket``). Each slice's hold has a deadline sized to its bytes (it may read them
-    from disk or pull them: ``deadlines.answer_seconds``, from ``answer_s``)."""
+    for. The leases stay held until ``client.release_pending()``. A slice that stops at a
+    chunk cached but not leasable here has the rest of it copied from its leases or read
+    uncounted (``copy_past_blocked``: its hold counted them), and the read ends there. How many
+    leading chunks arrived whole, whether the rest is to be read with ``read_socket``, and how
+    many leading chunks the holds counted as served (``Pulled``).
+    Each slice's hold has a deadline sized to its bytes (it may read them from disk or pull
+    them: ``deadlines.answer_seconds``, from ``answer_s``)."""
     if not keys:
-        return 0, False
+        return Pulled(0, False, 0)
     size = loader.format.chunk_bytes
     slices = min(MAX_PULL_SLICES, max(1, len(keys) * size // MIN_PULL_SLICE_BYTES))
     per = -(-len(keys) // slices)
     copies: list[tuple[list[LeasedChunk], QueuedCopy]] = []
     checked = held = 0  # slices whose leases were checked; leading chunks that held
+    counted = 0  # leading chunks the holds counted as served
+    stop: tuple[int, Sequence[bytes], ArenaLeases, int] | None = None  # where a slice blocked
     expired = blocked = False
 
     def check() -> None:
@@ -729,6 +866,7 @@ def pull_leased(
             part = keys[lo : lo + per]
             with client.timeout(answer_seconds(len(part) * size, answer_s)):
                 leases = client.hold(part, tenant=tenant)
+            counted = lo + counted_run(leases, 0, len(part))
             n = leased_whole(leases.chunks, size)
             if n:
                 arena = loader.arena_tensor(leases.arena)
@@ -738,6 +876,7 @@ def pull_leased(
                 copies.append((chunks, copy))
             if n < len(leases.chunks):
                 blocked = n not in leases.missing
+                stop = (lo, part, leases, n)
                 break
     finally:
         loader.wait()  # the copies read the arena: done before the leases can end
@@ -747,7 +886,17 @@ def pull_leased(
         copied = sum(len(c) for c, _ in copies) * size
         took_s = sum(copy.seconds() for _, copy in copies)
         loader.last_copy = (before_bytes + copied, before_s + took_s)
-    return held, blocked or expired
+    if blocked and not expired and stop is not None and held == stop[0] + stop[3]:
+        # the blocked slice's leases counted the rest of it: copy from them what they hold,
+        # read the others uncounted; a later slice's chunks are the caller's plain read
+        lo, part, leases, n = stop
+        got = copy_past_blocked(
+            client, part, tenant, loader, kv, at + lo, leases, n, answer_s=answer_s
+        )
+        held += got
+        # go on past the slice only where all it counted arrived and it counted all of it
+        blocked = lo + n + got == counted == lo + len(part) < len(keys)
+    return Pulled(held, blocked or expired, counted)
 
 
 def leased_whole(chunks: Sequence[LeasedChunk | None], size_bytes: int) -> int:
@@ -772,25 +921,28 @@ def read_socket(
     kv: torch.Tensor,
     at: int,
     *,
+    counted: int = 0,
     answer_s: float = ANSWER_SECONDS,
 ) -> int:
     """Chunks ``keys`` read through the socket (or through leases by the client, on the same
-    host) into ``kv`` from chunk ``at`` on: how many leading ones arrived whole. The read's
-    deadline is sized to its bytes (``deadlines.answer_seconds``, from ``answer_s``)."""
+    host) into ``kv`` from chunk ``at`` on: how many leading ones arrived whole. ``counted``:
+    the first that many were counted as served by this request's own leases already (a lease
+    that could not be copied from: ``copy_leased``, ``pull_leased_counted``): they are read
+    uncounted (``get_into(counted=True)``), the rest as an ordinary read that counts them,
+    so each chunk of the request is counted once. Each read's deadline is sized to its bytes
+    (``deadlines.answer_seconds``, from ``answer_s``)."""
     size = loader.format.chunk_bytes
     host = loader.staging(len(keys) * size)
     flat = host.numpy()
-    with client.timeout(answer_seconds(len(keys) * size, answer_s)):
-        got = client.get_into(
-            keys, [flat[i * size : (i + 1) * size] for i in range(len(keys))], tenant=tenant
-        )
+    bufs = [flat[i * size : (i + 1) * size] for i in range(len(keys))]
+    split = min(max(counted, 0), len(keys))
     usable = 0
-    for n in got:
-        if n != size:
-            if n >= 0:
-                log.warning("chunk of %d bytes where %d expected; not reused", n, size)
-            break
-        usable += 1
+    for lo, hi, again in ((0, split, True), (split, len(keys), False)):
+        if lo == hi or usable < lo:  # nothing here, or the run ended before it
+            continue
+        with client.timeout(answer_seconds((hi - lo) * size, answer_s)):
+            got = client.get_into(keys[lo:hi], bufs[lo:hi], tenant=tenant, counted=again)
+        usable += _whole(got, size)
     if usable:
         loader.load(host, [i * size for i in range(usable)], kv, at)
         loader.wait()  # the staging buffer serves the next request
