@@ -479,10 +479,13 @@ class Collector:
         t0 = time.perf_counter()
         client = self._router_clients.get(router)
         if client is None:
+            url = self._routers[router]
             client = self._router_clients[router] = RouterClient(
-                self._routers[router],
+                url,
                 token=self.config.router_token,
                 timeout_s=self.config.request_timeout_s,
+                # a request given up at its deadline is cut, as an agent's is
+                transport=AbandonableTransport(verify=url.startswith("https://")),
             )
         try:
             # its start time first: a restart between the two calls then shows as counters

@@ -4,10 +4,13 @@ a request. (Agents read the index through ``kvctl.index.remote.IndexClient``.)""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvctl.errors import KvctlError
 from kvctl.wire.address import redact_url
+
+if TYPE_CHECKING:
+    import httpx
 
 DEFAULT_URL = "http://127.0.0.1:9480"
 DEFAULT_TIMEOUT_S = 5.0
@@ -30,7 +33,10 @@ class RouterClient:
         *,
         token: str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
+        """``transport``: httpx's transport for the requests (the collector's shuts down the
+        connection of a request it gave up on); its TLS settings are its own."""
         import httpx
 
         self.url = url.rstrip("/")
@@ -38,7 +44,9 @@ class RouterClient:
         self.shown_url = redact_url(self.url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._httpx = httpx
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, timeout=timeout_s, transport=transport
+        )
 
     def __enter__(self) -> RouterClient:
         return self
