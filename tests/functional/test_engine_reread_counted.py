@@ -22,6 +22,7 @@ from kvctl.engines import kvload  # noqa: E402
 from kvctl.engines.kvformat import ChunkFormat  # noqa: E402
 from kvctl.store.keys import KVLayout  # noqa: E402
 from tests.functional.agents import key, payload, running_agent  # noqa: E402
+from tests.unit.cuda_marks import needs_cuda  # noqa: E402
 
 # 2 layers x K/V x 2 heads x 64 dims x float32 = 2 KiB a token: 32 tokens are one 64 KiB chunk
 FORMAT = ChunkFormat(KVLayout(2, 2, 64, "float32"), 32)
@@ -46,11 +47,16 @@ def _hit_counters(control: AgentClient) -> dict[str, Any]:
     }
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
 @pytest.mark.parametrize(
     ("slice_chunks", "from_arena"), [(CHUNKS, 5), (2, 3)], ids=["one-slice", "slices-of-2"]
 )
 def test_read_chunks_counts_each_chunk_once_past_a_chunk_it_could_not_lease(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slice_chunks: int, from_arena: int
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    slice_chunks: int,
+    from_arena: int,
+    device: str,
 ) -> None:
     """One slice: the hold counted every chunk; the pinned one is read uncounted over the
     socket, those after it copied from the hold's leases (5 chunks from the arena in all).
@@ -61,7 +67,7 @@ def test_read_chunks_counts_each_chunk_once_past_a_chunk_it_could_not_lease(
     with running_agent(tmp_path / "a", "--cpu", "8MiB", "--disk", "64MiB") as agent:
         keys = [key(i, 95) for i in range(CHUNKS)]
         control = agent.control()
-        loader = kvload.KVLoader(FORMAT, torch.device("cpu"))
+        loader = kvload.KVLoader(FORMAT, torch.device(device))
         kv = loader.alloc(CHUNKS)
         with agent.data("unix") as client:
             assert client.shm and client.takes_get_counted
@@ -76,9 +82,10 @@ def test_read_chunks_counts_each_chunk_once_past_a_chunk_it_could_not_lease(
             assert loader.last_copy is not None
             assert loader.last_copy[0] == from_arena * CHUNK_BYTES  # copied in place
         t = FORMAT.chunk_tokens
+        host = kv.cpu()
         for i, k in enumerate(keys):
             want = torch.frombuffer(bytearray(payload(k, CHUNK_BYTES)), dtype=torch.int32)
-            got = kv[:, :, 0, :, i * t : (i + 1) * t, :].contiguous().view(torch.int32)
+            got = host[:, :, 0, :, i * t : (i + 1) * t, :].contiguous().view(torch.int32)
             assert torch.equal(got.flatten(), want), f"chunk {i}"
         loader.close()
 
