@@ -583,7 +583,7 @@ def retry_tier_command(
     tier: Annotated[
         str,
         typer.Argument(
-            help="The tier to try: one the agent could not open at start (disk).",
+            help="The tier to try: one not opened at start, or taken offline (disk).",
             show_default=False,
         ),
     ],
