@@ -2,8 +2,7 @@
 
 No single policy wins everywhere: ``lineage-lru2`` leads when one-time chunks flood the cache
 (the Mooncake trace at 1%, the rag generator), ``lineage-lru`` when recency is everything (the
-chat generator), ``lineage-arc`` in between, ``lineage-gdsf`` when a few chains are reused often
-(the system-prompt generator at 20%). This policy runs each candidate on a *shadow* cache:
+chat generator), ``lineage-arc`` in between. This policy runs each candidate on a *shadow* cache:
 metadata only (an ``Entry`` per chunk, no bytes), of the real tier's capacity, fed the same
 accesses (every ``on_insert`` that is a new access, and every ``on_access``), evicting on its own
 with leaf-first lineage like the store. Each candidate also orders the real tier's chunks, so that
@@ -35,31 +34,29 @@ request chain instead of per block, with or without flooring the counts at zero 
 evicting by a vote of the shadows, measured worse somewhere too (trace at 1% or 5%,
 system-prompt at 50%, a chat, rag and system-prompt mix at 2-5%).
 
-``lineage-gdsf`` is a candidate (issue 26), last in the tie-break order, without its tenant-spread
-bonus (a shadow never sees a chunk's tenants; so its accesses can be deferred, as the other
-candidates'), on *trial* until its shadow has evicted 8 x the tier's capacity in chunks (its wins
-and losses are counted from then on only), and needing 10 x the lead of the others
-(``Candidate``). As a plain fourth candidate (% of Belady at 1 / 2 / 5 / 10 / 20 / 50%) it raised
-system-prompt at 20% from 35.7 to 40.4 (``lineage-gdsf`` alone 45.1) and the trace at 20% from
-68.1 to 68.4, but cost rag 3.0 / 2.6 / 1.5 points at 5 / 10 / 20% (its shadow leads
-``lineage-lru2``'s for the first 1-2 turnovers, LFU-like on what the fill saw, then trails: at
-5-10% the tier followed it for ~4k accesses), chat 1.5 at 1%, builtin 0.3 at 1% and the trace 0.4
-at 5% (24 switches instead of 8 among four close shadows). With the trial and the factor (one
-run, the three-candidate policy in brackets): trace 26.06 / 30.52 / 41.99 (41.55) / 54.32 / 68.05
-/ 94.35, system-prompt 4.09 / 12.87 / 19.21 / 13.64 / 41.54 (35.67) / 90.98, and the builtin,
-chat and rag generators unchanged at every size (94.22 / 92.67 / 91.89 / 93.95 / 96.83 / 99.51,
-66.76 / 81.27 / 98.71 / 99.64 / 99.62 / 100, 72.62 / 74.74 / 77.60 / 83.52 / 87.54 / 96.40); with
-the factor alone system-prompt at 20% gave 40.70, the rest the same. It costs a fourth candidate:
-6.5k decisions/s at 5% of the trace against 8.0k, 15-20k against 17-31k on the generators (one
-loaded run). Measured worse somewhere, so not used (each without the lead factor): the trial
-counted in accesses (4 or 8 x capacity: system-prompt at 10% or chat at 1%) or for every
-candidate (a warm-up: system-prompt at 50%, chat at 10-20%), a minimum of 1 or 2 x capacity
-accesses between switches (system-prompt at 50%), the lead factor for every candidate
-(``lead_fraction`` 0.05 or 0.1: rag, chat), a Bonferroni ``confidence_z`` and ``lead_hits`` for 3
-challengers (rag), a time-uniform (normal-mixture, alpha 0.05 or 0.2) bound in place of the coin
-toss (chat at 1-20%, with three candidates too), counts kept across switches (rag at 5-20%), and a
-challenger also needing to lead since the start (the trace at 1% and 5%, with three candidates
-too).
+``lineage-gdsf`` is not a candidate either (issue 26; % of Belady at 1 / 2 / 5 / 10 / 20 / 50%,
+in one run against the three candidates above). As a plain fourth (last in the tie-break order)
+it raised system-prompt at 20% from 35.7 to 40.4 (``lineage-gdsf`` alone 45.1) and the trace at
+20% from 68.1 to 68.4, but cost rag 3.0 / 2.6 / 1.5 points at 5 / 10 / 20% (its shadow leads
+``lineage-lru2``'s for the first 1-2 turnovers, LFU-like on what the fill saw, then trails), chat
+1.5 at 1%, builtin 0.3 at 1% and the trace 0.4 at 5% (24 switches instead of 8 among four close
+shadows). On *trial* until its shadow had evicted 8 x the tier's capacity (its wins and losses
+counted from then on) and needing 10 x the others' lead, without its tenant-spread bonus (so
+reads stay deferrable), it matched the three at every size of the trace and of the builtin,
+chat and rag generators and gained at two (trace at 5% 41.99 against 41.55, system-prompt at 20%
+41.54 against 35.67), but lost on a mix of the chat, rag and system-prompt generators by arrival
+(distinct blocks, 12,886 unique): 58.03 against 59.39 at 1% and 76.25 against 76.61 at 2% (the
+same elsewhere; bursts of long system-prompt chains still gave it an 80-hit lead for a few
+accesses, and each switch set off more); it also costs a fourth of the shadow work (6.5k
+decisions/s at 5% of the trace against 8.0k). Also measured worse somewhere, each without the
+lead factor: the trial counted in accesses (4 or 8 x capacity: system-prompt at 10%, chat at 1%)
+or for every candidate (a warm-up: system-prompt at 50%, chat at 10-20%), at least 1 or 2 x
+capacity accesses between switches (system-prompt at 50%), a larger lead for every candidate
+(``lead_fraction`` 0.05 or 0.1: rag, chat), a Bonferroni ``confidence_z`` and ``lead_hits`` for
+3 challengers (rag), a time-uniform (normal-mixture, alpha 0.05 or 0.2) bound in place of the
+coin toss (chat at 1-20%, with three candidates too), counts kept across switches (rag at
+5-20%), a challenger also needing to lead since the start (the trace at 1% and 5%, with three
+candidates too; with the trial and factor, only for ``lineage-gdsf``: the mix at 1% still 58.03).
 
 The real tier's victims are, in order:
 
@@ -86,46 +83,20 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvctl.store.errors import InvalidArgument
 from kvctl.store.index import Entry
 from kvctl.store.policies.arc import LineageARCPolicy
 from kvctl.store.policies.base import EvictionPolicy
-from kvctl.store.policies.gdsf import LineageGDSFPolicy
 from kvctl.store.policies.lru import LineageLRUPolicy
 from kvctl.store.policies.lru2 import LineageLRU2Policy
 
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A candidate policy with a harder way to the lead than the default one."""
-
-    make: Callable[[], EvictionPolicy]
-    #: times its shadow must have turned over (evicted the tier's capacity in chunks) before it
-    #: may lead; its wins and losses are counted from then on only
-    trial_turnovers: float = 0.0
-    #: multiplies the least lead (``lead_hits``, ``lead_fraction``) it needs to take over
-    lead_factor: float = 1.0
-
-
-def _gdsf_candidate() -> EvictionPolicy:
-    """``lineage-gdsf`` without its tenant-spread bonus: a shadow never sees a chunk's tenants,
-    so the real-side order ranks as the shadow did, and without it the policy reads nothing a
-    read changes after its touch (its accesses can be deferred)."""
-    policy = LineageGDSFPolicy(spread_bonus=0.0)
-    policy.accesses_deferrable = True
-    return policy
-
-
-#: the candidates, in tie-break order: the agent's former default first; ``lineage-gdsf`` last,
-#: on trial for 8 turnovers and needing 10x the lead (see the module docstring)
-DEFAULT_CANDIDATES: tuple[Callable[[], EvictionPolicy] | Candidate, ...] = (
+#: the candidates, in tie-break order: the agent's former default first
+DEFAULT_CANDIDATES: tuple[Callable[[], EvictionPolicy], ...] = (
     LineageLRU2Policy,
     LineageARCPolicy,
     LineageLRUPolicy,
-    Candidate(_gdsf_candidate, trial_turnovers=8.0, lead_factor=10.0),
 )
 #: away keys remembered before the tier's size is known, and at least ever after
 _MIN_AWAY = 64
@@ -141,7 +112,7 @@ _RESCALE_AT = 1e150
 class _Shadow:
     """One candidate policy over a metadata-only cache of the real tier's capacity."""
 
-    __slots__ = ("bytes", "entries", "evicted", "evictions", "orphans", "policy", "score")
+    __slots__ = ("bytes", "entries", "evicted", "orphans", "policy", "score")
 
     def __init__(self, policy: EvictionPolicy) -> None:
         self.policy = policy
@@ -150,8 +121,6 @@ class _Shadow:
         #: cached-children counts of keys not held here (a child outlived its parent)
         self.orphans: dict[bytes, int] = {}
         self.score = 0.0
-        #: evictions so far (its turnovers, for a candidate on trial)
-        self.evictions = 0
         #: keys evicted by the last ``access`` (only read for the leader)
         self.evicted: list[bytes] = []
 
@@ -198,7 +167,6 @@ class _Shadow:
                 break
             self.policy.on_victim(v)
             self._drop(v)
-            self.evictions += 1
             self.evicted.append(v.key)
 
     def _drop(self, v: Entry) -> None:
@@ -234,7 +202,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
     def __init__(
         self,
         *,
-        candidates: Sequence[Callable[[], EvictionPolicy] | Candidate] = DEFAULT_CANDIDATES,
+        candidates: Sequence[Callable[[], EvictionPolicy]] = DEFAULT_CANDIDATES,
         window_factor: float = math.inf,
         lead_hits: float = 8.0,
         confidence_z: float = 2.0,
@@ -264,15 +232,9 @@ class LineageAdaptivePolicy(EvictionPolicy):
         self.weight = weight
         self.attention_tokens = attention_tokens
         self.converge = converge
-        specs = [c if isinstance(c, Candidate) else Candidate(c) for c in candidates]
-        for c in specs:
-            if not (c.trial_turnovers >= 0 and c.lead_factor >= 0):
-                raise InvalidArgument(f"trial_turnovers and lead_factor must be at least 0: {c}")
-        self._trial_turnovers = [c.trial_turnovers for c in specs]
-        self._lead_factors = [c.lead_factor for c in specs]
-        self._shadows = [_Shadow(c.make()) for c in specs]
+        self._shadows = [_Shadow(make()) for make in candidates]
         #: each candidate also orders the real tier's chunks, ready to lead
-        self._real = [c.make() for c in specs]
+        self._real = [make() for make in candidates]
         self.accesses_deferrable = all(p.accesses_deferrable for p in self._real)
         self._leader = 0
         #: times another candidate took the lead
@@ -429,10 +391,6 @@ class LineageAdaptivePolicy(EvictionPolicy):
         led = hits[self._leader]
         counted = False  # a candidate's wins or losses against the leader moved
         for i, hit in enumerate(hits):
-            if self._on_trial(i):
-                if hit:
-                    self._shadows[i].score += gain
-                continue
             if hit:
                 self._shadows[i].score += gain
                 if not led:
@@ -465,11 +423,6 @@ class LineageAdaptivePolicy(EvictionPolicy):
                 self._diff[k] = e
         leader.evicted.clear()
 
-    def _on_trial(self, i: int) -> bool:
-        """Whether candidate ``i`` has yet to turn its shadow over ``trial_turnovers`` times."""
-        trial = self._trial_turnovers[i]
-        return bool(trial) and self._shadows[i].evictions <= trial * self._capacity_chunks
-
     def _maybe_switch(self) -> None:
         """Hand the lead to the candidate furthest ahead of the leader on the accesses where
         they differ, once its lead is both ``lead_hits`` hits and ``confidence_z`` standard
@@ -481,7 +434,7 @@ class LineageAdaptivePolicy(EvictionPolicy):
         for i, (w, x) in enumerate(zip(self._wins, self._losses, strict=True)):
             lead = (w - x) / unit
             noise = self.confidence_z * math.sqrt((w + x) / unit)
-            if lead > best_lead and lead > min_lead * self._lead_factors[i] and lead > noise:
+            if lead > best_lead and lead > min_lead and lead > noise:
                 best, best_lead = i, lead
         if best == self._leader:
             return
