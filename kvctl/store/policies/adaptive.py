@@ -47,16 +47,20 @@ chat and rag generators and gained at two (trace at 5% 41.99 against 41.55, syst
 41.54 against 35.67), but lost on a mix of the chat, rag and system-prompt generators by arrival
 (distinct blocks, 12,886 unique): 58.03 against 59.39 at 1% and 76.25 against 76.61 at 2% (the
 same elsewhere; bursts of long system-prompt chains still gave it an 80-hit lead for a few
-accesses, and each switch set off more); it also costs a fourth of the shadow work (6.5k
-decisions/s at 5% of the trace against 8.0k). Also measured worse somewhere, each without the
-lead factor: the trial counted in accesses (4 or 8 x capacity: system-prompt at 10%, chat at 1%)
-or for every candidate (a warm-up: system-prompt at 50%, chat at 10-20%), at least 1 or 2 x
-capacity accesses between switches (system-prompt at 50%), a larger lead for every candidate
-(``lead_fraction`` 0.05 or 0.1: rag, chat), a Bonferroni ``confidence_z`` and ``lead_hits`` for
-3 challengers (rag), a time-uniform (normal-mixture, alpha 0.05 or 0.2) bound in place of the
-coin toss (chat at 1-20%, with three candidates too), counts kept across switches (rag at
-5-20%), a challenger also needing to lead since the start (the trace at 1% and 5%, with three
-candidates too; with the trial and factor, only for ``lineage-gdsf``: the mix at 1% still 58.03).
+accesses, and each switch set off more). Needing 30 x the lead, it matched the three everywhere,
+the mix included, and gained only at system-prompt 20% (38.75; 20 x still lost the mix at 1%,
+58.16, and 40 x gained nowhere): one size of the smallest generator, on a factor between two
+that fail, for a fourth candidate's shadow work (6.5k decisions/s at 5% of the trace against
+8.0k, 15-20k against 17-31k on the generators, one loaded run), so not adopted. Also measured
+worse somewhere, each without the lead factor: the trial counted in accesses (4 or 8 x capacity:
+system-prompt at 10%, chat at 1%) or for every candidate (a warm-up: system-prompt at 50%, chat
+at 10-20%), at least 1 or 2 x capacity accesses between switches (system-prompt at 50%), a
+larger lead for every candidate (``lead_fraction`` 0.05 or 0.1: rag, chat), a Bonferroni
+``confidence_z`` and ``lead_hits`` for 3 challengers (rag), a time-uniform (normal-mixture, alpha
+0.05 or 0.2) bound in place of the coin toss (chat at 1-20%, with three candidates too), counts
+kept across switches (rag at 5-20%), a challenger also needing to lead since the start (the
+trace at 1% and 5%, with three candidates too; with the trial and 10 x, only for
+``lineage-gdsf``: the mix at 1% still 58.03).
 
 The real tier's victims are, in order:
 
