@@ -657,11 +657,11 @@ def _render_retry(answer: dict[str, Any]) -> None:
         return
     reason = escape(answer.get("reason") or "")
     if answer["state"] == "offline":
-        tried = "a write into it failed again" if answer["retried"] else "not tried"
+        # a disk tier was written to now; a tier with no such test is tried by the next put
         err_console.print(
-            f"[yellow]{name} tier still offline[/] (failed in service; {tried}): {reason}\n"
+            f"[yellow]{name} tier still offline[/] (failed in service): {reason}\n"
             "[dim]hint: fix what the reason names (its device, mount or directory), then run "
-            "this again; the agent also tries it on a put by itself[/]",
+            "this again; the agent tries it again by itself on a put[/]",
             highlight=False,
             soft_wrap=True,
         )

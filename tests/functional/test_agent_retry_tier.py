@@ -224,7 +224,7 @@ def test_retry_tier_brings_a_tier_that_failed_in_service_back_online_once_fixed(
             run = _kvctl("agent", "retry-tier", "disk", "--url", url)
             assert run.returncode == 1, _said(run)
             said = _said(run)
-            assert "disk tier still offline (failed in service; a write into it failed" in said
+            assert "disk tier still offline (failed in service): disk tier 'disk' cannot" in said
             answer = json.loads(
                 _kvctl("agent", "retry-tier", "disk", "--url", url, "--json").stdout
             )
