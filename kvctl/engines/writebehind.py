@@ -159,14 +159,17 @@ class WriteBehind:
 
     def submit(self, job: StoreJob) -> Future[Stored]:
         """Queue ``job``; its future resolves when it is written (or skipped, never raises)."""
-        if not self._start():
-            self._done(job, Stored(0, 0, 0.0, skipped="write-behind closing"))
-            return job.future
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            self.dropped_jobs += 1
-            self._done(job, Stored(0, 0, 0.0, skipped="write-behind queue full"))
+        with self._lock:  # checked and queued at once: a close cannot slip its stop before it
+            if not self._start_locked():
+                skipped = "write-behind closing"
+            else:
+                try:
+                    self._jobs.put_nowait(job)
+                    return job.future
+                except queue.Full:
+                    self.dropped_jobs += 1
+                    skipped = "write-behind queue full"
+        self._skip(job, skipped)
         return job.future
 
     def flush(self, timeout_s: float | None = None) -> bool:
@@ -174,9 +177,11 @@ class WriteBehind:
         from the start: a full queue behind a hung agent waits no longer than it."""
         deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
         marker = StoreJob("", (), (), (), 0, 0, pack=lambda i: b"")
-        if not self._start():  # closing: what was queued is the close's to wait for
-            return False
+        with self._lock:
+            if not self._start_locked():  # closing: what was queued is the close's to wait for
+                return False
         try:
+            # (a close's stop may come first now: the close then resolves the marker)
             self._jobs.put(marker, timeout=_left(deadline_s))  # flushing is waiting
             marker.future.result(timeout=_left(deadline_s))
         except (TimeoutError, queue.Full):
@@ -211,6 +216,9 @@ class WriteBehind:
                 with self._lock:  # ended: a later submit starts a new one
                     self._thread = None
                     self._stopping = self._stop_sent = False
+                    left = self._drain_locked()
+                for job in left:  # a flush's marker that came after the stop
+                    self._skip(job, "write-behind closing")
             if self._client is not None:
                 self._client.close()
                 self._client = None
@@ -218,18 +226,40 @@ class WriteBehind:
             self._closing.release()
 
     # --- the writer thread -------------------------------------------------------------------
-    def _start(self) -> bool:
-        """Start the thread if none runs; False while a close is stopping it."""
-        with self._lock:
-            if self._stopping:
+    def _start_locked(self) -> bool:
+        """Under ``_lock``: start the thread if none runs; False while a close is stopping it.
+        A thread that ended since a close gave up waiting for it is replaced (the close had
+        left it its connection): the writer takes jobs again."""
+        thread = self._thread
+        if self._stopping:
+            if thread is not None and thread.is_alive():
                 return False
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="kvctl-write-behind", daemon=True
-                )
-                self._thread.start()
-                _LIVE.add(self)
-            return True
+            self._thread = thread = None
+            self._stopping = self._stop_sent = False
+        if thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name="kvctl-write-behind", daemon=True
+            )
+            self._thread.start()
+            _LIVE.add(self)
+        return True
+
+    def _drain_locked(self) -> list[StoreJob]:
+        """Under ``_lock``: the jobs left in the queue (the thread has ended)."""
+        left: list[StoreJob] = []
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return left
+            if job is not None:
+                left.append(job)
+
+    @classmethod
+    def _skip(cls, job: StoreJob, why: str) -> None:
+        cls._done(job, Stored(0, 0, 0.0, skipped=why))
+        if job.finish is not None:
+            job.finish()
 
     def close_in_background(self) -> None:
         """``close`` from a thread of its own, for a finalizer: its owner was collected without

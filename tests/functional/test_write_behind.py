@@ -228,6 +228,14 @@ def test_a_close_that_times_out_leaves_the_writer_its_connection(tmp_path: Path)
         gate.set()
         assert future.result(timeout=30).chunks == 2
         assert all(bytes(client.get(k, tenant="t")) == payload(k, SIZE) for k in keys)
+        # the thread ended since (it took the close's stop): the writer takes jobs again
+        # (before, every later job was refused as 'write-behind closing' until another close)
+        deadline = time.monotonic() + 30
+        while writer._thread is not None and writer._thread.is_alive():
+            assert time.monotonic() < deadline, "the writer's thread did not end"
+            time.sleep(0.01)
+        assert writer.submit(_job([key(7)])).result(timeout=30).chunks == 1
+        assert writer.flush(30)
         writer.close()
         assert held.closed
 
