@@ -562,10 +562,11 @@ class DataClient:
         outs = [_as_bytes_view(b) for b in buffers]
         if len(outs) != len(keys):
             raise ValueError("give one buffer per key")
-        # with caller buffers both paths give each chunk's size or None
+        # with caller buffers both paths give each chunk's size or None; an agent that would
+        # count a socket re-read again anyway is read in place, as a plain get_into is
         got = (
             self._get_leased(keys, tenant, outs)
-            if self.shm and not counted
+            if self.shm and not (counted and self.takes_get_counted)
             else self._get_socket(keys, tenant, outs, counted=counted)
         )
         return [-1 if g is None else g for g in got]

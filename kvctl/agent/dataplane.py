@@ -1080,12 +1080,10 @@ class Connection:
         )
 
     def _get(self, meta: MetaReader, _payload: int) -> Reply:
-        """Chunks' bytes. With GET_COUNTED (a client's re-read of chunks its LEASE counted as
-        served: the lease ran out during its copy, or the chunk was not leasable) they are sent
-        as copies read without counting the access again (``_copies``: under the replies'
-        copy budget, past which a chunk is answered missing, as any copy is), so each read
-        counts a chunk once; otherwise in place under leases where they can be
-        (``_send_views``)."""
+        """Chunks' bytes, in place under leases where they can be (``_send_views``), else as
+        copies. With GET_COUNTED (a client's re-read of chunks its LEASE counted as served: the
+        lease ran out during its copy, or the chunk was not leasable) the same, without
+        counting the access again, so each read counts a chunk once."""
         tenant = meta.tenant()
         keys = meta.keys()
         counted = parse_get_flags(meta)
@@ -1093,12 +1091,7 @@ class Connection:
         payload: list[memoryview | bytearray] = []
         total = 0
         self.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
-        views: list[memoryview | bytearray | None]
-        if counted:
-            copies = self._copies(list(dict.fromkeys(keys)), tenant)
-            views = [copies[k] for k in keys]
-        else:
-            views = self._send_views(keys, tenant)
+        views = self._send_views(keys, tenant, served=not counted)
         for data in views:
             if data is None:
                 items += GET_ITEM.pack(Status.MISSING, 0)
@@ -1109,7 +1102,9 @@ class Connection:
             total += n
         return [MetaWriter().u32(len(keys)).raw(bytes(items)).build(), *payload], total
 
-    def _send_views(self, keys: list[bytes], tenant: str) -> list[memoryview | bytearray | None]:
+    def _send_views(
+        self, keys: list[bytes], tenant: str, *, served: bool = True
+    ) -> list[memoryview | bytearray | None]:
         """The chunks' bytes to send (None: missing): in place under endless leases (this
         thread releases them after the send, whatever happens), or a copy where one cannot be
         leased. One batch lease, so the disk chunks among them are read in parallel. A key
@@ -1118,7 +1113,7 @@ class Connection:
         is answered missing, as one evicted meanwhile would be, so a reply costs the agent a
         bounded amount of memory however many chunks it names and however slowly it is read."""
         unique = list(dict.fromkeys(keys))
-        leases = self.runtime.lease_many(unique, math.inf, tenant=tenant)
+        leases = self.runtime.lease_many(unique, math.inf, tenant=tenant, served=served)
         # every lease is released after the send, even when making a view below fails
         self._release_after_send += [r.lease_id for r in leases if isinstance(r, Lease)]
         views: dict[bytes, memoryview | bytearray | None] = {}

@@ -314,10 +314,10 @@ class AgentRuntime:
         return self.store.get_uncounted(key, tenant=tenant)
 
     def lease_many(
-        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str
+        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str, served: bool = True
     ) -> list[Lease | KeyNotFound | None]:
         """Hold local chunks in place in the shared (cpu) tier; see ``TieredStore.lease_many``."""
-        return self.store.lease_many(keys, ttl_s, tenant=tenant)
+        return self.store.lease_many(keys, ttl_s, tenant=tenant, served=served)
 
     def leased_view(self, lease: Lease) -> memoryview:
         return self.store.leased_view(lease)

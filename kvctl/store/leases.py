@@ -167,7 +167,9 @@ class LeaseBook:
     def lease_count(self) -> int:
         return 0 if self.home is None else self.home.lease_count
 
-    def lease_many(self, keys: Sequence[bytes], ttl_s: float, *, tenant: str) -> list[LeaseResult]:
+    def lease_many(
+        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str, served: bool = True
+    ) -> list[LeaseResult]:
         """``TieredStore.lease_many``."""
         host = self._host
         results: list[LeaseResult] = [None] * len(keys)
@@ -182,8 +184,9 @@ class LeaseBook:
                     except KeyNotFound as exc:
                         results[i] = exc
                         continue
-                    host._access(e, now)
-                    self._accounting.served(e, tenant)
+                    if served:
+                        host._access(e, now)
+                        self._accounting.served(e, tenant)
                     if e.tier == home.name:  # leased now, so making room for the rest skips it
                         results[i] = self._grant(home, e, ttl_s)
                     else:

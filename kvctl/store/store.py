@@ -1157,7 +1157,7 @@ class TieredStore:
         return result
 
     def lease_many(
-        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str = ""
+        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str = "", served: bool = True
     ) -> list[LeaseResult]:
         """``lease`` for each key, in order, with the disk chunks among them read in parallel
         and without the store's lock. Each answer is a Lease, None (cannot be held in the lease
@@ -1166,11 +1166,13 @@ class TieredStore:
         miss does not cost the rest of the batch. Raises TierUnavailable when the store has no
         cpu tier (or a tier fails), holding no lease of the batch then.
 
-        Every key counts as served up front, like ``lease`` does. A key another batch is moving
-        into the lease tier is waited for rather than read twice, so do not call this with the
-        store's lock held (``locked()``): waiting gives the lock up."""
+        Every key counts as served up front, like ``lease`` does (``served=False``: not at all,
+        neither its hit count nor its policy's access: a re-read of chunks a lease counted). A
+        key another batch is moving into the lease tier is waited for rather than read twice,
+        so do not call this with the store's lock held (``locked()``): waiting gives the lock
+        up."""
         check_tenant(tenant)
-        return self._leases.lease_many(keys, ttl_s, tenant=tenant)
+        return self._leases.lease_many(keys, ttl_s, tenant=tenant, served=served)
 
     def leased_view(self, lease: Lease) -> memoryview:
         """The bytes a lease holds, read-only and in place (valid while the lease holds)."""

@@ -34,9 +34,9 @@ class ResizingRuntime(AgentRuntime):
     resized = 0
 
     def lease_many(
-        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str
+        self, keys: Sequence[bytes], ttl_s: float, *, tenant: str, served: bool = True
     ) -> list[Lease | KeyNotFound | None]:
-        leases = super().lease_many(keys, ttl_s, tenant=tenant)
+        leases = super().lease_many(keys, ttl_s, tenant=tenant, served=served)
         if self.resize_to:
             self.store.resize("cpu", self.resize_to)
             self.resize_to = 0

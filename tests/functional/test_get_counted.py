@@ -112,6 +112,39 @@ def test_to_an_agent_without_get_counted_the_reread_is_a_plain_get(tmp_path: Pat
         runtime.close()
 
 
+def test_a_reread_is_served_in_place_not_under_the_copy_budget(tmp_path: Path) -> None:
+    """A GET_COUNTED re-read is sent as a plain GET is, in place under the agent's own leases,
+    and only chunks that cannot be leased take the replies' copy budget. Before, it was always
+    copies, so past the budget (1 GiB by default, shared by every connection) chunks came
+    back missing: a lease that ran out under load cost the reuse of the rest (4 of 8 here)."""
+    settings = AgentSettings(
+        name="b",
+        data_dir=str(tmp_path),
+        cpu_bytes=4 << 20,
+        shm=True,
+        max_chunk_bytes=2 * CHUNK_BYTES,  # the copy budget is at least one chunk this large
+    )
+    store = TieredStore([CpuTier(4 << 20, shared=True)])
+    runtime = AgentRuntime(settings, store)
+    server = DataPlaneServer(runtime, put_budget_bytes=1 << 20, copy_budget_bytes=4 * CHUNK_BYTES)
+    unix = str(server.listen_unix(tmp_path / "data.sock"))
+    server.start()
+    try:
+        keys = [key(i, 94) for i in range(8)]
+        for k in keys:
+            store.put(k, payload(k, CHUNK_BYTES))
+        with DataClient.connect(unix) as client:
+            assert client.takes_get_counted
+            got = client._get_socket(keys, "", None, counted=True)
+        assert [None if g is None else bytes(g) for g in got] == [
+            payload(k, CHUNK_BYTES) for k in keys
+        ]
+        assert [e.hit_count for e in store.entries()] == [0] * 8  # counted by no one here
+    finally:
+        server.stop()
+        runtime.close()
+
+
 def test_a_get_with_flags_the_agent_does_not_know_is_refused_and_the_connection_stays(
     tmp_path: Path,
 ) -> None:
