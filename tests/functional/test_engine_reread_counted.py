@@ -11,17 +11,16 @@ counters are counted at lookup and are not moved by the read."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvctl.client import AgentClient  # noqa: E402
 from kvctl.engines import kvload  # noqa: E402
 from kvctl.engines.kvformat import ChunkFormat  # noqa: E402
 from kvctl.store.keys import KVLayout  # noqa: E402
 from tests.functional.agents import key, payload, running_agent  # noqa: E402
+from tests.functional.test_get_counted import _hit_counters, _hit_counts  # noqa: E402
 from tests.unit.cuda_marks import needs_cuda  # noqa: E402
 
 # 2 layers x K/V x 2 heads x 64 dims x float32 = 2 KiB a token: 32 tokens are one 64 KiB chunk
@@ -29,22 +28,6 @@ FORMAT = ChunkFormat(KVLayout(2, 2, 64, "float32"), 32)
 CHUNK_BYTES = 64 << 10
 CHUNKS = 6
 PINNED = 2  # the third chunk: on disk, not leasable in the arena
-
-
-def _hit_counts(control: AgentClient, keys: list[bytes]) -> list[int]:
-    by_key = {i["key"]: i["hit_count"] for i in control.keys(limit=1000)["items"]}
-    return [by_key[k.hex()] for k in keys]
-
-
-def _hit_counters(control: AgentClient) -> dict[str, Any]:
-    """The /v1/stats hit counters: whole-store and per tier."""
-    s = control.stats()["stats"]
-    return {
-        "store": (s["lookups"], s["hit_chunks"], s["reuse_hits"], s["sharing_hits"]),
-        "tiers": {
-            t: (v["hits"], v["reuse_hits"], v["sharing_hits"]) for t, v in s["tiers"].items()
-        },
-    }
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
