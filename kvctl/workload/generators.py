@@ -51,17 +51,34 @@ Generators (registered in ``GENERATORS`` under the name in brackets):
 ``builtin_workload`` ("builtin")
     The mixed workload of ``kvctl.workload.builtin`` (2,000 requests by default).
 
+``multi_tenant_mix`` ("mix")
+    The system-prompt, chat and rag generators run side by side, as three products sharing one
+    cache: each part is its generator with its defaults and the mix's ``seed`` (so with
+    ``requests=None`` the parts hold exactly the requests of ``system-prompt``, ``chat`` and
+    ``rag`` at that seed, about 100 + 1,000 + 1,000), merged by arrival time. Each part arrives
+    at its share of ``rate_per_second`` (shares by size, see ``MIX_PARTS``), so all three span
+    about the same time instead of the 100 system-prompt requests all landing first. A part's
+    tenants are prefixed with its name (``chat/tenant-3``), so no tenant spans two parts. Its
+    content ids are offset past the previous parts' and the block ids recomputed by one
+    ``PrefixIds`` over the merged stream: no block id is shared between parts, equal ids still
+    mean equal prefixes, numbered from 0 in order of first appearance like any generator's.
+    Timestamps are bumped by 1 ms where two parts' arrivals collide, to stay strictly increasing.
+    ``requests`` is split over the parts in proportion to ``MIX_PARTS`` (largest remainder, ties
+    to the earlier part), each part sized as ``generate`` sizes it alone.
+
 ``generate(name, seed, requests=..., block_tokens=...)`` runs a generator by name with its
 defaults; ``requests`` sets how many requests it produces (see ``generate``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from kvctl.errors import InvalidArgument
 from kvctl.workload.builtin import builtin_workload
@@ -336,6 +353,82 @@ def rag(
     return _materialise(arrivals(), rng, rate_per_second, block_tokens)
 
 
+# --- (d) multi-tenant mix ---------------------------------------------------------------------
+
+MIX_PARTS: dict[str, int] = {
+    "system-prompt": len(DEFAULT_PROMPT_TOKENS) * 20,  # groups of 20
+    "chat": 200 * sum(DEFAULT_TURNS) // 2,  # 200 conversations, 5 turns on average
+    "rag": 1_000,
+}
+"""The mix's parts and their default sizes in requests: the weights of the request split and of
+the arrival rate."""
+
+
+def _split(requests: int, weights: dict[str, int]) -> dict[str, int]:
+    """``requests`` in proportion to ``weights``: floors, then the largest remainders (ties to
+    the earlier name) get one more, so the parts add up to ``requests`` exactly."""
+    total = sum(weights.values())
+    counts = {name: requests * weight // total for name, weight in weights.items()}
+    by_remainder = sorted(weights, key=lambda name: -(requests * weights[name] % total))
+    for name in by_remainder[: requests - sum(counts.values())]:
+        counts[name] += 1
+    return counts
+
+
+def multi_tenant_mix(
+    seed: int = 0,
+    *,
+    requests: int | None = None,
+    rate_per_second: float = DEFAULT_RATE_PER_SECOND,
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
+) -> list[TraceRequest]:
+    """The system-prompt, chat and rag generators merged by arrival time, tenants and block ids
+    kept apart per part; ``requests`` (None: each part's default size) split by ``MIX_PARTS``.
+    See the module docstring."""
+    if requests is not None:
+        _check_at_least("requests", requests, 0)
+    _check_common(1, rate_per_second, block_tokens)
+    sizes = MIX_PARTS if requests is None else _split(requests, MIX_PARTS)
+    total = sum(sizes.values())
+    # (timestamp, part, index in part, request) so the merge is a deterministic total order
+    arrivals: list[tuple[int, int, int, TraceRequest]] = []
+    content_offset = 0
+    for part, (name, size) in enumerate(sizes.items()):
+        if size == 0:
+            continue
+        rate = rate_per_second * size / total  # each part spans about the same time
+        got = _sized(
+            name,
+            seed,
+            None if requests is None else size,
+            block_tokens=block_tokens,
+            rate_per_second=rate,
+        )
+        last_content = content_offset - 1
+        for index, request in enumerate(got):
+            segments = tuple((content_offset + c, tokens) for c, tokens in request.segments)
+            last_content = max(last_content, *(c for c, _ in segments))
+            renamed = dataclasses.replace(
+                request, tenant=f"{name}/{request.tenant}", segments=segments
+            )
+            arrivals.append((request.timestamp_ms, part, index, renamed))
+        content_offset = last_content + 1
+    arrivals.sort(key=lambda arrival: arrival[:3])
+    prefix_ids = PrefixIds()
+    out: list[TraceRequest] = []
+    last_ms = -1
+    for timestamp_ms, _, _, request in arrivals:
+        last_ms = max(timestamp_ms, last_ms + 1)
+        out.append(
+            dataclasses.replace(
+                request,
+                timestamp_ms=last_ms,
+                block_ids=prefix_ids.block_ids(list(request.segments), block_tokens),
+            )
+        )
+    return out
+
+
 # --- registry ---------------------------------------------------------------------------------
 
 GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
@@ -343,6 +436,7 @@ GENERATORS: dict[str, Callable[..., list[TraceRequest]]] = {
     "chat": multi_turn_chat,
     "rag": rag,
     "builtin": builtin_workload,
+    "mix": multi_tenant_mix,
 }
 """Workload generators by name; each takes ``seed`` first, then keyword-only options."""
 
@@ -362,23 +456,37 @@ def generate(
       a request or so short);
     - "chat": enough conversations (``ceil(requests / min turns)``), stopped after ``requests``;
     - "rag" and "builtin": ``requests`` requests, the first ones of the same stream as any larger
-      count for the same seed.
+      count for the same seed;
+    - "mix": ``requests`` split over its parts in proportion to ``MIX_PARTS`` (100 : 1,000 :
+      1,000), each part sized as above.
     """
     if name not in GENERATORS:
         raise InvalidArgument(
             f"unknown workload {name!r}; choose one of: {', '.join(sorted(GENERATORS))}"
         )
+    if requests is not None:
+        _check_at_least("requests", requests, 0)
+    return _sized(name, seed, requests, block_tokens=block_tokens)
+
+
+def _sized(
+    name: str, seed: int, requests: int | None, *, block_tokens: int, **options: Any
+) -> list[TraceRequest]:
+    """``generate``'s sizing, passing ``options`` (e.g. ``rate_per_second``) to the generator."""
     if requests is None:
-        return GENERATORS[name](seed, block_tokens=block_tokens)
-    _check_at_least("requests", requests, 0)
+        return GENERATORS[name](seed, block_tokens=block_tokens, **options)
     if name == "system-prompt":
         group_size = max(1, -(-requests // len(DEFAULT_PROMPT_TOKENS)))
-        return shared_system_prompt(seed, group_size=group_size, block_tokens=block_tokens)[
-            :requests
-        ]
+        return shared_system_prompt(
+            seed, group_size=group_size, block_tokens=block_tokens, **options
+        )[:requests]
     if name == "chat":
         conversations = -(-requests // DEFAULT_TURNS[0])
         return multi_turn_chat(
-            seed, conversations=conversations, requests=requests, block_tokens=block_tokens
+            seed,
+            conversations=conversations,
+            requests=requests,
+            block_tokens=block_tokens,
+            **options,
         )
-    return GENERATORS[name](seed, requests=requests, block_tokens=block_tokens)
+    return GENERATORS[name](seed, requests=requests, block_tokens=block_tokens, **options)

@@ -31,7 +31,7 @@ def load_workload(
     workload: str = "builtin",
 ) -> Workload:
     """Read ``trace``, or when it is None generate the workload named ``workload`` (a name in
-    ``kvctl.workload.generators.GENERATORS``, e.g. "builtin", "system-prompt", "chat", "rag")
+    ``kvctl.workload.generators.GENERATORS``, e.g. "builtin", "system-prompt", "chat", "rag", "mix")
     with ``seed``; its name is then ``"<workload>:seed=N"``.
 
     ``limit`` caps the requests read from a trace; for a generated workload it is the number of

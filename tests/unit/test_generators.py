@@ -13,7 +13,9 @@ from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.generators import (
     DEFAULT_PROMPT_TOKENS,
     GENERATORS,
+    MIX_PARTS,
     generate,
+    multi_tenant_mix,
     multi_turn_chat,
     rag,
     shared_system_prompt,
@@ -77,7 +79,7 @@ def test_tenants_both_reuse_and_share_prefixes(name: str) -> None:
     assert reuse > 0 and sharing > 0
 
 
-@pytest.mark.parametrize("name", [*NEW_GENERATORS, "builtin"])
+@pytest.mark.parametrize("name", [*NEW_GENERATORS, "builtin", "mix"])
 @pytest.mark.parametrize("count", [0, 1, 7, 123])
 def test_generate_sets_the_request_count(name: str, count: int) -> None:
     requests = generate(name, requests=count, block_tokens=256)
@@ -86,7 +88,7 @@ def test_generate_sets_the_request_count(name: str, count: int) -> None:
 
 
 def test_registry_names() -> None:
-    assert set(GENERATORS) == {"system-prompt", "chat", "rag", "builtin"}
+    assert set(GENERATORS) == {"system-prompt", "chat", "rag", "builtin", "mix"}
     assert GENERATORS["builtin"] is builtin_workload
     assert generate("builtin", 2, requests=50) == builtin_workload(2, requests=50)
 
@@ -263,10 +265,100 @@ def test_invalid_arguments_are_rejected(
         generator(**kwargs)
 
 
+# --- (d) multi-tenant mix ---------------------------------------------------------------------
+
+
+def _part(request: TraceRequest) -> str:
+    return request.tenant.split("/", 1)[0]
+
+
+def test_mix_is_deterministic_under_the_seed() -> None:
+    assert generate("mix", 5, requests=300) == generate("mix", 5, requests=300)
+    assert generate("mix", 5, requests=300) != generate("mix", 6, requests=300)
+    assert generate("mix", 5) == multi_tenant_mix(5)
+
+
+@pytest.mark.parametrize("block_tokens", [512, 100])
+def test_mix_keeps_its_parts_apart(block_tokens: int) -> None:
+    requests = generate("mix", 1, block_tokens=block_tokens)
+    by_part: dict[str, list[TraceRequest]] = collections.defaultdict(list)
+    for request in requests:
+        by_part[_part(request)].append(request)
+    assert set(by_part) == set(MIX_PARTS)
+    # Each part is its generator at the same seed, tenants prefixed with the part's name.
+    for name, part in by_part.items():
+        alone = generate(name, 1, block_tokens=block_tokens)
+        assert [(r.input_tokens, r.output_tokens) for r in part] == [
+            (r.input_tokens, r.output_tokens) for r in alone
+        ]
+        assert [r.tenant for r in part] == [f"{name}/{r.tenant}" for r in alone]
+    tenants = {name: {r.tenant for r in part} for name, part in by_part.items()}
+    blocks = {name: {b for r in part for b in r.block_ids} for name, part in by_part.items()}
+    contents = {name: {c for r in part for c, _ in r.segments} for name, part in by_part.items()}
+    for a, b in itertools.combinations(MIX_PARTS, 2):
+        assert not tenants[a] & tenants[b]
+        assert not blocks[a] & blocks[b], (a, b)
+        assert not contents[a] & contents[b], (a, b)  # the replay's tokens never collide either
+    # Renumbered, a part's block ids still share exactly where its own generator's do.
+    for name, part in by_part.items():
+        alone = generate(name, 1, block_tokens=block_tokens)
+        pairs = {
+            (x, y)
+            for mixed, own in zip(part, alone, strict=True)
+            for x, y in zip(mixed.block_ids, own.block_ids, strict=True)
+        }
+        assert len({x for x, _ in pairs}) == len({y for _, y in pairs}) == len(pairs)
+    timestamps = [r.timestamp_ms for r in requests]
+    assert all(a < b for a, b in itertools.pairwise(timestamps))
+    # One PrefixIds over the merged stream, as for any generator.
+    prefix_ids = PrefixIds()
+    for request in requests:
+        assert prefix_ids.block_ids(list(request.segments), block_tokens) == request.block_ids
+
+
+def test_mix_parts_arrive_side_by_side() -> None:
+    """Each part gets its share of the arrival rate, so the 100 system-prompt requests spread over
+    the whole mix instead of all arriving before the others' first tenth."""
+    requests = generate("mix", 0)
+    end_ms = requests[-1].timestamp_ms
+    for name in MIX_PARTS:
+        last_ms = max(r.timestamp_ms for r in requests if _part(r) == name)
+        assert last_ms > 0.7 * end_ms, name
+
+
+def test_mix_splits_the_request_count_by_the_parts_default_sizes() -> None:
+    counts = collections.Counter(_part(r) for r in generate("mix", 0, requests=210))
+    assert counts == {"system-prompt": 10, "chat": 100, "rag": 100}
+    counts = collections.Counter(_part(r) for r in generate("mix", 0, requests=7))
+    assert counts == {"system-prompt": 1, "chat": 3, "rag": 3}  # remainders tied: earlier part
+    with pytest.raises(InvalidArgument, match="requests"):
+        multi_tenant_mix(requests=-1)
+
+
+def test_simulate_cli_runs_the_mix() -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app
+
+    args = ["simulate", "--workload", "mix", "--capacity-fraction", "0.05", "--policy"]
+    result = CliRunner().invoke(app, [*args, "lineage-lru2", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["trace"] == "mix:seed=0"
+    assert data["unique_blocks"] == len({b for r in generate("mix", 0) for b in r.block_ids})
+    rows = {row["policy"]: row for row in data["results"]}
+    assert set(rows) == {"lineage-lru2", "lru", "belady"}
+    assert 0 < rows["lineage-lru2"]["hit_ratio"] <= rows["belady"]["hit_ratio"]
+    help_text = CliRunner().invoke(app, ["simulate", "--help"]).output
+    assert "mix" in help_text
+
+
 # --- load_workload ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", NEW_GENERATORS)
+@pytest.mark.parametrize("name", [*NEW_GENERATORS, "mix"])
 def test_load_workload_by_name(name: str) -> None:
     workload = load_workload(None, seed=2, workload=name)
     assert workload.name == f"{name}:seed=2"
