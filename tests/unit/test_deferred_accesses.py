@@ -22,7 +22,14 @@ from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from tests.unit.policy_ops import OPS, apply_ops, k, small_tiers
 
-DEFERRABLE = {"lru", "lineage-lru", "lineage-lru2", "lineage-arc", "lineage-adaptive"}
+DEFERRABLE = {
+    "lru",
+    "lineage-lru",
+    "lineage-lru2",
+    "lineage-arc",
+    "lineage-adaptive",
+    "lineage-chain",
+}
 
 
 class Recorder(EvictionPolicy):

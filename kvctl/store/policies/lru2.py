@@ -63,7 +63,10 @@ class LineageLRU2Policy(HeapPolicy):
         self._previous[key] = previous
         limit = max(self.history_factor * self._peak, self.min_history)
         while len(self._history) > limit:
-            self._history.popitem(last=False)
+            self._forget(self._history.popitem(last=False)[0])
+
+    def _forget(self, key: bytes) -> None:
+        """``key`` left the history (a subclass drops what it keeps per key with it)."""
 
     def rank(self, entry: Entry) -> tuple[float, ...]:
         return (self._previous.get(entry.key, self._NEVER), entry.last_tick)

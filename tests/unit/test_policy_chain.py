@@ -1,0 +1,117 @@
+"""``lineage-chain``: ``lineage-lru2`` whose new-turn chunks inherit their chain's previous
+access."""
+
+from __future__ import annotations
+
+from kvctl.store.index import Entry
+from kvctl.store.policies import EVICTION_POLICIES, LineageChainPolicy, LineageLRU2Policy
+from kvctl.workload.generators import generate
+from kvctl.workload.simulate import capacity_from_fraction, simulate_policy
+
+
+def _entry(name: str, tick: int, parent: Entry | None = None, tokens: int = 512) -> Entry:
+    e = Entry(key=name.encode(), tier="cpu", size_bytes=1, tokens=tokens, tenant="",
+              parent=parent.key if parent else None, last_tick=tick)  # fmt: skip
+    if parent is not None:
+        parent.children += 1
+    return e
+
+
+def _access(policy: LineageLRU2Policy, e: Entry, tick: int) -> None:
+    e.last_tick = tick
+    e.access_count += 1
+    policy.on_access(e)
+
+
+def _order(policy: LineageLRU2Policy) -> list[str]:
+    return [e.key.decode() for e in policy.victims(0.0)]
+
+
+def _conversation(policy: LineageLRU2Policy) -> dict[str, Entry]:
+    """Turn 1 stores a -> b; turn 2 reads a, b and stores c under b (the chain's end); then a
+    one-off prompt stores x. What each policy holds, by name."""
+    a = _entry("a", 1)
+    b = _entry("b", 2, a)
+    for e in (a, b):
+        policy.on_insert(e)
+    _access(policy, a, 3)
+    _access(policy, b, 4)
+    c = _entry("c", 5, b)
+    policy.on_insert(c)
+    x = _entry("x", 6)
+    policy.on_insert(x)
+    return {e.key.decode(): e for e in (a, b, c, x)}
+
+
+def test_registered() -> None:
+    assert EVICTION_POLICIES["lineage-chain"] is LineageChainPolicy
+
+
+def test_a_new_turn_ranks_with_its_chain_not_with_chunks_seen_once() -> None:
+    # lineage-lru2 takes the new turn's chunk c (seen once, older) before the one-off x
+    lru2 = LineageLRU2Policy()
+    _conversation(lru2)
+    assert _order(lru2)[:2] == ["c", "x"]
+    chain = LineageChainPolicy()
+    _conversation(chain)
+    # c inherits b's previous access (tick 2, turn 1): x (seen once) goes first
+    assert _order(chain)[:2] == ["x", "c"]
+
+
+def test_the_rest_of_a_new_turn_goes_on_the_chain() -> None:
+    chain = LineageChainPolicy()
+    held = _conversation(chain)
+    d = _entry("d", 7, held["c"])  # the new turn's next chunk, under c
+    chain.on_insert(d)
+    y = _entry("y", 8)
+    chain.on_insert(y)
+    assert _order(chain)[:3] == ["x", "y", "d"]
+
+
+def test_a_branch_under_a_chunk_with_a_full_child_is_seen_once() -> None:
+    chain = LineageChainPolicy()
+    held = _conversation(chain)
+    _access(chain, held["a"], 7)
+    _access(chain, held["b"], 8)
+    c2 = _entry("c2", 9, held["b"])  # b already has a full child (c): a new question
+    chain.on_insert(c2)
+    # c2 is seen once like x, and older than nothing else seen once: x (6) then c2 (9)
+    assert _order(chain)[:2] == ["x", "c2"]
+
+
+def test_partial_chunks_go_first_and_are_not_a_chains_child() -> None:
+    chain = LineageChainPolicy()
+    a = _entry("a", 1)
+    b = _entry("b", 2, a)
+    tail = _entry("tail", 3, b, tokens=100)  # turn 1's partial last chunk
+    for e in (a, b, tail):
+        chain.on_insert(e)
+    _access(chain, a, 4)
+    _access(chain, b, 5)
+    c = _entry("c", 6, b)  # turn 2 extends b: the partial tail does not make c a branch
+    chain.on_insert(c)
+    x = _entry("x", 7)
+    chain.on_insert(x)
+    assert _order(chain)[:3] == ["tail", "x", "c"]
+
+
+def test_what_it_keeps_per_key_leaves_with_the_history() -> None:
+    chain = LineageChainPolicy(history_factor=1, min_history=8)
+    parent = None
+    for i in range(100):
+        e = _entry(f"k{i}", i + 1, parent)
+        chain.on_insert(e)
+        chain.on_remove(e)
+        parent = e
+    assert len(chain._history) <= 8
+    assert set(chain._full_children) <= set(chain._history)
+
+
+def test_leads_lineage_lru2_on_the_chat_generator() -> None:
+    """The measured claim at 5% of the chat generator's unique blocks (94.0% of Belady against
+    75.2% over its default 1,000 requests; a shorter run here)."""
+    requests = generate("chat", 0, requests=500)
+    cap = capacity_from_fraction(len({b for r in requests for b in r.block_ids}), 0.05)
+    chain = simulate_policy(requests, tiers={"cpu": cap}, policy="lineage-chain").hit_ratio
+    lru2 = simulate_policy(requests, tiers={"cpu": cap}, policy="lineage-lru2").hit_ratio
+    assert chain > lru2 + 0.03
