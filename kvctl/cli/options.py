@@ -75,7 +75,10 @@ TraceOpt = Annotated[
 WorkloadOpt = Annotated[
     str,
     typer.Option(
-        "--workload", "-w", help="Generated workload: builtin, system-prompt, chat or rag."
+        "--workload",
+        "-w",
+        help="Generated workload: builtin, system-prompt, chat, rag or mix (system-prompt, "
+        "chat and rag at once, tenants and blocks kept apart).",
     ),
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the generated workload.")]

@@ -9,7 +9,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from kvctl.cli.options import SeedOpt
+from kvctl.cli.options import SeedOpt, WorkloadOpt
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
 from kvctl.format import percent
 
@@ -44,15 +44,7 @@ def simulate_command(
         pathlib.Path | None,
         typer.Option(help="Mooncake-format JSONL trace. Without it, the generated --workload."),
     ] = None,
-    workload: Annotated[
-        str,
-        typer.Option(
-            "--workload",
-            "-w",
-            help="Generated workload: builtin, system-prompt, chat, rag or mix (system-prompt, "
-            "chat and rag at once, tenants and blocks kept apart).",
-        ),
-    ] = "builtin",
+    workload: WorkloadOpt = "builtin",
     capacity_fraction: Annotated[
         list[float] | None,
         typer.Option(help="Cache size as a fraction of the trace's unique blocks (repeatable)."),
