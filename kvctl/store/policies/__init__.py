@@ -59,7 +59,7 @@ Eviction policies:
   a new branch under a chunk that has a full child (a new question on a shared prefix) does not.
   Partial chunks go first and are never a chain's child. Far ahead of ``lineage-lru2`` on chat
   (94.0% of Belady against 75.2% at 5%) and the multi-tenant ``mix`` (the best policy there at
-  1-2%), within 0.4 on the Mooncake trace, behind on rag by up to 1.7: not the default. See
+  1-2%), within 0.2 on the Mooncake trace, behind on rag by up to 1.7: not the default. See
   ``LineageChainPolicy``.
 - ``belady``: the offline optimum (farthest next use first, with bypass), for simulation only: it
   needs an oracle of future accesses.

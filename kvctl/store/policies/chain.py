@@ -4,8 +4,8 @@
 misjudges the chunks that matter most: the new tail of a request that extended a reused chain
 *end* (the next turn of a conversation) is seen once, yet the turn after will reuse it. On the
 Mooncake trace a chain extended one to ten times is extended again 63-90% of the time, against
-13% for a chain seen once (turns counted by whole-chain extensions); on the chat generator every turn but
-the last is extended. So a chunk stored with no history of its own:
+13% for a chain seen once (turns counted by whole-chain extensions); on the chat generator every
+turn but the last is extended. So a chunk stored with no history of its own:
 
 - *extends a chain*, when its parent was reused (has a previous access in the history) and had
   no full child before it: the chunk takes its parent's previous access as its own, as if it had
@@ -17,20 +17,28 @@ the last is extended. So a chunk stored with no history of its own:
   full child (a new question on a shared document or system prompt) is not an extension: on the
   rag and builtin generators treating it as one cost up to 25 and 32 points of Belady.
 
-*Partial* chunks (fewer tokens than the most a chunk of this tier has held) never count as a
-child, since a longer prompt never reuses one (its KV changes as the prompt grows: the next turn
-stores a new chunk at that position), and go before every full chunk. The agent's engines store
-full chunks only (``keys_for``), so in the agent the last rule never fires; in the simulator a
-trace's last block is partial.
+*Partial* chunks (fewer tokens than their parent; a chain's first chunk counts as full, and the
+parent's size is remembered with its history) never count as a child, since a longer prompt
+never reuses one (its KV changes as the prompt grows: the next turn stores a new chunk at that
+position), and go before every full chunk, even one about to be resent whole (the one case that
+reuses it). Judged along the chain, not against the largest chunk a tier has held: models with
+different ``chunk_tokens`` share an agent's tiers. The agent's engines store full chunks only
+(``keys_for``), so there the rule rarely fires; in the simulator a trace's last block is
+partial.
+
+The figures below are the simulator's. In the agent the rule needs to see each turn's read of
+its chain: an engine that serves a prefix from its own GPU prefix cache (vLLM) without asking
+the agent leaves that turn unseen, and its new chunks are then seen once, as in
+``lineage-lru2``.
 
 Measured (issue 26; % of Belady's block hit ratio at 1 / 2 / 5 / 10 / 20 / 50% of the unique
 blocks, ``kvctl simulate --sweep``, one run; ``lineage-lru2`` in brackets): chat 66.4 / 81.9 /
 94.0 / 94.8 / 95.8 / 98.8 (63.0 / 69.8 / 75.2 / 78.2 / 84.0 / 100.0); the ``mix`` generator
 67.6 / 65.4 / 77.4 / 89.0 / 94.6 / 99.0 (61.5 / 61.0 / 74.8 / 86.2 / 94.1 / 98.6), the best of
 every policy at 1% and 2%; builtin 93.7 / 93.0 / 92.9 / 95.4 / 97.8 / 99.7 (94.2 / 92.8 / 92.0 /
-94.1 / 96.8 / 99.5), the best at 2-20%; within 0.4 of it on the Mooncake trace (40.2 at 5%)
-and on system-prompt; behind it on rag at 1-10% by up to 1.7 (2%). At the cost of
-``lineage-lru2`` (45-100k decisions/s in the simulator).
+94.1 / 96.8 / 99.5), the best at 2-20%; within 0.2 of it on the Mooncake trace (26.7 / 30.9 /
+40.2 / 53.0 / 68.1 / 94.6) and on system-prompt; behind it on rag at 1-10% by up to 1.7 (2%).
+At the cost of ``lineage-lru2`` (45-100k decisions/s in the simulator).
 
 Not the default, nor a candidate of ``lineage-adaptive``: in place of ``lineage-lru2`` there it
 gained the trace at 5% (42.7 against 41.5) and the mix at 1-2% (+6.3 and +4.5) but lost rag at
@@ -42,7 +50,8 @@ Ranking within reused chunks by recency instead (a two-class LRU) measured bette
 2-50% (42.8% of Belady at 5% against 40.2%) but worse on chat at 5-50% (stale reused chunks are
 never displaced by new ones: 94.4% at 5% against 98.4% for ``lineage-arc``), on builtin at 1%
 (84.5 against 94.2) and rag at 1-5%; ``lineage-lru2``'s order was kept. Extra state: a full-child
-count per remembered key, dropped with the key from the history. Every operation stays
+count and a token count per remembered key, dropped with the key from the history, and the set
+of partial chunks tracked. Every operation stays
 O(log n) or O(1). Deterministic.
 """
 
@@ -63,25 +72,26 @@ class LineageChainPolicy(LineageLRU2Policy):
         super().__init__(history_factor=history_factor, min_history=min_history)
         #: remembered keys -> full children stored under them since
         self._full_children: dict[bytes, int] = {}
+        #: remembered keys -> their tokens (a child with fewer than its parent is partial)
+        self._tokens: dict[bytes, int] = {}
         #: partial chunks tracked now
         self._partial: set[bytes] = set()
-        #: the most tokens a chunk of this tier has held: a full chunk
-        self._full_tokens = 0
 
     def _observe(self, entry: Entry) -> None:
         key = entry.key
         new = key not in self._history
         super()._observe(entry)
-        if entry.tokens > self._full_tokens:
-            self._full_tokens = entry.tokens
-        if entry.tokens < self._full_tokens:
+        self._tokens[key] = entry.tokens
+        parent = entry.parent
+        if parent is None:
+            return
+        # decided along the chain, not against the tier's largest chunk: models with different
+        # chunk sizes share a tier, and a client's odd put must not make every chunk partial
+        if entry.tokens < self._tokens.get(parent, 0):
             self._partial.add(key)
             return
-        if not new or entry.parent is None:
-            return
-        parent = entry.parent
         record = self._history.get(parent)
-        if record is None:
+        if not new or record is None:
             return
         children = self._full_children.get(parent, 0)
         self._full_children[parent] = children + 1
@@ -95,6 +105,7 @@ class LineageChainPolicy(LineageLRU2Policy):
 
     def _forget(self, key: bytes) -> None:
         self._full_children.pop(key, None)
+        self._tokens.pop(key, None)
 
     def rank(self, entry: Entry) -> tuple[float, ...]:
         if entry.key in self._partial:
