@@ -1,6 +1,7 @@
 """Random store operations for the policies' bookkeeping property tests: chains put (or touched
 where cached), touches, pins, unpins and deletes, over one tier or two (demotions between
-them). One driver, so every policy is checked against the same operations."""
+them). One driver, so every policy is checked against the same operations. Also the entries
+and accesses that the policies' hand-built sequences feed a policy directly."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Iterator
 
 from hypothesis import strategies as st
 
+from kvctl.store.index import Entry
+from kvctl.store.policies.base import EvictionPolicy
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.metered import MeteredTier
 
@@ -56,3 +59,19 @@ def apply_ops(store: TieredStore, ops: list[tuple[str, int, int]]) -> Iterator[N
             elif present:
                 store.evict(present[-1:])
         yield
+
+
+def entry(name: str, tick: int, parent: Entry | None = None, tokens: int = 512) -> Entry:
+    """A cpu-tier entry of one byte accessed at ``tick``, counted as ``parent``'s child."""
+    e = Entry(key=name.encode(), tier="cpu", size_bytes=1, tokens=tokens, tenant="",
+              parent=parent.key if parent else None, last_tick=tick)  # fmt: skip
+    if parent is not None:
+        parent.children += 1
+    return e
+
+
+def access(policy: EvictionPolicy, e: Entry, tick: int) -> None:
+    """``e`` read again at ``tick``, as the store tells the policy."""
+    e.last_tick = tick
+    e.access_count += 1
+    policy.on_access(e)

@@ -7,20 +7,7 @@ from kvctl.store.index import Entry
 from kvctl.store.policies import EVICTION_POLICIES, LineageChainPolicy, LineageLRU2Policy
 from kvctl.workload.generators import generate
 from kvctl.workload.simulate import capacity_from_fraction, simulate_policy
-
-
-def _entry(name: str, tick: int, parent: Entry | None = None, tokens: int = 512) -> Entry:
-    e = Entry(key=name.encode(), tier="cpu", size_bytes=1, tokens=tokens, tenant="",
-              parent=parent.key if parent else None, last_tick=tick)  # fmt: skip
-    if parent is not None:
-        parent.children += 1
-    return e
-
-
-def _access(policy: LineageLRU2Policy, e: Entry, tick: int) -> None:
-    e.last_tick = tick
-    e.access_count += 1
-    policy.on_access(e)
+from tests.unit.policy_ops import access, entry
 
 
 def _order(policy: LineageLRU2Policy) -> list[str]:
@@ -30,15 +17,15 @@ def _order(policy: LineageLRU2Policy) -> list[str]:
 def _conversation(policy: LineageLRU2Policy) -> dict[str, Entry]:
     """Turn 1 stores a -> b; turn 2 reads a, b and stores c under b (the chain's end); then a
     one-off prompt stores x. What each policy holds, by name."""
-    a = _entry("a", 1)
-    b = _entry("b", 2, a)
+    a = entry("a", 1)
+    b = entry("b", 2, a)
     for e in (a, b):
         policy.on_insert(e)
-    _access(policy, a, 3)
-    _access(policy, b, 4)
-    c = _entry("c", 5, b)
+    access(policy, a, 3)
+    access(policy, b, 4)
+    c = entry("c", 5, b)
     policy.on_insert(c)
-    x = _entry("x", 6)
+    x = entry("x", 6)
     policy.on_insert(x)
     return {e.key.decode(): e for e in (a, b, c, x)}
 
@@ -61,9 +48,9 @@ def test_a_new_turn_ranks_with_its_chain_not_with_chunks_seen_once() -> None:
 def test_the_rest_of_a_new_turn_goes_on_the_chain() -> None:
     chain = LineageChainPolicy()
     held = _conversation(chain)
-    d = _entry("d", 7, held["c"])  # the new turn's next chunk, under c
+    d = entry("d", 7, held["c"])  # the new turn's next chunk, under c
     chain.on_insert(d)
-    y = _entry("y", 8)
+    y = entry("y", 8)
     chain.on_insert(y)
     assert _order(chain)[:3] == ["x", "y", "d"]
 
@@ -71,9 +58,9 @@ def test_the_rest_of_a_new_turn_goes_on_the_chain() -> None:
 def test_a_branch_under_a_chunk_with_a_full_child_is_seen_once() -> None:
     chain = LineageChainPolicy()
     held = _conversation(chain)
-    _access(chain, held["a"], 7)
-    _access(chain, held["b"], 8)
-    c2 = _entry("c2", 9, held["b"])  # b already has a full child (c): a new question
+    access(chain, held["a"], 7)
+    access(chain, held["b"], 8)
+    c2 = entry("c2", 9, held["b"])  # b already has a full child (c): a new question
     chain.on_insert(c2)
     # c2 is seen once like x, and older than nothing else seen once: x (6) then c2 (9)
     assert _order(chain)[:2] == ["x", "c2"]
@@ -81,16 +68,16 @@ def test_a_branch_under_a_chunk_with_a_full_child_is_seen_once() -> None:
 
 def test_partial_chunks_go_first_and_are_not_a_chains_child() -> None:
     chain = LineageChainPolicy()
-    a = _entry("a", 1)
-    b = _entry("b", 2, a)
-    tail = _entry("tail", 3, b, tokens=100)  # turn 1's partial last chunk
+    a = entry("a", 1)
+    b = entry("b", 2, a)
+    tail = entry("tail", 3, b, tokens=100)  # turn 1's partial last chunk
     for e in (a, b, tail):
         chain.on_insert(e)
-    _access(chain, a, 4)
-    _access(chain, b, 5)
-    c = _entry("c", 6, b)  # turn 2 extends b: the partial tail does not make c a branch
+    access(chain, a, 4)
+    access(chain, b, 5)
+    c = entry("c", 6, b)  # turn 2 extends b: the partial tail does not make c a branch
     chain.on_insert(c)
-    x = _entry("x", 7)
+    x = entry("x", 7)
     chain.on_insert(x)
     assert _order(chain)[:3] == ["tail", "x", "c"]
 
@@ -100,17 +87,17 @@ def test_chunk_sizes_of_several_models_are_not_taken_for_partial_chunks() -> Non
     ones of a 512-token model (before: every 256-token chunk went first, and a chain of them
     was never extended)."""
     chain = LineageChainPolicy()
-    big = _entry("big", 1, tokens=512)
+    big = entry("big", 1, tokens=512)
     chain.on_insert(big)
-    a = _entry("a", 2, tokens=256)
-    b = _entry("b", 3, a, tokens=256)
+    a = entry("a", 2, tokens=256)
+    b = entry("b", 3, a, tokens=256)
     for e in (a, b):
         chain.on_insert(e)
-    _access(chain, a, 4)
-    _access(chain, b, 5)
-    c = _entry("c", 6, b, tokens=256)
+    access(chain, a, 4)
+    access(chain, b, 5)
+    c = entry("c", 6, b, tokens=256)
     chain.on_insert(c)
-    x = _entry("x", 7, tokens=512)
+    x = entry("x", 7, tokens=512)
     chain.on_insert(x)
     assert _order(chain)[:3] == ["big", "x", "c"]
     assert not chain._partial
@@ -120,7 +107,7 @@ def test_what_it_keeps_per_key_leaves_with_the_history() -> None:
     chain = LineageChainPolicy(history_factor=1, min_history=8)
     parent = None
     for i in range(100):
-        e = _entry(f"k{i}", i + 1, parent)
+        e = entry(f"k{i}", i + 1, parent)
         chain.on_insert(e)
         chain.on_remove(e)
         parent = e

@@ -6,20 +6,7 @@ from kvctl.store.index import Entry
 from kvctl.store.policies import EVICTION_POLICIES, LineageLRU2Policy
 from kvctl.workload.builtin import builtin_workload
 from kvctl.workload.simulate import capacity_from_fraction, simulate
-
-
-def _entry(name: str, tick: int, parent: Entry | None = None) -> Entry:
-    e = Entry(key=name.encode(), tier="cpu", size_bytes=1, tokens=512, tenant="",
-              parent=parent.key if parent else None, last_tick=tick)  # fmt: skip
-    if parent is not None:
-        parent.children += 1
-    return e
-
-
-def _access(policy: LineageLRU2Policy, e: Entry, tick: int) -> None:
-    e.last_tick = tick
-    e.access_count += 1
-    policy.on_access(e)
+from tests.unit.policy_ops import access, entry
 
 
 def _evict(policy: LineageLRU2Policy, entries: dict[str, Entry]) -> str:
@@ -39,16 +26,16 @@ def test_registered() -> None:
 
 def test_victim_order_once_seen_first_then_oldest_previous_access_leaf_first() -> None:
     p = LineageLRU2Policy()
-    a = _entry("a", 1)
-    b = _entry("b", 2, parent=a)
-    c = _entry("c", 3)
-    d = _entry("d", 4)
+    a = entry("a", 1)
+    b = entry("b", 2, parent=a)
+    c = entry("c", 3)
+    d = entry("d", 4)
     for e in (a, b, c, d):
         p.on_insert(e)
-    _access(p, a, 5)  # previous access 1
-    _access(p, b, 6)  # previous access 2
-    _access(p, d, 7)  # previous access 4
-    e = _entry("e", 8)
+    access(p, a, 5)  # previous access 1
+    access(p, b, 6)  # previous access 2
+    access(p, d, 7)  # previous access 4
+    e = entry("e", 8)
     p.on_insert(e)
     entries = {x.key.decode(): x for x in (a, b, c, d, e)}
     # c and e were seen once: they go first, least recently used first. Then reused leaves by
@@ -70,12 +57,12 @@ def test_burst_of_new_chunks_goes_before_reused_ones() -> None:
     # Scan resistance: plain LRU would evict the three reused chunks first (oldest last access);
     # LRU-2 evicts the whole burst of one-time chunks before any of them.
     p = LineageLRU2Policy()
-    olds = [_entry(f"o{i}", i + 1) for i in range(3)]
+    olds = [entry(f"o{i}", i + 1) for i in range(3)]
     for o in olds:
         p.on_insert(o)
     for i, o in enumerate(olds):
-        _access(p, o, 10 + i)
-    burst = [_entry(f"n{i}", 20 + i) for i in range(5)]
+        access(p, o, 10 + i)
+    burst = [entry(f"n{i}", 20 + i) for i in range(5)]
     for n in burst:
         p.on_insert(n)
     entries = {x.key.decode(): x for x in (*olds, *burst)}
@@ -86,12 +73,12 @@ def test_burst_of_new_chunks_goes_before_reused_ones() -> None:
 
 def test_history_is_bounded() -> None:
     p = LineageLRU2Policy(history_factor=2, min_history=4)
-    live = [_entry(f"k{i}", i + 1) for i in range(3)]
+    live = [entry(f"k{i}", i + 1) for i in range(3)]
     for e in live:
         p.on_insert(e)
     for i in range(20):  # churn: never more than 3 entries tracked at once
         p.on_remove(live.pop(0))
-        live.append(_entry(f"x{i}", 10 + i))
+        live.append(entry(f"x{i}", 10 + i))
         p.on_insert(live[-1])
     assert len(p) == 3
     assert len(p._history) == 6  # 2 x the 3 entries held at most
