@@ -32,17 +32,18 @@ Eviction policies:
   metadata-only shadow caches of the tier's size fed the same accesses, and the tier follows the
   candidate whose shadow leads the current one by a significant number of hits where they differ
   (evicting first what that shadow already dropped, so it converges to it after a switch). More
-  robust than any one policy across workloads: on the builtin, chat and rag generators it is
-  within 0.6 percentage points of Belady's share of the best single policy at every size (up to
-  4.1 behind on the tiny system-prompt one, 501 unique blocks), far ahead of ``lineage-lru2`` on
-  chat (99.6% of Belady against 78.2% at 10%), tied with it on rag. But a switch costs hits while
-  the tier's content turns over, and on the Mooncake trace the candidates differ by little, so
-  there it trails the best of them by 0.3 to 0.7 points at 1-20% (41.5% of Belady at 5% against
-  42.1% for ``lineage-arc``; its prefill-weighted hit ratio there is the best, 17.2% against
-  16.6%) and ``lineage-lru2`` by 0.7 at 1% and 0.4 at 2%. It costs 2 x 3 policy updates per
-  access (in the simulator 4.9k decisions/s against 31k for ``lineage-lru2`` in one run at 5%
-  of the trace; in the agent about 1.4 ms against 0.3 ms per 64-chunk lookup and lease). The
-  agent's default: where it trails, it trails least. See ``LineageAdaptivePolicy``.
+  robust than any one policy across workloads: on the builtin, chat and rag generators it is within
+  0.6 percentage points of Belady's share of the best of its candidates at every size (up to 4.1
+  behind on the tiny system-prompt one, 501 unique blocks; the research policies below lead it by up
+  to 2.4, ``lineage-learned-arc`` on rag at 20%), far ahead of ``lineage-lru2`` on chat (99.6% of
+  Belady against 78.2% at 10%), tied with it on rag. But a switch costs hits while the tier's
+  content turns over, and on the Mooncake trace the candidates differ by little, so there it trails
+  the best of them by 0.3 to 0.7 points at 1-20% (41.5% of Belady at 5% against 42.1% for
+  ``lineage-arc``; its prefill-weighted hit ratio there is the best, 17.2% against 16.6%) and
+  ``lineage-lru2`` by 0.7 at 1% and 0.4 at 2%. It costs 2 x 3 policy updates per access (in the
+  simulator 4.9k decisions/s against 31k for ``lineage-lru2`` in one run at 5% of the trace; in the
+  agent about 1.4 ms against 0.3 ms per 64-chunk lookup and lease). The agent's default: where it
+  trails, it trails least. See ``LineageAdaptivePolicy``.
 - ``lineage-learned-arc``: our own, research (issue 26). ``lineage-arc`` whose victim among
   chunks seen once is picked by a reuse model trained online from the tier's own history
   (LRB-style: a logistic model over bucketed features a KV cache knows, such as access count,
