@@ -61,9 +61,11 @@ def apply_ops(store: TieredStore, ops: list[tuple[str, int, int]]) -> Iterator[N
         yield
 
 
-def entry(name: str, tick: int, parent: Entry | None = None, tokens: int = 512) -> Entry:
+def entry(
+    name: str, tick: int, parent: Entry | None = None, tokens: int = 512, tenant: str = ""
+) -> Entry:
     """A cpu-tier entry of one byte accessed at ``tick``, counted as ``parent``'s child."""
-    e = Entry(key=name.encode(), tier="cpu", size_bytes=1, tokens=tokens, tenant="",
+    e = Entry(key=name.encode(), tier="cpu", size_bytes=1, tokens=tokens, tenant=tenant,
               parent=parent.key if parent else None, last_tick=tick)  # fmt: skip
     if parent is not None:
         parent.children += 1

@@ -57,10 +57,12 @@ Eviction policies:
   next turn from a new prompt: a chunk stored under a reused chain's end (its parent reused and
   with no full child before) takes the parent's previous access as its own, as do the chunks
   after it in that request, so a new turn ranks with its chain instead of with chunks seen once;
-  a new branch under a chunk that has a full child (a new question on a shared prefix) does not.
-  Partial chunks go first and are never a chain's child. Far ahead of ``lineage-lru2`` on chat
-  (94.0% of Belady against 75.2% at 5%) and the multi-tenant ``mix`` (the best policy there at
-  1-2%), within 0.2 on the Mooncake trace, behind on rag by up to 1.7: not the default. See
+  a new branch under a chunk that has a full child (a new question on a shared prefix), or one
+  stored by another tenant than the chain's end, does not. Partial chunks go first and are never
+  a chain's child. Far ahead of ``lineage-lru2`` on chat (94.0% of Belady against 75.2% at 5%)
+  and the multi-tenant ``mix`` (the best policy there at 1-2%), at or above it on rag, at most
+  0.05 behind on the Mooncake trace, behind it on builtin at 1% (0.55) and chat at 50% (1.2); below
+  ``lineage-adaptive`` on chat and the trace at 2-20%: not the default. See
   ``LineageChainPolicy``.
 - ``belady``: the offline optimum (farthest next use first, with bypass), for simulation only: it
   needs an oracle of future accesses.

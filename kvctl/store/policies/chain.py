@@ -15,7 +15,10 @@ turn but the last is extended. So a chunk stored with no history of its own:
   first full child (the rest of the new turn's tail);
 - is otherwise seen once, as in ``lineage-lru2``. A new branch under a chunk that already has a
   full child (a new question on a shared document or system prompt) is not an extension: on the
-  rag and builtin generators treating it as one cost up to 25 and 32 points of Belady.
+  rag and builtin generators treating it as one cost up to 25 and 32 points of Belady. Nor is a
+  chunk stored by another tenant than the chain's end was (a conversation is one tenant's; on
+  rag, a prefix that one request ended at and another extends with more documents): without
+  that test rag lost up to 1.7 points to ``lineage-lru2`` (at 2%), with it none.
 
 *Partial* chunks (fewer tokens than their parent; a chain's first chunk counts as full, and the
 parent's size is remembered with its history) never count as a child, since a longer prompt
@@ -34,25 +37,29 @@ the agent leaves that turn unseen, and its new chunks are then seen once, as in
 Measured (issue 26; % of Belady's block hit ratio at 1 / 2 / 5 / 10 / 20 / 50% of the unique
 blocks, ``kvctl simulate --sweep``, one run; ``lineage-lru2`` in brackets): chat 66.4 / 81.9 /
 94.0 / 94.8 / 95.8 / 98.8 (63.0 / 69.8 / 75.2 / 78.2 / 84.0 / 100.0); the ``mix`` generator
-67.6 / 65.4 / 77.4 / 89.0 / 94.6 / 99.0 (61.5 / 61.0 / 74.8 / 86.2 / 94.1 / 98.6), the best of
-every policy at 1% and 2%; builtin 93.7 / 93.0 / 92.9 / 95.4 / 97.8 / 99.7 (94.2 / 92.8 / 92.0 /
-94.1 / 96.8 / 99.5), the best at 2-20%; within 0.2 of it on the Mooncake trace (26.7 / 30.9 /
-40.2 / 53.0 / 68.1 / 94.6) and on system-prompt; behind it on rag at 1-10% by up to 1.7 (2%).
-At the cost of ``lineage-lru2`` (45-100k decisions/s in the simulator).
+67.7 / 65.6 / 77.8 / 89.4 / 94.7 / 99.0 (61.5 / 61.0 / 74.8 / 86.2 / 94.1 / 98.6), the best of
+every policy at 1% and 2%; builtin 93.7 / 93.0 / 92.9 / 95.5 / 97.8 / 99.7 (94.2 / 92.8 / 92.0 /
+94.1 / 96.8 / 99.5), the best at 2-20%; rag 72.6 / 74.7 / 77.7 / 83.7 / 88.4 / 97.3 (72.6 / 74.7
+/ 77.6 / 83.5 / 87.5 / 96.4); on the Mooncake trace at most 0.05 behind it and 0.2 ahead at
+20-50% (26.7 / 30.9 / 40.2 / 53.0 / 68.1 / 94.6; the trace has no tenants); level on
+system-prompt. Behind ``lineage-lru2`` only on
+builtin at 1% (0.55) and chat at 50% (1.2). At the cost of ``lineage-lru2`` (45-100k
+decisions/s in the simulator).
 
-Not the default, nor a candidate of ``lineage-adaptive``: in place of ``lineage-lru2`` there it
-gained the trace at 5% (42.7 against 41.5) and the mix at 1-2% (+6.3 and +4.5) but lost rag at
-2% and 10% (-1.1, -1.4) and chat at 1% (-1.0) (a prototype of it, one run); as a fourth
-candidate, measured on rag and chat only, it gained 0.2 on chat at 1% and lost 0.7 on chat at 2%
-and 0.3 on rag at 5%.
+Not the default, nor a candidate of ``lineage-adaptive``: in place of ``lineage-lru2`` there a
+prototype (before the tenant test, one run) gained the trace at 5% (42.7 against 41.5) and the
+mix at 1-2% (+6.3 and +4.5) but lost rag at 2% and 10% (-1.1, -1.4) and chat at 1% (-1.0); as a
+fourth candidate, measured on rag and chat only, it gained 0.2 on chat at 1% and lost 0.7 on
+chat at 2% and 0.3 on rag at 5%.
 
 Ranking within reused chunks by recency instead (a two-class LRU) measured better on the trace at
 2-50% (42.8% of Belady at 5% against 40.2%) but worse on chat at 5-50% (stale reused chunks are
 never displaced by new ones: 94.4% at 5% against 98.4% for ``lineage-arc``), on builtin at 1%
-(84.5 against 94.2) and rag at 1-5%; ``lineage-lru2``'s order was kept. Extra state: a full-child
-count and a token count per remembered key, dropped with the key from the history, and the set
-of partial chunks tracked. Every operation stays
-O(log n) or O(1). Deterministic.
+(84.5 against 94.2) and rag at 1-5%; ``lineage-lru2``'s order was kept.
+
+Extra state: a full-child count, a token count and the storing tenant per remembered key,
+dropped with the key from the history, and the set of partial chunks tracked. Every operation
+stays O(log n) or O(1). Deterministic.
 """
 
 from __future__ import annotations
@@ -74,6 +81,8 @@ class LineageChainPolicy(LineageLRU2Policy):
         self._full_children: dict[bytes, int] = {}
         #: remembered keys -> their tokens (a child with fewer than its parent is partial)
         self._tokens: dict[bytes, int] = {}
+        #: remembered keys -> the tenant that stored them (a conversation is one tenant's)
+        self._stored_by: dict[bytes, str] = {}
         #: partial chunks tracked now
         self._partial: set[bytes] = set()
 
@@ -82,6 +91,8 @@ class LineageChainPolicy(LineageLRU2Policy):
         new = key not in self._history
         super()._observe(entry)
         self._tokens[key] = entry.tokens
+        if new:
+            self._stored_by[key] = entry.tenant
         parent = entry.parent
         if parent is None:
             return
@@ -100,12 +111,15 @@ class LineageChainPolicy(LineageLRU2Policy):
         inherited = record[1]
         if children or inherited == self._NEVER:
             return  # a branch under a chunk with a full child, or no reused chain to extend
+        if self._stored_by.get(parent) != entry.tenant:
+            return  # another tenant's chain: a new question on a shared prefix, not a turn
         self._previous[key] = inherited
         self._history[key] = (self._history[key][0], inherited)
 
     def _forget(self, key: bytes) -> None:
         self._full_children.pop(key, None)
         self._tokens.pop(key, None)
+        self._stored_by.pop(key, None)
 
     def rank(self, entry: Entry) -> tuple[float, ...]:
         if entry.key in self._partial:
