@@ -487,11 +487,11 @@ def test_agent_status_and_stop_commands(tmp_path: Path) -> None:
     assert huge is not None and 0 <= huge <= 4 << 20
     cpu_policy = report["policies"]["cpu"]  # the default, and whom it follows
     assert cpu_policy["policy"] == "lineage-adaptive" and cpu_policy["switches"] == 0
-    assert cpu_policy["leader"] == cpu_policy["candidates"][0] == "lineage-lru2"
+    assert cpu_policy["leader"] == cpu_policy["candidates"][0] == "lineage-chain"
     out = subprocess.run(
         [*kvctl, "status", *dd], capture_output=True, text=True, env=env, timeout=60
     )
-    assert "eviction: cpu lineage-adaptive following lineage-lru2 (0 switches)" in out.stdout
+    assert "eviction: cpu lineage-adaptive following lineage-chain (0 switches)" in out.stdout
     pages = f"{format_bytes(huge)} on huge pages" if huge else "4 KiB pages, shmem_enabled"
     assert f"shm on ({pages}" in " ".join(out.stdout.split())  # wrapped at the terminal's width
     out = subprocess.run([*kvctl, "stop", *dd], capture_output=True, text=True, env=env, timeout=60)

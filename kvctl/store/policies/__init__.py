@@ -28,22 +28,22 @@ Eviction policies:
   40.2% at 5%, 55.0% against 52.9% at 10%) and ties at 50%, but trails it at 1% and on some
   generators (rag at 5-10%, builtin at 1%) and trails ``lineage-lru`` on chat at 2-20%, so it is
   not the default. See ``LineageARCPolicy``.
-- ``lineage-adaptive``: our own. Runs ``lineage-lru2``, ``lineage-arc`` and ``lineage-lru`` on
+- ``lineage-adaptive``: our own. Runs ``lineage-chain``, ``lineage-arc`` and ``lineage-lru`` on
   metadata-only shadow caches of the tier's size fed the same accesses, and the tier follows the
   candidate whose shadow leads the current one by a significant number of hits where they differ
   (evicting first what that shadow already dropped, so it converges to it after a switch). More
-  robust than any one policy across workloads: on the builtin, chat and rag generators it is within
-  0.6 percentage points of Belady's share of the best of its candidates at every size (up to 4.1
-  behind on the tiny system-prompt one, 501 unique blocks; the research policies below lead it by up
-  to 2.4, ``lineage-learned-arc`` on rag at 20%), far ahead of ``lineage-lru2`` on chat (99.6% of
-  Belady against 78.2% at 10%), tied with it on rag. But a switch costs hits while the tier's
-  content turns over, and on the Mooncake trace the candidates differ by little, so there it trails
-  the best of them by 0.3 to 0.7 points at 1-20% (41.5% of Belady at 5% against 42.1% for
-  ``lineage-arc``; its prefill-weighted hit ratio there is the best, 17.2% against 16.6%) and
-  ``lineage-lru2`` by 0.7 at 1% and 0.4 at 2%. It costs 2 x 3 policy updates per access (in the
-  simulator 4.9k decisions/s against 31k for ``lineage-lru2`` in one run at 5% of the trace; in the
-  agent about 1.4 ms against 0.3 ms per 64-chunk lookup and lease). The agent's default: where it
-  trails, it trails least. See ``LineageAdaptivePolicy``.
+  robust than any one policy across workloads: level with the best of its candidates on the
+  builtin and rag generators at every size, within 1.3 points on chat and 0.5 on the
+  multi-tenant mix (up to 4.1 behind on the tiny system-prompt one, 501 unique blocks; the
+  research ``lineage-learned-arc`` leads it by up to 1.5, on rag at 20%), far ahead of
+  ``lineage-lru2`` on chat (99.6% of Belady against 78.2% at 10%). But a switch costs hits while
+  the tier's content turns over: on the Mooncake trace it trails ``lineage-lru2`` by 0.7 at 1%
+  and ``lineage-chain`` by 1.1 at 10% (42.1% of Belady at 5%, against 43.1% for
+  ``lineage-learned-arc``). It costs 2 x 3 policy updates per access (in the simulator 6-12k
+  decisions/s on the trace against 36-58k for ``lineage-lru2``; in the agent about 1.4 ms against
+  0.3 ms per 64-chunk lookup and lease, measured with ``lineage-lru2`` as its first candidate,
+  which costs the same). The agent's default: where it trails, it trails least. See
+  ``LineageAdaptivePolicy``.
 - ``lineage-learned-arc``: our own, research (issue 26). ``lineage-arc`` whose victim among
   chunks seen once is picked by a reuse model trained online from the tier's own history
   (LRB-style: a logistic model over bucketed features a KV cache knows, such as access count,
@@ -61,9 +61,9 @@ Eviction policies:
   stored by another tenant than the chain's end, does not. Partial chunks go first and are never
   a chain's child. Far ahead of ``lineage-lru2`` on chat (94.0% of Belady against 75.2% at 5%)
   and the multi-tenant ``mix`` (the best policy there at 1-2%), at or above it on rag, at most
-  0.05 behind on the Mooncake trace, behind it on builtin at 1% (0.55) and chat at 50% (1.2); below
-  ``lineage-adaptive`` on chat and the trace at 2-20%: not the default. See
-  ``LineageChainPolicy``.
+  0.05 behind on the Mooncake trace, behind it on builtin at 1% (0.55) and chat at 50% (1.2).
+  Not the default on its own (``lineage-lru`` leads it on chat at 5-50%, ``lineage-arc`` on the
+  trace at 2-20%) but ``lineage-adaptive``'s first candidate. See ``LineageChainPolicy``.
 - ``belady``: the offline optimum (farthest next use first, with bypass), for simulation only: it
   needs an oracle of future accesses.
 

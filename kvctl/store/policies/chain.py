@@ -46,11 +46,11 @@ system-prompt. Behind ``lineage-lru2`` only on
 builtin at 1% (0.55) and chat at 50% (1.2). At the cost of ``lineage-lru2`` (45-100k
 decisions/s in the simulator).
 
-Not the default, nor a candidate of ``lineage-adaptive``: in place of ``lineage-lru2`` there a
-prototype (before the tenant test, one run) gained the trace at 5% (42.7 against 41.5) and the
-mix at 1-2% (+6.3 and +4.5) but lost rag at 2% and 10% (-1.1, -1.4) and chat at 1% (-1.0); as a
-fourth candidate, measured on rag and chat only, it gained 0.2 on chat at 1% and lost 0.7 on
-chat at 2% and 0.3 on rag at 5%.
+On its own not the default (it trails ``lineage-lru`` on chat at 5-50% and ``lineage-arc`` on the
+trace at 2-20%), but ``lineage-adaptive``'s first candidate since 2026-11-30, in place of
+``lineage-lru2``: see there for what that changed. As a fourth candidate beside
+``lineage-lru2`` (a prototype before the tenant test, measured on rag and chat only) it gained
+0.2 on chat at 1% and lost 0.7 on chat at 2% and 0.3 on rag at 5%.
 
 Ranking within reused chunks by recency instead (a two-class LRU) measured better on the trace at
 2-50% (42.8% of Belady at 5% against 40.2%) but worse on chat at 5-50% (stale reused chunks are
