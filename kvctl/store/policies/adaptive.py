@@ -31,7 +31,7 @@ change against the former candidates): the multi-tenant mix 67.7 / 65.6 / 79.3 /
 +0.0 / +0.2), chat 65.8 / 80.7 / 99.0 / 99.6 / 99.7 / 99.4 (-1.0 / -0.5 / +0.2 / 0.0 / +0.1 /
 -0.6), system-prompt unchanged. Cells below the best policy that predates issue 26 (``lru``,
 ``lineage-lru``, ``priority``, ``lineage-gdsf``, ``lineage-lru2``): 14 of 36, from 18. The
-figures below that name ``lineage-lru2``'s place were measured with it.
+experiments below were measured with ``lineage-lru2`` as the first candidate.
 
 ``lineage-learned-arc`` is not a candidate (issue 26, % of Belady on the Mooncake trace at 1 / 2 /
 5 / 10 / 20%, against 26.1 / 30.5 / 41.5 / 54.3 / 68.0 with the candidates above): in place of
