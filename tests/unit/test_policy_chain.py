@@ -84,6 +84,36 @@ def test_another_tenants_chunk_under_a_chain_end_is_seen_once() -> None:
     assert _order(chain)[:2] == ["c", "x"]  # both seen once, oldest first
 
 
+def test_a_chain_end_an_isolated_tenant_stores_again_is_that_tenants() -> None:
+    """Replaced by an isolated tenant's put while remembered: t2's next turn under it is a turn
+    (before: judged against t1, the first storer). A shared chunk keeps its first storer."""
+    chain = LineageChainPolicy()
+    a = entry("a", 1, tenant="t1")
+    chain.on_insert(a)
+    chain.on_remove(a)  # replaced; its history stays
+    a2 = entry("a", 2, tenant="t2")
+    a2.isolated = True
+    chain.on_insert(a2)
+    access(chain, a2, 3)
+    c = entry("c", 4, a2, tenant="t2")
+    chain.on_insert(c)
+    x = entry("x", 5, tenant="t2")
+    chain.on_insert(x)
+    assert _order(chain)[:2] == ["x", "c"]  # c inherited a's previous access
+    shared = LineageChainPolicy()
+    b = entry("b", 1, tenant="t1")
+    shared.on_insert(b)
+    shared.on_remove(b)
+    b2 = entry("b", 2, tenant="t2")  # a shared chunk stored again: still t1's prefix
+    shared.on_insert(b2)
+    access(shared, b2, 3)
+    d = entry("d", 4, b2, tenant="t2")
+    shared.on_insert(d)
+    y = entry("y", 5, tenant="t2")
+    shared.on_insert(y)
+    assert _order(shared)[:2] == ["d", "y"]
+
+
 def test_partial_chunks_go_first_and_are_not_a_chains_child() -> None:
     chain = LineageChainPolicy()
     a = entry("a", 1)

@@ -91,7 +91,11 @@ class LineageChainPolicy(LineageLRU2Policy):
         new = key not in self._history
         super()._observe(entry)
         self._tokens[key] = entry.tokens
-        if new:
+        # who first stored a shared chunk while it is remembered: one stored again by another
+        # tenant after an eviction is still a shared prefix, not that tenant's conversation
+        # (taking the latest storer cost rag up to 2.0 points of Belady in lineage-adaptive); an
+        # isolated chunk is its tenant's alone, and replaces any other tenant's
+        if new or entry.isolated:
             self._stored_by[key] = entry.tenant
         parent = entry.parent
         if parent is None:
