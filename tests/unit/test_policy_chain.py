@@ -84,34 +84,27 @@ def test_another_tenants_chunk_under_a_chain_end_is_seen_once() -> None:
     assert _order(chain)[:2] == ["c", "x"]  # both seen once, oldest first
 
 
-def test_a_chain_end_an_isolated_tenant_stores_again_is_that_tenants() -> None:
-    """Replaced by an isolated tenant's put while remembered: t2's next turn under it is a turn
-    (before: judged against t1, the first storer). A shared chunk keeps its first storer."""
+def _stored_again_by_t2(*, isolated: bool) -> list[str]:
+    """t1 stores a, which leaves while remembered; t2 stores it again (``isolated``: replacing
+    it), reads it, and stores c under it, then a one-off x: the victim order."""
     chain = LineageChainPolicy()
     a = entry("a", 1, tenant="t1")
     chain.on_insert(a)
-    chain.on_remove(a)  # replaced; its history stays
+    chain.on_remove(a)
     a2 = entry("a", 2, tenant="t2")
-    a2.isolated = True
+    a2.isolated = isolated
     chain.on_insert(a2)
     access(chain, a2, 3)
-    c = entry("c", 4, a2, tenant="t2")
-    chain.on_insert(c)
-    x = entry("x", 5, tenant="t2")
-    chain.on_insert(x)
-    assert _order(chain)[:2] == ["x", "c"]  # c inherited a's previous access
-    shared = LineageChainPolicy()
-    b = entry("b", 1, tenant="t1")
-    shared.on_insert(b)
-    shared.on_remove(b)
-    b2 = entry("b", 2, tenant="t2")  # a shared chunk stored again: still t1's prefix
-    shared.on_insert(b2)
-    access(shared, b2, 3)
-    d = entry("d", 4, b2, tenant="t2")
-    shared.on_insert(d)
-    y = entry("y", 5, tenant="t2")
-    shared.on_insert(y)
-    assert _order(shared)[:2] == ["d", "y"]
+    chain.on_insert(entry("c", 4, a2, tenant="t2"))
+    chain.on_insert(entry("x", 5, tenant="t2"))
+    return _order(chain)[:2]
+
+
+def test_a_chain_end_an_isolated_tenant_stores_again_is_that_tenants() -> None:
+    """Replaced by an isolated tenant's put while remembered: t2's next turn under it is a turn
+    (before: judged against t1, the first storer). A shared chunk keeps its first storer."""
+    assert _stored_again_by_t2(isolated=True) == ["x", "c"]  # c inherited a's previous access
+    assert _stored_again_by_t2(isolated=False) == ["c", "x"]  # still t1's prefix: seen once
 
 
 def test_partial_chunks_go_first_and_are_not_a_chains_child() -> None:
