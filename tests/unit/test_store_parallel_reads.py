@@ -508,10 +508,16 @@ def test_random_concurrent_reads_and_changes_keep_the_store_consistent(tmp_path:
     stop = threading.Event()
     bad: list[str] = []
     changes = [0]
+    # the changer starts once every reader has leased twice (24 of the 40 chunks are on disk,
+    # so those leases promote): a CI run under load saw no promotion at all, most likely as
+    # the changer flushed the disk (its 7th change) before any reader got to it
+    readers_going = threading.Barrier(4, timeout=WAIT_S)
 
     def reader(seed: int) -> None:
         rng = random.Random(seed)
-        for _ in range(150):
+        for i in range(150):
+            if i == 2:
+                readers_going.wait()
             pick = rng.sample(keys, rng.randint(1, 8))
             try:
                 results = store.lease_many(pick, math.inf)
@@ -537,6 +543,7 @@ def test_random_concurrent_reads_and_changes_keep_the_store_consistent(tmp_path:
             failures.append(exc)
 
     def change_until_stopped() -> None:
+        readers_going.wait()
         rng = random.Random(99)
         while not stop.is_set():
             some = rng.sample(keys, 3)
