@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvctl.ratios import ratio
+
 #: "replaced": an isolated tenant's put took its key back from a chunk another tenant stored;
 #: "filesystem": a disk tier's filesystem was full below the tier's capacity (others' files,
 #: or a capacity larger than the free space), so the tier made room there by its policy
@@ -86,7 +88,7 @@ class StoreStats:
             "hit_tokens": self.hit_tokens,
             "reuse_hits": self.reuse_hits,
             "sharing_hits": self.sharing_hits,
-            "hit_ratio": self.hit_chunks / self.lookup_chunks if self.lookup_chunks else 0.0,
+            "hit_ratio": ratio(self.hit_chunks, self.lookup_chunks),
             "drops": self.drops,
             "demotion_failures": self.demotion_failures,
             "admission_refused": self.admission_refused,

@@ -134,8 +134,8 @@ class StoreCounters(TypedDict):
     hit_tokens: int
     reuse_hits: int
     sharing_hits: int
-    #: hit_chunks / lookup_chunks (0 before any lookup)
-    hit_ratio: float
+    #: hit_chunks / lookup_chunks (None before any lookup: unknown, not 0)
+    hit_ratio: float | None
     #: chunks that left the node (a demotion keeps a chunk on it)
     drops: int
     demotion_failures: int
@@ -167,7 +167,7 @@ class AgentStats(TypedDict):
     #: measured read bandwidth per tier, None until measured
     read_bandwidth_bytes_per_second: dict[str, float | None]
     #: stats.hit_ratio, repeated at the top
-    hit_ratio: float
+    hit_ratio: float | None
     #: counters restart at zero with the agent: a collector spots a restart by this changing
     started_s: float
     #: fetch-or-recompute decisions and the rates behind them (``kvctl.remote``'s status)

@@ -93,6 +93,13 @@ def test_health_and_info(client: TestClient) -> None:
     assert info["auth"] is False
 
 
+def test_stats_hit_ratio_is_unknown_before_any_lookup(client: TestClient) -> None:
+    # no lookup yet: no ratio (None, as `kvctl status` shows N/A), not a 0% that reads as misses
+    body = client.get("/v1/stats").json()
+    assert body["stats"]["lookup_chunks"] == 0
+    assert body["hit_ratio"] is None and body["stats"]["hit_ratio"] is None
+
+
 def test_stats_derive_hit_ratio(client: TestClient, runtime: AgentRuntime) -> None:
     toks = tokens(3)
     put_prompt(runtime, toks[: 2 * CT])  # two of the three chunks
