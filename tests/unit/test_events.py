@@ -74,22 +74,22 @@ def test_read_waits_for_a_publish_from_another_thread() -> None:
     timer.start()
     try:
         t0 = time.monotonic()
-        b = hub.read(2, timeout_s=10.0)
+        b = hub.read(2, timeout_s=60.0)
         elapsed = time.monotonic() - t0
     finally:
         timer.cancel()
         timer.join()
     assert seqs(b.events) == [3] and b.events[0]["type"] == "late"
     assert b.last_seq == 3 and b.dropped == 0
-    assert elapsed < 2.0  # woken by the publish, not by the 10 s timeout
+    assert elapsed < 30.0  # woken by the publish, not by the 60 s timeout
 
 
 def test_read_with_events_already_there_does_not_wait() -> None:
     hub = EventHub(16)
     publish(hub, 1)
     t0 = time.monotonic()
-    b = hub.read(0, timeout_s=10.0)
-    assert time.monotonic() - t0 < 1.0
+    b = hub.read(0, timeout_s=60.0)
+    assert time.monotonic() - t0 < 30.0
     assert seqs(b.events) == [1]
 
 
@@ -100,7 +100,7 @@ def test_read_times_out_with_nothing_new() -> None:
     b = hub.read(2, timeout_s=0.1)
     elapsed = time.monotonic() - t0
     assert (b.events, b.last_seq, b.dropped) == ([], 2, 0)
-    assert 0.05 <= elapsed < 2.0
+    assert 0.05 <= elapsed < 30.0  # waited, and not for ever
 
 
 def test_many_publishers_one_follower_sees_every_event_once() -> None:
@@ -146,10 +146,11 @@ def test_a_stale_follower_resyncs_at_once_even_when_it_would_wait() -> None:
     hub = EventHub(16)
     publish(hub, 3)
     t0 = time.monotonic()
-    b = hub.read(1000, timeout_s=0.2)
+    # a wait far longer than any scheduling delay: answering before it ran out is the point
+    b = hub.read(1000, timeout_s=60.0)
     elapsed = time.monotonic() - t0
     assert (b.events, b.last_seq, b.dropped) == ([], 3, 0)
-    assert elapsed < 0.1
+    assert elapsed < 30.0
 
 
 def test_a_cursor_past_the_newest_seq_answers_the_newest_seq_and_the_instance() -> None:
