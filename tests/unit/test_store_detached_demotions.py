@@ -304,10 +304,16 @@ def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -
     store, _cpu, _disk = make_store(tmp_path, cpu_chunks=6, disk_chunks=256)
     errors: list[BaseException] = []
     n_per = 40
+    # readers and leasers start once every putter has put 10 chunks (30 in all, 6 of them in
+    # the cpu tier: the rest demoted), so there is something on disk for them to promote: a
+    # putter slow to start under load could otherwise leave them nothing but misses
+    putters_going = threading.Barrier(7, timeout=WAIT_S)
 
     def putter(base: int) -> None:
         try:
             for i in range(n_per):
+                if i == 10:
+                    putters_going.wait()
                 k = key(base + i)
                 store.put(k, data_of(k), tenant="t")
         except BaseException as exc:
@@ -315,6 +321,7 @@ def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -
 
     def reader(base: int) -> None:
         try:
+            putters_going.wait()
             for i in range(n_per):
                 k = key(base + i)
                 with contextlib.suppress(KeyError):
@@ -326,6 +333,7 @@ def test_many_threads_putting_with_demotions_and_reading_agree(tmp_path: Path) -
     def leaser(base: int) -> None:
         # leases of chunks mostly demoted by now: each promotes, demoting another to make room
         try:
+            putters_going.wait()
             for i in range(0, n_per, 3):
                 ks = [key(base + i + j) for j in range(3)]
                 got = store.lease_many(ks, math.inf, tenant="t")
