@@ -254,12 +254,12 @@ def test_two_closes_at_once_never_close_the_connection_under_a_job(tmp_path: Pat
         future = writer.submit(job)
         assert inside.wait(30)  # copying into the staging segment now
         writer.close_in_background()
+        # until the background close is stopping the writer (it then waits for it): a fixed
+        # 0.2 s after its thread appeared was not always enough on a loaded machine
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not any(
-            t.name == "kvctl-write-behind-close" for t in threading.enumerate()
-        ):
+        while not writer._stopping:
+            assert time.monotonic() < deadline, "the background close never began"
             time.sleep(0.01)
-        time.sleep(0.2)  # the background close is waiting for the writer now
         refused = writer.submit(_job([key(5)])).result(timeout=30)
         assert (refused.chunks, refused.skipped) == (0, "write-behind closing")
         release = threading.Timer(0.3, gate.set)
