@@ -154,6 +154,7 @@ def test_kill_9_keeps_every_committed_chunk_and_serves_nothing_torn(tmp_path: Pa
 
     # keep writing (and demoting to disk) while the process is killed
     stop = threading.Event()
+    going = threading.Event()
     written: list[bytes] = []
 
     def writer() -> None:
@@ -164,12 +165,19 @@ def test_kill_9_keeps_every_committed_chunk_and_serves_nothing_torn(tmp_path: Pa
                     k = key(i, 4)
                     w.put(k, payload(k, CHUNK))
                     written.append(k)
+                    going.set()
                     i += 1
         except AgentUnreachable:
             pass
+        finally:
+            going.set()  # no wait for a writer that ended without writing
 
     t = threading.Thread(target=writer)
     t.start()
+    # the kill comes once the writer's puts are under way (its first one answered), then a
+    # moment later: a fixed 0.5 s from its start was not always enough to connect and write on
+    # a loaded machine
+    assert going.wait(30)
     time.sleep(0.5)
     agent.kill9()
     stop.set()
