@@ -118,20 +118,30 @@ def test_a_connection_that_sends_nothing_is_closed(control: tuple[str, int]) -> 
     silent.close()
 
 
-def test_whole_requests_are_served_and_the_next_ones_head_has_its_deadline(
-    control: tuple[str, int],
-) -> None:
-    conn = socket.create_connection(control, timeout=5)
-    for _ in range(2):  # kept alive: the deadline restarts with each request
-        conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-        reply = b""
-        while not reply.endswith(b"\r\n\r\nok"):
-            reply += conn.recv(65536)
-        assert reply.startswith(b"HTTP/1.1 200"), reply
-        time.sleep(HEADER_TIMEOUT_S * 0.6)
-    conn.sendall(b"GET / HTTP/1.1\r\n")  # then a head that never ends
-    assert _trickle_until_closed(conn, HEADER_TIMEOUT_S + 5)
-    conn.close()
+#: this test's head deadline: long enough that a loaded machine's scheduling delays stay well
+#: inside the idle gaps it leaves between requests
+KEPT_ALIVE_HEADER_TIMEOUT_S = 2.0
+
+
+def test_whole_requests_are_served_and_the_next_ones_head_has_its_deadline() -> None:
+    # kept alive: the deadline restarts with each request. 4 gaps of 0.3 deadlines each, 1.2
+    # deadlines in all, each 1.4 s inside the deadline (gaps of 0.6 of a 0.5 s deadline, 0.2 s
+    # inside it, failed when the test's thread was descheduled that long)
+    timeout_s = KEPT_ALIVE_HEADER_TIMEOUT_S
+    with _serving(_app, timeout_s) as control:
+        conn = socket.create_connection(control, timeout=5)
+        for _ in range(4):
+            conn.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            reply = b""
+            while not reply.endswith(b"\r\n\r\nok"):
+                piece = conn.recv(65536)
+                assert piece, f"closed before the reply ended: {reply!r}"
+                reply += piece
+            assert reply.startswith(b"HTTP/1.1 200"), reply
+            time.sleep(timeout_s * 0.3)
+        conn.sendall(b"GET / HTTP/1.1\r\n")  # then a head that never ends
+        assert _trickle_until_closed(conn, timeout_s + 5)
+        conn.close()
 
 
 def _silent_connections(address: tuple[str, int], n: int, source: str) -> list[socket.socket]:
