@@ -121,8 +121,23 @@ def test_a_second_ctrl_c_stops_a_write_stuck_on_a_lock(pg_url: str) -> None:
 
     released = threading.Event()
 
+    def write_waits_on_the_lock() -> bool:
+        with engine.connect() as conn:
+            waiting = conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )
+            ).scalar_one()
+        return bool(waiting)
+
     def press_twice() -> None:
-        time.sleep(1.0)  # the write is waiting on the lock by now
+        # once the write waits on the lock: a fixed 1 s was not always enough on a loaded
+        # machine, and a first Ctrl-C before the write ends collect_once at once, the second
+        # then landing in the test itself
+        deadline = time.monotonic() + 60
+        while not write_waits_on_the_lock() and time.monotonic() < deadline:
+            time.sleep(0.05)
         signal.pthread_kill(main, signal.SIGINT)
         time.sleep(FORCE_AFTER_SECONDS + 0.5)
         signal.pthread_kill(main, signal.SIGINT)
