@@ -443,13 +443,18 @@ def test_agents_by_url_without_a_database(tmp_path: Path) -> None:
         AgentSource(["ftp://x"])
 
 
+#: agents started at once: 16 on a 2-core CI runner loaded by the other test workers left one
+#: agent's log silent for the 30 s its start allows (each start imports kvctl), so it failed
+STARTS_AT_ONCE = 4
+
+
 @pytest.mark.slow
 def test_fifty_agents_keep_the_view_refreshing(tmp_path: Path) -> None:
     """Functional only: every row up and polls completing; `kvctl bench top` times them."""
     from concurrent.futures import ThreadPoolExecutor
 
     names = [f"n{i:02d}" for i in range(50)]
-    with ThreadPoolExecutor(16) as pool:
+    with ThreadPoolExecutor(STARTS_AT_ONCE) as pool:
         started = list(
             pool.map(
                 lambda n: start_agent(tmp_path / n, "--name", n, "--cpu", "4MiB", "--disk", "0"),
