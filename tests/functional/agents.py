@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvctl.agent.daemon import AgentState, spawn_agent
 from kvctl.client import AgentClient, DataClient
 from kvctl.ports import free_loopback_port
@@ -99,3 +101,15 @@ def payload(key: bytes, size: int) -> bytes:
 
 def key(i: int, space: int = 0) -> bytes:
     return hashlib.blake2b(f"{space}:{i}".encode(), digest_size=16).digest()
+
+
+def metric(agent: Agent, name: str, *, default: float | None = None, **labels: str) -> float:
+    """The first sample ``name`` on the agent's /metrics whose labels include ``labels``;
+    ``default`` where there is none (None: a failed assertion)."""
+    for family in text_string_to_metric_families(agent.control().metrics_text()):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return float(sample.value)
+    if default is None:
+        raise AssertionError(f"{name}{labels or ''} not on the agent's /metrics")
+    return default

@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.client import AgentUnreachable, AuthError, ChunkNotFound, DataClient, RequestError
 from kvctl.format import format_bytes
@@ -34,7 +33,7 @@ from kvctl.wire.protocol import (
     put_item,
 )
 
-from .agents import Agent, key, payload, running_agent, start_agent
+from .agents import key, metric, payload, running_agent, start_agent
 from .raw_sockets import recv_exactly
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="the agent's shm path is Linux")
@@ -199,17 +198,6 @@ def test_kill_9_keeps_every_committed_chunk_and_serves_nothing_torn(tmp_path: Pa
             assert g is None or bytes(g) == payload(k, CHUNK)
 
 
-def _data_connections(agent: Agent, transport: str) -> float:
-    """The agent's open data plane connections over ``transport``, from its /metrics."""
-    for family in text_string_to_metric_families(agent.control().metrics_text()):
-        for sample in family.samples:
-            if sample.name == "kvctl_dataplane_connections" and (
-                sample.labels.get("transport") == transport
-            ):
-                return float(sample.value)
-    return 0.0
-
-
 def test_sigterm_finishes_the_request_in_flight_then_exits_0(tmp_path: Path) -> None:
     agent = start_agent(tmp_path / "g", "--cpu", "8MiB", "--disk", "0")
     host, port = agent.state.data_tcp.rsplit(":", 1)  # type: ignore[union-attr]
@@ -222,7 +210,7 @@ def test_sigterm_finishes_the_request_in_flight_then_exits_0(tmp_path: Path) -> 
         # not always enough on a loaded machine, and a connection not yet served is closed as
         # idle by the shutdown
         deadline = time.monotonic() + 30
-        while _data_connections(agent, "tcp") < 1:
+        while metric(agent, "kvctl_dataplane_connections", default=0.0, transport="tcp") < 1:
             assert time.monotonic() < deadline, "the agent never took the connection"
             time.sleep(0.05)
         time.sleep(0.2)  # and reads the request's head (buffered already)

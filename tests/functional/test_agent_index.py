@@ -22,7 +22,7 @@ from kvctl.router.score import Costs
 from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from kvctl.store.keys import parents_of
-from tests.functional.agents import Agent, closed_port, key, payload, running_agent
+from tests.functional.agents import Agent, closed_port, key, metric, payload, running_agent
 from tests.functional.waiting import wait_until as wait_for
 
 CHUNK_BYTES = 64 << 10
@@ -39,14 +39,6 @@ def fetch_requests(agent: Agent) -> float:
             if sample.name.endswith("_total") and sample.labels.get("op") == "fetch":
                 total += sample.value
     return total
-
-
-def metric(agent: Agent, name: str) -> float:
-    for family in text_string_to_metric_families(agent.control().metrics_text()):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    raise AssertionError(f"{name} not on the agent's /metrics")
 
 
 def index_status(agent: Agent) -> dict[str, Any]:

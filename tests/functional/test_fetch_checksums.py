@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.remote.agent_source import AgentSource
 from kvctl.store.tiers.base import ChunkMeta
@@ -30,7 +29,7 @@ from kvctl.wire.protocol import (
     Status,
     pack_header,
 )
-from tests.functional.agents import Agent, payload, running_agent
+from tests.functional.agents import Agent, metric, payload, running_agent
 from tests.functional.raw_sockets import recv_exactly
 from tests.functional.test_remote import SLOW_GPU, SMALL, chain, link_costed, put_chain, remote
 from tests.functional.waiting import wait_until
@@ -115,14 +114,6 @@ def holder(tmp_path: Path) -> Iterator[tuple[Agent, FlippingRelay]]:
             relay.close()
 
 
-def _source_metric(agent: Agent, name: str, source: str) -> float:
-    for family in text_string_to_metric_families(agent.control().metrics_text()):
-        for sample in family.samples:
-            if sample.name == name and sample.labels.get("source") == source:
-                return float(sample.value)
-    raise AssertionError(f"{name}{{source={source!r}}} not on the agent's /metrics")
-
-
 def test_a_bit_flipped_in_a_peers_reply_is_a_counted_miss_and_never_stored(
     tmp_path: Path, holder: tuple[Agent, FlippingRelay]
 ) -> None:
@@ -141,7 +132,7 @@ def test_a_bit_flipped_in_a_peers_reply_is_a_counted_miss_and_never_stored(
         peer = remote(a)["peers"][0]
         assert peer["corrupt"] == len(keys)
         assert peer["errors"] == 0  # the source is fine; its bytes were not
-        assert _source_metric(a, "kvctl_remote_source_corrupt_total", "pB") == len(keys)
+        assert metric(a, "kvctl_remote_source_corrupt_total", source="pB") == len(keys)
         with a.data() as d:  # nothing of it was kept here: still only on the peer
             assert d.exists(keys, tenant="t1") == ["peer"] * len(keys)
         assert a.control().stats()["usage"]["cpu"]["chunks"] == 0

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvctl.wire.protocol import (
     HEADER,
@@ -30,7 +29,7 @@ from kvctl.wire.protocol import (
     put_item,
     put_meta,
 )
-from tests.functional.agents import Agent, key, payload, running_agent
+from tests.functional.agents import Agent, key, metric, payload, running_agent
 from tests.functional.raw_sockets import recv_exactly
 from tests.functional.test_fetch_checksums import FlippingRelay
 from tests.functional.test_remote import SMALL, chain, put_chain, remote
@@ -38,14 +37,6 @@ from tests.functional.waiting import wait_until
 
 CHUNK_BYTES = 1 << 20
 CORRUPT_PUTS = "kvctl_dataplane_corrupt_puts_total"
-
-
-def _metric(agent: Agent, name: str) -> float:
-    for family in text_string_to_metric_families(agent.control().metrics_text()):
-        for sample in family.samples:
-            if sample.name == name:
-                return float(sample.value)
-    raise AssertionError(f"{name} not on the agent's /metrics")
 
 
 class RawConnection:
@@ -127,7 +118,7 @@ def test_a_chunk_damaged_after_its_checksum_is_refused_alone_and_counted(
     with agent.data() as d:
         got = d.get_many(keys, tenant="t1")
     assert [None if g is None else bytes(g) for g in got] == [chunks[0], None, chunks[2]]
-    assert _metric(agent, CORRUPT_PUTS) == 1
+    assert metric(agent, CORRUPT_PUTS) == 1
     assert agent.log().count("did not match their sender's checksum") == 1
 
     # sent again undamaged, it is stored
@@ -136,7 +127,7 @@ def test_a_chunk_damaged_after_its_checksum_is_refused_alone_and_counted(
     ]
     with agent.data() as d:
         assert bytes(d.get(keys[1], tenant="t1")) == chunks[1]
-    assert _metric(agent, CORRUPT_PUTS) == 1
+    assert metric(agent, CORRUPT_PUTS) == 1
 
 
 def test_an_old_style_put_is_stored_and_a_malformed_tail_refused_in_step(
@@ -164,7 +155,7 @@ def test_an_old_style_put_is_stored_and_a_malformed_tail_refused_in_step(
         assert raw.call(Op.PING, b"")[0] == Op.PING | REPLY_BIT
     with agent.data() as d:
         assert d.exists(keys2, tenant="t1") == [None, None]
-    assert _metric(agent, CORRUPT_PUTS) == 0
+    assert metric(agent, CORRUPT_PUTS) == 0
 
 
 @dataclass
@@ -210,7 +201,7 @@ def test_write_through_to_a_pool_agent_stores_only_verified_chunks(tmp_path: Pat
                 assert relay.flipped_puts == len(keys)
                 assert remote(a)["write"]["written"] == 0
                 assert pool.control().stats()["usage"]["cpu"]["chunks"] == 0  # none kept
-                assert _metric(pool, CORRUPT_PUTS) == len(keys)
+                assert metric(pool, CORRUPT_PUTS) == len(keys)
                 assert "damaged on the way" in a.log()
 
                 relay.flipping_puts.clear()
@@ -227,6 +218,6 @@ def test_write_through_to_a_pool_agent_stores_only_verified_chunks(tmp_path: Pat
             assert [bytes(g or b"") for g in got[len(keys) :]] == [
                 payload(k, CHUNK_BYTES) for k in fresh
             ]
-            assert _metric(pool, CORRUPT_PUTS) == len(keys)
+            assert metric(pool, CORRUPT_PUTS) == len(keys)
         finally:
             relay.close()
