@@ -12,13 +12,12 @@ import sys
 from pathlib import Path
 
 from kvctl.wire.protocol import Status, chunk_checksum, put_meta
-from tests.functional.agents import Agent
+from tests.functional.agents import Agent, metric
 from tests.functional.test_put_checksums import (
     CHUNK_BYTES,
     CORRUPT_PUTS,
     RawConnection,
     _batch,
-    _metric,
     agent,  # noqa: F401 - fixture
     raw,  # noqa: F401 - fixture
 )
@@ -55,7 +54,7 @@ def test_refused_corrupt_puts_are_in_stats_and_agent_status(
         Status.OK,
     ]
     assert agent.control().stats()["dataplane"]["corrupt_puts"] == 2
-    assert _metric(agent, CORRUPT_PUTS) == 2  # the same count
+    assert metric(agent, CORRUPT_PUTS) == 2  # the same count
 
     out = _status(tmp_path / "a", tmp_path, "--json")
     assert out.returncode == 0, out.stderr
