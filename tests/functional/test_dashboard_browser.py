@@ -10,13 +10,14 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.wsgi_serving import serving_wsgi
 
 ROOT = Path(__file__).parents[2]
 ARTIFACTS = Path(os.environ.get("KVCTL_TEST_ARTIFACTS", ROOT / "test-artifacts"))
@@ -69,16 +70,11 @@ def demo_db(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, An
 
 @pytest.fixture(scope="module")
 def served(demo_db: tuple[str, dict[str, Any]]) -> Iterator[str]:
-    from waitress import create_server
-
     from dashboard.app import create_app
 
     app = create_app(demo_db[0], url_prefix="/kvctl/", model="qwen2.5-0.5b")
-    server = create_server(app.server, host="127.0.0.1", port=0, threads=4)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.effective_port}/kvctl/"
-    server.close()
+    with serving_wsgi(app.server) as url:
+        yield f"{url}/kvctl/"
     app.server.extensions["kvctl"].engine.dispose()
 
 

@@ -9,7 +9,6 @@ to test-artifacts/story-*.png."""
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +22,7 @@ from tests.functional.test_dashboard_browser import (
     _open,
     browser,  # noqa: F401 (the fixture)
 )
+from tests.wsgi_serving import serving_wsgi
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +76,6 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
     """A demo run as a user runs it, with its dashboard (so it saves its plan and replays as
     it does for a manager watching); then the dashboard served again on its database."""
     _need_browser()
-    from waitress import create_server
-
     from dashboard.app import create_app
     from kvctl.fleet.demo import DEMO_GPU
     from kvctl.profiles import DEMO_MODEL
@@ -93,10 +91,8 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = json.loads(run.stdout)
     app = create_app(f"sqlite:///{work / 'kvctl.db'}", model=DEMO_MODEL, default_gpu=DEMO_GPU)
-    server = create_server(app.server, host="127.0.0.1", port=0, threads=4)
-    threading.Thread(target=server.run, daemon=True).start()
-    yield f"http://127.0.0.1:{server.effective_port}/", out
-    server.close()
+    with serving_wsgi(app.server) as url:
+        yield f"{url}/", out
     app.server.extensions["kvctl"].engine.dispose()
 
 
