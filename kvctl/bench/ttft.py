@@ -109,6 +109,14 @@ def run_ttft_bench(
 ) -> dict[str, Any]:
     """``layerwise``: the engines copy a prefix leased whole from the arena layer by layer
     under the forward pass (``CachedLM(layerwise=True)``)."""
+    # what needs no torch is checked before importing it: a typo costs no seconds of imports
+    bad = [s for s in sources if s not in SOURCES]
+    if bad or not sources:
+        raise InvalidArgument(f"unknown source {bad}; choose from {', '.join(SOURCES)}")
+    if repeats < 1 or suffix_tokens < 1 or chunk_tokens < 1:
+        raise InvalidArgument("repeats, suffix tokens and chunk tokens must be positive")
+    if dtype is not None and dtype not in ATOL:
+        raise InvalidArgument(f"unknown dtype {dtype!r}; choose from {', '.join(ATOL)}")
     try:
         import torch
 
@@ -127,16 +135,9 @@ def run_ttft_bench(
     if shape not in SHAPES:
         raise InvalidArgument(f"unknown model {shape!r}; choose from {', '.join(SHAPES)}")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype not in ATOL:
-        raise InvalidArgument(f"unknown dtype {dtype!r}; choose from {', '.join(ATOL)}")
     contexts = contexts or parse_contexts(
         GPU_CONTEXTS if device.startswith("cuda") else CPU_CONTEXTS
     )
-    bad = [s for s in sources if s not in SOURCES]
-    if bad or not sources:
-        raise InvalidArgument(f"unknown source {bad}; choose from {', '.join(SOURCES)}")
-    if repeats < 1 or suffix_tokens < 1 or chunk_tokens < 1:
-        raise InvalidArgument("repeats, suffix tokens and chunk tokens must be positive")
     say = progress or (lambda _msg: None)
 
     say(f"building {shape} ({dtype}) on {device}")
