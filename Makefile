@@ -14,6 +14,10 @@ DEMO_ARGS ?=
 # on the processes they start, so 3 workers about halve the suite's time on 2 cores; 0 runs it
 # in one process (e.g. for --snapshot-update)
 PYTEST_WORKERS ?= 3
+# Python caches compiled modules (__pycache__, git-ignored) even where the environment asks it
+# not to: every agent and CLI the tests and the demo start would otherwise compile kvctl's
+# hundred-odd modules from source again (about 0.5 s of CPU each, hundreds of processes a run)
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test lint bench clean
 
