@@ -281,8 +281,7 @@ class DataPlaneServer:
         #: this node's own tiers (LOOKUP_LEASE_LOCAL leases up to the first chunk outside them)
         self.local_tiers = frozenset(runtime.store.tier_names)
         self.shm_tier = runtime.shm_tier
-        self.stopping = False
-        #: set with ``stopping``: wakes the reaper at once instead of at its next tick
+        #: set by ``stop``; an Event so that the reaper wakes at once instead of at its next tick
         self._stop = threading.Event()
         self._listeners: list[tuple[socket.socket, str]] = []
         self._threads: list[threading.Thread] = []
@@ -328,7 +327,6 @@ class DataPlaneServer:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop accepting, let in-flight requests finish, close idle connections."""
-        self.stopping = True
         self._stop.set()
         for sock, _ in self._listeners:
             with contextlib.suppress(OSError):
@@ -348,6 +346,10 @@ class DataPlaneServer:
         if self.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.unix_path.unlink()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
 
     def _spawn(self, target: Callable[..., None], *args: object, name: str) -> None:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
