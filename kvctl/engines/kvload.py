@@ -33,6 +33,7 @@ import torch
 from kvctl.client import AgentError, ArenaLeases, DataClient, LeasedChunk
 from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.engines.kvformat import ChunkFormat
+from kvctl.engines.spans import spans
 
 log = logging.getLogger(__name__)
 
@@ -730,7 +731,7 @@ def copy_past_blocked(
     if leased:
         arena = loader.arena_tensor(leases.arena)
         started_s = time.perf_counter()
-        for lo, hi in _spans(list(leased)):
+        for lo, hi in spans(leased):
             loader.load(arena, [leased[i].offset for i in range(lo, hi)], kv, at + lo)
         loader.wait()  # the copies read the arena: done before the leases end
         before_bytes, before_s = loader.last_copy or (0, 0.0)
@@ -747,7 +748,7 @@ def copy_past_blocked(
             got = client.get_into([keys[i] for i in again], bufs, tenant=tenant, counted=True)
         whole = _whole(got, size)
         slot = {i: j for j, i in enumerate(again)}  # chunk -> its place in the staging buffer
-        for lo, hi in _spans(again[:whole]):
+        for lo, hi in spans(again[:whole]):
             loader.load(host, [slot[i] * size for i in range(lo, hi)], kv, at + lo)
         loader.wait()  # the staging buffer serves the next read
         arrived.update(again[:whole])
@@ -755,17 +756,6 @@ def copy_past_blocked(
     while n < end and n in arrived:
         n += 1
     return n - start
-
-
-def _spans(positions: Sequence[int]) -> list[tuple[int, int]]:
-    """Ascending positions as runs of adjacent ones, [lo, hi) each."""
-    spans: list[tuple[int, int]] = []
-    for i in positions:
-        if spans and spans[-1][1] == i:
-            spans[-1] = (spans[-1][0], i + 1)
-        else:
-            spans.append((i, i + 1))
-    return spans
 
 
 def _whole(got: Sequence[int], size_bytes: int) -> int:

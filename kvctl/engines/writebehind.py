@@ -30,6 +30,7 @@ from typing import Any
 
 from kvctl.client import AgentError, DataClient
 from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
+from kvctl.engines.spans import spans
 from kvctl.store.tiers.base import copy_bytes
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,8 @@ def _filler(job: StoreJob, batch: Sequence[int]) -> Callable[[memoryview], None]
 
     def fill(out: memoryview) -> None:
         at = 0
-        for first, count in _runs(batch):
+        for first, end in spans(batch):
+            count = end - first
             region = out[at * size : (at + count) * size]
             if job.pack_into is not None:
                 job.pack_into(first, count, region)
@@ -98,17 +100,6 @@ def _filler(job: StoreJob, batch: Sequence[int]) -> Callable[[memoryview], None]
             at += count
 
     return fill
-
-
-def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
-    """``(first, count)`` of each run of consecutive values in ``indices``, in order."""
-    out: list[tuple[int, int]] = []
-    for i in indices:
-        if out and out[-1][0] + out[-1][1] == i:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((i, 1))
-    return out
 
 
 #: at exit, how long the writers may take together to write what was handed to them
