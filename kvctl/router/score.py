@@ -61,12 +61,19 @@ class Costs:
     prefill_watts: float = 700.0
 
     def __post_init__(self) -> None:
-        for what in ("disk_read_bytes_per_s", "prefill_watts"):
+        # refused here, not per request: an infinite rate failed every route's plan (a 400 that
+        # blamed the caller) and an infinite weight made scores inf or NaN
+        rates = ["disk_read_bytes_per_s", "prefill_watts"]
+        if self.host_to_device_bytes_per_s is not None:
+            rates.append("host_to_device_bytes_per_s")
+        for what in rates:
             value = getattr(self, what)
-            if not value > 0:
-                raise InvalidArgument(f"{what} must be > 0, got {value!r}")
-        if not self.carbon_s_per_g >= 0:
-            raise InvalidArgument(f"carbon_s_per_g must be >= 0, got {self.carbon_s_per_g!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise InvalidArgument(f"{what} must be finite and > 0, got {value!r}")
+        if not (math.isfinite(self.carbon_s_per_g) and self.carbon_s_per_g >= 0):
+            raise InvalidArgument(
+                f"carbon_s_per_g must be finite and >= 0, got {self.carbon_s_per_g!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvctl.errors import InvalidArgument
@@ -193,6 +195,26 @@ def test_prefix_helpers_and_bad_input() -> None:
         Topology.build([Node("a", "x"), Node("a", "y")])
     with pytest.raises(InvalidArgument):
         ChunkEvent("stored", b"short", "cpu")
+
+
+@pytest.mark.parametrize(
+    "figure",
+    [
+        {"host_to_device_bytes_per_s": math.inf},
+        {"host_to_device_bytes_per_s": 0.0},
+        {"host_to_device_bytes_per_s": -1e9},
+        {"host_to_device_bytes_per_s": math.nan},
+        {"disk_read_bytes_per_s": math.inf},
+        {"prefill_watts": math.inf},
+        {"carbon_s_per_g": math.inf},
+    ],
+)
+def test_costs_refuse_figures_no_decision_can_use(figure: dict[str, float]) -> None:
+    # `router serve --host-to-device-gbps inf` started, then answered every route 400 "device
+    # bandwidth must be finite" (the caller blamed for the router's setting); an infinite
+    # carbon weight made scores inf or NaN. The router must refuse them when it is built.
+    with pytest.raises(InvalidArgument):
+        Costs(PREFILL, **figure)  # type: ignore[arg-type]
 
 
 def test_the_decision_explains_itself() -> None:
