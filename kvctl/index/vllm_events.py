@@ -659,16 +659,15 @@ class VllmEventSubscriber:
                 self._dedupe_through = self.last_seq
             while not self._stop.is_set():
                 ready = dict(poller.poll(self._poll_ms))
-                if monitor in ready:
-                    self._on_monitor(monitor)
+                if monitor in ready and self._on_monitor(monitor) and self._dedupe_through:
+                    # the catch-up's duplicates can only be batches the socket holds now; once
+                    # the engine is gone, a seq that goes back is a restart (its seq starts over
+                    # at 0, inside the window), not a duplicate
+                    while sub.poll(0):
+                        self._read(sub)
+                    self._dedupe_through = None
                 if sub in ready:
-                    frames = sub.recv_multipart()
-                    try:
-                        self._on_message(frames)
-                    except zmq.ZMQError:
-                        raise
-                    except Exception as exc:  # one message must not end the stream: count it
-                        self._failed("a vLLM event message failed", exc)
+                    self._read(sub)
         except Exception as exc:  # a bug must show in status, not vanish with the thread
             self._failed("the vLLM event subscriber stopped", exc)
         finally:
@@ -685,7 +684,17 @@ class VllmEventSubscriber:
         self.errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
 
-    def _on_monitor(self, monitor: zmq.Socket[Any]) -> None:
+    def _read(self, sub: zmq.Socket[Any]) -> None:
+        frames = sub.recv_multipart()
+        try:
+            self._on_message(frames)
+        except zmq.ZMQError:
+            raise
+        except Exception as exc:  # one message must not end the stream: count it
+            self._failed("a vLLM event message failed", exc)
+
+    def _on_monitor(self, monitor: zmq.Socket[Any]) -> bool:
+        """Note a connect or a disconnect; returns whether the engine disconnected."""
         from zmq.utils.monitor import recv_monitor_message
 
         event = recv_monitor_message(monitor).get("event")
@@ -693,6 +702,8 @@ class VllmEventSubscriber:
             self.connected = True
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
+            return True
+        return False
 
     # --- the stream -------------------------------------------------------------------------------
     def _on_message(self, frames: list[bytes]) -> None:

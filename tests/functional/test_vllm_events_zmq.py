@@ -258,3 +258,50 @@ def test_a_replay_socket_that_does_not_answer_is_counted(index: EmbeddedIndex) -
         sub.stop()
         nobody.close(linger=0)
         pub.close()
+
+
+def test_an_engine_restarted_right_after_the_catch_up_is_a_restart_not_duplicates(
+    index: EmbeddedIndex,
+) -> None:
+    """The catch-up leaves a window in which a seq at or below the replayed ones is a batch the
+    SUB socket held already. An engine that restarts (its connection drops, its seq starts over
+    at 0) before publishing past that window must be read as a restart: its old chunks removed,
+    its new batches applied, not swallowed as duplicates."""
+    pub = FakeVllmPublisher(replay=True)
+    pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])  # nobody listening yet
+    for _ in range(5):
+        pub.publish([])
+    sub = subscriber(index, pub).start()
+    try:
+        wait_for(lambda: holders(index)[:2] == [["engine-a"]] * 2, "the chunks from the replay")
+        wait_for(lambda: sub.status()["connected"], "the SUB socket to connect")
+        port = int(pub.endpoint.rpartition(":")[2])
+        pub.close()  # the engine stops: its connection drops
+        wait_for(lambda: not sub.status()["connected"], "the disconnect noticed")
+        ctx: zmq.Context[Any] = zmq.Context()
+        new = ctx.socket(zmq.PUB)
+        new.setsockopt(zmq.LINGER, 0)
+        try:
+            new.bind(f"tcp://127.0.0.1:{port}")  # the restarted engine, at the same address
+            wait_for(lambda: sub.status()["connected"], "the SUB socket to reconnect")
+            before = sub.status()
+            payload = msgpack.packb([time.time(), [stored([0, 1, 2, 3], None, 0)], 0])
+            # batches until one arrives (a PUB drops what it sends before the subscription
+            # reached it), all within the replayed seqs (0..5)
+            for seq in range(6):
+                new.send_multipart([TOPIC.encode(), seq.to_bytes(8, "big"), payload])
+                time.sleep(0.1)
+                status = sub.status()
+                if (status["messages"], status["duplicates"]) != (
+                    before["messages"],
+                    before["duplicates"],
+                ):
+                    break
+            assert status["duplicates"] == before["duplicates"]  # the new engine's batches
+            assert status["restarts"] == 1
+            wait_for(lambda: holders(index)[:2] == [["engine-a"], []], "only the new chunk")
+        finally:
+            new.close(linger=0)
+            ctx.term()
+    finally:
+        sub.stop()
