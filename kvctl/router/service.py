@@ -341,6 +341,19 @@ class Router:
         self.index_watch.answered()
         return out
 
+    def _chain_holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
+        """``_holders`` for a chain, MAX_KEYS keys per lookup. Every plan stops at the first
+        chunk nobody holds, so the parts after the one holding it are not looked up (their
+        rows are empty)."""
+        out: list[list[Holding]] = []
+        for start in range(0, len(keys), MAX_KEYS):
+            rows = self._holders(keys[start : start + MAX_KEYS], tenant=tenant)
+            out.extend(rows)
+            if not all(rows):
+                break
+        out.extend([] for _ in range(len(keys) - len(out)))
+        return out
+
     def index_nodes(self) -> dict[str, int] | None:
         """The index's entries per node; None when it does not answer (noted and logged)."""
         try:
@@ -384,7 +397,9 @@ class Router:
     ) -> Decision:
         """``route`` for a prompt given as token ids (its keys computed as an agent does)."""
         keys = self.keys_for(tokens, tenant=tenant)
-        return self.route(
+        # not route(): MAX_KEYS bounds the keys a caller sends; this chain is bounded by
+        # MAX_TOKENS and may be longer (chunks under 64 tokens), so it is looked up in parts
+        return self._route(
             keys,
             tenant=tenant,
             tokens=len(tokens),
@@ -412,9 +427,30 @@ class Router:
         modeled work queued on the node. Raises ``NoNodeAvailable`` when no node can serve.
         ``explain``: every node's plan in ``scores`` (else, for "cost", only the nodes that could
         win are planned: see ``score_nodes(prune=...)``)."""
+        _check_keys(keys)
+        return self._route(
+            keys,
+            tenant=tenant,
+            tokens=tokens,
+            origin_dc=origin_dc,
+            policy=policy,
+            session=session,
+            explain=explain,
+        )
+
+    def _route(
+        self,
+        keys: Sequence[bytes],
+        *,
+        tenant: str,
+        tokens: int | None,
+        origin_dc: str | None,
+        policy: str,
+        session: str | None,
+        explain: bool,
+    ) -> Decision:
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-        _check_keys(keys)
         if tokens is None:
             tokens = len(keys) * self.chunk_tokens
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
@@ -426,7 +462,7 @@ class Router:
             known = ", ".join(self.topology.dcs) or "none"
             raise InvalidArgument(f"unknown origin DC {origin_dc!r}; the fleet's DCs: {known}")
         start_s = self._clock()
-        holdings = self._usable(self._holders(keys, tenant=tenant))
+        holdings = self._usable(self._chain_holders(keys, tenant=tenant))
         up = self.up_nodes()
         queue_s = self.load.queue_s()
         scores = score_nodes(

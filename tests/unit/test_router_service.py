@@ -173,6 +173,30 @@ def test_route_tokens_finds_what_an_agent_stored_and_isolation_holds() -> None:
     assert router.holders(secret_keys, tenant="acme") == [[] for _ in secret_keys]
 
 
+def test_a_token_request_whose_chain_passes_the_key_limit_is_routed_on_all_of_it() -> None:
+    # 16-token chunks (vLLM's block size): a 80,000-token prompt, under MAX_TOKENS, is a chain
+    # of 5,000 keys. The router computed them itself, yet answered 400 "5,000 keys in one
+    # request; the limit is 4,096", a limit on keys the caller never sent.
+    index = EmbeddedIndex()
+    router = Router(
+        index, fleet(), Costs(PREFILL), keyspace=KeySpace.of_model("llama-3.1-8b", chunk_tokens=16)
+    )
+    toks = [7] * (5000 * 16)
+    chain = router.keys_for(toks, tenant="t")
+    assert len(chain) == 5000 > MAX_KEYS
+    index.apply("b1", [ChunkEvent("stored", k, "cpu", "t", False, 16 * 131_072, 16) for k in chain])
+    with TestClient(create_app(router)) as c:
+        r = c.post("/v1/route", json={"tokens": toks, "tenant": "t"})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # the whole chain, past the first lookup's 4,096 keys, is held and planned
+    assert body["node"] == "b1" and body["chunks"] == 5000
+    assert body["indexed_chunks"] == 5000 and body["local_chunks"] == 5000
+    # keys the caller sends are still held to the limit
+    with pytest.raises(InvalidArgument, match="limit"):
+        router.route(chain, tenant="t")
+
+
 def test_baseline_policies_pick_their_node_and_show_its_modeled_plan() -> None:
     index, ks = EmbeddedIndex(), keys(8)
     index.apply("b2", stored(ks))
