@@ -659,7 +659,11 @@ class VllmEventSubscriber:
                 self._dedupe_through = self.last_seq
             while not self._stop.is_set():
                 ready = dict(poller.poll(self._poll_ms))
-                if monitor in ready and self._on_monitor(monitor) and self._dedupe_through:
+                if (
+                    monitor in ready
+                    and self._on_monitor(monitor)
+                    and self._dedupe_through is not None
+                ):
                     # the catch-up's duplicates can only be batches the socket holds now; once
                     # the engine is gone, a seq that goes back is a restart (its seq starts over
                     # at 0, inside the window), not a duplicate
