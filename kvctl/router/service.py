@@ -458,8 +458,12 @@ class Router:
         if not keys and tokens == 0:
             # nothing to route: counting it as a decision would skew every figure
             raise InvalidArgument("the prompt is empty: give at least one key or token id")
-        if origin_dc is not None and origin_dc not in self.topology.dcs:
-            known = ", ".join(self.topology.dcs) or "none"
+        # one topology and the policies built on it for the whole request: the reloader's
+        # thread may swap both meanwhile, and a baseline's node must be among the scores
+        with self._policy_lock:
+            topology, policies = self.topology, self._policies
+        if origin_dc is not None and origin_dc not in topology.dcs:
+            known = ", ".join(topology.dcs) or "none"
             raise InvalidArgument(f"unknown origin DC {origin_dc!r}; the fleet's DCs: {known}")
         start_s = self._clock()
         holdings = self._usable(self._chain_holders(keys, tenant=tenant))
@@ -469,7 +473,7 @@ class Router:
             holdings,
             tokens=tokens,
             chunk_tokens=self.chunk_tokens,
-            topology=self.topology,
+            topology=topology,
             costs=self.costs,
             origin_dc=origin_dc,
             queue_s=queue_s,
@@ -483,7 +487,7 @@ class Router:
                 holdings, tokens, self.chunk_tokens, tenant, session, origin_dc, queue_s, up
             )
             with self._policy_lock:  # round-robin's turn is shared state
-                name = self._policies[policy].choose(request)
+                name = policies[policy].choose(request)
             chosen = next((s for s in scores if s.node == name), None)
         elapsed_s = self._clock() - start_s
         if chosen is None:
@@ -495,7 +499,7 @@ class Router:
             raise NoNodeAvailable(f"no serving node is up and reachable{where}")
         decision = decision_for(chosen, scores, holdings, tokens=tokens, costs=self.costs)
         self.load.add(decision.node, chosen.prefill_s + chosen.fetch_s)
-        self._count(decision, policy, elapsed_s)
+        self._count(decision, topology, policy, elapsed_s)
         return decision
 
     def next_id(self) -> str:
@@ -504,13 +508,13 @@ class Router:
             self._seq += 1
             return f"{self.instance}-{self._seq}"
 
-    def _count(self, d: Decision, policy: str, elapsed_s: float) -> None:
+    def _count(self, d: Decision, topology: Topology, policy: str, elapsed_s: float) -> None:
         chosen = d.chosen
         links: list[tuple[tuple[str, str], int, int]] = []
         for pull in chosen.pulls:
             if not pull.node:  # read from the node's own tiers
                 continue
-            holder = self.topology.nodes.get(pull.node)
+            holder = topology.nodes.get(pull.node)
             from_dc = holder.dc if holder is not None else "unknown"
             links.append(((from_dc, d.dc), pull.chunks, pull.size_bytes))
         with self._lock:

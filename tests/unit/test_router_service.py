@@ -4,6 +4,8 @@ HTTP app (kvctl.router.app) over an EmbeddedIndex fed directly."""
 from __future__ import annotations
 
 import math
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -209,6 +211,33 @@ def test_baseline_policies_pick_their_node_and_show_its_modeled_plan() -> None:
     assert router.stats()["policies"] == {"prefix-only": 1, "round-robin": 5}
     with pytest.raises(InvalidArgument, match="unknown policy"):
         router.route(ks, tenant="t", policy="random")
+
+
+def test_inventory_rereads_while_requests_are_routed_never_fail_a_request() -> None:
+    # A request scored the nodes of one topology, then asked round-robin of the next (swapped
+    # in meanwhile by the reloader's thread), which dealt it "a0", new and first by name: no
+    # score for it, so a fleet with every node up answered 503 "no serving node is up" (about
+    # one request in ten while rereads kept changing the fleet).
+    small = Topology.build([Node(f"n{i:03}", "fra") for i in range(300)])
+    grown = Topology.build([Node("a0", "fra"), *small.nodes.values()])
+    router = make_router(EmbeddedIndex(), small)
+    stop = threading.Event()
+
+    def reread() -> None:
+        while not stop.is_set():
+            router.set_topology(grown)
+            router.set_topology(small)
+
+    rereads = threading.Thread(target=reread)
+    rereads.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            router.route(keys(1), tenant="t", policy="round-robin")
+    finally:
+        stop.set()
+        rereads.join()
+    assert router.stats()["no_node"] == 0
 
 
 def test_bad_requests_and_no_node_are_clear_errors() -> None:
