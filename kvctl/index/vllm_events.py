@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -95,6 +96,8 @@ _GPU_MEDIUM = "GPU"
 DEFAULT_MAX_BLOCKS = 131_072
 #: vLLM's default topic (``KVEventsConfig.topic``): an empty one; set both to the same
 DEFAULT_TOPIC = ""
+#: how often a subscriber whose index failed tries it again while the engine sends nothing
+INDEX_RETRY_S = 1.0
 #: the replay socket's end-of-replay sequence number (-1 as a signed 8-byte int)
 _REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 _MAX_TOKEN = 2**32 - 1
@@ -226,6 +229,10 @@ class VllmEventTranslator:
                 self.malformed += 1
                 log.debug("%s: malformed vLLM event skipped: %s", self.node, exc)
         return out
+
+    def held(self) -> list[ChunkEvent]:
+        """A stored event for each chunk this translator has stored and not removed since."""
+        return [self._stored(b) for b in self._blocks.values() if b.live]
 
     def reset(self) -> list[ChunkEvent]:
         """Forget every block (the engine restarted or cleared its cache): a removed event for
@@ -386,18 +393,20 @@ class VllmEventTranslator:
         last.live = True
         self.live_chunks += 1
         self.chunks_stored += 1
-        out.append(
-            ChunkEvent(
-                kind="stored",
-                key=last.chunk_key,
-                tier=GPU_TIER,
-                tenant=self.tenant,
-                isolated=self.isolated,
-                size_bytes=self.chunk_bytes,
-                tokens=self.chunk_tokens,
-            )
-        )
+        out.append(self._stored(last))
         return True
+
+    def _stored(self, last: _Block) -> ChunkEvent:
+        assert last.chunk_key is not None  # live implies keyed
+        return ChunkEvent(
+            kind="stored",
+            key=last.chunk_key,
+            tier=GPU_TIER,
+            tenant=self.tenant,
+            isolated=self.isolated,
+            size_bytes=self.chunk_bytes,
+            tokens=self.chunk_tokens,
+        )
 
     def _remove(self, h: BlockHash, out: list[ChunkEvent], *, evict: bool) -> None:
         """Forget block ``h``; remove the chunk holding it and every live chunk after it. An
@@ -538,7 +547,9 @@ class VllmEventSubscriber:
     read to learn what was stored before this subscriber connected (``catch_up``). A sequence
     number that goes back is an engine restart: every chunk of the engine is removed and the
     stream is followed from there. A malformed message is counted and skipped; a failing index
-    is counted (``errors``) and the stream goes on.
+    is counted (``errors``) and the stream goes on: what it missed meanwhile is made good once it
+    answers again, the engine's entries replaced by the chunks the translator holds
+    (``index_resyncs``), at the next batch or within ``INDEX_RETRY_S`` when the engine is idle.
     """
 
     def __init__(
@@ -596,6 +607,11 @@ class VllmEventSubscriber:
         self.restarts = 0
         self.errors = 0
         self.last_error: str | None = None
+        #: the index failed a write: the events it missed are lost, so the engine's entries are
+        #: replaced whole at the next write it takes (a Redis restarted empty lost the rest too)
+        self._index_failing = False
+        self._index_tried_s = 0.0
+        self.index_resyncs = 0
 
     # --- life -------------------------------------------------------------------------------------
     def start(self) -> VllmEventSubscriber:
@@ -659,6 +675,13 @@ class VllmEventSubscriber:
                 self._dedupe_through = self.last_seq
             while not self._stop.is_set():
                 ready = dict(poller.poll(self._poll_ms))
+                if (
+                    not ready
+                    and self._index_failing
+                    and time.monotonic() - self._index_tried_s >= INDEX_RETRY_S
+                ):
+                    with self._lock:  # an idle engine sends nothing that would retry it
+                        self._apply([])
                 if (
                     monitor in ready
                     and self._on_monitor(monitor)
@@ -754,14 +777,34 @@ class VllmEventSubscriber:
             self._apply(self.translator.translate_payload(payload))
 
     def _apply(self, events: list[ChunkEvent]) -> None:
-        if not events:
+        """Write ``events`` (the translator's latest) to the index; after a failure, replace the
+        engine's entries with every chunk the translator holds instead (it reflects
+        ``events``)."""
+        node = self.translator.node
+        if not events and not self._index_failing:
             return
         try:
-            self.index.apply(self.translator.node, events)
+            if self._index_failing:
+                self._index_tried_s = time.monotonic()
+                n = self.index.replace(node, self.translator.held())
+            else:
+                self.index.apply(node, events)
+                return
         except Exception as exc:  # the index's own failure (e.g. Redis down): count, go on
             self.errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
-            log.warning("%s: applying vLLM chunk events failed: %s", self.translator.node, exc)
+            if not self._index_failing:  # once per outage: a batch comes every engine step
+                self._index_failing = True
+                log.warning(
+                    "%s: writing vLLM chunk events to the index failed (%s); its entries are "
+                    "replaced when it answers again",
+                    node,
+                    exc,
+                )
+            return
+        self._index_failing = False
+        self.index_resyncs += 1
+        log.info("%s: the index answers again; the engine's %d chunks written", node, n)
 
     def _replay_from(self, start: int, upto: int | None) -> None:
         """Ask vLLM's replay socket for batches ``start..upto-1`` (``upto`` None: all it has)
@@ -832,6 +875,7 @@ class VllmEventSubscriber:
                 "restarts": self.restarts,
                 "errors": self.errors,
                 "last_error": self.last_error,
+                "index_resyncs": self.index_resyncs,
                 "translator": t,
             }
 

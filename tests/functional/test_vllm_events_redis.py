@@ -1,0 +1,47 @@
+"""A vLLM event subscriber writing into a real Redis index that goes away mid-run: what the
+engine stored and removed while the index failed reaches it once it is back, and a server that
+came back empty is filled again with what the engine still holds."""
+
+from __future__ import annotations
+
+from kvctl.index.redis_index import RedisIndex
+from tests.conftest import RedisServer
+from tests.functional.test_vllm_events_zmq import (
+    KEYS,
+    FakeVllmPublisher,
+    joined,
+    stored,
+    subscriber,
+    wait_for,
+)
+
+
+def _holders(index: RedisIndex) -> list[list[str]]:
+    return [[h.node for h in held] for held in index.holders(KEYS, tenant="t")]
+
+
+def test_an_index_outage_is_caught_up_when_the_index_is_back(private_redis: RedisServer) -> None:
+    index = RedisIndex(private_redis.url, timeout_s=0.5)
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()  # type: ignore[arg-type]
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])  # chunks 0 and 1
+        wait_for(lambda: _holders(index)[:2] == [["engine-a"]] * 2, "two chunks")
+        private_redis.kill()
+        # while the index is away: chunk 1 goes, chunk 2 comes (after a chunk 1 stored again)
+        pub.publish([["BlockRemoved", [5], "GPU"]])
+        wait_for(lambda: sub.status()["errors"] >= 1, "the failed write counted")
+        pub.publish([stored([5], 4, 5), stored([8, 9, 10, 11], 7, 8)])
+        wait_for(lambda: sub.status()["errors"] >= 2, "the second failed write counted")
+        private_redis.start()  # no persistence: back empty
+        # the engine holds chunks 0, 1 and 2: the index says so once it is back, with no new
+        # batch from the engine needed
+        wait_for(lambda: _holders(index) == [["engine-a"]] * 3, "the engine's chunks again")
+        assert sub.status()["index_resyncs"] == 1
+        pub.publish([["BlockRemoved", [9], "GPU"]])  # and the stream goes on from there
+        wait_for(lambda: _holders(index) == [["engine-a"]] * 2 + [[]], "chunk 2 gone")
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
