@@ -68,13 +68,15 @@ class RouterClient:
             ) from exc
         try:
             body = r.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than json parses
             body = None
         if r.status_code != 200:
             detail = body.get("detail") if isinstance(body, dict) else None
             if isinstance(detail, list):  # a validation error: name the first bad field
                 first = detail[0] if detail and isinstance(detail[0], dict) else {}
-                loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+                where = first.get("loc")  # a list from the router; anything from something else
+                parts: list[Any] = where if isinstance(where, list) else []
+                loc = ".".join(str(p) for p in parts if p != "body")
                 detail = f"{loc}: {first.get('msg', '')}" if loc else first.get("msg")
             text = detail if detail else r.text[:200]
             raise RouterClientError(
