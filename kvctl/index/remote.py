@@ -33,7 +33,11 @@ class IndexClient:
     ) -> None:
         import httpx  # only an agent configured with an index needs it
 
+        from kvctl.wire.address import redact_url
+
         self.url = url.rstrip("/")
+        #: what errors name: the URL may carry a password (``http://user:PASSWORD@router``)
+        self._shown = redact_url(self.url)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._httpx = httpx
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
@@ -42,13 +46,14 @@ class IndexClient:
         try:
             r = self._http.request(method, path, **kw)
         except self._httpx.HTTPError as exc:
-            raise IndexUnavailable(f"index at {self.url} did not answer: {exc}") from exc
+            raise IndexUnavailable(f"index at {self._shown} did not answer: {exc}") from exc
         if r.status_code != 200:
-            raise IndexUnavailable(f"index at {self.url} answered {r.status_code}: {r.text[:200]}")
+            said = r.text[:200]
+            raise IndexUnavailable(f"index at {self._shown} answered {r.status_code}: {said}")
         try:
             return r.json()
         except ValueError as exc:
-            raise IndexUnavailable(f"index at {self.url} sent no JSON") from exc
+            raise IndexUnavailable(f"index at {self._shown} sent no JSON") from exc
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
         out: list[list[Holding]] = []
@@ -70,7 +75,7 @@ class IndexClient:
                     for row in rows
                 )
             except (KeyError, TypeError, ValueError) as exc:
-                raise IndexUnavailable(f"index at {self.url} sent a bad answer: {exc}") from exc
+                raise IndexUnavailable(f"index at {self._shown} sent a bad answer: {exc}") from exc
         return out
 
     def nodes(self) -> dict[str, int]:
@@ -78,7 +83,7 @@ class IndexClient:
         try:
             return {str(k): int(v) for k, v in reply["nodes"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise IndexUnavailable(f"index at {self.url} sent a bad answer: {exc}") from exc
+            raise IndexUnavailable(f"index at {self._shown} sent a bad answer: {exc}") from exc
 
     def apply(self, node: str, events: Iterable[ChunkEvent]) -> int:
         raise IndexUnavailable("a remote index is read-only: its router's followers write it")
