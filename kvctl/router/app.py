@@ -117,6 +117,7 @@ class RouteRequest(_Request):
     )
     policy: str = Field(
         "cost",
+        max_length=64,  # an unknown name is echoed in the 400: bounded like the other strings
         description=f"routing policy: {', '.join(POLICIES)} (cost: least modeled TTFT; the "
         "others are the baselines it is compared with)",
     )
