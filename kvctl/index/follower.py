@@ -291,6 +291,10 @@ class Follower:
             nxt = page.get("next")
             if not nxt or not items:
                 break
+            if after is not None and str(nxt) <= after:
+                # keys are listed in order (hex of one length) after the cursor: a page that
+                # does not move it is the same page again, for ever
+                raise ValueError(f"{self._shown_url}/v1/keys: listing did not advance past {after}")
             after = str(nxt)
         if reason == "index_count":
             purged = self.index.purge(self.node)

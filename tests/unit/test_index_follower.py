@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,7 +59,8 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
             }
             body["last_seq"] = body["events"][-1]["seq"] if body["events"] else min(after, last)
         elif url.path == "/v1/keys":
-            body = {"items": self.script["items"], "next": None}
+            # "next": a cursor the script fixes (a listing that does not advance)
+            body = {"items": self.script["items"], "next": self.script.get("next")}
         else:
             self.send_error(404)
             return
@@ -128,6 +130,27 @@ def test_malformed_events_and_listed_chunks_are_counted_and_skipped() -> None:
         status = follower.status()
     assert (status["malformed"], status["applied"], status["last_seq"]) == (4, 3, 6)
     assert index.holders([K1, K2, K3], tenant="t") == [[], [Holding("a", "disk", 64, 4)], []]
+
+
+def test_a_key_listing_that_does_not_advance_is_an_error_not_a_loop_for_ever() -> None:
+    """An agent (or a cache in front of it that ignores the query) answering every page of
+    /v1/keys with the same page and cursor must fail the resync, not hold the follower (and
+    stop() waiting on it) for ever while its chunk list grows."""
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    script["next"] = K1.hex()
+    index = EmbeddedIndex()
+    with scripted(script) as url:
+        follower = Follower(index, "a", url)
+        done: list[int] = []
+        poll = threading.Thread(target=lambda: done.append(follower.poll_once()), daemon=True)
+        poll.start()
+        poll.join(10)
+        assert done == [0], "the resync did not end"
+        status = follower.status()
+        assert status["errors"] == 1 and "did not advance" in status["last_error"]
+        script["next"] = None  # a listing that ends: the next poll resyncs
+        assert follower.poll_once() == 1
+    assert index.nodes() == {"a": 1}
 
 
 def test_a_page_of_events_that_is_full_is_followed_by_another_read() -> None:
