@@ -50,7 +50,7 @@ from kvctl.daemon_pool import DaemonPool
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
-from kvctl.db.rollup import Retention, maintain
+from kvctl.db.rollup import Retention, maintain, reopen
 from kvctl.db.sample_checks import (
     Rejections,
     checked_gpus,
@@ -707,8 +707,17 @@ class Collector:
         try:
             with self.engine.begin() as conn:
                 self._tracker.save(conn)  # first: it refuses a batch counted from stale state
+                # rows past raw retention are pruned at the next upkeep: reopen no rollup
+                keep_from_ms = report.ts_ms - self.config.retention.raw_ms
                 for table, batch in self._pending.items():
                     insert_rows(conn, raw_table(table), batch)
+                    # rows stamped below a rollup's watermark (kept through an outage, a
+                    # clock stepped back) count in no window unless that rollup is redone
+                    since_ms = min(
+                        (r["ts_ms"] for r in batch if r["ts_ms"] >= keep_from_ms), default=None
+                    )
+                    if since_ms is not None:
+                        reopen(conn, table, since_ms, report.ts_ms)
         except CountersMoved as exc:
             self._counted_elsewhere(exc, report)
             return

@@ -87,6 +87,31 @@ def set_watermark(conn: Connection, table: str, res: str, until_ms: int) -> None
         conn.execute(RollupState.__table__.insert().values(name=name, done_until_ms=until_ms))
 
 
+def reopen(conn: Connection, table: str, since_ms: int, now_ms: int) -> None:
+    """Raw samples of ``table`` from ``since_ms`` were just written, in ``conn``'s
+    transaction, at ``now_ms``: every rollup of ``table`` whose watermark is past them is
+    redone from the bucket holding ``since_ms`` (a rollup deletes its buckets before
+    rebuilding them, so nothing counts twice). Windows read rollups below the watermark, so
+    samples written there (a batch kept through an outage while another process rolled up; a
+    clock stepped back) were counted in no window. Call it only for samples within raw
+    retention: the rebuilt buckets are read from every raw row they cover."""
+    if since_ms < now_ms - DEFAULT_GRACE_MS // 2:
+        # old enough for a rollup running now to pass them unseen: look once it is done
+        _lock(conn)
+    done = watermark(conn, table, LEVELS[0][0])
+    if done is None or since_ms >= done:
+        return
+    _lock(conn)  # no rollup is halfway through these buckets while they are reopened
+    state = RollupState.__table__
+    for res, _source in LEVELS:
+        start = since_ms // RESOLUTIONS[res] * RESOLUTIONS[res]
+        conn.execute(
+            state.update()
+            .where(state.c.name == _watermark_name(table, res), state.c.done_until_ms > start)
+            .values(done_until_ms=start)
+        )
+
+
 def _sum_expr(col: ColumnElement[Any]) -> ColumnElement[Any]:
     # booleans (up, ok) are summed as 0/1: PostgreSQL has no SUM(boolean)
     if isinstance(col.type, Boolean):

@@ -659,7 +659,7 @@ def test_two_collectors_on_the_same_nodes_count_each_increase_once(
 def test_collect_once_says_so_when_upkeep_fails(
     pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The samples are written but the rollups cannot run (their table locked elsewhere):
+    """The samples are written but the upkeep cannot run (a rollup table locked elsewhere):
     one warning and exit 1, not a traceback."""
     from sqlalchemy import create_engine, text
 
@@ -673,7 +673,7 @@ def test_collect_once_says_so_when_upkeep_fails(
         with running_agent(tmp_path / "a1", "--name", "n1") as a1:
             _register(db, {"n1": ("fra", a1.state.control_url)})
             with blocker.connect() as lock_conn:
-                lock_conn.execute(text("LOCK TABLE rollup_state IN ACCESS EXCLUSIVE MODE"))
+                lock_conn.execute(text("LOCK TABLE node_1m IN ACCESS EXCLUSIVE MODE"))
                 args = ["collect", "--once", "--no-links", "--db", pg_url]
                 result = CliRunner().invoke(app, args)
                 as_json = CliRunner().invoke(app, [*args, "--json"])

@@ -1,0 +1,74 @@
+"""Samples written below a rollup's watermark (the collector's clock stepped back after a
+rollup ran ahead of it; a batch kept through a database outage while another collector rolled
+the fleet up) on a real SQLite and PostgreSQL: they are rolled up, so window sums, which read
+rollups below the watermark, count every increase the agent reported.
+
+The agent is a stand-in answering over loopback HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from collectors.collector import Collector, CollectorConfig
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.models import Node
+from kvctl.db.rollup import DAY_MS, HOUR_MS, series, watermark, window
+from tests.functional.test_collector_impossible_values import T0_S, StandIn, _stats
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def agent() -> Iterator[StandIn]:
+    a = StandIn("n1")
+    try:
+        yield a
+    finally:
+        a.close()
+
+
+def _lookups(db: Engine, node_id: int, start_ms: int, end_ms: int) -> int:
+    with db.connect() as conn:
+        q = window(
+            conn,
+            series("cache_sample"),
+            start_ms,
+            end_ms,
+            where={"node_id": node_id, "tier": "all"},
+            columns=["lookups"],
+        )
+        return int(conn.execute(q).one()._mapping["lookups"])
+
+
+def test_rows_stamped_below_the_watermark_are_rolled_up(db: Engine, agent: StandIn) -> None:
+    """The clock jumps an hour ahead for one cycle and its upkeep, then back. Before, the
+    scrapes after the jump back were stamped below the minute rollup's watermark: never rolled
+    up, and the window read 20 lookups of the agent's 40."""
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=agent.url)
+    with db.connect() as conn:
+        node_id = int(conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one())
+    now = [T0_S]
+    collector = Collector(db, CollectorConfig(interval_s=10.0), clock=lambda: now[0])
+    t0_ms = int(T0_S * 1000)
+    try:
+        for lookups, at_s in ((0, 0), (10, 10), (20, 3600), (30, 20), (40, 30)):
+            now[0] = T0_S + at_s
+            agent.answers["/v1/stats"] = _stats(lookups, 0, 0.0)
+            assert collector.collect_once().written
+            if at_s == 3600:  # the upkeep runs on the jumped clock
+                collector.maintain()
+        with db.connect() as conn:
+            assert watermark(conn, "cache_sample", "1m") is not None
+        now[0] = T0_S + 3 * 3600
+        collector.maintain()
+    finally:
+        collector.close()
+    assert _lookups(db, node_id, t0_ms, t0_ms + DAY_MS) == 40
+    assert _lookups(db, node_id, t0_ms, t0_ms + HOUR_MS) == 30
