@@ -304,6 +304,8 @@ class VllmEventTranslator:
     def _geometry(self, block_size: int) -> bool:
         if self.block_size is None:
             if self.chunk_tokens % block_size:
+                if self.skipped["geometry"]:
+                    return False  # said once: the engine sends a batch every step
                 log.warning(
                     "%s: kvctl chunk_tokens %d is not a multiple of vLLM's block_size %d: no block "
                     "is mapped (set chunk_tokens to a multiple)",

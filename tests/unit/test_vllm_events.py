@@ -4,6 +4,7 @@ cap; every emitted key is checked against kvctl's own key function for the same 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgpack
@@ -250,6 +251,18 @@ def test_a_block_size_that_does_not_divide_chunk_tokens_maps_nothing() -> None:
     t = translator(chunk_tokens=CHUNK + 2)
     assert t.translate([stored([1, 2, 3, 4], None, TOKENS[:CHUNK])]) == []
     assert t.stats()["blocks_skipped"]["geometry"] == 4 and t.block_size is None
+
+
+def test_a_block_size_that_does_not_divide_chunk_tokens_is_logged_once_not_per_batch(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine sends a batch every step: a warning per batch would flood the log."""
+    t = translator(chunk_tokens=CHUNK + 2)
+    with caplog.at_level(logging.WARNING, logger="kvctl.index.vllm_events"):
+        for first in range(0, 100, 4):
+            t.translate([stored([first, first + 1, first + 2, first + 3], None, TOKENS[:CHUNK])])
+    assert len([r for r in caplog.records if "not a multiple" in r.getMessage()]) == 1
+    assert t.stats()["blocks_skipped"]["geometry"] == 100
 
 
 def test_memory_cap_evicts_the_oldest_block_with_the_blocks_after_it() -> None:
