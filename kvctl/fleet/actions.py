@@ -198,7 +198,7 @@ def run_action(
                 result=res.value if res.ok else res.error or "",
                 actor=actor,
             )
-        if on_result is not None:
+        if on_result is not None and not res.unanswered:  # audited, but it did not answer
             on_result(res)
 
     results = fan_out(nodes, request.call, token=token, timeout_s=timeout_s, on_result=audited)

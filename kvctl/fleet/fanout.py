@@ -34,6 +34,8 @@ class NodeResult(Generic[T]):
     #: it took the connection and said nothing in time (hung, overloaded): not answering,
     #: which "down, start it" would misdescribe
     silent: bool = False
+    #: asked, but a second Ctrl-C ended the wait for its answer: whether it acted is unknown
+    unanswered: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -62,7 +64,7 @@ def fan_out(
     kept open between calls (a live view polling every few seconds)."""
 
     def one(node: NodeInfo) -> NodeResult[T]:
-        t0 = time.perf_counter()
+        t0 = started[node.id] = time.perf_counter()
         try:
             if clients is not None:
                 client = clients.get(node.agent_url)
@@ -83,6 +85,8 @@ def fan_out(
         return NodeResult(node, True, value, None, time.perf_counter() - t0)
 
     results: dict[int, NodeResult[T]] = {}
+    #: when each node was asked (by node id), for those a second Ctrl-C leaves unanswered
+    started: dict[int, float] = {}
     if not nodes:
         return []
     pool = DaemonPool(max(1, min(concurrency, len(nodes))), "kvctl-fanout")
@@ -106,27 +110,61 @@ def fan_out(
     except BaseException as exc:
         # on_result failed (the audit trail cannot be written) or Ctrl-C: nodes not yet asked
         # must not be acted on unrecorded
-        for fut in futures:
-            fut.cancel()  # those not yet asked; a call under way runs on
-        if isinstance(exc, KeyboardInterrupt) and on_result is None:
+        if not isinstance(exc, KeyboardInterrupt):
+            for fut in futures:
+                fut.cancel()  # those not yet asked; a call under way runs on
+            wait(futures)  # every answer is in, left unreported: the trail cannot be written
+            raise
+        if on_result is None:
             # read-only: nothing to report or audit, so no agent is waited for (a hung one
             # would hold the Ctrl-C for the whole timeout); the calls end on daemon threads
+            for fut in futures:
+                fut.cancel()
             raise
-        wait(futures)  # every answer is in: reported below, or left unreported on failure
-        if isinstance(exc, KeyboardInterrupt) and on_result is not None:
-            # the nodes asked before the Ctrl-C acted all the same: their answers are reported
-            # (and so audited) too, not left unrecorded
-            for fut, i in futures.items():
-                if i not in reported and fut.done() and not fut.cancelled():
-                    try:
-                        with interrupts_held():
-                            on_result(fut.result())
-                    except Exception:  # the audit trail failing: the Ctrl-C still goes on
-                        break
+        try:
+            for fut in futures:
+                fut.cancel()
+            wait(futures)  # the nodes asked act all the same: their answers are reported
+        except KeyboardInterrupt:
+            # a second Ctrl-C: the operator will not wait. The nodes still asking are reported
+            # as unanswered below, so the audit trail has a row for every node asked, not none
+            pass
+        _report_rest(nodes, futures, reported, started, on_result)
         raise
     finally:
         pool.shutdown()  # its threads end with their calls
     return [results[i] for i in range(len(nodes))]
+
+
+#: the error of a node asked whose answer a second Ctrl-C did not wait for
+UNANSWERED = "interrupted before it answered: whether it acted is unknown"
+
+
+def _report_rest(
+    nodes: Sequence[NodeInfo],
+    futures: dict[Future[NodeResult[T]], int],
+    reported: set[int],
+    started: dict[int, float],
+    on_result: Callable[[NodeResult[T]], None],
+) -> None:
+    """After a Ctrl-C, report every node asked and not yet reported: its answer, or (a call
+    still under way) that it did not answer. All in one held block: the writes are quick, and
+    a Ctrl-C between two of them would leave the rest unrecorded."""
+    now = time.perf_counter()
+    with interrupts_held():
+        for fut, i in futures.items():
+            if i in reported or fut.cancelled():  # reported, or never asked
+                continue
+            if fut.done():
+                res = fut.result()
+            else:
+                node = nodes[i]
+                elapsed_s = now - started.get(node.id, now)
+                res = NodeResult(node, False, None, UNANSWERED, elapsed_s, unanswered=True)
+            try:
+                on_result(res)
+            except Exception:  # the audit trail failing: the Ctrl-C still goes on
+                break
 
 
 class ClientPool:

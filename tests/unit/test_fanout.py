@@ -158,3 +158,55 @@ def test_a_ctrl_c_while_the_threads_start_reports_every_node_asked(
     for t in started:
         t.join(GUARD_S)
     assert sorted(reported) == sorted(asked) and asked
+
+
+def test_a_second_ctrl_c_while_waiting_reports_the_unanswered_nodes() -> None:
+    """After a Ctrl-C the fan-out waits for the nodes already asked; a second one (a real
+    SIGINT, in that wait) stops it at once. Every node asked is still reported: the one whose
+    answer it did not wait for as unanswered, its outcome unknown. Before, the second Ctrl-C
+    left both unreported, so unaudited."""
+    import os
+    import sys
+
+    reported: list[NodeResult[str]] = []
+    slow_asked, release = threading.Event(), threading.Event()
+
+    def pin(client: AgentClient) -> str:
+        if client.url.endswith("9001"):
+            slow_asked.set()
+            release.wait(GUARD_S)
+        return "pinned"
+
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def in_wait() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "wait" and "concurrent" in frame.f_code.co_filename:
+                return True
+            frame = frame.f_back
+        return False
+
+    def press_twice() -> None:
+        deadline = time.monotonic() + GUARD_S
+        while not (slow_asked.is_set() and reported) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # the first: the fan-out waits for n1
+        while not in_wait() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # the second, in that wait
+
+    presser = threading.Thread(target=press_twice)
+    presser.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fan_out(NODES[:2], pin, concurrency=2, on_result=reported.append)
+    finally:
+        presser.join(GUARD_S)
+        release.set()
+    by_name = {r.node.name: r for r in reported}
+    assert sorted(by_name) == ["n0", "n1"] and len(reported) == 2
+    assert by_name["n0"].ok and by_name["n0"].value == "pinned"
+    assert not by_name["n1"].ok and by_name["n1"].unanswered
+    assert "unknown" in str(by_name["n1"].error)
