@@ -17,7 +17,9 @@ def alembic_config(engine: Engine | None = None) -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
     if engine is not None:
-        cfg.set_main_option("sqlalchemy.url", engine.url.render_as_string(hide_password=False))
+        url = engine.url.render_as_string(hide_password=False)
+        # configparser reads % as interpolation, and a URL %-escapes its password's '@', '/'...
+        cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 
 

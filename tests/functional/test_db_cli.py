@@ -43,6 +43,19 @@ def test_passwords_are_masked(pg_url: str) -> None:
     assert "***" in json.loads(result.stdout)["database"]
 
 
+def test_upgrade_with_a_password_a_url_must_escape(pg_url: str) -> None:
+    """A password with '@' (or '%', '/', ':') is %-escaped in the URL, and alembic's config
+    read that % as interpolation: `kvctl db upgrade` failed with a ValueError quoting the
+    URL, password and all. It upgrades, and never prints the password."""
+    from sqlalchemy.engine import make_url
+
+    url = make_url(pg_url).set(password="s3cret@pw%").render_as_string(hide_password=False)
+    result = runner.invoke(app, ["db", "upgrade", "--json", "--db", url])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["to"] == migrate.head_revision()
+    assert "s3cret" not in result.output
+
+
 def test_maintain_on_an_empty_database(sqlite_url: str) -> None:
     missing = runner.invoke(app, ["db", "maintain", "--json", "--db", sqlite_url])
     assert missing.exit_code == 2 and "no fleet database at" in missing.output  # none made
