@@ -21,6 +21,7 @@ from sqlalchemy import String
 
 from kvctl.counters import CounterTracker
 from kvctl.db.models import SERIES_BY_TABLE, RouteLinkSample, RouteSample
+from kvctl.db.sample_checks import MAX_MAGNITUDE
 
 #: the router's own counters, as named in ``/v1/stats`` and in ``route_sample``
 ROUTER_COUNTERS: Final = tuple(c for c in SERIES_BY_TABLE["route_sample"].sums if c != "decision_s")
@@ -59,7 +60,8 @@ def router_key(redacted_url: str) -> str:
 
 
 def _count(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    # beyond BIGINT, its increase was refused by the database with the cycle's whole batch
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_MAGNITUDE:
         raise RouterAnswerError(f"{where} is not a count: {value!r}")
     return value
 
@@ -100,7 +102,7 @@ def parse_router_stats(stats: Any, info: Any = None) -> RouterReading:
             raise RouterAnswerError("a node has an empty name")
         d, h = (_count(row.get(c), f"nodes.{name}.{c}") for c in NODE_COUNTERS)
         old = nodes.get(key, (0, 0))
-        nodes[key] = (old[0] + d, old[1] + h)
+        nodes[key] = (_count(old[0] + d, f"nodes.{key}"), _count(old[1] + h, f"nodes.{key}"))
     raw_links = stats.get("links")
     if not isinstance(raw_links, list):
         raise RouterAnswerError(f"links is not a list: {raw_links!r}")
@@ -115,7 +117,10 @@ def parse_router_stats(stats: Any, info: Any = None) -> RouterReading:
         chunks = _count(row.get("chunks"), f"links[{i}].chunks")
         nbytes = _count(row.get("bytes"), f"links[{i}].bytes")
         old = links.get(pair, (0, 0))
-        links[pair] = (old[0] + chunks, old[1] + nbytes)
+        links[pair] = (
+            _count(old[0] + chunks, f"links[{i}]"),
+            _count(old[1] + nbytes, f"links[{i}]"),
+        )
     started = info.get("started_s") if isinstance(info, Mapping) else None
     started_s = None if started is None else _seconds(started, "info.started_s")
     return RouterReading(started_s, counters, decision_s, nodes, links)

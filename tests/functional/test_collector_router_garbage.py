@@ -1,0 +1,71 @@
+"""A router answering a count beyond BIGINT, on a real SQLite and PostgreSQL: its answer is
+refused (the router is down for that cycle, the field named), and every node's samples of the
+cycle are written all the same.
+
+Router and agent are stand-ins answering over loopback HTTP (a real router never counts past
+2**63; one buggy or hostile can say so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from sqlalchemy.engine import Engine
+
+from collectors.collector import Collector, CollectorConfig
+from collectors.router import ROUTER_COUNTERS
+from kvctl.db.inventory import add_dc, add_node
+from tests.functional.test_collector_impossible_values import T0_S, StandIn, _rows
+
+pytestmark = pytest.mark.slow
+
+
+def _router_stats(requested: int) -> dict[str, Any]:
+    return {
+        **dict.fromkeys(ROUTER_COUNTERS, 0),
+        "requested_chunks": requested,
+        "latency": {"sum_s": 0.0},
+        "nodes": {"n1": {"decisions": 0, "to_holder": 0}},
+        "links": [],
+    }
+
+
+@pytest.fixture
+def stand_ins() -> Iterator[tuple[StandIn, StandIn]]:
+    agent, router = StandIn("n1"), StandIn("router")
+    router.answers["/v1/info"] = {"started_s": 1_700_000_000.0}
+    try:
+        yield agent, router
+    finally:
+        agent.close()
+        router.close()
+
+
+def test_a_count_beyond_bigint_refuses_the_router_not_the_batch(
+    db: Engine, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """Before, the increase (2**64 - 5) went into a BIGINT column: PostgreSQL refused the
+    cycle's whole batch, every node's rows with it, at every retry; SQLite's driver raised
+    OverflowError out of collect_once, ending the collector's loop."""
+    agent, router = stand_ins
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=agent.url)
+    now = [T0_S]
+    config = CollectorConfig(interval_s=5.0, routers=(router.url,))
+    collector = Collector(db, config, clock=lambda: now[0])
+    try:
+        router.answers["/v1/stats"] = _router_stats(5)
+        first = collector.collect_once()
+        assert first.written and first.routers_up == [router.url]
+        now[0] += 5
+        router.answers["/v1/stats"] = _router_stats(2**64)
+        report = collector.collect_once()
+        assert report.written, report.warnings
+        assert "requested_chunks" in report.routers_down[router.url]
+        assert len(_rows(db, "node_sample", 1)) == 2
+        assert len(_rows(db, "cache_sample", 1)) == 6  # all, cpu, disk at each scrape
+    finally:
+        collector.close()
