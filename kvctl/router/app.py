@@ -503,10 +503,6 @@ class RouterError(KvctlError):
     """The router cannot start (its address is taken, its index does not answer)."""
 
 
-def _already_stopping(_signum: int, _frame: object) -> None:
-    """The re-raised SIGTERM/SIGINT after uvicorn stopped: the shutdown is under way."""
-
-
 class RouterServer:
     """The router's API served by uvicorn on ``listen`` (port 0: any free port; ``url`` says
     which). ``run`` serves in this thread until SIGTERM/SIGINT; ``start``/``stop`` serve in a
@@ -545,12 +541,19 @@ class RouterServer:
         ``on_serving`` is called once the router's followers and engine feeds started, before
         requests are served; an error starting them closes the router and is raised."""
         previous: dict[int, Any] = {}
+
+        def stop_serving(_signum: int, _frame: object) -> None:
+            # before uvicorn takes the signal over (the followers starting, the serving line
+            # printed) a no-op here lost it: the router served on; set, uvicorn starts and
+            # stops at once. After, it is uvicorn's re-raise of the signal it handled.
+            self._server.should_exit = True
+
         if threading.current_thread() is threading.main_thread():
             # uvicorn handles SIGTERM/SIGINT while it runs (stops accepting, finishes what is in
-            # flight), then re-raises the signal to the handler it found: a no-op one, so the
+            # flight), then re-raises the signal to the handler it found: this one, so the
             # router closes below and the process exits 0
             for sig in (signal.SIGTERM, signal.SIGINT):
-                previous[sig] = signal.signal(sig, _already_stopping)
+                previous[sig] = signal.signal(sig, stop_serving)
         try:
             # in the try: a feed that cannot start leaves no follower or feed thread running
             self.router.start()
