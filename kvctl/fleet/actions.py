@@ -10,7 +10,7 @@ from typing import Any, Final
 from sqlalchemy.engine import Engine
 
 from kvctl.agent.settings import tier_size_problem
-from kvctl.client import AgentClient
+from kvctl.client import AgentClient, NotAnAgent
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import InvalidArgument
 from kvctl.fleet.audit import record
@@ -23,6 +23,8 @@ BOTTOM_TIER: Final = "disk"
 #: actions that name chunks; the others name a tier
 KEYED: Final = frozenset({"pin", "unpin", "evict", "prefetch", "move"})
 ACTIONS: Final = ("pin", "unpin", "evict", "flush", "prefetch", "move", "resize")
+#: the counts in every action's answer (the agent's BulkResponse)
+COUNTS: Final = ("done", "skipped_pinned", "missing", "failed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,9 @@ class ActionRequest:
                 raise InvalidArgument(problem)
 
     def call(self, client: AgentClient) -> dict[str, Any]:
+        return _checked(client.url, self.action, self._call(client))
+
+    def _call(self, client: AgentClient) -> dict[str, Any]:
         a = self.action
         if a == "flush":
             return client.flush(self.tier or "", demote=self.demote)
@@ -114,6 +119,22 @@ class ActionRequest:
         if self.action == "flush":
             args["demote"] = self.demote
         return {k: v for k, v in args.items() if v is not None}
+
+
+def _checked(url: str, action: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` if it carries an agent's counts: ``done``, and the others (0 when absent) as
+    counts too. Any JSON object passed before: another service or a proxy's reply on the port
+    made an ok that did nothing (exit 0, audited ok), and a null count crashed the table."""
+    bad = {
+        k: answer.get(k)
+        for k in COUNTS
+        if (k == "done" or k in answer)
+        and not (type(answer.get(k)) is int and answer[k] >= 0)  # (a bool is no count)
+    }
+    if bad:
+        shown = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+        raise NotAnAgent(f"{url} answered {action} with {shown[:200]}: not a kvctl agent's answer")
+    return answer
 
 
 @dataclass(slots=True)
