@@ -692,9 +692,10 @@ class VllmEventSubscriber:
                     # the catch-up's duplicates can only be batches the socket holds now; once
                     # the engine is gone, a seq that goes back is a restart (its seq starts over
                     # at 0, inside the window), not a duplicate
-                    while sub.poll(0):
+                    while sub.poll(0) and not self._stop.is_set():
                         self._read(sub)
                     self._dedupe_through = None
+                    continue  # what ``ready`` said of the socket was read: poll again
                 if sub in ready:
                     self._read(sub)
         except Exception as exc:  # a bug must show in status, not vanish with the thread

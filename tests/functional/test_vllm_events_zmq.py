@@ -307,3 +307,46 @@ def test_an_engine_restarted_right_after_the_catch_up_is_a_restart_not_duplicate
             ctx.term()
     finally:
         sub.stop()
+
+
+class _GatedReplay(FakeVllmPublisher):
+    """Answers a replay request only once ``gate`` is set."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        super().__init__(replay=True)
+
+    def _serve_replay(self) -> None:
+        while not self.gate.wait(0.05):
+            if self._stop.is_set():
+                return
+        super()._serve_replay()
+
+
+def test_duplicates_queued_at_the_engines_disconnect_are_read_and_the_thread_still_stops(
+    index: EmbeddedIndex,
+) -> None:
+    """Batches the SUB socket holds from inside the catch-up's window when the engine's
+    disconnect is noticed are read as duplicates first, and reading them never leaves the thread
+    waiting on an empty socket: it still stops."""
+    pub = _GatedReplay()
+    pub.publish([stored([0, 1, 2, 3], None, 0)])  # nobody listening yet
+    sub = subscriber(index, pub, replay_timeout_s=10.0).start()  # its catch-up waits
+    try:
+        # (its connection is noted once the catch-up ends: the socket connects meanwhile)
+        time.sleep(0.5)  # the subscription reaches the publisher
+        # a long batch: reading it from the replay keeps the thread busy while the disconnect
+        # comes, so the socket holds these live copies and the disconnect at once
+        n = 100_000
+        pub.publish([["BlockStored", list(range(10**6, 10**6 + n)), None, [7] * (4 * n), 4]])
+        pub.publish([stored([4, 5, 6, 7], 3, 4)])
+        pub.gate.set()
+        time.sleep(0.1)  # the replay answered
+        pub.pub.close(linger=0)  # the engine's stream goes
+        wait_for(lambda: holders(index)[:2] == [["engine-a"]] * 2, "the replayed chunks")
+        wait_for(lambda: sub.status()["duplicates"] == 2, "the live copies read as duplicates")
+    finally:
+        sub.stop(timeout_s=5)
+        pub.pub = pub.ctx.socket(zmq.PUB)  # for close()
+        pub.close()
+    assert not sub.running
