@@ -61,6 +61,8 @@ TIER_COUNTERS: Final = (
     "bytes_written",
 )
 USAGE_GAUGES: Final = ("used_bytes", "capacity_bytes", "pinned_bytes", "chunks")
+#: tier counters the node's ``all`` figures sum over its tiers (``kvctl.wire.stats.cache_counters``)
+TIER_SUMS: Final = ("promotions", "demotions", "bytes_read", "bytes_written")
 PLAN_COUNTERS: Final = ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
 GPU_COUNTS: Final = ("power_w", "energy_j", "memory_used_bytes", "memory_total_bytes")
 PROBE_COUNTS: Final = ("rtt_s", "bandwidth_bytes_per_s")
@@ -189,6 +191,19 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
             unreadable = True
             continue
         usage[name] = {g: _needed(gauges.get(g), f"{where}.{g}", rejections) for g in USAGE_GAUGES}
+    # each tier's figure fits a BIGINT, their sum (the node's ``all`` row) may not: a row
+    # beyond it had the database refuse the cycle's whole batch, or SQLite's driver raise
+    for where, parts in (
+        *((f"stats.tiers ({c} summed)", [t[c] for t in tiers.values()]) for c in TIER_SUMS),
+        *((f"usage ({g} summed)", [u[g] for u in usage.values()]) for g in USAGE_GAUGES),
+        *(
+            (f"stats.tiers.{name}.evictions (summed)", list(t["evictions"].values()))
+            for name, t in tiers.items()
+        ),
+    ):
+        if sum(parts) > MAX_MAGNITUDE:
+            rejections.add(where, "beyond BIGINT")
+            unreadable = True
     if unreadable:
         # a tier that could not be read still counted in the node's sums: they are unknown
         tiers[UNREADABLE_TIER] = {

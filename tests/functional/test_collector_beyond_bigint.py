@@ -1,9 +1,9 @@
-"""A router answering a count beyond BIGINT, on a real SQLite and PostgreSQL: its answer is
-refused (the router is down for that cycle, the field named), and every node's samples of the
-cycle are written all the same.
+"""Figures no BIGINT column holds, on a real SQLite and PostgreSQL: a router counting beyond
+it, an agent whose tiers' figures each fit but sum (the node's ``all`` row) beyond it. The
+figure is refused by name, and every node's samples of the cycle are written all the same.
 
-Router and agent are stand-ins answering over loopback HTTP (a real router never counts past
-2**63; one buggy or hostile can say so).
+Router and agent are stand-ins answering over loopback HTTP (a real router or agent never
+counts past 2**63; one buggy or hostile can say so).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from sqlalchemy.engine import Engine
 from collectors.collector import Collector, CollectorConfig
 from collectors.router import ROUTER_COUNTERS
 from kvctl.db.inventory import add_dc, add_node
-from tests.functional.test_collector_impossible_values import T0_S, StandIn, _rows
+from tests.functional.test_collector_impossible_values import T0_S, StandIn, _rows, _stats
 
 pytestmark = pytest.mark.slow
 
@@ -69,3 +69,36 @@ def test_a_count_beyond_bigint_refuses_the_router_not_the_batch(
         assert len(_rows(db, "cache_sample", 1)) == 6  # all, cpu, disk at each scrape
     finally:
         collector.close()
+
+
+def test_tier_figures_summing_beyond_bigint_are_rejected_not_the_batch(
+    db: Engine, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """Each tier's capacity and bytes read fit a BIGINT, their sums (the node's ``all`` row)
+    do not. Before, PostgreSQL refused the cycle's whole batch at every retry, and SQLite's
+    driver raised OverflowError out of collect_once. Now the sums are rejected by name and
+    the node's ``all`` figures are unknown for that scrape; the tiers' rows are kept."""
+    agent, _router = stand_ins
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=agent.url)
+    now = [T0_S]
+    collector = Collector(db, CollectorConfig(interval_s=5.0), clock=lambda: now[0])
+    try:
+        assert collector.collect_once().written
+        now[0] += 5
+        stats = _stats(10, 4, 1.0)
+        for tier in ("cpu", "disk"):
+            stats["usage"][tier]["capacity_bytes"] = 2**62
+            stats["stats"]["tiers"][tier]["bytes_read"] = 2**62 + 1
+        agent.answers["/v1/stats"] = stats
+        report = collector.collect_once()
+        assert report.written, report.warnings
+        assert set(report.rejected["n1"]) >= {
+            "usage (capacity_bytes summed)",
+            "stats.tiers (bytes_read summed)",
+        }, report.rejected
+    finally:
+        collector.close()
+    rows = _rows(db, "cache_sample", 1)
+    assert sorted(r["tier"] for r in rows if r["ts_ms"] == report.ts_ms) == ["cpu", "disk"]
