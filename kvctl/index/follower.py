@@ -194,13 +194,15 @@ class Follower:
     def _poll_locked(self) -> int:
         changed = 0
         resynced = False
-        for _ in range(MAX_BATCHES_PER_POLL):
+        for batch in range(MAX_BATCHES_PER_POLL):
             events, last_seq, dropped, instance = _batch(
                 self._client.events(after=self._cursor, limit=self.page_limit)
             )
             # the first answer after being down is enough to call it up again
             self._answered()
-            damage = "" if resynced or self._instance is None else self._index_damage()
+            # the index is checked once per poll (its audit's rate counts polls), not per page
+            checked = resynced or batch > 0 or self._instance is None
+            damage = "" if checked else self._index_damage()
             if self._instance is None or instance != self._instance or dropped > 0 or damage:
                 if resynced:
                     break  # behind again already: the next poll resyncs, not this one forever

@@ -19,7 +19,7 @@ import pytest
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
 from kvctl.index.follower import Follower, Followers
-from kvctl.index.model import EmbeddedIndex, Holding
+from kvctl.index.model import EmbeddedIndex, Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.remote.fetchplan import PrefillModel
 from kvctl.router.score import Costs
@@ -165,6 +165,31 @@ def test_a_page_of_events_that_is_full_is_followed_by_another_read() -> None:
         ]
         assert follower.poll_once() == 5  # pages of 2, 2 and 1 in one poll
     assert index.nodes() == {"a": 5}
+
+
+class _CountingChecks(EmbeddedIndex):
+    def __init__(self) -> None:
+        super().__init__()
+        self.checks = 0
+
+    def check(self, node: str, *, cursor: int = 0, limit: int = 0) -> NodeCheck:
+        self.checks += 1
+        return super().check(node, cursor=cursor, limit=limit)
+
+
+def test_a_poll_that_reads_many_pages_checks_the_index_once() -> None:
+    """The index check (a script on a Redis server, auditing a slice of the node's entries) is
+    one per poll, as its audit rate assumes, however many pages of events the poll reads."""
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": []}
+    index = _CountingChecks()
+    with scripted(script) as url:
+        follower = Follower(index, "a", url, page_limit=2)
+        follower.poll_once()  # the first resync
+        script["events"] = [
+            {"seq": i + 1, "type": "store", **_stored(bytes([i + 1]) * 16)} for i in range(9)
+        ]
+        assert follower.poll_once() == 9  # 5 pages
+    assert index.checks == 1
 
 
 def test_a_new_instance_replaces_what_the_old_one_held() -> None:
