@@ -11,12 +11,14 @@ The bearer check and the body limit are the agent's own (``kvctl.http_guards``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Request
@@ -44,6 +46,9 @@ from kvctl.wire.address import connect_host, split_host_port, url_host
 #: a route request with MAX_TOKENS token ids of 10 digits is about 2.9 MB; 4 MiB admits it
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 MAX_TOKEN = 2**32 - 1
+#: how long /v1/health waits for the index (a liveness probe's timeout is often 1 s; a hung
+#: Redis takes its own timeout, 2 s by default, to fail)
+HEALTH_INDEX_WAIT_S = 0.5
 
 log = logging.getLogger("kvctl.router.app")
 
@@ -170,6 +175,36 @@ class Health(BaseModel):
 
 def _parse_keys(texts: list[str]) -> list[bytes]:
     return [parse_key_text(t, f"keys[{i}]") for i, t in enumerate(texts)]
+
+
+class _IndexProbe:
+    """Whether the index answers, for /v1/health, waited on for at most ``wait_s``. The index
+    is asked in a thread of this probe's own, one question at a time: a hung index holds one
+    thread however often health is asked, and health answers on time whatever it does."""
+
+    def __init__(self, router: Router, wait_s: float) -> None:
+        self._router = router
+        self._wait_s = wait_s
+        self._lock = threading.Lock()
+        self._asking: Future[dict[str, int] | None] | None = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvctl-router-index-probe")
+
+    async def up(self) -> tuple[bool, str | None]:
+        """(whether the index answered, why not)."""
+        with self._lock:
+            if self._asking is None or self._asking.done():
+                self._asking = self._pool.submit(self._router.index_nodes)
+            asking = self._asking
+        try:
+            # shielded: the question stays asked for the next probe when this one stops waiting
+            nodes = await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(asking)), self._wait_s
+            )
+        except TimeoutError:
+            return False, f"the index did not answer in {self._wait_s:g} s"
+        if nodes is None:
+            return False, self._router.index_watch.error
+        return True, None
 
 
 # --- metrics ---------------------------------------------------------------------------------
@@ -362,23 +397,28 @@ def create_app(
     # without a token too: it then checks the Host (a DNS-rebinding page must not steer it)
     app.add_middleware(BearerAuth, token=lambda: token)
 
+    index_probe = _IndexProbe(router, HEALTH_INDEX_WAIT_S)
+
     @app.get("/v1/health", response_model=Health, tags=["router"], responses=_errors())
-    def health() -> Health:
-        """Liveness, how many agents the router reads, and whether its index answers (200
-        either way: an index outage is not the router's to fix by restarting)."""
-        followers = router.follower_status()
-        index_up = router.index_nodes() is not None
+    async def health() -> Health:
+        """Liveness, how many agents the router reads, and whether its index answers within
+        half a second (200 either way: an index outage is not the router's to fix by
+        restarting)."""
+        # async, on the event loop: requests waiting on a hung index can fill the threadpool
+        # sync endpoints run in, and health asks the index only through the probe's deadline
+        index_up, index_error = await index_probe.up()
+        followers_up, followers = router.follower_counts()
         now_s = time.time()
         return Health(
             status="ok",
             instance=router.instance,
             uptime_seconds=now_s - router.started_s,
             nodes=len(router.topology.nodes),
-            followers_up=sum(1 for f in followers if f.get("up")),
-            followers=len(followers),
+            followers_up=followers_up,
+            followers=followers,
             index=str(getattr(router.index, "kind", type(router.index).__name__)),
             index_up=index_up,
-            index_error=None if index_up else router.index_watch.error,
+            index_error=index_error,
             time_s=now_s,
         )
 

@@ -112,6 +112,8 @@ class FollowerSet(Protocol):
 
     def status(self) -> list[dict[str, Any]]: ...
 
+    def nodes(self) -> list[str]: ...
+
     def up_nodes(self) -> frozenset[str]: ...
 
     def down_nodes(self) -> frozenset[str]: ...
@@ -311,6 +313,14 @@ class Router:
     # --- what the router knows ---------------------------------------------------------------
     def follower_status(self) -> list[dict[str, Any]]:
         return [] if self.followers is None else self.followers.status()
+
+    def follower_counts(self) -> tuple[int, int]:
+        """(agents whose event stream is read, agents followed), asking the index nothing
+        (``follower_status`` asks it each followed node's entries)."""
+        if self.followers is None:
+            return 0, 0
+        followed = set(self.followers.nodes())
+        return len(self.followers.up_nodes() & followed), len(followed)
 
     def engine_status(self) -> list[dict[str, Any]]:
         """Each engine event feed's state: connected, sequence, chunks, gaps, errors."""
