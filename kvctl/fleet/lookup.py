@@ -3,10 +3,12 @@ model and says which tier holds each one, counting nothing in its hit statistics
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvctl.client import AgentClient, NotAnAgent, first_line
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import NodeResult, fan_out
 
@@ -60,13 +62,12 @@ def lookup_prompt(
         raise ValueError("give tokens or keys, not both")
     ids = None if tokens is None else list(tokens)
     chain = None if keys is None else list(keys)
-    results = fan_out(
-        nodes,
-        lambda c: c.lookup(tokens=ids, keys=chain, model=model, tenant=tenant, count=False),
-        token=token,
-        timeout_s=timeout_s,
-        on_result=on_result,
-    )
+
+    def ask(c: AgentClient) -> dict[str, Any]:
+        answer = c.lookup(tokens=ids, keys=chain, model=model, tenant=tenant, count=False)
+        return _checked(c.url, answer)
+
+    results = fan_out(nodes, ask, token=token, timeout_s=timeout_s, on_result=on_result)
     out = []
     for r in results:
         v = r.value or {}
@@ -76,10 +77,36 @@ def lookup_prompt(
                 r.node.dc,
                 r.ok,
                 r.error,
-                int(v.get("total_chunks", 0)),
-                int(v.get("matched_chunks", 0)),
-                int(v.get("matched_tokens", 0)),
+                v.get("total_chunks", 0),
+                v.get("matched_chunks", 0),
+                v.get("matched_tokens", 0),
                 tuple((c["key"], c["tier"]) for c in v.get("chunks", [])),
             )
         )
     return out
+
+
+def _checked(url: str, answer: dict[str, Any]) -> dict[str, Any]:
+    """``answer`` if it is an agent's lookup answer (its counts, and a key and a tier or null
+    for every chunk). Checked in the node's call, so another answer is that node's failure:
+    ``{}`` passed as a node holding nothing, and a chunk without its tier crashed the command
+    for every node asked."""
+
+    def count(v: Any) -> bool:
+        return type(v) is int and v >= 0  # (a bool is no count)
+
+    chunks = answer.get("chunks")
+    if not (
+        all(count(answer.get(k)) for k in ("total_chunks", "matched_chunks", "matched_tokens"))
+        and isinstance(chunks, list)
+        and all(
+            isinstance(c, dict)
+            and isinstance(c.get("key"), str)
+            and "tier" in c
+            and (c["tier"] is None or isinstance(c["tier"], str))
+            for c in chunks
+        )
+    ):
+        shown = first_line(json.dumps(answer, default=str))[:120]
+        raise NotAnAgent(f"{url} answered a lookup with {shown}: not a kvctl agent's answer")
+    return answer
