@@ -49,8 +49,13 @@ class InventoryReloader:
         interval_s: float = DEFAULT_RELOAD_S,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        if not interval_s >= 0:
-            raise InvalidArgument(f"the inventory reload interval must be >= 0 s, got {interval_s}")
+        # the thread waits interval_s at a time: past TIMEOUT_MAX (inf) its first wait raised
+        # OverflowError, and the rereads (SIGHUP's too) died with it
+        if not 0 <= interval_s <= threading.TIMEOUT_MAX:
+            raise InvalidArgument(
+                f"the inventory reload interval must be 0 to {threading.TIMEOUT_MAX:.0f} s, "
+                f"got {interval_s}"
+            )
         self._read = read
         self.router = router
         self.followers = followers
