@@ -432,14 +432,16 @@ def _trtllm_iterations_reading(text: str) -> EngineReading:
     iteration's are this scrape's. No iteration since the last read: nothing is known."""
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than json reads
         raise ValueError(f"malformed TensorRT-LLM iteration stats: {exc}") from None
     entries = data if isinstance(data, list) else [data]
     if not all(isinstance(e, dict) for e in entries):
         raise ValueError("malformed TensorRT-LLM iteration stats: not a list of objects")
     if entries and not any(_ITERATION_KEYS & e.keys() for e in entries):
         raise UnknownEngine("JSON without TensorRT-LLM's iteration stats")
-    if len({e.get("attentionDpRank", 0) for e in entries}) > 1:
+    # compared, not hashed: a rank that is a list or an object is another rank, not a crash
+    ranks = [e.get("attentionDpRank", 0) for e in entries]
+    if any(r != ranks[0] for r in ranks):
         # each rank counts its own blocks; one rank's latest entry would read as a reset
         raise ValueError(
             "iteration stats of several attention-DP ranks; scrape trtllm-serve's "
