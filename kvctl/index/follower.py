@@ -277,6 +277,10 @@ class Follower:
         """Make the index's entries for the node the agent's listing, counted under ``reason``
         once done. For "index_count" the node's entries are forgotten by a scan of the index
         first (its key set was lost: ``drop``, which works from it, cannot)."""
+        if self._index_failing:
+            # one cheap call first: listing the agent (each page a scan of its whole index) for
+            # an index that still fails would load every agent at every poll of the outage
+            self.index.marker(self.node)
         _, seq, _, instance = _batch(self._client.events(after=_PAST_ANY_SEQ, limit=1))
         chunks: list[ChunkEvent] = []
         after: str | None = None

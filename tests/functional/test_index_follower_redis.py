@@ -84,6 +84,32 @@ def test_a_redis_restarted_empty_is_refilled_and_its_outage_is_not_the_agents(
         index.close()
 
 
+def test_an_index_outage_does_not_have_the_agent_listed_at_every_poll(
+    private_redis: RedisServer, agent: tuple[str, dict[str, Any]]
+) -> None:
+    """While the index is down, each poll ended in a resync that paged through the agent's
+    whole key listing (each page a scan of the agent's index) before failing to write it: every
+    router listed every agent several times a second for as long as Redis was away."""
+    url, script = agent
+    index = RedisIndex(private_redis.url, timeout_s=0.5)
+    follower = Follower(index, "a", url)
+    try:
+        follower.poll_once()
+        assert script["listings"] == 1
+        private_redis.kill()
+        for _ in range(5):
+            assert follower.poll_once() == 0
+        status = follower.status()
+        assert status["index_errors"] == 5 and status["errors"] == 0
+        assert script["listings"] == 1  # the agent was not listed for an index that is away
+        private_redis.start()  # back, empty: the next poll lists the agent and refills it
+        assert follower.poll_once() == 1
+        assert script["listings"] == 2 and index.nodes() == {"a": 1}
+    finally:
+        follower.close()
+        index.close()
+
+
 def test_two_routers_resyncing_one_node_agree_and_then_poll_quietly(
     shared: RedisIndex, redis_url: str, agent: tuple[str, dict[str, Any]]
 ) -> None:

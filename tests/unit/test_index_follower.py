@@ -59,6 +59,7 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
             }
             body["last_seq"] = body["events"][-1]["seq"] if body["events"] else min(after, last)
         elif url.path == "/v1/keys":
+            self.script["listings"] = self.script.get("listings", 0) + 1
             # "next": a cursor the script fixes (a listing that does not advance)
             body = {"items": self.script["items"], "next": self.script.get("next")}
         else:
