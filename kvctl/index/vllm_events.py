@@ -96,7 +96,7 @@ _GPU_MEDIUM = "GPU"
 DEFAULT_MAX_BLOCKS = 131_072
 #: vLLM's default topic (``KVEventsConfig.topic``): an empty one; set both to the same
 DEFAULT_TOPIC = ""
-#: how often a subscriber whose index failed tries it again while the engine sends nothing
+#: how often a subscriber whose index failed tries it again
 INDEX_RETRY_S = 1.0
 #: the replay socket's end-of-replay sequence number (-1 as a signed 8-byte int)
 _REPLAY_END = (-1).to_bytes(8, "big", signed=True)
@@ -551,7 +551,7 @@ class VllmEventSubscriber:
     stream is followed from there. A malformed message is counted and skipped; a failing index
     is counted (``errors``) and the stream goes on: what it missed meanwhile is made good once it
     answers again, the engine's entries replaced by the chunks the translator holds
-    (``index_resyncs``), at the next batch or within ``INDEX_RETRY_S`` when the engine is idle.
+    (``index_resyncs``): it is tried again ``INDEX_RETRY_S`` after a failure, not at every batch.
     """
 
     def __init__(
@@ -677,11 +677,7 @@ class VllmEventSubscriber:
                 self._dedupe_through = self.last_seq
             while not self._stop.is_set():
                 ready = dict(poller.poll(self._poll_ms))
-                if (
-                    not ready
-                    and self._index_failing
-                    and time.monotonic() - self._index_tried_s >= INDEX_RETRY_S
-                ):
+                if not ready and self._index_failing:
                     with self._lock:  # an idle engine sends nothing that would retry it
                         self._apply([])
                 if (
@@ -786,6 +782,10 @@ class VllmEventSubscriber:
         node = self.translator.node
         if not events and not self._index_failing:
             return
+        if self._index_failing and time.monotonic() - self._index_tried_s < INDEX_RETRY_S:
+            # not at every batch: a hung index costs each try its timeout, and the socket's
+            # queue would overflow meanwhile; the replace to come covers these events
+            return
         try:
             if self._index_failing:
                 self._index_tried_s = time.monotonic()
@@ -798,6 +798,7 @@ class VllmEventSubscriber:
             self.last_error = f"{type(exc).__name__}: {exc}"
             if not self._index_failing:  # once per outage: a batch comes every engine step
                 self._index_failing = True
+                self._index_tried_s = time.monotonic()
                 log.warning(
                     "%s: writing vLLM chunk events to the index failed (%s); its entries are "
                     "replaced when it answers again",

@@ -4,6 +4,9 @@ came back empty is filled again with what the engine still holds."""
 
 from __future__ import annotations
 
+import socket
+import time
+
 from kvctl.index.redis_index import RedisIndex
 from tests.conftest import RedisServer
 from tests.functional.test_vllm_events_zmq import (
@@ -45,3 +48,31 @@ def test_an_index_outage_is_caught_up_when_the_index_is_back(private_redis: Redi
         sub.stop()
         pub.close()
         index.close()
+
+
+def test_an_index_that_hangs_does_not_hold_up_the_engines_stream() -> None:
+    """An index server that takes connections and never answers (a hung Redis, a dropped route)
+    costs each write its timeout. While it fails, the subscriber does not try it at every batch
+    (the engine sends one per step; the socket's queue would overflow and lose batches the
+    translator needs): the next write replaces the engine's entries anyway."""
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    index = RedisIndex(f"redis://127.0.0.1:{hung.getsockname()[1]}/0", timeout_s=0.5)
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()  # type: ignore[arg-type]
+    try:
+        joined(pub, sub)  # (its empty batches write nothing)
+        before = sub.status()["messages"]
+        started = time.monotonic()
+        for i in range(10):
+            hashes = [1000 + 4 * i + j for j in range(4)]
+            pub.publish([stored(hashes, None, 0)])  # a whole chunk each: a write each
+        wait_for(lambda: sub.status()["messages"] == before + 10, "every batch read", 20.0)
+        assert time.monotonic() - started < 3.0  # not 10 timeouts of 0.5 s
+        assert sub.status()["errors"] >= 1
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
+        hung.close()
