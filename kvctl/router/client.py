@@ -26,6 +26,16 @@ class RouterClientError(KvctlError):
         self.status = status
 
 
+def _token_problem(token: str | None) -> str | None:
+    """Why ``token`` cannot be sent as a bearer token (never quoting it), or None."""
+    if token and not (token.isascii() and token.isprintable() and token == token.strip()):
+        return (
+            "the router token cannot be sent: it has non-ASCII characters, control characters "
+            "(a CR from a file saved with CRLF?) or whitespace at either end"
+        )
+    return None
+
+
 class RouterClient:
     def __init__(
         self,
@@ -42,7 +52,10 @@ class RouterClient:
         self.url = url.rstrip("/")
         #: what errors show: the URL without its password (user:***@host)
         self.shown_url = redact_url(self.url)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        #: raised by every request (a RouterClientError, as callers catch): httpx's own refusal
+        #: of such a header quotes it, token and all, and a non-ASCII one raised past callers
+        self._token_problem = _token_problem(token)
+        headers = {"Authorization": f"Bearer {token}"} if token and not self._token_problem else {}
         self._httpx = httpx
         self._http = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout_s, transport=transport
@@ -58,6 +71,8 @@ class RouterClient:
         self._http.close()
 
     def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        if self._token_problem:
+            raise RouterClientError(self._token_problem)
         try:
             r = self._http.request(method, path, **kw)
         except self._httpx.HTTPError as exc:

@@ -31,3 +31,25 @@ def test_an_answer_that_is_not_the_routers_is_a_router_client_error(
         pytest.raises(RouterClientError),
     ):
         client.stats()
+
+
+SECRET = "hunter2-router-token"
+
+
+@pytest.mark.parametrize(
+    "token",
+    [f"{SECRET}\r", f"{SECRET} ", f"\t{SECRET}", f"{SECRET}\nx", f"{SECRET}\x00", f"{SECRET}é"],
+    ids=["cr", "trailing-space", "leading-tab", "newline", "nul", "non-ascii"],
+)
+def test_a_token_that_cannot_be_sent_is_refused_without_showing_it(token: str) -> None:
+    # $KVCTL_ROUTER_TOKEN=$(cat token.txt) of a file saved with CRLF ends in "\r": httpx
+    # refused the header with "Illegal header value b'Bearer <the token>\r'", and that became
+    # "the router ... did not answer: ..." on the screen and in the collector's log; a non-ASCII
+    # one raised UnicodeEncodeError, past every caller's except
+    with (
+        answering_url(200, b"{}", "application/json") as url,
+        pytest.raises(RouterClientError) as raised,
+    ):
+        RouterClient(url, token=token, timeout_s=10).stats()
+    assert SECRET not in str(raised.value)
+    assert "token" in str(raised.value)
