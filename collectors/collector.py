@@ -44,7 +44,14 @@ from collectors.rows import (
     plan_rows,
     power_rows,
 )
-from kvctl.client import AgentClient, AgentError, AgentTimeout, AuthError, RequestError
+from kvctl.client import (
+    AgentClient,
+    AgentError,
+    AgentTimeout,
+    AuthError,
+    NotAnAgent,
+    RequestError,
+)
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.daemon_pool import DaemonPool
 from kvctl.db.ingest import insert_rows
@@ -75,6 +82,9 @@ MAX_PENDING_ROWS = 1_000_000
 RTT_BASES = ("measured", "emulated")
 #: whether this SDK's probe names its target (the agent then reports the link's emulated delay)
 _PROBE_TAKES_NAME = "name" in inspect.signature(AgentClient.probe).parameters
+#: what the SDK raises, untyped, for an answer it cannot read: JSON that is not JSON or nested
+#: deeper than Python parses, a body its Content-Encoding does not decode
+UNREADABLE = (ValueError, RecursionError, httpx.DecodingError)
 #: what a link probe's answer may take beyond the probe's own worst case: the HTTP exchange, a
 #: wait for one of the agent's workers, an emulated link's delay on each of its round trips
 PROBE_SLACK_S = 5.0
@@ -414,12 +424,28 @@ class Collector:
             self._clients[node.id] = client
         return client
 
+    def _ask(
+        self,
+        key: tuple[object, ...],
+        what: str,
+        request: Callable[[], T],
+        *,
+        timeout_s: float | None = None,
+    ) -> T:
+        """An agent's answer to ``request`` within its deadline (``Deadlines.call``). One the
+        SDK cannot read raises NotAnAgent, as an answer that is not an agent's: the SDK lets
+        some out untyped, and they ended the cycle, every node's samples with it."""
+        try:
+            return self._deadlines.call(key, what, request, timeout_s=timeout_s)
+        except UNREADABLE as exc:
+            raise NotAnAgent(f"unreadable answer to {what}: {exc}") from exc
+
     # --- one cycle ---------------------------------------------------------------------------
     def _scrape(self, node: NodeInfo) -> Scrape:
         t0 = time.perf_counter()
         client = self._client(node)
         try:
-            stats = self._deadlines.call((node.id, "stats"), "GET /v1/stats", client.stats)
+            stats = self._ask((node.id, "stats"), "GET /v1/stats", client.stats)
         except AuthError as exc:  # it answered: up, but its figures are not ours to read
             self.metrics.errors.labels("agent").inc()
             seconds = time.perf_counter() - t0
@@ -433,7 +459,7 @@ class Collector:
         checked, rejected = checked_stats(stats)
         out = Scrape(node, True, seconds, stats=checked, rejected=rejected)
         try:
-            gpus = self._deadlines.call((node.id, "gpus"), "GET /v1/gpus", client.gpus)
+            gpus = self._ask((node.id, "gpus"), "GET /v1/gpus", client.gpus)
             out.gpus, rejected_gpus = checked_gpus(gpus)
             rejected.fields.update(rejected_gpus.fields)
         except RequestError as exc:
@@ -807,7 +833,7 @@ class Collector:
     def _data_address(self, node: NodeInfo) -> str | AgentError:
         """The node's data-plane TCP address, or why it cannot be probed."""
         try:
-            info = self._deadlines.call((node.id, "info"), "GET /v1/info", self._client(node).info)
+            info = self._ask((node.id, "info"), "GET /v1/info", self._client(node).info)
             dataplane = info.get("dataplane")
         except AgentError as exc:
             return exc
@@ -845,7 +871,7 @@ class Collector:
             config = self.config
             # a total deadline: httpx's timeout is per read, and an agent trickling its answer
             # held the link round (and the loop, or collect --once) for as long as it trickled
-            result: Mapping[str, Any] = self._deadlines.call(
+            result: Mapping[str, Any] = self._ask(
                 (src.id, dst.id, "probe"),
                 "POST /v1/probe",
                 lambda: client.probe(
