@@ -3,6 +3,7 @@ on many agents at once, each node's outcome written to the audit trail as it arr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -134,6 +135,12 @@ def _checked(url: str, action: str, answer: dict[str, Any]) -> dict[str, Any]:
     if bad:
         shown = ", ".join(f"{k}={v!r}" for k, v in bad.items())
         raise NotAnAgent(f"{url} answered {action} with {shown[:200]}: not a kvctl agent's answer")
+    try:  # an agent's JSON has no NaN or Infinity; --json and the audit row would pass them on
+        json.dumps(answer, allow_nan=False)
+    except ValueError:
+        raise NotAnAgent(
+            f"{url} answered {action} with NaN or Infinity: not a kvctl agent's answer"
+        ) from None
     return answer
 
 

@@ -20,12 +20,18 @@ from tests.not_an_agent import answering_url
 runner = CliRunner()
 
 
+def _refuse(constant: str) -> None:
+    raise ValueError(f"{constant} is not JSON")
+
+
 @pytest.mark.parametrize(
     "body",
     [
         b'{"status": "ok"}',  # another JSON service, or a proxy's "accepted"
         b'{"done": 1, "skipped_pinned": 0, "missing": null, "failed": 0}',
         b'{"done": "1", "skipped_pinned": 0, "missing": 0, "failed": 0}',
+        # NaN is no agent's (its JSON has none), and --json would pass it on as bare NaN
+        b'{"done": 1, "skipped_pinned": 0, "missing": 0, "failed": 0, "usage": {"x": NaN}}',
     ],
 )
 @pytest.mark.parametrize("json_out", [False, True])
@@ -43,6 +49,6 @@ def test_an_answer_that_is_not_an_agents_is_that_nodes_failure(
     assert out.exception is None or isinstance(out.exception, SystemExit), said
     assert "not a kvctl agent's answer" in said, said
     if json_out:
-        assert json.loads(out.stdout)["failed"] == ["odd"]
+        assert json.loads(out.stdout, parse_constant=_refuse)["failed"] == ["odd"]
     (row,) = json.loads(_cli(db, "audit", "--action", "pin", "--json"))
     assert row["ok"] is False and "not a kvctl agent's answer" in row["result"], row
