@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvctl.errors import InvalidArgument
+from kvctl.index.model import ENGINE_SEPARATOR
 from kvctl.profiles import FIBER_SECONDS_PER_KM
 
 #: inside one DC: one switch hop and a 100 Gb/s NIC (configured defaults, labelled as such)
@@ -85,6 +86,13 @@ class Topology:
         for node in nodes:
             if not node.name:
                 raise InvalidArgument("a node needs a name")
+            if ENGINE_SEPARATOR in node.name:
+                # the index reads NODE#ENGINE as NODE's engine cache: such a node's own copies
+                # would count as another node's, and never as its own
+                raise InvalidArgument(
+                    f"node {node.name!r} has {ENGINE_SEPARATOR!r} in its name, which the fleet "
+                    "index keeps for an engine's own cache (NODE#ENGINE): rename it"
+                )
             if node.name in by_name:
                 raise InvalidArgument(f"node {node.name!r} is listed twice")
             by_name[node.name] = node

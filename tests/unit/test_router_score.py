@@ -217,6 +217,14 @@ def test_costs_refuse_figures_no_decision_can_use(figure: dict[str, float]) -> N
         Costs(PREFILL, **figure)  # type: ignore[arg-type]
 
 
+def test_a_node_name_with_the_engine_separator_is_refused() -> None:
+    # "#" ends a node's name in the index (NODE#ENGINE is an engine's own cache, owned by
+    # NODE): a node named "rack#1" holding a whole prefix was credited with none of it (its
+    # copies read as rack's engine cache), and its requests went elsewhere to recompute
+    with pytest.raises(InvalidArgument, match="#"):
+        Topology.build([Node("rack#1", "fra"), Node("other", "fra")])
+
+
 def test_the_decision_explains_itself() -> None:
     index, ks = EmbeddedIndex(), keys(2)
     index.apply("a1", stored(ks))
