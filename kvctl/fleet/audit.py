@@ -21,6 +21,9 @@ from kvctl.errors import InvalidArgument
 #: argument names whose values never reach the audit table: ``token``, ``agent_token``,
 #: ``db_password``... (not ``tokens``, a prompt's token count)
 _SECRET_NAME = re.compile(r"(^|_)(token|password|passwd|secret|api_key|credentials?)$", re.I)
+#: a URL's user and password (``scheme://USER:PASSWORD@host``): the inventory refuses such
+#: URLs, but the refused attempt is audited, with the URL in its args and often its message
+_URL_USERINFO = re.compile(r"(?<=://)[^/?#\s@'\"]+@")
 #: results longer than this are cut (a fan-out over hundreds of nodes stays one row per node)
 MAX_RESULT_CHARS = 4000
 #: the inventory's changes (`kvctl fleet ...`) as the trail names them; the control actions are
@@ -55,8 +58,14 @@ def current_actor() -> str:
 
 
 def redact(args: dict[str, Any]) -> dict[str, Any]:
-    """``args`` with the values of secret-looking names replaced."""
-    return {k: "<redacted>" if _SECRET_NAME.search(k) else v for k, v in args.items()}
+    """``args`` with the values of secret-looking names replaced, and any URL's user and
+    password."""
+    return {k: "<redacted>" if _SECRET_NAME.search(k) else _unsecret(v) for k, v in args.items()}
+
+
+def _unsecret(value: Any) -> Any:
+    """Text with every URL's ``user:password@`` replaced; anything else as it is."""
+    return _URL_USERINFO.sub("<redacted>@", value) if isinstance(value, str) else value
 
 
 def record(
@@ -72,6 +81,7 @@ def record(
 ) -> int:
     """Write one audit row; ``result`` may be text or anything JSON can hold."""
     text = result if isinstance(result, str) else json.dumps(result, default=str, sort_keys=True)
+    text = _unsecret(text)
     if len(text) > MAX_RESULT_CHARS:
         text = text[: MAX_RESULT_CHARS - 3] + "..."
     return conn.execute(
