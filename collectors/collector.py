@@ -65,6 +65,7 @@ from kvctl.db.sample_checks import (
     checked_stats,
     count,
     ratio,
+    shown,
 )
 from kvctl.interrupts import interrupts_held
 from kvctl.profiles import ModeledInputs
@@ -723,6 +724,12 @@ class Collector:
 
     def _write(self, rows: dict[str, list[dict[str, Any]]], report: CycleReport) -> None:
         for table, batch in rows.items():
+            # text answered by agents and routers (errors, names): PostgreSQL refused a NUL in
+            # any of it with the whole batch, at every retry
+            for row in batch:
+                for column, value in row.items():
+                    if isinstance(value, str):
+                        row[column] = shown(value)
             self._pending[table] += batch
         # held: a Ctrl-C lands before the batch or once it is in and counted, never inside its
         # commit (where the batch is in or not, unsaid, and SQLite's write lock may stay held)

@@ -37,6 +37,10 @@ TIER_CHARS: Final = cast(String, CacheSample.__table__.c.tier.type).length or 16
 #: stands in for tiers whose answer could not be read, so the node's ``all`` figures (sums over
 #: every tier) are unknown for that scrape rather than short by that tier
 UNREADABLE_TIER: Final = "?"
+#: the one character PostgreSQL's text cannot hold; SQLite's can, so it is never stored
+NUL: Final = "\x00"
+#: what stands for a NUL in stored text (and in what is said of it)
+NUL_SHOWN: Final = "\ufffd"
 #: a GPU's index is the ``gpu_index`` INTEGER column
 _MAX_GPU_INDEX: Final = 2**31 - 1
 
@@ -161,9 +165,13 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
     # without its tiers or their usage, the node's totals cannot be summed
     unreadable = len(rejections) > before
     for name, tier in raw_tiers.items():
-        where = f"stats.tiers.{name[:TIER_CHARS]}"
+        where = f"stats.tiers.{shown(name[:TIER_CHARS])}"
         if len(name) > TIER_CHARS:
             rejections.add(f"{where}...", f"tier name longer than {TIER_CHARS} characters")
+            unreadable = True
+            continue
+        if NUL in name:  # PostgreSQL stores no NUL: the series and its rows cannot be saved
+            rejections.add(where, "tier name with a NUL character")
             unreadable = True
             continue
         if not isinstance(tier, Mapping):
@@ -184,9 +192,13 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
             checked["evictions"] = {"unknown": UNKNOWN}
         tiers[name] = checked
     for name, gauges in raw_usage.items():
-        where = f"usage.{name[:TIER_CHARS]}"
-        if len(name) > TIER_CHARS or not isinstance(gauges, Mapping):
-            why = "not an object" if len(name) <= TIER_CHARS else "tier name too long"
+        where = f"usage.{shown(name[:TIER_CHARS])}"
+        if len(name) > TIER_CHARS or NUL in name or not isinstance(gauges, Mapping):
+            why = "not an object"
+            if len(name) > TIER_CHARS:
+                why = "tier name too long"
+            elif NUL in name:
+                why = "tier name with a NUL character"
             rejections.add(where, why)
             unreadable = True
             continue
@@ -282,6 +294,12 @@ def checked_probe(probe: Mapping[str, Any], rejections: Rejections) -> dict[str,
         error = None
     out["error"] = None if error is None else error[:MAX_ERROR_CHARS]
     return out
+
+
+def shown(text: str) -> str:
+    """``text`` as it can be stored and said: a NUL (which PostgreSQL refuses in text, the
+    whole batch with it) as U+FFFD, on both databases alike."""
+    return text.replace(NUL, NUL_SHOWN) if NUL in text else text
 
 
 def known(value: float | None) -> float | None:
