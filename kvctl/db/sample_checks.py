@@ -18,6 +18,7 @@ restart, which ``kvctl.counters`` counts from zero.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
@@ -37,10 +38,9 @@ TIER_CHARS: Final = cast(String, CacheSample.__table__.c.tier.type).length or 16
 #: stands in for tiers whose answer could not be read, so the node's ``all`` figures (sums over
 #: every tier) are unknown for that scrape rather than short by that tier
 UNREADABLE_TIER: Final = "?"
-#: the one character PostgreSQL's text cannot hold; SQLite's can, so it is never stored
-NUL: Final = "\x00"
-#: what stands for a NUL in stored text (and in what is said of it)
-NUL_SHOWN: Final = "\ufffd"
+#: characters no text column takes alike: NUL (PostgreSQL refuses it, SQLite keeps it) and
+#: lone surrogates (JSON's "\\ud800": neither driver encodes them)
+_UNSTORABLE: Final = re.compile("[\x00\ud800-\udfff]")
 #: a GPU's index is the ``gpu_index`` INTEGER column
 _MAX_GPU_INDEX: Final = 2**31 - 1
 
@@ -170,8 +170,8 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
             rejections.add(f"{where}...", f"tier name longer than {TIER_CHARS} characters")
             unreadable = True
             continue
-        if NUL in name:  # PostgreSQL stores no NUL: the series and its rows cannot be saved
-            rejections.add(where, "tier name with a NUL character")
+        if shown(name) != name:  # it names a counter series and rows: neither could be saved
+            rejections.add(where, "tier name with a NUL or a lone surrogate")
             unreadable = True
             continue
         if not isinstance(tier, Mapping):
@@ -193,12 +193,12 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
         tiers[name] = checked
     for name, gauges in raw_usage.items():
         where = f"usage.{shown(name[:TIER_CHARS])}"
-        if len(name) > TIER_CHARS or NUL in name or not isinstance(gauges, Mapping):
+        if len(name) > TIER_CHARS or shown(name) != name or not isinstance(gauges, Mapping):
             why = "not an object"
             if len(name) > TIER_CHARS:
                 why = "tier name too long"
-            elif NUL in name:
-                why = "tier name with a NUL character"
+            elif shown(name) != name:
+                why = "tier name with a NUL or a lone surrogate"
             rejections.add(where, why)
             unreadable = True
             continue
@@ -297,9 +297,10 @@ def checked_probe(probe: Mapping[str, Any], rejections: Rejections) -> dict[str,
 
 
 def shown(text: str) -> str:
-    """``text`` as it can be stored and said: a NUL (which PostgreSQL refuses in text, the
-    whole batch with it) as U+FFFD, on both databases alike."""
-    return text.replace(NUL, NUL_SHOWN) if NUL in text else text
+    """``text`` as it can be stored and said, alike on both databases: each NUL or lone
+    surrogate as U+FFFD. One refused the whole batch at every retry (PostgreSQL), or raised
+    out of the collector's cycle (SQLite's driver: UnicodeEncodeError)."""
+    return _UNSTORABLE.sub("\ufffd", text)
 
 
 def known(value: float | None) -> float | None:

@@ -1,7 +1,9 @@
-"""Text with a NUL character in what an agent or a router answers (a tier's name, a plan's
-model, a router's node and DC names), on a real SQLite and PostgreSQL. PostgreSQL stores no
-NUL in text: one such string refused the cycle's whole batch, every node's samples with it,
-at every retry. The tier is refused by name; other text is stored with the NUL replaced.
+"""Text with a NUL character or a lone surrogate in what an agent or a router answers (a
+tier's name, a plan's model or GPU, a router's node and DC names), on a real SQLite and
+PostgreSQL. PostgreSQL stores no NUL in text, and neither driver encodes a lone surrogate:
+one such string refused the cycle's whole batch, every node's samples with it, at every retry
+(or, on SQLite, ended the collector's loop). The tier is refused by name; other text is stored
+with the character replaced by U+FFFD.
 
 Agent and router are stand-ins answering over loopback HTTP.
 """
@@ -72,3 +74,27 @@ def test_nul_in_answered_text_is_not_the_batch(
         nodes = {r.node for r in conn.exec_driver_sql("SELECT node FROM route_sample")}
         dcs = {r.from_dc for r in conn.exec_driver_sql("SELECT from_dc FROM route_link_sample")}
     assert nodes == {"", "n\ufffd1"} and dcs == {"a\ufffd"}
+
+
+def test_lone_surrogates_in_answered_text_are_not_the_batch(
+    db: Engine, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """JSON's "\\ud800" reads as a lone surrogate, which neither driver encodes: SQLite's
+    raised UnicodeEncodeError out of collect_once, ending the collector's loop; psycopg
+    refused the batch at every retry."""
+    agent, _router = stand_ins
+    stats = _stats(10, 4, 1.0)
+    stats["stats"]["tiers"]["y\ud800"] = stats["stats"]["tiers"]["disk"]
+    stats["fetch_plans"]["prefill"]["inputs"]["gpu"] = "h\udfff"
+    agent.answers["/v1/stats"] = stats
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=agent.url)
+    collector = Collector(db, CollectorConfig(interval_s=5.0), clock=lambda: T0_S)
+    try:
+        report = collector.collect_once()
+    finally:
+        collector.close()
+    assert report.written, report.warnings
+    assert "stats.tiers.y\ufffd" in report.rejected["n1"], report.rejected
+    assert [r["prefill_gpu"] for r in _rows(db, "plan_sample", 1)] == ["h\ufffd"]
