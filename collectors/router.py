@@ -69,7 +69,8 @@ def _count(value: Any, where: str) -> int:
 def _seconds(value: Any, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise RouterAnswerError(f"{where} is not a number of seconds: {value!r}")
-    if not (math.isfinite(value) and value >= 0):
+    # compared first: an int past float's range raised OverflowError in isfinite
+    if value > MAX_MAGNITUDE or not (math.isfinite(value) and value >= 0):
         raise RouterAnswerError(f"{where} is not a number of seconds: {value!r}")
     return float(value)
 

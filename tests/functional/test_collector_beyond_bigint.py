@@ -1,6 +1,7 @@
 """Figures no BIGINT column holds, on a real SQLite and PostgreSQL: a router counting beyond
-it, an agent whose tiers' figures each fit but sum (the node's ``all`` row) beyond it. The
-figure is refused by name, and every node's samples of the cycle are written all the same.
+it, an agent whose tiers' figures each fit but sum (the node's ``all`` row) beyond it, a
+router's seconds as an int no float holds. The figure is refused by name, and every node's
+samples of the cycle are written all the same.
 
 Router and agent are stand-ins answering over loopback HTTP (a real router or agent never
 counts past 2**63; one buggy or hostile can say so).
@@ -102,3 +103,30 @@ def test_tier_figures_summing_beyond_bigint_are_rejected_not_the_batch(
         collector.close()
     rows = _rows(db, "cache_sample", 1)
     assert sorted(r["tier"] for r in rows if r["ts_ms"] == report.ts_ms) == ["cpu", "disk"]
+
+
+@pytest.mark.parametrize("where", ["latency.sum_s", "info.started_s"])
+def test_seconds_beyond_a_float_refuse_the_router_not_the_cycle(
+    db: Engine, stand_ins: tuple[StandIn, StandIn], where: str
+) -> None:
+    """A router's seconds as an integer of 400 digits (JSON reads it as an int no float
+    holds). Before, math.isfinite raised OverflowError out of the router's scrape and
+    collect_once, ending the collector's loop."""
+    agent, router = stand_ins
+    stats = _router_stats(5)
+    if where == "latency.sum_s":
+        stats["latency"]["sum_s"] = 10**400
+    else:
+        router.answers["/v1/info"] = {"started_s": 10**400}
+    router.answers["/v1/stats"] = stats
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=agent.url)
+    config = CollectorConfig(interval_s=5.0, routers=(router.url,))
+    collector = Collector(db, config, clock=lambda: T0_S)
+    try:
+        report = collector.collect_once()
+    finally:
+        collector.close()
+    assert report.written and report.up == ["n1"], report.as_dict()
+    assert where in report.routers_down[router.url], report.routers_down
