@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
 
+from kvctl.bearer import bearer_headers, token_problem
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 from kvctl.store.keys import KVLayout, Namespace
 from kvctl.store.tiers import hugepages
@@ -1347,7 +1348,9 @@ class AgentClient:
         self.url = url.rstrip("/")
         token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
         self._token = bool(token)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        #: raised by every request, as AuthError: httpx's own refusal quotes the token
+        self._token_problem = token_problem(token, "the agent token (KVCTL_TOKEN)")
+        headers = bearer_headers(token)
         # building the default TLS context costs ~20 ms of CPU per client: only https needs it
         # (fan-outs create one client per node; a plain-http agent never negotiates TLS)
         verify = self.url.startswith("https://")
@@ -1361,6 +1364,8 @@ class AgentClient:
         self._httpx = httpx
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
+        if self._token_problem:
+            raise AuthError(self._token_problem)
         try:
             resp = self._http.request(method, path, **kw)
         except self._httpx.RemoteProtocolError as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvctl.bearer import bearer_headers, token_problem
 from kvctl.errors import KvctlError
 from kvctl.index.events import ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
@@ -38,11 +39,15 @@ class IndexClient:
         self.url = url.rstrip("/")
         #: what errors name: the URL may carry a password (``http://user:PASSWORD@router``)
         self._shown = redact_url(self.url)
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._token_problem = token_problem(token, "the index token")
         self._httpx = httpx
-        self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s)
+        self._http = httpx.Client(
+            base_url=self.url, headers=bearer_headers(token), timeout=timeout_s
+        )
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
+        if self._token_problem:
+            raise IndexUnavailable(f"index at {self._shown}: {self._token_problem}")
         try:
             r = self._http.request(method, path, **kw)
         except self._httpx.HTTPError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvctl.bearer import bearer_headers, token_problem
 from kvctl.errors import KvctlError
 from kvctl.wire.address import redact_url
 
@@ -26,16 +27,6 @@ class RouterClientError(KvctlError):
         self.status = status
 
 
-def _token_problem(token: str | None) -> str | None:
-    """Why ``token`` cannot be sent as a bearer token (never quoting it), or None."""
-    if token and not (token.isascii() and token.isprintable() and token == token.strip()):
-        return (
-            "the router token cannot be sent: it has non-ASCII characters, control characters "
-            "(a CR from a file saved with CRLF?) or whitespace at either end"
-        )
-    return None
-
-
 class RouterClient:
     def __init__(
         self,
@@ -54,8 +45,8 @@ class RouterClient:
         self.shown_url = redact_url(self.url)
         #: raised by every request (a RouterClientError, as callers catch): httpx's own refusal
         #: of such a header quotes it, token and all, and a non-ASCII one raised past callers
-        self._token_problem = _token_problem(token)
-        headers = {"Authorization": f"Bearer {token}"} if token and not self._token_problem else {}
+        self._token_problem = token_problem(token, "the router token")
+        headers = bearer_headers(token)
         self._httpx = httpx
         self._http = httpx.Client(
             base_url=self.url, headers=headers, timeout=timeout_s, transport=transport
