@@ -643,8 +643,11 @@ def _check_rate(what: str, value: float) -> None:
 def _check_seconds(what: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"{what} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise InvalidArgument(f"{what} must be > 0 seconds, got {value!r}")
+    # the threads wait this long at a time: past TIMEOUT_MAX a wait raises OverflowError
+    if not 0 < value <= threading.TIMEOUT_MAX:
+        raise InvalidArgument(
+            f"{what} must be > 0 and at most {threading.TIMEOUT_MAX:.0f} seconds, got {value!r}"
+        )
 
 
 def _safe(url: object) -> str:

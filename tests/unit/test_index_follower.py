@@ -103,9 +103,12 @@ def test_bad_arguments_are_refused(kw: dict[str, Any]) -> None:
         Follower(EmbeddedIndex(), args.pop("node"), args.pop("url"), **args)
 
 
-def test_followers_refuse_a_bad_poll_interval() -> None:
+@pytest.mark.parametrize("poll_s", [0, 1e300])
+def test_followers_refuse_a_bad_poll_interval(poll_s: float) -> None:
+    # 1e300 passed as finite, and the poll thread died at its first wait between rounds
+    # (OverflowError: timestamp out of range), so the index followed no agent after one poll
     with pytest.raises(InvalidArgument, match="poll_s"):
-        Followers(EmbeddedIndex(), poll_s=0)
+        Followers(EmbeddedIndex(), poll_s=poll_s)
 
 
 def test_malformed_events_and_listed_chunks_are_counted_and_skipped() -> None:
