@@ -15,7 +15,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 import socket
 import threading
 import time
@@ -59,6 +58,7 @@ from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import Retention, maintain, reopen
 from kvctl.db.sample_checks import (
+    MAX_MAGNITUDE,
     Rejections,
     checked_gpus,
     checked_probe,
@@ -959,8 +959,13 @@ def rtt_basis_of(probe: Mapping[str, Any]) -> dict[str, Any]:
     basis = probe.get("rtt_basis", "measured")
     delay = probe.get("emulated_delay_s")
     delay_s: float | None = None
-    if isinstance(delay, int | float) and not isinstance(delay, bool):
-        delay_s = float(delay) if math.isfinite(delay) and delay >= 0 else None
+    # compared before converting: an int past float's range raised OverflowError in isfinite
+    if (
+        isinstance(delay, int | float)
+        and not isinstance(delay, bool)
+        and 0 <= delay <= MAX_MAGNITUDE
+    ):
+        delay_s = float(delay)
     return {"rtt_basis": basis if basis in RTT_BASES else "unknown", "emulated_delay_s": delay_s}
 
 

@@ -194,6 +194,8 @@ def test_garbage_and_credentials(sqlite_url: str) -> None:
         ({"rtt_basis": "measured"}, ("measured", None)),
         ({"rtt_basis": "emulated", "emulated_delay_s": 0.0008}, ("emulated", 0.0008)),
         ({"rtt_basis": "guessed", "emulated_delay_s": -1}, ("unknown", None)),
+        # an int no float holds (JSON reads 400 digits so): it raised OverflowError
+        ({"rtt_basis": "emulated", "emulated_delay_s": 10**400}, ("emulated", None)),
     ],
 )
 def test_probe_rtt_basis_columns(answer: dict[str, Any], columns: tuple[Any, Any]) -> None:
