@@ -9,9 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from kvctl.agent.settings import tier_size_problem
 from kvctl.client import AgentClient, NotAnAgent
+from kvctl.db.engine import DatabaseError
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import InvalidArgument
 from kvctl.fleet.audit import record
@@ -214,6 +216,7 @@ def run_action(
     audit trail as soon as it arrives, so a CLI killed halfway leaves the finished nodes
     recorded."""
     args = request.audit_args()
+    recorded: set[str] = set()
 
     def audited(res: NodeResult[dict[str, Any]]) -> None:
         with engine.begin() as conn:
@@ -226,8 +229,29 @@ def run_action(
                 result=res.value if res.ok else res.error or "",
                 actor=actor,
             )
+        recorded.add(res.node.name)
         if on_result is not None and not res.unanswered:  # audited, but it did not answer
             on_result(res)
 
-    results = fan_out(nodes, request.call, token=token, timeout_s=timeout_s, on_result=audited)
+    #: the agent URLs asked: an audit write failing stops the fan-out, and those not recorded
+    #: acted all the same, which the error must say (it read as if nothing had been done)
+    asked: list[str] = []
+
+    def call(client: AgentClient) -> dict[str, Any]:
+        asked.append(client.url)
+        return request.call(client)
+
+    try:
+        results = fan_out(nodes, call, token=token, timeout_s=timeout_s, on_result=audited)
+    except SQLAlchemyError as exc:
+        urls = set(asked)
+        names = [
+            n.name for n in nodes if n.agent_url.rstrip("/") in urls and n.name not in recorded
+        ]
+        reason = str(getattr(exc, "orig", None) or exc).strip()
+        raise DatabaseError(
+            f"the audit trail cannot be written ({reason}): {len(names)} node(s) were asked "
+            f"to {request.action} all the same and are not recorded: {', '.join(names)}; the "
+            "nodes not yet asked were left alone"
+        ) from exc
     return ActionReport(request, results)
