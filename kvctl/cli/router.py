@@ -106,6 +106,10 @@ def router_failed(exc: RouterClientError) -> NoReturn:
     """Exit with what a failed call to the router means and what to do next: 1 when it did not
     answer, refused the token, is not a router or failed; 2 when it refused the request itself
     (bad input: a 400 or 422)."""
+    from kvctl.router.client import RouterTokenError  # loaded already: exc came from there
+
+    if isinstance(exc, RouterTokenError):  # never sent: the token is what to fix
+        fail(str(exc), hint=ROUTER_TOKEN_HINT, code=1)
     if exc.status is None:
         fail(
             str(exc),

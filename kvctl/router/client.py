@@ -27,6 +27,10 @@ class RouterClientError(KvctlError):
         self.status = status
 
 
+class RouterTokenError(RouterClientError):
+    """The token cannot be sent (``kvctl.bearer.token_problem``): the router was not asked."""
+
+
 class RouterClient:
     def __init__(
         self,
@@ -63,7 +67,7 @@ class RouterClient:
 
     def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
         if self._token_problem:
-            raise RouterClientError(self._token_problem)
+            raise RouterTokenError(self._token_problem)
         try:
             r = self._http.request(method, path, **kw)
         except self._httpx.HTTPError as exc:

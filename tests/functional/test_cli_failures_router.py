@@ -58,6 +58,17 @@ def test_a_router_that_wants_a_token_says_where_to_give_it(command: list[str]) -
 
 
 @pytest.mark.parametrize("command", [["router", "status"], ["route", "--text", "a b"]])
+def test_a_token_that_cannot_be_sent_says_to_fix_the_token(command: list[str]) -> None:
+    # $KVCTL_ROUTER_TOKEN=$(cat token.txt) of a CRLF file: the router was never asked, so the
+    # hint must be about the token, not "start it with `kvctl router serve`"
+    with answering_url(200, b"{}", "application/json") as url:
+        code, out = _run(*command, "--router", url, KVCTL_ROUTER_TOKEN="s3cret-tok\r")
+    assert code == 1, out
+    assert "cannot be sent" in out and "--token-file" in out and "start it" not in out
+    assert "s3cret-tok" not in out
+
+
+@pytest.mark.parametrize("command", [["router", "status"], ["route", "--text", "a b"]])
 def test_something_that_is_not_a_router_is_said_to_be_so(command: list[str]) -> None:
     with answering_url(404, NOT_FOUND, "application/json") as url:  # an agent answers so
         code, out = _run(*command, "--router", url)
