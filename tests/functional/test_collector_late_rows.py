@@ -46,9 +46,9 @@ def _lookups(db: Engine, node_id: int, start_ms: int, end_ms: int) -> int:
 
 
 def test_rows_stamped_below_the_watermark_are_rolled_up(db: Engine, agent: StandIn) -> None:
-    """The clock jumps an hour ahead for one cycle and its upkeep, then back. Before, the
-    scrapes after the jump back were stamped below the minute rollup's watermark: never rolled
-    up, and the window read 20 lookups of the agent's 40."""
+    """The clock jumps three hours ahead for one cycle and its upkeep, then back. Before, the
+    scrapes after the jump back were stamped below the minute and hour rollups' watermarks:
+    never rolled up, and the window read 20 lookups of the agent's 40."""
     with db.begin() as conn:
         add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
         add_node(conn, "n1", dc="fra", agent_url=agent.url)
@@ -58,15 +58,15 @@ def test_rows_stamped_below_the_watermark_are_rolled_up(db: Engine, agent: Stand
     collector = Collector(db, CollectorConfig(interval_s=10.0), clock=lambda: now[0])
     t0_ms = int(T0_S * 1000)
     try:
-        for lookups, at_s in ((0, 0), (10, 10), (20, 3600), (30, 20), (40, 30)):
+        for lookups, at_s in ((0, 0), (10, 10), (20, 3 * 3600), (30, 20), (40, 30)):
             now[0] = T0_S + at_s
             agent.answers["/v1/stats"] = _stats(lookups, 0, 0.0)
             assert collector.collect_once().written
-            if at_s == 3600:  # the upkeep runs on the jumped clock
+            if at_s == 3 * 3600:  # the upkeep runs on the jumped clock: past both rows
                 collector.maintain()
-        with db.connect() as conn:
-            assert watermark(conn, "cache_sample", "1m") is not None
-        now[0] = T0_S + 3 * 3600
+                with db.connect() as conn:
+                    assert watermark(conn, "cache_sample", "1h") == t0_ms + 2 * HOUR_MS
+        now[0] = T0_S + 5 * 3600
         collector.maintain()
     finally:
         collector.close()
