@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future, as_completed, wait
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -36,6 +36,8 @@ class NodeResult(Generic[T]):
     silent: bool = False
     #: asked, but a second Ctrl-C ended the wait for its answer: whether it acted is unknown
     unanswered: bool = False
+    #: (silent too) its call ran past the fan-out's deadline: hung, or its answer trickled
+    overdue: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -57,14 +59,20 @@ def fan_out(
     concurrency: int = DEFAULT_CONCURRENCY,
     on_result: Callable[[NodeResult[T]], None] | None = None,
     clients: ClientPool | None = None,
+    deadline_s: float | None = None,
 ) -> list[NodeResult[T]]:
     """Run ``call`` against each node's agent concurrently; results come back in the order of
     ``nodes``. ``on_result`` sees each as it finishes (a progress bar). Agent errors (down,
     refused token, 4xx/5xx) are results, not exceptions. With ``clients``, connections are
-    kept open between calls (a live view polling every few seconds)."""
+    kept open between calls (a live view polling every few seconds).
 
-    def one(node: NodeInfo) -> NodeResult[T]:
-        t0 = started[node.id] = time.perf_counter()
+    ``timeout_s`` bounds each wait of the client (connecting, each read), not a whole answer:
+    one trickling a byte at a time never times out. ``deadline_s`` bounds each node's call
+    from its start: one still running then is a silent failure, left to end on its own
+    thread. Only for calls that read: an action left running may still act."""
+
+    def one(i: int, node: NodeInfo) -> NodeResult[T]:
+        t0 = started[i] = time.perf_counter()
         try:
             if clients is not None:
                 client = clients.get(node.agent_url)
@@ -85,7 +93,8 @@ def fan_out(
         return NodeResult(node, True, value, None, time.perf_counter() - t0)
 
     results: dict[int, NodeResult[T]] = {}
-    #: when each node was asked (by node id), for those a second Ctrl-C leaves unanswered
+    #: when each node was asked (by its index), for its deadline and for a node a second Ctrl-C
+    #: leaves unanswered
     started: dict[int, float] = {}
     if not nodes:
         return []
@@ -99,9 +108,8 @@ def fan_out(
         # and waits for (and reports) those that were, none asked unseen
         with interrupts_held():
             for i, node in enumerate(nodes):
-                futures[pool.submit(one, node)] = i
-        for fut in as_completed(futures):
-            res = fut.result()
+                futures[pool.submit(one, i, node)] = i
+        for fut, res in _as_answered(nodes, futures, started, deadline_s):
             results[futures[fut]] = res
             if on_result is not None:
                 with interrupts_held():  # a report torn halfway is lost, or written twice
@@ -124,7 +132,9 @@ def fan_out(
         try:
             for fut in futures:
                 fut.cancel()
-            wait(futures)  # the nodes asked act all the same: their answers are reported
+            # the nodes asked act all the same: their answers are reported (one reported
+            # already, past its deadline, is not waited for)
+            wait([f for f, i in futures.items() if i not in reported])
         except KeyboardInterrupt:
             # a second Ctrl-C: the operator will not wait. The nodes still asking are reported
             # as unanswered below, so the audit trail has a row for every node asked, not none
@@ -134,6 +144,54 @@ def fan_out(
     finally:
         pool.shutdown()  # its threads end with their calls
     return [results[i] for i in range(len(nodes))]
+
+
+def read_deadline_s(timeout_s: float) -> float:
+    """The deadline of one read-only call whose client waits ``timeout_s``: connecting and
+    the answer's first byte each get that long, so the client's own timeouts (down, hung)
+    come first and keep their diagnosis; only a trickle runs past it."""
+    return 2 * timeout_s
+
+
+def _as_answered(
+    nodes: Sequence[NodeInfo],
+    futures: dict[Future[NodeResult[T]], int],
+    started: dict[int, float],
+    deadline_s: float | None,
+) -> Iterator[tuple[Future[NodeResult[T]], NodeResult[T]]]:
+    """Each node's result as it comes, or (``deadline_s``) a silent failure for one whose call
+    has run that long: the fan-out is not held by it."""
+    if deadline_s is None:
+        for fut in as_completed(futures):
+            yield fut, fut.result()
+        return
+    pending = set(futures)
+    while pending:
+        # up to the next deadline of a node asked (one still queued waits its turn)
+        ends = [started[futures[f]] + deadline_s for f in pending if futures[f] in started]
+        now = time.perf_counter()
+        done, pending = wait(
+            pending,
+            timeout=max(0.0, min(ends) - now) if ends else deadline_s,
+            return_when=FIRST_COMPLETED,
+        )
+        for fut in done:
+            yield fut, fut.result()
+        now = time.perf_counter()
+        for fut in list(pending):
+            i = futures[fut]
+            if i in started and now - started[i] >= deadline_s:
+                pending.discard(fut)
+                node = nodes[i]
+                error = (
+                    f"{node.agent_url} did not answer in full within {deadline_s:g} s: hung, "
+                    "overloaded, or its answer trickles"
+                )
+                elapsed_s = now - started[i]
+                yield (
+                    fut,
+                    NodeResult(node, False, None, error, elapsed_s, silent=True, overdue=True),
+                )
 
 
 #: the error of a node asked whose answer a second Ctrl-C did not wait for
@@ -158,9 +216,8 @@ def _report_rest(
             if fut.done():
                 res = fut.result()
             else:
-                node = nodes[i]
-                elapsed_s = now - started.get(node.id, now)
-                res = NodeResult(node, False, None, UNANSWERED, elapsed_s, unanswered=True)
+                elapsed_s = now - started.get(i, now)
+                res = NodeResult(nodes[i], False, None, UNANSWERED, elapsed_s, unanswered=True)
             try:
                 on_result(res)
             except Exception:  # the audit trail failing: the Ctrl-C still goes on

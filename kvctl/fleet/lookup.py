@@ -10,7 +10,7 @@ from typing import Any
 
 from kvctl.client import AgentClient, NotAnAgent, first_line
 from kvctl.db.inventory import NodeInfo
-from kvctl.fleet.fanout import NodeResult, fan_out
+from kvctl.fleet.fanout import NodeResult, fan_out, read_deadline_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,14 @@ def lookup_prompt(
         answer = c.lookup(tokens=ids, keys=chain, model=model, tenant=tenant, count=False)
         return _checked(c.url, answer)
 
-    results = fan_out(nodes, ask, token=token, timeout_s=timeout_s, on_result=on_result)
+    results = fan_out(
+        nodes,
+        ask,
+        token=token,
+        timeout_s=timeout_s,
+        on_result=on_result,
+        deadline_s=read_deadline_s(timeout_s),
+    )
     out = []
     for r in results:
         v = r.value or {}

@@ -15,7 +15,7 @@ from sqlalchemy.engine import Connection
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.models import Node, NodeSample
 from kvctl.db.sample_checks import UNREADABLE_TIER, checked_stats, known
-from kvctl.fleet.fanout import NodeResult, fan_out
+from kvctl.fleet.fanout import NodeResult, fan_out, read_deadline_s
 from kvctl.ratios import HIT_COUNT_NAMES, HitCounts
 from kvctl.wire.reports import AgentStats
 from kvctl.wire.stats import cache_counters
@@ -223,7 +223,12 @@ def fleet_status(
     answering), never an error. One that refuses the token is up (``auth_refused``),
     without figures: it answered, and starting it again would not help."""
     results = fan_out(
-        nodes, lambda c: c.stats(), token=token, timeout_s=timeout_s, on_result=on_result
+        nodes,
+        lambda c: c.stats(),
+        token=token,
+        timeout_s=timeout_s,
+        on_result=on_result,
+        deadline_s=read_deadline_s(timeout_s),
     )
     now_ms = int(clock() * 1000)
     answered: dict[int, NodeStatus] = {}
@@ -247,6 +252,8 @@ def fleet_status(
                 f"{r.node.agent_url} took the connection and said nothing for {timeout_s:g} s: "
                 "hung or overloaded? Its log (agent.log in its data dir) says what it was doing"
             )
+            if r.overdue:  # it said something, too slowly: its own error says so
+                errors[r.node.id] = r.error
             continue
         if not r.ok or r.value is None:
             errors[r.node.id] = r.error

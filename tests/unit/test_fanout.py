@@ -210,3 +210,24 @@ def test_a_second_ctrl_c_while_waiting_reports_the_unanswered_nodes() -> None:
     assert by_name["n0"].ok and by_name["n0"].value == "pinned"
     assert not by_name["n1"].ok and by_name["n1"].unanswered
     assert "unknown" in str(by_name["n1"].error)
+
+
+def test_a_node_past_its_deadline_is_a_silent_failure_and_the_others_are_not_held() -> None:
+    """A node whose call runs past ``deadline_s`` (an answer trickling a byte at a time, each
+    read within the client's timeout) is reported then as not answering in full, its thread
+    left to end on its own, instead of holding the whole fan-out for as long as it trickles."""
+    release = threading.Event()
+
+    def stats(client: AgentClient) -> str:
+        if client.url.endswith("9001"):
+            release.wait(GUARD_S)  # the trickle: ends only when the test lets it
+        return "stats"
+
+    try:
+        quick, stuck = fan_out(NODES[:2], stats, deadline_s=0.2)
+        assert not release.is_set()  # it was not waited for
+    finally:
+        release.set()
+    assert quick.ok and quick.value == "stats"
+    assert not stuck.ok and stuck.silent and stuck.overdue
+    assert "within 0.2 s" in str(stuck.error)
