@@ -1,0 +1,35 @@
+"""A node's error text with a NUL character in it (a garbage answer quoted in the message) is
+audited on PostgreSQL too, whose text columns refuse NUL: the audit write failed, which
+stopped the fan-out mid-way and ended the command in a traceback, the other nodes' actions
+unrecorded."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+from tests.functional.test_cli_failures_interrupt import DONE, KEY, _cli
+from tests.not_an_agent import answering_url
+
+runner = CliRunner()
+
+
+def test_an_error_with_a_nul_is_audited_on_postgresql(pg_url: str) -> None:
+    _cli(pg_url, "db", "upgrade")
+    with (
+        answering_url(500, b"bad\x00answer", "text/plain") as odd,
+        answering_url(200, DONE, "application/json") as good,
+    ):
+        _cli(pg_url, "fleet", "add-dc", "fra")
+        _cli(pg_url, "fleet", "add-node", "odd", "--dc", "fra", "--agent-url", odd)
+        _cli(pg_url, "fleet", "add-node", "good", "--dc", "fra", "--agent-url", good)
+        args = ["pin", "--all", "--yes", "--key", KEY, "--db", pg_url, "--json"]
+        out = runner.invoke(app, args, env={"KVCTL_TOKEN": None})
+    said = " ".join(out.output.split())
+    assert out.exit_code == 1, said
+    assert json.loads(out.stdout)["failed"] == ["odd"], said
+    trail = {r["target"]: r for r in json.loads(_cli(pg_url, "audit", "--action", "pin", "--json"))}
+    assert trail["good"]["ok"] is True and trail["odd"]["ok"] is False, trail
+    assert "bad" in trail["odd"]["result"], trail["odd"]
