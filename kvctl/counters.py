@@ -108,7 +108,10 @@ class CounterTracker:
             unread.discard(name)
         kept = {} if prev is None or restarted else dict(prev.values)
         kept.update({k: v for k, v in values.items() if v is not None})
-        self._last[series] = _Last(epoch, kept, ts_ms, frozenset(unread))
+        # an epoch unread this once is not a new one: keep the known one, so a restart before
+        # the next scrape is still told apart from counting on
+        known_epoch = epoch if epoch is not None or prev is None else prev.epoch
+        self._last[series] = _Last(known_epoch, kept, ts_ms, frozenset(unread))
         self._dirty.add(series)
         return out
 

@@ -22,6 +22,15 @@ def test_new_epoch_means_counted_from_zero() -> None:
     assert t.increase("s", {"hits": 710.0}, epoch=2.0, ts_ms=20) == {"hits": 10.0}
 
 
+def test_a_scrape_without_its_epoch_keeps_the_known_one() -> None:
+    # an agent whose start time was unreadable once: the restart after it must still be seen
+    # (the unknown epoch used to replace the known one, and 150 after 110 counted 40)
+    t = CounterTracker()
+    t.increase("s", {"hits": 100.0}, epoch=1.0, ts_ms=0)
+    assert t.increase("s", {"hits": 110.0}, epoch=None, ts_ms=10) == {"hits": 10.0}
+    assert t.increase("s", {"hits": 150.0}, epoch=2.0, ts_ms=20) == {"hits": 150.0}
+
+
 def test_a_counter_going_down_is_a_reset_without_an_epoch() -> None:
     t = CounterTracker()
     t.increase("e", {"tokens": 1000.0}, epoch=None, ts_ms=0)
