@@ -69,9 +69,9 @@ from kvctl.db.sample_checks import (
 )
 from kvctl.interrupts import interrupts_held
 from kvctl.profiles import ModeledInputs
+from kvctl.redact import redact_url
 from kvctl.remote.pool import pull_deadline_s
 from kvctl.router.client import RouterClient, RouterClientError
-from kvctl.wire.address import redact_url
 
 log = logging.getLogger("kvctl.collect")
 

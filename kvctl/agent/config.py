@@ -926,7 +926,7 @@ def _format(field: str, settings: AgentSettings) -> str:
     if field in ("token", "remote_token", "index_token"):
         return "***" if value else ""
     if field in ("pool", "index_url"):
-        from kvctl.wire.address import redact_url
+        from kvctl.redact import redact_url
 
         return redact_url(value)
     if field == "peers":

@@ -632,8 +632,8 @@ def status_command(
 
       kvctl router status --router http://10.0.0.9:9480 --token-file router.token --json
     """
+    from kvctl.redact import redact_url
     from kvctl.router.client import RouterClient, RouterClientError
-    from kvctl.wire.address import redact_url
 
     url = router_url(router)
     try:

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from kvctl.db.models import DataCenter, Link, Node
+from kvctl.redact import redact_url
 
 #: column widths of the schema; checked here because PostgreSQL refuses longer text with a
 #: database error, while SQLite silently stores it
@@ -126,20 +127,23 @@ def text_problem(value: Any, what: str, limit: int) -> str | None:
 def url_problem(url: Any, what: str = "agent URL") -> str | None:
     """Why ``url`` is not an http(s) URL with a host and a usable port, or None when it is."""
     example = ENGINE_URL_EXAMPLE if what.startswith("engine") else AGENT_URL_EXAMPLE
-    bad = f"{what} must be http:// or https:// with a host (e.g. {example}), got {url!r}"
     if not isinstance(url, str):
         return f"{what} must be text (e.g. {example}), got {type(url).__name__}"
     if len(url) > URL_MAX:
         return f"{what} is longer than {URL_MAX} characters"
+    # what these messages echo goes to screens, the router's log and its /v1/stats: never a
+    # password, even in a URL refused for something else (a bad port, no scheme)
+    shown = redact_url(url)
+    bad = f"{what} must be http:// or https:// with a host (e.g. {example}), got {shown!r}"
     try:
         parts = urlsplit(url)
         port = parts.port  # raises ValueError when not a number or out of range
     except ValueError:
-        return f"{what} has a bad port (e.g. {example}), got {url!r}"
+        return f"{what} has a bad port (e.g. {example}), got {shown!r}"
     if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         return bad
     if port == 0:
-        return f"{what} has a bad port (e.g. {example}), got {url!r}"
+        return f"{what} has a bad port (e.g. {example}), got {shown!r}"
     if parts.username is not None or parts.password is not None:
         # the inventory, the audit trail and error messages all show URLs: no secrets in them
         return f"{what} must not carry a user or password; agents take $KVCTL_TOKEN instead"

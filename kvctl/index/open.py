@@ -23,6 +23,6 @@ def open_index(spec: str, *, prefix: str | None = None) -> FleetIndex:
         from kvctl.index.redis_index import DEFAULT_PREFIX, RedisIndex
 
         return RedisIndex(spec, prefix=DEFAULT_PREFIX if prefix is None else prefix)
-    from kvctl.wire.address import redact_url
+    from kvctl.redact import redact_url
 
     raise InvalidArgument(f"index must be {FORMS}, got {redact_url(spec)!r}")

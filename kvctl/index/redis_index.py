@@ -60,7 +60,7 @@ from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
-from kvctl.wire.address import redact_url
+from kvctl.redact import redact_url
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "kvctl:index:"

@@ -34,7 +34,7 @@ class IndexClient:
     ) -> None:
         import httpx  # only an agent configured with an index needs it
 
-        from kvctl.wire.address import redact_url
+        from kvctl.redact import redact_url
 
         self.url = url.rstrip("/")
         #: what errors name: the URL may carry a password (``http://user:PASSWORD@router``)

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, TypeVar
 
 from kvctl.index.model import Holding
+from kvctl.redact import redact_url
 from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.breaker import Breaker, Ticket
 from kvctl.remote.counting import RemoteTierCounts
@@ -77,7 +78,6 @@ from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierU
 from kvctl.store.index import Entry, LookupResult
 from kvctl.store.store import PutSlot, TieredStore
 from kvctl.store.tiers.base import ChunkMeta
-from kvctl.wire.address import redact_url
 
 log = logging.getLogger("kvctl.remote")
 

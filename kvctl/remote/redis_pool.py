@@ -102,6 +102,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
+from kvctl.redact import redact_url
 from kvctl.remote import record
 from kvctl.remote.pool import (
     DEFAULT_MIN_STREAM_BYTES,
@@ -123,7 +124,6 @@ from kvctl.remote.pool import (
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
 from kvctl.store.keys import KEY_BYTES
 from kvctl.store.tiers.base import Buffer, ChunkMeta, check_capacity
-from kvctl.wire.address import redact_url
 
 log = logging.getLogger("kvctl.remote.redis_pool")
 

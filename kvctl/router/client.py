@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvctl.bearer import bearer_headers, token_problem
 from kvctl.errors import KvctlError
-from kvctl.wire.address import redact_url
+from kvctl.redact import redact_url
 
 if TYPE_CHECKING:
     import httpx

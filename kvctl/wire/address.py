@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import re
 from dataclasses import dataclass
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
@@ -100,23 +99,3 @@ def connect_host(host: str) -> str:
 def url_host(host: str) -> str:
     """``host`` as a URL writes it: an IPv6 address in brackets."""
     return f"[{host}]" if ":" in host else host
-
-
-_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|pass|token)=)[^&#]*")
-
-
-def redact_url(url: str) -> str:
-    """``url`` with any password (``user:PASSWORD@`` or a ``password=`` query) as ``***``, for
-    status lines, listings and logs."""
-    url = _QUERY_SECRET.sub(r"\1***", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    auth, _, host = netloc.rpartition("@")
-    if ":" not in auth:
-        return url
-    user = auth.partition(":")[0]
-    return f"{scheme}://{user}:***@{host}{slash}{path}"

@@ -19,7 +19,7 @@ from sqlalchemy.engine import Engine
 from collectors.collector import Collector, CollectorConfig
 from collectors.router import ROUTER_COUNTERS, router_key
 from kvctl.db.migrate import open_db
-from kvctl.wire.address import redact_url
+from kvctl.redact import redact_url
 from tests.functional.test_collector_abandoned_requests import (
     DEADLINE_S,
     Trickler,
