@@ -756,7 +756,7 @@ def agent_checks(
     disk_warn_ratio: float = 0.10,
 ) -> list[Check]:
     """Every node's agent, asked concurrently; rows in the order of ``nodes``."""
-    from kvctl.fleet.fanout import fan_out
+    from kvctl.fleet.fanout import fan_out, read_deadline_s
 
     probes: dict[int, AgentProbe] = {}
     askable: list[NodeInfo] = []
@@ -768,7 +768,13 @@ def agent_checks(
             probes[n.id] = AgentProbe(failure="error", error=f"not an http(s) URL: {n.agent_url}")
     try:
         results = fan_out(
-            askable, lambda c: probe_agent(c, clock), token=token, timeout_s=timeout_s
+            askable,
+            lambda c: probe_agent(c, clock),
+            token=token,
+            timeout_s=timeout_s,
+            # each of a probe's calls bounded as one read: an agent whose answers trickle
+            # (each read within timeout_s) held the whole doctor for as long as they did
+            deadline_s=(CLOCK_SAMPLES + 2) * read_deadline_s(timeout_s),
         )
     except Exception as exc:  # fan_out lets unexpected errors through; report, never crash
         results = []
