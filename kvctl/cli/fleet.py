@@ -621,8 +621,19 @@ def export_command(
     if output is None:
         sys.stdout.write(text)  # not rich: the document must come out byte for byte
         return
+    from kvctl.paths import WriteFailed, write_atomic
+
     try:
-        output.write_text(text, encoding="utf-8")
+        if output.is_symlink() or (output.exists() and not output.is_file()):
+            # /dev/stdout, a FIFO, a link kept in place: written through, as asked
+            output.write_text(text, encoding="utf-8")
+        else:
+            # replaced whole or not at all: written in place, a full disk truncated the old
+            # fleet file and left half of the new one; an existing file keeps its permissions
+            mode = output.stat().st_mode & 0o777 if output.exists() else 0o644
+            write_atomic(output, text, mode=mode)
+    except WriteFailed as exc:  # names the file and says why
+        fail(str(exc))
     except OSError as exc:
         fail(f"cannot write {output}: {exc.strerror}")
     counts = ", ".join(f"{len(doc[k])} {k}" for k in ("dcs", "nodes", "links"))
