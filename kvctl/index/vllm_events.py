@@ -788,7 +788,6 @@ class VllmEventSubscriber:
             return
         try:
             if self._index_failing:
-                self._index_tried_s = time.monotonic()
                 n = self.index.replace(node, self.translator.held())
             else:
                 self.index.apply(node, events)
@@ -796,9 +795,11 @@ class VllmEventSubscriber:
         except Exception as exc:  # the index's own failure (e.g. Redis down): count, go on
             self.errors += 1
             self.last_error = f"{type(exc).__name__}: {exc}"
+            # from the try's end: a hung index's timeout (Redis's is 2 s) outlasts the
+            # interval, and counted from its start the next batch would try again at once
+            self._index_tried_s = time.monotonic()
             if not self._index_failing:  # once per outage: a batch comes every engine step
                 self._index_failing = True
-                self._index_tried_s = time.monotonic()
                 log.warning(
                     "%s: writing vLLM chunk events to the index failed (%s); its entries are "
                     "replaced when it answers again",

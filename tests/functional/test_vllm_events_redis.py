@@ -5,9 +5,12 @@ came back empty is filled again with what the engine still holds."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from itertools import pairwise
 
 from kvctl.index.redis_index import RedisIndex
+from kvctl.index.vllm_events import INDEX_RETRY_S
 from tests.conftest import RedisServer
 from tests.functional.test_vllm_events_zmq import (
     KEYS,
@@ -71,6 +74,51 @@ def test_an_index_that_hangs_does_not_hold_up_the_engines_stream() -> None:
         wait_for(lambda: sub.status()["messages"] == before + 10, "every batch read", 20.0)
         assert time.monotonic() - started < 3.0  # not 10 timeouts of 0.5 s
         assert sub.status()["errors"] >= 1
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
+        hung.close()
+
+
+def test_a_hung_index_slower_than_the_retry_interval_is_still_tried_only_every_interval() -> None:
+    """The router's index timeout (2 s by default) is longer than INDEX_RETRY_S: the interval
+    counts from the end of a failed try, or the next batch after a try (which outlasted the
+    interval) tries again at once and the subscriber spends the whole outage blocked on the
+    index, its socket's queue growing. Each try is a new connection to the hung server."""
+    timeout_s = 1.5
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    tries: list[float] = []
+
+    def accept() -> None:
+        held = []  # kept open: the server never answers, nor closes
+        while True:
+            try:
+                conn, _ = hung.accept()
+            except OSError:  # closed: the test is over
+                break
+            tries.append(time.monotonic())
+            held.append(conn)
+        for conn in held:
+            conn.close()
+
+    threading.Thread(target=accept, daemon=True).start()
+    index = RedisIndex(f"redis://127.0.0.1:{hung.getsockname()[1]}/0", timeout_s=timeout_s)
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()  # type: ignore[arg-type]
+    try:
+        joined(pub, sub)
+        # an engine step's batch every 50 ms for 6.5 s: a write wanted all the time
+        for i in range(130):
+            hashes = [5000 + 4 * i + j for j in range(4)]
+            pub.publish([stored(hashes, None, 0)])
+            time.sleep(0.05)
+        assert len(tries) >= 3, tries
+        gaps = [b - a for a, b in pairwise(tries)]
+        # a try takes timeout_s, then the subscriber reads the engine for INDEX_RETRY_S
+        assert min(gaps) >= timeout_s + INDEX_RETRY_S - 0.3, gaps
     finally:
         sub.stop()
         pub.close()
