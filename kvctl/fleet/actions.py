@@ -17,7 +17,7 @@ from kvctl.db.engine import DatabaseError
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import InvalidArgument
 from kvctl.fleet.audit import record
-from kvctl.fleet.fanout import NodeResult, fan_out
+from kvctl.fleet.fanout import NodeResult, fan_out, read_deadline_s
 from kvctl.units import parse_size
 
 #: the bottom tier of every agent (kvctl.agent.runtime builds gpu, cpu, then disk): nothing is
@@ -242,7 +242,17 @@ def run_action(
         return request.call(client)
 
     try:
-        results = fan_out(nodes, call, token=token, timeout_s=timeout_s, on_result=audited)
+        results = fan_out(
+            nodes,
+            call,
+            token=token,
+            timeout_s=timeout_s,
+            on_result=audited,
+            # a keyed action makes two calls (its keys, then the action); each bounded as one
+            # read, so an agent whose answer trickles does not hold the whole fan-out. One cut
+            # off may still act, as one the client's own timeout cuts off may
+            deadline_s=2 * read_deadline_s(timeout_s),
+        )
     except SQLAlchemyError as exc:
         urls = set(asked)
         names = [

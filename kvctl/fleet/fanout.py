@@ -69,7 +69,7 @@ def fan_out(
     ``timeout_s`` bounds each wait of the client (connecting, each read), not a whole answer:
     one trickling a byte at a time never times out. ``deadline_s`` bounds each node's call
     from its start: one still running then is a silent failure, left to end on its own
-    thread. Only for calls that read: an action left running may still act."""
+    thread (an action cut off so may still act, as one its client's timeout cut off may)."""
 
     def one(i: int, node: NodeInfo) -> NodeResult[T]:
         t0 = started[i] = time.perf_counter()
@@ -121,7 +121,9 @@ def fan_out(
         if not isinstance(exc, KeyboardInterrupt):
             for fut in futures:
                 fut.cancel()  # those not yet asked; a call under way runs on
-            wait(futures)  # every answer is in, left unreported: the trail cannot be written
+            # every answer is in, left unreported: the trail cannot be written (one reported
+            # already, past its deadline, is not waited for)
+            wait([f for f, i in futures.items() if i not in reported])
             raise
         if on_result is None:
             # read-only: nothing to report or audit, so no agent is waited for (a hung one

@@ -1,0 +1,38 @@
+"""A control action is bounded against an agent whose answer trickles (each read within
+--timeout, the whole answer minutes long): the node fails, audited as failed, and the command
+ends, instead of holding every other node's report and the audit of the action for as long
+as the trickle lasts."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+from tests.functional.test_cli_failures_interrupt import DONE, KEY, _cli
+from tests.functional.test_fleet_status_trickle import _Trickle
+from tests.not_an_agent import answering_url, serving
+
+runner = CliRunner()
+
+
+def test_a_trickling_agent_fails_the_pin_within_its_deadline(tmp_path: Path) -> None:
+    db = f"sqlite:///{tmp_path / 'kvctl.db'}"
+    with serving(_Trickle) as slow, answering_url(200, DONE, "application/json") as good:
+        _cli(db, "fleet", "add-dc", "fra")
+        _cli(db, "fleet", "add-node", "slow", "--dc", "fra", "--agent-url", slow)
+        _cli(db, "fleet", "add-node", "good", "--dc", "fra", "--agent-url", good)
+        t0 = time.monotonic()
+        args = ["pin", "--all", "--yes", "--key", KEY, "--timeout", "1", "--db", db, "--json"]
+        out = runner.invoke(app, args, env={"KVCTL_TOKEN": None})
+        took_s = time.monotonic() - t0
+    # the deadline is 4 s here; a bound far below the trickle's minutes
+    assert took_s < 30, (took_s, out.output)
+    assert out.exit_code == 1, out.output
+    assert json.loads(out.stdout)["failed"] == ["slow"]
+    trail = {r["target"]: r for r in json.loads(_cli(db, "audit", "--action", "pin", "--json"))}
+    assert trail["good"]["ok"] is True
+    assert trail["slow"]["ok"] is False and "within" in trail["slow"]["result"], trail["slow"]
