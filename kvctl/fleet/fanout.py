@@ -182,7 +182,8 @@ def _as_answered(
         now = time.perf_counter()
         for fut in list(pending):
             i = futures[fut]
-            if i in started and now - started[i] >= deadline_s:
+            # (one that answered since the wait ended is taken on the next turn)
+            if i in started and now - started[i] >= deadline_s and not fut.done():
                 pending.discard(fut)
                 node = nodes[i]
                 error = (
