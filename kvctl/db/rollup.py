@@ -19,6 +19,7 @@ from sqlalchemy import (
     Table,
     cast,
     delete,
+    false,
     func,
     literal_column,
     select,
@@ -183,8 +184,15 @@ def piece(
 
 
 def _lock(conn: Connection) -> None:
+    """Serialise rollups, prunes and ``reopen`` until ``conn``'s transaction ends."""
     if conn.dialect.name == "postgresql":
         conn.execute(select(func.pg_advisory_xact_lock(_PG_LOCK_ID)))
+    else:
+        # SQLite's write lock, taken now: pysqlite begins a transaction at the first write,
+        # so a rollup read its watermark outside it, and a collector's late rows and the
+        # watermark they lowered could go in between, to be overwritten unread
+        state = RollupState.__table__
+        conn.execute(state.update().where(false()).values(done_until_ms=0))
 
 
 def _first_time(conn: Connection, s: Series, source: str) -> int | None:
