@@ -108,9 +108,16 @@ class CounterTracker:
             unread.discard(name)
         kept = {} if prev is None or restarted else dict(prev.values)
         kept.update({k: v for k, v in values.items() if v is not None})
-        # an epoch unread this once is not a new one: keep the known one, so a restart before
-        # the next scrape is still told apart from counting on
-        known_epoch = epoch if epoch is not None or prev is None else prev.epoch
+        known_epoch = epoch
+        if epoch is None and prev is not None:
+            # an epoch unread this once is not a new one: keep the known one, so a restart
+            # before the next scrape is still told apart from counting on; unless a counter
+            # went back (a restart, counted above): the next epoch read is that restart's
+            went_back = any(
+                v is not None and (b := prev.values.get(k)) is not None and v < b
+                for k, v in values.items()
+            )
+            known_epoch = None if went_back else prev.epoch
         self._last[series] = _Last(known_epoch, kept, ts_ms, frozenset(unread))
         self._dirty.add(series)
         return out

@@ -31,6 +31,16 @@ def test_a_scrape_without_its_epoch_keeps_the_known_one() -> None:
     assert t.increase("s", {"hits": 150.0}, epoch=2.0, ts_ms=20) == {"hits": 150.0}
 
 
+def test_a_restart_seen_without_its_epoch_is_not_counted_again_at_the_next_epoch() -> None:
+    # the agent restarted and its start time was unreadable that once: the drop to 5 is the
+    # restart (counted whole); the new epoch at the next scrape is that same restart, so 8
+    # adds 3, not 8 again (the kept old epoch made it a second restart: 13 counted for 8)
+    t = CounterTracker()
+    t.increase("s", {"hits": 100.0}, epoch=1.0, ts_ms=0)
+    assert t.increase("s", {"hits": 5.0}, epoch=None, ts_ms=10) == {"hits": 5.0}
+    assert t.increase("s", {"hits": 8.0}, epoch=2.0, ts_ms=20) == {"hits": 3.0}
+
+
 def test_a_counter_going_down_is_a_reset_without_an_epoch() -> None:
     t = CounterTracker()
     t.increase("e", {"tokens": 1000.0}, epoch=None, ts_ms=0)
