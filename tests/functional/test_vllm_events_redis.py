@@ -118,7 +118,7 @@ def test_a_hung_index_slower_than_the_retry_interval_is_still_tried_only_every_i
         assert len(tries) >= 3, tries
         gaps = [b - a for a, b in pairwise(tries)]
         # a try takes timeout_s, then the subscriber reads the engine for INDEX_RETRY_S
-        assert min(gaps) >= timeout_s + INDEX_RETRY_S - 0.3, gaps
+        assert min(gaps) >= timeout_s + INDEX_RETRY_S / 2, gaps  # not timeout_s apart
     finally:
         sub.stop()
         pub.close()
