@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from kvctl.db.models import Audit
+from kvctl.db.sample_checks import shown
 from kvctl.errors import InvalidArgument
 
 #: argument names whose values never reach the audit table: ``token``, ``agent_token``,
@@ -68,12 +69,6 @@ def _unsecret(value: Any) -> Any:
     return _URL_USERINFO.sub("<redacted>@", value) if isinstance(value, str) else value
 
 
-def _no_nul(text: str) -> str:
-    """``text`` with NUL written out: PostgreSQL's text refuses it, and a node's garbage answer
-    quoted in its error would fail the audit write, which stops the whole fan-out."""
-    return text.replace("\x00", "\\x00")
-
-
 def record(
     conn: Connection,
     *,
@@ -87,16 +82,18 @@ def record(
 ) -> int:
     """Write one audit row; ``result`` may be text or anything JSON can hold."""
     text = result if isinstance(result, str) else json.dumps(result, default=str, sort_keys=True)
-    text = _no_nul(_unsecret(text))
+    # NUL (PostgreSQL refuses it) and lone surrogates (SQLite's driver cannot encode them) from
+    # a node's garbage answer quoted in its error would fail the write, stopping the fan-out
+    text = shown(_unsecret(text))
     if len(text) > MAX_RESULT_CHARS:
         text = text[: MAX_RESULT_CHARS - 3] + "..."
     return conn.execute(
         Audit.__table__.insert()
         .values(
             ts_ms=int(time.time() * 1000) if ts_ms is None else ts_ms,
-            actor=_no_nul(actor or current_actor()),
-            action=_no_nul(action)[:64],
-            target=_no_nul(target)[:255],
+            actor=shown(actor or current_actor()),
+            action=shown(action)[:64],
+            target=shown(target)[:255],
             args=json.dumps(redact(args), default=str, sort_keys=True),  # NUL escaped: \u0000
             ok=ok,
             result=text,

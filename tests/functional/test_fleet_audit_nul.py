@@ -33,3 +33,21 @@ def test_an_error_with_a_nul_is_audited_on_postgresql(pg_url: str) -> None:
     trail = {r["target"]: r for r in json.loads(_cli(pg_url, "audit", "--action", "pin", "--json"))}
     assert trail["good"]["ok"] is True and trail["odd"]["ok"] is False, trail
     assert "bad" in trail["odd"]["result"], trail["odd"]
+
+
+def test_unstorable_text_is_audited_on_both_databases(empty_db_url: str) -> None:
+    # a lone surrogate (JSON "\ud800" in an agent's error detail) raised UnicodeEncodeError
+    # from SQLite's driver, a ValueError no caller took for a database error; NUL is refused
+    # by PostgreSQL. Both are stored as U+FFFD, as the collector stores them
+    from kvctl.db.migrate import open_db
+    from kvctl.fleet.audit import record
+
+    engine = open_db(empty_db_url, auto_upgrade=True)
+    try:
+        with engine.begin() as conn:
+            record(conn, action="pin", target="n\ud800", args={}, ok=False, result="x\ud800\x00y")
+        with engine.connect() as conn:
+            row = conn.exec_driver_sql("SELECT target, result FROM audit").one()
+        assert tuple(row) == ("n\ufffd", "x\ufffd\ufffdy")
+    finally:
+        engine.dispose()
