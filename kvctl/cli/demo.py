@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import JsonOpt, LimitOpt, SeedOpt, TenantsOpt, WorkloadOpt
-from kvctl.cli.output import console, err_console, fail, print_json, user_errors
+from kvctl.cli.output import console, err_console, fail, json_text, print_json, user_errors
 from kvctl.cli.replay import load_for_replay
 from kvctl.format import percent
 
@@ -172,7 +172,7 @@ def demo_command(
     comparison = _save_route_comparison(fleet, loaded, report, say)
     from kvctl.fleet.demo import REPORT_FILE
 
-    (config.workdir / REPORT_FILE).write_text(_json(report.as_dict()), encoding="utf-8")
+    (config.workdir / REPORT_FILE).write_text(json_text(report.as_dict()), encoding="utf-8")
     if json_out:
         print_json(
             {
@@ -456,12 +456,6 @@ def _print_comparison(result: dict[str, Any] | None) -> None:
         f"round-robin hit {percent(ref['hit_ratio'])}): " + " · ".join(parts),
         highlight=False,
     )
-
-
-def _json(data: object) -> str:
-    import json
-
-    return json.dumps(data, indent=2, default=str) + "\n"
 
 
 def _run(

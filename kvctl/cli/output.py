@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from collections.abc import Iterator
@@ -33,9 +34,29 @@ console = Console(width=_piped_width())
 err_console = Console(stderr=True)
 
 
+def json_text(data: Any) -> str:
+    """``data`` as indented JSON that any parser reads: a float that is not finite (NaN or
+    Infinity from a broken agent, passed on by a command) becomes null, where Python's json
+    would write bare NaN, which jq and every non-Python parser refuse."""
+    try:
+        return json.dumps(data, indent=2, default=str, allow_nan=False) + "\n"
+    except ValueError:  # rare: only then walk the data
+        return json.dumps(_finite(data), indent=2, default=str, allow_nan=False) + "\n"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
 def print_json(data: Any) -> None:
     """Plain JSON on stdout (no colour codes, stable key order) so scripts can parse it."""
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.write(json_text(data))
 
 
 def fail(message: str, *, hint: str | None = None, code: int = 2) -> NoReturn:

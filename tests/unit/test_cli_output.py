@@ -45,3 +45,21 @@ def test_a_row_of_twelve_columns_stays_on_one_line_at_that_width() -> None:
     assert not any(
         "value-00000011" in ln and "value-00000000" in ln for ln in narrow.getvalue().split("\n")
     )
+
+
+def test_json_output_is_json_any_parser_reads(capsys: pytest.CaptureFixture[str]) -> None:
+    # a broken agent's NaN or Infinity passed on by a command was printed as bare NaN: not JSON
+    # for jq or any parser but Python's
+    import json
+
+    def strict(text: str) -> object:
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in the output"))
+
+    data = {"a": float("nan"), "b": [1.5, float("inf"), {"c": -float("inf")}], "d": (2, "x")}
+    output.print_json(data)
+    assert strict(capsys.readouterr().out) == {
+        "a": None,
+        "b": [1.5, None, {"c": None}],
+        "d": [2, "x"],
+    }
+    assert strict(output.json_text({"fine": 0.25})) == {"fine": 0.25}
