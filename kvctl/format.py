@@ -148,3 +148,16 @@ def describe_policy(status: Mapping[str, Any]) -> str:
         return name
     switches = int(status.get("switches", 0))
     return f"{name} following {leader} ({switches} switch{'es' if switches != 1 else ''})"
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every float that is not finite, at any depth (dicts, lists, tuples), as
+    None: an unknown figure in JSON for scripts, where Python's json would write bare NaN or
+    Infinity, which jq and every non-Python parser refuse."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -12,6 +11,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+
+from kvctl.format import finite
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
@@ -41,17 +42,7 @@ def json_text(data: Any) -> str:
     try:
         return json.dumps(data, indent=2, default=str, allow_nan=False) + "\n"
     except ValueError:  # rare: only then walk the data
-        return json.dumps(_finite(data), indent=2, default=str, allow_nan=False) + "\n"
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
+        return json.dumps(finite(data), indent=2, default=str, allow_nan=False) + "\n"
 
 
 def print_json(data: Any) -> None:

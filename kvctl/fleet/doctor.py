@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvctl import __version__
+from kvctl.format import finite
 from kvctl.wire.address import is_loopback
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class Check:
             object.__setattr__(self, "fix", _one_line(self.fix))
         # readings are an agent's, as it sent them: NaN or Infinity (which Python's json reads)
         # would make the --json report invalid JSON for every other parser
-        object.__setattr__(self, "values", _finite(self.values))
+        object.__setattr__(self, "values", finite(self.values))
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -74,17 +75,6 @@ class Check:
             "fix": self.fix,
             "values": dict(self.values),
         }
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with every float that is not finite, at any depth, as None (unknown)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 def summarize(checks: Iterable[Check]) -> dict[str, int]:
