@@ -29,6 +29,14 @@ from sqlalchemy.engine import Connection
 
 from kvctl.db.models import CounterState
 
+#: the fastest any counter of an agent or engine can grow, per second of the interval between
+#: two samples (at least one second): 2**40 (1.1e12 bytes, lookups or joules a second), far past
+#: what a node moves (a host link carries ~5e10 bytes/s). An increase beyond it is impossible:
+#: a counter bouncing between 2**62 and 0 (a hostile or broken source) made each row fit a
+#: BIGINT while a minute's rollup summed past it, and that one failed rollup stopped every
+#: series' rollups. The jump is dropped (None, and its value is the new baseline)
+MAX_INCREASE_PER_S = float(2**40)
+
 
 @dataclass(slots=True)
 class _Last:
@@ -74,7 +82,8 @@ class CounterTracker:
         """Increase of each counter since the previous sample of ``series``; None where the
         counter is unknown now (None in ``values``: a reading that could not be taken, or one
         rejected as impossible). An unknown counter keeps its last known value, so its
-        increase is counted whole at the next sample that reads it.
+        increase is counted whole at the next sample that reads it. An increase faster than
+        ``MAX_INCREASE_PER_S`` is None too, and is never counted.
 
         A counter unknown since the series' baseline (or since its restart's samples began)
         has no value to count from: its first known value is a baseline (None), never its
@@ -88,6 +97,8 @@ class CounterTracker:
         # a restart counts every counter from zero, read or not: nothing is left unread
         unread = set() if prev is None or restarted else set(prev.unread)
         out: dict[str, float | None] = {}
+        interval_s = 0.0 if prev is None else (ts_ms - prev.ts_ms) / 1000
+        max_increase = MAX_INCREASE_PER_S * max(interval_s, 1.0)
         for name, value in values.items():
             before = None if prev is None else prev.values.get(name)
             if value is None:
@@ -105,6 +116,8 @@ class CounterTracker:
                 out[name] = value
             else:
                 out[name] = value - before
+            if (inc := out[name]) is not None and prev is not None and inc > max_increase:
+                out[name] = None  # impossible: not counted now, nor later (the new baseline)
             unread.discard(name)
         kept = {} if prev is None or restarted else dict(prev.values)
         kept.update({k: v for k, v in values.items() if v is not None})

@@ -130,3 +130,36 @@ def test_seconds_beyond_a_float_refuse_the_router_not_the_cycle(
         collector.close()
     assert report.written and report.up == ["n1"], report.as_dict()
     assert where in report.routers_down[router.url], report.routers_down
+
+
+def test_a_counter_bouncing_past_bigint_in_sum_leaves_the_rollups_running(
+    db: Engine, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """An agent whose bytes-read counter bounces between 2**62 and 0: each row's increase fit a
+    BIGINT, but the minute's rollup summed two of them past it, and that one failed
+    transaction stopped every series' rollups (kvctl db maintain failed, windows fell back
+    on raw rows for ever). An increase faster than any node counts is now dropped."""
+    from kvctl.db.rollup import HOUR_MS, Retention, maintain
+
+    agent, _router = stand_ins
+    with db.begin() as conn:
+        add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+        add_node(conn, "n1", dc="fra", agent_url=agent.url)
+    now = [T0_S]
+    collector = Collector(db, CollectorConfig(interval_s=5.0), clock=lambda: now[0])
+    try:
+        for read in (0, 2**62, 0, 2**62, 0, 10):  # 10 s apart, within one minute
+            stats = _stats(10, 4, 1.0)
+            stats["stats"]["tiers"]["cpu"]["bytes_read"] = read
+            agent.answers["/v1/stats"] = stats
+            report = collector.collect_once()
+            assert report.written and not report.rejected, report.as_dict()
+            now[0] += 10
+    finally:
+        collector.close()
+    done = maintain(db, int(T0_S * 1000) + 2 * HOUR_MS, Retention())
+    assert done["rolled_up"], done
+    with db.connect() as conn:
+        q = "SELECT SUM(bytes_read) FROM cache_1m WHERE tier = 'cpu'"
+        rolled = conn.exec_driver_sql(q).scalar_one()
+    assert rolled == 10  # the last, believable increase; the bounces counted nothing

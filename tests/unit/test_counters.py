@@ -41,6 +41,27 @@ def test_a_restart_seen_without_its_epoch_is_not_counted_again_at_the_next_epoch
     assert t.increase("s", {"hits": 8.0}, epoch=2.0, ts_ms=20) == {"hits": 3.0}
 
 
+def test_an_impossibly_fast_increase_is_dropped_for_good() -> None:
+    # a counter bouncing between 2**62 and 0 (a hostile or broken source): each row fit a
+    # BIGINT, but a minute's rollup summed past it and stopped every series' rollups
+    t = CounterTracker()
+    t.increase("s", {"bytes": 0.0, "hits": 5.0}, epoch=1.0, ts_ms=0)
+    big = float(2**62)
+    assert t.increase("s", {"bytes": big, "hits": 6.0}, epoch=1.0, ts_ms=1000) == {
+        "bytes": None,
+        "hits": 1.0,
+    }
+    assert t.increase("s", {"bytes": 0.0}, epoch=1.0, ts_ms=2000) == {"bytes": 0.0}  # went down
+    assert t.increase("s", {"bytes": big}, epoch=1.0, ts_ms=3000) == {"bytes": None}
+    # the jump is the new baseline: counting goes on from it, the jump is never counted
+    assert t.increase("s", {"bytes": big + 5e10}, epoch=1.0, ts_ms=4000) == {"bytes": 5e10}
+    # a real node's fastest counters pass: 50 GB/s over a 10 s interval, and a restart's count
+    t.increase("r", {"bytes": 0.0}, epoch=1.0, ts_ms=0)
+    assert t.increase("r", {"bytes": 5e11}, epoch=1.0, ts_ms=10_000) == {"bytes": 5e11}
+    assert t.increase("r", {"bytes": 4e10}, epoch=2.0, ts_ms=11_000) == {"bytes": 4e10}
+    assert t.increase("r", {"bytes": big}, epoch=3.0, ts_ms=12_000) == {"bytes": None}
+
+
 def test_a_counter_going_down_is_a_reset_without_an_epoch() -> None:
     t = CounterTracker()
     t.increase("e", {"tokens": 1000.0}, epoch=None, ts_ms=0)
