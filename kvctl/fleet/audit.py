@@ -23,8 +23,10 @@ from kvctl.errors import InvalidArgument
 #: ``db_password``... (not ``tokens``, a prompt's token count)
 _SECRET_NAME = re.compile(r"(^|_)(token|password|passwd|secret|api_key|credentials?)$", re.I)
 #: a URL's user and password (``scheme://USER:PASSWORD@host``): the inventory refuses such
-#: URLs, but the refused attempt is audited, with the URL in its args and often its message
-_URL_USERINFO = re.compile(r"(?<=://)[^/?#\s@'\"]+@")
+#: URLs, but the refused attempt is audited, with the URL in its args and often its message.
+#: Up to the authority's last '@' (a password may hold one, as URL parsers read it), and also
+#: at the start of text without a scheme (``USER:PASSWORD@host:port``, refused for that)
+_URL_USERINFO = re.compile(r"(?:(?<=://)|^(?=[^/?#\s'\"@]*:))[^/?#\s'\"]*@")
 #: results longer than this are cut (a fan-out over hundreds of nodes stays one row per node)
 MAX_RESULT_CHARS = 4000
 #: the inventory's changes (`kvctl fleet ...`) as the trail names them; the control actions are

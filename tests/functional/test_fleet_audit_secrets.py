@@ -23,6 +23,8 @@ SECRET = "s3cret-pw"
         ["--agent-url", f"http://admin:{SECRET}@10.0.0.7:7070"],
         ["--agent-url", f"http://admin:{SECRET}@10.0.0.7:70x0"],  # the bad port's message
         ["--agent-url", "http://10.0.0.7:7070", "--engine-url", f"https://u:{SECRET}@e:8000/m"],
+        ["--agent-url", f"ops:{SECRET}@10.0.0.7:7070"],  # no scheme: refused for that
+        ["--agent-url", f"http://admin:pw@{SECRET}@10.0.0.7:7070"],  # an '@' in the password
     ],
 )
 def test_a_refused_url_with_a_password_is_audited_without_it(
