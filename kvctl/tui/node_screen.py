@@ -21,6 +21,7 @@ from kvctl.format import (
     format_bytes,
     percent,
 )
+from kvctl.tui.app import POLL_WAIT_SHARE
 from kvctl.tui.model import FleetView, NodeRow, sparkline
 from kvctl.tui.sources import Details
 
@@ -165,7 +166,12 @@ class NodeScreen(Screen[None]):
 
     @work(thread=True, group="node", exit_on_error=False)
     def _fetch(self) -> None:
-        self.top.from_thread(self._show_details, self.top.source.details(self.node, self.cursor))
+        # waited for as the fleet poll waits for the agents: this worker's thread is the event
+        # loop's, which the poll's worker needs too; a node trickling its answer (no read
+        # timeout ends it) reads as not answering, its call left on a thread of its own
+        wait_s = self.top.interval_s * POLL_WAIT_SHARE
+        details = self.top.source.details(self.node, self.cursor, wait_s)
+        self.top.from_thread(self._show_details, details)
 
     def _show_details(self, d: Details) -> None:
         self._fetching = False

@@ -60,6 +60,14 @@ class Details:
     error: str | None = None
 
 
+def _details_from(
+    pool: ClientPool, node: NodeInfo, cursor: int | None
+) -> tuple[int | None, Details]:
+    """:func:`fetch_details` with the cursor it was asked from: an answer that comes back late
+    is applied only where the page still reads from that cursor."""
+    return cursor, fetch_details(pool, node, cursor)
+
+
 def fetch_details(pool: ClientPool, node: NodeInfo, cursor: int | None) -> Details:
     """Ask ``node``'s agent for its detail over the pool's kept-open client; a failure is a
     :class:`Details` with ``error``."""
@@ -101,7 +109,10 @@ class Source(Protocol):
         each answers or times out); one still silent then reads as not answering."""
         ...
 
-    def details(self, node: NodeInfo, cursor: int | None) -> Details: ...
+    def details(self, node: NodeInfo, cursor: int | None, wait_s: float | None = None) -> Details:
+        """``node``'s detail from ``cursor``, waited for up to ``wait_s`` seconds (None: until
+        it answers or times out); still asking then, a :class:`Details` saying so."""
+        ...
 
     def close(self) -> None: ...
 
@@ -189,6 +200,12 @@ class Asker:
         self._router: Calls[RouterReading] = Calls(
             max_threads=1, clock=clock, name="kvctl-top-router"
         )
+        # a node page's detail, with the cursor it was asked from: one trickling its answer
+        # (which no read timeout ends) holds no thread of the view, and a page opened again
+        # asks it no second call
+        self._details: Calls[tuple[int | None, Details]] = Calls(
+            clock=clock, name="kvctl-top-details"
+        )
 
     @property
     def pool(self) -> ClientPool:
@@ -200,6 +217,7 @@ class Asker:
         self._agents.close()
         self._gpus.close()
         self._router.close()
+        self._details.close()
         if self._pool is not None:
             self._pool.close()
         if self.router is not None:
@@ -225,6 +243,25 @@ class Asker:
         if a.value is not None:
             return readings, replace(a.value, read_at_s=a.at_s if a.late else None)
         return readings, RouterReading(watch.url, None, f"no answer for {a.waiting_s or 0:.1f} s")
+
+    def details(self, node: NodeInfo, cursor: int | None, wait_s: float | None) -> Details:
+        """``node``'s detail from ``cursor`` (see :meth:`Source.details`)."""
+        key = _key(node)
+        deadline_s = None if wait_s is None else time.perf_counter() + wait_s
+        fetch = partial(_details_from, self.pool, node, cursor)
+        a = self._details.start({key: fetch}).answers(deadline_s)[key]
+        if a.value is not None:
+            asked, details = a.value
+            # a late answer asked from another cursor (a page closed since, or read past it):
+            # no news, its events are not ours to add; this fetch's call brings them
+            return details if asked == cursor else Details(cursor=cursor)
+        if a.error is not None:
+            return Details(cursor=cursor, error=_reason(a.error))
+        why = (
+            f"no detail from {node.agent_url} for {a.waiting_s or 0:.1f} s (still asking): "
+            "hung or overloaded?"
+        )
+        return Details(cursor=cursor, error=why)
 
     def _ask_agents(
         self, nodes: Sequence[NodeInfo], deadline_s: float | None, identify: set[int]
@@ -418,8 +455,8 @@ class FleetSource:
         elapsed_s = time.perf_counter() - t0
         return Poll(ts_s, readings, rtt, elapsed_s, router, rtt_basis=basis, db_error=db_error)
 
-    def details(self, node: NodeInfo, cursor: int | None) -> Details:
-        return fetch_details(self._asker.pool, node, cursor)
+    def details(self, node: NodeInfo, cursor: int | None, wait_s: float | None = None) -> Details:
+        return self._asker.details(node, cursor, wait_s)
 
     def close(self) -> None:
         self._asker.close()
@@ -509,8 +546,8 @@ class AgentSource:
         readings = [replace(r, node=by_id[r.node.id]) for r in readings]
         return Poll(ts_s, readings, None, time.perf_counter() - t0, router)
 
-    def details(self, node: NodeInfo, cursor: int | None) -> Details:
-        return fetch_details(self._asker.pool, node, cursor)
+    def details(self, node: NodeInfo, cursor: int | None, wait_s: float | None = None) -> Details:
+        return self._asker.details(node, cursor, wait_s)
 
     def close(self) -> None:
         self._asker.close()

@@ -103,7 +103,7 @@ class ScriptedSource:
         rtt = {**RTT, **{(b, a): v for (a, b), v in RTT.items()}}
         return Poll(T0 + 2 * self.step, readings, rtt, 0.042)
 
-    def details(self, node: NodeInfo, cursor: int | None) -> Details:
+    def details(self, node: NodeInfo, cursor: int | None, wait_s: float | None = None) -> Details:
         if cursor is not None:
             return Details(cursor=cursor, top=None, pinned=None)
         events = [
