@@ -6,6 +6,7 @@ transaction, asks before removing nodes in bulk, and renders the outcome."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from enum import StrEnum
@@ -576,6 +577,13 @@ def _show_plan(
     console.print(f"{_cell(summary)}{f' [dim]({note})[/]' if note else ''}", highlight=False)
 
 
+def _umask() -> int:
+    """The process's umask (reading it means setting it: put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @fleet_app.command("export")
 def export_command(
     fmt: Annotated[
@@ -629,8 +637,9 @@ def export_command(
             output.write_text(text, encoding="utf-8")
         else:
             # replaced whole or not at all: written in place, a full disk truncated the old
-            # fleet file and left half of the new one; an existing file keeps its permissions
-            mode = output.stat().st_mode & 0o777 if output.exists() else 0o644
+            # fleet file and left half of the new one; an existing file keeps its permissions,
+            # a new one gets the umask's, as written in place (write_atomic sets the mode as is)
+            mode = output.stat().st_mode & 0o777 if output.exists() else 0o666 & ~_umask()
             write_atomic(output, text, mode=mode)
     except WriteFailed as exc:  # names the file and says why
         fail(str(exc))
