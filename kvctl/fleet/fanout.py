@@ -122,8 +122,9 @@ def fan_out(
             for fut in futures:
                 fut.cancel()  # those not yet asked; a call under way runs on
             # every answer is in, left unreported: the trail cannot be written (one reported
-            # already, past its deadline, is not waited for)
-            wait([f for f, i in futures.items() if i not in reported])
+            # already, past its deadline, is not waited for; none past its own deadline)
+            unreported = [f for f, i in futures.items() if i not in reported]
+            wait(unreported, timeout=_left_s(futures, unreported, started, deadline_s))
             raise
         if on_result is None:
             # read-only: nothing to report or audit, so no agent is waited for (a hung one
@@ -135,8 +136,10 @@ def fan_out(
             for fut in futures:
                 fut.cancel()
             # the nodes asked act all the same: their answers are reported (one reported
-            # already, past its deadline, is not waited for)
-            wait([f for f, i in futures.items() if i not in reported])
+            # already, past its deadline, is not waited for; none past its own deadline: one
+            # still trickling then is reported as unanswered below)
+            unreported = [f for f, i in futures.items() if i not in reported]
+            wait(unreported, timeout=_left_s(futures, unreported, started, deadline_s))
         except KeyboardInterrupt:
             # a second Ctrl-C: the operator will not wait. The nodes still asking are reported
             # as unanswered below, so the audit trail has a row for every node asked, not none
@@ -146,6 +149,21 @@ def fan_out(
     finally:
         pool.shutdown()  # its threads end with their calls
     return [results[i] for i in range(len(nodes))]
+
+
+def _left_s(
+    futures: dict[Future[NodeResult[T]], int],
+    waited: Sequence[Future[NodeResult[T]]],
+    started: dict[int, float],
+    deadline_s: float | None,
+) -> float | None:
+    """How long the calls of ``waited`` may still run: to the latest deadline of those asked
+    (None: no deadline, each ends with its client's timeouts). Without it, a node trickling
+    its answer held a Ctrl-C, or a failed audit write, for as long as the trickle lasted."""
+    if deadline_s is None:
+        return None
+    ends = [started[futures[f]] + deadline_s for f in waited if futures[f] in started]
+    return max(0.0, max(ends) - time.perf_counter()) if ends else 0.0
 
 
 def read_deadline_s(timeout_s: float) -> float:

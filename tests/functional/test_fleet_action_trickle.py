@@ -36,3 +36,41 @@ def test_a_trickling_agent_fails_the_pin_within_its_deadline(tmp_path: Path) -> 
     trail = {r["target"]: r for r in json.loads(_cli(db, "audit", "--action", "pin", "--json"))}
     assert trail["good"]["ok"] is True
     assert trail["slow"]["ok"] is False and "within" in trail["slow"]["result"], trail["slow"]
+
+
+def test_a_ctrl_c_waits_for_a_trickling_agent_no_longer_than_its_deadline(tmp_path: Path) -> None:
+    """After a first Ctrl-C the command waits for the nodes already asked, so their answers
+    are audited: that wait had no bound, and one trickling agent held it (kvctl pin --timeout
+    1 still ran 40 s after the Ctrl-C, its deadline 4 s). Now it ends at the deadline, the
+    trickling node audited as unanswered and the good one as it answered."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    db = f"sqlite:///{tmp_path / 'kvctl.db'}"
+    with serving(_Trickle) as slow, answering_url(200, DONE, "application/json") as good:
+        _cli(db, "fleet", "add-dc", "fra")
+        _cli(db, "fleet", "add-node", "slow", "--dc", "fra", "--agent-url", slow)
+        _cli(db, "fleet", "add-node", "good", "--dc", "fra", "--agent-url", good)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        args = ["pin", "--all", "--yes", "--key", KEY, "--timeout", "1", "--db", db]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", *args], env=env, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            time.sleep(2.0)  # both asked (the deadline is 4 s), the slow one trickling
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            _out, err = proc.communicate(timeout=60)
+            took_s = time.monotonic() - t0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    # the trickle lasts about 170 s; the deadline ends the wait 2 s after the Ctrl-C
+    assert took_s < 30, (took_s, err[-2000:])
+    assert proc.returncode != 0, err[-2000:]
+    trail = {r["target"]: r for r in json.loads(_cli(db, "audit", "--action", "pin", "--json"))}
+    assert trail["good"]["ok"] is True, trail
+    assert trail["slow"]["ok"] is False, trail
