@@ -28,8 +28,12 @@ from tests.functional.test_top import cell, drive, select_row, until
 from tests.not_an_agent import serving
 
 ARGS = ("--cpu", "4MiB", "--disk", "0")
-#: far longer than any test here: a byte every 0.1 s (within the 1 s read timeout)
+#: far longer than any test here: a byte every 0.1 s (within the read timeout)
 BODY = b'{"stats": {}, "pad": "' + b"x" * 1000 + b'"}'
+#: the client's timeout of each read: far above the trickle's 0.1 s, so a server thread that a
+#: loaded CI machine leaves unscheduled for a second does not end a call (the next poll would
+#: then ask again, and the counts of calls below would read that as a call per poll)
+READ_TIMEOUT_S = 10.0
 
 
 class Trickler:
@@ -93,7 +97,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[Engine, Agent, Trickler]]:
 
 def test_a_trickling_agent_costs_its_own_row(fleet: tuple[Engine, Agent, Trickler]) -> None:
     engine, _a, trickler = fleet
-    app = create_app(FleetSource(engine, timeout_s=1), readonly=True, interval_s=0.5)
+    app = create_app(FleetSource(engine, timeout_s=READ_TIMEOUT_S), readonly=True, interval_s=0.5)
 
     async def script(pilot: Pilot[None]) -> None:
         try:
@@ -129,7 +133,7 @@ def test_a_trickling_agents_node_page_says_so_and_holds_no_thread(
     event loop's default executor, which the fleet poll's worker shares: once that was full
     (cpus + 4 threads), no poll ran again and the whole view froze."""
     engine, _a, trickler = fleet
-    app = create_app(FleetSource(engine, timeout_s=1), readonly=True, interval_s=0.5)
+    app = create_app(FleetSource(engine, timeout_s=READ_TIMEOUT_S), readonly=True, interval_s=0.5)
     # one more than the threads of asyncio's default executor (ThreadPoolExecutor's default)
     opened = min(32, (os.cpu_count() or 1) + 4) + 1
 
