@@ -266,8 +266,9 @@ def classify_nvml(name: str, status: NvmlStatus, *, where: str = "this machine")
 
 @dataclass(frozen=True, slots=True)
 class AgentProbe:
-    """What one agent answered. ``failure`` is None, "unreachable", "auth" or "error" (it
-    answered, but not like a kvctl agent); the later calls' errors leave their reading N/A."""
+    """What one agent answered. ``failure`` is None, "unreachable", "auth", "overdue" (its
+    answers did not come in full within the doctor's deadline) or "error" (it answered, but
+    not like a kvctl agent); the later calls' errors leave their reading N/A."""
 
     failure: str | None = None
     error: str | None = None
@@ -365,6 +366,16 @@ def classify_agent(
                 f"unreachable: {probe.error}",
                 f"start the agent on {name} (`kvctl agent start`), or check its URL with "
                 "`kvctl fleet ls`",
+            )
+        ]
+    if probe.failure == "overdue":  # each read came in time, the whole answer did not
+        return [
+            Check(
+                row,
+                FAIL,
+                probe.error or f"{url} did not answer in full in time",
+                f"{name}'s agent is hung or overloaded, or its answers trickle (a slow link?): "
+                f"check its load and `kvctl agent status` on {name}",
             )
         ]
     if probe.failure is not None or probe.health is None:
@@ -773,8 +784,9 @@ def agent_checks(
     for res in results:
         if res.ok and res.value is not None:
             probes[res.node.id] = res.value
-        else:  # fan_out caught it (e.g. the client could not be made)
-            probes[res.node.id] = AgentProbe(failure="error", error=res.error)
+        else:  # fan_out caught it (e.g. the client could not be made), or cut it off
+            failure = "overdue" if res.overdue else "error"
+            probes[res.node.id] = AgentProbe(failure=failure, error=res.error)
 
     checks: list[Check] = []
     for n in nodes:

@@ -38,3 +38,6 @@ def test_doctor_fails_a_trickling_agent_within_its_deadline(
     rows = {c["name"]: c for c in json.loads(out.stdout)["checks"]}
     assert rows["agent slow"]["status"] == "fail", rows["agent slow"]
     assert "within" in rows["agent slow"]["detail"], rows["agent slow"]
+    # a slow agent, not a wrong URL: it is not said to answer unlike an agent
+    assert "like a kvctl agent" not in rows["agent slow"]["detail"], rows["agent slow"]
+    assert "hung or overloaded" in rows["agent slow"]["fix"], rows["agent slow"]
