@@ -37,6 +37,11 @@ def on_sigint(handler: Callable[[int, FrameType | None], Any]) -> Iterator[None]
         signal.signal(signal.SIGINT, previous)
 
 
+class ForcedInterrupt(KeyboardInterrupt):
+    """A Ctrl-C pressed again while a held block was stuck: the operator asked to stop now, so
+    nothing more is waited for, nor another write tried (it would be stuck the same way)."""
+
+
 #: seconds after a held Ctrl-C from which another one is not held: the block is stuck (a
 #: database write waiting on a lock), and the operator's second Ctrl-C stops it now
 FORCE_AFTER_SECONDS = 2.0
@@ -50,7 +55,7 @@ def interrupts_held(
     it failed), for the handler in place before it (KeyboardInterrupt, a command's
     "interrupted: ..." line). A block that does not end (a write blocked on a lock) would hold
     it forever: a SIGINT ``force_after_s`` or more after the first one held raises
-    KeyboardInterrupt at once, in the block; one sooner (a quick double press) is held too,
+    :class:`ForcedInterrupt` at once, in the block; one sooner (a quick double press) is held too,
     and stderr says how to stop now."""
     pending: list[float] = []
     forced = False
@@ -60,7 +65,7 @@ def interrupts_held(
         now_s = clock()
         if pending and now_s - pending[0] >= force_after_s:
             forced = True
-            raise KeyboardInterrupt
+            raise ForcedInterrupt
         if pending and len(pending) == 1:  # once: said from a signal handler, so a raw write
             with contextlib.suppress(OSError):
                 os.write(2, b"finishing a write first; Ctrl-C again in a moment to stop now\n")

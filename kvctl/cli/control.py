@@ -100,11 +100,17 @@ def _act(
                 progress.update(task, advance=1, last=escape(r.node.name))
 
             report = run_action(engine, nodes, req, timeout_s=fanout.timeout, on_result=answer)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        unrecorded: list[str] = getattr(exc, "unrecorded", [])
         err_console.print(
             f"[yellow]interrupted:[/] {len(answered)} of {len(nodes)} node(s) answered"
             + (f" ({escape(', '.join(answered))})" if answered else "")
-            + f"; `kvctl audit --action {req.action}` shows how each ended",
+            + (
+                f"; [bold red]not in the audit trail[/] (its write was stopped), though asked "
+                f"and possibly acted: {escape(', '.join(unrecorded))}"
+                if unrecorded
+                else f"; `kvctl audit --action {req.action}` shows how each ended"
+            ),
             highlight=False,
             soft_wrap=True,
         )

@@ -202,6 +202,16 @@ class ActionReport:
         }
 
 
+class ActionInterrupted(KeyboardInterrupt):
+    """A Ctrl-C ended an action. ``unrecorded`` names the nodes asked whose outcome the audit
+    trail lacks: a second Ctrl-C stopped a write stuck on a lock. They may have acted all the
+    same, and `kvctl audit` cannot say so."""
+
+    def __init__(self, unrecorded: list[str]) -> None:
+        super().__init__(unrecorded)
+        self.unrecorded = unrecorded
+
+
 def run_action(
     engine: Engine,
     nodes: Sequence[NodeInfo],
@@ -241,6 +251,10 @@ def run_action(
         asked.append(client.url)
         return request.call(client)
 
+    def unrecorded() -> list[str]:
+        urls = set(asked)
+        return [n.name for n in nodes if n.agent_url.rstrip("/") in urls and n.name not in recorded]
+
     try:
         results = fan_out(
             nodes,
@@ -253,11 +267,10 @@ def run_action(
             # off may still act, as one the client's own timeout cuts off may
             deadline_s=2 * read_deadline_s(timeout_s),
         )
+    except KeyboardInterrupt as exc:
+        raise ActionInterrupted(unrecorded()) from exc
     except SQLAlchemyError as exc:
-        urls = set(asked)
-        names = [
-            n.name for n in nodes if n.agent_url.rstrip("/") in urls and n.name not in recorded
-        ]
+        names = unrecorded()
         reason = str(getattr(exc, "orig", None) or exc).strip()
         raise DatabaseError(
             f"the audit trail cannot be written ({reason}): {len(names)} node(s) were asked "

@@ -14,7 +14,7 @@ from kvctl.client import AgentClient, AgentError, AgentUnreachable, AuthError
 from kvctl.daemon_pool import DaemonPool
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import KvctlError
-from kvctl.interrupts import interrupts_held
+from kvctl.interrupts import ForcedInterrupt, interrupts_held
 
 T = TypeVar("T")
 
@@ -126,9 +126,11 @@ def fan_out(
             unreported = [f for f, i in futures.items() if i not in reported]
             wait(unreported, timeout=_left_s(futures, unreported, started, deadline_s))
             raise
-        if on_result is None:
+        if on_result is None or isinstance(exc, ForcedInterrupt):
             # read-only: nothing to report or audit, so no agent is waited for (a hung one
-            # would hold the Ctrl-C for the whole timeout); the calls end on daemon threads
+            # would hold the Ctrl-C for the whole timeout); the calls end on daemon threads.
+            # Forced (Ctrl-C again while a report was stuck): the operator will not wait, and
+            # another report would be stuck the same way
             for fut in futures:
                 fut.cancel()
             raise

@@ -212,6 +212,37 @@ def test_a_second_ctrl_c_while_waiting_reports_the_unanswered_nodes() -> None:
     assert "unknown" in str(by_name["n1"].error)
 
 
+def test_a_forced_stop_during_a_stuck_report_waits_for_nothing_more() -> None:
+    """Ctrl-C twice while a report is stuck (an audit write waiting on a lock) forces a stop
+    (ForcedInterrupt): the operator was told it stops now. Before, it was taken as a first
+    Ctrl-C, so the fan-out went on to wait for the nodes still asking (up to their deadline)
+    and reported them, each write stuck the same way."""
+    from kvctl.interrupts import ForcedInterrupt
+
+    reported: list[str] = []
+    slow_asked, release, slow_done = threading.Event(), threading.Event(), threading.Event()
+
+    def pin(client: AgentClient) -> str:
+        if client.url.endswith("9001"):
+            slow_asked.set()
+            release.wait(GUARD_S)
+            slow_done.set()
+        return "pinned"
+
+    def stuck(result: NodeResult[str]) -> None:
+        reported.append(result.node.name)
+        assert slow_asked.wait(GUARD_S)
+        raise ForcedInterrupt  # what interrupts_held raises on the second press
+
+    try:
+        with pytest.raises(ForcedInterrupt):
+            fan_out(NODES[:2], pin, concurrency=2, on_result=stuck, deadline_s=GUARD_S)
+        assert not slow_done.is_set()  # not waited for
+        assert reported == ["n0"]  # nor reported: that write would be stuck too
+    finally:
+        release.set()
+
+
 def test_a_node_past_its_deadline_is_a_silent_failure_and_the_others_are_not_held() -> None:
     """A node whose call runs past ``deadline_s`` (an answer trickling a byte at a time, each
     read within the client's timeout) is reported then as not answering in full, its thread
