@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from sqlalchemy import (
     Boolean,
+    Float,
     Integer,
     Select,
     Table,
@@ -160,7 +161,10 @@ def piece(
         cols += [_sum_expr(t.c[c]).label(c) for c in s.sums]
         for g in s.gauges:
             cols += [
-                func.sum(t.c[g]).label(f"{g}_sum"),
+                # as floats (what the rollup column holds; a mean is what it is for): two
+                # readings near 2**63 overflow SQLite's integer sum(), which failed the whole
+                # rollup, every series with it
+                func.sum(cast(t.c[g], Float)).label(f"{g}_sum"),
                 func.max(t.c[g]).label(f"{g}_max"),
                 func.count(t.c[g]).label(f"{g}_n"),
             ]

@@ -317,3 +317,45 @@ def test_buckets_equal_raw_buckets_across_levels(filled_days: Engine, width: int
                 for m in (r._mapping for r in conn.execute(q))
             }
             assert got == _raw_buckets(conn, start, end, width, [1, 3]), (start, end)
+
+
+def test_gauges_whose_sum_passes_bigint_roll_up_and_so_does_every_other_series(
+    db: Engine,
+) -> None:
+    """A tier's gauge near 2**63 (each reading fits the raw BIGINT column; the agent's API
+    allows up to 2**63 - 1, and a broken or hostile agent can say so) twice in a minute: the
+    minute's sum passes BIGINT. SQLite's sum() of integers raised "integer overflow", failing
+    the rollup's one transaction, so no series rolled up again (the dashboard's longer windows
+    went stale for the whole fleet). Gauge sums are summed as floats: the mean is what they
+    are for."""
+    big = 2**62 + 2**61
+    rows = [
+        {
+            "node_id": 1,
+            "tier": "pool",
+            "ts_ms": T0 + i * 10_000,
+            **dict.fromkeys(series("cache_sample").sums, 0),
+            "used_bytes": big,
+            "capacity_bytes": big,
+            "pinned_bytes": 0,
+            "items": 0,
+        }
+        for i in range(6)
+    ]
+    with db.begin() as conn:
+        insert_rows(conn, raw_table("cache_sample"), rows)
+        insert_rows(conn, raw_table("node_sample"), _node_rows())
+    rollup_all(db.begin, T0 + DAY_MS)
+    minute = ROLLUPS["cache_sample", "1m"]
+    with db.connect() as conn:
+        got = conn.execute(
+            select(minute.c.capacity_bytes_sum, minute.c.capacity_bytes_n).where(
+                minute.c.bucket_ms == T0
+            )
+        ).one()
+        nodes = conn.execute(
+            select(func.count()).select_from(ROLLUPS["node_sample", "1h"])
+        ).scalar_one()
+    assert got.capacity_bytes_n == 6
+    assert got.capacity_bytes_sum / got.capacity_bytes_n == pytest.approx(big, rel=1e-12)
+    assert nodes > 0  # the other series rolled up too
