@@ -18,7 +18,6 @@ from kvctl.cli.options import (
     Targets,
     TierOpt,
     TimeoutOpt,
-    YesOpt,
     bundled,
     db_errors,
     open_engine,
@@ -35,6 +34,18 @@ from kvctl.cli.output import (
 if TYPE_CHECKING:
     from kvctl.fleet.actions import ActionReport
     from kvctl.fleet.fanout import NodeResult
+
+
+# --all and --dc act on nodes no one named, as many as the fleet or a DC holds: asked first
+YesOpt = Annotated[
+    bool,
+    typer.Option(
+        "--yes",
+        "-y",
+        help="Do not ask for confirmation, which --all and --dc ask for (no answer, as from a "
+        "closed stdin, is a no).",
+    ),
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +68,9 @@ def _act(
     hint: str | None = None,
     **request: Any,
 ) -> None:
-    """Build the request (a bad value is a usage error with ``hint``), confirm a fleet-wide
-    one, run it on the targets with a progress bar, render the report; exit 1 on a failure."""
+    """Build the request (a bad value is a usage error with ``hint``), confirm one on --all or
+    a whole --dc, run it on the targets with a progress bar, render the report; exit 1 on a
+    failure."""
     from kvctl.fleet.actions import ActionRequest, run_action
 
     with user_errors(hint=hint):
@@ -67,11 +79,10 @@ def _act(
         )
     engine = open_engine(fanout.db)
     nodes = targets.resolve(engine)
-    if targets.all_nodes and not fanout.yes:
-        dcs = len({n.dc for n in nodes})
-        if not confirm(f"{req.action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"):
-            err_console.print("nothing done")
-            raise typer.Exit(1)
+    question = None if fanout.yes else targets.question(req.action, nodes)
+    if question is not None and not confirm(question):
+        err_console.print("nothing done")
+        raise typer.Exit(1)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     answered: list[str] = []

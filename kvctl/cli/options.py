@@ -288,6 +288,21 @@ class Targets:
                 conn, nodes=self.node or [], dcs=self.dc or [], all_nodes=self.all_nodes
             )
 
+    def question(self, action: str, nodes: list[NodeInfo]) -> str | None:
+        """What to ask before ``action`` on the resolved ``nodes`` when the selection is
+        wholesale (--all, or a whole DC: as many nodes at once, named by no one), else None."""
+        if self.all_nodes:
+            dcs = len({n.dc for n in nodes})
+            return f"{action} on ALL {len(nodes)} node(s) in {dcs} DC(s)?"
+        if not self.dc:
+            return None
+        dcs = list(dict.fromkeys(self.dc))  # a DC given twice is asked about once
+        in_dcs = sum(n.dc in dcs for n in nodes)
+        named = [n.name for n in nodes if n.dc not in dcs]  # --node outside those DCs
+        where = f"DC {dcs[0]}" if len(dcs) == 1 else f"DCs {', '.join(dcs)}"
+        also = f" and on {', '.join(named)}" if named else ""
+        return f"{action} on ALL {in_dcs} node(s) in {where}{also}?"
+
 
 def bundled(fn: Callable[..., None]) -> Callable[..., None]:
     """``fn`` as a command whose dataclass-typed parameters (:class:`ChunkOptions`,

@@ -168,7 +168,7 @@ def test_pin_evict_unpin_by_key_on_a_dc_with_audit_rows(
     keys = _store(a, text)
     _store(b, text)
     key_args = [arg for k in keys for arg in ("--key", k.hex())]
-    pin = _run("pin", "--db", fleet, "--dc", "fra", *key_args, "--json")
+    pin = _run("pin", "--db", fleet, "--dc", "fra", *key_args, "--yes", "--json")
     assert pin.exit_code == 0, pin.output
     doc = json.loads(pin.stdout)
     assert doc["ok"] and doc["failed"] == []
@@ -230,6 +230,37 @@ def test_all_asks_first_and_partial_failure_names_the_down_node(
     table = _run("flush", "--db", fleet, "--all", "--yes", "--tier", "disk")
     assert table.exit_code == 1
     assert "failed" in table.output and "gpu-down" in table.output
+
+
+def test_a_whole_dc_asks_first_like_all(fleet: str, db: Engine, agents: Any) -> None:
+    """--dc acts on every node of a DC, which no one named one by one: it asks like --all."""
+    a, b = agents
+    text = "dc " + PROMPT  # chunks of its own: the other tests' pins leave them alone
+    keys = _store(a, text)
+    _store(b, text)
+    key = keys[0].hex()
+    declined = _run("evict", "--db", fleet, "--dc", "fra", "--key", key, input="n\n")
+    assert declined.exit_code == 1 and "nothing done" in declined.output
+    assert "evict on ALL 2 node(s) in DC fra?" in declined.output
+    # no answer at all (stdin closed, as in a script without --yes): also a no
+    silent = _run("evict", "--db", fleet, "--dc", "fra", "--key", key, input="")
+    assert silent.exit_code == 1 and "nothing done" in silent.output
+    # the down node's DC with a node of another named too: the question names both
+    both = _run("evict", "--db", fleet, "--dc", "ams", "-n", "gpu-a", "--key", key, input="n\n")
+    assert both.exit_code == 1 and "ALL 1 node(s) in DC ams and on gpu-a?" in both.output
+    assert _audit(db) == []  # no agent was asked
+    assert a.control().lookup(keys=keys, count=False)["matched_chunks"] == 2
+    assert b.control().lookup(keys=keys, count=False)["matched_chunks"] == 2
+
+    out = _run("evict", "--db", fleet, "--dc", "fra", "--key", key, "--json", input="y\n")
+    assert out.exit_code == 0, out.output
+    # CliRunner echoes the typed answer onto stdout; a terminal would not
+    doc = json.loads(out.stdout[out.stdout.index("{") :])
+    assert {n["node"]: n["result"]["done"] for n in doc["nodes"]} == {"gpu-a": 1, "gpu-b": 1}
+    assert sorted(r.target for r in _audit(db)) == ["gpu-a", "gpu-b"]
+    # named nodes only: nothing to ask
+    named = _run("evict", "--db", fleet, "-n", "gpu-a", "-n", "gpu-b", "--key", keys[1].hex())
+    assert named.exit_code == 0 and "ALL" not in named.output, named.output
 
 
 def test_tier_actions_move_prefetch_flush_resize(fleet: str, db: Engine, agents: Any) -> None:
