@@ -6,21 +6,33 @@ from __future__ import annotations
 import re
 
 _QUERY_SECRET = re.compile(r"(?i)([?&](?:password|pass|token)=)[^&#]*")
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_AUTHORITY_END = re.compile(r"[/?#]")
+# what a URL's authority is when it has no userinfo: a host (or [IPv6]) and a numeric port
+_HOST_PORT = re.compile(r"(?:\[[^\]/?#@]*\]|[^:\[\]/?#@]*)(?::[0-9]+)?")
 
 
 def redact_url(url: str) -> str:
     """``url`` with any password (``user:PASSWORD@`` or a ``password=`` query) as ``***``, for
     status lines, listings and logs; without a scheme too (``user:PASSWORD@host:port``, a URL
-    given without its ``http://``)."""
-    url = _QUERY_SECRET.sub(r"\1***", url)
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    netloc, slash, path = rest.partition("/")
-    if "@" not in netloc:
-        return url
-    auth, _, host = netloc.rpartition("@")
-    if ":" not in auth:
-        return url
-    user = auth.partition(":")[0]
-    return f"{scheme}{sep}{user}:***@{host}{slash}{path}"
+    given without its ``http://``).
+
+    A password as an operator types it, with a raw ``/``, ``?``, ``#`` or ``@`` (not a valid
+    URL: these must be percent-encoded there), is hidden too, up to the last ``@``: a valid URL
+    ends its authority at the first ``/``, ``?`` or ``#``, so ``u:pa/ss@host`` would show
+    ``pa/ss`` as a host, a bad port and a path. What reads as a valid URL is shown as one
+    (``http://host:7070/a@b``): a password of digits up to its ``/`` is such a port."""
+    found = _SCHEME.match(url)
+    start = found.end() if found else 0
+    end_found = _AUTHORITY_END.search(url, start)
+    end = end_found.start() if end_found else len(url)
+    at = url.rfind("@", start, end)
+    if at < 0 and not _HOST_PORT.fullmatch(url, start, end):
+        # 'user:pa' is no host:port: the password runs on past a '/', '?' or '#'; to the last
+        # '@', as any '@' before it may be the password's own: better a host hidden than that
+        at = url.rfind("@", end)
+    colon = url.find(":", start, at) if at >= 0 else -1
+    if colon >= 0:  # a user alone (no ':') is no secret
+        url = f"{url[: colon + 1]}***{url[at:]}"
+    # after the userinfo: a password with '?token=' in it is all hidden, not cut there
+    return _QUERY_SECRET.sub(r"\1***", url)
