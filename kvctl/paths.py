@@ -3,8 +3,10 @@ there are written."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import stat
 from pathlib import Path
 
 from kvctl.errors import InvalidArgument, KvctlError
@@ -50,11 +52,12 @@ _WRITE_REASONS = {
 }
 
 
-def write_atomic(path: Path, text: str, *, mode: int) -> None:
+def write_atomic(path: Path, text: str, *, mode: int, keep_owner: bool = False) -> None:
     """``text`` in ``path`` with ``mode`` whatever the umask, replaced atomically: a reader
-    (systemd, another kvctl) sees the old file or the new one, never half of it. Raises
-    WriteFailed naming ``path`` (a full filesystem, no permission), the old file left as it
-    was."""
+    (systemd, another kvctl) sees the old file or the new one, never half of it. With
+    ``keep_owner``, root gives the new file the old one's owner and group (best effort: a
+    filesystem that refuses it still gets the file). Raises WriteFailed naming ``path`` (a
+    full filesystem, no permission), the old file left as it was."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.unlink(missing_ok=True)  # a killed process's leftover would keep its old mode
@@ -62,12 +65,56 @@ def write_atomic(path: Path, text: str, *, mode: int) -> None:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
-            os.chmod(tmp, mode)
+            if keep_owner and os.geteuid() == 0:
+                _chown_like(tmp, path)
+            os.chmod(tmp, mode)  # after the chown, which may clear bits
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
     except WriteFailed:
         raise
+    except OSError as exc:
+        raise WriteFailed(path, exc) from exc
+
+
+def _chown_like(path: Path, old: Path) -> None:
+    # a file root writes anew would be root's: another user's file (their fleet file, written
+    # by root's cron) would stop being theirs to edit
+    try:
+        st = os.stat(old)
+    except FileNotFoundError:
+        return  # a new file: root's, as open() would make it
+    with contextlib.suppress(OSError):  # best effort: vfat, a user namespace's unmapped ids
+        os.chown(path, st.st_uid, st.st_gid)
+
+
+def write_in_place(path: Path, text: str) -> None:
+    """``text`` written through ``path``, the file itself kept: its hard links, owner and mode,
+    the target of a symlink, /dev/stdout or a FIFO. A regular file's room is reserved first, so
+    a full filesystem fails before the old text is touched (copy-on-write ones aside); a reader
+    may see it half written. Raises WriteFailed naming ``path``."""
+    data = text.encode("utf-8")
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        try:
+            st = os.fstat(fd)
+            regular = stat.S_ISREG(st.st_mode)
+            if regular and data:
+                try:
+                    os.posix_fallocate(fd, 0, len(data))
+                except OSError as exc:
+                    if exc.errno in FULL_ERRNOS:
+                        with contextlib.suppress(OSError):  # a partial reservation undone
+                            os.ftruncate(fd, st.st_size)
+                        raise
+                    # EOPNOTSUPP, EINVAL: a filesystem without it (glibc emulates it on most)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if regular:  # the old text's tail, where the new one is shorter
+                os.ftruncate(fd, len(data))
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise WriteFailed(path, exc) from exc
 

@@ -629,18 +629,25 @@ def export_command(
     if output is None:
         sys.stdout.write(text)  # not rich: the document must come out byte for byte
         return
-    from kvctl.paths import WriteFailed, write_atomic
+    from kvctl.paths import WriteFailed, write_atomic, write_in_place
 
     try:
-        if output.is_symlink() or (output.exists() and not output.is_file()):
-            # /dev/stdout, a FIFO, a link kept in place: written through, as asked
-            output.write_text(text, encoding="utf-8")
+        if output.is_symlink() or (
+            output.exists() and (not output.is_file() or output.stat().st_nlink > 1)
+        ):
+            # /dev/stdout, a FIFO, a symlink kept a link to its file, a file whose other hard
+            # links a new file would leave with the old text: written through (room reserved
+            # first, so a full disk fails before the old text is touched). A symlink's target
+            # is not replaced: /dev/stdout and /dev/fd/N lead through /proc to the caller's
+            # redirect, which a rename would detach
+            write_in_place(output, text)
         else:
             # replaced whole or not at all: written in place, a full disk truncated the old
-            # fleet file and left half of the new one; an existing file keeps its permissions,
-            # a new one gets the umask's, as written in place (write_atomic sets the mode as is)
+            # fleet file and left half of the new one; an existing file keeps its permissions
+            # and (root writing another user's file) its owner, a new one gets the umask's
+            # mode, as written in place (write_atomic sets the mode as is)
             mode = output.stat().st_mode & 0o777 if output.exists() else 0o666 & ~_umask()
-            write_atomic(output, text, mode=mode)
+            write_atomic(output, text, mode=mode, keep_owner=True)
     except WriteFailed as exc:  # names the file and says why
         fail(str(exc))
     except OSError as exc:
