@@ -5,7 +5,8 @@ its own deadline; a key whose call is still running then gets the late answer of
 call if one came in since (read at its own time), else "no answer yet". So a hung agent (stopped,
 overloaded, trickling its answer byte by byte, which no per-read timeout ends) costs its own row,
 never the refresh of the others. The calls run on daemon threads: one stuck in a hung agent never
-holds up quitting the view.
+holds up quitting the view. Threads may share one :class:`Calls` (a node page's workers): a
+round started while another waits joins its call in flight, never makes a second one.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Answer(Generic[T]):
 class _Call(Generic[T]):
     future: Future[Answer[T]]
     asked_s: float  # perf_counter
+    #: rounds waiting for it: once back, its answer is theirs to hand over, not a late one
+    rounds: int = 1
 
 
 class _Workers(Generic[T]):
@@ -102,7 +105,11 @@ class Calls(Generic[T]):
         name: str = "kvctl-ask",
     ) -> None:
         self._workers: _Workers[T] = _Workers(max_threads, name)
+        # every call in flight stays here while rounds wait for it, so a round started
+        # meanwhile (another thread's: two page workers asking one node) joins it, never
+        # makes a second call to a hung agent; the lock makes each round's bookkeeping whole
         self._pending: dict[str, _Call[T]] = {}
+        self._lock = threading.Lock()
         self._clock = clock
 
     def start(self, jobs: Mapping[str, Callable[[], T] | None]) -> Round[T]:
@@ -111,18 +118,23 @@ class Calls(Generic[T]):
         round's :meth:`Round.answers` waits for them. A key left out is forgotten."""
         late: dict[str, Answer[T]] = {}
         calls: dict[str, _Call[T]] = {}
-        for key in set(self._pending) - set(jobs):  # no longer asked (left the inventory)
-            del self._pending[key]
-        for key, fn in jobs.items():
-            prev = self._pending.pop(key, None)
-            if prev is not None and not prev.future.done():
-                calls[key] = prev  # still asking: never a second call to a hung agent
-                continue
-            if prev is not None:
-                late[key] = _late(prev.future.result())
-            if fn is not None:
-                calls[key] = _Call(self._workers.submit(self._timed(fn)), time.perf_counter())
-        return Round(self._pending, calls, late)
+        with self._lock:
+            for key in set(self._pending) - set(jobs):  # no longer asked (left the inventory)
+                del self._pending[key]
+            for key, fn in jobs.items():
+                prev = self._pending.get(key)
+                if prev is not None and not prev.future.done():
+                    prev.rounds += 1  # still asking: never a second call to a hung agent
+                    calls[key] = prev
+                    continue
+                if prev is not None:
+                    del self._pending[key]
+                    if prev.rounds == 0:  # back after every round that waited for it ended
+                        late[key] = _late(prev.future.result())
+                if fn is not None:
+                    call = _Call(self._workers.submit(self._timed(fn)), time.perf_counter())
+                    calls[key] = self._pending[key] = call
+        return Round(self._lock, self._pending, calls, late)
 
     def _timed(self, fn: Callable[[], T]) -> Callable[[], Answer[T]]:
         def run() -> Answer[T]:
@@ -136,7 +148,8 @@ class Calls(Generic[T]):
         return run
 
     def close(self) -> None:
-        self._pending.clear()
+        with self._lock:
+            self._pending.clear()
         self._workers.close()
 
 
@@ -148,9 +161,13 @@ class Round(Generic[T]):
     """One poll's calls, from :meth:`Calls.start`."""
 
     def __init__(
-        self, pending: dict[str, _Call[T]], calls: dict[str, _Call[T]], late: dict[str, Answer[T]]
+        self,
+        lock: threading.Lock,
+        pending: dict[str, _Call[T]],
+        calls: dict[str, _Call[T]],
+        late: dict[str, Answer[T]],
     ) -> None:
-        self._pending, self._calls, self._late = pending, calls, late
+        self._lock, self._pending, self._calls, self._late = lock, pending, calls, late
 
     def answers(self, deadline_s: float | None) -> dict[str, Answer[T]]:
         """Each key's answer by ``deadline_s`` (a :func:`time.perf_counter` time; None: once
@@ -159,13 +176,17 @@ class Round(Generic[T]):
         timeout_s = None if deadline_s is None else max(deadline_s - time.perf_counter(), 0.0)
         wait([c.future for c in self._calls.values()], timeout=timeout_s)
         out: dict[str, Answer[T]] = {}
-        for key, call in self._calls.items():
-            if call.future.done():
-                out[key] = call.future.result()
-                continue
-            self._pending[key] = call
-            waiting: Answer[T] = Answer(waiting_s=time.perf_counter() - call.asked_s)
-            out[key] = self._late.get(key, waiting)
+        with self._lock:
+            for key, call in self._calls.items():
+                call.rounds -= 1
+                if call.future.done():
+                    out[key] = call.future.result()
+                    if self._pending.get(key) is call:  # handed over in time: not late
+                        del self._pending[key]
+                    continue
+                # still running: it stays in flight for the next poll (unless forgotten)
+                waiting: Answer[T] = Answer(waiting_s=time.perf_counter() - call.asked_s)
+                out[key] = self._late.get(key, waiting)
         for key, late in self._late.items():
             out.setdefault(key, late)
         return out

@@ -7,7 +7,6 @@ the connection and said nothing (a poll given ``wait_s`` waits no longer than th
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -207,10 +206,6 @@ class Asker:
         self._details: Calls[tuple[int | None, Details]] = Calls(
             clock=clock, name="kvctl-top-details"
         )
-        # Calls is one poller's: its call in flight is out of its pending set while a round
-        # waits, so a second page worker asking meanwhile (a page opened again, its refresh)
-        # made a second call to the same hung agent. The page's asks take turns
-        self._details_lock = threading.Lock()
 
     @property
     def pool(self) -> ClientPool:
@@ -254,8 +249,7 @@ class Asker:
         key = _key(node)
         deadline_s = None if wait_s is None else time.perf_counter() + wait_s
         fetch = partial(_details_from, self.pool, node, cursor)
-        with self._details_lock:
-            a = self._details.start({key: fetch}).answers(deadline_s)[key]
+        a = self._details.start({key: fetch}).answers(deadline_s)[key]
         if a.value is not None:
             asked, details = a.value
             # a late answer asked from another cursor (a page closed since, or read past it):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
-from kvctl.tui.asking import Calls
+from kvctl.tui.asking import Answer, Calls
 
 #: the longest any test here waits on a call that is meant to be stuck: no timing claim
 SHORT_S = 0.05
@@ -121,4 +121,34 @@ def test_a_key_asked_no_new_call_keeps_its_call_in_flight_and_late_answer() -> N
     assert (late.value, late.late) == (1, True)
     assert calls.start({"g": None}).answers(deadline()) == {}
     assert job.calls == 1
+    calls.close()
+
+
+def test_a_call_in_flight_is_joined_by_a_round_from_another_thread() -> None:
+    """Two page workers asking one node's details share a Calls: the second, asking while
+    the first still waits for a hung agent, joins that call; its answer is handed over once."""
+    calls: Calls[int] = Calls()
+    job = Gated()
+    first: dict[str, Answer[int]] = {}
+    waiter = threading.Thread(target=lambda: first.update(calls.start({"a": job}).answers(None)))
+    waiter.start()
+    for _ in range(3000):  # hang guard only: until the first round's call is in flight
+        if job.calls:
+            break
+        time.sleep(0.01)
+    assert job.calls == 1
+    second: dict[str, Answer[int]] = {}
+    joiner = threading.Thread(
+        target=lambda: second.update(calls.start({"a": job}).answers(deadline()))
+    )
+    joiner.start()
+    joiner.join(30)
+    assert second["a"].waiting  # the first round's call, still stuck
+    job.gate(1).set()
+    waiter.join(30)
+    assert (first["a"].value, first["a"].late) == (1, False)
+    job.gate(2).set()  # a second call, had one been made, comes back: the next poll has it
+    rest = calls.start({"a": None}).answers(None)
+    assert job.calls == 1
+    assert rest == {}  # handed over once, to the round that waited for it: nothing late
     calls.close()
