@@ -10,7 +10,8 @@ Redis keys carry them as hex, hash fields and values carry their UTF-8 bytes)::
     P nodes           hash: node -> entries (``nodes()``: one HGETALL, with P markers')
     P markers         hash: node -> the marker its first resync left (``marker()``: one HGET;
                       gone with the rest when the server restarts empty or is flushed, so a
-                      follower's poll notices the index lost the node's entries), and
+                      follower's poll, or a vLLM feed's look every second, notices the index
+                      lost the node's entries), and
                       "\\xff" node -> the entries counted for a node with a marker (0xff starts
                       no UTF-8 name: no node's field; in the marker's hash, so lost with it)
 

@@ -69,6 +69,7 @@ Limits (what is not mapped, and what the index may then miss or keep):
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from array import array
@@ -98,6 +99,10 @@ DEFAULT_MAX_BLOCKS = 131_072
 DEFAULT_TOPIC = ""
 #: how often a subscriber whose index failed tries it again
 INDEX_RETRY_S = 1.0
+#: how often a subscriber looks whether the index still holds the engine's entries (one read of
+#: the node's marker), busy or idle: a Redis restarted empty or flushed between two writes fails
+#: none of them (the client reconnects), and an idle engine sends nothing that would notice
+INDEX_CHECK_S = 1.0
 #: the replay socket's end-of-replay sequence number (-1 as a signed 8-byte int)
 _REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 _MAX_TOKEN = 2**32 - 1
@@ -552,6 +557,15 @@ class VllmEventSubscriber:
     is counted (``errors``) and the stream goes on: what it missed meanwhile is made good once it
     answers again, the engine's entries replaced by the chunks the translator holds
     (``index_resyncs``): it is tried again ``INDEX_RETRY_S`` after a failure, not at every batch.
+
+    An index that loses the engine's entries without failing a call (a Redis restarted empty or
+    flushed between two writes, the engine idle meanwhile) is noticed by its marker
+    (``FleetIndex.marker``): every ``INDEX_CHECK_S``, idle or not, one read of the node's marker;
+    gone or another than the one this subscriber's last resync left, the engine's entries are
+    written again whole (``index_resyncs``, ``index_lost``). Without a marker yet, the first look
+    takes the one the node has (another router's subscriber to the same engine, or this router
+    before a restart, left it: their entries are kept, as they always were), else resyncs to
+    leave one (replacing entries an older subscriber, which left none, wrote).
     """
 
     def __init__(
@@ -609,11 +623,16 @@ class VllmEventSubscriber:
         self.restarts = 0
         self.errors = 0
         self.last_error: str | None = None
-        #: the index failed a write: the events it missed are lost, so the engine's entries are
+        #: the index failed a call: the events it missed are lost, so the engine's entries are
         #: replaced whole at the next write it takes (a Redis restarted empty lost the rest too)
         self._index_failing = False
         self._index_tried_s = 0.0
+        #: the node's marker in the index as of this subscriber's last resync (None: none yet)
+        self._marker: str | None = None
+        self._index_checked_s = -math.inf
         self.index_resyncs = 0
+        #: resyncs because the index lost the engine's entries without failing a call
+        self.index_lost = 0
 
     # --- life -------------------------------------------------------------------------------------
     def start(self) -> VllmEventSubscriber:
@@ -677,9 +696,8 @@ class VllmEventSubscriber:
                 self._dedupe_through = self.last_seq
             while not self._stop.is_set():
                 ready = dict(poller.poll(self._poll_ms))
-                if not ready and self._index_failing:
-                    with self._lock:  # an idle engine sends nothing that would retry it
-                        self._apply([])
+                # busy or idle (an idle engine sends nothing that would retry or check it)
+                self._index_tick()
                 if (
                     monitor in ready
                     and self._on_monitor(monitor)
@@ -776,40 +794,95 @@ class VllmEventSubscriber:
             self._apply(self.translator.translate_payload(payload))
 
     def _apply(self, events: list[ChunkEvent]) -> None:
-        """Write ``events`` (the translator's latest) to the index; after a failure, replace the
+        """Write ``events`` (the translator's latest) to the index; while it fails, replace the
         engine's entries with every chunk the translator holds instead (it reflects
-        ``events``)."""
-        node = self.translator.node
-        if not events and not self._index_failing:
-            return
-        if self._index_failing and time.monotonic() - self._index_tried_s < INDEX_RETRY_S:
+        ``events``), tried ``INDEX_RETRY_S`` after the last try."""
+        if self._index_failing:
             # not at every batch: a hung index costs each try its timeout, and the socket's
             # queue would overflow meanwhile; the replace to come covers these events
+            if time.monotonic() - self._index_tried_s >= INDEX_RETRY_S:
+                self._resync("index_back")
+            return
+        if not events:
             return
         try:
-            if self._index_failing:
-                n = self.index.replace(node, self.translator.held())
-            else:
-                self.index.apply(node, events)
-                return
+            self.index.apply(self.translator.node, events)
         except Exception as exc:  # the index's own failure (e.g. Redis down): count, go on
-            self.errors += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"
-            # from the try's end: a hung index's timeout (Redis's is 2 s) outlasts the
-            # interval, and counted from its start the next batch would try again at once
-            self._index_tried_s = time.monotonic()
-            if not self._index_failing:  # once per outage: a batch comes every engine step
-                self._index_failing = True
-                log.warning(
-                    "%s: writing vLLM chunk events to the index failed (%s); its entries are "
-                    "replaced when it answers again",
-                    node,
-                    exc,
-                )
+            self._index_failed(exc)
+
+    def _index_tick(self) -> None:
+        """Between reads of the stream: retry a failed index, or look at the node's marker
+        every ``INDEX_CHECK_S`` (one call)."""
+        if self._index_failing:
+            with self._lock:
+                self._apply([])
+            return
+        if time.monotonic() - self._index_checked_s < INDEX_CHECK_S:
+            return
+        node = self.translator.node
+        try:
+            # not under the lock: status() must not wait on the index
+            marker = self.index.marker(node)
+        except Exception as exc:
+            with self._lock:
+                self._index_failed(exc)
+            return
+        finally:
+            self._index_checked_s = time.monotonic()
+        if marker is not None and (marker == self._marker or self._marker is None):
+            self._marker = marker  # ours, or another subscriber's taken as is (see the class)
+            return
+        with self._lock:
+            if self._marker is None:
+                self._resync(None)  # the first: leaves the node a marker
+                return
+            self.index_lost += 1
+            log.warning(
+                "%s: the index lost the engine's entries (Redis restarted empty or flushed: the "
+                "node's marker is %s); writing the engine's %d chunks again",
+                node,
+                "gone" if marker is None else "another",
+                self.translator.live_chunks,
+            )
+            self._resync("index_lost")
+
+    def _resync(self, reason: str | None) -> None:
+        """Replace the engine's entries with every chunk the translator holds and note the
+        node's marker; counted in ``index_resyncs`` when ``reason`` ("index_back" or
+        "index_lost") says why (None: the first, which is not counted)."""
+        node = self.translator.node
+        try:
+            n = self.index.replace(node, self.translator.held())
+            self._marker = self.index.marker(node)
+        except Exception as exc:
+            self._index_failed(exc)
             return
         self._index_failing = False
+        self._index_checked_s = time.monotonic()
+        if reason is None:
+            log.info("%s: the engine's %d chunks written to the index", node, n)
+            return
         self.index_resyncs += 1
-        log.info("%s: the index answers again; the engine's %d chunks written", node, n)
+        if reason == "index_back":
+            log.info("%s: the index answers again; the engine's %d chunks written", node, n)
+        else:
+            log.info("%s: the engine's %d chunks written to the index again", node, n)
+
+    def _index_failed(self, exc: Exception) -> None:
+        """Count the index's failure; once per outage, say so (a batch comes every step)."""
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        # from the try's end: a hung index's timeout (Redis's is 2 s) outlasts the interval,
+        # and counted from its start the next batch would try again at once
+        self._index_tried_s = time.monotonic()
+        if not self._index_failing:
+            self._index_failing = True
+            log.warning(
+                "%s: the index failed (%s); the engine's entries are replaced when it answers "
+                "again",
+                self.translator.node,
+                exc,
+            )
 
     def _replay_from(self, start: int, upto: int | None) -> None:
         """Ask vLLM's replay socket for batches ``start..upto-1`` (``upto`` None: all it has)
@@ -881,6 +954,7 @@ class VllmEventSubscriber:
                 "errors": self.errors,
                 "last_error": self.last_error,
                 "index_resyncs": self.index_resyncs,
+                "index_lost": self.index_lost,
                 "translator": t,
             }
 

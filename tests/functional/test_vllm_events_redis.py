@@ -4,13 +4,16 @@ came back empty is filled again with what the engine still holds."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
 from itertools import pairwise
 
+import pytest
+
 from kvctl.index.redis_index import RedisIndex
-from kvctl.index.vllm_events import INDEX_RETRY_S
+from kvctl.index.vllm_events import INDEX_CHECK_S, INDEX_RETRY_S
 from tests.conftest import RedisServer
 from tests.functional.test_vllm_events_zmq import (
     KEYS,
@@ -124,3 +127,94 @@ def test_a_hung_index_slower_than_the_retry_interval_is_still_tried_only_every_i
         pub.close()
         index.close()
         hung.close()
+
+
+def test_an_idle_engines_entries_flushed_from_the_index_are_written_again(
+    redis_url: str, redis_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The index loses the engine's entries (a Redis restarted empty or flushed) while the
+    engine sends nothing: no write fails, so only the subscriber's periodic look at the node's
+    marker can notice. The test deletes its own prefix's keys (never FLUSHALL: Redis is shared)."""
+    index = RedisIndex(redis_url, prefix=f"{redis_prefix}:index:")
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()  # type: ignore[arg-type]
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])  # chunks 0 and 1
+        wait_for(lambda: _holders(index)[:2] == [["engine-a"]] * 2, "two chunks")
+        wait_for(lambda: index.marker("engine-a") is not None, "the engine's marker")
+        with caplog.at_level(logging.WARNING, logger="kvctl.index.vllm_events"):
+            assert index.clear() > 0  # as FLUSHDB does, as far as this prefix goes
+            # the engine stays idle: a hang guard, not a timing claim
+            wait_for(lambda: _holders(index)[:2] == [["engine-a"]] * 2, "the chunks again")
+        status = sub.status()
+        assert status["index_resyncs"] == 1 and status["index_lost"] == 1
+        assert status["errors"] == 0
+        assert any("lost the engine's entries" in r.getMessage() for r in caplog.records)
+        assert index.nodes() == {"engine-a": 2}
+        pub.publish([["BlockRemoved", [5], "GPU"]])  # the stream goes on from there
+        wait_for(lambda: _holders(index)[:2] == [["engine-a"], []], "chunk 1 gone")
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
+
+
+def test_a_redis_restarted_empty_between_two_writes_is_filled_again(
+    private_redis: RedisServer,
+) -> None:
+    """A real restart with no persistence while the engine is idle: the client's one reconnect
+    hides it from every call, so no failure is ever seen; the entries still come back."""
+    index = RedisIndex(private_redis.url, timeout_s=0.5)
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()  # type: ignore[arg-type]
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], None, 0)])  # chunks 0-2
+        wait_for(lambda: _holders(index) == [["engine-a"]] * 3, "three chunks")
+        wait_for(lambda: index.marker("engine-a") is not None, "the engine's marker")
+        private_redis.kill()
+        private_redis.start()  # back empty
+        wait_for(lambda: _holders(index) == [["engine-a"]] * 3, "the chunks again")
+        # one resync, whether a look at the index fell in the restart (index_back) or not
+        assert sub.status()["index_resyncs"] == 1
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
+
+
+def test_two_routers_following_one_engine_resync_once_each_after_a_flush(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """Two routers' subscribers to one engine share its node's marker: after the index lost it,
+    each writes the engine's entries again once and both take the one marker the first left,
+    rather than each taking the other's for another loss at every look."""
+    prefix = f"{redis_prefix}:index:"
+    index_a, index_b = RedisIndex(redis_url, prefix=prefix), RedisIndex(redis_url, prefix=prefix)
+    pub = FakeVllmPublisher(replay=False)
+    sub_a = subscriber(index_a, pub).start()  # type: ignore[arg-type]
+    sub_b = subscriber(index_b, pub).start()  # type: ignore[arg-type]
+    try:
+        joined(pub, sub_a)
+        joined(pub, sub_b)
+        pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])  # chunks 0 and 1
+        wait_for(lambda: _holders(index_a)[:2] == [["engine-a"]] * 2, "two chunks")
+        wait_for(lambda: index_a.marker("engine-a") is not None, "the engine's marker")
+        time.sleep(3 * INDEX_CHECK_S)  # both have looked at it (a loaded machine: fewer looks)
+        assert sub_a.status()["index_resyncs"] == sub_b.status()["index_resyncs"] == 0
+        index_a.clear()
+        wait_for(
+            lambda: sub_a.status()["index_lost"] == sub_b.status()["index_lost"] == 1,
+            "both subscribers to notice",
+        )
+        assert _holders(index_a)[:2] == [["engine-a"]] * 2
+        time.sleep(3 * INDEX_CHECK_S)  # several looks each: no resync ping-pong
+        assert sub_a.status()["index_resyncs"] == sub_b.status()["index_resyncs"] == 1
+        assert index_a.nodes() == {"engine-a": 2}
+    finally:
+        sub_a.stop()
+        sub_b.stop()
+        pub.close()
+        index_a.close()
+        index_b.close()
