@@ -11,11 +11,8 @@ increases.
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
 import logging
-import socket
 import threading
 import time
 from collections import defaultdict
@@ -67,6 +64,7 @@ from kvctl.db.sample_checks import (
     ratio,
     shown,
 )
+from kvctl.deadline_transport import Abandonable, AbandonableTransport, running
 from kvctl.interrupts import interrupts_held
 from kvctl.profiles import ModeledInputs
 from kvctl.redact import redact_url
@@ -211,94 +209,15 @@ class NotAnswering(AgentTimeout):
     trickling its answer within each read's timeout)."""
 
 
-#: the request a ``Deadlines`` thread runs (``_Request``), for the transport it goes through
-_running_request = threading.local()
-
-
-class _Request:
-    """One request a ``Deadlines`` thread runs: the connections it opened, each as a duplicate
-    of its socket, so the waiting side can shut the connection down when it gives the request
-    up (waking a read blocked on it at once) without racing the request thread, which closes
-    its own descriptor; the duplicates are closed when the request ends."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._socks: list[socket.socket] = []
-        self.abandoned = False
-
-    def opened(self, sock: socket.socket) -> None:
-        """In the request's thread: it connected ``sock`` (shut down at once if given up)."""
-        dup = sock.dup()
-        with self._lock:
-            self._socks.append(dup)
-            if self.abandoned:
-                _shut_down(dup)
-
-    def abandon(self) -> None:
-        """The waiting side gave the request up: its connections are shut down, so the
-        request's thread stops reading now rather than when a trickled answer ends."""
-        with self._lock:
-            self.abandoned = True
-            for sock in self._socks:
-                _shut_down(sock)
-
-    def end(self) -> None:
-        """In the request's thread, once it returned or raised."""
-        with self._lock:
-            socks, self._socks = self._socks, []
-        for sock in socks:
-            sock.close()
-
-
-def _shut_down(sock: socket.socket) -> None:
-    with contextlib.suppress(OSError):  # the connection may be gone already
-        sock.shutdown(socket.SHUT_RDWR)
-
-
-def _trace(
-    request: _Request, inner: Callable[[str, Any], None] | None, name: str, info: Any
-) -> None:
-    """httpcore's trace hook on a ``Deadlines`` request: notes each connection it opens."""
-    if name in ("connection.connect_tcp.complete", "connection.connect_unix_socket.complete"):
-        sock = info["return_value"].get_extra_info("socket")
-        if isinstance(sock, socket.socket):
-            request.opened(sock)
-    if inner is not None:
-        inner(name, info)
-
-
-class AbandonableTransport(httpx.BaseTransport):
-    """The collector's HTTP transport: a request run by ``Deadlines`` that it gives up at its
-    deadline has its connection shut down, so its thread ends within a read of it (a trickled
-    answer no longer holds a thread and a socket for as long as it trickles). Each request
-    opens a connection of its own (none is kept alive: a connection a pool hands on is not
-    seen being opened), a TCP handshake a request, nothing at a scrape's rate."""
-
-    def __init__(self, *, verify: bool = True) -> None:
-        self._inner = httpx.HTTPTransport(
-            verify=verify, limits=httpx.Limits(max_keepalive_connections=0)
-        )
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        running: _Request | None = getattr(_running_request, "request", None)
-        if running is not None:
-            inner = request.extensions.get("trace")
-            request.extensions["trace"] = functools.partial(_trace, running, inner)
-        return self._inner.handle_request(request)
-
-    def close(self) -> None:
-        self._inner.close()
-
-
 class Deadlines:
     """Requests run to a total deadline each. httpx's timeouts are per read, so an answer
     trickled a byte at a time held a scrape (and the cycle waiting for it) for as long as it
     trickled; here each request runs on a daemon thread of its own and the scrape waits for it
     until its deadline, then says the target is not answering. A request through an
-    ``AbandonableTransport`` given up at its deadline has its connection shut down, so its
-    thread ends then too, and the next cycle asks afresh; any other ends with its request, and
-    while it runs the same request (``key``) is not sent again (one thread per silent target,
-    never one more each cycle)."""
+    ``AbandonableTransport`` (``kvctl.deadline_transport``) given up at its deadline has its
+    connection shut down, so its thread ends then too, and the next cycle asks afresh; any
+    other ends with its request, and while it runs the same request (``key``) is not sent
+    again (one thread per silent target, never one more each cycle)."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -318,27 +237,24 @@ class Deadlines:
         limit_s = self.timeout_s if timeout_s is None else timeout_s
         fut: Future[T] = Future()
         with self._lock:
-            running = self._running.get(key)
-            if running is not None and not running[0].done():
-                waited_s = time.monotonic() - running[1]
+            in_flight = self._running.get(key)
+            if in_flight is not None and not in_flight[0].done():
+                waited_s = time.monotonic() - in_flight[1]
                 raise NotAnswering(
                     f"not answering: {what} asked {waited_s:.0f} s ago is still unanswered"
                 )
             self._running[key] = (fut, time.monotonic())
 
-        this = _Request()
+        this = Abandonable()
 
         def run() -> None:
             if not fut.set_running_or_notify_cancel():
                 return
-            _running_request.request = this
-            try:
-                fut.set_result(request())
-            except BaseException as exc:  # raised by result() in the scrape's thread
-                fut.set_exception(exc)
-            finally:
-                _running_request.request = None
-                this.end()
+            with running(this):
+                try:
+                    fut.set_result(request())
+                except BaseException as exc:  # raised by result() in the scrape's thread
+                    fut.set_exception(exc)
 
         threading.Thread(target=run, daemon=True, name="kvctl-request").start()
         try:

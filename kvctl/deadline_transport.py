@@ -1,0 +1,113 @@
+"""Calls given up at a deadline let go of their thread. httpx's timeouts bound each read, not a
+whole answer, so a call to a target trickling its answer (a byte at a time, each within the
+read timeout) read on for as long as it trickled, holding its thread and its socket after the
+caller had stopped waiting. A call run under :func:`running` whose requests go through an
+:class:`AbandonableTransport` notes the connections it opens; the waiting side gives it up with
+:meth:`Abandonable.abandon`, which shuts them down, so the call's read fails at once and its
+thread returns. The collector's scrapes (``collectors.collector.Deadlines``) use it.
+
+A request given up so may still have reached its target: an action (pin, evict) cut off may
+act all the same; the callers report it as failed, as they do one their client's timeout cut."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+
+#: the call the current thread runs under ``running``, for the transport it goes through
+_running = threading.local()
+
+
+class Abandonable:
+    """One call run to a deadline: the connections it opened, each as a duplicate of its
+    socket, so the waiting side can shut the connection down when it gives the call up (waking
+    a read blocked on it at once) without racing the call's thread, which closes its own
+    descriptor; the duplicates are closed when the call ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self.abandoned = False
+
+    def opened(self, sock: socket.socket) -> None:
+        """In the call's thread: it connected ``sock`` (shut down at once if given up)."""
+        dup = sock.dup()
+        with self._lock:
+            self._socks.append(dup)
+            if self.abandoned:
+                _shut_down(dup)
+
+    def abandon(self) -> None:
+        """The waiting side gave the call up: its connections are shut down, so its thread
+        stops reading now rather than when a trickled answer ends (and one it opens later is
+        shut down as it opens). Harmless on a call that ended."""
+        with self._lock:
+            self.abandoned = True
+            for sock in self._socks:
+                _shut_down(sock)
+
+    def end(self) -> None:
+        """In the call's thread, once it returned or raised."""
+        with self._lock:
+            socks, self._socks = self._socks, []
+        for sock in socks:
+            sock.close()
+
+
+@contextlib.contextmanager
+def running(call: Abandonable) -> Iterator[None]:
+    """In the call's thread, around the call: the requests it makes through an
+    ``AbandonableTransport`` are ``call``'s, cut when it is abandoned."""
+    previous = getattr(_running, "call", None)
+    _running.call = call
+    try:
+        yield
+    finally:
+        _running.call = previous
+        call.end()
+
+
+def _shut_down(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # the connection may be gone already
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+def _trace(
+    call: Abandonable, inner: Callable[[str, Any], None] | None, name: str, info: Any
+) -> None:
+    """httpcore's trace hook on a request of a call run under ``running``: notes each
+    connection it opens."""
+    if name in ("connection.connect_tcp.complete", "connection.connect_unix_socket.complete"):
+        sock = info["return_value"].get_extra_info("socket")
+        if isinstance(sock, socket.socket):
+            call.opened(sock)
+    if inner is not None:
+        inner(name, info)
+
+
+class AbandonableTransport(httpx.BaseTransport):
+    """An HTTP transport whose requests made under ``running`` are cut when their call is
+    abandoned (any other request goes as through httpx's own). Each request opens a connection
+    of its own (none is kept alive: a connection a pool hands on is not seen being opened), a
+    TCP handshake a request. ``verify``: False for plain http spares building a TLS context."""
+
+    def __init__(self, *, verify: bool = True) -> None:
+        self._inner = httpx.HTTPTransport(
+            verify=verify, limits=httpx.Limits(max_keepalive_connections=0)
+        )
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        call: Abandonable | None = getattr(_running, "call", None)
+        if call is not None:
+            inner = request.extensions.get("trace")
+            request.extensions["trace"] = functools.partial(_trace, call, inner)
+        return self._inner.handle_request(request)
+
+    def close(self) -> None:
+        self._inner.close()
