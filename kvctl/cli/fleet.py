@@ -6,6 +6,7 @@ transaction, asks before removing nodes in bulk, and renders the outcome."""
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable
@@ -647,7 +648,15 @@ def export_command(
             # and (root writing another user's file) its owner, a new one gets the umask's
             # mode, as written in place (write_atomic sets the mode as is)
             mode = output.stat().st_mode & 0o777 if output.exists() else 0o666 & ~_umask()
-            write_atomic(output, text, mode=mode, keep_owner=True)
+            try:
+                write_atomic(output, text, mode=mode, keep_owner=True)
+            except WriteFailed as exc:
+                if exc.errno not in (errno.EACCES, errno.EPERM) or not output.is_file():
+                    raise
+                # the file is the operator's to write, its directory not: no temporary file
+                # can be made there, or (sticky, like /tmp) another user's file cannot be
+                # renamed over. Written through, as before; a file they cannot write fails
+                write_in_place(output, text)
     except WriteFailed as exc:  # names the file and says why
         fail(str(exc))
     except OSError as exc:
