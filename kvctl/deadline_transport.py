@@ -4,7 +4,8 @@ read timeout) read on for as long as it trickled, holding its thread and its soc
 caller had stopped waiting. A call run under :func:`running` whose requests go through an
 :class:`AbandonableTransport` notes the connections it opens; the waiting side gives it up with
 :meth:`Abandonable.abandon`, which shuts them down, so the call's read fails at once and its
-thread returns. The collector's scrapes (``collectors.collector.Deadlines``) use it.
+thread returns. The collector's scrapes (``collectors.collector.Deadlines``) and the fleet's
+fan-outs (``kvctl.fleet.fanout.fan_out``) use it.
 
 A request given up so may still have reached its target: an action (pin, evict) cut off may
 act all the same; the callers report it as failed, as they do one their client's timeout cut."""
@@ -93,14 +94,17 @@ def _trace(
 
 class AbandonableTransport(httpx.BaseTransport):
     """An HTTP transport whose requests made under ``running`` are cut when their call is
-    abandoned (any other request goes as through httpx's own). Each request opens a connection
-    of its own (none is kept alive: a connection a pool hands on is not seen being opened), a
-    TCP handshake a request. ``verify``: False for plain http spares building a TLS context."""
+    abandoned (any other request goes as through httpx's own). ``verify``: False for plain
+    http spares building a TLS context.
 
-    def __init__(self, *, verify: bool = True) -> None:
-        self._inner = httpx.HTTPTransport(
-            verify=verify, limits=httpx.Limits(max_keepalive_connections=0)
-        )
+    Each request opens a connection of its own, a TCP handshake a request: a connection kept
+    alive and handed on is not seen being opened, so a call reusing one another call opened
+    could not be cut. ``keep_alive`` keeps them all the same, for a transport whose requests
+    are all one call's (a client made for the call and closed with it)."""
+
+    def __init__(self, *, verify: bool = True, keep_alive: bool = False) -> None:
+        limits = httpx.Limits() if keep_alive else httpx.Limits(max_keepalive_connections=0)
+        self._inner = httpx.HTTPTransport(verify=verify, limits=limits)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         call: Abandonable | None = getattr(_running, "call", None)

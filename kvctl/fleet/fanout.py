@@ -13,6 +13,7 @@ from typing import Any, Generic, TypeVar
 from kvctl.client import AgentClient, AgentError, AgentUnreachable, AuthError
 from kvctl.daemon_pool import DaemonPool
 from kvctl.db.inventory import NodeInfo
+from kvctl.deadline_transport import Abandonable, AbandonableTransport, running
 from kvctl.errors import KvctlError
 from kvctl.interrupts import ForcedInterrupt, interrupts_held
 
@@ -68,8 +69,11 @@ def fan_out(
 
     ``timeout_s`` bounds each wait of the client (connecting, each read), not a whole answer:
     one trickling a byte at a time never times out. ``deadline_s`` bounds each node's call
-    from its start: one still running then is a silent failure, left to end on its own
-    thread (an action cut off so may still act, as one its client's timeout cut off may)."""
+    from its start: one still running then is a silent failure, and its connection is shut
+    down, so its thread is free for the nodes queued behind it (an action cut off so may
+    still act, as one its client's timeout cut off may). Not with ``clients``: a connection
+    kept open between calls is not one a call is seen opening, so it cannot be cut; such a
+    call ends on its own thread."""
 
     def one(i: int, node: NodeInfo) -> NodeResult[T]:
         t0 = started[i] = time.perf_counter()
@@ -77,14 +81,27 @@ def fan_out(
             if clients is not None:
                 client = clients.get(node.agent_url)
             else:
-                client = AgentClient(node.agent_url, token=token, timeout_s=timeout_s)
+                transport = None
+                if deadline_s is not None:
+                    # its connections are cut when its call is given up at its deadline (all
+                    # opened by this call: kept alive between its requests, as before)
+                    https = node.agent_url.startswith("https://")
+                    transport = AbandonableTransport(verify=https, keep_alive=True)
+                client = AgentClient(
+                    node.agent_url, token=token, timeout_s=timeout_s, transport=transport
+                )
         except Exception as exc:  # a bad URL in the inventory: this node's failure, no other's
             return NodeResult(node, False, None, _reason(exc), time.perf_counter() - t0)
         try:
-            value = call(client)
+            with running(calls[i]):
+                value = call(client)
         except Exception as exc:  # down, refused, or not an agent at all (HTML, bad JSON)
-            refused = isinstance(exc, AuthError)
             elapsed_s = time.perf_counter() - t0
+            if calls[i].abandoned and deadline_s is not None:
+                # its connection cut at the deadline, not lost: overdue, as first reported
+                # (a Ctrl-C that beat that report reports this one)
+                return _overdue(node, deadline_s, elapsed_s)
+            refused = isinstance(exc, AuthError)
             reason = _reason(exc)
             return NodeResult(node, False, None, reason, elapsed_s, refused, _silent(exc))
         finally:
@@ -96,6 +113,8 @@ def fan_out(
     #: when each node was asked (by its index), for its deadline and for a node a second Ctrl-C
     #: leaves unanswered
     started: dict[int, float] = {}
+    #: each node's call, abandoned (its connections shut down) once past its deadline
+    calls = [Abandonable() for _ in nodes]
     if not nodes:
         return []
     pool = DaemonPool(max(1, min(concurrency, len(nodes))), "kvctl-fanout")
@@ -109,7 +128,7 @@ def fan_out(
         with interrupts_held():
             for i, node in enumerate(nodes):
                 futures[pool.submit(one, i, node)] = i
-        for fut, res in _as_answered(nodes, futures, started, deadline_s):
+        for fut, res in _as_answered(nodes, futures, started, deadline_s, calls):
             results[futures[fut]] = res
             if on_result is not None:
                 with interrupts_held():  # a report torn halfway is lost, or written twice
@@ -149,6 +168,13 @@ def fan_out(
         _report_rest(nodes, futures, reported, started, on_result)
         raise
     finally:
+        # a call past its deadline (one a Ctrl-C or a failed report did not wait for) lets go
+        # of its thread too; one still within it (a second Ctrl-C) ends on its own
+        if deadline_s is not None:
+            now = time.perf_counter()
+            for fut, i in futures.items():
+                if i in started and now - started[i] >= deadline_s and not fut.done():
+                    calls[i].abandon()
         pool.shutdown()  # its threads end with their calls
     return [results[i] for i in range(len(nodes))]
 
@@ -180,9 +206,11 @@ def _as_answered(
     futures: dict[Future[NodeResult[T]], int],
     started: dict[int, float],
     deadline_s: float | None,
+    calls: Sequence[Abandonable],
 ) -> Iterator[tuple[Future[NodeResult[T]], NodeResult[T]]]:
     """Each node's result as it comes, or (``deadline_s``) a silent failure for one whose call
-    has run that long: the fan-out is not held by it."""
+    has run that long: the fan-out is not held by it, and its call is abandoned, so its thread
+    is free for a node queued behind it."""
     if deadline_s is None:
         for fut in as_completed(futures):
             yield fut, fut.result()
@@ -204,17 +232,20 @@ def _as_answered(
             i = futures[fut]
             # (one that answered since the wait ended is taken on the next turn)
             if i in started and now - started[i] >= deadline_s and not fut.done():
+                # cut before it is reported: a thread of the pool is free for the next node
+                # even while the report (an audit write) runs
+                calls[i].abandon()
                 pending.discard(fut)
-                node = nodes[i]
-                error = (
-                    f"{node.agent_url} did not answer in full within {deadline_s:g} s: hung, "
-                    "overloaded, or its answer trickles"
-                )
-                elapsed_s = now - started[i]
-                yield (
-                    fut,
-                    NodeResult(node, False, None, error, elapsed_s, silent=True, overdue=True),
-                )
+                yield fut, _overdue(nodes[i], deadline_s, now - started[i])
+
+
+def _overdue(node: NodeInfo, deadline_s: float, elapsed_s: float) -> NodeResult[T]:
+    """The result of a node whose call ran past its deadline."""
+    error = (
+        f"{node.agent_url} did not answer in full within {deadline_s:g} s: hung, "
+        "overloaded, or its answer trickles"
+    )
+    return NodeResult(node, False, None, error, elapsed_s, silent=True, overdue=True)
 
 
 #: the error of a node asked whose answer a second Ctrl-C did not wait for
