@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import sys
 from collections.abc import Callable
 from enum import StrEnum
@@ -585,6 +586,27 @@ def _umask() -> int:
     return mask
 
 
+def _written_through(output: Path) -> bool:
+    """Whether ``-o output`` is written through rather than replaced by a renamed new file:
+    not a plain file of its own (a symlink, /dev/stdout, a FIFO, hard links), or not the
+    exporter's to replace. A rename needs only the directory writable: a file made read-only
+    would be replaced without a word (written through, it is refused as `>` refuses it), and
+    another user's file would become the exporter's (root keeps its owner: write_atomic)."""
+    if output.is_symlink():
+        return True
+    try:
+        st = output.stat()
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        return True
+    euid = os.geteuid()
+    if euid == 0:
+        return False
+    writable = os.access(output, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+    return st.st_uid != euid or not writable
+
+
 @fleet_app.command("export")
 def export_command(
     fmt: Annotated[
@@ -633,11 +655,10 @@ def export_command(
     from kvctl.paths import WriteFailed, write_atomic, write_in_place
 
     try:
-        if output.is_symlink() or (
-            output.exists() and (not output.is_file() or output.stat().st_nlink > 1)
-        ):
+        if _written_through(output):
             # /dev/stdout, a FIFO, a symlink kept a link to its file, a file whose other hard
-            # links a new file would leave with the old text: written through (room reserved
+            # links a new file would leave with the old text, a file not the exporter's to
+            # replace (read-only, another user's): written through (room reserved
             # first, so a full disk fails before the old text is touched). A symlink's target
             # is not replaced: /dev/stdout and /dev/fd/N lead through /proc to the caller's
             # redirect, which a rename would detach
