@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -172,11 +172,22 @@ def fan_out(
         # of its thread too; one still within it (a second Ctrl-C) ends on its own
         if deadline_s is not None:
             now = time.perf_counter()
-            for fut, i in futures.items():
-                if i in started and now - started[i] >= deadline_s and not fut.done():
-                    calls[i].abandon()
+            for fut, end_s in _ends_s(futures, futures, started, deadline_s).items():
+                if end_s <= now and not fut.done():
+                    calls[futures[fut]].abandon()
         pool.shutdown()  # its threads end with their calls
     return [results[i] for i in range(len(nodes))]
+
+
+def _ends_s(
+    futures: dict[Future[NodeResult[T]], int],
+    of: Iterable[Future[NodeResult[T]]],
+    started: dict[int, float],
+    deadline_s: float,
+) -> dict[Future[NodeResult[T]], float]:
+    """The deadline (``time.perf_counter``) of each call of ``of`` asked so far; one still
+    queued has none yet."""
+    return {f: started[futures[f]] + deadline_s for f in of if futures[f] in started}
 
 
 def _left_s(
@@ -190,8 +201,8 @@ def _left_s(
     its answer held a Ctrl-C, or a failed audit write, for as long as the trickle lasted."""
     if deadline_s is None:
         return None
-    ends = [started[futures[f]] + deadline_s for f in waited if futures[f] in started]
-    return max(0.0, max(ends) - time.perf_counter()) if ends else 0.0
+    ends_s = _ends_s(futures, waited, started, deadline_s).values()
+    return max(0.0, max(ends_s) - time.perf_counter()) if ends_s else 0.0
 
 
 def read_deadline_s(timeout_s: float) -> float:
@@ -218,20 +229,20 @@ def _as_answered(
     pending = set(futures)
     while pending:
         # up to the next deadline of a node asked (one still queued waits its turn)
-        ends = [started[futures[f]] + deadline_s for f in pending if futures[f] in started]
+        ends_s = _ends_s(futures, pending, started, deadline_s).values()
         now = time.perf_counter()
         done, pending = wait(
             pending,
-            timeout=max(0.0, min(ends) - now) if ends else deadline_s,
+            timeout=max(0.0, min(ends_s) - now) if ends_s else deadline_s,
             return_when=FIRST_COMPLETED,
         )
         for fut in done:
             yield fut, fut.result()
         now = time.perf_counter()
-        for fut in list(pending):
+        for fut, end_s in _ends_s(futures, list(pending), started, deadline_s).items():
             i = futures[fut]
             # (one that answered since the wait ended is taken on the next turn)
-            if i in started and now - started[i] >= deadline_s and not fut.done():
+            if end_s <= now and not fut.done():
                 # cut before it is reported: a thread of the pool is free for the next node
                 # even while the report (an audit write) runs
                 calls[i].abandon()
