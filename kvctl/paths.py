@@ -55,9 +55,9 @@ _WRITE_REASONS = {
 def write_atomic(path: Path, text: str, *, mode: int, keep_owner: bool = False) -> None:
     """``text`` in ``path`` with ``mode`` whatever the umask, replaced atomically: a reader
     (systemd, another kvctl) sees the old file or the new one, never half of it. With
-    ``keep_owner``, root gives the new file the old one's owner and group (best effort: a
-    filesystem that refuses it still gets the file). Raises WriteFailed naming ``path`` (a
-    full filesystem, no permission), the old file left as it was."""
+    ``keep_owner``, the new file gets the old one's group, and as root its owner too (best
+    effort: a filesystem or a group that refuses it still gets the file). Raises WriteFailed
+    naming ``path`` (a full filesystem, no permission), the old file left as it was."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.unlink(missing_ok=True)  # a killed process's leftover would keep its old mode
@@ -65,7 +65,7 @@ def write_atomic(path: Path, text: str, *, mode: int, keep_owner: bool = False) 
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
-            if keep_owner and os.geteuid() == 0:
+            if keep_owner:
                 _chown_like(tmp, path)
             os.chmod(tmp, mode)  # after the chown, which may clear bits
             os.replace(tmp, path)
@@ -78,14 +78,18 @@ def write_atomic(path: Path, text: str, *, mode: int, keep_owner: bool = False) 
 
 
 def _chown_like(path: Path, old: Path) -> None:
-    # a file root writes anew would be root's: another user's file (their fleet file, written
-    # by root's cron) would stop being theirs to edit
+    # a file written anew is its writer's, in their group: another user's file (their fleet
+    # file, written by root's cron) would stop being theirs to edit, and one shared with a
+    # group (0660, group ops) would shut that group out. Root keeps both; any other user the
+    # group, when they are in it (the owner is theirs already, or it is no file of theirs to
+    # replace)
     try:
         st = os.stat(old)
     except FileNotFoundError:
-        return  # a new file: root's, as open() would make it
-    with contextlib.suppress(OSError):  # best effort: vfat, a user namespace's unmapped ids
-        os.chown(path, st.st_uid, st.st_gid)
+        return  # a new file: its writer's, as open() would make it
+    uid = st.st_uid if os.geteuid() == 0 else -1
+    with contextlib.suppress(OSError):  # best effort: vfat, unmapped ids, a group not theirs
+        os.chown(path, uid, st.st_gid)
 
 
 def write_in_place(path: Path, text: str) -> None:

@@ -665,8 +665,8 @@ def export_command(
             write_in_place(output, text)
         else:
             # replaced whole or not at all: written in place, a full disk truncated the old
-            # fleet file and left half of the new one; an existing file keeps its permissions
-            # and (root writing another user's file) its owner, a new one gets the umask's
+            # fleet file and left half of the new one; an existing file keeps its permissions,
+            # its group and (root writing another user's file) its owner, a new one the umask's
             # mode, as written in place (write_atomic sets the mode as is)
             mode = output.stat().st_mode & 0o777 if output.exists() else 0o666 & ~_umask()
             try:

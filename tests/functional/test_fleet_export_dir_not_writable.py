@@ -51,11 +51,14 @@ def base() -> Iterator[Path]:
         shutil.rmtree(path)
 
 
-def _export(base: Path, output: Path) -> subprocess.CompletedProcess[str]:
+def _export(
+    base: Path, output: Path, groups: tuple[int, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
     # setpriv, not subprocess's user=: here the latter's exec of this Python (under root's
-    # private home) is refused
-    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    # private home) is refused. ``groups``: nobody's supplementary groups
+    in_groups = f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"
+    as_nobody = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", in_groups]
     return subprocess.run(
         [*(as_nobody if ROOT else []), sys.executable, "-m", "kvctl", "fleet", "export",
          "-f", "toml", "-o", str(output), "--db", f"sqlite:///{base / 'kvctl.db'}"],

@@ -45,3 +45,16 @@ def test_another_users_writable_file_stays_theirs(base: Path) -> None:
     assert "gpu-1" in fleet.read_text()
     st = fleet.stat()
     assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (1234, 1235, 0o666)
+
+
+@pytest.mark.skipif(not ROOT, reason="needs a group to give the exporter")
+def test_the_exporters_own_file_keeps_its_group(base: Path) -> None:
+    fleet = base / "fleet.toml"
+    fleet.write_text(OLD)
+    os.chown(fleet, NOBODY, 1235)  # nobody's, shared with group 1235 (ops), nobody in it
+    fleet.chmod(0o660)
+    out = _export(base, fleet, groups=(1235,))
+    assert out.returncode == 0, out.stderr
+    assert "gpu-1" in fleet.read_text()
+    st = fleet.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (NOBODY, 1235, 0o660)
