@@ -232,6 +232,9 @@ def render(
     """The page at ``pathname`` for these controls, and the "updated" line: the callback
     behind every page, callable directly (the tests do)."""
     config: DashboardConfig = app.server.extensions["kvctl"]
+    # what the browser sends, checked: a crafted POST's other types are taken as no choice
+    pathname, search, window, model = (_text(v) for v in (pathname, search, window, model))
+    dcs = [d for d in dcs if isinstance(d, str)] if isinstance(dcs, list) else None
     path = "/" + (app.strip_relative_path(pathname or "/") or "")
     page = PAGES.get(path.rstrip("/") or "/")
     if page is None:
@@ -262,6 +265,11 @@ def render(
     if stopped_ms is not None:
         body = [_stopped(stopped_ms, now), *body]
     return body, f"updated {stamp} UTC, every {config.refresh_seconds:g} s"
+
+
+def _text(value: object) -> str | None:
+    """A callback input that must be text (a path, a query, a choice's name), else None."""
+    return value if isinstance(value, str) else None
 
 
 def _stopped(last_ms: int, now_ms: int) -> html.Div:
@@ -367,6 +375,7 @@ def _register(app: dash.Dash, config: DashboardConfig) -> None:
         prevent_initial_call=True,
     )
     def _detail_pick(dc: str | None, node: str | None, search: str | None) -> str:
+        dc, node, search = _text(dc), _text(node), _text(search)
         query = parse_qs((search or "").lstrip("?"))
         if not dc:
             return ""

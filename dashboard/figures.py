@@ -112,7 +112,11 @@ def dc_schematic(
         for i, name in enumerate(shown)
     }
     fig = go.Figure()
-    measured = [lk.rtt_mean_s for lk in links if lk.rtt_mean_s is not None]
+    # a mean over probe rows holding Infinity or NaN (written by hand, or by an older
+    # collector) is no RTT: it would make every colour NaN and the whole page fail
+    measured = [
+        lk.rtt_mean_s for lk in links if lk.rtt_mean_s is not None and math.isfinite(lk.rtt_mean_s)
+    ]
     hi = max(measured, default=0.0) or 1.0
     for lk in links:
         if lk.dc_a not in pos or lk.dc_b not in pos or lk.dc_a == lk.dc_b:
@@ -122,6 +126,9 @@ def dc_schematic(
         if lk.rtt_mean_s is None:
             line = {"color": "#aaaaaa", "dash": "dash", "width": 2}
             label = f"{lk.dc_a}↔{lk.dc_b}: {km}, not probed in this window"
+        elif not math.isfinite(lk.rtt_mean_s):
+            line = {"color": "#c0392b", "dash": "dot", "width": 2}
+            label = f"{lk.dc_a}↔{lk.dc_b}: {km}, RTT not a finite number in the probe rows"
         else:
             share = lk.rtt_mean_s / hi
             line = {

@@ -1,0 +1,103 @@
+"""The dashboard against what a browser never sends and a database should not hold: callbacks
+posted with inputs of the wrong type (a crafted POST to /_dash-update-component) answer 200 with
+the page drawn as for no choice, not a 500 and an ERROR traceback in the log; probe rows whose
+RTT is not a finite number (PostgreSQL's 'Infinity', SQLite's 9e999: written by hand or by an
+older collector) leave the fleet page drawn, that link said to be unreadable."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dash import Dash
+from sqlalchemy import text
+from sqlalchemy.engine import Engine
+
+from dashboard.app import create_app, render
+from tests.functional.dashboard_history import NOW, fill_history
+from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of
+from tests.functional.test_dashboard_failures import PAGE, page_inputs, post_callback
+
+
+@pytest.fixture
+def app(tmp_path: Path) -> Iterator[Dash]:
+    from kvctl.db.migrate import open_db
+
+    url = f"sqlite:///{tmp_path / 'metrics.db'}"
+    db = open_db(url, auto_upgrade=True)
+    fill_history(db)
+    db.dispose()
+    app = create_app(url, now_ms=lambda: NOW)
+    yield app
+    app.server.extensions["kvctl"].engine.dispose()
+
+
+WRONG_TYPES: list[tuple[str, Any]] = [
+    ("url.pathname", 5),
+    ("url.pathname", ["/"]),
+    ("url.search", {"dc": "fra"}),
+    ("url.search", 7),
+    ("window.value", ["1h"]),
+    ("window.value", {"a": 1}),
+    ("dc-filter.value", 5),
+    ("dc-filter.value", "fra"),
+    ("dc-filter.value", [{"a": 1}, None, 3]),
+    ("model.value", ["llama-3.1-8b"]),
+    ("model.value", {"a": 1}),
+]
+
+
+@pytest.mark.parametrize(("key", "value"), WRONG_TYPES)
+def test_a_page_callback_with_an_input_of_the_wrong_type_draws_the_page(
+    app: Dash, key: str, value: Any
+) -> None:
+    inputs = page_inputs("/")
+    inputs[key] = value
+    status, answer = post_callback(app, PAGE, inputs)
+    assert status == 200, answer
+    shown = json.dumps(answer["response"]["page"])
+    assert "could not be drawn" not in shown
+    assert "card-hit-ratio" in shown  # the fleet page, as for no choice
+
+
+@pytest.mark.parametrize(
+    ("dc", "node", "search"),
+    [({"a": 1}, None, 5), ("fra", ["fra-a"], ["?dc=fra"]), (["fra"], {"n": 1}, None)],
+)
+def test_the_detail_picker_with_inputs_of_the_wrong_type_answers(
+    app: Dash, dc: Any, node: Any, search: Any
+) -> None:
+    body = {
+        "output": "url.search",
+        "outputs": {"id": "url", "property": "search"},
+        "inputs": [
+            {"id": "detail-dc", "property": "value", "value": dc},
+            {"id": "detail-node", "property": "value", "value": node},
+        ],
+        "state": [{"id": "url", "property": "search", "value": search}],
+        "changedPropIds": [],
+    }
+    resp = app.server.test_client().post("/_dash-update-component", json=body)
+    assert resp.status_code in (200, 204), resp.get_data(as_text=True)[:300]
+
+
+def test_an_rtt_that_is_not_finite_leaves_the_fleet_page_drawn(db: Engine) -> None:
+    fill_history(db)
+    infinity = "'Infinity'" if db.dialect.name == "postgresql" else "9e999"
+    with db.begin() as conn:
+        conn.execute(text(f"UPDATE link_sample SET rtt_s = {infinity} WHERE ok"))
+    app = create_app(url_of(db), now_ms=lambda: NOW)
+    try:
+        page, updated = render(app, "/", "", "1h", None, None)
+        shown = text_of(page)
+        assert "could not be drawn" not in shown
+        assert updated.startswith("updated ")
+        assert card_value(page, "card-hit-ratio") == "52.6%"
+        figure = by_id(page, "fig-schematic").figure
+        labels = " ".join(str(t.hovertext) for t in figure.data if t.hovertext)
+        assert "ams↔fra: 100 km, RTT not a finite number" in labels
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
