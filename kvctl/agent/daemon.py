@@ -2,7 +2,14 @@
 
 The agent records where it listens in ``<data_dir>/agent.json`` (written atomically once every
 socket is bound, removed on a clean exit), which ``kvctl agent stop/status`` and tests read. A
-file left by a killed agent is recognised by its dead pid and replaced.
+file left by a killed agent is recognised by its lock, free (below), and replaced.
+
+While it runs the agent holds ``<data_dir>/agent.lock`` (flock, exclusive, its pid written in
+it), from before it binds anything until after it has removed ``agent.json``: the kernel drops
+the lock when the process dies, however it dies, so a held lock is the only proof that the agent
+``agent.json`` records still runs. A pid alone is not: after a SIGKILL or a reboot it may be
+another process's, even another agent's, which ``stop`` must never signal. Two agents started
+at once on one data directory meet at the lock, and one of them refuses.
 
 A detached agent gets its settings in ``<data_dir>/agent-settings.toml`` (0600, removed once it
 serves), not on its command line: ``ps`` shows every process's argv to every user, and the
@@ -13,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import math
@@ -40,6 +48,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvctl.agent")
 
 STATE_FILE = "agent.json"
+#: held (flock) by the agent of the data directory for as long as it runs
+LOCK_FILE = "agent.lock"
+#: seconds a starting agent tries for the lock: a `kvctl agent status` checking it holds it for
+#: microseconds, another agent for as long as it runs
+LOCK_WAIT_S = 2.0
 LOG_FILE = "agent.log"
 #: the settings a detached agent starts with, in the ``[agent]`` table ``load_settings`` reads
 SETTINGS_FILE = "agent-settings.toml"
@@ -141,9 +154,73 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def hold_data_dir(data_dir: Path, *, wait_s: float = LOCK_WAIT_S) -> int:
+    """Take ``data_dir``'s :data:`LOCK_FILE` for this process and write its pid there; the
+    descriptor to keep open while the agent runs. Raises :class:`AgentRunning` when another
+    process holds it, :class:`WriteFailed` when the file cannot be created."""
+    path = data_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
+    except OSError as exc:
+        raise WriteFailed(path, exc) from exc
+    deadline_s = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline_s:
+                holder = _pid_in(fd)
+                os.close(fd)
+                who = f"an agent (pid {holder})" if holder else "another agent"
+                raise AgentRunning(
+                    f"{who} already serves {data_dir} (it holds {path}); stop it with "
+                    f"`kvctl agent stop --data-dir {data_dir}` or choose another --data-dir"
+                ) from None
+            time.sleep(0.01)
+    # best effort: on a full filesystem the pid may not fit (agent.json records it too), and
+    # the foreground start that trims the disk tier to make room must still get that far
+    with contextlib.suppress(OSError):
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _pid_in(fd: int) -> int | None:
+    """The pid written in a lock file (None: none yet, or not a pid)."""
+    try:
+        text = os.pread(fd, 32, 0).decode("ascii", errors="replace").strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and int(text) > 0 else None
+
+
+def holder_pid(data_dir: Path, recorded_pid: int) -> int | None:
+    """The pid of the agent running from ``data_dir`` now, ``recorded_pid`` being the one its
+    ``agent.json`` names; None when none runs. The lock decides (see the module's doc); a data
+    directory without a lock file (an older build's agent), or one this user cannot open, falls
+    back to asking whether ``recorded_pid`` is a live kvctl process."""
+    try:
+        fd = os.open(data_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return recorded_pid if pid_alive(recorded_pid) else None
+    try:
+        # a shared lock, dropped at once: an agent starting meanwhile waits for it (LOCK_WAIT_S)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _pid_in(fd) or recorded_pid
+    finally:
+        os.close(fd)
+    return None
+
+
 def running_agent(data_dir: Path) -> AgentState | None:
+    """The agent ``data_dir``'s ``agent.json`` records, if that agent runs now: not when its
+    pid has gone, or belongs to another process now (a SIGKILLed agent's record)."""
     state = AgentState.read(data_dir)
-    return state if state is not None and state.alive else None
+    if state is None or holder_pid(data_dir, state.pid) != state.pid:
+        return None
+    return state
 
 
 class NoAgentHere(LookupError):
@@ -186,7 +263,7 @@ def recorded_agent(data_dir: Path, *, running: bool = True) -> AgentState:
             "there as JSON)",
             f"if no agent runs from {data_dir}, remove that file and {start}",
         )
-    if running and not state.alive:
+    if running and holder_pid(data_dir, state.pid) != state.pid:
         raise NoAgentHere(
             f"the agent {path} records (pid {state.pid}, {state.control_url}) is not running: "
             "it did not stop cleanly",
@@ -208,21 +285,24 @@ def control_url_for(data_dir: Path, configured_url: str, *, named: bool) -> str:
 
 def serve(settings: AgentSettings) -> int:
     """Run the agent in this process until SIGTERM or SIGINT; returns the exit code."""
+    data_dir = settings.data_path
+    make_private_dir(data_dir, "data directory")
+    warn_if_shared(data_dir)
+    lock_fd = hold_data_dir(data_dir)
+    try:
+        return _serve_holding(settings, data_dir)
+    finally:  # last: once agent.json is gone, and the store closed
+        os.close(lock_fd)
+
+
+def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
+    """:func:`serve` once this process holds ``data_dir``."""
     import uvicorn
 
     from kvctl.agent.api import create_app
     from kvctl.agent.dataplane import DataPlaneServer
     from kvctl.agent.runtime import AgentRuntime
 
-    data_dir = settings.data_path
-    make_private_dir(data_dir, "data directory")
-    warn_if_shared(data_dir)
-    other = running_agent(data_dir)
-    if other is not None and other.pid != os.getpid():
-        raise AgentRunning(
-            f"an agent (pid {other.pid}) already serves {data_dir}; stop it with "
-            f"`kvctl agent stop --data-dir {data_dir}` or choose another --data-dir"
-        )
     host, port = settings.control_host_port
     # put back once stopped: serve() may run inside a longer process (tests, an embedder)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -670,22 +750,50 @@ def stop_agent(
     """SIGTERM the agent of ``data_dir`` and wait for it to exit; None if none was running.
     Raises TimeoutError if it is still running after ``timeout_s`` (unless ``force``: then
     SIGKILL, which the disk tier survives by design)."""
+    stopped = stop_agent_saying(data_dir, timeout_s=timeout_s, force=force)
+    return None if stopped is None else stopped[0]
+
+
+#: seconds a SIGKILLed agent gets to be gone (the kernel closes its files, dropping the lock)
+KILLED_WAIT_S = 10.0
+
+
+def stop_agent_saying(
+    data_dir: Path, *, timeout_s: float = 30.0, force: bool = False
+) -> tuple[AgentState, bool] | None:
+    """:func:`stop_agent`, also saying whether the agent had to be killed (SIGKILL after
+    ``timeout_s`` with ``force``). Only the process that holds ``data_dir``'s lock is signalled:
+    never a pid a dead agent left in ``agent.json`` that another process has since."""
     state = running_agent(data_dir)
     if state is None:
         return None
     os.kill(state.pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not pid_alive(state.pid):
-            return state
-        time.sleep(0.05)
+    if _gone_within(data_dir, state.pid, timeout_s):
+        return state, False
     if not force:
         raise TimeoutError(
-            f"agent pid {state.pid} still running after {timeout_s:g}s; "
-            "retry with --force to kill it (chunks on disk stay intact)"
+            f"agent pid {state.pid} still running {timeout_s:g} s after SIGTERM (it is still "
+            "shutting down, or hung: its log is agent.log in its data dir); retry with --force "
+            "to kill it (SIGKILL; chunks on disk stay intact)"
         )
-    os.kill(state.pid, signal.SIGKILL)
-    return state
+    if holder_pid(data_dir, state.pid) == state.pid:  # not gone between the last look and here
+        os.kill(state.pid, signal.SIGKILL)
+    if not _gone_within(data_dir, state.pid, KILLED_WAIT_S):
+        raise TimeoutError(
+            f"agent pid {state.pid} still running {KILLED_WAIT_S:g} s after SIGKILL (stuck in "
+            "the kernel: a hung disk or GPU driver?)"
+        )
+    return state, True
+
+
+def _gone_within(data_dir: Path, pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for the agent ``pid`` of ``data_dir`` to be gone."""
+    deadline_s = time.monotonic() + timeout_s
+    while holder_pid(data_dir, pid) == pid:
+        if time.monotonic() >= deadline_s:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _bind_tcp(host: str, port: int) -> socket.socket:

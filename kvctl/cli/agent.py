@@ -380,7 +380,7 @@ def stop_command(
 
       kvctl agent stop --data-dir /var/lib/kvctl/gpu-07 --timeout 60 --force
     """
-    from kvctl.agent.daemon import NoAgentHere, recorded_agent, stop_agent
+    from kvctl.agent.daemon import NoAgentHere, recorded_agent, stop_agent_saying
 
     settings = home.load().settings
     if home.named:
@@ -389,16 +389,24 @@ def stop_command(
         except NoAgentHere as exc:
             fail(str(exc), hint=exc.hint, code=1)
     try:
-        state = stop_agent(settings.data_path, timeout_s=timeout, force=force)
+        stopped = stop_agent_saying(settings.data_path, timeout_s=timeout, force=force)
     except TimeoutError as exc:
         fail(str(exc), code=1)
-    if state is None:
+    if stopped is None:
         console.print(
             f"no agent is running for {settings.data_path}", highlight=False, soft_wrap=True
         )
         elsewhere = elsewhere_hint(home, None, settings.data_path, "stop")
         if elsewhere:  # nothing to stop here is not "stopped": the one meant may run on
             err_console.print(f"[dim]hint:[/] {escape(elsewhere)}", highlight=False, soft_wrap=True)
+        return
+    state, killed = stopped
+    if killed:  # not a clean stop: requests in flight were cut, its log ends mid-way
+        console.print(
+            f"agent {state.name} (pid {state.pid}) killed (SIGKILL): it had not exited "
+            f"{timeout:g} s after SIGTERM",
+            highlight=False,
+        )
         return
     console.print(f"agent {state.name} (pid {state.pid}) stopped", highlight=False)
 

@@ -1,0 +1,117 @@
+"""What `kvctl agent start/stop/status` make of a data dir whose agent died without cleaning up
+(SIGKILL, a crash, a reboot): its agent.json stays, naming a pid that may be another process's
+by now, even another agent's. And two agents on one data dir: the second must refuse."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from typer.testing import CliRunner
+
+from kvctl.agent.daemon import STATE_FILE, AgentState, stop_agent
+from kvctl.cli.main import app
+from tests.functional.agents import EPHEMERAL, running_agent, start_agent
+
+runner = CliRunner()
+SMALL = ["--cpu", "8MiB", "--disk", "0", "--socket", "off"]
+
+
+def _run(tmp_path: Path, *args: str) -> Any:
+    clean: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCTL_")}
+    clean["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    clean["COLUMNS"] = "1000"
+    return runner.invoke(app, list(args), env=clean)
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_a_dead_agents_pid_now_another_agents_is_not_stopped_and_does_not_block_a_start(
+    tmp_path: Path,
+) -> None:
+    dead_dir, other_dir = tmp_path / "dead", tmp_path / "other"
+    killed = start_agent(dead_dir, *SMALL)
+    killed.kill9()
+    with running_agent(other_dir, *SMALL) as other:
+        # the killed agent's pid, reused (after a reboot, say) by the agent of another data dir
+        record = json.loads((dead_dir / STATE_FILE).read_text())
+        record["pid"] = other.proc.pid
+        (dead_dir / STATE_FILE).write_text(json.dumps(record))
+
+        status = _run(tmp_path, "agent", "status", "--data-dir", str(dead_dir))
+        assert status.exit_code == 1, status.output
+        assert "is not running: it did not stop cleanly" in _flat(status.output)
+
+        stop = _run(tmp_path, "agent", "stop", "--data-dir", str(dead_dir))
+        assert stop.exit_code == 0, stop.output
+        assert f"no agent is running for {dead_dir}" in _flat(stop.output)
+        assert other.proc.poll() is None, "stop signalled another data dir's agent"
+
+        argv = ["--data-dir", str(dead_dir), *EPHEMERAL, *SMALL, "--detach"]
+        start = _run(tmp_path, "agent", "start", *argv)
+        try:
+            assert start.exit_code == 0, start.output
+            state = AgentState.read(dead_dir)
+            assert state is not None and state.pid not in (other.proc.pid, killed.proc.pid)
+        finally:
+            stop_agent(dead_dir, timeout_s=20, force=True)
+        assert other.proc.poll() is None
+
+
+def test_a_second_agent_on_a_data_dir_whose_agent_is_still_starting_refuses(
+    tmp_path: Path,
+) -> None:
+    data_dir = tmp_path / "agent"
+    with running_agent(data_dir, *SMALL) as first:
+        # as the first agent is until it has opened its tiers (a large disk tier's scan takes
+        # minutes): running, its agent.json not written yet
+        (data_dir / STATE_FILE).unlink()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+        argv = ["--data-dir", str(data_dir), *EPHEMERAL, *SMALL]
+        second = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", "agent", "start", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            out, _ = second.communicate(timeout=60)  # a hang guard: it serves forever if let
+        finally:
+            if second.poll() is None:
+                second.kill()
+                second.wait(10)
+        said = _flat(out.decode(errors="replace"))
+        assert second.returncode == 1, said
+        assert f"an agent (pid {first.proc.pid}) already serves {data_dir}" in said
+        assert first.proc.poll() is None
+
+
+def test_stop_of_an_agent_that_ignores_sigterm_says_it_waited_then_killed(tmp_path: Path) -> None:
+    data_dir = tmp_path / "agent"
+    agent = start_agent(data_dir, *SMALL)
+    try:
+        os.kill(agent.proc.pid, signal.SIGSTOP)  # hung: SIGTERM is not acted on
+        stop = _run(tmp_path, "agent", "stop", "--data-dir", str(data_dir), "--timeout", "1")
+        assert stop.exit_code == 1, stop.output
+        said = _flat(stop.output)
+        assert f"agent pid {agent.proc.pid} still running 1 s after SIGTERM" in said
+        assert "--force" in said
+        assert agent.proc.poll() is None
+
+        argv = ["--data-dir", str(data_dir), "--timeout", "1", "--force"]
+        stop = _run(tmp_path, "agent", "stop", *argv)
+        assert stop.exit_code == 0, stop.output
+        assert "killed (SIGKILL): it had not exited 1 s after SIGTERM" in _flat(stop.output)
+        assert agent.proc.wait(10) == -signal.SIGKILL
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+            agent.proc.wait(10)
