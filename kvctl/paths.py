@@ -99,7 +99,7 @@ def write_in_place(path: Path, text: str) -> None:
     may see it half written. Raises WriteFailed naming ``path``."""
     data = text.encode("utf-8")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = _open_to_write_through(path)
         try:
             st = os.fstat(fd)
             regular = stat.S_ISREG(st.st_mode)
@@ -121,6 +121,23 @@ def write_in_place(path: Path, text: str) -> None:
             os.close(fd)
     except OSError as exc:
         raise WriteFailed(path, exc) from exc
+
+
+def _open_to_write_through(path: Path) -> int:
+    # a regular file read and written: where the filesystem has no fallocate (ext2, NFSv3),
+    # glibc emulates it by reading each block it would fill, and through a write-only
+    # descriptor that fails (EBADF), taken for no fallocate at all: no room reserved
+    flags = os.O_WRONLY
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.stat(path).st_mode):
+            flags = os.O_RDWR
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_CLOEXEC, 0o666)
+    except PermissionError:
+        if flags == os.O_WRONLY:
+            raise
+        # a file its writer may write but not read: no emulated reservation, as before
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o666)
 
 
 def read_text_file(path: Path, what: str = "") -> str:
