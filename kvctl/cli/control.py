@@ -117,8 +117,8 @@ def _act(
             f"[yellow]interrupted:[/] {len(answered)} of {len(nodes)} node(s) answered"
             + (f" ({escape(', '.join(answered))})" if answered else "")
             + (
-                f"; [bold red]not in the audit trail[/] (its write was stopped), though asked "
-                f"and possibly acted: {escape(', '.join(unrecorded))}"
+                f"; [bold red]not in the audit trail[/] (its write was stopped, or failed), "
+                f"though asked and possibly acted: {escape(', '.join(unrecorded))}"
                 if unrecorded
                 else f"; `kvctl audit --action {req.action}` shows how each ended"
             ),

@@ -204,8 +204,8 @@ class ActionReport:
 
 class ActionInterrupted(KeyboardInterrupt):
     """A Ctrl-C ended an action. ``unrecorded`` names the nodes asked whose outcome the audit
-    trail lacks: a second Ctrl-C stopped a write stuck on a lock. They may have acted all the
-    same, and `kvctl audit` cannot say so."""
+    trail lacks: a second Ctrl-C stopped a write stuck on a lock, or a write after the Ctrl-C
+    failed (a full disk). They may have acted all the same, and `kvctl audit` cannot say so."""
 
     def __init__(self, unrecorded: list[str]) -> None:
         super().__init__(unrecorded)
