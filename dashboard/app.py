@@ -37,6 +37,9 @@ from kvctl.format import compact_duration, format_utc_minute
 from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
 DEFAULT_REFRESH_SECONDS: Final = 30
+#: a PostgreSQL query of a page cancelled after this long: a slow server, a huge window or a
+#: crafted filter otherwise holds one of the server's few worker threads for as long as it takes
+DEFAULT_QUERY_TIMEOUT_S: Final = 60.0
 log = logging.getLogger("kvctl.dashboard")
 CSS: Final = """
 body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 0; color: #1b2733;
@@ -85,8 +88,9 @@ class DashboardConfig:
     now_ms: Callable[[], int]
 
 
-def read_only(engine: Engine) -> Engine:
-    """Make every connection of ``engine`` refuse writes: the dashboard only reads."""
+def read_only(engine: Engine, query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) -> Engine:
+    """Make every connection of ``engine`` refuse writes: the dashboard only reads. Its
+    PostgreSQL statements are cancelled after ``query_timeout_s`` (over the URL's own)."""
 
     @event.listens_for(engine, "connect")
     def _read_only(dbapi_conn: Any, _record: Any) -> None:
@@ -95,6 +99,7 @@ def read_only(engine: Engine) -> Engine:
             cur.execute("PRAGMA query_only = ON")
         else:
             cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
+            cur.execute(f"SET SESSION statement_timeout = {max(int(query_timeout_s * 1000), 1)}")
             dbapi_conn.commit()
         cur.close()
 
@@ -115,10 +120,12 @@ def create_app(
     mfu: float = DEFAULT_MFU,
     basic_auth: tuple[str, str] | None = None,
     now_ms: Callable[[], int] = _wall_ms,
+    query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S,
 ) -> dash.Dash:
     """The dashboard on the database at ``db_url``, through an engine of its own whose
     connections refuse writes. ``url_prefix`` must start and end with ``/``; ``basic_auth`` is
-    (user, password); ``now_ms`` is the clock windows end at."""
+    (user, password); ``now_ms`` is the clock windows end at; a PostgreSQL query is cancelled
+    after ``query_timeout_s`` (its page says so)."""
     from kvctl.db.engine import create_db_engine, resolve_url
 
     if not (url_prefix.startswith("/") and url_prefix.endswith("/")):
@@ -128,7 +135,7 @@ def create_app(
     if default_gpu not in GPUS:
         raise ValueError(f"unknown GPU {default_gpu!r}; choose from {', '.join(GPUS)}")
     config = DashboardConfig(
-        engine=read_only(create_db_engine(resolve_url(db_url))),
+        engine=read_only(create_db_engine(resolve_url(db_url)), query_timeout_s),
         assume=Assumptions(MODELS[model], default_gpu, mfu),
         refresh_seconds=refresh_seconds,
         now_ms=now_ms,

@@ -49,6 +49,15 @@ def dashboard_command(
         ),
     ] = None,
     threads: Annotated[int, typer.Option("--threads", help="Worker threads.", min=1)] = 8,
+    query_timeout: Annotated[
+        float,
+        typer.Option(
+            "--query-timeout",
+            help="Seconds a page's PostgreSQL query may take before it is cancelled and the "
+            "page says so.",
+            min=0.1,
+        ),
+    ] = 60.0,
 ) -> None:
     """Serve the dashboard: fleet efficiency across DCs, DC and node detail, links, capacity.
 
@@ -99,6 +108,7 @@ def dashboard_command(
             default_gpu=gpu,
             mfu=mfu,
             basic_auth=basic_auth,
+            query_timeout_s=query_timeout,
         )
     except ValueError as exc:
         fail(str(exc), hint="see `kvctl dashboard --help`")

@@ -101,3 +101,36 @@ def test_an_rtt_that_is_not_finite_leaves_the_fleet_page_drawn(db: Engine) -> No
         assert "ams↔fra: 100 km, RTT not a finite number" in labels
     finally:
         app.server.extensions["kvctl"].engine.dispose()
+
+
+def test_a_query_postgresql_takes_too_long_to_answer_fails_the_page_not_a_worker(
+    pg_url: str,
+) -> None:
+    """A page's query that PostgreSQL is slow to answer (a huge window, a crafted filter, a
+    busy server) is cancelled after the dashboard's query timeout and the page says so, instead
+    of holding one of the server's few worker threads for as long as it takes. Here the DC
+    table is a view that sleeps a second per row."""
+    from kvctl.db.migrate import open_db
+
+    db = open_db(pg_url, auto_upgrade=True)
+    fill_history(db)
+    with db.begin() as conn:
+        conn.execute(text("ALTER TABLE dc RENAME TO dc_rows"))
+        conn.execute(
+            text(
+                "CREATE FUNCTION slow_row() RETURNS boolean LANGUAGE sql AS "
+                "'SELECT pg_sleep(1); SELECT true'"
+            )
+        )
+        conn.execute(text("CREATE VIEW dc AS SELECT * FROM dc_rows WHERE slow_row()"))
+    db.dispose()
+    app = create_app(pg_url, now_ms=lambda: NOW, query_timeout_s=0.2)
+    try:
+        page, updated = render(app, "/", "", "1h", None, None)
+        shown = text_of(page)
+        assert "The database cannot be read: canceling statement due to statement timeout" in (
+            shown
+        )
+        assert updated.startswith("not updated")
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
