@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from dataclasses import dataclass, fields
@@ -267,6 +268,13 @@ def start_command(
     from kvctl.agent.daemon import AgentRunning, running_agent
     from kvctl.paths import UnusableDirectory, WriteFailed, make_private_dir
 
+    not_utf8 = _not_utf8(settings)
+    if not_utf8 is not None:
+        fail(
+            f"{not_utf8} is not valid UTF-8: the agent says its settings and paths as UTF-8 "
+            "text (agent.json, `kvctl agent status`, the settings a --detach start hands over)",
+            hint="give it a UTF-8 name (rename the directory)",
+        )
     try:  # before anything is started or written: a bad --data-dir is the user's to fix
         make_private_dir(settings.data_path, "data directory")
     except UnusableDirectory as exc:
@@ -320,6 +328,23 @@ def start_command(
     except (OSError, KvctlError) as exc:
         fail(str(exc), hint="check the sizes, ports and --data-dir", code=1)
     raise typer.Exit(code)
+
+
+def _not_utf8(settings: AgentSettings) -> str | None:
+    """The first setting whose text is not UTF-8 (a path or name typed with other bytes, which
+    Python holds as lone surrogates), as the error names it; None when all are."""
+    texts = {f.name: getattr(settings, f.name) for f in fields(settings)}
+    texts |= {"data_dir": str(settings.data_path), "socket": str(settings.socket_path or "")}
+    for name, value in texts.items():
+        if not isinstance(value, str):
+            continue
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            # the bytes as typed, those that are not UTF-8 as \xNN
+            shown = os.fsencode(value).decode("utf-8", "backslashreplace")
+            return f"{name} '{shown}'"
+    return None
 
 
 #: a start quicker than this shows nothing of the agent's log

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from kvctl.agent.daemon import STATE_FILE, AgentState, stop_agent
@@ -115,3 +116,31 @@ def test_stop_of_an_agent_that_ignores_sigterm_says_it_waited_then_killed(tmp_pa
         if agent.proc.poll() is None:
             agent.proc.kill()
             agent.proc.wait(10)
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_data_dir_not_utf8_is_refused_before_anything_is_made(
+    tmp_path: Path, detach: bool
+) -> None:
+    data_dir = os.fsencode(tmp_path) + b"/d\xff\xfeir with space"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    argv = [b"--data-dir", data_dir, *(a.encode() for a in [*EPHEMERAL, *SMALL])]
+    proc = subprocess.Popen(
+        [sys.executable.encode(), b"-m", b"kvctl", b"agent", b"start", *argv]
+        + ([b"--detach"] if detach else []),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:  # a hang guard: a foreground agent serves until stopped
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    said = _flat(err.decode(errors="replace"))
+    assert proc.returncode == 2, said
+    assert "error: data_dir '" in said and "\\xff\\xfeir with space' is not valid UTF-8" in said
+    assert "Traceback" not in said and "UnicodeEncodeError" not in said
+    assert not os.path.exists(data_dir)
