@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from shlex import quote
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
@@ -175,7 +176,8 @@ def hold_data_dir(data_dir: Path, *, wait_s: float = LOCK_WAIT_S) -> int:
                 who = f"an agent (pid {holder})" if holder else "another agent"
                 raise AgentRunning(
                     f"{who} already serves {data_dir} (it holds {path}); stop it with "
-                    f"`kvctl agent stop --data-dir {data_dir}` or choose another --data-dir"
+                    f"`kvctl agent stop --data-dir {quote(str(data_dir))}` or choose another "
+                    "--data-dir"
                 ) from None
             time.sleep(0.01)
     # best effort: on a full filesystem the pid may not fit (agent.json records it too), and
@@ -238,7 +240,7 @@ def recorded_agent(data_dir: Path, *, running: bool = True) -> AgentState:
     stopped) or it cannot be read or is not an agent's; with ``running``, also when its
     process is gone."""
     path = data_dir / STATE_FILE
-    start = f"start one there: `kvctl agent start --data-dir {data_dir} --detach`"
+    start = f"start one there: `kvctl agent start --data-dir {quote(str(data_dir))} --detach`"
     try:
         text = path.read_text()
     except FileNotFoundError:

@@ -7,6 +7,7 @@ import re
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
+from shlex import quote
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
@@ -284,8 +285,8 @@ def start_command(
         fail(
             f"an agent (pid {other.pid}) already serves {settings.data_path} at "
             f"{other.control_url}",
-            hint=f"`kvctl agent stop --data-dir {settings.data_path}` first, or give another "
-            "--data-dir and ports",
+            hint=f"`kvctl agent stop --data-dir {quote(str(settings.data_path))}` first, or give "
+            "another --data-dir and ports",
             code=1,
         )
     if detach:
@@ -305,7 +306,7 @@ def start_command(
             f"agent [bold]{state.name}[/] started (pid {state.pid}): control {state.control_url}"
             f", data tcp {state.data_tcp or 'off'}, unix {state.data_unix or 'off'}\n"
             f"[dim]logs: {settings.data_path / 'agent.log'}; stop: kvctl agent stop "
-            f"--data-dir {settings.data_path}[/]",
+            f"--data-dir {escape(quote(str(settings.data_path)))}[/]",
             highlight=False,
             soft_wrap=True,
         )
@@ -539,7 +540,7 @@ def elsewhere_hint(home: AgentHome, url: str | None, data_dir: Path, command: st
     more = f" and {len(others) - 3} more" if len(others) > 3 else ""
     return (
         f"no agent runs from {data_dir}, but {len(others)} on this host do: {shown}{more}; "
-        f"name one: `kvctl agent {command} --data-dir {others[0][0]}` (or --name)"
+        f"name one: `kvctl agent {command} --data-dir {quote(str(others[0][0]))}` (or --name)"
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -144,3 +145,23 @@ def test_a_data_dir_not_utf8_is_refused_before_anything_is_made(
     assert "error: data_dir '" in said and "\\xff\\xfeir with space' is not valid UTF-8" in said
     assert "Traceback" not in said and "UnicodeEncodeError" not in said
     assert not os.path.exists(data_dir)
+
+
+def test_the_commands_said_for_a_data_dir_with_spaces_run_as_copied(tmp_path: Path) -> None:
+    data_dir = tmp_path / "data dir's"
+    start = _run(tmp_path, "agent", "start", "--data-dir", str(data_dir), *EPHEMERAL, *SMALL, "-d")
+    try:
+        assert start.exit_code == 0, start.output
+        # the command the start line says stops it, pasted into a shell
+        said = _flat(start.output).split("stop: ", 1)[1]
+        words = shlex.split(said)
+        assert words[:3] == ["kvctl", "agent", "stop"], said
+        stop = _run(tmp_path, *words[1:])
+        assert stop.exit_code == 0, stop.output
+        assert AgentState.read(data_dir) is None
+        status = _run(tmp_path, "agent", "status", "--data-dir", str(data_dir))
+        assert status.exit_code == 1, status.output
+        hint = _flat(status.output).split("start one there: `", 1)[1].split("`", 1)[0]
+        assert shlex.split(hint)[:5] == ["kvctl", "agent", "start", "--data-dir", str(data_dir)]
+    finally:
+        stop_agent(data_dir, timeout_s=20, force=True)
