@@ -3,6 +3,7 @@ and empty states that say what to run."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,12 +84,28 @@ def graph(figure: Any, graph_id: str) -> dcc.Graph:
     return dcc.Graph(id=graph_id, figure=figure, config={"displaylogo": False})
 
 
+#: a signed figure ("+1.2 pts", "-3", "-0.5 ms"), which a spreadsheet reads as a number
+_SIGNED_FIGURE = re.compile(r"[+-](\d|\.\d)")
+
+
+def inert(value: Any) -> Any:
+    """``value`` as a spreadsheet opening the table's CSV export reads it as text: a cell that
+    starts as a formula would (=, @, tab, CR, or + or - not before a number: a DC or node name is
+    any printable text, a scrape's error what the agent or network said) gets a leading
+    apostrophe, which spreadsheets take as "text" (OWASP's CSV injection advice)."""
+    if not isinstance(value, str) or not value:
+        return value
+    if value[0] in "=@\t\r" or (value[0] in "+-" and not _SIGNED_FIGURE.match(value)):
+        return "'" + value
+    return value
+
+
 def table(table_id: str, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> Any:
-    """A sortable table with a CSV export button."""
+    """A sortable table with a CSV export button; its text cells :func:`inert`."""
     return dash_table.DataTable(
         id=table_id,
         columns=[{"name": c, "id": c} for c in columns],
-        data=list(rows),
+        data=[{k: inert(v) for k, v in row.items()} for row in rows],
         export_format="csv",
         export_headers="display",
         sort_action="native",

@@ -2,7 +2,9 @@
 posted with inputs of the wrong type (a crafted POST to /_dash-update-component) answer 200 with
 the page drawn as for no choice, not a 500 and an ERROR traceback in the log; probe rows whose
 RTT is not a finite number (PostgreSQL's 'Infinity', SQLite's 9e999: written by hand or by an
-older collector) leave the fleet page drawn, that link said to be unreadable."""
+older collector) leave the fleet page drawn, that link said to be unreadable; a slow PostgreSQL
+query is cancelled, not left holding a worker; a name a spreadsheet would run as a formula is
+exported as text."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import pytest
 from dash import Dash
@@ -134,3 +137,48 @@ def test_a_query_postgresql_takes_too_long_to_answer_fails_the_page_not_a_worker
         assert updated.startswith("not updated")
     finally:
         app.server.extensions["kvctl"].engine.dispose()
+
+
+#: what a spreadsheet runs when it opens the table's CSV export: a cell starting =, @, + or -
+#: (not a number), tab or CR is a formula
+FORMULAS = ['=HYPERLINK("http://evil.example","hi")', "@SUM(1+1)", "-cmd|' /C calc'!A0"]
+
+
+def test_the_csv_export_of_a_table_runs_no_formula_a_name_holds(db: Engine) -> None:
+    """DC and node names are any printable text (the inventory's rule): in a table's data (what
+    its CSV export writes) a cell that a spreadsheet would run as a formula is quoted with a
+    leading apostrophe; numbers, signed figures and ordinary names are left as they are."""
+    from kvctl.db.inventory import add_dc, add_node
+
+    fill_history(db)
+    with db.begin() as conn:
+        add_dc(conn, FORMULAS[0])
+        for i, name in enumerate(FORMULAS[1:]):
+            add_node(conn, name, dc=FORMULAS[0], agent_url=f"http://127.0.0.1:{9 + i}")
+    app = create_app(url_of(db), now_ms=lambda: NOW)
+    try:
+        fleet, _ = render(app, "/", "", "1h", None, None)
+        detail, _ = render(app, "/detail", "?" + urlencode({"dc": FORMULAS[0]}), "1h", None, None)
+        cells = [
+            v
+            for page, table_id in [(fleet, "table-dcs"), (detail, "table-nodes")]
+            for row in by_id(page, table_id).data
+            for v in row.values()
+        ]
+        texts = [c for c in cells if isinstance(c, str)]
+        for formula in FORMULAS:
+            assert formula not in texts
+            assert "'" + formula in texts, formula
+        assert not [c for c in texts if c[:1] in ("=", "@", "\t", "\r")]
+        assert "fra" in texts and "ams" in texts  # names are shown as they are
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+
+
+def test_inert_leaves_figures_and_plain_text_alone() -> None:
+    from dashboard.components import inert
+
+    for kept in ("+1.2 pts", "-3", "-0.5 ms", "-.5", "fra-a", "52.6%", "", "N/A", 5, None, 1.5):
+        assert inert(kept) == kept
+    for formula in [*FORMULAS, "+cmd", "-", "\t=1", "\r=1"]:
+        assert inert(formula) == "'" + formula
