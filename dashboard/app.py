@@ -308,7 +308,7 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
     if isinstance(exc, SQLAlchemyError):
         log.warning("page %s: the database failed: %s", path, exc)
         msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        where = config.engine.url.render_as_string(hide_password=True)
+        where = shown_url(config.engine)
         return empty(
             f"The database cannot be read: {msg}",
             hint=f"The dashboard reads {where}: `kvctl db current --db URL` says whether it is "
@@ -320,6 +320,17 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
         hint="The other pages may still work. This is a bug in the dashboard, or data it does "
         "not expect; the dashboard's log has the traceback.",
     )
+
+
+def shown_url(engine: Engine) -> str:
+    """The database's URL as a page may show it: libpq also takes secrets in the query
+    (password, sslpassword), which a page read by managers must not show; the rest of the
+    query (a socket directory, sslmode) helps tell which database it is."""
+    from kvctl.redact import redact_url
+
+    url = engine.url
+    secret = [k for k in url.query if any(w in k.lower() for w in ("pass", "token", "secret"))]
+    return redact_url(url.difference_update_query(secret).render_as_string(hide_password=True))
 
 
 def _window(conn: Any, name: str | None, now_ms: int) -> Window:

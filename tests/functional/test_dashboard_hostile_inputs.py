@@ -182,3 +182,22 @@ def test_inert_leaves_figures_and_plain_text_alone() -> None:
         assert inert(kept) == kept
     for formula in [*FORMULAS, "+cmd", "-", "\t=1", "\r=1"]:
         assert inert(formula) == "'" + formula
+
+
+def test_a_password_in_the_database_urls_query_is_not_shown_on_the_page() -> None:
+    """libpq takes the password (and the SSL key's) in the URL's query too: the page naming
+    the database it cannot read must not show them to whoever opens the dashboard."""
+    from tests.functional.agents import closed_port
+
+    port = closed_port()
+    url = f"postgresql://kvctl@127.0.0.1:{port}/kvctl?password=s3cret&sslpassword=k3y"
+    app = create_app(url, now_ms=lambda: NOW)
+    try:
+        status, answer = post_callback(app, PAGE, page_inputs("/"))
+        assert status == 200
+        shown = json.dumps(answer["response"])
+        assert "The database cannot be read" in shown
+        assert f"kvctl@127.0.0.1:{port}/kvctl" in shown
+        assert "s3cret" not in shown and "k3y" not in shown
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
