@@ -293,6 +293,8 @@ def start_command(
         from kvctl.agent.daemon import DataDirFull, spawn_with_settings
 
         try:
+            log_path = settings.data_path / "agent.log"
+            log_start_bytes = log_path.stat().st_size if log_path.exists() else 0
             _, state = spawn_with_settings(
                 settings, progress=_StartProgress(), limit_s=start_timeout
             )
@@ -310,6 +312,9 @@ def start_command(
             highlight=False,
             soft_wrap=True,
         )
+        # said in the foreground on stderr; detached, only its log had them
+        for warning in _start_warnings(log_path, log_start_bytes):
+            err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False, soft_wrap=True)
         return
     import logging
 
@@ -352,6 +357,29 @@ def _not_utf8(settings: AgentSettings) -> str | None:
 START_QUIET_SECONDS = 2.0
 #: a line of the agent's log (``logging.basicConfig`` in ``start_command``)
 _LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ([A-Z]+) [\w.]+: (.*)")
+
+
+#: warnings a detached start repeats at most (the rest are in its log)
+START_WARNINGS_SHOWN = 20
+
+
+def _start_warnings(log_path: Path, start_bytes: int) -> list[str]:
+    """The warnings and errors an agent logged as it started (its log past ``start_bytes``),
+    as ``warning: MESSAGE`` lines."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(start_bytes)
+            text = f.read(1 << 20).decode(errors="replace")
+    except OSError:
+        return []
+    found = [m for m in map(_LOG_LINE.fullmatch, text.splitlines()) if m is not None]
+    said = [f"{m[1].lower()}: {m[2]}" for m in found if m[1] in ("WARNING", "ERROR", "CRITICAL")]
+    if len(said) > START_WARNINGS_SHOWN:
+        said = [
+            *said[:START_WARNINGS_SHOWN],
+            f"... and {len(said) - START_WARNINGS_SHOWN} more in {log_path}",
+        ]
+    return said
 
 
 class _StartProgress:

@@ -165,3 +165,19 @@ def test_the_commands_said_for_a_data_dir_with_spaces_run_as_copied(tmp_path: Pa
         assert shlex.split(hint)[:5] == ["kvctl", "agent", "start", "--data-dir", str(data_dir)]
     finally:
         stop_agent(data_dir, timeout_s=20, force=True)
+
+
+def test_a_detached_start_repeats_what_it_warned_of(tmp_path: Path) -> None:
+    data_dir = tmp_path / "agent"
+    data_dir.mkdir(mode=0o755)
+    data_dir.chmod(0o755)  # others can list it: the agent warns
+    argv = ["--data-dir", str(data_dir), *EPHEMERAL, "--cpu", "8MiB", "--disk", "100000TiB"]
+    start = _run(tmp_path, "agent", "start", *argv, "--detach")
+    try:
+        assert start.exit_code == 0, start.output
+        said = _flat(start.output)
+        assert "warning: disk tier disk: capacity" in said and "lower --disk or free space" in said
+        assert f"warning: data directory {data_dir} has mode 0755" in said, said
+        assert said.index("started (pid") < said.index("warning:")
+    finally:
+        stop_agent(data_dir, timeout_s=20, force=True)
