@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -263,9 +264,14 @@ def start_command(
     """
     if start_timeout is not None and not detach:
         fail("--start-timeout bounds a --detach start", hint="add --detach, or drop it")
-    settings = (
-        _handed_over(settings_file) if settings_file else _load(config, **flags.as_flags()).settings
-    )
+    if settings_file:
+        settings = _handed_over(settings_file)
+    else:
+        loaded = _load(config, **flags.as_flags())
+        settings = loaded.settings
+        exposed = _secrets_others_read(loaded)
+        if exposed is not None:  # a warning, not a refusal: the agent itself is not at risk
+            err_console.print(f"[yellow]warning:[/] {escape(exposed)}", highlight=False)
     from kvctl.agent.daemon import AgentRunning, running_agent
     from kvctl.paths import UnusableDirectory, WriteFailed, make_private_dir
 
@@ -334,6 +340,40 @@ def start_command(
     except (OSError, KvctlError) as exc:
         fail(str(exc), hint="check the sizes, ports and --data-dir", code=1)
     raise typer.Exit(code)
+
+
+#: the settings that hold a secret: a token, or a pool URL's password
+SECRET_SETTINGS = ("token", "remote_token", "index_token", "pool")
+
+
+def _secrets_others_read(loaded: LoadedSettings) -> str | None:
+    """What is wrong when the config file gives a secret and other users can read it (its mode
+    has group or others' read bit); None when it does not."""
+    from kvctl.redact import redact_url
+
+    path = loaded.config_file
+    if path is None:
+        return None
+    try:
+        mode = stat.S_IMODE(path.stat().st_mode)
+    except OSError:
+        return None
+    if not mode & 0o044:
+        return None
+    held = [
+        name
+        for name in SECRET_SETTINGS
+        if loaded.sources.get(name) == f"file:{path}"
+        and (value := getattr(loaded.settings, name))
+        and (name != "pool" or redact_url(value) != value)
+    ]
+    if not held:
+        return None
+    return (
+        f"{path} gives {' and '.join(held)} and other users can read it (mode {mode:04o}): "
+        f"`chmod 600 {quote(str(path))}`, or give the token in KVCTL_TOKEN (an environment "
+        "file of mode 0600 for a service)"
+    )
 
 
 def _not_utf8(settings: AgentSettings) -> str | None:

@@ -181,3 +181,26 @@ def test_a_detached_start_repeats_what_it_warned_of(tmp_path: Path) -> None:
         assert said.index("started (pid") < said.index("warning:")
     finally:
         stop_agent(data_dir, timeout_s=20, force=True)
+
+
+def test_a_config_file_others_can_read_giving_the_token_is_warned_of(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    secret = "cfg-t0ken-s3cret"
+    config.write_text(f'[agent]\ntoken = "{secret}"\ncpu = "8MiB"\ndisk = "0"\n')
+    data_dir = tmp_path / "agent"
+    argv = ["--config", str(config), "--data-dir", str(data_dir), *EPHEMERAL, "--detach"]
+    try:
+        for mode, warned in ((0o644, True), (0o600, False)):
+            config.chmod(mode)
+            start = _run(tmp_path, "agent", "start", *argv)
+            assert start.exit_code == 0, start.output
+            said = _flat(start.output)
+            expected = (
+                f"warning: {config} gives token and other users can read it (mode 0644): "
+                f"`chmod 600 {config}`"
+            )
+            assert (expected in said) is warned, said
+            assert secret not in said
+            stop_agent(data_dir, timeout_s=20)
+    finally:
+        stop_agent(data_dir, timeout_s=20, force=True)
