@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hmac
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -309,6 +310,9 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
         log.warning("page %s: the database failed: %s", path, exc)
         msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         where = shown_url(config.engine)
+        schema = _schema_problem(config.engine, exc, msg)
+        if schema is not None:
+            return empty(schema, hint=f"The dashboard reads {where}. ({msg})")
         return empty(
             f"The database cannot be read: {msg}",
             hint=f"The dashboard reads {where}: `kvctl db current --db URL` says whether it is "
@@ -319,6 +323,41 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
         f"This page could not be drawn: {type(exc).__name__}: {exc}",
         hint="The other pages may still work. This is a bug in the dashboard, or data it does "
         "not expect; the dashboard's log has the traceback.",
+    )
+
+
+#: what a query says on a table or column the schema does not have yet (SQLite's words; on
+#: PostgreSQL it is a ProgrammingError: undefined table or column)
+_MISSING_IN_SCHEMA: Final = re.compile(r"no such (table|column)")
+
+
+def _schema_problem(engine: Engine, exc: Exception, msg: str) -> str | None:
+    """What to do when a query failed on a table or column the schema lacks: its revision is
+    behind this kvctl's (PostgreSQL is upgraded only by `kvctl db upgrade`; a restored backup),
+    or one this kvctl does not know; None when the schema is current or cannot be read. Asked
+    only on such failures: a database that is away is not asked again."""
+    from sqlalchemy.exc import ProgrammingError
+
+    from kvctl.db.migrate import current_revision, head_revision, revisions
+
+    if not (isinstance(exc, ProgrammingError) or _MISSING_IN_SCHEMA.match(msg)):
+        return None
+    try:
+        current = current_revision(engine)
+    except Exception as again:  # the schema cannot be read either: the plain message
+        log.warning("the schema revision could not be read: %s", again)
+        return None
+    head = head_revision()
+    if current == head:
+        return None
+    if current is not None and current not in revisions():
+        return (
+            f"The database's schema is at revision {current}, which this kvctl does not know: "
+            "upgrade kvctl (a newer kvctl migrated the database)."
+        )
+    return (
+        f"The database's schema is at revision {current or 'empty'}; this dashboard needs "
+        f"{head}: run `kvctl db upgrade --db URL`."
     )
 
 

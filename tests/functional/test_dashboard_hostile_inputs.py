@@ -201,3 +201,36 @@ def test_a_password_in_the_database_urls_query_is_not_shown_on_the_page() -> Non
         assert "s3cret" not in shown and "k3y" not in shown
     finally:
         app.server.extensions["kvctl"].engine.dispose()
+
+
+def test_a_schema_behind_the_code_says_which_revision_and_to_upgrade(empty_db_url: str) -> None:
+    """A database left at an older revision (PostgreSQL is upgraded only by `kvctl db upgrade`;
+    one restored from a backup) fails the pages that read newer tables: each says where the
+    schema is, what this dashboard needs and the command, rather than only 'relation ... does
+    not exist'; a revision this kvctl does not know says kvctl is the older one."""
+    from sqlalchemy import create_engine
+
+    from kvctl.db.engine import resolve_url
+    from kvctl.db.migrate import head_revision, upgrade
+
+    raw = create_engine(resolve_url(empty_db_url))
+    upgrade(raw, "0007")
+    app = create_app(empty_db_url, now_ms=lambda: NOW)
+    try:
+        for path in ("/", "/routing"):
+            page, updated = render(app, path, "", "1h", None, None)
+            shown = text_of(page)
+            assert (
+                f"The database's schema is at revision 0007; this dashboard needs "
+                f"{head_revision()}: run `kvctl db upgrade --db URL`" in shown
+            ), shown
+            assert updated.startswith("not updated")
+        with raw.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+        page, _ = render(app, "/", "", "1h", None, None)
+        assert "at revision 9999, which this kvctl does not know: upgrade kvctl" in text_of(page), (
+            text_of(page)
+        )
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+        raw.dispose()
