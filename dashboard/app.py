@@ -287,7 +287,7 @@ def _stopped(last_ms: int, now_ms: int) -> html.Div:
     return html.Div(
         [
             html.Div(
-                f"No scrape recorded since {format_utc_minute(last_ms)} UTC ({ago} ago): the "
+                f"No scrape recorded since {format_utc_minute(last_ms)} ({ago} ago): the "
                 "collectors stopped, or cannot write to this database. The figures below end "
                 "there.",
                 className="empty-message",
