@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import fcntl
 import functools
 import hmac
@@ -21,6 +22,7 @@ import math
 import mmap
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -216,6 +218,35 @@ class Refusals:
         return sum(self.by_reason.values())
 
 
+def _remove_stale_socket(path: Path) -> None:
+    """Clear ``path`` for the data plane's Unix socket: a socket a killed agent left is removed;
+    one another process still listens on, or anything but a socket (a mistyped --socket naming
+    a file), is left as it is and raises OSError: unlinking it would cut off the engines of the
+    agent that listens there, or lose the file."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(errno.EEXIST, "it exists and is not a socket (left as it is)")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass  # nothing listens: a killed agent's
+    except OSError as exc:  # a full backlog (EAGAIN, a timeout): someone listens; EACCES...
+        raise OSError(
+            errno.EADDRINUSE, f"it is a socket that cannot be checked ({exc}): left as it is"
+        ) from exc
+    else:
+        raise OSError(errno.EADDRINUSE, "another process listens on it (another agent?)")
+    finally:
+        probe.close()
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+
+
 class DataPlaneServer:
     def __init__(
         self,
@@ -293,6 +324,7 @@ class DataPlaneServer:
         self._lock = threading.Lock()
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: Path | None = None
+        self._unix_inode: tuple[int, int] | None = None
 
     # --- lifecycle --------------------------------------------------------------------------
     def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
@@ -307,8 +339,7 @@ class DataPlaneServer:
 
     def listen_unix(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()  # a stale socket of a killed agent; the pid file guards a live one
+        _remove_stale_socket(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177)  # owner-only from the start, not chmod after the fact
         try:
@@ -316,6 +347,8 @@ class DataPlaneServer:
         finally:
             os.umask(old_umask)
         sock.listen(128)
+        bound = os.stat(path)
+        self._unix_inode = (bound.st_dev, bound.st_ino)
         self.unix_path = path
         self._listeners.append((sock, "unix"))
         return path
@@ -345,7 +378,10 @@ class DataPlaneServer:
             t.join(max(0.0, deadline - time.monotonic()))
         if self.unix_path is not None:
             with contextlib.suppress(FileNotFoundError):
-                self.unix_path.unlink()
+                now = os.stat(self.unix_path)
+                # only our own: another agent may have bound that path since (ours removed)
+                if (now.st_dev, now.st_ino) == self._unix_inode:
+                    self.unix_path.unlink()
 
     @property
     def stopping(self) -> bool:

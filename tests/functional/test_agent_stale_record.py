@@ -204,3 +204,48 @@ def test_a_config_file_others_can_read_giving_the_token_is_warned_of(tmp_path: P
             stop_agent(data_dir, timeout_s=20)
     finally:
         stop_agent(data_dir, timeout_s=20, force=True)
+
+
+def test_a_socket_path_another_agent_listens_on_or_a_file_is_left_as_it_is(
+    tmp_path: Path,
+) -> None:
+    sock = tmp_path / "engines.sock"
+    args = ["--cpu", "8MiB", "--disk", "0", "--socket", str(sock)]
+    with running_agent(tmp_path / "a", *args) as first:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+        argv = ["--data-dir", str(tmp_path / "b"), *EPHEMERAL, *args]
+        second = subprocess.run(
+            [sys.executable, "-m", "kvctl", "agent", "start", *argv],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,  # a hang guard: it serves forever if let
+        )
+        said = _flat(second.stderr)
+        assert second.returncode == 1, said
+        assert f"cannot listen on {sock}" in said and "another process listens on it" in said
+        with first.data("unix") as client:  # the first agent's engines still reach it there
+            assert client.ping() >= 0
+    # after a clean stop the path is free; a killed agent's socket is taken over
+    killed = start_agent(tmp_path / "a", *args)
+    killed.kill9()
+    assert sock.is_socket()
+    with running_agent(tmp_path / "b", *args) as taken, taken.data("unix") as client:
+        assert client.ping() >= 0
+    assert not sock.exists()
+    # a --socket naming a file by mistake: refused, the file kept
+    sock.write_text("not a socket\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    argv = ["--data-dir", str(tmp_path / "c"), *EPHEMERAL, *args]
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "agent", "start", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "it exists and is not a socket (left as it is)" in _flat(out.stderr)
+    assert sock.read_text() == "not a socket\n"
