@@ -627,6 +627,9 @@ class VllmEventSubscriber:
         #: replaced whole at the next write it takes (a Redis restarted empty lost the rest too)
         self._index_failing = False
         self._index_tried_s = 0.0
+        #: the last look at the node's marker failed (said once per outage): no write failed
+        #: and no event was missed for it, so nothing is replaced when the index answers again
+        self._look_failing = False
         #: the node's marker in the index as of this subscriber's last resync (None: none yet)
         self._marker: str | None = None
         self._index_checked_s = -math.inf
@@ -805,6 +808,11 @@ class VllmEventSubscriber:
             return
         if not events:
             return
+        if self._look_failing and time.monotonic() - self._index_tried_s < INDEX_RETRY_S:
+            # a look found it not answering just now: not tried at every batch either; these
+            # events are missed, so the entries are replaced once it answers
+            self._index_failing = True
+            return
         try:
             self.index.apply(self.translator.node, events)
         except Exception as exc:  # the index's own failure (e.g. Redis down): count, go on
@@ -825,10 +833,13 @@ class VllmEventSubscriber:
             marker = self.index.marker(node)
         except Exception as exc:
             with self._lock:
-                self._index_failed(exc)
+                self._look_failed(exc)
             return
         finally:
             self._index_checked_s = time.monotonic()
+        if self._look_failing:
+            self._look_failing = False
+            log.info("%s: the index answers again", node)
         if marker is not None and (marker == self._marker or self._marker is None):
             self._marker = marker  # ours, or another subscriber's taken as is (see the class)
             return
@@ -857,7 +868,7 @@ class VllmEventSubscriber:
         except Exception as exc:
             self._index_failed(exc)
             return
-        self._index_failing = False
+        self._index_failing = self._look_failing = False
         self._index_checked_s = time.monotonic()
         if reason is None:
             log.info("%s: the engine's %d chunks written to the index", node, n)
@@ -867,6 +878,23 @@ class VllmEventSubscriber:
             log.info("%s: the index answers again; the engine's %d chunks written", node, n)
         else:
             log.info("%s: the engine's %d chunks written to the index again", node, n)
+
+    def _look_failed(self, exc: Exception) -> None:
+        """Count a failed look at the node's marker; once per outage, say so. Only a look:
+        no write failed and no event was missed, so the entries are not replaced when the
+        index answers again (a Redis back with its data lost nothing; one back empty has no
+        marker, which the next look notices); a write failing meanwhile replaces them."""
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self._index_tried_s = time.monotonic()  # a write waits INDEX_RETRY_S, as after its own
+        if not self._look_failing:
+            self._look_failing = True
+            log.warning(
+                "%s: the index does not answer (%s); looked at again every %g s",
+                self.translator.node,
+                exc,
+                INDEX_CHECK_S,
+            )
 
     def _index_failed(self, exc: Exception) -> None:
         """Count the index's failure; once per outage, say so (a batch comes every step)."""

@@ -5,6 +5,7 @@ came back empty is filled again with what the engine still holds."""
 from __future__ import annotations
 
 import logging
+import signal
 import socket
 import threading
 import time
@@ -218,3 +219,42 @@ def test_two_routers_following_one_engine_resync_once_each_after_a_flush(
         pub.close()
         index_a.close()
         index_b.close()
+
+
+def test_an_index_that_stopped_answering_a_while_and_lost_nothing_is_not_written_again(
+    private_redis: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis that hangs a while (SIGSTOP: a stall, a failover pause) and comes back with its
+    data, the engine idle meanwhile: the look at the node's marker failed, but no write did and
+    nothing was missed, so nothing is written again. Replacing every engine's entries each time
+    one read timed out would load the index with a resync per engine (each a whole engine's
+    chunks) just as it comes back."""
+    index = RedisIndex(private_redis.url, timeout_s=0.5)
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()  # type: ignore[arg-type]
+    assert private_redis.proc is not None
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])  # chunks 0 and 1
+        wait_for(lambda: _holders(index)[:2] == [["engine-a"]] * 2, "two chunks")
+        wait_for(lambda: index.marker("engine-a") is not None, "the engine's marker")
+        with caplog.at_level(logging.INFO, logger="kvctl.index.vllm_events"):
+            private_redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                wait_for(lambda: sub.status()["errors"] >= 1, "the failed look counted")
+            finally:
+                private_redis.proc.send_signal(signal.SIGCONT)
+            wait_for(
+                lambda: any("answers again" in r.getMessage() for r in caplog.records),
+                "a look (or the write to come) answered",
+            )
+        # the stream goes on: written as it comes, not by a replace of the engine's entries
+        pub.publish([["BlockRemoved", [5], "GPU"]])
+        wait_for(lambda: _holders(index)[:2] == [["engine-a"], []], "chunk 1 gone")
+        status = sub.status()
+        assert (status["index_resyncs"], status["index_lost"]) == (0, 0)
+        assert index.nodes() == {"engine-a": 1}
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
