@@ -197,23 +197,58 @@ def _pid_in(fd: int) -> int | None:
     return int(text) if text.isdigit() and int(text) > 0 else None
 
 
+#: what :func:`_probe_lock` says of a data directory without a lock file it can open
+NO_LOCK = -1
+
+
+def _probe_lock(data_dir: Path) -> int | None:
+    """Whether ``data_dir``'s lock is held: the holder's pid (0 when it wrote none), None when
+    it is free, :data:`NO_LOCK` when there is no lock file this user can open."""
+    try:
+        fd = os.open(data_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return NO_LOCK
+    try:
+        # a shared lock, dropped at once: an agent starting meanwhile waits for it (LOCK_WAIT_S)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _pid_in(fd) or 0
+    finally:
+        os.close(fd)
+    return None
+
+
 def holder_pid(data_dir: Path, recorded_pid: int) -> int | None:
     """The pid of the agent running from ``data_dir`` now, ``recorded_pid`` being the one its
     ``agent.json`` names; None when none runs. The lock decides (see the module's doc); a data
     directory without a lock file (an older build's agent), or one this user cannot open, falls
     back to asking whether ``recorded_pid`` is a live kvctl process."""
-    try:
-        fd = os.open(data_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
+    held = _probe_lock(data_dir)
+    if held == NO_LOCK:
         return recorded_pid if pid_alive(recorded_pid) else None
-    try:
-        # a shared lock, dropped at once: an agent starting meanwhile waits for it (LOCK_WAIT_S)
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _pid_in(fd) or recorded_pid
-    finally:
-        os.close(fd)
-    return None
+    return held or (None if held is None else recorded_pid)
+
+
+def starting_agent(data_dir: Path) -> int | None:
+    """The pid of an agent that holds ``data_dir`` but has not recorded itself in its
+    ``agent.json`` yet: it opens its tiers first (a large disk tier's scan takes minutes), and
+    a record there until then is a dead agent's. None when there is none (or its pid is not
+    known)."""
+    held = _probe_lock(data_dir)
+    if held is None or held <= 0:
+        return None
+    state = AgentState.read(data_dir)
+    return None if state is not None and state.pid == held else held
+
+
+def _starting_message(data_dir: Path, pid: int) -> NoAgentHere:
+    return NoAgentHere(
+        f"an agent (pid {pid}) is starting from {data_dir}: it holds {LOCK_FILE} but has not "
+        f"written {STATE_FILE} yet (it opens its tiers first; a large disk tier's scan takes "
+        "minutes)",
+        f"wait for it (its log: {data_dir / LOG_FILE} if detached), or stop it: "
+        f"`kvctl agent stop --data-dir {quote(str(data_dir))}`",
+    )
 
 
 def running_agent(data_dir: Path) -> AgentState | None:
@@ -241,6 +276,9 @@ def recorded_agent(data_dir: Path, *, running: bool = True) -> AgentState:
     process is gone."""
     path = data_dir / STATE_FILE
     start = f"start one there: `kvctl agent start --data-dir {quote(str(data_dir))} --detach`"
+    starting = starting_agent(data_dir)
+    if starting is not None:
+        raise _starting_message(data_dir, starting)
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -281,6 +319,9 @@ def control_url_for(data_dir: Path, configured_url: str, *, named: bool) -> str:
     :class:`NoAgentHere` says why."""
     if named:
         return recorded_agent(data_dir).control_url
+    starting = starting_agent(data_dir)
+    if starting is not None:  # its control port may take connections it does not answer yet
+        raise _starting_message(data_dir, starting)
     state = AgentState.read(data_dir)
     return state.control_url if state is not None else configured_url
 
@@ -768,7 +809,12 @@ def stop_agent_saying(
     never a pid a dead agent left in ``agent.json`` that another process has since."""
     state = running_agent(data_dir)
     if state is None:
-        return None
+        pid = starting_agent(data_dir)
+        if pid is None:
+            return None
+        # not recorded yet: what is known of it is its pid (SIGTERM before it serves ends it
+        # at once; the disk tier survives that by design)
+        state = AgentState(pid, "", "", "", None, None, 0.0, "")
     os.kill(state.pid, signal.SIGTERM)
     if _gone_within(data_dir, state.pid, timeout_s):
         return state, False

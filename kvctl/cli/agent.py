@@ -6,7 +6,7 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from shlex import quote
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -474,10 +474,15 @@ def stop_command(
 
       kvctl agent stop --data-dir /var/lib/kvctl/gpu-07 --timeout 60 --force
     """
-    from kvctl.agent.daemon import NoAgentHere, recorded_agent, stop_agent_saying
+    from kvctl.agent.daemon import (
+        NoAgentHere,
+        recorded_agent,
+        starting_agent,
+        stop_agent_saying,
+    )
 
     settings = home.load().settings
-    if home.named:
+    if home.named and starting_agent(settings.data_path) is None:
         try:  # a mistyped --data-dir is not "nothing to stop": the agent meant runs on
             recorded_agent(settings.data_path, running=False)
         except NoAgentHere as exc:
@@ -495,6 +500,8 @@ def stop_command(
             err_console.print(f"[dim]hint:[/] {escape(elsewhere)}", highlight=False, soft_wrap=True)
         return
     state, killed = stopped
+    if not state.name:  # one still starting, not recorded yet
+        state = replace(state, name=f"starting from {settings.data_path}")
     if killed:  # not a clean stop: requests in flight were cut, its log ends mid-way
         console.print(
             f"agent {state.name} (pid {state.pid}) killed (SIGKILL): it had not exited "

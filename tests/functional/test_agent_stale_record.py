@@ -18,17 +18,17 @@ from typer.testing import CliRunner
 
 from kvctl.agent.daemon import STATE_FILE, AgentState, stop_agent
 from kvctl.cli.main import app
-from tests.functional.agents import EPHEMERAL, running_agent, start_agent
+from tests.functional.agents import EPHEMERAL, closed_port, running_agent, start_agent
 
 runner = CliRunner()
 SMALL = ["--cpu", "8MiB", "--disk", "0", "--socket", "off"]
 
 
-def _run(tmp_path: Path, *args: str) -> Any:
+def _run(tmp_path: Path, *args: str, **env: str) -> Any:
     clean: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCTL_")}
     clean["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
     clean["COLUMNS"] = "1000"
-    return runner.invoke(app, list(args), env=clean)
+    return runner.invoke(app, list(args), env=clean | env)
 
 
 def _flat(text: str) -> str:
@@ -249,3 +249,34 @@ def test_a_socket_path_another_agent_listens_on_or_a_file_is_left_as_it_is(
     assert out.returncode == 1, out.stderr
     assert "it exists and is not a socket (left as it is)" in _flat(out.stderr)
     assert sock.read_text() == "not a socket\n"
+
+
+def test_an_agent_still_starting_is_said_starting_and_stop_stops_it(tmp_path: Path) -> None:
+    data_dir = tmp_path / "agent"
+    agent = start_agent(data_dir, *SMALL)
+    try:
+        # as an agent is while it opens its tiers after a crash: the lock held, agent.json
+        # still the dead agent's (its pid gone, its URL closed)
+        record = json.loads((data_dir / STATE_FILE).read_text())
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        record |= {"pid": dead.pid, "control_url": f"http://127.0.0.1:{closed_port()}"}
+        (data_dir / STATE_FILE).write_text(json.dumps(record))
+        starting = f"an agent (pid {agent.proc.pid}) is starting from {data_dir}"
+
+        for named in (True, False):
+            where = ["--data-dir", str(data_dir)] if named else []
+            status = _run(tmp_path, "agent", "status", *where, KVCTL_DATA_DIR=str(data_dir))
+            assert status.exit_code == 1, status.output
+            assert starting in _flat(status.output), status.output
+            assert "hung" not in status.output and "--force" not in status.output
+
+        stop = _run(tmp_path, "agent", "stop", "--data-dir", str(data_dir))
+        assert stop.exit_code == 0, stop.output
+        said = _flat(stop.output)
+        assert f"agent starting from {data_dir} (pid {agent.proc.pid}) stopped" in said
+        assert agent.proc.wait(20) == 0
+    finally:
+        if agent.proc.poll() is None:
+            agent.proc.kill()
+            agent.proc.wait(10)
