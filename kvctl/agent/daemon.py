@@ -11,9 +11,9 @@ the lock when the process dies, however it dies, so a held lock is the only proo
 another process's, even another agent's, which ``stop`` must never signal. Two agents started
 at once on one data directory meet at the lock, and one of them refuses.
 
-A detached agent gets its settings in ``<data_dir>/agent-settings.toml`` (0600, removed once it
-serves), not on its command line: ``ps`` shows every process's argv to every user, and the
-settings may hold a token or a pool password.
+A detached agent gets its settings in ``<data_dir>/agent-settings.PID.toml`` (0600, removed
+once it has read them), not on its command line: ``ps`` shows every process's argv to every
+user, and the settings may hold a token or a pool password.
 """
 
 from __future__ import annotations
@@ -55,8 +55,17 @@ LOCK_FILE = "agent.lock"
 #: microseconds, another agent for as long as it runs
 LOCK_WAIT_S = 2.0
 LOG_FILE = "agent.log"
-#: the settings a detached agent starts with, in the ``[agent]`` table ``load_settings`` reads
-SETTINGS_FILE = "agent-settings.toml"
+#: the settings a detached agent starts with, in the ``[agent]`` table ``load_settings`` reads:
+#: each start's own file (``agent-settings.PID.toml``, its pid), so two at once on one data dir
+#: each hand their own child their own settings
+SETTINGS_FILE_PATTERN = "agent-settings.*.toml"
+
+
+def settings_file(data_dir: Path) -> Path:
+    """Where this process hands a detached agent its settings."""
+    return data_dir / f"agent-settings.{os.getpid()}.toml"
+
+
 #: every file the agent writes is its owner's alone, whatever the umask and the directory's mode:
 #: the log names tenants and keys, chunks hold prompts' KV
 PRIVATE_FILE_MODE = 0o600
@@ -572,7 +581,7 @@ def spawn_with_settings(
     limit_s: float | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
-    in :data:`SETTINGS_FILE` (0600), which the child reads with ``load_settings`` and nothing
+    in :func:`settings_file` (0600), which the child reads with ``load_settings`` and nothing
     else (no config file, no ``KVCTL_*`` variable), and which is removed once it serves or
     fails. ``timeout_s``: by default ``start_timeout_seconds(settings)``; ``limit_s``: the
     start's bound whatever the agent logs (``StartWait``)."""
@@ -580,7 +589,7 @@ def spawn_with_settings(
         timeout_s = start_timeout_seconds(settings)
     data_dir = settings.data_path
     make_private_dir(data_dir, "data directory")
-    path = data_dir / SETTINGS_FILE
+    path = settings_file(data_dir)
     write_private(path, settings_toml(settings))
     try:
         return _spawn(

@@ -64,6 +64,8 @@ def _handed_over(path: Path) -> AgentSettings:
         return load_settings(config_file=path, env={}).settings
     except ConfigError as exc:
         fail(str(exc), code=1)
+    finally:  # read: not left behind (it may hold a token) by a parent killed meanwhile
+        path.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -280,3 +281,59 @@ def test_an_agent_still_starting_is_said_starting_and_stop_stops_it(tmp_path: Pa
         if agent.proc.poll() is None:
             agent.proc.kill()
             agent.proc.wait(10)
+
+
+def _start_cmd(tmp_path: Path, data_dir: Path, *args: str) -> tuple[list[str], dict[str, str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    argv = ["--data-dir", str(data_dir), *EPHEMERAL, *SMALL, "--detach", *args]
+    return [sys.executable, "-m", "kvctl", "agent", "start", *argv], env
+
+
+def test_a_detach_killed_midway_leaves_no_settings_file_with_its_token(tmp_path: Path) -> None:
+    data_dir = tmp_path / "agent"
+    cmd, env = _start_cmd(tmp_path, data_dir)
+    env["KVCTL_TOKEN"] = "midway-t0ken"
+    parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # killed as soon as it has handed the settings over (a closed ssh session, an OOM kill)
+        for _ in range(2000):  # a hang guard, 100 s at most
+            if list(data_dir.glob("agent-settings*")) or parent.poll() is not None:
+                break
+            time.sleep(0.05)
+        parent.kill()
+        parent.wait(10)
+        for _ in range(600):  # its agent, in a session of its own, starts on
+            if (state := AgentState.read(data_dir)) is not None and state.alive:
+                break
+            time.sleep(0.1)
+        assert AgentState.read(data_dir) is not None, "the detached agent did not start"
+        left = [p.name for p in data_dir.iterdir() if p.name.startswith("agent-settings")]
+        assert not left, "the settings, token and all, stayed in the data dir"
+    finally:
+        stop_agent(data_dir, timeout_s=20, force=True)
+
+
+def test_two_detached_starts_at_once_each_hand_their_own_settings(tmp_path: Path) -> None:
+    data_dir = tmp_path / "agent"
+    for round_ in range(2):
+        names = [f"r{round_}-{i}" for i in (1, 2)]
+        starts = []
+        for name in names:
+            cmd, env = _start_cmd(tmp_path, data_dir, "--name", name)
+            starts.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True))
+        try:
+            outs = [p.communicate(timeout=90)[0] for p in starts]
+        finally:
+            for p in starts:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
+        codes = [p.returncode for p in starts]
+        assert sorted(codes) == [0, 1], (codes, outs)
+        won = codes.index(0)
+        state = AgentState.read(data_dir)
+        assert state is not None and state.name == names[won], (names[won], state)
+        assert f"agent {names[won]} started" in outs[won]
+        assert stop_agent(data_dir, timeout_s=20) is not None
+        assert not list(data_dir.glob("agent-settings*"))

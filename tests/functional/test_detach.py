@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.agent.daemon import SETTINGS_FILE, AgentState, stop_agent
+from kvctl.agent.daemon import SETTINGS_FILE_PATTERN, AgentState, stop_agent
 from kvctl.client import AgentClient
 from tests.functional.agents import closed_port
 
@@ -51,7 +51,7 @@ def test_detached_agent_gets_its_settings_in_a_file_not_argv(
     argv = Path(f"/proc/{state.pid}/cmdline").read_bytes().split(b"\0")
     assert b"--settings-file" in argv
     assert not any(TOKEN.encode() in a or POOL_PASSWORD.encode() in a for a in argv), argv
-    assert not (data_dir / SETTINGS_FILE).exists()  # read at start, removed once it serves
+    assert not list(data_dir.glob(SETTINGS_FILE_PATTERN))  # read at start, then removed
     with AgentClient(state.control_url, token=TOKEN) as client:
         info = client.info()
     assert info["name"] == "detached-1"

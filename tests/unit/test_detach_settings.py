@@ -8,7 +8,6 @@ from pathlib import Path
 
 from kvctl.agent.config import load_settings
 from kvctl.agent.daemon import (
-    SETTINGS_FILE,
     START_SECONDS,
     START_SECONDS_PER_GIB,
     settings_toml,
@@ -36,7 +35,7 @@ def test_settings_round_trip_through_the_file(tmp_path: Path) -> None:
         "shm": False,
     }
     original = load_settings(flags=flags, env={}).settings
-    path = tmp_path / SETTINGS_FILE
+    path = tmp_path / "agent-settings.toml"
     write_private(path, settings_toml(original))
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_settings(config_file=path, env={}).settings == original
@@ -44,7 +43,7 @@ def test_settings_round_trip_through_the_file(tmp_path: Path) -> None:
 
 def test_defaults_round_trip(tmp_path: Path) -> None:
     original = load_settings(flags={"data_dir": str(tmp_path)}, env={}).settings
-    path = tmp_path / SETTINGS_FILE
+    path = tmp_path / "agent-settings.toml"
     path.write_text(settings_toml(original))
     assert load_settings(config_file=path, env={}).settings == original
 
