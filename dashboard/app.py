@@ -11,10 +11,11 @@ import base64
 import hmac
 import logging
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 from urllib.parse import parse_qs, urlencode
 
 import dash
@@ -37,10 +38,15 @@ from kvctl.db.analytics.windows import (
 from kvctl.format import compact_duration, format_utc_minute
 from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
+T = TypeVar("T")
 DEFAULT_REFRESH_SECONDS: Final = 30
 #: a PostgreSQL query of a page cancelled after this long: a slow server, a huge window or a
 #: crafted filter otherwise holds one of the server's few worker threads for as long as it takes
 DEFAULT_QUERY_TIMEOUT_S: Final = 60.0
+#: a page not drawn this long after its query timeout says the database did not answer: a path
+#: that keeps the connection and passes no byte (a hung proxy or pgbouncer) never delivers the
+#: server's cancellation, and would hold the callback's worker for as long as it stays stuck
+PAGE_GRACE_S: Final = 5.0
 log = logging.getLogger("kvctl.dashboard")
 CSS: Final = """
 body { font-family: system-ui, -apple-system, Segoe UI, sans-serif; margin: 0; color: #1b2733;
@@ -87,6 +93,8 @@ class DashboardConfig:
     assume: Assumptions
     refresh_seconds: float
     now_ms: Callable[[], int]
+    #: how long a page (or the DC filter) may wait on the database in all
+    page_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S + PAGE_GRACE_S
 
 
 def read_only(engine: Engine, query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) -> Engine:
@@ -140,6 +148,7 @@ def create_app(
         assume=Assumptions(MODELS[model], default_gpu, mfu),
         refresh_seconds=refresh_seconds,
         now_ms=now_ms,
+        page_timeout_s=query_timeout_s + PAGE_GRACE_S,
     )
     app = dash.Dash(
         __name__,
@@ -253,7 +262,8 @@ def render(
         assume = Assumptions(MODELS[model], assume.default_gpu, assume.mfu)
     now = config.now_ms()
     stamp = time.strftime("%H:%M:%S", time.gmtime(now / 1000))
-    try:
+
+    def draw() -> tuple[list[Any], int | None]:
         with config.engine.connect() as conn:
             ctx = PageContext(
                 conn=conn,
@@ -264,8 +274,10 @@ def render(
                 dc=(query.get("dc") or [None])[0],
                 node=(query.get("node") or [None])[0],
             )
-            body = page[1](ctx)
-            stopped_ms = collection_stopped(conn, now)
+            return page[1](ctx), collection_stopped(conn, now)
+
+    try:
+        body, stopped_ms = within(config.page_timeout_s, draw)
     except Exception as exc:
         # a page that raised would leave the manager a blank page (or Dash's error overlay):
         # say what failed instead, and keep the traceback for the server's log
@@ -273,6 +285,34 @@ def render(
     if stopped_ms is not None:
         body = [_stopped(stopped_ms, now), *body]
     return body, f"updated {stamp} UTC, every {config.refresh_seconds:g} s"
+
+
+class NoAnswer(Exception):
+    """The database did not answer a page within its time."""
+
+
+def within(seconds: float, fn: Callable[[], T]) -> T:
+    """``fn()``, run on a thread of its own so that the caller (a waitress worker) waits at
+    most ``seconds``: then :class:`NoAnswer`, and ``fn`` finishes (its connection back to the
+    pool) whenever the database answers or its connection fails."""
+    done = threading.Event()
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn()))
+        except BaseException as exc:  # handed to the caller, who reports it
+            outcome.append((False, exc))
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="kvctl-dashboard-read", daemon=True).start()
+    if not done.wait(seconds):
+        raise NoAnswer(f"The database did not answer within {seconds:g} s")
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value  # type: ignore[no-any-return]
 
 
 def _text(value: object) -> str | None:
@@ -306,6 +346,14 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
     """What a page that failed shows: the database's failure and what to check, or a bug's."""
     from sqlalchemy.exc import SQLAlchemyError
 
+    if isinstance(exc, NoAnswer):
+        log.warning("page %s: %s", path, exc)
+        return empty(
+            f"{exc}: the page is asked again at the next refresh.",
+            hint=f"The dashboard reads {shown_url(config.engine)}: a server or a proxy in front "
+            "of it (pgbouncer) that holds connections without answering; `kvctl db current --db "
+            "URL` says whether it answers.",
+        )
     if isinstance(exc, SQLAlchemyError):
         log.warning("page %s: the database failed: %s", path, exc)
         msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
@@ -392,8 +440,9 @@ def dc_names(app: dash.Dash) -> list[str]:
 def dc_options(app: dash.Dash) -> list[str] | Any:
     """The DC filter's choices; when the database cannot say, the ones it had (the page says
     why), not a failed callback."""
+    config: DashboardConfig = app.server.extensions["kvctl"]
     try:
-        return dc_names(app)
+        return within(config.page_timeout_s, lambda: dc_names(app))
     except Exception as exc:
         log.warning("the DC filter's choices could not be read: %s", exc)
         return dash.no_update

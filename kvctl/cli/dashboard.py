@@ -54,7 +54,7 @@ def dashboard_command(
         typer.Option(
             "--query-timeout",
             help="Seconds a page's PostgreSQL query may take before it is cancelled and the "
-            "page says so.",
+            "page says so (a page unanswered 5 s longer says so too).",
             min=0.1,
         ),
     ] = 60.0,

@@ -17,7 +17,7 @@ from urllib.parse import urlencode
 import pytest
 from dash import Dash
 from sqlalchemy import text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
 from dashboard.app import create_app, render
 from tests.functional.dashboard_history import NOW, fill_history
@@ -234,3 +234,46 @@ def test_a_schema_behind_the_code_says_which_revision_and_to_upgrade(empty_db_ur
     finally:
         app.server.extensions["kvctl"].engine.dispose()
         raw.dispose()
+
+
+def test_a_database_path_that_stops_answering_fails_the_page_not_a_worker(pg_url: str) -> None:
+    """PostgreSQL reached through something that keeps the connection and stops passing bytes
+    (a hung pgbouncer or proxy, a half-dead NAT): the server's statement timeout never reaches
+    the dashboard, so each callback waited for as long as the path stayed stuck, until every
+    waitress thread did. The page says the database did not answer within its time, then
+    draws again once the path passes bytes again."""
+    import threading
+
+    from kvctl.db.migrate import open_db
+    from tests.functional.test_pool_outage import TcpProxy
+
+    db = open_db(pg_url, auto_upgrade=True)
+    fill_history(db)
+    db.dispose()
+    proxy = TcpProxy(("127.0.0.1", make_url(pg_url).port or 5432))
+    app = create_app(
+        str(make_url(pg_url).set(host="127.0.0.1", port=proxy.port)),
+        now_ms=lambda: NOW,
+        query_timeout_s=0.5,
+    )
+    try:
+        page, _ = render(app, "/", "", "1h", None, None)
+        assert card_value(page, "card-hit-ratio") == "52.6%"
+        proxy.stall()
+        answers: list[tuple[list[Any], str]] = []
+        worker = threading.Thread(
+            target=lambda: answers.append(render(app, "/", "", "1h", None, None)), daemon=True
+        )
+        worker.start()
+        worker.join(60)  # a hang guard only
+        assert answers, "the page still waits on a database that does not answer"
+        page, updated = answers[0]
+        assert "The database did not answer within" in text_of(page)
+        assert updated.startswith("not updated")
+        proxy.restore()
+        page, _ = render(app, "/", "", "1h", None, None)
+        assert card_value(page, "card-hit-ratio") == "52.6%"
+    finally:
+        proxy.restore()
+        app.server.extensions["kvctl"].engine.dispose()
+        proxy.close()
