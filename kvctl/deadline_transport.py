@@ -16,6 +16,7 @@ import contextlib
 import functools
 import socket
 import threading
+import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -100,18 +101,47 @@ class AbandonableTransport(httpx.BaseTransport):
     Each request opens a connection of its own, a TCP handshake a request: a connection kept
     alive and handed on is not seen being opened, so a call reusing one another call opened
     could not be cut. ``keep_alive`` keeps them all the same, for a transport whose requests
-    are all one call's (a client made for the call and closed with it)."""
+    are all one call's (a client made for the call and closed with it). A proxy the
+    environment names (HTTP_PROXY and the rest) is used as by a client of httpx's own."""
 
     def __init__(self, *, verify: bool = True, keep_alive: bool = False) -> None:
-        limits = httpx.Limits() if keep_alive else httpx.Limits(max_keepalive_connections=0)
-        self._inner = httpx.HTTPTransport(verify=verify, limits=limits)
+        self._verify = verify
+        self._limits = httpx.Limits() if keep_alive else httpx.Limits(max_keepalive_connections=0)
+        self._inner = httpx.HTTPTransport(verify=verify, limits=self._limits)
+        # httpx takes no proxy from the environment for a client given a transport: this one
+        # does, as a client of httpx's own would (one inner transport per proxy, made on use)
+        self._env_proxies = urllib.request.getproxies_environment()
+        self._via: dict[str, httpx.HTTPTransport] = {}
+        self._lock = threading.Lock()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         call: Abandonable | None = getattr(_running, "call", None)
         if call is not None:
             inner = request.extensions.get("trace")
             request.extensions["trace"] = functools.partial(_trace, call, inner)
-        return self._inner.handle_request(request)
+        return self._transport_for(request.url).handle_request(request)
+
+    def _transport_for(self, url: httpx.URL) -> httpx.HTTPTransport:
+        """The proxy's transport where the environment names one for ``url`` (HTTP_PROXY,
+        HTTPS_PROXY, ALL_PROXY; not for a host NO_PROXY names), else the direct one. Its
+        connection to the proxy is the one a call is seen opening, and cut."""
+        proxies = self._env_proxies
+        proxy = proxies.get(url.scheme) or proxies.get("all")
+        if not proxy:
+            return self._inner
+        host = url.host if url.port is None else f"{url.host}:{url.port}"
+        if urllib.request.proxy_bypass(host):  # NO_PROXY (where the environment names a proxy)
+            return self._inner
+        with self._lock:
+            via = self._via.get(proxy)
+            if via is None:
+                via = httpx.HTTPTransport(verify=self._verify, limits=self._limits, proxy=proxy)
+                self._via[proxy] = via
+            return via
 
     def close(self) -> None:
         self._inner.close()
+        with self._lock:
+            via, self._via = list(self._via.values()), {}
+        for t in via:
+            t.close()
