@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,8 @@ from kvctl.format import (
     percent,
 )
 from kvctl.profiles import BOARD_POWER_SOURCES, GPUS
+
+log = logging.getLogger("kvctl.dashboard")
 
 COLLECT_HINT = "Run `kvctl collect` (or `kvctl demo`) so the collector records samples."
 
@@ -730,40 +733,57 @@ def capacity_page(ctx: PageContext) -> list[Any]:
         r = saved.report
         scope = f"DC {key}" if key else "the fleet"
         cap = view.cpu_capacity_bytes_per_node.get(key)
-        inputs = r.get("modeled_inputs", {})
-        note = (
-            f"workload {saved.workload}, saved {format_utc_minute(saved.created_ms)}; model "
-            f"{inputs.get('model', {}).get('name', '?')}, GPU "
-            f"{inputs.get('gpu', {}).get('name', '?')}, MFU {inputs.get('mfu', '?')}"
-        )
         out.append(html.H3(f"Plan for {scope}"))
-        if not r.get("candidates"):
+        if isinstance(r, dict) and not r.get("candidates"):
             out.append(empty(f"The plan saved for {scope} holds no configuration."))
             continue
-        out.append(
-            section(
-                "Miss-ratio curve",
-                MODELED,
-                None,
-                graph(figures.miss_ratio_curve(r, cap), f"fig-mrc-{key or 'fleet'}"),
-                note="hit ratio simulated by the store's own policies; " + note,
+        try:
+            inputs = r.get("modeled_inputs", {})
+            note = (
+                f"workload {saved.workload}, saved {format_utc_minute(saved.created_ms)}; model "
+                f"{inputs.get('model', {}).get('name', '?')}, GPU "
+                f"{inputs.get('gpu', {}).get('name', '?')}, MFU {inputs.get('mfu', '?')}"
             )
-        )
-        out.append(
-            section(
-                "More DRAM, SSD or a remote pool",
-                MODELED,
-                None,
-                graph(figures.candidates(r), f"fig-candidates-{key or 'fleet'}"),
-                table(
-                    f"table-plan-{key or 'fleet'}",
-                    [_candidate_row(c) for c in r["candidates"]],
-                    list(_candidate_row(r["candidates"][0])),
-                ),
-                note="hit ratios simulated; TTFT and energy modeled (fetch-or-recompute per block)",
+            out += _plan_sections(r, key, cap, note)
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
+            # a report saved by an older (or newer) kvctl: this plan says so, the others show
+            log.warning("the plan saved for %s cannot be read: %r", scope, exc)
+            dc_opt = f" --dc {key}" if key else ""
+            out.append(
+                empty(
+                    f"The plan saved for {scope} has a shape this dashboard does not read "
+                    f"(saved {format_utc_minute(saved.created_ms)}, by another kvctl version: "
+                    f"{type(exc).__name__} {exc}).",
+                    hint="Save it again with this kvctl: "
+                    f"`kvctl plan --trace TRACE --save{dc_opt}`.",
+                )
             )
-        )
     return out
+
+
+def _plan_sections(r: dict[str, Any], key: str | None, cap: float | None, note: str) -> list[Any]:
+    """One saved plan's curve and candidates; raises on a report of another shape."""
+    return [
+        section(
+            "Miss-ratio curve",
+            MODELED,
+            None,
+            graph(figures.miss_ratio_curve(r, cap), f"fig-mrc-{key or 'fleet'}"),
+            note="hit ratio simulated by the store's own policies; " + note,
+        ),
+        section(
+            "More DRAM, SSD or a remote pool",
+            MODELED,
+            None,
+            graph(figures.candidates(r), f"fig-candidates-{key or 'fleet'}"),
+            table(
+                f"table-plan-{key or 'fleet'}",
+                [_candidate_row(c) for c in r["candidates"]],
+                list(_candidate_row(r["candidates"][0])),
+            ),
+            note="hit ratios simulated; TTFT and energy modeled (fetch-or-recompute per block)",
+        ),
+    ]
 
 
 def _candidate_row(c: dict[str, Any]) -> dict[str, Any]:

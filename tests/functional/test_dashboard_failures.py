@@ -15,6 +15,7 @@ import pytest
 from dash import Dash
 
 from dashboard.app import create_app, render
+from dashboard.pages import PAGES
 from kvctl.db.migrate import open_db
 from kvctl.db.plans import save_plan
 from kvctl.db.rollup import DAY_MS, MINUTE_MS
@@ -77,7 +78,14 @@ def app(tmp_path: Path) -> Iterator[Dash]:
     app.server.extensions["kvctl"].engine.dispose()
 
 
-def test_a_page_whose_code_raises_says_so_and_the_others_still_work(app: Dash) -> None:
+def test_a_page_whose_code_raises_says_so_and_the_others_still_work(
+    app: Dash, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(_ctx: Any) -> list[Any]:
+        return [{}["simulated"]]
+
+    # a page of the dashboard's own whose code raises: a bug, not the database
+    monkeypatch.setitem(PAGES, "/capacity", ("Capacity", broken))
     page, updated = render(app, "/capacity", "", "1h", None, None)
     shown = text_of(page)
     assert "This page could not be drawn: KeyError: 'simulated'" in shown
@@ -90,6 +98,39 @@ def test_a_page_whose_code_raises_says_so_and_the_others_still_work(app: Dash) -
     # the other pages do not depend on it
     fleet, _ = render(app, "/", "", "1h", None, None)
     by_id(fleet, "card-hit-ratio")
+
+
+def test_a_plan_saved_by_an_older_kvctl_says_to_save_it_again_and_the_others_show(
+    app: Dash, tmp_path: Path
+) -> None:
+    """The fixture's plan for fra lacks what this kvctl's reports hold (its candidates'
+    simulated and modeled figures): that plan says so and how to save it again, instead of
+    the whole capacity page reading 'could not be drawn ... a bug in the dashboard'; a
+    current plan for the fleet beside it is drawn."""
+    from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
+    from kvctl.workload.plan import plan
+    from kvctl.workload.source import load_workload
+
+    w = load_workload(None, seed=0, limit=40, workload="chat")
+    report = plan(
+        w.requests,
+        tiers_bytes={"cpu": 2**30, "disk": 2**33},
+        inputs=ModeledInputs(model_profile("llama-3.1-8b"), gpu_profile("h100")),
+        curve_points=3,
+        workload_name=w.name,
+    ).as_dict()
+    db = open_db(f"sqlite:///{tmp_path / 'metrics.db'}")
+    with db.begin() as conn:
+        save_plan(conn, report, dc=None, now_ms=NOW)
+    db.dispose()
+    page, updated = render(app, "/capacity", "", "1h", None, None)
+    shown = text_of(page)
+    assert "could not be drawn" not in shown
+    assert updated.startswith("updated ")
+    assert "The plan saved for DC fra has a shape this dashboard does not read" in shown
+    assert "kvctl plan --trace TRACE --save --dc fra" in shown
+    by_id(page, "fig-mrc-fleet")
+    by_id(page, "table-plan-fleet")
 
 
 def test_an_unreachable_database_is_named_and_the_dc_filter_keeps_its_choices() -> None:
