@@ -804,6 +804,14 @@ class VllmEventSubscriber:
             # not at every batch: a hung index costs each try its timeout, and the socket's
             # queue would overflow meanwhile; the replace to come covers these events
             if time.monotonic() - self._index_tried_s >= INDEX_RETRY_S:
+                try:
+                    # one cheap call first: a down index fails it, before every chunk the
+                    # engine holds is gathered and encoded for the replace (CPU, under the
+                    # lock, each retry of the outage)
+                    self.index.marker(self.translator.node)
+                except Exception as exc:
+                    self._index_failed(exc)
+                    return
                 self._resync("index_back")
             return
         if not events:

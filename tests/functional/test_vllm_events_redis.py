@@ -9,10 +9,12 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from itertools import pairwise
 
 import pytest
 
+from kvctl.index.events import ChunkEvent
 from kvctl.index.redis_index import RedisIndex
 from kvctl.index.vllm_events import INDEX_CHECK_S, INDEX_RETRY_S
 from tests.conftest import RedisServer
@@ -254,6 +256,47 @@ def test_an_index_that_stopped_answering_a_while_and_lost_nothing_is_not_written
         status = sub.status()
         assert (status["index_resyncs"], status["index_lost"]) == (0, 0)
         assert index.nodes() == {"engine-a": 1}
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
+
+
+class _CountingIndex(RedisIndex):
+    """The real index, counting the replaces the subscriber asks of it."""
+
+    replaces = 0
+
+    def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
+        self.replaces += 1
+        return super().replace(node, chunks)
+
+
+def test_an_index_that_is_down_is_not_sent_the_engines_chunks_at_every_retry(
+    private_redis: RedisServer,
+) -> None:
+    """While the index is down, each retry (every INDEX_RETRY_S) first asks it one cheap
+    question: gathering and encoding every chunk the engine holds (up to 131,072) for a
+    replace that a refused connection then fails cost the router's CPU, under the lock that
+    status() takes, every second of the outage, for every engine it follows."""
+    index = _CountingIndex(private_redis.url, timeout_s=0.5)
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub).start()  # type: ignore[arg-type]
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3, 4, 5, 6, 7], None, 0)])  # chunks 0 and 1
+        wait_for(lambda: _holders(index)[:2] == [["engine-a"]] * 2, "two chunks")
+        wait_for(lambda: index.marker("engine-a") is not None, "the engine's marker")
+        private_redis.kill()
+        pub.publish([["BlockRemoved", [5], "GPU"]])  # a write that fails: a resync is due
+        wait_for(lambda: sub.status()["errors"] >= 1, "the failed write counted")
+        before = index.replaces
+        # several retries while it is down (a hang guard, not a timing claim)
+        wait_for(lambda: sub.status()["errors"] >= 4, "three more failed retries")
+        assert index.replaces == before  # none sent the engine's chunks to a down index
+        private_redis.start()  # back empty: one replace fills it again
+        wait_for(lambda: _holders(index)[:2] == [["engine-a"], []], "the engine's chunk again")
+        assert sub.status()["index_resyncs"] == 1
     finally:
         sub.stop()
         pub.close()
