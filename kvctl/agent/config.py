@@ -295,6 +295,11 @@ def _pool_url(value: object, ctx: _Ctx) -> str:
             f"expected a URL whose scheme is one of {', '.join(POOL_SCHEMES)} (URL not shown)"
         )
     if scheme.lower() == "kvctl":
+        if "@" in rest:  # it was read as part of the host, and logged with it
+            raise _Invalid(
+                "a kvctl:// pool takes no user or password in its URL: the agent presents it "
+                "remote_token (KVCTL_REMOTE_TOKEN), else its own token (URL not shown)"
+            )
         try:
             split_host_port(rest.rstrip("/"), DEFAULT_DATA_PORT)
         except ValueError as exc:

@@ -33,7 +33,7 @@ def test_detached_agent_gets_its_settings_in_a_file_not_argv(
     env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")  # no user config file leaks in
     env["KVCTL_TOKEN"] = TOKEN
     env["KVCTL_CPU"] = "16MiB"  # the --cpu flag below must still win in the child
-    pool = f"kvctl://:{POOL_PASSWORD}@127.0.0.1:{closed_port()}"
+    pool = f"redis://:{POOL_PASSWORD}@127.0.0.1:{closed_port()}/0"
     args = [
         "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
         "--cpu", "8MiB", "--disk", "0", "--pool", pool, "--name", "detached-1",

@@ -549,3 +549,17 @@ def test_the_data_plane_connection_cap_is_a_setting(config: Path, env: dict[str,
     assert loaded.sources["data_max_connections"] == "env:KVCTL_DATA_MAX_CONNECTIONS"
     with pytest.raises(ConfigError, match="data_max_connections"):
         load_file(config, "[agent]\ndata_max_connections = 0\n")
+
+
+@pytest.mark.parametrize(
+    "pool", ["kvctl://:s3cretpw@10.0.0.5:7171", "kvctl://user:s3cretpw@10.0.0.5", "kvctl://a@b:1"]
+)
+def test_a_kvctl_pool_url_with_a_password_is_refused_unshown(
+    env: dict[str, str], pool: str
+) -> None:
+    # a kvctl:// pool's credential is remote_token: userinfo was read as part of the host, and
+    # the agent logged it with every failed probe
+    with pytest.raises(ConfigError) as caught:
+        load_settings(env=env, flags={"pool": pool})
+    assert "takes no user or password in its URL" in str(caught.value)
+    assert "s3cretpw" not in str(caught.value) and "a@b" not in str(caught.value)
