@@ -274,6 +274,15 @@ def start_command(
         exposed = _secrets_others_read(loaded)
         if exposed is not None:  # a warning, not a refusal: the agent itself is not at risk
             err_console.print(f"[yellow]warning:[/] {escape(exposed)}", highlight=False)
+        if not detach and _password_in_pool_flag(loaded):
+            err_console.print(
+                "[yellow]warning:[/] the password in --pool is on this agent's command line, "
+                "which `ps` shows every user for as long as it runs: give the pool URL in "
+                "KVCTL_POOL or the config file (0600), or start it with --detach (its agent "
+                "gets its settings in a private file)",
+                highlight=False,
+                soft_wrap=True,
+            )
     from kvctl.agent.daemon import AgentRunning, running_agent
     from kvctl.paths import UnusableDirectory, WriteFailed, make_private_dir
 
@@ -376,6 +385,14 @@ def _secrets_others_read(loaded: LoadedSettings) -> str | None:
         f"`chmod 600 {quote(str(path))}`, or give the token in KVCTL_TOKEN (an environment "
         "file of mode 0600 for a service)"
     )
+
+
+def _password_in_pool_flag(loaded: LoadedSettings) -> bool:
+    """--pool gave the pool URL, with a password in it."""
+    from kvctl.redact import redact_url
+
+    pool = loaded.settings.pool
+    return loaded.sources.get("pool") == "flag:--pool" and redact_url(pool) != pool
 
 
 def _not_utf8(settings: AgentSettings) -> str | None:

@@ -337,3 +337,24 @@ def test_two_detached_starts_at_once_each_hand_their_own_settings(tmp_path: Path
         assert f"agent {names[won]} started" in outs[won]
         assert stop_agent(data_dir, timeout_s=20) is not None
         assert not list(data_dir.glob("agent-settings*"))
+
+
+def test_a_pool_password_on_a_foreground_agents_command_line_is_warned_of(
+    tmp_path: Path,
+) -> None:
+    password = "p00l-on-argv"
+    pool = f"redis://:{password}@127.0.0.1:{closed_port()}/0"
+    with running_agent(tmp_path / "agent", *SMALL, "--pool", pool) as agent:
+        log = _flat(agent.log())
+    assert "warning: the password in --pool is on this agent's command line" in log, log
+    assert password not in log
+    # the same URL from the environment: nothing on the command line, nothing said
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    env["KVCTL_POOL"] = pool
+    from kvctl.agent.daemon import spawn_agent
+
+    proc, _ = spawn_agent([*EPHEMERAL, *SMALL], tmp_path / "env", env=env, detach=False)
+    proc.terminate()
+    assert proc.wait(20) == 0
+    assert "--pool" not in (tmp_path / "env" / "agent.log").read_text()
