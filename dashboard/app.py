@@ -97,6 +97,11 @@ class DashboardConfig:
     page_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S + PAGE_GRACE_S
 
 
+#: a URL prefix the page's script URLs can start with: a path, never '//host/' (a
+#: protocol-relative URL: every script from that host) nor a query, fragment or quote
+_URL_PREFIX: Final = re.compile(r"/(?:[A-Za-z0-9._~-]+/)*")
+
+
 def read_only(engine: Engine, query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) -> Engine:
     """Make every connection of ``engine`` refuse writes: the dashboard only reads. Its
     PostgreSQL statements are cancelled after ``query_timeout_s`` (over the URL's own)."""
@@ -139,6 +144,11 @@ def create_app(
 
     if not (url_prefix.startswith("/") and url_prefix.endswith("/")):
         raise ValueError(f"the URL prefix must start and end with '/': {url_prefix!r}")
+    if not _URL_PREFIX.fullmatch(url_prefix):
+        raise ValueError(
+            f"the URL prefix must be a plain path (letters, digits, '.', '_', '~', '-' between "
+            f"single '/'): {url_prefix!r}"
+        )
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
     if default_gpu not in GPUS:

@@ -15,6 +15,12 @@ from kvctl.wire.address import is_loopback
 PASSWORD_ENV = "KVCTL_DASHBOARD_PASSWORD"
 
 
+def url_prefix_of(given: str) -> str:
+    """``--url-prefix`` as a path that starts and ends with one '/': '//kvctl' (a typo) is
+    '/kvctl/', never '//kvctl/', which the page would read as scripts from a host 'kvctl'."""
+    return "/" + "".join(f"{part}/" for part in given.split("/") if part)
+
+
 def dashboard_command(
     db: DbOpt = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
@@ -76,10 +82,7 @@ def dashboard_command(
       kvctl dashboard --host 0.0.0.0 --auth-user ops --url-prefix /kvctl/
     """
     needs_extra("kvctl dashboard", "dashboard")
-    if not url_prefix.startswith("/"):
-        url_prefix = "/" + url_prefix
-    if not url_prefix.endswith("/"):
-        url_prefix += "/"
+    url_prefix = url_prefix_of(url_prefix)
     basic_auth = None
     if auth_user is not None:
         password = os.environ.get(PASSWORD_ENV)

@@ -277,3 +277,32 @@ def test_a_database_path_that_stops_answering_fails_the_page_not_a_worker(pg_url
         proxy.restore()
         app.server.extensions["kvctl"].engine.dispose()
         proxy.close()
+
+
+@pytest.mark.parametrize("prefix", ["//evil.example/", "/a b/", '/a"b/', "/kvctl/?x=1/", "/#/"])
+def test_a_url_prefix_that_is_not_a_plain_path_is_refused(tmp_path: Path, prefix: str) -> None:
+    """The prefix is written into the page's script URLs: '//evil.example/' made the page at
+    /evil.example/ load every script from evil.example (a protocol-relative URL), a typo of
+    '//kvctl/' from a host named kvctl."""
+    with pytest.raises(ValueError, match="URL prefix"):
+        create_app(f"sqlite:///{tmp_path / 'metrics.db'}", url_prefix=prefix)
+
+
+def test_the_cli_reads_repeated_slashes_in_the_prefix_as_one(tmp_path: Path) -> None:
+    """`--url-prefix //kvctl` (a typo) is /kvctl/, not a page whose scripts come from a host
+    named kvctl; a prefix with characters a path segment should not hold is refused before
+    anything listens."""
+    from typer.testing import CliRunner
+
+    from kvctl.cli.dashboard import url_prefix_of
+    from kvctl.cli.main import app as cli
+    from kvctl.db.migrate import open_db
+
+    assert url_prefix_of("//kvctl") == "/kvctl/"
+    assert url_prefix_of("kvctl//ops/") == "/kvctl/ops/"
+    assert url_prefix_of("/") == "/"
+    url = f"sqlite:///{tmp_path / 'metrics.db'}"
+    open_db(url, auto_upgrade=True).dispose()
+    result = CliRunner().invoke(cli, ["dashboard", "--db", url, "--url-prefix", "/a b"])
+    assert result.exit_code != 0
+    assert "URL prefix" in result.output
