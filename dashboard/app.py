@@ -43,6 +43,9 @@ DEFAULT_REFRESH_SECONDS: Final = 30
 #: a PostgreSQL query of a page cancelled after this long: a slow server, a huge window or a
 #: crafted filter otherwise holds one of the server's few worker threads for as long as it takes
 DEFAULT_QUERY_TIMEOUT_S: Final = 60.0
+#: the largest request body served: a callback's is a few kB (a path, a window, the DCs
+#: picked); a crafted one of megabytes would be parsed, held and queried before anything else
+MAX_REQUEST_BYTES: Final = 1 << 20
 #: a page not drawn this long after its query timeout says the database did not answer: a path
 #: that keeps the connection and passes no byte (a hung proxy or pgbouncer) never delivers the
 #: server's cancellation, and would hold the callback's worker for as long as it stays stuck
@@ -170,6 +173,7 @@ def create_app(
     )
     app.index_string = app.index_string.replace("{%css%}", "{%css%}<style>" + CSS + "</style>")
     app.server.extensions["kvctl"] = config
+    app.server.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     if basic_auth is not None:
         _require_basic_auth(app, *basic_auth)
     app.layout = _layout(app, config)

@@ -97,7 +97,7 @@ def dashboard_command(
         )
     from waitress import create_server
 
-    from dashboard.app import create_app
+    from dashboard.app import MAX_REQUEST_BYTES, create_app
 
     checked = open_engine(db)  # the schema must be current (SQLite upgrades itself)
     url = checked.url.render_as_string(hide_password=False)
@@ -116,7 +116,13 @@ def dashboard_command(
     except ValueError as exc:
         fail(str(exc), hint="see `kvctl dashboard --help`")
     try:
-        server = create_server(app.server, host=host, port=port, threads=threads)
+        server = create_server(
+            app.server,
+            host=host,
+            port=port,
+            threads=threads,
+            max_request_body_size=MAX_REQUEST_BYTES,  # refused before it is read
+        )
     except OSError as exc:
         fail(f"cannot listen on {host}:{port}: {exc.strerror}", hint="pick another --port")
     shown_host = f"[{host}]" if ":" in host else host

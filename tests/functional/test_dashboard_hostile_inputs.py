@@ -306,3 +306,14 @@ def test_the_cli_reads_repeated_slashes_in_the_prefix_as_one(tmp_path: Path) -> 
     result = CliRunner().invoke(cli, ["dashboard", "--db", url, "--url-prefix", "/a b"])
     assert result.exit_code != 0
     assert "URL prefix" in result.output
+
+
+def test_a_callback_body_far_larger_than_the_browser_sends_is_refused(app: Dash) -> None:
+    """A page callback's body is a few kB; a crafted one of megabytes (a DC filter of 300,000
+    names) was parsed, held in memory and turned into a query: it is refused (413) first."""
+    inputs = page_inputs("/")
+    inputs["dc-filter.value"] = [f"dc-{i}" for i in range(300_000)]
+    status, _ = post_callback(app, PAGE, inputs)
+    assert status == 413
+    status, answer = post_callback(app, PAGE, page_inputs("/"))  # the browser's still served
+    assert status == 200 and "card-hit-ratio" in json.dumps(answer)
