@@ -182,7 +182,20 @@ def make_private_dir(path: Path, what: str = "directory") -> None:
     except OSError as exc:
         raise UnusableDirectory(f"cannot create the {what} {path}: {exc.strerror or exc}") from None
     if not os.access(path, os.W_OK | os.X_OK):
+        if _read_only_mount(path):  # no owner or mode fixes that: said as it is
+            raise UnusableDirectory(
+                f"the {what} {path} is on a read-only filesystem; remount it read-write, or "
+                "give a directory on a writable one"
+            )
         raise UnusableDirectory(
             f"the {what} {path} is not writable by this user; give one it owns, or fix its "
             "owner or mode"
         )
+
+
+def _read_only_mount(path: Path) -> bool:
+    """``path`` lies on a filesystem mounted read-only (False when that cannot be asked)."""
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from kvctl.agent.daemon import STATE_FILE, AgentState, stop_agent
 from kvctl.cli.main import app
 from tests.functional.agents import EPHEMERAL, closed_port, running_agent, start_agent
+from tests.tmpfs import tmpfs
 
 runner = CliRunner()
 SMALL = ["--cpu", "8MiB", "--disk", "0", "--socket", "off"]
@@ -358,3 +359,16 @@ def test_a_pool_password_on_a_foreground_agents_command_line_is_warned_of(
     proc.terminate()
     assert proc.wait(20) == 0
     assert "--pool" not in (tmp_path / "env" / "agent.log").read_text()
+
+
+@pytest.mark.parametrize("detach", [True, False])
+def test_a_data_dir_on_a_read_only_filesystem_is_said_so(tmp_path: Path, detach: bool) -> None:
+    with tmpfs(tmp_path / "fs", "1m") as fs:
+        (fs / "agent").mkdir()
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True, timeout=30)
+        argv = ["--data-dir", str(fs / "agent"), *EPHEMERAL, *SMALL]
+        start = _run(tmp_path, "agent", "start", *argv, *(["--detach"] if detach else []))
+        assert start.exit_code == 2, start.output
+        said = _flat(start.output)
+        assert f"the data directory {fs / 'agent'} is on a read-only filesystem" in said, said
+        assert "owner or mode" not in said
