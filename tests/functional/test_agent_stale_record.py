@@ -330,14 +330,17 @@ def test_two_detached_starts_at_once_each_hand_their_own_settings(tmp_path: Path
                 if p.poll() is None:
                     p.kill()
                     p.wait(10)
-        codes = [p.returncode for p in starts]
-        assert sorted(codes) == [0, 1], (codes, outs)
-        won = codes.index(0)
-        state = AgentState.read(data_dir)
-        assert state is not None and state.name == names[won], (names[won], state)
-        assert f"agent {names[won]} started" in outs[won]
-        assert stop_agent(data_dir, timeout_s=20) is not None
-        assert not list(data_dir.glob("agent-settings*"))
+        try:
+            codes = [p.returncode for p in starts]
+            assert sorted(codes) == [0, 1], (codes, outs)
+            won = codes.index(0)
+            state = AgentState.read(data_dir)
+            assert state is not None and state.name == names[won], (names[won], state)
+            assert f"agent {names[won]} started" in outs[won]
+            assert stop_agent(data_dir, timeout_s=20) is not None
+            assert not list(data_dir.glob("agent-settings*"))
+        finally:  # the detached agent is no child of the test's: stopped here whatever failed
+            stop_agent(data_dir, timeout_s=20, force=True)
 
 
 def test_a_pool_password_on_a_foreground_agents_command_line_is_warned_of(
