@@ -73,6 +73,12 @@ MIN_AUDIT_SLICE = 64
 MAX_AUDIT_SLICE = 4096
 #: a node resynced for entries the index lost (not its marker) is not again for this long
 DAMAGE_RESYNC_MIN_S = 10.0
+#: after a resync's replace failed, the node is not polled for this long, doubled by each
+#: failed replace up to the max and reset by one done: sent again at every poll (``poll_s``), a
+#: replace the index server takes longer to run than its client waits would hold the server
+#: for its whole length at each try
+REPLACE_RETRY_S = 1.0
+REPLACE_RETRY_MAX_S = 30.0
 #: why a follower resyncs, as its status counts them: first contact, the agent answering again
 #: after being marked down, the agent restarted, the follower fell behind its event buffer, the
 #: index answering again after failing, the index lost the node's marker (its entries with it),
@@ -148,6 +154,9 @@ class Follower:
         #: why the next resync happens when ``_instance`` is None (a ``RESYNC_REASONS``)
         self._pending_reason = "first"
         self._index_failing = False
+        #: after a failed replace: how long the next waits, and until when (follower's clock)
+        self._replace_wait_s = 0.0
+        self._replace_retry_s: float | None = None
         #: None until the agent is first heard from, then whether it answers
         self._up: bool | None = None
         #: the stream followed; None: the next answer triggers a resync
@@ -177,6 +186,8 @@ class Follower:
         with self._lock:
             if self._closed:
                 return 0
+            if self._replace_retry_s is not None and self._clock() < self._replace_retry_s:
+                return 0  # a replace failed: not sent again before its wait is over
             try:
                 changed = self._poll_locked()
             except IndexUnavailable as exc:  # the index's failure, not the agent's
@@ -305,7 +316,14 @@ class Follower:
         if reason == "index_count":
             purged = self.index.purge(self.node)
             log.info("%s: %d entries purged from the index", self.node, purged)
-        entries = self.index.replace(self.node, chunks)
+        try:
+            entries = self.index.replace(self.node, chunks)
+        except IndexUnavailable:
+            wait_s = min(REPLACE_RETRY_MAX_S, max(REPLACE_RETRY_S, 2 * self._replace_wait_s))
+            self._replace_wait_s = wait_s
+            self._replace_retry_s = self._clock() + wait_s
+            raise
+        self._replace_wait_s, self._replace_retry_s = 0.0, None
         self._marker = self.index.marker(self.node)
         self._audit_cursor = 0
         self._instance = instance

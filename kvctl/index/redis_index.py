@@ -14,6 +14,9 @@ Redis keys carry them as hex, hash fields and values carry their UTF-8 bytes)::
                       lost the node's entries), and
                       "\\xff" node -> the entries counted for a node with a marker (0xff starts
                       no UTF-8 name: no node's field; in the marker's hash, so lost with it)
+                      and "\\xfe" node -> the id of the node's last replace (0xfe: nor this one),
+                      written by every replace in its MULTI/EXEC: a replace that outlasts the
+                      client's socket timeout may still land, and reading it back says whether
 
 A node's marker is the bare value routers before counts were kept wrote and read (they share
 one index with these in a rolling upgrade): they see it change only when the index lost it.
@@ -81,6 +84,13 @@ _SCAN_COUNT = 1000
 
 #: the field of P markers that holds a node's count is this byte, then the node's name
 _COUNT_FIELD = b"\xff"
+#: the field of P markers that holds the id of a node's last replace: this byte, then the name
+#: (routers before it read P markers' node fields and "\xff" ones only, or split each value at a
+#: space, which an id holds none of: they ignore it)
+_REPLACED_FIELD = b"\xfe"
+#: reads of a timed-out replace's id (each up to the socket timeout): the server runs the
+#: MULTI/EXEC whole before it answers them, so they wait behind it rather than race it
+_REPLACED_READS = 3
 
 # Whether P nodes says a router that keeps no count wrote the node last (it writes its set's
 # size there, or deletes its field at 0), given the set's size: P nodes gone whole (evicted)
@@ -314,22 +324,51 @@ class RedisIndex:
 
     def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
         groups = [ops for _, ops in self._ops(chunks)] or [[]]
+        name = _utf8(node)
         with self._guard():
             # MULTI/EXEC: the drop and every group land together (readers see old or new)
             pipe = self._client.pipeline(transaction=True)
             # the first group's marker is left only where the node has none: another router's
-            # resync of the node left one already, and both keep that one
-            marker = uuid.uuid4().hex.encode()
+            # resync of the node left one already, and both keep that one. The same id marks
+            # this replace, always written: whether it landed is knowable after a timeout
+            replace_id = uuid.uuid4().hex.encode()
             for i, ops in enumerate(groups):
-                self._queue(pipe, _APPLY_LUA, node, ops, mode=marker if i == 0 else b"")
-            replies = pipe.execute()
-        return int(replies[-1][0])
+                self._queue(pipe, _APPLY_LUA, node, ops, mode=replace_id if i == 0 else b"")
+            pipe.hset(self._markers_key, _REPLACED_FIELD + name, replace_id)
+            try:
+                replies = pipe.execute()
+            except redis.exceptions.TimeoutError:
+                # the server still runs the whole MULTI/EXEC (a large node, or others' ahead of
+                # it): sent again, it would time out again, each time holding the server for
+                # its whole length
+                entries = self._landed(name, replace_id)
+                if entries is None:
+                    raise
+                return entries
+        return int(replies[-2][0])
+
+    def _landed(self, name: bytes, replace_id: bytes) -> int | None:
+        """After a replace of node ``name`` timed out: the node's entries when the replace
+        ``replace_id`` landed (its id is the node's last; MULTI/EXEC is all or nothing), None
+        when it did not, or when that cannot be read in ``_REPLACED_READS`` tries."""
+        for _ in range(_REPLACED_READS):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.hget(self._markers_key, _REPLACED_FIELD + name)
+            pipe.hget(self._markers_key, _COUNT_FIELD + name)
+            try:
+                last_id, count = pipe.execute()
+            except redis.exceptions.TimeoutError:
+                continue  # still behind the replace (or others'): ask again
+            if last_id != replace_id:
+                return None
+            return int(count or 0)
+        return None
 
     def drop(self, node: str) -> int:
         with self._guard():
             pipe = self._client.pipeline(transaction=True)
             self._queue(pipe, _DROP_LUA, node, [], mode=b"drop")
-            pipe.hdel(self._markers_key, _utf8(node))
+            pipe.hdel(self._markers_key, _utf8(node), _REPLACED_FIELD + _utf8(node))
             reply, _ = pipe.execute()
         return int(reply[1])
 

@@ -99,6 +99,10 @@ DEFAULT_MAX_BLOCKS = 131_072
 DEFAULT_TOPIC = ""
 #: how often a subscriber whose index failed tries it again
 INDEX_RETRY_S = 1.0
+#: the longest wait before a replace is sent again after failing: each failed one doubles the
+#: wait from INDEX_RETRY_S (a replace the server takes longer to run than the client waits holds
+#: the server for its whole length at each try); a replace done resets it
+INDEX_RETRY_MAX_S = 30.0
 #: how often a subscriber looks whether the index still holds the engine's entries (one read of
 #: the node's marker), busy or idle: a Redis restarted empty or flushed between two writes fails
 #: none of them (the client reconnects), and an idle engine sends nothing that would notice
@@ -627,6 +631,9 @@ class VllmEventSubscriber:
         #: replaced whole at the next write it takes (a Redis restarted empty lost the rest too)
         self._index_failing = False
         self._index_tried_s = 0.0
+        #: how long the next try waits after the last one failed: INDEX_RETRY_S, doubled by each
+        #: failed replace up to INDEX_RETRY_MAX_S
+        self._index_retry_s = INDEX_RETRY_S
         #: the last look at the node's marker failed (said once per outage): no write failed
         #: and no event was missed for it, so nothing is replaced when the index answers again
         self._look_failing = False
@@ -803,7 +810,7 @@ class VllmEventSubscriber:
         if self._index_failing:
             # not at every batch: a hung index costs each try its timeout, and the socket's
             # queue would overflow meanwhile; the replace to come covers these events
-            if time.monotonic() - self._index_tried_s >= INDEX_RETRY_S:
+            if time.monotonic() - self._index_tried_s >= self._index_retry_s:
                 try:
                     # one cheap call first: a down index fails it, before every chunk the
                     # engine holds is gathered and encoded for the replace (CPU, under the
@@ -872,10 +879,16 @@ class VllmEventSubscriber:
         node = self.translator.node
         try:
             n = self.index.replace(node, self.translator.held())
+        except Exception as exc:
+            self._index_failed(exc)
+            self._index_retry_s = min(INDEX_RETRY_MAX_S, self._index_retry_s * 2)
+            return
+        try:
             self._marker = self.index.marker(node)
         except Exception as exc:
             self._index_failed(exc)
             return
+        self._index_retry_s = INDEX_RETRY_S
         self._index_failing = self._look_failing = False
         self._index_checked_s = time.monotonic()
         if reason is None:

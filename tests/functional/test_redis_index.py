@@ -349,3 +349,54 @@ def test_a_node_without_a_marker_is_counted_by_its_set_after_a_loss(
         assert fresh.nodes() == {"eng": listed + 1}
     finally:
         raw.close()
+
+
+def test_a_replace_that_outlasts_the_client_timeout_but_lands_counts_as_done(
+    tmp_path: Path,
+) -> None:
+    """A replace the server runs only after the client's socket timeout (a large node, or
+    others' replaces ahead of it) still lands whole (MULTI/EXEC): the index reads back the
+    replace's id and reports it done, so its caller does not send it again (each try holding
+    the server for its whole length, and timing out again: a storm). The server is made late
+    here by DEBUG SLEEP from another client."""
+    server = RedisServer(
+        _redis_binary("redis-server"), tmp_path, _free_port(), "--enable-debug-command", "yes"
+    )
+    server.start()
+    raw = redis.Redis.from_url(server.url)
+    probe = redis.Redis.from_url(server.url, socket_timeout=0.1)
+    index = RedisIndex(server.url, timeout_s=0.5)
+    sleeper = threading.Thread(target=raw.execute_command, args=("DEBUG", "SLEEP", "1.0"))
+    try:
+        index.apply("n", [stored(0), stored(1)])
+        index.apply("other", [stored(0)])
+        connections = int(raw.info("stats")["total_connections_received"])
+        sleeper.start()
+        for _ in range(100):  # until the server sleeps (a hang guard)
+            try:
+                probe.ping()
+            except redis.exceptions.TimeoutError:
+                break
+            threading.Event().wait(0.01)
+        else:
+            pytest.fail("the server never started sleeping")
+        assert index.replace("n", [stored(2), stored(3), stored(4)]) == 3
+        sleeper.join(10)
+        stats = raw.info("commandstats")
+        # the replace timed out client-side: its connection was dropped, the read back went
+        # on a new one (else this test proves nothing)
+        assert int(raw.info("stats")["total_connections_received"]) > connections + 1
+        # sent once (its one script group), not again after the timeout
+        assert stats["cmdstat_eval"]["calls"] == 2 + 1
+        assert index.nodes() == {"n": 3, "other": 1}
+        assert index.holders([key(1), key(2)], tenant="acme") == [
+            [],
+            [Holding("n", "cpu", 100, 16)],
+        ]
+    finally:
+        if sleeper.is_alive():
+            sleeper.join(10)
+        index.close()
+        probe.close()
+        raw.close()
+        server.kill()

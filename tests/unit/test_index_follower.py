@@ -356,3 +356,46 @@ def test_a_shared_index_keeps_a_down_agents_entries_and_a_private_one_drops_them
         )
         assert router.holders([K1], tenant="t") == [[]]
         followers.close()
+
+
+class _ReplaceFails(EmbeddedIndex):
+    """An index whose replace fails while ``failing`` (a replace the server runs for longer than
+    its client waits), every other call answering; counts the replaces sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failing = True
+        self.sent_s: list[float] = []
+        self.clock = [100.0]
+
+    def replace(self, node: str, chunks: Any) -> int:
+        self.sent_s.append(self.clock[0])
+        if self.failing:
+            raise IndexUnavailable("index at redis://127.0.0.1:1/0: Timeout reading from socket")
+        return super().replace(node, chunks)
+
+
+def test_a_replace_that_keeps_failing_is_sent_again_less_and_less_often() -> None:
+    """Resent at every poll (0.2 s), a replace longer than the index client's timeout held the
+    server for its whole length at each try, for ever: a failed replace waits 1 s, then twice as
+    long each time (up to 30 s); one done resets the wait."""
+    index = _ReplaceFails()
+    now = index.clock
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    with scripted(script) as url:
+        follower = Follower(index, "a", url, drop_after_s=60.0, clock=lambda: now[0])
+        for _ in range(50):  # 10 s of polls every 0.2 s
+            follower.poll_once()
+            now[0] = round(now[0] + 0.2, 1)
+        assert index.sent_s == [100.0, 101.0, 103.0, 107.0]
+        now[0] = 200.0
+        index.failing = False
+        follower.poll_once()
+        assert index.nodes() == {"a": 1}
+        index.failing = True
+        index.drop("a")  # lost again: resynced at once (the wait was reset), then 1 s after
+        sent = len(index.sent_s)
+        for _ in range(6):
+            now[0] = round(now[0] + 0.2, 1)
+            follower.poll_once()
+        assert index.sent_s[sent:] == [200.2, 201.2]
