@@ -80,7 +80,26 @@ def section(
     )
 
 
+#: the trace properties that carry names into a chart: axis categories, labels, legend, hover
+_TEXT_PROPS = ("x", "y", "text", "hovertext", "name")
+
+
+def _as_text(value: Any) -> Any:
+    """Plotly reads tags in a chart's text (<a href>, <br>, <span style>), and a DC or node name
+    is any printable text: its < and > as entities, which plotly shows as the characters."""
+    if isinstance(value, str):
+        return value.replace("<", "&lt;").replace(">", "&gt;")
+    if isinstance(value, list | tuple):
+        return type(value)(_as_text(v) for v in value)
+    return value
+
+
 def graph(figure: Any, graph_id: str) -> dcc.Graph:
+    """A chart whose names (whatever the inventory holds) show as text, never as markup."""
+    for trace in figure.data:
+        for prop in _TEXT_PROPS:
+            if prop in trace and trace[prop] is not None:
+                trace[prop] = _as_text(trace[prop])
     return dcc.Graph(id=graph_id, figure=figure, config={"displaylogo": False})
 
 

@@ -21,7 +21,7 @@ from sqlalchemy.engine import Engine, make_url
 
 from dashboard.app import create_app, render
 from tests.functional.dashboard_history import NOW, fill_history
-from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of
+from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of, walk
 from tests.functional.test_dashboard_failures import PAGE, page_inputs, post_callback
 
 
@@ -317,3 +317,41 @@ def test_a_callback_body_far_larger_than_the_browser_sends_is_refused(app: Dash)
     assert status == 413
     status, answer = post_callback(app, PAGE, page_inputs("/"))  # the browser's still served
     assert status == 200 and "card-hit-ratio" in json.dumps(answer)
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def test_markup_in_a_name_is_shown_as_text_in_the_charts(db: Engine) -> None:
+    """Plotly reads tags in a chart's text (axis categories, labels, legend and hover): a DC
+    named <a href="https://evil.example/">...</a> was a link in the managers' charts, and <br>
+    or <span style=...> re-laid them out. Names reach the charts with < and > as entities,
+    which plotly shows as the characters."""
+    from kvctl.db.inventory import add_dc, add_link, add_node
+
+    link = '<a href="https://evil.example/">fra2</a>'
+    fill_history(db)
+    with db.begin() as conn:
+        add_dc(conn, link)
+        add_node(conn, "<b>big</b>", dc=link, agent_url="http://127.0.0.1:9")
+        add_link(conn, "fra", link, distance_km=10.0)
+    app = create_app(url_of(db), now_ms=lambda: NOW)
+    try:
+        graphs = []
+        for path in ("/", "/links"):
+            page, _ = render(app, path, "", "1h", None, None)
+            graphs += [c for c in walk(page) if getattr(c, "figure", None) is not None]
+        assert graphs
+        shown = [s for g in graphs for s in _strings(g.figure.to_plotly_json()["data"])]
+        assert not [s for s in shown if "<" in s or ">" in s]
+        assert '&lt;a href="https://evil.example/"&gt;fra2&lt;/a&gt;' in shown
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
