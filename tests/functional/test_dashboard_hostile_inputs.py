@@ -355,3 +355,25 @@ def test_markup_in_a_name_is_shown_as_text_in_the_charts(db: Engine) -> None:
         assert '&lt;a href="https://evil.example/"&gt;fra2&lt;/a&gt;' in shown
     finally:
         app.server.extensions["kvctl"].engine.dispose()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "", "127.example.com"])
+def test_the_cli_serves_beyond_loopback_only_with_a_password(
+    tmp_path: Path, host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Security by default: any address but loopback needs --auth-user, and --auth-user needs
+    $KVCTL_DASHBOARD_PASSWORD (never a password on the command line); both are refused before
+    the database is opened or anything listens. A guard on existing behaviour."""
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app as cli
+
+    monkeypatch.delenv("KVCTL_DASHBOARD_PASSWORD", raising=False)
+    url = f"sqlite:///{tmp_path / 'none.db'}"
+    result = CliRunner().invoke(cli, ["dashboard", "--db", url, "--host", host])
+    assert result.exit_code != 0
+    assert "without authentication" in result.output
+    result = CliRunner().invoke(cli, ["dashboard", "--db", url, "--host", host, "--auth-user", "u"])
+    assert result.exit_code != 0
+    assert "KVCTL_DASHBOARD_PASSWORD" in result.output
+    assert not (tmp_path / "none.db").exists()
