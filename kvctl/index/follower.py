@@ -187,7 +187,16 @@ class Follower:
             if self._closed:
                 return 0
             if self._replace_retry_s is not None and self._clock() < self._replace_retry_s:
-                return 0  # a replace failed: not sent again before its wait is over
+                # a replace failed: not sent again before its wait is over (up to 30 s), but
+                # the agent is still asked whether it answers, so one gone meanwhile is
+                # marked down after drop_after_s as ever, not at the end of the wait
+                try:
+                    _batch(self._client.events(after=_PAST_ANY_SEQ, limit=1))
+                except Exception as exc:
+                    self._failed(exc)
+                    return 0
+                self._answered()
+                return 0
             try:
                 changed = self._poll_locked()
             except IndexUnavailable as exc:  # the index's failure, not the agent's

@@ -399,3 +399,27 @@ def test_a_replace_that_keeps_failing_is_sent_again_less_and_less_often() -> Non
             now[0] = round(now[0] + 0.2, 1)
             follower.poll_once()
         assert index.sent_s[sent:] == [200.2, 201.2]
+
+
+def test_an_agent_that_goes_down_while_a_failed_replace_waits_is_marked_down_in_time() -> None:
+    """The wait after a failed replace (up to 30 s) skipped the whole poll, the agent's too: an
+    agent gone meanwhile stayed up (routed to, its copies answered) for the rest of the wait,
+    far past drop_after_s. The replace still waits; the agent is still asked whether it
+    answers, so it is marked down drop_after_s after its last answer."""
+    index = _ReplaceFails()
+    now = index.clock
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    with scripted(script) as url:
+        follower = Follower(index, "a", url, drop_after_s=3.0, clock=lambda: now[0])
+        for _ in range(50):  # replaces at 100, 101, 103, 107; the next one waits until 115
+            follower.poll_once()
+            now[0] = round(now[0] + 0.2, 1)
+        assert follower.up
+    gone_s = now[0]  # the agent is gone from here on
+    while now[0] < gone_s + 4.0:
+        follower.poll_once()
+        now[0] = round(now[0] + 0.2, 1)
+    assert follower.down
+    assert follower.status()["up"] is False
+    assert index.sent_s == [100.0, 101.0, 103.0, 107.0]  # still no replace sent meanwhile
+    follower.close()
