@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-_QUERY_SECRET = re.compile(r"(?i)([?&](?:password|pass|token)=)[^&#]*")
+# any key naming a secret: password, sslpassword (libpq takes both in the query), token,
+# api_token, client_secret...
+_QUERY_SECRET = re.compile(r"(?i)([?&][^=&#]*(?:pass|token|secret)[^=&#]*=)[^&#]*")
 _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _AUTHORITY_END = re.compile(r"[/?#]")
 # what a URL's authority is when it has no userinfo: a host (or [IPv6]) and a numeric port
@@ -13,7 +15,8 @@ _HOST_PORT = re.compile(r"(?:\[[^\]/?#@]*\]|[^:\[\]/?#@]*)(?::[0-9]+)?")
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password (``user:PASSWORD@`` or a ``password=`` query) as ``***``, for
+    """``url`` with any password (``user:PASSWORD@``, or a query key naming a password, token or
+    secret: ``password=``, ``sslpassword=``, ``token=``) as ``***``, for
     status lines, listings and logs; without a scheme too (``user:PASSWORD@host:port``, a URL
     given without its ``http://``).
 

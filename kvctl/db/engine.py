@@ -12,6 +12,7 @@ from sqlalchemy.engine import URL, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
 from kvctl.paths import default_state_dir
+from kvctl.redact import redact_url
 
 #: a SQLite database kvctl creates: its owner's alone (it names the fleet's nodes and their
 #: URLs, and the audit trail says who did what), whatever the umask
@@ -43,6 +44,13 @@ def resolve_url(url: str | None = None) -> str:
             f"not a database URL: {text!r} (examples: sqlite:////var/lib/kvctl/metrics.db, "
             "postgresql://kvctl@db.example:5432/kvctl)"
         ) from None
+    if parsed.host is not None and "@" in parsed.host:
+        # a password typed with a raw '@': the URL parser takes its tail for the host, which
+        # the driver's errors then print ("failed to resolve host 'ss@db'")
+        raise DatabaseError(
+            f"not a database URL: {redact_url(text)}: its password has a raw '@', which must "
+            "be percent-encoded as %40"
+        )
     if parsed.drivername in ("postgresql", "postgres"):
         parsed = parsed.set(drivername="postgresql+psycopg")
     if parsed.get_backend_name() not in ("sqlite", "postgresql"):
@@ -54,8 +62,9 @@ def resolve_url(url: str | None = None) -> str:
 
 
 def display_url(url: str) -> str:
-    """The URL with its password masked, for logs and `kvctl db current`."""
-    return make_url(url).render_as_string(hide_password=True)
+    """The URL with its password masked, for logs and `kvctl db current`: the userinfo's, and
+    those libpq takes in the query (``password=``, ``sslpassword=``)."""
+    return redact_url(make_url(url).render_as_string(hide_password=True))
 
 
 def sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:

@@ -28,3 +28,23 @@ def test_a_database_that_cannot_be_used_is_named(command: str, where: str) -> No
     assert f"error: cannot use {shown}: connection failed" in said
     assert "s3cret" not in said and "Traceback" not in said
     assert "--db or $KVCTL_DB_URL" in said
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # libpq takes both in the query; the line printed the URL as given
+        "postgresql://kvctl@127.0.0.1:{port}/kvctl?password=s3cret",
+        "postgresql://kvctl@127.0.0.1:{port}/kvctl?sslmode=prefer&sslpassword=s3cret",
+        # typed with a raw '@': the parser took 's3cret@127.0.0.1' for the host, and the
+        # driver's error printed it ("failed to resolve host 's3cret@127.0.0.1'")
+        "postgresql://kvctl:x@s3cret@127.0.0.1:{port}/kvctl",
+    ],
+)
+def test_no_password_in_the_query_or_typed_with_an_at_is_shown(url: str) -> None:
+    url = url.format(port=closed_port())
+    result = runner.invoke(app, ["db", "current", "--db", url], env={"COLUMNS": "1000"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, said
+    assert "s3cret" not in said and "Traceback" not in said, said
+    assert "127.0.0.1" in said, said  # which database it was is still said

@@ -122,3 +122,17 @@ def test_a_valid_url_is_shown_but_for_its_password(
 def test_the_inventory_never_echoes_a_password(url: str) -> None:
     problem = url_problem(url)
     assert problem is not None and SECRET not in problem, problem
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgresql://h/db?sslpassword=hunter2", "postgresql://h/db?sslpassword=***"),
+        ("http://h/?api_token=hunter2&x=1", "http://h/?api_token=***&x=1"),
+        ("http://h/?client_secret=hunter2", "http://h/?client_secret=***"),
+        ("http://h/?PassWord=hunter2#f", "http://h/?PassWord=***#f"),
+        ("http://h/?sslmode=prefer&x=hunter", "http://h/?sslmode=prefer&x=hunter"),
+    ],
+)
+def test_query_keys_naming_a_secret_are_hidden(url: str, shown: str) -> None:
+    assert redact_url(url) == shown
