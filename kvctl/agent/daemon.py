@@ -180,7 +180,7 @@ def hold_data_dir(data_dir: Path, *, wait_s: float = LOCK_WAIT_S) -> int:
             break
         except BlockingIOError:
             if time.monotonic() >= deadline_s:
-                holder = _pid_in(fd)
+                holder = _flock_holder(fd) or _pid_in(fd)
                 os.close(fd)
                 who = f"an agent (pid {holder})" if holder else "another agent"
                 raise AgentRunning(
@@ -221,21 +221,44 @@ def _probe_lock(data_dir: Path) -> int | None:
         # a shared lock, dropped at once: an agent starting meanwhile waits for it (LOCK_WAIT_S)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
-        return _pid_in(fd) or 0
+        # the kernel's word first: the file is empty between the holder's flock and its write,
+        # or for good where its pid did not fit (a full filesystem), and may still name the
+        # agent before it where that write failed
+        return _flock_holder(fd) or _pid_in(fd) or 0
     finally:
         os.close(fd)
     return None
 
 
+def _flock_holder(fd: int) -> int | None:
+    """The pid that holds an exclusive flock on ``fd``'s file, as /proc/locks says (None: not
+    listed there, no /proc, or a holder in another pid namespace, listed as pid 0)."""
+    try:
+        st = os.fstat(fd)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF" (a waiter's line has "->" after "1:")
+    wanted = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    for line in lines:
+        fields = line.split()
+        if fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and fields[5:6] == [wanted]:
+            return int(fields[4]) if fields[4].isdigit() and int(fields[4]) > 0 else None
+    return None
+
+
 def holder_pid(data_dir: Path, recorded_pid: int) -> int | None:
     """The pid of the agent running from ``data_dir`` now, ``recorded_pid`` being the one its
-    ``agent.json`` names; None when none runs. The lock decides (see the module's doc); a data
-    directory without a lock file (an older build's agent), or one this user cannot open, falls
-    back to asking whether ``recorded_pid`` is a live kvctl process."""
+    ``agent.json`` names; None when none runs, or its holder's pid is not known. The lock
+    decides (see the module's doc); a data directory without a lock file (an older build's
+    agent), or one this user cannot open, falls back to asking whether ``recorded_pid`` is a
+    live kvctl process."""
     held = _probe_lock(data_dir)
     if held == NO_LOCK:
         return recorded_pid if pid_alive(recorded_pid) else None
-    return held or (None if held is None else recorded_pid)
+    # a holder whose pid is not known is not taken for the recorded one: that may be a dead
+    # agent's pid, another process's by now
+    return held or None
 
 
 def starting_agent(data_dir: Path) -> int | None:

@@ -375,3 +375,47 @@ def test_a_data_dir_on_a_read_only_filesystem_is_said_so(tmp_path: Path, detach:
         said = _flat(start.output)
         assert f"the data directory {fs / 'agent'} is on a read-only filesystem" in said, said
         assert "owner or mode" not in said
+
+
+def test_a_lock_holder_that_wrote_no_pid_does_not_make_stop_signal_the_records_pid(
+    tmp_path: Path,
+) -> None:
+    """A data dir's lock held by a process whose pid is not in the lock file (an agent between
+    taking the lock and writing its pid, or one whose pid did not fit on a full filesystem),
+    beside a dead agent's agent.json naming a pid now another agent's: the held lock was taken
+    for proof that the recorded pid runs, and stop SIGTERMed the other data dir's agent."""
+    dead_dir, other_dir = tmp_path / "dead", tmp_path / "other"
+    killed = start_agent(dead_dir, *SMALL)
+    killed.kill9()
+    holder_code = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "os.ftruncate(fd, 0)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    with running_agent(other_dir, *SMALL) as other:
+        record = json.loads((dead_dir / STATE_FILE).read_text())
+        record["pid"] = other.proc.pid
+        (dead_dir / STATE_FILE).write_text(json.dumps(record))
+        holder = subprocess.Popen(
+            [sys.executable, "-c", holder_code, str(dead_dir / "agent.lock")],
+            stdout=subprocess.PIPE,
+        )
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+            stop = _run(tmp_path, "agent", "stop", "--data-dir", str(dead_dir), "--timeout", "2")
+            time.sleep(0.5)  # a SIGTERM sent would have the other agent on its way out
+            assert other.proc.poll() is None, (
+                f"stop signalled another data dir's agent: {stop.output}"
+            )
+            said = _flat(stop.output)
+            assert str(other.proc.pid) not in said, said
+            # the lock's holder is the one stopped, found through the kernel's lock table
+            assert f"(pid {holder.pid})" in said, said
+            assert holder.wait(10) == -signal.SIGTERM
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait(10)
