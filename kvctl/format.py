@@ -3,7 +3,9 @@ dashboard's cards all format through here, so one figure reads the same everywhe
 
 Two forms where they differ on purpose: the long form (``1.50 KiB``, ``12.3 ms``) for tables and
 cards, and the compact form (``1.5K``, ``12.3ms``) for the live view's narrow columns. Every
-function that takes ``None`` answers ``N/A`` for it. Parsing sizes is ``kvctl.units``' job.
+function that takes ``None`` answers ``N/A`` for it, as every one does for NaN or an infinity (a
+reading no source should give, but a broken one can: never ``nan J``, nor a crash). Parsing
+sizes is ``kvctl.units``' job.
 """
 
 from __future__ import annotations
@@ -21,14 +23,23 @@ ENERGY_UNITS: Final = ((3.6e9, "MWh"), (3.6e6, "kWh"), (3.6e3, "Wh"), (1.0, "J")
 MASS_UNITS: Final = ((1e6, "t"), (1e3, "kg"), (1.0, "g"))
 
 
+def _finite(v: float | None) -> float | None:
+    """``v``, or None for NaN and the infinities as for a figure missing (an int is finite,
+    however large: ``math.isfinite`` would overflow on one past a float)."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
 def percent(ratio: float | None, digits: int = 1) -> str:
     """0.1234 -> '12.3%' (``digits=0``: '12%')."""
+    ratio = _finite(ratio)
     return NA if ratio is None else f"{ratio * 100:.{digits}f}%"
 
 
 # --- bytes ------------------------------------------------------------------------------------
 def format_bytes(n: float) -> str:
     """Binary units, three significant figures at most: 1536 -> '1.5 KiB', 1600 -> '1.56 KiB'."""
+    if _finite(n) is None:
+        return NA
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if unit == "B" and abs(n) < 1024:
             return f"{n:.0f} B"
@@ -47,6 +58,8 @@ def format_rate(bytes_per_second: float) -> str:
 
 def compact_bytes(n: float) -> str:
     """Four characters or so: ``980B``, ``1.2K``, ``34M``, ``5.6G`` (binary units)."""
+    if _finite(n) is None:
+        return NA
     for unit in ("B", "K", "M", "G", "T"):
         if abs(n) < 1000 or unit == "T":
             return f"{n:.0f}{unit}" if unit == "B" or abs(n) >= 10 else f"{n:.1f}{unit}"
@@ -57,6 +70,7 @@ def compact_bytes(n: float) -> str:
 # --- counts -----------------------------------------------------------------------------------
 def format_number(v: float | None, unit: str = "", digits: int = 3) -> str:
     """Thousands separated from 1000 up, else ``digits`` significant figures: '12,345 J'."""
+    v = _finite(v)
     if v is None:
         return NA
     if abs(v) >= 1000:
@@ -77,13 +91,14 @@ def common_scale(
     """One of ``units`` for figures shown side by side (a family: energy saved and used), so
     they read in one unit: the one :func:`format_scaled` would pick for the largest of them.
     Pass it as ``units`` to :func:`format_scaled`."""
-    largest = max((abs(v) for v in values if v is not None), default=0.0)
+    largest = max((abs(f) for v in values if (f := _finite(v)) is not None), default=0.0)
     return (next((u for u in units if largest >= u[0]), units[-1]),)
 
 
 def format_scaled(v: float | None, units: tuple[tuple[float, str], ...]) -> str:
     """``v`` in the largest of ``units`` (factor, name; largest first) it reaches, else the
     smallest: 0.003 GPU-hours reads 12.3 GPU-s."""
+    v = _finite(v)
     if v is None:
         return NA
     for factor, name in units:
@@ -95,6 +110,7 @@ def format_scaled(v: float | None, units: tuple[tuple[float, str], ...]) -> str:
 
 def compact_per_second(per_s: float | None) -> str:
     """Events per second, unit left to the column: '0', '2.5', '1,234'."""
+    per_s = _finite(per_s)
     if per_s is None:
         return NA
     if per_s == 0:
@@ -114,6 +130,7 @@ def compact_seconds(seconds: float | None) -> str:
 
 
 def _seconds(seconds: float | None, sep: str, digits: int) -> str:
+    seconds = _finite(seconds)
     if seconds is None:
         return NA
     if seconds < 1e-3:
@@ -125,6 +142,7 @@ def _seconds(seconds: float | None, sep: str, digits: int) -> str:
 
 def compact_duration(seconds: float | None) -> str:
     """The largest whole unit: '3d', '5h', '12m', '40s'."""
+    seconds = _finite(seconds)
     if seconds is None:
         return NA
     s = int(seconds)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from kvctl.format import (
     ENERGY_UNITS,
     GPU_TIME_UNITS,
+    NA,
     common_scale,
     compact_bytes,
     compact_duration,
@@ -102,3 +105,30 @@ def test_describe_policy() -> None:
     follows = {"policy": "lineage-adaptive", "leader": "lineage-arc", "switches": 1}
     assert describe_policy(follows) == "lineage-adaptive following lineage-arc (1 switch)"
     assert describe_policy({**follows, "switches": 3}).endswith("(3 switches)")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize(
+    "shown",
+    [
+        percent,
+        format_bytes,
+        compact_bytes,
+        format_number,
+        lambda v: format_scaled(v, ENERGY_UNITS),
+        compact_per_second,
+        format_seconds,
+        compact_seconds,
+        compact_duration,
+    ],
+)
+def test_nan_and_infinities_read_as_missing(shown: Callable[[float], str], value: float) -> None:
+    """A broken source's NaN or infinity (a hand-edited database, an agent's bad JSON) showed
+    as 'nan J', 'inf s' or '-inf%', and compact_duration raised (int of an infinity)."""
+    assert shown(value) == NA
+
+
+def test_a_huge_int_is_still_a_figure_and_an_infinity_sets_no_scale() -> None:
+    assert format_bytes(2**80).endswith(" TiB")
+    # the finite figures' unit, not MWh for the infinity beside them
+    assert common_scale([float("inf"), 2.0e3], ENERGY_UNITS) == ((1.0, "J"),)
