@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -164,10 +165,16 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+#: what flock fails with on a filesystem without locks (NFSv3 whose lock daemon does not
+#: answer: ENOLCK; some FUSE and network filesystems: EOPNOTSUPP, ENOSYS, EINVAL)
+NO_LOCKS_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})
+
+
 def hold_data_dir(data_dir: Path, *, wait_s: float = LOCK_WAIT_S) -> int:
     """Take ``data_dir``'s :data:`LOCK_FILE` for this process and write its pid there; the
-    descriptor to keep open while the agent runs. Raises :class:`AgentRunning` when another
-    process holds it, :class:`WriteFailed` when the file cannot be created."""
+    descriptor to keep open while the agent runs, or -1 on a filesystem without locks (logged:
+    the agent runs there as before the lock, known by its pid). Raises :class:`AgentRunning`
+    when another process holds it, :class:`WriteFailed` when the file cannot be created."""
     path = data_dir / LOCK_FILE
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, PRIVATE_FILE_MODE)
@@ -189,6 +196,21 @@ def hold_data_dir(data_dir: Path, *, wait_s: float = LOCK_WAIT_S) -> int:
                     "--data-dir"
                 ) from None
             time.sleep(0.01)
+        except OSError as exc:
+            if exc.errno not in NO_LOCKS_ERRNOS:
+                os.close(fd)
+                raise
+            os.close(fd)
+            log.warning(
+                "cannot lock %s (%s): its filesystem takes no locks, so whether this agent "
+                "runs is judged by the pid in %s, and a second agent started at once on %s is "
+                "not kept out; a data dir on a local filesystem has neither problem",
+                path,
+                exc.strerror or exc,
+                STATE_FILE,
+                data_dir,
+            )
+            return -1
     # best effort: on a full filesystem the pid may not fit (agent.json records it too), and
     # the foreground start that trims the disk tier to make room must still get that far
     with contextlib.suppress(OSError):
@@ -211,8 +233,9 @@ NO_LOCK = -1
 
 
 def _probe_lock(data_dir: Path) -> int | None:
-    """Whether ``data_dir``'s lock is held: the holder's pid (0 when it wrote none), None when
-    it is free, :data:`NO_LOCK` when there is no lock file this user can open."""
+    """Whether ``data_dir``'s lock is held: the holder's pid (0 when it is not known), None when
+    it is free, :data:`NO_LOCK` when there is no lock file this user can open, or its
+    filesystem takes no locks."""
     try:
         fd = os.open(data_dir / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -220,7 +243,9 @@ def _probe_lock(data_dir: Path) -> int | None:
     try:
         # a shared lock, dropped at once: an agent starting meanwhile waits for it (LOCK_WAIT_S)
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
+    except OSError as exc:
+        if not isinstance(exc, BlockingIOError):  # a filesystem without locks: cannot tell
+            return NO_LOCK
         # the kernel's word first: the file is empty between the holder's flock and its write,
         # or for good where its pid did not fit (a full filesystem), and may still name the
         # agent before it where that write failed
@@ -364,10 +389,19 @@ def serve(settings: AgentSettings) -> int:
     make_private_dir(data_dir, "data directory")
     warn_if_shared(data_dir)
     lock_fd = hold_data_dir(data_dir)
+    if lock_fd < 0:  # no lock on this filesystem: the pid check that came before it
+        other = running_agent(data_dir)
+        if other is not None and other.pid != os.getpid():
+            raise AgentRunning(
+                f"an agent (pid {other.pid}) already serves {data_dir}; stop it with "
+                f"`kvctl agent stop --data-dir {quote(str(data_dir))}` or choose another "
+                "--data-dir"
+            )
     try:
         return _serve_holding(settings, data_dir)
     finally:  # last: once agent.json is gone, and the store closed
-        os.close(lock_fd)
+        if lock_fd >= 0:
+            os.close(lock_fd)
 
 
 def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
