@@ -111,8 +111,9 @@ def inert(value: Any) -> Any:
     """``value`` as a spreadsheet opening the table's CSV export reads it as text: a cell that
     starts as a formula would (=, @, tab, CR, or + or - not before a number: a DC or node name is
     any printable text, a scrape's error what the agent or network said) gets a leading
-    apostrophe, which spreadsheets take as "text" (OWASP's CSV injection advice)."""
-    if not isinstance(value, str) or not value:
+    apostrophe, which spreadsheets take as "text" (OWASP's CSV injection advice). A lone '-' is
+    the tables' own placeholder (nothing measured), no formula in any spreadsheet: kept."""
+    if not isinstance(value, str) or not value or value == "-":
         return value
     if value[0] in "=@\t\r" or (value[0] in "+-" and not _SIGNED_FIGURE.match(value)):
         return "'" + value
