@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hmac
 import logging
+import math
 import re
 import threading
 import time
@@ -40,9 +41,12 @@ from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
 T = TypeVar("T")
 DEFAULT_REFRESH_SECONDS: Final = 30
-#: a PostgreSQL query of a page cancelled after this long: a slow server, a huge window or a
-#: crafted filter otherwise holds one of the server's few worker threads for as long as it takes
+#: a page's query stopped after this long (PostgreSQL's statement_timeout; on SQLite the
+#: dashboard interrupts it): a slow server, a huge window or a crafted filter otherwise holds
+#: one of the server's few worker threads (or a reading thread) for as long as it takes
 DEFAULT_QUERY_TIMEOUT_S: Final = 60.0
+#: SQLite virtual-machine steps between two looks at a query's deadline (a few ms of work)
+SQLITE_STEPS_PER_CHECK: Final = 10_000
 #: the largest request body served: a callback's is a few kB (a path, a window, the DCs
 #: picked); a crafted one of megabytes would be parsed, held and queried before anything else
 MAX_REQUEST_BYTES: Final = 1 << 20
@@ -98,6 +102,8 @@ class DashboardConfig:
     now_ms: Callable[[], int]
     #: how long a page (or the DC filter) may wait on the database in all
     page_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S + PAGE_GRACE_S
+    #: how long one of its queries may run before it is stopped
+    query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S
 
 
 #: a URL prefix the page's script URLs can start with: a path, never '//host/' (a
@@ -107,18 +113,34 @@ _URL_PREFIX: Final = re.compile(r"/(?:[A-Za-z0-9._~-]+/)*")
 
 def read_only(engine: Engine, query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) -> Engine:
     """Make every connection of ``engine`` refuse writes: the dashboard only reads. Its
-    PostgreSQL statements are cancelled after ``query_timeout_s`` (over the URL's own)."""
+    statements are stopped after ``query_timeout_s``: PostgreSQL's statement_timeout (over the
+    URL's own); SQLite has none, so a progress handler interrupts a statement past its deadline
+    (set as each one starts), else its page's reading thread would run it to the end."""
+    sqlite = engine.dialect.name == "sqlite"
 
     @event.listens_for(engine, "connect")
-    def _read_only(dbapi_conn: Any, _record: Any) -> None:
+    def _read_only(dbapi_conn: Any, record: Any) -> None:
         cur = dbapi_conn.cursor()
-        if engine.dialect.name == "sqlite":
+        if sqlite:
             cur.execute("PRAGMA query_only = ON")
+            deadline = [math.inf]  # monotonic seconds; no statement running yet
+            record.info["kvctl_deadline"] = deadline
+            dbapi_conn.set_progress_handler(
+                lambda: time.monotonic() > deadline[0], SQLITE_STEPS_PER_CHECK
+            )
         else:
             cur.execute("SET SESSION CHARACTERISTICS AS TRANSACTION READ ONLY")
             cur.execute(f"SET SESSION statement_timeout = {max(int(query_timeout_s * 1000), 1)}")
             dbapi_conn.commit()
         cur.close()
+
+    if sqlite:
+
+        @event.listens_for(engine, "before_cursor_execute")
+        def _deadline(conn: Any, *_args: Any) -> None:
+            deadline = conn.connection.info.get("kvctl_deadline")
+            if deadline is not None:
+                deadline[0] = time.monotonic() + query_timeout_s
 
     return engine
 
@@ -141,8 +163,8 @@ def create_app(
 ) -> dash.Dash:
     """The dashboard on the database at ``db_url``, through an engine of its own whose
     connections refuse writes. ``url_prefix`` must start and end with ``/``; ``basic_auth`` is
-    (user, password); ``now_ms`` is the clock windows end at; a PostgreSQL query is cancelled
-    after ``query_timeout_s`` (its page says so)."""
+    (user, password); ``now_ms`` is the clock windows end at; a query is stopped after
+    ``query_timeout_s`` (its page says so)."""
     from kvctl.db.engine import create_db_engine, resolve_url
 
     if not (url_prefix.startswith("/") and url_prefix.endswith("/")):
@@ -162,6 +184,7 @@ def create_app(
         refresh_seconds=refresh_seconds,
         now_ms=now_ms,
         page_timeout_s=query_timeout_s + PAGE_GRACE_S,
+        query_timeout_s=query_timeout_s,
     )
     app = dash.Dash(
         __name__,
@@ -371,6 +394,11 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
     if isinstance(exc, SQLAlchemyError):
         log.warning("page %s: the database failed: %s", path, exc)
         msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        if msg == "interrupted" and config.engine.dialect.name == "sqlite":  # read_only's limit
+            msg = (
+                f"a query ran longer than the query timeout ({config.query_timeout_s:g} s) and "
+                "was stopped"
+            )
         where = shown_url(config.engine)
         schema = _schema_problem(config.engine, exc, msg)
         if schema is not None:

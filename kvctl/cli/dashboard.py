@@ -59,8 +59,8 @@ def dashboard_command(
         float,
         typer.Option(
             "--query-timeout",
-            help="Seconds a page's PostgreSQL query may take before it is cancelled and the "
-            "page says so (a page unanswered 5 s longer says so too).",
+            help="Seconds a page's query may take before it is stopped and the page says so "
+            "(PostgreSQL and SQLite alike; a page unanswered 5 s longer says so too).",
             min=0.1,
         ),
     ] = 60.0,
