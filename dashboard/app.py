@@ -107,8 +107,9 @@ class DashboardConfig:
 
 
 #: a URL prefix the page's script URLs can start with: a path, never '//host/' (a
-#: protocol-relative URL: every script from that host) nor a query, fragment or quote
-_URL_PREFIX: Final = re.compile(r"/(?:[A-Za-z0-9._~-]+/)*")
+#: protocol-relative URL: every script from that host) nor a query, fragment, quote, space, '&'
+#: or '%'; its segments hold letters of any script, digits and what RFC 3986 allows in one
+_URL_PREFIX: Final = re.compile(r"/(?:[\w.~:@+,;=!$*()-]+/)*")
 
 
 def read_only(engine: Engine, query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) -> Engine:
@@ -171,7 +172,7 @@ def create_app(
         raise ValueError(f"the URL prefix must start and end with '/': {url_prefix!r}")
     if not _URL_PREFIX.fullmatch(url_prefix):
         raise ValueError(
-            f"the URL prefix must be a plain path (letters, digits, '.', '_', '~', '-' between "
+            "the URL prefix must be a plain path (letters, digits and -._~:@+,;=!$*() between "
             f"single '/'): {url_prefix!r}"
         )
     if model not in MODELS:
