@@ -395,12 +395,20 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
     if isinstance(exc, SQLAlchemyError):
         log.warning("page %s: the database failed: %s", path, exc)
         msg = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        if msg == "interrupted" and config.engine.dialect.name == "sqlite":  # read_only's limit
+        sqlite = config.engine.dialect.name == "sqlite"
+        if msg == "interrupted" and sqlite:  # read_only's limit
             msg = (
                 f"a query ran longer than the query timeout ({config.query_timeout_s:g} s) and "
                 "was stopped"
             )
         where = shown_url(config.engine)
+        if (sqlite and msg.startswith("a query ran longer")) or "statement timeout" in msg:
+            # the database is fine: the database commands' hint below would not help
+            return empty(
+                f"The database cannot be read: {msg}",
+                hint=f"The dashboard reads {where}: pick a shorter window or fewer DCs, or start "
+                f"it with a larger --query-timeout (now {config.query_timeout_s:g} s).",
+            )
         schema = _schema_problem(config.engine, exc, msg)
         if schema is not None:
             return empty(schema, hint=f"The dashboard reads {where}. ({msg})")
