@@ -901,9 +901,12 @@ def stop_agent_saying(
 
 
 def _gone_within(data_dir: Path, pid: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for the agent ``pid`` of ``data_dir`` to be gone."""
+    """Wait up to ``timeout_s`` for the agent ``pid`` of ``data_dir`` to be gone: its lock
+    dropped, then its process exited (it drops the lock as serve() returns, and exits after:
+    atexit handlers, threads joined at exit, a GPU context's teardown). That pid held the lock
+    a moment ago, so it is the agent's, not a stranger's."""
     deadline_s = time.monotonic() + timeout_s
-    while holder_pid(data_dir, pid) == pid:
+    while holder_pid(data_dir, pid) == pid or pid_alive(pid):
         if time.monotonic() >= deadline_s:
             return False
         time.sleep(0.05)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from kvctl.agent.daemon import STATE_FILE, AgentState, stop_agent
+from kvctl.agent.daemon import STATE_FILE, AgentState, _answers, stop_agent
 from kvctl.cli.main import app
 from tests.functional.agents import EPHEMERAL, closed_port, running_agent, start_agent
 from tests.tmpfs import tmpfs
@@ -419,3 +419,42 @@ def test_a_lock_holder_that_wrote_no_pid_does_not_make_stop_signal_the_records_p
             if holder.poll() is None:
                 holder.kill()
                 holder.wait(10)
+
+
+def test_stop_says_stopped_once_the_agent_process_is_gone_not_when_it_drops_its_lock(
+    tmp_path: Path,
+) -> None:
+    """An agent drops agent.lock as serve() returns, and its process exits after that (atexit
+    handlers, threads joined at exit, a GPU context's teardown): stop waited only for the lock,
+    so it said 'stopped' (and a script went on to its next step) while the agent's process
+    still ran; before the lock it waited for the pid to be gone. Here the exit is made slow."""
+    data_dir = tmp_path / "agent"
+    argv = ["kvctl", "agent", "start", "--data-dir", str(data_dir), *EPHEMERAL, *SMALL]
+    exited = tmp_path / "exited"  # written by the agent's process as the last thing it does
+    code = (
+        "import atexit, pathlib, sys, time\n"
+        f"atexit.register(pathlib.Path({str(exited)!r}).touch)\n"
+        "atexit.register(time.sleep, 2.0)\n"
+        f"sys.argv = {argv!r}\n"
+        "from kvctl.cli.main import main\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    agent = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    try:
+        deadline_s = time.monotonic() + 60  # a hang guard
+        while (state := AgentState.read(data_dir)) is None or not _answers(state.control_url):
+            assert agent.poll() is None and time.monotonic() < deadline_s
+            time.sleep(0.05)
+        stop = _run(tmp_path, "agent", "stop", "--data-dir", str(data_dir), "--timeout", "20")
+        assert stop.exit_code == 0, stop.output
+        assert f"(pid {agent.pid}) stopped" in _flat(stop.output)
+        assert exited.exists(), "stop said 'stopped' while the agent's process still ran"
+        assert agent.wait(10) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+        agent.wait(10)
