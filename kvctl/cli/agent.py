@@ -288,10 +288,13 @@ def start_command(
 
     not_utf8 = _not_utf8(settings)
     if not_utf8 is not None:
+        what, name = not_utf8
         fail(
-            f"{not_utf8} is not valid UTF-8: the agent says its settings and paths as UTF-8 "
+            f"{what} is not valid UTF-8: the agent says its settings and paths as UTF-8 "
             "text (agent.json, `kvctl agent status`, the settings a --detach start hands over)",
-            hint="give it a UTF-8 name (rename the directory)",
+            hint="give it a UTF-8 name (rename the directory)"
+            if name in ("data_dir", "socket")
+            else f"give {name} in UTF-8",
         )
     try:  # before anything is started or written: a bad --data-dir is the user's to fix
         make_private_dir(settings.data_path, "data directory")
@@ -395,9 +398,14 @@ def _password_in_pool_flag(loaded: LoadedSettings) -> bool:
     return loaded.sources.get("pool") == "flag:--pool" and redact_url(pool) != pool
 
 
-def _not_utf8(settings: AgentSettings) -> str | None:
+#: settings whose value is never shown, even in part: a URL's password, or a URL that may hold one
+UNSHOWN_SETTINGS = (*SECRET_SETTINGS, "index_url")
+
+
+def _not_utf8(settings: AgentSettings) -> tuple[str, str] | None:
     """The first setting whose text is not UTF-8 (a path or name typed with other bytes, which
-    Python holds as lone surrogates), as the error names it; None when all are."""
+    Python holds as lone surrogates), as the error names it, and its name; None when all are.
+    A secret's value, or a URL's, is not shown (a pool URL's password may be the bytes)."""
     texts = {f.name: getattr(settings, f.name) for f in fields(settings)}
     texts |= {"data_dir": str(settings.data_path), "socket": str(settings.socket_path or "")}
     for name, value in texts.items():
@@ -406,9 +414,11 @@ def _not_utf8(settings: AgentSettings) -> str | None:
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
+            if name in UNSHOWN_SETTINGS:
+                return f"{name} (value not shown)", name
             # the bytes as typed, those that are not UTF-8 as \xNN
             shown = os.fsencode(value).decode("utf-8", "backslashreplace")
-            return f"{name} '{shown}'"
+            return f"{name} '{shown}'", name
     return None
 
 

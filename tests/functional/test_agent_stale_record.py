@@ -458,3 +458,27 @@ def test_stop_says_stopped_once_the_agent_process_is_gone_not_when_it_drops_its_
         if agent.poll() is None:
             agent.kill()
         agent.wait(10)
+
+
+def test_a_pool_url_not_utf8_is_refused_without_showing_its_password(tmp_path: Path) -> None:
+    """115db57's refusal of a setting that is not UTF-8 quoted its value, the pool URL's password
+    included (a Latin-1 password in KVCTL_POOL), to the terminal or the service's journal, and
+    told the operator to 'rename the directory'."""
+    env: dict[bytes, bytes] = {
+        os.fsencode(k): os.fsencode(v) for k, v in os.environ.items() if not k.startswith("KVCTL_")
+    }
+    env[b"XDG_CONFIG_HOME"] = os.fsencode(tmp_path / "xdg")
+    env[b"KVCTL_POOL"] = b"redis://:p\xe4ssw0rd-secret@127.0.0.1:1/0"
+    data_dir = tmp_path / "agent"
+    argv = ["--data-dir", str(data_dir), *EPHEMERAL, *SMALL, "--detach"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvctl", "agent", "start", *argv],
+        env=env,
+        capture_output=True,
+        timeout=60,  # a hang guard
+    )
+    said = _flat(proc.stderr.decode(errors="replace"))
+    assert proc.returncode == 2, said
+    assert "pool" in said and "is not valid UTF-8" in said
+    assert "w0rd-secret" not in said and "p\\xe4ss" not in said, said
+    assert "rename the directory" not in said, said
