@@ -45,6 +45,9 @@ DEFAULT_REFRESH_SECONDS: Final = 30
 #: dashboard interrupts it): a slow server, a huge window or a crafted filter otherwise holds
 #: one of the server's few worker threads (or a reading thread) for as long as it takes
 DEFAULT_QUERY_TIMEOUT_S: Final = 60.0
+#: the longest query timeout: PostgreSQL's statement_timeout is at most 2^31-1 ms (a larger one
+#: fails every connection), and a page cannot wait an infinite time ('inf': an OverflowError)
+MAX_QUERY_TIMEOUT_S: Final = 2_147_483.0
 #: SQLite virtual-machine steps between two looks at a query's deadline (a few ms of work)
 SQLITE_STEPS_PER_CHECK: Final = 10_000
 #: the largest request body served: a callback's is a few kB (a path, a window, the DCs
@@ -174,6 +177,11 @@ def create_app(
         raise ValueError(
             "the URL prefix must be a plain path (letters, digits and -._~:@+,;=!$*() between "
             f"single '/'): {url_prefix!r}"
+        )
+    if not 0 < query_timeout_s <= MAX_QUERY_TIMEOUT_S:  # NaN too
+        raise ValueError(
+            f"the query timeout must be more than 0 and at most {MAX_QUERY_TIMEOUT_S:,.0f} s "
+            f"(about 24 days): {query_timeout_s!r}"
         )
     if model not in MODELS:
         raise ValueError(f"unknown model {model!r}; choose from {', '.join(MODELS)}")

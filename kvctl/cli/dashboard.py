@@ -62,6 +62,7 @@ def dashboard_command(
             help="Seconds a page's query may take before it is stopped and the page says so "
             "(PostgreSQL and SQLite alike; a page unanswered 5 s longer says so too).",
             min=0.1,
+            max=2_147_483.0,  # dashboard.app.MAX_QUERY_TIMEOUT_S: PostgreSQL's limit
         ),
     ] = 60.0,
 ) -> None:
