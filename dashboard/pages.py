@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -748,7 +749,7 @@ def capacity_page(ctx: PageContext) -> list[Any]:
         except (KeyError, TypeError, ValueError, AttributeError, IndexError) as exc:
             # a report saved by an older (or newer) kvctl: this plan says so, the others show
             log.warning("the plan saved for %s cannot be read: %r", scope, exc)
-            dc_opt = f" --dc {key}" if key else ""
+            dc_opt = f" --dc {shlex.quote(key)}" if key else ""  # copied into a shell
             out.append(
                 empty(
                     f"The plan saved for {scope} has a shape this dashboard does not read "
