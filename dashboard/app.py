@@ -391,14 +391,26 @@ def _stopped(last_ms: int, now_ms: int) -> html.Div:
 def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
     """What a page that failed shows: the database's failure and what to check, or a bug's."""
     from sqlalchemy.exc import SQLAlchemyError
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+    unanswered_hint = (
+        f"The dashboard reads {shown_url(config.engine)}: a server or a proxy in front of it "
+        "(pgbouncer) that holds connections without answering; `kvctl db current --db URL` says "
+        "whether it answers."
+    )
     if isinstance(exc, NoAnswer):
         log.warning("page %s: %s", path, exc)
+        return empty(f"{exc}: the page is asked again at the next refresh.", hint=unanswered_hint)
+    if isinstance(exc, PoolTimeout):
+        # the pool's words (QueuePool limit ... sqlalche.me) say nothing to an operator: the
+        # connections are held by earlier pages' reading threads the database has not answered
+        log.warning("page %s: no connection free: %s", path, exc)
+        pool = config.engine.pool
+        most = pool.size() + max(getattr(pool, "_max_overflow", 0), 0)
         return empty(
-            f"{exc}: the page is asked again at the next refresh.",
-            hint=f"The dashboard reads {shown_url(config.engine)}: a server or a proxy in front "
-            "of it (pgbouncer) that holds connections without answering; `kvctl db current --db "
-            "URL` says whether it answers.",
+            f"Every connection the dashboard may open ({most}) is held by an earlier page the "
+            "database has not answered yet: the page is asked again at the next refresh.",
+            hint=unanswered_hint,
         )
     if isinstance(exc, SQLAlchemyError):
         log.warning("page %s: the database failed: %s", path, exc)
