@@ -12,14 +12,24 @@ from contextlib import contextmanager
 from typing import Any
 
 
+def send(
+    handler: http.server.BaseHTTPRequestHandler,
+    body: bytes,
+    *,
+    status: int = 200,
+    content_type: str = "application/json",
+) -> None:
+    """Answer ``handler``'s request with ``status`` and ``body`` whole (its length given)."""
+    handler.send_response(status)
+    handler.send_header("Content-Type", content_type)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 class _Html(http.server.BaseHTTPRequestHandler):
     def _html(self) -> None:
-        body = b"<html>not an agent</html>"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/html")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send(self, b"<html>not an agent</html>", content_type="text/html")
 
     do_GET = do_POST = _html
 
@@ -52,11 +62,7 @@ def answering_url(
 
     class _Answer(_Html):
         def _html(self) -> None:
-            self.send_response(status)
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send(self, body, status=status, content_type=content_type)
 
         do_GET = do_POST = _html
 

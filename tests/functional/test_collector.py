@@ -28,6 +28,7 @@ from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, EngineSample, LinkSample, Node, NodeSample, PowerSample
 from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
+from tests.not_an_agent import send
 
 pytestmark = pytest.mark.slow
 
@@ -296,11 +297,7 @@ class _Exposition:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 body = outer.text.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send(self, body, content_type="text/plain; version=0.0.4")
 
             def log_message(self, *_args: object) -> None:
                 pass

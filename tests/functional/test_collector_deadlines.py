@@ -26,6 +26,7 @@ from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.models import Node
 from tests.functional.hung import HANG_GUARD_S, guarded
 from tests.functional.test_collector_impossible_values import StandIn, _rows
+from tests.not_an_agent import send
 
 pytestmark = pytest.mark.slow
 
@@ -52,11 +53,7 @@ class Trickler:
                     self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.path in outer.answers:
                     body = json.dumps(outer.answers[self.path]).encode()
-                    self.send_response(200)
-                    self.send_header("Content-Type", "application/json")
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body)
+                    send(self, body)
                     return
                 outer.asked += 1
                 self.send_response(200)

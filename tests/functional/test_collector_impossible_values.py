@@ -34,6 +34,7 @@ from kvctl.db.migrate import open_db
 from kvctl.db.models import Node
 from kvctl.db.rollup import HOUR_MS, Retention, maintain
 from kvctl.profiles import MODELS
+from tests.not_an_agent import send
 
 pytestmark = pytest.mark.slow
 
@@ -132,11 +133,7 @@ class StandIn:
                 # text (an engine's /metrics) as is; the rest as JSON
                 text = isinstance(answer, str)
                 body = (answer if text else json.dumps(answer)).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain" if text else "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                send(self, body, content_type="text/plain" if text else "application/json")
 
             do_GET = do_POST = _answer
 

@@ -16,7 +16,7 @@ import pytest
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import fan_out
-from tests.not_an_agent import serving
+from tests.not_an_agent import send, serving
 
 #: a name that resolves nowhere (RFC 6761): only the proxy reaches it
 AGENT_URL = "http://agent-behind-the-proxy.invalid:7070"
@@ -30,11 +30,7 @@ def _proxy(seen: list[str]) -> type[http.server.BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             seen.append(self.path)  # the absolute URL a client asks a proxy for
             body = json.dumps({"status": "ok"}).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            send(self, body)
 
         def log_message(self, *args: Any) -> None:
             pass

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from kvctl.cli.main import app
 from tests.functional.test_cli_failures_interrupt import _cli
-from tests.not_an_agent import serving
+from tests.not_an_agent import send, serving
 
 runner = CliRunner()
 
@@ -34,11 +34,7 @@ def _answers() -> dict[str, bytes]:
 class _Odd(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         body = _answers().get(self.path.split("?")[0], b"{}")
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send(self, body)
 
     def log_message(self, *args: Any) -> None:
         pass

@@ -21,7 +21,7 @@ import pytest
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import NodeResult, fan_out
-from tests.not_an_agent import serving
+from tests.not_an_agent import send, serving
 
 #: a byte every this long: far within any read timeout, so only the deadline ends the call
 TRICKLE_BYTE_S = 0.1
@@ -68,11 +68,7 @@ class Trickler:
 class _Sound(http.server.BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         body = json.dumps({"status": "ok"}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        send(self, body)
 
     def log_message(self, *args: Any) -> None:
         pass
