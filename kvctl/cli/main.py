@@ -167,11 +167,23 @@ def main() -> None:
 
 def _unforeseen(exc: Exception) -> NoReturn:
     """A failure no command turned into its own message (a bug): one line and exit 1, not a
-    screenful of traceback in an operator's terminal or a script's log; KVCTL_DEBUG shows it."""
+    screenful of traceback in an operator's terminal or a script's log; KVCTL_DEBUG shows it.
+    A permission denied is said as such, with the user to run as, not as a bug."""
     from rich.markup import escape
 
     from kvctl.cli.output import err_console
 
+    if isinstance(exc, PermissionError):
+        # not a bug: a file or process of another user (an agent's 0700 data dir, its pid),
+        # which a hint to report a bug would send the operator after
+        where = f": {exc.filename}" if exc.filename else f" ({exc.strerror or exc})"
+        err_console.print(
+            f"[bold red]error:[/] permission denied{escape(str(where))}\n"
+            "[dim]hint:[/] it belongs to another user: run kvctl as that user, or as root",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise SystemExit(1)
     what = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     err_console.print(
         f"[bold red]error:[/] kvctl failed where it did not expect to: {escape(what)}\n"
