@@ -92,6 +92,63 @@ def _chown_like(path: Path, old: Path) -> None:
         os.chown(path, uid, st.st_gid)
 
 
+def write_output(path: Path, text: str) -> None:
+    """``text`` in the file ``path`` a user named for a command's output (``-o FILE``): a file
+    of its own replaced whole or not at all (write_atomic), else written through
+    (write_in_place). Raises WriteFailed naming ``path``."""
+    if _written_through(path):
+        # /dev/stdout, a FIFO, a symlink kept a link to its file, a file whose other hard
+        # links a new file would leave with the old text, a file not the writer's to replace
+        # (read-only, another user's): written through (room reserved first, so a full disk
+        # fails before the old text is touched). A symlink's target is not replaced:
+        # /dev/stdout and /dev/fd/N lead through /proc to the caller's redirect, which a
+        # rename would detach
+        write_in_place(path, text)
+        return
+    # replaced whole or not at all: written in place, a full disk truncated the old file and
+    # left half of the new one; an existing file keeps its permissions, its group and (root
+    # writing another user's file) its owner, a new one the umask's mode, as written in place
+    # (write_atomic sets the mode as is)
+    mode = path.stat().st_mode & 0o777 if path.exists() else 0o666 & ~_umask()
+    try:
+        write_atomic(path, text, mode=mode, keep_owner=True)
+    except WriteFailed as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM) or not path.is_file():
+            raise
+        # the file is the user's to write, its directory not: no temporary file can be made
+        # there, or (sticky, like /tmp) another user's file cannot be renamed over. Written
+        # through; a file they cannot write fails
+        write_in_place(path, text)
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: put back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _written_through(output: Path) -> bool:
+    """Whether ``output`` is written through rather than replaced by a renamed new file: not a
+    plain file of its own (a symlink, /dev/stdout, a FIFO, hard links), or not the writer's to
+    replace. A rename needs only the directory writable: a file made read-only
+    would be replaced without a word (written through, it is refused as `>` refuses it), and
+    another user's file would become the writer's (root keeps its owner: write_atomic)."""
+    if output.is_symlink():
+        return True
+    try:
+        st = output.stat()
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+        return True
+    euid = os.geteuid()
+    if euid == 0:
+        return False
+    writable = os.access(output, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
+    return st.st_uid != euid or not writable
+
+
 def write_in_place(path: Path, text: str) -> None:
     """``text`` written through ``path``, the file itself kept: its hard links, owner and mode,
     the target of a symlink, /dev/stdout or a FIFO. A regular file's room is reserved first, so

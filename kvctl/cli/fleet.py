@@ -6,9 +6,6 @@ transaction, asks before removing nodes in bulk, and renders the outcome."""
 
 from __future__ import annotations
 
-import errno
-import os
-import stat
 import sys
 from collections.abc import Callable
 from enum import StrEnum
@@ -579,34 +576,6 @@ def _show_plan(
     console.print(f"{_cell(summary)}{f' [dim]({note})[/]' if note else ''}", highlight=False)
 
 
-def _umask() -> int:
-    """The process's umask (reading it means setting it: put back at once)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _written_through(output: Path) -> bool:
-    """Whether ``-o output`` is written through rather than replaced by a renamed new file:
-    not a plain file of its own (a symlink, /dev/stdout, a FIFO, hard links), or not the
-    exporter's to replace. A rename needs only the directory writable: a file made read-only
-    would be replaced without a word (written through, it is refused as `>` refuses it), and
-    another user's file would become the exporter's (root keeps its owner: write_atomic)."""
-    if output.is_symlink():
-        return True
-    try:
-        st = output.stat()
-    except FileNotFoundError:
-        return False
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
-        return True
-    euid = os.geteuid()
-    if euid == 0:
-        return False
-    writable = os.access(output, os.W_OK, effective_ids=os.access in os.supports_effective_ids)
-    return st.st_uid != euid or not writable
-
-
 @fleet_app.command("export")
 def export_command(
     fmt: Annotated[
@@ -652,32 +621,10 @@ def export_command(
     if output is None:
         sys.stdout.write(text)  # not rich: the document must come out byte for byte
         return
-    from kvctl.paths import WriteFailed, write_atomic, write_in_place
+    from kvctl.paths import WriteFailed, write_output
 
     try:
-        if _written_through(output):
-            # /dev/stdout, a FIFO, a symlink kept a link to its file, a file whose other hard
-            # links a new file would leave with the old text, a file not the exporter's to
-            # replace (read-only, another user's): written through (room reserved
-            # first, so a full disk fails before the old text is touched). A symlink's target
-            # is not replaced: /dev/stdout and /dev/fd/N lead through /proc to the caller's
-            # redirect, which a rename would detach
-            write_in_place(output, text)
-        else:
-            # replaced whole or not at all: written in place, a full disk truncated the old
-            # fleet file and left half of the new one; an existing file keeps its permissions,
-            # its group and (root writing another user's file) its owner, a new one the umask's
-            # mode, as written in place (write_atomic sets the mode as is)
-            mode = output.stat().st_mode & 0o777 if output.exists() else 0o666 & ~_umask()
-            try:
-                write_atomic(output, text, mode=mode, keep_owner=True)
-            except WriteFailed as exc:
-                if exc.errno not in (errno.EACCES, errno.EPERM) or not output.is_file():
-                    raise
-                # the file is the operator's to write, its directory not: no temporary file
-                # can be made there, or (sticky, like /tmp) another user's file cannot be
-                # renamed over. Written through, as before; a file they cannot write fails
-                write_in_place(output, text)
+        write_output(output, text)
     except WriteFailed as exc:  # names the file and says why
         fail(str(exc))
     except OSError as exc:

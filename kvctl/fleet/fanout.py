@@ -140,10 +140,8 @@ def fan_out(
         if not isinstance(exc, KeyboardInterrupt):
             for fut in futures:
                 fut.cancel()  # those not yet asked; a call under way runs on
-            # every answer is in, left unreported: the trail cannot be written (one reported
-            # already, past its deadline, is not waited for; none past its own deadline)
-            unreported = [f for f, i in futures.items() if i not in reported]
-            wait(unreported, timeout=_left_s(futures, unreported, started, deadline_s))
+            # every answer is in, left unreported: the trail cannot be written
+            _wait_unreported(futures, reported, started, deadline_s)
             raise
         if on_result is None or isinstance(exc, ForcedInterrupt):
             # read-only: nothing to report or audit, so no agent is waited for (a hung one
@@ -156,11 +154,9 @@ def fan_out(
         try:
             for fut in futures:
                 fut.cancel()
-            # the nodes asked act all the same: their answers are reported (one reported
-            # already, past its deadline, is not waited for; none past its own deadline: one
-            # still trickling then is reported as unanswered below)
-            unreported = [f for f, i in futures.items() if i not in reported]
-            wait(unreported, timeout=_left_s(futures, unreported, started, deadline_s))
+            # the nodes asked act all the same: their answers are reported (one still
+            # trickling at its deadline is reported as unanswered below)
+            _wait_unreported(futures, reported, started, deadline_s)
         except KeyboardInterrupt:
             # a second Ctrl-C: the operator will not wait. The nodes still asking are reported
             # as unanswered below, so the audit trail has a row for every node asked, not none
@@ -188,6 +184,18 @@ def _ends_s(
     """The deadline (``time.perf_counter``) of each call of ``of`` asked so far; one still
     queued has none yet."""
     return {f: started[futures[f]] + deadline_s for f in of if futures[f] in started}
+
+
+def _wait_unreported(
+    futures: dict[Future[NodeResult[T]], int],
+    reported: set[int],
+    started: dict[int, float],
+    deadline_s: float | None,
+) -> None:
+    """Wait for the calls whose answers are not reported yet (one reported already, past its
+    deadline, is not waited for), none past its own deadline (``_left_s``)."""
+    unreported = [f for f, i in futures.items() if i not in reported]
+    wait(unreported, timeout=_left_s(futures, unreported, started, deadline_s))
 
 
 def _left_s(
