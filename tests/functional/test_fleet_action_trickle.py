@@ -5,16 +5,18 @@ as the trickle lasts."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app
 from tests.functional.test_cli_failures_interrupt import DONE, KEY, _cli
 from tests.functional.test_fleet_status_trickle import _Trickle
-from tests.not_an_agent import answering_url, serving
+from tests.not_an_agent import answering_url, send, serving
 
 runner = CliRunner()
 
@@ -47,9 +49,26 @@ def test_a_ctrl_c_waits_for_a_trickling_agent_no_longer_than_its_deadline(tmp_pa
     import signal
     import subprocess
     import sys
+    import threading
+
+    slow_asked, good_asked = threading.Event(), threading.Event()
+
+    class SlowAsked(_Trickle):
+        def do_POST(self) -> None:
+            slow_asked.set()
+            self._answer()
+
+    class GoodAsked(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            good_asked.set()
+            send(self, DONE)
+
+        def log_message(self, *args: Any) -> None:
+            pass
 
     db = f"sqlite:///{tmp_path / 'kvctl.db'}"
-    with serving(_Trickle) as slow, answering_url(200, DONE, "application/json") as good:
+    with serving(SlowAsked) as slow, serving(GoodAsked) as good:
         _cli(db, "fleet", "add-dc", "fra")
         _cli(db, "fleet", "add-node", "slow", "--dc", "fra", "--agent-url", slow)
         _cli(db, "fleet", "add-node", "good", "--dc", "fra", "--agent-url", good)
@@ -59,7 +78,10 @@ def test_a_ctrl_c_waits_for_a_trickling_agent_no_longer_than_its_deadline(tmp_pa
             [sys.executable, "-m", "kvctl", *args], env=env, stderr=subprocess.PIPE, text=True
         )
         try:
-            time.sleep(2.0)  # both asked (the deadline is 4 s), the slow one trickling
+            # both asked (the deadline is 4 s), the slow one trickling: a fixed 2 s was not
+            # always enough for the command to start on a loaded machine, and a Ctrl-C before
+            # it asks anyone leaves no node to audit
+            assert slow_asked.wait(60) and good_asked.wait(60)
             t0 = time.monotonic()
             proc.send_signal(signal.SIGINT)
             _out, err = proc.communicate(timeout=60)
@@ -68,7 +90,7 @@ def test_a_ctrl_c_waits_for_a_trickling_agent_no_longer_than_its_deadline(tmp_pa
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    # the trickle lasts about 170 s; the deadline ends the wait 2 s after the Ctrl-C
+    # the trickle lasts about 170 s; the deadline ends the wait at most 4 s after the Ctrl-C
     assert took_s < 30, (took_s, err[-2000:])
     assert proc.returncode != 0, err[-2000:]
     trail = {r["target"]: r for r in json.loads(_cli(db, "audit", "--action", "pin", "--json"))}
