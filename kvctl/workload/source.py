@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 from dataclasses import dataclass
 
+from kvctl.store.errors import InvalidArgument
 from kvctl.workload.trace import TraceRequest, read_mooncake_trace
 
 
@@ -38,6 +39,8 @@ def load_workload(
     requests generated (see ``kvctl.workload.generators.generate``). An unknown ``workload``
     raises ``InvalidArgument`` listing the names.
     """
+    if limit is not None and limit < 0:  # one message whether a trace is read or generated
+        raise InvalidArgument(f"limit must be non-negative, got {limit}")
     if trace is None:
         from kvctl.workload.generators import generate
 

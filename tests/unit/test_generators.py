@@ -377,3 +377,11 @@ def test_load_workload_default_is_still_builtin() -> None:
 def test_load_workload_unknown_name() -> None:
     with pytest.raises(InvalidArgument, match="system-prompt"):
         load_workload(None, workload="nope")
+
+
+@pytest.mark.parametrize("name", ["builtin", "mix"])
+def test_load_workload_negative_limit_is_named_as_such(name: str) -> None:
+    # a generated workload said "requests must be an integer >= 0", naming no option the
+    # user gave; a trace said "limit must be non-negative"
+    with pytest.raises(InvalidArgument, match="limit must be non-negative, got -1"):
+        load_workload(None, limit=-1, workload=name)
