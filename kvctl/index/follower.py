@@ -44,6 +44,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from kvctl.client import AgentClient
 from kvctl.errors import InvalidArgument
+from kvctl.index.backoff import Backoff
 from kvctl.index.events import ChunkEvent, from_agent_event, from_listing
 from kvctl.index.model import DAMAGE_COUNT, FleetIndex
 from kvctl.index.remote import IndexUnavailable
@@ -154,9 +155,8 @@ class Follower:
         #: why the next resync happens when ``_instance`` is None (a ``RESYNC_REASONS``)
         self._pending_reason = "first"
         self._index_failing = False
-        #: after a failed replace: how long the next waits, and until when (follower's clock)
-        self._replace_wait_s = 0.0
-        self._replace_retry_s: float | None = None
+        #: when a replace may be sent again after failing (on the follower's clock)
+        self._replace_backoff = Backoff(REPLACE_RETRY_S, REPLACE_RETRY_MAX_S, clock)
         #: None until the agent is first heard from, then whether it answers
         self._up: bool | None = None
         #: the stream followed; None: the next answer triggers a resync
@@ -186,7 +186,7 @@ class Follower:
         with self._lock:
             if self._closed:
                 return 0
-            if self._replace_retry_s is not None and self._clock() < self._replace_retry_s:
+            if not self._replace_backoff.due():
                 # a replace failed: not sent again before its wait is over (up to 30 s), but
                 # the agent is still asked whether it answers, so one gone meanwhile is
                 # marked down after drop_after_s as ever, not at the end of the wait
@@ -328,11 +328,9 @@ class Follower:
         try:
             entries = self.index.replace(self.node, chunks)
         except IndexUnavailable:
-            wait_s = min(REPLACE_RETRY_MAX_S, max(REPLACE_RETRY_S, 2 * self._replace_wait_s))
-            self._replace_wait_s = wait_s
-            self._replace_retry_s = self._clock() + wait_s
+            self._replace_backoff.failed()
             raise
-        self._replace_wait_s, self._replace_retry_s = 0.0, None
+        self._replace_backoff.succeeded()
         self._marker = self.index.marker(self.node)
         self._audit_cursor = 0
         self._instance = instance
@@ -449,6 +447,10 @@ class Follower:
             "index_errors": self.index_errors,
             "index_error": self.index_error,
             "index_lost": self.index_lost,
+            # why the node's entries may be stale: its replaces failing in a row, and seconds
+            # until the next is sent (None: none failed since the last done)
+            "index_replace_failures": self._replace_backoff.failures,
+            "index_retry_in_s": self._replace_backoff.retry_in_s(),
             # every reason, 0 included: a counter series exists before its first increase
             "resync_reasons": {r: self.resync_reasons[r] for r in RESYNC_REASONS},
             "drops_when_down": self.drops_when_down,

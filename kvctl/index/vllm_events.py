@@ -74,7 +74,7 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +82,7 @@ import msgpack
 import zmq
 
 from kvctl.errors import InvalidArgument
+from kvctl.index.backoff import Backoff
 from kvctl.index.events import ChunkEvent
 from kvctl.index.model import FleetIndex
 from kvctl.store.keys import Namespace, chain_key_packed
@@ -560,7 +561,9 @@ class VllmEventSubscriber:
     stream is followed from there. A malformed message is counted and skipped; a failing index
     is counted (``errors``) and the stream goes on: what it missed meanwhile is made good once it
     answers again, the engine's entries replaced by the chunks the translator holds
-    (``index_resyncs``): it is tried again ``INDEX_RETRY_S`` after a failure, not at every batch.
+    (``index_resyncs``): it is tried again ``INDEX_RETRY_S`` after a failure, not at every batch,
+    and each replace that fails doubles the wait, up to ``INDEX_RETRY_MAX_S`` (``Backoff``, on
+    ``clock``); status says how many failed in a row and when the next is tried.
 
     An index that loses the engine's entries without failing a call (a Redis restarted empty or
     flushed between two writes, the engine idle meanwhile) is noticed by its marker
@@ -583,6 +586,7 @@ class VllmEventSubscriber:
         replay_timeout_s: float = 1.0,
         catch_up: bool = True,
         poll_interval_s: float = 0.1,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         _check_endpoint("endpoint", endpoint)
         if replay_endpoint is not None:
@@ -605,6 +609,7 @@ class VllmEventSubscriber:
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self._catch_up = catch_up and replay_endpoint is not None
         self._lock = threading.Lock()
+        self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._ctx: zmq.Context[Any] | None = None
@@ -630,10 +635,9 @@ class VllmEventSubscriber:
         #: the index failed a call: the events it missed are lost, so the engine's entries are
         #: replaced whole at the next write it takes (a Redis restarted empty lost the rest too)
         self._index_failing = False
-        self._index_tried_s = 0.0
-        #: how long the next try waits after the last one failed: INDEX_RETRY_S, doubled by each
-        #: failed replace up to INDEX_RETRY_MAX_S
-        self._index_retry_s = INDEX_RETRY_S
+        #: when the index is tried again after a failed call: INDEX_RETRY_S after the last one,
+        #: doubled by each failed replace up to INDEX_RETRY_MAX_S
+        self._index_backoff = Backoff(INDEX_RETRY_S, INDEX_RETRY_MAX_S, clock)
         #: the last look at the node's marker failed (said once per outage): no write failed
         #: and no event was missed for it, so nothing is replaced when the index answers again
         self._look_failing = False
@@ -806,11 +810,12 @@ class VllmEventSubscriber:
     def _apply(self, events: list[ChunkEvent]) -> None:
         """Write ``events`` (the translator's latest) to the index; while it fails, replace the
         engine's entries with every chunk the translator holds instead (it reflects
-        ``events``), tried ``INDEX_RETRY_S`` after the last try."""
+        ``events``), tried when the backoff says (``INDEX_RETRY_S`` after the last try, longer
+        after failed replaces)."""
         if self._index_failing:
             # not at every batch: a hung index costs each try its timeout, and the socket's
             # queue would overflow meanwhile; the replace to come covers these events
-            if time.monotonic() - self._index_tried_s >= self._index_retry_s:
+            if self._index_backoff.due():
                 try:
                     # one cheap call first: a down index fails it, before every chunk the
                     # engine holds is gathered and encoded for the replace (CPU, under the
@@ -823,7 +828,7 @@ class VllmEventSubscriber:
             return
         if not events:
             return
-        if self._look_failing and time.monotonic() - self._index_tried_s < INDEX_RETRY_S:
+        if self._look_failing and not self._index_backoff.due():
             # a look found it not answering just now: not tried at every batch either; these
             # events are missed, so the entries are replaced once it answers
             self._index_failing = True
@@ -840,7 +845,7 @@ class VllmEventSubscriber:
             with self._lock:
                 self._apply([])
             return
-        if time.monotonic() - self._index_checked_s < INDEX_CHECK_S:
+        if self._clock() - self._index_checked_s < INDEX_CHECK_S:
             return
         node = self.translator.node
         try:
@@ -851,7 +856,7 @@ class VllmEventSubscriber:
                 self._look_failed(exc)
             return
         finally:
-            self._index_checked_s = time.monotonic()
+            self._index_checked_s = self._clock()
         if self._look_failing:
             self._look_failing = False
             log.info("%s: the index answers again", node)
@@ -880,17 +885,16 @@ class VllmEventSubscriber:
         try:
             n = self.index.replace(node, self.translator.held())
         except Exception as exc:
-            self._index_failed(exc)
-            self._index_retry_s = min(INDEX_RETRY_MAX_S, self._index_retry_s * 2)
+            self._index_failed(exc, replace=True)
             return
         try:
             self._marker = self.index.marker(node)
         except Exception as exc:
             self._index_failed(exc)
             return
-        self._index_retry_s = INDEX_RETRY_S
+        self._index_backoff.succeeded()
         self._index_failing = self._look_failing = False
-        self._index_checked_s = time.monotonic()
+        self._index_checked_s = self._clock()
         if reason is None:
             log.info("%s: the engine's %d chunks written to the index", node, n)
             return
@@ -905,9 +909,7 @@ class VllmEventSubscriber:
         no write failed and no event was missed, so the entries are not replaced when the
         index answers again (a Redis back with its data lost nothing; one back empty has no
         marker, which the next look notices); a write failing meanwhile replaces them."""
-        self.errors += 1
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        self._index_tried_s = time.monotonic()  # a write waits INDEX_RETRY_S, as after its own
+        self._index_error(exc)  # a write waits INDEX_RETRY_S, as after its own failure
         if not self._look_failing:
             self._look_failing = True
             log.warning(
@@ -917,13 +919,10 @@ class VllmEventSubscriber:
                 INDEX_CHECK_S,
             )
 
-    def _index_failed(self, exc: Exception) -> None:
-        """Count the index's failure; once per outage, say so (a batch comes every step)."""
-        self.errors += 1
-        self.last_error = f"{type(exc).__name__}: {exc}"
-        # from the try's end: a hung index's timeout (Redis's is 2 s) outlasts the interval,
-        # and counted from its start the next batch would try again at once
-        self._index_tried_s = time.monotonic()
+    def _index_failed(self, exc: Exception, *, replace: bool = False) -> None:
+        """Count the index's failure (``replace``: a replace's, which lengthens the wait); once
+        per outage, say so (a batch comes every step)."""
+        self._index_error(exc, replace=replace)
         if not self._index_failing:
             self._index_failing = True
             log.warning(
@@ -932,6 +931,18 @@ class VllmEventSubscriber:
                 self.translator.node,
                 exc,
             )
+
+    def _index_error(self, exc: Exception, *, replace: bool = False) -> None:
+        """Count a failed index call and start the wait before the next try. From the try's
+        end: a hung index's timeout (Redis's is 2 s) outlasts the interval, and counted from
+        its start the next batch would try again at once."""
+        self.errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        self._index_backoff.failed(lengthen=replace)
+
+    def _index_retry_in_s(self) -> float | None:
+        """Seconds until the index is written again after failing (None: it does not fail)."""
+        return self._index_backoff.retry_in_s() if self._index_failing else None
 
     def _replay_from(self, start: int, upto: int | None) -> None:
         """Ask vLLM's replay socket for batches ``start..upto-1`` (``upto`` None: all it has)
@@ -1004,6 +1015,9 @@ class VllmEventSubscriber:
                 "last_error": self.last_error,
                 "index_resyncs": self.index_resyncs,
                 "index_lost": self.index_lost,
+                # a replace failing: how many in a row, and when the next is sent (None: none)
+                "index_replace_failures": self._index_backoff.failures,
+                "index_retry_in_s": self._index_retry_in_s(),
                 "translator": t,
             }
 

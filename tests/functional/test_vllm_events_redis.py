@@ -13,10 +13,11 @@ from collections.abc import Iterable
 from itertools import pairwise
 
 import pytest
+import redis
 
 from kvctl.index.events import ChunkEvent
 from kvctl.index.redis_index import RedisIndex
-from kvctl.index.vllm_events import INDEX_CHECK_S, INDEX_RETRY_S
+from kvctl.index.vllm_events import INDEX_CHECK_S, INDEX_RETRY_MAX_S, INDEX_RETRY_S
 from tests.conftest import RedisServer
 from tests.functional.test_vllm_events_zmq import (
     KEYS,
@@ -301,3 +302,79 @@ def test_an_index_that_is_down_is_not_sent_the_engines_chunks_at_every_retry(
         sub.stop()
         pub.close()
         index.close()
+
+
+class _SteppingClock:
+    """The subscriber's clock: virtual time that moves ``step_s`` each time it is read. Its
+    thread alone reads it, so its tries land at the same virtual times however fast the
+    machine runs (``now_s`` reads it without moving it)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.now_s = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self.now_s += self.step_s
+            return self.now_s
+
+
+class _ReplacesAt(RedisIndex):
+    """The real index, noting the subscriber's time at each replace it asks of it."""
+
+    def __init__(self, url: str, clock: _SteppingClock) -> None:
+        super().__init__(url, timeout_s=2.0)
+        self.clock = clock
+        self.sent_s: list[float] = []
+
+    def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
+        self.sent_s.append(self.clock.now_s)
+        return super().replace(node, chunks)
+
+
+def _waits(sent_s: list[float]) -> list[float]:
+    """The waits between replaces, to 0.1 s (a try reads the clock a step or two past its
+    wait)."""
+    return [round(b - a, 1) for a, b in pairwise(sent_s)]
+
+
+def test_a_replace_that_keeps_failing_is_sent_again_less_and_less_often(
+    private_redis: RedisServer,
+) -> None:
+    """A Redis over its maxmemory (noeviction) answers reads and refuses every write: the
+    engine's entries cannot be replaced. A failed replace is sent again INDEX_RETRY_S later,
+    then twice as long after each further failure, INDEX_RETRY_MAX_S at most (sent again every
+    second, a replace the server runs longer than its client waits would hold it for its whole
+    length at each try); once one is done, the next failure waits INDEX_RETRY_S again."""
+    clock = _SteppingClock(0.02)
+    index = _ReplacesAt(private_redis.url, clock)
+    server = redis.Redis.from_url(private_redis.url)
+    server.config_set("maxmemory-policy", "noeviction")
+    server.config_set("maxmemory", 1)  # full: every write refused from here on
+    pub = FakeVllmPublisher(replay=False)
+    sub = subscriber(index, pub, clock=clock, poll_interval_s=0.001).start()  # type: ignore[arg-type]
+    try:
+        # the first look finds no marker: the engine's (empty) entries are written, refused
+        wait_for(lambda: clock.now_s >= 100.0, "100 s of the subscriber's time", 120.0)
+        first = [t for t in index.sent_s if t < 100.0]
+        assert _waits(first) == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0], first
+        assert INDEX_RETRY_S == 1.0 and INDEX_RETRY_MAX_S == 30.0  # what the waits say
+        status = sub.status()
+        assert status["index_replace_failures"] >= len(first), status
+        assert 0 <= status["index_retry_in_s"] <= INDEX_RETRY_MAX_S, status
+        server.config_set("maxmemory", 0)  # room again: the next replace is done
+        wait_for(lambda: index.marker("engine-a") is not None, "the engine's marker", 120.0)
+        assert sub.status()["index_replace_failures"] == 0
+        done = len(index.sent_s)
+        server.config_set("maxmemory", 1)
+        index.clear()  # the marker lost (DEL is not refused): the engine's entries rewritten
+        lost_s = clock.now_s
+        wait_for(lambda: clock.now_s >= lost_s + 20.0, "20 s more", 120.0)
+        again = [t for t in index.sent_s[done:] if t < lost_s + 20.0]
+        assert _waits(again) == [1.0, 2.0, 4.0, 8.0], again  # from 1 s again
+    finally:
+        sub.stop()
+        pub.close()
+        index.close()
+        server.close()
