@@ -7,6 +7,7 @@ the fleet database or --agent flags), builds the router, and renders answers.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -623,7 +624,8 @@ def status_command(
     json_out: JsonOpt = False,
 ) -> None:
     """The router's index (entries per node), the agents it follows (up or down, with the
-    last error) and its decisions (per node, to a holder, pulls per DC link). Exits 1 when the
+    last error; a node whose entries the index keeps failing to replace, with when it is
+    tried again) and its decisions (per node, to a holder, pulls per DC link). Exits 1 when the
     router does not answer.
 
     Examples:
@@ -685,6 +687,8 @@ def _render_status(report: dict[str, Any]) -> None:
     for name in nodes:
         f = followers.get(name)
         state = "-" if f is None else ("[green]up[/]" if f.get("up") else "[bold red]down[/]")
+        if f is not None and (note := _replace_failing(f)):
+            state += f"\n[yellow]{note}[/]"
         row = stats["nodes"].get(name, {})
         table.add_row(
             escape(name),
@@ -742,8 +746,21 @@ def _render_status(report: dict[str, Any]) -> None:
             f"{feed['restarts']:,}",
             highlight=False,
         )
+        if note := _replace_failing(feed):
+            console.print(f"  [yellow]{note}[/]", highlight=False)
         if feed.get("last_error"):
             console.print(f"  [red]{escape(str(feed['last_error']))}[/]", highlight=False)
+
+
+def _replace_failing(state: dict[str, Any]) -> str:
+    """Why a follower's or an engine feed's index entries are stale: the replace of the node's
+    entries failing, and when it is sent again ("" when none failed)."""
+    failures = state.get("index_replace_failures") or 0
+    if not failures:
+        return ""
+    retry_s = state.get("index_retry_in_s")
+    when = f"in {max(1, math.ceil(retry_s))} s" if retry_s else "now"
+    return f"index replace failing: retry {when} ({failures:,} failed in a row)"
 
 
 # --- route -----------------------------------------------------------------------------------

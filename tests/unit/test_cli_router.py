@@ -4,6 +4,7 @@ thread over an EmbeddedIndex fed directly), and how `kvctl router serve` reads t
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app
-from kvctl.cli.router import CostFlags, FleetSource, load_fleet
+from kvctl.cli.router import CostFlags, FleetSource, _render_status, load_fleet
 from kvctl.index.events import ChunkEvent
+from kvctl.index.follower import Followers
 from kvctl.index.model import EmbeddedIndex
 from kvctl.router.app import RouterServer
 from kvctl.router.score import Costs
@@ -20,6 +22,9 @@ from kvctl.router.service import KeySpace, Router
 from kvctl.router.topology import DcLink, Node, Topology
 from kvctl.tokenize import tokenize
 from tests.functional.agents import closed_port
+from tests.functional.test_cli_failures_markup_router import STATS as STATUS_STATS
+from tests.functional.waiting import wait_until
+from tests.unit.test_index_follower import K1, _ReplaceFails, _stored, scripted
 
 CHUNK_TOKENS = 4
 CHUNK_BYTES = CHUNK_TOKENS * 131_072
@@ -103,6 +108,62 @@ def test_router_status_shows_index_and_decisions(served) -> None:  # type: ignor
     assert report["stats"]["decisions"] == 1 and report["stats"]["to_holder"] == 1
     code, out = run("router", "status", "--router", url, "--token-file", str(token_file))
     assert code == 0 and "a1" in out and "decisions 1" in out
+
+
+def test_router_status_says_a_nodes_index_replace_is_failing_and_when_it_is_retried(
+    tmp_path: Path,
+) -> None:
+    """A node whose entries the index fails to replace (a replace longer than the index
+    client's timeout) keeps stale entries, and its follower waits up to 30 s between tries: the
+    status said only "up", so nothing told an operator why the node's entries were stale. It
+    says the replace fails, how many times in a row, and when it is sent again."""
+    index = _ReplaceFails()  # every replace fails; every other call answers
+    topology = Topology.build([Node("a1", "fra"), Node("a2", "fra")])
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    script = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    with scripted(script) as agent_url:
+        followers = Followers(index, {"a1": (agent_url, None)})
+        costs = Costs(CostFlags(prefill_tokens_per_s=10_000).costs().prefill)
+        router = Router(index, topology, costs, followers=followers)
+        with RouterServer(router, listen="127.0.0.1:0", token=TOKEN) as server:
+            wait_until("a failed replace", lambda: len(index.sent_s) >= 1)
+            base = ["router", "status", "--router", server.url, "--token-file", str(token_file)]
+            code, out = run(*base, "--json")
+            assert code == 0, out
+            [a1] = json.loads(out)["index"]["followers"]
+            assert a1["up"] is True and a1["index_replace_failures"] >= 1, a1
+            assert 0 <= a1["index_retry_in_s"] <= 30, a1
+            code, out = run(*base)
+    assert code == 0, out
+    [line] = [line for line in out.splitlines() if "index replace failing" in line]
+    assert re.search(r"retry (now|in \d+ s) \(\d+ failed in a row\)", line), out
+
+
+def test_router_status_says_an_engine_feeds_index_replace_is_failing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The same for a vLLM event feed (its status from a real feed: test_vllm_events_redis)."""
+    feed = {
+        "node": "a1#vllm",
+        "endpoint": "tcp://10.0.0.7:5557",
+        "connected": True,
+        "live_chunks": 12,
+        "messages": 40,
+        "gaps": 0,
+        "unrecovered": 0,
+        "restarts": 0,
+        "last_error": "IndexUnavailable: OOM command not allowed",
+        "index_replace_failures": 4,
+        "index_retry_in_s": 7.2,
+    }
+    index = {"kind": "redis", "nodes": {}, "followers": [], "engines": [feed]}
+    _render_status({"router": "http://127.0.0.1:9480", "index": index, "stats": STATUS_STATS})
+    out = capsys.readouterr().out
+    assert "index replace failing: retry in 8 s (4 failed in a row)" in out, out
+    feed.update(index_replace_failures=0, index_retry_in_s=None)  # done since: nothing said
+    _render_status({"router": "http://127.0.0.1:9480", "index": index, "stats": STATUS_STATS})
+    assert "index replace failing" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
