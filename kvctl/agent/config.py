@@ -576,6 +576,8 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting("models", "models", _models, None),
     _Setting("log_level", "log_level", _choice("log level", LOG_LEVELS), "info", "KVCTL_LOG_LEVEL"),
+    _Setting("log_max_bytes", "log_max", _size(0), "64MiB", "KVCTL_LOG_MAX"),
+    _Setting("log_backups", "log_backups", _positive_int, 3, "KVCTL_LOG_BACKUPS"),
     _Setting("role", "role", _choice("role", ROLES), "pool", "KVCTL_ROLE"),
     _Setting("pool", "pool", _pool_url, "redis://10.0.0.5:6379/0", "KVCTL_POOL"),
     _Setting("pool_prefix", "pool_prefix", _prefix, "kvctl-prod", "KVCTL_POOL_PREFIX"),

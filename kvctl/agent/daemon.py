@@ -14,6 +14,8 @@ at once on one data directory meet at the lock, and one of them refuses.
 A detached agent gets its settings in ``<data_dir>/agent-settings.PID.toml`` (0600, removed
 once it has read them), not on its command line: ``ps`` shows every process's argv to every
 user, and the settings may hold a token or a pool password.
+
+A detached agent's log, ``<data_dir>/agent.log``, is rolled over by size (``kvctl.agent.logfile``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
 from kvctl import __version__, http_serving
+from kvctl.agent.logfile import LogFollower, start_rotation
 from kvctl.agent.settings import AgentSettings, LinkSpec
 from kvctl.paths import WriteFailed, make_private_dir, write_atomic
 from kvctl.wire.address import connect_host, url_host
@@ -397,9 +400,13 @@ def serve(settings: AgentSettings) -> int:
                 f"`kvctl agent stop --data-dir {quote(str(data_dir))}` or choose another "
                 "--data-dir"
             )
+    # the lock's holder alone rolls the data dir's log over (a detached agent's: see logfile)
+    rotator = start_rotation(data_dir / LOG_FILE, settings.log_max_bytes, settings.log_backups)
     try:
         return _serve_holding(settings, data_dir)
     finally:  # last: once agent.json is gone, and the store closed
+        if rotator is not None:
+            rotator.stop()
         if lock_fd >= 0:
             os.close(lock_fd)
 
@@ -636,12 +643,14 @@ def spawn_with_settings(
     detach: bool = True,
     progress: Callable[[float, str], None] | None = None,
     limit_s: float | None = None,
+    lines: Callable[[str], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
     in :func:`settings_file` (0600), which the child reads with ``load_settings`` and nothing
     else (no config file, no ``KVCTL_*`` variable), and which is removed once it serves or
     fails. ``timeout_s``: by default ``start_timeout_seconds(settings)``; ``limit_s``: the
-    start's bound whatever the agent logs (``StartWait``)."""
+    start's bound whatever the agent logs (``StartWait``); ``lines``: told each line the agent
+    logged from its start until it served (:func:`wait_serving`)."""
     if timeout_s is None:
         timeout_s = start_timeout_seconds(settings)
     data_dir = settings.data_path
@@ -650,7 +659,14 @@ def spawn_with_settings(
     write_private(path, settings_toml(settings))
     try:
         return _spawn(
-            ["--settings-file", str(path)], data_dir, timeout_s, env, detach, progress, limit_s
+            ["--settings-file", str(path)],
+            data_dir,
+            timeout_s,
+            env,
+            detach,
+            progress,
+            limit_s,
+            lines,
         )
     finally:
         path.unlink(missing_ok=True)
@@ -720,22 +736,30 @@ def _spawn(
     detach: bool,
     progress: Callable[[float, str], None] | None = None,
     limit_s: float | None = None,
+    lines: Callable[[str], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     make_private_dir(data_dir, "data directory")
     log_path = data_dir / LOG_FILE
     with open_private_log(log_path) as out:
-        log_start = out.seek(0, os.SEEK_END)  # earlier runs' lines are not this one's progress
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvctl", "agent", "start", *args],
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=detach,
-            env=env,
+        # from its end: earlier runs' lines are not this one's progress; and from this file,
+        # which the agent may roll over before it serves
+        log = LogFollower.open(log_path, out.seek(0, os.SEEK_END))
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvctl", "agent", "start", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=detach,
+                env=env,
+            )
+        except BaseException:
+            log.close()
+            raise
+    with log:
+        why = wait_serving(
+            proc, data_dir, log, timeout_s, progress=progress, lines=lines, limit_s=limit_s
         )
-    why = wait_serving(
-        proc, data_dir, log_path, log_start, timeout_s, progress=progress, limit_s=limit_s
-    )
     if isinstance(why, AgentState):
         return proc, why
     free = free_bytes(data_dir)
@@ -773,7 +797,8 @@ class StartWait:
         self.last_progress_s = self.started_s
 
     def observe(self, now_s: float, log_bytes: int) -> bool:
-        """The log's size at ``now_s``; True while the agent is worth waiting for."""
+        """How far the log has grown (bytes, across rollovers) at ``now_s``; True while the
+        agent is worth waiting for."""
         if log_bytes != self.log_bytes:
             self.log_bytes = log_bytes
             self.last_progress_s = now_s
@@ -799,58 +824,68 @@ class StartWait:
 def wait_serving(
     proc: subprocess.Popen[bytes],
     data_dir: Path,
-    log_path: Path,
-    log_start: int,
+    log: LogFollower,
     timeout_s: float,
     *,
     progress: Callable[[float, str], None] | None = None,
+    lines: Callable[[str], None] | None = None,
     limit_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> AgentState | str:
     """Wait until ``proc`` serves (its state, read from ``data_dir``), or say why it will not:
     it exited, or it was killed after ``StartWait`` gave up on it (``limit_s``: its bound
-    whatever the log says). ``progress(seconds, line)`` is called with each new last line of
-    its log past ``log_start``."""
-    wait = StartWait(timeout_s, clock(), log_start, limit_s)
+    whatever the log says). ``log`` reads what it logs from its start on, across rollovers:
+    ``progress(seconds, line)`` is called with each new last line, ``lines(line)`` with every
+    line up to the moment it serves."""
+    wait = StartWait(timeout_s, clock(), 0, limit_s)
+    said = _LineSplitter(lines)
     while True:
         state = AgentState.read(data_dir)
         if state is not None and state.pid == proc.pid and _answers(state.control_url):
+            said.feed(_read(log))  # what it logged after the last look, up to serving
             return state
         if proc.poll() is not None:
             return f"exit code {proc.returncode}"
         now = clock()
-        size = _file_bytes(log_path, wait.log_bytes)
-        grew = size != wait.log_bytes
-        if not wait.observe(now, size):
+        last = said.feed(_read(log))
+        if not wait.observe(now, log.read_bytes):
             proc.kill()
             proc.wait()
             return wait.gave_up(now)
-        if grew and progress is not None:
-            line = _last_line(log_path, size)
-            if line:
-                progress(now - wait.started_s, line)
+        if last and progress is not None:
+            progress(now - wait.started_s, last)
         sleep(START_POLL_SECONDS)
 
 
-def _file_bytes(path: Path, default: int) -> int:
+def _read(log: LogFollower) -> bytes:
     try:
-        return path.stat().st_size
-    except OSError:
-        return default
+        return log.read()
+    except OSError:  # the log cannot be read (a full or failing disk): no progress to show
+        return b""
 
 
-def _last_line(path: Path, size: int, most_bytes: int = 4096) -> str:
-    """The last whole line in the first ``size`` bytes of ``path`` (within its last
-    ``most_bytes``); "" where there is none."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(max(0, size - most_bytes))
-            tail = f.read(min(size, most_bytes))
-    except OSError:
-        return ""
-    lines = tail.decode(errors="replace").split("\n")[:-1]  # what follows the last \n: unfinished
-    return lines[-1].strip() if lines else ""
+#: the most of an unfinished line kept until its end comes
+PARTIAL_LINE_BYTES = 64 << 10
+
+
+class _LineSplitter:
+    """Whole lines out of the bytes a log grows by, each told to ``told`` (a line's end may
+    come with a later read)."""
+
+    def __init__(self, told: Callable[[str], None] | None) -> None:
+        self.told = told
+        self.partial = b""
+
+    def feed(self, data: bytes) -> str:
+        """The last whole line ``data`` ends (stripped), "" where it ends none."""
+        *whole, self.partial = (self.partial + data).split(b"\n")
+        self.partial = self.partial[-PARTIAL_LINE_BYTES:]  # a line with no end in sight
+        texts = [line.decode(errors="replace").strip() for line in whole]
+        if self.told is not None:
+            for text in texts:
+                self.told(text)
+        return next((t for t in reversed(texts) if t), "")
 
 
 def stop_agent(

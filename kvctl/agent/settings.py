@@ -119,6 +119,12 @@ class AgentSettings:
     isolated_tenants: tuple[str, ...] = ()
     models: tuple[ModelSpec, ...] = DEFAULT_MODELS
     log_level: str = "info"
+    #: a detached agent's log (``<data_dir>/agent.log``) rolls over to ``agent.log.1`` once it
+    #: passes this size; 0: never (a log a terminal or journald takes is never rolled over)
+    log_max_bytes: int = 64 << 20
+    #: rolled-over logs kept, ``agent.log.1`` (the newest) to ``agent.log.N``; older ones are
+    #: deleted
+    log_backups: int = 3
     #: "node" serves engines; "pool" serves other agents as their shared remote tier
     role: str = "node"
     #: the shared remote tier: "" (none), redis://, rediss://, valkey://, redis+cluster:// or

@@ -182,6 +182,21 @@ class StartFlags:
             "foreground, DATA_DIR/agent.log detached.",
         ),
     ] = None
+    log_max: Annotated[
+        str | None,
+        typer.Option(
+            "--log-max",
+            help="Detached: DATA_DIR/agent.log rolls over to agent.log.1 past this size, e.g. "
+            "64MiB (the default); 0 never. A terminal's or journald's log is left alone.",
+        ),
+    ] = None
+    log_backups: Annotated[
+        int | None,
+        typer.Option(
+            "--log-backups",
+            help="Rolled-over logs kept, agent.log.1 (newest) to agent.log.N (default 3).",
+        ),
+    ] = None
 
     def as_flags(self) -> dict[str, object]:
         """The flags for the config's flag layer; a repeatable flag not given is unset."""
@@ -312,11 +327,10 @@ def start_command(
     if detach:
         from kvctl.agent.daemon import DataDirFull, spawn_with_settings
 
+        warnings = _StartWarnings(settings.data_path / "agent.log")
         try:
-            log_path = settings.data_path / "agent.log"
-            log_start_bytes = log_path.stat().st_size if log_path.exists() else 0
             _, state = spawn_with_settings(
-                settings, progress=_StartProgress(), limit_s=start_timeout
+                settings, progress=_StartProgress(), limit_s=start_timeout, lines=warnings
             )
         except WriteFailed as exc:
             fail(str(exc), hint=_write_failed_hint(exc, settings.data_path))
@@ -333,7 +347,7 @@ def start_command(
             soft_wrap=True,
         )
         # said in the foreground on stderr; detached, only its log had them
-        for warning in _start_warnings(log_path, log_start_bytes):
+        for warning in warnings.said():
             err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False, soft_wrap=True)
         return
     import logging
@@ -432,23 +446,29 @@ _LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ([A-Z]+) [\w.]+: (.*
 START_WARNINGS_SHOWN = 20
 
 
-def _start_warnings(log_path: Path, start_bytes: int) -> list[str]:
-    """The warnings and errors an agent logged as it started (its log past ``start_bytes``),
-    as ``warning: MESSAGE`` lines."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(start_bytes)
-            text = f.read(1 << 20).decode(errors="replace")
-    except OSError:
-        return []
-    found = [m for m in map(_LOG_LINE.fullmatch, text.splitlines()) if m is not None]
-    said = [f"{m[1].lower()}: {m[2]}" for m in found if m[1] in ("WARNING", "ERROR", "CRITICAL")]
-    if len(said) > START_WARNINGS_SHOWN:
-        said = [
-            *said[:START_WARNINGS_SHOWN],
-            f"... and {len(said) - START_WARNINGS_SHOWN} more in {log_path}",
-        ]
-    return said
+class _StartWarnings:
+    """The warnings and errors an agent logs as it starts (each line it logs until it serves,
+    told as ``spawn_with_settings`` reads them, across a rollover of its log), as
+    ``warning: MESSAGE`` lines."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.log_path = log_path
+        self.found: list[str] = []
+        self.more = 0
+
+    def __call__(self, line: str) -> None:
+        m = _LOG_LINE.fullmatch(line)
+        if m is None or m[1] not in ("WARNING", "ERROR", "CRITICAL"):
+            return
+        if len(self.found) < START_WARNINGS_SHOWN:
+            self.found.append(f"{m[1].lower()}: {m[2]}")
+        else:
+            self.more += 1
+
+    def said(self) -> list[str]:
+        if not self.more:
+            return self.found
+        return [*self.found, f"... and {self.more} more in {self.log_path}"]
 
 
 class _StartProgress:

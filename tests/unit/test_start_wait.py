@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvctl.agent.daemon import START_POLL_SECONDS, StartWait, wait_serving
+from kvctl.agent.logfile import LogFollower
 
 TIMEOUT_S = 30.0
 
@@ -81,8 +82,7 @@ def test_an_agent_logging_its_progress_is_waited_for_past_the_timeout(
     why = wait_serving(
         child,
         tmp_path,
-        log,
-        log.stat().st_size,
+        LogFollower.open(log),
         TIMEOUT_S,
         progress=fake.progress,
         clock=fake.clock,
@@ -102,7 +102,7 @@ def test_an_earlier_runs_lines_are_not_progress(
     log.write_text("an earlier run's line\n" * 100)
     fake = FakeTime(log, lines=0, line_every_s=5.0)
     why = wait_serving(
-        child, tmp_path, log, log.stat().st_size, TIMEOUT_S, clock=fake.clock, sleep=fake.sleep
+        child, tmp_path, LogFollower.open(log), TIMEOUT_S, clock=fake.clock, sleep=fake.sleep
     )
     assert why == "not serving after 30 s, its log silent for the last 30 s, so stopped"
     assert child.poll() is not None
@@ -114,9 +114,9 @@ def test_an_agent_that_exits_is_not_waited_for(tmp_path: Path) -> None:
     log = tmp_path / "agent.log"
     log.write_text("")
     fake = FakeTime(log, lines=0, line_every_s=5.0)
-    assert wait_serving(proc, tmp_path, log, 0, TIMEOUT_S, clock=fake.clock, sleep=fake.sleep) == (
-        "exit code 3"
-    )
+    follower = LogFollower.open(log, 0)
+    why = wait_serving(proc, tmp_path, follower, TIMEOUT_S, clock=fake.clock, sleep=fake.sleep)
+    assert why == "exit code 3"
     assert fake.now_s == 1000.0  # not one wait
 
 
@@ -151,7 +151,13 @@ def test_a_start_limit_bounds_an_agent_that_keeps_logging(
     log.write_text("")
     fake = FakeTime(log, lines=10_000, line_every_s=5.0)
     why = wait_serving(
-        child, tmp_path, log, 0, TIMEOUT_S, limit_s=90.0, clock=fake.clock, sleep=fake.sleep
+        child,
+        tmp_path,
+        LogFollower.open(log, 0),
+        TIMEOUT_S,
+        limit_s=90.0,
+        clock=fake.clock,
+        sleep=fake.sleep,
     )
     assert why == "not serving after 90 s, the limit given (--start-timeout 90), so stopped"
     assert child.poll() is not None

@@ -1,0 +1,127 @@
+"""Rolling a log over under a process that writes to it as its stdout and stderr, and reading
+it from a point on across the rollovers (what `kvctl agent start --detach` does with its
+agent's log as it starts). The writer is a real process whose fds 1 and 2 are the log."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvctl.agent.logfile import LogFollower, LogRotator, rotated_path, start_rotation
+
+# phases of lines, each ended by a rollover check; a byte on the pipe after each phase, and the
+# next phase once a byte comes on stdin
+WRITER = """
+import os, sys
+from pathlib import Path
+from kvctl.agent.logfile import LogRotator
+path, phases, per_phase, backups, done = Path(sys.argv[1]), *map(int, sys.argv[2:])
+rotator = LogRotator(path, (1, 2), max_bytes=300, backups=backups)
+i = 0
+for _ in range(phases):
+    for _ in range(per_phase):
+        # both ways a process writes: Python's buffered stdout and a raw write to fd 2
+        print(f"line {i}", flush=True) if i % 2 else os.write(2, f"line {i}\\n".encode())
+        i += 1
+        rotator.rotate_if_due()
+    os.write(done, b".")
+    sys.stdin.buffer.read(1)
+"""
+
+
+def _run_writer(
+    path: Path, phases: int, per_phase: int, backups: int, follower: LogFollower | None
+) -> list[bytes]:
+    """Run the writer to its end; what ``follower`` read after each phase."""
+    done_r, done_w = os.pipe()
+    got: list[bytes] = []
+    with open(path, "ab") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                WRITER,
+                str(path),
+                *map(str, (phases, per_phase, backups, done_w)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            pass_fds=(done_w,),
+        )
+    os.close(done_w)
+    assert proc.stdin is not None
+    try:
+        for _ in range(phases):
+            assert os.read(done_r, 1) == b".", "the writer died"
+            if follower is not None:
+                got.append(follower.read())
+            proc.stdin.write(b"g")
+            proc.stdin.flush()
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+    finally:
+        os.close(done_r)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return got
+
+
+def _lines(data: bytes) -> list[int]:
+    return [int(line.removeprefix(b"line ")) for line in data.splitlines()]
+
+
+def test_a_follower_reads_every_line_once_in_order_across_rollovers(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    log.write_bytes(b"an earlier run's line\n")
+    with LogFollower.open(log) as follower:
+        # 40 lines of ~8 bytes a phase: a rollover at least every phase (past 300 bytes)
+        got = _run_writer(log, phases=6, per_phase=40, backups=100, follower=follower)
+        got.append(follower.read())
+    assert _lines(b"".join(got)) == list(range(240))
+    assert all(got[:6])  # something new after each phase
+    assert rotated_path(log, 5).exists()  # it did roll over, several times
+
+
+def test_a_follower_that_fell_behind_goes_on_at_the_oldest_kept(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    log.write_bytes(b"")
+    with LogFollower.open(log, 0) as follower:
+        _run_writer(log, phases=6, per_phase=40, backups=2, follower=None)
+        lines = _lines(follower.read())
+    # its own file (held open) read to its end, then the files after it that were deleted
+    # unread are skipped: the oldest kept and the rest read whole, in order, to the end
+    gap = next(i for i in range(1, len(lines)) if lines[i] != lines[i - 1] + 1)
+    assert lines[:gap] == list(range(gap))
+    assert lines[gap:] == list(range(lines[gap], 240)) and lines[gap] > gap
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["agent.log", "agent.log.1", "agent.log.2"]
+
+
+def test_the_writers_fds_follow_and_no_line_is_cut(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    _run_writer(log, phases=3, per_phase=40, backups=100, follower=None)
+    files = [log, *(rotated_path(log, n) for n in range(1, 100))]
+    texts = [p.read_bytes() for p in files if p.exists()]
+    assert len(texts) > 2
+    assert all(t.endswith(b"\n") for t in texts if t)
+    assert sorted(_lines(b"".join(texts))) == list(range(120))
+
+
+def test_no_rotation_where_stdio_is_not_the_log(tmp_path: Path) -> None:
+    log = tmp_path / "agent.log"
+    log.write_bytes(b"x" * 1000)
+    assert start_rotation(log, 10, 3) is None  # this process's stdio is pytest's, not the log
+    assert not rotated_path(log, 1).exists()
+
+
+def test_a_rotator_needs_a_cap_and_a_backup() -> None:
+    with pytest.raises(ValueError):
+        LogRotator(Path("agent.log"), (2,), 0, 3)
+    with pytest.raises(ValueError):
+        LogRotator(Path("agent.log"), (2,), 100, 0)
