@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -81,6 +82,11 @@ SPARE_DESCRIPTORS = 256
 
 class AgentRunning(RuntimeError):
     """Another live agent already uses this data directory."""
+
+
+class SocketInUse(RuntimeError):
+    """Another live process, another agent most likely, listens on the Unix socket path this
+    agent was told to serve its data plane on."""
 
 
 class DataDirFull(RuntimeError):
@@ -419,6 +425,9 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     from kvctl.agent.dataplane import DataPlaneServer
     from kvctl.agent.runtime import AgentRuntime
 
+    # before the tiers open (a large disk tier's scan takes minutes, the arena's commit a few
+    # seconds a GiB): a socket another agent serves would only be found once they had
+    check_socket_free(settings.socket_path)
     host, port = settings.control_host_port
     # put back once stopped: serve() may run inside a longer process (tests, an embedder)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -507,6 +516,85 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
                 steps.callback(dataplane.stop)
     log.info("agent %s stopped cleanly", settings.name)
     return 0
+
+
+def check_socket_free(path: Path | None) -> None:
+    """Raise :class:`SocketInUse`, naming it, when a process listens on ``path`` (the data
+    plane's Unix socket, None: none). A socket nobody listens on (a killed agent's), or
+    anything that is no socket, is left to the data plane's bind, which takes over the one and
+    refuses the other."""
+    if path is None:
+        return
+    try:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            return
+    except OSError:
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+        pid = _peer_pid(probe)
+    except OSError:
+        return  # refused: a killed agent's; or cannot be checked: the bind says so
+    finally:
+        probe.close()
+    who, data_dir = _describe_process(pid)
+    stop = (
+        ""
+        if data_dir is None
+        else f"stop it (`kvctl agent stop --data-dir {quote(str(data_dir))}`) or "
+    )
+    raise SocketInUse(
+        f"cannot serve the data plane's Unix socket (socket) on {path}: {who} listens on it; "
+        f"{stop}give this agent another --socket (or --socket off)"
+    )
+
+
+def _peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process listening at the other end of a connected Unix socket (None:
+    not known, as for one in another pid namespace)."""
+    creds = struct.Struct("3i")  # struct ucred: pid, uid, gid
+    try:
+        pid = creds.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, creds.size))[0]
+    except (OSError, AttributeError):  # (no SO_PEERCRED outside Linux)
+        return None
+    return pid if pid > 0 else None
+
+
+def _describe_process(pid: int | None) -> tuple[str, Path | None]:
+    """Who ``pid`` is, as an error says it, and its data dir: the agent it is (name, data
+    dir, control URL) when it holds a data dir's lock this user can see, else the process."""
+    if pid is None:
+        return "another process (another agent?)", None
+    data_dir = _agent_data_dir(pid)
+    if data_dir is None:
+        return f"another process (pid {pid})", None
+    state = AgentState.read(data_dir)
+    if state is None or state.pid != pid:  # still opening its tiers
+        return f"another agent (pid {pid}, data dir {data_dir})", data_dir
+    return (
+        f"another agent, {state.name} (pid {pid}, data dir {data_dir}, control "
+        f"{state.control_url})",
+        data_dir,
+    )
+
+
+def _agent_data_dir(pid: int) -> Path | None:
+    """The data dir whose lock ``pid`` holds open (None: none, or its descriptors cannot be
+    read: another user's process)."""
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return None
+    for fd in fds:
+        try:
+            link = os.readlink(fd)
+        except OSError:  # closed since the listing (a connection's, say)
+            continue
+        if link.startswith("/") and Path(link).name == LOCK_FILE:
+            return Path(link).parent
+    return None
 
 
 def _forget_state(data_dir: Path) -> None:

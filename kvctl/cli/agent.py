@@ -356,12 +356,12 @@ def start_command(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    from kvctl.agent.daemon import serve
+    from kvctl.agent.daemon import SocketInUse, serve
     from kvctl.errors import KvctlError
 
     try:
         code = serve(settings)
-    except AgentRunning as exc:
+    except (AgentRunning, SocketInUse) as exc:
         fail(str(exc), code=1)
     except WriteFailed as exc:  # the agent's own files: its state (agent.json)
         fail(str(exc), hint=_write_failed_hint(exc, settings.data_path))
