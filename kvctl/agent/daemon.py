@@ -13,7 +13,9 @@ at once on one data directory meet at the lock, and one of them refuses.
 
 A detached agent gets its settings in ``<data_dir>/agent-settings.PID.toml`` (0600, removed
 once it has read them), not on its command line: ``ps`` shows every process's argv to every
-user, and the settings may hold a token or a pool password.
+user, and the settings may hold a token or a pool password. One that no agent will read (its
+start killed before its agent read it; an older build's ``agent-settings.toml``) is removed by
+the next agent to hold the data directory.
 
 A detached agent's log, ``<data_dir>/agent.log``, is rolled over by size (``kvctl.agent.logfile``).
 """
@@ -66,9 +68,31 @@ LOG_FILE = "agent.log"
 SETTINGS_FILE_PATTERN = "agent-settings.*.toml"
 
 
+#: the one settings file of every detached start before ``agent-settings.PID.toml``: a start
+#: killed midway (a closed ssh session) left it in the data dir, token and all
+OLD_SETTINGS_FILE = "agent-settings.toml"
+
+
 def settings_file(data_dir: Path) -> Path:
     """Where this process hands a detached agent its settings."""
     return data_dir / f"agent-settings.{os.getpid()}.toml"
+
+
+def remove_stale_settings(data_dir: Path) -> list[Path]:
+    """Remove the settings files that no agent will read from ``data_dir`` (they may hold a
+    token or a pool password): an older build's ``agent-settings.toml``, and each
+    ``agent-settings.PID.toml`` whose start (PID) is gone, killed before its agent read it. A
+    live start's is left to it. For the agent that holds ``data_dir``'s lock; the paths
+    removed."""
+    removed = []
+    for path in sorted(data_dir.glob("agent-settings*.toml")):
+        pid = path.name.removeprefix("agent-settings.").removesuffix(".toml")
+        if path.name != OLD_SETTINGS_FILE and (not pid.isdigit() or pid_alive(int(pid))):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
 
 
 #: every file the agent writes is its owner's alone, whatever the umask and the directory's mode:
@@ -406,6 +430,8 @@ def serve(settings: AgentSettings) -> int:
                 f"`kvctl agent stop --data-dir {quote(str(data_dir))}` or choose another "
                 "--data-dir"
             )
+    for path in remove_stale_settings(data_dir):
+        log.info("removed %s: settings a start killed midway left (a token, maybe)", path)
     # the lock's holder alone rolls the data dir's log over (a detached agent's: see logfile)
     rotator = start_rotation(data_dir / LOG_FILE, settings.log_max_bytes, settings.log_backups)
     try:
