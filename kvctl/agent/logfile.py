@@ -64,7 +64,8 @@ def stdio_fds_writing(path: Path) -> tuple[int, ...]:
 def _handlers_held() -> Iterator[None]:
     """Every logging handler's lock, so no record is half written when the file changes (a
     record larger than a stream's buffer takes several writes)."""
-    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    # (a copy made at once: another thread may add a logger meanwhile)
+    loggers = [logging.getLogger(), *list(logging.Logger.manager.loggerDict.values())]
     handlers = {id(h): h for lg in loggers if isinstance(lg, logging.Logger) for h in lg.handlers}
     held: list[logging.Handler] = []
     try:
@@ -104,10 +105,13 @@ class LogRotator:
             self._thread.join()
 
     def _run(self) -> None:
-        while True:
-            self.rotate_if_due()
-            if self._stop.wait(CHECK_SECONDS):
-                return
+        try:
+            while True:
+                self.rotate_if_due()
+                if self._stop.wait(CHECK_SECONDS):
+                    return
+        except Exception:  # said where the operator looks, not a thread's silent end
+            log.exception("rolling %s over failed: it is not rolled over from now on", self.path)
 
     def rotate_if_due(self) -> bool:
         """Roll the log over if it has passed its cap; whether it did."""

@@ -125,3 +125,21 @@ def test_a_rotator_needs_a_cap_and_a_backup() -> None:
         LogRotator(Path("agent.log"), (2,), 0, 3)
     with pytest.raises(ValueError):
         LogRotator(Path("agent.log"), (2,), 100, 0)
+
+
+class _Broken(LogRotator):
+    def rotate(self) -> None:
+        raise RuntimeError("not an OSError")
+
+
+def test_a_rollover_that_fails_unforeseen_is_logged_not_a_silent_thread_end(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    log = tmp_path / "agent.log"
+    log.write_bytes(b"x" * 100)
+    with open(log, "ab") as f:
+        rotator = _Broken(log, (f.fileno(),), max_bytes=10, backups=1)
+        rotator.start()
+        rotator.stop()  # returns once the thread has ended: at its first look, failed
+    said = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert said and f"rolling {log} over failed" in said[0].getMessage()
