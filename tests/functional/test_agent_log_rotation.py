@@ -75,8 +75,10 @@ def test_the_log_rolls_over_keeping_its_backups_and_fd_2_follows(tmp_path: Path)
                     break  # rolled over more times than it keeps files
                 ctl.probe(target, pings=1, size_bytes=0, timeout_s=1.0)
         assert len(seen) > BACKUPS + 1, f"rolled over {len(seen) - 1} times"
-        for _ in range(600):  # the last probes' lines may be over the cap: until rolled over
-            if log.stat().st_size < MAX_BYTES:
+        rolled = "rolled over, the lines before are in agent.log.1 (2 kept)"
+        for _ in range(600):  # the last probes' lines may be over the cap: until rolled over,
+            text = log.read_text()  # and the new file's first line (written once it is named)
+            if len(text) < MAX_BYTES and rolled in text:
                 break
             time.sleep(0.05)
         kept = sorted(p.name for p in data_dir.glob("agent.log*"))
@@ -86,7 +88,7 @@ def test_the_log_rolls_over_keeping_its_backups_and_fd_2_follows(tmp_path: Path)
             # each over the cap when rolled over, and cut between lines
             assert len(text) >= MAX_BYTES and text.endswith("\n"), (name, text[-200:])
             assert "probe of 127.0.0.1" in text
-        assert "rolled over, the lines before are in agent.log.1 (2 kept)" in log.read_text()
+        assert rolled in log.read_text()
         # stdout and stderr both write to the new file, not to the one now agent.log.1
         assert _fd_file(proc.pid, 1) == _fd_file(proc.pid, 2) == log.stat().st_ino
         # a write to fd 2 that is no logging record: faulthandler's, from C, as it dies
