@@ -564,6 +564,7 @@ _SETTINGS: tuple[_Setting, ...] = (
     ),
     _Setting("disk_admission", "disk_admission", _admission, "frequency", "KVCTL_DISK_ADMISSION"),
     _Setting("fsync", "fsync", _bool, True, "KVCTL_FSYNC"),
+    _Setting("bypass_unreachable", "bypass_unreachable", _bool, True, "KVCTL_BYPASS_UNREACHABLE"),
     _Setting("token", "token", _token, "<output of: openssl rand -hex 32>", "KVCTL_TOKEN"),
     _Setting("shm", "shm", _bool, False, "KVCTL_SHM"),
     _Setting("lease_seconds", "lease_seconds", _positive_float, 10.0, "KVCTL_LEASE_SECONDS"),

@@ -161,6 +161,7 @@ class AgentRuntime:
                 chunk_tokens=settings.chunk_tokens,
                 isolated_tenants=settings.isolated_tenants,
                 defer_accesses=True,  # a lookup's reply does not wait for the policy
+                bypass_unreachable=settings.bypass_unreachable,
             )
         except BaseException:
             for t in tiers:

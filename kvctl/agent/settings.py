@@ -109,6 +109,12 @@ class AgentSettings:
     #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds
     #: without it because chunks are written to a temp file and renamed)
     fsync: bool = False
+    #: don't store a chunk deeper in its chain than all the tiers together hold (no lookup
+    #: from the chain's first chunk could reach it; storing it evicts chunks one could): only
+    #: where engines look prefixes up from their first chunk (kvctl's own engine, replay), not
+    #: behind one that keeps a prefix of its own (vLLM's prefix cache) or with a pool or peers
+    #: that may hold a prefix's start (``TieredStore``'s ``bypass_unreachable``)
+    bypass_unreachable: bool = False
     #: bearer token for the control API and the data plane; required off loopback
     token: str = ""
     #: serve the cpu tier from a shared-memory segment that local clients read directly

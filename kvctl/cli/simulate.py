@@ -84,6 +84,16 @@ def simulate_command(
             "much as its matmuls (Llama-3.1-8B: about 30k).",
         ),
     ] = 30_000.0,
+    bypass_unreachable: Annotated[
+        bool,
+        typer.Option(
+            "--bypass-unreachable/--keep-unreachable",
+            help="Turn away a block deeper in its request than the tiers together hold: it "
+            "could never be a prefix hit, and storing it evicts blocks that can (the agent's "
+            "bypass_unreachable). --keep-unreachable stores it, as a store behind an engine "
+            "with a prefix cache of its own must.",
+        ),
+    ] = True,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
     """Replay a trace offline through the store's eviction policies and compare hit ratios.
@@ -127,6 +137,7 @@ def simulate_command(
                         trace_name=loaded.name,
                         progress=update,
                         attention_tokens=attention_tokens,
+                        bypass_unreachable=bypass_unreachable,
                     )
                 )
     if json_out:
@@ -156,7 +167,8 @@ def render_report(report: object) -> None:
         title=f"{escape(report.trace)}: {report.requests:,} requests, "
         f"{report.unique_blocks:,} unique blocks, capacity {tiers} blocks "
         f"({percent(share)} of unique)"
-        + (f", admission {report.admission}" if len(report.tiers) > 1 else ""),
+        + (f", admission {report.admission}" if len(report.tiers) > 1 else "")
+        + ("" if report.bypass_unreachable else ", unreachable blocks kept"),
         title_justify="left",
         caption=CAPTION,
         caption_justify="left",

@@ -23,6 +23,10 @@ Modeled (every figure says so and carries these inputs):
 - energy = prefill compute only (board power x prefill seconds); moving bytes, idle power and
   cooling are left out.
 
+Every chunk is stored, however deep in its request (``bypass_unreachable`` off, as in an agent by
+default, unlike ``kvctl simulate``): a plan sizes the tiers of agents whose engines may keep a
+prefix of their own, and LRU's one-pass curve stays exact.
+
 The candidates at several distances share one replay: the cache's contents are taken not to
 depend on the pool's distance (a chunk recomputed rather than fetched is cached all the same; the
 replay promotes it from the pool where a real store would write the recomputed copy anew).
@@ -694,7 +698,12 @@ def _replay(
             progress(label, done, total)
 
     result = simulate_policy(
-        requests, tiers=cand.tiers_blocks, policy=policy, on_request=record, progress=step
+        requests,
+        tiers=cand.tiers_blocks,
+        policy=policy,
+        on_request=record,
+        progress=step,
+        bypass_unreachable=False,  # as an agent by default (see the module docstring)
     )
     return hit_tiers, result
 
@@ -737,7 +746,13 @@ def miss_ratio_curve(
                 if progress is not None:
                     progress(label, done, total)
 
-            r = simulate_policy(requests, tiers={"cpu": cap}, policy=policy, progress=step)
+            r = simulate_policy(
+                requests,
+                tiers={"cpu": cap},
+                policy=policy,
+                progress=step,
+                bypass_unreachable=False,
+            )
             point = replace(
                 point, policy_hit_ratio=r.hit_ratio, policy_token_hit_ratio=r.token_hit_ratio
             )

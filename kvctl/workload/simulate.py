@@ -16,6 +16,13 @@ over every earlier token, as in ``kvctl.remote.fetchplan.PrefillModel``), so a h
 prompt saves more than one at its start. ``attention_tokens`` is the context length at which a
 token's attention costs as much as its matmuls: about 30k tokens for Llama-3.1-8B (2 x 8e9 weight
 flops against 4 x 32 layers x 4,096 flops per earlier token).
+
+A block deeper in its request than every tier together can hold is not stored
+(``bypass_unreachable``, on by default; ``TieredStore``'s setting of that name): under this hit
+model it could never be a hit, and storing it would only evict blocks that can. Belady's
+optimum already turns such blocks away (its bypass); every other policy gains from it on the
+system-prompt generator (its longest prompts outgrow the small caches) and is unchanged where
+no request outgrows the cache.
 """
 
 from __future__ import annotations
@@ -99,6 +106,8 @@ class SimulationReport:
     tiers: dict[str, int]
     admission: str
     results: list[PolicyResult] = field(default_factory=list)
+    #: whether blocks deeper than the tiers can hold were turned away (the module docstring)
+    bypass_unreachable: bool = True
 
     @property
     def capacity_blocks(self) -> int:
@@ -119,6 +128,7 @@ class SimulationReport:
             "capacity_blocks": self.capacity_blocks,
             "tiers": self.tiers,
             "admission": self.admission,
+            "bypass_unreachable": self.bypass_unreachable,
             "results": [self._result_dict(r) for r in self.results],
         }
 
@@ -213,11 +223,13 @@ def simulate(
     trace_name: str = "",
     progress: Progress | None = None,
     attention_tokens: float = DEFAULT_ATTENTION_TOKENS,
+    bypass_unreachable: bool = True,
 ) -> SimulationReport:
     """Replay ``requests`` for each policy (plus LRU and Belady) over tiers of the given
     capacities in blocks, fastest first, e.g. ``{"cpu": 1000}`` or ``{"cpu": 500, "disk": 5000}``.
     ``admission`` gates every tier below the first (``all`` or ``frequency``);
-    ``attention_tokens`` sets the prefill cost model (see the module docstring)."""
+    ``attention_tokens`` sets the prefill cost model and ``bypass_unreachable`` whether blocks
+    no lookup could reach are stored (see the module docstring)."""
     if not tiers:
         raise InvalidArgument("give at least one tier capacity")
     for name, cap in tiers.items():
@@ -234,9 +246,20 @@ def simulate(
         unique_blocks=chains.unique_blocks,
         tiers=dict(tiers),
         admission=admission,
+        bypass_unreachable=bypass_unreachable,
     )
     for policy in policies_with_references(policies):
-        report.results.append(_run_one(chains, requests, tiers, policy, admission, progress))
+        report.results.append(
+            _run_one(
+                chains,
+                requests,
+                tiers,
+                policy,
+                admission,
+                progress,
+                bypass_unreachable=bypass_unreachable,
+            )
+        )
     return report
 
 
@@ -249,6 +272,7 @@ def simulate_policy(
     on_request: RequestHook | None = None,
     progress: Progress | None = None,
     attention_tokens: float = DEFAULT_ATTENTION_TOKENS,
+    bypass_unreachable: bool = True,
 ) -> PolicyResult:
     """One policy's replay (no LRU/Belady references): for callers that need each request's
     outcome (``on_request(index, tier of each hit block)``) or many capacities quickly."""
@@ -260,7 +284,10 @@ def simulate_policy(
         if cap < 1:
             raise InvalidArgument(f"tier {name!r} needs a capacity of at least one block")
     chains = _Chains(requests, attention_tokens)
-    return _run_one(chains, requests, tiers, policy, admission, progress, on_request)
+    return _run_one(
+        chains, requests, tiers, policy, admission, progress, on_request,
+        bypass_unreachable=bypass_unreachable,
+    )  # fmt: skip
 
 
 def _run_one(
@@ -271,6 +298,8 @@ def _run_one(
     admission: str,
     progress: Progress | None,
     on_request: RequestHook | None = None,
+    *,
+    bypass_unreachable: bool = True,
 ) -> PolicyResult:
     started = time.perf_counter()
     next_use: dict[bytes, float] = {}
@@ -292,6 +321,7 @@ def _run_one(
         eviction={n: make(n) for n in names},
         admission={n: FrequencyAdmission() for n in names[1:]} if admission == "frequency" else {},
         clock=lambda: 0.0,  # a trace replay has no wall time; order comes from the tick
+        bypass_unreachable=bypass_unreachable,
     )
     hit_blocks = hit_tokens = 0
     hit_cost = 0.0

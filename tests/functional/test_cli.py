@@ -123,6 +123,22 @@ def test_simulate_sweep_of_a_generated_workload() -> None:
     assert "50%" in summary and "Belady hit" in summary
 
 
+def test_simulate_turns_unreachable_blocks_away_unless_told_to_keep_them() -> None:
+    args = ("simulate", "--workload", "system-prompt", "--capacity-blocks", "25", "--policy")
+    code, out = run(*args, "lineage-lru", "--json")
+    assert code == 0, out
+    turned = json.loads(out)
+    code, out = run(*args, "lineage-lru", "--keep-unreachable", "--json")
+    assert code == 0, out
+    kept = json.loads(out)
+    assert (turned["bypass_unreachable"], kept["bypass_unreachable"]) == (True, False)
+    hits = [{r["policy"]: r["hit_blocks"] for r in d["results"]} for d in (turned, kept)]
+    assert hits[0]["lineage-lru"] > hits[1]["lineage-lru"]
+    code, out = run(*args, "lru", "--keep-unreachable")
+    assert code == 0, out
+    assert "unreachable blocks kept" in " ".join(out.split())  # the title may wrap
+
+
 def test_simulate_marks_the_partial_oracles() -> None:
     code, out = run(
         "simulate", "--workload", "rag", "--limit", "40", "--policy", "oracle-reuse",

@@ -308,7 +308,10 @@ def test_lru_curve_equals_simulate_at_every_capacity(source: str) -> None:
     caps = sorted({*curve_capacities(unique, 8), 1, 2, 3, unique + 5})
     fast = lru_hits_by_capacity(trace, caps)
     for cap, (hit_blocks, hit_tokens) in zip(caps, fast, strict=True):
-        ref = simulate(trace, tiers={"cpu": cap}, policies=["lru"]).result("lru")
+        # the one-pass curve is of a store that keeps every block (as a plan's replay does)
+        ref = simulate(
+            trace, tiers={"cpu": cap}, policies=["lru"], bypass_unreachable=False
+        ).result("lru")
         assert (hit_blocks, hit_tokens) == (ref.hit_blocks, ref.hit_tokens), cap
     assert fast == sorted(fast)  # non-decreasing in capacity
 
@@ -330,7 +333,12 @@ def test_plan_curve_is_monotonic_and_matches_simulate() -> None:
     lru = [p.lru_hit_ratio for p in curve]
     assert lru == sorted(lru)
     for p in (curve[0], curve[len(curve) // 2], curve[-1]):
-        ref = simulate(trace, tiers={"cpu": p.capacity_blocks}, policies=["lineage-lru"])
+        ref = simulate(
+            trace,
+            tiers={"cpu": p.capacity_blocks},
+            policies=["lineage-lru"],
+            bypass_unreachable=False,
+        )
         assert p.lru_hit_ratio == ref.result("lru").hit_ratio  # exactly
         assert p.policy_hit_ratio == ref.result("lineage-lru").hit_ratio
         assert p.capacity_bytes == p.capacity_blocks * 512 * 1000

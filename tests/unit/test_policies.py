@@ -117,12 +117,14 @@ ops = st.lists(
 
 @pytest.mark.parametrize("policy", list(EVICTION_POLICIES))
 @settings(max_examples=40, deadline=None)
-@given(requests=ops, pin_first=st.booleans())
+@given(requests=ops, pin_first=st.booleans(), bypass=st.booleans())
 def test_pins_hold_and_lineage_never_orphans(
-    policy: str, requests: list[tuple[int, int, str]], pin_first: bool
+    policy: str, requests: list[tuple[int, int, str]], pin_first: bool, bypass: bool
 ) -> None:
     ns = Namespace("m", KVLayout(1, 1, 1))
-    store = TieredStore([MeteredTier("cpu", 6)], eviction=policy)
+    # turning away chains deeper than the tier (up to 4 chunks here, 3 of room) changes neither
+    cap = 3 if bypass else 6
+    store = TieredStore([MeteredTier("cpu", cap)], eviction=policy, bypass_unreachable=bypass)
     pinned: bytes | None = None
     orphaned: list[bytes] = []
 
@@ -136,17 +138,19 @@ def test_pins_hold_and_lineage_never_orphans(
     for doc, n, tenant in requests:
         keys = keys_for([doc] * (n * 4), ns, 4)
         store.lookup(keys, tenant=tenant)
-        for key, parent in zip(keys, parents_of(keys), strict=True):
+        for depth, (key, parent) in enumerate(zip(keys, parents_of(keys), strict=True)):
             if key in store:
                 store.touch(key, tenant=tenant)
             else:
-                store.put(key, None, size_bytes=1, parent=parent, tenant=tenant)
+                store.put(key, None, size_bytes=1, parent=parent, tenant=tenant, depth=depth)
         if pin_first and pinned is None:
             pinned = keys[0]
             store.pin([pinned])
     if pinned is not None:
         assert pinned in store
-    assert store.tier("cpu").used_bytes <= 6
+    assert store.tier("cpu").used_bytes <= cap
+    if bypass:
+        assert all(e.depth < cap for e in store.entries())
     if policy.startswith("lineage"):
         assert orphaned == []
 
