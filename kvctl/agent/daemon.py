@@ -82,17 +82,58 @@ def remove_stale_settings(data_dir: Path) -> list[Path]:
     """Remove the settings files that no agent will read from ``data_dir`` (they may hold a
     token or a pool password): an older build's ``agent-settings.toml``, and each
     ``agent-settings.PID.toml`` whose start (PID) is gone, killed before its agent read it. A
-    live start's is left to it. For the agent that holds ``data_dir``'s lock; the paths
-    removed."""
+    live start's is left to it, and so is what no start of this user wrote (not a regular file,
+    another user's, a name with no pid in it: logged), or what cannot be removed (logged): a
+    clean-up never keeps the agent from starting. For the agent that holds ``data_dir``'s lock;
+    the paths removed."""
     removed = []
     for path in sorted(data_dir.glob("agent-settings*.toml")):
-        pid = path.name.removeprefix("agent-settings.").removesuffix(".toml")
-        if path.name != OLD_SETTINGS_FILE and (not pid.isdigit() or pid_alive(int(pid))):
+        if not _stale_settings_name(path.name):
             continue
-        with contextlib.suppress(FileNotFoundError):
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            # no start of ours wrote it (a directory, a link planted there, another user's in
+            # a shared data dir): not ours to delete
+            log.warning(
+                "%s is named like the settings a start hands its agent, but this user's starts "
+                "did not write it (%s): left as it is; remove it by hand if it holds a secret",
+                path,
+                "not a regular file" if not stat.S_ISREG(st.st_mode) else f"owner uid {st.st_uid}",
+            )
+            continue
+        try:
             path.unlink()
-            removed.append(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            log.warning(
+                "cannot remove %s, settings a start killed midway left (%s): remove it by hand",
+                path,
+                exc.strerror or exc,
+            )
+            continue
+        removed.append(path)
     return removed
+
+
+#: the largest pid Linux gives (PID_MAX_LIMIT, 2^22): a larger number in a name is no start's
+_PID_MAX = 1 << 22
+
+
+def _stale_settings_name(name: str) -> bool:
+    """Whether ``name`` is the settings file of a start that is gone: the older layout's, or
+    ``agent-settings.PID.toml`` with no live kvctl process PID (a name with no pid in it is not
+    a start's: never)."""
+    if name == OLD_SETTINGS_FILE:
+        return True
+    pid = name.removeprefix("agent-settings.").removesuffix(".toml")
+    # ASCII digits only: str.isdigit() takes '²' too, which int() refuses
+    if not (pid.isascii() and pid.isdigit() and 0 < int(pid) <= _PID_MAX):
+        return False
+    return not pid_alive(int(pid))
 
 
 #: every file the agent writes is its owner's alone, whatever the umask and the directory's mode:
