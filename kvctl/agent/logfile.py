@@ -147,17 +147,15 @@ class LogRotator:
         """``agent.log`` -> ``agent.log.1`` (and each older one a number up, the oldest
         dropped), a new ``agent.log`` written from now on by descriptors 1 and 2."""
         next_path = self.path.with_name(self.path.name + NEXT_SUFFIX)
-        for n in range(self.backups, 1, -1):  # the oldest first: none is overwritten unread
-            with contextlib.suppress(FileNotFoundError):
-                os.replace(rotated_path(self.path, n - 1), rotated_path(self.path, n))
-        with contextlib.suppress(FileNotFoundError):
-            # kept only one (the previous rollover's), or left where a rollover failed midway
-            os.unlink(rotated_path(self.path, 1))
+        # the new file before anything moves: where it cannot be made (out of descriptors, of
+        # inodes or quota) the backups are as they were for the try at the next check; shifted
+        # first, each failed try (one every check) shifted them again, dropping one more
         fd = os.open(
             next_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600
         )
         try:
             os.fchmod(fd, 0o600)  # whatever the umask: the log names tenants and keys
+            self._shift_backups()
             with _handlers_held():
                 for stream in (sys.stdout, sys.stderr):
                     with contextlib.suppress(Exception):
@@ -179,19 +177,46 @@ class LogRotator:
         finally:
             os.close(fd)
 
+    def _shift_backups(self) -> None:
+        """Each kept file a number up, the oldest dropped, so that ``agent.log.1`` is free; not
+        where it is free already (by hand, or a try that failed after its shift): shifting
+        again would drop one more file the operator may need."""
+        first = rotated_path(self.path, 1)
+        if not os.path.lexists(first):
+            return
+        for n in range(self.backups, 1, -1):  # the oldest first: none is overwritten unread
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(rotated_path(self.path, n - 1), rotated_path(self.path, n))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(first)  # where only one is kept: the previous rollover's
+
     def _name_new(self, next_path: Path) -> None:
         """The old file becomes ``agent.log.1`` and the new one ``agent.log``; with a hard link
         first, so that ``agent.log`` is never missing for whoever reads it."""
         first = rotated_path(self.path, 1)
+        took = ""  # how the old file took the name agent.log.1: "link", "move" or not at all
         try:
             os.link(self.path, first)
+            took = "link"
         except FileNotFoundError:
             pass  # moved away by hand: nothing to keep under its name
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK, errno.EXDEV):
                 raise
             os.replace(self.path, first)  # a filesystem without hard links
-        os.replace(next_path, self.path)
+            took = "move"
+        try:
+            os.replace(next_path, self.path)
+        except OSError:
+            # the old file stays agent.log (rotate() puts fds 1 and 2 back on it), and
+            # agent.log.1 is free again: as a second name of it, the next try would shift it
+            # up as if it were a backup and drop the oldest real one
+            with contextlib.suppress(OSError):
+                if took == "link":
+                    os.unlink(first)
+                elif took == "move":
+                    os.replace(first, self.path)
+            raise
 
 
 def start_rotation(path: Path, max_bytes: int, backups: int) -> LogRotator | None:

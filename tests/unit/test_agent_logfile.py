@@ -4,6 +4,7 @@ agent's log as it starts). The writer is a real process whose fds 1 and 2 are th
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -143,3 +144,26 @@ def test_a_rollover_that_fails_unforeseen_is_logged_not_a_silent_thread_end(
         rotator.stop()  # returns once the thread has ended: at its first look, failed
     said = [r for r in caplog.records if r.levelname == "ERROR"]
     assert said and f"rolling {log} over failed" in said[0].getMessage()
+
+
+def test_a_rollover_that_keeps_failing_leaves_the_backups_as_they_were(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rollover that cannot make its new file (here a directory where agent.log.next goes; in
+    life out of descriptors, inodes or quota) is tried again at every check. It shifted the
+    backups first, so each failed try dropped the oldest: two checks (one second) and the
+    incident's older logs were gone. They stay as they were, and the writer's file with them."""
+    log = tmp_path / "agent.log"
+    log.write_bytes(b"the current log\n" * 10)
+    for n in (1, 2):
+        rotated_path(log, n).write_bytes(f"backup {n}\n".encode())
+    (tmp_path / "agent.log.next").mkdir()
+    with open(log, "ab") as f:
+        rotator = LogRotator(log, (f.fileno(),), max_bytes=10, backups=2)
+        with caplog.at_level(logging.WARNING, logger="kvctl.agent"):
+            assert [rotator.rotate_if_due() for _ in range(3)] == [False] * 3
+        f.write(b"written after\n")
+    assert rotated_path(log, 1).read_bytes() == b"backup 1\n"
+    assert rotated_path(log, 2).read_bytes() == b"backup 2\n"
+    assert log.read_bytes() == b"the current log\n" * 10 + b"written after\n"
+    assert [r.getMessage() for r in caplog.records if "cannot roll" in r.getMessage()]
