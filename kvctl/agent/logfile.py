@@ -150,8 +150,14 @@ class LogRotator:
         # the new file before anything moves: where it cannot be made (out of descriptors, of
         # inodes or quota) the backups are as they were for the try at the next check; shifted
         # first, each failed try (one every check) shifted them again, dropping one more
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(next_path)  # a crashed rollover's, or anything planted under the name
+        # a file of its own, never one reached through a link planted in a data dir others can
+        # write to (the log would truncate and then fill what it points at)
         fd = os.open(
-            next_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_CLOEXEC, 0o600
+            next_path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC,
+            0o600,
         )
         try:
             os.fchmod(fd, 0o600)  # whatever the umask: the log names tenants and keys

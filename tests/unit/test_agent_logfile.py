@@ -167,3 +167,23 @@ def test_a_rollover_that_keeps_failing_leaves_the_backups_as_they_were(
     assert rotated_path(log, 2).read_bytes() == b"backup 2\n"
     assert log.read_bytes() == b"the current log\n" * 10 + b"written after\n"
     assert [r.getMessage() for r in caplog.records if "cannot roll" in r.getMessage()]
+
+
+def test_a_link_planted_as_the_new_files_name_is_not_followed(tmp_path: Path) -> None:
+    """The new file was opened by name with O_CREAT|O_TRUNC, following a symlink: in a data dir
+    others can write to (one the agent only warns about), a link planted as agent.log.next had
+    the rollover truncate the file it pointed at (the agent's user's, root's) and then, renamed
+    agent.log, the log written into it. The link is replaced by a file of the rollover's own."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    victim = tmp_path / "victim.conf"
+    victim.write_bytes(b"not the log's\n")
+    log = data_dir / "agent.log"
+    log.write_bytes(b"x" * 100)
+    (data_dir / "agent.log.next").symlink_to(victim)
+    with open(log, "ab") as f:
+        assert LogRotator(log, (f.fileno(),), max_bytes=10, backups=1).rotate_if_due()
+        f.write(b"after the rollover\n")
+    assert victim.read_bytes() == b"not the log's\n"
+    assert not log.is_symlink() and log.read_bytes() == b"after the rollover\n"
+    assert rotated_path(log, 1).read_bytes() == b"x" * 100
