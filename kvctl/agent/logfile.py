@@ -188,8 +188,16 @@ class LogRotator:
         where it is free already (by hand, or a try that failed after its shift): shifting
         again would drop one more file the operator may need."""
         first = rotated_path(self.path, 1)
-        if not os.path.lexists(first):
-            return
+        try:
+            if _same_file(os.lstat(first), os.stat(self.path)):
+                # a second name of agent.log: a rollover killed between its link and its rename
+                # (the new file never named) left it; it is no backup, and shifted up as one it
+                # would drop the oldest real one
+                os.unlink(first)
+                return
+        except FileNotFoundError:
+            if not os.path.lexists(first):
+                return  # free already
         for n in range(self.backups, 1, -1):  # the oldest first: none is overwritten unread
             with contextlib.suppress(FileNotFoundError):
                 os.replace(rotated_path(self.path, n - 1), rotated_path(self.path, n))

@@ -187,3 +187,22 @@ def test_a_link_planted_as_the_new_files_name_is_not_followed(tmp_path: Path) ->
     assert victim.read_bytes() == b"not the log's\n"
     assert not log.is_symlink() and log.read_bytes() == b"after the rollover\n"
     assert rotated_path(log, 1).read_bytes() == b"x" * 100
+
+
+def test_a_rollover_killed_between_link_and_rename_costs_no_backup_at_the_next(
+    tmp_path: Path,
+) -> None:
+    """An agent killed mid-rollover, after agent.log.1 was linked to agent.log but before the
+    new file was named, leaves agent.log.1 a second name of agent.log (and agent.log.next).
+    The restarted agent's rollover shifted that name up as a backup: agent.log.2 a copy of
+    agent.log.1, and the real agent.log.2 dropped. It is dropped instead, the backups kept."""
+    log = tmp_path / "agent.log"
+    log.write_bytes(b"the log the killed agent and its restart wrote\n")
+    os.link(log, rotated_path(log, 1))
+    rotated_path(log, 2).write_bytes(b"the real backup\n")
+    (tmp_path / "agent.log.next").write_bytes(b"")  # the killed rollover's new file
+    with open(log, "ab") as f:
+        assert LogRotator(log, (f.fileno(),), max_bytes=10, backups=2).rotate_if_due()
+    assert rotated_path(log, 1).read_bytes() == b"the log the killed agent and its restart wrote\n"
+    assert rotated_path(log, 2).read_bytes() == b"the real backup\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["agent.log", "agent.log.1", "agent.log.2"]
