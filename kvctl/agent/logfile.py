@@ -235,9 +235,19 @@ class LogRotator:
 
 def start_rotation(path: Path, max_bytes: int, backups: int) -> LogRotator | None:
     """A started :class:`LogRotator` for this process's log ``path`` (None where stdout and
-    stderr do not write to it, or ``max_bytes`` is 0: rollover off)."""
+    stderr do not write to it, or ``max_bytes`` is 0: rollover off; or ``path`` is a symbolic
+    link, logged: an operator who links the log elsewhere rolls it there, and a rollover here
+    would replace the link with a file in the data dir)."""
     fds = stdio_fds_writing(path)
     if max_bytes <= 0 or not fds:
+        return None
+    if path.is_symlink():
+        log.warning(
+            "%s is a link to %s: not rolled over by the agent (log_max); roll it over where it "
+            "is (logrotate with copytruncate), or make it a file",
+            path,
+            os.path.realpath(path),
+        )
         return None
     rotator = LogRotator(path, fds, max_bytes, backups)
     rotator.start()

@@ -206,3 +206,25 @@ def test_a_rollover_killed_between_link_and_rename_costs_no_backup_at_the_next(
     assert rotated_path(log, 1).read_bytes() == b"the log the killed agent and its restart wrote\n"
     assert rotated_path(log, 2).read_bytes() == b"the real backup\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["agent.log", "agent.log.1", "agent.log.2"]
+
+
+def test_a_log_linked_elsewhere_is_left_to_the_operator(tmp_path: Path) -> None:
+    """An operator who keeps the log elsewhere (agent.log a link to /var/log/...) had the link
+    replaced by a file in the data dir at the first rollover, and the file it pointed at left
+    growing with no one writing it. The agent leaves such a log alone, and says so."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    elsewhere = tmp_path / "var-log-kvctl.log"
+    elsewhere.write_bytes(b"x" * 100)
+    log = data_dir / "agent.log"
+    log.symlink_to(elsewhere)
+    code = (
+        "import logging, sys; from pathlib import Path; from kvctl.agent.logfile import *; "
+        "logging.basicConfig(); "
+        "r = start_rotation(Path(sys.argv[1]), 10, 2); r and r.stop(); print('started', bool(r))"
+    )
+    with open(log, "ab") as out:
+        subprocess.run([sys.executable, "-c", code, str(log)], stdout=out, stderr=out, check=True)
+    assert log.is_symlink() and not rotated_path(log, 1).exists()
+    said = elsewhere.read_text()
+    assert "started False" in said and f"{log} is a link to {elsewhere}" in said, said
