@@ -187,7 +187,8 @@ class StartFlags:
         typer.Option(
             "--log-max",
             help="Detached: DATA_DIR/agent.log rolls over to agent.log.1 past this size, e.g. "
-            "64MiB (the default); 0 never. A terminal's or journald's log is left alone.",
+            "64MiB (the default); 0 never. A terminal's or journald's log, or an agent.log "
+            "that links elsewhere, is left alone.",
         ),
     ] = None
     log_backups: Annotated[
