@@ -127,7 +127,11 @@ def test_router_status_says_a_nodes_index_replace_is_failing_and_when_it_is_retr
         costs = Costs(CostFlags(prefill_tokens_per_s=10_000).costs().prefill)
         router = Router(index, topology, costs, followers=followers)
         with RouterServer(router, listen="127.0.0.1:0", token=TOKEN) as server:
-            wait_until("a failed replace", lambda: len(index.sent_s) >= 1)
+            # counted, not only sent: the follower counts the failure just after sending it
+            wait_until(
+                "a failed replace",
+                lambda: followers.status()[0]["index_replace_failures"] >= 1,
+            )
             base = ["router", "status", "--router", server.url, "--token-file", str(token_file)]
             code, out = run(*base, "--json")
             assert code == 0, out
