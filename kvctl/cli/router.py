@@ -759,7 +759,12 @@ def _replace_failing(state: dict[str, Any]) -> str:
     if not failures:
         return ""
     retry_s = state.get("index_retry_in_s")
-    when = f"in {max(1, math.ceil(retry_s))} s" if retry_s else "now"
+    if retry_s:
+        when = f"in {max(1, math.ceil(retry_s))} s"
+    elif state.get("up") is False:  # a follower sends nothing while its agent is down
+        when = "once the agent answers"
+    else:
+        when = "now"
     return f"index replace failing: retry {when} ({failures:,} failed in a row)"
 
 

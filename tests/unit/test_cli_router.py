@@ -165,6 +165,11 @@ def test_router_status_says_an_engine_feeds_index_replace_is_failing(
     _render_status({"router": "http://127.0.0.1:9480", "index": index, "stats": STATUS_STATS})
     out = capsys.readouterr().out
     assert "index replace failing: retry in 8 s (4 failed in a row)" in out, out
+    follower = {"node": "a2", "up": False, "index_replace_failures": 2, "index_retry_in_s": 0.0}
+    down = {"kind": "redis", "nodes": {}, "followers": [follower], "engines": []}
+    _render_status({"router": "http://127.0.0.1:9480", "index": down, "stats": STATUS_STATS})
+    # its wait is over but nothing is sent while the agent is down: not "retry now"
+    assert "retry once the agent answers (2 failed in a row)" in capsys.readouterr().out
     feed.update(index_replace_failures=0, index_retry_in_s=None)  # done since: nothing said
     _render_status({"router": "http://127.0.0.1:9480", "index": index, "stats": STATUS_STATS})
     assert "index replace failing" not in capsys.readouterr().out
