@@ -873,6 +873,19 @@ def _check_remote(settings: AgentSettings, sources: Mapping[str, str]) -> None:
             setting="index_url",
             source=sources["index_url"],
         )
+    if settings.bypass_unreachable and (settings.pool or settings.peers):
+        # this node's lookups take chunks from the pool and peers past a gap in the local
+        # prefix (``FetchPlanner``), so a chunk deeper than the local tiers hold may be
+        # reached; and a chunk turned away here is never written through to the pool either
+        remote = "pool" if settings.pool else "peers"
+        raise ConfigError(
+            f"bypass_unreachable from {sources['bypass_unreachable']} turns away chunks deeper "
+            f"than this node's tiers hold, and with a pool or peers ({remote} from "
+            f"{sources[remote]}) a lookup can reach them through chunks held there: unset "
+            "bypass_unreachable (or KVCTL_BYPASS_UNREACHABLE), or the pool and peers",
+            setting="bypass_unreachable",
+            source=sources["bypass_unreachable"],
+        )
     known = {"pool", *(name for name, _ in settings.peers)}
     for spec in settings.links:
         if spec.name not in known:

@@ -112,8 +112,9 @@ class AgentSettings:
     #: don't store a chunk deeper in its chain than all the tiers together hold (no lookup
     #: from the chain's first chunk could reach it; storing it evicts chunks one could): only
     #: where engines look prefixes up from their first chunk (kvctl's own engine, replay), not
-    #: behind one that keeps a prefix of its own (vLLM's prefix cache) or with a pool or peers
-    #: that may hold a prefix's start (``TieredStore``'s ``bypass_unreachable``)
+    #: behind one that keeps a prefix of its own (vLLM's prefix cache); refused with a pool or
+    #: peers, whose chunks a lookup here may take before one held here (``TieredStore``'s
+    #: ``bypass_unreachable``)
     bypass_unreachable: bool = False
     #: bearer token for the control API and the data plane; required off loopback
     token: str = ""

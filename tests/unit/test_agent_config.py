@@ -540,6 +540,30 @@ def test_index_settings_from_start_flags(env: dict[str, str], tmp_path: Path) ->
         load_settings(env=env, flags=StartFlags(index_url="ftp://nowhere").as_flags())
 
 
+@pytest.mark.parametrize(
+    ("remote", "named"),
+    [
+        ({"KVCTL_POOL": "redis://127.0.0.1:6379/0"}, "pool from env:KVCTL_POOL"),
+        ({"KVCTL_PEERS": "fra-2=10.1.0.7:7071"}, "peers from env:KVCTL_PEERS"),
+    ],
+)
+def test_bypass_unreachable_is_refused_beside_a_pool_or_peers(
+    env: dict[str, str], remote: dict[str, str], named: str
+) -> None:
+    """The rule's premise (a lookup reaches a chunk only through the chunks before it, all
+    held here) fails where this node's lookups continue into a pool or peers: the planner
+    takes a chunk held here past one the pool holds, and a chunk turned away is never written
+    through to the pool. Refused rather than quietly losing those hits."""
+    on = {"KVCTL_BYPASS_UNREACHABLE": "yes"}
+    assert load_settings(env={**env, **on}).settings.bypass_unreachable
+    assert load_settings(env={**env, **remote}).settings.bypass_unreachable is False
+    with pytest.raises(ConfigError, match="bypass_unreachable") as info:
+        load_settings(env={**env, **on, **remote})
+    assert named in str(info.value)
+    assert info.value.setting == "bypass_unreachable"
+    assert info.value.source == "env:KVCTL_BYPASS_UNREACHABLE"
+
+
 def test_the_data_plane_connection_cap_is_a_setting(config: Path, env: dict[str, str]) -> None:
     assert load_settings(env=env).settings.data_max_connections == 1024
     loaded = load_file(config, "[agent]\ndata_max_connections = 64\n")
