@@ -121,6 +121,14 @@ def test_simulate_sweep_of_a_generated_workload() -> None:
     assert code == 0, out
     summary = out[out.rindex("rag:seed=0: % of Belady") :]  # the sweep's table, after the six
     assert "50%" in summary and "Belady hit" in summary
+    assert "unreachable" not in summary
+    code, out = run(
+        "simulate", "--workload", "rag", "--limit", "40", "--sweep", "--policy", "lru",
+        "--keep-unreachable",
+    )  # fmt: skip
+    assert code == 0, out
+    summary = out[out.rindex("rag:seed=0: % of Belady") :]
+    assert "unreachable blocks kept" in " ".join(summary.split())  # the title may wrap
 
 
 def test_simulate_turns_unreachable_blocks_away_unless_told_to_keep_them() -> None:
