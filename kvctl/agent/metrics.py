@@ -202,7 +202,8 @@ class StoreCollector(Collector):
         )
         yield store_counter(
             "kvctl_bypassed_puts",
-            "Puts declined by the eviction policy's admission check.",
+            "Puts declined: by the eviction policy's admission check, or (bypass_unreachable) "
+            "as deeper in their chain than all the tiers hold.",
             "bypassed_puts",
         )
         yield store_counter(

@@ -177,6 +177,21 @@ def test_metrics_follow_later_changes(store: TieredStore, ns: Namespace) -> None
     assert scrape(metrics).value("kvctl_lookups_total") == 1
 
 
+def test_bypassed_puts_count_and_say_the_unreachable_rule(ns: Namespace) -> None:
+    """An operator reading kvctl_bypassed_puts must learn it counts the chunks turned away as
+    deeper than the tiers hold (``bypass_unreachable``), not only the policy's declines."""
+    store = TieredStore([CpuTier(3 * CHUNK)], eviction="lru", bypass_unreachable=True)
+    try:
+        keys = chain(ns, 5, seed=3)
+        for depth, (k, parent) in enumerate(zip(keys, [None, *keys], strict=False)):
+            store.put(k, bytes(CHUNK), parent=parent, depth=depth)  # room for 3: 2 turned away
+        m = scrape(AgentMetrics(store))
+        assert m.value("kvctl_bypassed_puts_total") == 2
+        assert "bypass_unreachable" in m.families["kvctl_bypassed_puts"].documentation
+    finally:
+        store.close()
+
+
 def test_one_snapshot_per_scrape(store: TieredStore, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
 
