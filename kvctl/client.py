@@ -149,7 +149,8 @@ def no_room_message(key: bytes, full_tier: str | None) -> str:
 
 @dataclass(frozen=True, slots=True)
 class PutOutcome:
-    #: "stored" (or already cached), "declined" (a policy bypassed it), "too_large", "no_room",
+    #: "stored" (or already cached), "declined" (a policy bypassed it, or the agent's
+    #: bypass_unreachable: deeper in its chain than its tiers hold), "too_large", "no_room",
     #: "bad" (size or key refused), "corrupt" (its bytes arrived damaged: they did not match
     #: the checksum sent with them, so the agent refused them; only puts that carry checksums)
     status: str
@@ -383,7 +384,8 @@ class DataClient:
         depth: int = 0,
         checksums: bool | None = None,
     ) -> str | None:
-        """Store one chunk; returns its tier, or None when a policy declined it."""
+        """Store one chunk; returns its tier, or None when the agent declined it (a policy,
+        or ``bypass_unreachable``: deeper in its chain than the agent's tiers hold)."""
         out = self.put_many(
             [(key, data)],
             tenant=tenant,

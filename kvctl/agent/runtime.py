@@ -264,7 +264,8 @@ class AgentRuntime:
         pinned: bool,
         isolated: bool,
     ) -> str | None:
-        """Store a client's chunk; the tier it landed in, or None when a policy declined it.
+        """Store a client's chunk; the tier it landed in, or None when a policy declined it
+        (or ``bypass_unreachable`` turned it away).
         An isolated tenant's chunks are isolated whatever the client's flag says.
 
         A new chunk bound for the lease tier's arena is copied there without the store's lock

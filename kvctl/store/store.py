@@ -612,7 +612,8 @@ class TieredStore:
         isolated: bool = False,
         tier: str | None = None,
     ) -> str | None:
-        """Store a chunk; returns the tier it landed in, or None if a policy declined it.
+        """Store a chunk; returns the tier it landed in, or None if a policy declined it (or
+        ``bypass_unreachable`` turned it away: ``_unreachable``).
 
         ``data`` is None only for size-only (simulation) tiers, with ``size_bytes`` given.
         Storing a key that is already cached only refreshes it (KV for a key never changes).

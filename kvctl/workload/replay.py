@@ -121,7 +121,7 @@ class NodeTally:
     hits_by_tier: Counter[str] = field(default_factory=Counter)
     bytes_fetched: int = 0
     bytes_stored: int = 0
-    #: put outcomes: stored, declined (admission), no_room, ...
+    #: put outcomes: stored, declined (admission, or bypass_unreachable), no_room, ...
     puts: Counter[str] = field(default_factory=Counter)
     #: chunks that a lookup reported but were gone when fetched
     lost_chunks: int = 0
