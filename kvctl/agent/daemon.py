@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import ipaddress
 import json
 import logging
 import math
@@ -149,9 +150,13 @@ class AgentRunning(RuntimeError):
     """Another live agent already uses this data directory."""
 
 
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
 class SocketInUse(RuntimeError):
-    """Another live process, another agent most likely, listens on the Unix socket path this
-    agent was told to serve its data plane on."""
+    """Another live process, another agent most likely, listens where this agent was told to:
+    on the Unix socket path of its data plane, or on the TCP port of its control API or data
+    plane."""
 
 
 class DataDirFull(RuntimeError):
@@ -493,15 +498,16 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     from kvctl.agent.runtime import AgentRuntime
 
     # before the tiers open (a large disk tier's scan takes minutes, the arena's commit a few
-    # seconds a GiB): a socket another agent serves would only be found once they had
+    # seconds a GiB): a socket or port another agent serves would only be found once they had
     check_socket_free(settings.socket_path)
-    host, port = settings.control_host_port
     # put back once stopped: serve() may run inside a longer process (tests, an embedder)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    control = _bind_tcp(host, port)
+    # the TCP listeners themselves, kept and served once the tiers are open (no trial bind: the
+    # port cannot be taken in between); a failed start closes them
+    control, data_tcp = _bind_ports(settings)
     # from here on whatever failed (the runtime's open, the data plane's construction, a
     # Ctrl-C at start) closes what was opened: a runtime left open keeps the disk tier's lock,
-    # the arena and its threads, and the control socket its port, in a process that goes on
+    # the arena and its threads, and the TCP sockets their ports, in a process that goes on
     runtime: AgentRuntime | None = None
     dataplane: DataPlaneServer | None = None
     try:
@@ -512,10 +518,8 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
             put_budget_bytes=settings.data_put_budget_bytes,
             max_connections=settings.data_max_connections,
         )
-        tcp = settings.data_host_port
-        if tcp is not None:
-            with _naming("{}:{}".format(*tcp), "the data plane (data_listen)"):
-                dataplane.listen_tcp(*tcp)
+        if data_tcp is not None:
+            dataplane.serve_tcp(data_tcp)
         if settings.socket_path is not None:
             with _naming(str(settings.socket_path), "the data plane's Unix socket (socket)"):
                 dataplane.listen_unix(settings.socket_path)
@@ -576,6 +580,8 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
                     steps.callback(signal.signal, sig, handler)
             steps.callback(_forget_state, data_dir)
             steps.callback(control.close)
+            if data_tcp is not None:  # (closed by dataplane.stop too, once it serves it)
+                steps.callback(data_tcp.close)
             if runtime is not None:
                 steps.callback(runtime.close)
             if dataplane is not None:
@@ -616,6 +622,128 @@ def check_socket_free(path: Path | None) -> None:
         f"cannot serve the data plane's Unix socket (socket) on {path}: {who} listens on it; "
         f"{stop}give this agent another --socket (or --socket off)"
     )
+
+
+def _bind_ports(settings: AgentSettings) -> tuple[socket.socket, socket.socket | None]:
+    """The control API's listening socket and the data plane's TCP one (None: data_listen
+    off). A port another process listens on raises :class:`SocketInUse`, naming it; any
+    other failure to bind its OSError, naming the address. Neither is left open then."""
+    from kvctl.agent.dataplane import bind_tcp
+
+    host, port = settings.control_host_port
+    with _holder_named(f"{host}:{port}", "the control API", "--listen"):
+        control = _bind_tcp(host, port)
+    tcp = settings.data_host_port
+    if tcp is None:
+        return control, None
+    try:
+        address = "{}:{}".format(*tcp)
+        what = "the data plane (data_listen)"
+        with _holder_named(address, what, "--data-listen"), _naming(address, what):
+            return control, bind_tcp(*tcp)
+    except BaseException:
+        control.close()
+        raise
+
+
+@contextlib.contextmanager
+def _holder_named(address: str, what: str, option: str) -> Iterator[None]:
+    """An "address in use" from binding ``address`` (HOST:PORT, for ``what``, set by
+    ``option``) raised as :class:`SocketInUse`, saying who listens there and what to do."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            raise
+        host, _, port = address.rpartition(":")
+        pid = _tcp_listener_pid(host.strip("[]"), int(port))
+        if pid == os.getpid():  # (this agent's other port, or an embedder's socket)
+            who, data_dir = f"this process (pid {pid})", None
+        else:
+            who, data_dir = _describe_process(pid)
+            if pid is None:
+                who = "another process"
+        stop = (
+            ""
+            if data_dir is None
+            else f"stop it (`kvctl agent stop --data-dir {quote(str(data_dir))}`) or "
+        )
+        raise SocketInUse(
+            f"cannot listen on {address} for {what}: {who} listens there; {stop}give this "
+            f"agent another {option} (port 0 takes any free one)"
+        ) from exc
+
+
+def _tcp_listener_pid(host: str, port: int) -> int | None:
+    """The pid of a process listening on TCP ``port`` at an address that overlaps ``host``'s,
+    an agent's first (None: none this user can see: another user's, or gone since)."""
+    inodes = _listening_inodes(host, port)
+    if not inodes:
+        return None
+    holders: list[int] = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry.name}/fd")
+        except OSError:  # another user's, or gone
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{entry.name}/fd/{fd}")
+            except OSError:
+                continue
+            if link in inodes:
+                pid = int(entry.name)
+                if _agent_data_dir(pid) is not None:
+                    return pid
+                holders.append(pid)
+                break
+    return holders[0] if holders else None
+
+
+def _listening_inodes(host: str, port: int) -> set[str]:
+    """The sockets (as /proc/PID/fd links name them) listening on TCP ``port`` at an address
+    a bind to ``host`` conflicts with: the same, or either one a wildcard (a host name: any)."""
+    try:
+        wanted: IPAddress | None = _plain_ip(host)
+    except ValueError:
+        wanted = None
+    inodes: set[str] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != "0A":  # 0A: TCP_LISTEN
+                continue
+            hex_ip, _, hex_port = fields[1].partition(":")
+            if int(hex_port, 16) != port:
+                continue
+            ip = _plain_ip(_proc_net_ip(hex_ip))
+            if wanted is None or ip == wanted or ip.is_unspecified or wanted.is_unspecified:
+                inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def _proc_net_ip(hex_ip: str) -> str:
+    """An address as /proc/net/tcp{,6} writes it (32-bit words in host order, little-endian
+    here), in text."""
+    raw = bytes.fromhex(hex_ip)
+    packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET if len(packed) == 4 else socket.AF_INET6
+    return socket.inet_ntop(family, packed)
+
+
+def _plain_ip(text: str) -> IPAddress:
+    """``text`` as an IP address, an IPv4-mapped IPv6 one as the IPv4 one (ValueError: not
+    an address)."""
+    ip = ipaddress.ip_address(text)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
 
 
 def _peer_pid(sock: socket.socket) -> int | None:

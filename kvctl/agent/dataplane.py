@@ -247,6 +247,22 @@ def _remove_stale_socket(path: Path) -> None:
         path.unlink()
 
 
+def bind_tcp(host: str, port: int) -> socket.socket:
+    """The data plane's listening TCP socket on ``host:port`` (IPv6 where the host has a
+    colon; port 0: any free one). SO_REUSEADDR, so a port whose last connections are in
+    TIME_WAIT is taken again. A failed bind closes the socket and raises its OSError."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class DataPlaneServer:
     def __init__(
         self,
@@ -328,11 +344,11 @@ class DataPlaneServer:
 
     # --- lifecycle --------------------------------------------------------------------------
     def listen_tcp(self, host: str, port: int) -> tuple[str, int]:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
+        return self.serve_tcp(bind_tcp(host, port))
+
+    def serve_tcp(self, sock: socket.socket) -> tuple[str, int]:
+        """Serve TCP on ``sock``, a listening socket from :func:`bind_tcp`: bound before the
+        tiers opened, so a taken port is found before they do; closed by ``stop``."""
         self.tcp_address = sock.getsockname()[:2]
         self._listeners.append((sock, "tcp"))
         return self.tcp_address
