@@ -858,6 +858,27 @@ def _check_socket(settings: AgentSettings, sources: Mapping[str, str]) -> None:
     )
 
 
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
+
+
+def _check_ports(settings: AgentSettings, sources: Mapping[str, str]) -> None:
+    """The control API and the data plane on one TCP port: the second bind would fail at
+    start, saying this very process holds the port."""
+    data = settings.data_host_port
+    if data is None:
+        return
+    (c_host, c_port), (d_host, d_port) = settings.control_host_port, data
+    overlap = c_host == d_host or c_host in _WILDCARD_HOSTS or d_host in _WILDCARD_HOSTS
+    if c_port and c_port == d_port and overlap:
+        raise ConfigError(
+            f"listen ({settings.listen}, from {sources['listen']}) and data_listen "
+            f"({settings.data_listen}, from {sources['data_listen']}) are one port: the control "
+            "API and the data plane each need their own; give one of them another port",
+            setting="data_listen",
+            source=sources["data_listen"],
+        )
+
+
 def _check_remote(settings: AgentSettings, sources: Mapping[str, str]) -> None:
     if settings.role == "pool" and settings.pool:
         raise ConfigError(
@@ -930,6 +951,7 @@ def load_settings(
     settings = AgentSettings(**values)
     _check_exposure(settings, sources)
     _check_socket(settings, sources)
+    _check_ports(settings, sources)
     _check_remote(settings, sources)
     return LoadedSettings(settings, sources, read)
 

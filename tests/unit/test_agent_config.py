@@ -587,3 +587,28 @@ def test_a_kvctl_pool_url_with_a_password_is_refused_unshown(
         load_settings(env=env, flags={"pool": pool})
     assert "takes no user or password in its URL" in str(caught.value)
     assert "s3cretpw" not in str(caught.value) and "a@b" not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("listen", "data_listen", "refused"),
+    [
+        ("127.0.0.1:7500", "127.0.0.1:7500", True),
+        ("0.0.0.0:7500", "127.0.0.1:7500", True),
+        ("127.0.0.1:7500", "[::]:7500", True),
+        ("127.0.0.1:7500", "127.0.0.1:7501", False),
+        ("127.0.0.1:0", "127.0.0.1:0", False),  # each takes a free port of its own
+        ("127.0.0.1:7500", "off", False),
+    ],
+)
+def test_the_control_api_and_the_data_plane_on_one_port_are_refused(
+    env: dict[str, str], listen: str, data_listen: str, refused: bool
+) -> None:
+    """Before, the second bind failed at start, saying this very process held the port."""
+    flags = {"listen": listen, "data_listen": data_listen}
+    env = {**env, "KVCTL_TOKEN": "t" * 32}  # a wildcard bind needs one
+    if not refused:
+        assert load_settings(env=env, flags=flags).settings.data_listen == data_listen
+        return
+    with pytest.raises(ConfigError, match="are one port") as info:
+        load_settings(env=env, flags=flags)
+    assert info.value.setting == "data_listen" and info.value.source == "flag:--data-listen"
