@@ -502,8 +502,8 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     check_socket_free(settings.socket_path)
     # put back once stopped: serve() may run inside a longer process (tests, an embedder)
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    # the TCP listeners themselves, kept and served once the tiers are open (no trial bind: the
-    # port cannot be taken in between); a failed start closes them
+    # the TCP sockets themselves, kept and served once the tiers are open (no trial bind); a
+    # failed start closes them
     control, data_tcp = _bind_ports(settings)
     # from here on whatever failed (the runtime's open, the data plane's construction, a
     # Ctrl-C at start) closes what was opened: a runtime left open keeps the disk tier's lock,
@@ -519,6 +519,7 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
             max_connections=settings.data_max_connections,
         )
         if data_tcp is not None:
+            _listen_data_tcp(data_tcp)
             dataplane.serve_tcp(data_tcp)
         if settings.socket_path is not None:
             with _naming(str(settings.socket_path), "the data plane's Unix socket (socket)"):
@@ -626,8 +627,13 @@ def check_socket_free(path: Path | None) -> None:
 
 def _bind_ports(settings: AgentSettings) -> tuple[socket.socket, socket.socket | None]:
     """The control API's listening socket and the data plane's TCP one (None: data_listen
-    off). A port another process listens on raises :class:`SocketInUse`, naming it; any
-    other failure to bind its OSError, naming the address. Neither is left open then."""
+    off). The data plane's is bound but not listening until :func:`_listen_data_tcp`: an
+    engine or peer that connects while the tiers open is refused at once, as by a stopped
+    agent, not connected to a port that answers nothing for minutes. The control API's
+    listens already (the CLI knows a starting agent by its data dir), so a second agent given
+    the same ports is refused before its tiers open even while the first one's are. A port
+    another process listens on raises :class:`SocketInUse`, naming it; any other failure to
+    bind its OSError, naming the address. Neither is left open then."""
     from kvctl.agent.dataplane import bind_tcp
 
     host, port = settings.control_host_port
@@ -637,13 +643,28 @@ def _bind_ports(settings: AgentSettings) -> tuple[socket.socket, socket.socket |
     if tcp is None:
         return control, None
     try:
-        address = "{}:{}".format(*tcp)
-        what = "the data plane (data_listen)"
+        address, what = _data_address(tcp)
         with _holder_named(address, what, "--data-listen"), _naming(address, what):
-            return control, bind_tcp(*tcp)
+            return control, bind_tcp(*tcp, listen=False)
     except BaseException:
         control.close()
         raise
+
+
+def _listen_data_tcp(sock: socket.socket) -> None:
+    """Start listening on the data plane's TCP socket from :func:`_bind_ports`, as it is about
+    to serve. A port another process took while the tiers opened (a bind with SO_REUSEADDR
+    may take one only bound) raises :class:`SocketInUse`, naming it."""
+    from kvctl.agent.dataplane import LISTEN_BACKLOG
+
+    address, what = _data_address(sock.getsockname()[:2])  # (port 0: the one it got)
+    with _holder_named(address, what, "--data-listen"), _naming(address, what):
+        sock.listen(LISTEN_BACKLOG)
+
+
+def _data_address(tcp: tuple[str, int]) -> tuple[str, str]:
+    """The data plane's ``host:port`` as errors say it, and what it is for."""
+    return "{}:{}".format(*tcp), "the data plane (data_listen)"
 
 
 @contextlib.contextmanager

@@ -247,16 +247,25 @@ def _remove_stale_socket(path: Path) -> None:
         path.unlink()
 
 
-def bind_tcp(host: str, port: int) -> socket.socket:
-    """The data plane's listening TCP socket on ``host:port`` (IPv6 where the host has a
-    colon; port 0: any free one). SO_REUSEADDR, so a port whose last connections are in
-    TIME_WAIT is taken again. A failed bind closes the socket and raises its OSError."""
+#: connections the kernel queues for a data plane listener (TCP or Unix) before it accepts them
+LISTEN_BACKLOG = 128
+
+
+def bind_tcp(host: str, port: int, *, listen: bool = True) -> socket.socket:
+    """The data plane's TCP socket on ``host:port`` (IPv6 where the host has a colon; port 0:
+    any free one). SO_REUSEADDR, so a port whose last connections are in TIME_WAIT is taken
+    again. ``listen=False``: bound only, until :meth:`DataPlaneServer.serve_tcp` listens. A
+    bound port is refused to a listener already there and to a bind without SO_REUSEADDR (one
+    with it can still take it), and a connection to it is refused at once: a listening socket
+    would take connections that nobody answers until the data plane serves. A failed bind
+    closes the socket and raises its OSError."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
-        sock.listen(128)
+        if listen:
+            sock.listen(LISTEN_BACKLOG)
     except OSError:
         sock.close()
         raise
@@ -347,8 +356,10 @@ class DataPlaneServer:
         return self.serve_tcp(bind_tcp(host, port))
 
     def serve_tcp(self, sock: socket.socket) -> tuple[str, int]:
-        """Serve TCP on ``sock``, a listening socket from :func:`bind_tcp`: bound before the
-        tiers opened, so a taken port is found before they do; closed by ``stop``."""
+        """Serve TCP on ``sock``, a socket from :func:`bind_tcp` (bound before the tiers
+        opened, so a taken port is found before they do), listening from here on if it was
+        not (OSError: it cannot, the port taken since); closed by ``stop``."""
+        sock.listen(LISTEN_BACKLOG)
         self.tcp_address = sock.getsockname()[:2]
         self._listeners.append((sock, "tcp"))
         return self.tcp_address
@@ -362,7 +373,7 @@ class DataPlaneServer:
             sock.bind(str(path))
         finally:
             os.umask(old_umask)
-        sock.listen(128)
+        sock.listen(LISTEN_BACKLOG)
         bound = os.stat(path)
         self._unix_inode = (bound.st_dev, bound.st_ino)
         self.unix_path = path

@@ -1,18 +1,23 @@
-"""The data plane's TCP listener (bound before the agent's tiers open, and kept) takes a port
+"""The data plane's TCP socket (bound before the agent's tiers open, and kept) takes a port
 whose last connection lies in TIME_WAIT, as an agent restarted on its port after closing
-connections needs, and leaves no socket open when the port is taken."""
+connections needs, and leaves no socket open when the port is taken. It listens only once the
+data plane serves: until then a connection is refused, not left unanswered."""
 
 from __future__ import annotations
 
 import errno
 import os
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from kvctl.agent.daemon import SocketInUse, _bind_ports, _listen_data_tcp
 from kvctl.agent.dataplane import bind_tcp
+from kvctl.agent.settings import AgentSettings
 
 TIME_WAIT = "06"  # /proc/net/tcp's st
 
@@ -51,3 +56,66 @@ def test_a_taken_port_leaves_no_socket_open() -> None:
             bind_tcp("127.0.0.1", taken.getsockname()[1])
         assert exc.value.errno == errno.EADDRINUSE
         assert len(os.listdir("/proc/self/fd")) == before
+
+
+def _settings() -> AgentSettings:
+    return AgentSettings(listen="127.0.0.1:0", data_listen="127.0.0.1:0", socket="off")
+
+
+def test_the_data_port_refuses_connections_until_the_data_plane_serves_it() -> None:
+    """Held from before the tiers open (minutes for a large disk tier) but not listening: an
+    engine or peer that connects meanwhile is refused at once, as by a stopped agent, instead
+    of connected to a socket nothing answers until its own timeout (30 s by default)."""
+    control, data = _bind_ports(_settings())
+    assert data is not None
+    try:
+        port = data.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=30.0).close()
+        # still held: a bind without SO_REUSEADDR (most programs') is refused
+        with socket.socket() as other, pytest.raises(OSError) as exc:
+            other.bind(("127.0.0.1", port))
+        assert exc.value.errno == errno.EADDRINUSE
+        _listen_data_tcp(data)
+        with socket.create_connection(("127.0.0.1", port), timeout=30.0):
+            pass  # connected: queued for the data plane, which serves from here on
+    finally:
+        control.close()
+        data.close()
+
+
+def test_a_data_port_taken_while_the_tiers_open_is_named_when_served() -> None:
+    """Bound only, the port can still be taken by a program binding with SO_REUSEADDR while
+    the tiers open: the agent then says who took it, as it does for one taken before."""
+    control, data = _bind_ports(_settings())
+    assert data is not None
+    port = data.getsockname()[1]
+    taker = subprocess.Popen(
+        [sys.executable, "-c", _LISTEN_WITH_REUSEADDR, str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert taker.stdout is not None and taker.stdout.readline() == "listening\n"
+        with pytest.raises(SocketInUse) as exc:
+            _listen_data_tcp(data)
+        said = str(exc.value)
+        assert f"cannot listen on 127.0.0.1:{port} for the data plane (data_listen)" in said
+        assert f"another process (pid {taker.pid}) listens there" in said
+    finally:
+        control.close()
+        data.close()
+        taker.kill()
+        taker.communicate()
+
+
+_LISTEN_WITH_REUSEADDR = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("listening", flush=True)
+sys.stdin.read()
+"""
