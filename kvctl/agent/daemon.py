@@ -637,7 +637,7 @@ def _bind_ports(settings: AgentSettings) -> tuple[socket.socket, socket.socket |
     from kvctl.agent.dataplane import bind_tcp
 
     host, port = settings.control_host_port
-    with _holder_named(f"{host}:{port}", "the control API", "--listen"):
+    with _holder_named(_address_text(host, port), "the control API", "--listen"):
         control = _bind_tcp(host, port)
     tcp = settings.data_host_port
     if tcp is None:
@@ -664,7 +664,13 @@ def _listen_data_tcp(sock: socket.socket) -> None:
 
 def _data_address(tcp: tuple[str, int]) -> tuple[str, str]:
     """The data plane's ``host:port`` as errors say it, and what it is for."""
-    return "{}:{}".format(*tcp), "the data plane (data_listen)"
+    return _address_text(*tcp), "the data plane (data_listen)"
+
+
+def _address_text(host: str, port: int) -> str:
+    """``host:port`` as the settings write it: an IPv6 host in brackets ('::1:7071' reads as
+    an address with no port)."""
+    return f"{url_host(host)}:{port}"
 
 
 @contextlib.contextmanager
@@ -1257,7 +1263,8 @@ def _bind_tcp(host: str, port: int) -> socket.socket:
         host,
         port,
         cannot_bind=lambda exc: OSError(
-            exc.errno, f"cannot listen on {host}:{port} for the control API: {exc.strerror}"
+            exc.errno,
+            f"cannot listen on {_address_text(host, port)} for the control API: {exc.strerror}",
         ),
     )
     sock.set_inheritable(True)

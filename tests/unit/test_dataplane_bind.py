@@ -119,3 +119,22 @@ s.listen()
 print("listening", flush=True)
 sys.stdin.read()
 """
+
+
+@pytest.mark.parametrize(
+    ("setting", "what"),
+    [("data_listen", "the data plane (data_listen)"), ("listen", "the control API")],
+)
+def test_a_taken_ipv6_port_is_said_with_its_address_in_brackets(setting: str, what: str) -> None:
+    """'::1:7071' reads as the address ::1:7071 with no port (or port 1); '[::1]:7071' is how
+    the setting itself is written."""
+    try:
+        taken = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with taken:
+        port = taken.getsockname()[1]
+        ports = {"listen": "127.0.0.1:0", "data_listen": "127.0.0.1:0", setting: f"[::1]:{port}"}
+        with pytest.raises(SocketInUse) as exc:
+            _bind_ports(AgentSettings(socket="off", **ports))
+    assert f"cannot listen on [::1]:{port} for {what}: this process" in str(exc.value)
