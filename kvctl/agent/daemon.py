@@ -731,7 +731,7 @@ def _tcp_listener_pid(host: str, port: int) -> int | None:
 
 def _listening_inodes(host: str, port: int) -> set[str]:
     """The sockets (as /proc/PID/fd links name them) listening on TCP ``port`` at an address
-    a bind to ``host`` conflicts with: the same, or either one a wildcard (a host name: any)."""
+    a bind to ``host`` conflicts with (:func:`_overlap`; a host name: any)."""
     try:
         wanted: IPAddress | None = _plain_ip(host)
     except ValueError:
@@ -749,10 +749,20 @@ def _listening_inodes(host: str, port: int) -> set[str]:
             hex_ip, _, hex_port = fields[1].partition(":")
             if int(hex_port, 16) != port:
                 continue
-            ip = _plain_ip(_proc_net_ip(hex_ip))
-            if wanted is None or ip == wanted or ip.is_unspecified or wanted.is_unspecified:
+            if wanted is None or _overlap(wanted, _plain_ip(_proc_net_ip(hex_ip))):
                 inodes.add(f"socket:[{fields[9]}]")
     return inodes
+
+
+def _overlap(a: IPAddress, b: IPAddress) -> bool:
+    """Whether listeners on ``a`` and ``b`` (one port) conflict: the same address, or either
+    one a wildcard covering the other. IPv4's covers only IPv4 addresses; IPv6's all, as a
+    dual-stack socket (the default) does."""
+    if a == b:
+        return True
+    if any(ip.version == 6 and ip.is_unspecified for ip in (a, b)):
+        return True
+    return a.version == b.version == 4 and (a.is_unspecified or b.is_unspecified)
 
 
 def _proc_net_ip(hex_ip: str) -> str:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.agent.daemon import SocketInUse, _bind_ports, _listen_data_tcp
+from kvctl.agent.daemon import SocketInUse, _bind_ports, _listen_data_tcp, _listening_inodes
 from kvctl.agent.dataplane import bind_tcp
 from kvctl.agent.settings import AgentSettings
 
@@ -138,3 +138,22 @@ def test_a_taken_ipv6_port_is_said_with_its_address_in_brackets(setting: str, wh
         with pytest.raises(SocketInUse) as exc:
             _bind_ports(AgentSettings(socket="off", **ports))
     assert f"cannot listen on [::1]:{port} for {what}: this process" in str(exc.value)
+
+
+def test_an_ipv4_wildcard_listener_is_not_taken_for_the_holder_of_an_ipv6_address() -> None:
+    """0.0.0.0:P and [::1]:P do not conflict (IPv4's wildcard covers no IPv6 address): when
+    [::1]:P is found taken, only the listener on [::1]:P can be the one in the way. Taking
+    both, the agent on 0.0.0.0:P was named first and its stop suggested."""
+    try:
+        v6 = socket.create_server(("::1", 0), family=socket.AF_INET6)
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with v6, socket.socket() as v4:
+        port = v6.getsockname()[1]
+        v4.bind(("0.0.0.0", port))
+        v4.listen()
+        found = _listening_inodes("::1", port)
+        assert found == {f"socket:[{os.fstat(v6.fileno()).st_ino}]"}
+        # and the other way round: [::1]:P is no conflict of 127.0.0.1:P's either
+        assert _listening_inodes("127.0.0.1", port) == {f"socket:[{os.fstat(v4.fileno()).st_ino}]"}
+        assert len(_listening_inodes("::", port)) == 2  # IPv6's wildcard takes IPv4 too
