@@ -10,6 +10,7 @@ import hashlib
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,3 +114,20 @@ def metric(agent: Agent, name: str, *, default: float | None = None, **labels: s
     if default is None:
         raise AssertionError(f"{name}{labels or ''} not on the agent's /metrics")
     return default
+
+
+def start_in_foreground(config_home: Path, *argv: str) -> tuple[int, str]:
+    """`kvctl agent start ARGV` in the foreground, as an operator runs it (no KVCTL_* variable,
+    no config file, a wide terminal), for a start expected to fail: its exit code and its
+    stderr with whitespace runs made one space (rich wraps long lines)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(config_home)
+    env["COLUMNS"] = "1000"
+    run = subprocess.run(
+        [sys.executable, "-m", "kvctl", "agent", "start", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,  # a hang guard: it serves forever if let
+    )
+    return run.returncode, " ".join(run.stderr.split())

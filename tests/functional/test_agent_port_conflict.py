@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.functional.agents import Agent, running_agent
+from tests.functional.agents import Agent, running_agent, start_in_foreground
 
 #: the option under test, and what the error calls what it was for
 PORTS = {
@@ -27,19 +25,9 @@ def _start_second(tmp_path: Path, option: str, address: str) -> tuple[int, str]:
     """`kvctl agent start` of a second agent (with a disk tier: its directory appears once
     its tiers open) told to listen on ``address`` with ``option``, its other port free."""
     other = "--listen" if option == "--data-listen" else "--data-listen"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
-    env["COLUMNS"] = "1000"
     argv = ["--data-dir", str(tmp_path / "second"), option, address, other, "127.0.0.1:0"]
     argv += ["--socket", "off", "--cpu", "8MiB", "--disk", "64MiB"]
-    second = subprocess.run(
-        [sys.executable, "-m", "kvctl", "agent", "start", *argv],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,  # a hang guard: it serves forever if let
-    )
-    return second.returncode, " ".join(second.stderr.split())
+    return start_in_foreground(tmp_path / "xdg", *argv)
 
 
 def _address(agent: Agent, option: str) -> str:

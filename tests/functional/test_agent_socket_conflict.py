@@ -5,32 +5,19 @@ committed and the disk tier scanned (minutes for a large one), and said "another
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.functional.agents import EPHEMERAL, running_agent
+from tests.functional.agents import EPHEMERAL, running_agent, start_in_foreground
 
 
 def test_a_socket_another_agent_serves_is_refused_before_the_tiers_open(tmp_path: Path) -> None:
     sock = tmp_path / "engines.sock"
     first_dir, second_dir = tmp_path / "first", tmp_path / "second"
     with running_agent(first_dir, "--cpu", "8MiB", "--disk", "0", "--socket", str(sock)) as first:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-        env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
-        env["COLUMNS"] = "1000"
         argv = ["--data-dir", str(second_dir), *EPHEMERAL, "--socket", str(sock)]
         argv += ["--cpu", "8MiB", "--disk", "64MiB"]  # a disk tier: its directory, once open
-        second = subprocess.run(
-            [sys.executable, "-m", "kvctl", "agent", "start", *argv],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,  # a hang guard: it serves forever if let
-        )
-        said = " ".join(second.stderr.split())
-        assert second.returncode == 1, said
+        code, said = start_in_foreground(tmp_path / "xdg", *argv)
+        assert code == 1, said
         assert f"cannot serve the data plane's Unix socket (socket) on {sock}" in said
         name = first.state.name
         assert (

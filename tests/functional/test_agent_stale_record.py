@@ -19,7 +19,13 @@ from typer.testing import CliRunner
 
 from kvctl.agent.daemon import STATE_FILE, AgentState, _answers, stop_agent
 from kvctl.cli.main import app
-from tests.functional.agents import EPHEMERAL, closed_port, running_agent, start_agent
+from tests.functional.agents import (
+    EPHEMERAL,
+    closed_port,
+    running_agent,
+    start_agent,
+    start_in_foreground,
+)
 from tests.tmpfs import tmpfs
 
 runner = CliRunner()
@@ -214,18 +220,9 @@ def test_a_socket_path_another_agent_listens_on_or_a_file_is_left_as_it_is(
     sock = tmp_path / "engines.sock"
     args = ["--cpu", "8MiB", "--disk", "0", "--socket", str(sock)]
     with running_agent(tmp_path / "a", *args) as first:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
-        env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
         argv = ["--data-dir", str(tmp_path / "b"), *EPHEMERAL, *args]
-        second = subprocess.run(
-            [sys.executable, "-m", "kvctl", "agent", "start", *argv],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,  # a hang guard: it serves forever if let
-        )
-        said = _flat(second.stderr)
-        assert second.returncode == 1, said
+        code, said = start_in_foreground(tmp_path / "xdg", *argv)
+        assert code == 1, said
         assert f"Unix socket (socket) on {sock}: another agent" in said, said
         with first.data("unix") as client:  # the first agent's engines still reach it there
             assert client.ping() >= 0
