@@ -118,7 +118,9 @@ def test_the_simulator_and_a_live_store_make_the_same_learned_decisions(
         return made[-1]
 
     monkeypatch.setitem(EVICTION_POLICIES, NAME, early)
-    arc_checks.test_simulator_and_a_store_over_real_bytes_make_the_same_decisions(NAME)
+    arc_checks.test_simulator_and_a_store_over_real_bytes_make_the_same_decisions(
+        NAME, "builtin", False
+    )
     assert len(made) == 3 and all(p.model.fits > 0 for p in made)
 
 
