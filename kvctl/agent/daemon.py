@@ -711,15 +711,7 @@ def _tcp_listener_pid(host: str, port: int) -> int | None:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            fds = os.listdir(f"/proc/{entry.name}/fd")
-        except OSError:  # another user's, or gone
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{entry.name}/fd/{fd}")
-            except OSError:
-                continue
+        for link in _fd_targets(entry.name):
             if link in inodes:
                 pid = int(entry.name)
                 if _agent_data_dir(pid) is not None:
@@ -815,18 +807,25 @@ def _describe_process(pid: int | None) -> tuple[str, Path | None]:
 def _agent_data_dir(pid: int) -> Path | None:
     """The data dir whose lock ``pid`` holds open (None: none, or its descriptors cannot be
     read: another user's process)."""
-    try:
-        fds = list(Path(f"/proc/{pid}/fd").iterdir())
-    except OSError:
-        return None
-    for fd in fds:
-        try:
-            link = os.readlink(fd)
-        except OSError:  # closed since the listing (a connection's, say)
-            continue
+    for link in _fd_targets(pid):
         if link.startswith("/") and Path(link).name == LOCK_FILE:
             return Path(link).parent
     return None
+
+
+def _fd_targets(pid: int | str) -> Iterator[str]:
+    """What each of ``pid``'s open descriptors names (a path, ``socket:[INODE]``, ...): none
+    when they cannot be read (another user's process, or gone); one closed since the listing
+    (a connection's, say) is skipped."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
 
 
 def _forget_state(data_dir: Path) -> None:
