@@ -1,43 +1,19 @@
 """The `kvctl` entry point. Command modules import heavy code inside the command, so `--help`
-and `--version` stay fast."""
+and `--version` stay fast, and `kvctl NAME ...` builds only the command or group NAME
+(``build_app``)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import re
-from collections.abc import Callable
+import sys
 from typing import Annotated, Any, NoReturn
 
 import typer
 
 from kvctl import __version__
-from kvctl.cli.agent import agent_app
-from kvctl.cli.audit import audit_command
-from kvctl.cli.bench import bench_app
-from kvctl.cli.collect import collect_command
-from kvctl.cli.control import COMMANDS as CONTROL_COMMANDS
-from kvctl.cli.dashboard import dashboard_command
-from kvctl.cli.db import db_app
-from kvctl.cli.demo import demo_command
-from kvctl.cli.doctor import doctor_command
-from kvctl.cli.fleet import fleet_app
-from kvctl.cli.keys import keys_command
-from kvctl.cli.lookup import lookup_command
-from kvctl.cli.plan import plan_command
-from kvctl.cli.replay import replay_command
-from kvctl.cli.router import route_command, router_app
-from kvctl.cli.simulate import simulate_command
-from kvctl.cli.status import status_command
-from kvctl.cli.top import top_command
-
-app = typer.Typer(
-    name="kvctl",
-    help="Operate fleets of LLM inference nodes that share tiered KV caches.",
-    no_args_is_help=True,
-    rich_markup_mode="rich",
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
 
 
 def prose_help(doc: str) -> str:
@@ -68,7 +44,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def _root(
     version: Annotated[
         bool,
@@ -82,68 +57,99 @@ def _root(
 FLEET, CONTROL, METRICS, NODE = "Fleet", "Control", "Metrics", "This node"
 WORKLOADS, OFFLINE = "Workloads", "Offline"
 
-app.add_typer(
-    fleet_app,
-    name="fleet",
-    help="The fleet inventory: DCs, nodes, links; import and export.",
-    rich_help_panel=FLEET,
-)
-# (name, command, short help, help panel); typed, as the commands' signatures differ
-_COMMANDS: list[tuple[str, Callable[..., Any], str, str]] = [
-    ("status", status_command, "Every node: up/down, hit ratio, occupancy; totals per DC.", FLEET),
-    ("top", top_command, "Live view: sort, filter, drill into a node, act from it.", FLEET),
-    ("lookup", lookup_command, "Which chunks of a prompt are cached, where.", FLEET),
-    ("doctor", doctor_command, "Check the database, agents, NVML, disks and clocks.", FLEET),
-    ("audit", audit_command, "What operators' kvctl did: who, when, what, result.", FLEET),
-    ("route", route_command, "Which node should serve a prompt, and why (modeled).", FLEET),
-    *((name, fn, short, CONTROL) for name, (fn, short) in CONTROL_COMMANDS.items()),
-    ("collect", collect_command, "Record the fleet's metrics in the database.", METRICS),
-    (
-        "dashboard",
-        dashboard_command,
-        "Serve the managers' dashboard: efficiency across DCs, links, capacity.",
-        METRICS,
-    ),
-    (
-        "demo",
-        demo_command,
-        "The main job: a fleet of agents in two DCs serving a replayed workload.",
-        WORKLOADS,
-    ),
-    ("replay", replay_command, "Drive the agents with a workload or trace, for real.", WORKLOADS),
-    (
-        "plan",
-        plan_command,
-        "What-if: tier sizes and pool distance vs hit ratio and TTFT.",
-        WORKLOADS,
-    ),
-    (
-        "simulate",
-        simulate_command,
-        "Replay a trace offline and compare eviction policies.",
-        OFFLINE,
-    ),
-    ("keys", keys_command, "Show the chunk keys of a token sequence or a text.", OFFLINE),
-]
-for _name, _fn, _help, _panel in _COMMANDS:
-    app.command(_name, short_help=_help, rich_help_panel=_panel)(_fn)
-app.add_typer(
-    db_app, name="db", help="Schema and upkeep of the metrics database.", rich_help_panel=METRICS
-)
-app.add_typer(
-    agent_app,
-    name="agent",
-    help="Run and inspect the tiered KV-cache agent on this node.",
-    rich_help_panel=NODE,
-)
-app.add_typer(
-    router_app,
-    name="router",
-    help="The fleet's KV index and cache/link-aware routing: serve it, inspect it.",
-    rich_help_panel=FLEET,
-)
-app.add_typer(bench_app, name="bench", help="Benchmarks that print JSON.", rich_help_panel=OFFLINE)
-_prose_help_everywhere(app)
+#: every top-level command and group, in `kvctl --help`'s order: (name, "module:attribute",
+#: help, panel, is a group). Imported only when used: each kvctl process (every agent, router
+#: and collector an operator or a test starts) imports and builds the one it runs, not the other
+#: command modules and typer's whole command tree (about 0.3-0.5 s of CPU a process on a 2-core
+#: VM). ``CONTROL`` stands for kvctl.cli.control's commands, in its order.
+_ENTRIES: list[tuple[str, str, str, str, bool]] = [
+    ("fleet", "fleet:fleet_app", "The fleet inventory: DCs, nodes, links; import and export.",
+     FLEET, True),
+    ("status", "status:status_command",
+     "Every node: up/down, hit ratio, occupancy; totals per DC.", FLEET, False),
+    ("top", "top:top_command", "Live view: sort, filter, drill into a node, act from it.", FLEET,
+     False),
+    ("lookup", "lookup:lookup_command", "Which chunks of a prompt are cached, where.", FLEET,
+     False),
+    ("doctor", "doctor:doctor_command", "Check the database, agents, NVML, disks and clocks.",
+     FLEET, False),
+    ("audit", "audit:audit_command", "What operators' kvctl did: who, when, what, result.", FLEET,
+     False),
+    ("route", "router:route_command", "Which node should serve a prompt, and why (modeled).",
+     FLEET, False),
+    (CONTROL, "", "", CONTROL, False),
+    ("collect", "collect:collect_command", "Record the fleet's metrics in the database.",
+     METRICS, False),
+    ("dashboard", "dashboard:dashboard_command",
+     "Serve the managers' dashboard: efficiency across DCs, links, capacity.", METRICS, False),
+    ("demo", "demo:demo_command",
+     "The main job: a fleet of agents in two DCs serving a replayed workload.", WORKLOADS, False),
+    ("replay", "replay:replay_command", "Drive the agents with a workload or trace, for real.",
+     WORKLOADS, False),
+    ("plan", "plan:plan_command", "What-if: tier sizes and pool distance vs hit ratio and TTFT.",
+     WORKLOADS, False),
+    ("simulate", "simulate:simulate_command",
+     "Replay a trace offline and compare eviction policies.", OFFLINE, False),
+    ("keys", "keys:keys_command", "Show the chunk keys of a token sequence or a text.", OFFLINE,
+     False),
+    ("db", "db:db_app", "Schema and upkeep of the metrics database.", METRICS, True),
+    ("agent", "agent:agent_app", "Run and inspect the tiered KV-cache agent on this node.", NODE,
+     True),
+    ("router", "router:router_app",
+     "The fleet's KV index and cache/link-aware routing: serve it, inspect it.", FLEET, True),
+    ("bench", "bench:bench_app", "Benchmarks that print JSON.", OFFLINE, True),
+]  # fmt: skip
+
+
+def _load(target: str) -> Any:
+    module, attribute = target.split(":")
+    return getattr(importlib.import_module(f"kvctl.cli.{module}"), attribute)
+
+
+def build_app(only: str | None = None) -> typer.Typer:
+    """The `kvctl` command: every command, or only the one named ``only`` (a top-level command
+    or group; None or an unknown name: all), which answers exactly as in the whole CLI."""
+    known = {entry[0] for entry in _ENTRIES}
+    if only is not None and only not in known:
+        from kvctl.cli.control import COMMANDS as control_commands
+
+        if only not in control_commands:
+            only = None
+    root = typer.Typer(
+        name="kvctl",
+        help="Operate fleets of LLM inference nodes that share tiered KV caches.",
+        no_args_is_help=True,
+        rich_markup_mode="rich",
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    root.callback()(_root)
+    for name, target, short, panel, group in _ENTRIES:
+        if name == CONTROL:
+            from kvctl.cli.control import COMMANDS as control_commands
+
+            for cname, (fn, cshort) in control_commands.items():
+                if only in (None, cname):
+                    root.command(cname, short_help=cshort, rich_help_panel=CONTROL)(fn)
+        elif only in (None, name):
+            if group:
+                root.add_typer(_load(target), name=name, help=short, rich_help_panel=panel)
+            else:
+                root.command(name, short_help=short, rich_help_panel=panel)(_load(target))
+    _prose_help_everywhere(root)
+    return root
+
+
+_whole: typer.Typer | None = None
+
+
+def __getattr__(name: str) -> Any:
+    """``app``: the whole CLI (as tests and ``typer.testing.CliRunner`` use it), built once."""
+    global _whole
+    if name == "app":
+        if _whole is None:
+            _whole = build_app()
+        return _whole
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 #: set (to anything) to see the traceback of a failure kvctl did not foresee
@@ -156,7 +162,7 @@ def main() -> None:
     # commands check their extra first; this catches an import any of them left unchecked
     try:
         with extra_errors("this kvctl command"):
-            app()
+            build_app(sys.argv[1] if len(sys.argv) > 1 else None)()
     except typer.Exit as exc:  # raised outside click's own handling of it
         raise SystemExit(exc.exit_code) from None
     except Exception as exc:
