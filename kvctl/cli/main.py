@@ -125,6 +125,8 @@ def build_app(only: str | None = None) -> typer.Typer:
     root.callback()(_root)
     for name, target, short, panel, group in _ENTRIES:
         if name == CONTROL:
+            if only in known:
+                continue
             from kvctl.cli.control import COMMANDS as control_commands
 
             for cname, (fn, cshort) in control_commands.items():
