@@ -201,6 +201,9 @@ def serving_config(
         log_config=None,  # keep the process's logging set-up (kvctl's format, one stream)
         access_log=False,
         lifespan="off",
+        # no WebSocket endpoints: an upgrade request is answered as plain HTTP, and the
+        # websockets/wsproto modules are not loaded at each daemon's start
+        ws="none",
         timeout_graceful_shutdown=graceful_shutdown_s,
         http=deadline_protocol(header_timeout_s, body_timeout_s),
         limit_concurrency=MAX_CONNECTIONS,
