@@ -207,6 +207,12 @@ class StoreCollector(Collector):
             "bypassed_puts",
         )
         yield store_counter(
+            "kvctl_unreachable_puts",
+            "Of kvctl_bypassed_puts, the puts bypass_unreachable turned away: deeper in their "
+            "chain than all the tiers hold, so no lookup from the chain's start could reach them.",
+            "unreachable_puts",
+        )
+        yield store_counter(
             "kvctl_spilled_puts",
             "Puts that landed in a lower tier because no room could be made in a higher one "
             "(e.g. free space split by leased chunks).",

@@ -75,7 +75,11 @@ class StoreStats:
     drops: int = 0
     demotion_failures: int = 0
     admission_refused: int = 0
+    #: puts not stored: declined by a policy's admission check, or turned away as unreachable
     bypassed_puts: int = 0
+    #: of those, the ones ``bypass_unreachable`` turned away (deeper in their chain than all
+    #: the tiers hold), so an operator can tell the rule from a policy's declines
+    unreachable_puts: int = 0
     corrupt_dropped: int = 0
     tiers: dict[str, TierStats] = field(default_factory=dict)
 
@@ -93,6 +97,7 @@ class StoreStats:
             "demotion_failures": self.demotion_failures,
             "admission_refused": self.admission_refused,
             "bypassed_puts": self.bypassed_puts,
+            "unreachable_puts": self.unreachable_puts,
             "corrupt_dropped": self.corrupt_dropped,
             "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
         }

@@ -780,7 +780,10 @@ class TieredStore:
                 refused.filesystem_full_tiers = tuple(full)  # the data plane says which
                 raise refused from exc
             if plan is None:
-                self._accounting.stats.bypassed_puts += 1
+                stats = self._accounting.stats
+                stats.bypassed_puts += 1
+                if not pinned and self._unreachable(entry):
+                    stats.unreachable_puts += 1
                 return True, None, []
             target, victims = plan
             entry.tier = target.name

@@ -140,7 +140,11 @@ class StoreCounters(TypedDict):
     drops: int
     demotion_failures: int
     admission_refused: int
+    #: puts not stored: a policy declined them, or they were unreachable (below)
     bypassed_puts: int
+    #: of ``bypassed_puts``, those turned away as deeper in their chain than all the tiers
+    #: hold (the ``bypass_unreachable`` setting)
+    unreachable_puts: int
     corrupt_dropped: int
     rerouted_puts: int
     spilled_puts: int

@@ -42,6 +42,7 @@ STORE_COUNTERS = {
     "kvctl_demotion_failures",
     "kvctl_admission_refused",
     "kvctl_bypassed_puts",
+    "kvctl_unreachable_puts",
     "kvctl_spilled_puts",
     "kvctl_rerouted_puts",
     "kvctl_corrupt_chunks",
@@ -132,6 +133,7 @@ def test_store_counters_match_store_stats(store: TieredStore, busy: dict[str, An
     assert m.value("kvctl_demotion_failures_total") == st.demotion_failures
     assert m.value("kvctl_admission_refused_total") == st.admission_refused
     assert m.value("kvctl_bypassed_puts_total") == st.bypassed_puts
+    assert m.value("kvctl_unreachable_puts_total") == st.unreachable_puts
     assert m.value("kvctl_spilled_puts_total") == store.spilled_puts
     assert m.value("kvctl_rerouted_puts_total") == store.rerouted_puts
     assert m.value("kvctl_corrupt_chunks_total") == st.corrupt_dropped
@@ -187,6 +189,7 @@ def test_bypassed_puts_count_and_say_the_unreachable_rule(ns: Namespace) -> None
             store.put(k, bytes(CHUNK), parent=parent, depth=depth)  # room for 3: 2 turned away
         m = scrape(AgentMetrics(store))
         assert m.value("kvctl_bypassed_puts_total") == 2
+        assert m.value("kvctl_unreachable_puts_total") == 2  # the rule's own, apart
         assert "bypass_unreachable" in m.families["kvctl_bypassed_puts"].documentation
     finally:
         store.close()

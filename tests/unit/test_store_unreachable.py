@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from kvctl.store.index import Entry
+from kvctl.store.policies.lru import LineageLRUPolicy
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
@@ -43,6 +45,7 @@ def test_a_chain_deeper_than_the_tier_stores_what_a_lookup_can_reach_and_no_more
     where = put_chain(store, 0, 7)
     assert where[:3] == ["cpu"] * 3 and where[4:] == [None] * 3
     assert store.stats.bypassed_puts == bypassed + 3
+    assert store.stats.unreachable_puts == 3  # the rule's own count, apart from policies'
     assert all(key(i) not in store for i in range(4, 7))
     # only the chunk at depth 3 (the tier's 4th) could be stored, and it took one place
     assert where[3] == "cpu" and store.stats.tiers["cpu"].evictions["capacity"] == 1
@@ -53,7 +56,7 @@ def test_a_chain_deeper_than_the_tier_stores_what_a_lookup_can_reach_and_no_more
 def test_without_the_setting_every_chunk_is_stored() -> None:
     store = TieredStore([CpuTier(4 * CHUNK)])  # the store's default: off
     assert put_chain(store, 0, 7) == ["cpu"] * 7
-    assert store.stats.bypassed_puts == 0
+    assert store.stats.bypassed_puts == store.stats.unreachable_puts == 0
     # the tail (stored, never to be matched) pushed the chain's middle out: a lookup from its
     # first chunk matches 1 chunk, against 4 with the setting
     assert store.lookup([key(i) for i in range(7)], tenant="t").matched_chunks == 1
@@ -130,3 +133,18 @@ def test_system_prompt_keeps_its_short_prompts_when_long_tails_are_turned_away()
     # tails no longer flush the 1k-10k ones); Belady already turns them away itself
     assert turned.result("lineage-lru").hit_blocks > 2 * kept.result("lineage-lru").hit_blocks
     assert turned.result("belady").hit_blocks == kept.result("belady").hit_blocks
+
+
+class _Declining(LineageLRUPolicy):
+    """A policy that declines every newcomer on a full tier (as Belady's bypass does)."""
+
+    def admit(self, entry: Entry, now_s: float) -> bool:
+        return False
+
+
+def test_a_policys_decline_is_bypassed_but_not_counted_as_unreachable() -> None:
+    store = TieredStore([CpuTier(2 * CHUNK)], eviction={"cpu": _Declining()})
+    assert put_chain(store, 0, 2) == ["cpu", "cpu"]  # room for both
+    assert put_chain(store, 10, 1) == [None]  # a full tier: the policy declines
+    assert store.stats.bypassed_puts == 1 and store.stats.unreachable_puts == 0
+    assert store.stats.as_dict()["unreachable_puts"] == 0
