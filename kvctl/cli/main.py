@@ -164,7 +164,9 @@ def main() -> None:
     # commands check their extra first; this catches an import any of them left unchecked
     try:
         with extra_errors("this kvctl command"):
-            build_app(sys.argv[1] if len(sys.argv) > 1 else None)()
+            # the whole CLI once something has used (and may have extended) ``app``
+            cli = _whole or build_app(sys.argv[1] if len(sys.argv) > 1 else None)
+            cli()
     except typer.Exit as exc:  # raised outside click's own handling of it
         raise SystemExit(exc.exit_code) from None
     except Exception as exc:
