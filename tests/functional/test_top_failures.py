@@ -221,7 +221,16 @@ def test_an_agent_whose_gpus_hang_still_shows_its_figures(tmp_path: Path) -> Non
 
             async def script(pilot: Pilot[None]) -> None:
                 try:
-                    for n in range(1, 4):
+                    # a freshly started agent's first answer can miss one poll's wait on a
+                    # loaded machine: from the first poll that shows it up, three in a row must
+                    await until(
+                        pilot,
+                        lambda: app.view is not None and app.view.rows[0].state == "up",
+                        "a poll showing the agent up",
+                        timeout_s=60,
+                    )
+                    first = app.refreshes
+                    for n in range(first + 1, first + 4):
                         await until(
                             pilot, lambda n=n: app.refreshes >= n, f"poll {n}", timeout_s=30
                         )
