@@ -118,14 +118,7 @@ def test_demo_runs_for_its_duration_and_leaves_nothing_running(tmp_path: Path) -
     finally:
         engine.dispose()
 
-    # a second run in the same workspace starts over the leftovers (disk tiers, history)
-    again = _run_demo(tmp_path, workdir, "--duration", "6", "--workload", "chat")
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert "database: the collected counters equal the replay's" in again.stdout
-    assert "fra-1-a (fra-1)" in again.stdout and "modeled" in again.stdout
-    assert "router decisions" in again.stdout
-    assert "routing compared on the same" in again.stdout
-    assert _ours(workdir) == []
+    # a second run in the same workspace, over an earlier one's leftovers: see the next test
 
 
 def _wait_running(
@@ -171,8 +164,14 @@ def test_a_killed_demo_is_cleaned_up_by_the_next(tmp_path: Path) -> None:
     # four agents, the pool, the router, the collector and the dashboard
     assert len(_ours(workdir)) == 8
     assert Path(f"/proc/{dash['pid']}").exists()
+    # a second run in the same workspace starts over the leftovers (running processes, disk
+    # tiers, history), and its report reads as a first run's
     done = _run_demo(tmp_path, workdir, "--duration", "4", "--nodes-per-dc", "1")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "database: the collected counters equal the replay's" in done.stdout
+    assert "fra-1-a (fra-1)" in done.stdout and "modeled" in done.stdout
+    assert "router decisions" in done.stdout
+    assert "routing compared on the same" in done.stdout
     assert "left running by an earlier demo" in done.stdout
     for what in ("router router", "pool pool", "dashboard dashboard"):
         assert f"stopped {what} left running" in done.stdout, done.stdout
