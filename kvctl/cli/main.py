@@ -109,11 +109,11 @@ def _load(target: str) -> Any:
 def build_app(only: str | None = None) -> typer.Typer:
     """The `kvctl` command: every command, or only the one named ``only`` (a top-level command
     or group; None or an unknown name: all), which answers exactly as in the whole CLI."""
-    known = {entry[0] for entry in _ENTRIES}
-    if only is not None and only not in known:
-        from kvctl.cli.control import COMMANDS as control_commands
+    control: dict[str, tuple[Any, str]] = {}  # imported only when one of them may be built
+    if only not in {entry[0] for entry in _ENTRIES if entry[0] != CONTROL}:
+        from kvctl.cli.control import COMMANDS as control
 
-        if only not in control_commands:
+        if only not in control:
             only = None
     root = typer.Typer(
         name="kvctl",
@@ -125,11 +125,7 @@ def build_app(only: str | None = None) -> typer.Typer:
     root.callback()(_root)
     for name, target, short, panel, group in _ENTRIES:
         if name == CONTROL:
-            if only in known:
-                continue
-            from kvctl.cli.control import COMMANDS as control_commands
-
-            for cname, (fn, cshort) in control_commands.items():
+            for cname, (fn, cshort) in control.items():
                 if only in (None, cname):
                     root.command(cname, short_help=cshort, rich_help_panel=CONTROL)(fn)
         elif only in (None, name):
