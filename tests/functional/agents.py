@@ -22,6 +22,10 @@ from kvctl.client import AgentClient, DataClient
 from kvctl.ports import free_loopback_port
 
 EPHEMERAL = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0"]
+#: the host-memory tier of an agent whose test does not size it: the default (1 GiB) is
+#: committed at start and released at stop, about 0.4 s of CPU for each of the suite's
+#: hundreds of agents, for room no test without --cpu fills
+TEST_CPU = ["--cpu", "64MiB"]
 
 
 @dataclass
@@ -58,7 +62,10 @@ def start_agent(data_dir: Path, *args: str, token: str = "") -> Agent:
     env["XDG_CONFIG_HOME"] = str(data_dir / "xdg")  # no user config file leaks in
     if token:
         env["KVCTL_TOKEN"] = token
-    proc, state = spawn_agent([*EPHEMERAL, *args], data_dir, env=env, detach=False)
+    sized = any(a in ("--cpu", "--config", "-c") or a.startswith("--cpu=") for a in args)
+    proc, state = spawn_agent(
+        [*EPHEMERAL, *([] if sized else TEST_CPU), *args], data_dir, env=env, detach=False
+    )
     _started.append(proc)
     return Agent(data_dir, proc, state, token, list(args))
 
