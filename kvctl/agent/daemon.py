@@ -11,11 +11,11 @@ the lock when the process dies, however it dies, so a held lock is the only proo
 another process's, even another agent's, which ``stop`` must never signal. Two agents started
 at once on one data directory meet at the lock, and one of them refuses.
 
-A detached agent gets its settings in ``<data_dir>/agent-settings.PID.toml`` (0600, removed
-once it has read them), not on its command line: ``ps`` shows every process's argv to every
-user, and the settings may hold a token or a pool password. One that no agent will read (its
-start killed before its agent read it; an older build's ``agent-settings.toml``) is removed by
-the next agent to hold the data directory.
+A detached agent gets its settings in an anonymous memory file (memfd) it inherits, not on its
+command line (``ps`` shows every process's argv to every user, and the settings may hold a token
+or a pool password) and not in a file: a start killed at any moment leaves them nowhere. A
+settings file an older build's start left in the data directory (``agent-settings.toml``, or
+``agent-settings.PID.toml`` whose start is gone) is removed by the next agent to hold it.
 
 A detached agent's log, ``<data_dir>/agent.log``, is rolled over by size (``kvctl.agent.logfile``).
 """
@@ -63,9 +63,9 @@ LOCK_FILE = "agent.lock"
 #: microseconds, another agent for as long as it runs
 LOCK_WAIT_S = 2.0
 LOG_FILE = "agent.log"
-#: the settings a detached agent starts with, in the ``[agent]`` table ``load_settings`` reads:
-#: each start's own file (``agent-settings.PID.toml``, its pid), so two at once on one data dir
-#: each hand their own child their own settings
+#: where older builds' detached starts handed their agent its settings, each its own file
+#: (``agent-settings.PID.toml``, its pid): one whose start was killed before its agent read it
+#: stayed in the data dir, token and all
 SETTINGS_FILE_PATTERN = "agent-settings.*.toml"
 
 
@@ -74,19 +74,14 @@ SETTINGS_FILE_PATTERN = "agent-settings.*.toml"
 OLD_SETTINGS_FILE = "agent-settings.toml"
 
 
-def settings_file(data_dir: Path) -> Path:
-    """Where this process hands a detached agent its settings."""
-    return data_dir / f"agent-settings.{os.getpid()}.toml"
-
-
 def remove_stale_settings(data_dir: Path) -> list[Path]:
     """Remove the settings files that no agent will read from ``data_dir`` (they may hold a
-    token or a pool password): an older build's ``agent-settings.toml``, and each
-    ``agent-settings.PID.toml`` whose start (PID) is gone, killed before its agent read it. A
-    live start's is left to it, and so is what no start of this user wrote (not a regular file,
-    another user's, a name with no pid in it: logged), or what cannot be removed (logged): a
-    clean-up never keeps the agent from starting. For the agent that holds ``data_dir``'s lock;
-    the paths removed."""
+    token or a pool password), which older builds' starts left: ``agent-settings.toml``, and
+    each ``agent-settings.PID.toml`` whose start (PID) is gone, killed before its agent read it.
+    A live start's is left to it (an older build's, running now), and so is what no start of
+    this user wrote (not a regular file, another user's, a name with no pid in it: logged), or
+    what cannot be removed (logged): a clean-up never keeps the agent from starting. For the
+    agent that holds ``data_dir``'s lock; the paths removed."""
     removed = []
     for path in sorted(data_dir.glob("agent-settings*.toml")):
         if not _stale_settings_name(path.name):
@@ -965,30 +960,45 @@ def spawn_with_settings(
     lines: Callable[[str], None] | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
-    in :func:`settings_file` (0600), which the child reads with ``load_settings`` and nothing
-    else (no config file, no ``KVCTL_*`` variable), and which is removed once it serves or
-    fails. ``timeout_s``: by default ``start_timeout_seconds(settings)``; ``limit_s``: the
-    start's bound whatever the agent logs (``StartWait``); ``lines``: told each line the agent
-    logged from its start until it served (:func:`wait_serving`)."""
+    in an anonymous memory file the child inherits (:func:`settings_memfd`), which it reads
+    with ``load_settings`` and nothing else (no config file, no ``KVCTL_*`` variable). Nothing
+    holding them touches the disk, so a start killed at any moment leaves no token behind.
+    ``timeout_s``: by default ``start_timeout_seconds(settings)``; ``limit_s``: the start's
+    bound whatever the agent logs (``StartWait``); ``lines``: told each line the agent logged
+    from its start until it served (:func:`wait_serving`)."""
     if timeout_s is None:
         timeout_s = start_timeout_seconds(settings)
-    data_dir = settings.data_path
-    make_private_dir(data_dir, "data directory")
-    path = settings_file(data_dir)
-    write_private(path, settings_toml(settings))
+    fd = settings_memfd(settings_toml(settings))
     try:
         return _spawn(
-            ["--settings-file", str(path)],
-            data_dir,
+            ["--settings-fd", str(fd)],
+            settings.data_path,
             timeout_s,
             env,
             detach,
             progress,
             limit_s,
             lines,
+            pass_fds=(fd,),
         )
     finally:
-        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def settings_memfd(text: str) -> int:
+    """A file descriptor of an anonymous memory file holding ``text``, for a child to inherit
+    (close-on-exec until ``Popen(pass_fds=...)`` hands it on) and read as
+    ``/proc/self/fd/FD``. Only this user's processes can open it; it is gone once the last one
+    holding it closes it or exits."""
+    fd = os.memfd_create("kvctl-agent-settings", os.MFD_CLOEXEC)
+    try:
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data) :]
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def settings_toml(settings: AgentSettings) -> str:
@@ -1056,6 +1066,7 @@ def _spawn(
     progress: Callable[[float, str], None] | None = None,
     limit_s: float | None = None,
     lines: Callable[[str], None] | None = None,
+    pass_fds: tuple[int, ...] = (),
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     make_private_dir(data_dir, "data directory")
     log_path = data_dir / LOG_FILE
@@ -1071,6 +1082,7 @@ def _spawn(
                 stderr=subprocess.STDOUT,
                 start_new_session=detach,
                 env=env,
+                pass_fds=pass_fds,
             )
         except BaseException:
             log.close()
@@ -1083,10 +1095,15 @@ def _spawn(
         return proc, why
     free = free_bytes(data_dir)
     if free is not None and free < FULL_BELOW_BYTES:
+        tail = _tail(log_path)
         raise DataDirFull(
             f"the agent did not start ({why}): the filesystem holding {data_dir} has "
             f"{free:,} bytes free, too few for the files the agent writes there (agent.json); "
-            f"the end of {log_path}:\n" + _tail(log_path)
+            + (
+                f"the end of {log_path}:\n{tail}"
+                if tail.strip()
+                else f"its log, {log_path}, is empty: no room for it either"
+            )
         )
     raise RuntimeError(
         f"the agent did not start ({why}); the end of {log_path}:\n" + _tail(log_path)

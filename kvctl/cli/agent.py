@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -55,17 +56,19 @@ def _load(config: Path | None, **flags: object) -> LoadedSettings:
         fail(str(exc), hint="`kvctl agent config --show` prints every setting and its source")
 
 
-def _handed_over(path: Path) -> AgentSettings:
-    """The settings a detaching `kvctl agent start` wrote for this process, as they are: no
-    config file and no KVCTL_* variable applies on top."""
+def _handed_over(fd: int) -> AgentSettings:
+    """The settings a detaching `kvctl agent start` handed this process in the memory file it
+    inherited as ``fd`` (``settings_memfd``), as they are: no config file and no KVCTL_*
+    variable applies on top."""
     from kvctl.agent.config import ConfigError, load_settings
 
     try:
-        return load_settings(config_file=path, env={}).settings
+        return load_settings(config_file=Path(f"/proc/self/fd/{fd}"), env={}).settings
     except ConfigError as exc:
         fail(str(exc), code=1)
-    finally:  # read: not left behind (it may hold a token) by a parent killed meanwhile
-        path.unlink(missing_ok=True)
+    finally:  # read: the agent's own children (a pool's redis client...) never hold it
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,10 +253,11 @@ def start_command(
             "progress), giving up 30 s (plus 3 s a GiB of memory) after its last line.",
         ),
     ] = None,
-    settings_file: Annotated[
-        Path | None,
-        # how --detach hands the child its settings (file 0600, never argv): not for people
-        typer.Option("--settings-file", hidden=True),
+    settings_fd: Annotated[
+        int | None,
+        # how --detach hands the child its settings (an inherited memory file, never argv or a
+        # file on disk): not for people
+        typer.Option("--settings-fd", hidden=True),
     ] = None,
 ) -> None:
     """Start the agent: the control API, the data plane (TCP, Unix socket, shared memory)
@@ -282,8 +286,8 @@ def start_command(
     """
     if start_timeout is not None and not detach:
         fail("--start-timeout bounds a --detach start", hint="add --detach, or drop it")
-    if settings_file:
-        settings = _handed_over(settings_file)
+    if settings_fd is not None:
+        settings = _handed_over(settings_fd)
     else:
         loaded = _load(config, **flags.as_flags())
         settings = loaded.settings

@@ -288,26 +288,54 @@ def _start_cmd(tmp_path: Path, data_dir: Path, *args: str) -> tuple[list[str], d
     return [sys.executable, "-m", "kvctl", "agent", "start", *argv], env
 
 
-def test_a_detach_killed_midway_leaves_no_settings_file_with_its_token(tmp_path: Path) -> None:
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                stat_text = Path(entry.path, "stat").read_text()
+            except OSError:
+                continue  # gone meanwhile
+            if int(stat_text.rpartition(")")[2].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _files_holding(root: Path, secret: bytes) -> list[str]:
+    return (
+        [str(p) for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
+        if root.exists()
+        else []
+    )
+
+
+def test_a_detach_killed_at_any_moment_leaves_its_token_in_no_file(tmp_path: Path) -> None:
+    """Killed (a closed ssh session, an OOM kill) before its agent exists, and again once it
+    does: the token it hands its agent is in no file either time, and the agent started the
+    second time serves on."""
     data_dir = tmp_path / "agent"
     cmd, env = _start_cmd(tmp_path, data_dir)
     env["KVCTL_TOKEN"] = "midway-t0ken"
+    at_once = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    at_once.kill()
+    at_once.wait(10)
     parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        # killed as soon as it has handed the settings over (a closed ssh session, an OOM kill)
         for _ in range(2000):  # a hang guard, 100 s at most
-            if list(data_dir.glob("agent-settings*")) or parent.poll() is not None:
+            if _children(parent.pid) or parent.poll() is not None:
                 break
             time.sleep(0.05)
-        parent.kill()
+        assert parent.poll() is None, "the start ended before it had started its agent"
+        parent.kill()  # its agent exists: it holds its settings already
         parent.wait(10)
         for _ in range(600):  # its agent, in a session of its own, starts on
             if (state := AgentState.read(data_dir)) is not None and state.alive:
                 break
             time.sleep(0.1)
         assert AgentState.read(data_dir) is not None, "the detached agent did not start"
-        left = [p.name for p in data_dir.iterdir() if p.name.startswith("agent-settings")]
-        assert not left, "the settings, token and all, stayed in the data dir"
+        assert not list(data_dir.glob("agent-settings*"))
+        assert not _files_holding(tmp_path, b"midway-t0ken")
     finally:
         stop_agent(data_dir, timeout_s=20, force=True)
 

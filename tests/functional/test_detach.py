@@ -1,5 +1,6 @@
-"""`kvctl agent start --detach`: the child gets its settings in a private file, never on its
-command line (which `ps` shows every user), and runs with exactly the parent's settings."""
+"""`kvctl agent start --detach`: the child gets its settings in a memory file it inherits, never
+on its command line (which `ps` shows every user) nor in a file a killed start could leave
+behind, and runs with exactly the parent's settings."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from kvctl.agent import daemon
+from kvctl.agent.config import load_settings
 from kvctl.agent.daemon import SETTINGS_FILE_PATTERN, AgentState, stop_agent
 from kvctl.client import AgentClient
 from tests.functional.agents import closed_port
@@ -26,7 +29,7 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
     stop_agent(path, timeout_s=20, force=True)
 
 
-def test_detached_agent_gets_its_settings_in_a_file_not_argv(
+def test_detached_agent_gets_its_settings_in_a_memory_file_not_argv_nor_a_file(
     tmp_path: Path, data_dir: Path
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
@@ -49,9 +52,16 @@ def test_detached_agent_gets_its_settings_in_a_file_not_argv(
     state = AgentState.read(data_dir)
     assert state is not None and state.alive
     argv = Path(f"/proc/{state.pid}/cmdline").read_bytes().split(b"\0")
-    assert b"--settings-file" in argv
+    assert b"--settings-fd" in argv
     assert not any(TOKEN.encode() in a or POOL_PASSWORD.encode() in a for a in argv), argv
-    assert not list(data_dir.glob(SETTINGS_FILE_PATTERN))  # read at start, then removed
+    assert not list(data_dir.glob(SETTINGS_FILE_PATTERN))
+    secrets = (TOKEN.encode(), POOL_PASSWORD.encode())
+    assert not [
+        p for p in data_dir.rglob("*") if p.is_file() and any(s in p.read_bytes() for s in secrets)
+    ]
+    # read at start, then closed: the running agent holds no memory file with them
+    fds = Path(f"/proc/{state.pid}/fd")
+    assert not [fd.name for fd in fds.iterdir() if "kvctl-agent-settings" in os.readlink(fd)]
     with AgentClient(state.control_url, token=TOKEN) as client:
         info = client.info()
     assert info["name"] == "detached-1"
@@ -71,3 +81,39 @@ def test_an_agent_not_serving_in_time_is_stopped_and_the_error_says_so(
     assert "the end of" in str(caught.value)  # with its log's tail
     state = AgentState.read(data_dir)
     assert state is None or not state.alive
+
+
+def test_no_file_holds_the_token_when_the_child_is_spawned(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The moment the child is spawned is the last a kill of its start could strand what it
+    hands over: nothing under the data dir (nor its parent) holds the token then."""
+    flags = {
+        "data_dir": str(data_dir), "listen": "127.0.0.1:0", "data_listen": "127.0.0.1:0",
+        "cpu": "8MiB", "disk": 0, "token": TOKEN,
+    }  # fmt: skip
+    settings = load_settings(flags=flags, env={}).settings
+    seen: list[list[str]] = []
+    real_popen = subprocess.Popen
+
+    def spawning(*args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(
+            [
+                str(p)
+                for p in tmp_path.rglob("*")
+                if p.is_file() and TOKEN.encode() in p.read_bytes()
+            ]
+        )
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(daemon.subprocess, "Popen", spawning)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    proc, state = daemon.spawn_with_settings(settings, env=env, detach=False)
+    try:
+        assert seen == [[]]
+        with AgentClient(state.control_url, token=TOKEN) as client:
+            assert client.info()["tiers"][0]["capacity_bytes"] == 8 << 20
+    finally:
+        stop_agent(data_dir, timeout_s=20, force=True)
+        proc.wait(20)

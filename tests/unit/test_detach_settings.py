@@ -1,8 +1,10 @@
-"""The settings file a detaching `kvctl agent start` hands its child: read back by the agent's
-own loader, it gives the same settings, secrets and odd characters included."""
+"""The settings a detaching `kvctl agent start` hands its child in a memory file: read back by
+the agent's own loader, as the child reads them, they are the same settings, secrets and odd
+characters included; and the memory file is no file in any directory."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -10,13 +12,13 @@ from kvctl.agent.config import load_settings
 from kvctl.agent.daemon import (
     START_SECONDS,
     START_SECONDS_PER_GIB,
+    settings_memfd,
     settings_toml,
     start_timeout_seconds,
-    write_private,
 )
 
 
-def test_settings_round_trip_through_the_file(tmp_path: Path) -> None:
+def test_settings_round_trip_through_the_memory_file(tmp_path: Path) -> None:
     flags: dict[str, object] = {
         "name": "gpu-07",
         "dc": 'fra "1"\\x',
@@ -35,10 +37,18 @@ def test_settings_round_trip_through_the_file(tmp_path: Path) -> None:
         "shm": False,
     }
     original = load_settings(flags=flags, env={}).settings
-    path = tmp_path / "agent-settings.toml"
-    write_private(path, settings_toml(original))
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert load_settings(config_file=path, env={}).settings == original
+    fd = settings_memfd(settings_toml(original))
+    try:
+        assert not os.get_inheritable(fd)  # only a child it is passed to gets it
+        assert stat.S_ISREG(os.fstat(fd).st_mode)
+        # read as the child reads it, twice: each open starts at the beginning
+        for _ in range(2):
+            path = Path(f"/proc/self/fd/{fd}")
+            assert load_settings(config_file=path, env={}).settings == original
+        assert os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:kvctl-agent-settings")
+    finally:
+        os.close(fd)
+    assert not list(tmp_path.rglob("*agent-settings*"))
 
 
 def test_defaults_round_trip(tmp_path: Path) -> None:
