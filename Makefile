@@ -11,9 +11,10 @@ TORCH ?= torch==2.13.0
 # e.g. DEMO_ARGS="--duration 60 --no-browser" for a headless run
 DEMO_ARGS ?=
 # pytest-xdist workers for `make test`, each taking whole test files: most functional tests wait
-# on the processes they start, so 3 workers about halve the suite's time on 2 cores; 0 runs it
-# in one process (e.g. for --snapshot-update)
-PYTEST_WORKERS ?= 3
+# on the processes they start, so one more worker than cores (3 on 2 cores about halve the
+# suite's time), at most 8 (each holds torch and the processes its tests start); 0 runs it in
+# one process (e.g. for --snapshot-update)
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); n=$$((n + 1)); echo $$((n < 3 ? 3 : n > 8 ? 8 : n)))
 # Python caches compiled modules (__pycache__, git-ignored) even where the environment asks it
 # not to: every agent and CLI the tests and the demo start would otherwise compile kvctl's
 # hundred-odd modules from source again (about 0.5 s of CPU each, hundreds of processes a run)
