@@ -961,36 +961,55 @@ def spawn_with_settings(
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
     in an anonymous memory file the child inherits (:func:`settings_memfd`), which it reads
-    with ``load_settings`` and nothing else (no config file, no ``KVCTL_*`` variable). Nothing
-    holding them touches the disk, so a start killed at any moment leaves no token behind.
-    ``timeout_s``: by default ``start_timeout_seconds(settings)``; ``limit_s``: the start's
-    bound whatever the agent logs (``StartWait``); ``lines``: told each line the agent logged
-    from its start until it served (:func:`wait_serving`)."""
+    with ``load_settings`` and nothing else (no config file, no ``KVCTL_*`` variable, none of
+    which it is given). Nothing holding them is in a file, so a start killed at any moment
+    leaves no token behind. ``timeout_s``: by default ``start_timeout_seconds(settings)``;
+    ``limit_s``: the start's bound whatever the agent logs (``StartWait``); ``lines``: told each
+    line the agent logged from its start until it served (:func:`wait_serving`). Raises
+    RuntimeError where this system has no memory files (not Linux, or a filter forbids them)."""
     if timeout_s is None:
         timeout_s = start_timeout_seconds(settings)
+    # the child reads none of them: a token there would only sit in /proc/PID/environ
+    env = {
+        k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("KVCTL_")
+    }
     fd = settings_memfd(settings_toml(settings))
-    try:
-        return _spawn(
-            ["--settings-fd", str(fd)],
-            settings.data_path,
-            timeout_s,
-            env,
-            detach,
-            progress,
-            limit_s,
-            lines,
-            pass_fds=(fd,),
-        )
-    finally:
-        os.close(fd)
+    return _spawn(
+        ["--settings-fd", str(fd)],
+        settings.data_path,
+        timeout_s,
+        env,
+        detach,
+        progress,
+        limit_s,
+        lines,
+        hand_over_fd=fd,
+    )
+
+
+#: the name a memory file of settings has (``/proc/PID/fd/N`` shows ``/memfd:NAME``)
+SETTINGS_MEMFD_NAME = "kvctl-agent-settings"
 
 
 def settings_memfd(text: str) -> int:
-    """A file descriptor of an anonymous memory file holding ``text``, for a child to inherit
-    (close-on-exec until ``Popen(pass_fds=...)`` hands it on) and read as
+    """A file descriptor (3 or above: never one of a child's standard streams, which its
+    ``Popen`` would put over it) of an anonymous memory file holding ``text``, for a child to
+    inherit (close-on-exec until ``Popen(pass_fds=...)`` hands it on) and read as
     ``/proc/self/fd/FD``. Only this user's processes can open it; it is gone once the last one
-    holding it closes it or exits."""
-    fd = os.memfd_create("kvctl-agent-settings", os.MFD_CLOEXEC)
+    holding it closes it or exits. RuntimeError where memory files cannot be made."""
+    try:
+        made = os.memfd_create(SETTINGS_MEMFD_NAME, os.MFD_CLOEXEC)
+    except (AttributeError, OSError) as exc:  # (no such call off Linux; ENOSYS, EPERM)
+        why = getattr(exc, "strerror", None) or "this system has no memfd_create"
+        raise RuntimeError(
+            f"cannot hand a detached agent its settings: no memory file ({why}); start it in "
+            "the foreground instead (without --detach; under systemd, `kvctl agent install`)"
+        ) from exc
+    try:
+        # a start run with its standard streams closed gets 0, 1 or 2 for it
+        fd = fcntl.fcntl(made, fcntl.F_DUPFD_CLOEXEC, 3)
+    finally:
+        os.close(made)
     try:
         data = text.encode()
         while data:
@@ -1066,27 +1085,33 @@ def _spawn(
     progress: Callable[[float, str], None] | None = None,
     limit_s: float | None = None,
     lines: Callable[[str], None] | None = None,
-    pass_fds: tuple[int, ...] = (),
+    hand_over_fd: int | None = None,
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
-    make_private_dir(data_dir, "data directory")
-    log_path = data_dir / LOG_FILE
-    with open_private_log(log_path) as out:
-        # from its end: earlier runs' lines are not this one's progress; and from this file,
-        # which the agent may roll over before it serves
-        log = LogFollower.open(log_path, out.seek(0, os.SEEK_END))
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvctl", "agent", "start", *args],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=detach,
-                env=env,
-                pass_fds=pass_fds,
-            )
-        except BaseException:
-            log.close()
-            raise
+    """``hand_over_fd``: a descriptor the child inherits (at the same number), closed here once
+    it is spawned (or could not be): the child holds the only copy while it starts."""
+    try:
+        make_private_dir(data_dir, "data directory")
+        log_path = data_dir / LOG_FILE
+        with open_private_log(log_path) as out:
+            # from its end: earlier runs' lines are not this one's progress; and from this file,
+            # which the agent may roll over before it serves
+            log = LogFollower.open(log_path, out.seek(0, os.SEEK_END))
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "kvctl", "agent", "start", *args],
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=detach,
+                    env=env,
+                    pass_fds=() if hand_over_fd is None else (hand_over_fd,),
+                )
+            except BaseException:
+                log.close()
+                raise
+    finally:
+        if hand_over_fd is not None:
+            os.close(hand_over_fd)
     with log:
         why = wait_serving(
             proc, data_dir, log, timeout_s, progress=progress, lines=lines, limit_s=limit_s

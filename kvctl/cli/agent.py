@@ -61,12 +61,31 @@ def _handed_over(fd: int) -> AgentSettings:
     inherited as ``fd`` (``settings_memfd``), as they are: no config file and no KVCTL_*
     variable applies on top."""
     from kvctl.agent.config import ConfigError, load_settings
+    from kvctl.agent.daemon import SETTINGS_MEMFD_NAME
 
+    path = Path(f"/proc/self/fd/{fd}")
     try:
-        return load_settings(config_file=Path(f"/proc/self/fd/{fd}"), env={}).settings
-    except ConfigError as exc:
-        fail(str(exc), code=1)
-    finally:  # read: the agent's own children (a pool's redis client...) never hold it
+        try:
+            target = os.readlink(path)
+        except OSError as exc:
+            fail(
+                f"cannot read the settings this agent's start handed it (descriptor {fd}, read "
+                f"as {path}): {exc.strerror or exc}",
+                hint="is /proc mounted? or start the agent in the foreground (without --detach)",
+                code=1,
+            )
+        if not target.startswith(f"/memfd:{SETTINGS_MEMFD_NAME}"):
+            # (anything else would load as a config file, or as defaults where it reads empty)
+            fail(
+                f"descriptor {fd} is {target}, not the settings a detaching start hands its "
+                "agent: --settings-fd is kvctl agent start --detach's own",
+                code=1,
+            )
+        try:
+            return load_settings(config_file=path, env={}).settings
+        except ConfigError as exc:
+            fail(str(exc), code=1)
+    finally:  # read: the agent's own children never hold it
         with contextlib.suppress(OSError):
             os.close(fd)
 
@@ -299,7 +318,7 @@ def start_command(
                 "[yellow]warning:[/] the password in --pool is on this agent's command line, "
                 "which `ps` shows every user for as long as it runs: give the pool URL in "
                 "KVCTL_POOL or the config file (0600), or start it with --detach (its agent "
-                "gets its settings in a private file)",
+                "gets its settings in memory, not on its command line)",
                 highlight=False,
                 soft_wrap=True,
             )

@@ -25,8 +25,9 @@ PIPED_WIDTH = 240
 
 
 def _piped_width() -> int | None:
-    """PIPED_WIDTH where standard output is not a terminal and COLUMNS does not say otherwise."""
-    if os.environ.get("COLUMNS") or sys.stdout.isatty():
+    """PIPED_WIDTH where standard output is not a terminal and COLUMNS does not say otherwise
+    (closed, ``>&-``: Python's ``sys.stdout`` is None, and output goes nowhere)."""
+    if os.environ.get("COLUMNS") or (sys.stdout is not None and sys.stdout.isatty()):
         return None
     return PIPED_WIDTH
 

@@ -1,6 +1,7 @@
 """`kvctl agent start` where the filesystem holding the data directory is full (the disk tier,
 DATA_DIR/disk by default, filled it): one line naming the file that could not be written and
-why, a hint that fits, exit 2, no traceback, in the foreground and with --detach. Found in
+why (with --detach, whose agent had no room to log it, one saying the filesystem is full), a
+hint that fits, exit 2, no traceback. Found in
 review: the foreground said '[Errno 28] No space left on device' naming no file with a hint about
 sizes and ports (exit 1), --detach 'kvctl failed where it did not expect to' (a bug's message).
 The hint's way out (a smaller --disk, in the foreground) is checked too. Real ENOSPC from a

@@ -4,6 +4,7 @@ by now, even another agent's. And two agents on one data dir: the second must re
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -303,23 +304,20 @@ def _children(pid: int) -> list[int]:
 
 
 def _files_holding(root: Path, secret: bytes) -> list[str]:
-    return (
-        [str(p) for p in root.rglob("*") if p.is_file() and secret in p.read_bytes()]
-        if root.exists()
-        else []
-    )
+    found = []
+    for path in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # (gone meanwhile)
+            if path.is_file() and secret in path.read_bytes():
+                found.append(str(path))
+    return found
 
 
-def test_a_detach_killed_at_any_moment_leaves_its_token_in_no_file(tmp_path: Path) -> None:
-    """Killed (a closed ssh session, an OOM kill) before its agent exists, and again once it
-    does: the token it hands its agent is in no file either time, and the agent started the
-    second time serves on."""
+def test_a_detach_killed_midway_leaves_its_token_in_no_file(tmp_path: Path) -> None:
+    """Killed (a closed ssh session, an OOM kill) once its agent exists, before it serves: the
+    token it hands its agent is in no file, and the agent serves on."""
     data_dir = tmp_path / "agent"
     cmd, env = _start_cmd(tmp_path, data_dir)
     env["KVCTL_TOKEN"] = "midway-t0ken"
-    at_once = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    at_once.kill()
-    at_once.wait(10)
     parent = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         for _ in range(2000):  # a hang guard, 100 s at most

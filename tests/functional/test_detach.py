@@ -4,6 +4,7 @@ behind, and runs with exactly the parent's settings."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -14,12 +15,29 @@ import pytest
 
 from kvctl.agent import daemon
 from kvctl.agent.config import load_settings
-from kvctl.agent.daemon import SETTINGS_FILE_PATTERN, AgentState, stop_agent
+from kvctl.agent.daemon import SETTINGS_FILE_PATTERN, SETTINGS_MEMFD_NAME, AgentState, stop_agent
 from kvctl.client import AgentClient
 from tests.functional.agents import closed_port
 
 TOKEN = "detach-s3cret-token"
 POOL_PASSWORD = "p00l-passw0rd"
+
+
+def _holding(root: Path, secrets: tuple[bytes, ...]) -> list[Path]:
+    found = []
+    for path in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # (gone meanwhile)
+            if path.is_file() and any(s in path.read_bytes() for s in secrets):
+                found.append(path)
+    return found
+
+
+def _fd_targets(pid: int) -> list[str]:
+    targets = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # (closed meanwhile)
+            targets.append(os.readlink(fd))
+    return targets
 
 
 @pytest.fixture
@@ -56,12 +74,11 @@ def test_detached_agent_gets_its_settings_in_a_memory_file_not_argv_nor_a_file(
     assert not any(TOKEN.encode() in a or POOL_PASSWORD.encode() in a for a in argv), argv
     assert not list(data_dir.glob(SETTINGS_FILE_PATTERN))
     secrets = (TOKEN.encode(), POOL_PASSWORD.encode())
-    assert not [
-        p for p in data_dir.rglob("*") if p.is_file() and any(s in p.read_bytes() for s in secrets)
-    ]
+    assert not _holding(data_dir, secrets)
+    environ = Path(f"/proc/{state.pid}/environ").read_bytes()
+    assert not any(s in environ for s in secrets)  # it reads no KVCTL_* variable: given none
     # read at start, then closed: the running agent holds no memory file with them
-    fds = Path(f"/proc/{state.pid}/fd")
-    assert not [fd.name for fd in fds.iterdir() if "kvctl-agent-settings" in os.readlink(fd)]
+    assert not [t for t in _fd_targets(state.pid) if SETTINGS_MEMFD_NAME in t]
     with AgentClient(state.control_url, token=TOKEN) as client:
         info = client.info()
     assert info["name"] == "detached-1"
@@ -97,13 +114,7 @@ def test_no_file_holds_the_token_when_the_child_is_spawned(
     real_popen = subprocess.Popen
 
     def spawning(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append(
-            [
-                str(p)
-                for p in tmp_path.rglob("*")
-                if p.is_file() and TOKEN.encode() in p.read_bytes()
-            ]
-        )
+        seen.append([str(p) for p in _holding(tmp_path, (TOKEN.encode(),))])
         return real_popen(*args, **kwargs)
 
     monkeypatch.setattr(daemon.subprocess, "Popen", spawning)
@@ -117,3 +128,55 @@ def test_no_file_holds_the_token_when_the_child_is_spawned(
     finally:
         stop_agent(data_dir, timeout_s=20, force=True)
         proc.wait(20)
+
+
+def test_a_start_with_its_standard_streams_closed_hands_over_its_settings(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """Run with stdin and stdout closed (a cron job, `<&- >&-`): the memory file is not given
+    fd 0 or 1, which its child's own stdin and log are put over (the agent then read
+    /dev/null for its settings and came up with every default: found in review)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    env["KVCTL_TOKEN"] = TOKEN
+    args = [
+        "--data-dir", str(data_dir), "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
+        "--cpu", "8MiB", "--disk", "0", "--name", "closed-streams",
+    ]  # fmt: skip
+
+    def close_stdin_and_stdout() -> None:
+        os.close(0)
+        os.close(1)
+
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "agent", "start", "--detach", *args],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=60,
+        preexec_fn=close_stdin_and_stdout,
+    )
+    assert out.returncode == 0, out.stderr
+    state = AgentState.read(data_dir)
+    assert state is not None and state.alive and state.name == "closed-streams"
+    with AgentClient(state.control_url, token=TOKEN) as client:
+        assert {t["name"]: t["capacity_bytes"] for t in client.info()["tiers"]} == {"cpu": 8 << 20}
+
+
+def test_settings_fd_names_only_a_memory_file_of_settings(tmp_path: Path) -> None:
+    """--settings-fd given anything but the memory file a detaching start makes (here its
+    stdin, /dev/null, which would read as all defaults) is refused, naming what it is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    out = subprocess.run(
+        [sys.executable, "-m", "kvctl", "agent", "start", "--settings-fd", "0"],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    said = " ".join(out.stderr.split())
+    assert "descriptor 0 is /dev/null, not the settings a detaching start hands its agent" in said
+    assert "Traceback" not in out.stderr

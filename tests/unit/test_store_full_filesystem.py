@@ -125,7 +125,7 @@ def test_a_tier_filling_its_filesystem_leaves_room_for_the_agents_own_files(
             assert on_disk >= 40  # the rest of the filesystem holds chunks
             assert store.stats.demotion_failures == 0
             assert store.stats.tiers["disk"].evictions["filesystem"] > 0
-            # what agent.json, agent-settings.toml and the log need, with their temp files
+            # what agent.json and the log need, with their temp files
             write_atomic(data_dir / "agent.json", "x" * 8 * KIB, mode=0o600)
             with open(data_dir / "agent.log", "ab") as log_file:
                 log_file.write(b"y" * 16 * KIB)

@@ -152,7 +152,7 @@ _MAX_IO_BYTES = 0x7FFFF000
 _TRASH_WAIT_S = 5.0
 
 # Free space a disk tier leaves on its filesystem: the agent must write small files next to it
-# to (re)start (agent.json, agent-settings.toml, agent.log: a few KiB, each written to a temp
+# to (re)start (agent.json, agent.log: a few KiB, each written to a temp
 # file first), usually on the same filesystem (DATA_DIR/disk). A tier whose --disk is above the
 # free space, or whose filesystem others fill, would otherwise take it to 0 bytes free and the
 # agent could not start again. 1/64 of the filesystem, within [32 KiB, 64 MiB]: 64 MiB on any
