@@ -633,6 +633,9 @@ _SETTINGS: tuple[_Setting, ...] = (
 _BY_FIELD = {s.field: s for s in _SETTINGS}
 # file and flag spellings: the short one ("cpu") and the field name ("cpu_bytes")
 _BY_KEY = {**_BY_FIELD, **{s.key: s for s in _SETTINGS}}
+#: every variable ``load_settings`` reads (the settings' and the config file's): what a detached
+#: agent, handed its settings whole, is not given (a token or a pool password among them)
+SETTINGS_ENV_NAMES = frozenset({CONFIG_ENV, *(s.env for s in _SETTINGS if s.env)})
 assert set(_BY_FIELD) == {f.name for f in dataclasses.fields(AgentSettings)}
 
 

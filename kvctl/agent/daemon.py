@@ -961,7 +961,7 @@ def spawn_with_settings(
 ) -> tuple[subprocess.Popen[bytes], AgentState]:
     """:func:`spawn_agent` for an agent that runs with exactly ``settings``: they are handed over
     in an anonymous memory file the child inherits (:func:`settings_memfd`), which it reads
-    with ``load_settings`` and nothing else (no config file, no ``KVCTL_*`` variable, none of
+    with ``load_settings`` and nothing else (no config file, no ``KVCTL_*`` setting, none of
     which it is given). Nothing holding them is in a file, so a start killed at any moment
     leaves no token behind. ``timeout_s``: by default ``start_timeout_seconds(settings)``;
     ``limit_s``: the start's bound whatever the agent logs (``StartWait``); ``lines``: told each
@@ -969,9 +969,11 @@ def spawn_with_settings(
     RuntimeError where this system has no memory files (not Linux, or a filter forbids them)."""
     if timeout_s is None:
         timeout_s = start_timeout_seconds(settings)
-    # the child reads none of them: a token there would only sit in /proc/PID/environ
+    from kvctl.agent.config import SETTINGS_ENV_NAMES
+
+    # the child reads none of them: a token there would only sit in its /proc/PID/environ
     env = {
-        k: v for k, v in (os.environ if env is None else env).items() if not k.startswith("KVCTL_")
+        k: v for k, v in (os.environ if env is None else env).items() if k not in SETTINGS_ENV_NAMES
     }
     fd = settings_memfd(settings_toml(settings))
     return _spawn(

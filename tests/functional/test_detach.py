@@ -76,7 +76,7 @@ def test_detached_agent_gets_its_settings_in_a_memory_file_not_argv_nor_a_file(
     secrets = (TOKEN.encode(), POOL_PASSWORD.encode())
     assert not _holding(data_dir, secrets)
     environ = Path(f"/proc/{state.pid}/environ").read_bytes()
-    assert not any(s in environ for s in secrets)  # it reads no KVCTL_* variable: given none
+    assert not any(s in environ for s in secrets)  # it reads no KVCTL_* setting: given none
     # read at start, then closed: the running agent holds no memory file with them
     assert not [t for t in _fd_targets(state.pid) if SETTINGS_MEMFD_NAME in t]
     with AgentClient(state.control_url, token=TOKEN) as client:
