@@ -47,8 +47,10 @@ def json_text(data: Any) -> str:
 
 
 def print_json(data: Any) -> None:
-    """Plain JSON on stdout (no colour codes, stable key order) so scripts can parse it."""
-    sys.stdout.write(json_text(data))
+    """Plain JSON on stdout (no colour codes, stable key order) so scripts can parse it;
+    nowhere where it is closed (``>&-``), as rich's console does with its output."""
+    if sys.stdout is not None:
+        sys.stdout.write(json_text(data))
 
 
 def fail(message: str, *, hint: str | None = None, code: int = 2) -> NoReturn:

@@ -149,7 +149,7 @@ def top_command(
             err_console.print("[yellow]interrupted[/]", highlight=False)
             raise typer.Exit(130) from None
         return
-    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+    if not all(stream is not None and stream.isatty() for stream in (sys.stdin, sys.stdout)):
         # the full-screen view would write its escape codes into a pipe or file
         fail(
             "kvctl top needs a terminal (standard input and output are not one)",

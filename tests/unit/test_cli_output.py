@@ -63,3 +63,12 @@ def test_json_output_is_json_any_parser_reads(capsys: pytest.CaptureFixture[str]
         "d": [2, "x"],
     }
     assert strict(output.json_text({"fine": 0.25})) == {"fine": 0.25}
+
+
+def test_json_to_a_closed_stdout_goes_nowhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kvctl ... --json >&-`: Python's sys.stdout is None; the output goes nowhere, as rich's
+    console's does, instead of failing as a bug in kvctl."""
+    monkeypatch.setattr(sys, "stdout", None)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    output.print_json({"a": 1})
+    assert output._piped_width() == output.PIPED_WIDTH
