@@ -500,6 +500,11 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     # the TCP sockets themselves, kept and served once the tiers are open (no trial bind); a
     # failed start closes them
     control, data_tcp = _bind_ports(settings)
+    # until the API serves, each request on its port is answered "starting" (503) at once
+    from kvctl.agent.starting import StartingResponder
+
+    responder = StartingResponder(control)
+    responder.start()
     # from here on whatever failed (the runtime's open, the data plane's construction, a
     # Ctrl-C at start) closes what was opened: a runtime left open keeps the disk tier's lock,
     # the arena and its threads, and the TCP sockets their ports, in a process that goes on
@@ -565,8 +570,10 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
         # below runs and the exit code is 0; a signal during the drain is only logged
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _ignore_signal)
+        responder.stop()
         server.run(sockets=[control])
     finally:
+        responder.stop()  # (before the socket closes: a failed start)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _already_stopping)
         # each step runs whatever the one before raised: a failed drain still closes the store

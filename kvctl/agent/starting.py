@@ -1,0 +1,129 @@
+"""What the control port answers while the agent opens its tiers.
+
+The control API's socket listens from the start (a second agent given the same ports is refused
+before its tiers open), but the API itself is served only once the tiers are open: a large disk
+tier's scan takes minutes, committing the arena seconds a GiB. A client connecting meanwhile
+(``kvctl status``, a collector, Prometheus) used to wait, unanswered, for its own timeout and then
+say the agent was not answering. :class:`StartingResponder` answers each such request at once with
+``503 Service Unavailable``, ``Retry-After`` and a detail saying the agent is starting, until the
+API takes the socket over. It tells nothing else (no name, no settings), so it needs no token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import select
+import socket
+import threading
+
+log = logging.getLogger("kvctl.agent")
+
+#: the answer's detail, as the control API words its own errors ({"detail": ...})
+DETAIL = (
+    "the agent is starting: it is opening its tiers (a large disk tier's scan can take "
+    "minutes) and serves its API once they are open; try again shortly"
+)
+#: seconds a client is told to wait before it asks again
+RETRY_AFTER_S = 1
+#: seconds one client may take to send its request head, and to close after the answer: the
+#: requests are answered one at a time, so a client that sends nothing delays the next this long
+CLIENT_TIMEOUT_S = 1.0
+#: most bytes of a request read (its head: what comes after is not needed to answer it)
+MAX_REQUEST_BYTES = 16 << 10
+#: seconds between two looks at whether to stop
+POLL_S = 0.05
+
+
+def starting_answer() -> bytes:
+    """The whole HTTP answer to any request while the agent starts."""
+    body = json.dumps({"detail": DETAIL, "starting": True}).encode()
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\n"
+        "Content-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        f"Retry-After: {RETRY_AFTER_S}\r\n"
+        "Connection: close\r\n"
+        "\r\n"
+    )
+    return head.encode() + body
+
+
+class StartingResponder:
+    """Answers every request on the listening socket ``sock`` with :func:`starting_answer`, on a
+    thread of its own, from :meth:`start` until :meth:`stop`; then connections wait in the
+    socket's backlog again, for the server that takes it over. The socket stays open and
+    listening throughout."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._answer = starting_answer()
+        #: requests answered so far (for tests and the log)
+        self.answered = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name="kvctl-starting-responder", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop answering (idempotent); returns once no request is being answered."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            if self.answered:
+                log.info(
+                    "answered %d requests 'starting' (503) while the tiers opened", self.answered
+                )
+
+    def _run(self) -> None:
+        # non-blocking while answering: a client gone between select and accept must not hold
+        # this thread (and stop()) in accept until the next one comes
+        try:
+            self._sock.setblocking(False)
+        except OSError:  # closed under it: a failed start
+            return
+        try:
+            while not self._stop.is_set():
+                try:
+                    ready, _, _ = select.select([self._sock], [], [], POLL_S)
+                except (OSError, ValueError):  # closed under it
+                    return
+                if not ready or self._stop.is_set():
+                    continue
+                try:
+                    conn, _ = self._sock.accept()
+                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                    continue
+                except OSError:  # out of descriptors (EMFILE): the client waits in the backlog
+                    self._stop.wait(POLL_S)
+                    continue
+                with conn:
+                    self._answer_one(conn)
+        finally:
+            with contextlib.suppress(OSError):
+                self._sock.setblocking(True)  # as it was given, for the server taking it over
+
+    def _answer_one(self, conn: socket.socket) -> None:
+        conn.setblocking(True)
+        conn.settimeout(CLIENT_TIMEOUT_S)
+        with contextlib.suppress(OSError):
+            request = b""
+            while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST_BYTES:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                request += chunk
+            conn.sendall(self._answer)
+            self.answered += 1
+            # closed gracefully: what the client still sends (a body) is read and dropped,
+            # since closing with unread bytes would reset the connection, maybe before the
+            # client had read the answer
+            conn.shutdown(socket.SHUT_WR)
+            while conn.recv(4096):
+                pass

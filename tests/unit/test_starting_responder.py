@@ -1,0 +1,99 @@
+"""The control port while the agent opens its tiers: each request is answered "starting" (503,
+Retry-After) at once instead of waiting unanswered for the client's timeout; once stopped, the
+socket is left listening, with what comes next waiting in its backlog for the API's server."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvctl.agent.starting import DETAIL, RETRY_AFTER_S, StartingResponder
+from kvctl.client import AgentClient, RequestError
+
+
+@pytest.fixture
+def listening() -> Iterator[socket.socket]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    yield sock
+    sock.close()
+
+
+def _url(sock: socket.socket) -> str:
+    return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def test_each_request_is_answered_starting_until_stopped(listening: socket.socket) -> None:
+    responder = StartingResponder(listening)
+    responder.start()
+    try:
+        with httpx.Client(timeout=10) as http:
+            got = http.get(_url(listening) + "/v1/health")
+            posted = http.post(_url(listening) + "/v1/pin", content=b"x" * (256 << 10))
+        for answer in (got, posted):  # a body it does not read does not reset the answer
+            assert answer.status_code == 503
+            assert answer.headers["retry-after"] == str(RETRY_AFTER_S)
+            assert answer.json() == {"detail": DETAIL, "starting": True}
+        # what kvctl's own clients make of it: one line saying the agent is starting
+        with AgentClient(_url(listening)) as client, pytest.raises(RequestError) as refused:
+            client.info()
+        assert refused.value.code == 503
+        assert str(refused.value) == f"503: {DETAIL}"
+    finally:
+        responder.stop()
+    assert responder.answered == 3
+
+
+def test_a_client_that_sends_nothing_does_not_keep_the_next_unanswered(
+    listening: socket.socket,
+) -> None:
+    responder = StartingResponder(listening)
+    responder.start()
+    silent = socket.create_connection(listening.getsockname())
+    try:
+        with httpx.Client(timeout=30) as http:
+            assert http.get(_url(listening) + "/metrics").status_code == 503
+        # the silent one, having asked nothing in its time, was closed
+        silent.settimeout(30)
+        assert silent.recv(12) == b""
+    finally:
+        silent.close()
+        responder.stop()
+
+
+def test_once_stopped_connections_wait_for_the_server_taking_the_socket_over(
+    listening: socket.socket,
+) -> None:
+    responder = StartingResponder(listening)
+    responder.start()
+    responder.stop()
+    assert listening.getblocking()  # as it was given
+    taken: list[bytes] = []
+
+    def serve_one() -> None:  # the API's server, in the agent uvicorn
+        conn, _ = listening.accept()
+        with conn:
+            taken.append(conn.recv(4096))
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+
+    server = threading.Thread(target=serve_one)
+    server.start()
+    with httpx.Client(timeout=10) as http:
+        answer = http.get(_url(listening) + "/v1/health")
+    server.join(10)
+    assert answer.status_code == 200 and answer.text == "ok"
+    assert taken and taken[0].startswith(b"GET /v1/health ")
+    assert responder.answered == 0
+
+
+def test_a_socket_closed_under_it_ends_it_quietly(listening: socket.socket) -> None:
+    responder = StartingResponder(listening)
+    responder.start()
+    listening.close()  # a start that failed: its finally closes the socket
+    responder.stop()
+    assert responder.answered == 0
