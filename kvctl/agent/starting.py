@@ -17,6 +17,7 @@ import logging
 import select
 import socket
 import threading
+import time
 
 log = logging.getLogger("kvctl.agent")
 
@@ -27,8 +28,9 @@ DETAIL = (
 )
 #: seconds a client is told to wait before it asks again
 RETRY_AFTER_S = 1
-#: seconds one client may take to send its request head, and to close after the answer: the
-#: requests are answered one at a time, so a client that sends nothing delays the next this long
+#: seconds one client may hold this responder in all (to send its request head, to close after
+#: the answer): the requests are answered one at a time, so a client that trickles its bytes
+#: delays the next, and the API's start, this long at most
 CLIENT_TIMEOUT_S = 1.0
 #: most bytes of a request read (its head: what comes after is not needed to answer it)
 MAX_REQUEST_BYTES = 16 << 10
@@ -110,12 +112,20 @@ class StartingResponder:
                 self._sock.setblocking(True)  # as it was given, for the server taking it over
 
     def _answer_one(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+
+        def receive() -> bytes:
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stop.is_set():
+                raise TimeoutError
+            conn.settimeout(left)
+            return conn.recv(4096)
+
         conn.setblocking(True)
-        conn.settimeout(CLIENT_TIMEOUT_S)
         with contextlib.suppress(OSError):
             request = b""
             while b"\r\n\r\n" not in request and len(request) < MAX_REQUEST_BYTES:
-                chunk = conn.recv(4096)
+                chunk = receive()
                 if not chunk:
                     break
                 request += chunk
@@ -125,5 +135,5 @@ class StartingResponder:
             # since closing with unread bytes would reset the connection, maybe before the
             # client had read the answer
             conn.shutdown(socket.SHUT_WR)
-            while conn.recv(4096):
+            while receive():
                 pass

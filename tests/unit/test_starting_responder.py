@@ -97,3 +97,33 @@ def test_a_socket_closed_under_it_ends_it_quietly(listening: socket.socket) -> N
     listening.close()  # a start that failed: its finally closes the socket
     responder.stop()
     assert responder.answered == 0
+
+
+def test_a_client_trickling_its_bytes_holds_it_a_bounded_time(listening: socket.socket) -> None:
+    """A byte every half second, each within a per-read timeout: the client is cut at its
+    overall deadline, and stop() (the API's start) never waits on it for longer."""
+    responder = StartingResponder(listening)
+    responder.start()
+    trickler = socket.create_connection(listening.getsockname())
+    trickler.settimeout(30)
+    closed = threading.Event()
+
+    def trickle() -> None:  # a head that never ends, a byte at a time
+        try:
+            trickler.sendall(b"GET /v1/health HTTP/1.1\r\nX-Slow: ")
+            while not closed.wait(0.5):
+                trickler.sendall(b"a")
+        except OSError:
+            return
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    try:
+        # cut before its head is whole: closed, answered nothing
+        assert trickler.recv(12) == b""
+    finally:
+        closed.set()
+        trickler.close()
+        sender.join(30)
+        responder.stop()
+    assert responder.answered == 0
