@@ -491,6 +491,7 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     from kvctl.agent.api import create_app
     from kvctl.agent.dataplane import DataPlaneServer
     from kvctl.agent.runtime import AgentRuntime
+    from kvctl.agent.starting import StartingResponder
 
     # before the tiers open (a large disk tier's scan takes minutes, the arena's commit a few
     # seconds a GiB): a socket or port another agent serves would only be found once they had
@@ -500,17 +501,16 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     # the TCP sockets themselves, kept and served once the tiers are open (no trial bind); a
     # failed start closes them
     control, data_tcp = _bind_ports(settings)
-    # until the API serves, each request on its port is answered "starting" (503) at once
-    from kvctl.agent.starting import StartingResponder
-
-    responder = StartingResponder(control)
-    responder.start()
     # from here on whatever failed (the runtime's open, the data plane's construction, a
     # Ctrl-C at start) closes what was opened: a runtime left open keeps the disk tier's lock,
     # the arena and its threads, and the TCP sockets their ports, in a process that goes on
     runtime: AgentRuntime | None = None
     dataplane: DataPlaneServer | None = None
+    responder: StartingResponder | None = None
     try:
+        # until the API serves, each request on its port is answered "starting" (503)
+        responder = StartingResponder(control)
+        responder.start()
         runtime = AgentRuntime.open(settings)
         dataplane = DataPlaneServer(
             runtime,
@@ -568,14 +568,15 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
         # requests finish, returns here), then re-raises each signal it caught to the handler
         # it found: make that one silent (_AgentServer logged them as they came), so the drain
         # below runs and the exit code is 0; a signal during the drain is only logged
+        responder.stop()  # (a signal while it finishes a client: as at any point of the start)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _ignore_signal)
-        responder.stop()
         server.run(sockets=[control])
     finally:
-        responder.stop()  # (before the socket closes: a failed start)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _already_stopping)
+        if responder is not None:
+            responder.stop()  # (before the socket closes: a failed start)
         # each step runs whatever the one before raised: a failed drain still closes the store
         with contextlib.ExitStack() as steps:
             for sig, handler in previous.items():

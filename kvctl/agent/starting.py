@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import select
+import selectors
 import socket
 import threading
 import time
@@ -38,8 +38,9 @@ MAX_REQUEST_BYTES = 16 << 10
 POLL_S = 0.05
 
 
-def starting_answer() -> bytes:
-    """The whole HTTP answer to any request while the agent starts."""
+def starting_answer(*, head_only: bool = False) -> bytes:
+    """The whole HTTP answer to any request while the agent starts (``head_only``: to a HEAD
+    request, its head alone)."""
     body = json.dumps({"detail": DETAIL, "starting": True}).encode()
     head = (
         "HTTP/1.1 503 Service Unavailable\r\n"
@@ -49,7 +50,7 @@ def starting_answer() -> bytes:
         "Connection: close\r\n"
         "\r\n"
     )
-    return head.encode() + body
+    return head.encode() + (b"" if head_only else body)
 
 
 class StartingResponder:
@@ -63,6 +64,7 @@ class StartingResponder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._answer = starting_answer()
+        self._head_answer = starting_answer(head_only=True)
         #: requests answered so far (for tests and the log)
         self.answered = 0
 
@@ -80,43 +82,55 @@ class StartingResponder:
             self._thread = None
             if self.answered:
                 log.info(
-                    "answered %d requests 'starting' (503) while the tiers opened", self.answered
+                    "answered %d request(s) 'starting' (503) while the tiers opened",
+                    self.answered,
                 )
 
     def _run(self) -> None:
+        try:
+            self._answer_all()
+        except Exception:  # in the agent's log, not on a detached agent's lost stderr
+            log.exception("the responder answering 'starting' failed; clients wait instead")
+
+    def _answer_all(self) -> None:
         # non-blocking while answering: a client gone between select and accept must not hold
         # this thread (and stop()) in accept until the next one comes
         try:
             self._sock.setblocking(False)
         except OSError:  # closed under it: a failed start
             return
+        # a selector, not select.select: that refuses descriptors past 1023 (an embedder's)
         try:
-            while not self._stop.is_set():
+            with selectors.DefaultSelector() as selector:
                 try:
-                    ready, _, _ = select.select([self._sock], [], [], POLL_S)
+                    selector.register(self._sock, selectors.EVENT_READ)
                 except (OSError, ValueError):  # closed under it
                     return
-                if not ready or self._stop.is_set():
-                    continue
-                try:
-                    conn, _ = self._sock.accept()
-                except (BlockingIOError, InterruptedError, ConnectionAbortedError):
-                    continue
-                except OSError:  # out of descriptors (EMFILE): the client waits in the backlog
-                    self._stop.wait(POLL_S)
-                    continue
-                with conn:
-                    self._answer_one(conn)
+                while not self._stop.is_set():
+                    if not selector.select(POLL_S) or self._stop.is_set():
+                        continue
+                    self._accept_one()
         finally:
             with contextlib.suppress(OSError):
                 self._sock.setblocking(True)  # as it was given, for the server taking it over
+
+    def _accept_one(self) -> None:
+        try:
+            conn, _ = self._sock.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError:  # out of descriptors (EMFILE): the client waits in the backlog
+            self._stop.wait(POLL_S)
+            return
+        with conn:
+            self._answer_one(conn)
 
     def _answer_one(self, conn: socket.socket) -> None:
         deadline = time.monotonic() + CLIENT_TIMEOUT_S
 
         def receive() -> bytes:
             left = deadline - time.monotonic()
-            if left <= 0 or self._stop.is_set():
+            if left <= 0:
                 raise TimeoutError
             conn.settimeout(left)
             return conn.recv(4096)
@@ -129,7 +143,7 @@ class StartingResponder:
                 if not chunk:
                     break
                 request += chunk
-            conn.sendall(self._answer)
+            conn.sendall(self._head_answer if request.startswith(b"HEAD ") else self._answer)
             self.answered += 1
             # closed gracefully: what the client still sends (a body) is read and dropped,
             # since closing with unread bytes would reset the connection, maybe before the

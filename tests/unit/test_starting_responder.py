@@ -91,12 +91,33 @@ def test_once_stopped_connections_wait_for_the_server_taking_the_socket_over(
     assert responder.answered == 0
 
 
-def test_a_socket_closed_under_it_ends_it_quietly(listening: socket.socket) -> None:
+def test_a_socket_closed_under_it_ends_it_quietly(
+    listening: socket.socket, caplog: pytest.LogCaptureFixture
+) -> None:
     responder = StartingResponder(listening)
     responder.start()
-    listening.close()  # a start that failed: its finally closes the socket
+    thread = responder._thread
+    assert thread is not None
+    listening.close()
     responder.stop()
-    assert responder.answered == 0
+    assert not thread.is_alive()
+    assert "failed" not in caplog.text
+
+
+def test_a_head_request_gets_the_head_alone(listening: socket.socket) -> None:
+    responder = StartingResponder(listening)
+    responder.start()
+    try:
+        with socket.create_connection(listening.getsockname()) as conn:
+            conn.sendall(b"HEAD /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+            conn.settimeout(30)
+            answer = b""
+            while chunk := conn.recv(4096):
+                answer += chunk
+    finally:
+        responder.stop()
+    assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(b"\r\n\r\n")
+    assert b"Content-Length: " in answer  # the GET's length, as HEAD says
 
 
 def test_a_client_trickling_its_bytes_holds_it_a_bounded_time(listening: socket.socket) -> None:
