@@ -107,6 +107,11 @@ class RequestError(AgentError):
         self.code = code
 
 
+class AgentStarting(RequestError):
+    """The agent is up but still opening its tiers (``code`` 503): its API serves once they
+    are open, so the call is worth making again shortly."""
+
+
 class NotAnAgent(RequestError):
     """Something answered at the address, but not as a kvctl agent's control API does: a web
     page, an endpoint it does not have (``code`` 404: a wrong URL, or an agent too old for the
@@ -1425,6 +1430,8 @@ class AgentClient:
                 status,
             )
         text = validation_text(detail) if isinstance(detail, list) else str(detail)
+        if status == 503 and isinstance(body, dict) and body.get("starting") is True:
+            raise AgentStarting(f"{text} ({self.url})", status)
         if status == 404:
             raise ChunkNotFound(text)
         if status == 409:

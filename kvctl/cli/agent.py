@@ -624,11 +624,16 @@ def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | N
     """How a failed call to the agent reads: a label, and what to do next (for an agent that
     is down, ``down_hint`` when given). An agent that refused the token is up; something that
     is not an agent's control API is not down."""
-    from kvctl.client import AgentUnreachable, AuthError, NoHttpAnswer, NotAnAgent
+    from kvctl.client import AgentStarting, AgentUnreachable, AuthError, NoHttpAnswer, NotAnAgent
 
     control_url = "give --url the agent's control URL (its --listen, default 7070)"
     if isinstance(exc, AuthError):
         return "token refused", TOKEN_HINT
+    if isinstance(exc, AgentStarting):
+        return "starting", (
+            "it serves once its tiers are open (a large disk tier's scan can take minutes); its "
+            "log (agent.log in its data dir) shows the progress"
+        )
     if isinstance(exc, NoHttpAnswer):  # first: it may also be an agent that went away
         return "no HTTP answer", control_url
     if isinstance(exc, NotAnAgent):
@@ -711,7 +716,7 @@ def status_command(
       kvctl agent status --url http://10.0.3.7:7070 --json
     """
     from kvctl.agent.daemon import NoAgentHere
-    from kvctl.client import AgentClient, AgentError, AuthError
+    from kvctl.client import AgentClient, AgentError, AgentStarting, AuthError
     from kvctl.db.sample_checks import checked_stats
     from kvctl.wire.stats import agent_figures
 
@@ -719,9 +724,22 @@ def status_command(
         settings, target = _where(home, url)
     except NoAgentHere as exc:
         if json_out:
-            print_json({"up": False, "auth_refused": False, "control_url": None, "error": str(exc)})
+            print_json(
+                {
+                    "up": False,
+                    "auth_refused": False,
+                    "starting": False,
+                    "control_url": None,
+                    "error": str(exc),
+                }
+            )
         fail(str(exc), hint=exc.hint, code=1)
-    report: dict[str, Any] = {"up": False, "auth_refused": False, "control_url": target}
+    report: dict[str, Any] = {
+        "up": False,
+        "auth_refused": False,
+        "starting": False,
+        "control_url": target,
+    }
     failure: AgentError | None = None
     try:
         with AgentClient(target, token=settings.token or None) as client:
@@ -740,8 +758,10 @@ def status_command(
     except AgentError as exc:
         failure = exc
         report["error"] = str(exc)
-        report["up"] = isinstance(exc, AuthError)  # it answered: up, though it cannot be read
-        report["auth_refused"] = report["up"]
+        # it answered: up, though it cannot be read (yet)
+        report["up"] = isinstance(exc, AuthError | AgentStarting)
+        report["auth_refused"] = isinstance(exc, AuthError)
+        report["starting"] = isinstance(exc, AgentStarting)
     if json_out:
         print_json(report)
     elif failure is not None:

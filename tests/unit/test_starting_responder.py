@@ -7,12 +7,13 @@ from __future__ import annotations
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from kvctl.agent.starting import DETAIL, RETRY_AFTER_S, StartingResponder
-from kvctl.client import AgentClient, RequestError
+from kvctl.client import AgentClient, AgentStarting
 
 
 @pytest.fixture
@@ -40,10 +41,10 @@ def test_each_request_is_answered_starting_until_stopped(listening: socket.socke
             assert answer.headers["retry-after"] == str(RETRY_AFTER_S)
             assert answer.json() == {"detail": DETAIL, "starting": True}
         # what kvctl's own clients make of it: one line saying the agent is starting
-        with AgentClient(_url(listening)) as client, pytest.raises(RequestError) as refused:
+        with AgentClient(_url(listening)) as client, pytest.raises(AgentStarting) as refused:
             client.info()
         assert refused.value.code == 503
-        assert str(refused.value) == f"503: {DETAIL}"
+        assert str(refused.value) == f"{DETAIL} ({_url(listening)})"
     finally:
         responder.stop()
     assert responder.answered == 3
@@ -148,3 +149,31 @@ def test_a_client_trickling_its_bytes_holds_it_a_bounded_time(listening: socket.
         sender.join(30)
         responder.stop()
     assert responder.answered == 0
+
+
+def test_agent_status_says_starting_with_a_hint(listening: socket.socket, tmp_path: Path) -> None:
+    import json
+    import os
+
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app
+
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCTL_")}
+    env |= {"XDG_CONFIG_HOME": str(tmp_path), "COLUMNS": "1000"}
+    responder = StartingResponder(listening)
+    responder.start()
+    try:
+        said = CliRunner().invoke(app, ["agent", "status", "--url", _url(listening)], env=env)
+        as_json = CliRunner().invoke(
+            app, ["agent", "status", "--url", _url(listening), "--json"], env=env
+        )
+    finally:
+        responder.stop()
+    assert said.exit_code == 1, said.output
+    text = " ".join(said.output.split())
+    assert f"starting: {DETAIL} ({_url(listening)})" in text
+    assert "hint: it serves once its tiers are open" in text
+    assert as_json.exit_code == 1
+    report = json.loads(as_json.stdout)
+    assert (report["up"], report["starting"], report["auth_refused"]) == (True, True, False)
