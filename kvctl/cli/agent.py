@@ -720,26 +720,16 @@ def status_command(
     from kvctl.db.sample_checks import checked_stats
     from kvctl.wire.stats import agent_figures
 
+    def unread(control_url: str | None) -> dict[str, Any]:
+        return {"up": False, "auth_refused": False, "starting": False, "control_url": control_url}
+
     try:
         settings, target = _where(home, url)
     except NoAgentHere as exc:
         if json_out:
-            print_json(
-                {
-                    "up": False,
-                    "auth_refused": False,
-                    "starting": False,
-                    "control_url": None,
-                    "error": str(exc),
-                }
-            )
+            print_json(unread(None) | {"error": str(exc)})
         fail(str(exc), hint=exc.hint, code=1)
-    report: dict[str, Any] = {
-        "up": False,
-        "auth_refused": False,
-        "starting": False,
-        "control_url": target,
-    }
+    report = unread(target)
     failure: AgentError | None = None
     try:
         with AgentClient(target, token=settings.token or None) as client:

@@ -95,6 +95,17 @@ def running_agent(data_dir: Path, *args: str, token: str = "") -> Iterator[Agent
             assert code == 0, f"agent exited {code} on SIGTERM:\n{agent.log()[-3000:]}"
 
 
+def files_holding(root: Path, *secrets: bytes) -> list[Path]:
+    """The files under ``root`` holding any of ``secrets`` (one gone while it is looked at is
+    skipped: an agent renames and removes its temp files as it runs)."""
+    found = []
+    for path in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+            if path.is_file() and any(s in path.read_bytes() for s in secrets):
+                found.append(path)
+    return found
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on (below the ephemeral range, so no socket bound to
     port 0 takes it meanwhile)."""

@@ -4,7 +4,6 @@ by now, even another agent's. And two agents on one data dir: the second must re
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -23,6 +22,7 @@ from kvctl.cli.main import app
 from tests.functional.agents import (
     EPHEMERAL,
     closed_port,
+    files_holding,
     running_agent,
     start_agent,
     start_in_foreground,
@@ -303,15 +303,6 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def _files_holding(root: Path, secret: bytes) -> list[str]:
-    found = []
-    for path in root.rglob("*"):
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # (gone meanwhile)
-            if path.is_file() and secret in path.read_bytes():
-                found.append(str(path))
-    return found
-
-
 def test_a_detach_killed_midway_leaves_its_token_in_no_file(tmp_path: Path) -> None:
     """Killed (a closed ssh session, an OOM kill) once its agent exists, before it serves: the
     token it hands its agent is in no file, and the agent serves on."""
@@ -333,7 +324,7 @@ def test_a_detach_killed_midway_leaves_its_token_in_no_file(tmp_path: Path) -> N
             time.sleep(0.1)
         assert AgentState.read(data_dir) is not None, "the detached agent did not start"
         assert not list(data_dir.glob("agent-settings*"))
-        assert not _files_holding(tmp_path, b"midway-t0ken")
+        assert not files_holding(tmp_path, b"midway-t0ken")
     finally:
         stop_agent(data_dir, timeout_s=20, force=True)
 

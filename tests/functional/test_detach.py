@@ -4,7 +4,6 @@ behind, and runs with exactly the parent's settings."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -17,27 +16,10 @@ from kvctl.agent import daemon
 from kvctl.agent.config import load_settings
 from kvctl.agent.daemon import SETTINGS_FILE_PATTERN, SETTINGS_MEMFD_NAME, AgentState, stop_agent
 from kvctl.client import AgentClient
-from tests.functional.agents import closed_port
+from tests.functional.agents import closed_port, files_holding
 
 TOKEN = "detach-s3cret-token"
 POOL_PASSWORD = "p00l-passw0rd"
-
-
-def _holding(root: Path, secrets: tuple[bytes, ...]) -> list[Path]:
-    found = []
-    for path in root.rglob("*"):
-        with contextlib.suppress(FileNotFoundError, IsADirectoryError):  # (gone meanwhile)
-            if path.is_file() and any(s in path.read_bytes() for s in secrets):
-                found.append(path)
-    return found
-
-
-def _fd_targets(pid: int) -> list[str]:
-    targets = []
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        with contextlib.suppress(FileNotFoundError):  # (closed meanwhile)
-            targets.append(os.readlink(fd))
-    return targets
 
 
 @pytest.fixture
@@ -74,11 +56,11 @@ def test_detached_agent_gets_its_settings_in_a_memory_file_not_argv_nor_a_file(
     assert not any(TOKEN.encode() in a or POOL_PASSWORD.encode() in a for a in argv), argv
     assert not list(data_dir.glob(SETTINGS_FILE_PATTERN))
     secrets = (TOKEN.encode(), POOL_PASSWORD.encode())
-    assert not _holding(data_dir, secrets)
+    assert not files_holding(data_dir, *secrets)
     environ = Path(f"/proc/{state.pid}/environ").read_bytes()
     assert not any(s in environ for s in secrets)  # it reads no KVCTL_* setting: given none
     # read at start, then closed: the running agent holds no memory file with them
-    assert not [t for t in _fd_targets(state.pid) if SETTINGS_MEMFD_NAME in t]
+    assert not [t for t in daemon._fd_targets(state.pid) if SETTINGS_MEMFD_NAME in t]
     with AgentClient(state.control_url, token=TOKEN) as client:
         info = client.info()
     assert info["name"] == "detached-1"
@@ -114,7 +96,7 @@ def test_no_file_holds_the_token_when_the_child_is_spawned(
     real_popen = subprocess.Popen
 
     def spawning(*args, **kwargs):  # type: ignore[no-untyped-def]
-        seen.append([str(p) for p in _holding(tmp_path, (TOKEN.encode(),))])
+        seen.append([str(p) for p in files_holding(tmp_path, TOKEN.encode())])
         return real_popen(*args, **kwargs)
 
     monkeypatch.setattr(daemon.subprocess, "Popen", spawning)
