@@ -19,13 +19,12 @@ import socket
 import threading
 import time
 
+from kvctl.agent_starting import STARTING_DETAIL
+
 log = logging.getLogger("kvctl.agent")
 
-#: the answer's detail, as the control API words its own errors ({"detail": ...})
-DETAIL = (
-    "the agent is starting: it is opening its tiers (a large disk tier's scan can take "
-    "minutes) and serves its API once they are open; try again shortly"
-)
+#: the answer's detail (kvctl.agent_starting: the SDK, collectors and read model know it too)
+DETAIL = STARTING_DETAIL
 #: seconds a client is told to wait before it asks again
 RETRY_AFTER_S = 1
 #: seconds one client may hold this responder in all (to send its request head, to close after
