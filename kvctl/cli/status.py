@@ -49,13 +49,15 @@ def status_command(
     Counters are since each agent started. A node that does not answer is shown down with the
     last time the collectors reached it (`kvctl collect`), and never fails the command; one that
     took the connection and said nothing within --timeout (hung or overloaded) is shown not
-    answering. A figure an agent answers that cannot be true (NaN, Infinity, negative) is N/A
-    and left out of the totals, the node up with its other figures, and named under the table
-    (`rejected` in --json), as `kvctl top` does.
+    answering; one still opening its tiers is shown up, starting (no figures yet). A figure an
+    agent answers that cannot be true (NaN, Infinity, negative) is N/A and left out of the
+    totals, the node up with its other figures, and named under the table (`rejected` in
+    --json), as `kvctl top` does.
 
     With --window, no agent is asked: the figures are what the collectors recorded over that
     window (the dashboard's numbers), with the share of scrapes each node answered and, where
-    any, those answered without figures (unread: the token refused, or figures rejected).
+    any, those answered without figures (unread: the token refused, the agent starting, or
+    figures rejected).
 
     Examples:
 
@@ -143,6 +145,7 @@ def _split_of(figures: Mapping[str, float | None]) -> str:
 STATES = {
     "up": "[green]up[/]",
     "token refused": "[yellow]up, token refused[/]",
+    "starting": "[yellow]up, starting[/]",
     "not answering": "[bold yellow]not answering[/]",
     "down": "[bold red]down[/]",
 }
@@ -158,7 +161,7 @@ def _render(status: FleetStatus) -> None:
     for col in ("node", "dc", "state", "hit ratio", SPLIT_COLUMN, "occupancy", "last seen"):
         nodes.add_column(col, justify="right" if col == "hit ratio" else "left")
     for n in status.nodes:
-        # None where not read (down, token refused) or rejected as impossible: N/A
+        # None where not read (down, token refused, starting) or rejected as impossible: N/A
         f = n.figures()
         # escaped: names and errors are the inventory's and the agents' text, not markup
         nodes.add_row(
@@ -189,7 +192,7 @@ def _render(status: FleetStatus) -> None:
                 f"shown N/A and left out of the totals: {why}",
                 highlight=False,
             )
-        if n.auth_refused:
+        if n.auth_refused or n.starting:
             console.print(f"[yellow]{escape(n.node)}[/] {escape(str(n.error))}", highlight=False)
         elif not n.up:
             console.print(

@@ -10,7 +10,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvctl.client import AgentClient, AgentError, AgentUnreachable, AuthError
+from kvctl.client import AgentClient, AgentError, AgentStarting, AgentUnreachable, AuthError
 from kvctl.daemon_pool import DaemonPool
 from kvctl.db.inventory import NodeInfo
 from kvctl.deadline_transport import Abandonable, AbandonableTransport, running
@@ -39,6 +39,8 @@ class NodeResult(Generic[T]):
     unanswered: bool = False
     #: (silent too) its call ran past the fan-out's deadline: hung, or its answer trickled
     overdue: bool = False
+    #: it answered that it is starting (opening its tiers): up, and serving shortly, not down
+    starting: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -103,7 +105,16 @@ def fan_out(
                 return _overdue(node, deadline_s, elapsed_s)
             refused = isinstance(exc, AuthError)
             reason = _reason(exc)
-            return NodeResult(node, False, None, reason, elapsed_s, refused, _silent(exc))
+            return NodeResult(
+                node,
+                False,
+                None,
+                reason,
+                elapsed_s,
+                refused,
+                _silent(exc),
+                starting=isinstance(exc, AgentStarting),
+            )
         finally:
             if clients is None:
                 client.close()

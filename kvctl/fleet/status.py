@@ -49,6 +49,9 @@ class NodeStatus:
     auth_refused: bool = False
     #: not up: it took the connection and said nothing within the timeout (hung, overloaded)
     silent: bool = False
+    #: up, but still opening its tiers (it answered "starting"): no figures yet, and starting
+    #: it again would only start it over
+    starting: bool = False
     #: a count whose counter the agent answered impossible (NaN, negative, ...) is in its
     #: ``unknown``: None, as is every ratio over it, and never summed
     counts: HitCounts = field(default_factory=HitCounts)
@@ -62,18 +65,20 @@ class NodeStatus:
 
     @property
     def state(self) -> str:
-        """ "up", "token refused" (up, no figures), "not answering" (hung) or "down", as
-        `kvctl top` says."""
+        """ "up", "token refused" or "starting" (up, no figures), "not answering" (hung) or
+        "down", as `kvctl top` says."""
         if self.auth_refused:
             return "token refused"
+        if self.starting:
+            return "starting"
         if self.up:
             return "up"
         return "not answering" if self.silent else "down"
 
     @property
     def read(self) -> bool:
-        """Whether its figures were read: up, and it let us."""
-        return self.up and not self.auth_refused
+        """Whether its figures were read: up, it let us, and it is serving."""
+        return self.up and not self.auth_refused and not self.starting
 
     def figures(self) -> dict[str, float | None]:
         """Its counts and ratios under their JSON names, None where unread or unknown."""
@@ -86,6 +91,7 @@ class NodeStatus:
             "agent_url": self.agent_url,
             "up": self.up,
             "auth_refused": self.auth_refused,
+            "starting": self.starting,
             "state": self.state,
             "error": self.error,
             **self.figures(),
@@ -220,8 +226,9 @@ def fleet_status(
 ) -> FleetStatus:
     """Ask every node's agent at once; a node that does not answer, or whose answer is not an
     agent's stats, is down (``silent`` when it took the connection and said nothing: not
-    answering), never an error. One that refuses the token is up (``auth_refused``),
-    without figures: it answered, and starting it again would not help."""
+    answering), never an error. One that refuses the token is up (``auth_refused``), as is
+    one still opening its tiers (``starting``), without figures: it answered, and starting it
+    again would not help."""
     results = fan_out(
         nodes,
         lambda c: c.stats(),
@@ -235,14 +242,15 @@ def fleet_status(
     errors: dict[int, str | None] = {}
     silent: set[int] = set()
     for r in results:
-        if r.auth_refused:  # it answered: up, with no figures to show
+        if r.auth_refused or r.starting:  # it answered: up, with no figures to show
             answered[r.node.id] = NodeStatus(
                 r.node.name,
                 r.node.dc,
                 r.node.agent_url,
                 True,
                 r.error,
-                auth_refused=True,
+                auth_refused=r.auth_refused,
+                starting=r.starting,
                 last_seen_ms=now_ms,
             )
             continue

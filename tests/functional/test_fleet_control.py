@@ -25,6 +25,7 @@ from kvctl.fleet.audit import recent
 from kvctl.tokenize import tokenize
 from tests.functional.agents import Agent, closed_port, running_agent
 from tests.not_an_agent import answering_url, web_page_url
+from tests.starting_agent import starting_url
 
 runner = CliRunner()
 CHUNK_BYTES = 4096
@@ -537,6 +538,37 @@ def test_status_shows_an_agent_that_refuses_the_token_as_up(
     assert nodes["gpu-down"]["up"] is False and nodes["gpu-down"]["auth_refused"] is False
     said = " ".join(table.output.split())
     assert "up, token refused" in said and "gpu-t down" not in said and "KVCTL_TOKEN" in said
+
+
+def test_status_shows_an_agent_still_opening_its_tiers_as_up_starting_not_down(
+    fleet: str, db: Engine
+) -> None:
+    # restarting an agent that is merely starting would only start it over
+    with starting_url() as url:
+        with db.begin() as conn:
+            add_node(conn, "gpu-s", dc="ams", agent_url=url)
+        out = runner.invoke(app, ["status", "--db", fleet, "--dc", "ams", "--json"])
+        wide = {"COLUMNS": "200"}  # no cell wrapped
+        table = runner.invoke(app, ["status", "--db", fleet, "--dc", "ams"], env=wide)
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    nodes = {n["node"]: n for n in doc["nodes"]}
+    s = nodes["gpu-s"]
+    assert (s["up"], s["starting"], s["auth_refused"], s["state"]) == (
+        True,
+        True,
+        False,
+        "starting",
+    )
+    assert s["error"].startswith("the agent is starting") and s["hit_ratio"] is None
+    assert s["last_seen_ms"] is not None  # it answered now
+    assert nodes["gpu-down"]["starting"] is False and nodes["gpu-down"]["state"] == "down"
+    ams = next(d for d in doc["dcs"] if d["dc"] == "ams")
+    assert ams["up"] == 1 and ams["lookups"] is None  # up, and nothing of it counted
+    said = " ".join(table.output.split())
+    assert table.exit_code == 0, table.output
+    assert "up, starting" in said and "gpu-s down" not in said
+    assert "opening its tiers" in said
 
 
 def test_a_node_answering_404_pages_gets_a_short_reason(fleet: str, db: Engine) -> None:

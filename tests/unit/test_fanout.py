@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvctl.client import AgentClient, AgentUnreachable, AuthError
+from kvctl.client import AgentClient, AgentStarting, AgentUnreachable, AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.fanout import NodeResult, fan_out
 
@@ -73,6 +73,18 @@ def test_an_agent_that_refuses_the_token_is_a_failure_marked_auth_refused() -> N
     refused, down = fan_out(NODES[1:3], call)
     assert not refused.ok and refused.auth_refused and "refused the token" in str(refused.error)
     assert not down.ok and not down.auth_refused
+
+
+def test_an_agent_still_starting_is_a_failure_marked_starting_not_down() -> None:
+    def call(client: AgentClient) -> int:
+        if client.url.endswith("9001"):
+            raise AgentStarting(f"the agent is starting: ... ({client.url})", 503)
+        raise AgentUnreachable(f"cannot reach {client.url}")
+
+    starting, down = fan_out(NODES[1:3], call)
+    assert not starting.ok and starting.starting and not starting.auth_refused
+    assert "the agent is starting" in str(starting.error)
+    assert not down.ok and not down.starting
 
 
 def test_an_answer_a_ctrl_c_beat_to_its_report_is_reported_all_the_same() -> None:
