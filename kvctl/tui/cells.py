@@ -87,6 +87,8 @@ class Cells:
             return up
         if row.auth_refused:  # it answered: restarting it would not help, the token would
             return Text("up, token refused", style=self.palette.style(Level.WARN))
+        if row.starting:  # it answered: its tiers are opening (its log shows the progress)
+            return Text("up, starting", style=self.palette.style(Level.WARN))
         # ≥: never seen up, by the collectors or this view: down at least since the first poll
         at_least = "≥" if row.last_seen_ms is None else ""
         # hung (took the connection, said nothing) is not down: its log says why, not a start

@@ -62,6 +62,8 @@ class Reading:
     last_seen_s: float | None = None
     #: it answered, refusing the token (or asking for one): up, its figures not ours to read
     auth_refused: bool = False
+    #: it answered "starting" (still opening its tiers): up, with no figures yet
+    starting: bool = False
     #: it took the connection (or is still being asked) and said nothing: hung or overloaded,
     #: not down
     silent: bool = False
@@ -224,8 +226,9 @@ class WindowCounts(HitCounts):
         }
 
     def figures(self, read: bool) -> dict[str, Any]:
-        """``as_dict``, or every figure None where no counts were read (a node down or refusing
-        the token, a DC with none read): unknown, as `kvctl status --json` says, not 0 lookups."""
+        """``as_dict``, or every figure None where no counts were read (a node down, refusing
+        the token or starting, a DC with none read): unknown, as `kvctl status --json` says,
+        not 0 lookups."""
         figures = self.as_dict()
         return figures if read else dict.fromkeys(figures)
 
@@ -238,6 +241,8 @@ class NodeRow:
     error: str | None = None
     #: it answered but refused the token: up, without figures
     auth_refused: bool = False
+    #: it answered "starting" (opening its tiers): up, without figures yet; not one to restart
+    starting: bool = False
     #: it took the connection and said nothing (hung, overloaded), or is still being asked
     silent: bool = False
     #: seconds since the node was last seen up, by the collectors or by this view (None while
@@ -277,16 +282,19 @@ class NodeRow:
 
     @property
     def answered(self) -> bool:
-        """It answered this poll, with its figures or refusing the token."""
-        return self.up or self.auth_refused
+        """It answered this poll: with its figures, refusing the token, or starting."""
+        return self.up or self.auth_refused or self.starting
 
     @property
     def state(self) -> str:
-        """ "up", "token refused" (up, no figures), "not answering" (hung) or "down"."""
+        """ "up", "token refused" or "starting" (up, no figures), "not answering" (hung) or
+        "down"."""
         if self.up:
             return "up"
         if self.auth_refused:
             return "token refused"
+        if self.starting:
+            return "starting"
         return "not answering" if self.silent else "down"
 
     @property
@@ -311,14 +319,16 @@ class NodeRow:
             "node": self.name,
             "dc": self.dc,
             "agent_url": self.node.agent_url,
-            # as `kvctl status --json`: a node refusing the token is up, auth_refused
+            # as `kvctl status --json`: a node refusing the token is up, auth_refused; one
+            # opening its tiers is up, starting
             "up": self.answered,
             "auth_refused": self.auth_refused,
+            "starting": self.starting,
             "state": self.state,
             "error": self.error,
             "down_for_s": self.down_for_s,
             "last_seen_ms": self.last_seen_ms,
-            # a down (or refusing) node's counts were not read
+            # a down (refusing, starting) node's counts were not read
             **self.recent.figures(self.up),
             "lifetime_hit_ratio": self.lifetime_hit_ratio,
             "uptime_s": self.uptime_s,
@@ -336,9 +346,11 @@ class NodeRow:
 class DcRow:
     dc: str
     nodes: int = 0
-    #: nodes that answered: with their figures, or refusing the token (``refused``)
+    #: nodes that answered: with their figures, refusing the token (``refused``) or starting
+    #: (``starting``), the last two without figures
     up: int = 0
     refused: int = 0
+    starting: int = 0
     #: counts summed over nodes, for ratios; rates are the nodes' rates summed (their windows
     #: differ: a node back from down has a shorter one)
     recent: WindowCounts = field(default_factory=WindowCounts)
@@ -356,16 +368,17 @@ class DcRow:
             if self.routing is None:
                 self.routing = NodeRouting()
             self.routing.add(row.routing)
-        if row.auth_refused:  # up, as `kvctl status` counts it, with no figures to add
+        if row.auth_refused or row.starting:  # up, as `kvctl status` counts it, no figures
             self.up += 1
-            self.refused += 1
+            self.refused += int(row.auth_refused)
+            self.starting += int(row.starting)
         if not row.up:
             return
         self.up += 1
         self.recent.seconds = max(self.recent.seconds, row.recent.seconds)
         # a count is unknown for the DC only where no node with figures knows it
         unknown = row.recent.summed_unknown
-        first = self.up - self.refused == 1
+        first = self.read == 1
         self.recent.unknown = unknown if first else self.recent.unknown & unknown
         self.recent.add(row.recent)
         self.lookups_per_s = _plus(self.lookups_per_s, row.recent.lookups_per_s)
@@ -376,14 +389,20 @@ class DcRow:
         if row.gpu is not None and row.gpu.power_w is not None:
             self.power_w = (self.power_w or 0.0) + row.gpu.power_w
 
+    @property
+    def read(self) -> int:
+        """The nodes whose figures were read: up, neither refusing the token nor starting."""
+        return self.up - self.refused - self.starting
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "dc": self.dc,
             "nodes": self.nodes,
             "up": self.up,
             "auth_refused": self.refused,
+            "starting": self.starting,
             # no node's figures read: nothing counted
-            **self.recent.figures(self.up > self.refused),
+            **self.recent.figures(self.read > 0),
             "lookups_per_s": self.lookups_per_s,
             "evictions_per_s": self.evictions_per_s,
             "io_bytes_per_s": self.io_bytes_per_s,
@@ -756,8 +775,8 @@ class Sampler:
             state.gpu = reading.gpu
         rtt = _rtt_from(node.dc, poll.rtt_s)
         rtt_basis = _rtt_from(node.dc, poll.rtt_basis)
-        if reading.auth_refused:
-            return self._refused_row(reading, poll, state, rtt, rtt_basis)
+        if reading.auth_refused or reading.starting:
+            return self._unread_row(reading, poll, state, rtt, rtt_basis)
         if reading.stats is None:
             if state.down_since_s is None:
                 state.down_since_s = poll.ts_s
@@ -848,7 +867,7 @@ class Sampler:
             rejected={**rejected.fields, **gpu_rejected},
         )
 
-    def _refused_row(
+    def _unread_row(
         self,
         reading: Reading,
         poll: Poll,
@@ -856,8 +875,8 @@ class Sampler:
         rtt: dict[str, float | None],
         rtt_basis: dict[str, str],
     ) -> NodeRow:
-        """A node that answered refusing the token: up (restarting it would not help), its
-        figures unread (N/A, not zero)."""
+        """A node that answered refusing the token or starting (opening its tiers): up
+        (restarting it would not help), its figures unread (N/A, not zero)."""
         state.down_since_s = None
         state.last_up_s = poll.ts_s
         state.hit_history.append(None)
@@ -867,7 +886,8 @@ class Sampler:
             reading.node,
             False,
             reading.error,
-            auth_refused=True,
+            auth_refused=reading.auth_refused,
+            starting=reading.starting,
             last_seen_ms=round(poll.ts_s * 1000),
             hit_history=list(state.hit_history),
             occupancy_history={k: list(v) for k, v in state.occupancy.items()},

@@ -134,6 +134,8 @@ class NodeScreen(Screen[None]):
         r = row.recent
         if row.auth_refused:
             head = f"up, token refused: {row.error}"
+        elif row.starting:  # its tiers are opening: its log (agent.log) shows the progress
+            head = f"up, starting: {row.error}"
         elif not row.up:
             at_least = "≥" if row.last_seen_ms is None else ""  # never seen up: a lower bound
             word = "NO ANSWER" if row.silent else "DOWN"

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from kvctl.client import AuthError
+from kvctl.client import AgentStarting, AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.sample_checks import Rejections, count
 from kvctl.fleet.fanout import ClientPool, _reason
@@ -315,6 +315,8 @@ class Asker:
         assert exc is not None
         if isinstance(exc, AuthError):  # it answered: up, but its figures are not ours to read
             return Reading(node, None, _reason(exc), a.elapsed_s, auth_refused=True)
+        if isinstance(exc, AgentStarting):  # up, opening its tiers: no figures yet, not down
+            return Reading(node, None, _reason(exc), a.elapsed_s, starting=True)
         if _accepted_then_silent(exc):
             why = (
                 f"{node.agent_url} took the connection and said nothing for {self.timeout_s:g} "

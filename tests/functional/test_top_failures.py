@@ -1,8 +1,9 @@
 """`kvctl top` when agents misbehave, against real agents: a hung one (SIGSTOP: it takes the
 connection and says nothing) costs its own row, not everyone's refresh, and reads "NO ANSWER",
-not "DOWN"; one that refuses the token is up (restarting it would not help), not down. The
-view (Textual pilot) and --json say the same. An agent whose GPUs hang still shows its figures.
-The fleet database going away leaves the agents live, from the inventory as last read."""
+not "DOWN"; one that refuses the token is up (restarting it would not help), not down, and so
+is one still opening its tiers ("starting"). The view (Textual pilot) and --json say the same.
+An agent whose GPUs hang still shows its figures. The fleet database going away leaves the
+agents live, from the inventory as last read."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from textual.pilot import Pilot
 from textual.widgets import Static
 from typer.testing import CliRunner
 
+from kvctl.agent_starting import STARTING_DETAIL
 from kvctl.cli.main import app as cli
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import add_dc, add_node
@@ -30,12 +32,14 @@ from kvctl.db.migrate import open_db
 from kvctl.db.models import raw_table
 from kvctl.tui.app import create_app
 from kvctl.tui.model import Poll
+from kvctl.tui.node_screen import NodeScreen
 from kvctl.tui.sources import AgentSource, FleetSource
 from tests.functional.agents import Agent, closed_port, running_agent, start_agent
 from tests.functional.hung import HANG_GUARD_S, stopped
 from tests.functional.test_top import cell, drive, poll, until
 from tests.functional.waiting import wait_until
 from tests.not_an_agent import serving
+from tests.starting_agent import starting_url
 
 ARGS = ("--cpu", "4MiB", "--disk", "0")
 runner = CliRunner()
@@ -141,6 +145,37 @@ def test_an_agent_refusing_the_token_is_up_not_down(tmp_path: Path) -> None:
     assert "refused the token" in node["error"]
     assert node["lookups"] is None and node["hit_ratio"] is None
     assert doc["total"]["up"] == 1 and doc["total"]["auth_refused"] == 1
+    assert doc["total"]["lookups"] is None  # no node's figures read: unknown, not 0
+
+
+def test_an_agent_that_is_starting_is_up_not_down() -> None:
+    """An agent opening its tiers answers every call 503 "starting": up (a restart would only
+    start it over), its figures not there yet, in the table, its node screen and --json."""
+    with starting_url() as url:
+        app = create_app(AgentSource([url], timeout_s=2), readonly=True, auto_poll=False)
+        said = f"{STARTING_DETAIL} ({url})"
+
+        async def script(pilot: Pilot[None]) -> None:
+            await poll(pilot, app)
+            await poll(pilot, app)
+            key = "node:" + url.removeprefix("http://")
+            assert cell(app, key, "state") == "up, starting"
+            assert cell(app, key, "hit") == "N/A"  # nothing to read until its tiers are open
+            assert app.view is not None and app.view.total.up == 1
+            await pilot.press("enter")
+            assert isinstance(app.screen, NodeScreen)
+            summary = app.screen.query_one("#node-summary", Static)
+            assert str(summary.render()).startswith(f"up, starting: {said}")
+
+        drive(app, script)
+        out = runner.invoke(cli, ["top", "--agent", url, "--json", "--interval", "0.2"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    (node,) = doc["nodes"]
+    assert (node["up"], node["starting"], node["auth_refused"]) == (True, True, False)
+    assert (node["state"], node["error"]) == ("starting", said)
+    assert node["lookups"] is None and node["down_for_s"] is None
+    assert (doc["total"]["up"], doc["total"]["starting"]) == (1, 1)
     assert doc["total"]["lookups"] is None  # no node's figures read: unknown, not 0
 
 

@@ -3,10 +3,12 @@ totals, sorting with missing values last, the filter language, grouping, and the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
 
+from kvctl.agent_starting import STARTING_DETAIL
 from kvctl.db.inventory import NodeInfo
 from kvctl.tui.model import (
     GpuPower,
@@ -379,6 +381,53 @@ def test_down_for_counts_from_the_collectors_last_scrape() -> None:
     row = s.update(poll(103.0, Reading(a, None, "refused"))).rows[0]
     assert row.down_for_s == pytest.approx(3.0) and row.last_seen_ms is None
     assert Cells(Palette(), Thresholds()).state(row).plain.startswith("DOWN ≥")
+
+
+def test_a_starting_node_is_up_without_figures_and_not_summed() -> None:
+    """An agent opening its tiers answers "starting": up (a restart would only start it over),
+    its figures N/A, counted up in its DC as one refusing the token is, and never taken for a
+    node with figures in the DC's sums."""
+    from kvctl.tui.cells import Cells, Palette
+
+    s_fra, a, s_ams = node("s1", "fra", 1), node("a", "fra", 2), node("s2", "ams", 3)
+    said = f"{STARTING_DETAIL} ({s_fra.agent_url})"
+    nan_lookups = stats(lookups=10, hits=5)
+    nan_lookups["stats"]["lookup_chunks"] = math.nan  # a's hit counts unknown this poll
+    s = Sampler()
+    s.update(poll(0.0, Reading(s_fra, None, said, starting=True), Reading(a, stats())))
+    view = s.update(
+        poll(
+            2.0,
+            Reading(s_fra, None, said, starting=True),
+            Reading(a, nan_lookups),
+            Reading(s_ams, None, said, starting=True),
+        )
+    )
+    row = view.row("s1")
+    assert row is not None and row.starting and not row.auth_refused and not row.up
+    assert (row.state, row.answered, row.error) == ("starting", True, said)
+    assert row.down_for_s is None and row.last_seen_ms == 2000
+    cell = Cells(Palette(), Thresholds()).state(row)
+    assert cell.plain == "up, starting" and cell.style == Palette().style(Level.WARN)
+    assert matches(row, "up") and matches(row, "starting") and not matches(row, "down")
+    data = view.as_dict()
+    nodes = {n["node"]: n for n in data["nodes"]}
+    shown = nodes["s1"]
+    assert (shown["up"], shown["starting"], shown["auth_refused"]) == (True, True, False)
+    assert shown["state"] == "starting" and shown["lookups"] is None
+    assert (nodes["a"]["starting"], nodes["a"]["state"]) == (False, "up")
+    dcs = {d["dc"]: d for d in data["dcs"]}
+    # a DC whose only node is starting has nothing read: unknown, not 0 lookups
+    assert (dcs["ams"]["up"], dcs["ams"]["starting"], dcs["ams"]["lookups"]) == (1, 1, None)
+    # the starting node (first in fra) does not make a the second node with figures: a's
+    # unknown hit counts stay unknown for fra, not 0 lookups
+    assert (dcs["fra"]["up"], dcs["fra"]["starting"]) == (2, 1)
+    assert dcs["fra"]["lookups"] is None and dcs["fra"]["hit_ratio"] is None
+    total = data["total"]
+    assert (total["up"], total["starting"], total["auth_refused"]) == (3, 2, 0)
+    # open: up with its figures, no longer starting
+    row = s.update(poll(4.0, Reading(s_fra, stats(lookups=4, hits=2)))).rows[0]
+    assert (row.up, row.starting, row.state) == (True, False, "up")
 
 
 def test_down_nodes_counts_are_null_and_dc_lookup_rates_are_summed() -> None:
