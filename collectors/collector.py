@@ -43,6 +43,7 @@ from collectors.rows import (
 from kvctl.client import (
     AgentClient,
     AgentError,
+    AgentStarting,
     AgentTimeout,
     AuthError,
     NotAnAgent,
@@ -145,6 +146,13 @@ class Scrape:
     rejected: Rejections = field(default_factory=Rejections)
     #: it answered, refusing the token: up (as `kvctl status` says), its figures unread
     auth_refused: bool = False
+    #: it answered "starting" (its tiers still opening): up, its figures unread until it serves
+    starting: bool = False
+
+    @property
+    def answered(self) -> bool:
+        """Whether the node answered: read, refusing the token, or starting (all up)."""
+        return self.up or self.auth_refused or self.starting
 
 
 @dataclass(slots=True)
@@ -164,6 +172,9 @@ class CycleReport:
     rejected: dict[str, dict[str, str]] = field(default_factory=dict)
     #: nodes that answered but refused the token (up, unread), and what they said
     token_refused: dict[str, str] = field(default_factory=dict)
+    #: nodes that answered "starting" (up, their tiers still opening, unread), and what they
+    #: said (its text begins with kvctl.agent_starting.STARTING_PREFIX)
+    starting: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -172,6 +183,7 @@ class CycleReport:
             "up": self.up,
             "down": self.down,
             "token_refused": self.token_refused,
+            "starting": self.starting,
             "routers": {"up": self.routers_up, "down": self.routers_down},
             "rows": self.rows,
             "warnings": self.warnings,
@@ -367,6 +379,10 @@ class Collector:
             self.metrics.errors.labels("agent").inc()
             seconds = time.perf_counter() - t0
             return Scrape(node, False, seconds, error=str(exc), auth_refused=True)
+        except AgentStarting as exc:  # it answered: up, its tiers opening, nothing to read yet
+            self.metrics.errors.labels("agent").inc()
+            seconds = time.perf_counter() - t0
+            return Scrape(node, False, seconds, error=str(exc), starting=True)
         except AgentError as exc:
             self.metrics.errors.labels("agent").inc()
             return Scrape(node, False, time.perf_counter() - t0, error=str(exc))
@@ -525,6 +541,7 @@ class Collector:
         self.metrics.nodes.labels("up").set(len(report.up))
         self.metrics.nodes.labels("down").set(len(report.down))
         self.metrics.nodes.labels("token_refused").set(len(report.token_refused))
+        self.metrics.nodes.labels("starting").set(len(report.starting))
         return report
 
     def _rows(
@@ -539,9 +556,10 @@ class Collector:
                 {
                     "node_id": node.id,
                     "ts_ms": ts_ms,
-                    # a node refusing the token answered: up, as `kvctl status` shows it
-                    "up": s.up or s.auth_refused,
-                    "scrape_seconds": s.seconds if s.up or s.auth_refused else None,
+                    # a node refusing the token or starting answered: up, as `kvctl status`
+                    # shows it (its error says which: kvctl.agent_starting.says_starting)
+                    "up": s.answered,
+                    "scrape_seconds": s.seconds if s.answered else None,
                     "agent_started_s": None if s.stats is None else s.stats.get("started_s"),
                     "nvml_available": nvml,
                     "error": s.error,
@@ -549,6 +567,9 @@ class Collector:
             )
             if s.auth_refused:  # no figures to record: none are made up
                 report.token_refused[node.name] = s.error or "token refused"
+                continue
+            if s.starting:  # nor while its tiers open: none until it serves its API
+                report.starting[node.name] = s.error or "starting"
                 continue
             if not s.up or s.stats is None:
                 report.down[node.name] = s.error or "down"

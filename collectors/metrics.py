@@ -33,7 +33,11 @@ class CollectorMetrics:
             registry=r,
         )
         self.nodes = Gauge(
-            "kvctl_collector_nodes", "Nodes in the last cycle, by state.", ["state"], registry=r
+            "kvctl_collector_nodes",
+            "Nodes in the last cycle, by state: up, down, token_refused, starting (the last two "
+            "answered, their figures unread).",
+            ["state"],
+            registry=r,
         )
         self.rejected = Counter(
             "kvctl_collector_rejected_values_total",

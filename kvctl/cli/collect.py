@@ -84,8 +84,10 @@ def collect_command(
     not answering (no full answer within 80% of the interval, at most 5 s, per request; a link
     probe's within its own worst case plus 5 s, about 33 s at the default --probe-size); one
     that refuses the token as up with no figures (shown "token refused": KVCTL_TOKEN is not its
-    token); the loop goes on. Several collectors (say one per DC with --dc) can write to one
-    PostgreSQL.
+    token), as is one still opening its tiers (shown "starting": it serves once they are open);
+    the loop goes on. Several collectors (say one per DC with --dc) can write to one
+    PostgreSQL. --once exits 1 when some figures were not recorded: a node down, refusing the
+    token or starting, a router down, or the database refusing the samples or their upkeep.
 
     With --emulate-power GPU, a node without NVML gets an emulated GPU energy instead: the
     modeled prefill seconds of the tokens its cache did not serve (its lookup and hit token
@@ -218,6 +220,9 @@ def _line(kind: str, r: Any) -> None:
     if r.token_refused:  # up, but unread: the token to fix, not the agent
         refused = escape(", ".join(sorted(r.token_refused)))
         down += f", [yellow]{len(r.token_refused)} token refused[/]: {refused}"
+    if r.starting:  # up, but unread until its tiers are open: time, not a fix, is needed
+        starting = escape(", ".join(sorted(r.starting)))
+        down += f", [yellow]{len(r.starting)} starting[/]: {starting}"
     if r.routers_down:
         down += f", [red]router down[/]: {escape(', '.join(sorted(r.routers_down)))}"
     if r.rejected:  # node (or link) -> its fields rejected as impossible, stored as unknown
@@ -264,6 +269,8 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
             row(name, "[green]up[/]")
         for name, err in sorted(report.token_refused.items()):
             row(name, "[yellow]token refused[/]", err)
+        for name, err in sorted(report.starting.items()):
+            row(name, "[yellow]starting[/]", err)
         for name, err in sorted(report.down.items()):
             row(name, "[red]down[/]", err)
         for name in report.routers_up:
@@ -280,6 +287,8 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
             err_console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
         rows = sum(report.rows.values()) + (sum(link_report.rows.values()) if link_report else 0)
         console.print(f"{rows} rows written")
-    # a node refusing the token is up, but none of its figures were recorded: a failure too
-    if report.down or report.token_refused or report.routers_down or not report.written:
+    # a node refusing the token, or starting, is up, but none of its figures were recorded:
+    # a failure too (a script retrying --once until 0 gets a cycle with every node's figures)
+    unread = report.token_refused or report.starting
+    if report.down or unread or report.routers_down or not report.written:
         raise typer.Exit(1)

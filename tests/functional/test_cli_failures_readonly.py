@@ -1,5 +1,6 @@
 """The read-only commands (collect, status, the fleet's lookups) under failure: an agent that
-refuses the token is up, not down, in the collectors' report and history as in `kvctl status`;
+refuses the token is up, not down, in the collectors' report and history as in `kvctl status`,
+and so is one still starting (its tiers opening), shown "starting";
 a hung agent (it takes the connection and says nothing) is "not answering", not down; a Ctrl-C
 while a hung agent is asked ends the command at once with one line, where it waited out
 --timeout in silence."""
@@ -14,11 +15,13 @@ import pytest
 from sqlalchemy import select
 from typer.testing import CliRunner
 
+from kvctl.agent_starting import STARTING_PREFIX, says_starting
 from kvctl.cli.main import app
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, Node, NodeSample
 from tests.functional.agents import closed_port, running_agent
 from tests.functional.hung import ctrl_c, hung_http_agent
+from tests.starting_agent import starting_url
 
 runner = CliRunner()
 #: the --timeout the commands get where a hung agent is asked: far beyond any hang guard's
@@ -67,6 +70,32 @@ def test_collect_reports_an_agent_refusing_the_token_as_up_not_down(tmp_path: Pa
     assert [s.up for s in refused] == [True, True]
     assert all("token" in (s.error or "") and s.scrape_seconds is not None for s in refused)
     assert [s.up for s in samples if s.node_id == ids["gone"]] == [False, False]
+    assert cache == []
+
+
+def test_collect_once_reports_a_starting_agent_as_starting_and_exits_1(tmp_path: Path) -> None:
+    with starting_url() as url:
+        db = _fleet(tmp_path, {"warming": url})
+        args = ("collect", "--once", "--no-links", "--metrics-listen", "off")
+        # nothing down, but its figures were not recorded: 1, as for a refused token
+        report = json.loads(_cli(db, *args, "--json", code=1))["scrape"]
+        table = " ".join(_cli(db, *args, code=1).replace("│", " ").split())
+    assert (report["up"], report["down"], report["token_refused"]) == ([], {}, {}), report
+    assert list(report["starting"]) == ["warming"], report
+    said = report["starting"]["warming"]
+    assert said.startswith(STARTING_PREFIX) and url in said, said
+    assert f"warming starting {STARTING_PREFIX}" in table, table
+    assert "warming down" not in table and "token refused" not in table, table
+    engine = open_db(db)
+    try:
+        with engine.connect() as conn:
+            samples = conn.execute(select(NodeSample)).all()
+            cache = conn.execute(select(CacheSample.node_id)).scalars().all()
+    finally:
+        engine.dispose()
+    # it answered: up, with what it said; no figures made up
+    assert [(s.up, says_starting(s.error)) for s in samples] == [(True, True)] * 2
+    assert all(s.scrape_seconds is not None for s in samples)
     assert cache == []
 
 

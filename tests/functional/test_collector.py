@@ -29,6 +29,7 @@ from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, EngineSample, LinkSample, Node, NodeSample, PowerSample
 from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
 from tests.not_an_agent import send
+from tests.starting_agent import starting_url
 
 pytestmark = pytest.mark.slow
 
@@ -425,6 +426,24 @@ def test_collector_serves_its_own_metrics(sqlite_db: Engine, tmp_path: Path) -> 
     assert 'kvctl_collector_rows_written_total{table="cache_sample"}' in text
     assert "kvctl_collector_scrape_duration_seconds_bucket" in text
     assert 'kvctl_collector_nodes{state="up"} 1.0' in text
+
+
+def test_collector_metrics_count_starting_nodes_apart(sqlite_db: Engine) -> None:
+    """A node answering "starting" is counted as such in kvctl_collector_nodes, neither down
+    nor token refused (it answered; its tiers are still opening)."""
+    with starting_url() as url:
+        _register(sqlite_db, {"n1": ("fra", url)})
+        collector = Collector(sqlite_db, CollectorConfig())
+        server, port = collector.metrics.serve("127.0.0.1", 0)
+        try:
+            collector.collect_once()
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        finally:
+            server.shutdown()
+            collector.close()
+    assert 'kvctl_collector_nodes{state="starting"} 1.0' in text
+    for state in ("up", "down", "token_refused"):
+        assert f'kvctl_collector_nodes{{state="{state}"}} 0.0' in text
 
 
 def test_several_collectors_write_one_postgresql(

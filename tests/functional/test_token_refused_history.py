@@ -2,7 +2,8 @@
 (SQLite and PostgreSQL, real agents): it is up (it answered, as `kvctl status` says) but its
 figures are unread, and the views say so: a 'token refused' spell among its events (as down
 spells are), its unread scrapes counted in the recorded figures and the dashboard's node table,
-so it never reads as a healthy idle node."""
+so it never reads as a healthy idle node. A node whose agent answers "starting" (its tiers still
+opening) is up and unread too, in a 'starting' spell of its own."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from sqlalchemy.engine import Engine
 
 from collectors.collector import Collector, CollectorConfig
 from dashboard.app import create_app, render
+from kvctl.agent_starting import STARTING_PREFIX, says_starting
 from kvctl.db.analytics.recorded import recorded
 from kvctl.db.analytics.series import node_events
 from kvctl.db.analytics.windows import Window
 from kvctl.db.inventory import add_dc, add_node, list_nodes
-from kvctl.db.models import Node
+from kvctl.db.models import Node, NodeSample
 from tests.functional.agents import Agent, closed_port, running_agent
 from tests.functional.test_dashboard_app import by_id, url_of
+from tests.starting_agent import starting_url
 
 pytestmark = pytest.mark.slow
 
@@ -107,6 +110,108 @@ def test_a_node_refusing_the_token_is_up_but_unread_in_events_figures_and_dashbo
         "down",
         "token refused",
     ]
+
+
+def test_a_starting_node_is_up_but_unread_in_a_starting_spell_of_its_own(
+    db: Engine, agents: tuple[Agent, Agent]
+) -> None:
+    locked, open_ = agents
+    dead = f"http://127.0.0.1:{closed_port()}"
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "n1", dc="fra", agent_url=dead)
+    with db.connect() as conn:
+        n1 = conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one()
+    now = [T0_S]
+    reports = []
+    collector = Collector(db, CollectorConfig(interval_s=60.0), clock=lambda: now[0])
+    try:
+        with starting_url() as starting:
+            # n1's agent, scrape by scrape: starting twice, refusing the token, away, then read
+            urls = [starting] * 2 + [locked.state.control_url, dead]
+            urls += [open_.state.control_url] * 2
+            for url in urls:
+                with db.begin() as conn:
+                    conn.execute(update(Node).where(Node.id == n1).values(agent_url=url))
+                reports.append(collector.collect_once())
+                assert reports[-1].written
+                now[0] += 60
+    finally:
+        collector.close()
+
+    # starting: neither down nor token refused, with the agent's own words and its URL
+    first = reports[0]
+    assert (first.up, first.down, first.token_refused) == ([], {}, {}), first
+    assert list(first.starting) == ["n1"] and starting in first.starting["n1"]
+    assert first.starting["n1"].startswith(STARTING_PREFIX)
+    assert first.as_dict()["starting"] == first.starting
+    assert [list(r.starting) for r in reports] == [["n1"], ["n1"], [], [], [], []]
+    assert list(reports[2].token_refused) == ["n1"] and list(reports[3].down) == ["n1"]
+    with db.connect() as conn:
+        samples = conn.execute(
+            select(NodeSample).where(NodeSample.node_id == n1).order_by(NodeSample.ts_ms)
+        ).all()
+    # it answered: up, timed, the error saying it is starting; no figures made up
+    assert [(s.up, says_starting(s.error)) for s in samples[:2]] == [(True, True)] * 2
+    assert all(s.scrape_seconds is not None and s.agent_started_s is None for s in samples[:2])
+    assert [says_starting(s.error) for s in samples[2:]] == [False] * 4
+
+    t0 = int(T0_S * 1000)
+    win = Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+    with db.connect() as conn:
+        events = node_events(conn, win, n1)
+        rec = {n.name: row for n, row in recorded(conn, win, list_nodes(conn)).nodes}
+    spells = [(e.ts_ms, e.kind, e.detail) for e in events if e.kind != "evictions"]
+    assert [(ts, kind) for ts, kind, _ in spells] == [
+        (t0 + 3 * MINUTE_MS, "down"),
+        (t0 + 2 * MINUTE_MS, "token refused"),
+        (t0, "starting"),
+    ]
+    started = spells[2][2]
+    assert started.startswith("starting for 2 scrapes, no figures recorded: "), started
+    assert STARTING_PREFIX in started and "still" not in started
+    assert spells[1][2].startswith("up but unreadable for 1 scrape,")
+    # up 5 of 6 scrapes, 3 of them unread (twice starting, once refusing the token)
+    assert (rec["n1"].samples, rec["n1"].up_samples, rec["n1"].unread_samples) == (6, 5, 3)
+
+    app = create_app(
+        url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: int(now[0] * 1000)
+    )
+    try:
+        page, _ = render(app, "/detail", "?dc=fra&node=n1", "1h", None, None)
+        shown = by_id(page, "table-events").data
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+    assert [e["event"] for e in shown if e["event"] != "evictions"] == [
+        "down",
+        "token refused",
+        "starting",
+    ]
+
+
+def test_a_node_still_starting_at_the_windows_end_is_still_starting(db: Engine) -> None:
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "n1", dc="fra", agent_url="http://127.0.0.1:9")
+    with db.connect() as conn:
+        n1 = conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one()
+    now = [T0_S]
+    collector = Collector(db, CollectorConfig(interval_s=60.0), clock=lambda: now[0])
+    try:
+        with starting_url() as starting:
+            with db.begin() as conn:
+                conn.execute(update(Node).where(Node.id == n1).values(agent_url=starting))
+            for _ in range(3):
+                assert list(collector.collect_once().starting) == ["n1"]
+                now[0] += 60
+    finally:
+        collector.close()
+    t0 = int(T0_S * 1000)
+    win = Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+    with db.connect() as conn:
+        events = node_events(conn, win, n1)
+    assert [(e.ts_ms, e.kind) for e in events] == [(t0, "starting")]
+    assert events[0].detail.startswith("starting for 3 scrapes (still starting), no figures")
 
 
 def recorded_json(db: Engine, win: Window) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from kvctl.agent_starting import says_starting
 from kvctl.db.analytics.values import as_int, gauge_mean
 from kvctl.db.analytics.windows import Window, bucket_starts, bucketed_rows
 from kvctl.db.models import raw_table
@@ -142,8 +143,9 @@ class NodeEvent:
 def node_events(conn: Connection, win: Window, node_id: int, *, limit: int = 10) -> list[NodeEvent]:
     """A node's notable events in the window, newest first, read from raw samples (kept two
     days by default): agent restarts, unreachable spells with their error, spells where it
-    answered but its figures could not be read (an up sample with an error: it refused the
-    collector's token), and the buckets with the most evictions."""
+    answered but its figures could not be read (an up sample with an error: "starting" while
+    its agent opened its tiers, "token refused" otherwise: it refused the collector's token),
+    and the buckets with the most evictions."""
     t = raw_table("node_sample")
     q = (
         select(t.c.ts_ms, t.c.up, t.c.agent_started_s, t.c.error)
@@ -154,7 +156,7 @@ def node_events(conn: Connection, win: Window, node_id: int, *, limit: int = 10)
     started: float | None = None
     spell: _Spell | None = None
     for ts, up, agent_started, error in conn.execute(q):
-        kind = "token refused" if up and error else None if up else "down"
+        kind = _kind(up, error)
         if spell is not None and spell.kind != kind:
             events.append(spell.event())
             spell = None
@@ -178,9 +180,19 @@ def node_events(conn: Connection, win: Window, node_id: int, *, limit: int = 10)
     return events[:limit]
 
 
+def _kind(up: bool, error: str | None) -> str | None:
+    """The spell a node sample belongs to: None for one read, else "down", "starting" (it
+    answered that its tiers are opening) or "token refused" (any other answer left unread)."""
+    if not up:
+        return "down"
+    if not error:
+        return None
+    return "starting" if says_starting(error) else "token refused"
+
+
 @dataclass(slots=True)
 class _Spell:
-    """Consecutive samples of a node down, or up with its figures unread."""
+    """Consecutive samples of a node down, starting, or up with its figures unread."""
 
     kind: str
     since_ms: int
@@ -192,6 +204,10 @@ class _Spell:
         if self.kind == "down":
             tail = " (still down)" if ongoing else ""
             text = f"unreachable for {scrapes}{tail}: {self.error or 'no answer'}"
+        elif self.kind == "starting":
+            # it answered: up, opening its tiers; its figures are recorded once it serves
+            tail = " (still starting)" if ongoing else ""
+            text = f"starting for {scrapes}{tail}, no figures recorded: {self.error}"
         else:
             # it answered: up (as `kvctl status` says), but none of its figures were recorded
             tail = " (still refused)" if ongoing else ""
