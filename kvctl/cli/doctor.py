@@ -30,7 +30,8 @@ def doctor_command(
     clock in step with this machine's, sees its GPUs, has free disk space and
     keeps its shared arena on huge pages; and NVML and the database's disk
     here. Read-only. Exits 1 when a check
-    fails; warnings (e.g. no GPU on a laptop) do not.
+    fails; warnings (e.g. no GPU on a laptop) do not. An agent still opening
+    its tiers fails as starting (it serves nothing yet): run it again shortly.
 
     Examples:
 

@@ -266,9 +266,10 @@ def classify_nvml(name: str, status: NvmlStatus, *, where: str = "this machine")
 
 @dataclass(frozen=True, slots=True)
 class AgentProbe:
-    """What one agent answered. ``failure`` is None, "unreachable", "auth", "overdue" (its
-    answers did not come in full within the doctor's deadline) or "error" (it answered, but
-    not like a kvctl agent); the later calls' errors leave their reading N/A."""
+    """What one agent answered. ``failure`` is None, "unreachable", "auth", "starting" (it
+    answered that it is still opening its tiers), "overdue" (its answers did not come in full
+    within the doctor's deadline) or "error" (it answered, but not like a kvctl agent); the
+    later calls' errors leave their reading N/A."""
 
     failure: str | None = None
     error: str | None = None
@@ -300,13 +301,15 @@ def probe_agent(
     client: AgentClient, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES
 ) -> AgentProbe:
     """Ask one agent for everything the doctor needs; never raises."""
-    from kvctl.client import AgentUnreachable, AuthError
+    from kvctl.client import AgentStarting, AgentUnreachable, AuthError
 
     sent_s = clock()
     try:
         health = dict(client.health())
     except AuthError as exc:
         return AgentProbe(failure="auth", error=_describe(exc))
+    except AgentStarting as exc:  # up, not serving yet: neither down nor "not an agent"
+        return AgentProbe(failure="starting", error=_describe(exc))
     except AgentUnreachable as exc:
         return AgentProbe(failure="unreachable", error=_describe(exc))
     except Exception as exc:  # e.g. a web server that is not an agent: a 404 or an HTML page
@@ -356,6 +359,18 @@ def classify_agent(
                 probe.error or f"{url} is up but refused the token",
                 f"set KVCTL_TOKEN to the token of {name}'s agent (its KVCTL_TOKEN, or token in "
                 "[agent] of its agent.toml)",
+            )
+        ]
+    if probe.failure == "starting":  # not healthy yet: a failure, though time is the fix
+        return [
+            Check(
+                row,
+                FAIL,
+                # the client's error says it is starting and names the URL
+                probe.error or f"{url} is starting: it is opening its tiers",
+                f"{name}'s agent is opening its tiers (a large disk tier's scan can take "
+                "minutes): run `kvctl doctor` again shortly; its log (agent.log in its data dir "
+                f"on {name}) shows the progress",
             )
         ]
     if probe.failure == "unreachable":

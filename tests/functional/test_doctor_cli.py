@@ -1,5 +1,6 @@
 """`kvctl doctor` end to end: real agents on loopback (one healthy, one with a token), a node
-whose agent is down, real SQLite and PostgreSQL databases (current, behind, unreachable)."""
+whose agent is down, one whose agent is starting, real SQLite and PostgreSQL databases
+(current, behind, unreachable)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from click.testing import Result
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
+from kvctl.agent_starting import STARTING_PREFIX
 from kvctl.cli.main import app
 from kvctl.db import migrate
 from kvctl.db.engine import create_db_engine, resolve_url
 from kvctl.db.inventory import add_dc, add_node
 from tests.functional.agents import Agent, closed_port, running_agent
+from tests.starting_agent import starting_url
 
 TOKEN = "doctor-test-token"
 
@@ -120,6 +123,24 @@ def test_down_agent_fails_with_a_fix(db: Engine, healthy: Agent) -> None:
         assert "disk (local db)" in rows
     else:
         assert "disk (local db)" not in rows
+
+
+def test_starting_agent_fails_as_starting_not_down(db: Engine, healthy: Agent) -> None:
+    with starting_url() as starting:
+        _register(db, {"node-a": healthy.state.control_url, "node-s": starting})
+        result = _doctor("--db", _url(db))
+        code, out = _json("--db", _url(db))
+    # not serving yet: a failing check (exit 1), worded as starting, never as down
+    assert result.exit_code == 1 and code == 1
+    text = " ".join(result.stdout.split())
+    fixes = text[text.index("Fixes:") :]
+    assert "agent node-s: node-s's agent is opening its tiers" in fixes, fixes
+    assert "run `kvctl doctor` again shortly" in fixes and "kvctl agent start" not in fixes
+    agent = _rows(out)["agent node-s"]
+    assert agent["status"] == "fail" and agent["detail"].startswith(STARTING_PREFIX)
+    assert starting in agent["detail"] and "unreachable" not in agent["detail"]
+    assert not {"clock node-s", "nvml node-s", "disk node-s"} & set(_rows(out))
+    assert _rows(out)["agent node-a"]["status"] == "ok"
 
 
 def test_healthy_fleet_exits_0_and_selection_narrows_it(db: Engine, healthy: Agent) -> None:

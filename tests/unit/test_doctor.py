@@ -13,6 +13,7 @@ import pynvml
 import pytest
 
 from kvctl import __version__
+from kvctl.agent_starting import STARTING_DETAIL, STARTING_PREFIX
 from kvctl.client import AgentClient
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.doctor import (
@@ -40,6 +41,7 @@ from kvctl.fleet.doctor import (
 from kvctl.nvml import NvmlReader, NvmlStatus
 from tests.functional.agents import closed_port
 from tests.not_an_agent import answering_url
+from tests.starting_agent import starting_url
 
 GiB = 1 << 30
 ROOT = Path(__file__).parents[2]
@@ -285,6 +287,7 @@ def test_healthy_agent_gives_four_ok_rows() -> None:
         ("unreachable", "cannot reach the agent at http://10.0.0.7:7070", "kvctl agent start"),
         ("unreachable", "connection refused", "kvctl fleet ls"),
         ("auth", "the agent refused the token", "KVCTL_TOKEN"),
+        ("starting", f"{STARTING_DETAIL} (http://10.0.0.7:7070)", "`kvctl doctor` again shortly"),
         ("error", "404: Not Found", "kvctl fleet ls"),
     ],
 )
@@ -382,6 +385,19 @@ def test_probe_of_a_closed_port_is_unreachable() -> None:
     with AgentClient(f"http://127.0.0.1:{closed_port()}", token="", timeout_s=2.0) as client:
         probe = probe_agent(client)
     assert probe.failure == "unreachable" and probe.error
+
+
+def test_probe_of_a_starting_agent_is_starting_not_an_error() -> None:
+    with starting_url() as url, AgentClient(url, token="", timeout_s=2.0) as client:
+        probe = probe_agent(client)
+    assert probe.failure == "starting" and probe.health is None
+    assert probe.error is not None and probe.error.startswith(STARTING_PREFIX)
+    assert url in probe.error
+    (check,) = classify_agent(NODE, probe)
+    # not healthy yet: a failure, worded as starting, with the wait (not a URL) as its fix
+    assert check.status == FAIL and check.detail.startswith(STARTING_PREFIX)
+    assert check.fix is not None and "opening its tiers" in check.fix
+    assert "agent.log" in check.fix and "kvctl fleet ls" not in check.fix
 
 
 def test_agent_checks_with_a_bad_url_and_a_closed_port_do_not_raise() -> None:
