@@ -17,7 +17,7 @@ from kvctl.agent.settings import AgentSettings
 from kvctl.store.errors import DirectoryInUse
 from kvctl.store.tiers import disk as disk_module
 from kvctl.store.tiers.disk import DiskTier
-from tests.unit.test_disk_tier import chunk_path, key, put
+from tests.unit.test_disk_tier import as_after_a_crash, chunk_path, key, put
 
 KIB = 1024
 
@@ -50,6 +50,7 @@ def test_a_chunk_file_that_cannot_be_read_at_open_is_skipped_and_the_tier_opens(
 ) -> None:
     with DiskTier(tmp_path, 1 << 20) as tier:
         kept = [put(tier, i, 4 * KIB) for i in range(3)]
+    as_after_a_crash(tmp_path)
     bad = chunk_path(tmp_path, key(1))
     with (
         unreadable(bad),
@@ -81,6 +82,7 @@ def test_an_agent_starts_past_an_unreadable_chunk_file(tmp_path: Path) -> None:
     with DiskTier(tmp_path / "disk", 1 << 20) as tier:
         put(tier, 0, 4 * KIB)
         put(tier, 1, 4 * KIB)
+    as_after_a_crash(tmp_path / "disk")
     with unreadable(chunk_path(tmp_path / "disk", key(1))):
         runtime = AgentRuntime.open(_settings(tmp_path))
         try:
@@ -128,6 +130,7 @@ def test_the_scan_at_open_logs_its_start_progress_and_end(
     with DiskTier(tmp_path, 1 << 20) as tier:
         for i in range(5):
             put(tier, i, 4 * KIB)
+    as_after_a_crash(tmp_path)  # the whole scan, file by file
     (tmp_path / key(0).hex()[:2] / ".left.tmp").write_bytes(b"x")  # dropped at open
     monkeypatch.setattr(disk_module, "_SCAN_PROGRESS_S", 0.0)  # progress at every file
     with caplog.at_level(logging.INFO, logger="kvctl.store"), DiskTier(tmp_path, 1 << 20):

@@ -36,6 +36,7 @@ from kvctl.store.errors import (
 )
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.disk import DiskTier
+from kvctl.store.tiers.disk_index import INDEX_NAME
 from tests.tmpfs import tmpfs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -63,6 +64,13 @@ def put(tier: DiskTier, i: int, size_bytes: int, **fields: object) -> bytes:
 
 def chunk_path(directory: Path, k: bytes) -> Path:
     return directory / k.hex()[:2] / f"{k.hex()}.kv"
+
+
+def as_after_a_crash(directory: Path) -> None:
+    """Take away the index a clean close left in ``directory``, as an agent killed mid-use
+    leaves none: the next open reads every chunk file's header (the scan these tests check).
+    After a clean close it would trust the index for each file still listed under its name."""
+    (directory / INDEX_NAME).unlink()
 
 
 def files_under(directory: Path) -> set[str]:
@@ -171,6 +179,7 @@ def test_open_drops_torn_garbage_temp_and_misnamed_files(tmp_path: Path) -> None
     with DiskTier(tmp_path, 16 * MIB) as tier:
         for i in range(6):
             healthy[i] = put(tier, i, 20 * KIB + i, tokens=i)
+    as_after_a_crash(tmp_path)
     planted = 0
     # torn: a chunk cut short (a crash mid-write that somehow became visible)
     torn = chunk_path(tmp_path, key(0))

@@ -14,6 +14,7 @@ import pytest
 from kvctl.agent.daemon import AgentState
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.disk import DiskTier
+from tests.unit.test_disk_tier import as_after_a_crash
 
 
 def _mode(path: Path) -> int:
@@ -57,6 +58,7 @@ def test_chunk_files_are_0600_in_a_0755_directory_under_umask_0(
 def test_chunk_files_of_an_older_build_are_made_0600_at_open(tmp_path: Path) -> None:
     with DiskTier(tmp_path / "disk", 1 << 20) as tier:
         chunk = _put(tier, 2)
+    as_after_a_crash(tmp_path / "disk")  # an older build left no clean-close index either
     os.chmod(chunk, 0o644)  # as builds before 0600 wrote them
     os.chmod(chunk.parent, 0o755)
     with DiskTier(tmp_path / "disk", 1 << 20) as tier:
@@ -84,6 +86,7 @@ def test_state_file_is_0600_under_umask_0(tmp_path: Path, open_umask: None) -> N
 def test_tightening_at_open_keeps_the_owners_bits(tmp_path: Path) -> None:
     with DiskTier(tmp_path / "disk", 1 << 20) as tier:
         chunk = _put(tier, 3)
+    as_after_a_crash(tmp_path / "disk")  # the scan, which looks at each file, tightens it
     os.chmod(chunk, 0o444)  # an operator's read-only chunk stays read-only, and private
     with DiskTier(tmp_path / "disk", 1 << 20) as tier:
         assert _key(3) in tier

@@ -3,6 +3,8 @@
 Layout under the tier directory::
 
     .lock                      flock'd while a DiskTier has the directory open
+    .clean-index               what a clean close found, read by the next open instead of every
+                               chunk file's header, and removed by it (``disk_index``)
     ab/abcdef...(32 hex).kv    one chunk: header + payload
     ab/.abcdef....<pid>.<n>.tmp  a write in progress (removed at the next open if left behind)
 
@@ -68,6 +70,7 @@ from kvctl.store.errors import (
     PayloadSizeError,
     TierUnavailable,
 )
+from kvctl.store.tiers import disk_index
 from kvctl.store.tiers.base import (
     Buffer,
     ChunkMeta,
@@ -80,6 +83,7 @@ from kvctl.store.tiers.base import (
     check_resize,
     check_room,
 )
+from kvctl.store.tiers.disk_index import IndexedChunk
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +265,7 @@ class DiskTier(Tier):
         try:
             self._scan()
         except BaseException:
-            self.close()
+            self._close(keep_index=False)
             raise
 
     # --- Tier interface -------------------------------------------------------------------
@@ -655,8 +659,24 @@ class DiskTier(Tier):
         return [index[m.key].meta for m in self._recovered if m.key in index]
 
     def close(self) -> None:
+        """Close the tier, leaving its index (``disk_index``) for the next open to read instead
+        of every chunk file's header, when no write is under way."""
+        self._close(keep_index=True)
+
+    def _close(self, *, keep_index: bool) -> None:
         if self._closed and self._lock_fd < 0:
             return
+        if keep_index and not self._closed and self._lock_fd >= 0 and not self._writing:
+            # every indexed chunk's file is in place (puts and commits rename before indexing),
+            # and the directory is still locked: nothing else can change it before this is in
+            disk_index.write(
+                self.directory,
+                (
+                    IndexedChunk(e.meta, e.header_bytes, e.checksum_kind, e.checksum)
+                    for e in self._index.values()
+                ),
+                fsync=self.fsync,
+            )
         self._closed = True
         for fd in self._dir_fds.values():
             _close_quietly(fd)
@@ -674,9 +694,10 @@ class DiskTier(Tier):
         self.close()
 
     def __del__(self) -> None:
-        # A tier dropped without close() must not keep the directory locked for the process.
+        # A tier dropped without close() must not keep the directory locked for the process;
+        # no index is left (a tier abandoned mid-use is treated as a crash: the next open scans)
         if getattr(self, "_lock_fd", -1) >= 0:
-            self.close()
+            self._close(keep_index=False)
 
     # --- internals --------------------------------------------------------------------------
     def _forget_file(self, key: bytes, remove: Callable[[str], object]) -> tuple[int, bool]:
@@ -840,6 +861,20 @@ class DiskTier(Tier):
                 f"disk tier {self.name!r} cannot write in {d}: {exc.strerror}"
             ) from exc
 
+    def _take_index(self) -> dict[bytes, IndexedChunk]:
+        """The index the last clean close left, removed from the directory before the scan
+        (``disk_index.take``); empty where there is none to believe, or ``verify_on_open``
+        asks for every payload to be read anyway. Raises TierUnavailable where it cannot be
+        removed (believed after a later crash, it could be stale)."""
+        try:
+            indexed = disk_index.take(self.directory, fsync=self.fsync)
+        except OSError as exc:
+            raise TierUnavailable(
+                f"disk tier {self.name!r} cannot remove its index "
+                f"{self.directory}/{disk_index.INDEX_NAME}: {exc.strerror or exc}"
+            ) from exc
+        return {} if indexed is None or self.verify_on_open else indexed
+
     def _make_subdir(self, subdir: str) -> None:
         with self._dir_fd_lock:
             stale_fd = self._dir_fds.pop(subdir, None)  # a removed directory's fd syncs nothing
@@ -893,6 +928,8 @@ class DiskTier(Tier):
         verify_buf = bytearray(_VERIFY_BUFFER_BYTES) if self.verify_on_open else None
         started_s = time.monotonic()
         files = 0  # files looked at in the fan-out directories
+        indexed = self._take_index()
+        from_index = 0  # chunks whose header the index gave instead of their file
         next_progress_s = started_s + _SCAN_PROGRESS_S
         log.info(
             "disk tier %s: scanning %s for chunks%s",
@@ -942,6 +979,13 @@ class DiskTier(Tier):
                     self._remove(f.path, rel, "in the wrong fan-out directory")
                     continue
                 key = bytes.fromhex(f.name[: 2 * KEY_BYTES])
+                known = indexed.pop(key, None)
+                if known is not None:  # its file is listed under its name: the index holds
+                    self._index[key] = _Entry(*known)
+                    self._used_bytes += known.meta.size_bytes
+                    recovered.append(known.meta)
+                    from_index += 1
+                    continue
                 try:
                     loaded = _load_chunk(f.path, key, verify_buf)
                 except OSError as exc:
@@ -959,13 +1003,14 @@ class DiskTier(Tier):
         recovered.sort(key=lambda m: (m.created_s, m.key))
         self._recovered = recovered
         log.info(
-            "disk tier %s: scanned %s in %.1f s: %d files, %d chunks (%s)%s%s",
+            "disk tier %s: scanned %s in %.1f s: %d files, %d chunks (%s)%s%s%s",
             self.name,
             self.directory,
             time.monotonic() - started_s,
             files,
             len(recovered),
             format_bytes(self._used_bytes),
+            f", {from_index} of them from its clean-close index" if from_index else "",
             f", {self.dropped_on_open} dropped (torn, corrupt or leftover)"
             if self.dropped_on_open
             else "",
