@@ -560,6 +560,55 @@ def bench_route_command(
 
 
 @bench_app.command(
+    "reopen", short_help="Disk tier open after a clean close (its index) vs after a crash (scan)."
+)
+def bench_reopen_command(
+    chunks: Annotated[int, typer.Option(help="Chunk files in the disk tier.")] = 20_000,
+    chunk_size: Annotated[str, typer.Option(help="Size of each chunk.")] = "4KiB",
+    repeats: Annotated[int, typer.Option(help="Opens each way per cache state.")] = 3,
+    directory: Annotated[
+        pathlib.Path | None,
+        typer.Option("--dir", help="Where the tier is written (default: a temporary directory)."),
+    ] = None,
+    drop_all_caches: Annotated[
+        bool,
+        typer.Option(
+            "--drop-all-caches",
+            help="Also time opens after dropping every kernel cache of the machine "
+            "(/proc/sys/vm/drop_caches: root only, and it slows every other process a while).",
+        ),
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """How long a disk tier takes to open, which is how long a restarted agent serves nothing:
+    after a clean close (its index is read and each chunk file still listed is trusted) beside
+    after a crash (every chunk file's header is read), on the same directory in the same run,
+    with its files' pages in memory (warm) and dropped (cold). The chunk size barely matters:
+    a chunk costs its file, not its bytes. Progress goes to stderr.
+
+    Examples:
+
+      kvctl bench reopen --json > bench/results/reopen.json
+
+      kvctl bench reopen --chunks 100000 --dir /mnt/nvme/kvctl-bench --drop-all-caches
+    """
+    from kvctl.bench.reopen import render_reopen_bench, run_reopen_bench
+    from kvctl.units import parse_size
+
+    def measure() -> Result:
+        return run_reopen_bench(
+            chunks=chunks,
+            chunk_bytes=parse_size(chunk_size),
+            repeats=repeats,
+            directory=directory,
+            drop_all_caches=drop_all_caches,
+            progress=_progress,
+        )
+
+    _run("reopen", measure, render_reopen_bench, json_out)
+
+
+@bench_app.command(
     "crash", short_help="kill -9 an agent under write load: what the disk tier kept, restart time."
 )
 def bench_crash_command(
