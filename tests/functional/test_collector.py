@@ -412,17 +412,22 @@ def test_kvbm_and_trtllm_block_counters_become_interval_samples(
     assert hourly[_node_id(sqlite_db, "n2")].kv_reused_blocks == 96
 
 
+def _metrics_after_one_cycle(db: Engine) -> str:
+    """The collector's own /metrics text after one scrape of the inventory."""
+    collector = Collector(db, CollectorConfig())
+    server, port = collector.metrics.serve("127.0.0.1", 0)
+    try:
+        collector.collect_once()
+        return httpx.get(f"http://127.0.0.1:{port}/metrics").text
+    finally:
+        server.shutdown()
+        collector.close()
+
+
 def test_collector_serves_its_own_metrics(sqlite_db: Engine, tmp_path: Path) -> None:
     with running_agent(tmp_path / "a1", "--name", "n1") as a1:
         _register(sqlite_db, {"n1": ("fra", a1.state.control_url)})
-        collector = Collector(sqlite_db, CollectorConfig())
-        server, port = collector.metrics.serve("127.0.0.1", 0)
-        try:
-            collector.collect_once()
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        finally:
-            server.shutdown()
-            collector.close()
+        text = _metrics_after_one_cycle(sqlite_db)
     assert 'kvctl_collector_rows_written_total{table="cache_sample"}' in text
     assert "kvctl_collector_scrape_duration_seconds_bucket" in text
     assert 'kvctl_collector_nodes{state="up"} 1.0' in text
@@ -433,14 +438,7 @@ def test_collector_metrics_count_starting_nodes_apart(sqlite_db: Engine) -> None
     nor token refused (it answered; its tiers are still opening)."""
     with starting_url() as url:
         _register(sqlite_db, {"n1": ("fra", url)})
-        collector = Collector(sqlite_db, CollectorConfig())
-        server, port = collector.metrics.serve("127.0.0.1", 0)
-        try:
-            collector.collect_once()
-            text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        finally:
-            server.shutdown()
-            collector.close()
+        text = _metrics_after_one_cycle(sqlite_db)
     assert 'kvctl_collector_nodes{state="starting"} 1.0' in text
     for state in ("up", "down", "token_refused"):
         assert f'kvctl_collector_nodes{{state="{state}"}} 0.0' in text
