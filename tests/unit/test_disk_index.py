@@ -4,6 +4,7 @@ damaged one, files added or gone while closed) ends as the full scan would."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import zlib
@@ -146,6 +147,32 @@ def test_a_damaged_index_is_ignored_whole_and_the_scan_finds_everything(
     assert "clean-close index" not in said[-1]
     if damage != "empty":
         assert any("ignored" in r.getMessage() for r in caplog.records), caplog.text
+
+
+@pytest.mark.parametrize("field", ["checksum_kind", "size_bytes", "header_bytes"])
+def test_an_intact_index_with_an_entry_the_scan_would_refuse_is_ignored_whole(
+    tmp_path: Path, field: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # whole and checksummed, but with an entry no header check of this build passes (another
+    # build's checksum kind, an empty payload, a header length its tenant does not give): were
+    # it believed, reads of that chunk would raise KeyError (a kind with no checksum function)
+    # or drop a good file (checked at the wrong offset or length), at every clean restart again
+    kept = _fill(tmp_path, 3)
+    path = tmp_path / INDEX_NAME
+    entries = list(decode(path.read_bytes()).values())
+    odd = entries[1]
+    if field == "checksum_kind":
+        entries[1] = odd._replace(checksum_kind=9)
+    elif field == "size_bytes":
+        entries[1] = odd._replace(meta=dataclasses.replace(odd.meta, size_bytes=0))
+    else:
+        entries[1] = odd._replace(header_bytes=odd.header_bytes + 1)
+    path.write_bytes(encode(entries))
+    with caplog.at_level(logging.WARNING, logger="kvctl.store"):
+        _metas, data, _used, said = _opened(tmp_path)
+    assert data == kept
+    assert "clean-close index" not in said[-1]
+    assert any("ignored" in r.getMessage() for r in caplog.records), caplog.text
 
 
 def test_a_chunk_file_damaged_in_place_after_a_clean_close_is_dropped_on_read_not_served(

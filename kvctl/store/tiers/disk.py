@@ -864,8 +864,10 @@ class DiskTier(Tier):
     def _take_index(self) -> dict[bytes, IndexedChunk]:
         """The index the last clean close left, removed from the directory before the scan
         (``disk_index.take``); empty where there is none to believe, or ``verify_on_open``
-        asks for every payload to be read anyway. Raises TierUnavailable where it cannot be
-        removed (believed after a later crash, it could be stale)."""
+        asks for every payload to be read anyway, or where an entry is one the header check
+        at open refuses (another build's checksum kind: believed, each read of it would raise).
+        Raises TierUnavailable where it cannot be removed (believed after a later crash, it
+        could be stale)."""
         try:
             indexed = disk_index.take(self.directory, fsync=self.fsync)
         except OSError as exc:
@@ -873,7 +875,32 @@ class DiskTier(Tier):
                 f"disk tier {self.name!r} cannot remove its index "
                 f"{self.directory}/{disk_index.INDEX_NAME}: {exc.strerror or exc}"
             ) from exc
-        return {} if indexed is None or self.verify_on_open else indexed
+        if indexed is None or self.verify_on_open:
+            return {}
+        header_bytes_of: dict[str, int] = {}  # by tenant: few tenants, many chunks
+        for c in indexed.values():
+            tenant = c.meta.tenant
+            header_bytes = header_bytes_of.get(tenant)
+            if header_bytes is None:
+                header_bytes = _FIXED.size + len(tenant.encode("utf-8")) + _CRC.size
+                header_bytes_of[tenant] = header_bytes
+            if (
+                c.checksum_kind not in _CHECKSUMS
+                or c.meta.size_bytes <= 0
+                or c.header_bytes != header_bytes
+            ):
+                log.warning(
+                    "disk index %s/%s ignored (chunk %s: checksum kind %d, %d payload and %d "
+                    "header bytes, not a header this build reads): scanning every chunk file",
+                    self.directory,
+                    disk_index.INDEX_NAME,
+                    c.meta.key.hex(),
+                    c.checksum_kind,
+                    c.meta.size_bytes,
+                    c.header_bytes,
+                )
+                return {}
+        return indexed
 
     def _make_subdir(self, subdir: str) -> None:
         with self._dir_fd_lock:
