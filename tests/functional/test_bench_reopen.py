@@ -19,9 +19,10 @@ def test_the_command_prints_both_opens_per_cache_state_as_json(tmp_path: Path) -
     assert out.exit_code == 0, out.output
     result = json.loads(out.stdout)
     assert (result["benchmark"], result["chunks"], result["repeats"]) == ("reopen", 300, 2)
-    # the index held every chunk: its 20-byte head, one (empty) tenant name, 300 entries of 82
-    # bytes and its checksum
-    assert result["index_bytes"] == 20 + 2 + 300 * 82 + 4
+    # the index held every chunk: its 24-byte head, one (empty) tenant name, 300 entries of 82
+    # bytes, 10 bytes for each fan-out directory holding any (of 256) and its checksum
+    dirs, rest = divmod(result["index_bytes"] - (24 + 2 + 300 * 82 + 4), 10)
+    assert rest == 0 and 100 < dirs <= 256, result["index_bytes"]
     assert set(result["figures"]) == {"warm", "cold"}  # cold_all is asked for
     for fig in result["figures"].values():
         assert len(fig["samples_index_seconds"]) == len(fig["samples_scan_seconds"]) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import zlib
 from pathlib import Path
@@ -14,10 +15,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvctl.store.errors import CorruptChunk
+from kvctl.store.errors import CorruptChunk, DiskFullError
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.disk import DiskTier
-from kvctl.store.tiers.disk_index import INDEX_NAME, IndexedChunk, decode, encode
+from kvctl.store.tiers.disk_index import INDEX_NAME, Index, IndexedChunk, decode, encode
+from tests.tmpfs import tmpfs
 from tests.unit.test_disk_tier import as_after_a_crash, chunk_path, key, put
 
 KIB = 1024
@@ -136,8 +138,7 @@ def test_a_damaged_index_is_ignored_whole_and_the_scan_finds_everything(
     elif damage == "empty":
         raw = bytearray()
     else:  # another version's, whole and checksummed: not this build's to read
-        entries = decode(bytes(raw)).values()
-        raw = bytearray(encode(entries))
+        raw = bytearray(_encoded(decode(bytes(raw))))
         raw[4] = 99
         raw[-4:] = zlib.crc32(raw[:-4]).to_bytes(4, "little")
     path.write_bytes(bytes(raw))
@@ -159,7 +160,8 @@ def test_an_intact_index_with_an_entry_the_scan_would_refuse_is_ignored_whole(
     # or drop a good file (checked at the wrong offset or length), at every clean restart again
     kept = _fill(tmp_path, 3)
     path = tmp_path / INDEX_NAME
-    entries = list(decode(path.read_bytes()).values())
+    index = decode(path.read_bytes())
+    entries = list(index.chunks.values())
     odd = entries[1]
     if field == "checksum_kind":
         entries[1] = odd._replace(checksum_kind=9)
@@ -167,7 +169,7 @@ def test_an_intact_index_with_an_entry_the_scan_would_refuse_is_ignored_whole(
         entries[1] = odd._replace(meta=dataclasses.replace(odd.meta, size_bytes=0))
     else:
         entries[1] = odd._replace(header_bytes=odd.header_bytes + 1)
-    path.write_bytes(encode(entries))
+    path.write_bytes(_encoded(Index({c.meta.key: c for c in entries}, index.dir_mtimes_ns)))
     with caplog.at_level(logging.WARNING, logger="kvctl.store"):
         _metas, data, _used, said = _opened(tmp_path)
     assert data == kept
@@ -278,5 +280,77 @@ def test_the_index_round_trips_every_field() -> None:
         )
         for i in range(5)
     ]
-    assert list(decode(encode(chunks)).values()) == chunks
-    assert decode(encode([])) == {}
+    dirs = {"ab": 5, "0f": -1}
+    assert decode(_encoded(Index({c.meta.key: c for c in chunks}, dirs))) == Index(
+        {c.meta.key: c for c in chunks}, dirs
+    )
+    assert decode(_encoded(Index({}, {}))) == Index({}, {})
+
+
+def _encoded(index: Index) -> bytes:
+    return b"".join(encode(index.chunks.values(), index.dir_mtimes_ns))
+
+
+def _replace_by_rename(directory: Path, k: bytes, data: bytes) -> None:
+    """Put ``data`` at chunk ``k``'s file name the way any writer that does it safely does: a
+    new file renamed over it (the fan-out directory's mtime moves)."""
+    path = chunk_path(directory, k)
+    tmp = path.with_name(".replacing")
+    tmp.write_bytes(data)
+    os.utime(path.parent, ns=(0, 0))  # the rename below gives it a new mtime whatever the clock
+    tmp.rename(path)
+
+
+def test_a_file_replaced_while_closed_is_read_as_the_scan_reads_it_not_believed(
+    tmp_path: Path,
+) -> None:
+    # an older build (no index) that evicted a chunk and stored it again, a restore, an rsync:
+    # what the directory holds now wins over what the close recorded
+    _fill(tmp_path, 3)
+    torn = chunk_path(tmp_path, key(1)).read_bytes()[:-100]
+    _replace_by_rename(tmp_path, key(1), torn)
+    other = tmp_path.parent / "other"
+    with DiskTier(other, CAPACITY_BYTES) as tier:
+        again = put(tier, 2, 2 * KIB + 2, tenant="someone-else")
+    _replace_by_rename(tmp_path, key(2), chunk_path(other, key(2)).read_bytes())
+    with DiskTier(tmp_path, CAPACITY_BYTES) as tier:
+        assert key(1) not in tier and tier.dropped_on_open == 1  # torn: dropped at open
+        assert tier.meta_of(key(2)).tenant == "someone-else" and tier.get(key(2)) == again
+        assert key(0) in tier
+
+
+def test_no_index_is_left_where_it_would_eat_into_the_headroom(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
+        tier = DiskTier(mnt / "disk", 1 << 30)  # the filesystem, not --disk, is the limit
+        n = 0
+        try:
+            while True:  # until a put would take the free space below the headroom
+                put(tier, n, 1024)
+                n += 1
+        except DiskFullError:
+            pass
+        with caplog.at_level(logging.INFO, logger="kvctl.store"):
+            tier.close()
+        assert not (mnt / "disk" / INDEX_NAME).exists()
+        said = [r.getMessage() for r in caplog.records]
+        assert any("no index left for the next open" in m for m in said), said
+        with DiskTier(mnt / "disk", 1 << 30) as again:  # the scan finds them all
+            assert len(again) == n
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_an_index_that_is_no_regular_file_is_removed_unread(tmp_path: Path, kind: str) -> None:
+    # a FIFO would hold the open (and the agent's start) forever; a link would read another file
+    kept = _fill(tmp_path, 3)
+    real = tmp_path / INDEX_NAME
+    elsewhere = tmp_path.parent / "elsewhere"
+    real.rename(elsewhere)
+    if kind == "fifo":
+        os.mkfifo(real, 0o600)
+    else:
+        real.symlink_to(elsewhere)
+    _metas, data, _used, said = _opened(tmp_path)
+    assert data == kept and "clean-close index" not in said[-1]
+    assert elsewhere.read_bytes()[:4] == b"KVCI"  # the link's target is left alone

@@ -669,14 +669,7 @@ class DiskTier(Tier):
         if keep_index and not self._closed and self._lock_fd >= 0 and not self._writing:
             # every indexed chunk's file is in place (puts and commits rename before indexing),
             # and the directory is still locked: nothing else can change it before this is in
-            disk_index.write(
-                self.directory,
-                (
-                    IndexedChunk(e.meta, e.header_bytes, e.checksum_kind, e.checksum)
-                    for e in self._index.values()
-                ),
-                fsync=self.fsync,
-            )
+            self._write_index()
         self._closed = True
         for fd in self._dir_fds.values():
             _close_quietly(fd)
@@ -686,6 +679,36 @@ class DiskTier(Tier):
             self._lock_fd = -1
         self._index.clear()
         self._used_bytes = 0
+
+    def _write_index(self) -> None:
+        """Leave the index for the next open (``disk_index``), with each fan-out directory's
+        mtime now; not where it would take the filesystem's free space below the headroom
+        (kept for the agent's own files: it is only a shortcut)."""
+        entries = self._index.values()
+        dirs: dict[str, int] = {}
+        for subdir in sorted({e.meta.key.hex()[:2] for e in entries}):
+            try:
+                dirs[subdir] = os.stat(f"{self.directory}/{subdir}").st_mtime_ns
+            except OSError:
+                continue  # its entries are read from their files next time
+        tenants = {e.meta.tenant for e in entries}
+        need = disk_index.size_bytes(len(self._index), tenants, len(dirs))
+        free = self.filesystem_free_bytes()
+        if free is not None and free - need < self.headroom_bytes:
+            log.info(
+                "disk tier %s: no index left for the next open (%s would leave less than the "
+                "%s headroom free): it will read every chunk file's header",
+                self.name,
+                format_bytes(need),
+                format_bytes(self.headroom_bytes),
+            )
+            return
+        disk_index.write(
+            self.directory,
+            (IndexedChunk(e.meta, e.header_bytes, e.checksum_kind, e.checksum) for e in entries),
+            dirs,
+            fsync=self.fsync,
+        )
 
     def __enter__(self) -> DiskTier:
         return self
@@ -861,24 +884,24 @@ class DiskTier(Tier):
                 f"disk tier {self.name!r} cannot write in {d}: {exc.strerror}"
             ) from exc
 
-    def _take_index(self) -> dict[bytes, IndexedChunk]:
+    def _take_index(self) -> disk_index.Index | None:
         """The index the last clean close left, removed from the directory before the scan
-        (``disk_index.take``); empty where there is none to believe, or ``verify_on_open``
+        (``disk_index.take``); None where there is none to believe, or ``verify_on_open``
         asks for every payload to be read anyway, or where an entry is one the header check
         at open refuses (another build's checksum kind: believed, each read of it would raise).
         Raises TierUnavailable where it cannot be removed (believed after a later crash, it
         could be stale)."""
         try:
-            indexed = disk_index.take(self.directory, fsync=self.fsync)
+            index = disk_index.take(self.directory)
         except OSError as exc:
             raise TierUnavailable(
                 f"disk tier {self.name!r} cannot remove its index "
                 f"{self.directory}/{disk_index.INDEX_NAME}: {exc.strerror or exc}"
             ) from exc
-        if indexed is None or self.verify_on_open:
-            return {}
+        if index is None or self.verify_on_open:
+            return None
         header_bytes_of: dict[str, int] = {}  # by tenant: few tenants, many chunks
-        for c in indexed.values():
+        for c in index.chunks.values():
             tenant = c.meta.tenant
             header_bytes = header_bytes_of.get(tenant)
             if header_bytes is None:
@@ -899,8 +922,8 @@ class DiskTier(Tier):
                     c.meta.size_bytes,
                     c.header_bytes,
                 )
-                return {}
-        return indexed
+                return None
+        return index
 
     def _make_subdir(self, subdir: str) -> None:
         with self._dir_fd_lock:
@@ -955,7 +978,7 @@ class DiskTier(Tier):
         verify_buf = bytearray(_VERIFY_BUFFER_BYTES) if self.verify_on_open else None
         started_s = time.monotonic()
         files = 0  # files looked at in the fan-out directories
-        indexed = self._take_index()
+        index = self._take_index()
         from_index = 0  # chunks whose header the index gave instead of their file
         next_progress_s = started_s + _SCAN_PROGRESS_S
         log.info(
@@ -970,10 +993,22 @@ class DiskTier(Tier):
                 continue
             if not (_FANOUT_NAME.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False)):
                 continue  # the lock file, or something an operator put here: not ours to judge
+            mtime_ns = None
             with contextlib.suppress(OSError):  # older builds made them 0755
-                mode = stat.S_IMODE(entry.stat(follow_symlinks=False).st_mode)
+                st = entry.stat(follow_symlinks=False)
+                mtime_ns = st.st_mtime_ns
+                mode = stat.S_IMODE(st.st_mode)
                 if mode & _SHARED_BITS:  # the owner's bits stay (a read-only one stays so)
                     os.chmod(entry.path, mode & ~_SHARED_BITS)
+            # a directory changed since the index was written (a file added, removed or
+            # renamed while the agent was down) has each of its files read, as after a crash
+            indexed = (
+                index.chunks
+                if index is not None
+                and mtime_ns is not None
+                and index.dir_mtimes_ns.get(entry.name) == mtime_ns
+                else {}
+            )
             try:
                 listed = self._list_dir(entry.path)
             except TierUnavailable as exc:  # one bad directory: its chunks are lost, not all
