@@ -24,6 +24,7 @@ from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
 from tests.functional.agents import EPHEMERAL, key, payload
 from tests.tmpfs import tmpfs
+from tests.unit.test_disk_tier import as_after_a_crash
 
 KIB = 1024
 
@@ -56,7 +57,9 @@ def start(tmp_path: Path, data_dir: Path, *args: str) -> subprocess.CompletedPro
 
 
 def disk_chunks(data_dir: Path, count: int, size_bytes: int) -> None:
-    """``count`` chunks in the disk tier of ``data_dir``, as an agent leaves them."""
+    """``count`` chunks in the disk tier of ``data_dir``, as an agent killed leaves them: no
+    clean-close index, whose removal at the next start would free a block of the filesystem
+    these tests fill."""
     store = TieredStore([CpuTier(size_bytes), DiskTier(data_dir / "disk", 64 << 20)])
     try:
         for i in range(count):
@@ -65,6 +68,7 @@ def disk_chunks(data_dir: Path, count: int, size_bytes: int) -> None:
         store.move([key(i, 77) for i in range(count)], "disk")
     finally:
         store.close()
+    as_after_a_crash(data_dir / "disk")
 
 
 @pytest.mark.parametrize("detach", [False, True])
