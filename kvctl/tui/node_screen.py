@@ -155,7 +155,7 @@ class NodeScreen(Screen[None]):
             )
             if gpu.note and gpu.power_w is None:
                 head += f" ({gpu.note.removeprefix('NVML unavailable: ')})"
-        if self.details_error:
+        if self.details_error and self.details_error != row.error:  # (not said twice)
             head += f"\n{self.details_error}"
         return head
 

@@ -164,8 +164,14 @@ def test_an_agent_that_is_starting_is_up_not_down() -> None:
             assert app.view is not None and app.view.total.up == 1
             await pilot.press("enter")
             assert isinstance(app.screen, NodeScreen)
-            summary = app.screen.query_one("#node-summary", Static)
+            screen = app.screen
+            summary = screen.query_one("#node-summary", Static)
             assert str(summary.render()).startswith(f"up, starting: {said}")
+            # its detail (events, hot chunks) is refused the same way: said once, not twice
+            await until(pilot, lambda: screen.details_error is not None, "the detail's answer")
+            await pilot.pause()
+            assert screen.details_error == said
+            assert str(summary.render()).count(said) == 1, str(summary.render())
 
         drive(app, script)
         out = runner.invoke(cli, ["top", "--agent", url, "--json", "--interval", "0.2"])
