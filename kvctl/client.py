@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
 
+from kvctl.agent_starting import STARTING_PREFIX, says_starting
 from kvctl.bearer import bearer_headers, token_problem
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
 from kvctl.store.keys import KVLayout, Namespace
@@ -1431,7 +1432,10 @@ class AgentClient:
             )
         text = validation_text(detail) if isinstance(detail, list) else str(detail)
         if status == 503 and isinstance(body, dict) and body.get("starting") is True:
-            raise AgentStarting(f"{text} ({self.url})", status)
+            # known by its flag, but recorded by its words (the collectors' samples keep only
+            # the text): a detail worded otherwise (another version's) still begins with them
+            said = text if says_starting(text) else f"{STARTING_PREFIX} {text}"
+            raise AgentStarting(f"{said} ({self.url})", status)
         if status == 404:
             raise ChunkNotFound(text)
         if status == 409:

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 from collectors.collector import Collector, CollectorConfig
 from dashboard.app import create_app, render
 from kvctl.agent_starting import STARTING_PREFIX, says_starting
+from kvctl.client import AgentClient, AgentStarting
 from kvctl.db.analytics.recorded import recorded
 from kvctl.db.analytics.series import node_events
 from kvctl.db.analytics.windows import Window
@@ -25,6 +26,7 @@ from kvctl.db.inventory import add_dc, add_node, list_nodes
 from kvctl.db.models import Node, NodeSample
 from tests.functional.agents import Agent, closed_port, running_agent
 from tests.functional.test_dashboard_app import by_id, url_of
+from tests.not_an_agent import answering_url
 from tests.starting_agent import starting_url
 
 pytestmark = pytest.mark.slow
@@ -212,6 +214,37 @@ def test_a_node_still_starting_at_the_windows_end_is_still_starting(db: Engine) 
         events = node_events(conn, win, n1)
     assert [(e.ts_ms, e.kind) for e in events] == [(t0, "starting")]
     assert events[0].detail.startswith("starting for 3 scrapes (still starting), no figures")
+
+
+def test_a_starting_answer_in_other_words_is_recorded_as_starting(db: Engine) -> None:
+    """The SDK knows a starting agent by its answer's flag (503, starting: true), the records by
+    their error's words: an agent wording its detail otherwise (another version's) is still a
+    'starting' spell in the node's events, not 'token refused' as the collector's report says."""
+    body = b'{"detail": "warming up its disk tier", "starting": true}'
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        add_node(conn, "n1", dc="fra", agent_url="http://127.0.0.1:9")
+    with db.connect() as conn:
+        n1 = conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one()
+    collector = Collector(db, CollectorConfig(interval_s=60.0), clock=lambda: T0_S)
+    try:
+        with answering_url(503, body, "application/json") as url:
+            with AgentClient(url) as client, pytest.raises(AgentStarting) as raised:
+                client.health()
+            with db.begin() as conn:
+                conn.execute(update(Node).where(Node.id == n1).values(agent_url=url))
+            report = collector.collect_once()
+    finally:
+        collector.close()
+    said = str(raised.value)
+    assert says_starting(said) and "warming up its disk tier" in said and url in said
+    assert list(report.starting) == ["n1"] and says_starting(report.starting["n1"])
+    t0 = int(T0_S * 1000)
+    win = Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+    with db.connect() as conn:
+        events = node_events(conn, win, n1)
+    assert [(e.ts_ms, e.kind) for e in events] == [(t0, "starting")]
+    assert "warming up its disk tier" in events[0].detail
 
 
 def recorded_json(db: Engine, win: Window) -> dict[str, Any]:
