@@ -184,7 +184,14 @@ class TopApp(App[None]):
         row = None if self.view is None else self.view.row(node.name)
         tiers = list(row.tiers) if row is not None and row.up else []
         if not tiers:
-            self.notify(f"{node.name} reports no tiers (is it down?)", severity="warning")
+            # a node shown up but unread has tiers it cannot tell yet: not "is it down?"
+            if row is not None and row.starting:
+                why = "is starting: its tiers are still opening; try again once it is up"
+            elif row is not None and row.auth_refused:
+                why = "refused the token: its tiers cannot be read (KVCTL_TOKEN)"
+            else:
+                why = "reports no tiers (is it down?)"
+            self.notify(f"{node.name} {why}", severity="warning")
             return
         self.push_screen(
             TierDialog(node, action, tiers, tier),

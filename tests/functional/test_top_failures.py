@@ -36,9 +36,9 @@ from kvctl.tui.node_screen import NodeScreen
 from kvctl.tui.sources import AgentSource, FleetSource
 from tests.functional.agents import Agent, closed_port, running_agent, start_agent
 from tests.functional.hung import HANG_GUARD_S, stopped
-from tests.functional.test_top import cell, drive, poll, until
+from tests.functional.test_top import cell, drive, poll, select_row, until
 from tests.functional.waiting import wait_until
-from tests.not_an_agent import serving
+from tests.not_an_agent import answering_url, serving
 from tests.starting_agent import starting_url
 
 ARGS = ("--cpu", "4MiB", "--disk", "0")
@@ -183,6 +183,43 @@ def test_an_agent_that_is_starting_is_up_not_down() -> None:
     assert node["lookups"] is None and node["down_for_s"] is None
     assert (doc["total"]["up"], doc["total"]["starting"]) == (1, 1)
     assert doc["total"]["lookups"] is None  # no node's figures read: unknown, not 0
+
+
+def test_flushing_a_node_shown_up_without_figures_does_not_ask_whether_it_is_down(
+    tmp_path: Path,
+) -> None:
+    """A tier action on a node opening its tiers, or refusing the token, has no tier to offer:
+    the notice says why (time, or the token, is the fix), not "is it down?" of a node the
+    table shows up."""
+    engine = open_db(f"sqlite:///{tmp_path / 'metrics.db'}", auto_upgrade=True)
+    refusing = b'{"detail": "invalid or missing bearer token"}'
+    try:
+        with (
+            starting_url() as url,
+            answering_url(401, refusing, "application/json") as locked,
+        ):
+            with engine.begin() as conn:
+                add_dc(conn, "fra")
+                add_node(conn, "gpu-s", dc="fra", agent_url=url)
+                add_node(conn, "gpu-t", dc="fra", agent_url=locked)
+            source = FleetSource(engine, timeout_s=2)
+            app = create_app(source, audit_engine=engine, auto_poll=False)
+
+            async def script(pilot: Pilot[None]) -> None:
+                await poll(pilot, app)
+                assert cell(app, "node:gpu-s", "state") == "up, starting"
+                assert cell(app, "node:gpu-t", "state") == "up, token refused"
+                for key in ("node:gpu-s", "node:gpu-t"):
+                    select_row(app, "#fleet", key)
+                    await pilot.press("f")
+                said = [n.message for n in app._notifications]
+                assert not any("is it down" in m for m in said), said
+                assert any(m.startswith("gpu-s is starting") for m in said), said
+                assert any(m.startswith("gpu-t refused the token") for m in said), said
+
+            drive(app, script)
+    finally:
+        engine.dispose()
 
 
 def test_the_agents_stay_live_when_the_fleet_database_goes_away(
