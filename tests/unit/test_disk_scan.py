@@ -6,9 +6,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import resource
+import shutil
 import subprocess
+import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -141,3 +145,73 @@ def test_the_scan_at_open_logs_its_start_progress_and_end(
     assert [m.split(": ")[2].split(" files")[0] for m in progress] == [str(n) for n in range(6)]
     assert said[-1].startswith(f"disk tier disk: scanned {tmp_path} in ")
     assert said[-1].endswith(": 6 files, 5 chunks (20 KiB), 1 dropped (torn, corrupt or leftover)")
+
+
+def _fill_for_scan(directory: Path) -> dict[bytes, bytes]:
+    """Chunks over many fan-out directories, then leftovers a crash could leave: a torn chunk,
+    garbage under a chunk's name, a temp file; no clean-close index (the scan reads every file)."""
+    with DiskTier(directory, 4 << 20) as tier:
+        kept = {key(i): put(tier, i, 1 * KIB + i, tenant=f"t{i % 3}") for i in range(300)}
+    as_after_a_crash(directory)
+    torn = chunk_path(directory, key(7))
+    os.truncate(torn, torn.stat().st_size - 10)
+    del kept[key(7)]
+    garbage = chunk_path(directory, key(1000))
+    garbage.parent.mkdir(exist_ok=True)
+    garbage.write_bytes(os.urandom(300))
+    (chunk_path(directory, key(3)).parent / ".x.1.1.tmp").write_bytes(b"x")
+    return kept
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_scan_from_the_device_reads_on_threads_and_finds_what_one_thread_finds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, verify: bool
+) -> None:
+    one, many = tmp_path / "one", tmp_path / "many"
+    kept = _fill_for_scan(one)
+    shutil.copytree(one, many)
+    threads: dict[Path, set[str]] = {one: set(), many: set()}
+    real = disk_module._load_chunk
+
+    def spy(path: str, *args: Any, **kw: Any) -> Any:
+        threads[one if path.startswith(str(one)) else many].add(threading.current_thread().name)
+        return real(path, *args, **kw)
+
+    monkeypatch.setattr(disk_module, "_load_chunk", spy)
+    found = {}
+    for directory in (one, many):
+        if directory is many:  # its files' pages dropped: their headers come from the device
+            monkeypatch.setattr(disk_module, "_SCAN_SAMPLE_FILES", 16)
+            drop_pages(many)
+            probe = next(many.rglob("*.kv"))
+            before = resource.getrusage(resource.RUSAGE_THREAD).ru_inblock
+            probe.read_bytes()
+            if resource.getrusage(resource.RUSAGE_THREAD).ru_inblock == before:
+                pytest.skip(f"{tmp_path}'s filesystem serves dropped pages with no block read")
+        with DiskTier(directory, 4 << 20, verify_on_open=verify) as tier:
+            found[directory] = (
+                tier.recover(),
+                {k: tier.get(k) for k in list(tier.keys())},
+                tier.dropped_on_open,
+                sorted(tier.dropped_reasons),
+                tier.used_bytes,
+            )
+    assert threads[one] == {threading.current_thread().name}  # from the page cache: one thread
+    assert any(t.startswith("kvctl-disk-scan") for t in threads[many]), threads[many]
+    assert found[one][1] == kept
+    assert found[one][2] == 3  # torn, garbage, temp file
+    assert found[one] == found[many]
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvctl-disk-scan")]
+
+
+def drop_pages(root: Path) -> None:
+    """Write back every file under ``root`` and drop its pages from the page cache (fadvise
+    drops clean pages only), so the next reads of them go to the device."""
+    for path in root.rglob("*"):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
