@@ -1146,8 +1146,8 @@ class _HeaderLoader:
         return out
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        if self._pool is not None:  # (a scan cut short, by Ctrl-C say, reads no more)
+            self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _load_batch(self, todo: list[tuple[str, bytes]]) -> list[_Entry | str | OSError]:
         buf: bytearray | None = None
