@@ -385,7 +385,7 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "DC": name,
         "nodes": c.nodes,
         "up": percent(c.up_ratio),
-        # up but unread (token refused, figures rejected): the DC's lookups miss those scrapes
+        # up but unread (token refused, starting, rejected): the DC's lookups miss those scrapes
         "unread scrapes": c.unread_samples,
         "lookups": c.lookups,
         "hit ratio": percent(c.hit_ratio),
@@ -545,7 +545,7 @@ def _node_rows(
                 "node": n.name,
                 "GPU": n.gpu_model or "unknown",
                 "up": percent(c.up_ratio),
-                # up but unread (token refused): its lookups are unknown, not an idle node's 0
+                # up but unread (token refused, starting): its lookups are unknown, not an idle 0
                 "unread scrapes": c.unread_samples,
                 "lookups": c.lookups,
                 "hit ratio": percent(c.hit_ratio),

@@ -706,8 +706,8 @@ def status_command(
 ) -> None:
     """Is the agent up, where does it listen, how full are its tiers, what is its hit ratio.
     Exits 1 when the agent is down, does not answer (hung: it is not called down), is not an
-    agent, or refuses the token (it is up then, and says so), or when --data-dir records no
-    running agent (no other agent is asked then).
+    agent, refuses the token or is still opening its tiers (it is up then, and says so), or
+    when --data-dir records no running agent (no other agent is asked then).
 
     Examples:
 

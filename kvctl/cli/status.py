@@ -210,7 +210,7 @@ def _render_recorded(rec: Recorded) -> None:
 
     win = rec.window
     span = f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)}"
-    # scrapes up without figures (token refused, figures rejected): a column where any were
+    # scrapes up without figures (token refused, starting, rejected): a column where any were
     unread = rec.fleet.unread_samples > 0
     columns = (
         "scrapes up",

@@ -161,8 +161,9 @@ class Counts(HitCounts):
 
     @property
     def unread_samples(self) -> int:
-        """Scrapes answered but without figures: the agent refused the collector's token (its
-        node is up, its counts are not), or figures it answered were rejected as impossible.
+        """Scrapes answered but without figures: the agent refused the collector's token or was
+        still opening its tiers (its node is up, its counts are not), or figures it answered
+        were rejected as impossible.
         A node up and idle has none; one up and unread is not idle, its counts are unknown."""
         return max(self.up_samples - self.read_samples, 0)
 

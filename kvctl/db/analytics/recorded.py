@@ -49,7 +49,7 @@ def figures(c: Counts) -> dict[str, Any]:
         "samples": c.samples,
         "up_samples": c.up_samples,
         "up_ratio": c.up_ratio,
-        # up but unread (a refused token): its counts of those scrapes are unknown, not 0
+        # up but unread (a refused token, starting): its counts of those scrapes are unknown
         "unread_samples": c.unread_samples,
         **c.hit_figures(),
         "evictions": c.evictions,
