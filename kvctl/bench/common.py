@@ -9,7 +9,7 @@ import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,6 +66,25 @@ def parallel_probe_seconds(
     started = time.perf_counter()
     list(workers.map(one, range(streams)))
     return max(time.perf_counter() - started, 1e-9)
+
+
+def drop_file_pages(paths: Iterable[str | os.PathLike[str]]) -> None:
+    """Write each file back, then evict its pages from the page cache (fadvise drops clean
+    pages only), so the next read of it comes from the device. Where there is no
+    posix_fadvise the files are written back only."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files_under(root: str | os.PathLike[str]) -> list[str]:
+    """Every regular file under ``root``, at any depth."""
+    return [os.path.join(d, f) for d, _dirs, names in os.walk(root) for f in names]
 
 
 def host_info() -> dict[str, Any]:

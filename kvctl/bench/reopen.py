@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvctl.bench.common import alternating, host_info
+from kvctl.bench.common import alternating, drop_file_pages, files_under, host_info
 from kvctl.errors import InvalidArgument
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.disk import DiskTier
@@ -157,7 +157,7 @@ def _timed_open(tier_dir: pathlib.Path, mode: str, closes: list[float] | None) -
     """Seconds to open the tier at ``tier_dir`` from cache state ``mode``; the close after it
     (which writes the index) timed into ``closes`` where given."""
     if mode == "cold":
-        _drop_file_pages(tier_dir)
+        drop_file_pages(files_under(tier_dir))
     elif mode == "cold_all":
         os.sync()
         with open(_DROP_CACHES, "w") as f:
@@ -170,15 +170,3 @@ def _timed_open(tier_dir: pathlib.Path, mode: str, closes: list[float] | None) -
     if closes is not None:
         closes.append(time.perf_counter() - t1)
     return opened_s
-
-
-def _drop_file_pages(root: pathlib.Path) -> None:
-    """Write every file under ``root`` back, then evict its pages (fadvise drops clean ones)."""
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)

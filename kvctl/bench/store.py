@@ -86,6 +86,7 @@ from typing import TYPE_CHECKING, Any
 from kvctl.bench.common import (
     alternating,
     check_sizes,
+    drop_file_pages,
     figure,
     host_info,
     release_views,
@@ -349,7 +350,7 @@ def _bench_disk(
 
     def reference() -> None:  # plain files: no checksum, no header, no rename
         add("reference.file_write", _write_files(paths, chunks, fsync=False))
-        _drop_cache(paths)
+        drop_file_pages(paths)
         add("reference.file_read_cold", _read_files(paths, outs))
         add("reference.file_read_warm", _read_files(paths, outs))
         spot_check(outs, chunks)
@@ -364,7 +365,7 @@ def _bench_disk(
         store = TieredStore([DiskTier(tier_dir, total)])
         try:
             add("disk.put", _store_puts(store, keys, chunks))
-            _drop_cache(_files_under(tier_dir))
+            drop_file_pages(_files_under(tier_dir))
             add("disk.get_cold", _store_gets(store, keys, outs, chunks))
             add("disk.get_warm", _store_gets(store, keys, outs, chunks))
             store.evict(keys)
@@ -411,12 +412,12 @@ def _bench_lease_batch(
 
         def reference() -> None:
             paths = _files_under(tier_dir)
-            _drop_cache(paths)
+            drop_file_pages(paths)
             add("reference.pread_parallel_cold", _pread_parallel(pool, paths, size))
             add("reference.pread_parallel_warm", _pread_parallel(pool, paths, size))
 
         def tier() -> None:
-            _drop_cache(_files_under(tier_dir))
+            drop_file_pages(_files_under(tier_dir))
             add("disk.lease_batch_cold", _lease_batch(store, keys, chunks))
             store.flush("cpu", demote=True)  # back to disk: new files, in the page cache
             add("disk.lease_batch_warm", _lease_batch(store, keys, chunks))
@@ -554,18 +555,6 @@ def _files_under(root: pathlib.Path) -> list[str]:
     for dirpath, _dirnames, filenames in os.walk(root):
         found.extend(os.path.join(dirpath, f) for f in filenames if not f.startswith("."))
     return found
-
-
-def _drop_cache(paths: list[str]) -> None:
-    """Write the files back, then evict their pages: fadvise drops clean pages only."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            if _CAN_DROP_CACHE:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _fsync_dirs(root: pathlib.Path) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvctl.bench.common import host_info, spawned_agent
+from kvctl.bench.common import drop_file_pages, files_under, host_info, spawned_agent
 from kvctl.errors import InvalidArgument
 from kvctl.extras import MissingExtra, extra_of
 from kvctl.remote.pool import DEFAULT_MIN_STREAM_BYTES, DEFAULT_STREAMS, stream_groups
@@ -229,7 +229,8 @@ def run_ttft_bench(
                         fleet.prepare(source, keys)
                         bounds.append(_bound(torch, fleet, source, device, nbytes, memcpy))
                         if source == "disk":
-                            _drop_page_cache(fleet.disk)  # the bound read them: from the device
+                            # the bound read them: from the device again
+                            drop_file_pages(files_under(fleet.disk))
                         agent = "reader" if source == "pool" else "node"
                         planned = _plans_made(fleet.control[agent])
                         got = _light(cold(engines[agent]).prefill(prompt))
@@ -247,7 +248,7 @@ def run_ttft_bench(
                             forced_bounds.append(
                                 _bound(torch, fleet, source, device, nbytes, memcpy)
                             )
-                            _drop_page_cache(fleet.disk)
+                            drop_file_pages(files_under(fleet.disk))
                             reads.append(_read_only(torch, engines["node"], keys))
                 except Exception as exc:  # one source failing must not lose the others' figures
                     failure = f"{context} tokens, {source}: {type(exc).__name__}: {exc}"
@@ -433,7 +434,7 @@ class _Fleet:
             node.move([k.hex() for k in keys], "cpu")
         elif source == "disk":
             node.move([k.hex() for k in keys], "disk")
-            _drop_page_cache(self.disk)
+            drop_file_pages(files_under(self.disk))
         else:  # the readers pulled them last time: forget them locally, the pool keeps its copy
             for name in ("reader", "puller"):
                 self.control[name].evict([k.hex() for k in keys])
@@ -525,17 +526,6 @@ def _wait_for_pool(pool: DataClient, keys: list[bytes]) -> None:
             return
         time.sleep(0.05)
     raise RuntimeError(f"the pool did not receive the prompt's chunks within {POOL_WAIT_S:.0f} s")
-
-
-def _drop_page_cache(directory: Path) -> None:
-    for path in directory.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 # --- bounds -----------------------------------------------------------------------------------

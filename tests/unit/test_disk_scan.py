@@ -18,6 +18,7 @@ import pytest
 
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.agent.settings import AgentSettings
+from kvctl.bench.common import drop_file_pages, files_under
 from kvctl.store.errors import DirectoryInUse
 from kvctl.store.tiers import disk as disk_module
 from kvctl.store.tiers.disk import DiskTier
@@ -182,7 +183,7 @@ def test_a_scan_from_the_device_reads_on_threads_and_finds_what_one_thread_finds
     for directory in (one, many):
         if directory is many:  # its files' pages dropped: their headers come from the device
             monkeypatch.setattr(disk_module, "_SCAN_SAMPLE_FILES", 16)
-            drop_pages(many)
+            drop_file_pages(files_under(many))
             probe = next(many.rglob("*.kv"))
             before = resource.getrusage(resource.RUSAGE_THREAD).ru_inblock
             probe.read_bytes()
@@ -202,16 +203,3 @@ def test_a_scan_from_the_device_reads_on_threads_and_finds_what_one_thread_finds
     assert found[one][2] == 3  # torn, garbage, temp file
     assert found[one] == found[many]
     assert not [t for t in threading.enumerate() if t.name.startswith("kvctl-disk-scan")]
-
-
-def drop_pages(root: Path) -> None:
-    """Write back every file under ``root`` and drop its pages from the page cache (fadvise
-    drops clean pages only), so the next reads of them go to the device."""
-    for path in root.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
