@@ -45,17 +45,28 @@ def agents(tmp_path: Path) -> Iterator[tuple[Agent, Agent]]:
         yield locked, open_
 
 
+def _fra(db: Engine, **agent_urls: str) -> dict[str, int]:
+    """DC fra with these nodes (name -> agent URL): their ids."""
+    with db.begin() as conn:
+        add_dc(conn, "fra")
+        for name, url in agent_urls.items():
+            add_node(conn, name, dc="fra", agent_url=url)
+    with db.connect() as conn:
+        return dict(conn.execute(select(Node.name, Node.id)).all())
+
+
+def _window() -> tuple[int, Window]:
+    """The scrapes' first instant (ms) and a window of minutes around them."""
+    t0 = int(T0_S * 1000)
+    return t0, Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+
+
 def test_a_node_refusing_the_token_is_up_but_unread_in_events_figures_and_dashboard(
     db: Engine, agents: tuple[Agent, Agent]
 ) -> None:
     locked, open_ = agents
     dead = f"http://127.0.0.1:{closed_port()}"
-    with db.begin() as conn:
-        add_dc(conn, "fra")
-        add_node(conn, "n1", dc="fra", agent_url=locked.state.control_url)
-        add_node(conn, "idle", dc="fra", agent_url=open_.state.control_url)
-    with db.connect() as conn:
-        ids = dict(conn.execute(select(Node.name, Node.id)).all())
+    ids = _fra(db, n1=locked.state.control_url, idle=open_.state.control_url)
     # n1's agent, scrape by scrape: refusing twice, away once, refusing once, then read twice
     urls = [locked.state.control_url] * 2 + [dead, locked.state.control_url]
     urls += [open_.state.control_url] * 2
@@ -70,8 +81,7 @@ def test_a_node_refusing_the_token_is_up_but_unread_in_events_figures_and_dashbo
     finally:
         collector.close()
 
-    t0 = int(T0_S * 1000)
-    win = Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+    t0, win = _window()
     with db.connect() as conn:
         events = node_events(conn, win, ids["n1"])
         idle_events = node_events(conn, win, ids["idle"])
@@ -119,11 +129,7 @@ def test_a_starting_node_is_up_but_unread_in_a_starting_spell_of_its_own(
 ) -> None:
     locked, open_ = agents
     dead = f"http://127.0.0.1:{closed_port()}"
-    with db.begin() as conn:
-        add_dc(conn, "fra")
-        add_node(conn, "n1", dc="fra", agent_url=dead)
-    with db.connect() as conn:
-        n1 = conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one()
+    n1 = _fra(db, n1=dead)["n1"]
     now = [T0_S]
     reports = []
     collector = Collector(db, CollectorConfig(interval_s=60.0), clock=lambda: now[0])
@@ -158,8 +164,7 @@ def test_a_starting_node_is_up_but_unread_in_a_starting_spell_of_its_own(
     assert all(s.scrape_seconds is not None and s.agent_started_s is None for s in samples[:2])
     assert [says_starting(s.error) for s in samples[2:]] == [False] * 4
 
-    t0 = int(T0_S * 1000)
-    win = Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+    t0, win = _window()
     with db.connect() as conn:
         events = node_events(conn, win, n1)
         rec = {n.name: row for n, row in recorded(conn, win, list_nodes(conn)).nodes}
@@ -192,11 +197,7 @@ def test_a_starting_node_is_up_but_unread_in_a_starting_spell_of_its_own(
 
 
 def test_a_node_still_starting_at_the_windows_end_is_still_starting(db: Engine) -> None:
-    with db.begin() as conn:
-        add_dc(conn, "fra")
-        add_node(conn, "n1", dc="fra", agent_url="http://127.0.0.1:9")
-    with db.connect() as conn:
-        n1 = conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one()
+    n1 = _fra(db, n1="http://127.0.0.1:9")["n1"]
     now = [T0_S]
     collector = Collector(db, CollectorConfig(interval_s=60.0), clock=lambda: now[0])
     try:
@@ -208,8 +209,7 @@ def test_a_node_still_starting_at_the_windows_end_is_still_starting(db: Engine) 
                 now[0] += 60
     finally:
         collector.close()
-    t0 = int(T0_S * 1000)
-    win = Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+    t0, win = _window()
     with db.connect() as conn:
         events = node_events(conn, win, n1)
     assert [(e.ts_ms, e.kind) for e in events] == [(t0, "starting")]
@@ -221,11 +221,7 @@ def test_a_starting_answer_in_other_words_is_recorded_as_starting(db: Engine) ->
     their error's words: an agent wording its detail otherwise (another version's) is still a
     'starting' spell in the node's events, not 'token refused' as the collector's report says."""
     body = b'{"detail": "warming up its disk tier", "starting": true}'
-    with db.begin() as conn:
-        add_dc(conn, "fra")
-        add_node(conn, "n1", dc="fra", agent_url="http://127.0.0.1:9")
-    with db.connect() as conn:
-        n1 = conn.execute(select(Node.id).where(Node.name == "n1")).scalar_one()
+    n1 = _fra(db, n1="http://127.0.0.1:9")["n1"]
     collector = Collector(db, CollectorConfig(interval_s=60.0), clock=lambda: T0_S)
     try:
         with answering_url(503, body, "application/json") as url:
@@ -239,8 +235,7 @@ def test_a_starting_answer_in_other_words_is_recorded_as_starting(db: Engine) ->
     said = str(raised.value)
     assert says_starting(said) and "warming up its disk tier" in said and url in said
     assert list(report.starting) == ["n1"] and says_starting(report.starting["n1"])
-    t0 = int(T0_S * 1000)
-    win = Window("1h", t0 - MINUTE_MS, t0 + 10 * MINUTE_MS, MINUTE_MS)
+    t0, win = _window()
     with db.connect() as conn:
         events = node_events(conn, win, n1)
     assert [(e.ts_ms, e.kind) for e in events] == [(t0, "starting")]
