@@ -27,6 +27,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from kvctl import __version__
+from kvctl.agent.starting import STARTING_GAUGE, STARTING_GAUGE_HELP
 from kvctl.store.stats import EVICTION_REASONS
 
 # 10 µs (a shared-memory lease or a small lookup) .. 10 s (a large chunk over a slow link)
@@ -507,6 +508,8 @@ class AgentMetrics:
             registry=r,
         )
         build.labels(__version__, platform.python_version()).set(1)
+        # 1 only on the scrapes its starting responder answers (kvctl.agent.starting): serving
+        Gauge(STARTING_GAUGE, STARTING_GAUGE_HELP, registry=r).set(0)
         start = Gauge(
             "kvctl_start_time_seconds", "Agent start time, Unix epoch seconds.", registry=r
         )

@@ -7,6 +7,9 @@ tier's scan takes minutes, committing the arena seconds a GiB. A client connecti
 say the agent was not answering. :class:`StartingResponder` answers each such request at once with
 ``503 Service Unavailable``, ``Retry-After`` and a detail saying the agent is starting, until the
 API takes the socket over. It tells nothing else (no name, no settings), so it needs no token.
+Prometheus's scrape of ``/metrics`` is the one exception: it gets ``200`` and the gauge
+``kvctl_agent_starting 1`` alone, so a start is told from an agent that is down (``up`` stays 1,
+and an alert on that gauge says when a start is taking too long).
 """
 
 from __future__ import annotations
@@ -52,8 +55,45 @@ def starting_answer(*, head_only: bool = False) -> bytes:
     return head.encode() + (b"" if head_only else body)
 
 
+#: the gauge a scrape of /metrics gets while the agent starts; the API serves it as 0
+STARTING_GAUGE = "kvctl_agent_starting"
+STARTING_GAUGE_HELP = (
+    "1 while the agent opens its tiers (it serves nothing else then), 0 once it serves."
+)
+
+
+def metrics_answer(*, head_only: bool = False) -> bytes:
+    """The answer to a scrape of /metrics while the agent starts: Prometheus text with
+    :data:`STARTING_GAUGE` at 1 and nothing else (``head_only``: to a HEAD request)."""
+    body = (
+        f"# HELP {STARTING_GAUGE} {STARTING_GAUGE_HELP}\n"
+        f"# TYPE {STARTING_GAUGE} gauge\n"
+        f"{STARTING_GAUGE} 1.0\n"
+    ).encode()
+    head = (
+        "HTTP/1.1 200 OK\r\n"
+        "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "Connection: close\r\n"
+        "\r\n"
+    )
+    return head.encode() + (b"" if head_only else body)
+
+
+def _answer_for(request: bytes) -> bytes:
+    """The answer to ``request`` (its head): a scrape of /metrics gets the starting gauge, any
+    other request "starting" (a HEAD either's head alone)."""
+    method, _, rest = request.partition(b" ")
+    target = rest.split(b" ", 1)[0].split(b"?", 1)[0]
+    head_only = method == b"HEAD"
+    if method in (b"GET", b"HEAD") and target == b"/metrics":
+        return metrics_answer(head_only=head_only)
+    return starting_answer(head_only=head_only)
+
+
 class StartingResponder:
-    """Answers every request on the listening socket ``sock`` with :func:`starting_answer`, on a
+    """Answers every request on the listening socket ``sock`` with :func:`starting_answer` (a
+    scrape of /metrics with :func:`metrics_answer`), on a
     thread of its own, from :meth:`start` until :meth:`stop`; then connections wait in the
     socket's backlog again, for the server that takes it over. The socket stays open and
     listening throughout."""
@@ -62,8 +102,6 @@ class StartingResponder:
         self._sock = sock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._answer = starting_answer()
-        self._head_answer = starting_answer(head_only=True)
         #: requests answered so far (for tests and the log)
         self.answered = 0
 
@@ -81,7 +119,8 @@ class StartingResponder:
             self._thread = None
             if self.answered:
                 log.info(
-                    "answered %d request(s) 'starting' (503) while the tiers opened",
+                    "answered %d request(s) while the tiers opened: 'starting' (503), and "
+                    "a /metrics scrape the starting gauge",
                     self.answered,
                 )
 
@@ -142,7 +181,7 @@ class StartingResponder:
                 if not chunk:
                     break
                 request += chunk
-            conn.sendall(self._head_answer if request.startswith(b"HEAD ") else self._answer)
+            conn.sendall(_answer_for(request))
             self.answered += 1
             # closed gracefully: what the client still sends (a body) is read and dropped,
             # since closing with unread bytes would reset the connection, maybe before the

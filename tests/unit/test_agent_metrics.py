@@ -252,6 +252,8 @@ def test_build_info_and_start_time(store: TieredStore) -> None:
     m = scrape(AgentMetrics(store, started_s=1234.5))
     assert m.value("kvctl_build_info", version=__version__, python=platform.python_version()) == 1
     assert m.value("kvctl_start_time_seconds") == 1234.5
+    # serving: 0 (its starting responder answers scrapes with 1 while the tiers open)
+    assert m.value("kvctl_agent_starting") == 0
 
 
 def test_dataplane_histogram_counters_and_connections(store: TieredStore) -> None:

@@ -58,7 +58,7 @@ def test_a_client_that_sends_nothing_does_not_keep_the_next_unanswered(
     silent = socket.create_connection(listening.getsockname())
     try:
         with httpx.Client(timeout=30) as http:
-            assert http.get(_url(listening) + "/metrics").status_code == 503
+            assert http.get(_url(listening) + "/v1/stats").status_code == 503
         # the silent one, having asked nothing in its time, was closed
         silent.settimeout(30)
         assert silent.recv(12) == b""
@@ -177,3 +177,29 @@ def test_agent_status_says_starting_with_a_hint(listening: socket.socket, tmp_pa
     assert as_json.exit_code == 1
     report = json.loads(as_json.stdout)
     assert (report["up"], report["starting"], report["auth_refused"]) == (True, True, False)
+
+
+def test_a_scrape_of_metrics_gets_the_starting_gauge_alone(listening: socket.socket) -> None:
+    # Prometheus's up stays 1 for a start (an alert on the gauge says when it takes too long),
+    # not 0 as for an agent that is down; anything else on /metrics is still "starting"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    responder = StartingResponder(listening)
+    responder.start()
+    try:
+        with httpx.Client(timeout=10) as http:
+            scraped = http.get(_url(listening) + "/metrics?name[]=x")
+            head = http.head(_url(listening) + "/metrics")
+            posted = http.post(_url(listening) + "/metrics", content=b"x")
+    finally:
+        responder.stop()
+    assert scraped.status_code == 200
+    assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
+    families = list(text_string_to_metric_families(scraped.text))
+    assert [(f.name, f.type, [s.value for s in f.samples]) for f in families] == [
+        ("kvctl_agent_starting", "gauge", [1.0])
+    ]
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) == len(scraped.content)
+    assert posted.status_code == 503 and posted.json()["starting"] is True
+    assert responder.answered == 3
