@@ -1034,10 +1034,14 @@ def _occupancy_key(tier: str) -> Callable[[NodeRow], float | None]:
     return key
 
 
+_STATE_RANK = {"down": 0, "not answering": 1, "token refused": 2, "starting": 3, "up": 4}
+
 _SORT_KEYS: dict[str, Callable[[NodeRow], Any]] = {
     "dc": lambda r: (r.dc, r.name),
     "node": lambda r: r.name,
-    "state": lambda r: (r.up, r.name),
+    # the most in need of a look first: down, not answering, then answering unread (the token
+    # to fix, then a start to wait for), then up
+    "state": lambda r: (_STATE_RANK[r.state], r.name),
     "hit": lambda r: r.recent.hit_ratio,
     "trend": lambda r: r.recent.hit_ratio,
     "split": lambda r: r.recent.sharing_share_of_hits,

@@ -383,6 +383,26 @@ def test_down_for_counts_from_the_collectors_last_scrape() -> None:
     assert Cells(Palette(), Thresholds()).state(row).plain.startswith("DOWN ≥")
 
 
+def test_sorting_by_state_puts_the_nodes_most_in_need_of_a_look_first() -> None:
+    # before: by up alone, then name, a starting or token-refusing node sorted among the down
+    # ones (the names here are in the opposite order to the states')
+    names = ("a-up", "b-starting", "c-refused", "d-silent", "e-down")
+    nodes = {n: node(n, "fra", i + 1) for i, n in enumerate(names)}
+    view = Sampler().update(
+        poll(
+            0.0,
+            Reading(nodes["a-up"], stats()),
+            Reading(nodes["b-starting"], None, "starting", starting=True),
+            Reading(nodes["c-refused"], None, "401", auth_refused=True),
+            Reading(nodes["d-silent"], None, "no answer", silent=True),
+            Reading(nodes["e-down"], None, "refused"),
+        )
+    )
+    rows = sort_rows(view.rows, "state")
+    assert [r.name for r in rows] == ["e-down", "d-silent", "c-refused", "b-starting", "a-up"]
+    assert [r.state for r in rows] == ["down", "not answering", "token refused", "starting", "up"]
+
+
 def test_a_starting_node_is_up_without_figures_and_not_summed() -> None:
     """An agent opening its tiers answers "starting": up (a restart would only start it over),
     its figures N/A, counted up in its DC as one refusing the token is, and never taken for a
