@@ -197,12 +197,9 @@ DIR_MODE = 0o700
 _SHARED_BITS = 0o077
 
 
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    meta: ChunkMeta
-    header_bytes: int
-    checksum_kind: int
-    checksum: int
+def _header_bytes(tenant_bytes: int) -> int:
+    """The length of a chunk file's header whose tenant name is ``tenant_bytes`` long."""
+    return _FIXED.size + tenant_bytes + _CRC.size
 
 
 class DiskTier(Tier):
@@ -243,7 +240,8 @@ class DiskTier(Tier):
         self.verify_on_open = verify_on_open
         self._capacity_bytes = capacity_bytes
         self._used_bytes = 0
-        self._index: dict[bytes, _Entry] = {}
+        #: what the clean-close index records of each chunk file is what the tier keeps
+        self._index: dict[bytes, IndexedChunk] = {}
         #: chunks being written without the store's lock (``reserve_write``): counted in
         #: ``used_bytes``, not yet in the index
         self._writing: dict[bytes, WriteSlot] = {}
@@ -374,7 +372,7 @@ class DiskTier(Tier):
         if slot.done:
             raise InvalidArgument("this write slot was committed or aborted already")
         written = slot.written
-        if self._closed or not isinstance(written, _Entry):
+        if self._closed or not isinstance(written, IndexedChunk):
             self.abort_write(slot)
             return False
         key = slot.meta.key
@@ -405,7 +403,7 @@ class DiskTier(Tier):
 
     def _write_file(
         self, meta: ChunkMeta, payload: memoryview, tmp: str, *, rename: bool = True
-    ) -> _Entry:
+    ) -> IndexedChunk:
         """Write ``meta``'s chunk to ``tmp``, then rename it into place (with ``fsync``: file
         and directory synced; ``rename=False``: left at ``tmp``, fsynced, for ``_place``);
         what the tier's index will hold for it. Raises DiskFullError or TierUnavailable, with
@@ -435,7 +433,7 @@ class DiskTier(Tier):
             os.close(fd)
             fd = -1
             if not rename:
-                return _Entry(meta, len(header), CHECKSUM_KIND, checksum)
+                return IndexedChunk(meta, len(header), CHECKSUM_KIND, checksum)
             os.replace(tmp, path)
             renamed = True
             if self.fsync:
@@ -464,7 +462,7 @@ class DiskTier(Tier):
                     f"disk tier {self.name!r} cannot write {exc.filename or tmp}: {exc.strerror}"
                 ) from exc
             raise
-        return _Entry(meta, len(header), CHECKSUM_KIND, checksum)
+        return IndexedChunk(meta, len(header), CHECKSUM_KIND, checksum)
 
     def read_into(self, key: bytes, out: memoryview) -> int:
         """Read the payload into ``out`` and verify it.
@@ -495,7 +493,7 @@ class DiskTier(Tier):
         threads may read at once while the store goes on (a file deleted or replaced meanwhile
         is a failed or a correct read, never wrong bytes: the checksum is the one planned)."""
         entry = plan.source
-        assert isinstance(entry, _Entry)
+        assert isinstance(entry, IndexedChunk)
         dest = byte_view(out)
         n = plan.size_bytes
         if dest.readonly or dest.nbytes != n:
@@ -717,12 +715,7 @@ class DiskTier(Tier):
                 format_bytes(self.headroom_bytes),
             )
             return
-        disk_index.write(
-            self.directory,
-            (IndexedChunk(e.meta, e.header_bytes, e.checksum_kind, e.checksum) for e in entries),
-            dirs,
-            fsync=self.fsync,
-        )
+        disk_index.write(self.directory, entries, dirs, fsync=self.fsync)
 
     def __enter__(self) -> DiskTier:
         return self
@@ -826,7 +819,7 @@ class DiskTier(Tier):
         if self._closed:
             raise TierUnavailable(f"disk tier {self.name!r} ({self.directory}) is closed")
 
-    def _entry(self, key: bytes) -> _Entry:
+    def _entry(self, key: bytes) -> IndexedChunk:
         try:
             return self._index[key]
         except (KeyError, TypeError):
@@ -919,7 +912,7 @@ class DiskTier(Tier):
             tenant = c.meta.tenant
             header_bytes = header_bytes_of.get(tenant)
             if header_bytes is None:
-                header_bytes = _FIXED.size + len(tenant.encode("utf-8")) + _CRC.size
+                header_bytes = _header_bytes(len(tenant.encode("utf-8")))
                 header_bytes_of[tenant] = header_bytes
             if (
                 c.checksum_kind not in _CHECKSUMS
@@ -1010,7 +1003,7 @@ class DiskTier(Tier):
         key = bytes.fromhex(f.name[: 2 * KEY_BYTES])
         known = indexed.pop(key, None)
         if known is not None:
-            return _INDEXED, _Entry(*known)
+            return _INDEXED, known
         return _LOAD, key
 
     def _scan_with(self, loader: _HeaderLoader) -> None:
@@ -1120,36 +1113,33 @@ class _HeaderLoader:
 
     def __init__(self, *, verify: bool) -> None:
         self._verify = verify
-        self._buf = bytearray(_VERIFY_BUFFER_BYTES) if verify else None
-        self._local = threading.local()  # each pool thread's own verify buffer
+        self._local = threading.local()  # each reading thread's own verify buffer
         self._pool: ThreadPoolExecutor | None = None
-        self._files = 0  # read on this thread, for the sample
-        self._blocks = 0  # the thread's block reads meanwhile
+        self._files = 0  # read on the calling thread, for the sample
+        self._blocks = 0  # its block reads meanwhile
 
-    def load(self, todo: list[tuple[str, bytes]]) -> list[_Entry | str | OSError]:
-        if not todo:
-            return []
+    def load(self, todo: list[tuple[str, bytes]]) -> list[IndexedChunk | str | OSError]:
         if self._pool is not None:
             batches = [
                 todo[i : i + _SCAN_BATCH_FILES] for i in range(0, len(todo), _SCAN_BATCH_FILES)
             ]
             return [r for done in self._pool.map(self._load_batch, batches) for r in done]
         who = _RUSAGE_THREAD
-        sampling = who is not None and self._files < _SCAN_SAMPLE_FILES
-        blocks_before = resource.getrusage(who).ru_inblock if who is not None and sampling else 0
-        out = [_load_or_error(path, key, self._buf) for path, key in todo]
-        if who is not None and sampling:
-            self._files += len(todo)
-            self._blocks += resource.getrusage(who).ru_inblock - blocks_before
-            if self._files >= _SCAN_SAMPLE_FILES and 2 * self._blocks >= self._files:
-                self._pool = ThreadPoolExecutor(_SCAN_THREADS, thread_name_prefix="kvctl-disk-scan")
+        if who is None or self._files >= _SCAN_SAMPLE_FILES:  # (sampled: from memory)
+            return self._load_batch(todo)
+        blocks_before = resource.getrusage(who).ru_inblock
+        out = self._load_batch(todo)
+        self._files += len(todo)
+        self._blocks += resource.getrusage(who).ru_inblock - blocks_before
+        if self._files >= _SCAN_SAMPLE_FILES and 2 * self._blocks >= self._files:
+            self._pool = ThreadPoolExecutor(_SCAN_THREADS, thread_name_prefix="kvctl-disk-scan")
         return out
 
     def close(self) -> None:
         if self._pool is not None:  # (a scan cut short, by Ctrl-C say, reads no more)
             self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _load_batch(self, todo: list[tuple[str, bytes]]) -> list[_Entry | str | OSError]:
+    def _load_batch(self, todo: list[tuple[str, bytes]]) -> list[IndexedChunk | str | OSError]:
         buf: bytearray | None = None
         if self._verify:
             buf = getattr(self._local, "buf", None)
@@ -1158,7 +1148,9 @@ class _HeaderLoader:
         return [_load_or_error(path, key, buf) for path, key in todo]
 
 
-def _load_or_error(path: str, key: bytes, verify_buf: bytearray | None) -> _Entry | str | OSError:
+def _load_or_error(
+    path: str, key: bytes, verify_buf: bytearray | None
+) -> IndexedChunk | str | OSError:
     """``_load_chunk``, its OSError returned instead of raised."""
     try:
         return _load_chunk(path, key, verify_buf)
@@ -1239,7 +1231,7 @@ def _encode_header(meta: ChunkMeta, checksum_kind: int, checksum: int) -> bytes:
         if len(parent) != KEY_BYTES:
             raise InvalidArgument(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
         flags |= _FLAG_HAS_PARENT
-    header_len = _FIXED.size + len(tenant) + _CRC.size
+    header_len = _header_bytes(len(tenant))
     try:
         fixed = _FIXED.pack(
             MAGIC,
@@ -1264,7 +1256,7 @@ def _encode_header(meta: ChunkMeta, checksum_kind: int, checksum: int) -> bytes:
 
 def _load_chunk(
     path: str, key: bytes, verify_buf: bytearray | None, *, tighten: bool = True
-) -> _Entry | str:
+) -> IndexedChunk | str:
     """The chunk's index entry, or the reason the file is not a valid chunk. ``tighten`` takes
     group's and others' bits off the file.
 
@@ -1303,7 +1295,7 @@ def _load_chunk(
             return "bad magic"
         if version != FORMAT_VERSION:
             return f"unknown format version {version}"
-        if header_len != _FIXED.size + tenant_len + _CRC.size:
+        if header_len != _header_bytes(tenant_len):
             return f"inconsistent header length {header_len}"
         if len(head) < header_len:
             head += os.pread(fd, header_len - len(head), len(head))
@@ -1343,7 +1335,7 @@ def _load_chunk(
         isolated=bool(flags & _FLAG_ISOLATED),
         created_s=created_s,
     )
-    return _Entry(meta, header_len, checksum_kind, checksum)
+    return IndexedChunk(meta, header_len, checksum_kind, checksum)
 
 
 def _payload_matches(
