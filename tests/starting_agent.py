@@ -18,11 +18,7 @@ def starting_url() -> Iterator[str]:
     try:
         sock.bind(("127.0.0.1", 0))
         sock.listen(16)
-        responder = StartingResponder(sock)
-        responder.start()
-        try:
+        with StartingResponder(sock):
             yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-        finally:
-            responder.stop()
     finally:
         sock.close()

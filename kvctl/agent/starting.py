@@ -105,6 +105,13 @@ class StartingResponder:
         #: requests answered so far (for tests and the log)
         self.answered = 0
 
+    def __enter__(self) -> StartingResponder:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def start(self) -> None:
         self._thread = threading.Thread(
             target=self._run, name="kvctl-starting-responder", daemon=True

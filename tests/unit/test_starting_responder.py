@@ -30,9 +30,7 @@ def _url(sock: socket.socket) -> str:
 
 
 def test_each_request_is_answered_starting_until_stopped(listening: socket.socket) -> None:
-    responder = StartingResponder(listening)
-    responder.start()
-    try:
+    with StartingResponder(listening) as responder:
         with httpx.Client(timeout=10) as http:
             got = http.get(_url(listening) + "/v1/health")
             posted = http.post(_url(listening) + "/v1/pin", content=b"x" * (256 << 10))
@@ -45,8 +43,6 @@ def test_each_request_is_answered_starting_until_stopped(listening: socket.socke
             client.info()
         assert refused.value.code == 503
         assert str(refused.value) == f"{DETAIL} ({_url(listening)})"
-    finally:
-        responder.stop()
     assert responder.answered == 3
 
 
@@ -106,17 +102,12 @@ def test_a_socket_closed_under_it_ends_it_quietly(
 
 
 def test_a_head_request_gets_the_head_alone(listening: socket.socket) -> None:
-    responder = StartingResponder(listening)
-    responder.start()
-    try:
-        with socket.create_connection(listening.getsockname()) as conn:
-            conn.sendall(b"HEAD /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
-            conn.settimeout(30)
-            answer = b""
-            while chunk := conn.recv(4096):
-                answer += chunk
-    finally:
-        responder.stop()
+    with StartingResponder(listening), socket.create_connection(listening.getsockname()) as conn:
+        conn.sendall(b"HEAD /v1/health HTTP/1.1\r\nHost: x\r\n\r\n")
+        conn.settimeout(30)
+        answer = b""
+        while chunk := conn.recv(4096):
+            answer += chunk
     assert answer.startswith(b"HTTP/1.1 503 ") and answer.endswith(b"\r\n\r\n")
     assert b"Content-Length: " in answer  # the GET's length, as HEAD says
 
@@ -161,15 +152,11 @@ def test_agent_status_says_starting_with_a_hint(listening: socket.socket, tmp_pa
 
     env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCTL_")}
     env |= {"XDG_CONFIG_HOME": str(tmp_path), "COLUMNS": "1000"}
-    responder = StartingResponder(listening)
-    responder.start()
-    try:
+    with StartingResponder(listening):
         said = CliRunner().invoke(app, ["agent", "status", "--url", _url(listening)], env=env)
         as_json = CliRunner().invoke(
             app, ["agent", "status", "--url", _url(listening), "--json"], env=env
         )
-    finally:
-        responder.stop()
     assert said.exit_code == 1, said.output
     text = " ".join(said.output.split())
     assert f"starting: {DETAIL} ({_url(listening)})" in text
@@ -184,15 +171,10 @@ def test_a_scrape_of_metrics_gets_the_starting_gauge_alone(listening: socket.soc
     # not 0 as for an agent that is down; anything else on /metrics is still "starting"
     from prometheus_client.parser import text_string_to_metric_families
 
-    responder = StartingResponder(listening)
-    responder.start()
-    try:
-        with httpx.Client(timeout=10) as http:
-            scraped = http.get(_url(listening) + "/metrics?name[]=x")
-            head = http.head(_url(listening) + "/metrics")
-            posted = http.post(_url(listening) + "/metrics", content=b"x")
-    finally:
-        responder.stop()
+    with StartingResponder(listening) as responder, httpx.Client(timeout=10) as http:
+        scraped = http.get(_url(listening) + "/metrics?name[]=x")
+        head = http.head(_url(listening) + "/metrics")
+        posted = http.post(_url(listening) + "/metrics", content=b"x")
     assert scraped.status_code == 200
     assert scraped.headers["content-type"].startswith("text/plain; version=0.0.4")
     families = list(text_string_to_metric_families(scraped.text))
