@@ -132,8 +132,13 @@ def test_a_client_trickling_its_bytes_holds_it_a_bounded_time(listening: socket.
     sender = threading.Thread(target=trickle, daemon=True)
     sender.start()
     try:
-        # cut before its head is whole: closed, answered nothing
-        assert trickler.recv(12) == b""
+        # cut before its head is whole: closed, answered nothing (a reset where a byte it sent
+        # after the responder's last read was still unread when the responder closed)
+        try:
+            said = trickler.recv(12)
+        except ConnectionResetError:
+            said = b""
+        assert said == b""
     finally:
         closed.set()
         trickler.close()
