@@ -47,7 +47,7 @@ from kvctl.store.keys import KVLayout
 from kvctl.store.policies import ADMISSION_POLICIES, EVICTION_POLICIES, make_admission_policy
 from kvctl.store.tiers.gpu import parse_device  # no torch: that is imported only to use a GPU
 from kvctl.units import parse_size
-from kvctl.wire.address import is_loopback, split_host_port
+from kvctl.wire.address import bind_ip, is_loopback, listeners_overlap, split_host_port
 
 #: ``sun_path`` on Linux holds 108 bytes including the terminating NUL
 UNIX_SOCKET_PATH_MAX = 108
@@ -861,9 +861,6 @@ def _check_socket(settings: AgentSettings, sources: Mapping[str, str]) -> None:
     )
 
 
-_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
-
-
 def _check_ports(settings: AgentSettings, sources: Mapping[str, str]) -> None:
     """The control API and the data plane on one TCP port: the second bind would fail at
     start, saying this very process holds the port."""
@@ -871,8 +868,9 @@ def _check_ports(settings: AgentSettings, sources: Mapping[str, str]) -> None:
     if data is None:
         return
     (c_host, c_port), (d_host, d_port) = settings.control_host_port, data
-    overlap = c_host == d_host or c_host in _WILDCARD_HOSTS or d_host in _WILDCARD_HOSTS
-    if c_port and c_port == d_port and overlap:
+    if not c_port or c_port != d_port:
+        return
+    if _binds_conflict(c_host, d_host):
         raise ConfigError(
             f"listen ({settings.listen}, from {sources['listen']}) and data_listen "
             f"({settings.data_listen}, from {sources['data_listen']}) are one port: the control "
@@ -880,6 +878,16 @@ def _check_ports(settings: AgentSettings, sources: Mapping[str, str]) -> None:
             setting="data_listen",
             source=sources["data_listen"],
         )
+
+
+def _binds_conflict(a_host: str, b_host: str) -> bool:
+    """Whether binds to ``a_host`` and ``b_host`` on one port conflict, as the addresses they
+    take (localhost is 127.0.0.1; [::1] and 0.0.0.0 can share a port). A name that does not
+    resolve is compared as text: its bind will say."""
+    a, b = bind_ip(a_host), bind_ip(b_host)
+    if a is None or b is None:
+        return a_host == b_host
+    return listeners_overlap(a, b)
 
 
 def _check_remote(settings: AgentSettings, sources: Mapping[str, str]) -> None:

@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import ipaddress
 import json
 import logging
 import math
@@ -49,7 +48,13 @@ from kvctl import __version__, http_serving
 from kvctl.agent.logfile import LogFollower, start_rotation
 from kvctl.agent.settings import AgentSettings, LinkSpec
 from kvctl.paths import WriteFailed, make_private_dir, write_atomic
-from kvctl.wire.address import connect_host, url_host
+from kvctl.wire.address import (
+    IPAddress,
+    connect_host,
+    listeners_overlap,
+    plain_ip,
+    url_host,
+)
 
 if TYPE_CHECKING:
     pass
@@ -143,9 +148,6 @@ SPARE_DESCRIPTORS = 256
 
 class AgentRunning(RuntimeError):
     """Another live agent already uses this data directory."""
-
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 class SocketInUse(RuntimeError):
@@ -726,9 +728,9 @@ def _tcp_listener_pid(host: str, port: int) -> int | None:
 
 def _listening_inodes(host: str, port: int) -> set[str]:
     """The sockets (as /proc/PID/fd links name them) listening on TCP ``port`` at an address
-    a bind to ``host`` conflicts with (:func:`_overlap`; a host name: any)."""
+    a bind to ``host`` conflicts with (``listeners_overlap``; a host name: any)."""
     try:
-        wanted: IPAddress | None = _plain_ip(host)
+        wanted: IPAddress | None = plain_ip(host)
     except ValueError:
         wanted = None
     inodes: set[str] = set()
@@ -744,20 +746,9 @@ def _listening_inodes(host: str, port: int) -> set[str]:
             hex_ip, _, hex_port = fields[1].partition(":")
             if int(hex_port, 16) != port:
                 continue
-            if wanted is None or _overlap(wanted, _plain_ip(_proc_net_ip(hex_ip))):
+            if wanted is None or listeners_overlap(wanted, plain_ip(_proc_net_ip(hex_ip))):
                 inodes.add(f"socket:[{fields[9]}]")
     return inodes
-
-
-def _overlap(a: IPAddress, b: IPAddress) -> bool:
-    """Whether listeners on ``a`` and ``b`` (one port) conflict: the same address, or either
-    one a wildcard covering the other. IPv4's covers only IPv4 addresses; IPv6's all, as a
-    dual-stack socket (the default) does."""
-    if a == b:
-        return True
-    if any(ip.version == 6 and ip.is_unspecified for ip in (a, b)):
-        return True
-    return a.version == b.version == 4 and (a.is_unspecified or b.is_unspecified)
 
 
 def _proc_net_ip(hex_ip: str) -> str:
@@ -767,15 +758,6 @@ def _proc_net_ip(hex_ip: str) -> str:
     packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     family = socket.AF_INET if len(packed) == 4 else socket.AF_INET6
     return socket.inet_ntop(family, packed)
-
-
-def _plain_ip(text: str) -> IPAddress:
-    """``text`` as an IP address, an IPv4-mapped IPv6 one as the IPv4 one (ValueError: not
-    an address)."""
-    ip = ipaddress.ip_address(text)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
-    return ip
 
 
 def _peer_pid(sock: socket.socket) -> int | None:

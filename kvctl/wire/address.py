@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 from dataclasses import dataclass
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 _DEFAULT_HOST = "127.0.0.1"
@@ -99,3 +102,40 @@ def connect_host(host: str) -> str:
 def url_host(host: str) -> str:
     """``host`` as a URL writes it: an IPv6 address in brackets."""
     return f"[{host}]" if ":" in host else host
+
+
+def plain_ip(text: str) -> IPAddress:
+    """``text`` as an IP address, an IPv4-mapped IPv6 one as the IPv4 one (ValueError: not
+    an address)."""
+    ip = ipaddress.ip_address(text)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+def listeners_overlap(a: IPAddress, b: IPAddress) -> bool:
+    """Whether listeners on ``a`` and ``b`` (one port) conflict: the same address, or either
+    one a wildcard covering the other. IPv4's covers only IPv4 addresses; IPv6's all, as a
+    dual-stack socket (the default) does."""
+    if a == b:
+        return True
+    if any(ip.version == 6 and ip.is_unspecified for ip in (a, b)):
+        return True
+    return a.version == b.version == 4 and (a.is_unspecified or b.is_unspecified)
+
+
+def bind_ip(host: str) -> IPAddress | None:
+    """The address a bind to ``host`` takes, as the daemons bind (IPv6 where the host has a
+    colon, else IPv4; a name: its first address in that family, ``localhost``: 127.0.0.1);
+    None where a name does not resolve (the bind will say)."""
+    try:
+        return plain_ip(host)
+    except ValueError:
+        pass
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, None, family, socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return None
+    # (an IPv6 answer may carry a scope: "fe80::1%eth0")
+    return plain_ip(str(infos[0][4][0]).partition("%")[0]) if infos else None

@@ -598,6 +598,14 @@ def test_a_kvctl_pool_url_with_a_password_is_refused_unshown(
         ("127.0.0.1:7500", "127.0.0.1:7501", False),
         ("127.0.0.1:0", "127.0.0.1:0", False),  # each takes a free port of its own
         ("127.0.0.1:7500", "off", False),
+        # a name is what it resolves to (before: compared as text, and started to fail)
+        ("localhost:7500", "127.0.0.1:7500", True),
+        ("127.0.0.1:7500", "localhost:7500", True),
+        ("localhost:7500", "0.0.0.0:7500", True),
+        # IPv4's wildcard does not cover an IPv6 address (before: refused, though both bind)
+        ("[::1]:7500", "0.0.0.0:7500", False),
+        ("0.0.0.0:7500", "[::1]:7500", False),
+        ("127.0.0.2:7500", "127.0.0.1:7500", False),
     ],
 )
 def test_the_control_api_and_the_data_plane_on_one_port_are_refused(
