@@ -150,6 +150,11 @@ class AgentRunning(RuntimeError):
     """Another live agent already uses this data directory."""
 
 
+#: the longest a failed start looks through /proc for who holds its port (20 ms with 100
+#: processes; each process's descriptors are read)
+HOLDER_SEARCH_SECONDS = 2.0
+
+
 class SocketInUse(RuntimeError):
     """Another live process, another agent most likely, listens where this agent was told to:
     on the Unix socket path of its data plane, or on the TCP port of its control API or data
@@ -706,14 +711,21 @@ def _holder_named(address: str, what: str, option: str) -> Iterator[None]:
         ) from exc
 
 
-def _tcp_listener_pid(host: str, port: int) -> int | None:
+def _tcp_listener_pid(
+    host: str, port: int, *, budget_s: float = HOLDER_SEARCH_SECONDS
+) -> int | None:
     """The pid of a process listening on TCP ``port`` at an address that overlaps ``host``'s,
-    an agent's first (None: none this user can see: another user's, or gone since)."""
+    an agent's first (None: none this user can see: another user's, or gone since; or none
+    found within ``budget_s``, a host with many processes' descriptors to read: the start's
+    error then says "another process" rather than wait)."""
     inodes = _listening_inodes(host, port)
     if not inodes:
         return None
+    deadline_s = time.monotonic() + budget_s
     holders: list[int] = []
     for entry in os.scandir("/proc"):
+        if time.monotonic() >= deadline_s:
+            break
         if not entry.name.isdigit():
             continue
         for link in _fd_targets(entry.name):

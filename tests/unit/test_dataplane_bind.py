@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from kvctl.agent.daemon import SocketInUse, _bind_ports, _listen_data_tcp, _listening_inodes
+from kvctl.agent.daemon import (
+    SocketInUse,
+    _bind_ports,
+    _listen_data_tcp,
+    _listening_inodes,
+    _tcp_listener_pid,
+)
 from kvctl.agent.dataplane import bind_tcp
 from kvctl.agent.settings import AgentSettings
 
@@ -157,3 +163,12 @@ def test_an_ipv4_wildcard_listener_is_not_taken_for_the_holder_of_an_ipv6_addres
         # and the other way round: [::1]:P is no conflict of 127.0.0.1:P's either
         assert _listening_inodes("127.0.0.1", port) == {f"socket:[{os.fstat(v4.fileno()).st_ino}]"}
         assert len(_listening_inodes("::", port)) == 2  # IPv6's wildcard takes IPv4 too
+
+
+def test_the_search_for_a_ports_holder_is_bounded() -> None:
+    """The /proc search reads every process's descriptors: with its budget spent it gives up
+    (the error says "another process") instead of holding a failed start on a busy host."""
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        assert _tcp_listener_pid("127.0.0.1", port) == os.getpid()
+        assert _tcp_listener_pid("127.0.0.1", port, budget_s=0.0) is None
