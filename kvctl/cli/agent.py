@@ -374,12 +374,9 @@ def start_command(
         for warning in warnings.said():
             err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False, soft_wrap=True)
         return
-    import logging
+    from kvctl import daemon_logging
 
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    daemon_logging.configure(settings.log_level)
     from kvctl.agent.daemon import SocketInUse, serve
     from kvctl.errors import KvctlError
 
@@ -462,7 +459,7 @@ def _not_utf8(settings: AgentSettings) -> tuple[str, str] | None:
 
 #: a start quicker than this shows nothing of the agent's log
 START_QUIET_SECONDS = 2.0
-#: a line of the agent's log (``logging.basicConfig`` in ``start_command``)
+#: a line of the agent's log (``kvctl.daemon_logging.LINE_FORMAT``)
 _LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ ([A-Z]+) [\w.]+: (.*)")
 
 

@@ -532,9 +532,9 @@ def serve_command(
         fail("--vllm-events names a node twice: one engine event stream per node")
     import logging
 
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from kvctl import daemon_logging
+
+    daemon_logging.configure(log_level)
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         # the followers' polls are several requests a second per agent: httpx logs each at
         # info; their failures are the followers' to report

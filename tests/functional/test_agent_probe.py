@@ -29,6 +29,7 @@ from kvctl.wire.protocol import (
     MetaReader,
     MetaWriter,
     Op,
+    error_meta,
     pack_header,
     parse_error,
     probe_meta,
@@ -480,3 +481,37 @@ def test_stats_carry_the_agents_start_time(pair: tuple[Agent, Agent]) -> None:
     assert 0 < time.time() - stats["started_s"] < 600
     with b.control() as ctl:
         assert ctl.stats()["started_s"] == ctl.info()["started_s"] != stats["started_s"]
+
+
+def test_a_targets_error_text_cannot_forge_lines_in_the_agents_log(
+    pair: tuple[Agent, Agent],
+) -> None:
+    """A probed target answers HELLO with an error whose text holds newlines and an escape
+    sequence: the agent logs it on one line, escaped. Before, the text after each newline
+    stood in agent.log as a record of its own (a forged CRITICAL line)."""
+    a, _ = pair
+    forged = "2030-01-01 00:00:00,000 CRITICAL kvctl.agent: FORGED by the target"
+    message = f"refused\n{forged}\r\n\x1b[2Khidden"
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                head = conn.recv(HEADER_BYTES, socket.MSG_WAITALL)
+                _magic, _version, _op, rid, meta_len, payload_len = HEADER.unpack(head)
+                conn.recv(meta_len + payload_len, socket.MSG_WAITALL)
+                meta = error_meta(ErrorCode.BAD_REQUEST, message)
+                conn.sendall(pack_header(Op.ERROR, rid, len(meta)) + meta)
+
+        target = threading.Thread(target=answer, daemon=True)
+        target.start()
+        with a.control() as ctl:
+            out = ctl.probe(f"127.0.0.1:{listener.getsockname()[1]}", pings=1, timeout_s=5)
+        target.join(10)
+    assert out["ok"] is False and "FORGED" in (out["error"] or "")
+    wait_until("the probe logged", lambda: "FORGED" in a.log(), 10.0)
+    lines = a.log().splitlines()
+    assert not [line for line in lines if line.startswith("2030-")]
+    (logged,) = [line for line in lines if "FORGED" in line]
+    assert "probe of 127.0.0.1:" in logged and "refused\\n2030-01-01" in logged
+    assert "\x1b" not in logged and "\\x1b[2Khidden" in logged
