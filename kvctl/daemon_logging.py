@@ -31,7 +31,8 @@ class OneLineFormatter(logging.Formatter):
     """A formatter whose records' messages are one line each (:func:`one_line`)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
-        record.message = one_line(record.message)
+        # (a message's trailing newline, as some libraries write, starts no record)
+        record.message = one_line(record.message.rstrip("\r\n"))
         return super().formatMessage(record)
 
 
