@@ -868,7 +868,18 @@ class DataClient:
     # --- requests ---------------------------------------------------------------------------
     def _hello(self, token: str, client_name: str) -> dict[str, Any]:
         meta, _ = self._call(Op.HELLO, MetaWriter().text(token).text(client_name).build())
-        return dict(json.loads(meta))
+        try:
+            info = json.loads(meta)
+        except ValueError:  # (UnicodeDecodeError too)
+            info = None
+        tiers = info.get("tiers") if isinstance(info, dict) else None
+        if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):
+            # whatever listens there answered in frames, but not as an agent does
+            raise AgentError(
+                "the HELLO reply names no tiers: not a kvctl agent's data plane "
+                f"(it began {bytes(meta[:40])!r})"
+            )
+        return dict(info)
 
     def _call(
         self,

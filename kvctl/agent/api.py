@@ -80,6 +80,8 @@ _EVENT_BATCH = 500
 #: threads that wait on the event hub; separate from the endpoint threadpool so followers
 #: cannot starve store calls (and vice versa)
 _EVENT_THREADS = 64
+#: link probes running at once (a collector's round asks each node for one per other DC)
+_PROBE_THREADS = 8
 
 log = logging.getLogger("kvctl.agent.api")
 
@@ -519,6 +521,7 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
     )
     store = runtime.store
     event_threads = anyio.CapacityLimiter(_EVENT_THREADS)
+    probe_threads = anyio.CapacityLimiter(_PROBE_THREADS)
 
     install_error_handlers(app, _ERROR_STATUS)
 
@@ -568,7 +571,7 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         }
 
     @app.post("/v1/probe", response_model=ProbeResponse, tags=["agent"], responses=_errors(400))
-    def probe(body: ProbeRequest) -> LinkProbe:
+    async def probe(body: ProbeRequest) -> LinkProbe:
         """Probe the link from this agent to another agent's data plane: PING round trips
         (median, min, loss), then one upload and one download of `bytes` for bandwidth.
 
@@ -578,16 +581,25 @@ def create_app(runtime: AgentRuntime, *, max_body_bytes: int = DEFAULT_MAX_BODY_
         When the target (by `name`, or by address) is the far end of a configured link with an
         emulated delay, every round trip waits that delay too, as this agent's fetches over the
         link do, and `rtt_basis` says `emulated`.
+
+        At most a few probes run at once; more wait their turn, without holding the threads
+        the other endpoints are served on.
         """
         sources = runtime.remote.sources if runtime.remote is not None else ()
         link = emulated_source(sources, target=body.target, name=body.name)
-        out = probe_link(
-            body.target,
-            token=body.token or "",
-            pings=body.pings,
-            size_bytes=body.size_bytes,
-            timeout_s=body.timeout_s,
-            delay=None if link is None else link.delay,
+        # threads of their own: a slow target holds a probe for minutes, and probes on the
+        # shared pool starved every other request (/metrics, /v1/stats) of its threads
+        out = await anyio.to_thread.run_sync(
+            functools.partial(
+                probe_link,
+                body.target,
+                token=body.token or "",
+                pings=body.pings,
+                size_bytes=body.size_bytes,
+                timeout_s=body.timeout_s,
+                delay=None if link is None else link.delay,
+            ),
+            limiter=probe_threads,
         )
         log.info(
             "probe of %s: ok=%s rtt_s=%s (%s%s) loss=%.2f bandwidth_bytes_per_s=%s error=%s",

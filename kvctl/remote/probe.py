@@ -22,14 +22,16 @@ from kvctl.remote.links import EmulatedDelay
 from kvctl.remote.pool import PullWatch, probe_too_slow, pull_deadline_s
 from kvctl.store.errors import TierUnavailable
 from kvctl.wire.address import TcpAddress, parse_address
+from kvctl.wire.protocol import FrameError
 from kvctl.wire.reports import LinkProbe
 
 #: a probe stops pinging after this many lost in a row: the link is down, and more tries would
 #: only hold the request (and a threadpool thread) for another timeout each
 _PROBE_MAX_LOST_IN_A_ROW = 3
 #: what a probe's target can make the SDK raise (it may be anything listening on a port, so
-#: malformed HELLO replies too): reported in the probe's error, never a 500
-_TARGET_ERRORS = (AgentError, OSError, ValueError, KeyError, TypeError)
+#: malformed HELLO replies too, and replies whose metadata breaks the protocol): reported in
+#: the probe's error, never a 500
+_TARGET_ERRORS = (AgentError, OSError, ValueError, KeyError, TypeError, FrameError)
 #: cuts a probe's transfer at its deadline (its socket shut down): one thread for every probe
 #: of this process, asleep when none runs
 _WATCH = PullWatch("link probes")

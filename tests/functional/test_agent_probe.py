@@ -515,3 +515,120 @@ def test_a_targets_error_text_cannot_forge_lines_in_the_agents_log(
     (logged,) = [line for line in lines if "FORGED" in line]
     assert "probe of 127.0.0.1:" in logged and "refused\\n2030-01-01" in logged
     assert "\x1b" not in logged and "\\x1b[2Khidden" in logged
+
+
+def test_probes_of_a_stalling_target_leave_the_other_endpoints_their_threads(
+    pair: tuple[Agent, Agent],
+) -> None:
+    """A target that answers HELLO and then holds every PING: 48 probes at once. At most a few
+    run at a time, on threads of their own, and /v1/stats answers meanwhile. Before, each
+    probe took one of the threads every other endpoint is served on: the 40th held them all,
+    and /v1/stats (and /metrics, so Prometheus's `up`) waited until the probes timed out."""
+    a, _ = pair
+    release = threading.Event()
+    lock = threading.Lock()
+    held = [0, 0]  # pings held now, most held at once
+
+    def serve(conn: socket.socket) -> None:
+        with conn:
+            while True:
+                head = conn.recv(HEADER_BYTES, socket.MSG_WAITALL)
+                if len(head) < HEADER_BYTES:
+                    return
+                _magic, _version, op, rid, meta_len, payload_len = HEADER.unpack(head)
+                conn.recv(meta_len + payload_len, socket.MSG_WAITALL)
+                meta = b""
+                if op == Op.HELLO:
+                    meta = json.dumps(
+                        {"tiers": ["cpu"], "chunk_tokens": 256, "max_chunk_bytes": 1 << 20}
+                    ).encode()
+                elif op == Op.PING:
+                    with lock:
+                        held[0] += 1
+                        held[1] = max(held)
+                    release.wait(60)
+                    with lock:
+                        held[0] -= 1
+                conn.sendall(pack_header(op | REPLY_BIT, rid, len(meta)) + meta)
+
+    def accept(listener: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=serve, args=(listener.accept()[0],), daemon=True).start()
+
+    probes = 48
+    outs: list[dict[str, object]] = []
+    with socket.create_server(("127.0.0.1", 0), backlog=probes) as listener:
+        threading.Thread(target=accept, args=(listener,), daemon=True).start()
+        target = f"127.0.0.1:{listener.getsockname()[1]}"
+
+        def probe() -> None:
+            with a.control() as ctl:
+                outs.append(dict(ctl.probe(target, pings=1, size_bytes=0, timeout_s=30)))
+
+        threads = [threading.Thread(target=probe, daemon=True) for _ in range(probes)]
+        try:
+            for t in threads:
+                t.start()
+            wait_until("probes holding pings", lambda: held[0] >= 8, 30.0)
+            # a thread free for it: answered long before a probe's 30 s timeout
+            stats = httpx.get(f"{a.state.control_url}/v1/stats", timeout=15.0)
+            assert stats.status_code == 200
+        finally:
+            release.set()
+            for t in threads:
+                t.join(90)
+    assert len(outs) == probes and all(o["ok"] for o in outs), outs
+    assert held[1] <= 8  # the probes ran a few at a time
+
+
+def test_a_target_answering_a_transfer_with_truncated_metadata_is_a_failed_probe(
+    pair: tuple[Agent, Agent],
+) -> None:
+    """A target that answers HELLO and PING, then a PROBE transfer with no metadata: the probe
+    fails naming it. Before, the protocol error escaped the probe: HTTP 500."""
+    a, _ = pair
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                while head := conn.recv(HEADER_BYTES, socket.MSG_WAITALL):
+                    _magic, _version, op, rid, meta_len, payload_len = HEADER.unpack(head)
+                    conn.recv(meta_len + payload_len, socket.MSG_WAITALL)
+                    meta = b""
+                    if op == Op.HELLO:
+                        meta = json.dumps({"tiers": ["cpu"], "chunk_tokens": 256}).encode()
+                    conn.sendall(pack_header(op | REPLY_BIT, rid, len(meta)) + meta)
+
+        served = threading.Thread(target=answer, daemon=True)
+        served.start()
+        with a.control() as ctl:
+            out = ctl.probe(f"127.0.0.1:{listener.getsockname()[1]}", pings=2, timeout_s=5)
+    assert out["ok"] is False and out["rtt_s"] is not None
+    assert "bandwidth probe of 127.0.0.1:" in (out["error"] or "")
+    assert "metadata is truncated" in (out["error"] or "")
+
+
+@pytest.mark.parametrize("hello", [b'{"version": "9"}', b"\xff\xfe", b'{"tiers": "cpu"}'])
+def test_a_target_whose_hello_names_no_tiers_is_said_to_be_no_agent(
+    pair: tuple[Agent, Agent], hello: bytes
+) -> None:
+    """Before, the SDK's bare KeyError or decode error made the probe's error "'tiers'"."""
+    a, _ = pair
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+
+        def answer() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                head = conn.recv(HEADER_BYTES, socket.MSG_WAITALL)
+                _magic, _version, op, rid, meta_len, payload_len = HEADER.unpack(head)
+                conn.recv(meta_len + payload_len, socket.MSG_WAITALL)
+                conn.sendall(pack_header(op | REPLY_BIT, rid, len(hello)) + hello)
+
+        served = threading.Thread(target=answer, daemon=True)
+        served.start()
+        with a.control() as ctl:
+            out = ctl.probe(f"127.0.0.1:{listener.getsockname()[1]}", pings=1, timeout_s=5)
+    assert out["ok"] is False
+    assert "the HELLO reply names no tiers: not a kvctl agent's data plane" in (out["error"] or "")
