@@ -118,6 +118,7 @@ def collect_command(
     """
     from collectors.collector import Collector, CollectorConfig, CycleReport
     from kvctl.cli.router import router_token
+    from kvctl.db.inventory import InventoryError
     from kvctl.errors import InvalidArgument
     from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.units import parse_size
@@ -157,7 +158,10 @@ def collect_command(
         fail(str(exc))
     try:
         with db_errors():
-            nodes = collector.nodes()
+            try:
+                nodes = collector.nodes()
+            except InventoryError as exc:  # --dc naming no DC
+                fail(str(exc))
         if not nodes and not routers:
             fail(
                 "the fleet inventory has no nodes" + (f" in DC {dc!r}" if dc else ""),

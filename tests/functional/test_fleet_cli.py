@@ -503,3 +503,19 @@ def test_a_writer_creates_the_database_for_its_owner_only(
             assert stat.S_IMODE(extra.stat().st_mode) == 0o600
     ls = runner.invoke(app, ["fleet", "ls", "--db", f"sqlite:///{path}"])
     assert ls.exit_code == 0, ls.output
+
+
+@pytest.mark.parametrize("once", [["--once"], []], ids=["once", "loop"])
+def test_collect_for_a_dc_the_fleet_lacks_is_one_line_exit_2(
+    tmp_path: Path, once: list[str]
+) -> None:
+    """Before: "kvctl failed where it did not expect to: InventoryError" (a bug's line), exit
+    1, where status, top and replay say the usual line."""
+    db = f"sqlite:///{tmp_path / 'kv.db'}"
+    assert runner.invoke(app, ["fleet", "add-dc", "fra", "--db", db]).exit_code == 0
+    out = runner.invoke(
+        app, ["collect", *once, "--dc", "nosuch", "--metrics-listen", "off", "--db", db]
+    )
+    assert out.exit_code == 2, out.output
+    said = flat(out.output)
+    assert "no DC named 'nosuch' (known: fra)" in said and "did not expect" not in said
