@@ -556,6 +556,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         "KVCTL_DATA_MAX_UNAUTHENTICATED_PER_SOURCE",
     ),
     _Setting(
+        "data_max_connections_per_source",
+        "data_max_connections_per_source",
+        _positive_int,
+        256,
+        "KVCTL_DATA_MAX_CONNECTIONS_PER_SOURCE",
+    ),
+    _Setting(
         "eviction",
         "eviction",
         _choice("eviction policy", EVICTION_POLICIES),

@@ -21,6 +21,7 @@ import logging
 import math
 import mmap
 import os
+import select
 import socket
 import stat
 import threading
@@ -282,18 +283,29 @@ class DataPlaneServer:
         copy_budget_bytes: int | None = None,
         max_connections: int | None = None,
         max_unauthenticated_per_source: int | None = None,
+        max_connections_per_source: int | None = None,
         hello_timeout_s: float = HELLO_TIMEOUT_SECONDS,
     ) -> None:
         """Limits left as None are the settings' (``data_frame_timeout_seconds``,
         ``data_put_budget_bytes``, ``data_max_connections``,
-        ``data_max_unauthenticated_per_source``); ``copy_budget_bytes`` is
-        ``data_put_budget_bytes`` too."""
+        ``data_max_unauthenticated_per_source``, ``data_max_connections_per_source``);
+        ``copy_budget_bytes`` is ``data_put_budget_bytes`` too."""
         self.runtime = runtime
         settings = runtime.settings
-        #: open connections each transport keeps at most: one past it is closed at once (a
-        #: flood of TCP connections cannot lock local engines out of the Unix socket)
+        #: open connections each transport keeps at most (a flood of TCP connections cannot
+        #: lock local engines out of the Unix socket). Past it, on TCP, an idle connection is
+        #: closed to make room (``_close_idle``); a new one is refused only when none is idle
         self.max_connections = (
             settings.data_max_connections if max_connections is None else max_connections
+        )
+        #: TCP connections one source address may hold in all: past it, that source's own
+        #: longest idle connection is closed to make room, or (none idle) the new one refused.
+        #: One client (a leaking connection pool, or a hostile one) holds this many of the
+        #: ``max_connections`` at most, idle or busy
+        self.max_connections_per_source = (
+            settings.data_max_connections_per_source
+            if max_connections_per_source is None
+            else max_connections_per_source
         )
         #: TCP connections one source address may hold before they authenticate: whoever
         #: reopens connections that never say HELLO (each cut off after ``hello_timeout_s``)
@@ -306,6 +318,8 @@ class DataPlaneServer:
         self.hello_timeout_s = hello_timeout_s
         #: by the setting whose cap refused them
         self.refused_connections = Refusals()
+        #: idle TCP connections closed to make room for new ones, by the cap they were at
+        self.idle_closed = Refusals()
         self.hello_timeouts = EveryInterval()
         #: PUT chunks refused because their bytes did not match their sender's checksum
         self.corrupt_puts = EveryInterval()
@@ -346,6 +360,8 @@ class DataPlaneServer:
         self._open: collections.Counter[str] = collections.Counter()
         #: TCP connections not yet authenticated, by source address
         self._unauthenticated: collections.Counter[str] = collections.Counter()
+        #: open TCP connections, by source address
+        self._by_source: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: Path | None = None
@@ -461,18 +477,58 @@ class DataPlaneServer:
 
     def _admit(self, transport: str, source: str | None) -> str | None:
         """Take a slot for a new connection (the caller holds ``_lock``); or the setting whose
-        cap refuses it. ``source``: a TCP client's ``source_key`` (None on the Unix socket)."""
-        if self._open[transport] >= self.max_connections:
-            return "data_max_connections"
-        if (
-            source is not None
-            and self._unauthenticated[source] >= self.max_unauthenticated_per_source
+        cap refuses it. ``source``: a TCP client's ``source_key`` (None on the Unix socket).
+        A TCP connection over a cap takes the slot of an idle one, closed for it, where there
+        is one (``_close_idle``); the caps on connections not yet authenticated close none."""
+        if source is not None:
+            if self._unauthenticated[source] >= self.max_unauthenticated_per_source:
+                return "data_max_unauthenticated_per_source"
+            cap = "data_max_connections_per_source"
+            held = self._by_source[source]
+            if held >= self.max_connections_per_source and not self._close_idle(cap, source):
+                return cap
+        if self._open[transport] >= self.max_connections and (
+            source is None or not self._close_idle("data_max_connections")
         ):
-            return "data_max_unauthenticated_per_source"
+            return "data_max_connections"
         self._open[transport] += 1
         if source is not None:
             self._unauthenticated[source] += 1
+            self._by_source[source] += 1
         return None
+
+    def _close_idle(self, cap: str, source: str | None = None) -> bool:
+        """Close one idle TCP connection (the caller holds ``_lock``) to make room for a new one
+        over ``cap``, and free its slot at once; False when none may be closed. Idle: its first
+        frame served and no request in flight, no bytes of the next one waiting unread, no
+        leases held. Among them, one of ``source``'s where given, else one of the source holding
+        the most connections (the client filling the cap, not the engines and peers elsewhere);
+        then the one idle the longest. Refusing the newcomer instead let one client with
+        idle connections (a leaking connection pool, or a hostile one) lock every other out."""
+        candidates = []
+        for conn in self._conns:
+            idle_since = conn.idle_since
+            if conn.transport != "tcp" or idle_since is None or conn.source is None:
+                continue
+            if source is not None and conn.source != source:
+                continue
+            candidates.append((-self._by_source[conn.source], idle_since, conn))
+        candidates.sort(key=lambda c: c[:2])  # the biggest source's, then the oldest, first
+        for _, _, conn in candidates:
+            if conn.close_to_make_room():
+                self._drop(conn)
+                n = self.idle_closed.count(cap)
+                self.runtime.metrics.idle_connection_closed(cap)
+                if n:
+                    log.warning(
+                        "data plane tcp connections at the limit (%s): closed %d idle "
+                        "connection(s) to make room for new ones, the last from %s",
+                        cap,
+                        n,
+                        conn.source,
+                    )
+                return True
+        return False
 
     def authenticated(self, conn: Connection) -> None:
         """``conn`` has had its first frame served (its HELLO with the token): it no longer
@@ -505,6 +561,21 @@ class DataPlaneServer:
             message = (
                 f"this agent serves at most {self.max_connections} {transport} connections; "
                 "retry later"
+            )
+        elif setting == "data_max_connections_per_source":
+            cap = self.max_connections_per_source
+            if n:
+                log.warning(
+                    "data plane: refused %d connection(s) from sources (an IPv4 address, an IPv6 "
+                    "/64) already holding %d, none of them idle (data_max_connections_per_source)"
+                    ", the last from %s",
+                    n,
+                    cap,
+                    source,
+                )
+            message = (
+                f"this agent serves at most {cap} tcp connections from one address (IPv6: one "
+                "/64), and none of this address's is idle; retry later"
             )
         else:
             cap = self.max_unauthenticated_per_source
@@ -546,9 +617,17 @@ class DataPlaneServer:
     def forget(self, conn: Connection) -> None:
         with self._lock:
             if conn in self._conns:
-                self._conns.discard(conn)
-                self._open[conn.transport] -= 1
-                self._forget_unauthenticated(conn)
+                self._drop(conn)
+
+    def _drop(self, conn: Connection) -> None:
+        """Free ``conn``'s slots (the caller holds ``_lock``)."""
+        self._conns.discard(conn)
+        self._open[conn.transport] -= 1
+        self._forget_unauthenticated(conn)
+        if conn.source is not None:
+            self._by_source[conn.source] -= 1
+            if self._by_source[conn.source] <= 0:
+                del self._by_source[conn.source]
 
     def hello_info(self) -> dict[str, object]:
         s = self.runtime.settings
@@ -590,6 +669,8 @@ class Connection:
         self.runtime = server.runtime
         self.sock = sock
         self.transport = transport
+        #: the TCP client's ``source_key`` (None on the Unix socket)
+        self.source = source
         self.authed = not server.token
         #: the TCP client's address while its first frame is not yet served (it holds one of
         #: that address's ``max_unauthenticated_per_source`` slots); None after, and on Unix
@@ -605,6 +686,9 @@ class Connection:
         self._fds_refused = 0
         #: when the frame being served started (None: idle between frames)
         self.busy_since: float | None = None
+        #: since when the connection has waited for its next frame, its first one served
+        #: (monotonic; None while a frame is served or before the first)
+        self.idle_since: float | None = None
         #: bytes the frame has moved so far (in and out): each buys time before a stall cut-off
         self._moved_bytes = 0
         #: the frame's request id once its header is read (for the error a cut-off sends)
@@ -758,6 +842,8 @@ class Connection:
             self.busy_since = None
             if self._closed or self.server.stopping:
                 return False
+            if self._hello_deadline_s is None:
+                self.idle_since = time.monotonic()
         self._max_fds = MAX_FDS_PER_FRAME
         self._fds_refused = 0
         first = (
@@ -770,6 +856,9 @@ class Connection:
         self._moved_bytes = first
         self._frame_rid = None
         with self._state_lock:
+            self.idle_since = None
+            if self._closed:  # closed to make room as its request came: not served
+                return False
             self.busy_since = time.monotonic()
         if first < HEADER_BYTES:
             self._recv(view[first:])
@@ -1499,6 +1588,23 @@ class Connection:
         return [b""], 0
 
     # --- teardown ---------------------------------------------------------------------------
+    def close_to_make_room(self) -> bool:
+        """Close this connection if it is idle (``DataPlaneServer._close_idle``): waiting for
+        its next frame with none of its bytes unread, and holding no leases (their chunks would
+        go from under its reader); whether it did. Its client sees the connection closed
+        (``DataClient``: AgentUnreachable on its next call) and connects again."""
+        with self._state_lock:
+            if self._closed or self.idle_since is None or self._leases:
+                return False
+            poller = select.poll()  # not select(): descriptors past 1024 are common here
+            poller.register(self.sock, select.POLLIN)
+            if poller.poll(0):
+                return False  # its next request (or its close) is already here
+            self._closed = True
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        return True
+
     def close_if_idle(self, *, force: bool = False) -> None:
         with self._state_lock:
             if self._closed or (self.busy_since is not None and not force):

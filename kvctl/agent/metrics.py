@@ -564,6 +564,13 @@ class AgentMetrics:
             "than a tier, a disk tier's filesystem full): refused, not stored.",
             registry=r,
         )
+        self._idle_closed = Counter(
+            "kvctl_dataplane_idle_connections_closed",
+            "Idle TCP data plane connections closed to make room for new ones, by the cap "
+            "they were at (data_max_connections, data_max_connections_per_source).",
+            ("cap",),
+            registry=r,
+        )
         self._http_requests = Counter(
             "kvctl_http_requests",
             "Control API requests by method, route template and status.",
@@ -651,6 +658,10 @@ class AgentMetrics:
         with self._refused_puts_lock:
             self.no_room_puts += 1
         self._no_room_puts.inc()
+
+    def idle_connection_closed(self, cap: str) -> None:
+        """Count one idle data plane connection closed to make room (``cap``: the setting)."""
+        self._idle_closed.labels(cap).inc()
 
     def connection_opened(self, transport: str) -> None:
         self._connections(transport).inc()

@@ -104,6 +104,11 @@ class AgentSettings:
     #: IPv6 address's /64 (one host may use any address of its /64), a link-local address
     #: (``kvctl.connection_sources.source_key``)
     data_max_unauthenticated_per_source: int = 32
+    #: TCP data-plane connections one source (as above) may hold in all, authenticated or
+    #: not: past it, its own longest idle connection is closed to make room (none idle: the new
+    #: one is refused), so one client cannot hold the whole of ``data_max_connections``. It
+    #: must cover what one host opens: every engine and agent on a host shares its address
+    data_max_connections_per_source: int = 256
     eviction: str = "lineage-adaptive"
     disk_admission: str = "all"
     #: fsync each disk chunk before it counts as stored (power-loss safety; crash safety holds

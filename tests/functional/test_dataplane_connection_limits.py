@@ -147,12 +147,21 @@ def test_a_hello_trickled_past_the_deadline_is_cut_off(node: Node) -> None:
     sock.close()
 
 
+def _all_busy(node: Node) -> bool:
+    with node.server._lock:
+        return all(c.busy_since is not None for c in node.server._conns)
+
+
 def test_connections_past_the_cap_are_closed_at_once_and_logged_once(
     node: Node, caplog: pytest.LogCaptureFixture
 ) -> None:
     held = [node.raw() for _ in range(MAX_CONNECTIONS)]
     for sock in held:
         _hello(sock)
+        # mid-frame (a header's first byte), not idle: an idle one would be closed to make
+        # room (tests/functional/test_dataplane_idle_connections.py)
+        sock.sendall(pack_header(Op.PING, 2, 0)[:1])
+    wait_until("the held connections to be mid-frame", lambda: _all_busy(node), 10)
     caplog.set_level(logging.WARNING, logger="kvctl.agent.dataplane")
     refused = []
     for _ in range(3):

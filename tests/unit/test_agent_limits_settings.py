@@ -32,3 +32,20 @@ def test_the_per_source_cap_is_a_setting(tmp_path: Path, env: dict[str, str]) ->
     config.write_text(f"[agent]\n{KEY} = 0\n")
     with pytest.raises(ConfigError, match=KEY):
         load_settings(config_file=config, env=env)
+
+
+def test_the_per_source_cap_on_all_tcp_connections_is_a_setting(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    key = "data_max_connections_per_source"
+    assert getattr(load_settings(env=env).settings, key) == 256
+    config = tmp_path / "agent.toml"
+    config.write_text(f"[agent]\n{key} = 64\n")
+    assert getattr(load_settings(config_file=config, env=env).settings, key) == 64
+    loaded = load_settings(env={**env, "KVCTL_DATA_MAX_CONNECTIONS_PER_SOURCE": "16"})
+    assert getattr(loaded.settings, key) == 16
+    assert loaded.sources[key] == "env:KVCTL_DATA_MAX_CONNECTIONS_PER_SOURCE"
+    assert {row["setting"]: row for row in describe(loaded)}[key]["value"] == "16"
+    config.write_text(f"[agent]\n{key} = 0\n")
+    with pytest.raises(ConfigError, match=key):
+        load_settings(config_file=config, env=env)
