@@ -623,15 +623,26 @@ def database_checks(
             disk_usage_check("disk (local db)", path.parent, warn_ratio=disk_warn_ratio)
         )
         if not path.exists():
-            # connecting would create an empty file; the doctor only looks
-            missing = Check(
-                "database",
-                WARN,
-                f"no database yet at {path}",
-                "create it with the fleet's first DC, `kvctl fleet add-dc NAME`, or with "
-                f"`kvctl fleet import FILE`, or {DB_FIX}",
-            )
-            return [missing, *local_disk], _skip_agents("no database yet, so no inventory")
+            # connecting would create an empty file; the doctor only looks. The default file
+            # missing is a machine not set up yet; one named (--db, KVCTL_DB_URL) is more
+            # likely mistyped, and a health check passing then would have checked nothing
+            named = bool(db_url or os.environ.get("KVCTL_DB_URL"))
+            create = "`kvctl fleet add-dc NAME` (the first DC) or `kvctl fleet import FILE`"
+            if named:
+                missing = Check(
+                    "database",
+                    FAIL,
+                    f"no database at {path}",
+                    f"{DB_FIX}; a new fleet's database is created by {create}",
+                )
+            else:
+                missing = Check(
+                    "database",
+                    WARN,
+                    f"no database yet at {path}",
+                    f"create it: {create}, or {DB_FIX}",
+                )
+            return [missing, *local_disk], _skip_agents("no database, so no inventory")
     try:
         checks, targets = _open_and_inspect(
             _with_connect_timeout(url, timeout_s), shown, backend, nodes, dcs

@@ -459,14 +459,29 @@ def test_bad_database_url_fails() -> None:
 
 
 def test_missing_sqlite_file_is_not_created(tmp_path: Path) -> None:
+    """A database file named (--db) and missing fails: more likely mistyped than not made
+    yet, and a health check must not pass having checked no agent (before: a warning, exit
+    0). The default file missing, on a machine not set up yet, warns."""
     path = tmp_path / "state" / "metrics.db"
     checks = _by_name(run_checks(f"sqlite:///{path}", local_config=False))
-    assert checks["database"].status == WARN and "kvctl fleet import" in (
-        checks["database"].fix or ""
-    )
+    assert checks["database"].status == FAIL
+    assert checks["database"].detail == f"no database at {path}"
+    assert "kvctl fleet import" in (checks["database"].fix or "")
     assert checks["disk (local db)"].status in (OK, WARN, FAIL)
     assert checks["agents"].status == SKIP
     assert not path.exists() and not path.parent.exists()
+
+
+def test_the_default_database_missing_warns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KVCTL_DB_URL", raising=False)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    checks = _by_name(run_checks(None, local_config=False))
+    assert checks["database"].status == WARN
+    assert checks["database"].detail.startswith("no database yet at ")
+    assert str(tmp_path / "state") in checks["database"].detail
+    assert checks["agents"].status == SKIP
 
 
 def test_empty_sqlite_database_warns_about_schema_and_inventory(sqlite_url: str) -> None:
