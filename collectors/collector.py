@@ -175,6 +175,9 @@ class CycleReport:
     #: nodes that answered "starting" (up, their tiers still opening, unread), and what they
     #: said (its text begins with kvctl.agent_starting.STARTING_PREFIX)
     starting: dict[str, str] = field(default_factory=dict)
+    #: link rounds: DC pairs not probed (a DC whose nodes answered but none can be read:
+    #: refusing the token or starting), and why; no sample is recorded for them
+    skipped: dict[str, str] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -185,6 +188,7 @@ class CycleReport:
             "token_refused": self.token_refused,
             "starting": self.starting,
             "routers": {"up": self.routers_up, "down": self.routers_down},
+            "skipped": self.skipped,
             "rows": self.rows,
             "warnings": self.warnings,
             "written": self.written,
@@ -304,6 +308,9 @@ class Collector:
         #: the inventory as last read: scraped on while the database cannot be read
         self._known_nodes: list[NodeInfo] = []
         self._link_round = 0
+        #: per node, what its last scrape found: "up" (read), "unread" (it answered, refusing
+        #: the token or starting) or "down"; link probes pick their endpoints by it
+        self._last_scrape: dict[int, str] = {}
         self._http = httpx.Client(
             timeout=self.config.request_timeout_s, transport=AbandonableTransport()
         )
@@ -551,6 +558,8 @@ class Collector:
         rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for s in scrapes:
             node = s.node
+            read = s.up and s.stats is not None
+            self._last_scrape[node.id] = "up" if read else "unread" if s.answered else "down"
             nvml = None if s.gpus is None else bool(s.gpus.get("nvml", {}).get("available"))
             rows["node_sample"].append(
                 {
@@ -737,18 +746,27 @@ class Collector:
 
     # --- links -------------------------------------------------------------------------------
     def probe_links_once(self) -> CycleReport:
-        """Probe one node pair per ordered pair of DCs, rotating through the nodes each round."""
+        """Probe one node pair per ordered pair of DCs, each DC's node rotating each round
+        among those whose last scrape was read (``_link_endpoint``): a dead or unreadable node
+        next to a live one is no link failure. A DC none of whose nodes answered is probed
+        through one of them, recorded failed (the link cannot carry anything to it); a DC whose
+        nodes answered but none can be read (refusing the token, starting) is not probed and
+        no sample is recorded (``CycleReport.skipped`` says why)."""
         t0 = time.perf_counter()
         report = CycleReport(int(self._clock() * 1000))
         by_dc: dict[str, list[NodeInfo]] = defaultdict(list)
         for node in self._inventory(report):
             by_dc[node.dc].append(node)
-        pairs = [
-            (src[self._link_round % len(src)], dst[self._link_round % len(dst)])
-            for a, src in by_dc.items()
-            for b, dst in by_dc.items()
-            if a != b
-        ]
+        ends = {dc: self._link_endpoint(dc, nodes) for dc, nodes in by_dc.items()}
+        pairs: list[tuple[NodeInfo, NodeInfo]] = []
+        for a, src in ends.items():
+            for b, dst in ends.items():
+                if a == b:
+                    continue
+                if isinstance(src, NodeInfo) and isinstance(dst, NodeInfo):
+                    pairs.append((src, dst))
+                else:
+                    report.skipped[f"{a}->{b}"] = src if isinstance(src, str) else str(dst)
         self._link_round += 1
         # each target's data-plane address, asked once per round however many DCs probe it
         dsts = {dst.id: dst for _src, dst in pairs}
@@ -773,6 +791,20 @@ class Collector:
             self._rejected(report, f"{src.name}->{dst.name}", "link", rejected)
         report.seconds = time.perf_counter() - t0
         return report
+
+    def _link_endpoint(self, dc: str, nodes: list[NodeInfo]) -> NodeInfo | str:
+        """The node that probes (and is probed) for ``dc`` this round, or why there is none.
+        Rotating among the nodes whose last scrape was read (or that were not scraped yet);
+        where none was, among the nodes that did not answer, if none answered (the DC cannot be
+        reached: the probe is recorded failed); else none (its nodes answered, refusing the
+        token or starting: the link itself is not known to fail, so nothing is recorded)."""
+        last = self._last_scrape
+        ready = [n for n in nodes if last.get(n.id, "up") == "up"]
+        if not ready and all(last.get(n.id) == "down" for n in nodes):
+            ready = nodes
+        if ready:
+            return ready[self._link_round % len(ready)]
+        return f"no node of DC {dc} can be read (refusing the token or starting): not probed"
 
     def _data_address(self, node: NodeInfo) -> str | AgentError:
         """The node's data-plane TCP address, or why it cannot be probed."""

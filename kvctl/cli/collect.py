@@ -229,6 +229,8 @@ def _line(kind: str, r: Any) -> None:
         down += f", [yellow]{len(r.starting)} starting[/]: {starting}"
     if r.routers_down:
         down += f", [red]router down[/]: {escape(', '.join(sorted(r.routers_down)))}"
+    if r.skipped:  # DC pairs whose nodes answered but cannot be read: no sample, no failure
+        down += f", [yellow]{len(r.skipped)} not probed[/]: {escape(', '.join(sorted(r.skipped)))}"
     if r.rejected:  # node (or link) -> its fields rejected as impossible, stored as unknown
         values = sum(len(fields) for fields in r.rejected.values())
         down += f", [yellow]{values} value(s) rejected[/]: {escape(', '.join(sorted(r.rejected)))}"
@@ -286,6 +288,8 @@ def _once(collector: Any, links: bool, json_out: bool) -> None:
                 row(name, "[green]link ok[/]")
             for name, err in sorted(link_report.down.items()):
                 row(name, "[red]link failed[/]", err)
+            for name, why in sorted(link_report.skipped.items()):
+                row(name, "[yellow]link not probed[/]", why)
         console.print(table)
         for w in report.warnings:
             err_console.print(f"[yellow]warning:[/] {escape(w)}", highlight=False)
