@@ -96,6 +96,11 @@ class AgentTimeout(AgentUnreachable):
     answering); the connection is closed, since a late reply would come out of step."""
 
 
+class AgentNotAnswering(AgentUnreachable):
+    """The agent's port took the connection and the answer did not come in time: something
+    runs there (hung or overloaded), so "down, start it" would mislead."""
+
+
 class AuthError(AgentError):
     """The agent refused the token (or needs one and none was given)."""
 
@@ -1392,6 +1397,13 @@ class AgentClient:
             raise NoHttpAnswer(
                 f"{self.url} closed the connection without an HTTP answer: is that an agent's "
                 "data-plane port? Its control API is on its --listen port (default 7070)"
+            ) from exc
+        except self._httpx.ReadTimeout as exc:
+            # it took the connection and said nothing: running, so starting another is wrong
+            raise AgentNotAnswering(
+                f"the agent at {self.url} took the connection but did not answer in time "
+                f"({exc or 'timed out'}): hung or overloaded? Its log (agent.log in its data dir) "
+                "says what it is doing"
             ) from exc
         except self._httpx.TransportError as exc:
             # what to check depends on where the caller is: each says it (kvctl agent status

@@ -621,7 +621,14 @@ def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | N
     """How a failed call to the agent reads: a label, and what to do next (for an agent that
     is down, ``down_hint`` when given). An agent that refused the token is up; something that
     is not an agent's control API is not down."""
-    from kvctl.client import AgentStarting, AgentUnreachable, AuthError, NoHttpAnswer, NotAnAgent
+    from kvctl.client import (
+        AgentNotAnswering,
+        AgentStarting,
+        AgentUnreachable,
+        AuthError,
+        NoHttpAnswer,
+        NotAnAgent,
+    )
 
     control_url = "give --url the agent's control URL (its --listen, default 7070)"
     if isinstance(exc, AuthError):
@@ -635,7 +642,7 @@ def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | N
         return "no HTTP answer", control_url
     if isinstance(exc, NotAnAgent):
         return "not an agent", control_url
-    if isinstance(exc, AgentUnreachable) and _accepted_then_silent(exc):
+    if isinstance(exc, AgentNotAnswering):
         return "not answering", (
             "something accepted the connection and then said nothing: a hung or overloaded "
             "agent? Its log (agent.log in its data dir) says what it was doing; `kvctl agent "
@@ -648,14 +655,6 @@ def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | N
             "data dir)"
         )
     return "error", None
-
-
-def _accepted_then_silent(exc: Exception) -> bool:
-    """The call timed out reading the answer, not connecting: the agent (or whatever holds its
-    port) is there, so "down, start it" would mislead."""
-    import httpx
-
-    return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
 def _agent_failed(exc: Exception, down_hint: str | None = None) -> NoReturn:

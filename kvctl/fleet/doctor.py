@@ -266,7 +266,8 @@ def classify_nvml(name: str, status: NvmlStatus, *, where: str = "this machine")
 
 @dataclass(frozen=True, slots=True)
 class AgentProbe:
-    """What one agent answered. ``failure`` is None, "unreachable", "auth", "starting" (it
+    """What one agent answered. ``failure`` is None, "unreachable", "not answering" (it took
+    the connection and said nothing in time: hung or overloaded), "auth", "starting" (it
     answered that it is still opening its tiers), "overdue" (its answers did not come in full
     within the doctor's deadline) or "error" (it answered, but not like a kvctl agent); the
     later calls' errors leave their reading N/A."""
@@ -301,7 +302,7 @@ def probe_agent(
     client: AgentClient, clock: Callable[[], float] = time.time, samples: int = CLOCK_SAMPLES
 ) -> AgentProbe:
     """Ask one agent for everything the doctor needs; never raises."""
-    from kvctl.client import AgentStarting, AgentUnreachable, AuthError
+    from kvctl.client import AgentNotAnswering, AgentStarting, AgentUnreachable, AuthError
 
     sent_s = clock()
     try:
@@ -311,7 +312,9 @@ def probe_agent(
     except AgentStarting as exc:  # up, not serving yet: neither down nor "not an agent"
         return AgentProbe(failure="starting", error=_describe(exc))
     except AgentUnreachable as exc:
-        return AgentProbe(failure="unreachable", error=_describe(exc))
+        # one that took the connection and said nothing runs: starting another is not the fix
+        failure = "not answering" if isinstance(exc, AgentNotAnswering) else "unreachable"
+        return AgentProbe(failure=failure, error=_describe(exc))
     except Exception as exc:  # e.g. a web server that is not an agent: a 404 or an HTML page
         return AgentProbe(failure="error", error=_describe(exc))
     received_s = clock()
@@ -381,6 +384,17 @@ def classify_agent(
                 f"unreachable: {probe.error}",
                 f"start the agent on {name} (`kvctl agent start`), or check its URL with "
                 "`kvctl fleet ls`",
+            )
+        ]
+    if probe.failure == "not answering":
+        return [
+            Check(
+                row,
+                FAIL,
+                f"not answering: {probe.error}",
+                f"{name}'s agent runs but did not answer within --timeout: hung or overloaded; "
+                f"check its load and its log (agent.log in its data dir) on {name}, and restart "
+                "it (`kvctl agent stop`, then `kvctl agent start`) only if it stays so",
             )
         ]
     if probe.failure == "overdue":  # each read came in time, the whole answer did not

@@ -10,7 +10,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from kvctl.client import AgentClient, AgentError, AgentStarting, AgentUnreachable, AuthError
+from kvctl.client import (
+    AgentClient,
+    AgentError,
+    AgentNotAnswering,
+    AgentStarting,
+    AuthError,
+)
 from kvctl.daemon_pool import DaemonPool
 from kvctl.db.inventory import NodeInfo
 from kvctl.deadline_transport import Abandonable, AbandonableTransport, running
@@ -112,7 +118,7 @@ def fan_out(
                 reason,
                 elapsed_s,
                 refused,
-                _silent(exc),
+                isinstance(exc, AgentNotAnswering),
                 starting=isinstance(exc, AgentStarting),
             )
         finally:
@@ -329,16 +335,6 @@ class ClientPool:
             clients, self._clients = list(self._clients.values()), {}
         for c in clients:
             c.close()
-
-
-def _silent(exc: Exception) -> bool:
-    """The call timed out waiting for the answer, not connecting: something holds the port
-    and says nothing."""
-    if not isinstance(exc, AgentUnreachable):
-        return False
-    import httpx  # an AgentUnreachable's cause: loaded already by the client that raised it
-
-    return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
 def _reason(exc: Exception) -> str:

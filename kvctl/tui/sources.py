@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from kvctl.client import AgentStarting, AuthError
+from kvctl.client import AgentNotAnswering, AgentStarting, AuthError
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.sample_checks import Rejections, count
 from kvctl.fleet.fanout import ClientPool, _reason
@@ -317,7 +317,7 @@ class Asker:
             return Reading(node, None, _reason(exc), a.elapsed_s, auth_refused=True)
         if isinstance(exc, AgentStarting):  # up, opening its tiers: no figures yet, not down
             return Reading(node, None, _reason(exc), a.elapsed_s, starting=True)
-        if _accepted_then_silent(exc):
+        if isinstance(exc, AgentNotAnswering):
             why = (
                 f"{node.agent_url} took the connection and said nothing for {self.timeout_s:g} "
                 "s: hung or overloaded? Its log (agent.log in its data dir) says what it was doing"
@@ -328,14 +328,6 @@ class Asker:
 
 def _key(node: NodeInfo) -> str:
     return f"{node.id} {node.agent_url}"
-
-
-def _accepted_then_silent(exc: Exception) -> bool:
-    """The call timed out reading the answer, not connecting: the agent (or whatever holds its
-    port) is there and says nothing, so "down, start it" would mislead."""
-    import httpx
-
-    return isinstance(exc.__cause__, httpx.ReadTimeout)
 
 
 class FleetSource:

@@ -113,6 +113,30 @@ def test_status_tells_a_hung_agent_from_one_that_is_down(tmp_path: Path) -> None
     assert status["total"]["up"] == 0
 
 
+def test_doctor_lookup_and_evict_tell_a_hung_agent_from_one_that_is_down(tmp_path: Path) -> None:
+    """Before: a hung agent was "unreachable" with "start the agent" as the fix (doctor), and
+    "cannot reach the agent ... is it running" (lookup, evict): starting a second agent is
+    the wrong move for one that runs and says nothing."""
+    key = "3f2a9c0d1e4b5a697887766554433221"
+    with hung_http_agent() as hung:
+        db = _fleet(tmp_path, {"hung": hung.url, "gone": f"http://127.0.0.1:{closed_port()}"})
+        doctor = json.loads(_cli(db, "doctor", "--timeout", "1", "--json", code=1))
+        lookup = _cli(db, "lookup", "--node", "hung", "--key", key, "--timeout", "1", code=1)
+        evict = runner.invoke(
+            app, ["evict", "--node", "hung", "--key", key, "--yes", "--timeout", "1", "--db", db]
+        )
+    rows = {c["name"]: c for c in doctor["checks"]}
+    assert rows["agent hung"]["detail"].startswith("not answering: "), rows["agent hung"]
+    assert "hung or overloaded" in rows["agent hung"]["fix"], rows["agent hung"]
+    assert "start the agent on hung" not in rows["agent hung"]["fix"], rows["agent hung"]
+    assert rows["agent gone"]["detail"].startswith("unreachable: "), rows["agent gone"]
+    assert "start the agent on gone" in rows["agent gone"]["fix"], rows["agent gone"]
+    for said in (lookup, evict.output):
+        flat_said = " ".join(said.split())
+        assert "took the connection but did not answer in time" in flat_said, said
+        assert "is it running" not in flat_said, said
+
+
 @pytest.mark.parametrize(
     "args",
     [

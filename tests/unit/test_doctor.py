@@ -286,6 +286,7 @@ def test_healthy_agent_gives_four_ok_rows() -> None:
     [
         ("unreachable", "cannot reach the agent at http://10.0.0.7:7070", "kvctl agent start"),
         ("unreachable", "connection refused", "kvctl fleet ls"),
+        ("not answering", "took the connection but did not answer", "hung or overloaded"),
         ("auth", "the agent refused the token", "KVCTL_TOKEN"),
         ("starting", f"{STARTING_DETAIL} (http://10.0.0.7:7070)", "`kvctl doctor` again shortly"),
         ("error", "404: Not Found", "kvctl fleet ls"),
