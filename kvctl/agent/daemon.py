@@ -22,6 +22,7 @@ A detached agent's log, ``<data_dir>/agent.log``, is rolled over by size (``kvct
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import errno
@@ -1116,15 +1117,25 @@ def _spawn(
     finally:
         if hand_over_fd is not None:
             os.close(hand_over_fd)
+    # this run's last lines, for a failure to show: the file's own end may be an earlier
+    # run's (a start that failed before this one logged nothing of its own)
+    ran: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+
+    def told(line: str) -> None:
+        if line:
+            ran.append(line)
+        if lines is not None:
+            lines(line)
+
     with log:
         why = wait_serving(
-            proc, data_dir, log, timeout_s, progress=progress, lines=lines, limit_s=limit_s
+            proc, data_dir, log, timeout_s, progress=progress, lines=told, limit_s=limit_s
         )
     if isinstance(why, AgentState):
         return proc, why
+    tail = "\n".join(ran)
     free = free_bytes(data_dir)
     if free is not None and free < FULL_BELOW_BYTES:
-        tail = _tail(log_path)
         raise DataDirFull(
             f"the agent did not start ({why}): the filesystem holding {data_dir} has "
             f"{free:,} bytes free, too few for the files the agent writes there (agent.json); "
@@ -1135,10 +1146,17 @@ def _spawn(
             )
         )
     raise RuntimeError(
-        f"the agent did not start ({why}); the end of {log_path}:\n" + _tail(log_path)
+        f"the agent did not start ({why}); "
+        + (
+            f"what it logged, in {log_path}:\n{tail}"
+            if tail
+            else f"it logged nothing in {log_path}"
+        )
     )
 
 
+#: lines of a failed start's log its error shows
+TAIL_LINES = 20
 #: seconds between two looks at a starting agent
 START_POLL_SECONDS = 0.05
 
@@ -1202,7 +1220,7 @@ def wait_serving(
     it exited, or it was killed after ``StartWait`` gave up on it (``limit_s``: its bound
     whatever the log says). ``log`` reads what it logs from its start on, across rollovers:
     ``progress(seconds, line)`` is called with each new last line, ``lines(line)`` with every
-    line up to the moment it serves."""
+    line up to the moment it serves, or, where it does not, every line it logged."""
     wait = StartWait(timeout_s, clock(), 0, limit_s)
     said = _LineSplitter(lines)
     while True:
@@ -1211,12 +1229,14 @@ def wait_serving(
             said.feed(_read(log))  # what it logged after the last look, up to serving
             return state
         if proc.poll() is not None:
+            said.feed(_read(log) + b"\n")  # its last words, a last line with no end too
             return f"exit code {proc.returncode}"
         now = clock()
         last = said.feed(_read(log))
         if not wait.observe(now, log.read_bytes):
             proc.kill()
             proc.wait()
+            said.feed(_read(log) + b"\n")
             return wait.gave_up(now)
         if last and progress is not None:
             progress(now - wait.started_s, last)
@@ -1351,10 +1371,3 @@ def _answers(url: str) -> bool:
         return httpx.get(f"{url}/v1/health", timeout=1.0).status_code in (200, 401)
     except httpx.HTTPError:
         return False
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

@@ -77,9 +77,26 @@ def test_an_agent_not_serving_in_time_is_stopped_and_the_error_says_so(
     ) as caught:
         argv = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--cpu", "8MiB"]
         spawn_agent([*argv, "--disk", "0"], data_dir, timeout_s=0.01)
-    assert "the end of" in str(caught.value)  # with its log's tail
+    assert f"in {data_dir / 'agent.log'}" in str(caught.value)  # with what it logged, if any
     state = AgentState.read(data_dir)
     assert state is None or not state.alive
+
+
+def test_a_failed_start_shows_what_this_run_logged_not_an_earlier_ones(data_dir: Path) -> None:
+    """Before: the error showed the log file's last 20 lines, so an earlier failed start's
+    error ('cannot listen on ...') stood first, as if it were this one's cause."""
+    from kvctl.agent.daemon import spawn_agent
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    earlier = "2026-01-01 00:00:00,000 ERROR kvctl.agent: cannot listen on 127.0.0.1:1 (EARLIER)"
+    (data_dir / "agent.log").write_text(earlier + "\n")
+    (data_dir / "agent.log").chmod(0o600)
+    argv = ["--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0", "--cpu", "5TiB"]
+    with pytest.raises(RuntimeError) as caught:
+        spawn_agent([*argv, "--disk", "0"], data_dir, timeout_s=60)
+    said = str(caught.value)
+    assert "EARLIER" not in said, said
+    assert "what it logged, in" in said and "5" in said.partition("what it logged")[2], said
 
 
 def test_no_file_holds_the_token_when_the_child_is_spawned(
