@@ -145,11 +145,16 @@ def _render(report: ActionReport, json_out: bool) -> None:
     from rich.table import Table
 
     table = Table(title=f"{report.request.action}", title_justify="left")
-    for col in ("node", "dc", "result", "done", "pinned", "missing", "no room", "time"):
+    # "done": chunks in the state asked for afterwards (one pinned already counts); "skipped
+    # pinned" only where pinned chunks are passed over (evict, flush), not for pin itself
+    skips = report.request.action in ("evict", "flush")
+    counts = ("done", *(("skipped_pinned",) if skips else ()), "missing", "failed")
+    heads = ("done", *(("skipped pinned",) if skips else ()), "missing", "no room")
+    for col in ("node", "dc", "result", *heads, "time"):
         table.add_column(col, justify="left" if col in ("node", "dc", "result") else "right")
     for r in report.results:
         v: dict[str, Any] = r.value or {}
-        cells = [str(v.get(c, "")) for c in ("done", "skipped_pinned", "missing", "failed")]
+        cells = [str(v.get(c, "")) for c in counts]
         status = "[green]ok[/]" if r.ok else "[bold red]failed[/]"
         # escaped: the inventory's names are text, not markup
         name, dc = escape(r.node.name), escape(r.node.dc)

@@ -176,7 +176,16 @@ def test_pin_evict_unpin_by_key_on_a_dc_with_audit_rows(
     assert {n["node"]: n["result"]["done"] for n in doc["nodes"]} == {"gpu-a": 2, "gpu-b": 2}
     evict = _run("evict", "--db", fleet, "--node", "gpu-a", *key_args)
     assert evict.exit_code == 0, evict.output
-    assert "gpu-a" in evict.output and "ok" in evict.output
+    # both chunks passed over as pinned, said in a column named so (before: "pinned", which
+    # read as chunks pinned)
+    cells = " ".join(evict.output.replace("│", " ").replace("┃", " ").split())
+    assert "done skipped pinned missing no room" in cells, evict.output
+    assert "gpu-a fra ok 0 2 0 0" in cells, evict.output
+    again = _run("pin", "--db", fleet, "--node", "gpu-b", *key_args, "--yes")
+    # pin skips nothing as pinned: no such column; one pinned already counts as done
+    cells = " ".join(again.output.replace("│", " ").replace("┃", " ").split())
+    assert "result done missing no room time" in cells and "skipped" not in cells, again.output
+    assert "gpu-b fra ok 2 0 0" in cells, again.output
     assert a.control().lookup(keys=keys, count=False)["matched_chunks"] == 2  # pinned: kept
     unpin = _run("unpin", "--db", fleet, "--node", "gpu-a", "--text", text, "--json")
     assert json.loads(unpin.stdout)["nodes"][0]["result"]["done"] == 2
@@ -189,12 +198,13 @@ def test_pin_evict_unpin_by_key_on_a_dc_with_audit_rows(
         ("evict", "gpu-a"),
         ("pin", "gpu-a"),
         ("pin", "gpu-b"),
+        ("pin", "gpu-b"),
         ("unpin", "gpu-a"),
     ]
     assert all(r.ok and r.actor == "alice@bastion" for r in rows)
     pins = [r for r in rows if r.action == "pin"]
     assert {r.target for r in pins} == {"gpu-a", "gpu-b"}
-    assert pins[0].args == {"keys": 2} and json.loads(pins[0].result)["done"] == 2
+    assert all(p.args == {"keys": 2} and json.loads(p.result)["done"] == 2 for p in pins)
     unpins = [r for r in rows if r.action == "unpin"]
     assert unpins[0].args["prompt_tokens"] == 601
 
