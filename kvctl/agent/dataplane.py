@@ -99,6 +99,11 @@ MIN_FRAME_BYTES_PER_SECOND = 1 << 20
 #: reuse it (outside the budget); larger ones get a buffer of their own, anonymous memory whose
 #: pages exist only once bytes arrive, unmapped as soon as the chunk is stored
 KEPT_BUFFER_BYTES = 1 << 20
+#: the share of the put budget (``data_put_budget_bytes``) that one TCP source (an IPv4
+#: address, an IPv6 /64) may hold at once, raised to one largest chunk: a client that declares
+#: large chunks and sends them slowly (or not at all, for a frame timeout) keeps the rest for
+#: everyone else
+BUDGET_SHARE_PER_SOURCE = 0.5
 #: receives are counted (for the stall deadline) in slices of this size
 RECV_SLICE_BYTES = 1 << 20
 #: replies are sent, and counted toward the stall deadline as they go out, in slices of this
@@ -133,25 +138,45 @@ Reply = tuple[list[bytes | bytearray | memoryview], int]
 
 class ByteBudget:
     """Bytes that frames may hold while they arrive, shared by every connection: a frame takes
-    its share before it receives, and gives it back when its bytes are stored or dropped."""
+    its share before it receives, and gives it back when its bytes are stored or dropped. A
+    frame taking bytes for a ``holder`` (a TCP source) waits too while that holder's bytes
+    would pass ``holder_bytes``: one client cannot hold all of them."""
 
-    def __init__(self, total_bytes: int) -> None:
+    def __init__(self, total_bytes: int, holder_bytes: int | None = None) -> None:
         self.total_bytes = total_bytes
         self.free_bytes = total_bytes
+        self.holder_bytes = total_bytes if holder_bytes is None else min(holder_bytes, total_bytes)
+        self._held: collections.Counter[str] = collections.Counter()
         self._cond = threading.Condition()
 
-    def acquire(self, n_bytes: int, deadline_s: float, cancelled: Callable[[], bool]) -> bool:
-        """Take ``n_bytes``, waiting until ``deadline_s`` (monotonic) at most; False when the
-        wait ran out or ``cancelled()`` turned true."""
-        if n_bytes > self.total_bytes:
+    def held(self, holder: str) -> int:
+        """Bytes ``holder`` holds now."""
+        with self._cond:
+            return self._held[holder]
+
+    def acquire(
+        self,
+        n_bytes: int,
+        deadline_s: float,
+        cancelled: Callable[[], bool],
+        holder: str | None = None,
+    ) -> bool:
+        """Take ``n_bytes`` (for ``holder``), waiting until ``deadline_s`` (monotonic) at most;
+        False when the wait ran out or ``cancelled()`` turned true."""
+        cap = self.total_bytes if holder is None else self.holder_bytes
+        if n_bytes > cap:
             return False
         with self._cond:
-            while self.free_bytes < n_bytes:
+            while self.free_bytes < n_bytes or (
+                holder is not None and self._held[holder] + n_bytes > cap
+            ):
                 left_s = deadline_s - time.monotonic()
                 if left_s <= 0 or cancelled():
                     return False
                 self._cond.wait(min(left_s, 0.25))  # wakes to notice a closing connection
             self.free_bytes -= n_bytes
+            if holder is not None:
+                self._held[holder] += n_bytes
             return True
 
     def try_acquire(self, n_bytes: int) -> bool:
@@ -162,9 +187,13 @@ class ByteBudget:
             self.free_bytes -= n_bytes
             return True
 
-    def release(self, n_bytes: int) -> None:
+    def release(self, n_bytes: int, holder: str | None = None) -> None:
         with self._cond:
             self.free_bytes += n_bytes
+            if holder is not None:
+                self._held[holder] -= n_bytes
+                if self._held[holder] <= 0:
+                    del self._held[holder]
             self._cond.notify_all()
 
 
@@ -336,8 +365,11 @@ class DataPlaneServer:
         self.min_frame_bytes_per_s = MIN_FRAME_BYTES_PER_SECOND
         budget = settings.data_put_budget_bytes if put_budget_bytes is None else put_budget_bytes
         # a frame waits for its share at most until its stall deadline, then gets BUSY; raised
-        # to one largest chunk plus the largest metadata, so any valid frame can fit
-        self.budget = ByteBudget(max(budget, self.max_chunk_bytes + MAX_META_BYTES))
+        # to one largest chunk plus the largest metadata, so any valid frame can fit. One TCP
+        # source holds BUDGET_SHARE_PER_SOURCE of it at most (as much, so it can too)
+        largest_frame = self.max_chunk_bytes + MAX_META_BYTES
+        budget = max(budget, largest_frame)
+        self.budget = ByteBudget(budget, max(int(budget * BUDGET_SHARE_PER_SOURCE), largest_frame))
         # copies of chunks a GET or FETCH reply cannot send in place (not leasable in the
         # arena) are held until the reply is sent, maybe to a reader that never reads: all
         # replies share this many bytes of them, past which a chunk is answered missing. Apart
@@ -900,23 +932,38 @@ class Connection:
             self._moved_bytes += k
 
     def _take_budget(self, n_bytes: int) -> None:
-        """Reserve ``n_bytes`` of the server's budget before receiving them; waits at most
-        until this frame's stall deadline, then BUSY (fatal: the bytes are never read)."""
+        """Reserve ``n_bytes`` of the server's budget before receiving them (a TCP client's
+        within its source's share); waits at most until this frame's stall deadline, then BUSY
+        (fatal: the bytes are never read)."""
+        budget = self.server.budget
         self._waiting_budget = True
         try:
-            ok = self.server.budget.acquire(
-                n_bytes, self._deadline_s(), lambda: self._closed or self.server.stopping
+            ok = budget.acquire(
+                n_bytes,
+                self._deadline_s(),
+                lambda: self._closed or self.server.stopping,
+                self.source,
             )
         finally:
             self._waiting_budget = False
-        if not ok:
-            raise FrameError(
-                ErrorCode.BUSY,
-                f"no room to receive {n_bytes} more bytes: the agent's budget of "
-                f"{self.server.budget.total_bytes} bytes for requests in flight stayed full; "
-                "retry later",
-                fatal=True,
+        if ok:
+            return
+        if self.source is not None and budget.held(self.source) + n_bytes > budget.holder_bytes:
+            stayed_full = (
+                f"this address's share ({budget.holder_bytes} bytes; IPv6: one /64's) of the "
+                f"agent's budget of {budget.total_bytes} bytes for requests in flight stayed "
+                "full with its other requests"
             )
+        else:
+            stayed_full = (
+                f"the agent's budget of {budget.total_bytes} bytes for requests in flight "
+                "stayed full"
+            )
+        raise FrameError(
+            ErrorCode.BUSY,
+            f"no room to receive {n_bytes} more bytes: {stayed_full}; retry later",
+            fatal=True,
+        )
 
     @contextlib.contextmanager
     def _received(self, n_bytes: int) -> Iterator[memoryview]:
@@ -943,7 +990,7 @@ class Connection:
                     view.release()
                     region.close()
         finally:
-            self.server.budget.release(n_bytes)
+            self.server.budget.release(n_bytes, self.source)
 
     def _serve_one(self, header: bytearray) -> bool:
         """Serve one frame; False when the connection must close."""
