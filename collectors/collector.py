@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 import threading
 import time
 from collections import defaultdict
@@ -88,6 +89,9 @@ UNREADABLE = (ValueError, RecursionError, httpx.DecodingError)
 #: what a link probe's answer may take beyond the probe's own worst case: the HTTP exchange, a
 #: wait for one of the agent's workers, an emulated link's delay on each of its round trips
 PROBE_SLACK_S = 5.0
+#: how far an agent's start time by its health answer (its clock less its uptime) may be from
+#: the ``started_s`` its stats said for the two to be one start (the same clock: rounding only)
+EPOCH_MATCH_S = 1.0
 
 
 def probe_deadline_s(pings: int, size_bytes: int, timeout_s: float) -> float:
@@ -148,6 +152,10 @@ class Scrape:
     auth_refused: bool = False
     #: it answered "starting" (its tiers still opening): up, its figures unread until it serves
     starting: bool = False
+    #: the agent's start time (``started_s``, its clock) was checked against this collector's
+    #: (``Collector._uptime``): whether it started after the collector did, and how long ago
+    epoch_checked: bool = False
+    started_after_s: float | None = None
 
     @property
     def answered(self) -> bool:
@@ -311,6 +319,10 @@ class Collector:
         #: per node, what its last scrape found: "up" (read), "unread" (it answered, refusing
         #: the token or starting) or "down"; link probes pick their endpoints by it
         self._last_scrape: dict[int, str] = {}
+        #: when this collector started (monotonic), and per node the agent start time
+        #: (``started_s``) checked against it: an agent started since counts from zero
+        self._started_mono = time.monotonic()
+        self._epoch_checked: dict[int, float] = {}
         self._http = httpx.Client(
             timeout=self.config.request_timeout_s, transport=AbandonableTransport()
         )
@@ -398,6 +410,10 @@ class Collector:
         # checked here, once: rows, counters and reports see only figures that can be true
         checked, rejected = checked_stats(stats)
         out = Scrape(node, True, seconds, stats=checked, rejected=rejected)
+        epoch = checked.get("started_s")
+        if epoch is not None and self._epoch_checked.get(node.id) != epoch:
+            out.epoch_checked = True
+            out.started_after_s = self._uptime(node, client, epoch)
         try:
             gpus = self._ask((node.id, "gpus"), "GET /v1/gpus", client.gpus)
             out.gpus, rejected_gpus = checked_gpus(gpus)
@@ -415,6 +431,29 @@ class Collector:
             if out.engine is not None:
                 out.engine = checked_engine(out.engine, rejected)
         return out
+
+    def _uptime(self, node: NodeInfo, client: AgentClient, epoch: float) -> float | None:
+        """How long the agent that started at ``epoch`` has run, where it started after this
+        collector did; else None (it started before, or it cannot be told). Durations only:
+        the agent's uptime by its own clock (``/v1/health``) against this collector's by its
+        own, so no skew between the hosts' clocks enters; its start time by that answer
+        (its clock minus its uptime) must be ``epoch`` (its clock too), else it restarted
+        between the two requests and its uptime is another epoch's."""
+        asked_s = time.monotonic() - self._started_mono
+        try:
+            health = self._ask((node.id, "health"), "GET /v1/health", client.health)
+        except AgentError:
+            return None  # its first values set the baseline, as ever
+        uptime, now = health.get("uptime_seconds"), health.get("time_s")
+        if not all(
+            isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            for v in (uptime, now)
+        ):
+            return None
+        assert isinstance(uptime, int | float) and isinstance(now, int | float)
+        if abs(now - uptime - epoch) > EPOCH_MATCH_S or not 0 <= uptime < asked_s:
+            return None
+        return float(uptime)
 
     def _scrape_engine(self, node: NodeInfo) -> tuple[EngineReading | None, str | None]:
         assert node.engine_url
@@ -584,6 +623,7 @@ class Collector:
                 report.down[node.name] = s.error or "down"
                 continue
             report.up.append(node.name)
+            self._watch_epoch(s, ts_ms)
             rows["cache_sample"] += cache_rows(self._tracker, node.id, ts_ms, s.stats)
             rows["plan_sample"] += plan_rows(self._tracker, node.id, ts_ms, s.stats)
             if s.gpus is not None:
@@ -618,6 +658,19 @@ class Collector:
                     self._warned_nodes.add(node.id)
                     log.warning("%s: %s", node.name, warning)
         return rows
+
+    def _watch_epoch(self, s: Scrape, ts_ms: int) -> None:
+        """Note a node's agent start time checked at this scrape: one started after this
+        collector counted everything while it was watched, in no earlier sample, so its series'
+        first samples count from zero (``CounterTracker.started_while_watched``); one started
+        before keeps the baseline rule (its earlier counts are no interval's)."""
+        epoch = None if s.stats is None else s.stats.get("started_s")
+        if not s.epoch_checked or epoch is None:
+            return
+        self._epoch_checked[s.node.id] = epoch
+        if s.started_after_s is not None:
+            start_ms = ts_ms - round(s.started_after_s * 1000)
+            self._tracker.started_while_watched(epoch, start_ms)
 
     def _rejected(self, report: CycleReport, name: str, kind: str, rejected: Rejections) -> None:
         """Rejected figures of one node's (or link's) answers: counted, in the report, and

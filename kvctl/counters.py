@@ -4,7 +4,10 @@ Agents and engines export counters that only grow until the process restarts. Th
 stores the increase since the previous sample, so the sum over any window is exact. A restart
 is seen either as a new epoch (the agent's start time) or as a counter going down; the increase
 is then the new value itself (counted from zero). The first sample of a series that kvctl has
-never seen only sets the baseline: its counts happened at unknown times and are not attributed.
+never seen only sets the baseline: its counts happened at unknown times and are not attributed;
+unless its epoch began while the caller watched (``started_while_watched``: an agent started
+after the collector did), when everything it counted is in no earlier sample and the first
+sample counts from zero too, as after a restart.
 So does the first known value of a counter that was unknown (None: it could not be read) since
 the series' baseline: its all-time count is no one interval's increase.
 The last raw values live in ``counter_state`` so a restarted collector loses nothing.
@@ -69,6 +72,17 @@ class CounterTracker:
     #: committed or rolled back, unless another writer saved it since
     _saved_ts_ms: dict[str, int | None] = field(default_factory=dict)
     _written_ts_ms: dict[str, int] = field(default_factory=dict)
+    #: epochs (sources' start times, on their own clocks) known to have begun while the caller
+    #: watched, and when on the caller's clock (ms): their first samples count from zero
+    _watched: dict[float, int] = field(default_factory=dict)
+
+    def started_while_watched(self, epoch: float, start_ms: int) -> None:
+        """The source whose start time is ``epoch`` (its own clock) started while the caller
+        watched, at ``start_ms`` on the caller's clock: every count of that epoch happened
+        since, in no earlier sample, so a series' first sample under it counts from zero
+        rather than setting a baseline. The caller must know it without comparing the two
+        clocks (hosts' clocks differ): say by the source's own uptime against its own."""
+        self._watched[epoch] = start_ms
 
     def increase(
         self,
@@ -91,13 +105,22 @@ class CounterTracker:
         exposed), then present, is counted from zero (it was created since: a labelled child
         appears at its first increment), unless ``missing_means_unread``: the source leaves
         out counters that keep counting (TensorRT-LLM's JSON stats when idle), so its first
-        value is a baseline (None), not an increase."""
+        value is a baseline (None), not an increase.
+
+        The first sample of a series is its baseline (increases 0), unless its ``epoch``
+        began while the caller watched (``started_while_watched``): then each counter read
+        counts from zero, as after a restart (one unknown still leaves the next its baseline).
+        """
         prev = self._last.get(series)
         restarted = prev is not None and epoch is not None and prev.epoch not in (None, epoch)
         # a restart counts every counter from zero, read or not: nothing is left unread
         unread = set() if prev is None or restarted else set(prev.unread)
         out: dict[str, float | None] = {}
-        interval_s = 0.0 if prev is None else (ts_ms - prev.ts_ms) / 1000
+        began_ms = None if prev is not None or epoch is None else self._watched.get(epoch)
+        if prev is not None:
+            interval_s = (ts_ms - prev.ts_ms) / 1000
+        else:  # since the epoch began, where it began while watched (the caller's clock)
+            interval_s = 0.0 if began_ms is None else (ts_ms - began_ms) / 1000
         max_increase = MAX_INCREASE_PER_S * max(interval_s, 1.0)
         for name, value in values.items():
             before = None if prev is None else prev.values.get(name)
@@ -107,7 +130,7 @@ class CounterTracker:
                     unread.add(name)
                 continue
             if prev is None:
-                out[name] = 0.0
+                out[name] = 0.0 if began_ms is None else value  # counted from zero if watched
             elif name in unread:
                 out[name] = None  # its first known value: the baseline
             elif before is None and not restarted and missing_means_unread:
@@ -116,7 +139,8 @@ class CounterTracker:
                 out[name] = value
             else:
                 out[name] = value - before
-            if (inc := out[name]) is not None and prev is not None and inc > max_increase:
+            counted = prev is not None or began_ms is not None
+            if (inc := out[name]) is not None and counted and inc > max_increase:
                 out[name] = None  # impossible: not counted now, nor later (the new baseline)
             unread.discard(name)
         kept = {} if prev is None or restarted else dict(prev.values)
