@@ -409,6 +409,25 @@ def _pair(change: Change) -> tuple[str, str]:
     return change.dcs
 
 
+def _refuse_shared_agents(conn: Connection, changes: list[Change]) -> None:
+    """One agent as two nodes, refused on the inventory as the changes would leave it (before
+    any is made; checked per change, two nodes swapping URLs would share one in between)."""
+    urls = inv.agent_urls(conn)
+    for c in changes:
+        if c.kind != "node":
+            continue
+        if c.action == "remove":
+            urls.pop(c.name, None)
+        elif c.action == "add":
+            urls[c.name] = c.fields["agent_url"]
+        elif "agent_url" in c.fields:
+            urls[c.name] = c.fields["agent_url"][1]  # (old, new)
+    try:
+        inv.refuse_shared_agents(urls, [c.name for c in changes if c.kind == "node"])
+    except inv.InventoryError as exc:
+        raise FleetFileError(str(exc)) from None
+
+
 def _apply(conn: Connection, changes: list[Change]) -> None:
     """Make the changes in an order the constraints allow: DCs before the nodes and links that
     name them; nodes and links out before the DCs that held them."""
@@ -423,9 +442,11 @@ def _apply(conn: Connection, changes: list[Change]) -> None:
     for c in pick("node", "remove"):
         inv.remove_node(conn, c.name)
     for c in pick("node", "add"):
-        inv.add_node(conn, c.name, **c.fields)
+        inv.add_node(conn, c.name, check_agent=False, **c.fields)
     for c in pick("node", "update"):
-        inv.update_node(conn, c.name, **{k: new for k, (_old, new) in c.fields.items()})
+        fields = {k: new for k, (_old, new) in c.fields.items()}
+        inv.update_node(conn, c.name, check_agent=False, **fields)
+
     for c in pick("link", "remove"):
         inv.remove_link(conn, *_pair(c))
     for c in pick("link", "add"):
@@ -447,6 +468,7 @@ def import_fleet(
     if problems := validate(doc, known_dcs=known):
         raise FleetFileError(problems)
     changes = _plan(conn, doc, prune)
+    _refuse_shared_agents(conn, changes)
     if not dry_run:
         _apply(conn, changes)
     return ImportPlan(tuple(changes), prune, applied=not dry_run)

@@ -339,6 +339,56 @@ def add_dc(
     )
 
 
+#: hosts that name this machine's loopback, as one: the same agent by either name
+_LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1"})
+
+
+def agent_key(url: str) -> tuple[str, str, int | None, str]:
+    """What makes two agent URLs one agent: scheme, host (case, ``localhost`` as 127.0.0.1),
+    port (the scheme's default spelled out or not) and path (a trailing slash or not)."""
+    parts = urlsplit(url.strip())
+    scheme = parts.scheme.lower()
+    host = (parts.hostname or "").lower()
+    host = "127.0.0.1" if host in _LOOPBACK_NAMES else host
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(scheme)
+    except ValueError:
+        port = None
+    return scheme, host, port, parts.path.rstrip("/")
+
+
+def shared_agents(urls: dict[str, str], names: Iterable[str] | None = None) -> list[list[str]]:
+    """Groups of the nodes in ``urls`` (name -> agent URL) whose URLs name one agent (status
+    and the dashboard would count it once per node), each holding one of ``names`` (None:
+    any)."""
+    by_agent: dict[tuple[str, str, int | None, str], list[str]] = {}
+    for node in sorted(urls):
+        by_agent.setdefault(agent_key(urls[node]), []).append(node)
+    wanted = None if names is None else set(names)
+    return [
+        group
+        for group in by_agent.values()
+        if len(group) > 1 and (wanted is None or wanted & set(group))
+    ]
+
+
+def agent_urls(conn: Connection) -> dict[str, str]:
+    """Every node's agent URL, by node name."""
+    return {name: url for name, url in conn.execute(select(Node.name, Node.agent_url))}
+
+
+def refuse_shared_agents(urls: dict[str, str], names: Iterable[str] | None = None) -> None:
+    """Raise InventoryError where one agent would be two nodes (``shared_agents``): checked
+    on the inventory as it would be, before anything is written."""
+    if groups := shared_agents(urls, names):
+        said = "; ".join(f"{', '.join(map(repr, g))}" for g in groups)
+        raise InventoryError(
+            f"one agent URL for several nodes ({said}): an agent is one node, and status and "
+            "the dashboard would count it once per node; give each node its own agent's URL "
+            "(`kvctl fleet ls` shows them)"
+        )
+
+
 def add_node(
     conn: Connection,
     name: str,
@@ -347,10 +397,18 @@ def add_node(
     agent_url: str,
     gpu_model: str = "",
     engine_url: str | None = None,
+    check_agent: bool = True,
 ) -> int:
+    """``check_agent``: refuse an agent URL another node has (``refuse_shared_agents``); a
+    caller making several changes checks once they are all made (an import swapping two
+    nodes' URLs passes through a moment where they share one)."""
     fields = {"agent_url": agent_url, "gpu_model": gpu_model, "engine_url": engine_url}
     _check(name_problem(name, "node"), *_node_field_problems(fields))
     dc_key = dc_id(conn, dc, adding=True)
+    if check_agent:
+        urls = agent_urls(conn)
+        if name not in urls:  # (a name taken is refused as such below)
+            refuse_shared_agents({**urls, name: agent_url}, [name])
     return _insert(
         conn,
         Node,
@@ -389,14 +447,17 @@ def update_dc(conn: Connection, name: str, **fields: Any) -> None:
         conn.execute(update(DataCenter).where(DataCenter.id == key).values(**fields))
 
 
-def update_node(conn: Connection, name: str, **fields: Any) -> None:
-    """Change some of a node's ``NODE_FIELDS``; ``dc`` (a DC name) moves it to another DC."""
+def update_node(conn: Connection, name: str, *, check_agent: bool = True, **fields: Any) -> None:
+    """Change some of a node's ``NODE_FIELDS``; ``dc`` (a DC name) moves it to another DC.
+    ``check_agent`` as for :func:`add_node`."""
     if unknown := sorted(set(fields) - set(NODE_FIELDS)):
         raise InventoryError(
             f"cannot update {', '.join(unknown)} of a node (fields: {NODE_FIELDS})"
         )
     _check(*_node_field_problems(fields))
     node = node_by_name(conn, name)
+    if check_agent and "agent_url" in fields:
+        refuse_shared_agents({**agent_urls(conn), name: fields["agent_url"]}, [name])
     values = dict(fields)
     if "dc" in values:
         values["dc_id"] = dc_id(conn, values.pop("dc"), adding=True)

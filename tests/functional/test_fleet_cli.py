@@ -519,3 +519,51 @@ def test_collect_for_a_dc_the_fleet_lacks_is_one_line_exit_2(
     assert out.exit_code == 2, out.output
     said = flat(out.output)
     assert "no DC named 'nosuch' (known: fra)" in said and "did not expect" not in said
+
+
+@pytest.mark.parametrize(
+    "same",
+    [
+        "http://10.0.0.1:7070",
+        "http://10.0.0.1:7070/",
+        "HTTP://10.0.0.1:7070",
+        "http://10.0.0.1:7070/."[:-1],
+    ],
+)
+def test_a_second_node_for_one_agent_is_refused(url: str, same: str) -> None:
+    """Before: taken silently, and status counted the agent once per node (fleet totals
+    twice). localhost is 127.0.0.1, and a default port is the same spelled out or not."""
+    build(url)  # n1 at http://10.0.0.1:7070
+    said = flat(fleet(url, "add-node", "dup", "--dc", "fra", "--agent-url", same, code=2).output)
+    assert "one agent URL for several nodes ('dup', 'n1')" in said, said
+    assert "dup" not in {n["name"] for n in inventory(url)["nodes"]}
+    fleet(url, "add-node", "lo", "--dc", "fra", "--agent-url", "http://localhost:7070")
+    said = flat(
+        fleet(
+            url, "add-node", "lo2", "--dc", "fra", "--agent-url", "http://127.0.0.1:7070", code=2
+        ).output
+    )
+    assert "('lo', 'lo2')" in said, said
+    fleet(url, "add-node", "web", "--dc", "fra", "--agent-url", "http://10.9.9.9")
+    fleet(url, "add-node", "web2", "--dc", "fra", "--agent-url", "http://10.9.9.9:80", code=2)
+
+
+def test_an_import_may_swap_two_nodes_agents_but_not_share_one(url: str, tmp_path: Path) -> None:
+    build(url)  # n1 at 10.0.0.1, n2 at 10.0.0.2
+    swapped = tmp_path / "swapped.yml"
+    swapped.write_text(
+        "dcs: [{name: fra}, {name: ams}]\nnodes:\n"
+        "  - {name: n1, dc: fra, agent_url: 'http://10.0.0.2:7070'}\n"
+        "  - {name: n2, dc: ams, agent_url: 'http://10.0.0.1:7070'}\n"
+    )
+    fleet(url, "import", str(swapped))
+    urls = {n["name"]: n["agent_url"] for n in inventory(url)["nodes"]}
+    assert urls == {"n1": "http://10.0.0.2:7070", "n2": "http://10.0.0.1:7070"}
+    shared = tmp_path / "shared.yml"
+    shared.write_text(
+        "dcs: [{name: fra}]\nnodes:\n  - {name: n3, dc: fra, agent_url: 'http://10.0.0.1:7070/'}\n"
+    )
+    said = flat(fleet(url, "import", str(shared), code=2).output)
+    assert "one agent URL for several nodes ('n2', 'n3')" in said, said
+    assert "nothing was imported" in said, said
+    assert "n3" not in {n["name"] for n in inventory(url)["nodes"]}  # nothing of it written
