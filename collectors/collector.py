@@ -79,6 +79,11 @@ T = TypeVar("T")
 
 #: rows kept for retry while the database refuses writes (about a day of a 100-node fleet)
 MAX_PENDING_ROWS = 1_000_000
+#: times a batch refused by another collector's save is counted again from its state before
+#: it is dropped (a third save in between would take a collector saving every few ms)
+MAX_REBASES = 3
+#: tables whose rows hold no counters: kept from refused cycles whatever the counters' state
+COUNTERLESS_TABLES = frozenset({"node_sample", "link_sample"})
 #: what a probe's RTT may be (the agent's ``rtt_basis``); anything else is recorded "unknown"
 RTT_BASES = ("measured", "emulated")
 #: whether this SDK's probe names its target (the agent then reports the link's emulated delay)
@@ -574,9 +579,20 @@ class Collector:
                 scrapes.append(
                     Scrape(by_id[node_id], False, deadline_s, error=f"no answer in {deadline_s}s")
                 )
-        rows = self._rows(scrapes, ts_ms, report)
-        self._router_rows(router_scrapes, ts_ms, report, rows)
-        self._write(rows, report)
+        ttft_before = dict(self._ttft_prev)
+
+        def build(into: CycleReport) -> dict[str, list[dict[str, Any]]]:
+            rows = self._rows(scrapes, ts_ms, into)
+            self._router_rows(router_scrapes, ts_ms, into, rows)
+            return rows
+
+        def rebuild() -> dict[str, list[dict[str, Any]]]:
+            # the same scrapes counted again from the tracker as rebased; the report already
+            # says what they were, so a scratch one takes it again
+            self._ttft_prev = dict(ttft_before)
+            return build(CycleReport(ts_ms))
+
+        self._write(build(report), report, rebuild=rebuild)
         # after the write: a cycle not written says why first (the loop's line shows the first
         # warning), then what was rejected
         for s in scrapes:
@@ -721,53 +737,106 @@ class Collector:
             self._tracker.load(conn, ())
         self._tracker_loaded = True
 
-    def _write(self, rows: dict[str, list[dict[str, Any]]], report: CycleReport) -> None:
-        for table, batch in rows.items():
-            # text answered by agents and routers (errors, names): PostgreSQL refused a NUL in
-            # any of it with the whole batch, at every retry
-            for row in batch:
-                for column, value in row.items():
-                    if isinstance(value, str):
-                        row[column] = shown(value)
-            self._pending[table] += batch
+    def _write(
+        self,
+        rows: dict[str, list[dict[str, Any]]],
+        report: CycleReport,
+        *,
+        rebuild: Callable[[], dict[str, list[dict[str, Any]]]] | None = None,
+    ) -> None:
+        """Write this cycle's ``rows`` with any kept from cycles the database refused.
+        ``rebuild`` counts the cycle's rows again from the tracker (after ``_rebase``); a batch
+        without it (link samples) has no counters to count again."""
+        batch = _shown(rows)
         # held: a Ctrl-C lands before the batch or once it is in and counted, never inside its
         # commit (where the batch is in or not, unsaid, and SQLite's write lock may stay held)
         with interrupts_held():
-            self._write_pending(report)
+            for tries in range(MAX_REBASES + 1):
+                try:
+                    self._write_pending(report, batch)
+                    return
+                except CountersMoved as exc:
+                    if tries == MAX_REBASES or not self._rebase(exc, report):
+                        self._counted_elsewhere(exc, report, batch)
+                        return
+                if rebuild is not None:
+                    batch = _shown(rebuild())
 
-    def _write_pending(self, report: CycleReport) -> None:
+    def _write_pending(self, report: CycleReport, batch: dict[str, list[dict[str, Any]]]) -> None:
+        """Write ``batch`` and the rows kept; a refusal keeps them all for the next cycle (but
+        ``CountersMoved``, raised: the caller counts the batch again, or drops it)."""
+        names = dict.fromkeys([*self._pending, *batch])  # in order: kept ones first
+        tables = {t: [*self._pending.get(t, ()), *batch.get(t, ())] for t in names}
         try:
             with self.engine.begin() as conn:
                 self._tracker.save(conn)  # first: it refuses a batch counted from stale state
                 # rows past raw retention are pruned at the next upkeep: reopen no rollup
                 keep_from_ms = report.ts_ms - self.config.retention.raw_ms
-                for table, batch in self._pending.items():
-                    insert_rows(conn, raw_table(table), batch)
+                for table, rows in tables.items():
+                    insert_rows(conn, raw_table(table), rows)
                     # rows stamped below a rollup's watermark (kept through an outage, a
                     # clock stepped back) count in no window unless that rollup is redone
                     since_ms = min(
-                        (r["ts_ms"] for r in batch if r["ts_ms"] >= keep_from_ms), default=None
+                        (r["ts_ms"] for r in rows if r["ts_ms"] >= keep_from_ms), default=None
                     )
                     if since_ms is not None:
                         reopen(conn, table, since_ms, report.ts_ms)
-        except CountersMoved as exc:
-            self._counted_elsewhere(exc, report)
-            return
+        except CountersMoved:
+            raise
         except SQLAlchemyError as exc:
+            for table, rows in batch.items():
+                self._pending[table] += rows
             what = f"database refused the batch, keeping {self._count()} rows for retry"
             self._db_failed(report, what, exc)
             self._trim_pending()
             return
-        for table, batch in self._pending.items():
-            report.rows[table] = len(batch)
-            self.metrics.rows.labels(table).inc(len(batch))
-            self.rows_written += len(batch)
+        for table, rows in tables.items():
+            report.rows[table] = len(rows)
+            self.metrics.rows.labels(table).inc(len(rows))
+            self.rows_written += len(rows)
         self._pending.clear()
 
-    def _counted_elsewhere(self, exc: CountersMoved, report: CycleReport) -> None:
-        """Another collector saved counters this one was about to: two collectors scrape the
-        same nodes. The batch goes, and the state is read again, so each increase is counted
-        once, from whichever saved last (never twice, as it was)."""
+    def _rebase(self, exc: CountersMoved, report: CycleReport) -> bool:
+        """Another collector saved counters this one was about to (a `collect --once` beside
+        the loop, or two loops on the same nodes): read the saved state again, so the cycle's
+        increases are counted from it and written, each once. Rows kept from cycles the
+        database refused that hold counters go (their increases are counted again, from the
+        saved state, in this cycle's rows); their node and link samples are kept. False where
+        the state cannot be read (the caller then drops the batch)."""
+        try:
+            with self.engine.connect() as conn:
+                self._tracker.rebase(conn, exc.series)
+        except SQLAlchemyError as exc_db:
+            log.error("cannot read the counters' saved state again: %s", exc_db)
+            return False
+        self._tracker_loaded = True
+        dropped = 0
+        for table in list(self._pending):
+            if table not in COUNTERLESS_TABLES:
+                dropped += len(self._pending.pop(table))
+        kept = (
+            f"; {dropped} rows kept from refused cycles dropped, counted again" if dropped else ""
+        )
+        report.warnings.append(
+            f"another collector saved {len(exc.series)} counter series this one counts (e.g. "
+            f"{exc.series[0]}): this cycle's increases are counted from its state{kept}"
+        )
+        log.warning(
+            "another collector saved %d counter series this one counts (e.g. %s): this "
+            "cycle's increases are counted from its state%s; a `collect --once` beside the "
+            "loop does this, two loops on the same nodes do it every cycle (one per DC: --dc)",
+            len(exc.series),
+            exc.series[0],
+            kept,
+        )
+        return True
+
+    def _counted_elsewhere(
+        self, exc: CountersMoved, report: CycleReport, batch: dict[str, list[dict[str, Any]]]
+    ) -> None:
+        """The batch could not be counted again from the other collector's state (it kept
+        saving, or the state could not be read): it goes, and the state is read again at the
+        next cycle, so each increase is counted once, from whichever saved last."""
         self.metrics.db_errors.inc()
         report.written = False
         report.warnings.append(
@@ -779,10 +848,10 @@ class Collector:
             "batch of %d rows dropped; run one collector per DC (--dc)",
             len(exc.series),
             exc.series[0],
-            self._count(),
+            self._count() + sum(len(b) for b in batch.values()),
         )
         self._pending.clear()
-        self._tracker = CounterTracker()
+        self._tracker.forget()
         self._tracker_loaded = False
 
     def _count(self) -> int:
@@ -972,6 +1041,17 @@ class Collector:
         for r in self._router_clients.values():
             r.close()
         self._http.close()
+
+
+def _shown(rows: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+    """``rows`` with their text as the database can keep it: text answered by agents and
+    routers (errors, names) with a NUL made PostgreSQL refuse the whole batch, at every retry."""
+    for batch in rows.values():
+        for row in batch:
+            for column, value in row.items():
+                if isinstance(value, str):
+                    row[column] = shown(value)
+    return rows
 
 
 def rtt_basis_of(probe: Mapping[str, Any]) -> dict[str, Any]:

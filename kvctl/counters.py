@@ -13,9 +13,11 @@ the series' baseline: its all-time count is no one interval's increase.
 The last raw values live in ``counter_state`` so a restarted collector loses nothing.
 
 Saves are compare-and-set: a series whose saved state moved since this tracker read or
-wrote it (a second collector scraping the same node) refuses the save (``CountersMoved``).
-The caller drops what it computed from the stale state and reloads: the increases are then
-counted from the newer state, once, whichever collector wins.
+wrote it (a second collector scraping the same node: a `kvctl collect --once` beside the loop)
+refuses the save (``CountersMoved``). The caller drops what it computed from the stale state,
+reads the saved state again (``rebase``) and counts its samples again from it: the increases
+are counted once, from whichever collector saved first. A sample that the other collector's
+saved state is newer than counts nothing (``rebase``), and that newer state stays.
 """
 
 from __future__ import annotations
@@ -75,6 +77,9 @@ class CounterTracker:
     #: epochs (sources' start times, on their own clocks) known to have begun while the caller
     #: watched, and when on the caller's clock (ms): their first samples count from zero
     _watched: dict[float, int] = field(default_factory=dict)
+    #: series whose state another writer saved, read again (``rebase``): their next sample is
+    #: checked against that state, which may be newer than the sample
+    _rebased: set[str] = field(default_factory=set)
 
     def started_while_watched(self, epoch: float, start_ms: int) -> None:
         """The source whose start time is ``epoch`` (its own clock) started while the caller
@@ -112,6 +117,12 @@ class CounterTracker:
         counts from zero, as after a restart (one unknown still leaves the next its baseline).
         """
         prev = self._last.get(series)
+        if series in self._rebased:
+            self._rebased.discard(series)
+            if prev is not None and _older(prev, values, epoch, ts_ms):
+                # another writer read the source after this sample was taken, and counted up
+                # to its reading: nothing here is new, and its newer state stays
+                return {k: None if v is None else 0.0 for k, v in values.items()}
         restarted = prev is not None and epoch is not None and prev.epoch not in (None, epoch)
         # a restart counts every counter from zero, read or not: nothing is left unread
         unread = set() if prev is None or restarted else set(prev.unread)
@@ -184,6 +195,26 @@ class CounterTracker:
             n += 1
         return n
 
+    def forget(self) -> None:
+        """Drop every series' state (unsaved changes included), keeping the epochs watched:
+        the next ``load`` reads the saved state afresh."""
+        self._last.clear()
+        self._dirty.clear()
+        self._saved_ts_ms.clear()
+        self._written_ts_ms.clear()
+        self._rebased.clear()
+
+    def rebase(self, conn: Connection, moved: Iterable[str]) -> None:
+        """After ``CountersMoved``: every series' state as saved (what this tracker computed
+        since its last save is dropped, to be computed again from it), ``moved`` being those
+        another writer saved. The next sample of each of those is checked against that state:
+        one the other writer's reading is newer than (fewer counts under the same epoch; an
+        earlier or equal stamp where the epochs do not tell) counts nothing and leaves the
+        state as saved, never read as a restart that counts it all again."""
+        self.forget()
+        self.load(conn, ())
+        self._rebased = set(moved)
+
     def save(self, conn: Connection) -> int:
         """Upsert the state of series changed since the last save; returns rows written."""
         if not self._dirty:
@@ -225,6 +256,20 @@ class CounterTracker:
             q = select(CounterState.series, CounterState.ts_ms).where(CounterState.series.in_(part))
             found += [(s, ts) for s, ts in conn.execute(q.with_for_update())]
         return found
+
+
+def _older(
+    prev: _Last, values: Mapping[str, float | None], epoch: float | None, ts_ms: int
+) -> bool:
+    """Whether a sample (``values`` under ``epoch`` at ``ts_ms``) was read before ``prev``,
+    another writer's state: under the same epoch, some counter below the state's (counters
+    only grow within an epoch, whatever the two collectors' clocks say); else by the stamps."""
+    if epoch is not None and epoch == prev.epoch:
+        return any(
+            v is not None and (before := prev.values.get(k)) is not None and v < before
+            for k, v in values.items()
+        )
+    return ts_ms <= prev.ts_ms
 
 
 def _state_json(last: _Last) -> str:

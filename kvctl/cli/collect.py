@@ -86,8 +86,10 @@ def collect_command(
     that refuses the token as up with no figures (shown "token refused": KVCTL_TOKEN is not its
     token), as is one still opening its tiers (shown "starting": it serves once they are open);
     the loop goes on. Several collectors (say one per DC with --dc) can write to one
-    PostgreSQL. --once exits 1 when some figures were not recorded: a node down, refusing the
-    token or starting, a router down, or the database refusing the samples or their upkeep.
+    PostgreSQL; a --once run beside the loop is fine too (each increase is counted once, by
+    whichever saves first, and the other counts on from it). --once exits 1 when some figures
+    were not recorded: a node down, refusing the token or starting, a router down, or the
+    database refusing the samples or their upkeep.
 
     With --emulate-power GPU, a node without NVML gets an emulated GPU energy instead: the
     modeled prefill seconds of the tokens its cache did not serve (its lookup and hit token
