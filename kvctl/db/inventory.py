@@ -222,11 +222,17 @@ def _known(names: Iterable[str], limit: int = 20) -> str:
 
 def _insert(conn: Connection, model: Any, duplicate: str, **values: Any) -> int:
     """Insert one inventory row and return its id; a unique-key clash becomes ``duplicate``."""
+    insert = model.__table__.insert().values(**values).returning(model.id)
     try:
-        with conn.begin_nested():
-            return conn.execute(
-                model.__table__.insert().values(**values).returning(model.id)
-            ).scalar_one()
+        if conn.dialect.name != "sqlite":
+            # PostgreSQL aborts the whole transaction on a failed statement: a savepoint
+            # keeps it usable for the refusal's audit row
+            with conn.begin_nested():
+                return int(conn.execute(insert).scalar_one())
+        # SQLite fails the statement alone; and its driver issues no BEGIN before a
+        # SAVEPOINT, so the savepoint's release committed the row whatever the caller's
+        # transaction did next (a refused change, a failed audit write kept it)
+        return int(conn.execute(insert).scalar_one())
     except IntegrityError:
         raise InventoryError(duplicate) from None
 

@@ -567,3 +567,26 @@ def test_an_import_may_swap_two_nodes_agents_but_not_share_one(url: str, tmp_pat
     assert "one agent URL for several nodes ('n2', 'n3')" in said, said
     assert "nothing was imported" in said, said
     assert "n3" not in {n["name"] for n in inventory(url)["nodes"]}  # nothing of it written
+
+
+def test_an_inventory_change_rolled_back_leaves_nothing(db: Engine) -> None:
+    """A transaction adding a DC, a node and a link that then fails leaves none of them, as a
+    refused change or a failed audit write must. Before, on SQLite, each row's savepoint
+    committed it on its own (the driver issues no BEGIN before a SAVEPOINT)."""
+    from sqlalchemy import func, select
+
+    from kvctl.db.inventory import add_dc, add_link, add_node
+    from kvctl.db.models import DataCenter, Link, Node
+
+    with pytest.raises(RuntimeError), db.begin() as conn:
+        add_dc(conn, "fra")
+        add_dc(conn, "ams")
+        add_node(conn, "n1", dc="fra", agent_url="http://10.0.0.1:7070")
+        add_link(conn, "fra", "ams", distance_km=360)
+        raise RuntimeError("the audit write failed")
+    with db.connect() as conn:
+        counts = [
+            conn.execute(select(func.count()).select_from(t)).scalar_one()
+            for t in (DataCenter, Node, Link)
+        ]
+    assert counts == [0, 0, 0]
