@@ -208,6 +208,8 @@ def create_app(
     app.server.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     if basic_auth is not None:
         _require_basic_auth(app, *basic_auth)
+    else:
+        _require_local_host(app)
     app.layout = _layout(app, config)
     _register(app, config)
     return app
@@ -229,6 +231,29 @@ def _require_basic_auth(app: dash.Dash, user: str, password: str) -> None:
             "authentication required\n",
             401,
             {"WWW-Authenticate": 'Basic realm="kvctl dashboard", charset="UTF-8"'},
+        )
+
+
+def _require_local_host(app: dash.Dash) -> None:
+    """Without a password (served on loopback only), requests must name this host: a page in
+    a browser on the same host whose domain was pointed at 127.0.0.1 (DNS rebinding) sends
+    that domain as the Host, and would otherwise read the fleet's names and figures, as the
+    agent and the router refuse it too (``kvctl.http_guards.local_host``)."""
+    from flask import Response, request
+
+    from kvctl.http_guards import local_host
+
+    @app.server.before_request
+    def _check() -> Response | None:
+        host = request.host
+        if local_host(host, request.environ.get("SERVER_NAME")):
+            return None
+        shown = host[:100]
+        return Response(
+            f"the dashboard serves requests addressed to this host only (Host: {shown!r}); to "
+            "serve it under another name, give it --auth-user\n",
+            403,
+            {"Content-Type": "text/plain; charset=utf-8"},
         )
 
 

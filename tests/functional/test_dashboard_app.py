@@ -193,6 +193,36 @@ def _count(db: Engine, table: str) -> int:
         return int(conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one())
 
 
+@pytest.mark.parametrize(
+    ("host", "served"),
+    [
+        ("127.0.0.1:8050", True),
+        ("localhost:8050", True),
+        ("[::1]:8050", True),
+        ("evil.example", False),
+        ("127.0.0.1.nip.io:8050", False),
+    ],
+)
+def test_without_a_password_only_requests_naming_this_host_are_served(
+    db: Engine, host: str, served: bool
+) -> None:
+    """DNS rebinding: a page whose domain points at 127.0.0.1 sends its own name as the Host.
+    Before, it got the fleet's pages (200) from a dashboard served without a password."""
+    app = create_app(url_of(db), now_ms=lambda: NOW)
+    client = app.server.test_client()
+    for path in ("/", "/_dash-layout"):
+        got = client.get(path, headers={"Host": host})
+        assert (got.status_code == 200) == served, (path, got.status_code)
+        if not served:
+            assert got.status_code == 403 and b"--auth-user" in got.data
+    # with a password, any name: it is what a page cannot send
+    guarded = create_app(url_of(db), basic_auth=("ops", "s3cret"), now_ms=lambda: NOW)
+    good = {"Authorization": "Basic " + base64.b64encode(b"ops:s3cret").decode()}
+    assert guarded.server.test_client().get("/", headers={"Host": host, **good}).status_code == 200
+    for made in (app, guarded):
+        made.server.extensions["kvctl"].engine.dispose()
+
+
 def test_url_prefix_and_basic_auth(db: Engine) -> None:
     fill_history(db)
     app = create_app(
