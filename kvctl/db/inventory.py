@@ -121,6 +121,8 @@ def text_problem(value: Any, what: str, limit: int) -> str | None:
         return f"{what} must be text, got {type(value).__name__}"
     if len(value) > limit:
         return f"{what} is longer than {limit} characters"
+    if not value.isprintable():  # an escape sequence would be played by every terminal listing it
+        return f"{what} must not hold control characters, got {value[:40]!r}"
     return None
 
 

@@ -157,6 +157,21 @@ def test_values_out_of_range() -> None:
     ]
 
 
+def test_text_fields_with_control_characters_are_problems() -> None:
+    """An escape sequence in a location or a GPU model was stored and then played by every
+    terminal `kvctl fleet ls` printed it to (before: no problem found)."""
+    doc = _with(
+        dcs__0={"location": "\x1b[31mRED\x1b[0m", "region": "eu\ncentral"},
+        nodes__0={"gpu_model": "H100\r"},
+    )
+    assert validate(doc) == [
+        "dcs[0].region: region must not hold control characters, got 'eu\\ncentral'",
+        "dcs[0].location: location must not hold control characters, got '\\x1b[31mRED\\x1b[0m'",
+        "nodes[0].gpu_model: GPU model must not hold control characters, got 'H100\\r'",
+    ]
+    assert validate(_with(dcs__0={"location": "Zürich, Frankfurt am Main"})) == []
+
+
 def test_duplicates_and_self_links() -> None:
     doc = _with(
         dcs=[*GOOD["dcs"], {"name": "fra"}],
