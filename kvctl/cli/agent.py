@@ -530,7 +530,7 @@ def _full_data_dir_hint(data_dir: Path) -> str:
 @bundled
 def stop_command(
     home: AgentHome,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean exit.")] = 30.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for a clean exit.", min=0)] = 30.0,
     force: Annotated[
         bool, typer.Option("--force", help="SIGKILL if it has not exited by then.")
     ] = False,

@@ -127,7 +127,9 @@ def bench_store_command(
 def bench_agent_command(
     sweep: Sweep,
     repeats: SamplesOpt = 3,
-    lookup_seconds: Annotated[float, typer.Option(help="Seconds spent timing lookups.")] = 2.0,
+    lookup_seconds: Annotated[
+        float, typer.Option(help="Seconds spent timing lookups.", min=0.01)
+    ] = 2.0,
     json_out: JsonOpt = False,
 ) -> None:
     """Start an agent, drive it from this process through the SDK, and measure shared-memory

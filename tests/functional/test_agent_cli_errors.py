@@ -257,3 +257,15 @@ def test_the_index_token_comes_from_a_file_never_the_command_line(tmp_path: Path
         assert not (tmp_path / "a" / "agent.json").exists()
     out = _run(tmp_path, "agent", "start", "--index-token", "s3cret")
     assert out.exit_code == 2 and "No such option" in out.output, out.output
+
+
+@pytest.mark.parametrize("args", [["agent", "stop", "--timeout", "-1"]])
+def test_a_negative_wait_is_refused_before_anything_is_signalled(
+    tmp_path: Path, args: list[str]
+) -> None:
+    """Before: taken; the stop sent SIGTERM, said at once 'still running -1 s after SIGTERM'
+    and exited 1, though the agent then stopped cleanly."""
+    out = runner.invoke(app, [*args, "--data-dir", str(tmp_path)])
+    assert out.exit_code == 2, out.output
+    said = " ".join(out.output.replace("│", " ").split())
+    assert "--timeout" in said and "greater than or equal to 0" in said, said
