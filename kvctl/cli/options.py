@@ -46,7 +46,7 @@ def db_errors(hint: str = DB_HINT, *, url: str | None = None) -> Iterator[None]:
     line names the database (its password masked)."""
     from sqlalchemy.exc import SQLAlchemyError
 
-    from kvctl.db.engine import DatabaseError, display_url
+    from kvctl.db.engine import DatabaseError, display_url, driver_message
 
     try:
         yield
@@ -54,7 +54,7 @@ def db_errors(hint: str = DB_HINT, *, url: str | None = None) -> Iterator[None]:
         fail(str(exc), hint=hint)
     except SQLAlchemyError as exc:
         what = f"cannot use {display_url(url)}" if url else "database error"
-        fail(f"{what}: {str(getattr(exc, 'orig', None) or exc).strip()}", hint=hint)
+        fail(f"{what}: {driver_message(exc)}", hint=hint)
 
 
 def open_engine(db: str | None, *, create: bool = False) -> Any:

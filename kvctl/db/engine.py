@@ -61,6 +61,12 @@ def resolve_url(url: str | None = None) -> str:
     return parsed.render_as_string(hide_password=False)
 
 
+def driver_message(exc: BaseException) -> str:
+    """What the database driver said of ``exc`` (SQLAlchemy's wrapped ``orig``, else ``exc``)
+    on one line: libpq's "connection refused" comes with a second, indented line."""
+    return " ".join(str(getattr(exc, "orig", None) or exc).split())
+
+
 def display_url(url: str) -> str:
     """The URL with its password masked, for logs and `kvctl db current`: the userinfo's, and
     those libpq takes in the query (``password=``, ``sslpassword=``)."""

@@ -92,7 +92,13 @@ def open_db(
     """
     from sqlalchemy.exc import OperationalError, SQLAlchemyError
 
-    from kvctl.db.engine import DatabaseError, create_db_engine, display_url, resolve_url
+    from kvctl.db.engine import (
+        DatabaseError,
+        create_db_engine,
+        display_url,
+        driver_message,
+        resolve_url,
+    )
 
     engine = create_db_engine(resolve_url(url), create=create)
     try:
@@ -100,7 +106,7 @@ def open_db(
     except OperationalError as exc:
         engine.dispose()
         raise DatabaseError(
-            f"cannot connect to {display_url(str(engine.url))}: {str(exc.orig).strip()}"
+            f"cannot connect to {display_url(str(engine.url))}: {driver_message(exc)}"
         ) from None
     head = head_revision()
     if current == head:

@@ -13,7 +13,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from kvctl.agent.settings import tier_size_problem
 from kvctl.client import AgentClient, NotAnAgent
-from kvctl.db.engine import DatabaseError
+from kvctl.db.engine import DatabaseError, driver_message
 from kvctl.db.inventory import NodeInfo
 from kvctl.errors import InvalidArgument
 from kvctl.fleet.audit import record
@@ -271,7 +271,7 @@ def run_action(
         raise ActionInterrupted(unrecorded()) from exc
     except SQLAlchemyError as exc:
         names = unrecorded()
-        reason = str(getattr(exc, "orig", None) or exc).strip()
+        reason = driver_message(exc)
         raise DatabaseError(
             f"the audit trail cannot be written ({reason}): {len(names)} node(s) were asked "
             f"to {request.action} all the same and are not recorded: {', '.join(names)}; the "

@@ -590,3 +590,16 @@ def test_an_inventory_change_rolled_back_leaves_nothing(db: Engine) -> None:
             for t in (DataCenter, Node, Link)
         ]
     assert counts == [0, 0, 0]
+
+
+def test_a_postgresql_that_refuses_the_connection_is_said_on_one_line() -> None:
+    """libpq's "connection refused" comes with an indented second line ("Is the server
+    running on that host..."), which the error printed as it was: two lines."""
+    from tests.functional.agents import closed_port
+
+    db = f"postgresql://kvctl@127.0.0.1:{closed_port()}/kvctl"
+    out = runner.invoke(app, ["status", "--db", db])
+    assert out.exit_code == 2, out.output
+    lines = out.stderr.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
+    assert "Connection refused Is the server running" in lines[0], lines
