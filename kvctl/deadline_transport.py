@@ -15,11 +15,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
+import ssl
 import threading
+import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+import httpcore
 import httpx
 
 #: the call the current thread runs under ``running``, for the transport it goes through
@@ -145,3 +148,199 @@ class AbandonableTransport(httpx.BaseTransport):
             via, self._via = list(self._via.values()), {}
         for t in via:
             t.close()
+
+
+class AnswerTooLarge(httpx.TransportError):
+    """An answer longer than its transport's ``max_answer_bytes`` (read no further)."""
+
+
+class AnswerTooSlow(httpx.TimeoutException):
+    """An answer not whole by its transport's ``deadline_s`` from the request's start."""
+
+
+#: when the request the current thread makes through a ``BoundedTransport`` must be done
+_bounded = threading.local()
+
+
+def _remaining_s(timeout: float | None, make: type[Exception]) -> float | None:
+    """``timeout`` (httpcore's, for one socket operation) cut to what is left of the current
+    request's deadline; ``make`` raised when nothing is left."""
+    deadline: _Deadline | None = getattr(_bounded, "deadline", None)
+    if deadline is None:
+        return timeout
+    left: float = deadline.at_s - time.monotonic()
+    if left <= 0:
+        raise make(f"no whole answer within {deadline.seconds:g} s")
+    return left if timeout is None else min(timeout, left)
+
+
+class _Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at_s = time.monotonic() + seconds
+
+
+class _BoundedStream(httpcore.NetworkStream):
+    """A connection whose every read and write waits no longer than its request has left."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        try:
+            return self._inner.read(max_bytes, _remaining_s(timeout, httpcore.ReadTimeout))
+        except httpcore.ReadTimeout:
+            _remaining_s(None, httpcore.ReadTimeout)  # says so when it was the deadline
+            raise
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        try:
+            self._inner.write(buffer, _remaining_s(timeout, httpcore.WriteTimeout))
+        except httpcore.WriteTimeout:
+            _remaining_s(None, httpcore.WriteTimeout)
+            raise
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        left = _remaining_s(timeout, httpcore.ConnectTimeout)
+        return _BoundedStream(self._inner.start_tls(ssl_context, server_hostname, left))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _BoundedBackend(httpcore.NetworkBackend):
+    def __init__(self, inner: httpcore.NetworkBackend) -> None:
+        self._inner = inner
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        left = _remaining_s(timeout, httpcore.ConnectTimeout)
+        return _BoundedStream(
+            self._inner.connect_tcp(host, port, left, local_address, socket_options)
+        )
+
+    def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        left = _remaining_s(timeout, httpcore.ConnectTimeout)
+        return _BoundedStream(self._inner.connect_unix_socket(path, left, socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+@contextlib.contextmanager
+def within(seconds: float) -> Iterator[None]:
+    """In the caller's thread: every request it makes through a ``BoundedTransport`` meanwhile
+    is done ``seconds`` from now at the latest (each within its own ``deadline_s`` too), so a
+    call of several requests is bounded as a whole."""
+    previous = getattr(_bounded, "deadline", None)
+    own = _Deadline(seconds)
+    _bounded.deadline = own if previous is None or own.at_s < previous.at_s else previous
+    try:
+        yield
+    finally:
+        _bounded.deadline = previous
+
+
+class BoundedTransport(httpx.HTTPTransport):
+    """httpx's transport with two bounds on each request, for a caller that must not be held
+    by the server it asks: the whole answer, headers and body, within ``deadline_s`` of the
+    request's start (``AnswerTooSlow``, a ``httpx.TimeoutException``; httpx's own timeouts
+    bound each read, so an answer trickled a byte at a time read on for as long as it
+    trickled), and at most ``max_answer_bytes`` of body (``AnswerTooLarge``; read whole here,
+    so the caller never holds more). Connections are kept alive as httpx's are: the bound is
+    on each socket operation of the request, in the caller's own thread, so no thread is
+    started and none is held past the deadline (by more than the socket's own timeout).
+
+    The answer is asked for unencoded (``Accept-Encoding: identity``) and one compressed all
+    the same is refused: its size, once decoded, is not the size read."""
+
+    def __init__(
+        self,
+        *,
+        deadline_s: float,
+        max_answer_bytes: int,
+        verify: bool = True,
+        limits: httpx.Limits | None = None,
+    ) -> None:
+        super().__init__(verify=verify, limits=limits or httpx.Limits())
+        pool = self._pool
+        backend = getattr(pool, "_network_backend", None)
+        if not isinstance(backend, httpcore.NetworkBackend):  # an httpcore this was not made for
+            raise TypeError("httpcore's connection pool has no network backend to bound")
+        pool._network_backend = _BoundedBackend(backend)
+        self.deadline_s = float(deadline_s)
+        self.max_answer_bytes = int(max_answer_bytes)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        request.headers["Accept-Encoding"] = "identity"
+        previous = getattr(_bounded, "deadline", None)
+        own = _Deadline(self.deadline_s)
+        _bounded.deadline = own if previous is None or own.at_s < previous.at_s else previous
+        try:
+            try:
+                response = super().handle_request(request)
+            except httpx.TimeoutException as exc:
+                if "no whole answer within" in str(exc):
+                    raise AnswerTooSlow(str(exc), request=request) from exc
+                raise
+            try:
+                body = self._read(response, request)
+            finally:
+                response.close()
+        finally:
+            _bounded.deadline = previous
+        return httpx.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=httpx.ByteStream(body),
+            extensions=response.extensions,
+            request=request,
+        )
+
+    def _read(self, response: httpx.Response, request: httpx.Request) -> bytes:
+        cap = self.max_answer_bytes
+        encoding = response.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise AnswerTooLarge(
+                f"answer encoded {encoding!r} though asked unencoded: not read", request=request
+            )
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            raise AnswerTooLarge(
+                f"answer of {int(declared):,} bytes, over the {cap:,} taken", request=request
+            )
+        parts: list[bytes] = []
+        size = 0
+        try:
+            assert isinstance(response.stream, httpx.SyncByteStream)
+            for part in response.stream:
+                size += len(part)
+                if size > cap:
+                    raise AnswerTooLarge(
+                        f"answer longer than the {cap:,} bytes taken", request=request
+                    )
+                parts.append(part)
+        except httpx.TimeoutException as exc:
+            if "no whole answer within" in str(exc):
+                raise AnswerTooSlow(str(exc), request=request) from exc
+            raise
+        return b"".join(parts)

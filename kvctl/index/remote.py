@@ -14,8 +14,15 @@ from kvctl.errors import KvctlError
 from kvctl.index.events import ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
 
-#: an agent asks on a lookup's path: a slow router must cost it little
+#: an agent asks on a lookup's path: a slow router must cost it little. One read waits this
+#: long at most, and a whole call (every request of it: headers and body, each of its
+#: ``MAX_KEYS`` parts) ``DEFAULT_DEADLINE_S``: a router trickling its answer a byte at a time,
+#: each within the read timeout, must not hold a lookup for as long as it trickles
 DEFAULT_TIMEOUT_S = 0.25
+DEFAULT_DEADLINE_S = 0.5
+#: the longest answer read (a holders answer of MAX_KEYS keys, each held by a few nodes and
+#: tiers, is well under 1 MiB); a longer one is the index's failure, not read on
+MAX_ANSWER_BYTES = 32 << 20
 #: keys per request (the router's limit too)
 MAX_KEYS = 4096
 
@@ -30,10 +37,16 @@ class IndexClient:
     kind = "remote"
 
     def __init__(
-        self, url: str, *, token: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        deadline_s: float = DEFAULT_DEADLINE_S,
     ) -> None:
         import httpx  # only an agent configured with an index needs it
 
+        from kvctl.deadline_transport import BoundedTransport
         from kvctl.redact import redact_url
 
         self.url = url.rstrip("/")
@@ -41,8 +54,17 @@ class IndexClient:
         self._shown = redact_url(self.url)
         self._token_problem = token_problem(token, "the index token")
         self._httpx = httpx
+        self.deadline_s = float(deadline_s)
+        transport = BoundedTransport(
+            deadline_s=self.deadline_s,
+            max_answer_bytes=MAX_ANSWER_BYTES,
+            verify=self.url.startswith("https://"),
+        )
         self._http = httpx.Client(
-            base_url=self.url, headers=bearer_headers(token), timeout=timeout_s
+            base_url=self.url,
+            headers=bearer_headers(token),
+            timeout=timeout_s,
+            transport=transport,
         )
 
     def _json(self, method: str, path: str, **kw: Any) -> Any:
@@ -61,6 +83,14 @@ class IndexClient:
             raise IndexUnavailable(f"index at {self._shown} sent no JSON") from exc
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
+        """Each key's holders; all of them within ``deadline_s`` (``IndexUnavailable`` past
+        it, as for any failure)."""
+        from kvctl.deadline_transport import within
+
+        with within(self.deadline_s):
+            return self._holders(keys, tenant=tenant)
+
+    def _holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
         out: list[list[Holding]] = []
         for start in range(0, len(keys), MAX_KEYS):
             part = keys[start : start + MAX_KEYS]

@@ -103,6 +103,9 @@ _MONITOR_TICK_S = 0.25
 #: longer from its call's start is late for its source's breaker (``Breaker.late``), and so is a
 #: ping slower than this
 PROBE_DEADLINE_S = 0.5
+#: the key the link monitor asks a failed index's holders of, to tell whether lookups may
+#: use it again (a key of zeros: no chunk's, so the answer is short)
+_INDEX_PROBE_KEY = bytes(16)
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
 
@@ -1063,15 +1066,24 @@ class RemoteTiers:
             )
 
     def probe_index(self) -> bool | None:
-        """The link monitor's probe of an index whose backoff ran out (one ``nodes()`` call):
-        True when it answered, False when it failed, None when no probe was due."""
+        """The link monitor's probe of an index whose backoff ran out: True when it answered,
+        False when it failed, None when no probe was due. The probe is the call lookups make
+        (``holders``, of one key no chunk has), so an index that answers other calls but not
+        that one (a router trickling its holder answers) stays out."""
         index = self.index
         if index is None or self.index_breaker.state != "half_open":
             return None
         ticket = self.index_breaker.admit()
         if ticket is None:
             return None
-        if self._call_index(ticket, "probe", index.nodes) is None:
+
+        def probe() -> list[list[Holding]]:
+            rows = index.holders([_INDEX_PROBE_KEY], tenant="")
+            if len(rows) != 1:
+                raise ValueError(f"the index answered {len(rows)} rows for 1 key")
+            return rows
+
+        if self._call_index(ticket, "probe", probe) is None:
             return False  # still down: the breaker backs off further
         log.info("fleet index %s answered its probe: using it again", _index_address(index))
         return True

@@ -11,6 +11,7 @@ does), or a real ``IndexClient`` at a port nothing listens on."""
 from __future__ import annotations
 
 import hashlib
+import http.server
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,8 @@ from kvctl.store.errors import KeyNotFound, TierUnavailable
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import Buffer, ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier
+from tests.hostile_servers import Hostile, handler_class, send_json, trickle
+from tests.not_an_agent import serving
 
 CHUNK_BYTES = 256
 CHUNK_TOKENS = 16
@@ -420,3 +423,39 @@ def test_the_index_settings_are_read_and_checked(tmp_path: Path) -> None:
         "source": "env:KVCTL_INDEX_URL",
     }
     assert rows["index_token"]["value"] == "***"
+
+
+def test_an_index_trickling_its_holders_is_a_failure_and_its_probe_keeps_it_out() -> None:
+    """A router answering ``/v1/index`` at once but trickling ``/v1/index/holders`` (a byte every
+    50 ms for 4 s, then a valid answer): the lookup's holders call fails at its deadline (a
+    failure for the breaker, the lookup probing every peer), and once the backoff runs out the
+    link monitor's probe, the same holders call, fails too, so lookups keep leaving it alone.
+    Before, the lookup took the answer after 4 s, and a probe of ``/v1/index`` let it back."""
+    hostile = Hostile()
+
+    def answer(handler: http.server.BaseHTTPRequestHandler, path: str) -> bool:
+        if path == "/v1/index":
+            return send_json(handler, b'{"nodes": {"b": 0}}')
+        return trickle(handler, b'{"holders": [[]]}')
+
+    clock = FakeClock()
+    with serving(handler_class(hostile, answer)) as url:
+        fleet = Fleet(IndexClient(url), breaker=Breaker(clock=clock))
+        fleet.a._monitoring = True
+        try:
+            keys = [key("trickle", 0)]
+            put_chain(fleet.peers["c"].store, keys, tenant="t1")
+            assert fleet.a.lookup(keys, tenant="t1").matched_chunks == 1
+            assert fleet.probes() == {"b": 1, "c": 1, "d": 1}
+            idx = fleet.index()
+            assert (idx["errors"], idx["fallbacks"], idx["queries"]) == (1, 1, 0)
+            assert "no whole answer within" in idx["last_error"]
+            assert idx["up"] is False
+            clock.now_s += idx["breaker"]["backoff_s"]
+            assert fleet.a.probe_index() is False
+            idx = fleet.index()
+            assert idx["up"] is False and idx["errors"] == 2
+            assert "probe: " in idx["last_error"] and "no whole answer" in idx["last_error"]
+        finally:
+            fleet.close()
+    assert hostile.requests.get("/v1/index/holders") == 2

@@ -3,13 +3,15 @@ config says so and never echoes it), so no failure the client raises may show it
 
 from __future__ import annotations
 
+import http.server
 from collections.abc import Callable
 
 import pytest
 
 from kvctl.index.remote import IndexClient, IndexUnavailable
 from tests.functional.agents import closed_port
-from tests.not_an_agent import answering_url, web_page_url
+from tests.hostile_servers import Hostile, handler_class, send_json, trickle
+from tests.not_an_agent import answering_url, serving, web_page_url
 
 SECRET = "s3cret-pw"
 
@@ -35,3 +37,53 @@ def test_no_failure_shows_the_index_urls_password(call: Callable[[IndexClient], 
                 client.close()
             assert SECRET not in str(caught.value)
             assert "127.0.0.1" in str(caught.value)  # still says which index
+
+
+@pytest.mark.parametrize("where", ["body", "headers"])
+def test_a_trickled_answer_fails_at_the_deadline_not_when_it_ends(where: str) -> None:
+    """A router trickling its holders answer a byte every 50 ms (each within the 0.25 s read
+    timeout) for 4 s, then whole and valid: the call fails at its deadline, not when the answer
+    is done (before, it read on and took the answer after 4 s)."""
+    hostile = Hostile()
+    body = b'{"holders": [[]]}'
+
+    def answer(handler: http.server.BaseHTTPRequestHandler, path: str) -> bool:
+        return trickle(handler, body, headers_too=where == "headers")
+
+    with serving(handler_class(hostile, answer)) as url:
+        client = IndexClient(url)
+        try:
+            with pytest.raises(IndexUnavailable, match=r"no whole answer within 0\.5 s"):
+                client.holders([bytes(16)], tenant="t")
+        finally:
+            client.close()
+    assert hostile.requests == {"/v1/index/holders": 1}
+
+
+@pytest.mark.parametrize("length", ["declared", "undeclared"])
+def test_an_answer_too_long_is_not_read(length: str) -> None:
+    """A 40 MiB answer (a valid holders answer padded) is refused, its length declared or not
+    (before, it was read whole and taken)."""
+    body = b'{"holders": [[]], "pad": "' + b"x" * (40 << 20) + b'"}'
+
+    def answer(handler: http.server.BaseHTTPRequestHandler, path: str) -> bool:
+        if length == "declared":
+            return send_json(handler, body)
+        handler.close_connection = True
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        try:
+            handler.wfile.write(body)
+        except OSError:
+            return False
+        return True
+
+    with serving(handler_class(Hostile(), answer)) as url:
+        client = IndexClient(url)
+        try:
+            with pytest.raises(IndexUnavailable, match="taken"):
+                client.holders([bytes(16)], tenant="t")
+        finally:
+            client.close()
