@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvctl.client import AgentClient, DataClient
+from kvctl.client import AgentClient, AgentError, DataClient
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
 from kvctl.store.index import LookupResult
@@ -540,21 +540,24 @@ def _run(
                 report.max_lag_seconds = max(report.max_lag_seconds, -ahead)
         keys = chainer.keys(request)
         dc = home[request.tenant]
-        if chooser is None:
-            target = _route(by_dc[dc], rr[dc], keys, request.tenant, routing)
-            _serve(request, keys, target, live, chunk_bytes, chunk_tokens, peer_fetch, links,
-                   report)  # fmt: skip
-        else:
-            name = None
-            if keys:
-                name = chooser.choose(
-                    keys, tenant=request.tenant, home_dc=dc, prompt_tokens=request.input_tokens,
-                    nodes=node_dc,
-                )  # fmt: skip
-            else:  # shorter than a chunk: nothing to route by, its home DC's turn
-                chooser.tally.no_chunks += 1
-            target = by_name[name] if name else next(rr[dc])
-            _serve_routed(request, keys, target, chunk_bytes, chunk_tokens, report)
+        try:
+            if chooser is None:
+                target = _route(by_dc[dc], rr[dc], keys, request.tenant, routing)
+                _serve(request, keys, target, live, chunk_bytes, chunk_tokens, peer_fetch, links,
+                       report)  # fmt: skip
+            else:
+                name = None
+                if keys:
+                    name = chooser.choose(
+                        keys, tenant=request.tenant, home_dc=dc,
+                        prompt_tokens=request.input_tokens, nodes=node_dc,
+                    )  # fmt: skip
+                else:  # shorter than a chunk: nothing to route by, its home DC's turn
+                    chooser.tally.no_chunks += 1
+                target = by_name[name] if name else next(rr[dc])
+                _serve_routed(request, keys, target, chunk_bytes, chunk_tokens, report)
+        except AgentError as exc:
+            raise ReplayError(_lost_agent(exc, live, i, len(requests))) from exc
         if progress is not None:
             progress(i + 1, len(requests))
     report.wall_seconds = time.monotonic() - started
@@ -574,6 +577,17 @@ def _run(
             f: (v, after.get(f, 0) - start.get(f, 0)) for f, v in expected.items()
         }
     return report
+
+
+def _lost_agent(exc: AgentError, live: Sequence[_Node], done: int, total: int) -> str:
+    """An agent's failure mid-replay, naming the node: the one whose data-plane connection
+    closed under it (the SDK's error does not say which agent it was talking to)."""
+    lost = [n.node.name for n in live if n.data.closed]
+    who = f"node {', '.join(lost)}" if lost else "an agent"
+    return (
+        f"{who} failed at request {done + 1} of {total} ({done} served before it): {exc}; no "
+        "summary: a replay cut short by a failure cannot be checked against the agents' counts"
+    )
 
 
 def _prefix_len(tiers: Sequence[str | None]) -> int:

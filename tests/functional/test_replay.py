@@ -208,6 +208,30 @@ def test_a_corrupt_chunk_is_caught(two_dcs: tuple[Agent, Agent, Agent]) -> None:
         replay(requests[:1], _nodes((a,)), INPUTS, kv_scale=SCALE, salt=99)
 
 
+def test_an_agent_killed_mid_replay_is_named(tmp_path: Path) -> None:
+    """Before: "lost the connection to the agent: [Errno 32] Broken pipe", naming no node."""
+    from kvctl.workload.replay import ReplayError
+
+    requests = [
+        r.__class__(**{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "tenant": "t"})
+        for r in generate("chat", 2, requests=20)
+    ]
+    with (
+        running_agent(tmp_path / "a", "--name", "stays", "--cpu", "8MiB") as a,
+        running_agent(tmp_path / "b", "--name", "killed", "--cpu", "8MiB") as b,
+    ):
+
+        def progress(done: int, _total: int) -> None:
+            if done == 4:  # round-robin, a then b: request 6 is the killed node's
+                b.kill9()
+
+        with pytest.raises(ReplayError) as caught:
+            replay(requests, _nodes((a, b)), INPUTS, kv_scale=SCALE, routing="round-robin",
+                   peer_fetch=False, progress=progress)  # fmt: skip
+    said = str(caught.value)
+    assert said.startswith("node killed failed at request 6 of 20 (5 served before it): "), said
+
+
 # --- the command --------------------------------------------------------------------------
 @pytest.fixture
 def inventory(db: Engine, empty_db_url: str, two_dcs: tuple[Agent, Agent, Agent]) -> str:
