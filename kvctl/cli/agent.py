@@ -1292,8 +1292,9 @@ def config_command(
 
     loaded = home.load()
     rows = describe(loaded)
+    running = _running_beside(loaded.settings)
     if json_out:
-        print_json({"config_file": loaded.config_file, "settings": rows})
+        print_json({"config_file": loaded.config_file, "settings": rows, "running": running})
         return
     from rich.table import Table
 
@@ -1305,6 +1306,46 @@ def config_command(
     console.print(
         f"[dim]config file: {loaded.config_file or 'none'}[/]", highlight=False, soft_wrap=True
     )
+    if running is not None:
+        where = (
+            f"an agent runs from {running['data_dir']} (pid {running['pid']}): name "
+            f"{running['name']}, control API {running['control_url']}, data plane "
+            f"{running['data_tcp'] or 'off'}"
+        )
+        if running["differs"]:
+            console.print(
+                f"[yellow]{escape(where)}; it started with other settings than these, which "
+                f"differ in: {', '.join(running['differs'])}[/]",
+                highlight=False,
+                soft_wrap=True,
+            )
+        else:
+            console.print(f"[dim]{escape(where)}[/]", highlight=False, soft_wrap=True)
+
+
+def _running_beside(settings: AgentSettings) -> dict[str, Any] | None:
+    """The agent running from ``settings``' data dir, as its agent.json records it, and which
+    of these settings it was not started with (what ``agent status`` would then show differs
+    from what this command prints); None when none runs there."""
+    from kvctl.agent.daemon import running_agent
+
+    state = running_agent(settings.data_path)
+    if state is None:
+        return None
+    ours = {"name": settings.name, "dc": settings.dc}
+    theirs = {"name": state.name, "dc": state.dc}
+    if settings.control_host_port[1]:  # (port 0: any free one, whichever it got)
+        ours["listen"], theirs["listen"] = settings.control_url, state.control_url
+    return {
+        "data_dir": str(settings.data_path),
+        "pid": state.pid,
+        "name": state.name,
+        "dc": state.dc,
+        "control_url": state.control_url,
+        "data_tcp": state.data_tcp,
+        "data_unix": state.data_unix,
+        "differs": [k for k in ours if ours[k] != theirs[k]],
+    }
 
 
 @agent_app.command("install")

@@ -269,3 +269,23 @@ def test_a_negative_wait_is_refused_before_anything_is_signalled(
     assert out.exit_code == 2, out.output
     said = " ".join(out.output.replace("│", " ").split())
     assert "--timeout" in said and "greater than or equal to 0" in said, said
+
+
+def test_config_of_a_data_dir_an_agent_runs_from_says_where_it_differs(
+    tmp_path: Path, token_agent: Agent
+) -> None:
+    """Before: the defaults alone (listen 127.0.0.1:7070), though the agent there listens
+    elsewhere, and agent status's hint sends the operator to this command for its address."""
+    data_dir = str(token_agent.data_dir)
+    doc = json.loads(_run(tmp_path, "agent", "config", "--data-dir", data_dir, "--json").stdout)
+    running = doc["running"]
+    assert running["pid"] == token_agent.state.pid
+    assert running["control_url"] == token_agent.state.control_url
+    assert "listen" in running["differs"]
+    said = _flat(_run(tmp_path, "agent", "config", "--data-dir", data_dir).stdout)
+    assert f"an agent runs from {data_dir} (pid {token_agent.state.pid})" in said, said
+    assert f"control API {token_agent.state.control_url}" in said and "differ in: " in said
+    elsewhere = json.loads(
+        _run(tmp_path, "agent", "config", "--data-dir", str(tmp_path / "none"), "--json").stdout
+    )
+    assert elsewhere["running"] is None
