@@ -63,6 +63,15 @@ MAX_BATCHES_PER_POLL = 64
 #: one request's timeout, at most; shorter when ``drop_after_s`` is short, so that an agent that
 #: hangs is noticed within the time it is given
 MAX_REQUEST_TIMEOUT_S = 2.0
+#: a whole answer (headers and body) is read within this many request timeouts of its start,
+#: and never less than ``MIN_REQUEST_DEADLINE_S``: an agent trickling its answer a byte at a
+#: time, each within the timeout, must not hold its poll (and a pool thread) for as long as it
+#: trickles. The agent builds an answer before sending it, so a real one is quick once begun
+REQUEST_DEADLINE_TIMEOUTS = 3
+MIN_REQUEST_DEADLINE_S = 2.0
+#: the longest answer the follower reads (a listing page of ``LISTING_PAGE`` chunks is ~3 MiB,
+#: an events page of 1000 events well under 1 MiB); a longer one is the agent's failure
+MAX_ANSWER_BYTES = 16 << 20
 #: polls running at once in ``Followers`` (threads are made only as needed)
 MAX_POLL_THREADS = 16
 #: entries of a node the index check audits per second, by default: about 2 ms a second of a
@@ -138,7 +147,14 @@ class Follower:
         self.drop_after_s = float(drop_after_s)
         self.page_limit = page_limit
         self._clock = clock
-        self._client = AgentClient(self.url, token=token, timeout_s=timeout_s)
+        from kvctl.deadline_transport import BoundedTransport
+
+        transport = BoundedTransport(
+            deadline_s=max(MIN_REQUEST_DEADLINE_S, REQUEST_DEADLINE_TIMEOUTS * timeout_s),
+            max_answer_bytes=MAX_ANSWER_BYTES,
+            verify=self.url.startswith("https://"),
+        )
+        self._client = AgentClient(self.url, token=token, timeout_s=timeout_s, transport=transport)
         self._token = token  # to tell whether an add() names the same agent; never shown
         self._shown_url = _safe(self.url)  # what status and logs show: never credentials
         self._lock = threading.Lock()  # one poll at a time
@@ -314,6 +330,7 @@ class Follower:
                     chunks.append(from_listing(item))
                 except (InvalidArgument, TypeError, AttributeError):
                     self.malformed += 1
+            self._last_ok_s = self._clock()  # a page listed is an answer: still up
             nxt = page.get("next")
             if not nxt or not items:
                 break
@@ -409,15 +426,20 @@ class Follower:
             )
 
     # --- state ---------------------------------------------------------------------------
+    def _silent_s(self) -> float:
+        return self._clock() - (self._since_s if self._last_ok_s is None else self._last_ok_s)
+
     @property
     def up(self) -> bool:
-        """The agent answered the last poll (or has not been silent for ``drop_after_s``)."""
-        return self._up is True
+        """The agent answered, and last less than ``drop_after_s`` ago: a poll still in flight
+        (an agent trickling its answer) keeps no agent up past that."""
+        return self._up is True and self._silent_s() < self.drop_after_s
 
     @property
     def down(self) -> bool:
-        """Marked down: silent for ``drop_after_s`` (not merely never heard from yet)."""
-        return self._up is False
+        """Marked down, or silent for ``drop_after_s`` whatever polls are in flight (an agent
+        never heard from is down once it has been followed that long)."""
+        return self._up is False or self._silent_s() >= self.drop_after_s
 
     def status(self, *, entries: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The follower's state; ``last_ok_s`` is how many seconds ago the agent last answered

@@ -26,6 +26,7 @@ from kvctl.router.score import Costs
 from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from tests.functional.agents import closed_port
+from tests.hostile_servers import Hostile, handler_class, send_json, trickle
 from tests.not_an_agent import serving, web_page_url
 
 K1, K2, K3 = (bytes([i]) * 16 for i in (1, 2, 3))
@@ -423,3 +424,55 @@ def test_an_agent_that_goes_down_while_a_failed_replace_waits_is_marked_down_in_
     assert follower.status()["up"] is False
     assert index.sent_s == [100.0, 101.0, 103.0, 107.0]  # still no replace sent meanwhile
     follower.close()
+
+
+def _wait_for(cond: Any, what: str, within_s: float = 30.0) -> None:
+    stop = time.monotonic() + within_s
+    while not cond():
+        assert time.monotonic() < stop, f"not within {within_s} s: {what}"
+        time.sleep(0.02)
+
+
+def test_an_agent_trickling_its_answer_is_down_after_drop_after_s_and_its_poll_gives_up() -> None:
+    """An agent that answered, then trickles its events answer a byte every 50 ms (each well
+    within the read timeout) for 8 s before a valid answer: once it has been silent for
+    drop_after_s on the follower's clock it is down while its poll is still in flight, and the
+    poll gives up at its deadline (a failure, the node marked down and its entries dropped).
+    Before, the follower called it up for as long as the poll ran, and the poll took the answer
+    after 8 s as if nothing had happened."""
+    hostile = Hostile()
+    trickling = threading.Event()
+
+    def answer(handler: http.server.BaseHTTPRequestHandler, path: str) -> bool:
+        if path == "/v1/keys":
+            body = {"items": [_stored(K1)], "next": None}
+            return send_json(handler, json.dumps(body).encode())
+        events = {"events": [], "last_seq": 0, "dropped": 0, "instance": "i1"}
+        if trickling.is_set():
+            return trickle(handler, json.dumps(events).encode(), seconds=8.0)
+        return send_json(handler, json.dumps(events).encode())
+
+    now = [100.0]
+    index = EmbeddedIndex()
+    with serving(handler_class(hostile, answer)) as url:
+        follower = Follower(index, "a", url, drop_after_s=3.0, timeout_s=0.5, clock=lambda: now[0])
+        follower.poll_once()
+        assert follower.up and index.nodes() == {"a": 1}
+        trickling.set()
+        polls: list[int] = []
+        poll = threading.Thread(target=lambda: polls.append(follower.poll_once()))
+        asked = hostile.requests.get("/v1/events/recent", 0)
+        poll.start()
+        try:
+            _wait_for(lambda: hostile.requests.get("/v1/events/recent", 0) > asked, "polled")
+            now[0] += 3.5
+            assert poll.is_alive()  # its answer is still coming
+            assert not follower.up and follower.down
+            assert follower.status()["up"] is False
+        finally:
+            poll.join(60)
+        assert polls == [0]
+        status = follower.status()
+        assert status["errors"] == 1 and "no whole answer within 2 s" in status["last_error"]
+        assert index.nodes() == {}  # marked down by the failed poll: its entries dropped
+        follower.close()
