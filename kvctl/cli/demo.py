@@ -362,7 +362,12 @@ def sizing_text(sizing: TierSizing, kv_scale: float) -> str:
     """What the tiers were sized to, and why."""
     from kvctl.format import format_bytes
 
-    capped = f"; capped by memory: {', '.join(sizing.capped)}" if sizing.capped else ""
+    capped = (
+        f" ({' and '.join(sizing.capped)} held to the demo's cap, below the working set: some "
+        "reuse is evicted before it comes back)"
+        if sizing.capped
+        else ""
+    )
     return (
         f"tiers sized to the workload: its first {sizing.requests:,} of "
         f"{sizing.requests_total:,} requests (what --duration x --speed can reach) hold "
@@ -437,7 +442,9 @@ def _print_sharing(result: dict[str, Any] | None) -> None:
         f"(requests in their home DC, each node alone)"
         + ("" if gain is None else f", {gain * 100:+.1f} pts")
         + f"; an unlimited cache: {percent(sharing['unlimited_cache_hit_ratio'])} (the "
-        f"workload's own reuse; all per {sharing.get('block_tokens', '?')}-token block)",
+        f"workload's own reuse; all per {sharing.get('block_tokens', '?')}-token block, so a "
+        "ceiling of these, not of the replay's hit ratio above, counted per chunk: a smaller "
+        "chunk reuses part of a block)",
         highlight=False,
     )
 
