@@ -242,6 +242,8 @@ def prompt_or_keys(
     with user_errors(hint="see --help"):
         keys = keys_from(key, keys_file)
         ids = prompt_tokens(text, tokens, tokenizer)
+    if not keys and ids is None and keys_file is not None and not key:
+        fail(f"--keys-file {keys_file} names no key (blank lines and # comments only)", hint=hint)
     if bool(keys) == (ids is not None):
         fail("give a prompt (--text TEXT or --tokens FILE) or its keys (--key, --keys-file)",
              hint=hint)  # fmt: skip

@@ -483,6 +483,8 @@ def test_a_node_that_is_not_an_agent_is_that_nodes_failure(
         (["evict", "--keys-file"], b"\xfe\xff", "cannot read --keys-file {path}: not UTF-8"),
         # an agent answers a negative id with a 422, and the action was a node's failure
         (["pin", "--tokens"], b"1 2 -5", "token #3 is -5: token ids are 0..4294967295"),
+        # before: "give a prompt ... or its keys", though a keys file was given
+        (["evict", "--keys-file"], b"# none yet\n\n", "--keys-file {path} names no key"),
     ],
 )
 def test_unreadable_files_and_bad_token_ids_are_refused_before_any_agent_is_asked(
