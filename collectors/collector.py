@@ -161,6 +161,9 @@ class Scrape:
     #: (``Collector._uptime``): whether it started after the collector did, and how long ago
     epoch_checked: bool = False
     started_after_s: float | None = None
+    #: figures found impossible once counted (an interval's hits past its lookups,
+    #: ``collectors.rows.hits_beyond_lookups``): each build of the cycle's rows finds them anew
+    counted: Rejections = field(default_factory=Rejections)
 
     @property
     def answered(self) -> bool:
@@ -328,6 +331,8 @@ class Collector:
         #: (``started_s``) checked against it: an agent started since counts from zero
         self._started_mono = time.monotonic()
         self._epoch_checked: dict[int, float] = {}
+        #: per node, the start time its last read scrape said, and whether it was new then
+        self._last_epoch: dict[int, tuple[float, bool]] = {}
         self._http = httpx.Client(
             timeout=self.config.request_timeout_s, transport=AbandonableTransport()
         )
@@ -580,6 +585,7 @@ class Collector:
                     Scrape(by_id[node_id], False, deadline_s, error=f"no answer in {deadline_s}s")
                 )
         ttft_before = dict(self._ttft_prev)
+        self._note_restarts(scrapes)
 
         def build(into: CycleReport) -> dict[str, list[dict[str, Any]]]:
             rows = self._rows(scrapes, ts_ms, into)
@@ -597,7 +603,8 @@ class Collector:
         # warning), then what was rejected
         for s in scrapes:
             if s.up and s.stats is not None:
-                self._rejected(report, s.node.name, "agent", s.rejected)
+                rejected = Rejections({**s.rejected.fields, **s.counted.fields})
+                self._rejected(report, s.node.name, "agent", rejected)
         report.seconds = time.perf_counter() - t0
         self.metrics.cycle_seconds.observe(report.seconds)
         self.metrics.nodes.labels("up").set(len(report.up))
@@ -640,7 +647,8 @@ class Collector:
                 continue
             report.up.append(node.name)
             self._watch_epoch(s, ts_ms)
-            rows["cache_sample"] += cache_rows(self._tracker, node.id, ts_ms, s.stats)
+            s.counted = Rejections()
+            rows["cache_sample"] += cache_rows(self._tracker, node.id, ts_ms, s.stats, s.counted)
             rows["plan_sample"] += plan_rows(self._tracker, node.id, ts_ms, s.stats)
             if s.gpus is not None:
                 rows["power_sample"] += power_rows(self._tracker, node.id, ts_ms, s.gpus)
@@ -674,6 +682,37 @@ class Collector:
                     self._warned_nodes.add(node.id)
                     log.warning("%s: %s", node.name, warning)
         return rows
+
+    def _note_restarts(self, scrapes: list[Scrape]) -> None:
+        """Once a cycle, before its rows are built: a node whose agent says it started anew
+        at this scrape and had at its previous one too is restarting at every scrape. Its
+        restart is not counted (``CounterTracker.restart_not_counted``: its counters' values
+        are the new baseline) and ``started_s`` is named as rejected.
+
+        Why: a restart's counters are counted from zero, whole, and the only bound on them
+        was ``MAX_INCREASE_PER_S`` over the interval (2**40 a second, far beyond any node, so
+        that no real burst is dropped): an agent saying a new ``started_s`` at every scrape had
+        its whole counters (1e12 tokens) counted again each time. A bound on a restart's
+        counts by the agent's uptime would take the agent's word for its uptime too. One
+        restart is counted as ever (the first of a loop as well: it is told from a real one by
+        the next); a second at the very next scrape is counted only from the scrape after,
+        so a real agent restarted twice within one interval loses that interval's counts
+        (seconds of work), and says why."""
+        for s in scrapes:
+            if not s.up or s.stats is None:
+                continue
+            epoch = s.stats.get("started_s")
+            if epoch is None:  # unread this once: not a new start
+                continue
+            last = self._last_epoch.get(s.node.id)
+            new = last is not None and last[0] != epoch
+            if new and last is not None and last[1]:
+                s.rejected.add(
+                    "started_s",
+                    "a new start time again, as at the previous scrape: its restart not counted",
+                )
+                self._tracker.restart_not_counted(float(epoch))
+            self._last_epoch[s.node.id] = (epoch, new)
 
     def _watch_epoch(self, s: Scrape, ts_ms: int) -> None:
         """Note a node's agent start time checked at this scrape: one started after this

@@ -25,8 +25,57 @@ def _int(v: float | None) -> int | None:
     return None if v is None else round(v)
 
 
+#: counts that are parts of the node's lookups, per node and per tier (a tier's hits are part
+#: of the node's: a lookup asks every tier), each with the node counter it is part of; tracker
+#: names (``kvctl.wire.stats.cache_counters``)
+HIT_PARTS = (
+    ("hits", "lookups"),
+    ("reuse_hits", "lookups"),
+    ("sharing_hits", "lookups"),
+    ("hit_tokens", "lookup_tokens"),
+)
+#: the counters a hit ratio (chunks or tokens) is read from: counted together or not at all
+HIT_COUNTERS = ("lookups", "lookup_tokens", "hits", "hit_tokens", "reuse_hits", "sharing_hits")
+#: the agent's names of the node's counters, where the tracker's differ
+_NODE_FIELD = {"lookups": "lookup_chunks", "hits": "hit_chunks", "evictions": "drops"}
+
+
+def _field(tier: str, counter: str) -> str:
+    """Where ``tier``'s (``all``: the node's) ``counter`` is in ``/v1/stats``."""
+    if tier == "all":
+        return f"stats.{_NODE_FIELD.get(counter, counter)}"
+    return f"stats.tiers.{tier}.{counter}"
+
+
+def hits_beyond_lookups(increases: Mapping[str, Mapping[str, float | None]]) -> dict[str, str]:
+    """The figures of one interval (each tier's increases, ``all`` the node's) whose hits cannot
+    be true, by field, with why: hits (chunks, of a tier, reuse or sharing hits) that rose more
+    than the node's chunk lookups, hit tokens more than its lookup tokens. An agent counts a
+    lookup's chunks and tokens with its hits, in one step under its store's lock (hits beyond
+    the node, from peers or the pool, were counted in its lookups as misses), so no interval of
+    a sound agent has more. Also the node's lookups whose increase was dropped as faster than
+    any agent counts (``kvctl.counters.MAX_INCREASE_PER_S``): the interval's hits have nothing
+    to be read over."""
+    node = increases.get("all", {})
+    out: dict[str, str] = {}
+    for tier, inc in increases.items():
+        for part, whole in HIT_PARTS:
+            rose, of = inc.get(part), node.get(whole)
+            if rose is None or not rose:
+                continue
+            if of is None:
+                out[_field("all", whole)] = "rose faster than any agent counts"
+            elif rose > of:
+                out[_field(tier, part)] = f"rose more than {_field('all', whole)}"
+    return out
+
+
 def cache_rows(
-    tracker: CounterTracker, node_id: int, ts_ms: int, stats: Mapping[str, Any]
+    tracker: CounterTracker,
+    node_id: int,
+    ts_ms: int,
+    stats: Mapping[str, Any],
+    rejected: Rejections | None = None,
 ) -> list[dict[str, Any]]:
     """``cache_sample`` rows of one scrape of ``/v1/stats`` (checked: ``kvctl.db.sample_checks``).
 
@@ -39,6 +88,13 @@ def cache_rows(
     leaves the next scrape the baseline, never the all-time counts as one interval's. A tier
     whose gauges are unknown has no row for this scrape (its bytes would read 0 in NOT NULL
     columns); an unknown tier leaves the node's ``all`` row out too.
+
+    An interval whose hits rose more than its lookups (``hits_beyond_lookups``) is impossible:
+    its hit counts (``HIT_COUNTERS``, every tier's) are not counted (0 in the rows) and the
+    counters' values are the next interval's baseline, as for an increase past the tracker's
+    bound; the fields are named in ``rejected``. Waiting instead (as for an unknown figure)
+    would read every later interval against the old values, the bad jump in each. One node's
+    1e9 hits over 1 lookup made the fleet's hit ratio read 10,000,000,100%.
     """
     usage: Mapping[str, Mapping[str, float]] = stats["usage"]
     epoch = stats.get("started_s")
@@ -57,14 +113,22 @@ def cache_rows(
         for gauges, counters in tiers.values()
         for v in (*gauges.values(), *counters.values())
     )
+    increases: dict[str, dict[str, float | None]] = {}
+    if whole:
+        for tier, (_gauges, counters) in tiers.items():
+            series = f"cache:{node_id}:{tier}"
+            increases[tier] = tracker.increase(series, counters, epoch=epoch, ts_ms=ts_ms)
+        if impossible := hits_beyond_lookups(increases):
+            for where, why in impossible.items():
+                if rejected is not None:
+                    rejected.add(where, f"{why} since the last scrape")
+            for inc in increases.values():
+                inc.update(dict.fromkeys(HIT_COUNTERS))
     rows = []
-    for tier, (gauges, counters) in tiers.items():
+    for tier, (gauges, _counters) in tiers.items():
         if any(known(v) is None for v in gauges.values()):
             continue
-        inc: Mapping[str, float | None] = {}
-        if whole:
-            series = f"cache:{node_id}:{tier}"
-            inc = tracker.increase(series, counters, epoch=epoch, ts_ms=ts_ms)
+        inc = increases.get(tier, {})
         rows.append(
             {
                 "node_id": node_id,
@@ -211,6 +275,8 @@ def emulated_power_rows(
     inc = tracker.increase(series, counters, epoch=stats.get("started_s"), ts_ms=ts_ms)
     looked, hit = inc["lookup_tokens"], inc["hit_tokens"]
     if since_ms is None or ts_ms <= since_ms or looked is None or hit is None:
+        return []
+    if hit > looked:  # impossible (``hits_beyond_lookups``): cache_rows names it
         return []
     interval_s = (ts_ms - since_ms) / 1000
     # one GPU cannot be busy longer than the interval: cap the time, and energy and power

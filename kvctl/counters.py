@@ -61,6 +61,10 @@ class CountersMoved(Exception):
         self.series = series
 
 
+#: epochs a tracker keeps of those whose restart counts nothing: one a scrape of a node that
+#: restarts at every scrape, which needs only its latest
+_MAX_NOT_COUNTED = 1024
+
 #: series asked about per statement (SQLite allows 32,766 bound parameters)
 _CHECK_BATCH = 500
 
@@ -80,6 +84,17 @@ class CounterTracker:
     #: series whose state another writer saved, read again (``rebase``): their next sample is
     #: checked against that state, which may be newer than the sample
     _rebased: set[str] = field(default_factory=set)
+    #: epochs whose restart counts nothing (``restart_not_counted``), the latest few
+    _not_counted: dict[float, None] = field(default_factory=dict)
+
+    def restart_not_counted(self, epoch: float) -> None:
+        """A restart into ``epoch`` is not believed: a series' first sample under it is a
+        baseline (its increases None, unknown), not counted from zero. For a source that says
+        it restarted at every sample (``collectors.collector`` tells which): counted from zero
+        each time, its whole counters were counted again at every sample."""
+        self._not_counted[epoch] = None
+        while len(self._not_counted) > _MAX_NOT_COUNTED:
+            del self._not_counted[next(iter(self._not_counted))]
 
     def started_while_watched(self, epoch: float, start_ms: int) -> None:
         """The source whose start time is ``epoch`` (its own clock) started while the caller
@@ -124,6 +139,13 @@ class CounterTracker:
                 # to its reading: nothing here is new, and its newer state stays
                 return {k: None if v is None else 0.0 for k, v in values.items()}
         restarted = prev is not None and epoch is not None and prev.epoch not in (None, epoch)
+        if restarted and epoch in self._not_counted:
+            # a baseline under the new epoch: the next sample counts from it
+            kept_now = {k: v for k, v in values.items() if v is not None}
+            unread_now = frozenset(k for k, v in values.items() if v is None)
+            self._last[series] = _Last(epoch, kept_now, ts_ms, unread_now)
+            self._dirty.add(series)
+            return dict.fromkeys(values)
         # a restart counts every counter from zero, read or not: nothing is left unread
         unread = set() if prev is None or restarted else set(prev.unread)
         out: dict[str, float | None] = {}

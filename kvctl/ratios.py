@@ -38,6 +38,14 @@ def ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+def fraction(part: float, whole: float) -> float | None:
+    """``part / whole`` for a part of a whole (hits of lookups, hit tokens of lookup tokens):
+    None (unknown) where the whole is zero, and where the part is larger, which cannot be
+    true (a broken or hostile agent's counts, rows recorded before the collector checked
+    them): a hit ratio is never shown above 100%, nor clamped to a 100% no one measured."""
+    return part / whole if whole and part <= whole else None
+
+
 @dataclass(slots=True)
 class HitCounts:
     """Chunk lookups and hits, the hits split by who stored the chunk: reuse (the tenant that
@@ -58,7 +66,21 @@ class HitCounts:
 
     def _ratio(self, name: str) -> float | None:
         num, den = RATIO_OF[name]
-        return ratio(getattr(self, num), getattr(self, den)) if self.known(num, den) else None
+        return fraction(getattr(self, num), getattr(self, den)) if self.known(num, den) else None
+
+    @property
+    def impossible(self) -> bool:
+        """Whether these counts cannot be true: more hits than lookups, or more reuse or
+        sharing hits than hits (each a part of the one before)."""
+        return (
+            self.hits > self.lookups or self.reuse_hits > self.hits or self.sharing_hits > self.hits
+        )
+
+    def unknown_hits(self) -> None:
+        """Make the four hit counts unknown (0, reported None): a sum over nodes leaves them
+        out, as ``add_hits`` does, and no ratio is taken over them."""
+        self.lookups = self.hits = self.reuse_hits = self.sharing_hits = 0
+        self.unknown = self.unknown | HIT_COUNT_NAMES
 
     @property
     def hit_ratio(self) -> float | None:

@@ -24,7 +24,7 @@ from kvctl.db.analytics.values import as_float, as_int, gauge_mean
 from kvctl.db.inventory import DcInfo, NodeInfo
 from kvctl.db.rollup import series, window
 from kvctl.profiles import GPUS, GPUProfile, ModeledInputs, ModelProfile
-from kvctl.ratios import HitCounts, ratio
+from kvctl.ratios import HitCounts, fraction, ratio
 
 MEASURED: Final = "measured"
 MODELED: Final = "modeled"
@@ -169,10 +169,37 @@ class Counts(HitCounts):
 
     @property
     def token_hit_ratio(self) -> float | None:
-        return ratio(self.hit_tokens, self.lookup_tokens)
+        return fraction(self.hit_tokens, self.lookup_tokens) if self.known("lookups") else None
 
     def tier_hit_ratio(self, tier: str) -> float | None:
-        return ratio(self.tier_hits.get(tier, 0), self.lookups)
+        return (
+            fraction(self.tier_hits.get(tier, 0), self.lookups) if self.known("lookups") else None
+        )
+
+    @property
+    def impossible_hits(self) -> bool:
+        """Whether the hit counts cannot be true (``HitCounts.impossible``; or more hit tokens
+        than lookup tokens, more hits in a tier than the node's lookups): rows recorded from an
+        agent whose hits rose past its lookups, before the collector refused such intervals."""
+        tiers = (self.tier_hits, self.tier_reuse_hits, self.tier_sharing_hits)
+        return (
+            self.impossible
+            or self.hit_tokens > self.lookup_tokens
+            or any(v > self.lookups for t in tiers for v in t.values())
+            or any(v > self.lookup_tokens for v in self.tier_hit_tokens.values())
+        )
+
+    def unknown_hits(self) -> None:
+        """All hit counts unknown (``HitCounts.unknown_hits``), the tokens' and tiers' too."""
+        HitCounts.unknown_hits(self)
+        self.lookup_tokens = self.hit_tokens = 0
+        for per_tier in (
+            self.tier_hits,
+            self.tier_hit_tokens,
+            self.tier_reuse_hits,
+            self.tier_sharing_hits,
+        ):
+            per_tier.clear()
 
     def occupancy_ratio(self, tier: str) -> float | None:
         """Mean used over mean capacity of the tier, over the nodes with readings."""
@@ -339,6 +366,11 @@ def measured_counts(
         if (cap := gauge_mean(m, "capacity_bytes")) is not None:
             c.capacity_bytes[tier] = cap
             c.capacity_nodes[tier] = 1
+    for c in out.values():
+        # one node's impossible hits (old rows: the collector refuses them since) are unknown,
+        # never summed into its DC's and the fleet's ratios: those are over the other nodes
+        if c.impossible_hits:
+            c.unknown_hits()
     energy: dict[int, float] = defaultdict(float)
     for m in rows("power_sample", ("energy_j", "power_w")):
         c = out[m["node_id"]]

@@ -81,10 +81,15 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
     for i, m in bucketed_rows(conn, q, starts):
         out.sampled[i] = True
         if m["tier"] == "all":
-            out.lookups[i] += as_int(m["lookups"])
-            out.hits[i] += as_int(m["hits"])
-            out.reuse_hits[i] += as_int(m["reuse_hits"])
-            out.sharing_hits[i] += as_int(m["sharing_hits"])
+            looked, hits = as_int(m["lookups"]), as_int(m["hits"])
+            reuse, sharing = as_int(m["reuse_hits"]), as_int(m["sharing_hits"])
+            # a node's bucket whose hits cannot be true (rows from before the collector
+            # refused them) is left out of the bucket's hit counts: unknown, not summed
+            if not HitCounts(looked, hits, reuse, sharing).impossible:
+                out.lookups[i] += looked
+                out.hits[i] += hits
+                out.reuse_hits[i] += reuse
+                out.sharing_hits[i] += sharing
             out.evictions[i] += as_int(m["evictions"])
             continue
         for gauge, target in (

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Float, cast, func, select
+from sqlalchemy import Float, and_, case, cast, func, select
 from sqlalchemy.engine import Connection
 
 from kvctl.db.models import DataCenter, Node
@@ -59,6 +59,22 @@ def _mean(w: Any, gauge: str) -> Any:
     return cast(w.c[f"{gauge}_sum"], Float) / func.nullif(w.c[f"{gauge}_n"], 0)
 
 
+def _sound_sum(w: Any, counter: str) -> Any:
+    """The sum of a hit count over the nodes (``w``: one row per node) whose hit counts over
+    the window can be true: no more hits than lookups, hit tokens than lookup tokens, reuse or
+    sharing hits than hits. A node's that cannot (rows recorded from an agent whose hits rose
+    past its lookups, before the collector refused such intervals) are unknown, left out of
+    its DC's sums as ``HitCounts.add_hits`` leaves them out: never 1e9 hits over 1 lookup."""
+    c = w.c
+    sound = and_(
+        c.hits <= c.lookups,
+        c.hit_tokens <= c.lookup_tokens,
+        c.reuse_hits <= c.hits,
+        c.sharing_hits <= c.hits,
+    )
+    return func.sum(case((sound, c[counter]), else_=0))
+
+
 def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
     """Per-DC and fleet totals over [start, end): exact, read through rollups where possible."""
     out = FleetSummary(start_ms, end_ms)
@@ -76,11 +92,13 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
         start_ms,
         end_ms,
         {
-            "lookups": lambda w: func.sum(w.c.lookups),
-            "hits": lambda w: func.sum(w.c.hits),
-            "hit_tokens": lambda w: func.sum(w.c.hit_tokens),
-            "reuse_hits": lambda w: func.sum(w.c.reuse_hits),
-            "sharing_hits": lambda w: func.sum(w.c.sharing_hits),
+            # each node's hit counts where they can be true (``_sound``), else none of them
+            "lookups": lambda w: _sound_sum(w, "lookups"),
+            "lookup_tokens": lambda w: _sound_sum(w, "lookup_tokens"),
+            "hits": lambda w: _sound_sum(w, "hits"),
+            "hit_tokens": lambda w: _sound_sum(w, "hit_tokens"),
+            "reuse_hits": lambda w: _sound_sum(w, "reuse_hits"),
+            "sharing_hits": lambda w: _sound_sum(w, "sharing_hits"),
             # the DC's bytes = the sum over its nodes of each node's mean over the window
             "used_bytes": lambda w: func.sum(_mean(w, "used_bytes")),
             "capacity_bytes": lambda w: func.sum(_mean(w, "capacity_bytes")),
