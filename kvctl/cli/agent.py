@@ -1272,6 +1272,78 @@ def _shm_words(dataplane: dict[str, Any]) -> str:
     return f"on (4 KiB pages, shmem_enabled {mode or 'N/A'}: see `kvctl doctor`)"
 
 
+#: bytes read back from the end of agent.log to find its last lines (a line is rarely longer)
+_TAIL_WINDOW_BYTES = 4 << 20
+#: seconds between two looks at a followed log
+_FOLLOW_POLL_SECONDS = 0.25
+
+
+@agent_app.command("logs")
+@bundled
+def logs_command(
+    home: AgentHome,
+    lines: Annotated[
+        int, typer.Option("--lines", "-n", min=0, help="How many of the last lines to print.")
+    ] = 50,
+    follow: Annotated[
+        bool,
+        typer.Option(
+            "--follow", "-f", help="Keep printing what it logs, across rollovers, until Ctrl-C."
+        ),
+    ] = False,
+) -> None:
+    """Print the end of the agent's log (DATA_DIR/agent.log, written by a detached agent), and
+    with --follow what it logs next, following the file across its rollovers. An agent in the
+    foreground logs to its terminal, one under systemd to journald.
+
+    Examples:
+
+      kvctl agent logs
+
+      kvctl agent logs --data-dir /var/lib/kvctl/gpu-07 -n 200
+
+      kvctl agent logs -f | grep -i warning
+    """
+    import sys
+    import threading
+
+    from kvctl.agent.daemon import LOG_FILE
+    from kvctl.agent.logfile import LogFollower
+    from kvctl.interrupts import stop_signals
+
+    data_dir = home.load().settings.data_path
+    path = data_dir / LOG_FILE
+    try:
+        # its last lines lie in the window before the end (followed from there, so a rollover
+        # while they are read loses nothing)
+        begin = max(0, path.stat().st_size - _TAIL_WINDOW_BYTES)
+        follower = LogFollower.open(path, begin)
+    except FileNotFoundError:
+        fail(
+            f"no agent log at {path}",
+            hint="only a detached agent writes one (`kvctl agent start --detach`); one in the "
+            "foreground logs to its terminal, one under systemd to journald (`journalctl -u "
+            "kvctl-agent`); --data-dir names another agent's",
+        )
+    except OSError as exc:
+        fail(f"cannot read {path}: {exc.strerror or exc}")
+    out = sys.stdout.buffer
+    with follower:
+        head = follower.read(2 * _TAIL_WINDOW_BYTES)
+        if begin:  # (the window's first line is a part of one)
+            head = head.partition(b"\n")[2]
+        out.write(b"".join(head.splitlines(keepends=True)[-lines:] if lines else []))
+        out.flush()
+        if not follow:
+            return
+        stop = threading.Event()
+        with stop_signals(stop):  # Ctrl-C ends a follow as a stopped tail does: exit 0
+            while not stop.wait(_FOLLOW_POLL_SECONDS):
+                if data := follower.read():
+                    out.write(data)
+                    out.flush()
+
+
 @agent_app.command("config")
 @bundled
 def config_command(
