@@ -30,6 +30,12 @@ NODE_COUNTERS: Final = ("decisions", "to_holder")
 _ROUTER_CHARS: Final = cast(String, RouteSample.__table__.c.router.type).length or 255
 _NODE_CHARS: Final = cast(String, RouteSample.__table__.c.node.type).length or 128
 _DC_CHARS: Final = cast(String, RouteLinkSample.__table__.c.from_dc.type).length or 64
+#: the most nodes and DC links one router's answer may report: each is a row a scrape (and
+#: counters in its tracker series). A router routes among the fleet's nodes (the fleet's
+#: benches count 1,000) and pulls between its DCs' pairs (64 DCs: 4,032); one answering tens
+#: of thousands (broken or hostile) had the collector write as many rows every scrape
+MAX_ROUTER_NODES: Final = 4096
+MAX_ROUTER_LINKS: Final = 4096
 
 
 class RouterAnswerError(ValueError):
@@ -94,6 +100,10 @@ def parse_router_stats(stats: Any, info: Any = None) -> RouterReading:
     raw_nodes = stats.get("nodes")
     if not isinstance(raw_nodes, Mapping):
         raise RouterAnswerError(f"nodes is not an object: {raw_nodes!r}")
+    if len(raw_nodes) > MAX_ROUTER_NODES:
+        raise RouterAnswerError(
+            f"{len(raw_nodes):,} nodes, more than the {MAX_ROUTER_NODES:,} read: not read"
+        )
     nodes: dict[str, tuple[int, int]] = {}
     for name, row in raw_nodes.items():
         if not isinstance(row, Mapping):
@@ -107,6 +117,10 @@ def parse_router_stats(stats: Any, info: Any = None) -> RouterReading:
     raw_links = stats.get("links")
     if not isinstance(raw_links, list):
         raise RouterAnswerError(f"links is not a list: {raw_links!r}")
+    if len(raw_links) > MAX_ROUTER_LINKS:
+        raise RouterAnswerError(
+            f"{len(raw_links):,} links, more than the {MAX_ROUTER_LINKS:,} read: not read"
+        )
     links: dict[tuple[str, str], tuple[int, int]] = {}
     for i, row in enumerate(raw_links):
         if not isinstance(row, Mapping):

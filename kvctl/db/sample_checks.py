@@ -38,6 +38,11 @@ TIER_CHARS: Final = cast(String, CacheSample.__table__.c.tier.type).length or 16
 #: stands in for tiers whose answer could not be read, so the node's ``all`` figures (sums over
 #: every tier) are unknown for that scrape rather than short by that tier
 UNREADABLE_TIER: Final = "?"
+#: the most tiers an answer may report: an agent has at most five (gpu, cpu, disk, and the
+#: remote pool's and peers' counted tiers, ``kvctl.remote.federation``). Each tier is a
+#: ``cache_sample`` row and a ``counter_state`` row a scrape: one agent reporting 20,000 had
+#: the collector write 40,000 rows a scrape, and the dashboard's fleet page take 10 s
+MAX_TIERS: Final = 64
 #: characters no text column takes alike: NUL (PostgreSQL refuses it, SQLite keeps it) and
 #: lone surrogates (JSON's "\\ud800": neither driver encodes them)
 _UNSTORABLE: Final = re.compile("[\x00\ud800-\udfff]")
@@ -162,6 +167,10 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
     before = len(rejections)
     raw_tiers = _object(raw.get("tiers"), "stats.tiers", rejections)
     raw_usage = _object(stats.get("usage"), "usage", rejections)
+    for where, many in (("stats.tiers", raw_tiers), ("usage", raw_usage)):
+        if len(many) > MAX_TIERS:  # none read: their sums and every counter wait
+            rejections.add(where, f"{len(many):,} tiers, more than the {MAX_TIERS} read")
+            raw_tiers, raw_usage = {}, {}
     # without its tiers or their usage, the node's totals cannot be summed
     unreadable = len(rejections) > before
     for name, tier in raw_tiers.items():
