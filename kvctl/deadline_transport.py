@@ -25,6 +25,8 @@ from typing import Any
 import httpcore
 import httpx
 
+from kvctl.errors import KvctlError
+
 #: the call the current thread runs under ``running``, for the transport it goes through
 _running = threading.local()
 
@@ -150,8 +152,10 @@ class AbandonableTransport(httpx.BaseTransport):
             t.close()
 
 
-class AnswerTooLarge(httpx.TransportError):
-    """An answer longer than its transport's ``max_answer_bytes`` (read no further)."""
+class AnswerTooLarge(KvctlError):
+    """An answer longer than its transport's ``max_answer_bytes`` (read no further), or one
+    compressed though asked not to be. Not an ``httpx.HTTPError``: the server answered, so a
+    client's "cannot reach" would mislead; its message names the path asked."""
 
 
 class AnswerTooSlow(httpx.TimeoutException):
@@ -260,6 +264,18 @@ def within(seconds: float) -> Iterator[None]:
         _bounded.deadline = previous
 
 
+@contextlib.contextmanager
+def at_most(max_answer_bytes: int) -> Iterator[None]:
+    """In the caller's thread: every answer it reads through a ``BoundedTransport`` meanwhile
+    is at most ``max_answer_bytes`` long (and at most its transport's ``max_answer_bytes``)."""
+    previous: int | None = getattr(_bounded, "cap", None)
+    _bounded.cap = max_answer_bytes if previous is None else min(previous, max_answer_bytes)
+    try:
+        yield
+    finally:
+        _bounded.cap = previous
+
+
 class BoundedTransport(httpx.HTTPTransport):
     """httpx's transport with two bounds on each request, for a caller that must not be held
     by the server it asks: the whole answer, headers and body, within ``deadline_s`` of the
@@ -318,15 +334,18 @@ class BoundedTransport(httpx.HTTPTransport):
 
     def _read(self, response: httpx.Response, request: httpx.Request) -> bytes:
         cap = self.max_answer_bytes
+        asked: int | None = getattr(_bounded, "cap", None)
+        if asked is not None:
+            cap = min(cap, asked)
         encoding = response.headers.get("content-encoding", "identity").strip().lower()
         if encoding not in ("", "identity"):
             raise AnswerTooLarge(
-                f"answer encoded {encoding!r} though asked unencoded: not read", request=request
+                f"{request.url.path}: answer encoded {encoding!r} though asked unencoded: not read"
             )
         declared = response.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > cap:
             raise AnswerTooLarge(
-                f"answer of {int(declared):,} bytes, over the {cap:,} taken", request=request
+                f"{request.url.path}: answer of {int(declared):,} bytes, over the {cap:,} taken"
             )
         parts: list[bytes] = []
         size = 0
@@ -336,7 +355,7 @@ class BoundedTransport(httpx.HTTPTransport):
                 size += len(part)
                 if size > cap:
                     raise AnswerTooLarge(
-                        f"answer longer than the {cap:,} bytes taken", request=request
+                        f"{request.url.path}: answer longer than the {cap:,} bytes taken"
                     )
                 parts.append(part)
         except httpx.TimeoutException as exc:

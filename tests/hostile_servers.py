@@ -89,5 +89,9 @@ def handler_class(
 
 
 def send_json(handler: http.server.BaseHTTPRequestHandler, body: bytes) -> bool:
-    send(handler, body)
+    """Answer 200 with ``body`` whole; False when the client hung up first."""
+    try:
+        send(handler, body)
+    except OSError:  # the client gave the answer up (one too long for it, say)
+        return False
     return True

@@ -399,7 +399,9 @@ def render_replay(report: ReplayReport) -> None:
         box=box.SIMPLE_HEAD,
     )
     nodes.add_column("node (dc)", no_wrap=True)
-    for col in ("lookups", "hit ratio", "reuse", "fetched", "stored"):
+    # "requests": the node's lookup calls (the agent's `lookups` counter); everywhere else a
+    # lookups column counts chunks, which "chunks" here does
+    for col in ("requests", "chunks", "hit ratio", "reuse", "fetched", "stored"):
         nodes.add_column(col, justify="right", no_wrap=True)
     nodes.add_column("agent", min_width=5)
     checks = report.agent_counters or {}
@@ -411,6 +413,7 @@ def render_replay(report: ReplayReport) -> None:
         nodes.add_row(
             escape(f"{name} ({report.node_dc[name]})"),  # the inventory's text, not markup
             f"{t.lookups:,}",
+            f"{t.lookup_chunks:,}",
             percent(t.hit_chunks / t.lookup_chunks) if t.lookup_chunks else "N/A",
             percent(t.reuse_hits / hits) if hits else "N/A",
             format_bytes(t.bytes_fetched),

@@ -70,8 +70,17 @@ MAX_REQUEST_TIMEOUT_S = 2.0
 REQUEST_DEADLINE_TIMEOUTS = 3
 MIN_REQUEST_DEADLINE_S = 2.0
 #: the longest answer the follower reads (a listing page of ``LISTING_PAGE`` chunks is ~3 MiB,
-#: an events page of 1000 events well under 1 MiB); a longer one is the agent's failure
+#: ~6 MiB with 256-byte tenants); a longer one is the agent's failure (the node is failed)
 MAX_ANSWER_BYTES = 16 << 20
+#: the longest events answer: this much per event asked (an event is ~250 bytes, ~600 with a
+#: 256-byte tenant), and ``MIN_EVENTS_ANSWER_BYTES`` at least (1 MiB for the default page)
+EVENT_ANSWER_BYTES = 1 << 10
+MIN_EVENTS_ANSWER_BYTES = 1 << 20
+#: the most chunks one resync takes from an agent's listing (by default; ``max_listing_chunks``):
+#: a resync holds them all (~250 bytes each) until it replaces the node's entries, so an agent
+#: listing pages without end must not grow the router without end. 1M chunks is a 256 TB store
+#: of 256 KiB chunks; an agent listing more is failed (its listing named in the error)
+DEFAULT_MAX_LISTING_CHUNKS = 1_000_000
 #: polls running at once in ``Followers`` (threads are made only as needed)
 MAX_POLL_THREADS = 16
 #: entries of a node the index check audits per second, by default: about 2 ms a second of a
@@ -125,6 +134,7 @@ class Follower:
         clock: Callable[[], float] = time.monotonic,
         timeout_s: float | None = None,
         audit_entries_per_s: float = DEFAULT_AUDIT_ENTRIES_PER_S,
+        max_listing_chunks: int = DEFAULT_MAX_LISTING_CHUNKS,
     ) -> None:
         if not isinstance(node, str) or not node:
             raise InvalidArgument(f"a follower needs a node name, got {node!r}")
@@ -135,6 +145,8 @@ class Follower:
             raise InvalidArgument(f"page_limit must be an int, got {page_limit!r}")
         if not 1 <= page_limit <= LISTING_PAGE:
             raise InvalidArgument(f"page_limit must be 1..{LISTING_PAGE}, got {page_limit}")
+        _check_count("max_listing_chunks", max_listing_chunks)
+        self.max_listing_chunks = max_listing_chunks
         if timeout_s is None:
             # a few tries fit in drop_after_s, so one lost packet does not drop a node
             timeout_s = min(MAX_REQUEST_TIMEOUT_S, max(0.1, drop_after_s / 3))
@@ -207,7 +219,7 @@ class Follower:
                 # the agent is still asked whether it answers, so one gone meanwhile is
                 # marked down after drop_after_s as ever, not at the end of the wait
                 try:
-                    _batch(self._client.events(after=_PAST_ANY_SEQ, limit=1))
+                    _batch(self._events(after=_PAST_ANY_SEQ, limit=1))
                 except Exception as exc:
                     self._failed(exc)
                     return 0
@@ -232,8 +244,13 @@ class Follower:
         resynced = False
         for batch in range(MAX_BATCHES_PER_POLL):
             events, last_seq, dropped, instance = _batch(
-                self._client.events(after=self._cursor, limit=self.page_limit)
+                self._events(after=self._cursor, limit=self.page_limit)
             )
+            if len(events) > self.page_limit:
+                raise ValueError(
+                    f"{self._shown_url}/v1/events/recent answered {len(events):,} events to a "
+                    f"read of {self.page_limit:,}"
+                )
             # the first answer after being down is enough to call it up again
             self._answered()
             # the index is checked once per poll (its audit's rate counts polls), not per page
@@ -250,6 +267,13 @@ class Follower:
             if len(events) < self.page_limit:
                 break
         return changed
+
+    def _events(self, *, after: int, limit: int) -> dict[str, Any]:
+        """The agent's events answer, at most ``EVENT_ANSWER_BYTES`` an event asked for."""
+        from kvctl.deadline_transport import at_most
+
+        with at_most(max(MIN_EVENTS_ANSWER_BYTES, limit * EVENT_ANSWER_BYTES)):
+            return self._client.events(after=after, limit=limit)
 
     def _index_damage(self) -> str:
         """Why the index no longer holds what our resync and events wrote: "index_lost" (its
@@ -317,14 +341,26 @@ class Follower:
             # one cheap call first: listing the agent (each page a scan of its whole index) for
             # an index that still fails would load every agent at every poll of the outage
             self.index.marker(self.node)
-        _, seq, _, instance = _batch(self._client.events(after=_PAST_ANY_SEQ, limit=1))
+        _, seq, _, instance = _batch(self._events(after=_PAST_ANY_SEQ, limit=1))
         chunks: list[ChunkEvent] = []
         after: str | None = None
+        listed = 0
         while True:
             page = self._client.keys(limit=LISTING_PAGE, after=after)
             items = page.get("items")
             if not isinstance(items, list):
                 raise ValueError(f"{self._shown_url}/v1/keys answered without items")
+            if len(items) > LISTING_PAGE:
+                raise ValueError(
+                    f"{self._shown_url}/v1/keys listed {len(items):,} chunks in a page of "
+                    f"{LISTING_PAGE:,}"
+                )
+            listed += len(items)
+            if listed > self.max_listing_chunks:
+                raise ListingTooLong(
+                    f"{self._shown_url}/v1/keys listed over {self.max_listing_chunks:,} chunks "
+                    "(max_listing_chunks): not followed"
+                )
             for item in items:
                 try:
                     chunks.append(from_listing(item))
@@ -508,8 +544,12 @@ class Followers:
         drop_after_s: float = 3.0,
         timeout_s: float | None = None,
         audit_entries_per_s: float = DEFAULT_AUDIT_ENTRIES_PER_S,
+        max_listing_chunks: int = DEFAULT_MAX_LISTING_CHUNKS,
     ) -> None:
         _check_seconds("poll_s", poll_s)
+        _check_count("max_listing_chunks", max_listing_chunks)
+        #: each follower's cap on one resync's listing (see ``Follower``)
+        self.max_listing_chunks = max_listing_chunks
         _check_seconds("drop_after_s", drop_after_s)
         if timeout_s is not None:
             _check_seconds("timeout_s", timeout_s)
@@ -541,6 +581,7 @@ class Followers:
             drop_after_s=self.drop_after_s,
             timeout_s=self.timeout_s,
             audit_entries_per_s=self.audit_entries_per_s,
+            max_listing_chunks=self.max_listing_chunks,
         )
         with self._lock:
             old = self._followers.get(node)
@@ -678,6 +719,15 @@ def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:
         raise ValueError(f"not an events answer: {dict(answer)!r:.200}")
     assert isinstance(last_seq, int) and isinstance(dropped, int)  # for mypy: _is_count checked
     return events, last_seq, dropped, instance
+
+
+class ListingTooLong(ValueError):
+    """An agent listed more chunks than a resync takes (``max_listing_chunks``)."""
+
+
+def _check_count(what: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"{what} must be a whole number >= 1, got {value!r}")
 
 
 def _is_count(value: object) -> bool:

@@ -74,6 +74,8 @@ class IndexClient:
             r = self._http.request(method, path, **kw)
         except self._httpx.HTTPError as exc:
             raise IndexUnavailable(f"index at {self._shown} did not answer: {exc}") from exc
+        except KvctlError as exc:  # the transport's AnswerTooLarge
+            raise IndexUnavailable(f"index at {self._shown}: {exc}") from exc
         if r.status_code != 200:
             said = r.text[:200]
             raise IndexUnavailable(f"index at {self._shown} answered {r.status_code}: {said}")

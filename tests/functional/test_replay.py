@@ -273,6 +273,10 @@ def test_replay_command_table(inventory: str) -> None:
     for text in ("hit ratio", "reuse / sharing", "fra-a (fra)", "modeled", "not measured", "✓"):
         assert text in result.output
     assert "ams-a" not in result.output
+    # a node's requests apart from its chunks (before: one "lookups" column counting requests,
+    # where every other lookups column counts chunks)
+    header = " ".join(next(ln for ln in result.output.splitlines() if "node (dc)" in ln).split())
+    assert header.startswith("node (dc) requests chunks hit ratio"), header
     # energy in the units and on the basis the demo's other energy lines use
     assert "(IT: GPU board power)" in result.output and " kJ" not in result.output
 

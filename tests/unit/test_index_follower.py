@@ -476,3 +476,62 @@ def test_an_agent_trickling_its_answer_is_down_after_drop_after_s_and_its_poll_g
         assert status["errors"] == 1 and "no whole answer within 2 s" in status["last_error"]
         assert index.nodes() == {}  # marked down by the failed poll: its entries dropped
         follower.close()
+
+
+def test_an_agent_listing_without_end_is_failed_past_max_listing_chunks() -> None:
+    """An agent whose /v1/keys pages never end (each a full page, its cursor advancing): the
+    resync stops past max_listing_chunks, the poll failed with that reason and nothing
+    written; before, it read on for as long as the agent listed (the review's router grew
+    ~50 MB/s)."""
+    hostile = Hostile()
+    events = {"events": [], "last_seq": 0, "dropped": 0, "instance": "i1"}
+
+    def answer(handler: http.server.BaseHTTPRequestHandler, path: str) -> bool:
+        if path != "/v1/keys":
+            return send_json(handler, json.dumps(events).encode())
+        query = parse_qs(urlsplit(handler.path).query)
+        start = int(query["after"][0], 16) + 1 if "after" in query else 0
+        if start > 10**6:  # a bound for the test's sake: far past where the cap stops it
+            return send_json(handler, b'{"items": [], "next": null}')
+        items = [_stored((start + i).to_bytes(16, "big")) for i in range(10_000)]
+        page = {"items": items, "next": items[-1]["key"]}
+        return send_json(handler, json.dumps(page).encode())
+
+    index = EmbeddedIndex()
+    with serving(handler_class(hostile, answer)) as url:
+        follower = Follower(index, "a", url, max_listing_chunks=25_000)
+        assert follower.poll_once() == 0
+        status = follower.status()
+        follower.close()
+    assert status["errors"] == 1 and status["resyncs"] == 0
+    assert "listed over 25,000 chunks (max_listing_chunks)" in status["last_error"]
+    assert hostile.requests["/v1/keys"] == 3
+    assert index.nodes() == {}
+
+
+def test_an_events_answer_too_long_fails_the_poll_unread() -> None:
+    """An events answer of 3 MiB (300,000 'events' that are not, as the review's giant agent
+    sent): over the 1 MiB an events page of 1000 may take, so the poll fails saying so and
+    nothing of it is read (before, it was parsed whole and each bad event counted)."""
+    hostile = Hostile()
+    giant = json.dumps(
+        {"events": [0] * 300_000 + [" " * (2 << 20)], "last_seq": 9, "dropped": 0, "instance": "i1"}
+    ).encode()
+
+    def answer(handler: http.server.BaseHTTPRequestHandler, path: str) -> bool:
+        if path == "/v1/keys":
+            return send_json(handler, b'{"items": [], "next": null}')
+        query = parse_qs(urlsplit(handler.path).query)
+        if int(query["after"][0]) >= 2**62:  # the resync's look at the newest seq
+            small = {"events": [], "last_seq": 0, "dropped": 0, "instance": "i1"}
+            return send_json(handler, json.dumps(small).encode())
+        return send_json(handler, giant)
+
+    with serving(handler_class(hostile, answer)) as url:
+        follower = Follower(EmbeddedIndex(), "a", url)
+        follower.poll_once()
+        status = follower.status()
+        follower.close()
+    assert status["malformed"] == 0 and status["errors"] == 1
+    assert "/v1/events/recent: answer of" in status["last_error"]
+    assert "over the 1,048,576 taken" in status["last_error"]
