@@ -13,6 +13,7 @@ GPUs, full disks or skewed clocks; :func:`run_checks` gathers the readings and c
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shutil
@@ -458,17 +459,17 @@ def classify_agent(
     data_dir = info.get("data_dir")
     if isinstance(data_dir, Mapping):
         path = data_dir.get("path")
-        checks.append(
-            classify_disk(
-                f"disk {name}",
-                path,
-                data_dir.get("free_bytes"),
-                data_dir.get("total_bytes"),
-                warn_ratio=disk_warn_ratio,
-                fix=f"free space under {path or 'the data dir'} on {name}: delete other files, "
-                "grow the volume, or give the agent a smaller disk tier (--disk)",
-            )
+        disk = classify_disk(
+            f"disk {name}",
+            path,
+            data_dir.get("free_bytes"),
+            data_dir.get("total_bytes"),
+            warn_ratio=disk_warn_ratio,
+            fix=f"free space under {path or 'the data dir'} on {name}: delete other files, "
+            f"grow the volume, or shrink its disk tier (`kvctl resize --node {name} --tier "
+            "disk --size SIZE`)",
         )
+        checks.append(_tier_filled_volume(disk, info.get("tiers"), name))
     else:
         why = probe.info_error or "the agent does not report its data dir"
         checks.append(Check(f"disk {name}", SKIP, f"free space N/A: {why}"))
@@ -479,6 +480,43 @@ def classify_agent(
     if isinstance(dataplane, Mapping) and dataplane.get("shm"):
         checks.append(classify_huge_pages(f"huge pages {name}", dataplane, where=name))
     return checks
+
+
+def _tier_filled_volume(check: Check, tiers: Any, node: str) -> Check:
+    """A data dir's volume short of free space because the agent's own disk tier (which lies
+    in it) has filled its share, with room left for what it may still store: a warning, not a
+    failure. Only where free space is under what the tier may still grow by (or on a volume a
+    full tier leaves nearly no room on) does the failure stand, saying so."""
+    free = check.values.get("free_bytes")
+    if check.status != FAIL or not _is_number(free):
+        return check
+    disk = next(
+        (t for t in tiers or () if isinstance(t, Mapping) and t.get("name") == "disk"), None
+    )
+    capacity, used = (disk or {}).get("capacity_bytes"), (disk or {}).get("used_bytes")
+    if not (_is_number(capacity) and _is_number(used)):
+        return check
+    room = max(0, int(capacity) - int(used))
+    if free < room + DISK_TIER_SPARE_BYTES:
+        detail = (
+            f"{check.detail}: its disk tier may still grow by {_size(room)} "
+            f"(capacity {_size(capacity)}, {_size(used)} used), more than is free"
+        )
+        return dataclasses.replace(check, detail=detail)
+    detail = (
+        f"{check.detail}, most of it held by its disk tier ({_size(used)} of "
+        f"{_size(capacity)}), which has the room it needs"
+    )
+    fix = (
+        f"nothing, if the disk tier on {node} is meant to fill its volume; else shrink it "
+        f"(`kvctl resize --node {node} --tier disk --size SIZE`)"
+    )
+    return dataclasses.replace(check, status=WARN, detail=detail, fix=fix)
+
+
+#: free space a volume must keep beyond its disk tier's room: the agent's own files (agent.json,
+#: its log across rollovers: 4 x 64 MiB)
+DISK_TIER_SPARE_BYTES = 320 << 20
 
 
 def classify_huge_pages(name: str, dataplane: Mapping[str, Any], *, where: str) -> Check:

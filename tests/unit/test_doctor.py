@@ -44,6 +44,7 @@ from tests.not_an_agent import answering_url
 from tests.starting_agent import starting_url
 
 GiB = 1 << 30
+MiB = 1 << 20
 ROOT = Path(__file__).parents[2]
 
 
@@ -545,3 +546,28 @@ def test_a_refused_token_is_said_once_and_the_agent_is_not_called_down() -> None
     assert check.status == FAIL and check.detail.count("token") == 2  # "needs a token", KVCTL_TOKEN
     assert "is up but needs a token" in check.detail and "refused the token:" not in check.detail
     assert check.fix is not None and "KVCTL_TOKEN" in check.fix and "agent start" not in check.fix
+
+
+def _filled(free_bytes: int, disk: dict[str, int] | None) -> Check:
+    info: dict[str, Any] = {
+        "name": "node-a",
+        "version": __version__,
+        "data_dir": {"path": "/d", "free_bytes": free_bytes, "total_bytes": 100 * GiB},
+        "tiers": [{"name": "cpu", "capacity_bytes": GiB, "used_bytes": GiB}]
+        + ([{"name": "disk", **disk}] if disk else []),
+    }
+    return _by_name(classify_agent(NODE, _healthy(info=info)))["disk node-a"]
+
+
+def test_a_volume_filled_by_the_agents_own_disk_tier_warns_not_fails() -> None:
+    """A disk tier sized to fill its volume leaves under 2% free by design: it failed as if
+    the disk were in trouble, its fix a restart with a smaller --disk."""
+    mine = _filled(GiB, {"capacity_bytes": 95 * GiB, "used_bytes": 94 * GiB + 512 * MiB})
+    assert mine.status == WARN and "held by its disk tier" in mine.detail
+    assert mine.fix is not None and "kvctl resize --node node-a --tier disk" in mine.fix
+    # the tier may still grow by more than is free: it will hit a full disk, a failure
+    short = _filled(GiB, {"capacity_bytes": 95 * GiB, "used_bytes": 90 * GiB})
+    assert short.status == FAIL and "may still grow by 5.0 GiB" in short.detail
+    assert short.fix is not None and "kvctl resize --node node-a --tier disk" in short.fix
+    # no disk tier: the volume is full of something else
+    assert _filled(GiB, None).status == FAIL
