@@ -108,6 +108,9 @@ INDEX_RETRY_MAX_S = 30.0
 #: the node's marker), busy or idle: a Redis restarted empty or flushed between two writes fails
 #: none of them (the client reconnects), and an idle engine sends nothing that would notice
 INDEX_CHECK_S = 1.0
+#: malformed events in one batch after which the rest of it is not translated (counted once in
+#: ``batches_cut``): a batch of millions of bad events must not hold the translation for minutes
+MAX_MALFORMED_PER_BATCH = 64
 #: the replay socket's end-of-replay sequence number (-1 as a signed 8-byte int)
 _REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 _MAX_TOKEN = 2**32 - 1
@@ -202,6 +205,8 @@ class VllmEventTranslator:
         self.chunks_removed = 0
         self.clears = 0
         self.malformed = 0
+        #: batches whose translation stopped at MAX_MALFORMED_PER_BATCH malformed events
+        self.batches_cut = 0
         self.ignored = 0
 
     # --- input ------------------------------------------------------------------------------------
@@ -231,12 +236,23 @@ class VllmEventTranslator:
     def translate(self, events: Iterable[object]) -> list[ChunkEvent]:
         """The chunk events of decoded vLLM events, in order."""
         out: list[ChunkEvent] = []
+        bad = 0
         for event in events:
+            if bad >= MAX_MALFORMED_PER_BATCH:
+                # the rest is not translated: what came before it still counts
+                self.batches_cut += 1
+                log.debug(
+                    "%s: a vLLM batch with %d malformed events: the rest of it skipped",
+                    self.node,
+                    bad,
+                )
+                break
             self.events += 1
             try:
                 self._event(event, out)
             except InvalidArgument as exc:
                 self.malformed += 1
+                bad += 1
                 log.debug("%s: malformed vLLM event skipped: %s", self.node, exc)
         return out
 
@@ -487,6 +503,7 @@ class VllmEventTranslator:
             "chunks_removed": self.chunks_removed,
             "clears": self.clears,
             "malformed": self.malformed,
+            "batches_cut": self.batches_cut,
             "ignored_events": self.ignored,
         }
 
@@ -800,8 +817,8 @@ class VllmEventSubscriber:
         self._process(seq, frames[2])
 
     def _process(self, seq: int, payload: bytes) -> None:
-        # the lock keeps status() from reading the translator halfway through a batch; it is
-        # never held while waiting on a socket, so status() does not wait for the stream
+        # the lock keeps the index tick's writes from interleaving with a batch's; status()
+        # does not take it (a batch of a 16 MiB message may take seconds to translate)
         with self._lock:
             self.messages += 1
             self.last_seq = seq
@@ -987,39 +1004,42 @@ class VllmEventSubscriber:
 
     # --- reporting --------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
-        with self._lock:
-            t = self.translator.stats()
-            return {
-                "node": self.translator.node,
-                "endpoint": self.endpoint,
-                "replay_endpoint": self.replay_endpoint,
-                "topic": self.topic,
-                "running": self.running,
-                "connected": self.connected,
-                "last_seq": self.last_seq,
-                "messages": self.messages,
-                "events": t["events"],
-                "chunks_stored": t["chunks_stored"],
-                "chunks_removed": t["chunks_removed"],
-                "live_chunks": t["live_chunks"],
-                "malformed": self.malformed + t["malformed"],
-                "duplicates": self.duplicates,
-                "other_topic": self.other_topic,
-                "gaps": self.gaps,
-                "missed": self.missed,
-                "replayed": self.replayed,
-                "unrecovered": self.unrecovered,
-                "replay_failures": self.replay_failures,
-                "restarts": self.restarts,
-                "errors": self.errors,
-                "last_error": self.last_error,
-                "index_resyncs": self.index_resyncs,
-                "index_lost": self.index_lost,
-                # a replace failing: how many in a row, and when the next is sent (None: none)
-                "index_replace_failures": self._index_backoff.failures,
-                "index_retry_in_s": self._index_retry_in_s(),
-                "translator": t,
-            }
+        """The subscriber's state. Read without the lock a batch is translated and applied
+        under, so a long batch (or an index call it waits on) never holds /metrics or the
+        router's status: each counter is read as it is, so a batch in progress may show
+        partly counted."""
+        t = self.translator.stats()
+        return {
+            "node": self.translator.node,
+            "endpoint": self.endpoint,
+            "replay_endpoint": self.replay_endpoint,
+            "topic": self.topic,
+            "running": self.running,
+            "connected": self.connected,
+            "last_seq": self.last_seq,
+            "messages": self.messages,
+            "events": t["events"],
+            "chunks_stored": t["chunks_stored"],
+            "chunks_removed": t["chunks_removed"],
+            "live_chunks": t["live_chunks"],
+            "malformed": self.malformed + t["malformed"],
+            "duplicates": self.duplicates,
+            "other_topic": self.other_topic,
+            "gaps": self.gaps,
+            "missed": self.missed,
+            "replayed": self.replayed,
+            "unrecovered": self.unrecovered,
+            "replay_failures": self.replay_failures,
+            "restarts": self.restarts,
+            "errors": self.errors,
+            "last_error": self.last_error,
+            "index_resyncs": self.index_resyncs,
+            "index_lost": self.index_lost,
+            # a replace failing: how many in a row, and when the next is sent (None: none)
+            "index_replace_failures": self._index_backoff.failures,
+            "index_retry_in_s": self._index_retry_in_s(),
+            "translator": t,
+        }
 
 
 def _check_endpoint(what: str, endpoint: object) -> None:

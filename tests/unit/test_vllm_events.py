@@ -5,6 +5,8 @@ cap; every emitted key is checked against kvctl's own key function for the same 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterable
 from typing import Any
 
 import msgpack
@@ -13,7 +15,11 @@ import pytest
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
 from kvctl.index.model import EmbeddedIndex
-from kvctl.index.vllm_events import VllmEventSubscriber, VllmEventTranslator
+from kvctl.index.vllm_events import (
+    MAX_MALFORMED_PER_BATCH,
+    VllmEventSubscriber,
+    VllmEventTranslator,
+)
 from kvctl.store.keys import KVLayout, Namespace, keys_for
 
 LAYOUT = KVLayout(layers=2, kv_heads=2, head_dim=4)
@@ -330,3 +336,56 @@ def test_the_router_finds_the_engine_through_the_index() -> None:
 def test_subscriber_refuses_an_endpoint_it_cannot_connect_to(endpoint: str) -> None:
     with pytest.raises(InvalidArgument):
         VllmEventSubscriber(EmbeddedIndex(), translator(), endpoint)
+
+
+def test_a_batch_stops_being_translated_after_its_malformed_events_cap() -> None:
+    """A batch of a good chunk, then 100,000 malformed events, then another good chunk: the
+    good chunk before counts, translation stops at the cap (the batch counted once as cut),
+    and the rest is not looked at (before, each of the 100,000 was translated and counted)."""
+    t = translator()
+    first = stored([0, 1, 2, 3], None, TOKENS[:CHUNK])
+    after = stored([4, 5, 6, 7], 3, TOKENS[CHUNK : 2 * CHUNK])
+    payload = msgpack.packb([1.0, [first, *([[42]] * 100_000), after], 0])
+    out = t.translate_payload(payload)
+    assert stored_keys(out) == keys_for(TOKENS[:CHUNK], NS, CHUNK)
+    assert t.malformed == MAX_MALFORMED_PER_BATCH
+    assert t.stats()["batches_cut"] == 1
+    # the next batch is translated afresh
+    assert stored_keys(t.translate([after])) == keys_for(TOKENS[: 2 * CHUNK], NS, CHUNK)[1:]
+
+
+class _HeldIndex(EmbeddedIndex):
+    """An index whose apply waits until the test lets it go (a batch in progress)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.applying = threading.Event()
+        self.go = threading.Event()
+
+    def apply(self, node: str, events: Iterable[ChunkEvent]) -> int:
+        self.applying.set()
+        self.go.wait(60)
+        return super().apply(node, events)
+
+
+def test_status_does_not_wait_for_a_batch_in_progress() -> None:
+    """While a batch is being applied (here: an index call that waits), the subscriber's status
+    answers (before, it waited on the batch's lock, and so did /metrics and /v1/index: a
+    100 MiB message held them for minutes)."""
+    index = _HeldIndex()
+    sub = VllmEventSubscriber(index, translator(), "tcp://127.0.0.1:5557")
+    payload = msgpack.packb([1.0, [stored([0, 1, 2, 3], None, TOKENS[:CHUNK])], 0])
+    batch = threading.Thread(target=sub._process, args=(0, payload))
+    batch.start()
+    try:
+        assert index.applying.wait(30)
+        got: list[dict[str, Any]] = []
+        reader = threading.Thread(target=lambda: got.append(sub.status()), daemon=True)
+        reader.start()
+        reader.join(20)
+        assert got, "status() waited for the batch in progress"
+        assert got[0]["messages"] == 1 and got[0]["last_seq"] == 0
+    finally:
+        index.go.set()
+        batch.join(30)
+    assert index.nodes() == {"engine-a": 1}
