@@ -27,6 +27,7 @@ import httpx
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
+from collectors.capped_transport import CappedTransport
 from collectors.engines import EngineReading, Histogram, UnknownEngine, parse_engine_metrics
 from collectors.metrics import CollectorMetrics
 from collectors.router import RouterAnswerError, RouterReading, parse_router_stats, route_rows
@@ -334,7 +335,8 @@ class Collector:
         #: per node, the start time its last read scrape said, and whether it was new then
         self._last_epoch: dict[int, tuple[float, bool]] = {}
         self._http = httpx.Client(
-            timeout=self.config.request_timeout_s, transport=AbandonableTransport()
+            timeout=self.config.request_timeout_s,
+            transport=CappedTransport(AbandonableTransport()),
         )
         self._deadlines = Deadlines(self.config.request_timeout_s)
         # routers by their redacted URL (the ``router`` column; never logged with credentials)
@@ -377,7 +379,9 @@ class Collector:
                 node.agent_url,
                 token=self.config.token,
                 timeout_s=self.config.request_timeout_s,
-                transport=AbandonableTransport(verify=node.agent_url.startswith("https://")),
+                transport=CappedTransport(
+                    AbandonableTransport(verify=node.agent_url.startswith("https://"))
+                ),
             )
             self._clients[node.id] = client
         return client
@@ -500,7 +504,7 @@ class Collector:
                 token=self.config.router_token,
                 timeout_s=self.config.request_timeout_s,
                 # a request given up at its deadline is cut, as an agent's is
-                transport=AbandonableTransport(verify=url.startswith("https://")),
+                transport=CappedTransport(AbandonableTransport(verify=url.startswith("https://"))),
             )
         try:
             # its start time first: a restart between the two calls then shows as counters
