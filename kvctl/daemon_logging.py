@@ -7,12 +7,17 @@ as a record of its own, a forged "CRITICAL" line in the operator's log, and a st
 return or escape sequence can hide text from a terminal. The message's control characters are
 written escaped (``\\n``, ``\\x1b``); a traceback the record carries still follows on lines of
 its own, as Python writes it.
+
+A URL in a message has its password masked (``kvctl.redact.redact_url``): the router's agent
+URLs may carry one, and httpx logs each request's URL whole at debug level.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+
+from kvctl.redact import redact_url
 
 #: how a line starts: ``_LOG_LINE`` in ``kvctl.cli.agent`` reads the agent's lines this way
 LINE_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -27,12 +32,21 @@ def one_line(text: str) -> str:
     return _CONTROL.sub(lambda m: _NAMED.get(m[0]) or ascii(m[0])[1:-1], text)
 
 
+# a URL up to the next space or quote: what a log line holds of one
+_URL = re.compile(r"""[A-Za-z][A-Za-z0-9+.-]*://[^\s"'<>]+""")
+
+
+def without_secrets(text: str) -> str:
+    """``text`` with each URL's password (userinfo, or a query key naming one) masked."""
+    return _URL.sub(lambda m: redact_url(m[0]), text)
+
+
 class OneLineFormatter(logging.Formatter):
     """A formatter whose records' messages are one line each (:func:`one_line`)."""
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         # (a message's trailing newline, as some libraries write, starts no record)
-        record.message = one_line(record.message.rstrip("\r\n"))
+        record.message = one_line(without_secrets(record.message.rstrip("\r\n")))
         return super().formatMessage(record)
 
 
