@@ -2,8 +2,10 @@
 
 Agents and engines export counters that only grow until the process restarts. The database
 stores the increase since the previous sample, so the sum over any window is exact. A restart
-is seen either as a new epoch (the agent's start time) or as a counter going down; the increase
-is then the new value itself (counted from zero). The first sample of a series that kvctl has
+is seen either as a new epoch (the agent's start time) or, for a source with no epoch, as a
+counter going down; the increase is then the new value itself (counted from zero). A counter
+going down within one epoch is a correction, not a restart: it counts nothing, and counting
+goes on from its highest value. The first sample of a series that kvctl has
 never seen only sets the baseline: its counts happened at unknown times and are not attributed;
 unless its epoch began while the caller watched (``started_while_watched``: an agent started
 after the collector did), when everything it counted is in no earlier sample and the first
@@ -149,6 +151,7 @@ class CounterTracker:
         # a restart counts every counter from zero, read or not: nothing is left unread
         unread = set() if prev is None or restarted else set(prev.unread)
         out: dict[str, float | None] = {}
+        held: dict[str, float] = {}  # counters that went back within a run: their high marks
         began_ms = None if prev is not None or epoch is None else self._watched.get(epoch)
         if prev is not None:
             interval_s = (ts_ms - prev.ts_ms) / 1000
@@ -168,6 +171,16 @@ class CounterTracker:
                 out[name] = None  # its first known value: the baseline
             elif before is None and not restarted and missing_means_unread:
                 out[name] = None
+            elif (
+                before is not None and value < before and epoch is not None and prev.epoch == epoch
+            ):
+                # the same run's counter went back: no restart (that is a new epoch) but a
+                # correction, e.g. an agent moving a hit from reuse to sharing once the copy
+                # that arrived named its owner. Counted as a restart it added the counter's
+                # whole value again; nothing now, and counting goes on from the high mark, so
+                # the run's total stays the agent's
+                out[name] = 0.0
+                held[name] = before
             elif restarted or before is None or value < before:
                 out[name] = value
             else:
@@ -178,6 +191,7 @@ class CounterTracker:
             unread.discard(name)
         kept = {} if prev is None or restarted else dict(prev.values)
         kept.update({k: v for k, v in values.items() if v is not None})
+        kept.update(held)
         known_epoch = epoch
         if epoch is None and prev is not None:
             # an epoch unread this once is not a new one: keep the known one, so a restart

@@ -51,8 +51,10 @@ def test_an_impossibly_fast_increase_is_dropped_for_good() -> None:
         "bytes": None,
         "hits": 1.0,
     }
-    assert t.increase("s", {"bytes": 0.0}, epoch=1.0, ts_ms=2000) == {"bytes": 0.0}  # went down
-    assert t.increase("s", {"bytes": big}, epoch=1.0, ts_ms=3000) == {"bytes": None}
+    # back down within the run: a correction, nothing counted, the high mark kept; so the
+    # bounce back up is no increase either
+    assert t.increase("s", {"bytes": 0.0}, epoch=1.0, ts_ms=2000) == {"bytes": 0.0}
+    assert t.increase("s", {"bytes": big}, epoch=1.0, ts_ms=3000) == {"bytes": 0.0}
     # the jump is the new baseline: counting goes on from it, the jump is never counted
     assert t.increase("s", {"bytes": big + 5e10}, epoch=1.0, ts_ms=4000) == {"bytes": 5e10}
     # a real node's fastest counters pass: 50 GB/s over a 10 s interval, and a restart's count
@@ -60,6 +62,34 @@ def test_an_impossibly_fast_increase_is_dropped_for_good() -> None:
     assert t.increase("r", {"bytes": 5e11}, epoch=1.0, ts_ms=10_000) == {"bytes": 5e11}
     assert t.increase("r", {"bytes": 4e10}, epoch=2.0, ts_ms=11_000) == {"bytes": 4e10}
     assert t.increase("r", {"bytes": big}, epoch=3.0, ts_ms=12_000) == {"bytes": None}
+
+
+def test_a_counter_going_back_within_a_run_is_a_correction_not_a_restart() -> None:
+    """An agent moves a hit from reuse to sharing once the copy that arrived names its owner
+    (RemoteTierCounts.recount_owner): reuse_hits goes back by one under the same start time.
+    Read as a restart it counted reuse_hits' whole value again (and the hits-beyond-lookups
+    check then dropped the interval's hits). Now: nothing counted, and the run's total is the
+    agent's own once the counter passes its high mark."""
+    t = CounterTracker()
+    t.increase("s", {"reuse": 100.0, "sharing": 40.0}, epoch=1.0, ts_ms=0)
+    assert t.increase("s", {"reuse": 105.0, "sharing": 40.0}, epoch=1.0, ts_ms=10) == {
+        "reuse": 5.0,
+        "sharing": 0.0,
+    }
+    # one of those 5 was the other owner's: moved to sharing
+    assert t.increase("s", {"reuse": 104.0, "sharing": 41.0}, epoch=1.0, ts_ms=20) == {
+        "reuse": 0.0,
+        "sharing": 1.0,
+    }
+    assert t.increase("s", {"reuse": 110.0, "sharing": 41.0}, epoch=1.0, ts_ms=30) == {
+        "reuse": 5.0,  # from the high mark, 105: 5 + 0 + 5 = 110 - 100, the run's own
+        "sharing": 0.0,
+    }
+    # a restart is still one: a new start time counts from zero
+    assert t.increase("s", {"reuse": 3.0, "sharing": 1.0}, epoch=2.0, ts_ms=40) == {
+        "reuse": 3.0,
+        "sharing": 1.0,
+    }
 
 
 def test_a_counter_going_down_is_a_reset_without_an_epoch() -> None:
