@@ -122,6 +122,16 @@ def key(i: int, space: int = 0) -> bytes:
     return hashlib.blake2b(f"{space}:{i}".encode(), digest_size=16).digest()
 
 
+def traffic(agent: Agent, n: int, space: int) -> None:
+    """``n`` chunks stored (as t1), then looked up (as t2) with one miss after them: n + 1
+    lookups and n hits, so an agent's counters move by known amounts."""
+    keys = [key(i, space) for i in range(n)]
+    with agent.data() as dc:
+        for k in keys:
+            dc.put(k, payload(k, 4096), tenant="t1")
+        dc.lookup([*keys, key(10_000, space)], tenant="t2")
+
+
 def metric(agent: Agent, name: str, *, default: float | None = None, **labels: str) -> float:
     """The first sample ``name`` on the agent's /metrics whose labels include ``labels``;
     ``default`` where there is none (None: a failed assertion)."""

@@ -27,7 +27,13 @@ from kvctl.cli.main import app
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, EngineSample, LinkSample, Node, NodeSample, PowerSample
-from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
+from tests.functional.agents import (
+    Agent,
+    closed_port,
+    running_agent,
+    start_agent,
+    traffic,
+)
 from tests.not_an_agent import send
 from tests.starting_agent import starting_url
 
@@ -54,15 +60,6 @@ def _rows(db: Engine, model: Any, **where: Any) -> list[Any]:
 def _node_id(db: Engine, name: str) -> int:
     with db.connect() as conn:
         return conn.execute(select(Node.id).where(Node.name == name)).scalar_one()
-
-
-def _traffic(agent: Agent, n: int, space: int) -> None:
-    """Store ``n`` chunks and look them up (plus one miss), so counters move."""
-    keys = [key(i, space) for i in range(n)]
-    with agent.data() as dc:
-        for k in keys:
-            dc.put(k, payload(k, 4096), tenant="t1")
-        dc.lookup([*keys, key(10_000, space)], tenant="t2")
 
 
 @pytest.fixture
@@ -100,7 +97,7 @@ def test_scrapes_record_up_down_and_exact_increases(
         assert sorted(first.up) == ["n1", "n2"]
         assert "n3" in first.down and "127.0.0.1" in first.down["n3"]
         before = a1.control().stats()["stats"]
-        _traffic(a1, 5, space=1)
+        traffic(a1, 5, space=1)
         after = a1.control().stats()["stats"]
         collector.collect_once()
     finally:
@@ -147,7 +144,7 @@ def test_agent_killed_and_restarted_mid_run(tmp_path: Path, sqlite_db: Engine) -
         # n2's first reading is the baseline its increases count from: traffic before it is
         # never recorded, and on a loaded machine the first cycles' scrapes can all time out
         _wait(lambda: _scraped_up(sqlite_db, "n2"))
-        _traffic(a2, 3, space=2)
+        traffic(a2, 3, space=2)
         # the traffic recorded before the kill: counts no scrape read before a kill -9 are gone
         # with the process (waiting for cycles was not enough: on a loaded machine a scrape can
         # time out and its cycle still complete)
@@ -161,7 +158,7 @@ def test_agent_killed_and_restarted_mid_run(tmp_path: Path, sqlite_db: Engine) -
             conn.execute(
                 update(Node).where(Node.name == "n2").values(agent_url=a2.state.control_url)
             )
-        _traffic(a2, 4, space=3)
+        traffic(a2, 4, space=3)
         _wait(lambda: any("n2" in getattr(c, "up", []) for c in cycles[n_after_kill:]))
         # and the restarted agent's traffic recorded (an increase from zero, under a new epoch)
         _wait(lambda: _lookups_recorded(sqlite_db, "n2") >= (3 + 1) + (4 + 1))
@@ -529,7 +526,7 @@ def test_a_refused_batch_is_kept_and_written_later(pg_url: str, tmp_path: Path) 
                 collector.collect_once()
                 with blocker.connect() as lock_conn:
                     lock_conn.execute(text("LOCK TABLE cache_sample IN ACCESS EXCLUSIVE MODE"))
-                    _traffic(a1, 2, space=5)
+                    traffic(a1, 2, space=5)
                     refused = collector.collect_once()
                     lock_conn.rollback()
                 assert not refused.written and any("retry" in w for w in refused.warnings)
@@ -615,7 +612,7 @@ def test_a_database_that_goes_away_does_not_end_the_loop(pg_url: str, tmp_path: 
             try:
                 collector.collect_once()
                 allow(False)
-                _traffic(a1, 3, space=7)
+                traffic(a1, 3, space=7)
                 away = [collector.collect_once(), collector.probe_links_once()]
                 allow(True)
                 back = collector.collect_once()
@@ -653,12 +650,12 @@ def test_two_collectors_on_the_same_nodes_count_each_increase_once(
                 assert c1.collect_once().written  # the baseline
                 time.sleep(0.01)  # each save is stamped by its own millisecond
                 assert c2.collect_once().written
-                _traffic(a1, 3, space=11)
+                traffic(a1, 3, space=11)
                 rebased = c1.collect_once()  # refused: counted from c2's state again, +3
                 assert rebased.written
                 assert any("another collector" in w for w in rebased.warnings), rebased.warnings
                 assert c1.collect_once().written
-                _traffic(a1, 2, space=12)
+                traffic(a1, 2, space=12)
                 time.sleep(0.01)
                 assert c2.collect_once().written  # +2, counted again from c1's state
                 assert c2.collect_once().written

@@ -18,18 +18,9 @@ from collectors.collector import Collector, CollectorConfig
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, Node
-from tests.functional.agents import Agent, key, payload, running_agent
+from tests.functional.agents import running_agent, traffic
 
 pytestmark = pytest.mark.slow
-
-
-def _traffic(agent: Agent, n: int, space: int) -> None:
-    """``n`` chunks stored, then looked up with one miss: n + 1 lookups, n hits."""
-    keys = [key(i, space) for i in range(n)]
-    with agent.data() as dc:
-        for k in keys:
-            dc.put(k, payload(k, 4096), tenant="t1")
-        dc.lookup([*keys, key(10_000, space)], tenant="t2")
 
 
 def _recorded(db: Engine, name: str) -> tuple[int, int]:
@@ -60,13 +51,13 @@ def test_an_agent_started_after_the_collector_counts_from_zero(
                         add_node(conn, "old", dc="fra", agent_url=old.state.control_url)
                         add_node(conn, "new", dc="fra", agent_url=new.state.control_url)
                     # counted before either's first scrape
-                    _traffic(old, 3, space=1)
-                    _traffic(new, 4, space=2)
+                    traffic(old, 3, space=1)
+                    traffic(new, 4, space=2)
                     first = collector.collect_once()
                     assert sorted(first.up) == ["new", "old"] and first.written
                     after_new = new.control().stats()["stats"]
-                    _traffic(old, 2, space=3)
-                    _traffic(new, 2, space=4)
+                    traffic(old, 2, space=3)
+                    traffic(new, 2, space=4)
                     assert collector.collect_once().written
                     new_stats = new.control().stats()["stats"]
             finally:
