@@ -136,7 +136,7 @@ class CounterTracker:
         prev = self._last.get(series)
         if series in self._rebased:
             self._rebased.discard(series)
-            if prev is not None and _older(prev, values, epoch, ts_ms):
+            if prev is not None and _older(prev, values, epoch):
                 # another writer read the source after this sample was taken, and counted up
                 # to its reading: nothing here is new, and its newer state stays
                 return {k: None if v is None else 0.0 for k, v in values.items()}
@@ -244,9 +244,9 @@ class CounterTracker:
         """After ``CountersMoved``: every series' state as saved (what this tracker computed
         since its last save is dropped, to be computed again from it), ``moved`` being those
         another writer saved. The next sample of each of those is checked against that state:
-        one the other writer's reading is newer than (fewer counts under the same epoch; an
-        earlier or equal stamp where the epochs do not tell) counts nothing and leaves the
-        state as saved, never read as a restart that counts it all again."""
+        one the other writer's reading is newer than (an earlier epoch; where the epochs do not
+        say a restart, any counter below the state's) counts nothing and leaves the state as
+        saved, never read as a restart that counts it all again."""
         self.forget()
         self.load(conn, ())
         self._rebased = set(moved)
@@ -294,18 +294,22 @@ class CounterTracker:
         return found
 
 
-def _older(
-    prev: _Last, values: Mapping[str, float | None], epoch: float | None, ts_ms: int
-) -> bool:
-    """Whether a sample (``values`` under ``epoch`` at ``ts_ms``) was read before ``prev``,
-    another writer's state: under the same epoch, some counter below the state's (counters
-    only grow within an epoch, whatever the two collectors' clocks say); else by the stamps."""
-    if epoch is not None and epoch == prev.epoch:
-        return any(
-            v is not None and (before := prev.values.get(k)) is not None and v < before
-            for k, v in values.items()
-        )
-    return ts_ms <= prev.ts_ms
+def _older(prev: _Last, values: Mapping[str, float | None], epoch: float | None) -> bool:
+    """Whether a sample (``values`` under ``epoch``) was read before ``prev``, another
+    writer's state of the same series. Where both epochs are known and differ, the earlier
+    run's sample is the older (a source's start times are on its own clock: comparable).
+    Otherwise (the same epoch, or either unknown: GPU energy and engines without a start time
+    have none) some counter below the state's says the sample is older: counters only grow
+    within a run, and a restart between the two readings is counted from the next sample.
+    The collectors' stamps (each one's cycle start, on its own host's clock, not when it read
+    the node) never decide: misordered, a sample read earlier but stamped later was read as a
+    reset, and counted its whole value (a GPU's all-time energy) as one interval's."""
+    if epoch is not None and prev.epoch is not None and epoch != prev.epoch:
+        return epoch < prev.epoch
+    return any(
+        v is not None and (before := prev.values.get(k)) is not None and v < before
+        for k, v in values.items()
+    )
 
 
 def _state_json(last: _Last) -> str:

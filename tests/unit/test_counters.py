@@ -238,3 +238,80 @@ def test_a_save_whose_transaction_rolled_back_is_not_another_writer(db) -> None:
     t.increase("cache:1:all", {"hits": 120.0}, epoch=5.0, ts_ms=20)
     with db.begin() as conn:
         assert t.save(conn) == 1
+
+
+def _rebased_after_other_saved(db, series: str, first: dict[str, float], epoch: float | None):  # type: ignore[no-untyped-def]
+    """Trackers ``mine`` and ``other``, both from ``first`` as saved at ts 1000."""
+    mine, other = CounterTracker(), CounterTracker()
+    with db.begin() as conn:
+        mine.load(conn, ())
+        mine.increase(series, first, epoch=epoch, ts_ms=1000)
+        mine.save(conn)
+    with db.begin() as conn:
+        other.load(conn, ())
+    return mine, other
+
+
+def _save_refused_then_rebase(db, t: CounterTracker) -> None:  # type: ignore[no-untyped-def]
+    import pytest
+
+    from kvctl.counters import CountersMoved
+
+    with pytest.raises(CountersMoved) as moved, db.begin() as conn:
+        t.save(conn)
+    with db.connect() as conn:
+        t.rebase(conn, moved.value.series)
+
+
+def test_a_rebased_sample_without_an_epoch_is_ordered_by_its_values_not_the_stamps(db) -> None:  # type: ignore[no-untyped-def]
+    # GPU energy has no epoch: the other collector's cycle began first (earlier stamp) but read
+    # the GPU last; this one's sample, stamped later, was read earlier (lower). Read as a
+    # reset by the stamps, it counted the GPU's all-time energy (1,000,200 J) for 300 J
+    s = "power:1:0"
+    mine, other = _rebased_after_other_saved(db, s, {"energy_j": 1_000_000.0}, None)
+    assert other.increase(s, {"energy_j": 1_000_300.0}, epoch=None, ts_ms=60_000) == {
+        "energy_j": 300.0
+    }
+    with db.begin() as conn:
+        other.save(conn)
+    assert mine.increase(s, {"energy_j": 1_000_200.0}, epoch=None, ts_ms=60_100) == {
+        "energy_j": 200.0
+    }
+    _save_refused_then_rebase(db, mine)
+    again = mine.increase(s, {"energy_j": 1_000_200.0}, epoch=None, ts_ms=60_100)
+    assert again == {"energy_j": 0.0}  # the other's newer state stays
+    with db.begin() as conn:
+        mine.save(conn)
+    # counting goes on from the other's reading: 300 + 0 + 100, the GPU's own 400
+    assert mine.increase(s, {"energy_j": 1_000_400.0}, epoch=None, ts_ms=120_000) == {
+        "energy_j": 100.0
+    }
+
+
+def test_a_rebased_sample_from_before_a_restart_counts_nothing_whatever_its_stamp(db) -> None:  # type: ignore[no-untyped-def]
+    # the other collector read the agent after its restart (epoch 2) though its cycle was
+    # stamped first; this one read it before the restart (epoch 1), stamped later. By the
+    # stamps, the sample was newer and a restart back into epoch 1: its 150 counted whole
+    s = "cache:1:all"
+    mine, other = _rebased_after_other_saved(db, s, {"hits": 100.0}, 1.0)
+    assert other.increase(s, {"hits": 30.0}, epoch=2.0, ts_ms=60_000) == {"hits": 30.0}
+    with db.begin() as conn:
+        other.save(conn)
+    mine.increase(s, {"hits": 150.0}, epoch=1.0, ts_ms=60_100)
+    _save_refused_then_rebase(db, mine)
+    assert mine.increase(s, {"hits": 150.0}, epoch=1.0, ts_ms=60_100) == {"hits": 0.0}
+    # and the restart's counts are counted once, by the other: this one goes on from its 30
+    assert mine.increase(s, {"hits": 45.0}, epoch=2.0, ts_ms=120_000) == {"hits": 15.0}
+
+
+def test_a_rebased_sample_from_after_a_restart_counts_from_zero_whatever_its_stamp(db) -> None:  # type: ignore[no-untyped-def]
+    # the other way round: this one's sample is under the newer epoch though stamped first
+    s = "cache:1:all"
+    mine, other = _rebased_after_other_saved(db, s, {"hits": 100.0}, 1.0)
+    assert other.increase(s, {"hits": 150.0}, epoch=1.0, ts_ms=60_100) == {"hits": 50.0}
+    with db.begin() as conn:
+        other.save(conn)
+    mine.increase(s, {"hits": 30.0}, epoch=2.0, ts_ms=60_000)
+    _save_refused_then_rebase(db, mine)
+    assert mine.increase(s, {"hits": 30.0}, epoch=2.0, ts_ms=60_000) == {"hits": 30.0}
+    assert mine.increase(s, {"hits": 45.0}, epoch=2.0, ts_ms=120_000) == {"hits": 15.0}
