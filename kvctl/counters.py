@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -67,8 +67,10 @@ class CountersMoved(Exception):
 #: restarts at every scrape, which needs only its latest
 _MAX_NOT_COUNTED = 1024
 
-#: series asked about per statement (SQLite allows 32,766 bound parameters)
+#: series written per statement (SQLite allows 32,766 bound parameters)
 _CHECK_BATCH = 500
+
+_TABLE = CounterState.__tablename__
 
 
 @dataclass(slots=True)
@@ -252,46 +254,94 @@ class CounterTracker:
         self._rebased = set(moved)
 
     def save(self, conn: Connection) -> int:
-        """Upsert the state of series changed since the last save; returns rows written."""
+        """Write the state of series changed since the last save; returns rows written.
+
+        Each series is compared and set in one statement: an existing one's row is updated
+        only where it still holds the state this tracker read or wrote (``ts_ms``), a new one
+        inserted only where no row exists yet. Any series missed (another writer saved it
+        since, or saves it now: PostgreSQL's row or key lock makes this one wait for that
+        writer's commit, SQLite's write lock serialises the two) refuses the save
+        (``CountersMoved``, naming every one missed); the caller rolls the transaction back.
+        A check read apart from its write let two savers both pass it and both write: SQLite
+        ignores ``FOR UPDATE`` and is not in a transaction before the first write, and a
+        series with no row yet had nothing to lock."""
         if not self._dirty:
             return 0
         dirty = sorted(self._dirty)
-        stored = dict(self._stored_ts_ms(conn, dirty))
-        # saved by another writer since this tracker read or wrote it (or where it knew none)
-        moved = [
-            s for s, ts in stored.items()
-            if ts not in (self._saved_ts_ms.get(s, -1), self._written_ts_ms.get(s, -1))
-        ]  # fmt: skip
+        state = {s: (_state_json(self._last[s]), self._last[s].ts_ms) for s in dirty}
+        # what the database held before this save, as this tracker expects it: the state its
+        # last save wrote (its transaction committed), else the one before it (rolled back, or
+        # read by ``load``); None: no row
+        old: dict[str, int | None] = {}
+        first = {
+            s: w if (w := self._written_ts_ms.get(s)) is not None else self._saved_ts_ms.get(s)
+            for s in dirty
+        }
+        for s in self._update(conn, state, {s: ts for s, ts in first.items() if ts is not None}):
+            old[s] = first[s]
+        before = {
+            s: ts
+            for s in dirty
+            if s not in old and s in self._written_ts_ms
+            and (ts := self._saved_ts_ms.get(s)) is not None
+        }  # fmt: skip
+        for s in self._update(conn, state, before):
+            old[s] = before[s]
+        no_row = [s for s in dirty if s not in old and self._saved_ts_ms.get(s) is None]
+        for s in self._insert(conn, state, no_row):
+            old[s] = None
+        moved = [s for s in dirty if s not in old]
         if moved:
-            raise CountersMoved(sorted(moved))
-        rows: list[dict[str, Any]] = [
-            {"series": s, "state": _state_json(self._last[s]), "ts_ms": self._last[s].ts_ms}
-            for s in sorted(self._dirty)
-        ]
-        insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
-        stmt = insert(CounterState).values(rows)
-        conn.execute(
-            stmt.on_conflict_do_update(
-                index_elements=["series"],
-                set_={"state": stmt.excluded.state, "ts_ms": stmt.excluded.ts_ms},
-            )
-        )
+            raise CountersMoved(moved)
         for s in dirty:
-            self._saved_ts_ms[s] = stored.get(s)
-            self._written_ts_ms[s] = self._last[s].ts_ms
+            self._saved_ts_ms[s] = old[s]
+            self._written_ts_ms[s] = state[s][1]
         self._dirty.clear()
-        return len(rows)
+        return len(dirty)
 
     @staticmethod
-    def _stored_ts_ms(conn: Connection, series: list[str]) -> list[tuple[str, int]]:
-        """(series, ts_ms) as saved, for those of ``series`` that are; locked against other
-        writers until the transaction ends where the database can (PostgreSQL)."""
-        found: list[tuple[str, int]] = []
+    def _update(
+        conn: Connection, state: dict[str, tuple[str, int]], expected: dict[str, int]
+    ) -> set[str]:
+        """Write ``state`` of each series in ``expected`` whose row's ``ts_ms`` is still the
+        one expected; returns the series written."""
+        written: set[str] = set()
+        series = sorted(expected)
         for i in range(0, len(series), _CHECK_BATCH):
             part = series[i : i + _CHECK_BATCH]
-            q = select(CounterState.series, CounterState.ts_ms).where(CounterState.series.in_(part))
-            found += [(s, ts) for s, ts in conn.execute(q.with_for_update())]
-        return found
+            params: dict[str, Any] = {}
+            rows = []
+            for n, s in enumerate(part):
+                params.update({f"s{n}": s, f"j{n}": state[s][0], f"t{n}": state[s][1]})
+                params[f"e{n}"] = expected[s]
+                rows.append(
+                    f"(CAST(:s{n} AS VARCHAR(255)), CAST(:j{n} AS TEXT), "
+                    f"CAST(:t{n} AS BIGINT), CAST(:e{n} AS BIGINT))"
+                )
+            stmt = text(
+                f"WITH v(sid, new_state, new_ts, expected) AS (VALUES {', '.join(rows)}) "
+                f"UPDATE {_TABLE} SET state = v.new_state, ts_ms = v.new_ts FROM v "
+                f"WHERE {_TABLE}.series = v.sid AND {_TABLE}.ts_ms = v.expected "
+                "RETURNING series"
+            )
+            written.update(conn.execute(stmt, params).scalars())
+        return written
+
+    @staticmethod
+    def _insert(conn: Connection, state: dict[str, tuple[str, int]], series: list[str]) -> set[str]:
+        """Insert ``state`` of each of ``series`` that has no row; returns those inserted."""
+        insert = pg_insert if conn.dialect.name == "postgresql" else sqlite_insert
+        written: set[str] = set()
+        for i in range(0, len(series), _CHECK_BATCH):
+            rows = [
+                {"series": s, "state": state[s][0], "ts_ms": state[s][1]}
+                for s in series[i : i + _CHECK_BATCH]
+            ]
+            stmt = (
+                insert(CounterState).values(rows).on_conflict_do_nothing(index_elements=["series"])
+            )
+            written.update(conn.execute(stmt.returning(CounterState.series)).scalars())
+        return written
 
 
 def _older(prev: _Last, values: Mapping[str, float | None], epoch: float | None) -> bool:

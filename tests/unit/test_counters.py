@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -315,3 +316,47 @@ def test_a_rebased_sample_from_after_a_restart_counts_from_zero_whatever_its_sta
     _save_refused_then_rebase(db, mine)
     assert mine.increase(s, {"hits": 30.0}, epoch=2.0, ts_ms=60_000) == {"hits": 30.0}
     assert mine.increase(s, {"hits": 45.0}, epoch=2.0, ts_ms=120_000) == {"hits": 15.0}
+
+
+@pytest.mark.parametrize("existing", [True, False], ids=["existing", "new"])
+def test_a_save_is_refused_where_another_saves_between_its_read_and_its_write(db, existing) -> None:  # type: ignore[no-untyped-def]
+    # two collectors count the same interval of one series (a new one: both count it from zero
+    # as the agent started while watched); the other saves right before this one writes,
+    # after anything this one's save read. Both saves landed before: SQLite ignores FOR
+    # UPDATE and took no lock before the write; a series with no row had nothing to lock
+    from sqlalchemy import event, select
+
+    from kvctl.counters import CountersMoved
+    from kvctl.db.models import CounterState
+
+    s = "cache:1:all"
+    mine, other = CounterTracker(), CounterTracker()
+    if existing:
+        with db.begin() as conn:
+            mine.increase(s, {"hits": 100.0}, epoch=5.0, ts_ms=0)
+            mine.save(conn)
+    for t in (mine, other):
+        with db.connect() as conn:
+            t.load(conn, ())
+        t.started_while_watched(5.0, 0)
+    counted = {"hits": 50.0 if existing else 150.0}
+    assert mine.increase(s, {"hits": 150.0}, epoch=5.0, ts_ms=10) == counted
+    assert other.increase(s, {"hits": 150.0}, epoch=5.0, ts_ms=11) == counted
+    fired: list[str] = []
+
+    def other_saves_first(_conn, _cursor, statement: str, *_args) -> None:  # type: ignore[no-untyped-def]
+        write = statement.lstrip().upper().startswith(("INSERT", "UPDATE", "WITH"))
+        if fired or not write or "counter_state" not in statement:
+            return
+        fired.append(statement)
+        with db.begin() as conn2:
+            if conn2.dialect.name == "postgresql":  # no deadlock where a lock is held
+                conn2.exec_driver_sql("SET LOCAL lock_timeout = '5s'")
+            other.save(conn2)
+
+    with pytest.raises(CountersMoved) as moved, db.begin() as conn:
+        event.listen(conn, "before_cursor_execute", other_saves_first)
+        mine.save(conn)
+    assert fired and moved.value.series == [s]
+    with db.connect() as conn:
+        assert conn.execute(select(CounterState.ts_ms)).scalars().all() == [11]  # the other's
