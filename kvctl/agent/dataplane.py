@@ -280,6 +280,10 @@ def _remove_stale_socket(path: Path) -> None:
 #: connections the kernel queues for a data plane listener (TCP or Unix) before it accepts them
 LISTEN_BACKLOG = 128
 
+#: the over-cap reserve (``DataPlaneServer.over_cap_reserve``) holds this many sources' worth of
+#: ``data_max_unauthenticated_per_source``: one address fills half of it at most
+OVER_CAP_RESERVE_SOURCES = 2
+
 
 def bind_tcp(host: str, port: int, *, listen: bool = True) -> socket.socket:
     """The data plane's TCP socket on ``host:port`` (IPv6 where the host has a colon; port 0:
@@ -322,13 +326,16 @@ class DataPlaneServer:
         self.runtime = runtime
         settings = runtime.settings
         #: open connections each transport keeps at most (a flood of TCP connections cannot
-        #: lock local engines out of the Unix socket). Past it, on TCP, an idle connection is
-        #: closed to make room (``_close_idle``); a new one is refused only when none is idle
+        #: lock local engines out of the Unix socket). Past it, on TCP, a new connection is
+        #: taken into the over-cap reserve while an idle one could make room for it, and the
+        #: idle one is closed (``_close_idle``) only once the new one authenticates
+        #: (``make_room``); a new one is refused when none is idle or the reserve is full
         self.max_connections = (
             settings.data_max_connections if max_connections is None else max_connections
         )
         #: TCP connections one source address may hold in all: past it, that source's own
-        #: longest idle connection is closed to make room, or (none idle) the new one refused.
+        #: longest idle connection is closed to make room once the new one authenticates (as
+        #: above), or (none idle) the new one refused.
         #: One client (a leaking connection pool, or a hostile one) holds this many of the
         #: ``max_connections`` at most, idle or busy
         self.max_connections_per_source = (
@@ -344,6 +351,13 @@ class DataPlaneServer:
             if max_unauthenticated_per_source is None
             else max_unauthenticated_per_source
         )
+        #: TCP connections taken past ``max_connections`` or ``max_connections_per_source``
+        #: before they authenticate, all sources together (each source also holds at most
+        #: ``max_unauthenticated_per_source`` of them, as of any not yet authenticated): twice
+        #: that, so one address cannot fill it. A connection here closes an idle one to make
+        #: room only once it authenticates; one that never does is closed at its HELLO deadline
+        #: and closes none
+        self.over_cap_reserve = OVER_CAP_RESERVE_SOURCES * self.max_unauthenticated_per_source
         self.hello_timeout_s = hello_timeout_s
         #: by the setting whose cap refused them
         self.refused_connections = Refusals()
@@ -394,6 +408,8 @@ class DataPlaneServer:
         self._unauthenticated: collections.Counter[str] = collections.Counter()
         #: open TCP connections, by source address
         self._by_source: collections.Counter[str] = collections.Counter()
+        #: TCP connections in the over-cap reserve (``Connection.over_cap`` set)
+        self._over_cap = 0
         self._lock = threading.Lock()
         self.tcp_address: tuple[str, int] | None = None
         self.unix_path: Path | None = None
@@ -498,45 +514,91 @@ class DataPlaneServer:
                 conn_sock.close()
                 continue
             with self._lock:
-                refused_by = self._admit(transport, source)
+                refused_by, over_cap = self._admit(transport, source)
                 if refused_by is None:
                     conn = Connection(self, conn_sock, transport, source)
+                    conn.over_cap = over_cap
                     self._conns.add(conn)
             if refused_by is not None:
                 self._refuse(conn_sock, transport, source, refused_by)
                 continue
             conn.thread.start()
 
-    def _admit(self, transport: str, source: str | None) -> str | None:
-        """Take a slot for a new connection (the caller holds ``_lock``); or the setting whose
-        cap refuses it. ``source``: a TCP client's ``source_key`` (None on the Unix socket).
-        A TCP connection over a cap takes the slot of an idle one, closed for it, where there
-        is one (``_close_idle``); the caps on connections not yet authenticated close none."""
-        if source is not None:
-            if self._unauthenticated[source] >= self.max_unauthenticated_per_source:
-                return "data_max_unauthenticated_per_source"
-            cap = "data_max_connections_per_source"
-            held = self._by_source[source]
-            if held >= self.max_connections_per_source and not self._close_idle(cap, source):
-                return cap
-        if self._open[transport] >= self.max_connections and (
-            source is None or not self._close_idle("data_max_connections")
-        ):
-            return "data_max_connections"
+    def _admit(self, transport: str, source: str | None) -> tuple[str | None, str | None]:
+        """Take a slot for a new connection (the caller holds ``_lock``): (None, the cap it is
+        over, if any) or (the setting whose cap refuses it, None). ``source``: a TCP client's
+        ``source_key`` (None on the Unix socket). A TCP connection over a cap is taken into the
+        over-cap reserve where an idle connection could make room for it: that one is closed
+        only once the new one authenticates (``make_room``), so connections that never do
+        (no token, a wrong one) close none; the caps on those not yet authenticated close none
+        either."""
+        if source is None:
+            if self._open[transport] >= self.max_connections:
+                return "data_max_connections", None
+            self._open[transport] += 1
+            return None, None
+        if self._unauthenticated[source] >= self.max_unauthenticated_per_source:
+            return "data_max_unauthenticated_per_source", None
+        over: str | None = None
+        if self._by_source[source] >= self.max_connections_per_source:
+            over = "data_max_connections_per_source"
+            if self._over_cap >= self.over_cap_reserve or not self._has_idle(source):
+                return over, None
+        elif self._open[transport] >= self.max_connections:
+            over = "data_max_connections"
+            if self._over_cap >= self.over_cap_reserve or not self._has_idle():
+                return over, None
+        if over is not None:
+            self._over_cap += 1
         self._open[transport] += 1
-        if source is not None:
-            self._unauthenticated[source] += 1
-            self._by_source[source] += 1
-        return None
+        self._unauthenticated[source] += 1
+        self._by_source[source] += 1
+        return None, over
+
+    def _has_idle(self, source: str | None = None) -> bool:
+        """Whether a TCP connection (``source``'s where given) is idle now, with no leases: one
+        ``_close_idle`` could close (the caller holds ``_lock``)."""
+        return any(
+            conn.transport == "tcp"
+            and conn.idle_since is not None
+            and not conn.holds_leases
+            and (source is None or conn.source == source)
+            for conn in self._conns
+        )
+
+    def make_room(self, conn: Connection) -> bool:
+        """``conn`` has authenticated (its HELLO with the token; no token: its first frame):
+        if it came over a cap (the over-cap reserve) and the connections are still over it,
+        close one idle connection to make room, as ``_close_idle`` chooses (its own source's
+        past ``max_connections_per_source``; else the source holding the most's), the longest
+        idle first. False when none may be closed: ``conn`` is then refused (BUSY) and closed,
+        staying in the reserve until it is gone."""
+        with self._lock:
+            if conn.over_cap is None or conn not in self._conns:
+                return True
+            source = conn.source
+            assert source is not None  # only TCP connections go over a cap
+            if self._by_source[source] > self.max_connections_per_source and not (
+                self._close_idle("data_max_connections_per_source", source)
+            ):
+                return False
+            if self._open[conn.transport] > self.max_connections and not self._close_idle(
+                "data_max_connections"
+            ):
+                return False
+            conn.over_cap = None
+            self._over_cap -= 1
+            return True
 
     def _close_idle(self, cap: str, source: str | None = None) -> bool:
         """Close one idle TCP connection (the caller holds ``_lock``) to make room for a new one
-        over ``cap``, and free its slot at once; False when none may be closed. Idle: its first
-        frame served and no request in flight, no bytes of the next one waiting unread, no
-        leases held. Among them, one of ``source``'s where given, else one of the source holding
-        the most connections (the client filling the cap, not the engines and peers elsewhere);
-        then the one idle the longest. Refusing the newcomer instead let one client with
-        idle connections (a leaking connection pool, or a hostile one) lock every other out."""
+        over ``cap`` that has authenticated (``make_room``), and free its slot at once; False
+        when none may be closed. Idle: its first frame served and no request in flight, no
+        bytes of the next one waiting unread, no leases held. Among them, one of ``source``'s
+        where given, else one of the source holding the most connections (the client filling
+        the cap, not the engines and peers elsewhere); then the one idle the longest. Refusing
+        the newcomer instead let one client with idle connections (a leaking connection pool,
+        or a hostile one) lock every other out."""
         candidates = []
         for conn in self._conns:
             idle_since = conn.idle_since
@@ -654,6 +716,9 @@ class DataPlaneServer:
     def _drop(self, conn: Connection) -> None:
         """Free ``conn``'s slots (the caller holds ``_lock``)."""
         self._conns.discard(conn)
+        if conn.over_cap is not None:
+            conn.over_cap = None
+            self._over_cap -= 1
         self._open[conn.transport] -= 1
         self._forget_unauthenticated(conn)
         if conn.source is not None:
@@ -703,6 +768,10 @@ class Connection:
         self.transport = transport
         #: the TCP client's ``source_key`` (None on the Unix socket)
         self.source = source
+        #: the cap a TCP connection was taken past, into the server's over-cap reserve, until
+        #: it authenticates and an idle connection is closed for it (``DataPlaneServer.make_room``;
+        #: set and cleared under the server's ``_lock``)
+        self.over_cap: str | None = None
         self.authed = not server.token
         #: the TCP client's address while its first frame is not yet served (it holds one of
         #: that address's ``max_unauthenticated_per_source`` slots); None after, and on Unix
@@ -869,29 +938,49 @@ class Connection:
 
     def _read_header(self, view: memoryview) -> bool:
         """Wait for the next frame: without a timeout once the connection's first frame is
-        served (idle connections are fine), until its HELLO deadline before that."""
+        served (idle connections are fine), until its HELLO deadline before that. An idle TCP
+        connection (one ``close_to_make_room`` may close) waits for its next request's bytes
+        without taking any of them, and marks itself busy before it reads them: one closed to
+        make room never has its request read and left unanswered (``close_to_make_room`` sees
+        the bytes waiting and leaves it open)."""
         with self._state_lock:
             self.busy_since = None
             if self._closed or self.server.stopping:
                 return False
-            if self._hello_deadline_s is None:
+            idle = self._hello_deadline_s is None
+            if idle:
                 self.idle_since = time.monotonic()
         self._max_fds = MAX_FDS_PER_FRAME
         self._fds_refused = 0
-        first = (
-            self.sock.recv_into(view, HEADER_BYTES)
-            if self.transport == "tcp"
-            else self._recv_some_unix(view)
-        )
-        if first == 0:
-            return False
-        self._moved_bytes = first
-        self._frame_rid = None
-        with self._state_lock:
-            self.idle_since = None
-            if self._closed:  # closed to make room as its request came: not served
+        if idle and self.transport == "tcp":
+            if self.sock.recv_into(view, 1, socket.MSG_PEEK) == 0:
+                return False  # closed by its client, or shut by the agent
+            self._moved_bytes = 0
+            self._frame_rid = None
+            with self._state_lock:
+                self.idle_since = None
+                if self._closed:  # closed to make room before its request came: not read
+                    return False
+                self.busy_since = time.monotonic()
+            first = self.sock.recv_into(view, HEADER_BYTES)
+            if first == 0:
                 return False
-            self.busy_since = time.monotonic()
+            self._moved_bytes = first
+        else:
+            first = (
+                self.sock.recv_into(view, HEADER_BYTES)
+                if self.transport == "tcp"
+                else self._recv_some_unix(view)
+            )
+            if first == 0:
+                return False
+            self._moved_bytes = first
+            self._frame_rid = None
+            with self._state_lock:
+                self.idle_since = None
+                if self._closed:  # closed as its request came (the agent stopping): not served
+                    return False
+                self.busy_since = time.monotonic()
         if first < HEADER_BYTES:
             self._recv(view[first:])
         return True
@@ -1013,6 +1102,8 @@ class Connection:
             self._send_error(rid, exc)
             return False
         try:
+            if self.over_cap is not None and self.authed:  # no token: its first frame
+                self._take_room()
             self._check_fds_passed(op, payload_len)
             handler = self._handlers.get(op)
             if handler is None:
@@ -1140,7 +1231,31 @@ class Connection:
         if self.server.token and not hmac.compare_digest(token, self.server.token):
             raise FrameError(ErrorCode.UNAUTHORIZED, "wrong or missing token", fatal=True)
         self.authed = True
+        if self.over_cap is not None:
+            self._take_room()
         return [json.dumps(self.server.hello_info()).encode()], 0
+
+    def _take_room(self) -> None:
+        """This connection, taken past a cap, has authenticated: an idle one is closed for it
+        (``DataPlaneServer.make_room``), or (none idle any more) it is refused, BUSY (fatal)."""
+        cap = self.over_cap
+        if self.server.make_room(self):
+            return
+        n = self.server.refused_connections.count(cap or "data_max_connections")
+        if n:
+            log.warning(
+                "data plane tcp connections at the limit (%s): refused %d connection(s) that "
+                "authenticated when none was idle to make room for them, the last from %s",
+                cap,
+                n,
+                self.source,
+            )
+        raise FrameError(
+            ErrorCode.BUSY,
+            f"this agent's tcp connections are at their limit ({cap}) and none is idle to "
+            "make room; retry later",
+            fatal=True,
+        )
 
     def _put(self, meta: MetaReader, payload_len: int) -> Reply:
         """Chunks received from the socket and stored one by one. A PUT that carries checksums
@@ -1635,6 +1750,10 @@ class Connection:
         return [b""], 0
 
     # --- teardown ---------------------------------------------------------------------------
+    @property
+    def holds_leases(self) -> bool:
+        return bool(self._leases)
+
     def close_to_make_room(self) -> bool:
         """Close this connection if it is idle (``DataPlaneServer._close_idle``): waiting for
         its next frame with none of its bytes unread, and holding no leases (their chunks would
@@ -1646,7 +1765,9 @@ class Connection:
             poller = select.poll()  # not select(): descriptors past 1024 are common here
             poller.register(self.sock, select.POLLIN)
             if poller.poll(0):
-                return False  # its next request (or its close) is already here
+                # its next request (or its close) is here: its reader, waiting on it without
+                # reading (``_read_header``), serves it
+                return False
             self._closed = True
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)

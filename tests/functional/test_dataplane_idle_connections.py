@@ -193,3 +193,136 @@ def test_one_source_holds_its_share_of_all_tcp_connections(
     assert _reply(other)[0] == Op.PING | REPLY
     for sock in [*mine, newest, refused, other]:
         sock.close()
+
+
+@pytest.fixture
+def quick_hello_node(tmp_path: Path) -> Iterator[InProcessNode]:
+    """Connections that send no HELLO are closed after 2 s (they would be after 5); two not yet
+    authenticated per source (the over-cap reserve: four)."""
+    config = AgentSettings(
+        name="idle",
+        data_dir=str(tmp_path),
+        cpu_bytes=4 << 20,
+        token=TOKEN,
+        data_max_unauthenticated_per_source=2,
+    )
+    n = InProcessNode(
+        tmp_path,
+        config,
+        [CpuTier(4 << 20, shared=True)],
+        max_connections=MAX_CONNECTIONS,
+        hello_timeout_s=2.0,
+    )
+    yield n
+    n.close()
+
+
+def test_newcomers_that_never_authenticate_close_no_idle_connection(
+    quick_hello_node: InProcessNode,
+) -> None:
+    """At the cap, a newcomer is only let in provisionally: an idle connection is closed for it
+    once it authenticates, never for one that sends no HELLO or a wrong token (before: any
+    newcomer closed an engine's or peer's idle connection, so a client without the token
+    closed them all, again every hello_timeout_s)."""
+    node = quick_hello_node
+    engines = [_idle_from(node, "127.0.0.2") for _ in range(MAX_CONNECTIONS)]
+    wait_until("the engines to idle", lambda: _all_idle(node), 10)
+    # without the token, from three addresses: each holds 2 not yet authenticated at most, and
+    # all together the over-cap reserve's 4 (twice that); past it, BUSY at once
+    silent = [_tcp_from(node, f"127.0.0.{i}") for i in (3, 4) for _ in range(2)]
+    refused = [_tcp_from(node, "127.0.0.5") for _ in range(2)]
+    for sock in refused:
+        op, meta = _reply(sock)
+        assert op == Op.ERROR
+        code, message = parse_error(meta)
+        assert code == ErrorCode.BUSY and "at most 12 tcp connections" in message, message
+    wrong = _tcp_from(node, "127.0.0.3")  # its address's share is full too
+    op, meta = _reply(wrong)
+    assert op == Op.ERROR and parse_error(meta)[0] == ErrorCode.BUSY
+    assert node.server.refused_connections.by_reason == {
+        "data_max_connections": 2,
+        "data_max_unauthenticated_per_source": 1,
+    }
+    # the silent ones are closed at their HELLO deadline, told why
+    for sock in silent:
+        op, meta = _reply(sock)
+        assert op == Op.ERROR and parse_error(meta)[0] == ErrorCode.TIMEOUT
+        assert closed_within(sock)
+        sock.close()
+    wait_until("them to be gone", lambda: len(node.server._conns) == MAX_CONNECTIONS, 10)
+    # one sends a HELLO with a wrong token: refused, and closes nothing either
+    bad = _tcp_from(node, "127.0.0.3")
+    meta = MetaWriter().text("not-the-token").text("idle-test").build()
+    bad.sendall(pack_header(Op.HELLO, 1, len(meta)) + meta)
+    op, reply = _reply(bad)
+    assert op == Op.ERROR and parse_error(reply)[0] == ErrorCode.UNAUTHORIZED
+    assert closed_within(bad)
+    wait_until("the newcomers to be gone", lambda: len(node.server._conns) == MAX_CONNECTIONS, 10)
+    assert _closed(engines) == []
+    assert node.server.idle_closed.total == 0
+    for sock in engines:
+        sock.sendall(pack_header(Op.PING, 2, 0))
+        assert _reply(sock)[0] == Op.PING | REPLY
+    wait_until("the engines to idle", lambda: _all_idle(node), 10)
+    # one that authenticates still gets room: an idle engine connection is closed for it
+    newcomer = _idle_from(node, "127.0.0.6")
+    assert node.server.idle_closed.by_reason == {"data_max_connections": 1}
+    wait_until("an engine connection to close", lambda: len(_closed(engines)) >= 1, 10)
+    assert len(_closed(engines)) == 1
+    for sock in [*engines, *silent, *refused, wrong, newcomer]:
+        sock.close()
+
+
+def test_the_longest_idle_connection_of_the_source_holding_the_most_makes_room(
+    node: InProcessNode,
+) -> None:
+    older = _idle_from(node, "127.0.0.2")  # idle the longest, but its source holds one
+    wait_until("it to idle", lambda: _all_idle(node), 10)
+    oldest = _idle_from(node, "127.0.0.1")
+    wait_until("it to idle", lambda: _all_idle(node), 10)
+    rest = [_idle_from(node, "127.0.0.1") for _ in range(MAX_CONNECTIONS - 2)]
+    wait_until("them to idle", lambda: _all_idle(node), 10)
+    newcomer = _idle_from(node, "127.0.0.3")
+    wait_until("one to close", lambda: len(_closed([older, oldest, *rest])) >= 1, 10)
+    assert _closed([older, oldest, *rest]) == [oldest]
+    for sock in [older, oldest, *rest, newcomer]:
+        sock.close()
+
+
+class _ClosingAsItReads:
+    """A connection's socket that, each time a request's bytes are taken from it (a receive,
+    not a peek), has the connection closed to make room at once: what a newcomer's
+    ``make_room`` may do in that moment, before the reader takes its state lock."""
+
+    def __init__(self, conn: Any) -> None:
+        self._conn = conn
+        self._sock = conn.sock
+        self.closed: list[bool] = []
+
+    def recv_into(self, view: Any, nbytes: int = 0, flags: int = 0) -> int:
+        n: int = self._sock.recv_into(view, nbytes, flags)
+        if n and not flags & socket.MSG_PEEK:
+            self.closed.append(self._conn.close_to_make_room())
+        return n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def test_a_connection_whose_request_was_read_is_not_closed_to_make_room(
+    node: InProcessNode,
+) -> None:
+    """The reviewer's race: the reader took a request's bytes off the socket, then
+    ``close_to_make_room`` (holding the state lock first) saw nothing waiting and closed the
+    connection: the request was dropped unanswered."""
+    sock = _idle_from(node, "127.0.0.1")
+    wait_until("it to idle", lambda: _all_idle(node), 10)
+    with node.server._lock:
+        (conn,) = node.server._conns
+    spy = _ClosingAsItReads(conn)
+    conn.sock = spy
+    for rid in (2, 3):  # the first may be read by a receive that began before the spy
+        sock.sendall(pack_header(Op.PING, rid, 0))
+        assert _reply(sock)[0] == Op.PING | REPLY
+    assert spy.closed and not any(spy.closed)
+    sock.close()
