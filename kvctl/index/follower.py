@@ -32,12 +32,13 @@ thread pool, so one slow agent (bounded by a short per-request timeout) never de
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -192,6 +193,10 @@ class Follower:
         self._cursor = 0
         self._since_s = clock()  # when following started (for an agent never heard from)
         self._last_ok_s: float | None = None
+        #: when the request to the agent now in flight was sent (None: none in flight): only
+        #: that time is the agent's silence, never a poll's wait for a pool thread or the
+        #: index's writes
+        self._asking_since_s: float | None = None
         self._failing = False
         self.applied = 0
         self.resyncs = 0
@@ -272,8 +277,17 @@ class Follower:
         """The agent's events answer, at most ``EVENT_ANSWER_BYTES`` an event asked for."""
         from kvctl.deadline_transport import at_most
 
-        with at_most(max(MIN_EVENTS_ANSWER_BYTES, limit * EVENT_ANSWER_BYTES)):
+        with at_most(max(MIN_EVENTS_ANSWER_BYTES, limit * EVENT_ANSWER_BYTES)), self._asking():
             return self._client.events(after=after, limit=limit)
+
+    @contextlib.contextmanager
+    def _asking(self) -> Iterator[None]:
+        """A request to the agent in flight for the block (``up`` counts its silence)."""
+        self._asking_since_s = self._clock()
+        try:
+            yield
+        finally:
+            self._asking_since_s = None
 
     def _index_damage(self) -> str:
         """Why the index no longer holds what our resync and events wrote: "index_lost" (its
@@ -346,7 +360,8 @@ class Follower:
         after: str | None = None
         listed = 0
         while True:
-            page = self._client.keys(limit=LISTING_PAGE, after=after)
+            with self._asking():
+                page = self._client.keys(limit=LISTING_PAGE, after=after)
             items = page.get("items")
             if not isinstance(items, list):
                 raise ValueError(f"{self._shown_url}/v1/keys answered without items")
@@ -462,20 +477,23 @@ class Follower:
             )
 
     # --- state ---------------------------------------------------------------------------
-    def _silent_s(self) -> float:
-        return self._clock() - (self._since_s if self._last_ok_s is None else self._last_ok_s)
+    def _asked_long(self) -> bool:
+        """A request to the agent has been in flight for ``drop_after_s``: its answer, if any,
+        trickles. Time a poll waits for a pool thread (other agents' hung polls) or spends on
+        the index is not the agent's, and a healthy agent must not go down for it."""
+        since = self._asking_since_s
+        return since is not None and self._clock() - since >= self.drop_after_s
 
     @property
     def up(self) -> bool:
-        """The agent answered, and last less than ``drop_after_s`` ago: a poll still in flight
-        (an agent trickling its answer) keeps no agent up past that."""
-        return self._up is True and self._silent_s() < self.drop_after_s
+        """The agent answered its last request, and none to it has been in flight for
+        ``drop_after_s`` (an agent trickling its answer is no longer up)."""
+        return self._up is True and not self._asked_long()
 
     @property
     def down(self) -> bool:
-        """Marked down, or silent for ``drop_after_s`` whatever polls are in flight (an agent
-        never heard from is down once it has been followed that long)."""
-        return self._up is False or self._silent_s() >= self.drop_after_s
+        """Marked down, or a request to it in flight for ``drop_after_s``."""
+        return self._up is False or self._asked_long()
 
     def status(self, *, entries: Mapping[str, int] | None = None) -> dict[str, Any]:
         """The follower's state; ``last_ok_s`` is how many seconds ago the agent last answered

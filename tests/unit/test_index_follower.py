@@ -478,6 +478,26 @@ def test_an_agent_trickling_its_answer_is_down_after_drop_after_s_and_its_poll_g
         follower.close()
 
 
+def test_a_healthy_agent_whose_poll_waits_for_a_thread_stays_up() -> None:
+    """Only a request in flight is the agent's silence: a poll that waits in the pool behind
+    other agents' hung polls (16 threads; 128 hung agents did it in a review's run), or the
+    time the index takes, is not. Before, up meant "answered less than drop_after_s ago",
+    so every healthy node went down while the pool was busy and routing stopped."""
+    now = [100.0]
+    index = EmbeddedIndex()
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    with scripted(script) as url:
+        follower = Follower(index, "a", url, drop_after_s=3.0, clock=lambda: now[0])
+        follower.poll_once()
+        assert follower.up
+        now[0] += 30.0  # no poll of this agent ran meanwhile: none was in flight
+        assert follower.up and not follower.down
+        assert follower.status()["up"] is True
+        follower.poll_once()
+        assert follower.up
+        follower.close()
+
+
 def test_an_agent_listing_without_end_is_failed_past_max_listing_chunks() -> None:
     """An agent whose /v1/keys pages never end (each a full page, its cursor advancing): the
     resync stops past max_listing_chunks, the poll failed with that reason and nothing
