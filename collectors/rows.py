@@ -47,25 +47,35 @@ def _field(tier: str, counter: str) -> str:
     return f"stats.tiers.{tier}.{counter}"
 
 
-def hits_beyond_lookups(increases: Mapping[str, Mapping[str, float | None]]) -> dict[str, str]:
+def hits_beyond_lookups(
+    increases: Mapping[str, Mapping[str, float | None]],
+    values: Mapping[str, Mapping[str, float | None]] | None = None,
+) -> dict[str, str]:
     """The figures of one interval (each tier's increases, ``all`` the node's) whose hits cannot
     be true, by field, with why: hits (chunks, of a tier, reuse or sharing hits) that rose more
-    than the node's chunk lookups, hit tokens more than its lookup tokens. An agent counts a
-    lookup's chunks and tokens with its hits, in one step under its store's lock (hits beyond
-    the node, from peers or the pool, were counted in its lookups as misses), so no interval of
-    a sound agent has more. Also the node's lookups whose increase was dropped as faster than
-    any agent counts (``kvctl.counters.MAX_INCREASE_PER_S``): the interval's hits have nothing
-    to be read over."""
+    than the node's chunk lookups, hit tokens more than its lookup tokens, where the agent's
+    own counts since its start (``values``, by tier) say so too. An interval of a sound agent
+    can have more: it counts a lookup's remote hits (from peers or the pool) just after the
+    lookup, not in the same step, and moves a hit between reuse and sharing when the copy
+    arrives (``kvctl.remote.counting``), so a scrape between the two puts hits in the next
+    interval; but its counts since its start never have more hits than lookups. Also the node's
+    lookups whose increase was dropped as faster than any agent counts
+    (``kvctl.counters.MAX_INCREASE_PER_S``): the interval's hits have nothing to be read
+    over."""
     node = increases.get("all", {})
+    totals = (values or {}).get("all", {})
     out: dict[str, str] = {}
     for tier, inc in increases.items():
+        counts = (values or {}).get(tier, {})
         for part, whole in HIT_PARTS:
             rose, of = inc.get(part), node.get(whole)
             if rose is None or not rose:
                 continue
             if of is None:
                 out[_field("all", whole)] = "rose faster than any agent counts"
-            elif rose > of:
+                continue
+            total, total_of = counts.get(part), totals.get(whole)
+            if rose > of and (total is None or total_of is None or total > total_of):
                 out[_field(tier, part)] = f"rose more than {_field('all', whole)}"
     return out
 
@@ -118,7 +128,8 @@ def cache_rows(
         for tier, (_gauges, counters) in tiers.items():
             series = f"cache:{node_id}:{tier}"
             increases[tier] = tracker.increase(series, counters, epoch=epoch, ts_ms=ts_ms)
-        if impossible := hits_beyond_lookups(increases):
+        values = {tier: counters for tier, (_gauges, counters) in tiers.items()}
+        if impossible := hits_beyond_lookups(increases, values):
             for where, why in impossible.items():
                 if rejected is not None:
                     rejected.add(where, f"{why} since the last scrape")
