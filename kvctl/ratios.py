@@ -70,11 +70,10 @@ class HitCounts:
 
     @property
     def impossible(self) -> bool:
-        """Whether these counts cannot be true: more hits than lookups, or more reuse or
-        sharing hits than hits (each a part of the one before)."""
-        return (
-            self.hits > self.lookups or self.reuse_hits > self.hits or self.sharing_hits > self.hits
-        )
+        """Whether these counts cannot be true: more hits than lookups. (Not reuse or sharing
+        hits against hits: an agent moves a hit between the two when its copy arrives, up to
+        30 s after the lookup, so a span can hold a move without its hit.)"""
+        return self.hits > self.lookups
 
     def unknown_hits(self) -> None:
         """Make the four hit counts unknown (0, reported None): a sum over nodes leaves them

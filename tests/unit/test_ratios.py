@@ -53,3 +53,15 @@ def test_a_sum_takes_all_four_hit_counts_or_none() -> None:
     assert (total.lookups, total.hits, total.reuse_hits, total.sharing_hits) == (10, 4, 3, 1)
     assert HitCounts(unknown=frozenset({"hits"})).summed_unknown == HIT_COUNT_NAMES
     assert HitCounts(unknown=frozenset({"other"})).summed_unknown == {"other"}
+
+
+def test_a_hit_moved_between_reuse_and_sharing_is_not_impossible() -> None:
+    """An agent moves a hit from reuse to sharing when its copy arrives (up to 30 s after the
+    lookup): a span can hold the move (sharing +4) without its hit or lookup. Before, such a
+    span read as impossible, and a node's bucket or window was left out of the sums, lookups
+    included. More hits than lookups still is."""
+    from kvctl.ratios import HitCounts
+
+    assert not HitCounts(0, 0, 0, 4).impossible
+    assert not HitCounts(10, 2, 0, 4).impossible
+    assert HitCounts(1, 2, 2, 0).impossible

@@ -181,11 +181,10 @@ class Counts(HitCounts):
         """Whether the hit counts cannot be true (``HitCounts.impossible``; or more hit tokens
         than lookup tokens, more hits in a tier than the node's lookups): rows recorded from an
         agent whose hits rose past its lookups, before the collector refused such intervals."""
-        tiers = (self.tier_hits, self.tier_reuse_hits, self.tier_sharing_hits)
         return (
             self.impossible
             or self.hit_tokens > self.lookup_tokens
-            or any(v > self.lookups for t in tiers for v in t.values())
+            or any(v > self.lookups for v in self.tier_hits.values())
             or any(v > self.lookup_tokens for v in self.tier_hit_tokens.values())
         )
 

@@ -61,17 +61,14 @@ def _mean(w: Any, gauge: str) -> Any:
 
 def _sound_sum(w: Any, counter: str) -> Any:
     """The sum of a hit count over the nodes (``w``: one row per node) whose hit counts over
-    the window can be true: no more hits than lookups, hit tokens than lookup tokens, reuse or
-    sharing hits than hits. A node's that cannot (rows recorded from an agent whose hits rose
-    past its lookups, before the collector refused such intervals) are unknown, left out of
-    its DC's sums as ``HitCounts.add_hits`` leaves them out: never 1e9 hits over 1 lookup."""
+    the window can be true: no more hits than lookups, hit tokens than lookup tokens (reuse
+    and sharing hits are not held to hits: an agent moves a hit between them when its copy
+    arrives, so a span can hold the move without its hit). A node's that cannot (rows
+    recorded from an agent whose hits rose past its lookups, before the collector refused such
+    intervals) are unknown, left out of its DC's sums as ``HitCounts.add_hits`` leaves them
+    out: never 1e9 hits over 1 lookup."""
     c = w.c
-    sound = and_(
-        c.hits <= c.lookups,
-        c.hit_tokens <= c.lookup_tokens,
-        c.reuse_hits <= c.hits,
-        c.sharing_hits <= c.hits,
-    )
+    sound = and_(c.hits <= c.lookups, c.hit_tokens <= c.lookup_tokens)
     return func.sum(case((sound, c[counter]), else_=0))
 
 
