@@ -31,11 +31,13 @@ _ROUTER_CHARS: Final = cast(String, RouteSample.__table__.c.router.type).length 
 _NODE_CHARS: Final = cast(String, RouteSample.__table__.c.node.type).length or 128
 _DC_CHARS: Final = cast(String, RouteLinkSample.__table__.c.from_dc.type).length or 64
 #: the most nodes and DC links one router's answer may report: each is a row a scrape (and
-#: counters in its tracker series). A router routes among the fleet's nodes (the fleet's
-#: benches count 1,000) and pulls between its DCs' pairs (64 DCs: 4,032); one answering tens
-#: of thousands (broken or hostile) had the collector write as many rows every scrape
-MAX_ROUTER_NODES: Final = 4096
-MAX_ROUTER_LINKS: Final = 4096
+#: counters in its tracker series). A router routes among the fleet's nodes, and every node
+#: it ever decided for stays in its answer (renamed or replaced ones too), and pulls between
+#: its DCs' pairs (128 DCs: 16,256); one answering hundreds of thousands (broken or hostile)
+#: had the collector write as many rows every scrape. 16,384 of each is ~1 MB of answer,
+#: well under the collector's 8 MiB; 4,096 (the first cap) reported a large fleet's router down
+MAX_ROUTER_NODES: Final = 16_384
+MAX_ROUTER_LINKS: Final = 16_384
 
 
 class RouterAnswerError(ValueError):

@@ -113,3 +113,10 @@ def test_a_router_reporting_too_many_nodes_or_links_is_not_read(
     assert sound.routers_up == [router.url]
     assert _count(db, "route_sample") == MAX_ROUTER_NODES + 1
     assert _count(db, "route_link_sample") == MAX_ROUTER_LINKS
+
+
+def test_the_router_caps_leave_room_for_a_large_fleet() -> None:
+    """A router's answer names every node it ever decided for and its DCs' pulling pairs: the
+    first caps (4,096 each) reported a 128-DC fleet's router down (a review's reading)."""
+    dcs = 128
+    assert dcs * (dcs - 1) <= MAX_ROUTER_LINKS and MAX_ROUTER_NODES >= 4 * 4096
