@@ -2,14 +2,15 @@
 
 Agents and engines export counters that only grow until the process restarts. The database
 stores the increase since the previous sample, so the sum over any window is exact. A restart
-is seen either as a new epoch (the agent's start time) or, for a source with no epoch, as a
-counter going down; the increase is then the new value itself (counted from zero). A counter
-going down within one epoch is a correction, not a restart: it counts nothing, and counting
-goes on from its highest value. The first sample of a series that kvctl has
-never seen only sets the baseline: its counts happened at unknown times and are not attributed;
-unless its epoch began while the caller watched (``started_while_watched``: an agent started
-after the collector did), when everything it counted is in no earlier sample and the first
-sample counts from zero too, as after a restart.
+is seen either as a new epoch (the agent's start time) or as a counter going down (within one
+epoch, only a fall past half its value); the increase is then the new value itself (counted
+from zero). A counter going back a little (to half its value or more) within one epoch is a
+correction, not a restart: it counts nothing, and counting goes on from its highest value.
+The first sample of a series that kvctl has never seen only sets the baseline: its counts
+happened at unknown times and are not attributed; unless its epoch began while the caller
+watched (``started_while_watched``: an agent started after the collector did), when
+everything it counted is in no earlier sample and the first sample counts from zero too, as
+after a restart.
 So does the first known value of a counter that was unknown (None: it could not be read) since
 the series' baseline: its all-time count is no one interval's increase.
 The last raw values live in ``counter_state`` so a restarted collector loses nothing.
@@ -174,13 +175,18 @@ class CounterTracker:
             elif before is None and not restarted and missing_means_unread:
                 out[name] = None
             elif (
-                before is not None and value < before and epoch is not None and prev.epoch == epoch
+                before is not None
+                and before / 2 <= value < before
+                and epoch is not None
+                and prev.epoch == epoch
             ):
-                # the same run's counter went back: no restart (that is a new epoch) but a
-                # correction, e.g. an agent moving a hit from reuse to sharing once the copy
-                # that arrived named its owner. Counted as a restart it added the counter's
-                # whole value again; nothing now, and counting goes on from the high mark, so
-                # the run's total stays the agent's
+                # the same run's counter went back a little: no restart (that is a new epoch,
+                # or a fall towards zero) but a correction, e.g. an agent moving a hit from
+                # reuse to sharing once the copy that arrived named its owner. Counted as a
+                # restart it added the counter's whole value again; nothing now, and counting
+                # goes on from the high mark, so the run's total stays the agent's. A fall
+                # past half is a reset as before: a high mark left by a jump too fast to count
+                # (a bouncing counter) must not hold the series for the rest of the run
                 out[name] = 0.0
                 held[name] = before
             elif restarted or before is None or value < before:

@@ -52,10 +52,10 @@ def test_an_impossibly_fast_increase_is_dropped_for_good() -> None:
         "bytes": None,
         "hits": 1.0,
     }
-    # back down within the run: a correction, nothing counted, the high mark kept; so the
-    # bounce back up is no increase either
+    # a fall towards zero is a reset even within the run (a correction is a small step back):
+    # counted from zero, and the bounce back up is again too fast to count
     assert t.increase("s", {"bytes": 0.0}, epoch=1.0, ts_ms=2000) == {"bytes": 0.0}
-    assert t.increase("s", {"bytes": big}, epoch=1.0, ts_ms=3000) == {"bytes": 0.0}
+    assert t.increase("s", {"bytes": big}, epoch=1.0, ts_ms=3000) == {"bytes": None}
     # the jump is the new baseline: counting goes on from it, the jump is never counted
     assert t.increase("s", {"bytes": big + 5e10}, epoch=1.0, ts_ms=4000) == {"bytes": 5e10}
     # a real node's fastest counters pass: 50 GB/s over a 10 s interval, and a restart's count
