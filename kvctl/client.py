@@ -1369,6 +1369,8 @@ class AgentClient:
         connection of a request it gave up on); its TLS settings are its own."""
         import httpx  # the data plane SDK does not need it
 
+        from kvctl.deadline_transport import AnswerTooSlow
+
         self.url = url.rstrip("/")
         token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
         self._token = bool(token)
@@ -1386,6 +1388,7 @@ class AgentClient:
             transport=transport,
         )
         self._httpx = httpx
+        self._too_slow = AnswerTooSlow
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
         if self._token_problem:
@@ -1398,8 +1401,9 @@ class AgentClient:
                 f"{self.url} closed the connection without an HTTP answer: is that an agent's "
                 "data-plane port? Its control API is on its --listen port (default 7070)"
             ) from exc
-        except self._httpx.ReadTimeout as exc:
-            # it took the connection and said nothing: running, so starting another is wrong
+        except (self._httpx.ReadTimeout, self._too_slow) as exc:
+            # it took the connection and said nothing, or trickles its answer past a bounded
+            # transport's deadline: running, so starting another is wrong
             raise AgentNotAnswering(
                 f"the agent at {self.url} took the connection but did not answer in time "
                 f"({exc or 'timed out'}): hung or overloaded? Its log (agent.log in its data dir) "

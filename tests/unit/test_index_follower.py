@@ -474,6 +474,10 @@ def test_an_agent_trickling_its_answer_is_down_after_drop_after_s_and_its_poll_g
         assert polls == [0]
         status = follower.status()
         assert status["errors"] == 1 and "no whole answer within 2 s" in status["last_error"]
+        # said as the agent not answering in time, not as one that cannot be reached (before:
+        # "cannot reach the agent ... is it running?")
+        assert "took the connection but did not answer in time" in status["last_error"]
+        assert "cannot reach" not in status["last_error"]
         assert index.nodes() == {}  # marked down by the failed poll: its entries dropped
         follower.close()
 
