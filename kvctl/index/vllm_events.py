@@ -52,7 +52,8 @@ Limits (what is not mapped, and what the index may then miss or keep):
   block after it, and their chunks are removed from the index (counted). Set it above the
   engine's GPU cache size in blocks (vLLM logs the size in tokens at start-up; divide by the
   block size) so that this never happens; a tracked block costs about 0.5 KB.
-- A gap that cannot be replayed is counted and skipped: a store missed leaves a chunk out of
+- A gap that cannot be replayed, like the rest of a batch after its ``MAX_MALFORMED_PER_BATCH``-th
+  malformed event (``batches_cut``), is counted and skipped: a store missed leaves a chunk out of
   the index until it is stored again; a removal missed leaves a stale entry (whoever fetches
   re-checks with the holder). An engine restart (its ``seq`` starting over) removes every chunk
   the translator had stored. With data parallelism each rank publishes on its own port (the
