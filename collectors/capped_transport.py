@@ -13,6 +13,8 @@ from typing import Final
 
 import httpx
 
+from kvctl.deadline_transport import answer_framing
+
 #: the longest answer the collector reads. An agent's /v1/stats is a few KB (five tiers at
 #: most), its /v1/gpus and /v1/info smaller, a router's /v1/stats about 100 bytes a node, an
 #: engine's /metrics page tens to hundreds of KB (vLLM with many models' labels: a few MB)
@@ -61,13 +63,12 @@ class CappedTransport(httpx.BaseTransport):
         request.headers["Accept-Encoding"] = "identity"
         response = self._inner.handle_request(request)
         cap = self.max_bytes
-        encoding = response.headers.get("content-encoding", "identity").strip().lower()
-        declared = response.headers.get("content-length", "").strip()
+        encoding, declared = answer_framing(response)
         problem = None
-        if encoding not in ("", "identity"):
+        if encoding is not None:
             problem = f"answer encoded {encoding!r} though asked for plain: not read"
-        elif declared.isdigit() and int(declared) > cap:
-            problem = f"answer of {int(declared):,} bytes, longer than the {cap:,} read: not read"
+        elif declared is not None and declared > cap:
+            problem = f"answer of {declared:,} bytes, longer than the {cap:,} read: not read"
         if problem is not None:
             response.close()
             raise AnswerTooLong(problem, request=request)

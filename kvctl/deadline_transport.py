@@ -152,6 +152,19 @@ class AbandonableTransport(httpx.BaseTransport):
             t.close()
 
 
+def answer_framing(response: httpx.Response) -> tuple[str | None, int | None]:
+    """What an answer's headers say of its body before a byte of it is read: its encoding
+    where it is not plain (None: plain; a body asked for unencoded but encoded all the same is
+    not to be read, its size once decoded is not the size read), and the length it declares
+    (None: none, as a chunked answer)."""
+    encoding = response.headers.get("content-encoding", "identity").strip().lower()
+    declared = response.headers.get("content-length", "").strip()
+    return (
+        None if encoding in ("", "identity") else encoding,
+        int(declared) if declared.isdigit() else None,
+    )
+
+
 class AnswerTooLarge(KvctlError):
     """An answer longer than its transport's ``max_answer_bytes`` (read no further), or one
     compressed though asked not to be. Not an ``httpx.HTTPError``: the server answered, so a
@@ -337,15 +350,14 @@ class BoundedTransport(httpx.HTTPTransport):
         asked: int | None = getattr(_bounded, "cap", None)
         if asked is not None:
             cap = min(cap, asked)
-        encoding = response.headers.get("content-encoding", "identity").strip().lower()
-        if encoding not in ("", "identity"):
+        encoding, declared = answer_framing(response)
+        if encoding is not None:
             raise AnswerTooLarge(
                 f"{request.url.path}: answer encoded {encoding!r} though asked unencoded: not read"
             )
-        declared = response.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > cap:
+        if declared is not None and declared > cap:
             raise AnswerTooLarge(
-                f"{request.url.path}: answer of {int(declared):,} bytes, over the {cap:,} taken"
+                f"{request.url.path}: answer of {declared:,} bytes, over the {cap:,} taken"
             )
         parts: list[bytes] = []
         size = 0
