@@ -44,7 +44,8 @@ link), and the leases are checked and released after the forward pass (a lease t
 its blocks as failed loads, which vLLM recomputes, skipping that step's output); a step with a
 chunk that cannot be read in place loads synchronously. Saves are gathered to host memory in
 ``wait_for_save`` and sent by a background thread. An unreachable agent means "nothing cached" and
-skipped saves (logged, retried every ``retry_seconds``), never an engine error; so does a hung
+skipped saves (logged, retried every ``retry_seconds``; a connection lost, as when the agent
+restarts, is made again at the next call), never an engine error; so does a hung
 one: each call has a deadline (``timeout_seconds``, 2 s by default, plus 4 s per GiB the call may
 move), past which its connection is dropped, so a hung agent costs one step one call's deadline.
 Blocks whose chunks vanished between the lookup and the read are reported through

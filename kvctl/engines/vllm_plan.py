@@ -17,15 +17,18 @@ chunk stored by the transformers adapter is read here for the same model and vic
 
 Agent failures never raise out of this module: a failed lookup offers nothing, a failed read
 reports the blocks it could not fill (vLLM recomputes them, and what the step computed on top
-of them is not saved: ``LoadFailures``), a failed save is dropped. Each is logged, and the agent
-is retried after ``retry_seconds``. Every call to the agent has a deadline
-(``kvctl.engines.deadlines``): ``timeout_seconds``, plus its bytes' time where it may move
-chunks, so a hung agent costs a step one call's deadline, then nothing until the retry.
+of them is not saved: ``LoadFailures``), a failed save is dropped. Each is logged; a refusal keeps
+the connection, a lost one is made again at the next call (at most once per ``retry_seconds``),
+and after any other failure the agent is retried after ``retry_seconds``. Every call to the
+agent has a deadline (``kvctl.engines.deadlines``): ``timeout_seconds``, plus its bytes' time
+where it may move chunks, so a hung agent costs a step one call's deadline, then nothing until
+the retry.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -35,7 +38,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvctl.client import AgentError, ArenaLeases, AuthError, DataClient
+from kvctl.client import (
+    AgentError,
+    AgentNotAnswering,
+    AgentTimeout,
+    AgentUnreachable,
+    ArenaLeases,
+    AuthError,
+    ChunkNotFound,
+    DataClient,
+    RequestError,
+)
 from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.engines.kvformat import ChunkFormat
 from kvctl.engines.kvload import (
@@ -161,6 +174,8 @@ class AgentLink:
         self.disabled: str | None = None
         self._client: DataClient | None = None
         self._retry_at = 0.0
+        #: when a lost connection was last made again at once (monotonic)
+        self._quick_retry_at = -math.inf
         self._lock = threading.Lock()
         #: told of each new connection (the first, and each after the agent came back), on the
         #: thread that made it, once the link holds it; must not raise
@@ -235,13 +250,32 @@ class AgentLink:
         self.chunk_tokens, self.namespace = chunk_tokens, namespace
 
     def failed(self, what: str, exc: BaseException) -> None:
-        """Report a failed call: the client is dropped and retried later."""
-        log.warning("kvctl %s failed (%s); continuing without the agent", what, exc)
+        """Report a failed call. A refusal the connection outlived (the agent starting, out
+        of room, a chunk gone) costs only that call: the connection stays. A connection lost
+        (the agent restarted, or closed it idle) is made again at the next call, at most once
+        per ``retry_seconds``: an agent back at once costs one step, not ``retry_seconds`` of
+        steps. Any other failure (a hung agent, a reply out of step) drops the connection and
+        leaves the agent alone for ``retry_seconds``."""
         with self._lock:
-            if self._client is not None:
-                self._client.close()
+            client = self._client
+            if (
+                client is not None
+                and not client.closed
+                and isinstance(exc, (RequestError, ChunkNotFound))
+            ):
+                log.warning("kvctl %s refused (%s); the next call asks again", what, exc)
+                return
+            log.warning("kvctl %s failed (%s); continuing without the agent", what, exc)
+            now_s = time.monotonic()
+            self._retry_at = now_s + self.retry_seconds
+            lost = isinstance(exc, AgentUnreachable) and not isinstance(
+                exc, (AgentTimeout, AgentNotAnswering)
+            )
+            if client is not None:
+                if lost and now_s >= self._quick_retry_at + self.retry_seconds:
+                    self._retry_at = self._quick_retry_at = now_s
+                client.close()
                 self._client = None
-            self._retry_at = time.monotonic() + self.retry_seconds
 
     def close(self) -> None:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvctl.client import AgentTimeout, AgentUnreachable, NoRoom
 from kvctl.engines import vllm_connector
 from kvctl.engines.kvformat import ChunkFormat
 from kvctl.engines.vllm_paged import (
@@ -31,7 +32,8 @@ from kvctl.engines.vllm_plan import (
     WorkerPlan,
 )
 from kvctl.store.keys import KVLayout, keys_for, parents_of
-from tests.functional.agents import Agent, closed_port, running_agent
+from kvctl.wire.protocol import ErrorCode
+from tests.functional.agents import Agent, closed_port, running_agent, start_agent
 from tests.functional.hung import guarded, stopped
 from tests.functional.waiting import wait_until
 
@@ -382,6 +384,65 @@ def test_a_hung_agent_costs_a_step_its_short_deadline_then_loads_resume(
         finally:
             a.close()
             b.close()
+
+
+def test_an_agent_restarted_costs_one_step_not_retry_seconds(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent restarted under a running engine (an upgrade) drops its connections: the next
+    call fails (that step recomputes), and the call after it connects again at once, where
+    the engine used to leave the agent alone for ``retry_seconds`` (10 s of steps without
+    reuse by default; 60 s here)."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f"[agent]\nchunk_tokens = {CHUNK}\n")
+    args = ("--config", str(config), "--cpu", "64MiB")
+    agent = start_agent(tmp_path / "a", *args)
+    try:
+        b = Engine(address(agent, "unix"), retry_seconds=60.0)
+        prompt = list(range(300, 400))
+        assert b.scheduler.match("b1", prompt, 0) == 0  # connected, nothing stored yet
+        first = b.scheduler.link._client
+        assert first is not None
+        assert agent.stop() == 0
+        agent = start_agent(tmp_path / "a", *args)  # the same socket path
+        a = Engine(address(agent, "unix"))
+        kv = true_kv(a, 100, seed=21)
+        assert prefill_and_save(a, "a21", prompt, list(range(7)), kv) == 3
+        with caplog.at_level(logging.WARNING, logger="kvctl.engines.vllm"):
+            assert b.scheduler.match("b2", prompt, 0) == 0  # the lost connection's call
+        assert any("lookup failed" in r.getMessage() for r in caplog.records)
+        assert b.scheduler.match("b3", prompt, 0) == 96  # made again at once
+        assert b.scheduler.link._client is not first
+        a.close()
+        b.close()
+    finally:
+        assert agent.stop() == 0
+
+
+def test_a_refused_call_keeps_the_connection_and_a_second_loss_waits(agent: Agent) -> None:
+    """A refusal the agent answered (starting, out of room) leaves the connection as it
+    was; a connection lost is made again at the next call once per ``retry_seconds``, a second
+    loss within them waits them out (an agent that drops every connection is not asked at
+    every step)."""
+    link = AgentLink(
+        address(agent, "tcp"), tenant="default", model_id=MODEL,
+        layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), block_size=BLOCK, retry_seconds=60.0,
+    )  # fmt: skip
+    try:
+        client = link.get()
+        assert client is not None
+        link.failed("save", NoRoom("no room for the chunk in any tier", ErrorCode.NO_ROOM))
+        assert link.get() is client and not client.closed
+        link.failed("lookup", AgentUnreachable("lost the connection to the agent"))
+        assert client.closed
+        again = link.get()
+        assert again is not None and again is not client
+        link.failed("lookup", AgentUnreachable("lost the connection to the agent"))
+        assert link.get() is None  # for retry_seconds
+        link.failed("lookup", AgentTimeout("the agent did not answer LOOKUP within 2 s"))
+        assert link.get() is None
+    finally:
+        link.close()
 
 
 def test_the_agents_chunk_size_must_be_whole_blocks(agent: Agent) -> None:
