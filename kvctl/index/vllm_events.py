@@ -58,6 +58,12 @@ Limits (what is not mapped, and what the index may then miss or keep):
   re-checks with the holder). An engine restart (its ``seq`` starting over) removes every chunk
   the translator had stored. With data parallelism each rank publishes on its own port (the
   endpoint's port plus the rank) and needs its own subscriber and node name.
+- A message frame over ``max_message_bytes`` (64 MiB by default, far past any real batch) is
+  refused at its header, before it is allocated (ZMQ_MAXMSGSIZE, on the replay socket too), and
+  counted (``oversized``): that batch is lost, as a gap that cannot be replayed is. libzmq
+  (4.3.5) then drops the connection and never makes it again by itself, so the subscriber
+  connects again (a disconnect without libzmq's reconnect within ``RECONNECT_CHECK_S``); the
+  batches missed meanwhile are a gap, replayed past the oversized one.
 - The index keeps one entry per node and key: name the engine's GPU cache ``NODE#vllm``
   (``engine_index_name``), where NODE is the serving node's name. The router counts a
   ``NODE#...`` holding as NODE's own (``kvctl.router.score``) and never as a source another node
@@ -69,6 +75,7 @@ Limits (what is not mapped, and what the index may then miss or keep):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -112,6 +119,14 @@ INDEX_CHECK_S = 1.0
 #: malformed events in one batch after which the rest of it is not translated (counted once in
 #: ``batches_cut``): a batch of millions of bad events must not hold the translation for minutes
 MAX_MALFORMED_PER_BATCH = 64
+#: the largest message frame (a batch's payload) a subscriber takes by default
+#: (``max_message_bytes``): a BlockStored costs about 5 bytes a token id and 34 a block hash
+#: (msgpack), so this holds a step that stores some 9M tokens, past any batch vLLM sends
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+#: how long after a disconnect libzmq's own reconnect must have shown (its CONNECT_RETRIED
+#: event comes microseconds after the disconnect's): none by then and libzmq ended the
+#: connection for good, as it does at a message over ZMQ_MAXMSGSIZE
+RECONNECT_CHECK_S = 1.0
 #: the replay socket's end-of-replay sequence number (-1 as a signed 8-byte int)
 _REPLAY_END = (-1).to_bytes(8, "big", signed=True)
 _MAX_TOKEN = 2**32 - 1
@@ -591,6 +606,13 @@ class VllmEventSubscriber:
     takes the one the node has (another router's subscriber to the same engine, or this router
     before a restart, left it: their entries are kept, as they always were), else resyncs to
     leave one (replacing entries an older subscriber, which left none, wrote).
+
+    A message frame over ``max_message_bytes`` (``DEFAULT_MAX_MESSAGE_BYTES``) is refused at
+    its header, before any of it is allocated (ZMQ_MAXMSGSIZE, on the replay socket too), but
+    libzmq then drops the connection and never makes it again (the feed would end there): a
+    disconnect that libzmq does not follow with its own reconnect within
+    ``RECONNECT_CHECK_S`` is counted (``oversized``), logged, and connected again here. The
+    batches missed meanwhile are a gap, replayed where the replay buffer has them.
     """
 
     def __init__(
@@ -603,6 +625,7 @@ class VllmEventSubscriber:
         replay_endpoint: str | None = None,
         replay_timeout_s: float = 1.0,
         catch_up: bool = True,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         poll_interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -617,6 +640,7 @@ class VllmEventSubscriber:
         ):
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 60:
                 raise InvalidArgument(f"{what} must be in (0, 60] seconds, got {value!r:.40}")
+        _check_positive("max_message_bytes", max_message_bytes)
         self.index = index
         self.translator = translator
         self.endpoint = endpoint
@@ -626,6 +650,7 @@ class VllmEventSubscriber:
         self._replay_timeout_ms = max(1, round(replay_timeout_s * 1000))
         self._poll_ms = max(1, round(poll_interval_s * 1000))
         self._catch_up = catch_up and replay_endpoint is not None
+        self.max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
         self._clock = clock
         self._stop = threading.Event()
@@ -634,6 +659,7 @@ class VllmEventSubscriber:
         self._sub: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._replay: zmq.Socket[Any] | None = None
+        self._replay_monitor: zmq.Socket[Any] | None = None
         self.connected = False
         self.last_seq: int | None = None
         # after a replay, the SUB socket may still hold batches the replay already applied
@@ -648,6 +674,11 @@ class VllmEventSubscriber:
         self.unrecovered = 0
         self.replay_failures = 0
         self.restarts = 0
+        #: messages over max_message_bytes refused, live (libzmq then ended the connection for
+        #: good; it is made again) or from the replay socket (asked again past them)
+        self.oversized = 0
+        #: when the last disconnect was read, until libzmq's reconnect shows (None: none due)
+        self._disconnected_at_s: float | None = None
         self.errors = 0
         self.last_error: str | None = None
         #: the index failed a call: the events it missed are lost, so the engine's entries are
@@ -676,7 +707,10 @@ class VllmEventSubscriber:
         try:
             sub = ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
-            self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            self._monitor = sub.get_monitor_socket(
+                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            )
             sub.setsockopt(zmq.SUBSCRIBE, self._topic)
             sub.connect(self.endpoint)
         except zmq.ZMQError as exc:
@@ -744,15 +778,16 @@ class VllmEventSubscriber:
                     continue  # what ``ready`` said of the socket was read: poll again
                 if sub in ready:
                     self._read(sub)
+                if self._disconnected_at_s is not None:
+                    self._check_reconnect(sub, monitor)
         except Exception as exc:  # a bug must show in status, not vanish with the thread
             self._failed("the vLLM event subscriber stopped", exc)
         finally:
             self.connected = False
             sub.disable_monitor()
-            for sock in (monitor, sub, self._replay):
-                if sock is not None:
-                    sock.close(linger=0)
-            self._replay = None
+            for sock in (monitor, sub):
+                sock.close(linger=0)
+            self._close_replay()
             self._ctx.term()
 
     def _failed(self, what: str, exc: Exception) -> None:
@@ -776,10 +811,39 @@ class VllmEventSubscriber:
         event = recv_monitor_message(monitor).get("event")
         if event == zmq.EVENT_CONNECTED:
             self.connected = True
+            self._disconnected_at_s = None
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self._disconnected_at_s = None  # libzmq connects again by itself
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
+            self._disconnected_at_s = time.monotonic()
             return True
         return False
+
+    def _check_reconnect(self, sub: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
+        """After a disconnect: once ``RECONNECT_CHECK_S`` has passed without libzmq's own
+        reconnect, libzmq ended the connection for good (a message frame over
+        ``max_message_bytes``; a peer breaking ZMTP ends it the same way): count it and connect
+        again, or the feed would end here. The monotonic clock, not ``clock``: libzmq's timers
+        run on real time."""
+        while monitor.poll(0):  # the reconnect may be queued behind a long batch
+            self._on_monitor(monitor)
+        since_s = self._disconnected_at_s
+        if since_s is None or time.monotonic() - since_s < RECONNECT_CHECK_S:
+            return
+        self._disconnected_at_s = None
+        self.oversized += 1
+        log.warning(
+            "%s: libzmq dropped the connection to the engine's events at %s and will not make "
+            "it again (a message over max_message_bytes, %d bytes, refused; or a peer that "
+            "broke ZMTP); connecting again (the batches missed are a gap)",
+            self.translator.node,
+            self.endpoint,
+            self.max_message_bytes,
+        )
+        with contextlib.suppress(zmq.ZMQError):  # not known to the socket any more
+            sub.disconnect(self.endpoint)
+        sub.connect(self.endpoint)
 
     # --- the stream -------------------------------------------------------------------------------
     def _on_message(self, frames: list[bytes]) -> None:
@@ -964,44 +1028,109 @@ class VllmEventSubscriber:
 
     def _replay_from(self, start: int, upto: int | None) -> None:
         """Ask vLLM's replay socket for batches ``start..upto-1`` (``upto`` None: all it has)
-        and apply the ones newer than ``last_seq``, in order."""
-        assert self._ctx is not None and self.replay_endpoint is not None
+        and apply the ones newer than ``last_seq``, in order. A batch over
+        ``max_message_bytes`` drops the replay's connection at it (counted in ``oversized``):
+        the rest is asked for again from the batch after it."""
         wanted = None if upto is None else upto - start
         got = 0
-        if self._replay is None:
-            self._replay = self._ctx.socket(zmq.DEALER)
-            self._replay.setsockopt(zmq.LINGER, 0)
-            self._replay.connect(self.replay_endpoint)
-        replay = self._replay
-        replay.send_multipart([b"", start.to_bytes(8, "big")])
-        ended = False
-        while not self._stop.is_set():
-            if not replay.poll(self._replay_timeout_ms):
+        while True:
+            n, cut_at = self._replay_once(start, upto)
+            got += n
+            if cut_at is None or self._stop.is_set() or (upto is not None and cut_at + 1 >= upto):
                 break
-            frames = replay.recv_multipart()
-            if len(frames) != 3 or len(frames[1]) != 8:
-                self.malformed += 1
-                continue
-            if frames[1] == _REPLAY_END or not frames[2]:
-                ended = True
-                break
-            seq = int.from_bytes(frames[1], "big")
-            if (upto is not None and seq >= upto) or (
-                self.last_seq is not None and seq <= self.last_seq
-            ):
-                continue
-            self._process(seq, frames[2])
-            self.replayed += 1
-            got += 1
-        if not ended:
-            # no answer in time (or stopping): a late answer must not be read as the next
-            # replay's
-            if not self._stop.is_set():
-                self.replay_failures += 1
-            replay.close(linger=0)
-            self._replay = None
+            self.oversized += 1
+            log.warning(
+                "%s: the engine's replay socket at %s sent batch %d over max_message_bytes "
+                "(%d bytes), refused; asking again from the next",
+                self.translator.node,
+                self.replay_endpoint,
+                cut_at,
+                self.max_message_bytes,
+            )
+            start = cut_at + 1
         if wanted is not None and got < wanted:
             self.unrecovered += wanted - got
+
+    def _replay_once(self, start: int, upto: int | None) -> tuple[int, int | None]:
+        """One replay request from ``start``: the batches applied, and the seq the replay was
+        at when libzmq dropped its connection for good (None: it was not)."""
+        assert self._ctx is not None and self.replay_endpoint is not None
+        if self._replay is None:
+            replay = self._ctx.socket(zmq.DEALER)
+            replay.setsockopt(zmq.LINGER, 0)
+            # a batch over the cap is refused at its header, then the connection dropped
+            replay.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            self._replay_monitor = replay.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            )
+            replay.connect(self.replay_endpoint)
+            self._replay = replay
+        replay, monitor = self._replay, self._replay_monitor
+        assert monitor is not None
+        poller = zmq.Poller()
+        poller.register(replay, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        replay.send_multipart([b"", start.to_bytes(8, "big")])
+        at, got, ended, cut = start, 0, False, False
+        answer_by_s = time.monotonic() + self._replay_timeout_ms / 1000
+        while not self._stop.is_set():
+            left_s = answer_by_s - time.monotonic()
+            ready = dict(poller.poll(math.ceil(left_s * 1000))) if left_s > 0 else {}
+            if replay in ready:
+                answer_by_s = time.monotonic() + self._replay_timeout_ms / 1000
+                frames = replay.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.malformed += 1
+                    continue
+                if frames[1] == _REPLAY_END or not frames[2]:
+                    ended = True
+                    break
+                seq = int.from_bytes(frames[1], "big")
+                at = max(at, seq + 1)
+                if (upto is not None and seq >= upto) or (
+                    self.last_seq is not None and seq <= self.last_seq
+                ):
+                    continue
+                self._process(seq, frames[2])
+                self.replayed += 1
+                got += 1
+            elif monitor in ready:
+                if self._dropped_for_good(monitor):
+                    cut = True
+                    break
+            else:
+                break  # no answer in time
+        if not ended:
+            # no answer in time, a connection dropped (or stopping): a late answer must not be
+            # read as the next replay's
+            if not self._stop.is_set() and not cut:
+                self.replay_failures += 1
+            self._close_replay()
+        return got, at if cut else None
+
+    def _dropped_for_good(self, monitor: zmq.Socket[Any]) -> bool:
+        """Read a monitor event of the replay socket: whether it is a disconnect that libzmq
+        does not follow with its own reconnect within ``RECONNECT_CHECK_S`` (the connection
+        ended at a message over ``max_message_bytes``)."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        if recv_monitor_message(monitor).get("event") != zmq.EVENT_DISCONNECTED:
+            return False
+        deadline_s = time.monotonic() + RECONNECT_CHECK_S
+        while (left_s := deadline_s - time.monotonic()) > 0 and monitor.poll(
+            math.ceil(left_s * 1000)
+        ):
+            if recv_monitor_message(monitor).get("event") == zmq.EVENT_CONNECT_RETRIED:
+                return False
+        return True
+
+    def _close_replay(self) -> None:
+        if self._replay is not None:
+            self._replay.disable_monitor()
+            self._replay.close(linger=0)
+        if self._replay_monitor is not None:
+            self._replay_monitor.close(linger=0)
+        self._replay = self._replay_monitor = None
 
     # --- reporting --------------------------------------------------------------------------------
     def status(self) -> dict[str, Any]:
@@ -1032,6 +1161,8 @@ class VllmEventSubscriber:
             "unrecovered": self.unrecovered,
             "replay_failures": self.replay_failures,
             "restarts": self.restarts,
+            "max_message_bytes": self.max_message_bytes,
+            "oversized": self.oversized,
             "errors": self.errors,
             "last_error": self.last_error,
             "index_resyncs": self.index_resyncs,

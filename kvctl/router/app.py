@@ -364,6 +364,10 @@ def _engine_feed_metrics(feeds: list[dict[str, Any]]) -> Iterator[Metric]:
             ("unrecovered", "Batches lost in a gap that replay could not fill"),
             ("malformed", "Messages or events that could not be read"),
             ("restarts", "Engine restarts seen (its sequence starting over)"),
+            (
+                "oversized",
+                "Messages over the feed's max_message_bytes refused (live or replayed)",
+            ),
         )
     }
     for f in feeds:

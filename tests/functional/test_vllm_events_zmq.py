@@ -5,6 +5,7 @@ sending ``[topic, seq, msgpack batch]`` and a ROUTER answering replay requests f
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -350,3 +351,105 @@ def test_duplicates_queued_at_the_engines_disconnect_are_read_and_the_thread_sti
         pub.pub = pub.ctx.socket(zmq.PUB)  # for close()
         pub.close()
     assert not sub.running
+
+
+def test_an_oversized_batch_is_refused_counted_and_the_feed_goes_on(
+    index: EmbeddedIndex, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch over max_message_bytes never reaches the subscriber (libzmq refuses it at its
+    header and drops the connection, which it never makes again by itself): it is counted, a
+    warning names the endpoint and the limit, the subscriber connects again and the batches
+    after it still reach the index (the gap is replayed, the oversized batch skipped)."""
+    cap_bytes = 64 * 1024
+    pub = FakeVllmPublisher(replay=True)
+    sub = subscriber(index, pub, max_message_bytes=cap_bytes, catch_up=False).start()
+    try:
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3], None, 0)])
+        wait_for(lambda: holders(index)[0] == ["engine-a"], "the first chunk")
+        n = 100_000  # blocks of 4 tokens: a batch of several MB, far over the cap
+        huge = [["BlockStored", list(range(10**6, 10**6 + n)), 3, [7] * (4 * n), BLOCK]]
+        huge_seq = pub.publish(huge)
+        assert len(pub.buffer[huge_seq][1]) > 10 * cap_bytes
+        pub.publish([stored([4, 5, 6, 7], 3, 4)])  # may go with the dropped connection
+
+        def third_chunk_through() -> bool:
+            if holders(index)[2] == ["engine-a"]:
+                return True
+            if sub.status()["oversized"]:  # connected again: batches until one arrives
+                pub.publish([stored([8, 9, 10, 11], 7, 8)])
+            return False
+
+        with caplog.at_level("WARNING", logger="kvctl.index.vllm_events"):
+            wait_for(third_chunk_through, "a batch after the oversized one", timeout_s=30)
+        status = sub.status()
+        # refused twice: live, and again from the replay socket (which then went on from the
+        # batch after it, so the batch sent behind it on the dropped connection came back)
+        assert status["oversized"] == 2 and status["max_message_bytes"] == cap_bytes
+        assert holders(index)[1] == ["engine-a"]
+        # the oversized batch itself was never read: its blocks are not tracked, and it is
+        # the one batch lost
+        assert status["translator"]["blocks_stored"] < n and status["malformed"] == 0
+        assert (status["gaps"], status["unrecovered"], status["replay_failures"]) == (1, 1, 0)
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(pub.endpoint in m and str(cap_bytes) in m for m in warned), warned
+        assert any(str(pub.replay_endpoint) in m for m in warned), warned
+    finally:
+        sub.stop()
+        pub.close()
+
+
+def _zmtp_pub_greeting(conn: socket.socket) -> None:
+    """ZMTP 3.0's greeting and READY of a PUB socket (NULL mechanism), then the peer's greeting
+    read: what libzmq needs before it reads messages from this connection."""
+    conn.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + bytes(32))
+    ready = b"\x05READY\x0bSocket-Type" + (3).to_bytes(4, "big") + b"PUB"
+    conn.sendall(b"\x04" + bytes([len(ready)]) + ready)
+    got = b""
+    while len(got) < 64:
+        chunk = conn.recv(4096)
+        assert chunk, "the subscriber closed during the handshake"
+        got += chunk
+
+
+def test_an_oversized_frame_is_refused_at_its_header(index: EmbeddedIndex) -> None:
+    """The cap holds before anything is allocated: a publisher (ZMTP by hand) that declares a
+    frame of four times max_message_bytes and sends only its header has the connection dropped
+    at once (before the header, nothing; after it, no byte of the body ever came), and the
+    subscriber connects again."""
+    cap_bytes = 1 << 20
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    listener.settimeout(30)
+    t = VllmEventTranslator("engine-a", namespace=NS, chunk_tokens=CHUNK, tenant="t")
+    endpoint = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+    sub = VllmEventSubscriber(index, t, endpoint, topic=TOPIC, max_message_bytes=cap_bytes).start()
+    conns: list[socket.socket] = []
+    try:
+        conn, _ = listener.accept()
+        conns.append(conn)
+        _zmtp_pub_greeting(conn)
+        conn.sendall(b"\x02" + (4 * cap_bytes).to_bytes(8, "big"))  # a long frame's header
+        conn.settimeout(0.1)
+        deadline = time.monotonic() + 30
+
+        def dropped() -> bool:
+            try:
+                return conn.recv(4096) == b""  # the subscription's frames, then the close
+            except TimeoutError:
+                return False
+            except ConnectionResetError:
+                return True
+
+        while not dropped():
+            assert time.monotonic() < deadline, "the connection was not dropped at the header"
+        again, _ = listener.accept()  # it connects again rather than ending the feed
+        conns.append(again)
+        wait_for(lambda: sub.status()["oversized"] == 1, "the cut counted")
+        assert sub.status()["messages"] == 0
+    finally:
+        sub.stop()
+        for c in conns:
+            c.close()
+        listener.close()
