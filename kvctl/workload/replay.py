@@ -49,6 +49,7 @@ from typing import Any
 from kvctl.client import AgentClient, AgentError, DataClient
 from kvctl.errors import InvalidArgument
 from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
+from kvctl.ratios import ratio
 from kvctl.store.index import LookupResult
 from kvctl.store.keys import ChunkKey, Namespace
 from kvctl.workload.routed import (
@@ -157,7 +158,7 @@ class NodeTally:
             "lookup_chunks": self.lookup_chunks,
             "hit_chunks": self.hit_chunks,
             "hit_tokens": self.hit_tokens,
-            "hit_ratio": self.hit_chunks / self.lookup_chunks if self.lookup_chunks else 0.0,
+            "hit_ratio": ratio(self.hit_chunks, self.lookup_chunks),
             "reuse_hits": self.reuse_hits,
             "sharing_hits": self.sharing_hits,
             "hits_by_tier": dict(self.hits_by_tier),
@@ -207,9 +208,9 @@ class RequestTally:
             "chunks": self.chunks,
             "input_tokens": self.input_tokens,
             "hit_chunks": self.hit_chunks,
-            "hit_ratio": self.hit_chunks / self.chunks if self.chunks else 0.0,
+            "hit_ratio": ratio(self.hit_chunks, self.chunks),
             "hit_tokens": self.hit_tokens,
-            "token_hit_ratio": self.hit_tokens / self.input_tokens if self.input_tokens else 0.0,
+            "token_hit_ratio": ratio(self.hit_tokens, self.input_tokens),
             # with a router, the agents' own tiers (``peer``, ``remote``: the pool) hold them all
             "hits_by_tier": {**self.local_hits}
             | (
@@ -275,7 +276,7 @@ class ReplayReport:
             "prefill_seconds_without_cache": self.inputs.prefill_seconds(total),
             "prefill_seconds_saved": self.inputs.prefill_seconds(hit),
             "prefill_joules_saved": self.inputs.prefill_joules(hit),
-            "saved_ratio": hit / total if total else 0.0,
+            "saved_ratio": ratio(hit, total),
         }
 
     def as_dict(self) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from kvctl.router.score import Costs
 from kvctl.router.service import Router
 from kvctl.router.topology import DcLink, Node, Topology
 from kvctl.workload.generators import generate
-from kvctl.workload.replay import ReplayNode, ReplayReport, replay
+from kvctl.workload.replay import NodeTally, ReplayNode, ReplayReport, RequestTally, replay
 from kvctl.workload.tokens import KeyChainer
 from kvctl.workload.trace import (
     TraceRequest,
@@ -493,3 +493,17 @@ def test_replay_command_asks_the_router(
     assert out["pulls"]["basis"].startswith("measured") and out["links_emulated"] == {}
     assert table.exit_code == 0, table.output
     assert "router decisions" in table.output and "✓" in table.output
+
+
+def test_replay_json_ratios_with_nothing_under_them_are_null() -> None:
+    """`kvctl replay --json`'s ratios mean what every other JSON's do (kvctl/ratios.py): null
+    where nothing is under them (N/A in the replay's own table), never 0.0, which reads as "no
+    hits". A node the replay never looked up on (restarted, dealt no tenant) said 0.0 where its
+    agent's /v1/stats says null."""
+    assert NodeTally().as_dict()["hit_ratio"] is None
+    empty = RequestTally().as_dict()
+    assert empty["hit_ratio"] is None and empty["token_hit_ratio"] is None
+    # with lookups, unchanged: no hits is a measured 0
+    assert NodeTally(lookups=1, lookup_chunks=4, hit_chunks=1).as_dict()["hit_ratio"] == 0.25
+    missed = RequestTally(requests=1, chunks=4, input_tokens=1000).as_dict()
+    assert missed["hit_ratio"] == 0.0 and missed["token_hit_ratio"] == 0.0
