@@ -55,9 +55,13 @@ REPORT_SAMPLES = 16
 #: fetches smaller than this say more about a round trip than about the link
 MIN_RATE_BYTES = 4 << 20
 #: a lost agent connection is tried again at most this often (requests prefill meanwhile),
-#: the wait doubling after each failed try up to RECONNECT_MAX_INTERVAL_SECONDS
+#: the wait doubling after each failed try that waited on the agent (a hung one) up to
+#: RECONNECT_MAX_INTERVAL_SECONDS
 RECONNECT_INTERVAL_SECONDS = 2.0
 RECONNECT_MAX_INTERVAL_SECONDS = 60.0
+#: a failed try quicker than this was refused at once (no agent listening: stopped, or
+#: restarting): it cost the request nothing, so the next is not put off any longer
+REFUSED_TRY_SECONDS = 0.25
 #: how long such a try may wait on the agent: a hung one costs a request no more (the same
 #: deadline as any call that moves no chunk bytes: ``deadlines.ANSWER_SECONDS``)
 RECONNECT_HELLO_SECONDS = ANSWER_SECONDS
@@ -307,24 +311,32 @@ class CachedLM:
         now_s = time.monotonic()
         if now_s < self._next_reconnect_s:
             return  # meanwhile requests prefill in full, as with no agent
+        began_s = time.perf_counter()
         try:
             fresh = lost.reconnect(hello_timeout_s=RECONNECT_HELLO_SECONDS)
         except AgentError as exc:
-            self._tried_in_vain()
+            self._tried_in_vain(waited=time.perf_counter() - began_s >= REFUSED_TRY_SECONDS)
             log.info("kvctl agent still unreachable, prefilling in full: %s", exc)
             return
         self._reconnect_wait_s = 0.0
         log.info("kvctl agent connection made again: reusing KV")
         self.client = fresh
 
-    def _tried_in_vain(self) -> None:
+    def _tried_in_vain(self, *, waited: bool = True) -> None:
         """A try to reach the agent failed (a reconnect, or a call past its deadline): the
-        next waits RECONNECT_INTERVAL_SECONDS from now, doubled after each failed try, so a
-        hung agent (each try waits out its deadline) costs a request RECONNECT_HELLO_SECONDS
-        once a minute at most, not every few seconds."""
+        next waits RECONNECT_INTERVAL_SECONDS from now, doubled after each failed try that
+        waited on the agent, so a hung agent (each try waits out its deadline) costs a request
+        RECONNECT_HELLO_SECONDS once a minute at most, not every few seconds. A try refused at
+        once (``waited`` False: the agent stopped or restarting) cost nothing and starts the
+        waits over, so reuse resumes within RECONNECT_INTERVAL_SECONDS of the agent's return
+        however long it was away (doubled, a 10 s restart cost 5 s more without reuse, and a
+        minute's up to a minute)."""
+        if not waited:
+            self._reconnect_wait_s = 0.0
         wait_s = self._reconnect_wait_s or RECONNECT_INTERVAL_SECONDS
         self._next_reconnect_s = time.monotonic() + wait_s  # from the try's end
-        self._reconnect_wait_s = min(2 * wait_s, RECONNECT_MAX_INTERVAL_SECONDS)
+        if waited:
+            self._reconnect_wait_s = min(2 * wait_s, RECONNECT_MAX_INTERVAL_SECONDS)
 
     def _gave_up(self, what: str, exc: AgentError) -> None:
         """A request's call to the agent failed: it prefills in full (counted). A call past

@@ -13,6 +13,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -358,30 +359,89 @@ def test_reuse_resumes_by_itself_once_the_agent_is_back(
     lm.close()
 
 
-def test_tries_to_reach_a_lost_agent_back_off(
+class _Clock:
+    """The engine's monotonic clock, moved by the test: when a try to reach the agent is due is
+    then the test's to say, whatever the machine's speed (the tries' own cost is real time)."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _engine_clock(monkeypatch: pytest.MonkeyPatch) -> _Clock:
+    from kvctl.engines import hf
+
+    clock = _Clock()
+    monkeypatch.setattr(
+        hf, "time", SimpleNamespace(monotonic=clock, perf_counter=time.perf_counter)
+    )
+    return clock
+
+
+def _tries(caplog: pytest.LogCaptureFixture) -> int:
+    return sum("still unreachable" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hung_agent_is_tried_less_and_less_often(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """While the agent stays away each failed try doubles the wait before the next: a hung
-    agent (each try waits out its HELLO) costs requests a try a minute at most, not one every
+    """While the agent hangs (each try waits out its HELLO) each failed try doubles the wait
+    before the next: a hung agent costs requests a try a minute at most, not one every
     interval."""
     import logging
 
     from kvctl.engines import hf
 
-    monkeypatch.setattr(hf, "RECONNECT_INTERVAL_SECONDS", 0.1)
+    monkeypatch.setattr(hf, "RECONNECT_HELLO_SECONDS", 0.3)
+    clock = _engine_clock(monkeypatch)
     model = build_model("tiny-llama", seed=7)
     with running_agent(tmp_path / "a", "--config", str(_config(tmp_path))) as agent:
+        client = agent.data("unix")
+        lm = CachedLM(model, client, chunked_prefill=True)
+        with stopped(agent), caplog.at_level(logging.INFO, logger=hf.log.name):
+            client.close()  # the connection lost
+            for _ in range(10):
+                assert lm.client is not None and lm.client.closed
+                clock.now_s += hf.RECONNECT_INTERVAL_SECONDS
+        # tries at 0, 1, 3 and 7 intervals (every interval it would be 10)
+        assert _tries(caplog) == 4
+        lm.close()
+
+
+def test_a_stopped_agent_is_tried_every_interval_so_reuse_resumes_once_it_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent stopped for an upgrade refuses each try at once (no socket): trying it costs a
+    request nothing, so it is tried every RECONNECT_INTERVAL_SECONDS however long it stays away,
+    and reuse resumes within one interval of its restart. A review's fleet: an agent away
+    9.6 s, its engine's waits doubling at each refused try (2, 4, 8 s, up to a minute), reused
+    nothing for 4.9 s (63 requests) after the agent was back."""
+    import logging
+
+    from kvctl.engines import hf
+
+    clock = _engine_clock(monkeypatch)
+    model = build_model("tiny-llama", seed=7)
+    ids = _tokens(CHUNK * 3 + 5, 23)
+    data_dir = tmp_path / "a"
+    with running_agent(data_dir, "--config", str(_config(tmp_path))) as agent:
         lm = CachedLM(model, agent.data("unix"), chunked_prefill=True)
-        agent.kill9()
-        lm.prefill(_tokens(CHUNK + 3, 19))  # the connection is lost here
+        assert lm.prefill(ids).stored_chunks == 3
+        assert lm.flush(30)
+    # stopped cleanly: requests prefill in full, the engine tries the agent every interval
     with caplog.at_level(logging.INFO, logger=hf.log.name):
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            assert lm.client is not None and lm.client.closed
-            time.sleep(0.01)
-    tries = sum("still unreachable" in r.getMessage() for r in caplog.records)
-    # tries at about 0, 0.1, 0.3, 0.7 and 1.5 s: 5 (every 0.1 s it would be about 20)
-    assert 3 <= tries <= 7, tries
+        for _ in range(6):
+            clock.now_s += hf.RECONNECT_INTERVAL_SECONDS
+            assert lm.prefill(ids).reused_chunks == 0
+    assert _tries(caplog) == 6  # one a request (doubling waits: 3)
+    with running_agent(data_dir, "--config", str(_config(tmp_path))):
+        clock.now_s += hf.RECONNECT_INTERVAL_SECONDS
+        lm.prefill(ids)  # connects again at once
+        assert lm.client is not None and not lm.client.closed
+        assert lm.flush(30)
+        assert lm.prefill(ids).reused_chunks == 3
     lm.close()
 
 
