@@ -253,6 +253,14 @@ def _saved_cell(c: Any, value: float | None) -> float | None:
     return value if c.lookups else None
 
 
+#: what the emulated busy time leaves out (collectors.rows.emulated_power_rows caps it): a
+#: burst's prefill beyond its scrape interval is in no figure, so a card must not call the
+#: seconds shown all the modeled prefill of the tokens not served
+EMULATION_CAP = (
+    "at most each scrape interval: a GPU is busy no longer, and prefill past it is not counted"
+)
+
+
 def _energy_cards(c: Any, energy_note: str, unit: tuple[tuple[float, str]]) -> list[Any]:
     """Energy used and tokens per joule: NVML's (measured) and the emulated ones of nodes
     without NVML, each on its own cards, never added together. Without emulated energy the
@@ -287,7 +295,7 @@ def _energy_cards(c: Any, energy_note: str, unit: tuple[tuple[float, str]]) -> l
                 f"GPU energy of {c.emulated_energy_nodes} node(s) without NVML: "
                 f"{format_seconds(c.emulated_busy_s)} of modeled prefill (the tokens their "
                 "cache did not serve, whole chunks only: a prompt's partial last chunk is not "
-                f"counted) x {emulation_note(c.emulated_profiles)}",
+                f"counted; {EMULATION_CAP}) x {emulation_note(c.emulated_profiles)}",
                 card_id="card-energy-emulated",
             ),
             card(
@@ -492,7 +500,8 @@ def dc_page(ctx: PageContext) -> list[Any]:
                 win,
                 graph(figures.power(s, win, emulated=True), "fig-power-emulated"),
                 note="nodes without NVML: modeled prefill time of the tokens their cache did "
-                "not serve x the GPU profile's board power (kvctl collect --emulate-power)",
+                f"not serve ({EMULATION_CAP}) x the GPU profile's board power (kvctl collect "
+                "--emulate-power)",
             )
         )
     elif not any(v is not None for v in s.power_w):

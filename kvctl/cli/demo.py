@@ -422,7 +422,8 @@ def energy_lines(energy: dict[str, Any] | None, saved_it_joules: float | None) -
             f"GPU energy used (emulated, IT: no NVML on {emulated['nodes']} node(s)): "
             f"{format_scaled(emulated['energy_j'], unit)} = "
             f"{format_seconds(emulated['busy_s'])} of modeled prefill of the tokens the cache "
-            f"did not serve (whole chunks only) x {emulated['gpu']} board power "
+            "did not serve (whole chunks only; at most each scrape interval: prefill past it "
+            f"is not counted) x {emulated['gpu']} board power "
             f"{emulated['board_power_watts']:g} W ({emulated['board_power_source']}); "
             f"{format_number(emulated['tokens_per_joule'])} prompt tokens per joule (emulated)"
         )

@@ -89,6 +89,9 @@ def test_the_dashboard_shows_each_on_its_own_cards(db: Engine, both: dict[str, i
     assert card_value(page, "card-energy-emulated") == "0.0000117 kWh"
     assert "IT" in text_of(emulated) and "IT" in text_of(by_id(page, "card-energy-used"))
     assert "emulated" in text_of(emulated) and "NVIDIA L4 datasheet: 72 W" in text_of(emulated)
+    # the busy seconds shown are capped at each scrape interval (collectors.rows): the card
+    # says so, not that they are all the modeled prefill of the tokens not served
+    assert "at most each scrape interval" in text_of(emulated)
     assert card_value(page, "card-tokens-per-joule-emulated") == format_number(1_000 / 7.0)
     rows = {r["DC"]: r for r in by_id(page, "table-dcs").data}
     assert rows["fleet"]["kWh used (IT)"] == 1.0
@@ -96,6 +99,7 @@ def test_the_dashboard_shows_each_on_its_own_cards(db: Engine, both: dict[str, i
     # the detail page: NVML's plot and the emulated one, each labelled
     by_id(detail, "fig-power")
     assert EMULATED in text_of(by_id(detail, "fig-power-emulated").figure.data[0].name)
+    assert "at most each scrape interval" in text_of(detail)
 
 
 def test_emulated_energy_alone_takes_the_measured_cards_place(db: Engine) -> None:

@@ -20,6 +20,9 @@ def test_saved_and_used_read_in_one_unit_and_say_it_or_facility() -> None:
     assert "3.67 Wh" in saved and "kJ" not in saved and " J" not in saved
     assert "IT" in saved and "facility" in saved  # the dashboard's figure is x PUE
     assert "1.18 Wh" in used and "IT" in used and "whole chunks only" in used
+    # busy time is capped at each scrape interval (collectors.rows): prefill past it is in no
+    # figure, which the line says rather than calling it all the tokens' prefill
+    assert "at most each scrape interval" in used
 
 
 def test_no_energy_read_still_says_what_was_saved() -> None:
