@@ -1056,6 +1056,8 @@ class Collector:
         """Collect every interval until ``stop`` is set; links and maintenance on their own
         schedules. Database and node failures are reported, never end the loop."""
         next_links = next_maint = time.monotonic()
+        if not math.isfinite(self.config.link_interval_s):
+            next_links = math.inf  # links off (`collect --no-links`): not even a first probe
         while not stop.is_set():
             started = time.monotonic()
             report = self.collect_once()

@@ -6,6 +6,7 @@ on one PostgreSQL, and `kvctl collect` itself."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -578,6 +579,31 @@ def test_collect_runs_and_serves_its_metrics_until_stopped(sqlite_url: str, tmp_
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=30)
     assert proc.returncode == 0
+
+
+def test_the_loop_with_links_off_probes_none(
+    sqlite_db: Engine, two_agents: tuple[Agent, Agent]
+) -> None:
+    """`kvctl collect --no-links` (an infinite link interval) probes no link, not even once as
+    the loop starts: a review's collector, restarted with --no-links, sent each pair of DCs a
+    probe (pings and 1 MiB each way) at every start."""
+    a1, a2 = two_agents
+    _register(sqlite_db, {"n1": ("fra", a1.state.control_url), "n2": ("ams", a2.state.control_url)})
+    collector = Collector(sqlite_db, CollectorConfig(interval_s=0.2, link_interval_s=math.inf))
+    kinds: list[str] = []
+    stop = threading.Event()
+
+    def on_cycle(kind: str, report: object) -> None:
+        kinds.append(kind)
+        if kinds.count("scrape") == 2:
+            stop.set()  # the loop ends after this cycle's links and maintenance
+
+    try:
+        collector.run(stop, on_cycle=on_cycle)
+    finally:
+        collector.close()
+    assert kinds.count("scrape") == 2 and "links" not in kinds, kinds
+    assert _rows(sqlite_db, LinkSample) == []
 
 
 def test_a_database_that_goes_away_does_not_end_the_loop(pg_url: str, tmp_path: Path) -> None:
