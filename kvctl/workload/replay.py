@@ -7,7 +7,8 @@ For each request, in order (one thread, so the bookkeeping below is exact):
    the longest prefix, asked with ``exists``, which counts nothing); or ask a ``kvctl router``
    (routing "router", any DC: see ``kvctl.workload.routed`` and "With a router" below);
 3. ``lookup`` the chain there (counted by the agent), ``get`` the hit chunks and check each one's
-   bytes;
+   bytes (a hit its agent took from its pool or a peer is reuse or sharing by the owner of the
+   pulled copy, learnt as with a router, below);
 4. with peer fetch on, ask the other nodes for the rest of the chain (``exists``), ``get`` it
    from the one holding the most and store it on the home node. The peer is not asked a counted
    ``lookup``: the request's one lookup was the home node's (its misses included), as an agent
@@ -648,16 +649,24 @@ class _Looked:
     reuse: tuple[bool, ...]
 
 
-def _lookup(node: _Node, keys: list[ChunkKey], tenant: str) -> _Looked:
-    """A counted lookup, tallied as the agent counts it."""
+def _lookup(
+    node: _Node, keys: list[ChunkKey], tenant: str, chunk_bytes: int
+) -> tuple[_Looked, int]:
+    """A counted lookup and the ``get`` of its hits, tallied as the agent counts it; returns
+    the lookup and how many leading hits arrived. A hit the node's lookup took from its pool
+    or a peer is reuse or sharing by the tenant that stored the source's copy (maybe through
+    another node, which this node's ledger never saw): learnt from the pulled copy, as with a
+    router."""
     res = node.data.lookup(keys, tenant=tenant)
     m = res.matched_chunks
+    got = _fetch(node, keys[:m], tenant, chunk_bytes)
+    _learn_pulled_owners(node, keys, res.locations, m, tenant)
     reuse = tuple(node.owner.get(key) == tenant for key in keys[:m])
     node.tally.count_lookup(len(keys), res, reuse)
     for key, tier in zip(keys[m:], res.locations[m:], strict=True):
         if tier is None:
             node.owner.pop(key, None)  # evicted since the replay stored it
-    return _Looked(m, tuple(res.locations), reuse)
+    return _Looked(m, tuple(res.locations), reuse), got
 
 
 def _store(
@@ -706,8 +715,7 @@ def _serve(
     rq.count(request, len(keys))
     if not keys:
         return
-    looked = _lookup(home, keys, tenant)
-    got = _fetch(home, keys[: looked.matched], tenant, chunk_bytes)
+    looked, got = _lookup(home, keys, tenant, chunk_bytes)
     for tier in looked.tiers[:got]:
         rq.local_hits[tier] += 1  # type: ignore[index]
     _credit(rq, looked.reuse, got, chunk_tokens)

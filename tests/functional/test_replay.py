@@ -507,3 +507,41 @@ def test_replay_json_ratios_with_nothing_under_them_are_null() -> None:
     assert NodeTally(lookups=1, lookup_chunks=4, hit_chunks=1).as_dict()["hit_ratio"] == 0.25
     missed = RequestTally(requests=1, chunks=4, input_tokens=1000).as_dict()
     assert missed["hit_ratio"] == 0.0 and missed["token_hit_ratio"] == 0.0
+
+
+def test_pool_hits_are_reuse_or_sharing_by_the_pulled_copys_owner(tmp_path: Path) -> None:
+    """Without a router, a node's hit in its pool is counted by the agent as reuse or sharing by
+    the tenant that stored the pool's copy (through another node); the replay, whose ledger
+    only knew what it stored on that node, counted every such hit as sharing and exited 1 on a
+    healthy fleet ('reuse_hits: replay 158, agent 763' on an audit's two nodes sharing a pool).
+    It now learns the pulled copies' owners, as it does with a router."""
+    from tests.functional.test_remote import SLOW_GPU, link_costed, pool_holds, wait_for
+
+    small = ("--disk", "0", "--cpu", "64MiB")
+    same = {"input_tokens": 2048, "output_tokens": 1, "block_ids": (1, 2, 3, 4)}
+    with running_agent(tmp_path / "pool", "--role", "pool", "--name", "pool", *small) as pool:
+        url = f"kvctl://{pool.state.data_tcp}"
+        with (
+            running_agent(tmp_path / "a", "--name", "a", "--dc", "fra", "--pool", url, *small) as a,
+            running_agent(
+                tmp_path / "b", "--name", "b", "--dc", "fra", "--pool", url, *SLOW_GPU, *small
+            ) as b,
+        ):
+            first = replay(
+                [TraceRequest(0, **same, tenant="t1")], _nodes((a,)), INPUTS, kv_scale=SCALE,
+                peer_fetch=False,
+            )  # fmt: skip
+            stored = first.nodes["a"].puts["stored"]
+            assert stored == 8
+            wait_for("the write-through to reach the pool", pool_holds(pool, stored))
+            wait_for("b to measure its link to the pool", link_costed(b, "pool"))
+            report = replay(
+                [TraceRequest(1, **same, tenant="t1"), TraceRequest(2, **same, tenant="t2")],
+                _nodes((b,)), INPUTS, kv_scale=SCALE, peer_fetch=False,
+            )  # fmt: skip
+    on_b = report.nodes["b"]
+    assert on_b.hits_by_tier["remote"] == 8  # t1's request: all of it from the pool
+    # t1's own chunks (stored through a) are reuse; t2 hits t1's pulled copies: sharing
+    assert (on_b.reuse_hits, on_b.sharing_hits) == (8, 8)
+    assert report.owners_known == {"b": True}
+    _check_agents(report)
