@@ -411,8 +411,11 @@ class CachedLM:
         if not ids:
             raise InvalidArgument("a prompt needs at least one token")
         tenant = self.tenant if tenant is None else tenant
+        client = self.client  # (a lost connection is tried again here, when a try is due)
         try:
-            keys = self.chunk_keys(ids, tenant) if self.client is not None else []
+            # while the connection stays lost the agent is not called at all: the request
+            # prefills in full as with no agent, neither failing a call nor logging one
+            keys = self.chunk_keys(ids, tenant) if client is not None and not client.closed else []
         except AgentError as exc:  # the tenant's policy is asked of the agent on first use
             self._gave_up("tenant policy lookup", exc)
             keys = []
@@ -695,7 +698,7 @@ class CachedLM:
         todo = [i for i in range(reused, len(keys)) if i >= len(locations) or locations[i] is None]
         if not self.store:
             todo = []
-        if client is None or (not todo and report is None):
+        if client is None or client.closed or (not todo and report is None):
             done: Future[Stored] = Future()
             done.set_result(Stored(0, 0, 0.0))
             return done

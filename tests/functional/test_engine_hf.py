@@ -445,6 +445,36 @@ def test_a_stopped_agent_is_tried_every_interval_so_reuse_resumes_once_it_is_bac
     lm.close()
 
 
+def test_requests_while_the_agent_is_away_do_not_call_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Once the connection is lost, until a try to reach the agent again succeeds, requests
+    prefill in full without calling it: the loss is one warning and one failure, not a warning
+    and a failure (and a writer's warning) per request. A review's engine, 20 requests a
+    second through a 10 s restart, logged two warnings a request and counted each request in
+    ``agent_failures`` (111 of 116)."""
+    import logging
+
+    _engine_clock(monkeypatch)  # not moved: after the first, no try is due
+    model = build_model("tiny-llama", seed=7)
+    ids = _tokens(CHUNK * 3 + 5, 31)
+    want = CachedLM(model, None, chunk_tokens=CHUNK, chunked_prefill=True).prefill(ids).logits
+    with running_agent(tmp_path / "a", "--config", str(_config(tmp_path))) as agent:
+        lm = CachedLM(model, agent.data("unix"), chunked_prefill=True)
+        assert lm.prefill(ids).stored_chunks == 3
+        assert lm.flush(30)
+    with caplog.at_level(logging.INFO):
+        for _ in range(10):
+            got = lm.prefill(ids)
+            assert got.reused_chunks == 0 and torch.equal(got.logits, want)
+        assert lm.flush(30)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "lookup" in warned[0], warned  # the first request's, lost
+    assert lm.agent_failures == 1
+    assert _tries(caplog) == 1
+    lm.close()
+
+
 @pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_a_hung_agent_costs_one_request_a_short_deadline_then_reuse_resumes(
     tmp_path: Path,
