@@ -679,6 +679,15 @@ class VllmEventSubscriber:
         self.oversized = 0
         #: when the last disconnect was read, until libzmq's reconnect shows (None: none due)
         self._disconnected_at_s: float | None = None
+        #: the SUB's connection finished its ZMTP handshake, and whether the one dropped last
+        #: had: one that never did met a peer that is not a PUB socket (the replay ROUTER's
+        #: port, say), which libzmq drops for good too, and no message was refused
+        self._handshaken = False
+        self._dropped_handshaken = False
+        #: a peer that failed the handshake was said (once, until a handshake succeeds)
+        self._handshake_warned = False
+        #: the replay socket's connection finished its handshake (a drop before is no cut)
+        self._replay_handshaken = False
         self.errors = 0
         self.last_error: str | None = None
         #: the index failed a call: the events it missed are lost, so the engine's entries are
@@ -709,7 +718,10 @@ class VllmEventSubscriber:
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             self._monitor = sub.get_monitor_socket(
-                zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                zmq.EVENT_CONNECTED
+                | zmq.EVENT_DISCONNECTED
+                | zmq.EVENT_CONNECT_RETRIED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED
             )
             sub.setsockopt(zmq.SUBSCRIBE, self._topic)
             sub.connect(self.endpoint)
@@ -814,9 +826,12 @@ class VllmEventSubscriber:
             self._disconnected_at_s = None
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self._disconnected_at_s = None  # libzmq connects again by itself
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._handshaken, self._handshake_warned = True, False
         elif event == zmq.EVENT_DISCONNECTED:
             self.connected = False
             self._disconnected_at_s = time.monotonic()
+            self._dropped_handshaken, self._handshaken = self._handshaken, False
             return True
         return False
 
@@ -824,23 +839,35 @@ class VllmEventSubscriber:
         """After a disconnect: once ``RECONNECT_CHECK_S`` has passed without libzmq's own
         reconnect, libzmq ended the connection for good (a message frame over
         ``max_message_bytes``; a peer breaking ZMTP ends it the same way): count it and connect
-        again, or the feed would end here. The monotonic clock, not ``clock``: libzmq's timers
-        run on real time."""
+        again, or the feed would end here. A connection that never finished its handshake (a
+        peer that is not a PUB socket) refused no message: said once, not counted, and tried
+        again. The monotonic clock, not ``clock``: libzmq's timers run on real time."""
         while monitor.poll(0):  # the reconnect may be queued behind a long batch
             self._on_monitor(monitor)
         since_s = self._disconnected_at_s
         if since_s is None or time.monotonic() - since_s < RECONNECT_CHECK_S:
             return
         self._disconnected_at_s = None
-        self.oversized += 1
-        log.warning(
-            "%s: libzmq dropped the connection to the engine's events at %s and will not make "
-            "it again (a message over max_message_bytes, %d bytes, refused; or a peer that "
-            "broke ZMTP); connecting again (the batches missed are a gap)",
-            self.translator.node,
-            self.endpoint,
-            self.max_message_bytes,
-        )
+        if self._dropped_handshaken:
+            self.oversized += 1
+            log.warning(
+                "%s: libzmq dropped the connection to the engine's events at %s and will not "
+                "make it again (a message over max_message_bytes, %d bytes, refused; or a peer "
+                "that broke ZMTP); connecting again (the batches missed are a gap)",
+                self.translator.node,
+                self.endpoint,
+                self.max_message_bytes,
+            )
+        elif not self._handshake_warned:  # it would say so every RECONNECT_CHECK_S
+            self._handshake_warned = True
+            self.last_error = f"the peer at {self.endpoint} failed the ZMTP handshake"
+            log.warning(
+                "%s: the peer at %s failed the ZMTP handshake (not vLLM's KV-event PUB socket: "
+                "its replay port?); trying again every %.0f s",
+                self.translator.node,
+                self.endpoint,
+                RECONNECT_CHECK_S,
+            )
         with contextlib.suppress(zmq.ZMQError):  # not known to the socket any more
             sub.disconnect(self.endpoint)
         sub.connect(self.endpoint)
@@ -1061,10 +1088,10 @@ class VllmEventSubscriber:
             # a batch over the cap is refused at its header, then the connection dropped
             replay.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             self._replay_monitor = replay.get_monitor_socket(
-                zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
             )
             replay.connect(self.replay_endpoint)
-            self._replay = replay
+            self._replay, self._replay_handshaken = replay, False
         replay, monitor = self._replay, self._replay_monitor
         assert monitor is not None
         poller = zmq.Poller()
@@ -1095,8 +1122,12 @@ class VllmEventSubscriber:
                 self.replayed += 1
                 got += 1
             elif monitor in ready:
+                handshaken = self._replay_handshaken
                 if self._dropped_for_good(monitor):
-                    cut = True
+                    # before its handshake: a peer that is not a ROUTER, which refuses every
+                    # replay (a failed replay, not a batch to skip: asking past it would ask
+                    # it again for ever)
+                    cut = handshaken
                     break
             else:
                 break  # no answer in time
@@ -1114,8 +1145,12 @@ class VllmEventSubscriber:
         ended at a message over ``max_message_bytes``)."""
         from zmq.utils.monitor import recv_monitor_message
 
-        if recv_monitor_message(monitor).get("event") != zmq.EVENT_DISCONNECTED:
+        event = recv_monitor_message(monitor).get("event")
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._replay_handshaken = True
+        if event != zmq.EVENT_DISCONNECTED:
             return False
+        self._replay_handshaken = False  # the next connection shakes hands again
         deadline_s = time.monotonic() + RECONNECT_CHECK_S
         while (left_s := deadline_s - time.monotonic()) > 0 and monitor.poll(
             math.ceil(left_s * 1000)

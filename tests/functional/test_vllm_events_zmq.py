@@ -453,3 +453,69 @@ def test_an_oversized_frame_is_refused_at_its_header(index: EmbeddedIndex) -> No
         for c in conns:
             c.close()
         listener.close()
+
+
+def test_an_endpoint_that_is_not_a_pub_socket_is_said_once_not_counted_oversized(
+    index: EmbeddedIndex, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The events endpoint pointed at a ZMTP peer of another type (here a ROUTER, as the
+    engine's replay port is): libzmq drops each connection at its handshake and never connects
+    again, as at an oversized message, but no message was refused. The subscriber keeps trying
+    (the port may change hands) and says so once, where it counted an oversized message and
+    warned at every try."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    accepted = router.get_monitor_socket(zmq.EVENT_ACCEPTED)
+    t = VllmEventTranslator("engine-a", namespace=NS, chunk_tokens=CHUNK, tenant="t")
+    sub = VllmEventSubscriber(index, t, f"tcp://127.0.0.1:{port}", topic=TOPIC)
+    tries = 0
+
+    def tried_thrice() -> bool:
+        nonlocal tries
+        while accepted.poll(0):
+            accepted.recv_multipart()
+            tries += 1
+        return tries >= 3
+
+    try:
+        with caplog.at_level("WARNING", logger="kvctl.index.vllm_events"):
+            sub.start()
+            # the second and third made by the subscriber, each after its check had spoken
+            wait_for(tried_thrice, "three connections to the ROUTER", timeout_s=30)
+        status = sub.status()
+        assert status["oversized"] == 0 and status["messages"] == 0
+        assert "handshake" in str(status["last_error"])
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and "handshake" in warned[0], warned
+    finally:
+        sub.stop()
+        router.disable_monitor()
+        accepted.close(linger=0)
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_a_replay_endpoint_that_is_not_a_router_fails_the_replay_and_the_feed_goes_on(
+    index: EmbeddedIndex,
+) -> None:
+    """The replay endpoint pointed at a ZMTP peer of another type (here the engine's PUB
+    port): each replay connection is dropped at its handshake, which is a failed replay (as
+    one not answered), not an oversized batch to ask past: the catch-up asked again from the
+    next seq for ever, one a second, and never read the live feed."""
+    pub = FakeVllmPublisher(replay=False)
+    t = VllmEventTranslator("engine-a", namespace=NS, chunk_tokens=CHUNK, tenant="t")
+    sub = VllmEventSubscriber(
+        index, t, pub.endpoint, topic=TOPIC, replay_endpoint=pub.endpoint, catch_up=True
+    ).start()
+    try:
+        wait_for(lambda: sub.status()["replay_failures"] == 1, "the catch-up's replay failed")
+        joined(pub, sub)
+        pub.publish([stored([0, 1, 2, 3], None, 0)])
+        wait_for(lambda: holders(index)[0] == ["engine-a"], "a live batch in the index")
+        status = sub.status()
+        assert status["oversized"] == 0 and status["replay_failures"] >= 1
+    finally:
+        sub.stop()
+        pub.close()
