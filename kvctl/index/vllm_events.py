@@ -1102,7 +1102,10 @@ class VllmEventSubscriber:
         answer_by_s = time.monotonic() + self._replay_timeout_ms / 1000
         while not self._stop.is_set():
             left_s = answer_by_s - time.monotonic()
-            ready = dict(poller.poll(math.ceil(left_s * 1000))) if left_s > 0 else {}
+            if cut:  # only what the socket holds already
+                ready = dict(poller.poll(0))
+            else:
+                ready = dict(poller.poll(math.ceil(left_s * 1000))) if left_s > 0 else {}
             if replay in ready:
                 answer_by_s = time.monotonic() + self._replay_timeout_ms / 1000
                 frames = replay.recv_multipart()
@@ -1124,11 +1127,16 @@ class VllmEventSubscriber:
             elif monitor in ready:
                 handshaken = self._replay_handshaken
                 if self._dropped_for_good(monitor):
-                    # before its handshake: a peer that is not a ROUTER, which refuses every
-                    # replay (a failed replay, not a batch to skip: asking past it would ask
-                    # it again for ever)
-                    cut = handshaken
-                    break
+                    if not handshaken:
+                        # a peer that is not a ROUTER, which refuses every replay (a failed
+                        # replay, not a batch to skip: asking past it would ask it again for
+                        # ever)
+                        break
+                    # libzmq tells of the drop before it hands over the batches it decoded
+                    # ahead of the refused one (seen: a good batch then taken for the refused
+                    # one and skipped): read what the socket holds by now, then stop
+                    cut = True
+                    poller.unregister(monitor)
             else:
                 break  # no answer in time
         if not ended:
