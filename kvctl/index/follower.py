@@ -21,7 +21,8 @@ agent's: the agent is not marked down, and the next poll that the index answers 
 was written while it was away may be lost). Every resync is counted by its reason
 (``RESYNC_REASONS``).
 
-An agent that has not answered for ``drop_after_s`` is marked down: the router leaves it out of
+An agent that has not answered for ``drop_after_s``, or whose port refused a poll's connection
+(nothing listens: stopped or restarting), is marked down: the router leaves it out of
 its decisions and its holder answers (``Followers.down_nodes``). Down is this router's view: in
 an index of its own (``EmbeddedIndex``) its entries are dropped too, but a shared one
 (``RedisIndex.shared``) keeps them, since another router may reach the agent (a wrong URL or a
@@ -113,6 +114,19 @@ RESYNC_REASONS = (
     "index_partial",
     "index_count",
 )
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """Whether the agent's port refused the connection (``ConnectionRefusedError`` under the
+    SDK's error): nothing listens there, the agent stopped or restarting, so no answer is on
+    its way, unlike a poll that times out (a lost packet, a slow or hung agent)."""
+    for _ in range(8):  # the SDK's error, httpx's, httpcore's, the OSError
+        if exc is None:
+            return False
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class Follower:
@@ -441,7 +455,9 @@ class Follower:
             self._failing = True
             log.debug("%s: poll failed: %s", self.node, self.last_error)
         silent_s = self._clock() - (self._since_s if self._last_ok_s is None else self._last_ok_s)
-        if silent_s >= self.drop_after_s and self._up is not False:
+        # a refused connection is no lost packet: nothing listens (stopped, restarting)
+        refused = _refused(exc)
+        if (silent_s >= self.drop_after_s or refused) and self._up is not False:
             self._up = False
             self._instance = None  # whatever it holds when back, learn it from its listing
             self._pending_reason = "agent_back"
@@ -453,10 +469,10 @@ class Follower:
                     self._index_failed(exc)
                     kept = "its index entries not dropped (the index failed)"
             log.warning(
-                "%s: agent at %s silent for %.1f s; marked down, %s (%s)",
+                "%s: agent at %s %s; marked down, %s (%s)",
                 self.node,
                 self._shown_url,
-                silent_s,
+                "refused the connection" if refused else f"silent for {silent_s:.1f} s",
                 kept,
                 self.last_error,
             )

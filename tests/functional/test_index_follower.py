@@ -149,9 +149,10 @@ def test_moves_and_evictions_reach_the_index(tmp_path: Path, index: EmbeddedInde
 def test_a_killed_agent_is_dropped_and_resynced_when_it_comes_back(
     tmp_path: Path, index: EmbeddedIndex
 ) -> None:
-    """Kill -9 (no goodbye): its entries leave the index once it has been silent for
-    drop_after_s. Restarted on the same address, its new event stream (a new instance) is
-    resynced: the index holds what it holds after the restart, not what it held before."""
+    """Kill -9 (no goodbye): its entries leave the index once a poll finds its port refusing
+    connections (or it has been silent for drop_after_s). Restarted on the same address, its
+    new event stream (a new instance) is resynced: the index holds what it holds after the
+    restart, not what it held before."""
     port = closed_port()
     args = ["--name", "a", "--listen", f"127.0.0.1:{port}", "--cpu", "8MiB", "--disk", "8MiB"]
     data_dir = tmp_path / "a"
@@ -190,9 +191,32 @@ def test_a_killed_agent_is_dropped_and_resynced_when_it_comes_back(
         followers.close()
         if a.proc.poll() is None:
             assert a.stop() == 0, a.log()[-3000:]
-    # an agent never heard from is marked down once silent for drop_after_s, and stays so
+    # an agent never heard from (its port refusing) is marked down, and stays so
     wait_until("a never-reached agent marked down", lambda: _polled_down(survivor))
     assert survivor.status()["up"] is False and survivor.status()["last_ok_s"] is None
+
+
+def test_an_agent_stopped_is_marked_down_at_its_first_refused_poll(
+    tmp_path: Path, index: EmbeddedIndex
+) -> None:
+    """A stopped agent's port refuses the connection: nothing listens there, so no answer is
+    on its way, and the follower marks it down at that poll instead of after drop_after_s of
+    silence. A review's router, 10 routes a second, sent 28 (2.9 s of them) to an agent
+    stopped for a restart before marking it down. (A poll that goes unanswered, a hung agent
+    or a lost packet, still waits drop_after_s: the hung-agent tests.)"""
+    now_s = [0.0]
+    with running_agent(tmp_path / "a", *SMALL) as a:
+        follower = Follower(index, "a", a.state.control_url, clock=lambda: now_s[0])
+        put(a, [key(i, space=9) for i in range(5)])
+        follower.poll_once()
+        assert follower.status()["up"] and index.nodes().get("a") == 5
+    now_s[0] += 0.1  # stopped cleanly: its port refuses, 0.1 s into a 3 s drop_after_s
+    follower.poll_once()
+    status = follower.status()
+    assert status["up"] is False, status
+    assert "refused" in status["last_error"]
+    assert "a" not in index.nodes()  # an index of its own: the node's entries dropped
+    follower.close()
 
 
 def _polled_down(follower: Follower) -> bool:
