@@ -394,7 +394,7 @@ def test_a_hung_agent_is_tried_less_and_less_often(
 
     from kvctl.engines import hf
 
-    monkeypatch.setattr(hf, "RECONNECT_HELLO_SECONDS", 0.3)
+    monkeypatch.setattr(hf, "RECONNECT_HELLO_SECONDS", 1.0)  # past REFUSED_TRY_SECONDS
     clock = _engine_clock(monkeypatch)
     model = build_model("tiny-llama", seed=7)
     with running_agent(tmp_path / "a", "--config", str(_config(tmp_path))) as agent:
