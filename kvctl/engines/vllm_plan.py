@@ -249,14 +249,19 @@ class AgentLink:
             namespace = client.namespace(self.model_id, self.layout, self.tenant)
         self.chunk_tokens, self.namespace = chunk_tokens, namespace
 
-    def failed(self, what: str, exc: BaseException) -> None:
+    def failed(self, what: str, exc: BaseException, client: DataClient | None = None) -> None:
         """Report a failed call. A refusal the connection outlived (the agent starting, out
         of room, a chunk gone) costs only that call: the connection stays. A connection lost
         (the agent restarted, or closed it idle) is made again at the next call, at most once
         per ``retry_seconds``: an agent back at once costs one step, not ``retry_seconds`` of
         steps. Any other failure (a hung agent, a reply out of step) drops the connection and
-        leaves the agent alone for ``retry_seconds``."""
+        leaves the agent alone for ``retry_seconds``. ``client``: the connection the call
+        failed on, if known: one the link has replaced since (another thread's call found it
+        lost first) changes nothing, so a late report cannot close its successor."""
         with self._lock:
+            if client is not None and client is not self._client:
+                log.warning("kvctl %s failed (%s) on a connection made again since", what, exc)
+                return
             client = self._client
             if (
                 client is not None
@@ -430,7 +435,7 @@ class SchedulerPlan:
                 for i, tier in zip(ask, tiers, strict=True):
                     present[i] = tier is not None
         except AgentError as exc:
-            self.link.failed("lookup", exc)
+            self.link.failed("lookup", exc, client)
             present = [False] * len(keys)
         held = present.index(False) if False in present else len(present)
         self._matches[req_id] = _Match(keys, held, local_tokens)
@@ -740,7 +745,7 @@ class WorkerPlan:
                     answer_s=self.link.timeout_seconds,
                 )  # fmt: skip
             except AgentError as exc:
-                self.link.failed("read", exc)
+                self.link.failed("read", exc, client)
         loaded_end = _loaded_end(spec, usable)
         if loaded_end > spec.start_token and kv is not None:
             paged.scatter_loaded(
@@ -820,7 +825,7 @@ class WorkerPlan:
             queued = [made[i] for i in range(len(leased))]  # in the step's order
             ok = True
         except AgentError as exc:
-            self.link.failed("read", exc)
+            self.link.failed("read", exc, client)
             return False
         finally:
             if not ok:
@@ -927,7 +932,7 @@ class WorkerPlan:
                     depths=list(range(spec.first_chunk, spec.first_chunk + len(spec.keys))),
                 )
         except AgentError as exc:
-            link.failed("save", exc)
+            link.failed("save", exc, client)
             return 0
         return sum(o.status == "stored" for o in outcomes)
 

@@ -445,6 +445,26 @@ def test_a_refused_call_keeps_the_connection_and_a_second_loss_waits(agent: Agen
         link.close()
 
 
+def test_a_late_failure_on_a_replaced_connection_leaves_its_successor(agent: Agent) -> None:
+    """Two threads on one link: one finds the connection lost and the link makes it again;
+    the other's report of a failure on the old connection comes after. It must not close the
+    new one (nor spend the once-per-retry_seconds quick reconnect)."""
+    link = AgentLink(
+        address(agent, "tcp"), tenant="default", model_id=MODEL,
+        layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), block_size=BLOCK, retry_seconds=60.0,
+    )  # fmt: skip
+    try:
+        old = link.get()
+        assert old is not None
+        link.failed("lookup", AgentUnreachable("lost the connection to the agent"), old)
+        new = link.get()
+        assert new is not None and new is not old
+        link.failed("read", AgentUnreachable("lost the connection to the agent"), old)
+        assert link.get() is new and not new.closed
+    finally:
+        link.close()
+
+
 def test_the_agents_chunk_size_must_be_whole_blocks(agent: Agent) -> None:
     link = AgentLink(
         address(agent, "tcp"), tenant="default", model_id=MODEL,
