@@ -31,7 +31,7 @@ from kvctl.db.analytics.counts import (
     node_counts,
 )
 from kvctl.db.analytics.counts import total as total_of
-from kvctl.db.analytics.inventory import Inventory, inventory
+from kvctl.db.analytics.inventory import Inventory, has_figures, inventory
 from kvctl.db.analytics.links import RttBasis, break_even, link_figures, link_series, rtt_bases
 from kvctl.db.analytics.overview import Overview, capacity, overview
 from kvctl.db.analytics.routing import RoutingSummary, pulled_series, routing_summary
@@ -391,7 +391,8 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
     info = next((d for d in ov.inventory.dcs if d.name == name), None)
     return {
         "DC": name,
-        "nodes": c.nodes,
+        # the nodes removed since the window started still count in the DC's figures
+        "nodes": f"{c.nodes} + {c.removed_nodes} removed" if c.removed_nodes else c.nodes,
         "up": percent(c.up_ratio),
         # up but unread (token refused, starting, rejected): the DC's lookups miss those scrapes
         "unread scrapes": c.unread_samples,
@@ -418,7 +419,7 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
 
 # --- DC and node detail ------------------------------------------------------------------------
 def dc_page(ctx: PageContext) -> list[Any]:
-    inv = inventory(ctx.conn)
+    inv = inventory(ctx.conn, removed_since_ms=ctx.window.start_ms)
     if not inv.dcs:
         return [
             empty("The fleet inventory is empty.", hint="`kvctl fleet import` or `kvctl demo`.")
@@ -427,7 +428,9 @@ def dc_page(ctx: PageContext) -> list[Any]:
     dc = ctx.dc if ctx.dc in names else names[0]
     nodes = inv.nodes_of(dc)
     node = next((n for n in nodes if n.name == ctx.node), None)
-    ids = [node.id] if node else [n.id for n in nodes]
+    # the DC's figures keep the nodes removed since the window started (listed as removed)
+    gone = inv.removed_of(dc)
+    ids = [node.id] if node else [n.id for n in [*nodes, *gone]]
     subject = f"node {node.name}" if node else f"DC {dc}"
     out: list[Any] = [
         html.H2(f"Detail: {subject}"),
@@ -453,7 +456,7 @@ def dc_page(ctx: PageContext) -> list[Any]:
             className="pickers",
         ),
     ]
-    if not nodes:
+    if not nodes and not gone:
         return [*out, empty(f"DC {dc} has no nodes.", hint="`kvctl fleet add-node`")]
     s = time_series(ctx.conn, ctx.window, ids)
     win = ctx.window
@@ -534,24 +537,27 @@ def dc_page(ctx: PageContext) -> list[Any]:
             section("Top events", MEASURED, win, body, note="from raw samples (kept 2 days)")
         )
     else:
-        per = _node_rows(ctx, inv, nodes, win)
-        out.append(section("Nodes", MEASURED, win, table("table-nodes", per, list(per[0]))))
+        per = _node_rows(ctx, inv, [*nodes, *gone], win)
+        if per:
+            out.append(section("Nodes", MEASURED, win, table("table-nodes", per, list(per[0]))))
     return out
 
 
 def _node_rows(
     ctx: PageContext, inv: Inventory, nodes: list[Any], win: Window
 ) -> list[dict[str, Any]]:
-    dcs = {d.name: d for d in inv.dcs}
+    dcs = {d.name: d for d in [*inv.dcs, *inv.removed_dcs()]}
     counts = node_counts(ctx.conn, win.start_ms, win.end_ms, nodes, dcs, ctx.assume)
     rows = []
     for n in nodes:
         c = counts[n.id]
+        if n.removed and not has_figures(c):
+            continue  # removed before the window's samples: nothing of it here
         used = sum(c.used_bytes.values()) if c.used_bytes else None
         cap = sum(c.capacity_bytes.values()) if c.capacity_bytes else None
         rows.append(
             {
-                "node": n.name,
+                "node": n.label,
                 "GPU": n.gpu_model or "unknown",
                 "up": percent(c.up_ratio),
                 # up but unread (token refused, starting): its lookups are unknown, not an idle 0
@@ -573,9 +579,10 @@ def _node_rows(
 
 # --- links -------------------------------------------------------------------------------------
 def links_page(ctx: PageContext) -> list[Any]:
-    # links and inventory only: the page needs none of the overview's per-node counts
-    inv = inventory(ctx.conn)
+    # links and inventory only: the page needs none of the overview's per-node counts (the
+    # removed nodes': their probes in the window still count)
     win = ctx.window
+    inv = inventory(ctx.conn, removed_since_ms=win.start_ms)
     names = _filtered([d.name for d in inv.dcs], ctx.dcs)
     links = [
         lk

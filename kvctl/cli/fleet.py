@@ -347,7 +347,9 @@ def rm_command(
     """Remove a node, a DC (and its links), or the link between two DCs.
 
     A DC that still has nodes is kept unless --with-nodes, which asks before removing them
-    (--yes does not ask). Recorded samples stay in the database as history.
+    (--yes does not ask). Recorded samples stay in the database as history: a removed node's
+    samples still count in the totals of the windows that hold them (the dashboard, `kvctl
+    status --window`), listed as removed; live views show only the inventory's nodes.
 
     Examples:
 

@@ -57,7 +57,8 @@ def status_command(
     With --window, no agent is asked: the figures are what the collectors recorded over that
     window (the dashboard's numbers), with the share of scrapes each node answered and, where
     any, those answered without figures (unread: the token refused, the agent starting, or
-    figures rejected).
+    figures rejected). Nodes removed since the window started (`kvctl fleet rm`) still count
+    in it, listed as removed.
 
     Examples:
 
@@ -69,7 +70,7 @@ def status_command(
 
       kvctl status --node gpu-a1 --node gpu-a2 --json
     """
-    from kvctl.db.analytics.recorded import recorded
+    from kvctl.db.analytics.recorded import recorded, removed_in
     from kvctl.db.analytics.windows import window_of
     from kvctl.fleet.status import FleetStatus, fleet_status
     from kvctl.fleet.targets import resolve_targets
@@ -87,11 +88,12 @@ def status_command(
         ):
             everyone = not (node or dc)
             nodes = resolve_targets(conn, nodes=node or [], dcs=dc or [], all_nodes=everyone)
-            result: FleetStatus | Recorded = (
-                fleet_status(conn, nodes, timeout_s=timeout)
-                if win is None
-                else recorded(conn, win, nodes)
-            )
+            result: FleetStatus | Recorded
+            if win is None:  # live: the agents of the inventory's nodes
+                result = fleet_status(conn, nodes, timeout_s=timeout)
+            else:  # a window's totals keep the nodes removed since it started
+                gone = removed_in(conn, win, dcs=dc or [], everyone=everyone)
+                result = recorded(conn, win, nodes, gone)
     except KeyboardInterrupt:  # read-only: no agent still asked is waited for
         err_console.print("[yellow]interrupted[/]", highlight=False)
         raise typer.Exit(130) from None
@@ -224,14 +226,15 @@ def _render_recorded(rec: Recorded) -> None:
     for col in ("node", "dc", *columns):
         nodes.add_column(col, justify="left" if col in ("node", "dc", "occupancy") else "right")
     for n, c in rec.nodes:
-        nodes.add_row(escape(n.name), escape(n.dc), *_recorded_cells(c, unread=unread))
+        nodes.add_row(escape(n.label), escape(n.dc), *_recorded_cells(c, unread=unread))
     console.print(nodes)
     dcs = Table(title="per DC", title_justify="left")
     for col in ("dc", "nodes", *columns):
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
         label = f"[bold]{escape(name)}[/]" if c is rec.fleet else escape(name)
-        dcs.add_row(label, str(c.nodes), *_recorded_cells(c, unread=unread))
+        counted = f"{c.nodes} + {c.removed_nodes} removed" if c.removed_nodes else str(c.nodes)
+        dcs.add_row(label, counted, *_recorded_cells(c, unread=unread))
     console.print(dcs)
     if not rec.fleet.samples:
         console.print("nothing recorded in this window: is `kvctl collect` running?")

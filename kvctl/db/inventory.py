@@ -15,11 +15,11 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import BigInteger, delete, func, insert, literal, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
-from kvctl.db.models import DataCenter, Link, Node
+from kvctl.db.models import DataCenter, Link, Node, RemovedNode
 from kvctl.redact import redact_url
 
 #: column widths of the schema; checked here because PostgreSQL refuses longer text with a
@@ -55,6 +55,39 @@ class NodeInfo:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def removed(self) -> bool:
+        return False
+
+    @property
+    def label(self) -> str:
+        """The node's name as listings show it."""
+        return self.name
+
+
+@dataclass(frozen=True, slots=True)
+class RemovedNodeInfo(NodeInfo):
+    """A node removed from the inventory, as it was (``RemovedNode``): its samples stay in the
+    totals of the windows that hold them. No agent to ask: ``agent_url`` is ''."""
+
+    removed_ms: int = 0
+    #: its DC's grid intensity and PUE when it was removed (the DC may be gone since)
+    dc_carbon_g_per_kwh: float | None = None
+    dc_pue: float | None = None
+
+    @property
+    def removed(self) -> bool:
+        return True
+
+    @property
+    def label(self) -> str:
+        return removed_label(self.name)
+
+
+def removed_label(name: str) -> str:
+    """A removed node's or DC's name as listings show it."""
+    return f"{name} (removed)"
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,6 +309,29 @@ def list_nodes(conn: Connection, *, dc: str | None = None) -> list[NodeInfo]:
     return [NodeInfo(*row) for row in conn.execute(q)]
 
 
+#: how long after a node's removal samples of it may still be stamped: a collector cycle that
+#: read the inventory before the removal, a collector's clock ahead of the CLI's
+REMOVAL_MARGIN_MS: Final = 3_600_000
+
+
+def removed_nodes(
+    conn: Connection, *, since_ms: int | None = None, dcs: Iterable[str] | None = None
+) -> list[RemovedNodeInfo]:
+    """Removed nodes that may have samples at or after ``since_ms`` (None: all of them; else
+    those removed after ``since_ms - REMOVAL_MARGIN_MS``), of the DCs named ``dcs`` (None:
+    any), by DC, name and id (a name removed twice is two nodes)."""
+    r = RemovedNode
+    q = select(r.id, r.name, r.dc, r.gpu_model, r.removed_ms, r.dc_carbon_g_per_kwh, r.dc_pue)
+    if since_ms is not None:
+        q = q.where(r.removed_ms >= since_ms - REMOVAL_MARGIN_MS)
+    if dcs is not None:
+        q = q.where(r.dc.in_(list(dcs)))
+    return [
+        RemovedNodeInfo(i, name, dc, "", gpu, None, removed, carbon, pue)
+        for i, name, dc, gpu, removed, carbon, pue in conn.execute(q.order_by(r.dc, r.name, r.id))
+    ]
+
+
 def list_dcs(conn: Connection) -> list[DcInfo]:
     """Every DC by name, with how many nodes it holds."""
     counts = select(Node.dc_id, func.count().label("n")).group_by(Node.dc_id).subquery("counts")
@@ -482,9 +538,33 @@ def update_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -
         raise _unknown_link(conn, dc_a, dc_b)
 
 
+def _keep_removed(conn: Connection, where: Any) -> None:
+    """Record the nodes ``where`` selects as they are (``RemovedNode``), in the caller's
+    transaction, before they are deleted: their samples stay keyed by their ids, and window
+    totals count them under their DC's name rather than losing them with the inventory row."""
+    now_ms = _now_ms()
+    rows = (
+        select(
+            Node.id,
+            Node.name,
+            DataCenter.name,
+            Node.gpu_model,
+            DataCenter.carbon_g_per_kwh,
+            DataCenter.pue,
+            literal(now_ms, BigInteger),
+        )
+        .join(DataCenter, Node.dc_id == DataCenter.id)
+        .where(where)
+    )
+    columns = ("id", "name", "dc", "gpu_model", "dc_carbon_g_per_kwh", "dc_pue", "removed_ms")
+    conn.execute(insert(RemovedNode).from_select(columns, rows))
+
+
 def remove_node(conn: Connection, name: str) -> NodeInfo:
-    """Remove a node from the inventory (its recorded samples stay, as history)."""
+    """Remove a node from the inventory; its recorded samples stay, as history, counted in the
+    windows that hold them (``RemovedNode``)."""
     node = node_by_name(conn, name)
+    _keep_removed(conn, Node.id == node.id)
     conn.execute(delete(Node).where(Node.id == node.id))
     return node
 
@@ -514,6 +594,7 @@ def remove_dc(conn: Connection, name: str, *, with_nodes: bool = False) -> Remov
     # explicit deletes rather than relying on ON DELETE CASCADE, which SQLite only honours
     # when its foreign_keys pragma is on for this connection
     conn.execute(delete(Link).where(or_(Link.dc_a_id == key, Link.dc_b_id == key)))
+    _keep_removed(conn, Node.dc_id == key)
     conn.execute(delete(Node).where(Node.dc_id == key))
     conn.execute(delete(DataCenter).where(DataCenter.id == key))
     return RemovedDc(name, nodes, links)

@@ -83,6 +83,26 @@ class Node(Base):
     __table_args__ = ({"sqlite_autoincrement": True},)
 
 
+class RemovedNode(Base):
+    """A node as it was when removed from the inventory (``kvctl fleet rm``, a DC removed with
+    its nodes, ``kvctl fleet import --prune``), written in the removal's transaction. Its
+    samples stay keyed by its id (no foreign key, an id never reused), so window totals keep
+    counting them under its DC's name; the DC's grid intensity and PUE are kept for the
+    modeled savings of its hits in case the DC goes too."""
+
+    __tablename__ = "removed_node"
+
+    #: the node's id while it was in the inventory (what its samples' ``node_id`` hold)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(String(128))
+    #: its DC's name (a name, so it outlives the DC)
+    dc: Mapped[str] = mapped_column(String(64))
+    gpu_model: Mapped[str] = mapped_column(String(64), default="")
+    dc_carbon_g_per_kwh: Mapped[float | None] = mapped_column(Float)
+    dc_pue: Mapped[float | None] = mapped_column(Float)
+    removed_ms: Mapped[int] = mapped_column(BigInteger, index=True)
+
+
 class Link(Base):
     """A fiber path between two DCs; stored once per pair with ``dc_a_id < dc_b_id``."""
 

@@ -372,14 +372,17 @@ class FleetSource:
 
     def recorded(self, span: str) -> Recorded:
         """What the collectors recorded over the last ``span`` (a duration such as ``15m``) for
-        the nodes watched, per node, DC and in total."""
-        from kvctl.db.analytics.recorded import recorded
+        the nodes watched, per node, DC and in total: with the nodes removed since it started
+        (those of the DCs watched), as `kvctl status --window` counts them."""
+        from kvctl.db.analytics.recorded import recorded, removed_in
         from kvctl.db.analytics.windows import window_of
 
         win = window_of(span, int(self.clock() * 1000))
         nodes = self.targets()
+        everyone = not (self.dcs or self.nodes)
         with self.engine.connect() as conn:
-            return recorded(conn, win, nodes)
+            gone = removed_in(conn, win, dcs=self.dcs, everyone=everyone)
+            return recorded(conn, win, nodes, gone)
 
     def rtt(self) -> _Rtt:
         """Mean RTT per DC pair (both orders) over :data:`LINK_WINDOW_S`, and its basis: an

@@ -64,6 +64,8 @@ class Counts(HitCounts):
     the nodes a figure covers."""
 
     nodes: int = 0
+    #: nodes removed from the inventory whose samples are counted here (not in ``nodes``)
+    removed_nodes: int = 0
     samples: int = 0
     #: scrapes the agent answered (up), whether or not its figures could be read
     up_samples: int = 0
@@ -329,8 +331,9 @@ def measured_counts(
     conn: Connection, start_ms: int, end_ms: int, nodes: Iterable[NodeInfo]
 ) -> dict[int, Counts]:
     """Measured counts per node id over [start, end); five queries, whatever the number of
-    nodes. Nothing modeled: :func:`node_counts` adds the savings."""
-    out = {n.id: Counts(nodes=1) for n in nodes}
+    nodes. A removed node (``NodeInfo.removed``) counts in ``removed_nodes``, not ``nodes``.
+    Nothing modeled: :func:`node_counts` adds the savings."""
+    out = {n.id: Counts(nodes=0, removed_nodes=1) if n.removed else Counts(nodes=1) for n in nodes}
 
     def rows(table: str, columns: Iterable[str]) -> Iterable[Mapping[Any, Any]]:
         # every node's rows: a filter of 1,000 ids costs more than the rows it skips

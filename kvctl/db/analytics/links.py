@@ -62,7 +62,7 @@ class LinkFigures:
 
 def link_figures(conn: Connection, start_ms: int, end_ms: int, inv: Inventory) -> list[LinkFigures]:
     """Probe figures per DC pair (inventory links first, then any pair that was probed)."""
-    dc_of = {n.id: n.dc for n in inv.nodes}
+    dc_of = inv.dc_of_nodes()
     acc: dict[tuple[str, str], list[float]] = {}
     q = window(
         conn,
@@ -113,7 +113,7 @@ class LinkSeries:
 
 
 def link_series(conn: Connection, win: Window, inv: Inventory) -> LinkSeries:
-    dc_of = {n.id: n.dc for n in inv.nodes}
+    dc_of = inv.dc_of_nodes()
     starts = bucket_starts(win)
     sums: dict[tuple[str, str], list[list[float]]] = {}
     q = buckets(
@@ -150,7 +150,7 @@ def rtt_bases(
     """The basis of each DC pair's successful probes over [start, end), from raw samples
     (kept 2 days; a basis is not rolled up). A probe from before the basis was recorded
     (NULL) was measured."""
-    dc_of = {n.id: n.dc for n in inv.nodes}
+    dc_of = inv.dc_of_nodes()
     basis = func.coalesce(LinkSample.rtt_basis, "measured")
     q = (
         select(

@@ -3,14 +3,14 @@ dashboard's fleet page and the benches), and the capacity planner's view."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.counts import Assumptions, Counts, node_counts, total
-from kvctl.db.analytics.inventory import Inventory, inventory
+from kvctl.db.analytics.inventory import Inventory, has_figures, inventory
 from kvctl.db.analytics.links import LinkFigures, link_figures
 from kvctl.db.analytics.windows import Window
 from kvctl.db.models import raw_table
@@ -22,8 +22,9 @@ from kvctl.db.rollup import MINUTE_MS
 class Overview:
     window: Window
     assume: Assumptions
+    #: with the nodes removed since the window's start that recorded figures in it
     inventory: Inventory
-    #: per DC name, in inventory order
+    #: per DC name, in inventory order, then the removed DCs' (their names marked removed)
     dcs: dict[str, Counts]
     fleet: Counts
     links: list[LinkFigures]
@@ -57,10 +58,21 @@ def nvml_nodes(conn: Connection, start_ms: int, end_ms: int) -> int | None:
 
 
 def overview(conn: Connection, win: Window, assume: Assumptions) -> Overview:
-    inv = inventory(conn)
-    dcs = {d.name: d for d in inv.dcs}
-    per_node = node_counts(conn, win.start_ms, win.end_ms, inv.nodes, dcs, assume)
-    by_dc = {d.name: total(per_node[n.id] for n in inv.nodes_of(d.name)) for d in inv.dcs}
+    """Each DC's and the fleet's counts over the window. A node removed since the window's
+    start still counts in them, in its DC (a DC removed too: under its name marked removed),
+    so decommissioning a node never changes a past window's totals."""
+    inv = inventory(conn, removed_since_ms=win.start_ms)
+    dcs = {d.name: d for d in [*inv.dcs, *inv.removed_dcs()]}
+    per_node = node_counts(conn, win.start_ms, win.end_ms, [*inv.nodes, *inv.removed], dcs, assume)
+    # removed nodes that recorded nothing in the window are not listed
+    inv = replace(inv, removed=[n for n in inv.removed if has_figures(per_node[n.id])])
+    counted = [*inv.nodes, *inv.removed]
+    current = [d.name for d in inv.dcs]
+    gone = sorted({n.dc for n in inv.removed} - set(current))
+    by_dc = {
+        inv.dc_label(name): total(per_node[n.id] for n in counted if n.dc == name)
+        for name in [*current, *gone]
+    }
     fleet = total(by_dc.values())
     return Overview(
         window=win,

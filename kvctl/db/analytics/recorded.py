@@ -12,14 +12,21 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.counts import Counts, measured_counts, total
+from kvctl.db.analytics.inventory import has_figures
 from kvctl.db.analytics.windows import Window
-from kvctl.db.inventory import NodeInfo
+from kvctl.db.inventory import (
+    NodeInfo,
+    RemovedNodeInfo,
+    list_dcs,
+    removed_label,
+    removed_nodes,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Recorded:
     window: Window
-    #: in the order asked for
+    #: in the order asked for, then the removed nodes counted (``NodeInfo.removed``)
     nodes: list[tuple[NodeInfo, Counts]]
     #: per DC of those nodes, by name
     dcs: dict[str, Counts]
@@ -28,7 +35,10 @@ class Recorded:
     def as_dict(self, *, nodes: bool = True) -> dict[str, Any]:
         out: dict[str, Any] = {"window": self.window.as_dict()}
         if nodes:
-            out["nodes"] = [{"node": n.name, "dc": n.dc, **figures(c)} for n, c in self.nodes]
+            out["nodes"] = [
+                {"node": n.name, "dc": n.dc, "removed": n.removed, **figures(c)}
+                for n, c in self.nodes
+            ]
         out["dcs"] = [{"dc": name, **figures(c)} for name, c in self.dcs.items()]
         out["total"] = {"dc": "fleet", **figures(self.fleet)}
         return out
@@ -57,10 +67,33 @@ def figures(c: Counts) -> dict[str, Any]:
     }
 
 
-def recorded(conn: Connection, win: Window, nodes: Sequence[NodeInfo]) -> Recorded:
-    """``nodes``' recorded figures over ``win``, summed per DC and for all of them."""
-    counts = measured_counts(conn, win.start_ms, win.end_ms, nodes)
+def recorded(
+    conn: Connection,
+    win: Window,
+    nodes: Sequence[NodeInfo],
+    removed: Sequence[RemovedNodeInfo] = (),
+) -> Recorded:
+    """``nodes``' recorded figures over ``win``, summed per DC and for all of them; and those
+    of the ``removed`` nodes (:func:`removed_in`) that recorded any in it, after them, so a
+    node's removal never changes a past window's totals."""
+    counts = measured_counts(conn, win.start_ms, win.end_ms, [*nodes, *removed])
+    listed = [*nodes, *(n for n in removed if has_figures(counts[n.id]))]
+    # a removed DC's row is marked, as the dashboard's is
+    current = {d.name for d in list_dcs(conn)} if removed else {n.dc for n in nodes}
     by_dc = {
-        dc: total(counts[n.id] for n in nodes if n.dc == dc) for dc in sorted({n.dc for n in nodes})
+        dc if dc in current else removed_label(dc): total(
+            counts[n.id] for n in listed if n.dc == dc
+        )
+        for dc in sorted({n.dc for n in listed})
     }
-    return Recorded(win, [(n, counts[n.id]) for n in nodes], by_dc, total(by_dc.values()))
+    return Recorded(win, [(n, counts[n.id]) for n in listed], by_dc, total(by_dc.values()))
+
+
+def removed_in(
+    conn: Connection, win: Window, *, dcs: Sequence[str] = (), everyone: bool = False
+) -> list[RemovedNodeInfo]:
+    """The removed nodes whose samples may be in ``win`` that a report of ``everyone`` or of
+    the DCs ``dcs`` counts (a report of named nodes counts none)."""
+    if not (everyone or dcs):
+        return []
+    return removed_nodes(conn, since_ms=win.start_ms, dcs=None if everyone else dcs)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Float, and_, case, cast, func, select
+from sqlalchemy import Float, and_, case, cast, func, select, union_all
 from sqlalchemy.engine import Connection
 
-from kvctl.db.models import DataCenter, Node
+from kvctl.db.inventory import removed_label
+from kvctl.db.models import DataCenter, Node, RemovedNode
 from kvctl.db.rollup import series, window
 from kvctl.ratios import HitCounts, ratio
 
@@ -44,14 +45,24 @@ def _per_dc(
     # each figure is named for the counter or gauge it reads: aggregate only those
     where = {"tier": "all"} if table == "cache_sample" else None
     w = window(conn, series(table), start_ms, end_ms, where=where, columns=list(cols)).subquery()
+    dc_of = _node_dcs()
     q = (
-        select(DataCenter.name, *(fn(w).label(name) for name, fn in cols.items()))
+        select(dc_of.c.dc, *(fn(w).label(name) for name, fn in cols.items()))
         .select_from(w)
-        .join(Node, Node.id == w.c.node_id)
-        .join(DataCenter, DataCenter.id == Node.dc_id)
-        .group_by(DataCenter.name)
+        .join(dc_of, dc_of.c.node_id == w.c.node_id)
+        .group_by(dc_of.c.dc)
     )
     return {row[0]: row._mapping for row in conn.execute(q)}
+
+
+def _node_dcs() -> Any:
+    """Each node's DC name: the inventory's nodes, and the removed ones (``RemovedNode``),
+    whose samples stay in the totals of the windows that hold them."""
+    live = select(Node.id.label("node_id"), DataCenter.name.label("dc")).join(
+        DataCenter, DataCenter.id == Node.dc_id
+    )
+    gone = select(RemovedNode.id.label("node_id"), RemovedNode.dc.label("dc"))
+    return union_all(live, gone).subquery("node_dc")
 
 
 def _mean(w: Any, gauge: str) -> Any:
@@ -73,7 +84,8 @@ def _sound_sum(w: Any, counter: str) -> Any:
 
 
 def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
-    """Per-DC and fleet totals over [start, end): exact, read through rollups where possible."""
+    """Per-DC and fleet totals over [start, end): exact, read through rollups where possible.
+    Removed nodes' samples count in their DC (``nodes`` counts the inventory's)."""
     out = FleetSummary(start_ms, end_ms)
     names = conn.execute(select(DataCenter.name).order_by(DataCenter.name)).scalars().all()
     counts = dict(
@@ -130,8 +142,11 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
     )
     total = out.total
     up_sum = samples_sum = 0
-    for name in names:
-        d = DcSummary(dc=name, nodes=int(counts.get(name, 0)))
+    # DCs removed with their nodes: their samples still count, under the name marked removed
+    gone = sorted((set(cache) | set(up) | set(power) | set(engine)) - set(names))
+    for name in [*names, *gone]:
+        label = name if name in counts else removed_label(name)
+        d = DcSummary(dc=label, nodes=int(counts.get(name, 0)))
         if (c := cache.get(name)) is not None:
             d.lookups = int(c["lookups"] or 0)
             d.hits = int(c["hits"] or 0)
