@@ -163,7 +163,10 @@ def fleet_page(ctx: PageContext) -> list[Any]:
 
 
 def _headline_cards(c: Any, ov: Overview) -> list[Any]:
-    tokens_note = "tokens the cache served instead of prefill"
+    # hits count at lookup (design): an engine that reads after its lookup (a replay, the
+    # vLLM connector's worker) may find a chunk gone by then, which counted all the same
+    tokens_note = "prompt tokens found in the cache, counted at lookup (a chunk evicted before "
+    tokens_note += "the engine read it counts too)"
     if not c.energy_nodes:
         if ov.nvml_nodes == 0:
             energy_note = "no power samples: NVML unavailable on these nodes"

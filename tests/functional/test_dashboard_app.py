@@ -70,6 +70,7 @@ def test_fleet_page_shows_the_hand_worked_headlines(app: Any) -> None:
     assert card_value(page, "card-hit-ratio") == "52.6%"  # 100 hits of 190 lookups
     assert card_value(page, "card-sharing") == "26.3%"  # 50 of 190
     assert card_value(page, "card-tokens") == "25,600"
+    assert "counted at lookup" in text_of(by_id(page, "card-tokens"))  # not "served"
     assert card_value(page, "card-energy-used") == "1 kWh"
     assert card_value(page, "card-carbon").endswith(" g CO2")  # well under a kg
     assert card_value(page, "card-tokens-per-joule") == format_number(12_000 / 3.6e6)
