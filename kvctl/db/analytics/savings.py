@@ -1,6 +1,6 @@
 """Efficiency accounting (design.md §5): what the cache's measured hits are worth.
 
-Measured: tokens of the hits (agent counters, counted at lookup), energy (NVML), TTFT (engine metrics).
+Measured: tokens of the hits (agent counters, at lookup), energy (NVML), TTFT (engine metrics).
 Modeled: what serving those tokens by prefill would have cost, from a model profile and each
 node's GPU profile: GPU-seconds = tokens / prefill rate; IT energy = GPU-seconds x board power;
 facility energy = IT energy x the DC's PUE; carbon = facility kWh x the DC's grid intensity.
