@@ -48,6 +48,7 @@ from kvctl.format import (
     format_seconds,
     format_utc_minute,
     percent,
+    significant,
 )
 from kvctl.profiles import BOARD_POWER_SOURCES, GPUS
 
@@ -405,16 +406,16 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         "sharing hit ratio": percent(c.sharing_hit_ratio),
         "sharing (of hits)": percent(c.sharing_share_of_hits),
         "tokens saved": _saved_cell(c, c.hit_tokens),
-        "GPU-h saved": _saved_cell(c, round(c.gpu_seconds_saved / 3600, 4)),
+        "GPU-h saved": _saved_cell(c, significant(c.gpu_seconds_saved / 3600)),
         "GPU-h basis": gpu_time_basis_label(c),
-        "kWh saved (modeled, facility)": _saved_cell(c, round(c.facility_kwh_saved, 4)),
+        "kWh saved (modeled, facility)": _saved_cell(c, significant(c.facility_kwh_saved)),
         "kg CO2 saved (modeled)": None
         if c.carbon_saved_g is None
-        else _saved_cell(c, round(c.carbon_saved_g / 1000, 4)),
-        "kWh used (IT)": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+        else _saved_cell(c, significant(c.carbon_saved_g / 1000)),
+        "kWh used (IT)": None if c.energy_kwh is None else significant(c.energy_kwh),
         "kWh used (emulated, IT)": None
         if c.emulated_energy_kwh is None
-        else round(c.emulated_energy_kwh, 6),
+        else significant(c.emulated_energy_kwh),
         "PUE": "" if info is None or info.pue is None else info.pue,
         "gCO2/kWh": "" if info is None or info.carbon_g_per_kwh is None else info.carbon_g_per_kwh,
     }
@@ -571,10 +572,10 @@ def _node_rows(
                 "sharing (of hits)": percent(c.sharing_share_of_hits),
                 "evictions": c.evictions,
                 "used / capacity": percent(None if not cap or used is None else used / cap),
-                "kWh used (IT)": None if c.energy_kwh is None else round(c.energy_kwh, 4),
+                "kWh used (IT)": None if c.energy_kwh is None else significant(c.energy_kwh),
                 "kWh used (emulated, IT)": None
                 if c.emulated_energy_kwh is None
-                else round(c.emulated_energy_kwh, 6),
+                else significant(c.emulated_energy_kwh),
             }
         )
     return rows

@@ -29,6 +29,15 @@ def _finite(v: float | None) -> float | None:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def significant(v: float, digits: int = 4) -> float:
+    """``v`` rounded to ``digits`` significant digits, still a number (tables sort and export
+    it): a small figure keeps its size, where rounding to fixed decimals made a DC's 0.00004
+    GPU-h saved a 0."""
+    if v == 0 or not math.isfinite(v):
+        return v
+    return round(v, digits - 1 - math.floor(math.log10(abs(v))))
+
+
 def percent(ratio: float | None, digits: int = 1) -> str:
     """0.1234 -> '12.3%' (``digits=0``: '12%')."""
     ratio = _finite(ratio)

@@ -95,7 +95,9 @@ def test_the_dashboard_shows_each_on_its_own_cards(db: Engine, both: dict[str, i
     assert card_value(page, "card-tokens-per-joule-emulated") == format_number(1_000 / 7.0)
     rows = {r["DC"]: r for r in by_id(page, "table-dcs").data}
     assert rows["fleet"]["kWh used (IT)"] == 1.0
-    assert rows["fleet"]["kWh used (emulated, IT)"] == round(6 * EMULATED_J / 3.6e6, 6)
+    assert rows["fleet"]["kWh used (emulated, IT)"] == pytest.approx(
+        6 * EMULATED_J / 3.6e6, rel=1e-3
+    )
     # the detail page: NVML's plot and the emulated one, each labelled
     by_id(detail, "fig-power")
     assert EMULATED in text_of(by_id(detail, "fig-power-emulated").figure.data[0].name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import pytest
@@ -23,6 +24,7 @@ from kvctl.format import (
     format_seconds,
     format_utc_minute,
     percent,
+    significant,
 )
 
 
@@ -132,3 +134,11 @@ def test_a_huge_int_is_still_a_figure_and_an_infinity_sets_no_scale() -> None:
     assert format_bytes(2**80).endswith(" TiB")
     # the finite figures' unit, not MWh for the infinity beside them
     assert common_scale([float("inf"), 2.0e3], ENERGY_UNITS) == ((1.0, "J"),)
+
+
+def test_significant_keeps_small_figures_and_stays_a_number() -> None:
+    assert significant(0.000012345) == 1.234e-05  # 4 decimals made it 0.0
+    assert significant(123456.7) == 123500.0
+    assert significant(-0.5) == -0.5
+    assert significant(0.0) == 0.0
+    assert math.isnan(significant(float("nan")))
