@@ -310,7 +310,10 @@ def list_nodes(conn: Connection, *, dc: str | None = None) -> list[NodeInfo]:
 
 
 #: how long after a node's removal samples of it may still be stamped: a collector cycle that
-#: read the inventory before the removal, a collector's clock ahead of the CLI's
+#: read the inventory before the removal, a collector's clock ahead of the CLI's. Every window
+#: query counts a removed node by this one rule; rows stamped later (a collector cut off from
+#: the database keeps scraping the nodes it last read, and writes them on its return) are in
+#: no window's totals, as rows of nodes outside the inventory never were
 REMOVAL_MARGIN_MS: Final = 3_600_000
 
 

@@ -9,17 +9,25 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.engine import Connection, Engine
 
 from kvctl.db.analytics.counts import Counts
+from kvctl.db.analytics.inventory import inventory
+from kvctl.db.analytics.links import link_figures
 from kvctl.db.analytics.overview import overview
 from kvctl.db.analytics.recorded import recorded, removed_in
 from kvctl.db.analytics.summary import fleet_summary
-from kvctl.db.analytics.windows import sampled_between, window_for
+from kvctl.db.analytics.windows import Window, sampled_between, window_for
 from kvctl.db.fleetfile import import_fleet
 from kvctl.db.ingest import insert_rows
-from kvctl.db.inventory import add_node, list_nodes, remove_dc, remove_node
+from kvctl.db.inventory import (
+    REMOVAL_MARGIN_MS,
+    add_node,
+    list_nodes,
+    remove_dc,
+    remove_node,
+)
 from kvctl.db.models import RemovedNode, raw_table
 from kvctl.db.rollup import MINUTE_MS, rollup_all
 from tests.functional.dashboard_history import ASSUME, NOW, T, _cache, fill_history
@@ -201,3 +209,74 @@ def test_a_database_from_before_removed_nodes_upgrades_in_place(empty_db_url: st
     engine.dispose()
     assert (row.id, row.name, row.dc, row.gpu_model) == (node.id, "fra-a", "fra", "L4")
     assert (row.dc_carbon_g_per_kwh, row.dc_pue) == (400.0, 1.5)
+
+
+# --- one rule on every surface (review of the change): late rows, link probes ----------------
+#: when fra-a is removed: just after its last scrape of the shared history
+REMOVED_MS = T + 31 * MINUTE_MS
+
+
+def _scraped_after_removal(conn: Connection, node_id: int, ts_ms: int, lookups: int) -> None:
+    """A scrape of the removed node, stamped ``ts_ms``, as a collector's kept rows arrive."""
+    cache = _cache(node_id, "all", ts_ms, lookups=lookups, lookup_tokens=lookups, hits=1)
+    insert_rows(conn, raw_table("cache_sample"), [cache])
+    node = {"node_id": node_id, "ts_ms": ts_ms, "up": True, "scrape_seconds": 0.01}
+    insert_rows(conn, raw_table("node_sample"), [node])
+
+
+def _lookups(conn: Connection, win: Window) -> dict[str, object]:
+    everyone = removed_in(conn, win, everyone=True)
+    return {
+        "dashboard": overview(conn, win, ASSUME).fleet.lookups,
+        "status --window": recorded(conn, win, list_nodes(conn), everyone).fleet.lookups,
+        "bench summary": fleet_summary(conn, win.start_ms, win.end_ms).total.lookups,
+        "window fitting sees a scrape": sampled_between(conn, win.start_ms, win.end_ms),
+    }
+
+
+def test_a_removed_nodes_late_rows_count_alike_everywhere(db: Engine) -> None:
+    """The dashboard, `kvctl status --window`, the benches' SQL summary and the window fitting
+    count a removed node's rows stamped after its removal by one rule (REMOVAL_MARGIN_MS): a
+    collector cut off from the database keeps scraping the nodes it last read and writes
+    those rows on its return."""
+    ids = fill_history(db)
+    within = REMOVED_MS + 30 * MINUTE_MS  # a collector cycle late: counted
+    past = REMOVED_MS + REMOVAL_MARGIN_MS + 60 * MINUTE_MS  # kept through an outage: not
+    with db.begin() as conn:
+        remove_node(conn, "fra-a")
+        conn.execute(update(RemovedNode).values(removed_ms=REMOVED_MS))
+        _scraped_after_removal(conn, ids["fra-a"], within, 70)
+        _scraped_after_removal(conn, ids["fra-a"], past, 80)
+    near = Window("1h", within - 10 * MINUTE_MS, within + 10 * MINUTE_MS, MINUTE_MS)
+    far = Window("1h", past - 10 * MINUTE_MS, past + 10 * MINUTE_MS, MINUTE_MS)
+    with db.connect() as conn:
+        near_figures, far_figures = _lookups(conn, near), _lookups(conn, far)
+    assert near_figures == dict.fromkeys(near_figures, 70) | {"window fitting sees a scrape": True}
+    # before: the bench summary 80, and the window fitted to a scrape its pages left out
+    assert far_figures == dict.fromkeys(far_figures, 0) | {"window fitting sees a scrape": False}
+
+
+def test_the_fleet_pages_link_figures_are_the_links_pages(db: Engine) -> None:
+    """A removed node whose last probe falls in the window after its last scrape: its probe
+    counts on both pages (the fleet page left it out with the node's empty row)."""
+    ids = fill_history(db)
+    win = Window("1h", T, T + 20 * MINUTE_MS, MINUTE_MS)
+    with db.begin() as conn:
+        c = add_node(conn, "fra-c", dc="fra", agent_url="http://127.0.0.1:9")
+        scrape = {"node_id": c, "ts_ms": T - MINUTE_MS, "up": True, "scrape_seconds": 0.01}
+        insert_rows(conn, raw_table("node_sample"), [scrape])
+        probe = {"src_node_id": c, "dst_node_id": ids["ams-a"], "ts_ms": T + 3 * MINUTE_MS,
+                 "rtt_s": 0.5, "bandwidth_bytes_per_s": 1e9, "loss_ratio": 0.0,
+                 "probe_bytes": 1, "ok": True}  # fmt: skip
+        insert_rows(conn, raw_table("link_sample"), [probe])
+        remove_node(conn, "fra-c")
+    with db.connect() as conn:
+        fleet_page = overview(conn, win, ASSUME)
+        links_page = link_figures(
+            conn, win.start_ms, win.end_ms, inventory(conn, removed_since_ms=win.start_ms)
+        )
+    assert [n.name for n in fleet_page.inventory.removed] == []  # no figures: not listed
+    assert [(lk.dc_a, lk.dc_b, lk.probes, lk.ok_probes) for lk in links_page] == [
+        ("ams", "fra", 4, 3)
+    ]
+    assert fleet_page.links == links_page

@@ -64,7 +64,9 @@ def overview(conn: Connection, win: Window, assume: Assumptions) -> Overview:
     inv = inventory(conn, removed_since_ms=win.start_ms)
     dcs = {d.name: d for d in [*inv.dcs, *inv.removed_dcs()]}
     per_node = node_counts(conn, win.start_ms, win.end_ms, [*inv.nodes, *inv.removed], dcs, assume)
-    # removed nodes that recorded nothing in the window are not listed
+    # removed nodes that recorded nothing in the window are not listed; their link probes in
+    # it still count, as on the links page
+    probed = inv
     inv = replace(inv, removed=[n for n in inv.removed if has_figures(per_node[n.id])])
     counted = [*inv.nodes, *inv.removed]
     current = [d.name for d in inv.dcs]
@@ -80,7 +82,7 @@ def overview(conn: Connection, win: Window, assume: Assumptions) -> Overview:
         inventory=inv,
         dcs=by_dc,
         fleet=fleet,
-        links=link_figures(conn, win.start_ms, win.end_ms, inv),
+        links=link_figures(conn, win.start_ms, win.end_ms, probed),
         nvml_nodes=nvml_nodes(conn, win.start_ms, win.end_ms) if not fleet.energy_nodes else None,
     )
 

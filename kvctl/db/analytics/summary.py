@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Float, and_, case, cast, func, select, union_all
 from sqlalchemy.engine import Connection
 
-from kvctl.db.inventory import removed_label
+from kvctl.db.inventory import REMOVAL_MARGIN_MS, removed_label
 from kvctl.db.models import DataCenter, Node, RemovedNode
 from kvctl.db.rollup import series, window
 from kvctl.ratios import HitCounts, ratio
@@ -45,7 +45,7 @@ def _per_dc(
     # each figure is named for the counter or gauge it reads: aggregate only those
     where = {"tier": "all"} if table == "cache_sample" else None
     w = window(conn, series(table), start_ms, end_ms, where=where, columns=list(cols)).subquery()
-    dc_of = _node_dcs()
+    dc_of = _node_dcs(start_ms)
     q = (
         select(dc_of.c.dc, *(fn(w).label(name) for name, fn in cols.items()))
         .select_from(w)
@@ -55,13 +55,16 @@ def _per_dc(
     return {row[0]: row._mapping for row in conn.execute(q)}
 
 
-def _node_dcs() -> Any:
+def _node_dcs(start_ms: int) -> Any:
     """Each node's DC name: the inventory's nodes, and the removed ones (``RemovedNode``),
-    whose samples stay in the totals of the windows that hold them."""
+    whose samples stay in the totals of the windows that hold them: those the read model
+    counts in a window from ``start_ms`` (``removed_nodes``), so these totals are its totals."""
     live = select(Node.id.label("node_id"), DataCenter.name.label("dc")).join(
         DataCenter, DataCenter.id == Node.dc_id
     )
-    gone = select(RemovedNode.id.label("node_id"), RemovedNode.dc.label("dc"))
+    gone = select(RemovedNode.id.label("node_id"), RemovedNode.dc.label("dc")).where(
+        RemovedNode.removed_ms >= start_ms - REMOVAL_MARGIN_MS
+    )
     return union_all(live, gone).subquery("node_dc")
 
 

@@ -12,6 +12,7 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Select, Table, func, select, union_all
 from sqlalchemy.engine import Connection, RowMapping
 
+from kvctl.db.inventory import REMOVAL_MARGIN_MS
 from kvctl.db.models import ROLLUPS, Node, RemovedNode, raw_table
 from kvctl.db.rollup import DAY_MS, HOUR_MS, MINUTE_MS
 from kvctl.errors import InvalidArgument
@@ -151,8 +152,14 @@ def _newest(
     (a removed node's samples count in the windows that hold them). A time-range query would
     read PostgreSQL's BRIN time index, which finds no row of a recent range without scanning
     most of the table (2.7 s per fitted window on 1,000 nodes' two days of raw scrapes, 13 s
-    once collection had stopped three days before)."""
-    node = union_all(select(Node.id.label("id")), select(RemovedNode.id.label("id"))).subquery()
+    once collection had stopped three days before). Removed nodes as the window's totals count
+    them (``removed_nodes``: removed since ``start_ms`` less the margin), so a window is never
+    fitted to samples its pages leave out, and the probes do not grow with every node ever
+    removed."""
+    gone = select(RemovedNode.id.label("id")).where(
+        RemovedNode.removed_ms >= start_ms - REMOVAL_MARGIN_MS
+    )
+    node = union_all(select(Node.id.label("id")), gone).subquery()
     per_node = (
         select(func.max(time))
         .where(table.c.node_id == node.c.id, time >= start_ms, time < end_ms)
