@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from sqlalchemy import BigInteger, delete, func, insert, literal, or_, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
@@ -541,12 +541,15 @@ def update_link(conn: Connection, dc_a: str, dc_b: str, *, distance_km: float) -
         raise _unknown_link(conn, dc_a, dc_b)
 
 
-def _keep_removed(conn: Connection, where: Any) -> None:
+def _keep_removed(conn: Connection, where: Any) -> list[int]:
     """Record the nodes ``where`` selects as they are (``RemovedNode``), in the caller's
     transaction, before they are deleted: their samples stay keyed by their ids, and window
-    totals count them under their DC's name rather than losing them with the inventory row."""
-    now_ms = _now_ms()
-    rows = (
+    totals count them under their DC's name rather than losing them with the inventory row.
+    Returns their ids, for the caller to delete by: the rows are locked first (PostgreSQL; a
+    SQLite writer holds the whole database), so a removal racing another records each node
+    once (the second finds it gone), and a node moved into a DC being removed is not deleted
+    unrecorded (the DC's delete then fails on it instead)."""
+    rows = conn.execute(
         select(
             Node.id,
             Node.name,
@@ -554,20 +557,37 @@ def _keep_removed(conn: Connection, where: Any) -> None:
             Node.gpu_model,
             DataCenter.carbon_g_per_kwh,
             DataCenter.pue,
-            literal(now_ms, BigInteger),
         )
         .join(DataCenter, Node.dc_id == DataCenter.id)
         .where(where)
-    )
-    columns = ("id", "name", "dc", "gpu_model", "dc_carbon_g_per_kwh", "dc_pue", "removed_ms")
-    conn.execute(insert(RemovedNode).from_select(columns, rows))
+        .with_for_update(of=Node)
+    ).all()
+    now_ms = _now_ms()
+    if rows:
+        conn.execute(
+            insert(RemovedNode),
+            [
+                {
+                    "id": i,
+                    "name": name,
+                    "dc": dc,
+                    "gpu_model": gpu,
+                    "dc_carbon_g_per_kwh": carbon,
+                    "dc_pue": pue,
+                    "removed_ms": now_ms,
+                }
+                for i, name, dc, gpu, carbon, pue in rows
+            ],
+        )
+    return [row[0] for row in rows]
 
 
 def remove_node(conn: Connection, name: str) -> NodeInfo:
     """Remove a node from the inventory; its recorded samples stay, as history, counted in the
     windows that hold them (``RemovedNode``)."""
     node = node_by_name(conn, name)
-    _keep_removed(conn, Node.id == node.id)
+    if not _keep_removed(conn, Node.id == node.id):
+        raise InventoryError(f"node {name!r} was removed by another command meanwhile")
     conn.execute(delete(Node).where(Node.id == node.id))
     return node
 
@@ -597,7 +617,8 @@ def remove_dc(conn: Connection, name: str, *, with_nodes: bool = False) -> Remov
     # explicit deletes rather than relying on ON DELETE CASCADE, which SQLite only honours
     # when its foreign_keys pragma is on for this connection
     conn.execute(delete(Link).where(or_(Link.dc_a_id == key, Link.dc_b_id == key)))
-    _keep_removed(conn, Node.dc_id == key)
-    conn.execute(delete(Node).where(Node.dc_id == key))
+    kept = _keep_removed(conn, Node.dc_id == key)
+    if kept:
+        conn.execute(delete(Node).where(Node.id.in_(kept)))
     conn.execute(delete(DataCenter).where(DataCenter.id == key))
     return RemovedDc(name, nodes, links)

@@ -6,10 +6,11 @@ counts them under its DC's name, listed as removed; live views list only the inv
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 from sqlalchemy.engine import Connection, Engine
 
 from kvctl.db.analytics.counts import Counts
@@ -23,6 +24,7 @@ from kvctl.db.fleetfile import import_fleet
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import (
     REMOVAL_MARGIN_MS,
+    InventoryError,
     add_node,
     list_nodes,
     remove_dc,
@@ -31,6 +33,7 @@ from kvctl.db.inventory import (
 from kvctl.db.models import RemovedNode, raw_table
 from kvctl.db.rollup import MINUTE_MS, rollup_all
 from tests.functional.dashboard_history import ASSUME, NOW, T, _cache, fill_history
+from tests.functional.waiting import wait_until
 
 WINDOW = window_for("1h", NOW)
 #: the window totals a removal must leave as they were
@@ -280,3 +283,55 @@ def test_the_fleet_pages_link_figures_are_the_links_pages(db: Engine) -> None:
         ("ams", "fra", 4, 3)
     ]
     assert fleet_page.links == links_page
+
+
+def test_two_removals_of_one_node_at_once_record_it_once(pg_url: str) -> None:
+    """On PostgreSQL two `kvctl fleet rm node` of the same node at once: the second waits on
+    the first's lock, then finds the node gone and says so (an InventoryError), where it hit a
+    raw unique violation on the removed record (the node recorded twice)."""
+    from kvctl.db.migrate import open_db
+
+    engine = open_db(pg_url, auto_upgrade=True)
+    try:
+        ids = fill_history(engine)
+        outcome: list[BaseException | None] = []
+        with engine.connect() as first:
+            first.begin()
+            remove_node(first, "fra-a")  # recorded and deleted, not committed yet
+
+            def second() -> None:
+                try:
+                    with engine.begin() as conn:
+                        remove_node(conn, "fra-a")
+                    outcome.append(None)
+                except BaseException as exc:  # what the test checks
+                    outcome.append(exc)
+
+            thread = threading.Thread(target=second)
+            thread.start()
+            wait_until(
+                "the second removal to wait on the first's lock",
+                lambda: _waiting_on_a_lock(engine),
+            )
+            first.commit()
+        thread.join(30)
+        assert not thread.is_alive()
+        (exc,) = outcome
+        assert isinstance(exc, InventoryError), exc
+        assert "removed by another command meanwhile" in str(exc)
+        with engine.connect() as conn:
+            removed = conn.execute(select(RemovedNode.id)).scalars().all()
+        assert removed == [ids["fra-a"]]
+    finally:
+        engine.dispose()
+
+
+def _waiting_on_a_lock(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        waiting = conn.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock'"
+            )
+        ).scalar_one()
+    return bool(waiting)
