@@ -583,6 +583,13 @@ _SETTINGS: tuple[_Setting, ...] = (
         "KVCTL_ISOLATED_TENANTS",
     ),
     _Setting("models", "models", _models, None),
+    _Setting(
+        "stop_demote_seconds",
+        "stop_demote_seconds",
+        _non_negative_float,
+        15.0,
+        "KVCTL_STOP_DEMOTE_SECONDS",
+    ),
     _Setting("log_level", "log_level", _choice("log level", LOG_LEVELS), "info", "KVCTL_LOG_LEVEL"),
     _Setting("log_max_bytes", "log_max", _size(0), "64MiB", "KVCTL_LOG_MAX"),
     _Setting("log_backups", "log_backups", _positive_int, 3, "KVCTL_LOG_BACKUPS"),

@@ -500,6 +500,7 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     from kvctl.agent.dataplane import DataPlaneServer
     from kvctl.agent.runtime import AgentRuntime
     from kvctl.agent.starting import StartingResponder
+    from kvctl.agent.stop_demotion import demote_for_stop
 
     # before the tiers open (a large disk tier's scan takes minutes, the arena's commit a few
     # seconds a GiB): a socket or port another agent serves would only be found once they had
@@ -515,6 +516,7 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
     runtime: AgentRuntime | None = None
     dataplane: DataPlaneServer | None = None
     responder: StartingResponder | None = None
+    serving = False
     try:
         # until the API serves, each request on its port is answered "starting" (503)
         responder = StartingResponder(control)
@@ -579,6 +581,7 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
         responder.stop()  # (a signal while it finishes a client: as at any point of the start)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _ignore_signal)
+        serving = True
         server.run(sockets=[control])
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -596,6 +599,8 @@ def _serve_holding(settings: AgentSettings, data_dir: Path) -> int:
                 steps.callback(data_tcp.close)
             if runtime is not None:
                 steps.callback(runtime.close)
+                if serving:  # a clean stop: the volatile tiers' chunks to disk, once drained
+                    steps.callback(demote_for_stop, runtime.store, settings.stop_demote_seconds)
             if dataplane is not None:
                 log.info("agent %s stopping: draining the data plane", settings.name)
                 steps.callback(dataplane.stop)

@@ -131,6 +131,14 @@ class AgentSettings:
     isolated_tenants: tuple[str, ...] = ()
     models: tuple[ModelSpec, ...] = DEFAULT_MODELS
     log_level: str = "info"
+    #: at a clean stop (SIGTERM, `kvctl agent stop`), once the data plane drained (10 s at
+    #: most), the gpu and cpu tiers' unpinned chunks are demoted to the disk tier, hottest
+    #: first, for at most this long (0: off), so a restart keeps the hot set (pinned chunks
+    #: stay, and are lost). 15 s keeps the drain plus this under `kvctl agent stop`'s --timeout
+    #: (30 s) and the systemd unit's and the DaemonSet's 45 s; a stopper that kills sooner cuts
+    #: the demotion short: the next start scans the disk tier as after a crash, and finds
+    #: whole chunks only
+    stop_demote_seconds: float = 15.0
     #: a detached agent's log (``<data_dir>/agent.log``) rolls over to ``agent.log.1`` once it
     #: passes this size; 0: never (a log a terminal or journald takes is never rolled over)
     log_max_bytes: int = 64 << 20

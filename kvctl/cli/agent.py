@@ -196,6 +196,16 @@ class StartFlags:
             "not the gpu tier (--gpu-capacity)."
         ),
     ] = None
+    stop_demote_seconds: Annotated[
+        float | None,
+        typer.Option(
+            "--stop-demote-seconds",
+            min=0,
+            help="At a clean stop, demote the gpu and cpu tiers' unpinned chunks to disk, "
+            "hottest first, for at most this long, so a restart keeps them (default 15; 0 "
+            "off). Keep 10 s of drain plus this under the stopper's timeout.",
+        ),
+    ] = None
     log_level: Annotated[
         str | None,
         typer.Option(
@@ -535,8 +545,11 @@ def stop_command(
         bool, typer.Option("--force", help="SIGKILL if it has not exited by then.")
     ] = False,
 ) -> None:
-    """Stop the agent of this data dir: SIGTERM, wait for in-flight requests to finish.
-    Exits 1 when --data-dir holds no record of an agent (a mistyped path stops nothing).
+    """Stop the agent of this data dir: SIGTERM, wait for in-flight requests to finish
+    (HTTP and data plane, 10 s at most each), then for its gpu and cpu tiers' unpinned chunks
+    to go down to disk, hottest first (stop_demote_seconds, default 15 s), so its next start
+    has them. Exits 1 when --data-dir holds no record of an agent (a mistyped path stops
+    nothing).
 
     Examples:
 

@@ -227,6 +227,10 @@ class BulkResult:
     skipped_pinned: int = 0
     missing: int = 0
     failed: int = 0
+    #: payload bytes of the ``done`` chunks (flush counts them; the API does not show them)
+    done_bytes: int = 0
+    #: chunks not tried: a flush's deadline came first (``failed`` counts those tried)
+    unfinished: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {
@@ -1328,12 +1332,27 @@ class TieredStore:
                     done += 1
         return BulkResult(done=done, skipped_pinned=pinned, missing=missing)
 
-    def flush(self, tier: str, *, demote: bool = False) -> BulkResult:
+    def flush(
+        self,
+        tier: str,
+        *,
+        demote: bool = False,
+        into: str | None = None,
+        hottest_first: bool = False,
+        deadline_s: float | None = None,
+    ) -> BulkResult:
         """Empty a tier of unpinned chunks (dropped, or demoted when ``demote``: from a cpu
         tier to disk, written without the lock). Chunks put there meanwhile may stay.
         ``demote`` of the bottom tier raises InvalidArgument: there is nowhere to demote to;
         with ``demote`` a chunk the tier below refuses, has no room for or fails to write stays
-        where it is, counted ``failed``: an operator asked to demote, never to drop."""
+        where it is, counted ``failed``: an operator asked to demote, never to drop.
+
+        ``into`` (with ``demote``): a tier further down to demote to, past the ones between (a
+        gpu tier's chunks straight to disk, as ``move`` takes them). ``hottest_first``: in the
+        reverse of the tier's eviction order, and once the tier below could only make room by
+        evicting a chunk this flush put there (all the rest are colder), the rest stay
+        (``failed``). ``deadline_s`` (``time.monotonic``): no chunk is begun past it; the ones
+        left are ``unfinished``."""
         with self._lock:
             name = self.tier(tier).name
             if demote and self._tier_index[name] == len(self._tiers) - 1:
@@ -1344,24 +1363,55 @@ class TieredStore:
                     "flushed. Flush without demote to drop them"
                 )
             below = self._tiers[self._tier_index[name] + 1] if demote else None
+            if below is not None and into is not None:
+                below = self.tier(into)
+                if self._rank(below.name) <= self._rank(name):
+                    raise InvalidArgument(f"cannot demote the {name} tier's chunks up to {into}")
             if below is not None and below.name in self._absent:
                 raise TierUnavailable(
                     f"cannot demote the {name} tier's chunks: {self._unusable_message(below)}; "
                     "nothing was flushed"
                 )
             found = [e for e in self._index.values() if e.tier == name]
-        done = pinned = failed = 0
-        for e in found:
+            if hottest_first:
+                found = self._hottest_first(name, found)
+        skip_next = below is not None and self._rank(below.name) > self._rank(name) + 1
+        landed: set[bytes] = set()  # what this flush put below (hottest_first's stop)
+        done = done_bytes = pinned = failed = 0
+        for i, e in enumerate(found):
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                return BulkResult(
+                    done=done,
+                    skipped_pinned=pinned,
+                    failed=failed,
+                    done_bytes=done_bytes,
+                    unfinished=len(found) - i,
+                )
             with self._lock:
                 if self._index.get(e.key) is not e or e.tier != name:
                     continue
                 if e.pinned:
                     pinned += 1
                     continue
+                if below is not None and hottest_first and self._evicts_any(below, e, landed):
+                    # only this flush's hotter chunks would make room below: keep the rest
+                    failed += sum(1 for c in found[i:] if self._holds(c) and not c.pinned)
+                    pinned += sum(1 for c in found[i:] if self._holds(c) and c.pinned)
+                    break
                 src = self._tier_of(e)
                 d = None
                 # demote, not drop: a chunk the tier below cannot take stays here (failed)
-                if demote and isinstance(src, CpuTier) and self._may_detach(e, src):
+                if below is not None and skip_next:
+                    try:
+                        d = self._begin_move(e, below)
+                        if d is None:
+                            if not self._holds(e):  # found corrupt: dropped
+                                continue
+                            self._move(e, below)
+                    except (CapacityError, DiskFullError, TierUnavailable):
+                        failed += 1
+                        continue
+                elif demote and isinstance(src, CpuTier) and self._may_detach(e, src):
                     d = self._begin_demotion(e, src, reason="flush", keep=True)
                     if d is None and self._holds(e) and e.tier == name:
                         failed += 1
@@ -1371,7 +1421,7 @@ class TieredStore:
                     continue
             if d is not None:
                 self._finish_demotions([d])
-                if d.outcome == "kept":  # pinned or moved meanwhile, or its write failed
+                if d.outcome != "landed":  # pinned or moved meanwhile, or its write failed
                     with self._lock:
                         if self._holds(e) and e.tier == name:
                             if e.pinned:
@@ -1380,7 +1430,25 @@ class TieredStore:
                                 failed += 1
                     continue
             done += 1
-        return BulkResult(done=done, skipped_pinned=pinned, failed=failed)
+            done_bytes += e.size_bytes
+            landed.add(e.key)
+        return BulkResult(done=done, skipped_pinned=pinned, failed=failed, done_bytes=done_bytes)
+
+    def _hottest_first(self, name: str, found: list[Entry]) -> list[Entry]:
+        """Under the lock: ``found`` (chunks of tier ``name``) in the reverse of its policy's
+        eviction order, the ones its policy does not track (pinned, being read) last."""
+        order = list(self._policies[name].victims(self._clock()))
+        order.reverse()
+        ranked = {e.key for e in order}
+        return order + [e for e in found if e.key not in ranked]
+
+    def _evicts_any(self, tier: Tier, e: Entry, keys: set[bytes]) -> bool:
+        """Under the lock: whether making room for ``e`` in ``tier`` would evict a chunk of
+        ``keys`` (or cannot be made at all)."""
+        if not keys or self._fits_now(tier, e.size_bytes):
+            return False
+        victims = self._room_victims(tier, e.size_bytes)
+        return victims is None or any(v.key in keys for v in victims)
 
     def move(self, keys: Iterable[bytes], tier: str) -> BulkResult:
         """Move chunks to ``tier`` (up or down), making room there by policy; from a cpu tier
