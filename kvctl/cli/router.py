@@ -738,18 +738,35 @@ def _render_status(report: dict[str, Any]) -> None:
             highlight=False,
         )
     for feed in index.get("engines", []):
-        state = "[green]connected[/]" if feed.get("connected") else "[bold red]not connected[/]"
-        console.print(
-            f"engine events {escape(str(feed['node']))} ({escape(str(feed['endpoint']))}): "
-            f"{state}, {feed['live_chunks']:,} chunks indexed, {feed['messages']:,} batches, "
-            f"gaps {feed['gaps']:,} (unrecovered {feed['unrecovered']:,}), restarts "
-            f"{feed['restarts']:,}",
-            highlight=False,
-        )
+        console.print(engine_feed_line(feed), highlight=False)
         if note := _replace_failing(feed):
             console.print(f"  [yellow]{note}[/]", highlight=False)
         if feed.get("last_error"):
             console.print(f"  [red]{escape(str(feed['last_error']))}[/]", highlight=False)
+
+
+def engine_feed_line(feed: dict[str, Any]) -> str:
+    """One vLLM event feed of ``kvctl router status``: its state and counts, and what it had
+    to drop (batches cut at their malformed events, messages over max_message_bytes) where it
+    dropped any: each is a gap in what the index knows of the engine."""
+    from rich.markup import escape
+
+    from kvctl.format import format_bytes
+
+    state = "[green]connected[/]" if feed.get("connected") else "[bold red]not connected[/]"
+    line = (
+        f"engine events {escape(str(feed['node']))} ({escape(str(feed['endpoint']))}): "
+        f"{state}, {feed['live_chunks']:,} chunks indexed, {feed['messages']:,} batches, "
+        f"gaps {feed['gaps']:,} (unrecovered {feed['unrecovered']:,}), restarts "
+        f"{feed['restarts']:,}"
+    )
+    cut = (feed.get("translator") or {}).get("batches_cut") or 0
+    if cut:
+        line += f", [yellow]{cut:,} batches cut at malformed events[/]"
+    if oversized := feed.get("oversized") or 0:
+        limit = format_bytes(feed.get("max_message_bytes") or 0)
+        line += f", [yellow]{oversized:,} messages over {limit} refused[/]"
+    return line
 
 
 def _replace_failing(state: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app
-from kvctl.cli.router import CostFlags, FleetSource, _render_status, load_fleet
+from kvctl.cli.router import CostFlags, FleetSource, _render_status, engine_feed_line, load_fleet
 from kvctl.index.events import ChunkEvent
 from kvctl.index.follower import Followers
 from kvctl.index.model import EmbeddedIndex
@@ -287,3 +287,26 @@ def test_the_fleet_from_the_fleet_database(tmp_path: Path) -> None:
     open_db(empty).dispose()  # an inventory with no nodes (a missing one is its own error)
     code, out = run("router", "serve", "--db", empty)
     assert code == 2 and "no nodes" in out
+
+
+def test_an_engine_feeds_line_says_what_it_dropped() -> None:
+    """`kvctl router status` names an engine feed's refused messages and cut batches (each a
+    gap in the index), as its --json and /metrics do; a feed that dropped none says nothing."""
+    feed = {
+        "node": "a1#vllm",
+        "endpoint": "tcp://10.0.0.5:5557",
+        "connected": True,
+        "live_chunks": 1200,
+        "messages": 40,
+        "gaps": 2,
+        "unrecovered": 1,
+        "restarts": 0,
+        "max_message_bytes": 64 << 20,
+        "oversized": 0,
+        "translator": {"batches_cut": 0},
+    }
+    clean = engine_feed_line(feed)
+    assert "refused" not in clean and "cut" not in clean
+    dropped = engine_feed_line({**feed, "oversized": 3, "translator": {"batches_cut": 2}})
+    assert "3 messages over 64 MiB refused" in dropped
+    assert "2 batches cut at malformed events" in dropped
