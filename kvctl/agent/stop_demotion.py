@@ -80,8 +80,16 @@ def _demote(store: TieredStore, budget_seconds: float, began: float) -> StopDemo
     deadline_s = began + budget_seconds
     demoted = demoted_bytes = 0
     out_of_time = False
+    landed: set[bytes] = set()  # a colder tier's chunks never push a hotter one's off the disk
     for name in volatile:  # top down: a gpu tier's chunks are the hottest
-        r = store.flush(name, demote=True, into=disk, hottest_first=True, deadline_s=deadline_s)
+        r = store.flush(
+            name,
+            demote=True,
+            into=disk,
+            hottest_first=True,
+            deadline_s=deadline_s,
+            landed=landed,
+        )
         demoted += r.done
         demoted_bytes += r.done_bytes
         out_of_time = out_of_time or r.unfinished > 0

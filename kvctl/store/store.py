@@ -1340,6 +1340,7 @@ class TieredStore:
         into: str | None = None,
         hottest_first: bool = False,
         deadline_s: float | None = None,
+        landed: set[bytes] | None = None,
     ) -> BulkResult:
         """Empty a tier of unpinned chunks (dropped, or demoted when ``demote``: from a cpu
         tier to disk, written without the lock). Chunks put there meanwhile may stay.
@@ -1351,8 +1352,10 @@ class TieredStore:
         gpu tier's chunks straight to disk, as ``move`` takes them). ``hottest_first``: in the
         reverse of the tier's eviction order, and once the tier below could only make room by
         evicting a chunk this flush put there (all the rest are colder), the rest stay
-        (``failed``). ``deadline_s`` (``time.monotonic``): no chunk is begun past it; the ones
-        left are ``unfinished``."""
+        (``failed``); a chunk no room can be made for at all fails alone. ``landed``: the keys
+        earlier flushes of hotter tiers put below (kept like this flush's own, which are added
+        to it). ``deadline_s`` (``time.monotonic``): no chunk is begun past it; the ones left
+        are ``unfinished``."""
         with self._lock:
             name = self.tier(tier).name
             if demote and self._tier_index[name] == len(self._tiers) - 1:
@@ -1376,7 +1379,8 @@ class TieredStore:
             if hottest_first:
                 found = self._hottest_first(name, found)
         skip_next = below is not None and self._rank(below.name) > self._rank(name) + 1
-        landed: set[bytes] = set()  # what this flush put below (hottest_first's stop)
+        if landed is None:  # what this flush (and hotter ones) put below: hottest_first's stop
+            landed = set()
         done = done_bytes = pinned = failed = 0
         for i, e in enumerate(found):
             if deadline_s is not None and time.monotonic() >= deadline_s:
@@ -1444,11 +1448,12 @@ class TieredStore:
 
     def _evicts_any(self, tier: Tier, e: Entry, keys: set[bytes]) -> bool:
         """Under the lock: whether making room for ``e`` in ``tier`` would evict a chunk of
-        ``keys`` (or cannot be made at all)."""
+        ``keys``. Not when no room can be made for ``e`` at all (larger than the tier's unpinned
+        room): that one fails alone, and a smaller chunk after it may still fit."""
         if not keys or self._fits_now(tier, e.size_bytes):
             return False
         victims = self._room_victims(tier, e.size_bytes)
-        return victims is None or any(v.key in keys for v in victims)
+        return victims is not None and any(v.key in keys for v in victims)
 
     def move(self, keys: Iterable[bytes], tier: str) -> BulkResult:
         """Move chunks to ``tier`` (up or down), making room there by policy; from a cpu tier
