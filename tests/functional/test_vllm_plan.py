@@ -58,6 +58,15 @@ def address(agent: Agent, transport: str) -> str:
     return found if transport == "tcp" else f"unix://{found}"
 
 
+def tcp_link(agent: Agent, *, block_size: int = BLOCK, retry_seconds: float = 60.0) -> AgentLink:
+    """A link of the default tenant to ``agent``'s TCP data plane."""
+    return AgentLink(
+        address(agent, "tcp"), tenant="default", model_id=MODEL,
+        layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), block_size=block_size,
+        retry_seconds=retry_seconds,
+    )  # fmt: skip
+
+
 class Engine:
     """The connector's two halves for one engine: a scheduler plan and a worker with paged
     caches (FlashAttention layout unless told otherwise), as vLLM would hold them."""
@@ -424,10 +433,7 @@ def test_a_refused_call_keeps_the_connection_and_a_second_loss_waits(agent: Agen
     was; a connection lost is made again at the next call once per ``retry_seconds``, a second
     loss within them waits them out (an agent that drops every connection is not asked at
     every step)."""
-    link = AgentLink(
-        address(agent, "tcp"), tenant="default", model_id=MODEL,
-        layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), block_size=BLOCK, retry_seconds=60.0,
-    )  # fmt: skip
+    link = tcp_link(agent)
     try:
         client = link.get()
         assert client is not None
@@ -449,10 +455,7 @@ def test_a_late_failure_on_a_replaced_connection_leaves_its_successor(agent: Age
     """Two threads on one link: one finds the connection lost and the link makes it again;
     the other's report of a failure on the old connection comes after. It must not close the
     new one (nor spend the once-per-retry_seconds quick reconnect)."""
-    link = AgentLink(
-        address(agent, "tcp"), tenant="default", model_id=MODEL,
-        layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), block_size=BLOCK, retry_seconds=60.0,
-    )  # fmt: skip
+    link = tcp_link(agent)
     try:
         old = link.get()
         assert old is not None
@@ -466,10 +469,7 @@ def test_a_late_failure_on_a_replaced_connection_leaves_its_successor(agent: Age
 
 
 def test_the_agents_chunk_size_must_be_whole_blocks(agent: Agent) -> None:
-    link = AgentLink(
-        address(agent, "tcp"), tenant="default", model_id=MODEL,
-        layout=KVLayout(*LAYOUT_DIMS, "bfloat16"), block_size=64,
-    )  # fmt: skip
+    link = tcp_link(agent, block_size=64, retry_seconds=10.0)
     assert link.get() is None
     assert link.disabled is not None and "multiple of vLLM's block_size (64)" in link.disabled
 
