@@ -860,6 +860,21 @@ class Collector:
         kept = (
             f"; {dropped} rows kept from refused cycles dropped, counted again" if dropped else ""
         )
+        if exc.all_gone:  # no other collector: the database lost the state this one saved
+            report.warnings.append(
+                f"the counters' saved state is gone from the database ({len(exc.series)} "
+                f"series, e.g. {exc.series[0]}; was it emptied or made anew?): this cycle "
+                f"counts from what is there now{kept}"
+            )
+            log.warning(
+                "the counters' saved state of %d series is gone from the database (e.g. %s; "
+                "was it emptied or made anew under this collector?): this cycle counts from "
+                "what is there now%s",
+                len(exc.series),
+                exc.series[0],
+                kept,
+            )
+            return True
         report.warnings.append(
             f"another collector saved {len(exc.series)} counter series this one counts (e.g. "
             f"{exc.series[0]}): this cycle's increases are counted from its state{kept}"

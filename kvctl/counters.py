@@ -57,11 +57,26 @@ class _Last:
 
 
 class CountersMoved(Exception):
-    """The saved state of some series changed since this tracker read it: another writer."""
+    """The saved state of some series changed since this tracker read it: another writer, or
+    (``gone``: those whose row is no more) the state deleted, as when the database was emptied
+    or made anew under a running collector."""
 
-    def __init__(self, series: list[str]) -> None:
-        super().__init__(f"{len(series)} counter series saved by another writer, e.g. {series[0]}")
+    def __init__(self, series: list[str], gone: list[str] | None = None) -> None:
         self.series = series
+        self.gone = gone or []
+        if len(self.gone) == len(series):
+            super().__init__(
+                f"the saved state of {len(series)} counter series is gone, e.g. {series[0]}"
+            )
+        else:
+            super().__init__(
+                f"{len(series)} counter series saved by another writer, e.g. {series[0]}"
+            )
+
+    @property
+    def all_gone(self) -> bool:
+        """No series was saved by another writer: their state was deleted."""
+        return len(self.gone) == len(self.series)
 
 
 #: epochs a tracker keeps of those whose restart counts nothing: one a scrape of a node that
@@ -298,12 +313,24 @@ class CounterTracker:
             old[s] = None
         moved = [s for s in dirty if s not in old]
         if moved:
-            raise CountersMoved(moved)
+            raise CountersMoved(moved, self._without_row(conn, moved))
         for s in dirty:
             self._saved_ts_ms[s] = old[s]
             self._written_ts_ms[s] = state[s][1]
         self._dirty.clear()
         return len(dirty)
+
+    @staticmethod
+    def _without_row(conn: Connection, series: list[str]) -> list[str]:
+        """Those of ``series`` with no saved state at all (deleted, not saved anew)."""
+        found: set[str] = set()
+        for i in range(0, len(series), _CHECK_BATCH):
+            part = series[i : i + _CHECK_BATCH]
+            params = {f"s{n}": sid for n, sid in enumerate(part)}
+            names = ", ".join(f":s{n}" for n in range(len(part)))
+            stmt = text(f"SELECT series FROM {_TABLE} WHERE series IN ({names})")
+            found.update(conn.execute(stmt, params).scalars())
+        return [sid for sid in series if sid not in found]
 
     @staticmethod
     def _update(

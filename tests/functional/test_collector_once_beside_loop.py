@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
@@ -19,7 +19,7 @@ from kvctl.cli.main import app
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
-from kvctl.db.models import CacheSample, NodeSample
+from kvctl.db.models import CacheSample, CounterState, NodeSample
 from tests.functional.agents import Agent, key, payload, running_agent
 
 pytestmark = pytest.mark.slow
@@ -124,5 +124,38 @@ def test_a_sample_older_than_the_other_writers_counts_nothing(
         with db.begin() as conn:
             loop.save(conn)
         # from 5 to 15: 7 counted by --once, then 3 by the loop; the loop's refused 4 never
+    finally:
+        db.dispose()
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
+def test_a_database_emptied_under_the_loop_is_said_so_not_blamed_on_another_collector(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The counters' saved state deleted under a running loop (a database emptied or made anew):
+    the loop's next save is refused as when another collector saves, but its warning says the
+    state is gone; before, it said "another collector saved ..." with no other collector."""
+    _url, db = _db(request, backend)
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            with db.begin() as conn:
+                add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+                add_node(conn, "n1", dc="fra", agent_url=a1.state.control_url)
+            loop = Collector(db, CollectorConfig())
+            try:
+                assert loop.collect_once().written  # the baseline: its series inserted
+                _traffic(a1, 2, space=1)
+                time.sleep(0.01)
+                assert loop.collect_once().written  # and updated
+                with db.begin() as conn:
+                    conn.execute(delete(CounterState))
+                _traffic(a1, 1, space=2)
+                time.sleep(0.01)
+                cycle = loop.collect_once()
+                assert cycle.written, cycle.warnings
+                assert any("gone from the database" in w for w in cycle.warnings), cycle.warnings
+                assert not any("another collector" in w for w in cycle.warnings)
+            finally:
+                loop.close()
     finally:
         db.dispose()

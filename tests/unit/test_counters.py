@@ -223,6 +223,31 @@ def test_a_save_over_another_writers_state_is_refused(db) -> None:  # type: igno
     with pytest.raises(CountersMoved) as moved, db.begin() as conn:
         a.save(conn)
     assert moved.value.series == ["cache:1:all"]
+    assert moved.value.gone == [] and not moved.value.all_gone
+
+
+def test_a_save_over_a_deleted_state_says_it_is_gone_not_another_writer(db) -> None:  # type: ignore[no-untyped-def]
+    """The database emptied or made anew under a running collector: the save is refused (its
+    state is not there), and the refusal says the state is gone, not that another collector
+    saved it (an operator would look for a collector that does not exist)."""
+    import pytest
+    from sqlalchemy import delete
+
+    from kvctl.counters import CountersMoved
+    from kvctl.db.models import CounterState
+
+    a = CounterTracker()
+    for ts_ms, hits in ((0, 100.0), (10, 110.0)):  # saved twice: a row it wrote and updated
+        a.increase("cache:1:all", {"hits": hits}, epoch=5.0, ts_ms=ts_ms)
+        with db.begin() as conn:
+            a.save(conn)
+    with db.begin() as conn:
+        conn.execute(delete(CounterState))
+    a.increase("cache:1:all", {"hits": 120.0}, epoch=5.0, ts_ms=20)
+    with pytest.raises(CountersMoved) as moved, db.begin() as conn:
+        a.save(conn)
+    assert moved.value.series == moved.value.gone == ["cache:1:all"]
+    assert moved.value.all_gone and "is gone" in str(moved.value)
 
 
 def test_a_save_whose_transaction_rolled_back_is_not_another_writer(db) -> None:  # type: ignore[no-untyped-def]
