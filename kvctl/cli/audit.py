@@ -85,7 +85,16 @@ def audit_command(
         table.add_row(*c)
     console.print(table)
     if not rows:
-        console.print("[dim]nothing recorded yet[/]")
+        # with a filter, an empty table is no sign of an empty trail: say what matched nothing
+        shown = [
+            f"{flag} {value}"
+            for flag, value in (("--action", action), ("--target", target))
+            if value is not None
+        ]
+        if failed:
+            shown.append("--failed")
+        said = f"nothing recorded matches {' '.join(shown)}" if shown else "nothing recorded yet"
+        console.print(f"[dim]{escape(said)}[/]")
 
 
 def _pairs(values: dict[str, Any]) -> str:

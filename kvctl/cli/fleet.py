@@ -471,7 +471,7 @@ def import_command(
             hint="`kvctl fleet export` writes a file of the expected shape",
         )
 
-    engine = open_engine(db, create=True)
+    engine = _dry_run_engine(db) if dry_run else open_engine(db, create=True)
     args = {"file": str(file), "prune": prune}
     try:
         with db_errors():
@@ -528,6 +528,28 @@ def import_command(
     finally:
         engine.dispose()
     _show_plan(file, plan, json_out, shown=bool(plan.removals and not yes))
+
+
+def _dry_run_engine(db: str | None) -> Any:
+    """The inventory a dry run compares the file with. A dry run changes nothing, so a missing
+    SQLite file is not created (a mistyped --db would have left one behind): the file is
+    planned against an empty inventory, said on stderr."""
+    from sqlalchemy.engine import make_url
+
+    from kvctl.db.engine import NoDatabase, resolve_url
+    from kvctl.db.migrate import open_db
+
+    with db_errors():
+        try:
+            return open_db(db, create=False)
+        except NoDatabase:
+            err_console.print(
+                f"no fleet database at {make_url(resolve_url(db)).database} yet: planned against "
+                "an empty inventory (the import without --dry-run creates it)",
+                highlight=False,
+                markup=False,
+            )
+            return open_db("sqlite://")
 
 
 def _removal_set(plan: ImportPlan) -> set[tuple[str, str]]:

@@ -603,3 +603,33 @@ def test_a_postgresql_that_refuses_the_connection_is_said_on_one_line() -> None:
     lines = out.stderr.splitlines()
     assert len(lines) == 2 and lines[0].startswith("error: ") and lines[1].startswith("hint: ")
     assert "Connection refused Is the server running" in lines[0], lines
+
+
+def test_a_dry_run_import_creates_no_database(tmp_path: Path) -> None:
+    """A dry run changes nothing: pointed at a missing SQLite file (a mistyped --db), it plans
+    against an empty inventory and leaves no database behind (it used to create one)."""
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(FLEET_TOML)
+    path = tmp_path / "typo" / "x.db"
+    out = runner.invoke(
+        app,
+        ["fleet", "import", str(fleet_file), "--dry-run", "--json", "--db", f"sqlite:///{path}"],
+    )
+    assert out.exit_code == 0, out.output
+    assert not path.parent.exists()
+    plan = json.loads(out.stdout)
+    assert {kind: n["add"] for kind, n in plan["counts"].items()} == {"dc": 2, "node": 2, "link": 1}
+    assert f"no fleet database at {path} yet" in flat(out.stderr)
+
+
+def test_audit_with_a_filter_that_matches_nothing_says_so(url: str) -> None:
+    """`kvctl audit --action resize --failed` (its help's example) on a trail with rows, none
+    failed: it said "nothing recorded yet", as if the trail were empty."""
+    build(url)
+    out = runner.invoke(app, ["audit", "--action", "fleet.", "--failed", "--db", url])
+    assert out.exit_code == 0, out.output
+    said = flat(out.output)
+    assert "nothing recorded matches --action fleet. --failed" in said
+    assert "nothing recorded yet" not in said
+    everything = runner.invoke(app, ["audit", "--db", url])
+    assert "fleet.add-dc" in everything.output and "nothing recorded" not in everything.output
