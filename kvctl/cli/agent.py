@@ -311,7 +311,7 @@ def start_command(
 
       kvctl agent start --peer fra-2=10.1.0.7:7071 --peer ams-1=10.2.0.3:7071 --index-url http://10.0.0.9:9480
 
-      kvctl agent start --role pool --name pool-1 --cpu 64GiB --data-listen 127.0.0.1:7171
+      kvctl agent start --role pool --name pool --listen 127.0.0.1:7170 --data-listen 127.0.0.1:7171
     """
     if start_timeout is not None and not detach:
         fail("--start-timeout bounds a --detach start", hint="add --detach, or drop it")

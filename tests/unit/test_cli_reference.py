@@ -134,3 +134,67 @@ def test_rendered_help_reads_as_prose(
     cmd = dict(COMMANDS)[tuple(args)]
     examples = [line.strip() for line in cmd.help.split("Examples:")[1].splitlines()]
     assert set(filter(None, examples)) <= shown  # still one per line
+
+
+def _command_lines(text: str) -> list[str]:
+    """The `kvctl ...` commands of a block of examples: one a line, past any VAR=value and
+    sudo, cut at a comment, a pipe or a redirection (what the shell, not kvctl, reads)."""
+    import re
+    import shlex
+
+    out = []
+    for line in text.replace("\\\n", " ").splitlines():
+        line = re.sub(r"\$\([^)]*\)", "VALUE", line)  # a command substitution is one word
+        line = re.split(r"\s#|\s\||\s[<>]|\s&&", " " + line.strip())[0].strip()
+        if not re.match(r"^(?:[A-Z_]+=\S*\s+|sudo\s+)*kvctl\b", line):
+            continue  # another program's command (vllm serve, promtool...)
+        words = shlex.split(line)
+        while words and (re.match(r"^[A-Z_]+=", words[0]) or words[0] == "sudo"):
+            words = words[1:]
+        if words[:1] == ["kvctl"]:
+            out.append(shlex.join(words[1:]))
+    return out
+
+
+def _examples() -> list[str]:
+    import re
+
+    found = [
+        line for _, cmd in COMMANDS for line in _command_lines(cmd.help.split("Examples:", 1)[1])
+    ]
+    readme = README.read_text(encoding="utf-8")
+    for block in re.findall(r"```(?:console|bash|sh)\n(.*?)```", readme, re.DOTALL):
+        found += _command_lines(block)
+    return found
+
+
+@pytest.mark.parametrize("example", _examples())
+def test_every_example_names_options_that_exist(example: str) -> None:
+    """Each `kvctl ...` line of the commands' examples and the README's console blocks parses:
+    its subcommands, options and their values exist as written (a renamed or dropped flag
+    fails here, not on an operator's terminal). Parsing runs no command."""
+    import shlex
+
+    words = shlex.split(example)
+    cmd: Any = typer.main.get_command(app)
+    while hasattr(cmd, "commands") and words and words[0] in cmd.commands:
+        cmd = cmd.commands[words.pop(0)]
+    if hasattr(cmd, "commands") or any(w in ("--help", "--install-completion") for w in words):
+        pytest.skip("a group or a flag acted on while parsing: nothing to check")
+    cmd.make_context("kvctl", list(words))  # a usage error fails the test with its message
+
+
+def test_the_readmes_fleet_file_imports(tmp_path: Path) -> None:
+    """The README's example fleet file (its ```toml block) is one `kvctl fleet import` takes:
+    it linked fra to an `ams` it did not define, so the import refused it."""
+    import json
+    import re
+
+    block = re.findall(r"```toml\n(.*?)```", README.read_text(encoding="utf-8"), re.DOTALL)
+    assert len(block) == 1
+    fleet_file = tmp_path / "fleet.toml"
+    fleet_file.write_text(block[0])
+    url = f"sqlite:///{tmp_path / 'kvctl.db'}"
+    out = CliRunner().invoke(app, ["fleet", "import", str(fleet_file), "--json", "--db", url])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["counts"]["link"]["add"] == 1
