@@ -45,8 +45,8 @@ from kvctl.store.index import LookupResult
 from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.wire.protocol import (
+    DATA_PLANE_FEATURES,
     FETCH_CHECKSUM,
-    FETCH_CHECKSUM_NAME,
     FETCH_ITEM,
     FLAG_HAS_PARENT,
     FLAG_ISOLATED,
@@ -62,7 +62,6 @@ from kvctl.wire.protocol import (
     MAX_META_BYTES,
     NO_TIER,
     PROBE_PIECE_BYTES,
-    PUT_CHECKSUM_NAME,
     REPLY_BIT,
     STAGED_ITEM,
     ErrorCode,
@@ -743,12 +742,10 @@ class DataPlaneServer:
             "max_chunk_bytes": self.max_chunk_bytes,
             "lease_seconds": s.lease_seconds,
             "shm": self.shm_tier is not None,
-            #: FETCH replies carry this checksum per chunk when asked (FETCH_CHECKSUMS)
-            "fetch_checksum": FETCH_CHECKSUM_NAME,
-            #: PUTs may carry this checksum per chunk (PUT_CHECKSUMS), checked before storing
-            "put_checksum": PUT_CHECKSUM_NAME,
-            #: GETs may carry GET_COUNTED (a re-read its LEASE counted: served, not counted)
-            "get_counted": True,
+            #: FETCH replies carry this checksum per chunk when asked (FETCH_CHECKSUMS); PUTs
+            #: may carry this checksum per chunk (PUT_CHECKSUMS), checked before storing; GETs
+            #: may carry GET_COUNTED (a re-read its LEASE counted: served, not counted)
+            **DATA_PLANE_FEATURES,
         }
 
 

@@ -37,6 +37,7 @@ from kvctl.store.tiers.absent import AbsentTier
 from kvctl.store.tiers.base import Tier, byte_view, copy_bytes
 from kvctl.store.tiers.cpu import CpuTier
 from kvctl.store.tiers.disk import DiskTier
+from kvctl.wire.protocol import DATA_PLANE_FEATURES
 from kvctl.wire.reports import (
     AgentInfo,
     AgentStats,
@@ -445,6 +446,9 @@ class AgentRuntime:
                 "shm": s.shm and s.socket_path is not None,
                 "shm_huge_page_bytes": None if shm is None else shm.huge_page_bytes(),
                 "shmem_huge_pages": hugepages.shmem_mode(),
+                # the HELLO's capabilities, so `kvctl doctor` can tell builds apart: they all
+                # report the same package version
+                "features": dict(DATA_PLANE_FEATURES),
             },
             "auth": bool(s.token),
             "data_dir": _disk(s.data_path),

@@ -479,7 +479,36 @@ def classify_agent(
     dataplane = info.get("dataplane")
     if isinstance(dataplane, Mapping) and dataplane.get("shm"):
         checks.append(classify_huge_pages(f"huge pages {name}", dataplane, where=name))
+    if isinstance(dataplane, Mapping):
+        checks.append(classify_features(f"features {name}", dataplane, where=name))
     return checks
+
+
+def classify_features(name: str, dataplane: Mapping[str, Any], *, where: str) -> Check:
+    """Whether an agent's data plane has every capability this kvctl's agents have. Builds
+    with and without one report the same package version, so in a rolling upgrade the version
+    row cannot tell an old agent: its reported features can. Features this kvctl does not
+    know (a newer agent's) are not asked about."""
+    from kvctl.wire.protocol import DATA_PLANE_FEATURES, FEATURE_NAMES
+
+    features = dataplane.get("features")
+    fix = (
+        f"upgrade kvctl on {where} to this one's build and restart its agent (`kvctl agent "
+        "stop`, then `kvctl agent start`)"
+    )
+    if not isinstance(features, Mapping):
+        return Check(
+            name,
+            WARN,
+            "the agent does not report its data-plane features: it predates this kvctl's "
+            f"agents, whatever its version says ({', '.join(FEATURE_NAMES.values())} may be "
+            "missing: unverified pulls and puts, engine re-reads counted twice)",
+            fix,
+        )
+    lacking = [FEATURE_NAMES[k] for k, v in DATA_PLANE_FEATURES.items() if features.get(k) != v]
+    if lacking:
+        return Check(name, WARN, f"the data plane lacks {', '.join(lacking)}", fix)
+    return Check(name, OK, "the data plane has every feature this kvctl knows")
 
 
 def _tier_filled_volume(check: Check, tiers: Any, node: str) -> Check:
@@ -938,6 +967,7 @@ __all__ = [
     "classify_agent",
     "classify_data_dir_mode",
     "classify_disk",
+    "classify_features",
     "classify_huge_pages",
     "classify_nvml",
     "classify_skew",

@@ -108,6 +108,19 @@ PUT_CHECKSUM = FETCH_CHECKSUM
 #: so a client sets it only for an agent whose HELLO says ``get_counted``; to an older agent
 #: it sends the plain GET, and that agent counts the re-read a second time.
 GET_COUNTED = 1
+#: the data plane's capabilities, as an agent's HELLO and its /v1/info (``dataplane.features``)
+#: name them, each with what readers call it. Every agent this kvctl builds has all of them; one
+#: without ``features`` in /v1/info predates that report (it may still offer some in its HELLO)
+DATA_PLANE_FEATURES: dict[str, object] = {
+    "fetch_checksum": FETCH_CHECKSUM_NAME,
+    "put_checksum": PUT_CHECKSUM_NAME,
+    "get_counted": True,
+}
+FEATURE_NAMES = {
+    "fetch_checksum": "FETCH checksums",
+    "put_checksum": "PUT checksums",
+    "get_counted": "GET_COUNTED",
+}
 _NO_PARENT = bytes(KEY_BYTES)
 
 

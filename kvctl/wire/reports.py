@@ -62,6 +62,8 @@ class DataPlaneAddresses(TypedDict):
     shm_huge_page_bytes: int | None
     #: the kernel's huge-page mode for shared memory (shmem_enabled; None where unreadable)
     shmem_huge_pages: str | None
+    #: the data plane's capabilities, as its HELLO names them (``protocol.DATA_PLANE_FEATURES``)
+    features: dict[str, object]
 
 
 class DataDir(TypedDict):

@@ -516,3 +516,18 @@ def test_agent_status_and_stop_commands(tmp_path: Path) -> None:
         [*kvctl, "status", *dd], capture_output=True, text=True, env=env, timeout=60
     )
     assert out.returncode == 1 and "no agent is running from" in " ".join(out.stderr.split())
+
+
+def test_info_reports_the_hellos_features_and_doctor_passes_them(tmp_path: Path) -> None:
+    """/v1/info reports the data plane's features as its HELLO names them, so `kvctl doctor`
+    can tell a build that predates one where every build says version 0.1.0 (a rolling
+    upgrade's mixed fleet)."""
+    from kvctl.fleet.doctor import OK, classify_features
+    from kvctl.wire.protocol import DATA_PLANE_FEATURES
+
+    with running_agent(tmp_path / "a", "--cpu", "8MiB", "--disk", "0") as agent:
+        dataplane = agent.control().info()["dataplane"]
+        with agent.data("tcp") as client:
+            hello = {k: client.info.get(k) for k in DATA_PLANE_FEATURES}
+    assert dataplane["features"] == hello == DATA_PLANE_FEATURES
+    assert classify_features("features a", dataplane, where="a").status == OK

@@ -571,3 +571,23 @@ def test_a_volume_filled_by_the_agents_own_disk_tier_warns_not_fails() -> None:
     assert short.fix is not None and "kvctl resize --node node-a --tier disk" in short.fix
     # no disk tier: the volume is full of something else
     assert _filled(GiB, None).status == FAIL
+
+
+def test_an_agent_that_predates_a_data_plane_feature_warns_whatever_its_version() -> None:
+    """In a rolling upgrade every build says version 0.1.0, so the version row passes an old
+    agent: the features row tells it. One whose /v1/info has no ``features`` (every agent
+    before them, e.g. 2026-11-28's, without FETCH/PUT checksums and GET_COUNTED) warns and
+    says what to upgrade; one lacking a feature names it; a current one is ok."""
+    from kvctl.wire.protocol import DATA_PLANE_FEATURES
+
+    older = _by_name(classify_agent(NODE, _with_dataplane(shm=False), local_version="0.1.0"))
+    assert older["agent node-a"].status == OK  # same version: the version row cannot tell
+    row = older["features node-a"]
+    assert row.status == WARN and "predates" in row.detail
+    assert row.fix is not None and "upgrade kvctl on node-a" in row.fix
+    lacking = {k: v for k, v in DATA_PLANE_FEATURES.items() if k != "get_counted"}
+    row = _by_name(classify_agent(NODE, _with_dataplane(features=lacking)))["features node-a"]
+    assert row.status == WARN and row.detail == "the data plane lacks GET_COUNTED"
+    current = {**DATA_PLANE_FEATURES, "a_later_feature": True}  # a newer agent's: not asked
+    row = _by_name(classify_agent(NODE, _with_dataplane(features=current)))["features node-a"]
+    assert row.status == OK
