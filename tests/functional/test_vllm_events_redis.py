@@ -154,6 +154,8 @@ def test_an_idle_engines_entries_flushed_from_the_index_are_written_again(
             assert index.clear() > 0  # as FLUSHDB does, as far as this prefix goes
             # the engine stays idle: a hang guard, not a timing claim
             wait_for(lambda: _holders(index)[:2] == [["engine-a"]] * 2, "the chunks again")
+        # counted a moment after its write (status() does not wait for the resync, 50a7e79)
+        wait_for(lambda: sub.status()["index_resyncs"] >= 1, "the resync counted")
         status = sub.status()
         assert status["index_resyncs"] == 1 and status["index_lost"] == 1
         assert status["errors"] == 0
@@ -217,7 +219,8 @@ def test_two_routers_following_one_engine_resync_once_each_after_a_flush(
             lambda: sub_a.status()["index_lost"] == sub_b.status()["index_lost"] == 1,
             "both subscribers to notice",
         )
-        assert _holders(index_a)[:2] == [["engine-a"]] * 2
+        # noticed (index_lost) before the entries are written again
+        wait_for(lambda: _holders(index_a)[:2] == [["engine-a"]] * 2, "the chunks again")
         time.sleep(3 * INDEX_CHECK_S)  # several looks each: no resync ping-pong
         assert sub_a.status()["index_resyncs"] == sub_b.status()["index_resyncs"] == 1
         assert index_a.nodes() == {"engine-a": 2}
