@@ -6,7 +6,9 @@ nothing is lost and nothing counted twice. Against a real agent, on SQLite and P
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,34 +41,41 @@ def _db(request: pytest.FixtureRequest, backend: str) -> tuple[str, Engine]:
     return url, open_db(url, auto_upgrade=True)
 
 
+@contextlib.contextmanager
+def _loop_on_one_node(db: Engine, data_dir: Path) -> Iterator[tuple[Agent, Collector]]:
+    """A real agent registered as node n1 of DC fra, and a collector loop's cycles on it."""
+    with running_agent(data_dir, "--name", "n1") as agent:
+        with db.begin() as conn:
+            add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+            add_node(conn, "n1", dc="fra", agent_url=agent.state.control_url)
+        loop = Collector(db, CollectorConfig())
+        try:
+            yield agent, loop
+        finally:
+            loop.close()
+
+
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])
 def test_the_loop_keeps_its_batch_when_collect_once_runs_beside_it(
     backend: str, request: pytest.FixtureRequest, tmp_path: Path
 ) -> None:
     url, db = _db(request, backend)
     try:
-        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
-            with db.begin() as conn:
-                add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
-                add_node(conn, "n1", dc="fra", agent_url=a1.state.control_url)
-            loop = Collector(db, CollectorConfig())
-            try:
-                assert loop.collect_once().written  # the baseline
-                _traffic(a1, 3, space=1)
-                time.sleep(0.01)  # each save is stamped by its own millisecond
-                once = CliRunner().invoke(app, ["collect", "--once", "--no-links", "--db", url])
-                assert once.exit_code == 0, once.output
-                _traffic(a1, 2, space=2)
-                time.sleep(0.01)
-                cycle = loop.collect_once()  # counted from the state before --once's save
-                assert cycle.written, cycle.warnings
-                assert cycle.rows["node_sample"] == 1 and cycle.rows["cache_sample"] >= 2
-                assert any("another collector" in w for w in cycle.warnings), cycle.warnings
-                _traffic(a1, 1, space=3)
-                assert loop.collect_once().written
-                agent = a1.control().stats()["stats"]
-            finally:
-                loop.close()
+        with _loop_on_one_node(db, tmp_path / "a1") as (a1, loop):
+            assert loop.collect_once().written  # the baseline
+            _traffic(a1, 3, space=1)
+            time.sleep(0.01)  # each save is stamped by its own millisecond
+            once = CliRunner().invoke(app, ["collect", "--once", "--no-links", "--db", url])
+            assert once.exit_code == 0, once.output
+            _traffic(a1, 2, space=2)
+            time.sleep(0.01)
+            cycle = loop.collect_once()  # counted from the state before --once's save
+            assert cycle.written, cycle.warnings
+            assert cycle.rows["node_sample"] == 1 and cycle.rows["cache_sample"] >= 2
+            assert any("another collector" in w for w in cycle.warnings), cycle.warnings
+            _traffic(a1, 1, space=3)
+            assert loop.collect_once().written
+            agent = a1.control().stats()["stats"]
         with db.connect() as conn:
             ups = conn.execute(select(NodeSample.up)).scalars().all()
             sums = conn.execute(
@@ -137,25 +146,18 @@ def test_a_database_emptied_under_the_loop_is_said_so_not_blamed_on_another_coll
     state is gone; before, it said "another collector saved ..." with no other collector."""
     _url, db = _db(request, backend)
     try:
-        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+        with _loop_on_one_node(db, tmp_path / "a1") as (a1, loop):
+            assert loop.collect_once().written  # the baseline: its series inserted
+            _traffic(a1, 2, space=1)
+            time.sleep(0.01)
+            assert loop.collect_once().written  # and updated
             with db.begin() as conn:
-                add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
-                add_node(conn, "n1", dc="fra", agent_url=a1.state.control_url)
-            loop = Collector(db, CollectorConfig())
-            try:
-                assert loop.collect_once().written  # the baseline: its series inserted
-                _traffic(a1, 2, space=1)
-                time.sleep(0.01)
-                assert loop.collect_once().written  # and updated
-                with db.begin() as conn:
-                    conn.execute(delete(CounterState))
-                _traffic(a1, 1, space=2)
-                time.sleep(0.01)
-                cycle = loop.collect_once()
-                assert cycle.written, cycle.warnings
-                assert any("gone from the database" in w for w in cycle.warnings), cycle.warnings
-                assert not any("another collector" in w for w in cycle.warnings)
-            finally:
-                loop.close()
+                conn.execute(delete(CounterState))
+            _traffic(a1, 1, space=2)
+            time.sleep(0.01)
+            cycle = loop.collect_once()
+            assert cycle.written, cycle.warnings
+            assert any("gone from the database" in w for w in cycle.warnings), cycle.warnings
+            assert not any("another collector" in w for w in cycle.warnings)
     finally:
         db.dispose()
