@@ -1230,6 +1230,12 @@ class Connection:
         self.authed = True
         if self.over_cap is not None:
             self._take_room()
+        # its address's slot among those not yet authenticated is freed before the reply goes:
+        # a client that opens its next connection once this one's HELLO is answered must find
+        # it free (freed after the reply, a burst of one engine's connections was refused
+        # under load: 'at most 2 connections that have not authenticated from one address')
+        self._hello_deadline_s = None
+        self.server.authenticated(self)
         return [json.dumps(self.server.hello_info()).encode()], 0
 
     def _take_room(self) -> None:
