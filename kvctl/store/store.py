@@ -1406,14 +1406,10 @@ class TieredStore:
                 d = None
                 # demote, not drop: a chunk the tier below cannot take stays here (failed)
                 if below is not None and skip_next:
-                    try:
-                        d = self._begin_move(e, below)
-                        if d is None:
-                            if not self._holds(e):  # found corrupt: dropped
-                                continue
-                            self._move(e, below)
-                    except (CapacityError, DiskFullError, TierUnavailable):
+                    d, step = self._start_move(e, below)
+                    if step == "failed":
                         failed += 1
+                    if step in ("failed", "missing"):  # a copy found corrupt: dropped
                         continue
                 elif demote and isinstance(src, CpuTier) and self._may_detach(e, src):
                     d = self._begin_demotion(e, src, reason="flush", keep=True)
@@ -1487,15 +1483,10 @@ class TieredStore:
                     read = src, src.plan_read(e.key)  # up from disk: read without the lock
                     self._begin_read(e)
                 else:
-                    try:
-                        d = self._begin_move(e, target)
-                        if d is None:
-                            if not self._holds(e):  # its copy was found corrupt: dropped
-                                missing += 1
-                                continue
-                            self._move(e, target)
-                    except (CapacityError, DiskFullError, TierUnavailable):
-                        failed += 1
+                    d, step = self._start_move(e, target)
+                    failed += step == "failed"
+                    missing += step == "missing"  # its copy was found corrupt: dropped
+                    if step in ("failed", "missing"):
                         continue
             if read is not None:
                 outcome = self._move_up(e, target, *read, up_only)
@@ -2122,6 +2113,21 @@ class TieredStore:
             return False
         dst = self._tiers[nxt]
         return dst.detached_writes and self._usable(dst) and src.evictable(e.key)
+
+    def _start_move(self, e: Entry, dst: Tier) -> tuple[_Demotion | None, str]:
+        """Under the lock: ``e`` on its way into ``dst``: its demotion begun (to finish without
+        the lock), or moved already ("moved"), or not: its copy found corrupt and dropped
+        ("missing"), or no room or no tier there ("failed")."""
+        try:
+            d = self._begin_move(e, dst)
+            if d is not None:
+                return d, "begun"
+            if not self._holds(e):
+                return None, "missing"
+            self._move(e, dst)
+        except (CapacityError, DiskFullError, TierUnavailable):
+            return None, "failed"
+        return None, "moved"
 
     def _begin_move(self, e: Entry, dst: Tier) -> _Demotion | None:
         """Under the lock: what ``_move(e, dst)`` does up to the write, where ``e`` goes down
