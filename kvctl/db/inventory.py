@@ -317,6 +317,12 @@ def list_nodes(conn: Connection, *, dc: str | None = None) -> list[NodeInfo]:
 REMOVAL_MARGIN_MS: Final = 3_600_000
 
 
+def counted_since(since_ms: int) -> Any:
+    """Which removed nodes (``RemovedNode``) a window from ``since_ms`` counts: those removed
+    after ``since_ms - REMOVAL_MARGIN_MS``. The one rule of every surface's totals."""
+    return RemovedNode.removed_ms >= since_ms - REMOVAL_MARGIN_MS
+
+
 def removed_nodes(
     conn: Connection, *, since_ms: int | None = None, dcs: Iterable[str] | None = None
 ) -> list[RemovedNodeInfo]:
@@ -326,7 +332,7 @@ def removed_nodes(
     r = RemovedNode
     q = select(r.id, r.name, r.dc, r.gpu_model, r.removed_ms, r.dc_carbon_g_per_kwh, r.dc_pue)
     if since_ms is not None:
-        q = q.where(r.removed_ms >= since_ms - REMOVAL_MARGIN_MS)
+        q = q.where(counted_since(since_ms))
     if dcs is not None:
         q = q.where(r.dc.in_(list(dcs)))
     return [

@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import Float, and_, case, cast, func, select, union_all
 from sqlalchemy.engine import Connection
 
-from kvctl.db.inventory import REMOVAL_MARGIN_MS, removed_label
+from kvctl.db.inventory import counted_since, removed_label
 from kvctl.db.models import DataCenter, Node, RemovedNode
 from kvctl.db.rollup import series, window
 from kvctl.ratios import HitCounts, ratio
@@ -63,7 +63,7 @@ def _node_dcs(start_ms: int) -> Any:
         DataCenter, DataCenter.id == Node.dc_id
     )
     gone = select(RemovedNode.id.label("node_id"), RemovedNode.dc.label("dc")).where(
-        RemovedNode.removed_ms >= start_ms - REMOVAL_MARGIN_MS
+        counted_since(start_ms)
     )
     return union_all(live, gone).subquery("node_dc")
 

@@ -12,7 +12,7 @@ from typing import Any, Final
 from sqlalchemy import ColumnElement, Select, Table, func, select, union_all
 from sqlalchemy.engine import Connection, RowMapping
 
-from kvctl.db.inventory import REMOVAL_MARGIN_MS
+from kvctl.db.inventory import counted_since
 from kvctl.db.models import ROLLUPS, Node, RemovedNode, raw_table
 from kvctl.db.rollup import DAY_MS, HOUR_MS, MINUTE_MS
 from kvctl.errors import InvalidArgument
@@ -156,9 +156,7 @@ def _newest(
     them (``removed_nodes``: removed since ``start_ms`` less the margin), so a window is never
     fitted to samples its pages leave out, and the probes do not grow with every node ever
     removed."""
-    gone = select(RemovedNode.id.label("id")).where(
-        RemovedNode.removed_ms >= start_ms - REMOVAL_MARGIN_MS
-    )
+    gone = select(RemovedNode.id.label("id")).where(counted_since(start_ms))
     node = union_all(select(Node.id.label("id")), gone).subquery()
     per_node = (
         select(func.max(time))
