@@ -106,6 +106,9 @@ PROBE_DEADLINE_S = 0.5
 #: the key the link monitor asks a failed index's holders of, to tell whether lookups may
 #: use it again (a key of zeros: no chunk's, so the answer is short)
 _INDEX_PROBE_KEY = bytes(16)
+#: how soon a link not yet costed is measured again after a measurement left it so, when its
+#: source answers calls (an open breaker waits for the monitor's probe to close it)
+_UNCOSTED_MEASURE_S = 1.0
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
 
@@ -1423,7 +1426,9 @@ class RemoteTiers:
 
     # --- links and usage ----------------------------------------------------------------------
     def _monitor(self) -> None:
-        next_measure = next_usage = 0.0
+        next_usage = 0.0
+        #: per source, when it is next measured (monotonic seconds)
+        next_measure = dict.fromkeys(self._by_name, 0.0)
         while not self._stop.is_set():
             # a source whose backoff ran out is probed now (one ping), not when the next read
             # happens by: a node with no traffic to it still finds it back within the backoff
@@ -1435,10 +1440,18 @@ class RemoteTiers:
                     )
             self.probe_index()
             now = time.monotonic()
-            if now >= next_measure:
-                for s in self.sources:
-                    self.measure(s)
-                next_measure = now + self._measure_every_s
+            for s in self.sources:
+                # an uncosted link cannot be used for a fetch (its first measurement failed: a
+                # loaded peer slow to answer at start), so it is measured again as soon as its
+                # breaker lets calls through, not measure_every_s later
+                costed = s.link.link().costed
+                if now < next_measure[s.name] or not (costed or s.breaker.may_call()):
+                    continue
+                self.measure(s)
+                again_s = self._measure_every_s
+                if not s.link.link().costed:
+                    again_s = min(_UNCOSTED_MEASURE_S, again_s)
+                next_measure[s.name] = now + again_s
             if now >= next_usage and self.pool is not None:
                 pool = self.pool
                 usage = pool.call("usage", pool.backend.usage, moved_bytes=_no_bytes)
