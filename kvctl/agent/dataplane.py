@@ -1415,14 +1415,18 @@ class Connection:
         total = 0
         self.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
         views = self._send_views(keys, tenant, served=not counted)
+        missing = 0
         for data in views:
             if data is None:
                 items += GET_ITEM.pack(Status.MISSING, 0)
+                missing += 1
                 continue
             n = memoryview(data).nbytes
             items += GET_ITEM.pack(Status.OK, n)
             payload.append(data)
             total += n
+        if not counted:  # a re-read of chunks a LEASE counted: counted there
+            self.runtime.metrics.chunks_read("get", len(keys) - missing, missing)
         return [MetaWriter().u32(len(keys)).raw(bytes(items)).build(), *payload], total
 
     def _send_views(
@@ -1559,6 +1563,9 @@ class Connection:
                 checksums.append(0)
         if want_checksums:
             w.raw(b"".join(map(FETCH_CHECKSUM.pack, checksums)))
+        if want_payload:  # without it, a probe: it reads nothing
+            missing = entries.count(None)
+            self.runtime.metrics.chunks_read("fetch", len(keys) - missing, missing)
         return [w.build(), *payload], total
 
     def _exists(self, meta: MetaReader, _payload: int) -> Reply:
@@ -1688,15 +1695,18 @@ class Connection:
         if pull:
             self.runtime.fill(unique, tenant=tenant)  # same-host readers get remote chunks too
         items: dict[bytes, bytes] = {}
+        missing = fallback = 0
         # one batch, so the disk chunks among them are read in parallel
         for key, lease in zip(
             unique, self.runtime.lease_many(unique, ttl, tenant=tenant), strict=True
         ):
             if isinstance(lease, KeyNotFound):
                 items[key] = LEASE_ITEM.pack(Status.MISSING, 0, 0, 0, 0, 0.0)
+                missing += 1
                 continue
             if lease is None:
                 items[key] = LEASE_ITEM.pack(Status.FALLBACK, 0, 0, 0, 0, 0.0)
+                fallback += 1  # read by the GET that follows, and counted there
                 continue
             self._leases[lease.lease_id] = lease.deadline_s
             items[key] = LEASE_ITEM.pack(
@@ -1707,6 +1717,7 @@ class Connection:
                 lease.size_bytes,
                 lease.deadline_s,
             )
+        self.runtime.metrics.chunks_read("lease", len(unique) - missing - fallback, missing)
         return b"".join(map(items.__getitem__, keys))
 
     def _check_lease_room(self, n_new: int) -> None:

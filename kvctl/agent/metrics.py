@@ -478,6 +478,10 @@ class IndexCollector(Collector):
             yield CounterMetricFamily(name, doc, value=value)
 
 
+#: the data plane ops whose chunks ``AgentMetrics.chunks_read`` counts
+READ_OPS = ("get", "lease", "fetch")
+
+
 class AgentMetrics:
     """All metrics of one agent, on a registry of its own; ``clock`` gives ``kvctl_time_seconds``
     at each scrape."""
@@ -548,8 +552,9 @@ class AgentMetrics:
             ("transport",),
             registry=r,
         )
-        #: the same counts for ``/v1/stats`` (a Counter's value is not public API)
-        self._refused_puts_lock = threading.Lock()
+        #: plain counts below, the same as the Counters', for ``/v1/stats`` (a Counter's value
+        #: is not public API)
+        self._counts_lock = threading.Lock()
         self.corrupt_puts = 0
         self._corrupt_puts = Counter(
             "kvctl_dataplane_corrupt_puts",
@@ -564,6 +569,25 @@ class AgentMetrics:
             "than a tier, a disk tier's filesystem full): refused, not stored.",
             registry=r,
         )
+        #: chunks reads asked for (GET, LEASE and LOOKUP_LEASE, FETCH with bytes), by
+        #: whether they were here: a lookup counts its hits when it answers, so a chunk it found
+        #: and that was evicted before the read shows here as missing (or a read of a chunk
+        #: never looked up)
+        self.read_chunks = 0
+        self.read_missing_chunks = 0
+        self._read_chunks = Counter(
+            "kvctl_dataplane_read_chunks",
+            "Chunks data plane reads (GET, LEASE, LOOKUP_LEASE, FETCH with bytes) asked for, "
+            "by op and whether they were here (found | missing: evicted since the lookup that "
+            "counted them as hits, or never looked up).",
+            ("op", "outcome"),
+            registry=r,
+        )
+        self._read_children = {
+            (op, outcome): self._read_chunks.labels(op, outcome)
+            for op in READ_OPS
+            for outcome in ("found", "missing")
+        }
         self._idle_closed = Counter(
             "kvctl_dataplane_idle_connections_closed",
             "Idle TCP data plane connections closed to make room for new ones, by the cap "
@@ -649,15 +673,25 @@ class AgentMetrics:
 
     def corrupt_put(self) -> None:
         """Count one PUT chunk refused for failing its sender's checksum."""
-        with self._refused_puts_lock:
+        with self._counts_lock:
             self.corrupt_puts += 1
         self._corrupt_puts.inc()
 
     def no_room_put(self) -> None:
         """Count one PUT chunk refused because no tier could take it."""
-        with self._refused_puts_lock:
+        with self._counts_lock:
             self.no_room_puts += 1
         self._no_room_puts.inc()
+
+    def chunks_read(self, op: str, found: int, missing: int) -> None:
+        """Count one read request's chunks (``op``: one of ``READ_OPS``)."""
+        with self._counts_lock:
+            self.read_chunks += found + missing
+            self.read_missing_chunks += missing
+        if found:
+            self._read_children[(op, "found")].inc(found)
+        if missing:
+            self._read_children[(op, "missing")].inc(missing)
 
     def idle_connection_closed(self, cap: str) -> None:
         """Count one idle data plane connection closed to make room (``cap``: the setting)."""

@@ -378,10 +378,13 @@ class AgentRuntime:
             "started_s": self.started_s,
             "fetch_plans": self.planner.status(),
             "policies": snap["policies"],
-            # as on /metrics (kvctl_dataplane_corrupt_puts_total, _no_room_puts_total)
+            # as on /metrics (kvctl_dataplane_corrupt_puts_total, _no_room_puts_total, ...)
             "dataplane": {
                 "corrupt_puts": self.metrics.corrupt_puts,
                 "no_room_puts": self.metrics.no_room_puts,
+                # kvctl_dataplane_read_chunks_total, all ops and outcomes; and missing only
+                "read_chunks": self.metrics.read_chunks,
+                "read_missing_chunks": self.metrics.read_missing_chunks,
             },
         }
         if self.remote is not None:

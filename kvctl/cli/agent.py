@@ -754,6 +754,9 @@ def status_command(
         report["corrupt_puts"] = stats.get("dataplane", {}).get("corrupt_puts")
         # PUT chunks no tier could take; None from an agent before the count
         report["no_room_puts"] = stats.get("dataplane", {}).get("no_room_puts")
+        # chunks reads asked for, and those not here; None from an agent before the counts
+        report["read_chunks"] = stats.get("dataplane", {}).get("read_chunks")
+        report["read_missing_chunks"] = stats.get("dataplane", {}).get("read_missing_chunks")
     except AgentError as exc:
         failure = exc
         report["error"] = str(exc)
@@ -1153,6 +1156,7 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     from kvctl.format import describe_policy, format_bytes, percent
+    from kvctl.ratios import ratio
     from kvctl.wire.stats import STORAGE_TROUBLE
 
     info = report["info"]
@@ -1259,6 +1263,16 @@ def _render_status(report: dict[str, Any]) -> None:
             f"[yellow]refused {_count(report['no_room_puts'], 'PUT chunk')}[/] for want of room "
             "(every tier full of pinned or leased chunks, a chunk larger than a tier, or a disk "
             "tier's filesystem full: see filesystem_full above and the agent log)",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if report.get("read_missing_chunks"):
+        missing, asked = report["read_missing_chunks"], report.get("read_chunks") or 0
+        console.print(
+            f"[yellow]{_count(missing, 'chunk')} of {asked:,} reads asked for "
+            f"({percent(ratio(missing, asked))}) were not here[/]: evicted between the lookup "
+            "that counted them as hits and the read (tiers too small for how long the engine "
+            "takes to read?), or never looked up",
             highlight=False,
             soft_wrap=True,
         )

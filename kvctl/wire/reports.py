@@ -161,6 +161,12 @@ class DataplaneCounters(TypedDict):
     corrupt_puts: int
     #: PUT chunks no tier could take (NO_ROOM): ``kvctl_dataplane_no_room_puts_total``
     no_room_puts: int
+    #: chunks reads asked for (GET, LEASE, LOOKUP_LEASE, FETCH with bytes; a LEASE's fallback
+    #: counted by its GET): ``kvctl_dataplane_read_chunks_total``
+    read_chunks: int
+    #: of those, chunks not here: evicted since the lookup that counted them as hits (lookups
+    #: count hits when they answer), or never looked up
+    read_missing_chunks: int
 
 
 class AgentStats(TypedDict):
