@@ -95,6 +95,25 @@ def reuse_vs_sharing(dcs: Mapping[str, Counts], fleet: Counts) -> go.Figure:
     return _layout(fig, y_title="hits per lookup", percent=True)
 
 
+def reuse_vs_sharing_by_tier(c: Counts) -> go.Figure:
+    """Per tier, the hits it served per lookup of the whole, stacked into reuse and sharing:
+    a bar's height is the tier's hit ratio, and the bars add up to the whole's."""
+    tiers = c.tiers
+    split = [c.tier_hit_counts(t) for t in tiers]
+    fig = go.Figure()
+    fig.add_bar(
+        name="reuse hit ratio", x=tiers, y=[t.reuse_hit_ratio for t in split], marker_color=REUSE
+    )
+    fig.add_bar(
+        name="sharing hit ratio",
+        x=tiers,
+        y=[t.sharing_hit_ratio for t in split],
+        marker_color=SHARING,
+    )
+    fig.update_layout(barmode="stack")
+    return _layout(fig, y_title="hits per lookup", percent=True)
+
+
 def dc_schematic(
     inv: Inventory,
     links: Sequence[LinkFigures],

@@ -134,6 +134,8 @@ def fleet_page(ctx: PageContext) -> list[Any]:
                 "tenant stored (the two add up to the hit ratio)",
             )
         )
+        if total.tiers:
+            out.append(_tier_split_section(ctx, shown, total))
     bases = _rtt_bases(ctx, ov.inventory)
     out.append(
         section(
@@ -418,6 +420,37 @@ def _dc_row(name: str, c: Any, ov: Overview) -> dict[str, Any]:
         else significant(c.emulated_energy_kwh),
         "PUE": "" if info is None or info.pue is None else info.pue,
         "gCO2/kWh": "" if info is None or info.carbon_g_per_kwh is None else info.carbon_g_per_kwh,
+    }
+
+
+def _tier_split_section(ctx: PageContext, shown: dict[str, Any], total: Any) -> Any:
+    """Per tier, its hits split into reuse and sharing, per lookup: the chart for the total,
+    the table per DC too."""
+    whole = "the selected DCs" if ctx.dcs else "the fleet"
+    scopes = [*shown.items(), ("selected" if ctx.dcs else "fleet", total)]
+    rows = [_tier_row(name, c, t) for name, c in scopes for t in total.tiers]
+    return section(
+        "Reuse vs sharing by tier",
+        MEASURED,
+        ctx.window,
+        graph(figures.reuse_vs_sharing_by_tier(total), "fig-tier-reuse-sharing"),
+        table("table-tier-split", rows, list(rows[0])),
+        note=f"hits each tier served per lookup (the chart: {whole}), split into reuse (a "
+        "tenant's own chunks) and sharing (another tenant's): a tier's reuse + sharing is its "
+        "hit ratio, and the tiers add up to the whole's",
+    )
+
+
+def _tier_row(name: str, c: Any, tier: str) -> dict[str, Any]:
+    f = c.tier_figures(tier)
+    return {
+        "DC": name,
+        "tier": tier,
+        "hits": f["hits"],
+        "hit ratio": percent(f["hit_ratio"]),
+        "reuse hit ratio": percent(f["reuse_hit_ratio"]),
+        "sharing hit ratio": percent(f["sharing_hit_ratio"]),
+        "sharing (of hits)": percent(f["sharing_share_of_hits"]),
     }
 
 

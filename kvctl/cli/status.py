@@ -15,6 +15,8 @@ from kvctl.cli.output import console, err_console, print_json, user_errors
 from kvctl.format import format_utc_minute, percent
 
 if TYPE_CHECKING:
+    from rich.table import Table
+
     from kvctl.db.analytics.counts import Counts
     from kvctl.db.analytics.recorded import Recorded
     from kvctl.fleet.status import FleetStatus, TierUse
@@ -57,8 +59,10 @@ def status_command(
     With --window, no agent is asked: the figures are what the collectors recorded over that
     window (the dashboard's numbers), with the share of scrapes each node answered and, where
     any, those answered without figures (unread: the token refused, the agent starting, or
-    figures rejected). Nodes removed since the window started (`kvctl fleet rm`) still count
-    in it, listed as removed.
+    figures rejected), and per DC each tier's reuse and sharing hit ratios: the hits that tier
+    served per lookup, so a DC's tiers add up to its hit ratio (per node too in --json, under
+    `tiers`). Nodes removed since the window started (`kvctl fleet rm`) still count in it,
+    listed as removed.
 
     Examples:
 
@@ -236,8 +240,36 @@ def _render_recorded(rec: Recorded) -> None:
         counted = f"{c.nodes} + {c.removed_nodes} removed" if c.removed_nodes else str(c.nodes)
         dcs.add_row(label, counted, *_recorded_cells(c, unread=unread))
     console.print(dcs)
+    if rec.fleet.tiers:
+        console.print(_tier_split_table(rec))
     if not rec.fleet.samples:
         console.print("nothing recorded in this window: is `kvctl collect` running?")
+
+
+#: the per-tier table's title: per lookup of the whole (kvctl/ratios.py's ``*_hit_ratio``),
+#: so a DC's tiers add up to its hit ratio, unlike the shares of hits of SPLIT_COLUMN
+TIER_SPLIT_TITLE = "reuse / sharing hit ratio by tier (hits the tier served per lookup)"
+
+
+def _tier_split(c: Counts, tier: str) -> str:
+    t = c.tier_hit_counts(tier)
+    if t.reuse_hit_ratio is None and t.sharing_hit_ratio is None:
+        return "N/A"
+    return f"{percent(t.reuse_hit_ratio)} / {percent(t.sharing_hit_ratio)}"
+
+
+def _tier_split_table(rec: Recorded) -> Table:
+    from rich.table import Table
+
+    tiers = rec.fleet.tiers
+    table = Table(title=TIER_SPLIT_TITLE, title_justify="left")
+    table.add_column("dc")
+    for tier in tiers:
+        table.add_column(tier, justify="right")
+    for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
+        label = f"[bold]{escape(name)}[/]" if c is rec.fleet else escape(name)
+        table.add_row(label, *(_tier_split(c, t) for t in tiers))
+    return table
 
 
 def _recorded_cells(c: Counts, *, unread: bool) -> tuple[str, ...]:

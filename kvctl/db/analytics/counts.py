@@ -24,7 +24,7 @@ from kvctl.db.analytics.values import as_float, as_int, gauge_mean
 from kvctl.db.inventory import DcInfo, NodeInfo
 from kvctl.db.rollup import series, window
 from kvctl.profiles import GPUS, GPUProfile, ModeledInputs, ModelProfile
-from kvctl.ratios import HitCounts, fraction, ratio
+from kvctl.ratios import HIT_COUNT_NAMES, HitCounts, fraction, ratio
 
 MEASURED: Final = "measured"
 MODELED: Final = "modeled"
@@ -173,10 +173,28 @@ class Counts(HitCounts):
     def token_hit_ratio(self) -> float | None:
         return fraction(self.hit_tokens, self.lookup_tokens) if self.known("lookups") else None
 
-    def tier_hit_ratio(self, tier: str) -> float | None:
-        return (
-            fraction(self.tier_hits.get(tier, 0), self.lookups) if self.known("lookups") else None
+    def tier_hit_counts(self, tier: str) -> HitCounts:
+        """The hits ``tier`` served and their reuse/sharing split, over the node's (DC's,
+        fleet's) lookups: a lookup asks every tier, a hit is served by one. So each tier's
+        ratios are :class:`HitCounts`' own, and the tiers' hit (reuse, sharing) ratios add up
+        to the whole's."""
+        return HitCounts(
+            lookups=self.lookups,
+            hits=self.tier_hits.get(tier, 0),
+            reuse_hits=self.tier_reuse_hits.get(tier, 0),
+            sharing_hits=self.tier_sharing_hits.get(tier, 0),
+            unknown=self.unknown & HIT_COUNT_NAMES,
         )
+
+    def tier_hit_ratio(self, tier: str) -> float | None:
+        return self.tier_hit_counts(tier).hit_ratio
+
+    def tier_figures(self, tier: str) -> dict[str, float | None]:
+        """``tier``'s hit counts and every ratio (:meth:`HitCounts.hit_figures`), but the
+        lookups: they are the whole's, not the tier's."""
+        figures = self.tier_hit_counts(tier).hit_figures()
+        del figures["lookups"]
+        return figures
 
     @property
     def impossible_hits(self) -> bool:
@@ -286,6 +304,8 @@ class Counts(HitCounts):
         ):
             out[prop] = getattr(self, prop)
         out["tier_hit_ratio"] = {t: self.tier_hit_ratio(t) for t in self.tiers}
+        for name in ("reuse_hit_ratio", "sharing_hit_ratio"):
+            out[f"tier_{name}"] = {t: getattr(self.tier_hit_counts(t), name) for t in self.tiers}
         return out
 
 

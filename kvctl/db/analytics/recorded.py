@@ -1,7 +1,8 @@
 """What the collectors recorded over a window, for `kvctl status --window` and `kvctl top
 --json`: each node's measured counts (scrapes answered, hit ratio and its reuse/sharing split,
-evictions, occupancy per tier) and their sums per DC and for the fleet. The same counts as the
-dashboard's, so the same window gives the same figures."""
+evictions, occupancy per tier, and the hits each tier served split into reuse and sharing, over
+the whole's lookups, so the tiers' ratios add up to the whole's) and their sums per DC and for
+the fleet. The same counts as the dashboard's, so the same window gives the same figures."""
 
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def figures(c: Counts) -> dict[str, Any]:
             "used_bytes": c.used_bytes.get(t),
             "capacity_bytes": c.capacity_bytes.get(t),
             "occupancy_ratio": c.occupancy_ratio(t),
+            # the hits this tier served, split into reuse and sharing, per lookup of the whole
+            **c.tier_figures(t),
         }
         for t in c.tiers
     }
