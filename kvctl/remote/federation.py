@@ -73,6 +73,7 @@ from kvctl.remote.fetchplan import (
     plan_fetch,
 )
 from kvctl.remote.links import EmulatedDelay, LinkEstimator
+from kvctl.remote.measure_schedule import MeasureSchedule
 from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
 from kvctl.store.index import Entry, LookupResult
@@ -106,9 +107,6 @@ PROBE_DEADLINE_S = 0.5
 #: the key the link monitor asks a failed index's holders of, to tell whether lookups may
 #: use it again (a key of zeros: no chunk's, so the answer is short)
 _INDEX_PROBE_KEY = bytes(16)
-#: how soon a link not yet costed is measured again after a measurement left it so, when its
-#: source answers calls (an open breaker waits for the monitor's probe to close it)
-_UNCOSTED_MEASURE_S = 1.0
 #: bytes a link's bandwidth is sampled with, when no real transfer has measured it yet
 PROBE_TRANSFER_BYTES = 4 << 20
 
@@ -1427,8 +1425,7 @@ class RemoteTiers:
     # --- links and usage ----------------------------------------------------------------------
     def _monitor(self) -> None:
         next_usage = 0.0
-        #: per source, when it is next measured (monotonic seconds)
-        next_measure = dict.fromkeys(self._by_name, 0.0)
+        schedule = MeasureSchedule(self._by_name, self._measure_every_s)
         while not self._stop.is_set():
             # a source whose backoff ran out is probed now (one ping), not when the next read
             # happens by: a node with no traffic to it still finds it back within the backoff
@@ -1441,17 +1438,11 @@ class RemoteTiers:
             self.probe_index()
             now = time.monotonic()
             for s in self.sources:
-                # an uncosted link cannot be used for a fetch (its first measurement failed: a
-                # loaded peer slow to answer at start), so it is measured again as soon as its
-                # breaker lets calls through, not measure_every_s later
-                costed = s.link.link().costed
-                if now < next_measure[s.name] or not (costed or s.breaker.may_call()):
-                    continue
-                self.measure(s)
-                again_s = self._measure_every_s
-                if not s.link.link().costed:
-                    again_s = min(_UNCOSTED_MEASURE_S, again_s)
-                next_measure[s.name] = now + again_s
+                # an uncosted link waits for its breaker to let calls through (see
+                # MeasureSchedule): measured then, not measure_every_s later
+                if schedule.due(s.name, now) and (s.link.link().costed or s.breaker.may_call()):
+                    self.measure(s)
+                    schedule.measured(s.name, now, costed=s.link.link().costed)
             if now >= next_usage and self.pool is not None:
                 pool = self.pool
                 usage = pool.call("usage", pool.backend.usage, moved_bytes=_no_bytes)
