@@ -31,6 +31,8 @@ from kvctl.db.models import CacheSample, EngineSample, LinkSample, Node, NodeSam
 from tests.functional.agents import (
     Agent,
     closed_port,
+    key,
+    payload,
     running_agent,
     start_agent,
     traffic,
@@ -123,6 +125,63 @@ def test_scrapes_record_up_down_and_exact_increases(
     assert second["items"] == 5 and second["used_bytes"] == 5 * 4096
     tiers = {r["tier"] for r in _rows(sqlite_db, CacheSample, node_id=n1)}
     assert {"all", "cpu"} <= tiers
+
+
+def test_each_tiers_reuse_and_sharing_are_the_agents_own_counts(
+    sqlite_url: str, sqlite_db: Engine, tmp_path: Path
+) -> None:
+    """Per tier, the reuse and sharing hits `kvctl status --window --json` reports (the read
+    model's, as the dashboard's) are the increases of the agent's own per-tier counters, over
+    the increase of its lookups; the tiers add up to the node's."""
+    chunk = 256 << 10
+    # cpu holds 4 chunks: the older ones go down to disk, so both tiers serve hits
+    with running_agent(tmp_path / "a", "--name", "n1", "--cpu", "1MiB", "--disk", "64MiB") as a:
+        _register(sqlite_db, {"n1": ("fra", a.state.control_url)})
+        collector = Collector(sqlite_db, CollectorConfig(interval_s=2.0))
+        try:
+            collector.collect_once()  # the baseline
+            before = a.control().stats()["stats"]
+            keys = [key(i, 77) for i in range(10)]
+            with a.data() as dc:
+                for k in keys:
+                    dc.put(k, payload(k, chunk), tenant="t1")
+                dc.lookup(keys[:3], tenant="t1")  # reuse: t1's own chunks
+                dc.lookup([*keys[3:], key(10_000, 77)], tenant="t2")  # sharing, and a miss
+            after = a.control().stats()["stats"]
+            collector.collect_once()
+        finally:
+            collector.close()
+
+    lookups = after["lookup_chunks"] - before["lookup_chunks"]
+    assert lookups == 11
+
+    def grew(tier: str, counter: str) -> int:
+        return after["tiers"][tier][counter] - before["tiers"][tier][counter]
+
+    out = CliRunner().invoke(app, ["status", "--db", sqlite_url, "--window", "15m", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    (node,) = doc["nodes"]
+    for scope in (node, doc["total"]):
+        assert scope["lookups"] == lookups
+        served = [t for t in scope["tiers"] if scope["tiers"][t]["hits"]]
+        assert sorted(served) == ["cpu", "disk"], scope["tiers"]  # both tiers served hits
+        for tier, got in scope["tiers"].items():
+            reuse, sharing = grew(tier, "reuse_hits"), grew(tier, "sharing_hits")
+            assert (got["hits"], got["reuse_hits"], got["sharing_hits"]) == (
+                grew(tier, "hits"),
+                reuse,
+                sharing,
+            ), tier
+            assert got["reuse_hit_ratio"] == pytest.approx(reuse / lookups), tier
+            assert got["sharing_hit_ratio"] == pytest.approx(sharing / lookups), tier
+        tiers = scope["tiers"].values()
+        assert sum(t["reuse_hits"] for t in tiers) == scope["reuse_hits"] == 3
+        assert sum(t["sharing_hits"] for t in tiers) == scope["sharing_hits"] == 7
+        assert sum(t["reuse_hit_ratio"] for t in tiers) == pytest.approx(scope["reuse_hit_ratio"])
+        assert sum(t["sharing_hit_ratio"] for t in tiers) == pytest.approx(
+            scope["sharing_hit_ratio"]
+        )
 
 
 def test_agent_killed_and_restarted_mid_run(tmp_path: Path, sqlite_db: Engine) -> None:
