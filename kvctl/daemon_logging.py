@@ -50,9 +50,19 @@ class OneLineFormatter(logging.Formatter):
         return super().formatMessage(record)
 
 
+#: HTTP client libraries that log every request at info: a daemon's own requests (the agent's
+#: fleet-index asks, one per lookup; the router's polls, several a second per agent) would
+#: write a line each, and their failures are the callers' to report
+QUIET_BELOW_DEBUG = ("httpx", "httpcore")
+
+
 def configure(level: str) -> None:
     """The root logger writing one-line records to stderr at ``level``, as a daemon logs
-    (``logging.basicConfig`` with :class:`OneLineFormatter`)."""
+    (``logging.basicConfig`` with :class:`OneLineFormatter`). Above debug, the HTTP clients'
+    request lines (``QUIET_BELOW_DEBUG``) are left out: only their warnings are logged."""
     handler = logging.StreamHandler()
     handler.setFormatter(OneLineFormatter(LINE_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for name in QUIET_BELOW_DEBUG:
+            logging.getLogger(name).setLevel(logging.WARNING)

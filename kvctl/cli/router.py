@@ -530,16 +530,9 @@ def serve_command(
             )
     if len({f.node for f in feeds}) < len(feeds):
         fail("--vllm-events names a node twice: one engine event stream per node")
-    import logging
-
     from kvctl import daemon_logging
 
-    daemon_logging.configure(log_level)
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        # the followers' polls are several requests a second per agent: httpx logs each at
-        # info; their failures are the followers' to report
-        for name in ("httpx", "httpcore"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+    daemon_logging.configure(log_level)  # the followers' polls' request lines left out
     from kvctl.errors import KvctlError
     from kvctl.index.follower import Followers
     from kvctl.index.open import open_index

@@ -53,3 +53,41 @@ def test_a_record_is_one_line_and_a_traceback_follows_it(
     lines = out.getvalue().splitlines()
     assert lines[0].endswith("refused\\nFORGED line\\x1b[2K"), lines[0]
     assert lines[1] == "Traceback (most recent call last):" and lines[-1] == "ValueError: boom"
+
+
+_REQUEST_THEN_WARN = """
+import http.server, logging, sys, threading
+import httpx
+from kvctl import daemon_logging
+
+daemon_logging.configure(sys.argv[1])
+server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+server.RequestHandlerClass.log_message = lambda *a: None
+threading.Thread(target=server.serve_forever, daemon=True).start()
+httpx.get(f"http://127.0.0.1:{server.server_port}/nothing-here")
+logging.getLogger("httpx").warning("a warning of the client's")
+logging.getLogger("kvctl.agent").info("the daemon's own line")
+server.shutdown()
+"""
+
+
+@pytest.mark.parametrize("level", ["info", "debug"])
+def test_a_daemon_logs_no_line_per_http_request_above_debug(level: str) -> None:
+    """A soak review found an agent with --index-url writing httpx's 'HTTP Request: POST
+    .../v1/index/holders' at info for every lookup it asked the index about: ~600 lines a
+    minute per agent under load, the whole of its log (the router quieted its own polls, the
+    agent did not). Above debug a daemon keeps the clients' warnings and its own lines; at
+    debug the request lines are back."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _REQUEST_THEN_WARN, level],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    log = done.stderr
+    assert "a warning of the client's" in log and "the daemon's own line" in log, log
+    assert ("HTTP Request: GET" in log) == (level == "debug"), log
