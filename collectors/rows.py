@@ -17,7 +17,9 @@ from kvctl.db.sample_checks import Rejections, known
 from kvctl.profiles import GPUS, ModeledInputs
 from kvctl.wire.stats import cache_counters
 
-CACHE_COUNTERS = SERIES_BY_TABLE["cache_sample"].sums
+#: the node's data plane read counts (``/v1/stats`` dataplane), on its ``all`` row only
+READ_COUNTERS = ("read_chunks", "read_missing_chunks")
+CACHE_COUNTERS = tuple(c for c in SERIES_BY_TABLE["cache_sample"].sums if c not in READ_COUNTERS)
 ENGINE_COUNTERS = SERIES_BY_TABLE["engine_sample"].sums
 
 
@@ -150,9 +152,30 @@ def cache_rows(
                 "capacity_bytes": gauges.get("capacity_bytes", 0),
                 "pinned_bytes": gauges.get("pinned_bytes", 0),
                 "items": gauges.get("chunks", 0),
+                **dict.fromkeys(READ_COUNTERS),
             }
         )
+    for row in rows:
+        if row["tier"] == "all":
+            row |= read_increases(tracker, node_id, ts_ms, stats)
     return rows
+
+
+def read_increases(
+    tracker: CounterTracker, node_id: int, ts_ms: int, stats: Mapping[str, Any]
+) -> dict[str, int | None]:
+    """The increases of the node's data plane read counts since the last scrape: a series of
+    their own, so an agent without them (older), or one unknown, leaves them NULL and never
+    holds back the hit counts (the two are read together: a missing chunk alone is a gap)."""
+    dataplane = stats.get("dataplane")
+    raw = {
+        c: known(dataplane.get(c)) if isinstance(dataplane, Mapping) else None
+        for c in READ_COUNTERS
+    }
+    if None in raw.values():
+        return dict.fromkeys(READ_COUNTERS)
+    inc = tracker.increase(f"reads:{node_id}", raw, epoch=stats.get("started_s"), ts_ms=ts_ms)
+    return {c: _int(inc[c]) for c in READ_COUNTERS}
 
 
 #: prefill bases an agent may report; anything else is recorded as "unknown", never measured

@@ -170,6 +170,12 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
     # vLLM connector's worker) may find a chunk gone by then, which counted all the same
     tokens_note = "prompt tokens found in the cache, counted at lookup (a chunk evicted before "
     tokens_note += "the engine read it counts too)"
+    if c.read_nodes:  # agents that count their reads say how often that happened
+        tokens_note += (
+            f"; of {c.read_chunks:,} chunks read, {c.read_missing_chunks:,} "
+            f"({percent(c.read_missing_ratio)}) were gone (evicted since their lookup, or "
+            "never looked up)"
+        )
     if not c.energy_nodes:
         if ov.nvml_nodes == 0:
             energy_note = "no power samples: NVML unavailable on these nodes"

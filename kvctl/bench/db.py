@@ -222,12 +222,18 @@ def _parts(model: FleetModel, table: str, hour: int) -> list[_Part]:
         "capacity_bytes": (np.full(n, CAPACITY_BYTES, dtype=np.int64), zero),
         "pinned_bytes": (rng.integers(0, 1 << 30, n), zero),
         "items": (used // CHUNK_BYTES, used_step // CHUNK_BYTES),
+        # the node's reads: its hits, a few of them gone since their lookup
+        "read_chunks": (hits, hits_step),
+        "read_missing_chunks": (hits // 20, zero),
     }
     # the cpu tier serves a share of the hits and holds half of the bytes; lookups are made
     # against the node, so a tier row counts none
     cpu_share = rng.uniform(0.5, 1.0, n)
     cpu_tier = {c: (ints(b * cpu_share), ints(s * cpu_share)) for c, (b, s) in all_tier.items()}
     cpu_tier["lookups"] = cpu_tier["lookup_tokens"] = (zero, zero)
+    # read counts are the node's only: the collector leaves a tier's NULL, the model 0 (the
+    # same sums; integer columns stay integers)
+    cpu_tier["read_chunks"] = cpu_tier["read_missing_chunks"] = (zero, zero)
     for gauge in ("used_bytes", "capacity_bytes", "pinned_bytes", "items"):
         base, step = all_tier[gauge]
         cpu_tier[gauge] = (base // 2, step // 2)

@@ -218,11 +218,14 @@ def _render_recorded(rec: Recorded) -> None:
     span = f"{format_utc_minute(win.start_ms)} to {format_utc_minute(win.end_ms)}"
     # scrapes up without figures (token refused, starting, rejected): a column where any were
     unread = rec.fleet.unread_samples > 0
+    # reads that found their chunk gone: a column where any node reported reads
+    reads = rec.fleet.read_nodes > 0
     columns = (
         "scrapes up",
         *(("unread",) if unread else ()),
         "lookups",
         "hit ratio",
+        *((READS_COLUMN,) if reads else ()),
         SPLIT_COLUMN,
         "occupancy",
     )
@@ -230,7 +233,9 @@ def _render_recorded(rec: Recorded) -> None:
     for col in ("node", "dc", *columns):
         nodes.add_column(col, justify="left" if col in ("node", "dc", "occupancy") else "right")
     for n, c in rec.nodes:
-        nodes.add_row(escape(n.label), escape(n.dc), *_recorded_cells(c, unread=unread))
+        nodes.add_row(
+            escape(n.label), escape(n.dc), *_recorded_cells(c, unread=unread, reads=reads)
+        )
     console.print(nodes)
     dcs = Table(title="per DC", title_justify="left")
     for col in ("dc", "nodes", *columns):
@@ -238,8 +243,15 @@ def _render_recorded(rec: Recorded) -> None:
     for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
         label = f"[bold]{escape(name)}[/]" if c is rec.fleet else escape(name)
         counted = f"{c.nodes} + {c.removed_nodes} removed" if c.removed_nodes else str(c.nodes)
-        dcs.add_row(label, counted, *_recorded_cells(c, unread=unread))
+        dcs.add_row(label, counted, *_recorded_cells(c, unread=unread, reads=reads))
     console.print(dcs)
+    if reads:
+        console.print(
+            f"{READS_COLUMN}: of the chunks engines and peers read, those not there: evicted "
+            "between the lookup that counted them as hits and the read, or never looked up",
+            highlight=False,
+            soft_wrap=True,
+        )
     if rec.fleet.tiers:
         console.print(_tier_split_table(rec))
     if not rec.fleet.samples:
@@ -272,12 +284,17 @@ def _tier_split_table(rec: Recorded) -> Table:
     return table
 
 
-def _recorded_cells(c: Counts, *, unread: bool) -> tuple[str, ...]:
+#: the recorded tables' column of reads that found their chunk gone (``read_missing_ratio``)
+READS_COLUMN = "reads gone"
+
+
+def _recorded_cells(c: Counts, *, unread: bool, reads: bool) -> tuple[str, ...]:
     return (
         percent(c.up_ratio),
         *((f"{c.unread_samples:,}",) if unread else ()),
         f"{c.lookups:,}",
         percent(c.hit_ratio),
+        *((percent(c.read_missing_ratio),) if reads else ()),
         _split(c),
         _occupancy(c),
     )

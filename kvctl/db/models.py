@@ -197,6 +197,11 @@ class CacheSample(Base):
     capacity_bytes: Mapped[int] = mapped_column(BigInteger)
     pinned_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     items: Mapped[int] = mapped_column(BigInteger)
+    #: ``all`` row only: chunks the node's data plane reads asked for, and those not there
+    #: (evicted since the lookup that counted them as hits, or never looked up); NULL on tier
+    #: rows, from agents before the counts and in rows before migration 0013
+    read_chunks: Mapped[int | None] = mapped_column(BigInteger)
+    read_missing_chunks: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (PrimaryKeyConstraint("node_id", "tier", "ts_ms"),)
 
@@ -443,6 +448,8 @@ SERIES: Final = (
             "demotions",
             "bytes_read",
             "bytes_written",
+            "read_chunks",
+            "read_missing_chunks",
         ),
         ("used_bytes", "capacity_bytes", "pinned_bytes", "items"),
     ),

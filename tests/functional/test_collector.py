@@ -19,11 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import select, text, update
 from sqlalchemy.engine import Engine
 from typer.testing import CliRunner
 
 from collectors.collector import Collector, CollectorConfig
+from dashboard.app import create_app, render
 from kvctl.cli.main import app
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
@@ -37,6 +38,7 @@ from tests.functional.agents import (
     start_agent,
     traffic,
 )
+from tests.functional.test_dashboard_app import by_id, text_of
 from tests.not_an_agent import send
 from tests.starting_agent import starting_url
 
@@ -182,6 +184,52 @@ def test_each_tiers_reuse_and_sharing_are_the_agents_own_counts(
         assert sum(t["sharing_hit_ratio"] for t in tiers) == pytest.approx(
             scope["sharing_hit_ratio"]
         )
+
+
+def test_reads_of_chunks_gone_since_their_lookup_are_recorded(
+    sqlite_url: str, sqlite_db: Engine, tmp_path: Path
+) -> None:
+    """The chunks the agent's reads asked for, and those not there, are recorded as the
+    increases of its own counts (``/v1/stats`` dataplane) and reported beside the hits a
+    lookup counted: a hit whose chunk was evicted before the engine read it is one of them."""
+    with running_agent(tmp_path / "a", "--name", "n1", "--cpu", "16MiB", "--disk", "0") as a:
+        _register(sqlite_db, {"n1": ("fra", a.state.control_url)})
+        collector = Collector(sqlite_db, CollectorConfig(interval_s=2.0))
+        try:
+            collector.collect_once()  # the baseline
+            keys = [key(i, 78) for i in range(6)]
+            with a.data() as dc:
+                dc.put_many([(k, payload(k, 64 << 10)) for k in keys], tenant="t1")
+                assert dc.lookup(keys, tenant="t1").matched_chunks == 6  # 6 hits counted
+                a.control().evict(keys[4:])  # gone before the engine reads them
+                got = dc.get_many(keys, tenant="t1")
+            assert sum(g is None for g in got) == 2
+            collector.collect_once()
+        finally:
+            collector.close()
+    with sqlite_db.connect() as conn:
+        recorded = conn.execute(
+            text("SELECT tier, read_chunks, read_missing_chunks FROM cache_sample ORDER BY ts_ms")
+        ).all()
+    # the first scrape is the baseline; tier rows carry no read counts
+    assert [tuple(r) for r in recorded if r[0] == "all"][-1] == ("all", 6, 2)
+    assert all(r[1] is None and r[2] is None for r in recorded if r[0] != "all")
+    out = CliRunner().invoke(app, ["status", "--db", sqlite_url, "--window", "15m", "--json"])
+    assert out.exit_code == 0, out.output
+    doc = json.loads(out.stdout)
+    for scope in (doc["nodes"][0], doc["total"]):
+        assert (scope["hits"], scope["read_chunks"], scope["read_missing_chunks"]) == (6, 6, 2)
+        assert scope["read_missing_ratio"] == pytest.approx(2 / 6)
+    out = CliRunner().invoke(app, ["status", "--db", sqlite_url, "--window", "15m"])
+    assert out.exit_code == 0, out.output
+    assert "reads gone" in out.stdout and "33.3%" in out.stdout, out.stdout
+    dash = create_app(sqlite_url, model="llama-3.1-8b", default_gpu="a100")
+    try:
+        page, _updated = render(dash, "/", "", "1h", None, "llama-3.1-8b")
+        note = " ".join(text_of(by_id(page, "card-tokens")).split())
+        assert "of 6 chunks read, 2 (33.3%) were gone" in note, note
+    finally:
+        dash.server.extensions["kvctl"].engine.dispose()
 
 
 def test_agent_killed_and_restarted_mid_run(tmp_path: Path, sqlite_db: Engine) -> None:

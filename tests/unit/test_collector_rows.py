@@ -29,6 +29,39 @@ def test_cache_rows_follow_the_store_counters(ns) -> None:  # type: ignore[no-un
     assert rows["all"]["used_bytes"] == 400 and rows["all"]["capacity_bytes"] == 1 << 20
 
 
+def test_read_counts_go_on_the_nodes_row_and_an_agent_without_them_holds_nothing_back(
+    ns,  # type: ignore[no-untyped-def]
+) -> None:
+    store = TieredStore([CpuTier(1 << 20)])
+    keys = chain(ns, 4)
+    tracker = CounterTracker()
+
+    def scrape(ts_ms: int, dataplane: dict[str, object] | None) -> dict[str, dict[str, object]]:
+        stats = {**store.snapshot(), "started_s": 1.0}
+        if dataplane is not None:
+            stats["dataplane"] = dataplane
+        return {r["tier"]: r for r in cache_rows(tracker, 7, ts_ms, stats)}
+
+    # an agent from before the counts: NULL, and the hits are counted all the same
+    scrape(0, None)
+    put_chain(store, keys, tenant="a")
+    store.lookup(keys, tenant="a")
+    rows = scrape(10, None)
+    assert rows["all"]["hits"] == 4
+    assert rows["all"]["read_chunks"] is None and rows["all"]["read_missing_chunks"] is None
+    # the counts appear: the first reading is the series' baseline, then increases; never on
+    # a tier's row
+    assert scrape(20, {"read_chunks": 10, "read_missing_chunks": 1})["all"]["read_chunks"] == 0
+    rows = scrape(30, {"read_chunks": 16, "read_missing_chunks": 3})
+    assert (rows["all"]["read_chunks"], rows["all"]["read_missing_chunks"]) == (6, 2)
+    assert rows["cpu"]["read_chunks"] is None
+    # one unknown (a NaN): both wait, and are counted whole at the next scrape
+    rows = scrape(40, {"read_chunks": 20, "read_missing_chunks": float("nan")})
+    assert rows["all"]["read_chunks"] is None and rows["all"]["read_missing_chunks"] is None
+    rows = scrape(50, {"read_chunks": 21, "read_missing_chunks": 4})
+    assert (rows["all"]["read_chunks"], rows["all"]["read_missing_chunks"]) == (5, 1)
+
+
 TEXT = """# TYPE process_start_time_seconds gauge
 process_start_time_seconds {start}
 # TYPE vllm:prompt_tokens_total counter

@@ -75,6 +75,12 @@ class Counts(HitCounts):
     lookup_tokens: int = 0
     hit_tokens: int = 0
     evictions: int = 0
+    #: nodes whose agents reported their data plane reads in the window; the chunks those
+    #: reads asked for, and those not there (evicted since the lookup that counted them as
+    #: hits, or never looked up)
+    read_nodes: int = 0
+    read_chunks: int = 0
+    read_missing_chunks: int = 0
     tier_hits: dict[str, int] = field(default_factory=dict)
     tier_hit_tokens: dict[str, int] = field(default_factory=dict)
     tier_reuse_hits: dict[str, int] = field(default_factory=dict)
@@ -168,6 +174,11 @@ class Counts(HitCounts):
         were rejected as impossible.
         A node up and idle has none; one up and unread is not idle, its counts are unknown."""
         return max(self.up_samples - self.read_samples, 0)
+
+    @property
+    def read_missing_ratio(self) -> float | None:
+        """Of the chunks reads asked for (on the nodes that report reads), those not there."""
+        return ratio(self.read_missing_chunks, self.read_chunks) if self.read_nodes else None
 
     @property
     def token_hit_ratio(self) -> float | None:
@@ -290,6 +301,7 @@ class Counts(HitCounts):
         for prop in (
             "up_ratio",
             "unread_samples",
+            "read_missing_ratio",
             "token_hit_ratio",
             "tokens_per_joule",
             "ttft_mean_s",
@@ -319,6 +331,8 @@ CACHE_COLUMNS: Final = (
     "evictions",
     "used_bytes",
     "capacity_bytes",
+    "read_chunks",
+    "read_missing_chunks",
 )
 PLAN_COLUMNS: Final = ("saved_s", "recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
 ENGINE_COLUMNS: Final = (
@@ -378,6 +392,10 @@ def measured_counts(
             c.reuse_hits = as_int(m["reuse_hits"])
             c.sharing_hits = as_int(m["sharing_hits"])
             c.evictions = as_int(m["evictions"])
+            if m["read_chunks"] is not None and m["read_missing_chunks"] is not None:
+                c.read_nodes = 1
+                c.read_chunks = as_int(m["read_chunks"])
+                c.read_missing_chunks = as_int(m["read_missing_chunks"])
             continue
         c.tier_hits[tier] = as_int(m["hits"])
         c.tier_hit_tokens[tier] = as_int(m["hit_tokens"])

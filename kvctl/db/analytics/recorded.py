@@ -1,8 +1,9 @@
 """What the collectors recorded over a window, for `kvctl status --window` and `kvctl top
 --json`: each node's measured counts (scrapes answered, hit ratio and its reuse/sharing split,
-evictions, occupancy per tier, and the hits each tier served split into reuse and sharing, over
-the whole's lookups, so the tiers' ratios add up to the whole's) and their sums per DC and for
-the fleet. The same counts as the dashboard's, so the same window gives the same figures."""
+the chunks reads asked for and those not there, evictions, occupancy per tier, and the hits
+each tier served split into reuse and sharing, over the whole's lookups, so the tiers' ratios
+add up to the whole's) and their sums per DC and for the fleet. The same counts as the
+dashboard's, so the same window gives the same figures."""
 
 from __future__ import annotations
 
@@ -65,6 +66,11 @@ def figures(c: Counts) -> dict[str, Any]:
         # up but unread (a refused token, starting): its counts of those scrapes are unknown
         "unread_samples": c.unread_samples,
         **c.hit_figures(),
+        # of the chunks reads asked for, those gone (hits counted at lookup, evicted before
+        # the read) or never looked up; null where no node reported reads
+        "read_chunks": c.read_chunks if c.read_nodes else None,
+        "read_missing_chunks": c.read_missing_chunks if c.read_nodes else None,
+        "read_missing_ratio": c.read_missing_ratio,
         "evictions": c.evictions,
         "tiers": tiers,
     }
