@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Float,
     Integer,
@@ -22,7 +23,7 @@ from sqlalchemy import (
     delete,
     false,
     func,
-    literal_column,
+    literal,
     select,
     union_all,
 )
@@ -178,7 +179,10 @@ def piece(
         bucket = (time - time % width_ms).label("bucket_ms")
         group: list[ColumnElement[Any]] = [bucket, *keys]
     else:
-        bucket = literal_column(str(start_ms)).label("bucket_ms")
+        # a parameter, not the number in the SQL: a window's text must not change with its
+        # start, or every poll of a live view (kvctl top, the dashboard) compiles and caches
+        # a statement of its own (~200 KB each, up to the engine's 500-750 cached)
+        bucket = cast(literal(start_ms, BigInteger), BigInteger).label("bucket_ms")
         group = list(keys)
     return (
         select(bucket, *keys, *cols)
