@@ -26,7 +26,7 @@ import socket
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1415,18 +1415,16 @@ class Connection:
         total = 0
         self.runtime.fill(keys, tenant=tenant)  # what is not here, from the pool/peers
         views = self._send_views(keys, tenant, served=not counted)
-        missing = 0
         for data in views:
             if data is None:
                 items += GET_ITEM.pack(Status.MISSING, 0)
-                missing += 1
                 continue
             n = memoryview(data).nbytes
             items += GET_ITEM.pack(Status.OK, n)
             payload.append(data)
             total += n
         if not counted:  # a re-read of chunks a LEASE counted: counted there
-            self.runtime.metrics.chunks_read("get", len(keys) - missing, missing)
+            self._count_reads("get", keys, views)
         return [MetaWriter().u32(len(keys)).raw(bytes(items)).build(), *payload], total
 
     def _send_views(
@@ -1564,9 +1562,15 @@ class Connection:
         if want_checksums:
             w.raw(b"".join(map(FETCH_CHECKSUM.pack, checksums)))
         if want_payload:  # without it, a probe: it reads nothing
-            missing = entries.count(None)
-            self.runtime.metrics.chunks_read("fetch", len(keys) - missing, missing)
+            self._count_reads("fetch", keys, entries)
         return [w.build(), *payload], total
+
+    def _count_reads(self, op: str, keys: list[bytes], got: Sequence[object | None]) -> None:
+        """Count a read's chunks, found or missing (None in ``got``, one per key): a key named
+        twice once, as its lease and its served count are (and as a LEASE counts it)."""
+        found = dict(zip(keys, (g is not None for g in got), strict=True))
+        n_found = sum(found.values())
+        self.runtime.metrics.chunks_read(op, n_found, len(found) - n_found)
 
     def _exists(self, meta: MetaReader, _payload: int) -> Reply:
         tenant = meta.tenant()
@@ -1695,7 +1699,7 @@ class Connection:
         if pull:
             self.runtime.fill(unique, tenant=tenant)  # same-host readers get remote chunks too
         items: dict[bytes, bytes] = {}
-        missing = fallback = 0
+        missing = 0
         # one batch, so the disk chunks among them are read in parallel
         for key, lease in zip(
             unique, self.runtime.lease_many(unique, ttl, tenant=tenant), strict=True
@@ -1705,8 +1709,10 @@ class Connection:
                 missing += 1
                 continue
             if lease is None:
+                # cached here, not leasable (pinned on disk, no room in the arena): counted
+                # read here, where lease_many counted it served, as the client's re-read of it
+                # is a GET_COUNTED that counts nothing
                 items[key] = LEASE_ITEM.pack(Status.FALLBACK, 0, 0, 0, 0, 0.0)
-                fallback += 1  # read by the GET that follows, and counted there
                 continue
             self._leases[lease.lease_id] = lease.deadline_s
             items[key] = LEASE_ITEM.pack(
@@ -1717,7 +1723,7 @@ class Connection:
                 lease.size_bytes,
                 lease.deadline_s,
             )
-        self.runtime.metrics.chunks_read("lease", len(unique) - missing - fallback, missing)
+        self.runtime.metrics.chunks_read("lease", len(unique) - missing, missing)
         return b"".join(map(items.__getitem__, keys))
 
     def _check_lease_room(self, n_new: int) -> None:

@@ -480,6 +480,10 @@ class IndexCollector(Collector):
 
 #: the data plane ops whose chunks ``AgentMetrics.chunks_read`` counts
 READ_OPS = ("get", "lease", "fetch")
+#: of those, an engine's reads (on /v1/stats too): a FETCH is a peer's pull, made for a read
+#: that the peer's own GET or LEASE counts (and a lookup there counted its hits), so counted
+#: here too it made the fleet's sums count one read twice, a chunk gone from the pool as two
+ENGINE_READ_OPS = ("get", "lease")
 
 
 class AgentMetrics:
@@ -569,10 +573,10 @@ class AgentMetrics:
             "than a tier, a disk tier's filesystem full): refused, not stored.",
             registry=r,
         )
-        #: chunks reads asked for (GET, LEASE and LOOKUP_LEASE, FETCH with bytes), by
-        #: whether they were here: a lookup counts its hits when it answers, so a chunk it found
-        #: and that was evicted before the read shows here as missing (or a read of a chunk
-        #: never looked up)
+        #: chunks an engine's reads asked for (GET, LEASE and LOOKUP_LEASE: ``ENGINE_READ_OPS``),
+        #: by whether they were here: a lookup counts its hits when it answers, so a chunk it
+        #: found and that was evicted before the read shows here as missing (or a read of a
+        #: chunk never looked up). Peers' FETCHes are on the Counter only
         self.read_chunks = 0
         self.read_missing_chunks = 0
         self._read_chunks = Counter(
@@ -684,14 +688,22 @@ class AgentMetrics:
         self._no_room_puts.inc()
 
     def chunks_read(self, op: str, found: int, missing: int) -> None:
-        """Count one read request's chunks (``op``: one of ``READ_OPS``)."""
-        with self._counts_lock:
-            self.read_chunks += found + missing
-            self.read_missing_chunks += missing
+        """Count one read request's chunks (``op``: one of ``READ_OPS``; an engine's, in
+        ``ENGINE_READ_OPS``, on ``read_counts`` too)."""
+        if op in ENGINE_READ_OPS:
+            with self._counts_lock:
+                self.read_chunks += found + missing
+                self.read_missing_chunks += missing
         if found:
             self._read_children[(op, "found")].inc(found)
         if missing:
             self._read_children[(op, "missing")].inc(missing)
+
+    def read_counts(self) -> tuple[int, int]:
+        """(read_chunks, read_missing_chunks), read together: apart, a read counted between
+        the two could show more missing chunks than reads since the last scrape."""
+        with self._counts_lock:
+            return self.read_chunks, self.read_missing_chunks
 
     def idle_connection_closed(self, cap: str) -> None:
         """Count one idle data plane connection closed to make room (``cap``: the setting)."""

@@ -369,6 +369,7 @@ class AgentRuntime:
         """Counters and usage from one snapshot of the store, with the fetch-or-recompute
         decisions (and the pool and peers, when configured)."""
         snap = self.store.snapshot()
+        read_chunks, read_missing_chunks = self.metrics.read_counts()
         out: AgentStats = {
             "stats": snap["stats"],
             "usage": snap["usage"],
@@ -382,9 +383,10 @@ class AgentRuntime:
             "dataplane": {
                 "corrupt_puts": self.metrics.corrupt_puts,
                 "no_room_puts": self.metrics.no_room_puts,
-                # kvctl_dataplane_read_chunks_total, all ops and outcomes; and missing only
-                "read_chunks": self.metrics.read_chunks,
-                "read_missing_chunks": self.metrics.read_missing_chunks,
+                # kvctl_dataplane_read_chunks_total of an engine's ops (get, lease), all
+                # outcomes; and missing only
+                "read_chunks": read_chunks,
+                "read_missing_chunks": read_missing_chunks,
             },
         }
         if self.remote is not None:

@@ -247,7 +247,7 @@ def _render_recorded(rec: Recorded) -> None:
     console.print(dcs)
     if reads:
         console.print(
-            f"{READS_COLUMN}: of the chunks engines and peers read, those not there: evicted "
+            f"{READS_COLUMN}: of the chunks engines read, those not there: evicted "
             "between the lookup that counted them as hits and the read, or never looked up",
             highlight=False,
             soft_wrap=True,

@@ -161,8 +161,9 @@ class DataplaneCounters(TypedDict):
     corrupt_puts: int
     #: PUT chunks no tier could take (NO_ROOM): ``kvctl_dataplane_no_room_puts_total``
     no_room_puts: int
-    #: chunks reads asked for (GET, LEASE, LOOKUP_LEASE, FETCH with bytes; a LEASE's fallback
-    #: counted by its GET): ``kvctl_dataplane_read_chunks_total``
+    #: chunks an engine's reads asked for (GET, LEASE, LOOKUP_LEASE; a LEASE's fallback items
+    #: there, as its GET_COUNTED re-read counts nothing; not a peer's FETCH, whose read that
+    #: peer counts): ``kvctl_dataplane_read_chunks_total`` of ops get and lease
     read_chunks: int
     #: of those, chunks not here: evicted since the lookup that counted them as hits (lookups
     #: count hits when they answer), or never looked up

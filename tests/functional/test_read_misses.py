@@ -61,19 +61,73 @@ def test_reads_of_chunks_evicted_since_their_lookup_are_counted_missing(tmp_path
         assert metric(a, READ_CHUNKS, op="lease", outcome="found") == 2
         assert metric(a, READ_CHUNKS, op="lease", outcome="missing") == 1
 
-        with a.data() as d:  # a peer's FETCH with bytes counts; a metadata-only probe does not
+        # a peer's FETCH with bytes counts on /metrics only (the read it serves is counted on
+        # that peer); a metadata-only probe not at all
+        with a.data() as d:
             assert [x is not None for x in d.fetch(keys[1:3], tenant="t1")] == [True, False]
             d.fetch(keys, tenant="t1", payload=False)
         assert metric(a, READ_CHUNKS, op="fetch", outcome="found") == 1
         assert metric(a, READ_CHUNKS, op="fetch", outcome="missing") == 1
         counts = a.control().stats()["dataplane"]
-        assert (counts["read_chunks"], counts["read_missing_chunks"]) == (9, 4)
+        assert (counts["read_chunks"], counts["read_missing_chunks"]) == (7, 3)
 
         out = _status(a, tmp_path, "--json")
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
-        assert (report["read_chunks"], report["read_missing_chunks"]) == (9, 4)
+        assert (report["read_chunks"], report["read_missing_chunks"]) == (7, 3)
         out = _status(a, tmp_path)
         assert out.returncode == 0, out.stderr
         said = " ".join(out.stdout.split())
-        assert "4 chunks of 9 reads asked for (44.4%) were not here" in said, said
+        assert "3 chunks of 7 reads asked for (42.9%) were not here" in said, said
+
+
+def _reads(agent: Agent) -> tuple[int, int]:
+    counts = agent.control().stats()["dataplane"]
+    return counts["read_chunks"], counts["read_missing_chunks"]
+
+
+def test_a_same_host_read_of_a_chunk_it_cannot_lease_counts_it_once(tmp_path: Path) -> None:
+    """A chunk pinned on disk is not leasable: the LEASE answers FALLBACK (and counts it
+    served) and the client reads it again with GET_COUNTED, which counts nothing. Counted at
+    neither, 3 chunks read showed as 2."""
+    with running_agent(tmp_path / "a", "--cpu", "8MiB", "--disk", "64MiB") as a:
+        keys = [key(i, 8) for i in range(3)]
+        with a.data("unix") as d:
+            assert d.shm and d.takes_get_counted
+            d.put_many([(k, payload(k, CHUNK_BYTES)) for k in keys])
+            assert a.control().pin([keys[2]], tier="disk")["done"] == 1
+            got = d.get_many(keys)
+        assert [g is not None for g in got] == [True, True, True]
+        assert _reads(a) == (3, 0)
+        assert metric(a, READ_CHUNKS, op="lease", outcome="found") == 3
+        assert metric(a, READ_CHUNKS, op="get", outcome="found") == 0
+
+
+def test_a_key_named_twice_in_a_get_is_one_read_as_in_a_lease(tmp_path: Path) -> None:
+    with running_agent(tmp_path / "a", "--cpu", "8MiB", "--disk", "0") as a:
+        k, gone = key(0, 9), key(1, 9)
+        with a.data() as d:
+            d.put(k, payload(k, CHUNK_BYTES))
+            got = d.get_many([k, gone, k, gone])
+        assert [g is not None for g in got] == [True, False, True, False]
+        assert _reads(a) == (2, 1)
+
+
+def test_a_read_pulled_from_a_peer_is_counted_once_in_the_fleet(tmp_path: Path) -> None:
+    """A node's GET of chunks its lookup found on a peer pulls them with a FETCH there: the
+    read is the node's. Counted by both, the fleet's sums (the collector adds the nodes'
+    counts) read 8 chunks for 4 hits, and a chunk gone from the peer would be 2 missing."""
+    small = ("--disk", "0", "--cpu", "64MiB")
+    with running_agent(tmp_path / "b", "--name", "b", *small) as b:
+        peer = ("--peer", f"b={b.state.data_tcp}", "--link", "b:override=fetch")
+        with running_agent(tmp_path / "a", "--name", "a", *small, *peer) as a:
+            keys = [key(i, 10) for i in range(4)]
+            with b.data() as d:
+                d.put_many([(k, payload(k, CHUNK_BYTES)) for k in keys], tenant="t1")
+            with a.data() as d:
+                assert set(d.lookup(keys, tenant="t1").locations) == {"peer"}
+                got = d.get_many(keys, tenant="t1")
+            assert [g is not None for g in got] == [True] * 4
+            assert _reads(a) == (4, 0)
+            assert _reads(b) == (0, 0)  # its FETCH, on /metrics only
+            assert metric(b, READ_CHUNKS, op="fetch", outcome="found") == 4
