@@ -13,12 +13,10 @@ from collectors.engines import EngineReading, Histogram, histogram_delta, histog
 from kvctl.counters import CounterTracker
 from kvctl.db.analytics.savings import gpu_key
 from kvctl.db.models import SERIES_BY_TABLE
-from kvctl.db.sample_checks import Rejections, known
+from kvctl.db.sample_checks import READ_COUNTERS, Rejections, known
 from kvctl.profiles import GPUS, ModeledInputs
 from kvctl.wire.stats import cache_counters
 
-#: the node's data plane read counts (``/v1/stats`` dataplane), on its ``all`` row only
-READ_COUNTERS = ("read_chunks", "read_missing_chunks")
 CACHE_COUNTERS = tuple(c for c in SERIES_BY_TABLE["cache_sample"].sums if c not in READ_COUNTERS)
 ENGINE_COUNTERS = SERIES_BY_TABLE["engine_sample"].sums
 

@@ -73,6 +73,8 @@ USAGE_GAUGES: Final = ("used_bytes", "capacity_bytes", "pinned_bytes", "chunks")
 #: tier counters the node's ``all`` figures sum over its tiers (``kvctl.wire.stats.cache_counters``)
 TIER_SUMS: Final = ("promotions", "demotions", "bytes_read", "bytes_written")
 PLAN_COUNTERS: Final = ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
+#: the data plane's read counts (``dataplane`` of the answer): optional, an older agent has none
+READ_COUNTERS: Final = ("read_chunks", "read_missing_chunks")
 GPU_COUNTS: Final = ("power_w", "energy_j", "memory_used_bytes", "memory_total_bytes")
 PROBE_COUNTS: Final = ("rtt_s", "bandwidth_bytes_per_s")
 
@@ -236,6 +238,18 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
     out["stats"] = counters
     out["usage"] = usage
     out["started_s"] = count(stats.get("started_s"), "started_s", rejections)
+    dataplane = stats.get("dataplane")
+    if isinstance(dataplane, Mapping):
+        # None where not reported (an older agent) or rejected: those scrapes' reads are NULL
+        reads = {c: count(dataplane.get(c), f"dataplane.{c}", rejections) for c in READ_COUNTERS}
+        if None not in reads.values() and reads["read_missing_chunks"] > reads["read_chunks"]:
+            # of the reads since its start: more missing than read cannot be
+            rejections.add("dataplane.read_missing_chunks", "more than dataplane.read_chunks")
+            reads = dict.fromkeys(READ_COUNTERS)
+        out["dataplane"] = {**dataplane, **reads}
+    elif dataplane is not None:
+        rejections.add("dataplane", "not an object")
+        out["dataplane"] = None
     plans = stats.get("fetch_plans")
     if isinstance(plans, Mapping) and isinstance(plans.get("plans"), Mapping):
         p = plans["plans"]
