@@ -857,6 +857,36 @@ def test_a_step_of_two_requests_queues_both_or_neither(agent: Agent) -> None:
         b.close()
 
 
+def test_a_step_that_cannot_be_queued_counts_each_chunk_it_reads_once(agent: Agent) -> None:
+    """queue_loads leases each request's chunks (which counts them as served and read), gives
+    up at a chunk evicted since the lookup, and the step loads as ``load`` does: that read of
+    the chunks the holds counted counts nothing again. Before, it leased them a second time:
+    6 chunks read, one of them gone, counted 12 reads with 2 missing, each chunk served
+    twice."""
+    a, b = Engine(address(agent, "unix")), Engine(address(agent, "unix"))
+    try:
+        blocks_1, blocks_2 = [7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18, 19, 27]
+        kv1, load1 = one_load(a, b, list(range(16400, 16500)), blocks_1, seed=21)
+        _kv2, load2 = one_load(a, b, list(range(16600, 16700)), blocks_2, seed=23)
+        with agent.control() as ctl:
+            assert ctl.evict([load2.keys[2]])["done"] == 1
+            before = ctl.stats()["dataplane"]
+        assert not b.worker.queue_loads([load1, load2])
+        assert not b.worker.load(load1).failed_block_ids
+        assert b.worker.load(load2).failed_block_ids == {blocks_2[4], blocks_2[5]}
+        assert torch.equal(b.paged.gather(blocks_1, 0, 96), kv1[:, :, :, :96])
+        with agent.control() as ctl:
+            after = ctl.stats()["dataplane"]
+            served = {i["key"]: i["hit_count"] for i in ctl.keys(limit=10_000)["items"]}
+        read = after["read_chunks"] - before["read_chunks"]
+        missing = after["read_missing_chunks"] - before["read_missing_chunks"]
+        assert (read, missing) == (6, 1)
+        assert [served[k.hex()] for k in [*load1.keys, *load2.keys[:2]]] == [1] * 5
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_lease_that_runs_out_under_the_forward_pass_fails_the_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
