@@ -106,10 +106,19 @@ def files_holding(root: Path, *secrets: bytes) -> list[Path]:
     return found
 
 
+#: every port :func:`closed_port` gave in this process
+_handed_out: set[int] = set()
+
+
 def closed_port() -> int:
     """A loopback port nothing listens on (below the ephemeral range, so no socket bound to
-    port 0 takes it meanwhile)."""
-    return free_loopback_port()
+    port 0 takes it meanwhile), never one it gave before in this process: tests give each node
+    of an inventory a port of its own, and the inventory refuses two nodes on one agent URL.
+    Each draw is random, so four independent ones repeated a port about once in 3,800 fills."""
+    while (port := free_loopback_port()) in _handed_out:
+        pass
+    _handed_out.add(port)
+    return port
 
 
 def payload(key: bytes, size: int) -> bytes:

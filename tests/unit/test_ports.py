@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 
 from kvctl import ports
 from kvctl.ports import LOWEST_PORT, ephemeral_low, free_loopback_port, free_loopback_ports
+from tests.functional import agents
 
 
 def test_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:
@@ -52,3 +54,13 @@ def test_an_unreadable_range_means_linux_default(
 ) -> None:
     monkeypatch.setattr(ports, "_EPHEMERAL_RANGE", tmp_path / "missing")
     assert ephemeral_low() == 32_768
+
+
+def test_the_tests_closed_ports_never_repeat(monkeypatch: pytest.MonkeyPatch) -> None:
+    # tests give each node of an inventory its own closed_port(), and two nodes on one agent
+    # URL are refused: a draw that repeats a port (four random ones did about once in 3,800
+    # fills: a test_tier_reuse_sharing.py failure) is drawn again
+    first = agents.closed_port()
+    draws = itertools.chain([first, first], itertools.count(first + 1))
+    monkeypatch.setattr(agents, "free_loopback_port", lambda: next(draws))
+    assert agents.closed_port() > first
