@@ -63,6 +63,10 @@ def configure(level: str) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(OneLineFormatter(LINE_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+    root_level = logging.getLogger().getEffectiveLevel()
+    if root_level > logging.DEBUG:
+        # never below the root's level: a logger's own level is the only one its records are
+        # checked against (the root's handlers take what propagates), so WARNING under
+        # --log-level error would let the clients' warnings through
         for name in QUIET_BELOW_DEBUG:
-            logging.getLogger(name).setLevel(logging.WARNING)
+            logging.getLogger(name).setLevel(max(logging.WARNING, root_level))

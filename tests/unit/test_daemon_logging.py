@@ -91,3 +91,34 @@ def test_a_daemon_logs_no_line_per_http_request_above_debug(level: str) -> None:
     log = done.stderr
     assert "a warning of the client's" in log and "the daemon's own line" in log, log
     assert ("HTTP Request: GET" in log) == (level == "debug"), log
+
+
+_CLIENT_WARNS_AND_ERRS = """
+import logging, sys
+from kvctl import daemon_logging
+
+daemon_logging.configure(sys.argv[1])
+for name in daemon_logging.QUIET_BELOW_DEBUG:
+    logging.getLogger(name).warning("a warning of %s", name)
+    logging.getLogger(name).error("an error of %s", name)
+logging.getLogger("kvctl.agent").warning("the daemon's own warning")
+"""
+
+
+def test_quieting_the_http_clients_never_lets_through_what_the_level_leaves_out() -> None:
+    """At --log-level error a daemon writes errors only, the HTTP clients' too: quieting them
+    to WARNING had lowered their threshold below the root's (a logger's records are checked
+    against its own level only), so their warnings were written at error."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _CLIENT_WARNS_AND_ERRS, "error"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    log = done.stderr
+    assert "an error of httpx" in log and "an error of httpcore" in log, log
+    assert "a warning of" not in log and "the daemon's own warning" not in log, log
