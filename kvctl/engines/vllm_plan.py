@@ -57,7 +57,6 @@ from kvctl.engines.kvload import (
     leased_whole,
     queue_leased_many,
     read_chunks,
-    read_socket,
     release_pending,
 )
 from kvctl.engines.vllm_paged import PagedKV, check_geometry, loadable_chunks, order_layers
@@ -673,9 +672,6 @@ class WorkerPlan:
         self._queued: list[_QueuedLoad] = []
         #: the connection holding their leases
         self._holder: DataClient | None = None
-        #: requests whose chunks a ``queue_loads`` that gave up had leased, which counted them
-        #: as served and read: their ``load`` reads them uncounted
-        self._counted: set[str] = set()
         #: layer name -> its place in the model
         self._layer_index: dict[str, int] = {}
 
@@ -740,24 +736,14 @@ class WorkerPlan:
         usable = 0
         client = self.link.get()
         kv: torch.Tensor | None = None
-        # held by a queue_loads that gave up: counted then, so read without counting again
-        # (GET_COUNTED), or each chunk of the step was two reads, one gone since the lookup two
-        counted = spec.req_id in self._counted
-        self._counted.discard(spec.req_id)
         if client is not None and spec.keys:
             loader = self.loader(fmt)
             kv = loader.alloc(len(spec.keys))
             try:
-                if counted:
-                    usable = read_socket(
-                        client, list(spec.keys), self.link.tenant, loader, kv, 0,
-                        counted=len(spec.keys), answer_s=self.link.timeout_seconds,
-                    )  # fmt: skip
-                else:
-                    usable, _path = read_chunks(
-                        client, list(spec.keys), self.link.tenant, loader, kv,
-                        answer_s=self.link.timeout_seconds,
-                    )  # fmt: skip
+                usable, _path = read_chunks(
+                    client, list(spec.keys), self.link.tenant, loader, kv,
+                    answer_s=self.link.timeout_seconds,
+                )  # fmt: skip
             except AgentError as exc:
                 self.link.failed("read", exc, client)
         loaded_end = _loaded_end(spec, usable)
@@ -789,13 +775,11 @@ class WorkerPlan:
         the forward pass (``finish_loads``). False, with nothing held or queued, where that
         cannot be done: no shared memory, or a chunk that cannot be read in place (evicted
         since the lookup, pinned elsewhere, arena full); the caller then loads as ``load``
-        does (the requests it leased, which counted their chunks, read uncounted). A chunk on
-        another node is pulled here before this returns, as ``load`` pulls it. Each load's KV
-        stays on the device until the forward pass is over: memory beyond what vLLM budgets
-        for."""
+        does. A chunk on another node is pulled here before this returns, as ``load`` pulls
+        it. Each load's KV stays on the device until the forward pass is over: memory beyond
+        what vLLM budgets for."""
         if self._queued:
             raise InvalidArgument("the previous step's layer-wise loads were not finished")
-        self._counted.clear()
         paged = self._paged()
         client = self.link.get()
         if client is None or not client.shm or any(not spec.keys for spec in specs):
@@ -804,7 +788,6 @@ class WorkerPlan:
         used: list[KVLoader] = []
         queued: list[_QueuedLoad] = []
         ok = False
-        held: list[str] = []  # requests whose hold answered: it counted their chunks
         try:
             # every request's chunks held before any copy is queued: a step that must load
             # synchronously has nothing queued to wait for (each hold keeps the earlier ones)
@@ -814,7 +797,6 @@ class WorkerPlan:
                 hold_s = answer_seconds(len(spec.keys) * size, self.link.timeout_seconds)
                 with client.timeout(hold_s):
                     leases = client.hold(list(spec.keys), tenant=self.link.tenant)
-                held.append(spec.req_id)
                 if leased_whole(leases.chunks, size) < len(spec.keys):
                     return False
                 leased.append((spec, leases))
@@ -847,7 +829,6 @@ class WorkerPlan:
             return False
         finally:
             if not ok:
-                self._counted.update(held)  # loaded as ``load`` does next, counted once
                 # copies queued so far (on CUDA: on the side stream) read the arena and write
                 # their buffers: ended before the leases and the buffers go
                 for loader in used:

@@ -857,12 +857,15 @@ def test_a_step_of_two_requests_queues_both_or_neither(agent: Agent) -> None:
         b.close()
 
 
-def test_a_step_that_cannot_be_queued_counts_each_chunk_it_reads_once(agent: Agent) -> None:
+def test_a_step_that_cannot_be_queued_loads_in_place_and_counts_its_holds_twice(
+    agent: Agent,
+) -> None:
     """queue_loads leases each request's chunks (which counts them as served and read), gives
-    up at a chunk evicted since the lookup, and the step loads as ``load`` does: that read of
-    the chunks the holds counted counts nothing again. Before, it leased them a second time:
-    6 chunks read, one of them gone, counted 12 reads with 2 missing, each chunk served
-    twice."""
+    up at a chunk evicted since the lookup, and the step loads as ``load`` does: in place,
+    leased again, so the chunks the holds counted count twice. Reading them uncounted instead
+    (GET_COUNTED) would take them through the socket and a staging buffer, far slower than the
+    arena on a GPU host, on the step that already lost a hit: the counts pay, not the data
+    path. Reads and missing chunks double alike, so the share of reads gone holds (1 of 6)."""
     a, b = Engine(address(agent, "unix")), Engine(address(agent, "unix"))
     try:
         blocks_1, blocks_2 = [7, 8, 9, 10, 11, 12, 13], [14, 15, 16, 17, 18, 19, 27]
@@ -877,11 +880,10 @@ def test_a_step_that_cannot_be_queued_counts_each_chunk_it_reads_once(agent: Age
         assert torch.equal(b.paged.gather(blocks_1, 0, 96), kv1[:, :, :, :96])
         with agent.control() as ctl:
             after = ctl.stats()["dataplane"]
-            served = {i["key"]: i["hit_count"] for i in ctl.keys(limit=10_000)["items"]}
         read = after["read_chunks"] - before["read_chunks"]
         missing = after["read_missing_chunks"] - before["read_missing_chunks"]
-        assert (read, missing) == (6, 1)
-        assert [served[k.hex()] for k in [*load1.keys, *load2.keys[:2]]] == [1] * 5
+        assert (read, missing) == (12, 2)
+        assert missing / read == 1 / 6
     finally:
         a.close()
         b.close()
