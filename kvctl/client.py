@@ -82,6 +82,23 @@ Payload = bytes | bytearray | memoryview | Any  # anything with the buffer proto
 _ANY_PAYLOAD = 1 << 64
 
 
+#: PROBE filler to send and a scratch buffer to drain replies into, made on the first probe
+#: and shared by every connection of the process: each connection made its own, and one kept
+#: open (an agent keeps up to 4 per pool or peer for reads) held those 2 MiB from its first
+#: probe until it closed, a step in the agent's memory per kept connection. Threads may drain
+#: into the scratch at once: what lands there is never read.
+_probe_pair: tuple[bytes, memoryview] | None = None
+_probe_pair_lock = threading.Lock()
+
+
+def _probe_buffers() -> tuple[bytes, memoryview]:
+    global _probe_pair
+    with _probe_pair_lock:
+        if _probe_pair is None:
+            _probe_pair = (bytes(PROBE_PIECE_BYTES), memoryview(bytearray(PROBE_PIECE_BYTES)))
+        return _probe_pair
+
+
 # --- errors -------------------------------------------------------------------------------
 class AgentError(Exception):
     """Base of every error the SDK raises."""
@@ -262,9 +279,6 @@ class DataClient:
         #: link speed. It must not raise, and must drop every view of a segment it is told of
         #: when told None.
         self.on_staging: Callable[[mmap.mmap | None], None] | None = None
-        #: PROBE filler to send and a scratch buffer to drain replies into (made on first probe)
-        self._probe_zeros: bytes | None = None
-        self._probe_scratch: memoryview | None = None
         self._reconnect_args: tuple[str | Path, str, float, bool] | None = None
         #: per thread: the ``timeout`` its calls run under (none: the socket's own timeout)
         self._limits = threading.local()
@@ -368,13 +382,11 @@ class DataClient:
                 raise ValueError(f"{what} must be 0..{MAX_PROBE_BYTES}, got {n}")
         meta = probe_meta(download_bytes)
         with self._lock:
-            if self._probe_zeros is None or self._probe_scratch is None:
-                self._probe_zeros = bytes(PROBE_PIECE_BYTES)
-                self._probe_scratch = memoryview(bytearray(PROBE_PIECE_BYTES))
-            pieces = zero_pieces(self._probe_zeros, upload_bytes)
+            zeros, scratch = _probe_buffers()
+            pieces = zero_pieces(zeros, upload_bytes)
             started = time.perf_counter()
             reply, _ = self._call_locked(
-                Op.PROBE, meta, pieces, None, sink=self._probe_scratch, sink_bytes=download_bytes
+                Op.PROBE, meta, pieces, None, sink=scratch, sink_bytes=download_bytes
             )
             elapsed_s = time.perf_counter() - started
         received = MetaReader(reply).u64()

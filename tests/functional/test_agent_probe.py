@@ -10,7 +10,9 @@ import socket
 import sys
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -24,6 +26,7 @@ from kvctl.wire.protocol import (
     HEADER,
     HEADER_BYTES,
     MAX_PROBE_BYTES,
+    PROBE_PIECE_BYTES,
     REPLY_BIT,
     ErrorCode,
     MetaReader,
@@ -378,6 +381,35 @@ def test_dataclient_probe_sizes_and_limits(pair: tuple[Agent, Agent]) -> None:
     }
     assert moved["in"] >= SIZE + 1 + MAX_PROBE_BYTES
     assert moved["out"] >= SIZE + 3 + MAX_PROBE_BYTES
+
+
+def test_kept_connections_hold_no_probe_buffers_of_their_own(pair: tuple[Agent, Agent]) -> None:
+    """A connection made 1 MiB of filler and 1 MiB of scratch on its first probe and kept them
+    while open: an agent keeps up to 4 read connections per pool or peer, so its memory went up
+    2 MiB a step as each did its first link probe (a soak's tracemalloc: client.py at 2, 4,
+    then 5 MiB). The buffers are the process's, made once; probes at once still move every
+    byte."""
+    _, b = pair
+    clients = [b.data("tcp") for _ in range(8)]
+    try:
+        assert clients[0].probe(upload_bytes=SIZE, download_bytes=SIZE) > 0
+        tracemalloc.start()
+        try:
+            for c in clients:
+                assert c.probe(upload_bytes=SIZE, download_bytes=SIZE) > 0
+            kept_bytes, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        # before: the 7 others kept 2 MiB each (14 MiB)
+        assert kept_bytes < PROBE_PIECE_BYTES
+        before = _requests(b, "probe")
+        with ThreadPoolExecutor(len(clients)) as pool:
+            rtts = list(pool.map(lambda c: c.probe(SIZE, SIZE), clients))
+        assert all(rtt > 0 for rtt in rtts) and not any(c.closed for c in clients)
+        assert _settled(b, "probe", before + len(clients)) - before == len(clients)
+    finally:
+        for c in clients:
+            c.close()
 
 
 def _tcp(agent: Agent) -> socket.socket:
