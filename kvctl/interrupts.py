@@ -4,7 +4,8 @@
 answer to the audit trail: a KeyboardInterrupt raised inside SQLAlchemy's commit can leave its
 connection holding SQLite's write lock, so the row is lost and every later write in the
 process waits out the busy timeout ("database is locked"). ``stop_signals`` turns the signals
-that end a process into a stop event for long-running commands."""
+that end a process into a stop event for long-running commands. ``wait_interruptibly`` waits
+for calls on other threads so that a Ctrl-C is never held for the whole wait."""
 
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from contextlib import contextmanager
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 @contextmanager
@@ -93,3 +97,54 @@ def stop_signals(stop: threading.Event) -> Iterator[None]:
         for sig, handler in previous.items():
             if handler is not None:  # (one set outside Python cannot be put back from here)
                 signal.signal(sig, handler)
+
+
+#: the longest the main thread sleeps in one go in :func:`wait_interruptibly`, so the longest a
+#: Ctrl-C waits to be seen there
+INTERRUPT_CHECK_S = 0.1
+
+
+def wait_interruptibly(
+    futures: Iterable[Future[T]], timeout_s: float | None = None, return_when: str = ALL_COMPLETED
+) -> tuple[set[Future[T]], set[Future[T]]]:
+    """``concurrent.futures.wait`` (the futures done, those not), but on the main thread in
+    sleeps of at most :data:`INTERRUPT_CHECK_S`. CPython runs a Python signal handler only
+    between bytecodes: a SIGINT that arrives once the thread has let go of the GIL to sleep in
+    a lock wait, and before it sleeps (on a loaded machine it can spend milliseconds there,
+    waiting for the thread it handed the GIL to), wakes nothing, and its KeyboardInterrupt came
+    only when the whole wait ended (up to a command's --timeout). The end of each short sleep
+    runs it. The sleeps are on a lock of its own, not a ``threading.Condition``: an interrupt
+    landing between a Condition's release of its lock and its wait left the lock released,
+    and the ``with`` around it then raised RuntimeError instead of the KeyboardInterrupt."""
+    fs = set(futures)
+    if threading.current_thread() is not threading.main_thread():
+        return wait(fs, timeout_s, return_when)  # no signal handler runs here
+    end_s = None if timeout_s is None else time.monotonic() + timeout_s
+    woken = threading.Lock()  # released when a future finishes: the sleep ends at once
+    woken.acquire()
+
+    def wake(_: Future[T]) -> None:
+        with contextlib.suppress(RuntimeError):  # released already, not yet slept on
+            woken.release()
+
+    for f in fs:
+        f.add_done_callback(wake)
+    while True:
+        done = {f for f in fs if f.done()}
+        left_s = None if end_s is None else end_s - time.monotonic()
+        if _waited_for(done, fs, return_when) or (left_s is not None and left_s <= 0):
+            return done, fs - done
+        woken.acquire(
+            timeout=INTERRUPT_CHECK_S if left_s is None else min(left_s, INTERRUPT_CHECK_S)
+        )
+
+
+def _waited_for(done: set[Future[T]], fs: set[Future[T]], return_when: str) -> bool:
+    """Whether what ``return_when`` waits for has come."""
+    if len(done) == len(fs):
+        return True
+    if return_when == FIRST_COMPLETED:
+        return bool(done)
+    if return_when == FIRST_EXCEPTION:
+        return any(not f.cancelled() and f.exception() is not None for f in done)
+    return False

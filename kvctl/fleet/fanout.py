@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
+from concurrent.futures import FIRST_COMPLETED, Future
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -21,7 +21,7 @@ from kvctl.daemon_pool import DaemonPool
 from kvctl.db.inventory import NodeInfo
 from kvctl.deadline_transport import Abandonable, AbandonableTransport, running
 from kvctl.errors import KvctlError
-from kvctl.interrupts import ForcedInterrupt, interrupts_held
+from kvctl.interrupts import ForcedInterrupt, interrupts_held, wait_interruptibly
 
 T = TypeVar("T")
 
@@ -212,7 +212,7 @@ def _wait_unreported(
     """Wait for the calls whose answers are not reported yet (one reported already, past its
     deadline, is not waited for), none past its own deadline (``_left_s``)."""
     unreported = [f for f, i in futures.items() if i not in reported]
-    wait(unreported, timeout=_left_s(futures, unreported, started, deadline_s))
+    wait_interruptibly(unreported, _left_s(futures, unreported, started, deadline_s))
 
 
 def _left_s(
@@ -247,18 +247,20 @@ def _as_answered(
     """Each node's result as it comes, or (``deadline_s``) a silent failure for one whose call
     has run that long: the fan-out is not held by it, and its call is abandoned, so its thread
     is free for a node queued behind it."""
-    if deadline_s is None:
-        for fut in as_completed(futures):
-            yield fut, fut.result()
-        return
     pending = set(futures)
+    if deadline_s is None:
+        while pending:
+            done, pending = wait_interruptibly(pending, return_when=FIRST_COMPLETED)
+            for fut in done:
+                yield fut, fut.result()
+        return
     while pending:
         # up to the next deadline of a node asked (one still queued waits its turn)
         ends_s = _ends_s(futures, pending, started, deadline_s).values()
         now = time.perf_counter()
-        done, pending = wait(
+        done, pending = wait_interruptibly(
             pending,
-            timeout=max(0.0, min(ends_s) - now) if ends_s else deadline_s,
+            max(0.0, min(ends_s) - now) if ends_s else deadline_s,
             return_when=FIRST_COMPLETED,
         )
         for fut in done:

@@ -15,9 +15,11 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+from kvctl.interrupts import wait_interruptibly
 
 T = TypeVar("T")
 
@@ -174,7 +176,8 @@ class Round(Generic[T]):
         every call came back); a call still running is kept for the next poll. A key asked no
         new call has an answer only where an earlier one came back late."""
         timeout_s = None if deadline_s is None else max(deadline_s - time.perf_counter(), 0.0)
-        wait([c.future for c in self._calls.values()], timeout=timeout_s)
+        # (a Ctrl-C on `kvctl top --json` lands here: seen within a moment, not at the deadline)
+        wait_interruptibly([c.future for c in self._calls.values()], timeout_s)
         out: dict[str, Answer[T]] = {}
         with self._lock:
             for key, call in self._calls.items():

@@ -82,23 +82,61 @@ def hung_http_agent() -> Iterator[HungHttp]:
         hung.server.server_close()
 
 
-def ctrl_c(argv: Sequence[str], asked: threading.Event) -> tuple[int, str, bytes]:
+def ctrl_c(argv: Sequence[str], asked: threading.Event | None) -> tuple[int, str, bytes]:
     """Run ``python`` with ``argv`` (no KVCTL_* settings), send it a SIGINT once ``asked`` is
-    set: its exit code, its stderr on one line, its stdout."""
+    set (None: it takes its own, see :data:`SIGINT_ONCE_ASLEEP`): its exit code, its stderr on
+    one line, its stdout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
     proc = subprocess.Popen(
         [sys.executable, *argv],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
     )  # fmt: skip
     try:
-        assert asked.wait(HANG_GUARD_S)
-        proc.send_signal(signal.SIGINT)
+        if asked is not None:
+            assert asked.wait(HANG_GUARD_S)
+            proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=HANG_GUARD_S)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
     return proc.returncode, " ".join(err.decode().split()), out
+
+
+#: ``python -c`` this, then the name of a function and kvctl's arguments: kvctl, taking a SIGINT
+#: once its main thread sleeps in a lock wait under that function (and still does a moment
+#: later). The SIGINT is caught on another thread: Python's C handler runs there and wakes no
+#: sleeper, as it does on the main thread when the SIGINT comes after the thread let go of the
+#: GIL to sleep and before it slept (a window a loaded machine holds open for milliseconds).
+#: Either way only the thread's next wake-up raises the KeyboardInterrupt.
+SIGINT_ONCE_ASLEEP = """
+import runpy, signal, sys, threading, time
+
+under = sys.argv.pop(1)
+
+
+def asleep():
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    # asleep in threading's Condition.wait, or in kvctl.interrupts.wait_interruptibly's lock
+    return names[:1] in (["wait"], ["wait_interruptibly"]) and under in names
+
+
+def take_sigint():
+    deadline = time.monotonic() + 60
+    while not (asleep() and (time.sleep(0.2) or asleep())):
+        if time.monotonic() > deadline:
+            return  # never got there: no "interrupted" for the test to see
+        time.sleep(0.01)
+    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+
+
+threading.Thread(target=take_sigint, daemon=True).start()
+runpy.run_module("kvctl", run_name="__main__", alter_sys=True)
+"""
 
 
 def _wait_stopped(pid: int) -> None:

@@ -20,7 +20,7 @@ from kvctl.cli.main import app
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, Node, NodeSample
 from tests.functional.agents import closed_port, running_agent
-from tests.functional.hung import ctrl_c, hung_http_agent
+from tests.functional.hung import SIGINT_ONCE_ASLEEP, ctrl_c, hung_http_agent
 from tests.starting_agent import starting_url
 
 runner = CliRunner()
@@ -156,6 +156,18 @@ def test_ctrl_c_while_a_hung_agent_is_asked_ends_a_read_only_command(
     with hung_http_agent() as hung:
         db = _fleet(tmp_path, {"hung": hung.url})
         code, said, _ = ctrl_c(["-m", "kvctl", *args, "--db", db], hung.asked)
+    assert code == 130, said
+    assert said == "interrupted", said
+
+
+def test_ctrl_c_while_a_fan_out_sleeps_ends_status_at_once(tmp_path: Path) -> None:
+    """The SIGINT taken once the main thread sleeps waiting for the hung agent's answer (see
+    SIGINT_ONCE_ASLEEP): it slept on to the agent's deadline (twice --timeout, here far beyond
+    the hang guard); each sleep is now short, and its end raises it."""
+    with hung_http_agent() as hung:
+        db = _fleet(tmp_path, {"hung": hung.url})
+        argv = ["status", "--timeout", str(LONG_TIMEOUT_S), "--db", db]
+        code, said, _ = ctrl_c(["-c", SIGINT_ONCE_ASLEEP, "_as_answered", *argv], None)
     assert code == 130, said
     assert said == "interrupted", said
 

@@ -193,9 +193,11 @@ def test_a_second_ctrl_c_while_waiting_reports_the_unanswered_nodes() -> None:
     assert main is not None
 
     def in_wait() -> bool:
+        """In the wait for the nodes still asking, after the first Ctrl-C (the fan-out's wait
+        for answers before it is a concurrent.futures.wait too)."""
         frame = sys._current_frames().get(main)
         while frame is not None:
-            if frame.f_code.co_name == "wait" and "concurrent" in frame.f_code.co_filename:
+            if frame.f_code.co_name == "_wait_unreported":
                 return True
             frame = frame.f_back
         return False

@@ -1,14 +1,22 @@
-"""interrupts_held: a Ctrl-C inside the block comes after it, to the handler that was there."""
+"""interrupts_held: a Ctrl-C inside the block comes after it, to the handler that was there.
+wait_interruptibly: concurrent.futures.wait, where a Ctrl-C caught while the main thread sleeps
+comes at once, not when the wait ends."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future
 from types import FrameType
 
 import pytest
 
-from kvctl.interrupts import interrupts_held, stop_signals
+from kvctl.interrupts import interrupts_held, stop_signals, wait_interruptibly
+
+#: a hang guard, never a timing claim
+GUARD_S = 30.0
 
 
 def test_a_sigint_inside_the_block_is_raised_after_it() -> None:
@@ -112,3 +120,71 @@ def test_stop_signals_set_the_event_and_put_the_handlers_back() -> None:
         signal.raise_signal(signal.SIGTERM)  # a service manager's stop: no exception
         assert stop.is_set()
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+def _main_thread_asleep_in_wait_interruptibly() -> bool:
+    """In its lock wait, or in threading's Condition.wait under it (as concurrent.futures.wait
+    sleeps: what a check of this test against plain ``wait`` needs)."""
+    frame = sys._current_frames().get(threading.main_thread().ident or 0)
+    names = []
+    while frame is not None:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names[:1] in (["wait"], ["wait_interruptibly"]) and "wait_interruptibly" in names
+
+
+def test_a_sigint_caught_while_the_main_thread_sleeps_comes_before_the_wait_ends() -> None:
+    """Caught on another thread, Python's C handler wakes no sleeper: the same as on the main
+    thread after it let go of the GIL to sleep and before it slept (the window in which a
+    loaded CI machine held `kvctl top --json`'s Ctrl-C for its whole --timeout). The call
+    waited for is let go only after GUARD_S: a KeyboardInterrupt that came with the wait's end
+    finds it done."""
+    call: Future[None] = Future()
+    sent: list[bool] = []
+
+    def take_sigint() -> None:
+        deadline = time.monotonic() + GUARD_S
+        while time.monotonic() < deadline:
+            if _main_thread_asleep_in_wait_interruptibly():
+                time.sleep(0.2)  # still there a moment later: asleep in its lock wait
+                if _main_thread_asleep_in_wait_interruptibly():
+                    signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+                    sent.append(True)
+                    break
+            time.sleep(0.01)
+        time.sleep(GUARD_S if sent else 0)
+        call.set_result(None)
+
+    threading.Thread(target=take_sigint, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        wait_interruptibly([call], 4 * GUARD_S)
+    assert sent and not call.done(), "the interrupt came only once the call ended"
+
+
+def _set_later(fut: Future[int], value: int) -> None:
+    threading.Timer(0.2, fut.set_result, (value,)).start()
+
+
+def test_wait_interruptibly_waits_as_concurrent_futures_wait() -> None:
+    a: Future[int] = Future()
+    b: Future[int] = Future()
+    _set_later(a, 1)
+    done, not_done = wait_interruptibly([a, b], return_when=FIRST_COMPLETED)
+    assert (done, not_done) == ({a}, {b})
+    _set_later(b, 2)
+    done, not_done = wait_interruptibly([a, b], GUARD_S)
+    assert (done, not_done) == ({a, b}, set())
+    stuck: Future[int] = Future()
+    done, not_done = wait_interruptibly([a, stuck], 0.3)  # its timeout: what is done by then
+    assert (done, not_done) == ({a}, {stuck})
+    assert wait_interruptibly([stuck], 0) == (set(), {stuck})
+
+
+def test_wait_interruptibly_off_the_main_thread_just_waits() -> None:
+    fut: Future[int] = Future()
+    out: list[set[Future[int]]] = []
+    t = threading.Thread(target=lambda: out.append(wait_interruptibly([fut], GUARD_S)[0]))
+    t.start()
+    fut.set_result(3)
+    t.join(GUARD_S)
+    assert out == [{fut}]
