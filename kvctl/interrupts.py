@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, FIRST_EXCEPTION, Future, wait
 from contextlib import contextmanager
@@ -104,6 +105,22 @@ def stop_signals(stop: threading.Event) -> Iterator[None]:
 INTERRUPT_CHECK_S = 0.1
 
 
+#: released by a future's done-callback (see :func:`wait_interruptibly`): only the main thread
+#: sleeps on it, so one lock serves every wait; a release by a future no longer waited for
+#: (a wait before) only costs one more look at the futures
+_WOKEN = threading.Lock()
+_WOKEN.acquire()
+#: the futures that have the callback releasing :data:`_WOKEN`: each gets it once, not once per
+#: wait (a fan-out waits on its pending nodes again after each answer: thousands of callbacks
+#: per future, each run when it finishes)
+_BELLED: weakref.WeakSet[Future[Any]] = weakref.WeakSet()
+
+
+def _wake(_: Future[Any]) -> None:
+    with contextlib.suppress(RuntimeError):  # released already, not yet slept on
+        _WOKEN.release()
+
+
 def wait_interruptibly(
     futures: Iterable[Future[T]], timeout_s: float | None = None, return_when: str = ALL_COMPLETED
 ) -> tuple[set[Future[T]], set[Future[T]]]:
@@ -113,28 +130,24 @@ def wait_interruptibly(
     a lock wait, and before it sleeps (on a loaded machine it can spend milliseconds there,
     waiting for the thread it handed the GIL to), wakes nothing, and its KeyboardInterrupt came
     only when the whole wait ended (up to a command's --timeout). The end of each short sleep
-    runs it. The sleeps are on a lock of its own, not a ``threading.Condition``: an interrupt
-    landing between a Condition's release of its lock and its wait left the lock released,
-    and the ``with`` around it then raised RuntimeError instead of the KeyboardInterrupt."""
+    runs it. The sleeps are on a lock of this module, not a ``threading.Condition``: an
+    interrupt landing between a Condition's release of its lock and its wait left the lock
+    released, and the ``with`` around it then raised RuntimeError instead of the
+    KeyboardInterrupt."""
     fs = set(futures)
     if threading.current_thread() is not threading.main_thread():
         return wait(fs, timeout_s, return_when)  # no signal handler runs here
     end_s = None if timeout_s is None else time.monotonic() + timeout_s
-    woken = threading.Lock()  # released when a future finishes: the sleep ends at once
-    woken.acquire()
-
-    def wake(_: Future[T]) -> None:
-        with contextlib.suppress(RuntimeError):  # released already, not yet slept on
-            woken.release()
-
     for f in fs:
-        f.add_done_callback(wake)
+        if f not in _BELLED:
+            f.add_done_callback(_wake)
+            _BELLED.add(f)
     while True:
         done = {f for f in fs if f.done()}
         left_s = None if end_s is None else end_s - time.monotonic()
         if _waited_for(done, fs, return_when) or (left_s is not None and left_s <= 0):
             return done, fs - done
-        woken.acquire(
+        _WOKEN.acquire(
             timeout=INTERRUPT_CHECK_S if left_s is None else min(left_s, INTERRUPT_CHECK_S)
         )
 

@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future
 from types import FrameType
 
@@ -188,3 +189,26 @@ def test_wait_interruptibly_off_the_main_thread_just_waits() -> None:
     fut.set_result(3)
     t.join(GUARD_S)
     assert out == [{fut}]
+
+
+class _CountingFuture(Future[int]):
+    """A future that counts the done-callbacks it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.callbacks = 0
+
+    def add_done_callback(self, fn: Callable[[Future[int]], object]) -> None:
+        self.callbacks += 1
+        super().add_done_callback(fn)
+
+
+def test_waiting_again_on_a_future_adds_no_callback_to_it() -> None:
+    """A fan-out waits on its pending nodes again after each answer: a callback per wait left
+    each future of thousands of nodes with thousands of callbacks, all run when it finished."""
+    pending = [_CountingFuture() for _ in range(3)]
+    for _ in range(50):
+        assert wait_interruptibly(pending, 0, FIRST_COMPLETED) == (set(), set(pending))
+    assert [f.callbacks for f in pending] == [1, 1, 1]
+    _set_later(pending[1], 7)  # and each still ends a wait when it finishes
+    assert wait_interruptibly(pending, GUARD_S, FIRST_COMPLETED)[0] == {pending[1]}
