@@ -78,17 +78,7 @@ def test_a_daemon_logs_no_line_per_http_request_above_debug(level: str) -> None:
     minute per agent under load, the whole of its log (the router quieted its own polls, the
     agent did not). Above debug a daemon keeps the clients' warnings and its own lines; at
     debug the request lines are back."""
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", _REQUEST_THEN_WARN, level],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    log = done.stderr
+    log = _daemon_log(_REQUEST_THEN_WARN, level)
     assert "a warning of the client's" in log and "the daemon's own line" in log, log
     assert ("HTTP Request: GET" in log) == (level == "debug"), log
 
@@ -109,16 +99,22 @@ def test_quieting_the_http_clients_never_lets_through_what_the_level_leaves_out(
     """At --log-level error a daemon writes errors only, the HTTP clients' too: quieting them
     to WARNING had lowered their threshold below the root's (a logger's records are checked
     against its own level only), so their warnings were written at error."""
+    log = _daemon_log(_CLIENT_WARNS_AND_ERRS, "error")
+    assert "an error of httpx" in log and "an error of httpcore" in log, log
+    assert "a warning of" not in log and "the daemon's own warning" not in log, log
+
+
+def _daemon_log(script: str, level: str) -> str:
+    """What ``script`` (a daemon's logging configured at ``level``, its argv[1]) writes to
+    stderr, run in a process of its own: logging's set-up is per process."""
     import subprocess
     import sys
 
     done = subprocess.run(
-        [sys.executable, "-c", _CLIENT_WARNS_AND_ERRS, "error"],
+        [sys.executable, "-c", script, level],
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
     )
-    log = done.stderr
-    assert "an error of httpx" in log and "an error of httpcore" in log, log
-    assert "a warning of" not in log and "the daemon's own warning" not in log, log
+    return done.stderr
