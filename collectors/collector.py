@@ -297,6 +297,13 @@ class Deadlines:
             raise NotAnswering(
                 f"not answering: no full answer to {what} within {limit_s:g} s"
             ) from None
+        finally:
+            # an ended request is forgotten: kept, each held its answer, a removed node's
+            # (and each probed pair's) for as long as the loop ran
+            if fut.done():
+                with self._lock:
+                    if self._running.get(key, (None,))[0] is fut:
+                        del self._running[key]
 
 
 class Collector:
@@ -316,6 +323,9 @@ class Collector:
         self._tracker_loaded = False
         self._ttft_prev: dict[int, Histogram] = {}
         self._clients: dict[int, AgentClient] = {}
+        #: clients replaced (a node's URL changed) or of removed nodes, each with the scrape
+        #: that may still use it: closed once that scrape ends
+        self._retired: list[tuple[AgentClient, Future[Scrape] | None]] = []
         self._pool = DaemonPool(self.config.max_workers, "kvctl-scrape")
         self._in_flight: dict[int, Future[Scrape]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -372,19 +382,45 @@ class Collector:
         report.warnings.append(f"{what}: {exc.__cause__ or exc}")
         log.error("%s: %s", what, exc)
 
-    def _client(self, node: NodeInfo) -> AgentClient:
-        client = self._clients.get(node.id)
-        if client is None or client.url != node.agent_url.rstrip("/"):
-            client = AgentClient(
-                node.agent_url,
-                token=self.config.token,
-                timeout_s=self.config.request_timeout_s,
-                transport=CappedTransport(
-                    AbandonableTransport(verify=node.agent_url.startswith("https://"))
-                ),
-            )
-            self._clients[node.id] = client
-        return client
+    def _node_clients(self, nodes: list[NodeInfo]) -> dict[int, AgentClient]:
+        """On the loop's thread, once the inventory is read: each node's client, made anew for
+        a node whose agent URL changed; the replaced ones and those of nodes gone from the
+        inventory are closed once no scrape of theirs runs (they were kept open, and removed
+        nodes' kept, for as long as the loop ran). Never made on the scrapes' threads: two
+        probes from one node made two clients, one left unclosed."""
+        current = {n.id: n for n in nodes}
+        for node_id, client in list(self._clients.items()):
+            node = current.get(node_id)
+            if node is None or client.url != node.agent_url.rstrip("/"):
+                del self._clients[node_id]
+                self._retired.append((client, self._in_flight.get(node_id)))
+        self._retired = [(c, f) for c, f in self._retired if not _closed_when_done(c, f)]
+        kept = (self._last_scrape, self._epoch_checked, self._last_epoch, self._ttft_prev)
+        for node_id in set().union(*kept, self._in_flight, self._warned_nodes) - set(current):
+            self._forget(node_id)
+        for node in nodes:
+            if node.id not in self._clients:
+                self._clients[node.id] = AgentClient(
+                    node.agent_url,
+                    token=self.config.token,
+                    timeout_s=self.config.request_timeout_s,
+                    transport=CappedTransport(
+                        AbandonableTransport(verify=node.agent_url.startswith("https://"))
+                    ),
+                )
+        return {n.id: self._clients[n.id] for n in nodes}
+
+    def _forget(self, node_id: int) -> None:
+        """What this collector kept of a node gone from the inventory (ids are never reused);
+        a scrape of it still running keeps its own future until it ends."""
+        self._last_scrape.pop(node_id, None)
+        self._epoch_checked.pop(node_id, None)
+        self._last_epoch.pop(node_id, None)
+        self._ttft_prev.pop(node_id, None)
+        self._warned_nodes.discard(node_id)
+        hanging = self._in_flight.get(node_id)
+        if hanging is None or hanging.done():
+            self._in_flight.pop(node_id, None)
 
     def _ask(
         self,
@@ -403,9 +439,8 @@ class Collector:
             raise NotAnAgent(f"unreadable answer to {what}: {exc}") from exc
 
     # --- one cycle ---------------------------------------------------------------------------
-    def _scrape(self, node: NodeInfo) -> Scrape:
+    def _scrape(self, node: NodeInfo, client: AgentClient) -> Scrape:
         t0 = time.perf_counter()
-        client = self._client(node)
         try:
             stats = self._ask((node.id, "stats"), "GET /v1/stats", client.stats)
         except AuthError as exc:  # it answered: up, but its figures are not ours to read
@@ -553,6 +588,7 @@ class Collector:
         ts_ms = int(self._clock() * 1000)
         report = CycleReport(ts_ms)
         nodes = self._inventory(report)
+        clients = self._node_clients(nodes)
         try:
             self._load_tracker()
         except SQLAlchemyError as exc:
@@ -574,7 +610,9 @@ class Collector:
             if hanging is not None and not hanging.done():
                 scrapes.append(Scrape(node, False, 0.0, error="previous scrape still running"))
                 continue
-            futures[node.id] = self._in_flight[node.id] = self._pool.submit(self._scrape, node)
+            futures[node.id] = self._in_flight[node.id] = self._pool.submit(
+                self._scrape, node, clients[node.id]
+            )
         pending: list[Future[Any]] = [*futures.values(), *router_futures.values()]
         wait(pending, timeout=deadline_s)
         router_scrapes += self._router_results(router_futures, deadline_s)
@@ -935,7 +973,9 @@ class Collector:
         t0 = time.perf_counter()
         report = CycleReport(int(self._clock() * 1000))
         by_dc: dict[str, list[NodeInfo]] = defaultdict(list)
-        for node in self._inventory(report):
+        nodes = self._inventory(report)
+        clients = self._node_clients(nodes)
+        for node in nodes:
             by_dc[node.dc].append(node)
         ends = {dc: self._link_endpoint(dc, nodes) for dc, nodes in by_dc.items()}
         pairs: list[tuple[NodeInfo, NodeInfo]] = []
@@ -950,11 +990,11 @@ class Collector:
         self._link_round += 1
         # each target's data-plane address, asked once per round however many DCs probe it
         dsts = {dst.id: dst for _src, dst in pairs}
-        lookups = {i: self._pool.submit(self._data_address, n) for i, n in dsts.items()}
+        lookups = {i: self._pool.submit(self._data_address, n, clients[i]) for i, n in dsts.items()}
         wait(lookups.values())
         targets = {i: f.result() for i, f in lookups.items()}
         futures = [
-            self._pool.submit(self._probe, src, dst, targets[dst.id], report.ts_ms)
+            self._pool.submit(self._probe, src, clients[src.id], dst, targets[dst.id], report.ts_ms)
             for src, dst in pairs
         ]
         wait(futures)
@@ -986,10 +1026,10 @@ class Collector:
             return ready[self._link_round % len(ready)]
         return f"no node of DC {dc} can be read (refusing the token or starting): not probed"
 
-    def _data_address(self, node: NodeInfo) -> str | AgentError:
+    def _data_address(self, node: NodeInfo, client: AgentClient) -> str | AgentError:
         """The node's data-plane TCP address, or why it cannot be probed."""
         try:
-            info = self._ask((node.id, "info"), "GET /v1/info", self._client(node).info)
+            info = self._ask((node.id, "info"), "GET /v1/info", client.info)
             dataplane = info.get("dataplane")
         except AgentError as exc:
             return exc
@@ -1000,7 +1040,12 @@ class Collector:
         return address
 
     def _probe(
-        self, src: NodeInfo, dst: NodeInfo, target: str | AgentError, ts_ms: int
+        self,
+        src: NodeInfo,
+        client: AgentClient,
+        dst: NodeInfo,
+        target: str | AgentError,
+        ts_ms: int,
     ) -> tuple[dict[str, Any], Rejections]:
         """The link_sample row of one probe, and the figures of its answer rejected."""
         rejected = Rejections()
@@ -1023,7 +1068,6 @@ class Collector:
                 raise target
             # naming the target lets the agent report the delay it emulates on that link
             named: dict[str, Any] = {"name": dst.name} if _PROBE_TAKES_NAME else {}
-            client = self._client(src)
             config = self.config
             # a total deadline: httpx's timeout is per read, and an agent trickling its answer
             # held the link round (and the loop, or collect --once) for as long as it trickled
@@ -1096,11 +1140,19 @@ class Collector:
 
     def close(self) -> None:
         self._pool.shutdown()
-        for c in self._clients.values():
+        for c in [*self._clients.values(), *(c for c, _scrape in self._retired)]:
             c.close()
         for r in self._router_clients.values():
             r.close()
         self._http.close()
+
+
+def _closed_when_done(client: AgentClient, scrape: Future[Scrape] | None) -> bool:
+    """``client`` closed if no scrape of it runs (True), else left for a later look."""
+    if scrape is not None and not scrape.done():
+        return False
+    client.close()
+    return True
 
 
 def _shown(rows: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
