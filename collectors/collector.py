@@ -53,6 +53,7 @@ from kvctl.client import (
 )
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.daemon_pool import DaemonPool
+from kvctl.db.engine import driver_message
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
@@ -356,6 +357,8 @@ class Collector:
         self._router_errors: dict[str, str] = {}
         #: rows written in all, every cycle: what a run cut by Ctrl-C has recorded
         self.rows_written = 0
+        #: when (the cycle's ts_ms) the database first failed a cycle, until it takes a batch
+        self._db_down_since_ms: int | None = None
 
     # --- inventory ---------------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -376,11 +379,29 @@ class Collector:
         return self._known_nodes
 
     def _db_failed(self, report: CycleReport, what: str, exc: SQLAlchemyError) -> None:
-        """A cycle the database failed: counted, in the report's warnings and the log."""
+        """A cycle the database failed: counted and in the report's warnings (the loop's line
+        each cycle), logged once an outage (``_db_back`` says when it ends): a loop at
+        --interval 1 logged each failure, the driver's text over three lines, twice a second
+        for as long as the database was away."""
         self.metrics.db_errors.inc()
         report.written = False
-        report.warnings.append(f"{what}: {exc.__cause__ or exc}")
-        log.error("%s: %s", what, exc)
+        said = f"{what}: {driver_message(exc)}"
+        report.warnings.append(said)
+        if self._db_down_since_ms is None:
+            self._db_down_since_ms = report.ts_ms
+            log.error("%s; the loop goes on, and says so once the database is back", said)
+        else:
+            log.debug("%s", said)
+
+    def _db_back(self, report: CycleReport, rows: int) -> None:
+        """The database took a batch: where it had failed, say it is back, and what landed."""
+        if self._db_down_since_ms is None:
+            return
+        away_s = max(0, report.ts_ms - self._db_down_since_ms) / 1000
+        self._db_down_since_ms = None
+        log.warning(
+            "database back after %.0f s: %d rows written, those kept included", away_s, rows
+        )
 
     def _node_clients(self, nodes: list[NodeInfo]) -> dict[int, AgentClient]:
         """On the loop's thread, once the inventory is read: each node's client, made anew for
@@ -876,6 +897,7 @@ class Collector:
             self.metrics.rows.labels(table).inc(len(rows))
             self.rows_written += len(rows)
         self._pending.clear()
+        self._db_back(report, sum(report.rows.values()))
 
     def _rebase(self, exc: CountersMoved, report: CycleReport) -> bool:
         """Another collector saved counters this one was about to (a `collect --once` beside
@@ -1132,8 +1154,9 @@ class Collector:
                 try:
                     maint = self.maintain()
                 except SQLAlchemyError as exc:
-                    log.error("rollup/retention failed, will retry: %s", exc)
-                    maint = {"error": str(exc)}
+                    maint = {"error": driver_message(exc)}
+                    if self._db_down_since_ms is None:  # else the outage is said already
+                        log.error("rollup/retention failed, will retry: %s", maint["error"])
                 if on_cycle:
                     on_cycle("maintenance", maint)
             stop.wait(max(0.0, started + self.config.interval_s - time.monotonic()))
