@@ -130,3 +130,50 @@ class HitCounts:
             for name in ("lookups", "hits", "reuse_hits", "sharing_hits")
         }
         return counts | {name: getattr(self, name) for name in RATIO_NAMES}
+
+
+def tier_hit_counts(
+    whole: HitCounts,
+    hits: float,
+    reuse_hits: float,
+    sharing_hits: float,
+    *,
+    unknown: frozenset[str] = frozenset(),
+) -> HitCounts:
+    """The hits one tier served and their reuse/sharing split, over ``whole``'s lookups (a
+    node's, a DC's, the fleet's): a lookup asks every tier and a hit is served by one, so each
+    tier's ratios are :class:`HitCounts`' own and the tiers' hit (reuse, sharing) ratios add up
+    to the whole's. ``unknown``: the tier's counts that are, on top of the whole's."""
+    return HitCounts(
+        lookups=whole.lookups,
+        hits=hits,
+        reuse_hits=reuse_hits,
+        sharing_hits=sharing_hits,
+        unknown=(whole.unknown & HIT_COUNT_NAMES) | unknown,
+    )
+
+
+def tier_figures(tier: HitCounts) -> dict[str, float | None]:
+    """A tier's hit counts and every ratio (:meth:`HitCounts.hit_figures`) but the lookups:
+    they are the whole's, not the tier's."""
+    figures = tier.hit_figures()
+    del figures["lookups"]
+    return figures
+
+
+#: the data plane's read figures, by the name every JSON output gives them
+READ_NAMES: Final = ("read_chunks", "read_missing_chunks", "read_missing_ratio")
+
+
+def read_figures(nodes: int, chunks: float, missing_chunks: float) -> dict[str, float | None]:
+    """The chunks engines' reads asked for and, of those, the chunks not there (evicted between
+    the lookup that counted them as hits and the read, or never looked up), summed over the
+    ``nodes`` whose agents reported them. All None where none did (agents older than the
+    counts), the ratio None over no reads."""
+    if not nodes:
+        return dict.fromkeys(READ_NAMES)
+    return {
+        "read_chunks": chunks,
+        "read_missing_chunks": missing_chunks,
+        "read_missing_ratio": ratio(missing_chunks, chunks),
+    }

@@ -24,7 +24,14 @@ from kvctl.db.analytics.values import as_float, as_int, gauge_mean
 from kvctl.db.inventory import DcInfo, NodeInfo
 from kvctl.db.rollup import series, window
 from kvctl.profiles import GPUS, GPUProfile, ModeledInputs, ModelProfile
-from kvctl.ratios import HIT_COUNT_NAMES, HitCounts, fraction, ratio
+from kvctl.ratios import (
+    HitCounts,
+    fraction,
+    ratio,
+    read_figures,
+    tier_figures,
+    tier_hit_counts,
+)
 
 MEASURED: Final = "measured"
 MODELED: Final = "modeled"
@@ -178,7 +185,12 @@ class Counts(HitCounts):
     @property
     def read_missing_ratio(self) -> float | None:
         """Of the chunks reads asked for (on the nodes that report reads), those not there."""
-        return ratio(self.read_missing_chunks, self.read_chunks) if self.read_nodes else None
+        return self.read_figures()["read_missing_ratio"]
+
+    def read_figures(self) -> dict[str, float | None]:
+        """The read counts and their ratio under their JSON names (``kvctl.ratios``'), null
+        where no node reported reads: the live status's too."""
+        return read_figures(self.read_nodes, self.read_chunks, self.read_missing_chunks)
 
     @property
     def token_hit_ratio(self) -> float | None:
@@ -189,12 +201,11 @@ class Counts(HitCounts):
         fleet's) lookups: a lookup asks every tier, a hit is served by one. So each tier's
         ratios are :class:`HitCounts`' own, and the tiers' hit (reuse, sharing) ratios add up
         to the whole's."""
-        return HitCounts(
-            lookups=self.lookups,
-            hits=self.tier_hits.get(tier, 0),
-            reuse_hits=self.tier_reuse_hits.get(tier, 0),
-            sharing_hits=self.tier_sharing_hits.get(tier, 0),
-            unknown=self.unknown & HIT_COUNT_NAMES,
+        return tier_hit_counts(
+            self,
+            self.tier_hits.get(tier, 0),
+            self.tier_reuse_hits.get(tier, 0),
+            self.tier_sharing_hits.get(tier, 0),
         )
 
     def tier_hit_ratio(self, tier: str) -> float | None:
@@ -203,9 +214,7 @@ class Counts(HitCounts):
     def tier_figures(self, tier: str) -> dict[str, float | None]:
         """``tier``'s hit counts and every ratio (:meth:`HitCounts.hit_figures`), but the
         lookups: they are the whole's, not the tier's."""
-        figures = self.tier_hit_counts(tier).hit_figures()
-        del figures["lookups"]
-        return figures
+        return tier_figures(self.tier_hit_counts(tier))
 
     @property
     def impossible_hits(self) -> bool:

@@ -68,9 +68,7 @@ def figures(c: Counts) -> dict[str, Any]:
         **c.hit_figures(),
         # of the chunks reads asked for, those gone (hits counted at lookup, evicted before
         # the read) or never looked up; null where no node reported reads
-        "read_chunks": c.read_chunks if c.read_nodes else None,
-        "read_missing_chunks": c.read_missing_chunks if c.read_nodes else None,
-        "read_missing_ratio": c.read_missing_ratio,
+        **c.read_figures(),
         "evictions": c.evictions,
         "tiers": tiers,
     }
