@@ -1,10 +1,11 @@
-"""`kvctl status`: one row per node (up or down, hit ratio, reuse vs sharing, tier occupancy,
-last seen) and totals per DC; live from the agents, or as the collectors recorded a window."""
+"""`kvctl status`: one row per node (up or down, hit ratio, reuse vs sharing, reads gone, tier
+occupancy, last seen), totals per DC and each tier's reuse and sharing per DC; live from the
+agents, or as the collectors recorded a window."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
     from kvctl.db.analytics.counts import Counts
     from kvctl.db.analytics.recorded import Recorded
-    from kvctl.fleet.status import FleetStatus, TierUse
+    from kvctl.fleet.status import DcStatus, FleetStatus, TierUse
     from kvctl.ratios import HitCounts
 
 WindowOpt = Annotated[
@@ -46,23 +47,29 @@ def status_command(
     json_out: JsonOpt = False,
 ) -> None:
     """Show every node's agent live: up or down, hit ratio and its split into reuse (same
-    tenant) and sharing (another tenant's chunks), tier occupancy, last seen; totals per DC.
+    tenant) and sharing (another tenant's chunks), reads gone, tier occupancy, last seen;
+    totals per DC, and per DC each tier's reuse and sharing hit ratios.
 
-    Counters are since each agent started. A node that does not answer is shown down with the
-    last time the collectors reached it (`kvctl collect`), and never fails the command; one that
-    took the connection and said nothing within --timeout (hung or overloaded) is shown not
-    answering; one still opening its tiers is shown up, starting (no figures yet). A figure an
-    agent answers that cannot be true (NaN, Infinity, negative) is N/A and left out of the
+    Counters are since each agent started. "Reads gone" is the share of the chunks engines'
+    reads asked for that were no longer there (a lookup counts a hit when it answers; the
+    chunk may be evicted before the engine reads it): a column where any agent reports reads,
+    N/A for an agent older than the counts or one that served no read yet. Each tier's reuse
+    and sharing hit ratios are the hits that tier served per lookup, so a DC's tiers add up to
+    its hit ratio (per node too in --json, under `tiers`).
+
+    A node that does not answer is shown down with the last time the collectors reached it
+    (`kvctl collect`), and never fails the command; one that took the connection and said
+    nothing within --timeout (hung or overloaded) is shown not answering; one still opening
+    its tiers is shown up, starting (no figures yet). A figure an agent answers that cannot be
+    true (NaN, Infinity, negative, more reads gone than reads) is N/A and left out of the
     totals, the node up with its other figures, and named under the table (`rejected` in
     --json), as `kvctl top` does.
 
-    With --window, no agent is asked: the figures are what the collectors recorded over that
-    window (the dashboard's numbers), with the share of scrapes each node answered and, where
-    any, those answered without figures (unread: the token refused, the agent starting, or
-    figures rejected), and per DC each tier's reuse and sharing hit ratios: the hits that tier
-    served per lookup, so a DC's tiers add up to its hit ratio (per node too in --json, under
-    `tiers`). Nodes removed since the window started (`kvctl fleet rm`) still count in it,
-    listed as removed.
+    With --window, no agent is asked: the same figures are what the collectors recorded over
+    that window (the dashboard's numbers), with the share of scrapes each node answered and,
+    where any, those answered without figures (unread: the token refused, the agent starting,
+    or figures rejected). Nodes removed since the window started (`kvctl fleet rm`) still
+    count in it, listed as removed.
 
     Examples:
 
@@ -163,9 +170,12 @@ def _render(status: FleetStatus) -> None:
     from kvctl.db.sample_checks import Rejections
 
     now_ms = status.ts_ms
+    # reads that found their chunk gone: a column where any node reported reads, as --window
+    reads = status.total.read_nodes > 0
+    ratios = ("hit ratio", *((READS_COLUMN,) if reads else ()))
     nodes = Table(title="nodes (counters since each agent started)", title_justify="left")
-    for col in ("node", "dc", "state", "hit ratio", SPLIT_COLUMN, "occupancy", "last seen"):
-        nodes.add_column(col, justify="right" if col == "hit ratio" else "left")
+    for col in ("node", "dc", "state", *ratios, SPLIT_COLUMN, "occupancy", "last seen"):
+        nodes.add_column(col, justify="right" if col in ratios else "left")
     for n in status.nodes:
         # None where not read (down, token refused, starting) or rejected as impossible: N/A
         f = n.figures()
@@ -175,21 +185,32 @@ def _render(status: FleetStatus) -> None:
             escape(n.dc),
             STATES[n.state],
             percent(f["hit_ratio"]),
+            *((percent(n.read_figures()["read_missing_ratio"]),) if reads else ()),
             _split_of(f),
             _tiers(n.tiers) if n.read else "N/A",
             _ago(n.last_seen_ms, now_ms),
         )
     console.print(nodes)
     dcs = Table(title="per DC", title_justify="left")
-    for col in ("dc", "up", "hit ratio", SPLIT_COLUMN, "occupancy"):
+    for col in ("dc", "up", *ratios, SPLIT_COLUMN, "occupancy"):
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
-    for d in [*status.dcs, status.total]:
+    every = [*status.dcs, status.total]
+    for d in every:
         f = d.figures()
-        name = f"[bold]{escape(d.dc)}[/]" if d is status.total else escape(d.dc)
         dcs.add_row(
-            name, f"{d.up}/{d.nodes}", percent(f["hit_ratio"]), _split_of(f), _tiers(dict(d.tiers))
+            _dc_label(d.dc, total=d is status.total),
+            f"{d.up}/{d.nodes}",
+            percent(f["hit_ratio"]),
+            *((percent(d.read_figures()["read_missing_ratio"]),) if reads else ()),
+            _split_of(f),
+            _tiers(dict(d.tiers)),
         )
     console.print(dcs)
+    if reads:
+        _reads_note()
+    tiers = _tier_order(status.total.tier_hits)
+    if tiers:
+        console.print(_live_tier_split_table(every, tiers, status.total))
     for n in status.nodes:
         if n.rejected:  # escaped: a rejected tier's name is the agent's text
             why = escape(Rejections(dict(n.rejected)).summary())
@@ -241,19 +262,16 @@ def _render_recorded(rec: Recorded) -> None:
     for col in ("dc", "nodes", *columns):
         dcs.add_column(col, justify="left" if col in ("dc", "occupancy") else "right")
     for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
-        label = f"[bold]{escape(name)}[/]" if c is rec.fleet else escape(name)
+        label = _dc_label(name, total=c is rec.fleet)
         counted = f"{c.nodes} + {c.removed_nodes} removed" if c.removed_nodes else str(c.nodes)
         dcs.add_row(label, counted, *_recorded_cells(c, unread=unread, reads=reads))
     console.print(dcs)
     if reads:
-        console.print(
-            f"{READS_COLUMN}: of the chunks engines read, those not there: evicted "
-            "between the lookup that counted them as hits and the read, or never looked up",
-            highlight=False,
-            soft_wrap=True,
-        )
+        _reads_note()
     if rec.fleet.tiers:
-        console.print(_tier_split_table(rec))
+        rows = [*rec.dcs.items(), ("fleet", rec.fleet)]
+        split = [(_dc_label(n, total=c is rec.fleet), c.tier_hit_counts) for n, c in rows]
+        console.print(_tier_split_table(rec.fleet.tiers, split))
     if not rec.fleet.samples:
         console.print("nothing recorded in this window: is `kvctl collect` running?")
 
@@ -263,25 +281,54 @@ def _render_recorded(rec: Recorded) -> None:
 TIER_SPLIT_TITLE = "reuse / sharing hit ratio by tier (hits the tier served per lookup)"
 
 
-def _tier_split(c: Counts, tier: str) -> str:
-    t = c.tier_hit_counts(tier)
+def _tier_split(t: HitCounts) -> str:
     if t.reuse_hit_ratio is None and t.sharing_hit_ratio is None:
         return "N/A"
     return f"{percent(t.reuse_hit_ratio)} / {percent(t.sharing_hit_ratio)}"
 
 
-def _tier_split_table(rec: Recorded) -> Table:
+def _tier_split_table(
+    tiers: Sequence[str], rows: Sequence[tuple[str, Callable[[str], HitCounts]]]
+) -> Table:
+    """Per row (a DC, the fleet: its label and its tiers' hit counts), each tier's reuse /
+    sharing hit ratio; recorded or live alike."""
     from rich.table import Table
 
-    tiers = rec.fleet.tiers
     table = Table(title=TIER_SPLIT_TITLE, title_justify="left")
     table.add_column("dc")
     for tier in tiers:
         table.add_column(tier, justify="right")
-    for name, c in [*rec.dcs.items(), ("fleet", rec.fleet)]:
-        label = f"[bold]{escape(name)}[/]" if c is rec.fleet else escape(name)
-        table.add_row(label, *(_tier_split(c, t) for t in tiers))
+    for label, counts_of in rows:
+        table.add_row(label, *(_tier_split(counts_of(t)) for t in tiers))
     return table
+
+
+def _live_tier_split_table(dcs: Sequence[DcStatus], tiers: list[str], total: DcStatus) -> Table:
+    """The live figures' per-tier split: since each agent started, over the DC's counted nodes
+    (N/A for a DC none of whose nodes was counted: no lookups)."""
+    return _tier_split_table(
+        tiers, [(_dc_label(d.dc, total=d is total), d.tier_hit_counts) for d in dcs]
+    )
+
+
+def _tier_order(tiers: Mapping[str, object]) -> list[str]:
+    from kvctl.db.analytics.counts import TIER_ORDER
+
+    return [t for t in TIER_ORDER if t in tiers] + sorted(set(tiers) - set(TIER_ORDER))
+
+
+def _dc_label(name: str, *, total: bool) -> str:
+    # escaped: a DC's name is the inventory's text, not markup
+    return f"[bold]{escape(name)}[/]" if total else escape(name)
+
+
+def _reads_note() -> None:
+    console.print(
+        f"{READS_COLUMN}: of the chunks engines read, those not there: evicted "
+        "between the lookup that counted them as hits and the read, or never looked up",
+        highlight=False,
+        soft_wrap=True,
+    )
 
 
 #: the recorded tables' column of reads that found their chunk gone (``read_missing_ratio``)

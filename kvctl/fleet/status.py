@@ -1,11 +1,12 @@
 """The fleet at a glance: each node's agent asked live (up, hit ratio since its start, reuse vs
-sharing, tier occupancy), last-seen from the collectors' history for nodes that are down, and
-totals per DC."""
+sharing, the hits each tier served split into reuse and sharing, tier occupancy, the share of
+its engines' reads whose chunk was gone), last-seen from the collectors' history for nodes that
+are down, and totals per DC."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -14,11 +15,20 @@ from sqlalchemy.engine import Connection
 
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.models import Node, NodeSample
-from kvctl.db.sample_checks import UNREADABLE_TIER, checked_stats, known
+from kvctl.db.sample_checks import READ_COUNTERS, UNREADABLE_TIER, checked_stats, known
 from kvctl.fleet.fanout import NodeResult, fan_out, read_deadline_s
-from kvctl.ratios import HIT_COUNT_NAMES, HitCounts
+from kvctl.ratios import (
+    HIT_COUNT_NAMES,
+    HitCounts,
+    read_figures,
+    tier_figures,
+    tier_hit_counts,
+)
 from kvctl.wire.reports import AgentStats
 from kvctl.wire.stats import cache_counters
+
+#: the counts of a tier's hits (its lookups are the node's)
+_TIER_HIT_NAMES = ("hits", "reuse_hits", "sharing_hits")
 
 
 @dataclass(slots=True)
@@ -36,6 +46,49 @@ class TierUse:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "occupancy_ratio": self.occupancy_ratio}
+
+
+#: a tier that reported hits but no usage (the pool's and peers' counted tiers), or whose
+#: usage was rejected: its occupancy figures are null
+_NO_USE: dict[str, Any] = {"used_bytes": None, "capacity_bytes": None, "occupancy_ratio": None}
+
+
+@dataclass(slots=True)
+class TierHits:
+    """The hits one tier served since its agent started, split into reuse and sharing; a count
+    its agent answered impossible is in ``unknown`` (held as 0)."""
+
+    hits: int = 0
+    reuse_hits: int = 0
+    sharing_hits: int = 0
+    unknown: frozenset[str] = frozenset()
+
+    def add(self, other: TierHits) -> None:
+        self.hits += other.hits
+        self.reuse_hits += other.reuse_hits
+        self.sharing_hits += other.sharing_hits
+        self.unknown |= other.unknown
+
+    def over(self, whole: HitCounts) -> HitCounts:
+        """These hits over ``whole``'s lookups (``kvctl.ratios.tier_hit_counts``)."""
+        return tier_hit_counts(
+            whole, self.hits, self.reuse_hits, self.sharing_hits, unknown=self.unknown
+        )
+
+
+def tiers_as_dict(
+    use: dict[str, TierUse], hits: dict[str, TierHits], whole: HitCounts
+) -> dict[str, dict[str, Any]]:
+    """Each tier's occupancy and the hits it served (reuse and sharing, per lookup of the
+    whole), under the names of `kvctl status --window --json`'s ``tiers``."""
+    names = [*use, *(t for t in hits if t not in use)]
+    return {
+        t: {
+            **(use[t].as_dict() if t in use else _NO_USE),
+            **(tier_figures(hits[t].over(whole)) if t in hits else {}),
+        }
+        for t in names
+    }
 
 
 @dataclass(slots=True)
@@ -62,6 +115,23 @@ class NodeStatus:
     last_seen_ms: int | None = None
     #: fields of its answer rejected as impossible (``stats.drops``: why), as `kvctl top` says
     rejected: dict[str, str] = field(default_factory=dict)
+    #: the hits each tier served since its agent started (those of its tiers it reported)
+    tier_hits: dict[str, TierHits] = field(default_factory=dict)
+    #: chunks its engines' reads asked for since its agent started, and those not there; None
+    #: where not reported (an agent older than the counts) or rejected as impossible
+    read_chunks: int | None = None
+    read_missing_chunks: int | None = None
+
+    @property
+    def reads_known(self) -> bool:
+        """Whether its read counts were read and known."""
+        return self.read and self.read_chunks is not None and self.read_missing_chunks is not None
+
+    def read_figures(self) -> dict[str, float | None]:
+        """The read counts and the share gone (``kvctl.ratios.read_figures``)."""
+        if not self.reads_known:
+            return read_figures(0, 0, 0)
+        return read_figures(1, self.read_chunks or 0, self.read_missing_chunks or 0)
 
     @property
     def state(self) -> str:
@@ -95,7 +165,8 @@ class NodeStatus:
             "state": self.state,
             "error": self.error,
             **self.figures(),
-            "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
+            **self.read_figures(),
+            "tiers": tiers_as_dict(self.tiers, self.tier_hits, self.counts),
             "uptime_s": self.uptime_s,
             "last_seen_ms": self.last_seen_ms,
             "rejected": self.rejected,
@@ -111,6 +182,13 @@ class DcStatus:
     counted: int = 0
     counts: HitCounts = field(default_factory=HitCounts)
     tiers: dict[str, TierUse] = field(default_factory=dict)
+    #: the hits each tier served on the ``counted`` nodes (over their lookups); a tier one of
+    #: them could not count is unknown for the DC, never short by that node
+    tier_hits: dict[str, TierHits] = field(default_factory=dict)
+    #: nodes whose read counts are known, and their sums
+    read_nodes: int = 0
+    read_chunks: int = 0
+    read_missing_chunks: int = 0
 
     def add(self, n: NodeStatus) -> None:
         self.nodes += 1
@@ -122,8 +200,22 @@ class DcStatus:
         if n.read and n.counts.known(*HIT_COUNT_NAMES):
             self.counted += 1
             self.counts.add_hits(n.counts)
+            for name, t in n.tier_hits.items():
+                self.tier_hits.setdefault(name, TierHits()).add(t)
         for name, t in n.tiers.items():
             self.tiers.setdefault(name, TierUse()).add(t)
+        if n.reads_known:
+            self.read_nodes += 1
+            self.read_chunks += n.read_chunks or 0
+            self.read_missing_chunks += n.read_missing_chunks or 0
+
+    def read_figures(self) -> dict[str, float | None]:
+        """The read counts of the nodes that reported them, and the share gone."""
+        return read_figures(self.read_nodes, self.read_chunks, self.read_missing_chunks)
+
+    def tier_hit_counts(self, tier: str) -> HitCounts:
+        """The hits ``tier`` served on the counted nodes, over their lookups."""
+        return self.tier_hits.get(tier, TierHits()).over(self.counts)
 
     def figures(self) -> dict[str, float | None]:
         # no node's counts read and known: nothing counted, which is unknown, not zero lookups
@@ -135,7 +227,8 @@ class DcStatus:
             "nodes": self.nodes,
             "up": self.up,
             **self.figures(),
-            "tiers": {name: t.as_dict() for name, t in self.tiers.items()},
+            **self.read_figures(),
+            "tiers": tiers_as_dict(dict(self.tiers), self.tier_hits, self.counts),
         }
 
 
@@ -171,28 +264,78 @@ def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
     for part in ("stats", "usage"):  # without these, it is not an agent's answer at all
         if part in rejected.fields:
             raise ValueError(f"{part}: {rejected.fields[part]}")
-    whole = cache_counters(checked)["all"]
-    hits = {k: known(whole[k]) for k in HIT_COUNT_NAMES}
     tiers: dict[str, TierUse] = {}
     for name, u in checked["usage"].items():
         used, capacity = known(u["used_bytes"]), known(u["capacity_bytes"])
         if name == UNREADABLE_TIER or used is None or capacity is None:
             continue
         tiers[name] = TierUse(int(used), int(capacity))
+    since = since_start(checked)
     started_s = checked["started_s"]
     return NodeStatus(
         node.name,
         node.dc,
         node.agent_url,
         True,
-        counts=HitCounts(
-            **{k: 0 if v is None else int(v) for k, v in hits.items()},
-            unknown=frozenset(k for k, v in hits.items() if v is None),
-        ),
+        counts=since.counts,
         tiers=tiers,
         uptime_s=None if started_s is None else max(now_ms / 1000 - started_s, 0.0),
         last_seen_ms=now_ms,
         rejected=dict(rejected.fields),
+        tier_hits=since.tier_hits,
+        read_chunks=since.read_chunks,
+        read_missing_chunks=since.read_missing_chunks,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class SinceStart:
+    """A node's counts since its agent started, as `kvctl status` and `kvctl top`'s node page
+    show them: its hits, those each tier served, and its engines' reads."""
+
+    counts: HitCounts
+    tier_hits: dict[str, TierHits]
+    #: None where not reported (an agent older than the counts) or rejected as impossible
+    read_chunks: int | None
+    read_missing_chunks: int | None
+
+    def read_figures(self) -> dict[str, float | None]:
+        """The read counts and the share gone (``kvctl.ratios.read_figures``)."""
+        if self.read_chunks is None or self.read_missing_chunks is None:
+            return read_figures(0, 0, 0)
+        return read_figures(1, self.read_chunks, self.read_missing_chunks)
+
+    def tier_hit_counts(self, tier: str) -> HitCounts:
+        """The hits ``tier`` served, over the node's lookups."""
+        return self.tier_hits.get(tier, TierHits()).over(self.counts)
+
+
+def since_start(checked: Mapping[str, Any]) -> SinceStart:
+    """The counts of an agent's ``/v1/stats`` as :func:`checked_stats` left them: a count it
+    rejected (UNKNOWN, or None for the reads) is unknown, never 0 and never summed."""
+    counters = cache_counters(checked)
+    whole = counters.pop("all")
+    hits = {k: known(whole[k]) for k in HIT_COUNT_NAMES}
+    tier_hits: dict[str, TierHits] = {}
+    for name, t in counters.items():
+        if name == UNREADABLE_TIER:
+            continue
+        counted = {k: known(t[k]) for k in _TIER_HIT_NAMES}
+        tier_hits[name] = TierHits(
+            *(0 if v is None else int(v) for v in counted.values()),
+            unknown=frozenset(k for k, v in counted.items() if v is None),
+        )
+    # a read count rejected (not a number, negative, more missing than read) is None
+    dataplane = checked.get("dataplane") or {}
+    reads = [dataplane.get(c) for c in READ_COUNTERS]
+    return SinceStart(
+        HitCounts(
+            **{k: 0 if v is None else int(v) for k, v in hits.items()},
+            unknown=frozenset(k for k, v in hits.items() if v is None),
+        ),
+        tier_hits,
+        None if None in reads else int(reads[0]),
+        None if None in reads else int(reads[1]),
     )
 
 

@@ -131,3 +131,92 @@ def test_a_read_pulled_from_a_peer_is_counted_once_in_the_fleet(tmp_path: Path) 
             assert _reads(a) == (4, 0)
             assert _reads(b) == (0, 0)  # its FETCH, on /metrics only
             assert metric(b, READ_CHUNKS, op="fetch", outcome="found") == 4
+
+
+def _inventory(url: str, nodes: dict[str, tuple[str, str]]) -> None:
+    """nodes: name -> (dc, agent URL)."""
+    from kvctl.db.inventory import add_dc, add_node
+    from kvctl.db.migrate import open_db
+
+    engine = open_db(url, auto_upgrade=True)
+    try:
+        with engine.begin() as conn:
+            for dc in sorted({dc for dc, _ in nodes.values()}):
+                add_dc(conn, dc)
+            for name, (dc, agent_url) in nodes.items():
+                add_node(conn, name, dc=dc, agent_url=agent_url)
+    finally:
+        engine.dispose()
+
+
+def reads_gone_case(agent: Agent) -> None:
+    """6 chunks of t1 looked up by t1 (6 reuse hits) and 2 of them by t2 (2 sharing hits), all
+    in cpu; then 2 evicted before t1's engine reads the 6: 6 reads, 2 gone."""
+    keys = [key(i, space=11) for i in range(6)]
+    with agent.data() as d:
+        d.put_many([(k, payload(k, CHUNK_BYTES)) for k in keys], tenant="t1")
+        assert d.lookup(keys, tenant="t1").matched_chunks == 6
+        assert d.lookup(keys[:2], tenant="t2").matched_chunks == 2
+        agent.control().evict(keys[4:])
+        assert sum(g is None for g in d.get_many(keys, tenant="t1")) == 2
+    assert _reads(agent) == (6, 2)
+
+
+def test_live_status_shows_the_reads_gone_and_each_tiers_reuse_and_sharing(
+    tmp_path: Path, sqlite_url: str
+) -> None:
+    """`kvctl status` (live, no --window) from real agents: a node whose engine read 6 chunks,
+    2 of them evicted since their lookup, and an idle node (no reads: N/A, not 0%)."""
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app
+
+    small = ("--disk", "0", "--cpu", "16MiB")
+    with (
+        running_agent(tmp_path / "a", "--name", "n1", *small) as a,
+        running_agent(tmp_path / "b", "--name", "n2", *small) as b,
+    ):
+        _inventory(
+            sqlite_url, {"n1": ("fra", a.state.control_url), "n2": ("ams", b.state.control_url)}
+        )
+        reads_gone_case(a)
+        runner = CliRunner()
+        out = runner.invoke(app, ["status", "--db", sqlite_url, "--json"])
+        assert out.exit_code == 0, out.output
+        doc = json.loads(out.stdout)
+        table = runner.invoke(app, ["status", "--db", sqlite_url], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    nodes = {n["node"]: n for n in doc["nodes"]}
+    dcs = {d["dc"]: d for d in doc["dcs"]}
+    for scope in (nodes["n1"], dcs["fra"], doc["total"]):
+        assert (scope["read_chunks"], scope["read_missing_chunks"]) == (6, 2), scope
+        assert scope["read_missing_ratio"] == 2 / 6
+        # 8 lookups: cpu served 6 reuse and 2 sharing hits
+        cpu = scope["tiers"]["cpu"]
+        assert (cpu["hits"], cpu["reuse_hits"], cpu["sharing_hits"]) == (8, 6, 2), cpu
+        assert (cpu["hit_ratio"], cpu["reuse_hit_ratio"], cpu["sharing_hit_ratio"]) == (
+            1.0,
+            0.75,
+            0.25,
+        )
+    # beside the tier's occupancy, as before
+    assert nodes["n1"]["tiers"]["cpu"]["capacity_bytes"] == 16 << 20
+    assert doc["total"]["tiers"]["cpu"]["capacity_bytes"] == 32 << 20
+    # an idle agent reports its reads: 0, so the share is unknown, not 0%
+    idle = nodes["n2"]
+    assert (idle["read_chunks"], idle["read_missing_chunks"], idle["read_missing_ratio"]) == (
+        0,
+        0,
+        None,
+    )
+    assert idle["tiers"]["cpu"]["hits"] == 0 and idle["tiers"]["cpu"]["reuse_hit_ratio"] is None
+    lines = table.stdout.splitlines()
+    assert any("reads gone" in line for line in lines), table.stdout
+    n1 = next(line for line in lines if line.startswith("│ n1"))
+    n2 = next(line for line in lines if line.startswith("│ n2"))
+    assert "33.3%" in n1 and "N/A" in n2, table.stdout
+    split = lines.index(
+        next(line for line in lines if line.startswith("reuse / sharing hit ratio"))
+    )
+    fra = next(line for line in lines[split:] if "fra" in line)
+    assert "75.0% / 25.0%" in fra, table.stdout

@@ -79,7 +79,12 @@ def test_status_json_keeps_a_node_up_with_its_impossible_fields_unknown(
     assert all(odd[r] is None for r in ("hit_ratio", "reuse_hit_ratio", "sharing_hit_ratio"))
     assert (odd["hits"], odd["reuse_hits"], odd["sharing_hits"]) == (20, 0, 20)
     assert (odd["reuse_share_of_hits"], odd["sharing_share_of_hits"]) == (0.0, 1.0)
-    assert "cpu" not in odd["tiers"] and odd["tiers"]["disk"]["capacity_bytes"] == 1 << 33
+    # its cpu tier's usage rejected: no occupancy, as a tier that reports none; the hits it
+    # served stand, their ratios over the unknown lookups null
+    cpu, disk = odd["tiers"]["cpu"], odd["tiers"]["disk"]
+    assert (cpu["used_bytes"], cpu["capacity_bytes"], cpu["occupancy_ratio"]) == (None,) * 3
+    assert (cpu["hits"], cpu["sharing_hits"], cpu["sharing_hit_ratio"]) == (20, 20, None)
+    assert disk["capacity_bytes"] == 1 << 33
     assert odd["uptime_s"] is not None
     assert (good["lookups"], good["hit_ratio"]) == (100, 0.4)
     # ams has only n2: its counts are unknown, not 0 lookups; its known tier is summed
@@ -164,3 +169,57 @@ def test_a_dc_whose_only_answer_refused_the_token_has_unknown_counts() -> None:
     dc.add(fleet_status.NodeStatus("c", "ams", "http://c", True, "401", auth_refused=True))
     doc = dc.as_dict()
     assert doc["up"] == 1 and doc["lookups"] is None and doc["hit_ratio"] is None
+
+
+#: an agent's read counts that cannot be true, and what each is rejected as
+BAD_READS = [
+    ({"read_chunks": "6", "read_missing_chunks": 2}, {"dataplane.read_chunks": "not a number"}),
+    ({"read_chunks": 6, "read_missing_chunks": -2}, {"dataplane.read_missing_chunks": "negative"}),
+    ({"read_chunks": True, "read_missing_chunks": 0}, {"dataplane.read_chunks": "not a number"}),
+    ({"read_chunks": math.nan, "read_missing_chunks": 0}, {"dataplane.read_chunks": "not finite"}),
+    ({"read_chunks": [6], "read_missing_chunks": 2}, {"dataplane.read_chunks": "not a number"}),
+    (
+        {"read_chunks": 2, "read_missing_chunks": 6},
+        {"dataplane.read_missing_chunks": "more than dataplane.read_chunks"},
+    ),
+    ("not an object", {"dataplane": "not an object"}),
+]
+
+
+def test_live_status_rejects_impossible_read_counts(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """Read counts that cannot be true (a string, a list, a bool, negative, NaN, more missing
+    than read, a dataplane that is not an object) are rejected by name, as the collector
+    rejects them: the node stays up with its other figures, its reads null (N/A), the totals
+    the sound node's alone, and the table says so (test_top_impossible_values.py: top)."""
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    n1.answers["/v1/stats"] = {**_stats(100, 40, 0.0), "dataplane": {"read_chunks": 30}}
+    n1.answers["/v1/stats"]["dataplane"]["read_missing_chunks"] = 3
+    for dataplane, rejected in BAD_READS:
+        n2.answers["/v1/stats"] = {**_stats(50, 20, 0.0), "dataplane": dataplane}
+        out = runner.invoke(cli, ["status", "--db", sqlite_url, "--json"])
+        assert out.exit_code == 0, (dataplane, out.output)
+        doc = _strict(out.stdout)
+        rows = {r["node"]: r for r in doc["nodes"]}
+        odd = rows["n2"]
+        assert (odd["state"], odd["rejected"]) == ("up", rejected), dataplane
+        assert [odd[k] for k in READS] == [None, None, None], dataplane
+        assert (odd["lookups"], odd["hits"]) == (50, 20), dataplane  # the rest stands
+        assert [rows["n1"][k] for k in READS] == [30, 3, 0.1]
+        for total in (doc["total"], next(d for d in doc["dcs"] if d["dc"] == "fra")):
+            assert [total[k] for k in READS] == [30, 3, 0.1], dataplane
+        ams = next(d for d in doc["dcs"] if d["dc"] == "ams")
+        assert [ams[k] for k in READS] == [None, None, None], dataplane
+
+        table = runner.invoke(cli, ["status", "--db", sqlite_url], env={"COLUMNS": "200"})
+        assert table.exit_code == 0, (dataplane, table.output)
+        lines = table.stdout.splitlines()
+        row = next(line for line in lines if line.startswith("│ n2"))
+        assert " up " in row and "N/A" in row, row
+        said = " ".join(line for line in lines if line.startswith("n2 "))
+        assert "rejected as impossible" in said and next(iter(rejected)) in said, table.stdout
+
+
+READS = ("read_chunks", "read_missing_chunks", "read_missing_ratio")
