@@ -83,7 +83,9 @@ def top_command(
 ) -> None:
     """Watch the fleet live: per node up/down, hit ratio and its trend, reuse vs sharing,
     occupancy per tier, evictions/s, I/O, link RTT and GPU power; drill into a node for its
-    tier history, live events, hottest prefixes and pinned chunks.
+    tier history, live events, hottest prefixes and pinned chunks, and, since its agent
+    started, the share of its engines' reads whose chunk was gone (reads gone, as `kvctl
+    status` has it) and each tier's reuse / sharing hit ratio.
 
     Sort (s, or click a header), filter (/), group by DC (g); pin, unpin, evict, flush and
     resize from the view, each confirmed first and written to the audit trail like the CLI's.
@@ -91,6 +93,9 @@ def top_command(
 
     With --json, polls twice --interval apart and prints the figures once (for scripts), with
     what the collectors recorded over --window beside them (null with --agent: no database).
+    Each node's read_chunks, read_missing_chunks and read_missing_ratio, and each tier's hits
+    with their reuse / sharing ratios, count since its agent started, under `kvctl status
+    --json`'s names.
 
     With --router, each poll also reads the router's counts: ROUTED/s and TO HOLDER per node
     (over the recent window), and a routing line with its figures since it started. A router

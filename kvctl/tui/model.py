@@ -24,7 +24,8 @@ from kvctl.db.sample_checks import (
     count,
     known,
 )
-from kvctl.ratios import HitCounts, ratio
+from kvctl.fleet.status import SinceStart, since_start
+from kvctl.ratios import HitCounts, ratio, read_figures, tier_figures
 from kvctl.wire.stats import cache_counters
 
 _V = TypeVar("_V")
@@ -271,10 +272,34 @@ class NodeRow:
     #: fields of its answers (stats and GPUs) rejected as impossible (``stats.drops``: why):
     #: N/A, as is every figure taken over them
     rejected: dict[str, str] = field(default_factory=dict)
+    #: its counts since its agent started, as `kvctl status` shows them (the hits each tier
+    #: served, its engines' reads); None while its figures are not read
+    since_start: SinceStart | None = None
 
     @property
     def name(self) -> str:
         return self.node.name
+
+    def read_figures(self) -> dict[str, float | None]:
+        """Its engines' reads since its agent started and the share gone, as `kvctl status
+        --json` names them; null while not read, or not reported."""
+        since = self.since_start
+        return read_figures(0, 0, 0) if since is None else since.read_figures()
+
+    def tiers_as_dict(self) -> dict[str, dict[str, Any]]:
+        """Each tier's gauges and, since its agent started, the hits it served split into reuse
+        and sharing per lookup of the node (a tier with hits but no gauges, the pool's or the
+        peers', or gauges rejected: gauges null)."""
+        since = self.since_start
+        counted = {} if since is None else since.tier_hits
+        names = [*self.tiers, *(t for t in tier_order(counted) if t not in self.tiers)]
+        out: dict[str, dict[str, Any]] = {}
+        for t in names:
+            gauge = self.tiers.get(t)
+            out[t] = gauge.as_dict() if gauge is not None else dict.fromkeys(_GAUGE_NAMES)
+            if since is not None and t in counted:
+                out[t] |= tier_figures(since.tier_hit_counts(t))
+        return out
 
     @property
     def dc(self) -> str:
@@ -331,8 +356,10 @@ class NodeRow:
             # a down (refusing, starting) node's counts were not read
             **self.recent.figures(self.up),
             "lifetime_hit_ratio": self.lifetime_hit_ratio,
+            # since its agent started, as lifetime_hit_ratio (`kvctl status --json`'s names)
+            **self.read_figures(),
             "uptime_s": self.uptime_s,
-            "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
+            "tiers": self.tiers_as_dict(),
             "rtt_s": self.rtt_s,
             "rtt_basis": self.rtt_basis,
             "gpu_power_w": None if self.gpu is None else self.gpu.power_w,
@@ -361,9 +388,18 @@ class DcRow:
     power_w: float | None = None
     #: the router's decisions for the DC's nodes, summed (None: none of them is routed to)
     routing: NodeRouting | None = None
+    #: the nodes whose engines' reads since their agents started are known, and their sums
+    read_nodes: int = 0
+    read_chunks: int = 0
+    read_missing_chunks: int = 0
 
     def add(self, row: NodeRow) -> None:
         self.nodes += 1
+        reads = row.read_figures() if row.up else read_figures(0, 0, 0)
+        if reads["read_chunks"] is not None:
+            self.read_nodes += 1
+            self.read_chunks += int(reads["read_chunks"])
+            self.read_missing_chunks += int(reads["read_missing_chunks"] or 0)
         if row.routing is not None:  # the router's figures stand whether the agent answers
             if self.routing is None:
                 self.routing = NodeRouting()
@@ -406,6 +442,8 @@ class DcRow:
             "lookups_per_s": self.lookups_per_s,
             "evictions_per_s": self.evictions_per_s,
             "io_bytes_per_s": self.io_bytes_per_s,
+            # since the agents started: `kvctl status --json`'s
+            **read_figures(self.read_nodes, self.read_chunks, self.read_missing_chunks),
             "tiers": {k: t.as_dict() for k, t in self.tiers.items()},
             "gpu_power_w": self.power_w,
             "routing": None if self.routing is None else self.routing.as_dict(),
@@ -632,6 +670,8 @@ class FleetView:
 
 
 TIER_ORDER = ("gpu", "cpu", "disk", "remote", "peer")
+#: a tier's gauges by their JSON names (``TierGauge.as_dict``)
+_GAUGE_NAMES = (*USAGE_GAUGES, "occupancy_ratio", "evictions_per_s")
 
 
 def tier_order(names: Iterable[str]) -> list[str]:
@@ -865,6 +905,7 @@ class Sampler:
             rtt_basis=rtt_basis,
             gpu=state.gpu,
             rejected={**rejected.fields, **gpu_rejected},
+            since_start=since_start(stats),
         )
 
     def _unread_row(

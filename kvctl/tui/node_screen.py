@@ -1,5 +1,6 @@
-"""One node up close: its tiers with occupancy history, the live event stream, its hottest
-prefixes and its pinned chunks, with actions on the selected chunk or tier."""
+"""One node up close: its tiers with occupancy history, since its agent started the share of
+reads whose chunk was gone and each tier's reuse/sharing hit ratios, the live event stream, its
+hottest prefixes and its pinned chunks, with actions on the selected chunk or tier."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from kvctl.format import (
     percent,
 )
 from kvctl.tui.app import POLL_WAIT_SHARE
-from kvctl.tui.model import FleetView, NodeRow, sparkline
+from kvctl.tui.model import FleetView, NodeRow, sparkline, tier_order
 from kvctl.tui.sources import Details
 
 if TYPE_CHECKING:
@@ -42,6 +43,29 @@ def event_line(e: dict[str, Any]) -> str:
         f"{at} {e.get('type', '?'):<7} {e.get('tier', ''):<6} {str(e.get('key', ''))[:16]} "
         f"{compact_bytes(float(e.get('size_bytes', 0))):>5} {tenant}{src}"
     )
+
+
+def since_start_line(row: NodeRow) -> str:
+    """Since the node's agent started: the share of its engines' reads whose chunk was gone
+    (`kvctl status`'s "reads gone") and each tier's reuse / sharing hits per lookup."""
+    since = row.since_start
+    if since is None:
+        return "since start: N/A"
+    reads = since.read_figures()
+    chunks, missing = reads["read_chunks"], reads["read_missing_chunks"]
+    if chunks is None or missing is None:  # an agent older than the counts, or rejected
+        gone = "reads gone N/A (not reported)"
+    else:
+        gone = (
+            f"reads gone {percent(reads['read_missing_ratio'])} "
+            f"({missing:,.0f} of {chunks:,.0f} chunks)"
+        )
+    split = []
+    for tier in tier_order(since.tier_hits):
+        t = since.tier_hit_counts(tier)
+        split.append(f"{tier} {percent(t.reuse_hit_ratio)} / {percent(t.sharing_hit_ratio)}")
+    by_tier = ", ".join(split) or "N/A"
+    return f"since start: {gone} · per tier reuse / sharing: {by_tier}"
 
 
 class NodeScreen(Screen[None]):
@@ -155,6 +179,8 @@ class NodeScreen(Screen[None]):
             )
             if gpu.note and gpu.power_w is None:
                 head += f" ({gpu.note.removeprefix('NVML unavailable: ')})"
+        if row.up:
+            head += "\n" + since_start_line(row)
         if self.details_error and self.details_error != row.error:  # (not said twice)
             head += f"\n{self.details_error}"
         return head

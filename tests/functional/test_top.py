@@ -259,6 +259,54 @@ def test_node_view_shows_tiers_events_hot_prefixes_and_pinned(
     drive(app, script)
 
 
+def test_node_page_and_json_show_the_reads_gone_and_each_tiers_split(tmp_path: Path) -> None:
+    """The node page says, since the agent started, the share of its engines' reads whose
+    chunk was gone and each tier's reuse / sharing hits per lookup, as `kvctl status` does
+    (tests/functional/test_read_misses.py builds the case: 6 reads, 2 gone; cpu 6 reuse and 2
+    sharing hits of 8 lookups); `top --json` carries them under `kvctl status --json`'s names.
+    An idle agent's reads are 0: the share is N/A, not 0%."""
+    from tests.functional.test_read_misses import reads_gone_case
+
+    small = ("--disk", "0", "--cpu", "16MiB")
+    with (
+        running_agent(tmp_path / "a", "--name", "busy", "--dc", "lab", *small) as a,
+        running_agent(tmp_path / "b", "--name", "idle", "--dc", "lab", *small) as b,
+    ):
+        reads_gone_case(a)
+        urls = [a.state.control_url, b.state.control_url]
+        app = create_app(AgentSource(urls, timeout_s=2), readonly=True, auto_poll=False)
+        said: dict[str, str] = {}
+
+        async def script(pilot: Pilot[None]) -> None:
+            await poll(pilot, app)
+            for name in ("busy", "idle"):
+                select_row(app, "#fleet", f"node:{name}")
+                await pilot.press("enter")
+                assert isinstance(app.screen, NodeScreen)
+                summary = app.screen.query_one("#node-summary", Static)
+                await until(pilot, lambda s=summary: "since start:" in str(s.render()), "the line")
+                said[name] = str(summary.render())
+                await pilot.press("escape")
+
+        drive(app, script)
+        out = runner.invoke(cli, ["top", "--json", "--interval", "0.2", "--agent", urls[0]])
+    busy = " ".join(said["busy"].split())
+    assert "reads gone 33.3% (2 of 6 chunks)" in busy, busy
+    assert "per tier reuse / sharing: cpu 75.0% / 25.0%" in busy, busy
+    idle = " ".join(said["idle"].split())
+    assert "reads gone N/A (0 of 0 chunks)" in idle and "cpu N/A / N/A" in idle, idle
+    assert out.exit_code == 0, out.output
+    node = json.loads(out.stdout)["nodes"][0]
+    assert (node["read_chunks"], node["read_missing_chunks"]) == (6, 2)
+    assert node["read_missing_ratio"] == 2 / 6
+    cpu = node["tiers"]["cpu"]
+    assert (cpu["hits"], cpu["reuse_hits"], cpu["sharing_hits"]) == (8, 6, 2), cpu
+    assert (cpu["reuse_hit_ratio"], cpu["sharing_hit_ratio"]) == (0.75, 0.25)
+    assert cpu["capacity_bytes"] == 16 << 20  # beside its gauges, as before
+    total = json.loads(out.stdout)["total"]
+    assert (total["read_chunks"], total["read_missing_chunks"]) == (6, 2)
+
+
 # --- actions ------------------------------------------------------------------------------------
 def test_pin_from_the_node_view_asks_first_and_is_audited(
     fleet: tuple[Engine, dict[str, Agent]],

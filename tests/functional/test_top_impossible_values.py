@@ -65,7 +65,12 @@ def test_top_json_keeps_a_node_up_with_its_impossible_fields_unknown(
     # each impossible field N/A, every other figure kept
     assert odd["evictions_per_s"] is None and good["evictions_per_s"] == 0.0
     assert odd["lookups_per_s"] == 0.0 and odd["io_bytes_per_s"] == 0.0
-    assert "cpu" not in odd["tiers"] and odd["tiers"]["disk"]["capacity_bytes"] == 1 << 33
+    # its cpu gauges rejected: null, as a tier without any; the hits cpu served since the
+    # agent started stand beside them
+    cpu = odd["tiers"]["cpu"]
+    assert cpu["used_bytes"] is None and cpu["occupancy_ratio"] is None, cpu
+    assert cpu["evictions_per_s"] is None and cpu["sharing_hits"] is not None, cpu
+    assert odd["tiers"]["disk"]["capacity_bytes"] == 1 << 33
     assert odd["gpu_power_w"] is None and "gpus[0].power_w (not finite)" in odd["gpu_note"]
     assert odd["uptime_s"] is not None
     # the sums skip what is unknown: n1's figures, not NaN
@@ -155,3 +160,29 @@ def test_the_live_view_shows_an_impossible_figure_as_na(stand_ins: tuple[StandIn
         assert cell(app, "node:n2", "evictions") != "N/A"  # its other figures stay
 
     drive(app, script)
+
+
+def test_top_json_rejects_impossible_read_counts(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """Read counts that cannot be true (test_status_impossible_values.BAD_READS) are rejected by
+    name, as `kvctl status` and the collector reject them: the node up with its other figures,
+    its reads null, the totals the sound node's alone."""
+    from tests.functional.test_status_impossible_values import BAD_READS, READS, _inventory
+
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    n1.answers["/v1/stats"] = {
+        **_stats(100, 40, 0.0),
+        "dataplane": {"read_chunks": 30, "read_missing_chunks": 3},
+    }
+    for dataplane, rejected in BAD_READS:
+        n2.answers["/v1/stats"] = {**_stats(50, 20, 0.0), "dataplane": dataplane}
+        out = runner.invoke(cli, ["top", "--db", sqlite_url, "--json", "--interval", "0.2"])
+        assert out.exit_code == 0, (dataplane, out.output)
+        view = _strict(out.stdout)
+        node = next(r for r in view["nodes"] if r["node"] == "n2")
+        assert node["state"] == "up" and rejected.items() <= node["rejected"].items(), node
+        assert [node[k] for k in READS] == [None, None, None], dataplane
+        assert node["tiers"]["cpu"]["sharing_hits"] == 20, dataplane  # the rest stands
+        assert [view["total"][k] for k in READS] == [30, 3, 0.1], dataplane

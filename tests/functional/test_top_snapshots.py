@@ -21,14 +21,17 @@ GiB = 1 << 30
 T0 = 1_790_000_000.0
 
 
-def _stats(step: int, *, lookups: int, hits: int, sharing: int, used: dict[str, int]) -> Any:
+def _stats(
+    step: int, *, lookups: int, hits: int, sharing: int, used: dict[str, int], reads: bool = True
+) -> Any:
     cap = {"cpu": 64 * GiB, "disk": 512 * GiB}
     tiers = {
         t: {
+            # each tier serves half the hits, half of each kind
             "hits": hits * step // 2,
             "hit_tokens": 0,
-            "reuse_hits": (hits - sharing) * step,
-            "sharing_hits": sharing * step,
+            "reuse_hits": (hits - sharing) * step // 2,
+            "sharing_hits": sharing * step // 2,
             "puts": 0,
             "bytes_written": 3 * GiB * step // 10,
             "bytes_read": 7 * GiB * step // 10,
@@ -59,6 +62,12 @@ def _stats(step: int, *, lookups: int, hits: int, sharing: int, used: dict[str, 
             for t, u in used.items()
         },
         "started_s": T0 - 3 * 3600,
+        # the engines read every hit, one in 20 gone by then; an older agent counts no reads
+        **(
+            {"dataplane": {"read_chunks": hits * step, "read_missing_chunks": hits * step // 20}}
+            if reads
+            else {}
+        ),
     }
 
 
@@ -97,6 +106,7 @@ class ScriptedSource:
                 hits=hits,
                 sharing=sharing,
                 used={"cpu": cpu, "disk": disk},
+                reads=name != "gpu-c1",
             )
             gpu = GpuPower(power, 1) if power else GpuPower(None, 0, "NVML unavailable: no driver")
             readings.append(Reading(node, st, None, 0.01, gpu))
