@@ -121,6 +121,9 @@ class NodeStatus:
     #: where not reported (an agent older than the counts) or rejected as impossible
     read_chunks: int | None = None
     read_missing_chunks: int | None = None
+    #: a tier of its answer could not be read (``UNREADABLE_TIER``): its hits are in none of
+    #: ``tier_hits``
+    tiers_unreadable: bool = False
 
     @property
     def reads_known(self) -> bool:
@@ -189,6 +192,10 @@ class DcStatus:
     read_nodes: int = 0
     read_chunks: int = 0
     read_missing_chunks: int = 0
+    #: a counted node had a tier that could not be read: each tier's sum may be short by its
+    #: hits (which tier is not always known: none read of too many, a name too long), so
+    #: every tier's counts are unknown, never a split that does not add up to the hit ratio
+    tiers_unreadable: bool = False
 
     def add(self, n: NodeStatus) -> None:
         self.nodes += 1
@@ -202,6 +209,7 @@ class DcStatus:
             self.counts.add_hits(n.counts)
             for name, t in n.tier_hits.items():
                 self.tier_hits.setdefault(name, TierHits()).add(t)
+            self.tiers_unreadable |= n.tiers_unreadable
         for name, t in n.tiers.items():
             self.tiers.setdefault(name, TierUse()).add(t)
         if n.reads_known:
@@ -215,7 +223,13 @@ class DcStatus:
 
     def tier_hit_counts(self, tier: str) -> HitCounts:
         """The hits ``tier`` served on the counted nodes, over their lookups."""
-        return self.tier_hits.get(tier, TierHits()).over(self.counts)
+        return self._tier_hits_of(self.tier_hits.get(tier, TierHits())).over(self.counts)
+
+    def _tier_hits_of(self, t: TierHits) -> TierHits:
+        return TierHits(unknown=frozenset(_TIER_HIT_NAMES)) if self.tiers_unreadable else t
+
+    def _tier_hits(self) -> dict[str, TierHits]:
+        return {name: self._tier_hits_of(t) for name, t in self.tier_hits.items()}
 
     def figures(self) -> dict[str, float | None]:
         # no node's counts read and known: nothing counted, which is unknown, not zero lookups
@@ -228,7 +242,7 @@ class DcStatus:
             "up": self.up,
             **self.figures(),
             **self.read_figures(),
-            "tiers": tiers_as_dict(dict(self.tiers), self.tier_hits, self.counts),
+            "tiers": tiers_as_dict(dict(self.tiers), self._tier_hits(), self.counts),
         }
 
 
@@ -285,6 +299,7 @@ def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
         tier_hits=since.tier_hits,
         read_chunks=since.read_chunks,
         read_missing_chunks=since.read_missing_chunks,
+        tiers_unreadable=since.tiers_unreadable,
     )
 
 
@@ -298,6 +313,8 @@ class SinceStart:
     #: None where not reported (an agent older than the counts) or rejected as impossible
     read_chunks: int | None
     read_missing_chunks: int | None
+    #: a tier could not be read (``UNREADABLE_TIER``): its hits are in none of ``tier_hits``
+    tiers_unreadable: bool = False
 
     def read_figures(self) -> dict[str, float | None]:
         """The read counts and the share gone (``kvctl.ratios.read_figures``)."""
@@ -336,6 +353,7 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
         tier_hits,
         None if None in reads else int(reads[0]),
         None if None in reads else int(reads[1]),
+        UNREADABLE_TIER in counters,
     )
 
 

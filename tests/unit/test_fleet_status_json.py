@@ -115,3 +115,24 @@ def test_reads_gone_and_tier_splits_per_node_and_summed_per_dc() -> None:
     ams = DcStatus("ams")
     ams.add(NodeStatus("e", "ams", "http://e", False, "connection refused"))
     assert [ams.as_dict()[k] for k in READS] == [None, None, None]
+
+
+def test_a_tier_that_could_not_be_read_leaves_its_dcs_tier_split_unknown() -> None:
+    """A node whose agent answered a tier that could not be read (not an object: its hits
+    unknown, and which tier they were in may not be known either) is counted in its DC's hit
+    ratio; the DC's per-tier split would be short by that tier's hits and no longer add up to
+    it, so it is unknown (null), never a number. The node's readable tiers stand."""
+    odd_stats = _stats(10, {"cpu": (4, 3, 1), "remote": (2, 0, 2)}, None)
+    odd_stats["stats"]["tiers"]["remote"] = "not a tier"
+    odd = _node("a", odd_stats)
+    assert odd.rejected == {"stats.tiers.remote": "not an object"}
+    assert odd.as_dict()["tiers"]["cpu"]["reuse_hit_ratio"] == pytest.approx(0.3)
+    fra = DcStatus("fra")
+    fra.add(odd)
+    fra.add(_node("b", _stats(10, {"cpu": (0, 0, 0), "remote": (5, 0, 5)}, None)))
+    dc = fra.as_dict()
+    assert dc["hit_ratio"] == pytest.approx(11 / 20)
+    for tier in ("cpu", "remote"):
+        split = dc["tiers"][tier]
+        assert all(split[k] is None for k in (*COUNTS[1:], *RATIO_NAMES)), (tier, split)
+        assert fra.tier_hit_counts(tier).hit_ratio is None
