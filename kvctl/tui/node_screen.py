@@ -53,8 +53,10 @@ def since_start_line(row: NodeRow) -> str:
         return "since start: N/A"
     reads = since.read_figures()
     chunks, missing = reads["read_chunks"], reads["read_missing_chunks"]
-    if chunks is None or missing is None:  # an agent older than the counts, or rejected
-        gone = "reads gone N/A (not reported)"
+    if chunks is None or missing is None:
+        # an agent older than the counts reports none; one that cannot be true was rejected
+        rejected = any(k.startswith("dataplane") for k in row.rejected)
+        gone = f"reads gone N/A ({'rejected' if rejected else 'not reported'})"
     else:
         gone = (
             f"reads gone {percent(reads['read_missing_ratio'])} "

@@ -489,3 +489,18 @@ def test_node_events_are_stamped_in_utc_whatever_the_local_zone(
         monkeypatch.undo()
         time.tzset()
     assert line.startswith("00:00:00 store")
+
+
+def test_the_node_pages_reads_line_says_rejected_read_counts_were_rejected() -> None:
+    """An agent older than the read counts reports none ("not reported"); one whose counts
+    cannot be true reported them: the line says they were rejected, not that none came."""
+    from kvctl.tui.node_screen import since_start_line
+
+    a = node("a")
+    older = Sampler().update(poll(1000.0, Reading(a, stats(lookups=4, hits=2)))).rows[0]
+    assert "reads gone N/A (not reported)" in since_start_line(older)
+    bad = {**stats(lookups=4, hits=2), "dataplane": {"read_chunks": 2, "read_missing_chunks": 6}}
+    row = Sampler().update(poll(1000.0, Reading(a, bad))).rows[0]
+    assert "dataplane.read_missing_chunks" in row.rejected
+    line = since_start_line(row)
+    assert "reads gone N/A (rejected)" in line and "not reported" not in line, line
