@@ -53,7 +53,7 @@ from kvctl.client import (
 )
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.daemon_pool import DaemonPool
-from kvctl.db.engine import driver_message
+from kvctl.db.engine import driver_message, write_transaction
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
@@ -870,7 +870,7 @@ class Collector:
         names = dict.fromkeys([*self._pending, *batch])  # in order: kept ones first
         tables = {t: [*self._pending.get(t, ()), *batch.get(t, ())] for t in names}
         try:
-            with self.engine.begin() as conn:
+            with write_transaction(self.engine) as conn:
                 self._tracker.save(conn)  # first: it refuses a batch counted from stale state
                 # rows past raw retention are pruned at the next upkeep: reopen no rollup
                 keep_from_ms = report.ts_ms - self.config.retention.raw_ms

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, event
-from sqlalchemy.engine import URL, Engine, make_url
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError
 
 from kvctl.paths import default_state_dir
@@ -71,6 +73,20 @@ def display_url(url: str) -> str:
     """The URL with its password masked, for logs and `kvctl db current`: the userinfo's, and
     those libpq takes in the query (``password=``, ``sslpassword=``)."""
     return redact_url(make_url(url).render_as_string(hide_password=True))
+
+
+@contextlib.contextmanager
+def write_transaction(engine: Engine) -> Iterator[Connection]:
+    """``engine.begin()``, whose statements commit or roll back together on SQLite too.
+    pysqlite opens a transaction only before a statement it takes for a write by its first
+    word: a ``WITH ... UPDATE`` (the counters' compare-and-set save) ran on its own and
+    committed at once, so a batch refused after it (a full disk) left the counters' state
+    saved and their increases in no row. ``BEGIN IMMEDIATE`` opens it first, taking the write
+    lock then (waiting up to the busy timeout) rather than at some later statement."""
+    with engine.begin() as conn:
+        if conn.dialect.name == "sqlite":
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+        yield conn
 
 
 def sqlite_pragmas(dbapi_conn: sqlite3.Connection, _record: Any) -> None:
