@@ -134,6 +134,9 @@ class CollectorConfig:
     router_token: str | None = field(default=None, repr=False)
     #: emulate GPU energy on nodes whose agent says NVML is unavailable (never on the others)
     emulate_power: ModeledInputs | None = None
+    #: a batch the database refuses is kept for the next cycle (the loop); a single run
+    #: (`collect --once`) has none, so it says the batch is not recorded instead
+    keep_refused: bool = True
 
     @property
     def request_timeout_s(self) -> float:
@@ -387,7 +390,9 @@ class Collector:
         report.written = False
         said = f"{what}: {driver_message(exc)}"
         report.warnings.append(said)
-        if self._db_down_since_ms is None:
+        if not self.config.keep_refused:
+            log.debug("%s", said)  # a single run: its caller shows the report's warnings
+        elif self._db_down_since_ms is None:
             self._db_down_since_ms = report.ts_ms
             log.error("%s; the loop goes on, and says so once the database is back", said)
         else:
@@ -886,6 +891,16 @@ class Collector:
         except CountersMoved:
             raise
         except SQLAlchemyError as exc:
+            if not self.config.keep_refused:
+                # the counters' state was not saved either: the next run counts these
+                # increases from the state saved last, so only this scrape's readings go
+                what = (
+                    f"database refused the batch: its {sum(len(b) for b in tables.values())} "
+                    "rows are not recorded (no counted increase is lost: the next run counts "
+                    "it from the state saved last)"
+                )
+                self._db_failed(report, what, exc)
+                return
             for table, rows in batch.items():
                 self._pending[table] += rows
             what = f"database refused the batch, keeping {self._count()} rows for retry"

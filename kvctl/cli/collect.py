@@ -149,6 +149,7 @@ def collect_command(
         routers=tuple(routers or ()),
         router_token=router_token(router_token_file) if routers else None,
         emulate_power=emulation,
+        keep_refused=not once,
     )
     # routers' rows need no inventory, so a database is made for them; nodes come from the
     # inventory, which a mistyped --db would not find (and must not create empty)
