@@ -11,6 +11,7 @@ increases.
 
 from __future__ import annotations
 
+import heapq
 import inspect
 import logging
 import math
@@ -137,6 +138,8 @@ class CollectorConfig:
     #: a batch the database refuses is kept for the next cycle (the loop); a single run
     #: (`collect --once`) has none, so it says the batch is not recorded instead
     keep_refused: bool = True
+    #: the most rows kept while the database refuses them; past it the oldest cycles' go
+    max_pending_rows: int = MAX_PENDING_ROWS
 
     @property
     def request_timeout_s(self) -> float:
@@ -362,6 +365,8 @@ class Collector:
         self.rows_written = 0
         #: when (the cycle's ts_ms) the database first failed a cycle, until it takes a batch
         self._db_down_since_ms: int | None = None
+        #: rows kept through the current outage dropped past ``max_pending_rows``
+        self._dropped_rows = 0
 
     # --- inventory ---------------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -404,8 +409,15 @@ class Collector:
             return
         away_s = max(0, report.ts_ms - self._db_down_since_ms) / 1000
         self._db_down_since_ms = None
+        lost = ""
+        if self._dropped_rows:
+            lost = f"; {self._dropped_rows} rows of its oldest cycles were dropped, lost"
+            self._dropped_rows = 0
         log.warning(
-            "database back after %.0f s: %d rows written, those kept included", away_s, rows
+            "database back after %.0f s: %d rows written, those kept included%s",
+            away_s,
+            rows,
+            lost,
         )
 
     def _node_clients(self, nodes: list[NodeInfo]) -> dict[int, AgentClient]:
@@ -903,9 +915,11 @@ class Collector:
                 return
             for table, rows in batch.items():
                 self._pending[table] += rows
+            dropped = self._trim_pending()
             what = f"database refused the batch, keeping {self._count()} rows for retry"
             self._db_failed(report, what, exc)
-            self._trim_pending()
+            if dropped:
+                self._said_dropped(report, dropped)
             return
         for table, rows in tables.items():
             report.rows[table] = len(rows)
@@ -990,14 +1004,34 @@ class Collector:
     def _count(self) -> int:
         return sum(len(b) for b in self._pending.values())
 
-    def _trim_pending(self) -> None:
-        over = self._count() - MAX_PENDING_ROWS
-        for batch in self._pending.values():
-            if over <= 0:
-                break
-            cut = min(over, len(batch))
-            del batch[:cut]
-            over -= cut
+    def _trim_pending(self) -> int:
+        """The rows kept past ``max_pending_rows`` dropped, the oldest cycles' first and each
+        cycle's whole (all its tables' rows together: before, the first table's went first,
+        every node sample of the outage before any cache row), and how many."""
+        over = self._count() - self.config.max_pending_rows
+        if over <= 0:
+            return 0
+        stamps = (r["ts_ms"] for rows in self._pending.values() for r in rows)
+        cut_ms = heapq.nsmallest(over, stamps)[-1]  # rows stamped at or before it go
+        dropped = 0
+        for table, rows in self._pending.items():
+            kept = [r for r in rows if r["ts_ms"] > cut_ms]
+            dropped += len(rows) - len(kept)
+            self._pending[table] = kept
+        return dropped
+
+    def _said_dropped(self, report: CycleReport, dropped: int) -> None:
+        """Rows kept through an outage dropped past the cap: said in the cycle's warnings,
+        logged once an outage (the rows went silently), and again when the database is back."""
+        self._dropped_rows += dropped
+        said = (
+            f"{dropped} rows of the oldest cycles kept for retry dropped: more than "
+            f"{self.config.max_pending_rows:,} kept while the database refuses them; their "
+            "samples and increases are lost"
+        )
+        report.warnings.append(said)
+        if self._dropped_rows == dropped:
+            log.error("%s (said once; the next cycles drop their oldest too)", said)
 
     # --- links -------------------------------------------------------------------------------
     def probe_links_once(self) -> CycleReport:
