@@ -1004,6 +1004,11 @@ class Collector:
     def _count(self) -> int:
         return sum(len(b) for b in self._pending.values())
 
+    @property
+    def pending_rows(self) -> int:
+        """Rows kept from cycles the database refused, not written yet."""
+        return self._count()
+
     def _trim_pending(self) -> int:
         """The rows kept past ``max_pending_rows`` dropped, the oldest cycles' first and each
         cycle's whole (all its tables' rows together: before, the first table's went first,

@@ -215,6 +215,13 @@ def collect_command(
             raise typer.Exit(130) from None
         if server is not None:
             server.shutdown()
+        if kept := collector.pending_rows:  # stopped while the database refused them
+            err_console.print(
+                f"[yellow]stopped with {kept} rows unwritten:[/] the database refused them; "
+                "their samples are lost, their counted increases are not (the next run counts "
+                "them from the state saved last)",
+                highlight=False,
+            )
     finally:
         collector.close()
         engine.dispose()
