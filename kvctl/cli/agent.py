@@ -727,6 +727,7 @@ def status_command(
     from kvctl.agent.daemon import NoAgentHere
     from kvctl.client import AgentClient, AgentError, AgentStarting, AuthError
     from kvctl.db.sample_checks import checked_stats
+    from kvctl.fleet.status import since_start
     from kvctl.wire.stats import agent_figures
 
     def unread(control_url: str | None) -> dict[str, Any]:
@@ -750,13 +751,16 @@ def status_command(
         checked, rejected = checked_stats(stats)
         report |= agent_figures(checked)
         report["rejected"] = dict(rejected.fields)
+        # as checked: a count that cannot be true (or a dataplane not an object) is unknown and
+        # named under rejected, not shown as said
+        dataplane = checked.get("dataplane") or {}
         # PUT chunks refused as damaged on the way; None from an agent before the count
-        report["corrupt_puts"] = stats.get("dataplane", {}).get("corrupt_puts")
+        report["corrupt_puts"] = dataplane.get("corrupt_puts")
         # PUT chunks no tier could take; None from an agent before the count
-        report["no_room_puts"] = stats.get("dataplane", {}).get("no_room_puts")
-        # chunks reads asked for, and those not here; None from an agent before the counts
-        report["read_chunks"] = stats.get("dataplane", {}).get("read_chunks")
-        report["read_missing_chunks"] = stats.get("dataplane", {}).get("read_missing_chunks")
+        report["no_room_puts"] = dataplane.get("no_room_puts")
+        # chunks reads asked for, those not here and their share, as `kvctl status` has them:
+        # None from an agent before the counts, or where they were rejected (named above)
+        report |= since_start(checked).read_figures()
     except AgentError as exc:
         failure = exc
         report["error"] = str(exc)
@@ -1156,7 +1160,6 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.table import Table
 
     from kvctl.format import describe_policy, format_bytes, percent
-    from kvctl.ratios import ratio
     from kvctl.wire.stats import STORAGE_TROUBLE
 
     info = report["info"]
@@ -1270,9 +1273,9 @@ def _render_status(report: dict[str, Any]) -> None:
         missing, asked = report["read_missing_chunks"], report.get("read_chunks") or 0
         console.print(
             f"[yellow]{_count(missing, 'chunk')} of {asked:,} reads asked for "
-            f"({percent(ratio(missing, asked))}) were not here[/]: evicted between the lookup "
-            "that counted them as hits and the read (tiers too small for how long the engine "
-            "takes to read?), or never looked up",
+            f"({percent(report.get('read_missing_ratio'))}) were not here[/]: evicted between "
+            "the lookup that counted them as hits and the read (tiers too small for how long "
+            "the engine takes to read?), or never looked up",
             highlight=False,
             soft_wrap=True,
         )

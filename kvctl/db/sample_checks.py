@@ -75,6 +75,9 @@ TIER_SUMS: Final = ("promotions", "demotions", "bytes_read", "bytes_written")
 PLAN_COUNTERS: Final = ("recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
 #: the data plane's read counts (``dataplane`` of the answer): optional, an older agent has none
 READ_COUNTERS: Final = ("read_chunks", "read_missing_chunks")
+#: PUT chunks the data plane refused (damaged on the way; no tier could take them): optional,
+#: shown by `kvctl agent status`, not recorded
+PUT_REFUSALS: Final = ("corrupt_puts", "no_room_puts")
 GPU_COUNTS: Final = ("power_w", "energy_j", "memory_used_bytes", "memory_total_bytes")
 PROBE_COUNTS: Final = ("rtt_s", "bandwidth_bytes_per_s")
 
@@ -246,7 +249,8 @@ def checked_stats(stats: Mapping[str, Any]) -> tuple[dict[str, Any], Rejections]
             # of the reads since its start: more missing than read cannot be
             rejections.add("dataplane.read_missing_chunks", "more than dataplane.read_chunks")
             reads = dict.fromkeys(READ_COUNTERS)
-        out["dataplane"] = {**dataplane, **reads}
+        refused = {c: count(dataplane.get(c), f"dataplane.{c}", rejections) for c in PUT_REFUSALS}
+        out["dataplane"] = {**dataplane, **reads, **refused}
     elif dataplane is not None:
         rejections.add("dataplane", "not an object")
         out["dataplane"] = None

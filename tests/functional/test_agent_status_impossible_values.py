@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.functional.test_collector_impossible_values import StandIn, _stats
+from tests.functional.test_status_impossible_values import BAD_READS, READS
 from tests.functional.test_top_impossible_values import _strict
 
 #: what `kvctl agent status` renders of /v1/info (a real agent says more)
@@ -69,3 +70,41 @@ def test_agent_status_table_shows_n_a_and_names_the_fields(agent: StandIn) -> No
     assert "lookups N/A in 10 requests" in said and "hit ratio N/A" in said, said
     assert "2 value(s) rejected as impossible, shown N/A" in said, said
     assert "stats.lookup_chunks (not finite)" in said, said
+
+
+def test_agent_status_rejects_impossible_read_counts(agent: StandIn) -> None:
+    """Read counts that cannot be true are unknown and named, as `kvctl status` has them (the
+    same checks, test_status_impossible_values.py), not shown as said; sound ones carry the
+    share gone under the name `kvctl status --json` gives it."""
+    stats = agent.answers["/v1/stats"]
+    for dataplane, rejected in BAD_READS:
+        agent.answers["/v1/stats"] = {**stats, "dataplane": dataplane}
+        run = _agent_status(agent.url, "--json")
+        assert run.returncode == 0, (dataplane, run.stderr)
+        report = _strict(run.stdout)
+        assert [report[k] for k in READS] == [None, None, None], dataplane
+        assert set(rejected) <= set(report["rejected"]), (dataplane, report["rejected"])
+        table = _agent_status(agent.url)
+        assert table.returncode == 0, (dataplane, table.stderr)
+        assert "were not here" not in table.stdout, (dataplane, table.stdout)
+    sound = {"read_chunks": 8, "read_missing_chunks": 2}
+    agent.answers["/v1/stats"] = {**stats, "dataplane": sound}
+    report = _strict(_agent_status(agent.url, "--json").stdout)
+    assert [report[k] for k in READS] == [8, 2, 0.25]
+
+
+@pytest.mark.parametrize("bad", ["3", -1, math.nan, True, [1]])
+def test_agent_status_rejects_impossible_refused_put_counts(agent: StandIn, bad: object) -> None:
+    """The PUT chunks refused (damaged, no room): a count that cannot be true is unknown and
+    named, not a crash formatting it nor a figure shown as said."""
+    stats = agent.answers["/v1/stats"]
+    agent.answers["/v1/stats"] = {**stats, "dataplane": {"corrupt_puts": bad, "no_room_puts": 4}}
+    run = _agent_status(agent.url, "--json")
+    assert run.returncode == 0, run.stderr
+    report = _strict(run.stdout)
+    assert (report["corrupt_puts"], report["no_room_puts"]) == (None, 4)
+    assert "dataplane.corrupt_puts" in report["rejected"], report["rejected"]
+    table = _agent_status(agent.url)
+    assert table.returncode == 0, table.stderr
+    said = " ".join(table.stdout.split())
+    assert "whose bytes did" not in said and "refused 4 PUT chunks for want of room" in said, said

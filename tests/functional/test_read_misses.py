@@ -75,6 +75,7 @@ def test_reads_of_chunks_evicted_since_their_lookup_are_counted_missing(tmp_path
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
         assert (report["read_chunks"], report["read_missing_chunks"]) == (7, 3)
+        assert report["read_missing_ratio"] == 3 / 7  # named as `kvctl status --json` names it
         out = _status(a, tmp_path)
         assert out.returncode == 0, out.stderr
         said = " ".join(out.stdout.split())
