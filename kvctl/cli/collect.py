@@ -73,7 +73,14 @@ def collect_command(
         str,
         typer.Option("--emulate-model", help="Model profile of --emulate-power's prefill time."),
     ] = "llama-3.1-8b",
-    json_out: Annotated[bool, typer.Option("--json", help="Print JSON lines for scripts.")] = False,
+    json_out: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print JSON for scripts: --once one document; the loop one line per scrape, "
+            "link round and upkeep (its 'kind'), each written as it ends.",
+        ),
+    ] = False,
 ) -> None:
     """Scrape every agent in the fleet inventory into the metrics database.
 
@@ -197,7 +204,7 @@ def collect_command(
         def show(kind: str, report: CycleReport | dict[str, Any]) -> None:
             if json_out:
                 data = report.as_dict() if isinstance(report, CycleReport) else report
-                print_json({"kind": kind, **data})
+                print_json({"kind": kind, **data}, line=True)
             elif isinstance(report, CycleReport):
                 _line(kind, report)
 
@@ -221,6 +228,7 @@ def collect_command(
                 "their samples are lost, their counted increases are not (the next run counts "
                 "them from the state saved last)",
                 highlight=False,
+                soft_wrap=True,
             )
     finally:
         collector.close()

@@ -36,21 +36,26 @@ console = Console(width=_piped_width())
 err_console = Console(stderr=True)
 
 
-def json_text(data: Any) -> str:
-    """``data`` as indented JSON that any parser reads: a float that is not finite (NaN or
-    Infinity from a broken agent, passed on by a command) becomes null, where Python's json
-    would write bare NaN, which jq and every non-Python parser refuse."""
+def json_text(data: Any, *, indent: int | None = 2) -> str:
+    """``data`` as indented JSON (``indent=None``: on one line) that any parser reads: a float
+    that is not finite (NaN or Infinity from a broken agent, passed on by a command) becomes
+    null, where Python's json would write bare NaN, which jq and every non-Python parser
+    refuse."""
     try:
-        return json.dumps(data, indent=2, default=str, allow_nan=False) + "\n"
+        return json.dumps(data, indent=indent, default=str, allow_nan=False) + "\n"
     except ValueError:  # rare: only then walk the data
-        return json.dumps(finite(data), indent=2, default=str, allow_nan=False) + "\n"
+        return json.dumps(finite(data), indent=indent, default=str, allow_nan=False) + "\n"
 
 
-def print_json(data: Any) -> None:
+def print_json(data: Any, *, line: bool = False) -> None:
     """Plain JSON on stdout (no colour codes, stable key order) so scripts can parse it;
-    nowhere where it is closed (``>&-``), as rich's console does with its output."""
+    nowhere where it is closed (``>&-``), as rich's console does with its output. ``line``:
+    one line, written out at once (JSON lines from a long-running command: a pipe's buffer
+    held a loop's reports until 8 KiB of them had piled up)."""
     if sys.stdout is not None:
-        sys.stdout.write(json_text(data))
+        sys.stdout.write(json_text(data, indent=None if line else 2))
+        if line:
+            sys.stdout.flush()
 
 
 def fail(message: str, *, hint: str | None = None, code: int = 2) -> NoReturn:
