@@ -149,6 +149,23 @@ def _pg_connect_args(url: URL) -> dict[str, Any]:
     return args
 
 
+def sqlite_dir_problem(database: str | None) -> str:
+    """Why a SQLite file in WAL mode cannot be opened, where its directory is the cause (else
+    ""): SQLite makes its ``-wal`` and ``-shm`` files beside it, so a read-only directory
+    fails every connection with "attempt to write a readonly database" (or "unable to open
+    database file"), the file itself writable, which sent operators to the file."""
+    if not database or database == ":memory:":
+        return ""
+    path = Path(database).expanduser()
+    wal = path.with_name(path.name + "-wal")
+    if not path.exists() or wal.exists() or os.access(path.parent, os.W_OK | os.X_OK):
+        return ""
+    return (
+        f" (its directory {path.parent} is not writable: SQLite makes {wal.name} and "
+        f"{path.name}-shm there; let this user write it)"
+    )
+
+
 def _create_sqlite_file(path: Path) -> None:
     """``path`` as an empty file 0600 when missing (SQLite makes its -wal and -shm files with
     the same mode), so the database is never readable by others, whatever the umask."""

@@ -98,6 +98,7 @@ def open_db(
         display_url,
         driver_message,
         resolve_url,
+        sqlite_dir_problem,
     )
 
     engine = create_db_engine(resolve_url(url), create=create)
@@ -107,6 +108,7 @@ def open_db(
         engine.dispose()
         raise DatabaseError(
             f"cannot connect to {display_url(str(engine.url))}: {driver_message(exc)}"
+            + sqlite_dir_problem(engine.url.database if engine.dialect.name == "sqlite" else None)
         ) from None
     head = head_revision()
     if current == head:
