@@ -42,9 +42,11 @@ of the wrong shape, leaves the lookup to probe every peer as without one (counte
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import mmap
 import queue
 import threading
 import time
@@ -78,6 +80,7 @@ from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
 from kvctl.store.index import Entry, LookupResult
 from kvctl.store.store import PutSlot, TieredStore
+from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.base import ChunkMeta
 
 log = logging.getLogger("kvctl.remote")
@@ -760,6 +763,56 @@ class _PullRoom:
             self.no_room_chunks += 1
 
 
+class _StagingFull(Exception):
+    """The pool writer's batch has no room left for the next chunk."""
+
+
+class _WriteStaging:
+    """The pool writer's export buffer: a batch's chunks are copied into it back to back, the
+    same memory batch after batch while the writer is busy, unmapped once it idles. A new
+    bytearray per chunk left the batches' high-water in glibc's arenas (its mmap threshold
+    rises past 1 MiB after the first such free): a node's RSS grew tens of MiB under
+    write-through while its live Python memory stayed flat."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.region: mmap.mmap | None = None
+        self._used_bytes = 0
+        self._views: list[memoryview] = []
+
+    def take(self, n_bytes: int) -> memoryview | None:
+        """The next ``n_bytes`` of the buffer; None for a chunk larger than all of it (it
+        gets a buffer of its own). Raises _StagingFull when the batch left no room for it."""
+        if n_bytes > self.capacity_bytes:
+            return None
+        if self._used_bytes + n_bytes > self.capacity_bytes:
+            raise _StagingFull
+        if self.region is None:
+            # pages exist only as chunks are copied in; huge ones make that as fast as reuse
+            self.region = hugepages.anonymous_region(self.capacity_bytes)
+        with memoryview(self.region) as whole:
+            view = whole[self._used_bytes : self._used_bytes + n_bytes]
+        self._views.append(view)
+        self._used_bytes += n_bytes
+        return view
+
+    def reuse(self) -> None:
+        """After its batch was written (the pool's put returns once the bytes are sent): free
+        for the next."""
+        for view in self._views:
+            with contextlib.suppress(BufferError):  # still exported elsewhere: GC frees it
+                view.release()
+        self._views.clear()
+        self._used_bytes = 0
+
+    def close(self) -> None:
+        self.reuse()
+        if self.region is not None:
+            with contextlib.suppress(BufferError):
+                self.region.close()
+            self.region = None
+
+
 class RemoteTiers:
     def __init__(
         self,
@@ -813,6 +866,8 @@ class RemoteTiers:
         self.chunk_bounds: tuple[int, int] | None = None
         self._local = threading.local()
         self._queue: queue.Queue[bytes] = queue.Queue(_WRITE_QUEUE_MAX)
+        #: a key taken from the queue that did not fit in the writer's batch: the next one's
+        self._carried: bytes | None = None
         self.write = Counter[str]()
         #: pulls' chunks not kept for want of local room (``fill``)
         self.pulls = Counter[str]()
@@ -1362,25 +1417,38 @@ class RemoteTiers:
             self.write["dropped"] += 1
 
     def _writer(self) -> None:
-        while not self._stop.is_set():
-            try:
-                first = self._queue.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            try:
-                self._write_batch(first)
-            except Exception:  # the writer must outlive any one bad chunk or store error
-                log.exception("pool writer: a batch failed")
-                self.write["failed"] += 1
+        staging = _WriteStaging(_WRITE_BATCH_BYTES)
+        try:
+            while not self._stop.is_set():
+                first, self._carried = self._carried, None
+                if first is None:
+                    try:
+                        first = self._queue.get(timeout=0.2)
+                    except queue.Empty:
+                        staging.close()  # idle: its memory goes back to the system
+                        continue
+                try:
+                    self._write_batch(first, staging)
+                except Exception:  # the writer must outlive any one bad chunk or store error
+                    log.exception("pool writer: a batch failed")
+                    self.write["failed"] += 1
+                finally:
+                    staging.reuse()
+        finally:
+            staging.close()
 
-    def _write_batch(self, first: bytes) -> None:
+    def _write_batch(self, first: bytes, staging: _WriteStaging) -> None:
         assert self.pool is not None
         pool = self.pool
-        batch: list[tuple[ChunkMeta, bytearray]] = []
+        batch: list[tuple[ChunkMeta, bytearray | memoryview]] = []
         size = 0
         key: bytes | None = first
         while key is not None:
-            got = self.store.export(key)
+            try:
+                got = self.store.export(key, into=staging.take)
+            except _StagingFull:
+                self._carried = key  # the next batch's first
+                break
             if got is None:
                 self.write["gone"] += 1  # evicted before its turn
             else:
@@ -1415,9 +1483,9 @@ class RemoteTiers:
         """Wait until the writer has taken every queued chunk (tests, clean shutdown)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self._queue.empty():
+            if self._queue.empty() and self._carried is None:
                 time.sleep(0.05)  # the batch it took is being written
-                if self._queue.empty():
+                if self._queue.empty() and self._carried is None:
                     return True
             time.sleep(0.01)
         return False

@@ -1659,14 +1659,21 @@ class TieredStore:
         with self._lock:
             return self._accounting.add_external_tier(name)
 
-    def export(self, key: bytes) -> tuple[ChunkMeta, bytearray] | None:
+    def export(
+        self, key: bytes, into: Callable[[int], memoryview | None] | None = None
+    ) -> tuple[ChunkMeta, bytearray | memoryview] | None:
         """A copy of a chunk and its metadata for another store (the pool's write-behind),
-        counting no hit and touching no recency; None when it is gone."""
+        counting no hit and touching no recency; None when it is gone. ``into(size_bytes)``
+        gives the view of exactly that size to copy it into (a buffer the caller reuses; None:
+        a new bytearray); what it raises comes out of ``export`` with nothing read."""
         with self._lock:
             e = self._index.get(key)
             if e is None:
                 return None
-            buf = bytearray(e.size_bytes)
+            out = None if into is None else into(e.size_bytes)
+            buf: bytearray | memoryview = bytearray(e.size_bytes) if out is None else out
+            if len(buf) != e.size_bytes:
+                raise ValueError(f"export of {e.size_bytes} bytes into a view of {len(buf)}")
             tier = self._tier_of(e)
             try:
                 tier.read_into(key, memoryview(buf))
