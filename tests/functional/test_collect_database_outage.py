@@ -1,0 +1,193 @@
+"""`kvctl collect` (the loop) while its PostgreSQL goes away and comes back (connections refused
+and the open ones cut, as in a restart): it keeps scraping, says so once on stderr (no traceback,
+not once or twice a cycle), keeps every cycle's rows and writes them all once the database is
+back, saying that too. A loop at --interval 1 wrote the driver's three-line error twice a second
+for as long as the database was away."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, select, text
+from sqlalchemy.engine import Engine
+
+from kvctl.db.engine import resolve_url
+from kvctl.db.inventory import add_dc, add_node
+from kvctl.db.migrate import open_db
+from kvctl.db.models import CacheSample, NodeSample
+from tests.functional.agents import running_agent, traffic
+
+pytestmark = pytest.mark.slow
+
+
+def _allow(admin: Engine, name: str, yes: bool) -> None:
+    """Connections to database ``name`` allowed, or refused with the open ones ended."""
+    with admin.connect() as conn:
+        conn.execute(text(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS {str(yes).lower()}'))
+        if not yes:
+            conn.execute(
+                text(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                    "WHERE datname = :n AND pid <> pg_backend_pid()"
+                ),
+                {"n": name},
+            )
+
+
+def _scrapes(proc: subprocess.Popen[str]) -> queue.Queue[dict[str, Any] | None]:
+    """The loop's scrape reports (--json), in order; None once its output ends."""
+    lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        decoder, text = json.JSONDecoder(), ""
+        for line in proc.stdout:  # one report a line, or one indented over several
+            text += line
+            try:
+                out, _end = decoder.raw_decode(text.strip())
+            except ValueError:
+                continue
+            text = ""
+            if out["kind"] == "scrape":
+                lines.put(out)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return lines
+
+
+def _next(lines: queue.Queue[dict[str, Any] | None]) -> dict[str, Any]:
+    scrape = lines.get(timeout=120)  # a bound on a hung loop, not a timing under test
+    assert scrape is not None, "the loop ended"
+    return scrape
+
+
+def test_the_loop_says_once_that_the_database_is_away_and_loses_no_cycle(
+    pg_url: str, tmp_path: Path
+) -> None:
+    name = pg_url.rsplit("/", 1)[1]
+    db = open_db(pg_url, auto_upgrade=True)
+    admin = create_engine(
+        resolve_url(pg_url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+    )
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            with db.begin() as conn:
+                add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+                add_node(conn, "n1", dc="fra", agent_url=a1.state.control_url)
+            env = {**os.environ, "KVCTL_DB_URL": pg_url}
+            argv = ["collect", "--interval", "0.2", "--no-links", "--metrics-listen", "off"]
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvctl", *argv, "--json"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            try:
+                lines = _scrapes(proc)
+                seen = [_next(lines)]
+                while not seen[-1]["written"]:  # the first cycle written
+                    seen.append(_next(lines))
+                _allow(admin, name, False)
+                traffic(a1, 3, space=7)
+                away = 0
+                while away < 5:  # cycles the database failed, once it is away
+                    seen.append(_next(lines))
+                    away += not seen[-1]["written"]
+                _allow(admin, name, True)
+                seen.append(_next(lines))
+                while not seen[-1]["written"]:
+                    seen.append(_next(lines))
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err
+        cycles = len(seen) + sum(1 for s in iter(lines.get, None) if s)  # those after, too
+        assert "Traceback" not in err and "Background on this error" not in err, err
+        # said once as it went (by the inventory's read or the batch's write, whichever
+        # failed first; an upkeep under way may fail first, saying so) and once back
+        assert err.count("the loop goes on") == 1, err
+        assert err.count("database back after") == 1, err
+        assert len(err.splitlines()) <= 4, err  # with the banner
+        failed = [s for s in seen if not s["written"]]
+        assert all(s["up"] == ["n1"] for s in failed)  # the node scraped on meanwhile
+        assert all("database" in s["warnings"][0] for s in failed)
+        assert all("\n" not in w for s in failed for w in s["warnings"])  # one line each
+        with db.connect() as conn:
+            samples = conn.execute(select(NodeSample.ts_ms)).scalars().all()
+            hits = conn.execute(select(CacheSample.hits).where(CacheSample.tier == "all")).scalars()
+            assert len(samples) == cycles  # every cycle's sample, those of the outage too
+            assert sum(hits) == 3
+    finally:
+        _allow(admin, name, True)
+        admin.dispose()
+        db.dispose()
+
+
+def test_the_loop_stopped_while_the_database_is_away_says_what_it_did_not_write(
+    pg_url: str, tmp_path: Path
+) -> None:
+    """SIGTERM while cycles' rows wait for the database: exit 0 (a stop asked for), saying how
+    many rows were not written and that the counted increases are not lost; the next run
+    records them. It stopped without a word of the rows it dropped."""
+    name = pg_url.rsplit("/", 1)[1]
+    db = open_db(pg_url, auto_upgrade=True)
+    admin = create_engine(
+        resolve_url(pg_url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+    )
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            with db.begin() as conn:
+                add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
+                add_node(conn, "n1", dc="fra", agent_url=a1.state.control_url)
+            env = {**os.environ, "KVCTL_DB_URL": pg_url}
+            argv = ["collect", "--interval", "0.2", "--no-links", "--metrics-listen", "off"]
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "kvctl", *argv, "--json"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            try:
+                lines = _scrapes(proc)
+                while not _next(lines)["written"]:
+                    pass
+                _allow(admin, name, False)
+                traffic(a1, 3, space=7)
+                away = 0
+                while away < 2:
+                    away += not _next(lines)["written"]
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                _out, err = proc.communicate(timeout=60)
+            _allow(admin, name, True)
+            after = subprocess.run(
+                [sys.executable, "-m", "kvctl", "collect", "--once", "--no-links"],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+                check=False,
+            )
+        assert proc.returncode == 0, err
+        assert "rows unwritten" in err and "increases are not" in err, err
+        assert "Traceback" not in err, err
+        assert after.returncode == 0, after.stdout + after.stderr
+        with db.connect() as conn:
+            hits = conn.execute(select(CacheSample.hits).where(CacheSample.tier == "all"))
+            assert sum(hits.scalars()) == 3  # counted by the run after
+    finally:
+        _allow(admin, name, True)
+        admin.dispose()
+        db.dispose()
