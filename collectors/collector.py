@@ -62,6 +62,7 @@ from kvctl.db.rollup import Retention, maintain, reopen
 from kvctl.db.sample_checks import (
     MAX_MAGNITUDE,
     Rejections,
+    brief,
     checked_gpus,
     checked_probe,
     checked_stats,
@@ -701,6 +702,7 @@ class Collector:
         for s in scrapes:
             node = s.node
             read = s.up and s.stats is not None
+            error = None if s.error is None else brief(s.error)
             self._last_scrape[node.id] = "up" if read else "unread" if s.answered else "down"
             nvml = None if s.gpus is None else bool(s.gpus.get("nvml", {}).get("available"))
             rows["node_sample"].append(
@@ -713,17 +715,17 @@ class Collector:
                     "scrape_seconds": s.seconds if s.answered else None,
                     "agent_started_s": None if s.stats is None else s.stats.get("started_s"),
                     "nvml_available": nvml,
-                    "error": s.error,
+                    "error": error,
                 }
             )
             if s.auth_refused:  # no figures to record: none are made up
-                report.token_refused[node.name] = s.error or "token refused"
+                report.token_refused[node.name] = error or "token refused"
                 continue
             if s.starting:  # nor while its tiers open: none until it serves its API
-                report.starting[node.name] = s.error or "starting"
+                report.starting[node.name] = error or "starting"
                 continue
             if not s.up or s.stats is None:
-                report.down[node.name] = s.error or "down"
+                report.down[node.name] = error or "down"
                 continue
             report.up.append(node.name)
             self._watch_epoch(s, ts_ms)
@@ -756,7 +758,7 @@ class Collector:
                 # that catches up cover its counts' span
                 if s.engine.ttft is not None and not engine_waits(rejected):
                     self._ttft_prev[node.id] = s.engine.ttft
-            for warning in s.warnings:
+            for warning in map(brief, s.warnings):
                 report.warnings.append(f"{node.name}: {warning}")
                 if node.id not in self._warned_nodes:
                     self._warned_nodes.add(node.id)
@@ -836,7 +838,7 @@ class Collector:
         self._load_tracker()
         for s in scrapes:
             if s.reading is None:
-                error = s.error or "no answer"
+                error = brief(s.error or "no answer")
                 report.routers_down[s.router] = error
                 if self._router_errors.get(s.router) != error:
                     log.warning("router %s: %s", s.router, error)
@@ -1164,7 +1166,7 @@ class Collector:
             )
         except AgentError as exc:
             self.metrics.errors.labels("link").inc()
-            row["error"] = str(exc)
+            row["error"] = brief(str(exc))
             return row, rejected
         self.metrics.scrape_seconds.labels("link").observe(time.perf_counter() - t0)
         row.update(

@@ -323,6 +323,17 @@ def checked_probe(probe: Mapping[str, Any], rejections: Rejections) -> dict[str,
     return out
 
 
+def brief(text: str) -> str:
+    """An error's text as the collector records and says it: on one line, at most
+    ``MAX_ERROR_CHARS`` (an agent's, a proxy's or an engine's error answer is the sender's
+    text, of any length: one 500 with a 7 MB detail was stored whole at every scrape)."""
+    line = " ".join(text.split())
+    if len(line) <= MAX_ERROR_CHARS:
+        return line
+    kept = MAX_ERROR_CHARS - 40  # room for the note of what was cut
+    return f"{line[:kept]}... ({len(line) - kept:,} characters more)"
+
+
 def shown(text: str) -> str:
     """``text`` as it can be stored and said, alike on both databases: each NUL or lone
     surrogate as U+FFFD. One refused the whole batch at every retry (PostgreSQL), or raised
