@@ -779,17 +779,35 @@ class _WriteStaging:
         self.region: mmap.mmap | None = None
         self._used_bytes = 0
         self._views: list[memoryview] = []
+        #: the mapping was refused: chunks get buffers of their own until the writer idles
+        self._unmappable = False
+        self._refusal_logged = False
 
     def take(self, n_bytes: int) -> memoryview | None:
-        """The next ``n_bytes`` of the buffer; None for a chunk larger than all of it (it
-        gets a buffer of its own). Raises _StagingFull when the batch left no room for it."""
-        if n_bytes > self.capacity_bytes:
+        """The next ``n_bytes`` of the buffer; None for a chunk larger than all of it, or
+        when the buffer cannot be mapped (it gets a buffer of its own). Raises _StagingFull
+        when the batch left no room for it."""
+        if n_bytes > self.capacity_bytes or self._unmappable:
             return None
         if self._used_bytes + n_bytes > self.capacity_bytes:
             raise _StagingFull
         if self.region is None:
             # pages exist only as chunks are copied in; huge ones make that as fast as reuse
-            self.region = hugepages.anonymous_region(self.capacity_bytes)
+            try:
+                self.region = hugepages.anonymous_region(self.capacity_bytes)
+            except OSError as exc:
+                # the whole mapping counts where a chunk's bytes alone did (RLIMIT_AS, strict
+                # overcommit): refused, it would fail every batch, so chunks go as before
+                self._unmappable = True
+                if not self._refusal_logged:
+                    self._refusal_logged = True
+                    log.warning(
+                        "pool writer: no staging buffer of %d bytes (%s): each chunk is "
+                        "copied into a buffer of its own",
+                        self.capacity_bytes,
+                        exc,
+                    )
+                return None
         with memoryview(self.region) as whole:
             view = whole[self._used_bytes : self._used_bytes + n_bytes]
         self._views.append(view)
@@ -807,6 +825,7 @@ class _WriteStaging:
 
     def close(self) -> None:
         self.reuse()
+        self._unmappable = False  # tried again when the writer is next busy
         if self.region is not None:
             with contextlib.suppress(BufferError):
                 self.region.close()
