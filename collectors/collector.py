@@ -11,6 +11,7 @@ increases.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import inspect
 import logging
@@ -54,7 +55,7 @@ from kvctl.client import (
 )
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.daemon_pool import DaemonPool
-from kvctl.db.engine import driver_message, write_transaction
+from kvctl.db.engine import StuckWatch, cut_when_stuck, driver_message, write_transaction
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
@@ -141,6 +142,11 @@ class CollectorConfig:
     keep_refused: bool = True
     #: the most rows kept while the database refuses them; past it the oldest cycles' go
     max_pending_rows: int = MAX_PENDING_ROWS
+    #: a database call of a cycle (inventory, counters' state, the batch) not answered within
+    #: this has its connections cut (PostgreSQL: ``kvctl.db.engine.cut_when_stuck``); the
+    #: upkeep's, whose rollups may take long, within ``maintenance_timeout_s``
+    db_timeout_s: float = 60.0
+    maintenance_timeout_s: float = 600.0
 
     @property
     def request_timeout_s(self) -> float:
@@ -377,24 +383,42 @@ class Collector:
     def _inventory(self, report: CycleReport) -> list[NodeInfo]:
         """The inventory's nodes; while the database cannot be read, the nodes last read: the
         loop scrapes on and keeps its rows for the database's return."""
-        try:
-            self._known_nodes = self.nodes()
-        except SQLAlchemyError as exc:
-            self._db_failed(
-                report,
-                "database unavailable: cannot read the inventory, scraping the nodes last read",
-                exc,
-            )
+        with self._stuck() as watch:
+            try:
+                self._known_nodes = self.nodes()
+            except SQLAlchemyError as exc:
+                self._db_failed(
+                    report,
+                    "database unavailable: cannot read the inventory, scraping the nodes last read",
+                    exc,
+                    watch,
+                )
         return self._known_nodes
 
-    def _db_failed(self, report: CycleReport, what: str, exc: SQLAlchemyError) -> None:
+    def _stuck(
+        self, timeout_s: float | None = None
+    ) -> contextlib.AbstractContextManager[StuckWatch]:
+        """The database's calls in the block cut after ``timeout_s`` (``db_timeout_s``)."""
+        return cut_when_stuck(self.engine, timeout_s or self.config.db_timeout_s)
+
+    def _db_failed(
+        self,
+        report: CycleReport,
+        what: str,
+        exc: SQLAlchemyError,
+        watch: StuckWatch | None = None,
+    ) -> None:
         """A cycle the database failed: counted and in the report's warnings (the loop's line
         each cycle), logged once an outage (``_db_back`` says when it ends): a loop at
         --interval 1 logged each failure, the driver's text over three lines, twice a second
         for as long as the database was away."""
         self.metrics.db_errors.inc()
         report.written = False
-        said = f"{what}: {driver_message(exc)}"
+        if watch is not None and watch.fired:  # the driver says the server hung up: it did not
+            cause = f"no answer within {self.config.db_timeout_s:g} s, its connections cut"
+        else:
+            cause = driver_message(exc)
+        said = f"{what}: {cause}"
         report.warnings.append(said)
         if not self.config.keep_refused:
             log.debug("%s", said)  # a single run: its caller shows the report's warnings
@@ -629,7 +653,8 @@ class Collector:
         nodes = self._inventory(report)
         clients = self._node_clients(nodes)
         try:
-            self._load_tracker()
+            with self._stuck() as watch:
+                self._load_tracker()
         except SQLAlchemyError as exc:
             # increases are counted from the counters' last saved state: nothing is lost by
             # waiting for it, where guessing it would count a restart's counters twice
@@ -637,6 +662,7 @@ class Collector:
                 report,
                 "database unavailable: cannot read the counters' last state, cycle skipped",
                 exc,
+                watch,
             )
             report.seconds = time.perf_counter() - t0
             return report
@@ -888,8 +914,9 @@ class Collector:
         ``CountersMoved``, raised: the caller counts the batch again, or drops it)."""
         names = dict.fromkeys([*self._pending, *batch])  # in order: kept ones first
         tables = {t: [*self._pending.get(t, ()), *batch.get(t, ())] for t in names}
+        watch = StuckWatch()
         try:
-            with write_transaction(self.engine) as conn:
+            with self._stuck() as watch, write_transaction(self.engine) as conn:
                 self._tracker.save(conn)  # first: it refuses a batch counted from stale state
                 # rows past raw retention are pruned at the next upkeep: reopen no rollup
                 keep_from_ms = report.ts_ms - self.config.retention.raw_ms
@@ -913,13 +940,13 @@ class Collector:
                     "rows are not recorded (no counted increase is lost: the next run counts "
                     "it from the state saved last)"
                 )
-                self._db_failed(report, what, exc)
+                self._db_failed(report, what, exc, watch)
                 return
             for table, rows in batch.items():
                 self._pending[table] += rows
             dropped = self._trim_pending()
             what = f"database refused the batch, keeping {self._count()} rows for retry"
-            self._db_failed(report, what, exc)
+            self._db_failed(report, what, exc, watch)
             if dropped:
                 self._said_dropped(report, dropped)
             return
@@ -938,7 +965,7 @@ class Collector:
         saved state, in this cycle's rows); their node and link samples are kept. False where
         the state cannot be read (the caller then drops the batch)."""
         try:
-            with self.engine.connect() as conn:
+            with self._stuck(), self.engine.connect() as conn:
                 self._tracker.rebase(conn, exc.series)
         except SQLAlchemyError as exc_db:
             log.error("cannot read the counters' saved state again: %s", exc_db)
@@ -1181,7 +1208,8 @@ class Collector:
     # --- maintenance -------------------------------------------------------------------------
     def maintain(self) -> dict[str, Any]:
         """Roll up what is final and prune what is past retention."""
-        return maintain(self.engine, int(self._clock() * 1000), self.config.retention)
+        with self._stuck(self.config.maintenance_timeout_s):
+            return maintain(self.engine, int(self._clock() * 1000), self.config.retention)
 
     # --- loop --------------------------------------------------------------------------------
     def run(

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sqlite3
+import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,13 +119,59 @@ def create_db_engine(url: str, *, create: bool = True) -> Engine:
         engine = create_engine(parsed)
         event.listen(engine, "connect", sqlite_pragmas)
         return engine
-    return create_engine(
+    engine = create_engine(
         parsed,
         pool_pre_ping=True,
         pool_size=5,
         max_overflow=5,
         connect_args=_pg_connect_args(parsed),
     )
+    opened: weakref.WeakSet[Any] = weakref.WeakSet()
+    _OPENED[engine] = opened
+    event.listen(engine, "connect", lambda dbapi_conn, _record: opened.add(dbapi_conn))
+    return engine
+
+
+#: each PostgreSQL engine's driver connections, for :func:`cut_when_stuck`
+_OPENED: weakref.WeakKeyDictionary[Engine, weakref.WeakSet[Any]] = weakref.WeakKeyDictionary()
+
+
+class StuckWatch:
+    """Whether :func:`cut_when_stuck` cut the connections (the block's error is then that)."""
+
+    fired = False
+
+
+@contextlib.contextmanager
+def cut_when_stuck(engine: Engine, after_s: float) -> Iterator[StuckWatch]:
+    """A block whose calls on ``engine`` (PostgreSQL) have not returned after ``after_s`` has
+    every connection of the engine shut down, so a call blocked on one fails at once
+    (OperationalError) instead of waiting on. A server that stops answering while its host's
+    kernel still acknowledges (hung on its storage, a stopped proxy or pooler in between) held
+    the collector's loop for as long as it stayed so, no TCP keepalive firing, with no word:
+    100 s in a test, forever in the field. ``lock_timeout`` bounds only lock waits. A commit
+    cut so may have been made: the counters' compare-and-set save tells which next time."""
+    watch = StuckWatch()
+    opened = _OPENED.get(engine)
+    if opened is None:  # SQLite: a lock waits busy_timeout, no network to stall
+        yield watch
+        return
+
+    def cut() -> None:
+        watch.fired = True
+        for dbapi_conn in list(opened):
+            with contextlib.suppress(Exception):  # closed meanwhile, or never connected
+                fd = os.dup(dbapi_conn.pgconn.socket)
+                with socket.socket(fileno=fd) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+
+    timer = threading.Timer(after_s, cut)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield watch
+    finally:
+        timer.cancel()
 
 
 #: a server that takes the TCP connection and never answers (a hung host, a black-holing
