@@ -414,11 +414,7 @@ class Collector:
         for as long as the database was away."""
         self.metrics.db_errors.inc()
         report.written = False
-        if watch is not None and watch.fired:  # the driver says the server hung up: it did not
-            cause = f"no answer within {self.config.db_timeout_s:g} s, its connections cut"
-        else:
-            cause = driver_message(exc)
-        said = f"{what}: {cause}"
+        said = f"{what}: {_cause(exc, watch, self.config.db_timeout_s)}"
         report.warnings.append(said)
         if not self.config.keep_refused:
             log.debug("%s", said)  # a single run: its caller shows the report's warnings
@@ -1211,6 +1207,21 @@ class Collector:
         with self._stuck(self.config.maintenance_timeout_s):
             return maintain(self.engine, int(self._clock() * 1000), self.config.retention)
 
+    def _upkeep(self) -> dict[str, Any]:
+        """``maintain``'s report for the loop; a failure's as ``{"error": ...}``, logged unless
+        the outage is said already. One given up on is said so: the driver's text of its cut
+        connection ('server closed the connection unexpectedly', or 'connection timeout
+        expired' once the pool reconnects) sent operators to a server that never went away."""
+        watch = StuckWatch()
+        try:
+            with self._stuck(self.config.maintenance_timeout_s) as watch:
+                return maintain(self.engine, int(self._clock() * 1000), self.config.retention)
+        except SQLAlchemyError as exc:
+            error = _cause(exc, watch, self.config.maintenance_timeout_s)
+            if self._db_down_since_ms is None:  # else the outage is said already
+                log.error("rollup/retention failed, will retry: %s", error)
+            return {"error": error}
+
     # --- loop --------------------------------------------------------------------------------
     def run(
         self,
@@ -1235,12 +1246,7 @@ class Collector:
                     on_cycle("links", links)
             if started >= next_maint:
                 next_maint = started + self.config.maintenance_interval_s
-                try:
-                    maint = self.maintain()
-                except SQLAlchemyError as exc:
-                    maint = {"error": driver_message(exc)}
-                    if self._db_down_since_ms is None:  # else the outage is said already
-                        log.error("rollup/retention failed, will retry: %s", maint["error"])
+                maint = self._upkeep()
                 if on_cycle:
                     on_cycle("maintenance", maint)
             stop.wait(max(0.0, started + self.config.interval_s - time.monotonic()))
@@ -1252,6 +1258,14 @@ class Collector:
         for r in self._router_clients.values():
             r.close()
         self._http.close()
+
+
+def _cause(exc: SQLAlchemyError, watch: StuckWatch | None, timeout_s: float) -> str:
+    """Why a database call failed, on one line: where ``cut_when_stuck`` cut its connections,
+    that (the driver would say the server hung up, or a reconnect timed out: it did not)."""
+    if watch is not None and watch.fired:
+        return f"no answer within {timeout_s:g} s, its connections cut"
+    return driver_message(exc)
 
 
 def _closed_when_done(client: AgentClient, scrape: Future[Scrape] | None) -> bool:

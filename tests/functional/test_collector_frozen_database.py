@@ -7,11 +7,13 @@ firing (the peer's kernel acknowledges them), with no word and no scrape: 100 s 
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -98,6 +100,60 @@ def test_a_database_that_stops_answering_is_given_up_and_its_rows_kept(
                 assert conn.execute(select(func.count()).select_from(NodeSample)).scalar() == 3
         finally:
             db.dispose()
+    finally:
+        proxy.kill()
+        proxy.wait()
+
+
+def test_an_upkeep_given_up_is_said_so_not_as_a_server_that_hung_up(
+    pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The upkeep cut after ``maintenance_timeout_s`` says so, in its report (the loop's
+    --json line) and its log line, as a cycle's cut does: it said the driver's 'server closed
+    the connection unexpectedly', sending the operator to a server that never went away."""
+    url = make_url(pg_url)
+    proxy = subprocess.Popen(
+        [sys.executable, "-c", PROXY, url.host or "127.0.0.1", str(url.port or 5432)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    caplog.set_level(logging.INFO, logger="kvctl.collect")
+    try:
+        assert proxy.stdout is not None
+        port = int(proxy.stdout.readline())
+        db = open_db(url.set(port=port).render_as_string(hide_password=False), auto_upgrade=True)
+        config = CollectorConfig(
+            db_timeout_s=2, maintenance_timeout_s=3, link_interval_s=float("inf")
+        )
+        collector = Collector(db, config)
+        stop = threading.Event()
+        seen: dict[str, Any] = {}
+
+        def on_cycle(kind: str, report: CycleReport | dict[str, Any]) -> None:
+            if kind == "scrape":  # written: the database stops answering for the upkeep
+                seen["scrape"] = report
+                proxy.send_signal(signal.SIGSTOP)
+            elif kind == "maintenance":
+                seen["maintenance"] = report
+                proxy.send_signal(signal.SIGCONT)
+                stop.set()
+
+        try:
+            loop = threading.Thread(target=collector.run, args=(stop,), daemon=True,
+                                    kwargs={"on_cycle": on_cycle})  # fmt: skip
+            loop.start()
+            loop.join(timeout=120)
+            assert not loop.is_alive(), "the upkeep is still waiting on the stopped database"
+        finally:
+            proxy.send_signal(signal.SIGCONT)
+            stop.set()
+            collector.close()
+            db.dispose()
+        assert isinstance(seen["scrape"], CycleReport) and seen["scrape"].written
+        error = seen["maintenance"]["error"]
+        assert error == "no answer within 3 s, its connections cut", error
+        said = [r.getMessage() for r in caplog.records if "rollup/retention" in r.getMessage()]
+        assert said == [f"rollup/retention failed, will retry: {error}"], said
     finally:
         proxy.kill()
         proxy.wait()
