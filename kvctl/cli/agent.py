@@ -727,7 +727,7 @@ def status_command(
     from kvctl.agent.daemon import NoAgentHere
     from kvctl.client import AgentClient, AgentError, AgentStarting, AuthError
     from kvctl.db.sample_checks import checked_stats
-    from kvctl.fleet.status import since_start
+    from kvctl.fleet.since_start import since_start
     from kvctl.wire.stats import agent_figures
 
     def unread(control_url: str | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from kvctl.db.sample_checks import (
     count,
     known,
 )
-from kvctl.fleet.status import SinceStart, since_start
+from kvctl.fleet.since_start import SinceStart, since_start
 from kvctl.ratios import HitCounts, ratio, read_figures, tier_figures
 from kvctl.wire.stats import cache_counters
 
