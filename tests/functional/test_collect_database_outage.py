@@ -6,6 +6,7 @@ for as long as the database was away."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -13,6 +14,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +74,28 @@ def _next(lines: queue.Queue[dict[str, Any] | None]) -> dict[str, Any]:
     return scrape
 
 
-def test_the_loop_says_once_that_the_database_is_away_and_loses_no_cycle(
-    pg_url: str, tmp_path: Path
-) -> None:
+@dataclass
+class _Loop:
+    """A `kvctl collect --json` loop at --interval 0.2 on its own PostgreSQL database, scraping
+    one real agent; ``admin`` refuses or allows that database's connections (``_allow``)."""
+
+    db: Engine
+    admin: Engine
+    name: str
+    agent: Any
+    env: dict[str, str]
+    proc: subprocess.Popen[str]
+    err: str = ""
+
+    def stop(self) -> None:
+        """SIGTERM, then its stderr (once)."""
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            _out, self.err = self.proc.communicate(timeout=60)
+
+
+@contextlib.contextmanager
+def _loop_on(pg_url: str, tmp_path: Path) -> Iterator[_Loop]:
     name = pg_url.rsplit("/", 1)[1]
     db = open_db(pg_url, auto_upgrade=True)
     admin = create_engine(
@@ -93,25 +115,40 @@ def test_the_loop_says_once_that_the_database_is_away_and_loses_no_cycle(
                 text=True,
                 env=env,
             )
+            loop = _Loop(db, admin, name, a1, env, proc)
             try:
-                lines = _scrapes(proc)
-                seen = [_next(lines)]
-                while not seen[-1]["written"]:  # the first cycle written
-                    seen.append(_next(lines))
-                _allow(admin, name, False)
-                traffic(a1, 3, space=7)
-                away = 0
-                while away < 5:  # cycles the database failed, once it is away
-                    seen.append(_next(lines))
-                    away += not seen[-1]["written"]
-                _allow(admin, name, True)
-                seen.append(_next(lines))
-                while not seen[-1]["written"]:
-                    seen.append(_next(lines))
+                yield loop
             finally:
-                proc.send_signal(signal.SIGTERM)
-                _out, err = proc.communicate(timeout=60)
-        assert proc.returncode == 0, err
+                loop.stop()
+    finally:
+        _allow(admin, name, True)
+        admin.dispose()
+        db.dispose()
+
+
+def test_the_loop_says_once_that_the_database_is_away_and_loses_no_cycle(
+    pg_url: str, tmp_path: Path
+) -> None:
+    with _loop_on(pg_url, tmp_path) as loop:
+        try:
+            lines = _scrapes(loop.proc)
+            seen = [_next(lines)]
+            while not seen[-1]["written"]:  # the first cycle written
+                seen.append(_next(lines))
+            _allow(loop.admin, loop.name, False)
+            traffic(loop.agent, 3, space=7)
+            away = 0
+            while away < 5:  # cycles the database failed, once it is away
+                seen.append(_next(lines))
+                away += not seen[-1]["written"]
+            _allow(loop.admin, loop.name, True)
+            seen.append(_next(lines))
+            while not seen[-1]["written"]:
+                seen.append(_next(lines))
+        finally:
+            loop.stop()
+        err = loop.err
+        assert loop.proc.returncode == 0, err
         cycles = len(seen) + sum(1 for s in iter(lines.get, None) if s)  # those after, too
         assert "Traceback" not in err and "Background on this error" not in err, err
         # said once as it went (by the inventory's read or the batch's write, whichever
@@ -123,15 +160,11 @@ def test_the_loop_says_once_that_the_database_is_away_and_loses_no_cycle(
         assert all(s["up"] == ["n1"] for s in failed)  # the node scraped on meanwhile
         assert all("database" in s["warnings"][0] for s in failed)
         assert all("\n" not in w for s in failed for w in s["warnings"])  # one line each
-        with db.connect() as conn:
+        with loop.db.connect() as conn:
             samples = conn.execute(select(NodeSample.ts_ms)).scalars().all()
             hits = conn.execute(select(CacheSample.hits).where(CacheSample.tier == "all")).scalars()
             assert len(samples) == cycles  # every cycle's sample, those of the outage too
             assert sum(hits) == 3
-    finally:
-        _allow(admin, name, True)
-        admin.dispose()
-        db.dispose()
 
 
 def test_the_loop_stopped_while_the_database_is_away_says_what_it_did_not_write(
@@ -140,54 +173,32 @@ def test_the_loop_stopped_while_the_database_is_away_says_what_it_did_not_write(
     """SIGTERM while cycles' rows wait for the database: exit 0 (a stop asked for), saying how
     many rows were not written and that the counted increases are not lost; the next run
     records them. It stopped without a word of the rows it dropped."""
-    name = pg_url.rsplit("/", 1)[1]
-    db = open_db(pg_url, auto_upgrade=True)
-    admin = create_engine(
-        resolve_url(pg_url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
-    )
-    try:
-        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
-            with db.begin() as conn:
-                add_dc(conn, "fra", region="eu", carbon_g_per_kwh=300, pue=1.3)
-                add_node(conn, "n1", dc="fra", agent_url=a1.state.control_url)
-            env = {**os.environ, "KVCTL_DB_URL": pg_url}
-            argv = ["collect", "--interval", "0.2", "--no-links", "--metrics-listen", "off"]
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "kvctl", *argv, "--json"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-            )
-            try:
-                lines = _scrapes(proc)
-                while not _next(lines)["written"]:
-                    pass
-                _allow(admin, name, False)
-                traffic(a1, 3, space=7)
-                away = 0
-                while away < 2:
-                    away += not _next(lines)["written"]
-            finally:
-                proc.send_signal(signal.SIGTERM)
-                _out, err = proc.communicate(timeout=60)
-            _allow(admin, name, True)
-            after = subprocess.run(
-                [sys.executable, "-m", "kvctl", "collect", "--once", "--no-links"],
-                capture_output=True,
-                text=True,
-                env=env,
-                timeout=120,
-                check=False,
-            )
-        assert proc.returncode == 0, err
+    with _loop_on(pg_url, tmp_path) as loop:
+        try:
+            lines = _scrapes(loop.proc)
+            while not _next(lines)["written"]:
+                pass
+            _allow(loop.admin, loop.name, False)
+            traffic(loop.agent, 3, space=7)
+            away = 0
+            while away < 2:
+                away += not _next(lines)["written"]
+        finally:
+            loop.stop()
+        _allow(loop.admin, loop.name, True)
+        after = subprocess.run(
+            [sys.executable, "-m", "kvctl", "collect", "--once", "--no-links"],
+            capture_output=True,
+            text=True,
+            env=loop.env,
+            timeout=120,
+            check=False,
+        )
+        err = loop.err
+        assert loop.proc.returncode == 0, err
         assert "rows unwritten" in err and "increases are not" in err, err
         assert "Traceback" not in err, err
         assert after.returncode == 0, after.stdout + after.stderr
-        with db.connect() as conn:
+        with loop.db.connect() as conn:
             hits = conn.execute(select(CacheSample.hits).where(CacheSample.tier == "all"))
             assert sum(hits.scalars()) == 3  # counted by the run after
-    finally:
-        _allow(admin, name, True)
-        admin.dispose()
-        db.dispose()
