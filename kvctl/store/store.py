@@ -1665,22 +1665,43 @@ class TieredStore:
         """A copy of a chunk and its metadata for another store (the pool's write-behind),
         counting no hit and touching no recency; None when it is gone. ``into(size_bytes)``
         gives the view of exactly that size to copy it into (a buffer the caller reuses; None:
-        a new bytearray); what it raises comes out of ``export`` with nothing read."""
-        with self._lock:
-            e = self._index.get(key)
-            if e is None:
-                return None
-            out = None if into is None else into(e.size_bytes)
-            buf: bytearray | memoryview = bytearray(e.size_bytes) if out is None else out
-            if len(buf) != e.size_bytes:
-                raise ValueError(f"export of {e.size_bytes} bytes into a view of {len(buf)}")
-            tier = self._tier_of(e)
-            try:
-                tier.read_into(key, memoryview(buf))
-            except CorruptChunk:
-                self._drop_corrupt(e)
-                return None
-            return e.meta(), buf
+        a new bytearray); what it raises comes out of ``export`` with nothing read. A chunk on
+        a detached-read tier (disk) is read without the store's lock, as ``read_into`` reads
+        it: the pool writer reading one held every data-plane thread for the disk read."""
+        buf: bytearray | memoryview | None = None
+        while True:
+            with self._lock:
+                e = self._index.get(key)
+                if e is None:
+                    return None
+                if buf is None or len(buf) != e.size_bytes:  # (a retry keeps its buffer)
+                    out = None if into is None else into(e.size_bytes)
+                    buf = bytearray(e.size_bytes) if out is None else out
+                    if len(buf) != e.size_bytes:
+                        raise ValueError(
+                            f"export of {e.size_bytes} bytes into a view of {len(buf)}"
+                        )
+                tier = self._tier_of(e)
+                meta = e.meta()
+                if not tier.detached_reads:
+                    try:
+                        tier.read_into(key, memoryview(buf))
+                    except CorruptChunk:
+                        self._drop_corrupt(e)
+                        return None
+                    return meta, buf
+                plan = tier.plan_read(key)
+                self._begin_read(e)
+            why, _ = self._read_off_lock(e, tier, plan, memoryview(buf))
+            with relocked(self._lock):
+                current = self._is_current(e, tier, plan)
+                self._end_read(e)
+                if why is None:  # passed its checksum: the chunk's bytes even if it went since
+                    return meta, buf
+                if current:
+                    self._drop_unreadable(e, tier, why)
+                    return None
+            # it moved or went while it was read: look again
 
     def policy_status(self) -> dict[str, dict[str, Any]]:
         """Each tier's eviction policy as an operator sees it (``EvictionPolicy.status``)."""

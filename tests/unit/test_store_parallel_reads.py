@@ -9,6 +9,7 @@ mid-flight and act meanwhile; every wait is bounded, so a regression fails inste
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import sys
@@ -35,7 +36,7 @@ CHUNK = 4096
 class GatedDisk(DiskTier):
     """A real disk tier whose detached reads (the ones the store makes without its lock) wait
     while ``gate`` is clear, counting readers inside. ``read_into``, which the store calls under
-    its lock (exports), is not held, nor are the reads of a thread inside ``ungated()``."""
+    its lock, is not held, nor are the reads of a thread inside ``ungated()``."""
 
     _ungated = threading.local()
 
@@ -203,6 +204,40 @@ def test_read_into_of_a_disk_chunk_does_not_hold_the_lock(tmp_path: Path) -> Non
     assert store.entry(on_disk).tier == "cpu"  # promoted, as before
     assert store.stats.tiers["cpu"].promotions == 1
     assert store.stats.tiers["disk"].bytes_read == CHUNK
+    check_invariants(store)
+
+
+def test_export_of_a_disk_chunk_does_not_hold_the_lock(tmp_path: Path) -> None:
+    """The pool writer's export of a chunk on disk reads it as read_into does, without the
+    store's lock: it held every data-plane thread for the disk read. It counts no read,
+    moves nothing and lets the chunk's policy track it again after."""
+    store, _, disk = make_store(tmp_path)
+    on_disk, in_cpu = key(1), key(2)
+    put_in(store, [on_disk], "disk")
+    put_in(store, [in_cpu], "cpu")
+    before = store.stats.tiers["disk"].bytes_read
+    disk.gate.clear()
+    slow = Background(lambda: store.export(on_disk))
+    assert disk.wait_inside(1), "the export never reached the disk read"
+    assert Background(lambda: store.get(in_cpu)).result() == data_of(in_cpu)
+    assert Background(lambda: store.put(key(3), data_of(key(3)))).result() == "cpu"
+    assert disk.inside == 1  # the export's read is still held at the gate
+    disk.gate.set()
+    meta, buf = slow.result()
+    assert meta.key == on_disk and bytes(buf) == data_of(on_disk)
+    assert store.entry(on_disk).tier == "disk"  # not promoted, not counted
+    assert store.stats.tiers["disk"].bytes_read == before
+    assert store.evict([on_disk]).done == 1  # back in its policy: evictable
+    check_invariants(store)
+
+
+def test_export_of_a_corrupt_disk_chunk_is_none_and_drops_it(tmp_path: Path) -> None:
+    store, _, disk = make_store(tmp_path)
+    k = key(1)
+    put_in(store, [k], "disk")
+    _corrupt_file(disk, k)
+    assert store.export(k) is None
+    assert k not in store and store.stats.corrupt_dropped == 1
     check_invariants(store)
 
 
@@ -489,6 +524,43 @@ def test_changes_while_read_into_reads_never_give_wrong_bytes(
     check_invariants(store)
 
 
+@pytest.mark.parametrize(
+    "race",
+    [_evict, _move_up, _pin_in_place, _flush_disk, _put_the_same_keys, _resize_disk_smaller],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_changes_while_an_export_reads_never_give_wrong_bytes(
+    tmp_path: Path, race: Callable[[TieredStore, list[bytes]], None]
+) -> None:
+    store, _, disk = make_store(tmp_path, disk=64 * CHUNK)
+    keys = [key(i) for i in range(IN_FLIGHT)]
+    put_in(store, [*keys, key(20), key(21)], "disk")
+    disk.gate.clear()
+    views = [memoryview(bytearray(CHUNK)) for _ in range(IN_FLIGHT)]
+    asked: list[int] = []
+
+    def into(i: int, size_bytes: int) -> memoryview:
+        asked.append(size_bytes)
+        return views[i]
+
+    exports = [
+        Background(lambda i=i: store.export(keys[i], into=functools.partial(into, i)))
+        for i in range(IN_FLIGHT)
+    ]
+    assert disk.wait_inside(IN_FLIGHT)
+    Background(lambda: GatedDisk.ungated(lambda: race(store, keys))).result()
+    disk.gate.set()
+    for i, r in enumerate(exports):
+        got = r.result()
+        # the chunk's bytes, in the caller's view, or None when it went mid-read
+        if got is None:
+            assert race in (_evict, _flush_disk), race
+        else:
+            assert got[1] is views[i] and bytes(got[1]) == data_of(keys[i])
+    assert asked == [CHUNK] * IN_FLIGHT  # a read looked again keeps its view
+    check_invariants(store)
+
+
 @pytest.fixture
 def fine_thread_switches() -> Iterator[None]:
     """Switch threads every 10 microseconds instead of 5 ms, so races interleave finely."""
@@ -533,6 +605,10 @@ def test_random_concurrent_reads_and_changes_keep_the_store_consistent(tmp_path:
             with contextlib.suppress(KeyNotFound):
                 if store.get(k) != data_of(k):
                     bad.append(f"get of {k.hex()}")
+            k = rng.choice(keys)
+            got = store.export(k)  # the pool writer's read (None: gone)
+            if got is not None and bytes(got[1]) != data_of(k):
+                bad.append(f"export of {k.hex()}")
 
     failures: list[BaseException] = []
 
