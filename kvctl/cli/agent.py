@@ -749,8 +749,11 @@ def status_command(
         # the fleet's vocabulary, as `kvctl status` reports a node: lookups and hits in chunks;
         # a figure that cannot be true is unknown and named, as status and top have it
         checked, rejected = checked_stats(stats)
+        since = since_start(checked)
         report |= agent_figures(checked)
-        report["rejected"] = dict(rejected.fields)
+        if since.impossible:  # more hits than lookups: unknown, as status and top have them
+            report |= since.counts.hit_figures()
+        report["rejected"] = dict(rejected.fields) | since.impossible
         # as checked: a count that cannot be true (or a dataplane not an object) is unknown and
         # named under rejected, not shown as said
         dataplane = checked.get("dataplane") or {}
@@ -760,7 +763,7 @@ def status_command(
         report["no_room_puts"] = dataplane.get("no_room_puts")
         # chunks reads asked for, those not here and their share, as `kvctl status` has them:
         # None from an agent before the counts, or where they were rejected (named above)
-        report |= since_start(checked).read_figures()
+        report |= since.read_figures()
     except AgentError as exc:
         failure = exc
         report["error"] = str(exc)

@@ -5,7 +5,7 @@ the views' models import no HTTP client (httpx brings click and rich with it).""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvctl.db.sample_checks import READ_COUNTERS, UNREADABLE_TIER, known
@@ -51,6 +51,9 @@ class SinceStart:
     read_missing_chunks: int | None
     #: a tier could not be read (``UNREADABLE_TIER``): its hits are in none of ``tier_hits``
     tiers_unreadable: bool = False
+    #: counts that cannot be true together (more hits than lookups), by field, with why:
+    #: unknown here, for the views to name beside ``checked_stats``'s rejections
+    impossible: dict[str, str] = field(default_factory=dict)
 
     def read_figures(self) -> dict[str, float | None]:
         """The read counts and the share gone (``kvctl.ratios.read_figures``)."""
@@ -78,16 +81,37 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
             *(0 if v is None else int(v) for v in counted.values()),
             unknown=frozenset(k for k, v in counted.items() if v is None),
         )
+    # counts since an agent's start never have more hits than lookups (it counts a lookup
+    # before its hits, remote ones included): a node's or a tier's that do are unknown, and
+    # the node left out of a DC's sums (``HitCounts.add_hits``), as the database's window
+    # has it (``kvctl.db.analytics.counts``); the collector reads intervals instead
+    lookups = hits["lookups"]
+    impossible: dict[str, str] = {}
+    if lookups is not None:
+        for name, where in (("hits", "hit_chunks"), ("reuse_hits", "reuse_hits"),
+                            ("sharing_hits", "sharing_hits")):  # fmt: skip
+            value = hits[name]
+            if value is not None and value > lookups:
+                impossible[f"stats.{where}"] = "more than stats.lookup_chunks"
+        for name, t in tier_hits.items():
+            for part in TIER_HIT_NAMES:
+                if part not in t.unknown and getattr(t, part) > lookups:
+                    impossible[f"stats.tiers.{name}.{part}"] = "more than stats.lookup_chunks"
+                    t.unknown |= {part}
     # a read count rejected (not a number, negative, more missing than read) is None
     dataplane = checked.get("dataplane") or {}
     reads = [dataplane.get(c) for c in READ_COUNTERS]
+    counts = HitCounts(
+        **{k: 0 if v is None else int(v) for k, v in hits.items()},
+        unknown=frozenset(k for k, v in hits.items() if v is None),
+    )
+    if any(where.count(".") == 1 for where in impossible):  # the node's own
+        counts.unknown_hits()
     return SinceStart(
-        HitCounts(
-            **{k: 0 if v is None else int(v) for k, v in hits.items()},
-            unknown=frozenset(k for k, v in hits.items() if v is None),
-        ),
+        counts,
         tier_hits,
         None if None in reads else int(reads[0]),
         None if None in reads else int(reads[1]),
         UNREADABLE_TIER in counters,
+        impossible,
     )

@@ -268,7 +268,7 @@ def node_status(node: NodeInfo, stats: AgentStats, now_ms: int) -> NodeStatus:
         tiers=tiers,
         uptime_s=None if started_s is None else max(now_ms / 1000 - started_s, 0.0),
         last_seen_ms=now_ms,
-        rejected=dict(rejected.fields),
+        rejected=dict(rejected.fields) | since.impossible,
         tier_hits=since.tier_hits,
         read_chunks=since.read_chunks,
         read_missing_chunks=since.read_missing_chunks,

@@ -887,8 +887,7 @@ class Sampler:
             g.evictions_per_s = recent.rate(tier_ev[name]) if name in tier_ev and ev_known else None
             tiers[name] = g
             history.append(g.occupancy_ratio)
-        whole = counters["all"]
-        lookups, hits = whole["lookups"], whole["hits"]
+        since = since_start(stats)
         started_s = stats["started_s"]
         gpu_rejected = {} if state.gpu is None else dict(state.gpu.rejected)
         return NodeRow(
@@ -896,7 +895,7 @@ class Sampler:
             True,
             last_seen_ms=round(at_s * 1000),
             recent=recent,
-            lifetime_hit_ratio=None if lookups is None or hits is None else ratio(hits, lookups),
+            lifetime_hit_ratio=since.counts.hit_ratio,
             uptime_s=None if started_s is None else max(at_s - float(started_s), 0.0),
             tiers={k: tiers[k] for k in tier_order(tiers)},
             hit_history=list(state.hit_history),
@@ -904,8 +903,8 @@ class Sampler:
             rtt_s=rtt,
             rtt_basis=rtt_basis,
             gpu=state.gpu,
-            rejected={**rejected.fields, **gpu_rejected},
-            since_start=since_start(stats),
+            rejected={**rejected.fields, **gpu_rejected, **since.impossible},
+            since_start=since,
         )
 
     def _unread_row(

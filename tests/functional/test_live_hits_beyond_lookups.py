@@ -1,0 +1,91 @@
+"""Live views and an agent whose counts since its start have more hits than lookups, which a
+sound agent's never do (it counts a lookup before its hits, remote ones included): live `kvctl
+status`, `kvctl top` and `kvctl agent status` have its hit counts unknown and named, and leave
+the node out of DC and fleet sums, as the database's window does (kvctl.db.analytics.counts).
+Before, live status summed them (the fleet read 120 hits of 150 lookups, 80%, where the sound
+node had 40 of 100), top showed the node's lifetime hit ratio as 160%, and neither said why.
+
+The agents are the collectors' tests' stand-ins (a loopback HTTP server answering what the
+test sets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app as cli
+from tests.functional.test_collector_impossible_values import StandIn, _stats
+from tests.functional.test_status_impossible_values import _inventory
+from tests.functional.test_top_impossible_values import _strict
+
+runner = CliRunner()
+
+#: 50 lookups, 80 hits (all sharing, all from cpu)
+BEYOND = {
+    "stats.hit_chunks": "more than stats.lookup_chunks",
+    "stats.sharing_hits": "more than stats.lookup_chunks",
+    "stats.tiers.cpu.hits": "more than stats.lookup_chunks",
+    "stats.tiers.cpu.sharing_hits": "more than stats.lookup_chunks",
+}
+
+
+def _answers(n1: StandIn, n2: StandIn) -> None:
+    n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
+    n2.answers["/v1/stats"] = _stats(50, 80, 0.0)
+
+
+def _rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {r["node"]: r for r in doc["nodes"]}
+
+
+def test_live_status_has_them_unknown_named_and_out_of_the_sums(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    _answers(n1, n2)
+    out = runner.invoke(cli, ["status", "--db", sqlite_url, "--json"])
+    assert out.exit_code == 0, out.output
+    doc = _strict(out.stdout)
+    odd = _rows(doc)["n2"]
+    assert odd["state"] == "up" and odd["rejected"] == BEYOND, odd
+    assert (odd["lookups"], odd["hits"], odd["hit_ratio"]) == (None, None, None)
+    assert odd["tiers"]["cpu"]["hits"] is None  # the tier's hits beyond the node's lookups
+    assert odd["tiers"]["cpu"]["used_bytes"] == 4096  # the rest stands
+    total = doc["total"]
+    assert (total["lookups"], total["hits"], total["hit_ratio"]) == (100, 40, 0.4)
+    ams = next(d for d in doc["dcs"] if d["dc"] == "ams")
+    assert (ams["lookups"], ams["hit_ratio"]) == (None, None)
+
+    table = runner.invoke(cli, ["status", "--db", sqlite_url], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    said = " ".join(line for line in table.stdout.splitlines() if line.startswith("n2 "))
+    assert "stats.hit_chunks (more than stats.lookup_chunks)" in said, table.stdout
+
+
+def test_top_has_them_unknown_and_named(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    _answers(n1, n2)
+    out = runner.invoke(cli, ["top", "--db", sqlite_url, "--json", "--interval", "0.2"])
+    assert out.exit_code == 0, out.output
+    rows = _rows(_strict(out.stdout))
+    odd = rows["n2"]
+    assert odd["state"] == "up" and BEYOND.items() <= odd["rejected"].items(), odd
+    assert odd["lifetime_hit_ratio"] is None, odd  # never above 100%
+    assert rows["n1"]["lifetime_hit_ratio"] == 0.4
+
+
+def test_agent_status_has_them_unknown_and_named(stand_ins: tuple[StandIn, StandIn]) -> None:
+    _, n2 = stand_ins
+    n2.answers["/v1/stats"] = _stats(50, 80, 0.0)
+    n2.answers["/v1/info"] = {"name": "n2", "pid": 1, "version": "0.1.0", "tiers": []}
+    out = runner.invoke(cli, ["agent", "status", "--url", n2.url, "--json"])
+    assert out.exit_code == 0, out.output
+    report = _strict(out.stdout)
+    assert report["rejected"] == BEYOND, report["rejected"]
+    assert (report["lookups"], report["hits"], report["hit_ratio"]) == (None, None, None)
+    assert report["lookup_requests"] == 50  # the rest stands
