@@ -575,11 +575,14 @@ def serve_command(
     # SIGHUP: reread the inventory now (in the reloader's thread; a handler must not block)
     signal.signal(signal.SIGHUP, lambda _signum, _frame: reloader.request())
 
+    from kvctl.redact import redact_url
+
     def serving() -> None:
-        # the first line is the URL: scripts (and tests) read where it listens from it
+        # the first line is the URL: scripts (and tests) read where it listens from it.
+        # redact_url: a password may be in the URL's query too (redis-py takes ?password=)
         console.print(
             f"router serving at {server.url}: {len(topology.nodes)} nodes in "
-            f"{len(topology.dcs)} DCs, index {index.split('@')[-1]}, prefill "
+            f"{len(topology.dcs)} DCs, index {redact_url(index)}, prefill "
             f"{router.costs.prefill.basis}",
             highlight=False,
             soft_wrap=True,
