@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvctl.index.follower import Follower, Followers
+from kvctl.index.follower import MAX_POLL_THREADS, Follower, Followers
 from kvctl.index.model import EmbeddedIndex, Holding
 from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
 from tests.functional.waiting import wait_until
@@ -313,3 +313,44 @@ def test_a_hung_agent_does_not_hold_up_the_others(tmp_path: Path, index: Embedde
         followers.close()
         server.shutdown()
         server.server_close()
+
+
+def test_many_hung_agents_do_not_hold_up_the_agents_that_answer(
+    tmp_path: Path, index: EmbeddedIndex
+) -> None:
+    """More hung agents than a pool has threads (a DC partitioned while its hosts still take
+    connections): their polls wait on a pool of their own. With one pool they held every
+    thread for a request timeout each round, and a live agent's chunks waited behind them."""
+    release = threading.Event()
+    requests: list[str] = []
+    handler = type("Hanging", (_Hanging,), {"release": release, "requests": requests})
+    hung = [f"h{i}" for i in range(MAX_POLL_THREADS + 4)]
+    ports = {node: closed_port() for node in hung}
+    servers: list[http.server.ThreadingHTTPServer] = []
+    keys = [key(i, space=11) for i in range(10)]
+    # a hung request holds its thread for a minute: only polls kept off those threads let
+    # the live agent's chunks in within wait_until's bound
+    followers = Followers(index, poll_s=0.05, drop_after_s=120, timeout_s=60)
+    try:
+        with running_agent(tmp_path / "a", "--name", "a", *SMALL) as a:
+            for node in hung:  # first in each round's queue
+                followers.add(node, f"http://127.0.0.1:{ports[node]}")
+            followers.add("a", a.state.control_url)
+            followers.start()
+            # nothing listens yet: each is refused (marked down, its poll failed), then its
+            # host takes connections and never answers
+            wait_until("the hung agents refused", lambda: followers.down_nodes() == set(hung))
+            for node in hung:
+                server = http.server.ThreadingHTTPServer(("127.0.0.1", ports[node]), handler)
+                threading.Thread(target=server.serve_forever, daemon=True).start()
+                servers.append(server)
+            wait_until("a pool's worth of hung polls", lambda: len(requests) >= MAX_POLL_THREADS)
+            put(a, keys)
+            wait_until("a's chunks in the index", lambda: index.nodes() == {"a": len(keys)})
+            assert followers.up_nodes() == {"a"}
+    finally:
+        release.set()
+        followers.close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
