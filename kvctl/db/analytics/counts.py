@@ -219,14 +219,30 @@ class Counts(HitCounts):
     @property
     def impossible_hits(self) -> bool:
         """Whether the hit counts cannot be true (``HitCounts.impossible``; or more hit tokens
-        than lookup tokens, more hits in a tier than the node's lookups): rows recorded from an
-        agent whose hits rose past its lookups, before the collector refused such intervals."""
+        than lookup tokens, more hits in a tier than the node's lookups; or a count below zero,
+        which no collector records: rows written by hand or restored from a broken export):
+        rows recorded from an agent whose hits rose past its lookups, before the collector
+        refused such intervals."""
         return (
             self.impossible
             or self.hit_tokens > self.lookup_tokens
             or any(v > self.lookups for v in self.tier_hits.values())
             or any(v > self.lookup_tokens for v in self.tier_hit_tokens.values())
+            or min(self._hit_count_values(), default=0) < 0
         )
+
+    def _hit_count_values(self) -> list[float]:
+        """Every count the hit figures are made of, the tiers' too."""
+        out = [self.lookups, self.hits, self.reuse_hits, self.sharing_hits]
+        out += [self.lookup_tokens, self.hit_tokens]
+        for per_tier in (
+            self.tier_hits,
+            self.tier_hit_tokens,
+            self.tier_reuse_hits,
+            self.tier_sharing_hits,
+        ):
+            out += per_tier.values()
+        return out
 
     def unknown_hits(self) -> None:
         """All hit counts unknown (``HitCounts.unknown_hits``), the tokens' and tiers' too."""

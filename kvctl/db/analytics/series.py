@@ -84,8 +84,10 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
             looked, hits = as_int(m["lookups"]), as_int(m["hits"])
             reuse, sharing = as_int(m["reuse_hits"]), as_int(m["sharing_hits"])
             # a node's bucket whose hits cannot be true (rows from before the collector
-            # refused them) is left out of the bucket's hit counts: unknown, not summed
-            if not HitCounts(looked, hits, reuse, sharing).impossible:
+            # refused them, or below zero: written by hand) is left out of the bucket's hit
+            # counts: unknown, not summed
+            counts = HitCounts(looked, hits, reuse, sharing)
+            if not counts.impossible and min(looked, hits, reuse, sharing) >= 0:
                 out.lookups[i] += looked
                 out.hits[i] += hits
                 out.reuse_hits[i] += reuse
