@@ -11,6 +11,10 @@ from kvctl.errors import InvalidArgument
 Kind = Literal["stored", "removed", "cleared"]
 KINDS: tuple[Kind, ...] = ("stored", "removed", "cleared")
 KEY_BYTES = 16
+#: the largest size or token count an event may carry (an int64's): JSON carries integers of
+#: any size, and one past a float's range (~1.8e308) failed every route over its chunk with
+#: OverflowError (the plan divides bytes by bandwidths, multiplies tokens into seconds)
+MAX_COUNT = 2**63 - 1
 
 #: an agent's store event type -> what it means for the index (the chunk is now in ``tier``,
 #: or gone); other types (fetch plans, ...) say nothing about where chunks are
@@ -51,8 +55,10 @@ class ChunkEvent:
             raise InvalidArgument("a stored event names its tier")
         for what in ("size_bytes", "tokens"):
             value = getattr(self, what)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidArgument(f"event {what} must be an int >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+                raise InvalidArgument(
+                    f"event {what} must be an int from 0 to {MAX_COUNT}, got {value!r:.40}"
+                )
 
     def visible_to(self, tenant: str) -> bool:
         """Whether ``tenant`` may learn that this chunk exists."""

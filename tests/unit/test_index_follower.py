@@ -137,6 +137,38 @@ def test_malformed_events_and_listed_chunks_are_counted_and_skipped() -> None:
     assert index.holders([K1, K2, K3], tenant="t") == [[], [Holding("a", "disk", 64, 4)], []]
 
 
+def test_counts_past_an_int64_are_malformed_not_a_route_that_fails() -> None:
+    """JSON carries integers of any size: a chunk an agent lists or publishes with a size or a
+    token count past any int64 (a buggy or hostile agent) is skipped and counted. Indexed, it
+    failed every route over its key with OverflowError (the plan's bytes / bandwidth, its
+    tokens' prefill seconds): a 500, and the router dropped the client's connection."""
+    huge = 10**400
+    script: dict[str, Any] = {
+        "instance": "one",
+        "events": [],
+        "items": [
+            {**_stored(K1, "disk"), "size_bytes": huge},
+            {**_stored(K2), "tokens": huge},
+            _stored(K3),
+        ],
+    }
+    index = EmbeddedIndex()
+    topology = Topology.build([Node("a", "fra"), Node("b", "fra")])
+    router = Router(index, topology, Costs(PrefillModel(1e-4, 1e-9, "configured: test")))
+    with scripted(script) as url:
+        follower = Follower(index, "a", url)
+        assert follower.poll_once() == 1  # the resync: the one chunk with sane counts
+        script["events"] = [
+            {"seq": 1, "type": "store", **_stored(K1), "size_bytes": 2**63},
+            {"seq": 2, "type": "move", **_stored(K3, "disk"), "tokens": 2**63},
+        ]
+        assert follower.poll_once() == 0
+        assert follower.status()["malformed"] == 4
+    assert index.holders([K1, K2, K3], tenant="t") == [[], [], [Holding("a", "cpu", 64, 4)]]
+    for k in (K1, K2, K3):
+        assert router.route([k], tenant="t").node in ("a", "b")
+
+
 def test_a_key_listing_that_does_not_advance_is_an_error_not_a_loop_for_ever() -> None:
     """An agent (or a cache in front of it that ignores the query) answering every page of
     /v1/keys with the same page and cursor must fail the resync, not hold the follower (and
