@@ -1,0 +1,65 @@
+"""Negative hit counts in a node's rows (written by hand, by an older collector, or restored from
+a broken export: today's collector never records a decrease) are unknown, as more hits than
+lookups already were: before, they were summed into the DC's and the fleet's figures, so one
+bad row took the dashboard's fleet hit ratio (and `kvctl status --window`'s, the same read) from
+46.7% to 31.6%, or its tokens saved below zero, labelled measured. SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.engine import Engine
+
+from dashboard.app import create_app, render
+from kvctl.db.analytics.recorded import recorded
+from kvctl.db.analytics.series import time_series
+from kvctl.db.analytics.windows import window_for
+from kvctl.db.ingest import insert_rows
+from kvctl.db.inventory import list_nodes
+from kvctl.db.models import Node, raw_table
+from tests.functional.dashboard_history import NOW, T, _cache, fill_history
+from tests.functional.test_dashboard_app import by_id, card_value, url_of
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"hits": -40, "hit_tokens": -10240, "sharing_hits": -40},
+        {"lookups": 5, "lookup_tokens": 1280, "hits": 2, "hit_tokens": -51200},
+        {"lookups": 5, "lookup_tokens": 1280, "hits": 2, "reuse_hits": -3, "sharing_hits": 5},
+    ],
+    ids=["hits", "hit-tokens", "reuse-hits"],
+)
+def test_a_nodes_negative_hit_counts_are_unknown_not_summed(
+    db: Engine, bad: dict[str, int]
+) -> None:
+    fill_history(db)
+    with db.begin() as conn:
+        ams_a = conn.execute(select(Node.id).where(Node.name == "ams-a")).scalar_one()
+        insert_rows(conn, raw_table("cache_sample"), [_cache(ams_a, "all", T + 60_000, **bad)])
+    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
+    try:
+        page, _ = render(app, "/", "", "1h", None, None)
+        detail, _ = render(app, "/detail", "?dc=ams", "1h", None, None)
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+    # fra alone: 60 + 10 hits of 100 + 50 lookups; ams-a's counts are unknown
+    assert card_value(page, "card-hit-ratio") == "46.7%"
+    assert card_value(page, "card-tokens") == "17,920"  # fra's 10,240 + 5,120 + 2,560
+    rows: dict[str, Any] = {r["DC"]: r for r in by_id(page, "table-dcs").data}
+    assert (rows["ams"]["lookups"], rows["ams"]["hit ratio"]) == (0, "N/A")
+    assert (rows["fleet"]["lookups"], rows["fleet"]["hit ratio"]) == (150, "46.7%")
+    nodes = by_id(detail, "table-nodes").data
+    assert [(r["node"], r["hit ratio"]) for r in nodes] == [("ams-a", "N/A")]
+    # `kvctl status --window`'s figures are the same read
+    win = window_for("1h", NOW)
+    with db.connect() as conn:
+        rec = recorded(conn, win, list_nodes(conn))
+        series = time_series(conn, win, [ams_a])
+    assert rec.fleet.hit_figures()["hit_ratio"] == pytest.approx(70 / 150)
+    assert rec.dcs["ams"].hit_figures()["hit_ratio"] is None
+    # the node's hit ratio over time: the bad bucket is no number, not a negative one
+    assert all(v >= 0 for v in [*series.lookups, *series.hits, *series.reuse_hits])
+    assert all(v >= 0 for v in series.sharing_hits)
