@@ -675,9 +675,13 @@ class Followers:
             return sum(f.poll_once() for f in followers)
         return sum(f.result() for f in [pool.submit(f.poll_once) for f in followers])
 
-    def _poll_round(self) -> None:
-        """Start a poll for every agent not still busy with the last one (the thread's round)."""
+    def _poll_round(self, stop: threading.Event) -> None:
+        """Start a poll for every agent not still busy with the last one (the thread's round).
+        Nothing once ``stop`` is set: stop() has taken the pools, and a round begun before it
+        would make new ones that no one shuts, their polls going on after it returned."""
         with self._lock:
+            if stop.is_set():
+                return
             pool = self._ensure_pool_locked()
             for node, follower in self._followers.items():
                 busy = self._inflight.get(node)
@@ -712,7 +716,7 @@ class Followers:
         while not stop.is_set():
             started_s = time.monotonic()
             try:
-                self._poll_round()
+                self._poll_round(stop)
             except Exception:  # the thread must outlive any one bad round
                 log.exception("follower round failed")
             stop.wait(max(0.0, self.poll_s - (time.monotonic() - started_s)))

@@ -591,3 +591,37 @@ def test_an_events_answer_too_long_fails_the_poll_unread() -> None:
     assert status["malformed"] == 0 and status["errors"] == 1
     assert "/v1/events/recent: answer of" in status["last_error"]
     assert "over the 1,048,576 taken" in status["last_error"]
+
+
+def test_a_round_under_way_when_stop_is_called_leaves_no_poll_thread_behind() -> None:
+    """stop() takes both pools, then waits for the round thread; a round that had begun before
+    stop() took them made a new pool (the agent answering or not) and polled on it: that pool
+    was shut by no one, its threads left running after stop() and close(), polling a router
+    that had stopped. The round is held at its start here until stop() has taken the pools."""
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldRound(Followers):
+        def _poll_round(self, *args: Any) -> None:
+            entered.set()
+            release.wait(10)
+            super()._poll_round(*args)
+
+    before = {t.ident for t in threading.enumerate()}
+    followers = HeldRound(EmbeddedIndex(), {"a": (f"http://127.0.0.1:{closed_port()}", None)})
+    followers.start()
+    try:
+        assert entered.wait(10)
+        stopper = threading.Thread(target=followers.stop)
+        stopper.start()
+        deadline_s = time.monotonic() + 10
+        while not followers._stop.is_set():  # stop() has taken the pools
+            assert time.monotonic() < deadline_s
+            time.sleep(0.01)
+        release.set()
+        stopper.join(10)
+        assert not stopper.is_alive()
+        left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+        assert left == []
+    finally:
+        release.set()
+        followers.close()
