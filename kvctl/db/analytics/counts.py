@@ -12,7 +12,6 @@ modeled prefill rate. Hit ratios are :class:`~kvctl.ratios.HitCounts`' own.
 from __future__ import annotations
 
 import functools
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import Field, dataclass, field, fields
@@ -21,7 +20,7 @@ from typing import Any, Final
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.savings import JOULES_PER_KWH, Savings, gpu_key, savings
-from kvctl.db.analytics.values import as_float, as_int, gauge_mean
+from kvctl.db.analytics.values import as_float, as_int, gauge_mean, possible_joules
 from kvctl.db.inventory import DcInfo, NodeInfo
 from kvctl.db.rollup import series, window
 from kvctl.profiles import GPUS, GPUProfile, ModeledInputs, ModelProfile
@@ -444,7 +443,7 @@ def measured_counts(
             energy[m["node_id"]] += float(m["energy_j"])
         c.power_w += gauge_mean(m, "power_w") or 0.0
     for node_id, joules in energy.items():
-        if not _possible_joules(joules):
+        if not possible_joules(joules):
             continue  # unknown, as without NVML: never summed into its DC's and the fleet's
         out[node_id].energy_nodes = 1
         out[node_id].energy_j = joules
@@ -459,7 +458,7 @@ def measured_counts(
         c.emulated_profiles[f"{m['gpu_profile']}/{m['model']}"] = 1
     for node_id, joules in emulated.items():
         c = out[node_id]
-        if not _possible_joules(joules):
+        if not possible_joules(joules):
             # unknown: nor its busy time and tokens, the other nodes' tokens per joule
             c.emulated_busy_s, c.emulated_lookup_tokens = 0.0, 0
             c.emulated_profiles.clear()
@@ -496,13 +495,6 @@ def measured_counts(
             c.both_tokens = c.prompt_tokens + c.generation_tokens
             c.both_energy_j = c.energy_j
     return out
-
-
-def _possible_joules(joules: float) -> bool:
-    """Whether a node's energy over a window can be true: no collector records one below zero
-    or not finite (NVML's counter only rises; emulated energy is busy time x watts), so such a
-    sum comes of rows written by hand or a broken export, and is unknown, not a figure."""
-    return math.isfinite(joules) and joules >= 0
 
 
 def node_counts(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from kvctl.agent_starting import says_starting
-from kvctl.db.analytics.values import as_int, gauge_mean
+from kvctl.db.analytics.values import as_int, gauge_mean, possible_joules
 from kvctl.db.analytics.windows import Window, bucket_starts, bucketed_rows
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import buckets, series
@@ -123,7 +124,10 @@ def _add_power(
     power_w: list[float | None],
     energy_j: list[float | None],
 ) -> None:
-    """Add ``table``'s power (the sum of each series' mean) and energy to each bucket's."""
+    """Add ``table``'s power (the sum of each series' mean) and energy to each bucket's. A
+    node's energy in a bucket that is below zero or not finite (rows written by hand, a broken
+    export: no collector records one) is unknown, left out of the bucket's as
+    ``counts.measured_counts`` leaves it out of a window's."""
     q = buckets(
         conn,
         series(table),
@@ -133,11 +137,15 @@ def _add_power(
         where=where,
         columns=["energy_j", "power_w"],
     )
+    node_joules: dict[tuple[int, int], float] = defaultdict(float)  # (bucket, node): J
     for i, m in bucketed_rows(conn, q, starts):
         if (mean := gauge_mean(m, "power_w")) is not None:
             power_w[i] = (power_w[i] or 0.0) + mean
         if m["energy_j"] is not None:
-            energy_j[i] = (energy_j[i] or 0.0) + float(m["energy_j"])
+            node_joules[i, m["node_id"]] += float(m["energy_j"])
+    for (i, _node), joules in node_joules.items():
+        if possible_joules(joules):
+            energy_j[i] = (energy_j[i] or 0.0) + joules
 
 
 @dataclass(frozen=True, slots=True)
