@@ -753,6 +753,9 @@ def status_command(
         report |= agent_figures(checked)
         if since.impossible:  # more hits than lookups: unknown, as status and top have them
             report |= since.counts.hit_figures()
+            for name, t in since.tier_hits.items():  # a tier's too, not shown as said
+                for part in t.unknown & set(report["tiers"].get(name, {})):
+                    report["tiers"][name][part] = None
         report["rejected"] = dict(rejected.fields) | since.impossible
         # as checked: a count that cannot be true (or a dataplane not an object) is unknown and
         # named under rejected, not shown as said

@@ -15,6 +15,7 @@ from typing import Any
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app as cli
+from tests.functional.test_agent_status_impossible_values import INFO
 from tests.functional.test_collector_impossible_values import StandIn, _stats
 from tests.functional.test_status_impossible_values import _inventory
 from tests.functional.test_top_impossible_values import _strict
@@ -89,3 +90,25 @@ def test_agent_status_has_them_unknown_and_named(stand_ins: tuple[StandIn, Stand
     assert report["rejected"] == BEYOND, report["rejected"]
     assert (report["lookups"], report["hits"], report["hit_ratio"]) == (None, None, None)
     assert report["lookup_requests"] == 50  # the rest stands
+
+
+def test_agent_status_shows_no_tier_hits_it_names_as_impossible(
+    stand_ins: tuple[StandIn, StandIn],
+) -> None:
+    """`kvctl agent status` named stats.tiers.cpu.hits and .sharing_hits under rejected (more
+    than the node's 50 lookups) but still showed them, 80 each, in its JSON's tiers and as the
+    cpu tier's '80 hit' in its table; `kvctl status` has them null. The rest of the tier, and
+    the tiers that are sound, stand."""
+    _, n2 = stand_ins
+    n2.answers["/v1/stats"] = _stats(50, 80, 0.0)
+    n2.answers["/v1/info"] = INFO
+    out = runner.invoke(cli, ["agent", "status", "--url", n2.url, "--json"])
+    assert out.exit_code == 0, out.output
+    cpu = _strict(out.stdout)["tiers"]["cpu"]
+    assert (cpu["hits"], cpu["sharing_hits"]) == (None, None), cpu
+    assert (cpu["reuse_hits"], cpu["bytes_read"]) == (0, 80)  # not named: they stand
+    assert _strict(out.stdout)["tiers"]["disk"]["hits"] == 0
+    table = runner.invoke(cli, ["agent", "status", "--url", n2.url], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    cpu_row = next(line.split() for line in table.stdout.splitlines() if " cpu " in line)
+    assert cpu_row[-2:] == ["N/A", "│"], table.stdout  # its hits column
