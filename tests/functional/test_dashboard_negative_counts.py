@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from dashboard.app import create_app, render
 from kvctl.db.analytics.recorded import recorded
 from kvctl.db.analytics.series import time_series
+from kvctl.db.analytics.summary import fleet_summary
 from kvctl.db.analytics.windows import window_for
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import list_nodes
@@ -63,3 +64,32 @@ def test_a_nodes_negative_hit_counts_are_unknown_not_summed(
     # the node's hit ratio over time: the bad bucket is no number, not a negative one
     assert all(v >= 0 for v in [*series.lookups, *series.hits, *series.reuse_hits])
     assert all(v >= 0 for v in series.sharing_hits)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"hits": -40, "hit_tokens": -10240, "sharing_hits": -40},
+        {"lookups": 5, "lookup_tokens": 1280, "hits": 2, "hit_tokens": -51200},
+        {"lookups": 5, "lookup_tokens": 1280, "hits": 2, "reuse_hits": -3, "sharing_hits": 5},
+    ],
+    ids=["hits", "hit-tokens", "reuse-hits"],
+)
+def test_the_sql_fleet_summary_leaves_them_out_as_the_read_model_does(
+    db: Engine, bad: dict[str, int]
+) -> None:
+    """kvctl.db.analytics.summary (the benches' per-DC totals summed in SQL, "its totals are
+    the read model's") summed the negative row the read model leaves out: the fleet read
+    31.6% (and ams 44.4%) where the dashboard read 46.7%."""
+    fill_history(db)
+    with db.begin() as conn:
+        ams_a = conn.execute(select(Node.id).where(Node.name == "ams-a")).scalar_one()
+        insert_rows(conn, raw_table("cache_sample"), [_cache(ams_a, "all", T + 60_000, **bad)])
+    win = window_for("1h", NOW)
+    with db.connect() as conn:
+        summary = fleet_summary(conn, win.start_ms, win.end_ms)
+    dcs = {d.dc: d for d in summary.dcs}
+    assert (summary.total.lookups, summary.total.hits) == (150, 70)
+    assert summary.total.hit_ratio == pytest.approx(70 / 150)
+    assert summary.total.hit_tokens == 17_920
+    assert (dcs["ams"].lookups, dcs["ams"].hits, dcs["ams"].hit_ratio) == (0, 0, None)

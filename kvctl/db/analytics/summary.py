@@ -80,10 +80,28 @@ def _sound_sum(w: Any, counter: str) -> Any:
     arrives, so a span can hold the move without its hit). A node's that cannot (rows
     recorded from an agent whose hits rose past its lookups, before the collector refused such
     intervals) are unknown, left out of its DC's sums as ``HitCounts.add_hits`` leaves them
-    out: never 1e9 hits over 1 lookup."""
+    out: never 1e9 hits over 1 lookup. Nor a count below zero, which no collector records (rows
+    written by hand, a broken export): the read model has such a node's hits unknown too
+    (``Counts.impossible_hits``), and these totals are its totals."""
     c = w.c
-    sound = and_(c.hits <= c.lookups, c.hit_tokens <= c.lookup_tokens)
+    sound = and_(
+        c.hits <= c.lookups,
+        c.hit_tokens <= c.lookup_tokens,
+        # a count with no reading (NULL, an older agent's reuse/sharing) is none, not below 0
+        *(func.coalesce(c[name], 0) >= 0 for name in _HIT_COUNT_COLUMNS),
+    )
     return func.sum(case((sound, c[counter]), else_=0))
+
+
+#: the node's counts its hit figures are made of (``_sound_sum``)
+_HIT_COUNT_COLUMNS = (
+    "lookups",
+    "lookup_tokens",
+    "hits",
+    "hit_tokens",
+    "reuse_hits",
+    "sharing_hits",
+)
 
 
 def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
