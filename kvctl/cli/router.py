@@ -1,4 +1,5 @@
-"""`kvctl router serve|status` and `kvctl route`: the fleet's KV index and cost-based routing.
+"""`kvctl router serve|status|forget` and `kvctl route`: the fleet's KV index and cost-based
+routing.
 
 The router follows every agent's store events into one index and answers "which node should
 serve this prompt" from it (``kvctl.router``). This module only reads the fleet (a fleet file,
@@ -490,7 +491,11 @@ def serve_command(
     /metrics. Runs until SIGTERM or Ctrl-C.
 
     The fleet comes from --fleet FILE, from --agent flags, or else from the fleet database;
-    a file or the database is reread every --reload-s seconds and on SIGHUP.
+    a file or the database is reread every --reload-s seconds and on SIGHUP. With the
+    database, a shared (Redis) index's entries of nodes it does not name (removed while no
+    router ran) are dropped at start and at each reread, unless the index holds none of its
+    nodes; with --fleet or --agent, `kvctl router status` names them and
+    `kvctl router forget NODE` drops one.
     Agents are read with $KVCTL_TOKEN when they have a token. Every figure the router reports
     is modeled, from the inputs it shows (link distances, the prefill profile or rate).
 
@@ -565,6 +570,10 @@ def serve_command(
             source=inventory_name,
             agent_token=agent_token,
             interval_s=reload_s,
+            # the fleet database is the fleet's own inventory: what it does not name left the
+            # fleet. Not --agent flags or a file: a developer's router with a few of the nodes
+            # against the fleet's Redis would empty it for every router
+            forget_unknown=not source.agents and source.fleet is None,
         )
         router.inventory = reloader
         server = RouterServer(router, listen=listen, token=token, log_level=log_level)
@@ -680,9 +689,12 @@ def _render_status(report: dict[str, Any]) -> None:
     followers = {str(f["node"]): f for f in index.get("followers", [])}
     nodes = sorted(set(stats["nodes"]) | set(index["nodes"]) | set(followers))
     table = Table("node", "agent", "entries", "decisions", "to holder", "queue (modeled)")
+    unknown = index.get("not_in_inventory") or {}
     for name in nodes:
         f = followers.get(name)
         state = "-" if f is None else ("[green]up[/]" if f.get("up") else "[bold red]down[/]")
+        if name in unknown:
+            state = "[yellow]not in inventory[/]"
         if f is not None and (note := _replace_failing(f)):
             state += f"\n[yellow]{note}[/]"
         row = stats["nodes"].get(name, {})
@@ -727,6 +739,15 @@ def _render_status(report: dict[str, Any]) -> None:
                 "(routing on what was read before)",
                 highlight=False,
             )
+        if inventory.get("forgotten_nodes"):
+            console.print(
+                f"dropped from the index as not in the inventory: "
+                f"{inventory['forgotten_nodes']:,} nodes, {inventory['forgotten_entries']:,} "
+                f"entries (last: {escape(', '.join(inventory.get('last_forgotten') or []))})",
+                highlight=False,
+            )
+    if unknown := index.get("not_in_inventory"):
+        console.print(unknown_nodes_line(unknown, inventory or {}), highlight=False)
     for link in stats["links"]:
         console.print(
             f"pulled {escape(link['from_dc'])} -> {escape(link['to_dc'])}: {link['chunks']:,} "
@@ -739,6 +760,32 @@ def _render_status(report: dict[str, Any]) -> None:
             console.print(f"  [yellow]{note}[/]", highlight=False)
         if feed.get("last_error"):
             console.print(f"  [red]{escape(str(feed['last_error']))}[/]", highlight=False)
+
+
+#: index names ``kvctl router status`` shows of those not in the router's inventory
+UNKNOWN_NODES_SHOWN = 3
+
+
+def unknown_nodes_line(unknown: dict[str, int], inventory: dict[str, Any]) -> str:
+    """The index's nodes the router's inventory does not name (``not_in_inventory``), and how
+    they go: this router drops them itself (the fleet database) unless its last pass says why
+    not, else `kvctl router forget`."""
+    from rich.markup import escape
+
+    names = sorted(unknown)
+    shown = ", ".join(names[:UNKNOWN_NODES_SHOWN]) + (
+        ", ..." if len(names) > UNKNOWN_NODES_SHOWN else ""
+    )
+    line = (
+        f"[yellow]in the index, not in this router's inventory[/]: {len(names):,} nodes "
+        f"({sum(unknown.values()):,} entries), e.g. {escape(shown)}; "
+    )
+    note = inventory.get("forget_note")
+    if inventory.get("forgets_unknown") and not note:
+        return line + "dropped at the next reread of the inventory"
+    if note:
+        line += f"not dropped: {escape(str(note))}; "
+    return line + "`kvctl router forget NODE` drops them"
 
 
 def engine_feed_line(feed: dict[str, Any]) -> str:
@@ -779,6 +826,68 @@ def _replace_failing(state: dict[str, Any]) -> str:
     else:
         when = "now"
     return f"index replace failing: retry {when} ({failures:,} failed in a row)"
+
+
+# --- forget ----------------------------------------------------------------------------------
+
+
+@router_app.command("forget")
+def forget_command(
+    node: Annotated[
+        str,
+        typer.Argument(
+            metavar="NODE",
+            help="The node that left the fleet (its engines' NODE#vllm entries go with it), "
+            "or NODE#ENGINE for that engine's entries only.",
+            show_default=False,
+        ),
+    ],
+    router: RouterUrlOpt = None,
+    token_file: TokenFileOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Drop a node's entries from the router's fleet index: a node removed from the inventory
+    while no router ran, or one a router was restarted without (fewer --agent flags), stays in
+    a shared (Redis) index, and `kvctl router status` names it ("in the index, not in this
+    router's inventory"). Refused for a node the router follows (it would write them again at
+    once: remove it from the inventory first) and for one the index holds no entry of. A router
+    elsewhere that still follows the node writes its entries again.
+
+    Examples:
+
+      kvctl router forget gpu-17
+
+      kvctl router forget gpu-17#vllm --router http://10.0.0.9:9480 --token-file router.token
+
+      kvctl router forget gpu-17 --json
+    """
+    from kvctl.redact import redact_url
+    from kvctl.router.client import RouterClient, RouterClientError
+
+    url = router_url(router)
+    try:
+        with RouterClient(url, token=router_token(token_file)) as client:
+            answer = client.forget(node)
+    except RouterClientError as exc:
+        if exc.status in (404, 405):  # every router path exists: one before `forget`?
+            fail(
+                f"{exc}: a router older than this kvctl (no /v1/index/forget), or not a kvctl "
+                "router",
+                hint="upgrade the router, or give --router the address `kvctl router serve` prints",
+                code=1,
+            )
+        router_failed(exc)
+    if json_out:
+        print_json({"router": redact_url(url), **answer})
+        return
+    from rich.markup import escape
+
+    dropped: dict[str, int] = answer.get("dropped") or {}
+    parts = ", ".join(f"{escape(name)} {n:,}" for name, n in sorted(dropped.items()))
+    console.print(
+        f"dropped {answer.get('entries', 0):,} index entries of {escape(node)} ({parts})",
+        highlight=False,
+    )
 
 
 # --- route -----------------------------------------------------------------------------------

@@ -60,7 +60,8 @@ _ERROR_STATUS: dict[type[KvctlError], int] = {
 }
 _ERROR_TEXT: dict[int, str] = {
     400: "bad input the schema cannot express: a malformed key, too many keys or tokens, an "
-    "unknown DC or policy, an empty prompt",
+    "unknown DC or policy, an empty prompt, a node to forget that the index does not hold or "
+    "that the router follows",
     401: "missing or wrong bearer token (when the router has a token)",
     413: "request body over the router's limit",
     503: "no node can serve the request (none up or reachable from its DC), or the index did "
@@ -138,6 +139,14 @@ class HoldersRequest(_Request):
         "",
         max_length=256,
         description="tenant asking; isolated chunks of other tenants are never shown",
+    )
+
+
+class ForgetRequest(_Request):
+    node: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="the node whose index entries to drop (NODE#ENGINE: that engine's only)",
     )
 
 
@@ -324,6 +333,14 @@ class _RouterCollector:
         for node, n in (nodes or {}).items():
             entries.add_metric([node], n)
         yield entries
+        if nodes is not None:
+            unknown = r.unknown_index_nodes(nodes)
+            yield GaugeMetricFamily(
+                "kvctl_index_unknown_nodes",
+                "Nodes in the index that this router's inventory does not name (a node removed "
+                "while no router ran; `kvctl router forget NODE` drops one)",
+                value=float(len(unknown)),
+            )
         followers = r.follower_status()
         follower_up = GaugeMetricFamily(
             "kvctl_index_follower_up",
@@ -510,9 +527,19 @@ def create_app(
         return {
             "kind": getattr(router.index, "kind", type(router.index).__name__),
             "nodes": nodes,
+            "not_in_inventory": router.unknown_index_nodes(nodes),
             "followers": router.follower_status(),
             "engines": router.engine_status(),
         }
+
+    @app.post("/v1/index/forget", tags=["index"], responses=_errors(400, 503))
+    def forget(body: ForgetRequest) -> dict[str, Any]:
+        """Drop every index entry of a node that left the fleet, its engines' (NODE#vllm) with
+        them (or one engine's, given NODE#ENGINE): a node removed while no router ran stays in a
+        shared index otherwise. 400 for a node in this router's inventory (it would be written
+        again at once) or one the index holds no entry of."""
+        dropped = router.forget(body.node)
+        return {"node": body.node, "dropped": dropped, "entries": sum(dropped.values())}
 
     @app.get("/metrics", tags=["router"], responses=_errors())
     def metrics(request: Request) -> Response:

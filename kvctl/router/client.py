@@ -131,6 +131,11 @@ class RouterClient:
     def index(self) -> dict[str, Any]:
         return self._json("GET", "/v1/index")
 
+    def forget(self, node: str) -> dict[str, Any]:
+        """Drop a node's index entries (``Router.forget``): {node, dropped: {name: entries},
+        entries}."""
+        return self._json("POST", "/v1/index/forget", json={"node": node})
+
     def health(self) -> dict[str, Any]:
         return self._json("GET", "/v1/health")
 

@@ -6,9 +6,20 @@ wires SIGHUP to it), so a node removed with ``kvctl fleet rm`` stops getting tra
 one is followed. A reread that changed something swaps the router's topology, then follows the
 new nodes (``Followers.add``: a node at a new URL or token is followed anew) and stops following
 the removed ones (``Followers.remove``, which drops their index entries: they left the fleet, for
-every router). A reread that fails, or finds no node at all (a database restored empty, a file
-half written), changes nothing: the router keeps routing on what it read last, and says why in
-its status.
+every router), with their engines' (``NODE#vllm``, an engine's own KV events). A reread that
+fails, or finds no node at all (a database restored empty, a file half written), changes nothing:
+the router keeps routing on what it read last, and says why in its status.
+
+A shared index (Redis) also holds nodes no running router removed: one removed while no router
+ran, or one a router restarted without (fewer ``--agent`` flags). With ``forget_unknown`` (the
+inventory is the fleet's own: the fleet database) a node in the index that the inventory does not
+name is dropped at start and at each reread, with its engines' entries. The index's nodes are
+listed before the inventory is read: a node added meanwhile, and written by a router that read
+it, is in the inventory read after. Not when the index holds none of the inventory's nodes (a
+database of another fleet, a developer's own SQLite file, against the fleet's Redis): nothing is
+dropped then, and the status says why. Without it (``--agent`` flags, a fleet file, which a
+developer's router may give with a few nodes) nothing is dropped: the router's status names the
+index's nodes it does not know, and ``Router.forget`` drops one on an operator's word.
 """
 
 from __future__ import annotations
@@ -16,11 +27,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.follower import Followers
+from kvctl.index.model import owner
+from kvctl.index.remote import IndexUnavailable
 from kvctl.router.service import Router
 from kvctl.router.topology import Topology
 
@@ -29,6 +42,9 @@ log = logging.getLogger("kvctl.router.inventory")
 #: how often a router rereads its inventory by default
 DEFAULT_RELOAD_S = 30.0
 
+#: index names of the last nodes forgotten kept for the status
+MAX_LAST_FORGOTTEN = 10
+
 #: reads the inventory: the topology and each node's agent URL; raises when it cannot
 ReadInventory = Callable[[], tuple[Topology, Mapping[str, str]]]
 
@@ -36,7 +52,9 @@ ReadInventory = Callable[[], tuple[Topology, Mapping[str, str]]]
 class InventoryReloader:
     """Keeps ``router`` and ``followers`` in step with the inventory ``read`` returns (see the
     module). ``read`` None: the inventory cannot change (``--agent`` flags); ``interval_s`` 0:
-    reread only when asked. ``source`` names the inventory in the status."""
+    reread only when asked. ``source`` names the inventory in the status. ``forget_unknown``:
+    the inventory is the fleet's own, so the index's nodes it does not name are dropped (at
+    start and at each reread; see the module)."""
 
     def __init__(
         self,
@@ -47,6 +65,7 @@ class InventoryReloader:
         source: str,
         agent_token: str | None = None,
         interval_s: float = DEFAULT_RELOAD_S,
+        forget_unknown: bool = False,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         # the thread waits interval_s at a time: past TIMEOUT_MAX (inf) its first wait raised
@@ -74,6 +93,14 @@ class InventoryReloader:
         self.errors = 0
         self.last_error = ""
         self.last_error_s: float | None = None
+        self.forget_unknown = bool(forget_unknown) and read is not None
+        #: index names dropped as not in the inventory, and their entries, since the start
+        self.forgotten_nodes = 0
+        self.forgotten_entries = 0
+        #: the newest of them (at most MAX_LAST_FORGOTTEN)
+        self.last_forgotten: list[str] = []
+        #: why the last pass dropped none of the index's nodes that the inventory does not name
+        self.forget_note = ""
 
     # --- rereading ---------------------------------------------------------------------------
     def reload(self) -> bool:
@@ -82,6 +109,9 @@ class InventoryReloader:
         if self._read is None:
             return False
         with self._lock:
+            # listed before the read: a node added to the inventory meanwhile (and written by a
+            # router that read it) is in the read, never taken for one that left
+            listed = self._index_nodes() if self.forget_unknown else None
             try:
                 topology, urls = self._read()
                 if not topology.nodes:
@@ -101,7 +131,54 @@ class InventoryReloader:
             self.last_error = ""
             if changed:
                 self.changes += 1
+            if listed is not None:  # None: the index failed (noted by _index_nodes)
+                self._forget_unknown(listed)
             return True
+
+    def _index_nodes(self) -> dict[str, int] | None:
+        """The index's entries per name; None when it does not answer (noted, logged)."""
+        nodes = self.router.index_nodes()
+        if nodes is None:
+            self.forget_note = f"the index did not answer: {self.router.index_watch.error}"
+        return nodes
+
+    def _forget_unknown(self, listed: Mapping[str, int]) -> None:
+        """Drop the names of ``listed`` (the index's nodes before the read) whose node this
+        router does not know now, unless none of them is one it knows."""
+        unknown = sorted(self.router.unknown_index_nodes(listed))
+        if unknown and len(unknown) == len(listed):
+            self.forget_note = (
+                f"the index holds none of the inventory's {len(self.router.topology.nodes)} "
+                f"nodes, only {len(unknown)} others (another fleet's index?): none dropped"
+            )
+            log.warning("inventory (%s): %s", self.source, self.forget_note)
+            return
+        self.forget_note = ""
+        self._drop(unknown, "not in the inventory")
+
+    def _drop(self, names: Collection[str], why: str) -> None:
+        """Drop the index names ``names`` (logged and counted as forgotten)."""
+        dropped: dict[str, int] = {}
+        try:
+            for name in names:
+                dropped[name] = self.router.index.drop(name)
+        except IndexUnavailable as exc:
+            self.router.index_watch.failed(exc)
+            self.forget_note = f"the index failed dropping them: {exc}"[:300]
+        dropped = {name: n for name, n in dropped.items() if n}  # 0: gone already
+        if not dropped:
+            return
+        entries = sum(dropped.values())
+        self.forgotten_nodes += len(dropped)
+        self.forgotten_entries += entries
+        self.last_forgotten = [*self.last_forgotten, *dropped][-MAX_LAST_FORGOTTEN:]
+        log.warning(
+            "inventory (%s): %d index entries dropped, of %s (%s)",
+            self.source,
+            entries,
+            ", ".join(dropped),
+            why,
+        )
 
     def _apply(self, topology: Topology, urls: Mapping[str, str]) -> bool:
         followed = set(self.followers.nodes())
@@ -113,6 +190,8 @@ class InventoryReloader:
             self.followers.add(node, url, self._token)  # no-op for a node at the same URL
         for node in removed:
             self.followers.remove(node)
+        if removed and not self.forget_unknown:  # (forget_unknown drops them after the read)
+            self._drop_engines(removed)
         if changed or added or removed:
             log.info(
                 "inventory (%s) reread: %d nodes; added %s; removed %s",
@@ -122,6 +201,25 @@ class InventoryReloader:
                 ", ".join(removed) or "none",
             )
         return changed or bool(added or removed)
+
+    def _drop_engines(self, removed: Collection[str]) -> None:
+        """Drop the engines' entries (``NODE#vllm``) of the ``removed`` nodes: ``Followers.remove``
+        drops a node's own only. Not those of a node whose engine events this router reads."""
+        nodes = self.router.index_nodes()
+        if nodes is None:
+            log.warning(
+                "inventory (%s): the engines' index entries of %s not dropped: the index did "
+                "not answer",
+                self.source,
+                ", ".join(removed),
+            )
+            return
+        gone = set(removed)
+        known = self.router.known_nodes()
+        self._drop(
+            [n for n in nodes if n not in gone and owner(n) in gone and owner(n) not in known],
+            "their node left the inventory",
+        )
 
     def request(self) -> None:
         """Reread soon, in the reloader's thread (safe from a signal handler)."""
@@ -136,6 +234,8 @@ class InventoryReloader:
         self._thread.start()
 
     def _run(self) -> None:
+        if self.forget_unknown:
+            self.reload()  # at start: what nodes removed while no router ran left goes now
         while not self._stop.is_set():
             self._wake.wait(self.interval_s or None)
             if self._stop.is_set():
@@ -164,4 +264,9 @@ class InventoryReloader:
             "errors": self.errors,
             "last_error": self.last_error,
             "last_error_s": self.last_error_s,
+            "forgets_unknown": self.forget_unknown,
+            "forgotten_nodes": self.forgotten_nodes,
+            "forgotten_entries": self.forgotten_entries,
+            "last_forgotten": list(self.last_forgotten),
+            "forget_note": self.forget_note,
         }

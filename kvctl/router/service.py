@@ -20,12 +20,12 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.errors import InvalidArgument, KvctlError
-from kvctl.index.model import FleetIndex, Holding, owner
+from kvctl.index.model import ENGINE_SEPARATOR, FleetIndex, Holding, owner
 from kvctl.index.remote import MAX_KEYS, IndexUnavailable
 from kvctl.profiles import model_profile
 from kvctl.quantiles import nearest_rank
@@ -373,6 +373,76 @@ class Router:
             return None
         self.index_watch.answered()
         return nodes
+
+    def known_nodes(self) -> frozenset[str]:
+        """The nodes this router knows: its inventory's (the topology), those it follows, and
+        those whose engine's own KV events it reads (an index name owned by none of them is
+        another router's, or a node's that left the fleet)."""
+        names = set(self.topology.nodes)
+        if self.followers is not None:
+            names.update(self.followers.nodes())
+        names.update(self._fed_nodes())
+        return frozenset(names)
+
+    def unknown_index_nodes(self, nodes: Mapping[str, int]) -> dict[str, int]:
+        """Of the index's ``nodes`` (name -> entries), those whose node this router does not
+        know (``known_nodes``; ``NODE#vllm`` goes with NODE)."""
+        known = self.known_nodes()
+        return {name: n for name, n in nodes.items() if owner(name) not in known}
+
+    def forget(self, node: str) -> dict[str, int]:
+        """Drop every index entry of ``node``, one that left the fleet: its own and its
+        engines' (``NODE#vllm``); or only ``NODE#ENGINE``'s when given that name. Returns the
+        entries dropped per index name. InvalidArgument for a node this router knows (it would
+        write them again at once: remove it from the inventory first) or one the index holds
+        no entry of. A router elsewhere that still follows the node writes its entries again
+        (the drop takes the node's marker: its follower resyncs)."""
+        if not isinstance(node, str) or not node:
+            raise InvalidArgument("give the node whose index entries to drop")
+        known = self.known_nodes()
+        engine = ENGINE_SEPARATOR in node
+        if (node in known) if not engine else (owner(node) in self._fed_nodes()):
+            raise InvalidArgument(
+                f"{node!r} is in this router's inventory: it follows it and would write its "
+                "entries again at once; remove the node from the inventory first (`kvctl fleet "
+                "rm node`, the fleet file, or the router's --agent flags)"
+                if not engine
+                else f"this router reads {node!r}'s KV events (--vllm-events): its entries "
+                "would be written again at once"
+            )
+        nodes = self.index_nodes()
+        if nodes is None:
+            raise IndexUnavailable(self.index_watch.error)
+        names = [n for n in nodes if (n == node if engine else owner(n) == node)]
+        if not names:
+            unknown = sorted(self.unknown_index_nodes(nodes))
+            listed = ", ".join(unknown[:10]) + (", ..." if len(unknown) > 10 else "")
+            raise InvalidArgument(
+                f"the index holds no entry of {node!r}; "
+                + (
+                    f"nodes in the index that this router's inventory does not name: {listed}"
+                    if unknown
+                    else "every node in the index is in this router's inventory"
+                )
+            )
+        dropped: dict[str, int] = {}
+        try:
+            for name in names:
+                dropped[name] = self.index.drop(name)
+        except IndexUnavailable as exc:
+            self.index_watch.failed(exc)
+            raise
+        log.warning(
+            "forgot %s: %d index entries dropped (%s)",
+            node,
+            sum(dropped.values()),
+            ", ".join(f"{n} {c}" for n, c in dropped.items()),
+        )
+        return dropped
+
+    def _fed_nodes(self) -> frozenset[str]:
+        """The nodes whose engine's KV events this router reads."""
+        return frozenset(owner(str(feed.status().get("node", ""))) for feed in self.engine_feeds)
 
     def _usable(self, holdings: list[list[Holding]]) -> list[list[Holding]]:
         """``holdings`` without the copies of nodes whose agent this router marked down (an

@@ -424,7 +424,13 @@ def test_holders_and_index_answer_as_the_index_client_reads_them(served) -> None
     secret = c.post("/v1/index/holders", json={"keys": [ks[0].hex()], "tenant": "secret"}).json()
     assert [h["node"] for h in secret["holders"][0]] == ["a1", "b1"]
     got = c.get("/v1/index").json()
-    assert got == {"kind": "embedded", "nodes": {"a1": 2, "b1": 1}, "followers": [], "engines": []}
+    assert got == {
+        "kind": "embedded",
+        "nodes": {"a1": 2, "b1": 1},
+        "not_in_inventory": {},
+        "followers": [],
+        "engines": [],
+    }
     assert c.post("/v1/index/holders", json={"keys": ["0" * 31]}).status_code == 400
 
 
