@@ -11,9 +11,7 @@ import base64
 import hmac
 import logging
 import math
-import os
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +36,7 @@ from kvctl.db.analytics.windows import (
     fitted_window,
     window_for,
 )
+from kvctl.db.engine import follow_the_path
 from kvctl.format import compact_duration, format_utc_minute
 from kvctl.profiles import DEFAULT_GPU, DEFAULT_MFU, DEFAULT_MODEL, GPUS, MODELS
 
@@ -148,50 +147,10 @@ def read_only(engine: Engine, query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S) 
             if deadline is not None:
                 deadline[0] = time.monotonic() + query_timeout_s
 
-        _same_sqlite_file(engine)
+        # a file moved away or replaced while it runs is said gone, or read anew: never its
+        # ghost, and no empty database made at its path (kvctl.db.engine.follow_the_path)
+        follow_the_path(engine, "the dashboard")
     return engine
-
-
-def _file_id(path: str) -> tuple[int, int] | None:
-    """The file at ``path`` (device, inode); None where there is none."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
-
-
-def _same_sqlite_file(engine: Engine) -> None:
-    """A SQLite connection reads the file it opened, whatever is at its path since: one moved
-    or deleted (a backup restored with mv, the file cleaned away) kept the pages drawing the
-    figures of a file no longer there, and a connection opened after that created an empty
-    database at the path (this read-only dashboard writing a file) and said to upgrade its
-    schema. So a pooled connection whose file is no longer the one at its path is replaced
-    on checkout, and none is opened where no file is: the page says the file is gone."""
-    from sqlalchemy.exc import DisconnectionError
-
-    @event.listens_for(engine, "do_connect")
-    def _no_new_file(_dialect: Any, record: Any, cargs: list[Any], _cparams: Any) -> None:
-        path = str(cargs[0]) if cargs else ""
-        if not path or path == ":memory:" or path.startswith("file:"):
-            return  # no file, or a URI: opened as asked
-        record.info["kvctl_path"] = path
-        if _file_id(path) is None:  # sqlite3 would create it
-            raise sqlite3.OperationalError(
-                f"no database file at {path} (moved or deleted while the dashboard ran)"
-            )
-
-    @event.listens_for(engine, "connect")
-    def _opened(_dbapi_conn: Any, record: Any) -> None:
-        if "kvctl_path" in record.info:
-            record.info["kvctl_file"] = _file_id(record.info["kvctl_path"])
-
-    @event.listens_for(engine, "checkout")
-    def _still_there(_dbapi_conn: Any, record: Any, _proxy: Any) -> None:
-        path = record.info.get("kvctl_path")
-        if path is not None and _file_id(path) != record.info.get("kvctl_file"):
-            # the pool drops this connection and opens another (at the path's file, or none)
-            raise DisconnectionError(f"{path} is no longer the file this connection reads")
 
 
 def _wall_ms() -> int:

@@ -11,10 +11,11 @@ import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import create_engine, event
 from sqlalchemy.engine import URL, Connection, Engine, make_url
-from sqlalchemy.exc import ArgumentError
+from sqlalchemy.exc import ArgumentError, DisconnectionError
 
 from kvctl.paths import default_state_dir
 from kvctl.redact import redact_url
@@ -228,3 +229,99 @@ def _create_sqlite_file(path: Path) -> None:
         pass  # an existing database keeps its mode: its owner chose it
     except OSError as exc:
         raise DatabaseError(f"cannot create {path}: {exc.strerror}") from None
+
+
+# --- a SQLite file moved away or replaced while a process runs ---------------------------------
+# A SQLite database is the file at a path, but a connection reads and writes the file it
+# opened, whatever is at the path since. A process that runs on (the dashboard, the collector's
+# loop) kept its pooled connections on a file moved away (``mv metrics.db* /backup/``) or
+# replaced (a backup restored over the path with mv): the dashboard drew the figures of a file
+# no longer there, the collector wrote its rows where no one would read them, silently; and a
+# connection opened once no file was at the path made sqlite3 create an empty database there.
+# ``follow_the_path`` makes an engine's connections follow the path instead.
+
+#: a file on this host: (device, inode)
+FileId = tuple[int, int]
+
+#: keys of a pool record's ``info``: the path its connection opened (None: not a file), the
+#: file that was at the path then (None: it cannot be told, the path changed as it opened)
+_PATH = "kvctl_path"
+_FILE = "kvctl_file"
+
+#: engines following their path (each once, however many callers ask)
+_FOLLOWED: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+class NoDatabaseFile(sqlite3.OperationalError):
+    """No file at a followed engine's path: it was moved or deleted while the process ran. No
+    connection is opened (sqlite3 would create an empty database there); SQLAlchemy wraps it
+    in its OperationalError, this in ``orig``."""
+
+
+def file_id(path: str) -> FileId | None:
+    """The file at ``path`` (device, inode); None where there is none."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def sqlite_file_path(engine: Engine) -> str | None:
+    """The path of ``engine``'s SQLite file; None for another database, an in-memory one or a
+    ``file:`` URI (opened as asked)."""
+    if engine.dialect.name != "sqlite":
+        return None
+    database = engine.url.database
+    if not database or database == ":memory:" or database.startswith("file:"):
+        return None
+    if str(engine.url.query.get("uri", "")).lower() in ("true", "1"):
+        return None
+    return database
+
+
+def follow_the_path(engine: Engine, who: str) -> None:
+    """Make ``engine``'s connections (a SQLite file; else nothing changes) those of the file at
+    its path: a pooled connection whose file is no longer there (moved, deleted, replaced), or
+    that was opened before this call, is replaced at checkout (the pool opens another); none is
+    opened where no file is (:class:`NoDatabaseFile`: "no database file at PATH (moved or
+    deleted while ``who`` ran)"), sqlite3 being told never to create one (``mode=rw``). A new
+    file at the path is opened. :func:`connection_file` says which file a connection has."""
+    if sqlite_file_path(engine) is None or engine in _FOLLOWED:
+        return
+    _FOLLOWED.add(engine)
+
+    @event.listens_for(engine, "do_connect")
+    def _open_the_file_there(dialect: Any, record: Any, cargs: list[Any], cparams: Any) -> Any:
+        path = str(cargs[0]) if cargs else ""
+        if not path or path == ":memory:" or path.startswith("file:"):
+            record.info[_PATH] = None
+            return None  # no file, or a URI: opened as asked
+        record.info[_PATH] = path
+        before = file_id(path)
+        if before is None:  # sqlite3 would create it
+            raise NoDatabaseFile(f"no database file at {path} (moved or deleted while {who} ran)")
+        # a URI opened read-write, never created: one moved away as it opens fails to open
+        uri = f"file:{quote(os.path.abspath(path))}?mode=rw"
+        dbapi_conn = dialect.connect(uri, *cargs[1:], **{**cparams, "uri": True})
+        # the file opened is the one at the path before and after, else it cannot be told
+        record.info[_FILE] = before if file_id(path) == before else None
+        return dbapi_conn
+
+    @event.listens_for(engine, "checkout")
+    def _still_there(_dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        if _PATH not in record.info:
+            # opened before the engine followed its path: its file is not known
+            raise DisconnectionError("a connection opened before its file was followed")
+        path = record.info[_PATH]
+        opened = record.info.get(_FILE)
+        if path is not None and (opened is None or file_id(path) != opened):
+            # the pool drops this connection and opens another (the path's file, or none)
+            raise DisconnectionError(f"{path} is no longer the file this connection opened")
+
+
+def connection_file(conn: Connection) -> FileId | None:
+    """The file ``conn`` reads and writes (checked at its checkout to be the one at its path),
+    where its engine follows its path (:func:`follow_the_path`); else None."""
+    file: FileId | None = conn.info.get(_FILE)
+    return file
