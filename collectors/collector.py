@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, TypeVar
 
 import httpx
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from collectors.capped_transport import CappedTransport
@@ -55,7 +55,17 @@ from kvctl.client import (
 )
 from kvctl.counters import CountersMoved, CounterTracker
 from kvctl.daemon_pool import DaemonPool
-from kvctl.db.engine import StuckWatch, cut_when_stuck, driver_message, write_transaction
+from kvctl.db.engine import (
+    FileId,
+    NoDatabaseFile,
+    StuckWatch,
+    connection_file,
+    cut_when_stuck,
+    driver_message,
+    follow_the_path,
+    sqlite_file_path,
+    write_transaction,
+)
 from kvctl.db.ingest import insert_rows
 from kvctl.db.inventory import NodeInfo, list_nodes
 from kvctl.db.models import raw_table
@@ -330,11 +340,16 @@ class Collector:
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.engine = engine
+        # a SQLite file moved away or replaced while the loop runs: its rows kept until a file
+        # is there again, never written into the one moved nor into a new empty one
+        follow_the_path(engine, "the collector")
         self.config = config or CollectorConfig()
         self.metrics = metrics or CollectorMetrics()
         self._clock = clock
         self._tracker = CounterTracker()
         self._tracker_loaded = False
+        #: the SQLite file whose saved state the tracker holds (None: PostgreSQL, or not read)
+        self._tracker_file: FileId | None = None
         self._ttft_prev: dict[int, Histogram] = {}
         self._clients: dict[int, AgentClient] = {}
         #: clients replaced (a node's URL changed) or of removed nodes, each with the scrape
@@ -878,6 +893,7 @@ class Collector:
             return
         with self.engine.connect() as conn:
             self._tracker.load(conn, ())
+            self._tracker_file = connection_file(conn)
         self._tracker_loaded = True
 
     def _write(
@@ -888,15 +904,15 @@ class Collector:
         rebuild: Callable[[], dict[str, list[dict[str, Any]]]] | None = None,
     ) -> None:
         """Write this cycle's ``rows`` with any kept from cycles the database refused.
-        ``rebuild`` counts the cycle's rows again from the tracker (after ``_rebase``); a batch
-        without it (link samples) has no counters to count again."""
+        ``rebuild`` counts the cycle's rows again from the tracker (after ``_rebase``, or
+        ``_reread``); a batch without it (link samples) has no counters to count again."""
         batch = _shown(rows)
         # held: a Ctrl-C lands before the batch or once it is in and counted, never inside its
         # commit (where the batch is in or not, unsaid, and SQLite's write lock may stay held)
         with interrupts_held():
             for tries in range(MAX_REBASES + 1):
                 try:
-                    self._write_pending(report, batch)
+                    self._write_pending(report, batch, rebuild)
                     return
                 except CountersMoved as exc:
                     if tries == MAX_REBASES or not self._rebase(exc, report):
@@ -905,14 +921,26 @@ class Collector:
                 if rebuild is not None:
                     batch = _shown(rebuild())
 
-    def _write_pending(self, report: CycleReport, batch: dict[str, list[dict[str, Any]]]) -> None:
+    def _write_pending(
+        self,
+        report: CycleReport,
+        batch: dict[str, list[dict[str, Any]]],
+        rebuild: Callable[[], dict[str, list[dict[str, Any]]]] | None = None,
+    ) -> None:
         """Write ``batch`` and the rows kept; a refusal keeps them all for the next cycle (but
-        ``CountersMoved``, raised: the caller counts the batch again, or drops it)."""
-        names = dict.fromkeys([*self._pending, *batch])  # in order: kept ones first
-        tables = {t: [*self._pending.get(t, ()), *batch.get(t, ())] for t in names}
+        ``CountersMoved``, raised: the caller counts the batch again, or drops it). Into a
+        SQLite file other than the one whose state the tracker holds, counted again from its
+        own state first (``_reread``, then ``rebuild``)."""
+        tables = self._with_kept(batch)
         watch = StuckWatch()
         try:
             with self._stuck() as watch, write_transaction(self.engine) as conn:
+                if connection_file(conn) != self._tracker_file:
+                    # read under the write lock: no other writer saves in between
+                    self._reread(conn, report)
+                    if rebuild is not None:
+                        batch = _shown(rebuild())
+                    tables = self._with_kept(batch)
                 self._tracker.save(conn)  # first: it refuses a batch counted from stale state
                 # rows past raw retention are pruned at the next upkeep: reopen no rollup
                 keep_from_ms = report.ts_ms - self.config.retention.raw_ms
@@ -942,6 +970,11 @@ class Collector:
                 self._pending[table] += rows
             dropped = self._trim_pending()
             what = f"database refused the batch, keeping {self._count()} rows for retry"
+            if isinstance(getattr(exc, "orig", None), NoDatabaseFile):
+                what = (
+                    f"keeping {self._count()} rows for retry until a database is there again "
+                    "(none is created)"
+                )
             self._db_failed(report, what, exc, watch)
             if dropped:
                 self._said_dropped(report, dropped)
@@ -953,6 +986,11 @@ class Collector:
         self._pending.clear()
         self._db_back(report, sum(report.rows.values()))
 
+    def _with_kept(self, batch: dict[str, list[dict[str, Any]]]) -> dict[str, list[dict[str, Any]]]:
+        """``batch`` with the rows kept from refused cycles, theirs first."""
+        names = dict.fromkeys([*self._pending, *batch])
+        return {t: [*self._pending.get(t, ()), *batch.get(t, ())] for t in names}
+
     def _rebase(self, exc: CountersMoved, report: CycleReport) -> bool:
         """Another collector saved counters this one was about to (a `collect --once` beside
         the loop, or two loops on the same nodes): read the saved state again, so the cycle's
@@ -963,17 +1001,12 @@ class Collector:
         try:
             with self._stuck(), self.engine.connect() as conn:
                 self._tracker.rebase(conn, exc.series)
+                self._tracker_file = connection_file(conn)
         except SQLAlchemyError as exc_db:
             log.error("cannot read the counters' saved state again: %s", exc_db)
             return False
         self._tracker_loaded = True
-        dropped = 0
-        for table in list(self._pending):
-            if table not in COUNTERLESS_TABLES:
-                dropped += len(self._pending.pop(table))
-        kept = (
-            f"; {dropped} rows kept from refused cycles dropped, counted again" if dropped else ""
-        )
+        kept = self._drop_kept_counts()
         if exc.all_gone:  # no other collector: the database lost the state this one saved
             report.warnings.append(
                 f"the counters' saved state is gone from the database ({len(exc.series)} "
@@ -1002,6 +1035,42 @@ class Collector:
             kept,
         )
         return True
+
+    def _drop_kept_counts(self) -> str:
+        """The rows kept from refused cycles that hold counters dropped, the tracker's state
+        having been read anew: their increases are counted again from it in the next rows.
+        Their node and link samples are kept. What to add to the warning that says so."""
+        dropped = 0
+        for table in list(self._pending):
+            if table not in COUNTERLESS_TABLES:
+                dropped += len(self._pending.pop(table))
+        return (
+            f"; {dropped} rows kept from refused cycles dropped, counted again" if dropped else ""
+        )
+
+    def _reread(self, conn: Connection, report: CycleReport) -> None:
+        """The SQLite file at the path is not the one whose counters' state the tracker holds
+        (a backup restored over it, a file made anew): its saved state is read on ``conn``, in
+        the write's transaction, for the batch to be counted again from it. The rows kept from
+        refused cycles that hold counters go (``_drop_kept_counts``): their increases are
+        counted again from that state. Written from its own state the file holds each
+        increase once, whatever another file at the path held; the compare-and-set alone
+        would not tell: a backup taken just before the tracker's last save holds the stamp
+        it takes for that save rolled back, and the interval between went into no row."""
+        known = self._tracker_file is not None  # else first read (a link round before a scrape)
+        self._tracker_loaded = False  # read again next cycle if this fails midway
+        self._tracker.rebase(conn, ())
+        self._tracker_file = connection_file(conn)
+        self._tracker_loaded = True
+        if not known:
+            return
+        kept = self._drop_kept_counts()
+        said = (
+            f"the database file at {sqlite_file_path(self.engine)} was replaced (a backup "
+            f"restored, a file made anew?): counting from the counters' state saved in it{kept}"
+        )
+        report.warnings.append(said)
+        log.warning("%s", said)
 
     def _counted_elsewhere(
         self, exc: CountersMoved, report: CycleReport, batch: dict[str, list[dict[str, Any]]]
