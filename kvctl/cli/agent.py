@@ -752,8 +752,9 @@ def status_command(
         since = since_start(checked)
         report |= agent_figures(checked)
         if since.impossible:  # more hits than lookups: unknown, as status and top have them
-            report |= since.counts.hit_figures()
-            for name, t in since.tier_hits.items():  # a tier's too, not shown as said
+            report |= since.counts.hit_figures() | since.token_figures()
+            # a tier's too (its hit tokens included), not shown as said
+            for name, t in since.tier_hits.items():
                 for part in t.unknown & set(report["tiers"].get(name, {})):
                     report["tiers"][name][part] = None
         report["rejected"] = dict(rejected.fields) | since.impossible

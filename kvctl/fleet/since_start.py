@@ -14,12 +14,17 @@ from kvctl.wire.stats import cache_counters
 
 #: the counts of a tier's hits (its lookups are the node's)
 TIER_HIT_NAMES = ("hits", "reuse_hits", "sharing_hits")
+#: why a count is impossible: more than the node's lookups (chunks), or its lookup tokens
+BEYOND_LOOKUPS = "more than stats.lookup_chunks"
+BEYOND_LOOKUP_TOKENS = "more than stats.lookup_tokens"
 
 
 @dataclass(slots=True)
 class TierHits:
     """The hits one tier served since its agent started, split into reuse and sharing; a count
-    its agent answered impossible is in ``unknown`` (held as 0)."""
+    its agent answered impossible is in ``unknown`` (held as 0), and so is ``hit_tokens`` where
+    the tier's hit tokens were more than the node's lookup tokens (shown by `kvctl agent
+    status` alone: no count here holds them)."""
 
     hits: int = 0
     reuse_hits: int = 0
@@ -35,7 +40,11 @@ class TierHits:
     def over(self, whole: HitCounts) -> HitCounts:
         """These hits over ``whole``'s lookups (``kvctl.ratios.tier_hit_counts``)."""
         return tier_hit_counts(
-            whole, self.hits, self.reuse_hits, self.sharing_hits, unknown=self.unknown
+            whole,
+            self.hits,
+            self.reuse_hits,
+            self.sharing_hits,
+            unknown=self.unknown & frozenset(TIER_HIT_NAMES),
         )
 
 
@@ -51,9 +60,18 @@ class SinceStart:
     read_missing_chunks: int | None
     #: a tier could not be read (``UNREADABLE_TIER``): its hits are in none of ``tier_hits``
     tiers_unreadable: bool = False
-    #: counts that cannot be true together (more hits than lookups), by field, with why:
-    #: unknown here, for the views to name beside ``checked_stats``'s rejections
+    #: counts that cannot be true together (more hits than lookups, more hit tokens than
+    #: lookup tokens), by field, with why: unknown here, for the views to name beside
+    #: ``checked_stats``'s rejections
     impossible: dict[str, str] = field(default_factory=dict)
+    #: the node's prompt tokens looked up and found: None where rejected, or where its hit
+    #: counts are unknown as impossible (its chunks' or its tokens')
+    lookup_tokens: int | None = None
+    hit_tokens: int | None = None
+
+    def token_figures(self) -> dict[str, int | None]:
+        """The node's lookup and hit tokens, under `kvctl agent status --json`'s names."""
+        return {"lookup_tokens": self.lookup_tokens, "hit_tokens": self.hit_tokens}
 
     def read_figures(self) -> dict[str, float | None]:
         """The read counts and the share gone (``kvctl.ratios.read_figures``)."""
@@ -92,12 +110,23 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
                             ("sharing_hits", "sharing_hits")):  # fmt: skip
             value = hits[name]
             if value is not None and value > lookups:
-                impossible[f"stats.{where}"] = "more than stats.lookup_chunks"
+                impossible[f"stats.{where}"] = BEYOND_LOOKUPS
         for name, t in tier_hits.items():
             for part in TIER_HIT_NAMES:
                 if part not in t.unknown and getattr(t, part) > lookups:
-                    impossible[f"stats.tiers.{name}.{part}"] = "more than stats.lookup_chunks"
+                    impossible[f"stats.tiers.{name}.{part}"] = BEYOND_LOOKUPS
                     t.unknown |= {part}
+    # likewise tokens: a sound agent counts a lookup's tokens before its hits' (and a hit past
+    # the looked-up prefix adds its tokens to both), as the database's window checks them
+    lookup_tokens, hit_tokens = known(whole["lookup_tokens"]), known(whole["hit_tokens"])
+    if lookup_tokens is not None:
+        if hit_tokens is not None and hit_tokens > lookup_tokens:
+            impossible["stats.hit_tokens"] = BEYOND_LOOKUP_TOKENS
+        for name, t in tier_hits.items():
+            tier_tokens = known(counters[name]["hit_tokens"])
+            if tier_tokens is not None and tier_tokens > lookup_tokens:
+                impossible[f"stats.tiers.{name}.hit_tokens"] = BEYOND_LOOKUP_TOKENS
+                t.unknown |= {"hit_tokens"}
     # a read count rejected (not a number, negative, more missing than read) is None
     dataplane = checked.get("dataplane") or {}
     reads = [dataplane.get(c) for c in READ_COUNTERS]
@@ -106,7 +135,8 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
         unknown=frozenset(k for k, v in hits.items() if v is None),
     )
     if any(where.count(".") == 1 for where in impossible):  # the node's own
-        counts.unknown_hits()
+        counts.unknown_hits()  # its tokens too, as the database's window has them
+        lookup_tokens = hit_tokens = None
     return SinceStart(
         counts,
         tier_hits,
@@ -114,4 +144,6 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
         None if None in reads else int(reads[1]),
         UNREADABLE_TIER in counters,
         impossible,
+        None if lookup_tokens is None else int(lookup_tokens),
+        None if hit_tokens is None else int(hit_tokens),
     )

@@ -22,13 +22,27 @@ from tests.functional.test_top_impossible_values import _strict
 
 runner = CliRunner()
 
-#: 50 lookups, 80 hits (all sharing, all from cpu)
+#: 50 lookups, 80 hits (all sharing, all from cpu), of 256 tokens each
 BEYOND = {
     "stats.hit_chunks": "more than stats.lookup_chunks",
     "stats.sharing_hits": "more than stats.lookup_chunks",
     "stats.tiers.cpu.hits": "more than stats.lookup_chunks",
     "stats.tiers.cpu.sharing_hits": "more than stats.lookup_chunks",
+    "stats.hit_tokens": "more than stats.lookup_tokens",
+    "stats.tiers.cpu.hit_tokens": "more than stats.lookup_tokens",
 }
+#: 50 lookups (12,800 tokens), 40 hits of 20,480 tokens, all from cpu
+TOKENS_BEYOND = {
+    "stats.hit_tokens": "more than stats.lookup_tokens",
+    "stats.tiers.cpu.hit_tokens": "more than stats.lookup_tokens",
+}
+
+
+def _tokens_beyond() -> dict[str, Any]:
+    """Hits within the lookups (40 of 50 chunks), their tokens beyond (20,480 of 12,800)."""
+    stats = _stats(50, 40, 0.0)
+    stats["stats"]["hit_tokens"] = stats["stats"]["tiers"]["cpu"]["hit_tokens"] = 20_480
+    return stats
 
 
 def _answers(n1: StandIn, n2: StandIn) -> None:
@@ -112,3 +126,85 @@ def test_agent_status_shows_no_tier_hits_it_names_as_impossible(
     assert table.exit_code == 0, table.output
     cpu_row = next(line.split() for line in table.stdout.splitlines() if " cpu " in line)
     assert cpu_row[-2:] == ["N/A", "│"], table.stdout  # its hits column
+
+
+def test_hit_tokens_beyond_lookup_tokens_are_unknown_and_named_in_live_status(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    """An agent reporting 20,480 hit tokens over 12,800 lookup tokens (its chunks within: 40
+    of 50) was summed as sound: live `kvctl status` named nothing and read the fleet 80 of
+    150. Its hit counts are unknown and named, as the database's window has them, and the
+    node is out of the sums."""
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
+    n2.answers["/v1/stats"] = _tokens_beyond()
+    out = runner.invoke(cli, ["status", "--db", sqlite_url, "--json"])
+    assert out.exit_code == 0, out.output
+    doc = _strict(out.stdout)
+    odd = _rows(doc)["n2"]
+    assert odd["state"] == "up" and odd["rejected"] == TOKENS_BEYOND, odd
+    assert (odd["lookups"], odd["hits"], odd["hit_ratio"]) == (None, None, None)
+    total = doc["total"]
+    assert (total["lookups"], total["hits"], total["hit_ratio"]) == (100, 40, 0.4)
+    table = runner.invoke(cli, ["status", "--db", sqlite_url], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    said = " ".join(line for line in table.stdout.splitlines() if line.startswith("n2 "))
+    assert "stats.hit_tokens (more than stats.lookup_tokens)" in said, table.stdout
+
+
+def test_hit_tokens_beyond_lookup_tokens_are_unknown_and_named_in_top(
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+) -> None:
+    n1, n2 = stand_ins
+    _inventory(sqlite_url, n1, n2)
+    n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
+    n2.answers["/v1/stats"] = _tokens_beyond()
+    out = runner.invoke(cli, ["top", "--db", sqlite_url, "--json", "--interval", "0.2"])
+    assert out.exit_code == 0, out.output
+    rows = _rows(_strict(out.stdout))
+    odd = rows["n2"]
+    assert odd["state"] == "up" and TOKENS_BEYOND.items() <= odd["rejected"].items(), odd
+    assert odd["lifetime_hit_ratio"] is None, odd
+    assert rows["n1"]["lifetime_hit_ratio"] == 0.4
+
+
+def test_agent_status_shows_no_hit_tokens_beyond_the_lookup_tokens(
+    stand_ins: tuple[StandIn, StandIn],
+) -> None:
+    """`kvctl agent status --json` showed 20,480 hit tokens over 12,800 lookup tokens (and the
+    cpu tier's 20,480), named nothing, and its hit ratio 80% from the same counters. Now the
+    tokens, the node's hit counts and every ratio over them are null and named; the table says
+    N/A and why."""
+    _, n2 = stand_ins
+    n2.answers["/v1/stats"] = _tokens_beyond()
+    n2.answers["/v1/info"] = INFO
+    out = runner.invoke(cli, ["agent", "status", "--url", n2.url, "--json"])
+    assert out.exit_code == 0, out.output
+    report = _strict(out.stdout)
+    assert report["rejected"] == TOKENS_BEYOND, report["rejected"]
+    assert (report["lookup_tokens"], report["hit_tokens"]) == (None, None), report
+    assert (report["lookups"], report["hits"], report["hit_ratio"]) == (None, None, None)
+    cpu = report["tiers"]["cpu"]
+    assert cpu["hit_tokens"] is None and cpu["hits"] == 40, cpu  # its chunks were within
+    assert report["tiers"]["disk"]["hit_tokens"] == 0
+    assert report["lookup_requests"] == 50  # the rest stands
+    table = runner.invoke(cli, ["agent", "status", "--url", n2.url], env={"COLUMNS": "200"})
+    assert table.exit_code == 0, table.output
+    assert "stats.hit_tokens (more than stats.lookup_tokens)" in table.stdout, table.stdout
+    assert "80.0%" not in table.stdout, table.stdout
+
+
+def test_agent_status_names_the_tokens_of_hits_beyond_lookups_too(
+    stand_ins: tuple[StandIn, StandIn],
+) -> None:
+    """80 hits over 50 lookups are 20,480 hit tokens over 12,800: `kvctl agent status --json`
+    nulled the chunks but still showed those tokens."""
+    _, n2 = stand_ins
+    n2.answers["/v1/stats"] = _stats(50, 80, 0.0)
+    n2.answers["/v1/info"] = INFO
+    out = runner.invoke(cli, ["agent", "status", "--url", n2.url, "--json"])
+    assert out.exit_code == 0, out.output
+    report = _strict(out.stdout)
+    assert (report["lookup_tokens"], report["hit_tokens"]) == (None, None), report
+    assert report["tiers"]["cpu"]["hit_tokens"] is None, report["tiers"]

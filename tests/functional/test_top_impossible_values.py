@@ -96,6 +96,9 @@ def test_a_counter_unknown_for_a_poll_counts_whole_at_the_next() -> None:
     a, b = _node("a", 1), _node("b", 2)
     nan_lookups = _stats(0, 50, 0.0)
     nan_lookups["stats"]["lookup_chunks"] = math.nan
+    # the lookups' tokens read (60 chunks' worth): only the chunks' count is rejected, not 50
+    # hits' tokens over none looked up (named impossible, as the database's window has them)
+    nan_lookups["stats"]["lookup_tokens"] = 60 * 256
     s = Sampler()
     s.update(_poll(0.0, Reading(a, _stats(0, 0, 0.0)), Reading(b, _stats(0, 0, 0.0))))
     view = s.update(_poll(2.0, Reading(a, nan_lookups), Reading(b, _stats(100, 10, 0.0))))
