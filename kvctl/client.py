@@ -738,6 +738,8 @@ class DataClient:
         into: Callable[[int, ChunkMeta], memoryview | None] | None = None,
         arrived: Callable[[int, ChunkMeta, bytearray | memoryview], None] | None = None,
         checksums: list[int | None] | None = None,
+        max_chunk_bytes: int | None = None,
+        keep: bool = True,
     ) -> list[tuple[ChunkMeta, bytearray | memoryview | None] | None]:
         """Chunks with their metadata (owner tenant, parent, tokens, isolation), for agents
         pulling from a pool agent or a peer; None where missing or not visible to ``tenant``.
@@ -751,7 +753,13 @@ class DataClient:
         computed it from the bytes it sent, and is filled (one per key) before the first chunk
         lands: None for a missing chunk, and for all of them where the agent does not offer
         checksums (no ``fetch_checksum`` in its HELLO: an agent before them). Verifying is the
-        caller's, where the bytes landed (``protocol.fetch_checksum``)."""
+        caller's, where the bytes landed (``protocol.fetch_checksum``).
+        ``max_chunk_bytes``: the most this side takes for one chunk (its own limit, as for a
+        PUT): a reply with a larger item is refused, its connection closed, before any chunk
+        is read. The agent's HELLO bounds it too, but that is the answering side's word, and
+        a hostile or broken peer names none, or any. ``keep=False`` (with ``arrived``): each
+        chunk's buffer is let go once ``arrived`` returns (the answer holds no bytes), so a
+        reply of many chunks the caller drops is never all held at once."""
         metas: list[ChunkMeta | None] = []
         # asked only of an agent that offers them: one before them would take the flag for
         # "send the payload" and answer without the checksums
@@ -808,11 +816,22 @@ class DataClient:
         def landed(i: int) -> None:
             meta = metas[i]  # only chunks with metadata carry bytes
             if arrived is not None and meta is not None:
-                arrived(i, meta, bufs[i])
+                try:
+                    arrived(i, meta, bufs[i])
+                finally:
+                    if not keep:
+                        del bufs[i]
 
         flags = fetch_flags(payload=payload, checksums=want_checksums)
         w = MetaWriter().text(tenant).u8(flags).keys(keys)
-        self._call(Op.FETCH, w.build(), into=target, sizes_of=sizes_of, arrived=landed)
+        self._call(
+            Op.FETCH,
+            w.build(),
+            into=target,
+            sizes_of=sizes_of,
+            arrived=landed,
+            max_chunk_bytes=max_chunk_bytes,
+        )
         return [None if m is None else (m, bufs.get(i)) for i, m in enumerate(metas)]
 
     def lookup(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
@@ -907,10 +926,20 @@ class DataClient:
         into: Callable[[int, int], memoryview] | None = None,
         sizes_of: Callable[[bytes], list[tuple[int, int]]] | None = None,
         arrived: Callable[[int], None] | None = None,
+        max_chunk_bytes: int | None = None,
     ) -> tuple[bytes, int]:
-        """Send a request, read the reply's metadata; with ``into``, also read its payload."""
+        """Send a request, read the reply's metadata; with ``into``, also read its payload
+        (no item larger than ``max_chunk_bytes``, when given, nor than the agent's)."""
         with self._lock:
-            return self._call_locked(op, meta, payload, into, sizes_of=sizes_of, arrived=arrived)
+            return self._call_locked(
+                op,
+                meta,
+                payload,
+                into,
+                sizes_of=sizes_of,
+                arrived=arrived,
+                max_chunk_bytes=max_chunk_bytes,
+            )
 
     def _call_locked(
         self,
@@ -925,6 +954,7 @@ class DataClient:
         sizes_of: Callable[[bytes], list[tuple[int, int]]] | None = None,
         arrived: Callable[[int], None] | None = None,
         keep_pending: bool = False,
+        max_chunk_bytes: int | None = None,
     ) -> tuple[bytes, int]:
         """``into``: where a GET reply's chunks go. ``sink``: a scratch buffer that a reply's
         payload of exactly ``sink_bytes`` is read into, piece by piece, and dropped (PROBE
@@ -955,7 +985,12 @@ class DataClient:
             if rop == (op | REPLY_BIT) and rid == self._rid:
                 if into is not None:
                     self._read_payload(
-                        bytes(reply), payload_len, into, sizes_of or _get_sizes, arrived
+                        bytes(reply),
+                        payload_len,
+                        into,
+                        sizes_of or _get_sizes,
+                        arrived,
+                        max_chunk_bytes,
                     )
                     payload_len = 0
                 elif sink is not None and payload_len == sink_bytes:
@@ -1032,25 +1067,34 @@ class DataClient:
         into: Callable[[int, int], memoryview],
         sizes_of: Callable[[bytes], list[tuple[int, int]]],
         arrived: Callable[[int], None] | None,
+        max_chunk_bytes: int | None = None,
     ) -> None:
         """Read a reply's chunks straight into the buffers ``into(i, size)`` gives, each asked
         for just before its bytes are read, calling ``arrived(i)`` as each one lands: a puller
         starts on the first chunk before the last arrives (and before buffers for the rest
         exist). A failing ``into`` or callback is reported after the stream is read to its
-        end, so the connection stays in step."""
+        end, so the connection stays in step. ``max_chunk_bytes``: the caller's own bound on
+        an item (the agent's HELLO is its own word on it)."""
         failure: BaseException | None = None
         items = sizes_of(meta)
         declared = sum(size for _, size in items)
-        limit = self.info.get("max_chunk_bytes")
-        too_big = isinstance(limit, int) and any(size > limit for _, size in items)
-        if declared != payload_len or too_big:
-            # a reply whose items and payload disagree (a corrupt size, a rogue peer) would
-            # have this side allocate what an item claims: closed before any is read
+        largest = max((size for _, size in items), default=0)
+        theirs = self.info.get("max_chunk_bytes")
+        limits = {"this side's": max_chunk_bytes, "the agent's": theirs}
+        over = [
+            f"{whose} {limit}-byte chunks"
+            for whose, limit in limits.items()
+            if isinstance(limit, int) and not isinstance(limit, bool) and largest > limit
+        ]
+        if declared != payload_len or over:
+            # a reply whose items and payload disagree (a corrupt size, a rogue peer), or an
+            # item larger than either side takes, would have this side allocate what the item
+            # claims: closed before any is read
             self.close()
             raise AgentError(
                 (
-                    f"a reply item is larger than the agent's {limit}-byte chunks"
-                    if too_big
+                    f"a reply item of {largest} bytes is larger than {over[0]}"
+                    if over
                     else f"reply items declare {declared} bytes but its payload carries "
                     f"{payload_len}"
                 )

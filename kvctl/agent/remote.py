@@ -37,7 +37,7 @@ def open_pool(settings: AgentSettings) -> RemotePool:
     url = settings.pool
     token = settings.remote_token or settings.token
     if url.startswith("kvctl://"):
-        return AgentSource(url, token=token)
+        return AgentSource(url, token=token, max_chunk_bytes=settings.max_chunk_bytes)
     from kvctl.remote.redis_pool import RedisPool  # redis-py only for a Redis pool
 
     return RedisPool(
@@ -72,7 +72,12 @@ def open_remote(
         else None
     )
     peers = [
-        _source(name, PEER_TIER, AgentSource(addr, token=token), specs.get(name))
+        _source(
+            name,
+            PEER_TIER,
+            AgentSource(addr, token=token, max_chunk_bytes=settings.max_chunk_bytes),
+            specs.get(name),
+        )
         for name, addr in settings.peers
     ]
     return RemoteTiers(

@@ -91,7 +91,13 @@ class AgentSource(SplitStreams, RemotePool):
     ``min_stream_bytes``: the least a stream should carry for the split to pay.
     ``read_timeout_s`` (default ``min(DEFAULT_READ_TIMEOUT_S, timeout_s)``) bounds the reads
     (fetch, probe, usage, ping) and ``timeout_s`` the writes (put), each on its own kept
-    connections: a write is behind the request that made it and may wait longer."""
+    connections: a write is behind the request that made it and may wait longer.
+    ``max_chunk_bytes``: the most this node takes for one chunk (its agent's
+    ``max_chunk_bytes``): a reply with a larger item is a failed read, refused before any of
+    it is read, and a probe's larger chunk is not offered. The source's HELLO names its own
+    limit, but that is its word: a hostile or broken peer names none, or any, and each chunk
+    it claims would be allocated here (a pull of a few keys claiming 512 MiB each made the
+    puller allocate 512 MiB and wait out a deadline its claimed bytes stretched)."""
 
     def __init__(
         self,
@@ -102,8 +108,12 @@ class AgentSource(SplitStreams, RemotePool):
         read_timeout_s: float | None = None,
         streams: int = DEFAULT_STREAMS,
         min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
+        max_chunk_bytes: int | None = None,
     ) -> None:
         read_timeout_s = check_deadlines("source", timeout_s, read_timeout_s)
+        if max_chunk_bytes is not None and max_chunk_bytes < 1:
+            raise InvalidArgument(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
+        self.max_chunk_bytes = max_chunk_bytes
         if streams < 1:
             raise InvalidArgument(f"streams must be at least 1, got {streams}")
         if min_stream_bytes < 1:
@@ -251,6 +261,7 @@ class AgentSource(SplitStreams, RemotePool):
         into: Into | None = None,
         unused: Callable[[int], None] | None = None,
         streams: int | None = None,
+        keep: bool = True,
     ) -> list[PoolChunk | None]:
         """``into``: where each chunk is received (see the module), asked only for a chunk
         that is the key asked for and visible to ``tenant``; the chunk handed to ``arrived``
@@ -258,17 +269,23 @@ class AgentSource(SplitStreams, RemotePool):
         ``i`` holds no chunk (its stream failed before the chunk was whole, or it failed its
         checks); called on that stream's thread once nothing more is written into the view,
         so the caller may give its memory back then. ``streams``: split over at most this many
-        (1: the chunks land in order; None: the source's ``streams``)."""
+        (1: the chunks land in order; None: the source's ``streams``). ``keep=False`` (with
+        ``arrived``): no chunk is held past its ``arrived`` (the answer is all None), so the
+        chunks a caller drops (a buffer of the source's own each) are never all held at
+        once."""
         keys = list(keys)
         if not keys:
             return []
         out: list[PoolChunk | None] = [None] * len(keys)
+        sizes: list[int] = []
         # every stream is waited for; the first failure is raised after the others handed over
         self._split.run(
             self._split.groups(len(keys), streams=streams),
-            lambda lo, hi: self._pull(keys, lo, hi, tenant, out, arrived, into, unused),
+            lambda lo, hi: self._pull(
+                keys, lo, hi, tenant, out, arrived, into, unused, sizes, keep or arrived is None
+            ),
         )
-        self._split.saw([c.meta.size_bytes for c in out if c is not None])
+        self._split.saw(sizes)
         return out
 
     def _pull(
@@ -281,6 +298,8 @@ class AgentSource(SplitStreams, RemotePool):
         arrived: Arrived | None,
         into: Into | None,
         unused: Callable[[int], None] | None,
+        sizes: list[int],
+        keep: bool = True,
     ) -> None:
         """One stream: FETCH keys[lo:hi] on one connection, each chunk received where
         ``into`` says (if it is what was asked for), checked and handed over as it lands;
@@ -306,7 +325,9 @@ class AgentSource(SplitStreams, RemotePool):
             if chunk is None:
                 return  # (still in ``given`` if it was: unused below)
             given.discard(i)
-            out[lo + i] = chunk
+            sizes.append(meta.size_bytes)
+            if keep:
+                out[lo + i] = chunk
             if arrived is not None:
                 arrived(lo + i, chunk)
 
@@ -316,7 +337,13 @@ class AgentSource(SplitStreams, RemotePool):
                 with self._watch.watching(functools.partial(cut_client, c), allowance_s) as pull:
                     self._note_unchecked(c)
                     c.fetch(
-                        keys[lo:hi], tenant=tenant, into=target, arrived=landed, checksums=checksums
+                        keys[lo:hi],
+                        tenant=tenant,
+                        into=target,
+                        arrived=landed,
+                        checksums=checksums,
+                        max_chunk_bytes=self.max_chunk_bytes,
+                        keep=False,  # each landed chunk is ``out``'s (when kept), not the client's
                     )
                 # read once the watch let go of it (a cut is final then): a pull done just as
                 # it was cut has its connection cut all the same, so it is not kept for reuse
@@ -377,7 +404,12 @@ class AgentSource(SplitStreams, RemotePool):
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
         with self._client() as c:
             got = c.fetch(keys, tenant=tenant, payload=False)
-        metas = [None if g is None else g[0] for g in got]
+        limit = self.max_chunk_bytes
+        # a chunk larger than this node takes would be refused by the pull: not offered
+        metas = [
+            None if g is None or (limit is not None and g[0].size_bytes > limit) else g[0]
+            for g in got
+        ]
         # a lookup probes before the fill: the pull that follows is sized by it
         self._split.saw([m.size_bytes for m in metas if m is not None])
         return metas

@@ -1376,6 +1376,7 @@ class RemoteTiers:
                 into=into,
                 unused=unused,
                 streams=1 if ordered else None,
+                keep=False,  # ``landed`` holds what was kept; a dropped chunk is let go at once
             )
         else:
             for i, chunk in enumerate(backend.get_many(keys, tenant=tenant)):
