@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from kvctl.client import AgentNotAnswering, AgentStarting, AuthError
+from kvctl.db.engine import follow_the_path
 from kvctl.db.inventory import NodeInfo
 from kvctl.db.sample_checks import Rejections, count
 from kvctl.fleet.fanout import ClientPool, _reason
@@ -346,6 +347,12 @@ class FleetSource:
         router: RouterWatch | None = None,
         db_wait_s: float = DB_WAIT_S,
     ) -> None:
+        # a SQLite file moved away or replaced while top runs: its pooled connections would go
+        # on reading the file they opened (an inventory no longer at the path, shown as live),
+        # and one opened where no file is would create an empty database there. Followed, a
+        # read says 'no database file at PATH (moved or deleted while kvctl top ran)' in the
+        # view (the agents asked as last read) and a file put at the path is read from then on
+        follow_the_path(engine, "kvctl top")
         self.engine = engine
         self.dcs, self.nodes = list(dcs), list(nodes)
         self.token = token
