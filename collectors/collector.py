@@ -429,7 +429,7 @@ class Collector:
         for as long as the database was away."""
         self.metrics.db_errors.inc()
         report.written = False
-        said = f"{what}: {_cause(exc, watch, self.config.db_timeout_s)}"
+        said = f"{what}: {self._cause(exc, watch, self.config.db_timeout_s)}"
         report.warnings.append(said)
         if not self.config.keep_refused:
             log.debug("%s", said)  # a single run: its caller shows the report's warnings
@@ -438,6 +438,20 @@ class Collector:
             log.error("%s; the loop goes on, and says so once the database is back", said)
         else:
             log.debug("%s", said)
+
+    def _cause(self, exc: SQLAlchemyError, watch: StuckWatch | None, timeout_s: float) -> str:
+        """Why a database call failed, on one line (``_cause``); a table or column the schema
+        lacks said as its revision behind this kvctl's, with what to run: a backup at an older
+        schema restored under the loop (its file written from the next cycle) failed every
+        write with SQLite's 'no such column', the rows kept, the operator left to guess. The
+        loop never upgrades a database put there under it."""
+        from kvctl.db.migrate import schema_behind
+
+        if watch is None or not watch.fired:
+            behind = schema_behind(self.engine, exc)
+            if behind is not None:
+                return behind
+        return _cause(exc, watch, timeout_s)
 
     def _db_back(self, report: CycleReport, rows: int) -> None:
         """The database took a batch: where it had failed, say it is back, and what landed."""
@@ -1286,7 +1300,7 @@ class Collector:
             with self._stuck(self.config.maintenance_timeout_s) as watch:
                 return maintain(self.engine, int(self._clock() * 1000), self.config.retention)
         except SQLAlchemyError as exc:
-            error = _cause(exc, watch, self.config.maintenance_timeout_s)
+            error = self._cause(exc, watch, self.config.maintenance_timeout_s)
             if self._db_down_since_ms is None:  # else the outage is said already
                 log.error("rollup/retention failed, will retry: %s", error)
             return {"error": error}

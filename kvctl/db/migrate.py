@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
+from typing import Final
 
 from alembic import command
 from alembic.config import Config
@@ -38,6 +41,47 @@ def revisions() -> list[str]:
 def current_revision(engine: Engine) -> str | None:
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
+
+
+#: what SQLite says of a table or column its schema lacks: a read's "no such table: x" or "no
+#: such column: x", an insert's "table x has no column named y" (PostgreSQL raises a
+#: ProgrammingError: undefined table or column)
+MISSING_IN_SCHEMA: Final = re.compile(r"no such (table|column)|has no column named")
+
+
+def schema_behind(engine: Engine, exc: BaseException) -> str | None:
+    """Where ``exc`` (a failed statement) may be a table or column ``engine``'s schema lacks
+    and the database's revision is not this kvctl's: what to run, naming the database and both
+    revisions, as ``open_db`` refuses one behind (a backup at an older schema restored under a
+    running process). None where the schema is current, the failure is of another kind, or the
+    revision cannot be read (the caller says the driver's words). Never upgrades: a process
+    that found its database current does not migrate one put there under it; the operator
+    runs ``kvctl db upgrade``. Asked only on such failures: a database away is not asked again."""
+    from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
+
+    from kvctl.db.engine import display_url, sqlite_file_path
+
+    said = str(getattr(exc, "orig", None) or exc)
+    if not (isinstance(exc, ProgrammingError) or MISSING_IN_SCHEMA.search(said)):
+        return None
+    try:
+        current = current_revision(engine)
+    except SQLAlchemyError:
+        return None
+    head = head_revision()
+    if current == head:
+        return None
+    url = display_url(engine.url.render_as_string(hide_password=False))
+    where = sqlite_file_path(engine) or url
+    if current is not None and current not in revisions():
+        return (
+            f"the database at {where} is at schema revision {current}, which this kvctl does "
+            "not know: it was migrated by a newer kvctl; upgrade kvctl"
+        )
+    return (
+        f"the database at {where} is at schema revision {current or 'empty'}, this kvctl needs "
+        f"{head}: run `kvctl db upgrade --db {shlex.quote(url)}`"
+    )
 
 
 def _run(engine: Engine, fn: str, target: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -19,8 +20,12 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, select
+from typer.testing import CliRunner
 
 from collectors.collector import Collector, CollectorConfig
+from kvctl.cli.main import app as cli
+from kvctl.db import migrate
+from kvctl.db.engine import display_url
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, NodeSample
@@ -148,3 +153,100 @@ def test_a_backup_restored_over_the_path_is_written_counted_from_its_own_state(
     assert samples == 4  # its two, the kept one's and the last: never the moved file's
     # the moved file: what was written before it moved, nothing since
     assert _recorded(away / "metrics.db") == (3, 4 + 3, 3 + 2)
+
+
+def test_a_backup_at_an_older_schema_restored_under_the_loop_says_to_upgrade_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A backup taken before `kvctl db upgrade` (or made by an older kvctl) restored under the
+    loop: each cycle's write failed with SQLite's own 'table cache_sample has no column named
+    read_chunks', its rows kept, nothing saying what to do. The cycle's warning and the one log
+    line say the file's revision, this kvctl's, and the command to run; the loop never upgrades
+    it itself. Upgraded, the next cycle writes the kept rows: each of the agent's increases
+    once, counted from the backup's own state."""
+    path, away = tmp_path / "metrics.db", tmp_path / "moved"
+    away.mkdir()
+    backup = tmp_path / "backup.db"
+    url = f"sqlite:///{path}"
+    older, head = migrate.revisions()[-2], migrate.head_revision()
+    with _loop(path, tmp_path / "a1") as (a1, loop):
+        assert _cycle(loop)[0]  # the baseline
+        traffic(a1, 3, space=1)
+        assert _cycle(loop)[0]
+        with (
+            contextlib.closing(sqlite3.connect(path)) as live,
+            contextlib.closing(sqlite3.connect(backup)) as copy,
+        ):
+            live.backup(copy)  # an operator's backup: 4 lookups and 3 hits
+        old = create_engine(f"sqlite:///{backup}")
+        try:
+            migrate.downgrade(old, older)  # as a kvctl before the last revision left it
+        finally:
+            old.dispose()
+        traffic(a1, 2, space=2)
+        assert _cycle(loop)[0]  # into the live file only
+
+        _move(path, away / "metrics.db")
+        os.rename(backup, path)  # the backup restored with mv
+        upgrade = f"run `kvctl db upgrade --db {url}`"
+        said = f"the database at {path} is at schema revision {older}, this kvctl needs {head}"
+        with caplog.at_level(logging.INFO, logger="kvctl.collect"):
+            for n in range(3):
+                traffic(a1, 1, space=3 + n)
+                written, warnings = _cycle(loop)
+                assert not written, warnings
+                refused = [w for w in warnings if w.startswith("database refused the batch")]
+                assert refused == [
+                    f"database refused the batch, keeping {loop.pending_rows} rows for retry: "
+                    f"{said}: {upgrade}"
+                ], warnings
+                assert not any("no column named" in w or "no such" in w for w in warnings)
+        logged = [r for r in caplog.records if "is at schema revision" in r.getMessage()]
+        assert len(logged) == 1 and logged[0].levelno == logging.ERROR, logged
+        assert upgrade in logged[0].getMessage()
+        check = create_engine(url)
+        try:
+            assert migrate.current_revision(check) == older  # never upgraded under the operator
+        finally:
+            check.dispose()
+
+        out = CliRunner().invoke(cli, ["db", "upgrade", "--db", url])
+        assert out.exit_code == 0, out.output
+        traffic(a1, 1, space=9)
+        written, warnings = _cycle(loop)
+        assert written, warnings
+        assert loop.pending_rows == 0
+        agent = a1.control().stats()["stats"]
+
+    # the restored file: its own rows, then what the agent counted since its state was saved
+    _, lookups, hits = _recorded(path)
+    assert (lookups, hits) == (agent["lookup_chunks"], agent["hit_chunks"])
+
+
+def test_a_postgresql_database_behind_the_loop_is_said_so_too(tmp_path: Path, pg_url: str) -> None:
+    """The same on PostgreSQL (a dump at an older schema restored under the loop): its words
+    were psycopg's 'column "read_chunks" of relation "cache_sample" does not exist'."""
+    older, head = migrate.revisions()[-2], migrate.head_revision()
+    db = open_db(pg_url, auto_upgrade=True)
+    try:
+        with running_agent(tmp_path / "a1", "--name", "n1") as a1:
+            with db.begin() as conn:
+                add_dc(conn, "fra")
+                add_node(conn, "n1", dc="fra", agent_url=a1.state.control_url)
+            loop = Collector(db, CollectorConfig())
+            try:
+                assert _cycle(loop)[0]
+                migrate.downgrade(db, older)
+                traffic(a1, 1, space=1)
+                written, warnings = _cycle(loop)
+            finally:
+                loop.close()
+    finally:
+        db.dispose()
+    assert not written, warnings
+    shown = display_url(pg_url)
+    assert (
+        f"the database at {shown} is at schema revision {older}, this kvctl needs {head}: "
+        in (warnings[-1])
+    ), warnings
+    assert f"run `kvctl db upgrade --db {shlex.quote(shown)}`" in warnings[-1], warnings
