@@ -255,7 +255,10 @@ class DataClient:
         token: str = "",
         use_shm: bool = True,
         client_name: str = "kvctl-sdk",
+        hello_timeout_s: float | None = None,
     ) -> None:
+        """``hello_timeout_s``: how long the HELLO may take in all (None: each wait is bounded
+        by the socket's timeout only)."""
         self._sock = sock
         self.transport = transport
         # reentrant: a thread inside a ``leased()`` block may make other calls on its client
@@ -285,7 +288,14 @@ class DataClient:
         #: monotonic time the call in progress must be answered by (None: no deadline)
         self._call_end_s: float | None = None
         self.closed = False
-        self.info: dict[str, Any] = self._hello(token, client_name)
+        # a bound on the whole HELLO, not only on each wait: an agent (or whatever listens
+        # there) that trickles its answer a byte at a time would hold the caller for as long
+        # as it kept trickling (a peer's pull, or the link monitor's ping, for good)
+        self._limits.seconds = hello_timeout_s
+        try:
+            self.info: dict[str, Any] = self._hello(token, client_name)
+        finally:
+            self._limits.seconds = None
         self.tiers: list[str] = list(self.info["tiers"])
         # tier code -> name, indexable by any byte (unused codes and NO_TIER give None)
         self._tier_table: list[str | None] = [*self.tiers, *[None] * (256 - len(self.tiers))]
@@ -303,7 +313,8 @@ class DataClient:
     ) -> DataClient:
         """``timeout_s``: how long the socket waits on the agent (each wait; ``timeout`` sets
         a deadline per call instead). ``hello_timeout_s``: how long the connection and its
-        HELLO may take (a hung agent costs no more), ``timeout_s`` applying after."""
+        HELLO may take (a hung agent costs no more; the HELLO's answer in all, so one that
+        trickles costs no more either), ``timeout_s`` applying after."""
         where = parse_address(address)
         target: str | tuple[str, int]
         if isinstance(where, UnixAddress):
@@ -325,7 +336,9 @@ class DataClient:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
         try:
-            client = cls(sock, transport, token=token, use_shm=use_shm)
+            client = cls(
+                sock, transport, token=token, use_shm=use_shm, hello_timeout_s=hello_timeout_s
+            )
         except BaseException:
             sock.close()
             raise

@@ -169,13 +169,21 @@ class AgentSource(SplitStreams, RemotePool):
             client.close()
 
     def _connect(self, timeout_s: float) -> DataClient:
-        # no shared memory: the peer is another host as far as this code knows
+        # no shared memory: the peer is another host as far as this code knows. The HELLO is
+        # bounded in all (not only each wait): a source that trickles it held a pull (its
+        # connection is made before the pull's deadline is watched) as long as it trickled
         return DataClient.connect(
-            self._target, token=self._token, timeout_s=timeout_s, use_shm=False
+            self._target,
+            token=self._token,
+            timeout_s=timeout_s,
+            use_shm=False,
+            hello_timeout_s=timeout_s,
         )
 
     def ping(self) -> float:
-        with self._client() as c:
+        with self._client() as c, c.timeout(self.read_timeout_s):
+            # bounded in all: a source that trickles its answer held the link monitor (which
+            # probes every source, and the fleet index, in turn) for as long as it trickled
             return c.ping()
 
     def probe_transfer(self, nbytes: int) -> float:
@@ -206,7 +214,11 @@ class AgentSource(SplitStreams, RemotePool):
             items, key=lambda it: (it[0].tenant, it[0].isolated)
         ):
             batch = list(group)
-            with self._client(write=True) as c:
+            nbytes = sum(m.size_bytes for m, _ in batch)
+            # the whole request bounded, as a pull is: a pool that trickles its answer held
+            # the node's one pool writer (every later chunk dropped, nothing failed) for good
+            deadline_s = pull_deadline_s(nbytes, self._timeout_s, len(batch))
+            with self._client(write=True) as c, c.timeout(deadline_s):
                 self._note_unverified_writes(c)
                 outcomes = c.put_many(
                     [(m.key, data) for m, data in batch],
@@ -402,7 +414,7 @@ class AgentSource(SplitStreams, RemotePool):
         return None
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
-        with self._client() as c:
+        with self._client() as c, c.timeout(pull_deadline_s(0, self.read_timeout_s, len(keys))):
             got = c.fetch(keys, tenant=tenant, payload=False)
         limit = self.max_chunk_bytes
         # a chunk larger than this node takes would be refused by the pull: not offered
