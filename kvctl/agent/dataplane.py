@@ -41,7 +41,7 @@ from kvctl.store.errors import (
     PayloadSizeError,
     TierUnavailable,
 )
-from kvctl.store.index import LookupResult
+from kvctl.store.index import Entry, LookupResult
 from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.wire.protocol import (
@@ -1522,13 +1522,24 @@ class Connection:
         checksums: list[int] = []
         checksum_of: dict[int, int] = {}  # by id of the view: a key named twice is hashed once
         total = 0
-        # the bytes first (without the store's lock: disk reads run in parallel), then each
-        # entry's metadata; a chunk evicted in between is reported missing
+        # the bytes (without the store's lock: disk reads run in parallel) between two reads
+        # of each entry's metadata: a chunk evicted, or replaced (another tenant's put over a
+        # key it may not see replaces the chunk), in between is reported missing. Read after
+        # the bytes alone, a replacement sent one chunk's bytes under another's owner and
+        # flags (an isolated tenant's chunk as the putter's shared one), or under another
+        # size, which broke the reply
+        before = (
+            [_chunk_id(e) for e in self.runtime.cached_entries(keys, tenant=tenant)]
+            if want_payload
+            else None
+        )
         views = self._send_views(keys, tenant) if want_payload else [None] * len(keys)
-        entries = [
-            None if want_payload and data is None else e
-            for e, data in zip(self.runtime.cached_entries(keys, tenant=tenant), views, strict=True)
-        ]
+        after = self.runtime.cached_entries(keys, tenant=tenant)
+        entries = (
+            [_sent_chunk(b, e, data) for b, e, data in zip(before, after, views, strict=True)]
+            if before is not None
+            else after
+        )
         for e, data in zip(entries, views, strict=True):
             if e is None:
                 w.raw(FETCH_ITEM.pack(Status.MISSING, 0, 0, 0, 0, bytes(16), 0.0)).text("")
@@ -1838,6 +1849,28 @@ class Connection:
             return
         finally:
             scratch.release()
+
+
+def _chunk_id(entry: Entry | None) -> tuple[str, bool, int, float] | None:
+    """What tells one put of a chunk from another: a chunk is put once, and a new put of its
+    key (a replacement, or a put after an eviction) is a new entry with its own ``created_s``,
+    while moving between tiers keeps it."""
+    if entry is None:
+        return None
+    return (entry.tenant, entry.isolated, entry.size_bytes, entry.created_s)
+
+
+def _sent_chunk(
+    before: tuple[str, bool, int, float] | None,
+    after: Entry | None,
+    data: memoryview | bytearray | None,
+) -> Entry | None:
+    """The entry a FETCH reply names for ``data`` (the bytes read between the two reads of
+    the chunk's entry: ``before``, its ``_chunk_id``, and ``after``), or None (reported
+    missing) unless both are the same put of the chunk and ``data`` is its size."""
+    if before is None or after is None or data is None or before != _chunk_id(after):
+        return None
+    return after if memoryview(data).nbytes == after.size_bytes else None
 
 
 def _check_segment(fd: int, size: int) -> None:
