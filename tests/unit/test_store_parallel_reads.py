@@ -491,32 +491,49 @@ def test_changes_while_a_batch_is_read_never_give_wrong_bytes_or_leak(
     check_invariants(store)
 
 
-@pytest.mark.parametrize(
-    "race",
-    [_evict, _move_up, _pin_in_place, _flush_disk, _put_the_same_keys, _resize_disk_smaller],
-    ids=lambda f: f.__name__.strip("_"),
-)
-def test_changes_while_read_into_reads_never_give_wrong_bytes(
-    tmp_path: Path, race: Callable[[TieredStore, list[bytes]], None]
-) -> None:
+#: what may happen to a chunk while a plain read (read_into, export) of it is held mid-read
+READ_RACES = [
+    _evict,
+    _move_up,
+    _pin_in_place,
+    _flush_disk,
+    _put_the_same_keys,
+    _resize_disk_smaller,
+]
+
+
+def _reads_held_through(
+    tmp_path: Path,
+    race: Callable[[TieredStore, list[bytes]], None],
+    read: Callable[[TieredStore, int, bytes], Any],
+) -> tuple[TieredStore, list[bytes], list[Any]]:
+    """``read(store, i, key)`` of IN_FLIGHT disk chunks, each held at the disk's gate while
+    ``race`` runs; the store, the keys and what each read gave."""
     store, _, disk = make_store(tmp_path, disk=64 * CHUNK)
     keys = [key(i) for i in range(IN_FLIGHT)]
     put_in(store, [*keys, key(20), key(21)], "disk")
     disk.gate.clear()
-    outs = [bytearray(CHUNK) for _ in range(IN_FLIGHT)]
-
-    def read(i: int) -> int | None:
-        try:
-            return store.read_into(keys[i], outs[i])
-        except KeyNotFound:
-            return None
-
-    readers = [Background(lambda i=i: read(i)) for i in range(IN_FLIGHT)]
+    readers = [Background(lambda i=i: read(store, i, keys[i])) for i in range(IN_FLIGHT)]
     assert disk.wait_inside(IN_FLIGHT)
     Background(lambda: GatedDisk.ungated(lambda: race(store, keys))).result()
     disk.gate.set()
-    for i, r in enumerate(readers):
-        n = r.result()
+    return store, keys, [r.result() for r in readers]
+
+
+@pytest.mark.parametrize("race", READ_RACES, ids=lambda f: f.__name__.strip("_"))
+def test_changes_while_read_into_reads_never_give_wrong_bytes(
+    tmp_path: Path, race: Callable[[TieredStore, list[bytes]], None]
+) -> None:
+    outs = [bytearray(CHUNK) for _ in range(IN_FLIGHT)]
+
+    def read(store: TieredStore, i: int, k: bytes) -> int | None:
+        try:
+            return store.read_into(k, outs[i])
+        except KeyNotFound:
+            return None
+
+    store, keys, results = _reads_held_through(tmp_path, race, read)
+    for i, n in enumerate(results):
         # the bytes read, or a miss when the chunk went (or its file vanished) mid-read
         assert n is None or (n == CHUNK and outs[i] == data_of(keys[i]))
         if n is None:
@@ -524,18 +541,10 @@ def test_changes_while_read_into_reads_never_give_wrong_bytes(
     check_invariants(store)
 
 
-@pytest.mark.parametrize(
-    "race",
-    [_evict, _move_up, _pin_in_place, _flush_disk, _put_the_same_keys, _resize_disk_smaller],
-    ids=lambda f: f.__name__.strip("_"),
-)
+@pytest.mark.parametrize("race", READ_RACES, ids=lambda f: f.__name__.strip("_"))
 def test_changes_while_an_export_reads_never_give_wrong_bytes(
     tmp_path: Path, race: Callable[[TieredStore, list[bytes]], None]
 ) -> None:
-    store, _, disk = make_store(tmp_path, disk=64 * CHUNK)
-    keys = [key(i) for i in range(IN_FLIGHT)]
-    put_in(store, [*keys, key(20), key(21)], "disk")
-    disk.gate.clear()
     views = [memoryview(bytearray(CHUNK)) for _ in range(IN_FLIGHT)]
     asked: list[int] = []
 
@@ -543,15 +552,10 @@ def test_changes_while_an_export_reads_never_give_wrong_bytes(
         asked.append(size_bytes)
         return views[i]
 
-    exports = [
-        Background(lambda i=i: store.export(keys[i], into=functools.partial(into, i)))
-        for i in range(IN_FLIGHT)
-    ]
-    assert disk.wait_inside(IN_FLIGHT)
-    Background(lambda: GatedDisk.ungated(lambda: race(store, keys))).result()
-    disk.gate.set()
-    for i, r in enumerate(exports):
-        got = r.result()
+    store, keys, results = _reads_held_through(
+        tmp_path, race, lambda store, i, k: store.export(k, into=functools.partial(into, i))
+    )
+    for i, got in enumerate(results):
         # the chunk's bytes, in the caller's view, or None when it went mid-read
         if got is None:
             assert race in (_evict, _flush_disk), race

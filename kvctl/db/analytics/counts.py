@@ -346,13 +346,17 @@ class Counts(HitCounts):
         return out
 
 
-CACHE_COLUMNS: Final = (
+#: the cache counts a node's hit figures are made of (all of them sound, or none counted)
+HIT_COUNT_COLUMNS: Final = (
     "lookups",
     "lookup_tokens",
     "hits",
     "hit_tokens",
     "reuse_hits",
     "sharing_hits",
+)
+CACHE_COLUMNS: Final = (
+    *HIT_COUNT_COLUMNS,
     "evictions",
     "used_bytes",
     "capacity_bytes",

@@ -9,6 +9,7 @@ from typing import Any
 from sqlalchemy import Float, and_, case, cast, func, select, union_all
 from sqlalchemy.engine import Connection
 
+from kvctl.db.analytics.counts import HIT_COUNT_COLUMNS
 from kvctl.db.inventory import counted_since, removed_label
 from kvctl.db.models import DataCenter, Node, RemovedNode
 from kvctl.db.rollup import series, window
@@ -88,20 +89,11 @@ def _sound_sum(w: Any, counter: str) -> Any:
         c.hits <= c.lookups,
         c.hit_tokens <= c.lookup_tokens,
         # a count with no reading (NULL, an older agent's reuse/sharing) is none, not below 0
-        *(func.coalesce(c[name], 0) >= 0 for name in _HIT_COUNT_COLUMNS),
+        *(func.coalesce(c[name], 0) >= 0 for name in HIT_COUNT_COLUMNS),
     )
     return func.sum(case((sound, c[counter]), else_=0))
 
 
-#: the node's counts its hit figures are made of (``_sound_sum``)
-_HIT_COUNT_COLUMNS = (
-    "lookups",
-    "lookup_tokens",
-    "hits",
-    "hit_tokens",
-    "reuse_hits",
-    "sharing_hits",
-)
 
 
 def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
