@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from functools import partial
 
-from kvctl.client import AgentError, AgentUnreachable, AuthError, DataClient
+from kvctl.client import AgentError, AgentTimeout, AgentUnreachable, AuthError, DataClient
 from kvctl.remote.agent_source import AgentSource, cut_client
 from kvctl.remote.federation import PEER_TIER, Source
 from kvctl.remote.links import EmulatedDelay
@@ -40,6 +40,8 @@ _WATCH = PullWatch("link probes")
 def _connect_error(target: str, exc: Exception) -> str:
     if isinstance(exc, AuthError):
         return f"auth failed at {target}: {exc} (give the target's token)"
+    if isinstance(exc, AgentTimeout):  # it was reached: it answered too slowly, or never
+        return f"{target}: {exc}"
     cause = exc.__cause__
     if isinstance(exc, AgentUnreachable) and isinstance(cause, OSError):
         return f"cannot reach {target}: {cause.strerror or cause}"
@@ -161,7 +163,12 @@ def probe_link(
         if client is None or client.closed:
             # token "" rather than None: None would fall back to KVCTL_TOKEN, i.e. send this
             # agent's own token to whatever host the caller named
-            client = DataClient.connect(target, token=token, timeout_s=timeout_s, use_shm=False)
+            # its HELLO bounded in all, as each ping is: a target trickling its answers (each
+            # byte within the socket's timeout) held the probe, and its request's thread, for
+            # as long as it trickled
+            client = DataClient.connect(
+                target, token=token, timeout_s=timeout_s, use_shm=False, hello_timeout_s=timeout_s
+            )
         return client
 
     rtts_s: list[float] = []
@@ -176,7 +183,12 @@ def probe_link(
         lost_in_a_row = 0
         for i in range(pings):
             try:
-                ping = connected().ping  # a reconnect is not part of the round trip
+                c = connected()  # a reconnect is not part of the round trip
+
+                def ping(c: DataClient = c) -> float:
+                    with c.timeout(timeout_s):
+                        return c.ping()
+
                 rtts_s.append(with_delay(ping))
                 lost_in_a_row = 0
             except _TARGET_ERRORS as exc:
