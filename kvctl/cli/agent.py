@@ -1099,9 +1099,11 @@ def _render_remote(report: dict[str, Any]) -> None:
         if src is None:
             continue
         if not src["up"]:
-            down.append(f"{src['name']}: {src['last_error']}")
+            # the error's text is the source's (a peer's error message, a non-agent's bytes):
+            # shown as it is, never read as markup (a stray "[/]" made the command fail)
+            down.append(f"{escape(str(src['name']))}: {escape(str(src['last_error']))}")
         table.add_row(
-            f"{src['name']} ({src['tier']})\n[dim]{src['address']}[/]",
+            f"{escape(str(src['name']))} ({src['tier']})\n[dim]{escape(str(src['address']))}[/]",
             _breaker_cell(src),
             *_link_cells(src["link"]),
             f"{src['chunks_in']:,}/{src['chunks_out']:,}",
@@ -1131,9 +1133,11 @@ def _render_remote(report: dict[str, Any]) -> None:
         )
     index = report.get("index")
     if index:
-        state = "[green]up[/]" if index["up"] else f"[red]down[/] ({index['last_error']})"
+        state = (
+            "[green]up[/]" if index["up"] else f"[red]down[/] ({escape(str(index['last_error']))})"
+        )
         console.print(
-            f"fleet index {index['address']}: {state}; {index['queries']:,} queries, "
+            f"fleet index {escape(str(index['address']))}: {state}; {index['queries']:,} queries, "
             f"{index['peer_probes_saved']:,} peer probes saved, {index['fallbacks']:,} fallbacks "
             f"to probing every peer, {index['stale_chunks']:,} stale chunks",
             highlight=False,
