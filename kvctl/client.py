@@ -919,7 +919,7 @@ class DataClient:
         meta, _ = self._call(Op.HELLO, MetaWriter().text(token).text(client_name).build())
         try:
             info = json.loads(meta)
-        except ValueError:  # (UnicodeDecodeError too)
+        except (ValueError, RecursionError):  # (UnicodeDecodeError too; JSON nested too deep)
             info = None
         tiers = info.get("tiers") if isinstance(info, dict) else None
         if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):

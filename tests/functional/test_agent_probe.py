@@ -642,11 +642,22 @@ def test_a_target_answering_a_transfer_with_truncated_metadata_is_a_failed_probe
     assert "metadata is truncated" in (out["error"] or "")
 
 
-@pytest.mark.parametrize("hello", [b'{"version": "9"}', b"\xff\xfe", b'{"tiers": "cpu"}'])
+@pytest.mark.parametrize(
+    "hello",
+    [
+        b'{"version": "9"}',
+        b"\xff\xfe",
+        b'{"tiers": "cpu"}',
+        # JSON nested deeper than the parser recurses: its RecursionError was a 500
+        b"[" * 100_000 + b"]" * 100_000,
+    ],
+    ids=["no-tiers", "not-utf8", "tiers-not-a-list", "nested-too-deep"],
+)
 def test_a_target_whose_hello_names_no_tiers_is_said_to_be_no_agent(
     pair: tuple[Agent, Agent], hello: bytes
 ) -> None:
-    """Before, the SDK's bare KeyError or decode error made the probe's error "'tiers'"."""
+    """Before, the SDK's bare KeyError or decode error made the probe's error "'tiers'", and
+    JSON nested too deep for the parser made the probe a 500."""
     a, _ = pair
     with socket.create_server(("127.0.0.1", 0)) as listener:
 
