@@ -94,8 +94,6 @@ def _sound_sum(w: Any, counter: str) -> Any:
     return func.sum(case((sound, c[counter]), else_=0))
 
 
-
-
 def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
     """Per-DC and fleet totals over [start, end): exact, read through rollups where possible.
     Removed nodes' samples count in their DC (``nodes`` counts the inventory's)."""
