@@ -985,7 +985,14 @@ class DataClient:
             if limit_s is not None:
                 self._call_end_s = time.monotonic() + limit_s
                 self._sock.settimeout(limit_s)
-            send_all(self._sock, [pack_header(op, self._rid, len(meta), total), meta, *payload], fd)
+            # the request's send is within the call's deadline too: an agent taking a PUT's
+            # payload a little at a time held the caller for as long as it kept reading
+            send_all(
+                self._sock,
+                [pack_header(op, self._rid, len(meta), total), meta, *payload],
+                fd,
+                end_s=self._call_end_s if limit_s is not None else None,
+            )
             if op == Op.RELEASE:
                 return b"", 0
             head = bytearray(HEADER_BYTES)

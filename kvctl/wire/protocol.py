@@ -30,6 +30,7 @@ from __future__ import annotations
 import array
 import socket
 import struct
+import time
 from collections.abc import Callable, Sequence
 from enum import IntEnum
 from typing import Any
@@ -665,12 +666,16 @@ def send_all(
     *,
     slice_bytes: int | None = None,
     on_sent: Callable[[int], None] | None = None,
+    end_s: float | None = None,
 ) -> int:
     """Send ``parts`` with as few syscalls as the kernel allows (``sendmsg`` gathers them),
     passing ``fd`` along with the first byte when given. ``slice_bytes``: at most that many
     bytes a syscall; ``on_sent`` is told each syscall's bytes once the kernel took them (a
-    server counting a reply toward its stall deadline as its reader takes it). Returns bytes
-    sent."""
+    server counting a reply toward its stall deadline as its reader takes it). ``end_s``
+    (``time.monotonic``): the whole send ends by then or raises TimeoutError (the socket's
+    timeout is left changed); the socket's timeout alone bounds each wait, so a reader taking
+    the bytes a little at a time would hold the sender for as long as it kept reading. Returns
+    bytes sent."""
     views = [v for v in (memoryview(p).cast("B") for p in parts) if v.nbytes]
     total = sum(v.nbytes for v in views)
     anc = []
@@ -685,6 +690,11 @@ def send_all(
                 room -= batch[-1].nbytes
                 if room <= 0:
                     break
+        if end_s is not None:
+            left_s = end_s - time.monotonic()
+            if left_s <= 0:
+                raise TimeoutError("timed out")
+            sock.settimeout(left_s)
         sent = sock.sendmsg(batch, anc)
         anc = []
         if on_sent is not None:
