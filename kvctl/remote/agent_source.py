@@ -62,6 +62,7 @@ from kvctl.remote.pool import (
     probe_too_slow,
     pull_deadline_s,
     visible_to,
+    write_deadline_s,
 )
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
@@ -215,9 +216,10 @@ class AgentSource(SplitStreams, RemotePool):
         ):
             batch = list(group)
             nbytes = sum(m.size_bytes for m, _ in batch)
-            # the whole request bounded, as a pull is: a pool that trickles its answer held
-            # the node's one pool writer (every later chunk dropped, nothing failed) for good
-            deadline_s = pull_deadline_s(nbytes, self._timeout_s, len(batch))
+            # the whole request bounded: a pool that trickles its answer held the node's one
+            # pool writer (every later chunk dropped, nothing failed) for good; at the write
+            # floor, not a pull's (a slow but working link is not a trickle)
+            deadline_s = write_deadline_s(nbytes, self._timeout_s, len(batch))
             with self._client(write=True) as c, c.timeout(deadline_s):
                 self._note_unverified_writes(c)
                 outcomes = c.put_many(

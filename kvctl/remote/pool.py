@@ -77,6 +77,21 @@ PULL_ALLOWANCE_PER_RECORD_S = 0.005
 PROBE_SLACK_S = 3.0
 
 
+#: the rate a write to a pool agent (the write-behind, off the request path) is bounded at: the
+#: agent's own floor for a frame (``kvctl.agent.dataplane.MIN_FRAME_BYTES_PER_SECOND``), below
+#: which it cuts the sender anyway. At the pull floor a full batch (256 MiB) had 13 s: every
+#: batch failed, and the source's breaker (which reads share) opened, on any path under ~160
+#: Mbit/s to the pool, a working 100 Mbit/s link or a 1 GbE uplink six nodes write through
+WRITE_FLOOR_BYTES_PER_S = 1 << 20
+
+
+def write_deadline_s(nbytes: int, timeout_s: float, records: int = 0) -> float:
+    """Seconds a write of ``records`` records of ``nbytes`` in all may take at most: its
+    timeout plus its bytes at ``WRITE_FLOOR_BYTES_PER_S`` plus the records' allowance; one
+    slower trickles (the agent would cut it too)."""
+    return timeout_s + nbytes / WRITE_FLOOR_BYTES_PER_S + records * PULL_ALLOWANCE_PER_RECORD_S
+
+
 def pull_deadline_s(nbytes: int, read_timeout_s: float, records: int = 0) -> float:
     """Seconds a pull of ``records`` records of ``nbytes`` in all may take at most (see
     ``PULL_FLOOR_BYTES_PER_S`` and ``PULL_ALLOWANCE_PER_RECORD_S``)."""

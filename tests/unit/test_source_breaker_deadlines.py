@@ -60,3 +60,17 @@ def test_reads_get_a_short_deadline_and_writes_keep_theirs(kind: str) -> None:
 def test_bad_deadlines_are_refused(kind: str, kw: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument, match="timeout_s must be positive"):
         BACKENDS[kind](**kw)
+
+
+def test_a_full_write_behind_batch_has_time_at_the_agents_own_frame_floor() -> None:
+    """A write to a pool agent (off the request path) is bounded at the rate the receiving
+    agent itself cuts a frame at, not a pull's 32 MiB/s: at the pull floor a full batch (256
+    MiB) had 13 s, so every batch on a working path under ~160 Mbit/s failed and opened the
+    source's breaker, which its reads share."""
+    from kvctl.agent.dataplane import MIN_FRAME_BYTES_PER_SECOND
+    from kvctl.remote.federation import _WRITE_BATCH_BYTES, _WRITE_BATCH_CHUNKS
+    from kvctl.remote.pool import write_deadline_s
+
+    at_floor_s = _WRITE_BATCH_BYTES / MIN_FRAME_BYTES_PER_SECOND
+    assert write_deadline_s(_WRITE_BATCH_BYTES, 2.0, _WRITE_BATCH_CHUNKS) >= at_floor_s
+    assert write_deadline_s(_WRITE_BATCH_BYTES, 2.0, _WRITE_BATCH_CHUNKS) < 2 * at_floor_s
