@@ -494,8 +494,8 @@ def serve_command(
     a file or the database is reread every --reload-s seconds and on SIGHUP. With the
     database, a shared (Redis) index's entries of nodes it does not name (removed while no
     router ran) are dropped at start and at each reread, unless the index holds none of its
-    nodes; with --fleet or --agent, `kvctl router status` names them and
-    `kvctl router forget NODE` drops one.
+    nodes or another running router follows them; with --fleet or --agent,
+    `kvctl router status` names them and `kvctl router forget NODE` drops one.
     Agents are read with $KVCTL_TOKEN when they have a token. Every figure the router reports
     is modeled, from the inputs it shows (link distances, the prefill profile or rate).
 
@@ -850,8 +850,9 @@ def forget_command(
     while no router ran, or one a router was restarted without (fewer --agent flags), stays in
     a shared (Redis) index, and `kvctl router status` names it ("in the index, not in this
     router's inventory"). Refused for a node the router follows (it would write them again at
-    once: remove it from the inventory first) and for one the index holds no entry of. A router
-    elsewhere that still follows the node writes its entries again.
+    once: remove it from the inventory first), for one another running router follows (it
+    claims the node in the shared index, and would write its entries again) and for one the
+    index holds no entry of.
 
     Examples:
 

@@ -128,6 +128,25 @@ class FleetIndex(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ClaimingIndex(Protocol):
+    """A shared index (Redis) in which every router claims the nodes it knows, again and again:
+    a node no router claimed for a while is one no running router follows, so one that a
+    router whose inventory does not name it may drop (``kvctl.router.inventory``). Without it,
+    a router on a stale copy of the fleet database, or a developer's with one node of its own,
+    dropped every node the others follow, at each of its rereads."""
+
+    def claim(self, claimant: str, nodes: Iterable[str]) -> None:
+        """Say that the running router ``claimant`` (its instance id) knows ``nodes`` now (the
+        index's clock), in place of what it claimed before."""
+        ...
+
+    def claims(self, *, excluding: str = "") -> dict[str, float]:
+        """Each node a router other than ``excluding`` claimed, and how long ago that router's
+        last claim was, in seconds (the index's clock; its youngest of them)."""
+        ...
+
+
 class EmbeddedIndex:
     """The index in this process's memory (the default): dicts under one lock."""
 

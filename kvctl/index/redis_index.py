@@ -17,6 +17,9 @@ Redis keys carry them as hex, hash fields and values carry their UTF-8 bytes)::
                       and "\\xfe" node -> the id of the node's last replace (0xfe: nor this one),
                       written by every replace in its MULTI/EXEC: a replace that outlasts the
                       client's socket timeout may still land, and reading it back says whether
+    P claims          hash: router instance -> JSON {"ms": when it last claimed (the server's
+                      clock), "nodes": the nodes it knows} (``claim``/``claims``: see
+                      ``ClaimingIndex``; a router's field goes an hour after its last claim)
 
 A node's marker is the bare value routers before counts were kept wrote and read (they share
 one index with these in a rolling upgrade): they see it change only when the index lost it.
@@ -50,6 +53,7 @@ Not for a Redis Cluster: the scripts touch keys of many slots.
 from __future__ import annotations
 
 import contextlib
+import json
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -61,7 +65,7 @@ from redis.exceptions import RedisError
 from redis.retry import Retry
 
 from kvctl.errors import InvalidArgument
-from kvctl.index.events import ChunkEvent
+from kvctl.index.events import MAX_COUNT, ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.redact import redact_url
@@ -69,6 +73,8 @@ from kvctl.redact import redact_url
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "kvctl:index:"
 DEFAULT_TIMEOUT_S = 2.0
+#: a router's claims (``claim``) are deleted this long after its last one (it stopped)
+CLAIMS_KEPT_S = 3600.0
 #: the URL schemes a RedisIndex opens (valkey:// is redis:// to the client)
 SCHEMES = {
     "redis": "redis",
@@ -241,12 +247,18 @@ def encode_entry(e: ChunkEvent) -> bytes:
 
 
 def _holding(node: bytes, value: bytes, tenant: bytes) -> Holding | None:
-    """The entry as a Holding when ``tenant`` may see it, else None."""
+    """The entry as a Holding when ``tenant`` may see it, else None; None too for one whose
+    counts are past an int64, which routers before events were bounded (``MAX_COUNT``) stored
+    from a buggy or hostile agent: every route over its key failed (OverflowError, a 500)
+    until its node was resynced."""
     size, tokens, isolated, tier_len, rest = value.split(b" ", 4)
     n = int(tier_len)
     if isolated != b"0" and rest[n:] != tenant:
         return None
-    return Holding(_str(node), _str(rest[:n]), int(size), int(tokens))
+    size_bytes, token_count = int(size), int(tokens)
+    if not (0 <= size_bytes <= MAX_COUNT and 0 <= token_count <= MAX_COUNT):
+        return None
+    return Holding(_str(node), _str(rest[:n]), size_bytes, token_count)
 
 
 class RedisIndex:
@@ -277,6 +289,7 @@ class RedisIndex:
         self._chunk_prefix = self._prefix + b"k:"
         self._nodes_key = self._prefix + b"nodes"
         self._markers_key = self._prefix + b"markers"
+        self._claims_key = self._prefix + b"claims"
         if client is not None:
             if client.connection_pool.connection_kwargs.get("decode_responses"):
                 raise InvalidArgument("the index's Redis client must not decode responses")
@@ -453,6 +466,42 @@ class RedisIndex:
                 if field.startswith(_COUNT_FIELD) and node in markers:
                     counts[node] = count
         return dict(sorted((_str(node), int(n)) for node, n in counts.items() if int(n) > 0))
+
+    # --- ClaimingIndex -------------------------------------------------------------------
+    def claim(self, claimant: str, nodes: Iterable[str]) -> None:
+        with self._guard():
+            # the server's clock: routers' clocks may disagree, its own does not
+            seconds, micros = self._client.time()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            value = json.dumps({"ms": now_ms, "nodes": sorted(nodes)})
+            self._client.hset(self._claims_key, _utf8(claimant), _utf8(value))
+
+    def claims(self, *, excluding: str = "") -> dict[str, float]:
+        with self._guard():
+            pipe = self._client.pipeline(transaction=True)
+            pipe.time()
+            pipe.hgetall(self._claims_key)
+            (seconds, micros), raw = pipe.execute()
+            now_ms = int(seconds) * 1000 + int(micros) // 1000
+            out: dict[str, float] = {}
+            gone: list[bytes] = []
+            for field, value in cast("dict[bytes, bytes]", raw).items():
+                try:
+                    claim = json.loads(value)
+                    age_s = max(0.0, (now_ms - int(claim["ms"])) / 1000)
+                    nodes = [str(n) for n in claim["nodes"]]
+                except (ValueError, TypeError, KeyError):
+                    continue  # not a claim (a prefix shared by mistake)
+                if age_s > CLAIMS_KEPT_S:  # a router that stopped long ago: its field goes
+                    gone.append(field)
+                    continue
+                if _str(field) == excluding:
+                    continue
+                for node in nodes:
+                    out[node] = min(age_s, out.get(node, age_s))
+            if gone:
+                self._client.hdel(self._claims_key, *gone)
+        return out
 
     def __len__(self) -> int:
         """Entries (one per node and chunk)."""

@@ -536,8 +536,9 @@ def create_app(
     def forget(body: ForgetRequest) -> dict[str, Any]:
         """Drop every index entry of a node that left the fleet, its engines' (NODE#vllm) with
         them (or one engine's, given NODE#ENGINE): a node removed while no router ran stays in a
-        shared index otherwise. 400 for a node in this router's inventory (it would be written
-        again at once) or one the index holds no entry of."""
+        shared index otherwise. 400 for a node in this router's inventory or one another running
+        router follows (it would be written again at once), or one the index holds no entry
+        of."""
         dropped = router.forget(body.node)
         return {"node": body.node, "dropped": dropped, "entries": sum(dropped.values())}
 

@@ -17,9 +17,14 @@ name is dropped at start and at each reread, with its engines' entries. The inde
 listed before the inventory is read: a node added meanwhile, and written by a router that read
 it, is in the inventory read after. Not when the index holds none of the inventory's nodes (a
 database of another fleet, a developer's own SQLite file, against the fleet's Redis): nothing is
-dropped then, and the status says why. Without it (``--agent`` flags, a fleet file, which a
-developer's router may give with a few nodes) nothing is dropped: the router's status names the
-index's nodes it does not know, and ``Router.forget`` drops one on an operator's word.
+dropped then, and the status says why. Nor a node another running router follows: every router
+claims the nodes it knows in a shared index every ``CLAIM_INTERVAL_S`` (``ClaimingIndex``), and
+a node whose last claim by another router is under ``claim_stale_s`` old is kept (a router on a
+stale copy of the database, or a developer's with a node of its own, which passes the check
+above once its node is written, dropped every other router's nodes at each reread). Without
+``forget_unknown`` (``--agent`` flags, a fleet file, which a developer's router may give with a
+few nodes) nothing is dropped: the router's status names the index's nodes it does not know,
+and ``Router.forget`` drops one on an operator's word.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
+from math import inf
 from typing import Any
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.follower import Followers
 from kvctl.index.model import owner
 from kvctl.index.remote import IndexUnavailable
-from kvctl.router.service import Router
+from kvctl.router.service import CLAIM_STALE_S, Router
 from kvctl.router.topology import Topology
 
 log = logging.getLogger("kvctl.router.inventory")
@@ -66,6 +72,7 @@ class InventoryReloader:
         agent_token: str | None = None,
         interval_s: float = DEFAULT_RELOAD_S,
         forget_unknown: bool = False,
+        claim_stale_s: float = CLAIM_STALE_S,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         # the thread waits interval_s at a time: past TIMEOUT_MAX (inf) its first wait raised
@@ -94,6 +101,7 @@ class InventoryReloader:
         self.last_error = ""
         self.last_error_s: float | None = None
         self.forget_unknown = bool(forget_unknown) and read is not None
+        self.claim_stale_s = float(claim_stale_s)
         #: index names dropped as not in the inventory, and their entries, since the start
         self.forgotten_nodes = 0
         self.forgotten_entries = 0
@@ -153,8 +161,23 @@ class InventoryReloader:
             )
             log.warning("inventory (%s): %s", self.source, self.forget_note)
             return
-        self.forget_note = ""
-        self._drop(unknown, "not in the inventory")
+        # a node another running router claims is one it follows (an --agent or fleet-file
+        # router, a stale copy of the database, a developer's router with a node of its own):
+        # dropped, it would be resynced at once, and dropped again at each reread
+        claims = self.router.index_claims() if unknown else {}
+        if claims is None:
+            self.forget_note = (
+                f"the index did not answer for its claims: {self.router.claim_error}: none dropped"
+            )[:300]
+            return
+        followed = [n for n in unknown if claims.get(owner(n), inf) < self.claim_stale_s]
+        self.forget_note = (
+            f"another router follows {len(followed)} of them (claimed in the last "
+            f"{self.claim_stale_s:g} s), e.g. {', '.join(followed[:3])}"
+            if followed
+            else ""
+        )
+        self._drop([n for n in unknown if n not in followed], "not in the inventory")
 
     def _drop(self, names: Collection[str], why: str) -> None:
         """Drop the index names ``names`` (logged and counted as forgotten)."""
@@ -269,4 +292,6 @@ class InventoryReloader:
             "forgotten_entries": self.forgotten_entries,
             "last_forgotten": list(self.last_forgotten),
             "forget_note": self.forget_note,
+            # a shared index's claims (the nodes each router knows) failing: "" when they answer
+            "claim_error": self.router.claim_error,
         }

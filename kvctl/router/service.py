@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvctl.errors import InvalidArgument, KvctlError
-from kvctl.index.model import ENGINE_SEPARATOR, FleetIndex, Holding, owner
+from kvctl.index.model import ENGINE_SEPARATOR, ClaimingIndex, FleetIndex, Holding, owner
 from kvctl.index.remote import MAX_KEYS, IndexUnavailable
 from kvctl.profiles import model_profile
 from kvctl.quantiles import nearest_rank
@@ -58,6 +58,13 @@ log = logging.getLogger("kvctl.router")
 #: at most one warning per this many seconds while the index keeps failing (each names how many
 #: failures it stands for): a router under load fails every request during an outage
 INDEX_WARNING_INTERVAL_S = 30.0
+#: how often a router claims the nodes it knows in a shared index (``ClaimingIndex``)
+CLAIM_INTERVAL_S = 10.0
+#: a claim older than this is one of a router that stopped (it missed 6): a router whose
+#: inventory does not name the node may drop it then
+CLAIM_STALE_S = 60.0
+#: how long stopping waits for a claim in flight (the index's socket timeout, and a retry)
+CLAIM_STOP_WAIT_S = 5.0
 
 
 class IndexWatch:
@@ -247,6 +254,7 @@ class Router:
         engine_feeds: Sequence[EngineFeed] = (),
         load: LoadTally | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        claim_interval_s: float = CLAIM_INTERVAL_S,
     ) -> None:
         self.index = index
         self.topology = topology
@@ -270,6 +278,11 @@ class Router:
         self._policy_lock = threading.Lock()
         #: rereads the fleet's inventory while the router runs (None: read once, at start)
         self.inventory: InventorySource | None = None
+        self.claim_interval_s = float(claim_interval_s)
+        self._claims_stop = threading.Event()
+        self._claims_thread: threading.Thread | None = None
+        #: why the last claim, or read of the claims, failed ("" when it did not)
+        self.claim_error = ""
 
     @property
     def chunk_tokens(self) -> int:
@@ -278,7 +291,15 @@ class Router:
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         """Start following the agents (when the router has followers) and the engines' own
-        KV events (when it has feeds)."""
+        KV events (when it has feeds), and, in a shared index, claiming the nodes it knows
+        (before its followers write any: a router dropping what no router claims never takes
+        them for a node that left)."""
+        if isinstance(self.index, ClaimingIndex) and self._claims_thread is None:
+            self._claims_stop.clear()
+            self._claims_thread = threading.Thread(
+                target=self._claim_loop, name="kvctl-index-claims", daemon=True
+            )
+            self._claims_thread.start()
         if self.followers is not None:
             self.followers.start()
         for feed in self.engine_feeds:
@@ -290,6 +311,7 @@ class Router:
         """Stop following and close the index."""
         if self.inventory is not None:
             self.inventory.stop()
+        self.stop_claims()
         for feed in self.engine_feeds:
             feed.stop()
         if self.followers is not None:
@@ -374,6 +396,54 @@ class Router:
         self.index_watch.answered()
         return nodes
 
+    def stop_claims(self) -> None:
+        """Stop claiming (``start``): another router may drop the nodes this one knew once
+        their claims are stale, if its inventory does not name them."""
+        self._claims_stop.set()
+        thread, self._claims_thread = self._claims_thread, None
+        if thread is not None:
+            # bounded: a claim in flight to a hung index waits out its socket timeout
+            thread.join(timeout=CLAIM_STOP_WAIT_S)
+
+    def _claim_loop(self) -> None:
+        while True:
+            self.claim_known()
+            if self._claims_stop.wait(self.claim_interval_s):
+                return
+
+    def claim_known(self) -> bool:
+        """Claim the nodes this router knows in a shared index (``ClaimingIndex``); False
+        when the index has no claims or did not answer (``claim_error``)."""
+        if not isinstance(self.index, ClaimingIndex):
+            return False
+        try:
+            self.index.claim(self.instance, self.known_nodes())
+        except IndexUnavailable as exc:
+            self._claim_failed(exc)
+            return False
+        self.claim_error = ""
+        return True
+
+    def index_claims(self) -> dict[str, float] | None:
+        """Each node another router claimed in a shared index, and how long ago (seconds); {}
+        for an index without claims (private to this router); None when it did not answer
+        (``claim_error``)."""
+        if not isinstance(self.index, ClaimingIndex):
+            return {}
+        try:
+            return self.index.claims(excluding=self.instance)
+        except IndexUnavailable as exc:
+            self._claim_failed(exc)
+            return None
+
+    def _claim_failed(self, exc: IndexUnavailable) -> None:
+        # not index_watch's: claims are no route's and no health's (a Redis user whose ACL
+        # refuses TIME must not have /v1/health flap); logged when the error changes
+        error = str(exc)[:300]
+        if error != self.claim_error:
+            log.warning("the fleet index's claims failed: %s", error)
+        self.claim_error = error
+
     def known_nodes(self) -> frozenset[str]:
         """The nodes this router knows: its inventory's (the topology), those it follows, and
         those whose engine's own KV events it reads (an index name owned by none of them is
@@ -395,8 +465,8 @@ class Router:
         engines' (``NODE#vllm``); or only ``NODE#ENGINE``'s when given that name. Returns the
         entries dropped per index name. InvalidArgument for a node this router knows (it would
         write them again at once: remove it from the inventory first) or one the index holds
-        no entry of. A router elsewhere that still follows the node writes its entries again
-        (the drop takes the node's marker: its follower resyncs)."""
+        no entry of, and for one another running router claims (``ClaimingIndex``: it follows
+        the node and would write its entries again, its follower resyncing)."""
         if not isinstance(node, str) or not node:
             raise InvalidArgument("give the node whose index entries to drop")
         known = self.known_nodes()
@@ -409,6 +479,15 @@ class Router:
                 if not engine
                 else f"this router reads {node!r}'s KV events (--vllm-events): its entries "
                 "would be written again at once"
+            )
+        # another running router that follows it would write its entries again at once (its
+        # follower resyncs): claims that do not answer refuse nothing (the drop is the word)
+        age_s = (self.index_claims() or {}).get(owner(node))
+        if age_s is not None and age_s < CLAIM_STALE_S:
+            raise InvalidArgument(
+                f"another running router follows {owner(node)!r} (it claimed the node "
+                f"{age_s:.0f} s ago in the shared index) and would write its entries again at "
+                "once; remove the node from that router's inventory first"
             )
         nodes = self.index_nodes()
         if nodes is None:

@@ -236,6 +236,26 @@ def test_an_entry_not_written_by_an_index_is_index_unavailable(
         fresh.holders([key(0)], tenant="acme")
 
 
+def test_an_entry_with_counts_past_an_int64_is_not_a_holder(
+    fresh: RedisIndex, redis_url: str
+) -> None:
+    """An entry a router stored before events were bounded (6a2fadc), from an agent listing a
+    chunk of 10**400 tokens: skipped, not a holder whose counts fail every route over the key
+    (OverflowError: a 500) until its node is resynced; the key's sound holders stand."""
+    fresh.apply("n", [stored(0)])
+    fresh.apply("m", [stored(0)])
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        field = f"{fresh.prefix}k:{key(0).hex()}"
+        good = raw.hget(field, "m")
+        assert good is not None
+        _size, _tokens, rest = good.split(b" ", 2)
+        raw.hset(field, "m", b"%d %d " % (4096, 10**400) + rest)
+    finally:
+        raw.close()
+    assert [h.node for h in fresh.holders([key(0)], tenant="acme")[0]] == ["n"]
+
+
 # --- routers before counts were kept, sharing the index (a rolling upgrade) -------------------
 def _held_by_the_set(index: RedisIndex, raw: redis.Redis, node: str) -> int:
     return int(raw.scard(f"{index.prefix}n:{node.encode().hex()}"))

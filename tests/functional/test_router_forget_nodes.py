@@ -112,7 +112,12 @@ def _costs() -> Costs:
 
 @contextlib.contextmanager
 def router_on(
-    index: RedisIndex, source: FleetSource, *, forget_unknown: bool, reload_s: float = 0.0
+    index: RedisIndex,
+    source: FleetSource,
+    *,
+    forget_unknown: bool,
+    reload_s: float = 0.0,
+    **reloader_kw: float,
 ) -> Iterator[tuple[Router, InventoryReloader]]:
     """A router over ``index`` as `kvctl router serve` builds it from ``source``, started."""
     from kvctl.cli.router import load_fleet
@@ -122,7 +127,13 @@ def router_on(
     followers = Followers(index, {n: (u, None) for n, u in urls.items()}, poll_s=0.05)
     router = Router(index, topology, _costs(), followers=followers)
     reloader = InventoryReloader(
-        read, router, followers, source=name, interval_s=reload_s, forget_unknown=forget_unknown
+        read,
+        router,
+        followers,
+        source=name,
+        interval_s=reload_s,
+        forget_unknown=forget_unknown,
+        **reloader_kw,  # type: ignore[arg-type]
     )
     router.inventory = reloader
     router.start()
@@ -131,6 +142,7 @@ def router_on(
     finally:
         # the index is the test's: the router stops without closing it
         reloader.stop()
+        router.stop_claims()
         followers.close()
 
 
@@ -183,6 +195,109 @@ def test_an_index_holding_none_of_the_databases_nodes_is_not_emptied(
         assert set(shared.nodes()) >= {"x", "y", "y#vllm"}
         assert "none dropped" in reloader.status()["forget_note"]
         assert reloader.status()["forgotten_nodes"] == 0
+
+
+@pytest.mark.parametrize(
+    "fleet_follows",
+    [("y",), ("x", "y")],
+    ids=["a-developers-own-node", "a-stale-copy-of-the-database"],
+)
+def test_a_node_another_running_router_follows_is_kept(
+    tmp_path: Path,
+    shared: RedisIndex,
+    agents: dict[str, Agent],
+    fleet_follows: tuple[str, ...],
+) -> None:
+    """The fleet's router follows y; a router on a database naming only x shares its Redis: a
+    developer's own SQLite file with their node x (reachable, so in the index after its first
+    poll), or a stale copy of the fleet database (x, not y, which joined since). Before, once x
+    was in the index the 'holds none of the inventory's nodes' check passed, and that router
+    dropped y at each reread (the fleet router's follower resyncing it each time)."""
+    fleet = FleetSource(agents=[f"{n}={agents[n].state.control_url}@fra" for n in fleet_follows])
+    db = fleet_db(tmp_path, {"x": agents["x"].state.control_url})
+    with (
+        router_on(shared, fleet, forget_unknown=False),
+        router_on(shared, FleetSource(db=db), forget_unknown=True) as (_, reloader),
+    ):
+        wait_until("x and y indexed", lambda: shared.nodes() == {"x": CHUNKS, "y": CHUNKS})
+        wait_until("the start's pass", lambda: reloader.reads >= 1)
+        assert reloader.reload()
+        assert reloader.status()["forgotten_nodes"] == 0, reloader.status()
+        assert shared.nodes() == {"x": CHUNKS, "y": CHUNKS}
+        assert "another router follows 1 of them" in reloader.status()["forget_note"]
+
+
+def test_a_node_whose_router_stopped_is_dropped_once_its_claim_is_stale(
+    tmp_path: Path, shared: RedisIndex, agents: dict[str, Agent]
+) -> None:
+    """The claims keep a node only while its router runs: stopped (y removed from the
+    fleet with it), y goes at the first reread after its claim is older than claim_stale_s."""
+    fleet = FleetSource(agents=[f"y={agents['y'].state.control_url}@fra"])
+    db = fleet_db(tmp_path, {"x": agents["x"].state.control_url})
+    with router_on(shared, FleetSource(db=db), forget_unknown=True, claim_stale_s=0.5) as (
+        _,
+        reloader,
+    ):
+        with router_on(shared, fleet, forget_unknown=False):
+            wait_until("x and y indexed", lambda: shared.nodes() == {"x": CHUNKS, "y": CHUNKS})
+            assert reloader.reload()
+            assert set(shared.nodes()) == {"x", "y"}
+        wait_until(
+            "y dropped once its claim is stale",
+            lambda: reloader.reload() and set(shared.nodes()) == {"x"},
+        )
+        assert reloader.status()["forgotten_nodes"] == 1
+        assert reloader.status()["forget_note"] == ""
+
+
+def test_forget_refuses_a_node_another_running_router_follows(
+    tmp_path: Path, shared: RedisIndex, agents: dict[str, Agent]
+) -> None:
+    """Before, y's entries were dropped, said dropped, and written again by the other router's
+    follower at its next poll."""
+    fleet = FleetSource(agents=[f"y={agents['y'].state.control_url}@fra"])
+    mine = FleetSource(agents=[f"x={agents['x'].state.control_url}@fra"])
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    with (
+        router_on(shared, fleet, forget_unknown=False),
+        router_on(shared, mine, forget_unknown=False) as (router, _),
+        RouterServer(router, listen="127.0.0.1:0", token=TOKEN) as server,
+    ):
+        wait_until("x and y indexed", lambda: shared.nodes() == {"x": CHUNKS, "y": CHUNKS})
+        wait_until("y claimed", lambda: "y" in (router.index_claims() or {}))
+        at = ["--router", server.url, "--token-file", str(token_file)]
+        code, out = kvctl("router", "forget", "y", *at)
+        assert code == 2 and "another running router follows 'y'" in out, out
+        assert shared.nodes() == {"x": CHUNKS, "y": CHUNKS}
+
+
+def test_claims_name_other_routers_nodes_and_drop_an_hour_old_router(
+    shared: RedisIndex, redis_url: str
+) -> None:
+    import redis
+
+    from kvctl.index.redis_index import CLAIMS_KEPT_S
+
+    shared.claim("router-a", ["x", "y"])
+    shared.claim("router-b", ["y", "z#vllm"])
+    ages = shared.claims()
+    assert set(ages) == {"x", "y", "z#vllm"} and all(0 <= a < 60 for a in ages.values())
+    assert set(shared.claims(excluding="router-a")) == {"y", "z#vllm"}
+    shared.claim("router-a", ["x"])  # in place of its claim before
+    assert set(shared.claims(excluding="router-b")) == {"x"}
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        key = f"{shared.prefix}claims"
+        seconds, _ = raw.time()
+        old_ms = (seconds - CLAIMS_KEPT_S - 60) * 1000
+        raw.hset(key, "router-gone", json.dumps({"ms": old_ms, "nodes": ["w"]}))
+        raw.hset(key, "not-a-claim", "garbage")
+        assert "w" not in shared.claims()
+        assert raw.hexists(key, "router-gone") == 0  # an hour-old router's field goes
+        assert raw.hexists(key, "not-a-claim") == 1  # not ours to delete
+    finally:
+        raw.close()
 
 
 def test_a_node_removed_from_a_fleet_file_goes_with_its_engines_entries(
