@@ -176,15 +176,44 @@ def _answer(conn: socket.socket, op: int, rid: int, meta: bytes, trickle_s: floa
 
 
 @contextlib.contextmanager
+def loopback_server(
+    serve: Callable[[socket.socket], None], stop: threading.Event, name: str
+) -> Iterator[str]:
+    """A loopback TCP server (its address) running ``serve`` on a thread of its own for each
+    connection, until the block ends: then ``stop`` is set and its connections closed."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.2)
+    conns: list[socket.socket] = []
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conns.append(conn)
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    thread = threading.Thread(target=accept, daemon=True, name=name)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        stop.set()
+        thread.join(5)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.close()
+        listener.close()
+
+
+@contextlib.contextmanager
 def answering_hello_only(*, trickle_s: float = 0.0, reply_bytes: int = 64) -> Iterator[str]:
     """A loopback TCP server (its address) that answers each connection's HELLO as an agent
     with a cpu tier would, then: with ``trickle_s`` 0, nothing more (it reads and drops what
     it is sent until the client hangs up); else each request's reply (``reply_bytes`` of
     metadata) one byte every ``trickle_s``."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
     stop = threading.Event()
-    conns: list[socket.socket] = []
 
     def serve(conn: socket.socket) -> None:
         with contextlib.suppress(OSError):
@@ -202,23 +231,5 @@ def answering_hello_only(*, trickle_s: float = 0.0, reply_bytes: int = 64) -> It
                         pass
                     return
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conns.append(conn)
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True, name="hello-only-agent")
-    thread.start()
-    try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.close()
-        listener.close()
+    with loopback_server(serve, stop, "hello-only-agent") as address:
+        yield address

@@ -33,6 +33,7 @@ from kvctl.wire.protocol import (
     pack_header,
 )
 from tests.functional.agents import running_agent
+from tests.functional.hung import loopback_server
 from tests.functional.raw_sockets import recv_exactly
 
 MIB = 1 << 20
@@ -72,11 +73,8 @@ def hostile_peer(
     ``sent_whole`` chunks sent whole at once, then the rest of the reply a few bytes at a
     time for ``TRICKLE_S`` (or until the agent hangs up) while the agent's resident memory
     is sampled."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
     stop = threading.Event()
     seen = Pulls()
-    conns: list[socket.socket] = []
 
     def reply(conn: socket.socket, op: int, rid: int, meta: bytes, payload_len: int = 0) -> None:
         conn.sendall(pack_header(op | REPLY_BIT, rid, len(meta), payload_len) + meta)
@@ -137,26 +135,8 @@ def hostile_peer(
                 seen.cut_by_agent += trickle(conn)
                 return
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conns.append(conn)
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True, name="hostile-peer")
-    thread.start()
-    try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}", seen
-    finally:
-        stop.set()
-        thread.join(5)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.close()
-        listener.close()
+    with loopback_server(serve, stop, "hostile-peer") as address:
+        yield address, seen
 
 
 def _pull_through_agent(tmp_path: Path, address: str, seen: Pulls, n_keys: int) -> dict:  # type: ignore[type-arg]

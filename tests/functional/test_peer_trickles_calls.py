@@ -30,7 +30,7 @@ from kvctl.wire.protocol import (
     pack_header,
 )
 from tests.functional.agents import running_agent
-from tests.functional.hung import HANG_GUARD_S, guarded
+from tests.functional.hung import HANG_GUARD_S, guarded, loopback_server
 from tests.functional.raw_sockets import recv_exactly
 from tests.functional.test_remote import SMALL, chain, link_costed, put_chain, remote
 from tests.functional.waiting import wait_until
@@ -46,10 +46,7 @@ def trickling_agent(*trickled: Op) -> Iterator[str]:
     """A loopback data plane (its address) that answers the ops in ``trickled`` a byte at a
     time, until the caller hangs up, and the others as an agent holding nothing would: HELLO,
     PING, a FETCH with every chunk missing (anything else: the connection is dropped)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
     stop = threading.Event()
-    conns: list[socket.socket] = []
 
     def answer(conn: socket.socket, op: int, rid: int, meta: bytes) -> None:
         if op not in trickled:
@@ -89,26 +86,8 @@ def trickling_agent(*trickled: Op) -> Iterator[str]:
                 else:
                     return
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conns.append(conn)
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True, name="trickling-agent")
-    thread.start()
-    try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.close()
-        listener.close()
+    with loopback_server(serve, stop, "trickling-agent") as address:
+        yield address
 
 
 def test_a_peer_trickling_its_hello_costs_a_read_a_miss_not_a_hang(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from kvctl.client import AgentTimeout, DataClient
 from kvctl.wire.protocol import HEADER, HEADER_BYTES, REPLY_BIT, pack_header
-from tests.functional.hung import guarded
+from tests.functional.hung import guarded, loopback_server
 from tests.functional.raw_sockets import recv_exactly
 
 #: the slow reader takes this much of a payload every READ_EVERY_S (4 MiB/s): often enough that
@@ -31,10 +31,7 @@ PAYLOAD_BYTES = 512 << 20
 def slow_reader() -> Iterator[str]:
     """A loopback data plane (its address) that answers HELLO, then reads whatever comes next
     a piece at a time, until the caller hangs up."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
     stop = threading.Event()
-    conns: list[socket.socket] = []
 
     def serve(conn: socket.socket) -> None:
         with contextlib.suppress(OSError, ValueError):
@@ -46,26 +43,8 @@ def slow_reader() -> Iterator[str]:
             while not stop.is_set() and conn.recv_into(piece):
                 time.sleep(READ_EVERY_S)
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conns.append(conn)
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True, name="slow-reader")
-    thread.start()
-    try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.close()
-        listener.close()
+    with loopback_server(serve, stop, "slow-reader") as address:
+        yield address
 
 
 def test_a_put_to_an_agent_reading_it_slowly_ends_at_the_calls_deadline() -> None:

@@ -26,6 +26,7 @@ from kvctl.wire.protocol import (
     pack_header,
 )
 from tests.functional.agents import running_agent
+from tests.functional.hung import loopback_server
 from tests.functional.raw_sockets import recv_exactly
 from tests.functional.test_remote import SMALL, remote
 from tests.functional.waiting import wait_until
@@ -37,8 +38,6 @@ MESSAGE = "refused [/] [link=https://evil.example]click here[/link] [bold red]FA
 def refusing_peer() -> Iterator[str]:
     """A loopback data plane (its address) that answers HELLO as an agent and every other
     request with an ERROR carrying ``MESSAGE``."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.settimeout(0.2)
     stop = threading.Event()
 
     def serve(conn: socket.socket) -> None:
@@ -55,22 +54,8 @@ def refusing_peer() -> Iterator[str]:
                     meta = error_meta(ErrorCode.BAD_REQUEST, MESSAGE)
                     conn.sendall(pack_header(Op.ERROR, rid, len(meta)) + meta)
 
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    thread = threading.Thread(target=accept, daemon=True, name="refusing-peer")
-    thread.start()
-    try:
-        yield f"127.0.0.1:{listener.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
+    with loopback_server(serve, stop, "refusing-peer") as address:
+        yield address
 
 
 def test_a_peers_error_text_is_shown_as_it_is(tmp_path: Path) -> None:
