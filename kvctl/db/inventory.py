@@ -146,6 +146,13 @@ def name_problem(name: Any, kind: str) -> str | None:
         return f"a {kind} name must not have leading/trailing spaces or control characters"
     if len(name) > limit:
         return f"{kind} name {name[:20]!r}... is longer than {limit} characters"
+    if kind == "node" and "#" in name:
+        # the fleet index names an engine's own cache NODE#ENGINE (kvctl.index.model): such a
+        # node was taken here, then every router on the database refused to start or reread
+        return (
+            f"a node name must not hold '#' (got {name!r}): the fleet index keeps it for an "
+            "engine's own cache (NODE#ENGINE)"
+        )
     return None
 
 

@@ -164,6 +164,9 @@ def test_bad_input_is_one_clear_line_and_exit_2(url: str, db: Engine) -> None:
         ("add-dc", "x", "--pue", "0.5"): "PUE must be at least 1, got 0.5",
         ("add-node", "n1", "--dc", "nope", "--agent-url", "http://a:1"):
             "no DC named 'nope' (known: fra); add it with `kvctl fleet add-dc`",
+        ("add-node", "gpu#1", "--dc", "fra", "--agent-url", "http://a:1"):
+            "a node name must not hold '#' (got 'gpu#1'): the fleet index keeps it for an "
+            "engine's own cache (NODE#ENGINE)",
         ("add-node", "n1", "--dc", "fra", "--agent-url", "10.0.0.1:7070"):
             "agent URL must be http:// or https:// with a host (e.g. http://10.0.0.7:7070)",
         ("add-node", "n1", "--dc", "fra", "--agent-url", "http://a:1", "--engine-url", "x"):
