@@ -391,16 +391,30 @@ def inventory_reader(source: FleetSource) -> tuple[str, ReadInventory | None]:
 
         name = f"fleet file {path}"
     else:
+        from sqlalchemy.exc import SQLAlchemyError
+
         from kvctl.cli.options import open_engine
+        from kvctl.db.engine import DatabaseError, driver_message, follow_the_path
         from kvctl.db.inventory import list_dcs, list_links, list_nodes
 
         engine = open_engine(source.db)  # at start: a database that is not there exits here
+        # a SQLite file moved away or replaced while the router runs (`mv metrics.db*`, a
+        # backup restored over the path): its pooled connection went on rereading the file it
+        # had opened, an inventory no longer at the path, and a file put there was never read.
+        # Followed, a reread of a path with no file fails (the router keeps what it has, says
+        # why, creates no file there) and a file put at the path is read from then on
+        follow_the_path(engine, "the router")
 
         def rows() -> tuple[dict[str, dict[str, Any]], Rows, Rows]:
-            with engine.connect() as conn:
-                dcs = {d.name: d.as_dict() for d in list_dcs(conn)}
-                nodes = [n.as_dict() for n in list_nodes(conn)]
-                links = [x.as_dict() for x in list_links(conn)]
+            try:
+                with engine.connect() as conn:
+                    dcs = {d.name: d.as_dict() for d in list_dcs(conn)}
+                    nodes = [n.as_dict() for n in list_nodes(conn)]
+                    links = [x.as_dict() for x in list_links(conn)]
+            except SQLAlchemyError as exc:
+                # the driver's words on one line (SQLAlchemy's text runs over several, with
+                # the statement and a link): the reloader logs and shows it as it is
+                raise DatabaseError(driver_message(exc)) from exc
             return dcs, nodes, links
 
         name = "fleet database"

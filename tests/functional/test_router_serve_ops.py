@@ -6,8 +6,11 @@ that fails changes nothing."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -159,3 +162,62 @@ def test_the_index_url_comes_from_the_environment_and_its_password_is_never_show
         out, _ = router.proc.communicate(timeout=20)
     out = router.early + out  # the serving line is read before the test's part
     assert "index redis://" in out and "127.0.0.1" in out and secret not in out
+
+
+def _move(path: Path, to: Path) -> None:
+    """``mv fleet.db* to``: the file and SQLite's -wal and -shm beside it."""
+    for suffix in ("", "-wal", "-shm"):
+        if Path(f"{path}{suffix}").exists():
+            os.rename(f"{path}{suffix}", f"{to}{suffix}")
+
+
+def _imported(db: Path, nodes: dict[str, str], tmp_path: Path) -> None:
+    """A SQLite fleet database at ``db`` whose nodes are ``nodes`` (`kvctl fleet import`)."""
+    seed = tmp_path / f"{db.stem}.toml"
+    seed.write_text(_fleet_file(nodes))
+    done = CliRunner().invoke(
+        cli_app, ["fleet", "import", str(seed), "--db", f"sqlite:///{db}", "--yes"]
+    )
+    assert done.exit_code == 0, done.output
+
+
+def test_a_sqlite_fleet_database_moved_away_is_said_gone_and_the_one_put_there_is_read(
+    tmp_path: Path,
+) -> None:
+    """`router serve --db` on a SQLite file moved away (`mv fleet.db* /backup/`), then another
+    put at its path (a backup restored with mv), as the collector, the dashboard and `kvctl top`
+    follow theirs (kvctl.db.engine.follow_the_path). Before, its pooled connection reread the
+    moved file, an inventory no longer at the path, and never the file put there: the router
+    went on routing to nodes the fleet's database no longer named. Now a reread with no file
+    at the path fails on one line saying so, the router keeping its nodes and creating no
+    file there, and the file put at the path is read at the next reread."""
+    token_file = tmp_path / "router.token"
+    token_file.write_text(TOKEN + "\n")
+    path, away = tmp_path / "fleet.db", tmp_path / "backup"
+    away.mkdir()
+    with scripted(_script()) as a1, scripted(_script()) as a2, scripted(_script()) as b1:
+        _imported(path, {"a1": a1, "a2": a2}, tmp_path)
+        _imported(tmp_path / "restored.db", {"b1": b1}, tmp_path)
+        args = ["--db", f"sqlite:///{path}", "--token-file", str(token_file), "--reload-s", "0.2"]
+        with running_router(args, token=TOKEN) as router:
+            wait_until("a1 and a2 followed", lambda: _followed(router) == ["a1", "a2"])
+
+            def inventory() -> dict[str, Any]:
+                stats: dict[str, Any] = router.http.get("/v1/stats").json()["inventory"]
+                return stats
+
+            _move(path, away / "fleet.db")
+            wait_until("two rereads failed", lambda: inventory()["errors"] >= 2)
+            gone = f"no database file at {path} (moved or deleted while the router ran)"
+            assert inventory()["last_error"] == f"DatabaseError: {gone}", inventory()
+            assert _followed(router) == ["a1", "a2"]  # what it had, kept
+            assert not path.exists(), "the router created a database file at the path"
+
+            _move(tmp_path / "restored.db", path)
+            wait_until("b1 instead of a1 and a2", lambda: _followed(router) == ["b1"])
+            assert inventory()["last_error"] == ""
+            router.proc.send_signal(signal.SIGTERM)
+            out, _ = router.proc.communicate(timeout=20)
+    said = [line for line in out.splitlines() if "rereading the inventory" in line]
+    assert said and all(line.endswith(gone) for line in said), said
+    assert "sqlalche.me" not in out and "[SQL" not in out, out[-2000:]
