@@ -458,7 +458,7 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
                 hint=f"The dashboard reads {where}: pick a shorter window or fewer DCs, or start "
                 f"it with a larger --query-timeout (now {config.query_timeout_s:g} s).",
             )
-        schema = _schema_problem(config.engine, exc, msg)
+        schema = _schema_behind(config.engine, exc)
         if schema is not None:
             return empty(schema, hint=f"The dashboard reads {where}. ({msg})")
         return empty(
@@ -474,39 +474,13 @@ def _failed(config: DashboardConfig, path: str, exc: Exception) -> Any:
     )
 
 
-#: what a query says on a table or column the schema does not have yet (SQLite's words; on
-#: PostgreSQL it is a ProgrammingError: undefined table or column)
-_MISSING_IN_SCHEMA: Final = re.compile(r"no such (table|column)")
+def _schema_behind(engine: Engine, exc: Exception) -> str | None:
+    """``kvctl.db.migrate.schema_behind``'s words (the collector's and ``open_db``'s) as a
+    page's sentence: one message for a schema behind this kvctl, wherever it is found."""
+    from kvctl.db.migrate import schema_behind
 
-
-def _schema_problem(engine: Engine, exc: Exception, msg: str) -> str | None:
-    """What to do when a query failed on a table or column the schema lacks: its revision is
-    behind this kvctl's (PostgreSQL is upgraded only by `kvctl db upgrade`; a restored backup),
-    or one this kvctl does not know; None when the schema is current or cannot be read. Asked
-    only on such failures: a database that is away is not asked again."""
-    from sqlalchemy.exc import ProgrammingError
-
-    from kvctl.db.migrate import current_revision, head_revision, revisions
-
-    if not (isinstance(exc, ProgrammingError) or _MISSING_IN_SCHEMA.match(msg)):
-        return None
-    try:
-        current = current_revision(engine)
-    except Exception as again:  # the schema cannot be read either: the plain message
-        log.warning("the schema revision could not be read: %s", again)
-        return None
-    head = head_revision()
-    if current == head:
-        return None
-    if current is not None and current not in revisions():
-        return (
-            f"The database's schema is at revision {current}, which this kvctl does not know: "
-            "upgrade kvctl (a newer kvctl migrated the database)."
-        )
-    return (
-        f"The database's schema is at revision {current or 'empty'}; this dashboard needs "
-        f"{head}: run `kvctl db upgrade --db URL`."
-    )
+    said = schema_behind(engine, exc)
+    return None if said is None else f"{said[:1].upper()}{said[1:]}."
 
 
 def shown_url(engine: Engine) -> str:

@@ -203,6 +203,22 @@ def test_a_password_in_the_database_urls_query_is_not_shown_on_the_page() -> Non
         app.server.extensions["kvctl"].engine.dispose()
 
 
+def _schema_behind_of(engine: Any) -> str:
+    """What ``schema_behind`` says of ``engine``'s database on a read of a newer table."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvctl.db.migrate import schema_behind
+
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT count(*) FROM removed_node"))
+    except SQLAlchemyError as exc:
+        said = schema_behind(engine, exc)
+        assert said is not None
+        return said
+    raise AssertionError("removed_node is read at revision 0007")
+
+
 def test_a_schema_behind_the_code_says_which_revision_and_to_upgrade(empty_db_url: str) -> None:
     """A database left at an older revision (PostgreSQL is upgraded only by `kvctl db upgrade`;
     one restored from a backup) fails the pages that read newer tables: each says where the
@@ -220,17 +236,18 @@ def test_a_schema_behind_the_code_says_which_revision_and_to_upgrade(empty_db_ur
         for path in ("/", "/routing"):
             page, updated = render(app, path, "", "1h", None, None)
             shown = text_of(page)
-            assert (
-                f"The database's schema is at revision 0007; this dashboard needs "
-                f"{head_revision()}: run `kvctl db upgrade --db URL`" in shown
-            ), shown
+            # the words of schema_behind (the collector's, open_db's): one message, one place
+            said = _schema_behind_of(raw)
+            assert said.startswith("the database at ") and "is at schema revision 0007, " in said
+            assert f"this kvctl needs {head_revision()}: run `kvctl db upgrade --db " in said
+            assert f"{said[:1].upper()}{said[1:]}." in shown, shown
             assert updated.startswith("not updated")
         with raw.begin() as conn:
             conn.execute(text("UPDATE alembic_version SET version_num = '9999'"))
         page, _ = render(app, "/", "", "1h", None, None)
-        assert "at revision 9999, which this kvctl does not know: upgrade kvctl" in text_of(page), (
-            text_of(page)
-        )
+        said = _schema_behind_of(raw)
+        assert "at schema revision 9999, which this kvctl does not know" in said
+        assert f"{said[:1].upper()}{said[1:]}." in text_of(page), text_of(page)
     finally:
         app.server.extensions["kvctl"].engine.dispose()
         raw.dispose()
