@@ -445,14 +445,15 @@ class DataClient:
         tenant: str = "",
         parents: Sequence[bytes | None] | None = None,
         tokens: int | Sequence[int] = 0,
-        priority: int = DEFAULT_PRIORITY,
+        priority: int | Sequence[int] = DEFAULT_PRIORITY,
         pinned: bool = False,
         depths: Sequence[int] | None = None,
         isolated: bool = False,
         checksums: bool | None = None,
     ) -> list[PutOutcome]:
         """Store chunks in one request. ``parents[i]`` links chunk i into its prefix chain;
-        ``tokens`` is one count for all or one per chunk. ``isolated`` marks the chunks as the
+        ``tokens`` and ``priority`` are one value for all or one per chunk (an agent passing
+        chunks on keeps each one's own priority). ``isolated`` marks the chunks as the
         tenant's own (agents passing chunks on say so; engines leave it to the agent's
         settings). ``checksums``: see ``put_packed``."""
         views = [_as_bytes_view(d) for _, d in items]
@@ -485,7 +486,7 @@ class DataClient:
         tenant: str = "",
         parents: Sequence[bytes | None] | None = None,
         tokens: int | Sequence[int] = 0,
-        priority: int = DEFAULT_PRIORITY,
+        priority: int | Sequence[int] = DEFAULT_PRIORITY,
         pinned: bool = False,
         depths: Sequence[int] | None = None,
         isolated: bool = False,
@@ -525,13 +526,16 @@ class DataClient:
         parents = parents or [None] * len(keys)
         depths = depths or [0] * len(keys)
         counts = list(tokens) if isinstance(tokens, Sequence) else [int(tokens)] * len(keys)
+        priorities = (
+            list(priority) if isinstance(priority, Sequence) else [int(priority)] * len(keys)
+        )
 
         def meta(offsets: Sequence[int | None], sums: Sequence[int] | None = None) -> bytes:
             items = [
-                put_item(key, size, tokens=n, priority=priority, pinned=pinned, parent=parent,
+                put_item(key, size, tokens=n, priority=p, pinned=pinned, parent=parent,
                          depth=depth, staging_offset=off, isolated=isolated)
-                for key, size, parent, depth, off, n in zip(
-                    keys, sizes, parents, depths, offsets, counts, strict=True
+                for key, size, parent, depth, off, n, p in zip(
+                    keys, sizes, parents, depths, offsets, counts, priorities, strict=True
                 )
             ]  # fmt: skip
             return put_meta(tenant, items, sums)

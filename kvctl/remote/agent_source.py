@@ -227,6 +227,10 @@ class AgentSource(SplitStreams, RemotePool):
                     tenant=tenant,
                     parents=[m.parent for m, _ in batch],
                     tokens=[m.tokens for m, _ in batch],
+                    # each chunk's own, as a Redis pool's record keeps it: a high-priority
+                    # chunk keeps its standing in the pool and in a node that pulls it back
+                    # (a pin is the node's own, not passed on: no node pins the shared pool)
+                    priority=[m.priority for m, _ in batch],
                     isolated=isolated,
                     checksums=True,  # whatever the transport: the pool serves them to the fleet
                 )
