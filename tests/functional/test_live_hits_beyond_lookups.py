@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app as cli
@@ -45,28 +46,49 @@ def _tokens_beyond() -> dict[str, Any]:
     return stats
 
 
-def _answers(n1: StandIn, n2: StandIn) -> None:
+#: (the odd node's answer, what it names, what the status table says): hits beyond the
+#: lookups, and hits within them whose tokens are beyond the lookups' tokens
+CASES = {
+    "chunks": (
+        lambda: _stats(50, 80, 0.0),
+        BEYOND,
+        "stats.hit_chunks (more than stats.lookup_chunks)",
+    ),
+    "tokens": (
+        _tokens_beyond,
+        TOKENS_BEYOND,
+        "stats.hit_tokens (more than stats.lookup_tokens)",
+    ),
+}
+
+
+def _answers(n1: StandIn, n2: StandIn, case: str) -> None:
     n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
-    n2.answers["/v1/stats"] = _stats(50, 80, 0.0)
+    n2.answers["/v1/stats"] = CASES[case][0]()
 
 
 def _rows(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["node"]: r for r in doc["nodes"]}
 
 
+@pytest.mark.parametrize("case", CASES)
 def test_live_status_has_them_unknown_named_and_out_of_the_sums(
-    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn], case: str
 ) -> None:
+    """An agent reporting 80 hits over 50 lookups, or 20,480 hit tokens over 12,800 lookup
+    tokens (its chunks within: 40 of 50), was summed as sound: live `kvctl status` named
+    nothing and read the fleet 120 (or 80) of 150."""
+    _, rejected, said_why = CASES[case]
     n1, n2 = stand_ins
     _inventory(sqlite_url, n1, n2)
-    _answers(n1, n2)
+    _answers(n1, n2, case)
     out = runner.invoke(cli, ["status", "--db", sqlite_url, "--json"])
     assert out.exit_code == 0, out.output
     doc = _strict(out.stdout)
     odd = _rows(doc)["n2"]
-    assert odd["state"] == "up" and odd["rejected"] == BEYOND, odd
+    assert odd["state"] == "up" and odd["rejected"] == rejected, odd
     assert (odd["lookups"], odd["hits"], odd["hit_ratio"]) == (None, None, None)
-    assert odd["tiers"]["cpu"]["hits"] is None  # the tier's hits beyond the node's lookups
+    assert odd["tiers"]["cpu"]["hits"] is None  # unknown with the node's
     assert odd["tiers"]["cpu"]["used_bytes"] == 4096  # the rest stands
     total = doc["total"]
     assert (total["lookups"], total["hits"], total["hit_ratio"]) == (100, 40, 0.4)
@@ -76,20 +98,21 @@ def test_live_status_has_them_unknown_named_and_out_of_the_sums(
     table = runner.invoke(cli, ["status", "--db", sqlite_url], env={"COLUMNS": "200"})
     assert table.exit_code == 0, table.output
     said = " ".join(line for line in table.stdout.splitlines() if line.startswith("n2 "))
-    assert "stats.hit_chunks (more than stats.lookup_chunks)" in said, table.stdout
+    assert said_why in said, table.stdout
 
 
+@pytest.mark.parametrize("case", CASES)
 def test_top_has_them_unknown_and_named(
-    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
+    sqlite_url: str, stand_ins: tuple[StandIn, StandIn], case: str
 ) -> None:
     n1, n2 = stand_ins
     _inventory(sqlite_url, n1, n2)
-    _answers(n1, n2)
+    _answers(n1, n2, case)
     out = runner.invoke(cli, ["top", "--db", sqlite_url, "--json", "--interval", "0.2"])
     assert out.exit_code == 0, out.output
     rows = _rows(_strict(out.stdout))
     odd = rows["n2"]
-    assert odd["state"] == "up" and BEYOND.items() <= odd["rejected"].items(), odd
+    assert odd["state"] == "up" and CASES[case][1].items() <= odd["rejected"].items(), odd
     assert odd["lifetime_hit_ratio"] is None, odd  # never above 100%
     assert rows["n1"]["lifetime_hit_ratio"] == 0.4
 
@@ -126,47 +149,6 @@ def test_agent_status_shows_no_tier_hits_it_names_as_impossible(
     assert table.exit_code == 0, table.output
     cpu_row = next(line.split() for line in table.stdout.splitlines() if " cpu " in line)
     assert cpu_row[-2:] == ["N/A", "│"], table.stdout  # its hits column
-
-
-def test_hit_tokens_beyond_lookup_tokens_are_unknown_and_named_in_live_status(
-    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
-) -> None:
-    """An agent reporting 20,480 hit tokens over 12,800 lookup tokens (its chunks within: 40
-    of 50) was summed as sound: live `kvctl status` named nothing and read the fleet 80 of
-    150. Its hit counts are unknown and named, as the database's window has them, and the
-    node is out of the sums."""
-    n1, n2 = stand_ins
-    _inventory(sqlite_url, n1, n2)
-    n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
-    n2.answers["/v1/stats"] = _tokens_beyond()
-    out = runner.invoke(cli, ["status", "--db", sqlite_url, "--json"])
-    assert out.exit_code == 0, out.output
-    doc = _strict(out.stdout)
-    odd = _rows(doc)["n2"]
-    assert odd["state"] == "up" and odd["rejected"] == TOKENS_BEYOND, odd
-    assert (odd["lookups"], odd["hits"], odd["hit_ratio"]) == (None, None, None)
-    total = doc["total"]
-    assert (total["lookups"], total["hits"], total["hit_ratio"]) == (100, 40, 0.4)
-    table = runner.invoke(cli, ["status", "--db", sqlite_url], env={"COLUMNS": "200"})
-    assert table.exit_code == 0, table.output
-    said = " ".join(line for line in table.stdout.splitlines() if line.startswith("n2 "))
-    assert "stats.hit_tokens (more than stats.lookup_tokens)" in said, table.stdout
-
-
-def test_hit_tokens_beyond_lookup_tokens_are_unknown_and_named_in_top(
-    sqlite_url: str, stand_ins: tuple[StandIn, StandIn]
-) -> None:
-    n1, n2 = stand_ins
-    _inventory(sqlite_url, n1, n2)
-    n1.answers["/v1/stats"] = _stats(100, 40, 0.0)
-    n2.answers["/v1/stats"] = _tokens_beyond()
-    out = runner.invoke(cli, ["top", "--db", sqlite_url, "--json", "--interval", "0.2"])
-    assert out.exit_code == 0, out.output
-    rows = _rows(_strict(out.stdout))
-    odd = rows["n2"]
-    assert odd["state"] == "up" and TOKENS_BEYOND.items() <= odd["rejected"].items(), odd
-    assert odd["lifetime_hit_ratio"] is None, odd
-    assert rows["n1"]["lifetime_hit_ratio"] == 0.4
 
 
 def test_agent_status_shows_no_hit_tokens_beyond_the_lookup_tokens(
