@@ -105,12 +105,14 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
     # has it (``kvctl.db.analytics.counts``); the collector reads intervals instead
     lookups = hits["lookups"]
     impossible: dict[str, str] = {}
+    node_impossible = False  # the node's own counts (not only a tier's)
     if lookups is not None:
         for name, where in (("hits", "hit_chunks"), ("reuse_hits", "reuse_hits"),
                             ("sharing_hits", "sharing_hits")):  # fmt: skip
             value = hits[name]
             if value is not None and value > lookups:
                 impossible[f"stats.{where}"] = BEYOND_LOOKUPS
+                node_impossible = True
         for name, t in tier_hits.items():
             for part in TIER_HIT_NAMES:
                 if part not in t.unknown and getattr(t, part) > lookups:
@@ -122,6 +124,7 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
     if lookup_tokens is not None:
         if hit_tokens is not None and hit_tokens > lookup_tokens:
             impossible["stats.hit_tokens"] = BEYOND_LOOKUP_TOKENS
+            node_impossible = True
         for name, t in tier_hits.items():
             tier_tokens = known(counters[name]["hit_tokens"])
             if tier_tokens is not None and tier_tokens > lookup_tokens:
@@ -134,7 +137,7 @@ def since_start(checked: Mapping[str, Any]) -> SinceStart:
         **{k: 0 if v is None else int(v) for k, v in hits.items()},
         unknown=frozenset(k for k, v in hits.items() if v is None),
     )
-    if any(where.count(".") == 1 for where in impossible):  # the node's own
+    if node_impossible:
         counts.unknown_hits()  # its tokens too, as the database's window has them
         lookup_tokens = hit_tokens = None
     return SinceStart(

@@ -231,16 +231,6 @@ def test_export_of_a_disk_chunk_does_not_hold_the_lock(tmp_path: Path) -> None:
     check_invariants(store)
 
 
-def test_export_of_a_corrupt_disk_chunk_is_none_and_drops_it(tmp_path: Path) -> None:
-    store, _, disk = make_store(tmp_path)
-    k = key(1)
-    put_in(store, [k], "disk")
-    _corrupt_file(disk, k)
-    assert store.export(k) is None
-    assert k not in store and store.stats.corrupt_dropped == 1
-    check_invariants(store)
-
-
 # --- a batch's disk chunks are read in parallel -------------------------------------------------
 
 
@@ -339,24 +329,18 @@ def test_a_corrupt_chunk_in_a_batch_is_a_miss_and_the_rest_is_served(tmp_path: P
     check_invariants(store)
 
 
-def test_leasing_a_corrupt_disk_chunk_raises_a_miss(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read", ["lease", "get", "export"])
+def test_a_corrupt_disk_chunk_read_alone_is_a_miss_and_dropped(tmp_path: Path, read: str) -> None:
+    """A lease or a get raises the miss; the pool writer's export has None."""
     store, _, disk = make_store(tmp_path)
     k = key(1)
     put_in(store, [k], "disk")
     _corrupt_file(disk, k)
-    with pytest.raises(CorruptChunk):
-        store.lease(k, 30.0)
-    assert k not in store and store.stats.corrupt_dropped == 1
-    check_invariants(store)
-
-
-def test_read_into_of_a_corrupt_disk_chunk_raises_a_miss(tmp_path: Path) -> None:
-    store, _, disk = make_store(tmp_path)
-    k = key(1)
-    put_in(store, [k], "disk")
-    _corrupt_file(disk, k)
-    with pytest.raises(CorruptChunk):
-        store.get(k)
+    if read == "export":
+        assert store.export(k) is None
+    else:
+        with pytest.raises(CorruptChunk):
+            store.lease(k, 30.0) if read == "lease" else store.get(k)
     assert k not in store and store.stats.corrupt_dropped == 1
     check_invariants(store)
 
