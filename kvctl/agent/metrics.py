@@ -383,7 +383,8 @@ class SourceCollector:
                     "corrupt",
                     "corrupt",
                     "Chunks from a remote source that failed their checks (checksum, size, key, "
-                    "tenant) and were dropped: misses, never stored.",
+                    "tenant, more tokens than a chunk holds) and were dropped: misses, never "
+                    "stored.",
                 ),
                 ("opens", "breaker_opens", "Times a source's circuit breaker opened."),
                 ("probes", "breaker_probes", "Half-open probes let through to a source."),

@@ -139,6 +139,10 @@ class SourceCounters:
     bytes_in: int = 0
     chunks_out: int = 0
     bytes_out: int = 0
+    #: chunks the source described (a probe's answer) or sent (a pull) with more tokens than a
+    #: chunk holds (the store's ``chunk_tokens``): a hostile or broken source's claim, which
+    #: would inflate the hit and saved-token counts; each a miss, counted in ``corrupt``
+    bad_tokens: int = 0
 
 
 @dataclass
@@ -254,7 +258,9 @@ class Source:
             "errors": c.errors,
             "skipped": c.skipped,
             "late": c.late,
-            "corrupt": self.backend.corrupt,
+            # the backend's dropped chunks (key, size, tenant, checksum) and the answers
+            # claiming more tokens than a chunk holds
+            "corrupt": self.backend.corrupt + c.bad_tokens,
             # pulls abandoned at their deadline: the source trickled (``PullTooSlow``)
             "overdue": self.backend.overdue,
             "chunks_in": c.chunks_in,
@@ -1026,13 +1032,19 @@ class RemoteTiers:
                 continue
             if metas is None:
                 continue
+            overlong: list[ChunkMeta] = []
             for j, meta in enumerate(metas):
                 held = meta is not None and meta.key == keys[j]
                 if named is not None and not held and j in named.get(s.name, ()):
                     stale += 1  # the index's entry outlived the chunk: not asked for again
                 # the source checked visibility; a size it disagrees on is not trusted either
                 if held and meta is not None and self._visible(meta, tenant):
-                    found[j].append((s.name, meta))
+                    if self._overlong(meta):
+                        overlong.append(meta)  # a miss: its hit would count tokens it lacks
+                    else:
+                        found[j].append((s.name, meta))
+            if overlong:
+                self._count_overlong(s, overlong, "its lookup answer")
         if stale:
             with self._lock:
                 self.index_counters.stale_chunks += stale
@@ -1040,6 +1052,28 @@ class RemoteTiers:
         for options in found:
             options.sort(key=lambda o: self._cost_key(o[0]))
         return found
+
+    def _overlong(self, meta: ChunkMeta) -> bool:
+        """Whether ``meta`` claims more tokens than one chunk of this store's key scheme holds
+        (``chunk_tokens``; a chain's last chunk may hold fewer, none more)."""
+        return meta.tokens > self.store.chunk_tokens
+
+    def _count_overlong(self, s: Source, bad: Sequence[ChunkMeta], what: str) -> None:
+        """``bad`` (chunks ``s`` claimed too long in ``what``) counted in ``s``'s ``corrupt``
+        and said in one line."""
+        with s._lock:
+            s.counters.bad_tokens += len(bad)
+        worst = max(bad, key=lambda m: m.tokens)
+        log.warning(
+            "%s: dropping %d chunk(s) in %s claiming more tokens than a chunk holds (%d): "
+            "%s claims %d; not counted as hits, not stored",
+            s.name,
+            len(bad),
+            what,
+            self.store.chunk_tokens,
+            worst.key.hex(),
+            worst.tokens,
+        )
 
     def _bound_chunks(self, metas: Sequence[ChunkMeta]) -> None:
         if not metas:
@@ -1336,7 +1370,11 @@ class RemoteTiers:
         isolated = tenant in self.store.isolated_tenants
 
         def into(i: int, meta: ChunkMeta) -> memoryview | None:
-            if meta.key != keys[i] or not visible_to(meta, tenant, tenant_isolated=isolated):
+            if (
+                meta.key != keys[i]
+                or not visible_to(meta, tenant, tenant_isolated=isolated)
+                or self._overlong(meta)
+            ):
                 return None  # dropped when it lands (``_admit``)
             if room.beyond(keys[i]):
                 return None  # dropped when it lands
@@ -1409,6 +1447,11 @@ class RemoteTiers:
             if slot is not None:
                 self.store.abort_put(slot)
             return "refused"  # the source broke its contract: never store what was not asked for
+        if self._overlong(meta):  # stored, its hits would count tokens it does not hold
+            if slot is not None:
+                self.store.abort_put(slot)
+            self._count_overlong(src, [meta], "a pull")
+            return "refused"
         self._local.filling = True  # not an echo for the pool writer
         try:
             if slot is not None:
