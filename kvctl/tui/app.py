@@ -13,10 +13,12 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
 
+from kvctl.db.engine import driver_message, follow_the_path
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.actions import ActionReport, ActionRequest
 from kvctl.tui.cells import Cells, Palette
@@ -51,6 +53,12 @@ class TopApp(App[None]):
         self.source = source
         self.interval_s = interval_s
         self.readonly = readonly
+        if audit_engine is not None:
+            # a SQLite file moved away or replaced while top runs (`mv metrics.db*`, a backup
+            # restored over the path): its pooled connection wrote the audit rows into the file
+            # it had opened, no longer at the path, said "done (audited)". Followed, an action
+            # finds no file there (and is refused, below), and a file put there is written
+            follow_the_path(audit_engine, "kvctl top")
         self.audit_engine = audit_engine
         self.actor = actor
         self.thresholds = thresholds or Thresholds()
@@ -203,6 +211,23 @@ class TopApp(App[None]):
         from kvctl.fleet.actions import run_action
 
         assert self.audit_engine is not None
+        try:
+            # the audit row is written once the agent answered: a database that cannot be
+            # reached now (its file moved away, its server down) refuses the action before
+            # the agent is asked, rather than leave it acted and not audited
+            with self.audit_engine.connect():
+                pass
+        except SQLAlchemyError as exc:
+            self.from_thread(
+                self.notify,
+                f"{request.action} on {node.name}: nothing done, the audit trail cannot be "
+                f"written: {driver_message(exc)}",
+                title="action refused",
+                severity="error",
+                timeout=30,
+                markup=False,
+            )
+            return
         try:
             report = run_action(
                 self.audit_engine, [node], request, token=self.source.token, actor=self.actor

@@ -11,15 +11,18 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from sqlalchemy import create_engine
 from textual.pilot import Pilot
 from textual.widgets import Static
 
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
+from kvctl.fleet.audit import recent
 from kvctl.tui.app import TopApp, create_app
-from kvctl.tui.sources import FleetSource
+from kvctl.tui.dialogs import ConfirmScreen, TierDialog
+from kvctl.tui.sources import AgentSource, FleetSource
 from tests.functional.agents import running_agent
-from tests.functional.test_top import cell, drive, poll, row_keys
+from tests.functional.test_top import cell, drive, poll, put_chain, row_keys, select_row, until
 
 ARGS = ("--cpu", "4MiB", "--disk", "0")
 
@@ -125,3 +128,70 @@ def test_top_reads_a_file_restored_over_the_path(tmp_path: Path) -> None:
             drive(app, script)
         finally:
             source.close()
+
+
+def _audited(path: Path) -> list[tuple[str, str, bool]]:
+    """The audit trail of the file at ``path``: (action, target, ok), newest first."""
+    engine = create_engine(f"sqlite:///{path}")
+    try:
+        with engine.connect() as conn:
+            return [(r.action, r.target, r.ok) for r in recent(conn, limit=10)]
+    finally:
+        engine.dispose()
+
+
+def test_top_by_agent_url_audits_in_the_file_at_the_path_and_refuses_when_none_is_there(
+    tmp_path: Path,
+) -> None:
+    """`kvctl top --agent URL --db FILE`: actions are audited in FILE (made if need be). Its
+    pooled connection wrote the audit rows into the file it had opened: after `mv metrics.db*
+    /backup/` a flush was shown "done (audited)", its row in the moved file, none at the path.
+    Now an action with no file at the path is refused before the agent is asked (nothing done,
+    no file created), and once a file is there again it is audited in it."""
+    path, away = tmp_path / "metrics.db", tmp_path / "backup"
+    away.mkdir()
+    with running_agent(tmp_path / "a", "--name", "solo", "--dc", "lab", *ARGS) as a:
+        # as `kvctl top --agent URL --db URL` opens it (open_engine(db, create=True))
+        audit = open_db(f"sqlite:///{path}", create=True)
+        app = create_app(
+            AgentSource([a.state.control_url], timeout_s=2), audit_engine=audit, auto_poll=False
+        )
+
+        async def flush(pilot: Pilot[None]) -> None:
+            select_row(app, "#fleet", "node:solo")
+            await pilot.press("f")
+            assert isinstance(app.screen, TierDialog)
+            await pilot.click("#ok")
+            assert isinstance(app.screen, ConfirmScreen)
+            await pilot.press("y")
+
+        async def script(pilot: Pilot[None]) -> None:
+            await poll(pilot, app)
+            await flush(pilot)
+            await until(pilot, lambda: len(app.actions_done) == 1, "the first flush")
+
+            _move(path, away / "metrics.db")
+            put_chain(a, 2, seed=1)
+            await poll(pilot, app)
+            await flush(pilot)
+            gone = f"no database file at {path} (moved or deleted while kvctl top ran)"
+            said = f"flush on solo: nothing done, the audit trail cannot be written: {gone}"
+            await until(
+                pilot,
+                lambda: any(n.message == said for n in app._notifications),
+                "the refusal",
+            )
+            assert len(app.actions_done) == 1, "flushed, audited in the moved file"
+            assert a.control().stats()["usage"]["cpu"]["used_bytes"] > 0, "the agent flushed"
+            assert not path.exists(), "kvctl top created a database file at the path"
+
+            _move(away / "metrics.db", path)  # back (a backup restored there)
+            await flush(pilot)
+            await until(pilot, lambda: len(app.actions_done) == 2, "the flush once it is back")
+            assert a.control().stats()["usage"]["cpu"]["used_bytes"] == 0
+
+        try:
+            drive(app, script)
+        finally:
+            audit.dispose()
+    assert _audited(path) == [("flush", "solo", True), ("flush", "solo", True)]
