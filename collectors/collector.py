@@ -1012,12 +1012,18 @@ class Collector:
         database refused that hold counters go (their increases are counted again, from the
         saved state, in this cycle's rows); their node and link samples are kept. False where
         the state cannot be read (the caller then drops the batch)."""
+        watch = StuckWatch()
         try:
-            with self._stuck(), self.engine.connect() as conn:
+            with self._stuck() as watch, self.engine.connect() as conn:
                 self._tracker.rebase(conn, exc.series)
                 self._tracker_file = connection_file(conn)
         except SQLAlchemyError as exc_db:
-            log.error("cannot read the counters' saved state again: %s", exc_db)
+            # the driver's words on one line, as the loop's other database failures: its
+            # SQLAlchemy text ran over several lines (a link, the statement where one ran)
+            log.error(
+                "cannot read the counters' saved state again: %s",
+                self._cause(exc_db, watch, self.config.db_timeout_s),
+            )
             return False
         self._tracker_loaded = True
         kept = self._drop_kept_counts()

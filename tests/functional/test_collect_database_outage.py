@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import queue
 import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +23,15 @@ from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, select, text
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 
-from kvctl.db.engine import resolve_url
+from collectors.collector import Collector, CycleReport
+from kvctl.counters import CountersMoved
+from kvctl.db.engine import create_db_engine, resolve_url
 from kvctl.db.inventory import add_dc, add_node
 from kvctl.db.migrate import open_db
 from kvctl.db.models import CacheSample, NodeSample
-from tests.functional.agents import running_agent, traffic
+from tests.functional.agents import closed_port, running_agent, traffic
 
 pytestmark = pytest.mark.slow
 
@@ -202,3 +206,38 @@ def test_the_loop_stopped_while_the_database_is_away_says_what_it_did_not_write(
         with loop.db.connect() as conn:
             hits = conn.execute(select(CacheSample.hits).where(CacheSample.tier == "all"))
             assert sum(hits.scalars()) == 3  # counted by the run after
+
+
+@pytest.mark.parametrize("away", ["refusing connections", "server down"])
+def test_a_failed_reread_of_the_counters_state_is_logged_on_one_line_without_the_password(
+    away: str, pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another collector saved counters this loop was about to (``CountersMoved``), and the
+    reread of their saved state fails: its database refusing connections (as in a restart),
+    or its server gone. The loop logged SQLAlchemy's text of it, over several lines; now the
+    driver's words on one line, as its other database failures, the URL's password in none."""
+    secret = "s3cret-rebase-pw"
+    name = pg_url.rsplit("/", 1)[1]
+    open_db(pg_url, auto_upgrade=True).dispose()  # the schema, as the loop found it
+    # this server trusts loopback: the password is taken, and must never be shown
+    url = make_url(resolve_url(pg_url)).set(password=secret)
+    if away == "server down":
+        url = url.set(port=closed_port())
+    admin = create_engine(
+        resolve_url(pg_url).rsplit("/", 1)[0] + "/postgres", isolation_level="AUTOCOMMIT"
+    )
+    loop = Collector(create_db_engine(url.render_as_string(hide_password=False)))
+    try:
+        _allow(admin, name, away != "refusing connections")
+        moved = CountersMoved(["n1/cache/all/lookup_chunks"])
+        with caplog.at_level(logging.ERROR, logger="kvctl.collect"):
+            assert not loop._rebase(moved, CycleReport(int(time.time() * 1000)))
+    finally:
+        loop.close()
+        loop.engine.dispose()
+        _allow(admin, name, True)
+        admin.dispose()
+    (said,) = [r.getMessage() for r in caplog.records if "saved state again" in r.getMessage()]
+    assert "\n" not in said and "sqlalche.me" not in said, said
+    assert secret not in said, said
+    assert said.startswith("cannot read the counters' saved state again: connection failed"), said
