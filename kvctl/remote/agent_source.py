@@ -87,6 +87,10 @@ def cut_client(client: DataClient) -> None:
         client._sock.shutdown(socket.SHUT_RDWR)
 
 
+#: what a pool agent's HELLO reports of each tier (``PoolUsage``'s counts)
+USAGE_FIELDS = ("capacity_bytes", "used_bytes", "chunks")
+
+
 class AgentSource(SplitStreams, RemotePool):
     """``streams``: connections one pull may be split over (1: one FETCH per pull);
     ``min_stream_bytes``: the least a stream should carry for the split to pay.
@@ -442,11 +446,19 @@ class AgentSource(SplitStreams, RemotePool):
                 tiers = c.info.get("usage", {})
         except (AgentError, OSError) as exc:
             raise TierUnavailable(f"{self.address}: {exc}") from exc
-        return PoolUsage(
-            capacity_bytes=sum(t["capacity_bytes"] for t in tiers.values()),
-            used_bytes=sum(t["used_bytes"] for t in tiers.values()),
-            chunks=sum(t["chunks"] for t in tiers.values()),
-        )
+        totals = dict.fromkeys(USAGE_FIELDS, 0)
+        # another host's word: a count that is not a whole number >= 0 (a hostile or broken
+        # agent) is refused whole, never summed into the pool usage the node reports
+        for name, tier in tiers.items() if isinstance(tiers, dict) else [("", tiers)]:
+            for field in USAGE_FIELDS:
+                value = tier.get(field) if isinstance(tier, dict) else None
+                if type(value) is not int or value < 0:
+                    raise TierUnavailable(
+                        f"{self.address}: its HELLO's usage of tier {str(name)[:40]!r} has "
+                        f"{field} {str(value)[:40]!r}, not a count"
+                    )
+                totals[field] += value
+        return PoolUsage(totals["capacity_bytes"], totals["used_bytes"], totals["chunks"])
 
     def close(self) -> None:
         with self._lock:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvctl.wire.protocol import HEADER, HEADER_BYTES, REPLY_BIT, Op, pack_header
 from tests.functional.agents import Agent
@@ -208,11 +208,14 @@ def loopback_server(
 
 
 @contextlib.contextmanager
-def answering_hello_only(*, trickle_s: float = 0.0, reply_bytes: int = 64) -> Iterator[str]:
+def answering_hello_only(
+    *, trickle_s: float = 0.0, reply_bytes: int = 64, hello: dict[str, Any] | None = None
+) -> Iterator[str]:
     """A loopback TCP server (its address) that answers each connection's HELLO as an agent
-    with a cpu tier would, then: with ``trickle_s`` 0, nothing more (it reads and drops what
-    it is sent until the client hangs up); else each request's reply (``reply_bytes`` of
-    metadata) one byte every ``trickle_s``."""
+    with a cpu tier would (or with ``hello``), then: with ``trickle_s`` 0, nothing more (it
+    reads and drops what it is sent until the client hangs up); else each request's reply
+    (``reply_bytes`` of metadata) one byte every ``trickle_s``."""
+    said = json.dumps(hello if hello is not None else {"tiers": ["cpu"]}).encode()
     stop = threading.Event()
 
     def serve(conn: socket.socket) -> None:
@@ -223,7 +226,7 @@ def answering_hello_only(*, trickle_s: float = 0.0, reply_bytes: int = 64) -> It
                 )
                 recv_exactly(conn, meta_len + payload_len)
                 if op == Op.HELLO:
-                    _answer(conn, op, rid, json.dumps({"tiers": ["cpu"]}).encode(), 0.0)
+                    _answer(conn, op, rid, said, 0.0)
                 elif trickle_s:
                     _answer(conn, op, rid, bytes(reply_bytes), trickle_s)
                 else:
