@@ -21,11 +21,11 @@ import numpy as np
 from kvctl.errors import InvalidArgument
 from kvctl.store.keys import ChunkKey, Namespace, chain_key_packed
 from kvctl.workload.segments import Piece, split_pieces
-from kvctl.workload.trace import TraceRequest
+from kvctl.workload.trace import MAX_BLOCK_ID, TraceRequest
 
 #: Llama-2's vocabulary size; any size works, the keys only need distinct, stable ids
 DEFAULT_VOCAB = 32_000
-_MAX_CONTENT_ID = 2**64 - 1
+_MAX_CONTENT_ID = MAX_BLOCK_ID  # a trace's block id is a content id
 # an odd constant: salts spread over the whole id space
 _SALT_STEP = 0x9E3779B97F4A7C15
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -23,6 +23,9 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULT_TRACE_PATH = REPO_ROOT.parent / "shared" / "data" / "mooncake_synthetic_trace.jsonl"
 DEFAULT_BLOCK_TOKENS = 512
 _REQUIRED_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
+#: the largest block id: the replay expands an id to tokens as a 64-bit content id, and the
+#: simulator keys a block by its id's bytes; a bigger one failed there, mid-run
+MAX_BLOCK_ID = 2**64 - 1
 
 
 def _blocks_for(input_tokens: int, block_tokens: int) -> int:
@@ -107,9 +110,9 @@ def _parse_record(line: str, block_tokens: int) -> TraceRequest:
             f"hash_ids has {len(hash_ids)} ids but input_length {record['input_length']}"
             f" needs ceil(/{block_tokens}) = {expected}"
         )
-    if not all(_is_count(h) for h in hash_ids):
-        bad = next(h for h in hash_ids if not _is_count(h))
-        raise ValueError(f"hash_ids must be non-negative integers, got {bad!r}")
+    bad = next((h for h in hash_ids if not _is_count(h) or h > MAX_BLOCK_ID), None)
+    if bad is not None:
+        raise ValueError(f"hash_ids must be non-negative integers below 2**64, got {bad!r}")
     tenant = record.get("tenant")
     return TraceRequest(
         timestamp_ms=record["timestamp"],
@@ -119,6 +122,20 @@ def _parse_record(line: str, block_tokens: int) -> TraceRequest:
         tenant=tenant if isinstance(tenant, str) else "",
         block_tokens=block_tokens,
     )
+
+
+def _parse_line(
+    path: str | pathlib.Path, line_no: int, raw: bytes, block_tokens: int
+) -> list[TraceRequest]:
+    """The request on one line (none on a blank one); a bad line raises TraceFormatError."""
+    try:
+        line = raw.decode("utf-8")
+        return [_parse_record(line, block_tokens)] if line.strip() else []
+    except UnicodeDecodeError as exc:
+        problem = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+        raise TraceFormatError(path, line_no, problem) from None
+    except ValueError as exc:
+        raise TraceFormatError(path, line_no, str(exc)) from None
 
 
 def read_mooncake_trace(
@@ -133,16 +150,15 @@ def read_mooncake_trace(
     if limit is not None and limit < 0:
         raise InvalidArgument(f"limit must be non-negative, got {limit}")
     requests: list[TraceRequest] = []
-    with open(path, encoding="utf-8") as lines:
-        for line_no, line in enumerate(lines, start=1):
-            if limit is not None and len(requests) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                requests.append(_parse_record(line, block_tokens))
-            except ValueError as exc:
-                raise TraceFormatError(path, line_no, str(exc)) from None
+    try:
+        # read as bytes, decoded line by line: a bad byte is named with its line
+        with open(path, "rb") as lines:
+            for line_no, raw in enumerate(lines, start=1):
+                if limit is not None and len(requests) >= limit:
+                    break
+                requests.extend(_parse_line(path, line_no, raw, block_tokens))
+    except IsADirectoryError:
+        raise InvalidArgument(f"{path} is a directory, not a trace file (JSONL)") from None
     return requests
 
 

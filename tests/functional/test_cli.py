@@ -186,6 +186,32 @@ def test_malformed_trace_names_the_line(tmp_path: Path) -> None:
     assert code == 2 and ":2:" in out
 
 
+def _hostile_trace(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A trace file (or not a file) that once failed with a bug's message, and what the one
+    clear line must say instead."""
+    good = b'{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0]}\n'
+    path = tmp_path / "t.jsonl"
+    if kind == "id-past-64-bits":  # past 128 the simulator's int.to_bytes raised OverflowError
+        path.write_bytes(good + good.replace(b"[0]", str([2**128]).encode()))
+        return path, f"{path}:2: hash_ids must be non-negative integers below 2**64"
+    if kind == "not-utf8":  # Python's decode error, naming neither file nor line
+        path.write_bytes(good + b'{"tenant": "caf\xe9"}\n')
+        return path, f"{path}:2: not UTF-8 text"
+    return tmp_path, f"{tmp_path} is a directory"  # was "no such file"
+
+
+@pytest.mark.parametrize("command", [["simulate"], ["plan", "--curve-points", "0"]])
+@pytest.mark.parametrize("kind", ["id-past-64-bits", "not-utf8", "directory"])
+def test_a_hostile_trace_is_one_clear_line_naming_it(
+    tmp_path: Path, command: list[str], kind: str
+) -> None:
+    path, said = _hostile_trace(tmp_path, kind)
+    code, out = run(*command, "--trace", str(path), "--json")
+    assert code == 2, out
+    assert said in " ".join(out.split()), out  # rich may wrap a long path
+    assert "did not expect" not in out and "Traceback" not in out
+
+
 def test_keys_json_matches_the_library() -> None:
     from kvctl.agent.settings import DEFAULT_MODELS
     from kvctl.store.keys import Namespace, keys_for

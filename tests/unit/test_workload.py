@@ -70,6 +70,8 @@ def test_blank_lines_are_skipped(tmp_path: pathlib.Path) -> None:
         (_record(-1, 10, [0]), "timestamp must be a non-negative integer"),
         (_record(1, 10, [-3]), "hash_ids must be non-negative integers"),
         (_record(1, 10, [True]), "hash_ids must be non-negative integers"),
+        # an id past 64 bits crashed the simulator (int.to_bytes) and stopped a replay midway
+        (_record(1, 10, [2**64]), "hash_ids must be non-negative integers below 2\\*\\*64"),
         ("[1, 2]", "expected a JSON object"),
     ],
 )
@@ -83,6 +85,22 @@ def test_malformed_line_names_file_and_line(
     assert excinfo.value.line_no == 4
     assert f"{path}:4:" in str(excinfo.value)
     assert isinstance(excinfo.value, InvalidArgument)
+
+
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path: pathlib.Path) -> None:
+    # Python's own decode error named neither the file nor the line of the bad byte
+    path = tmp_path / "trace.jsonl"
+    good = _record(0, 10, [0]).encode()
+    path.write_bytes(good + b"\n\n" + b'{"timestamp": 1, "tenant": "caf\xe9"}\n' + good + b"\n")
+    with pytest.raises(TraceFormatError, match="not UTF-8") as excinfo:
+        read_mooncake_trace(path)
+    assert excinfo.value.line_no == 3
+    assert f"{path}:3:" in str(excinfo.value)
+
+
+def test_a_directory_is_said_to_be_one(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(InvalidArgument, match="is a directory"):
+        read_mooncake_trace(tmp_path)
 
 
 def test_prefix_hits_on_hand_built_example() -> None:
