@@ -39,3 +39,19 @@ def redact_url(url: str) -> str:
         url = f"{url[: colon + 1]}***{url[at:]}"
     # after the userinfo: a password with '?token=' in it is all hidden, not cut there
     return _QUERY_SECRET.sub(r"\1***", url)
+
+
+def redact_unparsed(text: str) -> str:
+    """``text``, which no URL parser read, with its password hidden for the error that says so.
+    ``redact_url`` keeps what reads as a valid URL's path (``host/a:b@c``); a text that is no
+    URL has no such reading (``postgresql//user:PASSWORD@host/db``, its scheme's ':' left out,
+    would show the password), so everything from the first ':' after a scheme to the last '@'
+    is hidden: a user or host hidden with it, rather than a password shown."""
+    shown = redact_url(text)
+    found = _SCHEME.match(shown)
+    start = found.end() if found else 0
+    at = shown.rfind("@", start)
+    colon = shown.find(":", start, at) if at >= 0 else -1
+    if colon >= 0:
+        shown = f"{shown[: colon + 1]}***{shown[at:]}"
+    return shown

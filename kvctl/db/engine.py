@@ -18,7 +18,7 @@ from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, DisconnectionError
 
 from kvctl.paths import default_state_dir
-from kvctl.redact import redact_url
+from kvctl.redact import redact_unparsed, redact_url
 
 #: a SQLite database kvctl creates: its owner's alone (it names the fleet's nodes and their
 #: URLs, and the audit trail says who did what), whatever the umask
@@ -45,10 +45,11 @@ def resolve_url(url: str | None = None) -> str:
     text = url or os.environ.get("KVCTL_DB_URL") or f"sqlite:///{default_db_path()}"
     try:
         parsed = make_url(text)
-    except ArgumentError:
+    except (ArgumentError, ValueError) as exc:  # ValueError: a port that is no number
+        port = " (its port is not a number)" if isinstance(exc, ValueError) else ""
         raise DatabaseError(
-            f"not a database URL: {text!r} (examples: sqlite:////var/lib/kvctl/metrics.db, "
-            "postgresql://kvctl@db.example:5432/kvctl)"
+            f"not a database URL: {redact_unparsed(text)!r}{port} (examples: "
+            "sqlite:////var/lib/kvctl/metrics.db, postgresql://kvctl@db.example:5432/kvctl)"
         ) from None
     if parsed.host is not None and "@" in parsed.host:
         # a password typed with a raw '@': the URL parser takes its tail for the host, which

@@ -48,3 +48,25 @@ def test_no_password_in_the_query_or_typed_with_an_at_is_shown(url: str) -> None
     assert result.exit_code == 2, said
     assert "s3cret" not in said and "Traceback" not in said, said
     assert "127.0.0.1" in said, said  # which database it was is still said
+
+
+@pytest.mark.parametrize("command", [["db", "current"], ["audit"]])
+@pytest.mark.parametrize(
+    "url",
+    [
+        # the scheme's ':' left out: the line quoted the text as typed, password and all
+        "postgresql//kvctl:s3cret@127.0.0.1/kvctl",
+        # a port that is no number: a bug's message ("kvctl failed where it did not expect
+        # to: ValueError"), exit 1
+        "postgresql://kvctl:s3cret@127.0.0.1:54x2/kvctl",
+    ],
+)
+def test_a_url_that_does_not_parse_is_one_line_without_its_password(
+    command: list[str], url: str
+) -> None:
+    result = runner.invoke(app, [*command, "--db", url], env={"COLUMNS": "1000"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, said
+    assert "error: not a database URL: " in said, said
+    assert "cret" not in said and "did not expect" not in said, said
+    assert "127.0.0.1" in said, said  # which URL it was is still said
