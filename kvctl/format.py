@@ -45,6 +45,11 @@ def percent(ratio: float | None, digits: int = 1) -> str:
 
 
 # --- bytes ------------------------------------------------------------------------------------
+def count_of(n: int, noun: str) -> str:
+    """``1 node``, ``2 nodes``: ``n`` with ``noun`` (one that takes an s)."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
+
 def format_bytes(n: float) -> str:
     """Binary units, three significant figures at most: 1536 -> '1.5 KiB', 1600 -> '1.56 KiB'."""
     if _finite(n) is None:

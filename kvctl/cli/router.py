@@ -697,7 +697,7 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from kvctl.format import format_bytes, format_seconds
+    from kvctl.format import count_of, format_bytes, format_seconds
 
     index, stats = report["index"], report["stats"]
     followers = {str(f["node"]): f for f in index.get("followers", [])}
@@ -756,7 +756,8 @@ def _render_status(report: dict[str, Any]) -> None:
         if inventory.get("forgotten_nodes"):
             console.print(
                 f"dropped from the index as not in the inventory: "
-                f"{inventory['forgotten_nodes']:,} nodes, {inventory['forgotten_entries']:,} "
+                f"{count_of(inventory['forgotten_nodes'], 'node')}, "
+                f"{inventory['forgotten_entries']:,} "
                 f"entries (last: {escape(', '.join(inventory.get('last_forgotten') or []))})",
                 highlight=False,
             )
@@ -786,12 +787,15 @@ def unknown_nodes_line(unknown: dict[str, int], inventory: dict[str, Any]) -> st
     not, else `kvctl router forget`."""
     from rich.markup import escape
 
-    names = sorted(unknown)
+    from kvctl.format import count_of
+    from kvctl.index.model import owners
+
+    names = sorted(owners(unknown))  # NODE#vllm, its engine's entries, goes with NODE
     shown = ", ".join(names[:UNKNOWN_NODES_SHOWN]) + (
         ", ..." if len(names) > UNKNOWN_NODES_SHOWN else ""
     )
     line = (
-        f"[yellow]in the index, not in this router's inventory[/]: {len(names):,} nodes "
+        f"[yellow]in the index, not in this router's inventory[/]: {count_of(len(names), 'node')} "
         f"({sum(unknown.values()):,} entries), e.g. {escape(shown)}; "
     )
     note = inventory.get("forget_note")

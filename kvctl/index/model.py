@@ -30,6 +30,11 @@ def owner(index_name: str) -> str:
     return index_name.partition(ENGINE_SEPARATOR)[0]
 
 
+def owners(index_names: Iterable[str]) -> set[str]:
+    """The serving nodes ``index_names`` belong to (``gpu-07`` and ``gpu-07#vllm``: one)."""
+    return {owner(name) for name in index_names}
+
+
 @dataclass(frozen=True, slots=True)
 class Holding:
     """One node's copy of a chunk, as the index last heard of it."""

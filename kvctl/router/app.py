@@ -37,6 +37,7 @@ from kvctl import __version__, http_serving
 from kvctl.errors import InvalidArgument, KvctlError
 from kvctl.http_errors import error_responses, install_error_handlers
 from kvctl.http_guards import BearerAuth, BodyLimit
+from kvctl.index.model import owners
 from kvctl.index.remote import MAX_KEYS, IndexUnavailable
 from kvctl.router.policies import POLICIES
 from kvctl.router.service import MAX_TOKENS, NoNodeAvailable, Router
@@ -338,8 +339,9 @@ class _RouterCollector:
             yield GaugeMetricFamily(
                 "kvctl_index_unknown_nodes",
                 "Nodes in the index that this router's inventory does not name (a node removed "
-                "while no router ran; `kvctl router forget NODE` drops one)",
-                value=float(len(unknown)),
+                "while no router ran; `kvctl router forget NODE` drops one; NODE#vllm, its "
+                "engine's entries, goes with NODE)",
+                value=float(len(owners(unknown))),
             )
         followers = r.follower_status()
         follower_up = GaugeMetricFamily(

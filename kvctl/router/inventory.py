@@ -38,7 +38,7 @@ from typing import Any
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.follower import Followers
-from kvctl.index.model import owner
+from kvctl.index.model import owner, owners
 from kvctl.index.remote import IndexUnavailable
 from kvctl.router.service import CLAIM_STALE_S, Router
 from kvctl.router.topology import Topology
@@ -157,7 +157,7 @@ class InventoryReloader:
         if unknown and len(unknown) == len(listed):
             self.forget_note = (
                 f"the index holds none of the inventory's {len(self.router.topology.nodes)} "
-                f"nodes, only {len(unknown)} others (another fleet's index?): none dropped"
+                f"nodes, only {len(owners(unknown))} others (another fleet's index?): none dropped"
             )
             log.warning("inventory (%s): %s", self.source, self.forget_note)
             return
@@ -172,7 +172,7 @@ class InventoryReloader:
             return
         followed = [n for n in unknown if claims.get(owner(n), inf) < self.claim_stale_s]
         self.forget_note = (
-            f"another router follows {len(followed)} of them (claimed in the last "
+            f"another router follows {len(owners(followed))} of them (claimed in the last "
             f"{self.claim_stale_s:g} s), e.g. {', '.join(followed[:3])}"
             if followed
             else ""
@@ -192,7 +192,7 @@ class InventoryReloader:
         if not dropped:
             return
         entries = sum(dropped.values())
-        self.forgotten_nodes += len(dropped)
+        self.forgotten_nodes += len(owners(dropped))  # NODE#vllm goes with NODE
         self.forgotten_entries += entries
         self.last_forgotten = [*self.last_forgotten, *dropped][-MAX_LAST_FORGOTTEN:]
         log.warning(
