@@ -27,7 +27,11 @@ from kvctl.db.analytics.counts import (
     MEASURED,
     MODELED,
     REPLAYED,
+    UNKNOWN_ENERGY,
+    UNKNOWN_PLANS,
+    UNKNOWN_TTFT,
     Assumptions,
+    beyond_counts_reason,
     node_counts,
 )
 from kvctl.db.analytics.counts import total as total_of
@@ -177,15 +181,19 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
             "never looked up)"
         )
     if not c.energy_nodes:
-        if ov.nvml_nodes == 0:
+        if c.unknown_figures.get(UNKNOWN_ENERGY):
+            energy_note = "no NVML energy that can be true in this window"
+        elif ov.nvml_nodes == 0:
             energy_note = "no power samples: NVML unavailable on these nodes"
         else:
             energy_note = "no power samples in this window (NVML readings come from the agents)"
     else:
         energy_note = f"NVML, {c.energy_nodes} node(s)"
+    energy_note += left_out(c, UNKNOWN_ENERGY, beyond_counts_reason("power_sample"))
     if c.engine_nodes:
         ttft = f"{format_seconds(c.ttft_mean_s)} vs {format_seconds(c.ttft_without_cache_mean_s)}"
         ttft_note = "measured with cache vs modeled without (+ prefill of cached tokens)"
+        ttft_note += left_out(c, UNKNOWN_TTFT, beyond_counts_reason("engine_sample"))
     else:
         ttft = "N/A"
         ttft_note = "no engine metrics: set nodes' engine_url so the collector scrapes them"
@@ -198,7 +206,8 @@ def _headline_cards(c: Any, ov: Overview) -> list[Any]:
             "Hit ratio",
             percent(c.hit_ratio),
             MEASURED,
-            f"{c.hits:,} of {c.lookups:,} chunk lookups",
+            f"{c.hits:,} of {c.lookups:,} chunk lookups"
+            + left_out(c, beyond_counts_reason("cache_sample")),
             card_id="card-hit-ratio",
         ),
         card(
@@ -378,6 +387,11 @@ def gpu_time_note(c: Any) -> str:
     if not c.plan_nodes:
         return TOKENS_NOTE
     bases = c.plan_bases
+    if not bases:  # every node's plans unknown (``UNKNOWN_PLANS``)
+        note = "agents' plans: none known"
+        if c.token_model_nodes:
+            note += f"; {c.token_model_nodes} node(s) without plans: {TOKENS_NOTE}"
+        return note + left_out(c, UNKNOWN_PLANS, beyond_counts_reason("plan_sample"))
     if bases == [MEASURED]:
         rate = "measured prefill rate"
     else:  # configured or modeled rates make the plans' saving a model, whatever was measured
@@ -388,7 +402,17 @@ def gpu_time_note(c: Any) -> str:
     )
     if c.token_model_nodes:
         note += f"; {c.token_model_nodes} node(s) without plans: {TOKENS_NOTE}"
-    return note
+    return note + left_out(c, UNKNOWN_PLANS, beyond_counts_reason("plan_sample"))
+
+
+def left_out(c: Any, *reasons: str) -> str:
+    """A note's words on the nodes whose figure is unknown for one of ``reasons`` (rows no
+    collector writes: ``Counts.unknown_figures``), left out of it; "" where none is."""
+    return "".join(
+        f"; {n} node(s) left out, unknown: {reason}"
+        for reason in reasons
+        if (n := c.unknown_figures.get(reason))
+    )
 
 
 def gpu_time_basis_label(c: Any) -> str:

@@ -8,6 +8,7 @@ never deletes rows that have not been rolled up yet, so history is never silentl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final
@@ -19,6 +20,8 @@ from sqlalchemy import (
     Integer,
     Select,
     Table,
+    and_,
+    case,
     cast,
     delete,
     false,
@@ -28,7 +31,9 @@ from sqlalchemy import (
     union_all,
 )
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
 
 from kvctl.db.models import (
     RESOLUTIONS,
@@ -115,22 +120,87 @@ def reopen(conn: Connection, table: str, since_ms: int, now_ms: int) -> None:
         )
 
 
-def _sum_expr(col: ColumnElement[Any]) -> ColumnElement[Any]:
-    # booleans (up, ok) are summed as 0/1: PostgreSQL has no SUM(boolean)
+_INT64_MAX: Final = 2**63 - 1
+
+
+class count_sum(FunctionElement[int]):
+    """SUM of integer counts that never fails: SQLite's SUM raises "integer overflow" once a
+    sum passes 2**63 (two rows written by hand near it failed every page and command reading
+    the window), where PostgreSQL's is an exact numeric. On SQLite it sums the high and low 32
+    bits apart (neither sum can overflow) and joins them: exact where the sum fits 64 bits,
+    else a float (SQLite's arithmetic overflows into one), which the read model takes for
+    unknown (``kvctl.db.analytics.values.beyond_count``), as it does PostgreSQL's, held to the
+    limit."""
+
+    inherit_cache = True
+    name = "count_sum"
+    type = BigInteger()
+
+
+@compiles(count_sum)
+def _count_sum(element: count_sum, compiler: Any, **kw: Any) -> str:
+    return f"sum({compiler.process(element.clauses, **kw)})"
+
+
+@compiles(count_sum, "postgresql")
+def _count_sum_postgresql(element: count_sum, compiler: Any, **kw: Any) -> str:
+    # an exact numeric, held to a bigint's range (a rollup's column): at the limit is unknown
+    # to the read model either way, and the rollup no longer fails "bigint out of range"
+    # (a CASE: GREATEST and LEAST pass over a NULL, the sum of no reading)
+    x = compiler.process(element.clauses, **kw)
+    total = f"sum({x})"
+    return (
+        f"CASE WHEN {total} > {_INT64_MAX} THEN {_INT64_MAX} "
+        f"WHEN {total} < -{_INT64_MAX} THEN -{_INT64_MAX} ELSE {total} END"
+    )
+
+
+@compiles(count_sum, "sqlite")
+def _count_sum_sqlite(element: count_sum, compiler: Any, **kw: Any) -> str:
+    x = compiler.process(element.clauses, **kw)
+    return f"(sum(({x}) >> 32) * 4294967296 + sum(({x}) & 4294967295))"
+
+
+def sum_of(col: ColumnElement[Any]) -> ColumnElement[Any]:
+    """SUM of ``col``: :class:`count_sum` for integer counts (booleans as 0/1: PostgreSQL has
+    no SUM(boolean)), SQL's own for floats."""
     if isinstance(col.type, Boolean):
-        return func.sum(cast(col, Integer))
+        return count_sum(cast(col, Integer))
+    if isinstance(col.type, Integer):
+        return count_sum(col)
     return func.sum(col)
+
+
+#: a float sum and a count written with it (a mean's numerator and denominator; a plan's
+#: seconds and chunks): the collector writes both or neither, so a row with the count and no
+#: sum held a NaN, which SQLite stores as NULL; summed as infinite, the read model's mark of a
+#: sum that cannot be true, as PostgreSQL's NaN is, rather than as none (a TTFT mean of the
+#: other rows' seconds over every row's count)
+PAIRED_SUMS: Final = {
+    "ttft_sum_s": "ttft_count",
+    "saved_s": "fetch_chunks",
+    "recompute_s": "fetch_chunks",
+    "fetch_s": "fetch_chunks",
+}
+
+
+def _raw_sum(t: Table, name: str) -> ColumnElement[Any]:
+    col = t.c[name]
+    if (count := PAIRED_SUMS.get(name)) is not None:
+        lost = and_(t.c[count].is_not(None), col.is_(None))
+        return func.sum(case((lost, literal(math.inf, Float)), else_=col))
+    return sum_of(col)
 
 
 def _reaggregate(s: Series, c: Any) -> list[ColumnElement[Any]]:
     """Aggregates of already aggregated rows (a rollup table, or pieces of a window)."""
-    cols: list[ColumnElement[Any]] = [func.sum(c.samples).label("samples")]
-    cols += [func.sum(c[name]).label(name) for name in s.sums]
+    cols: list[ColumnElement[Any]] = [sum_of(c.samples).label("samples")]
+    cols += [sum_of(c[name]).label(name) for name in s.sums]
     for g in s.gauges:
         cols += [
             func.sum(c[f"{g}_sum"]).label(f"{g}_sum"),
             func.max(c[f"{g}_max"]).label(f"{g}_max"),
-            func.sum(c[f"{g}_n"]).label(f"{g}_n"),
+            sum_of(c[f"{g}_n"]).label(f"{g}_n"),
         ]
     return cols
 
@@ -159,7 +229,7 @@ def piece(
         t = raw_table(s.table)
         time = t.c.ts_ms
         cols: list[ColumnElement[Any]] = [func.count().label("samples")]
-        cols += [_sum_expr(t.c[c]).label(c) for c in s.sums]
+        cols += [_raw_sum(t, c).label(c) for c in s.sums]
         for g in s.gauges:
             cols += [
                 # as floats (what the rollup column holds; a mean is what it is for): two

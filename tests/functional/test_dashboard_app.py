@@ -5,6 +5,7 @@ read-only, honours its URL prefix and, when asked, basic auth."""
 from __future__ import annotations
 
 import base64
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -242,3 +243,39 @@ def test_url_prefix_and_basic_auth(db: Engine) -> None:
     bad = {"Authorization": "Basic é"}  # not ASCII: refused, not an error
     assert client.get("/kvctl/", headers=bad).status_code == 401
     app.server.extensions["kvctl"].engine.dispose()
+
+
+@pytest.mark.parametrize(
+    "ttft_sum_s", [math.nan, math.inf, -1.0], ids=["nan", "infinite", "negative"]
+)
+def test_a_nodes_impossible_ttft_seconds_are_unknown_not_zero(
+    db: Engine, ttft_sum_s: float
+) -> None:
+    """An engine row written by hand with 5 first tokens and a TTFT sum of NaN: SQLite stores
+    the NaN as NULL, so the sum read as 0 s and the card's mean fell from fra-a's 200.0 ms to
+    133.3 ms (2 s over 15 tokens); PostgreSQL's NaN or an Infinity showed N/A for the whole
+    fleet, inf in `kvctl status --json`. The node's TTFT is unknown, left out with the reason;
+    fra-a's is shown, on both backends."""
+    from sqlalchemy import select
+
+    from kvctl.db.analytics.counts import UNKNOWN_TTFT
+    from kvctl.db.models import Node
+    from tests.functional.dashboard_history import T
+
+    fill_history(db)
+    with db.begin() as conn:
+        fra_b = conn.execute(select(Node.id).where(Node.name == "fra-b")).scalar_one()
+        conn.execute(
+            text(
+                "INSERT INTO engine_sample (node_id, ts_ms, engine, prompt_tokens, requests, "
+                "ttft_count, ttft_sum_s) VALUES (:node, :ts, 'vllm', 100, 5, 5, :sum_s)"
+            ),
+            {"node": fra_b, "ts": T, "sum_s": ttft_sum_s},
+        )
+    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
+    try:
+        page, _ = render(app, "/", "", "1h", None, None)
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+    assert card_value(page, "card-ttft").startswith("200.0 ms vs "), card_value(page, "card-ttft")
+    assert f"1 node(s) left out, unknown: {UNKNOWN_TTFT}" in text_of(by_id(page, "card-ttft"))

@@ -134,3 +134,38 @@ def test_a_nodes_impossible_energy_is_left_out_of_the_energy_over_time(
     assert s.power_w[at] == 500.0 + 300.0
     for joules in (*s.energy_j, *s.emulated_energy_j):
         assert joules is None or (math.isfinite(joules) and joules >= 0)
+
+
+@pytest.mark.parametrize("joules", [-1.0e6, math.inf], ids=["negative", "infinite"])
+def test_one_gpus_impossible_energy_is_not_hidden_by_its_nodes_sound_total(
+    db: Engine, joules: float
+) -> None:
+    """Energy was checked per node, over its GPUs summed: fra-a's GPU 0 measured 3.6 MJ, and a
+    row written by hand for its GPU 1 of -1 MJ made a node total of 2.6 MJ that can be true,
+    so the 'Energy used' card read 722 Wh, measured. One GPU's energy that cannot be true makes
+    the node's unknown, with the reason on the card; the power chart's bucket likewise."""
+    from kvctl.db.analytics.counts import UNKNOWN_ENERGY
+
+    ids = fill_history(db)
+    with db.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO power_sample (node_id, gpu_index, ts_ms, power_w, energy_j) "
+                "VALUES (:node, 1, :ts, 300, :joules)"
+            ),
+            {"node": ids["fra-a"], "ts": T, "joules": joules},
+        )
+    page = _render(db, "/")
+    assert card_value(page, "card-energy-used") == "N/A"  # fra-a was the only NVML node
+    assert f"1 node(s) left out, unknown: {UNKNOWN_ENERGY}" in text_of(
+        by_id(page, "card-energy-used")
+    )
+    rows = {r["DC"]: r for r in by_id(page, "table-dcs").data}
+    assert rows["fra"]["kWh used (IT)"] is None
+    detail = _render(db, "/detail", "?dc=fra")
+    nodes = {r["node"]: r for r in by_id(detail, "table-nodes").data}
+    assert nodes["fra-a"]["kWh used (IT)"] is None
+    win = Window("1h", NOW - HOUR_MS, NOW, MINUTE_MS)
+    with db.connect() as conn:
+        s = time_series(conn, win, [ids["fra-a"]])
+    assert s.energy_j[s.bucket_ms.index(T)] is None

@@ -5,6 +5,7 @@ of it came from a measured prefill rate."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from tests.functional.dashboard_history import (
     A100_RATE,
     ASSUME,
     H100_RATE,
+    L4_RATE,
     NOW,
     OLD,
     T,
@@ -191,3 +193,45 @@ def test_plan_seconds_are_priced_at_the_plans_gpu_and_the_cards_name_it(
     assert "the page's model qwen2.5-0.5b applies only to nodes without plans" in gpu_card
     assert "h100 700 W" in energy_card and "ams-a: plans on h100, inventory L4" in energy_card
     assert "facility (x PUE)" in energy_card  # the card's title names its basis
+
+
+@pytest.mark.parametrize("saved_s", [math.inf, math.nan], ids=["infinite", "nan"])
+def test_a_nodes_impossible_plan_seconds_are_unknown_not_the_fleets(
+    db: Engine, saved_s: float
+) -> None:
+    """A plan row written by hand with seconds saved of Infinity (or NaN, or recompute seconds
+    so): 'GPU time saved', 'Energy saved' and 'Carbon saved' read N/A for the whole fleet (inf
+    summed), `kvctl status --json` inf. The node's plans are unknown, named on the card, and
+    left out (not priced at the modeled rate either: its hits were planned); the other nodes'
+    seconds are shown, on both backends."""
+    from sqlalchemy import select
+
+    from kvctl.db.analytics.counts import UNKNOWN_PLANS
+    from kvctl.db.inventory import list_dcs, list_nodes
+    from kvctl.db.models import Node
+
+    fill_history(db)
+    with db.begin() as conn:
+        fra_b = conn.execute(select(Node.id).where(Node.name == "fra-b")).scalar_one()
+        row = _plan(fra_b, T, "measured", saved_s, 1.0, 4) | {"saved_s": saved_s}
+        insert_rows(conn, raw_table("plan_sample"), [row])
+    win = window_for("1h", NOW)
+    with db.connect() as conn:
+        dcs = {d.name: d for d in list_dcs(conn)}
+        counts = node_counts(conn, win.start_ms, win.end_ms, list_nodes(conn), dcs, ASSUME)
+    b = counts[fra_b]
+    assert (b.plan_nodes, b.token_model_nodes, b.gpu_seconds_saved) == (1, 0, 0.0)
+    assert b.unknown_figures == {UNKNOWN_PLANS: 1} and not b.plan_saved_s
+    fleet = sum(c.gpu_seconds_saved for c in counts.values())
+    # fra-a (H100) and ams-a (L4) at the modeled rate: their hit tokens
+    assert fleet == pytest.approx(15_360 / H100_RATE + 7_680 / L4_RATE)
+    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
+    try:
+        page, _ = render(app, "/", "", "1h", None, None)
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+    for card_id in ("card-gpu-hours", "card-energy", "card-carbon"):
+        shown = card_value(page, card_id)
+        assert shown != "N/A" and "inf" not in shown and "nan" not in shown, (card_id, shown)
+    note = text_of(by_id(page, "card-gpu-hours"))
+    assert f"1 node(s) left out, unknown: {UNKNOWN_PLANS}" in note

@@ -12,6 +12,7 @@ modeled prefill rate. Hit ratios are :class:`~kvctl.ratios.HitCounts`' own.
 from __future__ import annotations
 
 import functools
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import Field, dataclass, field, fields
@@ -20,7 +21,14 @@ from typing import Any, Final
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.savings import JOULES_PER_KWH, Savings, gpu_key, savings
-from kvctl.db.analytics.values import as_float, as_int, gauge_mean, possible_joules
+from kvctl.db.analytics.values import (
+    as_float,
+    as_int,
+    beyond_count,
+    gauge_mean,
+    possible_joules,
+    possible_seconds,
+)
 from kvctl.db.inventory import DcInfo, NodeInfo
 from kvctl.db.rollup import series, window
 from kvctl.profiles import GPUS, GPUProfile, ModeledInputs, ModelProfile
@@ -41,6 +49,17 @@ EMULATED: Final = "emulated"
 #: counted by replaying the same requests through the real store on size-only tiers
 REPLAYED: Final = "replayed"
 TIER_ORDER: Final = ("gpu", "cpu", "disk", "remote", "peer")
+#: why a node's figure is unknown (``Counts.unknown_figures``): rows no collector writes (by
+#: hand, an import, a broken export) that make it impossible; the node is left out of it
+UNKNOWN_TTFT: Final = "TTFT: its seconds not a finite number, or below zero"
+UNKNOWN_PLANS: Final = "plans' seconds saved: not a finite number, or below zero"
+UNKNOWN_ENERGY: Final = "NVML energy: a GPU's joules below zero or not a finite number"
+UNKNOWN_EMULATED: Final = "emulated energy: joules or busy seconds below zero or not finite"
+
+
+def beyond_counts_reason(table: str) -> str:
+    """Why a node's figures of ``table`` are unknown: a count at or past the 64-bit limit."""
+    return f"{table}: a count at or past the 64-bit limit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +178,9 @@ class Counts(HitCounts):
     pue_unknown_nodes: int = 0
     #: nodes whose GPU model names no profile (modeled with the default GPU)
     default_gpu_nodes: int = 0
+    #: per reason (``UNKNOWN_*``, :func:`beyond_counts_reason`): nodes whose figure it names
+    #: is unknown, left out of that figure's sums
+    unknown_figures: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: Counts) -> None:
         for f in _figure_fields():
@@ -363,6 +385,10 @@ CACHE_COLUMNS: Final = (
     "read_chunks",
     "read_missing_chunks",
 )
+#: the sums of seconds and joules: floats, never past a count's limit (``beyond_count``)
+FLOAT_SUMS: Final = frozenset(
+    {"saved_s", "recompute_s", "fetch_s", "ttft_sum_s", "energy_j", "busy_s", "decision_s"}
+)
 PLAN_COLUMNS: Final = ("saved_s", "recompute_s", "fetch_s", "fetch_chunks", "recompute_chunks")
 ENGINE_COLUMNS: Final = (
     "prompt_tokens",
@@ -398,13 +424,23 @@ def measured_counts(
     Nothing modeled: :func:`node_counts` adds the savings."""
     out = {n.id: Counts(nodes=0, removed_nodes=1) if n.removed else Counts(nodes=1) for n in nodes}
 
+    beyond: dict[str, set[int]] = defaultdict(set)
+
     def rows(table: str, columns: Iterable[str]) -> Iterable[Mapping[Any, Any]]:
         # every node's rows: a filter of 1,000 ids costs more than the rows it skips
-        q = window(conn, series(table), start_ms, end_ms, columns=list(columns))
+        s = series(table)
+        q = window(conn, s, start_ms, end_ms, columns=list(columns))
+        counts = [c for c in columns if c in s.sums and c not in FLOAT_SUMS]
         for r in conn.execute(q):
             m = r._mapping
-            if m["node_id"] in out:
-                yield m
+            if m["node_id"] not in out:
+                continue
+            if any(beyond_count(m[c]) for c in counts):
+                # no counter reaches 2**63: the rows are unknown, as a reading rejected
+                beyond[table].add(m["node_id"])
+                out[m["node_id"]].unknown_figures[beyond_counts_reason(table)] = 1
+                continue
+            yield m
 
     for m in rows("node_sample", ("up",)):
         c = out[m["node_id"]]
@@ -435,41 +471,67 @@ def measured_counts(
         if (cap := gauge_mean(m, "capacity_bytes")) is not None:
             c.capacity_bytes[tier] = cap
             c.capacity_nodes[tier] = 1
+    for node_id in beyond["cache_sample"]:
+        # a tier's row left out would leave the others' hits over the whole's lookups
+        out[node_id].unknown_hits()
+        out[node_id].read_samples = 0
     for c in out.values():
         # one node's impossible hits (old rows: the collector refuses them since) are unknown,
         # never summed into its DC's and the fleet's ratios: those are over the other nodes
         if c.impossible_hits:
             c.unknown_hits()
     energy: dict[int, float] = defaultdict(float)
+    #: nodes with a GPU whose energy cannot be true: a node's sum over its GPUs may look
+    #: sound (one GPU's -1 MJ under another's 2 MJ) and still be no figure
+    impossible_gpu: set[int] = set(beyond["power_sample"])
     for m in rows("power_sample", ("energy_j", "power_w")):
         c = out[m["node_id"]]
         if m["energy_j"] is not None:
-            energy[m["node_id"]] += float(m["energy_j"])
+            joules = float(m["energy_j"])  # one GPU's (the series is per node and GPU)
+            energy[m["node_id"]] += joules
+            if not possible_joules(joules):
+                impossible_gpu.add(m["node_id"])
         c.power_w += gauge_mean(m, "power_w") or 0.0
     for node_id, joules in energy.items():
-        if not possible_joules(joules):
-            continue  # unknown, as without NVML: never summed into its DC's and the fleet's
+        if node_id in impossible_gpu or not possible_joules(joules):
+            # unknown, as without NVML: never summed into its DC's and the fleet's
+            out[node_id].unknown_figures[UNKNOWN_ENERGY] = 1
+            continue
         out[node_id].energy_nodes = 1
         out[node_id].energy_j = joules
     # emulated energy: its own table and its own fields, never summed with NVML's
     emulated: dict[int, float] = defaultdict(float)
+    impossible_emulated: set[int] = set(beyond["emulated_power_sample"])
     for m in rows("emulated_power_sample", ("energy_j", "busy_s", "lookup_tokens")):
         c = out[m["node_id"]]
         if m["energy_j"] is not None:
-            emulated[m["node_id"]] += float(m["energy_j"])
+            joules = float(m["energy_j"])  # one GPU profile's
+            emulated[m["node_id"]] += joules
+            if not possible_joules(joules):
+                impossible_emulated.add(m["node_id"])
+        if not possible_seconds(as_float(m["busy_s"])):
+            impossible_emulated.add(m["node_id"])
         c.emulated_busy_s += as_float(m["busy_s"])
         c.emulated_lookup_tokens += as_int(m["lookup_tokens"])
         c.emulated_profiles[f"{m['gpu_profile']}/{m['model']}"] = 1
-    for node_id, joules in emulated.items():
+    for node_id in set(emulated) | impossible_emulated:
         c = out[node_id]
-        if not possible_joules(joules):
+        joules = emulated.get(node_id, 0.0)
+        if node_id in impossible_emulated or not possible_joules(joules):
             # unknown: nor its busy time and tokens, the other nodes' tokens per joule
             c.emulated_busy_s, c.emulated_lookup_tokens = 0.0, 0
             c.emulated_profiles.clear()
+            c.unknown_figures[UNKNOWN_EMULATED] = 1
             continue
         c.emulated_energy_nodes = 1
         c.emulated_energy_j = joules
+    impossible_plans: set[int] = set(beyond["plan_sample"])
     for m in rows("plan_sample", PLAN_COLUMNS):
+        if not all(possible_seconds(as_float(m[k])) for k in ("recompute_s", "fetch_s")) or (
+            not math.isfinite(as_float(m["saved_s"]))
+        ):
+            # saved_s alone may be below zero (a link overridden to slower): not the others
+            impossible_plans.add(m["node_id"])
         c, basis = out[m["node_id"]], m["prefill_basis"]
         model, gpu = m["prefill_model"] or "", m["prefill_gpu"] or ""
         c.plan_nodes = 1
@@ -483,6 +545,17 @@ def measured_counts(
         c.plan_fetch_s += as_float(m["fetch_s"])
         c.plan_fetch_chunks += as_int(m["fetch_chunks"])
         c.plan_recompute_chunks += as_int(m["recompute_chunks"])
+    for node_id in impossible_plans:
+        # unknown: still a node with plans (its hits are not priced at the modeled rate
+        # instead), whose seconds saved are left out of every sum
+        c = out[node_id]
+        c.plan_nodes = 1
+        for per in (c.plan_saved_s, c.plan_saved_s_by_gpu, c.plan_inputs, c.plan_models):
+            per.clear()
+        c.plan_recompute_s = c.plan_fetch_s = 0.0
+        c.plan_fetch_chunks = c.plan_recompute_chunks = 0
+        c.unknown_figures[UNKNOWN_PLANS] = 1
+    impossible_ttft: set[int] = set()
     for m in rows("engine_sample", ENGINE_COLUMNS):
         c = out[m["node_id"]]
         c.engine_nodes = 1
@@ -492,6 +565,12 @@ def measured_counts(
         c.requests += as_int(m["requests"])
         c.ttft_count += as_int(m["ttft_count"])
         c.ttft_sum_s += as_float(m["ttft_sum_s"])
+        if not possible_seconds(as_float(m["ttft_sum_s"])):
+            impossible_ttft.add(m["node_id"])
+    for node_id in impossible_ttft:
+        # unknown: nor its count, or the TTFT mean is the other nodes' seconds over all counts
+        out[node_id].ttft_count, out[node_id].ttft_sum_s = 0, 0.0
+        out[node_id].unknown_figures[UNKNOWN_TTFT] = 1
     for c in out.values():
         # tokens per joule: numerator and denominator from the same nodes
         if c.energy_nodes and c.prompt_tokens + c.generation_tokens:

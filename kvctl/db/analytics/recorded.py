@@ -71,6 +71,8 @@ def figures(c: Counts) -> dict[str, Any]:
         **c.read_figures(),
         "evictions": c.evictions,
         "tiers": tiers,
+        # per reason: nodes whose figure it names is unknown, left out (rows written by hand)
+        "unknown_figures": c.unknown_figures,
     }
 
 

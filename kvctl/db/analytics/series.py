@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from kvctl.agent_starting import says_starting
-from kvctl.db.analytics.values import as_int, gauge_mean, possible_joules
+from kvctl.db.analytics.values import as_int, beyond_count, gauge_mean, possible_joules
 from kvctl.db.analytics.windows import Window, bucket_starts, bucketed_rows
 from kvctl.db.models import raw_table
 from kvctl.db.rollup import buckets, series
@@ -88,7 +88,10 @@ def time_series(conn: Connection, win: Window, node_ids: list[int]) -> TimeSerie
             # refused them, or below zero: written by hand) is left out of the bucket's hit
             # counts: unknown, not summed
             counts = HitCounts(looked, hits, reuse, sharing)
-            if not counts.impossible and min(looked, hits, reuse, sharing) >= 0:
+            sound = min(looked, hits, reuse, sharing) >= 0 and not any(
+                beyond_count(v) for v in (looked, hits, reuse, sharing)
+            )
+            if sound and not counts.impossible:
                 out.lookups[i] += looked
                 out.hits[i] += hits
                 out.reuse_hits[i] += reuse
@@ -138,13 +141,18 @@ def _add_power(
         columns=["energy_j", "power_w"],
     )
     node_joules: dict[tuple[int, int], float] = defaultdict(float)  # (bucket, node): J
+    #: (bucket, node) with a GPU's energy that cannot be true, hidden in a sound node sum
+    impossible: set[tuple[int, int]] = set()
     for i, m in bucketed_rows(conn, q, starts):
         if (mean := gauge_mean(m, "power_w")) is not None:
             power_w[i] = (power_w[i] or 0.0) + mean
         if m["energy_j"] is not None:
-            node_joules[i, m["node_id"]] += float(m["energy_j"])
-    for (i, _node), joules in node_joules.items():
-        if possible_joules(joules):
+            joules = float(m["energy_j"])  # one GPU's (one GPU profile's, emulated)
+            node_joules[i, m["node_id"]] += joules
+            if not possible_joules(joules):
+                impossible.add((i, m["node_id"]))
+    for (i, node), joules in node_joules.items():
+        if (i, node) not in impossible and possible_joules(joules):
             energy_j[i] = (energy_j[i] or 0.0) + joules
 
 

@@ -10,9 +10,10 @@ from sqlalchemy import Float, and_, case, cast, func, select, union_all
 from sqlalchemy.engine import Connection
 
 from kvctl.db.analytics.counts import HIT_COUNT_COLUMNS
+from kvctl.db.analytics.values import COUNT_LIMIT
 from kvctl.db.inventory import counted_since, removed_label
 from kvctl.db.models import DataCenter, Node, RemovedNode
-from kvctl.db.rollup import series, window
+from kvctl.db.rollup import count_sum, series, window
 from kvctl.ratios import HitCounts, ratio
 
 
@@ -90,8 +91,10 @@ def _sound_sum(w: Any, counter: str) -> Any:
         c.hit_tokens <= c.lookup_tokens,
         # a count with no reading (NULL, an older agent's reuse/sharing) is none, not below 0
         *(func.coalesce(c[name], 0) >= 0 for name in HIT_COUNT_COLUMNS),
+        # nor at the 64-bit limit (``beyond_count``): summed apart, never into a DC's sum
+        *(func.coalesce(c[name], 0) < COUNT_LIMIT for name in HIT_COUNT_COLUMNS),
     )
-    return func.sum(case((sound, c[counter]), else_=0))
+    return count_sum(case((sound, c[counter]), else_=0))
 
 
 def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
@@ -129,7 +132,7 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
         "node_sample",
         start_ms,
         end_ms,
-        {"up": lambda w: func.sum(w.c.up), "samples": lambda w: func.sum(w.c.samples)},
+        {"up": lambda w: count_sum(w.c.up), "samples": lambda w: count_sum(w.c.samples)},
     )
     power = _per_dc(
         conn,
@@ -147,8 +150,8 @@ def fleet_summary(conn: Connection, start_ms: int, end_ms: int) -> FleetSummary:
         start_ms,
         end_ms,
         {
-            "prompt_tokens": lambda w: func.sum(w.c.prompt_tokens),
-            "cached_prompt_tokens": lambda w: func.sum(w.c.cached_prompt_tokens),
+            "prompt_tokens": lambda w: count_sum(w.c.prompt_tokens),
+            "cached_prompt_tokens": lambda w: count_sum(w.c.cached_prompt_tokens),
         },
     )
     total = out.total
@@ -201,7 +204,7 @@ def node_cache_counters(
     node as a whole); nodes without samples are left out."""
     w = window(conn, series("cache_sample"), start_ms, end_ms, columns=list(counters)).subquery()
     q = (
-        select(Node.name, w.c.tier, *(func.sum(getattr(w.c, c)).label(c) for c in counters))
+        select(Node.name, w.c.tier, *(count_sum(getattr(w.c, c)).label(c) for c in counters))
         .select_from(w)
         .join(Node, Node.id == w.c.node_id)
         .group_by(Node.name, w.c.tier)

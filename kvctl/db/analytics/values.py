@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
+
+#: a count's sum at or past the largest 64-bit integer: no counter reaches it, so rows written
+#: by hand or a broken export made it; unknown, not a figure. At the limit, not only past it:
+#: SQLite's sum of a window's pieces holds one past it at the limit (``rollup.count_sum``)
+COUNT_LIMIT: Final = 2**63 - 1
 
 
 def as_float(v: Any) -> float:
@@ -27,3 +32,16 @@ def possible_joules(joules: float) -> bool:
     watts), so such a sum comes of rows written by hand or a broken export, and is unknown,
     not a figure."""
     return math.isfinite(joules) and joules >= 0
+
+
+def beyond_count(v: Any) -> bool:
+    """Whether a count's sum (an int, PostgreSQL's numeric, SQLite's float past 64 bits) is at
+    or past :data:`COUNT_LIMIT`, either way."""
+    return v is not None and abs(v) >= COUNT_LIMIT
+
+
+def possible_seconds(seconds: float) -> bool:
+    """Whether a sum of seconds (TTFT, a plan's prefill and fetch time, emulated busy time) can
+    be true: none is recorded below zero or not finite (PostgreSQL's 'NaN' and 'Infinity',
+    SQLite's NaN stored as NULL beside its count: ``rollup.PAIRED_SUMS``)."""
+    return math.isfinite(seconds) and seconds >= 0
