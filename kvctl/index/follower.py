@@ -29,8 +29,10 @@ an index of its own (``EmbeddedIndex``) its entries are dropped too, but a share
 partition here must not empty the index for every router). When it answers again it is
 resynced. ``Followers`` polls a set of agents from one background thread, each poll on a small
 thread pool, so one slow agent (bounded by a short per-request timeout) never delays the others;
-agents whose last poll failed are polled on a pool of their own, so that many of them hanging
-at once (a DC partitioned) never hold up the polls of the agents that answer.
+agents whose last poll failed are polled on a pool of their own, and a poll that has waited a
+round for a thread (the pool's threads held by agents that all hung at once: a DC's link down)
+gets one of its own, up to a bound, so that many agents hanging never hold up the polls of the
+agents that answer.
 """
 
 from __future__ import annotations
@@ -40,9 +42,9 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -88,6 +90,15 @@ DEFAULT_MAX_LISTING_CHUNKS = 1_000_000
 #: polls running at once in ``Followers``, in each of its two pools: the agents that answer
 #: and those whose last poll failed (threads are made only as needed)
 MAX_POLL_THREADS = 16
+#: threads of the pool of the agents that answer, at most: past ``MAX_POLL_THREADS``, a poll
+#: that has waited a round (``poll_s``, or its request timeout when shorter) for a thread gets
+#: one of its own. Agents that answered and all hang at once (a DC's link down) hold the first
+#: threads for a request timeout each, and the other agents' polls waited behind them in the
+#: queue (400 hung agents: 25 request timeouts). Up to this many hung at once, an answering
+#: agent's poll starts within a round; past it, it waits for the first hung polls to time out
+MAX_POLL_THREADS_TOTAL = 256
+#: a thread past ``MAX_POLL_THREADS`` of a pool ends once idle this long
+IDLE_THREAD_S = 10.0
 #: entries of a node the index check audits per second, by default: about 2 ms a second of a
 #: Redis server's time per node and router (measured on a busy 2-core machine: ~2 us an entry);
 #: 0: no audit, only the marker and the count
@@ -165,9 +176,7 @@ class Follower:
             raise InvalidArgument(f"page_limit must be 1..{LISTING_PAGE}, got {page_limit}")
         _check_count("max_listing_chunks", max_listing_chunks)
         self.max_listing_chunks = max_listing_chunks
-        if timeout_s is None:
-            # a few tries fit in drop_after_s, so one lost packet does not drop a node
-            timeout_s = min(MAX_REQUEST_TIMEOUT_S, max(0.1, drop_after_s / 3))
+        timeout_s = request_timeout_s(drop_after_s, timeout_s)
         _check_seconds("timeout_s", timeout_s)
         _check_rate("audit_entries_per_s", audit_entries_per_s)
         self.index = index
@@ -570,6 +579,15 @@ class Follower:
             self._client.close()
 
 
+def request_timeout_s(drop_after_s: float, timeout_s: float | None) -> float:
+    """One request's timeout: ``timeout_s``, or (None) a third of ``drop_after_s`` so that a few
+    tries fit in it and one lost packet does not drop a node, within 0.1 s and
+    ``MAX_REQUEST_TIMEOUT_S``."""
+    if timeout_s is not None:
+        return timeout_s
+    return min(MAX_REQUEST_TIMEOUT_S, max(0.1, drop_after_s / 3))
+
+
 class Followers:
     """Follows a set of agents (``agents``: node -> (url, token)) from one background thread.
 
@@ -579,7 +597,10 @@ class Followers:
     second pool: with one pool, as many hung agents as it has threads (a partitioned DC's) held
     every thread for a request timeout each round, and the agents that answer waited behind
     them (320 hung agents: each answering agent's chunks reached the index ~19 s late, not
-    ~0.2 s). A hung agent costs the first pool its first failed poll only.
+    ~0.2 s). The first hung poll of an agent that answered before still runs on the first pool:
+    so that many of them at once (a DC's link down) do not hold up the others' polls there, a
+    poll that has waited a round for a thread gets one of its own (``_Lane``, up to
+    ``MAX_POLL_THREADS_TOTAL``).
     """
 
     def __init__(
@@ -610,9 +631,12 @@ class Followers:
         self.timeout_s = timeout_s
         self._followers: dict[str, Follower] = {}
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
+        #: a poll of the pool of agents that answer waits this long for a thread at most: a
+        #: round, and never more than a request timeout (see ``MAX_POLL_THREADS_TOTAL``)
+        self.max_queue_wait_s = min(self.poll_s, request_timeout_s(drop_after_s, timeout_s))
+        self._pool: _Lane | None = None
         #: the polls of agents whose last poll failed (see the class)
-        self._failing_pool: ThreadPoolExecutor | None = None
+        self._failing_pool: _Lane | None = None
         self._inflight: dict[str, Future[int]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -689,15 +713,22 @@ class Followers:
                     lane = self._ensure_failing_pool_locked() if follower.failing else pool
                     self._inflight[node] = lane.submit(follower.poll_once)
 
-    def _ensure_pool_locked(self) -> ThreadPoolExecutor:
+    def _ensure_pool_locked(self) -> _Lane:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(MAX_POLL_THREADS, thread_name_prefix="kvctl-follow")
+            self._pool = _Lane(
+                "kvctl-follow",
+                MAX_POLL_THREADS,
+                max(MAX_POLL_THREADS, MAX_POLL_THREADS_TOTAL),
+                self.max_queue_wait_s,
+            )
         return self._pool
 
-    def _ensure_failing_pool_locked(self) -> ThreadPoolExecutor:
+    def _ensure_failing_pool_locked(self) -> _Lane:
         if self._failing_pool is None:
-            self._failing_pool = ThreadPoolExecutor(
-                MAX_POLL_THREADS, thread_name_prefix="kvctl-follow-failing"
+            # no thread of their own for polls that wait: these agents failed, and a thread
+            # for each of a partitioned DC's would grow with the fleet
+            self._failing_pool = _Lane(
+                "kvctl-follow-failing", MAX_POLL_THREADS, MAX_POLL_THREADS, None
             )
         return self._failing_pool
 
@@ -719,7 +750,16 @@ class Followers:
                 self._poll_round(stop)
             except Exception:  # the thread must outlive any one bad round
                 log.exception("follower round failed")
-            stop.wait(max(0.0, self.poll_s - (time.monotonic() - started_s)))
+            while not stop.is_set():
+                left_s = self.poll_s - (time.monotonic() - started_s)
+                if left_s <= 0:
+                    break
+                # a poll waiting for a thread since before this round's wait ends gets one of
+                # its own when due (a request timeout shorter than poll_s), not at the next
+                with self._lock:
+                    pool = self._pool
+                due_s = None if pool is None else pool.dispatch()
+                stop.wait(left_s if due_s is None else min(left_s, due_s))
 
     def stop(self) -> None:
         """Stop the thread and wait for polls in progress (no-op when not running)."""
@@ -733,7 +773,7 @@ class Followers:
             thread.join()
         for pool in pools:
             if pool is not None:
-                pool.shutdown(wait=True)
+                pool.shutdown()
 
     def close(self) -> None:
         """Stop, and close every follower's connection (the index keeps its entries)."""
@@ -764,6 +804,135 @@ class Followers:
         used as sources by this router (asks the index nothing)."""
         with self._lock:
             return frozenset(node for node, f in self._followers.items() if f.down)
+
+
+class _Lane:
+    """One of ``Followers``' pools: polls run on up to ``threads`` threads at once, in the order
+    submitted; past that, a poll that has waited ``max_wait_s`` for a thread (None: no such
+    wait) gets one of its own, up to ``max_threads`` in all. Threads are made as needed; one
+    past ``threads`` ends once idle for ``IDLE_THREAD_S``. Daemon threads: ``shutdown`` waits
+    for them, and a pool never shut does not hold up the process's exit."""
+
+    def __init__(
+        self,
+        name: str,
+        threads: int,
+        max_threads: int,
+        max_wait_s: float | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._name, self._threads, self._max_threads = name, threads, max_threads
+        self._max_wait_s, self._clock = max_wait_s, clock
+        self._cond = threading.Condition()
+        #: polls not started yet: (future, call, when submitted)
+        self._queue: deque[tuple[Future[int], Callable[[], int], float]] = deque()
+        #: polls given to idle threads, each taken by the first to wake
+        self._handed: deque[tuple[Future[int], Callable[[], int], float]] = deque()
+        self._alive: set[threading.Thread] = set()
+        self._idle = 0  # threads waiting for a poll (none handed to them)
+        self._running = 0  # polls started (running or handed to a thread)
+        self._made = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[[], int]) -> Future[int]:
+        fut: Future[int] = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError(f"the {self._name} pool is shut")
+            self._queue.append((fut, fn, self._clock()))
+            self._dispatch_locked()
+        return fut
+
+    @property
+    def threads(self) -> int:
+        with self._cond:
+            return len(self._alive)
+
+    @property
+    def queued(self) -> int:
+        with self._cond:
+            return len(self._queue)
+
+    def dispatch(self) -> float | None:
+        """Start the polls due: seconds until the next queued one is due a thread of its own
+        (None: none will be, unless a thread comes free)."""
+        with self._cond:
+            return self._dispatch_locked()
+
+    def _dispatch_locked(self) -> float | None:
+        if self._closed:
+            return None
+        now = self._clock()
+        while self._queue and self._running < self._max_threads:
+            waited_s = now - self._queue[0][2]
+            due = self._max_wait_s is not None and waited_s >= self._max_wait_s
+            if self._running >= self._threads and not due:
+                break
+            job = self._queue.popleft()
+            self._running += 1
+            if self._idle:
+                self._idle -= 1
+                self._handed.append(job)
+                self._cond.notify()
+            else:
+                self._made += 1
+                thread = threading.Thread(
+                    target=self._work, args=(job,), name=f"{self._name}-{self._made}", daemon=True
+                )
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had: the poll waits for one that ends
+                    self._running -= 1
+                    self._queue.appendleft(job)
+                    return None
+                self._alive.add(thread)
+        if not self._queue or self._max_wait_s is None or self._running >= self._max_threads:
+            return None
+        return max(0.0, self._queue[0][2] + self._max_wait_s - now)
+
+    def _work(self, job: tuple[Future[int], Callable[[], int], float] | None) -> None:
+        while job is not None:
+            fut, fn, _ = job
+            job = None
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # a poll catches its agent's failures: a bug
+                    fut.set_exception(exc)
+            del fut, fn
+            with self._cond:
+                self._running -= 1
+                job = self._next_locked()
+
+    def _next_locked(self) -> tuple[Future[int], Callable[[], int], float] | None:
+        """The next poll of this thread, once one is handed to it; None: it ends (the pool
+        shut, or idle for ``IDLE_THREAD_S`` with more threads than ``threads``)."""
+        self._idle += 1
+        self._dispatch_locked()  # a poll waiting for this thread's place
+        while not self._handed:
+            if self._closed:
+                break
+            woken = self._cond.wait(IDLE_THREAD_S)
+            if not woken and not self._handed and len(self._alive) > self._threads:
+                break
+        else:
+            return self._handed.popleft()  # (the dispatch that handed it took the idle count)
+        self._idle -= 1
+        self._alive.discard(threading.current_thread())
+        return None
+
+    def shutdown(self) -> None:
+        """Cancel the polls not started, and wait for those under way (each bounded by its
+        request deadline)."""
+        with self._cond:
+            self._closed = True
+            for fut, _, _ in (*self._queue, *self._handed):
+                fut.cancel()
+            self._queue.clear()
+            threads = list(self._alive)
+            self._cond.notify_all()
+        for thread in threads:
+            thread.join()
 
 
 def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:

@@ -7,6 +7,7 @@ another tenant through the index."""
 from __future__ import annotations
 
 import http.server
+import json
 import logging
 import threading
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvctl.index import follower as follower_module
 from kvctl.index.follower import MAX_POLL_THREADS, Follower, Followers
 from kvctl.index.model import EmbeddedIndex, Holding
 from tests.functional.agents import Agent, closed_port, key, payload, running_agent, start_agent
@@ -348,6 +350,96 @@ def test_many_hung_agents_do_not_hold_up_the_agents_that_answer(
             put(a, keys)
             wait_until("a's chunks in the index", lambda: index.nodes() == {"a": len(keys)})
             assert followers.up_nodes() == {"a"}
+    finally:
+        release.set()
+        followers.close()
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
+class _LinkDrops(http.server.BaseHTTPRequestHandler):
+    """An empty agent whose link goes down: it answers as one (no chunks, no events) until
+    ``hang`` is set, then takes each request and answers none until ``release`` is set."""
+
+    hang: threading.Event
+    release: threading.Event
+    hung: list[str]
+
+    def do_GET(self) -> None:
+        if self.hang.is_set():
+            self.hung.append(self.path)
+            self.release.wait(60)
+            self.send_error(503)
+            return
+        if self.path.startswith("/v1/events/recent"):
+            answer: dict[str, Any] = {"events": [], "last_seq": 0, "dropped": 0, "instance": "i1"}
+        elif self.path.startswith("/v1/keys"):
+            answer = {"items": [], "next": None}
+        else:
+            self.send_error(404)
+            return
+        body = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_agents_that_all_hang_at_once_do_not_hold_up_the_others_first_round(
+    tmp_path: Path, index: EmbeddedIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DC's link goes down: 40 agents that answered all take their next poll and answer
+    nothing. Their last polls had not failed, so those first hung polls went to the pool of
+    the agents that answer (4 threads here, 16 in a router) and every other agent's poll
+    waited in its queue behind them, a request timeout for each 4 of them (10 here, a minute
+    each). A poll now waits for a thread at most a round: a and b's chunks reach the index
+    while every hung poll is still held, before the hung servers are let go."""
+    monkeypatch.setattr(follower_module, "MAX_POLL_THREADS", 4)
+    hang, release = threading.Event(), threading.Event()
+    hung: list[str] = []
+    handler = type("LinkDrops", (_LinkDrops,), {"hang": hang, "release": release, "hung": hung})
+    servers = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) for _ in range(40)]
+    for server in servers:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    far = [f"h{i}" for i in range(len(servers))]
+    a_keys = [key(i, space=12) for i in range(10)]
+    b_keys = [key(i, space=13) for i in range(10)]
+    # a hung request is held for a minute: only a poll that does not wait for its thread
+    # behind them lets a's and b's chunks in within wait_until's bound
+    followers = Followers(index, poll_s=0.05, drop_after_s=120, timeout_s=60)
+    try:
+        with (
+            running_agent(tmp_path / "a", "--name", "a", *SMALL) as a,
+            running_agent(tmp_path / "b", "--name", "b", *SMALL) as b,
+        ):
+            for node, server in zip(far, servers, strict=True):  # first in each round's queue
+                followers.add(node, f"http://127.0.0.1:{server.server_address[1]}")
+            followers.add("a", a.state.control_url)
+            followers.add("b", b.state.control_url)
+            followers.start()
+
+            def all_followed() -> bool:
+                status = followers.status()
+                return len(status) == 42 and all(s["up"] and s["resyncs"] for s in status)
+
+            wait_until("every agent followed", all_followed)
+            hang.set()
+            wait_until("a pool's worth of hung polls", lambda: len(hung) >= 4)
+            put(a, a_keys)
+            put(b, b_keys)
+            wait_until(
+                "a's and b's chunks in the index", lambda: index.nodes() == {"a": 10, "b": 10}
+            )
+            assert not release.is_set()
+            status = {s["node"]: s for s in followers.status()}
+            # every hung agent's first hung poll is still held: none failed yet
+            assert [status[n]["errors"] for n in far] == [0] * len(far)
+            assert status["a"]["up"] and status["b"]["up"] and status["a"]["errors"] == 0
     finally:
         release.set()
         followers.close()

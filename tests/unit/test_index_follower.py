@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -18,7 +19,7 @@ import pytest
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
-from kvctl.index.follower import Follower, Followers
+from kvctl.index.follower import Follower, Followers, _Lane
 from kvctl.index.model import EmbeddedIndex, Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.remote.fetchplan import PrefillModel
@@ -26,6 +27,7 @@ from kvctl.router.score import Costs
 from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from tests.functional.agents import closed_port
+from tests.functional.waiting import wait_until
 from tests.hostile_servers import Hostile, handler_class, send_json, trickle
 from tests.not_an_agent import serving, web_page_url
 
@@ -625,3 +627,66 @@ def test_a_round_under_way_when_stop_is_called_leaves_no_poll_thread_behind() ->
     finally:
         release.set()
         followers.close()
+
+
+def test_a_poll_that_waited_its_while_gets_a_thread_of_its_own_up_to_the_bound() -> None:
+    """The pool of agents that answer: 2 threads here (16 in a router). Polls held on them (a
+    DC's agents that all hung at once) kept the others' polls queued for a request timeout
+    each; one that has waited ``max_wait_s`` now gets a thread of its own, never more than
+    ``max_threads`` in all, and those past ``threads`` are made only when a poll waited."""
+    now = [0.0]
+    lane = _Lane("kvctl-test-lane", 2, 4, 1.0, clock=lambda: now[0])
+    gate = threading.Event()
+    started: list[int] = []
+
+    def held(i: int) -> int:
+        started.append(i)
+        gate.wait(30)
+        return i
+
+    try:
+        futures = [lane.submit(partial(held, i)) for i in range(10)]
+        assert (lane.threads, lane.queued) == (2, 8)
+        now[0] = 0.5  # waited half its while: still queued
+        assert lane.dispatch() == 0.5
+        assert (lane.threads, lane.queued) == (2, 8)
+        now[0] = 1.0
+        assert lane.dispatch() is None  # 4 threads: none more, whatever the wait
+        assert (lane.threads, lane.queued) == (4, 6)
+        now[0] = 100.0
+        assert lane.dispatch() is None
+        assert (lane.threads, lane.queued) == (4, 6)
+        wait_until("4 polls under way", lambda: sorted(started) == [0, 1, 2, 3])
+        gate.set()
+        assert [f.result(30) for f in futures] == list(range(10))
+        assert lane.threads <= 4
+    finally:
+        gate.set()
+        lane.shutdown()
+    assert lane.threads == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvctl-test-lane")]
+
+
+def test_shutting_a_pool_cancels_the_polls_not_started_and_waits_for_those_under_way() -> None:
+    """stop() with hung agents queued: their polls are not started (each would hold stop() for
+    its request timeout); the one under way is waited for."""
+    lane = _Lane("kvctl-test-lane", 1, 1, None)
+    gate, started = threading.Event(), threading.Event()
+
+    def held() -> int:
+        started.set()
+        gate.wait(30)
+        return 1
+
+    under_way = lane.submit(held)
+    queued = [lane.submit(held) for _ in range(3)]
+    assert started.wait(30)
+    stopper = threading.Thread(target=lane.shutdown)
+    stopper.start()
+    wait_until("queued polls cancelled", lambda: all(f.cancelled() for f in queued))
+    assert not under_way.done()
+    gate.set()
+    stopper.join(30)
+    assert not stopper.is_alive() and under_way.result() == 1
+    with pytest.raises(RuntimeError, match="shut"):
+        lane.submit(held)
