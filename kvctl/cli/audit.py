@@ -12,7 +12,8 @@ from kvctl.cli.output import console, print_json, user_errors
 
 
 def audit_command(
-    limit: Annotated[int, typer.Option("--limit", help="Rows to show.", min=1)] = 50,
+    # max: SQL's LIMIT is a 64-bit integer (a bigger one failed in the driver)
+    limit: Annotated[int, typer.Option("--limit", help="Rows to show.", min=1, max=2**63 - 1)] = 50,
     action: Annotated[
         str | None,
         typer.Option("--action", help="Only this action (pin, resize...); 'fleet.' for a prefix."),

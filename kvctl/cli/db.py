@@ -10,6 +10,10 @@ from rich.markup import escape
 from kvctl.cli.options import DB_SERVER_HINT, DbOpt, JsonOpt, db_errors, open_engine
 from kvctl.cli.output import console, fail, print_json
 
+#: ``db maintain``'s longest retention (about 27,000 years): any longer is "forever", and its
+#: milliseconds stay far inside the database's 64-bit integers
+MAX_RETENTION_DAYS = 10_000_000
+
 db_app = typer.Typer(no_args_is_help=True, help="Schema and upkeep of the metrics database.")
 
 
@@ -35,12 +39,19 @@ def upgrade_command(
 
     with db_errors():
         url = resolve_url(db)
+    from alembic.util import CommandError
+
     with db_errors(DB_SERVER_HINT, url=url):
         engine = create_db_engine(url)
         try:
             before = migrate.current_revision(engine)
             migrate.upgrade(engine, revision)
             after = migrate.current_revision(engine)
+        except CommandError as exc:  # a revision alembic does not know, said in its words
+            fail(
+                f"cannot upgrade to --revision {revision}: {exc}",
+                hint=f"the newest revision is {migrate.head_revision()} (also: head)",
+            )
         finally:
             engine.dispose()
     out = {"database": display_url(str(engine.url)), "from": before, "to": after}
@@ -135,8 +146,10 @@ def maintain_command(
 
     from kvctl.db.rollup import DAY_MS, Retention, maintain
 
-    if min(raw_days, minute_days, hour_days, day_days) <= 0:
-        fail("retention periods must be positive")
+    periods = (raw_days, minute_days, hour_days, day_days)
+    # nan, inf or past the database's 64-bit milliseconds failed in int() or in the driver
+    if not all(0 < days <= MAX_RETENTION_DAYS for days in periods):
+        fail(f"retention periods must be positive numbers of days, at most {MAX_RETENTION_DAYS:,}")
     retention = Retention(
         raw_ms=int(raw_days * DAY_MS),
         minute_ms=int(minute_days * DAY_MS),

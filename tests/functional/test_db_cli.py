@@ -73,3 +73,22 @@ def test_unreachable_database_is_one_line_with_a_hint() -> None:
     assert "cannot use postgresql+psycopg://x@127.0.0.1:1/none" in result.output
     assert "KVCTL_DB_URL" in result.output
     assert "Traceback" not in result.output
+
+
+def test_bad_upkeep_input_is_one_line_and_exit_2(empty_db_url: str) -> None:
+    """Each of these was 'kvctl failed where it did not expect to: ...' (a bug's line, exit 1):
+    a revision alembic does not know (CommandError), a retention of nan or inf days (int() of
+    it), one past the database's 64-bit milliseconds, and an audit --limit past them."""
+    assert runner.invoke(app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
+    cases = [
+        (["db", "upgrade", "--revision", "nonsense"], "nonsense"),
+        (["db", "maintain", "--raw-days", "nan"], "retention periods must be"),
+        (["db", "maintain", "--hour-days", "inf"], "retention periods must be"),
+        (["db", "maintain", "--day-days", "1e300"], "retention periods must be"),
+        (["audit", "--limit", str(2**64)], "--limit"),
+    ]
+    for args, said in cases:
+        result = runner.invoke(app, [*args, "--db", empty_db_url])
+        out = " ".join(result.output.split())
+        assert result.exit_code == 2, (args, out)
+        assert said in out and "did not expect" not in out, (args, out)
