@@ -140,8 +140,9 @@ class SourceCounters:
     chunks_out: int = 0
     bytes_out: int = 0
     #: chunks the source described (a probe's answer) or sent (a pull) with more tokens than a
-    #: chunk holds (the store's ``chunk_tokens``): a hostile or broken source's claim, which
-    #: would inflate the hit and saved-token counts; each a miss, counted in ``corrupt``
+    #: chunk of this node holds (the store's ``largest_chunk_tokens``): a hostile or broken
+    #: source's claim, which would inflate the hit and saved-token counts; each a miss,
+    #: counted in ``corrupt``
     bad_tokens: int = 0
 
 
@@ -1054,9 +1055,11 @@ class RemoteTiers:
         return found
 
     def _overlong(self, meta: ChunkMeta) -> bool:
-        """Whether ``meta`` claims more tokens than one chunk of this store's key scheme holds
-        (``chunk_tokens``; a chain's last chunk may hold fewer, none more)."""
-        return meta.tokens > self.store.chunk_tokens
+        """Whether ``meta`` claims more tokens than a chunk of this node holds: the store's
+        ``chunk_tokens``, or the largest chunk its own engines put since start (an engine may
+        chunk larger than its agent; a key matches only a chunk of the asking engine's size;
+        a chain's last chunk may hold fewer, none more)."""
+        return meta.tokens > self.store.largest_chunk_tokens
 
     def _count_overlong(self, s: Source, bad: Sequence[ChunkMeta], what: str) -> None:
         """``bad`` (chunks ``s`` claimed too long in ``what``) counted in ``s``'s ``corrupt``
@@ -1065,12 +1068,13 @@ class RemoteTiers:
             s.counters.bad_tokens += len(bad)
         worst = max(bad, key=lambda m: m.tokens)
         log.warning(
-            "%s: dropping %d chunk(s) in %s claiming more tokens than a chunk holds (%d): "
+            "%s: dropping %d chunk(s) in %s claiming more tokens than a chunk holds (%d: "
+            "chunk_tokens, or the largest chunk this node's engines stored since start): "
             "%s claims %d; not counted as hits, not stored",
             s.name,
             len(bad),
             what,
-            self.store.chunk_tokens,
+            self.store.largest_chunk_tokens,
             worst.key.hex(),
             worst.tokens,
         )
