@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import pathlib
+import re
 from typing import Annotated, Any
 
 import typer
@@ -34,6 +35,9 @@ CAPTION = (
     "* reference, measured in the same replay; ° partial oracle (knows part of the future, "
     "simulation only)"
 )
+
+#: a ``--tier`` name
+_TIER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
 
 #: ``--sweep``: the capacities the policies are compared at, as fractions of the unique blocks
 SWEEP_FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
@@ -254,8 +258,12 @@ def _parse_tiers(specs: list[str]) -> dict[str, int]:
     tiers: dict[str, int] = {}
     for spec in specs:
         name, sep, value = spec.partition("=")
-        if not sep or not name or not value.strip().isdigit():
-            raise InvalidArgument(f"--tier takes NAME=BLOCKS, e.g. cpu=2000; got {spec!r}")
+        # a plain name: it titles the table and a column, where '[' would be rich markup
+        if not sep or not _TIER_NAME.fullmatch(name) or not value.strip().isdecimal():
+            raise InvalidArgument(
+                f"--tier takes NAME=BLOCKS (NAME: letters, digits, '-', '_'), e.g. cpu=2000;"
+                f" got {spec!r}"
+            )
         if name in tiers:
             raise InvalidArgument(f"tier {name!r} given twice")
         tiers[name] = int(value)

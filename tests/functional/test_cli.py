@@ -162,6 +162,9 @@ def test_simulate_marks_the_partial_oracles() -> None:
     [
         (["simulate", "--trace", "missing.jsonl"], "no such file"),
         (["simulate", "--tier", "cpu"], "NAME=BLOCKS"),
+        # a name holding markup failed in rich (MarkupError: a bug's line, exit 1)
+        (["simulate", "--tier", "a[/]=5", "--limit", "5"], "NAME=BLOCKS"),
+        (["simulate", "--tier", " =5", "--limit", "5"], "NAME=BLOCKS"),
         (["simulate", "--policy", "fifo", "--limit", "5"], "unknown policy"),
         (["simulate", "--capacity-fraction", "2", "--limit", "5"], "fraction"),
         (["simulate", "--capacity-blocks", "3", "--tier", "cpu=3"], "only one of"),
