@@ -66,6 +66,7 @@ from kvctl.remote.pool import (
 )
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
+from kvctl.units import MAX_SIZE_BYTES
 from kvctl.wire.protocol import FETCH_CHECKSUM_NAME, fetch_checksum
 
 log = logging.getLogger("kvctl.remote.agent_source")
@@ -447,17 +448,24 @@ class AgentSource(SplitStreams, RemotePool):
         except (AgentError, OSError) as exc:
             raise TierUnavailable(f"{self.address}: {exc}") from exc
         totals = dict.fromkeys(USAGE_FIELDS, 0)
-        # another host's word: a count that is not a whole number >= 0 (a hostile or broken
-        # agent) is refused whole, never summed into the pool usage the node reports
+        # another host's word: a count that is not a whole number in 0..2**63 - 1 (a hostile
+        # or broken agent) is refused whole, never summed into the pool usage the node reports
+        # (one past a float's range failed `kvctl agent remote` formatting it)
         for name, tier in tiers.items() if isinstance(tiers, dict) else [("", tiers)]:
             for field in USAGE_FIELDS:
                 value = tier.get(field) if isinstance(tier, dict) else None
-                if type(value) is not int or value < 0:
+                if type(value) is not int or not 0 <= value <= MAX_SIZE_BYTES:
                     raise TierUnavailable(
                         f"{self.address}: its HELLO's usage of tier {str(name)[:40]!r} has "
-                        f"{field} {str(value)[:40]!r}, not a count"
+                        f"{field} {str(value)[:40]!r}, not a count in 0..2**63 - 1"
                     )
                 totals[field] += value
+        for field, total in totals.items():
+            if total > MAX_SIZE_BYTES:
+                raise TierUnavailable(
+                    f"{self.address}: its HELLO's usage sums to {field} {str(total)[:40]}, "
+                    "past 2**63 - 1"
+                )
         return PoolUsage(totals["capacity_bytes"], totals["used_bytes"], totals["chunks"])
 
     def close(self) -> None:

@@ -37,6 +37,10 @@ def test_sound_counts_are_summed_over_the_tiers() -> None:
         ("used_bytes", 1.5),
         ("used_bytes", True),
         ("chunks", None),
+        # past an int64 (what every count in kvctl is bounded by): 10**400 passed and made
+        # `kvctl agent remote` fail on the node (OverflowError formatting the pool's bytes)
+        pytest.param("used_bytes", 10**400, id="used_bytes-10**400"),
+        pytest.param("capacity_bytes", 2**63, id="capacity_bytes-2**63"),
     ],
 )
 def test_a_count_that_is_not_one_is_refused_whole(field: str, value: Any) -> None:
@@ -52,5 +56,16 @@ def test_a_usage_that_is_not_tiers_of_counts_is_refused(usage: Any) -> None:
     with (
         answering_hello_only(hello={"tiers": ["cpu"], "usage": usage}) as address,
         pytest.raises(TierUnavailable, match="not a count"),
+    ):
+        AgentSource(address, timeout_s=2).usage()
+
+
+def test_tiers_whose_sum_is_past_an_int64_are_refused() -> None:
+    """Each count fits, their sum does not: refused, as one count past it is."""
+    half = {"capacity_bytes": 2**62, "used_bytes": 2**62, "chunks": 1}
+    hello = {"tiers": ["cpu", "disk"], "usage": {"cpu": half, "disk": half}}
+    with (
+        answering_hello_only(hello=hello) as address,
+        pytest.raises(TierUnavailable, match="past 2\\*\\*63 - 1"),
     ):
         AgentSource(address, timeout_s=2).usage()
