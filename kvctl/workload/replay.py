@@ -535,7 +535,9 @@ def _run(
             due = started + (request.timestamp_ms - t0_ms) / 1000 / speed
             ahead = due - time.monotonic()
             if ahead > 0:
-                if stop.wait(ahead):
+                # at most TIMEOUT_MAX (~292 years): past it the wait raised OverflowError, and
+                # the replay so far was lost (a trace of epoch timestamps after a first at 0)
+                if stop.wait(min(ahead, threading.TIMEOUT_MAX)):
                     report.stopped_early = True
                     break
             else:

@@ -232,6 +232,36 @@ def test_an_agent_killed_mid_replay_is_named(tmp_path: Path) -> None:
     assert said.startswith("node killed failed at request 6 of 20 (5 served before it): "), said
 
 
+def test_a_trace_whose_next_request_is_years_away_waits_and_stops_with_its_summary(
+    tmp_path: Path,
+) -> None:
+    """--speed honours the timestamps; a gap past threading.TIMEOUT_MAX (~292 years: epoch
+    nanoseconds after a first request at 0) raised OverflowError from the wait, and the replay
+    of everything before it was lost. Now it waits, and Ctrl-C (``stop``) ends it with the
+    summary of what ran."""
+    import dataclasses
+    import threading
+
+    first, second = generate("chat", 3, requests=2)
+    requests = [
+        dataclasses.replace(first, timestamp_ms=0),
+        dataclasses.replace(second, timestamp_ms=10**19),
+    ]
+    stop = threading.Event()
+
+    def progress(done: int, _total: int) -> None:
+        if done == 1:  # the operator's Ctrl-C, while the replay waits for the second request
+            threading.Timer(0.5, stop.set).start()
+
+    with running_agent(tmp_path / "a", "--name", "a", "--cpu", "8MiB") as a:
+        report = replay(
+            requests, _nodes((a,)), INPUTS, kv_scale=SCALE, speed=1.0, stop=stop,
+            progress=progress,
+        )  # fmt: skip
+    assert report.stopped_early and report.requests.requests == 1
+    _check_agents(report)
+
+
 # --- the command --------------------------------------------------------------------------
 @pytest.fixture
 def inventory(db: Engine, empty_db_url: str, two_dcs: tuple[Agent, Agent, Agent]) -> str:
