@@ -120,13 +120,25 @@ class RouterChooser:
             t.fallbacks += 1
             t.last_error = f"the router named {node!r}, not a node this replay drives"
             return None
+        # a router's counts as it sent them: int() of "many", 1e400 or [1] failed the replay
+        # at this request, the summary of all before it lost
+        local, pulled = (answer.get(name, 0) for name in ("local_chunks", "pulled_chunks"))
+        bad = next(
+            ((n, v) for n, v in (("local_chunks", local), ("pulled_chunks", pulled))
+             if v is not None and (type(v) is not int or v < 0)),
+            None,
+        )  # fmt: skip
+        if bad is not None:
+            t.fallbacks += 1
+            t.last_error = f"the router's answer has {bad[0]} {bad[1]!r}, not a count of chunks"
+            return None
         t.decisions += 1
         t.by_node[node] += 1
-        if int(answer.get("local_chunks") or 0) > 0:
+        if local:
             t.to_holder += 1
         if nodes[node] != home_dc:
             t.other_dc += 1
-        t.planned_pulled_chunks += int(answer.get("pulled_chunks") or 0)
+        t.planned_pulled_chunks += pulled or 0
         return node
 
 

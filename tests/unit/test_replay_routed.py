@@ -3,7 +3,17 @@ grouped by the DC link they crossed; and which locations a node holds itself."""
 
 from __future__ import annotations
 
-from kvctl.workload.routed import PullTally, RoutingTally, held_locally, pulls_between
+from typing import Any
+
+import pytest
+
+from kvctl.workload.routed import (
+    PullTally,
+    RouterChooser,
+    RoutingTally,
+    held_locally,
+    pulls_between,
+)
 
 NODE_DC = {"fra-a": "fra", "fra-b": "fra", "ams-a": "ams"}
 
@@ -54,3 +64,46 @@ def test_routing_tally_ratio_is_unknown_without_decisions() -> None:
     out = tally.as_dict()
     assert out["to_holder_ratio"] == 0.75 and out["fallbacks"] == 1
     assert out["planned_basis"].startswith("modeled")
+
+
+class _Answering:
+    """A router (``RouteAsker``) that answers every route with ``answer``."""
+
+    def __init__(self, answer: dict[str, Any]) -> None:
+        self.answer = answer
+
+    def route(self, **_: Any) -> dict[str, Any]:
+        return self.answer
+
+
+def _choose(answer: dict[str, Any]) -> tuple[str | None, RoutingTally]:
+    chooser = RouterChooser(_Answering(answer))
+    node = chooser.choose([b"k" * 16], tenant="t", home_dc="fra", prompt_tokens=512,
+                          nodes=NODE_DC)  # fmt: skip
+    return node, chooser.tally
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("local_chunks", "many"),  # int(): ValueError, the replay stopped at this request
+        ("local_chunks", float("inf")),  # JSON 1e400: int() raised OverflowError (a bug's line)
+        ("pulled_chunks", [1]),  # int(): TypeError (a bug's line)
+        ("pulled_chunks", -2),  # counted into planned_pulled_chunks as it came
+        ("local_chunks", True),
+    ],
+)
+def test_a_router_answer_whose_counts_are_no_counts_is_a_fallback(field: str, value: Any) -> None:
+    node, tally = _choose({"node": "ams-a", "local_chunks": 1, "pulled_chunks": 0, field: value})
+    assert node is None
+    assert (tally.fallbacks, tally.decisions, tally.planned_pulled_chunks) == (1, 0, 0)
+    assert f"{field} {value!r}, not a count of chunks" in tally.last_error
+
+
+def test_a_router_answer_is_counted() -> None:
+    node, tally = _choose({"node": "ams-a", "local_chunks": 2, "pulled_chunks": 3})
+    assert node == "ams-a"
+    assert (tally.decisions, tally.to_holder, tally.other_dc) == (1, 1, 1)
+    assert tally.planned_pulled_chunks == 3 and tally.by_node == {"ams-a": 1}
+    node, tally = _choose({"node": "fra-b", "local_chunks": None})  # counts left out: none
+    assert node == "fra-b" and (tally.to_holder, tally.other_dc) == (0, 0)
