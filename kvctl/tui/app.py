@@ -18,7 +18,7 @@ from textual import work
 from textual.app import App
 from textual.binding import Binding, BindingType
 
-from kvctl.db.engine import driver_message, follow_the_path
+from kvctl.db.engine import NoDatabaseFile, driver_message, follow_the_path
 from kvctl.db.inventory import NodeInfo
 from kvctl.fleet.actions import ActionReport, ActionRequest
 from kvctl.tui.cells import Cells, Palette
@@ -218,10 +218,17 @@ class TopApp(App[None]):
             with self.audit_engine.connect():
                 pass
         except SQLAlchemyError as exc:
+            # the way out: a file moved away is not made again here (its rows would be lost
+            # to a restore over it), so the operator is told to put one back
+            way_out = (
+                "; put the database file back at that path to act (audited there at once)"
+                if isinstance(getattr(exc, "orig", None), NoDatabaseFile)
+                else ""
+            )
             self.from_thread(
                 self.notify,
                 f"{request.action} on {node.name}: nothing done, the audit trail cannot be "
-                f"written: {driver_message(exc)}",
+                f"written: {driver_message(exc)}{way_out}",
                 title="action refused",
                 severity="error",
                 timeout=30,

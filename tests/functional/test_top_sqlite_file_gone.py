@@ -175,7 +175,10 @@ def test_top_by_agent_url_audits_in_the_file_at_the_path_and_refuses_when_none_i
             await poll(pilot, app)
             await flush(pilot)
             gone = f"no database file at {path} (moved or deleted while kvctl top ran)"
-            said = f"flush on solo: nothing done, the audit trail cannot be written: {gone}"
+            said = (
+                f"flush on solo: nothing done, the audit trail cannot be written: {gone}; put "
+                "the database file back at that path to act (audited there at once)"
+            )
             await until(
                 pilot,
                 lambda: any(n.message == said for n in app._notifications),
