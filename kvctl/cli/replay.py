@@ -142,7 +142,8 @@ def replay_command(
     Each request goes to a node of its tenant's home DC (the node with the longest cached
     prefix, or round-robin); hits are fetched and checked byte for byte, misses are stored with
     payloads of the model's KV size (times --kv-scale). Afterwards every agent's counters are
-    compared with what the replay expects. Prefill time and energy saved are modeled from the
+    compared with what the replay expects; exit 1 when one differs or cannot be read (the
+    summary is printed all the same). Prefill time and energy saved are modeled from the
     model and GPU profiles, and say so.
 
     With --router, a router that does not answer or refuses the token fails the command before
@@ -241,7 +242,7 @@ def replay_command(
         render_replay(report)
     if stop.is_set():  # the summary of what ran, but not what was asked for: 128 + SIGINT
         raise typer.Exit(130)
-    if report.agents_agree is False:
+    if report.agents_agree is False or report.agents_unread:  # not checked is not agreed
         raise typer.Exit(1)
 
 
@@ -444,4 +445,12 @@ def render_replay(report: ReplayReport) -> None:
         err_console.print(
             "[yellow]warning:[/] the agents counted something else than the replay expected "
             "(another client using them at the same time?); see --json agent_counters"
+        )
+    for name, why in report.agents_unread.items():
+        err_console.print(
+            f"[yellow]warning:[/] {escape(name)}'s counters could not be read after the run "
+            f"({escape(why)}): its figures above are the replay's own, not checked against "
+            "the agent's, and what it pulled is left out",
+            highlight=False,
+            soft_wrap=True,
         )

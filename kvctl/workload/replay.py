@@ -30,7 +30,9 @@ The replay keeps its own tally per node: lookups, hits per tier, reuse (chunk st
 tenant) vs sharing, bytes. Reuse vs sharing comes from its own ledger of which tenant stored each
 chunk on each node (seeded from the node's key listing at the start, so chunks cached before the
 replay count right), not from the agent's counters. At the end it reads every agent's counters
-again and reports, per field, whether the agents counted exactly what the replay expects.
+again and reports, per field, whether the agents counted exactly what the replay expects; an
+agent that cannot be read then (gone, or answering garbage) is named in ``agents_unread``, its
+check left undone and the replay's own figures kept.
 
 Payloads are ``chunk_tokens x kv_bytes_per_token x kv_scale`` bytes: the model profile's KV size,
 shrunk by ``kv_scale`` on small machines. Each payload repeats its own key, so a chunk served
@@ -256,6 +258,9 @@ class ReplayReport:
     stopped_early: bool = False
     #: per node and counter: (replay's count, agent's increase); None when not read
     agent_counters: dict[str, dict[str, tuple[int, int]]] | None = None
+    #: nodes whose counters could not be read after the run (gone, or garbage), and why: their
+    #: ``agent_counters`` are empty, their own tallies stand
+    agents_unread: dict[str, str] = field(default_factory=dict)
     #: the router's answers (routing "router" only)
     router: RoutingTally | None = None
     #: what the agents pulled from their pool and peers during the run (measured by them)
@@ -263,9 +268,13 @@ class ReplayReport:
 
     @property
     def agents_agree(self) -> bool | None:
+        """False when a read agent counted something else; None when not every agent was read
+        (and none disagreed)."""
         if self.agent_counters is None:
             return None
-        return all(a == b for fields in self.agent_counters.values() for a, b in fields.values())
+        if not all(a == b for fields in self.agent_counters.values() for a, b in fields.values()):
+            return False
+        return None if self.agents_unread else True
 
     def modeled(self) -> dict[str, Any]:
         """Prefill time and energy the hits saved. Modeled: see ``inputs``."""
@@ -303,6 +312,7 @@ class ReplayReport:
             "pulls": None if self.pulls is None else self.pulls.as_dict(),
             "owners_known": dict(self.owners_known),
             "agents_agree": self.agents_agree,
+            "agents_unread": dict(self.agents_unread),
             "agent_counters": None
             if self.agent_counters is None
             else {
@@ -565,14 +575,25 @@ def _run(
         if progress is not None:
             progress(i + 1, len(requests))
     report.wall_seconds = time.monotonic() - started
+    # the agents read again: one gone by now (or answering garbage) leaves its check unread,
+    # not the replay's figures lost
+    afters: dict[str, tuple[dict[str, int], SourceCounts]] = {}
+    for n in live:
+        try:
+            afters[n.node.name] = (n.counters(), read_pulls(n.control))
+        except (AgentError, KeyError, TypeError, ValueError) as exc:
+            report.agents_unread[n.node.name] = str(exc) or type(exc).__name__
     report.pulls = pulls_between(
-        pulls_before, {n.node.name: read_pulls(n.control) for n in live}, node_dc, source_dcs
+        pulls_before, {name: pulls for name, (_, pulls) in afters.items()}, node_dc, source_dcs
     )
     # a pulled copy whose owner could not be learnt turns a node's split unchecked
     report.owners_known = {n.node.name: n.owners_known for n in live}
     report.agent_counters = {}
     for n in live:
-        after = n.counters()
+        if n.node.name not in afters:
+            report.agent_counters[n.node.name] = {}
+            continue
+        after = afters[n.node.name][0]
         # a tier the replay saw no hit in must have counted none either
         tiers = {k: 0 for k in after if k.startswith("hits[")}
         expected = tiers | n.tally.expected(n.owners_known)

@@ -262,6 +262,44 @@ def test_a_trace_whose_next_request_is_years_away_waits_and_stops_with_its_summa
     _check_agents(report)
 
 
+def test_an_agent_gone_after_the_last_request_leaves_the_summary_and_its_check_unread(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The agents' counters are read again after the last request; an agent gone by then
+    (restarted, its host down) failed the whole replay with that read's error, every request's
+    figures lost. Now its check is said unread and the rest stands."""
+    requests = [
+        r.__class__(**{**{f: getattr(r, f) for f in r.__dataclass_fields__}, "tenant": "t"})
+        for r in generate("chat", 2, requests=12)
+    ]
+    with (
+        running_agent(tmp_path / "a", "--name", "stays", "--cpu", "8MiB") as a,
+        running_agent(tmp_path / "b", "--name", "gone", "--cpu", "8MiB") as b,
+    ):
+
+        def progress(done: int, total: int) -> None:
+            if done == total:
+                b.kill9()
+
+        report = replay(requests, _nodes((a, b)), INPUTS, kv_scale=SCALE, routing="round-robin",
+                        peer_fetch=False, progress=progress)  # fmt: skip
+    assert report.requests.requests == 12 and not report.stopped_early
+    assert report.nodes["gone"].lookups == 6  # its tally stands: the replay's own
+    assert report.agent_counters is not None and report.agent_counters["gone"] == {}
+    assert "gone" in report.agents_unread and "stays" not in report.agents_unread
+    checked = report.agent_counters["stays"]
+    assert checked and all(ours == theirs for ours, theirs in checked.values())
+    assert report.agents_agree is None  # not all checked: neither agreed nor not
+    out = report.as_dict()
+    assert set(out["agents_unread"]) == {"gone"} and out["agents_agree"] is None
+    from kvctl.cli.replay import render_replay
+
+    capsys.readouterr()
+    render_replay(report)
+    said = " ".join(capsys.readouterr().err.split())
+    assert "gone's counters could not be read after the run (cannot reach the agent" in said
+
+
 # --- the command --------------------------------------------------------------------------
 @pytest.fixture
 def inventory(db: Engine, empty_db_url: str, two_dcs: tuple[Agent, Agent, Agent]) -> str:
