@@ -51,6 +51,7 @@ from kvctl.remote.pool import (
     DEFAULT_STREAMS,
     PROBE_SLACK_S,
     PULL_FLOOR_BYTES_PER_S,
+    BadUsageReport,
     PoolChunk,
     PoolUsage,
     Pull,
@@ -455,14 +456,14 @@ class AgentSource(SplitStreams, RemotePool):
             for field in USAGE_FIELDS:
                 value = tier.get(field) if isinstance(tier, dict) else None
                 if type(value) is not int or not 0 <= value <= MAX_SIZE_BYTES:
-                    raise TierUnavailable(
+                    raise BadUsageReport(
                         f"{self.address}: its HELLO's usage of tier {str(name)[:40]!r} has "
                         f"{field} {str(value)[:40]!r}, not a count in 0..2**63 - 1"
                     )
                 totals[field] += value
         for field, total in totals.items():
             if total > MAX_SIZE_BYTES:
-                raise TierUnavailable(
+                raise BadUsageReport(
                     f"{self.address}: its HELLO's usage sums to {field} {str(total)[:40]}, "
                     "past 2**63 - 1"
                 )

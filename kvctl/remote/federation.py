@@ -76,7 +76,7 @@ from kvctl.remote.fetchplan import (
 )
 from kvctl.remote.links import EmulatedDelay, LinkEstimator
 from kvctl.remote.measure_schedule import MeasureSchedule
-from kvctl.remote.pool import PoolChunk, PoolUsage, RemotePool, visible_to
+from kvctl.remote.pool import BadUsageReport, PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
 from kvctl.store.index import Entry, LookupResult
 from kvctl.store.store import PutSlot, TieredStore
@@ -883,6 +883,8 @@ class RemoteTiers:
         self._pool_usage: PoolUsage | None = None
         #: when ``_pool_usage`` was read (epoch seconds): it is kept through an outage
         self._pool_usage_read_s: float | None = None
+        #: the last usage report refused (counts that are not counts), said once until fixed
+        self._pool_usage_refused: str | None = None
         #: per (tenant, key) a lookup took from a source: that source, and how the lookup
         #: counted the hit (consumed by the tenant's pull that follows it)
         self._hints: OrderedDict[tuple[str, bytes], _Hint] = OrderedDict()
@@ -1579,12 +1581,31 @@ class RemoteTiers:
                     self.measure(s)
                     schedule.measured(s.name, now, costed=s.link.link().costed)
             if now >= next_usage and self.pool is not None:
-                pool = self.pool
-                usage = pool.call("usage", pool.backend.usage, moved_bytes=_no_bytes)
-                if usage is not None:
-                    self._pool_usage, self._pool_usage_read_s = usage, time.time()
+                self._read_pool_usage(self.pool)
                 next_usage = now + self._usage_every_s
             self._stop.wait(_MONITOR_TICK_S)
+
+    def _read_pool_usage(self, pool: Source) -> None:
+        """The pool's usage, kept for ``describe``. A report whose counts are not counts is
+        not shown and said once (until a sound one comes), but is no failure of the pool: it
+        answered, and its breaker (one failure opens it) would stop every read and write of
+        this node to it at each read, over a figure."""
+
+        def read() -> PoolUsage | BadUsageReport:
+            try:
+                return pool.backend.usage()
+            except BadUsageReport as exc:
+                return exc
+
+        usage = pool.call("usage", read, moved_bytes=_no_bytes)
+        if isinstance(usage, BadUsageReport):
+            if str(usage) != self._pool_usage_refused:
+                log.warning("%s: its usage is not shown: %s", pool.name, usage)
+            self._pool_usage_refused = str(usage)
+            self._pool_usage = None
+        elif usage is not None:
+            self._pool_usage, self._pool_usage_read_s = usage, time.time()
+            self._pool_usage_refused = None
 
     def measure(self, src: Source) -> None:
         """One RTT sample (a ping) and one bandwidth sample (a download of filler). A link

@@ -336,6 +336,12 @@ class PoolChunk:
     data: memoryview
 
 
+class BadUsageReport(TierUnavailable):
+    """A pool's usage report holding counts that are not counts (a broken or hostile pool
+    agent's HELLO). The pool answered: its link and data path are not at fault, so this is no
+    failed call of the source (no breaker opens); the figure is not shown."""
+
+
 @dataclass(slots=True)
 class PoolUsage:
     capacity_bytes: int

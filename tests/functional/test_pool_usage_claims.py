@@ -5,13 +5,24 @@ are refused whole (TierUnavailable naming the tier and the field); sound ones ar
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvctl.agent.settings import AgentSettings
 from kvctl.remote.agent_source import AgentSource
+from kvctl.remote.federation import POOL_TIER, RemoteTiers, Source
+from kvctl.remote.fetchplan import PrefillRate
+from kvctl.remote.links import LinkEstimator
 from kvctl.remote.pool import TierUnavailable
+from kvctl.store.store import TieredStore
+from kvctl.store.tiers.cpu import CpuTier
 from tests.functional.hung import answering_hello_only
+from tests.functional.inprocess_node import InProcessNode
 
 
 def _hello(**cpu: Any) -> dict[str, Any]:
@@ -69,3 +80,50 @@ def test_tiers_whose_sum_is_past_an_int64_are_refused() -> None:
         pytest.raises(TierUnavailable, match="past 2\\*\\*63 - 1"),
     ):
         AgentSource(address, timeout_s=2).usage()
+
+
+def test_a_pool_agent_reporting_a_bad_usage_stays_in_service(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bad usage report is a bad figure, not a failed pool: the pool agent answered, its
+    data path works. Refused through the source's call, it counted a failure and opened the
+    pool's breaker (one failure opens it) at every usage read (each 5 s): every node stopped
+    reading from and writing to a pool agent whose accounting went below zero."""
+    pool = InProcessNode(
+        tmp_path,
+        AgentSettings(name="pool", data_dir=str(tmp_path), cpu_bytes=4 << 20, shm=False),
+        [CpuTier(4 << 20, shared=True)],
+    )
+    told = pool.server.hello_info
+
+    def buggy_hello() -> dict[str, Any]:  # a pool agent whose accounting went below zero
+        info = told()
+        info["usage"]["cpu"]["used_bytes"] = -4096
+        return info
+
+    pool.server.hello_info = buggy_hello  # type: ignore[method-assign]
+    key = hashlib.blake2b(b"in-the-pool", digest_size=16).digest()
+    pool.store.put(key, bytes(4096), tenant="t", tokens=16)
+    host, port = pool.tcp[:2]
+    source = Source(
+        "pool", POOL_TIER, AgentSource(f"{host}:{port}"), LinkEstimator("pool", override="fetch")
+    )
+    node = RemoteTiers(
+        TieredStore([CpuTier(1 << 20)], chunk_tokens=16),
+        pool=source,
+        prefill=PrefillRate(1e4, "configured"),
+    )
+    said = "its HELLO's usage of tier 'cpu' has used_bytes '-4096'"
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kvctl.remote"):
+            node.start()  # its monitor reads the pool's usage at once
+            guard_s = time.monotonic() + 30
+            while not any(said in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < guard_s, "the pool's usage was never read"
+                time.sleep(0.05)
+        assert source.breaker.state == "closed"
+        assert node.fill([key], tenant="t") == 1
+        assert node.status()["pool_usage"] is None  # not shown: no figure is better
+    finally:
+        node.close()
+        pool.close()
