@@ -124,6 +124,34 @@ def _parse_record(line: str, block_tokens: int) -> TraceRequest:
     )
 
 
+class _PrefixCheck:
+    """That the ids are prefix hashes: an id names its whole prefix, so it follows the same id
+    (or none, first in its request) wherever it appears. Ids of each block's own content break
+    that, and the simulator and planner would count a block whose prefix differs as a prefix
+    hit; said instead, with the line that first had the id."""
+
+    def __init__(self) -> None:
+        #: id -> (the id before it, None at a request's start; the line that first had it)
+        self._seen: dict[int, tuple[int | None, int]] = {}
+
+    def problem(self, block_ids: Sequence[int], line_no: int) -> str | None:
+        parent: int | None = None
+        for i, block_id in enumerate(block_ids):
+            first, first_line = self._seen.setdefault(block_id, (parent, line_no))
+            if first != parent:
+                return (
+                    f"hash id {block_id} at block {i + 1} follows {_id_said(parent)} here, "
+                    f"{_id_said(first)} on line {first_line}: hash_ids are not prefix hashes (an "
+                    "id names its whole prefix, not its block's own content)"
+                )
+            parent = block_id
+        return None
+
+
+def _id_said(block_id: int | None) -> str:
+    return "no id" if block_id is None else f"id {block_id}"
+
+
 def _parse_line(
     path: str | pathlib.Path, line_no: int, raw: bytes, block_tokens: int
 ) -> list[TraceRequest]:
@@ -150,13 +178,18 @@ def read_mooncake_trace(
     if limit is not None and limit < 0:
         raise InvalidArgument(f"limit must be non-negative, got {limit}")
     requests: list[TraceRequest] = []
+    prefixes = _PrefixCheck()
     try:
         # read as bytes, decoded line by line: a bad byte is named with its line
         with open(path, "rb") as lines:
             for line_no, raw in enumerate(lines, start=1):
                 if limit is not None and len(requests) >= limit:
                     break
-                requests.extend(_parse_line(path, line_no, raw, block_tokens))
+                for request in _parse_line(path, line_no, raw, block_tokens):
+                    problem = prefixes.problem(request.block_ids, line_no)
+                    if problem:
+                        raise TraceFormatError(path, line_no, problem)
+                    requests.append(request)
     except IsADirectoryError:
         raise InvalidArgument(f"{path} is a directory, not a trace file (JSONL)") from None
     return requests

@@ -200,11 +200,15 @@ def _hostile_trace(tmp_path: Path, kind: str) -> tuple[Path, str]:
     if kind == "not-utf8":  # Python's decode error, naming neither file nor line
         path.write_bytes(good + b'{"tenant": "caf\xe9"}\n')
         return path, f"{path}:2: not UTF-8 text"
+    if kind == "content-hashes":  # read, and block 1 of line 2 counted as a prefix hit
+        line = b'{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": %b}\n'
+        path.write_bytes(line % b"[0, 1]" + line % b"[2, 1]")
+        return path, f"{path}:2: hash id 1 at block 2 follows id 2 here, id 0 on line 1"
     return tmp_path, f"{tmp_path} is a directory"  # was "no such file"
 
 
 @pytest.mark.parametrize("command", [["simulate"], ["plan", "--curve-points", "0"]])
-@pytest.mark.parametrize("kind", ["id-past-64-bits", "not-utf8", "directory"])
+@pytest.mark.parametrize("kind", ["id-past-64-bits", "not-utf8", "directory", "content-hashes"])
 def test_a_hostile_trace_is_one_clear_line_naming_it(
     tmp_path: Path, command: list[str], kind: str
 ) -> None:

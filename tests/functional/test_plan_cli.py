@@ -34,7 +34,9 @@ def write_trace(path: Path, n: int = 80) -> Path:
     lines = []
     for i in range(n):
         shared = [0, 1, 2, 3] if i % 2 == 0 else [10, 11, 12]
-        ids = [*shared, 100 + i % 7, 200 + i]
+        # prefix hashes: an id names its whole prefix, so the 7 recurring blocks after each
+        # shared prefix have ids of their own (the same ids after both read as content hashes)
+        ids = [*shared, 1000 * shared[0] + 100 + i % 7, 200 + i]
         lines.append(
             json.dumps(
                 {

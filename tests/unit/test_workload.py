@@ -98,6 +98,26 @@ def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path: pathlib.Path) -> 
     assert f"{path}:3:" in str(excinfo.value)
 
 
+@pytest.mark.parametrize(
+    ("lines", "line_no", "said"),
+    [
+        # id 1 after 0, then after 2: ids of each block's own content, not of its prefix; the
+        # simulator counted the second request's block 1 a prefix hit (its prefix differs)
+        ([[0, 1], [2, 1]], 2, "hash id 1 at block 2 follows id 2 here, id 0 on line 1"),
+        ([[0, 1], [1]], 2, "hash id 1 at block 1 follows no id here, id 0 on line 1"),
+        ([[7, 7]], 1, "hash id 7 at block 2 follows id 7 here, no id on line 1"),
+    ],
+)
+def test_hash_ids_that_are_no_prefix_hashes_are_refused(
+    tmp_path: pathlib.Path, lines: list[list[int]], line_no: int, said: str
+) -> None:
+    path = _write(tmp_path, [_record(i, 512 * len(ids), ids) for i, ids in enumerate(lines)])
+    with pytest.raises(TraceFormatError, match="not prefix hashes") as excinfo:
+        read_mooncake_trace(path)
+    assert excinfo.value.line_no == line_no
+    assert said in str(excinfo.value)
+
+
 def test_a_directory_is_said_to_be_one(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidArgument, match="is a directory"):
         read_mooncake_trace(tmp_path)
