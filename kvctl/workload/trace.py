@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvctl.errors import InvalidArgument
+from kvctl.store.index import check_tenant
 from kvctl.workload.segments import Segment
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -114,12 +115,16 @@ def _parse_record(line: str, block_tokens: int) -> TraceRequest:
     if bad is not None:
         raise ValueError(f"hash_ids must be non-negative integers below 2**64, got {bad!r}")
     tenant = record.get("tenant")
+    if tenant is not None and not isinstance(tenant, str):
+        raise ValueError(f"tenant must be a string, got {tenant!r}")
+    if tenant:
+        check_tenant(tenant)  # what every agent and router refuses, refused here with its line
     return TraceRequest(
         timestamp_ms=record["timestamp"],
         input_tokens=record["input_length"],
         output_tokens=record["output_length"],
         block_ids=tuple(hash_ids),
-        tenant=tenant if isinstance(tenant, str) else "",
+        tenant=tenant or "",
         block_tokens=block_tokens,
     )
 

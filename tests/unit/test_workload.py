@@ -73,6 +73,10 @@ def test_blank_lines_are_skipped(tmp_path: pathlib.Path) -> None:
         # an id past 64 bits crashed the simulator (int.to_bytes) and stopped a replay midway
         (_record(1, 10, [2**64]), "hash_ids must be non-negative integers below 2\\*\\*64"),
         ("[1, 2]", "expected a JSON object"),
+        # read, then every agent refused it: kvctl replay stopped at that request, its
+        # summary lost, naming no line of the trace
+        (_record(1, 10, [0], tenant="x" * 300), "tenant name is 300 bytes in UTF-8; at most 256"),
+        (_record(1, 10, [0], tenant=5), "tenant must be a string, got 5"),  # was dropped
     ],
 )
 def test_malformed_line_names_file_and_line(
