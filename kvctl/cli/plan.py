@@ -22,6 +22,8 @@ from kvctl.cli.output import TaskProgress, console, fail, print_json, user_error
 from kvctl.format import percent
 
 if TYPE_CHECKING:
+    from sqlalchemy.engine import Engine
+
     from kvctl.workload.plan import PlanReport
 
 EXAMPLES = """
@@ -112,6 +114,9 @@ def plan_command(
 
     if dc is not None and not save:
         fail("--dc names the DC a saved plan is for: add --save")
+    # where it is saved is checked first: a plan of a big trace takes minutes, and was thrown
+    # away when the database or --dc was found wrong after it
+    saving = saving_to(dc=dc, db=db) if save else None
     with user_errors(hint="see `kvctl plan --help`"):
         inputs = ModeledInputs(
             model_profile(model), gpu_profile(gpu), DEFAULT_MFU if mfu is None else mfu
@@ -138,7 +143,7 @@ def plan_command(
                 progress=update,
             )
     out = report.as_dict()
-    saved = save_report(out, dc=dc, db=db) if save else None
+    saved = save_report(out, dc=dc, engine=saving) if saving is not None else None
     if saved is not None:
         out["saved"] = saved
     if json_out:
@@ -150,23 +155,35 @@ def plan_command(
         console.print(f"saved as plan {saved['id']} for {where}", soft_wrap=True)
 
 
-def save_report(report: dict[str, object], *, dc: str | None, db: str | None) -> dict[str, object]:
-    """Store ``report`` for the dashboard; a --dc that is not in the inventory is refused."""
-    import time
-
+def saving_to(*, dc: str | None, db: str | None) -> Engine:
+    """The database a plan will be saved in, checked: it answers, and a --dc is in its
+    inventory (refused on one line, exit 2)."""
     from sqlalchemy import select
 
     from kvctl.db.models import DataCenter
-    from kvctl.db.plans import save_plan
 
     engine = open_engine(db, create=True)  # a plan is saved for the dashboard, fleet or not
     try:
-        with db_errors(), engine.begin() as conn:
+        with db_errors(), engine.connect() as conn:
             if (
                 dc is not None
                 and conn.execute(select(DataCenter.id).where(DataCenter.name == dc)).first() is None
             ):
                 fail(f"no DC named {dc!r} in the inventory", hint="`kvctl fleet ls` lists them")
+    except BaseException:
+        engine.dispose()
+        raise
+    return engine
+
+
+def save_report(report: dict[str, object], *, dc: str | None, engine: Engine) -> dict[str, object]:
+    """Store ``report`` for the dashboard in ``engine``'s database (``saving_to``)."""
+    import time
+
+    from kvctl.db.plans import save_plan
+
+    try:
+        with db_errors(), engine.begin() as conn:
             plan_id = save_plan(conn, report, dc=dc, now_ms=int(time.time() * 1000))
     finally:
         engine.dispose()

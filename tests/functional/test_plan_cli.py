@@ -152,3 +152,29 @@ def test_shared_trace(shared_trace: Path) -> None:
     assert 0 < saved <= 1
     means = [c["modeled"]["mean_ttft_seconds"] for c in d["candidates"][2:]]
     assert means == sorted(means)  # the pool farther away never helps
+
+
+@pytest.mark.parametrize("where", ["unknown-dc", "database-down"])
+def test_save_checks_where_it_saves_before_planning(
+    where: str, db: object, empty_db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan of the shared trace takes a minute or more; --save with a --dc not in the
+    inventory, or a database that does not answer, was found only after it, and the plan was
+    thrown away. Both are now said before planning. (``db``: ``empty_db_url`` migrated.)"""
+    import kvctl.workload.plan as planning
+
+    planned: list[object] = []
+    real_plan = planning.plan
+    monkeypatch.setattr(planning, "plan", lambda *a, **k: planned.append(1) or real_plan(*a, **k))
+    if where == "unknown-dc":
+        args = ["--dc", "nowhere", "--db", empty_db_url]
+        said = "no DC named 'nowhere' in the inventory"
+    else:
+        args = ["--db", "postgresql://kvctl@127.0.0.1:1/kvctl"]
+        said = "cannot connect to postgresql+psycopg://kvctl@127.0.0.1:1/kvctl"
+    code, out = run("--workload", "chat", "--limit", "40", *SMALL, "--save", *args)
+    assert code == 2, out
+    assert said in " ".join(out.split()) and planned == [], out
+    # where it can be saved, it is planned and saved
+    code, out = run("--workload", "chat", "--limit", "40", *SMALL, "--save", "--db", empty_db_url)
+    assert code == 0 and planned == [1] and "saved as plan" in out, out
