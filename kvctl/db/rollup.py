@@ -171,17 +171,14 @@ def sum_of(col: ColumnElement[Any]) -> ColumnElement[Any]:
     return func.sum(col)
 
 
-#: a float sum and a count written with it (a mean's numerator and denominator; a plan's
-#: seconds and chunks): the collector writes both or neither, so a row with the count and no
-#: sum held a NaN, which SQLite stores as NULL; summed as infinite, the read model's mark of a
-#: sum that cannot be true, as PostgreSQL's NaN is, rather than as none (a TTFT mean of the
-#: other rows' seconds over every row's count)
-PAIRED_SUMS: Final = {
-    "ttft_sum_s": "ttft_count",
-    "saved_s": "fetch_chunks",
-    "recompute_s": "fetch_chunks",
-    "fetch_s": "fetch_chunks",
-}
+#: a float sum and a count written with it (a mean's numerator and denominator): every
+#: collector writes both or neither, so a row with the count and no sum held a NaN, which SQLite
+#: stores as NULL; summed as infinite, the read model's mark of a sum that cannot be true, as
+#: PostgreSQL's NaN is, rather than as none (a TTFT mean of the other rows' seconds over every
+#: row's count). Not a plan's seconds and chunks: collectors of 2026-11-24..29 wrote a rejected
+#: reading's seconds NULL beside its chunks, a sound row that must not make a node's plans
+#: unknown (on SQLite a NaN written by hand reads as such a row: seconds not known)
+PAIRED_SUMS: Final = {"ttft_sum_s": "ttft_count"}
 
 
 def _raw_sum(t: Table, name: str) -> ColumnElement[Any]:

@@ -221,7 +221,13 @@ def test_a_nodes_impossible_plan_seconds_are_unknown_not_the_fleets(
         counts = node_counts(conn, win.start_ms, win.end_ms, list_nodes(conn), dcs, ASSUME)
     b = counts[fra_b]
     assert (b.plan_nodes, b.token_model_nodes, b.gpu_seconds_saved) == (1, 0, 0.0)
-    assert b.unknown_figures == {UNKNOWN_PLANS: 1} and not b.plan_saved_s
+    # SQLite keeps a NaN as NULL: the row reads as a rejected reading (seconds not known, as
+    # collectors of 2026-11-24..29 wrote one), not as seconds that cannot be true
+    stored_as_null = math.isnan(saved_s) and db.dialect.name == "sqlite"
+    if stored_as_null:
+        assert b.unknown_figures == {} and b.plan_saved_s == {"measured": 0.0}
+    else:
+        assert b.unknown_figures == {UNKNOWN_PLANS: 1} and not b.plan_saved_s
     fleet = sum(c.gpu_seconds_saved for c in counts.values())
     # fra-a (H100) and ams-a (L4) at the modeled rate: their hit tokens
     assert fleet == pytest.approx(15_360 / H100_RATE + 7_680 / L4_RATE)
@@ -234,4 +240,35 @@ def test_a_nodes_impossible_plan_seconds_are_unknown_not_the_fleets(
         shown = card_value(page, card_id)
         assert shown != "N/A" and "inf" not in shown and "nan" not in shown, (card_id, shown)
     note = text_of(by_id(page, "card-gpu-hours"))
-    assert f"1 node(s) left out, unknown: {UNKNOWN_PLANS}" in note
+    assert (f"1 node(s) left out, unknown: {UNKNOWN_PLANS}" in note) is not stored_as_null
+
+
+def test_a_rejected_readings_plan_row_leaves_the_nodes_plans_known(db: Engine) -> None:
+    """Collectors of 2026-11-24..29 wrote a plan row whose reading was rejected with its
+    seconds NULL beside its chunks: a sound row. Read as a NaN it made the node's whole plan
+    figure unknown ('not a finite number, or below zero', false) and dropped its other rows'
+    seconds from the fleet's. The row adds no seconds; the node's other rows stand, on both
+    backends."""
+    from sqlalchemy import select
+
+    from kvctl.db.inventory import list_dcs, list_nodes
+    from kvctl.db.models import Node
+
+    fill_history(db)
+    with db.begin() as conn:
+        fra_b = conn.execute(select(Node.id).where(Node.name == "fra-b")).scalar_one()
+        rejected = _plan(fra_b, T, "measured", 0.0, 0.0, 4) | dict.fromkeys(
+            ("saved_s", "recompute_s", "fetch_s")
+        )
+        insert_rows(
+            conn,
+            raw_table("plan_sample"),
+            [_plan(fra_b, T - 60_000, "measured", 3.0, 1.0, 4), rejected],
+        )
+    win = window_for("1h", NOW)
+    with db.connect() as conn:
+        dcs = {d.name: d for d in list_dcs(conn)}
+        counts = node_counts(conn, win.start_ms, win.end_ms, list_nodes(conn), dcs, ASSUME)
+    b = counts[fra_b]
+    assert b.unknown_figures == {}
+    assert b.gpu_seconds_saved == pytest.approx(2.0)  # the sound row's 3.0 - 1.0
