@@ -140,9 +140,8 @@ class SourceCounters:
     chunks_out: int = 0
     bytes_out: int = 0
     #: chunks the source described (a probe's answer) or sent (a pull) with more tokens than a
-    #: chunk of this node holds (the store's ``largest_chunk_tokens``): a hostile or broken
-    #: source's claim, which would inflate the hit and saved-token counts; each a miss,
-    #: counted in ``corrupt``
+    #: chunk holds (``RemoteTiers._token_bound``): a hostile or broken source's claim, which
+    #: would inflate the hit and saved-token counts; each a miss, counted in ``corrupt``
     bad_tokens: int = 0
 
 
@@ -315,6 +314,11 @@ class IndexCounters:
 def _index_address(index: object) -> str:
     url = getattr(index, "url", None)
     return redact_url(str(url)) if url else str(getattr(index, "kind", type(index).__name__))
+
+
+#: the fewest bytes a token's KV takes in any layout: a K and a V of one byte (one layer, one
+#: head, one dimension, an 8-bit type); real models take thousands
+MIN_KV_BYTES_PER_TOKEN = 2
 
 
 def _no_bytes(_: object) -> int:
@@ -1056,12 +1060,17 @@ class RemoteTiers:
             options.sort(key=lambda o: self._cost_key(o[0]))
         return found
 
+    def _token_bound(self, meta: ChunkMeta) -> int:
+        """The most tokens ``meta``'s chunk can hold: the store's ``chunk_tokens``, or as many
+        as its bytes can hold at ``MIN_KV_BYTES_PER_TOKEN``. Not ``chunk_tokens`` alone: an
+        engine may chunk larger than its agent (the vLLM connector's and the transformers
+        adapter's ``chunk_tokens``; models with different chunk sizes share an agent's tiers),
+        and a node asking before its own engines stored any such chunk is no exception."""
+        return max(self.store.chunk_tokens, meta.size_bytes // MIN_KV_BYTES_PER_TOKEN)
+
     def _overlong(self, meta: ChunkMeta) -> bool:
-        """Whether ``meta`` claims more tokens than a chunk of this node holds: the store's
-        ``chunk_tokens``, or the largest chunk its own engines put since start (an engine may
-        chunk larger than its agent; a key matches only a chunk of the asking engine's size;
-        a chain's last chunk may hold fewer, none more)."""
-        return meta.tokens > self.store.largest_chunk_tokens
+        """Whether ``meta`` claims more tokens than its chunk can hold (``_token_bound``)."""
+        return meta.tokens > self._token_bound(meta)
 
     def _count_overlong(self, s: Source, bad: Sequence[ChunkMeta], what: str) -> None:
         """``bad`` (chunks ``s`` claimed too long in ``what``) counted in ``s``'s ``corrupt``
@@ -1070,15 +1079,17 @@ class RemoteTiers:
             s.counters.bad_tokens += len(bad)
         worst = max(bad, key=lambda m: m.tokens)
         log.warning(
-            "%s: dropping %d chunk(s) in %s claiming more tokens than a chunk holds (%d: "
-            "chunk_tokens, or the largest chunk this node's engines stored since start): "
-            "%s claims %d; not counted as hits, not stored",
+            "%s: dropping %d chunk(s) in %s claiming more tokens than a chunk holds: %s "
+            "claims %d, at most %d (the larger of chunk_tokens and its %d bytes / %d); not "
+            "counted as hits, not stored",
             s.name,
             len(bad),
             what,
-            self.store.largest_chunk_tokens,
             worst.key.hex(),
             worst.tokens,
+            self._token_bound(worst),
+            worst.size_bytes,
+            MIN_KV_BYTES_PER_TOKEN,
         )
 
     def _bound_chunks(self, metas: Sequence[ChunkMeta]) -> None:

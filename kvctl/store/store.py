@@ -294,10 +294,6 @@ class TieredStore:
                         f"chunk ({chunk_bytes} bytes)"
                     )
         self.chunk_tokens = chunk_tokens
-        #: the most tokens of any chunk put here since start, ``chunk_tokens`` at least: an
-        #: engine may chunk larger than its agent (models with different chunk sizes share an
-        #: agent's tiers), so the largest chunk a remote source may claim (``kvctl.remote``)
-        self.largest_chunk_tokens = chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.promote_on_hit = promote_on_hit
         #: whether puts of chunks no lookup of this store could reach are bypassed (may change)
@@ -1050,8 +1046,6 @@ class TieredStore:
         self._tick += 1
         entry.last_tick = self._tick
         self._index[entry.key] = entry
-        if entry.tokens > self.largest_chunk_tokens:
-            self.largest_chunk_tokens = entry.tokens
         if entry.isolated:
             self._isolated_owner[entry.key] = entry.tenant
         self._link_parent(entry, +1)

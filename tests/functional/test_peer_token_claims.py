@@ -83,7 +83,7 @@ def test_a_lookup_answer_claiming_more_tokens_than_a_chunk_holds_is_a_miss(
     assert corrupt(node) == len(OVERLONG)
     said = [r.getMessage() for r in caplog.records if "more tokens than a chunk holds" in r.message]
     assert len(said) == 1, said  # one line for the answer, naming the claim
-    assert f"({CHUNK_TOKENS}: chunk_tokens" in said[0] and str(CLAIMED_TOKENS) in said[0]
+    assert f"claims {CLAIMED_TOKENS}, at most {CHUNK_BYTES // 2} " in said[0]
 
 
 def test_a_pulled_chunk_claiming_more_tokens_than_a_chunk_holds_is_not_stored(
@@ -107,23 +107,22 @@ ENGINE_TOKENS = 2 * CHUNK_TOKENS
 LARGER = chain("larger", 3)
 
 
-def test_chunks_of_an_engine_chunking_larger_than_the_agent_are_hits_once_its_engines_did(
+def test_chunks_of_an_engine_chunking_larger_than_the_agent_are_hits(
     peer: InProcessNode, node: RemoteTiers
 ) -> None:
-    """The bound is the largest chunk this node's own engines stored, not the agent's
-    chunk_tokens alone: a fleet whose engines chunk by 32 tokens on agents of 16 lost every
-    remote hit (each counted corrupt), since a key matches only a chunk of the asking engine's
-    own size."""
+    """A chunk's tokens are bounded by what its bytes can hold (2 bytes a token at the least),
+    not by the agent's chunk_tokens alone: a fleet whose engines chunk by 32 tokens on agents
+    of 16 lost every remote hit (each counted corrupt, said as a hostile claim), on a node
+    whose engines had stored nothing yet as on any other, since a key matches only a chunk of
+    the asking engine's own size."""
     for k in LARGER:
         peer.store.put(k, bytes(CHUNK_BYTES), tenant="t", tokens=ENGINE_TOKENS)
-    # this node's engine stored one chunk of its size (its first prefill)
-    node.store.put(chain("own", 1)[0], bytes(CHUNK_BYTES), tenant="t", tokens=ENGINE_TOKENS)
     res = node.lookup(LARGER, tenant="t")
     assert (res.matched_chunks, res.matched_tokens) == (3, 3 * ENGINE_TOKENS)
     assert corrupt(node) == 0
     assert node.fill(LARGER, tenant="t") == len(LARGER)
     assert [node.store.entry(k).tokens for k in LARGER] == [ENGINE_TOKENS] * 3
-    # a claim past that is still a miss
+    # a claim past what the bytes hold is still a miss
     res = node.lookup(OVERLONG, tenant="t")
     assert (res.matched_chunks, res.matched_tokens) == (0, 0)
     assert corrupt(node) == len(OVERLONG)
