@@ -12,6 +12,12 @@ _SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _AUTHORITY_END = re.compile(r"[/?#]")
 # what a URL's authority is when it has no userinfo: a host (or [IPv6]) and a numeric port
 _HOST_PORT = re.compile(r"(?:\[[^\]/?#@]*\]|[^:\[\]/?#@]*)(?::[0-9]+)?")
+# libpq's keyword/value form ("host=db password=x", what psycopg takes as a DSN), given where a
+# URL is wanted: a key naming a secret, its value single-quoted (backslash escapes, perhaps
+# unterminated) or up to the next blank
+_KEYWORD_SECRET = re.compile(
+    r"(?i)((?:^|(?<=\s))[^\s=]*(?:pass|token|secret)[^\s=]*\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|\S*)"
+)
 
 
 def redact_url(url: str) -> str:
@@ -46,8 +52,9 @@ def redact_unparsed(text: str) -> str:
     ``redact_url`` keeps what reads as a valid URL's path (``host/a:b@c``); a text that is no
     URL has no such reading (``postgresql//user:PASSWORD@host/db``, its scheme's ':' left out,
     would show the password), so everything from the first ':' after a scheme to the last '@'
-    is hidden: a user or host hidden with it, rather than a password shown."""
-    shown = redact_url(text)
+    is hidden: a user or host hidden with it, rather than a password shown. A libpq
+    keyword/value string (``host=db password=PASSWORD``) has its secret values hidden too."""
+    shown = _KEYWORD_SECRET.sub(r"\1***", redact_url(text))
     found = _SCHEME.match(shown)
     start = found.end() if found else 0
     at = shown.rfind("@", start)

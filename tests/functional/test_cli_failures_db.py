@@ -59,6 +59,9 @@ def test_no_password_in_the_query_or_typed_with_an_at_is_shown(url: str) -> None
         # a port that is no number: a bug's message ("kvctl failed where it did not expect
         # to: ValueError"), exit 1
         "postgresql://kvctl:s3cret@127.0.0.1:54x2/kvctl",
+        # libpq's keyword/value form (a psycopg DSN) where a URL is wanted: quoted as typed
+        "host=127.0.0.1 user=kvctl password=s3cret dbname=kvctl",
+        "host=127.0.0.1 sslpassword = 's3 cret' dbname=kvctl",
     ],
 )
 def test_a_url_that_does_not_parse_is_one_line_without_its_password(
