@@ -3,7 +3,10 @@
 One slow or dead node never holds up the others: scrapes run in a thread pool with a deadline
 inside the interval, each request to a total deadline of its own (``Deadlines``: a trickled
 answer is given up on too), a node that misses either is recorded as down, and a node whose
-previous scrape (or request) is still hanging is skipped rather than piled up. Row building
+previous scrape (or request) is still hanging is skipped rather than piled up. Nodes whose
+last scrape failed or hung are scraped on threads of their own, and a scrape that waited long
+for a thread gets one of its own (bounded), so a DC's nodes all hanging at once do not make
+the nodes that answer miss the cycle's deadline. Row building
 and counter tracking happen on the loop's thread, so the tracker needs no lock. A batch the
 database refuses is kept and retried next cycle (bounded), so a database restart loses no
 increases.
@@ -54,7 +57,7 @@ from kvctl.client import (
     RequestError,
 )
 from kvctl.counters import CountersMoved, CounterTracker
-from kvctl.daemon_pool import DaemonPool
+from kvctl.daemon_pool import MAX_THREADS_TOTAL, DaemonPool
 from kvctl.db.engine import (
     FileId,
     NoDatabaseFile,
@@ -99,6 +102,9 @@ MAX_PENDING_ROWS = 1_000_000
 MAX_REBASES = 3
 #: tables whose rows hold no counters: kept from refused cycles whatever the counters' state
 COUNTERLESS_TABLES = frozenset({"node_sample", "link_sample"})
+#: scrapes (and link probes) running at once, at most: past ``max_workers``, one that has
+#: waited for a thread gets one of its own (``Collector``); past this, it waits for one
+MAX_SCRAPE_THREADS = MAX_THREADS_TOTAL
 #: what a probe's RTT may be (the agent's ``rtt_basis``); anything else is recorded "unknown"
 RTT_BASES = ("measured", "emulated")
 #: whether this SDK's probe names its target (the agent then reports the link's emulated delay)
@@ -355,7 +361,25 @@ class Collector:
         #: clients replaced (a node's URL changed) or of removed nodes, each with the scrape
         #: that may still use it: closed once that scrape ends
         self._retired: list[tuple[AgentClient, Future[Scrape] | None]] = []
-        self._pool = DaemonPool(self.config.max_workers, "kvctl-scrape")
+        # a scrape that has waited for a thread past a third of the cycle's deadline (or a
+        # request timeout, when shorter) gets one of its own, up to MAX_SCRAPE_THREADS: nodes
+        # that answered and all hang at once (a DC's link down) held every thread for a
+        # request timeout each, and the nodes behind them in the queue were recorded down
+        # ("no answer in 9.0s") every cycle while it lasted. A healthy fleet's scrapes never
+        # wait that long (32 threads, 50 ms a node: 1,900 nodes in 3 s)
+        self._pool = DaemonPool(
+            self.config.max_workers,
+            "kvctl-scrape",
+            overflow_after_s=min(self.config.request_timeout_s, self._deadline_s / 3),
+            max_threads=MAX_SCRAPE_THREADS,
+        )
+        #: the scrapes of the nodes in ``_failing``: a DC's hung nodes hold these threads
+        #: (``max_workers``, no more) from their second cycle on, never the others'
+        self._failing_pool = DaemonPool(self.config.max_workers, "kvctl-scrape-failing")
+        #: nodes whose last scrape failed (one past a cycle's deadline counts when it ends:
+        #: a hung node's at its request timeout; one that only waited for a thread, no fault
+        #: of its node's, most often answers then)
+        self._failing: set[int] = set()
         self._in_flight: dict[int, Future[Scrape]] = {}
         self._pending: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self._warned_nodes: set[int] = set()
@@ -389,6 +413,11 @@ class Collector:
         self._db_down_since_ms: int | None = None
         #: rows kept through the current outage dropped past ``max_pending_rows``
         self._dropped_rows = 0
+
+    @property
+    def _deadline_s(self) -> float:
+        """How long a cycle waits for its scrapes: a node not answered by then is down."""
+        return self.config.interval_s * 0.9
 
     # --- inventory ---------------------------------------------------------------------------
     def nodes(self) -> list[NodeInfo]:
@@ -484,6 +513,7 @@ class Collector:
                 self._retired.append((client, self._in_flight.get(node_id)))
         self._retired = [(c, f) for c, f in self._retired if not _closed_when_done(c, f)]
         kept = (self._last_scrape, self._epoch_checked, self._last_epoch, self._ttft_prev)
+        kept += (self._failing,)
         for node_id in set().union(*kept, self._in_flight, self._warned_nodes) - set(current):
             self._forget(node_id)
         for node in nodes:
@@ -502,6 +532,7 @@ class Collector:
         """What this collector kept of a node gone from the inventory (ids are never reused);
         a scrape of it still running keeps its own future until it ends."""
         self._last_scrape.pop(node_id, None)
+        self._failing.discard(node_id)
         self._epoch_checked.pop(node_id, None)
         self._last_epoch.pop(node_id, None)
         self._ttft_prev.pop(node_id, None)
@@ -509,6 +540,15 @@ class Collector:
         hanging = self._in_flight.get(node_id)
         if hanging is None or hanging.done():
             self._in_flight.pop(node_id, None)
+
+    def _note_lane(self, node_id: int, scrape: Scrape) -> Scrape:
+        """Where the node's next scrape runs: on the failing pool once a scrape of it failed,
+        until one finds it answering."""
+        if scrape.answered:
+            self._failing.discard(node_id)
+        else:
+            self._failing.add(node_id)
+        return scrape
 
     def _ask(
         self,
@@ -691,7 +731,7 @@ class Collector:
             )
             report.seconds = time.perf_counter() - t0
             return report
-        deadline_s = self.config.interval_s * 0.9
+        deadline_s = self._deadline_s
         futures: dict[int, Future[Scrape]] = {}
         scrapes: list[Scrape] = []
         router_futures, router_scrapes = self._submit_routers()
@@ -700,7 +740,10 @@ class Collector:
             if hanging is not None and not hanging.done():
                 scrapes.append(Scrape(node, False, 0.0, error="previous scrape still running"))
                 continue
-            futures[node.id] = self._in_flight[node.id] = self._pool.submit(
+            if hanging is not None and not hanging.cancelled() and hanging.exception() is None:
+                self._note_lane(node.id, hanging.result())  # a late scrape: how it ended
+            lane = self._failing_pool if node.id in self._failing else self._pool
+            futures[node.id] = self._in_flight[node.id] = lane.submit(
                 self._scrape, node, clients[node.id]
             )
         pending: list[Future[Any]] = [*futures.values(), *router_futures.values()]
@@ -709,7 +752,7 @@ class Collector:
         by_id = {n.id: n for n in nodes}
         for node_id, fut in futures.items():
             if fut.done():
-                scrapes.append(fut.result())
+                scrapes.append(self._note_lane(node_id, fut.result()))
                 del self._in_flight[node_id]
             else:
                 self.metrics.errors.labels("agent").inc()
@@ -1342,6 +1385,7 @@ class Collector:
 
     def close(self) -> None:
         self._pool.shutdown()
+        self._failing_pool.shutdown()
         for c in [*self._clients.values(), *(c for c, _scrape in self._retired)]:
             c.close()
         for r in self._router_clients.values():

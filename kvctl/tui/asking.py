@@ -11,7 +11,6 @@ round started while another waits joins its call in flight, never makes a second
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -19,12 +18,21 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from kvctl.daemon_pool import MAX_THREADS_TOTAL, DaemonPool
 from kvctl.interrupts import wait_interruptibly
 
 T = TypeVar("T")
 
-#: threads asking at the same time, at most (an agent has one call in flight at a time)
+#: threads asking at the same time, at most (an agent has one call in flight at a time), in
+#: each of a :class:`Calls`' two pools (its keys that answered, those that did not); past it,
+#: see ``OVERFLOW_AFTER_S``
 MAX_THREADS = 64
+#: a call to a key that answered that has waited this long for a thread gets one of its own
+#: (up to ``kvctl.daemon_pool.MAX_THREADS_TOTAL``): agents that answered and all hang at once
+#: (a DC's link down) held every thread for a request timeout each, and the agents that answer
+#: were shown "still asking" behind them. 64 threads asking agents that answer in 10 ms take
+#: 3,200 calls in this time: a fleet that answers never gets there
+OVERFLOW_AFTER_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,66 +61,38 @@ class _Call(Generic[T]):
     rounds: int = 1
 
 
-class _Workers(Generic[T]):
-    """A pool of daemon threads (concurrent.futures' are joined at exit: a call stuck in a hung
-    agent would keep the process from ending)."""
-
-    def __init__(self, max_threads: int, name: str) -> None:
-        self._max, self._name = max_threads, name
-        self._jobs: queue.SimpleQueue[tuple[Future[Answer[T]], Callable[[], Answer[T]]] | None]
-        self._jobs = queue.SimpleQueue()
-        self._idle = threading.Semaphore(0)
-        self._lock = threading.Lock()
-        self._threads = 0
-
-    def submit(self, fn: Callable[[], Answer[T]]) -> Future[Answer[T]]:
-        fut: Future[Answer[T]] = Future()
-        self._jobs.put((fut, fn))
-        if self._idle.acquire(blocking=False):  # a thread waiting for work takes it
-            return fut
-        with self._lock:
-            if self._threads < self._max:
-                self._threads += 1
-                threading.Thread(
-                    target=self._work, name=f"{self._name}-{self._threads}", daemon=True
-                ).start()
-        return fut
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fut, fn = job
-            if fut.set_running_or_notify_cancel():
-                fut.set_result(fn())  # fn never raises: its failure is in the Answer
-            self._idle.release()
-
-    def close(self) -> None:
-        """Let every thread end once its call is over; waits for none."""
-        with self._lock:
-            for _ in range(self._threads):
-                self._jobs.put(None)
-            self._threads = self._max  # no new thread after closing
-
-
 class Calls(Generic[T]):
-    """Calls keyed by what they ask (see the module's docstring). ``clock`` stamps answers."""
+    """Calls keyed by what they ask (see the module's docstring). ``clock`` stamps answers.
+
+    A key whose last call failed (a hung agent's, at its timeout) is asked on a pool of its
+    own (``max_threads``, no more): a DC's agents that all hang hold those threads, never the
+    threads of the agents that answer. Those, on the other pool, get a thread of their own
+    past ``max_threads`` once a call has waited ``overflow_after_s`` for one, up to
+    ``max_threads_total``: the agents that hang together the first time (they answered before)
+    are still on it."""
 
     def __init__(
         self,
         *,
         max_threads: int = MAX_THREADS,
+        overflow_after_s: float | None = OVERFLOW_AFTER_S,
+        max_threads_total: int = MAX_THREADS_TOTAL,
         clock: Callable[[], float] = time.time,
         name: str = "kvctl-ask",
     ) -> None:
-        self._workers: _Workers[T] = _Workers(max_threads, name)
+        self._pool = DaemonPool(
+            max_threads, name, overflow_after_s=overflow_after_s, max_threads=max_threads_total
+        )
+        self._failing_pool = DaemonPool(max_threads, f"{name}-failing")
         # every call in flight stays here while rounds wait for it, so a round started
         # meanwhile (another thread's: two page workers asking one node) joins it, never
         # makes a second call to a hung agent; the lock makes each round's bookkeeping whole
         self._pending: dict[str, _Call[T]] = {}
+        #: keys whose last call failed
+        self._failing: set[str] = set()
         self._lock = threading.Lock()
         self._clock = clock
+        self._closed = False
 
     def start(self, jobs: Mapping[str, Callable[[], T] | None]) -> Round[T]:
         """Make this poll's calls (none for a key whose previous call still runs, nor for a
@@ -123,6 +103,7 @@ class Calls(Generic[T]):
         with self._lock:
             for key in set(self._pending) - set(jobs):  # no longer asked (left the inventory)
                 del self._pending[key]
+            self._failing &= set(jobs)
             for key, fn in jobs.items():
                 prev = self._pending.get(key)
                 if prev is not None and not prev.future.done():
@@ -131,12 +112,22 @@ class Calls(Generic[T]):
                     continue
                 if prev is not None:
                     del self._pending[key]
-                    if prev.rounds == 0:  # back after every round that waited for it ended
-                        late[key] = _late(prev.future.result())
+                    if not prev.future.cancelled():
+                        answer = _noted(self._failing, key, prev.future.result())
+                        if prev.rounds == 0:  # back after every round that waited for it ended
+                            late[key] = _late(answer)
                 if fn is not None:
-                    call = _Call(self._workers.submit(self._timed(fn)), time.perf_counter())
+                    call = _Call(self._submit(key, self._timed(fn)), time.perf_counter())
                     calls[key] = self._pending[key] = call
-        return Round(self._lock, self._pending, calls, late)
+        return Round(self._lock, self._pending, calls, late, self._failing)
+
+    def _submit(self, key: str, run: Callable[[], Answer[T]]) -> Future[Answer[T]]:
+        if self._closed:  # (a poll finishing as the view quits: no call, no answer)
+            fut: Future[Answer[T]] = Future()
+            fut.cancel()
+            return fut
+        pool = self._failing_pool if key in self._failing else self._pool
+        return pool.submit(run)
 
     def _timed(self, fn: Callable[[], T]) -> Callable[[], Answer[T]]:
         def run() -> Answer[T]:
@@ -150,9 +141,23 @@ class Calls(Generic[T]):
         return run
 
     def close(self) -> None:
+        """Calls not started are dropped; those under way end on their own (daemon threads,
+        never waited for)."""
         with self._lock:
+            self._closed = True
             self._pending.clear()
-        self._workers.close()
+        self._pool.shutdown()
+        self._failing_pool.shutdown()
+
+
+def _noted(failing: set[str], key: str, answer: Answer[T]) -> Answer[T]:
+    """``answer``, the key noted as failing where it failed (its next call on the failing
+    pool), else as answering."""
+    if answer.error is None:
+        failing.discard(key)
+    else:
+        failing.add(key)
+    return answer
 
 
 def _late(a: Answer[T]) -> Answer[T]:
@@ -168,8 +173,10 @@ class Round(Generic[T]):
         pending: dict[str, _Call[T]],
         calls: dict[str, _Call[T]],
         late: dict[str, Answer[T]],
+        failing: set[str],
     ) -> None:
         self._lock, self._pending, self._calls, self._late = lock, pending, calls, late
+        self._failing = failing
 
     def answers(self, deadline_s: float | None) -> dict[str, Answer[T]]:
         """Each key's answer by ``deadline_s`` (a :func:`time.perf_counter` time; None: once
@@ -182,12 +189,13 @@ class Round(Generic[T]):
         with self._lock:
             for key, call in self._calls.items():
                 call.rounds -= 1
-                if call.future.done():
-                    out[key] = call.future.result()
+                if call.future.done() and not call.future.cancelled():
+                    out[key] = _noted(self._failing, key, call.future.result())
                     if self._pending.get(key) is call:  # handed over in time: not late
                         del self._pending[key]
                     continue
-                # still running: it stays in flight for the next poll (unless forgotten)
+                # still running (or dropped as the view quit): it stays in flight for the next
+                # poll (unless forgotten); how it ends says where the key's next call goes
                 waiting: Answer[T] = Answer(waiting_s=time.perf_counter() - call.asked_s)
                 out[key] = self._late.get(key, waiting)
         for key, late in self._late.items():

@@ -158,7 +158,11 @@ def test_a_ctrl_c_while_the_threads_start_reports_every_node_asked(
             super().start()
 
     # the pool's own view of threading only: every other thread of the test run is left alone
-    fake = SimpleNamespace(Thread=Interrupted, Lock=threading.Lock, Semaphore=threading.Semaphore)
+    fake = SimpleNamespace(
+        Thread=Interrupted,
+        Lock=threading.Lock,
+        Condition=threading.Condition,
+    )
     monkeypatch.setattr(daemon_pool, "threading", fake)
 
     def pin(client: AgentClient) -> str:

@@ -152,3 +152,29 @@ def test_a_call_in_flight_is_joined_by_a_round_from_another_thread() -> None:
     assert job.calls == 1
     assert rest == {}  # handed over once, to the round that waited for it: nothing late
     calls.close()
+
+
+def test_a_key_whose_call_hung_is_asked_next_on_threads_not_those_of_the_others() -> None:
+    """One thread per pool: a key whose call failed (a hung agent's, at its timeout) has its
+    next call on the failing keys' pool, so a key that answers is not queued behind it
+    (before: one pool, its one thread held by the hung agent's second call)."""
+    calls: Calls[int] = Calls(max_threads=1, overflow_after_s=None)
+    gated, quick = Gated(), Gated()
+    quick.gate(1).set()
+
+    def hung() -> int:
+        if gated() == 1:
+            raise TimeoutError("no answer within its timeout")
+        return 2
+
+    assert calls.start({"hung": hung}).answers(deadline())["hung"].waiting
+    gated.gate(1).set()  # its call times out; its next one hangs again
+    assert calls._pending["hung"].future.result(30).error is not None
+    round_ = calls.start({"hung": hung, "quick": quick})
+    settled(calls, "quick")  # on the other pool's thread, however long the hung call runs
+    answers = round_.answers(deadline())
+    assert answers["quick"].value == 1
+    assert answers["hung"].late and answers["hung"].error is not None  # the first call's
+    assert (gated.calls, quick.calls) == (2, 1)
+    gated.gate(2).set()
+    calls.close()
