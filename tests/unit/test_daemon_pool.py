@@ -1,0 +1,143 @@
+"""kvctl.daemon_pool.DaemonPool: calls past ``max_workers`` wait for a thread, in the order
+submitted; with ``overflow_after_s``, one that has waited that long gets a thread of its own, up
+to ``max_threads``, and those extra threads end once idle; a pool whose calls never wait makes
+no more threads than before; shutting it cancels the calls not started. Gates, not timings:
+each call runs until the test opens its gate."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+
+import pytest
+
+from kvctl.daemon_pool import DaemonPool
+
+#: a hang guard, never a timing claim
+GUARD_S = 30.0
+
+
+class Gates:
+    """Calls that each note they started and run until their gate opens."""
+
+    def __init__(self, count: int) -> None:
+        self.started = [threading.Event() for _ in range(count)]
+        self.gates = [threading.Event() for _ in range(count)]
+
+    def call(self, i: int) -> int:
+        self.started[i].set()
+        assert self.gates[i].wait(GUARD_S), "a gate the test forgot to open"
+        return i
+
+    def open_all(self) -> None:
+        for g in self.gates:
+            g.set()
+
+
+def until(check: Callable[[], bool]) -> bool:
+    deadline = time.monotonic() + GUARD_S
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def overflow_watchers(name: str) -> int:
+    return sum(t.name == f"{name}-overflow" and t.is_alive() for t in threading.enumerate())
+
+
+def test_without_overflow_a_call_waits_for_one_of_the_threads() -> None:
+    pool = DaemonPool(2, "t-plain")
+    gates = Gates(3)
+    futures = [pool.submit(gates.call, i) for i in range(3)]
+    try:
+        assert gates.started[0].wait(GUARD_S) and gates.started[1].wait(GUARD_S)
+        assert (pool.threads, pool.queued) == (2, 1)  # the third waits, however long
+        assert overflow_watchers("t-plain") == 0
+        gates.gates[0].set()
+        assert gates.started[2].wait(GUARD_S)  # on the thread the first left
+        assert pool.threads == 2
+        gates.open_all()
+        assert [f.result(GUARD_S) for f in futures] == [0, 1, 2]
+    finally:
+        gates.open_all()
+        pool.shutdown()
+
+
+def test_a_call_that_waited_gets_a_thread_of_its_own_up_to_the_bound_and_those_end_idle() -> None:
+    pool = DaemonPool(2, "t-over", overflow_after_s=0.01, max_threads=4, idle_s=0.05)
+    gates = Gates(5)
+    futures = [pool.submit(gates.call, i) for i in range(5)]
+    try:
+        # the first two on the pool's threads; the next two, once they waited, on their own
+        for i in range(4):
+            assert gates.started[i].wait(GUARD_S), i
+        # the bound: the fifth waits for a thread to come free, however long
+        assert (pool.threads, pool.queued) == (4, 1)
+        assert not gates.started[4].is_set()
+        gates.gates[0].set()
+        assert gates.started[4].wait(GUARD_S)
+        gates.open_all()
+        assert [f.result(GUARD_S) for f in futures] == [0, 1, 2, 3, 4]
+        # the threads past max_workers end once idle; the pool's own stay
+        assert until(lambda: pool.threads == 2), pool.threads
+        assert until(lambda: overflow_watchers("t-over") == 0)
+        time.sleep(0.2)  # four idle times: still the pool's two
+        assert pool.threads == 2
+        # and a call that does not wait runs on them
+        assert pool.submit(lambda: "again").result(GUARD_S) == "again"
+        assert pool.threads == 2
+    finally:
+        gates.open_all()
+        pool.shutdown()
+
+
+def test_calls_that_never_wait_make_no_thread_past_those_of_before() -> None:
+    pool = DaemonPool(4, "t-healthy", overflow_after_s=60.0, max_threads=256)
+    try:
+        for i in range(50):  # one at a time
+            assert pool.submit(lambda i=i: i).result(GUARD_S) == i
+        futures = [pool.submit(lambda i=i: i) for i in range(200)]  # queued a moment
+        assert [f.result(GUARD_S) for f in futures] == list(range(200))
+        assert 1 <= pool.threads <= 4  # max_workers, as before: none of their own
+        # the watcher of calls waiting ends once none waits (here: long before it was due)
+        assert until(lambda: overflow_watchers("t-healthy") == 0)
+    finally:
+        pool.shutdown()
+
+
+def test_shutting_a_pool_cancels_the_calls_not_started_and_lets_those_under_way_end() -> None:
+    pool = DaemonPool(1, "t-shut", overflow_after_s=60.0)
+    gates = Gates(3)
+    futures = [pool.submit(gates.call, i) for i in range(3)]
+    assert gates.started[0].wait(GUARD_S)
+    pool.shutdown()  # returns at once: the first call is not waited for
+    assert futures[1].cancelled() and futures[2].cancelled()
+    with pytest.raises(CancelledError):
+        futures[1].result(0)
+    with pytest.raises(RuntimeError, match="the t-shut pool is closed"):
+        pool.submit(gates.call, 0)
+    gates.open_all()
+    assert futures[0].result(GUARD_S) == 0
+    assert until(lambda: pool.threads == 0)
+    assert not gates.started[1].is_set() and not gates.started[2].is_set()
+
+
+def test_the_threads_are_daemons_and_a_failing_call_is_its_futures_exception() -> None:
+    pool = DaemonPool(2, "t-daemon")
+    seen: list[bool] = []
+
+    def boom() -> None:
+        seen.append(threading.current_thread().daemon)
+        raise ValueError("boom")
+
+    try:
+        with pytest.raises(ValueError, match="boom"):
+            pool.submit(boom).result(GUARD_S)
+        assert seen == [True]
+        assert pool.submit(lambda: 1).result(GUARD_S) == 1  # the thread lives on
+    finally:
+        pool.shutdown()
