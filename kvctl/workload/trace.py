@@ -27,6 +27,9 @@ _REQUIRED_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 #: the largest block id: the replay expands an id to tokens as a 64-bit content id, and the
 #: simulator keys a block by its id's bytes; a bigger one failed there, mid-run
 MAX_BLOCK_ID = 2**64 - 1
+#: the largest timestamp (ms) or length: an int64, epoch nanoseconds included; a timestamp past
+#: a float's range (10**400) failed kvctl replay --speed's wait in its division, mid-run
+MAX_TRACE_COUNT = 2**63 - 1
 
 
 def _blocks_for(input_tokens: int, block_tokens: int) -> int:
@@ -100,8 +103,10 @@ def _parse_record(line: str, block_tokens: int) -> TraceRequest:
     if missing:
         raise ValueError(f"missing key(s): {', '.join(missing)}")
     for key in ("timestamp", "input_length", "output_length"):
-        if not _is_count(record[key]):
-            raise ValueError(f"{key} must be a non-negative integer, got {record[key]!r}")
+        if not _is_count(record[key]) or record[key] > MAX_TRACE_COUNT:
+            said = repr(record[key])
+            said = said if len(said) <= 40 else f"{said[:37]}..."
+            raise ValueError(f"{key} must be a non-negative integer below 2**63, got {said}")
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
         raise ValueError(f"hash_ids must be a list, got {type(hash_ids).__name__}")

@@ -68,6 +68,9 @@ def test_blank_lines_are_skipped(tmp_path: pathlib.Path) -> None:
         ),
         (_record(1, 1100, [0, 1]), "needs"),
         (_record(-1, 10, [0]), "timestamp must be a non-negative integer"),
+        # past a float's range: kvctl replay --speed failed dividing it (OverflowError), mid-run
+        (_record(10**400, 10, [0]), "timestamp must be a non-negative integer below 2\\*\\*63"),
+        (_record(1, 10, [0], output_length=2**63), "output_length must be .* below 2\\*\\*63"),
         (_record(1, 10, [-3]), "hash_ids must be non-negative integers"),
         (_record(1, 10, [True]), "hash_ids must be non-negative integers"),
         # an id past 64 bits crashed the simulator (int.to_bytes) and stopped a replay midway
