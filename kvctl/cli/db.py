@@ -45,6 +45,7 @@ def upgrade_command(
         engine = create_db_engine(url)
         try:
             before = migrate.current_revision(engine)
+            migrate.check_upgrade_target(engine, revision)
             migrate.upgrade(engine, revision)
             after = migrate.current_revision(engine)
         except CommandError as exc:  # a revision alembic does not know, said in its words

@@ -120,6 +120,21 @@ def upgrade(engine: Engine, target: str = "head") -> None:
     _run(engine, "upgrade", target)
 
 
+def check_upgrade_target(engine: Engine, target: str) -> None:
+    """Raise alembic's CommandError for a ``target`` it cannot upgrade the database to. Alembic
+    says most in its words, but asserts on some ('' or 'head+1' at the head: past the newest),
+    a bug's AssertionError to the operator; resolved here, nothing run, and said as the rest."""
+    from alembic.util import CommandError
+
+    current = current_revision(engine)
+    try:
+        ScriptDirectory.from_config(alembic_config())._upgrade_revs(target, current or ())
+    except AssertionError:
+        raise CommandError(
+            f"Can't resolve revision {target!r} from {current or 'an empty database'}"
+        ) from None
+
+
 def downgrade(engine: Engine, target: str) -> None:
     _run(engine, "downgrade", target)
 

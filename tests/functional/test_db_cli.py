@@ -82,6 +82,9 @@ def test_bad_upkeep_input_is_one_line_and_exit_2(empty_db_url: str) -> None:
     assert runner.invoke(app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
     cases = [
         (["db", "upgrade", "--revision", "nonsense"], "nonsense"),
+        # past the newest, and none: alembic asserted (AssertionError, a bug's line)
+        (["db", "upgrade", "--revision", "head+1"], "Can't resolve revision 'head+1' from"),
+        (["db", "upgrade", "--revision", ""], "Can't resolve revision '' from"),
         (["db", "maintain", "--raw-days", "nan"], "retention periods must be"),
         (["db", "maintain", "--hour-days", "inf"], "retention periods must be"),
         (["db", "maintain", "--day-days", "1e300"], "retention periods must be"),
