@@ -114,9 +114,7 @@ def plan_command(
 
     if dc is not None and not save:
         fail("--dc names the DC a saved plan is for: add --save")
-    # where it is saved is checked first: a plan of a big trace takes minutes, and was thrown
-    # away when the database or --dc was found wrong after it
-    saving = saving_to(dc=dc, db=db) if save else None
+    saving: Engine | None = None
     with user_errors(hint="see `kvctl plan --help`"):
         inputs = ModeledInputs(
             model_profile(model), gpu_profile(gpu), DEFAULT_MFU if mfu is None else mfu
@@ -130,6 +128,10 @@ def plan_command(
         workload_data = load_workload(trace, seed=seed, limit=limit, workload=workload)
         if not workload_data.requests:
             fail(f"{workload_data.name} holds no requests")
+        # where it is saved is checked before planning: a plan of a big trace takes minutes,
+        # and was thrown away when the database or --dc was found wrong after it; and after
+        # the input is read: a bad --cpu or --trace made no database at --db (one is created)
+        saving = saving_to(dc=dc, db=db) if save else None
         with TaskProgress(disable=json_out) as update:
             report = plan(
                 workload_data.requests,

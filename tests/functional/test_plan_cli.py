@@ -154,6 +154,19 @@ def test_shared_trace(shared_trace: Path) -> None:
     assert means == sorted(means)  # the pool farther away never helps
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [["--trace", "no-such-trace.jsonl"], ["--workload", "chat", "--cpu", "12XB"]],
+)
+def test_save_with_bad_input_makes_no_database(bad: list[str], tmp_path: Path) -> None:
+    """--save opened (and made) the SQLite database before the input was read: a typo in
+    --cpu or --trace left a new, empty fleet database at --db though nothing was planned."""
+    path = tmp_path / "plans.db"
+    code, out = run(*bad, "--save", "--db", f"sqlite:///{path}")
+    assert code == 2 and "error: " in out, out
+    assert not path.exists(), out
+
+
 @pytest.mark.parametrize("where", ["unknown-dc", "database-down"])
 def test_save_checks_where_it_saves_before_planning(
     where: str, db: object, empty_db_url: str, monkeypatch: pytest.MonkeyPatch
