@@ -581,7 +581,8 @@ def _run(
     for n in live:
         try:
             afters[n.node.name] = (n.counters(), read_pulls(n.control))
-        except (AgentError, KeyError, TypeError, ValueError) as exc:
+        # garbage: a field missing, of another type (a list for a mapping), a count of inf
+        except (AgentError, AttributeError, KeyError, OverflowError, TypeError, ValueError) as exc:
             report.agents_unread[n.node.name] = str(exc) or type(exc).__name__
     report.pulls = pulls_between(
         pulls_before, {name: pulls for name, (_, pulls) in afters.items()}, node_dc, source_dcs

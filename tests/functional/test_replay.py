@@ -8,6 +8,7 @@ import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy.engine import Engine
@@ -298,6 +299,47 @@ def test_an_agent_gone_after_the_last_request_leaves_the_summary_and_its_check_u
     render_replay(report)
     said = " ".join(capsys.readouterr().err.split())
     assert "gone's counters could not be read after the run (cannot reach the agent" in said
+
+
+@pytest.mark.parametrize("garbage", ["tiers-not-a-mapping", "count-past-a-float"])
+def test_an_agent_answering_garbage_after_the_last_request_leaves_its_check_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, garbage: str
+) -> None:
+    """Its stats after the run as another version (or a broken proxy) might send them: tiers
+    that are no mapping (AttributeError) or a count of 1e400 (inf: OverflowError in int())
+    escaped 405916f's catch, and the replay's figures were lost with a bug's line."""
+    import threading
+
+    from kvctl.client import AgentClient
+    from kvctl.workload.replay import CHECKED_COUNTERS
+
+    requests = generate("chat", 2, requests=6)
+    done_all = threading.Event()
+    real_stats = AgentClient.stats
+    with (
+        running_agent(tmp_path / "a", "--name", "sound", "--cpu", "8MiB") as a,
+        running_agent(tmp_path / "b", "--name", "odd", "--cpu", "8MiB") as b,
+    ):
+
+        def stats(client: AgentClient) -> Any:
+            answer = real_stats(client)
+            if done_all.is_set() and client.url == b.state.control_url.rstrip("/"):
+                if garbage == "tiers-not-a-mapping":
+                    answer["stats"]["tiers"] = ["cpu"]
+                else:
+                    answer["stats"][CHECKED_COUNTERS[0]] = float("inf")
+            return answer
+
+        monkeypatch.setattr(AgentClient, "stats", stats)
+
+        def progress(done: int, total: int) -> None:
+            if done == total:
+                done_all.set()
+
+        report = replay(requests, _nodes((a, b)), INPUTS, kv_scale=SCALE, routing="round-robin",
+                        peer_fetch=False, progress=progress)  # fmt: skip
+    assert report.requests.requests == 6
+    assert set(report.agents_unread) == {"odd"} and report.agents_agree is None
 
 
 # --- the command --------------------------------------------------------------------------
