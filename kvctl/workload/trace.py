@@ -152,7 +152,8 @@ class _PrefixCheck:
                 return (
                     f"hash id {block_id} at block {i + 1} follows {_id_said(parent)} here, "
                     f"{_id_said(first)} on line {first_line}: hash_ids are not prefix hashes (an "
-                    "id names its whole prefix, not its block's own content)"
+                    "id names its whole prefix, not its block's own content), or traces numbered "
+                    "apart were joined (their ids clash: renumber one past the other's)"
                 )
             parent = block_id
         return None

@@ -125,6 +125,17 @@ def test_hash_ids_that_are_no_prefix_hashes_are_refused(
     assert said in str(excinfo.value)
 
 
+def test_traces_numbered_apart_and_joined_are_said_to_be(tmp_path: pathlib.Path) -> None:
+    """Two traces, each numbered from 0, joined into one: their ids clash (the simulator would
+    count one's blocks as the other's prefixes), refused as no prefix hashes; the line said only
+    'not its block's own content', which these are not, and no way out."""
+    first = [_record(0, 1024, [0, 1]), _record(1, 1024, [0, 2])]
+    second = [_record(2, 1024, [0, 1]), _record(3, 512, [2])]  # its own 0, 1 and 2
+    with pytest.raises(TraceFormatError, match="traces numbered apart were joined") as excinfo:
+        read_mooncake_trace(_write(tmp_path, first + second))
+    assert excinfo.value.line_no == 4
+
+
 def test_a_directory_is_said_to_be_one(tmp_path: pathlib.Path) -> None:
     with pytest.raises(InvalidArgument, match="is a directory"):
         read_mooncake_trace(tmp_path)
