@@ -187,7 +187,9 @@ def _parse_line(
         line = raw.decode("utf-8")
         return [_parse_record(line, block_tokens)] if line.strip() else []
     except UnicodeDecodeError as exc:
-        problem = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1})"
+        # the column in characters, as an editor shows it: what comes before it decodes
+        column = len(raw[: exc.start].decode("utf-8")) + 1
+        problem = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column})"
         raise TraceFormatError(path, line_no, problem) from None
     except ValueError as exc:
         raise TraceFormatError(path, line_no, str(exc)) from None

@@ -103,6 +103,16 @@ def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path: pathlib.Path) -> 
         read_mooncake_trace(path)
     assert excinfo.value.line_no == 3
     assert f"{path}:3:" in str(excinfo.value)
+    assert "(byte 0xe9 at column 32)" in str(excinfo.value)
+
+
+def test_the_column_of_a_bad_byte_counts_characters(tmp_path: pathlib.Path) -> None:
+    """The column an editor shows: each 'é' before the bad byte is two bytes, one column (it
+    said column 17 here, the byte's offset)."""
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes('{"tenant": "éé'.encode() + b'\xff"}\n')
+    with pytest.raises(TraceFormatError, match=r"\(byte 0xff at column 15\)"):
+        read_mooncake_trace(path)
 
 
 @pytest.mark.parametrize(
