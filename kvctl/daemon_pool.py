@@ -197,8 +197,13 @@ class DaemonPool:
         """Cancel the calls not started; those under way end on their own (not waited for)."""
         with self._lock:
             self._closed = True
-            for fut, _, _ in (*self._queue, *self._handed):
-                fut.cancel()
+            for fut, _, _ in self._queue:
+                # notified too, as an executor's are: concurrent.futures.wait() counts a future
+                # done once notified only, and waited for ever on one merely cancelled
+                if fut.cancel():
+                    fut.set_running_or_notify_cancel()
+            for fut, _, _ in self._handed:
+                fut.cancel()  # the thread it was handed to notifies it (twice would raise)
             self._queue.clear()
             self._work_cond.notify_all()  # idle threads end; the others once their call is over
             self._watch_cond.notify_all()

@@ -42,13 +42,14 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from kvctl.client import AgentClient
+from kvctl.daemon_pool import DaemonPool
 from kvctl.errors import InvalidArgument
 from kvctl.index.backoff import Backoff
 from kvctl.index.events import ChunkEvent, from_agent_event, from_listing
@@ -97,8 +98,6 @@ MAX_POLL_THREADS = 16
 #: queue (400 hung agents: 25 request timeouts). Up to this many hung at once, an answering
 #: agent's poll starts within a round; past it, it waits for the first hung polls to time out
 MAX_POLL_THREADS_TOTAL = 256
-#: a thread past ``MAX_POLL_THREADS`` of a pool ends once idle this long
-IDLE_THREAD_S = 10.0
 #: entries of a node the index check audits per second, by default: about 2 ms a second of a
 #: Redis server's time per node and router (measured on a busy 2-core machine: ~2 us an entry);
 #: 0: no audit, only the marker and the count
@@ -599,8 +598,8 @@ class Followers:
     them (320 hung agents: each answering agent's chunks reached the index ~19 s late, not
     ~0.2 s). The first hung poll of an agent that answered before still runs on the first pool:
     so that many of them at once (a DC's link down) do not hold up the others' polls there, a
-    poll that has waited a round for a thread gets one of its own (``_Lane``, up to
-    ``MAX_POLL_THREADS_TOTAL``).
+    poll that has waited a round for a thread gets one of its own (``DaemonPool``'s overflow,
+    up to ``MAX_POLL_THREADS_TOTAL``).
     """
 
     def __init__(
@@ -634,9 +633,9 @@ class Followers:
         #: a poll of the pool of agents that answer waits this long for a thread at most: a
         #: round, and never more than a request timeout (see ``MAX_POLL_THREADS_TOTAL``)
         self.max_queue_wait_s = min(self.poll_s, request_timeout_s(drop_after_s, timeout_s))
-        self._pool: _Lane | None = None
+        self._pool: DaemonPool | None = None
         #: the polls of agents whose last poll failed (see the class)
-        self._failing_pool: _Lane | None = None
+        self._failing_pool: DaemonPool | None = None
         self._inflight: dict[str, Future[int]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -713,23 +712,21 @@ class Followers:
                     lane = self._ensure_failing_pool_locked() if follower.failing else pool
                     self._inflight[node] = lane.submit(follower.poll_once)
 
-    def _ensure_pool_locked(self) -> _Lane:
+    def _ensure_pool_locked(self) -> DaemonPool:
         if self._pool is None:
-            self._pool = _Lane(
-                "kvctl-follow",
+            self._pool = DaemonPool(
                 MAX_POLL_THREADS,
-                max(MAX_POLL_THREADS, MAX_POLL_THREADS_TOTAL),
-                self.max_queue_wait_s,
+                "kvctl-follow",
+                overflow_after_s=self.max_queue_wait_s,
+                max_threads=MAX_POLL_THREADS_TOTAL,
             )
         return self._pool
 
-    def _ensure_failing_pool_locked(self) -> _Lane:
+    def _ensure_failing_pool_locked(self) -> DaemonPool:
         if self._failing_pool is None:
             # no thread of their own for polls that wait: these agents failed, and a thread
             # for each of a partitioned DC's would grow with the fleet
-            self._failing_pool = _Lane(
-                "kvctl-follow-failing", MAX_POLL_THREADS, MAX_POLL_THREADS, None
-            )
+            self._failing_pool = DaemonPool(MAX_POLL_THREADS, "kvctl-follow-failing")
         return self._failing_pool
 
     def start(self) -> None:
@@ -750,16 +747,7 @@ class Followers:
                 self._poll_round(stop)
             except Exception:  # the thread must outlive any one bad round
                 log.exception("follower round failed")
-            while not stop.is_set():
-                left_s = self.poll_s - (time.monotonic() - started_s)
-                if left_s <= 0:
-                    break
-                # a poll waiting for a thread since before this round's wait ends gets one of
-                # its own when due (a request timeout shorter than poll_s), not at the next
-                with self._lock:
-                    pool = self._pool
-                due_s = None if pool is None else pool.dispatch()
-                stop.wait(left_s if due_s is None else min(left_s, due_s))
+            stop.wait(max(0.0, self.poll_s - (time.monotonic() - started_s)))
 
     def stop(self) -> None:
         """Stop the thread and wait for polls in progress (no-op when not running)."""
@@ -768,12 +756,13 @@ class Followers:
             self._stop.set()
             pools = [self._pool, self._failing_pool]
             self._pool = self._failing_pool = None
-            self._inflight.clear()
+            polls, self._inflight = list(self._inflight.values()), {}
         if thread is not None:
             thread.join()
         for pool in pools:
             if pool is not None:
-                pool.shutdown()
+                pool.shutdown()  # the polls not started are cancelled
+        wait(polls)  # (a hung agent's poll ends within its request's deadline)
 
     def close(self) -> None:
         """Stop, and close every follower's connection (the index keeps its entries)."""
@@ -804,135 +793,6 @@ class Followers:
         used as sources by this router (asks the index nothing)."""
         with self._lock:
             return frozenset(node for node, f in self._followers.items() if f.down)
-
-
-class _Lane:
-    """One of ``Followers``' pools: polls run on up to ``threads`` threads at once, in the order
-    submitted; past that, a poll that has waited ``max_wait_s`` for a thread (None: no such
-    wait) gets one of its own, up to ``max_threads`` in all. Threads are made as needed; one
-    past ``threads`` ends once idle for ``IDLE_THREAD_S``. Daemon threads: ``shutdown`` waits
-    for them, and a pool never shut does not hold up the process's exit."""
-
-    def __init__(
-        self,
-        name: str,
-        threads: int,
-        max_threads: int,
-        max_wait_s: float | None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self._name, self._threads, self._max_threads = name, threads, max_threads
-        self._max_wait_s, self._clock = max_wait_s, clock
-        self._cond = threading.Condition()
-        #: polls not started yet: (future, call, when submitted)
-        self._queue: deque[tuple[Future[int], Callable[[], int], float]] = deque()
-        #: polls given to idle threads, each taken by the first to wake
-        self._handed: deque[tuple[Future[int], Callable[[], int], float]] = deque()
-        self._alive: set[threading.Thread] = set()
-        self._idle = 0  # threads waiting for a poll (none handed to them)
-        self._running = 0  # polls started (running or handed to a thread)
-        self._made = 0
-        self._closed = False
-
-    def submit(self, fn: Callable[[], int]) -> Future[int]:
-        fut: Future[int] = Future()
-        with self._cond:
-            if self._closed:
-                raise RuntimeError(f"the {self._name} pool is shut")
-            self._queue.append((fut, fn, self._clock()))
-            self._dispatch_locked()
-        return fut
-
-    @property
-    def threads(self) -> int:
-        with self._cond:
-            return len(self._alive)
-
-    @property
-    def queued(self) -> int:
-        with self._cond:
-            return len(self._queue)
-
-    def dispatch(self) -> float | None:
-        """Start the polls due: seconds until the next queued one is due a thread of its own
-        (None: none will be, unless a thread comes free)."""
-        with self._cond:
-            return self._dispatch_locked()
-
-    def _dispatch_locked(self) -> float | None:
-        if self._closed:
-            return None
-        now = self._clock()
-        while self._queue and self._running < self._max_threads:
-            waited_s = now - self._queue[0][2]
-            due = self._max_wait_s is not None and waited_s >= self._max_wait_s
-            if self._running >= self._threads and not due:
-                break
-            job = self._queue.popleft()
-            self._running += 1
-            if self._idle:
-                self._idle -= 1
-                self._handed.append(job)
-                self._cond.notify()
-            else:
-                self._made += 1
-                thread = threading.Thread(
-                    target=self._work, args=(job,), name=f"{self._name}-{self._made}", daemon=True
-                )
-                try:
-                    thread.start()
-                except RuntimeError:  # no thread to be had: the poll waits for one that ends
-                    self._running -= 1
-                    self._queue.appendleft(job)
-                    return None
-                self._alive.add(thread)
-        if not self._queue or self._max_wait_s is None or self._running >= self._max_threads:
-            return None
-        return max(0.0, self._queue[0][2] + self._max_wait_s - now)
-
-    def _work(self, job: tuple[Future[int], Callable[[], int], float] | None) -> None:
-        while job is not None:
-            fut, fn, _ = job
-            job = None
-            if fut.set_running_or_notify_cancel():
-                try:
-                    fut.set_result(fn())
-                except BaseException as exc:  # a poll catches its agent's failures: a bug
-                    fut.set_exception(exc)
-            del fut, fn
-            with self._cond:
-                self._running -= 1
-                job = self._next_locked()
-
-    def _next_locked(self) -> tuple[Future[int], Callable[[], int], float] | None:
-        """The next poll of this thread, once one is handed to it; None: it ends (the pool
-        shut, or idle for ``IDLE_THREAD_S`` with more threads than ``threads``)."""
-        self._idle += 1
-        self._dispatch_locked()  # a poll waiting for this thread's place
-        while not self._handed:
-            if self._closed:
-                break
-            woken = self._cond.wait(IDLE_THREAD_S)
-            if not woken and not self._handed and len(self._alive) > self._threads:
-                break
-        else:
-            return self._handed.popleft()  # (the dispatch that handed it took the idle count)
-        self._idle -= 1
-        self._alive.discard(threading.current_thread())
-        return None
-
-    def shutdown(self) -> None:
-        """Cancel the polls not started, and wait for those under way (each bounded by its
-        request deadline)."""
-        with self._cond:
-            self._closed = True
-            for fut, _, _ in (*self._queue, *self._handed):
-                fut.cancel()
-            self._queue.clear()
-            threads = list(self._alive)
-            self._cond.notify_all()
-        for thread in threads:
-            thread.join()
 
 
 def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:

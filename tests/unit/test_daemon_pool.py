@@ -9,7 +9,9 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, wait
+from functools import partial
+from typing import Any
 
 import pytest
 
@@ -141,3 +143,92 @@ def test_the_threads_are_daemons_and_a_failing_call_is_its_futures_exception() -
         assert pool.submit(lambda: 1).result(GUARD_S) == 1  # the thread lives on
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_pool_under_submits_from_many_threads_completes_or_cancels_every_poll(seed: int) -> None:
+    """Invariants of ``DaemonPool`` with real threads (first written for the router followers'
+    own pool, which it replaced): polls submitted from several threads at once (some failing),
+    threads handed polls as others come free, and (odd seeds) a shutdown racing the submits.
+    Every future ends (a result, the poll's error, or cancelled: none left
+    waiting), a poll that raises leaves its thread serving the next, no more than
+    ``max_threads`` polls run at once, no poll runs twice, and no thread is left once the pool
+    is shut."""
+    lane = DaemonPool(
+        2, "kvctl-test-pool", overflow_after_s=0.0 if seed % 3 == 0 else None, max_threads=5
+    )
+    lock = threading.Lock()
+    running: set[int] = set()
+    ran: list[int] = []
+    peak = [0]
+
+    def poll(i: int) -> int:
+        with lock:
+            assert i not in running
+            running.add(i)
+            peak[0] = max(peak[0], len(running))
+            ran.append(i)
+        time.sleep(0.0005 * (i % 3))
+        with lock:
+            running.discard(i)
+        if i % 7 == 0:
+            raise ValueError(f"poll {i} failed")
+        return i
+
+    submitted: list[tuple[int, Any]] = []
+    go = threading.Event()
+
+    def submitter(k: int) -> None:
+        go.wait(30)
+        for j in range(60):
+            i = k * 1000 + j
+            try:
+                submitted.append((i, lane.submit(partial(poll, i))))
+            except RuntimeError:  # the pool is shut: said so, nothing queued
+                return
+
+    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    go.set()
+    if seed % 2:
+        assert until(lambda: len(submitted) >= 10 * (seed % 5 + 1)), "too few polls submitted"
+        lane.shutdown()
+    for t in threads:
+        t.join(30)
+    if not seed % 2:
+        for _, f in submitted:
+            f.exception(30)  # none cancelled: wait for each to run
+        lane.shutdown()
+    assert not [t for t in threads if t.is_alive()]
+    # shutdown waits for no call under way: those end on their own, each within the guard
+    wait([f for _, f in submitted], timeout=GUARD_S)
+    for i, f in submitted:
+        assert f.done(), f"poll {i} never ended"
+        if f.cancelled():
+            assert seed % 2 and i not in ran
+        elif i % 7 == 0:
+            assert isinstance(f.exception(), ValueError)
+        else:
+            assert f.result() == i
+    assert len(ran) == len(set(ran)) and peak[0] <= 5
+    # shut: each thread ends once its call is over
+    assert until(lambda: lane.threads == 0)
+    assert until(
+        lambda: not [t for t in threading.enumerate() if t.name.startswith("kvctl-test-pool")]
+    )
+
+
+def test_a_call_cancelled_by_shutdown_ends_every_wait_for_it() -> None:
+    """concurrent.futures.wait() counts a cancelled future done only once it is notified (an
+    executor does that as it meets it): shutdown's cancelled calls were not, so the router
+    followers' stop(), waiting for its polls, waited for ever on those it cancelled."""
+    pool = DaemonPool(1, "kvctl-test-cancel")
+    gates = Gates(3)
+    futures = [pool.submit(gates.call, i) for i in range(3)]
+    assert gates.started[0].wait(GUARD_S)
+    pool.shutdown()
+    gates.open_all()
+    _, not_done = wait(futures, timeout=GUARD_S)
+    assert not not_done and futures[0].result() == 0
+    assert futures[1].cancelled() and futures[2].cancelled()

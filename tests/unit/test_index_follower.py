@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -19,7 +18,7 @@ import pytest
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
-from kvctl.index.follower import Follower, Followers, _Lane
+from kvctl.index.follower import Follower, Followers
 from kvctl.index.model import EmbeddedIndex, Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.remote.fetchplan import PrefillModel
@@ -27,7 +26,6 @@ from kvctl.router.score import Costs
 from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from tests.functional.agents import closed_port
-from tests.functional.waiting import wait_until
 from tests.hostile_servers import Hostile, handler_class, send_json, trickle
 from tests.not_an_agent import serving, web_page_url
 
@@ -627,160 +625,3 @@ def test_a_round_under_way_when_stop_is_called_leaves_no_poll_thread_behind() ->
     finally:
         release.set()
         followers.close()
-
-
-def test_a_poll_that_waited_its_while_gets_a_thread_of_its_own_up_to_the_bound() -> None:
-    """The pool of agents that answer: 2 threads here (16 in a router). Polls held on them (a
-    DC's agents that all hung at once) kept the others' polls queued for a request timeout
-    each; one that has waited ``max_wait_s`` now gets a thread of its own, never more than
-    ``max_threads`` in all, and those past ``threads`` are made only when a poll waited."""
-    now = [0.0]
-    lane = _Lane("kvctl-test-lane", 2, 4, 1.0, clock=lambda: now[0])
-    gate = threading.Event()
-    started: list[int] = []
-
-    def held(i: int) -> int:
-        started.append(i)
-        gate.wait(30)
-        return i
-
-    try:
-        futures = [lane.submit(partial(held, i)) for i in range(10)]
-        assert (lane.threads, lane.queued) == (2, 8)
-        now[0] = 0.5  # waited half its while: still queued
-        assert lane.dispatch() == 0.5
-        assert (lane.threads, lane.queued) == (2, 8)
-        now[0] = 1.0
-        assert lane.dispatch() is None  # 4 threads: none more, whatever the wait
-        assert (lane.threads, lane.queued) == (4, 6)
-        now[0] = 100.0
-        assert lane.dispatch() is None
-        assert (lane.threads, lane.queued) == (4, 6)
-        wait_until("4 polls under way", lambda: sorted(started) == [0, 1, 2, 3])
-        gate.set()
-        assert [f.result(30) for f in futures] == list(range(10))
-        assert lane.threads <= 4
-    finally:
-        gate.set()
-        lane.shutdown()
-    assert lane.threads == 0
-    assert not [t for t in threading.enumerate() if t.name.startswith("kvctl-test-lane")]
-
-
-def test_shutting_a_pool_cancels_the_polls_not_started_and_waits_for_those_under_way() -> None:
-    """stop() with hung agents queued: their polls are not started (each would hold stop() for
-    its request timeout); the one under way is waited for."""
-    lane = _Lane("kvctl-test-lane", 1, 1, None)
-    gate, started = threading.Event(), threading.Event()
-
-    def held() -> int:
-        started.set()
-        gate.wait(30)
-        return 1
-
-    under_way = lane.submit(held)
-    queued = [lane.submit(held) for _ in range(3)]
-    assert started.wait(30)
-    stopper = threading.Thread(target=lane.shutdown)
-    stopper.start()
-    wait_until("queued polls cancelled", lambda: all(f.cancelled() for f in queued))
-    assert not under_way.done()
-    gate.set()
-    stopper.join(30)
-    assert not stopper.is_alive() and under_way.result() == 1
-    with pytest.raises(RuntimeError, match="shut"):
-        lane.submit(held)
-
-
-@pytest.mark.parametrize("seed", range(30))
-def test_a_pool_under_submits_from_many_threads_completes_or_cancels_every_poll(seed: int) -> None:
-    """Invariants of ``_Lane`` with real threads: polls submitted from several threads at once
-    (some failing), threads handed polls as others come free, and (odd seeds) a shutdown racing
-    the submits. Every future ends (a result, the poll's error, or cancelled: none left
-    waiting), a poll that raises leaves its thread serving the next, no more than
-    ``max_threads`` polls run at once, no poll runs twice, and no thread is left once the pool
-    is shut."""
-    lane = _Lane("kvctl-test-lane", 2, 5, 0.0 if seed % 3 == 0 else None)
-    lock = threading.Lock()
-    running: set[int] = set()
-    ran: list[int] = []
-    peak = [0]
-
-    def poll(i: int) -> int:
-        with lock:
-            assert i not in running
-            running.add(i)
-            peak[0] = max(peak[0], len(running))
-            ran.append(i)
-        time.sleep(0.0005 * (i % 3))
-        with lock:
-            running.discard(i)
-        if i % 7 == 0:
-            raise ValueError(f"poll {i} failed")
-        return i
-
-    submitted: list[tuple[int, Any]] = []
-    go = threading.Event()
-
-    def submitter(k: int) -> None:
-        go.wait(30)
-        for j in range(60):
-            i = k * 1000 + j
-            try:
-                submitted.append((i, lane.submit(partial(poll, i))))
-            except RuntimeError:  # the pool is shut: said so, nothing queued
-                return
-            if j % 5 == 0:
-                lane.dispatch()
-
-    threads = [threading.Thread(target=submitter, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    go.set()
-    if seed % 2:
-        wait_until("some polls submitted", lambda: len(submitted) >= 10 * (seed % 5 + 1))
-        lane.shutdown()
-    for t in threads:
-        t.join(30)
-    if not seed % 2:
-        for _, f in submitted:
-            f.exception(30)  # none cancelled: wait for each to run
-        lane.shutdown()
-    assert not [t for t in threads if t.is_alive()]
-    for i, f in submitted:
-        assert f.done(), f"poll {i} never ended"
-        if f.cancelled():
-            assert seed % 2 and i not in ran
-        elif i % 7 == 0:
-            assert isinstance(f.exception(), ValueError)
-        else:
-            assert f.result() == i
-    assert len(ran) == len(set(ran)) and peak[0] <= 5
-    assert lane.threads == 0
-    assert not [t for t in threading.enumerate() if t.name.startswith("kvctl-test-lane")]
-
-
-def test_threads_made_past_the_pools_own_end_once_idle(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A hung DC's polls made threads past ``threads``; once they end and no poll waits, the
-    extra threads end (after ``IDLE_THREAD_S``), the pool's own stay for the next round."""
-    from kvctl.index import follower
-
-    monkeypatch.setattr(follower, "IDLE_THREAD_S", 0.05)
-    now = [0.0]
-    lane = _Lane("kvctl-test-lane", 2, 6, 1.0, clock=lambda: now[0])
-    gate = threading.Event()
-    try:
-        futures = [lane.submit(lambda: int(gate.wait(30))) for _ in range(6)]
-        now[0] = 1.0
-        lane.dispatch()
-        assert lane.threads == 6
-        gate.set()
-        assert sum(f.result(30) for f in futures) == 6
-        wait_until("the extra threads end", lambda: lane.threads == 2)
-        # the two left still serve polls, each in turn
-        assert [lane.submit(lambda: 7).result(30) for _ in range(5)] == [7] * 5
-        assert lane.threads == 2
-    finally:
-        gate.set()
-        lane.shutdown()
-    assert lane.threads == 0
