@@ -24,6 +24,23 @@ from tests.functional.dashboard_history import NOW, T, _cache, fill_history
 from tests.functional.test_dashboard_app import by_id, card_value, text_of, url_of
 
 
+def _pages_reading_fra_alone(db: Engine) -> Any:
+    """The overview (returned) and ams' detail page, each checked to read fra alone (60 + 10
+    hits of 100 + 50 lookups) with ams-a's counts unknown."""
+    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
+    try:
+        page, _ = render(app, "/", "", "1h", None, None)
+        detail, _ = render(app, "/detail", "?dc=ams", "1h", None, None)
+    finally:
+        app.server.extensions["kvctl"].engine.dispose()
+    assert card_value(page, "card-hit-ratio") == "46.7%"
+    rows: dict[str, Any] = {r["DC"]: r for r in by_id(page, "table-dcs").data}
+    assert (rows["ams"]["lookups"], rows["ams"]["hit ratio"]) == (0, "N/A")
+    nodes = by_id(detail, "table-nodes").data
+    assert [(r["node"], r["hit ratio"]) for r in nodes] == [("ams-a", "N/A")]
+    return page
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -40,20 +57,10 @@ def test_a_nodes_negative_hit_counts_are_unknown_not_summed(
     with db.begin() as conn:
         ams_a = conn.execute(select(Node.id).where(Node.name == "ams-a")).scalar_one()
         insert_rows(conn, raw_table("cache_sample"), [_cache(ams_a, "all", T + 60_000, **bad)])
-    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
-    try:
-        page, _ = render(app, "/", "", "1h", None, None)
-        detail, _ = render(app, "/detail", "?dc=ams", "1h", None, None)
-    finally:
-        app.server.extensions["kvctl"].engine.dispose()
-    # fra alone: 60 + 10 hits of 100 + 50 lookups; ams-a's counts are unknown
-    assert card_value(page, "card-hit-ratio") == "46.7%"
+    page = _pages_reading_fra_alone(db)
     assert card_value(page, "card-tokens") == "17,920"  # fra's 10,240 + 5,120 + 2,560
     rows: dict[str, Any] = {r["DC"]: r for r in by_id(page, "table-dcs").data}
-    assert (rows["ams"]["lookups"], rows["ams"]["hit ratio"]) == (0, "N/A")
     assert (rows["fleet"]["lookups"], rows["fleet"]["hit ratio"]) == (150, "46.7%")
-    nodes = by_id(detail, "table-nodes").data
-    assert [(r["node"], r["hit ratio"]) for r in nodes] == [("ams-a", "N/A")]
     # `kvctl status --window`'s figures are the same read
     win = window_for("1h", NOW)
     with db.connect() as conn:
@@ -118,19 +125,9 @@ def test_a_nodes_counts_past_64_bits_are_unknown_not_a_failed_page(
         insert_rows(conn, raw_table("cache_sample"), rows)
     if rolled_up:
         rollup_all(db.begin, NOW)
-    app = create_app(url_of(db), model="llama-3.1-8b", default_gpu="a100", now_ms=lambda: NOW)
-    try:
-        page, _ = render(app, "/", "", "1h", None, None)
-        detail, _ = render(app, "/detail", "?dc=ams", "1h", None, None)
-    finally:
-        app.server.extensions["kvctl"].engine.dispose()
+    page = _pages_reading_fra_alone(db)  # as for a negative count
     reason = beyond_counts_reason("cache_sample")
-    assert card_value(page, "card-hit-ratio") == "46.7%"  # fra alone, as for a negative count
     assert f"1 node(s) left out, unknown: {reason}" in text_of(by_id(page, "card-hit-ratio"))
-    rows_by_dc: dict[str, Any] = {r["DC"]: r for r in by_id(page, "table-dcs").data}
-    assert (rows_by_dc["ams"]["lookups"], rows_by_dc["ams"]["hit ratio"]) == (0, "N/A")
-    nodes = by_id(detail, "table-nodes").data
-    assert [(r["node"], r["hit ratio"]) for r in nodes] == [("ams-a", "N/A")]
     win = window_for("1h", NOW)
     with db.connect() as conn:
         rec = recorded(conn, win, list_nodes(conn))
