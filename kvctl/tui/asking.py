@@ -124,7 +124,10 @@ class Calls(Generic[T]):
     def _submit(self, key: str, run: Callable[[], Answer[T]]) -> Future[Answer[T]]:
         if self._closed:  # (a poll finishing as the view quits: no call, no answer)
             fut: Future[Answer[T]] = Future()
+            # notified too: concurrent.futures.wait() (a round off the main thread) counts a
+            # future done once notified only, and waited for ever on one merely cancelled
             fut.cancel()
+            fut.set_running_or_notify_cancel()
             return fut
         pool = self._failing_pool if key in self._failing else self._pool
         return pool.submit(run)

@@ -178,3 +178,19 @@ def test_a_key_whose_call_hung_is_asked_next_on_threads_not_those_of_the_others(
     assert (gated.calls, quick.calls) == (2, 1)
     gated.gate(2).set()
     calls.close()
+
+
+def test_a_round_started_after_close_ends_its_wait_on_any_thread() -> None:
+    """A poll finishing as the view quits (a page worker's thread, waiting without a
+    deadline) gets no call and ends its wait: off the main thread the wait is
+    concurrent.futures.wait, which counts a future done only once notified."""
+    calls: Calls[int] = Calls(name="test-ask-closed")
+    calls.close()
+    got: dict[str, Answer[int]] = {}
+    worker = threading.Thread(
+        target=lambda: got.update(calls.start({"a": lambda: 1}).answers(None)), daemon=True
+    )
+    worker.start()
+    worker.join(30)  # (a hang, not a timing: the wait never ended before)
+    assert not worker.is_alive()
+    assert got["a"].value is None and got["a"].error is None
