@@ -108,3 +108,40 @@ def test_a_resize_or_close_while_it_runs_loses_nothing() -> None:
 def test_a_private_arena_is_not_prefaulted() -> None:
     # its pages are not committed at start: faulting them ahead would take memory
     assert CpuTier(8 * MIB)._prefault is None
+
+
+def test_a_resize_waits_for_the_prefault_step_in_flight_and_unmaps_the_old_arena(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A resize stopped the old arena's prefaulter without waiting for its step in flight,
+    which holds an export of the arena: the old arena's release then failed (BufferError) and
+    left it mapped until that thread let go (a full CI run's gpu-tier test found it open). The
+    step is held at a gate the resize's own thread cannot open; a timer opens it."""
+    import threading
+
+    from kvctl.store.tiers import prefault
+
+    real = prefault.madvise_fn()
+    if real is None:
+        pytest.skip("no madvise in this C library")
+    gate, inside = threading.Event(), threading.Event()
+
+    def held(*args: object) -> int:
+        inside.set()
+        gate.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(prefault, "madvise_fn", lambda: held)
+    t = CpuTier(64 * MIB, shared=True)
+    try:
+        t.put(ChunkMeta(b"k" * 16, 4096, 1), bytes(4096))
+        assert inside.wait(30), "the prefaulter never ran"
+        old, _ = t.arena_mapping()
+        timer = threading.Timer(0.5, gate.set)  # opens it while the resize waits, if it does
+        timer.start()
+        t.resize(32 * MIB)
+        timer.join()
+        assert old.closed  # released once the step let go of it, not left mapped
+    finally:
+        gate.set()
+        t.close()

@@ -707,7 +707,10 @@ class CpuTier(Tier):
         self._arena, self._view, self._fd = arena, view, fd
         self._huge_bytes = huge_bytes
         if self._prefault is not None:
-            self._prefault.stop()
+            # waited for (one step at most), as in ``_release_arena``: its call in flight holds
+            # an export of the old arena, and releasing it below would fail and leave it
+            # mapped until that thread let go of it
+            self._prefault.close()
         self._prefault = _prefaulter(arena, self.shared, used_end)
         self._capacity_bytes = capacity_bytes
         # leases of the old generation keep their readers' mappings; they no longer hold
