@@ -329,7 +329,9 @@ def test_an_agent_answers_through_a_pool_outage_and_shows_its_breaker(
             slowest = max(s for _, s in during)
             assert slowest < READ_BOUND_S, f"a request blocked {slowest:.2f} s"
             assert shown["breaker"]["state"] in ("open", "half_open") and shown["up"] is False
-            assert "Timeout" in shown["last_error"]
+            # the read's socket timeout, or the pull's deadline (0.5 s plus its bytes' time)
+            # when that ends it first: either says the stall
+            assert any(w in shown["last_error"] for w in ("Timeout", "past its deadline"))
             proxy.restore()
             back = time.monotonic()
             while not agent_read(next(fresh))[0]:
