@@ -1158,6 +1158,11 @@ def _render_remote(report: dict[str, Any]) -> None:
         f", refused {write.get('refused', 0):,}, failed {write['failed']:,}"
         f", dropped {write['dropped']:,}"
         + (
+            f" [dim](last failure: {escape(str(write['last_error']))})[/]"
+            if write["failed"] and write.get("last_error")
+            else ""
+        )
+        + (
             f"\n[yellow]pulls short of local room[/]: {no_room:,} chunks not kept (the local "
             "tiers could not hold the whole chain)"
             if (no_room := (report.get("pull") or {}).get("no_room_chunks"))

@@ -178,6 +178,7 @@ class Source:
         moved_bytes: Callable[[T], int],
         observe: bool = True,
         answer_within_s: float | None = None,
+        said: Callable[[str], None] | None = None,
     ) -> T | None:
         """``fn()`` over the link, timed into the link's figures (unless ``observe`` is False:
         a warm-up); None (and a counted error) when the source fails, or (a counted skip) when
@@ -185,11 +186,14 @@ class Source:
         the call's start (its caller's wait); an answer that takes longer is still returned,
         but tells the breaker it came late (``Breaker.late``). Timed from the start, not from
         when the caller began waiting: time queued behind this source's other calls is its
-        caller's load, not the source's slowness."""
+        caller's load, not the source's slowness. ``said``: told why when None is returned
+        (``last_error`` is the source's: the next failed call of anyone replaces it)."""
         ticket = self.breaker.admit()
         if ticket is None:
             with self._lock:
                 self.counters.skipped += 1
+            if said is not None:
+                said(f"not sent: {self.name} is left alone after an error ({self.last_error})")
             return None
         t0 = time.perf_counter()
         try:
@@ -200,6 +204,8 @@ class Source:
                 self.counters.calls += 1
                 self.counters.errors += 1
                 self.last_error = f"{what}: {exc}"
+            if said is not None:
+                said(f"{what}: {exc}")
             if self.breaker.failed(ticket):
                 log.warning(
                     "%s %s failed (%s); leaving it alone for %.2f s",
@@ -901,6 +907,7 @@ class RemoteTiers:
         #: a key taken from the queue that did not fit in the writer's batch: the next one's
         self._carried: bytes | None = None
         self.write = Counter[str]()
+        self.write_last_error = ""
         #: pulls' chunks not kept for want of local room (``fill``)
         self.pulls = Counter[str]()
         self._stop = threading.Event()
@@ -1496,6 +1503,9 @@ class RemoteTiers:
         except queue.Full:
             self.write["dropped"] += 1
 
+    def _write_failed(self, why: str) -> None:
+        self.write_last_error = why
+
     def _writer(self) -> None:
         staging = _WriteStaging(_WRITE_BATCH_BYTES)
         try:
@@ -1512,6 +1522,7 @@ class RemoteTiers:
                 except Exception:  # the writer must outlive any one bad chunk or store error
                     log.exception("pool writer: a batch failed")
                     self.write["failed"] += 1
+                    self.write_last_error = "a batch failed here (the agent's log says why)"
                 finally:
                     staging.reuse()
         finally:
@@ -1546,6 +1557,7 @@ class RemoteTiers:
             "write",
             functools.partial(pool.backend.put_many, batch),
             moved_bytes=_no_bytes,
+            said=self._write_failed,
         )
         if stored is None:
             self.write["failed"] += len(batch)
@@ -1682,6 +1694,9 @@ class RemoteTiers:
                     k: self.write.get(k, 0)
                     for k in ("written", "refused", "failed", "dropped", "gone")
                 },
+                # why the last failed batch failed: the pool's own last_error is replaced by
+                # the next failed call of anyone (the link monitor's probes, lookups)
+                "last_error": self.write_last_error,
             },
         }
 

@@ -17,6 +17,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
 from kvctl.remote.probe import probe_link
 from kvctl.wire.protocol import (
     FETCH_ITEM,
@@ -122,14 +125,28 @@ def test_a_pool_agent_trickling_its_put_answers_fails_the_writes(tmp_path: Path)
         trickling_agent(Op.PUT) as address,
         running_agent(tmp_path / "a", "--pool", f"kvctl://{address}", *SMALL) as a,
     ):
+        # the link monitor's bandwidth probe fails too (the stand-in drops a PROBE), and
+        # replaces the pool's last_error; when it comes first (a loaded machine), the
+        # breaker it opened turns writes away unsent: chains are written until one write
+        # was sent and failed as trickled
+        seeds = iter(range(303, 10_000))
+
+        def a_write_said_to_trickle() -> bool:
+            if "did not answer PUT within" in remote(a)["write"]["last_error"]:
+                return True
+            put_chain(a, chain(2, seed=next(seeds)), tenant="t1")
+            return False
+
         put_chain(a, keys, tenant="t1")
-        wait_until(
-            "the pool writes counted failed",
-            lambda: remote(a)["write"]["failed"] >= 1,
-            HANG_GUARD_S,
+        wait_until("a pool write said to trickle", a_write_said_to_trickle, HANG_GUARD_S, 1.0)
+        write = remote(a)["write"]
+        assert write["failed"] >= 1
+        assert write["written"] == 0
+        out = CliRunner().invoke(
+            app, ["agent", "remote", "--url", a.state.control_url], env={"COLUMNS": "400"}
         )
-        pool = remote(a)["pool"]
-        assert "did not answer PUT within" in pool["last_error"]
+    assert out.exit_code == 0, out.output
+    assert "(last failure: write: " in out.output and "did not answer PUT within" in out.output
 
 
 def test_a_link_probe_of_a_target_trickling_its_answers_ends_as_a_failed_probe() -> None:

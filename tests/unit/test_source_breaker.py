@@ -247,6 +247,22 @@ def test_status_names_the_state_and_the_last_error() -> None:
     assert shown["breaker"]["retry_in_s"] > 0
 
 
+def test_a_caller_is_told_why_its_own_call_returned_none() -> None:
+    """``said``: the caller's own failure, or its call turned away, whatever later calls of
+    others leave in ``last_error`` (the pool writer shows its own)."""
+    clock = FakeClock()
+    src = make_source(clock)
+    told: list[str] = []
+    assert src.call("write", fail, moved_bytes=no_bytes, said=told.append) is None
+    assert told == ["write: pool 127.0.0.1:1: Timeout reading from socket"]
+    assert src.call("write", ok, moved_bytes=no_bytes, said=told.append) is None  # left alone
+    assert told[1].startswith("not sent: pool is left alone after an error (write: pool")
+    assert src.call("write", ok, moved_bytes=no_bytes, said=told.append) is None
+    clock.advance(OLD_FIRST_STEP_S)
+    assert src.call("write", ok, moved_bytes=no_bytes, said=told.append) == "answer"
+    assert len(told) == 3  # an answer tells nothing
+
+
 @pytest.mark.parametrize(
     "kw",
     [
