@@ -690,13 +690,26 @@ class Followers:
             return sorted(self._followers)
 
     def poll_all(self) -> int:
-        """One round over every agent, waiting for each poll; returns the index changes."""
+        """One round over every agent, waiting for each poll; returns the index changes. A
+        ``stop`` meanwhile ends it quietly: the polls it cancelled count none."""
         with self._lock:
             followers = list(self._followers.values())
             pool = self._ensure_pool_locked()
         if len(followers) <= 1:
             return sum(f.poll_once() for f in followers)
-        return sum(f.result() for f in [pool.submit(f.poll_once) for f in followers])
+        polls: list[Future[int]] = []
+        for follower in followers:
+            try:
+                polls.append(pool.submit(follower.poll_once))
+            except RuntimeError:
+                with self._lock:
+                    if self._pool is pool:  # not stop()'s doing: no thread to be had
+                        raise
+                break  # stop() shut the pool meanwhile: the rest are not polled
+        wait(polls)
+        # a poll stop() cancelled (DaemonPool.shutdown) changed nothing: result() raised
+        # CancelledError for it, out of a round a stopped follower set should end quietly
+        return sum(p.result() for p in polls if not p.cancelled())
 
     def _poll_round(self, stop: threading.Event) -> None:
         """Start a poll for every agent not still busy with the last one (the thread's round).

@@ -625,3 +625,52 @@ def test_a_round_under_way_when_stop_is_called_leaves_no_poll_thread_behind() ->
     finally:
         release.set()
         followers.close()
+
+
+def test_a_poll_of_every_agent_that_stop_cuts_short_ends_quietly() -> None:
+    """stop() shuts the pools (DaemonPool.shutdown cancels the polls not started) while
+    poll_all waits for its polls: poll_all raised CancelledError from the cancelled ones
+    (found by a review). Every thread is held at a gate, one more poll queued behind them,
+    until stop() has run; the poll then ends with the changes of the polls that ran."""
+    from kvctl.index.follower import MAX_POLL_THREADS
+
+    entered, release = threading.Semaphore(0), threading.Event()
+    port = closed_port()
+    agents = {f"n{i}": (f"http://127.0.0.1:{port}", None) for i in range(MAX_POLL_THREADS + 1)}
+    # a round's wait for a thread (overflow) far past the test: the last poll stays queued
+    followers = Followers(EmbeddedIndex(), agents, poll_s=3600.0, drop_after_s=3600.0)
+    for follower in followers._followers.values():
+
+        def held(follower: Follower = follower) -> int:
+            entered.release()
+            release.wait(30)
+            return 1
+
+        follower.poll_once = held  # type: ignore[method-assign]
+    out: list[object] = []
+    poller = threading.Thread(target=lambda: out.append(_outcome(followers.poll_all)))
+    poller.start()
+    try:
+        for _ in range(MAX_POLL_THREADS):  # every thread holds a poll; the last one waits
+            assert entered.acquire(timeout=10)
+        pool = followers._pool
+        assert pool is not None
+        deadline_s = time.monotonic() + 10
+        while pool.queued < 1:  # the last poll submitted, waiting for a thread
+            assert time.monotonic() < deadline_s
+            time.sleep(0.01)
+        followers.stop()  # cancels the queued poll
+        release.set()
+        poller.join(10)
+        assert not poller.is_alive()
+        assert out == [MAX_POLL_THREADS]  # the polls that ran; the cancelled one, none
+    finally:
+        release.set()
+        followers.close()
+
+
+def _outcome(call: Any) -> object:
+    try:
+        return call()
+    except BaseException as exc:
+        return exc
