@@ -132,6 +132,19 @@ class RouterChooser:
             t.fallbacks += 1
             t.last_error = f"the router's answer has {bad[0]} {bad[1]!r}, not a count of chunks"
             return None
+        # a plan holds or pulls at most the chain's chunks: 10**400 was summed as it came
+        over = next(
+            ((n, v) for n, v in (("local_chunks", local), ("pulled_chunks", pulled))
+             if v is not None and v > len(keys)),
+            None,
+        )  # fmt: skip
+        if over is not None:
+            t.fallbacks += 1
+            t.last_error = (
+                f"the router's answer has {over[0]} {over[1]!r:.40}, more than the "
+                f"{len(keys):,} chunks asked about"
+            )
+            return None
         t.decisions += 1
         t.by_node[node] += 1
         if local:

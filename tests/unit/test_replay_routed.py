@@ -76,9 +76,10 @@ class _Answering:
         return self.answer
 
 
-def _choose(answer: dict[str, Any]) -> tuple[str | None, RoutingTally]:
+def _choose(answer: dict[str, Any], chunks: int = 4) -> tuple[str | None, RoutingTally]:
     chooser = RouterChooser(_Answering(answer))
-    node = chooser.choose([b"k" * 16], tenant="t", home_dc="fra", prompt_tokens=512,
+    keys = [bytes([i]) * 16 for i in range(chunks)]
+    node = chooser.choose(keys, tenant="t", home_dc="fra", prompt_tokens=512 * chunks,
                           nodes=NODE_DC)  # fmt: skip
     return node, chooser.tally
 
@@ -107,3 +108,27 @@ def test_a_router_answer_is_counted() -> None:
     assert tally.planned_pulled_chunks == 3 and tally.by_node == {"ams-a": 1}
     node, tally = _choose({"node": "fra-b", "local_chunks": None})  # counts left out: none
     assert node == "fra-b" and (tally.to_holder, tally.other_dc) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("pulled_chunks", 10**400),  # summed into planned_pulled_chunks as it came
+        ("pulled_chunks", 5),  # one past the 4 chunks asked about
+        ("local_chunks", 2**63),
+    ],
+    ids=["pulled-10**400", "pulled-one-past", "local-2**63"],
+)
+def test_a_router_answer_counting_more_chunks_than_asked_about_is_a_fallback(
+    field: str, value: int
+) -> None:
+    """A router's plan holds or pulls at most the chunks of the chain it was asked about: a
+    count past them is no router's answer (found by a review: 10**400 pulled chunks were
+    counted into the replay's planned pulls)."""
+    node, tally = _choose({"node": "ams-a", "local_chunks": 1, "pulled_chunks": 0, field: value})
+    assert node is None
+    assert (tally.fallbacks, tally.decisions, tally.planned_pulled_chunks) == (1, 0, 0)
+    assert f"{field} {value!r:.40}" in tally.last_error
+    assert "more than the 4 chunks asked about" in tally.last_error
+    node, tally = _choose({"node": "ams-a", "local_chunks": 4, "pulled_chunks": 4})  # all of it
+    assert node == "ams-a" and tally.planned_pulled_chunks == 4
