@@ -62,6 +62,7 @@ from kvctl.remote.pool import (
     check_deadlines,
     probe_too_slow,
     pull_deadline_s,
+    usage_count,
     visible_to,
     write_deadline_s,
 )
@@ -454,13 +455,10 @@ class AgentSource(SplitStreams, RemotePool):
         # (one past a float's range failed `kvctl agent remote` formatting it)
         for name, tier in tiers.items() if isinstance(tiers, dict) else [("", tiers)]:
             for field in USAGE_FIELDS:
-                value = tier.get(field) if isinstance(tier, dict) else None
-                if type(value) is not int or not 0 <= value <= MAX_SIZE_BYTES:
-                    raise BadUsageReport(
-                        f"{self.address}: its HELLO's usage of tier {str(name)[:40]!r} has "
-                        f"{field} {str(value)[:40]!r}, not a count in 0..2**63 - 1"
-                    )
-                totals[field] += value
+                totals[field] += usage_count(
+                    tier.get(field) if isinstance(tier, dict) else None,
+                    f"{self.address}: its HELLO's usage of tier {str(name)[:40]!r} has {field}",
+                )
         for field, total in totals.items():
             if total > MAX_SIZE_BYTES:
                 raise BadUsageReport(

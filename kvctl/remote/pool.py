@@ -20,6 +20,7 @@ well below what the link and the server can.
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -32,6 +33,7 @@ from typing import TypeVar
 
 from kvctl.store.errors import InvalidArgument, TierUnavailable
 from kvctl.store.tiers.base import Buffer, ChunkMeta
+from kvctl.units import MAX_SIZE_BYTES
 
 T = TypeVar("T")
 
@@ -338,8 +340,36 @@ class PoolChunk:
 
 class BadUsageReport(TierUnavailable):
     """A pool's usage report holding counts that are not counts (a broken or hostile pool
-    agent's HELLO). The pool answered: its link and data path are not at fault, so this is no
-    failed call of the source (no breaker opens); the figure is not shown."""
+    agent's HELLO, or Redis keys another host wrote). The pool answered: its link and data path
+    are not at fault, so this is no failed call of the source (no breaker opens); the figure is
+    not shown."""
+
+
+#: a count as Redis keeps one (HINCRBY's decimal text); 19 digits: past 2**63 - 1 already
+_COUNT_TEXT = re.compile(rb"[0-9]{1,19}")
+
+
+def usage_count(value: object, what: str) -> int:
+    """``value``, a count of a pool's usage report (another host's word), checked: a whole
+    number in 0..2**63 - 1, as an int (not a bool) or as the ASCII decimal digits Redis keeps it
+    in. Anything else (negative, fractional, past an int64, not a number) is BadUsageReport
+    "``what`` <value, cut at 40 characters>, not a count in 0..2**63 - 1": shown, such a count
+    made a node's pool usage negative, or failed ``kvctl agent remote`` formatting it."""
+    count = value if type(value) is int else None
+    if isinstance(value, bytes) and _COUNT_TEXT.fullmatch(value):
+        count = int(value)
+    if count is None or not 0 <= count <= MAX_SIZE_BYTES:
+        raise BadUsageReport(f"{what} {_shown(value)[:40]!r}, not a count in 0..2**63 - 1")
+    return count
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, bytes):
+        return value[:40].decode("utf-8", "replace")
+    try:
+        return str(value)
+    except ValueError:  # an int past str()'s digit limit
+        return f"a number of {value.bit_length() if isinstance(value, int) else '?'} bits"
 
 
 @dataclass(slots=True)

@@ -109,6 +109,7 @@ from kvctl.remote.pool import (
     DEFAULT_STREAMS,
     PROBE_SLACK_S,
     PULL_FLOOR_BYTES_PER_S,
+    BadUsageReport,
     PoolChunk,
     PoolUsage,
     Pull,
@@ -119,6 +120,7 @@ from kvctl.remote.pool import (
     check_deadlines,
     probe_too_slow,
     pull_deadline_s,
+    usage_count,
     visible_to,
 )
 from kvctl.store.errors import CorruptChunk, InvalidArgument, TierUnavailable
@@ -846,13 +848,29 @@ class RedisPool(SplitStreams, RemotePool):
         return sum(int(n) for n in replies[:-1])
 
     def usage(self) -> PoolUsage:
+        """The pool's usage as its accounting keys hold it. Every agent of the prefix writes
+        them: a count there that is not one (``usage_count``), or a key that is not a hash, is
+        a BadUsageReport (the pool answered; the figure is not shown), not a failure of it."""
         with self._guard():
             client = self._client()
             pipe = client.pipeline(transaction=False)
             pipe.hgetall(self._used_key)
             pipe.hget(self._cfg_key, "capacity_bytes")
-            used, capacity = pipe.execute()
-        tenant_bytes = {_text(k)[2:]: int(v) for k, v in used.items() if _text(k).startswith("t:")}
+            replies = pipe.execute(raise_on_error=False)
+            for name, reply in zip((self._used_key, self._cfg_key), replies, strict=True):
+                if isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
+                    raise BadUsageReport(f"pool {self.address}: its {name} is not a hash")
+            _raise_errors(replies)
+        used, capacity = replies
+
+        def count(key: str, field: str, value: object) -> int:
+            return usage_count(value, f"pool {self.address}: its {key} has {field[:40]}")
+
+        tenant_bytes = {
+            _text(k)[2:]: count(self._used_key, _text(k), v)
+            for k, v in used.items()
+            if _text(k).startswith("t:")
+        }
         quotas = dict(self.tenant_quotas)
         if self.tenant_quota_bytes:
             for tenant in tenant_bytes:
@@ -862,9 +880,9 @@ class RedisPool(SplitStreams, RemotePool):
                 configured_bytes = self._capacity_set_bytes
             capacity = DEFAULT_CAPACITY_BYTES if configured_bytes is None else configured_bytes
         return PoolUsage(
-            capacity_bytes=int(capacity),
-            used_bytes=int(used.get(b"bytes", 0)),
-            chunks=int(used.get(b"chunks", 0)),
+            capacity_bytes=count(self._cfg_key, "capacity_bytes", capacity),
+            used_bytes=count(self._used_key, "bytes", used.get(b"bytes", 0)),
+            chunks=count(self._used_key, "chunks", used.get(b"chunks", 0)),
             tenant_bytes=tenant_bytes,
             tenant_quota_bytes=quotas,
         )

@@ -4,6 +4,8 @@ redis-server processes (kill/restart), and a 3-node Redis Cluster. No mocks."""
 from __future__ import annotations
 
 import hashlib
+import logging
+import re
 import threading
 import time
 import uuid
@@ -16,9 +18,15 @@ from hypothesis import strategies as st
 
 from kvctl.errors import InvalidArgument
 from kvctl.remote import record
+from kvctl.remote.federation import POOL_TIER, RemoteTiers, Source
+from kvctl.remote.fetchplan import PrefillRate
+from kvctl.remote.links import LinkEstimator
+from kvctl.remote.pool import BadUsageReport
 from kvctl.remote.redis_pool import DEFAULT_CAPACITY_BYTES, RedisPool
 from kvctl.store.errors import TierUnavailable
+from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
+from kvctl.store.tiers.cpu import CpuTier
 
 
 def key(i: int, salt: str = "") -> bytes:
@@ -522,6 +530,139 @@ def test_unaccounted_record_is_accounted_when_read(make_pool, raw) -> None:  # t
     assert pool.usage().chunks == 0
     assert pool.get_many([meta.key], tenant="a")[0].data == data  # type: ignore[union-attr]
     assert (pool.usage().chunks, pool.usage().used_bytes) == (1, 300)
+
+
+# --- usage: counts another host writes --------------------------------------------------------
+@pytest.mark.parametrize(
+    ("name", "field", "value"),
+    [
+        ("used", "bytes", b"-4096"),
+        ("used", "chunks", b"-1"),
+        ("used", "t:a", b"-300"),
+        ("cfg", "capacity_bytes", b"-1"),
+        # not whole numbers: int() raised ValueError out of usage (a failed call of the pool,
+        # whose breaker then left it alone)
+        ("used", "bytes", b"1.5"),
+        ("used", "chunks", b"lots"),
+        ("cfg", "capacity_bytes", b"1e9"),
+        ("used", "bytes", b""),
+        # past an int64: shown, it failed `kvctl agent remote` (OverflowError formatting it)
+        pytest.param("used", "bytes", str(2**63).encode(), id="used-bytes-2**63"),
+        pytest.param("cfg", "capacity_bytes", str(10**400).encode(), id="capacity-10**400"),
+        # past int()'s 4300 digits: ValueError too
+        pytest.param("used", "chunks", b"9" * 5000, id="chunks-5000-digits"),
+    ],
+)
+def test_a_usage_count_that_is_not_one_is_a_bad_usage_report(  # type: ignore[no-untyped-def]
+    make_pool, raw, redis_prefix: str, name: str, field: str, value: bytes
+) -> None:
+    """The pool's usage is read from keys every agent writes: a count there that is not a whole
+    number in 0..2**63 - 1 (a broken or hostile host) is refused whole, as a pool agent's HELLO
+    is (BadUsageReport: the pool answered, so no failure of it), naming the key and the field.
+    Its chunks are served all the same."""
+    pool = make_pool(capacity_bytes=64 << 20)
+    items = [chunk(0)]
+    assert pool.put_many(items) == [True]
+    raw.hset(f"{{{redis_prefix}}}:{name}", field, value)
+    with pytest.raises(
+        BadUsageReport, match=re.escape(f"{{{redis_prefix}}}:{name} has {field} ")
+    ) as told:
+        pool.usage()
+    assert "not a count in 0..2**63 - 1" in str(told.value)
+    assert len(str(told.value)) < 300  # the value is cut, whatever its length
+    assert pool.get_many([items[0][0].key], tenant="a")[0].data == items[0][1]  # type: ignore[union-attr]
+
+
+def test_a_usage_key_of_the_wrong_type_is_a_bad_usage_report(  # type: ignore[no-untyped-def]
+    make_pool, raw, redis_prefix: str
+) -> None:
+    """A usage key holding something other than a hash (WRONGTYPE) is a bad report, not a
+    failed pool: its chunks are still read."""
+    pool = make_pool()
+    items = [chunk(0)]
+    assert pool.put_many(items) == [True]
+    for name in ("used", "cfg"):
+        acct = f"{{{redis_prefix}}}:{name}"
+        held = raw.dump(acct)
+        raw.delete(acct)
+        raw.set(acct, b"not a hash")
+        with pytest.raises(
+            BadUsageReport, match=re.escape(f"{{{redis_prefix}}}:{name} is not a hash")
+        ):
+            pool.usage()
+        raw.delete(acct)
+        if held is not None:
+            raw.restore(acct, 0, held)
+    assert pool.usage().chunks == 1
+    assert pool.get_many([items[0][0].key], tenant="a")[0].data == items[0][1]  # type: ignore[union-attr]
+
+
+def test_sound_usage_counts_are_read_as_written(make_pool, raw, redis_prefix: str) -> None:  # type: ignore[no-untyped-def]
+    """The bounds themselves are counts: 0 and 2**63 - 1 pass."""
+    pool = make_pool()
+    raw.hset(
+        f"{{{redis_prefix}}}:used",
+        mapping={"bytes": str(2**63 - 1), "chunks": "0", "t:a": str(2**63 - 1)},
+    )
+    raw.hset(f"{{{redis_prefix}}}:cfg", "capacity_bytes", "0")
+    usage = pool.usage()
+    assert (usage.capacity_bytes, usage.used_bytes, usage.chunks) == (0, 2**63 - 1, 0)
+    assert usage.tenant_bytes == {"a": 2**63 - 1}
+
+
+def test_a_node_whose_redis_pool_reports_a_bad_usage_keeps_using_it(  # type: ignore[no-untyped-def]
+    make_pool, raw, redis_prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Through a node's link monitor: the bad report is not shown and is said once, the pool's
+    breaker stays closed and its chunks are pulled; a sound report is shown again. A count
+    that was not a number raised ValueError out of the usage read, a failure of the pool: its
+    breaker (one failure opens it) turned away every read and write of the node, each 5 s."""
+    pool = make_pool(capacity_bytes=64 << 20)
+    meta, data = chunk(0)
+    assert pool.put_many([(meta, data)]) == [True]
+    raw.hset(f"{{{redis_prefix}}}:used", "chunks", b"lots")
+    source = Source("pool", POOL_TIER, pool, LinkEstimator("pool", override="fetch"))
+    node = RemoteTiers(
+        TieredStore([CpuTier(1 << 20)], chunk_tokens=16),
+        pool=source,
+        prefill=PrefillRate(1e4, "configured"),
+        usage_every_s=0.05,
+    )
+    said = f"{{{redis_prefix}}}:used has chunks 'lots'"
+    reads: list[float] = []
+    read_usage = pool.usage
+
+    def counted_usage():  # type: ignore[no-untyped-def]
+        reads.append(time.monotonic())
+        return read_usage()
+
+    pool.usage = counted_usage
+
+    def told() -> int:
+        return sum(said in r.getMessage() for r in caplog.records)
+
+    try:
+        with caplog.at_level(logging.DEBUG, logger="kvctl.remote"):
+            node.start()  # its monitor reads the pool's usage at once, then every 0.05 s
+            guard_s = time.monotonic() + 30
+            while not told():
+                assert time.monotonic() < guard_s, "the pool's usage was never read"
+                time.sleep(0.05)
+            refused = len(reads)
+            while len(reads) < refused + 3:  # read again, refused again
+                assert time.monotonic() < guard_s, "the pool's usage was not read again"
+                time.sleep(0.05)
+            assert told() == 1
+            assert source.breaker.state == "closed"
+            assert node.status()["pool_usage"] is None  # not shown: no figure is better
+            assert node.fill([meta.key], tenant="a") == 1
+            raw.hset(f"{{{redis_prefix}}}:used", "chunks", b"1")  # mended
+            while node.status()["pool_usage"] is None:
+                assert time.monotonic() < guard_s, "a sound report was not shown again"
+                time.sleep(0.05)
+            assert node.status()["pool_usage"]["chunks"] == 1
+    finally:
+        node.close()
 
 
 # --- server failures --------------------------------------------------------------------------
