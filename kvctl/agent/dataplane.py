@@ -81,7 +81,6 @@ from kvctl.wire.protocol import (
     parse_put_checksums,
     parse_rates,
     rates_reply,
-    recv_exactly,
     recv_some_passing,
     send_all,
     zero_pieces,
@@ -789,6 +788,10 @@ class Connection:
         self.idle_since: float | None = None
         #: bytes the frame has moved so far (in and out): each buys time before a stall cut-off
         self._moved_bytes = 0
+        #: bytes of the frame received so far (its header's included): what the metrics count
+        #: in, never the lengths its header declares (a frame refused unread, or cut short,
+        #: would count bytes that never came: a terabyte for one 20-byte header)
+        self._received_bytes = 0
         #: the frame's request id once its header is read (for the error a cut-off sends)
         self._frame_rid: int | None = None
         #: waiting for budget: the frame keeps its own deadline, the reaper leaves it alone
@@ -962,7 +965,7 @@ class Connection:
             first = self.sock.recv_into(view, HEADER_BYTES)
             if first == 0:
                 return False
-            self._moved_bytes = first
+            self._moved_bytes = self._received_bytes = first
         else:
             first = (
                 self.sock.recv_into(view, HEADER_BYTES)
@@ -971,7 +974,7 @@ class Connection:
             )
             if first == 0:
                 return False
-            self._moved_bytes = first
+            self._moved_bytes = self._received_bytes = first
             self._frame_rid = None
             with self._state_lock:
                 self.idle_since = None
@@ -983,15 +986,18 @@ class Connection:
         return True
 
     def _recv(self, view: memoryview) -> None:
-        if self.transport == "tcp":
-            recv_exactly(self.sock, view)
-            return
+        """Fill ``view`` from the socket, counting what arrives in ``_received_bytes`` (also
+        when the client stops short: the bytes it sent were received)."""
         got = 0
-        while got < view.nbytes:
-            k = self._recv_some_unix(view[got:])
-            if k == 0:
-                raise PeerClosed("connection closed mid-frame")
-            got += k
+        tcp = self.transport == "tcp"
+        try:
+            while got < view.nbytes:
+                k = self.sock.recv_into(view[got:]) if tcp else self._recv_some_unix(view[got:])
+                if k == 0:
+                    raise PeerClosed(f"connection closed mid-frame, after {got} of {view.nbytes}")
+                got += k
+        finally:
+            self._received_bytes += got
 
     def _recv_some_unix(self, view: memoryview) -> int:
         """One receive on the Unix socket, keeping the descriptors the frame may pass and
@@ -1082,7 +1088,6 @@ class Connection:
         """Serve one frame; False when the connection must close."""
         started = time.perf_counter()
         op = header[3]
-        bytes_in = HEADER_BYTES
         sent = 0
         ok = False
         rid = 0
@@ -1091,7 +1096,6 @@ class Connection:
                 header, max_payload_bytes=self.server.max_payload_bytes
             )
             self._frame_rid = rid
-            bytes_in += meta_len + payload_len
             self._check_frame_shape(op, meta_len, payload_len)
             with self._received(meta_len) as view:
                 meta = MetaReader(view)  # a copy: the buffer is free for the payload
@@ -1144,7 +1148,7 @@ class Connection:
                 self.transport,
                 time.perf_counter() - started,
                 ok=ok,
-                bytes_in=bytes_in,
+                bytes_in=self._received_bytes,
                 bytes_out=sent,
             )
             if self._release_after_send:
