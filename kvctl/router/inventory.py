@@ -24,7 +24,10 @@ stale copy of the database, or a developer's with a node of its own, which passe
 above once its node is written, dropped every other router's nodes at each reread). Without
 ``forget_unknown`` (``--agent`` flags, a fleet file, which a developer's router may give with a
 few nodes) nothing is dropped: the router's status names the index's nodes it does not know,
-and ``Router.forget`` drops one on an operator's word.
+and ``Router.forget`` drops one on an operator's word. A router of the version before claims
+claims nothing: a node it follows, dropped, is written again by its follower, and was dropped
+again at each reread (its entries flapping for every router); a name written again after this
+router dropped it is kept from then on, and the status says so.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ DEFAULT_RELOAD_S = 30.0
 
 #: index names of the last nodes forgotten kept for the status
 MAX_LAST_FORGOTTEN = 10
+#: index names dropped that a reloader remembers (the oldest forgotten past it): a node's
+#: second drop is neither counted again nor made at all (see ``_forget_unknown``)
+MAX_REMEMBERED_DROPS = 10_000
 
 #: reads the inventory: the topology and each node's agent URL; raises when it cannot
 ReadInventory = Callable[[], tuple[Topology, Mapping[str, str]]]
@@ -107,6 +113,10 @@ class InventoryReloader:
         self.forgotten_entries = 0
         #: the newest of them (at most MAX_LAST_FORGOTTEN)
         self.last_forgotten: list[str] = []
+        #: index names dropped, and the nodes they belong to, since the start (the newest
+        #: MAX_REMEMBERED_DROPS): a node is counted once however many passes dropped its names
+        self._dropped_names: dict[str, None] = {}
+        self._forgotten_owners: dict[str, None] = {}
         #: why the last pass dropped none of the index's nodes that the inventory does not name
         self.forget_note = ""
 
@@ -171,13 +181,26 @@ class InventoryReloader:
             )[:300]
             return
         followed = [n for n in unknown if claims.get(owner(n), inf) < self.claim_stale_s]
-        self.forget_note = (
-            f"another router follows {len(owners(followed))} of them (claimed in the last "
-            f"{self.claim_stale_s:g} s), e.g. {', '.join(followed[:3])}"
-            if followed
-            else ""
+        # written again since this router dropped it: something follows it that claims
+        # nothing (a router of the version before claims, one whose claims fail): dropped
+        # again, it was resynced at once, its entries flapping for every router
+        back = [n for n in unknown if n in self._dropped_names and n not in followed]
+        notes = []
+        if followed:
+            notes.append(
+                f"another router follows {len(owners(followed))} of them (claimed in the last "
+                f"{self.claim_stale_s:g} s), e.g. {', '.join(followed[:3])}"
+            )
+        if back:
+            notes.append(
+                f"{len(owners(back))} of them written again after this router dropped it (a "
+                f"router that claims no nodes, of a version before claims?), e.g. "
+                f"{', '.join(back[:3])}: kept"
+            )
+        self.forget_note = "; ".join(notes)
+        self._drop(
+            [n for n in unknown if n not in followed and n not in back], "not in the inventory"
         )
-        self._drop([n for n in unknown if n not in followed], "not in the inventory")
 
     def _drop(self, names: Collection[str], why: str) -> None:
         """Drop the index names ``names`` (logged and counted as forgotten)."""
@@ -192,9 +215,13 @@ class InventoryReloader:
         if not dropped:
             return
         entries = sum(dropped.values())
-        self.forgotten_nodes += len(owners(dropped))  # NODE#vllm goes with NODE
+        for name in dropped:
+            _remember(self._dropped_names, name)
+            # NODE#vllm goes with NODE, dropped in the same pass or a later one
+            self.forgotten_nodes += _remember(self._forgotten_owners, owner(name))
         self.forgotten_entries += entries
-        self.last_forgotten = [*self.last_forgotten, *dropped][-MAX_LAST_FORGOTTEN:]
+        last = [n for n in self.last_forgotten if n not in dropped]
+        self.last_forgotten = [*last, *dropped][-MAX_LAST_FORGOTTEN:]
         log.warning(
             "inventory (%s): %d index entries dropped, of %s (%s)",
             self.source,
@@ -295,3 +322,14 @@ class InventoryReloader:
             # a shared index's claims (the nodes each router knows) failing: "" when they answer
             "claim_error": self.router.claim_error,
         }
+
+
+def _remember(names: dict[str, None], name: str) -> bool:
+    """Put ``name`` in ``names`` (newest last, the oldest gone past MAX_REMEMBERED_DROPS);
+    whether it was not there."""
+    new = name not in names
+    names.pop(name, None)
+    names[name] = None
+    if len(names) > MAX_REMEMBERED_DROPS:
+        del names[next(iter(names))]
+    return new

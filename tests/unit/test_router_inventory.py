@@ -7,12 +7,15 @@ import math
 
 import pytest
 
+from kvctl.cli.router import unknown_nodes_line
 from kvctl.errors import InvalidArgument
 from kvctl.index.follower import Followers
 from kvctl.index.model import EmbeddedIndex
 from kvctl.router.inventory import InventoryReloader
 from kvctl.router.topology import Topology
-from tests.unit.test_router_service import fleet, make_router
+from tests.unit.test_router_service import fleet, make_router, stored
+
+KEYS = [bytes([i]) * 16 for i in range(1, 5)]
 
 
 def _read() -> tuple[Topology, dict[str, str]]:
@@ -29,3 +32,52 @@ def test_an_interval_the_reloaders_thread_cannot_wait_is_refused(interval_s: flo
         InventoryReloader(
             _read, make_router(index), Followers(index, {}), source="test", interval_s=interval_s
         )
+
+
+def _forgetting(index: EmbeddedIndex) -> InventoryReloader:
+    """A reloader of ``fleet()`` (a1, a2, b1, b2) that drops the index's other nodes."""
+    return InventoryReloader(
+        _read, make_router(index), Followers(index, {}), source="test", forget_unknown=True
+    )
+
+
+def test_a_node_forgotten_again_at_a_later_reread_counts_once() -> None:
+    """y's engine entries (y#vllm) written after y was dropped are dropped at the next reread:
+    forgotten_nodes counted y twice ('2 nodes' in `kvctl router status` for one that left)
+    and last_forgotten named it twice (found by a review)."""
+    index = EmbeddedIndex()
+    index.apply("a1", stored([KEYS[0]]))
+    index.apply("y", stored(KEYS[1:3]))
+    reloader = _forgetting(index)
+    assert reloader.reload()
+    assert set(index.nodes()) == {"a1"}
+    index.apply("y#vllm", stored([KEYS[3]]))  # an engine feed's, written after the drop
+    assert reloader.reload()
+    assert set(index.nodes()) == {"a1"}
+    status = reloader.status()
+    assert (status["forgotten_nodes"], status["forgotten_entries"]) == (1, 3)
+    assert status["last_forgotten"] == ["y", "y#vllm"]
+
+
+def test_a_node_written_again_after_it_was_dropped_is_kept_and_said_to_be() -> None:
+    """A router of the version before claims (it writes none) follows y: each reread dropped
+    y, its follower resynced it, the next reread dropped it again (y's entries flapping for
+    every router, forgotten_nodes growing by one a reread, the status saying y is 'dropped at
+    the next reread'). A node written again after this router dropped it is followed by
+    something: it is kept, and the status says why (found by a review)."""
+    index = EmbeddedIndex()
+    index.apply("a1", stored([KEYS[0]]))
+    index.apply("y", stored(KEYS[1:3]))
+    reloader = _forgetting(index)
+    assert reloader.reload()
+    assert set(index.nodes()) == {"a1"}
+    for _ in range(2):
+        index.replace("y", stored(KEYS[1:3]))  # the older router's follower resyncs it
+        assert reloader.reload()
+        assert index.nodes() == {"a1": 1, "y": 2}
+    status = reloader.status()
+    assert (status["forgotten_nodes"], status["forgotten_entries"]) == (1, 2)
+    assert status["last_forgotten"] == ["y"]
+    assert "written again after this router dropped it" in status["forget_note"]
+    line = unknown_nodes_line(make_router(index).unknown_index_nodes(index.nodes()), status)
+    assert "not dropped: 1 of them written again" in line and "router forget NODE" in line
