@@ -94,6 +94,24 @@ TenantsOpt = Annotated[
 ]
 
 
+def load_workload_said(
+    trace: Path | None, *, seed: int, limit: int | None, workload: str, quiet: bool = False
+) -> Any:
+    """``load_workload``, saying on stderr what it reads or generates while it does (a transient
+    spinner on a terminal): 100k generated requests or a big trace take seconds, which looked
+    hung. ``quiet`` (--json) says nothing."""
+    from kvctl.cli.output import shown_while
+    from kvctl.workload.source import load_workload
+
+    if trace is not None:
+        what = f"reading {trace}"
+    else:
+        size = "" if limit is None else f", {limit:,} requests"
+        what = f"generating the {workload} workload (seed {seed}{size})"
+    with shown_while(what, disable=quiet):
+        return load_workload(trace, seed=seed, limit=limit, workload=workload)
+
+
 # --- targets: which nodes a fleet command acts on ---------------------------------------------
 NodeOpt = Annotated[
     list[str] | None,

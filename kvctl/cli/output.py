@@ -112,6 +112,17 @@ def said_on_interrupt(message: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def shown_while(text: str, *, disable: bool = False) -> Iterator[None]:
+    """A transient spinner on stderr saying ``text`` while the block runs; silent when not a
+    terminal or ``disable``."""
+    if disable or not err_console.is_terminal:
+        yield
+        return
+    with err_console.status(f"{text}…"):
+        yield
+
+
 class TaskProgress:
     """A transient progress bar on stderr, one task per run (a policy, a capacity), counting
     requests; silent when not a terminal. Entering gives ``update(name, done, total)``."""

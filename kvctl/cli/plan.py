@@ -16,6 +16,7 @@ from kvctl.cli.options import (
     TraceOpt,
     WorkloadOpt,
     db_errors,
+    load_workload_said,
     open_engine,
 )
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
@@ -110,7 +111,6 @@ def plan_command(
     from kvctl.profiles import DEFAULT_MFU, ModeledInputs, gpu_profile, model_profile
     from kvctl.units import parse_size
     from kvctl.workload.plan import DEFAULT_DISTANCES_KM, plan
-    from kvctl.workload.source import load_workload
 
     if dc is not None and not save:
         fail("--dc names the DC a saved plan is for: add --save")
@@ -125,7 +125,9 @@ def plan_command(
                 tiers_bytes[name] = parse_size(text)
             except InvalidArgument as exc:
                 raise InvalidArgument(f"--{name}: {exc}") from None
-        workload_data = load_workload(trace, seed=seed, limit=limit, workload=workload)
+        workload_data = load_workload_said(
+            trace, seed=seed, limit=limit, workload=workload, quiet=json_out
+        )
         if not workload_data.requests:
             fail(f"{workload_data.name} holds no requests")
         # where it is saved is checked before planning: a plan of a big trace takes minutes,

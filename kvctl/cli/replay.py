@@ -24,6 +24,7 @@ from kvctl.cli.options import (
     TraceOpt,
     WorkloadOpt,
     db_errors,
+    load_workload_said,
     open_engine,
 )
 from kvctl.cli.output import console, err_console, fail, print_json, user_errors
@@ -65,10 +66,9 @@ def load_for_replay(
     """The workload to replay, every request with a tenant (see ``assign_tenants``)."""
     import dataclasses
 
-    from kvctl.workload.source import load_workload
     from kvctl.workload.trace import assign_tenants
 
-    loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
+    loaded = load_workload_said(trace, seed=seed, limit=limit, workload=workload)
     if not loaded.requests:
         fail(f"{loaded.name} holds no requests")
     return dataclasses.replace(loaded, requests=assign_tenants(loaded.requests, tenants, seed=seed))

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 import typer
 from rich.markup import escape
 
-from kvctl.cli.options import SeedOpt, WorkloadOpt
+from kvctl.cli.options import SeedOpt, WorkloadOpt, load_workload_said
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
 from kvctl.format import percent
 
@@ -111,12 +111,13 @@ def simulate_command(
     """
     from kvctl.store.policies import EVICTION_POLICIES
     from kvctl.workload.simulate import capacity_from_fraction, simulate
-    from kvctl.workload.source import load_workload
 
     with user_errors(hint="see `kvctl simulate --help`"):
         if sum(bool(x) for x in (capacity_fraction, capacity_blocks, tier, sweep)) > 1:
             fail("give only one of --capacity-fraction, --capacity-blocks, --tier and --sweep")
-        loaded = load_workload(trace, seed=seed, limit=limit, workload=workload)
+        loaded = load_workload_said(
+            trace, seed=seed, limit=limit, workload=workload, quiet=json_out
+        )
         if not loaded.requests:
             fail(f"{loaded.name} holds no requests")
         unique = len({b for r in loaded.requests for b in r.block_ids})

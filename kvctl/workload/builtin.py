@@ -35,12 +35,63 @@ DOCUMENT_TOKENS = (500, 4_000)
 PATTERN_WEIGHTS = {"system": 0.40, "chat": 0.35, "rag": 0.25}
 
 
-@dataclass
+@dataclass(eq=False)
 class _Chat:
     tenant: str
     history: list[Segment]
     turns_left: int
     last_output_tokens: int = 0
+    slot: int = 0  # where it is in the open chats (``_OpenChats``)
+
+
+class _OpenChats:
+    """The open chats in the order they started, as a sequence for ``random.choice``: indexing
+    and removal cost O(log n) (a Fenwick tree counts the chats still open), where a list's
+    ``remove`` cost O(n) and made a long workload quadratic. ``rng.choice`` draws exactly as
+    from a list of the same chats in the same order, so a seed's workload is unchanged."""
+
+    def __init__(self) -> None:
+        self._chats: list[_Chat | None] = []
+        self._open: list[int] = [0]  # Fenwick tree over slots, 1-based: open chats per range
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def append(self, chat: _Chat) -> None:
+        chat.slot = len(self._chats)
+        self._chats.append(chat)
+        i = chat.slot + 1
+        # A new node covers (i - lowbit(i), i]: itself plus the nodes that tile the rest.
+        count, j, start = 1, i - 1, i - (i & -i)
+        while j > start:
+            count += self._open[j]
+            j -= j & -j
+        self._open.append(count)
+        self._len += 1
+
+    def remove(self, chat: _Chat) -> None:
+        self._chats[chat.slot] = None
+        i = chat.slot + 1
+        while i < len(self._open):
+            self._open[i] -= 1
+            i += i & -i
+        self._len -= 1
+
+    def __getitem__(self, index: int) -> _Chat:
+        if not 0 <= index < self._len:
+            raise IndexError(index)
+        # Descend to the slot with ``index`` open chats before it.
+        position, step = 0, 1 << (len(self._open) - 1).bit_length()
+        while step:
+            nxt = position + step
+            if nxt < len(self._open) and self._open[nxt] <= index:
+                position = nxt
+                index -= self._open[nxt]
+            step >>= 1
+        chat = self._chats[position]
+        assert chat is not None
+        return chat
 
 
 def builtin_workload(
@@ -60,7 +111,7 @@ def builtin_workload(
     documents = [(next(content_ids), rng.randint(*DOCUMENT_TOKENS)) for _ in range(RAG_DOCUMENTS)]
     document_weights = [1.0 / (rank + 1) for rank in range(RAG_DOCUMENTS)]  # Zipf-like reuse
     prefix_ids = PrefixIds()
-    chats: list[_Chat] = []
+    chats = _OpenChats()
     out: list[TraceRequest] = []
     clock_s = 0.0
     last_ms = -1

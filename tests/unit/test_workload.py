@@ -237,3 +237,85 @@ def test_builtin_infinite_cache_hit_ratio_is_partial() -> None:
     summary = trace_summary(builtin_workload())
     assert 0.0 < summary["block_hit_ratio"] < 1.0
     assert 0.0 < summary["token_hit_ratio"] < 1.0
+
+
+def test_builtin_workload_is_the_same_stream_as_before_open_chats_were_indexed() -> None:
+    # Digest of the workload generated with the open chats in a plain list (before _OpenChats):
+    # a seed's workload must not change with how its open chats are kept.
+    import hashlib
+
+    requests = builtin_workload(42, requests=2000, block_tokens=16)
+    digest = hashlib.sha256(repr(requests).encode()).hexdigest()
+    assert digest == "e44e05bb27b0d3db81644135ec1392b1b5d355b34ee8262ec65e66c055d52ab1"
+
+
+def test_builtin_open_chats_draw_and_remove_as_a_list_does() -> None:
+    import random
+
+    from kvctl.workload.builtin import _Chat, _OpenChats
+
+    ops = random.Random(5)
+    picks_from_list, picks_from_open = random.Random(9), random.Random(9)
+    plain: list[_Chat] = []
+    indexed = _OpenChats()
+    for n in range(5000):
+        if not plain or ops.random() < 0.55:
+            chat = _Chat(f"t{n}", [], turns_left=1)
+            plain.append(chat)
+            indexed.append(chat)
+        else:
+            chat = picks_from_list.choice(plain)
+            assert picks_from_open.choice(indexed) is chat
+            if ops.random() < 0.5:
+                plain.remove(chat)
+                indexed.remove(chat)
+        assert len(indexed) == len(plain)
+        assert bool(indexed) == bool(plain)
+    assert [indexed[i] for i in range(len(indexed))] == plain
+    with pytest.raises(IndexError):
+        indexed[len(plain)]
+
+
+def test_builtin_workload_never_compares_chats_to_find_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ending a chat once scanned the open chats with list.remove, comparing each (field by field)
+    # until it found it: quadratic in the requests (100k requests took 11.6 s).
+    from kvctl.workload import builtin
+
+    compared = []
+
+    def counting_eq(self: object, other: object) -> bool:
+        compared.append(1)
+        return self is other
+
+    monkeypatch.setattr(builtin._Chat, "__eq__", counting_eq)
+    assert len(builtin_workload(1, requests=3000)) == 3000
+    assert compared == []
+
+
+def test_a_workload_being_generated_or_read_is_said_on_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    # 100k generated requests (or a big trace) take seconds before simulate/plan/replay show
+    # anything: a transient line on stderr says what is going on, and --json (quiet) says nothing.
+    import io
+
+    from rich.console import Console
+
+    from kvctl.cli import output
+    from kvctl.cli.options import load_workload_said
+
+    said = io.StringIO()
+    monkeypatch.setattr(output, "err_console", Console(file=said, force_terminal=True, width=120))
+    loaded = load_workload_said(None, seed=1, limit=300, workload="builtin")
+    assert len(loaded.requests) == 300
+    assert "generating the builtin workload (seed 1, 300 requests)" in said.getvalue()
+    trace = _write(tmp_path, [_record(1, 512, [0])])
+    load_workload_said(trace, seed=0, limit=None, workload="builtin")
+    assert f"reading {trace}" in said.getvalue()
+
+    quiet = io.StringIO()
+    monkeypatch.setattr(output, "err_console", Console(file=quiet, force_terminal=True))
+    load_workload_said(None, seed=1, limit=300, workload="builtin", quiet=True)
+    assert quiet.getvalue() == ""
