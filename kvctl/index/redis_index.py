@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -465,7 +466,11 @@ class RedisIndex:
                 node = field[len(_COUNT_FIELD) :]
                 if field.startswith(_COUNT_FIELD) and node in markers:
                     counts[node] = count
-        return dict(sorted((_str(node), int(n)) for node, n in counts.items() if int(n) > 0))
+        try:
+            out = {_str(node): int(n) for node, n in counts.items()}
+        except ValueError as exc:  # not written by a RedisIndex (a prefix shared by mistake)
+            raise IndexUnavailable(f"index at {self.address}: malformed count: {exc}") from exc
+        return dict(sorted((node, n) for node, n in out.items() if n > 0))
 
     # --- ClaimingIndex -------------------------------------------------------------------
     def claim(self, claimant: str, nodes: Iterable[str]) -> None:
@@ -486,15 +491,17 @@ class RedisIndex:
             out: dict[str, float] = {}
             gone: list[bytes] = []
             for field, value in cast("dict[bytes, bytes]", raw).items():
-                try:
-                    claim = json.loads(value)
-                    age_s = max(0.0, (now_ms - int(claim["ms"])) / 1000)
-                    nodes = [str(n) for n in claim["nodes"]]
-                except (ValueError, TypeError, KeyError):
+                claim = _claim(value)
+                if claim is None:
                     continue  # not a claim (a prefix shared by mistake)
-                if age_s > CLAIMS_KEPT_S:  # a router that stopped long ago: its field goes
+                claimed_ms, nodes = claim
+                # a router that stopped long ago: its field goes; and one dated over that far
+                # ahead of the server's clock, whose age would be 0 at every read (its nodes
+                # claimed for ever): no router's clock (the server's) wrote it
+                if abs(now_ms - claimed_ms) > CLAIMS_KEPT_S * 1000:
                     gone.append(field)
                     continue
+                age_s = max(0.0, (now_ms - claimed_ms) / 1000)
                 if _str(field) == excluding:
                     continue
                 for node in nodes:
@@ -570,6 +577,23 @@ class RedisIndex:
             yield
         except (RedisError, OSError) as exc:
             raise IndexUnavailable(f"index at {self.address}: {exc}") from exc
+
+
+def _claim(value: bytes) -> tuple[int, list[str]] | None:
+    """(when, the nodes) of a claim as ``claim`` writes it; None for anything else (JSON of
+    another shape: a "ms" of 1e400 raised OverflowError, "nodes" of "xy" claimed x and y)."""
+    try:
+        claim = json.loads(value)
+    except ValueError:  # (UnicodeDecodeError too)
+        return None
+    if not isinstance(claim, dict):
+        return None
+    ms, nodes = claim.get("ms"), claim.get("nodes")
+    if isinstance(ms, bool) or not isinstance(ms, int | float) or not math.isfinite(ms):
+        return None
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        return None
+    return int(ms), nodes
 
 
 def _glob_escape(raw: bytes) -> bytes:

@@ -129,7 +129,12 @@ class InventoryReloader:
         with self._lock:
             # listed before the read: a node added to the inventory meanwhile (and written by a
             # router that read it) is in the read, never taken for one that left
-            listed = self._index_nodes() if self.forget_unknown else None
+            listed = None
+            if self.forget_unknown:
+                try:
+                    listed = self._index_nodes()
+                except Exception as exc:  # nothing dropped this pass; the reread goes on
+                    self._forget_failed(exc)
             try:
                 topology, urls = self._read()
                 if not topology.nodes:
@@ -150,8 +155,17 @@ class InventoryReloader:
             if changed:
                 self.changes += 1
             if listed is not None:  # None: the index failed (noted by _index_nodes)
-                self._forget_unknown(listed)
+                try:
+                    self._forget_unknown(listed)
+                except Exception as exc:
+                    self._forget_failed(exc)
             return True
+
+    def _forget_failed(self, exc: Exception) -> None:
+        """Listing or dropping the index's unknown nodes failed as no index should (anything
+        but IndexUnavailable): said in the status, logged; the rereads go on."""
+        self.forget_note = f"dropping the nodes not in the inventory failed: {exc}"[:300]
+        log.exception("inventory (%s): %s", self.source, self.forget_note)
 
     def _index_nodes(self) -> dict[str, int] | None:
         """The index's entries per name; None when it does not answer (noted, logged)."""
@@ -285,13 +299,21 @@ class InventoryReloader:
 
     def _run(self) -> None:
         if self.forget_unknown:
-            self.reload()  # at start: what nodes removed while no router ran left goes now
+            self._reload_logged()  # at start: what nodes removed while no router ran left goes
         while not self._stop.is_set():
             self._wake.wait(self.interval_s or None)
             if self._stop.is_set():
                 return
             self._wake.clear()
+            self._reload_logged()
+
+    def _reload_logged(self) -> None:
+        """``reload`` in the thread, which must outlive any one bad pass (SIGHUP's rereads
+        end with it)."""
+        try:
             self.reload()
+        except Exception:
+            log.exception("rereading the inventory (%s) failed", self.source)
 
     def stop(self) -> None:
         self._stop.set()

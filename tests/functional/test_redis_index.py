@@ -420,3 +420,50 @@ def test_a_replace_that_outlasts_the_client_timeout_but_lands_counts_as_done(
         probe.close()
         raw.close()
         server.kill()
+
+
+# --- what a prefix shared by mistake (or a broken writer) left in the index's hashes ----------
+@pytest.mark.parametrize(
+    "value",
+    [
+        '{"ms": 1e400, "nodes": ["y"]}',  # int(inf): OverflowError out of claims()
+        '{"ms": NOW, "nodes": "xy"}',  # a string: claimed nodes "x" and "y"
+        '{"ms": NOW, "nodes": [["y"]]}',  # a list: claimed the node "['y']"
+        '{"ms": 99999999999999999, "nodes": ["y"]}',  # far in the future: claimed for ever
+    ],
+    ids=["ms-inf", "nodes-a-string", "nodes-not-names", "ms-in-the-future"],
+)
+def test_a_claim_no_router_wrote_claims_nothing(
+    fresh: RedisIndex, redis_url: str, value: str
+) -> None:
+    """claims() read any JSON under the claims hash as a claim: an "ms" of 1e400 raised
+    OverflowError (not IndexUnavailable: out of a reread of the inventory, its thread ended
+    for good), "nodes" of another shape claimed nodes no router named, and an "ms" ahead of
+    the server's clock kept its nodes claimed for ever (its age 0 at every read; found by a
+    review). Each is no claim; a router's own claim stands beside it."""
+    fresh.claim("router-a", ["x"])
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        seconds, micros = raw.time()
+        now_ms = seconds * 1000 + micros // 1000
+        raw.hset(f"{fresh.prefix}claims", "intruder", value.replace("NOW", str(now_ms)))
+    finally:
+        raw.close()
+    claims = fresh.claims()
+    assert set(claims) == {"x"}
+
+
+def test_a_count_not_written_by_an_index_is_index_unavailable(
+    fresh: RedisIndex, redis_url: str
+) -> None:
+    """nodes() took int() of every count in the nodes hash: one that is no number raised
+    ValueError (not IndexUnavailable: /v1/index answered 500, and a router's reread of its
+    inventory ended its thread for good); it is said as the malformed entry it is."""
+    fresh.apply("n", [stored(0)])
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        raw.hset(f"{fresh.prefix}nodes", "intruder", "many")
+    finally:
+        raw.close()
+    with pytest.raises(IndexUnavailable, match="malformed count"):
+        fresh.nodes()

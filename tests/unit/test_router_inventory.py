@@ -4,6 +4,7 @@ runs."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -81,3 +82,43 @@ def test_a_node_written_again_after_it_was_dropped_is_kept_and_said_to_be() -> N
     assert "written again after this router dropped it" in status["forget_note"]
     line = unknown_nodes_line(make_router(index).unknown_index_nodes(index.nodes()), status)
     assert "not dropped: 1 of them written again" in line and "router forget NODE" in line
+
+
+def test_a_reread_that_fails_where_nobody_expected_leaves_the_rereads_running() -> None:
+    """The index's nodes are listed, and the claims read, outside the reread's own error
+    handling: anything but IndexUnavailable out of them (a ValueError from a count no index
+    wrote, before 'malformed count' said it) ended the reloader's thread, and with it every
+    reread, SIGHUP's too, while the status went on naming the last good read."""
+    import threading
+
+    class Flaky(EmbeddedIndex):
+        fails = 1
+
+        def nodes(self) -> dict[str, int]:
+            if self.fails:
+                self.fails -= 1
+                raise ValueError("invalid literal for int() with base 10: b'many'")
+            return super().nodes()
+
+    index = Flaky()
+    reloader = _forgetting(index)
+    reloader.interval_s = 0.0  # reread when asked only
+    reread = threading.Semaphore(0)
+    read = reloader._read
+    assert read is not None
+
+    def counted() -> tuple[Topology, dict[str, str]]:
+        reread.release()
+        return read()
+
+    reloader._read = counted
+    reloader.start()  # the start's pass: listing the index's nodes fails
+    try:
+        deadline_s = time.monotonic() + 10
+        while index.fails:  # (the start's pass under way)
+            assert time.monotonic() < deadline_s
+            time.sleep(0.01)
+        reloader.request()
+        assert reread.acquire(timeout=10)  # a reread after the failed pass
+    finally:
+        reloader.stop()
