@@ -80,6 +80,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from heapq import nlargest
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, TypeVar
 
@@ -1077,11 +1078,7 @@ class TieredStore:
             if tenant in self._isolated_tenants:  # its own chunks only
                 entries = [e if e is not None and e.tenant == tenant else None for e in entries]
             elif self._isolated_owner:
-                owners = list(map(self._isolated_owner.get, keys))
-                if owners.count(None) + owners.count(tenant) != n:
-                    for i, owner in enumerate(owners):
-                        if owner is not None and owner != tenant:
-                            entries[i] = None  # same answer as "not cached"
+                entries = self._hide_foreign(keys, entries, tenant)
             try:
                 m = entries.index(None)
             except ValueError:
@@ -1109,12 +1106,10 @@ class TieredStore:
                     e.tier if e is not None and e.tenant == tenant else None
                     for e in map(self._index.get, keys)
                 ]
-            out = [None if e is None else e.tier for e in map(self._index.get, keys)]
+            entries: list[Entry | None] = list(map(self._index.get, keys))
             if self._isolated_owner:
-                for i, owner in enumerate(map(self._isolated_owner.get, keys)):
-                    if owner is not None and owner != tenant:
-                        out[i] = None
-            return out
+                entries = self._hide_foreign(keys, entries, tenant)
+            return [None if e is None else e.tier for e in entries]
 
     def peek(self, keys: Sequence[bytes], *, tenant: str = "") -> LookupResult:
         """What :meth:`lookup` would answer, counting nothing and touching no recency: for
@@ -1815,6 +1810,20 @@ class TieredStore:
             raise InvalidArgument(
                 f"unknown tier {name!r}; this store has {', '.join(self._tier_index)}"
             ) from None
+
+    def _hide_foreign(
+        self, keys: Sequence[bytes], entries: list[Entry | None], tenant: str
+    ) -> list[Entry | None]:
+        """``entries`` (``keys``' entries, in order) with another tenant's isolated chunks as
+        None, the answer for "not cached", by the same work whether or not ``keys`` name any:
+        all in C (maps of dict lookups), no Python-level step per hidden key. A loop run only
+        where one was named made a lookup of 512 keys 40% slower (11 us), which told a tenant
+        that another's isolated chunk exists under a key it named, though it answered a miss."""
+        # True where the key is no isolated chunk or ``tenant``'s own, else False
+        mine: dict[str | None, bool] = {None: True, tenant: True}
+        shown = map(mine.get, map(self._isolated_owner.get, keys), repeat(False))
+        hide: dict[bool, Entry | None] = {False: None}
+        return list(map(hide.get, shown, entries))
 
     def _visible(self, e: Entry, tenant: str) -> bool:
         """An isolated chunk is its owner's only; an isolated tenant sees only its own."""
