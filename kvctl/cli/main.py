@@ -38,6 +38,37 @@ def _prose_help_everywhere(typer_app: typer.Typer) -> None:
             _prose_help_everywhere(group.typer_instance)
 
 
+def _finite_numbers_only(command: Any) -> None:
+    """Every option and argument of ``command`` (and of its subcommands) refuses a number that
+    is not finite: a float option took inf and nan as any number (``--timeout inf`` waited for
+    ever; nan passed every comparison but ``min``), which no option means."""
+    import math
+
+    for sub in getattr(command, "commands", {}).values():
+        _finite_numbers_only(sub)
+    for param in command.params:
+        if getattr(param, "_finite_only", False):
+            continue
+        then = param.callback
+
+        def finite(ctx: Any, param: Any, value: Any, then: Any = then) -> Any:
+            for item in value if isinstance(value, list | tuple) else (value,):
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise typer.BadParameter(f"must be a finite number, got {item}")
+            return then(ctx, param, value) if then is not None else value
+
+        param.callback = finite
+        param._finite_only = True
+
+
+class _Root(typer.core.TyperGroup):
+    """The root command: as typer builds it, with :func:`_finite_numbers_only` applied."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _finite_numbers_only(self)
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"kvctl {__version__}")
@@ -119,6 +150,7 @@ def build_app(only: str | None = None) -> typer.Typer:
         name="kvctl",
         help="Operate fleets of LLM inference nodes that share tiered KV caches.",
         no_args_is_help=True,
+        cls=_Root,
         rich_markup_mode="rich",
         context_settings={"help_option_names": ["-h", "--help"]},
     )
