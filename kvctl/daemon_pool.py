@@ -194,16 +194,23 @@ class DaemonPool:
         return None
 
     def shutdown(self) -> None:
-        """Cancel the calls not started; those under way end on their own (not waited for)."""
+        """Cancel the calls not started; those under way end on their own (not waited for).
+        The futures are cancelled once the pool's lock is let go: a future runs its done
+        callbacks as it is cancelled, and one that called the pool (a submit, ``queued``)
+        waited for ever for the lock held around it."""
         with self._lock:
             self._closed = True
-            for fut, _, _ in self._queue:
-                # notified too, as an executor's are: concurrent.futures.wait() counts a future
-                # done once notified only, and waited for ever on one merely cancelled
-                if fut.cancel():
-                    fut.set_running_or_notify_cancel()
-            for fut, _, _ in self._handed:
-                fut.cancel()  # the thread it was handed to notifies it (twice would raise)
+            queued = [fut for fut, _, _ in self._queue]
+            handed = [fut for fut, _, _ in self._handed]
             self._queue.clear()
             self._work_cond.notify_all()  # idle threads end; the others once their call is over
             self._watch_cond.notify_all()
+        for fut in queued:  # out of the queue: no thread takes them now
+            # notified too, as an executor's are: concurrent.futures.wait() counts a future
+            # done once notified only, and waited for ever on one merely cancelled
+            if fut.cancel():
+                fut.set_running_or_notify_cancel()
+        for fut in handed:
+            # the thread it was handed to notifies it (twice would raise); one that started it
+            # first runs it, as a call under way
+            fut.cancel()

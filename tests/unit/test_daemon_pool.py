@@ -232,3 +232,37 @@ def test_a_call_cancelled_by_shutdown_ends_every_wait_for_it() -> None:
     _, not_done = wait(futures, timeout=GUARD_S)
     assert not not_done and futures[0].result() == 0
     assert futures[1].cancelled() and futures[2].cancelled()
+
+
+def test_a_done_callback_of_a_call_cancelled_by_shutdown_may_call_the_pool() -> None:
+    """A cancelled future runs its done callbacks as it is cancelled and notified: shutdown did
+    that holding the pool's lock, so a callback that asked the pool anything (its queue, a
+    submit of a follow-up call) waited for that lock for ever, and shutdown with it. The calls
+    are cancelled once the lock is let go: the callback is answered (a submit refused: the
+    pool is closed)."""
+    pool = DaemonPool(1, "kvctl-test-callback")
+    gates = Gates(2)
+    running = pool.submit(gates.call, 0)
+    assert gates.started[0].wait(GUARD_S)
+    queued = pool.submit(gates.call, 1)
+    told: list[object] = []
+
+    def follow_up(fut: Any) -> None:
+        told.append(pool.queued)
+        try:
+            pool.submit(gates.call, 1)
+        except RuntimeError as exc:
+            told.append(str(exc))
+
+    queued.add_done_callback(follow_up)
+    shutting = threading.Thread(
+        target=pool.shutdown, name="kvctl-test-callback-shutdown", daemon=True
+    )
+    shutting.start()
+    shutting.join(GUARD_S)
+    stuck = shutting.is_alive()
+    gates.open_all()
+    assert not stuck, "shutdown hung in the cancelled call's done callback"
+    assert told == [0, "the kvctl-test-callback pool is closed"]
+    assert queued.cancelled() and running.result(GUARD_S) == 0
+    assert until(lambda: pool.threads == 0)
