@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.model import Holding, owner
+from kvctl.remote.federation import MIN_KV_BYTES_PER_TOKEN
 from kvctl.remote.fetchplan import (
     DEVICE_TIERS,
     AnyLink,
@@ -174,6 +175,17 @@ class Decision:
         return out
 
 
+def held_tokens(h: Holding, chunk_tokens: int) -> int:
+    """The tokens ``h``'s chunk counts for: what its holder says, at most what the chunk can
+    hold, as the remote tiers bound a peer's claim (``RemoteTiers._token_bound``): the larger
+    of ``chunk_tokens`` and its bytes at ``MIN_KV_BYTES_PER_TOKEN``. An event bounds tokens by
+    an int64 only: a hostile or broken agent's chunk of 2**62 tokens made its holder look as if
+    it held the whole prompt (nothing to prefill), and won it every such request."""
+    if h.tokens <= chunk_tokens:
+        return h.tokens
+    return min(h.tokens, max(chunk_tokens, h.size_bytes // MIN_KV_BYTES_PER_TOKEN))
+
+
 def held_prefix(holdings: Sequence[Sequence[Holding]]) -> int:
     """Chunks at the head of the chain that some node holds."""
     n = 0
@@ -283,8 +295,8 @@ class _Shape:
     mostly a few runs, and a node works out its sources once per holder set."""
 
     #: (first chunk, chunks, holder set, size_bytes, tokens) of each run, in chain order; a
-    #: chunk's size and tokens are the largest any holder reports (tokens: ``chunk_tokens``
-    #: when none reports any)
+    #: chunk's size and tokens are the largest any holder reports (tokens: ``held_tokens``'s,
+    #: ``chunk_tokens`` when none reports any)
     runs: list[tuple[int, int, int, int, int]]
     #: each holder set's holdings (as its first chunk lists them) and the nodes owning them
     held: list[Sequence[Holding]]
@@ -317,10 +329,13 @@ class _Shape:
                 break
             if len(held) == 1:
                 h = held[0]
-                size, tok, holders = h.size_bytes, h.tokens or chunk_tokens, ((h.node, h.tier),)
+                size, tok, holders = h.size_bytes, h.tokens, ((h.node, h.tier),)
+                if tok > chunk_tokens:  # (inline: most chunks are chunk_tokens long)
+                    tok = held_tokens(h, chunk_tokens)
+                tok = tok or chunk_tokens
             else:
                 size = max([h.size_bytes for h in held])
-                tok = max([h.tokens for h in held]) or chunk_tokens
+                tok = max([held_tokens(h, chunk_tokens) for h in held]) or chunk_tokens
                 holders = tuple([(h.node, h.tier) for h in held])
             total += tok
             cumulative.append(total)

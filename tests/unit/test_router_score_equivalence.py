@@ -33,6 +33,7 @@ from kvctl.router.score import (
     decide,
     decision_for,
     held_prefix,
+    held_tokens,
     local_prefix,
     score_nodes,
 )
@@ -62,7 +63,8 @@ def reference_scores(
     if costs.host_to_device_bytes_per_s is None:
         device = LocalLink("device", 0.0, None, "unreported")
     sizes = [max(h.size_bytes for h in held) for held in chain]
-    chunk_tokens_of = [max(h.tokens for h in held) or chunk_tokens for held in chain]
+    chunk_tokens_of = [max(held_tokens(h, chunk_tokens) for h in held) or chunk_tokens
+                       for held in chain]  # fmt: skip
     floor_prefill_s = costs.prefill.seconds(min(tokens, sum(chunk_tokens_of)), tokens)
     bounded: list[tuple[float, str, Node, float]] = []
     for node in topology.nodes.values():

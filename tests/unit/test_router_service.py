@@ -456,3 +456,34 @@ def test_stats_and_health(served) -> None:  # type: ignore[no-untyped-def]
     assert stats["decisions"] == 1 and set(stats["nodes"]) == {"a1", "a2", "b1", "b2"}
     health = c.get("/v1/health").json()
     assert health["instance"] == router.instance and health["nodes"] == 4
+
+
+@pytest.mark.parametrize("claimed", [2**62, CHUNK_TOKENS * 4], ids=["2**62", "four-chunks"])
+def test_a_chunk_claiming_more_tokens_than_its_bytes_hold_counts_what_they_can(
+    claimed: int,
+) -> None:
+    """An agent's events bound a chunk's tokens by an int64 only: a hostile or broken one that
+    said its one chunk of a 4-chunk prompt held 2**62 tokens (or the whole prompt's) made the
+    router take the whole prompt as fetched from it, nothing to prefill, and send every such
+    request there (found by a review). A chunk counts at most what it can hold, as the remote
+    tiers bound a peer's claim: chunk_tokens, or its bytes at MIN_KV_BYTES_PER_TOKEN."""
+    ks = keys(4)
+    index = EmbeddedIndex()
+    # 512 bytes: 256 tokens at MIN_KV_BYTES_PER_TOKEN (2), the router's chunk_tokens
+    index.apply("b1", [ChunkEvent("stored", ks[0], "cpu", "t", False, 512, claimed)])
+    router = make_router(index)
+    d = router.route(ks, tenant="t", tokens=4 * CHUNK_TOKENS)
+    assert d.node == "b1" and d.chosen.fetched_chunks == 1
+    assert d.chosen.fetched_tokens == CHUNK_TOKENS
+    stats = router.stats()
+    assert (stats["fetched_tokens"], stats["recomputed_tokens"]) == (256, 3 * CHUNK_TOKENS)
+
+
+def test_a_chunk_larger_than_the_routers_whose_bytes_hold_its_tokens_counts_them_all() -> None:
+    """An engine may chunk larger than the router (its own chunk_tokens): a chunk of 512
+    tokens whose bytes hold them counts its 512, not the router's 256."""
+    ks = keys(2)
+    index = EmbeddedIndex()
+    index.apply("b1", [ChunkEvent("stored", ks[0], "cpu", "t", False, 2 * CHUNK_BYTES, 512)])
+    d = make_router(index).route(ks, tenant="t", tokens=4 * CHUNK_TOKENS)
+    assert d.node == "b1" and d.chosen.fetched_tokens == 512
