@@ -372,6 +372,13 @@ class MetaReader:
             raise FrameError(ErrorCode.BAD_REQUEST, f"batch of {n} items > limit {limit}")
         return n
 
+    def next_count(self) -> int:
+        """The u32 that comes next (a count), left unread."""
+        head = self._b[self._pos : self._pos + 4]
+        if len(head) < 4:
+            raise FrameError(ErrorCode.BAD_REQUEST, "metadata is truncated")
+        return int(struct.unpack("<I", head)[0])
+
     def keys(self) -> list[bytes]:
         n = self.count()
         raw = self._take(n * KEY_BYTES)

@@ -325,3 +325,25 @@ def test_lookup_many_caps_its_keys_in_all(node: Node) -> None:
     assert node.lookups() == before
     assert _ping(sock) == Op.PING | REPLY
     sock.close()
+
+
+def test_lookup_many_reads_no_key_past_its_cap(node: Node) -> None:
+    # a frame naming more keys than the cap is refused once its chains pass it, before the rest
+    # is read: it was read whole first, every key a Python object, so a frame of 8 MiB of keys
+    # (522,240 of them) took about 29 MiB to be refused, on each connection at once. Here the
+    # chain past the cap is cut short: read, it would be refused as truncated instead
+    sock = node.raw()
+    _hello(sock)
+    full = [[key(i, 9)] * 1024 for i in range(MAX_LOOKUP_MANY_KEYS // 1024)]
+    w = MetaWriter().text("t").u32(len(full) + 2)
+    for chain in full:
+        w.keys(chain)
+    meta = w.keys([key(0, 10)]).u32(1024).raw(key(1, 10)).build()  # the last chain: 1 key of 1024
+    before = node.lookups()
+    sock.sendall(pack_header(Op.LOOKUP_MANY, 5, len(meta)) + meta)
+    code, message = _error(sock)
+    assert code == ErrorCode.BAD_REQUEST and str(MAX_LOOKUP_MANY_KEYS) in message, message
+    assert "truncated" not in message, message
+    assert node.lookups() == before
+    assert _ping(sock) == Op.PING | REPLY
+    sock.close()
