@@ -11,7 +11,7 @@ from typing import Any
 
 from kvctl.bearer import bearer_headers, token_problem
 from kvctl.errors import KvctlError
-from kvctl.index.events import ChunkEvent
+from kvctl.index.events import MAX_COUNT, ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
 
 #: an agent asks on a lookup's path: a slow router must cost it little. One read waits this
@@ -81,7 +81,7 @@ class IndexClient:
             raise IndexUnavailable(f"index at {self._shown} answered {r.status_code}: {said}")
         try:
             return r.json()
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # (nested deeper than json parses)
             raise IndexUnavailable(f"index at {self._shown} sent no JSON") from exc
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:
@@ -105,7 +105,10 @@ class IndexClient:
                 out.extend(
                     [
                         Holding(
-                            str(h["node"]), str(h["tier"]), int(h["size_bytes"]), int(h["tokens"])
+                            str(h["node"]),
+                            str(h["tier"]),
+                            _count(h["size_bytes"]),
+                            _count(h["tokens"]),
                         )
                         for h in row
                     ]
@@ -118,7 +121,7 @@ class IndexClient:
     def nodes(self) -> dict[str, int]:
         reply = self._json("GET", "/v1/index")
         try:
-            return {str(k): int(v) for k, v in reply["nodes"].items()}
+            return {str(k): _count(v) for k, v in reply["nodes"].items()}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise IndexUnavailable(f"index at {self._shown} sent a bad answer: {exc}") from exc
 
@@ -142,3 +145,12 @@ class IndexClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _count(value: object) -> int:
+    """A count of the router's answer as the index holds them (0 to an int64's, JSON's own
+    integers): int() took "16", true and 2.5, a negative one as it came, and raised
+    OverflowError for 1e400, out of the agent's lookup."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT:
+        raise ValueError(f"not a count: {value!r:.40}")
+    return value

@@ -87,3 +87,57 @@ def test_an_answer_too_long_is_not_read(length: str) -> None:
                 client.holders([bytes(16)], tenant="t")
         finally:
             client.close()
+
+
+def _holding(**changed: object) -> str:
+    import json
+
+    h: dict[str, object] = {"node": "b", "tier": "cpu", "size_bytes": 4096, "tokens": 16}
+    return json.dumps({"holders": [[{**h, **changed}]]}).replace("Infinity", "1e400")
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        _holding(size_bytes=float("inf")),  # 1e400: int() raised OverflowError past the agent
+        _holding(tokens=-16),  # a negative count taken as it came
+        _holding(size_bytes=True),  # int(true): 1
+        _holding(tokens="16"),  # int("16"): a string taken for a count
+        _holding(tokens=2.5),  # int(2.5): 2
+        _holding(tokens=2**64),  # past the index's own bound (an int64)
+        '{"holders": [[' * 5_000 + "]]" * 5_000 + "}",  # RecursionError past the agent
+    ],
+    ids=[
+        "size-1e400",
+        "tokens-negative",
+        "size-true",
+        "tokens-text",
+        "tokens-2.5",
+        "tokens-2**64",
+        "nested-deeper-than-json-parses",
+    ],
+)
+def test_a_holders_answer_whose_counts_are_no_counts_is_index_unavailable(body: str) -> None:
+    """The router's holders answer was taken with int() of each count: 1e400 raised
+    OverflowError and JSON nested past the parser's depth RecursionError, out of the agent's
+    lookup (a bug's failure, not the index's); a negative, true, "16" or 2.5 was taken for a
+    count (found by a review). Each is a bad answer: IndexUnavailable."""
+    with answering_url(200, body.encode(), "application/json") as url:
+        client = IndexClient(url)
+        try:
+            with pytest.raises(IndexUnavailable, match=r"bad answer|no JSON"):
+                client.holders([bytes(16)], tenant="t")
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("count", ["1e400", "-3", "true", '"12"'])
+def test_a_nodes_answer_whose_counts_are_no_counts_is_index_unavailable(count: str) -> None:
+    body = '{"nodes": {"b": ' + count + "}}"
+    with answering_url(200, body.encode(), "application/json") as url:
+        client = IndexClient(url)
+        try:
+            with pytest.raises(IndexUnavailable, match="bad answer"):
+                client.nodes()
+        finally:
+            client.close()
