@@ -502,7 +502,7 @@ class RedisIndex:
                     gone.append(field)
                     continue
                 age_s = max(0.0, (now_ms - claimed_ms) / 1000)
-                if _str(field) == excluding:
+                if field == _utf8(excluding):
                     continue
                 for node in nodes:
                     out[node] = min(age_s, out.get(node, age_s))

@@ -4,6 +4,7 @@ IndexUnavailable (then recovers) when its server goes away. Skipped without Redi
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 import threading
@@ -467,3 +468,22 @@ def test_a_count_not_written_by_an_index_is_index_unavailable(
         raw.close()
     with pytest.raises(IndexUnavailable, match="malformed count"):
         fresh.nodes()
+
+
+def test_a_claim_under_a_field_that_is_no_utf8_name_is_read_as_any_other(
+    fresh: RedisIndex, redis_url: str
+) -> None:
+    """claims() decoded each field (a router's instance id) to compare it with ``excluding``:
+    one that is no UTF-8 raised UnicodeDecodeError out of it (not IndexUnavailable: a reread
+    of the inventory failed with it, and `kvctl router forget` answered 500)."""
+    fresh.claim("router-a", ["x"])
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        seconds, micros = raw.time()
+        now_ms = seconds * 1000 + micros // 1000
+        claim = json.dumps({"ms": now_ms, "nodes": ["y"]})
+        raw.hset(f"{fresh.prefix}claims", b"\xc3\x28", claim)
+    finally:
+        raw.close()
+    assert set(fresh.claims(excluding="router-a")) == {"y"}
+    assert set(fresh.claims()) == {"x", "y"}
