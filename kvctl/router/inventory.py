@@ -15,7 +15,7 @@ ran, or one a router restarted without (fewer ``--agent`` flags). With ``forget_
 inventory is the fleet's own: the fleet database) a node in the index that the inventory does not
 name is dropped at start and at each reread, with its engines' entries. The index's nodes are
 listed before the inventory is read: a node added meanwhile, and written by a router that read
-it, is in the inventory read after. Not when the index holds none of the inventory's nodes (a
+it, is in the inventory read after. Not when the index holds no entry of the inventory's nodes (a
 database of another fleet, a developer's own SQLite file, against the fleet's Redis): nothing is
 dropped then, and the status says why. Nor a node another running router follows: every router
 claims the nodes it knows in a shared index every ``CLAIM_INTERVAL_S`` (``ClaimingIndex``), and
@@ -179,9 +179,12 @@ class InventoryReloader:
         router does not know now, unless none of them is one it knows."""
         unknown = sorted(self.router.unknown_index_nodes(listed))
         if unknown and len(unknown) == len(listed):
+            # (nodes() lists nodes with entries only: the inventory's may be in the index,
+            # resynced, and hold no chunk yet, as a new fleet's agents do)
             self.forget_note = (
-                f"the index holds none of the inventory's {len(self.router.topology.nodes)} "
-                f"nodes, only {len(owners(unknown))} others (another fleet's index?): none dropped"
+                f"the index holds no entry of the inventory's {len(self.router.topology.nodes)} "
+                f"nodes, only of {len(owners(unknown))} others (another fleet's index, or the "
+                "inventory's nodes hold no chunk yet?): none dropped"
             )
             log.warning("inventory (%s): %s", self.source, self.forget_note)
             return

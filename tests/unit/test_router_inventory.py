@@ -122,3 +122,19 @@ def test_a_reread_that_fails_where_nobody_expected_leaves_the_rereads_running() 
         assert reread.acquire(timeout=10)  # a reread after the failed pass
     finally:
         reloader.stop()
+
+
+def test_an_index_holding_no_entry_of_the_inventorys_nodes_says_they_may_hold_none_yet() -> None:
+    """The inventory's nodes resynced into the index, holding no chunk yet (a new fleet's
+    agents), beside a node of the fleet before: nothing is dropped (the index lists nodes with
+    entries only, so it looks like another fleet's), and the note said only 'another fleet's
+    index?', which it is not (found by a review)."""
+    index = EmbeddedIndex()
+    for node in ("a1", "a2", "b1", "b2"):
+        index.replace(node, [])  # followed, empty
+    index.apply("y", stored(KEYS[:2]))
+    reloader = _forgetting(index)
+    assert reloader.reload()
+    assert index.nodes() == {"y": 2}
+    note = reloader.status()["forget_note"]
+    assert "the inventory's nodes hold no chunk yet?" in note and "none dropped" in note
