@@ -35,7 +35,7 @@ def upgrade_command(
       KVCTL_DB_URL=postgresql://kvctl@db.internal/kvctl kvctl db upgrade
     """
     from kvctl.db import migrate
-    from kvctl.db.engine import create_db_engine, display_url, resolve_url
+    from kvctl.db.engine import SchemaNotKnown, create_db_engine, display_url, resolve_url
 
     with db_errors():
         url = resolve_url(db)
@@ -45,6 +45,9 @@ def upgrade_command(
         engine = create_db_engine(url)
         try:
             before = migrate.current_revision(engine)
+            newer = migrate.unknown_revision(engine, before)
+            if newer is not None:  # alembic: "Can't locate revision", of the database's own
+                fail(newer, hint=SchemaNotKnown.hint)
             migrate.check_upgrade_target(engine, revision)
             migrate.upgrade(engine, revision)
             after = migrate.current_revision(engine)
@@ -58,8 +61,15 @@ def upgrade_command(
     out = {"database": display_url(str(engine.url)), "from": before, "to": after}
     if json_out:
         print_json(out)
+    elif before == after and not migrate.is_revision(after, revision):
+        # alembic's upgrade to an older revision (or base) does nothing: not "already at" it
+        console.print(
+            f"{out['database']}: at {after or 'empty'}, already past --revision {revision}; "
+            "nothing done (upgrade never downgrades)",
+            soft_wrap=True,
+        )
     elif before == after:
-        console.print(f"{out['database']}: already at {after}", soft_wrap=True)
+        console.print(f"{out['database']}: already at {after or 'empty'}", soft_wrap=True)
     else:
         console.print(f"{out['database']}: upgraded {before or 'empty'} -> {after}", soft_wrap=True)
 
@@ -97,6 +107,7 @@ def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
             finally:
                 engine.dispose()
     head = migrate.head_revision()
+    newer = None if missing else migrate.unknown_revision(engine, current)
     out = {
         "database": display_url(url),
         "backend": make_url(url).get_backend_name(),
@@ -109,11 +120,15 @@ def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
         print_json(out)
     else:
         state = "[green]up to date[/]" if current == head else "[yellow]behind[/]"
+        if newer:
+            state = "[red]newer than this kvctl[/]"
         console.print(f"database  {out['database']}")
         console.print(f"backend   {out['backend']}")
         console.print(f"revision  {current or 'empty'} (head {head}, {state})")
         if missing:
             console.print(f"[dim]{escape(missing)}[/]", soft_wrap=True)
+        elif newer:
+            console.print(f"[dim]{escape(newer)}[/]", soft_wrap=True)
         elif current != head and out["backend"] == "sqlite":
             console.print(
                 "[dim]SQLite upgrades itself on first use, or run `kvctl db upgrade`[/]",

@@ -51,7 +51,7 @@ def db_errors(hint: str = DB_HINT, *, url: str | None = None) -> Iterator[None]:
     try:
         yield
     except DatabaseError as exc:
-        fail(str(exc), hint=hint)
+        fail(str(exc), hint=getattr(exc, "hint", None) or hint)
     except SQLAlchemyError as exc:
         what = f"cannot use {display_url(url)}" if url else "database error"
         fail(f"{what}: {driver_message(exc)}", hint=hint)

@@ -29,6 +29,13 @@ class DatabaseError(Exception):
     """The database cannot be used as asked; the message says what to do."""
 
 
+class SchemaNotKnown(DatabaseError):
+    """The database is at a schema revision this kvctl does not know (a newer kvctl migrated
+    it), or at several at once; nothing of it is changed."""
+
+    hint = "an older kvctl neither uses nor migrates it: run the kvctl that migrated it, or newer"
+
+
 class NoDatabase(DatabaseError):
     """A command that only reads found no SQLite database where the URL points (a typo, or
     none made yet); nothing was created."""

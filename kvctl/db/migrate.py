@@ -39,8 +39,59 @@ def revisions() -> list[str]:
 
 
 def current_revision(engine: Engine) -> str | None:
+    """The database's schema revision (None: no schema yet). A database at more than one
+    revision at once (its alembic_version table holds several rows: branches this kvctl never
+    makes) raises ``kvctl.db.engine.SchemaNotKnown`` saying so: alembic's CommandError reached
+    every command and the dashboard as a traceback."""
     with engine.connect() as conn:
-        return MigrationContext.configure(conn).get_current_revision()
+        heads = MigrationContext.configure(conn).get_current_heads()
+    if len(heads) > 1:
+        from kvctl.db.engine import SchemaNotKnown
+
+        known = set(revisions())
+        unknown = [h for h in heads if h not in known]
+        by = "a newer kvctl" if unknown else "hand (alembic stamp) or another tool"
+        raise SchemaNotKnown(
+            f"the database at {_where(engine)} is at schema revisions {', '.join(heads)} at once, "
+            f"which this kvctl never writes (its schema is one line of revisions up to "
+            f"{head_revision()}): it was migrated by {by}; "
+            + ("upgrade kvctl" if unknown else "check its alembic_version table")
+        )
+    return heads[0] if heads else None
+
+
+def unknown_revision(engine: Engine, current: str | None) -> str | None:
+    """Where the database is at a revision this kvctl does not know: what is true (a newer
+    kvctl migrated it) and what to do; None for a revision it knows, or no schema."""
+    if current is None or current in revisions():
+        return None
+    return (
+        f"the database at {_where(engine)} is at schema revision {current}, which this kvctl "
+        f"does not know (it knows up to {head_revision()}): it was migrated by a newer kvctl; "
+        "upgrade kvctl"
+    )
+
+
+def is_revision(revision: str | None, target: str) -> bool:
+    """Whether ``target`` (as ``upgrade`` takes it: a revision or a unique prefix of one,
+    head, heads, base) names ``revision`` (None: no schema)."""
+    from alembic.util import CommandError
+
+    if target == "base":
+        return revision is None
+    if "+" in target or "-" in target:  # relative (+1, head-2, -1): from where the database was
+        return True
+    try:
+        found = ScriptDirectory.from_config(alembic_config()).get_revisions(target)
+    except CommandError:
+        return True  # an upgrade to it failed already; nothing better to say
+    return tuple(r.revision for r in found if r is not None) == ((revision,) if revision else ())
+
+
+def _where(engine: Engine) -> str:
+    from kvctl.db.engine import display_url, sqlite_file_path
+
+    return sqlite_file_path(engine) or display_url(engine.url.render_as_string(hide_password=False))
 
 
 #: what SQLite says of a table or column its schema lacks: a read's "no such table: x" or "no
@@ -57,27 +108,28 @@ def schema_behind(engine: Engine, exc: BaseException) -> str | None:
     revision cannot be read (the caller says the driver's words). Never upgrades: a process
     that found its database current does not migrate one put there under it; the operator
     runs ``kvctl db upgrade``. Asked only on such failures: a database away is not asked again."""
+    from alembic.util import CommandError
     from sqlalchemy.exc import ProgrammingError, SQLAlchemyError
 
-    from kvctl.db.engine import display_url, sqlite_file_path
+    from kvctl.db.engine import DatabaseError, display_url, sqlite_file_path
 
     said = str(getattr(exc, "orig", None) or exc)
     if not (isinstance(exc, ProgrammingError) or MISSING_IN_SCHEMA.search(said)):
         return None
     try:
         current = current_revision(engine)
-    except SQLAlchemyError:
+    except DatabaseError as not_ours:  # at several revisions at once
+        return str(not_ours)
+    except (SQLAlchemyError, CommandError):
         return None
     head = head_revision()
     if current == head:
         return None
     url = display_url(engine.url.render_as_string(hide_password=False))
     where = sqlite_file_path(engine) or url
-    if current is not None and current not in revisions():
-        return (
-            f"the database at {where} is at schema revision {current}, which this kvctl does "
-            "not know: it was migrated by a newer kvctl; upgrade kvctl"
-        )
+    newer = unknown_revision(engine, current)
+    if newer is not None:
+        return newer
     return (
         f"the database at {where} is at schema revision {current or 'empty'}, this kvctl needs "
         f"{head}: run `kvctl db upgrade --db {shlex.quote(url)}`"
@@ -153,6 +205,7 @@ def open_db(
 
     from kvctl.db.engine import (
         DatabaseError,
+        SchemaNotKnown,
         create_db_engine,
         display_url,
         driver_message,
@@ -163,6 +216,9 @@ def open_db(
     engine = create_db_engine(resolve_url(url), create=create)
     try:
         current = current_revision(engine)
+    except DatabaseError:
+        engine.dispose()
+        raise
     except OperationalError as exc:
         engine.dispose()
         raise DatabaseError(
@@ -172,12 +228,10 @@ def open_db(
     head = head_revision()
     if current == head:
         return engine
-    if current is not None and current not in revisions():
+    newer = unknown_revision(engine, current)
+    if newer is not None:
         engine.dispose()
-        raise DatabaseError(
-            f"the database is at revision {current}, which this kvctl does not know: it was "
-            "migrated by a newer kvctl; upgrade kvctl"
-        )
+        raise SchemaNotKnown(newer)
     if auto_upgrade is None:
         auto_upgrade = engine.dialect.name == "sqlite"
     if not auto_upgrade:

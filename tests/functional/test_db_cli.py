@@ -85,8 +85,8 @@ def test_bad_upkeep_input_is_one_line_and_exit_2(empty_db_url: str) -> None:
         # past the newest, and none: alembic asserted (AssertionError, a bug's line)
         (["db", "upgrade", "--revision", "head+1"], "Can't resolve revision 'head+1' from"),
         (["db", "upgrade", "--revision", ""], "Can't resolve revision '' from"),
-        (["db", "maintain", "--raw-days", "nan"], "retention periods must be"),
-        (["db", "maintain", "--hour-days", "inf"], "retention periods must be"),
+        (["db", "maintain", "--raw-days", "nan"], "must be a finite number, got nan"),
+        (["db", "maintain", "--hour-days", "inf"], "must be a finite number, got inf"),
         (["db", "maintain", "--day-days", "1e300"], "retention periods must be"),
         (["audit", "--limit", str(2**64)], "--limit"),
     ]
@@ -95,3 +95,103 @@ def test_bad_upkeep_input_is_one_line_and_exit_2(empty_db_url: str) -> None:
         out = " ".join(result.output.split())
         assert result.exit_code == 2, (args, out)
         assert said in out and "did not expect" not in out, (args, out)
+
+
+def _stamp(url: str, *revisions: str) -> None:
+    """The database's alembic_version rows set to ``revisions``, as a newer kvctl (or a stamp
+    by hand) leaves them."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as conn:
+        conn.execute(text("DELETE FROM alembic_version"))
+        for revision in revisions:
+            conn.execute(text("INSERT INTO alembic_version VALUES (:r)"), {"r": revision})
+    engine.dispose()
+
+
+def _failed_statement(url: str) -> tuple[object, BaseException]:
+    """An engine on ``url`` and the error of a read of a table its schema lacks."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from kvctl.db.engine import create_db_engine
+
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT * FROM table_of_a_newer_kvctl"))
+    except SQLAlchemyError as exc:
+        return engine, exc
+    raise AssertionError("the read did not fail")
+
+
+def test_a_database_a_newer_kvctl_migrated_is_said_to_be_so(empty_db_url: str) -> None:
+    """A revision this kvctl does not know: `db current` said 'behind' and that SQLite upgrades
+    itself, `db upgrade` alembic's "Can't locate revision"."""
+    assert runner.invoke(app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
+    _stamp(empty_db_url, "ffff00000099")
+
+    current = runner.invoke(app, ["db", "current", "--db", empty_db_url])
+    said = " ".join(current.output.split())
+    assert current.exit_code == 1, said
+    assert "newer than this kvctl" in said and "behind" not in said
+    assert "migrated by a newer kvctl; upgrade kvctl" in said
+    assert "upgrades itself" not in said
+
+    for args in (["db", "upgrade"], ["db", "upgrade", "--revision", "base"], ["status"]):
+        result = runner.invoke(app, [*args, "--db", empty_db_url])
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2, (args, said)
+        assert "ffff00000099, which this kvctl does not know" in said, (args, said)
+        assert "migrated by a newer kvctl" in said and "Can't locate" not in said, (args, said)
+        assert "check that its server is up" not in said, (args, said)
+
+    engine, exc = _failed_statement(empty_db_url)
+    try:
+        behind = migrate.schema_behind(engine, exc)  # type: ignore[arg-type]
+    finally:
+        engine.dispose()  # type: ignore[attr-defined]
+    assert behind is not None and "migrated by a newer kvctl" in behind
+
+
+def test_a_database_at_two_revisions_at_once_is_said_in_one_line(empty_db_url: str) -> None:
+    """Two rows in alembic_version (a newer kvctl's branches): alembic's CommandError ('more
+    than one head present') was a bug's line from every command, and escaped schema_behind
+    (the collector's and the dashboard's reading of a failed statement) as a traceback."""
+    assert runner.invoke(app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
+    head = migrate.head_revision()
+    _stamp(empty_db_url, head, "ffff00000099")
+
+    for args in (["db", "current"], ["db", "upgrade"], ["status"], ["audit"]):
+        result = runner.invoke(app, [*args, "--db", empty_db_url])
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2, (args, said)
+        assert "at once" in said and "migrated by a newer kvctl" in said, (args, said)
+        assert "did not expect" not in said and "more than one head" not in said, (args, said)
+
+    engine, exc = _failed_statement(empty_db_url)
+    try:
+        behind = migrate.schema_behind(engine, exc)  # type: ignore[arg-type]
+    finally:
+        engine.dispose()  # type: ignore[attr-defined]
+    assert behind is not None and "at once" in behind
+
+
+def test_an_upgrade_to_base_or_an_older_revision_says_what_it_did(empty_db_url: str) -> None:
+    """`db upgrade --revision base` said 'already at None'; to a revision the database is past,
+    'already at <its revision>', as if that were the one asked."""
+    head = migrate.head_revision()
+    empty = runner.invoke(app, ["db", "upgrade", "--revision", "base", "--db", empty_db_url])
+    assert empty.exit_code == 0 and "already at empty" in empty.stdout, empty.output
+    assert "None" not in empty.stdout
+
+    assert runner.invoke(app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
+    for older in ("base", migrate.revisions()[0]):
+        result = runner.invoke(app, ["db", "upgrade", "--revision", older, "--db", empty_db_url])
+        said = " ".join(result.stdout.split())
+        assert result.exit_code == 0, said
+        assert f"at {head}, already past --revision {older}; nothing done" in said, said
+        assert "already at" not in said
+    again = runner.invoke(app, ["db", "upgrade", "--revision", head, "--db", empty_db_url])
+    assert f"already at {head}" in again.stdout
