@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, wait
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit, urlunsplit
 
 from kvctl.client import AgentClient
@@ -820,6 +820,9 @@ def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:
         or not _is_count(last_seq)
         or not _is_count(dropped)
         or not isinstance(instance, str)
+        # past the agent's own bound: taken as the cursor, every later read asked for events
+        # after it, which the agent refuses, and the node was down for good
+        or cast(int, last_seq) > _PAST_ANY_SEQ
     ):
         raise ValueError(f"not an events answer: {dict(answer)!r:.200}")
     assert isinstance(last_seq, int) and isinstance(dropped, int)  # for mypy: _is_count checked

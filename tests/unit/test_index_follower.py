@@ -674,3 +674,50 @@ def _outcome(call: Any) -> object:
         return call()
     except BaseException as exc:
         return exc
+
+
+class _SeqPastAny(_Scripted):
+    """``_Scripted``, answering ``last_seq`` past an int64 while ``script["broken"]``, and
+    refusing a cursor past it as an agent does (422: its ``after`` is at most 2**63 - 1)."""
+
+    def do_GET(self) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[0] for k, v in parse_qs(url.query).items()}
+        if url.path == "/v1/events/recent" and int(query.get("after", 0)) > 2**63 - 1:
+            self.send_error(422)
+            return
+        if url.path == "/v1/events/recent" and self.script.get("broken"):
+            data = json.dumps(
+                {"events": [], "last_seq": 2**64, "dropped": 0, "instance": "i"}
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+            return
+        super().do_GET()
+
+
+def test_an_events_answer_past_any_seq_does_not_wedge_the_follower() -> None:
+    """An agent answered last_seq 2**64 once (broken): the follower took it as its cursor,
+    and every later read asked for events after it, which the agent refuses (422): the node
+    was down for good, its new chunks never indexed, until the router restarted (found by a
+    review). Such an answer is no events answer: the cursor stays, and the next poll reads on."""
+    script: dict[str, Any] = {"events": [], "items": [], "instance": "i", "broken": True}
+    index = EmbeddedIndex()
+    with serving(type("SeqPastAny", (_SeqPastAny,), {"script": script})) as url:
+        follower = Follower(index, "a", url)
+        try:
+            follower.poll_once()
+            script["broken"] = False
+            follower.poll_once()  # (a resync: nothing listed yet)
+            script["events"] = [
+                {"seq": 1, "type": "store", **_stored(K1)},
+                {"seq": 2, "type": "store", **_stored(K2)},
+            ]
+            follower.poll_once()
+            assert index.nodes() == {"a": 2}
+            assert follower.status()["up"] is True
+        finally:
+            follower.close()
