@@ -192,7 +192,14 @@ def _parse_line(
         problem = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column})"
         raise TraceFormatError(path, line_no, problem) from None
     except ValueError as exc:
-        raise TraceFormatError(path, line_no, str(exc)) from None
+        problem = str(exc)
+        if b"\r" in raw.rstrip(b"\r\n"):  # "Extra data at column 76" of a whole file
+            problem += (
+                "; the line holds a carriage return (\\r) with no newline after it: a file"
+                " whose lines end in a lone \\r (classic Mac) reads as one line; give its"
+                " lines \\n endings (e.g. tr '\\r' '\\n' < in.jsonl > out.jsonl)"
+            )
+        raise TraceFormatError(path, line_no, problem) from None
 
 
 def read_mooncake_trace(

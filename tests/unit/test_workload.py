@@ -319,3 +319,30 @@ def test_a_workload_being_generated_or_read_is_said_on_a_terminal(
     monkeypatch.setattr(output, "err_console", Console(file=quiet, force_terminal=True))
     load_workload_said(None, seed=1, limit=300, workload="builtin", quiet=True)
     assert quiet.getvalue() == ""
+
+
+def test_a_trace_whose_lines_end_in_a_lone_cr_is_refused_naming_the_cause(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Lone \r line endings (classic Mac) make the whole file one line: it was refused as
+    # "invalid JSON: Extra data at column 76", which says nothing of why.
+    from typer.testing import CliRunner
+
+    from kvctl.cli.main import app
+
+    records = [_record(i, 512, [i]) for i in range(3)]
+    lone = tmp_path / "cr.jsonl"
+    lone.write_bytes("\r".join(records).encode() + b"\r")
+    with pytest.raises(TraceFormatError, match=r":1: .*lone \\r .*tr '\\r' '\\n'"):
+        read_mooncake_trace(lone)
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(lone)])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "carriage return" in said and "Traceback" not in said
+
+    # \r\n endings, and a \r as JSON's own whitespace inside a line, read as before
+    crlf = tmp_path / "crlf.jsonl"
+    crlf.write_bytes("\r\n".join(records).encode() + b"\r\n")
+    assert len(read_mooncake_trace(crlf)) == 3
+    spaced = tmp_path / "spaced.jsonl"
+    spaced.write_bytes(b"\n".join(r.replace(", ", ",\r").encode() for r in records) + b"\n")
+    assert len(read_mooncake_trace(spaced)) == 3
