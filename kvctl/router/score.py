@@ -175,14 +175,18 @@ class Decision:
         return out
 
 
-def held_tokens(h: Holding, chunk_tokens: int) -> int:
+def held_tokens(h: Holding, chunk_tokens: int, *, exact: bool = False) -> int:
     """The tokens ``h``'s chunk counts for: what its holder says, at most what the chunk can
     hold, as the remote tiers bound a peer's claim (``RemoteTiers._token_bound``): the larger
     of ``chunk_tokens`` and its bytes at ``MIN_KV_BYTES_PER_TOKEN``. An event bounds tokens by
     an int64 only: a hostile or broken agent's chunk of 2**62 tokens made its holder look as if
-    it held the whole prompt (nothing to prefill), and won it every such request."""
+    it held the whole prompt (nothing to prefill), and won it every such request. ``exact``:
+    the chain's keys are the router's own, of ``chunk_tokens`` tokens each (a prompt routed by
+    its token ids), so no chunk holds more, whatever its bytes."""
     if h.tokens <= chunk_tokens:
         return h.tokens
+    if exact:
+        return chunk_tokens
     return min(h.tokens, max(chunk_tokens, h.size_bytes // MIN_KV_BYTES_PER_TOKEN))
 
 
@@ -217,6 +221,7 @@ def score_nodes(
     queue_s: Mapping[str, float] | None = None,
     up: frozenset[str] | set[str] | None = None,
     prune: bool = False,
+    exact_chunks: bool = False,
 ) -> list[NodeScore]:
     """Every serving node's score for a chain whose chunks are held as ``holdings`` says (the
     index's answer, already filtered for the tenant), best first. ``up``: the nodes that may be
@@ -227,6 +232,10 @@ def score_nodes(
     all of it were fetched for free), so nodes are planned in order of that bound and the rest
     are skipped once a planned node scores below it: the best node is the same, the list holds
     the planned nodes only (what a decision needs; ``--explain`` plans them all).
+
+    ``exact_chunks``: every key of the chain is of ``chunk_tokens`` tokens (the router computed
+    them from the prompt's token ids): a holding claiming more counts ``chunk_tokens`` (see
+    ``held_tokens``).
 
     Each plan is ``plan_fetch``'s for the chain on that node, worked out over runs of chunks
     with the same holders (``_Shape``) instead of one ``Candidate`` per chunk; a test checks
@@ -239,7 +248,7 @@ def score_nodes(
     device = LocalLink("device", 0.0, costs.host_to_device_bytes_per_s, "configured")
     if costs.host_to_device_bytes_per_s is None:
         device = LocalLink("device", 0.0, None, "unreported")
-    shape = _Shape.of(holdings, chunk_tokens, costs.prefill)
+    shape = _Shape.of(holdings, chunk_tokens, costs.prefill, exact_chunks)
     held_tokens = min(tokens, shape.tokens[-1])
     floor_prefill_s = costs.prefill.seconds(held_tokens, tokens)
     bounded: list[tuple[float, str, Node, float]] = []
@@ -310,7 +319,11 @@ class _Shape:
 
     @classmethod
     def of(
-        cls, holdings: Sequence[Sequence[Holding]], chunk_tokens: int, prefill: PrefillModel
+        cls,
+        holdings: Sequence[Sequence[Holding]],
+        chunk_tokens: int,
+        prefill: PrefillModel,
+        exact: bool = False,
     ) -> _Shape:
         """The shape of ``holdings``' held prefix (up to the first chunk nobody holds)."""
         alpha, beta = prefill.alpha_s_per_token, prefill.beta_s_per_token2
@@ -331,11 +344,11 @@ class _Shape:
                 h = held[0]
                 size, tok, holders = h.size_bytes, h.tokens, ((h.node, h.tier),)
                 if tok > chunk_tokens:  # (inline: most chunks are chunk_tokens long)
-                    tok = held_tokens(h, chunk_tokens)
+                    tok = held_tokens(h, chunk_tokens, exact=exact)
                 tok = tok or chunk_tokens
             else:
                 size = max([h.size_bytes for h in held])
-                tok = max([held_tokens(h, chunk_tokens) for h in held]) or chunk_tokens
+                tok = max([held_tokens(h, chunk_tokens, exact=exact) for h in held]) or chunk_tokens
                 holders = tuple([(h.node, h.tier) for h in held])
             total += tok
             cumulative.append(total)

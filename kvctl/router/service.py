@@ -566,6 +566,7 @@ class Router:
             policy=policy,
             session=session,
             explain=explain,
+            exact_chunks=True,  # its own keys: chunk_tokens tokens each
         )
 
     def route(
@@ -607,6 +608,7 @@ class Router:
         policy: str,
         session: str | None,
         explain: bool,
+        exact_chunks: bool = False,
     ) -> Decision:
         if policy not in POLICIES:
             raise InvalidArgument(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
@@ -639,6 +641,7 @@ class Router:
             up=up,
             # a baseline's node must be among the scores, whatever its bound
             prune=policy == "cost" and not explain,
+            exact_chunks=exact_chunks,
         )
         chosen = scores[0] if scores else None
         if chosen is not None and policy != "cost":

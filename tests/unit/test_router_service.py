@@ -487,3 +487,17 @@ def test_a_chunk_larger_than_the_routers_whose_bytes_hold_its_tokens_counts_them
     index.apply("b1", [ChunkEvent("stored", ks[0], "cpu", "t", False, 2 * CHUNK_BYTES, 512)])
     d = make_router(index).route(ks, tenant="t", tokens=4 * CHUNK_TOKENS)
     assert d.node == "b1" and d.chosen.fetched_tokens == 512
+
+
+def test_a_prompt_routed_by_its_tokens_counts_no_chunk_past_chunk_tokens() -> None:
+    """Routed by token ids, every key is the router's own, of chunk_tokens tokens: a holding
+    that claims more (its bytes holding them: a hostile agent claims those too) counts
+    chunk_tokens, not the 4,096 it says (found by a review)."""
+    router = make_router(EmbeddedIndex())
+    prompt = list(range(4 * CHUNK_TOKENS))
+    ks = router.keys_for(prompt, tenant="t")
+    router.index.apply("b1", [ChunkEvent("stored", ks[0], "cpu", "t", False, CHUNK_BYTES, 4096)])
+    d = router.route_tokens(prompt, tenant="t")
+    assert d.node == "b1" and d.chosen.fetched_tokens == CHUNK_TOKENS
+    # by keys, a chunk's length is the caller's: its bytes bound it (they hold 4,096)
+    assert router.route(ks, tenant="t", tokens=16 * CHUNK_TOKENS).chosen.fetched_tokens == 4096
