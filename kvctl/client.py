@@ -1382,18 +1382,14 @@ class DataClient:
             return self._staging
         size = max(size, 64 << 20, 2 * len(self._staging) if self._staging else 0)
         try:
-            fd = _sealed_memfd(size)
+            fd, staging = _sealed_segment(size)
         except OSError:
             self._staged_puts = False
             return None
-        staging = None
         try:
-            staging = mmap.mmap(fd, size)
-            hugepages.advise(staging)  # its pages are faulted in by the first puts' writes
             self._call_locked(Op.ATTACH, MetaWriter().u64(size).build(), (), None, fd)
         except BaseException as exc:
-            if staging is not None:
-                staging.close()
+            staging.close()
             os.close(fd)
             refused = isinstance(exc, RequestError) and exc.code in (
                 ErrorCode.BAD_REQUEST,
@@ -1414,23 +1410,53 @@ class DataClient:
         return staging
 
 
-def _sealed_memfd(size_bytes: int) -> int:
-    """A new memfd of ``size_bytes`` sealed against shrinking and growing (what an agent needs
-    to map it safely). OSError where the system has no memfd or seals (not Linux)."""
+def _sealed_segment(size_bytes: int) -> tuple[int, mmap.mmap]:
+    """A new staging segment of ``size_bytes``: a memfd written in full, mapped writable here,
+    then sealed against shrinking, growing, punching holes and any write access but this
+    mapping's (what an agent needs to map it safely: reading a hole through its mapping would
+    allocate it there). Its descriptor and this mapping; OSError where the system has no memfd
+    or seals (not Linux) or cannot allocate it."""
     import fcntl  # POSIX only; the data plane's shared-memory path is Linux only
 
     add_seals = getattr(fcntl, "F_ADD_SEALS", None)
     if not hasattr(os, "memfd_create") or add_seals is None:
         raise OSError("this system cannot seal a memfd")
     fd = os.memfd_create("kvctl-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    staging = None
     try:
         os.ftruncate(fd, size_bytes)
-        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        staging = mmap.mmap(fd, size_bytes)
+        hugepages.advise(staging)  # before the pages come, so they may be huge ones
+        _populate(staging)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
         fcntl.fcntl(fd, add_seals, seals)
     except BaseException:
+        if staging is not None:
+            staging.close()
         os.close(fd)
         raise
-    return fd
+    return fd, staging
+
+
+#: Linux's F_SEAL_FUTURE_WRITE (Python's fcntl does not name it)
+_F_SEAL_FUTURE_WRITE = 0x10
+#: Linux's MADV_POPULATE_WRITE (5.14; Python's mmap names it from 3.12 only)
+_MADV_POPULATE_WRITE = 23
+
+
+def _populate(segment: mmap.mmap) -> None:
+    """Fault every page of a new, writable shared mapping in (zeroed): written, not merely
+    fallocated, since agents count a page allocated but never written as a hole."""
+    try:
+        segment.madvise(_MADV_POPULATE_WRITE)
+        return
+    except (OSError, AttributeError):  # an older kernel: written instead
+        pass
+    zeros = bytes(min(len(segment), 1 << 20))
+    with memoryview(segment) as view:
+        for offset in range(0, len(segment), len(zeros)):
+            piece = view[offset : offset + len(zeros)]
+            piece[:] = zeros[: piece.nbytes]
 
 
 # --- control API ------------------------------------------------------------------------------

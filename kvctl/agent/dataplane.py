@@ -1882,15 +1882,31 @@ def _sent_chunk(
     return after if memoryview(data).nbytes == after.size_bytes else None
 
 
+#: Linux's F_SEAL_FUTURE_WRITE (Python's fcntl does not name it): no new write access to the
+#: file, hole punching included, while mappings made before stay writable
+F_SEAL_FUTURE_WRITE = 0x10
+
+
 def _check_segment(fd: int, size: int) -> None:
     """Refuse (BAD_REQUEST) a staging segment the agent cannot map safely. The client keeps
     write access to it: were it able to shrink the file, the agent's reads through the mapping
     past the new end would raise SIGBUS and kill the agent. So only a memfd sealed against
     shrinking (F_SEAL_SHRINK) that already holds ``size`` bytes is mapped, and not on hugetlbfs,
-    where a hole punched in the file faults with SIGBUS once no huge page is free."""
+    where a hole punched in the file faults with SIGBUS once no huge page is free.
+
+    Nor may a read through the mapping allocate: a hole read through a shared mapping is
+    allocated by that read, in the agent (its memory, its cgroup's), so a sparse segment (or one
+    punched out once attached) made the agent allocate as much as the client declared, the
+    client holding none (2 GiB for a 2 GiB segment). So the segment must also be sealed against
+    punching holes (F_SEAL_FUTURE_WRITE, or F_SEAL_WRITE) and hold no hole in its first ``size``
+    bytes, which it then keeps: every page written (the kernel's SEEK_HOLE counts a page
+    fallocated but never written as a hole, and so does this check)."""
     if size <= 0:
         raise FrameError(ErrorCode.BAD_REQUEST, f"a staging segment needs a size, got {size}")
-    need = "a staging segment must be a memfd sealed against shrinking (F_SEAL_SHRINK)"
+    need = (
+        "a staging segment must be a memfd written in full and sealed against shrinking and "
+        "holes (F_SEAL_SHRINK, F_SEAL_FUTURE_WRITE)"
+    )
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except (OSError, AttributeError):  # not a memfd (a plain file, a pipe), or not Linux
@@ -1907,6 +1923,14 @@ def _check_segment(fd: int, size: int) -> None:
     # segment would be mapped on a host with shmem_enabled = always)
     if os.fstatvfs(fd).f_bsize > mmap.PAGESIZE:
         raise FrameError(ErrorCode.BAD_REQUEST, "hugetlbfs staging segments are not accepted")
+    if not seals & (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_WRITE):
+        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; holes can be punched in this one")
+    try:
+        hole = os.lseek(fd, 0, os.SEEK_HOLE)  # st_size where there is none
+    except OSError as exc:
+        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; its holes cannot be found") from exc
+    if hole < size:
+        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; this one has a hole at byte {hole}")
 
 
 def _store_error(exc: KvctlError) -> FrameError:

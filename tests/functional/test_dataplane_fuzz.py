@@ -217,8 +217,9 @@ def _segment(rng: random.Random) -> tuple[int, list[int]]:
         fd = os.memfd_create("fuzz-staging", os.MFD_CLOEXEC | (os.MFD_ALLOW_SEALING * sealed))
         os.ftruncate(fd, SEGMENT_BYTES // (2 if kind == "small" else 1))
         os.pwrite(fd, payload(b"fuzz-seg", 8192), 0)
-        if sealed:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+        if sealed:  # written in full and sealed against shrinking and holes, as agents ask
+            os.pwrite(fd, bytes(os.fstat(fd).st_size - 8192), 8192)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | 0x10)  # F_SEAL_FUTURE_WRITE
         fds.append(fd)
     return SEGMENT_BYTES, fds
 

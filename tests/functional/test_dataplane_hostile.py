@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import mmap
 import os
 import socket
 import subprocess
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.skipif(
 SEGMENT_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 256 << 20  # the agent's default largest chunk
 REPLY = 0x80
+F_SEAL_FUTURE_WRITE = 0x10  # Linux's; Python's fcntl does not name it
 
 
 @pytest.fixture
@@ -56,8 +58,8 @@ def _segment(size: int, *, sealed: bool) -> int:
     fd = os.memfd_create("hostile-staging", flags)
     os.ftruncate(fd, size)
     os.pwrite(fd, payload(b"seg", size), 0)
-    if sealed:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    if sealed:  # written in full (no hole), then sealed against shrinking and punching holes
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE)
     return fd
 
 
@@ -153,17 +155,19 @@ def test_the_sdk_seals_its_staging_segment(agent) -> None:  # type: ignore[no-un
         k = key(3)
         assert c.put(k, payload(k, 8192), tenant="t") == "cpu"
         seals = fcntl.fcntl(c._staging_fd, fcntl.F_GET_SEALS)
-        assert seals & fcntl.F_SEAL_SHRINK
+        assert seals & fcntl.F_SEAL_SHRINK and seals & F_SEAL_FUTURE_WRITE
+        assert c._staging is not None  # written in full: no hole the agent's reads could fill
+        assert os.lseek(c._staging_fd, 0, os.SEEK_HOLE) == len(c._staging)
         assert bytes(c.get(k, tenant="t")) == payload(k, 8192)
 
 
 def test_the_sdk_puts_over_the_socket_where_it_cannot_seal(agent, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import kvctl.client as client_module
 
-    def cannot_seal(size: int) -> int:
+    def cannot_seal(size: int) -> tuple[int, mmap.mmap]:
         raise OSError("no sealing on this system")
 
-    monkeypatch.setattr(client_module, "_sealed_memfd", cannot_seal)
+    monkeypatch.setattr(client_module, "_sealed_segment", cannot_seal)
     with agent.data("unix") as c:
         k = key(4)
         assert c.put(k, payload(k, 8192), tenant="t") == "cpu"
@@ -372,17 +376,23 @@ def test_replies_and_the_error_reach_a_client_still_sending_when_the_agent_close
     _assert_serves(agent, 80)
 
 
+@pytest.mark.parametrize("sdk", ["unsealed", "sparse"])
 def test_the_sdk_puts_over_the_socket_when_the_agent_refuses_its_segment(
-    agent, monkeypatch
+    agent, monkeypatch, sdk: str
 ) -> None:  # type: ignore[no-untyped-def]
     import kvctl.client as client_module
 
-    def unsealed(size: int) -> int:  # what an older SDK sent: the agent refuses it now
-        fd = os.memfd_create("old-sdk-staging", os.MFD_CLOEXEC)
+    def old_segment(size: int) -> tuple[int, mmap.mmap]:
+        # what older SDKs sent, refused now: unsealed; then sealed against resizing only, its
+        # pages left for the puts' writes (holes the agent's reads would allocate)
+        fd = os.memfd_create("old-sdk-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
-        return fd
+        if sdk == "sparse":
+            seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        return fd, mmap.mmap(fd, size)
 
-    monkeypatch.setattr(client_module, "_sealed_memfd", unsealed)
+    monkeypatch.setattr(client_module, "_sealed_segment", old_segment)
     with agent.data("unix") as c:
         keys = [key(i, 12) for i in range(3)]
         out = c.put_many([(k, payload(k, 8192)) for k in keys], tenant="t")

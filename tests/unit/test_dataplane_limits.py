@@ -55,17 +55,29 @@ def test_a_release_wakes_a_waiter() -> None:
     assert got == [True] and budget.free_bytes == 30
 
 
-def _memfd(size: int, seals: int | None) -> int:
+#: Linux's F_SEAL_FUTURE_WRITE (Python's fcntl does not name it): no hole can be punched
+F_SEAL_FUTURE_WRITE = 0x10
+#: what an agent asks of a staging segment: it can neither shrink nor get a hole
+SEGMENT_SEALS = fcntl.F_SEAL_SHRINK | F_SEAL_FUTURE_WRITE if sys.platform == "linux" else 0
+
+
+def _memfd(size: int, seals: int | None, *, allocated: bool = True) -> int:
     fd = os.memfd_create("t", os.MFD_CLOEXEC | (0 if seals is None else os.MFD_ALLOW_SEALING))
     os.ftruncate(fd, size)
+    if allocated:  # written: a page allocated but never written counts as a hole
+        os.pwrite(fd, bytes(size), 0)
     if seals:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
     return fd
 
 
 @linux_only
-def test_a_memfd_sealed_against_shrinking_is_accepted() -> None:
-    for seals in (fcntl.F_SEAL_SHRINK, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW):
+def test_a_memfd_allocated_and_sealed_against_shrinking_and_holes_is_accepted() -> None:
+    for seals in (
+        SEGMENT_SEALS,
+        SEGMENT_SEALS | fcntl.F_SEAL_GROW,
+        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE,
+    ):
         fd = _memfd(1 << 16, seals)
         try:
             _check_segment(fd, 1 << 16)
@@ -80,8 +92,16 @@ def test_a_memfd_sealed_against_shrinking_is_accepted() -> None:
     [
         (lambda tmp: _memfd(1 << 16, None), 1 << 16, "not sealed"),
         (lambda tmp: _memfd(1 << 16, fcntl.F_SEAL_GROW), 1 << 16, "not sealed"),
-        (lambda tmp: _memfd(1 << 16, fcntl.F_SEAL_SHRINK), 1 << 17, "holds 65536 bytes"),
-        (lambda tmp: _memfd(1 << 16, fcntl.F_SEAL_SHRINK), 0, "needs a size"),
+        (lambda tmp: _memfd(1 << 16, SEGMENT_SEALS), 1 << 17, "holds 65536 bytes"),
+        (lambda tmp: _memfd(1 << 16, SEGMENT_SEALS), 0, "needs a size"),
+        # a hole could be punched in it once mapped: reading it there would allocate it
+        (lambda tmp: _memfd(1 << 16, fcntl.F_SEAL_SHRINK), 1 << 16, "holes can be punched"),
+        # a hole already: never written, or written in part
+        (
+            lambda tmp: _memfd(1 << 16, SEGMENT_SEALS, allocated=False),
+            1 << 16,
+            "has a hole at byte 0",
+        ),
         (lambda tmp: os.open(tmp, os.O_RDWR | os.O_CREAT), 1, "takes no seals"),
     ],
 )
