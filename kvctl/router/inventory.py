@@ -201,7 +201,12 @@ class InventoryReloader:
         # written again since this router dropped it: something follows it that claims
         # nothing (a router of the version before claims, one whose claims fail): dropped
         # again, it was resynced at once, its entries flapping for every router
-        back = [n for n in unknown if n in self._dropped_names and n not in followed]
+        # (not once a router claims it: claims hold from then on, a stale one dropping it)
+        back = [
+            n
+            for n in unknown
+            if n in self._dropped_names and n not in followed and owner(n) not in claims
+        ]
         notes = []
         if followed:
             notes.append(

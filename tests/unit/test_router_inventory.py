@@ -138,3 +138,36 @@ def test_an_index_holding_no_entry_of_the_inventorys_nodes_says_they_may_hold_no
     assert index.nodes() == {"y": 2}
     note = reloader.status()["forget_note"]
     assert "the inventory's nodes hold no chunk yet?" in note and "none dropped" in note
+
+
+class _Claiming(EmbeddedIndex):
+    """An index with claims (``ClaimingIndex``) whose ages the test sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ages: dict[str, float] = {}
+
+    def claim(self, claimant: str, nodes: object) -> None:
+        pass
+
+    def claims(self, *, excluding: str = "") -> dict[str, float]:
+        return dict(self.ages)
+
+
+def test_a_node_kept_as_written_again_goes_once_a_router_claimed_it_and_stopped() -> None:
+    """y, kept as written again after its drop (a router before claims followed it), is
+    then followed by a router that claims it (the old one upgraded); once that router stops
+    (y removed from the fleet) its claim goes stale: y is dropped then, not kept for good."""
+    index = _Claiming()
+    index.apply("a1", stored([KEYS[0]]))
+    index.apply("y", stored(KEYS[1:3]))
+    reloader = _forgetting(index)
+    assert reloader.reload()
+    index.replace("y", stored(KEYS[1:3]))  # the router before claims resyncs it
+    assert reloader.reload() and "y" in index.nodes()
+    index.ages = {"y": 1.0}  # upgraded: it claims y
+    assert reloader.reload() and "y" in index.nodes()
+    index.ages = {"y": 600.0}  # it stopped 10 minutes ago
+    assert reloader.reload()
+    assert set(index.nodes()) == {"a1"}
+    assert reloader.status()["forgotten_nodes"] == 1
