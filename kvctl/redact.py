@@ -13,10 +13,13 @@ _AUTHORITY_END = re.compile(r"[/?#]")
 # what a URL's authority is when it has no userinfo: a host (or [IPv6]) and a numeric port
 _HOST_PORT = re.compile(r"(?:\[[^\]/?#@]*\]|[^:\[\]/?#@]*)(?::[0-9]+)?")
 # libpq's keyword/value form ("host=db password=x", what psycopg takes as a DSN), given where a
-# URL is wanted: a key naming a secret, its value single-quoted (backslash escapes, perhaps
-# unterminated) or up to the next blank
+# URL is wanted: a key naming a secret, its value single-quoted (backslash escapes) and ended
+# there, unterminated to the end, else (unquoted, or quoted but running on: 'pa'ss') up to
+# the next "key=" after a blank, or the end: a password typed with a blank or a stray quote in
+# it is hidden whole, not up to that blank or quote
 _KEYWORD_SECRET = re.compile(
-    r"(?i)((?:^|(?<=\s))[^\s=]*(?:pass|token|secret)[^\s=]*\s*=\s*)(?:'(?:[^'\\]|\\.)*'?|\S*)"
+    r"(?is)((?:^|(?<=\s))[^\s=]*(?:pass|token|secret)[^\s=]*\s*=\s*)"
+    r"(?:'(?:[^'\\]|\\.)*'(?=\s|\Z)|'(?:[^'\\]|\\.)*\Z|.*?(?=\s+[^\s=']+\s*=|\Z))"
 )
 
 
@@ -54,11 +57,11 @@ def redact_unparsed(text: str) -> str:
     would show the password), so everything from the first ':' after a scheme to the last '@'
     is hidden: a user or host hidden with it, rather than a password shown. A libpq
     keyword/value string (``host=db password=PASSWORD``) has its secret values hidden too."""
-    shown = _KEYWORD_SECRET.sub(r"\1***", redact_url(text))
-    found = _SCHEME.match(shown)
+    # the userinfo first: a password holding '&password=' or '?token=' was cut there by the
+    # query's redaction, and its head (before the cut) shown as a user's
+    found = _SCHEME.match(text)
     start = found.end() if found else 0
-    at = shown.rfind("@", start)
-    colon = shown.find(":", start, at) if at >= 0 else -1
-    if colon >= 0:
-        shown = f"{shown[: colon + 1]}***{shown[at:]}"
-    return shown
+    at = text.rfind("@", start)
+    colon = text.find(":", start, at) if at >= 0 else -1
+    shown = f"{text[: colon + 1]}***{text[at:]}" if colon >= 0 else text
+    return _KEYWORD_SECRET.sub(r"\1***", redact_url(shown))

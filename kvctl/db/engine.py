@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import sqlite3
 import threading
@@ -45,6 +46,13 @@ def default_db_path() -> Path:
     return default_state_dir() / "metrics.db"
 
 
+#: what SQLAlchemy's URL parser takes for a password: from the first ':' after the user to the
+#: first '@' (a valid URL has no raw '/', '?' or '#' there)
+_RAW_PASSWORD = re.compile(r"[\w+]+://[^:/]*:([^@]*)@")
+#: a query's key=value in what the parser took for a password
+_QUERY_IN_IT = re.compile(r"\?[^=]*=")
+
+
 def resolve_url(url: str | None = None) -> str:
     """The database URL: ``url``, else ``KVCTL_DB_URL``, else the default SQLite file.
 
@@ -58,6 +66,16 @@ def resolve_url(url: str | None = None) -> str:
             f"not a database URL: {redact_unparsed(text)!r}{port} (examples: "
             "sqlite:////var/lib/kvctl/metrics.db, postgresql://kvctl@db.example:5432/kvctl)"
         ) from None
+    raw_password = _RAW_PASSWORD.match(text)
+    if raw_password and _QUERY_IN_IT.search(raw_password[1]):
+        # an '@' in the query (password=pa@ss) read as ending a userinfo that runs from the
+        # host to it: the host is then what follows that '@' (the password's tail), which the
+        # driver's errors print ("failed to resolve host 'ss'"). A password typed with a raw
+        # '/' or '?' (no key=value after it) reads as one, as it did.
+        raise DatabaseError(
+            f"not a database URL: {redact_url(text)}: its query holds a raw '@', which must be "
+            "percent-encoded as %40"
+        )
     if parsed.host is not None and "@" in parsed.host:
         # a password typed with a raw '@': the URL parser takes its tail for the host, which
         # the driver's errors then print ("failed to resolve host 'ss@db'")

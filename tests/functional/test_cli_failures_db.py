@@ -73,3 +73,33 @@ def test_a_url_that_does_not_parse_is_one_line_without_its_password(
     assert "error: not a database URL: " in said, said
     assert "cret" not in said and "did not expect" not in said, said
     assert "127.0.0.1" in said, said  # which URL it was is still said
+
+
+_HEAD, _TAIL = "Zq9Wv", "Xk7Jm"  # a password's two halves, around what may cut it
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        # the userinfo's password holding '&password=': the query's redaction cut it there and
+        # its head was shown as a user's ('postgresql//kvctl:Zq9Wv&password=***')
+        "postgresql//kvctl:{pw}@127.0.0.1/kvctl",
+        # libpq's keyword/value form: a quoted password with a stray quote in it showed its
+        # tail after that quote; an unquoted one its tail after a tab or blank
+        "host=127.0.0.1 port=1 password='{pw}' dbname=kvctl",
+        "host=127.0.0.1 port=1 password={pw} dbname=kvctl",
+        "host=127.0.0.1 port=1 password='{pw} dbname=kvctl",
+        # a query's password with a raw '@': the parser took all before it for a userinfo and
+        # the password's tail for the host, which the driver's error printed
+        "postgresql://127.0.0.1:1/kvctl?user=k&password={pw}",
+        "postgresql://127.0.0.1:1/kvctl?password={pw}&user=k",
+    ],
+)
+@pytest.mark.parametrize("cut", ["&password=", "'", "\t", " ", "&", "@", "/", "#", "?", "%", "%4"])
+def test_no_part_of_a_typed_password_is_shown(url: str, cut: str) -> None:
+    url = url.format(pw=f"{_HEAD}{cut}{_TAIL}")
+    result = runner.invoke(app, ["db", "current", "--db", url], env={"COLUMNS": "1000"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, said
+    assert _HEAD not in said and _TAIL not in said, said
+    assert "Traceback" not in said and "did not expect" not in said, said
