@@ -1538,7 +1538,15 @@ class AgentClient:
         if resp.status_code >= 400:
             self._raise_for(resp, path)
         if resp.headers.get("content-type", "").startswith("application/json"):
-            return resp.json()
+            try:
+                return resp.json()
+            except (ValueError, RecursionError) as exc:
+                # invalid, or nested too deep for Python's parser: its RecursionError (or a
+                # JSONDecodeError) escaped every caller's AgentError as a bug's traceback
+                raise NotAnAgent(
+                    f"{self.url}{path} answered JSON that cannot be read ({_json_fault(exc)}): "
+                    "is a kvctl agent's control API listening there?"
+                ) from None
         return resp.text
 
     def _raise_for(self, resp: httpx.Response, path: str) -> NoReturn:
@@ -1547,7 +1555,7 @@ class AgentClient:
         status = resp.status_code
         try:
             body = resp.json()
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to read
             body = None
         detail = body.get("detail") if isinstance(body, dict) else None
         if detail is None:  # a page or an empty answer: its first line, never the whole page
@@ -1730,6 +1738,13 @@ class AgentClient:
 
 #: longest line of a foreign answer an error message quotes
 _QUOTED_CHARS = 80
+
+
+def _json_fault(exc: BaseException) -> str:
+    """Why an answer's JSON could not be read, in a few words."""
+    if isinstance(exc, RecursionError):
+        return "nested too deep"
+    return f"invalid: {first_line(str(exc))}"
 
 
 def first_line(text: str) -> str:

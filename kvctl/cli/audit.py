@@ -108,7 +108,7 @@ def _brief(result: str) -> str:
 
     try:
         value = json.loads(result)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deep for Python's parser
         return result
     if isinstance(value, dict):
         return _pairs({k: v for k, v in value.items() if not isinstance(v, (dict, list))}) or (

@@ -141,6 +141,19 @@ def recent(
     if ok is not None:
         q = q.where(a.ok.is_(ok))
     return [
-        AuditEntry(r.id, r.ts_ms, r.actor, r.action, r.target, json.loads(r.args), r.ok, r.result)
+        AuditEntry(r.id, r.ts_ms, r.actor, r.action, r.target, _args(r.args), r.ok, r.result)
         for r in conn.execute(q)
     ]
+
+
+def _args(stored: str) -> dict[str, Any]:
+    """A row's args as recorded (a JSON object); a row written otherwise (by hand, another
+    tool) says it cannot be read instead of failing the whole listing: JSON nested thousands
+    deep raised RecursionError out of ``kvctl audit``."""
+    try:
+        value = json.loads(stored)
+    except RecursionError:
+        return {"unreadable": "JSON nested too deep"}
+    except ValueError:
+        return {"unreadable": "not JSON"}
+    return value if isinstance(value, dict) else {"args": value}

@@ -97,6 +97,8 @@ def _parse_record(line: str, block_tokens: int) -> TraceRequest:
         record = json.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:  # '[[[[...' thousands deep: Python's parser gives up
+        raise ValueError("invalid JSON: nested too deep to read (no record is)") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     missing = [key for key in _REQUIRED_KEYS if key not in record]
