@@ -27,7 +27,8 @@ few nodes) nothing is dropped: the router's status names the index's nodes it do
 and ``Router.forget`` drops one on an operator's word. A router of the version before claims
 claims nothing: a node it follows, dropped, is written again by its follower, and was dropped
 again at each reread (its entries flapping for every router); a name written again after this
-router dropped it is kept from then on, and the status says so.
+router dropped it is kept from then on, and the status says so, until the inventory names its
+node again (then its entries are this router's own, and a node leaving again leaves anew).
 """
 
 from __future__ import annotations
@@ -114,7 +115,8 @@ class InventoryReloader:
         #: the newest of them (at most MAX_LAST_FORGOTTEN)
         self.last_forgotten: list[str] = []
         #: index names dropped, and the nodes they belong to, since the start (the newest
-        #: MAX_REMEMBERED_DROPS): a node is counted once however many passes dropped its names
+        #: MAX_REMEMBERED_DROPS; not a node's once the inventory names it again): a node is
+        #: counted once however many passes dropped its names
         self._dropped_names: dict[str, None] = {}
         self._forgotten_owners: dict[str, None] = {}
         #: why the last pass dropped none of the index's nodes that the inventory does not name
@@ -152,6 +154,7 @@ class InventoryReloader:
             self.reads += 1
             self.read_s = self._wall_clock()
             self.last_error = ""
+            self._forget_drops_of_known()
             if changed:
                 self.changes += 1
             if listed is not None:  # None: the index failed (noted by _index_nodes)
@@ -160,6 +163,15 @@ class InventoryReloader:
                 except Exception as exc:
                     self._forget_failed(exc)
             return True
+
+    def _forget_drops_of_known(self) -> None:
+        """Forget the drops of the nodes this router knows again (back in the inventory): their
+        entries are its own follower's, not written again by something that claims nothing, and
+        a node leaving again leaves anew (dropped and counted as the first time)."""
+        known = self.router.known_nodes()
+        for names in (self._dropped_names, self._forgotten_owners):
+            for name in [n for n in names if owner(n) in known]:
+                del names[name]
 
     def _forget_failed(self, exc: Exception) -> None:
         """Listing or dropping the index's unknown nodes failed as no index should (anything

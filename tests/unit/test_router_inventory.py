@@ -171,3 +171,47 @@ def test_a_node_kept_as_written_again_goes_once_a_router_claimed_it_and_stopped(
     assert reloader.reload()
     assert set(index.nodes()) == {"a1"}
     assert reloader.status()["forgotten_nodes"] == 1
+
+
+def test_a_node_back_in_the_inventory_and_gone_again_is_dropped_not_kept() -> None:
+    """z, dropped at start (it left while no router ran), joins the fleet again, is followed,
+    then leaves again: its entries are no longer 'written again after this router dropped
+    it' (its own follower wrote them, while the inventory named it). They were kept as such
+    (0e3f8ba remembered the first drop for good): the status said a router of the version
+    before claims follows z, and when the follower's own drop of z failed (the index
+    blinked), z's entries stayed in the index for good where the next reread dropped them
+    (found by a review)."""
+    from kvctl.index.remote import IndexUnavailable
+    from kvctl.router.topology import DcLink, Node
+
+    class Blinking(EmbeddedIndex):
+        failing_drops = 0
+
+        def drop(self, node: str) -> int:
+            if self.failing_drops:
+                self.failing_drops -= 1
+                raise IndexUnavailable("the index blinked")
+            return super().drop(node)
+
+    with_z = Topology.build([*fleet().nodes.values(), Node("z", "fra")],
+                            {("fra", "ams"): DcLink.fiber(80.0)})  # fmt: skip
+    inventory: tuple[Topology, dict[str, str]] = (fleet(), {})
+    index = Blinking()
+    index.apply("a1", stored([KEYS[0]]))
+    index.apply("z", stored(KEYS[1:3]))
+    reloader = InventoryReloader(
+        lambda: inventory, make_router(index), Followers(index, {}), source="test",
+        forget_unknown=True,
+    )  # fmt: skip
+    assert reloader.reload()  # at start: z left while no router ran
+    assert set(index.nodes()) == {"a1"}
+    for failing_drops in (0, 1):
+        inventory = (with_z, {"z": "http://127.0.0.1:9"})  # z joins again, followed
+        assert reloader.reload()
+        index.replace("z", stored(KEYS[1:3]))  # its follower's resync
+        inventory = (fleet(), {})  # and z leaves again
+        index.failing_drops = failing_drops  # the follower's own drop of z fails
+        assert reloader.reload()
+        assert "written again" not in reloader.status()["forget_note"]
+        assert reloader.reload()
+        assert set(index.nodes()) == {"a1"}
