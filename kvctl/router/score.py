@@ -348,7 +348,10 @@ class _Shape:
                 tok = tok or chunk_tokens
             else:
                 size = max([h.size_bytes for h in held])
-                tok = max([held_tokens(h, chunk_tokens, exact=exact) for h in held]) or chunk_tokens
+                tok = max([h.tokens for h in held])
+                if tok > chunk_tokens:  # (as above: bounded only where some holder claims more)
+                    tok = max([held_tokens(h, chunk_tokens, exact=exact) for h in held])
+                tok = tok or chunk_tokens
                 holders = tuple([(h.node, h.tier) for h in held])
             total += tok
             cumulative.append(total)

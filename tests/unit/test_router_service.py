@@ -501,3 +501,37 @@ def test_a_prompt_routed_by_its_tokens_counts_no_chunk_past_chunk_tokens() -> No
     assert d.node == "b1" and d.chosen.fetched_tokens == CHUNK_TOKENS
     # by keys, a chunk's length is the caller's: its bytes bound it (they hold 4,096)
     assert router.route(ks, tenant="t", tokens=16 * CHUNK_TOKENS).chosen.fetched_tokens == 4096
+
+
+def test_chunks_no_holder_claims_longer_than_chunk_tokens_are_not_bounded_one_holder_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """held_tokens (f69a72d) bounds a holding claiming more tokens than chunk_tokens; a chunk
+    held by several nodes called it once per holder, for every chunk of every route, though
+    almost every chunk claims chunk_tokens at most (then the bound is what they claim): a
+    1,024-chunk prompt held by 256 nodes (a system prompt cached fleet-wide) made about 262k
+    calls a route, some 25 ms (found by a review; the single holder's path skipped it
+    already). Bounded one holder at a time only where a holder claims more."""
+    from kvctl.router import score
+
+    calls: list[int] = []
+
+    def counted(h: object, chunk_tokens: int, *, exact: bool = False) -> int:
+        calls.append(1)
+        return held_tokens(h, chunk_tokens, exact=exact)  # type: ignore[arg-type]
+
+    held_tokens = score.held_tokens
+    monkeypatch.setattr(score, "held_tokens", counted)
+    ks = keys(4)
+    index = EmbeddedIndex()
+    for node in ("a1", "a2", "b1"):
+        index.apply(node, stored(ks[:3]))
+    d = make_router(index).route(ks, tenant="t", tokens=4 * CHUNK_TOKENS)
+    assert d.chosen.fetched_tokens == 3 * CHUNK_TOKENS
+    assert calls == []
+    # one holder of the second chunk claims more: that chunk's holders are bounded, and the
+    # claim counts what its bytes hold (CHUNK_BYTES: far more than 512 tokens)
+    index.apply("b2", [ChunkEvent("stored", ks[1], "cpu", "t", False, CHUNK_BYTES, 512)])
+    d = make_router(index).route(ks, tenant="t", tokens=4 * CHUNK_TOKENS)
+    assert d.chosen.fetched_tokens == 4 * CHUNK_TOKENS
+    assert len(calls) == 4
