@@ -803,7 +803,10 @@ def unknown_nodes_line(unknown: dict[str, int], inventory: dict[str, Any]) -> st
         return line + "dropped at the next reread of the inventory"
     if note:
         line += f"not dropped: {escape(str(note))}; "
-    return line + "`kvctl router forget NODE` drops them"
+    return line + (
+        "`kvctl router forget NODE` drops them"
+        + (" (one still followed is written back)" if note else "")
+    )
 
 
 def engine_feed_line(feed: dict[str, Any]) -> str:

@@ -41,6 +41,7 @@ from math import inf
 from typing import Any
 
 from kvctl.errors import InvalidArgument
+from kvctl.format import count_of
 from kvctl.index.follower import Followers
 from kvctl.index.model import owner, owners
 from kvctl.index.remote import IndexUnavailable
@@ -195,8 +196,8 @@ class InventoryReloader:
             # resynced, and hold no chunk yet, as a new fleet's agents do)
             self.forget_note = (
                 f"the index holds no entry of the inventory's {len(self.router.topology.nodes)} "
-                f"nodes, only of {len(owners(unknown))} others (another fleet's index, or the "
-                "inventory's nodes hold no chunk yet?): none dropped"
+                f"nodes, only of {count_of(len(owners(unknown)), 'other node')} (another "
+                "fleet's index, or the inventory's nodes hold no chunk yet?): none dropped"
             )
             log.warning("inventory (%s): %s", self.source, self.forget_note)
             return

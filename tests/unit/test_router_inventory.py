@@ -81,7 +81,10 @@ def test_a_node_written_again_after_it_was_dropped_is_kept_and_said_to_be() -> N
     assert status["last_forgotten"] == ["y"]
     assert "written again after this router dropped it" in status["forget_note"]
     line = unknown_nodes_line(make_router(index).unknown_index_nodes(index.nodes()), status)
-    assert "not dropped: 1 of them written again" in line and "router forget NODE" in line
+    assert "not dropped: 1 of them written again" in line
+    assert line.endswith(
+        "`kvctl router forget NODE` drops them (one still followed is written back)"
+    )
 
 
 def test_a_reread_that_fails_where_nobody_expected_leaves_the_rereads_running() -> None:
@@ -138,6 +141,7 @@ def test_an_index_holding_no_entry_of_the_inventorys_nodes_says_they_may_hold_no
     assert index.nodes() == {"y": 2}
     note = reloader.status()["forget_note"]
     assert "the inventory's nodes hold no chunk yet?" in note and "none dropped" in note
+    assert "only of 1 other node (" in note
 
 
 class _Claiming(EmbeddedIndex):
