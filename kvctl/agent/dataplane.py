@@ -34,6 +34,7 @@ from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.connection_sources import source_key
 from kvctl.errors import InvalidArgument, KvctlError
+from kvctl.remote.federation import MIN_KV_BYTES_PER_TOKEN
 from kvctl.remote.fetchplan import PrefillSample
 from kvctl.store.errors import (
     CapacityError,
@@ -1365,6 +1366,10 @@ class Connection:
 
     def _store_item(self, tenant: str, item: tuple[Any, ...], data: memoryview) -> bytes:
         key, _size, tokens, priority, flags, parent, depth = item
+        if tokens > self._token_bound(data.nbytes):
+            # every hit would count the claim as prefill saved (4,294,967,295 tokens for a
+            # 1 KiB chunk): refused, as a pool's or a peer's chunk claiming so many is
+            return bytes((Status.BAD, NO_TIER))
         try:
             tier = self.runtime.put(
                 key,
@@ -1384,6 +1389,12 @@ class Connection:
         if tier is None:
             return bytes((Status.DECLINED, NO_TIER))
         return bytes((Status.OK, self.server.tier_codes[tier]))
+
+    def _token_bound(self, size_bytes: int) -> int:
+        """The most tokens a chunk of ``size_bytes`` can hold: the store's ``chunk_tokens``, or
+        as many as its bytes hold at ``MIN_KV_BYTES_PER_TOKEN`` (an engine may chunk larger
+        than its agent), the bound remote chunks are held to (``RemoteTiers._token_bound``)."""
+        return max(self.runtime.store.chunk_tokens, size_bytes // MIN_KV_BYTES_PER_TOKEN)
 
     def _no_room(self, key: bytes, exc: CapacityError) -> bytes:
         """A PUT chunk no tier could take: its NO_ROOM item, whose tier code names a tier
