@@ -200,12 +200,17 @@ def _open_to_write_through(path: Path) -> int:
 def read_text_file(path: Path, what: str = "") -> str:
     """The UTF-8 text of a file a user named (``what`` says which, e.g. "the token file"); a
     missing file, a directory, no permission or bytes that are not UTF-8 raise InvalidArgument
-    naming the file, so every command reports them the same way."""
+    naming the file, so every command reports them the same way. A byte order mark at its
+    start (what Windows editors write) is dropped: it made a keys file's first key, a token
+    file's first id and a token file's secret read as bad ('\ufeff3f2a...')."""
     try:
-        return path.read_text(encoding="utf-8")
+        data = path.read_bytes()
+        text = data.removeprefix(b"\xef\xbb\xbf")
+        return text.decode("utf-8")
     except UnicodeDecodeError as exc:
         bad = exc.object[exc.start : exc.start + 1].hex()
-        reason = f"not UTF-8 text (byte 0x{bad} at offset {exc.start})"
+        offset = exc.start + len(data) - len(text)  # in the file, its BOM counted
+        reason = f"not UTF-8 text (byte 0x{bad} at offset {offset})"
     except FileNotFoundError:
         reason = "no such file"
     except IsADirectoryError:

@@ -156,7 +156,7 @@ def read_option_file(path: Path, what: str = "", *, stdin: bool = False) -> str:
     try:
         if stdin and str(path) == "-":
             try:
-                return sys.stdin.read()
+                return sys.stdin.read().removeprefix("\ufeff")  # a BOM, as read_text_file
             except UnicodeDecodeError:
                 raise InvalidArgument(
                     f"cannot read {what or 'standard input'} from standard input: not UTF-8 text"
