@@ -34,7 +34,6 @@ from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
 from kvctl.connection_sources import source_key
 from kvctl.errors import InvalidArgument, KvctlError
-from kvctl.remote.federation import MIN_KV_BYTES_PER_TOKEN
 from kvctl.remote.fetchplan import PrefillSample
 from kvctl.store.errors import (
     CapacityError,
@@ -43,6 +42,7 @@ from kvctl.store.errors import (
     TierUnavailable,
 )
 from kvctl.store.index import Entry, LookupResult
+from kvctl.store.keys import most_tokens
 from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.cpu import CpuTier, Lease
 from kvctl.wire.protocol import (
@@ -1391,10 +1391,9 @@ class Connection:
         return bytes((Status.OK, self.server.tier_codes[tier]))
 
     def _token_bound(self, size_bytes: int) -> int:
-        """The most tokens a chunk of ``size_bytes`` can hold: the store's ``chunk_tokens``, or
-        as many as its bytes hold at ``MIN_KV_BYTES_PER_TOKEN`` (an engine may chunk larger
-        than its agent), the bound remote chunks are held to (``RemoteTiers._token_bound``)."""
-        return max(self.runtime.store.chunk_tokens, size_bytes // MIN_KV_BYTES_PER_TOKEN)
+        """The most tokens a chunk of ``size_bytes`` can hold (``most_tokens``), the bound
+        remote chunks are held to (``RemoteTiers._token_bound``)."""
+        return most_tokens(self.runtime.store.chunk_tokens, size_bytes)
 
     def _no_room(self, key: bytes, exc: CapacityError) -> bytes:
         """A PUT chunk no tier could take: its NO_ROOM item, whose tier code names a tier

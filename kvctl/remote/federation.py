@@ -79,6 +79,7 @@ from kvctl.remote.measure_schedule import MeasureSchedule
 from kvctl.remote.pool import BadUsageReport, PoolChunk, PoolUsage, RemotePool, visible_to
 from kvctl.store.errors import CapacityError, InvalidArgument, StoreError, TierUnavailable
 from kvctl.store.index import Entry, LookupResult
+from kvctl.store.keys import MIN_KV_BYTES_PER_TOKEN, most_tokens
 from kvctl.store.store import PutSlot, TieredStore
 from kvctl.store.tiers import hugepages
 from kvctl.store.tiers.base import ChunkMeta
@@ -320,11 +321,6 @@ class IndexCounters:
 def _index_address(index: object) -> str:
     url = getattr(index, "url", None)
     return redact_url(str(url)) if url else str(getattr(index, "kind", type(index).__name__))
-
-
-#: the fewest bytes a token's KV takes in any layout: a K and a V of one byte (one layer, one
-#: head, one dimension, an 8-bit type); real models take thousands
-MIN_KV_BYTES_PER_TOKEN = 2
 
 
 def _no_bytes(_: object) -> int:
@@ -1068,12 +1064,9 @@ class RemoteTiers:
         return found
 
     def _token_bound(self, meta: ChunkMeta) -> int:
-        """The most tokens ``meta``'s chunk can hold: the store's ``chunk_tokens``, or as many
-        as its bytes can hold at ``MIN_KV_BYTES_PER_TOKEN``. Not ``chunk_tokens`` alone: an
-        engine may chunk larger than its agent (the vLLM connector's and the transformers
-        adapter's ``chunk_tokens``; models with different chunk sizes share an agent's tiers),
-        and a node asking before its own engines stored any such chunk is no exception."""
-        return max(self.store.chunk_tokens, meta.size_bytes // MIN_KV_BYTES_PER_TOKEN)
+        """The most tokens ``meta``'s chunk can hold (``most_tokens``): a node asking before
+        its own engines stored any chunk larger than its ``chunk_tokens`` is no exception."""
+        return most_tokens(self.store.chunk_tokens, meta.size_bytes)
 
     def _overlong(self, meta: ChunkMeta) -> bool:
         """Whether ``meta`` claims more tokens than its chunk can hold (``_token_bound``)."""

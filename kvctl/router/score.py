@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.model import Holding, owner
-from kvctl.remote.federation import MIN_KV_BYTES_PER_TOKEN
 from kvctl.remote.fetchplan import (
     DEVICE_TIERS,
     AnyLink,
@@ -37,6 +36,7 @@ from kvctl.remote.fetchplan import (
 )
 from kvctl.remote.links import Link
 from kvctl.router.topology import Node, Topology
+from kvctl.store.keys import most_tokens
 
 #: an NVMe read's latency before its first byte, and a read rate for a disk nobody measured
 DISK_READ_LATENCY_S = 1e-4
@@ -187,7 +187,7 @@ def held_tokens(h: Holding, chunk_tokens: int, *, exact: bool = False) -> int:
         return h.tokens
     if exact:
         return chunk_tokens
-    return min(h.tokens, max(chunk_tokens, h.size_bytes // MIN_KV_BYTES_PER_TOKEN))
+    return min(h.tokens, most_tokens(chunk_tokens, h.size_bytes))
 
 
 def held_prefix(holdings: Sequence[Sequence[Holding]]) -> int:

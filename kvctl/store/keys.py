@@ -21,11 +21,23 @@ KEY_BYTES = 16
 KEY_TEXT_CHARS = KEY_BYTES * 2
 _KEY_TEXT = re.compile(f"[0-9a-fA-F]{{{KEY_TEXT_CHARS}}}")
 DEFAULT_CHUNK_TOKENS = 256
+#: the fewest bytes a token's KV takes in any layout: a K and a V of one byte (one layer, one
+#: head, one dimension, an 8-bit type); real models take thousands
+MIN_KV_BYTES_PER_TOKEN = 2
 _MAX_TOKEN = 2**32 - 1
 _KEY_VERSION = b"kvctl-key-v1"
 
 ChunkKey = bytes
 """A 16-byte digest. Displayed as 32 hex characters."""
+
+
+def most_tokens(chunk_tokens: int, size_bytes: int) -> int:
+    """The most tokens a chunk of ``size_bytes`` can claim: ``chunk_tokens``, or as many as
+    its bytes hold at ``MIN_KV_BYTES_PER_TOKEN``. Not ``chunk_tokens`` alone: an engine may
+    chunk larger than its agent (the vLLM connector's and the transformers adapter's
+    ``chunk_tokens``; models with different chunk sizes share an agent's tiers). A claim past
+    it (a hostile or broken client, peer, pool or agent) would count as hit or saved tokens."""
+    return max(chunk_tokens, size_bytes // MIN_KV_BYTES_PER_TOKEN)
 
 
 @dataclass(frozen=True, slots=True)
