@@ -387,6 +387,13 @@ if redis.sha1hex(head) ~= ARGV[3] then return 0 end
 return redis.call('DEL', KEYS[1])
 """
 
+# KEYS[1]: a chunk's key that held no string (WRONGTYPE). Deletes it only if it still holds none
+# (a put since has written a record there); returns 1 when deleted.
+_DROP_IF_NOT_STRING_LUA = """#!lua flags=allow-oom
+if redis.call('TYPE', KEYS[1]).ok == 'string' then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
 # KEYS[1]: a chunk record. ARGV[1]: bytes to read first. Returns {header, record length} (the
 # whole header, whatever the tenant's length) or nil: atomic, so header and length agree.
 _PROBE_LUA = f"""#!lua flags=no-writes
@@ -424,6 +431,17 @@ class _Unknown:
     """A record this reader cannot judge (a newer version or flags): a miss, left in place."""
 
     why: str
+
+
+@dataclass(frozen=True, slots=True)
+class _WrongType:
+    """A chunk's key holding no string (a hash, a list: another host's bug, or hostile): its
+    reads fail WRONGTYPE. A miss counted corrupt, not a failure of the pool: it failed the
+    whole get or probe (TierUnavailable, the pool's breaker opening) over one key. The
+    server's copy is what is wrong, so the key is deleted (its accounting dropped) as a corrupt
+    record is, unless a put has written a record there since (``_DROP_IF_NOT_STRING_LUA``)."""
+
+    error: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -498,6 +516,7 @@ class RedisPool(SplitStreams, RemotePool):
         self.overdue = 0
         #: records read in a format this reader does not know (left in the pool, misses)
         self.unknown_format = 0
+        self._wrong_type_said = False
         self._watch = PullWatch(f"pool {self.address}")
         #: sized by the chunks read last; workers enough for a few gets at once
         self._split = SplitReads(
@@ -655,6 +674,7 @@ class RedisPool(SplitStreams, RemotePool):
         stale: list[str] = []
         damaged: list[tuple[str, _Damaged]] = []
         heal: list[tuple[str, ChunkMeta]] = []
+        wrong: list[str] = []
         for h, value, acc in zip(hexes, values, accounted, strict=True):
             if value is None:
                 if acc:
@@ -670,12 +690,17 @@ class RedisPool(SplitStreams, RemotePool):
                 self._count_unknown(h, value)
                 out.append(None)
                 continue
+            if isinstance(value, _WrongType):
+                self._count_wrong_type(h, value)
+                wrong.append(h)
+                out.append(None)
+                continue
             meta, data = value
             if not acc:
                 heal.append((h, meta))
             out.append(PoolChunk(meta, data) if visible_to(meta, tenant) else None)
-        if stale or damaged or heal:
-            self._repair(stale=stale, damaged=damaged, heal=heal)
+        if stale or damaged or heal or wrong:
+            self._repair(stale=stale, damaged=damaged, heal=heal, wrong=wrong)
         self._split.saw([c.meta.size_bytes for c in out if c is not None])
         return out
 
@@ -685,7 +710,7 @@ class RedisPool(SplitStreams, RemotePool):
         keys: Sequence[bytes],
         hexes: Sequence[str],
         touch_args: Sequence[Any] | None,
-    ) -> tuple[list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | None], Any]:
+    ) -> tuple[list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | _WrongType | None], Any]:
         """One pipeline: the GETs of ``keys`` (and the LRU script when ``touch_args``), each
         record decoded and checked here (on this stream's thread): per key the chunk, how it
         failed (``_Damaged``, or ``_Unknown`` when its format is newer than this reader), or
@@ -710,11 +735,14 @@ class RedisPool(SplitStreams, RemotePool):
                         ("EVAL", _TOUCH_LUA, len(self._acct_keys), *self._acct_keys, *touch_args)
                     )
                 replies = self._pull(client, commands, len(hexes))[len(hexes) :]
-            _raise_errors(replies[: len(hexes)])
-        out: list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | None] = []
+            _raise_errors([r for r in replies[: len(hexes)] if not _is_wrong_type(r)])
+        out: list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | _WrongType | None] = []
         for key, value in zip(keys, replies[: len(hexes)], strict=True):
             if value is None:
                 out.append(None)
+                continue
+            if _is_wrong_type(value):
+                out.append(_WrongType(str(value)))
                 continue
             try:
                 out.append(record.decode(value, key=key))
@@ -806,11 +834,18 @@ class RedisPool(SplitStreams, RemotePool):
             pipe = self._client().pipeline(transaction=False)
             for h in hexes:
                 _eval(pipe, _PROBE_LUA, [self._rec(h)], [record.HEADER_PROBE_BYTES])
-            replies = pipe.execute()
+            replies = pipe.execute(raise_on_error=False)
+            _raise_errors([r for r in replies if not _is_wrong_type(r)])
         out: list[ChunkMeta | None] = []
         damaged: list[tuple[str, _Damaged]] = []
+        wrong: list[str] = []
         for key, h, reply in zip(keys, hexes, replies, strict=True):
             if reply is None:
+                out.append(None)
+                continue
+            if _is_wrong_type(reply):
+                self._count_wrong_type(h, _WrongType(str(reply)))
+                wrong.append(h)
                 out.append(None)
                 continue
             head, record_bytes = reply
@@ -830,8 +865,8 @@ class RedisPool(SplitStreams, RemotePool):
                 out.append(None)
                 continue
             out.append(header.meta if visible_to(header.meta, tenant) else None)
-        if damaged:
-            self._repair(damaged=damaged)
+        if damaged or wrong:
+            self._repair(damaged=damaged, wrong=wrong)
         return out
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -858,7 +893,7 @@ class RedisPool(SplitStreams, RemotePool):
             pipe.hget(self._cfg_key, "capacity_bytes")
             replies = pipe.execute(raise_on_error=False)
             for name, reply in zip((self._used_key, self._cfg_key), replies, strict=True):
-                if isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE"):
+                if _is_wrong_type(reply):
                     raise BadUsageReport(f"pool {self.address}: its {name} is not a hash")
             _raise_errors(replies)
         used, capacity = replies
@@ -1088,14 +1123,24 @@ class RedisPool(SplitStreams, RemotePool):
         stale: Sequence[str] = (),
         damaged: Sequence[tuple[str, _Damaged]] = (),
         heal: Sequence[tuple[str, ChunkMeta]] = (),
+        wrong: Sequence[str] = (),
     ) -> None:
         """Best effort after a read: the caller already has its answer, and whatever is not
         repaired now is found again by the next read of the same keys. A damaged record is
         deleted (and its accounting dropped) only where the server holds the very bytes that
-        failed: the records are shared, and the damage may be on this reader's path alone."""
+        failed: the records are shared, and the damage may be on this reader's path alone.
+        A key of the ``wrong`` type is deleted (its accounting dropped) unless it holds a
+        string now."""
         try:
             client = self._client()
             dropped: list[str] = []
+            if wrong:
+                pipe = client.pipeline(transaction=False)
+                for h in wrong:
+                    _eval(pipe, _DROP_IF_NOT_STRING_LUA, [self._rec(h)], [])
+                for h, deleted in zip(wrong, pipe.execute(), strict=True):
+                    if int(deleted):
+                        dropped.append(h)
             if damaged:
                 pipe = client.pipeline(transaction=False)
                 for h, d in damaged:
@@ -1125,6 +1170,20 @@ class RedisPool(SplitStreams, RemotePool):
     def _count_corrupt(self) -> None:
         with self._lock:
             self.corrupt += 1
+
+    def _count_wrong_type(self, keyhex: str, wrong: _WrongType) -> None:
+        with self._lock:
+            self.corrupt += 1
+            first = not self._wrong_type_said
+            self._wrong_type_said = True
+        # once at warning, then debug: every read of the key would say it again
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "pool %s: chunk %s's key holds no record (%s): a miss, the key deleted",
+            self.address,
+            keyhex,
+            wrong.error.splitlines()[0][:120] if wrong.error else "",
+        )
 
     def _count_unknown(self, keyhex: str, unknown: _Unknown) -> None:
         with self._lock:
@@ -1201,6 +1260,11 @@ def _raise_errors(replies: Sequence[Any]) -> None:
     for reply in replies:
         if isinstance(reply, Exception):
             raise reply
+
+
+def _is_wrong_type(reply: object) -> bool:
+    """Whether ``reply`` is Redis's WRONGTYPE error (a script's too: Redis keeps the code)."""
+    return isinstance(reply, ResponseError) and "WRONGTYPE" in str(reply)[:200]
 
 
 def _is_oom(exc: ResponseError) -> bool:

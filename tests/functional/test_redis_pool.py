@@ -532,6 +532,40 @@ def test_unaccounted_record_is_accounted_when_read(make_pool, raw) -> None:  # t
     assert (pool.usage().chunks, pool.usage().used_bytes) == (1, 300)
 
 
+def test_a_record_key_of_the_wrong_type_is_a_miss_not_a_failed_pool(
+    make_pool, raw, redis_prefix: str
+) -> None:  # type: ignore[no-untyped-def]
+    """A chunk's key holding something other than a string (another host's bug, or hostile):
+    its GET, STRLEN and GETRANGE fail WRONGTYPE. That failed the whole get or probe (a
+    TierUnavailable: a failure of the pool, whose breaker then turned away every read of the
+    node) over one key; it is now a miss counted corrupt, the other chunks read, and the key is
+    deleted with its accounting, as a corrupt record is (a put then writes it anew)."""
+    pool = make_pool(capacity_bytes=64 << 20)
+    items = [chunk(i) for i in range(3)]
+    assert pool.put_many(items) == [True] * 3
+    bad = items[1][0].key
+    raw.delete(f"{redis_prefix}:c:{bad.hex()}")
+    raw.hset(f"{redis_prefix}:c:{bad.hex()}", "not", "a record")
+    keys = [m.key for m, _ in items]
+    got = pool.get_many(keys, tenant="a")
+    assert [None if c is None else bytes(c.data) for c in got] == [items[0][1], None, items[2][1]]
+    probed = pool.probe_many(keys, tenant="a")
+    assert [m is not None for m in probed] == [True, False, True]
+    assert pool.corrupt == 1  # the get deleted it: the probe found none
+    assert raw.exists(f"{redis_prefix}:c:{bad.hex()}") == 0
+    usage = pool.usage()
+    assert (usage.chunks, usage.used_bytes) == (2, 600)
+    assert pool.put_many([items[1]]) == [True]
+    assert bytes(pool.get_many([bad], tenant="a")[0].data) == items[1][1]  # type: ignore[union-attr]
+    # a probe meets one first: the same
+    raw.delete(f"{redis_prefix}:c:{keys[2].hex()}")
+    raw.rpush(f"{redis_prefix}:c:{keys[2].hex()}", "not a record")
+    assert [m is not None for m in pool.probe_many(keys, tenant="a")] == [True, True, False]
+    assert pool.corrupt == 2
+    assert raw.exists(f"{redis_prefix}:c:{keys[2].hex()}") == 0
+    assert pool.usage().chunks == 2
+
+
 # --- usage: counts another host writes --------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "field", "value"),
