@@ -177,12 +177,19 @@ local function now_s()
   return s
 end
 
+-- nil for an entry no writer of this format made (another host's bug, or hostile): the
+-- scripts raised on it (arithmetic on nil), failing every put that met it as a victim or re-put
 local function parse(m)
   local a = string.find(m, ' ', 1, true)
-  local b = string.find(m, ' ', a + 1, true)
-  local c = string.find(m, ' ', b + 1, true)
-  return tonumber(string.sub(m, 1, a - 1)), tonumber(string.sub(m, a + 1, b - 1)),
-    string.sub(m, b + 1, c - 1), string.sub(m, c + 1)
+  local b = a and string.find(m, ' ', a + 1, true)
+  local c = b and string.find(m, ' ', b + 1, true)
+  if not c then return nil end
+  local size, put_s = tonumber(string.sub(m, 1, a - 1)), tonumber(string.sub(m, a + 1, b - 1))
+  if not size or not put_s or size < 0 or size > 9007199254740992 or size ~= math.floor(size)
+  then
+    return nil
+  end
+  return size, put_s, string.sub(m, b + 1, c - 1), string.sub(m, c + 1)
 end
 
 local function account(kh, size, iso, tenant, now)
@@ -200,6 +207,7 @@ local function forget(kh)
   if not m then return 0 end
   local size, _, _, tenant = parse(m)
   redis.call('HDEL', meta, kh)
+  if not size then return 0 end  -- no size, no tenant known: nothing to uncount
   redis.call('ZREM', tz .. tenant, kh)
   redis.call('HINCRBY', used, 'bytes', -size)
   redis.call('HINCRBY', used, 'chunks', -1)
@@ -239,9 +247,16 @@ for i = 1, n do
   khs[i] = kh
   local now = now_s()
   local m = redis.call('HGET', meta, kh)
+  local osize, oiso, otenant, _
+  if m then
+    osize, _, oiso, otenant = parse(m)
+    if not osize then  -- an entry of no writer: dropped, the chunk accounted anew
+      forget(kh)
+      m = nil
+    end
+  end
   if m then
     -- a re-put is a touch: no second accounting
-    local osize, _, oiso, otenant = parse(m)
     redis.call('HSET', meta, kh, osize .. ' ' .. now .. ' ' .. oiso .. ' ' .. otenant)
     redis.call('ZADD', lru, now, kh)
     redis.call('ZADD', tz .. otenant, now, kh)
@@ -337,7 +352,7 @@ for j = 1, n do
   local m = redis.call('HGET', meta, kh)
   if m then
     local _, put_s = parse(m)
-    if tonumber(now) - put_s > grace then forget(kh) end
+    if not put_s or tonumber(now) - put_s > grace then forget(kh) end
   end
 end
 i = i + n + 1

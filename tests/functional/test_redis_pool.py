@@ -566,6 +566,37 @@ def test_a_record_key_of_the_wrong_type_is_a_miss_not_a_failed_pool(
     assert pool.usage().chunks == 2
 
 
+@pytest.mark.parametrize("entry", [b"garbage", b"300 x 0 a", b"-300 1.7e9 0 a", b"1e300 1.7e9 0 a"])
+def test_an_accounting_entry_no_writer_made_fails_no_put(
+    make_pool, raw, redis_prefix: str, entry: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    """A chunk's {P}:meta entry that is not "size put_s isolated tenant" (another host's bug, or
+    hostile): the scripts raised on it (arithmetic on nil), so every put that met it failed, a
+    failed call of the pool: its re-put, and once it was the LRU's oldest, every put that
+    needed room, for as long as it stayed. It is now dropped where met (the chunk accounted
+    anew on a re-put), and the puts go on."""
+    pool = make_pool(capacity_bytes=900)
+    items = [chunk(i) for i in range(3)]
+    assert pool.put_many(items) == [True] * 3
+    meta_key = f"{{{redis_prefix}}}:meta"
+    raw.hset(meta_key, items[0][0].key.hex(), entry)  # the oldest: the next victim
+    raw.hset(meta_key, items[1][0].key.hex(), entry)
+    # a re-put meets it, and room is made past the oldest's (their sizes unknown, the bytes
+    # they counted stay counted: the pool evicts more, never fails)
+    assert pool.put_many([items[1]]) == [True]
+    assert present(pool, [items[1]]) == [True]
+    assert pool.put_many([chunk(3)]) == [True]
+    assert present(pool, [chunk(3)]) == [True]
+    held = raw.hgetall(meta_key).values()
+    assert entry not in held
+    # a read that finds the record gone drops such an entry too (no put_s to judge it by)
+    k3 = chunk(3)[0].key
+    raw.hset(meta_key, k3.hex(), entry)
+    raw.delete(f"{redis_prefix}:c:{k3.hex()}")
+    assert pool.get_many([k3], tenant="a") == [None]
+    assert raw.hexists(meta_key, k3.hex()) == 0
+
+
 # --- usage: counts another host writes --------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "field", "value"),
