@@ -170,7 +170,8 @@ local tz = ARGV[1]
 local function now_s()
   local t = redis.call('TIME')
   local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  local last = tonumber(redis.call('GET', clock) or '0')
+  -- a clock that is no number (another host's bug, or hostile) failed every script: restarted
+  local last = tonumber(redis.call('GET', clock) or '0') or 0
   if now <= last then now = last + 0.000001 end
   local s = string.format('%.6f', now)
   redis.call('SET', clock, s)
