@@ -41,6 +41,7 @@ from kvctl.index.model import owners
 from kvctl.index.remote import MAX_KEYS, IndexUnavailable
 from kvctl.router.policies import POLICIES
 from kvctl.router.service import MAX_TOKENS, NoNodeAvailable, Router
+from kvctl.store.index import check_tenant
 from kvctl.store.keys import KEY_TEXT_CHARS, key_text_schema, parse_key_text
 from kvctl.wire.address import connect_host, split_host_port, url_host
 
@@ -461,6 +462,7 @@ def create_app(
         """The node that serves this request fastest (modeled), what it would pull from where,
         and its modeled TTFT next to `full_prefill_ttft_s` (the same node prefilling every
         token); with `explain`, every node's score and the DC links' figures."""
+        check_tenant(body.tenant)  # bytes of UTF-8, as an agent counts them, not characters
         if (body.keys is None) == (body.tokens is None):
             raise InvalidArgument("give exactly one of keys or tokens")
         if body.tokens is not None:
@@ -508,6 +510,7 @@ def create_app(
     def holders(body: HoldersRequest) -> dict[str, Any]:
         """For each key, the nodes holding it (tier, size, tokens) that the tenant may see:
         what an agent asks instead of probing every peer."""
+        check_tenant(body.tenant)
         rows = router.holders(_parse_keys(body.keys), tenant=body.tenant)
         return {
             "holders": [

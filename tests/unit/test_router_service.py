@@ -434,6 +434,24 @@ def test_holders_and_index_answer_as_the_index_client_reads_them(served) -> None
     assert c.post("/v1/index/holders", json={"keys": ["0" * 31]}).status_code == 400
 
 
+def test_a_tenant_name_is_bounded_in_bytes_as_an_agent_bounds_it(served) -> None:  # type: ignore[no-untyped-def]
+    """256 characters of 4-byte UTF-8 passed the schema's max_length (characters) where every
+    agent refuses a name past 256 bytes (``check_tenant``): the router answers 400 as they do."""
+    c, _, _ = served
+    key = keys(1)[0].hex()
+    wide = "\U0001f600" * 100  # 100 characters, 400 bytes
+    for path, body in (
+        ("/v1/index/holders", {"keys": [key], "tenant": wide}),
+        ("/v1/route", {"keys": [key], "tenant": wide}),
+    ):
+        r = c.post(path, json=body)
+        assert r.status_code == 400 and "400 bytes in UTF-8" in r.json()["detail"], r.text
+    assert (
+        c.post("/v1/index/holders", json={"keys": [key], "tenant": "\u00e9" * 128}).status_code
+        == 200
+    )
+
+
 def test_metrics_are_prometheus_text_without_keys_or_tenants(served) -> None:  # type: ignore[no-untyped-def]
     c, index, _ = served
     ks = keys(4)
