@@ -193,13 +193,30 @@ local function parse(m)
   return size, put_s, string.sub(m, b + 1, c - 1), string.sub(m, c + 1)
 end
 
+-- a count of {P}:used that HINCRBY cannot take (no integer, or one so large that it would
+-- overflow: another host's bug, or hostile) failed every put that counted into it; it counts as
+-- 0 and restarts there (kvctl.remote.pool.usage_count refuses to show it until then)
+local function used_bytes(field)
+  local v = redis.call('HGET', used, field)
+  if v and (#v > 18 or not string.match(v, '^%-?%d+$')) then
+    redis.call('HSET', used, field, 0)
+    return 0
+  end
+  return tonumber(v or '0')
+end
+
+local function incr(field, by)
+  used_bytes(field)
+  return redis.call('HINCRBY', used, field, by)
+end
+
 local function account(kh, size, iso, tenant, now)
   redis.call('HSET', meta, kh, size .. ' ' .. now .. ' ' .. iso .. ' ' .. tenant)
   redis.call('ZADD', lru, now, kh)
   redis.call('ZADD', tz .. tenant, now, kh)
-  redis.call('HINCRBY', used, 'bytes', size)
-  redis.call('HINCRBY', used, 'chunks', 1)
-  redis.call('HINCRBY', used, 't:' .. tenant, size)
+  incr('bytes', size)
+  incr('chunks', 1)
+  incr('t:' .. tenant, size)
 end
 
 local function forget(kh)
@@ -210,16 +227,12 @@ local function forget(kh)
   redis.call('HDEL', meta, kh)
   if not size then return 0 end  -- no size, no tenant known: nothing to uncount
   redis.call('ZREM', tz .. tenant, kh)
-  redis.call('HINCRBY', used, 'bytes', -size)
-  redis.call('HINCRBY', used, 'chunks', -1)
-  if redis.call('HINCRBY', used, 't:' .. tenant, -size) <= 0 then
+  incr('bytes', -size)
+  incr('chunks', -1)
+  if incr('t:' .. tenant, -size) <= 0 then
     redis.call('HDEL', used, 't:' .. tenant)
   end
   return size
-end
-
-local function used_bytes(field)
-  return tonumber(redis.call('HGET', used, field) or '0')
 end
 """
 

@@ -610,6 +610,26 @@ def test_a_clock_that_is_no_number_fails_no_put(make_pool, raw, redis_prefix: st
     assert present(pool, items) == [True, False, True, True]  # the LRU order kept
 
 
+@pytest.mark.parametrize("count", [b"lots", b"1.5", str(2**63 - 1).encode()])
+def test_a_used_count_the_scripts_cannot_add_to_fails_no_put(
+    make_pool, raw, redis_prefix: str, count: bytes
+) -> None:  # type: ignore[no-untyped-def]
+    """A {P}:used count that HINCRBY cannot add to (no integer, or one at 2**63 - 1: another
+    host's bug, or hostile) failed every put that counted into it (and the room check's
+    arithmetic on nil before it), a failed call of the pool each. It restarts at 0 and the
+    puts go on; the usage is shown again once it is a count."""
+    pool = make_pool(capacity_bytes=900)
+    items = [chunk(i) for i in range(4)]
+    assert pool.put_many(items[:2]) == [True] * 2
+    used_key = f"{{{redis_prefix}}}:used"
+    raw.hset(used_key, mapping={"bytes": count, "chunks": count, "t:a": count})
+    assert pool.put_many(items[2:]) == [True] * 2
+    assert present(pool, items) == [True] * 4
+    pool.delete_many([items[0][0].key])
+    usage = pool.usage()  # restarted at 0: counted since, a deleted chunk's size taken off
+    assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (300, 1, {"a": 300})
+
+
 # --- usage: counts another host writes --------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "field", "value"),
