@@ -194,20 +194,36 @@ local function parse(m)
 end
 
 -- a count of {P}:used that HINCRBY cannot take (no integer, or one so large that it would
--- overflow: another host's bug, or hostile) failed every put that counted into it; it counts as
--- 0 and restarts there (kvctl.remote.pool.usage_count refuses to show it until then)
+-- overflow: another host's bug, or hostile) failed every put that counted into it. It is counted
+-- again from {P}:meta (its entries are what it counts: once, O(entries), on such a count only;
+-- restarting it at 0 undercounted every chunk already held, the pool filling past its capacity
+-- and the count going negative as they went). Called after meta holds the change being counted.
+local function recount(field)
+  local tenant = nil
+  if string.sub(field, 1, 2) == 't:' then tenant = string.sub(field, 3) end
+  local total = 0
+  for _, m in ipairs(redis.call('HVALS', meta)) do
+    local size, _, _, t = parse(m)
+    if size and (tenant == nil or t == tenant) then
+      if field == 'chunks' then total = total + 1 else total = total + size end
+    end
+  end
+  redis.call('HSET', used, field, string.format('%.0f', total))
+  return total
+end
+
 local function used_bytes(field)
   local v = redis.call('HGET', used, field)
-  if v and (#v > 18 or not string.match(v, '^%-?%d+$')) then
-    redis.call('HSET', used, field, 0)
-    return 0
-  end
+  if v and (#v > 18 or not string.match(v, '^%-?%d+$')) then return recount(field) end
   return tonumber(v or '0')
 end
 
+-- HINCRBY alone on the hot path (a put's or an eviction's three counts): only when it fails, or
+-- leaves a count no pool holds (negative, or of 19 digits), is the count counted again
 local function incr(field, by)
-  used_bytes(field)
-  return redis.call('HINCRBY', used, field, by)
+  local r = redis.pcall('HINCRBY', used, field, by)
+  if type(r) == 'table' or r < 0 or r >= 1e18 then return recount(field) end
+  return r
 end
 
 local function account(kh, size, iso, tenant, now)

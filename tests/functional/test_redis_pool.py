@@ -616,18 +616,20 @@ def test_a_used_count_the_scripts_cannot_add_to_fails_no_put(
 ) -> None:  # type: ignore[no-untyped-def]
     """A {P}:used count that HINCRBY cannot add to (no integer, or one at 2**63 - 1: another
     host's bug, or hostile) failed every put that counted into it (and the room check's
-    arithmetic on nil before it), a failed call of the pool each. It restarts at 0 and the
-    puts go on; the usage is shown again once it is a count."""
+    arithmetic on nil before it), a failed call of the pool each. It is counted again from the
+    accounting entries and the puts go on; the usage is shown again."""
     pool = make_pool(capacity_bytes=900)
     items = [chunk(i) for i in range(4)]
     assert pool.put_many(items[:2]) == [True] * 2
     used_key = f"{{{redis_prefix}}}:used"
     raw.hset(used_key, mapping={"bytes": count, "chunks": count, "t:a": count})
     assert pool.put_many(items[2:]) == [True] * 2
-    assert present(pool, items) == [True] * 4
-    pool.delete_many([items[0][0].key])
-    usage = pool.usage()  # restarted at 0: counted since, a deleted chunk's size taken off
-    assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (300, 1, {"a": 300})
+    # counted again from the accounting entries (not restarted at 0, which let all 4 in 900
+    # bytes): the oldest evicted to make room
+    assert present(pool, items) == [False, True, True, True]
+    pool.delete_many([items[1][0].key])
+    usage = pool.usage()
+    assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (600, 2, {"a": 600})
 
 
 # --- usage: counts another host writes --------------------------------------------------------
