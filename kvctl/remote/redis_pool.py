@@ -170,8 +170,11 @@ local tz = ARGV[1]
 local function now_s()
   local t = redis.call('TIME')
   local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-  -- a clock that is no number (another host's bug, or hostile) failed every script: restarted
+  -- a clock that is no number (another host's bug, or hostile) failed every script: restarted.
+  -- So is one a day past the server's time (inf, 1e300: Lua reads them as numbers): every
+  -- timestamp after it was that one, for good, the LRU order lost
   local last = tonumber(redis.call('GET', clock) or '0') or 0
+  if last > now + 86400 then last = 0 end
   if now <= last then now = last + 0.000001 end
   local s = string.format('%.6f', now)
   redis.call('SET', clock, s)

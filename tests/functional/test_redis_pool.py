@@ -597,17 +597,23 @@ def test_an_accounting_entry_no_writer_made_fails_no_put(
     assert raw.hexists(meta_key, k3.hex()) == 0
 
 
-def test_a_clock_that_is_no_number_fails_no_put(make_pool, raw, redis_prefix: str) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("clock", [b"garbage", b"inf", b"1e300"])
+def test_a_clock_that_is_no_number_fails_no_put(
+    make_pool, raw, redis_prefix: str, clock: bytes
+) -> None:  # type: ignore[no-untyped-def]
     """{P}:clock (the last LRU timestamp handed out) holding no number (another host's bug, or
     hostile) made every script compare a number with nil: every put, and every get's LRU
-    touch, failed for as long as it stayed. It counts as no timestamp handed out yet."""
+    touch, failed for as long as it stayed. It counts as no timestamp handed out yet. So does
+    one no server time reaches (inf, 1e300: Lua reads both as numbers): every timestamp after
+    it was the same, for good, the LRU order lost (victims taken by key name)."""
     pool = make_pool(capacity_bytes=900)
-    raw.set(f"{{{redis_prefix}}}:clock", b"garbage")
+    raw.set(f"{{{redis_prefix}}}:clock", clock)
     items = [chunk(i) for i in range(4)]
     assert pool.put_many(items[:3]) == [True] * 3
     assert pool.get_many([items[0][0].key], tenant="a")[0] is not None  # touched: the newest
     assert pool.put_many([items[3]]) == [True]
     assert present(pool, items) == [True, False, True, True]  # the LRU order kept
+    assert float(raw.get(f"{{{redis_prefix}}}:clock")) < time.time() + 3600
 
 
 @pytest.mark.parametrize("count", [b"lots", b"1.5", str(2**63 - 1).encode()])
