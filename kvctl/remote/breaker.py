@@ -129,6 +129,12 @@ class Breaker:
         with self._lock:
             return self._state_locked(self.clock())
 
+    @property
+    def opened_late(self) -> bool:
+        """Whether it is open because of late answers (not failures)."""
+        with self._lock:
+            return self._open and self._opened_late
+
     def may_call(self) -> bool:
         """Whether a call made now would be let through (no state changes: a hint only)."""
         with self._lock:

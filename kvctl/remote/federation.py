@@ -193,8 +193,12 @@ class Source:
         if ticket is None:
             with self._lock:
                 self.counters.skipped += 1
-            if said is not None:
-                said(f"not sent: {self.name} is left alone after an error ({self.last_error})")
+            if said is not None:  # last_error: maybe an old one, the breaker opened since late
+                why = "answering too late" if self.breaker.opened_late else None
+                said(
+                    f"not sent: {self.name} is left alone after "
+                    f"{why or f'an error ({self.last_error})'}"
+                )
             return None
         t0 = time.perf_counter()
         try:

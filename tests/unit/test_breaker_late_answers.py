@@ -19,7 +19,7 @@ from kvctl.remote.fetchplan import PrefillRate
 from kvctl.remote.links import LinkEstimator
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
-from tests.unit.test_source_breaker import FakeClock, NoBackend, make_source, no_bytes, ok
+from tests.unit.test_source_breaker import FakeClock, NoBackend, fail, make_source, no_bytes, ok
 
 
 def answer(src: Source, *, late: bool, what: str = "probe") -> str | None:
@@ -135,3 +135,22 @@ def test_time_queued_behind_the_sources_own_probes_is_not_lateness() -> None:
     finally:
         remote.close()
         store.close()
+
+
+def test_a_write_turned_away_for_late_answers_is_told_so_not_an_old_error() -> None:
+    """``said`` (the pool writer's write.last_error, shown by kvctl agent remote) of a call
+    turned away said 'left alone after an error (<last_error>)' whatever opened the breaker:
+    opened by late lookups, it showed an empty or an old, long since mended error."""
+    clock = FakeClock()
+    src = make_source(clock)
+    told: list[str] = []
+    assert src.call("write", fail, moved_bytes=no_bytes, said=told.append) is None
+    clock.advance(src.breaker.backoff_s)
+    assert answer(src, late=False) == "answer"  # the probe closes it: the error is over
+    open_for_lateness(src)
+    assert src.call("write", ok, moved_bytes=no_bytes, said=told.append) is None
+    assert told[-1] == "not sent: pool is left alone after answering too late"
+    clock.advance(src.breaker.backoff_s)
+    assert src.call("write", fail, moved_bytes=no_bytes, said=told.append) is None  # a probe
+    assert src.call("write", ok, moved_bytes=no_bytes, said=told.append) is None
+    assert told[-1].startswith("not sent: pool is left alone after an error (write: pool")
