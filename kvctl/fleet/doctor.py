@@ -796,15 +796,19 @@ def _inspect(
     from sqlalchemy.exc import SQLAlchemyError
 
     from kvctl.db import migrate
+    from kvctl.db.engine import SchemaNotKnown
     from kvctl.db.inventory import InventoryError, list_nodes
     from kvctl.db.models import DataCenter, Node
     from kvctl.fleet.targets import resolve_targets
 
-    current = migrate.current_revision(engine)  # the first connection: errors mean unusable
-    checks = [
-        Check("database", OK, f"{backend} at {shown}", None, {"url": shown}),
-        _schema_check(current, backend),
-    ]
+    try:
+        current = migrate.current_revision(engine)  # the first connection: errors mean unusable
+        schema = _schema_check(current, backend)
+    except SchemaNotKnown as several:  # it answers: its schema is what this kvctl does not know
+        current = "several"
+        values = {"current": None, "head": migrate.head_revision()}
+        schema = Check("database schema", FAIL, str(several), SchemaNotKnown.hint, values)
+    checks = [Check("database", OK, f"{backend} at {shown}", None, {"url": shown}), schema]
     if current is None:
         return checks, _skip_agents("the database has no schema yet, so no inventory")
 

@@ -195,3 +195,23 @@ def test_an_upgrade_to_base_or_an_older_revision_says_what_it_did(empty_db_url: 
         assert "already at" not in said
     again = runner.invoke(app, ["db", "upgrade", "--revision", head, "--db", empty_db_url])
     assert f"already at {head}" in again.stdout
+
+
+def test_the_doctor_says_a_database_at_two_revisions_is_reachable_and_its_schema_unknown(
+    empty_db_url: str,
+) -> None:
+    """`kvctl doctor` on a database at two revisions at once (559c742's SchemaNotKnown) failed
+    its 'database' check as unusable, with the fix of a database away: 'check that ... is a
+    readable SQLite file' or 'start PostgreSQL at ... (pg_isready ...)'. The database answers;
+    it is its schema this kvctl does not know, said as a single unknown revision is."""
+    assert runner.invoke(app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
+    _stamp(empty_db_url, migrate.head_revision(), "ffff00000099")
+
+    result = runner.invoke(app, ["doctor", "--json", "--db", empty_db_url])
+    assert result.exit_code == 1, result.output
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["database"]["status"] == "ok", checks["database"]
+    schema = checks["database schema"]
+    assert schema["status"] == "fail", schema
+    assert "at once" in schema["detail"] and "ffff00000099" in schema["detail"], schema
+    assert "readable SQLite file" not in result.stdout and "pg_isready" not in result.stdout
