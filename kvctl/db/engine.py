@@ -49,8 +49,10 @@ def default_db_path() -> Path:
 #: what SQLAlchemy's URL parser takes for a password: from the first ':' after the user to the
 #: first '@' (a valid URL has no raw '/', '?' or '#' there)
 _RAW_PASSWORD = re.compile(r"[\w+]+://[^:/]*:([^@]*)@")
-#: a query's key=value in what the parser took for a password
-_QUERY_IN_IT = re.compile(r"\?[^=]*=")
+#: a path and a query's key=value in what the parser took for a password: the userinfo it took
+#: ran from the host (and its port) to an '@' in the query. A password typed with a raw '?'
+#: and '=' but no '/' before them ('k3?Lm=Q') is no such thing, and reads as it did
+_QUERY_IN_IT = re.compile(r"/[^?]*\?[^=]*=")
 
 
 def resolve_url(url: str | None = None) -> str:

@@ -103,3 +103,24 @@ def test_no_part_of_a_typed_password_is_shown(url: str, cut: str) -> None:
     assert result.exit_code == 2, said
     assert _HEAD not in said and _TAIL not in said, said
     assert "Traceback" not in said and "did not expect" not in said, said
+
+
+@pytest.mark.parametrize("password", ["k3?Lm=Q", "k3?Lm=Q&x=y", "?a=b"])
+def test_a_password_typed_with_a_raw_question_mark_and_equals_sign_still_reads(
+    pg_url: str, password: str
+) -> None:
+    """9305aa7 refuses a userinfo whose password holds '?key=' (its mark of a query's raw '@',
+    read by the URL parser as ending a userinfo that runs from the host: '127.0.0.1:1/kvctl?
+    user=k&password=pa@ss'). A password typed raw with '?' then '=' (a generated one: 'k3?Lm=Q')
+    read as one before, and was refused as a query holding a raw '@'. It reads (trust auth
+    ignores it) and is never shown."""
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(pg_url)
+    url = f"postgresql://{parsed.username}:{password}@{parsed.host}:{parsed.port or 5432}/"
+    url += str(parsed.database)
+    result = runner.invoke(app, ["db", "current", "--db", url], env={"COLUMNS": "1000"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 1, said  # reached: an empty database is behind
+    assert "revision empty" in said and "raw '@'" not in said, said
+    assert "k3" not in said and "Lm=Q" not in said and "?a=b" not in said, said
