@@ -196,36 +196,58 @@ local function parse(m)
   return size, put_s, string.sub(m, b + 1, c - 1), string.sub(m, c + 1)
 end
 
--- a count of {P}:used that HINCRBY cannot take (no integer, or one so large that it would
--- overflow: another host's bug, or hostile) failed every put that counted into it. It is counted
--- again from {P}:meta (its entries are what it counts: once, O(entries), on such a count only;
--- restarting it at 0 undercounted every chunk already held, the pool filling past its capacity
--- and the count going negative as they went). Called after meta holds the change being counted.
-local function recount(field)
-  local tenant = nil
-  if string.sub(field, 1, 2) == 't:' then tenant = string.sub(field, 3) end
-  local total = 0
+-- {P}:used counted again from {P}:meta, whose entries are what it counts (O(entries): on a
+-- broken count, or once an entry no writer made was dropped, never on the hot path). A count
+-- HINCRBY cannot take (no integer, or one so large that it would overflow: another host's bug,
+-- or hostile) failed every put that counted into it, and restarting it at 0 left every chunk
+-- held uncounted (the pool filling past its capacity, the count going negative as they went);
+-- the bytes of a dropped entry no writer made stayed counted for good, the pool's room shrunk
+-- by as much for every agent (all of it: every put refused 'no room'). Called once meta holds
+-- the change being counted.
+local recount_due = false
+
+local function recount()
+  recount_due = false
+  local bytes, chunks, tenants = 0, 0, {}
   for _, m in ipairs(redis.call('HVALS', meta)) do
     local size, _, _, t = parse(m)
-    if size and (tenant == nil or t == tenant) then
-      if field == 'chunks' then total = total + 1 else total = total + size end
+    if size then
+      bytes, chunks = bytes + size, chunks + 1
+      tenants[t] = (tenants[t] or 0) + size
     end
   end
-  redis.call('HSET', used, field, string.format('%.0f', total))
-  return total
+  for _, f in ipairs(redis.call('HKEYS', used)) do
+    if string.sub(f, 1, 2) == 't:' and not tenants[string.sub(f, 3)] then
+      redis.call('HDEL', used, f)
+    end
+  end
+  redis.call('HSET', used, 'bytes', string.format('%.0f', bytes),
+    'chunks', string.format('%.0f', chunks))
+  for t, n in pairs(tenants) do redis.call('HSET', used, 't:' .. t, string.format('%.0f', n)) end
+end
+
+local function count_of(field)
+  return tonumber(redis.call('HGET', used, field) or '0')
 end
 
 local function used_bytes(field)
+  if recount_due then recount() end
   local v = redis.call('HGET', used, field)
-  if v and (#v > 18 or not string.match(v, '^%-?%d+$')) then return recount(field) end
+  if v and (#v > 18 or not string.match(v, '^%-?%d+$')) then
+    recount()
+    return count_of(field)
+  end
   return tonumber(v or '0')
 end
 
 -- HINCRBY alone on the hot path (a put's or an eviction's three counts): only when it fails, or
--- leaves a count no pool holds (negative, or of 19 digits), is the count counted again
+-- leaves a count no pool holds (negative, or of 19 digits), is it counted again
 local function incr(field, by)
   local r = redis.pcall('HINCRBY', used, field, by)
-  if type(r) == 'table' or r < 0 or r >= 1e18 then return recount(field) end
+  if type(r) == 'table' or r < 0 or r >= 1e18 then
+    recount()
+    return count_of(field)
+  end
   return r
 end
 
@@ -244,7 +266,10 @@ local function forget(kh)
   if not m then return 0 end
   local size, _, _, tenant = parse(m)
   redis.call('HDEL', meta, kh)
-  if not size then return 0 end  -- no size, no tenant known: nothing to uncount
+  if not size then  -- no size, no tenant known: counted again before the counts are next used
+    recount_due = true
+    return 0
+  end
   redis.call('ZREM', tz .. tenant, kh)
   incr('bytes', -size)
   incr('chunks', -1)
@@ -339,6 +364,7 @@ for _, v in ipairs(victims) do
     gone[#gone + 1] = v
   end
 end
+if recount_due then recount() end
 return {status, gone}
 """
 )
@@ -399,6 +425,7 @@ for j = 0, n - 1 do
     account(ARGV[k], ARGV[k + 1], ARGV[k + 2], ARGV[k + 3], now)
   end
 end
+if recount_due then recount() end
 return 0
 """
 )
@@ -417,6 +444,7 @@ while used_bytes('bytes') > cap do
   forget(v)
   victims[#victims + 1] = v
 end
+if recount_due then recount() end
 return victims
 """
 )

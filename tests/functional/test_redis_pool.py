@@ -581,12 +581,14 @@ def test_an_accounting_entry_no_writer_made_fails_no_put(
     meta_key = f"{{{redis_prefix}}}:meta"
     raw.hset(meta_key, items[0][0].key.hex(), entry)  # the oldest: the next victim
     raw.hset(meta_key, items[1][0].key.hex(), entry)
-    # a re-put meets it, and room is made past the oldest's (their sizes unknown, the bytes
-    # they counted stay counted: the pool evicts more, never fails)
+    # a re-put meets it, and room is made past the oldest's (their sizes unknown: the counts
+    # are counted again from the entries left, test_redis_pool_counts)
     assert pool.put_many([items[1]]) == [True]
     assert present(pool, [items[1]]) == [True]
     assert pool.put_many([chunk(3)]) == [True]
     assert present(pool, [chunk(3)]) == [True]
+    assert pool.put_many([chunk(4)]) == [True]  # room made: the oldest (item 0's) met
+    assert present(pool, [chunk(4)]) == [True]
     held = raw.hgetall(meta_key).values()
     assert entry not in held
     # a read that finds the record gone drops such an entry too (no put_s to judge it by)
