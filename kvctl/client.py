@@ -1380,7 +1380,12 @@ class DataClient:
         under its mapping would crash it."""
         if self._staging is not None and len(self._staging) >= size:
             return self._staging
-        size = max(size, 64 << 20, 2 * len(self._staging) if self._staging else 0)
+        # no floor: the segment is written in full before it is attached (``_sealed_segment``),
+        # so every byte of it is this client's memory, and takes the time to write, from the
+        # first put (a 64 MiB floor made a 4 KiB put cost 64 MiB and some 70 ms). Doubling keeps
+        # the segments a client replaces as its puts grow few.
+        size = max(size, 2 * len(self._staging) if self._staging else 0, 1)
+        size = -(-size // STAGING_UNIT_BYTES) * STAGING_UNIT_BYTES
         try:
             fd, staging = _sealed_segment(size)
         except OSError:
@@ -1408,6 +1413,11 @@ class DataClient:
         if self.on_staging is not None:
             self.on_staging(staging)
         return staging
+
+
+#: staging segments are sized in multiples of this (the smallest is one): a huge page, so a
+#: segment can be backed by huge pages where the host allows them for shared memory
+STAGING_UNIT_BYTES = 2 << 20
 
 
 def _sealed_segment(size_bytes: int) -> tuple[int, mmap.mmap]:
