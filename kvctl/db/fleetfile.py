@@ -147,6 +147,8 @@ def load(text: str, fmt: str) -> dict[str, Any]:
             return tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise FleetFileError(f"not valid TOML: {exc}") from None
+        except RecursionError:  # '[[[[...' thousands deep: the parser gives up, no line said
+            raise FleetFileError("not valid TOML: nested too deep to read") from None
     import yaml
 
     try:
@@ -156,6 +158,8 @@ def load(text: str, fmt: str) -> dict[str, Any]:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or " ".join(str(exc).split())
         raise FleetFileError(f"not valid YAML{where}: {problem}") from None
+    except RecursionError:  # '[[[[...' thousands deep: the parser gives up, no line said
+        raise FleetFileError("not valid YAML: nested too deep to read") from None
     return {} if data is None else data
 
 

@@ -219,3 +219,20 @@ def test_urls_with_credentials_are_refused() -> None:
     problem = url_problem("http://ops:hunter2@10.0.0.7:7070")
     assert problem is not None and "password" in problem and "hunter2" not in problem
     assert url_problem("http://10.0.0.7:7070") is None
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        ("toml", "a = " + "[" * 5000 + "]" * 5000),
+        ("yaml", "[" * 5000 + "]" * 5000),
+        ("yaml", "a: " + "{x: " * 3000 + "1" + "}" * 3000),
+    ],
+    ids=["toml-arrays", "yaml-lists", "yaml-maps"],
+)
+def test_a_fleet_file_nested_thousands_deep_is_not_valid_not_a_bug(fmt: str, text: str) -> None:
+    """tomllib's and PyYAML's parsers raise RecursionError (no TOMLDecodeError or YAMLError)
+    on a document nested thousands deep: `kvctl fleet import` (and every --fleet) said
+    'kvctl failed where it did not expect to: RecursionError' (as 9ed94ae found of JSON)."""
+    with pytest.raises(FleetFileError, match=f"not valid {fmt.upper()}: nested too deep"):
+        load(text, fmt)
