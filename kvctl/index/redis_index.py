@@ -584,7 +584,7 @@ def _claim(value: bytes) -> tuple[int, list[str]] | None:
     another shape: a "ms" of 1e400 raised OverflowError, "nodes" of "xy" claimed x and y)."""
     try:
         claim = json.loads(value)
-    except ValueError:  # (UnicodeDecodeError too)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError too; nested past the parser)
         return None
     if not isinstance(claim, dict):
         return None

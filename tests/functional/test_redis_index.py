@@ -431,8 +431,9 @@ def test_a_replace_that_outlasts_the_client_timeout_but_lands_counts_as_done(
         '{"ms": NOW, "nodes": "xy"}',  # a string: claimed nodes "x" and "y"
         '{"ms": NOW, "nodes": [["y"]]}',  # a list: claimed the node "['y']"
         '{"ms": 99999999999999999, "nodes": ["y"]}',  # far in the future: claimed for ever
+        "[" * 5000 + "]" * 5000,  # nested past json's parser: RecursionError out of claims()
     ],
-    ids=["ms-inf", "nodes-a-string", "nodes-not-names", "ms-in-the-future"],
+    ids=["ms-inf", "nodes-a-string", "nodes-not-names", "ms-in-the-future", "nested-deep"],
 )
 def test_a_claim_no_router_wrote_claims_nothing(
     fresh: RedisIndex, redis_url: str, value: str
