@@ -324,6 +324,9 @@ class DataPlaneServer:
         ``copy_budget_bytes`` is ``data_put_budget_bytes`` too."""
         self.runtime = runtime
         settings = runtime.settings
+        #: a staging segment was refused (logged once: an SDK older than this agent's checks
+        #: puts over the socket from then on, which its engine does not say)
+        self.said_segment_refused = False
         #: open connections each transport keeps at most (a flood of TCP connections cannot
         #: lock local engines out of the Unix socket). Past it, on TCP, a new connection is
         #: taken into the over-cap reserve while an idle one could make room for it, and the
@@ -1788,7 +1791,17 @@ class Connection:
         if len(self._fds) != 1:
             raise FrameError(ErrorCode.BAD_REQUEST, "ATTACH needs exactly one file descriptor")
         fd = self._fds[0]
-        _check_segment(fd, size)
+        try:
+            _check_segment(fd, size)
+        except FrameError as exc:
+            if not self.server.said_segment_refused:  # once: any client may send many
+                self.server.said_segment_refused = True
+                log.warning(
+                    "refused a client's staging segment (%s): its puts go over the socket, "
+                    "more slowly; an SDK older than this agent does so (upgrade it; said once)",
+                    exc.message,
+                )
+            raise
         staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         hugepages.advise(staging)
         # a gpu tier copies puts from the segment in one transfer once it is registered; this

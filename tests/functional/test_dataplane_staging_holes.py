@@ -113,3 +113,32 @@ def test_a_clients_segment_is_sized_to_its_puts_not_to_a_floor(tmp_path: Path) -
         assert os.lseek(client._staging_fd, 0, os.SEEK_HOLE) == len(client._staging)
         assert bytes(client.get(key(1, 32))) == b"y" * big
         assert bytes(client.get(small)) == b"x" * 4096
+
+
+def test_the_agent_says_once_that_it_refused_a_segment(tmp_path: Path) -> None:
+    # an SDK older than 71334fe (its segment sealed against resizing only, and sparse) puts
+    # over the socket once refused, saying nothing: the agent's log is where an operator learns
+    # why that engine's stores got slower (second review of 71334fe). Once: any client may
+    # send many
+    with hostile_agent(tmp_path / "a", "--cpu", "64MiB", "--disk", "0") as agent:
+        with agent.data("unix") as sdk:  # this SDK's segment: accepted, nothing said
+            assert sdk.put_many([(key(0, 33), b"s" * 4096)])[0].status == "stored"
+            assert sdk._staging is not None
+        for _ in range(2):
+            fd = os.memfd_create("older-sdk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.ftruncate(fd, 1 << 20)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+                conn = RawConn(agent, "unix")
+                conn.call(Op.HELLO, MetaWriter().text("").text("older").build())
+                op, _rid, meta, _ = conn.call(
+                    Op.ATTACH, MetaWriter().u64(1 << 20).build(), fds=[fd]
+                )
+                assert op == Op.ERROR and parse_error(meta)[0] == ErrorCode.BAD_REQUEST
+                assert conn.call(Op.PING, b"")[0] == Op.PING | 0x80
+                conn.sock.close()
+            finally:
+                os.close(fd)
+        said = [line for line in agent.log().splitlines() if "staging segment" in line]
+        assert len(said) == 1, said
+        assert "refused a client's staging segment" in said[0] and "over the socket" in said[0]
