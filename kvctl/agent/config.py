@@ -748,10 +748,13 @@ def _read_file(path: Path, chosen_by: str) -> dict[str, object]:
             source=f"file:{path}",
         )
     try:
-        with path.open("rb") as f:
-            return tomllib.load(f)
+        # a byte order mark at its start (what Windows editors write) is dropped, as
+        # kvctl.paths.read_text_file drops it from option files
+        return tomllib.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except tomllib.TOMLDecodeError as exc:
         problem = f"is not valid TOML: {exc}"
+    except RecursionError:  # '[[[[...' thousands deep: tomllib gives up, no line said
+        problem = "is not valid TOML: nested too deep to read"
     except UnicodeDecodeError as exc:
         problem = f"is not UTF-8 text: {exc}"
     except OSError as exc:

@@ -120,6 +120,20 @@ def test_bad_toml_names_file_and_position(config: Path) -> None:
     assert "line 2" in message  # tomllib's own message is kept
 
 
+def test_a_byte_order_mark_at_the_files_start_is_dropped(config: Path) -> None:
+    """A Windows editor's BOM made the file 'not valid TOML: Invalid statement (at line 1,
+    column 1)'; ae27cc3 dropped it from option files but not from the agent's config file."""
+    config.write_bytes(b"\xef\xbb\xbf[agent]\nchunk_tokens = 512\n")
+    assert load_settings(config_file=config, env={}).settings.chunk_tokens == 512
+
+
+def test_a_file_nested_thousands_deep_is_not_valid_toml_not_a_bug(config: Path) -> None:
+    """tomllib raises RecursionError (no TOMLDecodeError) on '[[[[...' thousands deep: out of
+    load_settings, kvctl agent start said a bug's line, not the file's fault."""
+    with pytest.raises(ConfigError, match="not valid TOML: nested too deep"):
+        load_file(config, "[agent]\nx = " + "[" * 5000 + "]" * 5000 + "\n")
+
+
 def test_config_error_is_an_invalid_argument(config: Path) -> None:
     with pytest.raises(InvalidArgument):
         load_file(config, "[agent]\nchunk_tokens = 0\n")
