@@ -13,6 +13,7 @@ JSON control API. Both raise the typed errors below, never bare socket or HTTP e
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import mmap
@@ -1460,8 +1461,14 @@ def _populate(segment: mmap.mmap) -> None:
     try:
         segment.madvise(_MADV_POPULATE_WRITE)
         return
-    except (OSError, AttributeError):  # an older kernel: written instead
+    except AttributeError:  # no madvise here: written instead
         pass
+    except OSError as exc:
+        # only a kernel without it (EINVAL, < 5.14) has it written instead: where it failed
+        # for want of memory (ENOMEM) or where a write would fault (EFAULT: SIGBUS), writing
+        # the pages would have the process killed; the OSError has its puts go over the socket
+        if exc.errno != errno.EINVAL:
+            raise
     zeros = bytes(min(len(segment), 1 << 20))
     with memoryview(segment) as view:
         for offset in range(0, len(segment), len(zeros)):
