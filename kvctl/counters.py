@@ -26,6 +26,7 @@ saved state is newer than counts nothing (``rebase``), and that newer state stay
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,12 +244,12 @@ class CounterTracker:
         ):
             if wanted and not series.startswith(wanted):
                 continue
-            data = json.loads(state)
-            unread = frozenset(data.get("unread", ()))
-            self._last[series] = _Last(
-                data.get("epoch"), dict(data.get("values", {})), ts_ms, unread
-            )
-            self._saved_ts_ms[series] = ts_ms
+            last = _state_from_json(state, ts_ms)
+            if last is None:  # no collector wrote it: the next reading is the baseline
+                self._last.pop(series, None)
+            else:
+                self._last[series] = last
+            self._saved_ts_ms[series] = ts_ms  # replaced at the next save, compared as any
             self._written_ts_ms.pop(series, None)
             self._dirty.discard(series)
             n += 1
@@ -393,6 +394,30 @@ def _older(prev: _Last, values: Mapping[str, float | None], epoch: float | None)
         v is not None and (before := prev.values.get(k)) is not None and v < before
         for k, v in values.items()
     )
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _state_from_json(state: str, ts_ms: int) -> _Last | None:
+    """A series' saved state as ``_state_json`` wrote it; None for anything else (a row by
+    hand, an import, a broken export: not JSON, JSON nested too deep to parse, other types),
+    which would otherwise fail every load of the counters' state, each cycle."""
+    try:
+        data = json.loads(state)
+    except (ValueError, TypeError, RecursionError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    epoch, values, unread = data.get("epoch"), data.get("values", {}), data.get("unread", [])
+    if epoch is not None and not _number(epoch):
+        return None
+    if not isinstance(values, dict) or not all(_number(v) for v in values.values()):
+        return None
+    if not isinstance(unread, list) or not all(isinstance(k, str) for k in unread):
+        return None
+    return _Last(epoch, dict(values), ts_ms, frozenset(unread))
 
 
 def _state_json(last: _Last) -> str:

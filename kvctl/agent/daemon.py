@@ -205,7 +205,7 @@ class AgentState:
         file), so no caller signals a pid or asks a URL it made up."""
         try:
             raw = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
             return None
         if not isinstance(raw, dict):
             return None

@@ -6,6 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from sqlalchemy import text
+
 from kvctl.counters import CounterTracker
 
 
@@ -202,6 +204,44 @@ def test_state_survives_a_collector_restart(db) -> None:  # type: ignore[no-unty
         assert second.load(conn, ["cache:1:"]) == 1
         assert second.load(conn, ["cache:2:"]) == 0
     assert second.increase("cache:1:all", {"hits": 150.0}, epoch=5.0, ts_ms=20) == {"hits": 20.0}
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        "not json",
+        "[" * 100_000,  # nested too deep for Python's parser: RecursionError
+        "[1, 2]",
+        '{"epoch": "x", "values": {"hits": 1}}',
+        '{"epoch": 5, "values": {"hits": "many"}}',
+        '{"epoch": 5, "values": [1]}',
+        '{"epoch": 5, "values": {"hits": 1}, "unread": [3]}',
+        '{"epoch": true, "values": {"hits": 1}}',
+    ],
+)
+def test_a_saved_state_no_collector_wrote_is_a_baseline_and_replaced(db, state: str) -> None:  # type: ignore[no-untyped-def]
+    """A state row by hand, an import or a broken export failed every load (each collector
+    cycle rereads the counters' state): the series' next reading is its baseline instead, and
+    the next save replaces the row; the other series load as saved."""
+    good = CounterTracker()
+    good.increase("cache:1:all", {"hits": 100.0}, epoch=5.0, ts_ms=0)
+    good.increase("cache:2:all", {"hits": 7.0}, epoch=5.0, ts_ms=0)
+    with db.begin() as conn:
+        assert good.save(conn) == 2
+        conn.execute(
+            text("UPDATE counter_state SET state = :s WHERE series = 'cache:1:all'"), {"s": state}
+        )
+    second = CounterTracker()
+    with db.connect() as conn:
+        assert second.load(conn, ()) == 2
+    assert second.increase("cache:1:all", {"hits": 150.0}, epoch=5.0, ts_ms=20) == {"hits": 0.0}
+    assert second.increase("cache:2:all", {"hits": 9.0}, epoch=5.0, ts_ms=20) == {"hits": 2.0}
+    with db.begin() as conn:
+        assert second.save(conn) == 2  # the row replaced, not taken for another writer's
+    third = CounterTracker()
+    with db.connect() as conn:
+        third.load(conn, ())
+    assert third.increase("cache:1:all", {"hits": 160.0}, epoch=5.0, ts_ms=30) == {"hits": 10.0}
 
 
 def test_a_save_over_another_writers_state_is_refused(db) -> None:  # type: ignore[no-untyped-def]
