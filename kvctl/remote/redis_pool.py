@@ -241,12 +241,15 @@ local function used_bytes(field)
 end
 
 -- HINCRBY alone on the hot path (a put's or an eviction's three counts): only when it fails, or
--- leaves a count no pool holds (negative, or of 19 digits), is it counted again
+-- leaves a count no pool holds (negative, or of 19 digits), are the counts counted again, once
+-- the other counts of the change are made (before they are next read, or at the script's end):
+-- counted at once, the change's increments after this one added it a second time. 1 then (not
+-- taken for a tenant's last bytes: the recount drops a tenant's count with no entries left)
 local function incr(field, by)
   local r = redis.pcall('HINCRBY', used, field, by)
   if type(r) == 'table' or r < 0 or r >= 1e18 then
-    recount()
-    return count_of(field)
+    recount_due = true
+    return 1
   end
   return r
 end

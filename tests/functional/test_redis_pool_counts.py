@@ -118,3 +118,33 @@ def test_an_entry_no_writer_made_leaves_no_bytes_counted(
     usage = pool.usage()
     assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (900, 3, {"a": 900})
     assert held(pool, items) == [False, True, False, True, True]
+
+
+@pytest.mark.parametrize(
+    ("field", "op"),
+    [("chunks", "put"), ("bytes", "put"), ("bytes", "delete"), ("chunks", "delete")],
+)
+def test_a_count_broken_alone_is_counted_again_once_not_twice(
+    pools: list[RedisPool], redis_url: str, redis_prefix: str, field: str, op: str
+) -> None:
+    """One broken count alone, met by a put's or a delete's increments (not the room check):
+    the recount counted every count from the entries (the change included), then the
+    increments after the broken one added the change again: a put's tenant bytes (and chunks)
+    counted twice, a delete's chunks and tenant bytes taken away twice."""
+    pool = RedisPool(redis_url, prefix=redis_prefix, capacity_bytes=3000)
+    pools.append(pool)
+    items = [chunk(i) for i in range(4)]
+    assert pool.put_many(items[:3]) == [True] * 3
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        raw.hset(f"{{{redis_prefix}}}:used", field, b"lots")
+    finally:
+        raw.close()
+    if op == "put":
+        assert pool.put_many(items[3:]) == [True]
+        expected = (1200, 4, {"a": 1200})
+    else:
+        pool.delete_many([items[0][0].key])
+        expected = (600, 2, {"a": 600})
+    usage = pool.usage()
+    assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == expected
