@@ -195,8 +195,9 @@ class InventoryReloader:
             # (nodes() lists nodes with entries only: the inventory's may be in the index,
             # resynced, and hold no chunk yet, as a new fleet's agents do)
             self.forget_note = (
-                f"the index holds no entry of the inventory's {len(self.router.topology.nodes)} "
-                f"nodes, only of {count_of(len(owners(unknown)), 'other node')} (another "
+                "the index holds no entry of the inventory's "
+                f"{count_of(len(self.router.topology.nodes), 'node')}, "
+                f"only of {count_of(len(owners(unknown)), 'other node')} (another "
                 "fleet's index, or the inventory's nodes hold no chunk yet?): none dropped"
             )
             log.warning("inventory (%s): %s", self.source, self.forget_note)

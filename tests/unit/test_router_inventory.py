@@ -144,6 +144,26 @@ def test_an_index_holding_no_entry_of_the_inventorys_nodes_says_they_may_hold_no
     assert "only of 1 other node (" in note
 
 
+def test_an_index_holding_no_entry_of_a_one_node_inventory_says_1_node_not_1_nodes() -> None:
+    """0ca7f60 wrote 'only of 1 other node', but the inventory's own count kept its 's':
+    a one-node inventory's note said 'the inventory's 1 nodes'."""
+    from kvctl.router.topology import Node
+
+    one = Topology.build([Node("a1", "fra")], {})
+    index = EmbeddedIndex()
+    index.apply("y", stored(KEYS[:2]))
+    reloader = InventoryReloader(
+        lambda: (one, {}),
+        make_router(index, one),
+        Followers(index, {}),
+        source="test",
+        forget_unknown=True,
+    )
+    assert reloader.reload()
+    note = reloader.status()["forget_note"]
+    assert "the index holds no entry of the inventory's 1 node, only of 1 other node (" in note
+
+
 class _Claiming(EmbeddedIndex):
     """An index with claims (``ClaimingIndex``) whose ages the test sets."""
 
