@@ -51,12 +51,18 @@ def current_revision(engine: Engine) -> str | None:
         known = set(revisions())
         unknown = [h for h in heads if h not in known]
         by = "a newer kvctl" if unknown else "hand (alembic stamp) or another tool"
-        raise SchemaNotKnown(
+        several = SchemaNotKnown(
             f"the database at {_where(engine)} is at schema revisions {', '.join(heads)} at once, "
             f"which this kvctl never writes (its schema is one line of revisions up to "
             f"{head_revision()}): it was migrated by {by}; "
             + ("upgrade kvctl" if unknown else "check its alembic_version table")
         )
+        if not unknown:  # no newer kvctl migrated it: the class's hint would send for one
+            several.hint = (
+                "leave one row in its alembic_version table, the revision its tables are at "
+                "(alembic stamp), then `kvctl db upgrade`"
+            )
+        raise several
     return heads[0] if heads else None
 
 

@@ -807,7 +807,7 @@ def _inspect(
     except SchemaNotKnown as several:  # it answers: its schema is what this kvctl does not know
         current = "several"
         values = {"current": None, "head": migrate.head_revision()}
-        schema = Check("database schema", FAIL, str(several), SchemaNotKnown.hint, values)
+        schema = Check("database schema", FAIL, str(several), several.hint, values)
     checks = [Check("database", OK, f"{backend} at {shown}", None, {"url": shown}), schema]
     if current is None:
         return checks, _skip_agents("the database has no schema yet, so no inventory")

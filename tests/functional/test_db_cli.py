@@ -215,3 +215,22 @@ def test_the_doctor_says_a_database_at_two_revisions_is_reachable_and_its_schema
     assert schema["status"] == "fail", schema
     assert "at once" in schema["detail"] and "ffff00000099" in schema["detail"], schema
     assert "readable SQLite file" not in result.stdout and "pg_isready" not in result.stdout
+
+
+def test_a_database_stamped_at_two_known_revisions_is_not_said_to_need_a_newer_kvctl(
+    empty_db_url: str,
+) -> None:
+    """Two rows of revisions this kvctl knows (a stamp by hand): the line says to check the
+    alembic_version table, but its hint (and the doctor's fix, 45303d5) said 'run the kvctl
+    that migrated it, or newer', a kvctl that does not exist."""
+    assert runner.invoke(app, ["db", "upgrade", "--db", empty_db_url]).exit_code == 0
+    _stamp(empty_db_url, migrate.head_revision(), migrate.revisions()[0])
+
+    result = runner.invoke(app, ["status", "--db", empty_db_url])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "alembic_version" in said, said
+    assert "run the kvctl that migrated it" not in said, said
+    doctor = runner.invoke(app, ["doctor", "--json", "--db", empty_db_url])
+    schema = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}["database schema"]
+    assert schema["status"] == "fail" and "alembic_version" in schema["fix"], schema
+    assert "run the kvctl that migrated it" not in schema["fix"], schema
