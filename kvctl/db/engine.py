@@ -49,10 +49,12 @@ def default_db_path() -> Path:
 #: what SQLAlchemy's URL parser takes for a password: from the first ':' after the user to the
 #: first '@' (a valid URL has no raw '/', '?' or '#' there)
 _RAW_PASSWORD = re.compile(r"[\w+]+://[^:/]*:([^@]*)@")
-#: a path and a query's key=value in what the parser took for a password: the userinfo it took
-#: ran from the host (and its port) to an '@' in the query. A password typed with a raw '?'
-#: and '=' but no '/' before them ('k3?Lm=Q') is no such thing, and reads as it did
-_QUERY_IN_IT = re.compile(r"/[^?]*\?[^=]*=")
+#: a port, a path and a query's key=value as what the parser took for a password: the userinfo
+#: it took ran from the host to an '@' in the query, so the "password" starts with the port
+#: (digits, or an IPv6 host's tail ':1]:5432') and the path's '/'. A password typed with a raw
+#: '?' and '=' ('k3?Lm=Q'), or a raw '/' before them ('k3/Lm?Q=x'), is no such thing, and
+#: reads as it did
+_QUERY_IN_IT = re.compile(r"(?:[^/]*\]:?)?\d*/[^?]*\?[^=]*=")
 
 
 def resolve_url(url: str | None = None) -> str:
@@ -69,7 +71,7 @@ def resolve_url(url: str | None = None) -> str:
             "sqlite:////var/lib/kvctl/metrics.db, postgresql://kvctl@db.example:5432/kvctl)"
         ) from None
     raw_password = _RAW_PASSWORD.match(text)
-    if raw_password and _QUERY_IN_IT.search(raw_password[1]):
+    if raw_password and _QUERY_IN_IT.match(raw_password[1]):
         # an '@' in the query (password=pa@ss) read as ending a userinfo that runs from the
         # host to it: the host is then what follows that '@' (the password's tail), which the
         # driver's errors print ("failed to resolve host 'ss'"). A password typed with a raw

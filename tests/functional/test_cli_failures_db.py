@@ -105,7 +105,7 @@ def test_no_part_of_a_typed_password_is_shown(url: str, cut: str) -> None:
     assert "Traceback" not in said and "did not expect" not in said, said
 
 
-@pytest.mark.parametrize("password", ["k3?Lm=Q", "k3?Lm=Q&x=y", "?a=b"])
+@pytest.mark.parametrize("password", ["k3?Lm=Q", "k3?Lm=Q&x=y", "?a=b", "k3/Lm?Q=x"])
 def test_a_password_typed_with_a_raw_question_mark_and_equals_sign_still_reads(
     pg_url: str, password: str
 ) -> None:
@@ -124,3 +124,4 @@ def test_a_password_typed_with_a_raw_question_mark_and_equals_sign_still_reads(
     assert result.exit_code == 1, said  # reached: an empty database is behind
     assert "revision empty" in said and "raw '@'" not in said, said
     assert "k3" not in said and "Lm=Q" not in said and "?a=b" not in said, said
+    assert "Lm?Q" not in said, said
