@@ -397,7 +397,12 @@ def _older(prev: _Last, values: Mapping[str, float | None], epoch: float | None)
 
 
 def _number(v: object) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int past float's range ('1' and 400 zeros): no count of ours
+        return False
 
 
 def _state_from_json(state: str, ts_ms: int) -> _Last | None:

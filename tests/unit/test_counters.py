@@ -216,6 +216,9 @@ def test_state_survives_a_collector_restart(db) -> None:  # type: ignore[no-unty
         '{"epoch": 5, "values": [1]}',
         '{"epoch": 5, "values": {"hits": 1}, "unread": [3]}',
         '{"epoch": true, "values": {"hits": 1}}',
+        # an integer past float's range: math.isfinite raised OverflowError
+        pytest.param('{"epoch": 1' + "0" * 400 + ', "values": {"hits": 1}}', id="epoch-1e400-int"),
+        pytest.param('{"epoch": 5, "values": {"hits": 1' + "0" * 400 + "}}", id="value-1e400-int"),
     ],
 )
 def test_a_saved_state_no_collector_wrote_is_a_baseline_and_replaced(db, state: str) -> None:  # type: ignore[no-untyped-def]
