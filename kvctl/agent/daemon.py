@@ -210,7 +210,8 @@ class AgentState:
         if not isinstance(raw, dict):
             return None
         pid, url = raw.get("pid"), raw.get("control_url")
-        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+        # at most a pid_t's 2**31 - 1: past it, os.kill (``alive``) raised OverflowError
+        if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid < 2**31:
             return None
         if not isinstance(url, str) or not url:
             return None

@@ -27,6 +27,9 @@ GOOD = {"pid": 4242, "name": "a", "dc": "local", "control_url": "http://127.0.0.
         '{"pid": 0, "control_url": "http://x"}',
         '{"pid": 4242, "control_url": ""}',
         "[" * 100_000,  # nested too deep for Python's parser: RecursionError, not ValueError
+        # past a pid_t: .alive's os.kill raised OverflowError
+        '{"pid": 2147483648, "control_url": "http://x"}',
+        '{"pid": 100000000000000000000, "control_url": "http://x"}',
     ],
 )
 def test_anything_but_an_agents_record_is_none(text: str) -> None:
