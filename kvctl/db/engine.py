@@ -57,10 +57,12 @@ _RAW_PASSWORD = re.compile(r"[\w+]+://[^:/]*:([^@]*)@")
 _QUERY_IN_IT = re.compile(r"(?:[^/]*\]:?)?\d*/[^?]*\?[^=]*=")
 
 
-def resolve_url(url: str | None = None) -> str:
+def resolve_url(url: str | URL | None = None) -> str:
     """The database URL: ``url``, else ``KVCTL_DB_URL``, else the default SQLite file.
 
     ``postgresql://`` URLs use psycopg 3 (the driver installed with kvctl)."""
+    if isinstance(url, URL):  # built by a library caller: its parts percent-encoded as text
+        url = url.render_as_string(hide_password=False)
     text = url or os.environ.get("KVCTL_DB_URL") or f"sqlite:///{default_db_path()}"
     try:
         parsed = make_url(text)

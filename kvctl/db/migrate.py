@@ -11,7 +11,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import URL, Engine
 
 import migrations
 
@@ -198,7 +198,7 @@ def downgrade(engine: Engine, target: str) -> None:
 
 
 def open_db(
-    url: str | None = None, *, auto_upgrade: bool | None = None, create: bool = True
+    url: str | URL | None = None, *, auto_upgrade: bool | None = None, create: bool = True
 ) -> Engine:
     """An engine on a database at the current schema.
 

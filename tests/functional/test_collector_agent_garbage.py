@@ -85,5 +85,9 @@ def test_an_agent_answering_unreadable_bodies_is_down_not_the_cycle(
         collector.close()
     assert report.written and report.up == ["good"], report.as_dict()
     assert set(report.down) == set(BROKEN), report.down
-    assert all("unreadable answer" in why for why in report.down.values()), report.down
+    # the SDK says a body it could not decode (bad gzip) and JSON it cannot parse (invalid,
+    # nested too deep: NotAnAgent since 9ed94ae) each in its own words
+    assert "unreadable answer" in report.down["bad-gzip"], report.down
+    for name in ("not-json", "deep"):
+        assert "answered JSON that cannot be read" in report.down[name], report.down
     assert len(_rows(db, "node_sample", 1)) == 1
