@@ -110,8 +110,9 @@ def _stamp(url: str, *revisions: str) -> None:
     engine.dispose()
 
 
-def _failed_statement(url: str) -> tuple[object, BaseException]:
-    """An engine on ``url`` and the error of a read of a table its schema lacks."""
+def _schema_behind_a_failed_read(url: str) -> str | None:
+    """What ``migrate.schema_behind`` (the collector's and the dashboard's reading of a failed
+    statement) says of a read, on ``url``, of a table its schema lacks."""
     from sqlalchemy import text
     from sqlalchemy.exc import SQLAlchemyError
 
@@ -122,7 +123,9 @@ def _failed_statement(url: str) -> tuple[object, BaseException]:
         with engine.connect() as conn:
             conn.execute(text("SELECT * FROM table_of_a_newer_kvctl"))
     except SQLAlchemyError as exc:
-        return engine, exc
+        return migrate.schema_behind(engine, exc)
+    finally:
+        engine.dispose()
     raise AssertionError("the read did not fail")
 
 
@@ -147,11 +150,7 @@ def test_a_database_a_newer_kvctl_migrated_is_said_to_be_so(empty_db_url: str) -
         assert "migrated by a newer kvctl" in said and "Can't locate" not in said, (args, said)
         assert "check that its server is up" not in said, (args, said)
 
-    engine, exc = _failed_statement(empty_db_url)
-    try:
-        behind = migrate.schema_behind(engine, exc)  # type: ignore[arg-type]
-    finally:
-        engine.dispose()  # type: ignore[attr-defined]
+    behind = _schema_behind_a_failed_read(empty_db_url)
     assert behind is not None and "migrated by a newer kvctl" in behind
 
 
@@ -170,11 +169,7 @@ def test_a_database_at_two_revisions_at_once_is_said_in_one_line(empty_db_url: s
         assert "at once" in said and "migrated by a newer kvctl" in said, (args, said)
         assert "did not expect" not in said and "more than one head" not in said, (args, said)
 
-    engine, exc = _failed_statement(empty_db_url)
-    try:
-        behind = migrate.schema_behind(engine, exc)  # type: ignore[arg-type]
-    finally:
-        engine.dispose()  # type: ignore[attr-defined]
+    behind = _schema_behind_a_failed_read(empty_db_url)
     assert behind is not None and "at once" in behind
 
 
