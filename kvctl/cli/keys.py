@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 from typing import Annotated
 
 import typer
@@ -16,6 +17,30 @@ from kvctl.store.keys import DEFAULT_CHUNK_TOKENS
 # match it, so `kvctl keys` and `kvctl lookup` agree on such a node
 _AGENT_MODEL = DEFAULT_MODELS[0]
 
+# the bounds of a real model's KV layout, generous: the largest models have ~130 layers, 128 KV
+# heads and head dimensions up to 576 (MLA); a value past them is a typo, not a model, and its
+# table claimed absurd KV sizes (e.g. 10**20 layers: 8e23 bytes a chunk) without a word
+MAX_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_HEAD_DIM = 4096
+#: engines page KV in blocks of 16 to a few thousand tokens; an agent's default is 256
+MAX_CHUNK_TOKENS = 65_536
+#: K and V of one token over all layers; GPT-3-size models with full multi-head attention
+#: keep ~4.5 MiB (bfloat16), so 64 MiB is no model's
+MAX_KV_BYTES_PER_TOKEN = 64 * 2**20
+
+
+def _within(most: int, what: str = "no model's KV layout") -> Callable[[int], int]:
+    """An option's check: 1 to ``most``, else a usage error (exit 2) naming the option and
+    the range (typer's own min/max name only the bound that was crossed)."""
+
+    def check(value: int) -> int:
+        if not 1 <= value <= most:
+            raise typer.BadParameter(f"{value} is outside 1 to {most:,}: {what}")
+        return value
+
+    return check
+
 
 def keys_command(
     text: Annotated[str | None, typer.Option(help="Text to tokenize with --tokenizer.")] = None,
@@ -26,16 +51,36 @@ def keys_command(
     model: Annotated[
         str, typer.Option(help="Model id folded into the key root (an agent's default model).")
     ] = _AGENT_MODEL.id,
-    layers: Annotated[int, typer.Option(help="KV layout: layers.")] = _AGENT_MODEL.layers,
-    kv_heads: Annotated[int, typer.Option(help="KV layout: KV heads.")] = _AGENT_MODEL.kv_heads,
+    layers: Annotated[
+        int,
+        typer.Option(
+            help=f"KV layout: layers (1 to {MAX_LAYERS:,}).", callback=_within(MAX_LAYERS)
+        ),
+    ] = _AGENT_MODEL.layers,
+    kv_heads: Annotated[
+        int,
+        typer.Option(
+            help=f"KV layout: KV heads (1 to {MAX_KV_HEADS:,}).", callback=_within(MAX_KV_HEADS)
+        ),
+    ] = _AGENT_MODEL.kv_heads,
     head_dim: Annotated[
-        int, typer.Option(help="KV layout: head dimension.")
+        int,
+        typer.Option(
+            help=f"KV layout: head dimension (1 to {MAX_HEAD_DIM:,}).",
+            callback=_within(MAX_HEAD_DIM),
+        ),
     ] = _AGENT_MODEL.head_dim,
     dtype: Annotated[str, typer.Option(help="KV layout: dtype.")] = _AGENT_MODEL.dtype,
     salt: Annotated[
         str, typer.Option(help="Tenant cache salt: the tenant, for an agent's isolated tenants.")
     ] = "",
-    chunk_tokens: Annotated[int, typer.Option(help="Tokens per chunk.")] = DEFAULT_CHUNK_TOKENS,
+    chunk_tokens: Annotated[
+        int,
+        typer.Option(
+            help=f"Tokens per chunk (1 to {MAX_CHUNK_TOKENS:,}).",
+            callback=_within(MAX_CHUNK_TOKENS, "no engine's KV block size"),
+        ),
+    ] = DEFAULT_CHUNK_TOKENS,
     partial: Annotated[bool, typer.Option(help="Also key a partial last chunk.")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
 ) -> None:
@@ -61,7 +106,15 @@ def keys_command(
         if (text is None) == (tokens is None):
             fail("give exactly one of --text and --tokens")
         ids = prompt_tokens(text, tokens, tokenizer) or []
-        ns = Namespace(model, KVLayout(layers, kv_heads, head_dim, dtype), salt)
+        layout = KVLayout(layers, kv_heads, head_dim, dtype)
+        if layout.bytes_per_token > MAX_KV_BYTES_PER_TOKEN:
+            fail(
+                f"--layers {layers} x --kv-heads {kv_heads} x --head-dim {head_dim} x 2 (K and V)"
+                f" x {layout.dtype_bytes} bytes ({dtype}) = {layout.bytes_per_token:,} KV bytes"
+                f" per token: past {MAX_KV_BYTES_PER_TOKEN:,} (64 MiB), more than any model"
+                " keeps; check the layout options against the model's config"
+            )
+        ns = Namespace(model, layout, salt)
         keys = keys_for(ids, ns, chunk_tokens, include_partial=partial)
         bytes_per_chunk = ns.layout.bytes_per_token * chunk_tokens
     rows = [
