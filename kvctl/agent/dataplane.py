@@ -324,9 +324,10 @@ class DataPlaneServer:
         ``copy_budget_bytes`` is ``data_put_budget_bytes`` too."""
         self.runtime = runtime
         settings = runtime.settings
-        #: a staging segment was refused (logged once: an SDK older than this agent's checks
-        #: puts over the socket from then on, which its engine does not say)
-        self.said_segment_refused = False
+        #: staging segments refused, by cause (``_SegmentRefused.cause``): each cause logged
+        #: with what to do, once an interval (any client may send many); their clients put over
+        #: the socket meanwhile, which their engines do not say
+        self.segments_refused = Refusals()
         #: open connections each transport keeps at most (a flood of TCP connections cannot
         #: lock local engines out of the Unix socket). Past it, on TCP, a new connection is
         #: taken into the over-cap reserve while an idle one could make room for it, and the
@@ -1788,21 +1789,31 @@ class Connection:
             raise FrameError(ErrorCode.UNSUPPORTED, "staging segments attach on the Unix socket")
         size = meta.u64()
         meta.done()
-        if len(self._fds) != 1:
-            raise FrameError(ErrorCode.BAD_REQUEST, "ATTACH needs exactly one file descriptor")
-        fd = self._fds[0]
         try:
+            if len(self._fds) != 1:
+                raise _SegmentRefused("descriptors", "ATTACH needs exactly one file descriptor")
+            fd = self._fds[0]
             _check_segment(fd, size)
-        except FrameError as exc:
-            if not self.server.said_segment_refused:  # once: any client may send many
-                self.server.said_segment_refused = True
+            try:
+                staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+            except (OSError, OverflowError) as exc:
+                # out of address space (RLIMIT_AS) or memory: the client's puts go over the
+                # socket and it tries again later; an INTERNAL error closed its connection
+                raise _SegmentRefused(
+                    "memory", f"this agent could not map a staging segment of {size} bytes: {exc}"
+                ) from None
+        except _SegmentRefused as exc:
+            n = self.server.segments_refused.count(exc.cause)
+            if n:
                 log.warning(
-                    "refused a client's staging segment (%s): its puts go over the socket, "
-                    "more slowly; an SDK older than this agent does so (upgrade it; said once)",
+                    "refused a client's staging segment: %s. Its puts go over the socket, more "
+                    "slowly, until it attaches one this agent takes. To fix: %s (%d refusal(s) "
+                    "of this kind since the last such line)",
                     exc.message,
+                    _SEGMENT_TO_DO[exc.cause],
+                    n,
                 )
             raise
-        staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         hugepages.advise(staging)
         # a gpu tier copies puts from the segment in one transfer once it is registered; this
         # replaces the connection's old registration first, so the old mapping can close
@@ -1910,8 +1921,41 @@ def _sent_chunk(
 F_SEAL_FUTURE_WRITE = 0x10
 
 
+class _SegmentRefused(FrameError):
+    """A staging segment this agent will not map (BAD_REQUEST: the connection stays usable, its
+    puts go over the socket). ``cause`` keys what the log says to do (``_SEGMENT_TO_DO``)."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(ErrorCode.BAD_REQUEST, message)
+        self.cause = cause
+
+
+#: what an operator does about each cause of a refused staging segment
+_SEGMENT_TO_DO = {
+    "format": (
+        "kvctl's SDK makes its segments as needed (a memfd written in full, sealed); this one "
+        "came from an older SDK or from code of the client's own: upgrade the client's kvctl "
+        f"to this agent's ({__version__})"
+    ),
+    "size": (
+        "the client declared more bytes than its segment holds (kvctl's SDK declares the size "
+        "it made): a bug in the client, to report to whoever wrote it"
+    ),
+    "hugetlbfs": "the client must make its segment with memfd_create, not on hugetlbfs",
+    "descriptors": (
+        "the client must pass its segment's descriptor with ATTACH (one, no more); where it "
+        "does, this agent may be out of descriptors: raise its open files limit "
+        "(LimitNOFILE=, ulimit -n)"
+    ),
+    "memory": (
+        "free memory on this host, or raise this agent's limits (systemd's LimitAS= or "
+        "MemoryMax=, ulimit -v); kvctl's SDK tries again later by itself"
+    ),
+}
+
+
 def _check_segment(fd: int, size: int) -> None:
-    """Refuse (BAD_REQUEST) a staging segment the agent cannot map safely. The client keeps
+    """Refuse (``_SegmentRefused``) a staging segment the agent cannot map safely. The client keeps
     write access to it: were it able to shrink the file, the agent's reads through the mapping
     past the new end would raise SIGBUS and kill the agent. So only a memfd sealed against
     shrinking (F_SEAL_SHRINK) that already holds ``size`` bytes is mapped, and not on hugetlbfs,
@@ -1925,7 +1969,7 @@ def _check_segment(fd: int, size: int) -> None:
     bytes, which it then keeps: every page written (the kernel's SEEK_HOLE counts a page
     fallocated but never written as a hole, and so does this check)."""
     if size <= 0:
-        raise FrameError(ErrorCode.BAD_REQUEST, f"a staging segment needs a size, got {size}")
+        raise _SegmentRefused("size", f"a staging segment needs a size, got {size}")
     need = (
         "a staging segment must be a memfd written in full and sealed against shrinking and "
         "holes (F_SEAL_SHRINK, F_SEAL_FUTURE_WRITE)"
@@ -1933,27 +1977,25 @@ def _check_segment(fd: int, size: int) -> None:
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
     except (OSError, AttributeError):  # not a memfd (a plain file, a pipe), or not Linux
-        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; this one takes no seals") from None
+        raise _SegmentRefused("format", f"{need}; this one takes no seals") from None
     if not seals & fcntl.F_SEAL_SHRINK:
-        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; this one is not sealed") from None
+        raise _SegmentRefused("format", f"{need}; this one is not sealed") from None
     st = os.fstat(fd)
     if st.st_size < size:
-        raise FrameError(
-            ErrorCode.BAD_REQUEST, f"staging segment holds {st.st_size} bytes, not {size}"
-        )
+        raise _SegmentRefused("size", f"staging segment holds {st.st_size} bytes, not {size}")
     # hugetlbfs answers statfs with its page size; tmpfs with the base page size even where its
     # files take transparent huge pages (then their st_blksize is 2 MiB: not a refusal, or no
     # segment would be mapped on a host with shmem_enabled = always)
     if os.fstatvfs(fd).f_bsize > mmap.PAGESIZE:
-        raise FrameError(ErrorCode.BAD_REQUEST, "hugetlbfs staging segments are not accepted")
+        raise _SegmentRefused("hugetlbfs", "hugetlbfs staging segments are not accepted")
     if not seals & (F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_WRITE):
-        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; holes can be punched in this one")
+        raise _SegmentRefused("format", f"{need}; holes can be punched in this one")
     try:
         hole = os.lseek(fd, 0, os.SEEK_HOLE)  # st_size where there is none
     except OSError as exc:
-        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; its holes cannot be found") from exc
+        raise _SegmentRefused("format", f"{need}; its holes cannot be found") from exc
     if hole < size:
-        raise FrameError(ErrorCode.BAD_REQUEST, f"{need}; this one has a hole at byte {hole}")
+        raise _SegmentRefused("format", f"{need}; this one has a hole at byte {hole}")
 
 
 def _store_error(exc: KvctlError) -> FrameError:
