@@ -132,7 +132,7 @@ def demo_command(
             gpu=gpu,
             speed=speed or None,
         )
-        loaded = load_for_replay(trace, workload, seed, limit, tenants)
+        loaded = load_for_replay(trace, workload, seed, limit, tenants, quiet=json_out)
         config, sizing = size_tiers(config, loaded.requests, duration)
         if not json_out:
             console.print(

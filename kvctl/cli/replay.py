@@ -61,14 +61,21 @@ def parse_fraction(text: str) -> float:
 
 
 def load_for_replay(
-    trace: pathlib.Path | None, workload: str, seed: int, limit: int | None, tenants: int
+    trace: pathlib.Path | None,
+    workload: str,
+    seed: int,
+    limit: int | None,
+    tenants: int,
+    *,
+    quiet: bool,
 ) -> Workload:
-    """The workload to replay, every request with a tenant (see ``assign_tenants``)."""
+    """The workload to replay, every request with a tenant (see ``assign_tenants``). ``quiet``
+    (--json): no spinner on stderr while it loads, as simulate and plan do."""
     import dataclasses
 
     from kvctl.workload.trace import assign_tenants
 
-    loaded = load_workload_said(trace, seed=seed, limit=limit, workload=workload)
+    loaded = load_workload_said(trace, seed=seed, limit=limit, workload=workload, quiet=quiet)
     if not loaded.requests:
         fail(f"{loaded.name} holds no requests")
     return dataclasses.replace(loaded, requests=assign_tenants(loaded.requests, tenants, seed=seed))
@@ -191,7 +198,7 @@ def replay_command(
         elif router_policy != "cost":
             fail("--router-policy goes with --router")
         scale = parse_fraction(kv_scale)
-        loaded = load_for_replay(trace, workload, seed, limit, tenants)
+        loaded = load_for_replay(trace, workload, seed, limit, tenants, quiet=json_out)
         requests = loaded.requests
         if model is None:
             try:
