@@ -434,10 +434,14 @@ def classify_agent(
         fixes.append(
             f"check {name}'s URL with `kvctl fleet ls`, or restart its agent with --name {name}"
         )
+    role = info.get("role")
+    role = role if isinstance(role, str) else None
     detail = f"up at {url}, version {version or 'N/A'}"
+    if role == "pool":
+        detail += ", a pool agent (it answers other agents' pulls, not requests)"
     if problems:
         detail += "; " + "; ".join(problems)
-    values = {"url": url, "version": version, "name": reported}
+    values = {"url": url, "version": version, "name": reported, "role": role}
     # a version we cannot read is N/A, not a fault; a differing one or a wrong name is
     status = WARN if fixes else OK
     checks = [Check(row, status, detail, "; ".join(fixes) or None, values)]
@@ -942,19 +946,57 @@ def run_checks(
     if isinstance(targets, Check):
         checks.append(targets)
         return checks
-    checks.extend(
-        agent_checks(
-            targets,
-            token=token,
-            timeout_s=timeout_s,
-            clock=clock,
-            local_version=local_version,
-            skew_warn_s=skew_warn_s,
-            skew_fail_s=skew_fail_s,
-            disk_warn_ratio=disk_warn_ratio,
-        )
+    agents = agent_checks(
+        targets,
+        token=token,
+        timeout_s=timeout_s,
+        clock=clock,
+        local_version=local_version,
+        skew_warn_s=skew_warn_s,
+        skew_fail_s=skew_fail_s,
+        disk_warn_ratio=disk_warn_ratio,
     )
-    return checks
+    roles = {n.name: _role(agents, n.name) for n in targets}
+    return [_with_serving(c, roles) for c in checks] + agents
+
+
+def _role(agents: Sequence[Check], node: str) -> str | None:
+    """The role (``node`` or ``pool``) ``node``'s agent reported; None when it did not answer
+    or did not say."""
+    row = next((c for c in agents if c.name == f"agent {node}"), None)
+    return None if row is None else row.values.get("role")
+
+
+def _with_serving(check: Check, roles: Mapping[str, str | None]) -> Check:
+    """The "fleet inventory" row, saying how many of its nodes serve requests when an agent
+    asked is a pool agent: it runs no engine, yet replay and a router send requests to every
+    node of the inventory. ``roles``: each node asked, and the role its agent reported. A node
+    not asked, or whose agent did not say, may be one too: then "at most"."""
+    pools = sorted(name for name, role in roles.items() if role == "pool")
+    n_nodes = check.values.get("nodes")
+    if check.name != "fleet inventory" or not pools or not isinstance(n_nodes, int):
+        return check
+    from kvctl.format import count_of
+
+    known = len(roles) == n_nodes and all(role is not None for role in roles.values())
+    serving = n_nodes - len(pools)
+    detail = (
+        f"{check.detail}, {'' if known else 'at most '}{serving} serving requests: "
+        f"{count_of(len(pools), 'pool agent')} ({', '.join(pools)}) answer other agents' pulls"
+    )
+    fix = (
+        "`kvctl replay` and a router send requests to every node of the inventory: keep a pool "
+        "agent out of it (nodes reach it as their pool, e.g. `kvctl agent start --pool "
+        f"kvctl://HOST:PORT`): `kvctl fleet rm node {pools[0]}`"
+        + (" (and the others)" if len(pools) > 1 else "")
+    )
+    values = {
+        **check.values,
+        "serving": serving if known else None,
+        "serving_at_most": serving,
+        "pool_agents": pools,
+    }
+    return Check(check.name, WARN, detail, fix, values)
 
 
 __all__ = [
