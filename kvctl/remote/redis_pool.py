@@ -6,7 +6,9 @@ Key layout, for ``prefix`` P::
     P:c:<keyhex>        one chunk: header + payload in one value (``kvctl.remote.record``).
                         No hash tag, so chunks spread over the slots of a Cluster.
     {P}:lru             zset keyhex -> last access (unix seconds, server clock, strictly
-                        increasing: the chunks of one put or get are ordered as given)
+                        increasing: the chunks of one put or get are ordered as given; a score
+                        over a day past the server's clock, inf included, is no writer's: that
+                        chunk is evicted first)
     {P}:lru:t:<tenant>  the same, per tenant (victims for a tenant's quota)
     {P}:meta            hash keyhex -> "size_bytes put_s isolated(0|1) tenant"
     {P}:used            hash: bytes, chunks, t:<tenant> -> bytes
@@ -34,18 +36,27 @@ CPU is the scarce one: the copy stays in the agent. (The same SET also works in 
 has no transactions across slots; and with hiredis installed redis-py copies arguments anyway.)
 Records are sent in groups of at most 64 MiB to bound the copies held at once.
 
-A get is one round trip: the GETs (each after a STRLEN: see below) and a script that refreshes
-the LRU score of the accounted keys (only for chunks the reader may see). A large get is split
-into contiguous groups of its keys (``kvctl.remote.pool.stream_groups``), one pipeline each on
-its own pooled connection, in parallel, each group's records checked on its thread; the first
-group's pipeline carries the one LRU script for every key, in the order asked. (The pure-Python
-reply parser, without hiredis, holds one connection to a few hundred MB/s; the server answers
-several connections faster.)
+A get is one round trip: the reads (each after a STRLEN: see below) and a script that refreshes
+the LRU score of the accounted keys (only for chunks the reader may see). Each record is read with
+``GETRANGE key 0 <largest record>``, not GET: a key holds whatever any client of the server wrote
+there, up to Redis's 512 MB, and a GET brought all of it into the agent's memory before any check.
+A GETRANGE costs what a GET does (the server copies the value into its reply either way) and
+brings at most one byte past the largest record the pool takes (``max_record_bytes``: the largest
+chunk, ``max_chunk_bytes``, plus the largest header); a longer one is a broken record, a miss
+counted in ``corrupt`` and deleted if the server still holds more than that (one O(1) script call,
+only then). A put refuses a chunk over ``max_chunk_bytes`` so no agent writes what it cannot read
+back; agents sharing a pool should agree on it (a reader with a lower one deletes the larger
+records of another). An empty value reads as no record (GETRANGE answers a missing key so).
+A large get is split into contiguous groups of its keys (``kvctl.remote.pool.stream_groups``),
+one pipeline each on its own pooled connection, in parallel, each group's records checked on its
+thread; the first group's pipeline carries the one LRU script for every key, in the order asked.
+(The pure-Python reply parser, without hiredis, holds one connection to a few hundred MB/s; the
+server answers several connections faster.)
 Each group is also a pull with a deadline of its own (``kvctl.remote.pool.PullWatch``, as for a
 peer's FETCH): the read deadline, which bounds silence and not a transfer, plus
 ``PULL_ALLOWANCE_PER_RECORD_S`` per record (a busy shared server answers each a little late) and
 each record's bytes at ``PULL_FLOOR_BYTES_PER_S``, learnt from a STRLEN per key pipelined ahead of
-the GETs (an O(1) command; a record replaced between the two only misjudges its own share of the
+the reads (an O(1) command; a record replaced between the two only misjudges its own share of the
 deadline). A group past it has its connection cut: ``PullTooSlow``, counted in ``overdue`` and a
 failure for the pool's breaker, instead of a request held for as long as a server or a link
 trickles. (A Cluster's groups keep only the read deadline: redis-py spreads their pipelines over the
@@ -130,6 +141,9 @@ from kvctl.store.tiers.base import Buffer, ChunkMeta, check_capacity
 log = logging.getLogger("kvctl.remote.redis_pool")
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
+#: the largest chunk a pool stores and reads back when none is given (``max_chunk_bytes``): the
+#: agent's own ``max_chunk`` default, so a pool takes every chunk such an agent holds
+DEFAULT_MAX_CHUNK_BYTES = 256 << 20
 # Writes reconnect backing off 100, 200, 400 ms (cap 500 ms): a restarted server is found again
 # quickly, and a dead one fails a write in well under a second plus the connect timeouts.
 _RETRIES = 3
@@ -224,6 +238,18 @@ local function recount()
   redis.call('HSET', used, 'bytes', string.format('%.0f', bytes),
     'chunks', string.format('%.0f', chunks))
   for t, n in pairs(tenants) do redis.call('HSET', used, 't:' .. t, string.format('%.0f', n)) end
+end
+
+-- the entry of zset z to evict first: one scored past the server's time by over a day (inf,
+-- 1e300: no writer's timestamp, since every score is now_s()'s; another host's bug, or hostile),
+-- else the oldest. Taken in LRU order, such an entry kept its chunk from eviction for good, ahead
+-- of every chunk read since (enough of them left the pool room for nothing else). -inf is the
+-- lowest score, taken first already; Redis keeps no NaN score
+local function oldest(z)
+  local t = redis.call('TIME')
+  local far = string.format('(%.6f', tonumber(t[1]) + 86400)
+  local v = redis.call('ZRANGE', z, '+inf', far, 'BYSCORE', 'REV', 'LIMIT', 0, 1)[1]
+  return v or redis.call('ZRANGE', z, 0, 0)[1]
 end
 
 local function count_of(field)
@@ -331,7 +357,7 @@ for i = 1, n do
     local tkey = 't:' .. tenant
     -- the tenant's own oldest chunks make room for its quota, never another tenant's
     while ok and quota > 0 and used_bytes(tkey) + size > quota do
-      local v = redis.call('ZRANGE', tz .. tenant, 0, 0)[1]
+      local v = oldest(tz .. tenant)
       if v then
         forget(v)
         redis.call('ZREM', tz .. tenant, v)
@@ -341,7 +367,7 @@ for i = 1, n do
       end
     end
     while ok and used_bytes('bytes') + size > cap do
-      local v = redis.call('ZRANGE', lru, 0, 0)[1]
+      local v = oldest(lru)
       if v then
         forget(v)
         victims[#victims + 1] = v
@@ -442,7 +468,7 @@ local cap = tonumber(ARGV[2])
 redis.call('HSET', cfg, 'capacity_bytes', ARGV[2])
 local victims = {}
 while used_bytes('bytes') > cap do
-  local v = redis.call('ZRANGE', lru, 0, 0)[1]
+  local v = oldest(lru)
   if not v then break end
   forget(v)
   victims[#victims + 1] = v
@@ -463,6 +489,14 @@ local n = tonumber(ARGV[2])
 local head = ''
 if n > 0 then head = redis.call('GETRANGE', KEYS[1], 0, n - 1) end
 if redis.sha1hex(head) ~= ARGV[3] then return 0 end
+return redis.call('DEL', KEYS[1])
+"""
+
+# KEYS[1]: a chunk record. ARGV[1]: the longest record the reader takes. Deletes the record only
+# while it is still longer (a put since has written a record there); returns 1 when deleted. O(1):
+# a record's length is the server's, not damage on a reader's path. allow-oom: deleting frees.
+_DROP_IF_LONGER_LUA = """#!lua flags=allow-oom
+if redis.call('STRLEN', KEYS[1]) <= tonumber(ARGV[1]) then return 0 end
 return redis.call('DEL', KEYS[1])
 """
 
@@ -506,6 +540,24 @@ class _Damaged:
 
 
 @dataclass(frozen=True, slots=True)
+class _Oversized:
+    """A record longer than any chunk the pool takes (``max_record_bytes``): no writer of this
+    pool's settings made it (another host's bug, or hostile: a key may hold up to 512 MB). Read
+    no further than one byte past the bound; a miss counted corrupt, deleted while the server
+    still holds more than the bound (``_DROP_IF_LONGER_LUA``)."""
+
+    #: the record's length as the server said it (None where not asked: a Cluster's read)
+    record_bytes: int | None
+
+    def reason(self, max_record_bytes: int) -> str:
+        length = "more than" if self.record_bytes is None else f"{self.record_bytes}, over"
+        return (
+            f"record of {length} the {max_record_bytes} bytes the largest chunk this pool takes "
+            "(max_chunk_bytes) and its header can make"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class _Unknown:
     """A record this reader cannot judge (a newer version or flags): a miss, left in place."""
 
@@ -521,6 +573,10 @@ class _WrongType:
     record is, unless a put has written a record there since (``_DROP_IF_NOT_STRING_LUA``)."""
 
     error: str
+
+
+#: what a read of one key found (``RedisPool._read``): the chunk, how it failed, or None (absent)
+_Read = tuple[ChunkMeta, memoryview] | _Damaged | _Oversized | _Unknown | _WrongType | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -546,6 +602,9 @@ class RedisPool(SplitStreams, RemotePool):
     ``read_timeout_s`` (default ``min(DEFAULT_READ_TIMEOUT_S, timeout_s)``) bounds the reads
     (get, probe, usage, ping) and ``timeout_s`` the writes (put, delete, resize, clear), each on
     its own connections: a write is behind the request that made it and may wait longer.
+    ``max_chunk_bytes`` (default ``DEFAULT_MAX_CHUNK_BYTES``, the agent's ``max_chunk``): the
+    largest chunk put or read; a record longer than it plus the largest header is broken, and
+    no more of it than that is read (see the module docstring).
     """
 
     def __init__(
@@ -561,6 +620,7 @@ class RedisPool(SplitStreams, RemotePool):
         read_timeout_s: float | None = None,
         streams: int = DEFAULT_STREAMS,
         min_stream_bytes: int = DEFAULT_MIN_STREAM_BYTES,
+        max_chunk_bytes: int | None = None,
     ) -> None:
         if not isinstance(url, str):
             raise InvalidArgument(f"pool URL must be a string, got {url!r:.60}")
@@ -579,6 +639,12 @@ class RedisPool(SplitStreams, RemotePool):
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"pool ttl_s must be positive, got {ttl_s!r}")
         read_timeout_s = check_deadlines("pool", timeout_s, read_timeout_s)
+        if max_chunk_bytes is None:
+            max_chunk_bytes = DEFAULT_MAX_CHUNK_BYTES
+        if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int):
+            raise InvalidArgument(f"pool max_chunk_bytes must be an int, got {max_chunk_bytes!r}")
+        if max_chunk_bytes < 1:
+            raise InvalidArgument(f"pool max_chunk_bytes must be positive, got {max_chunk_bytes}")
         if streams < 1 or min_stream_bytes < 1:
             raise InvalidArgument(
                 f"pool streams and min_stream_bytes must be positive, got {streams}, "
@@ -591,6 +657,10 @@ class RedisPool(SplitStreams, RemotePool):
         self.read_timeout_s = read_timeout_s
         self.tenant_quota_bytes = tenant_quota_bytes
         self.tenant_quotas = quotas
+        self.max_chunk_bytes = max_chunk_bytes
+        #: the longest record a chunk this pool takes can make (its largest header included):
+        #: what a read brings of a key at most, and past which a record is broken
+        self.max_record_bytes = max_chunk_bytes + record.MIN_HEADER_BYTES + record.MAX_TENANT_BYTES
         self.corrupt = 0
         self.overdue = 0
         #: records read in a format this reader does not know (left in the pool, misses)
@@ -667,13 +737,24 @@ class RedisPool(SplitStreams, RemotePool):
                 raise InvalidArgument(f"chunk size must be positive, got {meta.size_bytes}")
             payload = record.byte_view(data)
             header = record.encode_header(meta, payload)  # checks the payload size too
+            if meta.size_bytes > self.max_chunk_bytes:
+                # no reader of this pool would read it back (``max_record_bytes``): refused
+                log.debug(
+                    "pool %s refused chunk %s: %d bytes, over its max_chunk_bytes %d",
+                    self.address,
+                    meta.key.hex(),
+                    meta.size_bytes,
+                    self.max_chunk_bytes,
+                )
+                item_slots.append(-1)
+                continue
             slot = slot_of.get(meta.key)
             if slot is None:  # a key twice in one batch is stored once
                 slot = slot_of[meta.key] = len(batch)
                 batch.append(_Item(meta, payload, header, meta.key.hex()))
             item_slots.append(slot)
         if not batch:
-            return []
+            return [False] * len(item_slots)
 
         with self._lock:
             configured_bytes = self._capacity_set_bytes
@@ -725,7 +806,7 @@ class RedisPool(SplitStreams, RemotePool):
             if writes or victim_hexes or refresh:
                 for i in self._write(client, batch, writes, victim_hexes, refresh):
                     stored[i] = False
-        return [stored[s] for s in item_slots]
+        return [s >= 0 and stored[s] for s in item_slots]
 
     def get_many(self, keys: Sequence[bytes], *, tenant: str) -> list[PoolChunk | None]:
         keys = _checked(keys)
@@ -754,6 +835,7 @@ class RedisPool(SplitStreams, RemotePool):
         damaged: list[tuple[str, _Damaged]] = []
         heal: list[tuple[str, ChunkMeta]] = []
         wrong: list[str] = []
+        oversized: list[tuple[str, _Oversized]] = []
         for h, value, acc in zip(hexes, values, accounted, strict=True):
             if value is None:
                 if acc:
@@ -774,12 +856,17 @@ class RedisPool(SplitStreams, RemotePool):
                 wrong.append(h)
                 out.append(None)
                 continue
+            if isinstance(value, _Oversized):
+                self._count_corrupt()
+                oversized.append((h, value))
+                out.append(None)
+                continue
             meta, data = value
             if not acc:
                 heal.append((h, meta))
             out.append(PoolChunk(meta, data) if visible_to(meta, tenant) else None)
-        if stale or damaged or heal or wrong:
-            self._repair(stale=stale, damaged=damaged, heal=heal, wrong=wrong)
+        if stale or damaged or heal or wrong or oversized:
+            self._repair(stale=stale, damaged=damaged, heal=heal, wrong=wrong, oversized=oversized)
         self._split.saw([c.meta.size_bytes for c in out if c is not None])
         return out
 
@@ -789,12 +876,15 @@ class RedisPool(SplitStreams, RemotePool):
         keys: Sequence[bytes],
         hexes: Sequence[str],
         touch_args: Sequence[Any] | None,
-    ) -> tuple[list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | _WrongType | None], Any]:
-        """One pipeline: the GETs of ``keys`` (and the LRU script when ``touch_args``), each
-        record decoded and checked here (on this stream's thread): per key the chunk, how it
-        failed (``_Damaged``, or ``_Unknown`` when its format is newer than this reader), or
-        None when absent; and the script's reply (None when not run, or the error it failed
-        with)."""
+    ) -> tuple[list[_Read], Any]:
+        """One pipeline: the reads of ``keys`` (GETRANGE, at most ``max_record_bytes`` + 1 bytes
+        each; and the LRU script when ``touch_args``), each record decoded and checked here (on
+        this stream's thread): per key the chunk, how it failed (``_Damaged``, ``_Oversized``,
+        ``_WrongType``, or ``_Unknown`` when its format is newer than this reader), or None when
+        absent; and the script's reply (None when not run, or the error it failed with)."""
+        # inclusive end: one byte past the longest record says a record is longer
+        last = self.max_record_bytes
+        lengths: list[Any] = [None] * len(hexes)
         with self._guard():
             if isinstance(client, RedisCluster):
                 # a Cluster's pipeline spreads over nodes and their connections: no deadline
@@ -802,26 +892,30 @@ class RedisPool(SplitStreams, RemotePool):
                 cluster: Any = client  # (redis-py's RedisCluster.pipeline is untyped)
                 pipe = cluster.pipeline(transaction=False)
                 for h in hexes:
-                    pipe.get(self._rec(h))
+                    pipe.getrange(self._rec(h), 0, last)
                 if touch_args is not None:
                     _eval(pipe, _TOUCH_LUA, self._acct_keys, touch_args)
                 replies = pipe.execute(raise_on_error=False)
             else:
                 commands: list[tuple[Any, ...]] = [("STRLEN", self._rec(h)) for h in hexes]
-                commands += [("GET", self._rec(h)) for h in hexes]
+                commands += [("GETRANGE", self._rec(h), 0, last) for h in hexes]
                 if touch_args is not None:
                     commands.append(
                         ("EVAL", _TOUCH_LUA, len(self._acct_keys), *self._acct_keys, *touch_args)
                     )
-                replies = self._pull(client, commands, len(hexes))[len(hexes) :]
+                pulled = self._pull(client, commands, len(hexes), record_cap_bytes=last + 1)
+                lengths, replies = pulled[: len(hexes)], pulled[len(hexes) :]
             _raise_errors([r for r in replies[: len(hexes)] if not _is_wrong_type(r)])
-        out: list[tuple[ChunkMeta, memoryview] | _Damaged | _Unknown | _WrongType | None] = []
-        for key, value in zip(keys, replies[: len(hexes)], strict=True):
-            if value is None:
-                out.append(None)
-                continue
+        out: list[_Read] = []
+        for key, value, length in zip(keys, replies[: len(hexes)], lengths, strict=True):
             if _is_wrong_type(value):
                 out.append(_WrongType(str(value)))
+                continue
+            if not value:  # GETRANGE answers a missing key with no bytes, not nil
+                out.append(None)
+                continue
+            if len(value) > last:
+                out.append(_Oversized(length if isinstance(length, int) else None))
                 continue
             try:
                 out.append(record.decode(value, key=key))
@@ -837,17 +931,19 @@ class RedisPool(SplitStreams, RemotePool):
         n_sized: int,
         *,
         probe_bytes: int | None = None,
+        record_cap_bytes: int | None = None,
     ) -> list[Any]:
         """The replies to ``commands``, pipelined on one connection of ``client`` and read one
         by one under a pull deadline (``PullWatch``): the read deadline and
         ``PULL_ALLOWANCE_PER_RECORD_S`` for each of the ``n_sized`` records, plus, as each of
-        the first ``n_sized`` replies (STRLENs of the records the GETs after them bring) is read,
+        the first ``n_sized`` replies (STRLENs of the records the reads after them bring) is read,
         that record's bytes at ``PULL_FLOOR_BYTES_PER_S``. Past it the connection is cut:
         ``PullTooSlow``, counted in ``overdue``. A reply that is an error is returned as its
         ``ResponseError``. A connection the server dropped is retried once, as the read client
         does (never one this watch cut), under the same deadline. ``probe_bytes``: a bandwidth
         probe of that many bytes, its deadline theirs from the start; cut, it is no pull (not
-        counted in ``overdue``)."""
+        counted in ``overdue``). ``record_cap_bytes``: the most of each record the commands
+        read (a longer record's STRLEN extends the deadline by this much only)."""
         pool = client.connection_pool
         conn = _connection_of(pool)
         sized: dict[int, int] = {}  # by reply index: the bytes already added to the deadline
@@ -874,8 +970,12 @@ class RedisPool(SplitStreams, RemotePool):
                             except ResponseError as exc:
                                 reply = exc
                             if i < n_sized and isinstance(reply, int) and i not in sized:
-                                sized[i] = reply
-                                self._watch.extend(pull, reply / PULL_FLOOR_BYTES_PER_S)
+                                sized[i] = reply_bytes = (
+                                    reply
+                                    if record_cap_bytes is None
+                                    else min(reply, record_cap_bytes)
+                                )
+                                self._watch.extend(pull, reply_bytes / PULL_FLOOR_BYTES_PER_S)
                             replies.append(reply)
                         break
                     except redis.ConnectionError:
@@ -904,7 +1004,8 @@ class RedisPool(SplitStreams, RemotePool):
             pool.release(conn)
 
     def probe_many(self, keys: Sequence[bytes], *, tenant: str) -> list[ChunkMeta | None]:
-        """Headers only (GETRANGE), checked by their CRC and against the record's length."""
+        """Headers only (GETRANGE), checked by their CRC and against the record's length (one
+        longer than any chunk this pool takes is broken, as for a get)."""
         keys = _checked(keys)
         if not keys:
             return []
@@ -918,6 +1019,7 @@ class RedisPool(SplitStreams, RemotePool):
         out: list[ChunkMeta | None] = []
         damaged: list[tuple[str, _Damaged]] = []
         wrong: list[str] = []
+        oversized: list[tuple[str, _Oversized]] = []
         for key, h, reply in zip(keys, hexes, replies, strict=True):
             if reply is None:
                 out.append(None)
@@ -928,6 +1030,11 @@ class RedisPool(SplitStreams, RemotePool):
                 out.append(None)
                 continue
             head, record_bytes = reply
+            if int(record_bytes) > self.max_record_bytes:  # what a get would not read
+                self._count_corrupt()
+                oversized.append((h, _Oversized(int(record_bytes))))
+                out.append(None)
+                continue
             try:
                 header = record.decode_header(head, key=key)
                 if header.record_bytes != int(record_bytes):
@@ -944,8 +1051,8 @@ class RedisPool(SplitStreams, RemotePool):
                 out.append(None)
                 continue
             out.append(header.meta if visible_to(header.meta, tenant) else None)
-        if damaged or wrong:
-            self._repair(damaged=damaged, wrong=wrong)
+        if damaged or wrong or oversized:
+            self._repair(damaged=damaged, wrong=wrong, oversized=oversized)
         return out
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -1203,16 +1310,36 @@ class RedisPool(SplitStreams, RemotePool):
         damaged: Sequence[tuple[str, _Damaged]] = (),
         heal: Sequence[tuple[str, ChunkMeta]] = (),
         wrong: Sequence[str] = (),
+        oversized: Sequence[tuple[str, _Oversized]] = (),
     ) -> None:
         """Best effort after a read: the caller already has its answer, and whatever is not
         repaired now is found again by the next read of the same keys. A damaged record is
         deleted (and its accounting dropped) only where the server holds the very bytes that
         failed: the records are shared, and the damage may be on this reader's path alone.
         A key of the ``wrong`` type is deleted (its accounting dropped) unless it holds a
-        string now."""
+        string now; an ``oversized`` record while it is still longer than any this pool takes."""
         try:
             client = self._client()
             dropped: list[str] = []
+            if oversized:
+                pipe = client.pipeline(transaction=False)
+                for h, _ in oversized:
+                    _eval(pipe, _DROP_IF_LONGER_LUA, [self._rec(h)], [self.max_record_bytes])
+                for (h, o), deleted in zip(oversized, pipe.execute(), strict=True):
+                    reason = o.reason(self.max_record_bytes)
+                    if int(deleted):
+                        dropped.append(h)
+                        log.warning(
+                            "pool %s: dropped corrupt chunk %s: %s", self.address, h, reason
+                        )
+                    else:
+                        log.warning(
+                            "pool %s: chunk %s was a %s, but no longer is (replaced since): a "
+                            "miss, left in place",
+                            self.address,
+                            h,
+                            reason,
+                        )
             if wrong:
                 pipe = client.pipeline(transaction=False)
                 for h in wrong:
