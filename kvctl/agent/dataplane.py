@@ -374,6 +374,8 @@ class DataPlaneServer:
         #: chunks answered missing because the replies' copy budget was full
         self.copies_refused = EveryInterval()
         self._accept_failures = EveryInterval()
+        #: connections refused for want of a thread to serve them (``_no_thread``)
+        self._thread_failures = EveryInterval()
         self.max_chunk_bytes = settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
         self.frame_timeout_s = (
@@ -525,7 +527,35 @@ class DataPlaneServer:
             if refused_by is not None:
                 self._refuse(conn_sock, transport, source, refused_by)
                 continue
-            conn.thread.start()
+            try:
+                conn.thread.start()
+            except RuntimeError as exc:
+                self._no_thread(conn, exc)
+
+    def _no_thread(self, conn: Connection, exc: RuntimeError) -> None:
+        """``conn`` could not have its thread (out of address space for its stack, a limit on
+        threads, memory short): refused BUSY and closed, its slot freed, logged once an
+        interval. Raised out of the accept loop, this ended the loop: the agent took no
+        connection again, and each one after sat unanswered in the backlog."""
+        with self._lock:
+            self._drop(conn)
+        n = self._thread_failures.count()
+        if n:
+            log.error(
+                "data plane: could not start a thread for a new %s connection (%s): refused "
+                "%d connection(s) since the last line. Raise the agent's limits (systemd's "
+                "LimitAS=, TasksMax=, MemoryMax=) or lower data_max_connections",
+                conn.transport,
+                exc,
+                n,
+            )
+        meta = error_meta(
+            ErrorCode.BUSY, "this agent cannot take a connection now (no thread); retry later"
+        )
+        with contextlib.suppress(OSError):
+            conn.sock.setblocking(False)  # never wait on a client that does not read
+            conn.sock.send(pack_header(Op.ERROR, 0, len(meta)) + meta)
+        conn.sock.close()
 
     def _admit(self, transport: str, source: str | None) -> tuple[str | None, str | None]:
         """Take a slot for a new connection (the caller holds ``_lock``): (None, the cap it is
