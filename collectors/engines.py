@@ -26,7 +26,6 @@ KV-cache usage across engines, and a sum of two 0.6 usages would read as 1.2.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
@@ -34,6 +33,8 @@ from itertools import pairwise
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvctl import json_text
 
 KNOWN_ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm", "lmcache", "kvbm")
 #: what a figure exposed with a sample that is not finite (NaN, Infinity) reads as: exposed, so
@@ -431,8 +432,8 @@ def _trtllm_iterations_reading(text: str) -> EngineReading:
     counters (``reusedBlocks``, ``missedBlocks``) and the pool's block gauges; the newest
     iteration's are this scrape's. No iteration since the last read: nothing is known."""
     try:
-        data = json.loads(text)
-    except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than json reads
+        data = json_text.loads(text)
+    except ValueError as exc:
         raise ValueError(f"malformed TensorRT-LLM iteration stats: {exc}") from None
     entries = data if isinstance(data, list) else [data]
     if not all(isinstance(e, dict) for e in entries):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
 import mmap
 import os
 import socket
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
 
+from kvctl import json_text
 from kvctl.agent_starting import STARTING_PREFIX, says_starting
 from kvctl.bearer import bearer_headers, token_problem
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
@@ -923,8 +923,8 @@ class DataClient:
     def _hello(self, token: str, client_name: str) -> dict[str, Any]:
         meta, _ = self._call(Op.HELLO, MetaWriter().text(token).text(client_name).build())
         try:
-            info = json.loads(meta)
-        except (ValueError, RecursionError):  # (UnicodeDecodeError too; JSON nested too deep)
+            info = json_text.loads(meta)
+        except ValueError:
             info = None
         tiers = info.get("tiers") if isinstance(info, dict) else None
         if not isinstance(tiers, list) or not all(isinstance(t, str) for t in tiers):
@@ -1556,10 +1556,8 @@ class AgentClient:
             self._raise_for(resp, path)
         if resp.headers.get("content-type", "").startswith("application/json"):
             try:
-                return resp.json()
-            except (ValueError, RecursionError) as exc:
-                # invalid, or nested too deep for Python's parser: its RecursionError (or a
-                # JSONDecodeError) escaped every caller's AgentError as a bug's traceback
+                return json_text.loads(resp.content)
+            except ValueError as exc:  # escaped every caller's AgentError as a traceback
                 raise NotAnAgent(
                     f"{self.url}{path} answered JSON that cannot be read ({_json_fault(exc)}): "
                     "is a kvctl agent's control API listening there?"
@@ -1571,8 +1569,8 @@ class AgentClient:
         validation error's fields, or what came back instead of an agent's answer."""
         status = resp.status_code
         try:
-            body = resp.json()
-        except (ValueError, RecursionError):  # not JSON, or nested too deep to read
+            body = json_text.loads(resp.content)
+        except ValueError:
             body = None
         detail = body.get("detail") if isinstance(body, dict) else None
         if detail is None:  # a page or an empty answer: its first line, never the whole page
@@ -1759,7 +1757,7 @@ _QUOTED_CHARS = 80
 
 def _json_fault(exc: BaseException) -> str:
     """Why an answer's JSON could not be read, in a few words."""
-    if isinstance(exc, RecursionError):
+    if isinstance(exc, json_text.NestedTooDeep):
         return "nested too deep"
     return f"invalid: {first_line(str(exc))}"
 

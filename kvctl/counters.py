@@ -36,6 +36,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
 
+from kvctl import json_text
 from kvctl.db.models import CounterState
 
 #: the fastest any counter of an agent or engine can grow, per second of the interval between
@@ -410,8 +411,8 @@ def _state_from_json(state: str, ts_ms: int) -> _Last | None:
     hand, an import, a broken export: not JSON, JSON nested too deep to parse, other types),
     which would otherwise fail every load of the counters' state, each cycle."""
     try:
-        data = json.loads(state)
-    except (ValueError, TypeError, RecursionError):
+        data = json_text.loads(state)
+    except (ValueError, TypeError):
         return None
     if not isinstance(data, dict):
         return None

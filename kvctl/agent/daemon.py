@@ -45,7 +45,7 @@ from shlex import quote
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
-from kvctl import __version__, http_serving
+from kvctl import __version__, http_serving, json_text
 from kvctl.agent.logfile import LogFollower, start_rotation
 from kvctl.agent.settings import AgentSettings, LinkSpec
 from kvctl.paths import WriteFailed, make_private_dir, write_atomic
@@ -204,8 +204,8 @@ class AgentState:
         """The state an agent wrote as ``text``; None for anything else (a torn or hand-edited
         file), so no caller signals a pid or asks a URL it made up."""
         try:
-            raw = json.loads(text)
-        except (ValueError, RecursionError):  # RecursionError: nested too deep to parse
+            raw = json_text.loads(text)
+        except ValueError:
             return None
         if not isinstance(raw, dict):
             return None

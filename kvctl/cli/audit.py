@@ -106,9 +106,11 @@ def _brief(result: str) -> str:
     """A JSON result as k=v pairs (``done=2 missing=0``); text as it is."""
     import json
 
+    from kvctl import json_text
+
     try:
-        value = json.loads(result)
-    except (ValueError, RecursionError):  # not JSON, or nested too deep for Python's parser
+        value = json_text.loads(result)
+    except ValueError:
         return result
     if isinstance(value, dict):
         return _pairs({k: v for k, v in value.items() if not isinstance(v, (dict, list))}) or (

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
+from kvctl import json_text
 from kvctl.db.models import Audit
 from kvctl.db.sample_checks import shown
 from kvctl.errors import InvalidArgument
@@ -151,8 +152,8 @@ def _args(stored: str) -> dict[str, Any]:
     tool) says it cannot be read instead of failing the whole listing: JSON nested thousands
     deep raised RecursionError out of ``kvctl audit``."""
     try:
-        value = json.loads(stored)
-    except RecursionError:
+        value = json_text.loads(stored)
+    except json_text.NestedTooDeep:
         return {"unreadable": "JSON nested too deep"}
     except ValueError:
         return {"unreadable": "not JSON"}

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvctl import json_text
 from kvctl.agent.daemon import pid_alive, spawn_agent, stop_agent
 from kvctl.paths import default_state_dir
 from kvctl.ports import free_loopback_port, free_loopback_ports
@@ -379,10 +380,14 @@ def clean_leftovers(workdir: Path) -> list[str]:
     stopped: list[str] = []
     state = workdir / STATE_FILE
     try:
-        doc = json.loads(state.read_text(encoding="utf-8"))
+        doc = json_text.loads(state.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         doc = {}
-    for p in doc.get("processes", []):
+    # a hand-edited or torn file of another shape stops nothing by pid; the agents still stop
+    processes = doc.get("processes") if isinstance(doc, dict) else None
+    for p in processes if isinstance(processes, list) else []:
+        if not isinstance(p, dict):
+            continue
         pid = p.get("pid")
         if p.get("role") in ("agent", "pool") or not isinstance(pid, int):
             continue  # agents are found by their data directories below

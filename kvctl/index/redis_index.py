@@ -65,6 +65,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.retry import Retry
 
+from kvctl import json_text
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import MAX_COUNT, ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
@@ -583,8 +584,8 @@ def _claim(value: bytes) -> tuple[int, list[str]] | None:
     """(when, the nodes) of a claim as ``claim`` writes it; None for anything else (JSON of
     another shape: a "ms" of 1e400 raised OverflowError, "nodes" of "xy" claimed x and y)."""
     try:
-        claim = json.loads(value)
-    except (ValueError, RecursionError):  # (UnicodeDecodeError too; nested past the parser)
+        claim = json_text.loads(value)
+    except ValueError:
         return None
     if not isinstance(claim, dict):
         return None

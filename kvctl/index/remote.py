@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvctl import json_text
 from kvctl.bearer import bearer_headers, token_problem
 from kvctl.errors import KvctlError
 from kvctl.index.events import MAX_COUNT, ChunkEvent
@@ -80,8 +81,8 @@ class IndexClient:
             said = r.text[:200]
             raise IndexUnavailable(f"index at {self._shown} answered {r.status_code}: {said}")
         try:
-            return r.json()
-        except (ValueError, RecursionError) as exc:  # (nested deeper than json parses)
+            return json_text.loads(r.content)
+        except ValueError as exc:
             raise IndexUnavailable(f"index at {self._shown} sent no JSON") from exc
 
     def holders(self, keys: Sequence[bytes], *, tenant: str) -> list[list[Holding]]:

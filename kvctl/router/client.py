@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvctl import json_text
 from kvctl.bearer import bearer_headers, token_problem
 from kvctl.errors import KvctlError
 from kvctl.redact import redact_url
@@ -77,8 +78,8 @@ class RouterClient:
                 f"the router at {self.shown_url} did not answer: {text}"
             ) from exc
         try:
-            body = r.json()
-        except (ValueError, RecursionError):  # RecursionError: nested deeper than json parses
+            body = json_text.loads(r.content)
+        except ValueError:
             body = None
         if r.status_code != 200:
             detail = body.get("detail") if isinstance(body, dict) else None

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvctl import json_text
 from kvctl.errors import InvalidArgument
 from kvctl.store.index import check_tenant
 from kvctl.workload.segments import Segment
@@ -94,10 +95,10 @@ def _is_count(value: Any) -> bool:
 def _parse_record(line: str, block_tokens: int) -> TraceRequest:
     """Parse one non-blank line; raise ValueError with a description of the problem."""
     try:
-        record = json.loads(line)
+        record = json_text.loads(line)
     except json.JSONDecodeError as exc:
         raise ValueError(f"invalid JSON: {exc.msg} at column {exc.colno}") from None
-    except RecursionError:  # '[[[[...' thousands deep: Python's parser gives up
+    except json_text.NestedTooDeep:
         raise ValueError("invalid JSON: nested too deep to read (no record is)") from None
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
