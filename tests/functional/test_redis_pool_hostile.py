@@ -1,0 +1,159 @@
+"""RedisPool against keys another client of the server wrote (any local client can write a
+pool's keys: another host's bug, or hostile): a record far longer than any chunk, and recency
+scores that are no timestamp. Real Redis (the machine's, a key prefix per test); no mocks."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from kvctl.remote import redis_pool
+from kvctl.remote.redis_pool import RedisPool
+from tests.functional.test_redis_pool import chunk, present
+
+MakePool = Callable[..., RedisPool]
+
+
+@pytest.fixture
+def make_pool(redis_url: str, redis_prefix: str) -> Iterator[MakePool]:
+    """RedisPools under this test's prefix (its keys deleted afterwards), closed after it."""
+    pools: list[RedisPool] = []
+
+    def make(**kw: Any) -> RedisPool:
+        pool = RedisPool(redis_url, prefix=redis_prefix, **kw)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+@pytest.fixture
+def raw(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def _spy_reply_bytes(pool: RedisPool, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every bytes reply the pool's gets read from now on (what came into this
+    process's memory)."""
+    seen: list[int] = []
+    real_pull = pool._pull
+
+    def pull(*args: Any, **kwargs: Any) -> list[Any]:
+        replies = real_pull(*args, **kwargs)
+        seen.extend(len(r) for r in replies if isinstance(r, bytes))
+        return replies
+
+    monkeypatch.setattr(pool, "_pull", pull)
+    return seen
+
+
+def test_a_record_longer_than_any_chunk_is_read_no_further_and_dropped(
+    make_pool: MakePool,
+    raw: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A get read each record whole with GET: a key planted (or grown by APPEND) up to Redis's
+    512 MB came into the agent's memory before any check. It reads at most one byte past the
+    longest record a chunk of the pool makes; a longer one is a broken record (a miss counted
+    in ``corrupt``, the record deleted and its accounting dropped), as a damaged one is."""
+    pool = make_pool(max_chunk_bytes=4096)
+    assert pool.max_record_bytes < 4096 + 70_000  # the chunk and its largest header
+    bigger = make_pool(max_chunk_bytes=1 << 20)  # another writer, configured for larger chunks
+    items = [chunk(0, size=4096), chunk(1, size=300)]
+    assert pool.put_many(items) == [True, True]
+    large = chunk(2, size=1 << 20)
+    assert bigger.put_many([large]) == [True]
+    names = [f"{pool.prefix}:c:{m.key.hex()}" for m, _ in [*items, large]]
+    raw.append(names[0], bytes(1 << 20))  # a sound record with 1 MiB after it
+
+    seen = _spy_reply_bytes(pool, monkeypatch)
+    keys = [m.key for m, _ in [*items, large]]
+    with caplog.at_level(logging.WARNING, logger="kvctl.remote.redis_pool"):
+        got = pool.get_many(keys, tenant="a")
+    assert got[0] is None and got[2] is None
+    assert got[1] is not None and got[1].data == items[1][1]
+    assert max(seen) <= pool.max_record_bytes + 1, seen
+    assert pool.corrupt == 2
+    assert raw.exists(names[0], names[2]) == 0
+    assert "dropped corrupt chunk" in caplog.text and "max_chunk_bytes" in caplog.text
+    usage = pool.usage()
+    assert (usage.chunks, usage.used_bytes) == (1, 300)
+
+    # a probe says the same of a record longer than a get would read
+    raw.set(names[1], bytes(pool.max_record_bytes + 1))
+    assert pool.probe_many([items[1][0].key], tenant="a") == [None]
+    assert pool.corrupt == 3
+    assert raw.exists(names[1]) == 0
+    assert pool.usage().chunks == 0
+
+    # and a put refuses a chunk it would not read back
+    assert pool.put_many([chunk(3, size=4097), chunk(4)]) == [False, True]
+    assert present(pool, [chunk(3, size=4097), chunk(4)]) == [False, True]
+    assert pool.usage().used_bytes == 300
+
+
+def test_the_default_largest_chunk_is_the_agents_and_must_be_positive(
+    make_pool: MakePool,
+) -> None:
+    pool = make_pool()
+    assert pool.max_chunk_bytes == redis_pool.DEFAULT_MAX_CHUNK_BYTES == 256 << 20
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(Exception, match="max_chunk_bytes"):
+            make_pool(max_chunk_bytes=bad)
+
+
+# --- recency scores that are no timestamp ----------------------------------------------------
+# Redis refuses NaN scores (ZADD: 'not a float'); inf and -inf it keeps. -inf is evicted first
+# already (the lowest score): a guard of that order.
+_NO_TIME = ["inf", "1e300", "-inf"]
+
+
+@pytest.mark.parametrize("score", _NO_TIME)
+def test_a_chunk_whose_lru_score_is_no_time_is_evicted_first(
+    make_pool: MakePool, raw: redis.Redis, score: str
+) -> None:
+    """A score of inf (or one past the server's clock by more than a day: no writer's) under
+    {P}:lru kept its chunk from eviction for good: every chunk read since went before it, and
+    enough such entries left the pool room for nothing else. It goes first."""
+    pool = make_pool(capacity_bytes=1000)
+    a, b, c, d = (chunk(i) for i in range(4))
+    assert pool.put_many([a, b, c]) == [True] * 3
+    raw.zadd("{" + pool.prefix + "}:lru", {a[0].key.hex(): score})
+    assert pool.put_many([d]) == [True]
+    assert present(pool, [a, b, c, d]) == [False, True, True, True]
+    assert (pool.usage().chunks, pool.usage().used_bytes) == (3, 900)
+
+
+@pytest.mark.parametrize("score", _NO_TIME)
+def test_a_chunk_whose_tenant_lru_score_is_no_time_goes_first_for_the_quota(
+    make_pool: MakePool, raw: redis.Redis, score: str
+) -> None:
+    """The same under a tenant's own {P}:lru:t:<tenant>, which a tenant's quota evicts from."""
+    pool = make_pool(tenant_quota_bytes=600)
+    a, b, c = (chunk(i) for i in range(3))
+    assert pool.put_many([a, b]) == [True, True]
+    raw.zadd("{" + pool.prefix + "}:lru:t:a", {a[0].key.hex(): score})
+    assert pool.put_many([c]) == [True]
+    assert present(pool, [a, b, c]) == [False, True, True]
+    assert pool.usage().tenant_bytes == {"a": 600}
+
+
+@pytest.mark.parametrize("score", _NO_TIME)
+def test_a_resize_evicts_a_chunk_whose_lru_score_is_no_time_first(
+    make_pool: MakePool, raw: redis.Redis, score: str
+) -> None:
+    pool = make_pool(capacity_bytes=1000)
+    a, b, c = (chunk(i) for i in range(3))
+    assert pool.put_many([a, b, c]) == [True] * 3
+    raw.zadd("{" + pool.prefix + "}:lru", {a[0].key.hex(): score})
+    pool.resize(600)
+    assert present(pool, [a, b, c]) == [False, True, True]
