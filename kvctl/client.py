@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
+import logging
+import math
 import mmap
 import os
 import socket
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
 
-from kvctl import json_text
+from kvctl import __version__, json_text
 from kvctl.agent_starting import STARTING_PREFIX, says_starting
 from kvctl.bearer import bearer_headers, token_problem
 from kvctl.store.index import DEFAULT_PRIORITY, LookupResult
@@ -76,6 +78,8 @@ from kvctl.wire.reports import AgentInfo, AgentStats, LinkProbe
 
 if TYPE_CHECKING:
     import httpx
+
+log = logging.getLogger("kvctl.client")
 
 Payload = bytes | bytearray | memoryview | Any  # anything with the buffer protocol (numpy arrays)
 #: replies' payloads are read into buffers the caller sized (or drained), never allocated whole,
@@ -276,8 +280,13 @@ class DataClient:
         self._staging: mmap.mmap | None = None
         self._staging_fd = -1
         #: puts go through a staging segment (False where this system cannot seal one, or the
-        #: agent refused it: then they go over the socket)
+        #: agent maps none: then they go over the socket for the life of the connection)
         self._staged_puts = True
+        #: staging segments that could not be made (ENOMEM...) or that the agent refused, in a
+        #: row: puts that need a new one go over the socket until ``_staging_retry_at_s``
+        #: (monotonic), then one is tried again (``_ensure_staging``)
+        self._staging_failures = 0
+        self._staging_retry_at_s = -math.inf
         #: told of each staging segment this client attaches (and None before it unmaps one,
         #: and on close): a CUDA engine registers the segment so device copies into it run at
         #: link speed. It must not raise, and must drop every view of a segment it is told of
@@ -1375,36 +1384,71 @@ class DataClient:
         return results
 
     def _ensure_staging(self, size: int) -> mmap.mmap | None:
-        """The staging segment, at least ``size`` bytes, attached to the agent; None (and puts
-        over the socket from now on) where this system cannot seal one or the agent refuses
-        it. The agent maps only segments sealed against shrinking: a file that could shrink
-        under its mapping would crash it."""
+        """The staging segment, at least ``size`` bytes, attached to the agent; None where the
+        put goes over the socket instead: this system cannot seal a segment, or the agent maps
+        none (for the life of the connection), or a new segment could not be made (ENOMEM...)
+        or the agent refused it (for a while: ``_staging_failed``). A segment that could not be
+        replaced by a larger one still serves the puts that fit it. The agent maps only
+        segments sealed against shrinking: a file that could shrink under its mapping would
+        crash it."""
         if self._staging is not None and len(self._staging) >= size:
             return self._staging
+        if time.monotonic() < self._staging_retry_at_s:
+            return None  # backing off after a failure: one try per interval, not one per put
         # no floor: the segment is written in full before it is attached (``_sealed_segment``),
         # so every byte of it is this client's memory, and takes the time to write, from the
         # first put (a 64 MiB floor made a 4 KiB put cost 64 MiB and some 70 ms). Doubling keeps
-        # the segments a client replaces as its puts grow few.
-        size = max(size, 2 * len(self._staging) if self._staging else 0, 1)
-        size = -(-size // STAGING_UNIT_BYTES) * STAGING_UNIT_BYTES
-        try:
-            fd, staging = _sealed_segment(size)
-        except OSError:
-            self._staged_puts = False
+        # the segments a client replaces as its puts grow few; where memory is short, the
+        # doubled size is refused first and only what this put needs is tried.
+        need = -(-max(size, 1) // STAGING_UNIT_BYTES) * STAGING_UNIT_BYTES
+        want = max(need, 2 * len(self._staging) if self._staging else 0)
+        made: tuple[int, mmap.mmap] | None = None
+        for attempt_bytes in dict.fromkeys((want, need)):
+            try:
+                made = _sealed_segment(attempt_bytes)
+                break
+            except _CannotSeal:
+                self._staged_puts = False
+                return None
+            except OSError as exc:
+                failure = f"could not make a staging segment of {attempt_bytes} bytes here: {exc}"
+        if made is None:
+            self._staging_failed(
+                failure,
+                "free memory on this host, or raise this process's limits (RLIMIT_AS, "
+                "systemd's LimitAS=, its cgroup's memory.max)",
+            )
             return None
+        fd, staging = made
+        segment_bytes = len(staging)
         try:
-            self._call_locked(Op.ATTACH, MetaWriter().u64(size).build(), (), None, fd)
+            self._call_locked(Op.ATTACH, MetaWriter().u64(segment_bytes).build(), (), None, fd)
         except BaseException as exc:
             staging.close()
             os.close(fd)
-            refused = isinstance(exc, RequestError) and exc.code in (
+            if not isinstance(exc, RequestError) or exc.code not in (
                 ErrorCode.BAD_REQUEST,
                 ErrorCode.UNSUPPORTED,
-            )
-            if not refused:
+            ):
                 raise
-            self._staged_puts = False  # an agent that maps no segment of this kind
+            if exc.code == ErrorCode.UNSUPPORTED:  # an agent that maps no segment at all
+                self._staged_puts = False
+                return None
+            reason = str(exc).strip() or "it gave no reason"
+            self._staging_failed(
+                f"the agent refused this client's staging segment of {segment_bytes} bytes "
+                f"({reason})",
+                f"see the agent's log, which says what to do; this SDK is kvctl {__version__}, "
+                f"the agent kvctl {self.info.get('version', '(unknown)')}",
+            )
             return None
+        if self._staging_failures:
+            log.info(
+                "staged puts resumed: a staging segment of %d bytes attached after %d failure(s)",
+                len(staging),
+                self._staging_failures,
+            )
+        self._staging_failures, self._staging_retry_at_s = 0, -math.inf
         if self._staging is not None:
             if self.on_staging is not None:
                 self.on_staging(None)
@@ -1414,6 +1458,44 @@ class DataClient:
         if self.on_staging is not None:
             self.on_staging(staging)
         return staging
+
+    def _staging_failed(self, what: str, to_do: str) -> None:
+        """A new staging segment could not be had (``what``): puts that do not fit the one held
+        (if any) go over the socket, and a new one is tried after a delay that doubles with each
+        failure in a row. The first failure of a row is logged (with ``to_do``), not each."""
+        self._staging_failures += 1
+        delay_s = staging_retry_delay_s(self._staging_failures)
+        self._staging_retry_at_s = time.monotonic() + delay_s
+        if self._staging_failures == 1:
+            held = f"{len(self._staging)} bytes" if self._staging is not None else "none"
+            log.warning(
+                "%s; puts larger than the segment this client holds (%s) go over the Unix socket,"
+                " more slowly, and a new one is tried in %g s (then less often while it fails). "
+                "If this persists, %s",
+                what,
+                held,
+                delay_s,
+                to_do,
+            )
+
+
+#: after a staging segment could not be made or was refused, puts that need a new one go over
+#: the socket, and one is tried again this long later; the delay doubles with each failure in a
+#: row, up to STAGING_RETRY_MAX_SECONDS (each try costs a segment's allocation, so not each put)
+STAGING_RETRY_FIRST_SECONDS = 1.0
+STAGING_RETRY_MAX_SECONDS = 120.0
+
+
+def staging_retry_delay_s(failures: int) -> float:
+    """How long after the ``failures``-th failure in a row to get a staging segment (1 or more)
+    puts wait before a new one is tried."""
+    doublings = min(max(failures, 1) - 1, 32)  # past the cap long before: no huge powers
+    return min(STAGING_RETRY_FIRST_SECONDS * (1 << doublings), STAGING_RETRY_MAX_SECONDS)
+
+
+class _CannotSeal(OSError):
+    """This system cannot make a sealed staging segment at all (not Linux, a kernel before
+    memfd or F_SEAL_FUTURE_WRITE): puts go over the socket for the life of the connection."""
 
 
 #: staging segments are sized in multiples of this (the smallest is one): a huge page, so a
@@ -1431,8 +1513,13 @@ def _sealed_segment(size_bytes: int) -> tuple[int, mmap.mmap]:
 
     add_seals = getattr(fcntl, "F_ADD_SEALS", None)
     if not hasattr(os, "memfd_create") or add_seals is None:
-        raise OSError("this system cannot seal a memfd")
-    fd = os.memfd_create("kvctl-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        raise _CannotSeal("this system cannot seal a memfd")
+    try:
+        fd = os.memfd_create("kvctl-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSYS, errno.EINVAL):  # a kernel before memfd or its seals
+            raise _CannotSeal(f"this system cannot make a sealable memfd: {exc}") from exc
+        raise  # out of descriptors (EMFILE, ENFILE) or memory: worth another try later
     staging = None
     try:
         os.ftruncate(fd, size_bytes)
@@ -1440,7 +1527,12 @@ def _sealed_segment(size_bytes: int) -> tuple[int, mmap.mmap]:
         hugepages.advise(staging)  # before the pages come, so they may be huge ones
         _populate(staging)
         seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL
-        fcntl.fcntl(fd, add_seals, seals)
+        try:
+            fcntl.fcntl(fd, add_seals, seals)
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # a kernel before F_SEAL_FUTURE_WRITE (5.1)
+                raise _CannotSeal(f"this system cannot seal a memfd as needed: {exc}") from exc
+            raise
     except BaseException:
         if staging is not None:
             staging.close()
