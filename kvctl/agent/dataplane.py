@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvctl import __version__
 from kvctl.agent.runtime import AgentRuntime
@@ -1226,6 +1226,17 @@ class Connection:
         n = len(self._fds) + self._fds_refused
         may = "one" if self._max_fds else "none"
         name = _OP_NAMES.get(op, f"op {op}").upper()
+        if op == Op.ATTACH:
+            # the kernel drops what the agent cannot take (MSG_CTRUNC) alike whether the client
+            # passed too many or the agent is out of descriptors (EMFILE), a transient state
+            # the client retries after: the refusal says both, and is logged as a segment's
+            self._segment_refused(
+                _SegmentRefused(
+                    "descriptors",
+                    f"ATTACH passed {n} file descriptor(s) or more, or this agent could not "
+                    "take the one passed (out of descriptors); it may pass one",
+                )
+            )
         raise FrameError(
             ErrorCode.BAD_REQUEST,
             f"{name} passed {n} file descriptor(s) or more; it may pass {may}",
@@ -1833,17 +1844,7 @@ class Connection:
                     "memory", f"this agent could not map a staging segment of {size} bytes: {exc}"
                 ) from None
         except _SegmentRefused as exc:
-            n = self.server.segments_refused.count(exc.cause)
-            if n:
-                log.warning(
-                    "refused a client's staging segment: %s. Its puts go over the socket, more "
-                    "slowly, until it attaches one this agent takes. To fix: %s (%d refusal(s) "
-                    "of this kind since the last such line)",
-                    exc.message,
-                    _SEGMENT_TO_DO[exc.cause],
-                    n,
-                )
-            raise
+            self._segment_refused(exc)
         hugepages.advise(staging)
         # a gpu tier copies puts from the segment in one transfer once it is registered; this
         # replaces the connection's old registration first, so the old mapping can close
@@ -1852,6 +1853,21 @@ class Connection:
             self._staging.close()
         self._staging = staging
         return [b""], 0
+
+    def _segment_refused(self, exc: _SegmentRefused) -> NoReturn:
+        """Log a refused staging segment with what to do (each cause once an interval, with
+        a count: any client may send many), and raise the refusal."""
+        n = self.server.segments_refused.count(exc.cause)
+        if n:
+            log.warning(
+                "refused a client's staging segment: %s. Its puts go over the socket, more "
+                "slowly, until it attaches one this agent takes. To fix: %s (%d refusal(s) "
+                "of this kind since the last such line)",
+                exc.message,
+                _SEGMENT_TO_DO[exc.cause],
+                n,
+            )
+        raise exc
 
     # --- teardown ---------------------------------------------------------------------------
     @property
