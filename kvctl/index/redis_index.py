@@ -47,6 +47,12 @@ then the new holding): a reader never sees the node half dropped or half filled.
 one MULTI/EXEC of an HGETALL per key (a chain of 64 keys is one round trip, and one consistent
 snapshot); the tenant filter runs here, on the decoded entries, with ``EmbeddedIndex``'s rule.
 
+Any client of the server can write these keys (a prefix shared by mistake, another host's bug,
+or hostile): what no index wrote is left out, and logged, never a failure of every reader. An
+entry under a chunk's hash is no holder (``holders``); a count in P nodes that is none (not
+decimal digits up to 2**63 - 1), or a node name that is no UTF-8, leaves out that node alone
+(``nodes``); a count in P markers that is none is counted from the node's set again.
+
 Not for a Redis Cluster: the scripts touch keys of many slots.
 """
 
@@ -54,7 +60,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
+import re
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -71,6 +79,8 @@ from kvctl.index.events import MAX_COUNT, ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.redact import redact_url
+
+log = logging.getLogger("kvctl.index.redis_index")
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_PREFIX = "kvctl:index:"
@@ -96,6 +106,8 @@ _COUNT_FIELD = b"\xff"
 #: (routers before it read P markers' node fields and "\xff" ones only, or split each value at a
 #: space, which an id holds none of: they ignore it)
 _REPLACED_FIELD = b"\xfe"
+#: a count as the scripts write one (decimal digits; 19: past 2**63 - 1 already)
+_COUNT_TEXT = re.compile(rb"[0-9]{1,19}")
 #: reads of a timed-out replace's id (each up to the socket timeout): the server runs the
 #: MULTI/EXEC whole before it answers them, so they wait behind it rather than race it
 _REPLACED_READS = 3
@@ -151,6 +163,12 @@ elseif mode ~= '' then
   if not marker then redis.call('HSET', markers, node, mode); marker = mode end
 elseif marker then
   base = tonumber(redis.call('HGET', markers, cfield))  -- nil: unknown, until a resync
+  -- one no script wrote (inf, nan, -1, 1.5: another host's bug, or hostile) is counted from the
+  -- set again, as after a router that keeps no count: counted on, it made the node's count inf
+  -- or nan for good (written to P nodes, and nodes() left the node out)
+  if base and not (base >= 0 and base < 2 ^ 53 and base == math.floor(base)) then
+    base = redis.call('SCARD', nset)
+  end
   -- a router that keeps no count moved the set: count from the set again
   if base then
     local listed = redis.call('SCARD', nset)
@@ -248,6 +266,20 @@ def encode_entry(e: ChunkEvent) -> bytes:
     return head + tier + _utf8(e.tenant)
 
 
+def _count(raw: bytes | None) -> int | None:
+    """A node's count as the scripts write it (decimal digits, up to ``MAX_COUNT``); None for
+    anything else (another host's bug, or hostile: any client of the server can write it)."""
+    if raw is None or not _COUNT_TEXT.fullmatch(raw):
+        return None
+    count = int(raw)
+    return count if count <= MAX_COUNT else None
+
+
+def _shown(raw: bytes) -> str:
+    """``raw`` as a log line shows it: its first 40 bytes, undecodable ones escaped."""
+    return repr(raw[:40].decode("utf-8", "backslashreplace")) + ("..." if len(raw) > 40 else "")
+
+
 def _holding(node: bytes, value: bytes, tenant: bytes) -> Holding | None:
     """The entry as a Holding when ``tenant`` may see it, else None; None too for one whose
     counts are past an int64, which routers before events were bounded (``MAX_COUNT``) stored
@@ -292,6 +324,11 @@ class RedisIndex:
         self._nodes_key = self._prefix + b"nodes"
         self._markers_key = self._prefix + b"markers"
         self._claims_key = self._prefix + b"claims"
+        #: the (field, value) pairs of P nodes last said to be no node's count: each is said
+        #: once while it stays (``nodes`` is read on every status and inventory reread)
+        self._bad_counts_said: set[tuple[bytes, bytes]] = set()
+        #: entries ``holders`` skipped as no index's writing since this index was opened
+        self.malformed_entries = 0
         if client is not None:
             if client.connection_pool.connection_kwargs.get("decode_responses"):
                 raise InvalidArgument("the index's Redis client must not decode responses")
@@ -376,7 +413,8 @@ class RedisIndex:
                 continue  # still behind the replace (or others'): ask again
             if last_id != replace_id:
                 return None
-            return int(count or 0)
+            # the count this replace wrote, unless another client wrote one that is none since
+            return 0 if count is None else _count(count)
         return None
 
     def drop(self, node: str) -> int:
@@ -443,15 +481,35 @@ class RedisIndex:
             replies: list[dict[bytes, bytes]] = pipe.execute()
         out: list[list[Holding]] = []
         for key, held in zip(keys, replies, strict=True):
-            try:
-                row = [h for n, v in held.items() if (h := _holding(n, v, asking)) is not None]
-            except ValueError as exc:  # not written by a RedisIndex (a prefix shared by mistake)
-                raise IndexUnavailable(
-                    f"index at {self.address}: malformed entry for {key.hex()}: {exc}"
-                ) from exc
+            row: list[Holding] = []
+            for node, value in held.items():
+                try:
+                    holding = _holding(node, value, asking)
+                except ValueError as exc:
+                    self._malformed_entry(key, node, value, exc)
+                    continue
+                if holding is not None:
+                    row.append(holding)
             row.sort(key=lambda h: h.node)
             out.append(row)
         return out
+
+    def _malformed_entry(self, key: bytes, node: bytes, value: bytes, exc: ValueError) -> None:
+        """An entry no RedisIndex wrote (a prefix shared by mistake, another host's bug, or
+        hostile): no holder, the key's sound holders stand. It failed every lookup over its
+        key (IndexUnavailable: the router's answers 503, its index said to be down). Said at
+        warning the first time, then at debug: every lookup over the key meets it again."""
+        self.malformed_entries += 1
+        log.log(
+            logging.WARNING if self.malformed_entries == 1 else logging.DEBUG,
+            "index at %s: malformed entry for %s under node %s: %s (value %s); skipped, not a "
+            "holder (a resync of the node writes its entries again)",
+            self.address,
+            key.hex(),
+            _shown(node),
+            exc,
+            _shown(value),
+        )
 
     def nodes(self) -> dict[str, int]:
         with self._guard():
@@ -467,11 +525,34 @@ class RedisIndex:
                 node = field[len(_COUNT_FIELD) :]
                 if field.startswith(_COUNT_FIELD) and node in markers:
                     counts[node] = count
-        try:
-            out = {_str(node): int(n) for node, n in counts.items()}
-        except ValueError as exc:  # not written by a RedisIndex (a prefix shared by mistake)
-            raise IndexUnavailable(f"index at {self.address}: malformed count: {exc}") from exc
-        return dict(sorted((node, n) for node, n in out.items() if n > 0))
+        out: dict[str, int] = {}
+        bad: dict[tuple[bytes, bytes], str] = {}
+        for field, raw in counts.items():
+            # one count that is none (a prefix shared by mistake, another host's bug, or
+            # hostile) failed nodes() for every router: only its node is left out, and said
+            n = _count(raw)
+            try:
+                name = _str(field)
+            except UnicodeDecodeError:  # no router writes a name it cannot read back
+                bad[field, raw] = "its name is no UTF-8"
+                continue
+            if n is None:
+                bad[field, raw] = (
+                    f"its count of entries is {_shown(raw)}, not one from 0 to {MAX_COUNT}"
+                )
+            elif n > 0:
+                out[name] = n
+        for field, raw in bad.keys() - self._bad_counts_said:
+            log.warning(
+                "index at %s: node %s: %s (a prefix shared by mistake, or another writer); "
+                "the node is left out of the index's nodes until a write of its entries "
+                "counts it again",
+                self.address,
+                _shown(field),
+                bad[field, raw],
+            )
+        self._bad_counts_said = set(bad)
+        return dict(sorted(out.items()))
 
     # --- ClaimingIndex -------------------------------------------------------------------
     def claim(self, claimant: str, nodes: Iterable[str]) -> None:
