@@ -374,6 +374,8 @@ class DataPlaneServer:
         #: chunks answered missing because the replies' copy budget was full
         self.copies_refused = EveryInterval()
         self._accept_failures = EveryInterval()
+        #: requests refused for want of memory to receive a chunk (``_receive_region``)
+        self.no_receive_memory = EveryInterval()
         #: connections refused for want of a thread to serve them (``_no_thread``)
         self._thread_failures = EveryInterval()
         self.max_chunk_bytes = settings.max_chunk_bytes
@@ -1107,7 +1109,7 @@ class Connection:
             return
         self._take_budget(n_bytes)
         try:
-            region = hugepages.anonymous_region(n_bytes)
+            region = self._receive_region(n_bytes)
             view = memoryview(region)
             try:
                 self._recv_counted(view)
@@ -1118,6 +1120,31 @@ class Connection:
                     region.close()
         finally:
             self.server.budget.release(n_bytes, self.source)
+
+    def _receive_region(self, n_bytes: int) -> mmap.mmap:
+        """Memory of its own for a chunk of ``n_bytes`` about to arrive; where none can be had
+        (ENOMEM: memory or address space short, RLIMIT_AS) BUSY, fatal as the chunk is never
+        read, and a line once an interval: it was an INTERNAL error with a traceback logged
+        for each such put, which any client could repeat while the agent was short."""
+        try:
+            return hugepages.anonymous_region(n_bytes)
+        except OSError as exc:
+            n = self.server.no_receive_memory.count()
+            if n:
+                log.warning(
+                    "data plane: no memory to receive a %d-byte chunk (%s): refused %d request(s)"
+                    " BUSY since the last line. Free memory, or raise the agent's limits "
+                    "(systemd's LimitAS=, MemoryMax=), or lower data_put_budget_bytes",
+                    n_bytes,
+                    exc,
+                    n,
+                )
+            raise FrameError(
+                ErrorCode.BUSY,
+                f"this agent could not allocate {n_bytes} bytes to receive a chunk ({exc}); "
+                "retry later",
+                fatal=True,
+            ) from None
 
     def _serve_one(self, header: bytearray) -> bool:
         """Serve one frame; False when the connection must close."""
