@@ -46,6 +46,8 @@ def load_workload(
 
         return Workload(f"{workload}:seed={seed}", generate(workload, seed, requests=limit))
     path = pathlib.Path(trace)
-    if not path.is_file() and not path.is_dir():  # a directory: read_mooncake_trace says so
+    # a directory: read_mooncake_trace says so; a pipe (`--trace <(zcat t.jsonl.gz)`, a FIFO,
+    # /dev/stdin) is read as a stream: it was refused as "no such file", though it was there
+    if not path.exists():
         raise FileNotFoundError(2, "no such trace file", str(path))
     return Workload(str(path), read_mooncake_trace(path, limit=limit), path.name)

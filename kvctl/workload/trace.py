@@ -158,7 +158,7 @@ class _PrefixCheck:
             if first != parent:
                 return (
                     f"hash id {block_id} at block {i + 1} follows {_id_said(parent)} here, "
-                    f"{_id_said(first)} on line {self._first_line(block_id, line_no)}: hash_ids "
+                    f"{_id_said(first)} {self._first_line(block_id, line_no)}: hash_ids "
                     "are not prefix hashes (an id names its whole prefix, not its block's own "
                     "content), or traces numbered apart were joined (their ids clash: renumber "
                     "one past the other's)"
@@ -166,16 +166,19 @@ class _PrefixCheck:
             parent = block_id
         return None
 
-    def _first_line(self, block_id: int, line_no: int) -> int:
-        """The first line holding ``block_id``, read again: the lines up to ``line_no`` were
-        read as sound, and the first holding it is the one that gave it its parent."""
+    def _first_line(self, block_id: int, line_no: int) -> str:
+        """``on line N``: the first line holding ``block_id``, read again: the lines up to
+        ``line_no`` were read as sound, and the first holding it is the one that gave it its
+        parent. A pipe cannot be read again (opening a FIFO again waits for a writer)."""
+        if not pathlib.Path(self._path).is_file():
+            return "on an earlier line (a pipe, not read again to say which)"
         with open(self._path, "rb") as lines:
             for n, raw in enumerate(lines, start=1):
                 if n >= line_no:
                     break
                 if raw.strip() and block_id in json.loads(raw)["hash_ids"]:
-                    return n
-        return line_no
+                    return f"on line {n}"
+        return f"on line {line_no}"
 
 
 def _id_said(block_id: int | None) -> str:
