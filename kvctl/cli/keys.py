@@ -105,6 +105,8 @@ def keys_command(
     with user_errors(hint="see `kvctl keys --help`"):
         if (text is None) == (tokens is None):
             fail("give exactly one of --text and --tokens")
+        if not model.strip():
+            fail("--model must not be empty: the model id its keys are computed for")
         ids = prompt_tokens(text, tokens, tokenizer) or []
         layout = KVLayout(layers, kv_heads, head_dim, dtype)
         if layout.bytes_per_token > MAX_KV_BYTES_PER_TOKEN:

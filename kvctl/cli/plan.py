@@ -22,6 +22,9 @@ from kvctl.cli.options import (
 from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
 from kvctl.format import percent
 
+#: the most capacities the miss-ratio curve is drawn at: more than any chart shows
+MAX_CURVE_POINTS = 1000
+
 if TYPE_CHECKING:
     from sqlalchemy.engine import Engine
 
@@ -65,7 +68,12 @@ def plan_command(
     gpu: Annotated[str, typer.Option("--gpu", help="GPU profile.")] = "h100",
     mfu: Annotated[
         float | None,
-        typer.Option("--mfu", help="Prefill MFU (model FLOPs utilisation). [default: 0.5]"),
+        typer.Option(
+            "--mfu",
+            help="Prefill MFU (model FLOPs utilisation). [default: 0.5]",
+            min=0.01,
+            max=1.0,
+        ),
     ] = None,
     policy: Annotated[
         str, typer.Option("--policy", help="Eviction policy of every tier.")
@@ -73,7 +81,11 @@ def plan_command(
     curve_points: Annotated[
         int,
         typer.Option(
-            "--curve-points", help="Capacities on the miss-ratio curve (0: no curve).", min=0
+            "--curve-points",
+            help="Capacities on the miss-ratio curve (0: no curve).",
+            min=0,
+            # more than a chart shows: 10**8 spent a minute spacing them for 50 requests
+            max=MAX_CURVE_POINTS,
         ),
     ] = 10,
     policy_curve: Annotated[

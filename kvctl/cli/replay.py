@@ -45,7 +45,10 @@ ModelOpt = Annotated[
     ),
 ]
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU profile for modeled figures.")]
-MfuOpt = Annotated[float, typer.Option("--mfu", help="Prefill MFU for modeled figures.")]
+#: as the dashboard's and the router's --mfu: below 1% no GPU runs prefill
+MfuOpt = Annotated[
+    float, typer.Option("--mfu", help="Prefill MFU for modeled figures.", min=0.01, max=1.0)
+]
 
 
 def parse_fraction(text: str) -> float:

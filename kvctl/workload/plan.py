@@ -516,12 +516,20 @@ def candidates_for(
     return out
 
 
+#: no fiber path between two DCs is longer than the Earth's circumference; past it a distance
+#: is a typo (1e308 km printed a 300-digit fetch time)
+MAX_DISTANCE_KM = 40_075.0
+
+
 def _distances(distances_km: Sequence[float]) -> list[float]:
     out: list[float] = []
     for km in distances_km:
         km = float(km)
-        if not (km >= 0 and math.isfinite(km)):
-            raise InvalidArgument(f"a distance must be a finite number of km >= 0, got {km}")
+        if not (0 <= km <= MAX_DISTANCE_KM):  # NaN too
+            raise InvalidArgument(
+                f"a distance must be 0 to {MAX_DISTANCE_KM:,.0f} km (the Earth's "
+                f"circumference), got {km:g}"
+            )
         if km > 0 and km not in out:  # 0 km is the same-DC candidate, always there
             out.append(km)
     return out

@@ -118,7 +118,7 @@ def test_json_from_a_trace(tmp_path: Path) -> None:
         (["--cpu", "12XB"], "--cpu: unknown size unit"),
         (["--disk", "lots"], "--disk: not a size"),
         (["--cpu", "1MiB"], "holds less than one block"),
-        (["--mfu", "1.5"], "MFU must be in (0, 1]"),
+        (["--mfu", "1.5"], "'--mfu'"),
         (["--distance-km", "-3"], "distance"),
         (["--trace", "/nonexistent/trace.jsonl"], "no such file"),
         (["--workload", "nope"], "nope"),
