@@ -1,0 +1,277 @@
+"""A staging segment that cannot be had for now (the client's memory short: ENOMEM; the agent
+unable to map it) costs staged puts only while that lasts. Before, the first failure turned
+staged puts off until the client reconnected (and an agent that could not map the segment
+failed the put itself, INTERNAL, and closed the connection): an operator's transient memory
+pressure cost them for the life of every engine's connection. Now puts that need a new
+segment go over the socket, nothing lost, and one is tried again after a back-off (one try per
+interval, not one per put). Memory is made short for real: RLIMIT_AS, on a child process that
+is the client, and on the agent process (prlimit)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .agents import Agent, key, payload
+from .dataplane_hostile_agents import RawConn, error_of, hostile_agent
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="memfd and RLIMIT_AS are Linux")
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    with hostile_agent(tmp_path / "a", "--cpu", "128MiB", "--disk", "0") as a:
+        yield a
+
+
+def _vm_bytes(pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+
+
+CLIENT = r"""
+import json, logging, resource, sys, time
+import kvctl.client as client_module
+from kvctl.client import DataClient
+from tests.functional.agents import key, payload
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+# no retry by the clock during the test
+client_module.STAGING_RETRY_FIRST_SECONDS = client_module.STAGING_RETRY_MAX_SECONDS = 3600.0
+made = []  # sizes of the segments the client set out to make
+real_segment = client_module._sealed_segment
+
+def counting_segment(size):
+    made.append(size)
+    return real_segment(size)
+
+client_module._sealed_segment = counting_segment
+MiB = 1 << 20
+c = DataClient.connect(sys.argv[1])
+assert c.shm
+report = {}
+small = key(1, 31)
+c.put(small, payload(small, 64 << 10), tenant="t")  # a first segment, the smallest
+report["first"] = len(c._staging)
+big = [[key(i, 32 + p) for i in range(4)] for p in range(3)]
+data = {k: payload(k, 4 * MiB) for ks in big for k in ks}  # allocated before the limit
+with open("/proc/self/status") as f:
+    vm_bytes = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+# room for the puts' small allocations, not for a 16 MiB segment
+resource.setrlimit(resource.RLIMIT_AS, (vm_bytes + 8 * MiB, resource.RLIM_INFINITY))
+report["outcomes"] = []
+for ks in big[:2]:
+    out = c.put_many([(k, data[k]) for k in ks], tenant="t")
+    report["outcomes"].append([o.status for o in out])
+    report.setdefault("staging_after", []).append(len(c._staging))
+report["tries_under_limit"] = len(made) - 1
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+# the back-off is over (as an hour later)
+c._staging_retry_at_s = getattr(c, "_staging_retry_at_s", 0.0) - 3600.0
+out = c.put_many([(k, data[k]) for k in big[2]], tenant="t")
+report["outcomes"].append([o.status for o in out])
+report["staging_after"].append(len(c._staging))
+report["small_again"] = c.put(key(2, 31), payload(key(2, 31), 64 << 10), tenant="t")
+every = [k for ks in big for k in ks]
+got = c.get_many(every, tenant="t")
+report["same"] = all(g is not None and bytes(g) == data[k] for g, k in zip(got, every))
+print(json.dumps(report))
+"""
+
+
+def test_staged_puts_come_back_after_the_client_ran_short_of_memory(agent: Agent) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", CLIENT, str(agent.state.data_unix)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["first"] == 2 * MiB
+    # every chunk stored: over the socket while the segment could not grow
+    assert report["outcomes"] == [["stored"] * 4] * 3, run.stderr[-3000:]
+    assert report["same"]
+    # the failed growth tried the doubled size and only then what the put needed (16 MiB is
+    # both here): one try in all, not one per put, while the back-off ran
+    assert report["tries_under_limit"] == 1, run.stderr[-3000:]
+    # the small segment kept serving; a 16 MiB one once memory came back
+    assert report["staging_after"] == [2 * MiB, 2 * MiB, 16 * MiB], run.stderr[-3000:]
+    assert report["small_again"] == "cpu"
+    said = run.stderr
+    assert said.count("could not make a staging segment of 16777216 bytes here") == 1, said
+    assert "a new one is tried in 3600 s" in said and "RLIMIT_AS" in said
+    assert "staged puts resumed" in said
+    assert "Traceback" not in said
+
+
+def test_staged_puts_come_back_after_the_agent_could_not_map_the_segment(
+    agent: Agent, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvctl.client as client_module
+
+    monkeypatch.setattr(client_module, "STAGING_RETRY_FIRST_SECONDS", 3600.0, raising=False)
+    monkeypatch.setattr(client_module, "STAGING_RETRY_MAX_SECONDS", 3600.0, raising=False)
+    pid = agent.proc.pid
+    keys = [key(i, 40) for i in range(24)]
+    data = {k: payload(k, MiB) for k in keys}  # 1 MiB chunks: the agent's kept buffer
+    with agent.data("unix") as c, caplog.at_level(logging.INFO, logger="kvctl.client"):
+        assert c.shm
+        hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+        # the agent's buffers fit (the connection's thread runs already); a 12 MiB mapping not
+        resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 4 * MiB, hard))
+        try:
+            out = c.put_many([(k, data[k]) for k in keys[:12]], tenant="t")
+            assert [o.status for o in out] == ["stored"] * 12
+            out = c.put_many([(k, data[k]) for k in keys[12:]], tenant="t")
+            assert [o.status for o in out] == ["stored"] * 12
+            assert c._staging is None  # over the socket: the agent could not map one
+            assert getattr(c, "_staging_failures", None) == 1  # one try during the back-off
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        # the back-off is over (as an hour later)
+        c._staging_retry_at_s = getattr(c, "_staging_retry_at_s", 0.0) - 3600.0
+        again = [key(i, 41) for i in range(12)]
+        out = c.put_many([(k, payload(k, MiB)) for k in again], tenant="t")
+        assert [o.status for o in out] == ["stored"] * 12
+        assert c._staging is not None and len(c._staging) == 12 * MiB
+        got = c.get_many(keys, tenant="t")
+        assert [bytes(g) if g is not None else None for g in got] == [data[k] for k in keys]
+    said = [r.getMessage() for r in caplog.records if r.name == "kvctl.client"]
+    refused = [m for m in said if "the agent refused this client's staging segment" in m]
+    assert len(refused) == 1, said
+    # the agent's own reason, and what to do
+    assert "could not map a staging segment of 12582912 bytes" in refused[0], refused
+    assert "see the agent's log" in refused[0], refused
+    assert any("staged puts resumed" in m for m in said), said
+    log = agent.log()
+    assert "Traceback" not in log, log[-3000:]
+    assert "could not map a staging segment" in log and "LimitAS=" in log, log[-3000:]
+    assert "older SDK" not in log
+
+
+@pytest.mark.parametrize(
+    ("declared", "file_bytes", "reason", "to_do"),
+    [
+        (2 * MiB, MiB, f"holds {MiB} bytes, not {2 * MiB}", "a bug in the client"),
+        (0, MiB, "needs a size, got 0", "a bug in the client"),
+    ],
+)
+def test_the_agent_says_why_it_refused_a_segment_and_what_to_do(
+    agent: Agent, declared: int, file_bytes: int, reason: str, to_do: str
+) -> None:
+    """A refusal that no older SDK causes blames none: it says its reason and the remedy."""
+    import fcntl
+    import os
+
+    conn = RawConn(agent, "unix")
+    fd = os.memfd_create("liar", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.pwrite(fd, bytes(file_bytes), 0)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | 0x10 | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        conn.hello()
+        from kvctl.wire.protocol import ErrorCode, MetaWriter, Op
+
+        code, message = error_of(conn.call(Op.ATTACH, MetaWriter().u64(declared).build(), fds=[fd]))
+        assert code == ErrorCode.BAD_REQUEST and reason in message, message
+    finally:
+        os.close(fd)
+        conn.close()
+    lines = [line for line in agent.log().splitlines() if "staging segment" in line]
+    assert len(lines) == 1, lines
+    assert reason in lines[0] and to_do in lines[0], lines
+    assert "older SDK" not in lines[0], lines
+
+
+def test_a_refused_segment_is_tried_again_later_not_per_put(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An agent that keeps refusing (here: a segment this client makes unsealed) costs one try
+    per back-off interval, each longer than the last; every put is stored over the socket."""
+    import mmap
+    import os
+
+    import kvctl.client as client_module
+
+    made: list[int] = []
+
+    def unsealed(size: int) -> tuple[int, mmap.mmap]:
+        made.append(size)
+        fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        return fd, mmap.mmap(fd, size)
+
+    monkeypatch.setattr(client_module, "_sealed_segment", unsealed)
+    with agent.data("unix") as c, caplog.at_level(logging.WARNING, logger="kvctl.client"):
+        for round_ in range(3):
+            for i in range(3):
+                k = key(i, 50 + round_)
+                assert c.put(k, payload(k, 8192), tenant="t") == "cpu"
+            assert len(made) == round_ + 1  # one try this round, then the back-off
+            # the back-off ran out
+            c._staging_retry_at_s = getattr(c, "_staging_retry_at_s", 0.0) - 3600.0
+        assert c._staging is None and getattr(c, "_staging_failures", None) == 3
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1, refused  # the first of the row, not each
+    assert "this one is not sealed" in refused[0], refused
+    assert "a new one is tried in 1 s" in refused[0], refused
+    lines = [line for line in agent.log().splitlines() if "staging segment" in line]
+    assert len(lines) == 1 and "upgrade the client's kvctl" in lines[0], lines
+
+
+def test_the_back_off_doubles_up_to_its_cap() -> None:
+    from kvctl.client import staging_retry_delay_s
+
+    assert [staging_retry_delay_s(n) for n in range(1, 11)] == [
+        1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 120.0, 120.0, 120.0
+    ]  # fmt: skip
+    assert staging_retry_delay_s(10**9) == 120.0
+
+
+def test_staged_puts_come_back_after_the_agent_ran_out_of_descriptors(
+    agent: Agent, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An agent out of descriptors cannot take the one ATTACH passes (the kernel drops it,
+    MSG_CTRUNC, as it drops descriptors past what the agent reads): its refusal says so, not
+    only that the client passed too many, its log says to raise the open files limit, and the
+    client's staged puts come back once it has room."""
+    import os
+
+    import kvctl.client as client_module
+
+    monkeypatch.setattr(client_module, "STAGING_RETRY_FIRST_SECONDS", 3600.0, raising=False)
+    monkeypatch.setattr(client_module, "STAGING_RETRY_MAX_SECONDS", 3600.0, raising=False)
+    pid = agent.proc.pid
+    keys = [key(i, 70) for i in range(4)]
+    with agent.data("unix") as c, caplog.at_level(logging.WARNING, logger="kvctl.client"):
+        soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")), hard))
+        try:
+            out = c.put_many([(k, payload(k, 8192)) for k in keys[:2]], tenant="t")
+            assert [o.status for o in out] == ["stored"] * 2
+            assert c._staging is None
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_NOFILE, (soft, hard))
+        c._staging_retry_at_s = getattr(c, "_staging_retry_at_s", 0.0) - 3600.0
+        out = c.put_many([(k, payload(k, 8192)) for k in keys[2:]], tenant="t")
+        assert [o.status for o in out] == ["stored"] * 2
+        assert c._staging is not None
+        got = c.get_many(keys, tenant="t")
+        assert [bytes(g) if g is not None else None for g in got] == [
+            payload(k, 8192) for k in keys
+        ]
+    refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refused) == 1 and "could not take the one passed" in refused[0], refused
+    lines = [line for line in agent.log().splitlines() if "staging segment" in line]
+    assert len(lines) == 1 and "LimitNOFILE=" in lines[0], lines
