@@ -94,6 +94,9 @@ log = logging.getLogger("kvctl.agent.dataplane")
 #: that stops, or trickles a byte every few seconds, is cut off, while a large transfer at a
 #: steady rate never is
 MIN_FRAME_BYTES_PER_SECOND = 1 << 20
+#: a staged put checks that its client is still there (``Connection._check_client_there``)
+#: each time it has copied this many more bytes
+STAGED_CHECK_BYTES = 64 << 20
 #: the receive buffer a connection keeps between frames: chunks and metadata up to this size
 #: reuse it (outside the budget); larger ones get a buffer of their own, anonymous memory whose
 #: pages exist only once bytes arrive, unmapped as soon as the chunk is stored
@@ -1423,18 +1426,38 @@ class Connection:
         tenant = meta.tenant()
         items = meta.structs(STAGED_ITEM, meta.count())
         meta.done()
-        staging = memoryview(self._staging)
         out = bytearray()
-        for item in items:
-            size, offset = item[1], item[7]
-            if offset + size > staging.nbytes:
-                out += bytes((Status.BAD, NO_TIER))
-            elif size > self.server.max_chunk_bytes:
-                out += bytes((Status.TOO_LARGE, NO_TIER))
-            else:
-                out += self._store_item(tenant, item[:7], staging[offset : offset + size])
-        staging.release()
+        unchecked_bytes = 0
+        with memoryview(self._staging) as staging:
+            for item in items:
+                size, offset = item[1], item[7]
+                if offset + size > staging.nbytes:
+                    out += bytes((Status.BAD, NO_TIER))
+                elif size > self.server.max_chunk_bytes:
+                    out += bytes((Status.TOO_LARGE, NO_TIER))
+                else:
+                    out += self._store_item(tenant, item[:7], staging[offset : offset + size])
+                    # copied bytes earn time as received ones do (a large batch is not cut
+                    # off as stalled), and whether the client is still there is checked
+                    # between chunks: copies into the arena move nothing on the socket, and
+                    # a batch from a client gone (closed, or cut off) went on copying up to
+                    # its 65,536 chunks of up to max_chunk_bytes each, evicting as it went
+                    self._moved_bytes += size
+                    unchecked_bytes += size
+                if unchecked_bytes >= STAGED_CHECK_BYTES:
+                    unchecked_bytes = 0
+                    self._check_client_there()
         return [MetaWriter().u32(len(items)).raw(bytes(out)).build()], 0
+
+    def _check_client_there(self) -> None:
+        """PeerClosed where the client closed its connection (its replies can go nowhere) or
+        the reaper cut it off; a client that only shut its writing side still gets them."""
+        if self._stalled or self._closed:
+            raise PeerClosed("cut off mid-frame")
+        poller = select.poll()
+        poller.register(self.sock, select.POLLHUP | select.POLLERR)
+        if any(ev & (select.POLLHUP | select.POLLERR) for _fd, ev in poller.poll(0)):
+            raise PeerClosed("the client closed its connection mid-frame")
 
     def _store_item(self, tenant: str, item: tuple[Any, ...], data: memoryview) -> bytes:
         key, _size, tokens, priority, flags, parent, depth = item
