@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import resource
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 
 from kvctl.wire.protocol import ErrorCode, MetaWriter, Op
 
-from .agents import Agent, key, payload
+from .agents import Agent, key, metric, payload
 from .dataplane_hostile_agents import RawConn, error_of, hostile_agent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="prlimit and /proc are Linux")
@@ -71,3 +72,71 @@ def test_a_connection_without_a_thread_is_refused_and_the_agent_accepts_again(
     log = agent.log()
     assert "could not start a thread for a new unix connection" in log, log[-3000:]
     assert "LimitAS=" in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_chunk_the_agent_has_no_memory_to_receive_is_refused_busy(agent: Agent) -> None:
+    """A chunk larger than a connection's kept buffer is received into memory of its own; where
+    none can be had the put is refused BUSY (retry later), one line in the log, not an
+    INTERNAL error with a traceback per put, and the agent serves again once it has room."""
+    from kvctl.wire.protocol import put_item
+
+    pid = agent.proc.pid
+    size = 4 * MiB
+    k = key(2, 60)
+    conn = RawConn(agent, "tcp", timeout_s=15.0)
+    hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+    try:
+        conn.hello()  # its thread runs before the limit
+        meta = MetaWriter().text("t").u32(1).raw(put_item(k, size)).build()
+        resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + MiB, hard))
+        try:
+            code, message = error_of(conn.call(Op.PUT, meta, payload(k, size)))
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+    finally:
+        conn.close()
+    assert code == ErrorCode.BUSY, message
+    assert f"could not allocate {size} bytes" in message and "retry later" in message, message
+    with agent.data("tcp", hello_timeout_s=10.0) as c:
+        assert c.put(k, payload(k, size), tenant="t") == "cpu"
+        assert bytes(c.get(k, tenant="t")) == payload(k, size)
+    log = agent.log()
+    assert "no memory to receive a 4194304-byte chunk" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_a_staged_put_stops_once_its_client_has_gone(agent: Agent) -> None:
+    """A PUT_STAGED batch copies from the client's segment, moving nothing on the socket: a
+    client that sent one of 16,384 chunks (16 GiB of copies into a 64 MiB arena, evicting as
+    they go) and closed had the agent go on copying all of them for nobody. It stops within
+    kvctl.agent.dataplane.STAGED_CHECK_BYTES of the close now."""
+    import fcntl
+    import os
+
+    from kvctl.wire.protocol import put_item
+
+    n_chunks = 16384
+    fd = os.memfd_create("gone", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    conn = RawConn(agent, "unix")
+    try:
+        os.pwrite(fd, payload(b"gone", MiB), 0)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | 0x10 | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        conn.hello()
+        op, _, _, _ = conn.call(Op.ATTACH, MetaWriter().u64(MiB).build(), fds=[fd])
+        assert op == Op.ATTACH | 0x80
+        before = agent.control().stats()["stats"]["tiers"]["cpu"]["puts"]
+        items = b"".join(put_item(key(i, 80), MiB, staging_offset=0) for i in range(n_chunks))
+        conn.send(Op.PUT_STAGED, MetaWriter().text("t").u32(n_chunks).raw(items).build())
+    finally:
+        conn.close()
+        os.close(fd)
+    # the connection's thread is done (however long that takes) ...
+    while metric(agent, "kvctl_dataplane_connections", transport="unix") > 0:
+        time.sleep(0.05)
+    # ... having stored the chunks it copied before it saw the close, not all of them
+    stored = agent.control().stats()["stats"]["tiers"]["cpu"]["puts"] - before
+    assert stored < n_chunks // 2, stored
+    with agent.data("unix") as c:  # and serves on
+        k = key(3, 60)
+        assert c.put(k, payload(k, 8192), tenant="t") == "cpu"
