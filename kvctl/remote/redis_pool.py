@@ -22,6 +22,12 @@ below updates them atomically, on one server or in a Cluster. The scripts also t
 ``{P}:lru:t:<tenant>`` keys they cannot declare up front (a victim's tenant is found inside the
 script); Redis and Valkey allow undeclared keys of the script's own slot.
 
+Any client of the server can write these keys (another host's bug, or hostile), and what no agent
+wrote fails no script: an accounting key of another type is deleted and made again from
+{P}:meta (each script checks their types first: a TYPE each), a capacity that is not decimal
+digits is none (the configured one is written back), a meta entry that does not parse (a put
+time of inf or nan included) is dropped, and a count the scripts cannot add to is counted again.
+
 A put is two round trips: (1) one script call accounts the whole batch (refusals, LRU victims
 for quotas and capacity) beside an EXISTS per chunk; (2) the victims' records are deleted and
 the new records written, each with ONE ``SET key header+payload`` (atomic: a reader sees a
@@ -203,7 +209,10 @@ local function parse(m)
   local c = b and string.find(m, ' ', b + 1, true)
   if not c then return nil end
   local size, put_s = tonumber(string.sub(m, 1, a - 1)), tonumber(string.sub(m, a + 1, b - 1))
+  -- a put time of inf or nan (put_s ~= put_s) was never older than the write grace: its
+  -- accounting outlived its record for good
   if not size or not put_s or size < 0 or size > 9007199254740992 or size ~= math.floor(size)
+    or put_s ~= put_s or put_s == math.huge or put_s == -math.huge
   then
     return nil
   end
@@ -280,10 +289,47 @@ local function incr(field, by)
   return r
 end
 
+-- An accounting key holding another type than its own (another host's bug, or hostile) failed
+-- every script that met it (WRONGTYPE): every put of every agent, and with them the pool's
+-- breaker, which reads share. Deleted, and made again from {P}:meta: a recency zset with each
+-- entry's last put as its score (left empty, it made no room: every put refused), the counts by
+-- recount. Each check is a TYPE (O(1)); a rebuild is O(entries), only after such a key.
+local function own_type(k, want)
+  local t = redis.call('TYPE', k)['ok']
+  if t == want or t == 'none' then return false end
+  redis.call('DEL', k)
+  return true
+end
+
+local function rebuild(z, only_tenant)
+  local all = redis.call('HGETALL', meta)
+  for i = 1, #all, 2 do
+    local size, put_s, _, t = parse(all[i + 1])
+    if size and (not only_tenant or t == only_tenant) then
+      redis.call('ZADD', z, string.format('%.6f', put_s), all[i])
+    end
+  end
+end
+
+local function sound()
+  if own_type(meta, 'hash') then recount_due = true end  -- nothing is accounted now
+  if own_type(used, 'hash') then recount_due = true end
+  own_type(cfg, 'hash')
+  own_type(clock, 'string')
+  if own_type(lru, 'zset') then rebuild(lru) end
+end
+
+-- a tenant's recency zset, of its own type (see sound)
+local function tzset(tenant)
+  local k = tz .. tenant
+  if own_type(k, 'zset') then rebuild(k, tenant) end
+  return k
+end
+
 local function account(kh, size, iso, tenant, now)
   redis.call('HSET', meta, kh, size .. ' ' .. now .. ' ' .. iso .. ' ' .. tenant)
   redis.call('ZADD', lru, now, kh)
-  redis.call('ZADD', tz .. tenant, now, kh)
+  redis.call('ZADD', tzset(tenant), now, kh)
   incr('bytes', size)
   incr('chunks', 1)
   incr('t:' .. tenant, size)
@@ -299,7 +345,7 @@ local function forget(kh)
     recount_due = true
     return 0
   end
-  redis.call('ZREM', tz .. tenant, kh)
+  redis.call('ZREM', tzset(tenant), kh)
   incr('bytes', -size)
   incr('chunks', -1)
   if incr('t:' .. tenant, -size) <= 0 then
@@ -307,6 +353,8 @@ local function forget(kh)
   end
   return size
 end
+
+sound()
 """
 
 # ARGV: tz, fallback capacity, write it back (0|1), n, then n x (keyhex, size_bytes, isolated 0|1,
@@ -320,7 +368,14 @@ _PUT_LUA = (
     "#!lua\n"  # a shebang script is refused whole under OOM, rather than failing half done
     + _LUA_COMMON
     + """
-local cap = tonumber(redis.call('HGET', cfg, 'capacity_bytes'))
+-- a capacity no agent set (inf or nan stopped every eviction, a negative or a fraction refused
+-- every put; agents write decimal digits) is none: the configured one is written back
+local cap = redis.call('HGET', cfg, 'capacity_bytes')
+if cap and (#cap > 19 or not string.match(cap, '^%d+$')) then
+  redis.call('HDEL', cfg, 'capacity_bytes')
+  cap = nil
+end
+cap = tonumber(cap)
 if not cap then
   cap = tonumber(ARGV[2])
   if ARGV[3] == '1' then redis.call('HSET', cfg, 'capacity_bytes', ARGV[2]) end
@@ -346,7 +401,7 @@ for i = 1, n do
     -- a re-put is a touch: no second accounting
     redis.call('HSET', meta, kh, osize .. ' ' .. now .. ' ' .. oiso .. ' ' .. otenant)
     redis.call('ZADD', lru, now, kh)
-    redis.call('ZADD', tz .. otenant, now, kh)
+    redis.call('ZADD', tzset(otenant), now, kh)
     status[i] = 2
   elseif size > cap then
     status[i] = -1
@@ -357,10 +412,10 @@ for i = 1, n do
     local tkey = 't:' .. tenant
     -- the tenant's own oldest chunks make room for its quota, never another tenant's
     while ok and quota > 0 and used_bytes(tkey) + size > quota do
-      local v = oldest(tz .. tenant)
+      local v = oldest(tzset(tenant))
       if v then
         forget(v)
-        redis.call('ZREM', tz .. tenant, v)
+        redis.call('ZREM', tzset(tenant), v)
         victims[#victims + 1] = v
       else
         ok = false
@@ -413,13 +468,14 @@ for i = 3, #ARGV do
     if iso == '0' or tenant == ARGV[2] then
       local now = now_s()  -- per key: a batch is ordered as asked, like a put's
       redis.call('ZADD', lru, now, kh)
-      redis.call('ZADD', tz .. tenant, now, kh)
+      redis.call('ZADD', tzset(tenant), now, kh)
     end
     out[#out + 1] = 1
   else
     out[#out + 1] = 0
   end
 end
+if recount_due then recount() end
 return out
 """
 )
@@ -1181,19 +1237,21 @@ class RedisPool(SplitStreams, RemotePool):
         only, and a link that trickles held the link monitor for as long as it did."""
         with self._guard():
             client = self._client()
+        # GETRANGE, one byte past the filler: the key may hold up to 512 MB meanwhile
         if isinstance(client, RedisCluster):  # no deadline of its own here (see the module)
             with self._guard():
                 t0 = time.perf_counter()
-                got = client.get(self._probe_key())
+                got = client.getrange(self._probe_key(), 0, nbytes)
                 elapsed_s = time.perf_counter() - t0
         else:
             t0 = time.perf_counter()
             with self._guard():
-                (got,) = self._pull(client, [("GET", self._probe_key())], 0, probe_bytes=nbytes)
+                command = ("GETRANGE", self._probe_key(), 0, nbytes)
+                (got,) = self._pull(client, [command], 0, probe_bytes=nbytes)
                 elapsed_s = time.perf_counter() - t0
                 _raise_errors([got])
         if got is None or len(got) != nbytes:
-            raise TierUnavailable(f"pool {self.address}: the probe filler is gone")
+            raise TierUnavailable(f"pool {self.address}: the probe filler is gone (or replaced)")
         return elapsed_s
 
     def _probe_key(self) -> str:
@@ -1214,7 +1272,14 @@ class RedisPool(SplitStreams, RemotePool):
                 )
             pending = self._pending_capacity_bytes
         if pending is not None:
-            client.hset(self._cfg_key, "capacity_bytes", pending)
+            try:
+                client.hset(self._cfg_key, "capacity_bytes", pending)
+            except ResponseError as exc:
+                # {P}:cfg of another type (another client wrote it) failed every call this
+                # write came before: left pending; the next put's script makes the key a hash
+                # again and writes the capacity (``_LUA_COMMON``'s sound)
+                log.info("pool %s: capacity not written yet: %s", self.address, exc)
+                return client
             with self._lock:
                 if self._pending_capacity_bytes == pending:
                     self._pending_capacity_bytes = None

@@ -13,6 +13,7 @@ import redis
 
 from kvctl.remote import redis_pool
 from kvctl.remote.redis_pool import RedisPool
+from kvctl.store.errors import TierUnavailable
 from tests.functional.test_redis_pool import chunk, present
 
 MakePool = Callable[..., RedisPool]
@@ -157,3 +158,111 @@ def test_a_resize_evicts_a_chunk_whose_lru_score_is_no_time_first(
     raw.zadd("{" + pool.prefix + "}:lru", {a[0].key.hex(): score})
     pool.resize(600)
     assert present(pool, [a, b, c]) == [False, True, True]
+
+
+# --- accounting keys another client wrote ----------------------------------------------------
+def _acct(pool: RedisPool, name: str) -> str:
+    return "{" + pool.prefix + "}:" + name
+
+
+@pytest.mark.parametrize("capacity", ["inf", "nan", "1e400", "-1", "1.5", "0x400"])
+def test_a_capacity_no_agent_set_is_the_configured_one_again(
+    make_pool: MakePool, raw: redis.Redis, capacity: str
+) -> None:
+    """{P}:cfg's capacity_bytes was taken as Lua's tonumber read it: inf or nan (and 1e400)
+    stopped every eviction for good (the pool grew until Redis refused writes), a negative or
+    fractional one refused every put ('larger than the pool'). Such a capacity is none: the
+    configured one is written back, as when the key is gone; an agent configured with none
+    deletes it (the default applies)."""
+    pool = make_pool(capacity_bytes=1000)
+    a, b, c, d = (chunk(i) for i in range(4))
+    assert pool.put_many([a]) == [True]
+    raw.hset(_acct(pool, "cfg"), "capacity_bytes", capacity)
+    assert pool.put_many([b, c, d]) == [True] * 3
+    assert present(pool, [a, b, c, d]) == [False, True, True, True]
+    assert raw.hget(_acct(pool, "cfg"), "capacity_bytes") == b"1000"
+
+    raw.hset(_acct(pool, "cfg"), "capacity_bytes", capacity)
+    unconfigured = make_pool()
+    assert unconfigured.put_many([chunk(5)]) == [True]
+    assert raw.hget(_acct(pool, "cfg"), "capacity_bytes") is None
+
+
+_ACCOUNTING = ["lru", "meta", "used", "cfg", "clock", "lru:t:a"]
+
+
+@pytest.mark.parametrize("name", _ACCOUNTING)
+def test_an_accounting_key_of_another_type_fails_no_put(
+    make_pool: MakePool, raw: redis.Redis, name: str
+) -> None:
+    """An accounting key holding another type (a list here: another host's bug, or hostile)
+    failed every script that met it with WRONGTYPE: every put of every agent (and with them the
+    pool's breaker, which its reads share). It is deleted and made again from {P}:meta (the
+    recency zsets, each entry scored by its last put; the counts); a {P}:meta of another type
+    leaves nothing accounted (its records are accounted again as they are read)."""
+    pool = make_pool(capacity_bytes=1000)
+    a, b, c, d = (chunk(i) for i in range(4))
+    assert pool.put_many([a, b, c]) == [True] * 3
+    raw.delete(_acct(pool, name))
+    raw.rpush(_acct(pool, name), "no accounting")
+    assert pool.put_many([d]) == [True]
+    if name == "meta":
+        assert present(pool, [a, b, c, d]) == [True] * 4
+        assert pool.usage().chunks == 1
+        assert all(pool.get_many([m.key for m, _ in (a, b, c)], tenant="a"))
+        assert (pool.usage().chunks, pool.usage().used_bytes) == (4, 1200)
+    else:
+        assert present(pool, [a, b, c, d]) == [False, True, True, True]
+        assert (pool.usage().chunks, pool.usage().used_bytes) == (3, 900)
+        assert pool.usage().tenant_bytes == {"a": 900}
+    assert raw.type(_acct(pool, name)) != b"list"
+
+
+def test_a_capacity_key_of_another_type_fails_no_read_of_a_new_agent(
+    make_pool: MakePool, raw: redis.Redis
+) -> None:
+    """An agent configured with a capacity writes it before its first call: with {P}:cfg of
+    another type that write failed, and so did every call it came before (each get and probe:
+    the capacity still pending), for as long as the key stayed. The capacity is left pending;
+    the next put makes the key a hash again and writes it."""
+    writer = make_pool()
+    a = chunk(0)
+    assert writer.put_many([a]) == [True]
+    raw.delete(_acct(writer, "cfg"))
+    raw.rpush(_acct(writer, "cfg"), "no settings")
+    pool = make_pool(capacity_bytes=1000)
+    got = pool.get_many([a[0].key], tenant="a")
+    assert got[0] is not None and got[0].data == a[1]
+    assert pool.put_many([chunk(1)]) == [True]
+    assert raw.hget(_acct(pool, "cfg"), "capacity_bytes") == b"1000"
+
+
+@pytest.mark.parametrize("put_s", ["inf", "-inf", "nan"])
+def test_an_accounting_entry_put_at_no_time_is_dropped_once_its_record_is_gone(
+    make_pool: MakePool, raw: redis.Redis, put_s: str
+) -> None:
+    """A get that finds a record gone drops its accounting once its last put is older than the
+    write grace: an entry whose put time is inf or nan was never older, so it held capacity
+    for good (until LRU evicted it). It is an entry no writer made, dropped as such."""
+    pool = make_pool()
+    a = chunk(0)
+    assert pool.put_many([a]) == [True]
+    raw.delete(f"{pool.prefix}:c:{a[0].key.hex()}")
+    raw.hset(_acct(pool, "meta"), a[0].key.hex(), f"300 {put_s} 0 a")
+    assert pool.get_many([a[0].key], tenant="a") == [None]
+    assert (pool.usage().chunks, pool.usage().used_bytes) == (0, 0)
+
+
+def test_a_bandwidth_probe_reads_no_more_than_its_filler(
+    make_pool: MakePool, raw: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The link probe read its filler key with GET: replaced meanwhile by a value of up to
+    512 MB, all of it came into the agent's memory. It reads one byte past the filler's size."""
+    pool = make_pool()
+    pool.prepare_probe(1000)
+    assert pool.probe_transfer(1000) >= 0
+    raw.set(pool._probe_key(), bytes(1 << 20))
+    seen = _spy_reply_bytes(pool, monkeypatch)
+    with pytest.raises(TierUnavailable, match="probe filler"):
+        pool.probe_transfer(1000)
+    assert seen and max(seen) <= 1001, seen
