@@ -140,3 +140,34 @@ def test_a_staged_put_stops_once_its_client_has_gone(agent: Agent) -> None:
     with agent.data("unix") as c:  # and serves on
         k = key(3, 60)
         assert c.put(k, payload(k, 8192), tenant="t") == "cpu"
+
+
+def test_a_staged_put_from_a_client_that_shut_its_writing_side_is_answered(agent: Agent) -> None:
+    """The check for a client gone (above) takes a half-closed connection (SHUT_WR: it sends no
+    more, and waits for its replies) as still there: its batch is stored and answered."""
+    import fcntl
+    import os
+    import socket
+
+    from kvctl.wire.protocol import MetaReader, put_item
+
+    n_chunks = 96  # 96 MiB of copies: past the 64 MiB after which the client is checked
+    fd = os.memfd_create("half", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    conn = RawConn(agent, "unix")
+    try:
+        os.pwrite(fd, payload(b"half", MiB), 0)
+        seals = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | 0x10 | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        conn.hello()
+        op, _, _, _ = conn.call(Op.ATTACH, MetaWriter().u64(MiB).build(), fds=[fd])
+        assert op == Op.ATTACH | 0x80
+        items = b"".join(put_item(key(i, 81), MiB, staging_offset=0) for i in range(n_chunks))
+        conn.send(Op.PUT_STAGED, MetaWriter().text("t").u32(n_chunks).raw(items).build())
+        conn.sock.shutdown(socket.SHUT_WR)
+        op, _, meta, _ = conn.read_frame()
+    finally:
+        conn.close()
+        os.close(fd)
+    assert op == Op.PUT_STAGED | 0x80, error_of((op, 0, meta, b""))
+    reply = MetaReader(meta)
+    assert reply.u32() == n_chunks
