@@ -117,7 +117,9 @@ def demo_command(
 
     say: Callable[[str], None] = (lambda _: None) if json_out else _say
     with user_errors(hint="see `kvctl demo --help`"):
-        if trace is not None and not trace.is_file():
+        # only a missing trace (`make demo` on a machine without it): a pipe (`--trace <(...)`)
+        # is read, and a directory said to be one, not both replaced as "not found"
+        if trace is not None and not trace.exists():
             err_console.print(
                 f"[yellow]{escape(str(trace))} not found; using the built-in workload instead[/]",
                 highlight=False,
