@@ -414,9 +414,16 @@ for i = 1, n do
     while ok and quota > 0 and used_bytes(tkey) + size > quota do
       local v = oldest(tzset(tenant))
       if v then
-        forget(v)
+        -- an entry in this tenant's zset of a chunk it does not hold (another tenant's, or one
+        -- not accounted: no writer's, another host's bug or hostile) evicted that chunk for
+        -- this tenant's quota: it is dropped from the zset, the chunk left alone
+        local m = redis.call('HGET', meta, v)
+        local _, _, _, owner = parse(m or '')
+        if owner == tenant then
+          forget(v)
+          victims[#victims + 1] = v
+        end
         redis.call('ZREM', tzset(tenant), v)
-        victims[#victims + 1] = v
       else
         ok = false
       end

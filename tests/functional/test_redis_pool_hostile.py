@@ -266,3 +266,28 @@ def test_a_bandwidth_probe_reads_no_more_than_its_filler(
     with pytest.raises(TierUnavailable, match="probe filler"):
         pool.probe_transfer(1000)
     assert seen and max(seen) <= 1001, seen
+
+
+@pytest.mark.parametrize("whose", ["another tenant's", "not accounted"])
+def test_a_tenants_quota_evicts_no_chunk_it_does_not_hold(
+    make_pool: MakePool, raw: redis.Redis, whose: str
+) -> None:
+    """A tenant's quota evicted the oldest entry of its own {P}:lru:t:<tenant>, whoever held
+    that chunk: an entry put there naming another tenant's chunk (or a record nobody accounts)
+    had that chunk evicted, and its record deleted, for this tenant's quota. Such an entry is
+    dropped from the zset; the chunk stays."""
+    pool = make_pool(tenant_quota_bytes=600)
+    other = chunk(9, tenant="b")
+    assert pool.put_many([other]) == [True]
+    hexkey = other[0].key.hex()
+    if whose == "not accounted":
+        raw.hdel(_acct(pool, "meta"), hexkey)
+        raw.zrem(_acct(pool, "lru"), hexkey)
+        raw.zrem(_acct(pool, "lru:t:b"), hexkey)
+    raw.zadd(_acct(pool, "lru:t:a"), {hexkey: 0})
+    a0, a1, a2 = (chunk(i) for i in range(3))
+    assert pool.put_many([a0, a1]) == [True, True]
+    assert pool.put_many([a2]) == [True]
+    assert present(pool, [other, a0, a1, a2]) == [True, False, True, True]
+    assert raw.exists(f"{pool.prefix}:c:{hexkey}") == 1
+    assert raw.zscore(_acct(pool, "lru:t:a"), hexkey) is None
