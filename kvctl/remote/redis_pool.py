@@ -613,11 +613,13 @@ class _Oversized:
     record_bytes: int | None
 
     def reason(self, max_record_bytes: int) -> str:
-        length = "more than" if self.record_bytes is None else f"{self.record_bytes}, over"
-        return (
-            f"record of {length} the {max_record_bytes} bytes the largest chunk this pool takes "
-            "(max_chunk_bytes) and its header can make"
+        limit = (
+            f"the {max_record_bytes} bytes a record of this pool's largest chunk "
+            "(max_chunk_bytes) and header takes at most"
         )
+        if self.record_bytes is None:
+            return f"record of more than {limit}"
+        return f"record of {self.record_bytes} bytes, over {limit}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -1406,8 +1408,8 @@ class RedisPool(SplitStreams, RemotePool):
                         )
                     else:
                         log.warning(
-                            "pool %s: chunk %s was a %s, but no longer is (replaced since): a "
-                            "miss, left in place",
+                            "pool %s: chunk %s: %s; no longer (replaced since): a miss, left "
+                            "in place",
                             self.address,
                             h,
                             reason,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import redis
 
-from kvctl.remote import redis_pool
+from kvctl.remote import record, redis_pool
 from kvctl.remote.redis_pool import RedisPool
 from kvctl.store.errors import TierUnavailable
 from tests.functional.test_redis_pool import chunk, present
@@ -86,6 +86,8 @@ def test_a_record_longer_than_any_chunk_is_read_no_further_and_dropped(
     assert pool.corrupt == 2
     assert raw.exists(names[0], names[2]) == 0
     assert "dropped corrupt chunk" in caplog.text and "max_chunk_bytes" in caplog.text
+    length = len(record.encode_header(*items[0])) + 4096 + (1 << 20)
+    assert f"record of {length} bytes, over the {pool.max_record_bytes} bytes" in caplog.text
     usage = pool.usage()
     assert (usage.chunks, usage.used_bytes) == (1, 300)
 
