@@ -626,6 +626,10 @@ def export_command(
     """
     from kvctl.db import fleetfile as ff
 
+    # said first, naming the option: a directory was "cannot tell the format of 'adir'" or "is
+    # a directory writing adir" (with --format), and -o '' (read as '.') the same of '.'
+    if output is not None and output.is_dir():
+        fail(f"--output {output} is a directory: give the file to write, e.g. -o fleet.toml")
     if fmt is not None:
         chosen: str = fmt.value
     elif output is not None:
