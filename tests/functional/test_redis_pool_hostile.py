@@ -5,6 +5,7 @@ scores that are no timestamp. Real Redis (the machine's, a key prefix per test);
 from __future__ import annotations
 
 import logging
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -293,3 +294,24 @@ def test_a_tenants_quota_evicts_no_chunk_it_does_not_hold(
     assert present(pool, [other, a0, a1, a2]) == [True, False, True, True]
     assert raw.exists(f"{pool.prefix}:c:{hexkey}") == 1
     assert raw.zscore(_acct(pool, "lru:t:a"), hexkey) is None
+
+
+def test_a_cluster_reads_no_further_than_the_largest_record_either(redis_cluster: str) -> None:
+    """A Cluster's gets (their pipelines spread over the nodes) read a record with GETRANGE too,
+    and drop one longer than any chunk of the pool on its own node."""
+    prefix = f"kvctl-test-{uuid.uuid4().hex[:8]}"
+    pool = RedisPool(redis_cluster, prefix=prefix, max_chunk_bytes=4096)
+    try:
+        items = [chunk(i, size=1000) for i in range(3)]
+        assert pool.put_many(items) == [True] * 3
+        client = pool._client()
+        name = pool._rec(items[0][0].key.hex())
+        client.append(name, bytes(1 << 20))
+        got = pool.get_many([m.key for m, _ in items], tenant="a")
+        assert got[0] is None
+        assert [c.data if c else None for c in got[1:]] == [d for _, d in items[1:]]
+        assert pool.corrupt == 1
+        assert client.exists(name) == 0 and pool.usage().chunks == 2
+    finally:
+        pool.clear()
+        pool.close()
