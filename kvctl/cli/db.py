@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from kvctl.cli.options import DB_SERVER_HINT, DbOpt, JsonOpt, db_errors, open_engine
+from kvctl.cli.options import DbOpt, JsonOpt, db_errors, db_server_hint, open_engine
 from kvctl.cli.output import console, fail, print_json
 
 #: ``db maintain``'s longest retention (about 27,000 years): any longer is "forever", and its
@@ -41,7 +41,7 @@ def upgrade_command(
         url = resolve_url(db)
     from alembic.util import CommandError
 
-    with db_errors(DB_SERVER_HINT, url=url):
+    with db_errors(db_server_hint(url), url=url):
         engine = create_db_engine(url)
         try:
             before = migrate.current_revision(engine)
@@ -95,7 +95,7 @@ def current_command(db: DbOpt = None, json_out: JsonOpt = False) -> None:
     with db_errors():
         url = resolve_url(db)
     # this command is the one DB_HINT points to: its own failure names the URL it tried
-    with db_errors(DB_SERVER_HINT, url=url):
+    with db_errors(db_server_hint(url), url=url):
         current = None
         try:
             engine = create_db_engine(url, create=False)

@@ -38,6 +38,17 @@ DB_SERVER_HINT = (
     "check that its server is up, and the URL's host, port, user and database name (--db or "
     "$KVCTL_DB_URL)"
 )
+#: the same for a SQLite file, which has no server: a file that is no database, a directory
+DB_FILE_HINT = (
+    "check the URL's path (--db or $KVCTL_DB_URL): a SQLite database file kvctl can read and "
+    "write, or none yet (`kvctl db upgrade` creates it)"
+)
+
+
+def db_server_hint(url: str) -> str:
+    """What to check of ``url`` when it does not answer: its server's address, or the file
+    of a SQLite URL (whose 'file is not a database' was told to check that its server is up)."""
+    return DB_FILE_HINT if url.startswith("sqlite") else DB_SERVER_HINT
 
 
 @contextmanager
