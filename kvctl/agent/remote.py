@@ -46,6 +46,8 @@ def open_pool(settings: AgentSettings) -> RemotePool:
         capacity_bytes=settings.pool_capacity_bytes or None,
         ttl_s=settings.pool_ttl_seconds or None,
         tenant_quota_bytes=settings.pool_tenant_quota_bytes,
+        # the pool reads no record longer than this agent's largest chunk, nor stores one
+        max_chunk_bytes=settings.max_chunk_bytes,
     )
 
 

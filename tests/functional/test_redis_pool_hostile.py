@@ -315,3 +315,24 @@ def test_a_cluster_reads_no_further_than_the_largest_record_either(redis_cluster
     finally:
         pool.clear()
         pool.close()
+
+
+@pytest.mark.parametrize("max_chunk_bytes", [1 << 20, 512 << 20])
+def test_an_agents_pool_takes_its_max_chunk(
+    redis_url: str, redis_prefix: str, max_chunk_bytes: int
+) -> None:
+    """The agent's Redis pool reads and stores chunks up to the agent's own max_chunk: a larger
+    one put to the agent would be refused by its pool, a smaller limit would let records the
+    agent never makes come whole into its memory."""
+    from kvctl.agent.remote import open_pool
+    from kvctl.agent.settings import AgentSettings
+
+    settings = AgentSettings(
+        pool=redis_url, pool_prefix=redis_prefix, max_chunk_bytes=max_chunk_bytes
+    )
+    pool = open_pool(settings)
+    try:
+        assert isinstance(pool, RedisPool)
+        assert pool.max_chunk_bytes == max_chunk_bytes
+    finally:
+        pool.close()
