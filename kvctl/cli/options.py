@@ -141,8 +141,14 @@ DcOpt = Annotated[
     ),
 ]
 AllOpt = Annotated[bool, typer.Option("--all", help="Every node of the fleet.")]
+#: the longest --timeout for an agent's answer: an hour is already no agent's; past about 1e10
+#: seconds a deadline is past what the platform's time_t holds (OverflowError for every node)
+MAX_AGENT_TIMEOUT_S = 3600.0
 TimeoutOpt = Annotated[
-    float, typer.Option("--timeout", help="Seconds to wait for each agent.", min=0.1)
+    float,
+    typer.Option(
+        "--timeout", help="Seconds to wait for each agent.", min=0.1, max=MAX_AGENT_TIMEOUT_S
+    ),
 ]
 
 # --- a prompt given as text or token ids -------------------------------------------------------

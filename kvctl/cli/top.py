@@ -11,7 +11,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from kvctl.cli.extras import needs_extra
-from kvctl.cli.options import DbOpt, DcOpt, JsonOpt, NodeOpt, db_errors, open_engine
+from kvctl.cli.options import (
+    MAX_AGENT_TIMEOUT_S,
+    DbOpt,
+    DcOpt,
+    JsonOpt,
+    NodeOpt,
+    db_errors,
+    open_engine,
+)
 from kvctl.cli.output import err_console, fail, print_json, user_errors
 
 if TYPE_CHECKING:
@@ -40,7 +48,10 @@ def top_command(
         bool, typer.Option("--readonly", help="Refuse every action (watch only).")
     ] = False,
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Seconds to wait for each agent.", min=0.1)
+        float,
+        typer.Option(
+            "--timeout", help="Seconds to wait for each agent.", min=0.1, max=MAX_AGENT_TIMEOUT_S
+        ),
     ] = 2.0,
     theme: Annotated[
         str | None,
