@@ -198,13 +198,17 @@ def test_a_refused_segment_is_tried_again_later_not_per_put(
     agent: Agent, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An agent that keeps refusing (here: a segment this client makes unsealed) costs one try
-    per back-off interval, each longer than the last; every put is stored over the socket."""
+    per back-off interval, each longer than the last; every put is stored over the socket. The
+    back-off is an hour here, not its real 1 s: with 1 s, a machine slow enough to take a
+    second over a round's three puts had the clock end it mid-round (a second try counted)."""
+    import math
     import mmap
     import os
 
     import kvctl.client as client_module
 
     made: list[int] = []
+    delays_s: list[float] = []
 
     def unsealed(size: int) -> tuple[int, mmap.mmap]:
         made.append(size)
@@ -212,20 +216,29 @@ def test_a_refused_segment_is_tried_again_later_not_per_put(
         os.ftruncate(fd, size)
         return fd, mmap.mmap(fd, size)
 
+    real_delay_s = client_module.staging_retry_delay_s
+
+    def recorded_delay_s(failures: int) -> float:
+        delays_s.append(real_delay_s(failures))
+        return delays_s[-1]
+
     monkeypatch.setattr(client_module, "_sealed_segment", unsealed)
+    monkeypatch.setattr(client_module, "STAGING_RETRY_FIRST_SECONDS", 3600.0)
+    monkeypatch.setattr(client_module, "STAGING_RETRY_MAX_SECONDS", 8 * 3600.0)
+    monkeypatch.setattr(client_module, "staging_retry_delay_s", recorded_delay_s)
     with agent.data("unix") as c, caplog.at_level(logging.WARNING, logger="kvctl.client"):
         for round_ in range(3):
             for i in range(3):
                 k = key(i, 50 + round_)
                 assert c.put(k, payload(k, 8192), tenant="t") == "cpu"
             assert len(made) == round_ + 1  # one try this round, then the back-off
-            # the back-off ran out
-            c._staging_retry_at_s = getattr(c, "_staging_retry_at_s", 0.0) - 3600.0
-        assert c._staging is None and getattr(c, "_staging_failures", None) == 3
+            c._staging_retry_at_s = -math.inf  # the back-off ran out
+        assert c._staging is None and c._staging_failures == 3
+    assert delays_s == [3600.0, 7200.0, 14400.0]  # each longer than the last
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refused) == 1, refused  # the first of the row, not each
     assert "this one is not sealed" in refused[0], refused
-    assert "a new one is tried in 1 s" in refused[0], refused
+    assert "a new one is tried in 3600 s" in refused[0], refused
     lines = [line for line in agent.log().splitlines() if "staging segment" in line]
     assert len(lines) == 1 and "upgrade the client's kvctl" in lines[0], lines
 
@@ -246,8 +259,6 @@ def test_staged_puts_come_back_after_the_agent_ran_out_of_descriptors(
     MSG_CTRUNC, as it drops descriptors past what the agent reads): its refusal says so, not
     only that the client passed too many, its log says to raise the open files limit, and the
     client's staged puts come back once it has room."""
-    import os
-
     import kvctl.client as client_module
 
     monkeypatch.setattr(client_module, "STAGING_RETRY_FIRST_SECONDS", 3600.0, raising=False)
@@ -256,7 +267,10 @@ def test_staged_puts_come_back_after_the_agent_ran_out_of_descriptors(
     keys = [key(i, 70) for i in range(4)]
     with agent.data("unix") as c, caplog.at_level(logging.WARNING, logger="kvctl.client"):
         soft, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (len(os.listdir(f"/proc/{pid}/fd")), hard))
+        # 3: stdin, stdout and stderr, which the agent never closes. A limit of as many as it
+        # had open (a count) let a descriptor it closed meanwhile (a finished HTTP connection's)
+        # make room for the one passed, and the agent failed to dup it when mapping instead
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (3, hard))
         try:
             out = c.put_many([(k, payload(k, 8192)) for k in keys[:2]], tenant="t")
             assert [o.status for o in out] == ["stored"] * 2
