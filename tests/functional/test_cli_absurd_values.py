@@ -1,0 +1,57 @@
+"""Option values no run can mean, refused with the option named (exit 2) instead of a result
+made of them. Found by an adversarial pass over every command's options:
+
+- `kvctl plan --distance-km 1e308` planned a pool at that distance: its fetch column printed a
+  300-digit number of ms and its latency "50+inf".
+- `kvctl plan --mfu 1e-300` (or `kvctl replay --mfu`) modeled "0 prefill tokens/s"; the
+  dashboard and the router already take 0.01 to 1.
+- `kvctl plan --curve-points 100000000` spent most of a minute spacing capacities for a 50-request
+  workload, for a curve that has at most one point per block.
+- `kvctl keys --model ""` said "Namespace.model_id must not be empty", the library's name."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from kvctl.cli.main import app
+
+runner = CliRunner()
+
+
+def _run(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, list(args))
+    # typer's error box wraps its line: compare the words
+    return result.exit_code, " ".join(result.output.replace("│", " ").split())
+
+
+@pytest.mark.parametrize("km", ["1e308", "100000", "40076"])
+def test_plan_refuses_a_distance_no_fiber_has(km: str) -> None:
+    code, out = _run("plan", "--limit", "20", "--distance-km", km)
+    assert code == 2, out
+    assert "distance" in out and "40,075 km" in out and "Traceback" not in out
+
+
+def test_plan_still_takes_the_longest_real_distances() -> None:
+    code, out = _run("plan", "--limit", "20", "--distance-km", "20000", "--json")
+    assert code == 0, out
+
+
+@pytest.mark.parametrize("command", ["plan", "replay"])
+@pytest.mark.parametrize("mfu", ["1e-300", "0.001", "1.5"])
+def test_mfu_outside_what_a_gpu_reaches_is_refused_by_name(command: str, mfu: str) -> None:
+    code, out = _run(command, "--mfu", mfu, "--limit", "5", "--db", "sqlite:///:memory:")
+    assert code == 2, out
+    assert "'--mfu'" in out and "Traceback" not in out
+
+
+def test_plan_refuses_more_curve_points_than_a_curve_can_show() -> None:
+    code, out = _run("plan", "--limit", "20", "--curve-points", "100000000")
+    assert code == 2, out
+    assert "'--curve-points'" in out and "1000" in out
+
+
+def test_keys_says_an_empty_model_is_the_option_given() -> None:
+    code, out = _run("keys", "--text", "a", "--model", "")
+    assert code == 2, out
+    assert "--model" in out and "Namespace" not in out
