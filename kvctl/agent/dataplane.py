@@ -1888,11 +1888,10 @@ class Connection:
             try:
                 staging = mmap.mmap(fd, size, prot=mmap.PROT_READ)
             except (OSError, OverflowError) as exc:
-                # out of address space (RLIMIT_AS) or memory: the client's puts go over the
-                # socket and it tries again later; an INTERNAL error closed its connection
-                raise _SegmentRefused(
-                    "memory", f"this agent could not map a staging segment of {size} bytes: {exc}"
-                ) from None
+                # out of address space (RLIMIT_AS), memory or descriptors: the client's puts
+                # go over the socket and it tries again later; an INTERNAL error closed its
+                # connection
+                raise _mapping_refused(size, exc) from None
         except _SegmentRefused as exc:
             self._segment_refused(exc)
         hugepages.advise(staging)
@@ -2047,7 +2046,21 @@ _SEGMENT_TO_DO = {
         "free memory on this host, or raise this agent's limits (systemd's LimitAS= or "
         "MemoryMax=, ulimit -v); kvctl's SDK tries again later by itself"
     ),
+    "open files": (
+        "raise this agent's open files limit (systemd's LimitNOFILE=, ulimit -n; where the "
+        "host's table is full, ENFILE, its fs.file-max); kvctl's SDK tries again later by itself"
+    ),
 }
+
+
+def _mapping_refused(size: int, exc: OSError | OverflowError) -> _SegmentRefused:
+    """The refusal of a segment that passed its checks but could not be mapped: mapping takes
+    a descriptor of its own (mmap dups the one passed), so an agent at its open files limit
+    fails here (EMFILE, ENFILE), where the remedy is that limit, not memory."""
+    message = f"this agent could not map a staging segment of {size} bytes: {exc}"
+    if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+        return _SegmentRefused("open files", f"{message} (out of descriptors)")
+    return _SegmentRefused("memory", message)
 
 
 def _check_segment(fd: int, size: int) -> None:
