@@ -16,10 +16,18 @@ from kvctl.interrupts import stop_signals
 DEFAULT_METRICS_PORT = 9470
 
 
+#: the longest --interval and --link-interval: a day
+MAX_INTERVAL_S = 86_400.0
+
+
 def collect_command(
     once: Annotated[bool, typer.Option("--once", help="One cycle, then exit.")] = False,
     interval: Annotated[
-        float, typer.Option("--interval", help="Seconds between cache scrapes.", min=0.1)
+        float,
+        # past a day is no collector's; 1e300 failed with a bug's line (OverflowError: time_t)
+        typer.Option(
+            "--interval", help="Seconds between cache scrapes.", min=0.1, max=MAX_INTERVAL_S
+        ),
     ] = 10.0,
     dc: Annotated[str | None, typer.Option(help="Only nodes in this DC.")] = None,
     db: DbOpt = None,
@@ -27,7 +35,10 @@ def collect_command(
         bool, typer.Option("--links/--no-links", help="Probe links between DCs.")
     ] = True,
     link_interval: Annotated[
-        float, typer.Option("--link-interval", help="Seconds between link probes.", min=1)
+        float,
+        typer.Option(
+            "--link-interval", help="Seconds between link probes.", min=1, max=MAX_INTERVAL_S
+        ),
     ] = 60.0,
     probe_size: Annotated[
         str, typer.Option("--probe-size", help="Bytes sent each way per link probe (max 64MiB).")

@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from kvctl.agent.settings import DEFAULT_MODELS
-from kvctl.cli.options import prompt_tokens
+from kvctl.cli.options import MAX_CHUNK_TOKENS, prompt_tokens
 from kvctl.cli.output import console, fail, print_json, user_errors
 from kvctl.store.keys import DEFAULT_CHUNK_TOKENS
 
@@ -23,8 +23,6 @@ _AGENT_MODEL = DEFAULT_MODELS[0]
 MAX_LAYERS = 1024
 MAX_KV_HEADS = 1024
 MAX_HEAD_DIM = 4096
-#: engines page KV in blocks of 16 to a few thousand tokens; an agent's default is 256
-MAX_CHUNK_TOKENS = 65_536
 #: K and V of one token over all layers; GPT-3-size models with full multi-head attention
 #: keep ~4.5 MiB (bfloat16), so 64 MiB is no model's
 MAX_KV_BYTES_PER_TOKEN = 64 * 2**20

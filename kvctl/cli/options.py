@@ -151,6 +151,10 @@ TimeoutOpt = Annotated[
     ),
 ]
 
+#: the most tokens per chunk a command takes (keys, router serve): engines page KV in blocks of
+#: 16 to a few thousand tokens, and an agent's default is 256
+MAX_CHUNK_TOKENS = 65_536
+
 # --- a prompt given as text or token ids -------------------------------------------------------
 TextOpt = Annotated[
     str | None, typer.Option("--text", help="Prompt text, tokenized with --tokenizer.")

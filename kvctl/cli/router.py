@@ -18,6 +18,7 @@ import typer
 
 from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import (
+    MAX_CHUNK_TOKENS,
     DbOpt,
     JsonOpt,
     KeyOpt,
@@ -211,7 +212,13 @@ class CostFlags:
         ),
     ] = 0.0
     chunk_tokens: Annotated[
-        int, typer.Option("--chunk-tokens", help="Tokens per chunk (the agents' setting).", min=1)
+        int,
+        typer.Option(
+            "--chunk-tokens",
+            help="Tokens per chunk (the agents' setting).",
+            min=1,
+            max=MAX_CHUNK_TOKENS,
+        ),
     ] = 256
     isolated_tenants: Annotated[
         list[str] | None,
