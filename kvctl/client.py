@@ -1403,6 +1403,7 @@ class DataClient:
         need = -(-max(size, 1) // STAGING_UNIT_BYTES) * STAGING_UNIT_BYTES
         want = max(need, 2 * len(self._staging) if self._staging else 0)
         made: tuple[int, mmap.mmap] | None = None
+        out_of_descriptors = False
         for attempt_bytes in dict.fromkeys((want, need)):
             try:
                 made = _sealed_segment(attempt_bytes)
@@ -1412,10 +1413,16 @@ class DataClient:
                 return None
             except OSError as exc:
                 failure = f"could not make a staging segment of {attempt_bytes} bytes here: {exc}"
+                # a segment takes descriptors (its memfd, and mmap's dup of it): where this
+                # process is at its open files limit, memory is not what to raise
+                out_of_descriptors = exc.errno in (errno.EMFILE, errno.ENFILE)
         if made is None:
             self._staging_failed(
                 failure,
-                "free memory on this host, or raise this process's limits (RLIMIT_AS, "
+                "raise this process's open files limit (ulimit -n, systemd's LimitNOFILE=; "
+                "ENFILE: the host's fs.file-max), or find what holds its descriptors"
+                if out_of_descriptors
+                else "free memory on this host, or raise this process's limits (RLIMIT_AS, "
                 "systemd's LimitAS=, its cgroup's memory.max)",
             )
             return None

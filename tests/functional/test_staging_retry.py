@@ -289,3 +289,37 @@ def test_staged_puts_come_back_after_the_agent_ran_out_of_descriptors(
     assert len(refused) == 1 and "could not take the one passed" in refused[0], refused
     lines = [line for line in agent.log().splitlines() if "staging segment" in line]
     assert len(lines) == 1 and "LimitNOFILE=" in lines[0], lines
+
+
+def test_a_client_out_of_descriptors_is_told_to_raise_its_open_files_limit(
+    agent: Agent, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment takes descriptors in the client too (its memfd, mmap's dup of it): one that
+    cannot be made for want of them (EMFILE) is logged with the open files limit to raise, not
+    memory (it said 'free memory ... RLIMIT_AS, LimitAS='), and its put goes over the socket.
+    This process's limit is set to its lowest free descriptor: no new one fits."""
+    import os
+
+    import kvctl.client as client_module
+
+    monkeypatch.setattr(client_module, "STAGING_RETRY_FIRST_SECONDS", 3600.0)
+    monkeypatch.setattr(client_module, "STAGING_RETRY_MAX_SECONDS", 3600.0)
+    keys = [key(i, 72) for i in range(2)]
+    with agent.data("unix") as c, caplog.at_level(logging.WARNING, logger="kvctl.client"):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest_free = os.open(os.devnull, os.O_RDONLY)
+        os.close(lowest_free)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))
+        try:
+            out = c.put_many([(k, payload(k, 8192)) for k in keys], tenant="t")
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert [o.status for o in out] == ["stored"] * 2
+        assert c._staging is None and c._staging_failures == 1
+        got = c.get_many(keys, tenant="t")
+        assert [bytes(g) if g is not None else None for g in got] == [
+            payload(k, 8192) for k in keys
+        ]
+    said = [r.getMessage() for r in caplog.records if "staging segment" in r.getMessage()]
+    assert len(said) == 1 and "Too many open files" in said[0], said
+    assert "LimitNOFILE=" in said[0] and "LimitAS=" not in said[0], said
