@@ -132,6 +132,26 @@ _ENTRIES: list[tuple[str, str, str, str, bool]] = [
 ]  # fmt: skip
 
 
+#: the examples each group's --help ends with (its commands' own --help give more); typer
+#: joins an epilog's lines, so each is a paragraph of its own
+_GROUP_EXAMPLES: dict[str, tuple[str, ...]] = {
+    "": ("kvctl demo", "kvctl doctor", "kvctl status --dc fra"),
+    "fleet": (
+        "kvctl fleet ls",
+        "kvctl fleet import fleet.toml",
+        "kvctl fleet export -o fleet.toml",
+    ),
+    "agent": ("kvctl agent start --detach", "kvctl agent status", "kvctl agent logs --follow"),
+    "router": ("kvctl router serve", "kvctl router status --json"),
+    "db": ("kvctl db current", "kvctl db upgrade"),
+    "bench": ("kvctl bench store --json", "kvctl bench agent"),
+}
+
+
+def _examples(group: str) -> str:
+    return "\n\n".join(("Examples:", *_GROUP_EXAMPLES[group]))
+
+
 def _load(target: str) -> Any:
     module, attribute = target.split(":")
     return getattr(importlib.import_module(f"kvctl.cli.{module}"), attribute)
@@ -149,6 +169,7 @@ def build_app(only: str | None = None) -> typer.Typer:
     root = typer.Typer(
         name="kvctl",
         help="Operate fleets of LLM inference nodes that share tiered KV caches.",
+        epilog=_examples(""),
         no_args_is_help=True,
         cls=_Root,
         rich_markup_mode="rich",
@@ -162,7 +183,13 @@ def build_app(only: str | None = None) -> typer.Typer:
                     root.command(cname, short_help=cshort, rich_help_panel=CONTROL)(fn)
         elif only in (None, name):
             if group:
-                root.add_typer(_load(target), name=name, help=short, rich_help_panel=panel)
+                root.add_typer(
+                    _load(target),
+                    name=name,
+                    help=short,
+                    epilog=_examples(name),
+                    rich_help_panel=panel,
+                )
             else:
                 root.command(name, short_help=short, rich_help_panel=panel)(_load(target))
     _prose_help_everywhere(root)
