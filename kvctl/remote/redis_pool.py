@@ -29,9 +29,10 @@ digits is none (the configured one is written back), a meta entry that does not 
 time of inf or nan included) is dropped, and a count the scripts cannot add to is counted again.
 
 A put is two round trips: (1) one script call accounts the whole batch (refusals, LRU victims
-for quotas and capacity) beside an EXISTS per chunk; (2) the victims' records are deleted and
-the new records written, each with ONE ``SET key header+payload`` (atomic: a reader sees a
-record whole or not at all). Building header+payload copies the payload once, here, on purpose.
+for quotas and capacity) beside a STRLEN per chunk (a record is present when not empty); (2) the
+victims' records are deleted and the new records written, each with ONE
+``SET key header+payload`` (atomic: a reader sees a record whole or not at all). Building
+header+payload copies the payload once, here, on purpose.
 The copy-free alternative, a MULTI/EXEC of ``SET key header`` + ``APPEND key <memoryview>``
 (redis-py sends a memoryview argument without copying it), moves that copy to the server: APPEND
 memcpys the payload into the value, while a big SET argument becomes the value as read. Measured
@@ -48,11 +49,13 @@ the LRU score of the accounted keys (only for chunks the reader may see). Each r
 there, up to Redis's 512 MB, and a GET brought all of it into the agent's memory before any check.
 A GETRANGE costs what a GET does (the server copies the value into its reply either way) and
 brings at most one byte past the largest record the pool takes (``max_record_bytes``: the largest
-chunk, ``max_chunk_bytes``, plus the largest header); a longer one is a broken record, a miss
-counted in ``corrupt`` and deleted if the server still holds more than that (one O(1) script call,
-only then). A put refuses a chunk over ``max_chunk_bytes`` so no agent writes what it cannot read
-back; agents sharing a pool should agree on it (a reader with a lower one deletes the larger
-records of another). An empty value reads as no record (GETRANGE answers a missing key so).
+chunk, ``max_chunk_bytes``, plus the largest header); a longer one is a miss. Agents of a pool
+may set ``max_chunk_bytes`` apart (each agent's pool takes its ``max_chunk``): a longer record
+whose sound header declares a larger chunk and the record's length is another agent's, left in
+place. Any other longer record is broken (grown by APPEND, planted), counted in ``corrupt`` and
+deleted if the server still holds more than the bound (one O(1) script call, only then). A put
+refuses a chunk over ``max_chunk_bytes`` (its own reads would not take it back). An empty value
+reads as no record (GETRANGE answers a missing key so).
 A large get is split into contiguous groups of its keys (``kvctl.remote.pool.stream_groups``),
 one pipeline each on its own pooled connection, in parallel, each group's records checked on its
 thread; the first group's pipeline carries the one LRU script for every key, in the order asked.
@@ -555,11 +558,16 @@ if redis.sha1hex(head) ~= ARGV[3] then return 0 end
 return redis.call('DEL', KEYS[1])
 """
 
-# KEYS[1]: a chunk record. ARGV[1]: the longest record the reader takes. Deletes the record only
-# while it is still longer (a put since has written a record there); returns 1 when deleted. O(1):
-# a record's length is the server's, not damage on a reader's path. allow-oom: deleting frees.
+# KEYS[1]: a chunk record. ARGV[1]: the longest record the reader takes; ARGV[2]: the length a
+# sound header the reader read declares for a chunk larger than it takes, or -1. Deletes the
+# record only while it is still longer (a put since has written a record there) and not that
+# long (a record of an agent configured for larger chunks, left to it: 2); returns 1 when
+# deleted. O(1): a record's length is the server's, not damage on a reader's path. allow-oom:
+# deleting frees memory.
 _DROP_IF_LONGER_LUA = """#!lua flags=allow-oom
-if redis.call('STRLEN', KEYS[1]) <= tonumber(ARGV[1]) then return 0 end
+local n = redis.call('STRLEN', KEYS[1])
+if n <= tonumber(ARGV[1]) then return 0 end
+if n == tonumber(ARGV[2]) then return 2 end
 return redis.call('DEL', KEYS[1])
 """
 
@@ -604,13 +612,42 @@ class _Damaged:
 
 @dataclass(frozen=True, slots=True)
 class _Oversized:
-    """A record longer than any chunk the pool takes (``max_record_bytes``): no writer of this
-    pool's settings made it (another host's bug, or hostile: a key may hold up to 512 MB). Read
-    no further than one byte past the bound; a miss counted corrupt, deleted while the server
-    still holds more than the bound (``_DROP_IF_LONGER_LUA``)."""
+    """A record longer than any chunk the pool takes (``max_record_bytes``), read no further
+    than one byte past the bound: a miss. One whose sound header declares a chunk larger than
+    ``max_chunk_bytes`` and the record's length is another agent's, configured for larger
+    chunks (agents of a pool need not agree on it): left in place, not counted corrupt. Any
+    other no writer made (grown by APPEND, planted: another host's bug, or hostile; a key may
+    hold up to 512 MB): counted corrupt, deleted while the server still holds more than the
+    bound and not a sound larger chunk's length (``_DROP_IF_LONGER_LUA``)."""
 
     #: the record's length as the server said it (None where not asked: a Cluster's read)
     record_bytes: int | None
+    #: the record length its sound header declares for a chunk larger than this pool takes,
+    #: where the server's length (when asked) agrees; None: a broken record
+    sound_bytes: int | None = None
+
+    @classmethod
+    def of(
+        cls, head: bytes, record_bytes: int | None, *, key: bytes, max_chunk_bytes: int
+    ) -> _Oversized:
+        """What a record of ``record_bytes`` (None: not asked) starting with ``head`` is."""
+        try:
+            header = record.decode_header(head, key=key)
+        except CorruptChunk:
+            return cls(record_bytes)
+        if header.meta.size_bytes <= max_chunk_bytes:  # longer than its own header says
+            return cls(record_bytes)
+        if record_bytes is not None and record_bytes != header.record_bytes:
+            return cls(record_bytes)
+        return cls(record_bytes, header.record_bytes)
+
+    def larger_chunk(self, max_chunk_bytes: int) -> str:
+        """How the log says a sound record of a chunk larger than this pool takes."""
+        return (
+            f"a record of {self.sound_bytes} bytes, of a chunk larger than this pool's "
+            f"max_chunk_bytes {max_chunk_bytes} (an agent configured for larger chunks wrote "
+            "it): a miss, left in place"
+        )
 
     def reason(self, max_record_bytes: int) -> str:
         limit = (
@@ -836,17 +873,21 @@ class RedisPool(SplitStreams, RemotePool):
             client = self._client(write=True)
             pipe = client.pipeline(transaction=False)
             _eval(pipe, _PUT_LUA, self._acct_keys, args)
+            # STRLEN, not EXISTS: a record is present only when it holds bytes. An empty value
+            # (reads take it as no record: GETRANGE answers a missing key so) or a key of
+            # another type (WRONGTYPE here) was present to EXISTS: never written again while
+            # re-puts kept its accounting alive, a hot chunk was lost for good. SET replaces both
             for it in batch:
-                pipe.exists(self._rec(it.keyhex))
+                pipe.strlen(self._rec(it.keyhex))
             replies = pipe.execute(raise_on_error=False)
-            _raise_errors(replies[1:])
+            _raise_errors([r for r in replies[1:] if not _is_wrong_type(r)])
             if isinstance(replies[0], ResponseError) and _is_oom(replies[0]):
                 # the server is full outside our accounting (maxmemory): refused, nothing done
                 log.warning("pool %s refused a put batch: %s", self.address, replies[0])
                 return [False] * len(item_slots)
             _raise_errors(replies[:1])
             statuses, victims = replies[0]
-            present = replies[1:]
+            present = [isinstance(r, int) and r > 0 for r in replies[1:]]
 
             stored = [int(s) > 0 for s in statuses]
             writes = [
@@ -922,8 +963,7 @@ class RedisPool(SplitStreams, RemotePool):
                 out.append(None)
                 continue
             if isinstance(value, _Oversized):
-                self._count_corrupt()
-                oversized.append((h, value))
+                self._oversized(h, value, oversized)
                 out.append(None)
                 continue
             meta, data = value
@@ -980,7 +1020,14 @@ class RedisPool(SplitStreams, RemotePool):
                 out.append(None)
                 continue
             if len(value) > last:
-                out.append(_Oversized(length if isinstance(length, int) else None))
+                out.append(
+                    _Oversized.of(
+                        value,
+                        length if isinstance(length, int) else None,
+                        key=key,
+                        max_chunk_bytes=self.max_chunk_bytes,
+                    )
+                )
                 continue
             try:
                 out.append(record.decode(value, key=key))
@@ -1096,8 +1143,10 @@ class RedisPool(SplitStreams, RemotePool):
                 continue
             head, record_bytes = reply
             if int(record_bytes) > self.max_record_bytes:  # what a get would not read
-                self._count_corrupt()
-                oversized.append((h, _Oversized(int(record_bytes))))
+                found = _Oversized.of(
+                    head, int(record_bytes), key=key, max_chunk_bytes=self.max_chunk_bytes
+                )
+                self._oversized(h, found, oversized)
                 out.append(None)
                 continue
             try:
@@ -1377,6 +1426,23 @@ class RedisPool(SplitStreams, RemotePool):
             args += [h, meta.size_bytes, int(meta.isolated), meta.tenant]
         _eval(pipe, _REPAIR_LUA, self._acct_keys, args)
 
+    def _oversized(
+        self, h: str, found: _Oversized, oversized: list[tuple[str, _Oversized]]
+    ) -> None:
+        """A read found record ``h`` oversized: counted corrupt and dropped (in ``_repair``)
+        when broken; a sound record of a larger chunk is said at debug (every read of it meets
+        it again), and asked of the server first where its length is not known yet (a
+        Cluster's read)."""
+        if found.sound_bytes is None:
+            self._count_corrupt()
+            oversized.append((h, found))
+        elif found.record_bytes is None:
+            oversized.append((h, found))
+        else:
+            log.debug(
+                "pool %s: chunk %s: %s", self.address, h, found.larger_chunk(self.max_chunk_bytes)
+            )
+
     def _repair(
         self,
         *,
@@ -1391,16 +1457,28 @@ class RedisPool(SplitStreams, RemotePool):
         deleted (and its accounting dropped) only where the server holds the very bytes that
         failed: the records are shared, and the damage may be on this reader's path alone.
         A key of the ``wrong`` type is deleted (its accounting dropped) unless it holds a
-        string now; an ``oversized`` record while it is still longer than any this pool takes."""
+        string now; an ``oversized`` record while it is still longer than any this pool takes,
+        unless it is as long as its sound header says (another agent's larger chunk: left)."""
         try:
             client = self._client()
             dropped: list[str] = []
             if oversized:
                 pipe = client.pipeline(transaction=False)
-                for h, _ in oversized:
-                    _eval(pipe, _DROP_IF_LONGER_LUA, [self._rec(h)], [self.max_record_bytes])
+                for h, o in oversized:
+                    sound = -1 if o.sound_bytes is None else o.sound_bytes
+                    _eval(pipe, _DROP_IF_LONGER_LUA, [self._rec(h)], [self.max_record_bytes, sound])
                 for (h, o), deleted in zip(oversized, pipe.execute(), strict=True):
                     reason = o.reason(self.max_record_bytes)
+                    if int(deleted) == 2:  # as its sound header says: another agent's
+                        log.debug(
+                            "pool %s: chunk %s: %s",
+                            self.address,
+                            h,
+                            o.larger_chunk(self.max_chunk_bytes),
+                        )
+                        continue
+                    if o.sound_bytes is not None and int(deleted) == 1:
+                        self._count_corrupt()  # not counted yet: broken after all
                     if int(deleted):
                         dropped.append(h)
                         log.warning(
