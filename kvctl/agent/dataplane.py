@@ -1098,7 +1098,7 @@ class Connection:
         )
 
     @contextlib.contextmanager
-    def _received(self, n_bytes: int) -> Iterator[memoryview]:
+    def _received(self, n_bytes: int, what: str = "a chunk") -> Iterator[memoryview]:
         """The next ``n_bytes`` of the stream, valid inside the block. Up to KEPT_BUFFER_BYTES
         land in the connection's reused buffer; more take their share of the budget and land in
         anonymous memory of their own (pages exist only as bytes arrive), unmapped on exit."""
@@ -1112,7 +1112,7 @@ class Connection:
             return
         self._take_budget(n_bytes)
         try:
-            region = self._receive_region(n_bytes)
+            region = self._receive_region(n_bytes, what)
             view = memoryview(region)
             try:
                 self._recv_counted(view)
@@ -1124,27 +1124,29 @@ class Connection:
         finally:
             self.server.budget.release(n_bytes, self.source)
 
-    def _receive_region(self, n_bytes: int) -> mmap.mmap:
-        """Memory of its own for a chunk of ``n_bytes`` about to arrive; where none can be had
-        (ENOMEM: memory or address space short, RLIMIT_AS) BUSY, fatal as the chunk is never
-        read, and a line once an interval: it was an INTERNAL error with a traceback logged
-        for each such put, which any client could repeat while the agent was short."""
+    def _receive_region(self, n_bytes: int, what: str) -> mmap.mmap:
+        """Memory of its own for ``what`` (a chunk, or a request's metadata) of ``n_bytes``
+        about to arrive; where none can be had (ENOMEM: memory or address space short,
+        RLIMIT_AS) BUSY, fatal as its bytes are never read, and a line once an interval: it
+        was an INTERNAL error with a traceback logged for each such request, which any client
+        could repeat while the agent was short."""
         try:
             return hugepages.anonymous_region(n_bytes)
         except OSError as exc:
             n = self.server.no_receive_memory.count()
             if n:
                 log.warning(
-                    "data plane: no memory to receive a %d-byte chunk (%s): refused %d request(s)"
-                    " BUSY since the last line. Free memory, or raise the agent's limits "
-                    "(systemd's LimitAS=, MemoryMax=), or lower data_put_budget_bytes",
+                    "data plane: no memory to receive %s of %d bytes (%s): refused %d "
+                    "request(s) BUSY since the last line. Free memory, or raise the agent's "
+                    "limits (systemd's LimitAS=, MemoryMax=), or lower data_put_budget_bytes",
+                    what,
                     n_bytes,
                     exc,
                     n,
                 )
             raise FrameError(
                 ErrorCode.BUSY,
-                f"this agent could not allocate {n_bytes} bytes to receive a chunk ({exc}); "
+                f"this agent could not allocate {n_bytes} bytes to receive {what} ({exc}); "
                 "retry later",
                 fatal=True,
             ) from None
@@ -1162,7 +1164,7 @@ class Connection:
             )
             self._frame_rid = rid
             self._check_frame_shape(op, meta_len, payload_len)
-            with self._received(meta_len) as view:
+            with self._received(meta_len, "a request's metadata") as view:
                 meta = MetaReader(view)  # a copy: the buffer is free for the payload
         except FrameError as exc:  # all fatal: the frame's body is never read
             self._send_error(rid, exc)

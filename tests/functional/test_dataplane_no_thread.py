@@ -101,7 +101,35 @@ def test_a_chunk_the_agent_has_no_memory_to_receive_is_refused_busy(agent: Agent
         assert c.put(k, payload(k, size), tenant="t") == "cpu"
         assert bytes(c.get(k, tenant="t")) == payload(k, size)
     log = agent.log()
-    assert "no memory to receive a 4194304-byte chunk" in log, log[-3000:]
+    assert "no memory to receive a chunk of 4194304 bytes" in log, log[-3000:]
+    assert "Traceback" not in log, log[-3000:]
+
+
+def test_request_metadata_the_agent_has_no_memory_to_receive_is_refused_as_such(
+    agent: Agent,
+) -> None:
+    """Metadata past the kept buffer (here an EXISTS of 65,536 keys, 1 MiB of them) is received
+    into memory of its own too: where none can be had the refusal names the metadata, not a
+    chunk (it said 'could not allocate N bytes to receive a chunk' of a request that had none)."""
+    pid = agent.proc.pid
+    keys = [key(i, 61) for i in range(65536)]
+    meta = MetaWriter().text("t").keys(keys).build()
+    conn = RawConn(agent, "unix", timeout_s=15.0)
+    hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+    try:
+        conn.hello()  # its thread runs before the limit
+        resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + MiB, hard))
+        try:
+            code, message = error_of(conn.call(Op.EXISTS, meta))
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+    finally:
+        conn.close()
+    assert code == ErrorCode.BUSY, message
+    assert f"could not allocate {len(meta)} bytes to receive a request's metadata" in message
+    assert "chunk" not in message, message
+    log = agent.log()
+    assert f"no memory to receive a request's metadata of {len(meta)} bytes" in log, log[-3000:]
     assert "Traceback" not in log, log[-3000:]
 
 
