@@ -27,6 +27,10 @@ from kvctl.store.keys import KVLayout
 DEFAULT_MFU = 0.5
 #: light in fiber: about 5 microseconds per km, one way (the floor under any link's RTT)
 FIBER_SECONDS_PER_KM = 5e-6
+#: no fiber path between two DCs is longer than the Earth's circumference; past it a distance
+#: is a typo (1e308 km printed a 300-digit fetch time). `kvctl plan` and the fleet inventory
+#: both bound distances by it
+MAX_DISTANCE_KM = 40_075.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from kvctl.db.models import DataCenter, Link, Node, RemovedNode
+from kvctl.profiles import MAX_DISTANCE_KM
 from kvctl.redact import redact_url
 
 #: column widths of the schema; checked here because PostgreSQL refuses longer text with a
@@ -28,6 +29,9 @@ DC_NAME_MAX: Final = 64
 NODE_NAME_MAX: Final = 128
 REGION_MAX: Final = 64
 LOCATION_MAX: Final = 128
+#: power usage effectiveness past 3 (twice the IT load spent on cooling and power delivery) is
+#: no working data center's: a typo, which would multiply every energy and carbon figure
+MAX_PUE: Final = 3.0
 GPU_MODEL_MAX: Final = 64
 URL_MAX: Final = 255
 
@@ -205,7 +209,14 @@ def pue_problem(pue: Any) -> str | None:
         return None
     if problem := _number_problem(pue, "PUE"):
         return problem
-    return f"PUE must be at least 1, got {pue}" if pue < 1 else None
+    if pue < 1:
+        return f"PUE must be at least 1, got {pue}"
+    if pue > MAX_PUE:
+        return (
+            f"PUE must be 1 to {MAX_PUE:g} (facility energy over IT energy; real data centers "
+            f"run about 1.1 to 2.5), got {pue:g}"
+        )
+    return None
 
 
 def carbon_problem(carbon: Any) -> str | None:
@@ -219,7 +230,14 @@ def carbon_problem(carbon: Any) -> str | None:
 def distance_problem(distance_km: Any) -> str | None:
     if problem := _number_problem(distance_km, "distance"):
         return problem
-    return f"distance must not be negative, got {distance_km}" if distance_km < 0 else None
+    if distance_km < 0:
+        return f"distance must not be negative, got {distance_km}"
+    if distance_km > MAX_DISTANCE_KM:
+        return (
+            f"distance must be 0 to {MAX_DISTANCE_KM:,.0f} km (the Earth's circumference), "
+            f"got {distance_km:g} km"
+        )
+    return None
 
 
 def _check(*problems: str | None) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvctl.errors import InvalidArgument
-from kvctl.profiles import FIBER_SECONDS_PER_KM, ModeledInputs
+from kvctl.profiles import FIBER_SECONDS_PER_KM, MAX_DISTANCE_KM, ModeledInputs
 from kvctl.quantiles import nearest_rank
 from kvctl.store.policies import EVICTION_POLICIES
 from kvctl.workload.simulate import simulate_policy
@@ -514,11 +514,6 @@ def candidates_for(
                 at = {t: m.at_distance(km) if t == "remote" else m for t, m in tm.items()}
                 out.append(Candidate(f"{name}@{km:g}km", sizes, blocks, at, km))
     return out
-
-
-#: no fiber path between two DCs is longer than the Earth's circumference; past it a distance
-#: is a typo (1e308 km printed a 300-digit fetch time)
-MAX_DISTANCE_KM = 40_075.0
 
 
 def _distances(distances_km: Sequence[float]) -> list[float]:
