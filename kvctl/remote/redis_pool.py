@@ -1020,6 +1020,12 @@ class RedisPool(SplitStreams, RemotePool):
                 out.append(None)
                 continue
             if len(value) > last:
+                # a newer writer's format first: a miss left in place, however long (judged
+                # as this reader's record, it was deleted as corrupt for every agent)
+                why = _unknown_format(value)
+                if why:
+                    out.append(_Unknown(why))
+                    continue
                 out.append(
                     _Oversized.of(
                         value,
@@ -1143,6 +1149,11 @@ class RedisPool(SplitStreams, RemotePool):
                 continue
             head, record_bytes = reply
             if int(record_bytes) > self.max_record_bytes:  # what a get would not read
+                why = _unknown_format(head)
+                if why:  # a newer writer's, left in place (as a get leaves it)
+                    self._count_unknown(h, _Unknown(why))
+                    out.append(None)
+                    continue
                 found = _Oversized.of(
                     head, int(record_bytes), key=key, max_chunk_bytes=self.max_chunk_bytes
                 )
