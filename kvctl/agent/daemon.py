@@ -431,6 +431,13 @@ def recorded_agent(data_dir: Path, *, running: bool = True) -> AgentState:
             "writes while it serves (none has run from it, or the last one stopped)",
             start,
         ) from None
+    except NotADirectoryError:
+        # a file where the directory should be: no user could read an agent's record there
+        raise NoAgentHere(
+            f"no agent has run from {data_dir}: {_file_on(data_dir)} is a file, not a directory",
+            "give --data-dir the agent's data directory (the one `kvctl agent start "
+            "--data-dir` was given), or --url its control URL",
+        ) from None
     except OSError as exc:
         raise NoAgentHere(
             f"cannot read {path}: {exc.strerror or exc}",
@@ -450,6 +457,14 @@ def recorded_agent(data_dir: Path, *, running: bool = True) -> AgentState:
             f"its log is {data_dir / LOG_FILE} if it was detached; {start}",
         )
     return state
+
+
+def _file_on(path: Path) -> Path:
+    """The file on ``path`` where a directory should be: ``path`` itself or one above it."""
+    for p in (path, *path.parents):
+        if p.exists():  # the deepest that exists; all below it failed for want of a directory
+            return path if p.is_dir() else p
+    return path
 
 
 def control_url_for(data_dir: Path, configured_url: str, *, named: bool) -> str:
