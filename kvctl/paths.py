@@ -29,10 +29,8 @@ class WriteFailed(KvctlError, OSError):
 
     def __init__(self, path: Path, cause: OSError) -> None:
         super().__init__(cause.errno, cause.strerror, str(path))
-        reason = _WRITE_REASONS.get(cause.errno or 0) or (cause.strerror or str(cause)).lower()
-        self.message = f"{reason} writing {path}"
-        if cause.errno in FULL_ERRNOS:
-            self.message += ": its filesystem is full"
+        reason = _WRITE_REASONS.get(cause.errno or 0) or _lower_first(cause.strerror or str(cause))
+        self.message = f"cannot write {path}: {reason}"
 
     @property
     def full(self) -> bool:
@@ -43,13 +41,27 @@ class WriteFailed(KvctlError, OSError):
         return self.message
 
 
+#: why a write failed, in words that follow 'cannot write PATH: '; any other errno's strerror
 _WRITE_REASONS = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EROFS: "read-only filesystem",
+    errno.ENOSPC: "its filesystem is full (no space left on device)",
+    errno.EDQUOT: "its filesystem is full for this user (disk quota exceeded)",
+    errno.EROFS: "its filesystem is read-only",
     errno.EACCES: "permission denied",
-    errno.EIO: "input/output error",
+    errno.EPERM: "operation not permitted",
+    errno.EIO: "input/output error (its disk may be failing)",
+    errno.EISDIR: "it is a directory",
+    errno.ENOTDIR: "a path above it is a file, not a directory",
+    errno.ENOENT: "its directory does not exist",
+    errno.ENAMETOOLONG: "its name is too long",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.EMFILE: "too many open files in this process",
+    errno.ENFILE: "too many open files on this system",
 }
+
+
+def _lower_first(text: str) -> str:
+    """'Text file busy' as the end of a sentence (strerror starts with a capital)."""
+    return text[:1].lower() + text[1:]
 
 
 def write_atomic(path: Path, text: str, *, mode: int, keep_owner: bool = False) -> None:

@@ -92,7 +92,8 @@ def test_a_full_data_dir_is_one_line_naming_the_file(tmp_path: Path, detach: boo
             ), out.stderr
         else:
             assert re.fullmatch(
-                f"error: no space left on device writing ({written}): its filesystem is full",
+                f"error: cannot write ({written}): its filesystem is full "
+                r"\(no space left on device\)",
                 errors[0],
             ), out.stderr
         assert f"hint: free space on the filesystem holding {data_dir}" in out.stderr

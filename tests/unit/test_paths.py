@@ -87,7 +87,9 @@ def test_write_atomic_names_the_file_it_could_not_write(tmp_path: Path) -> None:
                 f.write(b"\0" * 4096)
         with pytest.raises(WriteFailed) as info:
             write_atomic(path, "new" * 4096, mode=0o600)
-        assert str(info.value) == f"no space left on device writing {path}: its filesystem is full"
+        assert str(info.value) == (
+            f"cannot write {path}: its filesystem is full (no space left on device)"
+        )
         assert info.value.errno == errno.ENOSPC and info.value.full
         assert isinstance(info.value, OSError)
         assert path.read_text() == "old"
