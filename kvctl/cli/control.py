@@ -12,12 +12,12 @@ import typer
 from rich.markup import escape
 
 from kvctl.cli.options import (
+    ActionTimeoutOpt,
     ChunkOptions,
     DbOpt,
     JsonOpt,
     Targets,
     TierOpt,
-    TimeoutOpt,
     bundled,
     db_errors,
     open_engine,
@@ -54,7 +54,7 @@ class Fanout:
     command's own default: ``Fanout(timeout=30.0)``), the inventory's database, the output."""
 
     yes: YesOpt = False
-    timeout: TimeoutOpt = 10.0
+    timeout: ActionTimeoutOpt = 10.0
     db: DbOpt = None
     json_out: JsonOpt = False
 

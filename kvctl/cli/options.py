@@ -141,13 +141,27 @@ DcOpt = Annotated[
     ),
 ]
 AllOpt = Annotated[bool, typer.Option("--all", help="Every node of the fleet.")]
-#: the longest --timeout for an agent's answer: an hour is already no agent's; past about 1e10
-#: seconds a deadline is past what the platform's time_t holds (OverflowError for every node)
+#: the longest --timeout for an agent's answer to a read (lookup, status, doctor, top): an hour
+#: is already no agent's; past about 1e10 seconds a deadline is past what the platform's time_t
+#: holds (OverflowError for every node)
 MAX_AGENT_TIMEOUT_S = 3600.0
 TimeoutOpt = Annotated[
     float,
     typer.Option(
         "--timeout", help="Seconds to wait for each agent.", min=0.1, max=MAX_AGENT_TIMEOUT_S
+    ),
+]
+#: the longest --timeout of an action (flush, resize, move, prefetch, pin...): the agent answers
+#: once it is done, and a flush --demote or a shrinking resize of a multi-TiB tier to a disk
+#: tier takes over an hour (4 TiB at 1 GB/s: 70 min), so an hour refused a legitimate wait
+MAX_ACTION_TIMEOUT_S = 86_400.0
+ActionTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds to wait for each agent's answer (it answers once the action is done).",
+        min=0.1,
+        max=MAX_ACTION_TIMEOUT_S,
     ),
 ]
 
