@@ -377,10 +377,13 @@ class DataPlaneServer:
         #: chunks answered missing because the replies' copy budget was full
         self.copies_refused = EveryInterval()
         self._accept_failures = EveryInterval()
-        #: requests refused for want of memory to receive a chunk (``_receive_region``)
+        #: requests refused for want of memory to receive a chunk or a request's metadata
+        #: (``_receive_region``)
         self.no_receive_memory = EveryInterval()
         #: connections refused for want of a thread to serve them (``_no_thread``)
         self._thread_failures = EveryInterval()
+        #: connections closed for any other failure to take them (``_connection_failed``)
+        self._take_failures = EveryInterval()
         self.max_chunk_bytes = settings.max_chunk_bytes
         self.max_payload_bytes = MAX_BATCH * self.max_chunk_bytes
         self.frame_timeout_s = (
@@ -515,27 +518,72 @@ class DataPlaneServer:
                     )
                 time.sleep(0.1)
                 continue
-            source = source_key(address[0]) if transport == "tcp" else None
             try:
-                conn_sock.setblocking(True)  # a stalled client is cut off by the reaper
-                if transport == "tcp":
-                    conn_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:  # gone already (reset): nothing to serve
-                conn_sock.close()
-                continue
+                self._take(conn_sock, address, transport)
+            except Exception as exc:  # one connection's failure, never the loop's
+                self._connection_failed(conn_sock, transport, exc)
+
+    def _take(self, conn_sock: socket.socket, address: Any, transport: str) -> None:
+        """Serve a connection just accepted, or refuse it. What fails here (MemoryError
+        building its Connection, a thread that will not start) costs this connection only
+        (``_connection_failed``): raised out of the accept loop, it ended the loop, and every
+        connection after sat unanswered in the backlog until the agent restarted."""
+        source = source_key(address[0]) if transport == "tcp" else None
+        try:
+            conn_sock.setblocking(True)  # a stalled client is cut off by the reaper
+            if transport == "tcp":
+                conn_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:  # gone already (reset): nothing to serve
+            conn_sock.close()
+            return
+        # built before a slot is taken: where building fails, there is no slot to give back
+        conn = Connection(self, conn_sock, transport, source)
+        admitted = False
+        try:
             with self._lock:
                 refused_by, over_cap = self._admit(transport, source)
                 if refused_by is None:
-                    conn = Connection(self, conn_sock, transport, source)
-                    conn.over_cap = over_cap
+                    conn.over_cap, admitted = over_cap, True
                     self._conns.add(conn)
             if refused_by is not None:
                 self._refuse(conn_sock, transport, source, refused_by)
-                continue
+                return
             try:
                 conn.thread.start()
             except RuntimeError as exc:
+                admitted = False  # _no_thread frees its slot
                 self._no_thread(conn, exc)
+        except BaseException:
+            if admitted:
+                with self._lock:
+                    self._drop(conn)
+            raise
+
+    def _connection_failed(self, conn_sock: socket.socket, transport: str, exc: Exception) -> None:
+        """A connection that could not be taken for ``exc`` (``_take``): closed, with BUSY
+        where its buffer has room, logged once an interval with a count (a flood of them must
+        not flood the log)."""
+        n = self._take_failures.count()
+        if n:
+            log.error(
+                "data plane: could not take a new %s connection (%s: %s): closed %d "
+                "connection(s) so since the last line; the agent serves the others. Where it "
+                "is MemoryError, free memory or raise the agent's limits (systemd's LimitAS=, "
+                "MemoryMax=); otherwise report this line with its traceback",
+                transport,
+                type(exc).__name__,
+                exc,
+                n,
+                exc_info=exc,
+            )
+        with contextlib.suppress(Exception):  # short of memory, even the refusal may fail
+            meta = error_meta(
+                ErrorCode.BUSY, "this agent could not take this connection now; retry later"
+            )
+            conn_sock.setblocking(False)  # never wait on a client that does not read
+            conn_sock.send(pack_header(Op.ERROR, 0, len(meta)) + meta)
+        with contextlib.suppress(OSError):
+            conn_sock.close()
 
     def _no_thread(self, conn: Connection, exc: RuntimeError) -> None:
         """``conn`` could not have its thread (out of address space for its stack, a limit on
