@@ -268,6 +268,12 @@ class DataClient:
         self.transport = transport
         # reentrant: a thread inside a ``leased()`` block may make other calls on its client
         self._lock = threading.RLock()
+        #: guards ``closed`` and the swap of the mappings a call makes (staging segment, arena)
+        #: against ``close`` from another thread; held only for the swap, never across a wait
+        #: on the agent, so a close never waits on a call blocked on a dead agent (``_lock``,
+        #: held by that call until its socket times out). Reentrant: ``on_staging`` is called
+        #: under it, and may close the client.
+        self._mappings_lock = threading.RLock()
         self._rid = 0
         #: leases a ``release_later`` block or ``hold`` left held, by the thread that took
         #: them: released before that thread's next call on this client, or by its
@@ -903,22 +909,27 @@ class DataClient:
         return LookupResult(n, matched, locations, matched_tokens)
 
     def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self._staging is not None and self.on_staging is not None:
-            self.on_staging(None)
-        # dropped even where closing fails: a view still held (an engine's tensor over the arena)
-        # keeps the mapping until that view goes, and a closed client kept alive (a writer's
-        # source connection, a test's local) must not keep it, a whole arena, beyond that
-        mappings, self._arena, self._staging = (self._arena, self._staging), None, None
-        for m in mappings:
-            if m is not None:
-                with contextlib.suppress(BufferError):
-                    m.close()
-        staging_fd, self._staging_fd = self._staging_fd, -1
-        if staging_fd >= 0:
-            os.close(staging_fd)
+        # not under ``_lock``: a call blocked on a dead agent holds it until its socket times
+        # out. A call that gets a mapping meanwhile (an ATTACH, a MAP answered) takes
+        # ``_mappings_lock`` to keep it, finds the client closed, and unmaps it itself.
+        with self._mappings_lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self._staging is not None and self.on_staging is not None:
+                self.on_staging(None)
+            # dropped even where closing fails: a view still held (an engine's tensor over the
+            # arena) keeps the mapping until that view goes, and a closed client kept alive (a
+            # writer's source connection, a test's local) must not keep it, a whole arena,
+            # beyond that
+            mappings, self._arena, self._staging = (self._arena, self._staging), None, None
+            for m in mappings:
+                if m is not None:
+                    with contextlib.suppress(BufferError):
+                        m.close()
+            staging_fd, self._staging_fd = self._staging_fd, -1
+            if staging_fd >= 0:
+                os.close(staging_fd)
         with contextlib.suppress(OSError):
             self._sock.close()
 
@@ -1263,10 +1274,14 @@ class DataClient:
         finally:
             os.close(fd)
         hugepages.advise(arena)  # this mapping too, where the agent's pages are huge
-        if self._arena is not None:
-            with contextlib.suppress(BufferError):
-                self._arena.close()
-        self._arena, self._arena_gen = arena, generation
+        with self._mappings_lock:
+            if self.closed:  # by another thread since the MAP was answered: not kept
+                arena.close()
+                raise AgentError("this client is closed")
+            if self._arena is not None:
+                with contextlib.suppress(BufferError):
+                    self._arena.close()
+            self._arena, self._arena_gen = arena, generation
 
     def _lease_locked(
         self, keys: Sequence[bytes], tenant: str, ttl_s: float, *, keep_pending: bool = False
@@ -1449,21 +1464,27 @@ class DataClient:
                 f"the agent kvctl {self.info.get('version', '(unknown)')}",
             )
             return None
-        if self._staging_failures:
-            log.info(
-                "staged puts resumed: a staging segment of %d bytes attached after %d failure(s)",
-                len(staging),
-                self._staging_failures,
-            )
-        self._staging_failures, self._staging_retry_at_s = 0, -math.inf
-        if self._staging is not None:
+        with self._mappings_lock:
+            if self.closed:  # by another thread since the ATTACH was answered: not kept
+                staging.close()
+                os.close(fd)
+                return None
+            if self._staging_failures:
+                log.info(
+                    "staged puts resumed: a staging segment of %d bytes attached after %d "
+                    "failure(s)",
+                    len(staging),
+                    self._staging_failures,
+                )
+            self._staging_failures, self._staging_retry_at_s = 0, -math.inf
+            if self._staging is not None:
+                if self.on_staging is not None:
+                    self.on_staging(None)
+                self._staging.close()
+                os.close(self._staging_fd)
+            self._staging, self._staging_fd = staging, fd
             if self.on_staging is not None:
-                self.on_staging(None)
-            self._staging.close()
-            os.close(self._staging_fd)
-        self._staging, self._staging_fd = staging, fd
-        if self.on_staging is not None:
-            self.on_staging(staging)
+                self.on_staging(staging)
         return staging
 
     def _staging_failed(self, what: str, to_do: str) -> None:
