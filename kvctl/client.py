@@ -293,6 +293,11 @@ class DataClient:
         #: (monotonic), then one is tried again (``_ensure_staging``)
         self._staging_failures = 0
         self._staging_retry_at_s = -math.inf
+        #: when the row's last line was logged (monotonic): a row that lasts is logged again
+        #: every STAGING_RELOG_SECONDS, not only at its first failure
+        self._staging_logged_at_s = -math.inf
+        #: the clock the staging back-off runs on (a seam: tests move it by hand)
+        self._monotonic_s: Callable[[], float] = time.monotonic
         #: told of each staging segment this client attaches (and None before it unmaps one,
         #: and on close): a CUDA engine registers the segment so device copies into it run at
         #: link speed. It must not raise, and must drop every view of a segment it is told of
@@ -1408,7 +1413,7 @@ class DataClient:
         crash it."""
         if self._staging is not None and len(self._staging) >= size:
             return self._staging
-        if time.monotonic() < self._staging_retry_at_s:
+        if self._monotonic_s() < self._staging_retry_at_s:
             return None  # backing off after a failure: one try per interval, not one per put
         # no floor: the segment is written in full before it is attached (``_sealed_segment``),
         # so every byte of it is this client's memory, and takes the time to write, from the
@@ -1477,6 +1482,7 @@ class DataClient:
                     self._staging_failures,
                 )
             self._staging_failures, self._staging_retry_at_s = 0, -math.inf
+            self._staging_logged_at_s = -math.inf
             if self._staging is not None:
                 if self.on_staging is not None:
                     self.on_staging(None)
@@ -1490,12 +1496,18 @@ class DataClient:
     def _staging_failed(self, what: str, to_do: str) -> None:
         """A new staging segment could not be had (``what``): puts that do not fit the one held
         (if any) go over the socket, and a new one is tried after a delay that doubles with each
-        failure in a row. The first failure of a row is logged (with ``to_do``), not each."""
+        failure in a row. The first failure of a row is logged (with ``to_do``), then one line
+        every STAGING_RELOG_SECONDS while the row lasts, not each: a row resets only when a
+        segment attaches, so a shortage hours after the first would otherwise go unsaid."""
+        now_s = self._monotonic_s()
         self._staging_failures += 1
         delay_s = staging_retry_delay_s(self._staging_failures)
-        self._staging_retry_at_s = time.monotonic() + delay_s
+        self._staging_retry_at_s = now_s + delay_s
+        if now_s - self._staging_logged_at_s < STAGING_RELOG_SECONDS:
+            return
+        self._staging_logged_at_s = now_s
+        held = f"{len(self._staging)} bytes" if self._staging is not None else "none"
         if self._staging_failures == 1:
-            held = f"{len(self._staging)} bytes" if self._staging is not None else "none"
             log.warning(
                 "%s; puts larger than the segment this client holds (%s) go over the Unix socket,"
                 " more slowly, and a new one is tried in %g s (then less often while it fails). "
@@ -1505,6 +1517,17 @@ class DataClient:
                 delay_s,
                 to_do,
             )
+        else:
+            log.warning(
+                "%s (%d failures in a row, no segment attached since the first); puts larger "
+                "than the segment this client holds (%s) still go over the Unix socket, more "
+                "slowly, and a new one is tried in %g s. %s",
+                what,
+                self._staging_failures,
+                held,
+                delay_s,
+                to_do[0].upper() + to_do[1:],
+            )
 
 
 #: after a staging segment could not be made or was refused, puts that need a new one go over
@@ -1512,6 +1535,9 @@ class DataClient:
 #: row, up to STAGING_RETRY_MAX_SECONDS (each try costs a segment's allocation, so not each put)
 STAGING_RETRY_FIRST_SECONDS = 1.0
 STAGING_RETRY_MAX_SECONDS = 120.0
+#: while staging segments keep failing, the failures are logged again this often (the first of
+#: a row at once), so a shortage that comes back hours later is said again
+STAGING_RELOG_SECONDS = 600.0
 
 
 def staging_retry_delay_s(failures: int) -> float:
