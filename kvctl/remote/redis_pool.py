@@ -385,6 +385,16 @@ if not cap then
 end
 local n = tonumber(ARGV[4])
 local status, khs, victims = {}, {}, {}
+-- nothing left to evict and a count still over: a count no put made (a whole number another
+-- client wrote far past what the pool holds) refused every put for good, as no eviction brings
+-- it down. Counted again from meta, once a call (O(entries), only then)
+local recounted = false
+local function recount_once()
+  if recounted then return false end
+  recounted = true
+  recount()
+  return true
+end
 for i = 1, n do
   local j = 5 + (i - 1) * 5
   local kh, size, iso, tenant = ARGV[j], tonumber(ARGV[j + 1]), ARGV[j + 2], ARGV[j + 3]
@@ -427,7 +437,7 @@ for i = 1, n do
           victims[#victims + 1] = v
         end
         redis.call('ZREM', tzset(tenant), v)
-      else
+      elseif not recount_once() then
         ok = false
       end
     end
@@ -436,7 +446,7 @@ for i = 1, n do
       if v then
         forget(v)
         victims[#victims + 1] = v
-      else
+      elseif not recount_once() then
         ok = false
       end
     end
