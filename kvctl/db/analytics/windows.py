@@ -195,10 +195,11 @@ def duration_ms(text: str) -> int:
 
 def window_of(text: str, now_ms: int) -> Window:
     """The last ``text`` (a duration) up to ``now_ms``, bucketed like the shortest named window
-    at least as long."""
+    at least as long. One reaching back before 1970, when nothing was recorded, starts there:
+    3000000d reached before year 1 (no date shows it) and 1e17 days past any database integer."""
     span = duration_ms(text)
     step = next((s for w, s in WINDOWS.values() if w >= span), WINDOWS["30d"][1])
-    return Window(text.strip(), now_ms - span, now_ms, step)
+    return Window(text.strip(), max(0, now_ms - span), now_ms, step)
 
 
 def bucket_starts(win: Window) -> list[int]:
