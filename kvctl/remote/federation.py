@@ -1526,15 +1526,29 @@ class RemoteTiers:
             staging.close()
 
     def _write_batch(self, first: bytes, staging: _WriteStaging) -> None:
+        # each key taken from the queue is done once its batch is (``flush_writes``), whatever
+        # became of it; a carried one is done with the next batch
+        taken = [0]
+        try:
+            self._write_keys(first, staging, taken)
+        finally:
+            for _ in range(taken[0]):
+                self._queue.task_done()
+
+    def _write_keys(self, first: bytes, staging: _WriteStaging, taken: list[int]) -> None:
+        """Write one batch from ``first`` on, counting in ``taken[0]`` the queued keys it took
+        care of (so far, should it raise)."""
         assert self.pool is not None
         pool = self.pool
         batch: list[tuple[ChunkMeta, bytearray | memoryview]] = []
         size = 0
         key: bytes | None = first
         while key is not None:
+            taken[0] += 1
             try:
                 got = self.store.export(key, into=staging.take)
             except _StagingFull:
+                taken[0] -= 1
                 self._carried = key  # the next batch's first
                 break
             if got is None:
@@ -1569,15 +1583,15 @@ class RemoteTiers:
                 self.write["refused"] += 1
 
     def flush_writes(self, timeout_s: float = 10.0) -> bool:
-        """Wait until the writer has taken every queued chunk (tests, clean shutdown)."""
+        """Wait until the writer has written (or given up on) every queued chunk: False if
+        ``timeout_s`` passed first. A queue seen empty is not enough: the batch the writer took
+        from it may still be on its way (on a loaded machine, for longer than any pause)."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self._queue.empty() and self._carried is None:
-                time.sleep(0.05)  # the batch it took is being written
-                if self._queue.empty() and self._carried is None:
-                    return True
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.01)
-        return False
+        return True
 
     # --- links and usage ----------------------------------------------------------------------
     def _monitor(self) -> None:
