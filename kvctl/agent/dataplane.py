@@ -503,11 +503,12 @@ class DataPlaneServer:
                 conn_sock, address = sock.accept()
             except TimeoutError:
                 continue
-            except OSError as exc:
+            except (OSError, MemoryError) as exc:
                 if self.stopping:
                     return
-                # out of descriptors (EMFILE) fails every accept until some close: one line
-                # an interval, not a traceback each time
+                # out of descriptors (EMFILE) fails every accept until some close, and memory
+                # short (MemoryError making its socket object) may: one line an interval, not
+                # a traceback each time, and never the end of the loop
                 n = self._accept_failures.count()
                 if n:
                     log.error(
