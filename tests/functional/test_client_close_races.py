@@ -1,0 +1,126 @@
+"""DataClient.close from another thread, against the calls that take a mapping. Found in review:
+close did not take the client's lock, so a close just after an ATTACH (or a MAP) was answered
+ran before the call kept the new segment (or arena): the call then kept it on a closed client,
+its memfd and mapping leaked for the life of the process. And close must not wait for a call
+blocked on a dead agent (it holds the client's lock until its socket times out)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvctl.agent.settings import AgentSettings
+from kvctl.client import AgentError, DataClient
+from kvctl.store.tiers.cpu import CpuTier
+from kvctl.wire.protocol import HEADER, HEADER_BYTES, REPLY_BIT, Op, pack_header
+from tests.functional.agents import key, payload
+from tests.functional.inprocess_node import InProcessNode
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[InProcessNode]:
+    settings = AgentSettings(name="close", data_dir=str(tmp_path), cpu_bytes=16 << 20)
+    n = InProcessNode(tmp_path, settings, [CpuTier(16 << 20, shared=True)])
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def _staging_memfds() -> int:
+    """This process's descriptors on an SDK staging segment."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile (listdir's own)
+            n += "kvctl-staging" in os.readlink(f"/proc/self/fd/{fd}")
+    return n
+
+
+def _closed_by_another_thread_after(c: DataClient, op: Op, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once ``op`` is answered, and before the call keeps what it got, another thread closes
+    ``c`` (and is done: close waits on nothing the call holds)."""
+    real = c._call_locked
+
+    def answered_then_closed(call_op: Op, *args: Any, **kwargs: Any) -> Any:
+        out = real(call_op, *args, **kwargs)
+        if call_op == op:
+            closer = threading.Thread(target=c.close)
+            closer.start()
+            closer.join(30.0)
+            assert not closer.is_alive(), "close waited on the call in progress"
+        return out
+
+    monkeypatch.setattr(c, "_call_locked", answered_then_closed)
+
+
+def test_a_segment_attached_as_another_thread_closes_the_client_is_not_leaked(
+    node: InProcessNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _staging_memfds()
+    c = DataClient.connect(node.unix)
+    assert c.shm
+    _closed_by_another_thread_after(c, Op.ATTACH, monkeypatch)
+    k = key(1, 90)
+    with pytest.raises(AgentError, match="closed"):
+        c.put(k, payload(k, 8192), tenant="t")
+    assert c.closed and c._staging is None and c._staging_fd == -1
+    assert _staging_memfds() == before  # the segment's memfd closed
+
+
+def test_an_arena_mapped_as_another_thread_closes_the_client_is_not_kept(
+    node: InProcessNode, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    c = DataClient.connect(node.unix)
+    assert c.shm
+    _closed_by_another_thread_after(c, Op.MAP, monkeypatch)
+    with pytest.raises(AgentError, match="closed"):
+        c.shared_arena()
+    assert c.closed and c._arena is None
+
+
+def test_close_does_not_wait_for_a_call_blocked_on_an_agent_that_never_answers() -> None:
+    """A guard: close must never take the lock a blocked call holds (here the socket would
+    wait an hour)."""
+    ours, theirs = socket.socketpair()
+    ours.settimeout(3600.0)
+
+    def agent_answers_hello_only() -> None:
+        head = theirs.recv(HEADER_BYTES, socket.MSG_WAITALL)
+        _magic, _version, op, rid, meta_len, _payload_len = HEADER.unpack(head)
+        theirs.recv(meta_len, socket.MSG_WAITALL)
+        meta = json.dumps({"tiers": ["cpu"]}).encode()
+        theirs.sendall(pack_header(op | REPLY_BIT, rid, len(meta), 0) + meta)
+        theirs.recv(HEADER_BYTES, socket.MSG_WAITALL)  # the PING, never answered
+
+    agent = threading.Thread(target=agent_answers_hello_only, daemon=True)
+    agent.start()
+    c = DataClient(ours, "unix", use_shm=False)
+    failed: list[BaseException] = []
+
+    def ping() -> None:
+        try:
+            c.ping()
+        except BaseException as exc:  # what the blocked call ended with
+            failed.append(exc)
+
+    caller = threading.Thread(target=ping, daemon=True)
+    caller.start()
+    agent.join(30.0)  # the PING was sent: the caller holds the client's lock, waiting
+    assert not agent.is_alive()
+    closer = threading.Thread(target=c.close)
+    closer.start()
+    closer.join(30.0)
+    assert not closer.is_alive(), "close waited for the blocked call"
+    assert c.closed
+    theirs.close()  # the agent goes: the blocked call ends
+    caller.join(30.0)
+    assert not caller.is_alive()
+    assert failed and isinstance(failed[0], AgentError), failed
