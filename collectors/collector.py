@@ -85,6 +85,7 @@ from kvctl.db.sample_checks import (
     shown,
 )
 from kvctl.deadline_transport import Abandonable, AbandonableTransport, running
+from kvctl.errors import InvalidArgument
 from kvctl.interrupts import interrupts_held
 from kvctl.profiles import ModeledInputs
 from kvctl.redact import redact_url
@@ -97,6 +98,9 @@ T = TypeVar("T")
 
 #: rows kept for retry while the database refuses writes (about a day of a 100-node fleet)
 MAX_PENDING_ROWS = 1_000_000
+#: the longest interval_s and link_interval_s (`kvctl collect --interval` takes as much): past
+#: about 1e10 s a wait overflows the platform's time_t (OverflowError in the first cycle)
+MAX_INTERVAL_S = 86_400.0
 #: times a batch refused by another collector's save is counted again from its state before
 #: it is dropped (a third save in between would take a collector saving every few ms)
 MAX_REBASES = 3
@@ -163,6 +167,19 @@ class CollectorConfig:
     #: upkeep's, whose rollups may take long, within ``maintenance_timeout_s``
     db_timeout_s: float = 60.0
     maintenance_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        # inf link_interval_s: no link probes (collect --no-links)
+        for name, value, none in (
+            ("interval_s", self.interval_s, False),
+            ("link_interval_s", self.link_interval_s, True),
+        ):
+            if not (0 < value <= MAX_INTERVAL_S or (none and value == math.inf)):
+                raise InvalidArgument(
+                    f"{name} must be above 0 and at most {MAX_INTERVAL_S:,.0f} s (a day)"
+                    + (", or inf for none" if none else "")
+                    + f", got {value}"
+                )
 
     @property
     def request_timeout_s(self) -> float:
