@@ -781,6 +781,14 @@ def _render_status(report: dict[str, Any]) -> None:
         f"p50 {format_seconds(lat['p50'])} p99 {format_seconds(lat['p99'])} (measured)",
         highlight=False,
     )
+    if malformed := index.get("malformed_entries"):
+        console.print(
+            f"[yellow]index entries skipped as malformed: {malformed:,}[/] (entries no index "
+            "wrote, met by lookups since the router started, which found no holder in them: "
+            "check what else writes to the Redis of `kvctl router serve --index`; the router's "
+            "log names the first)",
+            highlight=False,
+        )
     inventory = stats.get("inventory")
     if inventory:
         every = inventory.get("reload_s")

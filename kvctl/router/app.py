@@ -178,10 +178,20 @@ class Health(BaseModel):
     index: str = Field(description="the index's kind: embedded or redis")
     index_up: bool = Field(description="whether the index answered just now")
     index_error: str | None = Field(description="why it did not (no credentials)")
+    index_malformed_entries: int = Field(
+        description="index entries no index wrote, skipped as no holder since the router "
+        "started (counted per lookup that met one; 0 for an index that keeps none)"
+    )
     time_s: float = Field(description="the router's clock, unix seconds")
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _malformed_entries(router: Router) -> int:
+    """Entries the router's index skipped as no index's (RedisIndex.malformed_entries): only the
+    first is logged at warning, and an index holding garbage routes as if nobody held a chunk."""
+    return int(getattr(router.index, "malformed_entries", 0))
 
 
 def _parse_keys(texts: list[str]) -> list[bytes]:
@@ -344,6 +354,12 @@ class _RouterCollector:
                 "engine's entries, goes with NODE)",
                 value=float(len(owners(unknown))),
             )
+        yield CounterMetricFamily(
+            "kvctl_index_malformed_entries",
+            "Index entries no index wrote (a prefix shared by mistake, another host's bug), "
+            "skipped as no holder: counted per lookup that met one",
+            value=float(_malformed_entries(r)),
+        )
         followers = r.follower_status()
         follower_up = GaugeMetricFamily(
             "kvctl_index_follower_up",
@@ -443,6 +459,7 @@ def create_app(
             index=str(getattr(router.index, "kind", type(router.index).__name__)),
             index_up=index_up,
             index_error=index_error,
+            index_malformed_entries=_malformed_entries(router),
             time_s=now_s,
         )
 
@@ -533,6 +550,7 @@ def create_app(
             "kind": getattr(router.index, "kind", type(router.index).__name__),
             "nodes": nodes,
             "not_in_inventory": router.unknown_index_nodes(nodes),
+            "malformed_entries": _malformed_entries(router),
             "followers": router.follower_status(),
             "engines": router.engine_status(),
         }

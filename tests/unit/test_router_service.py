@@ -428,6 +428,7 @@ def test_holders_and_index_answer_as_the_index_client_reads_them(served) -> None
         "kind": "embedded",
         "nodes": {"a1": 2, "b1": 1},
         "not_in_inventory": {},
+        "malformed_entries": 0,
         "followers": [],
         "engines": [],
     }
