@@ -271,8 +271,8 @@ class DataClient:
         #: guards ``closed`` and the swap of the mappings a call makes (staging segment, arena)
         #: against ``close`` from another thread; held only for the swap, never across a wait
         #: on the agent, so a close never waits on a call blocked on a dead agent (``_lock``,
-        #: held by that call until its socket times out). Reentrant: ``on_staging`` is called
-        #: under it, and may close the client.
+        #: held by that call until its socket times out). ``on_staging`` runs under it and must
+        #: not call into the client, ``close`` included (see ``on_staging``).
         self._mappings_lock = threading.RLock()
         self._rid = 0
         #: leases a ``release_later`` block or ``hold`` left held, by the thread that took
@@ -301,7 +301,12 @@ class DataClient:
         #: told of each staging segment this client attaches (and None before it unmaps one,
         #: and on close): a CUDA engine registers the segment so device copies into it run at
         #: link speed. It must not raise, and must drop every view of a segment it is told of
-        #: when told None.
+        #: when told None. It must not call into this client (``close`` included), nor wait on
+        #: a thread that does: it runs under ``_mappings_lock`` (and ``_lock`` when a put
+        #: attaches a segment). ``close`` from another thread calls it holding
+        #: ``_mappings_lock`` only, so a call from it, which takes ``_lock``, deadlocks against
+        #: a put that holds ``_lock`` and waits for ``_mappings_lock``; a ``close`` from it
+        #: unmaps the segment the put is swapping in.
         self.on_staging: Callable[[mmap.mmap | None], None] | None = None
         self._reconnect_args: tuple[str | Path, str, float, bool] | None = None
         #: per thread: the ``timeout`` its calls run under (none: the socket's own timeout)
