@@ -2,26 +2,26 @@
 descriptor of its own (Python's mmap dups the one passed), so EMFILE comes from the mapping
 after the kernel found room for the passed one. Found in review: that refusal was logged as
 short memory ('raise LimitAS= or MemoryMax='), the wrong remedy; its cause is descriptors
-('raise LimitNOFILE='). Served in this process, whose open files limit the test sets to leave
-room for exactly one more descriptor: the one ATTACH passes."""
+('raise LimitNOFILE='). Served in a child process of its own (``_CHILD``), whose open files limit
+is set to leave room for exactly one more descriptor: the one ATTACH passes. Not in the test's
+own process: there, a descriptor closed between the limit and the ATTACH (the garbage collector
+closing a socket an earlier test leaked, in a full-suite run) gave the agent a lower slot, room
+for the dup, and the test failed. The child runs nothing but the agent, its collector off while
+the limit holds."""
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
-import logging
 import os
-import resource
 import socket
 import struct
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvctl.agent.settings import AgentSettings
-from kvctl.store.tiers.cpu import CpuTier
 from kvctl.wire.protocol import (
     HEADER,
     HEADER_BYTES,
@@ -31,22 +31,82 @@ from kvctl.wire.protocol import (
     pack_header,
     parse_error,
 )
-from tests.functional.inprocess_node import InProcessNode
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="memfd seals are Linux")
 
 SEGMENT_BYTES = 2 << 20
 F_SEAL_FUTURE_WRITE = 0x10
+REPO = Path(__file__).resolve().parents[2]
+
+#: the agent (an InProcessNode) in a process of its own, on a Unix socket whose path it prints;
+#: each line on stdin is a command, answered "done": "limit" sets its open files limit just past
+#: its lowest free descriptor (the next descriptor made fits, the one after fails EMFILE),
+#: "unlimit" sets it back. Its log goes to stderr, one record a line: "LOGGER|message".
+_CHILD = """
+import gc, logging, os, resource, sys
+from pathlib import Path
+from kvctl.agent.settings import AgentSettings
+from kvctl.store.tiers.cpu import CpuTier
+from tests.functional.inprocess_node import InProcessNode
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s|%(message)r")
+tmp = Path(sys.argv[1])
+settings = AgentSettings(name="fds", data_dir=str(tmp), cpu_bytes=16 << 20)
+node = InProcessNode(tmp, settings, [CpuTier(16 << 20, shared=True)])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+print(node.unix, flush=True)
+for line in sys.stdin:
+    if line.strip() == "limit":
+        gc.collect()
+        gc.disable()  # nothing closes a descriptor while the limit holds
+        probe = os.open(os.devnull, os.O_RDONLY)
+        os.close(probe)  # the lowest free descriptor
+        resource.setrlimit(resource.RLIMIT_NOFILE, (probe + 1, hard))
+    elif line.strip() == "unlimit":
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        gc.enable()
+    print("done", flush=True)
+node.close()
+"""
+
+
+class _Agent:
+    def __init__(self, proc: subprocess.Popen[str], unix: str) -> None:
+        self.proc, self.unix = proc, unix
+
+    def command(self, what: str) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer == "done\n", (what, answer, self.proc.poll())
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[InProcessNode]:
-    settings = AgentSettings(name="fds", data_dir=str(tmp_path), cpu_bytes=16 << 20)
-    n = InProcessNode(tmp_path, settings, [CpuTier(16 << 20, shared=True)])
+def agent(tmp_path: Path) -> Iterator[_Agent]:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=open(tmp_path / "agent.log", "w"),  # noqa: SIM115 (the child's; closed below)
+        text=True,
+    )
     try:
-        yield n
+        assert proc.stdout is not None
+        unix = proc.stdout.readline().strip()
+        assert unix, (tmp_path / "agent.log").read_text()
+        yield _Agent(proc, unix)
     finally:
-        n.close()
+        if proc.stdin is not None:
+            proc.stdin.close()  # the child's loop ends, and it closes its node
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _sealed_segment() -> int:
@@ -75,47 +135,38 @@ def _exactly(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
-@contextlib.contextmanager
-def _room_for_one_more_descriptor() -> Iterator[None]:
-    """This process's open files limit set just past its lowest free descriptor: the next
-    descriptor made (the one ATTACH passes, received by the agent's thread) fits, the one
-    after (mmap's dup of it) fails EMFILE."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    probe = os.open(os.devnull, os.O_RDONLY)
-    os.close(probe)  # the lowest free descriptor
-    resource.setrlimit(resource.RLIMIT_NOFILE, (probe + 1, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
 def test_a_segment_the_agent_has_no_descriptor_to_map_is_refused_for_want_of_descriptors(
-    node: InProcessNode, caplog: pytest.LogCaptureFixture
+    agent: _Agent, tmp_path: Path
 ) -> None:
     fd = _sealed_segment()
     attach = MetaWriter().u64(SEGMENT_BYTES).build()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(20.0)
-            sock.connect(node.unix)
+            sock.connect(agent.unix)
             op, _ = _call(sock, Op.HELLO, MetaWriter().text("").text("open-files").build())
             assert op == Op.HELLO | 0x80
-            with (
-                caplog.at_level(logging.WARNING, logger="kvctl.agent.dataplane"),
-                _room_for_one_more_descriptor(),
-            ):
+            # after the HELLO: the connection's thread and buffers are the agent's already
+            agent.command("limit")
+            try:
                 op, meta = _call(sock, Op.ATTACH, attach, fd)
+            finally:
+                agent.command("unlimit")
             assert op == Op.ERROR, op
             code, message = parse_error(meta)
             # refused, the connection kept (the SDK puts over the socket, tries again later)
             assert code == ErrorCode.BAD_REQUEST, (code, message)
             assert "Too many open files" in message and "out of descriptors" in message, message
-            lines = [r.getMessage() for r in caplog.records if "staging segment" in r.getMessage()]
-            assert len(lines) == 1, lines
-            assert "LimitNOFILE=" in lines[0] and "LimitAS=" not in lines[0], lines
             # with descriptors again, the same connection attaches the segment
             op, meta = _call(sock, Op.ATTACH, attach, fd)
             assert op == Op.ATTACH | 0x80, parse_error(meta)
     finally:
         os.close(fd)
+    log = (tmp_path / "agent.log").read_text()
+    lines = [
+        line
+        for line in log.splitlines()
+        if line.startswith("kvctl.agent.dataplane|") and "staging segment" in line
+    ]
+    assert len(lines) == 1, log
+    assert "LimitNOFILE=" in lines[0] and "LimitAS=" not in lines[0], lines
