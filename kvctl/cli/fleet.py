@@ -120,7 +120,7 @@ def add_dc_command(
         typer.Option("--carbon", metavar="G_PER_KWH", help="Grid carbon intensity, gCO2 per kWh."),
     ] = None,
     pue: Annotated[
-        float | None, typer.Option(help="Power usage effectiveness (facility / IT energy), >= 1.")
+        float | None, typer.Option(help="Power usage effectiveness (facility / IT energy), 1 to 3.")
     ] = None,
     db: DbOpt = None,
     json_out: JsonOpt = False,

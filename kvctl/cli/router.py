@@ -350,6 +350,10 @@ def load_fleet(source: FleetSource) -> tuple[Topology, dict[str, str]]:
 Rows = list[dict[str, Any]]
 
 
+#: the pool agents ``_inventory`` has logged (name, URL): a reread every 30 s would repeat it
+_POOL_AGENTS_LOGGED: set[tuple[str, str]] = set()
+
+
 def _inventory(
     dcs: dict[str, dict[str, Any]], node_rows: Rows, link_rows: Rows
 ) -> tuple[list[Node], dict[str, str], dict[tuple[str, str], DcLink]]:
@@ -380,8 +384,7 @@ def _inventory(
     if agent_urls:
         with ThreadPoolExecutor(max_workers=min(32, len(agent_urls))) as pool:
             roles = list(pool.map(role_of, agent_urls))
-    # the pool agents already logged (name, URL): a reread every 30 s would repeat the line
-    logged: set[tuple[str, str]] = _inventory.__dict__.setdefault("pool_agents_logged", set())
+    logged = _POOL_AGENTS_LOGGED
     nodes: list[Node] = []
     urls: dict[str, str] = {}
     for n, role in zip(node_rows, roles, strict=True):

@@ -89,13 +89,7 @@ def status_command(
     win = None
     if window is not None:
         with user_errors():
-            win = window_of(window, int(time.time() * 1000))
-        if win.start_ms < 0:
-            import dataclasses
-
-            # nothing was recorded before 1970: a longer window (3000000d reached back before
-            # year 1, whose date the title could not show: a bug's line) is all since then
-            win = dataclasses.replace(win, start_ms=0)
+            win = window_of(window, int(time.time() * 1000))  # from 1970 at the earliest
     engine = open_engine(db)
     try:
         with (
