@@ -509,14 +509,17 @@ class DataPlaneServer:
                 # out of descriptors (EMFILE) fails every accept until some close, and memory
                 # short (MemoryError making its socket object) may: one line an interval, not
                 # a traceback each time, and never the end of the loop
-                n = self._accept_failures.count()
-                if n:
-                    log.error(
-                        "data plane accept failed on %s: %s (%d time(s) since the last line)",
-                        transport,
-                        exc,
-                        n,
-                    )
+                # memory short, counting or making the line may fail too: raised, it ended
+                # the loop
+                with contextlib.suppress(Exception):
+                    n = self._accept_failures.count()
+                    if n:
+                        log.error(
+                            "data plane accept failed on %s: %s (%d time(s) since the last line)",
+                            transport,
+                            exc,
+                            n,
+                        )
                 time.sleep(0.1)
                 continue
             try:
@@ -564,19 +567,22 @@ class DataPlaneServer:
         """A connection that could not be taken for ``exc`` (``_take``): closed, with BUSY
         where its buffer has room, logged once an interval with a count (a flood of them must
         not flood the log)."""
-        n = self._take_failures.count()
-        if n:
-            log.error(
-                "data plane: could not take a new %s connection (%s: %s): closed %d "
-                "connection(s) so since the last line; the agent serves the others. Where it "
-                "is MemoryError, free memory or raise the agent's limits (systemd's LimitAS=, "
-                "MemoryMax=); otherwise report this line with its traceback",
-                transport,
-                type(exc).__name__,
-                exc,
-                n,
-                exc_info=exc,
-            )
+        # memory short, counting or making the line (its traceback) may fail too: raised out
+        # of here, it ended the accept loop and left this connection open
+        with contextlib.suppress(Exception):
+            n = self._take_failures.count()
+            if n:
+                log.error(
+                    "data plane: could not take a new %s connection (%s: %s): closed %d "
+                    "connection(s) so since the last line; the agent serves the others. Where "
+                    "it is MemoryError, free memory or raise the agent's limits (systemd's "
+                    "LimitAS=, MemoryMax=); otherwise report this line with its traceback",
+                    transport,
+                    type(exc).__name__,
+                    exc,
+                    n,
+                    exc_info=exc,
+                )
         with contextlib.suppress(Exception):  # short of memory, even the refusal may fail
             meta = error_meta(
                 ErrorCode.BUSY, "this agent could not take this connection now; retry later"
