@@ -387,12 +387,16 @@ local n = tonumber(ARGV[4])
 local status, khs, victims = {}, {}, {}
 -- nothing left to evict and a count still over: a count no put made (a whole number another
 -- client wrote far past what the pool holds) refused every put for good, as no eviction brings
--- it down. Counted again from meta, once a call (O(entries), only then)
+-- it down. Counted again from meta, once a call (O(entries), only then). The recency zset z is
+-- empty here: where meta still holds entries (z deleted by another client, or evicted by a
+-- server's allkeys-* maxmemory policy) they are added to it again, to evict: else every put
+-- was refused for good, each paying this O(entries) recount
 local recounted = false
-local function recount_once()
+local function recount_once(z, only_tenant)
   if recounted then return false end
   recounted = true
   recount()
+  rebuild(z, only_tenant)
   return true
 end
 for i = 1, n do
@@ -437,7 +441,7 @@ for i = 1, n do
           victims[#victims + 1] = v
         end
         redis.call('ZREM', tzset(tenant), v)
-      elseif not recount_once() then
+      elseif not recount_once(tzset(tenant), tenant) then
         ok = false
       end
     end
@@ -446,7 +450,7 @@ for i = 1, n do
       if v then
         forget(v)
         victims[#victims + 1] = v
-      elseif not recount_once() then
+      elseif not recount_once(lru) then
         ok = false
       end
     end
