@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+import kvctl.client as client_module
 from kvctl.agent.settings import AgentSettings
 from kvctl.client import AgentError, DataClient
 from kvctl.store.tiers.cpu import CpuTier
@@ -35,12 +36,15 @@ def node(tmp_path: Path) -> Iterator[InProcessNode]:
         n.close()
 
 
-def _staging_memfds() -> int:
-    """This process's descriptors on an SDK staging segment."""
+def _open_on(inode: tuple[int, int]) -> int:
+    """This process's descriptors on the file ``inode`` (st_dev, st_ino): by inode, not by
+    name, so another client's staging segment (one an earlier test leaked, closed by the
+    garbage collector meanwhile in a full-suite run) counts for nothing."""
     n = 0
     for fd in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # closed meanwhile (listdir's own)
-            n += "kvctl-staging" in os.readlink(f"/proc/self/fd/{fd}")
+            st = os.stat(f"/proc/self/fd/{fd}")
+            n += (st.st_dev, st.st_ino) == inode
     return n
 
 
@@ -64,7 +68,16 @@ def _closed_by_another_thread_after(c: DataClient, op: Op, monkeypatch: pytest.M
 def test_a_segment_attached_as_another_thread_closes_the_client_is_not_leaked(
     node: InProcessNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    before = _staging_memfds()
+    made: list[tuple[int, int]] = []
+    real_segment = client_module._sealed_segment
+
+    def recorded(size_bytes: int) -> tuple[int, Any]:
+        fd, staging = real_segment(size_bytes)
+        st = os.fstat(fd)
+        made.append((st.st_dev, st.st_ino))
+        return fd, staging
+
+    monkeypatch.setattr(client_module, "_sealed_segment", recorded)
     c = DataClient.connect(node.unix)
     assert c.shm
     _closed_by_another_thread_after(c, Op.ATTACH, monkeypatch)
@@ -72,7 +85,8 @@ def test_a_segment_attached_as_another_thread_closes_the_client_is_not_leaked(
     with pytest.raises(AgentError, match="closed"):
         c.put(k, payload(k, 8192), tenant="t")
     assert c.closed and c._staging is None and c._staging_fd == -1
-    assert _staging_memfds() == before  # the segment's memfd closed
+    assert len(made) == 1, made
+    assert _open_on(made[0]) == 0  # the segment's memfd closed (mmap's dup of it too)
 
 
 def test_an_arena_mapped_as_another_thread_closes_the_client_is_not_kept(
