@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,6 +87,13 @@ def test_a_segment_attached_as_another_thread_closes_the_client_is_not_leaked(
         c.put(k, payload(k, 8192), tenant="t")
     assert c.closed and c._staging is None and c._staging_fd == -1
     assert len(made) == 1, made
+    # the agent (in this process) holds the segment too, until its connection's thread sees
+    # the client gone: waited for, so what is left open is the client's
+    for _ in range(400):
+        if not node.server._conns:
+            break
+        time.sleep(0.05)
+    assert not node.server._conns, "the agent never closed the client's connection"
     assert _open_on(made[0]) == 0  # the segment's memfd closed (mmap's dup of it too)
 
 
