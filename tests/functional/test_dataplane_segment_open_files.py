@@ -85,15 +85,16 @@ class _Agent:
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[_Agent]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _CHILD, str(tmp_path)],
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=open(tmp_path / "agent.log", "w"),  # noqa: SIM115 (the child's; closed below)
-        text=True,
-    )
+    with open(tmp_path / "agent.log", "w") as log:  # the child's stderr (it keeps its own)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(tmp_path)],
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
     try:
         assert proc.stdout is not None
         unix = proc.stdout.readline().strip()
@@ -107,6 +108,8 @@ def agent(tmp_path: Path) -> Iterator[_Agent]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 def _sealed_segment() -> int:
