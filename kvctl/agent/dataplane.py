@@ -574,7 +574,8 @@ class DataPlaneServer:
             if n:
                 log.error(
                     "data plane: could not take a new %s connection (%s: %s): closed %d "
-                    "connection(s) so since the last line; the agent serves the others. Where "
+                    "connection(s) this way since the last such line; the agent serves the "
+                    "others. Where "
                     "it is MemoryError, free memory or raise the agent's limits (systemd's "
                     "LimitAS=, MemoryMax=); otherwise report this line with its traceback",
                     transport,
