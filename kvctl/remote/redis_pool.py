@@ -51,9 +51,14 @@ A GETRANGE costs what a GET does (the server copies the value into its reply eit
 brings at most one byte past the largest record the pool takes (``max_record_bytes``: the largest
 chunk, ``max_chunk_bytes``, plus the largest header); a longer one is a miss. Agents of a pool
 may set ``max_chunk_bytes`` apart (each agent's pool takes its ``max_chunk``): a longer record
-whose sound header declares a larger chunk and the record's length is another agent's, left in
-place. Any other longer record is broken (grown by APPEND, planted), counted in ``corrupt`` and
-deleted if the server still holds more than the bound (one O(1) script call, only then). A put
+whose sound header declares a larger chunk and the record's length, and that ``{P}:meta``
+accounts at the size it declares, is another agent's, left in place; so is a longer record of a
+format this reader does not know (a newer writer's) that meta accounts. A header is no proof
+(anyone can write magic, version and CRC), and a planted one kept would cost every read of it by
+this agent up to its whole bound, for good; so one meta does not account (one HMGET, only for
+such a record) and any other longer record (grown by APPEND, planted) is broken, counted in
+``corrupt`` and deleted if the server still holds more than the bound (one O(1) script call,
+only then). A put
 refuses a chunk over ``max_chunk_bytes`` (its own reads would not take it back). An empty value
 reads as no record (GETRANGE answers a missing key so).
 A large get is split into contiguous groups of its keys (``kvctl.remote.pool.stream_groups``),
@@ -628,8 +633,9 @@ class _Damaged:
 class _Oversized:
     """A record longer than any chunk the pool takes (``max_record_bytes``), read no further
     than one byte past the bound: a miss. One whose sound header declares a chunk larger than
-    ``max_chunk_bytes`` and the record's length is another agent's, configured for larger
-    chunks (agents of a pool need not agree on it): left in place, not counted corrupt. Any
+    ``max_chunk_bytes`` and the record's length, accounted in {P}:meta at that size, is another
+    agent's, configured for larger chunks (agents of a pool need not agree on it): left in
+    place, not counted corrupt; so is one of a newer format (``unknown``) meta accounts. Any
     other no writer made (grown by APPEND, planted: another host's bug, or hostile; a key may
     hold up to 512 MB): counted corrupt, deleted while the server still holds more than the
     bound and not a sound larger chunk's length (``_DROP_IF_LONGER_LUA``)."""
@@ -639,6 +645,17 @@ class _Oversized:
     #: the record length its sound header declares for a chunk larger than this pool takes,
     #: where the server's length (when asked) agrees; None: a broken record
     sound_bytes: int | None = None
+    #: the chunk size that sound header declares (kept only where {P}:meta accounts it so)
+    sound_size_bytes: int | None = None
+    #: what about the record's format this reader does not know (a newer writer's?), or None
+    unknown: str | None = None
+
+    @property
+    def needs_accounting(self) -> bool:
+        """Kept only where {P}:meta accounts it: a sound header or a newer format is no proof
+        (anyone can write one: magic, version and a CRC), and a smaller reader meeting a
+        planted one would pull up to its whole bound for a miss on every read, for good."""
+        return self.sound_bytes is not None or self.unknown is not None
 
     @classmethod
     def of(
@@ -653,7 +670,7 @@ class _Oversized:
             return cls(record_bytes)
         if record_bytes is not None and record_bytes != header.record_bytes:
             return cls(record_bytes)
-        return cls(record_bytes, header.record_bytes)
+        return cls(record_bytes, header.record_bytes, header.meta.size_bytes)
 
     def larger_chunk(self, max_chunk_bytes: int) -> str:
         """How the log says a sound record of a chunk larger than this pool takes."""
@@ -1034,11 +1051,12 @@ class RedisPool(SplitStreams, RemotePool):
                 out.append(None)
                 continue
             if len(value) > last:
-                # a newer writer's format first: a miss left in place, however long (judged
-                # as this reader's record, it was deleted as corrupt for every agent)
+                # a newer writer's format first: judged as this reader's record, it was
+                # deleted as corrupt for every agent (left in place only where accounted)
                 why = _unknown_format(value)
                 if why:
-                    out.append(_Unknown(why))
+                    size = length if isinstance(length, int) else None
+                    out.append(_Oversized(size, unknown=why))
                     continue
                 out.append(
                     _Oversized.of(
@@ -1164,8 +1182,8 @@ class RedisPool(SplitStreams, RemotePool):
             head, record_bytes = reply
             if int(record_bytes) > self.max_record_bytes:  # what a get would not read
                 why = _unknown_format(head)
-                if why:  # a newer writer's, left in place (as a get leaves it)
-                    self._count_unknown(h, _Unknown(why))
+                if why:  # a newer writer's only where accounted (as a get judges it)
+                    oversized.append((h, _Oversized(int(record_bytes), unknown=why)))
                     out.append(None)
                     continue
                 found = _Oversized.of(
@@ -1454,19 +1472,12 @@ class RedisPool(SplitStreams, RemotePool):
     def _oversized(
         self, h: str, found: _Oversized, oversized: list[tuple[str, _Oversized]]
     ) -> None:
-        """A read found record ``h`` oversized: counted corrupt and dropped (in ``_repair``)
-        when broken; a sound record of a larger chunk is said at debug (every read of it meets
-        it again), and asked of the server first where its length is not known yet (a
-        Cluster's read)."""
-        if found.sound_bytes is None:
+        """A read found record ``h`` oversized: counted corrupt at once when broken; one of a
+        sound header declaring a larger chunk, or of a newer format, is judged in ``_repair``
+        by {P}:meta (left in place only where accounted)."""
+        if not found.needs_accounting:
             self._count_corrupt()
-            oversized.append((h, found))
-        elif found.record_bytes is None:
-            oversized.append((h, found))
-        else:
-            log.debug(
-                "pool %s: chunk %s: %s", self.address, h, found.larger_chunk(self.max_chunk_bytes)
-            )
+        oversized.append((h, found))
 
     def _repair(
         self,
@@ -1487,6 +1498,8 @@ class RedisPool(SplitStreams, RemotePool):
         try:
             client = self._client()
             dropped: list[str] = []
+            if oversized:
+                oversized = self._judge_by_accounting(client, oversized)
             if oversized:
                 pipe = client.pipeline(transaction=False)
                 for h, o in oversized:
@@ -1550,6 +1563,35 @@ class RedisPool(SplitStreams, RemotePool):
         except (RedisError, RedisClusterException, OSError, TierUnavailable) as exc:
             log.info("pool %s: repair after a read failed: %s", self.address, exc)
 
+    def _judge_by_accounting(
+        self, client: redis.Redis | RedisCluster, oversized: Sequence[tuple[str, _Oversized]]
+    ) -> list[tuple[str, _Oversized]]:
+        """The ``oversized`` records still to drop or check on the server, once those that
+        need accounting are judged by {P}:meta (one HMGET, only when there are such): a newer
+        format's record is left in place (counted unknown) where meta accounts it; a sound
+        larger chunk's goes on to the server's length check where meta accounts it at the size
+        its header declares (or at no size meta can say). Any other is broken: counted corrupt,
+        dropped while still longer than this pool's bound (not as a larger chunk's length)."""
+        judge = [h for h, o in oversized if o.needs_accounting]
+        if not judge:
+            return list(oversized)
+        entries = dict(zip(judge, client.hmget(self._acct_keys[1], judge), strict=True))
+        out: list[tuple[str, _Oversized]] = []
+        for h, o in oversized:
+            if not o.needs_accounting:
+                out.append((h, o))
+                continue
+            entry = entries.get(h)
+            if entry is not None and o.unknown is not None:
+                self._count_unknown(h, _Unknown(o.unknown))
+                continue
+            if entry is not None and _accounted_size(entry) in (None, o.sound_size_bytes):
+                out.append((h, o))  # the server checks its length (2: left to its agent)
+                continue
+            self._count_corrupt()
+            out.append((h, _Oversized(o.record_bytes)))  # broken after all
+        return out
+
     def _count_corrupt(self) -> None:
         with self._lock:
             self.corrupt += 1
@@ -1589,6 +1631,13 @@ class RedisPool(SplitStreams, RemotePool):
 _VERSION_AT = len(record.MAGIC)
 _FLAGS_AT = _VERSION_AT + 1
 _KNOWN_FLAGS = record.FLAG_ISOLATED | record.FLAG_HAS_PARENT
+
+
+def _accounted_size(entry: bytes | str) -> int | None:
+    """The chunk size a {P}:meta entry ("size_bytes put_s isolated tenant") records, or None
+    where it records none this reader can parse (the scripts drop such an entry)."""
+    head = _text(entry).split(" ", 1)[0]
+    return int(head) if head.isdigit() else None
 
 
 def _unknown_format(value: bytes) -> str | None:
