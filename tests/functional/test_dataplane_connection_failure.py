@@ -19,8 +19,9 @@ import pytest
 import kvctl.agent.dataplane as dataplane
 from kvctl.agent.settings import AgentSettings
 from kvctl.store.tiers.cpu import CpuTier
-from kvctl.wire.protocol import HEADER, HEADER_BYTES, MetaWriter, Op, pack_header
+from kvctl.wire.protocol import HEADER, HEADER_BYTES, Op
 from tests.functional.inprocess_node import InProcessNode
+from tests.functional.raw_sockets import hello_answer_op, recv_or_eof
 
 
 @pytest.fixture
@@ -32,28 +33,6 @@ def node(tmp_path: Path) -> Iterator[InProcessNode]:
         yield n
     finally:
         n.close()
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            break
-        out += got
-    return bytes(out)
-
-
-def _hello(sock: socket.socket) -> int | None:
-    """The op of the agent's answer to a HELLO; None where it closed the connection."""
-    meta = MetaWriter().text("").text("take").build()
-    sock.sendall(pack_header(Op.HELLO, 1, len(meta), 0) + meta)
-    head = _exactly(sock, HEADER_BYTES)
-    if len(head) < HEADER_BYTES:
-        return None
-    _magic, _version, op, _rid, meta_len, _payload_len = HEADER.unpack(head)
-    _exactly(sock, meta_len)
-    return int(op)
 
 
 class _NoThread:
@@ -89,7 +68,7 @@ def test_a_connection_that_cannot_be_taken_costs_that_connection_only(
             first.settimeout(20.0)
             first.connect(node.unix)
             # refused (BUSY) and closed, unasked: never served, never left hanging
-            head = _exactly(first, HEADER_BYTES)
+            head = recv_or_eof(first, HEADER_BYTES)
             assert not head or HEADER.unpack(head)[2] == Op.ERROR, head
             while first.recv(1 << 16):  # then closed (a timeout here: left open)
                 pass
@@ -99,7 +78,7 @@ def test_a_connection_that_cannot_be_taken_costs_that_connection_only(
                 sock = held.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
                 sock.settimeout(20.0)
                 sock.connect(node.unix)
-                assert _hello(sock) == Op.HELLO | 0x80
+                assert hello_answer_op(sock, "take") == Op.HELLO | 0x80
     lines = [r.getMessage() for r in caplog.records if "could not take" in r.getMessage()]
     assert len(lines) == 1 and "MemoryError" in lines[0], lines
 
@@ -135,6 +114,6 @@ def test_an_accept_that_fails_for_want_of_memory_does_not_end_the_loop(
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(20.0)
             sock.connect(node.unix)
-            assert _hello(sock) == Op.HELLO | 0x80
+            assert hello_answer_op(sock, "take") == Op.HELLO | 0x80
     lines = [r.getMessage() for r in caplog.records if "accept failed" in r.getMessage()]
     assert lines and "no memory for the accepted socket" in lines[0], lines

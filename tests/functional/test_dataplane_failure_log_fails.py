@@ -18,8 +18,9 @@ import pytest
 import kvctl.agent.dataplane as dataplane
 from kvctl.agent.settings import AgentSettings
 from kvctl.store.tiers.cpu import CpuTier
-from kvctl.wire.protocol import HEADER, HEADER_BYTES, MetaWriter, Op, pack_header
+from kvctl.wire.protocol import Op
 from tests.functional.inprocess_node import InProcessNode
+from tests.functional.raw_sockets import hello_answer_op
 
 
 @pytest.fixture
@@ -30,28 +31,6 @@ def node(tmp_path: Path) -> Iterator[InProcessNode]:
         yield n
     finally:
         n.close()
-
-
-def _exactly(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        got = sock.recv(n - len(out))
-        if not got:
-            break
-        out += got
-    return bytes(out)
-
-
-def _hello(sock: socket.socket) -> int | None:
-    """The op of the agent's answer to a HELLO; None where it closed the connection."""
-    meta = MetaWriter().text("").text("logfail").build()
-    sock.sendall(pack_header(Op.HELLO, 1, len(meta), 0) + meta)
-    head = _exactly(sock, HEADER_BYTES)
-    if len(head) < HEADER_BYTES:
-        return None
-    _magic, _version, op, _rid, meta_len, _payload_len = HEADER.unpack(head)
-    _exactly(sock, meta_len)
-    return int(op)
 
 
 @pytest.mark.parametrize("fails", ["taking", "accepting"])
@@ -101,7 +80,8 @@ def test_a_failure_whose_line_cannot_be_logged_does_not_end_the_loop(
         for sock in socks:
             sock.settimeout(20.0)
             sock.connect(node.unix)
-            assert _hello(sock) == Op.HELLO | 0x80  # a timeout here: the loop ended
+            # a timeout here: the loop ended
+            assert hello_answer_op(sock, "logfail") == Op.HELLO | 0x80
     finally:
         for sock in socks:
             sock.close()
