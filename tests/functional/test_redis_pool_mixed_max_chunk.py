@@ -97,3 +97,36 @@ def test_a_newer_writers_longer_record_is_left_in_place(redis_url: str, redis_pr
         raw.close()
         reader.close()
         writer.close()
+
+
+def test_a_larger_writers_sound_record_costs_a_smaller_reader_no_drop_call(
+    redis_url: str, redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sound, accounted record of a larger chunk whose length came with the read (plain
+    Redis) needs no server-side length check: each read of it ran _DROP_IF_LONGER_LUA for
+    nothing (it answered 'leave it', every time)."""
+    from kvctl.remote import redis_pool
+
+    writer = RedisPool(redis_url, prefix=redis_prefix, max_chunk_bytes=1 << 20)
+    reader = RedisPool(redis_url, prefix=redis_prefix, max_chunk_bytes=4096)
+    drops: list[object] = []
+    real_eval = redis_pool._eval
+
+    def counting_eval(target: object, script: str, *args: object, **kw: object) -> object:
+        if script == redis_pool._DROP_IF_LONGER_LUA:
+            drops.append(args)
+        return real_eval(target, script, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(redis_pool, "_eval", counting_eval)
+    try:
+        large = chunk(0, size=256 << 10)
+        assert writer.put_many([large]) == [True]
+        for _ in range(3):
+            assert reader.get_many([large[0].key], tenant="a") == [None]
+        assert drops == []
+        assert reader.corrupt == 0
+        back = writer.get_many([large[0].key], tenant="a")[0]
+        assert back is not None and back.data == large[1]
+    finally:
+        reader.close()
+        writer.close()
