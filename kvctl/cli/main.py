@@ -59,6 +59,32 @@ def _finite_numbers_only(command: Any) -> None:
 
         param.callback = finite
         param._finite_only = True
+        if hasattr(param, "process_value"):
+            param.process_value = _finite_before_bounds(param, param.process_value)
+
+
+def _finite_before_bounds(param: Any, process: Any) -> Any:
+    """``process`` (a parameter's coercion, its bounds' check, then its callback), saying a
+    number that is not finite as such where the bounds' check refused it first: ``--timeout
+    inf`` read 'should be less than or equal to 3600', nan too, as if it were a large number."""
+    import math
+
+    def process_value(ctx: Any, value: Any) -> Any:
+        try:
+            return process(ctx, value)
+        except typer.BadParameter:
+            for item in value if isinstance(value, list | tuple) else (value,):
+                try:
+                    number = float(item) if isinstance(item, str) else None
+                except ValueError:
+                    continue
+                if number is not None and not math.isfinite(number):
+                    raise typer.BadParameter(
+                        f"must be a finite number, got {number}", ctx=ctx, param=param
+                    ) from None
+            raise
+
+    return process_value
 
 
 class _Root(typer.core.TyperGroup):
