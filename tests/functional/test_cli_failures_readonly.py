@@ -133,7 +133,12 @@ def test_doctor_lookup_and_evict_tell_a_hung_agent_from_one_that_is_down(tmp_pat
     assert "start the agent on gone" in rows["agent gone"]["fix"], rows["agent gone"]
     for said in (lookup, evict.output):
         flat_said = " ".join(said.split())
-        assert "took the connection but did not answer in time" in flat_said, said
+        # the client's read timeout (1 s) or, on a loaded machine where its thread reports
+        # late, the fan-out's whole-answer deadline (2 s) says it: either way hung, not down
+        assert (
+            "took the connection but did not answer in time" in flat_said
+            or "did not answer in full within 2 s: hung" in flat_said
+        ), said
         assert "is it running" not in flat_said, said
 
 
