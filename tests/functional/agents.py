@@ -95,6 +95,35 @@ def running_agent(data_dir: Path, *args: str, token: str = "") -> Iterator[Agent
             assert code == 0, f"agent exited {code} on SIGTERM:\n{agent.log()[-3000:]}"
 
 
+@contextlib.contextmanager
+def node_and_pool_agents(root: Path) -> Iterator[tuple[Agent, Agent]]:
+    """A node agent (node-a) and a pool agent (pool-1, ``--role pool``), both small, in DC fra."""
+    small = ("--cpu", "1MiB", "--disk", "2MiB")
+    with (
+        running_agent(root / "a", "--name", "node-a", "--dc", "fra", *small) as node,
+        running_agent(
+            root / "p", "--role", "pool", "--name", "pool-1", "--dc", "fra", *small
+        ) as pool,
+    ):
+        yield node, pool
+
+
+def fra_fleet(tmp_path: Path, nodes: dict[str, str], *, check_agent: bool = True) -> str:
+    """A SQLite fleet database in ``tmp_path`` with DC fra holding ``nodes`` (name: agent URL);
+    its URL."""
+    from kvctl.db.inventory import add_dc, add_node
+    from kvctl.db.migrate import open_db
+
+    url = f"sqlite:///{tmp_path / 'kvctl.db'}"
+    engine = open_db(url)
+    with engine.begin() as conn:
+        add_dc(conn, "fra")
+        for name, agent_url in nodes.items():
+            add_node(conn, name, dc="fra", agent_url=agent_url, check_agent=check_agent)
+    engine.dispose()
+    return url
+
+
 def files_holding(root: Path, *secrets: bytes) -> list[Path]:
     """The files under ``root`` holding any of ``secrets`` (one gone while it is looked at is
     skipped: an agent renames and removes its temp files as it runs)."""

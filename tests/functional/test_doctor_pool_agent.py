@@ -14,23 +14,13 @@ import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app
-from kvctl.db.inventory import add_dc, add_node
-from kvctl.db.migrate import open_db
-from tests.functional.agents import Agent, closed_port, running_agent
-
-SMALL = ("--cpu", "1MiB", "--disk", "2MiB")
+from tests.functional.agents import Agent, closed_port, fra_fleet, node_and_pool_agents
 
 
 @pytest.fixture(scope="module")
 def node_and_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agent]]:
-    root = tmp_path_factory.mktemp("doctor-pool")
-    with (
-        running_agent(root / "a", "--name", "node-a", "--dc", "fra", *SMALL) as node,
-        running_agent(
-            root / "p", "--role", "pool", "--name", "pool-1", "--dc", "fra", *SMALL
-        ) as pool,
-    ):
-        yield node, pool
+    with node_and_pool_agents(tmp_path_factory.mktemp("doctor-pool")) as agents:
+        yield agents
 
 
 @pytest.fixture(autouse=True)
@@ -41,14 +31,7 @@ def _clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _fleet(tmp_path: Path, nodes: dict[str, str]) -> str:
-    url = f"sqlite:///{tmp_path / 'kvctl.db'}"
-    engine = open_db(url)
-    with engine.begin() as conn:
-        add_dc(conn, "fra")
-        for name, agent_url in nodes.items():
-            add_node(conn, name, dc="fra", agent_url=agent_url)
-    engine.dispose()
-    return url
+    return fra_fleet(tmp_path, nodes)
 
 
 def _doctor(*args: str) -> tuple[int, dict[str, dict[str, Any]], str]:

@@ -13,23 +13,13 @@ from pathlib import Path
 import pytest
 
 from kvctl.cli.router import FleetSource, inventory_reader, load_fleet
-from kvctl.db.inventory import add_dc, add_node
-from kvctl.db.migrate import open_db
-from tests.functional.agents import Agent, closed_port, running_agent
-
-SMALL = ("--cpu", "1MiB", "--disk", "2MiB")
+from tests.functional.agents import Agent, closed_port, fra_fleet, node_and_pool_agents
 
 
 @pytest.fixture(scope="module")
 def node_and_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, Agent]]:
-    root = tmp_path_factory.mktemp("router-pool")
-    with (
-        running_agent(root / "a", "--name", "node-a", "--dc", "fra", *SMALL) as node,
-        running_agent(
-            root / "p", "--role", "pool", "--name", "pool-1", "--dc", "fra", *SMALL
-        ) as pool,
-    ):
-        yield node, pool
+    with node_and_pool_agents(tmp_path_factory.mktemp("router-pool")) as agents:
+        yield agents
 
 
 @pytest.fixture(autouse=True)
@@ -38,14 +28,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _fleet(tmp_path: Path, nodes: dict[str, str]) -> str:
-    url = f"sqlite:///{tmp_path / 'kvctl.db'}"
-    engine = open_db(url)
-    with engine.begin() as conn:
-        add_dc(conn, "fra")
-        for name, agent_url in nodes.items():
-            add_node(conn, name, dc="fra", agent_url=agent_url, check_agent=False)
-    engine.dispose()
-    return url
+    return fra_fleet(tmp_path, nodes, check_agent=False)
 
 
 def test_a_pool_agent_in_the_inventory_serves_no_request(
