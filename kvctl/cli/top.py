@@ -12,11 +12,11 @@ import typer
 
 from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import (
-    MAX_AGENT_TIMEOUT_S,
     DbOpt,
     DcOpt,
     JsonOpt,
     NodeOpt,
+    TimeoutOpt,
     db_errors,
     open_engine,
 )
@@ -47,12 +47,7 @@ def top_command(
     readonly: Annotated[
         bool, typer.Option("--readonly", help="Refuse every action (watch only).")
     ] = False,
-    timeout: Annotated[
-        float,
-        typer.Option(
-            "--timeout", help="Seconds to wait for each agent.", min=0.1, max=MAX_AGENT_TIMEOUT_S
-        ),
-    ] = 2.0,
+    timeout: TimeoutOpt = 2.0,
     theme: Annotated[
         str | None,
         typer.Option("--theme", help="Textual theme, e.g. textual-light or textual-dark."),
