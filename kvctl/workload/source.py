@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 from dataclasses import dataclass
 
@@ -13,8 +14,8 @@ from kvctl.workload.trace import TraceRequest, read_mooncake_trace
 class Workload:
     name: str
     requests: list[TraceRequest]
-    #: what names its content for token expansion: a trace's file name (wherever it is read
-    #: from), or the generator and seed
+    #: what names its content for token expansion: a trace file's name (wherever it is read
+    #: from), a digest of what a pipe gave, or the generator and seed
     content_name: str = ""
 
     @property
@@ -50,4 +51,12 @@ def load_workload(
     # /dev/stdin) is read as a stream: it was refused as "no such file", though it was there
     if not path.exists():
         raise FileNotFoundError(2, "no such trace file", str(path))
-    return Workload(str(path), read_mooncake_trace(path, limit=limit), path.name)
+    if path.is_file() or path.is_dir():  # a directory: read_mooncake_trace refuses it
+        return Workload(str(path), read_mooncake_trace(path, limit=limit), path.name)
+    # A stream's name says nothing of its content: /dev/fd/63 from `<(zcat a.jsonl.gz)` and
+    # `<(zcat b.jsonl.gz)` alike, and every /dev/stdin. Named by their file name ("63",
+    # "stdin"), two different traces salted their tokens alike and shared chunks in a replay;
+    # named by a digest of the lines read, equal content shares, as a file read again does.
+    digest = hashlib.sha256()
+    requests = read_mooncake_trace(path, limit=limit, digest=digest)
+    return Workload(str(path), requests, f"stream sha256:{digest.hexdigest()}")

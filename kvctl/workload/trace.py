@@ -8,17 +8,21 @@ whole prefix up to that block is equal), one per ``block_tokens`` tokens, the la
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import pathlib
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from kvctl import json_text
 from kvctl.errors import InvalidArgument
 from kvctl.store.index import check_tenant
 from kvctl.workload.segments import Segment
+
+if TYPE_CHECKING:
+    from hashlib import _Hash
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 # ../shared/data beside the checkout: the data set must never be copied into the repository.
@@ -31,6 +35,11 @@ MAX_BLOCK_ID = 2**64 - 1
 #: the largest timestamp (ms) or length: an int64, epoch nanoseconds included; a timestamp past
 #: a float's range (10**400) failed kvctl replay --speed's wait in its division, mid-run
 MAX_TRACE_COUNT = 2**63 - 1
+#: the longest trace line read (bytes, its newline not counted): a record's longest line in the
+#: shared Mooncake trace is 2,698 bytes (374 hash ids). Without a bound, input with no newline
+#: (--trace /dev/zero, a binary file, a stream that never ends its line) was read forever and
+#: held in memory whole
+MAX_TRACE_LINE_BYTES = 64 * 1024 * 1024
 
 
 def _blocks_for(input_tokens: int, block_tokens: int) -> int:
@@ -208,25 +217,58 @@ def _parse_line(
         raise TraceFormatError(path, line_no, problem) from None
 
 
+def _bytes_said(n_bytes: int) -> str:
+    mib, rest = divmod(n_bytes, 1024 * 1024)
+    return f"{mib} MiB" if mib and not rest else f"{n_bytes:,} bytes"
+
+
+def _bounded_lines(
+    lines: BinaryIO, max_line_bytes: int, path: str | pathlib.Path
+) -> Iterator[bytes]:
+    """The lines of ``lines``, each read with at most ``max_line_bytes`` bytes before its
+    newline; a longer one raises TraceFormatError with its line number, once that much is read."""
+    for line_no in itertools.count(1):
+        raw = lines.readline(max_line_bytes + 1)
+        if not raw:
+            return
+        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+            raise TraceFormatError(
+                path,
+                line_no,
+                f"line longer than {_bytes_said(max_line_bytes)} with no newline: not a trace "
+                "record (one is a few KiB: one JSON object per line); is this a JSONL trace?",
+            )
+        yield raw
+
+
 def read_mooncake_trace(
     path: str | pathlib.Path,
     *,
     block_tokens: int = DEFAULT_BLOCK_TOKENS,
     limit: int | None = None,
+    max_line_bytes: int | None = None,
+    digest: _Hash | None = None,
 ) -> list[TraceRequest]:
-    """Read a Mooncake JSONL trace; blank lines are skipped, ``limit`` caps the requests read."""
+    """Read a Mooncake JSONL trace; blank lines are skipped, ``limit`` caps the requests read.
+    A line longer than ``max_line_bytes`` (default :data:`MAX_TRACE_LINE_BYTES`) is refused.
+    ``digest`` (a ``hashlib`` hash) is updated with each line read, for naming a stream by its
+    content."""
     if block_tokens <= 0:
         raise InvalidArgument(f"block_tokens must be positive, got {block_tokens}")
     if limit is not None and limit < 0:
         raise InvalidArgument(f"limit must be non-negative, got {limit}")
+    if max_line_bytes is None:
+        max_line_bytes = MAX_TRACE_LINE_BYTES  # read at call time, so tests can lower it
     requests: list[TraceRequest] = []
     prefixes = _PrefixCheck(path)
     try:
         # read as bytes, decoded line by line: a bad byte is named with its line
         with open(path, "rb") as lines:
-            for line_no, raw in enumerate(lines, start=1):
+            for line_no, raw in enumerate(_bounded_lines(lines, max_line_bytes, path), start=1):
                 if limit is not None and len(requests) >= limit:
                     break
+                if digest is not None:
+                    digest.update(raw)
                 for request in _parse_line(path, line_no, raw, block_tokens):
                     problem = prefixes.problem(request.block_ids, line_no)
                     if problem:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from kvctl.cli.main import app
@@ -73,3 +74,95 @@ def test_dev_null_is_an_empty_trace_not_a_missing_one() -> None:
 def test_a_missing_trace_is_still_no_such_file(tmp_path: Path) -> None:
     result = runner.invoke(app, ["simulate", "--trace", str(tmp_path / "nope.jsonl")])
     assert result.exit_code == 2 and "no such file" in result.output
+
+
+@contextmanager
+def _endless_fifo(tmp_path: Path, head: bytes, line_bytes: int) -> Iterator[Path]:
+    """A FIFO that gives ``head``, then ``line_bytes`` zeros with no newline (a bounded
+    /dev/zero: the test must end even if the reader does not stop)."""
+    path = tmp_path / "zero.fifo"
+    os.mkfifo(path)
+
+    def write() -> None:
+        chunk = b"0" * (1 << 20)
+        try:
+            with open(path, "wb") as out:
+                out.write(head)
+                for start in range(0, line_bytes, len(chunk)):
+                    out.write(chunk[: line_bytes - start])
+        except BrokenPipeError:  # the reader stopped at the bound: what is tested
+            pass
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    try:
+        yield path
+    finally:
+        if writer.is_alive():
+            with open(path, "rb") as drain:
+                drain.read()
+        writer.join()
+
+
+def test_a_line_past_the_bound_is_refused_with_its_number(tmp_path: Path) -> None:
+    # --trace /dev/zero (no newline, ever) was read forever into memory; now the reading stops
+    # at MAX_TRACE_LINE_BYTES (64 MiB) and names the line. 1 MiB past it, then the writer ends.
+    head = _line(0, [0, 1]).encode()
+    with _endless_fifo(tmp_path, head, (64 << 20) + (1 << 20)) as fifo:
+        result = runner.invoke(app, ["simulate", "--trace", str(fifo)])
+    assert result.exit_code == 2, result.output
+    assert f"{fifo}:2: line longer than 64 MiB with no newline" in result.output
+
+
+def test_the_line_bound_counts_bytes_before_the_newline(tmp_path: Path) -> None:
+    from kvctl.errors import InvalidArgument
+    from kvctl.workload.trace import read_mooncake_trace
+
+    line = _line(0, [0, 1]).encode()
+    at_bound = tmp_path / "at.jsonl"
+    at_bound.write_bytes(line)
+    requests = read_mooncake_trace(at_bound, max_line_bytes=len(line) - 1)  # newline not counted
+    assert len(requests) == 1
+    below = len(line) - 2
+    with pytest.raises(InvalidArgument, match=rf"at\.jsonl:1: line longer than {below} bytes"):
+        read_mooncake_trace(at_bound, max_line_bytes=below)
+
+
+def _salt_of_a_fifo(tmp_path: Path, text: str) -> tuple[str, int]:
+    from kvctl.workload.source import load_workload
+
+    tmp_path.mkdir()
+    with _fifo(tmp_path, text) as fifo:
+        loaded = load_workload(fifo)
+    assert loaded.name == str(fifo)  # said as given
+    return loaded.content_name, loaded.salt
+
+
+def test_a_streams_content_is_named_by_its_content_not_its_file_name(tmp_path: Path) -> None:
+    # A pipe's name says nothing of its content (/dev/fd/63 for every `<(...)`), and the replay
+    # salts a workload's tokens by its content name: two different traces each read from a pipe
+    # were both "63" (here both "trace.fifo") and shared chunks in the agents.
+    one = "".join(_line(i, [0, 1, 10 + i]) for i in range(3))
+    two = "".join(_line(i, [0, 1, 20 + i]) for i in range(3))
+    name_one, salt_one = _salt_of_a_fifo(tmp_path / "a", one)
+    name_two, salt_two = _salt_of_a_fifo(tmp_path / "b", two)
+    name_again, salt_again = _salt_of_a_fifo(tmp_path / "c", one)
+    assert salt_one != salt_two and name_one != name_two
+    assert name_one.startswith("stream sha256:")
+    assert (name_again, salt_again) == (name_one, salt_one)  # the same content shares
+
+
+def test_dev_fd_is_not_named_by_its_descriptor_number() -> None:
+    from kvctl.workload.source import load_workload
+
+    read_end, write_end = os.pipe()
+    try:
+        with os.fdopen(write_end, "w", encoding="utf-8") as out:
+            out.write(_line(0, [0, 1]))
+        loaded = load_workload(f"/dev/fd/{read_end}")
+    finally:
+        os.close(read_end)
+    assert len(loaded.requests) == 1
+    assert loaded.name == f"/dev/fd/{read_end}"
+    assert loaded.content_name != str(read_end)
+    assert loaded.content_name.startswith("stream sha256:")
