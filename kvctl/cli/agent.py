@@ -549,7 +549,7 @@ def stop_command(
     (HTTP and data plane, 10 s at most each), then for its gpu and cpu tiers' unpinned chunks
     to go down to disk, hottest first (stop_demote_seconds, default 15 s), so its next start
     has them. Exits 1 when --data-dir holds no record of an agent (a mistyped path stops
-    nothing).
+    nothing), 2 when it is a file (or under one).
 
     Examples:
 
@@ -569,7 +569,7 @@ def stop_command(
         try:  # a mistyped --data-dir is not "nothing to stop": the agent meant runs on
             recorded_agent(settings.data_path, running=False)
         except NoAgentHere as exc:
-            fail(str(exc), hint=exc.hint, code=1)
+            fail(str(exc), hint=exc.hint, code=_no_agent_code(settings.data_path))
     try:
         stopped = stop_agent_saying(settings.data_path, timeout_s=timeout, force=force)
     except TimeoutError as exc:
@@ -614,14 +614,30 @@ def _where(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
     return settings, control_url_for(settings.data_path, settings.control_url, named=home.named)
 
 
+def _no_agent_code(data_dir: Path) -> int:
+    """The exit code of a data dir that records no agent: 2 (a usage error, as `kvctl agent
+    start --data-dir FILE` has it) when it is a file or runs through one, which no agent can
+    ever run from; else 1: no agent runs there now, a state of this node."""
+    for path in (data_dir, *data_dir.parents):
+        try:
+            mode = path.stat().st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # the nearest existing path above it says
+        except OSError:
+            return 1
+        return 1 if stat.S_ISDIR(mode) else 2
+    return 1
+
+
 def _target(home: AgentHome, url: str | None) -> tuple[AgentSettings, str]:
-    """:func:`_where`, exiting 1 with the reason when a --data-dir has no agent to ask."""
+    """:func:`_where`, exiting 1 with the reason when a --data-dir has no agent to ask (2 when
+    it is a file)."""
     from kvctl.agent.daemon import NoAgentHere
 
     try:
         return _where(home, url)
     except NoAgentHere as exc:
-        fail(str(exc), hint=exc.hint, code=1)
+        fail(str(exc), hint=exc.hint, code=_no_agent_code(home.load().settings.data_path))
 
 
 TOKEN_HINT = (
@@ -716,7 +732,8 @@ def status_command(
     """Is the agent up, where does it listen, how full are its tiers, what is its hit ratio.
     Exits 1 when the agent is down, does not answer (hung: it is not called down), is not an
     agent, refuses the token or is still opening its tiers (it is up then, and says so), or
-    when --data-dir records no running agent (no other agent is asked then).
+    when --data-dir records no running agent (no other agent is asked then); 2 when
+    --data-dir is a file (or under one).
 
     Examples:
 
@@ -738,7 +755,7 @@ def status_command(
     except NoAgentHere as exc:
         if json_out:
             print_json(unread(None) | {"error": str(exc)})
-        fail(str(exc), hint=exc.hint, code=1)
+        fail(str(exc), hint=exc.hint, code=_no_agent_code(home.load().settings.data_path))
     report = unread(target)
     failure: AgentError | None = None
     try:
