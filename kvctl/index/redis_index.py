@@ -5,7 +5,8 @@ differs. Key layout, for ``prefix`` P (node names and tenants may hold any chara
 Redis keys carry them as hex, hash fields and values carry their UTF-8 bytes)::
 
     P k:<keyhex>      hash: node -> "size_bytes tokens isolated(0|1) len(tier) " tier tenant
-                      (one hash per chunk: ``holders`` is one HGETALL per key)
+                      (one hash per chunk: ``holders`` reads each whole, in one script,
+                      unless past ``MAX_HOLDERS_PER_CHUNK`` or ``MAX_CHUNK_HASH_BYTES``)
     P n:<nodehex>     set of the keyhexes the node holds (what ``drop``/``replace`` delete)
     P nodes           hash: node -> entries (``nodes()``: one HGETALL, with P markers')
     P markers         hash: node -> the marker its first resync left (``marker()``: one HGET;
@@ -44,12 +45,13 @@ Writes run in one Lua script per group of events, so each group is atomic and th
 count equals the node's set (while the server loses nothing); an ``apply`` is one round trip
 whatever its size (its groups pipelined). ``replace`` is one MULTI/EXEC of its scripts (drop,
 then the new holding): a reader never sees the node half dropped or half filled. ``holders`` is
-one MULTI/EXEC of an HGETALL per key (a chain of 64 keys is one round trip, and one consistent
+one script reading each key's hash (a chain of 64 keys is one round trip, and one consistent
 snapshot); the tenant filter runs here, on the decoded entries, with ``EmbeddedIndex``'s rule.
 
 Any client of the server can write these keys (a prefix shared by mistake, another host's bug,
 or hostile): what no index wrote is left out, and logged, never a failure of every reader. An
-entry under a chunk's hash is no holder (``holders``); a count in P nodes that is none (not
+entry under a chunk's hash is no holder, nor any of a hash past the bounds a fleet's holders
+keep within, which is not read (``holders``); a count in P nodes that is none (not
 decimal digits up to 2**63 - 1), or a node name that is no UTF-8, leaves out that node alone
 (``nodes``); a count in P markers that is none is counted from the node's set again.
 
@@ -63,6 +65,7 @@ import json
 import logging
 import math
 import re
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -240,6 +243,33 @@ return {marker, '', scan[1], #scan[2]}
 """
 )
 
+#: the most holders one chunk's hash is read with (one field per node holding the chunk, and
+#: per engine feeding its own events), and the most bytes the server's accounting of it may
+#: take (MEMORY USAGE, overhead included: ~570 KiB for 4,096 holders of 100-byte names and
+#: entries): a hash past either is skipped whole and counted as malformed, not sent over the
+#: network at every lookup over its key
+MAX_HOLDERS_PER_CHUNK = 4096
+MAX_CHUNK_HASH_BYTES = 1 << 20
+
+# KEYS: the chunk hashes. ARGV[1]: MAX_HOLDERS_PER_CHUNK, ARGV[2]: MAX_CHUNK_HASH_BYTES. Returns,
+# per key, its HGETALL, or its field count when past either bound. HLEN first: O(1), so a hash
+# of millions of fields costs no more than a sound one; MEMORY USAGE is O(1) for the small
+# (listpack) hashes of the normal path, O(fields) past them, which HLEN bounded.
+_HOLDERS_LUA = """#!lua flags=no-writes
+local max_fields, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
+local out = {}
+for i, key in ipairs(KEYS) do
+  local n = redis.call('HLEN', key)
+  if n > max_fields
+      or (n > 0 and (redis.call('MEMORY', 'USAGE', key, 'SAMPLES', '0') or 0) > max_bytes) then
+    out[i] = n
+  else
+    out[i] = redis.call('HGETALL', key)
+  end
+end
+return out
+"""
+
 # KEYS: as _BODY's. ARGV[1]: the node. After ``purge`` removed the node's fields: its set and
 # counts go (unknown until the resync that follows), its marker stays.
 _PURGED_LUA = """#!lua flags=allow-oom
@@ -325,10 +355,16 @@ class RedisIndex:
         self._markers_key = self._prefix + b"markers"
         self._claims_key = self._prefix + b"claims"
         #: the (field, value) pairs of P nodes last said to be no node's count: each is said
-        #: once while it stays (``nodes`` is read on every status and inventory reread)
+        #: and counted once while it stays (``nodes`` is read on every status and inventory
+        #: reread, from several threads)
         self._bad_counts_said: set[tuple[bytes, bytes]] = set()
-        #: entries ``holders`` skipped as no index's writing since this index was opened
-        self.malformed_entries = 0
+        #: entries skipped as no index's writing since this index was opened (``holders``'
+        #: each time a lookup meets one, ``nodes``' once while it stays); guards
+        #: ``_bad_counts_said`` too
+        self._malformed_entries = 0
+        self._malformed_lock = threading.Lock()
+        #: the kinds of malformed entries said at warning already (then at debug)
+        self._malformed_said: set[str] = set()
         if client is not None:
             if client.connection_pool.connection_kwargs.get("decode_responses"):
                 raise InvalidArgument("the index's Redis client must not decode responses")
@@ -473,16 +509,22 @@ class RedisIndex:
         if not keys:
             return []
         asking = _utf8(tenant)
+        names = [self._chunk_prefix + key.hex().encode() for key in keys]
         with self._guard():
-            # one round trip and one snapshot (a replace in flight is seen whole or not at all)
-            pipe = self._client.pipeline(transaction=True)
-            for key in keys:
-                pipe.hgetall(self._chunk_prefix + key.hex().encode())
-            replies: list[dict[bytes, bytes]] = pipe.execute()
+            # one round trip and one snapshot (a script runs whole: a replace in flight is seen
+            # whole or not at all); a hash past the bounds comes back as its field count
+            reply = self._client.eval(
+                _HOLDERS_LUA, len(names), *names, MAX_HOLDERS_PER_CHUNK, MAX_CHUNK_HASH_BYTES
+            )
+            replies = cast("list[list[bytes] | int]", reply)
         out: list[list[Holding]] = []
         for key, held in zip(keys, replies, strict=True):
             row: list[Holding] = []
-            for node, value in held.items():
+            if isinstance(held, int):
+                self._oversized_chunk(key, held)
+                out.append(row)
+                continue
+            for node, value in zip(held[::2], held[1::2], strict=True):
                 try:
                     holding = _holding(node, value, asking)
                 except ValueError as exc:
@@ -494,14 +536,33 @@ class RedisIndex:
             out.append(row)
         return out
 
+    def _oversized_chunk(self, key: bytes, fields: int) -> None:
+        """A chunk's hash past ``MAX_HOLDERS_PER_CHUNK`` fields or ``MAX_CHUNK_HASH_BYTES``: no
+        index writes one (one field per node holding the chunk), so it was planted (a prefix
+        shared by mistake, or hostile). Read whole, every lookup over its key pulled it from
+        the server, every router's; its ``fields`` entries are skipped and counted, no holder
+        (its sound ones too: a worse route, never wrong data), said at warning the first time."""
+        first = self._count_malformed(fields, "oversized chunk")
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "index at %s: the hash of chunk %s (%d entries) is past what an index writes (%d "
+            "entries, %d bytes at most); skipped whole, not read (a prefix shared by mistake, "
+            "or another writer: delete the key)",
+            self.address,
+            key.hex(),
+            fields,
+            MAX_HOLDERS_PER_CHUNK,
+            MAX_CHUNK_HASH_BYTES,
+        )
+
     def _malformed_entry(self, key: bytes, node: bytes, value: bytes, exc: ValueError) -> None:
         """An entry no RedisIndex wrote (a prefix shared by mistake, another host's bug, or
         hostile): no holder, the key's sound holders stand. It failed every lookup over its
         key (IndexUnavailable: the router's answers 503, its index said to be down). Said at
         warning the first time, then at debug: every lookup over the key meets it again."""
-        self.malformed_entries += 1
+        first = self._count_malformed(1, "entry")
         log.log(
-            logging.WARNING if self.malformed_entries == 1 else logging.DEBUG,
+            logging.WARNING if first else logging.DEBUG,
             "index at %s: malformed entry for %s under node %s: %s (value %s); skipped, not a "
             "holder (a resync of the node writes its entries again)",
             self.address,
@@ -510,6 +571,22 @@ class RedisIndex:
             exc,
             _shown(value),
         )
+
+    @property
+    def malformed_entries(self) -> int:
+        """Entries skipped as no index's writing since this index was opened: each chunk entry
+        every time ``holders`` meets it, and each node count ``nodes`` left out, once while it
+        stays."""
+        return self._malformed_entries
+
+    def _count_malformed(self, n: int, kind: str) -> bool:
+        """Add ``n`` to ``malformed_entries`` (lookups run on many threads); whether it is the
+        first of its ``kind`` (said at warning, the others at debug)."""
+        with self._malformed_lock:
+            self._malformed_entries += n
+            first = kind not in self._malformed_said
+            self._malformed_said.add(kind)
+            return first
 
     def nodes(self) -> dict[str, int]:
         with self._guard():
@@ -542,7 +619,12 @@ class RedisIndex:
                 )
             elif n > 0:
                 out[name] = n
-        for field, raw in bad.keys() - self._bad_counts_said:
+        # one lock: two reads at once must neither both say and count a new one, nor lose one
+        with self._malformed_lock:
+            new = bad.keys() - self._bad_counts_said
+            self._bad_counts_said = set(bad)
+            self._malformed_entries += len(new)
+        for field, raw in new:
             log.warning(
                 "index at %s: node %s: %s (a prefix shared by mistake, or another writer); "
                 "the node is left out of the index's nodes until a write of its entries "
@@ -551,7 +633,6 @@ class RedisIndex:
                 _shown(field),
                 bad[field, raw],
             )
-        self._bad_counts_said = set(bad)
         return dict(sorted(out.items()))
 
     # --- ClaimingIndex -------------------------------------------------------------------

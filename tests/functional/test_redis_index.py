@@ -20,7 +20,12 @@ from hypothesis import HealthCheck, given, settings
 from kvctl.index.events import ChunkEvent
 from kvctl.index.model import EmbeddedIndex, FleetIndex, Holding, NodeCheck
 from kvctl.index.open import open_index
-from kvctl.index.redis_index import RedisIndex
+from kvctl.index.redis_index import (
+    MAX_CHUNK_HASH_BYTES,
+    MAX_HOLDERS_PER_CHUNK,
+    RedisIndex,
+    encode_entry,
+)
 from kvctl.index.remote import IndexUnavailable
 from tests.conftest import RedisServer, _free_port, _redis_binary
 from tests.functional.index_before_counts import IndexBeforeCounts
@@ -248,6 +253,50 @@ def test_an_entry_not_written_by_an_index_is_no_holder_not_a_failed_index(
     assert [[h.node for h in row] for row in rows] == [["n"], []]
     assert fresh.malformed_entries == 1
     assert "malformed entry" in caplog.text and "intruder" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("fields", "tenant_bytes", "read"),
+    [
+        (MAX_HOLDERS_PER_CHUNK, 10, True),
+        (MAX_HOLDERS_PER_CHUNK + 1, 10, False),
+        (2, 2 * MAX_CHUNK_HASH_BYTES, False),
+    ],
+    ids=["at-the-holders-bound", "past-the-holders-bound", "past-the-bytes-bound"],
+)
+def test_a_chunk_hash_past_what_a_fleet_writes_is_not_read(
+    fresh: RedisIndex,
+    redis_url: str,
+    fields: int,
+    tenant_bytes: int,
+    read: bool,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A chunk's hash was read whole (HGETALL) at every lookup over its key: one planted with
+    thousands of entries that parse (or a few megabytes long) made every router pull it from the
+    server and plan every entry as a holder, at every lookup. Past MAX_HOLDERS_PER_CHUNK fields
+    or MAX_CHUNK_HASH_BYTES it is skipped whole, its entries counted as malformed; other keys'
+    holders stand, and a hash at the bound is read as written."""
+    fresh.apply("n", [stored(0), stored(1)])
+    planted = {
+        f"node-{i:05d}".encode(): encode_entry(stored(0, tenant="t" * tenant_bytes))
+        for i in range(fields - 1)
+    }
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        raw.hset(f"{fresh.prefix}k:{key(0).hex()}", mapping=planted)
+    finally:
+        raw.close()
+    with caplog.at_level(logging.WARNING, logger="kvctl.index.redis_index"):
+        for _ in range(2):  # every lookup over the key meets it again: said once
+            rows = fresh.holders([key(0), key(1)], tenant="acme")
+    assert [h.node for h in rows[1]] == ["n"]
+    said = [r.getMessage() for r in caplog.records]
+    if read:
+        assert len(rows[0]) == fields and fresh.malformed_entries == 0 and not said
+    else:
+        assert rows[0] == [] and fresh.malformed_entries == 2 * fields
+        assert len(said) == 1 and key(0).hex() in said[0] and "skipped whole" in said[0], said
 
 
 def test_an_entry_with_counts_past_an_int64_is_not_a_holder(
@@ -518,6 +567,34 @@ def test_a_count_not_written_by_an_index_leaves_out_its_node_alone(
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1, said
     assert "left out" in said[0]
+    assert fresh.malformed_entries == 1  # counted as said: once while it stays
+
+
+def test_a_node_left_out_for_its_count_is_counted_once_while_it_stays(
+    fresh: RedisIndex, redis_url: str
+) -> None:
+    """A node nodes() left out for a count that is none was logged but not counted: an operator
+    reading index_malformed_entries (/v1/health, /metrics, router status) saw 0 while a node was
+    missing from the index's nodes. It is counted once while it stays (nodes() is read on every
+    status and inventory reread: counting each read would count reads, not what the index
+    holds), and again when it comes back after it was repaired."""
+    fresh.apply("n", [stored(0)])
+    raw = redis.Redis.from_url(redis_url)
+    try:
+        raw.hset(f"{fresh.prefix}nodes", b"x", b"garbage")
+        for _ in range(3):
+            assert fresh.nodes() == {"n": 1}
+        assert fresh.malformed_entries == 1
+        raw.hset(f"{fresh.prefix}nodes", b"y", b"-1")
+        assert fresh.nodes() == {"n": 1}
+        assert fresh.malformed_entries == 2
+        raw.hdel(f"{fresh.prefix}nodes", b"x", b"y")  # repaired
+        assert fresh.nodes() == {"n": 1}
+        raw.hset(f"{fresh.prefix}nodes", b"x", b"garbage")  # and planted again
+        assert fresh.nodes() == {"n": 1}
+        assert fresh.malformed_entries == 3
+    finally:
+        raw.close()
 
 
 def test_a_count_kept_for_a_node_that_is_no_count_is_not_counted_on(
