@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 
 from kvctl.cli.extras import needs_extra
-from kvctl.cli.options import DbOpt, open_engine
+from kvctl.cli.options import MFU_DEFAULT, DbOpt, MfuOpt, open_engine
 from kvctl.cli.output import console, fail
 from kvctl.wire.address import is_loopback
 
@@ -44,9 +44,7 @@ def dashboard_command(
     gpu: Annotated[
         str, typer.Option("--gpu", help="GPU profile of nodes whose GPU model is unknown.")
     ] = "h100",
-    mfu: Annotated[
-        float, typer.Option("--mfu", help="Prefill MFU of modeled figures.", min=0.01, max=1.0)
-    ] = 0.5,
+    mfu: MfuOpt = MFU_DEFAULT,
     auth_user: Annotated[
         str | None,
         typer.Option(

@@ -93,6 +93,19 @@ WorkloadOpt = Annotated[
     ),
 ]
 SeedOpt = Annotated[int, typer.Option("--seed", help="Seed of the generated workload.")]
+#: kvctl.profiles.DEFAULT_MFU, not imported here: every command's module loads this one
+MFU_DEFAULT = 0.5
+#: the --mfu of every command that models prefill (plan, replay, dashboard, router serve):
+#: below 1% no GPU runs prefill, and above 1 is more than the GPU's peak
+MfuOpt = Annotated[
+    float,
+    typer.Option(
+        "--mfu",
+        help="Prefill MFU (model FLOPs utilisation) of the modeled figures.",
+        min=0.01,
+        max=1.0,
+    ),
+]
 LimitOpt = Annotated[int | None, typer.Option("--limit", help="Only the first N requests.", min=1)]
 TenantsOpt = Annotated[
     int,

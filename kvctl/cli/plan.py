@@ -9,9 +9,11 @@ import typer
 from rich.markup import escape
 
 from kvctl.cli.options import (
+    MFU_DEFAULT,
     DbOpt,
     JsonOpt,
     LimitOpt,
+    MfuOpt,
     SeedOpt,
     TraceOpt,
     WorkloadOpt,
@@ -66,15 +68,7 @@ def plan_command(
     ] = None,
     model: Annotated[str, typer.Option("--model", help="Model profile.")] = "llama-3.1-8b",
     gpu: Annotated[str, typer.Option("--gpu", help="GPU profile.")] = "h100",
-    mfu: Annotated[
-        float | None,
-        typer.Option(
-            "--mfu",
-            help="Prefill MFU (model FLOPs utilisation). [default: 0.5]",
-            min=0.01,
-            max=1.0,
-        ),
-    ] = None,
+    mfu: MfuOpt = MFU_DEFAULT,
     policy: Annotated[
         str, typer.Option("--policy", help="Eviction policy of every tier.")
     ] = "lineage-lru",
@@ -120,7 +114,7 @@ def plan_command(
     single tier from 1% to 100% of the workload's unique blocks.
     """
     from kvctl.errors import InvalidArgument
-    from kvctl.profiles import DEFAULT_MFU, ModeledInputs, gpu_profile, model_profile
+    from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
     from kvctl.units import parse_size
     from kvctl.workload.plan import DEFAULT_DISTANCES_KM, plan
 
@@ -128,9 +122,7 @@ def plan_command(
         fail("--dc names the DC a saved plan is for: add --save")
     saving: Engine | None = None
     with user_errors(hint="see `kvctl plan --help`"):
-        inputs = ModeledInputs(
-            model_profile(model), gpu_profile(gpu), DEFAULT_MFU if mfu is None else mfu
-        )
+        inputs = ModeledInputs(model_profile(model), gpu_profile(gpu), mfu)
         tiers_bytes: dict[str, int] = {}
         for name, text in (("cpu", cpu), ("disk", disk), ("remote", remote)):
             try:

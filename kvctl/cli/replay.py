@@ -13,11 +13,13 @@ import typer
 from rich.markup import escape
 
 from kvctl.cli.options import (
+    MFU_DEFAULT,
     AllOpt,
     DbOpt,
     DcOpt,
     JsonOpt,
     LimitOpt,
+    MfuOpt,
     NodeOpt,
     SeedOpt,
     TenantsOpt,
@@ -45,10 +47,6 @@ ModelOpt = Annotated[
     ),
 ]
 GpuOpt = Annotated[str, typer.Option("--gpu", help="GPU profile for modeled figures.")]
-#: as the dashboard's and the router's --mfu: below 1% no GPU runs prefill
-MfuOpt = Annotated[
-    float, typer.Option("--mfu", help="Prefill MFU for modeled figures.", min=0.01, max=1.0)
-]
 
 
 def parse_fraction(text: str) -> float:
@@ -143,7 +141,7 @@ def replay_command(
         ),
     ] = True,
     gpu: GpuOpt = "h100",
-    mfu: MfuOpt = 0.5,
+    mfu: MfuOpt = MFU_DEFAULT,
     db: DbOpt = None,
     json_out: JsonOpt = False,
 ) -> None:

@@ -19,10 +19,12 @@ import typer
 from kvctl.cli.extras import needs_extra
 from kvctl.cli.options import (
     MAX_CHUNK_TOKENS,
+    MFU_DEFAULT,
     DbOpt,
     JsonOpt,
     KeyOpt,
     KeysFileOpt,
+    MfuOpt,
     TextOpt,
     TokenizerOpt,
     TokensOpt,
@@ -182,9 +184,7 @@ class CostFlags:
         ),
     ] = "llama-3.1-8b"
     gpu: Annotated[str, typer.Option(help="GPU profile prefill is modeled on.")] = "h100"
-    mfu: Annotated[
-        float, typer.Option(help="Model FLOPs utilisation of the modeled prefill.", min=0.01)
-    ] = 0.5
+    mfu: MfuOpt = MFU_DEFAULT
     prefill_tokens_per_s: Annotated[
         float | None,
         typer.Option(
