@@ -152,6 +152,17 @@ class NoHttpAnswer(NotAnAgent, AgentUnreachable):
     Either is possible, so it is both kinds."""
 
 
+#: what a call on a closed client raises (AgentError), also where ``close`` from another thread
+#: ended a call in flight: never a ValueError of a closed mapping or socket
+CLOSED_MESSAGE = "this client is closed"
+
+
+class ClientOutOfMemory(AgentError, MemoryError):
+    """This process could not allocate what a call needs (a put's buffer over the socket):
+    nothing was sent and the connection stays usable. A MemoryError too, for callers that
+    caught the bare one."""
+
+
 class ChunkNotFound(AgentError, KeyError):
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else "chunk not found"
@@ -293,6 +304,9 @@ class DataClient:
         #: (monotonic), then one is tried again (``_ensure_staging``)
         self._staging_failures = 0
         self._staging_retry_at_s = -math.inf
+        #: the smallest segment the row's last failure refused for want of memory (here or in
+        #: the agent): the back-off holds back only that size and larger; None: all sizes
+        self._staging_refused_bytes: int | None = None
         #: when the row's last line was logged (monotonic): a row that lasts is logged again
         #: every STAGING_RELOG_SECONDS, not only at its first failure
         self._staging_logged_at_s = -math.inf
@@ -571,13 +585,29 @@ class DataClient:
             with self._lock:
                 segment = self._ensure_staging(total)
                 if segment is not None:
-                    with memoryview(segment) as staging, staging[:total] as out:
+                    # a ``close`` from another thread closes the segment unless a view of it
+                    # is held: the view is taken under its lock, or the client found closed
+                    with self._mappings_lock:
+                        if self.closed:
+                            raise AgentError(CLOSED_MESSAGE)
+                        staging = memoryview(segment)
+                    with staging, staging[:total] as out:
                         fill_region(out)
                     offsets = [0, *itertools.accumulate(sizes)][:-1]
                     reply, _ = self._call_locked(Op.PUT_STAGED, meta(offsets), (), None)
                     return self._outcomes(reply)
         if payload is None:
-            buf = memoryview(bytearray(total))
+            try:
+                buf = memoryview(bytearray(total))
+            except MemoryError:
+                # before anything is sent: the connection stays in step, nothing is stored
+                raise ClientOutOfMemory(
+                    f"this process could not allocate {total} bytes to put {len(keys)} "
+                    "chunk(s) over the socket (the staging segment was not available or "
+                    "this is not a same-host shared-memory connection); nothing was sent. "
+                    "Free memory or raise this process's limits (RLIMIT_AS, its cgroup's "
+                    "memory.max), or put fewer chunks at a time"
+                ) from None
             fill_region(buf)
             payload, off = [], 0
             for size in sizes:
@@ -1009,7 +1039,7 @@ class DataClient:
         downloads; any other length is refused, so a rogue peer cannot stream without end).
         ``keep_pending``: the leases a ``release_later`` block left stay held (``hold``)."""
         if self.closed:
-            raise AgentError("this client is closed")
+            raise AgentError(CLOSED_MESSAGE)
         if self._unreleased and op != Op.RELEASE and not keep_pending:
             self._release_pending_locked()  # this thread's (another engine's stay held)
         self._rid = (self._rid + 1) & 0xFFFFFFFF
@@ -1058,6 +1088,8 @@ class DataClient:
                 f"the agent did not answer {op.name} within {within_s:.3g} s; connection closed"
             ) from exc
         except (PeerClosed, OSError) as exc:
+            if self.closed:  # by ``close`` from another thread: its socket, not the agent's
+                raise AgentError(CLOSED_MESSAGE) from exc
             self.close()
             raise AgentUnreachable(f"lost the connection to the agent: {exc}") from exc
         except FrameError as exc:
@@ -1287,7 +1319,7 @@ class DataClient:
         with self._mappings_lock:
             if self.closed:  # by another thread since the MAP was answered: not kept
                 arena.close()
-                raise AgentError("this client is closed")
+                raise AgentError(CLOSED_MESSAGE)
             if self._arena is not None:
                 with contextlib.suppress(BufferError):
                     self._arena.close()
@@ -1416,78 +1448,98 @@ class DataClient:
         replaced by a larger one still serves the puts that fit it. The agent maps only
         segments sealed against shrinking: a file that could shrink under its mapping would
         crash it."""
-        if self._staging is not None and len(self._staging) >= size:
-            return self._staging
-        if self._monotonic_s() < self._staging_retry_at_s:
-            return None  # backing off after a failure: one try per interval, not one per put
+        with self._mappings_lock:  # ``close`` from another thread closes the segment
+            if self.closed:
+                raise AgentError(CLOSED_MESSAGE)
+            held_bytes = len(self._staging) if self._staging is not None else 0
+            if self._staging is not None and held_bytes >= size:
+                return self._staging
         # no floor: the segment is written in full before it is attached (``_sealed_segment``),
         # so every byte of it is this client's memory, and takes the time to write, from the
         # first put (a 64 MiB floor made a 4 KiB put cost 64 MiB and some 70 ms). Doubling keeps
         # the segments a client replaces as its puts grow few; where memory is short, the
         # doubled size is refused first and only what this put needs is tried.
         need = -(-max(size, 1) // STAGING_UNIT_BYTES) * STAGING_UNIT_BYTES
-        want = max(need, 2 * len(self._staging) if self._staging else 0)
-        made: tuple[int, mmap.mmap] | None = None
-        out_of_descriptors = False
-        for attempt_bytes in dict.fromkeys((want, need)):
+        want = max(need, 2 * held_bytes)
+        # backing off after a failure: one try per interval, not one per put. A failure for
+        # want of memory (here or in the agent) holds back only segments as large as the one
+        # that failed: a smaller one may well be had, and is tried at once
+        below_bytes: float = math.inf
+        if self._monotonic_s() < self._staging_retry_at_s:
+            if self._staging_refused_bytes is None:
+                return None
+            below_bytes = self._staging_refused_bytes
+        sizes = [n for n in dict.fromkeys((want, need)) if n < below_bytes]
+        if not sizes:
+            return None
+        failure, to_do, refused_bytes = "", "", None
+        for attempt_bytes in sizes:
             try:
-                made = _sealed_segment(attempt_bytes)
-                break
+                fd, staging = _sealed_segment(attempt_bytes)
             except _CannotSeal:
                 self._staged_puts = False
                 return None
             except OSError as exc:
                 failure = f"could not make a staging segment of {attempt_bytes} bytes here: {exc}"
-                # a segment takes descriptors (its memfd, and mmap's dup of it): where this
-                # process is at its open files limit, memory is not what to raise
-                out_of_descriptors = exc.errno in (errno.EMFILE, errno.ENFILE)
-        if made is None:
-            self._staging_failed(
-                failure,
-                "raise this process's open files limit (ulimit -n, systemd's LimitNOFILE=; "
-                "ENFILE: the host's fs.file-max), or find what holds its descriptors"
-                if out_of_descriptors
-                else "free memory on this host, or raise this process's limits (RLIMIT_AS, "
-                "systemd's LimitAS=, its cgroup's memory.max)",
-            )
-            return None
-        fd, staging = made
-        segment_bytes = len(staging)
-        try:
-            self._call_locked(Op.ATTACH, MetaWriter().u64(segment_bytes).build(), (), None, fd)
-        except BaseException as exc:
-            staging.close()
-            os.close(fd)
-            if not isinstance(exc, RequestError) or exc.code not in (
-                ErrorCode.BAD_REQUEST,
-                ErrorCode.UNSUPPORTED,
-            ):
-                raise
-            if exc.code == ErrorCode.UNSUPPORTED:  # an agent that maps no segment at all
-                self._staged_puts = False
-                return None
-            reason = str(exc).strip() or "it gave no reason"
-            self._staging_failed(
-                f"the agent refused this client's staging segment of {segment_bytes} bytes "
-                f"({reason})",
-                f"see the agent's log, which says what to do; this SDK is kvctl {__version__}, "
-                f"the agent kvctl {self.info.get('version', '(unknown)')}",
-            )
-            return None
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    # a segment takes descriptors (its memfd, and mmap's dup of it): where this
+                    # process is at its open files limit, memory is not what to raise, and a
+                    # smaller segment fails the same
+                    to_do, refused_bytes = _CLIENT_DESCRIPTORS_TO_DO, None
+                    break
+                to_do, refused_bytes = _CLIENT_MEMORY_TO_DO, attempt_bytes
+                continue
+            try:
+                self._call_locked(Op.ATTACH, MetaWriter().u64(attempt_bytes).build(), (), None, fd)
+            except BaseException as exc:
+                staging.close()
+                os.close(fd)
+                if not isinstance(exc, RequestError) or exc.code not in (
+                    ErrorCode.BAD_REQUEST,
+                    ErrorCode.UNSUPPORTED,
+                ):
+                    raise
+                if exc.code == ErrorCode.UNSUPPORTED:  # an agent that maps no segment at all
+                    self._staged_puts = False
+                    return None
+                reason = str(exc).strip() or "it gave no reason"
+                failure = (
+                    f"the agent refused this client's staging segment of {attempt_bytes} bytes "
+                    f"({reason})"
+                )
+                to_do = (
+                    f"see the agent's log, which says what to do; this SDK is kvctl {__version__}, "
+                    f"the agent kvctl {self.info.get('version', '(unknown)')}"
+                )
+                if not _refused_for_memory(reason):
+                    refused_bytes = None  # any other cause refuses a smaller segment the same
+                    break
+                refused_bytes = attempt_bytes
+                continue
+            return self._attached(fd, staging)
+        self._staging_failed(failure, to_do, refused_bytes)
+        return None
+
+    def _attached(self, fd: int, staging: mmap.mmap) -> mmap.mmap:
+        """Keep a segment the agent attached in place of the one held (``_ensure_staging``)."""
         with self._mappings_lock:
             if self.closed:  # by another thread since the ATTACH was answered: not kept
                 staging.close()
                 os.close(fd)
-                return None
-            if self._staging_failures:
-                log.info(
-                    "staged puts resumed: a staging segment of %d bytes attached after %d "
-                    "failure(s)",
-                    len(staging),
-                    self._staging_failures,
-                )
-            self._staging_failures, self._staging_retry_at_s = 0, -math.inf
-            self._staging_logged_at_s = -math.inf
+                raise AgentError(CLOSED_MESSAGE)
+            # one smaller than a segment refused for want of memory ends no back-off: larger
+            # ones still wait it out (and a failure then counts in the same row)
+            if self._staging_refused_bytes is None or len(staging) >= self._staging_refused_bytes:
+                if self._staging_failures:
+                    log.info(
+                        "staged puts resumed: a staging segment of %d bytes attached after %d "
+                        "failure(s)",
+                        len(staging),
+                        self._staging_failures,
+                    )
+                self._staging_failures, self._staging_retry_at_s = 0, -math.inf
+                self._staging_logged_at_s = -math.inf
+                self._staging_refused_bytes = None
             if self._staging is not None:
                 if self.on_staging is not None:
                     self.on_staging(None)
@@ -1498,20 +1550,25 @@ class DataClient:
                 self.on_staging(staging)
         return staging
 
-    def _staging_failed(self, what: str, to_do: str) -> None:
+    def _staging_failed(self, what: str, to_do: str, refused_bytes: int | None = None) -> None:
         """A new staging segment could not be had (``what``): puts that do not fit the one held
         (if any) go over the socket, and a new one is tried after a delay that doubles with each
         failure in a row. The first failure of a row is logged (with ``to_do``), then one line
         every STAGING_RELOG_SECONDS while the row lasts, not each: a row resets only when a
-        segment attaches, so a shortage hours after the first would otherwise go unsaid."""
+        segment attaches, so a shortage hours after the first would otherwise go unsaid.
+        ``refused_bytes``: the smallest size refused for want of memory (None: another cause,
+        such as descriptors, which a smaller segment does not escape); the back-off holds back
+        only sizes from it up (``_ensure_staging``)."""
         now_s = self._monotonic_s()
         self._staging_failures += 1
+        self._staging_refused_bytes = refused_bytes
         delay_s = staging_retry_delay_s(self._staging_failures)
         self._staging_retry_at_s = now_s + delay_s
         if now_s - self._staging_logged_at_s < STAGING_RELOG_SECONDS:
             return
         self._staging_logged_at_s = now_s
-        held = f"{len(self._staging)} bytes" if self._staging is not None else "none"
+        with self._mappings_lock:  # not a segment ``close`` from another thread closed
+            held = f"{len(self._staging)} bytes" if self._staging is not None else "none"
         if self._staging_failures == 1:
             log.warning(
                 "%s; puts larger than the segment this client holds (%s) go over the Unix socket,"
@@ -1524,7 +1581,7 @@ class DataClient:
             )
         else:
             log.warning(
-                "%s (%d failures in a row, no segment attached since the first); puts larger "
+                "%s (%d failures in a row, none as large attached since the first); puts larger "
                 "than the segment this client holds (%s) still go over the Unix socket, more "
                 "slowly, and a new one is tried in %g s. %s",
                 what,
@@ -1598,6 +1655,24 @@ def _sealed_segment(size_bytes: int) -> tuple[int, mmap.mmap]:
         os.close(fd)
         raise
     return fd, staging
+
+
+#: what to do where this client could not make a staging segment (``_ensure_staging``)
+_CLIENT_DESCRIPTORS_TO_DO = (
+    "raise this process's open files limit (ulimit -n, systemd's LimitNOFILE=; ENFILE: the "
+    "host's fs.file-max), or find what holds its descriptors"
+)
+_CLIENT_MEMORY_TO_DO = (
+    "free memory on this host, or raise this process's limits (RLIMIT_AS, systemd's LimitAS=, "
+    "its cgroup's memory.max)"
+)
+
+
+def _refused_for_memory(reason: str) -> bool:
+    """Whether an agent's refusal of a staging segment (its message: the protocol carries no
+    cause) says it could not map it for want of memory or address space, which a smaller
+    segment may escape; not for want of descriptors, nor a segment it will not take at all."""
+    return "could not map a staging segment" in reason and "out of descriptors" not in reason
 
 
 #: Linux's F_SEAL_FUTURE_WRITE (Python's fcntl does not name it)

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -146,3 +147,66 @@ def test_close_does_not_wait_for_a_call_blocked_on_an_agent_that_never_answers()
     caller.join(30.0)
     assert not caller.is_alive()
     assert failed and isinstance(failed[0], AgentError), failed
+
+
+def _traced_close(client: DataClient, function: str, event: str) -> Any:
+    """A tracer for this thread that has another thread close ``client`` (and waits for it)
+    at ``function``'s ``event`` ("call" or "return"): the race of a put with ``close``, made
+    to happen at that point every time."""
+
+    def close_elsewhere() -> None:
+        closer = threading.Thread(target=client.close)
+        closer.start()
+        closer.join(30.0)
+        assert not closer.is_alive(), "close waited on the put in progress"
+
+    def local(frame: Any, ev: str, arg: Any) -> Any:
+        if ev == event:
+            close_elsewhere()
+            return None
+        return local
+
+    def tracer(frame: Any, ev: str, arg: Any) -> Any:
+        if ev == "call" and frame.f_code.co_name == function and not client.closed:
+            if event == "call":
+                close_elsewhere()
+                return None
+            return local
+        return None
+
+    return tracer
+
+
+@pytest.mark.parametrize(
+    ("transport", "held", "function", "event"),
+    [
+        ("unix", True, "_ensure_staging", "return"),  # the segment held, closed before use
+        ("unix", False, "_ensure_staging", "return"),  # a new one attached, closed before use
+        ("unix", True, "_ensure_staging", "call"),  # closed as the put looks at the segment
+        ("tcp", True, "send_all", "call"),  # the socket closed as the put is sent
+    ],
+)
+def test_a_put_racing_close_from_another_thread_says_the_client_is_closed(
+    node: InProcessNode, transport: str, held: bool, function: str, event: str
+) -> None:
+    """A ``close`` from another thread while a put runs: the put raises the SDK's closed
+    client error, not a ValueError of the closed mapping (nor 'lost the connection to the
+    agent' from the closed socket: the agent is there)."""
+    keys = [key(i, 13) for i in range(2)]
+    address = node.unix if transport == "unix" else f"tcp://{node.tcp[0]}:{node.tcp[1]}"
+    client = DataClient.connect(address)
+    if held:
+        assert client.put(key(9, 13), payload(key(9, 13), 8192)) == "cpu"
+    before = sys.gettrace()
+    sys.settrace(_traced_close(client, function, event))
+    try:
+        with pytest.raises(AgentError) as raised:
+            client.put_packed(
+                keys, [8192] * 2, lambda i, out: out.__setitem__(slice(None), bytes(8192))
+            )
+    finally:
+        sys.settrace(before)
+    assert str(raised.value) == "this client is closed", repr(raised.value)
+    assert client.closed
+    with DataClient.connect(address) as again:
+        assert again.exists(keys) == [None, None]  # nothing stored

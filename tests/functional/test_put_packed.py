@@ -7,7 +7,10 @@ so a registration's hold on it never stops the client from closing it."""
 
 from __future__ import annotations
 
+import json
 import mmap
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -112,3 +115,59 @@ def test_fill_many_writes_every_chunk_back_to_back_in_one_call(
             client.put_packed(keys, [SIZE] * 4, tenant="t")
         with pytest.raises(ValueError, match="one of fill and fill_many"):
             client.put_packed(keys, [SIZE] * 4, lambda i, out: None, fill_many=fill_many)
+
+
+OUT_OF_MEMORY_CLIENT = r"""
+import json, resource, sys
+from kvctl.client import AgentError, DataClient
+from tests.functional.agents import key, payload
+
+MiB = 1 << 20
+c = DataClient.connect(sys.argv[1], use_shm=False)  # over the socket: one buffer for the put
+keys = [key(i, 12) for i in range(4)]
+data = {k: payload(k, 16 * MiB) for k in keys}  # allocated before the limit
+
+def fill(i, out):
+    out[:] = data[keys[i]]
+
+with open("/proc/self/status") as f:
+    vm_bytes = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+# room for the put's small allocations, not for a 64 MiB buffer
+resource.setrlimit(resource.RLIMIT_AS, (vm_bytes + 32 * MiB, resource.RLIM_INFINITY))
+report = {}
+try:
+    c.put_packed(keys, [16 * MiB] * 4, fill, tenant="t")
+except BaseException as exc:
+    report["raised"] = [isinstance(exc, AgentError), isinstance(exc, MemoryError), str(exc)]
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+report["held"] = c.exists(keys, tenant="t")  # nothing stored, the connection in step
+report["after"] = [o.status for o in c.put_packed(keys, [16 * MiB] * 4, fill, tenant="t")]
+report["same"] = all(bytes(c.get(k, tenant="t")) == data[k] for k in keys)
+print(json.dumps(report))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="RLIMIT_AS on the client is Linux")
+def test_a_client_short_of_memory_gets_the_sdks_error_and_the_connection_goes_on(
+    tmp_path: Path,
+) -> None:
+    """Over the socket, ``put_packed`` fills one buffer the size of the put. A client that
+    cannot allocate it got a bare MemoryError out of the SDK; now an AgentError (a MemoryError
+    too) that says what happened and what to do, before anything is sent: nothing is stored
+    and the same connection puts those chunks once memory is back. Memory is made short for
+    real: RLIMIT_AS on a child process that is the client."""
+    with running_agent(tmp_path, "--cpu", "128MiB") as agent:
+        run = subprocess.run(
+            [sys.executable, "-c", OUT_OF_MEMORY_CLIENT, str(agent.state.data_unix)],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    is_agent_error, is_memory_error, message = report["raised"]
+    assert is_agent_error and is_memory_error, message
+    assert f"could not allocate {64 << 20} bytes" in message and "nothing was sent" in message
+    assert report["held"] == [None] * 4
+    assert report["after"] == ["stored"] * 4 and report["same"]

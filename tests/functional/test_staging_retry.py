@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -323,3 +324,58 @@ def test_a_client_out_of_descriptors_is_told_to_raise_its_open_files_limit(
     said = [r.getMessage() for r in caplog.records if "staging segment" in r.getMessage()]
     assert len(said) == 1 and "Too many open files" in said[0], said
     assert "LimitNOFILE=" in said[0] and "LimitAS=" not in said[0], said
+
+
+def test_a_segment_the_agent_could_not_map_holds_back_only_segments_as_large(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The back-off after a segment the agent could not map for want of memory holds back
+    segments of that size and larger, which it would refuse the same: a put that needs a
+    smaller one gets it at once (it went over the socket for the whole back-off, up to
+    120 s), and that smaller one ends no back-off for the larger size. The agent's memory is
+    made short for real (prlimit); the back-off's clock is the client's seam, moved by hand."""
+    import kvctl.client as client_module
+
+    made: list[int] = []  # sizes of the segments the client set out to make
+    real_segment = client_module._sealed_segment
+
+    def counting_segment(size: int) -> Any:
+        made.append(size)
+        return real_segment(size)
+
+    monkeypatch.setattr(client_module, "_sealed_segment", counting_segment)
+    now_s = [1000.0]
+    pid = agent.proc.pid
+    big = [[key(i, 80 + p) for i in range(16)] for p in range(3)]
+    data = {k: payload(k, MiB) for ks in big for k in ks}  # 1 MiB chunks: 16 MiB a put
+    small = key(0, 83)
+    with agent.data("unix") as c:
+        assert c.shm
+        c._monotonic_s = lambda: now_s[0]
+        hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+        # the agent's buffers and a 2 MiB mapping fit; a 16 MiB one not
+        resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 8 * MiB, hard))
+        try:
+            out = c.put_many([(k, data[k]) for k in big[0]], tenant="t")
+            assert [o.status for o in out] == ["stored"] * 16
+            assert c._staging is None and made == [16 * MiB]  # refused: over the socket
+            assert c.put(small, payload(small, 64 << 10), tenant="t") == "cpu"
+            # a smaller segment at once, in the back-off the 16 MiB refusal began
+            assert made == [16 * MiB, 2 * MiB]
+            assert c._staging is not None and len(c._staging) == 2 * MiB
+            out = c.put_many([(k, data[k]) for k in big[1]], tenant="t")
+            assert [o.status for o in out] == ["stored"] * 16
+            # 16 MiB still waits out its back-off: no try, and the row goes on
+            assert made == [16 * MiB, 2 * MiB] and len(c._staging) == 2 * MiB
+            assert c._staging_failures == 1
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        now_s[0] = c._staging_retry_at_s  # the back-off ran out
+        out = c.put_many([(k, data[k]) for k in big[2]], tenant="t")
+        assert [o.status for o in out] == ["stored"] * 16
+        assert made[2:] == [16 * MiB] and len(c._staging) == 16 * MiB
+        assert c._staging_failures == 0
+        every = [k for ks in big for k in ks]
+        got = c.get_many(every, tenant="t")
+        assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
+    assert "Traceback" not in agent.log()
