@@ -379,3 +379,44 @@ def test_a_segment_the_agent_could_not_map_holds_back_only_segments_as_large(
         got = c.get_many(every, tenant="t")
         assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
     assert "Traceback" not in agent.log()
+
+
+def test_where_the_agent_cannot_map_the_doubled_segment_the_puts_own_size_is_tried(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment grows by doubling; where the doubled size cannot be had, only what the put
+    needs is tried. That held for a segment the client could not make, not for one the agent
+    could not map: its put went over the socket and the back-off began, though the agent
+    would have mapped the smaller size. The agent's memory is made short for real (prlimit)."""
+    import kvctl.client as client_module
+
+    made: list[int] = []
+    real_segment = client_module._sealed_segment
+
+    def counting_segment(size: int) -> Any:
+        made.append(size)
+        return real_segment(size)
+
+    monkeypatch.setattr(client_module, "_sealed_segment", counting_segment)
+    pid = agent.proc.pid
+    first = [key(i, 84) for i in range(8)]
+    second = [key(i, 85) for i in range(9)]
+    data = {k: payload(k, MiB) for k in [*first, *second]}
+    with agent.data("unix") as c:
+        assert c.shm
+        out = c.put_many([(k, data[k]) for k in first], tenant="t")
+        assert [o.status for o in out] == ["stored"] * 8 and made == [8 * MiB]
+        hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+        # a 10 MiB mapping fits beside the 8 MiB one held; a 16 MiB one not
+        resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 13 * MiB, hard))
+        try:
+            out = c.put_many([(k, data[k]) for k in second], tenant="t")  # needs 10 MiB
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        assert [o.status for o in out] == ["stored"] * 9
+        assert made == [8 * MiB, 16 * MiB, 10 * MiB]  # the doubled size, then the put's own
+        assert c._staging is not None and len(c._staging) == 10 * MiB
+        assert c._staging_failures == 0  # no back-off: staged puts went on
+        every = [*first, *second]
+        got = c.get_many(every, tenant="t")
+        assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
