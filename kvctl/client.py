@@ -1400,7 +1400,12 @@ class DataClient:
         with self._lock:
             leases, held = self._lease_locked(keys, tenant, ttl)
             try:
-                arena = memoryview(self._arena) if held and self._arena is not None else None
+                # a ``close`` from another thread closes the arena unless a view of it is held:
+                # the view is taken under its lock, or the client found closed
+                with self._mappings_lock:
+                    if self.closed:
+                        raise AgentError(CLOSED_MESSAGE)
+                    arena = memoryview(self._arena) if held and self._arena is not None else None
                 for i, (chunk, status) in enumerate(leases):
                     if chunk is None or arena is None:  # a held chunk means a mapped arena
                         if status == "fallback":

@@ -210,3 +210,24 @@ def test_a_put_racing_close_from_another_thread_says_the_client_is_closed(
     assert client.closed
     with DataClient.connect(address) as again:
         assert again.exists(keys) == [None, None]  # nothing stored
+
+
+def test_a_leased_read_racing_close_from_another_thread_says_the_client_is_closed(
+    node: InProcessNode,
+) -> None:
+    """The same race on a read through the shared arena, closed once its leases are answered
+    and before it copies: the read said the chunk was not cached (ChunkNotFound: the arena
+    gone, its leased chunks skipped), or, closed a moment later, raised the closed arena's
+    ValueError."""
+    k = key(1, 14)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, 8192)) == "cpu"
+    before = sys.gettrace()
+    sys.settrace(_traced_close(client, "_lease_locked", "return"))
+    try:
+        with pytest.raises(AgentError) as raised:
+            client.get(k)
+    finally:
+        sys.settrace(before)
+    assert str(raised.value) == "this client is closed", repr(raised.value)
+    assert client.closed
