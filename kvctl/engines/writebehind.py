@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvctl.client import AgentError, DataClient
+from kvctl.client import AgentError, ClientOutOfMemory, DataClient
 from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.engines.spans import spans
 from kvctl.store.tiers.base import copy_bytes
@@ -319,6 +319,11 @@ class WriteBehind:
                         tokens=job.chunk_tokens,
                         depths=batch,
                     )
+            except ClientOutOfMemory:
+                # this process's memory, before anything was sent: the connection is in step
+                # and keeps its staging back-off; a new one would map the arena and try a
+                # segment again, on a process already short of memory
+                raise
             except AgentError:
                 self._drop_connection()
                 raise

@@ -5,6 +5,7 @@ agent with whole chunks only (every acknowledged one, none corrupt)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -352,3 +353,63 @@ def test_what_an_engine_handed_over_is_written_when_it_exits(tmp_path: Path) -> 
             keys = [key(n, space=9) for n in range(120)]
             assert all(t is not None for t in client.exists(keys, tenant="t"))
             assert all(bytes(client.get(k, tenant="t")) == payload(k, 65536) for k in keys[::17])
+
+
+OUT_OF_MEMORY_WRITER = r"""
+import json, resource, sys
+from kvctl.client import DataClient
+from kvctl.engines.writebehind import StoreJob, WriteBehind
+from tests.functional.agents import key, payload
+
+MiB = 1 << 20
+SIZE = 16 * MiB  # 4 a batch: one 64 MiB buffer for the put over the socket
+
+def job(keys):
+    data = [payload(k, SIZE) for k in keys]  # allocated before any limit
+    return StoreJob(tenant="t", keys=keys, indices=list(range(len(keys))),
+                    parents=[None] * len(keys), chunk_tokens=16, chunk_bytes=SIZE,
+                    pack=data.__getitem__)
+
+writer = WriteBehind(DataClient.connect(sys.argv[1], use_shm=False))
+first = writer.submit(job([key(0, 14)])).result(60)  # the thread and its connection are up
+connection = writer._client
+keys = [key(i, 15) for i in range(4)]
+short = job(keys)
+with open("/proc/self/status") as f:
+    vm_bytes = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+# room for the put's small allocations, not for its 64 MiB buffer
+resource.setrlimit(resource.RLIMIT_AS, (vm_bytes + 32 * MiB, resource.RLIM_INFINITY))
+failed = writer.submit(short).result(60)
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+report = {"first": first.chunks, "skipped": failed.skipped, "failed_jobs": writer.failed_jobs,
+          "kept": writer._client is connection and not connection.closed}
+again = writer.submit(job(keys)).result(60)
+report["again"] = [again.chunks, again.skipped]
+report["kept_after"] = writer._client is connection
+writer.close()
+print(json.dumps(report))
+"""
+
+
+def test_a_writer_short_of_memory_keeps_its_connection(tmp_path: Path) -> None:
+    """A put over the socket that this process cannot allocate a buffer for fails before
+    anything is sent (ClientOutOfMemory): the connection stays in step, so the writer keeps
+    it (and its staging back-off) instead of dropping it as if the agent had gone, which cost
+    a reconnect (HELLO, the arena mapped again, a new staging segment tried at once) on a
+    process already short of memory. Memory is made short for real: RLIMIT_AS on a child
+    process that is the engine."""
+    with running_agent(tmp_path, "--cpu", "128MiB") as agent:
+        run = subprocess.run(
+            [sys.executable, "-c", OUT_OF_MEMORY_WRITER, str(agent.state.data_unix)],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["first"] == 1
+    assert "could not allocate" in report["skipped"], report
+    assert report["failed_jobs"] == 1
+    assert report["kept"], "the writer dropped its connection for this process's memory"
+    assert report["again"] == [4, ""] and report["kept_after"], report
