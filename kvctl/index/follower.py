@@ -27,12 +27,15 @@ its decisions and its holder answers (``Followers.down_nodes``). Down is this ro
 an index of its own (``EmbeddedIndex``) its entries are dropped too, but a shared one
 (``RedisIndex.shared``) keeps them, since another router may reach the agent (a wrong URL or a
 partition here must not empty the index for every router). When it answers again it is
-resynced. ``Followers`` polls a set of agents from one background thread, each poll on a small
-thread pool, so one slow agent (bounded by a short per-request timeout) never delays the others;
-agents whose last poll failed are polled on a pool of their own, and a poll that has waited a
-round for a thread (the pool's threads held by agents that all hung at once: a DC's link down)
-gets one of its own, up to a bound, so that many agents hanging never hold up the polls of the
-agents that answer.
+resynced. Each agent's role (its /v1/info) is read once per event stream (first contact, a
+restart), before it is first called up: a pool agent (``POOL_ROLE``) runs no engine, and the
+router routes it no request (``Followers.pool_nodes``), whether the inventory or an --agent
+flag names it. ``Followers`` polls a set of agents from one background thread, each poll on a
+small thread pool, so one slow agent (bounded by a short per-request timeout) never delays the
+others; agents whose last poll failed are polled on a pool of their own, and a poll that has
+waited a round for a thread (the pool's threads held by agents that all hung at once: a DC's
+link down) gets one of its own, up to a bound, so that many agents hanging never hold up the
+polls of the agents that answer.
 """
 
 from __future__ import annotations
@@ -113,6 +116,12 @@ DAMAGE_RESYNC_MIN_S = 10.0
 #: for its whole length at each try
 REPLACE_RETRY_S = 1.0
 REPLACE_RETRY_MAX_S = 30.0
+#: an agent's role (/v1/info) that could not be read is asked again this long after (its event
+#: stream's, once read, is kept: a role changes only with a restart, a new stream)
+ROLE_RETRY_S = 30.0
+#: the role of an agent that runs no engine (``kvctl agent start --role pool``): the router
+#: routes no request to it, though it holds chunks others pull (``Followers.pool_nodes``)
+POOL_ROLE = "pool"
 #: why a follower resyncs, as its status counts them: first contact, the agent answering again
 #: after being marked down, the agent restarted, the follower fell behind its event buffer, the
 #: index answering again after failing, the index lost the node's marker (its entries with it),
@@ -235,6 +244,12 @@ class Follower:
         self.index_lost = 0
         #: resyncs by reason (``RESYNC_REASONS``)
         self.resync_reasons: Counter[str] = Counter()
+        #: the agent's role as its /v1/info says it ("node", "pool"; None: not read, or not
+        #: said), read once per event stream (``_learn_role``), and the stream it was read for
+        self.role: str | None = None
+        self._role_instance: str | None = None
+        #: the stream, and when, the role's read last failed for (asked again ROLE_RETRY_S on)
+        self._role_failed: tuple[str, float] | None = None
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self) -> int:
@@ -281,6 +296,8 @@ class Follower:
                     f"{self._shown_url}/v1/events/recent answered {len(events):,} events to a "
                     f"read of {self.page_limit:,}"
                 )
+            if batch == 0:  # before it is called up: a pool agent is never routed meanwhile
+                self._learn_role(instance)
             # the first answer after being down is enough to call it up again
             self._answered()
             # the index is checked once per poll (its audit's rate counts polls), not per page
@@ -297,6 +314,45 @@ class Follower:
             if len(events) < self.page_limit:
                 break
         return changed
+
+    def _learn_role(self, instance: str) -> None:
+        """Read the agent's role (/v1/info) when its event stream is new to it: first contact,
+        a restart (``kvctl agent start --role pool`` after a node's agent at the same URL), not
+        at every poll or inventory reread. One that fails leaves the role as it was (an agent
+        not known to be a pool agent serves), asked again ``ROLE_RETRY_S`` later. ``instance``:
+        the stream the agent's events answer just named."""
+        if instance == self._role_instance:
+            return
+        now_s = self._clock()
+        failed = self._role_failed
+        if failed is not None and failed[0] == instance and now_s - failed[1] < ROLE_RETRY_S:
+            return
+        try:
+            with self._asking():
+                info = self._client.info()
+        except Exception as exc:  # the events answered: a poll that worked, the role unknown
+            self._role_failed = (instance, now_s)
+            text = str(exc).replace(self.url, self._shown_url)
+            log.debug("%s: reading the agent's role failed: %s", self.node, text)
+            return
+        role = info.get("role") if isinstance(info, dict) else None
+        was, self.role = self.role, role if isinstance(role, str) else None
+        self._role_instance, self._role_failed = instance, None
+        if self.role == POOL_ROLE and was != POOL_ROLE:
+            log.warning(
+                "%s (%s) is a pool agent (it reports role 'pool'): it runs no engine, so no "
+                "request is routed to it; it stays in the fleet as a source of chunks "
+                "(`kvctl fleet rm node %s`, or no --agent for it, if it should not be there)",
+                self.node,
+                self._shown_url,
+                self.node,
+            )
+        elif was == POOL_ROLE and self.role != POOL_ROLE:
+            log.warning(
+                "%s: no longer a pool agent (role %s): requests are routed to it",
+                self.node,
+                self.role,
+            )
 
     def _events(self, *, after: int, limit: int) -> dict[str, Any]:
         """The agent's events answer, at most ``EVENT_ANSWER_BYTES`` an event asked for."""
@@ -563,6 +619,8 @@ class Follower:
             # every reason, 0 included: a counter series exists before its first increase
             "resync_reasons": {r: self.resync_reasons[r] for r in RESYNC_REASONS},
             "drops_when_down": self.drops_when_down,
+            # None: not read yet (or the agent does not say); "pool": routed no request
+            "role": self.role,
             "entries": None if held is None else held.get(self.node, 0),
             "last_ok_s": None if last_ok is None else max(0.0, self._clock() - last_ok),
         }
@@ -806,6 +864,13 @@ class Followers:
         used as sources by this router (asks the index nothing)."""
         with self._lock:
             return frozenset(node for node, f in self._followers.items() if f.down)
+
+    def pool_nodes(self) -> frozenset[str]:
+        """The followed nodes whose agent says it is a pool agent (``POOL_ROLE``): they run no
+        engine, so they serve no request, whether named by the inventory or by --agent (asks
+        the index and the agents nothing: a routing decision calls it)."""
+        with self._lock:
+            return frozenset(n for n, f in self._followers.items() if f.role == POOL_ROLE)
 
 
 def _batch(answer: Mapping[str, Any]) -> tuple[list[Any], int, int, str]:

@@ -15,6 +15,7 @@ The HTTP app over a ``Router`` is ``kvctl.router.app.create_app`` (also reachabl
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 import threading
 import time
@@ -124,6 +125,8 @@ class FollowerSet(Protocol):
     def up_nodes(self) -> frozenset[str]: ...
 
     def down_nodes(self) -> frozenset[str]: ...
+
+    def pool_nodes(self) -> frozenset[str]: ...
 
 
 class InventorySource(Protocol):
@@ -257,7 +260,11 @@ class Router:
         claim_interval_s: float = CLAIM_INTERVAL_S,
     ) -> None:
         self.index = index
+        #: the topology in use: the inventory's (``_given_topology``) with the pool agents the
+        #: followers found (``_pool_nodes``, from each agent's /v1/info) serving nothing
         self.topology = topology
+        self._given_topology = topology
+        self._pool_nodes: frozenset[str] = frozenset()
         self.costs = costs
         self.keyspace = keyspace or KeySpace.of_model("llama-3.1-8b")
         self.followers = followers
@@ -323,14 +330,35 @@ class Router:
         differs from the one in use (the policies are rebuilt only then: round-robin keeps its
         turn across rereads that change nothing). A removed node's modeled queue is dropped."""
         with self._policy_lock:
-            if topology == self.topology:
-                return False
-            gone = set(self.topology.nodes) - set(topology.nodes)
-            self._policies = {name: make_policy(name, topology, self.costs) for name in POLICIES}
-            self.topology = topology
+            self._given_topology = topology
+            gone = self._use_locked(_serving_not(topology, self._pool_nodes))
+        if gone is None:
+            return False
         for node in gone:
             self.load.clear(node)
         return True
+
+    def _use_locked(self, topology: Topology) -> set[str] | None:
+        """Route over ``topology`` (under ``_policy_lock``); the nodes it no longer has, None
+        when it is the one in use."""
+        if topology == self.topology:
+            return None
+        gone = set(self.topology.nodes) - set(topology.nodes)
+        self._policies = {name: make_policy(name, topology, self.costs) for name in POLICIES}
+        self.topology = topology
+        return gone
+
+    def _follow_roles_locked(self) -> None:
+        """Serve no request from the nodes whose agent says it is a pool agent (it runs no
+        engine), as the followers last read each agent's role: one rule for nodes of the
+        inventory and of --agent flags, asked once per agent start, not at every reread. Under
+        ``_policy_lock``: two requests never apply the roles they read out of order."""
+        if self.followers is None:
+            return
+        pool = self.followers.pool_nodes()
+        if pool != self._pool_nodes:
+            self._pool_nodes = pool
+            self._use_locked(_serving_not(self._given_topology, pool))
 
     # --- what the router knows ---------------------------------------------------------------
     def follower_status(self) -> list[dict[str, Any]]:
@@ -622,6 +650,7 @@ class Router:
         # one topology and the policies built on it for the whole request: the reloader's
         # thread may swap both meanwhile, and a baseline's node must be among the scores
         with self._policy_lock:
+            self._follow_roles_locked()
             topology, policies = self.topology, self._policies
         if origin_dc is not None and origin_dc not in topology.dcs:
             known = ", ".join(topology.dcs) or "none"
@@ -788,3 +817,15 @@ def create_app(router: Router, *, token: str | None = None, **kw: Any) -> FastAP
     from kvctl.router.app import create_app as _create_app
 
     return _create_app(router, token=token, **kw)
+
+
+def _serving_not(topology: Topology, pool: Collection[str]) -> Topology:
+    """``topology`` with the nodes of ``pool`` (pool agents: no engine) serving no request;
+    kept, as sources of the chunks they hold. ``topology`` itself when none of them serves."""
+    if not any(node.serves for name, node in topology.nodes.items() if name in pool):
+        return topology
+    nodes = {
+        name: dataclasses.replace(node, serves=False) if name in pool else node
+        for name, node in topology.nodes.items()
+    }
+    return dataclasses.replace(topology, nodes=nodes)

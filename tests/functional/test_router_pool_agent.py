@@ -2,7 +2,9 @@
 agent start --role pool`) listed there was routed requests, though it runs no engine. The router
 now asks each agent its role (/v1/info) when it reads the inventory: a pool agent stays in the
 topology but serves nothing, logged once with why; an agent that does not answer serves until a
-reread hears from it. Real agents, as tests/functional/test_doctor_pool_agent.py."""
+reread hears from it. The router's followers read each agent's role too, once per agent start,
+so the nodes of --agent flags are held to the same rule. Real agents, as
+tests/functional/test_doctor_pool_agent.py."""
 
 from __future__ import annotations
 
@@ -10,10 +12,23 @@ import logging
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from kvctl.cli.router import FleetSource, inventory_reader, load_fleet
-from tests.functional.agents import Agent, closed_port, fra_fleet, node_and_pool_agents
+from kvctl.index.follower import Followers
+from kvctl.index.model import EmbeddedIndex
+from kvctl.ports import free_loopback_port
+from kvctl.router.score import Costs
+from kvctl.router.service import KeySpace, Router
+from tests.functional.agents import (
+    Agent,
+    closed_port,
+    fra_fleet,
+    node_and_pool_agents,
+    running_agent,
+)
+from tests.unit.test_router_service import PREFILL
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +82,98 @@ def test_without_a_pool_agent_every_node_serves(
     url = _fleet(tmp_path, {"node-a": node.state.control_url})
     topology, _urls = load_fleet(FleetSource(db=url))
     assert [n.serves for n in topology.nodes.values()] == [True]
+
+
+def _info_requests(agent: Agent) -> float:
+    """The /v1/info requests ``agent`` answered (its own counter)."""
+    metrics = httpx.get(f"{agent.state.control_url}/metrics", timeout=10).text
+    for line in metrics.splitlines():
+        info = 'route="/v1/info"' in line and 'status="200"' in line
+        if line.startswith("kvctl_http_requests_total{") and info:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_pool_agent_given_by_agent_flags_serves_no_request_and_is_asked_once(
+    node_and_pool: tuple[Agent, Agent], caplog: pytest.LogCaptureFixture
+) -> None:
+    """`kvctl router serve --agent` nodes were never asked their role: a pool agent given so
+    was routed requests (only the inventory's nodes were asked, each at every reread, every
+    30 s). The router's followers read each agent's role from its /v1/info once per agent
+    start (its event stream), for the nodes of --agent flags and of the inventory alike, and
+    the router routes none to a pool agent; it stays a node (a source of chunks)."""
+    node, pool = node_and_pool
+    topology, urls = load_fleet(
+        FleetSource(
+            agents=[f"node-a={node.state.control_url}@fra", f"pool-1={pool.state.control_url}@fra"]
+        )
+    )
+    assert all(n.serves for n in topology.nodes.values())  # flags say nothing of a role
+    index = EmbeddedIndex()
+    followers = Followers(index, {name: (url, None) for name, url in urls.items()})
+    keyspace = KeySpace.of_model("llama-3.1-8b")
+    router = Router(index, topology, Costs(PREFILL), keyspace=keyspace, followers=followers)
+    asked = {a.state.control_url: _info_requests(a) for a in (node, pool)}
+    caplog.set_level(logging.WARNING, logger="kvctl.index.follower")
+    try:
+        for _ in range(3):
+            followers.poll_all()
+        assert {s["node"]: s["role"] for s in followers.status()} == {
+            "node-a": "node",
+            "pool-1": "pool",
+        }
+        for policy in ("cost", "round-robin"):
+            for _ in range(2):
+                decision = router.route([b"\x01" * 16], tenant="acme", policy=policy, explain=True)
+                assert decision.node == "node-a"
+                assert [s.node for s in decision.scores] == ["node-a"]
+        assert "pool-1" in router.topology.nodes  # kept: its chunks can still be pulled
+        for _ in range(3):
+            followers.poll_all()
+        # once per agent start, not at every poll (nor at an inventory's every reread)
+        for agent in (node, pool):
+            url = agent.state.control_url
+            assert _info_requests(agent) - asked[url] == 1, url
+    finally:
+        followers.close()
+    lines = [r.getMessage() for r in caplog.records if "pool-1" in r.getMessage()]
+    assert len(lines) == 1 and "is a pool agent" in lines[0], lines
+
+
+def test_an_agent_restarted_as_a_pool_agent_is_asked_its_role_again(
+    tmp_path: Path, node_and_pool: tuple[Agent, Agent]
+) -> None:
+    """The role is read once per agent start: an agent restarted at the same URL with another
+    role (`kvctl agent start --role pool` where a node agent ran) starts a new event stream,
+    and its role is read again, so the router stops routing to it."""
+    node, _pool = node_and_pool
+    listen = ["--listen", f"127.0.0.1:{free_loopback_port()}", "--name", "n1", "--dc", "fra"]
+    small = ("--cpu", "1MiB", "--disk", "2MiB")
+    index = EmbeddedIndex()
+    with running_agent(tmp_path / "first", *listen, *small) as first:
+        url = first.state.control_url
+        topology, urls = load_fleet(
+            FleetSource(agents=[f"node-a={node.state.control_url}@fra", f"n1={url}@fra"])
+        )
+        followers = Followers(index, {name: (u, None) for name, u in urls.items()})
+        keyspace = KeySpace.of_model("llama-3.1-8b")
+        router = Router(index, topology, Costs(PREFILL), keyspace=keyspace, followers=followers)
+        followers.poll_all()
+        assert {s["node"]: s["role"] for s in followers.status()}["n1"] == "node"
+        scored = router.route([b"\x01" * 16], tenant="acme", explain=True).scores
+        assert sorted(s.node for s in scored) == ["n1", "node-a"]
+    try:
+        followers.poll_all()  # refused: marked down
+        with running_agent(tmp_path / "second", *listen, *small, "--role", "pool") as second:
+            assert second.state.control_url == url
+            roles: dict[str, object] = {}
+            for _ in range(50):  # until a poll hears the new stream (each poll waits for it)
+                followers.poll_all()
+                roles = {s["node"]: s["role"] for s in followers.status()}
+                if roles["n1"] == "pool":
+                    break
+            assert roles == {"node-a": "node", "n1": "pool"}
+            scored = router.route([b"\x01" * 16], tenant="acme", explain=True).scores
+            assert [s.node for s in scored] == ["node-a"]
+    finally:
+        followers.close()
