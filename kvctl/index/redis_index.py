@@ -254,14 +254,19 @@ MAX_CHUNK_HASH_BYTES = 1 << 20
 # KEYS: the chunk hashes. ARGV[1]: MAX_HOLDERS_PER_CHUNK, ARGV[2]: MAX_CHUNK_HASH_BYTES. Returns,
 # per key, its HGETALL, or its field count when past either bound. HLEN first: O(1), so a hash
 # of millions of fields costs no more than a sound one; MEMORY USAGE is O(1) for the small
-# (listpack) hashes of the normal path, O(fields) past them, which HLEN bounded.
+# (listpack) hashes of the normal path, O(fields) past them, which HLEN bounded. A server whose
+# ACL denies the router MEMORY (pcall: an error, not a number) gets the fields bound alone,
+# rather than every lookup failing.
 _HOLDERS_LUA = """#!lua flags=no-writes
 local max_fields, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
 local out = {}
 for i, key in ipairs(KEYS) do
   local n = redis.call('HLEN', key)
-  if n > max_fields
-      or (n > 0 and (redis.call('MEMORY', 'USAGE', key, 'SAMPLES', '0') or 0) > max_bytes) then
+  local bytes = 0
+  if n > 0 and n <= max_fields then
+    bytes = redis.pcall('MEMORY', 'USAGE', key, 'SAMPLES', '0')
+  end
+  if n > max_fields or (type(bytes) == 'number' and bytes > max_bytes) then
     out[i] = n
   else
     out[i] = redis.call('HGETALL', key)

@@ -299,6 +299,31 @@ def test_a_chunk_hash_past_what_a_fleet_writes_is_not_read(
         assert len(said) == 1 and key(0).hex() in said[0] and "skipped whole" in said[0], said
 
 
+def test_holders_answer_where_the_acl_denies_memory(fresh: RedisIndex, redis_url: str) -> None:
+    """holders() asks MEMORY USAGE of each chunk's hash (its bytes bound): a router whose Redis
+    user may not run MEMORY (an ACL of read and write commands only) still gets its holders,
+    each hash bound by its entries alone, rather than every lookup failing."""
+    fresh.apply("n", [stored(0)])
+    user = f"kvctl-test-{uuid.uuid4().hex[:12]}"
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        admin.acl_setuser(
+            user, enabled=True, nopass=True, keys=["*"], commands=["+@all", "-memory"]
+        )
+        client = redis.Redis.from_url(redis_url, username=user)
+        try:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.memory_usage(f"{fresh.prefix}k:{key(0).hex()}")
+            denied = RedisIndex(prefix=fresh.prefix, client=client)
+            rows = denied.holders([key(0), key(1)], tenant="acme")
+            assert [[h.node for h in row] for row in rows] == [["n"], []]
+        finally:
+            client.close()
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
+
+
 def test_an_entry_with_counts_past_an_int64_is_not_a_holder(
     fresh: RedisIndex, redis_url: str
 ) -> None:
