@@ -22,8 +22,9 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, cast, overload
 
@@ -238,18 +239,34 @@ class ArenaLeases:
     chunks: list[LeasedChunk | None]
     missing: frozenset[int]
     remote: frozenset[int] = frozenset()
+    #: the client that took the leases (weak: these must not keep it open): once it is closed,
+    #: by another thread too, the agent has ended them and its arena is unmapped
+    _client: weakref.ref[DataClient] | None = field(default=None, repr=False, compare=False)
+
+    def _client_closed(self) -> bool:
+        client = self._client() if self._client is not None else None
+        return self._client is not None and (client is None or client.closed)
 
     def view(self, i: int) -> memoryview:
+        """Chunk i's bytes in the arena; AgentError('this client is closed') once the client
+        is (its leases ended, its arena unmapped), as every call on a closed client says."""
         c = self.chunks[i]
         if c is None or self.arena is None:
             raise KeyError(f"chunk {i} is not leased")
-        return memoryview(self.arena)[c.offset : c.offset + c.size_bytes]
+        try:
+            whole = memoryview(self.arena)
+        except ValueError:  # the arena unmapped
+            if self._client_closed():
+                raise AgentError(CLOSED_MESSAGE) from None
+            raise
+        return whole[c.offset : c.offset + c.size_bytes]
 
     def valid(self, i: int) -> bool:
-        """Whether chunk i's lease still holds now: a copy that ended after its deadline may
-        hold bytes the agent reused, so check this after the copy is complete."""
+        """Whether chunk i's lease still holds now: a copy that ended after its deadline, or
+        after the client was closed (which ends its leases), may hold bytes the agent reused,
+        so check this after the copy is complete."""
         c = self.chunks[i]
-        return c is not None and time.monotonic() < c.deadline_s
+        return c is not None and time.monotonic() < c.deadline_s and not self._client_closed()
 
 
 def _as_bytes_view(data: Payload) -> memoryview:
@@ -778,12 +795,17 @@ class DataClient:
         return float(self.info.get("lease_seconds", 10.0)) if ttl_s is None else ttl_s
 
     def _arena_leases(self, leases: list[tuple[LeasedChunk | None, str]]) -> ArenaLeases:
+        with self._mappings_lock:  # a ``close`` from another thread drops the arena
+            if self.closed:  # since the leases were answered: they ended with the connection
+                raise AgentError(CLOSED_MESSAGE)
+            arena = self._arena
         return ArenaLeases(
-            arena=self._arena,
+            arena=arena,
             generation=self._arena_gen,
             chunks=[c for c, _ in leases],
             missing=frozenset(i for i, (_, st) in enumerate(leases) if st == "missing"),
             remote=frozenset(i for i, (_, st) in enumerate(leases) if st == "remote"),
+            _client=weakref.ref(self),
         )
 
     def is_isolated(self, tenant: str) -> bool:

@@ -231,3 +231,65 @@ def test_a_leased_read_racing_close_from_another_thread_says_the_client_is_close
         sys.settrace(before)
     assert str(raised.value) == "this client is closed", repr(raised.value)
     assert client.closed
+
+
+@pytest.mark.parametrize("how", ["leased", "lookup_leased", "hold"])
+def test_a_lease_block_whose_client_another_thread_closed_says_the_client_is_closed(
+    node: InProcessNode, how: str
+) -> None:
+    """Inside a ``leased()`` / ``lookup_leased()`` block, or with what ``hold`` returned,
+    another thread closes the client (its arena unmapped, the agent's leases ended with the
+    connection): ``view`` raised the closed arena's ValueError ('mmap closed or invalid'),
+    and ``valid`` still said the lease held though the agent may reuse those bytes."""
+    k = key(2, 14)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, 8192)) == "cpu"
+
+    def check(leases: client_module.ArenaLeases) -> None:
+        assert bytes(leases.view(0)) == payload(k, 8192) and leases.valid(0)
+        closer = threading.Thread(target=client.close)
+        closer.start()
+        closer.join(30.0)
+        assert not closer.is_alive() and client.closed
+        with pytest.raises(AgentError) as raised:
+            leases.view(0)
+        assert str(raised.value) == "this client is closed", repr(raised.value)
+        assert not leases.valid(0)
+
+    if how == "leased":
+        with client.leased([k]) as leases:
+            check(leases)
+    elif how == "lookup_leased":
+        with client.lookup_leased([k]) as (found, leases):
+            assert found.matched_chunks == 1
+            check(leases)
+    else:
+        check(client.hold([k]))
+
+
+@pytest.mark.parametrize("how", ["leased", "lookup_leased", "hold"])
+def test_a_lease_racing_close_from_another_thread_says_the_client_is_closed(
+    node: InProcessNode, how: str
+) -> None:
+    """Closed once the leases are answered and before they are handed over: the leases came
+    back with the arena gone (None), so ``view`` of a chunk the agent had leased raised
+    KeyError 'chunk 0 is not leased'."""
+    k = key(3, 14)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, 8192)) == "cpu"
+    before = sys.gettrace()
+    sys.settrace(_traced_close(client, "_leases_locked", "return"))
+    try:
+        with pytest.raises(AgentError) as raised:
+            if how == "leased":
+                with client.leased([k]) as leases:
+                    leases.view(0)
+            elif how == "lookup_leased":
+                with client.lookup_leased([k]) as (_, leases):
+                    leases.view(0)
+            else:
+                client.hold([k]).view(0)
+    finally:
+        sys.settrace(before)
+    assert str(raised.value) == "this client is closed", repr(raised.value)
+    assert client.closed
