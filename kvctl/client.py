@@ -50,6 +50,8 @@ from kvctl.wire.protocol import (
     PROBE_PIECE_BYTES,
     PUT_CHECKSUM_NAME,
     REPLY_BIT,
+    SEGMENT_NO_DESCRIPTORS_TEXT,
+    SEGMENT_UNMAPPED_TEXT,
     ErrorCode,
     FrameError,
     MetaReader,
@@ -1699,7 +1701,7 @@ def _refused_for_memory(reason: str) -> bool:
     """Whether an agent's refusal of a staging segment (its message: the protocol carries no
     cause) says it could not map it for want of memory or address space, which a smaller
     segment may escape; not for want of descriptors, nor a segment it will not take at all."""
-    return "could not map a staging segment" in reason and "out of descriptors" not in reason
+    return SEGMENT_UNMAPPED_TEXT in reason and SEGMENT_NO_DESCRIPTORS_TEXT not in reason
 
 
 #: Linux's F_SEAL_FUTURE_WRITE (Python's fcntl does not name it)

@@ -64,6 +64,8 @@ from kvctl.wire.protocol import (
     NO_TIER,
     PROBE_PIECE_BYTES,
     REPLY_BIT,
+    SEGMENT_NO_DESCRIPTORS_TEXT,
+    SEGMENT_UNMAPPED_TEXT,
     STAGED_ITEM,
     ErrorCode,
     FrameError,
@@ -2115,9 +2117,10 @@ def _mapping_refused(size: int, exc: OSError | OverflowError) -> _SegmentRefused
     """The refusal of a segment that passed its checks but could not be mapped: mapping takes
     a descriptor of its own (mmap dups the one passed), so an agent at its open files limit
     fails here (EMFILE, ENFILE), where the remedy is that limit, not memory."""
-    message = f"this agent could not map a staging segment of {size} bytes: {exc}"
+    # the SDK reads these words to tell the causes apart (``SEGMENT_UNMAPPED_TEXT``)
+    message = f"this agent {SEGMENT_UNMAPPED_TEXT} of {size} bytes: {exc}"
     if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
-        return _SegmentRefused("open files", f"{message} (out of descriptors)")
+        return _SegmentRefused("open files", f"{message} ({SEGMENT_NO_DESCRIPTORS_TEXT})")
     return _SegmentRefused("memory", message)
 
 

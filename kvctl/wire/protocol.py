@@ -64,6 +64,12 @@ PROBE_PIECE_BYTES = 1 << 20
 NO_TIER = 255
 _KEY_DTYPE = np.dtype(f"V{KEY_BYTES}")
 
+#: what an agent's refusal of a staging segment (ATTACH, BAD_REQUEST) says where it could not
+#: map it, and what it adds where that was for want of descriptors: the error carries no cause,
+#: so the SDK tells by these a refusal for memory, which a smaller segment may escape, from one
+#: a smaller segment meets the same
+SEGMENT_UNMAPPED_TEXT = "could not map a staging segment"
+SEGMENT_NO_DESCRIPTORS_TEXT = "out of descriptors"
 #: one put item: key, size, tokens, priority, flags, parent, depth
 ITEM = struct.Struct("<16sQIBB16sI")
 #: a put item whose bytes wait in the client's staging segment at this offset

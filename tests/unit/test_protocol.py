@@ -413,3 +413,27 @@ def test_recv_exactly_of_nothing_needs_no_bytes(
     a.close()
     with pytest.raises(PeerClosed, match="0 of 1"):
         recv_exactly(b, memoryview(bytearray(1)))
+
+
+@pytest.mark.parametrize(
+    ("error", "for_memory"),
+    [
+        (OSError(12, "Cannot allocate memory"), True),  # ENOMEM, RLIMIT_AS
+        (OverflowError("cannot fit 'int' into an index-sized integer"), True),
+        (OSError(24, "Too many open files"), False),  # EMFILE: a smaller one fails the same
+        (OSError(23, "Too many open files in system"), False),  # ENFILE
+    ],
+)
+def test_the_sdk_reads_an_agents_segment_refusal_as_the_agent_words_it(
+    error: OSError | OverflowError, for_memory: bool
+) -> None:
+    """The protocol carries no cause with a refused staging segment: the SDK reads the agent's
+    words (``_refused_for_memory``) to hold back, for want of memory, only segments as large.
+    Both sides' real functions, so a change of wording on one side fails here, not in the
+    field (where it would hold back every size, or retry smaller ones out of descriptors)."""
+    from kvctl.agent.dataplane import _mapping_refused
+    from kvctl.client import _refused_for_memory
+
+    refusal = _mapping_refused(16 << 20, error)
+    assert _refused_for_memory(refusal.message) is for_memory, refusal.message
+    assert refusal.cause == ("memory" if for_memory else "open files")
