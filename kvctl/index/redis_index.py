@@ -66,6 +66,7 @@ import logging
 import math
 import re
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, cast
@@ -251,26 +252,48 @@ return {marker, '', scan[1], #scan[2]}
 MAX_HOLDERS_PER_CHUNK = 4096
 MAX_CHUNK_HASH_BYTES = 1 << 20
 
-# KEYS: the chunk hashes. ARGV[1]: MAX_HOLDERS_PER_CHUNK, ARGV[2]: MAX_CHUNK_HASH_BYTES. Returns,
-# per key, its HGETALL, or its field count when past either bound. HLEN first: O(1), so a hash
-# of millions of fields costs no more than a sound one; MEMORY USAGE is O(1) for the small
-# (listpack) hashes of the normal path, O(fields) past them, which HLEN bounded. A server whose
-# ACL denies the router MEMORY (pcall: an error, not a number) gets the fields bound alone,
-# rather than every lookup failing.
+#: a Redis user the ACL denies MEMORY (``holders``' bytes bound) is asked again this long after:
+#: each denial is an ACL LOG entry and an error reply on the server, so not one per lookup
+MEMORY_RETRY_S = 600.0
+
+# KEYS: the chunk hashes. ARGV[1]: MAX_HOLDERS_PER_CHUNK, ARGV[2]: MAX_CHUNK_HASH_BYTES, ARGV[3]:
+# '1' to ask MEMORY USAGE. Returns, per key, its HGETALL, or its field count when past either
+# bound; then a 1 past the keys' replies when MEMORY was denied. HLEN first: O(1), so a hash of
+# millions of fields costs no more than a sound one; MEMORY USAGE is O(1) for the small
+# (listpack) hashes of the normal path, O(fields) past them, which HLEN bounded. Without MEMORY
+# (not asked, or the ACL denies it: pcall, an error, not a number) the bytes bound is taken on
+# the fields and values read here: the server copies such a hash, but no router is sent it.
 _HOLDERS_LUA = """#!lua flags=no-writes
 local max_fields, max_bytes = tonumber(ARGV[1]), tonumber(ARGV[2])
+local ask_memory, denied = ARGV[3] == '1', false
 local out = {}
 for i, key in ipairs(KEYS) do
   local n = redis.call('HLEN', key)
-  local bytes = 0
-  if n > 0 and n <= max_fields then
+  local bytes = nil
+  if n > 0 and n <= max_fields and ask_memory and not denied then
     bytes = redis.pcall('MEMORY', 'USAGE', key, 'SAMPLES', '0')
+    if type(bytes) ~= 'number' then
+      bytes, denied = nil, true
+    end
   end
-  if n > max_fields or (type(bytes) == 'number' and bytes > max_bytes) then
+  if n > max_fields or (bytes ~= nil and bytes > max_bytes) then
     out[i] = n
   else
-    out[i] = redis.call('HGETALL', key)
+    local held = redis.call('HGETALL', key)
+    if bytes == nil then
+      local read = 0
+      for j = 1, #held do
+        read = read + #held[j]
+      end
+      if read > max_bytes then
+        held = n
+      end
+    end
+    out[i] = held
   end
+end
+if denied then
+  out[#KEYS + 1] = 1
 end
 return out
 """
@@ -370,6 +393,9 @@ class RedisIndex:
         self._malformed_lock = threading.Lock()
         #: the kinds of malformed entries said at warning already (then at debug)
         self._malformed_said: set[str] = set()
+        #: when MEMORY was last denied to ``holders`` (monotonic; None: never): not asked
+        #: again for ``MEMORY_RETRY_S``
+        self._memory_denied_s: float | None = None
         if client is not None:
             if client.connection_pool.connection_kwargs.get("decode_responses"):
                 raise InvalidArgument("the index's Redis client must not decode responses")
@@ -518,10 +544,27 @@ class RedisIndex:
         with self._guard():
             # one round trip and one snapshot (a script runs whole: a replace in flight is seen
             # whole or not at all); a hash past the bounds comes back as its field count
+            denied_s = self._memory_denied_s
+            ask_memory = denied_s is None or time.monotonic() - denied_s >= MEMORY_RETRY_S
             reply = self._client.eval(
-                _HOLDERS_LUA, len(names), *names, MAX_HOLDERS_PER_CHUNK, MAX_CHUNK_HASH_BYTES
+                _HOLDERS_LUA,
+                len(names),
+                *names,
+                MAX_HOLDERS_PER_CHUNK,
+                MAX_CHUNK_HASH_BYTES,
+                1 if ask_memory else 0,
             )
             replies = cast("list[list[bytes] | int]", reply)
+        if len(replies) > len(names):  # MEMORY denied: the bytes bound is taken on what is read
+            replies = replies[: len(names)]
+            if self._memory_denied_s is None:
+                log.info(
+                    "index at %s: the Redis user may not run MEMORY USAGE; chunk hashes are "
+                    "bounded by the bytes read in the script instead (asked again every %.0f s)",
+                    self.address,
+                    MEMORY_RETRY_S,
+                )
+            self._memory_denied_s = time.monotonic()
         out: list[list[Holding]] = []
         for key, held in zip(keys, replies, strict=True):
             row: list[Holding] = []

@@ -324,6 +324,43 @@ def test_holders_answer_where_the_acl_denies_memory(fresh: RedisIndex, redis_url
         admin.close()
 
 
+def test_where_the_acl_denies_memory_it_is_asked_once_and_the_bytes_bound_stands(
+    fresh: RedisIndex, redis_url: str
+) -> None:
+    """Under an ACL without MEMORY, every lookup asked MEMORY USAGE of each key again: one
+    denial per key in the server's ACL LOG and its error replies (100 lookups of 4 keys: 400
+    of each, what an operator watching either sees as an attack), and a hash of a few entries
+    megabytes long was read whole at every lookup, its bytes bound gone. MEMORY is asked once
+    (again only after ``MEMORY_RETRY_S``), and the bound is taken on the bytes read in the
+    script, so such a hash is still skipped, not sent."""
+    fresh.apply("n", [stored(i) for i in range(4)])
+    planted = {
+        f"node-{i}".encode(): encode_entry(stored(0, tenant="t" * MAX_CHUNK_HASH_BYTES))
+        for i in range(2)
+    }
+    user = f"kvctl-test-{uuid.uuid4().hex[:12]}"
+    admin = redis.Redis.from_url(redis_url)
+    try:
+        admin.hset(f"{fresh.prefix}k:{key(0).hex()}", mapping=planted)
+        admin.acl_setuser(
+            user, enabled=True, nopass=True, keys=["*"], commands=["+@all", "-memory"]
+        )
+        client = redis.Redis.from_url(redis_url, username=user)
+        try:
+            denied = RedisIndex(prefix=fresh.prefix, client=client)
+            for _ in range(50):
+                rows = denied.holders([key(i) for i in range(4)], tenant="acme")
+                assert [[h.node for h in row] for row in rows] == [[], ["n"], ["n"], ["n"]]
+            logged = [e for e in admin.acl_log() if e.get("username") == user]
+            assert [(e["object"], e["count"]) for e in logged] == [("memory|usage", 1)]
+            assert denied.malformed_entries == 50 * 3  # the planted hash's, at each lookup
+        finally:
+            client.close()
+    finally:
+        admin.acl_deluser(user)
+        admin.close()
+
+
 def test_an_entry_with_counts_past_an_int64_is_not_a_holder(
     fresh: RedisIndex, redis_url: str
 ) -> None:
