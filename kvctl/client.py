@@ -1456,6 +1456,11 @@ class DataClient:
                         retry.append(i)
                 if arena is not None:
                     arena.release()
+                # a ``close`` from another thread during the copies ended the leases with the
+                # connection: the agent may have given those bytes to another chunk meanwhile,
+                # so nothing copied is kept (``closed`` is set before the socket closes)
+                if self.closed:
+                    raise AgentError(CLOSED_MESSAGE)
             finally:
                 self._release_locked(held)
         if retry:

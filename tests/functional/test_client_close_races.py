@@ -293,3 +293,30 @@ def test_a_lease_racing_close_from_another_thread_says_the_client_is_closed(
         sys.settrace(before)
     assert str(raised.value) == "this client is closed", repr(raised.value)
     assert client.closed
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_a_leased_read_whose_copy_overlaps_close_is_not_returned(
+    node: InProcessNode, into: bool
+) -> None:
+    """Closed by another thread while the read copies out of the arena: the copy finishes
+    (its view keeps the mapping), but the agent ends a connection's leases when it closes and
+    may give those bytes to another chunk meanwhile, so what was copied cannot be trusted, as
+    with a copy that ended past its lease's deadline. It was returned as the chunk; now the
+    read says the client is closed."""
+    k = key(4, 14)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, 8192)) == "cpu"
+    out = memoryview(bytearray(8192))
+    before = sys.gettrace()
+    sys.settrace(_traced_close(client, "copy_bytes", "call"))
+    try:
+        with pytest.raises(AgentError) as raised:
+            if into:
+                client.get_into([k], [out])
+            else:
+                client.get(k)
+    finally:
+        sys.settrace(before)
+    assert str(raised.value) == "this client is closed", repr(raised.value)
+    assert client.closed
