@@ -350,63 +350,28 @@ def load_fleet(source: FleetSource) -> tuple[Topology, dict[str, str]]:
 Rows = list[dict[str, Any]]
 
 
-#: the pool agents ``_inventory`` has logged (name, URL): a reread every 30 s would repeat it
-_POOL_AGENTS_LOGGED: set[tuple[str, str]] = set()
-
-
 def _inventory(
     dcs: dict[str, dict[str, Any]], node_rows: Rows, link_rows: Rows
 ) -> tuple[list[Node], dict[str, str], dict[tuple[str, str], DcLink]]:
     """The nodes, their agent URLs and the DC links of a fleet file's or the database's rows.
 
-    A node whose agent reports itself a pool agent (``role`` "pool" in its /v1/info: started
-    with --role pool) is kept, for the links, but serves no request (``serves=False``): it runs
-    no engine. The inventory has no role, so each agent is asked, all at once, at start and at
-    each reread; one that does not answer (down, starting, a refused token) counts as serving
-    until a reread hears from it (a router marks it down meanwhile). Each pool agent is logged
-    once per process, with why."""
-    import logging
-    from concurrent.futures import ThreadPoolExecutor
-
-    from kvctl.client import AgentClient
+    The inventory has no role: every node is given as serving. A pool agent (``role`` "pool"
+    in its /v1/info, started with --role pool) runs no engine; the router's followers read
+    each agent's role once per agent start and the router routes it no request (kept, for its
+    chunks and its DC's links), for the inventory's nodes and --agent flags alike, so a reread
+    asks the agents nothing."""
     from kvctl.router.topology import DcLink, Node
 
-    def role_of(agent_url: str) -> str | None:
-        try:  # $KVCTL_TOKEN, as the router's followers read the agents
-            with AgentClient(agent_url, timeout_s=2.0) as client:
-                role = client.info().get("role")
-        except Exception:  # any failure leaves the role unknown, not the inventory unread
-            return None
-        return role if isinstance(role, str) else None
-
-    agent_urls = [str(n["agent_url"]) for n in node_rows]
-    roles: list[str | None] = []
-    if agent_urls:
-        with ThreadPoolExecutor(max_workers=min(32, len(agent_urls))) as pool:
-            roles = list(pool.map(role_of, agent_urls))
-    logged = _POOL_AGENTS_LOGGED
     nodes: list[Node] = []
     urls: dict[str, str] = {}
-    for n, role in zip(node_rows, roles, strict=True):
+    for n in node_rows:
         site = dcs.get(n["dc"], {})
-        pool_agent = role == "pool"
-        if pool_agent and (n["name"], n["agent_url"]) not in logged:
-            logged.add((n["name"], n["agent_url"]))
-            logging.getLogger("kvctl.router.inventory").warning(
-                "%s (%s) is a pool agent (it reports role 'pool'): it runs no engine, so no "
-                "request is routed to it; it stays in the inventory for its DC's links "
-                "(`kvctl fleet rm node %s` if it should not be there)",
-                n["name"],
-                n["agent_url"],
-                n["name"],
-            )
         nodes.append(
             Node(
                 n["name"],
                 n["dc"],
                 carbon_g_per_kwh=site.get("carbon_g_per_kwh"),
                 pue=site.get("pue") or 1.0,
-                serves=not pool_agent,
             )
         )
         urls[n["name"]] = n["agent_url"]

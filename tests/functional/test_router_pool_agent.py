@@ -1,9 +1,9 @@
 """A router reading the fleet inventory gave every node serves=True, so a pool agent (`kvctl
-agent start --role pool`) listed there was routed requests, though it runs no engine. The router
-now asks each agent its role (/v1/info) when it reads the inventory: a pool agent stays in the
-topology but serves nothing, logged once with why; an agent that does not answer serves until a
-reread hears from it. The router's followers read each agent's role too, once per agent start,
-so the nodes of --agent flags are held to the same rule. Real agents, as
+agent start --role pool`) listed there was routed requests, though it runs no engine; one named
+by --agent too. The router's followers read each agent's role (/v1/info) once per agent start,
+for the inventory's nodes and --agent flags alike: a pool agent stays in the topology but serves
+nothing, logged once with why; an agent not heard from is not known to be one (and not up).
+Reading the inventory asks the agents nothing. Real agents, as
 tests/functional/test_doctor_pool_agent.py."""
 
 from __future__ import annotations
@@ -49,26 +49,51 @@ def _fleet(tmp_path: Path, nodes: dict[str, str]) -> str:
 def test_a_pool_agent_in_the_inventory_serves_no_request(
     tmp_path: Path, node_and_pool: tuple[Agent, Agent], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The inventory has no role: the router's followers read each agent's role once per agent
+    start and the router routes no request to a pool agent, kept as a node (its chunks, its
+    DC's links). Reading the inventory, at start and at each reread (every 30 s), asked every
+    agent its /v1/info again and logged a pool agent a second time, under another logger: one
+    rule now, the followers', and a reread asks the agents nothing."""
     node, pool = node_and_pool
     gone = f"http://127.0.0.1:{closed_port()}"
     url = _fleet(
         tmp_path, {"node-a": node.state.control_url, "pool-1": pool.state.control_url, "gone": gone}
     )
-    caplog.set_level(logging.WARNING, logger="kvctl.router.inventory")
+    caplog.set_level(logging.WARNING)
+    asked = {a.state.control_url: _info_requests(a) for a in (node, pool)}
     topology, urls = load_fleet(FleetSource(db=url))
     assert urls == {
         "node-a": node.state.control_url,
         "pool-1": pool.state.control_url,
         "gone": gone,
     }
-    serves = {name: n.serves for name, n in topology.nodes.items()}
-    # an agent that does not answer is not known to be a pool agent: it serves (marked down)
-    assert serves == {"node-a": True, "pool-1": False, "gone": True}
-    # a reread (every 30 s) keeps it out of routing, and does not log it again
+    assert all(n.serves for n in topology.nodes.values())  # the inventory says no role
+    index = EmbeddedIndex()
+    followers = Followers(index, {name: (u, None) for name, u in urls.items()})
+    keyspace = KeySpace.of_model("llama-3.1-8b")
+    router = Router(index, topology, Costs(PREFILL), keyspace=keyspace, followers=followers)
     _name, read = inventory_reader(FleetSource(db=url))
     assert read is not None
-    topology, _urls = read()
-    assert not topology.nodes["pool-1"].serves and topology.nodes["node-a"].serves
+    try:
+        for _ in range(3):
+            followers.poll_all()
+        roles = {s["node"]: s["role"] for s in followers.status()}
+        # an agent that does not answer is not known to be a pool agent (and is not up)
+        assert roles == {"node-a": "node", "pool-1": "pool", "gone": None}
+        for _ in range(2):
+            decision = router.route([b"\x01" * 16], tenant="acme", explain=True)
+            assert [s.node for s in decision.scores] == ["node-a"]
+        # a reread keeps it out of routing, asking the agents nothing
+        reread, _urls = read()
+        router.set_topology(reread)
+        decision = router.route([b"\x01" * 16], tenant="acme", explain=True)
+        assert [s.node for s in decision.scores] == ["node-a"]
+        assert not router.topology.nodes["pool-1"].serves
+        assert router.topology.nodes["node-a"].serves
+        for agent in (node, pool):  # the followers' read alone, once per agent start
+            assert _info_requests(agent) - asked[agent.state.control_url] == 1
+    finally:
+        followers.close()
     lines = [r.getMessage() for r in caplog.records if "pool-1" in r.getMessage()]
     assert len(lines) == 1, lines
     assert f"pool-1 ({pool.state.control_url}) is a pool agent (it reports role 'pool')" in lines[0]
