@@ -647,6 +647,10 @@ class Router:
         if not keys and tokens == 0:
             # nothing to route: counting it as a decision would skew every figure
             raise InvalidArgument("the prompt is empty: give at least one key or token id")
+        # the nodes up before the roles: a follower reads an agent's role before it calls it
+        # up, so a pool agent up by now is known as one; read after, one called up between
+        # the two reads was scored, its role not yet applied
+        up = self.up_nodes()
         # one topology and the policies built on it for the whole request: the reloader's
         # thread may swap both meanwhile, and a baseline's node must be among the scores
         with self._policy_lock:
@@ -657,7 +661,6 @@ class Router:
             raise InvalidArgument(f"unknown origin DC {origin_dc!r}; the fleet's DCs: {known}")
         start_s = self._clock()
         holdings = self._usable(self._chain_holders(keys, tenant=tenant))
-        up = self.up_nodes()
         queue_s = self.load.queue_s()
         scores = score_nodes(
             holdings,

@@ -202,3 +202,49 @@ def test_an_agent_restarted_as_a_pool_agent_is_asked_its_role_again(
             assert [s.node for s in scored] == ["node-a"]
     finally:
         followers.close()
+
+
+class _PollLandsBetween(Followers):
+    """Followers whose first poll of a newly added agent lands while a request reads the
+    roles: ``pool_nodes`` answers as before the poll, which then runs (a poll thread's, there)."""
+
+    polls_inside = 0
+
+    def pool_nodes(self) -> frozenset[str]:
+        before = super().pool_nodes()
+        if self.polls_inside == 0:
+            self.polls_inside += 1
+            self.poll_all()
+        return before
+
+
+def test_a_pool_agent_first_heard_from_during_a_request_is_not_scored(
+    node_and_pool: tuple[Agent, Agent],
+) -> None:
+    """A request read the pool agents, then the nodes that are up: a follower's first poll of a
+    pool agent between the two (its role read, then it called up) had it scored, up and not yet
+    known to be a pool agent. The nodes that are up are read first: one called up after has its
+    role read already, and one not up is not scored."""
+    node, pool = node_and_pool
+    topology, urls = load_fleet(
+        FleetSource(
+            agents=[f"node-a={node.state.control_url}@fra", f"pool-1={pool.state.control_url}@fra"]
+        )
+    )
+    index = EmbeddedIndex()
+    followers = _PollLandsBetween(index, {"node-a": (urls["node-a"], None)})
+    keyspace = KeySpace.of_model("llama-3.1-8b")
+    router = Router(index, topology, Costs(PREFILL), keyspace=keyspace, followers=followers)
+    try:
+        followers.polls_inside = 1  # node-a's first poll is not the one under test
+        followers.poll_all()
+        followers.add("pool-1", urls["pool-1"])  # not heard from yet: not up
+        followers.polls_inside = 0
+        decision = router.route([b"\x01" * 16], tenant="acme", explain=True)
+        assert followers.polls_inside == 1  # the poll ran inside the request
+        assert [s.node for s in decision.scores] == ["node-a"]
+        assert {s["node"]: s["role"] for s in followers.status()}["pool-1"] == "pool"
+        decision = router.route([b"\x01" * 16], tenant="acme", explain=True)
+        assert [s.node for s in decision.scores] == ["node-a"]
+    finally:
+        followers.close()
