@@ -264,10 +264,13 @@ class Follower:
                 # the agent is still asked whether it answers, so one gone meanwhile is
                 # marked down after drop_after_s as ever, not at the end of the wait
                 try:
-                    _batch(self._events(after=_PAST_ANY_SEQ, limit=1))
+                    *_, instance = _batch(self._events(after=_PAST_ANY_SEQ, limit=1))
                 except Exception as exc:
                     self._failed(exc)
                     return 0
+                # an agent restarted meanwhile (--role pool at its URL) is not called up with
+                # its old role for the rest of the wait
+                self._learn_role(instance)
                 self._answered()
                 return 0
             try:

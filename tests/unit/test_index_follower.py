@@ -42,7 +42,8 @@ def _reasons(status: dict[str, Any]) -> dict[str, int]:
 
 
 class _Scripted(http.server.BaseHTTPRequestHandler):
-    """Answers /v1/events/recent and /v1/keys from ``script`` (events carry their seq)."""
+    """Answers /v1/events/recent and /v1/keys from ``script`` (events carry their seq), and
+    /v1/info with the script's ``role`` when it has one."""
 
     script: dict[str, Any]
 
@@ -59,6 +60,8 @@ class _Scripted(http.server.BaseHTTPRequestHandler):
                 "instance": self.script["instance"],
             }
             body["last_seq"] = body["events"][-1]["seq"] if body["events"] else min(after, last)
+        elif url.path == "/v1/info" and "role" in self.script:
+            body = {"role": self.script["role"]}
         elif url.path == "/v1/keys":
             self.script["listings"] = self.script.get("listings", 0) + 1
             # "next": a cursor the script fixes (a listing that does not advance)
@@ -456,6 +459,31 @@ def test_an_agent_that_goes_down_while_a_failed_replace_waits_is_marked_down_in_
     assert follower.status()["up"] is False
     assert index.sent_s == [100.0, 101.0, 103.0, 107.0]  # still no replace sent meanwhile
     follower.close()
+
+
+def test_an_agent_restarted_as_a_pool_agent_while_a_failed_replace_waits_is_known_as_one() -> None:
+    """While a failed replace waits (up to 30 s) the agent is only asked whether it answers, and
+    called up: one restarted meanwhile with --role pool at the same URL (a new event stream)
+    was called up with its old role, and routed requests until the wait was over. Its role is
+    read from that answer's stream too, before it is called up."""
+    index = _ReplaceFails()
+    now = index.clock
+    script: dict[str, Any] = {
+        "instance": "one",
+        "events": [],
+        "items": [_stored(K1)],
+        "role": "node",
+    }
+    with scripted(script) as url:
+        follower = Follower(index, "a", url, drop_after_s=60.0, clock=lambda: now[0])
+        follower.poll_once()  # its role read, then the replace fails: waits 1 s
+        assert follower.role == "node" and index.sent_s == [100.0]
+        script.update(instance="two", role="pool")  # restarted as a pool agent
+        now[0] = 100.2
+        follower.poll_once()
+        assert index.sent_s == [100.0]  # still waiting: no replace sent
+        assert follower.up and follower.role == "pool"
+        follower.close()
 
 
 def _wait_for(cond: Any, what: str, within_s: float = 30.0) -> None:
