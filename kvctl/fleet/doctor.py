@@ -969,9 +969,10 @@ def _role(agents: Sequence[Check], node: str) -> str | None:
 
 def _with_serving(check: Check, roles: Mapping[str, str | None]) -> Check:
     """The "fleet inventory" row, saying how many of its nodes serve requests when an agent
-    asked is a pool agent: it runs no engine, yet replay and a router send requests to every
-    node of the inventory. ``roles``: each node asked, and the role its agent reported. A node
-    not asked, or whose agent did not say, may be one too: then "at most"."""
+    asked is a pool agent: it runs no engine, yet replay sends requests to every node of the
+    inventory (a router routes none to it: its followers read each agent's role). ``roles``:
+    each node asked, and the role its agent reported. A node not asked, or whose agent did not
+    say, may be one too: then "at most"."""
     pools = sorted(name for name, role in roles.items() if role == "pool")
     n_nodes = check.values.get("nodes")
     if check.name != "fleet inventory" or not pools or not isinstance(n_nodes, int):
@@ -985,9 +986,9 @@ def _with_serving(check: Check, roles: Mapping[str, str | None]) -> Check:
         f"{count_of(len(pools), 'pool agent')} ({', '.join(pools)}) answer other agents' pulls"
     )
     fix = (
-        "`kvctl replay` and a router send requests to every node of the inventory: keep a pool "
-        "agent out of it (nodes reach it as their pool, e.g. `kvctl agent start --pool "
-        f"kvctl://HOST:PORT`): `kvctl fleet rm node {pools[0]}`"
+        "`kvctl replay` sends requests to every node of the inventory (a router routes none "
+        "to a pool agent): keep a pool agent out of it (nodes reach it as their pool, e.g. "
+        f"`kvctl agent start --pool kvctl://HOST:PORT`): `kvctl fleet rm node {pools[0]}`"
         + (" (and the others)" if len(pools) > 1 else "")
     )
     values = {

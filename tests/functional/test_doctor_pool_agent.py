@@ -52,6 +52,9 @@ def test_a_pool_agent_in_the_inventory_is_not_counted_as_serving(
     assert inventory["detail"].startswith("1 DC(s), 2 node(s), 1 serving requests"), inventory
     assert "pool-1" in inventory["detail"]
     assert inventory["status"] == "warn" and "kvctl fleet rm node pool-1" in inventory["fix"]
+    # replay's reason to keep it out, not a router's: a router routes a pool agent nothing
+    assert inventory["fix"].startswith("`kvctl replay` sends requests to every node")
+    assert "a router routes none to a pool agent" in inventory["fix"]
     assert inventory["values"]["serving"] == 1
     assert inventory["values"]["pool_agents"] == ["pool-1"]
     assert "pool agent" in rows["agent pool-1"]["detail"]
