@@ -8,11 +8,10 @@ whole prefix up to that block is equal), one per ``block_tokens`` tokens, the la
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import pathlib
 import random
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -222,23 +221,20 @@ def _bytes_said(n_bytes: int) -> str:
     return f"{mib} MiB" if mib and not rest else f"{n_bytes:,} bytes"
 
 
-def _bounded_lines(
-    lines: BinaryIO, max_line_bytes: int, path: str | pathlib.Path
-) -> Iterator[bytes]:
-    """The lines of ``lines``, each read with at most ``max_line_bytes`` bytes before its
-    newline; a longer one raises TraceFormatError with its line number, once that much is read."""
-    for line_no in itertools.count(1):
-        raw = lines.readline(max_line_bytes + 1)
-        if not raw:
-            return
-        if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
-            raise TraceFormatError(
-                path,
-                line_no,
-                f"line longer than {_bytes_said(max_line_bytes)} with no newline: not a trace "
-                "record (one is a few KiB: one JSON object per line); is this a JSONL trace?",
-            )
-        yield raw
+def _read_line(
+    lines: BinaryIO, max_line_bytes: int, path: str | pathlib.Path, line_no: int
+) -> bytes:
+    """Line ``line_no`` of ``lines`` (b"" at the end), read with at most ``max_line_bytes``
+    bytes before its newline; a longer one raises TraceFormatError, once that much is read."""
+    raw = lines.readline(max_line_bytes + 1)
+    if len(raw) > max_line_bytes and not raw.endswith(b"\n"):
+        raise TraceFormatError(
+            path,
+            line_no,
+            f"line longer than {_bytes_said(max_line_bytes)} with no newline: not a trace "
+            "record (one is a few KiB: one JSON object per line); is this a JSONL trace?",
+        )
+    return raw
 
 
 def read_mooncake_trace(
@@ -264,8 +260,13 @@ def read_mooncake_trace(
     try:
         # read as bytes, decoded line by line: a bad byte is named with its line
         with open(path, "rb") as lines:
-            for line_no, raw in enumerate(_bounded_lines(lines, max_line_bytes, path), start=1):
-                if limit is not None and len(requests) >= limit:
+            # the limit is checked before a line is read: a line past it is not read (a pipe
+            # gives no more than needed) nor refused (one past the bound is not what was asked)
+            line_no = 0
+            while limit is None or len(requests) < limit:
+                line_no += 1
+                raw = _read_line(lines, max_line_bytes, path, line_no)
+                if not raw:
                     break
                 if digest is not None:
                     digest.update(raw)

@@ -166,3 +166,15 @@ def test_dev_fd_is_not_named_by_its_descriptor_number() -> None:
     assert loaded.name == f"/dev/fd/{read_end}"
     assert loaded.content_name != str(read_end)
     assert loaded.content_name.startswith("stream sha256:")
+
+
+def test_a_line_past_the_limit_is_neither_read_nor_refused(tmp_path: Path) -> None:
+    # --limit N stops before line N+1 is read: 4637530 read it first, so a line past the
+    # bound there (a trace whose tail is not JSONL) failed a read that had all it asked for
+    from kvctl.workload.trace import read_mooncake_trace
+
+    first = _line(0, [0, 1]).encode()
+    trace = tmp_path / "tail.jsonl"
+    trace.write_bytes(first + b"x" * (2 * len(first)))  # no newline, past the bound
+    requests = read_mooncake_trace(trace, limit=1, max_line_bytes=len(first))
+    assert [r.block_ids for r in requests] == [(0, 1)]
