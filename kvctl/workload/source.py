@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
+import re
 from dataclasses import dataclass
 
 from kvctl.store.errors import InvalidArgument
@@ -23,6 +25,21 @@ class Workload:
         from kvctl.workload.tokens import content_salt
 
         return content_salt(self.content_name or self.name)
+
+
+#: a path that stands for an open descriptor, not a file: /dev/stdin, /dev/fd/N, /proc/PID/fd/N
+_DESCRIPTOR_PATH = re.compile(r"/dev/stdin|/dev/fd/\d+|/proc/(self|\d+)/fd/\d+")
+
+
+def _file_name(path: pathlib.Path) -> str | None:
+    """What names a regular file's content: its file name. A descriptor's path on one
+    (`--trace /dev/stdin < a.jsonl`) is named as the file it is open on: its own name ("stdin",
+    "3") was the same for every file, so two different traces salted their tokens alike. None
+    where that file has no name to read (deleted, a memfd): it is named as a stream then."""
+    if not _DESCRIPTOR_PATH.fullmatch(os.path.abspath(path)):
+        return path.name
+    real = pathlib.Path(os.path.realpath(path))  # "/tmp/a.jsonl (deleted)" for a deleted one
+    return real.name if real.is_file() else None
 
 
 def load_workload(
@@ -51,8 +68,12 @@ def load_workload(
     # /dev/stdin) is read as a stream: it was refused as "no such file", though it was there
     if not path.exists():
         raise FileNotFoundError(2, "no such trace file", str(path))
-    if path.is_file() or path.is_dir():  # a directory: read_mooncake_trace refuses it
+    if path.is_dir():  # read_mooncake_trace refuses it
         return Workload(str(path), read_mooncake_trace(path, limit=limit), path.name)
+    if path.is_file():
+        name = _file_name(path)
+        if name is not None:
+            return Workload(str(path), read_mooncake_trace(path, limit=limit), name)
     # A stream's name says nothing of its content: /dev/fd/63 from `<(zcat a.jsonl.gz)` and
     # `<(zcat b.jsonl.gz)` alike, and every /dev/stdin. Named by their file name ("63",
     # "stdin"), two different traces salted their tokens alike and shared chunks in a replay;

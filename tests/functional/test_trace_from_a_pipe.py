@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -178,3 +180,56 @@ def test_a_line_past_the_limit_is_neither_read_nor_refused(tmp_path: Path) -> No
     trace.write_bytes(first + b"x" * (2 * len(first)))  # no newline, past the bound
     requests = read_mooncake_trace(trace, limit=1, max_line_bytes=len(first))
     assert [r.block_ids for r in requests] == [(0, 1)]
+
+
+def test_a_descriptor_on_a_file_is_named_as_that_file(tmp_path: Path) -> None:
+    # /dev/fd/N (or /dev/stdin) open on a regular file was named "N" ("stdin") whatever the
+    # file: two different traces salted their tokens alike. Named as the file it is open on, as
+    # --trace FILE names it, so it shares with that file and with no other.
+    from kvctl.workload.source import load_workload
+
+    salts = {}
+    for stem, ids in (("a", [0, 1]), ("b", [0, 2])):
+        file = tmp_path / f"{stem}.jsonl"
+        file.write_text(_line(0, ids))
+        fd = os.open(file, os.O_RDONLY)  # closed before the next: both get the same number
+        try:
+            loaded = load_workload(f"/dev/fd/{fd}")
+        finally:
+            os.close(fd)
+        assert loaded.name == f"/dev/fd/{fd}"  # said as given
+        assert loaded.content_name == f"{stem}.jsonl" == load_workload(file).content_name
+        salts[stem] = loaded.salt
+    assert salts["a"] != salts["b"]
+
+
+def test_dev_stdin_redirected_from_a_file_is_named_as_that_file(tmp_path: Path) -> None:
+    # `kvctl replay --trace /dev/stdin < a.jsonl`: every such file was "stdin"
+    file = tmp_path / "a.jsonl"
+    file.write_text(_line(0, [0, 1]))
+    code = (
+        "from kvctl.workload.source import load_workload; "
+        "print(load_workload('/dev/stdin').content_name)"
+    )
+    with open(file, "rb") as stdin:
+        out = subprocess.run(
+            [sys.executable, "-c", code], stdin=stdin, capture_output=True, text=True, timeout=120
+        )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "a.jsonl"
+
+
+def test_a_descriptor_on_a_deleted_file_is_named_by_its_content(tmp_path: Path) -> None:
+    # no name to read ("a.jsonl (deleted)" is no file): named as a stream, by a digest
+    from kvctl.workload.source import load_workload
+
+    file = tmp_path / "a.jsonl"
+    file.write_text(_line(0, [0, 1]))
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        file.unlink()
+        loaded = load_workload(f"/dev/fd/{fd}")
+    finally:
+        os.close(fd)
+    assert len(loaded.requests) == 1
+    assert loaded.content_name.startswith("stream sha256:"), loaded.content_name
