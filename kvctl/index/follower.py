@@ -116,8 +116,11 @@ DAMAGE_RESYNC_MIN_S = 10.0
 #: for its whole length at each try
 REPLACE_RETRY_S = 1.0
 REPLACE_RETRY_MAX_S = 30.0
-#: an agent's role (/v1/info) that could not be read is asked again this long after (its event
-#: stream's, once read, is kept: a role changes only with a restart, a new stream)
+#: an agent's role (/v1/info) that could not be read is asked again ROLE_RETRY_FIRST_S after,
+#: then twice as long each time, up to ROLE_RETRY_S (the agent is up meanwhile, its role
+#: unknown: a pool agent is routed requests until it is read). Once read, a stream's role is
+#: kept: a role changes only with a restart, a new stream
+ROLE_RETRY_FIRST_S = 1.0
 ROLE_RETRY_S = 30.0
 #: the role of an agent that runs no engine (``kvctl agent start --role pool``): the router
 #: routes no request to it, though it holds chunks others pull (``Followers.pool_nodes``)
@@ -248,8 +251,9 @@ class Follower:
         #: said), read once per event stream (``_learn_role``), and the stream it was read for
         self.role: str | None = None
         self._role_instance: str | None = None
-        #: the stream, and when, the role's read last failed for (asked again ROLE_RETRY_S on)
-        self._role_failed: tuple[str, float] | None = None
+        #: the stream the role's read last failed for, and when it is asked again
+        self._role_failed_instance: str | None = None
+        self._role_backoff = Backoff(ROLE_RETRY_FIRST_S, ROLE_RETRY_S, clock)
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self) -> int:
@@ -322,25 +326,28 @@ class Follower:
         """Read the agent's role (/v1/info) when its event stream is new to it: first contact,
         a restart (``kvctl agent start --role pool`` after a node's agent at the same URL), not
         at every poll or inventory reread. One that fails leaves the role as it was (an agent
-        not known to be a pool agent serves), asked again ``ROLE_RETRY_S`` later. ``instance``:
-        the stream the agent's events answer just named."""
+        not known to be a pool agent serves), asked again ``ROLE_RETRY_FIRST_S`` later, then
+        less often (up to ``ROLE_RETRY_S``). ``instance``: the stream the agent's events answer
+        just named."""
         if instance == self._role_instance:
             return
-        now_s = self._clock()
-        failed = self._role_failed
-        if failed is not None and failed[0] == instance and now_s - failed[1] < ROLE_RETRY_S:
+        if instance == self._role_failed_instance and not self._role_backoff.due():
             return
         try:
             with self._asking():
                 info = self._client.info()
         except Exception as exc:  # the events answered: a poll that worked, the role unknown
-            self._role_failed = (instance, now_s)
+            if instance != self._role_failed_instance:  # a new stream's first failure
+                self._role_backoff.succeeded()
+            self._role_failed_instance = instance
+            self._role_backoff.failed()
             text = str(exc).replace(self.url, self._shown_url)
             log.debug("%s: reading the agent's role failed: %s", self.node, text)
             return
         role = info.get("role") if isinstance(info, dict) else None
         was, self.role = self.role, role if isinstance(role, str) else None
-        self._role_instance, self._role_failed = instance, None
+        self._role_instance, self._role_failed_instance = instance, None
+        self._role_backoff.succeeded()
         if self.role == POOL_ROLE and was != POOL_ROLE:
             log.warning(
                 "%s (%s) is a pool agent (it reports role 'pool'): it runs no engine, so no "

@@ -486,6 +486,41 @@ def test_an_agent_restarted_as_a_pool_agent_while_a_failed_replace_waits_is_know
         follower.close()
 
 
+def test_a_role_read_that_failed_is_asked_again_within_seconds_then_less_often() -> None:
+    """The agent's events answered but its /v1/info did not (a timeout at the router's start):
+    the agent was called up with its role unknown, so a pool agent was routed requests, and
+    its role was asked again only 30 s later. It is asked again 1 s later, then twice as long
+    each time (up to 30 s), and no more once read."""
+    index = EmbeddedIndex()
+    now = [100.0]
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": []}
+    asked_s: list[float] = []
+
+    class _Counting(_Scripted):
+        def do_GET(self) -> None:
+            if self.path.startswith("/v1/info"):
+                asked_s.append(now[0])
+            super().do_GET()
+
+    with serving(type("Scripted", (_Counting,), {"script": script})) as url:
+        follower = Follower(index, "a", url, drop_after_s=60.0, clock=lambda: now[0])
+        for _ in range(20):  # 4 s of polls every 0.2 s: /v1/info answers 404
+            follower.poll_once()
+            now[0] = round(now[0] + 0.2, 1)
+        assert follower.up and follower.role is None
+        assert asked_s == [100.0, 101.0, 103.0]
+        script["role"] = "pool"  # /v1/info answers now
+        while follower.role is None and now[0] < 200.0:
+            follower.poll_once()
+            now[0] = round(now[0] + 0.2, 1)
+        assert follower.role == "pool" and asked_s[-1] == 107.0
+        for _ in range(20):
+            follower.poll_once()
+            now[0] = round(now[0] + 0.2, 1)
+        assert len(asked_s) == 4  # read: not asked again for this stream
+        follower.close()
+
+
 def _wait_for(cond: Any, what: str, within_s: float = 30.0) -> None:
     stop = time.monotonic() + within_s
     while not cond():
