@@ -20,6 +20,12 @@ from kvctl.workload.trace import find_default_trace
 for _name in ("COLUMNS", "LINES"):
     os.environ.pop(_name, None)
 
+# One intra-op thread for torch (and BLAS) in each worker and in the agents and engines the
+# tests start: pytest runs a worker per core or more, and a pool of threads per worker spinning
+# against the others' cost test_engine_hf 85 s of CPU against 46 s with one, on 2 busy cores.
+# Set before anything imports torch; a run that sets it itself keeps its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """What is alive once the tests are collected (modules, items) lives to the end: frozen out

@@ -276,8 +276,10 @@ def test_pip_install_without_extras_in_a_fresh_venv(tmp_path: Path) -> None:
         shutil.copytree(ROOT / part, src / part, ignore=shutil.ignore_patterns("__pycache__"))
     for part in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / part, src / part)
+    # --no-compile: byte-compiling every dependency was a fifth of this test's CPU (34.7 s
+    # against 26.9 s without), and what is checked here is what gets installed and runs
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(src)],
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", str(src)],
         capture_output=True,
         text=True,
         timeout=600,
