@@ -117,11 +117,15 @@ def run_ttft_bench(
         raise InvalidArgument("repeats, suffix tokens and chunk tokens must be positive")
     if dtype is not None and dtype not in ATOL:
         raise InvalidArgument(f"unknown dtype {dtype!r}; choose from {', '.join(ATOL)}")
+    from kvctl.engines.shapes import SHAPES
+
+    if shape is not None and shape not in SHAPES:
+        raise InvalidArgument(f"unknown model {shape!r}; choose from {', '.join(SHAPES)}")
     try:
         import torch
 
         from kvctl.engines.hf import CachedLM
-        from kvctl.engines.models import SHAPES, build_model
+        from kvctl.engines.models import build_model
     except ImportError as exc:
         if extra_of(exc) is None:
             raise
@@ -132,8 +136,6 @@ def run_ttft_bench(
     if device.startswith("cuda") and not cuda:
         raise InvalidArgument("--device cuda asked for, but torch sees no CUDA device")
     shape = shape or ("llama-3.1-8b" if device.startswith("cuda") else "tiny-llama")
-    if shape not in SHAPES:
-        raise InvalidArgument(f"unknown model {shape!r}; choose from {', '.join(SHAPES)}")
     dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
     contexts = contexts or parse_contexts(
         GPU_CONTEXTS if device.startswith("cuda") else CPU_CONTEXTS

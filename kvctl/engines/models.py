@@ -7,37 +7,12 @@ prefill, and to time prefill on real shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvctl.engines.attention import KV_ATTENTION
+from kvctl.engines.shapes import SHAPES, ModelShape
 from kvctl.errors import InvalidArgument
-
-
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    name: str
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    max_positions: int
-    rope_theta: float = 10000.0
-    llama3_rope: bool = False
-
-
-SHAPES: dict[str, ModelShape] = {
-    # small enough that a 16k-token prefill takes seconds on 2 CPU cores, GQA like the real ones
-    "tiny-llama": ModelShape("tiny-llama", 256, 4, 4, 2, 688, 32000, 131072),
-    # Llama-3.1-8B's published config (random weights): real KV sizes and prefill FLOPs on a GPU
-    "llama-3.1-8b": ModelShape(
-        "llama-3.1-8b", 4096, 32, 32, 8, 14336, 128256, 131072, 500000.0, llama3_rope=True
-    ),
-}
 
 
 def llama_config(shape: str | ModelShape, *, seed: int = 0) -> LlamaConfig:

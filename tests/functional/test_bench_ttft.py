@@ -200,3 +200,20 @@ def test_parse_contexts() -> None:
     assert parse_contexts("0.5k") == [512]
     with pytest.raises(InvalidArgument, match="at least one"):
         parse_contexts(" , ")
+
+
+def test_an_unknown_model_is_refused_before_torch_is_imported() -> None:
+    # a typo in --model cost ~9 s of torch and transformers imports before it was refused
+    code = (
+        "import sys\n"
+        "from kvctl.bench.ttft import run_ttft_bench\n"
+        "from kvctl.errors import InvalidArgument\n"
+        "try:\n"
+        "    run_ttft_bench(shape='gpt-5')\n"
+        "except InvalidArgument as exc:\n"
+        "    print(exc, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "unknown model 'gpt-5'; choose from tiny-llama, llama-3.1-8b False"
