@@ -255,9 +255,13 @@ class ArenaLeases:
         c = self.chunks[i]
         if c is None or self.arena is None:
             raise KeyError(f"chunk {i} is not leased")
+        # asked first, not only when the arena is found unmapped: a view of it held elsewhere
+        # (an engine's tensor) keeps it mapped past close, over bytes the agent may reuse
+        if self._client_closed():
+            raise AgentError(CLOSED_MESSAGE)
         try:
             whole = memoryview(self.arena)
-        except ValueError:  # the arena unmapped
+        except ValueError:  # the arena unmapped: by a close since, or a new generation
             if self._client_closed():
                 raise AgentError(CLOSED_MESSAGE) from None
             raise

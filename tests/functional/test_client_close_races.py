@@ -320,3 +320,37 @@ def test_a_leased_read_whose_copy_overlaps_close_is_not_returned(
         sys.settrace(before)
     assert str(raised.value) == "this client is closed", repr(raised.value)
     assert client.closed
+
+
+@pytest.mark.parametrize("how", ["leased", "hold"])
+def test_a_lease_view_after_close_says_closed_while_an_engine_holds_a_view_of_the_arena(
+    node: InProcessNode, how: str
+) -> None:
+    """An engine holds a view of the arena (its tensor over it, ``arena_tensor``) when another
+    thread closes the client: the arena cannot be unmapped under that view (close leaves it,
+    BufferError), so ``view`` found it open and returned the chunk's bytes, though the agent
+    ended the leases with the connection; ``valid`` said False. Now ``view`` says the client is
+    closed, as it does where the arena was unmapped."""
+    k = key(5, 14)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, 8192)) == "cpu"
+
+    def check(leases: client_module.ArenaLeases) -> None:
+        assert leases.arena is not None
+        with memoryview(leases.arena) as engine_view:  # what an engine's tensor holds
+            closer = threading.Thread(target=client.close)
+            closer.start()
+            closer.join(30.0)
+            assert not closer.is_alive() and client.closed
+            assert not leases.arena.closed  # the engine's view keeps the mapping
+            with pytest.raises(AgentError) as raised:
+                leases.view(0)
+            assert str(raised.value) == "this client is closed", repr(raised.value)
+            assert not leases.valid(0)
+            assert engine_view.nbytes > 0
+
+    if how == "leased":
+        with client.leased([k]) as leases:
+            check(leases)
+    else:
+        check(client.hold([k]))
