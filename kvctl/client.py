@@ -249,6 +249,13 @@ class ArenaLeases:
         client = self._client() if self._client is not None else None
         return self._client is not None and (client is None or client.closed)
 
+    def ended(self) -> bool:
+        """Whether the client that took these leases is closed (by another thread too): the
+        agent ended them with the connection, whatever their deadlines say, and may reuse the
+        bytes. A copy from the arena (an engine's tensor over it keeps it mapped past close)
+        that ends with this True cannot be trusted."""
+        return self._client_closed()
+
     def view(self, i: int) -> memoryview:
         """Chunk i's bytes in the arena; AgentError('this client is closed') once the client
         is (its leases ended, its arena unmapped), as every call on a closed client says."""

@@ -109,6 +109,8 @@ class LayerCopies:
         self._cpu_seconds = 0.0
         #: the leases the copies read under (``queue_leased``): checked once ``done``
         self.leased: Sequence[LeasedChunk] = ()
+        #: what took them: a close of its client ends them all (``_still_held``)
+        self.leases: ArenaLeases | None = None
 
     def ready(self, layer: int) -> None:
         if self._events:
@@ -145,7 +147,7 @@ class LayerCopies:
 
     def held(self) -> int:
         """How many leading leased chunks' leases held until the copies were ``done``."""
-        return _still_held(self.leased)
+        return _still_held(self.leased, self.leases)
 
 
 class KVLoader:
@@ -646,7 +648,7 @@ def copy_leased(
         loader.load(arena, [c.offset for c in chunks[:n]], kv)  # type: ignore[union-attr]
         loader.wait()  # the copies read the arena: done before the leases end
         loader.last_copy = (n * size, time.perf_counter() - started_s)
-        n = _still_held(chunks[:n])  # type: ignore[arg-type]
+        n = _still_held(chunks[:n], leases)  # type: ignore[arg-type]
     return n, n < count and n not in leases.missing and n not in leases.remote
 
 
@@ -693,7 +695,7 @@ def queue_leased_many(
         ]
     )
     for (i, chunks), copies in zip(whole, queued, strict=True):
-        copies.leased = chunks
+        copies.leased, copies.leases = chunks, loads[i][0]
         out[i] = copies
     return out
 
@@ -738,7 +740,9 @@ def copy_past_blocked(
         took_s = time.perf_counter() - started_s
         loader.last_copy = (before_bytes + len(leased) * size, before_s + took_s)
         now_s = time.monotonic()  # a lease that held at the copies' end held throughout
-        arrived = {i for i, c in leased.items() if c.deadline_s > now_s}
+        # none held where the client was closed meanwhile (the agent ended its leases)
+        ended = leases.ended()
+        arrived = {i for i, c in leased.items() if c.deadline_s > now_s and not ended}
     again = [i for i in range(start, end) if i not in arrived]
     if again:
         host = loader.staging(len(again) * size)
@@ -844,7 +848,8 @@ def pull_leased_counted(
         nonlocal checked, held, expired
         while checked < len(copies) and not expired and copies[checked][1].done():
             chunks = copies[checked][0]
-            ok = _still_held(chunks)
+            # every slice's leases are the one client's: a close of it ends them all
+            ok = 0 if client.closed else _still_held(chunks, None)
             held += ok
             expired = ok < len(chunks)
             checked += 1
@@ -896,9 +901,14 @@ def leased_whole(chunks: Sequence[LeasedChunk | None], size_bytes: int) -> int:
     )
 
 
-def _still_held(chunks: Sequence[LeasedChunk]) -> int:
+def _still_held(chunks: Sequence[LeasedChunk], leases: ArenaLeases | None) -> int:
     """How many leading chunks' leases still hold now that their copies are done: one clock
-    read for all, since a lease that held at the copy's end held throughout."""
+    read for all, since a lease that held at the copy's end held throughout. None where the
+    client that took them (``leases``) was closed meanwhile, by another thread too (a vLLM
+    link's saver that failed): the agent ended them with the connection, while the copies
+    read an arena the loader's tensor kept mapped."""
+    if leases is not None and leases.ended():
+        return 0
     now_s = time.monotonic()
     return next((i for i, c in enumerate(chunks) if c.deadline_s <= now_s), len(chunks))
 

@@ -354,3 +354,42 @@ def test_a_lease_view_after_close_says_closed_while_an_engine_holds_a_view_of_th
             check(leases)
     else:
         check(client.hold([k]))
+
+
+@pytest.mark.parametrize("how", ["copy_leased", "queue_leased"])
+def test_an_engines_copy_from_leases_whose_client_another_thread_closed_is_not_kept(
+    node: InProcessNode, how: str
+) -> None:
+    """An engine's copy from the arena (``kvload``) while another thread closes the client
+    (a vLLM link's saver whose put failed closes the connection the worker's loads share):
+    the loader's tensor over the arena keeps it mapped, so the copy completes, but the agent
+    ended the leases with the connection and may have given those bytes to another chunk.
+    Only the leases' deadlines were checked, so the chunk counted as loaded; now none does."""
+    torch = pytest.importorskip("torch")
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.engines.kvload import KVLoader, copy_leased, queue_leased
+    from kvctl.store.keys import KVLayout
+
+    fmt = ChunkFormat(KVLayout(3, 2, 8, "float32"), 4)
+    k = key(6, 14)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, fmt.chunk_bytes)) == "cpu"
+    loader = KVLoader(fmt, torch.device("cpu"))
+    try:
+        leases = client.hold([k])
+        arena_tensor = loader.arena_tensor(leases.arena)  # made once per mapping, kept
+        kv = loader.alloc(1)
+        copies = queue_leased(leases, 1, loader, kv) if how == "queue_leased" else None
+        closer = threading.Thread(target=client.close)
+        closer.start()
+        closer.join(30.0)
+        assert not closer.is_alive() and client.closed
+        assert leases.arena is not None and not leases.arena.closed  # the loader's tensor
+        if copies is not None:
+            copies.done()
+            assert copies.held() == 0
+        else:
+            assert copy_leased(leases, 1, loader, kv)[0] == 0
+        assert arena_tensor.numel() > 0
+    finally:
+        loader.close()
