@@ -38,8 +38,16 @@ def _file_name(path: pathlib.Path) -> str | None:
     where that file has no name to read (deleted, a memfd): it is named as a stream then."""
     if not _DESCRIPTOR_PATH.fullmatch(os.path.abspath(path)):
         return path.name
-    real = pathlib.Path(os.path.realpath(path))  # "/tmp/a.jsonl (deleted)" for a deleted one
-    return real.name if real.is_file() else None
+    try:
+        real = os.path.realpath(path)  # "/tmp/a.jsonl (deleted)" for a deleted one
+        opened, named = os.stat(path), os.stat(real)
+    except OSError:  # no such name (deleted, a memfd), or another process's link unreadable
+        return None
+    # the very file the descriptor is open on: a file that happens to be called
+    # "a.jsonl (deleted)" beside a deleted a.jsonl is another file, with its own content
+    if (opened.st_dev, opened.st_ino) != (named.st_dev, named.st_ino):
+        return None
+    return pathlib.Path(real).name
 
 
 def load_workload(

@@ -233,3 +233,23 @@ def test_a_descriptor_on_a_deleted_file_is_named_by_its_content(tmp_path: Path) 
         os.close(fd)
     assert len(loaded.requests) == 1
     assert loaded.content_name.startswith("stream sha256:"), loaded.content_name
+
+
+def test_a_descriptor_on_a_deleted_file_is_not_named_as_a_file_called_deleted(
+    tmp_path: Path,
+) -> None:
+    # the descriptor's link reads "a.jsonl (deleted)": a file of that name beside it, with
+    # other content, is not the file the descriptor is open on, so it does not name it
+    from kvctl.workload.source import load_workload
+
+    file = tmp_path / "a.jsonl"
+    file.write_text(_line(0, [0, 1]))
+    (tmp_path / "a.jsonl (deleted)").write_text(_line(0, [7, 8]))
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        file.unlink()
+        loaded = load_workload(f"/dev/fd/{fd}")
+    finally:
+        os.close(fd)
+    assert len(loaded.requests) == 1
+    assert loaded.content_name.startswith("stream sha256:"), loaded.content_name
