@@ -27,8 +27,25 @@ class Workload:
         return content_salt(self.content_name or self.name)
 
 
-#: a path that stands for an open descriptor, not a file: /dev/stdin, /dev/fd/N, /proc/PID/fd/N
-_DESCRIPTOR_PATH = re.compile(r"/dev/stdin|/dev/fd/\d+|/proc/(self|\d+)/fd/\d+")
+#: the directory of a process's (or a thread's) open descriptors, resolved: /dev/fd/N,
+#: /dev/stdin (through /proc/self/fd/0), /proc/self/fd/N, /proc/thread-self/fd/N lead there
+_DESCRIPTOR_DIR = re.compile(r"/proc/\d+(/task/\d+)?/fd")
+
+
+def _is_descriptor_path(path: pathlib.Path) -> bool:
+    """Whether ``path`` stands for an open descriptor, not a file: it or a link it leads
+    through (``ln -s /dev/stdin in.jsonl``) is an entry of a descriptor directory."""
+    at = os.path.abspath(path)
+    for _ in range(40):  # a link loop ends the walk (as the kernel's bound does)
+        try:
+            if _DESCRIPTOR_DIR.fullmatch(os.path.realpath(os.path.dirname(at))):
+                return True
+            if not os.path.islink(at):
+                return False
+            at = os.path.normpath(os.path.join(os.path.dirname(at), os.readlink(at)))
+        except OSError:
+            return False
+    return False
 
 
 def _file_name(path: pathlib.Path) -> str | None:
@@ -36,7 +53,7 @@ def _file_name(path: pathlib.Path) -> str | None:
     (`--trace /dev/stdin < a.jsonl`) is named as the file it is open on: its own name ("stdin",
     "3") was the same for every file, so two different traces salted their tokens alike. None
     where that file has no name to read (deleted, a memfd): it is named as a stream then."""
-    if not _DESCRIPTOR_PATH.fullmatch(os.path.abspath(path)):
+    if not _is_descriptor_path(path):
         return path.name
     try:
         real = os.path.realpath(path)  # "/tmp/a.jsonl (deleted)" for a deleted one

@@ -253,3 +253,27 @@ def test_a_descriptor_on_a_deleted_file_is_not_named_as_a_file_called_deleted(
         os.close(fd)
     assert len(loaded.requests) == 1
     assert loaded.content_name.startswith("stream sha256:"), loaded.content_name
+
+
+@pytest.mark.parametrize("how", ["thread-self", "a link to /dev/stdin"])
+def test_a_descriptor_reached_another_way_is_named_as_the_file_it_is_open_on(
+    tmp_path: Path, how: str
+) -> None:
+    # /proc/thread-self/fd/N, or a link to /dev/stdin: named "N" or as the link, alike for
+    # every file they were open on, so two different traces salted their tokens alike
+    from kvctl.workload.source import load_workload
+
+    file = tmp_path / "a.jsonl"
+    file.write_text(_line(0, [0, 1]))
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        if how == "thread-self":
+            trace = f"/proc/thread-self/fd/{fd}"
+        else:
+            (tmp_path / "in.jsonl").symlink_to(f"/dev/fd/{fd}")
+            trace = str(tmp_path / "in.jsonl")
+        loaded = load_workload(trace)
+    finally:
+        os.close(fd)
+    assert len(loaded.requests) == 1
+    assert loaded.content_name == "a.jsonl", loaded.content_name
