@@ -393,3 +393,61 @@ def test_an_engines_copy_from_leases_whose_client_another_thread_closed_is_not_k
         assert arena_tensor.numel() > 0
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize("how", ["copy_past_blocked", "pull_leased_counted"])
+def test_an_engines_copy_past_a_block_or_pulled_in_slices_is_not_kept_once_closed(
+    node: InProcessNode, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The other two copies from the arena (``kvload``): ``copy_past_blocked`` (the rest of a
+    leased prefix past a chunk that could not be copied) and ``pull_leased_counted`` (a prefix
+    held slice by slice). Another thread closes the client while the copy is queued (a vLLM
+    link's saver whose put failed); the loader's tensor keeps the arena mapped, so the copy
+    completes. The agent ended the leases with the connection: the chunk must not count as
+    arrived (a re-read on the closed client says so, or none arrives)."""
+    torch = pytest.importorskip("torch")
+    from kvctl.engines import kvload
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.store.keys import KVLayout
+
+    fmt = ChunkFormat(KVLayout(3, 2, 8, "float32"), 4)
+    k = key(6, 15)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, fmt.chunk_bytes)) == "cpu"
+    loader = kvload.KVLoader(fmt, torch.device("cpu"))
+    kv = loader.alloc(1)
+
+    def close_from_another_thread() -> None:
+        closer = threading.Thread(target=client.close)
+        closer.start()
+        closer.join(30.0)
+        assert not closer.is_alive() and client.closed
+
+    def then_closed(real: Any) -> Any:
+        def queued_then_closed(*args: Any, **kwargs: Any) -> Any:
+            out = real(*args, **kwargs)  # the copy is queued (on the CPU: done) first
+            close_from_another_thread()
+            return out
+
+        return queued_then_closed
+
+    try:
+        if how == "copy_past_blocked":
+            leases = client.hold([k])
+            monkeypatch.setattr(loader, "load", then_closed(loader.load))
+        else:
+            monkeypatch.setattr(loader, "load_timed", then_closed(loader.load_timed))
+
+        def run() -> int:
+            if how == "copy_past_blocked":
+                return kvload.copy_past_blocked(client, [k], "", loader, kv, 0, leases, 0)
+            return kvload.pull_leased_counted(client, [k], "", loader, kv, 0).held
+
+        try:
+            arrived = run()
+        except AgentError as exc:  # the re-read of what did not hold, on the closed client
+            assert "closed" in str(exc)
+            arrived = 0
+        assert client.closed and arrived == 0
+    finally:
+        loader.close()
