@@ -7,10 +7,7 @@ chunks but not for the mapping."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
+from tests.functional.child_report import child_report
 
 CHILD = r"""
 import hashlib, json, resource, sys, time
@@ -52,17 +49,9 @@ remote.close()
 def test_the_writer_still_writes_where_its_staging_mapping_is_refused(
     redis_url: str, redis_prefix: str
 ) -> None:
-    run = subprocess.run(
-        [sys.executable, "-c", CHILD, redis_url, redis_prefix],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["write"] == {"written": 5}, (report, run.stderr[-3000:])
+    report, stderr = child_report(CHILD, redis_url, redis_prefix)
+    assert report["write"] == {"written": 5}, (report, stderr[-3000:])
     assert report["same"] == [True] * 5
     # said once, not a traceback per batch
-    assert run.stderr.count("no staging buffer") == 1, run.stderr[-3000:]
-    assert "Traceback" not in run.stderr
+    assert stderr.count("no staging buffer") == 1, stderr[-3000:]
+    assert "Traceback" not in stderr

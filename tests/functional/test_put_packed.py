@@ -7,9 +7,7 @@ so a registration's hold on it never stops the client from closing it."""
 
 from __future__ import annotations
 
-import json
 import mmap
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +16,7 @@ import pytest
 from kvctl.client import DataClient
 from kvctl.store.tiers.hostreg import buffer_address
 from tests.functional.agents import key, payload, running_agent
+from tests.functional.child_report import child_report
 
 SIZE = 64 << 10
 
@@ -157,15 +156,7 @@ def test_a_client_short_of_memory_gets_the_sdks_error_and_the_connection_goes_on
     and the same connection puts those chunks once memory is back. Memory is made short for
     real: RLIMIT_AS on a child process that is the client."""
     with running_agent(tmp_path, "--cpu", "128MiB") as agent:
-        run = subprocess.run(
-            [sys.executable, "-c", OUT_OF_MEMORY_CLIENT, str(agent.state.data_unix)],
-            cwd=Path(__file__).resolve().parents[2],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+        report, _ = child_report(OUT_OF_MEMORY_CLIENT, str(agent.state.data_unix))
     is_agent_error, is_memory_error, message = report["raised"]
     assert is_agent_error and is_memory_error, message
     assert f"could not allocate {64 << 20} bytes" in message and "nothing was sent" in message

@@ -9,10 +9,8 @@ is the client, and on the agent process (prlimit)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 import pytest
 
 from .agents import Agent, key, payload
+from .child_report import child_report
 from .dataplane_hostile_agents import RawConn, error_of, hostile_agent
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="memfd and RLIMIT_AS are Linux")
@@ -90,26 +89,18 @@ print(json.dumps(report))
 
 
 def test_staged_puts_come_back_after_the_client_ran_short_of_memory(agent: Agent) -> None:
-    run = subprocess.run(
-        [sys.executable, "-c", CLIENT, str(agent.state.data_unix)],
-        cwd=Path(__file__).resolve().parents[2],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+    report, stderr = child_report(CLIENT, str(agent.state.data_unix))
     assert report["first"] == 2 * MiB
     # every chunk stored: over the socket while the segment could not grow
-    assert report["outcomes"] == [["stored"] * 4] * 3, run.stderr[-3000:]
+    assert report["outcomes"] == [["stored"] * 4] * 3, stderr[-3000:]
     assert report["same"]
     # the failed growth tried the doubled size and only then what the put needed (16 MiB is
     # both here): one try in all, not one per put, while the back-off ran
-    assert report["tries_under_limit"] == 1, run.stderr[-3000:]
+    assert report["tries_under_limit"] == 1, stderr[-3000:]
     # the small segment kept serving; a 16 MiB one once memory came back
-    assert report["staging_after"] == [2 * MiB, 2 * MiB, 16 * MiB], run.stderr[-3000:]
+    assert report["staging_after"] == [2 * MiB, 2 * MiB, 16 * MiB], stderr[-3000:]
     assert report["small_again"] == "cpu"
-    said = run.stderr
+    said = stderr
     assert said.count("could not make a staging segment of 16777216 bytes here") == 1, said
     assert "a new one is tried in 3600 s" in said and "RLIMIT_AS" in said
     assert "staged puts resumed" in said

@@ -5,7 +5,6 @@ agent with whole chunks only (every acknowledged one, none corrupt)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from pathlib import Path
 from kvctl.engines.writebehind import StoreJob, WriteBehind
 from kvctl.store.tiers.hostreg import buffer_address
 from tests.functional.agents import key, payload, running_agent
+from tests.functional.child_report import child_report
 from tests.functional.hung import SOCKET_TIMEOUT_S, guarded, stopped
 
 SIZE = 64 << 10
@@ -399,15 +399,7 @@ def test_a_writer_short_of_memory_keeps_its_connection(tmp_path: Path) -> None:
     process already short of memory. Memory is made short for real: RLIMIT_AS on a child
     process that is the engine."""
     with running_agent(tmp_path, "--cpu", "128MiB") as agent:
-        run = subprocess.run(
-            [sys.executable, "-c", OUT_OF_MEMORY_WRITER, str(agent.state.data_unix)],
-            cwd=Path(__file__).resolve().parents[2],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
+        report, _ = child_report(OUT_OF_MEMORY_WRITER, str(agent.state.data_unix))
     assert report["first"] == 1
     assert "could not allocate" in report["skipped"], report
     assert report["failed_jobs"] == 1
