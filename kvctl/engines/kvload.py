@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from kvctl.client import AgentError, ArenaLeases, DataClient, LeasedChunk
+from kvctl.client import CLOSED_MESSAGE, AgentError, ArenaLeases, DataClient, LeasedChunk
 from kvctl.engines.deadlines import ANSWER_SECONDS, answer_seconds
 from kvctl.engines.kvformat import ChunkFormat
 from kvctl.engines.spans import spans
@@ -643,7 +643,7 @@ def copy_leased(
     chunks = leases.chunks
     n = leased_whole(chunks[:count], size)
     if n:
-        arena = loader.arena_tensor(leases.arena)
+        arena = _arena_of(leases, loader)
         started_s = time.perf_counter()
         loader.load(arena, [c.offset for c in chunks[:n]], kv)  # type: ignore[union-attr]
         loader.wait()  # the copies read the arena: done before the leases end
@@ -690,7 +690,7 @@ def queue_leased_many(
         return out
     queued = loader.load_layers_many(
         [
-            (loader.arena_tensor(loads[i][0].arena), [c.offset for c in chunks], loads[i][2])
+            (_arena_of(loads[i][0], loader), [c.offset for c in chunks], loads[i][2])
             for i, chunks in whole
         ]
     )
@@ -731,7 +731,7 @@ def copy_past_blocked(
     }
     arrived: set[int] = set()
     if leased:
-        arena = loader.arena_tensor(leases.arena)
+        arena = _arena_of(leases, loader)
         started_s = time.perf_counter()
         for lo, hi in spans(leased):
             loader.load(arena, [leased[i].offset for i in range(lo, hi)], kv, at + lo)
@@ -864,7 +864,7 @@ def pull_leased_counted(
             counted = lo + counted_run(leases, 0, len(part))
             n = leased_whole(leases.chunks, size)
             if n:
-                arena = loader.arena_tensor(leases.arena)
+                arena = _arena_of(leases, loader)
                 chunks: list[LeasedChunk] = leases.chunks[:n]  # type: ignore[assignment]
                 at_chunk = at + sum(len(c) for c, _ in copies)
                 copy = loader.load_timed(arena, [c.offset for c in chunks], kv, at_chunk)
@@ -899,6 +899,19 @@ def leased_whole(chunks: Sequence[LeasedChunk | None], size_bytes: int) -> int:
     return next(
         (i for i, c in enumerate(chunks) if c is None or c.size_bytes != size_bytes), len(chunks)
     )
+
+
+def _arena_of(leases: ArenaLeases, loader: KVLoader) -> torch.Tensor:
+    """The loader's tensor over the arena ``leases`` are in. AgentError('this client is
+    closed') where a close of their client (by another thread too) unmapped it before any
+    tensor over it kept it mapped: the mapping's ValueError reached the engines, which handle
+    an AgentError (prefill in full), as every call on a closed client says."""
+    try:
+        return loader.arena_tensor(leases.arena)
+    except ValueError:  # the mapping closed
+        if leases.ended():
+            raise AgentError(CLOSED_MESSAGE) from None
+        raise
 
 
 def _still_held(chunks: Sequence[LeasedChunk], leases: ArenaLeases | None) -> int:

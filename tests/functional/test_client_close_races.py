@@ -451,3 +451,53 @@ def test_an_engines_copy_past_a_block_or_pulled_in_slices_is_not_kept_once_close
         assert client.closed and arrived == 0
     finally:
         loader.close()
+
+
+@pytest.mark.parametrize(
+    "how", ["copy_leased", "queue_leased", "copy_past_blocked", "pull_leased_counted"]
+)
+def test_an_engines_first_copy_from_an_arena_unmapped_by_a_close_says_the_client_is_closed(
+    node: InProcessNode, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """A close from another thread between a lease's answer and the engine's first copy from
+    that arena mapping (no tensor over it yet, so close unmaps it: a vLLM link's first load on
+    a new connection as its saver fails) raised the mmap's ValueError out of ``kvload``, which
+    an engine's prefill (``except AgentError``) did not handle: it says the client is closed,
+    as every call on a closed client does, and the engine prefills in full."""
+    torch = pytest.importorskip("torch")
+    from kvctl.engines import kvload
+    from kvctl.engines.kvformat import ChunkFormat
+    from kvctl.store.keys import KVLayout
+
+    fmt = ChunkFormat(KVLayout(3, 2, 8, "float32"), 4)
+    k = key(6, 16)
+    client = DataClient.connect(node.unix)
+    assert client.shm and client.put(k, payload(k, fmt.chunk_bytes)) == "cpu"
+    loader = kvload.KVLoader(fmt, torch.device("cpu"))  # no tensor over the arena yet
+    kv = loader.alloc(1)
+    real_hold = client.hold
+
+    def held_then_closed(*args: Any, **kwargs: Any) -> Any:
+        leases = real_hold(*args, **kwargs)
+        closer = threading.Thread(target=client.close)
+        closer.start()
+        closer.join(30.0)
+        assert not closer.is_alive() and leases.arena is not None and leases.arena.closed
+        return leases
+
+    try:
+        if how == "pull_leased_counted":  # closed as its slice's hold is answered
+            monkeypatch.setattr(client, "hold", held_then_closed)
+        else:
+            leases = held_then_closed([k])
+        with pytest.raises(AgentError, match="closed"):
+            if how == "pull_leased_counted":
+                kvload.pull_leased_counted(client, [k], "", loader, kv, 0)
+            elif how == "copy_leased":
+                kvload.copy_leased(leases, 1, loader, kv)
+            elif how == "queue_leased":
+                kvload.queue_leased(leases, 1, loader, kv)
+            else:
+                kvload.copy_past_blocked(client, [k], "", loader, kv, 0, leases, 0)
+    finally:
+        loader.close()
