@@ -204,9 +204,9 @@ def _parse_line(
         # the column in characters, as an editor shows it: what comes before it decodes
         column = len(raw[: exc.start].decode("utf-8")) + 1
         problem = f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {column})"
-        raise TraceFormatError(path, line_no, problem) from None
+        raise TraceFormatError(path, line_no, problem + _compressed(raw, line_no)) from None
     except ValueError as exc:
-        problem = str(exc)
+        problem = str(exc) + _compressed(raw, line_no)
         if b"\r" in raw.rstrip(b"\r\n"):  # "Extra data at column 76" of a whole file
             problem += (
                 "; the line holds a carriage return (\\r) with no newline after it: a file"
@@ -214,6 +214,25 @@ def _parse_line(
                 " lines \\n endings (e.g. tr '\\r' '\\n' < in.jsonl > out.jsonl)"
             )
         raise TraceFormatError(path, line_no, problem) from None
+
+
+#: the magic numbers of what traces are shipped compressed as, and the tool that reads each
+_COMPRESSED = (
+    (b"\x1f\x8b", "gzip", "zcat"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "zstdcat"),
+    (b"\xfd7zXZ\x00", "xz", "xzcat"),
+    (b"BZh", "bzip2", "bzcat"),
+)
+
+
+def _compressed(raw: bytes, line_no: int) -> str:
+    """A hint for a compressed file given as a trace (read as text, its first line fails)."""
+    if line_no != 1:
+        return ""
+    for magic, kind, tool in _COMPRESSED:
+        if raw.startswith(magic):
+            return f"; the file is {kind}-compressed: give --trace <({tool} FILE)"
+    return ""
 
 
 def _bytes_said(n_bytes: int) -> str:

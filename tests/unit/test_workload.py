@@ -106,6 +106,44 @@ def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path: pathlib.Path) -> 
     assert "(byte 0xe9 at column 32)" in str(excinfo.value)
 
 
+@pytest.mark.parametrize(
+    ("kind", "tool"), [("gzip", "zcat"), ("bzip2", "bzcat"), ("xz", "xzcat"), ("zstd", "zstdcat")]
+)
+def test_a_compressed_trace_is_named_with_the_tool_that_reads_it(
+    tmp_path: pathlib.Path, kind: str, tool: str
+) -> None:
+    """A trace shipped compressed and given as is failed with 'not UTF-8 text (byte 0x8b ...)',
+    which does not say what to do."""
+    import bz2
+    import gzip
+    import lzma
+
+    text = (_record(0, 10, [0]) + "\n").encode() * 50
+    packed = {
+        "gzip": gzip.compress,
+        "bzip2": bz2.compress,
+        "xz": lzma.compress,
+        # no zstd in the standard library: its frame's magic number, then what follows it
+        "zstd": lambda data: b"\x28\xb5\x2f\xfd" + bytes(range(128, 256)),
+    }[kind](text)
+    path = tmp_path / "trace.jsonl.packed"
+    path.write_bytes(packed)
+    with pytest.raises(TraceFormatError) as excinfo:
+        read_mooncake_trace(path)
+    assert excinfo.value.line_no == 1
+    assert str(excinfo.value).endswith(
+        f"the file is {kind}-compressed: give --trace <({tool} FILE)"
+    )
+
+
+def test_a_bad_byte_past_the_first_line_gets_no_compression_hint(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_bytes((_record(0, 10, [0]) + "\n").encode() + b"\x1f\x8b\n")
+    with pytest.raises(TraceFormatError) as excinfo:
+        read_mooncake_trace(path)
+    assert excinfo.value.line_no == 2 and "compressed" not in str(excinfo.value)
+
+
 def test_the_column_of_a_bad_byte_counts_characters(tmp_path: pathlib.Path) -> None:
     """The column an editor shows: each 'é' before the bad byte is two bytes, one column (it
     said column 17 here, the byte's offset)."""
