@@ -724,6 +724,8 @@ def _render_status(report: dict[str, Any]) -> None:
             state = "[yellow]not in inventory[/]"
         if f is not None and (note := _replace_failing(f)):
             state += f"\n[yellow]{note}[/]"
+        if f is not None and f.get("role_error"):  # maybe a pool agent, routed requests
+            state += "\n[yellow]role not read[/]"
         row = stats["nodes"].get(name, {})
         table.add_row(
             escape(name),
@@ -738,6 +740,12 @@ def _render_status(report: dict[str, Any]) -> None:
         if not f.get("up") and f.get("last_error"):
             console.print(
                 f"[red]{escape(str(f['node']))}[/]: {escape(str(f['last_error']))}", highlight=False
+            )
+        if f.get("role_error"):
+            console.print(
+                f"[yellow]{escape(str(f['node']))}: role not read[/] from its /v1/info "
+                f"({escape(str(f['role_error']))}): check the token the router has for it",
+                highlight=False,
             )
     d = stats["decisions"]
     lat = stats["decision_s"]

@@ -122,6 +122,9 @@ REPLACE_RETRY_MAX_S = 30.0
 #: kept: a role changes only with a restart, a new stream
 ROLE_RETRY_FIRST_S = 1.0
 ROLE_RETRY_S = 30.0
+#: a role read failing this many times in a row (one stream's) is logged at warning, once until
+#: read: a first failure may be the router's start, when every agent is asked at once
+ROLE_WARN_AFTER_FAILURES = 3
 #: the role of an agent that runs no engine (``kvctl agent start --role pool``): the router
 #: routes no request to it, though it holds chunks others pull (``Followers.pool_nodes``)
 POOL_ROLE = "pool"
@@ -254,6 +257,10 @@ class Follower:
         #: the stream the role's read last failed for, and when it is asked again
         self._role_failed_instance: str | None = None
         self._role_backoff = Backoff(ROLE_RETRY_FIRST_S, ROLE_RETRY_S, clock)
+        #: why the role's last read failed (None: read, or not asked yet), and whether that was
+        #: logged at warning (``ROLE_WARN_AFTER_FAILURES``)
+        self.role_error: str | None = None
+        self._role_warned = False
 
     # --- polling -------------------------------------------------------------------------
     def poll_once(self) -> int:
@@ -342,12 +349,33 @@ class Follower:
             self._role_failed_instance = instance
             self._role_backoff.failed()
             text = str(exc).replace(self.url, self._shown_url)
-            log.debug("%s: reading the agent's role failed: %s", self.node, text)
+            self.role_error = f"{type(exc).__name__}: {text}"[:300]
+            log.debug("%s: reading the agent's role failed: %s", self.node, self.role_error)
+            failures = self._role_backoff.failures
+            if failures >= ROLE_WARN_AFTER_FAILURES and not self._role_warned:
+                self._role_warned = True
+                log.warning(
+                    "%s (%s): its role could not be read from its /v1/info %d times in a row "
+                    "(%s); %s until it is: check the token the router has for it and that "
+                    "/v1/info answers at its URL (asked again every %.0f s at most)",
+                    self.node,
+                    self._shown_url,
+                    failures,
+                    self.role_error,
+                    "it is still taken as a pool agent (its role last read)"
+                    if self.role == POOL_ROLE
+                    else "it is routed requests, even if it is a pool agent",
+                    ROLE_RETRY_S,
+                )
             return
         role = info.get("role") if isinstance(info, dict) else None
         was, self.role = self.role, role if isinstance(role, str) else None
         self._role_instance, self._role_failed_instance = instance, None
         self._role_backoff.succeeded()
+        self.role_error = None
+        if self._role_warned:
+            self._role_warned = False
+            log.info("%s: its role read again from its /v1/info: %s", self.node, self.role)
         if self.role == POOL_ROLE and was != POOL_ROLE:
             log.warning(
                 "%s (%s) is a pool agent (it reports role 'pool'): it runs no engine, so no "
@@ -631,6 +659,9 @@ class Follower:
             "drops_when_down": self.drops_when_down,
             # None: not read yet (or the agent does not say); "pool": routed no request
             "role": self.role,
+            # why the role's last read failed (None: read, or not asked yet): the role above is
+            # then the one read before (None: routed like a node's, even a pool agent's)
+            "role_error": self.role_error,
             "entries": None if held is None else held.get(self.node, 0),
             "last_ok_s": None if last_ok is None else max(0.0, self._clock() - last_ok),
         }

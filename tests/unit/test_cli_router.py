@@ -175,6 +175,19 @@ def test_router_status_says_an_engine_feeds_index_replace_is_failing(
     assert "index replace failing" not in capsys.readouterr().out
 
 
+def test_router_status_says_a_nodes_role_was_not_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """A follower whose role read fails (``role_error``: a token without access to /v1/info)
+    was shown only "up", while the agent was routed requests even if it was a pool agent."""
+    follower = {"node": "a2", "up": True, "role": None, "role_error": "AgentError: 403 denied"}
+    index = {"kind": "redis", "nodes": {}, "followers": [follower], "engines": []}
+    _render_status({"router": "http://127.0.0.1:9480", "index": index, "stats": STATUS_STATS})
+    out = capsys.readouterr().out
+    assert "role not read" in out and "AgentError: 403 denied" in out, out
+    follower["role_error"] = None  # read since: nothing said
+    _render_status({"router": "http://127.0.0.1:9480", "index": index, "stats": STATUS_STATS})
+    assert "role not read" not in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [

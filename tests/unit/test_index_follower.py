@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -518,6 +519,44 @@ def test_a_role_read_that_failed_is_asked_again_within_seconds_then_less_often()
             follower.poll_once()
             now[0] = round(now[0] + 0.2, 1)
         assert len(asked_s) == 4  # read: not asked again for this stream
+        follower.close()
+
+
+def test_a_role_read_that_keeps_failing_is_logged_once_and_shown_in_the_status(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A role read that kept failing (a token without access to /v1/info) was asked again
+    every 30 s for ever, logged at debug only, and the status showed the role as it was and no
+    error, while the agent was routed requests (a pool agent among them). The status says why
+    (``role_error``) from the first failure; a warning after 3 in a row, once; info when read."""
+    index = EmbeddedIndex()
+    now = [100.0]
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": []}
+    warnings: list[str] = []
+
+    def poll_until(s: float) -> None:
+        while now[0] < s:
+            follower.poll_once()
+            now[0] = round(now[0] + 0.2, 1)
+            warnings[:] = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+    with scripted(script) as url, caplog.at_level(logging.INFO, logger="kvctl.index.follower"):
+        follower = Follower(index, "a", url, drop_after_s=60.0, clock=lambda: now[0])
+        poll_until(102.0)  # asked at 100 and 101: /v1/info answers 404
+        status = follower.status()
+        assert status["up"] and status["role"] is None
+        assert "404" in status["role_error"], status
+        assert warnings == []
+        poll_until(120.0)  # asked again at 103 (the third), 107, 115: one warning
+        assert len(warnings) == 1, warnings
+        assert "3 times in a row" in warnings[0] and "token" in warnings[0], warnings
+        assert "/v1/info" in warnings[0] and "404" in warnings[0], warnings
+        script["role"] = "node"  # /v1/info answers now (asked at 131)
+        poll_until(140.0)
+        assert follower.role == "node" and follower.status()["role_error"] is None
+        infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+        assert any("role read again" in m for m in infos), infos
+        assert len(warnings) == 1
         follower.close()
 
 
