@@ -1508,9 +1508,10 @@ class DataClient:
         want = max(need, 2 * held_bytes)
         # backing off after a failure: one try per interval, not one per put. A failure for
         # want of memory (here or in the agent) holds back only segments as large as the one
-        # that failed: a smaller one may well be had, and is tried at once
+        # that failed: a smaller one may well be had, and is tried at once (until one fails too)
         below_bytes: float = math.inf
-        if self._monotonic_s() < self._staging_retry_at_s:
+        in_back_off = self._monotonic_s() < self._staging_retry_at_s
+        if in_back_off:
             if self._staging_refused_bytes is None:
                 return None
             below_bytes = self._staging_refused_bytes
@@ -1561,9 +1562,46 @@ class DataClient:
                     break
                 refused_bytes = attempt_bytes
                 continue
+            if refused_bytes is not None:
+                # the doubled size failed for want of memory and this one attached: the doubled
+                # size is held back all the same, else each later growth would make (fill and
+                # send) a doomed doubled segment before asking for what its put needs
+                self._held_back_above(refused_bytes, failure, attempt_bytes)
             return self._attached(fd, staging)
+        if in_back_off and refused_bytes is not None:
+            # tried at once below a size refused in this back-off, and refused too: memory is
+            # short beyond the larger size, so no more tries (one per 2 MiB step down) until
+            # the back-off runs out
+            refused_bytes = None
         self._staging_failed(failure, to_do, refused_bytes)
         return None
+
+    def _back_off(self, refused_bytes: int | None) -> tuple[float, float]:
+        """Count one more staging failure in the row and hold back ``refused_bytes`` and larger
+        (None: every size) until a delay that doubles with each failure has passed; the time
+        now and that delay, both in seconds."""
+        now_s = self._monotonic_s()
+        self._staging_failures += 1
+        self._staging_refused_bytes = refused_bytes
+        delay_s = staging_retry_delay_s(self._staging_failures)
+        self._staging_retry_at_s = now_s + delay_s
+        return now_s, delay_s
+
+    def _held_back_above(self, refused_bytes: int, what: str, attached_bytes: int) -> None:
+        """A segment of ``attached_bytes`` is about to attach after a larger one failed for want
+        of memory (``what``): sizes from ``refused_bytes`` up wait out a back-off, as where
+        none attached, and ``_attached`` ends none for a smaller segment. Said once a row (at
+        INFO: no put goes over the socket for it)."""
+        _, delay_s = self._back_off(refused_bytes)
+        if self._staging_failures == 1:
+            log.info(
+                "%s; one of %d bytes, what the put needs, attached instead, and segments of %d "
+                "bytes or more are not tried for %g s",
+                what,
+                attached_bytes,
+                refused_bytes,
+                delay_s,
+            )
 
     def _attached(self, fd: int, staging: mmap.mmap) -> mmap.mmap:
         """Keep a segment the agent attached in place of the one held (``_ensure_staging``)."""
@@ -1602,13 +1640,10 @@ class DataClient:
         every STAGING_RELOG_SECONDS while the row lasts, not each: a row resets only when a
         segment attaches, so a shortage hours after the first would otherwise go unsaid.
         ``refused_bytes``: the smallest size refused for want of memory (None: another cause,
-        such as descriptors, which a smaller segment does not escape); the back-off holds back
-        only sizes from it up (``_ensure_staging``)."""
-        now_s = self._monotonic_s()
-        self._staging_failures += 1
-        self._staging_refused_bytes = refused_bytes
-        delay_s = staging_retry_delay_s(self._staging_failures)
-        self._staging_retry_at_s = now_s + delay_s
+        such as descriptors, which a smaller segment does not escape, or a second size refused
+        for memory in one back-off); the back-off holds back only sizes from it up
+        (``_ensure_staging``)."""
+        now_s, delay_s = self._back_off(refused_bytes)
         if now_s - self._staging_logged_at_s < STAGING_RELOG_SECONDS:
             return
         self._staging_logged_at_s = now_s

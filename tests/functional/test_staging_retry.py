@@ -407,7 +407,112 @@ def test_where_the_agent_cannot_map_the_doubled_segment_the_puts_own_size_is_tri
         assert [o.status for o in out] == ["stored"] * 9
         assert made == [8 * MiB, 16 * MiB, 10 * MiB]  # the doubled size, then the put's own
         assert c._staging is not None and len(c._staging) == 10 * MiB
-        assert c._staging_failures == 0  # no back-off: staged puts went on
+        # staged puts went on; only the refused 16 MiB and larger wait out a back-off
+        assert c._staging_failures == 1 and c._staging_refused_bytes == 16 * MiB
         every = [*first, *second]
         got = c.get_many(every, tenant="t")
         assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
+
+
+def test_a_doubled_size_the_agent_could_not_map_is_held_back_though_the_puts_own_attached(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where the agent refused the doubled size for want of memory and the put's own size then
+    attached, the doubled size had no back-off: each later growth made (filled, sealed) and
+    sent a doomed doubled segment before asking for what its put needed. Now the refusal holds
+    back that size and larger, as where nothing attached: the next growth asks straight for
+    its put's size until the back-off runs out. The agent's memory is made short for real
+    (prlimit); the back-off's clock is the client's seam, moved by hand."""
+    import kvctl.client as client_module
+
+    made: list[int] = []  # sizes of the segments the client made (each one sent, ATTACH)
+    real_segment = client_module._sealed_segment
+
+    def counting_segment(size: int) -> Any:
+        made.append(size)
+        return real_segment(size)
+
+    monkeypatch.setattr(client_module, "_sealed_segment", counting_segment)
+    now_s = [1000.0]
+    pid = agent.proc.pid
+    puts = [[key(i, 90 + p) for i in range(n)] for p, n in enumerate((8, 9, 11, 13))]
+    data = {k: payload(k, MiB) for ks in puts for k in ks}  # 1 MiB chunks
+    with agent.data("unix") as c, caplog.at_level(logging.INFO, logger="kvctl.client"):
+        assert c.shm
+        c._monotonic_s = lambda: now_s[0]
+        out = c.put_many([(k, data[k]) for k in puts[0]], tenant="t")
+        assert [o.status for o in out] == ["stored"] * 8 and made == [8 * MiB]
+        hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+        try:
+            # a 10 MiB mapping fits beside the 8 MiB one held; a 16 MiB one not
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 13 * MiB, hard))
+            out = c.put_many([(k, data[k]) for k in puts[1]], tenant="t")  # needs 10 MiB
+            assert [o.status for o in out] == ["stored"] * 9
+            assert made == [8 * MiB, 16 * MiB, 10 * MiB] and len(c._staging) == 10 * MiB
+            # a 12 MiB mapping fits beside the 10 MiB one held; a 20 MiB one not
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 15 * MiB, hard))
+            out = c.put_many([(k, data[k]) for k in puts[2]], tenant="t")  # needs 12 MiB
+            assert [o.status for o in out] == ["stored"] * 11
+            # straight to the put's own size: no doomed 20 MiB segment first
+            assert made[3:] == [12 * MiB], made
+            assert len(c._staging) == 12 * MiB
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        now_s[0] = c._staging_retry_at_s  # the back-off ran out: doubling again
+        out = c.put_many([(k, data[k]) for k in puts[3]], tenant="t")  # needs 14 MiB
+        assert [o.status for o in out] == ["stored"] * 13
+        assert made[4:] == [24 * MiB] and len(c._staging) == 24 * MiB
+        assert c._staging_failures == 0 and c._staging_refused_bytes is None
+        every = [k for ks in puts for k in ks]
+        got = c.get_many(every, tenant="t")
+        assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
+    said = [r.getMessage() for r in caplog.records if "attached instead" in r.getMessage()]
+    assert len(said) == 1 and "staging segment of 16777216 bytes" in said[0], said
+    assert "one of 10485760 bytes" in said[0] and "not tried for 1 s" in said[0], said
+    assert "Traceback" not in agent.log()
+
+
+def test_within_a_back_off_smaller_sizes_that_fail_too_are_not_each_tried(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A back-off after a segment refused for want of memory lets a smaller one be tried at
+    once; where that fails too, each still smaller put tried its own size at once (one try per
+    2 MiB step down, each a segment made in full and sent). Now one such failure holds back
+    every size until the back-off runs out. The agent's memory is made short for real."""
+    import kvctl.client as client_module
+
+    made: list[int] = []
+    real_segment = client_module._sealed_segment
+
+    def counting_segment(size: int) -> Any:
+        made.append(size)
+        return real_segment(size)
+
+    monkeypatch.setattr(client_module, "_sealed_segment", counting_segment)
+    now_s = [1000.0]
+    pid = agent.proc.pid
+    puts = [[key(i, 95 + p) for i in range(n)] for p, n in enumerate((16, 14, 12, 10, 2))]
+    data = {k: payload(k, MiB) for ks in puts for k in ks}
+    with agent.data("unix") as c:
+        assert c.shm
+        c._monotonic_s = lambda: now_s[0]
+        hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+        # the agent's buffers fit; no mapping of 6 MiB or more
+        resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 4 * MiB, hard))
+        try:
+            for ks in puts[:4]:
+                out = c.put_many([(k, data[k]) for k in ks], tenant="t")
+                assert [o.status for o in out] == ["stored"] * len(ks)
+            # 16 MiB refused, 14 MiB tried at once and refused: not 12 nor 10 MiB
+            assert made == [16 * MiB, 14 * MiB], made
+            assert c._staging is None and c._staging_failures == 2
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        now_s[0] = c._staging_retry_at_s  # the back-off ran out
+        out = c.put_many([(k, data[k]) for k in puts[4]], tenant="t")
+        assert [o.status for o in out] == ["stored"] * 2
+        assert made[2:] == [2 * MiB] and c._staging_failures == 0
+        every = [k for ks in puts for k in ks]
+        got = c.get_many(every, tenant="t")
+        assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
+    assert "Traceback" not in agent.log()
