@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 import time
 from collections import Counter
@@ -209,6 +210,9 @@ class Follower:
         )
         self._client = AgentClient(self.url, token=token, timeout_s=timeout_s, transport=transport)
         self._token = token  # to tell whether an add() names the same agent; never shown
+        #: the token the client sends (KVCTL_TOKEN without one): masked in what an answer
+        #: quotes of the request (a proxy's page echoing its Authorization header)
+        self._sent_token = os.environ.get("KVCTL_TOKEN", "") if token is None else token
         self._shown_url = _safe(self.url)  # what status and logs show: never credentials
         self._lock = threading.Lock()  # one poll at a time
         self._closed = False
@@ -348,8 +352,7 @@ class Follower:
                 self._role_backoff.succeeded()
             self._role_failed_instance = instance
             self._role_backoff.failed()
-            text = str(exc).replace(self.url, self._shown_url)
-            self.role_error = f"{type(exc).__name__}: {text}"[:300]
+            self.role_error = self._shown_error(exc)
             log.debug("%s: reading the agent's role failed: %s", self.node, self.role_error)
             failures = self._role_backoff.failures
             if failures >= ROLE_WARN_AFTER_FAILURES and not self._role_warned:
@@ -553,9 +556,7 @@ class Follower:
 
     def _failed(self, exc: Exception) -> None:
         self.errors += 1
-        # the SDK's messages name the URL as given, which may carry user info
-        text = str(exc).replace(self.url, self._shown_url)
-        self.last_error = f"{type(exc).__name__}: {text}"[:300]
+        self.last_error = self._shown_error(exc)
         if not self._failing:
             self._failing = True
             log.debug("%s: poll failed: %s", self.node, self.last_error)
@@ -581,6 +582,15 @@ class Follower:
                 kept,
                 self.last_error,
             )
+
+    def _shown_error(self, exc: Exception) -> str:
+        """``exc`` as status and logs show it, at most 300 characters: the SDK's messages name
+        the URL as given, which may carry user info, and quote the answer (a proxy's page, an
+        agent's detail), which may echo the request's token."""
+        text = str(exc).replace(self.url, self._shown_url)
+        if self._sent_token:
+            text = text.replace(self._sent_token, "***")
+        return f"{type(exc).__name__}: {text}"[:300]
 
     def _index_failed(self, exc: IndexUnavailable) -> None:
         self.index_errors += 1

@@ -28,7 +28,7 @@ from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from tests.functional.agents import closed_port
 from tests.hostile_servers import Hostile, handler_class, send_json, trickle
-from tests.not_an_agent import serving, web_page_url
+from tests.not_an_agent import send, serving, web_page_url
 
 K1, K2, K3 = (bytes([i]) * 16 for i in (1, 2, 3))
 
@@ -558,6 +558,58 @@ def test_a_role_read_that_keeps_failing_is_logged_once_and_shown_in_the_status(
         assert any("role read again" in m for m in infos), infos
         assert len(warnings) == 1
         follower.close()
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_token_an_error_answer_echoes_is_kept_out_of_the_status_and_the_log(
+    given: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer that echoes the request's Authorization header (a proxy's error page in front
+    of the agent) had the agent token in role_error (kvctl router status, for anyone with the
+    router's token) and in the warning logged after 3 failed role reads, and in last_error when
+    the events were refused so. ``given``: the router's token for the agent, else KVCTL_TOKEN
+    (what the client sends without one)."""
+    monkeypatch.setenv("KVCTL_TOKEN", "" if given else "tok-from-env-123")
+    token = "tok-given-123" if given else "tok-from-env-123"
+    now = [100.0]
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": []}
+
+    class _Echoing(_Scripted):
+        def do_GET(self) -> None:
+            if self.path.startswith("/v1/info") or script.get("refuse_events"):
+                send(
+                    self,
+                    f"bad header: {self.headers['Authorization']}".encode(),
+                    status=400,
+                    content_type="text/plain",
+                )
+                return
+            super().do_GET()
+
+    with (
+        serving(type("Scripted", (_Echoing,), {"script": script})) as url,
+        caplog.at_level(logging.DEBUG, logger="kvctl.index.follower"),
+    ):
+        follower = Follower(
+            EmbeddedIndex(),
+            "a",
+            url,
+            token=token if given else None,
+            drop_after_s=60.0,
+            clock=lambda: now[0],
+        )
+        while now[0] < 104.0:  # role asked at 100, 101 and 103: a warning
+            follower.poll_once()
+            now[0] = round(now[0] + 0.2, 1)
+        script["refuse_events"] = True
+        follower.poll_once()
+        status = follower.status()
+        follower.close()
+    assert "bad header: Bearer" in status["role_error"], status  # the answer is still quoted
+    assert "bad header: Bearer" in status["last_error"], status
+    assert any(r.levelname == "WARNING" for r in caplog.records)
+    logged = [r.getMessage() for r in caplog.records]
+    assert token not in repr(status) and not any(token in m for m in logged), (status, logged)
 
 
 def _wait_for(cond: Any, what: str, within_s: float = 30.0) -> None:
