@@ -710,6 +710,7 @@ def _render_status(report: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from kvctl.daemon_logging import one_line
     from kvctl.format import count_of, format_bytes, format_seconds
 
     index, stats = report["index"], report["stats"]
@@ -739,12 +740,15 @@ def _render_status(report: dict[str, Any]) -> None:
     for f in followers.values():
         if not f.get("up") and f.get("last_error"):
             console.print(
-                f"[red]{escape(str(f['node']))}[/]: {escape(str(f['last_error']))}", highlight=False
+                # escaped (a line break, an escape sequence): the agent's or a proxy's words
+                f"[red]{escape(str(f['node']))}[/]: {escape(one_line(str(f['last_error'])))}",
+                highlight=False,
             )
         if f.get("role_error"):
             console.print(
                 f"[yellow]{escape(str(f['node']))}: role not read[/] from its /v1/info "
-                f"({escape(str(f['role_error']))}): check the token the router has for it",
+                f"({escape(one_line(str(f['role_error'])))}): check the token the router has "
+                "for it",
                 highlight=False,
             )
     d = stats["decisions"]

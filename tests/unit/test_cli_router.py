@@ -188,6 +188,22 @@ def test_router_status_says_a_nodes_role_was_not_read(capsys: pytest.CaptureFixt
     assert "role not read" not in capsys.readouterr().out
 
 
+def test_router_status_shows_an_agents_reasons_as_text(capsys: pytest.CaptureFixture[str]) -> None:
+    """A role read's failure and a poll's (``role_error``, ``last_error``) quote what the agent
+    or a proxy in front of it answered: their escape sequences and line breaks were written to
+    the terminal as they were (restyling what follows, a forged line), and their markup must
+    show as text too."""
+    said = "RequestError: 500: [bold]x[/] \x1b[31mred\x1b[0m\r\nCRITICAL forged"
+    up = {"node": "a2", "up": True, "role": None, "role_error": said}
+    down = {"node": "a3", "up": False, "role": None, "role_error": None, "last_error": said}
+    index = {"kind": "redis", "nodes": {}, "followers": [up, down], "engines": []}
+    _render_status({"router": "http://127.0.0.1:9480", "index": index, "stats": STATUS_STATS})
+    out = capsys.readouterr().out
+    assert "\x1b[31mred" not in out and "\r" not in out and "\nCRITICAL" not in out, repr(out)
+    # each as written, both times (no blank in either: a narrow terminal wraps neither)
+    assert out.count("[bold]x[/]") == out.count("\\x1b[31mred\\x1b[0m\\r\\nCRITICAL") == 2, out
+
+
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [
