@@ -1591,7 +1591,10 @@ class DataClient:
         """A segment of ``attached_bytes`` is about to attach after a larger one failed for want
         of memory (``what``): sizes from ``refused_bytes`` up wait out a back-off, as where
         none attached, and ``_attached`` ends none for a smaller segment. Said once a row (at
-        INFO: no put goes over the socket for it)."""
+        INFO: no put goes over the socket for it). A row this attach escapes (as ``_attached``
+        would have judged it before this back-off) ends first: its 'resumed' line is said, and
+        this back-off starts a row of its own."""
+        self._end_row_escaped_by(attached_bytes)
         _, delay_s = self._back_off(refused_bytes)
         if self._staging_failures == 1:
             log.info(
@@ -1603,6 +1606,24 @@ class DataClient:
                 delay_s,
             )
 
+    def _end_row_escaped_by(self, attached_bytes: int) -> None:
+        """A segment of ``attached_bytes`` attaches: the row of failures ends (back-off and all)
+        unless that size is smaller than one the back-off holds back for want of memory (larger
+        ones still wait it out, and a failure then counts in the same row). 'Resumed' is said
+        only where a WARNING said puts go over the socket (``_staging_failed``): a row of
+        doubled sizes held back alone (``_held_back_above``) sent none there."""
+        if self._staging_refused_bytes is not None and attached_bytes < self._staging_refused_bytes:
+            return
+        if self._staging_logged_at_s > -math.inf:
+            log.info(
+                "staged puts resumed: a staging segment of %d bytes attached after %d failure(s)",
+                attached_bytes,
+                self._staging_failures,
+            )
+        self._staging_failures, self._staging_retry_at_s = 0, -math.inf
+        self._staging_logged_at_s = -math.inf
+        self._staging_refused_bytes = None
+
     def _attached(self, fd: int, staging: mmap.mmap) -> mmap.mmap:
         """Keep a segment the agent attached in place of the one held (``_ensure_staging``)."""
         with self._mappings_lock:
@@ -1610,19 +1631,7 @@ class DataClient:
                 staging.close()
                 os.close(fd)
                 raise AgentError(CLOSED_MESSAGE)
-            # one smaller than a segment refused for want of memory ends no back-off: larger
-            # ones still wait it out (and a failure then counts in the same row)
-            if self._staging_refused_bytes is None or len(staging) >= self._staging_refused_bytes:
-                if self._staging_failures:
-                    log.info(
-                        "staged puts resumed: a staging segment of %d bytes attached after %d "
-                        "failure(s)",
-                        len(staging),
-                        self._staging_failures,
-                    )
-                self._staging_failures, self._staging_retry_at_s = 0, -math.inf
-                self._staging_logged_at_s = -math.inf
-                self._staging_refused_bytes = None
+            self._end_row_escaped_by(len(staging))
             if self._staging is not None:
                 if self.on_staging is not None:
                     self.on_staging(None)
@@ -1643,13 +1652,16 @@ class DataClient:
         such as descriptors, which a smaller segment does not escape, or a second size refused
         for memory in one back-off); the back-off holds back only sizes from it up
         (``_ensure_staging``)."""
+        # the row's first line (a row may have begun with doubled sizes held back, said at INFO
+        # only: no put went over the socket until now)
+        first_line = self._staging_logged_at_s == -math.inf
         now_s, delay_s = self._back_off(refused_bytes)
         if now_s - self._staging_logged_at_s < STAGING_RELOG_SECONDS:
             return
         self._staging_logged_at_s = now_s
         with self._mappings_lock:  # not a segment ``close`` from another thread closed
             held = f"{len(self._staging)} bytes" if self._staging is not None else "none"
-        if self._staging_failures == 1:
+        if first_line:
             log.warning(
                 "%s; puts larger than the segment this client holds (%s) go over the Unix socket,"
                 " more slowly, and a new one is tried in %g s (then less often while it fails). "

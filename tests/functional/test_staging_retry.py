@@ -516,3 +516,133 @@ def test_within_a_back_off_smaller_sizes_that_fail_too_are_not_each_tried(
         got = c.get_many(every, tenant="t")
         assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
     assert "Traceback" not in agent.log()
+
+
+def _counting_segments(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the staging segments the client makes (each one sent, ATTACH)."""
+    import kvctl.client as client_module
+
+    made: list[int] = []
+    real_segment = client_module._sealed_segment
+
+    def counting_segment(size: int) -> Any:
+        made.append(size)
+        return real_segment(size)
+
+    monkeypatch.setattr(client_module, "_sealed_segment", counting_segment)
+    return made
+
+
+def _said(caplog: pytest.LogCaptureFixture, level: int, part: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level and part in r.getMessage()]
+
+
+def test_a_row_of_doubled_sizes_held_back_alone_is_not_said_as_puts_over_the_socket(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A doubled size held back though the put's own size attached counts in the row of
+    failures (its back-off grows), but no put went over the socket for it: the doubled size
+    attaching later said 'staged puts resumed ... after 1 failure(s)', and the first put that
+    did go over the socket, in that back-off, was warned as '2 failures in a row ... still go
+    over the Unix socket' without the row's first line ('If this persists'). The agent's memory
+    is made short for real (prlimit); the back-off's clock is the client's seam."""
+    made = _counting_segments(monkeypatch)
+    now_s = [1000.0]
+    pid = agent.proc.pid
+    puts = [[key(i, 110 + p) for i in range(n)] for p, n in enumerate((8, 9, 11, 21, 23))]
+    data = {k: payload(k, MiB) for ks in puts for k in ks}  # 1 MiB chunks
+    with agent.data("unix") as c, caplog.at_level(logging.INFO, logger="kvctl.client"):
+        assert c.shm
+        c._monotonic_s = lambda: now_s[0]
+
+        def put(ks: list[bytes]) -> None:
+            out = c.put_many([(k, data[k]) for k in ks], tenant="t")
+            assert [o.status for o in out] == ["stored"] * len(ks)
+
+        put(puts[0])
+        hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+        try:
+            # a 10 MiB mapping fits beside the 8 MiB one held; a 16 MiB one not
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 13 * MiB, hard))
+            put(puts[1])  # needs 10 MiB
+            assert made == [8 * MiB, 16 * MiB, 10 * MiB] and c._staging_failures == 1
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        now_s[0] = c._staging_retry_at_s  # the back-off ran out: doubling again
+        put(puts[2])  # needs 12 MiB: the doubled 20 MiB attaches
+        assert made[3:] == [20 * MiB] and c._staging_failures == 0
+        # no put went over the socket: nothing resumed
+        assert _said(caplog, logging.INFO, "resumed") == []
+        try:
+            # a 22 MiB mapping fits beside the 20 MiB one held; a 40 MiB one not
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 30 * MiB, hard))
+            put(puts[3])  # needs 22 MiB: the doubled 40 MiB held back
+            assert made[4:] == [40 * MiB, 22 * MiB] and c._staging_failures == 1
+            # within that back-off, a 24 MiB mapping beside the 22 MiB one held: not had
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 23 * MiB, hard))
+            put(puts[4])  # needs 24 MiB: over the socket
+            assert made[6:] == [24 * MiB] and len(c._staging) == 22 * MiB
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        every = [k for ks in puts for k in ks]
+        got = c.get_many(every, tenant="t")
+        assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
+    warned = _said(caplog, logging.WARNING, "staging segment")
+    # the first put over the socket is said as the row's first
+    assert len(warned) == 1 and "If this persists" in warned[0], warned
+    assert "in a row" not in warned[0] and "still go over" not in warned[0], warned
+    assert "Traceback" not in agent.log()
+
+
+def test_a_row_warned_of_ends_where_the_size_it_refused_attaches_below_a_doubled_refused(
+    agent: Agent, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After a WARNING that puts go over the socket (10 MiB refused), the back-off ran out and
+    10 MiB attached while its doubled 16 MiB was refused: the doubled size's back-off kept the
+    row going, so 'staged puts resumed' was never said, and the next failure within 10 minutes
+    (STAGING_RELOG_SECONDS) was not warned of either. Now that attach ends the row (said), and
+    the held-back doubled size starts one of its own. Memory short for real (prlimit)."""
+    made = _counting_segments(monkeypatch)
+    now_s = [1000.0]
+    pid = agent.proc.pid
+    puts = [[key(i, 120 + p) for i in range(n)] for p, n in enumerate((8, 9, 9, 11))]
+    data = {k: payload(k, MiB) for ks in puts for k in ks}  # 1 MiB chunks
+    with agent.data("unix") as c, caplog.at_level(logging.INFO, logger="kvctl.client"):
+        assert c.shm
+        c._monotonic_s = lambda: now_s[0]
+
+        def put(ks: list[bytes]) -> None:
+            out = c.put_many([(k, data[k]) for k in ks], tenant="t")
+            assert [o.status for o in out] == ["stored"] * len(ks)
+
+        put(puts[0])
+        hard = resource.prlimit(pid, resource.RLIMIT_AS)[1]
+        try:
+            # neither a 16 nor a 10 MiB mapping beside the 8 MiB one held
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 9 * MiB, hard))
+            put(puts[1])  # needs 10 MiB: over the socket, warned
+            assert made == [8 * MiB, 16 * MiB, 10 * MiB] and len(c._staging) == 8 * MiB
+            assert len(_said(caplog, logging.WARNING, "staging segment")) == 1
+            # a 10 MiB mapping fits beside the 8 MiB one held; a 16 MiB one not
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 13 * MiB, hard))
+            now_s[0] = c._staging_retry_at_s  # the back-off ran out
+            put(puts[2])  # needs 10 MiB: attaches, its doubled 16 MiB refused
+            assert made[3:] == [16 * MiB, 10 * MiB] and len(c._staging) == 10 * MiB
+            resumed = _said(caplog, logging.INFO, "staged puts resumed")
+            assert len(resumed) == 1 and "10485760 bytes" in resumed[0], resumed
+            assert c._staging_failures == 1 and c._staging_refused_bytes == 16 * MiB
+            # a second later, in the 16 MiB back-off: a 12 MiB mapping beside the 10 MiB one
+            # held is not had either
+            resource.prlimit(pid, resource.RLIMIT_AS, (_vm_bytes(pid) + 11 * MiB, hard))
+            now_s[0] += 1.0 / 4
+            put(puts[3])  # needs 12 MiB: over the socket, warned again
+            assert made[5:] == [12 * MiB] and len(c._staging) == 10 * MiB
+        finally:
+            resource.prlimit(pid, resource.RLIMIT_AS, (hard, hard))
+        every = [k for ks in puts for k in ks]
+        got = c.get_many(every, tenant="t")
+        assert all(g is not None and bytes(g) == data[k] for g, k in zip(got, every, strict=True))
+    warned = _said(caplog, logging.WARNING, "staging segment")
+    assert len(warned) == 2 and "12582912 bytes" in warned[1], warned
+    assert "If this persists" in warned[1], warned
+    assert "Traceback" not in agent.log()
