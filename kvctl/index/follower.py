@@ -587,9 +587,7 @@ class Follower:
         """``exc`` as status and logs show it, at most 300 characters: the SDK's messages name
         the URL as given, which may carry user info, and quote the answer (a proxy's page, an
         agent's detail), which may echo the request's token."""
-        text = str(exc).replace(self.url, self._shown_url)
-        if self._sent_token:
-            text = text.replace(self._sent_token, "***")
+        text = _masked(str(exc).replace(self.url, self._shown_url), self._sent_token)
         return f"{type(exc).__name__}: {text}"[:300]
 
     def _index_failed(self, exc: IndexUnavailable) -> None:
@@ -973,6 +971,27 @@ def _check_seconds(what: str, value: float) -> None:
         raise InvalidArgument(
             f"{what} must be > 0 and at most {threading.TIMEOUT_MAX:.0f} seconds, got {value!r}"
         )
+
+
+#: of a token quoted only in part (an answer's quote cut in it), this many first characters
+#: or more are masked: fewer match too much of other text
+_TOKEN_HEAD_CHARS = 8
+
+
+def _masked(text: str, token: str) -> str:
+    """``text`` with ``token`` as ``***``, and its head where a quote was cut in it (the SDK
+    quotes an answer's first 80 characters): at least ``_TOKEN_HEAD_CHARS`` of it."""
+    if not token:
+        return text
+    head = token[:_TOKEN_HEAD_CHARS]
+    parts, at = [], 0
+    while (found := text.find(head, at)) >= 0:
+        end = found + len(head)
+        while end - found < len(token) and end < len(text) and text[end] == token[end - found]:
+            end += 1
+        parts += [text[at:found], "***"]
+        at = end
+    return "".join(parts) + text[at:]
 
 
 def _safe(url: object) -> str:
