@@ -245,16 +245,15 @@ class ArenaLeases:
     #: by another thread too, the agent has ended them and its arena is unmapped
     _client: weakref.ref[DataClient] | None = field(default=None, repr=False, compare=False)
 
-    def _client_closed(self) -> bool:
-        client = self._client() if self._client is not None else None
-        return self._client is not None and (client is None or client.closed)
-
     def ended(self) -> bool:
         """Whether the client that took these leases is closed (by another thread too): the
         agent ended them with the connection, whatever their deadlines say, and may reuse the
         bytes. A copy from the arena (an engine's tensor over it keeps it mapped past close)
         that ends with this True cannot be trusted."""
-        return self._client_closed()
+        if self._client is None:
+            return False
+        client = self._client()
+        return client is None or client.closed
 
     def view(self, i: int) -> memoryview:
         """Chunk i's bytes in the arena; AgentError('this client is closed') once the client
@@ -264,12 +263,12 @@ class ArenaLeases:
             raise KeyError(f"chunk {i} is not leased")
         # asked first, not only when the arena is found unmapped: a view of it held elsewhere
         # (an engine's tensor) keeps it mapped past close, over bytes the agent may reuse
-        if self._client_closed():
+        if self.ended():
             raise AgentError(CLOSED_MESSAGE)
         try:
             whole = memoryview(self.arena)
         except ValueError:  # the arena unmapped: by a close since, or a new generation
-            if self._client_closed():
+            if self.ended():
                 raise AgentError(CLOSED_MESSAGE) from None
             raise
         return whole[c.offset : c.offset + c.size_bytes]
@@ -279,7 +278,7 @@ class ArenaLeases:
         after the client was closed (which ends its leases), may hold bytes the agent reused,
         so check this after the copy is complete."""
         c = self.chunks[i]
-        return c is not None and time.monotonic() < c.deadline_s and not self._client_closed()
+        return c is not None and time.monotonic() < c.deadline_s and not self.ended()
 
 
 def _as_bytes_view(data: Payload) -> memoryview:

@@ -93,12 +93,10 @@ def load_workload(
     # /dev/stdin) is read as a stream: it was refused as "no such file", though it was there
     if not path.exists():
         raise FileNotFoundError(2, "no such trace file", str(path))
-    if path.is_dir():  # read_mooncake_trace refuses it
-        return Workload(str(path), read_mooncake_trace(path, limit=limit), path.name)
-    if path.is_file():
-        name = _file_name(path)
-        if name is not None:
-            return Workload(str(path), read_mooncake_trace(path, limit=limit), name)
+    # a directory as given (read_mooncake_trace refuses it), a file by its file name
+    name = path.name if path.is_dir() else _file_name(path) if path.is_file() else None
+    if name is not None:
+        return Workload(str(path), read_mooncake_trace(path, limit=limit), name)
     # A stream's name says nothing of its content: /dev/fd/63 from `<(zcat a.jsonl.gz)` and
     # `<(zcat b.jsonl.gz)` alike, and every /dev/stdin. Named by their file name ("63",
     # "stdin"), two different traces salted their tokens alike and shared chunks in a replay;
