@@ -28,6 +28,8 @@ Examples:
   kvctl simulate --workload chat --sweep --policy lineage-arc --policy lineage-lru2 --json
 
   kvctl simulate --trace trace.jsonl --sweep --policy oracle-popularity --policy oracle-reuse
+
+  kvctl simulate -w system-prompt --sweep --seeds 10 --policy lineage-arc --policy lineage-adaptive
 """
 
 #: under every table: what the marks after a policy's name mean
@@ -81,6 +83,17 @@ def simulate_command(
     ] = "all",
     limit: Annotated[int | None, typer.Option(help="Replay only the first N requests.")] = None,
     seed: SeedOpt = 0,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            "--seeds",
+            help="Replay N seeds of the generated --workload (--seed to --seed+N-1) and show "
+            "each policy's mean ± sample standard deviation over them: one seed is one small "
+            "sample. Capacities by --capacity-fraction or --sweep (fractions of each seed's own "
+            "unique blocks). 1: one plain run.",
+            show_default=False,
+        ),
+    ] = 1,
     attention_tokens: Annotated[
         float,
         typer.Option(
@@ -115,6 +128,28 @@ def simulate_command(
     with user_errors(hint="see `kvctl simulate --help`"):
         if sum(bool(x) for x in (capacity_fraction, capacity_blocks, tier, sweep)) > 1:
             fail("give only one of --capacity-fraction, --capacity-blocks, --tier and --sweep")
+        _check_seeds(seeds, trace=trace, capacity_blocks=capacity_blocks, tier=tier)
+        fractions = list(SWEEP_FRACTIONS) if sweep else capacity_fraction or [0.1]
+        if seeds > 1:
+            from kvctl.workload.seeds import simulate_seeds
+
+            with TaskProgress(disable=json_out, prefix="simulating ") as update:
+                swept = simulate_seeds(
+                    workload,
+                    range(seed, seed + seeds),
+                    capacity_fractions=fractions,
+                    policies=policy or list(EVICTION_POLICIES),
+                    limit=limit,
+                    admission=admission,
+                    attention_tokens=attention_tokens,
+                    bypass_unreachable=bypass_unreachable,
+                    progress=update,
+                )
+            if json_out:
+                print_json(swept.as_dict())
+            else:
+                render_seeds(swept)
+            return
         loaded = load_workload_said(
             trace, seed=seed, limit=limit, workload=workload, quiet=json_out
         )
@@ -127,7 +162,6 @@ def simulate_command(
         elif capacity_blocks:
             runs = [{"cpu": n} for n in capacity_blocks]
         else:
-            fractions = list(SWEEP_FRACTIONS) if sweep else capacity_fraction or [0.1]
             runs = [{"cpu": capacity_from_fraction(unique, f)} for f in fractions]
         policies = policy or list(EVICTION_POLICIES)
         reports = []
@@ -157,6 +191,117 @@ def simulate_command(
 
 # dedented apart: EXAMPLES is not indented like the docstring
 simulate_command.__doc__ = inspect.cleandoc(simulate_command.__doc__ or "") + "\n" + EXAMPLES
+
+
+def _check_seeds(
+    seeds: int,
+    *,
+    trace: pathlib.Path | None,
+    capacity_blocks: list[int] | None,
+    tier: list[str] | None,
+) -> None:
+    """Refuse what --seeds cannot mean (with 1, the default, it is one plain run: nothing to
+    refuse)."""
+    if seeds < 1:
+        fail(f"--seeds takes a count of at least 1, got {seeds}")
+    if seeds == 1:
+        return
+    if trace is not None:
+        fail("--seeds replays seeds of a generated --workload; a --trace is one sequence")
+    if capacity_blocks or tier:
+        fail(
+            "--seeds takes capacities as fractions (--capacity-fraction or --sweep): block "
+            "counts (--capacity-blocks, --tier) do not carry across seeds of different sizes"
+        )
+
+
+def render_seeds(sweep: object) -> None:
+    """One row per policy, one column per capacity: mean ± sample standard deviation over the
+    seeds of its % of Belady, the best mean of each column bold; then the paired gaps to it."""
+    from rich.table import Table
+
+    from kvctl.workload.seeds import SeedSweep
+
+    assert isinstance(sweep, SeedSweep)
+    first = sweep.reports[0][0]
+    n = len(sweep.seeds)
+    seeds = f"{n} seeds ({sweep.seeds[0]}..{sweep.seeds[-1]})"
+    kept = "" if first.bypass_unreachable else ", unreachable blocks kept"
+    short = [c for c in sweep.seeds_counted if c < n]
+    left_out = (
+        f"; a seed whose Belady hit nothing at a capacity is left out there (as few as "
+        f"{min(short)} counted)"
+        if short
+        else ""
+    )
+    # the fraction as given (0.5% stays 0.5%): each seed's capacity in blocks differs anyway
+    headers = [f"{f * 100:g}%" for f in sweep.capacity_fractions]
+    table = Table(
+        title=f"{escape(sweep.workload)}, {seeds}: % of Belady's block hit ratio by capacity "
+        f"(% of each seed's unique blocks){kept}",
+        title_justify="left",
+        caption=f"mean ± sample standard deviation over {seeds} of each seed's % of Belady in "
+        f"the same replay; bold: the best mean of a column{left_out}; decisions/s: the "
+        f"slowest run's\n{CAPTION}",
+        caption_justify="left",
+    )
+    _policy_column(table, [p.policy for p in sweep.summary])
+    for h in headers:
+        table.add_column(h, justify="right")
+    table.add_column("decisions/s", justify="right")
+    for p in sweep.summary:
+        cells = [
+            _mean_sd(m, sd, bold=b)
+            for m, sd, b in zip(p.of_belady_mean, p.of_belady_stdev, p.best, strict=True)
+        ]
+        table.add_row(_label(p.policy), *cells, f"{p.slowest_decisions_per_second:,.0f}")
+    belady = [
+        [per_seed[c].result("belady").hit_ratio for per_seed in sweep.reports]
+        for c in range(len(headers))
+    ]
+    table.add_row("Belady hit ratio, %", *[_mean_sd(*_spread(b), bold=False) for b in belady], "")
+    console.print(table)
+    gaps = Table(
+        title=f"{escape(sweep.workload)}, {seeds}: gap to the best mean (points of % of Belady, "
+        "paired by seed)",
+        title_justify="left",
+        caption=f"mean ± sample standard deviation over the {n} seeds of (policy - best) on the "
+        f"same seed; the mean gap's own standard error is ± / √{n}",
+        caption_justify="left",
+    )
+    _policy_column(gaps, [p.policy for p in sweep.summary])
+    for h in headers:
+        gaps.add_column(h, justify="right")
+    for p in sweep.summary:
+        cells = [
+            "best" if b else _mean_sd(m, sd, bold=False, signed=True)
+            for m, sd, b in zip(p.gap_to_best_mean, p.gap_to_best_stdev, p.best, strict=True)
+        ]
+        gaps.add_row(_label(p.policy), *cells)
+    console.print(gaps)
+
+
+def _spread(values: list[float]) -> tuple[float | None, float | None]:
+    import statistics
+
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None
+
+
+def _mean_sd(
+    mean: float | None,
+    sd: float | None,
+    *,
+    bold: bool,
+    signed: bool = False,
+) -> str:
+    """A share's mean and standard deviation in percent (points), ``48.3 ± 7.3``; ``n/a`` where
+    no seed counted."""
+    if mean is None:
+        return "n/a"
+    text = f"{mean * 100:{'+' if signed else ''}.1f}"
+    if sd is not None:
+        text += f" ± {sd * 100:.1f}"
+    return f"[bold]{text}[/]" if bold else text
 
 
 def render_report(report: object) -> None:

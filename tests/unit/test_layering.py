@@ -24,6 +24,7 @@ def test_store_and_workload_never_import_ui() -> None:
         "kvctl.store.store",
         "kvctl.store.tiers.disk",
         "kvctl.workload.simulate",
+        "kvctl.workload.seeds",
         "kvctl.bench.store",
         "collectors",
         "collectors.rows",
