@@ -140,7 +140,8 @@ class TaskProgress:
             transient=True,
             disable=disable or not err_console.is_terminal,
         )
-        self._tasks: dict[str, TaskID] = {}
+        self._tasks: dict[str, TaskID] = {}  # by name: the bar of a run not yet finished
+        self._finished: list[TaskID] = []  # oldest first
 
     def __enter__(self):  # type: ignore[no-untyped-def]
         self._bar.__enter__()
@@ -150,6 +151,15 @@ class TaskProgress:
         self._bar.__exit__(None, None, None)
 
     def update(self, name: str, done: int, total: int) -> None:
-        if name not in self._tasks or self._bar.tasks[self._tasks[name]].finished:
+        if name not in self._tasks:  # a new run (a name seen before: that run again)
+            # bars past the terminal's height are cropped to a "..." line, the running one
+            # with them (a seed of `simulate --seeds 100` seemed stuck): the oldest finished
+            # bars make room
+            rows = max(1, self._bar.console.size.height - 1)
+            while self._finished and len(self._bar.tasks) >= rows:
+                self._bar.remove_task(self._finished.pop(0))
             self._tasks[name] = self._bar.add_task(f"{self._prefix}{name}", total=total)
-        self._bar.update(self._tasks[name], completed=done)
+        task = self._tasks[name]
+        self._bar.update(task, completed=done)
+        if done >= total:
+            self._finished.append(self._tasks.pop(name))

@@ -128,7 +128,9 @@ def simulate_command(
     with user_errors(hint="see `kvctl simulate --help`"):
         if sum(bool(x) for x in (capacity_fraction, capacity_blocks, tier, sweep)) > 1:
             fail("give only one of --capacity-fraction, --capacity-blocks, --tier and --sweep")
-        _check_seeds(seeds, trace=trace, capacity_blocks=capacity_blocks, tier=tier)
+        _check_seeds(
+            seeds, trace=trace, capacity_blocks=capacity_blocks, tier=tier, admission=admission
+        )
         fractions = list(SWEEP_FRACTIONS) if sweep else capacity_fraction or [0.1]
         if seeds > 1:
             from kvctl.workload.seeds import simulate_seeds
@@ -199,6 +201,7 @@ def _check_seeds(
     trace: pathlib.Path | None,
     capacity_blocks: list[int] | None,
     tier: list[str] | None,
+    admission: str,
 ) -> None:
     """Refuse what --seeds cannot mean (with 1, the default, it is one plain run: nothing to
     refuse)."""
@@ -212,6 +215,11 @@ def _check_seeds(
         fail(
             "--seeds takes capacities as fractions (--capacity-fraction or --sweep): block "
             "counts (--capacity-blocks, --tier) do not carry across seeds of different sizes"
+        )
+    if admission == "frequency":  # accepted, it was in each run's "admission" and did nothing
+        fail(
+            "--seeds runs one cpu tier, and --admission gates only the tiers below the first: "
+            "--admission frequency would change nothing"
         )
 
 
@@ -261,12 +269,20 @@ def render_seeds(sweep: object) -> None:
     ]
     table.add_row("Belady hit ratio, %", *[_mean_sd(*_spread(b), bold=False) for b in belady], "")
     console.print(table)
+    # the gaps' sample: the seeds counted (a seed left out at a capacity is in no gap there)
+    counts = set(sweep.seeds_counted)
+    if counts == {n}:
+        over, root = f"the {n} seeds", str(n)
+    elif len(counts) == 1:
+        over, root = f"the {min(counts)} seeds counted", str(min(counts))
+    else:
+        over, root = "a column's seeds counted", "(seeds counted)"
     gaps = Table(
         title=f"{escape(sweep.workload)}, {seeds}: gap to the best mean (points of % of Belady, "
         "paired by seed)",
         title_justify="left",
-        caption=f"mean ± sample standard deviation over the {n} seeds of (policy - best) on the "
-        f"same seed; the mean gap's own standard error is ± / √{n}",
+        caption=f"mean ± sample standard deviation over {over} of (policy - best) on the same "
+        f"seed; the mean gap's own standard error is ± / √{root}",
         caption_justify="left",
     )
     _policy_column(gaps, [p.policy for p in sweep.summary])

@@ -81,8 +81,8 @@ class SeedSweep:
     #: per capacity: the seeds whose Belady hit something there (the figures' sample size)
     seeds_counted: list[int] = field(default_factory=list)
     #: per capacity: the first policy of best mean among those an agent can run (not Belady's
-    #: optimum nor a partial oracle; LRU always ran, so there is one)
-    best_policy: list[str] = field(default_factory=list)
+    #: optimum nor a partial oracle; LRU always ran), None where no seed counted (no figures)
+    best_policy: list[str | None] = field(default_factory=list)
     #: one per policy, in the reports' order (the asked ones, then LRU and Belady)
     summary: list[PolicySeeds] = field(default_factory=list)
 
@@ -176,25 +176,30 @@ def summarize_seeds(
     # shares[policy][capacity][seed]
     shares: dict[str, list[list[float | None]]] = {p: [] for p in policies}
     counted: list[int] = []
-    best_policy: list[str] = []
+    best_policy: list[str | None] = []
     for c in range(len(capacity_fractions)):
         at = [per_seed[c] for per_seed in reports]
         for p in policies:
             shares[p].append([_share(r, p) for r in at])
         counted.append(sum(r.result("belady").hit_ratio > 0 for r in at))
         runnable = [p for p in policies if p not in NOT_RUNNABLE]
-        means = {p: _mean(shares[p][c]) for p in runnable}
-        # the first of the best (max keeps the first); LRU always runs, so there is one
-        best_policy.append(max(runnable, key=lambda p: (means[p] is not None, means[p] or 0.0)))
-    best_means = [_mean(shares[b][c]) for c, b in enumerate(best_policy)]
+        means = {p: m for p in runnable if (m := _mean(shares[p][c])) is not None}
+        # the first of the best (max keeps the first); none where no seed counted: every mean
+        # is None there alike, and naming one would call a policy best on no figures
+        best_policy.append(max(means, key=means.__getitem__) if means else None)
+    best_means = [None if b is None else _mean(shares[b][c]) for c, b in enumerate(best_policy)]
     summary: list[PolicySeeds] = []
     for p in policies:
         gaps = [
             [
                 None if a is None or b is None else a - b
-                for a, b in zip(shares[p][c], shares[best_policy[c]][c], strict=True)
+                for a, b in zip(
+                    shares[p][c],
+                    [None] * len(seeds) if best is None else shares[best][c],
+                    strict=True,
+                )
             ]
-            for c in range(len(capacity_fractions))
+            for c, best in enumerate(best_policy)
         ]
         mean = [_mean(s) for s in shares[p]]
         summary.append(

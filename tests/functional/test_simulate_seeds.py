@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,8 @@ def test_progress_shows_without_json_only(monkeypatch: pytest.MonkeyPatch) -> No
         (["--seeds", "2", "--capacity-blocks", "5"], "do not carry across seeds"),
         (["--seeds", "2", "--tier", "cpu=5"], "do not carry across seeds"),
         (["--seeds", "2", "--tier", "cpu=5", "--json"], "do not carry across seeds"),
+        # one cpu tier per run: frequency admission (tiers below the first) never applied
+        (["--seeds", "2", "--admission", "frequency"], "--seeds runs one cpu tier"),
     ],
 )
 def test_what_seeds_cannot_mean_is_refused(tmp_path: Path, args: list[str], message: str) -> None:
@@ -156,3 +159,45 @@ def test_help_shows_a_seeds_example() -> None:
     code, out = run("simulate", "--help")
     assert code == 0
     assert "--sweep --seeds 10 --policy lineage-arc" in " ".join(out.split())
+
+
+def test_progress_keeps_the_running_seed_in_view(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a bar per seed, every finished one kept: past the terminal's height, rich cropped the bars
+    # to the first seeds and a "..." line, and the seed running was never shown again
+    said = io.StringIO()
+    monkeypatch.setattr(
+        output, "err_console", Console(file=said, force_terminal=True, width=120, height=8)
+    )
+    code, out = run("simulate", "-w", "rag", "--limit", "5", "--seeds", "30", "--policy", "lru")
+    assert code == 0, out
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", said.getvalue())
+    assert "simulating seed 29" in shown
+    assert "..." not in shown  # rich's line for the bars cropped off
+
+
+def test_the_gap_caption_counts_the_seeds_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3 seeds, the third's Belady hit nothing: the gaps are over 2 seeds, their standard error
+    # is sd / sqrt(2) (the caption said "over the 3 seeds" and "± / √3")
+    from kvctl.workload.seeds import summarize_seeds
+    from kvctl.workload.simulate import simulate
+    from kvctl.workload.trace import TraceRequest
+
+    def req(*ids: int) -> TraceRequest:
+        return TraceRequest(0, 512 * len(ids), 1, tuple(ids), "")
+
+    replays = [
+        [req(1), req(1), req(2)],
+        [req(1), req(1), req(1)],
+        [req(1), req(2), req(3)],  # nothing used twice: Belady hits nothing
+    ]
+    reports = [[simulate(r, tiers={"cpu": 1}, policies=["lineage-lru"])] for r in replays]
+    sweep = summarize_seeds("x", [0, 1, 2], [0.5], reports)
+    assert sweep.seeds_counted == [2]
+    shown = io.StringIO()
+    monkeypatch.setattr(
+        simulate_cli, "console", Console(file=shown, force_terminal=False, width=300)
+    )
+    simulate_cli.render_seeds(sweep)
+    said = " ".join(shown.getvalue().split())
+    assert "± / √2" in said and "√3" not in said
+    assert "over the 3 seeds of (policy - best)" not in said

@@ -182,3 +182,16 @@ def test_bad_arguments_are_refused(kwargs: dict[str, object], message: str) -> N
     args.update(kwargs)
     with pytest.raises(InvalidArgument, match=message):
         simulate_seeds(**args)  # type: ignore[arg-type]
+
+
+def test_no_policy_is_best_where_no_seed_counted() -> None:
+    # every seed's Belady hit nothing: no figures, so no best (best_policy named the first
+    # runnable policy, though no policy's `best` said so and its gaps were all None)
+    fresh = simulate([req(1), req(2), req(3)], tiers={"cpu": 1}, policies=["lineage-lru"])
+    other = simulate([req(4), req(5), req(6)], tiers={"cpu": 1}, policies=["lineage-lru"])
+    s = summarize_seeds("x", [0, 1], [0.5], [[fresh], [other]])
+    assert s.seeds_counted == [0]
+    assert s.best_policy == [None] and s.as_dict()["best_policy"] == [None]
+    for p in s.summary:
+        assert p.best == [False] and p.of_belady_mean == [None]
+        assert p.gap_to_best_mean == [None] and p.gap_to_best_stdev == [None]
