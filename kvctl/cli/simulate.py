@@ -73,9 +73,11 @@ def simulate_command(
         list[str] | None,
         typer.Option(
             help="Eviction policy (repeatable). Default: all. LRU and Belady always run. "
-            "oracle-popularity (knows each block's uses left) and oracle-reuse (knows whether "
-            "it is used again within 4x the capacity) run only when named: the ceilings of "
-            "frequency-based and reuse-predicting policies."
+            "oracle-popularity (knows each block's uses left), oracle-reuse (knows whether "
+            "it is used again within 4x the capacity) and oracle-features (lineage-learned-arc "
+            "scoring by each feature row's reuse rate on this replay, in a second pass) run "
+            "only when named: the ceilings of frequency-based and reuse-predicting policies, "
+            "and of lineage-learned-arc's features."
         ),
     ] = None,
     admission: Annotated[

@@ -4,9 +4,13 @@ Each trace block becomes one chunk of size 1 (capacities are in blocks) in ``Met
 the eviction, demotion, promotion and admission decisions are made by the same ``TieredStore``
 code the agent runs. A block is a prefix hit when it and every block before it in the request is
 cached at lookup time. LRU and Belady's offline optimum are always computed in the same run as
-references. Two partial oracles run when asked for by name (``ORACLE_POLICIES``, see
+references. Three partial oracles run when asked for by name (``ORACLE_POLICIES``, see
 ``kvctl.store.policies.oracles``): the ceilings of policies that know only how often, or only
-whether soon, each block is used again.
+whether soon, each block is used again, and of ``lineage-learned-arc`` with a perfect model of
+its features. That last one, ``oracle-features``, replays twice (``lineage-learned-arc``
+recording its labelled samples, then the oracle scored from them) and reports the second pass;
+its ``seconds`` and ``decisions_per_second`` cover both passes (its cost as a reference: the
+trace's blocks over the two replays' time).
 
 Three hit ratios weigh a hit differently: per block (``hit_ratio``), per token (``token_hit_ratio``,
 which is also the byte hit ratio: a chunk's KV bytes are proportional to its tokens), and per
@@ -40,10 +44,13 @@ from kvctl.store.policies import (
     FrequencyAdmission,
     make_eviction_policy,
 )
+from kvctl.store.policies.learned_arc import LineageLearnedARCPolicy
 from kvctl.store.policies.oracles import (
     REUSE_HORIZON_FACTOR,
+    FeatureOraclePolicy,
     FutureUse,
     PopularityOraclePolicy,
+    RecordingReuseModel,
     ReuseOraclePolicy,
 )
 from kvctl.store.store import TieredStore
@@ -54,7 +61,7 @@ REFERENCE_POLICIES = ("lru", "belady")
 #: see the module docstring
 DEFAULT_ATTENTION_TOKENS = 30_000
 #: simulation-only references that run when asked for (not part of "all policies")
-ORACLE_POLICIES = (PopularityOraclePolicy.name, ReuseOraclePolicy.name)
+ORACLE_POLICIES = (PopularityOraclePolicy.name, ReuseOraclePolicy.name, FeatureOraclePolicy.name)
 SIMULATION_POLICIES = (*EVICTION_POLICIES, "belady", *ORACLE_POLICIES)
 
 Progress = Callable[[str, int, int], None]
@@ -304,8 +311,25 @@ def _run_one(
     started = time.perf_counter()
     next_use: dict[bytes, float] = {}
     future: dict[bytes, FutureUse] = {}
-    oracle = policy in ORACLE_POLICIES
-    names = list(tiers)
+    recorded: dict[str, RecordingReuseModel] | None = None
+    passes = 1
+    if policy == FeatureOraclePolicy.name:
+        # the recording pass: lineage-learned-arc's decisions, keeping its labelled samples
+        recorded = {n: RecordingReuseModel() for n in tiers}
+        rec = recorded
+        _replay(
+            chains,
+            requests,
+            tiers,
+            lambda n: LineageLearnedARCPolicy(reuse_model=rec[n]),
+            admission=admission,
+            policy=policy,
+            progress=progress,
+            bypass_unreachable=bypass_unreachable,
+            pass_index=0,
+            passes=2,
+        )
+        passes = 2
 
     def make(name: str) -> EvictionPolicy:
         if policy == "belady":
@@ -314,8 +338,63 @@ def _run_one(
             return PopularityOraclePolicy(future)
         if policy == ReuseOraclePolicy.name:
             return ReuseOraclePolicy(future, REUSE_HORIZON_FACTOR * tiers[name])
+        if recorded is not None:
+            return FeatureOraclePolicy(recorded[name].samples)
         return make_eviction_policy(policy)
 
+    store, hit_blocks, hit_tokens, hit_cost, hits_by_tier, hit_tokens_by_tier = _replay(
+        chains,
+        requests,
+        tiers,
+        make,
+        admission=admission,
+        policy=policy,
+        progress=progress,
+        on_request=on_request,
+        next_use=next_use,
+        future=future if policy in (PopularityOraclePolicy.name, ReuseOraclePolicy.name) else None,
+        bypass_unreachable=bypass_unreachable,
+        pass_index=passes - 1,
+        passes=passes,
+    )
+    seconds = time.perf_counter() - started
+    return PolicyResult(
+        policy=policy,
+        hit_ratio=hit_blocks / chains.total_blocks if chains.total_blocks else 0.0,
+        token_hit_ratio=hit_tokens / chains.total_tokens if chains.total_tokens else 0.0,
+        hits_by_tier=hits_by_tier,
+        hit_blocks=hit_blocks,
+        hit_tokens=hit_tokens,
+        seconds=seconds,
+        hit_tokens_by_tier=hit_tokens_by_tier,
+        prefill_hit_ratio=hit_cost / chains.total_cost if chains.total_cost else 0.0,
+        decisions_per_second=chains.total_blocks / seconds if seconds > 0 else 0.0,
+        evictions=sum(store.stats.tiers[n].evictions["capacity"] for n in tiers),
+    )
+
+
+def _replay(
+    chains: _Chains,
+    requests: Sequence[TraceRequest],
+    tiers: Mapping[str, int],
+    make: Callable[[str], EvictionPolicy],
+    *,
+    admission: str,
+    policy: str,
+    progress: Progress | None,
+    on_request: RequestHook | None = None,
+    next_use: dict[bytes, float] | None = None,
+    future: dict[bytes, FutureUse] | None = None,
+    bypass_unreachable: bool,
+    pass_index: int = 0,
+    passes: int = 1,
+) -> tuple[TieredStore, int, int, float, dict[str, int], dict[str, int]]:
+    """One replay of ``requests`` through tiers whose policies ``make`` builds: the store, hit
+    blocks, hit tokens, hit prefill cost, and hit blocks and tokens per tier. ``next_use`` and
+    ``future`` (None: not kept; Belady and the first two oracles read them) are updated just
+    before each access; progress counts this pass as pass ``pass_index`` of ``passes`` of
+    ``policy``'s run."""
+    names = list(tiers)
     store = TieredStore(
         [MeteredTier(n, tiers[n]) for n in names],
         eviction={n: make(n) for n in names},
@@ -347,8 +426,9 @@ def _run_one(
             on_request(i, res.locations[:m])  # type: ignore[arg-type]
         parent = None
         for depth, (k, t) in enumerate(zip(keys, toks, strict=True)):
-            next_use[k] = nxt[pos]
-            if oracle:
+            if next_use is not None:
+                next_use[k] = nxt[pos]
+            if future is not None:
                 future[k] = FutureUse(nxt[pos] - pos, left[pos])
             pos += 1
             if k in store:
@@ -359,18 +439,5 @@ def _run_one(
                 )
             parent = k
         if progress is not None and (i % step == 0 or i == total - 1):
-            progress(policy, i + 1, total)
-    seconds = time.perf_counter() - started
-    return PolicyResult(
-        policy=policy,
-        hit_ratio=hit_blocks / chains.total_blocks if chains.total_blocks else 0.0,
-        token_hit_ratio=hit_tokens / chains.total_tokens if chains.total_tokens else 0.0,
-        hits_by_tier=hits_by_tier,
-        hit_blocks=hit_blocks,
-        hit_tokens=hit_tokens,
-        seconds=seconds,
-        hit_tokens_by_tier=hit_tokens_by_tier,
-        prefill_hit_ratio=hit_cost / chains.total_cost if chains.total_cost else 0.0,
-        decisions_per_second=chains.total_blocks / seconds if seconds > 0 else 0.0,
-        evictions=sum(store.stats.tiers[n].evictions["capacity"] for n in names),
-    )
+            progress(policy, pass_index * total + i + 1, passes * total)
+    return store, hit_blocks, hit_tokens, hit_cost, hits_by_tier, hit_tokens_by_tier

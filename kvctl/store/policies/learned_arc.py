@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from kvctl.store.errors import InvalidArgument
 from kvctl.store.index import Entry
 from kvctl.store.policies.arc import T1, LineageARCPolicy
 from kvctl.store.policies.reuse_model import ReuseModel
@@ -37,14 +38,18 @@ from kvctl.store.policies.reuse_model import ReuseModel
 
 class LineageLearnedARCPolicy(LineageARCPolicy):
     """``lineage-arc`` with a learned pick among chunks seen once; see the module docstring.
-    ``model`` goes to ``ReuseModel`` (``seed``, ``sample_size``, ``retrain_every``, ...)."""
+    ``model`` goes to ``ReuseModel`` (``seed``, ``sample_size``, ``retrain_every``, ...);
+    ``reuse_model`` instead gives the model itself (a fresh one, not shared with another policy:
+    the simulator's ``oracle-features`` passes one that records or one scored from a table)."""
 
     name = "lineage-learned-arc"
     accesses_deferrable = False  # its model reads the tenants a read adds after the touch
 
-    def __init__(self, **model: Any) -> None:
+    def __init__(self, *, reuse_model: ReuseModel | None = None, **model: Any) -> None:
         super().__init__()
-        self.model = ReuseModel(**model)
+        if reuse_model is not None and model:
+            raise InvalidArgument("give either reuse_model or its arguments, not both")
+        self.model = reuse_model if reuse_model is not None else ReuseModel(**model)
 
     def on_insert(self, entry: Entry) -> None:
         super().on_insert(entry)

@@ -48,7 +48,7 @@ import contextlib
 import math
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -380,6 +380,11 @@ class ReuseModel:
             else:
                 a[0] += 1.0
                 a[1] += y
+        self._fit_rows(agg)
+
+    def _fit_rows(self, agg: Mapping[tuple[int, ...], Sequence[float]]) -> None:
+        """The fit over distinct feature rows, each with its count and its count of label 1
+        (``_fit``'s window aggregated; ``oracles.TableReuseModel``'s every recorded sample)."""
         rows = list(agg)
         m = len(rows)
         idx = np.array(rows, dtype=np.int64).reshape(m, len(rows[0]))
