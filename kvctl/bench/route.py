@@ -31,7 +31,10 @@ routed at a paced ``latency_rate_per_s`` (each call timed alone): index answer +
 (the cost policy, target p99 < 2 ms), index answer + prefix-only, and the reference: a plain
 dict looked up for the same keys. Nothing changes the index while decisions are timed, so its
 answers come from its answer cache; each request's first answer in the run (filling the
-reference's dict) is timed too (``index_answer_first``).
+reference's dict) is timed too (``index_answer_first``). Then the same requests through
+``Router.route`` (``router``): a router following ``latency_followers`` agents (the topology's
+nodes and others up to that many, each polled once and up, from an in-process stand-in agent
+that holds nothing), so a decision's cost includes the followers' node sets (up, down, pool).
 
 **Index update rate.** ``EmbeddedIndex.apply`` of stored, then removed events in batches of
 ``index_batch`` (events per second), next to plain dict inserts/deletes of the same keys; and
@@ -56,7 +59,9 @@ The result (JSON-safe)::
                    | {"workload", "skipped": why}],
      "decision_latency": {"cost" | "prefix_only" | "reference": {"p50_s", "p99_s", ...,
                           "achieved_rate_per_s", "what"}, "index_entries", "meets_target", ...;
-                          cost also "index_answer" and "index_answer_first": {"p50_s", ...}}
+                          cost also "index_answer" and "index_answer_first": {"p50_s", ...};
+                          "router": {"p50_s", ..., "followers", "p99_ratio_to_reference",
+                          "what"} (absent with latency_followers 0)}
                          | None,
      "index_updates": {"embedded": {"stored_events_per_s", "removed_events_per_s",
                                     "reference": {...}, "meets_target"},
@@ -66,22 +71,27 @@ The result (JSON-safe)::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import http.server
+import json
 import math
 import os
 import random
 import secrets
 import statistics
+import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvctl.bench.common import host_info
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent, from_agent_event
+from kvctl.index.follower import Followers
 from kvctl.index.model import EmbeddedIndex, Holding, owner
 from kvctl.profiles import ModeledInputs, gpu_profile, model_profile
 from kvctl.quantiles import nearest_rank
@@ -97,6 +107,7 @@ from kvctl.router.policies import (
     make_policy,
 )
 from kvctl.router.score import Costs, NodeScore, held_prefix, score_nodes
+from kvctl.router.service import Router
 from kvctl.router.topology import DcLink, Node, Topology
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.metered import MeteredTier
@@ -143,6 +154,8 @@ class RouteBenchConfig:
     mfu: float = 0.5
     latency_requests: int = 2000
     latency_rate_per_s: float = 1000.0
+    #: agents the router of the latency run's ``router`` figure follows (0: not measured)
+    latency_followers: int = 1000
     index_entries: int = 500_000
     index_events: int = 200_000
     index_batch: int = 1000
@@ -163,6 +176,7 @@ class RouteBenchConfig:
             "disk_bytes": 16 << 30,
             "requests": 60,
             "latency_requests": 100,
+            "latency_followers": 50,
             "index_entries": 20_000,
             "index_events": 20_000,
             "redis_events": 5_000,
@@ -206,8 +220,10 @@ class RouteBenchConfig:
                 raise InvalidArgument(f"{what} must be an integer >= 1, got {value!r}")
         if self.requests is not None and self.requests < 1:
             raise InvalidArgument(f"requests must be >= 1, got {self.requests}")
-        if self.index_entries < 0:
-            raise InvalidArgument(f"index_entries must be >= 0, got {self.index_entries}")
+        for what in ("index_entries", "latency_followers"):
+            value = getattr(self, what)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise InvalidArgument(f"{what} must be an integer >= 0, got {value!r}")
         for what in ("link_bytes_per_s", "latency_rate_per_s"):
             value = getattr(self, what)
             if not (math.isfinite(value) and value > 0):
@@ -679,6 +695,8 @@ def decision_latency(
     ):
         samples, achieved = _paced(calls, config.latency_rate_per_s)
         figures[name] = {**_spread(samples), "achieved_rate_per_s": achieved}
+    if config.latency_followers:
+        figures["router"] = _router_latency(workload, index, topology, costs, config, picks, home)
     figures["cost"]["index_answer"] = _spread(holders_s)
     figures["cost"]["index_answer_first"] = {
         **_spread(first_answers_s),
@@ -692,6 +710,10 @@ def decision_latency(
         "score.decide (plans of the nodes that could win)"
     )
     p99 = figures["cost"]["p99_s"]
+    if "router" in figures:
+        figures["router"]["p99_ratio_to_reference"] = ratio(
+            figures["router"]["p99_s"], figures["reference"]["p99_s"]
+        )
     return {
         "workload": workload.name,
         "requests": len(picks),
@@ -705,6 +727,116 @@ def decision_latency(
         "p99_ratio_to_reference": ratio(p99, figures["reference"]["p99_s"]),
         "target_p99_s": TARGETS["decision_p99_s"],
         "meets_target": p99 < TARGETS["decision_p99_s"],
+    }
+
+
+class _IdleAgent(http.server.BaseHTTPRequestHandler):
+    """Answers a follower as an agent holding nothing does (its events, /v1/info, /v1/keys):
+    the ``router`` figure's followers are each polled once from it, and called up."""
+
+    def do_GET(self) -> None:
+        path = self.path.partition("?")[0]
+        body: dict[str, Any]
+        if path == "/v1/events/recent":
+            body = {"events": [], "last_seq": 0, "dropped": 0, "instance": "bench"}
+        elif path == "/v1/info":
+            body = {"role": "node"}
+        elif path == "/v1/keys":
+            body = {"items": [], "next": None}
+        else:
+            self.send_error(404)
+            return
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class _IdleAgentServer(http.server.ThreadingHTTPServer):
+    # a round polls 16 followers at once: a backlog of 5 drops their connections
+    request_queue_size = 128
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a follower that gave up on an answer is tried again (``_followed_router``)
+
+
+@contextlib.contextmanager
+def _followed_router(
+    index: EmbeddedIndex, topology: Topology, costs: Costs, count: int
+) -> Iterator[tuple[Router, int]]:
+    """A router over ``index`` following ``count`` agents, the topology's nodes among them
+    (all of them, if more), each up; and how many. They write to an index of their own (their
+    listings are empty: ``index``'s entries of the topology's nodes stay) and poll no more once
+    up (nothing changes while decisions are timed, as for the other figures)."""
+    server = _IdleAgentServer(("127.0.0.1", 0), _IdleAgent)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    names = list(topology.nodes)
+    names += [f"followed-{i}" for i in range(count - len(names))]
+    # long timeouts: a loaded host's slow answer must not fail a poll (no poll runs while
+    # decisions are timed); poll_s long: a round's polls wait for the pool's 16 threads
+    followers = Followers(
+        EmbeddedIndex(),
+        {n: (url, None) for n in names},
+        poll_s=3600.0,
+        drop_after_s=120.0,
+        timeout_s=30.0,
+    )
+    try:
+        for _ in range(3):  # a poll that timed out on a loaded host is tried again
+            followers.poll_all()
+            if len(followers.up_nodes()) == len(names):
+                break
+        else:
+            raise RuntimeError(
+                f"{len(names) - len(followers.up_nodes()):,} of {len(names):,} followers not "
+                "up after 3 polls of the in-process agent"
+            )
+        yield Router(index, topology, costs, followers=followers), len(names)
+    finally:
+        followers.close()
+        server.shutdown()
+        server.server_close()
+
+
+def _router_latency(
+    workload: Workload,
+    index: EmbeddedIndex,
+    topology: Topology,
+    costs: Costs,
+    config: RouteBenchConfig,
+    picks: Sequence[int],
+    home: dict[str, str],
+) -> dict[str, Any]:
+    """``Router.route`` (cost) of the picked requests, paced, by a router following
+    ``latency_followers`` agents (see ``_followed_router``)."""
+    with _followed_router(index, topology, costs, config.latency_followers) as (router, count):
+
+        def routed(i: int) -> Callable[[], None]:
+            r, keys = workload.requests[i], workload.keys[i]
+
+            def call() -> None:
+                router.route(
+                    keys, tenant=r.tenant, tokens=r.input_tokens,
+                    origin_dc=home[r.tenant], session=workload.sessions[i],
+                )  # fmt: skip
+
+            return call
+
+        calls = [routed(i) for i in picks]
+        gc.collect()  # the followers' set-up, not the decisions'
+        samples, achieved = _paced(calls, config.latency_rate_per_s)
+    return {
+        **_spread(samples),
+        "achieved_rate_per_s": achieved,
+        "followers": count,
+        "what": f"Router.route, following {count:,} agents (all up): the followers' node sets "
+        "+ index answer (from its answer cache) + score.decide + the router's own tally",
     }
 
 
@@ -1012,11 +1144,14 @@ def render_route_bench(result: dict[str, Any]) -> Group:
         )
         for col in ("decision", "p50", "p99", "max", "rate"):
             table.add_column(col, justify="left" if col == "decision" else "right")
-        for key, label in (
+        rows = [
             ("cost", "cost: index + decide"),
             ("prefix_only", "prefix-only: index + prefix"),
             ("reference", "reference: dict lookups"),
-        ):
+        ]
+        if "router" in lat:
+            rows.insert(1, ("router", f"router, {lat['router']['followers']:,} followers"))
+        for key, label in rows:
             f = lat[key]
             table.add_row(
                 label, _secs(f["p50_s"]), _secs(f["p99_s"]), _secs(f["max_s"]),

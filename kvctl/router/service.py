@@ -356,7 +356,8 @@ class Router:
         if self.followers is None:
             return
         pool = self.followers.pool_nodes()
-        if pool != self._pool_nodes:
+        # the same set as last time, mostly (the followers keep it): no comparison of members
+        if pool is not self._pool_nodes and pool != self._pool_nodes:
             self._pool_nodes = pool
             self._use_locked(_serving_not(self._given_topology, pool))
 

@@ -100,6 +100,11 @@ def test_latency_and_index_figures_sit_beside_their_references(result: dict[str,
         assert 0 < lat[key]["p50_s"] <= lat[key]["p99_s"]
         assert lat[key]["what"]
     assert isinstance(lat["meets_target"], bool)
+    # Router.route by a router following 50 agents (quick), every one up
+    router = lat["router"]
+    assert router["followers"] == 50 and router["what"].startswith("Router.route")
+    assert 0 < router["p50_s"] <= router["p99_s"]
+    assert router["p99_ratio_to_reference"] > 0
     emb = result["index_updates"]["embedded"]
     assert emb["stored_events_per_s"] > 0 and emb["reference"]["stored_events_per_s"] > 0
 
@@ -134,6 +139,7 @@ def test_sessions_follow_conversations() -> None:
         ({"workloads": ("nope",)}, "unknown workload"),
         ({"policies": ("random",)}, "unknown policy"),
         ({"cpu_bytes": 0}, "cpu_bytes"),
+        ({"latency_followers": -1}, "latency_followers"),
     ],
 )
 def test_bad_settings_are_refused(overrides: dict[str, Any], message: str) -> None:

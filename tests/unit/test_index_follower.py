@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.server
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ import pytest
 
 from kvctl.errors import InvalidArgument
 from kvctl.index.events import ChunkEvent
-from kvctl.index.follower import Follower, Followers
+from kvctl.index.follower import POOL_ROLE, Follower, Followers
 from kvctl.index.model import EmbeddedIndex, Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.remote.fetchplan import PrefillModel
@@ -27,6 +28,7 @@ from kvctl.router.score import Costs
 from kvctl.router.service import Router
 from kvctl.router.topology import Node, Topology
 from tests.functional.agents import closed_port
+from tests.functional.waiting import wait_until
 from tests.hostile_servers import Hostile, handler_class, send_json, trickle
 from tests.not_an_agent import send, serving, web_page_url
 
@@ -883,3 +885,184 @@ def test_an_events_answer_past_any_seq_does_not_wedge_the_follower() -> None:
             assert follower.status()["up"] is True
         finally:
             follower.close()
+
+
+# --- the node sets a routing decision asks for ------------------------------------------------
+
+
+def _by_pass(followers: Followers) -> tuple[frozenset[str], ...]:
+    """(up, down, pool nodes) as a pass over every follower makes them: their definition, which
+    ``Followers`` answered with before it kept them as the followers' state changes."""
+    with followers._lock:
+        each = dict(followers._followers)
+    return (
+        frozenset(n for n, f in each.items() if f.up),
+        frozenset(n for n, f in each.items() if f.down),
+        frozenset(n for n, f in each.items() if f.role == POOL_ROLE),
+    )
+
+
+def _kept(followers: Followers) -> tuple[frozenset[str], ...]:
+    return followers.up_nodes(), followers.down_nodes(), followers.pool_nodes()
+
+
+def _sets_are(followers: Followers, up: str, down: str, pool: str) -> None:
+    """The kept sets are the pass's, and these (node names of one letter each)."""
+    kept = _kept(followers)
+    assert kept == _by_pass(followers)
+    assert kept == (frozenset(up), frozenset(down), frozenset(pool))
+
+
+class _Held(_Scripted):
+    """``_Scripted``, holding an events answer while ``script["hold"]`` (an Event) is unset
+    (``script["held"]``: the answers held so far)."""
+
+    def do_GET(self) -> None:
+        hold = self.script.get("hold")
+        if hold is not None and self.path.startswith("/v1/events/recent"):
+            self.script["held"] = self.script.get("held", 0) + 1
+            hold.wait(60)
+        super().do_GET()
+
+
+def _agent_at(port: int, script: dict[str, Any]) -> http.server.ThreadingHTTPServer:
+    """A scripted agent listening on ``port`` (0: any) until its ``shutdown``."""
+    handler = type("Held", (_Held,), {"script": script})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _url(server: http.server.ThreadingHTTPServer) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _stop(server: http.server.ThreadingHTTPServer) -> None:
+    server.shutdown()
+    server.server_close()  # its port refuses connections from now on
+
+
+def test_the_node_sets_follow_each_change_of_a_followers_state() -> None:
+    """``up_nodes``, ``down_nodes`` and ``pool_nodes`` were a pass over every follower per
+    call (three per routed request); they are kept as each follower's state changes. Through
+    every change (first answer, refused, back, restarted with another role, removed, replaced,
+    a request in flight for drop_after_s and its answer, close) they are what a pass over the
+    followers gives."""
+
+    def script(instance: str, role: str) -> dict[str, Any]:
+        return {"instance": instance, "events": [], "items": [], "role": role}
+
+    scripts = {"a": script("a1", "node"), "b": script("b1", "node"), "p": script("p1", "pool")}
+    scripts["d"] = script("d1", "node")
+    servers = {n: _agent_at(0, scripts[n]) for n in "abp"}
+    d_port = closed_port()
+    agents = {n: (_url(s), None) for n, s in servers.items()}
+    agents["d"] = (f"http://127.0.0.1:{d_port}", None)
+    # long request timeouts: a held request is the agent's silence, not a timed-out poll
+    followers = Followers(EmbeddedIndex(), agents, drop_after_s=1.0, timeout_s=30.0)
+    polls: list[threading.Thread] = []
+    try:
+        _sets_are(followers, up="", down="", pool="")  # none heard from yet
+        followers.poll_all()
+        _sets_are(followers, up="abp", down="d", pool="p")  # d refused: nothing listens
+        servers["d"] = _agent_at(d_port, scripts["d"])
+        followers.poll_all()
+        _sets_are(followers, up="abpd", down="", pool="p")  # d answers
+        _stop(servers.pop("a"))
+        followers.poll_all()
+        _sets_are(followers, up="bpd", down="a", pool="p")  # a refused
+        scripts["p"].update(instance="p2", role="node")  # restarted with another role
+        scripts["b"].update(instance="b2", role="pool")
+        followers.poll_all()
+        _sets_are(followers, up="bpd", down="a", pool="b")
+        followers.remove("a")
+        _sets_are(followers, up="bpd", down="", pool="b")
+        servers["B"] = _agent_at(0, script("B1", "node"))
+        followers.add("b", _url(servers["B"]))  # another agent: a new follower, not heard yet
+        _sets_are(followers, up="pd", down="", pool="")
+        followers.poll_all()
+        _sets_are(followers, up="bpd", down="", pool="")
+        hold = scripts["d"]["hold"] = threading.Event()
+        polls.append(threading.Thread(target=followers.poll_all))
+        polls[-1].start()
+        wait_until(  # (kept a request in flight for drop_after_s: down, no longer up)
+            "d's request in flight for drop_after_s", lambda: "d" in followers.down_nodes()
+        )
+        _sets_are(followers, up="bp", down="d", pool="")
+        hold.set()
+        polls[-1].join(60)
+        _sets_are(followers, up="bpd", down="", pool="")  # it answered
+        # d replaced while its poll is held: add() waits for it, d followed by none meanwhile
+        hold = scripts["d"]["hold"] = threading.Event()
+        polls.append(threading.Thread(target=followers.poll_all))
+        polls[-1].start()
+        wait_until("d's poll held", lambda: scripts["d"]["held"] == 2)
+        servers["D"] = _agent_at(0, script("D1", "node"))
+        polls.append(threading.Thread(target=followers.add, args=("d", _url(servers["D"]))))
+        polls[-1].start()
+        wait_until("d no longer followed", lambda: "d" not in followers.nodes())
+        _sets_are(followers, up="bp", down="", pool="")
+        hold.set()  # the old follower's poll ends: it answered, and is followed no longer
+        for poll in polls[-2:]:
+            poll.join(60)
+        _sets_are(followers, up="bp", down="", pool="")
+        followers.poll_all()
+        _sets_are(followers, up="bpd", down="", pool="")
+        followers.close()
+        _sets_are(followers, up="bpd", down="", pool="")  # close keeps the state as it was
+    finally:
+        for s in scripts.values():
+            if s.get("hold") is not None:
+                s["hold"].set()
+        for poll in polls:
+            poll.join(60)
+        followers.close()
+        for server in servers.values():
+            _stop(server)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_node_sets_are_a_pass_over_the_followers_after_any_change(seed: int) -> None:
+    """Random changes of the followers' state as their polls make them (called up or down,
+    a role read, a request sent and answered, time passing a request's drop_after_s), nodes
+    added, removed and replaced, and a follower no longer followed still changing: after each,
+    the kept sets are what a pass over the followers gives. The followers share one clock (as
+    they do in a router: the monotonic clock), stepped by the test."""
+    rng = random.Random(seed)
+    now = [100.0]
+    nodes = [f"n{i}" for i in range(12)]
+    followers = Followers(EmbeddedIndex(), drop_after_s=3.0)
+    gone: list[Follower] = []
+
+    def follow(node: str) -> None:
+        followers.add(node, f"http://127.0.0.1:1/{rng.randrange(3)}")  # maybe a new follower
+        followers._followers[node]._clock = lambda: now[0]
+
+    for node in nodes:
+        follow(node)
+    for _ in range(1500):
+        node = rng.choice(nodes)
+        f = followers._followers.get(node)
+        if f is None or rng.random() < 0.05:
+            f = rng.choice(gone) if gone and rng.random() < 0.3 else f
+        op = rng.randrange(8)
+        if f is None or op == 0:
+            if node in followers._followers and rng.random() < 0.5:
+                gone.append(followers._followers[node])
+                followers.remove(node)
+            else:
+                follow(node)
+        elif op == 1:
+            f._up = rng.choice([None, True, False])
+        elif op == 2:
+            f.role = rng.choice([None, "node", POOL_ROLE])
+        elif op in (3, 4):
+            f._set_asking(rng.random() < 0.6)
+        else:
+            now[0] += rng.choice([0.0, 0.5, 1.0, 2.9, 3.0, 5.0])
+        asked = [followers.up_nodes, followers.down_nodes, followers.pool_nodes]
+        rng.shuffle(asked)  # each may be the first asked since a request's drop_after_s passed
+        answers = {ask.__name__: ask() for ask in asked}
+        kept = tuple(answers[n] for n in ("up_nodes", "down_nodes", "pool_nodes"))
+        assert kept == _by_pass(followers)
+    followers.close()
