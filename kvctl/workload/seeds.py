@@ -29,6 +29,7 @@ from kvctl.workload.simulate import (
     SimulationReport,
     capacity_from_fraction,
     policies_with_references,
+    replays_of,
     simulate,
 )
 from kvctl.workload.source import load_workload
@@ -130,7 +131,8 @@ def simulate_seeds(
         raise InvalidArgument("give at least one capacity fraction")
     for f in capacity_fractions:
         capacity_from_fraction(1, f)  # refuse a bad fraction before generating anything
-    runs_per_capacity = len(policies_with_references(policies))
+    # requests replayed per capacity: oracle-features replays twice
+    runs_per_capacity = sum(replays_of(p) for p in policies_with_references(policies))
     reports: list[list[SimulationReport]] = []
     for seed in seeds:
         loaded = load_workload(None, seed=seed, limit=limit, workload=workload)

@@ -143,6 +143,23 @@ def test_progress_counts_each_seeds_requests_over_its_runs() -> None:
         assert mine[-1][0] == mine[-1][1]
 
 
+def test_progress_counts_both_replays_of_oracle_features() -> None:
+    """oracle-features replays each seed twice: its seed's bar must end at its total, not
+    overshoot it and start again."""
+    seen: list[tuple[str, int, int]] = []
+    simulate_seeds(
+        "chat",
+        [3],
+        capacity_fractions=[0.2],
+        policies=["oracle-features"],
+        limit=10,
+        progress=lambda name, done, total: seen.append((name, done, total)),
+    )
+    assert {total for _, _, total in seen} == {10 * (2 + 1 + 1)}  # (2 passes, lru, belady)
+    done = [d for _, d, _ in seen]
+    assert done == sorted(done) and done[-1] == 40
+
+
 def req(*ids: int) -> TraceRequest:
     return TraceRequest(0, 512 * len(ids), 1, tuple(ids), "")
 
