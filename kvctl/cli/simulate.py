@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from kvctl.cli.options import SeedOpt, WorkloadOpt, load_workload_said
-from kvctl.cli.output import TaskProgress, console, fail, print_json, user_errors
+from kvctl.cli.output import TaskProgress, console, err_console, fail, print_json, user_errors
 from kvctl.format import percent
 
 EXAMPLES = """
@@ -168,6 +168,15 @@ def simulate_command(
         else:
             runs = [{"cpu": capacity_from_fraction(unique, f)} for f in fractions]
         policies = policy or list(EVICTION_POLICIES)
+        if admission != "all" and all(len(t) == 1 for t in runs):
+            # kept for scripts that pass it, but said: the report records it as if it applied
+            err_console.print(
+                f"[yellow]warning:[/] --admission {escape(admission)} gates only the tiers "
+                "below the first, and this run has one: it changes nothing (give --tier "
+                "NAME=BLOCKS twice)",
+                highlight=False,
+                soft_wrap=True,
+            )
         reports = []
         with TaskProgress(disable=json_out, prefix="simulating ") as update:
             for tiers in runs:
