@@ -48,6 +48,13 @@ then the new holding): a reader never sees the node half dropped or half filled.
 one script reading each key's hash (a chain of 64 keys is one round trip, and one consistent
 snapshot); the tenant filter runs here, on the decoded entries, with ``EmbeddedIndex``'s rule.
 
+The scripts go by their SHA-1 (EVALSHA), not their text (a few hundred bytes to 2.6 KB, hashed
+again by the server at every EVAL): one the server does not hold (NOSCRIPT: it restarted, a
+SCRIPT FLUSH, a failover to a replica that never ran it) is sent again as EVAL, which leaves it
+in the server's cache for the next call. In a MULTI/EXEC (``replace``, ``drop``) an EVALSHA that
+fails NOSCRIPT does not stop the rest of the transaction (Redis runs it on): there the first call
+of a script goes as EVAL, and the later ones of the same EXEC by SHA (nothing runs between them).
+
 Any client of the server can write these keys (a prefix shared by mistake, another host's bug,
 or hostile): what no index wrote is left out, and logged, never a failure of every reader. An
 entry under a chunk's hash is no holder, nor any of a hash past the bounds a fleet's holders
@@ -61,6 +68,8 @@ Not for a Redis Cluster: the scripts touch keys of many slots.
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import json
 import logging
 import math
@@ -74,7 +83,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from kvctl import json_text
@@ -308,6 +317,12 @@ redis.call('HDEL', KEYS[3], '\\255' .. node)
 """
 
 
+@functools.cache
+def _sha1(script: str) -> str:
+    """The SHA-1 a server names ``script`` by (of its UTF-8 bytes, as redis-py sends it)."""
+    return hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
+
+
 def _utf8(text: str) -> bytes:
     # surrogatepass: any Python str round-trips (a JSON "\\ud800" tenant must not fail a write)
     return text.encode("utf-8", "surrogatepass")
@@ -434,11 +449,27 @@ class RedisIndex:
         groups = list(self._ops(events))
         n = sum(count for count, _ in groups)
         if n:
+            calls = [self._call_args(node, ops) for _, ops in groups]
             with self._guard():
-                pipe = self._client.pipeline(transaction=False)
-                for _, ops in groups:
-                    self._queue(pipe, _APPLY_LUA, node, ops)
-                pipe.execute()
+                pipe: Any = self._client.pipeline(transaction=False)
+                for call in calls:
+                    pipe.execute_command("EVALSHA", _sha1(_APPLY_LUA), *call)
+                replies = pipe.execute(raise_on_error=False)
+                missing = next(
+                    (i for i, r in enumerate(replies) if isinstance(r, NoScriptError)), None
+                )
+                if missing is not None:
+                    # as EVAL, in order, from the first the server did not hold: a node's
+                    # groups apply in order, so one after it that ran all the same (another
+                    # client loaded the script in between) runs again after it (applying the
+                    # same events twice changes nothing)
+                    pipe = self._client.pipeline(transaction=False)
+                    for call in calls[missing:]:
+                        pipe.execute_command("EVAL", _APPLY_LUA, *call)
+                    replies[missing:] = pipe.execute(raise_on_error=False)
+                for reply in replies:
+                    if isinstance(reply, Exception):
+                        raise reply
         return n
 
     def replace(self, node: str, chunks: Iterable[ChunkEvent]) -> int:
@@ -452,7 +483,8 @@ class RedisIndex:
             # this replace, always written: whether it landed is knowable after a timeout
             replace_id = uuid.uuid4().hex.encode()
             for i, ops in enumerate(groups):
-                self._queue(pipe, _APPLY_LUA, node, ops, mode=replace_id if i == 0 else b"")
+                mode = replace_id if i == 0 else b""
+                self._queue(pipe, _APPLY_LUA, node, ops, mode=mode, by_sha=i > 0)
             pipe.hset(self._markers_key, _REPLACED_FIELD + name, replace_id)
             try:
                 replies = pipe.execute()
@@ -502,8 +534,8 @@ class RedisIndex:
             raise InvalidArgument(f"check limit must be an int >= 0, got {limit!r}")
         name = _utf8(node)
         with self._guard():
-            reply = self._client.eval(
-                _CHECK_LUA, 3, *self._node_keys(name),
+            reply = self._script(
+                _CHECK_LUA, self._node_keys(name),
                 self._chunk_prefix, name, max(0, int(cursor)), limit,
             )  # fmt: skip
             marker, damage, nxt, audited = cast("list[Any]", reply)
@@ -524,7 +556,7 @@ class RedisIndex:
                     removed += self._hdel_each(batch, name)
                     batch = []
             removed += self._hdel_each(batch, name)
-            self._client.eval(_PURGED_LUA, 3, *self._node_keys(name), name)
+            self._script(_PURGED_LUA, self._node_keys(name), name)
         return removed
 
     def _hdel_each(self, keys: list[bytes], field: bytes) -> int:
@@ -546,10 +578,9 @@ class RedisIndex:
             # whole or not at all); a hash past the bounds comes back as its field count
             denied_s = self._memory_denied_s
             ask_memory = denied_s is None or time.monotonic() - denied_s >= MEMORY_RETRY_S
-            reply = self._client.eval(
+            reply = self._script(
                 _HOLDERS_LUA,
-                len(names),
-                *names,
+                names,
                 MAX_HOLDERS_PER_CHUNK,
                 MAX_CHUNK_HASH_BYTES,
                 1 if ask_memory else 0,
@@ -766,15 +797,40 @@ class RedisIndex:
         if count:
             yield count, ops
 
-    def _queue(
-        self, pipe: Any, script: str, node: str, ops: list[bytes], *, mode: bytes = b""
-    ) -> None:
-        """Queue one script call (EVAL, not EVALSHA: redis-py's pipelines would check the
-        script cache first, a second round trip; the server caches the compiled text).
-        ``mode``: see ``_BODY``."""
+    def _call_args(self, node: str, ops: list[bytes], mode: bytes = b"") -> tuple[Any, ...]:
+        """A ``_BODY`` script call's arguments after the script: its keys' count, its KEYS and
+        its ARGV. ``mode``: see ``_BODY``."""
         name = _utf8(node)
-        args = (self._chunk_prefix, name, mode, *ops)
-        pipe.execute_command("EVAL", script, 3, *self._node_keys(name), *args)
+        return (3, *self._node_keys(name), self._chunk_prefix, name, mode, *ops)
+
+    def _queue(
+        self,
+        pipe: Any,
+        script: str,
+        node: str,
+        ops: list[bytes],
+        *,
+        mode: bytes = b"",
+        by_sha: bool = False,
+    ) -> None:
+        """Queue one script call in a MULTI/EXEC: EVALSHA when ``by_sha`` (a call after one of
+        the same script as EVAL in the same transaction), else EVAL. Not redis-py's
+        ``register_script``: its pipelines ask SCRIPT EXISTS first (one more round trip), and a
+        SCRIPT FLUSH between that and the EXEC would still fail the EVALSHA inside it, the
+        rest of the transaction run."""
+        call = self._call_args(node, ops, mode)
+        if by_sha:
+            pipe.execute_command("EVALSHA", _sha1(script), *call)
+        else:
+            pipe.execute_command("EVAL", script, *call)
+
+    def _script(self, script: str, keys: Sequence[bytes], *args: Any) -> Any:
+        """One call of ``script`` by its SHA (EVALSHA); sent again as EVAL where the server does
+        not hold it (NOSCRIPT), which leaves it cached for the next."""
+        try:
+            return self._client.evalsha(_sha1(script), len(keys), *keys, *args)
+        except NoScriptError:
+            return self._client.eval(script, len(keys), *keys, *args)
 
     def _node_keys(self, name: bytes) -> tuple[bytes, bytes, bytes]:
         """The scripts' KEYS for a node (``name``: its UTF-8 bytes): its set, the nodes hash

@@ -97,6 +97,14 @@ is older than ``min(ttl_s, write grace)`` (write grace: how long a write can tak
 A re-put of a present chunk refreshes its TTL; reads do not (TTL bounds a chunk's age since it
 was last put, LRU orders by access).
 
+The scripts go by their SHA-1 (EVALSHA), not their text (up to ~11 KB, hashed again by the
+server at every EVAL): the put's script alone was most of a small put's bytes on the wire. One a
+server does not hold (NOSCRIPT: it restarted, a SCRIPT FLUSH, a failover to a replica that never
+ran it, a Cluster node added) is sent again as EVAL, in one more round trip, which leaves it in
+that server's cache for the next call. Only the calls that failed go again, in their order: an
+EVALSHA refused NOSCRIPT ran nothing, and the commands pipelined with it (each script's keys are
+its own, or it is the pipeline's last) do not depend on it having run first.
+
 Limits: a record left without accounting (a writer killed between its two round trips while
 another agent evicted the same key) uses memory outside ``capacity_bytes`` until it is read
 (then it is re-accounted), expires, or ``clear`` runs. Keep Redis ``maxmemory`` above
@@ -118,13 +126,13 @@ import time
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
 from redis.retry import Retry
 
 from kvctl.redact import redact_url
@@ -902,7 +910,7 @@ class RedisPool(SplitStreams, RemotePool):
             args += [it.keyhex, m.size_bytes, int(m.isolated), m.tenant, self._quota(m.tenant)]
         with self._guard():
             client = self._client(write=True)
-            pipe = client.pipeline(transaction=False)
+            pipe = _Pipe(client)
             _eval(pipe, _PUT_LUA, self._acct_keys, args)
             # STRLEN, not EXISTS: a record is present only when it holds bytes. An empty value
             # (reads take it as no record: GETRANGE answers a missing key so) or a key of
@@ -1025,8 +1033,7 @@ class RedisPool(SplitStreams, RemotePool):
             if isinstance(client, RedisCluster):
                 # a Cluster's pipeline spreads over nodes and their connections: no deadline
                 # beyond the read deadline (see the module docstring)
-                cluster: Any = client  # (redis-py's RedisCluster.pipeline is untyped)
-                pipe = cluster.pipeline(transaction=False)
+                pipe = _Pipe(client)
                 for h in hexes:
                     pipe.getrange(self._rec(h), 0, last)
                 if touch_args is not None:
@@ -1035,11 +1042,17 @@ class RedisPool(SplitStreams, RemotePool):
             else:
                 commands: list[tuple[Any, ...]] = [("STRLEN", self._rec(h)) for h in hexes]
                 commands += [("GETRANGE", self._rec(h), 0, last) for h in hexes]
+                touch = None
                 if touch_args is not None:
-                    commands.append(
-                        ("EVAL", _TOUCH_LUA, len(self._acct_keys), *self._acct_keys, *touch_args)
-                    )
+                    touch = _Call(len(commands), _TOUCH_LUA, self._acct_keys, touch_args)
+                    commands.append(("EVALSHA", *touch.args(by_sha=True)))
                 pulled = self._pull(client, commands, len(hexes), record_cap_bytes=last + 1)
+                if touch is not None and isinstance(pulled[-1], NoScriptError):
+                    # best effort, as the touch is: a failure to send it again is its reply
+                    try:
+                        pulled = _resent(client, pulled, [touch])
+                    except (RedisError, OSError) as exc:
+                        pulled[-1] = exc
                 lengths, replies = pulled[: len(hexes)], pulled[len(hexes) :]
             _raise_errors([r for r in replies[: len(hexes)] if not _is_wrong_type(r)])
         out: list[_Read] = []
@@ -1161,7 +1174,7 @@ class RedisPool(SplitStreams, RemotePool):
             return []
         hexes = [k.hex() for k in keys]
         with self._guard():
-            pipe = self._client().pipeline(transaction=False)
+            pipe = _Pipe(self._client())
             for h in hexes:
                 _eval(pipe, _PROBE_LUA, [self._rec(h)], [record.HEADER_PROBE_BYTES])
             replies = pipe.execute(raise_on_error=False)
@@ -1218,7 +1231,7 @@ class RedisPool(SplitStreams, RemotePool):
             return 0
         hexes = list(dict.fromkeys(k.hex() for k in keys))
         with self._guard():
-            pipe = self._client(write=True).pipeline(transaction=False)
+            pipe = _Pipe(self._client(write=True))
             for h in hexes:
                 pipe.delete(self._rec(h))
             self._queue_repair(pipe, drop=hexes)
@@ -1273,12 +1286,8 @@ class RedisPool(SplitStreams, RemotePool):
             self._capacity_set_bytes = capacity_bytes
         with self._guard():
             client = self._client(write=True)
-            victims = client.eval(
-                _RESIZE_LUA,
-                len(self._acct_keys),
-                *self._acct_keys,
-                self._tenant_lru_prefix,
-                capacity_bytes,
+            victims = _script(
+                client, _RESIZE_LUA, self._acct_keys, [self._tenant_lru_prefix, capacity_bytes]
             )
             if victims:
                 pipe = client.pipeline(transaction=False)
@@ -1443,7 +1452,7 @@ class RedisPool(SplitStreams, RemotePool):
                     refusal = reply
         if failed:
             failed_hexes = [batch[i].keyhex for i in failed]
-            cleanup = client.pipeline(transaction=False)
+            cleanup = _Pipe(client)
             self._queue_repair(cleanup, drop=failed_hexes)
             cleanup.execute()
             log.warning(
@@ -1501,7 +1510,7 @@ class RedisPool(SplitStreams, RemotePool):
             if oversized:
                 oversized = self._judge_by_accounting(client, oversized)
             if oversized:
-                pipe = client.pipeline(transaction=False)
+                pipe = _Pipe(client)
                 for h, o in oversized:
                     sound = -1 if o.sound_bytes is None else o.sound_bytes
                     _eval(pipe, _DROP_IF_LONGER_LUA, [self._rec(h)], [self.max_record_bytes, sound])
@@ -1531,14 +1540,14 @@ class RedisPool(SplitStreams, RemotePool):
                             reason,
                         )
             if wrong:
-                pipe = client.pipeline(transaction=False)
+                pipe = _Pipe(client)
                 for h in wrong:
                     _eval(pipe, _DROP_IF_NOT_STRING_LUA, [self._rec(h)], [])
                 for h, deleted in zip(wrong, pipe.execute(), strict=True):
                     if int(deleted):
                         dropped.append(h)
             if damaged:
-                pipe = client.pipeline(transaction=False)
+                pipe = _Pipe(client)
                 for h, d in damaged:
                     args = [d.record_bytes, d.judged_bytes, d.judged_sha1_hex]
                     _eval(pipe, _DROP_IF_SAME_LUA, [self._rec(h)], args)
@@ -1557,7 +1566,7 @@ class RedisPool(SplitStreams, RemotePool):
                             d.reason,
                         )
             if stale or dropped or heal:
-                pipe = client.pipeline(transaction=False)
+                pipe = _Pipe(client)
                 self._queue_repair(pipe, stale=stale, drop=dropped, heal=heal)
                 pipe.execute()
         except (RedisError, RedisClusterException, OSError, TierUnavailable) as exc:
@@ -1689,12 +1698,87 @@ def _shut(conn: Any) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-def _eval(pipe: Any, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
-    """Queue an EVAL. EVAL, not EVALSHA: the text (up to ~10 KB) is small beside chunk payloads, the
-    server caches the compiled script, and no NOSCRIPT retry is needed after a restart or a
-    failover. (redis-py's ClusterPipeline has no eval(); its execute_command routes EVAL by
-    its keys.)"""
-    pipe.execute_command("EVAL", script, len(keys), *keys, *args)
+@functools.cache
+def _sha1(script: str) -> str:
+    """The SHA-1 a server names ``script`` by (of its UTF-8 bytes, as redis-py sends it)."""
+    return hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One script call queued in a pipeline, at reply ``index``: what to send again as EVAL."""
+
+    index: int
+    script: str
+    keys: Sequence[str]
+    argv: Sequence[Any]
+
+    def args(self, *, by_sha: bool) -> tuple[Any, ...]:
+        """The command's arguments after EVALSHA (``by_sha``) or EVAL."""
+        first = _sha1(self.script) if by_sha else self.script
+        return (first, len(self.keys), *self.keys, *self.argv)
+
+
+class _Pipe:
+    """A pipeline (no transaction) of ``client`` whose scripts (``_eval``) go by SHA: a reply
+    of NOSCRIPT is replaced by that call's, sent again as EVAL (``_resent``). Other commands
+    are queued on it as on the pipeline. Not redis-py's ``register_script``: its pipelines ask
+    SCRIPT EXISTS before every execute, one more round trip each time. (redis-py's
+    ClusterPipeline has no eval(); its execute_command routes EVALSHA and EVAL by their keys.)"""
+
+    def __init__(self, client: redis.Redis | RedisCluster) -> None:
+        self._client = client
+        self._pipe: Any = client.pipeline(transaction=False)
+        self._calls: list[_Call] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+    def script(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
+        call = _Call(len(self._pipe), script, keys, args)
+        self._calls.append(call)
+        self._pipe.execute_command("EVALSHA", *call.args(by_sha=True))
+
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
+        """The replies (an error one as its exception where not ``raise_on_error``; else the
+        first raised)."""
+        replies = _resent(self._client, self._pipe.execute(raise_on_error=False), self._calls)
+        if raise_on_error:
+            _raise_errors(replies)
+        return replies
+
+
+def _eval(pipe: _Pipe, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
+    """Queue a call of ``script`` on ``pipe``, by its SHA."""
+    pipe.script(script, keys, args)
+
+
+def _resent(
+    client: redis.Redis | RedisCluster, replies: list[Any], calls: Sequence[_Call]
+) -> list[Any]:
+    """``replies`` with each of ``calls`` the server answered NOSCRIPT (it ran nothing) sent
+    again as EVAL, in order, in one more round trip, and its reply put in place."""
+    missing = [c for c in calls if isinstance(replies[c.index], NoScriptError)]
+    if not missing:
+        return replies
+    pipe: Any = client.pipeline(transaction=False)
+    for call in missing:
+        pipe.execute_command("EVAL", *call.args(by_sha=False))
+    out = list(replies)
+    for call, reply in zip(missing, pipe.execute(raise_on_error=False), strict=True):
+        out[call.index] = reply
+    return out
+
+
+def _script(
+    client: redis.Redis | RedisCluster, script: str, keys: Sequence[str], args: Sequence[Any]
+) -> Any:
+    """One call of ``script`` by its SHA; as EVAL where the server does not hold it."""
+    call, target = _Call(0, script, keys, args), cast("Any", client)
+    try:
+        return target.execute_command("EVALSHA", *call.args(by_sha=True))
+    except NoScriptError:
+        return target.execute_command("EVAL", *call.args(by_sha=False))
 
 
 def _raise_errors(replies: Sequence[Any]) -> None:

@@ -17,6 +17,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, given, settings
 
+from kvctl.index import redis_index
 from kvctl.index.events import ChunkEvent
 from kvctl.index.model import EmbeddedIndex, FleetIndex, Holding, NodeCheck
 from kvctl.index.open import open_index
@@ -38,6 +39,7 @@ from tests.unit.test_fleet_index import (
     key,
     model_step,
     ops,
+    removed,
     run_op,
     stored,
 )
@@ -516,6 +518,7 @@ def test_a_replace_that_outlasts_the_client_timeout_but_lands_counts_as_done(
         index.apply("n", [stored(0), stored(1)])
         index.apply("other", [stored(0)])
         connections = int(raw.info("stats")["total_connections_received"])
+        scripts_before = _script_calls(raw)
         sleeper.start()
         for _ in range(100):  # until the server sleeps (a hang guard)
             try:
@@ -527,12 +530,12 @@ def test_a_replace_that_outlasts_the_client_timeout_but_lands_counts_as_done(
             pytest.fail("the server never started sleeping")
         assert index.replace("n", [stored(2), stored(3), stored(4)]) == 3
         sleeper.join(10)
-        stats = raw.info("commandstats")
+        scripts_after = _script_calls(raw)
         # the replace timed out client-side: its connection was dropped, the read back went
         # on a new one (else this test proves nothing)
         assert int(raw.info("stats")["total_connections_received"]) > connections + 1
         # sent once (its one script group), not again after the timeout
-        assert stats["cmdstat_eval"]["calls"] == 2 + 1
+        assert scripts_after == scripts_before + 1
         assert index.nodes() == {"n": 3, "other": 1}
         assert index.holders([key(1), key(2)], tenant="acme") == [
             [],
@@ -703,3 +706,174 @@ def test_a_claim_under_a_field_that_is_no_utf8_name_is_read_as_any_other(
         raw.close()
     assert set(fresh.claims(excluding="router-a")) == {"y"}
     assert set(fresh.claims()) == {"x", "y"}
+
+
+# --- the scripts go by SHA (EVALSHA); NOSCRIPT sends them again as EVAL ------------------------
+def _script_calls(raw: redis.Redis) -> int:
+    """EVAL and EVALSHA calls the server ran (INFO commandstats)."""
+    stats = raw.info("commandstats")
+    return sum(int(stats.get(f"cmdstat_{c}", {}).get("calls", 0)) for c in ("eval", "evalsha"))
+
+
+def _scripts(raw: redis.Redis) -> tuple[int, int, int]:
+    """(EVAL calls, EVALSHA calls, EVALSHA calls failed: NOSCRIPT here) since the server's last
+    CONFIG RESETSTAT. INFO commandstats is the server's: a server of the test's own."""
+    stats = raw.info("commandstats")
+    ev, sha = stats.get("cmdstat_eval", {}), stats.get("cmdstat_evalsha", {})
+    return int(ev.get("calls", 0)), int(sha.get("calls", 0)), int(sha.get("failed_calls", 0))
+
+
+def _inject_into_next_pipeline(
+    client: redis.Redis, monkeypatch: pytest.MonkeyPatch, *injected: tuple[int, tuple[str, ...]]
+) -> None:
+    """The next pipeline made of ``client`` runs each injected command right after its first
+    ``i`` commands (on the server, between them), their replies dropped: a real SCRIPT FLUSH (or
+    SCRIPT LOAD by another client) landing inside a batch the index sent whole."""
+    real_pipeline = client.pipeline
+
+    def pipeline(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(client, "pipeline", real_pipeline)  # this one only
+        pipe = real_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+        real_execute = pipe.execute
+        at = [i + n for n, (i, _) in enumerate(sorted(injected))]
+
+        def execute(*a: object, **kw: object) -> list[object]:
+            for (_, command), j in zip(sorted(injected), at, strict=True):
+                pipe.command_stack.insert(j, (command, {}))
+            replies = real_execute(*a, **kw)  # type: ignore[arg-type]
+            return [r for j, r in enumerate(replies) if j not in at]
+
+        pipe.execute = execute  # type: ignore[method-assign]
+        return pipe
+
+    monkeypatch.setattr(client, "pipeline", pipeline)
+
+
+def test_the_scripts_go_by_sha(private_redis: RedisServer) -> None:
+    """Every call sent a script's whole text (EVAL: 0.8-2.5 KB, hashed again by the server),
+    holders() once per routed lookup. Once the server holds a script, only its SHA goes."""
+    index = RedisIndex(private_redis.url)
+    raw = redis.Redis.from_url(private_redis.url)
+    try:
+        index.apply("n", [stored(0), stored(1)])
+        index.holders([key(0)], tenant="acme")
+        index.check("n", limit=10)
+        raw.config_resetstat()
+        for _ in range(10):
+            rows = index.holders([key(0), key(1), key(2)], tenant="acme")
+            assert [[h.node for h in row] for row in rows] == [["n"], ["n"], []]
+        index.apply("n", [stored(2)])
+        assert index.check("n", limit=10).damage == ""
+        assert _scripts(raw) == (0, 12, 0)
+    finally:
+        raw.close()
+        index.close()
+
+
+def test_a_script_flush_between_calls_changes_no_answer(
+    private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scripts the server no longer holds (SCRIPT FLUSH, as after a restart or a failover) are
+    sent again as EVAL, each once (nothing applied twice), and every answer is the model's:
+    an apply of three script groups, holders, check, a replace of three groups (one MULTI/EXEC),
+    drop and purge, each right after a flush."""
+    monkeypatch.setattr(redis_index, "_EVENTS_PER_SCRIPT", 2)
+    index, model = RedisIndex(private_redis.url), EmbeddedIndex()
+    raw = redis.Redis.from_url(private_redis.url)
+    keys = [key(i) for i in range(8)]
+
+    def flushed(expected: tuple[int, int, int]) -> None:
+        assert _scripts(raw) == expected
+        raw.script_flush()
+        raw.config_resetstat()
+
+    try:
+        index.apply("m", [stored(7)])
+        model.apply("m", [stored(7)])
+        flushed((1, 1, 1))  # the first call: NOSCRIPT, then EVAL
+        events = [stored(0), stored(1), removed(0), stored(2), stored(3)]
+        assert index.apply("n", events) == model.apply("n", events) == 5
+        flushed((3, 3, 3))  # three groups, each sent again once
+        assert index.holders(keys, tenant="acme") == model.holders(keys, tenant="acme")
+        flushed((1, 1, 1))
+        assert index.check("n", limit=10) == NodeCheck(None, "", 0, 0)
+        flushed((1, 1, 1))
+        chunks = [stored(i) for i in range(3, 8)]
+        assert index.replace("n", chunks) == model.replace("n", chunks) == 5
+        # a MULTI/EXEC: its first group as EVAL, the two after it by SHA (nothing between them)
+        flushed((1, 2, 0))
+        assert index.check("n", limit=10).damage == ""
+        flushed((1, 1, 1))
+        assert index.drop("m") == model.drop("m") == 1  # one MULTI/EXEC: EVAL
+        flushed((1, 0, 0))
+        assert index.purge("m") == 0
+        flushed((1, 1, 1))
+        assert_same(index, model, keys)
+        assert index.nodes() == {"n": 5}
+    finally:
+        raw.close()
+        index.close()
+
+
+@pytest.mark.parametrize("reloaded", [False, True], ids=["flushed", "flushed-then-reloaded"])
+def test_a_script_flush_inside_an_apply_batch_applies_each_group_once_in_order(
+    private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch, reloaded: bool
+) -> None:
+    """An apply's groups go in one pipeline; a SCRIPT FLUSH lands after its first: the groups
+    the server no longer held are sent again, in order, and the first is not. Where another
+    client loads the script again between two of them (``reloaded``), the group after ran
+    before the one that failed: both go again, in order (the last event of a key wins: here
+    the key stored in the second group and removed in the third is not held)."""
+    monkeypatch.setattr(redis_index, "_EVENTS_PER_SCRIPT", 2)
+    client = redis.Redis.from_url(private_redis.url)
+    index, model = RedisIndex(client=client), EmbeddedIndex()
+    raw = redis.Redis.from_url(private_redis.url)
+    keys = [key(i) for i in range(6)]
+    try:
+        index.apply("n", [stored(5)])  # the server holds the script
+        model.apply("n", [stored(5)])
+        injected: list[tuple[int, tuple[str, ...]]] = [(1, ("SCRIPT", "FLUSH"))]
+        if reloaded:
+            injected.append((2, ("SCRIPT", "LOAD", redis_index._APPLY_LUA)))
+        _inject_into_next_pipeline(client, monkeypatch, *injected)
+        raw.config_resetstat()
+        events = [stored(0), stored(1), stored(2), stored(3), removed(2), stored(4)]
+        assert index.apply("n", events) == model.apply("n", events) == 6
+        # three by SHA: the first ran; the second failed (and the third, unless reloaded);
+        # sent again as EVAL: the second and the third, once each
+        assert _scripts(raw) == (2, 3, 1 if reloaded else 2)
+        assert_same(index, model, keys)
+        assert index.nodes() == {"n": 5}
+        assert index.check("n", limit=10).damage == ""
+    finally:
+        raw.close()
+        index.close()
+        client.close()
+
+
+def test_after_a_script_flush_a_full_server_refuses_and_answers_as_before(
+    private_redis: RedisServer,
+) -> None:
+    """Over maxmemory (noeviction) a write script is refused (OOM: IndexUnavailable) and a
+    read-only one still runs: alike when the server had to be sent the script again (an
+    EVALSHA of a script the server does not hold is refused NOSCRIPT, not OOM; its EVAL is
+    judged by the script's flags)."""
+    index = RedisIndex(private_redis.url)
+    raw = redis.Redis.from_url(private_redis.url)
+    try:
+        index.apply("n", [stored(0)])
+        index.apply("m", [stored(0)])
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", 1)
+        raw.script_flush()
+        with pytest.raises(IndexUnavailable, match="maxmemory"):
+            index.apply("n", [stored(1)])
+        raw.script_flush()
+        rows = index.holders([key(0), key(1)], tenant="acme")
+        assert [[h.node for h in row] for row in rows] == [["m", "n"], []]
+        raw.config_set("maxmemory", 0)
+        assert index.nodes() == {"m": 1, "n": 1}  # the refused apply left nothing
+    finally:
+        raw.config_set("maxmemory", 0)
+        raw.close()
+        index.close()

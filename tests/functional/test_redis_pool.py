@@ -27,6 +27,7 @@ from kvctl.store.errors import TierUnavailable
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.base import ChunkMeta
 from kvctl.store.tiers.cpu import CpuTier
+from tests.functional.test_redis_index import _inject_into_next_pipeline, _scripts
 
 
 def key(i: int, salt: str = "") -> bytes:
@@ -1039,3 +1040,193 @@ def test_property_tenants_never_see_others_isolated_chunks(redis_url: str, scrip
     finally:
         pool.clear()
         pool.close()
+
+
+# --- the scripts go by SHA (EVALSHA); NOSCRIPT sends them again as EVAL ------------------------
+def test_the_scripts_go_by_sha(private_redis) -> None:  # type: ignore[no-untyped-def]
+    """Every call sent its script's whole text (EVAL: the put's 10.7 KB, the get's LRU touch
+    7.5 KB, hashed again by the server), most of a small put's or get's bytes on the wire.
+    Once the server holds a script, only its SHA goes."""
+    pool = RedisPool(private_redis.url, prefix="p", capacity_bytes=1 << 20)
+    raw = redis.Redis.from_url(private_redis.url)
+    items = [chunk(i) for i in range(3)]
+    keys = [m.key for m, _ in items]
+    try:
+        # once each, so that the server holds every script of the calls counted below
+        assert pool.put_many(items[:1]) == [True]
+        pool.get_many(keys[:1], tenant="a")
+        pool.probe_many(keys[:1], tenant="a")
+        pool.delete_many(keys[:1])
+        pool.resize(1 << 20)
+        raw.config_resetstat()
+        assert pool.put_many(items[1:]) == [True, True]  # one script call
+        got = pool.get_many(keys[1:], tenant="a")  # one (the LRU touch)
+        assert [(c.meta, c.data) for c in got] == items[1:]  # type: ignore[union-attr]
+        assert pool.probe_many(keys[1:], tenant="a") == [m for m, _ in items[1:]]  # one a key
+        assert pool.delete_many(keys[1:2]) == 1  # one
+        pool.resize(1 << 20)  # one
+        assert _scripts(raw) == (0, 6, 0)
+    finally:
+        raw.close()
+        pool.close()
+
+
+def test_a_script_flush_between_pool_calls_changes_no_answer(private_redis) -> None:  # type: ignore[no-untyped-def]
+    """Scripts the server no longer holds (SCRIPT FLUSH, as after a restart or a failover) are
+    sent again as EVAL, each once: the pool answers and accounts as before, nothing twice."""
+    pool = RedisPool(private_redis.url, prefix="p", capacity_bytes=1 << 20)
+    raw = redis.Redis.from_url(private_redis.url)
+    items = [chunk(i) for i in range(4)]
+    keys = [m.key for m, _ in items]
+
+    def flushed(expected: tuple[int, int, int]) -> None:
+        assert _scripts(raw) == expected
+        raw.script_flush()
+        raw.config_resetstat()
+
+    try:
+        assert pool.put_many(items[:1]) == [True]
+        flushed((1, 1, 1))  # the first call: NOSCRIPT, then EVAL
+        assert pool.put_many(items[1:]) == [True] * 3
+        flushed((1, 1, 1))
+        got = pool.get_many(keys, tenant="a")
+        assert [(c.meta, c.data) for c in got] == items  # type: ignore[union-attr]
+        flushed((1, 1, 1))
+        assert pool.probe_many(keys, tenant="a") == [m for m, _ in items]
+        flushed((4, 4, 4))
+        assert pool.delete_many(keys[:1]) == 1
+        assert int(raw.info("commandstats")["cmdstat_del"]["calls"]) == 1  # not sent again
+        flushed((1, 1, 1))
+        usage = pool.usage()
+        assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (900, 3, {"a": 900})
+        pool.resize(600)  # evicts the least recently used one
+        flushed((1, 1, 1))
+        usage = pool.usage()
+        assert (usage.capacity_bytes, usage.used_bytes, usage.chunks) == (600, 600, 2)
+        assert present(pool, items) == [False, False, True, True]
+        assert pool.corrupt == 0
+    finally:
+        raw.close()
+        pool.close()
+
+
+def test_a_script_flush_inside_a_pool_batch_sends_again_only_what_failed(
+    private_redis, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A SCRIPT FLUSH landing inside one pipeline: a put's script before its STRLENs, a probe
+    between its per-key scripts, a delete between its DELs and its accounting script. Only the
+    script calls the server refused NOSCRIPT (they ran nothing) go again, as EVAL: the others
+    and the plain commands run once."""
+    pool = RedisPool(private_redis.url, prefix="p", capacity_bytes=1 << 20)
+    raw = redis.Redis.from_url(private_redis.url)
+    items = [chunk(i) for i in range(4)]
+    keys = [m.key for m, _ in items]
+    try:
+        assert pool.put_many(items[:1]) == [True]  # the server holds the put's script
+        pool.probe_many(keys[:1], tenant="a")
+        pool.delete_many(keys[:1])
+        writer, reader = pool._client(write=True), pool._client()
+
+        _inject_into_next_pipeline(writer, monkeypatch, (0, ("SCRIPT", "FLUSH")))
+        raw.config_resetstat()
+        assert pool.put_many(items) == [True] * 4
+        assert _scripts(raw) == (1, 1, 1)
+        usage = pool.usage()
+        assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (1200, 4, {"a": 1200})
+
+        pool.probe_many(keys[:1], tenant="a")  # loads the probe's script again
+        _inject_into_next_pipeline(reader, monkeypatch, (1, ("SCRIPT", "FLUSH")))
+        raw.config_resetstat()
+        assert pool.probe_many(keys, tenant="a") == [m for m, _ in items]
+        assert _scripts(raw) == (3, 4, 3)  # the first ran; the three after it again
+
+        pool.delete_many([chunk(99)[0].key])  # loads the delete's script again
+        _inject_into_next_pipeline(writer, monkeypatch, (1, ("SCRIPT", "FLUSH")))
+        raw.config_resetstat()
+        assert pool.delete_many(keys[:2]) == 2
+        assert int(raw.info("commandstats")["cmdstat_del"]["calls"]) == 2
+        assert _scripts(raw) == (1, 1, 1)
+        usage = pool.usage()
+        assert (usage.used_bytes, usage.chunks, usage.tenant_bytes) == (600, 2, {"a": 600})
+        assert present(pool, items) == [False, False, True, True]
+    finally:
+        raw.close()
+        pool.close()
+
+
+def test_after_a_script_flush_a_full_server_refuses_a_put_as_before(private_redis, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Over maxmemory (noeviction) a put's script is refused (OOM: a put failure, nothing
+    accounted) and a get's LRU touch (allow-oom) still runs, by SHA too: alike when the server
+    had to be sent the scripts again."""
+    pool = RedisPool(private_redis.url, prefix="p", capacity_bytes=64 << 20)
+    raw = redis.Redis.from_url(private_redis.url)
+    small = chunk(1)
+    try:
+        assert pool.put_many([small]) == [True]
+        raw.config_set("maxmemory-policy", "noeviction")
+        raw.config_set("maxmemory", 1)
+        raw.script_flush()
+        with caplog.at_level(logging.INFO, logger="kvctl.remote.redis_pool"):
+            assert pool.put_many([chunk(2)]) == [False]
+            assert [r.message for r in caplog.records if "refused a put batch" in r.message]
+            raw.script_flush()
+            raw.config_resetstat()
+            for _ in range(2):  # the touch sent again as EVAL, then by SHA: both run
+                got = pool.get_many([small[0].key], tenant="a")
+                assert [(c.meta, c.data) for c in got] == [small]  # type: ignore[union-attr]
+            assert _scripts(raw) == (1, 2, 1)
+        assert not [r.message for r in caplog.records if "touch failed" in r.message]
+        usage = pool.usage()
+        assert (usage.chunks, usage.used_bytes) == (1, 300)
+    finally:
+        raw.config_set("maxmemory", 0)
+        raw.close()
+        pool.close()
+
+
+def test_a_cluster_pool_after_a_script_flush_on_every_node(redis_cluster: str, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A Cluster's pipelines (spread over the nodes) and its calls routed by key: the scripts a
+    node no longer holds are sent again as EVAL to that node, each once."""
+    prefix = f"kvctl-test-{uuid.uuid4().hex[:8]}"
+    pool = RedisPool(redis_cluster, prefix=prefix, capacity_bytes=1 << 20)
+    client = pool._client()
+    assert isinstance(client, redis.RedisCluster)
+    nodes = [redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()]
+
+    def flush() -> None:
+        for node in nodes:
+            node.script_flush()
+            node.config_resetstat()
+
+    def scripts() -> tuple[int, int, int]:
+        counts = [_scripts(node) for node in nodes]
+        return tuple(sum(c[i] for c in counts) for i in range(3))  # type: ignore[return-value]
+
+    items = [chunk(i, salt="flush") for i in range(8)]
+    keys = [m.key for m, _ in items]
+    try:
+        with caplog.at_level(logging.INFO, logger="kvctl.remote.redis_pool"):
+            flush()
+            assert pool.put_many(items) == [True] * 8
+            assert scripts() == (1, 1, 1)
+            flush()
+            got = pool.get_many(keys, tenant="a")
+            assert [(c.meta, c.data) for c in got] == items  # type: ignore[union-attr]
+            assert scripts() == (1, 1, 1)
+            flush()
+            assert pool.probe_many(keys, tenant="a") == [m for m, _ in items]
+            assert scripts() == (8, 8, 8)
+            flush()
+            assert pool.delete_many(keys[:2]) == 2
+            assert scripts() == (1, 1, 1)
+            flush()
+            pool.resize(300)
+            assert scripts() == (1, 1, 1)
+            usage = pool.usage()
+            assert (usage.capacity_bytes, usage.used_bytes, usage.chunks) == (300, 300, 1)
+        assert not [r.message for r in caplog.records if "failed" in r.message]
+    finally:
+        pool.clear()
+        pool.close()
+        for node in nodes:
+            node.close()
