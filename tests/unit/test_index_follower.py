@@ -902,6 +902,13 @@ def _by_pass(followers: Followers) -> tuple[frozenset[str], ...]:
     )
 
 
+def _asking(followers: Followers, nodes: str) -> bool:
+    """Whether a request to any of ``nodes`` (one letter each) is in flight."""
+    with followers._lock:
+        each = dict(followers._followers)
+    return any(each[n]._asking_since_s is not None for n in nodes)
+
+
 def _kept(followers: Followers) -> tuple[frozenset[str], ...]:
     return followers.up_nodes(), followers.down_nodes(), followers.pool_nodes()
 
@@ -985,8 +992,12 @@ def test_the_node_sets_follow_each_change_of_a_followers_state() -> None:
         hold = scripts["d"]["hold"] = threading.Event()
         polls.append(threading.Thread(target=followers.poll_all))
         polls[-1].start()
-        wait_until(  # (kept a request in flight for drop_after_s: down, no longer up)
-            "d's request in flight for drop_after_s", lambda: "d" in followers.down_nodes()
+        # (kept a request in flight for drop_after_s: down, no longer up). b's and p's polls
+        # of this round ended first: one slower than drop_after_s (a loaded host) has them
+        # down while in flight, and one in flight may pass it between the sets and the pass
+        wait_until(
+            "d's request in flight for drop_after_s, b's and p's answered",
+            lambda: "d" in followers.down_nodes() and not _asking(followers, "bp"),
         )
         _sets_are(followers, up="bp", down="d", pool="")
         hold.set()
