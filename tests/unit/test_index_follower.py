@@ -1007,7 +1007,10 @@ def test_the_node_sets_follow_each_change_of_a_followers_state() -> None:
         hold = scripts["d"]["hold"] = threading.Event()
         polls.append(threading.Thread(target=followers.poll_all))
         polls[-1].start()
-        wait_until("d's poll held", lambda: scripts["d"]["held"] == 2)
+        wait_until(  # (b's and p's polls of this round ended: see above)
+            "d's poll held, b's and p's answered",
+            lambda: scripts["d"].get("held") == 2 and not _asking(followers, "bp"),
+        )
         servers["D"] = _agent_at(0, script("D1", "node"))
         polls.append(threading.Thread(target=followers.add, args=("d", _url(servers["D"]))))
         polls[-1].start()
