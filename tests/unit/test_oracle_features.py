@@ -177,3 +177,37 @@ def test_one_policy_replay_calls_back_for_the_oracle_pass_alone() -> None:
     done = [d for _, d, _ in progress]
     assert done == sorted(done) and progress[-1] == (NAME, 2 * len(requests), 2 * len(requests))
     assert {t for _, _, t in progress} == {2 * len(requests)}
+
+
+def test_each_tier_records_and_is_scored_from_its_own_samples() -> None:
+    """Two tiers: each tier's recording pass has its own model (one shared by both would be fed
+    both tiers' chunks), and each tier's oracle is scored from that tier's samples alone."""
+    requests = generate("rag", 0, requests=300)
+    unique = len({b for r in requests for b in r.block_ids})
+    tiers = {
+        "cpu": sim.capacity_from_fraction(unique, 0.02),
+        "disk": sim.capacity_from_fraction(unique, 0.08),
+    }
+    hits: list[tuple[str, ...]] = []
+    result = sim.simulate_policy(
+        requests, tiers=tiers, policy=NAME, on_request=lambda _i, t: hits.append(tuple(t))
+    )
+    assert result.hits_by_tier["cpu"] and result.hits_by_tier["disk"]
+    recorders = {n: RecordingReuseModel() for n in tiers}
+    chains = sim._Chains(requests)
+    run = {"admission": "all", "policy": NAME, "progress": None, "bypass_unreachable": True}
+    sim._replay(
+        chains, requests, tiers, lambda n: LineageLearnedARCPolicy(reuse_model=recorders[n]), **run
+    )
+    cpu, disk = recorders["cpu"].samples, recorders["disk"].samples
+    assert cpu and disk and cpu != disk  # both tiers evicted, and learned different rates
+    expected: list[tuple[str, ...]] = []
+    sim._replay(
+        chains,
+        requests,
+        tiers,
+        lambda n: FeatureOraclePolicy(recorders[n].samples),
+        on_request=lambda _i, t: expected.append(tuple(t)),
+        **run,
+    )
+    assert hits == expected
