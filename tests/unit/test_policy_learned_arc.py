@@ -162,3 +162,36 @@ def test_the_fit_equals_dense_newton_steps_over_every_feature() -> None:
     seen = {i for f in rows for i in f}
     assert all(model._w[i] == 0.0 for i in range(_DIM) if i not in seen)
     assert len(seen) < _DIM  # the shortcut was taken
+
+
+@pytest.mark.parametrize(("after_ticks", "label"), [(10, 1.0), (11, 0.0), (500, 0.0)])
+def test_a_reuse_past_the_boundary_is_labelled_not_reused(after_ticks: int, label: float) -> None:
+    """A sample is reused only if its key comes back within the boundary (window_factor x
+    capacity accesses). A tier whose model sees few accesses (a lower tier) can see a key's next
+    access long after its boundary passed with no access between to expire the sample: that
+    must count as not reused, not as a reuse."""
+    from kvctl.store.index import Entry
+    from kvctl.store.policies.reuse_model import _Sample
+
+    model = ReuseModel(window_factor=1.0)
+    model._capacity = 10  # boundary: 10 accesses after the sample
+
+    def access(key: bytes, tick: int) -> None:
+        model.on_insert(
+            Entry(
+                key=key,
+                tier="cpu",
+                size_bytes=1,
+                tokens=512,
+                tenant="t",
+                parent=None,
+                last_tick=tick,
+            )
+        )
+
+    access(b"k", 1)
+    sample = _Sample(5, (0,))
+    model._pending.append((b"k", sample))
+    model._pending_by_key[b"k"] = [sample]
+    access(b"k", 5 + after_ticks)
+    assert list(model._labelled) == [((0,), label)]

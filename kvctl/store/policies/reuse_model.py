@@ -334,10 +334,13 @@ class ReuseModel:
         self._last_key = key
         rec.static = self._static(rec, entry)
         pending = self._pending_by_key.pop(key, None)
+        horizon = self.window_factor * self._capacity
         for s in pending or ():
-            if not s.done:  # reused within the boundary
+            if not s.done:
                 s.done = True
-                self._label(s.feats, 1.0)
+                # back within the boundary: reused. A model that sees few accesses (a lower
+                # tier's) may not have expired a sample whose boundary passed before this one
+                self._label(s.feats, 1.0 if tick <= s.tick + horizon else 0.0)
         self._expire(tick)
         limit = max(self.history_factor * self._peak, _MIN_HISTORY)
         while len(self._hist) > limit:
