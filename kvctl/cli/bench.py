@@ -493,6 +493,13 @@ def bench_route_command(
     index_events: Annotated[
         int | None, typer.Option(help="Events applied when timing index updates. [200000]")
     ] = None,
+    latency_followers: Annotated[
+        int | None,
+        typer.Option(
+            help="Agents the router figure's router follows (each a stand-in answering its "
+            "poll; setting 1,000 up takes 15-25 s on 2 cores); 0 skips that figure. [1000]"
+        ),
+    ] = None,
     redis_url: Annotated[
         str | None,
         typer.Option(help="Redis for the RedisIndex figure. [redis://127.0.0.1:6379/0]"),
@@ -522,6 +529,8 @@ def bench_route_command(
       kvctl bench route --quick
 
       kvctl bench route --workloads mooncake --dcs 4 --nodes 16 --distances-km 2000
+
+      kvctl bench route --latency-followers 0     # no router figure, no 1,000-agent set-up
     """
     from kvctl.bench.route import (
         RouteBenchConfig,
@@ -550,6 +559,7 @@ def bench_route_command(
             "latency_rate_per_s": rate,
             "index_entries": index_entries,
             "index_events": index_events,
+            "latency_followers": latency_followers,
             "redis_url": redis_url,
         }
         overrides = {k: v for k, v in given.items() if v is not None}

@@ -169,3 +169,20 @@ def test_cli_prints_json_and_refuses_bad_options() -> None:
     bad = CliRunner().invoke(app, ["bench", "route", "--quick", "--dcs", "9"])
     assert bad.exit_code == 2
     assert "dcs must be 2 to 4" in bad.output
+
+
+def test_cli_latency_followers_sets_or_skips_the_router_figure() -> None:
+    args = ["bench", "route", "--quick", "--json", "--workloads", "chat", "--requests", "15",
+            "--latency-requests", "10", "--rate", "5000", "--index-events", "2000",
+            "--index-entries", "2000", "--no-redis"]  # fmt: skip
+    out = CliRunner().invoke(app, [*args, "--latency-followers", "0"])
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["config"]["latency_followers"] == 0
+    assert "router" not in data["decision_latency"]
+    out = CliRunner().invoke(app, [*args, "--latency-followers", "3"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["decision_latency"]["router"]["followers"] >= 3
+    bad = CliRunner().invoke(app, ["bench", "route", "--quick", "--latency-followers", "-1"])
+    assert bad.exit_code == 2
+    assert "latency_followers must be an integer >= 0" in bad.output
