@@ -103,7 +103,10 @@ server does not hold (NOSCRIPT: it restarted, a SCRIPT FLUSH, a failover to a re
 ran it, a Cluster node added) is sent again as EVAL, in one more round trip, which leaves it in
 that server's cache for the next call. Only the calls that failed go again, in their order: an
 EVALSHA refused NOSCRIPT ran nothing, and the commands pipelined with it (each script's keys are
-its own, or it is the pipeline's last) do not depend on it having run first.
+its own, or it is the pipeline's last) do not depend on it having run first. A Redis user the
+ACL lets run EVAL but not EVALSHA (one made for the pool before its scripts went by SHA) is
+answered NOPERM, which ran nothing either: that call goes again as EVAL too, and the pool sends
+its scripts whole from then on (said once at warning; by SHA again after ``SHA_RETRY_S``).
 
 Limits: a record left without accounting (a writer killed between its two round trips while
 another agent evicted the same key) uses memory outside ``capacity_bytes`` until it is read
@@ -124,7 +127,7 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn, cast
 from urllib.parse import urlsplit, urlunsplit
@@ -132,7 +135,13 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import NoScriptError, RedisClusterException, RedisError, ResponseError
+from redis.exceptions import (
+    NoPermissionError,
+    NoScriptError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
 from redis.retry import Retry
 
 from kvctl.redact import redact_url
@@ -177,6 +186,9 @@ _READ_RETRIES = 1
 # A put's records are sent in groups of at most this many bytes (each group one round trip):
 # bounds the copies of payloads held at once (a batch of 1 GiB holds 64 MiB of them, not 1 GiB).
 _WRITE_GROUP_BYTES = 64 << 20
+#: a Redis user the ACL denies EVALSHA (allowed EVAL only) is sent the scripts whole (EVAL), and
+#: asked by SHA again this long after: each denial is an error reply and an ACL LOG entry
+SHA_RETRY_S = 600.0
 # Scan/delete batch for clear().
 _SCAN_COUNT = 500
 
@@ -807,6 +819,9 @@ class RedisPool(SplitStreams, RemotePool):
         #: records read in a format this reader does not know (left in the pool, misses)
         self.unknown_format = 0
         self._wrong_type_said = False
+        #: when EVALSHA was last denied (NOPERM; monotonic; None: never): the scripts go as
+        #: EVAL for ``SHA_RETRY_S`` after
+        self._sha_denied_s: float | None = None
         self._watch = PullWatch(f"pool {self.address}")
         #: sized by the chunks read last; workers enough for a few gets at once
         self._split = SplitReads(
@@ -910,7 +925,7 @@ class RedisPool(SplitStreams, RemotePool):
             args += [it.keyhex, m.size_bytes, int(m.isolated), m.tenant, self._quota(m.tenant)]
         with self._guard():
             client = self._client(write=True)
-            pipe = _Pipe(client)
+            pipe = self._pipe(client)
             _eval(pipe, _PUT_LUA, self._acct_keys, args)
             # STRLEN, not EXISTS: a record is present only when it holds bytes. An empty value
             # (reads take it as no record: GETRANGE answers a missing key so) or a key of
@@ -1033,7 +1048,7 @@ class RedisPool(SplitStreams, RemotePool):
             if isinstance(client, RedisCluster):
                 # a Cluster's pipeline spreads over nodes and their connections: no deadline
                 # beyond the read deadline (see the module docstring)
-                pipe = _Pipe(client)
+                pipe = self._pipe(client)
                 for h in hexes:
                     pipe.getrange(self._rec(h), 0, last)
                 if touch_args is not None:
@@ -1043,14 +1058,15 @@ class RedisPool(SplitStreams, RemotePool):
                 commands: list[tuple[Any, ...]] = [("STRLEN", self._rec(h)) for h in hexes]
                 commands += [("GETRANGE", self._rec(h), 0, last) for h in hexes]
                 touch = None
+                by_sha = self._by_sha()
                 if touch_args is not None:
                     touch = _Call(len(commands), _TOUCH_LUA, self._acct_keys, touch_args)
-                    commands.append(("EVALSHA", *touch.args(by_sha=True)))
+                    commands.append((_verb(by_sha), *touch.args(by_sha=by_sha)))
                 pulled = self._pull(client, commands, len(hexes), record_cap_bytes=last + 1)
-                if touch is not None and isinstance(pulled[-1], NoScriptError):
+                if touch is not None and by_sha and _sent_again(pulled[-1]):
                     # best effort, as the touch is: a failure to send it again is its reply
                     try:
-                        pulled = _resent(client, pulled, [touch])
+                        pulled = _resent(client, pulled, [touch], self._sha_denied)
                     except (RedisError, OSError) as exc:
                         pulled[-1] = exc
                 lengths, replies = pulled[: len(hexes)], pulled[len(hexes) :]
@@ -1174,7 +1190,7 @@ class RedisPool(SplitStreams, RemotePool):
             return []
         hexes = [k.hex() for k in keys]
         with self._guard():
-            pipe = _Pipe(self._client())
+            pipe = self._pipe(self._client())
             for h in hexes:
                 _eval(pipe, _PROBE_LUA, [self._rec(h)], [record.HEADER_PROBE_BYTES])
             replies = pipe.execute(raise_on_error=False)
@@ -1231,7 +1247,7 @@ class RedisPool(SplitStreams, RemotePool):
             return 0
         hexes = list(dict.fromkeys(k.hex() for k in keys))
         with self._guard():
-            pipe = _Pipe(self._client(write=True))
+            pipe = self._pipe(self._client(write=True))
             for h in hexes:
                 pipe.delete(self._rec(h))
             self._queue_repair(pipe, drop=hexes)
@@ -1286,7 +1302,7 @@ class RedisPool(SplitStreams, RemotePool):
             self._capacity_set_bytes = capacity_bytes
         with self._guard():
             client = self._client(write=True)
-            victims = _script(
+            victims = self._script(
                 client, _RESIZE_LUA, self._acct_keys, [self._tenant_lru_prefix, capacity_bytes]
             )
             if victims:
@@ -1409,6 +1425,47 @@ class RedisPool(SplitStreams, RemotePool):
     def _quota(self, tenant: str) -> int:
         return self.tenant_quotas.get(tenant, self.tenant_quota_bytes)
 
+    def _by_sha(self) -> bool:
+        """Whether the scripts go by SHA now: not for ``SHA_RETRY_S`` after a denial."""
+        denied_s = self._sha_denied_s
+        return denied_s is None or time.monotonic() - denied_s >= SHA_RETRY_S
+
+    def _sha_denied(self) -> None:
+        """The server denied this pool's Redis user EVALSHA (NOPERM): the scripts go whole."""
+        first = self._sha_denied_s is None
+        self._sha_denied_s = time.monotonic()
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "pool %s: the Redis user may not run EVALSHA (its ACL allows EVAL only?); the "
+            "scripts are sent whole instead (asked by SHA again every %.0f s): grant +evalsha",
+            self.address,
+            SHA_RETRY_S,
+        )
+
+    def _pipe(self, client: redis.Redis | RedisCluster) -> _Pipe:
+        """A pipeline (no transaction) of ``client`` whose scripts go by SHA unless denied."""
+        return _Pipe(client, by_sha=self._by_sha(), denied=self._sha_denied)
+
+    def _script(
+        self,
+        client: redis.Redis | RedisCluster,
+        script: str,
+        keys: Sequence[str],
+        args: Sequence[Any],
+    ) -> Any:
+        """One call of ``script``: by its SHA (unless denied); as EVAL where the server does
+        not hold it or the user may not run EVALSHA."""
+        call, target = _Call(0, script, keys, args), cast("Any", client)
+        if self._by_sha():
+            try:
+                return target.execute_command("EVALSHA", *call.args(by_sha=True))
+            except (NoScriptError, NoPermissionError) as exc:
+                if not _sent_again(exc):
+                    raise
+                if isinstance(exc, NoPermissionError):
+                    self._sha_denied()
+        return target.execute_command("EVAL", *call.args(by_sha=False))
+
     def _write(
         self,
         client: redis.Redis | RedisCluster,
@@ -1452,7 +1509,7 @@ class RedisPool(SplitStreams, RemotePool):
                     refusal = reply
         if failed:
             failed_hexes = [batch[i].keyhex for i in failed]
-            cleanup = _Pipe(client)
+            cleanup = self._pipe(client)
             self._queue_repair(cleanup, drop=failed_hexes)
             cleanup.execute()
             log.warning(
@@ -1510,7 +1567,7 @@ class RedisPool(SplitStreams, RemotePool):
             if oversized:
                 oversized = self._judge_by_accounting(client, oversized)
             if oversized:
-                pipe = _Pipe(client)
+                pipe = self._pipe(client)
                 for h, o in oversized:
                     sound = -1 if o.sound_bytes is None else o.sound_bytes
                     _eval(pipe, _DROP_IF_LONGER_LUA, [self._rec(h)], [self.max_record_bytes, sound])
@@ -1540,14 +1597,14 @@ class RedisPool(SplitStreams, RemotePool):
                             reason,
                         )
             if wrong:
-                pipe = _Pipe(client)
+                pipe = self._pipe(client)
                 for h in wrong:
                     _eval(pipe, _DROP_IF_NOT_STRING_LUA, [self._rec(h)], [])
                 for h, deleted in zip(wrong, pipe.execute(), strict=True):
                     if int(deleted):
                         dropped.append(h)
             if damaged:
-                pipe = _Pipe(client)
+                pipe = self._pipe(client)
                 for h, d in damaged:
                     args = [d.record_bytes, d.judged_bytes, d.judged_sha1_hex]
                     _eval(pipe, _DROP_IF_SAME_LUA, [self._rec(h)], args)
@@ -1566,7 +1623,7 @@ class RedisPool(SplitStreams, RemotePool):
                             d.reason,
                         )
             if stale or dropped or heal:
-                pipe = _Pipe(client)
+                pipe = self._pipe(client)
                 self._queue_repair(pipe, stale=stale, drop=dropped, heal=heal)
                 pipe.execute()
         except (RedisError, RedisClusterException, OSError, TierUnavailable) as exc:
@@ -1720,47 +1777,80 @@ class _Call:
 
 
 class _Pipe:
-    """A pipeline (no transaction) of ``client`` whose scripts (``_eval``) go by SHA: a reply
-    of NOSCRIPT is replaced by that call's, sent again as EVAL (``_resent``). Other commands
+    """A pipeline (no transaction) of ``client`` whose scripts (``_eval``) go by SHA (as EVAL
+    where not ``by_sha``): a reply of NOSCRIPT, or NOPERM for EVALSHA (``denied`` is called),
+    is replaced by that call's, sent again as EVAL (``_resent``). Other commands
     are queued on it as on the pipeline. Not redis-py's ``register_script``: its pipelines ask
     SCRIPT EXISTS before every execute, one more round trip each time. (redis-py's
     ClusterPipeline has no eval(); its execute_command routes EVALSHA and EVAL by their keys.)"""
 
-    def __init__(self, client: redis.Redis | RedisCluster) -> None:
+    def __init__(
+        self,
+        client: redis.Redis | RedisCluster,
+        *,
+        by_sha: bool = True,
+        denied: Callable[[], None] | None = None,
+    ) -> None:
         self._client = client
         self._pipe: Any = client.pipeline(transaction=False)
         self._calls: list[_Call] = []
+        self._by_sha = by_sha
+        self._denied = denied
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pipe, name)
 
     def script(self, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
         call = _Call(len(self._pipe), script, keys, args)
-        self._calls.append(call)
-        self._pipe.execute_command("EVALSHA", *call.args(by_sha=True))
+        if self._by_sha:  # (as EVAL, there is nothing to send again)
+            self._calls.append(call)
+        self._pipe.execute_command(_verb(self._by_sha), *call.args(by_sha=self._by_sha))
 
     def execute(self, raise_on_error: bool = True) -> list[Any]:
         """The replies (an error one as its exception where not ``raise_on_error``; else the
         first raised)."""
-        replies = _resent(self._client, self._pipe.execute(raise_on_error=False), self._calls)
+        # (the pipeline is empty again after its execute: so are the calls to send again)
+        calls, self._calls = self._calls, []
+        replies = _resent(
+            self._client, self._pipe.execute(raise_on_error=False), calls, self._denied
+        )
         if raise_on_error:
             _raise_errors(replies)
         return replies
 
 
 def _eval(pipe: _Pipe, script: str, keys: Sequence[str], args: Sequence[Any]) -> None:
-    """Queue a call of ``script`` on ``pipe``, by its SHA."""
+    """Queue a call of ``script`` on ``pipe``, by its SHA (unless the pipe's user is denied it)."""
     pipe.script(script, keys, args)
 
 
+def _verb(by_sha: bool) -> str:
+    return "EVALSHA" if by_sha else "EVAL"
+
+
+def _sent_again(reply: object) -> bool:
+    """Whether an EVALSHA's ``reply`` says it ran nothing and the call goes again as EVAL:
+    NOSCRIPT, or NOPERM for the EVALSHA command itself (a user allowed EVAL only; not a
+    denied key, which EVAL is denied as well)."""
+    if isinstance(reply, NoScriptError):
+        return True
+    return isinstance(reply, NoPermissionError) and "'evalsha'" in str(reply).lower()
+
+
 def _resent(
-    client: redis.Redis | RedisCluster, replies: list[Any], calls: Sequence[_Call]
+    client: redis.Redis | RedisCluster,
+    replies: list[Any],
+    calls: Sequence[_Call],
+    denied: Callable[[], None] | None = None,
 ) -> list[Any]:
-    """``replies`` with each of ``calls`` the server answered NOSCRIPT (it ran nothing) sent
-    again as EVAL, in order, in one more round trip, and its reply put in place."""
-    missing = [c for c in calls if isinstance(replies[c.index], NoScriptError)]
+    """``replies`` with each of ``calls`` (EVALSHA) the server answered NOSCRIPT or NOPERM for
+    EVALSHA (it ran nothing) sent again as EVAL, in order, in one more round trip, and its reply
+    put in place; ``denied`` is called where EVALSHA was denied."""
+    missing = [c for c in calls if _sent_again(replies[c.index])]
     if not missing:
         return replies
+    if denied is not None and any(isinstance(replies[c.index], NoPermissionError) for c in missing):
+        denied()
     pipe: Any = client.pipeline(transaction=False)
     for call in missing:
         pipe.execute_command("EVAL", *call.args(by_sha=False))
@@ -1768,17 +1858,6 @@ def _resent(
     for call, reply in zip(missing, pipe.execute(raise_on_error=False), strict=True):
         out[call.index] = reply
     return out
-
-
-def _script(
-    client: redis.Redis | RedisCluster, script: str, keys: Sequence[str], args: Sequence[Any]
-) -> Any:
-    """One call of ``script`` by its SHA; as EVAL where the server does not hold it."""
-    call, target = _Call(0, script, keys, args), cast("Any", client)
-    try:
-        return target.execute_command("EVALSHA", *call.args(by_sha=True))
-    except NoScriptError:
-        return target.execute_command("EVAL", *call.args(by_sha=False))
 
 
 def _raise_errors(replies: Sequence[Any]) -> None:

@@ -851,6 +851,43 @@ def test_a_script_flush_inside_an_apply_batch_applies_each_group_once_in_order(
         client.close()
 
 
+def test_a_user_the_acl_allows_eval_only_still_uses_the_index(
+    private_redis: RedisServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Redis user made for the index before its scripts went by SHA needed EVAL only: its
+    EVALSHA is refused NOPERM (it ran nothing; in a MULTI/EXEC the whole replace is refused),
+    and every lookup and write failed (IndexUnavailable: the router down). Such a call goes
+    again as EVAL (a replace whole, once), and the index sends its scripts whole from then on:
+    one refused call (the replace's two EVALSHAs in the ACL LOG), said once at warning; every
+    answer is the model's."""
+    monkeypatch.setattr(redis_index, "_EVENTS_PER_SCRIPT", 2)
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.acl_setuser(
+        "evalonly", enabled=True, nopass=True, keys=["*"], commands=["+@all", "-evalsha"]
+    )
+    index = RedisIndex(f"redis://evalonly@127.0.0.1:{private_redis.port}/0")
+    model = EmbeddedIndex()
+    keys = [key(i) for i in range(8)]
+    try:
+        with caplog.at_level(logging.INFO, logger="kvctl.index.redis_index"):
+            chunks = [stored(i) for i in range(5)]  # three groups: EVAL, then EVALSHA twice
+            assert index.replace("n", chunks) == model.replace("n", chunks) == 5
+            events = [stored(5), removed(0), stored(6)]
+            assert index.apply("n", events) == model.apply("n", events) == 3
+            assert index.holders(keys, tenant="acme") == model.holders(keys, tenant="acme")
+            assert index.check("n", limit=10).damage == ""
+            assert index.drop("n") == model.drop("n") == 6
+            assert index.purge("n") == 0
+            assert_same(index, model, keys)
+        said = [r for r in caplog.records if "may not run EVALSHA" in r.message]
+        assert [r.levelno for r in said] == [logging.WARNING]
+        logged = [e for e in admin.acl_log() if e.get("username") == "evalonly"]
+        assert [(e["object"], e["count"]) for e in logged] == [("evalsha", 2)]
+    finally:
+        index.close()
+        admin.close()
+
+
 def test_after_a_script_flush_a_full_server_refuses_and_answers_as_before(
     private_redis: RedisServer,
 ) -> None:

@@ -1184,6 +1184,40 @@ def test_after_a_script_flush_a_full_server_refuses_a_put_as_before(private_redi
         pool.close()
 
 
+def test_a_user_the_acl_allows_eval_only_still_uses_the_pool(private_redis, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A Redis user made for the pool before its scripts went by SHA needed EVAL only: its
+    EVALSHA is refused NOPERM (it ran nothing), and every put, get, probe, delete and resize
+    failed (TierUnavailable). Such a call goes again as EVAL, and the pool sends its scripts
+    whole from then on: one denial (one ACL LOG entry), said once at warning."""
+    admin = redis.Redis.from_url(private_redis.url)
+    admin.acl_setuser(
+        "evalonly", enabled=True, nopass=True, keys=["*"], commands=["+@all", "-evalsha"]
+    )
+    url = f"redis://evalonly@127.0.0.1:{private_redis.port}/0"
+    pool = RedisPool(url, prefix="p", capacity_bytes=1 << 20)
+    items = [chunk(i) for i in range(3)]
+    keys = [m.key for m, _ in items]
+    try:
+        with caplog.at_level(logging.INFO, logger="kvctl.remote.redis_pool"):
+            assert pool.put_many(items) == [True] * 3
+            got = pool.get_many(keys, tenant="a")
+            assert [(c.meta, c.data) for c in got] == items  # type: ignore[union-attr]
+            assert pool.probe_many(keys, tenant="a") == [m for m, _ in items]
+            assert pool.delete_many(keys[:1]) == 1
+            pool.resize(300)  # evicts the least recently used one
+            usage = pool.usage()
+            assert (usage.capacity_bytes, usage.used_bytes, usage.chunks) == (300, 300, 1)
+            assert present(pool, items) == [False, False, True]
+        said = [r for r in caplog.records if "may not run EVALSHA" in r.message]
+        assert [r.levelno for r in said] == [logging.WARNING]
+        assert not [r.message for r in caplog.records if "failed" in r.message]
+        logged = [e for e in admin.acl_log() if e.get("username") == "evalonly"]
+        assert [(e["object"], e["count"]) for e in logged] == [("evalsha", 1)]
+    finally:
+        pool.close()
+        admin.close()
+
+
 def test_a_cluster_pool_after_a_script_flush_on_every_node(redis_cluster: str, caplog) -> None:  # type: ignore[no-untyped-def]
     """A Cluster's pipelines (spread over the nodes) and its calls routed by key: the scripts a
     node no longer holds are sent again as EVAL to that node, each once."""
