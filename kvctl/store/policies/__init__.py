@@ -38,7 +38,7 @@ Eviction policies:
   research ``lineage-learned-arc`` leads it by up to 1.5, on rag at 20%), far ahead of
   ``lineage-lru2`` on chat (99.6% of Belady against 78.2% at 10%). But a switch costs hits while
   the tier's content turns over: on the Mooncake trace it trails ``lineage-lru2`` by 0.7 at 1%
-  and ``lineage-chain`` by 1.1 at 10% (42.1% of Belady at 5%, against 43.4% for
+  and ``lineage-chain`` by 1.1 at 10% (42.1% of Belady at 5%, against 43.3% for
   ``lineage-learned-arc``). It costs 2 x 3 policy updates per access (in the simulator 6-12k
   decisions/s on the trace against 36-58k for ``lineage-lru2``; in the agent about 1.4 ms against
   0.3 ms per 64-chunk lookup and lease, measured with ``lineage-lru2`` as its first candidate,
@@ -49,7 +49,7 @@ Eviction policies:
   (LRB-style: a logistic model over bucketed features a KV cache knows, such as access count,
   gaps, age, depth, whether the request went on past the chunk, children, the parent's reuse;
   seeded samples of 64 leaves). On the Mooncake trace the best policy from 5% to 50% of the
-  unique blocks (43.4% of Belady at 5% against 42.1% for ``lineage-arc``, 56.2% against 55.0%
+  unique blocks (43.3% of Belady at 5% against 42.1% for ``lineage-arc``, 56.2% against 55.0%
   at 10%), at or above ``lineage-arc`` nearly everywhere on the generators, but it keeps
   ``lineage-arc``'s losses (1% of the trace and of builtin, chat at 5-20%): not the default.
   See ``LineageLearnedARCPolicy``.

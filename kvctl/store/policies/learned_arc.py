@@ -12,7 +12,7 @@ lineage, the newest chunk last and the fallback to chunks with children are ``li
 Measured (issue 26): % of Belady's block hit ratio, ``kvctl simulate --sweep``, capacities 1, 2,
 5, 10, 20 and 50% of the unique blocks, one run on the 2-core VM:
 
-- Mooncake trace: 23.4 / 30.0 / 43.4 / 56.2 / 69.2 / 94.6 (22.7 / 30.7 / 43.1 / 55.7 / 69.2 /
+- Mooncake trace: 23.4 / 30.0 / 43.3 / 56.2 / 69.2 / 94.6 (22.7 / 30.7 / 43.1 / 55.7 / 69.2 /
   94.6 before its model stopped labelling a return past the boundary a reuse, 2026-12-02; the
   generators moved by 0.1 at most), the best policy from 5% to 50%
   (``lineage-arc`` 22.3 / 31.2 / 42.1 / 55.0 / 68.3 / 94.4; ``lineage-adaptive`` 41.6 at 5% and

@@ -32,7 +32,7 @@ accessed; the simulator updates ``future`` just before each access.
   sample; it does not train. The rates come from the first pass's evictions, which the second
   pass's differ from after its first different pick, so it is near the ceiling, not exactly it.
   Measured on the Mooncake trace (issue 26, ``kvctl simulate --sweep``, one run): 23.7 / 32.0 /
-  44.3 / 56.8 / 69.6 / 95.6% of Belady at 1 / 2 / 5 / 10 / 20 / 50%, against 23.4 / 30.0 / 43.4 /
+  44.3 / 56.8 / 69.6 / 95.6% of Belady at 1 / 2 / 5 / 10 / 20 / 50%, against 23.4 / 30.0 / 43.3 /
   56.2 / 69.2 / 94.6 for ``lineage-learned-arc`` (before its model's boundary fix: 44.6 and 56.2
   at 5 and 10% against 43.1 and 55.7; a logistic fitted on every sample, in a replay outside
   the store, 43.4 and 54.8): its features, not its learning, hold it back.
