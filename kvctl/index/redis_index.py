@@ -57,7 +57,7 @@ of a script goes as EVAL, and the later ones of the same EXEC by SHA (nothing ru
 A Redis user the ACL lets run EVAL but not EVALSHA (one made for the index before its scripts
 went by SHA) is answered NOPERM, which ran nothing either (in a MULTI/EXEC: refused whole): the
 call goes again as EVAL, and the index sends its scripts whole from then on (said once at
-warning; by SHA again after ``SHA_RETRY_S``).
+warning; by SHA again after ``kvctl.redis_scripts.SHA_RETRY_S``).
 
 Any client of the server can write these keys (a prefix shared by mistake, another host's bug,
 or hostile): what no index wrote is left out, and logged, never a failure of every reader. An
@@ -72,8 +72,6 @@ Not for a Redis Cluster: the scripts touch keys of many slots.
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 import json
 import logging
 import math
@@ -87,7 +85,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.exceptions import NoPermissionError, NoScriptError, RedisError
+from redis.exceptions import NoPermissionError, RedisError
 from redis.retry import Retry
 
 from kvctl import json_text
@@ -96,6 +94,7 @@ from kvctl.index.events import MAX_COUNT, ChunkEvent
 from kvctl.index.model import Holding, NodeCheck
 from kvctl.index.remote import IndexUnavailable
 from kvctl.redact import redact_url
+from kvctl.redis_scripts import ShaGate, sent_again, sha1
 
 log = logging.getLogger("kvctl.index.redis_index")
 
@@ -269,10 +268,6 @@ MAX_CHUNK_HASH_BYTES = 1 << 20
 #: each denial is an ACL LOG entry and an error reply on the server, so not one per lookup
 MEMORY_RETRY_S = 600.0
 
-#: a Redis user the ACL denies EVALSHA (allowed EVAL only) is sent the scripts whole (EVAL), and
-#: asked by SHA again this long after: each denial is an error reply and an ACL LOG entry
-SHA_RETRY_S = 600.0
-
 # KEYS: the chunk hashes. ARGV[1]: MAX_HOLDERS_PER_CHUNK, ARGV[2]: MAX_CHUNK_HASH_BYTES, ARGV[3]:
 # '1' to ask MEMORY USAGE. Returns, per key, its HGETALL, or its field count when past either
 # bound; then a 1 past the keys' replies when MEMORY was denied. HLEN first: O(1), so a hash of
@@ -323,21 +318,6 @@ redis.call('DEL', KEYS[1])
 redis.call('HDEL', KEYS[2], node)
 redis.call('HDEL', KEYS[3], '\\255' .. node)
 """
-
-
-@functools.cache
-def _sha1(script: str) -> str:
-    """The SHA-1 a server names ``script`` by (of its UTF-8 bytes, as redis-py sends it)."""
-    return hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
-
-
-def _sent_again(reply: object) -> bool:
-    """Whether an EVALSHA's ``reply`` says it ran nothing and the call goes again as EVAL:
-    NOSCRIPT, or NOPERM for the EVALSHA command itself (a user allowed EVAL only; not a
-    denied key, which EVAL is denied as well)."""
-    if isinstance(reply, NoScriptError):
-        return True
-    return isinstance(reply, NoPermissionError) and "'evalsha'" in str(reply).lower()
 
 
 def _utf8(text: str) -> bytes:
@@ -428,9 +408,8 @@ class RedisIndex:
         #: when MEMORY was last denied to ``holders`` (monotonic; None: never): not asked
         #: again for ``MEMORY_RETRY_S``
         self._memory_denied_s: float | None = None
-        #: when EVALSHA was last denied (NOPERM; monotonic; None: never): the scripts go as
-        #: EVAL for ``SHA_RETRY_S`` after
-        self._sha_denied_s: float | None = None
+        #: the scripts go by SHA unless this index's Redis user was denied EVALSHA lately
+        self._sha = ShaGate(lambda: f"index at {self.address}", log)
         if client is not None:
             if client.connection_pool.connection_kwargs.get("decode_responses"):
                 raise InvalidArgument("the index's Redis client must not decode responses")
@@ -470,19 +449,19 @@ class RedisIndex:
         n = sum(count for count, _ in groups)
         if n:
             calls = [self._call_args(node, ops) for _, ops in groups]
-            by_sha = self._by_sha()
+            by_sha = self._sha.by_sha()
             with self._guard():
                 pipe: Any = self._client.pipeline(transaction=False)
                 for call in calls:
                     if by_sha:
-                        pipe.execute_command("EVALSHA", _sha1(_APPLY_LUA), *call)
+                        pipe.execute_command("EVALSHA", sha1(_APPLY_LUA), *call)
                     else:
                         pipe.execute_command("EVAL", _APPLY_LUA, *call)
                 replies = pipe.execute(raise_on_error=False)
-                sent_again = (i for i, r in enumerate(replies) if by_sha and _sent_again(r))
-                missing = next(sent_again, None)
+                resend = (i for i, r in enumerate(replies) if by_sha and sent_again(r))
+                missing = next(resend, None)
                 if missing is not None and isinstance(replies[missing], NoPermissionError):
-                    self._sha_denied()
+                    self._sha.denied()
                 if missing is not None:
                     # as EVAL, in order, from the first the server did not hold: a node's
                     # groups apply in order, so one after it that ran all the same (another
@@ -507,7 +486,7 @@ class RedisIndex:
             # resync of the node left one already, and both keep that one. The same id marks
             # this replace, always written: whether it landed is knowable after a timeout
             replace_id = uuid.uuid4().hex.encode()
-            by_sha = self._by_sha()
+            by_sha = self._sha.by_sha()
             for i, ops in enumerate(groups):
                 mode = replace_id if i == 0 else b""
                 self._queue(pipe, _APPLY_LUA, node, ops, mode=mode, by_sha=by_sha and i > 0)
@@ -518,9 +497,9 @@ class RedisIndex:
                 except NoPermissionError as exc:
                     # an EVALSHA the ACL denies is refused as it is queued: nothing ran (EXEC
                     # aborted). Sent again, every group as EVAL
-                    if not (by_sha and len(groups) > 1 and _sent_again(exc)):
+                    if not (by_sha and len(groups) > 1 and sent_again(exc)):
                         raise
-                    self._sha_denied()
+                    self._sha.denied()
                     pipe = self._client.pipeline(transaction=True)
                     for i, ops in enumerate(groups):
                         mode = replace_id if i == 0 else b""
@@ -859,40 +838,13 @@ class RedisIndex:
         rest of the transaction run."""
         call = self._call_args(node, ops, mode)
         if by_sha:
-            pipe.execute_command("EVALSHA", _sha1(script), *call)
+            pipe.execute_command("EVALSHA", sha1(script), *call)
         else:
             pipe.execute_command("EVAL", script, *call)
 
     def _script(self, script: str, keys: Sequence[bytes], *args: Any) -> Any:
-        """One call of ``script`` by its SHA (EVALSHA); sent again as EVAL where the server does
-        not hold it (NOSCRIPT), which leaves it cached for the next, or where the user may not
-        run EVALSHA (NOPERM: then as EVAL only, for ``SHA_RETRY_S``)."""
-        if self._by_sha():
-            try:
-                return self._client.evalsha(_sha1(script), len(keys), *keys, *args)
-            except (NoScriptError, NoPermissionError) as exc:
-                if not _sent_again(exc):
-                    raise
-                if isinstance(exc, NoPermissionError):
-                    self._sha_denied()
-        return self._client.eval(script, len(keys), *keys, *args)
-
-    def _by_sha(self) -> bool:
-        """Whether the scripts go by SHA now: not for ``SHA_RETRY_S`` after a denial."""
-        denied_s = self._sha_denied_s
-        return denied_s is None or time.monotonic() - denied_s >= SHA_RETRY_S
-
-    def _sha_denied(self) -> None:
-        """The server denied this index's Redis user EVALSHA (NOPERM): the scripts go whole."""
-        first = self._sha_denied_s is None
-        self._sha_denied_s = time.monotonic()
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "index at %s: the Redis user may not run EVALSHA (its ACL allows EVAL only?); the "
-            "scripts are sent whole instead (asked by SHA again every %.0f s): grant +evalsha",
-            self.address,
-            SHA_RETRY_S,
-        )
+        """One call of ``script`` by its SHA, as EVAL where it cannot be (``ShaGate.call``)."""
+        return self._sha.call(self._client, script, keys, args)
 
     def _node_keys(self, name: bytes) -> tuple[bytes, bytes, bytes]:
         """The scripts' KEYS for a node (``name``: its UTF-8 bytes): its set, the nodes hash

@@ -106,7 +106,8 @@ EVALSHA refused NOSCRIPT ran nothing, and the commands pipelined with it (each s
 its own, or it is the pipeline's last) do not depend on it having run first. A Redis user the
 ACL lets run EVAL but not EVALSHA (one made for the pool before its scripts went by SHA) is
 answered NOPERM, which ran nothing either: that call goes again as EVAL too, and the pool sends
-its scripts whole from then on (said once at warning; by SHA again after ``SHA_RETRY_S``).
+its scripts whole from then on (said once at warning; by SHA again after
+``kvctl.redis_scripts.SHA_RETRY_S``).
 
 Limits: a record left without accounting (a writer killed between its two round trips while
 another agent evicted the same key) uses memory outside ``capacity_bytes`` until it is read
@@ -129,7 +130,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -137,7 +138,6 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import RedisCluster
 from redis.exceptions import (
     NoPermissionError,
-    NoScriptError,
     RedisClusterException,
     RedisError,
     ResponseError,
@@ -145,6 +145,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from kvctl.redact import redact_url
+from kvctl.redis_scripts import ShaGate, sent_again, sha1
 from kvctl.remote import record
 from kvctl.remote.pool import (
     DEFAULT_MIN_STREAM_BYTES,
@@ -186,9 +187,6 @@ _READ_RETRIES = 1
 # A put's records are sent in groups of at most this many bytes (each group one round trip):
 # bounds the copies of payloads held at once (a batch of 1 GiB holds 64 MiB of them, not 1 GiB).
 _WRITE_GROUP_BYTES = 64 << 20
-#: a Redis user the ACL denies EVALSHA (allowed EVAL only) is sent the scripts whole (EVAL), and
-#: asked by SHA again this long after: each denial is an error reply and an ACL LOG entry
-SHA_RETRY_S = 600.0
 # Scan/delete batch for clear().
 _SCAN_COUNT = 500
 
@@ -819,9 +817,8 @@ class RedisPool(SplitStreams, RemotePool):
         #: records read in a format this reader does not know (left in the pool, misses)
         self.unknown_format = 0
         self._wrong_type_said = False
-        #: when EVALSHA was last denied (NOPERM; monotonic; None: never): the scripts go as
-        #: EVAL for ``SHA_RETRY_S`` after
-        self._sha_denied_s: float | None = None
+        #: the scripts go by SHA unless this pool's Redis user was denied EVALSHA lately
+        self._sha = ShaGate(lambda: f"pool {self.address}", log)
         self._watch = PullWatch(f"pool {self.address}")
         #: sized by the chunks read last; workers enough for a few gets at once
         self._split = SplitReads(
@@ -1058,15 +1055,15 @@ class RedisPool(SplitStreams, RemotePool):
                 commands: list[tuple[Any, ...]] = [("STRLEN", self._rec(h)) for h in hexes]
                 commands += [("GETRANGE", self._rec(h), 0, last) for h in hexes]
                 touch = None
-                by_sha = self._by_sha()
+                by_sha = self._sha.by_sha()
                 if touch_args is not None:
                     touch = _Call(len(commands), _TOUCH_LUA, self._acct_keys, touch_args)
                     commands.append((_verb(by_sha), *touch.args(by_sha=by_sha)))
                 pulled = self._pull(client, commands, len(hexes), record_cap_bytes=last + 1)
-                if touch is not None and by_sha and _sent_again(pulled[-1]):
+                if touch is not None and by_sha and sent_again(pulled[-1]):
                     # best effort, as the touch is: a failure to send it again is its reply
                     try:
-                        pulled = _resent(client, pulled, [touch], self._sha_denied)
+                        pulled = _resent(client, pulled, [touch], self._sha.denied)
                     except (RedisError, OSError) as exc:
                         pulled[-1] = exc
                 lengths, replies = pulled[: len(hexes)], pulled[len(hexes) :]
@@ -1425,26 +1422,9 @@ class RedisPool(SplitStreams, RemotePool):
     def _quota(self, tenant: str) -> int:
         return self.tenant_quotas.get(tenant, self.tenant_quota_bytes)
 
-    def _by_sha(self) -> bool:
-        """Whether the scripts go by SHA now: not for ``SHA_RETRY_S`` after a denial."""
-        denied_s = self._sha_denied_s
-        return denied_s is None or time.monotonic() - denied_s >= SHA_RETRY_S
-
-    def _sha_denied(self) -> None:
-        """The server denied this pool's Redis user EVALSHA (NOPERM): the scripts go whole."""
-        first = self._sha_denied_s is None
-        self._sha_denied_s = time.monotonic()
-        log.log(
-            logging.WARNING if first else logging.DEBUG,
-            "pool %s: the Redis user may not run EVALSHA (its ACL allows EVAL only?); the "
-            "scripts are sent whole instead (asked by SHA again every %.0f s): grant +evalsha",
-            self.address,
-            SHA_RETRY_S,
-        )
-
     def _pipe(self, client: redis.Redis | RedisCluster) -> _Pipe:
         """A pipeline (no transaction) of ``client`` whose scripts go by SHA unless denied."""
-        return _Pipe(client, by_sha=self._by_sha(), denied=self._sha_denied)
+        return _Pipe(client, by_sha=self._sha.by_sha(), denied=self._sha.denied)
 
     def _script(
         self,
@@ -1453,18 +1433,8 @@ class RedisPool(SplitStreams, RemotePool):
         keys: Sequence[str],
         args: Sequence[Any],
     ) -> Any:
-        """One call of ``script``: by its SHA (unless denied); as EVAL where the server does
-        not hold it or the user may not run EVALSHA."""
-        call, target = _Call(0, script, keys, args), cast("Any", client)
-        if self._by_sha():
-            try:
-                return target.execute_command("EVALSHA", *call.args(by_sha=True))
-            except (NoScriptError, NoPermissionError) as exc:
-                if not _sent_again(exc):
-                    raise
-                if isinstance(exc, NoPermissionError):
-                    self._sha_denied()
-        return target.execute_command("EVAL", *call.args(by_sha=False))
+        """One call of ``script`` by its SHA, as EVAL where it cannot be (``ShaGate.call``)."""
+        return self._sha.call(client, script, keys, args)
 
     def _write(
         self,
@@ -1755,12 +1725,6 @@ def _shut(conn: Any) -> None:
             sock.shutdown(socket.SHUT_RDWR)
 
 
-@functools.cache
-def _sha1(script: str) -> str:
-    """The SHA-1 a server names ``script`` by (of its UTF-8 bytes, as redis-py sends it)."""
-    return hashlib.sha1(script.encode(), usedforsecurity=False).hexdigest()
-
-
 @dataclass(frozen=True, slots=True)
 class _Call:
     """One script call queued in a pipeline, at reply ``index``: what to send again as EVAL."""
@@ -1772,7 +1736,7 @@ class _Call:
 
     def args(self, *, by_sha: bool) -> tuple[Any, ...]:
         """The command's arguments after EVALSHA (``by_sha``) or EVAL."""
-        first = _sha1(self.script) if by_sha else self.script
+        first = sha1(self.script) if by_sha else self.script
         return (first, len(self.keys), *self.keys, *self.argv)
 
 
@@ -1828,15 +1792,6 @@ def _verb(by_sha: bool) -> str:
     return "EVALSHA" if by_sha else "EVAL"
 
 
-def _sent_again(reply: object) -> bool:
-    """Whether an EVALSHA's ``reply`` says it ran nothing and the call goes again as EVAL:
-    NOSCRIPT, or NOPERM for the EVALSHA command itself (a user allowed EVAL only; not a
-    denied key, which EVAL is denied as well)."""
-    if isinstance(reply, NoScriptError):
-        return True
-    return isinstance(reply, NoPermissionError) and "'evalsha'" in str(reply).lower()
-
-
 def _resent(
     client: redis.Redis | RedisCluster,
     replies: list[Any],
@@ -1846,7 +1801,7 @@ def _resent(
     """``replies`` with each of ``calls`` (EVALSHA) the server answered NOSCRIPT or NOPERM for
     EVALSHA (it ran nothing) sent again as EVAL, in order, in one more round trip, and its reply
     put in place; ``denied`` is called where EVALSHA was denied."""
-    missing = [c for c in calls if _sent_again(replies[c.index])]
+    missing = [c for c in calls if sent_again(replies[c.index])]
     if not missing:
         return replies
     if denied is not None and any(isinstance(replies[c.index], NoPermissionError) for c in missing):
