@@ -832,19 +832,23 @@ class Followers:
             if old is not None and old.follows(url, token):
                 follower.close()
                 return
-            self._followers.pop(node, None)
-            self._inflight.pop(node, None)
-            self._forget_locked(node)
-        if old is not None:
+        while True:
+            with self._lock:
+                # a concurrent add of this node may have put its follower in while one closed:
+                # each is taken out and closed in turn (else it polled on, unfollowed, for ever)
+                old = self._followers.pop(node, None)
+                if old is None:
+                    self._followers[node] = follower
+                    follower._owner = self
+                    # from its state as it is
+                    self._state_changed_locked(follower)
+                    self._asking_changed_locked(follower)
+                    return
+                self._inflight.pop(node, None)
+                self._forget_locked(node)
             # before the new one starts: a poll of the old one in progress must not apply its
             # events after the new one's resync
             old.close()
-        with self._lock:
-            self._followers[node] = follower
-            follower._owner = self
-            # from its state as it is (a concurrent add's follower may have been replaced)
-            self._state_changed_locked(follower)
-            self._asking_changed_locked(follower)
 
     def remove(self, node: str) -> None:
         """Stop following ``node`` and drop its entries, in a shared index too: the node left

@@ -293,6 +293,34 @@ def test_adding_a_node_again_at_its_address_keeps_its_follower() -> None:
         followers.close()
 
 
+def test_two_adds_of_a_node_at_once_leave_one_follower_and_close_the_other() -> None:
+    """The first add waits for the old follower's poll in progress (its lock) while a second
+    add of the node finds no follower and puts its own in: the first then replaces that one,
+    which must be closed, not left polling unfollowed."""
+    script: dict[str, Any] = {"instance": "one", "events": [], "items": [_stored(K1)]}
+    index = EmbeddedIndex()
+    with scripted(script) as url:
+        followers = Followers(index, {"a": (url, None)})
+        followers.poll_all()
+        old = followers._followers["a"]
+        with old._lock:  # a poll of the old follower in progress
+            first = threading.Thread(target=followers.add, args=("a", url, "token-1"))
+            first.start()
+            wait_until("the first add takes the old follower out", lambda: followers.nodes() == [])
+            followers.add("a", url, "token-2")  # finds none: its follower goes in at once
+            second = followers._followers["a"]
+            assert not second._closed
+        first.join(timeout=10)
+        assert not first.is_alive()
+        assert followers.nodes() == ["a"]
+        winner = followers._followers["a"]
+        assert winner is not second and winner.follows(url, "token-1") and not winner._closed
+        assert second._closed and old._closed
+        followers.poll_all()
+        assert followers.up_nodes() == frozenset({"a"})
+        followers.close()
+
+
 class _Flaky(EmbeddedIndex):
     """An index that fails with IndexUnavailable while ``failing`` (a Redis outage), and says
     whether it is shared."""
