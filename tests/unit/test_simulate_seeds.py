@@ -212,3 +212,10 @@ def test_no_policy_is_best_where_no_seed_counted() -> None:
     for p in s.summary:
         assert p.best == [False] and p.of_belady_mean == [None]
         assert p.gap_to_best_mean == [None] and p.gap_to_best_stdev == [None]
+
+
+def test_a_range_of_seeds_is_not_built_into_a_set_to_check_it() -> None:
+    """--seeds N passes range(seed, seed + N): each seed once by construction, so a huge N is
+    refused or run seed by seed, never first made into a set of N seeds (memory)."""
+    with pytest.raises(InvalidArgument, match="capacity fraction"):
+        simulate_seeds("chat", range(10**15), capacity_fractions=[], policies=["lru"])
