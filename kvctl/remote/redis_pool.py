@@ -1050,7 +1050,9 @@ class RedisPool(SplitStreams, RemotePool):
                     pipe.getrange(self._rec(h), 0, last)
                 if touch_args is not None:
                     _eval(pipe, _TOUCH_LUA, self._acct_keys, touch_args)
-                replies = pipe.execute(raise_on_error=False)
+                # best effort, as the touch is (the only script here): a failure to send it
+                # again is its reply
+                replies = pipe.execute(raise_on_error=False, resend_best_effort=True)
             else:
                 commands: list[tuple[Any, ...]] = [("STRLEN", self._rec(h)) for h in hexes]
                 commands += [("GETRANGE", self._rec(h), 0, last) for h in hexes]
@@ -1770,14 +1772,25 @@ class _Pipe:
             self._calls.append(call)
         self._pipe.execute_command(_verb(self._by_sha), *call.args(by_sha=self._by_sha))
 
-    def execute(self, raise_on_error: bool = True) -> list[Any]:
+    def execute(
+        self, raise_on_error: bool = True, *, resend_best_effort: bool = False
+    ) -> list[Any]:
         """The replies (an error one as its exception where not ``raise_on_error``; else the
-        first raised)."""
+        first raised). ``resend_best_effort``: where sending the scripts again fails (that
+        round trip raised), the failure is the reply of each call it was to send, not raised
+        (as a get's LRU touch is on a single server: its reads are kept)."""
         # (the pipeline is empty again after its execute: so are the calls to send again)
         calls, self._calls = self._calls, []
-        replies = _resent(
-            self._client, self._pipe.execute(raise_on_error=False), calls, self._denied
-        )
+        replies = self._pipe.execute(raise_on_error=False)
+        try:
+            replies = _resent(self._client, replies, calls, self._denied)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            if not resend_best_effort:
+                raise
+            replies = list(replies)
+            for call in calls:
+                if sent_again(replies[call.index]):
+                    replies[call.index] = exc
         if raise_on_error:
             _raise_errors(replies)
         return replies

@@ -1264,3 +1264,71 @@ def test_a_cluster_pool_after_a_script_flush_on_every_node(redis_cluster: str, c
         pool.close()
         for node in nodes:
             node.close()
+
+
+def test_a_cluster_get_keeps_its_reads_when_its_touch_cannot_be_sent_again(
+    redis_cluster: str, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get's LRU touch is best effort on a Cluster as on a single server: the scripts
+    flushed on every node (EVALSHA answers NOSCRIPT), the touch's EVAL sent again fails, and
+    the get still returns the chunks it read, the touch said failed; a put whose script
+    cannot be sent again still fails. The failure is injected at the client (its pipelines of
+    EVAL calls only, the round trip that sends scripts again, raise ConnectionError on
+    execute): the servers answer that round trip, and a connection failing just then, between
+    the reads' round trip and it, cannot be brought about from outside on cue."""
+    prefix = f"kvctl-test-{uuid.uuid4().hex[:8]}"
+    pool = RedisPool(redis_cluster, prefix=prefix, capacity_bytes=1 << 20)
+    client = pool._client()
+    assert isinstance(client, redis.RedisCluster)
+    nodes = [redis.Redis(host=n.host, port=n.port) for n in client.get_primaries()]
+    resends: list[int] = []
+
+    def failing_resends(client: redis.RedisCluster) -> None:
+        """``client``'s pipelines holding only EVAL calls raise ConnectionError on execute."""
+        real_pipeline = client.pipeline
+
+        def pipeline(*args: object, **kwargs: object) -> object:
+            pipe = real_pipeline(*args, **kwargs)  # type: ignore[arg-type]
+            real_queue, real_execute = pipe.execute_command, pipe.execute
+            names: list[str] = []
+
+            def execute_command(*a: object, **kw: object) -> object:
+                names.append(str(a[0]).upper())
+                return real_queue(*a, **kw)
+
+            def execute(*a: object, **kw: object) -> list[object]:
+                if names and all(name == "EVAL" for name in names):
+                    resends.append(len(names))
+                    pipe.reset()
+                    raise redis.exceptions.ConnectionError("injected: the EVAL resend failed")
+                return real_execute(*a, **kw)  # type: ignore[arg-type]
+
+            pipe.execute_command = execute_command  # type: ignore[method-assign]
+            pipe.execute = execute  # type: ignore[method-assign]
+            return pipe
+
+        monkeypatch.setattr(client, "pipeline", pipeline)
+
+    items = [chunk(i, salt="touch") for i in range(3)]
+    keys = [m.key for m, _ in items]
+    try:
+        assert pool.put_many(items) == [True] * 3
+        failing_resends(client)
+        failing_resends(pool._client(write=True))  # type: ignore[arg-type]
+        with caplog.at_level(logging.INFO, logger="kvctl.remote.redis_pool"):
+            for node in nodes:
+                node.script_flush()
+            got = pool.get_many(keys, tenant="a")
+            assert [(c.meta, c.data) for c in got] == items  # type: ignore[union-attr]
+            assert resends == [1]
+            assert [r.message for r in caplog.records if "LRU touch failed" in r.message]
+            with pytest.raises(TierUnavailable, match="the EVAL resend failed"):
+                pool.put_many([chunk(9, salt="touch")])
+            assert resends == [1, 1]
+        monkeypatch.undo()
+        assert pool.get_many(keys, tenant="a")[0] is not None
+    finally:
+        pool.clear()
+        pool.close()
+        for node in nodes:
+            node.close()
