@@ -257,25 +257,25 @@ class Counts(HitCounts):
         """Every count the hit figures are made of, the tiers' too."""
         out = [self.lookups, self.hits, self.reuse_hits, self.sharing_hits]
         out += [self.lookup_tokens, self.hit_tokens]
-        for per_tier in (
+        for per_tier in self._tier_hit_dicts():
+            out += per_tier.values()
+        return out
+
+    def _tier_hit_dicts(self) -> tuple[dict[str, int], ...]:
+        """The per-tier hit counts, by tier: what ``impossible_hits`` checks and
+        ``unknown_hits`` clears with the whole's."""
+        return (
             self.tier_hits,
             self.tier_hit_tokens,
             self.tier_reuse_hits,
             self.tier_sharing_hits,
-        ):
-            out += per_tier.values()
-        return out
+        )
 
     def unknown_hits(self) -> None:
         """All hit counts unknown (``HitCounts.unknown_hits``), the tokens' and tiers' too."""
         HitCounts.unknown_hits(self)
         self.lookup_tokens = self.hit_tokens = 0
-        for per_tier in (
-            self.tier_hits,
-            self.tier_hit_tokens,
-            self.tier_reuse_hits,
-            self.tier_sharing_hits,
-        ):
+        for per_tier in self._tier_hit_dicts():
             per_tier.clear()
 
     def occupancy_ratio(self, tier: str) -> float | None:
