@@ -181,6 +181,13 @@ def free_bytes(path: Path) -> int | None:
     return fs.f_bavail * fs.f_frsize
 
 
+def read_record(path: Path) -> str:
+    """``path``'s text, bytes that are not UTF-8 replaced (U+FFFD): an agent writes its record
+    as UTF-8 JSON, so a damaged one parses as no agent's record rather than raise
+    UnicodeDecodeError, which is no OSError."""
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
 @dataclass(frozen=True, slots=True)
 class AgentState:
     pid: int
@@ -195,7 +202,7 @@ class AgentState:
     @classmethod
     def read(cls, data_dir: Path) -> AgentState | None:
         try:
-            return cls.parse((data_dir / STATE_FILE).read_text())
+            return cls.parse(read_record(data_dir / STATE_FILE))
         except OSError:
             return None
 
@@ -420,7 +427,7 @@ def recorded_agent(data_dir: Path, *, running: bool = True) -> AgentState:
     if starting is not None:
         raise _starting_message(data_dir, starting)
     try:
-        text = path.read_text()
+        text = read_record(path)
     except FileNotFoundError:
         if not data_dir.is_dir():
             raise NoAgentHere(

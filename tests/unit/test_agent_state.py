@@ -54,3 +54,13 @@ def test_a_named_data_dir_without_a_record_never_falls_back_to_the_configured_ur
         recorded_agent(tmp_path)
     with pytest.raises(NoAgentHere, match="no such directory"):
         recorded_agent(tmp_path / "nope")
+
+
+def test_a_record_that_is_not_utf8_is_no_agents_record(tmp_path: Path) -> None:
+    """Bytes no agent writes (a damaged file: 0xff is never UTF-8) are not an agent's record,
+    as any other damaged file is: `kvctl agent start`, `status` and `stop` said "a bug in
+    kvctl" (UnicodeDecodeError) and the start refused to run."""
+    (tmp_path / "agent.json").write_bytes(b"\xff\xfe\x00" + json.dumps(GOOD).encode())
+    assert AgentState.read(tmp_path) is None
+    with pytest.raises(NoAgentHere, match="is not an agent's record"):
+        recorded_agent(tmp_path)
