@@ -53,7 +53,18 @@ def _load(config: Path | None, **flags: object) -> LoadedSettings:
     try:
         return load_settings(config_file=config, flags=flags)
     except ConfigError as exc:
-        fail(str(exc), hint="`kvctl agent config --show` prints every setting and its source")
+        fail(str(exc), hint=_config_hint(exc.source))
+
+
+def _config_hint(source: str | None) -> str:
+    """What to do about a setting that did not load from ``source``. A file or a variable is
+    to be fixed where it is: `kvctl agent config --show` reads them too, and fails the same."""
+    kind, _, where = (source or "").partition(":")
+    if kind == "file":
+        return f"fix {where}, or give another file with --config"
+    if kind == "env":
+        return f"fix or unset {where}"
+    return "`kvctl agent config --show` prints every setting and its source"
 
 
 def _handed_over(fd: int) -> AgentSettings:

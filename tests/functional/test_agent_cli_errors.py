@@ -289,3 +289,25 @@ def test_config_of_a_data_dir_an_agent_runs_from_says_where_it_differs(
         _run(tmp_path, "agent", "config", "--data-dir", str(tmp_path / "none"), "--json").stdout
     )
     assert elsewhere["running"] is None
+
+
+@pytest.mark.parametrize("chosen_by", ["--config", "KVCTL_CONFIG", "KVCTL_CPU"])
+def test_a_setting_that_cannot_load_names_what_to_fix_not_config_show(
+    tmp_path: Path, chosen_by: str
+) -> None:
+    """`kvctl agent config --show` loads the same file and variables, so it fails the same way:
+    the hint to run it sent the operator in a circle. It names the file to fix, or the
+    variable to fix or unset."""
+    bad = tmp_path / "agent.toml"
+    bad.write_text('[agent]\ncpu = "8GiB\n')  # an unterminated string
+    env = {"KVCTL_CONFIG": str(bad)} if chosen_by == "KVCTL_CONFIG" else {}
+    env |= {"KVCTL_CPU": "lots"} if chosen_by == "KVCTL_CPU" else {}
+    args = ["--config", str(bad)] if chosen_by == "--config" else []
+    out = _run(tmp_path, "agent", "config", "--show", *args, **env)
+    assert out.exit_code == 2, out.output
+    said = _flat(out.output)
+    assert "config --show" not in said and "Traceback" not in said
+    if chosen_by == "KVCTL_CPU":
+        assert "not a size: 'lots'" in said and "hint: fix or unset KVCTL_CPU" in said
+    else:
+        assert "is not valid TOML" in said and f"hint: fix {bad}" in said
