@@ -107,6 +107,26 @@ def _probe_buffers() -> tuple[bytes, memoryview]:
         return _probe_pair
 
 
+#: OpenSSL's reasons for a TLS handshake whose peer answered with something else, as an HTTP
+#: server's plain answer to a ClientHello reads (3.2 and later say RECORD_LAYER_FAILURE)
+_NOT_TLS_REASONS = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST"})
+
+
+def _plain_http_answer(exc: BaseException) -> bool:
+    """Whether ``exc`` (an httpx transport error of an https:// request) came of a peer that
+    does not speak TLS: an SSLError of those reasons in its chain, not a certificate's."""
+    import ssl
+
+    seen: BaseException | None = exc
+    for _ in range(8):  # the chain httpx -> httpcore -> ssl is three deep
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError) and not isinstance(seen, ssl.SSLCertVerificationError):
+            return getattr(seen, "reason", None) in _NOT_TLS_REASONS
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 # --- errors -------------------------------------------------------------------------------
 class AgentError(Exception):
     """Base of every error the SDK raises."""
@@ -1850,6 +1870,13 @@ class AgentClient:
                 "says what it is doing"
             ) from exc
         except self._httpx.TransportError as exc:
+            if _plain_http_answer(exc):  # up, and speaking HTTP: "down, start it" misleads
+                plain = "http://" + self.url.removeprefix("https://")
+                raise NotAnAgent(
+                    f"{self.url} answered in plain HTTP, not TLS: an agent serves its control "
+                    f"API over plain HTTP, so give {plain} (https:// only through a TLS proxy "
+                    "in front of it)"
+                ) from exc
             # what to check depends on where the caller is: each says it (kvctl agent status
             # on this node; kvctl status and doctor of the fleet's)
             raise AgentUnreachable(

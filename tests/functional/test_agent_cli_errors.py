@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from kvctl.cli.main import app
 from tests.functional.agents import Agent, closed_port, running_agent
-from tests.not_an_agent import answering_url, hang_up_url
+from tests.not_an_agent import answering_url, hang_up_url, web_page_url
 
 runner = CliRunner()
 TOKEN = "cli-errors-s3cret"
@@ -127,6 +127,23 @@ def test_something_that_is_not_an_agent_gets_a_short_reason(
     assert said.startswith(("not an agent:", "no HTTP answer:")) and reason.format(url=url) in said
     assert "--listen" in said and START_HINT not in said and "<html" not in said
     assert report["up"] is False and len(report["error"]) < 200
+
+
+def test_https_at_a_plain_http_port_says_to_give_http_not_to_start_the_agent(
+    tmp_path: Path,
+) -> None:
+    """An agent serves plain HTTP: an https:// URL for it got "down: ... [SSL:
+    WRONG_VERSION_NUMBER] ... is it running" and the hint to start it, which it is."""
+    with web_page_url() as url:
+        https = url.replace("http://", "https://", 1)
+        out = _run(tmp_path, "agent", "status", "--url", https)
+        report = json.loads(_run(tmp_path, "agent", "status", "--url", https, "--json").stdout)
+    assert out.exit_code == 1
+    said = _flat(out.output)
+    assert said.startswith("not an agent:"), said
+    assert f"{https} answered in plain HTTP, not TLS" in said and url in said
+    assert START_HINT not in said and "SSL" not in said
+    assert report["up"] is False and "plain HTTP" in report["error"]
 
 
 def test_a_403_is_a_refused_token_not_a_missing_agent(tmp_path: Path) -> None:
