@@ -231,6 +231,11 @@ def open_db(
             f"cannot connect to {display_url(str(engine.url))}: {driver_message(exc)}"
             + sqlite_dir_problem(engine.url.database if engine.dialect.name == "sqlite" else None)
         ) from None
+    except SQLAlchemyError as exc:  # a SQLite file that is no database: name the file
+        engine.dispose()
+        raise DatabaseError(
+            f"cannot use {display_url(str(engine.url))}: {driver_message(exc)}"
+        ) from None
     head = head_revision()
     if current == head:
         return engine

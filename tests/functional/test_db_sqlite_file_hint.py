@@ -39,3 +39,20 @@ def test_a_server_that_does_not_answer_still_hints_at_the_server() -> None:
     code, said = _said("db", "current", "--db", "postgresql://nobody@127.0.0.1:1/x")
     assert code == 2, said
     assert "check that its server is up" in said
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["fleet", "ls"], ["status"], ["audit"], ["db", "maintain"], ["collect", "--once"]],
+)
+def test_every_command_names_the_sqlite_file_that_is_no_database(
+    tmp_path: Path, command: list[str]
+) -> None:
+    """They said "database error: file is not a database", naming no file: with KVCTL_DB_URL
+    set elsewhere, which file was it?"""
+    path = tmp_path / "kvctl.db"
+    path.write_bytes(b"\xff\xfe not a database, not even text\n" * 10)
+    code, said = _said(*command, "--db", f"sqlite:///{path}")
+    assert code == 2, said
+    assert f"cannot use sqlite:///{path}: file is not a database" in said, said
+    assert "did not expect" not in said
