@@ -27,6 +27,11 @@ fleet_app = typer.Typer(
 )
 
 LS_HINT = "`kvctl fleet ls` lists the DCs, nodes and links"
+#: a name taken: how to change what it names (a node's agent URL after a restart on another port)
+CHANGE_HINT = (
+    f"{LS_HINT}; to change one, edit it in a fleet file: `kvctl fleet export -o fleet.toml`, "
+    "then `kvctl fleet import fleet.toml`"
+)
 EMPTY_HINT = (
     "add a DC with `kvctl fleet add-dc NAME`, or load a whole fleet with `kvctl fleet import FILE`"
 )
@@ -70,7 +75,7 @@ def _change(
                 with engine.begin() as conn:
                     record(conn, action=action, target=target, args=args, ok=False, result=str(exc))
                 # unknown names and bad values say what to do already; a duplicate does not
-                fail(str(exc), hint=LS_HINT if "already exists" in str(exc) else None)
+                fail(str(exc), hint=CHANGE_HINT if "already exists" in str(exc) else None)
     finally:
         engine.dispose()
     return result

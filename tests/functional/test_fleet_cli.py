@@ -196,6 +196,18 @@ def test_bad_input_is_one_clear_line_and_exit_2(url: str, db: Engine) -> None:
     assert any("already exists" in e.result for e in refused)
 
 
+def test_a_duplicate_says_how_to_change_what_exists(url: str) -> None:
+    """An agent restarted on another port, at 3 a.m.: `add-node` of its name again is refused,
+    and the hint said only that `kvctl fleet ls` lists it, not how to change its URL."""
+    fleet(url, "add-dc", "fra")
+    fleet(url, "add-node", "n1", "--dc", "fra", "--agent-url", "http://a:1")
+    dup = flat(
+        fleet(url, "add-node", "n1", "--dc", "fra", "--agent-url", "http://b:1", code=2).output
+    )
+    assert "a node named 'n1' already exists" in dup
+    assert "`kvctl fleet export -o fleet.toml`" in dup and "`kvctl fleet import fleet.toml`" in dup
+
+
 # --- rm -----------------------------------------------------------------------------------------
 def test_rm_dc_with_nodes_asks(url: str, db: Engine) -> None:
     build(url)
