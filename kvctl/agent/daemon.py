@@ -255,6 +255,16 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def process_stopped(pid: int) -> bool:
+    """True when ``pid`` is stopped by a signal (SIGSTOP, SIGTSTP: Ctrl-Z in its terminal): it
+    answers nothing until SIGCONT. Not a debugger's stop ("t"), which SIGCONT does not end."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
 #: what flock fails with on a filesystem without locks (NFSv3 whose lock daemon does not
 #: answer: ENOLCK; some FUSE and network filesystems: EOPNOTSUPP, ENOSYS, EINVAL)
 NO_LOCKS_ERRNOS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL})

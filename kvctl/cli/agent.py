@@ -657,6 +657,33 @@ TOKEN_HINT = (
 )
 
 
+class _AgentStopped(Exception):
+    """The agent of this host that did not answer is stopped (SIGSTOP, Ctrl-Z): not hung."""
+
+    def __init__(self, message: str, pid: int) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+def _stopped(exc: Exception, target: str, data_dir: Path) -> Exception:
+    """``exc``, or where the agent that did not answer in time runs from this host's data dir
+    and is stopped by a signal, an error saying so: "hung or overloaded? ... --force" sent the
+    operator to kill an agent that SIGCONT resumes."""
+    from kvctl.agent.daemon import process_stopped, running_agent
+    from kvctl.client import AgentNotAnswering
+
+    if not isinstance(exc, AgentNotAnswering):
+        return exc
+    state = running_agent(data_dir)
+    if state is None or state.control_url != target or not process_stopped(state.pid):
+        return exc
+    return _AgentStopped(
+        f"the agent at {target} does not answer: the agent process (pid {state.pid}) is "
+        "stopped (SIGSTOP, or Ctrl-Z in the terminal it runs in)",
+        state.pid,
+    )
+
+
 def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | None]:
     """How a failed call to the agent reads: a label, and what to do next (for an agent that
     is down, ``down_hint`` when given). An agent that refused the token is up; something that
@@ -671,6 +698,11 @@ def _failure(exc: Exception, down_hint: str | None = None) -> tuple[str, str | N
     )
 
     control_url = "give --url the agent's control URL (its --listen, default 7070)"
+    if isinstance(exc, _AgentStopped):
+        return "not answering", (
+            f"`kill -CONT {exc.pid}` resumes it (`fg` in the shell that suspended it); until "
+            "then `kvctl agent stop` waits in vain (its --force kills it)"
+        )
     if isinstance(exc, AuthError):
         return "token refused", TOKEN_HINT
     if isinstance(exc, AgentStarting):
@@ -768,7 +800,7 @@ def status_command(
             print_json(unread(None) | {"error": str(exc)})
         fail(str(exc), hint=exc.hint, code=_no_agent_code(home.load().settings.data_path))
     report = unread(target)
-    failure: AgentError | None = None
+    failure: Exception | None = None
     try:
         with AgentClient(target, token=settings.token or None) as client:
             report["info"] = client.info()
@@ -797,8 +829,8 @@ def status_command(
         # None from an agent before the counts, or where they were rejected (named above)
         report |= since.read_figures()
     except AgentError as exc:
-        failure = exc
-        report["error"] = str(exc)
+        failure = _stopped(exc, target, settings.data_path) if url is None else exc
+        report["error"] = str(failure)
         # it answered: up, though it cannot be read (yet)
         report["up"] = isinstance(exc, AuthError | AgentStarting)
         report["auth_refused"] = isinstance(exc, AuthError)

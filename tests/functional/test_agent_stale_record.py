@@ -496,3 +496,32 @@ def test_a_pool_url_not_utf8_is_refused_without_showing_its_password(tmp_path: P
     assert "pool" in said and "is not valid UTF-8" in said
     assert "w0rd-secret" not in said and "p\\xe4ss" not in said, said
     assert "rename the directory" not in said, said
+
+
+def test_status_of_a_stopped_agent_says_it_is_stopped_and_how_to_resume_it(
+    tmp_path: Path,
+) -> None:
+    """An agent run in a terminal and suspended there (Ctrl-Z) answers nothing: "not
+    answering ... hung or overloaded? ... `kvctl agent stop --force`" sent the operator to kill
+    an agent that one `kill -CONT` resumes."""
+    data_dir = tmp_path / "agent"
+    agent = start_agent(data_dir, *SMALL)
+    pid = agent.proc.pid
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        out = _run(tmp_path, "agent", "status", "--data-dir", str(data_dir))
+        report = json.loads(
+            _run(tmp_path, "agent", "status", "--data-dir", str(data_dir), "--json").stdout
+        )
+        assert out.exit_code == 1, out.output
+        said = _flat(out.output)
+        assert said.startswith("not answering:"), said
+        assert f"the agent process (pid {pid}) is stopped" in said and f"`kill -CONT {pid}`" in said
+        assert "hung or overloaded" not in said
+        assert report["up"] is False and f"(pid {pid}) is stopped" in report["error"]
+        os.kill(pid, signal.SIGCONT)
+        back = _run(tmp_path, "agent", "status", "--data-dir", str(data_dir))
+        assert back.exit_code == 0, back.output
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        stop_agent(data_dir, timeout_s=30, force=True)
