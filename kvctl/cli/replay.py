@@ -260,15 +260,22 @@ def _router_client(url: str) -> RouterClient:
     each request falling back to round-robin after the client's timeout."""
     import os
 
-    from kvctl.cli.router import router_failed, router_url
+    from kvctl.cli.router import ROUTER_TOKEN_ENV, router_failed, router_url
     from kvctl.router.client import RouterClient, RouterClientError
 
-    client = RouterClient(router_url(url), token=os.environ.get("KVCTL_ROUTER_TOKEN") or None)
+    client = RouterClient(router_url(url), token=os.environ.get(ROUTER_TOKEN_ENV) or None)
     try:
         client.info()
     except RouterClientError as exc:
         client.close()
-        router_failed(exc)
+        # replay has no --token-file and reads no $KVCTL_ROUTER_URL (its --router is given):
+        # the shared hints sent the operator to an option it lacks and a variable it ignores
+        router_failed(
+            exc,
+            token_hint=f"set ${ROUTER_TOKEN_ENV} to the router's token (the first line of the "
+            "file its `kvctl router serve --token-file` reads)",
+            away_hint="start it with `kvctl router serve`, or give --router the address it prints",
+        )
     return client
 
 

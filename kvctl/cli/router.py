@@ -107,22 +107,30 @@ ROUTER_TOKEN_HINT = (
 )
 
 
-def router_failed(exc: RouterClientError) -> NoReturn:
+#: where a router that did not answer is given, for its hint
+ROUTER_AWAY_HINT = (
+    f"start it with `kvctl router serve`, or give --router URL (or ${ROUTER_URL_ENV})"
+)
+
+
+def router_failed(
+    exc: RouterClientError,
+    *,
+    token_hint: str = ROUTER_TOKEN_HINT,
+    away_hint: str = ROUTER_AWAY_HINT,
+) -> NoReturn:
     """Exit with what a failed call to the router means and what to do next: 1 when it did not
     answer, refused the token, is not a router or failed; 2 when it refused the request itself
-    (bad input: a 400 or 422)."""
+    (bad input: a 400 or 422). ``token_hint`` and ``away_hint`` say where the token and the
+    router's URL are given, for a command that takes them otherwise (`kvctl replay`)."""
     from kvctl.router.client import RouterTokenError  # loaded already: exc came from there
 
     if isinstance(exc, RouterTokenError):  # never sent: the token is what to fix
-        fail(str(exc), hint=ROUTER_TOKEN_HINT, code=1)
+        fail(str(exc), hint=token_hint, code=1)
     if exc.status is None:
-        fail(
-            str(exc),
-            hint=f"start it with `kvctl router serve`, or give --router URL (or ${ROUTER_URL_ENV})",
-            code=1,
-        )
+        fail(str(exc), hint=away_hint, code=1)
     if exc.status in (401, 403):
-        fail(str(exc), hint=ROUTER_TOKEN_HINT, code=1)
+        fail(str(exc), hint=token_hint, code=1)
     if exc.status in (404, 405):  # every router path exists: this is something else
         fail(
             f"{exc}: is that a kvctl router? (an agent's control API answers so; the router "

@@ -163,3 +163,26 @@ def test_ctrl_c_ends_a_json_replay_with_valid_json(fleet: tuple[Agent, str]) -> 
     report = json.loads(out)
     assert report["stopped_early"] is True and report["requests"]["requests"] == 1
     assert report["agents_agree"] is True
+
+
+@pytest.mark.parametrize(
+    ("router", "says", "never"),
+    [
+        # replay reads no $KVCTL_ROUTER_URL (its --router is always given) ...
+        ("closed", "--router", "$KVCTL_ROUTER_URL"),
+        # ... and takes its token from $KVCTL_ROUTER_TOKEN only: it has no --token-file
+        ("token", "$KVCTL_ROUTER_TOKEN", "--token-file FILE"),
+    ],
+)
+def test_replay_hints_at_what_replay_reads(
+    fleet: tuple[Agent, str], router: str, says: str, never: str
+) -> None:
+    db = fleet[1]
+    if router == "closed":
+        code, out = _run(*REPLAY, "--db", db, "--router", f"http://127.0.0.1:{closed_port()}")
+    else:
+        with answering_url(401, UNAUTHORIZED, "application/json") as url:
+            code, out = _run(*REPLAY, "--db", db, "--router", url)
+    assert code == 1, out
+    hint = out.partition("hint:")[2]
+    assert says in hint and never not in hint, out
