@@ -27,7 +27,6 @@ from kvctl.remote.agent_source import AgentSource
 from kvctl.remote.federation import POOL_TIER, RemoteTiers, Source
 from kvctl.remote.fetchplan import PrefillRate
 from kvctl.remote.links import LinkEstimator
-from kvctl.store.errors import KeyNotFound
 from kvctl.store.store import TieredStore
 from kvctl.store.tiers.cpu import CpuTier
 from tests.functional.inprocess_node import InProcessNode
@@ -75,18 +74,24 @@ def replace_after_the_bytes(
 def test_a_fetch_never_sends_one_chunks_bytes_under_anothers_owner(
     pool: InProcessNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The chunk replaced between its bytes and its metadata is reported missing (the bytes
+    read are no longer the chunk's); the next FETCH, the race over, sends the new chunk: its
+    bytes with its own owner. (The check of the pair ran only when an item came back, and
+    none came: the race's reply is a miss.)"""
     done = replace_after_the_bytes(monkeypatch, pool, CHUNK_BYTES)
     sums: list[int | None] = []
     with DataClient.connect(address(pool), use_shm=False) as c:
         got = c.fetch([KEY], tenant="acme", checksums=sums)
-    assert done
-    item = got[0]
-    if item is not None:  # what was sent must be one chunk: its bytes with its own owner
-        meta, data = item
-        assert (meta.tenant, meta.isolated, bytes(data or b"")) in (
-            ("acme", True, VICTIM_BYTES),
-            ("globex", False, b"\xee" * CHUNK_BYTES),
-        ), f"acme's bytes sent as {meta.tenant}'s (isolated={meta.isolated})"
+        assert done
+        assert got == [None], got
+        (item,) = c.fetch([KEY], tenant="acme", checksums=[])
+    assert item is not None
+    meta, data = item
+    assert (meta.tenant, meta.isolated, bytes(data or b"")) == (
+        "globex",
+        False,
+        b"\xee" * CHUNK_BYTES,
+    ), f"{meta.tenant}'s chunk (isolated={meta.isolated}) sent with other bytes"
 
 
 def test_a_replacement_of_another_size_is_a_miss_not_a_broken_reply(
@@ -103,20 +108,25 @@ def test_a_node_pulling_from_the_pool_never_serves_acmes_chunk_to_another_tenant
     pool: InProcessNode, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The node isolates acme by its request's flag only (as the pool does), so only the
-    chunk's own metadata tells it whose the bytes are."""
+    chunk's own metadata tells it whose the bytes are. The raced pull is a miss: the node
+    stores nothing. Pulled again, the race over, the chunk is globex's shared one, which every
+    tenant reads, as globex's bytes. (The tenants' reads were checked only when the node had
+    stored something, and it had not: the check never ran.)"""
     store = TieredStore([CpuTier(1 << 20)], chunk_tokens=16)
     source = Source(
         "pool", POOL_TIER, AgentSource(address(pool)), LinkEstimator("pool", override="fetch")
     )
     node = RemoteTiers(store, pool=source, prefill=PrefillRate(1e4, "configured"))
     try:
-        replace_after_the_bytes(monkeypatch, pool, CHUNK_BYTES)
+        done = replace_after_the_bytes(monkeypatch, pool, CHUNK_BYTES)
         node.fill([KEY], tenant="acme")
-        for tenant in ("umbrella", "globex", "initech"):
-            try:
-                data = bytes(store.get(KEY, tenant=tenant))
-            except KeyNotFound:
-                continue
+        assert done
+        assert KEY not in store  # the raced pull brought nothing
+        node.fill([KEY], tenant="acme")
+        assert KEY in store
+        for tenant in ("umbrella", "globex", "initech", "acme"):
+            data = bytes(store.get(KEY, tenant=tenant))
             assert data != VICTIM_BYTES, f"{tenant} read acme's isolated chunk"
+            assert data == b"\xee" * CHUNK_BYTES, tenant
     finally:
         node.close()
