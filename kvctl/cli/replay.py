@@ -243,7 +243,9 @@ def replay_command(
                         router_policy=router_policy,
                     )
             except (AgentError, ReplayError) as exc:
-                fail(str(exc), hint="`kvctl status` shows which agents answer", code=1)
+                hint = exc.hint if isinstance(exc, ReplayError) else None
+                hint = hint or "`kvctl status` shows which agents answer"
+                fail(str(exc), hint=hint, code=1)
     if json_out:
         print_json(report.as_dict())
     else:

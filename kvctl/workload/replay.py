@@ -340,7 +340,22 @@ def _intact(data: bytes | bytearray | None, key: ChunkKey, size_bytes: int) -> b
 
 
 class ReplayError(RuntimeError):
-    """The replay cannot go on (an agent went away, a chunk came back corrupt)."""
+    """The replay cannot go on (an agent went away, a chunk came back corrupt); ``hint``, when
+    given, says what to do about it."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+#: a chunk of another size than this replay's under one of its keys: the keys depend on the
+#: workload (its salt), the model and the chunk size, not on --kv-scale, so an earlier replay of
+#: the same workload at another scale stored them
+OTHER_SIZE_HINT = (
+    "the agents hold this workload's chunks at another size, stored by a replay with another "
+    "--kv-scale: replay at that scale, or empty the agents' tiers first (`kvctl flush --tier cpu "
+    "--all --yes`, and --tier disk)"
+)
 
 
 class _Node:
@@ -658,7 +673,8 @@ def _fetch(
         if not _intact(data, key, chunk_bytes):
             raise ReplayError(
                 f"{node.node.name} served chunk {key.hex()} with wrong bytes "
-                f"({len(data)} bytes, expected {chunk_bytes} beginning with the key)"
+                f"({len(data)} bytes, expected {chunk_bytes} beginning with the key)",
+                hint=OTHER_SIZE_HINT if len(data) != chunk_bytes else None,
             )
         node.tally.bytes_fetched += chunk_bytes
     return len(keys)
