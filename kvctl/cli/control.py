@@ -86,6 +86,7 @@ def _act(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
     answered: list[str] = []
+    failed: list[str] = []  # of those answered: an error, a timeout (not acted, or unknown)
     waiting = (
         f"waiting up to {fanout.timeout:g} s for the agents already asked, whose answers are "
         "audited; nodes not yet asked are left alone"
@@ -108,14 +109,22 @@ def _act(
             def answer(r: NodeResult[dict[str, Any]]) -> None:
                 if r.node.name not in answered:  # a Ctrl-C mid-report has it reported again
                     answered.append(r.node.name)
+                    if not r.ok:
+                        failed.append(r.node.name)
                 progress.update(task, advance=1, last=escape(r.node.name))
 
             report = run_action(engine, nodes, req, timeout_s=fanout.timeout, on_result=answer)
     except KeyboardInterrupt as exc:
         unrecorded: list[str] = getattr(exc, "unrecorded", [])
+        done = [name for name in answered if name not in failed]
+        ended = "; ".join(
+            f"{what} on {escape(', '.join(names))}"
+            for what, names in (("done", done), ("[bold red]failed[/]", failed))
+            if names
+        )
         err_console.print(
-            f"[yellow]interrupted:[/] {len(answered)} of {len(nodes)} node(s) answered"
-            + (f" ({escape(', '.join(answered))})" if answered else "")
+            f"[yellow]interrupted:[/] {len(answered)} of {len(nodes)} node(s) ended"
+            + (f": {ended}" if ended else "")
             + (
                 f"; [bold red]not in the audit trail[/] (its write was stopped, or failed), "
                 f"though asked and possibly acted: {escape(', '.join(unrecorded))}"

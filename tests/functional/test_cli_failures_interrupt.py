@@ -103,6 +103,38 @@ def test_ctrl_c_during_a_pin_waits_aloud_and_audits_what_the_agents_did(tmp_path
     said = " ".join((first + err.decode()).split())
     assert first.startswith("interrupted: waiting up to 30 s for the agents already asked"), said
     assert proc.returncode == 130, said
-    assert "interrupted: 2 of 2 node(s) answered" in said and "Traceback" not in said
+    assert "interrupted: 2 of 2 node(s) ended: done on fast, slow;" in said, said
+    assert "failed" not in said and "Traceback" not in said
     audit = json.loads(_cli(db, "audit", "--action", "pin", "--json"))
     assert sorted((row["target"], row["ok"]) for row in audit) == [("fast", True), ("slow", True)]
+
+
+def test_ctrl_c_does_not_call_a_node_that_failed_answered(tmp_path: Path) -> None:
+    """A node whose call failed (here: nothing listens) was counted among those that
+    "answered", as was one that timed out: the operator read that it had acted."""
+    db = f"sqlite:///{tmp_path / 'kvctl.db'}"
+    with _agents(1) as (slow,):
+        _cli(db, "fleet", "add-dc", "fra")
+        _cli(db, "fleet", "add-node", "slow", "--dc", "fra", "--agent-url", slow.url)
+        _cli(db, "fleet", "add-node", "gone", "--dc", "fra", "--agent-url", "http://127.0.0.1:1")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVCTL_")}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvctl", "pin", "--all", "--yes", "--key", KEY,
+             "--timeout", "30", "--db", db],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+        try:
+            assert slow.asked.wait(GUARD_S)
+            proc.send_signal(signal.SIGINT)
+            assert proc.stderr is not None
+            first = proc.stderr.readline().decode()
+            slow.release.set()
+            _, err = proc.communicate(timeout=GUARD_S)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    said = " ".join((first + err.decode()).split())
+    assert proc.returncode == 130, said
+    assert "interrupted: 2 of 2 node(s) ended: done on slow; failed on gone;" in said, said
+    assert "answered" not in said.split("interrupted: 2 of 2")[1]
