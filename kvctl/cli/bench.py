@@ -138,7 +138,7 @@ def bench_agent_command(
 
     Examples:
 
-      kvctl bench agent --json > bench/results/agent.json
+      kvctl bench agent --json > agent.json
 
       kvctl bench agent --sizes 32MiB --bytes-per-size 1GiB --repeats 5
     """
@@ -184,7 +184,7 @@ def bench_db_command(
 
     Examples:
 
-      kvctl bench db --json > bench/results/db.json
+      kvctl bench db --json > db.json
 
       kvctl bench db --no-pg --nodes 200 --days 2
 
@@ -232,7 +232,7 @@ def bench_top_command(
 
     Examples:
 
-      kvctl bench top --json > bench/results/top.json
+      kvctl bench top --json > top.json
 
       kvctl bench top --agents 200 --interval 2 --seconds 30
     """
@@ -289,7 +289,7 @@ def bench_remote_command(
 
     Examples:
 
-      kvctl bench remote --json > bench/results/remote.json
+      kvctl bench remote --json > remote.json
 
       kvctl bench remote --redis-url redis://:secret@cache.example:6379/0 --sizes 32MiB
 
@@ -333,7 +333,7 @@ def bench_gpu_command(
 
     Examples:
 
-      kvctl bench gpu --json > bench/results/gpu.json
+      kvctl bench gpu --json > gpu.json
 
       kvctl bench gpu --sizes 4MiB,32MiB,128MiB --bytes-per-size 1GiB --device cuda:1
     """
@@ -408,7 +408,7 @@ def bench_ttft_command(
 
     Examples:
 
-      kvctl bench ttft --json > bench/results/ttft-cpu.json
+      kvctl bench ttft --json > ttft-cpu.json
 
       kvctl bench ttft --contexts 1k,4k --sources cpu,pool --repeats 5
 
@@ -524,7 +524,7 @@ def bench_route_command(
 
     Examples:
 
-      kvctl bench route --json > bench/results/route.json
+      kvctl bench route --json > route.json
 
       kvctl bench route --quick
 
@@ -600,7 +600,7 @@ def bench_reopen_command(
 
     Examples:
 
-      kvctl bench reopen --json > bench/results/reopen.json
+      kvctl bench reopen --json > reopen.json
 
       kvctl bench reopen --chunks 100000 --dir /mnt/nvme/kvctl-bench --drop-all-caches
     """
@@ -659,7 +659,7 @@ def bench_crash_command(
 
     Examples:
 
-      kvctl bench crash --json > bench/results/crash.json
+      kvctl bench crash --json > crash.json
 
       kvctl bench crash --trials 100 --writers 4 --chunk-size 1MiB --dir /mnt/nvme/kvctl-bench
 
