@@ -53,7 +53,10 @@ def simulate_command(
     workload: WorkloadOpt = "builtin",
     capacity_fraction: Annotated[
         list[float] | None,
-        typer.Option(help="Cache size as a fraction of the trace's unique blocks (repeatable)."),
+        typer.Option(
+            help="Cache size as a fraction of the trace's unique blocks (repeatable). "
+            "Without any capacity option: 0.1."
+        ),
     ] = None,
     capacity_blocks: Annotated[
         list[int] | None, typer.Option(help="Cache size in blocks (repeatable).")
