@@ -1343,6 +1343,13 @@ def stop_agent_saying(
     if _gone_within(data_dir, state.pid, timeout_s):
         return state, False
     if not force:
+        if process_stopped(state.pid):  # Ctrl-Z: not hung, and SIGTERM waits for a SIGCONT
+            raise TimeoutError(
+                f"agent pid {state.pid} still running {timeout_s:g} s after SIGTERM: it is "
+                f"stopped (SIGSTOP, or Ctrl-Z in its terminal): `kill -CONT {state.pid}` "
+                "resumes it, and it acts on the SIGTERM then; or retry with --force to kill it "
+                "(SIGKILL; chunks on disk stay intact)"
+            )
         raise TimeoutError(
             f"agent pid {state.pid} still running {timeout_s:g} s after SIGTERM (it is still "
             "shutting down, or hung: its log is agent.log in its data dir); retry with --force "

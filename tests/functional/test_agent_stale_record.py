@@ -519,9 +519,15 @@ def test_status_of_a_stopped_agent_says_it_is_stopped_and_how_to_resume_it(
         assert f"the agent process (pid {pid}) is stopped" in said and f"`kill -CONT {pid}`" in said
         assert "hung or overloaded" not in said
         assert report["up"] is False and f"(pid {pid}) is stopped" in report["error"]
+        # a stop waits in vain: the SIGTERM is acted on once the agent is resumed
+        stop = _run(tmp_path, "agent", "stop", "--data-dir", str(data_dir), "--timeout", "1")
+        assert stop.exit_code == 1, stop.output
+        said = _flat(stop.output)
+        assert f"agent pid {pid} still running 1 s after SIGTERM" in said
+        assert f"it is stopped (SIGSTOP, or Ctrl-Z in its terminal): `kill -CONT {pid}`" in said
         os.kill(pid, signal.SIGCONT)
-        back = _run(tmp_path, "agent", "status", "--data-dir", str(data_dir))
-        assert back.exit_code == 0, back.output
+        assert agent.proc.wait(60) == 0  # the SIGTERM, acted on: a clean stop
     finally:
-        os.kill(pid, signal.SIGCONT)
-        stop_agent(data_dir, timeout_s=30, force=True)
+        if agent.proc.poll() is None:
+            os.kill(pid, signal.SIGCONT)
+            stop_agent(data_dir, timeout_s=30, force=True)
