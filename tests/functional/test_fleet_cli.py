@@ -501,21 +501,34 @@ def test_a_writer_creates_the_database_for_its_owner_only(
     import os
     import stat
 
+    from sqlalchemy import event
+
     fleet_file = tmp_path / "fleet.toml"
     fleet_file.write_text(FLEET_TOML)
     path = tmp_path / "new" / "x.db"
     args = [str(fleet_file) if a == "FILE" else a for a in command]
+    # the WAL's -wal and -shm files hold the database's pages while a connection is open and
+    # are gone once the last one closes: their modes are read at each of the writer's commits
+    # (checked after the command had ended, they were never there to check)
+    extras = (path.with_name("x.db-wal"), path.with_name("x.db-shm"))
+    seen: list[tuple[str, int]] = []
+
+    def modes_at_commit(_conn: object) -> None:
+        seen.extend((f.name, stat.S_IMODE(f.stat().st_mode)) for f in extras if f.exists())
+
     old_umask = os.umask(0o022)  # the usual one: files 0644 unless made otherwise
+    event.listen(Engine, "commit", modes_at_commit)
     try:
         out = runner.invoke(app, [*args, "--db", f"sqlite:///{path}"])
     finally:
+        event.remove(Engine, "commit", modes_at_commit)
         os.umask(old_umask)
     assert out.exit_code == 0, out.output
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
-    for extra in (path.with_name("x.db-wal"), path.with_name("x.db-shm")):
-        if extra.exists():  # SQLite makes them with the database's mode
-            assert stat.S_IMODE(extra.stat().st_mode) == 0o600
+    # SQLite makes them with the database's mode
+    assert {name for name, _ in seen} == {"x.db-wal", "x.db-shm"}, seen
+    assert all(mode == 0o600 for _, mode in seen), seen
     ls = runner.invoke(app, ["fleet", "ls", "--db", f"sqlite:///{path}"])
     assert ls.exit_code == 0, ls.output
 
