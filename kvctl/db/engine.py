@@ -96,7 +96,20 @@ def resolve_url(url: str | URL | None = None) -> str:
             f"unsupported database {parsed.get_backend_name()!r}: kvctl supports SQLite and "
             "PostgreSQL"
         )
+    if parsed.drivername not in _DRIVERS:
+        # another driver (asyncpg, psycopg2) was "a bug in kvctl: ModuleNotFoundError"
+        raise DatabaseError(
+            f"unsupported database driver {parsed.drivername!r}: kvctl uses psycopg 3 for "
+            "PostgreSQL (postgresql://USER@HOST:5432/DB) and Python's sqlite3 for SQLite "
+            "(sqlite:///PATH)"
+        )
     return parsed.render_as_string(hide_password=False)
+
+
+#: the drivers kvctl installs and is written for (the pysqlite transaction recipe, psycopg 3's
+#: connection socket): a URL's scheme names one of them, or its backend alone (postgresql://
+#: is made postgresql+psycopg:// above)
+_DRIVERS = frozenset({"sqlite", "sqlite+pysqlite", "postgresql+psycopg"})
 
 
 def driver_message(exc: BaseException) -> str:

@@ -125,3 +125,27 @@ def test_a_password_typed_with_a_raw_question_mark_and_equals_sign_still_reads(
     assert "revision empty" in said and "raw '@'" not in said, said
     assert "k3" not in said and "Lm=Q" not in said and "?a=b" not in said, said
     assert "Lm?Q" not in said, said
+
+
+@pytest.mark.parametrize("command", [["db", "current"], ["fleet", "ls"]])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+asyncpg://kvctl:s3cret@127.0.0.1:5432/kvctl",
+        "postgresql+psycopg2://kvctl:s3cret@127.0.0.1:5432/kvctl",
+        "postgresql+pg8000://kvctl:s3cret@127.0.0.1:5432/kvctl",
+        "sqlite+aiosqlite:////tmp/kvctl-no-such-dir/kvctl.db",
+    ],
+)
+def test_a_driver_kvctl_does_not_use_is_refused_naming_the_ones_it_does(
+    command: list[str], url: str
+) -> None:
+    """A driver kvctl does not install (asyncpg, psycopg2) was "a bug in kvctl:
+    ModuleNotFoundError", exit 1; kvctl runs on psycopg 3 and Python's sqlite3 only."""
+    result = runner.invoke(app, [*command, "--db", url], env={"COLUMNS": "1000"})
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, said
+    driver = url.split("://")[0]
+    assert f"error: unsupported database driver {driver!r}" in said, said
+    assert "postgresql://" in said and "sqlite:///" in said
+    assert "s3cret" not in said and "did not expect" not in said
