@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import threading
 from pathlib import Path
 from typing import Annotated, Any
@@ -208,7 +209,14 @@ def collect_command(
                 host, port = split_host_port(metrics_listen, DEFAULT_METRICS_PORT)
                 server, bound = collector.metrics.serve(host, port)
             except (OSError, ValueError) as exc:
-                fail(f"cannot serve /metrics on {metrics_listen}: {exc}")
+                taken = isinstance(exc, OSError) and exc.errno == errno.EADDRINUSE
+                fail(
+                    f"cannot serve /metrics on {metrics_listen}: {exc}",
+                    hint="another process listens there (another `kvctl collect`?): stop it, "
+                    "or give --metrics-listen another port (or off)"
+                    if taken
+                    else None,
+                )
             err_console.print(f"collector metrics on http://{host}:{bound}/metrics")
         stop = threading.Event()
 
