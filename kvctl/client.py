@@ -112,7 +112,7 @@ def _probe_buffers() -> tuple[bytes, memoryview]:
 _NOT_TLS_REASONS = frozenset({"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "HTTP_REQUEST"})
 
 
-def _plain_http_answer(exc: BaseException) -> bool:
+def plain_http_answer(exc: BaseException) -> bool:
     """Whether ``exc`` (an httpx transport error of an https:// request) came of a peer that
     does not speak TLS: an SSLError of those reasons in its chain, not a certificate's."""
     import ssl
@@ -1870,7 +1870,7 @@ class AgentClient:
                 "says what it is doing"
             ) from exc
         except self._httpx.TransportError as exc:
-            if _plain_http_answer(exc):  # up, and speaking HTTP: "down, start it" misleads
+            if plain_http_answer(exc):  # up, and speaking HTTP: "down, start it" misleads
                 plain = "http://" + self.url.removeprefix("https://")
                 raise NotAnAgent(
                     f"{self.url} answered in plain HTTP, not TLS: an agent serves its control "

@@ -32,6 +32,17 @@ class RouterTokenError(RouterClientError):
     """The token cannot be sent (``kvctl.bearer.token_problem``): the router was not asked."""
 
 
+class RouterNotTls(RouterClientError):
+    """An https:// URL whose server answered in plain HTTP (a router, or something else): up,
+    at the wrong scheme, not a router that did not answer."""
+
+
+def _first_line(text: str, limit: int = 200) -> str:
+    """The first non-blank line of ``text``, cut to ``limit`` characters."""
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
 class RouterClient:
     def __init__(
         self,
@@ -72,6 +83,14 @@ class RouterClient:
         try:
             r = self._http.request(method, path, **kw)
         except self._httpx.HTTPError as exc:
+            from kvctl.client import plain_http_answer
+
+            if plain_http_answer(exc):  # up, speaking HTTP: "did not answer, start it" misleads
+                plain = "http://" + self.shown_url.removeprefix("https://")
+                raise RouterNotTls(
+                    f"{self.shown_url} answered in plain HTTP, not TLS: the router serves plain "
+                    f"HTTP, so give {plain} (https:// only through a TLS proxy in front of it)"
+                ) from exc
             # httpx's message may quote the URL, user info and all
             text = str(exc).replace(self.url, self.shown_url)
             raise RouterClientError(
@@ -89,7 +108,8 @@ class RouterClient:
                 parts: list[Any] = where if isinstance(where, list) else []
                 loc = ".".join(str(p) for p in parts if p != "body")
                 detail = f"{loc}: {first.get('msg', '')}" if loc else first.get("msg")
-            text = detail if detail else r.text[:200]
+            # a web page's first line, not 200 characters of it over many lines
+            text = detail if detail else _first_line(r.text) or "empty body"
             raise RouterClientError(
                 f"the router answered {r.status_code}: {text}", status=r.status_code
             )

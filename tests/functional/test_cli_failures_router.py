@@ -76,6 +76,32 @@ def test_something_that_is_not_a_router_is_said_to_be_so(command: list[str]) -> 
     assert "is that a kvctl router?" in out and "9480" in out
 
 
+PAGE = b"<!DOCTYPE HTML>\n<html lang='en'>\n<title>Error response</title>\n" + b"<p>x</p>\n" * 50
+
+
+@pytest.mark.parametrize("command", [["router", "status"], ["route", "--text", "a b"]])
+def test_a_web_page_instead_of_a_router_is_one_line(command: list[str]) -> None:
+    """A web server's 404 page was quoted whole, 200 characters over many lines."""
+    clean: dict[str, str | None] = {k: None for k in os.environ if k.startswith("KVCTL_")}
+    with answering_url(404, PAGE) as url:
+        result = runner.invoke(app, [*command, "--router", url], env=clean | {"COLUMNS": "1000"})
+    assert result.exit_code == 1, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 2 and lines[1].startswith("hint:"), result.output
+    assert "the router answered 404: <!DOCTYPE HTML>: is that a kvctl router?" in lines[0]
+
+
+@pytest.mark.parametrize("command", [["router", "status"], ["route", "--text", "a b"]])
+def test_https_at_a_plain_http_port_says_to_give_http(command: list[str]) -> None:
+    """It said "did not answer: [SSL: WRONG_VERSION_NUMBER] ..." and "start it"."""
+    with answering_url(200, b"{}", "application/json") as url:
+        https = url.replace("http://", "https://", 1)
+        code, out = _run(*command, "--router", https)
+    assert code == 1, out
+    assert f"{https} answered in plain HTTP, not TLS" in out and url in out, out
+    assert "start it" not in out and "SSL" not in out
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, str]]:
     """A real agent, and a fleet database holding it as NODE."""
