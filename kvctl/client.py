@@ -1924,6 +1924,13 @@ class AgentClient:
             raise NotAnAgent(
                 f"{said}: not a kvctl agent's control API? Check the URL and port", status
             )
+        if status == 404 and detail == "Not Found" and self.url.endswith("/v1"):
+            # the API's own prefix, copied with the URL: every call asks /v1/v1/...
+            raise NotAnAgent(
+                f"HTTP 404 from {self.url}{path}: no such endpoint, as its URL ends in the API's "
+                f"own /v1: give the agent's URL without /v1 ({self.url.removesuffix('/v1')})",
+                status,
+            )
         if status == 404 and detail == "Not Found":  # the framework's: no such endpoint
             raise NotAnAgent(
                 f"HTTP 404 from {self.url}{path}: no such endpoint; not a kvctl agent's control "

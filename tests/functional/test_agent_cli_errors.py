@@ -146,6 +146,16 @@ def test_https_at_a_plain_http_port_says_to_give_http_not_to_start_the_agent(
     assert report["up"] is False and "plain HTTP" in report["error"]
 
 
+def test_an_agent_url_ending_in_v1_says_to_drop_it(tmp_path: Path, token_agent: Agent) -> None:
+    """The API's paths are under /v1: a URL copied with it asked /v1/v1/info, and the answer
+    said "no such endpoint; not a kvctl agent's control API", of an agent."""
+    url = token_agent.state.control_url + "/v1"
+    out = _run(tmp_path, "agent", "status", "--url", url, KVCTL_TOKEN=TOKEN)
+    assert out.exit_code == 1, out.output
+    said = _flat(out.output)
+    assert f"give the agent's URL without /v1 ({token_agent.state.control_url})" in said, said
+
+
 def test_a_403_is_a_refused_token_not_a_missing_agent(tmp_path: Path) -> None:
     # what an authenticating proxy in front of an agent answers a wrong token with
     with answering_url(403, b"<html>Forbidden</html>") as url:
