@@ -1962,15 +1962,30 @@ class AgentClient:
         return cast(dict[str, Any], answer)
 
     def health(self) -> dict[str, Any]:
-        return self._json("GET", "/v1/health")
+        health: dict[str, Any] = self._not_the_router(self._json("GET", "/v1/health"))
+        return health
 
     def info(self) -> AgentInfo:
-        info = cast(AgentInfo, self._json("GET", "/v1/info"))
+        info = cast(AgentInfo, self._not_the_router(self._json("GET", "/v1/info")))
         return info
 
     def stats(self) -> AgentStats:
-        stats = cast(AgentStats, self._json("GET", "/v1/stats"))
+        stats = cast(AgentStats, self._not_the_router(self._json("GET", "/v1/stats")))
         return stats
+
+    def _not_the_router(self, answer: Any) -> Any:
+        """``answer``, unless it is the router's (its health and info name its ``instance``,
+        its stats its ``decisions``): a node's agent URL given the router's port answered as
+        an agent that is up (doctor), or failed as a bug (KeyError in `kvctl agent status`)."""
+        if isinstance(answer, dict) and (
+            ("instance" in answer and ("followers" in answer or "topology" in answer))
+            or ("decisions" in answer and "to_holder" in answer)
+        ):
+            raise NotAnAgent(
+                f"{self.url} is a kvctl router, not an agent: give the agent's control URL (its "
+                "--listen, default port 7070); the router's URL is for --router"
+            )
+        return answer
 
     def lookup(
         self,
