@@ -785,7 +785,7 @@ def status_command(
       kvctl agent status --url http://10.0.3.7:7070 --json
     """
     from kvctl.agent.daemon import NoAgentHere
-    from kvctl.client import AgentClient, AgentError, AgentStarting, AuthError
+    from kvctl.client import AgentClient, AgentError, AgentStarting, AuthError, NotAnAgent
     from kvctl.db.sample_checks import checked_stats
     from kvctl.fleet.since_start import since_start
     from kvctl.wire.stats import agent_figures
@@ -810,7 +810,14 @@ def status_command(
         # a figure that cannot be true is unknown and named, as status and top have it
         checked, rejected = checked_stats(stats)
         since = since_start(checked)
-        report |= agent_figures(checked)
+        try:
+            report |= agent_figures(checked)
+        except (KeyError, TypeError, AttributeError) as exc:  # another JSON API's answer
+            lacks = f"no {exc.args[0]}" if isinstance(exc, KeyError) and exc.args else str(exc)
+            raise NotAnAgent(
+                f"{target}/v1/stats did not answer an agent's stats ({lacks}): is a kvctl "
+                "agent's control API listening there?"
+            ) from None
         if since.impossible:  # more hits than lookups: unknown, as status and top have them
             report |= since.counts.hit_figures() | since.token_figures()
             # a tier's too (its hit tokens included), not shown as said
@@ -975,12 +982,18 @@ def remote_command(
 
       kvctl agent remote --url http://10.0.3.7:7070 --json
     """
-    from kvctl.client import AgentClient, AgentError
+    from kvctl.client import AgentClient, AgentError, NotAnAgent
 
     settings, target = _target(home, url)
     try:
         with AgentClient(target, token=settings.token or None) as client:
             report = client.remote()
+        if not isinstance(report.get("configured"), bool) or "role" not in report:
+            # another JSON API's answer: "a bug in kvctl" (KeyError) as it was rendered
+            raise NotAnAgent(
+                f"{target}/v1/remote did not answer an agent's pool and peers (no configured "
+                "or role): is a kvctl agent's control API listening there?"
+            )
     except AgentError as exc:
         _agent_failed(exc, elsewhere_hint(home, url, settings.data_path, "remote"))
     if json_out:

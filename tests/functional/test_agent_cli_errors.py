@@ -156,6 +156,20 @@ def test_an_agent_url_ending_in_v1_says_to_drop_it(tmp_path: Path, token_agent: 
     assert f"give the agent's URL without /v1 ({token_agent.state.control_url})" in said, said
 
 
+@pytest.mark.parametrize("command", ["status", "remote"])
+@pytest.mark.parametrize("body", [b'{"foo": 1}', b'{"stats": {}, "usage": {}}'])
+def test_json_that_is_not_an_agents_answer_is_not_an_agent(
+    tmp_path: Path, command: str, body: bytes
+) -> None:
+    """Another JSON API at the URL: "a bug in kvctl" (KeyError: 'lookups', 'configured')."""
+    with answering_url(200, body, "application/json") as url:
+        out = _run(tmp_path, "agent", command, "--url", url)
+    said = _flat(out.output)
+    assert out.exit_code == 1, said
+    assert "not an agent:" in said and "is a kvctl agent's control API" in said, said
+    assert "did not expect" not in said and "KeyError" not in said
+
+
 def test_a_403_is_a_refused_token_not_a_missing_agent(tmp_path: Path) -> None:
     # what an authenticating proxy in front of an agent answers a wrong token with
     with answering_url(403, b"<html>Forbidden</html>") as url:
