@@ -2038,7 +2038,8 @@ class AgentClient:
         from urllib.parse import quote
 
         timeout = self._httpx.Timeout(timeout_s, connect=self._http.timeout.connect)
-        return self._json("POST", f"/v1/tiers/{quote(tier, safe='')}/retry", timeout=timeout)
+        path = f"/v1/tiers/{quote(tier, safe='')}/retry"
+        return self._having(self._json("POST", path, timeout=timeout), path, "tier", "state")
 
     def keys(
         self, *, tier: str | None = None, limit: int = 100, after: str | None = None
@@ -2090,7 +2091,8 @@ class AgentClient:
         # (with reconnects) + two transfers, each bounded by timeout_s, the transfers also by
         # their bytes at 32 MiB/s (4 s at most, MAX_PROBE_BYTES each way), within the 5 s more
         worst_s = timeout_s * (2 * pings + 4) + 5.0
-        probe = cast(LinkProbe, self._json("POST", "/v1/probe", json=body, timeout=worst_s))
+        answer = self._json("POST", "/v1/probe", json=body, timeout=worst_s)
+        probe = cast(LinkProbe, self._having(answer, "/v1/probe", "target", "ok"))
         # an agent from before rtt_basis never added a delay to its probes: measured
         probe.setdefault("rtt_basis", "measured")
         probe.setdefault("emulated_delay_s", None)
@@ -2098,7 +2100,18 @@ class AgentClient:
 
     def remote(self) -> dict[str, Any]:
         """The pool and peers: reachability, link figures, fetch plans, the pool writer."""
-        return self._json("GET", "/v1/remote")
+        return self._having(self._json("GET", "/v1/remote"), "/v1/remote", "configured", "role")
+
+    def _having(self, answer: dict[str, Any], path: str, *keys: str) -> dict[str, Any]:
+        """``answer``, which names ``keys`` as an agent's does; else NotAnAgent: another JSON
+        API's answer failed as "a bug in kvctl" (a KeyError) where it was rendered."""
+        missing = [key for key in keys if key not in answer]
+        if missing:
+            raise NotAnAgent(
+                f"{self.url}{path} did not answer as a kvctl agent does (no "
+                f"{', '.join(missing)}): is a kvctl agent's control API listening there?"
+            )
+        return answer
 
     def gpus(self) -> dict[str, Any]:
         """NVML status and one reading per GPU of the agent's host."""

@@ -156,14 +156,17 @@ def test_an_agent_url_ending_in_v1_says_to_drop_it(tmp_path: Path, token_agent: 
     assert f"give the agent's URL without /v1 ({token_agent.state.control_url})" in said, said
 
 
-@pytest.mark.parametrize("command", ["status", "remote"])
+@pytest.mark.parametrize(
+    "command", [["status"], ["remote"], ["probe", "127.0.0.1:1"], ["retry-tier", "disk"]]
+)
 @pytest.mark.parametrize("body", [b'{"foo": 1}', b'{"stats": {}, "usage": {}}'])
 def test_json_that_is_not_an_agents_answer_is_not_an_agent(
-    tmp_path: Path, command: str, body: bytes
+    tmp_path: Path, command: list[str], body: bytes
 ) -> None:
-    """Another JSON API at the URL: "a bug in kvctl" (KeyError: 'lookups', 'configured')."""
+    """Another JSON API at the URL: "a bug in kvctl" (KeyError: 'lookups', 'configured',
+    'target', 'tier')."""
     with answering_url(200, body, "application/json") as url:
-        out = _run(tmp_path, "agent", command, "--url", url)
+        out = _run(tmp_path, "agent", *command, "--url", url)
     said = _flat(out.output)
     assert out.exit_code == 1, said
     assert "not an agent:" in said and "is a kvctl agent's control API" in said, said
