@@ -123,11 +123,15 @@ def router_failed(
     answer, refused the token, is not a router or failed; 2 when it refused the request itself
     (bad input: a 400 or 422). ``token_hint`` and ``away_hint`` say where the token and the
     router's URL are given, for a command that takes them otherwise (`kvctl replay`)."""
-    from kvctl.router.client import RouterNotTls, RouterTokenError  # loaded: exc came from there
+    from kvctl.router.client import (  # loaded already: exc came from there
+        RouterNotTls,
+        RouterTokenError,
+        RouterWrongAnswer,
+    )
 
     if isinstance(exc, RouterTokenError):  # never sent: the token is what to fix
         fail(str(exc), hint=token_hint, code=1)
-    if isinstance(exc, RouterNotTls):  # up at that address: the scheme is what to fix
+    if isinstance(exc, RouterNotTls | RouterWrongAnswer):  # up there: the URL is what to fix
         fail(str(exc), hint="give --router the address `kvctl router serve` prints", code=1)
     if exc.status is None:
         fail(str(exc), hint=away_hint, code=1)

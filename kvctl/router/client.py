@@ -32,6 +32,11 @@ class RouterTokenError(RouterClientError):
     """The token cannot be sent (``kvctl.bearer.token_problem``): the router was not asked."""
 
 
+class RouterWrongAnswer(RouterClientError):
+    """An answer in JSON that is not the router's (another API at the URL): not a router that
+    did not answer."""
+
+
 class RouterNotTls(RouterClientError):
     """An https:// URL whose server answered in plain HTTP (a router, or something else): up,
     at the wrong scheme, not a router that did not answer."""
@@ -144,13 +149,24 @@ class RouterClient:
         ):
             if value is not None:
                 body[name] = value
-        return self._json("POST", "/v1/route", json=body)
+        return self._having(self._json("POST", "/v1/route", json=body), "/v1/route", "node")
 
     def stats(self) -> dict[str, Any]:
-        return self._json("GET", "/v1/stats")
+        return self._having(self._json("GET", "/v1/stats"), "/v1/stats", "decisions")
 
     def index(self) -> dict[str, Any]:
-        return self._json("GET", "/v1/index")
+        return self._having(self._json("GET", "/v1/index"), "/v1/index", "nodes", "followers")
+
+    def _having(self, answer: dict[str, Any], path: str, *keys: str) -> dict[str, Any]:
+        """``answer``, which names ``keys`` as the router's does; else RouterWrongAnswer:
+        another JSON API's answer failed as "a bug in kvctl" (a KeyError) where rendered."""
+        missing = [key for key in keys if key not in answer]
+        if missing:
+            raise RouterWrongAnswer(
+                f"{self.shown_url}{path} did not answer as a kvctl router does (no "
+                f"{', '.join(missing)})"
+            )
+        return answer
 
     def forget(self, node: str) -> dict[str, Any]:
         """Drop a node's index entries (``Router.forget``): {node, dropped: {name: entries},

@@ -102,6 +102,16 @@ def test_https_at_a_plain_http_port_says_to_give_http(command: list[str]) -> Non
     assert "start it" not in out and "SSL" not in out
 
 
+@pytest.mark.parametrize("command", [["router", "status"], ["route", "--text", "a b"]])
+def test_json_that_is_not_the_routers_answer_is_not_a_router(command: list[str]) -> None:
+    """Another JSON API at --router: "a bug in kvctl" (KeyError: 'nodes', 'node')."""
+    with answering_url(200, b'{"foo": 1}', "application/json") as url:
+        code, out = _run(*command, "--router", url)
+    assert code == 1, out
+    assert "did not answer as a kvctl router does" in out, out
+    assert "did not expect" not in out and "start it" not in out
+
+
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Agent, str]]:
     """A real agent, and a fleet database holding it as NODE."""
