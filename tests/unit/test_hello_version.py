@@ -27,12 +27,13 @@ def test_an_agents_hello_reports_the_installed_package_version(tmp_path: Path) -
     finally:
         runtime.close()
     assert info["version"] == kvctl.__version__
+    # the capabilities, beside it (checked before the return below: installed or not)
+    assert info["put_checksum"] == PUT_CHECKSUM_NAME
     try:
         installed = importlib.metadata.version("kvctl")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree, not installed
         return
     assert info["version"] == installed
-    assert info["put_checksum"] == PUT_CHECKSUM_NAME  # the capabilities, beside it
 
 
 def _answer_hello(sock: socket.socket, info: dict[str, object]) -> threading.Thread:
