@@ -1963,6 +1963,8 @@ class AgentClient:
 
     def health(self) -> dict[str, Any]:
         health: dict[str, Any] = self._not_the_router(self._json("GET", "/v1/health"))
+        if "status" not in health and "name" not in health:  # neither of an agent's: not one
+            self._having(health, "/v1/health", "status or name")
         return health
 
     def info(self) -> AgentInfo:

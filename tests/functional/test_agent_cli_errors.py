@@ -355,3 +355,16 @@ def test_a_setting_that_cannot_load_names_what_to_fix_not_config_show(
         assert "not a size: 'lots'" in said and "hint: fix or unset KVCTL_CPU" in said
     else:
         assert "is not valid TOML" in said and f"hint: fix {bad}" in said
+
+
+def test_doctor_does_not_call_another_json_api_an_agent_that_is_up(tmp_path: Path) -> None:
+    """A node URL where another JSON API answers /v1/health was "ok: up, version N/A"."""
+    db = f"sqlite:///{tmp_path / 'kvctl.db'}"
+    with answering_url(200, b'{"foo": 1}', "application/json") as url:
+        assert _run(tmp_path, "fleet", "add-dc", "fra", "--db", db).exit_code == 0
+        add = ["fleet", "add-node", "js", "--dc", "fra", "--agent-url", url, "--db", db]
+        assert _run(tmp_path, *add).exit_code == 0
+        report = json.loads(_run(tmp_path, "doctor", "--db", db, "--json").stdout)
+    check = next(c for c in report["checks"] if c["name"] == "agent js")
+    assert check["status"] == "fail", check
+    assert "did not answer as a kvctl agent does (no status or name)" in check["detail"], check
