@@ -2094,7 +2094,8 @@ class AgentClient:
         # their bytes at 32 MiB/s (4 s at most, MAX_PROBE_BYTES each way), within the 5 s more
         worst_s = timeout_s * (2 * pings + 4) + 5.0
         answer = self._json("POST", "/v1/probe", json=body, timeout=worst_s)
-        probe = cast(LinkProbe, self._having(answer, "/v1/probe", "target", "ok"))
+        probe = cast(LinkProbe, self._having(answer, "/v1/probe", "ok"))
+        probe.setdefault("target", target)  # what was asked: the agent echoes it
         # an agent from before rtt_basis never added a delay to its probes: measured
         probe.setdefault("rtt_basis", "measured")
         probe.setdefault("emulated_delay_s", None)
