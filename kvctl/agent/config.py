@@ -888,12 +888,15 @@ def _check_ports(settings: AgentSettings, sources: Mapping[str, str]) -> None:
     if not c_port or c_port != d_port:
         return
     if _binds_conflict(c_host, d_host):
+        # said of the one given (data_listen's when both are): a default's source is nothing
+        # the operator can fix where it is
+        field = "listen" if sources["data_listen"] == "default" else "data_listen"
         raise ConfigError(
             f"listen ({settings.listen}, from {sources['listen']}) and data_listen "
             f"({settings.data_listen}, from {sources['data_listen']}) are one port: the control "
             "API and the data plane each need their own; give one of them another port",
-            setting="data_listen",
-            source=sources["data_listen"],
+            setting=field,
+            source=sources[field],
         )
 
 

@@ -634,3 +634,17 @@ def test_the_control_api_and_the_data_plane_on_one_port_are_refused(
     with pytest.raises(ConfigError, match="are one port") as info:
         load_settings(env=env, flags=flags)
     assert info.value.setting == "data_listen" and info.value.source == "flag:--data-listen"
+
+
+def test_one_port_is_said_of_the_setting_given_not_of_a_default(env: dict[str, str]) -> None:
+    """listen given on the data plane's default port: the conflict is that setting's (its
+    source is what the operator fixes). Said of data_listen's "default", the CLI's hint sent
+    the operator to `kvctl agent config --show`, which loads the same and fails the same."""
+    data_port = int(load_settings(env=env).settings.data_listen.rpartition(":")[2])
+    with pytest.raises(ConfigError, match="are one port") as info:
+        load_settings(env={**env, "KVCTL_LISTEN": f"127.0.0.1:{data_port}"})
+    assert info.value.setting == "listen" and info.value.source == "env:KVCTL_LISTEN"
+    # given both, the data plane's is said, as before
+    with pytest.raises(ConfigError, match="are one port") as info:
+        load_settings(env=env, flags={"listen": "127.0.0.1:7500", "data_listen": "127.0.0.1:7500"})
+    assert info.value.setting == "data_listen" and info.value.source == "flag:--data-listen"
